@@ -1,0 +1,32 @@
+"""llmc-fsm: compress LLMs through a session with an explicit, guarded lifecycle.
+
+Public API; everything else is private and may change.
+"""
+
+from llmc_fsm.errors import EventOrderError, LifecycleError, MissingStateError, PluginError, RecipeError
+from llmc_fsm.hookspecs import hookimpl, hookspec
+from llmc_fsm.modifier import Event, Modifier
+from llmc_fsm.recipe import Recipe, Stage
+from llmc_fsm.session import ModifierError, Session, active_session, create_session
+from llmc_fsm.state import State
+
+__all__ = [
+    "Event",
+    "EventOrderError",
+    "LifecycleError",
+    "MissingStateError",
+    "Modifier",
+    "ModifierError",
+    "PluginError",
+    "Recipe",
+    "RecipeError",
+    "Session",
+    "Stage",
+    "State",
+    "active_session",
+    "create_session",
+    "hookimpl",
+    "hookspec",
+]
+
+__version__ = "0.1.0"

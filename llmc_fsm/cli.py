@@ -1,0 +1,63 @@
+"""The ``llmc-fsm`` command line.
+
+Subcommands:
+    lifecycle   print the session lifecycle (``--mermaid``: the diagram generated from the table)
+    modifiers   list every discovered modifier plugin
+    explain     print a recipe's plan without touching a model
+    oneshot     compress a model in one shot and report perplexity before/after
+
+Each subcommand lives in the module that implements it and contributes an
+``add_cli(subparsers)`` function; this module only wires them together.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+from collections.abc import Sequence
+
+__all__ = ["main"]
+
+#: Modules that contribute subcommands through ``add_cli(subparsers)``.
+_SUBCOMMAND_MODULES = ("llmc_fsm.cli_lifecycle", "llmc_fsm.cli_plugins", "llmc_fsm.oneshot")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="llmc-fsm",
+        description="Compress LLMs through a session with a guarded lifecycle and plugin modifiers.",
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name in _SUBCOMMAND_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name != name:
+                raise
+            continue
+        module.add_cli(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the CLI; returns the process exit status (0 ok, 1 error, 2 usage)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except (ValueError, RuntimeError, FileNotFoundError, FileExistsError) as exc:
+        if args.verbose:
+            raise
+        print(f"llmc-fsm {args.command}: error: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,109 @@
+"""The state a session gathers for its modifiers.
+
+State keys are open-ended: the well-known keys below get attributes, and any
+other key a future modifier needs is reachable with ``state["key"]`` or
+``state.get("key")``. A :class:`State` is a read-only snapshot — the session
+replaces it on every ``update_state``; nobody mutates it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from types import MappingProxyType
+from typing import Any
+
+import attrs
+
+__all__ = ["WELL_KNOWN_KEYS", "State"]
+
+#: Keys with attribute access on :class:`State`, in documentation order.
+WELL_KNOWN_KEYS: tuple[str, ...] = (
+    "model",
+    "teacher",
+    "optimizer",
+    "calibration_data",
+    "train_data",
+    "steps_per_epoch",
+)
+
+
+def _freeze(values: Mapping[str, Any]) -> Mapping[str, Any]:
+    return MappingProxyType(dict(values))
+
+
+@attrs.frozen
+class State(Mapping[str, Any]):
+    """A read-only snapshot of the session state.
+
+    Attributes ``model``, ``teacher``, ``optimizer``, ``calibration_data``,
+    ``train_data`` and ``steps_per_epoch`` return ``None`` when not supplied.
+    ``state["key"]`` raises ``KeyError`` naming the keys that are present;
+    ``state.get("key", default)`` does not. A key whose value is ``None`` counts
+    as absent (``"key" in state`` is False).
+
+    The objects themselves (the model, the optimizer...) are not copied: a
+    modifier prunes the real model. Only the key -> object mapping is frozen.
+    """
+
+    values: Mapping[str, Any] = attrs.field(factory=dict, converter=_freeze)
+
+    # --- Mapping protocol -------------------------------------------------
+    def __getitem__(self, key: str) -> Any:
+        value = self.values.get(key)
+        if value is None:
+            present = ", ".join(sorted(self)) or "none"
+            msg = f"state has no key {key!r} (present: {present}); supply it with update_state({key}=...)"
+            raise KeyError(msg)
+        return value
+
+    def __iter__(self) -> Iterator[str]:
+        return (key for key, value in self.values.items() if value is not None)
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+    def __contains__(self, key: object) -> bool:
+        return self.values.get(key) is not None  # type: ignore[call-overload]
+
+    def get(self, key: str, default: Any = None) -> Any:
+        value = self.values.get(key)
+        return default if value is None else value
+
+    def merged(self, updates: Mapping[str, Any]) -> State:
+        """Return a new snapshot with ``updates`` applied (later values win)."""
+        return State({**self.values, **updates})
+
+    # --- well-known keys ----------------------------------------------------
+    @property
+    def model(self) -> Any:
+        """The model being compressed (``torch.nn.Module``), or ``None``."""
+        return self.values.get("model")
+
+    @property
+    def teacher(self) -> Any:
+        """The teacher model for distillation (``torch.nn.Module``), or ``None``."""
+        return self.values.get("teacher")
+
+    @property
+    def optimizer(self) -> Any:
+        """The training optimizer (``torch.optim.Optimizer``), or ``None``."""
+        return self.values.get("optimizer")
+
+    @property
+    def calibration_data(self) -> Any:
+        """Calibration batches for one-shot work (iterable of model inputs), or ``None``."""
+        return self.values.get("calibration_data")
+
+    @property
+    def train_data(self) -> Any:
+        """Training data (e.g. a ``DataLoader``), or ``None``."""
+        return self.values.get("train_data")
+
+    @property
+    def steps_per_epoch(self) -> Any:
+        """Optimizer steps per epoch (``int``), used to turn steps into epochs, or ``None``."""
+        return self.values.get("steps_per_epoch")
+
+    def __repr__(self) -> str:
+        keys = ", ".join(sorted(self))
+        return f"State({keys})"

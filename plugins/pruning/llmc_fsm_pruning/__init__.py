@@ -1,0 +1,1 @@
+"""llmc-fsm pruning plugin."""
