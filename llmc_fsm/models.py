@@ -172,7 +172,6 @@ def _build_cache(name: str, spec: KnownModel, target: Path) -> None:
     config = loaded.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config
-    config.torch_dtype = torch.float32  # recorded in config.json; v5 maps it to ``dtype``
     # Build on CPU (not meta) so non-persistent buffers such as rotary inv_freq are real.
     plain = AutoModelForCausalLM.from_config(config, **_dtype_kwargs(torch.float32))
     state = loaded.state_dict()
@@ -188,6 +187,9 @@ def _build_cache(name: str, spec: KnownModel, target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
+        umask = os.umask(0)
+        os.umask(umask)
+        tmp.chmod(0o777 & ~umask)  # mkdtemp makes 0700; give the cache normal permissions
         plain.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         (tmp / _CACHE_MARKER).write_text(

@@ -512,6 +512,13 @@ class Session:
         self._clear_run()
         self._fsm.reset()  # type: ignore[attr-defined]
 
+    def explain(self) -> str:
+        """Return the plan as text, touching no model: stages, modifiers in order,
+        the events each handles, the state keys each requires and whether they are present."""
+        from llmc_fsm.explain import explain
+
+        return explain(self)
+
     def __repr__(self) -> str:
         names = ", ".join(slot.label for slot in self._slots) or "no modifiers"
         return f"<Session {self.lifecycle} [{names}]>"

@@ -483,11 +483,14 @@ def _inverse_hessian_cholesky(
     for attempt in range(max_dampening_retries + 1):
         damped = hessian.clone()
         damped[eye, eye] += frac * mean_diag
-        chol, info = torch.linalg.cholesky_ex(damped)
+        # With J the index reversal: J H J = L L^T  =>  H = V V^T, V = J L J upper,
+        # and U = V^-1 = J L^-1 J is upper with U^T U = H^-1. One Cholesky and
+        # one triangular inverse instead of Cholesky + inverse + Cholesky.
+        chol, info = torch.linalg.cholesky_ex(damped.flip(0, 1))
         if int(info) == 0:
-            hinv = torch.cholesky_inverse(chol)
-            upper, info = torch.linalg.cholesky_ex(hinv, upper=True)
-            if int(info) == 0 and bool(torch.isfinite(upper).all()):
+            eye_m = torch.eye(chol.shape[0], dtype=chol.dtype, device=chol.device)
+            upper = torch.linalg.solve_triangular(chol, eye_m, upper=False).flip(0, 1)
+            if bool(torch.isfinite(upper).all()):
                 return upper
         if attempt < max_dampening_retries:
             new_frac = frac * 10.0 if frac > 0 else 1e-4
@@ -600,8 +603,6 @@ def sparsegpt_prune(
     H = hessian.detach().to(device=device, dtype=torch.float32).clone()
     if not bool(torch.isfinite(H).all()):
         raise ValueError("hessian contains NaN or Inf values")
-    W = weight.detach().to(torch.float32).clone()
-
     dead = torch.diagonal(H) == 0
     if bool(dead.any()):
         dead_idx = dead.nonzero().squeeze(1)
@@ -610,45 +611,48 @@ def sparsegpt_prune(
     del H
     u_diag = torch.diagonal(U)
 
-    keep = torch.ones((rows, cols), dtype=torch.bool, device=device)
+    # Work on the transpose ([in, out], column j of W = contiguous row j of WT)
+    # so that the per-column OBS updates touch contiguous memory.
+    WT = weight.detach().to(torch.float32).T.contiguous()
+    keepT = torch.empty((cols, rows), dtype=torch.bool, device=device)
 
     for c0 in range(0, cols, block_size):
         c1 = min(c0 + block_size, cols)
         width = c1 - c0
-        W1 = W[:, c0:c1].clone()
-        Err1 = torch.empty_like(W1)
+        W1 = WT[c0:c1]  # view: updated in place
+        Err1 = torch.empty((width, rows), dtype=torch.float32, device=device)
         Hinv1 = U[c0:c1, c0:c1]
-        d1 = u_diag[c0:c1]
-        dead1 = dead[c0:c1]
+        d1 = u_diag[c0:c1].unsqueeze(1)
+        dead1 = dead[c0:c1].unsqueeze(1)
+        keep1 = keepT[c0:c1]  # view: filled below
 
         if nm is None:
-            k_block = num_to_prune(c1, s) - num_to_prune(c0, s)
+            # Adaptive mask for the whole block, from the current weights.
             # Dead inputs get saliency -1, below any real saliency (>= 0).
             score = (W1.square() / d1.square()).masked_fill_(dead1, -1.0)
-            keep1 = _keep_smallest_pruned_per_row(score, k_block)
+            k_block = num_to_prune(c1, s) - num_to_prune(c0, s)
+            keep1.copy_(_keep_smallest_pruned_per_row(score.T, k_block).T)
+            # err_j = (w_j - q_j) / d_j = w_j * [pruned] / d_j
+            scale1 = (~keep1).to(torch.float32).div_(d1)
         else:
-            keep1 = torch.empty((rows, width), dtype=torch.bool, device=device)
+            scale1 = torch.empty((width, rows), dtype=torch.float32, device=device)
             m = nm[1]
 
         for i in range(width):
             if nm is not None and i % m == 0:
                 grp = slice(i, i + m)
-                score = (W1[:, grp].square() / d1[grp].square()).masked_fill_(dead1[grp], -1.0)
-                keep1[:, grp] = _nm_keep(score, nm)
-            w = W1[:, i]
-            q = w * keep1[:, i]
-            err = (w - q) / d1[i]
-            # OBS update of the remaining columns of the block (column i itself
-            # becomes q exactly; it is overwritten below).
-            W1[:, i:].addr_(err, Hinv1[i, i:], alpha=-1.0)
-            W1[:, i] = q
-            Err1[:, i] = err
+                score = (W1[grp].square() / d1[grp].square()).masked_fill_(dead1[grp], -1.0)
+                keep1[grp] = _nm_keep(score.T, nm).T
+                torch.div((~keep1[grp]).to(torch.float32), d1[grp], out=scale1[grp])
+            err = torch.mul(W1[i], scale1[i], out=Err1[i])
+            # OBS update of column i (pruned entries -> ~0, kept unchanged)
+            # and of the remaining columns of the block.
+            W1[i:].addr_(Hinv1[i, i:], err, alpha=-1.0)
 
-        W[:, c0:c1] = W1
-        keep[:, c0:c1] = keep1
+        W1.mul_(keep1)  # pruned entries exactly zero
         if c1 < cols:
             # Lazy batch update of all later columns.
-            W[:, c1:].addmm_(Err1, U[c0:c1, c1:], alpha=-1.0)
+            WT[c1:].addmm_(U[c0:c1, c1:].T, Err1, alpha=-1.0)
 
-    W.masked_fill_(~keep, 0.0)
-    return W.to(weight.dtype), keep
+    pruned = WT.T.contiguous().to(weight.dtype)
+    return pruned, keepT.T.contiguous()

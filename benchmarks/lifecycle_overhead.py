@@ -1,0 +1,112 @@
+"""Per-event cost of the session lifecycle (a benchmark, not a test).
+
+Measures, on this machine, the cost of one event and of a full 5-event training
+step (batch_start, loss_calculated, optim_pre_step, optim_post_step, batch_end)
+with 0, 1, 4 and 16 no-op modifiers that handle every batch event, and the cost
+of one ``transitions`` trigger for scale. Target (lifecycle issue): <= 3 µs per
+event per no-op modifier plus a small fixed cost.
+
+    python benchmarks/lifecycle_overhead.py [--steps 20000] [--json]
+
+Results are recorded in docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import attrs
+
+from llmc_fsm import Modifier, Session
+from llmc_fsm.lifecycle import make_machine
+
+
+@attrs.define(kw_only=True, slots=False, eq=False)
+class NoOp(Modifier):
+    """Handles every batch event and does nothing."""
+
+    events = frozenset({"batch_start", "loss_calculated", "optim_pre_step", "optim_post_step", "batch_end"})
+
+    def on_event(self, state, event):
+        return None
+
+
+def _session(n: int) -> Session:
+    session = Session([NoOp() for _ in range(n)])
+    session.initialize(steps_per_epoch=1000)
+    return session
+
+
+def time_steps(n_modifiers: int, steps: int, repeats: int = 5) -> float:
+    """Median µs for one full 5-event step."""
+    results = []
+    for _ in range(repeats):
+        session = _session(n_modifiers)
+        bs, lc, pre, post, be = (
+            session.batch_start,
+            session.loss_calculated,
+            session.optim_pre_step,
+            session.optim_post_step,
+            session.batch_end,
+        )
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            bs()
+            lc(1.0)
+            pre()
+            post()
+            be()
+        results.append((time.perf_counter() - t0) / steps * 1e6)
+        session.finalize()
+    return statistics.median(results)
+
+
+def time_trigger(iterations: int = 20000) -> float:
+    """µs for one transitions trigger (update_state: staging -> staging)."""
+
+    class Model:
+        pass
+
+    model = Model()
+    make_machine(model)
+    model.update_state()
+    t0 = time.perf_counter()
+    for _ in range(iterations):
+        model.update_state()
+    return (time.perf_counter() - t0) / iterations * 1e6
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=20000)
+    parser.add_argument("--json", action="store_true", help="print one JSON line instead of the table")
+    args = parser.parse_args()
+
+    step_us = {n: time_steps(n, args.steps) for n in (0, 1, 4, 16)}
+    trigger_us = time_trigger()
+    fixed = step_us[0] / 5
+    per_mod = {n: (step_us[n] - step_us[0]) / 5 / n for n in (1, 4, 16)}
+    result = {
+        "step_us": step_us,
+        "event_us": {n: v / 5 for n, v in step_us.items()},
+        "fixed_event_us": fixed,
+        "per_event_per_modifier_us": per_mod,
+        "transitions_trigger_us": trigger_us,
+    }
+    if args.json:
+        print(json.dumps(result))
+        return
+    print(f"{'modifiers':>9} | {'µs / 5-event step':>17} | {'µs / event':>10} | {'µs / event / modifier':>21}")
+    for n, us in step_us.items():
+        extra = f"{per_mod[n]:21.2f}" if n else f"{'(fixed cost)':>21}"
+        print(f"{n:9d} | {us:17.2f} | {us / 5:10.2f} | {extra}")
+    print(f"one transitions trigger: {trigger_us:.2f} µs (events do not go through triggers)")
+    worst = max(per_mod.values())
+    print(f"target <= 3 µs per event per no-op modifier: {'met' if worst <= 3 else 'MISSED'} (worst {worst:.2f} µs)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,95 @@
+"""``llmc-fsm modifiers`` and ``llmc-fsm explain RECIPE``.
+
+``modifiers`` lists every modifier the installed plugins register (name,
+distribution and version, required and optional state keys, one-line
+description), then the plugins that failed to load with their error and the
+ones disabled through ``LLMC_FSM_DISABLE_PLUGINS``.
+
+``explain`` resolves a recipe and prints its plan without touching a model.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+__all__ = ["add_cli", "format_modifiers"]
+
+
+def _keys(keys: frozenset[str]) -> str:
+    return ", ".join(sorted(keys)) or "-"
+
+
+def format_modifiers() -> str:
+    """The ``llmc-fsm modifiers`` listing as text."""
+    from llmc_fsm.plugins import DISABLE_ENV, get_registry
+
+    registry = get_registry()
+    lines: list[str] = []
+    infos = registry.infos()
+    if infos:
+        lines.append(f"{len(infos)} modifier(s):")
+    else:
+        lines.append("No modifiers registered (install a plugin such as llmc-fsm-pruning).")
+    for info in infos:
+        origin = info.distribution or "<in-process>"
+        if info.version:
+            origin += f" {info.version}"
+        lines.append(f"  {info.name}  [{origin}]")
+        description = info.cls.description()
+        if description:
+            lines.append(f"      {description}")
+        lines.append(f"      required state: {_keys(info.cls.required_state)}")
+        lines.append(f"      optional state: {_keys(info.cls.optional_state)}")
+        if info.cls.events:
+            lines.append(f"      batch events: {_keys(info.cls.events)}")
+    if registry.errors:
+        lines.append(f"{len(registry.errors)} broken plugin(s):")
+        lines.extend(f"  ERROR {err}" for err in registry.errors)
+    if registry.disabled:
+        lines.append(f"Disabled through {DISABLE_ENV}:")
+        for item in registry.disabled:
+            version = f" {item.version}" if item.version else ""
+            lines.append(f"  {item.distribution}{version} (entry point {item.entry_point!r})")
+    return "\n".join(lines) + "\n"
+
+
+def _run_modifiers(args: argparse.Namespace) -> int:
+    print(format_modifiers(), end="")
+    return 0
+
+
+def _run_explain(args: argparse.Namespace) -> int:
+    from llmc_fsm.session import Session
+
+    session = Session(args.recipe)
+    if args.state:
+        session.update_state(**dict.fromkeys(args.state, True))
+    print(session.explain(), end="")
+    return 0
+
+
+def add_cli(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser(
+        "modifiers",
+        help="list every discovered modifier plugin",
+        description="List every modifier registered by the installed plugins, and the plugins that failed to load.",
+    )
+    parser.set_defaults(func=_run_modifiers)
+
+    parser = sub.add_parser(
+        "explain",
+        help="print a recipe's plan without touching a model",
+        description=(
+            "Resolve RECIPE (a .yaml/.yml/.json file) and print its stages, the modifiers in execution order, "
+            "the events each handles and the state keys each requires."
+        ),
+    )
+    parser.add_argument("recipe", metavar="RECIPE", help="recipe file (.yaml, .yml or .json)")
+    parser.add_argument(
+        "--state",
+        metavar="KEY",
+        action="append",
+        default=[],
+        help="count state KEY as supplied (repeatable), e.g. --state model --state calibration_data",
+    )
+    parser.set_defaults(func=_run_explain)

@@ -1,0 +1,322 @@
+"""Text sources, token windows and the standard perplexity protocol.
+
+The protocol used everywhere in this project (tests, benchmarks, and the peer
+benchmark scripts, which load this very module) is:
+
+1. concatenate the evaluation text (:func:`load_text`);
+2. tokenize it once, without special tokens;
+3. cut ``N`` non-overlapping consecutive windows of ``L`` tokens, from the head
+   of the text (evaluation) or from its tail (calibration) -- :func:`token_windows`;
+4. perplexity = ``exp`` of the mean next-token negative log-likelihood over all
+   ``N * (L - 1)`` predicted positions -- :func:`perplexity`.
+
+This module depends only on ``torch``, ``tqdm`` and (lazily, optionally)
+``datasets``; it must stay importable on its own (the peer venv loads it by
+file path, without the rest of the package).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+
+__all__ = ["load_text", "perplexity", "token_windows"]
+
+log = logging.getLogger(__name__)
+
+_TEXT_SUFFIXES = {".txt", ".raw", ".text", ".md"}
+_JSONL_SUFFIXES = {".jsonl", ".ndjson"}
+# Characters per tokenizer call; splitting happens at line boundaries.
+_CHUNK_CHARS = 1 << 16
+
+
+def _read_jsonl(path: Path) -> str:
+    parts: list[str] = []
+    with path.open(encoding="utf-8") as fh:
+        for lineno, line in enumerate(fh, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                msg = f"{path}:{lineno}: invalid JSON ({exc.msg} at column {exc.colno})"
+                raise ValueError(msg) from None
+            if not isinstance(record, dict) or "text" not in record:
+                msg = f'{path}:{lineno}: expected a JSON object with a "text" field'
+                raise ValueError(msg)
+            text = record["text"]
+            if not isinstance(text, str):
+                msg = f'{path}:{lineno}: the "text" field must be a string, got {type(text).__name__}'
+                raise ValueError(msg)
+            parts.append(text)
+    if not parts:
+        msg = f"{path}: no records found (empty JSONL file)"
+        raise ValueError(msg)
+    return "\n\n".join(parts)
+
+
+def _load_hf_dataset(source: str) -> str:
+    hint = "pass a local text file (.txt) or JSONL file with a \"text\" field instead"
+    name, config, split = (source.split(":") + [None, None])[:3]
+    split = split or "test"
+    try:
+        import datasets  # type: ignore[import-not-found]
+    except ImportError:
+        msg = (
+            f"{source!r} is not an existing file; treating it as a Hugging Face dataset name needs the optional "
+            f"`datasets` package, which is not installed; {hint}"
+        )
+        raise ValueError(msg) from None
+    try:
+        ds = datasets.load_dataset(name, config or None, split=split)
+    except Exception as exc:  # network errors, unknown names, offline mode, ...
+        msg = f"could not load the Hugging Face dataset {source!r} (name:config:split) ({type(exc).__name__}: {exc}); {hint}"
+        raise RuntimeError(msg) from None
+    if "text" not in ds.column_names:
+        msg = f'the Hugging Face dataset {source!r} has no "text" column (columns: {ds.column_names}); {hint}'
+        raise ValueError(msg)
+    return "".join(ds["text"])
+
+
+def load_text(source: str | os.PathLike[str]) -> str:
+    """Return the text of ``source`` as one string.
+
+    Args:
+        source: one of
+
+            * a path to a plain-text file (any suffix except ``.jsonl`` /
+              ``.ndjson``), read as UTF-8 unchanged;
+            * a path to a ``.jsonl`` / ``.ndjson`` file: the ``"text"`` field of
+              every non-blank line, joined with a blank line (``"\\n\\n"``);
+            * otherwise a Hugging Face dataset, ``name`` or ``name:config:split``
+              (split defaults to ``test``), via the optional ``datasets``
+              package; its ``"text"`` column is concatenated unchanged.
+
+    Raises:
+        FileNotFoundError: ``source`` looks like a file path (has a path
+            separator or a known text suffix) but does not exist.
+        ValueError: a JSONL line is not valid JSON / lacks a string ``"text"``
+            (the message gives file and line), or ``datasets`` is not installed.
+        RuntimeError: the Hugging Face dataset could not be loaded (e.g. offline).
+    """
+    path = Path(source).expanduser()
+    if path.is_file():
+        if path.suffix.lower() in _JSONL_SUFFIXES:
+            return _read_jsonl(path)
+        return path.read_text(encoding="utf-8")
+    text_source = os.fspath(source)
+    looks_like_path = (
+        isinstance(source, os.PathLike)
+        or os.sep in text_source
+        or (os.altsep is not None and os.altsep in text_source)
+        or path.suffix.lower() in _TEXT_SUFFIXES | _JSONL_SUFFIXES | {".json"}
+        or text_source.startswith(".")
+    )
+    if path.exists():  # a directory
+        msg = f"{text_source!r} is a directory; pass a text or JSONL file"
+        raise ValueError(msg)
+    if looks_like_path:
+        msg = f"text file not found: {text_source}"
+        raise FileNotFoundError(msg)
+    return _load_hf_dataset(text_source)
+
+
+def _is_safe_cut(text: str, p: int) -> bool:
+    """True when splitting ``text`` before index ``p`` cannot change byte-level BPE ids.
+
+    With the GPT-2 pre-tokenizer regex a trailing whitespace run ``W`` at the end
+    of a chunk is one pre-token.  In the full text ``W`` stays one pre-token when
+    followed by ``" X"`` (``X`` not whitespace; the space joins ``X``), or when
+    ``W`` is a single character followed directly by ``X``.
+    """
+    if p <= 0 or p >= len(text) or text[p - 1] != "\n":
+        return False
+    nxt = text[p]
+    if nxt == " ":
+        return p + 1 < len(text) and not text[p + 1].isspace()
+    return not nxt.isspace() and (p < 2 or not text[p - 2].isspace())
+
+
+def _chunks(text: str, size: int) -> Iterator[str]:
+    """Split ``text`` into pieces of about ``size`` characters at :func:`_is_safe_cut` points."""
+    start = 0
+    n = len(text)
+    while start < n:
+        end = start + size
+        if end >= n:
+            yield text[start:]
+            return
+        cut = -1
+        pos = end
+        while True:  # backwards from ``end`` to ``start``
+            nl = text.rfind("\n", start, pos)
+            if nl < 0:
+                break
+            if _is_safe_cut(text, nl + 1):
+                cut = nl + 1
+                break
+            pos = nl
+        if cut < 0:  # forwards from ``end``
+            pos = end
+            while True:
+                nl = text.find("\n", pos)
+                if nl < 0:
+                    cut = n
+                    break
+                if _is_safe_cut(text, nl + 1):
+                    cut = nl + 1
+                    break
+                pos = nl + 1
+        yield text[start:cut]
+        start = cut
+
+
+def _chunkable(tokenizer: Any) -> bool:
+    """True for fast tokenizers whose only pre-processing is GPT-2 style byte-level BPE."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or backend.normalizer is not None:
+        return False
+    pre = backend.pre_tokenizer
+    if type(pre).__name__ != "ByteLevel":
+        return False
+    return not getattr(pre, "add_prefix_space", True) and getattr(pre, "use_regex", False)
+
+
+def _tokenize(tokenizer: Any, text: str) -> list[int]:
+    # Silence "Token indices sequence length is longer than the specified maximum".
+    old_max = getattr(tokenizer, "model_max_length", None)
+    try:
+        if old_max is not None:
+            tokenizer.model_max_length = int(1e30)
+        if not text:
+            return []
+        if not _chunkable(tokenizer):
+            return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+        pieces = list(_chunks(text, _CHUNK_CHARS))
+        ids: list[int] = []
+        for piece_ids in tokenizer(pieces, add_special_tokens=False)["input_ids"]:
+            ids.extend(piece_ids)
+        return ids
+    finally:
+        if old_max is not None:
+            tokenizer.model_max_length = old_max
+
+
+def token_windows(
+    tokenizer: Any,
+    text: str,
+    *,
+    num_windows: int,
+    seq_len: int,
+    from_end: bool = False,
+) -> torch.LongTensor:
+    """Tokenize ``text`` once and cut non-overlapping consecutive windows.
+
+    The text is tokenized without special tokens (no BOS) and without the
+    too-long-sequence warning.  For GPT-2 style byte-level BPE tokenizers (such
+    as SmolLM2's) it is tokenized as a batch of ~64 KiB pieces split only at
+    newlines where the split provably cannot change the ids (about 2x faster on
+    2 cores, identical ids); other tokenizers get the whole text in one call.  Window ``i`` is ``ids[s + i*seq_len : s +
+    (i+1)*seq_len]`` where ``s = 0`` (head, default) or ``s = len(ids) -
+    num_windows*seq_len`` (``from_end=True``: the last ``num_windows*seq_len``
+    tokens, used for calibration so it does not overlap head evaluation windows
+    of a long enough text).
+
+    Returns:
+        ``torch.LongTensor`` of shape ``[num_windows, seq_len]`` (dtype int64, CPU).
+
+    Raises:
+        ValueError: ``num_windows`` or ``seq_len`` is not a positive int, or the
+            text has fewer than ``num_windows * seq_len`` tokens (the message
+            gives both numbers and what to lower).
+    """
+    for arg, value in (("num_windows", num_windows), ("seq_len", seq_len)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            msg = f"{arg} must be a positive int, got {value!r}"
+            raise ValueError(msg)
+    ids = _tokenize(tokenizer, text)
+    needed = num_windows * seq_len
+    if len(ids) < needed:
+        fit = len(ids) // seq_len
+        msg = (
+            f"the text has {len(ids)} tokens but {num_windows} windows x {seq_len} tokens need {needed}; "
+            f"lower num_windows (at most {fit} fit at seq_len={seq_len}) or seq_len, or use a longer text"
+        )
+        raise ValueError(msg)
+    start = len(ids) - needed if from_end else 0
+    flat = torch.tensor(ids[start : start + needed], dtype=torch.long)
+    return flat.view(num_windows, seq_len)
+
+
+def perplexity(
+    model: torch.nn.Module,
+    windows: torch.Tensor,
+    *,
+    batch_size: int = 4,
+    progress: bool = True,
+) -> float:
+    """Perplexity of a causal LM on token windows: ``exp(mean next-token NLL)``.
+
+    Each window is scored independently (labels = inputs, shifted by one inside
+    the window), so ``N * (L - 1)`` positions contribute; the NLL is summed in
+    float64 and averaged over all of them (not a mean of per-window means).
+
+    Args:
+        model: a causal LM; called as ``model(input_ids=LongTensor[B, L])`` and
+            must return ``.logits`` (or a tuple whose first item is the logits)
+            of shape ``[B, L, vocab]``.  Runs on the device of its first
+            parameter; its train/eval mode is left unchanged (use eval mode).
+        windows: ``LongTensor[N, L]`` from :func:`token_windows`, ``L >= 2``.
+        batch_size: windows per forward pass.
+        progress: show a tqdm progress bar (on stderr).
+
+    Returns:
+        The perplexity as a Python float.
+
+    Raises:
+        ValueError: ``windows`` is not a 2-D integer tensor with ``L >= 2`` and
+            ``N >= 1``, or ``batch_size < 1``.
+    """
+    from tqdm.auto import tqdm
+
+    if windows.ndim != 2 or windows.dtype not in (torch.int64, torch.int32):
+        msg = f"windows must be an integer tensor of shape [num_windows, seq_len], got {windows.dtype} {tuple(windows.shape)}"
+        raise ValueError(msg)
+    n, length = windows.shape
+    if n < 1 or length < 2:
+        msg = f"need at least 1 window of at least 2 tokens, got shape {tuple(windows.shape)}"
+        raise ValueError(msg)
+    if batch_size < 1:
+        msg = f"batch_size must be >= 1, got {batch_size}"
+        raise ValueError(msg)
+    try:
+        device = next(model.parameters()).device
+    except StopIteration:
+        device = torch.device("cpu")
+    total_nll = 0.0
+    count = 0
+    with torch.inference_mode():
+        for start in tqdm(range(0, n, batch_size), desc="perplexity", unit="batch", disable=not progress):
+            batch = windows[start : start + batch_size].to(device=device, dtype=torch.long)
+            out = model(input_ids=batch)
+            logits = out.logits if hasattr(out, "logits") else out[0]
+            pred = logits[:, :-1, :].float()
+            target = batch[:, 1:]
+            nll = torch.nn.functional.cross_entropy(
+                pred.reshape(-1, pred.shape[-1]), target.reshape(-1), reduction="sum"
+            )
+            total_nll += float(nll.double())
+            count += target.numel()
+    mean = total_nll / count
+    ppl = math.exp(mean)
+    log.debug("perplexity over %d windows x %d tokens: mean NLL %.5f, ppl %.4f", n, length, mean, ppl)
+    return ppl

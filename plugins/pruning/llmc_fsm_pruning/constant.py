@@ -1,0 +1,156 @@
+"""ConstantPruningModifier: keep the weights that are zero now at zero while training.
+
+The masks are taken from the current zeros of the targeted weights when the
+modifier starts (``on_start``: the first batch, or ``start`` epochs in) and are
+re-applied after every optimizer step (``optim_post_step``), so the set of zero
+weights after any number of optimizer steps is exactly the set at start, whatever
+the optimizer (momentum and weight decay included). With ``end`` omitted the masks
+hold until ``finalize``.
+
+The helpers :class:`MaskSet` and :func:`measure_sparsity` are shared with
+:mod:`llmc_fsm_pruning.magnitude`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import torch
+
+from llmc_fsm import Modifier
+from llmc_fsm_pruning.targets import DEFAULT_IGNORE, DEFAULT_TARGETS, resolve_targets
+
+if TYPE_CHECKING:
+    from llmc_fsm import Event, State
+
+__all__ = ["ConstantPruningModifier", "MaskSet", "measure_sparsity", "patterns"]
+
+logger = logging.getLogger(__name__)
+
+
+def patterns(value: Any) -> tuple[str, ...]:
+    """attrs converter: one pattern or a list of patterns -> a tuple of strings."""
+    if isinstance(value, str):
+        return (value,)
+    if isinstance(value, Iterable):
+        items = tuple(value)
+        if all(isinstance(item, str) for item in items):
+            return items
+    msg = f"expected a module pattern or a list of them (class name, full name or 're:<regex>'), got {value!r}"
+    raise TypeError(msg)
+
+
+def measure_sparsity(weights: dict[str, torch.Tensor]) -> tuple[float, dict[str, float]]:
+    """Return (overall fraction of exact zeros, {name: fraction}) of ``weights``, measured on the tensors."""
+    per_layer: dict[str, float] = {}
+    zeros = total = 0
+    with torch.no_grad():
+        for name, weight in weights.items():
+            z = int((weight == 0).sum())
+            n = weight.numel()
+            per_layer[name] = z / n if n else 0.0
+            zeros += z
+            total += n
+    return (zeros / total if total else 0.0), per_layer
+
+
+class MaskSet:
+    """Keep-masks for a list of weights, re-applied with one fused ``torch._foreach_mul_`` call.
+
+    Masks are stored as 0/1 tensors in the weight's dtype (a ``bool`` mask would
+    need a dtype promotion per call, ~6x slower); that costs one weight-sized
+    tensor per targeted weight.
+    """
+
+    __slots__ = ("masks", "names", "weights")
+
+    def __init__(self) -> None:
+        self.names: list[str] = []
+        self.weights: list[torch.Tensor] = []
+        self.masks: list[torch.Tensor] = []
+
+    def set(self, name: str, weight: torch.Tensor, keep: torch.Tensor) -> None:
+        """Set (or replace) the keep-mask of ``weight`` (``keep``: bool, True = keep)."""
+        mask = keep.to(device=weight.device, dtype=weight.dtype)
+        if name in self.names:
+            self.masks[self.names.index(name)] = mask
+        else:
+            self.names.append(name)
+            self.weights.append(weight)
+            self.masks.append(mask)
+
+    def keep(self, name: str) -> torch.Tensor:
+        """The current bool keep-mask of ``name``."""
+        return self.masks[self.names.index(name)] != 0
+
+    def apply(self) -> None:
+        """Zero every masked-out weight (in place, outside autograd)."""
+        if self.weights:
+            with torch.no_grad():
+                torch._foreach_mul_(self.weights, self.masks)
+
+    def clear(self) -> None:
+        self.names.clear()
+        self.weights.clear()
+        self.masks.clear()
+
+    def __len__(self) -> int:
+        return len(self.weights)
+
+
+@attrs.define(kw_only=True, slots=False, eq=False)
+class ConstantPruningModifier(Modifier):
+    """Hold the current zeros of the targeted weights at zero: masks re-applied after every optimizer step.
+
+    Recipe arguments:
+
+    - ``targets``: module patterns to hold (class name such as ``"Linear"``, full
+      module name, or ``"re:<regex>"``); default ``["Linear"]``.
+    - ``ignore``: module patterns to leave alone; default ``["lm_head"]`` (a weight
+      tied to an ignored module is left alone too).
+    - ``start`` / ``end`` (epochs): masks are taken from the zeros at ``start``
+      (default: the first batch) and held until ``end`` (default: until finalize).
+
+    Requires state ``model``. After it ends, :attr:`measured_sparsity` and
+    :attr:`layer_sparsity` report the zeros measured on the weights.
+    """
+
+    required_state = frozenset({"model"})
+    events = frozenset({"optim_post_step"})
+
+    targets: tuple[str, ...] = attrs.field(default=DEFAULT_TARGETS, converter=patterns)
+    ignore: tuple[str, ...] = attrs.field(default=DEFAULT_IGNORE, converter=patterns)
+
+    measured_sparsity: float | None = attrs.field(default=None, init=False)
+    layer_sparsity: dict[str, float] = attrs.field(factory=dict, init=False)
+    _modules: dict[str, torch.nn.Module] = attrs.field(factory=dict, init=False, repr=False)
+    _masks: MaskSet = attrs.field(factory=MaskSet, init=False, repr=False)
+
+    def on_initialize(self, state: State) -> None:
+        self._modules = resolve_targets(state.model, self.targets, self.ignore)
+
+    def on_start(self, state: State, event: Event) -> None:
+        self._masks.clear()
+        with torch.no_grad():
+            for name, module in self._modules.items():
+                self._masks.set(name, module.weight, module.weight != 0)
+        overall, _ = measure_sparsity({n: m.weight for n, m in self._modules.items()})
+        logger.info("ConstantPruningModifier: holding %d weights at sparsity %.4f", len(self._masks), overall)
+
+    def on_event(self, state: State, event: Event) -> None:
+        self._masks.apply()
+
+    def on_end(self, state: State, event: Event) -> None:
+        self._masks.apply()
+        self.measured_sparsity, self.layer_sparsity = measure_sparsity(
+            {n: m.weight for n, m in self._modules.items()}
+        )
+        logger.info("ConstantPruningModifier: measured sparsity %.4f at end", self.measured_sparsity)
+        self._masks.clear()
+
+    def on_finalize(self, state: State) -> None:
+        self._masks.clear()
+        self._modules = {}

@@ -1,0 +1,204 @@
+"""MagnitudePruningModifier: one-shot or gradual (cubic schedule) magnitude pruning.
+
+One-shot mode (``sparsity``): at ``on_start`` - ``calibration_start`` in the one-shot
+job, the first batch in training - every targeted weight is pruned to ``sparsity``
+by magnitude (:func:`llmc_fsm_pruning.algorithms.magnitude_mask`). During training
+the masks are then held (re-applied after every optimizer step) until ``end`` or
+finalize.
+
+Gradual mode (``init_sparsity``, ``final_sparsity``, ``end``, ``update``): the
+target sparsity follows the cubic schedule of Zhu & Gupta, "To prune, or not to
+prune" (arXiv:1710.01878, eq. 1)::
+
+    s(e) = s_f + (s_i - s_f) * (1 - (e - e_0) / (e_1 - e_0)) ** 3,   e_0 <= e <= e_1
+
+with ``e`` the epoch (``global_step / steps_per_epoch``, measured when the
+schedule fires), ``e_0 = start`` (0 when omitted) and ``e_1 = end``. The weights
+are pruned to ``s(e)`` at start and every ``update`` epochs, and to ``s_f`` at
+``end``; between updates the masks are re-applied after every optimizer step. A
+weight pruned once stays pruned (the new mask is AND-ed with the old one). If
+training stops before ``end``, finalize still prunes to ``final_sparsity``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import numbers
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import torch
+
+from llmc_fsm import Modifier
+from llmc_fsm_pruning.algorithms import magnitude_mask, parse_mask_structure
+from llmc_fsm_pruning.constant import MaskSet, measure_sparsity, patterns
+from llmc_fsm_pruning.targets import DEFAULT_IGNORE, DEFAULT_TARGETS, resolve_targets
+
+if TYPE_CHECKING:
+    from llmc_fsm import Event, State
+
+__all__ = ["MagnitudePruningModifier", "cubic_sparsity"]
+
+logger = logging.getLogger(__name__)
+
+
+def cubic_sparsity(epoch: float, init_sparsity: float, final_sparsity: float, start: float, end: float) -> float:
+    """Zhu & Gupta's cubic sparsity schedule at ``epoch`` (clamped to ``[start, end]``)."""
+    progress = min(max((epoch - start) / (end - start), 0.0), 1.0)
+    return final_sparsity + (init_sparsity - final_sparsity) * (1.0 - progress) ** 3
+
+
+def _sparsity_value(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0.0 <= float(value) < 1.0:
+        msg = f"{attribute.name} must be a number in [0, 1), got {value!r}"
+        raise ValueError(msg)
+
+
+def _mask_structure(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    parse_mask_structure(value)  # raises ValueError listing what is accepted
+
+
+def _optional_float(value: Any) -> Any:
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        return float(value)
+    return value
+
+
+@attrs.define(kw_only=True, slots=False, eq=False)
+class MagnitudePruningModifier(Modifier):
+    """Prune the smallest-magnitude weights, at once (``sparsity``) or gradually (cubic schedule).
+
+    Recipe arguments (give ``sparsity``, or ``init_sparsity`` + ``final_sparsity``, not both):
+
+    - ``sparsity``: one-shot mode; fraction of zeros in ``[0, 1)`` applied at start.
+      Optional with an N:M ``mask_structure`` (which fixes it at ``(M - N) / M``).
+    - ``init_sparsity``, ``final_sparsity``: gradual mode; sparsity at ``start`` and at
+      ``end`` (``init_sparsity <= final_sparsity``). Needs ``end`` and ``update``.
+    - ``start`` / ``end`` / ``update`` (epochs): the schedule; ``start`` omitted = the
+      first batch (epoch 0 for the formula). In one-shot mode ``end`` omitted = the
+      masks are held until finalize.
+    - ``mask_structure``: ``"unstructured"`` (default; the ``sparsity`` fraction of each
+      targeted weight matrix, smallest ``|w|`` first) or ``"N:M"`` such as ``"2:4"``
+      (keep the N largest of every M consecutive input weights; one-shot only).
+    - ``targets`` (default ``["Linear"]``), ``ignore`` (default ``["lm_head"]``): which
+      modules to prune (class name, full name or ``"re:<regex>"``; tied weights of an
+      ignored module are left alone).
+
+    Requires state ``model`` (and ``steps_per_epoch`` when scheduled). After it ends,
+    :attr:`measured_sparsity` / :attr:`layer_sparsity` hold the zeros measured on the
+    weights (not the requested value).
+    """
+
+    required_state = frozenset({"model"})
+    events = frozenset({"optim_post_step"})
+
+    sparsity: float | None = attrs.field(default=None, converter=_optional_float, validator=_sparsity_value)
+    init_sparsity: float | None = attrs.field(default=None, converter=_optional_float, validator=_sparsity_value)
+    final_sparsity: float | None = attrs.field(default=None, converter=_optional_float, validator=_sparsity_value)
+    mask_structure: str = attrs.field(default="unstructured", validator=_mask_structure)
+    targets: tuple[str, ...] = attrs.field(default=DEFAULT_TARGETS, converter=patterns)
+    ignore: tuple[str, ...] = attrs.field(default=DEFAULT_IGNORE, converter=patterns)
+
+    measured_sparsity: float | None = attrs.field(default=None, init=False)
+    layer_sparsity: dict[str, float] = attrs.field(factory=dict, init=False)
+    #: (epoch, target sparsity) for every pruning step taken, in order.
+    history: list[tuple[float | None, float]] = attrs.field(factory=list, init=False)
+    _modules: dict[str, torch.nn.Module] = attrs.field(factory=dict, init=False, repr=False)
+    _masks: MaskSet = attrs.field(factory=MaskSet, init=False, repr=False)
+    _final_applied: bool = attrs.field(default=False, init=False, repr=False)
+    _started: bool = attrs.field(default=False, init=False, repr=False)
+
+    def __attrs_post_init__(self) -> None:
+        super().__attrs_post_init__()
+        nm = parse_mask_structure(self.mask_structure)
+        gradual = self.init_sparsity is not None or self.final_sparsity is not None
+        if gradual and self.sparsity is not None:
+            msg = "give either sparsity (one-shot) or init_sparsity + final_sparsity (gradual), not both"
+            raise ValueError(msg)
+        if gradual:
+            if self.init_sparsity is None or self.final_sparsity is None:
+                msg = "gradual mode needs both init_sparsity and final_sparsity"
+                raise ValueError(msg)
+            if self.init_sparsity > self.final_sparsity:
+                msg = f"init_sparsity ({self.init_sparsity}) must be <= final_sparsity ({self.final_sparsity})"
+                raise ValueError(msg)
+            if self.end is None or self.update is None:
+                msg = "gradual mode needs end and update (epochs): the cubic schedule runs from start to end"
+                raise ValueError(msg)
+            if nm is not None:
+                msg = f"mask_structure {self.mask_structure!r} fixes the sparsity; use it with one-shot mode only"
+                raise ValueError(msg)
+        elif nm is not None:
+            implied = (nm[1] - nm[0]) / nm[1]
+            if self.sparsity is not None and not math.isclose(self.sparsity, implied, abs_tol=1e-9):
+                msg = f"sparsity {self.sparsity} contradicts mask_structure {self.mask_structure!r} ({implied})"
+                raise ValueError(msg)
+        elif self.sparsity is None:
+            msg = "give sparsity (one-shot) or init_sparsity + final_sparsity (gradual)"
+            raise ValueError(msg)
+
+    @property
+    def gradual(self) -> bool:
+        """Whether the modifier follows the cubic schedule."""
+        return self.init_sparsity is not None
+
+    def target_at(self, epoch: float | None) -> float:
+        """The sparsity this modifier prunes to at ``epoch``."""
+        if not self.gradual:
+            nm = parse_mask_structure(self.mask_structure)
+            return self.sparsity if self.sparsity is not None else (nm[1] - nm[0]) / nm[1]  # type: ignore[index]
+        assert self.init_sparsity is not None and self.final_sparsity is not None and self.end is not None
+        return cubic_sparsity(epoch or 0.0, self.init_sparsity, self.final_sparsity, self.start or 0.0, self.end)
+
+    # --- lifecycle ------------------------------------------------------------
+    def on_initialize(self, state: State) -> None:
+        self._modules = resolve_targets(state.model, self.targets, self.ignore)
+        if parse_mask_structure(self.mask_structure) is not None:
+            for module in self._modules.values():  # fail at initialize, not mid-run
+                magnitude_mask(module.weight[:1], 0.0, self.mask_structure)
+
+    def _prune(self, target: float, epoch: float | None) -> None:
+        structure = self.mask_structure
+        with torch.no_grad():
+            for name, module in self._modules.items():
+                weight = module.weight
+                keep = magnitude_mask(weight, target, structure)
+                if name in self._masks.names:
+                    keep &= self._masks.keep(name)
+                self._masks.set(name, weight, keep)
+        self._masks.apply()
+        self.history.append((epoch, target))
+        logger.info("MagnitudePruningModifier: pruned %d weights to %.4f (epoch %s)", len(self._masks), target, epoch)
+
+    def on_start(self, state: State, event: Event) -> None:
+        self._started = True
+        self._prune(self.target_at(event.epoch), event.epoch)
+        if not self.gradual:
+            self._final_applied = True
+
+    def on_update(self, state: State, event: Event) -> None:
+        if self.gradual:
+            self._prune(self.target_at(event.epoch), event.epoch)
+
+    def on_event(self, state: State, event: Event) -> None:
+        self._masks.apply()
+
+    def on_end(self, state: State, event: Event) -> None:
+        if self.gradual and not self._final_applied:
+            self._prune(self.final_sparsity, event.epoch)  # type: ignore[arg-type]
+        self._final_applied = True
+        self._report()
+        self._masks.clear()
+
+    def _report(self) -> None:
+        self.measured_sparsity, self.layer_sparsity = measure_sparsity(
+            {n: m.weight for n, m in self._modules.items()}
+        )
+        logger.info("MagnitudePruningModifier: measured sparsity %.4f", self.measured_sparsity)
+
+    def on_finalize(self, state: State) -> None:
+        self._masks.clear()
+        self._modules = {}
