@@ -112,14 +112,10 @@ def run_peer_script(
     """
     python = ensure_peer_venv(venv_path)
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p
-    )
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
     cmd = [str(python), str(script), *map(str, args)]
     log.info("running peer: %s", " ".join(cmd))
-    proc = subprocess.run(
-        cmd, stdout=subprocess.PIPE, stderr=None, text=True, env=env, timeout=timeout, check=False
-    )
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=None, text=True, env=env, timeout=timeout, check=False)
     if proc.returncode != 0:
         msg = f"peer script {script} exited with {proc.returncode}; stdout tail:\n{proc.stdout[-4000:]}"
         raise RuntimeError(msg)

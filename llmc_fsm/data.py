@@ -65,8 +65,8 @@ def _read_jsonl(path: Path) -> str:
 
 
 def _load_hf_dataset(source: str) -> str:
-    hint = "pass a local text file (.txt) or JSONL file with a \"text\" field instead"
-    name, config, split = (source.split(":") + [None, None])[:3]
+    hint = 'pass a local text file (.txt) or JSONL file with a "text" field instead'
+    name, config, split = [*source.split(":"), None, None][:3]
     split = split or "test"
     try:
         import datasets  # type: ignore[import-not-found]
@@ -79,7 +79,10 @@ def _load_hf_dataset(source: str) -> str:
     try:
         ds = datasets.load_dataset(name, config or None, split=split)
     except Exception as exc:  # network errors, unknown names, offline mode, ...
-        msg = f"could not load the Hugging Face dataset {source!r} (name:config:split) ({type(exc).__name__}: {exc}); {hint}"
+        msg = (
+            f"could not load the Hugging Face dataset {source!r} (name:config:split) "
+            f"({type(exc).__name__}: {exc}); {hint}"
+        )
         raise RuntimeError(msg) from None
     if "text" not in ds.column_names:
         msg = f'the Hugging Face dataset {source!r} has no "text" column (columns: {ds.column_names}); {hint}'
@@ -289,7 +292,10 @@ def perplexity(
     from tqdm.auto import tqdm
 
     if windows.ndim != 2 or windows.dtype not in (torch.int64, torch.int32):
-        msg = f"windows must be an integer tensor of shape [num_windows, seq_len], got {windows.dtype} {tuple(windows.shape)}"
+        msg = (
+            "windows must be an integer tensor of shape [num_windows, seq_len], "
+            f"got {windows.dtype} {tuple(windows.shape)}"
+        )
         raise ValueError(msg)
     n, length = windows.shape
     if n < 1 or length < 2:

@@ -165,9 +165,7 @@ def _build_cache(name: str, spec: KnownModel, target: Path) -> None:
     gguf = _find_gguf(spec)
     log.info("converting %s (%s) to a Hugging Face checkpoint; first time only", name, gguf)
     t0 = time.perf_counter()
-    loaded = AutoModelForCausalLM.from_pretrained(
-        str(gguf.parent), gguf_file=gguf.name, **_dtype_kwargs(torch.float32)
-    )
+    loaded = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, **_dtype_kwargs(torch.float32))
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     config = loaded.config
     if hasattr(config, "quantization_config"):
@@ -187,9 +185,7 @@ def _build_cache(name: str, spec: KnownModel, target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
-        umask = os.umask(0)
-        os.umask(umask)
-        tmp.chmod(0o777 & ~umask)  # mkdtemp makes 0700; give the cache normal permissions
+        tmp.chmod(0o755)  # mkdtemp makes 0700; give the cache normal directory permissions
         plain.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         (tmp / _CACHE_MARKER).write_text(
@@ -264,9 +260,15 @@ def load_model(
             return _load_hf_dir(path, torch_dtype)
         known = ", ".join(sorted(KNOWN_MODELS))
         if path.exists():
-            msg = f"{key!r} is a file, not a model directory; pass a known model name ({known}) or a local Hugging Face model directory"
+            msg = (
+                f"{key!r} is a file, not a model directory; pass a known model name ({known}) "
+                "or a local Hugging Face model directory"
+            )
         else:
-            msg = f"unknown model {key!r}: known model names are {known}; or pass a local Hugging Face model directory (config.json + weights + tokenizer)"
+            msg = (
+                f"unknown model {key!r}: known model names are {known}; "
+                "or pass a local Hugging Face model directory (config.json + weights + tokenizer)"
+            )
         raise ValueError(msg)
 
     root = Path(cache_dir).expanduser() if cache_dir is not None else cache_root()

@@ -194,8 +194,9 @@ class ModifierRegistry:
         name = f"{distribution or '<in-process>'}:{entry_point or getattr(plugin, '__name__', repr(plugin))}"
         found: list[PluginError] = []
 
-        def fail(cause: str) -> list[PluginError]:
+        def fail(cause: str, exc: BaseException | None = None) -> list[PluginError]:
             err = PluginError(f"plugin {label}: {cause}", distribution=distribution, entry_point=entry_point)
+            err.__cause__ = exc
             found.append(err)
             self.errors.append(err)
             logger.warning("%s", err)
@@ -206,7 +207,7 @@ class ModifierRegistry:
         try:
             self.manager.register(plugin, name=name)
         except pluggy.PluginValidationError as exc:
-            return fail(f"hook implementation does not match its specification: {exc}")
+            return fail(f"hook implementation does not match its specification: {exc}", exc)
         except ValueError as exc:  # pragma: no cover - guarded by the check above
             return fail(str(exc))
         callers = self.manager.get_hookcallers(plugin) or []
@@ -221,7 +222,7 @@ class ModifierRegistry:
             results = call()
         except Exception as exc:
             self.manager.unregister(plugin)
-            return fail(f"llmc_fsm_register_modifiers() raised {type(exc).__name__}: {exc}")
+            return fail(f"llmc_fsm_register_modifiers() raised {type(exc).__name__}: {exc}", exc)
         for result in results:
             if result is None:
                 continue
@@ -269,6 +270,7 @@ class ModifierRegistry:
                     distribution=dist,
                     entry_point=ep.name,
                 )
+                err.__cause__ = exc
                 self.errors.append(err)
                 found.append(err)
                 logger.warning("%s", err)

@@ -205,7 +205,7 @@ class LifecycleMachine(RuleBasedStateMachine):
 
 TestLifecycle = LifecycleMachine.TestCase
 TestLifecycle.settings = settings(
-    max_examples=1000,
+    max_examples=1100,  # >= 1000 generated examples per run (the issue asks for 1000)
     stateful_step_count=25,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],

@@ -63,7 +63,6 @@ import logging
 import math
 import numbers
 import re
-from typing import Union
 
 import torch
 
@@ -82,7 +81,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 #: What the ``mask_structure`` arguments accept.
-MaskStructure = Union[str, tuple[int, int], None]
+MaskStructure = str | tuple[int, int] | None
 
 _MASK_STRUCTURE_HELP = (
     "expected 'unstructured' (alias '0:0') or 'N:M' with integers 0 < N < M, "
@@ -171,9 +170,7 @@ def _check_weight(weight: torch.Tensor) -> None:
 def _check_nm_divisible(in_features: int, nm: tuple[int, int]) -> None:
     n, m = nm
     if in_features % m != 0:
-        raise ValueError(
-            f"{n}:{m} sparsity needs in_features divisible by {m}, got in_features={in_features}"
-        )
+        raise ValueError(f"{n}:{m} sparsity needs in_features divisible by {m}, got in_features={in_features}")
 
 
 def num_to_prune(numel: int, sparsity: float) -> int:
@@ -226,9 +223,7 @@ class HessianAccumulator:
         self._num_samples = 0
         self._hessian: torch.Tensor | None = None
         if device is not None:
-            self._hessian = torch.zeros(
-                in_features, in_features, dtype=torch.float32, device=device
-            )
+            self._hessian = torch.zeros(in_features, in_features, dtype=torch.float32, device=device)
 
     @torch.no_grad()
     def add_batch(self, x: torch.Tensor) -> None:
@@ -240,18 +235,13 @@ class HessianAccumulator:
             ValueError: if the last dimension is not ``in_features``.
         """
         if x.dim() == 0 or x.shape[-1] != self.in_features:
-            raise ValueError(
-                f"expected input with last dimension {self.in_features}, got shape "
-                f"{tuple(x.shape)}"
-            )
+            raise ValueError(f"expected input with last dimension {self.in_features}, got shape {tuple(x.shape)}")
         x = x.detach().reshape(-1, self.in_features)
         tokens = x.shape[0]
         if tokens == 0:
             return
         if self._hessian is None:
-            self._hessian = torch.zeros(
-                self.in_features, self.in_features, dtype=torch.float32, device=x.device
-            )
+            self._hessian = torch.zeros(self.in_features, self.in_features, dtype=torch.float32, device=x.device)
         x = x.to(device=self._hessian.device, dtype=torch.float32)
         total = self._num_samples + tokens
         self._hessian.mul_(self._num_samples / total)
@@ -312,10 +302,7 @@ class InputNormAccumulator:
             ValueError: if the last dimension is not ``in_features``.
         """
         if x.dim() == 0 or x.shape[-1] != self.in_features:
-            raise ValueError(
-                f"expected input with last dimension {self.in_features}, got shape "
-                f"{tuple(x.shape)}"
-            )
+            raise ValueError(f"expected input with last dimension {self.in_features}, got shape {tuple(x.shape)}")
         x = x.detach().reshape(-1, self.in_features)
         if x.shape[0] == 0:
             return
@@ -371,9 +358,7 @@ def _nm_keep(score: torch.Tensor, nm: tuple[int, int]) -> torch.Tensor:
 # Magnitude
 # --------------------------------------------------------------------------- #
 @torch.no_grad()
-def magnitude_mask(
-    weight: torch.Tensor, sparsity: float, mask_structure: MaskStructure = None
-) -> torch.Tensor:
+def magnitude_mask(weight: torch.Tensor, sparsity: float, mask_structure: MaskStructure = None) -> torch.Tensor:
     """Keep-mask that prunes the smallest-magnitude weights.
 
     Args:
@@ -449,9 +434,7 @@ def wanda_mask(
     nm = _resolve_structure(mask_structure)
     in_features = weight.shape[1]
     if input_sq_norm.shape != (in_features,):
-        raise ValueError(
-            f"input_sq_norm must have shape ({in_features},), got {tuple(input_sq_norm.shape)}"
-        )
+        raise ValueError(f"input_sq_norm must have shape ({in_features},), got {tuple(input_sq_norm.shape)}")
     norms = input_sq_norm.detach().to(device=weight.device, dtype=torch.float32)
     if not bool(torch.isfinite(norms).all()) or bool((norms < 0).any()):
         raise ValueError("input_sq_norm must be finite and non-negative")
@@ -465,38 +448,37 @@ def wanda_mask(
 # --------------------------------------------------------------------------- #
 # SparseGPT
 # --------------------------------------------------------------------------- #
-def _inverse_hessian_cholesky(
-    hessian: torch.Tensor, dampening_frac: float, max_dampening_retries: int
-) -> torch.Tensor:
+def _inverse_hessian_cholesky(hessian: torch.Tensor, dampening_frac: float, max_dampening_retries: int) -> torch.Tensor:
     """Upper Cholesky factor ``U`` of ``(H + lambda I)^-1`` (``U^T U = H^-1``).
 
     ``lambda = frac * mean(diag H)`` (GPTQ/SparseGPT damping). On failure the
     fraction is multiplied by 10 up to ``max_dampening_retries`` times, with a
     warning each time.
     """
-    diag = torch.diagonal(hessian)
-    mean_diag = float(diag.mean())
+    mean_diag = float(torch.diagonal(hessian).mean())
     if mean_diag <= 0.0:
         mean_diag = 1.0
-    eye = torch.arange(hessian.shape[0], device=hessian.device)
     frac = dampening_frac
     for attempt in range(max_dampening_retries + 1):
-        damped = hessian.clone()
-        damped[eye, eye] += frac * mean_diag
-        # With J the index reversal: J H J = L L^T  =>  H = V V^T, V = J L J upper,
-        # and U = V^-1 = J L^-1 J is upper with U^T U = H^-1. One Cholesky and
-        # one triangular inverse instead of Cholesky + inverse + Cholesky.
-        chol, info = torch.linalg.cholesky_ex(damped.flip(0, 1))
+        # With J the index reversal: J H J = L L^T  =>  H = V V^T with V = J L J
+        # upper triangular, so U = V^-1 = J L^-1 J is upper with U^T U = H^-1.
+        # One Cholesky and one triangular inverse instead of the usual
+        # Cholesky + inverse + Cholesky. (J H J has the same diagonal values.)
+        damped = hessian.flip(0, 1)  # a copy
+        damped.diagonal().add_(frac * mean_diag)
+        chol, info = torch.linalg.cholesky_ex(damped)
+        del damped
         if int(info) == 0:
-            eye_m = torch.eye(chol.shape[0], dtype=chol.dtype, device=chol.device)
-            upper = torch.linalg.solve_triangular(chol, eye_m, upper=False).flip(0, 1)
-            if bool(torch.isfinite(upper).all()):
-                return upper
+            eye = torch.eye(chol.shape[0], dtype=chol.dtype, device=chol.device)
+            inv_chol = torch.linalg.solve_triangular(chol, eye, upper=False)
+            del chol, eye
+            if bool(torch.isfinite(inv_chol).all()):
+                return inv_chol.flip(0, 1)
+            del inv_chol
         if attempt < max_dampening_retries:
             new_frac = frac * 10.0 if frac > 0 else 1e-4
             logger.warning(
-                "SparseGPT: Hessian not positive definite with dampening_frac=%g; "
-                "retrying with dampening_frac=%g",
+                "SparseGPT: Hessian not positive definite with dampening_frac=%g; retrying with dampening_frac=%g",
                 frac,
                 new_frac,
             )
@@ -524,9 +506,11 @@ def sparsegpt_prune(
     Implements Algorithm 1 of SparseGPT (arXiv:2301.00774): columns are
     processed left to right in blocks of ``block_size``; a block's mask is
     chosen adaptively from the current (already updated) weights using the
-    OBS saliency ``w^2 / [H^-1]_jj^2`` (with ``[H^-1]_jj`` the diagonal of the
-    upper Cholesky factor of ``H^-1``, as in the paper), every pruned weight's
-    error is compensated on the not-yet-processed columns of the block, and the
+    OBS saliency ``w_j^2 / U_jj^2`` (Algorithm 1's ``w_c^2 / [H^-1]_cc^2``
+    after it replaces ``H^-1`` by its upper Cholesky factor ``U``; ``U_jj^2``
+    is the inverse-Hessian diagonal entry of column ``j`` given that columns
+    ``< j`` are already fixed). Every pruned weight's error is compensated on
+    the not-yet-processed columns of the block, and the
     accumulated block error is applied lazily to all later columns in one
     matrix product. All math is float32 on ``weight``'s device.
 
@@ -563,7 +547,8 @@ def sparsegpt_prune(
         block_size: columns per block (lazy-update and mask-selection block),
             > 0.
         dampening_frac: ``lambda = dampening_frac * mean(diag H)`` is added to
-            the diagonal before inversion; >= 0.
+            the diagonal before inversion (the mean is taken after dead inputs'
+            ``H_jj`` is set to 1, as in the reference code); >= 0.
         max_dampening_retries: if the damped ``H`` is not positive definite,
             retry this many times, each time multiplying ``dampening_frac`` by
             10 (a warning is logged for each retry). 0 disables retrying.
@@ -593,8 +578,7 @@ def sparsegpt_prune(
         _check_nm_divisible(cols, nm)
         if block_size % nm[1] != 0:
             raise ValueError(
-                f"block_size must be a multiple of M={nm[1]} for {nm[0]}:{nm[1]} sparsity, "
-                f"got block_size={block_size}"
+                f"block_size must be a multiple of M={nm[1]} for {nm[0]}:{nm[1]} sparsity, got block_size={block_size}"
             )
     elif s == 0.0:
         return weight.detach().clone(), torch.ones_like(weight, dtype=torch.bool)

@@ -55,7 +55,10 @@ class SparseGPTModifier(CalibratedPruningModifier):
 
         nm = parse_mask_structure(self.mask_structure)
         if nm is not None and self.block_size % nm[1] != 0:
-            msg = f"block_size ({self.block_size}) must be a multiple of M={nm[1]} for mask_structure {self.mask_structure!r}"
+            msg = (
+                f"block_size ({self.block_size}) must be a multiple of M={nm[1]} "
+                f"for mask_structure {self.mask_structure!r}"
+            )
             raise ValueError(msg)
 
     def _new_accumulator(self, module: nn.Module) -> HessianAccumulator:

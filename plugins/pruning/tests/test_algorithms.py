@@ -9,7 +9,6 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
 from llmc_fsm_pruning.algorithms import (
     HessianAccumulator,
     HessianNotPositiveDefiniteError,
@@ -28,6 +27,14 @@ SPARSITY_MSG = r"sparsity must be a real number in \[0, 1\)"
 # --------------------------------------------------------------------------- #
 # Helpers
 # --------------------------------------------------------------------------- #
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, rtol: float, atol: float) -> None:
+    """Like torch.testing.assert_close (whose first call costs ~2 s of imports)."""
+    assert actual.shape == expected.shape
+    diff = (actual.double() - expected.double()).abs()
+    bound = atol + rtol * expected.double().abs()
+    assert bool((diff <= bound).all()), f"max abs diff {float(diff.max()):.3g}"
+
+
 def correlated_inputs(n_tokens: int, in_features: int, seed: int) -> torch.Tensor:
     """Inputs with strongly correlated channels of very different scales."""
     g = torch.Generator().manual_seed(seed)
@@ -201,7 +208,7 @@ def test_hessian_accumulator_matches_direct_and_is_split_invariant():
     whole = HessianAccumulator(16)
     whole.add_batch(x)
     assert whole.num_samples == 150
-    torch.testing.assert_close(whole.hessian.double(), expected, rtol=1e-5, atol=1e-5)
+    assert_close(whole.hessian.double(), expected, rtol=1e-5, atol=1e-5)
 
     # Uneven token splits, different leading shapes, and an empty batch.
     split = HessianAccumulator(16)
@@ -209,15 +216,13 @@ def test_hessian_accumulator_matches_direct_and_is_split_invariant():
     split.add_batch(flat[:1])
     split.add_batch(flat[1:1])
     split.add_batch(flat[1:40].reshape(1, 39, 16))
-    split.add_batch(flat[40:].to(torch.bfloat16).float())  # float32 path
+    split.add_batch(flat[40:])
     assert split.num_samples == 150
     assert split.hessian.dtype == torch.float32
-    torch.testing.assert_close(split.hessian.double(), expected, rtol=1e-5, atol=1e-5)
+    assert_close(split.hessian.double(), expected, rtol=1e-5, atol=1e-5)
 
     # Per-channel squared norms for Wanda come from the diagonal.
-    torch.testing.assert_close(
-        split.input_sq_norm.double(), (tokens**2).sum(0), rtol=1e-5, atol=1e-4
-    )
+    assert_close(split.input_sq_norm.double(), (tokens**2).sum(0), rtol=1e-5, atol=1e-4)
 
 
 def test_hessian_accumulator_bfloat16_input_and_errors():
@@ -226,7 +231,7 @@ def test_hessian_accumulator_bfloat16_input_and_errors():
     assert torch.equal(acc.hessian, torch.zeros(8, 8))
     acc.add_batch(x)
     xf = x.double()
-    torch.testing.assert_close(acc.hessian.double(), 2 / 10 * xf.T @ xf, rtol=1e-5, atol=1e-5)
+    assert_close(acc.hessian.double(), 2 / 10 * xf.T @ xf, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="expected input with last dimension 8"):
         acc.add_batch(torch.randn(4, 9))
     acc.reset()
@@ -243,7 +248,7 @@ def test_input_norm_accumulator():
     acc.add_batch(x[1, 7:].unsqueeze(0))
     assert acc.num_samples == 66
     expected = (x.reshape(-1, 12).double() ** 2).sum(0)
-    torch.testing.assert_close(acc.sq_norm.double(), expected, rtol=1e-6, atol=1e-6)
+    assert_close(acc.sq_norm.double(), expected, rtol=1e-6, atol=1e-6)
     assert acc.sq_norm.dtype == torch.float32
     with pytest.raises(ValueError, match="expected input with last dimension 12"):
         acc.add_batch(torch.randn(3, 11))
@@ -387,7 +392,7 @@ def test_sparsegpt_nm_is_independent_of_block_size():
     for bs in (4, 8, 32):
         out, keep = sparsegpt_prune(w, h, sparsity=0.5, mask_structure="2:4", block_size=bs)
         assert torch.equal(keep, ref_keep)
-        torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+        assert_close(out, ref, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("sparsity, block_size", [(0.5, 16), (0.4, 24), (0.6, 64)])
@@ -400,7 +405,7 @@ def test_sparsegpt_matches_naive_column_by_column_obs(sparsity, block_size):
     out, keep = sparsegpt_prune(w, h, sparsity=sparsity, block_size=block_size)
     ref, ref_keep = naive_sparsegpt(w, h, sparsity, block_size)
     assert torch.equal(keep, ref_keep)
-    torch.testing.assert_close(out.double(), ref, rtol=2e-3, atol=2e-3)
+    assert_close(out.double(), ref, rtol=2e-3, atol=2e-3)
 
 
 def test_sparsegpt_identity_hessian_reduces_to_blockwise_magnitude():
@@ -415,23 +420,35 @@ def test_sparsegpt_identity_hessian_reduces_to_blockwise_magnitude():
     assert torch.equal(out, w * keep)
 
 
-def test_sparsegpt_reconstruction_beats_magnitude_and_wanda():
+def low_rank_inputs(n_tokens: int, in_features: int, rank: int, seed: int) -> torch.Tensor:
+    """LLM-like activations: a rank-``rank`` signal plus isotropic noise, with
+    per-channel scales spread over ~an order of magnitude."""
+    g = torch.Generator().manual_seed(seed)
+    factors = torch.randn(rank, in_features, generator=g) / rank**0.5
+    scales = torch.exp(0.5 * torch.randn(in_features, generator=g))
+    x = torch.randn(n_tokens, rank, generator=g) @ factors
+    return (x + 0.2 * torch.randn(n_tokens, in_features, generator=g)) * scales
+
+
+@pytest.mark.parametrize("structure", [None, "2:4"])
+def test_sparsegpt_reconstruction_beats_magnitude_and_wanda(structure):
     torch.manual_seed(0)
     w = torch.randn(96, 256)
-    x = correlated_inputs(1024, 256, seed=11)
+    x = low_rank_inputs(1024, 256, rank=64, seed=11)
     acc = HessianAccumulator(256)
     for chunk in x.split(100):
         acc.add_batch(chunk)
-    for structure in (None, "2:4"):
-        pruned, keep = sparsegpt_prune(w, acc.hessian, sparsity=0.5, mask_structure=structure)
-        err_sgpt = recon_error(w, pruned, x)
-        err_mag = recon_error(w, w * magnitude_mask(w, 0.5, structure), x)
-        err_wanda = recon_error(w, w * wanda_mask(w, acc.input_sq_norm, 0.5, structure), x)
-        # Measured (seeded): ~0.44-0.46x of magnitude and ~0.46-0.48x of Wanda.
-        assert err_sgpt < 0.6 * err_mag, (structure, err_sgpt / err_mag)
-        assert err_sgpt < 0.6 * err_wanda, (structure, err_sgpt / err_wanda)
-        # Sanity: the mask alone (no OBS update) is much worse than with the update.
-        assert err_sgpt < 0.8 * recon_error(w, w * keep, x)
+    pruned, keep = sparsegpt_prune(w, acc.hessian, sparsity=0.5, mask_structure=structure)
+    err_sgpt = recon_error(w, pruned, x)
+    err_mag = recon_error(w, w * magnitude_mask(w, 0.5, structure), x)
+    err_wanda = recon_error(w, w * wanda_mask(w, acc.input_sq_norm, 0.5, structure), x)
+    err_mask_only = recon_error(w, w * keep, x)
+    # Measured with these seeds: SparseGPT / magnitude = 0.23 (unstructured) and
+    # 0.20 (2:4); SparseGPT / Wanda = 0.43 and 0.30; SparseGPT / (its own mask
+    # without the OBS update) = 0.37 and 0.35.
+    assert err_sgpt < 0.6 * err_mag, err_sgpt / err_mag
+    assert err_sgpt < 0.6 * err_wanda, err_sgpt / err_wanda
+    assert err_sgpt < 0.5 * err_mask_only, err_sgpt / err_mask_only
 
 
 def test_sparsegpt_zero_sparsity_returns_weight_unchanged():
@@ -501,7 +518,7 @@ def test_sparsegpt_retries_with_growing_dampening(caplog):
 # --------------------------------------------------------------------------- #
 # Property test: the count rule
 # --------------------------------------------------------------------------- #
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     out_features=st.integers(1, 9),
     in_features=st.one_of(st.integers(1, 40), st.integers(1, 10).map(lambda g: 4 * g)),

@@ -1,0 +1,157 @@
+"""``session.explain()`` / ``llmc-fsm explain RECIPE``: the plan as text, touching no model.
+
+For each stage (applied stages are listed as skipped): the modifiers in
+execution order, their non-default arguments, their schedule, the events and
+lifecycle calls each handles, the state keys each requires or uses and whether
+they are present yet, and the ``runs_after`` constraints that shaped the order.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import attrs
+
+from llmc_fsm.modifier import Modifier
+
+if TYPE_CHECKING:
+    from llmc_fsm.session import Session
+    from llmc_fsm.state import State
+
+__all__ = ["explain", "handled_events"]
+
+_BATCH_ORDER = ("batch_start", "loss_calculated", "optim_pre_step", "optim_post_step", "batch_end")
+
+#: hook -> what it handles, in lifecycle order.
+_HOOKS: tuple[tuple[str, str], ...] = (
+    ("on_initialize", "initialize"),
+    ("on_start", "start"),
+    ("on_update", "update"),
+    ("on_calibration_start", "calibration_start"),
+    ("on_sequential_epoch_end", "sequential_epoch_end"),
+    ("on_calibration_end", "calibration_end"),
+    ("on_event", "batch events"),
+    ("on_end", "end"),
+    ("on_finalize", "finalize"),
+)
+
+
+def _overrides(cls: type[Modifier], hook: str) -> bool:
+    return getattr(cls, hook) is not getattr(Modifier, hook)
+
+
+def handled_events(modifier: Modifier | type[Modifier]) -> list[str]:
+    """The lifecycle calls and events ``modifier`` has hooks for, in lifecycle order.
+
+    ``on_event`` contributes the batch events listed in ``events``; a modifier
+    that declares no events never receives one.
+    """
+    cls = modifier if isinstance(modifier, type) else type(modifier)
+    handled: list[str] = []
+    for hook, what in _HOOKS:
+        if not _overrides(cls, hook):
+            continue
+        if hook == "on_event":
+            handled.extend(e for e in _BATCH_ORDER if e in cls.events)
+        else:
+            handled.append(what)
+    return handled
+
+
+def _schedule(m: Modifier) -> str:
+    start = "the first event" if m.start is None else f"epoch {m.start:g}"
+    end = "finalize" if m.end is None else f"epoch {m.end:g}"
+    text = f"from {start} until {end}"
+    if m.update is not None:
+        text += f", update every {m.update:g} epoch(s)"
+    return text
+
+
+def _arguments(m: Modifier) -> str:
+    parts = []
+    for field in attrs.fields(type(m)):
+        if not field.init or field.name in ("start", "end", "update"):
+            continue
+        value = getattr(m, field.name)
+        default = field.default
+        if isinstance(default, attrs.Factory):  # type: ignore[arg-type]
+            default = default.factory(m) if default.takes_self else default.factory()
+        mark = "" if default is attrs.NOTHING or value != default else " (default)"
+        parts.append(f"{field.alias}={value!r}{mark}")
+    return ", ".join(parts) or "-"
+
+
+def _keys(keys: Any, state: State, absent: str) -> str:
+    if not keys:
+        return "-"
+    return ", ".join(f"{k} ({'present' if k in state else absent})" for k in sorted(keys))
+
+
+def _origin(m: Modifier) -> str:
+    from llmc_fsm.plugins import get_registry
+
+    info = get_registry().info(m.modifier_name())
+    if info is None or info.cls is not type(m):
+        return f"{type(m).__module__}"
+    origin = info.distribution or "in-process"
+    return f"{origin} {info.version}" if info.version else origin
+
+
+def _labels(modifiers: list[Modifier]) -> dict[int, str]:
+    names = [m.modifier_name() for m in modifiers]
+    seen: dict[str, int] = {}
+    labels = {}
+    for m, name in zip(modifiers, names, strict=True):
+        seen[name] = seen.get(name, 0) + 1
+        labels[id(m)] = name if names.count(name) == 1 else f"{name}#{seen[name]}"
+    return labels
+
+
+def _window(stage: Any) -> str:
+    if stage.start is None and stage.end is None:
+        return ""
+    start = "-" if stage.start is None else f"{stage.start:g}"
+    end = "-" if stage.end is None else f"{stage.end:g}"
+    return f" [epochs {start} to {end}]"
+
+
+def explain(session: Session) -> str:
+    """Return ``session``'s plan as text, touching no model (see the module docstring)."""
+    recipe = session.recipe
+    state = session.state
+    plan = {id(stage): modifiers for stage, modifiers in recipe.plan()}
+    labels = _labels(recipe.modifiers)
+    present = ", ".join(sorted(state)) or "none"
+    lines = [
+        f"Recipe {recipe.source}: {len(recipe.stages)} stage(s), {len(labels)} modifier(s) to run",
+        f"Session lifecycle: {session.lifecycle}; state present: {present}",
+    ]
+    if not recipe.stages:
+        lines.append("No stages: the session runs without modifiers.")
+    position = 0
+    for stage in recipe.stages:
+        if stage.applied:
+            names = ", ".join(m.modifier_name() for m in stage.modifiers)
+            lines.append(f"Stage {stage.name!r}{_window(stage)}: already applied, skipped ({names})")
+            continue
+        lines.append(f"Stage {stage.name!r}{_window(stage)}:")
+        for m in plan[id(stage)]:
+            position += 1
+            lines.append(f"  {position}. {labels[id(m)]}  [{_origin(m)}]")
+            lines.append(f"       arguments: {_arguments(m)}")
+            lines.append(f"       active:    {_schedule(m)}")
+            lines.append(f"       handles:   {', '.join(handled_events(m)) or 'nothing'}")
+            lines.append(f"       requires:  {_keys(m.required_keys(), state, 'MISSING')}")
+            optional = frozenset(m.optional_state) - m.required_keys()
+            lines.append(f"       optional:  {_keys(optional, state, 'absent')}")
+            after = sorted(m.runs_after)
+            if after:
+                lines.append(f"       runs after: {', '.join(after)} (when in the recipe)")
+    if session.lifecycle in ("created", "staging"):
+        missing = session.missing_state()
+        if missing:
+            lines.append("Missing before initialize():")
+            lines.extend(f"  - {label}: {', '.join(sorted(keys))}" for label, keys in missing.items())
+        else:
+            lines.append("Ready to initialize: every required state key is present.")
+    return "\n".join(lines) + "\n"

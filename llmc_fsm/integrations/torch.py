@@ -1,0 +1,129 @@
+"""Embedding a :class:`~llmc_fsm.Session` in a plain PyTorch training loop.
+
+What to call where (every call is a plain :class:`~llmc_fsm.Session` method; the
+helpers below only remove arithmetic and re-raise errors with loop-specific
+advice)::
+
+    session = Session(recipe)                       # recipe parsed and validated here
+    session.update_state(model=model)               # where the model is built
+    session.update_state(teacher=teacher)           # where the teacher is loaded
+    optimizer = torch.optim.AdamW(model.parameters(), lr=...)
+    session.update_state(optimizer=optimizer,       # where the optimizer is built
+                         steps_per_epoch=steps_per_epoch(loader, accumulation))
+    initialize(session)                             # once, before the first batch:
+                                                    # all missing state reported here
+    for epoch in range(epochs):
+        for i, batch in enumerate(loader):
+            session.batch_start(batch=batch)
+            out = model(**batch)
+            loss = session.loss_calculated(out.loss)   # modifiers may replace the loss
+            (loss / accumulation).backward()
+            if is_step(i, len(loader), accumulation):
+                optimizer_step(session, optimizer)     # optim_pre_step, step, optim_post_step, zero_grad
+            session.batch_end()
+    session.finalize()                               # masks/hooks released, final sparsity
+
+Rules the session enforces (:class:`~llmc_fsm.EventOrderError` otherwise): a
+batch is ``batch_start -> [loss_calculated] -> [optim_pre_step ->
+optim_post_step] -> batch_end``; a batch without an optimizer step (gradient
+accumulation) is valid. The session counts optimizer steps itself (at
+``optim_post_step``), so ``event.epoch = global_step / steps_per_epoch`` is right
+as long as ``steps_per_epoch`` counts *optimizer* steps — use
+:func:`steps_per_epoch`. When resuming, pass ``global_step=`` to
+``batch_start``.
+
+Call ``loss_calculated`` with the per-batch (mean) loss *before* dividing it for
+gradient accumulation: distillation combines it with a per-batch mean KL term.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from llmc_fsm.errors import MissingStateError
+from llmc_fsm.integrations import with_integration_hints
+from llmc_fsm.session import Session
+
+__all__ = ["HINTS", "initialize", "is_step", "optimizer_step", "steps_per_epoch"]
+
+#: How to pass each well-known key in a plain loop (used in MissingStateError messages).
+HINTS: dict[str, str] = {
+    "model": "session.update_state(model=model) right after building/loading the model",
+    "teacher": "session.update_state(teacher=teacher) after loading the teacher (a separate, frozen model)",
+    "optimizer": (
+        "create the optimizer before initializing, then session.update_state(optimizer=optimizer) "
+        "(or initialize(session, optimizer=optimizer))"
+    ),
+    "steps_per_epoch": (
+        "session.update_state(steps_per_epoch=steps_per_epoch(train_loader, gradient_accumulation_steps)) "
+        "from llmc_fsm.integrations.torch: optimizer steps per epoch"
+    ),
+    "train_data": "session.update_state(train_data=train_loader)",
+    "calibration_data": "session.update_state(calibration_data=batches)",
+}
+
+
+def _hint(key: str) -> str:
+    return HINTS.get(key, f"session.update_state({key}=...) where that object is created")
+
+
+def steps_per_epoch(loader: Any, gradient_accumulation_steps: int = 1) -> int:
+    """Optimizer steps per epoch: ``ceil(batches / gradient_accumulation_steps)`` (at least 1).
+
+    ``loader`` is anything with ``len()`` (a ``DataLoader``: its number of
+    batches) or that number itself. The last, partial accumulation window of an
+    epoch counts as a step, as in the HF Trainer and :func:`is_step`.
+
+    Raises:
+        ValueError: ``gradient_accumulation_steps`` < 1, or no length.
+    """
+    if isinstance(gradient_accumulation_steps, bool) or gradient_accumulation_steps < 1:
+        msg = f"gradient_accumulation_steps must be an int >= 1, got {gradient_accumulation_steps!r}"
+        raise ValueError(msg)
+    try:
+        batches = loader if isinstance(loader, int) else len(loader)
+    except TypeError:
+        msg = f"{type(loader).__name__} has no len(); pass the number of batches per epoch instead"
+        raise ValueError(msg) from None
+    return max(1, math.ceil(batches / gradient_accumulation_steps))
+
+
+def is_step(batch_index: int, batches_per_epoch: int | None, gradient_accumulation_steps: int = 1) -> bool:
+    """Whether the batch at ``batch_index`` (0-based, within the epoch) ends an accumulation window.
+
+    True every ``gradient_accumulation_steps`` batches and at the last batch of
+    the epoch (``batches_per_epoch``, ``None`` when unknown).
+    """
+    last = batches_per_epoch is not None and batch_index + 1 == batches_per_epoch
+    return (batch_index + 1) % gradient_accumulation_steps == 0 or last
+
+
+def optimizer_step(session: Session, optimizer: Any, *, scheduler: Any = None, zero_grad: bool = True) -> None:
+    """Fire ``optim_pre_step``, call ``optimizer.step()``, fire ``optim_post_step``; then scheduler and zero_grad.
+
+    Gradient clipping and similar go before this call (gradients are final at
+    ``optim_pre_step``). ``scheduler.step()`` runs after ``optim_post_step``;
+    a LearningRateModifier sets the rate at ``optim_pre_step`` and so wins.
+    """
+    session.optim_pre_step()
+    optimizer.step()
+    session.optim_post_step()
+    if scheduler is not None:
+        scheduler.step()
+    if zero_grad:
+        optimizer.zero_grad(set_to_none=True)
+
+
+def initialize(session: Session, **state: Any) -> None:
+    """``session.initialize(**state)``, re-raising a missing-state error with plain-loop advice.
+
+    Raises:
+        MissingStateError: as from ``Session.initialize`` (same ``missing``), the
+            message extended by how to supply each key in a plain loop.
+        LifecycleError, ModifierError: as from ``Session.initialize``.
+    """
+    try:
+        session.initialize(**state)
+    except MissingStateError as exc:
+        raise with_integration_hints(exc, "a plain PyTorch loop", _hint) from exc

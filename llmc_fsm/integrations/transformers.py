@@ -1,0 +1,210 @@
+"""A ``transformers.Trainer`` integration: the Trainer drives the session's lifecycle.
+
+Usage::
+
+    from llmc_fsm.integrations.transformers import SessionTrainer
+
+    trainer = SessionTrainer(model=student, args=args, train_dataset=ds,
+                             recipe=recipe, teacher=teacher)   # or session=Session(...)
+    trainer.train()            # initialize before the first step, finalize at the end
+    trainer.session            # the Session (finalized after train())
+
+Where each piece of state is handed over (``session.update_state``), where the
+objects are born:
+
+==================  =============================================================
+``model``           at construction (``self.model`` after ``Trainer.__init__``)
+``teacher``         at construction, from ``teacher=`` (put in eval mode by the
+                    distillation modifier; move it to the training device yourself)
+``optimizer``       when the Trainer creates it (``create_optimizer``), or at
+                    construction when passed with ``optimizers=(opt, sched)``
+``train_data``,     in ``get_train_dataloader``: the real dataloader and
+``steps_per_epoch`` ``ceil(len(dataloader) / gradient_accumulation_steps)``, the
+                    Trainer's own optimizer steps per epoch
+anything else       ``session_state={"key": value}`` at construction
+==================  =============================================================
+
+``session.initialize()`` runs once in ``on_train_begin``: after the dataloader,
+optimizer and model wrapping exist, before the first step. Missing state raises
+:class:`~llmc_fsm.MissingStateError` there, with this integration's advice added.
+
+Events come from the Trainer's own step: ``batch_start(batch=inputs,
+global_step=state.global_step)`` at the start of every micro-batch
+(``training_step``), ``loss_calculated`` inside ``compute_loss`` (a modifier may
+replace the loss; the Trainer then divides it for gradient accumulation and
+backpropagates it), ``optim_pre_step``/``optim_post_step`` around
+``optimizer.step()`` (after gradient clipping), ``batch_end`` at
+``on_step_end``/``on_substep_end``, ``finalize`` at ``on_train_end``.
+
+When a recipe modifier handles ``loss_calculated`` (e.g. distillation), the
+trainer sets ``model_accepts_loss_kwargs = False``, so the loss the modifiers see
+is the per-micro-batch mean (not pre-divided across the accumulation window) and
+the Trainer divides the combined loss by the accumulation steps.
+
+If ``train()`` raises midway, the session stays ``running``: call
+``trainer.session.finalize()`` (or ``reset()``) yourself.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from transformers import Trainer, TrainerCallback
+
+from llmc_fsm.errors import MissingStateError
+from llmc_fsm.integrations import with_integration_hints
+from llmc_fsm.session import Session
+
+__all__ = ["HINTS", "SessionCallback", "SessionTrainer", "SessionTrainerMixin"]
+
+#: How to pass each well-known key with SessionTrainer (used in MissingStateError messages).
+HINTS: dict[str, str] = {
+    "model": "SessionTrainer(model=model, ...)",
+    "teacher": "SessionTrainer(..., teacher=teacher_model)",
+    "optimizer": (
+        "the Trainer creates it in create_optimizer() before training starts; to use your own pass "
+        "SessionTrainer(..., optimizers=(optimizer, scheduler))"
+    ),
+    "steps_per_epoch": (
+        "computed from the training dataloader and gradient_accumulation_steps; give a train_dataset with a "
+        "length, or for an IterableDataset pass SessionTrainer(..., session_state={'steps_per_epoch': N})"
+    ),
+    "train_data": "set from the Trainer's training dataloader; give SessionTrainer(..., train_dataset=...)",
+}
+
+
+def _hint(key: str) -> str:
+    return HINTS.get(
+        key,
+        f"SessionTrainer(..., session_state={{'{key}': ...}}), or trainer.session.update_state({key}=...) "
+        "before trainer.train()",
+    )
+
+
+class SessionCallback(TrainerCallback):
+    """Fires the optimizer/batch-end events and the lifecycle calls from the Trainer's callback points.
+
+    Added by :class:`SessionTrainerMixin`; not useful alone (``batch_start`` and
+    ``loss_calculated`` come from the trainer's ``training_step``/``compute_loss``).
+    """
+
+    def __init__(self, trainer: SessionTrainerMixin) -> None:
+        self.trainer = trainer
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.trainer._initialize_session()
+
+    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.trainer.session.optim_pre_step()
+
+    def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.trainer.session.optim_post_step()
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.trainer.session.batch_end()
+
+    def on_substep_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.trainer.session.batch_end()
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        session = self.trainer.session
+        if session.lifecycle in ("initialized", "running"):
+            session.finalize()
+
+
+class SessionTrainerMixin:
+    """Mix into a ``transformers.Trainer`` subclass (before it) to drive a :class:`~llmc_fsm.Session`.
+
+    Keyword arguments (on top of the Trainer's):
+        recipe: a recipe (anything :class:`~llmc_fsm.Session` accepts); a new
+            session is created from it. Give ``recipe`` or ``session``.
+        session: an existing session in ``created``/``staging`` (e.g. one you
+            already gave extra state with ``update_state``).
+        teacher: the teacher model for distillation (state key ``teacher``).
+        session_state: any other state keys, ``{"key": value}``.
+
+    Attributes:
+        session: the :class:`~llmc_fsm.Session`.
+    """
+
+    def __init__(
+        self,
+        *args: Any,
+        recipe: Any = None,
+        session: Session | None = None,
+        teacher: Any = None,
+        session_state: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        if session is not None and recipe is not None:
+            msg = "give recipe= or session=, not both (a session already holds its recipe)"
+            raise ValueError(msg)
+        self.session: Session = session if session is not None else Session(recipe)
+        self._llmc_loss_pending = False
+        super().__init__(*args, **kwargs)
+        state: dict[str, Any] = {"model": self.model}
+        if teacher is not None:
+            state["teacher"] = teacher
+        if self.optimizer is not None:
+            state["optimizer"] = self.optimizer
+        state.update(session_state or {})
+        self.session.update_state(**state)
+        if any("loss_calculated" in m.events for m in self.session.modifiers):
+            self.model_accepts_loss_kwargs = False
+        self.add_callback(SessionCallback(self))
+
+    # --- where the objects are born ---------------------------------------------
+    def create_optimizer(self, *args: Any, **kwargs: Any) -> Any:
+        optimizer = super().create_optimizer(*args, **kwargs)  # type: ignore[misc]
+        if self.session.lifecycle in ("created", "staging"):
+            self.session.update_state(optimizer=optimizer)
+        return optimizer
+
+    def get_train_dataloader(self) -> Any:
+        dataloader = super().get_train_dataloader()  # type: ignore[misc]
+        if self.session.lifecycle in ("created", "staging"):
+            state: dict[str, Any] = {"train_data": dataloader}
+            try:
+                batches = len(dataloader)
+            except TypeError:
+                batches = None
+            if batches:
+                accumulation = self.args.gradient_accumulation_steps  # type: ignore[attr-defined]
+                state["steps_per_epoch"] = max(1, math.ceil(batches / accumulation))
+            self.session.update_state(**state)
+        return dataloader
+
+    def _initialize_session(self) -> None:
+        """Initialize the session (called at ``on_train_begin``, before the first step)."""
+        extra = {}
+        optimizer = self.optimizer  # type: ignore[attr-defined]
+        if optimizer is not None and self.session.state.get("optimizer") is not optimizer:
+            extra["optimizer"] = optimizer  # the accelerate-prepared wrapper, same param_groups
+        try:
+            self.session.initialize(**extra)
+        except MissingStateError as exc:
+            raise with_integration_hints(exc, "SessionTrainer", _hint) from exc
+
+    # --- the Trainer's own step ---------------------------------------------------
+    def training_step(self, model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+        self.session.batch_start(batch=inputs, global_step=self.state.global_step)  # type: ignore[attr-defined]
+        self._llmc_loss_pending = True
+        try:
+            return super().training_step(model, inputs, *args, **kwargs)  # type: ignore[misc]
+        finally:
+            self._llmc_loss_pending = False
+
+    def compute_loss(self, model: Any, inputs: Any, return_outputs: bool = False, **kwargs: Any) -> Any:
+        result = super().compute_loss(model, inputs, return_outputs=return_outputs, **kwargs)  # type: ignore[misc]
+        if not self._llmc_loss_pending:  # evaluation, or a second compute_loss in one step
+            return result
+        self._llmc_loss_pending = False
+        if return_outputs:
+            loss, outputs = result
+            return self.session.loss_calculated(loss), outputs
+        return self.session.loss_calculated(result)
+
+
+class SessionTrainer(SessionTrainerMixin, Trainer):
+    """``transformers.Trainer`` driving a :class:`~llmc_fsm.Session` (see the module docstring)."""

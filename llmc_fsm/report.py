@@ -1,0 +1,183 @@
+"""The one-shot report: measured sparsity per layer, perplexity before/after, wall time, memory.
+
+Sparsity is *measured* on the weights after compression (exact zeros), not
+taken from what the modifiers intended.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+from collections.abc import Iterable
+from typing import Any
+
+import attrs
+from torch import nn
+
+__all__ = ["ModuleSparsity", "OneshotReport", "max_rss_bytes", "measure_sparsity"]
+
+
+def max_rss_bytes() -> int:
+    """Peak resident set size of this process so far, in bytes."""
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss if sys.platform == "darwin" else rss * 1024)
+
+
+@attrs.define(kw_only=True)
+class ModuleSparsity:
+    """Zeros of one module's weight. ``layer`` is the decoder layer index, or ``None`` outside the layers."""
+
+    name: str
+    layer: int | None
+    zeros: int
+    numel: int
+
+    @property
+    def sparsity(self) -> float:
+        return self.zeros / self.numel if self.numel else 0.0
+
+
+def measure_sparsity(
+    model: nn.Module, layers: nn.ModuleList | None = None, layers_name: str = ""
+) -> list[ModuleSparsity]:
+    """Measure the weight sparsity of every ``nn.Linear`` of ``model`` (tied weights counted once)."""
+    layer_of: dict[int, int] = {}
+    if layers is not None:
+        for index, layer in enumerate(layers):
+            for sub in layer.modules():
+                layer_of[id(sub)] = index
+    seen: set[int] = set()
+    out = []
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.Linear) or id(module.weight) in seen:
+            continue
+        seen.add(id(module.weight))
+        w = module.weight
+        out.append(
+            ModuleSparsity(name=name, layer=layer_of.get(id(module)), zeros=int((w == 0).sum()), numel=w.numel())
+        )
+    return out
+
+
+@attrs.define(kw_only=True)
+class OneshotReport:
+    """What :func:`llmc_fsm.oneshot` did; ``to_dict()`` is what ``report.json`` holds.
+
+    Attributes:
+        model: model name or path (or the class name for an in-memory model).
+        recipe: the recipe as a dict (stages marked applied).
+        calibration: ``{"source", "num_samples", "seq_len", "num_tokens"}``.
+        modules: measured sparsity of every Linear weight.
+        ppl_before / ppl_after: perplexity on the evaluation windows (``None`` without eval text).
+        eval: ``{"source", "num_windows", "seq_len"}`` or ``None``.
+        seconds: wall time per phase (``load``, ``data``, ``eval_before``, ``compress``, ``eval_after``,
+            ``save``, ``total``).
+        max_rss_bytes: peak resident memory of the process at the end.
+        output_dir: where the model was written, or ``None``.
+    """
+
+    model: str
+    recipe: dict[str, Any]
+    calibration: dict[str, Any]
+    modules: list[ModuleSparsity]
+    ppl_before: float | None = None
+    ppl_after: float | None = None
+    eval: dict[str, Any] | None = None
+    seconds: dict[str, float] = attrs.field(factory=dict)
+    max_rss_bytes: int = 0
+    output_dir: str | None = None
+    targeted: list[str] = attrs.field(factory=list)
+
+    # --- aggregates ------------------------------------------------------------
+    def _targeted(self) -> list[ModuleSparsity]:
+        names = set(self.targeted)
+        return [m for m in self.modules if m.name in names]
+
+    @property
+    def total_sparsity(self) -> float:
+        """Zeros / weights over all targeted modules."""
+        mods = self._targeted()
+        numel = sum(m.numel for m in mods)
+        return sum(m.zeros for m in mods) / numel if numel else 0.0
+
+    def layer_sparsity(self) -> list[tuple[int, float, int]]:
+        """``(layer index, sparsity, numel)`` of the targeted Linear weights in each decoder layer."""
+        agg: dict[int, list[int]] = {}
+        for m in self._targeted():
+            if m.layer is not None:
+                z, n = agg.setdefault(m.layer, [0, 0])
+                agg[m.layer] = [z + m.zeros, n + m.numel]
+        return [(i, z / n if n else 0.0, n) for i, (z, n) in sorted(agg.items())]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.model,
+            "recipe": self.recipe,
+            "calibration": self.calibration,
+            "eval": self.eval,
+            "perplexity": {"before": self.ppl_before, "after": self.ppl_after},
+            "sparsity": {
+                "total_targeted": self.total_sparsity,
+                "layers": [{"layer": i, "sparsity": s, "numel": n} for i, s, n in self.layer_sparsity()],
+                "modules": [
+                    {
+                        "name": m.name,
+                        "layer": m.layer,
+                        "zeros": m.zeros,
+                        "numel": m.numel,
+                        "sparsity": m.sparsity,
+                        "targeted": m.name in set(self.targeted),
+                    }
+                    for m in self.modules
+                ],
+            },
+            "seconds": self.seconds,
+            "max_rss_bytes": self.max_rss_bytes,
+            "output_dir": self.output_dir,
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    def format_table(self) -> str:
+        """The human-readable report the CLI prints."""
+        lines = [f"model: {self.model}"]
+        cal = self.calibration
+        lines.append(
+            f"calibration: {cal.get('num_samples')} x {cal.get('seq_len')} tokens from {cal.get('source')}"
+        )
+        rows = self.layer_sparsity()
+        if rows:
+            lines.append("")
+            lines.append(f"{'layer':>7}  {'weights':>10}  {'sparsity':>8}")
+            for i, s, n in rows:
+                lines.append(f"{i:>7}  {n:>10,}  {s:>8.2%}")
+        outside = [m for m in self._targeted() if m.layer is None]
+        for m in outside:
+            lines.append(f"{m.name:>7}  {m.numel:>10,}  {m.sparsity:>8.2%}")
+        untouched = [m for m in self.modules if m.name not in set(self.targeted)]
+        total_numel = sum(m.numel for m in self._targeted())
+        lines.append(f"{'total':>7}  {total_numel:>10,}  {self.total_sparsity:>8.2%}   (targeted Linear weights)")
+        for m in untouched:
+            lines.append(f"not targeted: {m.name} ({m.numel:,} weights, sparsity {m.sparsity:.2%})")
+        lines.append("")
+        if self.eval is not None:
+            ev = self.eval
+            lines.append(
+                f"perplexity on {ev['num_windows']} x {ev['seq_len']} tokens of {ev['source']}: "
+                f"before {self.ppl_before:.3f}  after {self.ppl_after:.3f}"
+            )
+        else:
+            lines.append("perplexity: not measured (pass --eval-text FILE)")
+        secs = self.seconds
+        parts = [f"{k} {v:.1f} s" for k, v in secs.items() if k != "total"]
+        lines.append(f"wall time: {secs.get('total', 0.0):.1f} s ({', '.join(parts)})")
+        lines.append(f"max RSS: {self.max_rss_bytes / 2**30:.2f} GiB")
+        if self.output_dir:
+            lines.append(f"output: {self.output_dir} (model, tokenizer, recipe.yaml, report.json)")
+        return "\n".join(lines)
+
+
+def names(mods: Iterable[ModuleSparsity]) -> list[str]:
+    return [m.name for m in mods]

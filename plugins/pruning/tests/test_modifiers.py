@@ -1,0 +1,137 @@
+"""SparseGPTModifier / WandaPruningModifier on small torch models (no transformers needed)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from llmc_fsm_pruning import SparseGPTModifier, WandaPruningModifier
+from torch import nn
+
+from llmc_fsm import MissingStateError, ModifierError, RecipeError, Session
+from llmc_fsm.pipeline import run_sequential
+
+
+class Block(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.a = nn.Linear(width, 2 * width)
+        self.b = nn.Linear(2 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.b(torch.relu(self.a(x)))
+
+
+class Toy(nn.Module):
+    """Embedding -> blocks -> head tied to the embedding."""
+
+    def __init__(self, vocab: int = 32, width: int = 16, depth: int = 2) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.layers = nn.ModuleList(Block(width) for _ in range(depth))
+        self.head = nn.Linear(width, vocab, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, input_ids: torch.Tensor, **_: object) -> torch.Tensor:
+        x = self.embed(input_ids)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def toy() -> Toy:
+    torch.manual_seed(0)
+    return Toy().eval()
+
+
+DATA = torch.randint(0, 32, (6, 12), generator=torch.Generator().manual_seed(0))
+
+
+def test_registered_through_the_entry_point():
+    from llmc_fsm.plugins import get_registry
+
+    registry = get_registry()
+    for name in ("SparseGPTModifier", "WandaPruningModifier", "MagnitudePruningModifier", "ConstantPruningModifier"):
+        assert name in registry.classes
+        assert registry.distributions[name][0] == "llmc-fsm-pruning"
+
+
+@pytest.mark.parametrize("cls", [SparseGPTModifier, WandaPruningModifier])
+def test_declares_model_and_calibration_data(cls):
+    assert cls.required_state == frozenset({"model", "calibration_data"})
+    with pytest.raises(MissingStateError) as info:
+        Session([cls()]).initialize(model=toy())
+    assert "calibration_data" in str(info.value)
+
+
+@pytest.mark.parametrize("cls", [SparseGPTModifier, WandaPruningModifier])
+def test_prunes_exactly_and_leaves_tied_head_and_embedding(cls):
+    model = toy()
+    embed = model.embed.weight.clone()
+    session = Session([cls(sparsity=0.25, ignore=["head"])])
+    session.initialize(model=model, calibration_data=DATA)
+    run_sequential(session, batch_size=4, progress=False)
+    session.finalize()
+    for layer in model.layers:
+        for lin in (layer.a, layer.b):
+            assert int((lin.weight == 0).sum()) == lin.weight.numel() // 4
+    assert torch.equal(model.embed.weight, embed)
+    mod = session.modifiers[0]
+    assert sorted(mod.results) == ["layers.0.a", "layers.0.b", "layers.1.a", "layers.1.b"]
+    assert all(r.sparsity == 0.25 and r.samples == DATA.numel() for r in mod.results.values())
+    assert mod.num_hooks == 0
+
+
+def test_regex_targets_and_ignore():
+    model = toy()
+    session = Session([SparseGPTModifier(targets=["re:layers\\.\\d+\\.a"], ignore=["head", "layers.1.a"])])
+    session.initialize(model=model, calibration_data=DATA)
+    run_sequential(session, progress=False)
+    session.finalize()
+    assert list(session.modifiers[0].results) == ["layers.0.a"]
+    assert int((model.layers[1].a.weight == 0).sum()) == 0
+
+
+def test_unknown_targets_error_lists_module_names():
+    with pytest.raises(ModifierError, match=r"Conv1d.*layers\.0"):
+        Session([WandaPruningModifier(targets=["Conv1d"])]).initialize(model=toy(), calibration_data=DATA)
+
+
+def test_non_linear_target_is_refused():
+    with pytest.raises(ModifierError, match="Embedding"):
+        Session([WandaPruningModifier(targets=["Embedding"], ignore=[])]).initialize(
+            model=toy(), calibration_data=DATA
+        )
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        {"sparsity": 1.0},
+        {"sparsity": "half"},
+        {"sparsity": True},
+        {"mask_structure": "2-4"},
+        {"targets": []},
+        {"targets": [3]},
+    ],
+)
+def test_bad_recipe_arguments(args):
+    with pytest.raises(RecipeError):
+        Session({"s": {"WandaPruningModifier": args}})
+
+
+def test_target_without_input_is_left_dense_and_reported():
+    model = toy()
+    session = Session([SparseGPTModifier(ignore=["head"])])
+    session.initialize(model=model, calibration_data=DATA)
+    session.calibration_start()
+    session.calibration_end()  # no forward pass at all
+    session.finalize()
+    mod = session.modifiers[0]
+    assert mod.results == {}
+    assert sorted(mod.skipped) == ["layers.0.a", "layers.0.b", "layers.1.a", "layers.1.b"]
+    assert int((model.layers[0].a.weight == 0).sum()) == 0
+
+
+def test_nm_with_block_size_not_multiple_of_m():
+    with pytest.raises(ValueError, match="multiple of M=4"):
+        SparseGPTModifier(mask_structure="2:4", block_size=6)

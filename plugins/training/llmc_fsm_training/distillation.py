@@ -1,0 +1,179 @@
+"""OutputDistillationModifier: knowledge distillation on the output logits.
+
+Hinton, Vinyals & Dean, "Distilling the Knowledge in a Neural Network"
+(arXiv:1503.02531), section 2: the student is trained on a weighted sum of its own
+loss and the cross-entropy against the teacher's temperature-softened outputs; the
+soft term is multiplied by ``T**2`` so its gradient magnitude does not depend on
+the temperature. We use the KL divergence (cross-entropy minus the teacher's
+entropy, a constant for the student: same gradients, 0 when student == teacher)::
+
+    loss = (1 - alpha) * student_loss + alpha * T**2 * KD
+    KD   = mean over positions p of  sum_v  q_t(v) * (log q_t(v) - log q_s(v))
+    q_t  = softmax(teacher_logits / T),  q_s = softmax(student_logits / T)
+
+"Positions" are every (sequence, token) of the logits; when the student was called
+with an ``attention_mask`` (1 = real token) the mean is taken over real tokens
+only.
+
+How the modifier gets the logits and the teacher's input
+--------------------------------------------------------
+At initialize it registers a forward hook on the student (``state.model``) through
+:meth:`Modifier.register_hook` (removed at finalize). The hook keeps the student's
+latest output logits *and the inputs of that call*. At ``loss_calculated`` the
+teacher is run under ``torch.no_grad()`` on those same inputs (minus ``labels`` and
+loss-only keyword arguments), so the integration needs to pass nothing but the
+loss: any loop that calls ``model(...)`` and then ``session.loss_calculated(loss)``
+works, whatever the batch format. The captured tensors are released right after.
+A ``loss_calculated`` with no student training forward since ``batch_start``
+leaves the loss unchanged and emits a ``RuntimeWarning``.
+"""
+
+from __future__ import annotations
+
+import logging
+import numbers
+import warnings
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import torch
+import torch.nn.functional as F
+
+from llmc_fsm import Modifier
+
+if TYPE_CHECKING:
+    from llmc_fsm import Event, State
+
+__all__ = ["OutputDistillationModifier", "distillation_kl", "logits_of"]
+
+logger = logging.getLogger(__name__)
+
+#: Keyword arguments of the student's call that are not model inputs for the teacher.
+_NOT_INPUTS = frozenset({"labels", "num_items_in_batch", "return_loss"})
+
+
+def logits_of(output: Any) -> torch.Tensor:
+    """The logits in a model output: ``output.logits``, ``output["logits"]``, ``output[0]`` or the tensor itself."""
+    if isinstance(output, torch.Tensor):
+        return output
+    logits = getattr(output, "logits", None)
+    if logits is None and isinstance(output, dict):
+        logits = output.get("logits")
+    if logits is None and isinstance(output, tuple | list) and output:
+        first = output[0]
+        logits = first if isinstance(first, torch.Tensor) and first.dim() > 0 else None
+    if not isinstance(logits, torch.Tensor):
+        msg = f"cannot find logits in a model output of type {type(output).__name__}"
+        raise TypeError(msg)
+    return logits
+
+
+def distillation_kl(
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    temperature: float,
+    attention_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``T**2 * mean_p KL(softmax(t/T) || softmax(s/T))`` over positions (real tokens with a mask).
+
+    ``student_logits``/``teacher_logits``: ``[..., vocab]``; ``attention_mask``: the
+    leading shape of the logits (1/True = real token). Computed in float32.
+    """
+    if student_logits.shape != teacher_logits.shape:
+        msg = (
+            f"student logits {tuple(student_logits.shape)} and teacher logits {tuple(teacher_logits.shape)} "
+            "differ: distillation needs the same vocabulary and inputs"
+        )
+        raise ValueError(msg)
+    t = temperature
+    log_q_s = F.log_softmax(student_logits.float() / t, dim=-1)
+    log_q_t = F.log_softmax(teacher_logits.to(log_q_s.device).float() / t, dim=-1)
+    kl = (log_q_t.exp() * (log_q_t - log_q_s)).sum(dim=-1)  # [...] per position
+    if attention_mask is not None and attention_mask.shape == kl.shape:
+        weight = attention_mask.to(device=kl.device, dtype=kl.dtype)
+        kd = (kl * weight).sum() / weight.sum().clamp_min(1.0)
+    else:
+        kd = kl.mean()
+    return kd * (t * t)
+
+
+def _temperature(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not float(value) > 0:
+        msg = f"temperature must be a number > 0, got {value!r}"
+        raise ValueError(msg)
+
+
+def _alpha(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0.0 <= float(value) <= 1.0:
+        msg = f"alpha must be a number in [0, 1], got {value!r}"
+        raise ValueError(msg)
+
+
+@attrs.define(kw_only=True, slots=False, eq=False)
+class OutputDistillationModifier(Modifier):
+    """Add a KL term between temperature-scaled teacher and student logits to the loss (Hinton et al. 2015).
+
+    Recipe arguments:
+
+    - ``temperature`` (default ``2.0``, > 0): both logits are divided by it before the
+      softmax; the KL term is multiplied by ``temperature**2``.
+    - ``alpha`` (default ``0.5``, in ``[0, 1]``): weight of the distillation term;
+      the loss becomes ``(1 - alpha) * student_loss + alpha * T**2 * KL``
+      (``alpha=1``: distillation only; ``alpha=0``: the student loss unchanged).
+    - ``start`` / ``end`` (epochs): when distillation is active (default: always).
+
+    Requires state ``model`` (the student) and ``teacher``. The teacher is put in
+    eval mode and run under ``torch.no_grad()`` on the student's last inputs.
+    After each loss, :attr:`last_student_loss` and :attr:`last_distill_loss` hold
+    the two terms (detached).
+    """
+
+    required_state = frozenset({"model", "teacher"})
+    events = frozenset({"batch_start", "loss_calculated"})
+
+    temperature: float = attrs.field(default=2.0, converter=float, validator=_temperature)
+    alpha: float = attrs.field(default=0.5, converter=float, validator=_alpha)
+
+    last_student_loss: torch.Tensor | None = attrs.field(default=None, init=False, repr=False)
+    last_distill_loss: torch.Tensor | None = attrs.field(default=None, init=False, repr=False)
+    _captured: tuple[Any, Any, torch.Tensor] | None = attrs.field(default=None, init=False, repr=False)
+    _teacher: Any = attrs.field(default=None, init=False, repr=False)
+
+    def on_initialize(self, state: State) -> None:
+        if state.teacher is state.model:
+            msg = "the teacher is the student model itself; pass a separate (e.g. dense, frozen) copy as teacher"
+            raise ValueError(msg)
+        self._teacher = state.teacher
+        self._teacher.eval()
+        self.register_hook(state.model, self._capture, kind="forward", with_kwargs=True)
+
+    def _capture(self, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+        if module.training and torch.is_grad_enabled():
+            self._captured = (args, kwargs, logits_of(output))
+
+    def on_event(self, state: State, event: Event) -> torch.Tensor | None:
+        if event.type == "batch_start":
+            self._captured = None
+            return None
+        captured, self._captured = self._captured, None
+        if captured is None:
+            msg = (
+                "OutputDistillationModifier: loss_calculated() came without a training forward pass of the "
+                "student (state.model) since batch_start(), so the loss was left unchanged (no distillation); "
+                "call model(...) in train mode, with gradients enabled, before session.loss_calculated(loss)"
+            )
+            warnings.warn(msg, RuntimeWarning, stacklevel=2)
+            return None
+        args, kwargs, student_logits = captured
+        teacher_kwargs = {k: v for k, v in kwargs.items() if k not in _NOT_INPUTS}
+        with torch.no_grad():
+            teacher_logits = logits_of(self._teacher(*args, **teacher_kwargs))
+        kd = distillation_kl(student_logits, teacher_logits, self.temperature, kwargs.get("attention_mask"))
+        loss = event.loss
+        self.last_student_loss = loss.detach()
+        self.last_distill_loss = kd.detach()
+        return (1.0 - self.alpha) * loss + self.alpha * kd.to(loss.dtype)
+
+    def on_finalize(self, state: State) -> None:
+        self._captured = None
+        self._teacher = None

@@ -1,0 +1,164 @@
+"""LearningRateModifier: set the optimizer's learning rate by a schedule in epochs.
+
+With ``e`` the epoch of the optimizer step about to run (``global_step /
+steps_per_epoch`` at ``optim_pre_step``; ``global_step`` = optimizer steps done),
+``e_0 = start`` (0 when omitted), ``e_1 = end`` and ``p = clamp((e - e_0) / (e_1 -
+e_0), 0, 1)``, the learning rate of every parameter group is::
+
+    constant:  init_lr
+    linear:    init_lr + (final_lr - init_lr) * p
+    cosine:    final_lr + (init_lr - final_lr) * (1 + cos(pi * p)) / 2
+    step:      init_lr * gamma ** floor((e - e_0) / step_size)
+
+It is written just before each optimizer step (``optim_pre_step``), so it wins
+over any ``torch.optim.lr_scheduler`` (or the HF Trainer's scheduler) stepping
+after the optimizer. At ``end`` the value at ``end`` is written and left in place;
+before ``start`` the optimizer's own learning rate is untouched.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import TYPE_CHECKING, Any
+
+import attrs
+
+from llmc_fsm import Modifier
+
+if TYPE_CHECKING:
+    from llmc_fsm import Event, State
+
+__all__ = ["SCHEDULES", "LearningRateModifier", "scheduled_lr"]
+
+SCHEDULES: tuple[str, ...] = ("constant", "linear", "cosine", "step")
+
+
+def scheduled_lr(
+    schedule: str,
+    epoch: float,
+    *,
+    init_lr: float,
+    final_lr: float = 0.0,
+    start: float = 0.0,
+    end: float | None = None,
+    step_size: float | None = None,
+    gamma: float = 0.1,
+) -> float:
+    """The closed form of ``schedule`` at ``epoch`` (see the module docstring)."""
+    if schedule == "constant":
+        return init_lr
+    if schedule == "step":
+        assert step_size is not None
+        return init_lr * gamma ** math.floor(max(epoch - start, 0.0) / step_size + 1e-9)
+    assert end is not None
+    progress = min(max((epoch - start) / (end - start), 0.0), 1.0)
+    if schedule == "linear":
+        return init_lr + (final_lr - init_lr) * progress
+    if schedule == "cosine":
+        return final_lr + (init_lr - final_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    msg = f"unknown schedule {schedule!r}; use one of {', '.join(SCHEDULES)}"
+    raise ValueError(msg)
+
+
+def _positive(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not float(value) > 0:
+        msg = f"{attribute.name} must be a number > 0, got {value!r}"
+        raise ValueError(msg)
+
+
+def _non_negative(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not float(value) >= 0:
+        msg = f"{attribute.name} must be a number >= 0, got {value!r}"
+        raise ValueError(msg)
+
+
+def _opt_float(value: Any) -> Any:
+    """Numbers -> float; numeric strings too (YAML 1.1 reads ``1e-4`` as the string "1e-4")."""
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return value
+    return float(value) if isinstance(value, numbers.Real) and not isinstance(value, bool) else value
+
+
+@attrs.define(kw_only=True, slots=False, eq=False)
+class LearningRateModifier(Modifier):
+    """Set the learning rate of every optimizer parameter group by a schedule between ``start`` and ``end`` epochs.
+
+    Recipe arguments:
+
+    - ``schedule``: ``"constant"`` (default), ``"linear"``, ``"cosine"`` or ``"step"``.
+    - ``init_lr`` (> 0, required): the learning rate at ``start``.
+    - ``final_lr`` (>= 0, default 0): the learning rate at ``end`` (linear, cosine).
+    - ``start`` (epochs, default: the first batch = epoch 0 for the formula), ``end``
+      (epochs; required for linear and cosine; default for constant/step: until finalize).
+    - ``step_size`` (epochs, > 0; required for step), ``gamma`` (default 0.1): the
+      step schedule multiplies the rate by ``gamma`` every ``step_size`` epochs.
+
+    Requires state ``optimizer`` and ``steps_per_epoch`` (the schedule is in epochs).
+    :attr:`last_lr` is the value written last.
+    """
+
+    required_state = frozenset({"optimizer", "steps_per_epoch"})
+    events = frozenset({"optim_pre_step"})
+
+    schedule: str = attrs.field(default="constant", validator=attrs.validators.in_(SCHEDULES))
+    init_lr: float = attrs.field(converter=_opt_float, validator=_positive)
+    final_lr: float = attrs.field(default=0.0, converter=_opt_float, validator=_non_negative)
+    step_size: float | None = attrs.field(default=None, converter=_opt_float, validator=_positive)
+    gamma: float = attrs.field(default=0.1, converter=_opt_float, validator=_positive)
+
+    last_lr: float | None = attrs.field(default=None, init=False)
+    _optimizer: Any = attrs.field(default=None, init=False, repr=False)
+
+    def __attrs_post_init__(self) -> None:
+        super().__attrs_post_init__()
+        if self.schedule in ("linear", "cosine") and self.end is None:
+            msg = f"schedule {self.schedule!r} needs end (epochs): it runs from start to end"
+            raise ValueError(msg)
+        if self.schedule == "step" and self.step_size is None:
+            msg = "schedule 'step' needs step_size (epochs between decays)"
+            raise ValueError(msg)
+
+    def lr_at(self, epoch: float) -> float:
+        """The learning rate this modifier sets for the optimizer step at ``epoch``."""
+        return scheduled_lr(
+            self.schedule,
+            epoch,
+            init_lr=self.init_lr,
+            final_lr=self.final_lr,
+            start=self.start or 0.0,
+            end=self.end,
+            step_size=self.step_size,
+            gamma=self.gamma,
+        )
+
+    def _set(self, epoch: float) -> None:
+        lr = self.lr_at(epoch)
+        for group in self._optimizer.param_groups:
+            group["lr"] = lr
+        self.last_lr = lr
+
+    def on_initialize(self, state: State) -> None:
+        optimizer = state.optimizer
+        if not hasattr(optimizer, "param_groups"):
+            msg = f"state 'optimizer' must be a torch.optim.Optimizer (with param_groups), got {type(optimizer)!r}"
+            raise TypeError(msg)
+        self._optimizer = optimizer
+
+    def on_start(self, state: State, event: Event) -> None:
+        self._set(event.epoch or 0.0)
+
+    def on_event(self, state: State, event: Event) -> None:
+        self._set(event.epoch)  # type: ignore[arg-type]  # steps_per_epoch is required
+
+    def on_end(self, state: State, event: Event) -> None:
+        if self.end is not None and event.type != "finalize":
+            self._set(self.end)
+
+    def on_finalize(self, state: State) -> None:
+        self._optimizer = None

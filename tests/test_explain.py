@@ -1,0 +1,209 @@
+"""``session.explain()``, ``llmc-fsm explain`` and the conformance kit's own failure modes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, ClassVar
+
+import attrs
+import pytest
+import torch
+
+from llmc_fsm import Modifier, Session, State
+from llmc_fsm import plugins as plugins_mod
+from llmc_fsm.cli import main
+from llmc_fsm.explain import explain, handled_events
+from llmc_fsm.plugins import ModifierRegistry
+from llmc_fsm.testing import ContractViolation, check_modifier
+
+
+@attrs.define(kw_only=True, slots=False, eq=False)
+class Calib(Modifier):
+    """One-shot calibrated pruning."""
+
+    required_state: ClassVar[frozenset[str]] = frozenset({"model", "calibration_data"})
+    optional_state: ClassVar[frozenset[str]] = frozenset({"teacher"})
+    sparsity: float = 0.5
+
+    def on_initialize(self, state: State) -> None:
+        pass
+
+    def on_sequential_epoch_end(self, state: State, modules: Any) -> None:
+        pass
+
+
+@attrs.define(kw_only=True, slots=False, eq=False)
+class Hold(Modifier):
+    """Hold masks after steps."""
+
+    required_state: ClassVar[frozenset[str]] = frozenset({"model"})
+    events: ClassVar[frozenset[str]] = frozenset({"optim_post_step", "batch_start"})
+    runs_after: ClassVar[frozenset[str]] = frozenset({"Calib"})
+
+    def on_event(self, state: State, event: Any) -> None:
+        pass
+
+    def on_end(self, state: State, event: Any) -> None:
+        pass
+
+
+@pytest.fixture(autouse=True)
+def registry(monkeypatch: pytest.MonkeyPatch) -> ModifierRegistry:
+    reg = ModifierRegistry()
+    reg.register(Calib)
+    reg.register(Hold)
+    monkeypatch.setattr(plugins_mod, "_REGISTRY", reg)
+    return reg
+
+
+RECIPE = """\
+old:
+  modifiers: {Calib: {}}
+  applied: true
+train:
+  start: 1
+  modifiers:
+    Hold: {end: 3}
+    Calib: {sparsity: 0.7}
+"""
+
+
+class Untouchable:
+    """A 'model' that fails on any use: explain must not touch it."""
+
+    def __getattr__(self, name: str) -> Any:
+        raise AssertionError(f"explain touched the model ({name})")
+
+
+def test_handled_events() -> None:
+    assert handled_events(Calib) == ["initialize", "sequential_epoch_end"]
+    assert handled_events(Hold()) == ["batch_start", "optim_post_step", "end"]
+    assert handled_events(Modifier) == []
+
+
+def test_explain_plan(tmp_path: Path) -> None:
+    path = tmp_path / "r.yaml"
+    path.write_text(RECIPE)
+    session = Session(path)
+    session.update_state(model=Untouchable())
+    text = session.explain()
+    assert text == explain(session)
+    assert text.splitlines() == [
+        f"Recipe {path}: 2 stage(s), 2 modifier(s) to run",
+        "Session lifecycle: staging; state present: model",
+        "Stage 'old': already applied, skipped (Calib)",
+        "Stage 'train' [epochs 1 to -]:",
+        "  1. Calib  [in-process]",
+        "       arguments: sparsity=0.7",
+        "       active:    from epoch 1 until finalize",
+        "       handles:   initialize, sequential_epoch_end",
+        "       requires:  calibration_data (MISSING), model (present), steps_per_epoch (MISSING)",
+        "       optional:  teacher (absent)",
+        "  2. Hold  [in-process]",
+        "       arguments: -",
+        "       active:    from epoch 1 until epoch 3",
+        "       handles:   batch_start, optim_post_step, end",
+        "       requires:  model (present), steps_per_epoch (MISSING)",
+        "       optional:  -",
+        "       runs after: Calib (when in the recipe)",
+        "Missing before initialize():",
+        "  - Calib: calibration_data, steps_per_epoch",
+        "  - Hold: steps_per_epoch",
+    ]
+
+
+def test_explain_after_initialize_and_empty() -> None:
+    session = Session({"s": ["Calib", "Calib"]})
+    session.initialize(model=torch.nn.Linear(2, 2), calibration_data=[1])
+    text = session.explain()
+    assert "  1. Calib#1  [in-process]" in text and "  2. Calib#2  [in-process]" in text
+    assert "Session lifecycle: initialized; state present: calibration_data, model" in text
+    assert "Missing before initialize" not in text
+    assert "No stages: the session runs without modifiers." in Session().explain()
+    ready = Session({"s": ["Calib"]})
+    ready.update_state(model=1, calibration_data=2)
+    assert ready.explain().endswith("Ready to initialize: every required state key is present.\n")
+
+
+def test_cli_explain(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "r.yaml"
+    path.write_text(RECIPE)
+    assert main(["explain", str(path), "--state", "steps_per_epoch"]) == 0
+    out = capsys.readouterr().out
+    assert "requires:  calibration_data (MISSING), model (MISSING), steps_per_epoch (present)" in out
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("s:\n  Hold: {ends: 3}\n")
+    assert main(["explain", str(bad)]) == 1
+    err = capsys.readouterr().err
+    assert f"llmc-fsm explain: error: recipe {bad}, line 2, stage 's', modifier Hold: unknown argument 'ends'" in err
+
+
+# --- the conformance kit catches broken modifiers -------------------------------------------
+
+
+def tiny_state() -> dict[str, Any]:
+    return {"model": torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 1)), "steps_per_epoch": 4}
+
+
+@attrs.define(kw_only=True, slots=False, eq=False)
+class Good(Modifier):
+    required_state: ClassVar[frozenset[str]] = frozenset({"model"})
+    events: ClassVar[frozenset[str]] = frozenset({"batch_end"})
+    seen: list[str] = attrs.field(factory=list, init=False)
+
+    def on_initialize(self, state: State) -> None:
+        self.register_hook(state.model[0], lambda *a: None)
+
+    def on_event(self, state: State, event: Any) -> None:
+        self.seen.append(event.type)
+
+
+@attrs.define(kw_only=True, slots=False, eq=False)
+class LeaksTorchHook(Good):
+    def on_initialize(self, state: State) -> None:
+        state.model[0].register_forward_hook(lambda *a: None)
+
+
+@attrs.define(kw_only=True, slots=False, eq=False)
+class UsesUndeclaredKey(Good):
+    def on_initialize(self, state: State) -> None:
+        state["steps_per_epoch"]
+
+
+@attrs.define(kw_only=True, slots=False, eq=False)
+class StartsItself(Good):
+    def on_initialize(self, state: State) -> None:
+        self.on_start(state, None)  # work outside its event
+
+
+@attrs.define(kw_only=True, slots=False, eq=False)
+class CrashesOnEvent(Good):
+    def on_event(self, state: State, event: Any) -> None:
+        raise RuntimeError("bad batch")
+
+
+def test_conformance_kit_passes_a_good_modifier() -> None:
+    check_modifier(Good, tiny_state, max_examples=25)
+
+
+def test_conformance_kit_fixture_uses_option(llmc_fsm_check: Any) -> None:
+    llmc_fsm_check(Good, tiny_state)
+
+
+@pytest.mark.parametrize(
+    ("cls", "message"),
+    [
+        (LeaksTorchHook, "register hooks with Modifier.register_hook()"),
+        (UsesUndeclaredKey, "initialize() with only its declared keys"),
+        (StartsItself, "on_start() ran during initialize()"),
+        (CrashesOnEvent, "on_event() raised during a valid batch_end(): RuntimeError: bad batch"),
+    ],
+)
+def test_conformance_kit_catches(cls: type[Modifier], message: str) -> None:
+    with pytest.raises(ContractViolation, match=message.replace("(", r"\(").replace(")", r"\)")):
+        check_modifier(cls, tiny_state, max_examples=50)
+
+
+def test_conformance_kit_requires_a_complete_state_factory() -> None:
+    with pytest.raises(ContractViolation, match=r"state_factory\(\) does not supply the required key\(s\) \['model'\]"):
+        check_modifier(Good, dict, max_examples=1)

@@ -1,0 +1,212 @@
+"""``llmc_fsm.oneshot`` and ``llmc-fsm oneshot``: the real SmolLM2 end to end, and bad input.
+
+The end-to-end run uses 8 calibration windows x 128 tokens from the tail of
+wikitext-2 test and 8 evaluation windows x 128 tokens from its head.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("llmc_fsm_pruning")
+
+import llmc_fsm
+from llmc_fsm.cli import main
+
+#: Perplexities on 8 x 128 tokens of the head of wiki.test.raw, measured once
+#: (SmolLM2-135M-Instruct Q4_1 dequantized, fp32, torch 2.13 CPU); the band
+#: allows for BLAS/thread nondeterminism.
+DENSE_PPL = 50.369
+SPARSEGPT_PPL = 105.13
+PPL_TOLERANCE = 0.05
+
+
+def _no_stray_files(parent: Path) -> list[str]:
+    return sorted(p.name for p in parent.iterdir())
+
+
+@pytest.fixture(scope="module")
+def sparsegpt_run(smollm2, shared_data, tmp_path_factory):
+    model, tokenizer = smollm2
+    model = copy.deepcopy(model)
+    out = tmp_path_factory.mktemp("oneshot") / "out"
+    embed_before = model.model.embed_tokens.weight.clone()
+    wiki = shared_data / "wikitext-2-raw" / "wiki.test.raw"
+    pruned = llmc_fsm.oneshot(
+        model=model,
+        tokenizer=tokenizer,
+        recipe={"s": {"SparseGPTModifier": {"sparsity": 0.5, "ignore": ["lm_head"]}}},
+        dataset=wiki,
+        num_calibration_samples=8,
+        max_seq_length=128,
+        eval_text=wiki,
+        num_eval_windows=8,
+        output_dir=out,
+        progress=False,
+    )
+    return pruned, tokenizer, out, embed_before
+
+
+@pytest.mark.slow
+def test_every_targeted_layer_has_exact_sparsity(sparsegpt_run):
+    model, _, _, _ = sparsegpt_run
+    count = 0
+    for name, module in model.model.layers.named_modules():
+        if isinstance(module, torch.nn.Linear):
+            zeros = int((module.weight == 0).sum())
+            assert zeros == module.weight.numel() // 2, name
+            count += 1
+    assert count == 30 * 7
+    report = model.llmc_fsm_report
+    assert report.total_sparsity == 0.5
+    assert [s for _, s, _ in report.layer_sparsity()] == [0.5] * 30
+
+
+@pytest.mark.slow
+def test_ignored_tied_weights_untouched(sparsegpt_run):
+    model, _, _, embed_before = sparsegpt_run
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert torch.equal(model.model.embed_tokens.weight, embed_before)
+
+
+@pytest.mark.slow
+def test_perplexity_band(sparsegpt_run):
+    report = sparsegpt_run[0].llmc_fsm_report
+    assert report.ppl_before == pytest.approx(DENSE_PPL, rel=0.01)
+    assert report.ppl_after == pytest.approx(SPARSEGPT_PPL, rel=PPL_TOLERANCE)
+    assert report.ppl_after > report.ppl_before
+
+
+@pytest.mark.slow
+def test_output_reloads_with_same_logits(sparsegpt_run, shared_data):
+    from transformers import AutoModelForCausalLM
+
+    model, _, out, _ = sparsegpt_run
+    assert {"config.json", "model.safetensors", "recipe.yaml", "report.json", "tokenizer.json"} <= {
+        p.name for p in out.iterdir()
+    }
+    assert not [p for p in out.parent.iterdir() if p.name.startswith(".")]  # no temp dirs left
+    reloaded = AutoModelForCausalLM.from_pretrained(out).eval()
+    assert reloaded.lm_head.weight.data_ptr() == reloaded.model.embed_tokens.weight.data_ptr()
+    ids = torch.arange(100, 164).view(1, 64)
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(input_ids=ids).logits, model(input_ids=ids).logits)
+    report = json.loads((out / "report.json").read_text())
+    assert report["sparsity"]["total_targeted"] == 0.5
+    assert report["perplexity"]["after"] == pytest.approx(model.llmc_fsm_report.ppl_after)
+    recipe = (out / "recipe.yaml").read_text()
+    assert "SparseGPTModifier" in recipe and "applied: true" in recipe
+
+
+# --------------------------------------------------------------------------- bad input (CLI)
+def _cli(args, capsys):
+    rc = main(["oneshot", "--no-progress", *args])
+    return rc, capsys.readouterr().err
+
+
+def test_cli_refuses_non_empty_output_without_overwrite(tmp_path, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("x")
+    rc, err = _cli(["--output", str(out)], capsys)
+    assert rc == 1
+    assert "not empty" in err and "--overwrite" in err
+    assert _no_stray_files(out) == ["keep.txt"]
+    assert _no_stray_files(tmp_path) == ["out"]
+
+
+def test_cli_unknown_model(tmp_path, capsys):
+    rc, err = _cli(["--model", "no-such-model", "--output", str(tmp_path / "out")], capsys)
+    assert rc == 1
+    assert "unknown model 'no-such-model'" in err and "smollm2-135m" in err
+    assert _no_stray_files(tmp_path) == []
+
+
+def test_cli_sparsity_out_of_range(tmp_path, capsys):
+    rc, err = _cli(["--sparsity", "1.5", "--output", str(tmp_path / "out")], capsys)
+    assert rc == 1
+    assert "sparsity" in err and "1.5" in err
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("s:\n  SparseGPTModifier:\n    sparsity: 1.5\n")
+    rc, err = _cli(["--recipe", str(recipe), "--output", str(tmp_path / "out")], capsys)
+    assert rc == 1 and "sparsity" in err
+    assert _no_stray_files(tmp_path) == ["r.yaml"]
+
+
+def test_cli_missing_dataset_file(tmp_path, capsys):
+    rc, err = _cli(["--dataset", str(tmp_path / "nope.txt"), "--output", str(tmp_path / "out")], capsys)
+    assert rc == 1 and "nope.txt" in err
+    assert _no_stray_files(tmp_path) == []
+
+
+@pytest.mark.slow
+def test_cli_dataset_too_short(tmp_path, capsys):
+    text = tmp_path / "short.txt"
+    text.write_text("Only a few words here.\n")
+    rc, err = _cli(["--dataset", str(text), "--num-samples", "8", "--seq-len", "128", "--output",
+                    str(tmp_path / "out")], capsys)
+    assert rc == 1
+    assert "8 windows x 128 tokens" in err
+    assert _no_stray_files(tmp_path) == ["short.txt"]
+
+
+# --------------------------------------------------------------------------- in-memory model (fast)
+def _tiny():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)
+    return LlamaForCausalLM(config).eval()
+
+
+def test_oneshot_in_memory_model_with_token_windows(tmp_path):
+    model = _tiny()
+    data = torch.randint(0, 96, (4, 16), generator=torch.Generator().manual_seed(0))
+    out = llmc_fsm.oneshot(model=model, recipe={"s": {"WandaPruningModifier": {"mask_structure": "2:4"}}},
+                           dataset=data, output_dir=tmp_path / "o", progress=False)
+    assert out is model
+    report = model.llmc_fsm_report
+    assert report.total_sparsity == 0.5
+    assert report.calibration["num_samples"] == 4
+    assert (tmp_path / "o" / "report.json").is_file()
+
+
+def test_interrupted_save_leaves_no_output(tmp_path, monkeypatch):
+    model = _tiny()
+    data = torch.randint(0, 96, (2, 8), generator=torch.Generator().manual_seed(0))
+
+    def boom(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(model, "save_pretrained", boom)
+    with pytest.raises(KeyboardInterrupt):
+        llmc_fsm.oneshot(model=model, dataset=data, output_dir=tmp_path / "o", progress=False)
+    assert _no_stray_files(tmp_path) == []
+
+
+def test_overwrite_replaces_output(tmp_path):
+    out = tmp_path / "o"
+    out.mkdir()
+    (out / "old.txt").write_text("x")
+    model = _tiny()
+    data = torch.randint(0, 96, (2, 8), generator=torch.Generator().manual_seed(0))
+    llmc_fsm.oneshot(model=model, dataset=data, output_dir=out, overwrite=True, progress=False)
+    names = _no_stray_files(out)
+    assert "old.txt" not in names and "report.json" in names
+    assert _no_stray_files(tmp_path) == ["o"]
+
+
+def test_magnitude_recipe_needs_no_calibration_data():
+    model = _tiny()
+    data = torch.randint(0, 96, (2, 8), generator=torch.Generator().manual_seed(0))
+    llmc_fsm.oneshot(model=model, recipe={"s": {"MagnitudePruningModifier": {"sparsity": 0.25}}}, dataset=data,
+                     progress=False)
+    q = model.model.layers[0].self_attn.q_proj.weight
+    assert int((q == 0).sum()) == q.numel() // 4

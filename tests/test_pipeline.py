@@ -1,0 +1,232 @@
+"""The sequential calibration pipeline and the calibrated pruning modifiers on a tiny random Llama."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("llmc_fsm_pruning")
+
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from llmc_fsm import MissingStateError, ModifierError, RecipeError, Session
+from llmc_fsm.pipeline import calibration_batches, find_decoder_layers, run_sequential
+
+
+def tiny_llama(seed: int = 0, layers: int = 2) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+    )
+    model = LlamaForCausalLM(config).eval()
+    return model
+
+
+@pytest.fixture
+def data() -> torch.Tensor:
+    g = torch.Generator().manual_seed(1)
+    return torch.randint(0, 128, (6, 16), generator=g)
+
+
+def sparsegpt(**kw):
+    return {"stage": {"SparseGPTModifier": {"sparsity": 0.5, **kw}}}
+
+
+def linears(model):
+    return {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"}
+
+
+def test_find_decoder_layers():
+    model = tiny_llama(layers=3)
+    name, layers = find_decoder_layers(model)
+    assert name == "model.layers"
+    assert layers is model.model.layers
+
+
+def test_layer_inputs_match_a_full_forward_for_a_dense_model(data):
+    """With a modifier that changes nothing, each layer sees exactly what a full forward feeds it."""
+    model = tiny_llama(layers=3)
+    layers = model.model.layers
+    expected: dict[int, list[torch.Tensor]] = {i: [] for i in range(len(layers))}
+    handles = [
+        layer.register_forward_pre_hook(
+            lambda m, a, k, i=i: expected[i].append((a[0] if a else k["hidden_states"]).clone()), with_kwargs=True
+        )
+        for i, layer in enumerate(layers)
+    ]
+    with torch.no_grad():
+        for chunk in data.split(4):
+            model(input_ids=chunk, use_cache=False)
+    for h in handles:
+        h.remove()
+
+    seen: dict[int, list[torch.Tensor]] = {i: [] for i in range(len(layers))}
+    handles = [
+        layer.register_forward_pre_hook(
+            lambda m, a, k, i=i: seen[i].append((a[0] if a else k["hidden_states"]).clone()), with_kwargs=True
+        )
+        for i, layer in enumerate(layers)
+    ]
+    session = Session(sparsegpt(sparsity=0.0))  # sparsity 0: weights unchanged
+    session.initialize(model=model, calibration_data=data)
+    result = run_sequential(session, batch_size=4, progress=False)
+    session.finalize()
+    for h in handles:
+        h.remove()
+    assert result.num_layers == 3 and result.num_batches == 2
+    for i in range(len(layers)):
+        # layer 0: the capture run; then the calibration pass and (but for the last layer)
+        # the propagation pass, 2 batches each
+        runs = seen[i]
+        assert len(runs) == {0: 6, 1: 4, 2: 2}[i]
+        for j, x in enumerate(runs):
+            torch.testing.assert_close(x, expected[i][j % 2], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["SparseGPTModifier", "WandaPruningModifier"])
+def test_exact_unstructured_sparsity_and_tied_embedding_untouched(name, data):
+    model = tiny_llama()
+    embed_before = model.model.embed_tokens.weight.clone()
+    session = Session({"stage": {name: {"sparsity": 0.5, "ignore": ["lm_head"]}}})
+    session.initialize(model=model, calibration_data=data)
+    run_sequential(session, batch_size=4, progress=False)
+    session.finalize()
+    for n, m in linears(model).items():
+        zeros = int((m.weight == 0).sum())
+        assert zeros == m.weight.numel() // 2, n
+        # every output row has exactly half its weights pruned
+        assert ((m.weight == 0).sum(dim=1) == m.weight.shape[1] // 2).all(), n
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert torch.equal(model.model.embed_tokens.weight, embed_before)
+    assert session.modifiers[0].skipped == []
+    assert len(session.modifiers[0].results) == 14
+
+
+@pytest.mark.parametrize("name", ["SparseGPTModifier", "WandaPruningModifier"])
+def test_two_four_pattern(name, data):
+    model = tiny_llama()
+    session = Session({"stage": {name: {"mask_structure": "2:4"}}})
+    session.initialize(model=model, calibration_data=data)
+    run_sequential(session, batch_size=3, progress=False)
+    session.finalize()
+    for n, m in linears(model).items():
+        groups = (m.weight == 0).reshape(m.weight.shape[0], -1, 4).sum(dim=-1)
+        assert (groups >= 2).all(), n
+
+
+def test_sparsegpt_beats_wanda_on_layer_error(data):
+    """SparseGPT's weight reconstruction gives a smaller output change than Wanda's mask alone."""
+    outs = {}
+    for name in ("SparseGPTModifier", "WandaPruningModifier"):
+        model = tiny_llama()
+        with torch.no_grad():
+            dense = model(input_ids=data).logits
+        session = Session({"stage": {name: {"sparsity": 0.5}}})
+        session.initialize(model=model, calibration_data=data)
+        run_sequential(session, progress=False)
+        session.finalize()
+        with torch.no_grad():
+            outs[name] = float((model(input_ids=data).logits - dense).pow(2).mean())
+    assert outs["SparseGPTModifier"] < outs["WandaPruningModifier"]
+
+
+def test_missing_calibration_data_is_reported_at_initialize_before_work():
+    model = tiny_llama()
+    before = {n: p.clone() for n, p in model.named_parameters()}
+    session = Session(sparsegpt())
+    with pytest.raises(MissingStateError) as info:
+        session.initialize(model=model)
+    assert "calibration_data" in str(info.value)
+    assert info.value.missing == {"SparseGPTModifier": frozenset({"calibration_data"})}
+    assert session.lifecycle == "created"
+    for n, p in model.named_parameters():
+        assert torch.equal(p, before[n])
+
+
+def test_targets_matching_nothing_name_targets_and_modules(data):
+    model = tiny_llama()
+    session = Session(sparsegpt(targets=["Conv2d", "re:.*nothing.*"]))
+    with pytest.raises(ModifierError) as info:
+        session.initialize(model=model, calibration_data=data)
+    msg = str(info.value)
+    assert "Conv2d" in msg and "re:.*nothing.*" in msg
+    assert "model.embed_tokens" in msg  # some of the model's module names
+
+
+def test_targets_outside_the_layers_are_refused_before_work(data):
+    model = tiny_llama()
+    before = model.model.layers[0].self_attn.q_proj.weight.clone()
+    session = Session(sparsegpt(ignore=[]))  # lm_head (tied) is now a target
+    session.initialize(model=model, calibration_data=data)
+    with pytest.raises(ValueError, match=r"lm_head.*outside the decoder layers"):
+        run_sequential(session, progress=False)
+    assert torch.equal(model.model.layers[0].self_attn.q_proj.weight, before)
+
+
+@pytest.mark.parametrize(
+    ("args", "match"),
+    [
+        ({"sparsity": 1.5}, "sparsity"),
+        ({"sparsity": -0.1}, "sparsity"),
+        ({"mask_structure": "4:2"}, "mask_structure"),
+        ({"block_size": 0}, "block_size"),
+        ({"dampening_frac": 0}, "dampening_frac"),
+        ({"mask_structure": "2:4", "block_size": 30}, "multiple of M=4"),
+    ],
+)
+def test_bad_arguments_fail_at_session_creation(args, match):
+    with pytest.raises(RecipeError, match=match):
+        Session({"stage": {"SparseGPTModifier": args}})
+
+
+def test_modifier_without_sequential_events_prunes_at_calibration_end(data):
+    """An integration that runs the whole model between calibration_start and calibration_end."""
+    model = tiny_llama()
+    session = Session(sparsegpt())
+    session.initialize(model=model, calibration_data=data)
+    session.calibration_start()
+    with torch.no_grad():
+        model(input_ids=data)
+    session.calibration_end()
+    session.finalize()
+    for n, m in linears(model).items():
+        assert int((m.weight == 0).sum()) == m.weight.numel() // 2, n
+    assert session.modifiers[0].num_hooks == 0
+
+
+def test_hessians_are_shared_between_modules_with_the_same_input(data):
+    model = tiny_llama(layers=1)
+    session = Session(sparsegpt())
+    session.initialize(model=model, calibration_data=data)
+    session.calibration_start()
+    with torch.no_grad():
+        model(input_ids=data)
+    mod = session.modifiers[0]
+    accs = mod._acc
+    attn = model.model.layers[0].self_attn
+    assert accs["model.layers.0.self_attn.q_proj"] is accs["model.layers.0.self_attn.k_proj"]
+    assert accs["model.layers.0.self_attn.q_proj"] is accs["model.layers.0.self_attn.v_proj"]
+    assert accs["model.layers.0.self_attn.q_proj"] is not accs["model.layers.0.self_attn.o_proj"]
+    assert accs["model.layers.0.mlp.gate_proj"] is accs["model.layers.0.mlp.up_proj"]
+    assert accs["model.layers.0.self_attn.q_proj"].num_samples == data.numel()
+    assert attn is not None
+    session.calibration_end()
+    session.finalize()
+
+
+def test_calibration_batches_forms():
+    ids = torch.arange(20).view(5, 4)
+    assert [b["input_ids"].shape[0] for b in calibration_batches(ids, batch_size=2)] == [2, 2, 1]
+    assert len(calibration_batches([ids[:2], {"input_ids": ids[2:]}])) == 2
+    with pytest.raises(ValueError, match="empty"):
+        calibration_batches([])
+    with pytest.raises(ValueError, match="token ids"):
+        calibration_batches(torch.zeros(2, 3))

@@ -1,0 +1,374 @@
+"""Training-time modifiers in a plain PyTorch loop (llmc_fsm.integrations.torch).
+
+ConstantPruning / MagnitudePruning (llmc-fsm-pruning), OutputDistillation and
+LearningRate (llmc-fsm-training).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from llmc_fsm import MissingStateError, RecipeError, Session
+from llmc_fsm.integrations.torch import initialize, is_step, optimizer_step, steps_per_epoch
+
+pruning = pytest.importorskip("llmc_fsm_pruning")
+training = pytest.importorskip("llmc_fsm_training")
+
+from llmc_fsm_pruning.constant import ConstantPruningModifier  # noqa: E402
+from llmc_fsm_pruning.magnitude import MagnitudePruningModifier, cubic_sparsity  # noqa: E402
+from llmc_fsm_training import LearningRateModifier, OutputDistillationModifier, distillation_kl  # noqa: E402
+
+
+class TinyLM(nn.Module):
+    """Embedding -> 2 Linear -> logits; returns an object with .logits/.loss like HF models."""
+
+    def __init__(self, vocab: int = 11, hidden: int = 8, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.embed = nn.Embedding(vocab, hidden)
+        self.fc1 = nn.Linear(hidden, hidden)
+        self.fc2 = nn.Linear(hidden, hidden)
+        self.lm_head = nn.Linear(hidden, vocab)
+
+    def forward(self, input_ids, attention_mask=None, labels=None):
+        h = torch.relu(self.fc1(self.embed(input_ids)))
+        logits = self.lm_head(torch.relu(self.fc2(h)))
+        out = type("Out", (), {})()
+        out.logits = logits
+        out.loss = None
+        if labels is not None:
+            out.loss = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+        return out
+
+
+def _batches(n: int, seed: int = 1, vocab: int = 11) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        ids = torch.randint(0, vocab, (2, 5), generator=g)
+        out.append({"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids})
+    return out
+
+
+def _zeros(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: (m.weight == 0).clone() for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+
+
+def _loop(session: Session, model, optimizer, batches, accumulation: int = 1, epochs: int = 1) -> list[float]:
+    losses = []
+    for _ in range(epochs):
+        for i, batch in enumerate(batches):
+            session.batch_start(batch=batch)
+            loss = session.loss_calculated(model(**batch).loss)
+            (loss / accumulation).backward()
+            losses.append(float(loss.detach()))
+            if is_step(i, len(batches), accumulation):
+                optimizer_step(session, optimizer)
+            session.batch_end()
+    return losses
+
+
+# --- ConstantPruning ------------------------------------------------------------
+
+
+def test_constant_pruning_masks_hold_exactly_in_plain_loop():
+    model = TinyLM()
+    with torch.no_grad():  # pre-pruned: ~50% zeros in fc1/fc2
+        for m in (model.fc1, model.fc2):
+            m.weight[m.weight.abs() < m.weight.abs().median()] = 0
+    before = _zeros(model)
+    assert before["fc1"].float().mean() >= 0.4
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
+    session = Session([ConstantPruningModifier()])
+    session.update_state(model=model)
+    initialize(session, optimizer=optimizer)
+    _loop(session, model, optimizer, _batches(6))
+    session.finalize()
+    after = _zeros(model)
+    for name in ("fc1", "fc2"):
+        assert torch.equal(after[name], before[name]), name
+    # lm_head is ignored by default: it trained freely (nothing was zero, nothing forced)
+    assert not after["lm_head"].any()
+    mod = session.modifiers[0]
+    expected = (before["fc1"].sum() + before["fc2"].sum()).item() / (2 * 64)
+    assert mod.measured_sparsity == pytest.approx(expected)
+    assert mod.num_hooks == 0
+
+
+def test_constant_pruning_end_stops_holding():
+    model = TinyLM()
+    with torch.no_grad():
+        model.fc1.weight[:, :4] = 0
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    session = Session([ConstantPruningModifier(end=0.5, targets=["fc1"])])
+    initialize(session, model=model, steps_per_epoch=4)
+    _loop(session, model, optimizer, _batches(4))
+    session.finalize()
+    # held for steps 0-1 (epoch < 0.5), then released: SGD regrows the zeros
+    assert (model.fc1.weight[:, :4] != 0).any()
+
+
+# --- MagnitudePruning -------------------------------------------------------------
+
+
+def test_magnitude_one_shot_prunes_at_first_batch_and_holds():
+    model = TinyLM()
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.05)
+    session = Session([MagnitudePruningModifier(sparsity=0.5)])
+    initialize(session, model=model, optimizer=optimizer)
+    batches = _batches(4)
+    session.batch_start(batch=batches[0])
+    zeros = _zeros(model)
+    assert zeros["fc1"].sum() == 32 and zeros["fc2"].sum() == 32
+    session.batch_end()
+    _loop(session, model, optimizer, batches)
+    session.finalize()
+    assert torch.equal(_zeros(model)["fc1"], zeros["fc1"])
+    assert session.modifiers[0].measured_sparsity == pytest.approx(0.5)
+
+
+def test_magnitude_gradual_follows_cubic_schedule_and_finalize_reaches_final():
+    model = TinyLM()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    mod = MagnitudePruningModifier(init_sparsity=0.1, final_sparsity=0.8, start=0, end=2, update=0.5)
+    session = Session([mod])
+    initialize(session, model=model, optimizer=optimizer, steps_per_epoch=4)
+    numel = 2 * 64
+    measured = {}
+    for step, batch in enumerate(_batches(6)):  # stops at epoch 1.5 < end
+        session.batch_start(batch=batch)
+        measured[step] = sum(int((m.weight == 0).sum()) for m in (model.fc1, model.fc2)) / numel
+        session.loss_calculated(model(**batch).loss).backward()
+        optimizer_step(session, optimizer)
+        session.batch_end()
+    # pruning events at steps 0, 2, 4 (epochs 0, 0.5, 1.0); each layer rounds half up
+    for step in (0, 2, 4):
+        target = cubic_sparsity(step / 4, 0.1, 0.8, 0.0, 2.0)
+        assert target == pytest.approx(0.8 + (0.1 - 0.8) * (1 - step / 8) ** 3)
+        assert measured[step] == pytest.approx(math.floor(target * 64 + 0.5) / 64)
+    assert measured[1] == measured[0] and measured[3] == measured[2]  # masks held between updates
+    assert [t for _, t in mod.history] == pytest.approx([cubic_sparsity(e, 0.1, 0.8, 0, 2) for e in (0, 0.5, 1.0)])
+    session.finalize()  # training stopped at epoch 1.5: finalize still leaves final_sparsity
+    assert mod.measured_sparsity == pytest.approx(math.floor(0.8 * 64 + 0.5) / 64)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"sparsity": 1.0},
+        {"sparsity": -0.1},
+        {},
+        {"sparsity": 0.5, "init_sparsity": 0.1, "final_sparsity": 0.5, "end": 1, "update": 0.5},
+        {"init_sparsity": 0.1, "final_sparsity": 0.5},  # no end/update
+        {"init_sparsity": 0.6, "final_sparsity": 0.5, "end": 1, "update": 0.5},
+        {"sparsity": 0.5, "mask_structure": "2:3:4"},
+        {"sparsity": 0.3, "mask_structure": "2:4"},
+    ],
+)
+def test_magnitude_argument_validation(kwargs):
+    with pytest.raises(ValueError):
+        MagnitudePruningModifier(**kwargs)
+
+
+def test_magnitude_two_four():
+    model = TinyLM()
+    session = Session([MagnitudePruningModifier(mask_structure="2:4")])
+    session.initialize(model=model)
+    session.calibration_start()
+    session.calibration_end()
+    session.finalize()
+    groups = (model.fc1.weight != 0).reshape(8, 2, 4).sum(-1)
+    assert (groups <= 2).all()
+
+
+# --- LearningRate ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "closed_form"),
+    [
+        ({"schedule": "constant", "init_lr": 0.3}, lambda e: 0.3),
+        (
+            {"schedule": "linear", "init_lr": 0.3, "final_lr": 0.1, "end": 2},
+            lambda e: 0.3 + (0.1 - 0.3) * min(e / 2, 1),
+        ),
+        (
+            {"schedule": "cosine", "init_lr": 0.3, "final_lr": 0.0, "start": 0.5, "end": 2.5},
+            lambda e: 0.15 * (1 + math.cos(math.pi * min(max((e - 0.5) / 2, 0), 1))),
+        ),
+        (
+            {"schedule": "step", "init_lr": 0.3, "step_size": 0.75, "gamma": 0.5},
+            lambda e: 0.3 * 0.5 ** math.floor(e / 0.75),
+        ),
+    ],
+)
+def test_lr_schedule_closed_form_with_accumulation(kwargs, closed_form):
+    model = TinyLM()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    seen = []
+    optimizer.register_step_pre_hook(lambda opt, *_: seen.append(opt.param_groups[0]["lr"]))
+    mod = LearningRateModifier(**kwargs)
+    session = Session([mod])
+    batches = _batches(8)
+    accumulation = 2
+    spe = steps_per_epoch(batches, accumulation)
+    assert spe == 4
+    initialize(session, model=model, optimizer=optimizer, steps_per_epoch=spe)
+    _loop(session, model, optimizer, batches, accumulation=accumulation, epochs=3)
+    assert session.global_step == 12  # 8 batches / 2 per step * 3 epochs
+    start = kwargs.get("start", 0)
+    for step, lr in enumerate(seen):
+        epoch = step / spe
+        end = kwargs.get("end")
+        if epoch < start:
+            assert lr == 1.0, step  # untouched before start
+        elif end is not None and epoch >= end:
+            assert lr == pytest.approx(closed_form(end)), step  # held at the end value
+        else:
+            assert lr == pytest.approx(closed_form(epoch)), step
+    session.finalize()
+
+
+def test_step_counting_with_uneven_accumulation():
+    assert steps_per_epoch(7, 3) == 3
+    assert [is_step(i, 7, 3) for i in range(7)] == [False, False, True, False, False, True, True]
+    model = TinyLM()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    session = Session([LearningRateModifier(schedule="linear", init_lr=0.1, end=1)])
+    initialize(session, model=model, optimizer=optimizer, steps_per_epoch=steps_per_epoch(7, 3))
+    _loop(session, model, optimizer, _batches(7), accumulation=3)
+    assert session.global_step == 3
+    session.finalize()
+
+
+def test_lr_validation():
+    with pytest.raises(ValueError, match="needs end"):
+        LearningRateModifier(schedule="cosine", init_lr=0.1)
+    with pytest.raises(ValueError, match="step_size"):
+        LearningRateModifier(schedule="step", init_lr=0.1)
+    with pytest.raises(ValueError):
+        LearningRateModifier(schedule="exp", init_lr=0.1)
+    with pytest.raises(ValueError):
+        LearningRateModifier(init_lr=0)
+
+
+# --- Distillation -------------------------------------------------------------------
+
+
+def test_distillation_loss_equals_hand_computed_value():
+    student, teacher = TinyLM(vocab=3, hidden=4, seed=0), TinyLM(vocab=3, hidden=4, seed=1)
+    mod = OutputDistillationModifier(temperature=2.0, alpha=0.25)
+    session = Session([mod])
+    initialize(session, model=student, teacher=teacher)
+    ids = torch.tensor([[0, 2, 1]])
+    mask = torch.tensor([[1, 1, 0]])  # last position is padding: excluded from the KL mean
+    batch = {"input_ids": ids, "attention_mask": mask, "labels": ids}
+    session.batch_start(batch=batch)
+    out = student(**batch)
+    combined = session.loss_calculated(out.loss)
+
+    # by hand, with plain Python floats
+    s_logits = out.logits.detach()[0].tolist()
+    with torch.no_grad():
+        t_logits = teacher(input_ids=ids).logits[0].tolist()
+
+    def softmax(xs):
+        m = max(xs)
+        e = [math.exp(x - m) for x in xs]
+        return [v / sum(e) for v in e]
+
+    kls = []
+    for p in range(2):
+        q_t = softmax([x / 2.0 for x in t_logits[p]])
+        q_s = softmax([x / 2.0 for x in s_logits[p]])
+        kls.append(sum(a * (math.log(a) - math.log(b)) for a, b in zip(q_t, q_s, strict=True)))
+    kd = 4.0 * sum(kls) / 2
+    expected = 0.75 * float(out.loss.detach()) + 0.25 * kd
+    assert float(combined.detach()) == pytest.approx(expected, rel=1e-5)
+    assert float(mod.last_distill_loss) == pytest.approx(kd, rel=1e-5)
+    combined.backward()  # differentiable w.r.t. the student only
+    assert student.fc1.weight.grad is not None and teacher.fc1.weight.grad is None
+    session.batch_end()
+    session.finalize()
+    assert mod.num_hooks == 0 and not student._forward_hooks
+
+
+def test_distillation_kl_is_zero_for_identical_logits():
+    x = torch.randn(2, 3, 5)
+    assert float(distillation_kl(x, x.clone(), 3.0)) == pytest.approx(0.0, abs=1e-6)
+
+
+def test_distillation_without_forward_warns_and_keeps_the_loss():
+    session = Session([OutputDistillationModifier()])
+    initialize(session, model=TinyLM(), teacher=TinyLM(seed=2))
+    session.batch_start()
+    with pytest.warns(RuntimeWarning, match="without a training forward"):
+        assert float(session.loss_calculated(torch.tensor(1.0))) == 1.0
+
+
+# --- MissingStateError before any step -----------------------------------------------
+
+
+def test_missing_teacher_and_optimizer_reported_before_any_step():
+    model = TinyLM()
+    session = Session([OutputDistillationModifier(), LearningRateModifier(init_lr=0.1)])
+    session.update_state(model=model, steps_per_epoch=4)
+    with pytest.raises(MissingStateError) as info:
+        initialize(session)
+    err = info.value
+    assert err.missing == {
+        "OutputDistillationModifier": frozenset({"teacher"}),
+        "LearningRateModifier": frozenset({"optimizer"}),
+    }
+    text = str(err)
+    assert "OutputDistillationModifier" in text and "LearningRateModifier" in text
+    assert "session.update_state(teacher=teacher)" in text
+    assert "session.update_state(optimizer=optimizer)" in text
+    assert session.lifecycle == "staging" and session.global_step == 0
+
+
+def test_recipe_yaml_uses_registered_names():
+    recipe = """
+    train:
+      ConstantPruningModifier: {}
+      LearningRateModifier: {schedule: linear, init_lr: 0.01, end: 1}
+      OutputDistillationModifier: {temperature: 3, alpha: 0.7}
+    """
+    session = Session(recipe)
+    assert [type(m).__name__ for m in session.modifiers] == [
+        "ConstantPruningModifier",
+        "LearningRateModifier",
+        "OutputDistillationModifier",
+    ]
+    with pytest.raises(RecipeError, match="alpha"):
+        Session("train:\n  OutputDistillationModifier: {alpha: 2}\n")
+
+
+# --- the lifecycle contract (llmc_fsm.testing) ----------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("factory", "state"),
+    [
+        (ConstantPruningModifier, lambda: {"model": TinyLM()}),
+        (lambda: MagnitudePruningModifier(sparsity=0.5), lambda: {"model": TinyLM()}),
+        (
+            lambda: MagnitudePruningModifier(init_sparsity=0.1, final_sparsity=0.5, end=2, update=1),
+            lambda: {"model": TinyLM(), "steps_per_epoch": 1},
+        ),
+        (OutputDistillationModifier, lambda: {"model": TinyLM(), "teacher": TinyLM(seed=3)}),
+        (
+            lambda: LearningRateModifier(schedule="linear", init_lr=0.1, end=2),
+            lambda: {"optimizer": torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=1.0), "steps_per_epoch": 2},
+        ),
+    ],
+)
+@pytest.mark.filterwarnings("ignore:OutputDistillationModifier:RuntimeWarning")
+def test_modifiers_obey_the_lifecycle_contract(factory, state):
+    from llmc_fsm.testing import check_modifier
+
+    check_modifier(factory, state, max_examples=10, loss_factory=lambda: torch.tensor(1.0))
