@@ -6,7 +6,12 @@ with 0, 1, 4 and 16 no-op modifiers that handle every batch event, and the cost
 of one ``transitions`` trigger for scale. Target (lifecycle issue): <= 3 µs per
 event per no-op modifier plus a small fixed cost.
 
-    python benchmarks/lifecycle_overhead.py [--steps 20000] [--json]
+    python benchmarks/lifecycle_overhead.py [--steps 20000] [--json] [--no-peer]
+
+It then runs ``benchmarks/training_overhead.py``: the per-step overhead of one
+ConstantPruningModifier over 8 ``Linear(64, 64)`` beside ``llmcompressor==0.14.0.1``
+running the same workload in the same invocation (``--no-peer`` skips the peer,
+``--only-events`` skips this part).
 
 Results are recorded in docs/benchmarks.md.
 """
@@ -16,7 +21,9 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import attrs
 
@@ -83,6 +90,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20000)
     parser.add_argument("--json", action="store_true", help="print one JSON line instead of the table")
+    parser.add_argument("--no-peer", action="store_true", help="ConstantPruning part: skip llmcompressor")
+    parser.add_argument("--only-events", action="store_true", help="skip the ConstantPruning part")
     args = parser.parse_args()
 
     step_us = {n: time_steps(n, args.steps) for n in (0, 1, 4, 16)}
@@ -106,6 +115,12 @@ def main() -> None:
     print(f"one transitions trigger: {trigger_us:.2f} µs (events do not go through triggers)")
     worst = max(per_mod.values())
     print(f"target <= 3 µs per event per no-op modifier: {'met' if worst <= 3 else 'MISSED'} (worst {worst:.2f} µs)")
+    if not args.only_events:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from training_overhead import main as training_main
+
+        print()
+        training_main([*(["--no-peer"] if args.no_peer else []), *(["--json"] if args.json else [])])
 
 
 if __name__ == "__main__":

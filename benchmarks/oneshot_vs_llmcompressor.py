@@ -117,7 +117,7 @@ def run_ours(recipe: dict[str, Any] | None, args: argparse.Namespace, *, skip_de
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def run_peer(args: argparse.Namespace) -> dict[str, Any]:
+def run_peer(args: argparse.Namespace, extra: tuple[str, ...] = ()) -> dict[str, Any]:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from _peer import run_peer_script
 
@@ -131,7 +131,7 @@ def run_peer(args: argparse.Namespace) -> dict[str, Any]:
     return run_peer_script(
         Path(__file__).resolve().parent / "peer_oneshot_llmcompressor.py",
         ["--model", str(model_dir), "--data", str(args.data), "--calib-windows", str(args.calib_windows),
-         "--eval-windows", str(args.eval_windows), "--seq-len", str(args.seq_len)],
+         "--eval-windows", str(args.eval_windows), "--seq-len", str(args.seq_len), *extra],
     )
 
 
@@ -171,6 +171,20 @@ def render(
             f"| lm_head / tied embedding sparsity | {ours['lm_head_sparsity']:.4f} | {peer['lm_head_sparsity']:.4f} "
             "| | untouched (ignored) |",
         ]
+        if peer.get("fair_pruned_ppl") is not None:
+            fair_r = ours["pruned_ppl"] / peer["fair_pruned_ppl"]
+            lines += [
+                f"| perplexity pruned, peer with `ignore: ['re:.*lm_head']` (its lm_head sparsity "
+                f"{peer['fair_lm_head_sparsity']:.4f}) | {ours['pruned_ppl']:.2f} | {peer['fair_pruned_ppl']:.2f} "
+                f"| {fair_r:.3f} | like-for-like |",
+            ]
+            lines += [
+                "",
+                "llmcompressor 0.14 prunes the tied `lm_head` (and so `embed_tokens`) although `ignore` names "
+                "`lm_head` — its target name for the head does not match the plain string. The same-config row "
+                "above is what a user of either tool gets from the same recipe; the last row gives the peer a regex "
+                "ignore so that both leave the head dense (a second peer run, perplexity only).",
+            ]
     else:
         lines += [
             f"| wall (s) | {ours['compress_wall_s']:.1f} | not run | | |",
@@ -216,6 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
     p.add_argument("--no-peer", action="store_true", help="skip llmcompressor")
     p.add_argument("--peer-json", type=Path, help="reuse a peer result (the JSON line the peer script printed)")
+    p.add_argument("--no-fair-peer", action="store_true", help="skip the peer run with a regex lm_head ignore")
     p.add_argument("--no-variants", action="store_true", help="skip the dense/magnitude/Wanda/2:4 runs")
     p.add_argument("--write-docs", action="store_true", help=f"update the section in {DOCS.relative_to(REPO_ROOT)}")
     args = p.parse_args(argv)
@@ -233,6 +248,14 @@ def main(argv: list[str] | None = None) -> int:
         _log("peer: llmcompressor SparseGPT 50% (own venv)")
         peer = run_peer(args)
         _log(f"peer: {json.dumps(peer)}")
+        if not args.no_fair_peer:
+            # llmcompressor 0.14 prunes the tied lm_head although ignore names "lm_head";
+            # a regex ignore leaves it dense, for a like-for-like perplexity.
+            _log("peer: llmcompressor SparseGPT 50% with ignore ['re:.*lm_head'] (perplexity only)")
+            fair = run_peer(args, ("--ignore", "re:.*lm_head", "--skip-dense"))
+            peer["fair_pruned_ppl"] = fair["pruned_ppl"]
+            peer["fair_lm_head_sparsity"] = fair["lm_head_sparsity"]
+            _log(f"peer (fair): {json.dumps(fair)}")
     variants: dict[str, float] = {"dense": ours["dense_ppl"]}
     if not args.no_variants:
         for name, recipe in VARIANTS.items():

@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
+    from llmc_fsm.recipe import Recipe
     from llmc_fsm.report import OneshotReport
 
 __all__ = ["DEFAULT_MODEL", "DEFAULT_PROMPTS", "add_cli", "default_recipe", "generate_calibration", "oneshot"]
@@ -232,7 +233,8 @@ def oneshot(
             ``num_eval_windows`` non-overlapping windows of ``eval_seq_length``
             (default ``max_seq_length``) tokens from the head of this text
             (fewer windows if the text is shorter).
-        batch_size: calibration windows per forward pass.
+        batch_size: calibration windows per forward pass (default 8: measured as fast
+            as 32 on 2 CPU cores, with a quarter of the layer's intermediate activations).
         seed: seed for the self-generated default calibration data.
         progress: tqdm progress bars on stderr.
 
@@ -252,6 +254,7 @@ def oneshot(
     """
     import torch
 
+    from llmc_fsm.recipe import resolve_recipe
     from llmc_fsm.report import OneshotReport, max_rss_bytes, measure_sparsity
     from llmc_fsm.session import Session
 
@@ -265,9 +268,13 @@ def oneshot(
 
     # ---- checks that need no model --------------------------------------------------
     out_path = _check_output_dir(output_dir, overwrite)
-    session = Session(recipe if recipe is not None else default_recipe())
+    session = Session(_merge_saved_recipe(resolve_recipe(recipe if recipe is not None else default_recipe()), model))
     if not session.modifiers:
-        msg = "the recipe has no modifier to run (every stage is empty or already applied)"
+        msg = (
+            "the recipe has no modifier to run: every stage is already applied"
+            + (f" to {model} (see its recipe.yaml)" if isinstance(model, str | os.PathLike) else "")
+            + "; give a recipe with a new stage name"
+        )
         raise ValueError(msg)
     if isinstance(dataset, torch.Tensor):
         if dataset.dim() != 2 or dataset.is_floating_point():
@@ -420,6 +427,29 @@ def oneshot(
         _finish(report, t_total, max_rss_bytes)
     model.llmc_fsm_report = report
     return model
+
+
+def _merge_saved_recipe(recipe: Recipe, model: Any) -> Recipe:
+    """Put the stages already applied to a saved model first and skip new stages of the same name.
+
+    A model written by ``oneshot(output_dir=...)`` carries ``recipe.yaml`` with its
+    stages marked ``applied``. Re-running on that directory keeps those stages (so the
+    new ``recipe.yaml`` tells the model's whole history) and skips any stage of the
+    new recipe whose name was already applied, with a warning.
+    """
+    from llmc_fsm.recipe import Recipe, resolve_recipe
+
+    if not isinstance(model, str | os.PathLike) or not (Path(model) / "recipe.yaml").is_file():
+        return recipe
+    saved = resolve_recipe(Path(model) / "recipe.yaml")
+    done = {stage.name for stage in saved.stages if stage.applied}
+    fresh = []
+    for stage in recipe.stages:
+        if stage.name in done:
+            logger.warning("stage %r was already applied to %s (see its recipe.yaml): skipped", stage.name, model)
+        else:
+            fresh.append(stage)
+    return Recipe([*saved.stages, *fresh], recipe.source)
 
 
 def _finish(report: OneshotReport, t_total: float, max_rss: Any) -> None:

@@ -261,8 +261,9 @@ class Recipe:
                 every stage applied; a collection of stage names marks those
                 (stages already applied stay applied).
 
-        Modifier arguments are the modifier's attrs init fields whose value
-        differs from the default; tuples and sets become lists.
+        Modifier arguments are all the modifier's attrs init fields (defaults
+        included, so a saved recipe shows every setting used) except those that
+        are ``None`` by default and still ``None``; tuples and sets become lists.
 
         Raises:
             RecipeError: an unknown stage name in ``applied``, or an argument value
@@ -317,7 +318,7 @@ def _modifier_args(m: Modifier, stage: str) -> dict[str, Any]:
         default = field.default
         if isinstance(default, attrs.Factory):  # type: ignore[arg-type]
             default = default.factory(m) if default.takes_self else default.factory()
-        if default is not attrs.NOTHING and value == default:
+        if value is None and default is None:  # unset schedule fields and the like
             continue
         where = f"stage {stage!r}, modifier {_label(m)}, argument {field.alias!r}"
         args[field.alias] = _plain(value, where)

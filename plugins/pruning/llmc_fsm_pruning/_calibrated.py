@@ -215,16 +215,8 @@ class CalibratedPruningModifier(Modifier):
                 self.skipped.append(name)
             return
         t0 = time.perf_counter()
-        threads = torch.get_num_threads()
-        try:
-            # The algorithms are sequences of small ops (SparseGPT's column sweep): one
-            # thread is faster than several, whose synchronisation dominates (3-5x here).
-            torch.set_num_threads(1)
-            with torch.no_grad():
-                new = self._prune_weight(module, acc)
-        finally:
-            torch.set_num_threads(threads)
         with torch.no_grad():
+            new = self._prune_weight(module, acc)
             module.weight.copy_(new)
         zeros = int((module.weight == 0).sum())
         self.results[name] = LayerResult(
