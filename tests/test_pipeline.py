@@ -102,8 +102,10 @@ def test_exact_unstructured_sparsity_and_tied_embedding_untouched(name, data):
     for n, m in linears(model).items():
         zeros = int((m.weight == 0).sum())
         assert zeros == m.weight.numel() // 2, n
-        # every output row has exactly half its weights pruned
-        assert ((m.weight == 0).sum(dim=1) == m.weight.shape[1] // 2).all(), n
+        if name == "WandaPruningModifier":  # Wanda: exactly half of every output row
+            assert ((m.weight == 0).sum(dim=1) == m.weight.shape[1] // 2).all(), n
+        else:  # SparseGPT: the mask is chosen over whole blocks, so rows differ
+            assert len(set((m.weight == 0).sum(dim=1).tolist())) > 1, n
     assert model.lm_head.weight is model.model.embed_tokens.weight
     assert torch.equal(model.model.embed_tokens.weight, embed_before)
     assert session.modifiers[0].skipped == []
