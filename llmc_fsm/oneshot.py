@@ -391,7 +391,7 @@ def oneshot(
             targeted.extend(n for n in names if n not in targeted)
     if not targeted:  # modifiers that do not say: every Linear inside the decoder layers
         targeted = [m.name for m in modules if m.layer is not None]
-    recipe_dict = _recipe_dict(session)
+    recipe_dict = session.recipe.to_dict(applied=True)
     report = OneshotReport(
         model=model_name,
         recipe=recipe_dict,
@@ -418,7 +418,7 @@ def oneshot(
             model.save_pretrained(tmp, safe_serialization=True)
             if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
                 tokenizer.save_pretrained(tmp)
-            (tmp / "recipe.yaml").write_text(_recipe_yaml(session, recipe_dict), encoding="utf-8")
+            (tmp / "recipe.yaml").write_text(session.recipe.to_yaml(applied=True), encoding="utf-8")
             seconds["save"] = time.perf_counter() - t0
             report.output_dir = str(out_path)
             _finish(report, t_total, max_rss_bytes)
@@ -455,35 +455,6 @@ def _merge_saved_recipe(recipe: Recipe, model: Any) -> Recipe:
 def _finish(report: OneshotReport, t_total: float, max_rss: Any) -> None:
     report.seconds["total"] = time.perf_counter() - t_total
     report.max_rss_bytes = max_rss()
-
-
-def _recipe_dict(session: Any) -> dict[str, Any]:
-    recipe = session.recipe
-    if hasattr(recipe, "to_dict"):
-        return recipe.to_dict(applied=True)
-    import attrs
-
-    out: dict[str, Any] = {}
-    for stage in recipe.stages:
-        mods = {}
-        for m in stage.modifiers:
-            args = {
-                a.name: getattr(m, a.name)
-                for a in attrs.fields(type(m))
-                if a.init and getattr(m, a.name) != a.default
-            }
-            mods[m.modifier_name()] = args
-        out[stage.name] = {"applied": True, "modifiers": mods}
-    return out
-
-
-def _recipe_yaml(session: Any, recipe_dict: dict[str, Any]) -> str:
-    recipe = session.recipe
-    if hasattr(recipe, "to_yaml"):
-        return recipe.to_yaml(applied=True)
-    import yaml
-
-    return yaml.safe_dump(recipe_dict, sort_keys=False)
 
 
 # --------------------------------------------------------------------------- CLI
