@@ -102,8 +102,8 @@ def make_machine(model: object) -> Machine:
 def mermaid() -> str:
     """Return the lifecycle as a mermaid ``stateDiagram-v2``, generated from ``TRANSITIONS``.
 
-    Uses ``transitions``' own mermaid engine (no graphviz needed); the title and
-    styling lines it emits are kept as they are.
+    Uses ``transitions``' own mermaid engine (no graphviz needed), with its title
+    front matter and ``class`` statements corrected to mermaid syntax.
     """
     from transitions.extensions.diagrams import GraphMachine
 
@@ -120,4 +120,8 @@ def mermaid() -> str:
         title="llmc-fsm session lifecycle",
         show_conditions=True,
     )
-    return str(machine.get_graph().draw(None)).rstrip() + "\n"
+    text = str(machine.get_graph().draw(None)).rstrip() + "\n"
+    # transitions 0.9 writes the title as bare front matter and capitalises `class`
+    # statements; mermaid wants `title:` and lowercase `class`.
+    text = text.replace("---\nllmc-fsm session lifecycle\n---", "---\ntitle: llmc-fsm session lifecycle\n---", 1)
+    return "\n".join("  class " + line[8:] if line.startswith("  Class ") else line for line in text.split("\n"))
