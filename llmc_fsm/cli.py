@@ -21,7 +21,7 @@ from collections.abc import Sequence
 __all__ = ["main"]
 
 #: Modules that contribute subcommands through ``add_cli(subparsers)``.
-_SUBCOMMAND_MODULES = ("llmc_fsm.cli_lifecycle", "llmc_fsm.cli_plugins", "llmc_fsm.oneshot")
+_SUBCOMMAND_MODULES = ("llmc_fsm.cli_lifecycle", "llmc_fsm.cli_plugins", "llmc_fsm.cli_oneshot")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -46,7 +46,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the process exit status (0 ok, 1 error, 2 usage)."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
+    )
     try:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:

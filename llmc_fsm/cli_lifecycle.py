@@ -18,5 +18,7 @@ def _run(args: argparse.Namespace) -> int:
 
 def add_cli(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser("lifecycle", help="print the session lifecycle", description=__doc__)
-    parser.add_argument("--mermaid", action="store_true", help="print a mermaid stateDiagram-v2 generated from the table")
+    parser.add_argument(
+        "--mermaid", action="store_true", help="print a mermaid stateDiagram-v2 generated from the table"
+    )
     parser.set_defaults(func=_run)
