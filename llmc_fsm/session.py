@@ -307,10 +307,13 @@ class Session:
                 slot.modifier.remove_hooks()
 
     # --- events (hot path: no transitions trigger, one dict lookup) ------------
-    def _enter(self, event: str) -> Event:
+    def _enter(self, event: str, step: int | None = None) -> Event:
+        """Check the event order (one lookup), then set the global step (if given) and the shared Event."""
         position = EVENT_ORDER[self._position].get(event)
         if position is None:
             self._refuse_event(event)
+        if step is not None:
+            self._step = step
         if self._fsm.state == "initialized":
             self._fsm.first_event()  # type: ignore[attr-defined]
         self._position = position
@@ -376,12 +379,7 @@ class Session:
         ):
             msg = f"global_step must be a non-negative int, got {global_step!r}"
             raise ValueError(msg)
-        position = EVENT_ORDER[self._position].get("batch_start")
-        if position is None:
-            self._refuse_event("batch_start")
-        if global_step is not None:
-            self._step = global_step
-        ev = self._enter("batch_start")
+        ev = self._enter("batch_start", global_step)
         ev.batch = batch
         ev.loss = None
         if self._scheduled:
@@ -407,12 +405,7 @@ class Session:
 
     def optim_post_step(self) -> None:
         """The optimizer has stepped; the global step advances by one before modifiers see it."""
-        self._enter("optim_post_step")
-        self._step += 1
-        ev = self._event
-        ev.global_step = self._step
-        spe = self._state.values.get("steps_per_epoch")
-        ev.epoch = self._step / spe if spe else None
+        ev = self._enter("optim_post_step", self._step + 1)
         for handler in self._on_event["optim_post_step"]:
             handler(self._state, ev)
 
