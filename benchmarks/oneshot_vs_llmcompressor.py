@@ -83,7 +83,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
     zeros = total = 0
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.Linear) and name.startswith("model.layers."):
-            zeros += int((module.weight == 0).sum())
+            zeros += module.weight.numel() - int(torch.count_nonzero(module.weight))
             total += module.weight.numel()
     return {
         "side": "llmc-fsm",
@@ -94,7 +94,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
         "max_rss_kib_after_compress": rss_compress,
         "max_rss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
         "decoder_linear_sparsity": zeros / total,
-        "lm_head_sparsity": float((model.lm_head.weight == 0).sum()) / model.lm_head.weight.numel(),
+        "lm_head_sparsity": 1.0 - int(torch.count_nonzero(model.lm_head.weight)) / model.lm_head.weight.numel(),
         "tied_embeddings_after": model.lm_head.weight is model.model.embed_tokens.weight,
     }
 

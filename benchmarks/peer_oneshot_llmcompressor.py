@@ -57,7 +57,7 @@ def _log(msg: str) -> None:
 
 
 def _sparsity(weight: torch.Tensor) -> float:
-    return float((weight == 0).sum()) / weight.numel()
+    return 1.0 - int(torch.count_nonzero(weight)) / weight.numel()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     layer_total = 0
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.Linear) and name.startswith("model.layers."):
-            layer_zeros += int((module.weight == 0).sum())
+            layer_zeros += module.weight.numel() - int(torch.count_nonzero(module.weight))
             layer_total += module.weight.numel()
 
     result = {

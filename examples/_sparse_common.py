@@ -111,6 +111,6 @@ def linear_sparsity(model: torch.nn.Module) -> float:
     zeros = total = 0
     for name, m in model.named_modules():
         if isinstance(m, torch.nn.Linear) and name != "lm_head":
-            zeros += int((m.weight == 0).sum())
+            zeros += m.weight.numel() - int(torch.count_nonzero(m.weight))
             total += m.weight.numel()
     return zeros / total

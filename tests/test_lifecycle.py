@@ -154,7 +154,8 @@ def test_missing_state_names_every_modifier_and_key_and_initializes_nothing():
     with pytest.raises(MissingStateError) as info:
         session.initialize()
     err = info.value
-    assert err.missing == {"Recorder": frozenset({"optimizer", "teacher"}), "NeedsData": frozenset({"calibration_data"})}
+    expected = {"Recorder": frozenset({"optimizer", "teacher"}), "NeedsData": frozenset({"calibration_data"})}
+    assert err.missing == expected
     msg = str(err)
     for fragment in ("Recorder requires 'optimizer', 'teacher'", "NeedsData requires 'calibration_data'",
                      "session.update_state(calibration_data=..., optimizer=..., teacher=...)",
@@ -440,7 +441,7 @@ def test_finalize_failure_still_finalizes_everyone():
     bad, good = BadFinal(), Hooker()
     session = Session([bad, good])
     session.initialize(model=model)
-    with pytest.raises(ModifierError, match="BadFinal.on_finalize\\(\\) raised RuntimeError: nope") as info:
+    with pytest.raises(ModifierError, match=r"BadFinal.on_finalize\(\) raised RuntimeError: nope") as info:
         session.finalize()
     assert isinstance(info.value.__cause__, RuntimeError)
     assert good.finalized == 1 and len(model._forward_hooks) == 0

@@ -224,6 +224,61 @@ def test_hessians_are_shared_between_modules_with_the_same_input(data):
     session.finalize()
 
 
+def _count_calls(module: torch.nn.Module, counts: dict, key: str) -> None:
+    """Count forward calls without a hook (a hook would change what the pipeline may skip)."""
+    forward = module.forward
+
+    def counted(*args, **kwargs):
+        counts[key] = counts.get(key, 0) + 1
+        return forward(*args, **kwargs)
+
+    module.forward = counted
+
+
+@pytest.mark.parametrize("early_exit", [True, False])
+def test_calibration_pass_stops_at_the_input_of_the_last_hooked_module(data, early_exit):
+    model = tiny_llama(layers=2)
+    counts: dict[str, int] = {}
+    for i, layer in enumerate(model.model.layers):
+        _count_calls(layer.mlp.down_proj, counts, f"down{i}")
+        _count_calls(layer.mlp.up_proj, counts, f"up{i}")
+    session = Session(sparsegpt())
+    session.initialize(model=model, calibration_data=data)
+    run_sequential(session, batch_size=4, progress=False, early_exit=early_exit)  # 2 batches
+    session.finalize()
+    if early_exit:
+        # layer 0: batch 1 runs whole (it records the call order), batch 2 stops at
+        # down_proj's input; then 2 propagation runs. Layer 1 (last): both batches stop.
+        assert counts == {"down0": 1 + 2, "up0": 2 + 2, "up1": 2}
+    else:
+        assert counts == {"down0": 2 + 2, "up0": 2 + 2, "down1": 2, "up1": 2}
+
+
+def test_early_exit_gives_the_same_weights_as_running_whole_layers(data):
+    pruned = []
+    for early_exit in (True, False):
+        model = tiny_llama(layers=3)
+        session = Session(sparsegpt())
+        session.initialize(model=model, calibration_data=data)
+        run_sequential(session, batch_size=4, progress=False, early_exit=early_exit)
+        session.finalize()
+        pruned.append({n: m.weight.detach().clone() for n, m in linears(model).items()})
+    for name, weight in pruned[0].items():
+        assert torch.equal(weight, pruned[1][name]), name
+
+
+def test_a_forward_hook_after_the_last_pre_hook_keeps_the_whole_layer_running(data):
+    """Someone observes down_proj's output: the calibration pass must not stop before it."""
+    model = tiny_llama(layers=2)
+    outputs: list[torch.Tensor] = []
+    model.model.layers[1].mlp.down_proj.register_forward_hook(lambda m, a, out: outputs.append(out))
+    session = Session(sparsegpt())
+    session.initialize(model=model, calibration_data=data)
+    run_sequential(session, batch_size=4, progress=False)
+    session.finalize()
+    assert len(outputs) == 2  # both calibration batches of the last layer
+
+
 def test_calibration_batches_forms():
     ids = torch.arange(20).view(5, 4)
     assert [b["input_ids"].shape[0] for b in calibration_batches(ids, batch_size=2)] == [2, 2, 1]

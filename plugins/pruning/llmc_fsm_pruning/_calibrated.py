@@ -10,7 +10,7 @@ A :class:`CalibratedPruningModifier`:
 * resolves its targets at ``on_initialize`` (:func:`~llmc_fsm_pruning.targets.resolve_targets`:
   ``targets`` minus ``ignore``, tied weights honoured; targets that match no
   module raise an error naming them and some module names);
-* at ``calibration_start`` puts a forward hook on every target that feeds a
+* at ``calibration_start`` puts a forward pre-hook (inputs only) on every target that feeds a
   per-target statistics accumulator, created lazily on the first batch;
   modules that receive the very same input tensor (``q/k/v_proj``,
   ``gate/up_proj``) share one accumulator, so their statistics are computed once;
@@ -78,6 +78,7 @@ class LayerResult:
 
     zeros: int
     numel: int
+    #: pruning time; modules pruned together (shared inputs) split their group's time by weight size.
     seconds: float
     samples: int
 
@@ -140,6 +141,13 @@ class CalibratedPruningModifier(Modifier):
         """Return the pruned weight (same shape/dtype) for ``module`` from its statistics."""
         raise NotImplementedError
 
+    def _prune_weights(self, modules: list[nn.Module], accumulator: Any) -> list[torch.Tensor]:
+        """Pruned weights of ``modules``, which share ``accumulator`` (they saw the same inputs).
+
+        Default: :meth:`_prune_weight` for each; override to share work across them.
+        """
+        return [self._prune_weight(module, accumulator) for module in modules]
+
     # ---- lifecycle -------------------------------------------------------------
     def on_initialize(self, state: Any) -> None:
         self._clear()
@@ -157,10 +165,10 @@ class CalibratedPruningModifier(Modifier):
     def on_calibration_start(self, state: Any) -> None:
         for name, module in self._targets.items():
             if name not in self.results:
-                self.register_hook(module, self._make_hook(name))
+                self.register_hook(module, self._make_hook(name), kind="forward_pre")
 
     def _make_hook(self, name: str) -> Any:
-        def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        def hook(module: nn.Module, args: tuple[Any, ...]) -> None:
             if name in self.results or not args:
                 return
             x = args[0]
@@ -184,18 +192,18 @@ class CalibratedPruningModifier(Modifier):
 
     def on_sequential_epoch_end(self, state: Any, modules: Any) -> None:
         roots = [modules] if isinstance(modules, nn.Module) else list(modules)
+        pending = {}
         for root in roots:
             for sub in root.modules():
                 name = self._names_by_id.get(id(sub))
                 if name is not None and name not in self.results:
-                    self._prune(name, sub)
+                    pending[name] = sub
+        self._prune_all(pending)
         self._last_input = None
         self._last_acc = None
 
     def on_calibration_end(self, state: Any) -> None:
-        for name, module in self._targets.items():
-            if name not in self.results:
-                self._prune(name, module)
+        self._prune_all({name: m for name, m in self._targets.items() if name not in self.results})
         self._last_input = None
         self._last_acc = None
         self._acc.clear()
@@ -207,23 +215,35 @@ class CalibratedPruningModifier(Modifier):
         self._last_acc = None
 
     # ---- work ------------------------------------------------------------------
-    def _prune(self, name: str, module: nn.Module) -> None:
-        acc = self._acc.pop(name, None)
-        if acc is None or acc.num_samples == 0:
-            if name not in self.skipped:
-                logger.warning("%s: %s received no calibration input; left dense", type(self).__name__, name)
-                self.skipped.append(name)
-            return
-        t0 = time.perf_counter()
-        with torch.no_grad():
-            new = self._prune_weight(module, acc)
-            module.weight.copy_(new)
-        zeros = int((module.weight == 0).sum())
-        self.results[name] = LayerResult(
-            zeros=zeros, numel=module.weight.numel(), seconds=time.perf_counter() - t0, samples=acc.num_samples
-        )
-        if name in self.skipped:
-            self.skipped.remove(name)
+    def _prune_all(self, modules: dict[str, nn.Module]) -> None:
+        """Prune ``{name: module}``, each group of modules that share an accumulator in one call."""
+        groups: dict[int, tuple[Any, list[tuple[str, nn.Module]]]] = {}
+        for name, module in modules.items():
+            acc = self._acc.pop(name, None)
+            if acc is None or acc.num_samples == 0:
+                if name not in self.skipped:
+                    logger.warning("%s: %s received no calibration input; left dense", type(self).__name__, name)
+                    self.skipped.append(name)
+                continue
+            groups.setdefault(id(acc), (acc, []))[1].append((name, module))
+        for acc, members in groups.values():
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                new = self._prune_weights([module for _, module in members], acc)
+                for (_, module), weight in zip(members, new, strict=True):
+                    module.weight.copy_(weight)
+            seconds = time.perf_counter() - t0
+            total = sum(module.weight.numel() for _, module in members)
+            for name, module in members:
+                numel = module.weight.numel()
+                self.results[name] = LayerResult(
+                    zeros=numel - int(torch.count_nonzero(module.weight)),
+                    numel=numel,
+                    seconds=seconds * numel / total,
+                    samples=acc.num_samples,
+                )
+                if name in self.skipped:
+                    self.skipped.remove(name)
 
 
 def _is_prunable(module: nn.Module) -> bool:

@@ -63,6 +63,7 @@ import logging
 import math
 import numbers
 import re
+from collections.abc import Sequence
 
 import torch
 
@@ -75,6 +76,7 @@ __all__ = [
     "num_to_prune",
     "parse_mask_structure",
     "sparsegpt_prune",
+    "sparsegpt_prune_shared",
     "wanda_mask",
 ]
 
@@ -195,7 +197,7 @@ def num_to_prune(numel: int, sparsity: float) -> int:
 # Calibration statistics
 # --------------------------------------------------------------------------- #
 #: From this many input features on, only the upper block triangle of X^T X is computed.
-_SYMMETRIC_MIN_FEATURES = 1024
+_SYMMETRIC_MIN_FEATURES = 512
 
 
 class HessianAccumulator:
@@ -256,7 +258,7 @@ class HessianAccumulator:
             H.addmm_(x.T, x, alpha=2.0 / total)
         else:
             # H is symmetric: compute only the block-upper triangle (4 row blocks:
-            # 10/16 of the products; measured ~25% faster for 1536 inputs) and
+            # 10/16 of the products; measured ~25% faster for 1536 inputs, ~16% for 576) and
             # mirror it when read.
             step = -(-cols // 4)
             for a in range(0, cols, step):
@@ -469,6 +471,34 @@ def wanda_mask(
 # --------------------------------------------------------------------------- #
 # SparseGPT
 # --------------------------------------------------------------------------- #
+#: Columns per inner sub-block of the SparseGPT sweep (measured fastest on 2 CPU cores among 8-64).
+_SUB_BLOCK = 32
+
+
+def _all_finite(x: torch.Tensor) -> bool:
+    """No NaN/Inf in ``x``, by one float64 sum (a sum of float32 values cannot overflow float64)."""
+    return math.isfinite(float(x.sum(dtype=torch.float64)))
+
+
+def _lower_triangular_inverse(L: torch.Tensor, leaf: int = 128) -> torch.Tensor:
+    """``L^-1`` for a lower-triangular ``[n, n]`` ``L``, by 2 x 2 block recursion.
+
+    ``[[A, 0], [B, C]]^-1 = [[A^-1, 0], [-C^-1 B A^-1, C^-1]]``: the work is in
+    matrix products, ~2x faster on CPU than a triangular solve against the
+    identity for n = 576 ... 1536 (measured: 26 vs 44 ms at n = 1536).
+    """
+    n = L.shape[0]
+    if n <= leaf:
+        return torch.linalg.solve_triangular(L, torch.eye(n, dtype=L.dtype, device=L.device), upper=False)
+    h = n // 2
+    out = torch.zeros_like(L)
+    out[:h, :h] = _lower_triangular_inverse(L[:h, :h], leaf)
+    out[h:, h:] = _lower_triangular_inverse(L[h:, h:], leaf)
+    torch.mm(out[h:, h:], L[h:, :h] @ out[:h, :h], out=out[h:, :h])
+    out[h:, :h].neg_()
+    return out
+
+
 def _inverse_hessian_cholesky(hessian: torch.Tensor, dampening_frac: float, max_dampening_retries: int) -> torch.Tensor:
     """Upper Cholesky factor ``U`` of ``(H + lambda I)^-1`` (``U^T U = H^-1``).
 
@@ -490,10 +520,9 @@ def _inverse_hessian_cholesky(hessian: torch.Tensor, dampening_frac: float, max_
         chol, info = torch.linalg.cholesky_ex(damped)
         del damped
         if int(info) == 0:
-            eye = torch.eye(chol.shape[0], dtype=chol.dtype, device=chol.device)
-            inv_chol = torch.linalg.solve_triangular(chol, eye, upper=False)
-            del chol, eye
-            if bool(torch.isfinite(inv_chol).all()):
+            inv_chol = _lower_triangular_inverse(chol)
+            del chol
+            if _all_finite(inv_chol):
                 return inv_chol.flip(0, 1)
             del inv_chol
         if attempt < max_dampening_retries:
@@ -586,9 +615,64 @@ def sparsegpt_prune(
             cannot be Cholesky-factorised after all retries.
     """
     _check_weight(weight)
+    ((pruned, keep),) = sparsegpt_prune_shared(
+        [weight],
+        hessian,
+        sparsity=sparsity,
+        mask_structure=mask_structure,
+        block_size=block_size,
+        dampening_frac=dampening_frac,
+        max_dampening_retries=max_dampening_retries,
+    )
+    return pruned, keep
+
+
+@torch.no_grad()
+def sparsegpt_prune_shared(
+    weights: Sequence[torch.Tensor],
+    hessian: torch.Tensor,
+    *,
+    sparsity: float,
+    mask_structure: MaskStructure = None,
+    block_size: int = 128,
+    dampening_frac: float = 0.01,
+    max_dampening_retries: int = 3,
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """:func:`sparsegpt_prune` for several weights that see the same inputs (one Hessian).
+
+    For example the ``q/k/v`` projections of an attention block, or
+    ``gate/up`` of a gated MLP. The damped inverse Hessian is factorised once
+    and the column sweep runs once over the weights' stacked rows; each
+    weight's mask is still selected over its own rows only (the block's prune
+    count is each weight's own), so every result equals pruning that weight
+    alone with :func:`sparsegpt_prune` up to float rounding.
+
+    Args:
+        weights: ``[out_i, in_features]`` floating tensors on one device
+            (not modified), all with the same ``in_features``.
+        hessian, sparsity, mask_structure, block_size, dampening_frac,
+            max_dampening_retries: as for :func:`sparsegpt_prune`.
+
+    Returns:
+        ``[(pruned_weight, keep_mask), ...]`` in the order of ``weights``.
+
+    Raises:
+        ValueError: as :func:`sparsegpt_prune`, or no weights / different
+            ``in_features`` or devices.
+        HessianNotPositiveDefiniteError: as :func:`sparsegpt_prune`.
+    """
+    weights = list(weights)
+    if not weights:
+        raise ValueError("weights must hold at least one 2-D weight")
+    for w in weights:
+        _check_weight(w)
     s = _check_sparsity(sparsity)
     nm = _resolve_structure(mask_structure)
-    rows, cols = weight.shape
+    cols = weights[0].shape[1]
+    device = weights[0].device
+    if any(w.shape[1] != cols or w.device != device for w in weights):
+        shapes = [(tuple(w.shape), str(w.device)) for w in weights]
+        raise ValueError(f"weights sharing a Hessian need the same in_features and device, got {shapes}")
     if not isinstance(hessian, torch.Tensor) or hessian.shape != (cols, cols):
         shape = tuple(hessian.shape) if isinstance(hessian, torch.Tensor) else type(hessian)
         raise ValueError(f"hessian must have shape ({cols}, {cols}) for this weight, got {shape}")
@@ -603,11 +687,10 @@ def sparsegpt_prune(
                 f"block_size must be a multiple of M={nm[1]} for {nm[0]}:{nm[1]} sparsity, got block_size={block_size}"
             )
     elif s == 0.0:
-        return weight.detach().clone(), torch.ones_like(weight, dtype=torch.bool)
+        return [(w.detach().clone(), torch.ones_like(w, dtype=torch.bool)) for w in weights]
 
-    device = weight.device
     H = hessian.detach().to(device=device, dtype=torch.float32).clone()
-    if not bool(torch.isfinite(H).all()):
+    if not _all_finite(H):
         raise ValueError("hessian contains NaN or Inf values")
     dead = torch.diagonal(H) == 0
     if bool(dead.any()):
@@ -618,10 +701,18 @@ def sparsegpt_prune(
     u_diag = torch.diagonal(U)
 
     # Work on the transpose ([in, out], column j of W = contiguous row j of WT)
-    # so that the per-column OBS updates touch contiguous memory.
-    WT = weight.detach().to(torch.float32).T.contiguous()
+    # so that the per-column OBS updates touch contiguous memory. The weights'
+    # rows sit side by side: segment (r0, r1) of WT's columns is one weight.
+    WT = torch.cat([w.detach().to(torch.float32).T for w in weights], dim=1)
+    rows = WT.shape[1]
+    bounds = []
+    for w in weights:
+        r0 = bounds[-1][1] if bounds else 0
+        bounds.append((r0, r0 + w.shape[0]))
     keepT = torch.empty((cols, rows), dtype=torch.bool, device=device)
 
+    # Sub-block width: a multiple of M for N:M, so a group never straddles two sub-blocks.
+    sub = _SUB_BLOCK if nm is None else nm[1] * max(1, _SUB_BLOCK // nm[1])
     for c0 in range(0, cols, block_size):
         c1 = min(c0 + block_size, cols)
         width = c1 - c0
@@ -633,34 +724,57 @@ def sparsegpt_prune(
         keep1 = keepT[c0:c1]  # view: filled below
 
         if nm is None:
-            # Adaptive mask for the whole block, from the current weights.
+            # Adaptive mask for the whole block, from the current weights, per weight.
             # Dead inputs get saliency -1, below any real saliency (>= 0).
             score = (W1.square() / d1.square()).masked_fill_(dead1, -1.0)
-            k_block = num_to_prune(c1 * rows, s) - num_to_prune(c0 * rows, s)
             keep1.fill_(True)
-            if k_block:
-                keep1.view(-1)[torch.topk(score.view(-1), k_block, largest=False, sorted=False).indices] = False
+            for r0, r1 in bounds:
+                n = r1 - r0
+                k_block = num_to_prune(c1 * n, s) - num_to_prune(c0 * n, s)
+                if not k_block:
+                    continue
+                if len(bounds) == 1:
+                    keep1.view(-1)[torch.topk(score.view(-1), k_block, largest=False, sorted=False).indices] = False
+                else:
+                    seg = torch.ones((width, n), dtype=torch.bool, device=device)
+                    flat = score[:, r0:r1].reshape(-1)
+                    seg.view(-1)[torch.topk(flat, k_block, largest=False, sorted=False).indices] = False
+                    keep1[:, r0:r1] = seg
             # err_j = (w_j - q_j) / d_j = w_j * [pruned] / d_j
             scale1 = (~keep1).to(torch.float32).div_(d1)
         else:
             scale1 = torch.empty((width, rows), dtype=torch.float32, device=device)
             m = nm[1]
 
-        for i in range(width):
-            if nm is not None and i % m == 0:
-                grp = slice(i, i + m)
-                score = (W1[grp].square() / d1[grp].square()).masked_fill_(dead1[grp], -1.0)
-                keep1[grp] = _nm_keep(score.T, nm).T
-                torch.div((~keep1[grp]).to(torch.float32), d1[grp], out=scale1[grp])
-            err = torch.mul(W1[i], scale1[i], out=Err1[i])
-            # OBS update of column i (pruned entries -> ~0, kept unchanged)
-            # and of the remaining columns of the block.
-            W1[i:].addr_(Hinv1[i, i:], err, alpha=-1.0)
+        # Columns are swept one by one inside sub-blocks of `sub` columns; a
+        # sub-block's errors reach the rest of the block in one matrix product
+        # (the same lazy update as across blocks, one level down: identical
+        # math, far less memory traffic than a rank-1 update of the whole block
+        # per column).
+        # Row views made once per block: each costs a dispatch when taken per column.
+        w_rows, scale_rows, err_rows, hinv_rows = W1.unbind(0), scale1.unbind(0), Err1.unbind(0), Hinv1.unbind(0)
+        for s0 in range(0, width, sub):
+            s1 = min(s0 + sub, width)
+            for i in range(s0, s1):
+                if nm is not None and i % m == 0:
+                    grp = slice(i, i + m)
+                    score = (W1[grp].square() / d1[grp].square()).masked_fill_(dead1[grp], -1.0)
+                    keep1[grp] = _nm_keep(score.T, nm).T
+                    torch.div((~keep1[grp]).to(torch.float32), d1[grp], out=scale1[grp])
+                err = torch.mul(w_rows[i], scale_rows[i], out=err_rows[i])
+                # OBS update of the sub-block's later columns (column i itself
+                # is settled by the keep-mask below).
+                if i + 1 < s1:
+                    W1[i + 1 : s1].addr_(hinv_rows[i][i + 1 : s1], err, alpha=-1.0)
+            if s1 < width:
+                W1[s1:].addmm_(Hinv1[s0:s1, s1:].T, Err1[s0:s1], alpha=-1.0)
 
         W1.mul_(keep1)  # pruned entries exactly zero
         if c1 < cols:
             # Lazy batch update of all later columns.
             WT[c1:].addmm_(U[c0:c1, c1:].T, Err1, alpha=-1.0)
 
-    pruned = WT.T.contiguous().to(weight.dtype)
-    return pruned, keepT.T.contiguous()
+    return [
+        (WT[:, r0:r1].T.contiguous().to(w.dtype), keepT[:, r0:r1].T.contiguous())
+        for w, (r0, r1) in zip(weights, bounds, strict=True)
+    ]

@@ -49,7 +49,7 @@ def measure_sparsity(weights: dict[str, torch.Tensor]) -> tuple[float, dict[str,
     zeros = total = 0
     with torch.no_grad():
         for name, weight in weights.items():
-            z = int((weight == 0).sum())
+            z = weight.numel() - int(torch.count_nonzero(weight))
             n = weight.numel()
             per_layer[name] = z / n if n else 0.0
             zeros += z

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from llmc_fsm_pruning._calibrated import CalibratedPruningModifier
-from llmc_fsm_pruning.algorithms import HessianAccumulator, sparsegpt_prune
+from llmc_fsm_pruning.algorithms import HessianAccumulator, sparsegpt_prune_shared
 
 __all__ = ["SparseGPTModifier"]
 
@@ -65,12 +65,16 @@ class SparseGPTModifier(CalibratedPruningModifier):
         return HessianAccumulator(module.weight.shape[1])
 
     def _prune_weight(self, module: nn.Module, accumulator: HessianAccumulator) -> torch.Tensor:
-        pruned, _keep = sparsegpt_prune(
-            module.weight,
+        return self._prune_weights([module], accumulator)[0]
+
+    def _prune_weights(self, modules: list[nn.Module], accumulator: HessianAccumulator) -> list[torch.Tensor]:
+        # Targets that saw the same inputs (q/k/v, gate/up) share one Hessian factorisation and one sweep.
+        results = sparsegpt_prune_shared(
+            [module.weight for module in modules],
             accumulator.hessian,
             sparsity=float(self.sparsity),
             mask_structure=self.mask_structure,
             block_size=self.block_size,
             dampening_frac=float(self.dampening_frac),
         )
-        return pruned
+        return [pruned for pruned, _keep in results]

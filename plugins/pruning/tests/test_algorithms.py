@@ -13,10 +13,12 @@ from llmc_fsm_pruning.algorithms import (
     HessianAccumulator,
     HessianNotPositiveDefiniteError,
     InputNormAccumulator,
+    _lower_triangular_inverse,
     magnitude_mask,
     num_to_prune,
     parse_mask_structure,
     sparsegpt_prune,
+    sparsegpt_prune_shared,
     wanda_mask,
 )
 
@@ -572,3 +574,41 @@ def test_hessian_block_triangle_path_equals_full_product():
     assert_close(acc.hessian.double(), expected, rtol=1e-4, atol=1e-3)
     assert torch.equal(acc.hessian, acc.hessian.T)
     assert_close(first.double(), 2.0 / 50 * x[0].double().T @ x[0].double(), rtol=1e-4, atol=1e-3)
+
+
+# --------------------------------------------------------------------------- #
+# SparseGPT on weights that share a Hessian (q/k/v, gate/up)
+# --------------------------------------------------------------------------- #
+@pytest.mark.parametrize("structure, block_size", [("unstructured", 32), ("unstructured", 7), ("2:4", 16)])
+def test_sparsegpt_shared_equals_pruning_each_weight_alone(structure, block_size):
+    torch.manual_seed(0)
+    weights = [torch.randn(24, 64), torch.randn(8, 64), torch.randn(8, 64, dtype=torch.bfloat16)]
+    h = hessian_of(correlated_inputs(256, 64, seed=11))
+    shared = sparsegpt_prune_shared(weights, h, sparsity=0.5, mask_structure=structure, block_size=block_size)
+    assert len(shared) == 3
+    for w, (out, keep) in zip(weights, shared, strict=True):
+        ref, ref_keep = sparsegpt_prune(w, h, sparsity=0.5, mask_structure=structure, block_size=block_size)
+        assert out.dtype == w.dtype and out.shape == w.shape
+        assert torch.equal(keep, ref_keep)  # each weight's mask is chosen over its own rows only
+        assert_close(out.float(), ref.float(), rtol=1e-5, atol=1e-5)
+        assert int((~keep).sum()) == w.numel() // 2
+
+
+def test_sparsegpt_shared_rejects_bad_groups():
+    h = torch.eye(8)
+    with pytest.raises(ValueError, match="at least one 2-D weight"):
+        sparsegpt_prune_shared([], h, sparsity=0.5)
+    msg = r"same in_features and device, got \[\(\(4, 8\), 'cpu'\), \(\(4, 6\), 'cpu'\)\]"
+    with pytest.raises(ValueError, match=msg):
+        sparsegpt_prune_shared([torch.randn(4, 8), torch.randn(4, 6)], h, sparsity=0.5)
+
+
+@pytest.mark.parametrize("n", [1, 5, 128, 129, 300])
+def test_lower_triangular_inverse_matches_a_triangular_solve(n):
+    x = correlated_inputs(2 * n + 8, n, seed=n)
+    h = x.T @ x / n + 0.1 * torch.eye(n)
+    chol = torch.linalg.cholesky(h)
+    inv = _lower_triangular_inverse(chol)
+    ref = torch.linalg.solve_triangular(chol, torch.eye(n), upper=False)
+    assert bool((inv.triu(1) == 0).all())
+    assert_close(inv, ref, rtol=1e-4, atol=1e-5 * float(ref.abs().max()))
