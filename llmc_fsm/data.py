@@ -250,10 +250,13 @@ def token_windows(
     needed = num_windows * seq_len
     if len(ids) < needed:
         fit = len(ids) // seq_len
-        msg = (
-            f"the text has {len(ids)} tokens but {num_windows} windows x {seq_len} tokens need {needed}; "
-            f"lower num_windows (at most {fit} fit at seq_len={seq_len}) or seq_len, or use a longer text"
+        advice = (
+            f"lower the number of windows (--num-samples / --eval-windows; at most {fit} fit at {seq_len} tokens) "
+            "or the window length (--seq-len), or use a longer text"
+            if fit
+            else f"not even one window of {seq_len} tokens fits: use a longer text or a shorter --seq-len"
         )
+        msg = f"the text has {len(ids)} tokens but {num_windows} windows x {seq_len} tokens need {needed}; {advice}"
         raise ValueError(msg)
     start = len(ids) - needed if from_end else 0
     flat = torch.tensor(ids[start : start + needed], dtype=torch.long)

@@ -84,16 +84,38 @@ def default_recipe(method: str = "sparsegpt", sparsity: float = 0.5, mask_struct
 
 
 # --------------------------------------------------------------------------- output directory
+#: A non-empty directory holding one of these may be replaced with overwrite=True.
+_MODEL_DIR_MARKERS = ("config.json", "recipe.yaml", "report.json", "model.safetensors")
+
+
 def _check_output_dir(output_dir: str | os.PathLike[str] | None, overwrite: bool) -> Path | None:
     if output_dir is None:
         return None
-    path = Path(output_dir).expanduser()
+    path = Path(output_dir).expanduser().resolve()
     if path.exists() and not path.is_dir():
         msg = f"output {str(path)!r} exists and is not a directory"
         raise FileExistsError(msg)
-    if path.is_dir() and any(path.iterdir()) and not overwrite:
-        msg = f"output directory {str(path)!r} exists and is not empty; pass overwrite=True (--overwrite) to replace it"
-        raise FileExistsError(msg)
+    cwd = Path.cwd().resolve()
+    if path == cwd or path in cwd.parents:
+        msg = (
+            f"output directory {str(path)!r} is the current directory or contains it, and the output replaces the "
+            "whole directory; choose a new directory (e.g. --output out/my-model)"
+        )
+        raise ValueError(msg)
+    if path.is_dir() and any(path.iterdir()):
+        if not overwrite:
+            msg = (
+                f"output directory {str(path)!r} exists and is not empty; pass overwrite=True (--overwrite) to "
+                "replace it"
+            )
+            raise FileExistsError(msg)
+        if not any((path / name).exists() for name in _MODEL_DIR_MARKERS):
+            msg = (
+                f"output directory {str(path)!r} does not look like a model directory (none of "
+                f"{', '.join(_MODEL_DIR_MARKERS)}); overwrite=True (--overwrite) only replaces an earlier output or a "
+                "model directory, never other files. Choose a new directory or empty this one yourself"
+            )
+            raise FileExistsError(msg)
     parent = path.parent
     while not parent.exists():
         parent = parent.parent
@@ -116,8 +138,18 @@ def _atomic_dir(target: Path) -> Iterator[Path]:
         old = None
         if target.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
-            os.rename(target, old / "x")
-        os.rename(tmp, target)
+            try:
+                os.rename(target, old / "x")
+            except BaseException:
+                shutil.rmtree(old, ignore_errors=True)
+                raise
+        try:
+            os.rename(tmp, target)
+        except BaseException:
+            if old is not None:  # put the previous output back
+                os.rename(old / "x", target)
+                shutil.rmtree(old, ignore_errors=True)
+            raise
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
     except BaseException:
@@ -175,6 +207,20 @@ def _positive_int(name: str, value: Any) -> int:
         msg = f"{name} must be a positive int, got {value!r}"
         raise ValueError(msg)
     return value
+
+
+def _read(role: str, source: Any) -> str:
+    """``load_text(source)``; errors name the argument, and an empty text fails before the model loads."""
+    from llmc_fsm.data import load_text
+
+    try:
+        text = load_text(source)
+    except (OSError, ValueError) as err:
+        raise type(err)(f"{role}: {err}") from err
+    if not text.strip():
+        msg = f"{role}: {_describe(source)} holds no text"
+        raise ValueError(msg)
+    return text
 
 
 def _describe(source: Any) -> str:
@@ -258,11 +304,13 @@ def oneshot(
 
     t_total = time.perf_counter()
     seconds: dict[str, float] = {}
-    num_calibration_samples = _positive_int("num_calibration_samples", num_calibration_samples)
-    max_seq_length = _positive_int("max_seq_length", max_seq_length)
-    num_eval_windows = _positive_int("num_eval_windows", num_eval_windows)
-    batch_size = _positive_int("batch_size", batch_size)
-    eval_len = _positive_int("eval_seq_length", eval_seq_length) if eval_seq_length is not None else max_seq_length
+    num_calibration_samples = _positive_int("num_calibration_samples (--num-samples)", num_calibration_samples)
+    max_seq_length = _positive_int("max_seq_length (--seq-len)", max_seq_length)
+    num_eval_windows = _positive_int("num_eval_windows (--eval-windows)", num_eval_windows)
+    batch_size = _positive_int("batch_size (--batch-size)", batch_size)
+    eval_len = (
+        _positive_int("eval_seq_length", eval_seq_length) if eval_seq_length is not None else max_seq_length
+    )
 
     # ---- checks that need no model --------------------------------------------------
     out_path = _check_output_dir(output_dir, overwrite)
@@ -278,11 +326,13 @@ def oneshot(
         if dataset.dim() != 2 or dataset.is_floating_point():
             msg = f"a dataset tensor must hold token ids of shape [N, L], got {dataset.dtype} {tuple(dataset.shape)}"
             raise ValueError(msg)
-    from llmc_fsm.data import load_text, perplexity, token_windows
+    from llmc_fsm.data import perplexity, token_windows
 
     t0 = time.perf_counter()
-    cal_text = load_text(dataset) if dataset is not None and not isinstance(dataset, torch.Tensor) else None
-    ev_text = load_text(eval_text) if eval_text is not None else None
+    cal_text = None
+    if dataset is not None and not isinstance(dataset, torch.Tensor):
+        cal_text = _read("dataset (--dataset)", dataset)
+    ev_text = _read("eval_text (--eval-text)", eval_text) if eval_text is not None else None
     seconds["read_data"] = time.perf_counter() - t0
 
     # ---- model ---------------------------------------------------------------------

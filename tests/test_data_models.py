@@ -145,15 +145,18 @@ def test_chunk_split_points_fuzz(smollm2, monkeypatch):
 
 def test_windows_too_short_message(smollm2):
     _, tok = smollm2
-    text = "Hello world, this is short."
+    text = "Hello world, this is short. " * 3
     n = len(tok(text, add_special_tokens=False)["input_ids"])
+    assert 8 <= n < 32
     with pytest.raises(ValueError) as exc:
         token_windows(tok, text, num_windows=4, seq_len=8)
     msg = str(exc.value)
     assert f"has {n} tokens" in msg
     assert "need 32" in msg
-    assert f"at most {n // 8} fit at seq_len=8" in msg
-    assert "lower num_windows" in msg
+    assert f"at most {n // 8} fit at 8 tokens" in msg
+    assert "lower the number of windows (--num-samples / --eval-windows;" in msg
+    with pytest.raises(ValueError, match="not even one window of 64 tokens fits: use a longer text or a shorter"):
+        token_windows(tok, text, num_windows=1, seq_len=64)
 
 
 @pytest.mark.parametrize(("nw", "sl"), [(0, 8), (2, 0), (-1, 4), (2.0, 4), (True, 4)])

@@ -193,10 +193,40 @@ def test_interrupted_save_leaves_no_output(tmp_path, monkeypatch):
     assert _no_stray_files(tmp_path) == []
 
 
+def test_output_that_is_or_contains_the_working_directory_is_refused(tmp_path, monkeypatch):
+    (tmp_path / "keep.txt").write_text("x")
+    monkeypatch.chdir(tmp_path)
+    for out in (".", tmp_path, tmp_path.parent):
+        with pytest.raises(ValueError, match="is the current directory or contains it"):
+            llmc_fsm.oneshot(model=_tiny(), output_dir=out, overwrite=True, progress=False)
+    assert _no_stray_files(tmp_path) == ["keep.txt"]
+
+
+def test_overwrite_refuses_a_directory_that_is_not_a_model_output(tmp_path):
+    out = tmp_path / "o"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match="does not look like a model directory"):
+        llmc_fsm.oneshot(model=_tiny(), output_dir=out, overwrite=True, progress=False)
+    assert (out / "notes.txt").read_text() == "mine"
+
+
+def test_bad_text_inputs_name_the_argument_before_loading_the_model(tmp_path):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("  \n")
+    with pytest.raises(ValueError, match=r"^dataset \(--dataset\): .*empty.txt holds no text"):
+        llmc_fsm.oneshot(model="no-such-model", dataset=empty, progress=False)
+    with pytest.raises(FileNotFoundError, match=r"^eval_text \(--eval-text\): text file not found"):
+        llmc_fsm.oneshot(model="no-such-model", eval_text=tmp_path / "missing.txt", progress=False)
+    with pytest.raises(ValueError, match=r"num_calibration_samples \(--num-samples\) must be a positive int, got 0"):
+        llmc_fsm.oneshot(model="no-such-model", num_calibration_samples=0, progress=False)
+
+
 def test_overwrite_replaces_output(tmp_path):
     out = tmp_path / "o"
     out.mkdir()
     (out / "old.txt").write_text("x")
+    (out / "recipe.yaml").write_text("x: 1\n")
     model = _tiny()
     data = torch.randint(0, 96, (2, 8), generator=torch.Generator().manual_seed(0))
     llmc_fsm.oneshot(model=model, dataset=data, output_dir=out, overwrite=True, progress=False)

@@ -29,18 +29,17 @@ i.e. ``sparsity * n`` rounded to the nearest integer, halves rounded up
 * magnitude, unstructured: the whole matrix (``n = out * in``);
 * Wanda, unstructured: each output row (``n = in``) - every row has exactly
   ``k`` zeros;
-* SparseGPT, unstructured: each output row (``n = in``) - every row has exactly
-  ``k`` zeros, and inside column block ``[c0, c1)`` every row has exactly
-  ``num_to_prune(c1, s) - num_to_prune(c0, s)`` of them (this equals
-  ``s * (c1 - c0)`` whenever ``s * c0`` and ``s * c1`` are integers, e.g.
-  ``s = 0.5`` with an even block size);
+* SparseGPT, unstructured: each column block ``[c0, c1)`` over all rows - the
+  block prunes exactly ``num_to_prune(c1 * out, s) - num_to_prune(c0 * out, s)``
+  weights (rows may differ), so the whole matrix has
+  ``num_to_prune(out * in, s)`` zeros;
 * every algorithm with N:M: each group of ``M`` consecutive input columns of
   each row keeps exactly ``N`` weights (prunes ``M - N``).
 
 Hence for unstructured pruning the layer zero count is
-``num_to_prune(out * in, s)`` for magnitude and ``out * num_to_prune(in, s)``
-for Wanda / SparseGPT; both equal ``s * out * in`` whenever ``s * in`` is an
-integer.
+``num_to_prune(out * in, s)`` for magnitude and SparseGPT and
+``out * num_to_prune(in, s)`` for Wanda; both equal ``s * out * in`` whenever
+``s * in`` is an integer.
 
 "Zeros" above means positions where the mask is False. The returned SparseGPT
 weight is exactly zero at those positions; a kept weight can also be zero only
