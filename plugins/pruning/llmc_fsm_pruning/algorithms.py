@@ -613,7 +613,6 @@ def sparsegpt_prune(
         HessianNotPositiveDefiniteError (a ``ValueError``): the damped Hessian
             cannot be Cholesky-factorised after all retries.
     """
-    _check_weight(weight)
     ((pruned, keep),) = sparsegpt_prune_shared(
         [weight],
         hessian,
