@@ -157,6 +157,17 @@ class Modifier:
         """Whether ``start``, ``end`` or ``update`` is set (needs ``steps_per_epoch``)."""
         return self.start is not None or self.end is not None or self.update is not None
 
+    @property
+    def resolved_targets(self) -> dict[str, torch.nn.Module]:
+        """``{full module name: module}`` this modifier compresses, selected at initialize.
+
+        The one public way for a modifier to say which modules it touches: the
+        one-shot report, the pipeline's target check and the checkpoint code
+        read it. Empty before ``initialize`` and for modifiers that touch no
+        module (schedules, distillation); subclasses that select modules override it.
+        """
+        return {}
+
     # --- torch hooks that finalize always removes ---------------------------
     def register_hook(
         self,

@@ -38,7 +38,7 @@ from torch import nn
 
 from llmc_fsm import Modifier
 from llmc_fsm_pruning.algorithms import parse_mask_structure
-from llmc_fsm_pruning.targets import DEFAULT_IGNORE, DEFAULT_TARGETS, resolve_targets
+from llmc_fsm.targets import DEFAULT_IGNORE, DEFAULT_TARGETS, resolve_targets
 
 __all__ = ["CalibratedPruningModifier", "LayerResult"]
 

@@ -21,7 +21,7 @@ import attrs
 import torch
 
 from llmc_fsm import Modifier
-from llmc_fsm_pruning.targets import DEFAULT_IGNORE, DEFAULT_TARGETS, resolve_targets
+from llmc_fsm.targets import DEFAULT_IGNORE, DEFAULT_TARGETS, resolve_targets
 
 if TYPE_CHECKING:
     from llmc_fsm import Event, State
@@ -128,6 +128,11 @@ class ConstantPruningModifier(Modifier):
     layer_sparsity: dict[str, float] = attrs.field(factory=dict, init=False)
     _modules: dict[str, torch.nn.Module] = attrs.field(factory=dict, init=False, repr=False)
     _masks: MaskSet = attrs.field(factory=MaskSet, init=False, repr=False)
+
+    @property
+    def resolved_targets(self) -> dict[str, torch.nn.Module]:
+        """``{full name: module}`` selected at initialize (empty before)."""
+        return dict(self._modules)
 
     def on_initialize(self, state: State) -> None:
         self._modules = resolve_targets(state.model, self.targets, self.ignore)

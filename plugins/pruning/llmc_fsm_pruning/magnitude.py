@@ -33,7 +33,7 @@ import torch
 from llmc_fsm import Modifier
 from llmc_fsm_pruning.algorithms import magnitude_mask, parse_mask_structure
 from llmc_fsm_pruning.constant import MaskSet, measure_sparsity, patterns
-from llmc_fsm_pruning.targets import DEFAULT_IGNORE, DEFAULT_TARGETS, resolve_targets
+from llmc_fsm.targets import DEFAULT_IGNORE, DEFAULT_TARGETS, resolve_targets
 
 if TYPE_CHECKING:
     from llmc_fsm import Event, State
@@ -110,6 +110,11 @@ class MagnitudePruningModifier(Modifier):
     _masks: MaskSet = attrs.field(factory=MaskSet, init=False, repr=False)
     _final_applied: bool = attrs.field(default=False, init=False, repr=False)
     _started: bool = attrs.field(default=False, init=False, repr=False)
+
+    @property
+    def resolved_targets(self) -> dict[str, torch.nn.Module]:
+        """``{full name: module}`` selected at initialize (empty before)."""
+        return dict(self._modules)
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()

@@ -1,4 +1,4 @@
-"""Which layers a pruning modifier touches: ``targets`` minus ``ignore``, tied weights included.
+"""Which modules a modifier touches: ``targets`` minus ``ignore``, tied weights included.
 
 A pattern matches a module when it equals the module's class name (``"Linear"``),
 equals its full name (``"lm_head"``, ``"model.layers.0.mlp.down_proj"``), or is
