@@ -2,7 +2,7 @@
 
 One-shot mode (``sparsity``): at ``on_start`` - ``calibration_start`` in the one-shot
 job, the first batch in training - every targeted weight is pruned to ``sparsity``
-by magnitude (:func:`llmc_fsm_pruning.algorithms.magnitude_mask`). During training
+by magnitude (:func:`llmc_fsm_pruning.masks.magnitude_mask`). During training
 the masks are then held (re-applied after every optimizer step) until ``end`` or
 finalize.
 
@@ -31,7 +31,7 @@ import attrs
 import torch
 
 from llmc_fsm import Modifier
-from llmc_fsm_pruning.algorithms import magnitude_mask, parse_mask_structure
+from llmc_fsm_pruning.masks import magnitude_mask, parse_mask_structure
 from llmc_fsm_pruning.constant import MaskSet, measure_sparsity, patterns
 from llmc_fsm.targets import DEFAULT_IGNORE, DEFAULT_TARGETS, resolve_targets
 

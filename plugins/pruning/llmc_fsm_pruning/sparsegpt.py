@@ -1,17 +1,253 @@
-"""``SparseGPTModifier``: one-shot pruning with OBS weight reconstruction (arXiv 2301.00774)."""
+"""SparseGPT: one-shot pruning with OBS weight reconstruction (Frantar & Alistarh, arXiv 2301.00774).
+
+:func:`sparsegpt_prune` / :func:`sparsegpt_prune_shared` are the algorithm
+(Alg. 1: per-block adaptive mask, column-by-column OBS update, lazy batch
+updates) as a :class:`~llmc_fsm.obs.ColumnRule` on the shared sweep
+:func:`llmc_fsm.obs.obs_sweep`; :class:`SparseGPTModifier` is the recipe modifier.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import attrs
 import torch
 from torch import nn
 
+from llmc_fsm.obs import SUB_BLOCK, HessianAccumulator, inverse_hessian_cholesky, obs_sweep
 from llmc_fsm_pruning._calibrated import CalibratedPruningModifier
-from llmc_fsm_pruning.algorithms import HessianAccumulator, sparsegpt_prune_shared
+from llmc_fsm_pruning.masks import (
+    MaskStructure,
+    check_nm_divisible,
+    check_sparsity,
+    check_weight,
+    nm_keep,
+    num_to_prune,
+    parse_mask_structure,
+    resolve_structure,
+)
 
-__all__ = ["SparseGPTModifier"]
+__all__ = ["SparseGPTModifier", "sparsegpt_prune", "sparsegpt_prune_shared"]
+
+
+@torch.no_grad()
+def sparsegpt_prune(
+    weight: torch.Tensor,
+    hessian: torch.Tensor,
+    *,
+    sparsity: float,
+    mask_structure: MaskStructure = None,
+    block_size: int = 128,
+    dampening_frac: float = 0.01,
+    max_dampening_retries: int = 3,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """SparseGPT one-shot pruning with OBS weight reconstruction.
+
+    Implements Algorithm 1 of SparseGPT (arXiv:2301.00774): columns are
+    processed left to right in blocks of ``block_size``; a block's mask is
+    chosen adaptively from the current (already updated) weights using the
+    OBS saliency ``w_j^2 / U_jj^2`` (Algorithm 1's ``w_c^2 / [H^-1]_cc^2``
+    after it replaces ``H^-1`` by its upper Cholesky factor ``U``; ``U_jj^2``
+    is the inverse-Hessian diagonal entry of column ``j`` given that columns
+    ``< j`` are already fixed). Every pruned weight's error is compensated on
+    the not-yet-processed columns of the block, and the
+    accumulated block error is applied lazily to all later columns in one
+    matrix product. All math is float32 on ``weight``'s device.
+
+    Mask selection:
+
+    * unstructured: at the start of each block ``[c0, c1)`` the block prunes
+      exactly ``num_to_prune(c1 * out, s) - num_to_prune(c0 * out, s)`` of its
+      lowest-saliency weights, selected over the whole block (all rows), as in
+      Algorithm 1 — rows may differ, which lets the mask follow the Hessian.
+      So **the layer has exactly** ``num_to_prune(numel, s)`` **zeros** (the
+      same count rule as :func:`magnitude_mask`). An earlier per-row selection
+      (exact zeros per row) measured worse: SmolLM2-135M at 50%, perplexity
+      80.0 vs 78.1 with this rule (32 x 256 calibration tokens).
+    * N:M: when the sweep reaches a group of ``M`` columns, each row keeps the
+      ``N`` highest-saliency weights of the group (``block_size`` must be a
+      multiple of ``M``). Every group has exactly ``M - N`` zeros.
+
+    Dead inputs (``H_jj == 0``, i.e. the channel was always zero in the
+    calibration data) get ``H_jj := 1``; they do not affect the layer-wise
+    error, so they are given the lowest saliency and pruned first. Unlike the
+    reference code, which zeroes dead columns unconditionally, dead weights
+    that the count rule keeps keep their original value (they are untouched by
+    the OBS updates because their Hessian rows are zero), so the returned
+    weight is zero exactly where the mask is False (plus original zeros).
+
+    Args:
+        weight: ``[out_features, in_features]`` floating tensor (not modified).
+        hessian: ``[in_features, in_features]`` symmetric PSD matrix, e.g.
+            :attr:`HessianAccumulator.hessian` (not modified; any float dtype;
+            moved to ``weight``'s device).
+        sparsity: fraction of zeros in ``[0, 1)``; ignored (only range-checked)
+            for N:M. ``0`` with unstructured returns an unchanged copy of
+            ``weight`` and an all-True mask without touching ``hessian``.
+        mask_structure: ``None``/``"unstructured"`` or ``"N:M"`` (N kept of M).
+        block_size: columns per block (lazy-update and mask-selection block),
+            > 0.
+        dampening_frac: ``lambda = dampening_frac * mean(diag H)`` is added to
+            the diagonal before inversion (the mean is taken after dead inputs'
+            ``H_jj`` is set to 1, as in the reference code); >= 0.
+        max_dampening_retries: if the damped ``H`` is not positive definite,
+            retry this many times, each time multiplying ``dampening_frac`` by
+            10 (a warning is logged for each retry). 0 disables retrying.
+
+    Returns:
+        ``(pruned_weight, keep_mask)``: ``pruned_weight`` has ``weight``'s
+        shape, dtype and device; ``keep_mask`` is ``torch.bool``, True = keep.
+
+    Raises:
+        ValueError: bad arguments/shapes, non-finite ``hessian``, ``in_features``
+            or ``block_size`` not divisible by ``M`` for N:M.
+        HessianNotPositiveDefiniteError (a ``ValueError``): the damped Hessian
+            cannot be Cholesky-factorised after all retries.
+    """
+    ((pruned, keep),) = sparsegpt_prune_shared(
+        [weight],
+        hessian,
+        sparsity=sparsity,
+        mask_structure=mask_structure,
+        block_size=block_size,
+        dampening_frac=dampening_frac,
+        max_dampening_retries=max_dampening_retries,
+    )
+    return pruned, keep
+
+
+@torch.no_grad()
+def sparsegpt_prune_shared(
+    weights: Sequence[torch.Tensor],
+    hessian: torch.Tensor,
+    *,
+    sparsity: float,
+    mask_structure: MaskStructure = None,
+    block_size: int = 128,
+    dampening_frac: float = 0.01,
+    max_dampening_retries: int = 3,
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """:func:`sparsegpt_prune` for several weights that see the same inputs (one Hessian).
+
+    For example the ``q/k/v`` projections of an attention block, or
+    ``gate/up`` of a gated MLP. The damped inverse Hessian is factorised once
+    and the column sweep runs once over the weights' stacked rows; each
+    weight's mask is still selected over its own rows only (the block's prune
+    count is each weight's own), so every result equals pruning that weight
+    alone with :func:`sparsegpt_prune` up to float rounding.
+
+    Args:
+        weights: ``[out_i, in_features]`` floating tensors on one device
+            (not modified), all with the same ``in_features``.
+        hessian, sparsity, mask_structure, block_size, dampening_frac,
+            max_dampening_retries: as for :func:`sparsegpt_prune`.
+
+    Returns:
+        ``[(pruned_weight, keep_mask), ...]`` in the order of ``weights``.
+
+    Raises:
+        ValueError: as :func:`sparsegpt_prune`, or no weights / different
+            ``in_features`` or devices.
+        HessianNotPositiveDefiniteError: as :func:`sparsegpt_prune`.
+    """
+    weights = list(weights)
+    if not weights:
+        raise ValueError("weights must hold at least one 2-D weight")
+    for w in weights:
+        check_weight(w)
+    s = check_sparsity(sparsity)
+    nm = resolve_structure(mask_structure)
+    cols = weights[0].shape[1]
+    device = weights[0].device
+    if any(w.shape[1] != cols or w.device != device for w in weights):
+        shapes = [(tuple(w.shape), str(w.device)) for w in weights]
+        raise ValueError(f"weights sharing a Hessian need the same in_features and device, got {shapes}")
+    if not isinstance(hessian, torch.Tensor) or hessian.shape != (cols, cols):
+        shape = tuple(hessian.shape) if isinstance(hessian, torch.Tensor) else type(hessian)
+        raise ValueError(f"hessian must have shape ({cols}, {cols}) for this weight, got {shape}")
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
+        raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+    if nm is not None:
+        check_nm_divisible(cols, nm)
+        if block_size % nm[1] != 0:
+            raise ValueError(
+                f"block_size must be a multiple of M={nm[1]} for {nm[0]}:{nm[1]} sparsity, got block_size={block_size}"
+            )
+    elif s == 0.0:
+        if isinstance(dampening_frac, bool) or not isinstance(dampening_frac, int | float) or not 0 <= dampening_frac:
+            raise ValueError(f"dampening_frac must be a finite number >= 0, got {dampening_frac!r}")
+        return [(w.detach().clone(), torch.ones_like(w, dtype=torch.bool)) for w in weights]
+
+    U, dead = inverse_hessian_cholesky(
+        hessian,
+        dampening_frac=dampening_frac,
+        max_dampening_retries=max_dampening_retries,
+        device=device,
+        algorithm="SparseGPT",
+    )
+    # Work on the transpose ([in, out]: column j of W = contiguous row j of WT); the
+    # weights' rows sit side by side, segment (r0, r1) of WT's columns is one weight.
+    WT = torch.cat([w.detach().to(torch.float32).T for w in weights], dim=1)
+    bounds = []
+    for w in weights:
+        r0 = bounds[-1][1] if bounds else 0
+        bounds.append((r0, r0 + w.shape[0]))
+    rule = _PruneRule(sparsity=s, nm=nm, bounds=bounds, dead=dead, rows=WT.shape[1])
+    obs_sweep(WT, U, rule, block_size=block_size)
+    return [
+        (WT[:, r0:r1].T.contiguous().to(w.dtype), rule.keepT[:, r0:r1].T.contiguous())
+        for w, (r0, r1) in zip(weights, bounds, strict=True)
+    ]
+
+
+class _PruneRule:
+    """SparseGPT's column rule: a column keeps the weights its mask keeps and zeroes the others.
+
+    Mask selection (saliency ``w_j^2 / U_jj^2``; dead inputs get -1, pruned first):
+    unstructured, at each block start over the whole block and each weight's own
+    rows; N:M, at each group of ``M`` columns, per row.
+    """
+
+    def __init__(
+        self, *, sparsity: float, nm: tuple[int, int] | None, bounds: list[tuple[int, int]], dead: torch.Tensor, rows: int
+    ) -> None:
+        self.sparsity = sparsity
+        self.nm = nm
+        self.bounds = bounds
+        self.dead = dead
+        self.keepT = torch.ones((dead.shape[0], rows), dtype=torch.bool, device=dead.device)
+        # A sub-block is a multiple of M for N:M, so a group never straddles two sub-blocks.
+        self.sub_block = SUB_BLOCK if nm is None else nm[1] * max(1, SUB_BLOCK // nm[1])
+        self._c0 = 0
+        self._d1: torch.Tensor | None = None
+        self._keep1 = self.keepT[0:0]
+
+    def begin_block(self, c0: int, c1: int, W1: torch.Tensor, d1: torch.Tensor) -> None:
+        self._c0 = c0
+        self._d1 = d1.unsqueeze(1)
+        self._keep1 = self.keepT[c0:c1]
+        if self.nm is not None:
+            return
+        score = (W1.square() / self._d1.square()).masked_fill_(self.dead[c0:c1].unsqueeze(1), -1.0)
+        width = c1 - c0
+        for r0, r1 in self.bounds:
+            n = r1 - r0
+            k_block = num_to_prune(c1 * n, self.sparsity) - num_to_prune(c0 * n, self.sparsity)
+            if not k_block:
+                continue
+            seg = torch.ones((width, n), dtype=torch.bool, device=W1.device)
+            flat = score[:, r0:r1].reshape(-1)
+            seg.view(-1)[torch.topk(flat, k_block, largest=False, sorted=False).indices] = False
+            self._keep1[:, r0:r1] = seg
+
+    def column(self, j: int, W1: torch.Tensor, i: int, out: torch.Tensor) -> torch.Tensor:
+        if self.nm is not None and i % self.nm[1] == 0:
+            grp = slice(i, i + self.nm[1])
+            d = self._d1[grp]  # type: ignore[index]
+            score = (W1[grp].square() / d.square()).masked_fill_(self.dead[j : j + self.nm[1]].unsqueeze(1), -1.0)
+            self._keep1[grp] = nm_keep(score.T, self.nm).T
+        return torch.mul(W1[i], self._keep1[i], out=out)
 
 
 def _positive_int(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
@@ -51,8 +287,6 @@ class SparseGPTModifier(CalibratedPruningModifier):
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
-        from llmc_fsm_pruning.algorithms import parse_mask_structure
-
         nm = parse_mask_structure(self.mask_structure)
         if nm is not None and self.block_size % nm[1] != 0:
             msg = (
@@ -64,10 +298,7 @@ class SparseGPTModifier(CalibratedPruningModifier):
     def _new_accumulator(self, module: nn.Module) -> HessianAccumulator:
         return HessianAccumulator(module.weight.shape[1])
 
-    def _prune_weight(self, module: nn.Module, accumulator: HessianAccumulator) -> torch.Tensor:
-        return self._prune_weights([module], accumulator)[0]
-
-    def _prune_weights(self, modules: list[nn.Module], accumulator: HessianAccumulator) -> list[torch.Tensor]:
+    def _compress_group(self, modules: list[nn.Module], accumulator: HessianAccumulator) -> list[torch.Tensor]:
         # Targets that saw the same inputs (q/k/v, gate/up) share one Hessian factorisation and one sweep.
         results = sparsegpt_prune_shared(
             [module.weight for module in modules],

@@ -9,11 +9,9 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from llmc_fsm_pruning.algorithms import (
-    HessianAccumulator,
-    HessianNotPositiveDefiniteError,
+from llmc_fsm.obs import HessianAccumulator, HessianNotPositiveDefiniteError, _lower_triangular_inverse
+from llmc_fsm_pruning import (
     InputNormAccumulator,
-    _lower_triangular_inverse,
     magnitude_mask,
     num_to_prune,
     parse_mask_structure,

@@ -1,0 +1,284 @@
+"""Base class of modifiers that compress weights from calibration statistics (SparseGPT, Wanda, GPTQ, RTN).
+
+:class:`CalibratedModifier` holds what these modifiers share:
+
+* at ``initialize`` it selects its targets (``targets`` minus ``ignore``, see
+  :func:`llmc_fsm.targets.resolve_targets`) and checks each one
+  (:meth:`CalibratedModifier._check_target`) — every problem is reported before
+  any calibration work;
+* at ``calibration_start`` it puts a forward pre-hook on every target that feeds
+  the target's inputs to a statistics accumulator
+  (:meth:`CalibratedModifier._new_accumulator`); targets called one after the
+  other on the *same* input tensor (``q/k/v``, ``gate/up``) share one
+  accumulator, and are compressed together;
+* at ``sequential_epoch_end(modules)`` it compresses the targets inside
+  ``modules`` (:meth:`CalibratedModifier._compress_group`) and frees their
+  accumulators, so at most one decoder layer's statistics are alive at a time
+  under the sequential pipeline;
+* at ``calibration_end`` it compresses every target not compressed yet. Targets
+  that never saw a calibration input are compressed only if the modifier needs
+  no data (:attr:`CalibratedModifier.needs_inputs` false), else left as they are
+  and listed in :attr:`CalibratedModifier.skipped`.
+
+After compressing, it records a :class:`ModuleResult` per target (zeros measured
+on the new weight, and, when the accumulator holds a Hessian, the relative output
+error on the calibration inputs).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import attrs
+import torch
+from torch import nn
+
+from llmc_fsm.modifier import Modifier
+from llmc_fsm.targets import DEFAULT_IGNORE, DEFAULT_TARGETS, resolve_targets
+
+__all__ = ["CalibratedModifier", "ModuleResult", "is_linear_like", "relative_output_error"]
+
+logger = logging.getLogger(__name__)
+
+
+def patterns(value: Any) -> list[str]:
+    """attrs converter: one module pattern or a list of them -> ``list[str]``.
+
+    Raises:
+        TypeError: anything else.
+    """
+    if isinstance(value, str):
+        return [value]
+    if value is None:
+        return []
+    if not isinstance(value, Iterable) or not all(isinstance(v, str) for v in value):
+        msg = f"must be a module pattern or a list of them (class name, full name or 're:<regex>'), got {value!r}"
+        raise TypeError(msg)
+    return list(value)
+
+
+def _non_empty(instance: Any, attribute: attrs.Attribute, value: list[str]) -> None:
+    if not value:
+        msg = f"{attribute.name} must name at least one module pattern, e.g. ['Linear']"
+        raise ValueError(msg)
+
+
+def is_linear_like(module: nn.Module) -> bool:
+    """A 2-D ``[out, in]`` weight applied to the last dimension of the module's input (``nn.Linear``-like)."""
+    weight = getattr(module, "weight", None)
+    in_features = getattr(module, "in_features", None)
+    return isinstance(weight, torch.Tensor) and weight.dim() == 2 and in_features == weight.shape[1]
+
+
+@torch.no_grad()
+def relative_output_error(old: torch.Tensor, new: torch.Tensor, hessian: torch.Tensor) -> float:
+    """``||W X - W_hat X||_F / ||W X||_F`` on the inputs ``X`` whose Hessian is ``H = 2/n X X^T``.
+
+    Computed from ``H`` alone: ``||A X||_F^2 = (n/2) tr(A H A^T)``, and ``n/2``
+    cancels in the ratio. ``old``/``new`` are ``[out, in]``; ``hessian`` ``[in, in]``.
+    Returns 0.0 when ``||W X||`` is 0.
+    """
+    H = hessian.to(torch.float32)
+    W = old.to(torch.float32)
+    D = W - new.to(torch.float32)
+    num = float(((D @ H) * D).sum())
+    den = float(((W @ H) * W).sum())
+    return (max(num, 0.0) / den) ** 0.5 if den > 0 else 0.0
+
+
+@attrs.define(kw_only=True, slots=False, eq=False)
+class ModuleResult:
+    """What compressing one module did.
+
+    Attributes:
+        zeros / numel: exact zeros of the weight after compression, and its size.
+        seconds: compression time (modules compressed together split their group's time by weight size).
+        samples: calibration tokens the module saw (0 for data-free compression).
+        rel_output_error: ``||W X - W_hat X|| / ||W X||`` on the calibration inputs, or ``None``
+            when the statistics hold no Hessian (Wanda, data-free RTN).
+        bits / group_size: weight bits and group size for quantized modules, else ``None``.
+    """
+
+    zeros: int
+    numel: int
+    seconds: float
+    samples: int
+    rel_output_error: float | None = None
+    bits: int | None = None
+    group_size: int | None = None
+
+    @property
+    def sparsity(self) -> float:
+        return self.zeros / self.numel if self.numel else 0.0
+
+
+@attrs.define(kw_only=True, slots=False, eq=False)
+class CalibratedModifier(Modifier):
+    """Base of modifiers that compress Linear weights from calibration statistics (not registered itself).
+
+    Args:
+        targets: module patterns to compress: class names (``"Linear"``, the
+            default), full module names, or ``"re:<regex>"`` matched against
+            full names.
+        ignore: module patterns never compressed (default ``["lm_head"]``). A
+            module whose weight is tied to an ignored one is ignored too.
+
+    Subclasses implement :meth:`_new_accumulator` and :meth:`_compress_group`.
+    """
+
+    required_state = frozenset({"model", "calibration_data"})
+    #: Whether targets need calibration inputs; ``False`` compresses unseen targets at ``calibration_end``.
+    needs_inputs = True
+
+    targets: list[str] = attrs.field(factory=lambda: list(DEFAULT_TARGETS), converter=patterns, validator=_non_empty)
+    ignore: list[str] = attrs.field(factory=lambda: list(DEFAULT_IGNORE), converter=patterns)
+
+    def __attrs_post_init__(self) -> None:
+        super().__attrs_post_init__()
+        self._clear()
+
+    def _clear(self) -> None:
+        self._targets: dict[str, nn.Module] = {}
+        self._names_by_id: dict[int, str] = {}
+        self._acc: dict[str, Any] = {}
+        self._last_input: torch.Tensor | None = None
+        self._last_acc: Any = None
+        #: module name -> :class:`ModuleResult`, in the order the modules were compressed.
+        self.results: dict[str, ModuleResult] = {}
+        #: targets that never received a calibration input (left as they were).
+        self.skipped: list[str] = []
+
+    @property
+    def resolved_targets(self) -> dict[str, nn.Module]:
+        """``{full name: module}`` selected at initialize (empty before)."""
+        return dict(self._targets)
+
+    # ---- subclass API ----------------------------------------------------------
+    def _new_accumulator(self, module: nn.Module) -> Any:
+        """A fresh statistics accumulator for ``module`` (``add_batch(x)``, ``num_samples``, ``in_features``)."""
+        raise NotImplementedError
+
+    def _check_target(self, name: str, module: nn.Module) -> str | None:
+        """A one-line problem with compressing ``module``, or ``None``. Default: it must be Linear-like."""
+        if not is_linear_like(module):
+            return f"{name} ({type(module).__name__}) has no 2-D Linear weight"
+        return None
+
+    def _compress_group(self, modules: list[nn.Module], accumulator: Any) -> list[torch.Tensor]:
+        """New weights for ``modules``, which saw the same inputs (``accumulator`` is ``None`` when data-free)."""
+        raise NotImplementedError
+
+    def _result_extras(self, module: nn.Module) -> dict[str, Any]:
+        """Extra :class:`ModuleResult` fields for ``module`` (e.g. ``bits``)."""
+        return {}
+
+    # ---- lifecycle -------------------------------------------------------------
+    def on_initialize(self, state: Any) -> None:
+        self._clear()
+        targets = resolve_targets(state.model, self.targets, self.ignore)
+        problems = [p for name, m in targets.items() if (p := self._check_target(name, m)) is not None]
+        if problems:
+            shown = "; ".join(problems[:8]) + (f"; and {len(problems) - 8} more" if len(problems) > 8 else "")
+            msg = (
+                f"{type(self).__name__} cannot compress {len(problems)} of its targets: {shown}. "
+                "Narrow targets or add these modules to ignore"
+            )
+            raise ValueError(msg)
+        self._targets = targets
+        self._names_by_id = {id(m): name for name, m in targets.items()}
+
+    def on_calibration_start(self, state: Any) -> None:
+        for name, module in self._targets.items():
+            if name not in self.results:
+                self.register_hook(module, self._make_hook(name), kind="forward_pre")
+
+    def _make_hook(self, name: str) -> Any:
+        def hook(module: nn.Module, args: tuple[Any, ...]) -> None:
+            if name in self.results or not args:
+                return
+            x = args[0]
+            acc = self._acc.get(name)
+            if x is self._last_input:
+                # Same input tensor as the module called just before (q/k/v, gate/up):
+                # share its statistics instead of computing them again.
+                if acc is None and self._last_acc is not None and self._last_acc.in_features == x.shape[-1]:
+                    self._acc[name] = self._last_acc
+                    return
+                if acc is self._last_acc:
+                    return
+            if acc is None:
+                acc = self._acc[name] = self._new_accumulator(module)
+            with torch.no_grad():
+                acc.add_batch(x)
+            self._last_input = x
+            self._last_acc = acc
+
+        return hook
+
+    def on_sequential_epoch_end(self, state: Any, modules: Any) -> None:
+        roots = [modules] if isinstance(modules, nn.Module) else list(modules)
+        pending = {}
+        for root in roots:
+            for sub in root.modules():
+                name = self._names_by_id.get(id(sub))
+                if name is not None and name not in self.results:
+                    pending[name] = sub
+        self._compress_all(pending)
+        self._last_input = None
+        self._last_acc = None
+
+    def on_calibration_end(self, state: Any) -> None:
+        self._compress_all({name: m for name, m in self._targets.items() if name not in self.results})
+        self._last_input = None
+        self._last_acc = None
+        self._acc.clear()
+        self.remove_hooks()
+
+    def on_finalize(self, state: Any) -> None:
+        self._acc.clear()
+        self._last_input = None
+        self._last_acc = None
+
+    # ---- work ------------------------------------------------------------------
+    def _compress_all(self, modules: dict[str, nn.Module]) -> None:
+        """Compress ``{name: module}``, each group of modules that share an accumulator in one call."""
+        groups: dict[int, tuple[Any, list[tuple[str, nn.Module]]]] = {}
+        for name, module in modules.items():
+            acc = self._acc.pop(name, None)
+            if acc is None or acc.num_samples == 0:
+                if self.needs_inputs:
+                    if name not in self.skipped:
+                        logger.warning("%s: %s received no calibration input; left as it was", type(self).__name__, name)
+                        self.skipped.append(name)
+                    continue
+                acc = None
+            key = id(acc) if acc is not None else id(module)
+            groups.setdefault(key, (acc, []))[1].append((name, module))
+        for acc, members in groups.values():
+            self._compress_members(acc, members)
+
+    def _compress_members(self, acc: Any, members: list[tuple[str, nn.Module]]) -> None:
+        t0 = time.perf_counter()
+        hessian = getattr(acc, "hessian", None) if acc is not None else None
+        with torch.no_grad():
+            olds = [module.weight.detach().clone() if hessian is not None else None for _, module in members]
+            new = self._compress_group([module for _, module in members], acc)
+            for (_, module), weight in zip(members, new, strict=True):
+                module.weight.copy_(weight)
+        seconds = time.perf_counter() - t0
+        total = sum(module.weight.numel() for _, module in members)
+        for (name, module), old in zip(members, olds, strict=True):
+            numel = module.weight.numel()
+            self.results[name] = ModuleResult(
+                zeros=numel - int(torch.count_nonzero(module.weight)),
+                numel=numel,
+                seconds=seconds * numel / total,
+                samples=acc.num_samples if acc is not None else 0,
+                rel_output_error=relative_output_error(old, module.weight, hessian) if old is not None else None,
+                **self._result_extras(module),
+            )
+            if name in self.skipped:
+                self.skipped.remove(name)

@@ -1,0 +1,217 @@
+"""Mask structures, the count rule shared by every pruning algorithm, and the magnitude mask.
+
+Conventions used throughout the pruning plugin
+-----------------------------------------------
+* ``weight`` is a 2-D ``Linear`` weight of shape ``[out_features, in_features]``
+  (rows = outputs, columns = inputs), any floating dtype, any device.
+* Every mask is a ``torch.bool`` tensor shaped like ``weight`` where
+  **True means "keep"** and False means "pruned (set to zero)".
+* ``sparsity`` is the requested fraction of *zeros*, a real number in ``[0, 1)``.
+* ``mask_structure`` is ``None`` / ``"unstructured"`` or an ``"N:M"`` string
+  (or an ``(N, M)`` tuple), see :func:`parse_mask_structure`. With an N:M
+  structure the pattern alone fixes the sparsity at ``(M - N) / M``;
+  ``sparsity`` is then only range-checked and otherwise ignored.
+
+Count rule (shared by all algorithms)
+-------------------------------------
+For a selection group of ``n`` weights the number of pruned weights is
+
+    ``k = num_to_prune(n, sparsity) = floor(sparsity * n + 1/2)``
+
+i.e. ``sparsity * n`` rounded to the nearest integer, halves rounded up
+(a ``1e-9`` slack absorbs float representation error such as
+``0.29 * 100 == 28.999999999999996``). The *selection group* is
+
+* magnitude, unstructured: the whole matrix (``n = out * in``);
+* Wanda, unstructured: each output row (``n = in``) - every row has exactly
+  ``k`` zeros;
+* SparseGPT, unstructured: each column block ``[c0, c1)`` over all rows - the
+  block prunes exactly ``num_to_prune(c1 * out, s) - num_to_prune(c0 * out, s)``
+  weights (rows may differ), so the whole matrix has
+  ``num_to_prune(out * in, s)`` zeros;
+* every algorithm with N:M: each group of ``M`` consecutive input columns of
+  each row keeps exactly ``N`` weights (prunes ``M - N``).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import re
+
+import torch
+
+__all__ = [
+    "MaskStructure",
+    "check_nm_divisible",
+    "check_sparsity",
+    "check_weight",
+    "magnitude_mask",
+    "nm_keep",
+    "num_to_prune",
+    "parse_mask_structure",
+    "prune_lowest_per_row",
+    "resolve_structure",
+]
+
+#: What the ``mask_structure`` arguments accept.
+MaskStructure = str | tuple[int, int] | None
+
+_MASK_STRUCTURE_HELP = (
+    "expected 'unstructured' (alias '0:0') or 'N:M' with integers 0 < N < M, "
+    "meaning N nonzero weights are kept in every group of M consecutive "
+    "weights along the input dimension (e.g. '2:4' = 50% sparsity)"
+)
+_NM_RE = re.compile(r"\s*(\d+)\s*:\s*(\d+)\s*")
+
+
+# --------------------------------------------------------------------------- #
+# Argument helpers
+# --------------------------------------------------------------------------- #
+def parse_mask_structure(s: str) -> tuple[int, int] | None:
+    """Parse a mask-structure string.
+
+    Convention (NVIDIA's): ``"N:M"`` means **N nonzero (kept) weights out of
+    every M** consecutive weights along the input dimension (dim 1 of a
+    ``[out, in]`` weight), i.e. ``M - N`` zeros per group. ``"2:4"`` is 50%
+    sparsity, ``"4:8"`` too, ``"1:4"`` is 75%. Note that the SparseGPT
+    reference code's ``prunen`` counts *pruned* weights instead; the two agree
+    for 2:4 and 4:8 only.
+
+    Args:
+        s: ``"unstructured"`` (case-insensitive; ``"0:0"`` is accepted as an
+            alias, as used by llm-compressor recipes) or ``"N:M"`` with
+            integers ``0 < N < M``. Surrounding whitespace is ignored.
+
+    Returns:
+        ``None`` for unstructured, else ``(N, M)``.
+
+    Raises:
+        ValueError: for anything else; the message lists what is accepted.
+    """
+    if not isinstance(s, str):
+        raise ValueError(f"invalid mask_structure {s!r}: {_MASK_STRUCTURE_HELP}")
+    text = s.strip().lower()
+    if text == "unstructured":
+        return None
+    match = _NM_RE.fullmatch(text)
+    if match is None:
+        raise ValueError(f"invalid mask_structure {s!r}: {_MASK_STRUCTURE_HELP}")
+    n, m = int(match.group(1)), int(match.group(2))
+    if n == 0 and m == 0:
+        return None
+    if not 0 < n < m:
+        raise ValueError(f"invalid mask_structure {s!r}: {_MASK_STRUCTURE_HELP}")
+    return n, m
+
+
+def resolve_structure(mask_structure: MaskStructure) -> tuple[int, int] | None:
+    if mask_structure is None:
+        return None
+    if isinstance(mask_structure, str):
+        return parse_mask_structure(mask_structure)
+    if (
+        isinstance(mask_structure, tuple)
+        and len(mask_structure) == 2
+        and all(isinstance(v, int) and not isinstance(v, bool) for v in mask_structure)
+        and 0 < mask_structure[0] < mask_structure[1]
+    ):
+        return mask_structure
+    raise ValueError(f"invalid mask_structure {mask_structure!r}: {_MASK_STRUCTURE_HELP}")
+
+
+def check_sparsity(sparsity: float) -> float:
+    if isinstance(sparsity, bool) or not isinstance(sparsity, numbers.Real):
+        raise ValueError(f"sparsity must be a real number in [0, 1), got {sparsity!r}")
+    value = float(sparsity)
+    if not 0.0 <= value < 1.0:  # also rejects NaN
+        raise ValueError(f"sparsity must be a real number in [0, 1), got {sparsity!r}")
+    return value
+
+
+def check_weight(weight: torch.Tensor) -> None:
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        shape = tuple(weight.shape) if isinstance(weight, torch.Tensor) else type(weight)
+        raise ValueError(f"weight must be a 2-D [out_features, in_features] tensor, got {shape}")
+    if not weight.is_floating_point():
+        raise ValueError(f"weight must be a floating-point tensor, got dtype {weight.dtype}")
+
+
+def check_nm_divisible(in_features: int, nm: tuple[int, int]) -> None:
+    n, m = nm
+    if in_features % m != 0:
+        raise ValueError(f"{n}:{m} sparsity needs in_features divisible by {m}, got in_features={in_features}")
+
+
+def num_to_prune(numel: int, sparsity: float) -> int:
+    """Number of weights to prune in a selection group of ``numel`` weights.
+
+    ``floor(sparsity * numel + 1/2)`` (round half up) with a ``1e-9`` slack for
+    float error, clamped to ``[0, numel]``. This is the single count rule used
+    by :func:`magnitude_mask`, :func:`wanda_mask` and :func:`sparsegpt_prune`
+    (see the module docstring for the selection group of each).
+
+    Raises:
+        ValueError: if ``sparsity`` is not in ``[0, 1)`` or ``numel < 0``.
+    """
+    s = check_sparsity(sparsity)
+    if numel < 0:
+        raise ValueError(f"numel must be >= 0, got {numel}")
+    k = math.floor(s * numel + 0.5 + 1e-9)
+    return max(0, min(int(numel), k))
+
+
+def prune_lowest_per_row(score: torch.Tensor, k: int) -> torch.Tensor:
+    """Bool keep-mask pruning exactly the ``k`` lowest scores of every row."""
+    keep = torch.ones(score.shape, dtype=torch.bool, device=score.device)
+    if k > 0:
+        idx = torch.topk(score, k, dim=1, largest=False, sorted=False).indices
+        keep.scatter_(1, idx, False)
+    return keep
+
+
+def nm_keep(score: torch.Tensor, nm: tuple[int, int]) -> torch.Tensor:
+    """Bool keep-mask keeping the ``N`` highest scores of every group of ``M`` columns."""
+    n, m = nm
+    rows, cols = score.shape
+    grouped = score.reshape(rows, cols // m, m)
+    idx = torch.topk(grouped, n, dim=2, largest=True, sorted=False).indices
+    keep = torch.zeros(grouped.shape, dtype=torch.bool, device=score.device)
+    keep.scatter_(2, idx, True)
+    return keep.reshape(rows, cols)
+
+
+@torch.no_grad()
+def magnitude_mask(weight: torch.Tensor, sparsity: float, mask_structure: MaskStructure = None) -> torch.Tensor:
+    """Keep-mask that prunes the smallest-magnitude weights.
+
+    Args:
+        weight: ``[out_features, in_features]`` floating tensor.
+        sparsity: fraction of zeros in ``[0, 1)``; ignored (only range-checked)
+            when ``mask_structure`` is N:M.
+        mask_structure: ``None``/``"unstructured"``: exactly
+            ``num_to_prune(weight.numel(), sparsity)`` weights with the smallest
+            ``|w|`` over the whole matrix are pruned (ties broken arbitrarily but
+            the count is exact). ``"N:M"``: in every group of ``M`` consecutive
+            weights along dim 1 the ``N`` largest ``|w|`` are kept.
+
+    Returns:
+        ``torch.bool`` tensor shaped like ``weight``, True = keep.
+
+    Raises:
+        ValueError: bad ``sparsity``/``mask_structure``/``weight`` shape, or
+            ``in_features`` not divisible by ``M`` for N:M.
+    """
+    check_weight(weight)
+    s = check_sparsity(sparsity)
+    nm = resolve_structure(mask_structure)
+    score = weight.detach().abs().to(torch.float32)
+    if nm is not None:
+        check_nm_divisible(weight.shape[1], nm)
+        return nm_keep(score, nm)
+    k = num_to_prune(weight.numel(), s)
+    keep = torch.ones(weight.numel(), dtype=torch.bool, device=weight.device)
+    if k > 0:
+        idx = torch.topk(score.reshape(-1), k, largest=False, sorted=False).indices
+        keep[idx] = False
+    return keep.reshape(weight.shape)
