@@ -1,0 +1,35 @@
+"""llmc-fsm quantization plugin: GPTQ and round-to-nearest, saved in the compressed-tensors format.
+
+Installed as its own distribution (``llmc-fsm-quantization``) and discovered by
+llmc-fsm through the ``llmc_fsm`` entry-point group, exactly like a third-party
+plugin. Recipe names: ``GPTQModifier``, ``QuantizationModifier``. Schemes,
+argument types, qparams and packing come from ``compressed-tensors``.
+"""
+
+from __future__ import annotations
+
+import llmc_fsm
+from llmc_fsm_quantization._base import QuantizedWeight, attach_qparams
+from llmc_fsm_quantization.gptq import GPTQModifier, gptq_quantize
+from llmc_fsm_quantization.observers import observe
+from llmc_fsm_quantization.rtn import QuantizationModifier, rtn_quantize
+from llmc_fsm_quantization.schemes import preset_names, resolve_scheme
+
+__all__ = [
+    "GPTQModifier",
+    "QuantizationModifier",
+    "QuantizedWeight",
+    "attach_qparams",
+    "gptq_quantize",
+    "llmc_fsm_register_modifiers",
+    "observe",
+    "preset_names",
+    "resolve_scheme",
+    "rtn_quantize",
+]
+
+
+@llmc_fsm.hookimpl
+def llmc_fsm_register_modifiers() -> list[type[llmc_fsm.Modifier]]:
+    """Register the quantization modifiers."""
+    return [GPTQModifier, QuantizationModifier]

@@ -1,0 +1,157 @@
+"""What GPTQ and round-to-nearest share: scheme arguments, checks before calibration, qparams on the module.
+
+After a target is quantized it carries, as ``compressed-tensors`` defines them,
+``quantization_scheme``, ``quantization_status`` (frozen), the parameters
+``weight_scale`` / ``weight_zero_point`` (and ``weight_g_idx`` for group
+activation order), and a forward that fake-quantizes dynamic input activations
+(W8A8, FP8_DYNAMIC). Its ``weight`` holds the dequantized values, so the
+in-memory model computes what the saved checkpoint computes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import torch
+from compressed_tensors.quantization import (
+    ActivationOrdering,
+    QuantizationArgs,
+    QuantizationScheme,
+    QuantizationStatus,
+    QuantizationStrategy,
+)
+from compressed_tensors.quantization.lifecycle.initialize import initialize_module_for_quantization
+from torch import nn
+
+from llmc_fsm.calibration import CalibratedModifier
+from llmc_fsm_quantization.observers import OBSERVERS
+from llmc_fsm_quantization.schemes import resolve_scheme, weight_args
+
+__all__ = ["QuantizedWeight", "QuantizingModifier", "attach_qparams"]
+
+
+@attrs.define(kw_only=True)
+class QuantizedWeight:
+    """A quantized weight: dequantized values and the parameters that reproduce them.
+
+    Attributes:
+        weight: ``[out, in]`` dequantized weight (the input weight's dtype).
+        scale: ``[1]`` (tensor), ``[out, 1]`` (channel) or ``[out, in // group_size]`` (group), float.
+        zero_point: same shape as ``scale``, the scheme's ``zp_dtype`` (zeros when symmetric).
+        g_idx: ``[in]`` int32 group of each input column (GPTQ ``actorder="group"``), else ``None``.
+    """
+
+    weight: torch.Tensor
+    scale: torch.Tensor
+    zero_point: torch.Tensor
+    g_idx: torch.Tensor | None = None
+
+
+@torch.no_grad()
+def attach_qparams(module: nn.Module, scheme: QuantizationScheme, quantized: QuantizedWeight) -> None:
+    """Make ``module`` a frozen compressed-tensors quantized module holding ``quantized``'s parameters.
+
+    Raises:
+        ValueError: a parameter's shape differs from what compressed-tensors allocates for ``scheme``.
+    """
+    initialize_module_for_quantization(module, scheme, force_zero_point=True)
+    for name, value in (("weight_scale", quantized.scale), ("weight_zero_point", quantized.zero_point),
+                        ("weight_g_idx", quantized.g_idx)):
+        if value is None:
+            continue
+        param = getattr(module, name)
+        if param.shape != value.shape:
+            msg = f"{name}: compressed-tensors expects shape {tuple(param.shape)}, got {tuple(value.shape)}"
+            raise ValueError(msg)
+        param.data.copy_(value.to(param.dtype))
+    module.weight.data.copy_(quantized.weight)
+    module.quantization_status = QuantizationStatus.FROZEN
+
+
+def _observer(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if value not in OBSERVERS:
+        msg = f"unknown observer {value!r}; choose one of {', '.join(OBSERVERS)}"
+        raise ValueError(msg)
+
+
+@attrs.define(kw_only=True, slots=False, eq=False)
+class QuantizingModifier(CalibratedModifier):
+    """Base of the quantization modifiers (not registered itself).
+
+    Args:
+        scheme: a ``compressed-tensors`` preset name (``W4A16``, ``W8A16``,
+            ``W8A8``, ``FP8_DYNAMIC``, ...) or a mapping of scheme fields (see
+            :mod:`llmc_fsm_quantization.schemes`). Bits, symmetry, strategy and
+            group size come from it. Default ``W4A16``.
+        observer: how a weight's range is chosen: ``minmax`` (default) or ``mse``.
+        targets, ignore: see :class:`~llmc_fsm.calibration.CalibratedModifier`
+            (defaults ``[Linear]`` and ``[lm_head]``).
+
+    Raises (at construction): ``ValueError`` for an unknown preset (listing the
+    presets), invalid scheme fields, or an unsupported scheme.
+    """
+
+    scheme: Any = attrs.field(default="W4A16")
+    observer: str = attrs.field(default="minmax", validator=_observer)
+
+    def __attrs_post_init__(self) -> None:
+        super().__attrs_post_init__()
+        self._scheme = resolve_scheme(self.scheme, self.targets)
+        actorder = getattr(self, "actorder", None)
+        w = self._scheme.weights
+        if actorder is not None and w is not None and w.strategy == QuantizationStrategy.GROUP:
+            w.actorder = ActivationOrdering(actorder)
+
+    @property
+    def quantization_scheme(self) -> QuantizationScheme:
+        """The resolved ``compressed_tensors`` scheme (a copy)."""
+        return self._scheme.model_copy(deep=True)
+
+    @property
+    def weight_args(self) -> QuantizationArgs:
+        """The scheme's weight ``QuantizationArgs``."""
+        return weight_args(self._scheme)
+
+    # ---- checks before any calibration work ------------------------------------------
+    def on_initialize(self, state: Any) -> None:
+        model = state.model
+        config_q = getattr(getattr(model, "config", None), "quantization_config", None)
+        quantized = [name for name, m in model.named_modules() if hasattr(m, "quantization_scheme")]
+        if config_q is not None or quantized:
+            method = config_q.get("quant_method") if isinstance(config_q, dict) else getattr(config_q, "quant_method", None)
+            what = f"its config carries a quantization_config (quant_method {method!r})" if config_q is not None else (
+                f"{len(quantized)} modules are already quantized, e.g. {quantized[0]}"
+            )
+            msg = (
+                f"{type(self).__name__}: the model is already quantized ({what}); quantize the original "
+                "full-precision model instead"
+            )
+            raise ValueError(msg)
+        super().on_initialize(state)
+
+    def _check_target(self, name: str, module: nn.Module) -> str | None:
+        problem = super()._check_target(name, module)
+        if problem is not None:
+            return problem
+        args = self.weight_args
+        if args.strategy == QuantizationStrategy.GROUP and module.weight.shape[1] % args.group_size:
+            return f"{name}: in_features {module.weight.shape[1]} is not a multiple of group_size {args.group_size}"
+        return None
+
+    # ---- work -----------------------------------------------------------------------
+    def _quantize(self, modules: list[nn.Module], accumulator: Any) -> list[QuantizedWeight]:
+        raise NotImplementedError
+
+    def _compress_group(self, modules: list[nn.Module], accumulator: Any) -> list[torch.Tensor]:
+        quantized = self._quantize(modules, accumulator)
+        for module, q in zip(modules, quantized, strict=True):
+            attach_qparams(module, self.quantization_scheme, q)
+        return [q.weight for q in quantized]
+
+    def _result_extras(self, module: nn.Module) -> dict[str, Any]:
+        args = self.weight_args
+        return {
+            "bits": int(args.num_bits),
+            "group_size": int(args.group_size) if args.strategy == QuantizationStrategy.GROUP else None,
+        }

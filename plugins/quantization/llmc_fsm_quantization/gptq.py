@@ -1,0 +1,279 @@
+"""GPTQ: one-shot weight quantization with OBS error compensation (Frantar et al., arXiv 2210.17323).
+
+:func:`gptq_quantize` is Alg. 1 of the paper — columns quantized left to right
+(optionally in activation order), each column's rounding error compensated on
+the columns not yet quantized through the Cholesky factor of the damped inverse
+Hessian, with lazy batch updates — as a column rule on the sweep the core shares
+with SparseGPT (:func:`llmc_fsm.obs.obs_sweep`). :class:`GPTQModifier` is the
+recipe modifier.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+import torch
+from compressed_tensors.quantization import QuantizationArgs, QuantizationStrategy
+from torch import nn
+
+from llmc_fsm.obs import SUB_BLOCK, HessianAccumulator, inverse_hessian_cholesky, obs_sweep
+from llmc_fsm_quantization._base import QuantizedWeight, QuantizingModifier
+from llmc_fsm_quantization.observers import as_row_args, observe, quantize_rows, row_qparams
+
+__all__ = ["ACTORDERS", "GPTQModifier", "gptq_quantize"]
+
+#: Values of ``actorder``: ``None`` (natural column order), ``"static"``, ``"group"``.
+ACTORDERS = (None, "static", "group")
+
+
+def _check_args(cols: int, args: QuantizationArgs, block_size: int, actorder: str | None) -> None:
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
+        raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+    if actorder not in ACTORDERS:
+        raise ValueError(f"actorder must be one of static, group or null, got {actorder!r}")
+    if args.strategy == QuantizationStrategy.GROUP:
+        gs = args.group_size
+        if cols % gs:
+            raise ValueError(f"in_features {cols} is not a multiple of group_size {gs}")
+        if block_size % gs and gs % block_size:
+            raise ValueError(f"block_size ({block_size}) and group_size ({gs}) must divide one another")
+
+
+@torch.no_grad()
+def gptq_quantize(
+    weights: Sequence[torch.Tensor],
+    hessian: torch.Tensor,
+    *,
+    args: QuantizationArgs,
+    block_size: int = 128,
+    dampening_frac: float = 0.01,
+    actorder: str | None = "static",
+    observer: str = "minmax",
+    max_dampening_retries: int = 3,
+) -> list[QuantizedWeight]:
+    """Quantize weights that see the same inputs (one Hessian) with GPTQ.
+
+    Columns are processed in blocks of ``block_size`` (lazy batch updates); for
+    each column ``j`` the quantized value ``q_j`` replaces ``w_j`` and the error
+    ``(w_j - q_j) / U_jj`` is subtracted from the later columns through row ``j``
+    of ``U``, the upper Cholesky factor of ``(H + lambda I)^-1``,
+    ``lambda = dampening_frac * mean(diag H)`` (Alg. 1). Zeros of the input
+    weights stay exactly zero (a pruned — e.g. 2:4 — weight keeps its pattern):
+    their quantized value is 0 and the error of forcing them there is
+    compensated like any other.
+
+    Scales and zero points (``observer`` over the group's values):
+
+    * tensor / channel strategy: from the original weight, before the sweep;
+    * group strategy, ``actorder`` ``None`` or ``"group"``: from the current
+      (already compensated) weights when the sweep reaches the group's first
+      column, as in the paper's reference code;
+    * group strategy, ``actorder="static"``: from the original weight's groups,
+      before the sweep; columns are then swept in activation order.
+
+    ``actorder`` (activation order, descending ``diag H``): ``"static"`` sweeps
+    in that order but keeps groups contiguous in the original order (no
+    ``g_idx``); ``"group"`` forms groups in that order and returns ``g_idx``
+    (original column -> group). Dead inputs (``H_jj = 0``) are quantized like
+    the others; they receive no compensation (the reference code zeroes them).
+
+    Args:
+        weights: ``[out_i, in_features]`` float tensors on one device (not modified).
+        hessian: ``[in_features, in_features]``, e.g. :attr:`llmc_fsm.obs.HessianAccumulator.hessian`.
+        args: the weight ``QuantizationArgs`` (strategy tensor, channel or group).
+        block_size: columns per lazy-update block (default 128); for group
+            strategy it and ``group_size`` must divide one another.
+        dampening_frac: relative damping (default 0.01), >= 0.
+        actorder: ``"static"`` (default), ``"group"`` or ``None``.
+        observer: ``"minmax"`` (default) or ``"mse"``.
+        max_dampening_retries: retries with 10x damping when ``H`` is not positive definite.
+
+    Returns:
+        One :class:`QuantizedWeight` per weight: the dequantized weight (input
+        dtype), ``scale`` / ``zero_point`` (``[1]``, ``[out, 1]`` or
+        ``[out, in // group_size]``) and ``g_idx`` (``[in]`` int32, only for
+        ``actorder="group"``).
+
+    Raises:
+        ValueError: bad shapes or arguments, ``in_features`` not divisible by ``group_size``.
+        HessianNotPositiveDefiniteError: the damped Hessian cannot be factorised after all retries.
+    """
+    weights = list(weights)
+    if not weights or any(not isinstance(w, torch.Tensor) or w.dim() != 2 for w in weights):
+        raise ValueError("weights must be a non-empty list of 2-D [out, in] tensors")
+    cols = weights[0].shape[1]
+    if any(w.shape[1] != cols for w in weights):
+        raise ValueError(f"weights sharing a Hessian need the same in_features, got {[tuple(w.shape) for w in weights]}")
+    if hessian.shape != (cols, cols):
+        raise ValueError(f"hessian must have shape ({cols}, {cols}), got {tuple(hessian.shape)}")
+    _check_args(cols, args, block_size, actorder)
+    device = weights[0].device
+    group = args.strategy == QuantizationStrategy.GROUP
+    perm = None
+    if actorder is not None:
+        perm = torch.argsort(torch.diagonal(hessian).to(device), descending=True, stable=True)
+        hessian = hessian.to(device)[perm][:, perm]
+    U, _dead = inverse_hessian_cholesky(
+        hessian, dampening_frac=dampening_frac, max_dampening_retries=max_dampening_retries, device=device,
+        algorithm="GPTQ",
+    )
+    originals = [w.detach().to(torch.float32) for w in weights]
+    upfront = not group or actorder == "static"
+    rule = _QuantRule(args, originals, perm if actorder == "static" else None, observer, upfront, block_size)
+    WT = torch.cat([w.T for w in originals], dim=1)
+    if perm is not None:
+        WT = WT[perm].contiguous()
+    rule.bind(WT)
+    obs_sweep(WT, U, rule, block_size=block_size)
+    if perm is not None:
+        WT = WT[torch.argsort(perm)]
+    return rule.results(WT, weights, perm if (group and actorder == "group") else None)
+
+
+class _QuantRule:
+    """GPTQ's column rule: round the column to the grid of its row's (group's) scale and zero point."""
+
+    def __init__(
+        self,
+        args: QuantizationArgs,
+        originals: list[torch.Tensor],
+        static_perm: torch.Tensor | None,
+        observer: str,
+        upfront: bool,
+        block_size: int,
+    ) -> None:
+        self.args = args
+        self.row_args = as_row_args(args)
+        self.observer = observer
+        self.upfront = upfront
+        self.rows = sum(w.shape[0] for w in originals)
+        cols = originals[0].shape[1]
+        self.gs = args.group_size if args.strategy == QuantizationStrategy.GROUP else cols
+        # Groups formed during the sweep start a sub-block (gs <= block_size) or a block (gs > block_size), so
+        # their scale is taken with every earlier column's compensation applied.
+        self.sub_block = self.gs if (not upfront and self.gs <= block_size) else SUB_BLOCK
+        self.scales: list[torch.Tensor] = []
+        self.zps: list[torch.Tensor] = []
+        if upfront:
+            per = [observe(w, args, observer) for w in originals]
+            self.scales = [s.expand(w.shape[0], -1) if s.numel() == 1 else s for (s, _), w in zip(per, originals)]
+            self.zps = [z.expand(w.shape[0], -1) if z.numel() == 1 else z for (_, z), w in zip(per, originals)]
+            self._per_weight = per
+            self.scale = torch.cat(self.scales, dim=0)
+            self.zp = torch.cat(self.zps, dim=0)
+        else:
+            ng = cols // self.gs
+            self.scale = torch.empty((self.rows, ng), dtype=torch.float32, device=originals[0].device)
+            self.zp = torch.empty((self.rows, ng), dtype=args.zp_dtype or torch.float32, device=originals[0].device)
+        # Column j of the sweep uses group column `group_of[j]` of scale / zero point.
+        group_of = torch.arange(cols) // self.gs
+        if static_perm is not None:
+            group_of = group_of[static_perm.cpu()]
+        self.group_of = group_of.tolist()
+        self.maskT: torch.Tensor | None = None
+        self.WT: torch.Tensor | None = None
+
+    def bind(self, WT: torch.Tensor) -> None:
+        self.WT = WT
+        keep = WT != 0
+        self.maskT = None if bool(keep.all()) else keep
+
+    def begin_block(self, c0: int, c1: int, W1: torch.Tensor, d1: torch.Tensor) -> None:
+        return None
+
+    def column(self, j: int, W1: torch.Tensor, i: int, out: torch.Tensor) -> torch.Tensor:
+        g = self.group_of[j]
+        if not self.upfront and j % self.gs == 0:
+            x = self.WT[j : j + self.gs].T  # type: ignore[index]  # [rows, gs], every earlier column's update applied
+            s, z = row_qparams(x, self.row_args, self.observer)
+            self.scale[:, g : g + 1] = s
+            self.zp[:, g : g + 1] = z.to(self.zp.dtype)
+        q = quantize_rows(W1[i].unsqueeze(1), self.scale[:, g : g + 1], self.zp[:, g : g + 1], self.row_args)
+        out.copy_(q.squeeze(1))
+        if self.maskT is not None:
+            out.mul_(self.maskT[j])
+        return out
+
+    def results(
+        self, WT: torch.Tensor, weights: list[torch.Tensor], g_perm: torch.Tensor | None
+    ) -> list[QuantizedWeight]:
+        out = []
+        r0 = 0
+        g_idx = None
+        if g_perm is not None:
+            g_idx = torch.empty(WT.shape[0], dtype=torch.int32, device=WT.device)
+            g_idx[g_perm] = (torch.arange(WT.shape[0], device=WT.device) // self.gs).to(torch.int32)
+        for k, w in enumerate(weights):
+            r1 = r0 + w.shape[0]
+            if self.upfront and self._per_weight[k][0].numel() == 1:  # tensor strategy
+                scale, zp = self._per_weight[k]
+            else:
+                scale, zp = self.scale[r0:r1].clone(), self.zp[r0:r1].clone()
+            out.append(QuantizedWeight(weight=WT[:, r0:r1].T.contiguous().to(w.dtype), scale=scale, zero_point=zp,
+                                       g_idx=g_idx))
+            r0 = r1
+        return out
+
+
+def _positive_int(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        msg = f"{attribute.name} must be a positive int, got {value!r}"
+        raise ValueError(msg)
+
+
+def _dampening(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= float(value) < float("inf"):
+        msg = f"{attribute.name} must be a finite number >= 0, got {value!r}"
+        raise ValueError(msg)
+
+
+def _actorder(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if value not in ACTORDERS:
+        msg = f"actorder must be one of static, group or null, got {value!r}"
+        raise ValueError(msg)
+
+
+@attrs.define(kw_only=True, slots=False, eq=False)
+class GPTQModifier(QuantizingModifier):
+    """Quantize Linear weights one-shot with GPTQ: Hessian from calibration inputs, OBS error compensation.
+
+    Args (besides ``scheme``, ``targets``, ``ignore``, ``observer``):
+        block_size: columns per lazy-update block (default 128).
+        dampening_frac: ``dampening_frac * mean(diag H)`` added to the Hessian's
+            diagonal (default 0.01, as in the paper); >= 0.
+        actorder: activation order — ``"static"`` (default), ``"group"`` or
+            ``null``; see :func:`gptq_quantize`.
+
+    Requires state ``model`` and ``calibration_data``. Memory: one
+    ``in_features x in_features`` float32 Hessian per distinct target input of
+    the decoder layer being calibrated.
+    """
+
+    block_size: int = attrs.field(default=128, validator=_positive_int)
+    dampening_frac: float = attrs.field(default=0.01, validator=_dampening)
+    actorder: str | None = attrs.field(default="static", validator=_actorder)
+
+    def _new_accumulator(self, module: nn.Module) -> HessianAccumulator:
+        return HessianAccumulator(module.weight.shape[1])
+
+    def _check_target(self, name: str, module: nn.Module) -> str | None:
+        problem = super()._check_target(name, module)
+        args = self.weight_args
+        if problem is None and args.strategy == QuantizationStrategy.GROUP:
+            gs = args.group_size
+            if self.block_size % gs and gs % self.block_size:
+                return f"block_size {self.block_size} and group_size {gs} must divide one another"
+        return problem
+
+    def _quantize(self, modules: list[nn.Module], accumulator: HessianAccumulator) -> list[QuantizedWeight]:
+        return gptq_quantize(
+            [m.weight for m in modules],
+            accumulator.hessian,
+            args=self.weight_args,
+            block_size=self.block_size,
+            dampening_frac=float(self.dampening_frac),
+            actorder=self.actorder,
+            observer=self.observer,
+        )

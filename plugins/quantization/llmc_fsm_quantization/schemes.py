@@ -1,0 +1,127 @@
+"""Quantization schemes: ``compressed-tensors``' own presets and argument types, checked for what we run.
+
+A recipe's ``scheme`` is either a preset name of ``compressed-tensors``
+(``W4A16``, ``W8A16``, ``W8A8``, ``FP8_DYNAMIC``, ... — the same names and meaning
+as in llm-compressor recipes) or a mapping of
+:class:`compressed_tensors.quantization.QuantizationScheme` fields
+(``weights``, ``input_activations``; each a mapping of
+:class:`~compressed_tensors.quantization.QuantizationArgs` fields such as
+``num_bits``, ``type``, ``symmetric``, ``strategy``, ``group_size``). A mapping
+may also name a preset under ``preset`` and override its weight arguments, e.g.
+``{preset: W4A16, weights: {group_size: 64}}``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme, QuantizationStrategy
+from compressed_tensors.quantization.quant_scheme import PRESET_SCHEMES, preset_name_to_scheme
+
+__all__ = ["describe_scheme", "preset_names", "resolve_scheme", "weight_args"]
+
+#: Weight strategies the modifiers implement.
+_WEIGHT_STRATEGIES = (QuantizationStrategy.TENSOR, QuantizationStrategy.CHANNEL, QuantizationStrategy.GROUP)
+
+
+def preset_names() -> list[str]:
+    """The preset scheme names ``compressed-tensors`` defines, in its order."""
+    return list(PRESET_SCHEMES)
+
+
+def _preset(name: str, targets: list[str]) -> QuantizationScheme:
+    if not isinstance(name, str) or name.upper() not in PRESET_SCHEMES:
+        msg = f"unknown quantization scheme {name!r}; presets: {', '.join(preset_names())}"
+        raise ValueError(msg)
+    return preset_name_to_scheme(name, targets)
+
+
+def resolve_scheme(scheme: Any, targets: list[str]) -> QuantizationScheme:
+    """A ``QuantizationScheme`` for ``scheme`` (preset name or mapping), checked for what the modifiers run.
+
+    Args:
+        scheme: a preset name (case-insensitive), a ``QuantizationScheme``, or a
+            mapping of its fields, optionally with ``preset: NAME`` whose weight /
+            input-activation arguments the mapping's entries update.
+        targets: the modifier's targets (stored in the scheme, as compressed-tensors expects).
+
+    Raises:
+        ValueError: unknown preset (the message lists the presets), invalid
+            fields (pydantic's message), no weight quantization, a weight strategy
+            other than tensor/channel/group, or static (calibrated) input
+            activations, which need activation observers this version does not have.
+    """
+    if isinstance(scheme, QuantizationScheme):
+        resolved = scheme.model_copy(deep=True)
+    elif isinstance(scheme, str):
+        resolved = _preset(scheme, targets)
+    elif isinstance(scheme, dict):
+        fields = dict(scheme)
+        base = _preset(fields.pop("preset"), targets) if "preset" in fields else None
+        try:
+            if base is not None:
+                data = base.model_dump()
+                for key in ("weights", "input_activations", "output_activations"):
+                    if isinstance(fields.get(key), dict) and data.get(key) is not None:
+                        fields[key] = {**data[key], **fields[key]}
+                fields = {**data, **fields}
+            fields["targets"] = list(targets)
+            resolved = QuantizationScheme.model_validate(fields)
+        except ValueError as err:  # pydantic.ValidationError is a ValueError
+            first = str(err).splitlines()
+            msg = f"invalid quantization scheme {scheme!r}: {' '.join(line.strip() for line in first[:4])}"
+            raise ValueError(msg) from None
+    else:
+        msg = f"scheme must be a preset name ({', '.join(preset_names()[:6])}, ...) or a mapping, got {scheme!r}"
+        raise ValueError(msg)
+    _check_supported(resolved)
+    return resolved
+
+
+def _check_supported(scheme: QuantizationScheme) -> None:
+    w = scheme.weights
+    if w is None:
+        msg = "the scheme quantizes no weights; weight-only (W4A16, W8A16) and dynamic (W8A8, FP8_DYNAMIC) schemes work"
+        raise ValueError(msg)
+    if w.strategy not in _WEIGHT_STRATEGIES:
+        msg = f"weight strategy {w.strategy!r} is not supported; use tensor, channel or group"
+        raise ValueError(msg)
+    if w.dynamic:
+        msg = "dynamic weight quantization is not supported (weights are quantized once, here)"
+        raise ValueError(msg)
+    for role in ("input_activations", "output_activations"):
+        args = getattr(scheme, role)
+        if args is not None and not args.dynamic:
+            msg = (
+                f"static {role} (dynamic: false) need activation observers, which this version does not have; "
+                "use a weight-only scheme (W4A16, W8A16) or dynamic activations (W8A8, FP8_DYNAMIC)"
+            )
+            raise ValueError(msg)
+    if scheme.output_activations is not None:
+        msg = "output activation quantization is not supported"
+        raise ValueError(msg)
+
+
+def weight_args(scheme: QuantizationScheme) -> QuantizationArgs:
+    """The scheme's weight arguments.
+
+    Raises:
+        ValueError: the scheme quantizes no weights (:func:`resolve_scheme` refuses those).
+    """
+    if scheme.weights is None:
+        msg = "the scheme quantizes no weights"
+        raise ValueError(msg)
+    return scheme.weights
+
+
+def describe_scheme(scheme: QuantizationScheme) -> str:
+    """A short human description, e.g. ``"int4 weights, group 64, symmetric; activations 16-bit"``."""
+    w = weight_args(scheme)
+    what = f"{w.type}{w.num_bits} weights, {w.strategy}"
+    if w.strategy == QuantizationStrategy.GROUP:
+        what += f" {w.group_size}"
+    what += ", symmetric" if w.symmetric else ", asymmetric"
+    a = scheme.input_activations
+    if a is None:
+        return what + "; activations unquantized"
+    return what + f"; activations {a.type}{a.num_bits} dynamic per {a.strategy}"
