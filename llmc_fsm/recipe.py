@@ -4,21 +4,19 @@ Sources accepted by :func:`resolve_recipe`: ``None`` (no modifiers), a
 :class:`Recipe`, a :class:`~llmc_fsm.Modifier` or a list of them (used as they
 are, never round-tripped through text), a dict (whose stage bodies may also hold
 modifier objects), YAML/JSON text, or a path to a ``.yaml``/``.yml``/``.json``
-file. See ``docs/recipes.md`` for the format.
+file. Recipes written for llm-compressor (``stage -> <group>_modifiers ->
+modifier``, ``run_type``) are read too. See ``docs/recipes.md`` for the format.
 
-YAML is read with a :class:`yaml.SafeLoader` subclass (safe_load semantics: only
-plain data, no Python objects, no ``eval``) that also records line numbers and
-rejects duplicate keys, so errors can say where they are.
+This module holds the resolved recipe (:class:`Recipe`, :class:`Stage`, the
+execution order, writing back to YAML); reading text lives in
+:mod:`llmc_fsm.recipe_loading`, building stages and modifiers from data in
+:mod:`llmc_fsm.recipe_building`.
 """
 
 from __future__ import annotations
 
-import difflib
 import heapq
-import json
-import os
 from collections.abc import Iterable, Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import attrs
@@ -26,111 +24,13 @@ import yaml
 
 from llmc_fsm.errors import RecipeError
 from llmc_fsm.modifier import Modifier
+from llmc_fsm.recipe_loading import load_recipe_data, looks_like_path, read_recipe_file
 
 __all__ = ["STAGE_KEYS", "Recipe", "Stage", "load_recipe_data", "resolve_recipe"]
 
-#: Keys of a stage's long form ``{modifiers: ..., applied: ..., start: ..., end: ...}``.
-STAGE_KEYS: tuple[str, ...] = ("modifiers", "applied", "start", "end")
-
-
-# --- YAML with line numbers ------------------------------------------------------------
-
-
-class _Marked(dict):  # type: ignore[type-arg]
-    """A mapping read from YAML: ``line`` of the mapping, ``key_lines[key]`` of each key (1-based)."""
-
-    line: int | None = None
-    key_lines: dict[Any, int]
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.key_lines = {}
-
-
-class _RecipeLoader(yaml.SafeLoader):
-    """``yaml.SafeLoader`` that records line numbers of mappings and keys and rejects duplicate keys."""
-
-
-def _construct_mapping(loader: _RecipeLoader, node: yaml.MappingNode) -> Iterable[_Marked]:
-    data = _Marked()
-    data.line = node.start_mark.line + 1
-    yield data
-    seen: dict[Any, int] = {}
-    for key_node, _ in node.value:
-        if key_node.tag == "tag:yaml.org,2002:merge":
-            continue
-        key = loader.construct_object(key_node, deep=False)
-        try:
-            first = seen.get(key)
-        except TypeError:
-            raise yaml.constructor.ConstructorError(
-                "while constructing a mapping", node.start_mark, "found an unhashable key", key_node.start_mark
-            ) from None
-        if first is not None:
-            raise yaml.constructor.ConstructorError(
-                "while constructing a mapping",
-                node.start_mark,
-                f"found duplicate key {key!r} (first at line {first}); every key must be unique",
-                key_node.start_mark,
-            )
-        seen[key] = key_node.start_mark.line + 1
-    data.update(loader.construct_mapping(node))
-    data.key_lines = seen
-
-
-_RecipeLoader.add_constructor("tag:yaml.org,2002:map", _construct_mapping)
-
-
-def _yaml_error(exc: yaml.YAMLError, source: str) -> RecipeError:
-    mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
-    where = f", line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-    problem = getattr(exc, "problem", None) or str(exc)
-    return RecipeError(f"recipe {source}{where}: not valid YAML/JSON: {problem}")
-
-
-def _load_yaml(text: str, source: str) -> Any:
-    loader = _RecipeLoader(text)
-    docs: list[tuple[int, Any]] = []
-    try:
-        while loader.check_node():
-            node = loader.get_node()
-            docs.append((node.start_mark.line + 1, loader.construct_document(node)))
-    finally:
-        loader.dispose()
-    content = [(line, data) for line, data in docs if data is not None]
-    if len(content) > 1:
-        lines = ", ".join(str(line) for line, _ in content)
-        msg = (
-            f"recipe {source} holds {len(content)} YAML documents (starting at lines {lines}): YAML front matter "
-            "and several documents separated by '---' are not supported. Put all stages in one mapping, in one "
-            "document."
-        )
-        raise RecipeError(msg)
-    return content[0][1] if content else None
-
-
-def load_recipe_data(text: str, source: str = "<text>") -> Any:
-    """Parse recipe ``text`` (YAML or JSON) into plain data, with line numbers where YAML gives them.
-
-    JSON that YAML cannot read (tabs, for example) is read with :func:`json.loads`.
-
-    Raises:
-        RecipeError: not valid YAML/JSON (with the line), or several YAML documents.
-    """
-    try:
-        return _load_yaml(text, source)
-    except yaml.YAMLError as exc:
-        error = _yaml_error(exc, source)
-        if not (source.endswith(".json") or text.lstrip().startswith(("{", "["))):
-            raise error from None
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as exc:
-        msg = f"recipe {source}, line {exc.lineno}, column {exc.colno}: not valid JSON: {exc.msg}"
-        raise RecipeError(msg) from None
-
-
-# --- the resolved recipe ------------------------------------------------------------------
+#: Keys of a stage's long form ``{modifiers: ..., applied: ..., start: ..., end: ..., run_type: ...}``
+#: (besides llm-compressor's ``<group>_modifiers`` keys).
+STAGE_KEYS: tuple[str, ...] = ("modifiers", "applied", "start", "end", "run_type")
 
 
 @attrs.define(eq=False)
@@ -143,6 +43,9 @@ class Stage:
         applied: the stage was already applied to a saved model; its modifiers do not run.
         start: epoch the stage starts at, or ``None``; modifiers may not start before it.
         end: epoch the stage ends at, or ``None``; modifiers may not end after it.
+        run_type: llm-compressor's ``"oneshot"`` or ``"train"``, or ``None``; recorded
+            and written back, it does not change how the modifiers run (the caller's
+            loop -- one-shot calibration or training -- fires their events).
     """
 
     name: str
@@ -150,6 +53,7 @@ class Stage:
     applied: bool = False
     start: float | None = None
     end: float | None = None
+    run_type: str | None = None
 
 
 def _label(m: Modifier) -> str:
@@ -288,6 +192,8 @@ class Recipe:
                 body["start"] = stage.start
             if stage.end is not None:
                 body["end"] = stage.end
+            if stage.run_type is not None:
+                body["run_type"] = stage.run_type
             data[stage.name] = body
         return data
 
@@ -325,263 +231,6 @@ def _modifier_args(m: Modifier, stage: str) -> dict[str, Any]:
     return args
 
 
-# --- building -------------------------------------------------------------------------------
-
-
-def _where(source: str, line: int | None, stage: str | None = None, modifier: str | None = None,
-           argument: str | None = None) -> str:
-    parts = [f"recipe {source}"]
-    if line is not None:
-        parts.append(f"line {line}")
-    if stage is not None:
-        parts.append(f"stage {stage!r}")
-    if modifier is not None:
-        parts.append(f"modifier {modifier}")
-    if argument is not None:
-        parts.append(f"argument {argument!r}")
-    return ", ".join(parts)
-
-
-def _line(container: Any, key: Any = None) -> int | None:
-    if not isinstance(container, _Marked):
-        return None
-    if key is not None and key in container.key_lines:
-        return container.key_lines[key]
-    return container.line
-
-
-def _failing_argument(exc: BaseException, cls: type, given: Mapping[str, Any]) -> str | None:
-    """Best guess of the argument an attrs validator/converter refused.
-
-    attrs' own validators pass the attribute in the exception; otherwise the
-    first argument the message names, else the first argument whose converter
-    alone refuses its value.
-    """
-    for arg in exc.args[1:2]:
-        if isinstance(arg, attrs.Attribute):
-            return arg.alias or arg.name
-    text = str(exc)
-    found = []
-    for name in list(given):
-        for quoted in (f"'{name}'", f"{name} ", f"{name}:", f"({name})", f"{name}="):
-            pos = text.find(quoted)
-            if pos >= 0 and (pos == 0 or not (text[pos - 1].isalnum() or text[pos - 1] == "_")):
-                found.append((pos, name))
-                break
-    if found:
-        return min(found)[1]
-    for field in attrs.fields(cls):
-        alias = field.alias or field.name
-        if alias in given and field.converter is not None:
-            try:
-                field.converter(given[alias])
-            except Exception:
-                return alias
-    return None
-
-
-def _epoch(value: Any, where: str, key: str) -> float | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        msg = f"{where}: {key} must be a number of epochs or null, got {value!r}"
-        raise RecipeError(msg)
-    if value < 0:
-        msg = f"{where}: {key} must be >= 0 epochs, got {value}"
-        raise RecipeError(msg)
-    return float(value)
-
-
-class _Builder:
-    def __init__(self, source: str) -> None:
-        self.source = source
-
-    def recipe(self, data: Any) -> Recipe:
-        source = self.source
-        if data is None or (isinstance(data, Mapping | list) and not data):
-            msg = (
-                f"recipe {source} is empty: give at least one stage with a modifier "
-                "(for a session without modifiers, pass recipe=None)"
-            )
-            raise RecipeError(msg)
-        if isinstance(data, list):
-            msg = (
-                f"recipe {source}, line {_line(data) or 1}: the top level must map stage names to modifiers, "
-                "got a list; put it under a stage name, e.g. `default:` followed by the list"
-            )
-            raise RecipeError(msg)
-        if not isinstance(data, Mapping):
-            msg = f"recipe {source}: the top level must map stage names to modifiers, got {type(data).__name__}"
-            if isinstance(data, str) and "\n" not in data:
-                msg += f" (if {data!r} is meant to be a file, it does not exist)"
-            raise RecipeError(msg)
-        stages = [self.stage(name, body, _line(data, name)) for name, body in data.items()]
-        try:
-            return Recipe(stages, source)
-        except RecipeError:
-            raise
-        except Exception as exc:  # pragma: no cover - defensive: a broken runs_after attribute
-            raise RecipeError(f"recipe {source}: {exc}") from exc
-
-    def stage(self, name: Any, body: Any, line: int | None) -> Stage:
-        source = self.source
-        if not isinstance(name, str):
-            msg = f"{_where(source, line)}: stage names must be strings, got {name!r}"
-            raise RecipeError(msg)
-        where = _where(source, line, name)
-        applied = False
-        start = end = None
-        if isinstance(body, Mapping) and any(k in body for k in STAGE_KEYS):
-            if "modifiers" not in body:
-                present = [k for k in STAGE_KEYS if k in body]
-                msg = (
-                    f"{where}: a stage with {', '.join(map(repr, present))} must list its modifiers under "
-                    "'modifiers:' (long form: modifiers, applied, start, end)"
-                )
-                raise RecipeError(msg)
-            extra = [k for k in body if k not in STAGE_KEYS]
-            if extra:
-                msg = (
-                    f"{_where(source, _line(body, extra[0]), name)}: unknown stage key(s) "
-                    f"{', '.join(map(repr, extra))}; the long form accepts {', '.join(STAGE_KEYS)}"
-                )
-                raise RecipeError(msg)
-            applied = body.get("applied", False)
-            if not isinstance(applied, bool):
-                msg = f"{_where(source, _line(body, 'applied'), name)}: applied must be true or false, got {applied!r}"
-                raise RecipeError(msg)
-            start = _epoch(body.get("start"), _where(source, _line(body, "start"), name), "start")
-            end = _epoch(body.get("end"), _where(source, _line(body, "end"), name), "end")
-            if start is not None and end is not None and end <= start:
-                where = _where(source, _line(body, "end"), name)
-                msg = f"{where}: the stage's end ({end}) must be after its start ({start})"
-                raise RecipeError(msg)
-            line = _line(body, "modifiers") or line
-            body = body["modifiers"]
-        entries = self.entries(body, name, line)
-        stage = Stage(name, [], applied, start, end)
-        for mod_name, args, mod_line in entries:
-            stage.modifiers.append(self.modifier(mod_name, args, stage, mod_line))
-        return stage
-
-    def entries(self, body: Any, stage: str, line: int | None) -> list[tuple[str, Any, int | None]]:
-        source = self.source
-        shape = (
-            "a stage maps modifier names to arguments ({Name: {arg: value}}), or lists entries "
-            "(- Name: {arg: value}, or - Name)"
-        )
-        items: list[tuple[str, Any, int | None]] = []
-        if body is None:
-            pass
-        elif isinstance(body, Modifier):
-            items.append((_label(body), body, line))
-        elif isinstance(body, Mapping):
-            items.extend((key, args, _line(body, key)) for key, args in body.items())
-        elif isinstance(body, Sequence) and not isinstance(body, str | bytes):
-            for entry in body:
-                if isinstance(entry, Modifier):
-                    items.append((_label(entry), entry, line))
-                elif isinstance(entry, str):
-                    items.append((entry, None, line))
-                elif isinstance(entry, Mapping) and len(entry) == 1:
-                    ((key, args),) = entry.items()
-                    items.append((key, args, _line(entry, key)))
-                else:
-                    where = _where(source, _line(entry) or line, stage)
-                    msg = f"{where}: each list entry must be one modifier ({shape}), got {entry!r}"
-                    raise RecipeError(msg)
-        else:
-            msg = f"{_where(source, line, stage)}: {shape}; got {body!r}"
-            raise RecipeError(msg)
-        if not items:
-            msg = f"{_where(source, line, stage)}: the stage has no modifiers; remove the stage or add a modifier"
-            raise RecipeError(msg)
-        for key, _, key_line in items:
-            if not isinstance(key, str):
-                msg = f"{_where(source, key_line, stage)}: modifier names must be strings, got {key!r}"
-                raise RecipeError(msg)
-        return items
-
-    def modifier(self, name: str, args: Any, stage: Stage, line: int | None) -> Modifier:
-        if isinstance(args, Modifier):
-            modifier = args
-        else:
-            modifier = self.build(name, args, stage, line)
-        self.check_window(modifier, stage, line, args)
-        return modifier
-
-    def build(self, name: str, args: Any, stage: Stage, line: int | None) -> Modifier:
-        from llmc_fsm.plugins import get_registry
-
-        source = self.source
-        registry = get_registry()
-        if name not in registry:
-            raise RecipeError(f"{_where(source, line, stage.name)}: {registry.unknown_message(name)}")
-        cls = registry.get(name)
-        where = _where(source, line, stage.name, name)
-        if args is None:
-            args = {}  # an empty body means "all defaults"
-        if not isinstance(args, Mapping):
-            msg = (
-                f"{where}: arguments must be a mapping of argument names to values (or empty for all "
-                f"defaults), got {type(args).__name__} {args!r}"
-            )
-            raise RecipeError(msg)
-        fields = [a for a in attrs.fields(cls) if a.init]
-        accepted = [a.alias or a.name for a in fields]
-        for key in args:
-            if not isinstance(key, str) or key not in accepted:
-                close = difflib.get_close_matches(str(key), accepted, n=1, cutoff=0.6)
-                hint = f" Did you mean {close[0]!r}?" if close else ""
-                msg = (
-                    f"{_where(source, _line(args, key) or line, stage.name, name)}: unknown argument {key!r}.{hint} "
-                    f"{name} accepts: {', '.join(accepted)}"
-                )
-                raise RecipeError(msg)
-        kwargs = dict(args)
-        if stage.start is not None and "start" in accepted and "start" not in kwargs:
-            kwargs["start"] = stage.start
-        if stage.end is not None and "end" in accepted and "end" not in kwargs:
-            kwargs["end"] = stage.end
-        try:
-            return cls(**kwargs)
-        except Exception as exc:
-            argument = _failing_argument(exc, cls, kwargs)
-            arg_line = _line(args, argument) if argument is not None else None
-            text = str(exc.args[0]) if len(exc.args) > 1 and isinstance(exc.args[1], attrs.Attribute) else str(exc)
-            msg = f"{_where(source, arg_line or line, stage.name, name, argument)}: {type(exc).__name__}: {text}"
-            raise RecipeError(msg) from exc
-
-    def check_window(self, m: Modifier, stage: Stage, line: int | None, args: Any) -> None:
-        start, end = getattr(m, "start", None), getattr(m, "end", None)
-        if stage.start is not None and (start is None or start < stage.start):
-            where = _where(self.source, _line(args, "start") or line, stage.name, _label(m))
-            shown = "null (the first event)" if start is None else start
-            msg = (
-                f"{where}, argument 'start': the modifier starts at {shown}, before its stage's start "
-                f"({stage.start}); a modifier must start at or after its stage's start"
-            )
-            raise RecipeError(msg)
-        if stage.end is not None and (end is None or end > stage.end):
-            where = _where(self.source, _line(args, "end") or line, stage.name, _label(m))
-            shown = "null (finalize)" if end is None else end
-            msg = (
-                f"{where}, argument 'end': the modifier ends at {shown}, after its stage's end "
-                f"({stage.end}); a modifier must end at or before its stage's end"
-            )
-            raise RecipeError(msg)
-
-
-def _looks_like_path(recipe: Any) -> bool:
-    if isinstance(recipe, os.PathLike):
-        return True
-    return (
-        isinstance(recipe, str)
-        and "\n" not in recipe
-        and (recipe.strip().endswith((".yaml", ".yml", ".json")) or os.path.isfile(recipe))
-    )
-
-
 def resolve_recipe(recipe: Any) -> Recipe:
     """Parse and validate ``recipe`` into a :class:`Recipe` with modifier objects.
 
@@ -591,11 +240,14 @@ def resolve_recipe(recipe: Any) -> Recipe:
             ``.yaml``/``.yml``/``.json`` file.
 
     Raises:
-        RecipeError: unreadable source, bad structure, unknown modifier or argument,
-            an invalid argument value, a modifier outside its stage's window, or an
-            impossible ``runs_after`` order; the message names the source, line
-            (where YAML gives it), stage, modifier and argument.
+        RecipeError: unreadable source (missing file, a directory, not UTF-8), bad
+            structure, unknown modifier or argument, an invalid argument value, a
+            modifier outside its stage's window, or an impossible ``runs_after``
+            order; the message names the source, line (where YAML gives it),
+            stage, modifier and argument.
     """
+    from llmc_fsm.recipe_building import build_recipe  # builds this module's Stage/Recipe objects
+
     if recipe is None:
         return Recipe()
     if isinstance(recipe, Recipe):
@@ -603,21 +255,12 @@ def resolve_recipe(recipe: Any) -> Recipe:
     if isinstance(recipe, Modifier):
         recipe = [recipe]
     if isinstance(recipe, Mapping):
-        return _Builder("<dict>").recipe(recipe)
-    if _looks_like_path(recipe):
-        path = Path(recipe)
-        if not path.is_file():
-            msg = f"recipe file {str(path)!r} does not exist"
-            raise RecipeError(msg)
-        source = str(path)
-        try:
-            text = path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as exc:
-            msg = f"recipe {source}: cannot be read: {exc}"
-            raise RecipeError(msg) from None
-        return _Builder(source).recipe(load_recipe_data(text, source))
+        return build_recipe(recipe, "<dict>")
+    if looks_like_path(recipe):
+        text, source = read_recipe_file(recipe)
+        return build_recipe(load_recipe_data(text, source), source)
     if isinstance(recipe, str):
-        return _Builder("<text>").recipe(load_recipe_data(recipe, "<text>"))
+        return build_recipe(load_recipe_data(recipe, "<text>"), "<text>")
     if isinstance(recipe, Sequence) and not isinstance(recipe, bytes):
         bad = [m for m in recipe if not isinstance(m, Modifier)]
         if bad:
