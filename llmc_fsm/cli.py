@@ -5,6 +5,9 @@ Subcommands:
     modifiers   list every discovered modifier plugin
     explain     print a recipe's plan without touching a model
     oneshot     compress a model in one shot and report perplexity before/after
+    report      re-print a saved one-shot report (``--plot``: draw per-layer sparsity)
+
+``llmc-fsm --version`` prints the package version.
 
 Each subcommand lives in the module that implements it and contributes an
 ``add_cli(subparsers)`` function; this module only wires them together.
@@ -18,10 +21,12 @@ import logging
 import sys
 from collections.abc import Sequence
 
+from llmc_fsm import __version__
+
 __all__ = ["main"]
 
 #: Modules that contribute subcommands through ``add_cli(subparsers)``.
-_SUBCOMMAND_MODULES = ("llmc_fsm.cli_lifecycle", "llmc_fsm.cli_plugins", "llmc_fsm.cli_oneshot")
+_SUBCOMMAND_MODULES = ("llmc_fsm.cli_lifecycle", "llmc_fsm.cli_plugins", "llmc_fsm.cli_oneshot", "llmc_fsm.cli_report")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -30,6 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Compress LLMs through a session with a guarded lifecycle and plugin modifiers.",
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
+    parser.add_argument("--version", action="version", version=f"llmc-fsm {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in _SUBCOMMAND_MODULES:
         try:
@@ -54,7 +60,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
-    except (ValueError, RuntimeError, FileNotFoundError, FileExistsError) as exc:
+    except (ValueError, RuntimeError, OSError) as exc:  # OSError: FileNotFoundError, PermissionError, ...
         if args.verbose:
             raise
         print(f"llmc-fsm {args.command}: error: {exc}", file=sys.stderr)

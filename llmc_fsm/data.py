@@ -33,33 +33,106 @@ __all__ = ["load_text", "perplexity", "token_windows"]
 
 log = logging.getLogger(__name__)
 
+_JSON_TYPES = {str: "string", int: "number", float: "number", bool: "boolean", type(None): "null"}
 _TEXT_SUFFIXES = {".txt", ".raw", ".text", ".md"}
 _JSONL_SUFFIXES = {".jsonl", ".ndjson"}
 # Characters per tokenizer call; splitting happens at line boundaries.
 _CHUNK_CHARS = 1 << 16
 
 
-def _read_jsonl(path: Path) -> str:
+def _read_utf8(path: Path) -> str:
+    """The text of ``path`` decoded as UTF-8, with universal newlines (as ``Path.read_text``).
+
+    Raises:
+        ValueError: the file is not valid UTF-8; the message gives the file, the
+            byte offset, line and column of the first bad byte, and what to do.
+    """
+    raw = path.read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        # A plain ValueError (UnicodeDecodeError's constructor takes 5 arguments, so it cannot be re-raised
+        # with a new message by callers that do ``type(err)(msg)``).
+        raise ValueError(_decode_error_message(path, raw, err)) from None
+    if "\r" in text:
+        text = text.replace("\r\n", "\n").replace("\r", "\n")
+    return text
+
+
+def _decode_error_message(path: Path, raw: bytes, err: UnicodeDecodeError) -> str:
+    offset = err.start
+    line_start = raw.rfind(b"\n", 0, offset) + 1
+    line = raw.count(b"\n", 0, offset) + 1
+    column = len(raw[line_start:offset].decode("utf-8")) + 1  # everything before ``offset`` decodes
+    where = f"byte 0x{raw[offset]:02x} at byte offset {offset} (line {line}, column {column})"
+    if b"\x00" in raw[:8192]:
+        return (
+            f"{path}: not a text file: it holds binary data (NUL bytes) and is not valid UTF-8: {where}; "
+            'pass a UTF-8 text file, or a JSON/JSONL file of {"text": ...} records'
+        )
+    return (
+        f"{path}: not UTF-8 text: {where} is invalid ({err.reason}); text files must be UTF-8: convert it, "
+        "e.g. `iconv -f latin1 -t utf-8 FILE > FILE.utf8`"
+    )
+
+
+def _record_text(record: Any, where: str) -> str:
+    if not isinstance(record, dict) or "text" not in record:
+        msg = f'{where}: expected a JSON object with a "text" field'
+        raise ValueError(msg)
+    text = record["text"]
+    if not isinstance(text, str):
+        msg = f'{where}: the "text" field must be a string, got {type(text).__name__}'
+        raise ValueError(msg)
+    return text
+
+
+def _jsonl_texts(path: Path, text: str) -> list[str]:
     parts: list[str] = []
-    with path.open(encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                msg = f"{path}:{lineno}: invalid JSON ({exc.msg} at column {exc.colno})"
-                raise ValueError(msg) from None
-            if not isinstance(record, dict) or "text" not in record:
-                msg = f'{path}:{lineno}: expected a JSON object with a "text" field'
-                raise ValueError(msg)
-            text = record["text"]
-            if not isinstance(text, str):
-                msg = f'{path}:{lineno}: the "text" field must be a string, got {type(text).__name__}'
-                raise ValueError(msg)
-            parts.append(text)
+    for lineno, line in enumerate(text.split("\n"), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            msg = f"{path}:{lineno}: invalid JSON ({exc.msg} at column {exc.colno})"
+            raise ValueError(msg) from None
+        parts.append(_record_text(record, f"{path}:{lineno}"))
+    return parts
+
+
+def _read_jsonl(path: Path) -> str:
+    parts = _jsonl_texts(path, _read_utf8(path))
     if not parts:
         msg = f"{path}: no records found (empty JSONL file)"
+        raise ValueError(msg)
+    return "\n\n".join(parts)
+
+
+def _read_json(path: Path) -> str:
+    """A ``.json`` file: a JSON array of ``{"text": ...}`` objects, or JSON Lines of them."""
+    text = _read_utf8(path)
+    expected = 'expected a JSON array of {"text": ...} objects, or JSON Lines (one such object per line)'
+    try:
+        document = json.loads(text)
+    except json.JSONDecodeError as exc:
+        if exc.msg != "Extra data":  # several top-level values: JSON Lines under a .json name
+            msg = f"{path}: invalid JSON ({exc.msg} at line {exc.lineno}, column {exc.colno}); {expected}"
+            raise ValueError(msg) from None
+        parts = _jsonl_texts(path, text)
+    else:
+        if isinstance(document, dict):  # one record (also valid JSON Lines)
+            if not isinstance(document.get("text"), str):
+                keys = ", ".join(map(repr, list(document)[:5])) or "none"
+                msg = f'{path}: {expected}; got one object without a string "text" field (keys: {keys})'
+                raise ValueError(msg)
+            document = [document]
+        if not isinstance(document, list):
+            msg = f"{path}: {expected}; got a JSON {_JSON_TYPES.get(type(document), 'value')}"
+            raise ValueError(msg)
+        parts = [_record_text(record, f"{path}: element [{i}]") for i, record in enumerate(document)]
+    if not parts:
+        msg = f"{path}: no records found; {expected}"
         raise ValueError(msg)
     return "\n\n".join(parts)
 
@@ -96,10 +169,15 @@ def load_text(source: str | os.PathLike[str]) -> str:
     Args:
         source: one of
 
-            * a path to a plain-text file (any suffix except ``.jsonl`` /
-              ``.ndjson``), read as UTF-8 unchanged;
+            * a path to a plain-text file (any suffix except ``.json``,
+              ``.jsonl`` and ``.ndjson``), read as UTF-8 with universal
+              newlines (``"\\r\\n"`` and ``"\\r"`` become ``"\\n"``), otherwise unchanged;
             * a path to a ``.jsonl`` / ``.ndjson`` file: the ``"text"`` field of
               every non-blank line, joined with a blank line (``"\\n\\n"``);
+            * a path to a ``.json`` file: a JSON array of objects with a string
+              ``"text"`` field (other fields are ignored), joined the same way;
+              a ``.json`` file holding JSON Lines (as ``datasets``' ``to_json``
+              writes) or a single such object is read too;
             * otherwise a Hugging Face dataset, ``name`` or ``name:config:split``
               (split defaults to ``test``), via the optional ``datasets``
               package; its ``"text"`` column is concatenated unchanged.
@@ -107,15 +185,21 @@ def load_text(source: str | os.PathLike[str]) -> str:
     Raises:
         FileNotFoundError: ``source`` looks like a file path (has a path
             separator or a known text suffix) but does not exist.
-        ValueError: a JSONL line is not valid JSON / lacks a string ``"text"``
-            (the message gives file and line), or ``datasets`` is not installed.
+        ValueError: the file is not valid UTF-8 (the message gives file, byte
+            offset, line and column); a JSON/JSONL file is not valid JSON, is not
+            an array/lines of objects with a string ``"text"`` or has no record
+            (the message gives file and line or element); or ``datasets`` is not
+            installed.
         RuntimeError: the Hugging Face dataset could not be loaded (e.g. offline).
     """
     path = Path(source).expanduser()
     if path.is_file():
-        if path.suffix.lower() in _JSONL_SUFFIXES:
+        suffix = path.suffix.lower()
+        if suffix in _JSONL_SUFFIXES:
             return _read_jsonl(path)
-        return path.read_text(encoding="utf-8")
+        if suffix == ".json":
+            return _read_json(path)
+        return _read_utf8(path)
     text_source = os.fspath(source)
     looks_like_path = (
         isinstance(source, os.PathLike)
@@ -238,10 +322,17 @@ def token_windows(
         ``torch.LongTensor`` of shape ``[num_windows, seq_len]`` (dtype int64, CPU).
 
     Raises:
-        ValueError: ``num_windows`` or ``seq_len`` is not a positive int, or the
-            text has fewer than ``num_windows * seq_len`` tokens (the message
-            gives both numbers and what to lower).
+        ValueError: ``tokenizer`` is ``None`` (e.g. a model directory without
+            tokenizer files), ``num_windows`` or ``seq_len`` is not a positive
+            int, or the text has fewer than ``num_windows * seq_len`` tokens (the
+            message gives both numbers and what to lower).
     """
+    if tokenizer is None:
+        msg = (
+            "text needs a tokenizer, but there is none (the model directory has no tokenizer files?); add the "
+            "tokenizer files to the model directory, or pass token ids (a LongTensor [N, L]) instead of text"
+        )
+        raise ValueError(msg)
     for arg, value in (("num_windows", num_windows), ("seq_len", seq_len)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             msg = f"{arg} must be a positive int, got {value!r}"

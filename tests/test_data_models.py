@@ -79,6 +79,106 @@ def test_load_text_jsonl_errors(tmp_path, content, match):
         load_text(p)
 
 
+def test_load_text_latin1_byte_names_file_offset_line_and_encoding(tmp_path):
+    # Issue 11 case 1: used to crash with "TypeError: function takes exactly 5 arguments" (via oneshot's re-raise).
+    p = tmp_path / "cal.txt"
+    p.write_bytes(b"first line\nun caf\xe9 noir\n")
+    with pytest.raises(ValueError) as exc:
+        load_text(p)
+    assert type(exc.value) is ValueError  # re-raisable as type(err)(msg), unlike UnicodeDecodeError
+    assert str(exc.value) == (
+        f"{p}: not UTF-8 text: byte 0xe9 at byte offset 17 (line 2, column 7) is invalid (invalid continuation "
+        "byte); text files must be UTF-8: convert it, e.g. `iconv -f latin1 -t utf-8 FILE > FILE.utf8`"
+    )
+
+
+def test_load_text_column_counts_characters_not_bytes(tmp_path):
+    p = tmp_path / "cal.txt"
+    p.write_bytes("é\nçà".encode() + b"\xff")  # the bad byte is the 3rd character of line 2, byte offset 7
+    with pytest.raises(ValueError, match=r"byte 0xff at byte offset 7 \(line 2, column 3\) is invalid"):
+        load_text(p)
+
+
+def test_load_text_binary_file(tmp_path):
+    p = tmp_path / "weights.txt"
+    p.write_bytes(bytes([0x89, 0x50, 0x4E, 0x47, 0x00, 0x00, 0xFF, 0x10]))
+    with pytest.raises(ValueError) as exc:
+        load_text(p)
+    assert str(exc.value) == (
+        f"{p}: not a text file: it holds binary data (NUL bytes) and is not valid UTF-8: byte 0x89 at byte offset 0 "
+        '(line 1, column 1); pass a UTF-8 text file, or a JSON/JSONL file of {"text": ...} records'
+    )
+
+
+def test_load_text_jsonl_not_utf8(tmp_path):
+    p = tmp_path / "d.jsonl"
+    p.write_bytes(b'{"text": "ok"}\n{"text": "caf\xe9"}\n')
+    where = r"byte 0xe9 at byte offset 28 \(line 2, column 14\)"
+    with pytest.raises(ValueError, match=rf"d\.jsonl: not UTF-8 text: {where}"):
+        load_text(p)
+
+
+def test_load_text_universal_newlines_unchanged(tmp_path):
+    p = tmp_path / "crlf.txt"
+    p.write_bytes(b"a\r\nb\rc\n")
+    assert load_text(p) == "a\nb\nc\n" == p.read_text(encoding="utf-8")  # same as before the UTF-8 check
+
+
+def test_load_text_json_array_of_records(tmp_path):
+    # Issue 11 case 2: used to be read as raw text (calibrating on JSON syntax).
+    p = tmp_path / "d.json"
+    p.write_text('[{"text": "one", "id": 1}, {"text": "two\\nlines"}]', encoding="utf-8")
+    assert load_text(p) == "one\n\ntwo\nlines"
+
+
+def test_load_text_json_suffix_holding_json_lines(tmp_path):
+    p = tmp_path / "d.json"  # what datasets' Dataset.to_json writes by default
+    p.write_text('{"text": "one"}\n{"text": "two"}\n', encoding="utf-8")
+    assert load_text(p) == "one\n\ntwo"
+    p.write_text('{"text": "only"}', encoding="utf-8")
+    assert load_text(p) == "only"
+
+
+_EXPECTED_JSON = 'expected a JSON array of {"text": ...} objects, or JSON Lines (one such object per line)'
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (
+            '{"data": [{"text": "x"}]}',
+            f'{_EXPECTED_JSON}; got one object without a string "text" field (keys: \'data\')',
+        ),
+        ('"just a string"', f"{_EXPECTED_JSON}; got a JSON string"),
+        ("3.5", f"{_EXPECTED_JSON}; got a JSON number"),
+        ('[{"text": "ok"}, "x"]', 'element [1]: expected a JSON object with a "text" field'),
+        ('[{"text": ["a"]}]', 'element [0]: the "text" field must be a string, got list'),
+        (
+            '[{"text": "ok",]',
+            f"invalid JSON (Expecting property name enclosed in double quotes at line 1, column 16); {_EXPECTED_JSON}",
+        ),
+        ("[]", f"no records found; {_EXPECTED_JSON}"),
+        ('{"text": "a"}\n{"body": "b"}\n', None),  # JSON Lines branch: line-numbered message
+    ],
+)
+def test_load_text_json_errors(tmp_path, content, message):
+    p = tmp_path / "d.json"
+    p.write_text(content, encoding="utf-8")
+    with pytest.raises(ValueError) as exc:
+        load_text(p)
+    expected = f"{p}: {message}" if message else f'{p}:2: expected a JSON object with a "text" field'
+    assert str(exc.value) == expected
+
+
+def test_token_windows_without_tokenizer():
+    with pytest.raises(ValueError) as exc:
+        token_windows(None, "some text", num_windows=1, seq_len=2)
+    assert str(exc.value) == (
+        "text needs a tokenizer, but there is none (the model directory has no tokenizer files?); add the "
+        "tokenizer files to the model directory, or pass token ids (a LongTensor [N, L]) instead of text"
+    )
+
+
 def test_load_text_missing_file(tmp_path):
     missing = tmp_path / "nope.txt"
     with pytest.raises(FileNotFoundError, match=r"nope\.txt"):

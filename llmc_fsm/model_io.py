@@ -1,0 +1,253 @@
+"""Hugging Face model files: load a model directory or a Hub model ID with one-line errors; fix file modes.
+
+* :func:`load_hf_dir` checks a local directory before ``from_pretrained`` sees it
+  (``config.json``, weight files, every safetensors header), so a directory with
+  only ``config.json`` or a truncated ``model.safetensors`` fails with one line
+  naming the file; a directory without tokenizer files loads with tokenizer ``None``.
+* :func:`load_hub` loads ``org/name`` through ``from_pretrained`` and the Hugging
+  Face cache; failures name the ID, ``HF_HUB_OFFLINE`` and the cache searched.
+* :func:`fix_safetensors_permissions` undoes the ``0600`` mode safetensors >= 0.8
+  gives the files it writes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+__all__ = [
+    "check_tied",
+    "current_umask",
+    "dtype_kwargs",
+    "fix_safetensors_permissions",
+    "load_hf_dir",
+    "load_hub",
+    "looks_like_hub_id",
+]
+
+log = logging.getLogger(__name__)
+
+#: Weight files ``from_pretrained`` looks for in a model directory.
+_WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
+#: Files of which at least one is present when a model directory ships a tokenizer.
+_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "vocab.json",
+    "vocab.txt",
+    "spiece.model",
+)
+
+
+def current_umask() -> int:
+    """The process umask, read without changing it where Linux allows (``/proc/self/status``)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o077)  # a restrictive value for the instant it is set
+    os.umask(mask)
+    return mask
+
+
+def fix_safetensors_permissions(directory: str | os.PathLike[str]) -> list[Path]:
+    """Give every ``*.safetensors`` file under ``directory`` the mode a new file gets under the umask.
+
+    ``safetensors`` >= 0.8 writes through a temporary file that is always created
+    ``0600`` and renamed into place (safetensors issue #782), so ``model.safetensors``
+    ends up private while ``config.json`` and the tokenizer files follow the umask
+    (``0644`` under umask ``022``).  Call this on a directory right after
+    ``save_pretrained`` wrote it; files of other names are not touched.
+
+    Returns:
+        The files whose mode was changed, sorted.
+
+    Raises:
+        OSError: a file's mode could not be changed (e.g. not its owner).
+    """
+    mode = 0o666 & ~current_umask()
+    changed = []
+    for file in sorted(Path(directory).rglob("*.safetensors")):
+        if file.is_file() and not file.is_symlink() and (file.stat().st_mode & 0o777) != mode:
+            file.chmod(mode)
+            changed.append(file)
+    return changed
+
+
+def dtype_kwargs(torch_dtype: torch.dtype) -> dict[str, Any]:
+    """``{"dtype": torch_dtype}`` for ``from_pretrained`` (``torch_dtype`` before transformers 4.56)."""
+    import transformers
+
+    major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
+    key = "dtype" if (major, minor) >= (4, 56) else "torch_dtype"
+    return {key: torch_dtype}
+
+
+def check_tied(model: PreTrainedModel, where: str) -> None:
+    """Raise ``RuntimeError`` (prefixed ``where``) if the config ties the embeddings but they are two tensors."""
+    if not getattr(model.config, "tie_word_embeddings", False):
+        return
+    out = model.get_output_embeddings()
+    inp = model.get_input_embeddings()
+    if out is None or out.weight is not inp.weight:
+        msg = f"{where}: config says tie_word_embeddings=True but lm_head.weight is not the embedding weight"
+        raise RuntimeError(msg)
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0] if text else ''}".rstrip(": ")
+
+
+def _check_safetensors(file: Path) -> None:
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(file), framework="pt"):
+            pass
+    except (SafetensorError, OSError) as err:
+        msg = (
+            f"{file}: not a valid safetensors file ({_first_line(err)}); it is probably truncated or corrupt: "
+            "copy or save the model again"
+        )
+        raise ValueError(msg) from None
+
+
+def _check_model_dir(path: Path) -> None:
+    """Fail with one line naming the file when ``path`` lacks ``config.json`` or usable weights."""
+    if not (path / "config.json").is_file():
+        msg = f"{path} is not a Hugging Face model directory: config.json is missing"
+        raise ValueError(msg)
+    present = [name for name in _WEIGHT_FILES if (path / name).is_file()]
+    if not present:
+        held = ", ".join(sorted(p.name for p in path.iterdir())[:8])
+        msg = (
+            f"{path}: no model weights: none of {', '.join(_WEIGHT_FILES)} exists (the directory holds: {held}); "
+            "copy the weights there or save the model again"
+        )
+        raise ValueError(msg)
+    if present[0] == "model.safetensors":
+        _check_safetensors(path / "model.safetensors")
+    elif present[0] == "model.safetensors.index.json":
+        index = path / "model.safetensors.index.json"
+        try:
+            shards = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as err:
+            msg = f'{index}: not a valid safetensors index (needs a "weight_map" object): {_first_line(err)}'
+            raise ValueError(msg) from None
+        for shard in shards:
+            if not (path / shard).is_file():
+                msg = f"{path / shard}: missing (listed in {index.name}); copy all weight shards"
+                raise ValueError(msg)
+            _check_safetensors(path / shard)
+
+
+def _load_tokenizer(path: Path) -> PreTrainedTokenizerBase | None:
+    from transformers import AutoTokenizer
+
+    if not any((path / name).is_file() for name in _TOKENIZER_FILES):
+        log.info("%s has no tokenizer files; only token-id data can be used with this model", path)
+        return None
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except (OSError, ValueError) as err:
+        msg = f"{path}: the tokenizer files could not be loaded ({_first_line(err)})"
+        raise ValueError(msg) from err
+
+
+def load_hf_dir(path: Path, torch_dtype: torch.dtype) -> tuple[PreTrainedModel, PreTrainedTokenizerBase | None]:
+    """Load a local Hugging Face model directory after checking its files.
+
+    Returns:
+        ``(model, tokenizer)`` in eval mode on CPU, parameters in ``torch_dtype``;
+        ``tokenizer`` is ``None`` when the directory has no tokenizer files.
+
+    Raises:
+        ValueError: ``config.json`` or the weights are missing, a safetensors
+            file (or shard) is truncated/corrupt, ``from_pretrained`` fails, or
+            tokenizer files exist but cannot be loaded; the message names the file.
+        RuntimeError: tied embeddings are declared but not tied after loading.
+    """
+    from safetensors import SafetensorError
+    from transformers import AutoModelForCausalLM
+
+    _check_model_dir(path)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(path), **dtype_kwargs(torch_dtype))
+    except (OSError, ValueError, SafetensorError) as err:
+        msg = f"could not load the model in {path}: {_first_line(err)}"
+        raise ValueError(msg) from err
+    tokenizer = _load_tokenizer(path)
+    model.eval()
+    check_tied(model, f"loading {path}")
+    return model, tokenizer
+
+
+def looks_like_hub_id(key: str) -> bool:
+    """True for strings shaped like a Hugging Face Hub model ID, ``org/name`` (one slash, no ``..``)."""
+    return re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", key) is not None and ".." not in key
+
+
+def load_hub(model_id: str, torch_dtype: torch.dtype) -> tuple[PreTrainedModel, PreTrainedTokenizerBase | None]:
+    """Load ``model_id`` (``org/name``) with ``from_pretrained`` through the Hugging Face cache.
+
+    The cache is ``huggingface_hub``'s (``HF_HUB_CACHE``, default
+    ``~/.cache/huggingface/hub``); with ``HF_HUB_OFFLINE=1`` only the cache is read.
+    Remote code is never run (``trust_remote_code`` stays off).
+
+    Returns:
+        ``(model, tokenizer)`` in eval mode on CPU; ``tokenizer`` is ``None`` (with
+        a warning) when the repository has no loadable tokenizer.
+
+    Raises:
+        RuntimeError: the model could not be loaded; the message names the ID,
+            ``HF_HUB_OFFLINE``, the cache searched and the cause.
+    """
+    from huggingface_hub import constants, try_to_load_from_cache
+    from safetensors import SafetensorError
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    offline = bool(constants.HF_HUB_OFFLINE)
+    where = f"HF_HUB_OFFLINE={int(offline)}, Hugging Face cache searched: {constants.HF_HUB_CACHE}"
+    log.info("loading %s from the Hugging Face Hub (%s)", model_id, where)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(model_id, **dtype_kwargs(torch_dtype))
+    except (OSError, ValueError, SafetensorError) as err:
+        cached = isinstance(try_to_load_from_cache(model_id, "config.json"), str)
+        if offline and not cached:
+            msg = (
+                f"model {model_id!r} is not a known name or a local directory, and as a Hugging Face Hub model ID "
+                f"it is not in the cache ({where}); nothing is downloaded while HF_HUB_OFFLINE=1: download it once "
+                "online, point HF_HUB_CACHE at the cache that holds it, or pass a local model directory"
+            )
+        else:
+            msg = (
+                f"could not load the Hugging Face Hub model {model_id!r} ({where}): {_first_line(err)}; check the "
+                "ID and the network, or pass a local model directory"
+            )
+        raise RuntimeError(msg) from err
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_id)
+    except (OSError, ValueError) as err:
+        log.warning("%s: no tokenizer loaded (%s); only token-id data can be used", model_id, _first_line(err))
+        tokenizer = None
+    model.eval()
+    check_tied(model, f"loading {model_id}")
+    return model, tokenizer

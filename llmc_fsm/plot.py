@@ -1,0 +1,162 @@
+"""Pictures of a one-shot report: per-layer sparsity and, when present, per-layer quantization error.
+
+matplotlib is an optional extra (``pip install 'llmc-fsm[plot]'``) imported only
+when a picture is drawn; figures are built with ``matplotlib.figure.Figure``
+directly, so no pyplot state or GUI backend is involved.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from llmc_fsm.report import OneshotReport
+
+__all__ = ["QUANT_KEYS", "check_plot_path", "plot_report"]
+
+#: Per-module keys of a report's ``sparsity.modules`` entries that carry quantization results.
+QUANT_KEYS = ("bits", "group_size", "rel_output_error")
+
+_INSTALL_HINT = "install it with `pip install 'llmc-fsm[plot]'` (or `pip install 'matplotlib>=3.7'`)"
+
+
+def _matplotlib() -> Any:
+    try:
+        import matplotlib
+        from matplotlib.figure import Figure
+    except ImportError:
+        msg = f"drawing a plot needs matplotlib, which is not installed; {_INSTALL_HINT}"
+        raise RuntimeError(msg) from None
+    return matplotlib, Figure
+
+
+def check_plot_path(path: str | os.PathLike[str]) -> Path:
+    """Check, before any work, that a picture can be written to ``path``.
+
+    Returns:
+        ``path`` as a ``Path``.
+
+    Raises:
+        RuntimeError: matplotlib is not installed (the message says how to install it).
+        ValueError: the suffix is not an image format matplotlib writes (the message lists them).
+        FileNotFoundError: the parent directory does not exist.
+    """
+    _, figure_cls = _matplotlib()
+    out = Path(path).expanduser()
+    formats = figure_cls().canvas.get_supported_filetypes()
+    suffix = out.suffix.lower().lstrip(".")
+    if suffix not in formats:
+        msg = f"cannot draw {out}: the file name must end in an image format ({', '.join(sorted(formats))})"
+        raise ValueError(msg)
+    if not out.parent.is_dir():
+        msg = f"cannot draw {out}: the directory {out.parent} does not exist"
+        raise FileNotFoundError(msg)
+    return out
+
+
+def _suffix(entry: Mapping[str, Any]) -> str:
+    """``self_attn.q_proj`` for ``model.layers.3.self_attn.q_proj`` (the part after the layer index)."""
+    return entry["name"].split(f".{entry['layer']}.", 1)[-1]
+
+
+def _sparsity_panel(ax: Any, report: OneshotReport, entries: Sequence[Mapping[str, Any]]) -> None:
+    rows = report.layer_sparsity()
+    targeted = [e for e in entries if e.get("targeted")]
+    if rows:
+        ax.bar([i for i, _, _ in rows], [s for _, s, _ in rows], color="0.8", label="layer (all targeted weights)")
+        kinds: dict[str, list[Mapping[str, Any]]] = {}
+        for e in targeted:
+            if e["layer"] is not None:
+                kinds.setdefault(_suffix(e), []).append(e)
+        for kind, group in kinds.items():
+            ax.plot([e["layer"] for e in group], [e["sparsity"] for e in group], ".", ms=5, label=kind)
+        ax.set_xlabel("decoder layer")
+        outside = [f"{e['name']} {e['sparsity']:.1%}" for e in targeted if e["layer"] is None]
+        if outside:
+            ax.text(0.01, 0.02, "outside the layers: " + ", ".join(outside), transform=ax.transAxes, fontsize=8)
+        ax.legend(fontsize=7, ncol=4, loc="lower right")
+    else:  # no decoder layers (e.g. an nn.Sequential): one bar per targeted module
+        ax.bar(range(len(targeted)), [e["sparsity"] for e in targeted], color="0.6")
+        ax.set_xticks(range(len(targeted)), [e["name"] for e in targeted], rotation=60, ha="right", fontsize=7)
+        ax.set_xlabel("module")
+    ax.set_ylim(0, 1)
+    ax.yaxis.set_major_formatter("{x:.0%}")
+    ax.set_ylabel("sparsity (exact zeros)")
+    ax.grid(axis="y", alpha=0.3)
+    ax.set_title(f"{report.model}: sparsity of targeted weights (total {report.total_sparsity:.2%})", fontsize=10)
+
+
+def _error_panel(ax: Any, entries: Sequence[Mapping[str, Any]]) -> None:
+    quant = [e for e in entries if e.get("rel_output_error") is not None]
+    in_layers = [e for e in quant if e.get("layer") is not None]
+    if in_layers:
+        by_layer: dict[int, list[float]] = {}
+        for e in in_layers:
+            weight = float(e.get("numel") or 1)
+            total = by_layer.setdefault(e["layer"], [0.0, 0.0])
+            total[0] += weight * float(e["rel_output_error"])
+            total[1] += weight
+        layers = sorted(by_layer)
+        means = [by_layer[i][0] / by_layer[i][1] for i in layers]
+        ax.plot(layers, means, "-", color="0.3", label="layer mean (weighted by weights)")
+        kinds: dict[str, list[Mapping[str, Any]]] = {}
+        for e in in_layers:
+            kinds.setdefault(_suffix(e), []).append(e)
+        for kind, group in kinds.items():
+            ax.plot([e["layer"] for e in group], [e["rel_output_error"] for e in group], ".", ms=5, label=kind)
+        ax.set_xlabel("decoder layer")
+        ax.legend(fontsize=7, ncol=4, loc="upper right")
+    else:
+        ax.bar(range(len(quant)), [e["rel_output_error"] for e in quant], color="0.6")
+        ax.set_xticks(range(len(quant)), [e["name"] for e in quant], rotation=60, ha="right", fontsize=7)
+        ax.set_xlabel("module")
+    settings = []
+    for key in ("bits", "group_size"):
+        values = sorted({str(e[key]) for e in quant if e.get(key) is not None})
+        if values:
+            settings.append(f"{key} {'/'.join(values)}")
+    ax.set_ylabel("relative output error")
+    ax.set_ylim(bottom=0)
+    ax.grid(axis="y", alpha=0.3)
+    detail = f" ({', '.join(settings)})" if settings else ""
+    ax.set_title(f"quantization: relative output error per module{detail}", fontsize=10)
+
+
+def plot_report(data: Mapping[str, Any], path: str | os.PathLike[str]) -> Path:
+    """Draw the per-layer sparsity of a one-shot report, and its quantization error when it has one.
+
+    Args:
+        data: the report as a dict (``OneshotReport.to_dict()``, i.e. a loaded
+            ``report.json``).  Panel 1: sparsity of the targeted weights per
+            decoder layer (bars) and per module kind (markers).  Panel 2, only
+            when some entry of ``data["sparsity"]["modules"]`` has
+            ``rel_output_error`` (with optional ``bits`` / ``group_size``): that
+            error per module and its weight-count-weighted mean per layer.
+        path: the image file; the format follows its suffix (``.png``, ``.pdf``, ``.svg``, ...).
+
+    Returns:
+        ``path`` as a ``Path``.
+
+    Raises:
+        RuntimeError: matplotlib is not installed.
+        ValueError: unknown image suffix, or no targeted module to draw.
+        FileNotFoundError: the parent directory of ``path`` does not exist.
+        KeyError / TypeError: ``data`` is not a report dict.
+    """
+    out = check_plot_path(path)
+    _, figure_cls = _matplotlib()
+    report = OneshotReport.from_dict(dict(data))
+    entries = data["sparsity"]["modules"]
+    if not any(e.get("targeted") for e in entries):
+        msg = "the report has no targeted module: nothing to plot"
+        raise ValueError(msg)
+    has_error = any(e.get("rel_output_error") is not None for e in entries)
+    fig = figure_cls(figsize=(10, 7.5 if has_error else 4.2), layout="constrained")
+    axes = fig.subplots(2 if has_error else 1, 1, squeeze=False)[:, 0]
+    _sparsity_panel(axes[0], report, entries)
+    if has_error:
+        _error_panel(axes[1], entries)
+    fig.savefig(out, dpi=120)
+    return out

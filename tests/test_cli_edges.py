@@ -1,0 +1,167 @@
+"""``llmc-fsm --version`` and ``llmc-fsm report OUT [--plot FILE]`` (issue 11), on a tiny model's real output."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import sys
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import llmc_fsm
+from llmc_fsm.cli import main
+from llmc_fsm.report import ModuleSparsity, OneshotReport
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["--version"])
+    assert exc.value.code == 0
+    assert capsys.readouterr().out == "llmc-fsm 0.1.0\n"
+    assert llmc_fsm.__version__ == importlib.metadata.version("llmc-fsm") == "0.1.0"
+
+
+@pytest.fixture(scope="module")
+def saved_run(tmp_path_factory):
+    """A real one-shot output: a tiny 2-layer Llama, magnitude 50%, saved with report.json."""
+    config = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    out = tmp_path_factory.mktemp("run") / "out"
+    pruned = llmc_fsm.oneshot(
+        model=model,
+        recipe={"s": {"MagnitudePruningModifier": {"sparsity": 0.5, "ignore": ["lm_head"]}}},
+        dataset=torch.randint(0, 64, (2, 8)),
+        max_seq_length=8,
+        output_dir=out,
+        progress=False,
+    )
+    return pruned.llmc_fsm_report, out
+
+
+def test_report_from_dict_round_trips(saved_run):
+    report, out = saved_run
+    saved = json.loads((out / "report.json").read_text())
+    again = OneshotReport.from_dict(saved)
+    assert again.to_dict() == saved == json.loads(report.to_json())
+    assert again.format_table() == report.format_table()
+
+
+def test_report_reprints_the_saved_report(saved_run, capsys):
+    report, out = saved_run
+    assert main(["report", str(out)]) == 0
+    assert capsys.readouterr().out == report.format_table() + "\n"
+    assert main(["report", str(out / "report.json")]) == 0  # the file itself works too
+    assert capsys.readouterr().out == report.format_table() + "\n"
+
+
+def test_report_plot_png(saved_run, tmp_path, capsys):
+    from matplotlib.image import imread
+
+    _, out = saved_run
+    png = tmp_path / "sparsity.png"
+    assert main(["report", str(out), "--plot", str(png)]) == 0
+    assert capsys.readouterr().out.endswith(f"plot: {png}\n")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert imread(png).shape == (504, 1200, 4)  # 10 x 4.2 in at 120 dpi: one panel
+
+
+def _with_quantization(data):
+    data = json.loads(json.dumps(data))
+    for i, entry in enumerate(data["sparsity"]["modules"]):
+        if entry["targeted"]:
+            error = 0.01 * (1 + i % 5) * (1 + (entry["layer"] or 0))
+            entry |= {"bits": 4, "group_size": 128, "rel_output_error": error}
+    return data
+
+
+def test_report_plot_with_quantization_has_a_second_panel(saved_run, tmp_path):
+    from matplotlib.image import imread
+
+    _, out = saved_run
+    quant_out = tmp_path / "q"
+    quant_out.mkdir()
+    data = _with_quantization(json.loads((out / "report.json").read_text()))
+    (quant_out / "report.json").write_text(json.dumps(data))
+    png = tmp_path / "quant.png"
+    assert main(["report", str(quant_out), "--plot", str(png)]) == 0
+    assert imread(png).shape == (900, 1200, 4)  # 10 x 7.5 in at 120 dpi: two panels
+
+
+def test_plot_model_without_decoder_layers(tmp_path):
+    from matplotlib.image import imread
+
+    from llmc_fsm.plot import plot_report
+
+    report = OneshotReport(
+        model="Sequential",
+        recipe={},
+        calibration={"source": "x", "num_samples": 1, "seq_len": 2},
+        modules=[ModuleSparsity(name=str(i), layer=None, zeros=i, numel=4) for i in range(3)],
+        targeted=["0", "1", "2"],
+    )
+    png = plot_report(report.to_dict(), tmp_path / "seq.png")
+    assert imread(png).shape == (504, 1200, 4)
+
+
+def test_report_without_matplotlib_fails_before_printing(saved_run, tmp_path, capsys, monkeypatch):
+    _, out = saved_run
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails
+    assert main(["report", str(out), "--plot", str(tmp_path / "x.png")]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == (
+        "llmc-fsm report: error: drawing a plot needs matplotlib, which is not installed; install it with "
+        "`pip install 'llmc-fsm[plot]'` (or `pip install 'matplotlib>=3.7'`)\n"
+    )
+
+
+def test_report_plot_bad_target(saved_run, tmp_path, capsys):
+    _, out = saved_run
+    assert main(["report", str(out), "--plot", str(tmp_path / "plot.txt")]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.startswith(
+        f"llmc-fsm report: error: cannot draw {tmp_path / 'plot.txt'}: the file name must end in an image format ("
+    )
+    assert "png" in captured.err
+    missing = tmp_path / "nope" / "p.png"
+    assert main(["report", str(out), "--plot", str(missing)]) == 1
+    assert capsys.readouterr().err == (
+        f"llmc-fsm report: error: cannot draw {missing}: the directory {missing.parent} does not exist\n"
+    )
+
+
+def test_report_bad_inputs(tmp_path, capsys):
+    missing = tmp_path / "missing"
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "report.json").write_text('{"model": "x",\n "sparsity": ')
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "report.json").write_text('{"model": "x"}')
+    cases = {
+        missing: f"{missing} does not exist; pass the output directory of `llmc-fsm oneshot --output DIR`",
+        empty: f"{empty / 'report.json'} not found: {empty} is not an output directory of `llmc-fsm oneshot --output "
+        "DIR`",
+        broken: f"{broken / 'report.json'}: invalid JSON (Expecting value at line 2, column 14)",
+        other: f"{other / 'report.json'}: not a one-shot report written by llmc-fsm oneshot (missing 'sparsity')",
+    }
+    for path, message in cases.items():
+        assert main(["report", str(path)]) == 1
+        captured = capsys.readouterr()
+        assert (captured.out, captured.err) == ("", f"llmc-fsm report: error: {message}\n")

@@ -1,0 +1,355 @@
+"""Loading models from bad directories, the Hugging Face Hub cache, the locked conversion cache, file modes.
+
+Issue 11 cases 5 (bad model directories, no tokenizer), 6 (concurrent first runs), 8 (``model.safetensors``
+written 0600) and Hub model IDs.  Uses a tiny random Llama (2 layers, hidden 16, vocabulary 64) and a word-level
+tokenizer, so nothing here needs SmolLM2.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from llmc_fsm import model_io
+from llmc_fsm import models as models_mod
+from llmc_fsm.cli import main
+from llmc_fsm.data import token_windows
+from llmc_fsm.models import KNOWN_MODELS, load_model
+
+
+def _tiny_tokenizer():
+    from tokenizers import Tokenizer, pre_tokenizers
+    from tokenizers.models import WordLevel
+
+    vocab = {f"w{i}": i for i in range(62)} | {"[UNK]": 62, "</s>": 63}
+    tok = Tokenizer(WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", eos_token="</s>")
+
+
+def _tiny_model(*, quantization_config=None):
+    config = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+    )
+    if quantization_config is not None:
+        config.quantization_config = quantization_config
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    """A complete HF model directory (config, model.safetensors, tokenizer files)."""
+    path = tmp_path_factory.mktemp("tiny") / "tiny"
+    _tiny_model().save_pretrained(path)
+    _tiny_tokenizer().save_pretrained(path)
+    return path
+
+
+@pytest.fixture
+def umask_027():
+    """Run with umask 027 (files 0640, directories 0750), restored afterwards."""
+    old = os.umask(0o027)
+    try:
+        yield
+    finally:
+        os.umask(old)
+
+
+def _copy(tiny_dir, tmp_path, keep):
+    out = tmp_path / "model"
+    out.mkdir()
+    for name in keep:
+        shutil.copy(tiny_dir / name, out / name)
+    return out
+
+
+# ------------------------------------------------------------------ case 5: bad model directories
+
+
+def test_directory_with_only_config(tiny_dir, tmp_path):
+    d = _copy(tiny_dir, tmp_path, ["config.json"])
+    with pytest.raises(ValueError) as exc:
+        load_model(d)
+    assert str(exc.value) == (
+        f"{d}: no model weights: none of model.safetensors, model.safetensors.index.json, pytorch_model.bin, "
+        "pytorch_model.bin.index.json exists (the directory holds: config.json); copy the weights there or save the "
+        "model again"
+    )
+
+
+def test_directory_without_config(tiny_dir, tmp_path):
+    d = _copy(tiny_dir, tmp_path, ["model.safetensors"])
+    with pytest.raises(ValueError) as exc:
+        load_model(d)
+    assert str(exc.value) == f"{d} is not a Hugging Face model directory: config.json is missing"
+
+
+@pytest.mark.parametrize(
+    ("keep_bytes", "cause"),
+    [
+        (0.5, "Error while deserializing header: incomplete metadata, file not fully covered"),
+        (5, "Error while deserializing header: header too small"),
+    ],
+)
+def test_truncated_safetensors(tiny_dir, tmp_path, keep_bytes, cause):
+    d = _copy(tiny_dir, tmp_path, ["config.json", "tokenizer.json", "tokenizer_config.json"])
+    data = (tiny_dir / "model.safetensors").read_bytes()
+    (d / "model.safetensors").write_bytes(data[: int(len(data) * keep_bytes) if keep_bytes < 1 else keep_bytes])
+    with pytest.raises(ValueError) as exc:
+        load_model(d)
+    assert str(exc.value) == (
+        f"{d / 'model.safetensors'}: not a valid safetensors file (SafetensorError: {cause}); it is probably "
+        "truncated or corrupt: copy or save the model again"
+    )
+
+
+def test_sharded_index_with_missing_shard(tiny_dir, tmp_path):
+    d = _copy(tiny_dir, tmp_path, ["config.json"])
+    index = {"metadata": {}, "weight_map": {"model.embed_tokens.weight": "model-00001-of-00002.safetensors"}}
+    (d / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError) as exc:
+        load_model(d)
+    shard = d / "model-00001-of-00002.safetensors"
+    assert str(exc.value) == f"{shard}: missing (listed in model.safetensors.index.json); copy all weight shards"
+
+
+def test_bad_directory_is_one_line_from_the_cli(tiny_dir, tmp_path, capsys):
+    d = _copy(tiny_dir, tmp_path, ["config.json"])
+    text = tmp_path / "cal.txt"
+    text.write_text("w1 w2 w3 " * 50, encoding="utf-8")
+    assert main(["oneshot", "--model", str(d), "--dataset", str(text), "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert err.startswith(f"llmc-fsm oneshot: error: {d}: no model weights: none of model.safetensors,")
+
+
+def test_directory_without_tokenizer_loads_with_tokenizer_none(tiny_dir, tmp_path):
+    d = _copy(tiny_dir, tmp_path, ["config.json", "model.safetensors"])
+    model, tokenizer = load_model(d)
+    assert tokenizer is None
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    reference, _ = load_model(tiny_dir)
+    ids = torch.tensor([[1, 2, 3, 4]])
+    with torch.inference_mode():
+        assert torch.equal(model(input_ids=ids).logits, reference(input_ids=ids).logits)
+    with pytest.raises(ValueError, match=r"^text needs a tokenizer, but there is none"):
+        token_windows(tokenizer, "w1 w2", num_windows=1, seq_len=2)
+
+
+def test_oneshot_on_directory_without_tokenizer_with_token_ids(tiny_dir, tmp_path):
+    import llmc_fsm
+
+    d = _copy(tiny_dir, tmp_path, ["config.json", "model.safetensors"])
+    model = llmc_fsm.oneshot(
+        model=str(d),
+        recipe={"s": {"MagnitudePruningModifier": {"sparsity": 0.5, "ignore": ["lm_head"]}}},
+        dataset=torch.randint(0, 64, (2, 8)),
+        max_seq_length=8,
+        progress=False,
+    )
+    assert model.llmc_fsm_report.total_sparsity == pytest.approx(0.5)
+
+
+def test_broken_tokenizer_files_are_not_ignored(tiny_dir, tmp_path):
+    d = _copy(tiny_dir, tmp_path, ["config.json", "model.safetensors", "tokenizer_config.json"])
+    (d / "tokenizer.json").write_text("{not json", encoding="utf-8")
+    with pytest.raises(ValueError, match=rf"^{d}: the tokenizer files could not be loaded \("):
+        load_model(d)
+
+
+# ------------------------------------------------------------------ case 8: file modes
+
+
+def test_fix_safetensors_permissions_follows_umask(tiny_dir, tmp_path, umask_027):
+    out = tmp_path / "saved"
+    _tiny_model().save_pretrained(out)
+    model_io.fix_safetensors_permissions(out)
+    assert (out / "model.safetensors").stat().st_mode & 0o777 == 0o640
+    assert (out / "config.json").stat().st_mode & 0o777 == 0o640  # what every other file gets
+    assert model_io.fix_safetensors_permissions(out) == []  # nothing left to change
+    assert model_io.current_umask() == 0o027
+
+
+# ------------------------------------------------------------------ case 6: the conversion cache
+
+
+@pytest.fixture
+def fake_gguf(monkeypatch, tmp_path):
+    """Make the known-model conversion convert the tiny model (0.5 s per conversion, counted)."""
+    fake = tmp_path / "pkg" / "fake.gguf"
+    fake.parent.mkdir()
+    fake.write_bytes(b"GGUF")
+    conversions = []
+    real_model_loader = transformers.AutoModelForCausalLM.from_pretrained
+    real_tokenizer_loader = transformers.AutoTokenizer.from_pretrained
+
+    def model_loader(path, *args, gguf_file=None, **kwargs):
+        if gguf_file is None:
+            return real_model_loader(path, *args, **kwargs)
+        conversions.append(threading.get_ident())
+        time.sleep(0.5)  # long enough for a second run to start meanwhile
+        return _tiny_model(quantization_config={"quant_method": "gguf"})
+
+    def tokenizer_loader(path, *args, gguf_file=None, **kwargs):
+        return _tiny_tokenizer() if gguf_file else real_tokenizer_loader(path, *args, **kwargs)
+
+    monkeypatch.setattr(models_mod, "_find_gguf", lambda spec: fake)
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", model_loader)
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", tokenizer_loader)
+    return conversions
+
+
+def test_two_first_runs_at_once_convert_once(fake_gguf, tmp_path):
+    cache = tmp_path / "cache"
+    results, errors = [], []
+
+    def run():
+        try:
+            results.append(load_model("smollm2-135m", cache_dir=cache))
+        except BaseException as err:  # reported below
+            errors.append(err)
+
+    threads = [threading.Thread(target=run) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert errors == []
+    assert len(fake_gguf) == 1  # the second run waited on the lock, then used the finished cache
+    assert len(results) == 2
+    ids = torch.tensor([[1, 2, 3]])
+    with torch.inference_mode():
+        assert torch.equal(results[0][0](input_ids=ids).logits, results[1][0](input_ids=ids).logits)
+    assert sorted(p.name for p in (cache / "models").iterdir()) == ["smollm2-135m"]  # no temp dirs left
+    assert sorted(p.name for p in (cache / "locks").iterdir()) == ["smollm2-135m.lock"]
+
+
+def test_complete_cache_is_never_removed(fake_gguf, tmp_path, umask_027):
+    target = tmp_path / "cache" / "models" / "smollm2-135m"
+    spec = KNOWN_MODELS["smollm2-135m"]
+    models_mod._build_cache("smollm2-135m", spec, target)
+    assert (target / "model.safetensors").stat().st_mode & 0o777 == 0o640  # case 8 for the cache
+    assert target.stat().st_mode & 0o777 == 0o750
+    inode = (target / "model.safetensors").stat().st_ino
+    models_mod._build_cache("smollm2-135m", spec, target)  # a run that started before the cache was complete
+    assert (target / "model.safetensors").stat().st_ino == inode  # kept, not replaced under a loading process
+    assert len(fake_gguf) == 2
+    assert sorted(p.name for p in target.parent.iterdir()) == ["smollm2-135m"]
+
+
+def test_existing_cache_gets_the_umask_mode(fake_gguf, tmp_path, umask_027):
+    target = tmp_path / "cache" / "models" / "smollm2-135m"
+    models_mod._build_cache("smollm2-135m", KNOWN_MODELS["smollm2-135m"], target)
+    (target / "model.safetensors").chmod(0o600)  # as written before the fix
+    load_model("smollm2-135m", cache_dir=tmp_path / "cache")
+    assert (target / "model.safetensors").stat().st_mode & 0o777 == 0o640
+    assert len(fake_gguf) == 1  # loaded from the cache, not converted again
+
+
+def test_stale_cache_is_replaced(fake_gguf, tmp_path):
+    target = tmp_path / "cache" / "models" / "smollm2-135m"
+    target.mkdir(parents=True)
+    (target / "config.json").write_text("{}")  # no marker: an interrupted or foreign directory
+    model, tokenizer = load_model("smollm2-135m", cache_dir=tmp_path / "cache")
+    assert models_mod._cache_is_valid(target)
+    assert tokenizer is not None
+    assert model.config.num_hidden_layers == 2
+
+
+def test_unwritable_cache_root_is_one_line(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(RuntimeError) as exc:
+        load_model("smollm2-135m", cache_dir=blocker)
+    assert str(exc.value) == (
+        f"cannot create the model cache under {blocker}: Not a directory; set LLMC_FSM_CACHE to a writable directory"
+    )
+
+
+# ------------------------------------------------------------------ Hugging Face Hub model IDs
+
+_HUB_SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+    from llmc_fsm.cli import main
+    from llmc_fsm.models import load_model
+
+    out = {}
+    try:
+        load_model("acme/does-not-exist")
+    except RuntimeError as err:
+        out["error"] = str(err)
+    out["cli_rc"] = main(["oneshot", "--model", "acme/does-not-exist", "--no-progress"])
+    model, tok = load_model("acme/tiny-llama")
+    out["class"] = type(model).__name__
+    out["tokens"] = tok("w1 w2 w9")["input_ids"]
+    out["logits_sum"] = float(model(input_ids=__import__("torch").tensor([[1, 2, 3]])).logits.double().sum())
+    print(json.dumps(out))
+    """
+)
+
+
+def test_hub_ids_offline(tiny_dir, tmp_path):
+    hub = tmp_path / "hub"
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    snapshot = hub / "models--acme--tiny-llama" / "snapshots" / commit
+    shutil.copytree(tiny_dir, snapshot)
+    (hub / "models--acme--tiny-llama" / "refs").mkdir()
+    (hub / "models--acme--tiny-llama" / "refs" / "main").write_text(commit)
+    env = os.environ | {"HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(hub), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-c", _HUB_SCRIPT], env=env, capture_output=True, text=True, timeout=300, check=False
+    )
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    expected = (
+        "model 'acme/does-not-exist' is not a known name or a local directory, and as a Hugging Face Hub model ID it "
+        f"is not in the cache (HF_HUB_OFFLINE=1, Hugging Face cache searched: {hub}); nothing is downloaded while "
+        "HF_HUB_OFFLINE=1: download it once online, point HF_HUB_CACHE at the cache that holds it, or pass a local "
+        "model directory"
+    )
+    assert out["error"] == expected
+    assert out["cli_rc"] == 1
+    assert f"llmc-fsm oneshot: error: {expected}\n" in proc.stderr
+    assert out["class"] == "LlamaForCausalLM"
+    assert out["tokens"] == [1, 2, 9]
+    reference, _ = load_model(tiny_dir)
+    with torch.inference_mode():
+        expected_sum = float(reference(input_ids=torch.tensor([[1, 2, 3]])).logits.double().sum())
+    assert out["logits_sum"] == pytest.approx(expected_sum, rel=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("key", "hub"),
+    [("acme/tiny", True), ("Org_1/model.v2-x", True), ("./acme/tiny", False), ("../x/y", False), ("a/b/c", False)],
+)
+def test_hub_id_shape(key, hub):
+    assert model_io.looks_like_hub_id(key) is hub
+
+
+def test_non_hub_unknown_name_lists_choices():
+    with pytest.raises(ValueError) as exc:
+        load_model("gpt-17")
+    assert str(exc.value) == (
+        "unknown model 'gpt-17': known model names are smollm2-135m; or pass a local Hugging Face model directory "
+        "(config.json + weights + tokenizer) or a Hugging Face Hub model ID (org/name)"
+    )
