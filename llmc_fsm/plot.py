@@ -61,26 +61,49 @@ def _suffix(entry: Mapping[str, Any]) -> str:
     return entry["name"].split(f".{entry['layer']}.", 1)[-1]
 
 
-def _sparsity_panel(ax: Any, report: OneshotReport, entries: Sequence[Mapping[str, Any]]) -> None:
+def _by_kind(entries: Sequence[Mapping[str, Any]]) -> dict[str, list[Mapping[str, Any]]]:
+    """Entries inside decoder layers grouped by module kind, in order of first appearance."""
+    kinds: dict[str, list[Mapping[str, Any]]] = {}
+    for e in entries:
+        if e.get("layer") is not None:
+            kinds.setdefault(_suffix(e), []).append(e)
+    return kinds
+
+
+def _kind_markers(ax: Any, kinds: dict[str, list[Mapping[str, Any]]], colors: dict[str, str], key: str) -> None:
+    """One marker per module, in its kind's colour, spread a little around its layer so kinds stay visible."""
+    width = 0.6 / max(len(colors), 1)
+    for kind, group in kinds.items():
+        offset = (list(colors).index(kind) - (len(colors) - 1) / 2) * width
+        ax.plot([e["layer"] + offset for e in group], [e[key] for e in group], ".", ms=5, color=colors[kind], label=kind)
+
+
+def _legend_outside(ax: Any) -> None:
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
+
+
+def _names_axis(ax: Any, entries: Sequence[Mapping[str, Any]], key: str) -> None:
+    """Fallback without decoder layers: one bar per module."""
+    ax.bar(range(len(entries)), [e[key] for e in entries], color="0.6")
+    ax.set_xticks(range(len(entries)), [e["name"] for e in entries], rotation=60, ha="right", fontsize=7)
+    ax.set_xlabel("module")
+
+
+def _sparsity_panel(
+    ax: Any, report: OneshotReport, entries: Sequence[Mapping[str, Any]], colors: dict[str, str]
+) -> None:
     rows = report.layer_sparsity()
     targeted = [e for e in entries if e.get("targeted")]
     if rows:
-        ax.bar([i for i, _, _ in rows], [s for _, s, _ in rows], color="0.8", label="layer (all targeted weights)")
-        kinds: dict[str, list[Mapping[str, Any]]] = {}
-        for e in targeted:
-            if e["layer"] is not None:
-                kinds.setdefault(_suffix(e), []).append(e)
-        for kind, group in kinds.items():
-            ax.plot([e["layer"] for e in group], [e["sparsity"] for e in group], ".", ms=5, label=kind)
+        ax.bar([i for i, _, _ in rows], [s for _, s, _ in rows], color="0.85", label="layer (all targeted)")
+        _kind_markers(ax, _by_kind(targeted), colors, "sparsity")
         ax.set_xlabel("decoder layer")
         outside = [f"{e['name']} {e['sparsity']:.1%}" for e in targeted if e["layer"] is None]
         if outside:
             ax.text(0.01, 0.02, "outside the layers: " + ", ".join(outside), transform=ax.transAxes, fontsize=8)
-        ax.legend(fontsize=7, ncol=4, loc="lower right")
-    else:  # no decoder layers (e.g. an nn.Sequential): one bar per targeted module
-        ax.bar(range(len(targeted)), [e["sparsity"] for e in targeted], color="0.6")
-        ax.set_xticks(range(len(targeted)), [e["name"] for e in targeted], rotation=60, ha="right", fontsize=7)
-        ax.set_xlabel("module")
+        _legend_outside(ax)
+    else:  # no decoder layers (e.g. an nn.Sequential)
+        _names_axis(ax, targeted, "sparsity")
     ax.set_ylim(0, 1)
     ax.yaxis.set_major_formatter("{x:.0%}")
     ax.set_ylabel("sparsity (exact zeros)")
@@ -88,30 +111,24 @@ def _sparsity_panel(ax: Any, report: OneshotReport, entries: Sequence[Mapping[st
     ax.set_title(f"{report.model}: sparsity of targeted weights (total {report.total_sparsity:.2%})", fontsize=10)
 
 
-def _error_panel(ax: Any, entries: Sequence[Mapping[str, Any]]) -> None:
+def _error_panel(ax: Any, entries: Sequence[Mapping[str, Any]], colors: dict[str, str]) -> None:
     quant = [e for e in entries if e.get("rel_output_error") is not None]
-    in_layers = [e for e in quant if e.get("layer") is not None]
-    if in_layers:
+    kinds = _by_kind(quant)
+    if kinds:
         by_layer: dict[int, list[float]] = {}
-        for e in in_layers:
-            weight = float(e.get("numel") or 1)
-            total = by_layer.setdefault(e["layer"], [0.0, 0.0])
-            total[0] += weight * float(e["rel_output_error"])
-            total[1] += weight
+        for group in kinds.values():
+            for e in group:
+                size = float(e.get("numel") or 1)
+                total = by_layer.setdefault(e["layer"], [0.0, 0.0])
+                total[0] += size * float(e["rel_output_error"])
+                total[1] += size
         layers = sorted(by_layer)
-        means = [by_layer[i][0] / by_layer[i][1] for i in layers]
-        ax.plot(layers, means, "-", color="0.3", label="layer mean (weighted by weights)")
-        kinds: dict[str, list[Mapping[str, Any]]] = {}
-        for e in in_layers:
-            kinds.setdefault(_suffix(e), []).append(e)
-        for kind, group in kinds.items():
-            ax.plot([e["layer"] for e in group], [e["rel_output_error"] for e in group], ".", ms=5, label=kind)
+        ax.plot(layers, [by_layer[i][0] / by_layer[i][1] for i in layers], "-", color="0.3", label="layer mean")
+        _kind_markers(ax, kinds, colors, "rel_output_error")
         ax.set_xlabel("decoder layer")
-        ax.legend(fontsize=7, ncol=4, loc="upper right")
+        _legend_outside(ax)
     else:
-        ax.bar(range(len(quant)), [e["rel_output_error"] for e in quant], color="0.6")
-        ax.set_xticks(range(len(quant)), [e["name"] for e in quant], rotation=60, ha="right", fontsize=7)
-        ax.set_xlabel("module")
+        _names_axis(ax, quant, "rel_output_error")
     settings = []
     for key in ("bits", "group_size"):
         values = sorted({str(e[key]) for e in quant if e.get(key) is not None})
@@ -121,7 +138,10 @@ def _error_panel(ax: Any, entries: Sequence[Mapping[str, Any]]) -> None:
     ax.set_ylim(bottom=0)
     ax.grid(axis="y", alpha=0.3)
     detail = f" ({', '.join(settings)})" if settings else ""
-    ax.set_title(f"quantization: relative output error per module{detail}", fontsize=10)
+    ax.set_title(
+        f"quantization: relative output error ||W X - Ŵ X|| / ||W X|| per module{detail}; line: mean weighted by size",
+        fontsize=10,
+    )
 
 
 def plot_report(data: Mapping[str, Any], path: str | os.PathLike[str]) -> Path:
@@ -153,10 +173,13 @@ def plot_report(data: Mapping[str, Any], path: str | os.PathLike[str]) -> Path:
         msg = "the report has no targeted module: nothing to plot"
         raise ValueError(msg)
     has_error = any(e.get("rel_output_error") is not None for e in entries)
-    fig = figure_cls(figsize=(10, 7.5 if has_error else 4.2), layout="constrained")
-    axes = fig.subplots(2 if has_error else 1, 1, squeeze=False)[:, 0]
-    _sparsity_panel(axes[0], report, entries)
+    fig = figure_cls(figsize=(11, 7.5 if has_error else 4.2), layout="constrained")
+    axes = fig.subplots(2 if has_error else 1, 1, squeeze=False, sharex=True)[:, 0]
+    kinds = _by_kind([e for e in entries if e.get("targeted") or e.get("rel_output_error") is not None])
+    colors = {kind: f"C{i % 10}" for i, kind in enumerate(kinds)}  # one colour per module kind in both panels
+    _sparsity_panel(axes[0], report, entries, colors)
     if has_error:
-        _error_panel(axes[1], entries)
+        _error_panel(axes[1], entries, colors)
+        axes[0].tick_params(labelbottom=True)  # sharex hides the upper panel's layer numbers
     fig.savefig(out, dpi=120)
     return out

@@ -75,7 +75,7 @@ def test_report_plot_png(saved_run, tmp_path, capsys):
     assert main(["report", str(out), "--plot", str(png)]) == 0
     assert capsys.readouterr().out.endswith(f"plot: {png}\n")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert imread(png).shape == (504, 1200, 4)  # 10 x 4.2 in at 120 dpi: one panel
+    assert imread(png).shape == (504, 1320, 4)  # 11 x 4.2 in at 120 dpi: one panel
 
 
 def _with_quantization(data):
@@ -97,7 +97,7 @@ def test_report_plot_with_quantization_has_a_second_panel(saved_run, tmp_path):
     (quant_out / "report.json").write_text(json.dumps(data))
     png = tmp_path / "quant.png"
     assert main(["report", str(quant_out), "--plot", str(png)]) == 0
-    assert imread(png).shape == (900, 1200, 4)  # 10 x 7.5 in at 120 dpi: two panels
+    assert imread(png).shape == (900, 1320, 4)  # 11 x 7.5 in at 120 dpi: two panels
 
 
 def test_plot_model_without_decoder_layers(tmp_path):
@@ -113,7 +113,7 @@ def test_plot_model_without_decoder_layers(tmp_path):
         targeted=["0", "1", "2"],
     )
     png = plot_report(report.to_dict(), tmp_path / "seq.png")
-    assert imread(png).shape == (504, 1200, 4)
+    assert imread(png).shape == (504, 1320, 4)
 
 
 def test_report_without_matplotlib_fails_before_printing(saved_run, tmp_path, capsys, monkeypatch):
