@@ -3,15 +3,24 @@
 Public API; everything else is private and may change.
 """
 
-from llmc_fsm.errors import EventOrderError, LifecycleError, MissingStateError, PluginError, RecipeError
+from llmc_fsm.errors import (
+    CheckpointError,
+    EventOrderError,
+    LifecycleError,
+    MissingStateError,
+    ModifierError,
+    PluginError,
+    RecipeError,
+)
 from llmc_fsm.hookspecs import hookimpl, hookspec
 from llmc_fsm.modifier import Event, Modifier
 from llmc_fsm.oneshot import oneshot
 from llmc_fsm.recipe import Recipe, Stage
-from llmc_fsm.session import ModifierError, Session, active_session, create_session
+from llmc_fsm.session import Session, active_session, create_session
 from llmc_fsm.state import State
 
 __all__ = [
+    "CheckpointError",
     "Event",
     "EventOrderError",
     "LifecycleError",

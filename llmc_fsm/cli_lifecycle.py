@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import argparse
 
-from llmc_fsm.lifecycle import CALLS_ALLOWED, STATES, mermaid
+from llmc_fsm.lifecycle import describe, mermaid
 
 
 def _run(args: argparse.Namespace) -> int:
     if args.mermaid:
         print(mermaid(), end="")
         return 0
-    for state in STATES:
-        print(f"{state:12} allows: {', '.join(sorted(CALLS_ALLOWED[state]))}")
+    print(describe(), end="")
     return 0
 
 

@@ -59,12 +59,13 @@ def _run_modifiers(args: argparse.Namespace) -> int:
 
 
 def _run_explain(args: argparse.Namespace) -> int:
+    from llmc_fsm.explain import explain
     from llmc_fsm.session import Session
 
     session = Session(args.recipe)
     if args.state:
         session.update_state(**dict.fromkeys(args.state, True))
-    print(session.explain(), end="")
+    print(explain(session), end="")
     return 0
 
 

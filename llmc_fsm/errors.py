@@ -10,9 +10,11 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 
 __all__ = [
+    "CheckpointError",
     "EventOrderError",
     "LifecycleError",
     "MissingStateError",
+    "ModifierError",
     "PluginError",
     "RecipeError",
 ]
@@ -80,3 +82,59 @@ class PluginError(RuntimeError):
         super().__init__(msg)
         self.distribution = distribution
         self.entry_point = entry_point
+
+
+class ModifierError(RuntimeError):
+    """A modifier hook raised; the original exception is chained as ``__cause__``.
+
+    Raised for every hook kind: ``on_initialize``, the schedule and event hooks,
+    ``on_finalize``, and torch hooks registered with
+    :meth:`~llmc_fsm.Modifier.register_hook` (e.g. a calibration forward
+    pre-hook inside the one-shot pipeline).
+
+    Attributes:
+        modifier: the modifier's label (class name, ``#k`` appended when a class
+            appears more than once in the recipe).
+        hook: the hook that raised, e.g. ``"on_initialize"``, ``"on_event"`` or,
+            for a torch hook, ``"forward_pre hook"``.
+        module: for a torch hook, the full name of the hooked module (its class
+            name when the name cannot be found); otherwise ``None``.
+        modified: names of the parameters the failed call changed in place before
+            raising (found with the tensors' in-place version counters; see
+            ``docs/lifecycle.md``), sorted; empty when none changed. When not
+            empty the model is partly modified and the session refuses further
+            events until it is reset.
+    """
+
+    def __init__(
+        self,
+        msg: str,
+        *,
+        modifier: str,
+        hook: str,
+        module: str | None = None,
+        modified: Iterable[str] = (),
+    ) -> None:
+        super().__init__(msg)
+        self.modifier = modifier
+        self.hook = hook
+        self.module = module
+        self.modified = tuple(sorted(modified))
+
+
+class CheckpointError(ValueError):
+    """A session checkpoint that cannot be loaded into this session.
+
+    Raised before anything is changed: the checkpoint was written for another
+    recipe (a modifier added or removed, a class or an argument changed, a
+    different ``steps_per_epoch``), is not a session checkpoint, or its files
+    are missing or damaged.
+
+    Attributes:
+        differences: one line per difference between the checkpoint and the
+            session (empty for unreadable files).
+    """
+
+    def __init__(self, msg: str, *, differences: Iterable[str] = ()) -> None:
+        super().__init__(msg)
+        self.differences = tuple(differences)

@@ -1,9 +1,12 @@
-"""``session.explain()`` / ``llmc-fsm explain RECIPE``: the plan as text, touching no model.
+"""``llmc_fsm.explain.explain(session)`` / ``llmc-fsm explain RECIPE``: the plan as text, touching no model.
 
 For each stage (applied stages are listed as skipped): the modifiers in
 execution order, their non-default arguments, their schedule, the events and
 lifecycle calls each handles, the state keys each requires or uses and whether
 they are present yet, and the ``runs_after`` constraints that shaped the order.
+
+This module depends on :mod:`llmc_fsm.session` (it reads a session's recipe,
+state and lifecycle); the session does not know about it.
 """
 
 from __future__ import annotations
@@ -12,32 +15,14 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from llmc_fsm.modifier import Modifier
+from llmc_fsm.lifecycle import BATCH_EVENTS
+from llmc_fsm.modifier import HOOKS, Modifier, modifier_labels, overrides
+from llmc_fsm.session import Session
 
 if TYPE_CHECKING:
-    from llmc_fsm.session import Session
     from llmc_fsm.state import State
 
 __all__ = ["explain", "handled_events"]
-
-_BATCH_ORDER = ("batch_start", "loss_calculated", "optim_pre_step", "optim_post_step", "batch_end")
-
-#: hook -> what it handles, in lifecycle order.
-_HOOKS: tuple[tuple[str, str], ...] = (
-    ("on_initialize", "initialize"),
-    ("on_start", "start"),
-    ("on_update", "update"),
-    ("on_calibration_start", "calibration_start"),
-    ("on_sequential_epoch_end", "sequential_epoch_end"),
-    ("on_calibration_end", "calibration_end"),
-    ("on_event", "batch events"),
-    ("on_end", "end"),
-    ("on_finalize", "finalize"),
-)
-
-
-def _overrides(cls: type[Modifier], hook: str) -> bool:
-    return getattr(cls, hook) is not getattr(Modifier, hook)
 
 
 def handled_events(modifier: Modifier | type[Modifier]) -> list[str]:
@@ -48,13 +33,13 @@ def handled_events(modifier: Modifier | type[Modifier]) -> list[str]:
     """
     cls = modifier if isinstance(modifier, type) else type(modifier)
     handled: list[str] = []
-    for hook, what in _HOOKS:
-        if not _overrides(cls, hook):
+    for hook in HOOKS:
+        if not overrides(cls, hook):
             continue
         if hook == "on_event":
-            handled.extend(e for e in _BATCH_ORDER if e in cls.events)
+            handled.extend(e for e in BATCH_EVENTS if e in cls.events)
         else:
-            handled.append(what)
+            handled.append(hook.removeprefix("on_"))
     return handled
 
 
@@ -97,16 +82,6 @@ def _origin(m: Modifier) -> str:
     return f"{origin} {info.version}" if info.version else origin
 
 
-def _labels(modifiers: list[Modifier]) -> dict[int, str]:
-    names = [m.modifier_name() for m in modifiers]
-    seen: dict[str, int] = {}
-    labels = {}
-    for m, name in zip(modifiers, names, strict=True):
-        seen[name] = seen.get(name, 0) + 1
-        labels[id(m)] = name if names.count(name) == 1 else f"{name}#{seen[name]}"
-    return labels
-
-
 def _window(stage: Any) -> str:
     if stage.start is None and stage.end is None:
         return ""
@@ -116,11 +91,18 @@ def _window(stage: Any) -> str:
 
 
 def explain(session: Session) -> str:
-    """Return ``session``'s plan as text, touching no model (see the module docstring)."""
+    """Return ``session``'s plan as text, touching no model (see the module docstring).
+
+    Raises:
+        TypeError: ``session`` is not a :class:`~llmc_fsm.Session`.
+    """
+    if not isinstance(session, Session):
+        msg = f"explain() takes a llmc_fsm.Session, got {type(session).__name__}"
+        raise TypeError(msg)
     recipe = session.recipe
     state = session.state
     plan = {id(stage): modifiers for stage, modifiers in recipe.plan()}
-    labels = _labels(recipe.modifiers)
+    labels = dict(zip(map(id, recipe.modifiers), modifier_labels(recipe.modifiers), strict=True))
     present = ", ".join(sorted(state)) or "none"
     lines = [
         f"Recipe {recipe.source}: {len(recipe.stages)} stage(s), {len(labels)} modifier(s) to run",

@@ -7,7 +7,9 @@ diagram are all derived from it, so they cannot drift apart.
 Per-batch events do **not** go through ``transitions`` (a trigger costs ~9 µs):
 their order inside ``running`` is checked with one dictionary lookup in
 ``EVENT_ORDER``. Only the first event fires the ``first_event`` trigger
-(initialized -> running).
+(initialized -> running). The event lists (batch, calibration, opening events),
+the calls allowed per state and position, and the refusal messages are derived
+here from ``EVENTS``, ``EVENT_ORDER`` and ``TRANSITIONS``.
 """
 
 from __future__ import annotations
@@ -15,13 +17,23 @@ from __future__ import annotations
 from transitions import Machine
 
 __all__ = [
+    "BATCH_EVENTS",
+    "CALIBRATION_EVENTS",
     "CALLS_ALLOWED",
     "EVENTS",
     "EVENT_ORDER",
+    "OPENING_EVENTS",
+    "POSITIONS",
     "STATES",
     "TRANSITIONS",
+    "allowed_now",
+    "describe",
+    "format_calls",
     "make_machine",
     "mermaid",
+    "order_refusal",
+    "refusal",
+    "where",
 ]
 
 STATES: tuple[str, ...] = ("created", "staging", "initialized", "running", "finalized")
@@ -37,7 +49,9 @@ TRANSITIONS: list[dict[str, object]] = [
     {"trigger": "reset", "source": list(STATES), "dest": "created"},
 ]
 
-#: Events a running session accepts. ``first_event`` is fired by the first of them.
+#: Events a running session accepts, in the order they occur; the one list every
+#: other event table (batch events, calibration events, hooks allowed per call,
+#: explain's listing) is derived from. ``first_event`` is fired by the first of them.
 EVENTS: tuple[str, ...] = (
     "batch_start",
     "loss_calculated",
@@ -69,6 +83,27 @@ EVENT_ORDER: dict[str, dict[str, str]] = {
     "closed": {},
 }
 
+#: Events that may come between batches: the schedule (``on_start``/``on_update``/
+#: ``on_end``) advances at them.
+OPENING_EVENTS: tuple[str, ...] = tuple(e for e in EVENTS if e in EVENT_ORDER["idle"])
+
+#: The one-shot calibration events: the one entering ``calibrating`` and those inside it.
+CALIBRATION_EVENTS: tuple[str, ...] = tuple(
+    e for e in EVENTS if EVENT_ORDER["idle"].get(e) == "calibrating" or e in EVENT_ORDER["calibrating"]
+)
+
+#: The per-batch events, in the order they occur inside one batch.
+BATCH_EVENTS: tuple[str, ...] = tuple(e for e in EVENTS if e not in CALIBRATION_EVENTS)
+
+#: Lifecycle state -> the event positions the session can be at in it.
+POSITIONS: dict[str, tuple[str, ...]] = {
+    "created": ("closed",),
+    "staging": ("closed",),
+    "initialized": ("idle",),
+    "running": tuple(p for p in EVENT_ORDER if p != "closed"),
+    "finalized": ("closed",),
+}
+
 
 def _calls_allowed() -> dict[str, frozenset[str]]:
     allowed: dict[str, set[str]] = {state: set() for state in STATES}
@@ -78,13 +113,86 @@ def _calls_allowed() -> dict[str, frozenset[str]]:
         sources = row["source"] if isinstance(row["source"], list) else [row["source"]]
         for source in sources:
             allowed[str(source)].add(str(row["trigger"]))
-    for state in ("initialized", "running"):
-        allowed[state].update(EVENTS)
     return {state: frozenset(calls) for state, calls in allowed.items()}
 
 
-#: Lifecycle state -> public session calls allowed in it (derived from the tables).
+#: Lifecycle state -> the session calls other than events allowed in it (derived
+#: from ``TRANSITIONS``). Which events are allowed depends on the position inside
+#: the state as well: see :func:`allowed_now`.
 CALLS_ALLOWED: dict[str, frozenset[str]] = _calls_allowed()
+
+
+def allowed_now(lifecycle: str, position: str) -> frozenset[str]:
+    """The public calls a session in ``lifecycle`` at event ``position`` accepts (calls and events)."""
+    return CALLS_ALLOWED[lifecycle] | frozenset(EVENT_ORDER[position])
+
+
+def where(position: str) -> str:
+    """``position`` in words: ``"between batches"``, ``"after batch_start()"``, ``"during calibration"``."""
+    if position == "idle":
+        return "between batches"
+    if position == "calibrating":
+        return "during calibration"
+    return f"after {position}()"
+
+
+def format_calls(calls: frozenset[str] | set[str]) -> str:
+    """``"a(), b()"`` for a set of call names, sorted; ``"none"`` when empty."""
+    return ", ".join(f"{c}()" for c in sorted(calls)) or "none"
+
+
+def describe() -> str:
+    """The calls allowed in each lifecycle state, events by position (``llmc-fsm lifecycle``)."""
+    lines = []
+    for state in STATES:
+        positions = POSITIONS[state]
+        calls = CALLS_ALLOWED[state]
+        if len(positions) == 1:
+            names = ", ".join(sorted(allowed_now(state, positions[0])))
+            lines.append(f"{state:12} allows: {names}")
+            continue
+        lines.append(f"{state:12} allows: {', '.join(sorted(calls))}, and the next event in order:")
+        lines.extend(f"{'':14}{where(p)}: {', '.join(sorted(EVENT_ORDER[p]))}" for p in positions)
+    return "\n".join(lines) + "\n"
+
+
+def refusal(call: str, lifecycle: str, position: str) -> str:
+    """The message of the :class:`~llmc_fsm.LifecycleError` for ``call`` refused in ``lifecycle``."""
+    if call in ("update_state", "initialize") and lifecycle in ("initialized", "running"):
+        why = (
+            f"the session is already initialized (lifecycle {lifecycle!r}) and its state is frozen: every "
+            "modifier was initialized exactly once with the state it had then, so new state would never reach "
+            "them. To start over with new state, call session.reset() (finalizes the modifiers) and then "
+            "update_state()/initialize() again, or create a new Session"
+        )
+    elif call in ("update_state", "initialize") and lifecycle == "finalized":
+        why = (
+            "the session is finalized and its state is frozen. Call session.reset() to reuse it "
+            "(optionally with a new recipe), or create a new Session"
+        )
+    elif call == "finalize" and lifecycle == "finalized":
+        why = "the session is already finalized; finalize() runs once. Call session.reset() to reuse it"
+    elif call == "finalize":
+        why = f"the session was never initialized (lifecycle {lifecycle!r}); call initialize() first"
+    elif lifecycle in ("created", "staging"):
+        why = f"the session is not initialized yet (lifecycle {lifecycle!r}); call initialize() first"
+    elif lifecycle == "finalized":
+        why = "the session is finalized; no events are accepted. Call session.reset() to reuse it"
+    else:
+        why = f"not allowed in lifecycle {lifecycle!r}"
+    return f"{call}() refused: {why}. Allowed now: {format_calls(allowed_now(lifecycle, position))}."
+
+
+def order_refusal(event: str, position: str) -> str:
+    """The message of the :class:`~llmc_fsm.EventOrderError` for ``event`` at ``position``."""
+    expected = frozenset(EVENT_ORDER[position])
+    place = where(position)
+    if position == "calibrating":
+        place += " (calibration events never occur inside a batch)"
+    return (
+        f"{event}() out of order: {place} the next event must be one of {format_calls(expected)}; a batch is "
+        "batch_start -> [loss_calculated] -> [optim_pre_step -> optim_post_step] -> batch_end."
+    )
 
 
 def make_machine(model: object) -> Machine:

@@ -19,26 +19,79 @@ Hooks (all optional; the session only calls the ones a class overrides):
 ``on_calibration_end(state)``   one-shot calibration ends
 ``on_finalize(state)``          once, at finalize (or when initialize is rolled back)
 ==============================  ==================================================
+
+Checkpoints: :meth:`Modifier.state_dict` / :meth:`Modifier.load_state_dict`
+carry what a modifier needs to continue exactly after a resume (default:
+nothing). A hook that raises reaches the caller as
+:class:`~llmc_fsm.ModifierError` (see :mod:`llmc_fsm.guard`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
+import weakref
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import attrs
 
+from llmc_fsm.guard import NOTHING, Watched, changed, failure, watched_parameters
+from llmc_fsm.lifecycle import BATCH_EVENTS
+
 if TYPE_CHECKING:
     import torch
 
+    from llmc_fsm.session import Session
     from llmc_fsm.state import State
 
-__all__ = ["BATCH_EVENTS", "Event", "Modifier"]
+__all__ = ["BATCH_EVENTS", "HOOKS", "SCHEDULE_HOOKS", "Event", "Modifier", "modifier_labels", "overrides"]
 
-#: The per-batch events, in the order they occur inside one batch.
-BATCH_EVENTS: frozenset[str] = frozenset(
-    {"batch_start", "loss_calculated", "optim_pre_step", "optim_post_step", "batch_end"}
+#: Every modifier hook, in lifecycle order.
+HOOKS: tuple[str, ...] = (
+    "on_initialize",
+    "on_start",
+    "on_update",
+    "on_calibration_start",
+    "on_sequential_epoch_end",
+    "on_calibration_end",
+    "on_event",
+    "on_end",
+    "on_finalize",
 )
+
+#: The hooks the schedule fires (at an opening event, at finalize or reset).
+SCHEDULE_HOOKS: frozenset[str] = frozenset({"on_start", "on_update", "on_end"})
+
+#: torch hook kinds :meth:`Modifier.register_hook` accepts (``module.register_<kind>_hook``).
+HOOK_KINDS: frozenset[str] = frozenset({"forward", "forward_pre", "full_backward", "full_backward_pre"})
+
+
+def overrides(modifier: Modifier | type[Modifier], hook: str) -> bool:
+    """Whether ``modifier`` (an instance or a class) overrides the base class's ``hook``."""
+    cls = modifier if isinstance(modifier, type) else type(modifier)
+    return getattr(cls, hook) is not getattr(Modifier, hook)
+
+
+def modifier_labels(modifiers: list[Modifier]) -> list[str]:
+    """Labels of ``modifiers`` in order: the class name, ``#k`` appended when a name occurs more than once."""
+    names = [m.modifier_name() for m in modifiers]
+    seen: dict[str, int] = {}
+    labels = []
+    for name in names:
+        seen[name] = seen.get(name, 0) + 1
+        labels.append(name if names.count(name) == 1 else f"{name}#{seen[name]}")
+    return labels
+
+
+class _Binding:
+    """The live session a modifier belongs to (a weak reference), its label there and its watched parameters."""
+
+    __slots__ = ("label", "session", "watched")
+
+    def __init__(self, session: Session, label: str) -> None:
+        self.session = weakref.ref(session)
+        self.label = label
+        self.watched: Watched | None = None
 
 
 class Event:
@@ -168,6 +221,48 @@ class Modifier:
         """
         return {}
 
+    # --- checkpoints ---------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Return what this modifier needs to continue exactly after a resume (default: nothing).
+
+        Called between batches (the session refuses to save inside a batch).
+        Values are ``torch.Tensor`` (stored in safetensors), JSON values
+        (``None``, bool, int, float, str, lists) or nested ``dict``s of them
+        with string keys; recipe arguments need not be included (the checkpoint
+        records them and refuses a session whose arguments differ). Store masks
+        compactly (e.g. :func:`llmc_fsm.checkpoint.pack_mask`), not as float copies.
+        """
+        return {}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned; called after ``on_initialize``, before the first event.
+
+        Tensors come back on the CPU; JSON lists as lists. Validate everything
+        before changing anything.
+
+        Raises:
+            ValueError: ``state`` does not fit this modifier (the default accepts
+                only an empty dict).
+        """
+        if state:
+            msg = (
+                f"{self.modifier_name()} keeps no checkpoint state (it does not implement load_state_dict), "
+                f"but the checkpoint holds {sorted(state)} for it"
+            )
+            raise ValueError(msg)
+
+    # --- the live session this modifier belongs to ----------------------------
+    @property
+    def _binding(self) -> _Binding | None:
+        return self.__dict__.get("_llmc_fsm_binding")
+
+    def _watched(self) -> Watched:
+        binding = self._binding
+        if binding is not None and binding.watched is not None:
+            return binding.watched
+        targets = self.resolved_targets
+        return watched_parameters(targets) if targets else NOTHING
+
     # --- torch hooks that finalize always removes ---------------------------
     def register_hook(
         self,
@@ -177,6 +272,13 @@ class Modifier:
         **kwargs: Any,
     ) -> Any:
         """Register a torch hook on ``module`` that the session removes at finalize.
+
+        The hook is guarded: an exception inside it reaches the caller (e.g.
+        the model's forward inside the one-shot pipeline) as
+        :class:`~llmc_fsm.ModifierError` naming this modifier and the module.
+        If it changed parameters of :attr:`resolved_targets` in place before
+        raising, the error names them and the modifier's session refuses
+        further events (see :mod:`llmc_fsm.guard`).
 
         Args:
             module: the ``torch.nn.Module`` to hook.
@@ -191,12 +293,55 @@ class Modifier:
         Raises:
             ValueError: unknown ``kind``.
         """
-        if kind not in {"forward", "forward_pre", "full_backward", "full_backward_pre"}:
+        if kind not in HOOK_KINDS:
             msg = f"unknown hook kind {kind!r}; use forward, forward_pre, full_backward or full_backward_pre"
             raise ValueError(msg)
-        handle = getattr(module, f"register_{kind}_hook")(hook, **kwargs)
+
+        @functools.wraps(hook)
+        def guarded(*args: Any, **kw: Any) -> Any:
+            watched = self._watched()
+            before = [t._version for t in watched[1]] if watched[1] else None
+            try:
+                return hook(*args, **kw)
+            except Exception as exc:
+                raise self._torch_hook_failed(module, kind, exc, watched, before) from exc
+
+        handle = getattr(module, f"register_{kind}_hook")(guarded, **kwargs)
         self.__dict__.setdefault("_llmc_fsm_hooks", []).append(handle)
         return handle
+
+    def _module_name(self, module: Any) -> str:
+        for name, target in self.resolved_targets.items():
+            if target is module:
+                return name
+        binding = self._binding
+        session = binding.session() if binding is not None else None
+        model = session.state.get("model") if session is not None else None
+        for name, sub in getattr(model, "named_modules", list)():
+            if sub is module:
+                return name or "the model"
+        return type(module).__name__
+
+    def _torch_hook_failed(
+        self, module: Any, kind: str, exc: Exception, watched: Watched, before: list[int] | None
+    ) -> Exception:
+        binding = self._binding
+        label = binding.label if binding is not None else self.modifier_name()
+        error = failure(
+            label,
+            f"{kind} hook",
+            exc,
+            during="a forward/backward pass of the model",
+            modified=changed(watched, before),
+            module=self._module_name(module),
+            after="No targeted parameter was changed; the hook stays registered.",
+        )
+        session = binding.session() if binding is not None else None
+        if session is not None:
+            session._hook_failed(error)
+        elif error.modified:
+            self.remove_hooks()
+        return error
 
     def remove_hooks(self) -> int:
         """Remove every hook registered with :meth:`register_hook`; return how many."""

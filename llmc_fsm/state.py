@@ -14,7 +14,7 @@ from typing import Any
 
 import attrs
 
-__all__ = ["WELL_KNOWN_KEYS", "State"]
+__all__ = ["WELL_KNOWN_KEYS", "State", "missing_state_message"]
 
 #: Keys with attribute access on :class:`State`, in documentation order.
 WELL_KNOWN_KEYS: tuple[str, ...] = (
@@ -107,3 +107,26 @@ class State(Mapping[str, Any]):
     def __repr__(self) -> str:
         keys = ", ".join(sorted(self))
         return f"State({keys})"
+
+
+def missing_state_message(missing: Mapping[str, frozenset[str]], lifecycle: str, passed: frozenset[str]) -> str:
+    """The message of the :class:`~llmc_fsm.MissingStateError` ``initialize`` raises (``missing``: label -> keys)."""
+    lines = [
+        f"initialize() refused: {len(missing)} modifier(s) are missing required state; "
+        f"no modifier was initialized and nothing was stored (the session is still {lifecycle!r}):"
+    ]
+    lines.extend(f"  - {label} requires {', '.join(repr(k) for k in sorted(keys))}" for label, keys in missing.items())
+    all_keys = sorted(set().union(*missing.values()))
+    example = ", ".join(f"{k}=..." for k in all_keys)
+    lines.append(
+        f"Supply them where they are created with session.update_state({example}), or pass them to "
+        f"session.initialize({example})."
+    )
+    if passed:
+        lines.append(f"Pass again what you gave this call ({', '.join(sorted(passed))}): it was not stored.")
+    if "steps_per_epoch" in all_keys:
+        lines.append(
+            "steps_per_epoch (optimizer steps per epoch, int) is required because the modifier has a "
+            "start/end/update schedule in epochs."
+        )
+    return "\n".join(lines)

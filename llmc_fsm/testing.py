@@ -47,41 +47,31 @@ from typing import Any
 
 import pytest
 
-from llmc_fsm.errors import LifecycleError, MissingStateError
-from llmc_fsm.modifier import Modifier
-from llmc_fsm.session import ModifierError, Session
+from llmc_fsm.errors import LifecycleError, MissingStateError, ModifierError
+from llmc_fsm.lifecycle import BATCH_EVENTS, CALIBRATION_EVENTS, EVENTS, OPENING_EVENTS
+from llmc_fsm.modifier import HOOKS, SCHEDULE_HOOKS, Modifier
+from llmc_fsm.session import Session
 
 __all__ = ["ContractViolation", "check_modifier", "llmc_fsm_check"]
 
 DEFAULT_EXAMPLES = 100
 
-#: Session call -> the hooks allowed to run inside it.
-ALLOWED_HOOKS: dict[str, frozenset[str]] = {
-    "update_state": frozenset(),
-    "initialize": frozenset({"on_initialize", "on_finalize"}),  # on_finalize: roll-back only
-    "batch_start": frozenset({"on_start", "on_update", "on_end", "on_event"}),
-    "loss_calculated": frozenset({"on_event"}),
-    "optim_pre_step": frozenset({"on_event"}),
-    "optim_post_step": frozenset({"on_event"}),
-    "batch_end": frozenset({"on_event"}),
-    "calibration_start": frozenset({"on_start", "on_update", "on_end", "on_calibration_start"}),
-    "sequential_epoch_end": frozenset({"on_sequential_epoch_end"}),
-    "calibration_end": frozenset({"on_calibration_end"}),
-    "finalize": frozenset({"on_end", "on_finalize"}),
-    "reset": frozenset({"on_end", "on_finalize"}),
-}
 
-HOOKS: tuple[str, ...] = (
-    "on_initialize",
-    "on_start",
-    "on_update",
-    "on_end",
-    "on_event",
-    "on_calibration_start",
-    "on_sequential_epoch_end",
-    "on_calibration_end",
-    "on_finalize",
-)
+def _allowed_hooks() -> dict[str, frozenset[str]]:
+    allowed = {
+        "update_state": frozenset(),
+        "initialize": frozenset({"on_initialize", "on_finalize"}),  # on_finalize: roll-back only
+        "finalize": frozenset({"on_end", "on_finalize"}),
+        "reset": frozenset({"on_end", "on_finalize"}),
+    }
+    for event in EVENTS:
+        own = frozenset({"on_event"} if event in BATCH_EVENTS else {f"on_{event}"})
+        allowed[event] = own | SCHEDULE_HOOKS if event in OPENING_EVENTS else own
+    return allowed
+
+
+#: Session call -> the hooks allowed to run inside it (derived from the lifecycle's event lists).
+ALLOWED_HOOKS: dict[str, frozenset[str]] = _allowed_hooks()
 
 #: Operations hypothesis draws from; composite ones make valid runs likely.
 OPERATIONS: tuple[str, ...] = (
@@ -91,23 +81,18 @@ OPERATIONS: tuple[str, ...] = (
     "initialize_with_all",
     "batch",
     "batch_no_step",
-    "batch_start",
-    "loss_calculated",
-    "optim_pre_step",
-    "optim_post_step",
-    "batch_end",
+    *BATCH_EVENTS,
     "calibration",
-    "calibration_start",
-    "sequential_epoch_end",
-    "calibration_end",
+    *CALIBRATION_EVENTS,
     "finalize",
     "reset",
 )
 
 _COMPOSITE: dict[str, tuple[str, ...]] = {
-    "batch": ("batch_start", "loss_calculated", "optim_pre_step", "optim_post_step", "batch_end"),
-    "batch_no_step": ("batch_start", "loss_calculated", "batch_end"),
-    "calibration": ("calibration_start", "sequential_epoch_end", "sequential_epoch_end", "calibration_end"),
+    "batch": BATCH_EVENTS,
+    "batch_no_step": tuple(e for e in BATCH_EVENTS if not e.startswith("optim_")),
+    # calibration_start, sequential_epoch_end twice, calibration_end
+    "calibration": (CALIBRATION_EVENTS[0], CALIBRATION_EVENTS[1], *CALIBRATION_EVENTS[1:]),
 }
 
 
@@ -154,9 +139,7 @@ def _fail(name: str, msg: str, trace: list[str]) -> None:
     raise ContractViolation(f"{name}: {msg}\n  call sequence: {steps}")
 
 
-def _check_declared_state(
-    factory: Callable[[], Modifier], state_factory: Callable[[], Mapping[str, Any]]
-) -> None:
+def _check_declared_state(factory: Callable[[], Modifier], state_factory: Callable[[], Mapping[str, Any]]) -> None:
     probe = factory()
     name = type(probe).__name__
     state = dict(state_factory())
@@ -195,106 +178,118 @@ def _check_declared_state(
         session.finalize()
 
 
-def _run_sequence(
-    ops: list[str],
-    init_args: bool,
-    factory: Callable[[], Modifier],
-    state_factory: Callable[[], Mapping[str, Any]],
-    batch_factory: Callable[[], Any] | None,
-    loss_factory: Callable[[], Any] | None,
-    modules_factory: Callable[[Mapping[str, Any]], Any] | None,
-) -> None:
-    state = dict(state_factory())
-    modifier = factory()
-    name = type(modifier).__name__
-    recorder = _Recorder(modifier)
-    session = Session([modifier])
-    hooks_before = _torch_hook_count(state)
-    keys = sorted(state)
-    some = {k: state[k] for k in keys[: len(keys) // 2]}
-    inits = 0
-    finals = 0
-    trace: list[str] = []
+class _SequenceRun:
+    """One drawn call sequence against a session holding a fresh modifier, checked call by call."""
 
-    def call(op: str) -> None:
-        nonlocal inits, finals
-        trace.append(op)
-        mark = len(recorder.calls)
-        recorder.current = op
-        was_live = session.lifecycle in ("initialized", "running")
+    def __init__(
+        self,
+        init_args: bool,
+        factory: Callable[[], Modifier],
+        state_factory: Callable[[], Mapping[str, Any]],
+        batch_factory: Callable[[], Any] | None,
+        loss_factory: Callable[[], Any] | None,
+        modules_factory: Callable[[Mapping[str, Any]], Any] | None,
+    ) -> None:
+        self.state = dict(state_factory())
+        self.modifier = factory()
+        self.name = type(self.modifier).__name__
+        self.recorder = _Recorder(self.modifier)
+        self.session = Session([self.modifier])
+        self.hooks_before = _torch_hook_count(self.state)
+        keys = sorted(self.state)
+        self.some = {k: self.state[k] for k in keys[: len(keys) // 2]}
+        self.init_args = init_args
+        self.batch_factory, self.loss_factory, self.modules_factory = batch_factory, loss_factory, modules_factory
+        self.inits = self.finals = 0
+        self.trace: list[str] = []
+
+    def fail(self, msg: str) -> None:
+        _fail(self.name, msg, self.trace)
+
+    def run(self, ops: list[str]) -> None:
+        for op in ops:
+            for step in _COMPOSITE.get(op, (op,)):
+                self.call(step)
+        if self.session.lifecycle in ("initialized", "running"):
+            self.call("finalize")
+
+    def call(self, op: str) -> None:
+        """Make one session call, then check the hooks it ran and what it left behind."""
+        self.trace.append(op)
+        mark = len(self.recorder.calls)
+        was_live = self.session.lifecycle in ("initialized", "running")
+        if not self.invoke(op, mark, was_live):
+            return
+        session_call = "update_state" if op.startswith("update_state") else op.removesuffix("_with_all")
+        self.check_hooks(session_call, mark)
+        self.check_counts(session_call, mark, was_live)
+
+    def invoke(self, op: str, mark: int, was_live: bool) -> bool:
+        """Run ``op``; return whether it was accepted (a refusal is checked here and ends the call)."""
+        session, state = self.session, self.state
+        self.recorder.current = op
         try:
             if op == "update_state_some":
-                session.update_state(**some)
+                session.update_state(**self.some)
             elif op == "update_state_all":
                 session.update_state(**state)
             elif op in ("initialize", "initialize_with_all"):
-                session.initialize(**(state if op == "initialize_with_all" or init_args else {}))
+                session.initialize(**(state if op == "initialize_with_all" or self.init_args else {}))
             elif op == "batch_start":
-                session.batch_start(batch_factory() if batch_factory else None)
+                session.batch_start(self.batch_factory() if self.batch_factory else None)
             elif op == "loss_calculated":
-                session.loss_calculated(loss_factory() if loss_factory else 0.0)
+                session.loss_calculated(self.loss_factory() if self.loss_factory else 0.0)
             elif op == "sequential_epoch_end":
-                session.sequential_epoch_end(modules_factory(state) if modules_factory else ())
-            elif op == "reset":
-                session.reset()
+                session.sequential_epoch_end(self.modules_factory(state) if self.modules_factory else ())
             else:
                 getattr(session, op)()
         except LifecycleError as exc:
-            ran = recorder.since(mark)
+            ran = self.recorder.since(mark)
             if ran:
-                _fail(name, f"{op}() was refused ({type(exc).__name__}) but ran hook(s) {[h for h, *_ in ran]}", trace)
-            if op.startswith("initialize") and not was_live and modifier.num_hooks:
-                _fail(name, f"a refused initialize() left {modifier.num_hooks} hook(s) registered", trace)
-            return
+                self.fail(f"{op}() was refused ({type(exc).__name__}) but ran hook(s) {[h for h, *_ in ran]}")
+            if op.startswith("initialize") and not was_live and self.modifier.num_hooks:
+                self.fail(f"a refused initialize() left {self.modifier.num_hooks} hook(s) registered")
+            return False
         except ModifierError as exc:
             cause = exc.__cause__
-            _fail(name, f"{exc.hook}() raised during a valid {op}(): {type(cause).__name__}: {cause}", trace)
-        except Exception as exc:  # event hooks are not wrapped by the session (hot path)
-            ran = recorder.since(mark)
-            hook = ran[-1][0] if ran else "a hook"
-            _fail(name, f"{hook}() raised during a valid {op}(): {type(exc).__name__}: {exc}", trace)
+            self.fail(f"{exc.hook}() raised during a valid {op}(): {type(cause).__name__}: {cause}")
         finally:
-            recorder.current = None
-        session_call = op.removesuffix("_with_all") if op.startswith("initialize") else op
-        session_call = "update_state" if op.startswith("update_state") else session_call
-        allowed = ALLOWED_HOOKS[session_call]
-        for hook, _, event in recorder.since(mark):
-            if hook not in allowed or (hook == "on_finalize" and session_call == "initialize"):
-                _fail(name, f"{hook}() ran during {session_call}(); allowed there: {sorted(allowed) or 'none'}", trace)
-            if hook == "on_event" and (event != session_call or event not in modifier.events):
-                _fail(
-                    name,
-                    f"on_event() ran for {event!r} during {session_call}(); it may only run for the events it "
-                    f"declares in `events` ({sorted(modifier.events)})",
-                    trace,
-                )
-        ran = [h for h, *_ in recorder.since(mark)]
-        inits += ran.count("on_initialize")
-        finals += ran.count("on_finalize")
-        if session_call == "initialize":
-            if inits != 1:
-                _fail(name, f"on_initialize() ran {inits} time(s) for one successful initialize()", trace)
-        if session_call in ("finalize", "reset") and was_live:
-            if finals != 1:
-                _fail(name, f"on_finalize() ran {finals} time(s) at {session_call}(); expected once", trace)
-        if session_call in ("finalize", "reset"):
-            if modifier.num_hooks:
-                _fail(name, f"{modifier.num_hooks} hook(s) still registered after {session_call}()", trace)
-            now = _torch_hook_count(state)
-            if now != hooks_before:
-                _fail(
-                    name,
-                    f"the model carries {now} torch hook(s) after {session_call}(), {hooks_before} before "
-                    "initialize(): register hooks with Modifier.register_hook() so the session removes them",
-                    trace,
-                )
-            inits = finals = 0
+            self.recorder.current = None
+        return True
 
-    for op in ops:
-        for step in _COMPOSITE.get(op, (op,)):
-            call(step)
-    if session.lifecycle in ("initialized", "running"):
-        call("finalize")
+    def check_hooks(self, session_call: str, mark: int) -> None:
+        """Only the hooks that belong to ``session_call`` ran (``on_event`` only for declared events)."""
+        allowed = ALLOWED_HOOKS[session_call]
+        events = self.modifier.events
+        for hook, _, event in self.recorder.since(mark):
+            if hook not in allowed or (hook == "on_finalize" and session_call == "initialize"):
+                self.fail(f"{hook}() ran during {session_call}(); allowed there: {sorted(allowed) or 'none'}")
+            if hook == "on_event" and (event != session_call or event not in events):
+                self.fail(
+                    f"on_event() ran for {event!r} during {session_call}(); it may only run for the events it "
+                    f"declares in `events` ({sorted(events)})"
+                )
+
+    def check_counts(self, session_call: str, mark: int, was_live: bool) -> None:
+        """``on_initialize`` once per initialize, ``on_finalize`` once per finalize/reset, no hook left after."""
+        ran = [h for h, *_ in self.recorder.since(mark)]
+        self.inits += ran.count("on_initialize")
+        self.finals += ran.count("on_finalize")
+        if session_call == "initialize" and self.inits != 1:
+            self.fail(f"on_initialize() ran {self.inits} time(s) for one successful initialize()")
+        if session_call not in ("finalize", "reset"):
+            return
+        if was_live and self.finals != 1:
+            self.fail(f"on_finalize() ran {self.finals} time(s) at {session_call}(); expected once")
+        if self.modifier.num_hooks:
+            self.fail(f"{self.modifier.num_hooks} hook(s) still registered after {session_call}()")
+        now = _torch_hook_count(self.state)
+        if now != self.hooks_before:
+            self.fail(
+                f"the model carries {now} torch hook(s) after {session_call}(), {self.hooks_before} before "
+                "initialize(): register hooks with Modifier.register_hook() so the session removes them"
+            )
+        self.inits = self.finals = 0
 
 
 def check_modifier(
@@ -345,7 +340,7 @@ def check_modifier(
     )
     def random_lifecycles(ops: list[str], init_args: bool, start_initialized: bool) -> None:
         steps = ["initialize_with_all", *ops] if start_initialized else ops
-        _run_sequence(steps, init_args, factory, state_factory, batch_factory, loss_factory, modules_factory)
+        _SequenceRun(init_args, factory, state_factory, batch_factory, loss_factory, modules_factory).run(steps)
 
     random_lifecycles()
 
