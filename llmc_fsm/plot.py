@@ -75,7 +75,8 @@ def _kind_markers(ax: Any, kinds: dict[str, list[Mapping[str, Any]]], colors: di
     width = 0.6 / max(len(colors), 1)
     for kind, group in kinds.items():
         offset = (list(colors).index(kind) - (len(colors) - 1) / 2) * width
-        ax.plot([e["layer"] + offset for e in group], [e[key] for e in group], ".", ms=5, color=colors[kind], label=kind)
+        xs = [e["layer"] + offset for e in group]
+        ax.plot(xs, [e[key] for e in group], ".", ms=5, color=colors[kind], label=kind)
 
 
 def _legend_outside(ax: Any) -> None:
