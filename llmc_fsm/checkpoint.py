@@ -163,22 +163,43 @@ def session_state(session: Any, schedule: Schedule, step: int) -> dict[str, Any]
     }
 
 
-def _problems(state: Any, session: Any) -> list[str]:
+def _format_problem(state: Any) -> str | None:
     if not isinstance(state, Mapping) or state.get("format") != FORMAT:
-        return [f"not an llmc-fsm session state dict (no format {FORMAT!r})"]
+        return f"not an llmc-fsm session state dict (no format {FORMAT!r})"
     if state.get("version") != VERSION:
-        return [f"format version {state.get('version')!r}; this llmc-fsm reads version {VERSION}"]
+        return f"format version {state.get('version')!r}; this llmc-fsm reads version {VERSION}"
     missing = [k for k in ("lifecycle", "global_step", "recipe", "schedule", "modifiers") if k not in state]
-    if missing:
-        return [f"incomplete state dict: no {', '.join(missing)}"]
+    return f"incomplete state dict: no {', '.join(missing)}" if missing else None
+
+
+def _recipe_problems(state: Any, session: Any) -> list[str]:
+    """Format and recipe differences (usable before ``initialize``)."""
+    problem = _format_problem(state)
+    if problem is not None:
+        return [problem]
     current = recipe_fingerprint(session.labels, session.modifiers, session.recipe.plan())
-    out = differences(state["recipe"], current)
+    return differences(state["recipe"], current)
+
+
+def _problems(state: Any, session: Any) -> list[str]:
+    if _format_problem(state) is not None:
+        return _recipe_problems(state, session)
+    out = _recipe_problems(state, session)
     spe_old, spe_new = state.get("steps_per_epoch"), session.state.get("steps_per_epoch")
     if spe_old != spe_new:
         out.append(f"state steps_per_epoch is {spe_old!r} in the checkpoint, {spe_new!r} now")
     if state["lifecycle"] not in ("initialized", "running"):
         out.append(f"lifecycle {state['lifecycle']!r} in the checkpoint (expected 'initialized' or 'running')")
     return out
+
+
+def _mismatch(problems: list[str]) -> CheckpointError:
+    msg = (
+        f"the checkpoint does not match this session ({len(problems)} difference(s)): "
+        + "; ".join(problems)
+        + ". Nothing was loaded: resume with the recipe and state the checkpoint was written with."
+    )
+    return CheckpointError(msg, differences=problems)
 
 
 def restore(session: Any, schedule: Schedule, state: Mapping[str, Any]) -> int:
@@ -190,12 +211,7 @@ def restore(session: Any, schedule: Schedule, state: Mapping[str, Any]) -> int:
     """
     problems = _problems(state, session)
     if problems:
-        msg = (
-            f"the checkpoint does not match this session ({len(problems)} difference(s)): "
-            + "; ".join(problems)
-            + ". Nothing was loaded: resume with the recipe and state the checkpoint was written with."
-        )
-        raise CheckpointError(msg, differences=problems)
+        raise _mismatch(problems)
     previous = {slot.label: slot.modifier.state_dict() for slot in schedule.slots}
     done = []
     for slot in schedule.slots:
@@ -281,6 +297,9 @@ class SessionCheckpoints(SessionEvents):
         """
         saved = read_checkpoint(path)
         session = cls(recipe)
+        problems = _recipe_problems(saved, session)
+        if problems:
+            raise _mismatch(problems)
         session.initialize(**state)
         try:
             session.load_state_dict(saved)

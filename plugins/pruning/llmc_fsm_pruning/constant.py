@@ -14,13 +14,14 @@ The helpers :class:`MaskSet` and :func:`measure_sparsity` are shared with
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import attrs
 import torch
 
 from llmc_fsm import Modifier
+from llmc_fsm.checkpoint import pack_mask, unpack_mask
 from llmc_fsm.targets import DEFAULT_IGNORE, DEFAULT_TARGETS, resolve_targets
 
 if TYPE_CHECKING:
@@ -97,6 +98,32 @@ class MaskSet:
         self.weights.clear()
         self.masks.clear()
 
+    def packed(self) -> dict[str, torch.Tensor]:
+        """``{name: bit-packed keep-mask}`` for a checkpoint (:func:`llmc_fsm.checkpoint.pack_mask`: 1 bit/weight)."""
+        return {name: pack_mask(mask != 0) for name, mask in zip(self.names, self.masks, strict=True)}
+
+    def load_packed(self, packed: Mapping[str, torch.Tensor], modules: Mapping[str, torch.nn.Module]) -> None:
+        """Replace every mask by ``packed`` (from :meth:`packed`) for the weights of ``modules``.
+
+        Raises:
+            ValueError: a mask for a module not in ``modules``, or of the wrong size
+                (checked for all before anything changes).
+        """
+        unknown = sorted(set(packed) - set(modules))
+        if unknown:
+            msg = f"masks for modules this modifier does not target: {unknown}"
+            raise ValueError(msg)
+        keeps = {}
+        for name, bits in packed.items():
+            try:
+                keeps[name] = unpack_mask(bits, modules[name].weight.shape)
+            except ValueError as exc:
+                msg = f"mask of {name}: {exc}"
+                raise ValueError(msg) from None
+        self.clear()
+        for name, keep in keeps.items():
+            self.set(name, modules[name].weight, keep)
+
     def __len__(self) -> int:
         return len(self.weights)
 
@@ -159,3 +186,21 @@ class ConstantPruningModifier(Modifier):
     def on_finalize(self, state: State) -> None:
         self._masks.clear()
         self._modules = {}
+
+    def state_dict(self) -> dict[str, Any]:
+        """The held masks (bit-packed, ``{module name: uint8}``) and the sparsity measured at end."""
+        return {
+            "masks": self._masks.packed(),
+            "measured_sparsity": self.measured_sparsity,
+            "layer_sparsity": dict(self.layer_sparsity),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict` after ``on_initialize``.
+
+        Raises:
+            ValueError: a mask for a module this modifier does not target, or of the wrong size.
+        """
+        self._masks.load_packed(state.get("masks", {}), self._modules)
+        self.measured_sparsity = state.get("measured_sparsity")
+        self.layer_sparsity = dict(state.get("layer_sparsity", {}))

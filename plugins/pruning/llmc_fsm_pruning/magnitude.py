@@ -25,15 +25,16 @@ from __future__ import annotations
 import logging
 import math
 import numbers
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import attrs
 import torch
 
 from llmc_fsm import Modifier
-from llmc_fsm_pruning.masks import magnitude_mask, parse_mask_structure
-from llmc_fsm_pruning.constant import MaskSet, measure_sparsity, patterns
 from llmc_fsm.targets import DEFAULT_IGNORE, DEFAULT_TARGETS, resolve_targets
+from llmc_fsm_pruning.constant import MaskSet, measure_sparsity, patterns
+from llmc_fsm_pruning.masks import magnitude_mask, parse_mask_structure
 
 if TYPE_CHECKING:
     from llmc_fsm import Event, State
@@ -109,7 +110,6 @@ class MagnitudePruningModifier(Modifier):
     _modules: dict[str, torch.nn.Module] = attrs.field(factory=dict, init=False, repr=False)
     _masks: MaskSet = attrs.field(factory=MaskSet, init=False, repr=False)
     _final_applied: bool = attrs.field(default=False, init=False, repr=False)
-    _started: bool = attrs.field(default=False, init=False, repr=False)
 
     @property
     def resolved_targets(self) -> dict[str, torch.nn.Module]:
@@ -179,7 +179,6 @@ class MagnitudePruningModifier(Modifier):
         logger.info("MagnitudePruningModifier: pruned %d weights to %.4f (epoch %s)", len(self._masks), target, epoch)
 
     def on_start(self, state: State, event: Event) -> None:
-        self._started = True
         self._prune(self.target_at(event.epoch), event.epoch)
         if not self.gradual:
             self._final_applied = True
@@ -207,3 +206,25 @@ class MagnitudePruningModifier(Modifier):
     def on_finalize(self, state: State) -> None:
         self._masks.clear()
         self._modules = {}
+
+    def state_dict(self) -> dict[str, Any]:
+        """Masks (bit-packed), pruning history, whether the final sparsity was applied, measured sparsity."""
+        return {
+            "masks": self._masks.packed(),
+            "history": [[epoch, target] for epoch, target in self.history],
+            "final_applied": self._final_applied,
+            "measured_sparsity": self.measured_sparsity,
+            "layer_sparsity": dict(self.layer_sparsity),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict` after ``on_initialize``.
+
+        Raises:
+            ValueError: a mask for a module this modifier does not target, or of the wrong size.
+        """
+        self._masks.load_packed(state.get("masks", {}), self._modules)
+        self.history = [(epoch, target) for epoch, target in state.get("history", [])]
+        self._final_applied = bool(state.get("final_applied", False))
+        self.measured_sparsity = state.get("measured_sparsity")
+        self.layer_sparsity = dict(state.get("layer_sparsity", {}))

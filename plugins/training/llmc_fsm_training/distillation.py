@@ -33,6 +33,7 @@ from __future__ import annotations
 import logging
 import numbers
 import warnings
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -177,3 +178,26 @@ class OutputDistillationModifier(Modifier):
     def on_finalize(self, state: State) -> None:
         self._captured = None
         self._teacher = None
+
+    def state_dict(self) -> dict[str, Any]:
+        """The distillation settings (``temperature``, ``alpha``) and the last two loss terms (tensors or ``None``)."""
+        return {
+            "temperature": self.temperature,
+            "alpha": self.alpha,
+            "last_student_loss": self.last_student_loss,
+            "last_distill_loss": self.last_distill_loss,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict` after ``on_initialize``.
+
+        Raises:
+            ValueError: the checkpoint's temperature or alpha differs from this modifier's.
+        """
+        for name in ("temperature", "alpha"):
+            saved = state.get(name, getattr(self, name))
+            if saved != getattr(self, name):
+                msg = f"{name} is {saved} in the checkpoint, {getattr(self, name)} in this recipe"
+                raise ValueError(msg)
+        self.last_student_loss = state.get("last_student_loss")
+        self.last_distill_loss = state.get("last_distill_loss")

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -162,3 +163,19 @@ class LearningRateModifier(Modifier):
 
     def on_finalize(self, state: State) -> None:
         self._optimizer = None
+
+    def state_dict(self) -> dict[str, Any]:
+        """The schedule position: the rate written last (``last_lr``; every later rate is a closed form of the step)."""
+        return {"last_lr": self.last_lr}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict` after ``on_initialize`` (the optimizer's own rates come with its state dict).
+
+        Raises:
+            ValueError: ``last_lr`` is not a number or ``None``.
+        """
+        last = state.get("last_lr")
+        if last is not None and (isinstance(last, bool) or not isinstance(last, numbers.Real)):
+            msg = f"last_lr must be a number or None, got {last!r}"
+            raise ValueError(msg)
+        self.last_lr = None if last is None else float(last)
