@@ -1,0 +1,217 @@
+"""One session called from several threads (issue 10): calls are serialized by the session's own lock."""
+
+from __future__ import annotations
+
+import gc
+import threading
+import time
+
+import attrs
+import pytest
+import torch
+import transitions
+
+from llmc_fsm import EventOrderError, LifecycleError, Modifier, Session
+from llmc_fsm.lifecycle import BATCH_EVENTS
+
+# Reference event order inside a batch, written independently of llmc_fsm.lifecycle.
+NEXT = {
+    "idle": {"batch_start"},
+    "batch_start": {"loss_calculated", "optim_pre_step", "batch_end"},
+    "loss_calculated": {"optim_pre_step", "batch_end"},
+    "optim_pre_step": {"optim_post_step"},
+    "optim_post_step": {"batch_end"},
+    "batch_end": {"batch_start"},
+}
+
+
+@attrs.define(kw_only=True, slots=False, eq=False)
+class Slow(Modifier):
+    """Sleeps inside its hooks so that unserialized calls would overlap."""
+
+    events = frozenset(BATCH_EVENTS)
+    initialized: int = attrs.field(default=0, init=False)
+    seen: list = attrs.field(factory=list, init=False)
+
+    def on_initialize(self, state):
+        time.sleep(0.02)
+        self.initialized += 1
+
+    def on_event(self, state, event):
+        time.sleep(0.0005)  # another thread's event would slip in here without the lock
+        self.seen.append(event.type)
+
+
+def _run_threads(n: int, target) -> list:
+    barrier = threading.Barrier(n)
+    results: list = [None] * n
+
+    def worker(i: int) -> None:
+        barrier.wait()
+        try:
+            results[i] = target(i)
+        except Exception as exc:  # collected and checked by the test
+            results[i] = exc
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results
+
+
+def test_eight_threads_initialize_at_once_exactly_one_runs_the_modifiers():
+    mods = [Slow(), Slow()]
+    session = Session(mods)
+    results = _run_threads(8, lambda i: session.initialize())
+    winners = [r for r in results if r is None]
+    losers = [r for r in results if r is not None]
+    assert len(winners) == 1 and len(losers) == 7
+    for exc in losers:
+        assert type(exc) is LifecycleError
+        assert exc.call == "initialize" and exc.lifecycle == "initialized"
+        assert str(exc).startswith("initialize() refused: the session is already initialized")
+    assert [m.initialized for m in mods] == [1, 1]
+    assert session.lifecycle == "initialized"
+
+
+def test_events_from_many_threads_are_serialized_and_never_raise_anything_else():
+    mod = Slow()
+    session = Session([mod])
+    session.initialize()
+    accepted: list[str] = []
+    lock = threading.Lock()
+
+    def hammer(i: int) -> int:
+        refused = 0
+        for _ in range(30):
+            for event in ("batch_start", "optim_pre_step", "optim_post_step", "batch_end"):
+                try:
+                    getattr(session, event)()
+                except EventOrderError:
+                    refused += 1
+                else:
+                    with lock:
+                        accepted.append(event)
+        return refused
+
+    results = _run_threads(4, hammer)
+    assert all(isinstance(r, int) for r in results), results  # only EventOrderError was raised
+    assert sum(results) > 0  # the threads did interleave
+    position = "idle"
+    for event in mod.seen:  # every event the modifier saw was in order
+        assert event in NEXT[position], (position, event)
+        position = event
+    assert sorted(mod.seen) == sorted(accepted)
+    assert session.global_step == mod.seen.count("optim_post_step")
+
+
+_STATES = {
+    "created": [],
+    "staging": ["update_state"],
+    "initialized": ["initialize"],
+    "running": ["initialize", "batch_start", "batch_end"],
+    "in a batch": ["initialize", "batch_start"],
+    "calibrating": ["initialize", "calibration_start"],
+    "finalized": ["initialize", "finalize"],
+}
+_ARGS = {
+    "update_state": {"extra": 1},
+    "loss_calculated": (1.0,),
+    "sequential_epoch_end": ([],),
+    "load_state_dict": ({},),
+}
+_CALLS = [
+    "update_state",
+    "initialize",
+    *BATCH_EVENTS,
+    "calibration_start",
+    "sequential_epoch_end",
+    "calibration_end",
+    "finalize",
+    "state_dict",
+    "load_state_dict",
+]
+
+
+def _call(session: Session, name: str):
+    args = _ARGS.get(name, ())
+    return getattr(session, name)(**args) if isinstance(args, dict) else getattr(session, name)(*args)
+
+
+@pytest.mark.parametrize("where", list(_STATES))
+def test_every_refused_call_is_a_lifecycle_error_that_changes_nothing(where):
+    for name in _CALLS:
+        session = Session([Slow()])
+        for step in _STATES[where]:
+            _call(session, step)
+        before = (session.lifecycle, session.global_step, session.allowed_calls, len(session.modifiers[0].seen))
+        try:
+            _call(session, name)
+        except transitions.MachineError as exc:  # pragma: no cover - the failure this test looks for
+            raise AssertionError(f"{name}() in {where} let a MachineError through: {exc}") from exc
+        except LifecycleError as exc:
+            assert exc.call == name and exc.lifecycle == before[0], (where, name)
+            after = (session.lifecycle, session.global_step, session.allowed_calls, len(session.modifiers[0].seen))
+            assert after == before, (where, name)
+        except Exception as exc:  # an empty dict is a CheckpointError where loading is allowed
+            assert (name, where, type(exc).__name__) == ("load_state_dict", "initialized", "CheckpointError")
+
+
+# --- one modifier object, two sessions (issue 11 case 12) -------------------------------------------------
+
+
+@attrs.define(kw_only=True, slots=False, eq=False)
+class Holder(Modifier):
+    """Keeps the model it was initialized with."""
+
+    required_state = frozenset({"model"})
+    model: object = attrs.field(default=None, init=False)
+
+    def on_initialize(self, state):
+        self.model = state.model
+
+
+def test_a_modifier_bound_to_a_live_session_is_refused_by_another():
+    holder = Holder()
+    first, second = Session([holder]), Session([holder])
+    model_a, model_b = torch.nn.Linear(1, 1), torch.nn.Linear(1, 1)
+    first.initialize(model=model_a)
+    with pytest.raises(LifecycleError) as info:
+        second.initialize(model=model_b)
+    msg = str(info.value)
+    assert msg.startswith(
+        "initialize() refused: modifier Holder (this object) is bound to another live session "
+        "<Session initialized [Holder]>; initializing it here would undo that session's work"
+    )
+    assert "Finalize or reset that session first, or give this session its own modifier objects" in msg
+    assert holder.model is model_a and second.lifecycle == "created"
+    first.finalize()
+    second.initialize(model=model_b)  # free again
+    assert holder.model is model_b
+
+
+def test_a_dropped_session_releases_its_modifiers():
+    holder = Holder()
+    first = Session([holder])
+    first.initialize(model=torch.nn.Linear(1, 1))
+    del first
+    gc.collect()
+    Session([holder]).initialize(model=torch.nn.Linear(1, 1))
+
+
+def test_two_sessions_initializing_one_modifier_at_once_one_wins():
+    holder = Holder()
+    sessions = [Session([holder]), Session([holder])]
+    results = _run_threads(2, lambda i: sessions[i].initialize(model=torch.nn.Linear(1, 1)))
+    assert sorted(type(r).__name__ for r in results) == ["LifecycleError", "NoneType"]
+    assert sorted(s.lifecycle for s in sessions) == ["created", "initialized"]
+
+
+def test_the_same_object_twice_in_one_recipe_is_refused():
+    holder = Holder()
+    session = Session([holder, holder])
+    with pytest.raises(LifecycleError, match=r"^initialize\(\) refused: Holder#2 is the same object as Holder#1"):
+        session.initialize(model=torch.nn.Linear(1, 1))
+    assert holder.model is None and session.lifecycle == "created"
