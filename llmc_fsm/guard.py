@@ -99,7 +99,7 @@ def failure(
     if modified:
         msg += (
             f" It had already changed {len(modified)} parameter(s) in place: {_list(modified)}. "
-            "Model modified by a failed hook; reload it: the change is not undone."
+            "Model modified by a failed hook; reload it (the change is not undone)."
         )
     if then:
         msg += " " + then

@@ -326,20 +326,27 @@ class Modifier:
         self, module: Any, kind: str, exc: Exception, watched: Watched, before: list[int] | None
     ) -> Exception:
         binding = self._binding
+        session = binding.session() if binding is not None else None
         label = binding.label if binding is not None else self.modifier_name()
+        modified = changed(watched, before)
+        if not modified:
+            then = "No targeted parameter was changed; the hook stays registered."
+        elif session is not None:
+            then = "The session refuses further events and removed every modifier's hooks."
+        else:
+            then = "The modifier's hooks were removed."
         error = failure(
             label,
             f"{kind} hook",
             exc,
             during="a forward/backward pass of the model",
-            modified=changed(watched, before),
+            modified=modified,
             module=self._module_name(module),
-            after="No targeted parameter was changed; the hook stays registered.",
+            then=then,
         )
-        session = binding.session() if binding is not None else None
         if session is not None:
             session._hook_failed(error)
-        elif error.modified:
+        elif modified:
             self.remove_hooks()
         return error
 

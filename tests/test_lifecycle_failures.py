@@ -1,0 +1,264 @@
+"""Fault injection (issue 10): a modifier raising in each hook kind, after changing a weight in place or not.
+
+Every failure reaches the caller as ModifierError naming the modifier and hook (and the module for torch
+hooks); when the hook changed a targeted weight before raising, the error names the parameter, the session
+refuses further events and every hook is removed at once.
+"""
+
+from __future__ import annotations
+
+import attrs
+import pytest
+import torch
+from torch import nn
+
+from llmc_fsm import LifecycleError, Modifier, ModifierError, Session
+from llmc_fsm.lifecycle import BATCH_EVENTS
+
+RELOAD = "Model modified by a failed hook; reload it"
+
+
+def _torch_hooks(model: nn.Module) -> int:
+    return sum(
+        len(m._forward_hooks) + len(m._forward_pre_hooks) + len(m._backward_hooks) + len(m._backward_pre_hooks)
+        for m in model.modules()
+    )
+
+
+@attrs.define(kw_only=True, slots=False, eq=False)
+class Faulty(Modifier):
+    """Targets ``model[0]``; in ``fail_in`` it halves that weight (when ``mutate``) and raises."""
+
+    required_state = frozenset({"model"})
+    fail_in: str = "on_event"
+    mutate: bool = True
+    events: frozenset = attrs.field(default=frozenset(), init=True)
+    _module: nn.Module | None = attrs.field(default=None, init=False)
+
+    @property
+    def resolved_targets(self):
+        return {"0": self._module} if self._module is not None else {}
+
+    def _maybe_fail(self, hook: str) -> None:
+        if hook == self.fail_in:
+            if self.mutate:
+                with torch.no_grad():
+                    self._module.weight.mul_(0.5)
+            raise RuntimeError(f"boom in {hook}")
+
+    def on_initialize(self, state):
+        self._module = state.model[0]
+        self.register_hook(state.model[1], lambda *a: None)  # an ordinary hook, to see it removed
+        kind = self.fail_in.removesuffix(" hook")
+        if kind in ("forward_pre", "forward", "full_backward"):
+            self.register_hook(self._module, lambda *a: self._maybe_fail(self.fail_in), kind=kind)
+        self._maybe_fail("on_initialize")
+
+    def on_start(self, state, event):
+        self._maybe_fail("on_start")
+
+    def on_update(self, state, event):
+        self._maybe_fail("on_update")
+
+    def on_end(self, state, event):
+        self._maybe_fail("on_end")
+
+    def on_event(self, state, event):
+        self._maybe_fail("on_event")
+
+    def on_calibration_start(self, state):
+        self._maybe_fail("on_calibration_start")
+
+    def on_sequential_epoch_end(self, state, modules):
+        self._maybe_fail("on_sequential_epoch_end")
+
+    def on_calibration_end(self, state):
+        self._maybe_fail("on_calibration_end")
+
+    def on_finalize(self, state):
+        self._maybe_fail("on_finalize")
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3))
+
+
+def _batch(session: Session) -> None:
+    session.batch_start()
+    session.loss_calculated(1.0)
+    session.optim_pre_step()
+    session.optim_post_step()
+    session.batch_end()
+
+
+# (hook, modifier arguments, what to do after initialize to reach the hook)
+CASES = [
+    ("on_start", {}, lambda s, m: s.batch_start()),
+    ("on_update", {"start": 0, "update": 1}, lambda s, m: (_batch(s), s.batch_start())),
+    ("on_end", {"end": 1}, lambda s, m: (_batch(s), s.batch_start())),
+    *[("on_event", {"events": frozenset({event})}, (lambda s, m, e=event: _batch(s))) for event in BATCH_EVENTS],
+    ("on_calibration_start", {}, lambda s, m: s.calibration_start()),
+    ("on_sequential_epoch_end", {}, lambda s, m: (s.calibration_start(), s.sequential_epoch_end([m[0]]))),
+    ("on_calibration_end", {}, lambda s, m: (s.calibration_start(), s.calibration_end())),
+    ("forward_pre hook", {}, lambda s, m: m(torch.ones(1, 3))),
+    ("forward hook", {}, lambda s, m: m(torch.ones(1, 3))),
+    ("full_backward hook", {}, lambda s, m: m(torch.ones(1, 3, requires_grad=True)).sum().backward()),
+]
+IDS = [f"{hook}-{sorted(kw.get('events', ['']))[0]}" if "events" in kw else hook for hook, kw, _ in CASES]
+
+
+@pytest.mark.parametrize(("hook", "kwargs", "reach"), CASES, ids=IDS)
+def test_a_hook_that_changed_a_weight_and_raised_is_named_and_stops_the_session(hook, kwargs, reach):
+    model = _model()
+    mod = Faulty(fail_in=hook, **kwargs)
+    session = Session([mod])
+    session.initialize(model=model, steps_per_epoch=1)
+    weight = model[0].weight.detach().clone()
+    with pytest.raises(ModifierError) as info:
+        reach(session, model)
+    err = info.value
+    assert err.modifier == "Faulty"
+    assert err.hook == hook
+    assert err.modified == ("0.weight",)
+    assert isinstance(err.__cause__, RuntimeError) and str(err.__cause__) == f"boom in {hook}"
+    msg = str(err)
+    assert "It had already changed 1 parameter(s) in place: 0.weight." in msg and RELOAD in msg
+    if hook.endswith(" hook"):
+        assert err.module == "0"
+        assert msg.startswith(f"Faulty's {hook} on 0 raised RuntimeError: boom in {hook}")
+    else:
+        assert err.module is None
+        assert msg.startswith(f"Faulty.{hook}() raised RuntimeError: boom in {hook} (during ")
+    assert torch.equal(model[0].weight, weight * 0.5)  # what the model holds: the change, not undone
+    assert session.failed is not None and "reload it" in session.failed
+    assert mod.num_hooks == 0 and _torch_hooks(model) == 0  # removed at once
+    with pytest.raises(LifecycleError) as refused:
+        session.batch_start()
+    assert "model modified by a failed hook; reload it" in str(refused.value)
+    assert refused.value.allowed == ("finalize", "reset")
+    with pytest.raises(LifecycleError, match="reload it"):
+        session.state_dict()
+    session.finalize()  # releases (on_end is skipped: the model is not the recipe's any more)
+    assert session.lifecycle == "finalized"
+    session.reset()
+    assert session.failed is None and session.allowed_calls == frozenset({"update_state", "initialize", "reset"})
+
+
+@pytest.mark.parametrize(("hook", "kwargs", "reach"), CASES, ids=IDS)
+def test_a_hook_that_raised_without_changing_weights_leaves_the_session_usable(hook, kwargs, reach):
+    model = _model()
+    mod = Faulty(fail_in=hook, mutate=False, **kwargs)
+    session = Session([mod])
+    session.initialize(model=model, steps_per_epoch=1)
+    hooks = _torch_hooks(model)
+    with pytest.raises(ModifierError) as info:
+        reach(session, model)
+    assert info.value.modified == ()
+    assert RELOAD not in str(info.value)
+    assert session.failed is None
+    assert mod.num_hooks == _torch_hooks(model) == hooks  # nothing removed
+    session.finalize()
+    assert _torch_hooks(model) == 0
+
+
+@pytest.mark.parametrize("hook", ["on_end", "on_finalize"])
+def test_a_hook_failing_at_finalize_names_the_parameter_and_still_finalizes(hook):
+    model = _model()
+    session = Session([Faulty(fail_in=hook)])
+    session.initialize(model=model)
+    session.batch_start()
+    session.batch_end()
+    with pytest.raises(ModifierError) as info:
+        session.finalize()
+    assert info.value.hook == hook and info.value.modified == ("0.weight",)
+    assert str(info.value).endswith("All modifiers were still finalized and their hooks removed.")
+    assert session.lifecycle == "finalized" and _torch_hooks(model) == 0
+
+
+def test_a_rolled_back_initialize_that_changed_weights_names_them_and_refuses_a_retry():
+    model = _model()
+
+    @attrs.define(kw_only=True, slots=False, eq=False)
+    class PrunesAtInitialize(Modifier):
+        required_state = frozenset({"model"})
+
+        def on_initialize(self, state):
+            with torch.no_grad():
+                state.model[1].weight.zero_()
+
+    first, second = PrunesAtInitialize(), Faulty(fail_in="on_initialize", mutate=False)
+    session = Session([first, second])
+    session.update_state(model=model)
+    with pytest.raises(ModifierError) as info:
+        session.initialize()
+    err = info.value
+    assert err.modifier == "Faulty" and err.hook == "on_initialize" and err.modified == ("1.weight",)
+    assert "Rolled back: 1 modifier(s) already initialized were finalized" in str(err)
+    assert "Fix the cause and call initialize() again" not in str(err)
+    # The roll-back finalizes modifiers and removes hooks; it cannot undo in-place writes: the model keeps them.
+    assert torch.count_nonzero(model[1].weight) == 0 and _torch_hooks(model) == 0
+    assert session.lifecycle == "staging"
+    with pytest.raises(LifecycleError, match=r"initialize\(\) refused: initialize\(\) changed 1 parameter\(s\)"):
+        session.initialize()
+    session.reset()  # after a reset, a freshly loaded model is accepted
+    second.fail_in = "nothing"
+    session.initialize(model=_model())
+    assert session.lifecycle == "initialized"
+
+
+def test_a_calibration_hook_failing_inside_the_pipeline_is_a_modifier_error_naming_the_module():
+    transformers = pytest.importorskip("transformers")
+    from llmc_fsm.pipeline import run_sequential
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=32,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=16,
+    )
+    model = transformers.LlamaForCausalLM(config)
+    target = "model.layers.1.mlp.up_proj"
+
+    @attrs.define(kw_only=True, slots=False, eq=False)
+    class Observer(Modifier):
+        required_state = frozenset({"model", "calibration_data"})
+        _modules: dict = attrs.field(factory=dict, init=False)
+
+        @property
+        def resolved_targets(self):
+            return dict(self._modules)
+
+        def on_initialize(self, state):
+            self._modules = {target: state.model.get_submodule(target)}
+
+        def on_calibration_start(self, state):
+            module = self._modules[target]
+
+            def pre_hook(mod, args):
+                with torch.no_grad():
+                    mod.weight.add_(1.0)
+                raise ValueError("statistics overflow")
+
+            self.register_hook(module, pre_hook, kind="forward_pre")
+
+    session = Session([Observer()])
+    data = torch.randint(0, 32, (2, 8))
+    session.initialize(model=model, calibration_data=data)
+    with pytest.raises(ModifierError) as info:
+        run_sequential(session, progress=False)
+    err = info.value
+    assert (err.modifier, err.hook, err.module, err.modified) == (
+        "Observer",
+        "forward_pre hook",
+        target,
+        (f"{target}.weight",),
+    )
+    assert isinstance(err.__cause__, ValueError)
+    assert _torch_hooks(model) == 0 and session.failed is not None
+    with pytest.raises(LifecycleError, match="reload it"):
+        session.calibration_end()
