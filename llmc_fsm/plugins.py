@@ -292,10 +292,20 @@ class ModifierRegistry:
         raise RecipeError(self.unknown_message(name)) from None
 
     def suggestions(self, name: str) -> list[str]:
-        """Registered names close to ``name`` (case-insensitive), best first."""
-        lowered = {n.lower(): n for n in self._infos}
-        close = difflib.get_close_matches(name.lower(), list(lowered), n=3, cutoff=0.6)
-        return [lowered[c] for c in close]
+        """Registered names close to ``name``, best first (at most 3).
+
+        Similarity is :class:`difflib.SequenceMatcher`'s ratio on lower-case names
+        without their ``Modifier`` suffix (every modifier shares it, which made
+        ``SparseGPTModifer`` look like ``LearningRateModifier``). A name is
+        suggested when it scores at least 0.55 and within 0.1 of the best one.
+        """
+        scored = sorted(
+            ((-difflib.SequenceMatcher(None, _stem(name), _stem(known)).ratio(), known) for known in self._infos),
+        )
+        if not scored or -scored[0][0] < _SUGGEST_CUTOFF:
+            return []
+        best = -scored[0][0]
+        return [known for score, known in scored[:3] if -score >= max(_SUGGEST_CUTOFF, best - _SUGGEST_SPREAD)]
 
     def unknown_message(self, name: str) -> str:
         """The message for an unknown modifier ``name``."""
@@ -308,6 +318,16 @@ class ModifierRegistry:
                 str(e) for e in self.errors
             )
         return msg
+
+
+_SUGGEST_CUTOFF = 0.55
+_SUGGEST_SPREAD = 0.1
+
+
+def _stem(name: str) -> str:
+    """``name`` lower-cased without a trailing ``modifier`` (or a misspelling of it, e.g. ``modifer``)."""
+    lowered = name.lower()
+    return re.sub(r"mod[a-z]{0,6}$", "", lowered) or lowered
 
 
 def _dist_name(ep: importlib.metadata.EntryPoint) -> str | None:

@@ -166,7 +166,8 @@ def read_recipe_file(path: str | os.PathLike[str]) -> tuple[str, str]:
     try:
         return file.read_text(encoding="utf-8"), source
     except UnicodeDecodeError as exc:
-        msg = f"recipe {source}: not UTF-8 text (byte {exc.start}: {exc.reason}); save the recipe as UTF-8"
+        line = exc.object[: exc.start].count(b"\n") + 1
+        msg = f"recipe {source}, line {line}: not UTF-8 text (byte 0x{exc.object[exc.start]:02x}); save it as UTF-8"
         raise RecipeError(msg) from None
     except OSError as exc:
         msg = f"recipe {source}: cannot be read: {exc.strerror or exc}"

@@ -183,6 +183,17 @@ def _unmatched_reason(named, pattern: str) -> str:
     return f"it matches only modules without a Linear-like 2-D weight: {_shown(direct)}"
 
 
+def _nothing_selected(model: nn.Module, targets: tuple[str, ...], unmatched: dict[str, str],
+                      supported_names: list[str]) -> ValueError:
+    reasons = "; ".join(f"{p!r}: {why}" for p, why in unmatched.items())
+    msg = (
+        f"targets {list(targets)} select no module with a Linear-like weight in {type(model).__name__} "
+        f"({reasons}). Patterns are class names ('Linear'), full module names or 're:<regex>' (re.match on "
+        f"full names). Linear-like modules: {_shown(supported_names) or 'none'}"
+    )
+    return ValueError(msg)
+
+
 def _tied_error(name: str, other: str, other_module: nn.Module) -> ValueError:
     kind = "tied embeddings" if isinstance(other_module, nn.Embedding) else "tied weights"
     msg = (
@@ -255,14 +266,7 @@ def select_targets(
     by_pattern = _patterns_selecting(named, supported_names, targets)
     unmatched = {p: _unmatched_reason(named, p) for p, hit in by_pattern.items() if not hit}
     if len(unmatched) == len(targets):
-        sample = _shown([n for n, m in named if n in supported_names]) or "none"
-        reasons = "; ".join(f"{p!r}: {why}" for p, why in unmatched.items())
-        msg = (
-            f"targets {list(targets)} select no module with a Linear-like weight in {type(model).__name__} "
-            f"({reasons}). Patterns are class names ('Linear'), full module names or 're:<regex>' (re.match on "
-            f"full names). Linear-like modules: {sample}"
-        )
-        raise ValueError(msg)
+        raise _nothing_selected(model, targets, unmatched, [n for n, _ in named if n in supported_names])
     ignored_by = _first_match(named, ignore)
     ignored_names = {n for n, p in ignored_by.items() if p is not None}
     target_names = set().union(*by_pattern.values())

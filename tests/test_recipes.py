@@ -383,3 +383,48 @@ def test_to_yaml_refuses_values_yaml_cannot_hold() -> None:
     recipe = resolve_recipe([Quant(extra=object())])
     with pytest.raises(RecipeError, match=r"stage 'default', modifier Quant, argument 'extra': a object cannot be"):
         recipe.to_yaml()
+
+
+# --- paths that are not recipe files (issue 11, case 15) ------------------------------------------
+
+
+def test_a_directory_is_named_as_a_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "recipes").mkdir()
+    (tmp_path / "odd.yaml").mkdir()
+    expected = "recipe {!r} is a directory; expected a recipe file (.yaml, .yml, .json), e.g. a recipe.yaml inside it"
+    for source, shown in (("recipes", "recipes"), ("recipes/", "recipes"), (Path("recipes"), "recipes"),
+                          ("odd.yaml", "odd.yaml")):
+        with pytest.raises(RecipeError) as info:
+            resolve_recipe(source)
+        assert str(info.value) == expected.format(shown)
+
+
+def test_a_file_that_is_not_utf8(tmp_path: Path) -> None:
+    path = tmp_path / "latin1.yaml"
+    path.write_bytes(b"s:\n  Prune: {}\n# caf\xe9\n")
+    with pytest.raises(RecipeError) as info:
+        resolve_recipe(path)
+    assert str(info.value) == (
+        f"recipe {path}, line 3: not UTF-8 text (byte 0xe9); save it as UTF-8"
+    )
+
+
+# --- "did you mean" ranks by similarity --------------------------------------------------------------
+
+
+def test_did_you_mean_ranks_by_similarity_without_the_shared_suffix() -> None:
+    reg = ModifierRegistry()
+    for name in ("SparseGPTModifier", "WandaPruningModifier", "MagnitudePruningModifier", "ConstantPruningModifier",
+                 "OutputDistillationModifier", "LearningRateModifier", "GPTQModifier", "QuantizationModifier"):
+        reg.register(attrs.make_class(name, {}, bases=(Modifier,), slots=False))
+    assert reg.suggestions("SparseGPTModifer") == ["SparseGPTModifier"]  # not LearningRateModifier, not GPTQ
+    assert reg.suggestions("sparsegpt") == ["SparseGPTModifier"]
+    assert reg.suggestions("GPTQ") == ["GPTQModifier"]
+    assert reg.suggestions("QuantModifier") == ["QuantizationModifier"]
+    assert reg.suggestions("MagnitudePruning") == ["MagnitudePruningModifier"]
+    assert reg.suggestions("PruningModifier") == ["WandaPruningModifier"]
+    assert reg.suggestions("LRModifier") == []
+    assert reg.unknown_message("SparseGPTModifer").startswith(
+        "unknown modifier 'SparseGPTModifer'. Did you mean 'SparseGPTModifier'? Known modifiers: ConstantPruningModifier"
+    )

@@ -1,0 +1,338 @@
+"""Recipes written for llm-compressor run unchanged (issue 11, Ecosystem).
+
+Each recipe below is in llm-compressor's style (stage -> ``<group>_modifiers`` ->
+modifier, ``run_type``, its argument names and ``re:`` patterns). Where it runs
+a model, the reference is the same compression written as a native llmc-fsm
+recipe: both must leave bit-identical weights, so a translation that changed a
+meaning would fail here.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from llmc_fsm_pruning import ConstantPruningModifier, MagnitudePruningModifier
+from test_targets import LINEARS, llama
+
+from llmc_fsm import RecipeError, Session
+from llmc_fsm.integrations.torch import initialize, optimizer_step
+from llmc_fsm.pipeline import run_sequential
+from llmc_fsm.recipe import resolve_recipe
+
+DATA = torch.randint(0, 64, (8, 12), generator=torch.Generator().manual_seed(0))
+
+
+def oneshot(recipe, model):
+    session = Session(recipe)
+    session.initialize(model=model, calibration_data=DATA)
+    run_sequential(session, batch_size=4, progress=False)
+    session.finalize()
+    return model
+
+
+def train(recipe, model, steps: int = 6):
+    session = Session(recipe)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    initialize(session, model=model, optimizer=optimizer, steps_per_epoch=2)
+    for i in range(steps):
+        batch = {"input_ids": DATA[i % 8 : i % 8 + 2], "labels": DATA[i % 8 : i % 8 + 2]}
+        session.batch_start(batch=batch)
+        session.loss_calculated(model(**batch).loss).backward()
+        optimizer_step(session, optimizer)
+        session.batch_end()
+    session.finalize()
+    return model
+
+
+def same_weights(a: torch.nn.Module, b: torch.nn.Module) -> None:
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    for key in sa:
+        assert torch.equal(sa[key], sb[key]), key
+
+
+def layer_linears(model):
+    return {f"{i}.{n}": model.model.layers[i].get_submodule(n) for i in range(2) for n in LINEARS}
+
+
+# --- one-shot pruning ------------------------------------------------------------------------------
+
+
+SPARSEGPT_24 = r"""
+sparsity_stage:
+  run_type: oneshot
+  sparsity_modifiers:
+    SparseGPTModifier:
+      sparsity: 0.5
+      mask_structure: "2:4"
+      sequential_update: false
+      targets: ['re:model.layers.\d*$']
+      ignore: ['re:.*lm_head']
+      block_size: 128
+      dampening_frac: 0.01
+      offload_hessians: false
+"""
+
+
+def test_sparsegpt_recipe_prunes_2_4_exactly_like_the_native_recipe():
+    model = llama(tied=True)
+    embed = model.model.embed_tokens.weight.clone()
+    theirs = oneshot(SPARSEGPT_24, copy.deepcopy(model))
+    ours = oneshot({"prune": {"SparseGPTModifier": {"sparsity": 0.5, "mask_structure": "2:4"}}}, model)
+    same_weights(theirs, ours)
+    for name, module in layer_linears(theirs).items():
+        groups = module.weight.reshape(-1, 4)
+        assert ((groups == 0).sum(dim=1) >= 2).all(), name
+        assert int((module.weight == 0).sum()) == module.weight.numel() // 2, name
+    assert torch.equal(theirs.model.embed_tokens.weight, embed)  # the tied head stayed dense
+
+
+def test_wanda_recipe_with_llmcompressor_unstructured_spelling():
+    recipe = """
+pruning_stage:
+  run_type: oneshot
+  pruning_modifiers:
+    WandaPruningModifier:
+      sparsity: 0.3
+      mask_structure: "0:0"
+      sequential_update: true
+      targets: [Linear]
+      ignore: [lm_head]
+"""
+    model = llama(tied=True)
+    theirs = oneshot(recipe, copy.deepcopy(model))
+    ours = oneshot({"prune": {"WandaPruningModifier": {"sparsity": 0.3}}}, model)
+    same_weights(theirs, ours)
+    q = theirs.model.layers[0].self_attn.q_proj.weight
+    assert int((q == 0).sum()) == round(0.3 * 16) * 16  # per output row: 0.3 of 16 inputs, rounded
+
+
+# --- training stages --------------------------------------------------------------------------------
+
+
+def test_magnitude_pruning_train_stage():
+    recipe = """
+pruning_stage:
+  run_type: train
+  pruning_modifiers:
+    MagnitudePruningModifier:
+      targets: __ALL_PRUNABLE__
+      init_sparsity: 0.05
+      final_sparsity: 0.5
+      start: 0
+      end: 2
+      update: 1
+      mask_structure: unstructured
+      leave_enabled: true
+      update_scheduler: cubic
+      scheduler_args: {}
+      apply_globally: false
+"""
+    (mod,) = resolve_recipe(recipe).modifiers
+    assert isinstance(mod, MagnitudePruningModifier)
+    assert (mod.init_sparsity, mod.final_sparsity, mod.start, mod.end, mod.update) == (0.05, 0.5, 0.0, 2.0, 1.0)
+    model = llama(tied=True)
+    native = {"prune": {"MagnitudePruningModifier": {
+        "init_sparsity": 0.05, "final_sparsity": 0.5, "start": 0, "end": 2, "update": 1}}}
+    theirs = train(recipe, copy.deepcopy(model), steps=4)  # 2 epochs: until end (the masks are released at end)
+    ours = train(native, model, steps=4)
+    same_weights(theirs, ours)
+    for name, module in layer_linears(theirs).items():
+        assert int((module.weight == 0).sum()) == module.weight.numel() // 2, name
+
+
+def test_constant_pruning_train_stage_with_parameter_targets():
+    recipe = """
+finetuning_stage:
+  run_type: train
+  finetuning_modifiers:
+    ConstantPruningModifier:
+      targets: ['re:.*q_proj.weight', 're:.*k_proj.weight', 're:.*v_proj.weight', 're:.*o_proj.weight',
+                're:.*gate_proj.weight', 're:.*up_proj.weight', 're:.*down_proj.weight']
+      start: 0
+"""
+    (mod,) = resolve_recipe(recipe).modifiers
+    assert isinstance(mod, ConstantPruningModifier)
+    model = oneshot({"p": {"SparseGPTModifier": {"mask_structure": "2:4"}}}, llama(tied=True))
+    zeros = {name: m.weight == 0 for name, m in layer_linears(model).items()}
+    theirs = train(recipe, copy.deepcopy(model))
+    ours = train({"hold": [ConstantPruningModifier(start=0)]}, model)
+    same_weights(theirs, ours)
+    for name, module in layer_linears(theirs).items():
+        assert torch.equal(module.weight == 0, zeros[name]), name
+    assert sorted(theirs.model.layers[0].mlp.up_proj.weight.shape) == [16, 32]
+
+
+def test_training_modifiers_in_llmcompressor_nesting():
+    recipe = """
+train_stage:
+  run_type: train
+  distillation_modifiers:
+    OutputDistillationModifier: {temperature: 3.0, alpha: 0.7}
+  lr_modifiers:
+    LearningRateModifier: {init_lr: 0.01, schedule: cosine, start: 0, end: 2}
+"""
+    recipe = resolve_recipe(recipe)
+    (stage,) = recipe.stages
+    assert (stage.name, stage.run_type) == ("train_stage", "train")
+    distill, lr = stage.modifiers
+    assert (type(distill).__name__, distill.temperature, distill.alpha) == ("OutputDistillationModifier", 3.0, 0.7)
+    assert (type(lr).__name__, lr.init_lr, lr.schedule, lr.end) == ("LearningRateModifier", 0.01, "cosine", 2.0)
+    # llm-compressor's OutputDistillationModifier is a different modifier: its arguments are not ours
+    with pytest.raises(RecipeError) as info:
+        resolve_recipe("s:\n  d_modifiers:\n    OutputDistillationModifier: {comparison: kl_divergence}\n")
+    assert str(info.value).startswith(
+        "recipe <text>, line 3, stage 's', modifier OutputDistillationModifier: unknown argument 'comparison'."
+    )
+
+
+# --- quantization (from the llmc-fsm-quantization plugin) --------------------------------------------------
+
+
+def test_gptq_recipe_with_config_groups_quantizes_like_the_native_recipe():
+    pytest.importorskip("llmc_fsm_quantization", reason="the llmc-fsm-quantization plugin is not installed")
+    recipe = """
+quantization_stage:
+  run_type: oneshot
+  quantization_modifiers:
+    GPTQModifier:
+      ignore: [lm_head]
+      sequential_update: true
+      offload_hessians: false
+      block_size: 128
+      dampening_frac: 0.01
+      actorder: static
+      config_groups:
+        group_0:
+          targets: [Linear]
+          weights: {num_bits: 4, type: int, symmetric: true, strategy: group, group_size: 8}
+"""
+    (mod,) = resolve_recipe(recipe).modifiers
+    assert mod.scheme == {"weights": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
+                                      "group_size": 8}}
+    assert list(mod.targets) == ["Linear"]
+    native = {"q": {"GPTQModifier": {"scheme": mod.scheme, "actorder": "static"}}}
+    model = llama(tied=True)
+    theirs = oneshot(recipe, copy.deepcopy(model))
+    same_weights(theirs, oneshot(native, model))
+    for name, module in layer_linears(theirs).items():  # 4 bits: at most 16 values per group of 8 inputs
+        groups = module.weight.detach().reshape(module.weight.shape[0], -1, 8)
+        assert max(len(torch.unique(g)) for row in groups for g in row) <= 16, name
+
+
+def test_quantization_modifier_recipe_with_weight_observer():
+    pytest.importorskip("llmc_fsm_quantization", reason="the llmc-fsm-quantization plugin is not installed")
+    recipe = """
+quant_modifiers:
+  QuantizationModifier:
+    targets: Linear
+    ignore: [lm_head]
+    scheme: W8A8
+    weight_observer: mse
+    kv_cache_scheme: null
+    bypass_divisibility_checks: false
+"""
+    recipe_obj = resolve_recipe(recipe)
+    assert [s.name for s in recipe_obj.stages] == ["default"]  # top-level groups: one default stage
+    (mod,) = recipe_obj.modifiers
+    assert (mod.scheme, mod.observer) == ("W8A8", "mse")
+    model = llama(tied=True)
+    before = model.model.layers[0].mlp.down_proj.weight.clone()
+    native = {"q": {"QuantizationModifier": {"scheme": "W8A8", "observer": "mse"}}}
+    theirs = oneshot(recipe, copy.deepcopy(model))
+    same_weights(theirs, oneshot(native, model))
+    assert not torch.equal(theirs.model.layers[0].mlp.down_proj.weight, before)  # it did quantize
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ("GPTQModifier: {kv_cache_scheme: {num_bits: 8}}",
+         "argument 'kv_cache_scheme': llm-compressor argument not supported: KV-cache quantization is not "
+         "implemented"),
+        ("QuantizationModifier: {input_observer: mse}",
+         "argument 'input_observer': llm-compressor argument not supported: activation observers are chosen by "
+         "the scheme"),
+        ("QuantizationModifier: {weight_observer: mse, observer: minmax}",
+         "argument 'weight_observer': it sets 'observer' to 'mse', but 'observer' is also given"),
+        ("QuantizationModifier: {weight_observer: best}",
+         "argument 'observer' (given as 'weight_observer'): ValueError: unknown observer 'best'; choose one of "
+         "minmax, mse"),
+        ("GPTQModifier: {targets: [Linear], config_groups: {g: {targets: [re:.*proj$], weights: {num_bits: 8}}}}",
+         "argument 'config_groups': its targets ['re:.*proj$'] differ from the modifier's targets ['Linear']"),
+    ],
+)
+def test_quantization_argument_refusals(body: str, message: str):
+    pytest.importorskip("llmc_fsm_quantization", reason="the llmc-fsm-quantization plugin is not installed")
+    with pytest.raises(RecipeError) as info:
+        resolve_recipe(f"s:\n  q_modifiers:\n    {body}\n")
+    modifier = body.split(":")[0]
+    assert str(info.value) == f"recipe <text>, line 3, stage 's', modifier {modifier}, {message}"
+
+
+# --- nesting and refusals (no model) --------------------------------------------------------------------------
+
+
+def test_groups_stages_wrapper_metadata_and_run_type_round_trip():
+    text = """
+version: 1.1.0
+metadata: {author: someone}
+stages:
+  first_stage:
+    run_type: oneshot
+    a_modifiers:
+      WandaPruningModifier: {sparsity: 0.2}
+    b_modifiers:
+      - ConstantPruningModifier
+    modifiers:
+      MagnitudePruningModifier: {sparsity: 0.3}
+"""
+    recipe = resolve_recipe(text)
+    (stage,) = recipe.stages
+    assert (stage.name, stage.run_type) == ("first_stage", "oneshot")
+    assert [m.modifier_name() for m in stage.modifiers] == [
+        "WandaPruningModifier", "ConstantPruningModifier", "MagnitudePruningModifier"]
+    again = resolve_recipe(recipe.to_yaml(applied=True))
+    assert [(s.name, s.run_type, s.applied) for s in again.stages] == [("first_stage", "oneshot", True)]
+    # top-level groups and a stage: the groups become the stage 'default', where the first group was
+    recipe = resolve_recipe("p_modifiers:\n  WandaPruningModifier: {}\nlater:\n  ConstantPruningModifier:\n"
+                            "q_modifiers:\n  MagnitudePruningModifier: {sparsity: 0.1}\n")
+    assert [(s.name, [m.modifier_name() for m in s.modifiers]) for s in recipe.stages] == [
+        ("default", ["WandaPruningModifier", "MagnitudePruningModifier"]), ("later", ["ConstantPruningModifier"])]
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("s:\n  run_type: finetune\n  p_modifiers: {ConstantPruningModifier: {}}\n",
+         "recipe <text>, line 2, stage 's': run_type must be oneshot or train (as in llm-compressor), got 'finetune'"),
+        ("s:\n  p_modifiers:\n    SparseGPTModifier: {sparsity_profile: owl, owl_m: 5, owl_lmbda: 0.08}\n",
+         "recipe <text>, line 3, stage 's', modifier SparseGPTModifier, argument 'sparsity_profile': llm-compressor "
+         "argument not supported: OWL layer-wise sparsity is not implemented; give one sparsity for every layer"),
+        ("s:\n  p_modifiers:\n    SparseGPTModifier: {preserve_sparsity_mask: true}\n",
+         "recipe <text>, line 3, stage 's', modifier SparseGPTModifier, argument 'preserve_sparsity_mask': "
+         "llm-compressor argument accepted only as False, got True: only false: existing zeros are not kept as a "
+         "fixed mask"),
+        ("s:\n  p_modifiers:\n    MagnitudePruningModifier: {sparsity: 0.5, update_scheduler: linear}\n",
+         "recipe <text>, line 3, stage 's', modifier MagnitudePruningModifier, argument 'update_scheduler': "
+         "llm-compressor argument accepted only as 'cubic', got 'linear': only 'cubic', the schedule llmc-fsm uses"),
+        ("s:\n  p_modifiers:\n    WandaPruningModifier: {sparsity: [0.5, 0.4]}\n",
+         "recipe <text>, line 3, stage 's', modifier WandaPruningModifier, argument 'sparsity': ValueError: "
+         "sparsity must be a number in [0, 1) (fraction of weights set to zero), got [0.5, 0.4]"),
+        ("s:\n  p_modifiers:\n    WandaPruningModifier: {quantize: false}\n",
+         "recipe <text>, line 3, stage 's', modifier WandaPruningModifier: unknown argument 'quantize'."),
+        ("default:\n  WandaPruningModifier: {}\np_modifiers:\n  WandaPruningModifier: {}\n",
+         "recipe <text>: top-level '<group>_modifiers' keys form the stage 'default', and the recipe also has a "
+         "stage named 'default'; rename that stage"),
+        ("s:\n  run_type: oneshot\n", "recipe <text>, line 1, stage 's': a stage with 'run_type' must list its "
+         "modifiers under 'modifiers:' or llm-compressor groups such as 'pruning_modifiers:'"),
+        ("s:\n  run_type: oneshot\n  p_modifiers:\n", "recipe <text>, line 3, stage 's': the stage has no modifiers"),
+        ("version: 1.0\n", "recipe <text> has no stages (only metadata)"),
+    ],
+)
+def test_llmcompressor_shapes_refused_with_a_reason(text: str, message: str):
+    with pytest.raises(RecipeError) as info:
+        resolve_recipe(text)
+    assert str(info.value).startswith(message)
