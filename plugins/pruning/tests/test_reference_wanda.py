@@ -27,11 +27,11 @@ from fractions import Fraction
 import numpy as np
 import pytest
 import torch
-from llmc_fsm.obs import HessianAccumulator
 from llmc_fsm_pruning import InputNormAccumulator, WandaPruningModifier, magnitude_mask, wanda_mask
 from torch import nn
 
 from llmc_fsm import Session
+from llmc_fsm.obs import HessianAccumulator
 
 #: Smallest relative score gap at a selection boundary for an exact mask comparison.
 MIN_GAP = 1e-5
