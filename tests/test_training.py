@@ -10,17 +10,14 @@ import math
 
 import pytest
 import torch
+from llmc_fsm_pruning.constant import ConstantPruningModifier
+from llmc_fsm_pruning.magnitude import MagnitudePruningModifier, cubic_sparsity
+from llmc_fsm_training import LearningRateModifier, OutputDistillationModifier, distillation_kl
+from safetensors.torch import load_file, save_file
 from torch import nn
 
-from llmc_fsm import MissingStateError, RecipeError, Session
-from llmc_fsm.integrations.torch import initialize, is_step, optimizer_step, steps_per_epoch
-
-pruning = pytest.importorskip("llmc_fsm_pruning")
-training = pytest.importorskip("llmc_fsm_training")
-
-from llmc_fsm_pruning.constant import ConstantPruningModifier  # noqa: E402
-from llmc_fsm_pruning.magnitude import MagnitudePruningModifier, cubic_sparsity  # noqa: E402
-from llmc_fsm_training import LearningRateModifier, OutputDistillationModifier, distillation_kl  # noqa: E402
+from llmc_fsm import CheckpointError, MissingStateError, RecipeError, Session
+from llmc_fsm.integrations.torch import initialize, is_step, optimizer_step, resume_position, steps_per_epoch
 
 
 class TinyLM(nn.Module):
@@ -372,3 +369,126 @@ def test_modifiers_obey_the_lifecycle_contract(factory, state):
     from llmc_fsm.testing import check_modifier
 
     check_modifier(factory, state, max_examples=10, loss_factory=lambda: torch.tensor(1.0))
+
+
+# --- checkpoint and resume (issue 10) ---------------------------------------------------------------------
+
+
+def _resume_recipe() -> list:
+    return [
+        ConstantPruningModifier(targets=["fc1"]),
+        MagnitudePruningModifier(targets=["fc2"], init_sparsity=0.1, final_sparsity=0.6, end=1.5, update=0.25),
+        LearningRateModifier(schedule="cosine", init_lr=0.05, final_lr=0.001, end=2),
+        OutputDistillationModifier(temperature=2.0, alpha=0.5),
+    ]
+
+
+def _fresh_run(seed: int = 0):
+    """Student (fc1 pre-pruned), teacher, AdamW, a session staged but not initialized."""
+    model = TinyLM(seed=seed)
+    if seed == 0:
+        with torch.no_grad():
+            model.fc1.weight[model.fc1.weight.abs() < model.fc1.weight.abs().median()] = 0.0
+    teacher = TinyLM(seed=7)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
+    session = Session(_resume_recipe())
+    session.update_state(model=model, teacher=teacher, optimizer=optimizer, steps_per_epoch=steps_per_epoch(6, 2))
+    return model, optimizer, session
+
+
+def _train(session, model, optimizer, batches, *, epochs, accumulation, start=(0, 0), save_at=None, directory=None):
+    """The documented plain loop; returns {global_step: (lr, fc1 zeros, fc2 zeros, distill loss)} per step."""
+    seen = {}
+    start_epoch, skip = start
+    for epoch in range(start_epoch, epochs):
+        for i, batch in enumerate(batches):
+            if epoch == start_epoch and i < skip:
+                continue
+            session.batch_start(batch=batch)
+            loss = session.loss_calculated(model(**batch).loss)
+            (loss / accumulation).backward()
+            stepped = is_step(i, len(batches), accumulation)
+            if stepped:
+                optimizer_step(session, optimizer)
+            session.batch_end()
+            if stepped:
+                distill = session.modifiers[3].last_distill_loss
+                seen[session.global_step] = (
+                    optimizer.param_groups[0]["lr"],
+                    (model.fc1.weight == 0).clone(),
+                    (model.fc2.weight == 0).clone(),
+                    float(distill),
+                )
+                if session.global_step == save_at:
+                    save_file(model.state_dict(), str(directory / "model.safetensors"))
+                    torch.save(optimizer.state_dict(), directory / "optimizer.pt")
+                    session.save(directory / "session")
+                    return seen
+    session.finalize()
+    return seen
+
+
+@pytest.fixture(scope="module")
+def reference_run():
+    """The uninterrupted run: 3 epochs of 6 batches, accumulation 2 (3 optimizer steps per epoch, 9 in all)."""
+    model, optimizer, session = _fresh_run()
+    initialize(session)
+    seen = _train(session, model, optimizer, _batches(6), epochs=3, accumulation=2)
+    return seen, {n: p.detach().clone() for n, p in model.named_parameters()}, list(session.modifiers[1].history)
+
+
+@pytest.mark.parametrize("k", [2, 3, 5])
+def test_interrupted_and_resumed_run_is_identical_to_an_uninterrupted_one(tmp_path, reference_run, k):
+    """ConstantPruning + gradual magnitude + cosine LR + distillation; interrupted after k optimizer steps."""
+    reference, ref_weights, ref_history = reference_run
+    batches = _batches(6)
+    assert sorted(reference) == list(range(1, 10))
+    model, optimizer, session = _fresh_run()
+    initialize(session)
+    first = _train(session, model, optimizer, batches, epochs=3, accumulation=2, save_at=k, directory=tmp_path)
+    assert sorted(first) == list(range(1, k + 1))
+    del model, optimizer, session
+
+    model, optimizer, session = _fresh_run(seed=3)  # a new process starts from other weights
+    model.load_state_dict(load_file(str(tmp_path / "model.safetensors")))
+    optimizer.load_state_dict(torch.load(tmp_path / "optimizer.pt", weights_only=True))
+    initialize(session, checkpoint=tmp_path / "session")
+    assert session.global_step == k and session.lifecycle == "running"
+    start = resume_position(session, len(batches), 2)
+    assert start == (k // 3, (k % 3) * 2)
+    resumed = _train(session, model, optimizer, batches, epochs=3, accumulation=2, start=start)
+    assert sorted(resumed) == list(range(k + 1, 10))
+    for step, (lr, zeros1, zeros2, distill) in resumed.items():  # same schedule values and masks at every step
+        ref_lr, ref1, ref2, ref_distill = reference[step]
+        assert lr == ref_lr, step
+        assert torch.equal(zeros1, ref1) and torch.equal(zeros2, ref2), step
+        assert distill == ref_distill, step
+    assert session.modifiers[1].history == ref_history
+    assert ref_history[-1] == (5 / 3, 0.6)  # end (1.5) reached at the first batch of step 5
+    for name, p in model.named_parameters():  # bitwise-identical weights after 9 steps
+        assert torch.equal(p, ref_weights[name]), name
+
+
+def test_resume_into_another_recipe_is_refused_and_releases_the_session(tmp_path):
+    model, optimizer, session = _fresh_run()
+    initialize(session)
+    _train(session, model, optimizer, _batches(6), epochs=1, accumulation=2, save_at=2, directory=tmp_path)
+    session.finalize()
+    other = Session([*_resume_recipe()[:3], OutputDistillationModifier(temperature=4.0, alpha=0.5)])
+    other.update_state(model=model, teacher=TinyLM(seed=7), optimizer=optimizer, steps_per_epoch=3)
+    with pytest.raises(CheckpointError) as info:
+        initialize(other, checkpoint=tmp_path / "session")
+    assert info.value.differences == (
+        "modifier OutputDistillationModifier: argument 'temperature' is 2.0 in the checkpoint, 4.0 now",
+    )
+    assert other.lifecycle == "created" and len(model._forward_hooks) == 0
+
+
+def test_resume_position_arithmetic():
+    session = Session()
+    session.initialize()
+    for step, expected in [(0, (0, 0)), (2, (0, 4)), (3, (1, 0)), (7, (2, 2))]:
+        session._step = step  # a checkpointed step count
+        assert resume_position(session, 5, 2) == expected, step  # 5 batches, 2 per step -> 3 steps per epoch
+    with pytest.raises(ValueError, match="batches_per_epoch must be an int >= 1, got 0"):
+        resume_position(session, 0)

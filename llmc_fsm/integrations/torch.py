@@ -29,8 +29,37 @@ optim_post_step] -> batch_end``; a batch without an optimizer step (gradient
 accumulation) is valid. The session counts optimizer steps itself (at
 ``optim_post_step``), so ``event.epoch = global_step / steps_per_epoch`` is right
 as long as ``steps_per_epoch`` counts *optimizer* steps — use
-:func:`steps_per_epoch`. When resuming, pass ``global_step=`` to
-``batch_start``.
+:func:`steps_per_epoch`.
+
+Checkpoints and resume. Save right after the ``batch_end`` of a batch that
+stepped the optimizer (the session refuses inside a batch); model, optimizer and
+RNG state are yours to save as usual, the session's progress goes next to them::
+
+            session.batch_end()
+            if is_step(i, len(loader), accumulation) and session.global_step % save_every == 0:
+                directory = f"ckpt/step-{session.global_step}"
+                save_file(model.state_dict(), f"{directory}/model.safetensors")  # safetensors.torch
+                torch.save(optimizer.state_dict(), f"{directory}/optimizer.pt")
+                session.save(f"{directory}/session")          # masks, schedule, modifier state
+
+To resume, rebuild everything as for a fresh run, load model and optimizer
+state, then pass the session directory to :func:`initialize` — it initializes
+the session and loads the checkpoint before the first event — and skip the
+batches already trained (:func:`resume_position`)::
+
+    model.load_state_dict(load_file(f"{directory}/model.safetensors"))
+    optimizer.load_state_dict(torch.load(f"{directory}/optimizer.pt", weights_only=True))
+    initialize(session, checkpoint=f"{directory}/session")
+    start_epoch, skip = resume_position(session, len(loader), accumulation)
+    for epoch in range(start_epoch, epochs):
+        for i, batch in enumerate(loader):
+            if epoch == start_epoch and i < skip:
+                continue                                # already trained before the checkpoint
+            ...                                         # the loop above, unchanged
+
+The resumed run is then identical to an uninterrupted one (same masks and
+schedule values at every step; bitwise-identical weights on CPU with a
+deterministic data order).
 
 Call ``loss_calculated`` with the per-batch (mean) loss *before* dividing it for
 gradient accumulation: distillation combines it with a per-batch mean KL term.
@@ -39,13 +68,15 @@ gradient accumulation: distillation combines it with a per-batch mean KL term.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
+from llmc_fsm.checkpoint import read_checkpoint
 from llmc_fsm.errors import MissingStateError
 from llmc_fsm.integrations import with_integration_hints
 from llmc_fsm.session import Session
 
-__all__ = ["HINTS", "initialize", "is_step", "optimizer_step", "steps_per_epoch"]
+__all__ = ["HINTS", "initialize", "is_step", "optimizer_step", "resume_position", "steps_per_epoch"]
 
 #: How to pass each well-known key in a plain loop (used in MissingStateError messages).
 HINTS: dict[str, str] = {
@@ -115,15 +146,47 @@ def optimizer_step(session: Session, optimizer: Any, *, scheduler: Any = None, z
         optimizer.zero_grad(set_to_none=True)
 
 
-def initialize(session: Session, **state: Any) -> None:
-    """``session.initialize(**state)``, re-raising a missing-state error with plain-loop advice.
+def initialize(session: Session, *, checkpoint: str | Path | None = None, **state: Any) -> None:
+    """``session.initialize(**state)``, then (with ``checkpoint``) resume from the session saved there.
+
+    Args:
+        session: a session in ``created``/``staging``.
+        checkpoint: a directory written by ``session.save`` (see the module
+            docstring); the checkpoint is read before anything is initialized.
+        **state: passed to ``Session.initialize``.
 
     Raises:
         MissingStateError: as from ``Session.initialize`` (same ``missing``), the
             message extended by how to supply each key in a plain loop.
+        CheckpointError: ``checkpoint`` is unreadable or was written for another
+            recipe; the session is then reset (its hooks removed, its state dropped).
         LifecycleError, ModifierError: as from ``Session.initialize``.
     """
+    saved = read_checkpoint(checkpoint) if checkpoint is not None else None
     try:
         session.initialize(**state)
     except MissingStateError as exc:
         raise with_integration_hints(exc, "a plain PyTorch loop", _hint) from exc
+    if saved is not None:
+        try:
+            session.load_state_dict(saved)
+        except BaseException:
+            session.reset()
+            raise
+
+
+def resume_position(session: Session, batches_per_epoch: int, gradient_accumulation_steps: int = 1) -> tuple[int, int]:
+    """``(epoch, batches to skip in it)`` where a session resumed at ``session.global_step`` continues.
+
+    Valid for a checkpoint saved right after an optimizer step (see the module
+    docstring), with the epoch arithmetic of :func:`steps_per_epoch`/:func:`is_step`.
+
+    Raises:
+        ValueError: ``batches_per_epoch`` < 1 or ``gradient_accumulation_steps`` < 1.
+    """
+    if isinstance(batches_per_epoch, bool) or not isinstance(batches_per_epoch, int) or batches_per_epoch < 1:
+        msg = f"batches_per_epoch must be an int >= 1, got {batches_per_epoch!r}"
+        raise ValueError(msg)
+    per_epoch = steps_per_epoch(batches_per_epoch, gradient_accumulation_steps)
+    epoch, steps_done = divmod(session.global_step, per_epoch)
+    return epoch, steps_done * gradient_accumulation_steps
