@@ -8,16 +8,14 @@ import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
-pytest.importorskip("llmc_fsm_pruning")
-pytest.importorskip("llmc_fsm_training")
 
 from llmc_fsm_pruning.constant import ConstantPruningModifier  # noqa: E402
 from llmc_fsm_pruning.magnitude import MagnitudePruningModifier  # noqa: E402
 from llmc_fsm_training import LearningRateModifier, OutputDistillationModifier  # noqa: E402
-from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM, TrainerCallback, TrainingArguments  # noqa: E402
 
-from llmc_fsm import MissingStateError, Session  # noqa: E402
-from llmc_fsm.integrations.transformers import SessionTrainer  # noqa: E402
+from llmc_fsm import CheckpointError, MissingStateError, Session  # noqa: E402
+from llmc_fsm.integrations.transformers import SESSION_DIR, SessionTrainer  # noqa: E402
 
 VOCAB = 64
 
@@ -167,6 +165,96 @@ def test_trainer_missing_teacher_reported_before_first_step(tmp_path):
     assert "OutputDistillationModifier" in str(info.value)
     assert steps == []
     assert trainer.session.lifecycle == "staging"
+
+
+# --- checkpoint and resume (issue 10) ---------------------------------------------------
+
+
+def _resume_recipe() -> list:
+    layer0 = r"re:model\.layers\.0\..*"
+    layer1 = r"re:model\.layers\.1\..*"
+    return [
+        ConstantPruningModifier(targets=[layer0]),
+        MagnitudePruningModifier(targets=[layer1], init_sparsity=0.1, final_sparsity=0.5, end=1.25, update=0.25),
+        LearningRateModifier(schedule="linear", init_lr=0.02, final_lr=0.002, end=1.5),
+        OutputDistillationModifier(temperature=2.0, alpha=0.5),
+    ]
+
+
+class _Record(TrainerCallback):
+    """Per optimizer step: the learning rate used and the zeros of every Linear weight."""
+
+    def __init__(self) -> None:
+        self.seen: dict[int, tuple] = {}
+
+    def on_step_end(self, args, state, control, optimizer=None, model=None, **kwargs):
+        self.seen[state.global_step] = (optimizer.param_groups[0]["lr"], _linear_zeros(model))
+
+
+def _trainer(tmp_path, model, **kw) -> tuple[SessionTrainer, _Record]:
+    record = _Record()
+    trainer = SessionTrainer(
+        model=model,
+        args=_args(tmp_path, max_steps=6, save_strategy="steps", save_steps=3, weight_decay=0.1),
+        train_dataset=_Data(8),  # 4 optimizer steps per epoch
+        recipe=_resume_recipe(),
+        teacher=_llama(1),
+        callbacks=[record],
+        **kw,
+    )
+    return trainer, record
+
+
+def _pruned_llama(seed: int = 0) -> LlamaForCausalLM:
+    model = _llama(seed)
+    with torch.no_grad():
+        for module in model.model.layers[0].modules():
+            if isinstance(module, torch.nn.Linear):
+                module.weight[module.weight.abs() < module.weight.abs().median()] = 0.0
+    return model
+
+
+def test_trainer_resume_from_checkpoint_is_identical_to_an_uninterrupted_run(tmp_path):
+    reference, ref_record = _trainer(tmp_path / "a", _pruned_llama())
+    reference.train()
+    checkpoint = tmp_path / "a" / "checkpoint-3"
+    assert (checkpoint / SESSION_DIR / "session.json").is_file()
+    assert sorted(ref_record.seen) == [1, 2, 3, 4, 5, 6]
+
+    resumed, record = _trainer(tmp_path / "b", _llama(5))  # other initial weights: all must come from the checkpoint
+    resumed.train(resume_from_checkpoint=str(checkpoint))
+    assert sorted(record.seen) == [4, 5, 6]
+    assert resumed.session.global_step == 6 and resumed.session.lifecycle == "finalized"
+    for step, (lr, zeros) in record.seen.items():
+        ref_lr, ref_zeros = ref_record.seen[step]
+        assert lr == ref_lr, step
+        for name, z in zeros.items():
+            assert torch.equal(z, ref_zeros[name]), (step, name)
+    assert resumed.session.modifiers[1].history == reference.session.modifiers[1].history
+    ref_params = dict(reference.model.named_parameters())
+    for name, p in resumed.model.named_parameters():
+        assert torch.equal(p, ref_params[name]), name
+
+
+def test_trainer_resume_from_a_checkpoint_without_the_session_is_refused(tmp_path):
+    plain = transformers.Trainer(  # a checkpoint written by a plain Trainer: no session in it
+        model=_llama(),
+        args=_args(tmp_path / "plain", max_steps=2, save_strategy="steps", save_steps=2),
+        train_dataset=_Data(4),
+    )
+    plain.train()
+    resumed = SessionTrainer(
+        model=_llama(),
+        args=_args(tmp_path / "plain", max_steps=4),
+        train_dataset=_Data(4),
+        recipe=[ConstantPruningModifier()],
+    )
+    with pytest.raises(CheckpointError) as info:
+        resumed.train(resume_from_checkpoint=True)
+    msg = str(info.value)
+    assert msg.startswith(f"resume_from_checkpoint={tmp_path / 'plain' / 'checkpoint-2'}: no session checkpoint at ")
+    assert f"Checkpoints written by SessionTrainer hold the session in {SESSION_DIR}/" in msg
+    assert resumed.session.lifecycle == "staging"
 
 
 # --- the examples on the real model (CI-sized) -------------------------------------------
