@@ -43,20 +43,37 @@ the Trainer divides the combined loss by the accumulation steps.
 
 If ``train()`` raises midway, the session stays ``running``: call
 ``trainer.session.finalize()`` (or ``reset()``) yourself.
+
+Checkpoints: every checkpoint the Trainer writes (``save_strategy``) also holds
+the session, in ``checkpoint-N/llmc_fsm_session/`` (written after the Trainer's
+own files; see :mod:`llmc_fsm.checkpoint`). ``trainer.train(resume_from_checkpoint=
+path or True)`` restores it: the Trainer loads model, optimizer, scheduler, RNG
+state and skips the trained batches; at ``on_train_begin`` the session is
+initialized and then loaded from the checkpoint, so the next step continues
+exactly where the saved run stopped (same masks and schedule values; on CPU
+with fixed seeds, bitwise-identical weights). A checkpoint without the session
+directory, or one written for another recipe, raises
+:class:`~llmc_fsm.CheckpointError` before the first step.
 """
 
 from __future__ import annotations
 
 import math
+import os
 from typing import Any
 
 from transformers import Trainer, TrainerCallback
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
-from llmc_fsm.errors import MissingStateError
+from llmc_fsm.checkpoint import read_checkpoint
+from llmc_fsm.errors import CheckpointError, MissingStateError
 from llmc_fsm.integrations import with_integration_hints
 from llmc_fsm.session import Session
 
-__all__ = ["HINTS", "SessionCallback", "SessionTrainer", "SessionTrainerMixin"]
+__all__ = ["HINTS", "SESSION_DIR", "SessionCallback", "SessionTrainer", "SessionTrainerMixin"]
+
+#: The session's directory inside each ``checkpoint-N/``.
+SESSION_DIR = "llmc_fsm_session"
 
 #: How to pass each well-known key with SessionTrainer (used in MissingStateError messages).
 HINTS: dict[str, str] = {
@@ -142,6 +159,7 @@ class SessionTrainerMixin:
             raise ValueError(msg)
         self.session: Session = session if session is not None else Session(recipe)
         self._llmc_loss_pending = False
+        self._llmc_resume: str | None = None
         super().__init__(*args, **kwargs)
         state: dict[str, Any] = {"model": self.model}
         if teacher is not None:
@@ -176,7 +194,8 @@ class SessionTrainerMixin:
         return dataloader
 
     def _initialize_session(self) -> None:
-        """Initialize the session (called at ``on_train_begin``, before the first step)."""
+        """Initialize the session (called at ``on_train_begin``, before the first step); resume it if asked."""
+        saved = self._read_session_checkpoint()
         extra = {}
         optimizer = self.optimizer  # type: ignore[attr-defined]
         if optimizer is not None and self.session.state.get("optimizer") is not optimizer:
@@ -185,6 +204,44 @@ class SessionTrainerMixin:
             self.session.initialize(**extra)
         except MissingStateError as exc:
             raise with_integration_hints(exc, "SessionTrainer", _hint) from exc
+        if saved is not None:
+            try:
+                self.session.load_state_dict(saved)
+            except CheckpointError as exc:
+                self.session.reset()  # release the modifiers' hooks; the run cannot start
+                msg = f"resume_from_checkpoint={self._llmc_resume}: {exc}"
+                raise CheckpointError(msg, differences=exc.differences) from exc
+
+    def _read_session_checkpoint(self) -> dict[str, Any] | None:
+        if self._llmc_resume is None:
+            return None
+        path = os.path.join(self._llmc_resume, SESSION_DIR)
+        try:
+            return read_checkpoint(path)
+        except CheckpointError as exc:
+            msg = (
+                f"resume_from_checkpoint={self._llmc_resume}: {exc}. Checkpoints written by SessionTrainer hold "
+                f"the session in {SESSION_DIR}/; resume from one of those, or train without resume_from_checkpoint."
+            )
+            raise CheckpointError(msg) from exc
+
+    # --- checkpoints -----------------------------------------------------------------
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
+        """``Trainer.train``; with ``resume_from_checkpoint`` the session is restored from that checkpoint too."""
+        if resume_from_checkpoint is True:
+            resume_from_checkpoint = get_last_checkpoint(self.args.output_dir)  # type: ignore[attr-defined]
+            if resume_from_checkpoint is None:
+                msg = f"No valid checkpoint found in output directory ({self.args.output_dir})"  # type: ignore[attr-defined]
+                raise ValueError(msg)
+        self._llmc_resume = str(resume_from_checkpoint) if resume_from_checkpoint else None
+        return super().train(resume_from_checkpoint or None, *args, **kwargs)  # type: ignore[misc]
+
+    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+        super()._save_checkpoint(model, trial)  # type: ignore[misc]
+        folder = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"  # type: ignore[attr-defined]
+        output_dir = os.path.join(self._get_output_dir(trial=trial), folder)  # type: ignore[attr-defined]
+        if self.args.should_save:  # type: ignore[attr-defined]
+            self.session.save(os.path.join(output_dir, SESSION_DIR))
 
     # --- the Trainer's own step ---------------------------------------------------
     def training_step(self, model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
