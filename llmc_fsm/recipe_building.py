@@ -142,8 +142,8 @@ class _Builder:
         entries = [entry for part, part_line in parts for entry in self.entries(part, name, part_line)]
         if not entries:
             first_line = parts[0][1] if parts else line
-            msg = f"{where(self.source, first_line, name)}: the stage has no modifiers; remove the stage or add a modifier"
-            raise RecipeError(msg)
+            at = where(self.source, first_line, name)
+            raise RecipeError(f"{at}: the stage has no modifiers; remove the stage or add a modifier")
         for mod_name, args, mod_line in entries:
             stage.modifiers.append(self.modifier(mod_name, args, stage, mod_line))
         return stage
@@ -263,13 +263,16 @@ class _Builder:
         given_as: dict[str, str] = {}
         for key, value in args.items():
             at = where(self.source, line_of(args, key) or line, stage.name, name)
-            if isinstance(key, str) and key in accepted:
-                kwargs[key] = value
-                continue
+            is_field = isinstance(key, str) and key in accepted
             try:
-                translated = translate_argument(name, key, value, args) if isinstance(key, str) else None
+                translated = None if not isinstance(key, str) else translate_argument(
+                    name, key, value, args, is_field=is_field
+                )
             except ValueError as exc:
                 raise RecipeError(f"{at}, argument {key!r}: {exc}") from None
+            if translated is None and is_field:
+                kwargs[key] = value
+                continue
             if translated is None:
                 close = difflib.get_close_matches(str(key), accepted, n=1, cutoff=0.6)
                 hint = f" Did you mean {close[0]!r}?" if close else ""
@@ -282,7 +285,8 @@ class _Builder:
                     msg = f"{at}, argument {key!r}: it sets {target!r} to {new!r}, but {target!r} is also given"
                     raise RecipeError(msg)
                 kwargs[target] = new
-                given_as[target] = key
+                if target != key:
+                    given_as[target] = key
         return kwargs, given_as
 
     def check_window(self, m: Modifier, stage: Stage, line: int | None, args: Any) -> None:

@@ -13,9 +13,11 @@ what is specific to it:
   llmc-fsm has no expression language);
 * :data:`ARGUMENT_RULES` -- llm-compressor argument names that the llmc-fsm
   modifiers do not have as fields: each is renamed, accepted and ignored (with
-  the reason), or refused with the reason. A rule is only consulted for a name
-  that is *not* a field of the modifier class, so a plugin that implements the
-  argument itself always wins.
+  the reason), or refused with the reason. Such a rule is only consulted for a
+  name that is *not* a field of the modifier class, so a plugin that implements
+  the argument itself always wins. Two ``"value"`` rules rewrite llm-compressor
+  forms of arguments the modifiers do have (``scheme: {PRESET: targets}``,
+  ``observer: {weights: NAME}``).
 
 ``docs/recipes.md`` carries the same table for readers (a test compares them).
 """
@@ -114,11 +116,14 @@ class ArgumentRule:
 
     Attributes:
         action: ``"rename"`` (passed on as ``target``), ``"ignore"`` (accepted,
-            no effect; only the ``accept`` values when given) or ``"refuse"``.
+            no effect; only the ``accept`` values when given), ``"refuse"``, or
+            ``"value"``: the modifier has this argument, but llm-compressor also
+            accepts a form of its value that ``convert`` rewrites (``convert``
+            returns ``None`` for a value that needs no rewriting).
         note: why, in one phrase (shown in errors and in ``docs/recipes.md``).
         target: the llmc-fsm argument a ``"rename"`` maps to.
         accept: for ``"ignore"``: the only values accepted (others are refused); empty = any.
-        convert: for ``"rename"``: optional function turning the value (and the
+        convert: for ``"rename"``/``"value"``: function turning the value (and the
             other arguments) into ``{argument: value}``; raises ``ValueError`` to refuse.
     """
 
@@ -147,6 +152,31 @@ def _config_groups(value: Any, args: Mapping[str, Any]) -> dict[str, Any]:
     return result
 
 
+_SCHEME_FIELDS = frozenset({"weights", "input_activations", "output_activations", "targets", "format", "preset"})
+
+
+def _preset_targets(value: Any, args: Mapping[str, Any]) -> dict[str, Any] | None:
+    """llm-compressor's ``scheme: {PRESET: targets}`` -> ``scheme: PRESET`` and ``targets``."""
+    if not isinstance(value, Mapping) or not value or set(value) & _SCHEME_FIELDS:
+        return None  # a preset name, or a mapping of scheme fields: the modifier reads it
+    if len(value) != 1:
+        raise ValueError(f"one preset per modifier, got {', '.join(map(str, value))}; split into modifiers")
+    ((preset, targets),) = value.items()
+    targets = [targets] if isinstance(targets, str) else targets
+    if "targets" in args and list(args["targets"]) != list(targets):
+        raise ValueError(f"its targets {targets!r} differ from the modifier's targets {args['targets']!r}")
+    return {"scheme": preset, "targets": targets}
+
+
+def _observer_mapping(value: Any, args: Mapping[str, Any]) -> dict[str, Any] | None:
+    """llm-compressor's ``observer: {weights: NAME}`` -> ``observer: NAME``."""
+    if not isinstance(value, Mapping):
+        return None
+    if set(value) != {"weights"}:
+        raise ValueError(f"only the weight observer can be chosen ({{weights: NAME}}), got {dict(value)!r}")
+    return {"observer": value["weights"]}
+
+
 _LAYERWISE = "llmc-fsm always calibrates one decoder layer at a time (what sequential_update: true meant)"
 _OFFLOAD = "memory placement only; llmc-fsm keeps only the current layer's statistics"
 _GROUP = "llm-compressor's bookkeeping of the group key; the stage and group come from the recipe nesting"
@@ -169,6 +199,8 @@ _QUANT_BASE: dict[str, ArgumentRule] = {
         "rename", "one group becomes scheme (its fields) and targets", target="scheme", convert=_config_groups
     ),
     "weight_observer": ArgumentRule("rename", "the weight observer", target="observer"),
+    "scheme": ArgumentRule("value", "llm-compressor's {PRESET: targets} form", convert=_preset_targets),
+    "observer": ArgumentRule("value", "llm-compressor's {weights: NAME} form", convert=_observer_mapping),
     "input_observer": ArgumentRule("refuse", "activation observers are chosen by the scheme"),
     "output_observer": ArgumentRule("refuse", "output activations are not quantized"),
     "kv_cache_scheme": ArgumentRule("refuse", "KV-cache quantization is not implemented", accept=(None,)),
@@ -204,19 +236,25 @@ ARGUMENT_RULES: dict[str, dict[str, ArgumentRule]] = {
 }
 
 
-def translate_argument(modifier: str, key: str, value: Any, args: Mapping[str, Any]) -> dict[str, Any] | None:
-    """Translate an argument ``key`` that modifier ``modifier`` does not have as a field.
+def translate_argument(
+    modifier: str, key: str, value: Any, args: Mapping[str, Any], *, is_field: bool = False
+) -> dict[str, Any] | None:
+    """Translate llm-compressor argument ``key`` of modifier ``modifier`` (see :data:`ARGUMENT_RULES`).
+
+    Args:
+        is_field: ``key`` is an argument of the modifier class; then only a
+            ``"value"`` rule applies (the class's own argument wins otherwise).
 
     Returns:
-        ``None`` when no rule exists (the caller reports an unknown argument);
-        ``{}`` when the argument is accepted and ignored; else ``{argument: value}``
-        to pass to the modifier instead.
+        ``None`` when nothing is to be translated (the caller passes a field on
+        as it is, or reports an unknown argument); ``{}`` when the argument is
+        accepted and ignored; else ``{argument: value}`` to pass instead.
 
     Raises:
         ValueError: the rule refuses the argument or this value; the message says why.
     """
     rule = ARGUMENT_RULES.get(modifier, _COMMON).get(key)
-    if rule is None:
+    if rule is None or is_field != (rule.action == "value"):
         return None
     if rule.action == "refuse" and not (rule.accept and _accepted(value, rule.accept)):
         raise ValueError(f"llm-compressor argument not supported: {rule.note}")

@@ -262,6 +262,11 @@ quant_modifiers:
          "minmax, mse"),
         ("GPTQModifier: {targets: [Linear], config_groups: {g: {targets: [re:.*proj$], weights: {num_bits: 8}}}}",
          "argument 'config_groups': its targets ['re:.*proj$'] differ from the modifier's targets ['Linear']"),
+        ("GPTQModifier: {scheme: {W8A8: [Linear], W4A16: [Linear]}}",
+         "argument 'scheme': one preset per modifier, got W8A8, W4A16; split into modifiers"),
+        ("QuantizationModifier: {observer: {weights: mse, input: minmax}}",
+         "argument 'observer': only the weight observer can be chosen ({weights: NAME}), got {'weights': 'mse', "
+         "'input': 'minmax'}"),
     ],
 )
 def test_quantization_argument_refusals(body: str, message: str):
@@ -270,6 +275,18 @@ def test_quantization_argument_refusals(body: str, message: str):
         resolve_recipe(f"s:\n  q_modifiers:\n    {body}\n")
     modifier = body.split(":")[0]
     assert str(info.value) == f"recipe <text>, line 3, stage 's', modifier {modifier}, {message}"
+
+
+def test_quantization_value_forms_of_llmcompressor():
+    pytest.importorskip("llmc_fsm_quantization", reason="the llmc-fsm-quantization plugin is not installed")
+    recipe = resolve_recipe("s:\n  q_modifiers:\n    QuantizationModifier:\n      scheme: {W8A8: [re:.*proj$]}\n"
+                            "      observer: {weights: mse}\n")
+    (mod,) = recipe.modifiers
+    assert (mod.scheme, list(mod.targets), mod.observer) == ("W8A8", ["re:.*proj$"], "mse")
+    assert mod.quantization_scheme.targets == ["re:.*proj$"]
+    # plain values are passed on as they are
+    (mod,) = resolve_recipe("s:\n  QuantizationModifier: {scheme: W4A16, observer: minmax}\n").modifiers
+    assert (mod.scheme, mod.observer) == ("W4A16", "minmax")
 
 
 # --- nesting and refusals (no model) --------------------------------------------------------------------------

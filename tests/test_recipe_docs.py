@@ -143,6 +143,8 @@ def test_argument_table_matches_the_code() -> None:
                     assert rule.action == "refuse" and not rule.accept, (mod, arg)
                 elif here.endswith(" only"):
                     assert rule.accept and rule.action in ("ignore", "refuse"), (mod, arg)
+                elif rule.action == "value":
+                    assert here.startswith("`{") and f"→ `{arg}`" in here, (mod, arg)
                 else:
                     assert rule.action == "rename" and f"`{rule.target}`" in here, (mod, arg)
     in_code = {(mod, arg) for mod, rules in ARGUMENT_RULES.items() for arg in rules}

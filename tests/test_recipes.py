@@ -426,5 +426,6 @@ def test_did_you_mean_ranks_by_similarity_without_the_shared_suffix() -> None:
     assert reg.suggestions("PruningModifier") == ["WandaPruningModifier"]
     assert reg.suggestions("LRModifier") == []
     assert reg.unknown_message("SparseGPTModifer").startswith(
-        "unknown modifier 'SparseGPTModifer'. Did you mean 'SparseGPTModifier'? Known modifiers: ConstantPruningModifier"
+        "unknown modifier 'SparseGPTModifer'. Did you mean 'SparseGPTModifier'? Known modifiers: "
+        "ConstantPruningModifier"
     )
