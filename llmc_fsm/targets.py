@@ -114,13 +114,20 @@ class TargetSelection:
     unmatched_targets: dict[str, str]
     unmatched_ignore: tuple[str, ...]
 
-    def warnings(self) -> list[str]:
-        """One line per unmatched target and per unmatched ignore pattern (empty when all matched)."""
+    def warnings(self, *, quiet_ignore: Iterable[str] = ()) -> list[str]:
+        """One line per unmatched target and per unmatched ignore pattern (empty when all matched).
+
+        Args:
+            quiet_ignore: ignore patterns not to warn about when they match nothing
+                (:func:`resolve_targets` passes the default ``lm_head``).
+        """
+        quiet = set(quiet_ignore)
         lines = [f"target pattern {p!r} selects nothing: {why}" for p, why in self.unmatched_targets.items()]
         lines += [
             f"ignore pattern {p!r} matches no module (check the spelling; 're:' patterns use re.match on full "
             "module names, e.g. 're:.*lm_head')"
             for p in self.unmatched_ignore
+            if p not in quiet
         ]
         return lines
 
@@ -213,7 +220,8 @@ def _apply_ties(named, candidates: dict[str, nn.Module], ignored_names: set[str]
     selected: dict[str, nn.Module] = {}
     tied: dict[str, str] = {}
     for name, module in candidates.items():
-        others = [n for n in holders.get(id(module.weight), []) if n != name]
+        weight = getattr(module, "weight", None)
+        others = [n for n in holders.get(id(weight), []) if n != name] if weight is not None else []
         ignored_partner = next((n for n in others if n in ignored_names), None)
         earlier = next((n for n in others if n in selected), None)
         if ignored_partner is not None or earlier is not None:
@@ -251,7 +259,7 @@ def select_targets(
     Raises:
         ValueError: a pattern that is not a string or not a valid regex; no target
             selects any supported module (the message says why for each pattern and
-            shows some module names); every selected module is ignored; or a selected
+            lists the Linear-like modules); every selected module is ignored; or a selected
             module's weight is shared with a module that is neither selected nor
             ignored, e.g. ``lm_head`` tied to ``model.embed_tokens`` (compressing it
             would silently change the embedding too).
@@ -314,9 +322,7 @@ def resolve_targets(
         ValueError: as :func:`select_targets`.
     """
     selection = select_targets(model, targets, ignore)
-    quiet = {f"ignore pattern {p!r}" for p in DEFAULT_IGNORE}
-    for line in selection.warnings():
-        if not any(line.startswith(q) for q in quiet):
-            logger.warning("%s", line)
+    for line in selection.warnings(quiet_ignore=DEFAULT_IGNORE):
+        logger.warning("%s", line)
     return selection.selected
 

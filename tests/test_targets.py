@@ -233,3 +233,4 @@ def test_selection_is_an_attrs_value_and_a_string_is_one_pattern():
         "ignore pattern 'lm_head' matches no module (check the spelling; 're:' patterns use re.match on full "
         "module names, e.g. 're:.*lm_head')"
     ]
+    assert selection.warnings(quiet_ignore=["lm_head"]) == []
