@@ -3,10 +3,14 @@
 The reference below is written independently of ``llmc_fsm.lifecycle``: if the
 library's table or its guards change behaviour, these tests disagree with it.
 Every invalid call must raise ``LifecycleError`` (or a subclass) and change
-nothing observable.
+nothing observable. At arbitrary points the session is checkpointed (in memory
+or on disk) and replaced by a new session with new modifier objects resumed from
+it: the resumed session must go on matching the same reference.
 """
 
 from __future__ import annotations
+
+import tempfile
 
 import attrs
 import torch
@@ -15,6 +19,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from llmc_fsm import EventOrderError, LifecycleError, MissingStateError, Modifier, ModifierError, Session
+from llmc_fsm.checkpoint import read_checkpoint
 
 # lifecycle -> call -> next lifecycle (reference; events handled separately)
 REFERENCE = {
@@ -42,10 +47,11 @@ class Probe(Modifier):
 
     required_state = frozenset({"model", "optimizer"})
     events = frozenset({"batch_start", "loss_calculated", "optim_pre_step", "optim_post_step", "batch_end"})
-    fail_next_initialize: bool = False
-    initialized: int = 0
-    finalized: int = 0
-    events_seen: int = 0
+    fail_next_initialize: bool = attrs.field(default=False, init=False)
+    initialized: int = attrs.field(default=0, init=False)
+    finalized: int = attrs.field(default=0, init=False)
+    events_seen: int = attrs.field(default=0, init=False)
+    acc: torch.Tensor = attrs.field(factory=lambda: torch.zeros(2), init=False)
 
     def on_initialize(self, state):
         self.register_hook(state.model, lambda *a: None)
@@ -55,9 +61,17 @@ class Probe(Modifier):
 
     def on_event(self, state, event):
         self.events_seen += 1
+        self.acc += torch.tensor([1.0, 0.5])
 
     def on_finalize(self, state):
         self.finalized += 1
+
+    def state_dict(self):
+        return {"counts": [self.initialized, self.finalized, self.events_seen], "acc": self.acc.clone()}
+
+    def load_state_dict(self, state):
+        self.initialized, self.finalized, self.events_seen = state["counts"]
+        self.acc = state["acc"].clone()
 
 
 class LifecycleMachine(RuleBasedStateMachine):
@@ -189,6 +203,25 @@ class LifecycleMachine(RuleBasedStateMachine):
         self.state = {}
         self.step = 0
 
+    @rule(on_disk=st.booleans())
+    def save_and_resume(self, on_disk):
+        """Checkpoint, drop the session, resume a new one (new modifier objects) from the checkpoint."""
+        if self.lifecycle not in ("initialized", "running") or self.position != "idle":
+            self.refused("state_dict", self.session.state_dict)
+            return
+        saved = self.session.state_dict()
+        if on_disk:
+            with tempfile.TemporaryDirectory() as tmp:
+                self.session.save(tmp)
+                saved = read_checkpoint(tmp)
+        self.session.reset()  # the interrupted process: its hooks go away with it
+        probes = [Probe(), Probe()]
+        session = Session(probes)
+        session.update_state(**self.state)
+        session.initialize()
+        session.load_state_dict(saved)
+        self.session, self.probes = session, probes
+
     # --- invariants -----------------------------------------------------------------
     @invariant()
     def matches_reference(self):
@@ -200,6 +233,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         for p, (initialized, finalized) in zip(self.probes, self.counts, strict=True):
             assert p.num_hooks == (1 if live else 0)
             assert (p.initialized, p.finalized) == (initialized, finalized)
+            assert p.acc.tolist() == [p.events_seen, p.events_seen * 0.5]
         assert len(self.model._forward_hooks) == (2 if live else 0)
 
 
