@@ -2,9 +2,12 @@
 
 Measures, on this machine, the cost of one event and of a full 5-event training
 step (batch_start, loss_calculated, optim_pre_step, optim_post_step, batch_end)
-with 0, 1, 4 and 16 no-op modifiers that handle every batch event, and the cost
-of one ``transitions`` trigger for scale. Target (lifecycle issue): <= 3 µs per
-event per no-op modifier plus a small fixed cost.
+with 0, 1, 4 and 16 no-op modifiers that handle every batch event, the cost
+of one ``transitions`` trigger for scale, and what the session's own lock adds
+to each event: a method whose body runs under ``with self._lock:`` (an
+uncontended ``threading.RLock``, as in every session call) against the same
+method without it. Target (lifecycle issue): <= 3 µs per event per no-op
+modifier plus a small fixed cost.
 
     python benchmarks/lifecycle_overhead.py [--steps 20000] [--json] [--no-peer]
 
@@ -22,6 +25,7 @@ import argparse
 import json
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -71,6 +75,34 @@ def time_steps(n_modifiers: int, steps: int, repeats: int = 5) -> float:
     return statistics.median(results)
 
 
+class _Locked:
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+
+    def locked(self) -> int:
+        with self._lock:
+            return 1
+
+    def plain(self) -> int:
+        return 1
+
+
+def time_lock(iterations: int = 200000, repeats: int = 5) -> float:
+    """µs a ``with self._lock:`` (uncontended RLock) adds to a method call: best of ``repeats``."""
+    obj = _Locked()
+    best = {}
+    for name in ("locked", "plain"):
+        call = getattr(obj, name)
+        runs = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            for _ in range(iterations):
+                call()
+            runs.append((time.perf_counter() - t0) / iterations * 1e6)
+        best[name] = min(runs)
+    return best["locked"] - best["plain"]
+
+
 def time_trigger(iterations: int = 20000) -> float:
     """µs for one transitions trigger (update_state: staging -> staging)."""
 
@@ -95,6 +127,7 @@ def main() -> None:
     args = parser.parse_args()
 
     step_us = {n: time_steps(n, args.steps) for n in (0, 1, 4, 16)}
+    lock_us = time_lock()
     trigger_us = time_trigger()
     fixed = step_us[0] / 5
     per_mod = {n: (step_us[n] - step_us[0]) / 5 / n for n in (1, 4, 16)}
@@ -104,6 +137,7 @@ def main() -> None:
         "fixed_event_us": fixed,
         "per_event_per_modifier_us": per_mod,
         "transitions_trigger_us": trigger_us,
+        "lock_us_per_event": lock_us,
     }
     if args.json:
         print(json.dumps(result))
@@ -113,6 +147,7 @@ def main() -> None:
         extra = f"{per_mod[n]:21.2f}" if n else f"{'(fixed cost)':>21}"
         print(f"{n:9d} | {us:17.2f} | {us / 5:10.2f} | {extra}")
     print(f"one transitions trigger: {trigger_us:.2f} µs (events do not go through triggers)")
+    print(f"the session lock adds {lock_us:.2f} µs to each event (uncontended RLock, in the fixed cost above)")
     worst = max(per_mod.values())
     print(f"target <= 3 µs per event per no-op modifier: {'met' if worst <= 3 else 'MISSED'} (worst {worst:.2f} µs)")
     if not args.only_events:

@@ -136,11 +136,10 @@ class SessionEvents:
     def _dispatch(self, event: str, ev: Event) -> None:
         """Run ``on_event`` of the modifiers handling ``event``; for ``loss_calculated`` a result replaces the loss."""
         state = self._state
-        for slot in self._schedule.handlers[event]:
-            tensors = slot.watched[1]
+        for slot, handler, tensors in self._schedule.dispatch[event]:
             before = [t._version for t in tensors] if tensors else None
             try:
-                result = slot.modifier.on_event(state, ev)
+                result = handler(state, ev)
             except Exception as exc:
                 self._event_failed(slot, "on_event", exc, before)
             if result is not None and event == "loss_calculated":

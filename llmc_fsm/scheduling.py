@@ -65,12 +65,15 @@ class Schedule:
         slots: one :class:`Slot` per modifier, in execution order.
         pending: slots the next opening event may start, update or end.
         handlers: event -> the active slots that handle it, in execution order.
+        dispatch: batch event -> ``(slot, bound on_event, watched tensors)`` of those slots
+            (the hot path unpacks one tuple per modifier).
     """
 
     def __init__(self, modifiers: list[Modifier]) -> None:
         self.slots = [Slot(m, label) for m, label in zip(modifiers, modifier_labels(modifiers), strict=True)]
         self.pending: list[Slot] = []
         self.handlers: dict[str, tuple[Slot, ...]] = {}
+        self.dispatch: dict[str, tuple[tuple[Slot, Callable[..., Any], tuple[Any, ...]], ...]] = {}
         self.clear()
 
     def begin(self) -> None:
@@ -81,12 +84,16 @@ class Schedule:
         """Nothing pending, nothing dispatched (at ``finalize``/``reset``)."""
         self.pending = []
         self.handlers = {event: () for event in EVENTS}
+        self.dispatch = {event: () for event in BATCH_EVENTS}
 
     def rebuild(self) -> None:
         """Recompute ``pending`` and ``handlers`` from the slots."""
         self.pending = [slot for slot in self.slots if slot.has_schedule_work]
         active = [slot for slot in self.slots if slot.started and not slot.ended]
         self.handlers = {event: tuple(s for s in active if s.handles(event)) for event in EVENTS}
+        self.dispatch = {
+            event: tuple((s, s.modifier.on_event, s.watched[1]) for s in self.handlers[event]) for event in BATCH_EVENTS
+        }
 
     def advance(self, epoch: float | None, call: Callable[[Slot, str], Any]) -> None:
         """Fire ``on_start`` / ``on_update`` / ``on_end`` (through ``call(slot, hook)``) for the slots due at ``epoch``.
