@@ -370,3 +370,23 @@ def test_kill_during_checkpoint_write_leaves_the_previous_one_loadable(tmp_path,
     session.save(path)  # the next save cleans up the leftovers
     names = sorted(p.name for p in path.iterdir())
     assert names[0] == MANIFEST and len(names) == 2 and names[1].startswith("tensors-")
+
+
+def test_the_mismatch_example_in_the_docs_is_the_real_message(tmp_path):
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def magnitude(init: float) -> MagnitudePruningModifier:
+        return MagnitudePruningModifier(init_sparsity=init, final_sparsity=0.5, end=2, update=0.5)
+
+    path = _saved(
+        tmp_path,
+        [magnitude(0.1), LearningRateModifier(schedule="cosine", init_lr=0.1, end=2)],
+        model=model,
+        optimizer=opt,
+        steps_per_epoch=4,
+    )
+    with pytest.raises(CheckpointError) as info:
+        Session.load(path, [magnitude(0.2)], model=model, optimizer=opt, steps_per_epoch=4)
+    doc = (REPO / "docs" / "lifecycle.md").read_text(encoding="utf-8")
+    assert f"```text\n{info.value}\n```" in doc

@@ -14,6 +14,7 @@ import torch
 import transitions
 
 import llmc_fsm
+import llmc_fsm.lifecycle
 from llmc_fsm import (
     EventOrderError,
     LifecycleError,
@@ -24,7 +25,7 @@ from llmc_fsm import (
     active_session,
     create_session,
 )
-from llmc_fsm.lifecycle import CALLS_ALLOWED, EVENT_ORDER, STATES, TRANSITIONS, mermaid
+from llmc_fsm.lifecycle import EVENT_ORDER, STATES, TRANSITIONS, mermaid
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -157,9 +158,12 @@ def test_missing_state_names_every_modifier_and_key_and_initializes_nothing():
     expected = {"Recorder": frozenset({"optimizer", "teacher"}), "NeedsData": frozenset({"calibration_data"})}
     assert err.missing == expected
     msg = str(err)
-    for fragment in ("Recorder requires 'optimizer', 'teacher'", "NeedsData requires 'calibration_data'",
-                     "session.update_state(calibration_data=..., optimizer=..., teacher=...)",
-                     "session.initialize(calibration_data=..., optimizer=..., teacher=...)"):
+    for fragment in (
+        "Recorder requires 'optimizer', 'teacher'",
+        "NeedsData requires 'calibration_data'",
+        "session.update_state(calibration_data=..., optimizer=..., teacher=...)",
+        "session.initialize(calibration_data=..., optimizer=..., teacher=...)",
+    ):
         assert fragment in msg
     assert err.lifecycle == "staging" and err.call == "initialize"
     assert session.lifecycle == "staging"
@@ -564,3 +568,51 @@ def test_docs_diagram_matches_table_and_cli():
     assert out.stdout == generated
     for row in TRANSITIONS:
         assert f": {row['trigger']}" in generated
+
+
+# --- what `llmc-fsm lifecycle` and allowed_calls list is what the session accepts (issue 11 case 14) ------
+
+_PATHS = {
+    "created": [],
+    "staging": ["update_state"],
+    "initialized": ["initialize"],
+    "running, between batches": ["initialize", "batch_start", "batch_end"],
+    "after batch_start": ["initialize", "batch_start"],
+    "after loss_calculated": ["initialize", "batch_start", "loss_calculated"],
+    "after optim_pre_step": ["initialize", "batch_start", "optim_pre_step"],
+    "after optim_post_step": ["initialize", "batch_start", "optim_pre_step", "optim_post_step"],
+    "during calibration": ["initialize", "calibration_start"],
+    "finalized": ["initialize", "finalize"],
+}
+_EVENT_ARGS = {"loss_calculated": (1.0,), "sequential_epoch_end": ([],)}
+
+
+def _at(path: list[str]) -> Session:
+    session = Session()
+    for call in path:
+        getattr(session, call)(*_EVENT_ARGS.get(call, ()))
+    return session
+
+
+@pytest.mark.parametrize("where", list(_PATHS))
+def test_allowed_calls_are_exactly_the_events_the_session_accepts(where):
+    listed = _at(_PATHS[where]).allowed_calls
+    accepted = set()
+    for event in llmc_fsm.lifecycle.EVENTS:
+        session = _at(_PATHS[where])
+        try:
+            getattr(session, event)(*_EVENT_ARGS.get(event, ()))
+        except LifecycleError:
+            continue
+        accepted.add(event)
+    assert accepted == set(listed) & set(llmc_fsm.lifecycle.EVENTS)
+
+
+def test_docs_and_cli_list_the_allowed_calls_per_state_and_position():
+    out = subprocess.run(
+        [sys.executable, "-m", "llmc_fsm.cli", "lifecycle"], capture_output=True, text=True, check=True
+    ).stdout
+    assert out.splitlines()[2] == "initialized  allows: batch_start, calibration_start, finalize, reset"
+    assert "              after optim_pre_step(): optim_post_step" in out.splitlines()
+    doc = (REPO / "docs" / "lifecycle.md").read_text(encoding="utf-8")
+    assert f"```text\n{out}```" in doc, "docs/lifecycle.md is out of date: paste `llmc-fsm lifecycle`"
