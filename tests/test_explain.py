@@ -182,7 +182,7 @@ class CrashesOnEvent(Good):
 
 
 def test_conformance_kit_passes_a_good_modifier() -> None:
-    check_modifier(Good, tiny_state, max_examples=25)
+    check_modifier(Good, tiny_state, max_examples=200)
 
 
 def test_conformance_kit_fixture_uses_option(llmc_fsm_check: Any) -> None:
@@ -200,7 +200,7 @@ def test_conformance_kit_fixture_uses_option(llmc_fsm_check: Any) -> None:
 )
 def test_conformance_kit_catches(cls: type[Modifier], message: str) -> None:
     with pytest.raises(ContractViolation, match=message.replace("(", r"\(").replace(")", r"\)")):
-        check_modifier(cls, tiny_state, max_examples=50)
+        check_modifier(cls, tiny_state, max_examples=200)
 
 
 def test_conformance_kit_requires_a_complete_state_factory() -> None:

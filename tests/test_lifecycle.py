@@ -507,14 +507,14 @@ def test_active_session_is_per_context_and_finalized_on_exit():
 
 def test_sessions_do_not_leak_between_threads_and_tasks():
     seen = {}
-    # All four threads are inside their sessions at once: a plain global would hand them the last one entered.
-    barrier = threading.Barrier(4, timeout=30)
+    together = threading.Barrier(4, timeout=30)  # every thread's session is active at the same time
 
     def worker(name):
         with create_session() as session:
             session.update_state(model=name)
-            barrier.wait()
+            together.wait()
             seen[name] = active_session().state.model
+            together.wait()
 
     threads = [threading.Thread(target=worker, args=(f"t{i}",)) for i in range(4)]
     with create_session() as main:

@@ -326,5 +326,5 @@ def test_sample_plugin_obeys_the_lifecycle_contract(site: Site) -> None:
     check_modifier(
         lambda: cls(fraction=0.5),
         lambda: {"model": torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))},
-        max_examples=30,
+        max_examples=200,
     )

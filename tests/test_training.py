@@ -368,7 +368,7 @@ def test_recipe_yaml_uses_registered_names():
 def test_modifiers_obey_the_lifecycle_contract(factory, state):
     from llmc_fsm.testing import check_modifier
 
-    check_modifier(factory, state, max_examples=10, loss_factory=lambda: torch.tensor(1.0))
+    check_modifier(factory, state, max_examples=200, loss_factory=lambda: torch.tensor(1.0))
 
 
 # --- checkpoint and resume (issue 10) ---------------------------------------------------------------------
