@@ -11,7 +11,7 @@ without targets) and compared only if it raises.
 
 from __future__ import annotations
 
-import threading
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from transitions import MachineError
@@ -31,7 +31,7 @@ __all__ = ["SessionEvents"]
 class SessionEvents:
     """Events, refusals and hook failures of a session (mixed into :class:`~llmc_fsm.Session`)."""
 
-    _lock: threading.RLock
+    _lock: AbstractContextManager[Any]  # a threading.RLock
     _fsm: Any
     _state: State
     _position: str

@@ -30,10 +30,7 @@ from typing import Any
 from llmc_fsm.checkpoint import SessionCheckpoints
 from llmc_fsm.errors import LifecycleError, MissingStateError, ModifierError
 from llmc_fsm.guard import changed, failure, module_parameters
-from llmc_fsm.lifecycle import (
-    CALLS_ALLOWED,
-    make_machine,
-)
+from llmc_fsm.lifecycle import CALLS_ALLOWED, make_machine
 from llmc_fsm.modifier import Event, Modifier
 from llmc_fsm.recipe import Recipe, resolve_recipe
 from llmc_fsm.scheduling import Schedule, Slot
@@ -54,6 +51,12 @@ class _Lifecycle:
 
 class Session(SessionCheckpoints):
     """A compression session with the lifecycle ``created -> staging -> initialized -> running -> finalized``.
+
+    The events (``batch_start`` ... ``calibration_end``) come from
+    :class:`~llmc_fsm.events.SessionEvents`, the checkpoint methods
+    (``state_dict``, ``load_state_dict``, ``save``, ``load``) from
+    :class:`~llmc_fsm.checkpoint.SessionCheckpoints`. Every public call holds
+    the session's re-entrant lock: one session may be called from several threads.
 
     Args:
         recipe: a recipe file path, YAML/JSON text, a dict, a list of
