@@ -37,9 +37,9 @@ import torch
 from torch import nn
 
 from llmc_fsm.modifier import Modifier
-from llmc_fsm.targets import DEFAULT_IGNORE, DEFAULT_TARGETS, resolve_targets
+from llmc_fsm.targets import DEFAULT_IGNORE, DEFAULT_TARGETS, is_linear_like, resolve_targets
 
-__all__ = ["CalibratedModifier", "ModuleResult", "is_linear_like", "relative_output_error"]
+__all__ = ["CalibratedModifier", "ModuleResult", "relative_output_error"]
 
 logger = logging.getLogger(__name__)
 
@@ -64,13 +64,6 @@ def _non_empty(instance: Any, attribute: attrs.Attribute, value: list[str]) -> N
     if not value:
         msg = f"{attribute.name} must name at least one module pattern, e.g. ['Linear']"
         raise ValueError(msg)
-
-
-def is_linear_like(module: nn.Module) -> bool:
-    """A 2-D ``[out, in]`` weight applied to the last dimension of the module's input (``nn.Linear``-like)."""
-    weight = getattr(module, "weight", None)
-    in_features = getattr(module, "in_features", None)
-    return isinstance(weight, torch.Tensor) and weight.dim() == 2 and in_features == weight.shape[1]
 
 
 @torch.no_grad()
@@ -162,9 +155,12 @@ class CalibratedModifier(Modifier):
         raise NotImplementedError
 
     def _check_target(self, name: str, module: nn.Module) -> str | None:
-        """A one-line problem with compressing ``module``, or ``None``. Default: it must be Linear-like."""
+        """Why ``module`` cannot be compressed (one line, without its name), or ``None``.
+
+        Default: it must be Linear-like. Modules with the same reason are reported together.
+        """
         if not is_linear_like(module):
-            return f"{name} ({type(module).__name__}) has no 2-D Linear weight"
+            return f"no 2-D Linear weight ({type(module).__name__})"
         return None
 
     def _compress_group(self, modules: list[nn.Module], accumulator: Any) -> list[torch.Tensor]:
@@ -179,11 +175,16 @@ class CalibratedModifier(Modifier):
     def on_initialize(self, state: Any) -> None:
         self._clear()
         targets = resolve_targets(state.model, self.targets, self.ignore)
-        problems = [p for name, m in targets.items() if (p := self._check_target(name, m)) is not None]
+        problems: dict[str, list[str]] = {}
+        for name, module in targets.items():
+            reason = self._check_target(name, module)
+            if reason is not None:
+                problems.setdefault(reason, []).append(name)
         if problems:
-            shown = "; ".join(problems[:8]) + (f"; and {len(problems) - 8} more" if len(problems) > 8 else "")
+            count = sum(len(names) for names in problems.values())
+            shown = "; ".join(f"{reason}: {', '.join(names)}" for reason, names in problems.items())
             msg = (
-                f"{type(self).__name__} cannot compress {len(problems)} of its targets: {shown}. "
+                f"{type(self).__name__} cannot compress {count} of its targets — {shown}. "
                 "Narrow targets or add these modules to ignore"
             )
             raise ValueError(msg)
@@ -251,7 +252,9 @@ class CalibratedModifier(Modifier):
             if acc is None or acc.num_samples == 0:
                 if self.needs_inputs:
                     if name not in self.skipped:
-                        logger.warning("%s: %s received no calibration input; left as it was", type(self).__name__, name)
+                        logger.warning(
+                            "%s: %s received no calibration input; left as it was", type(self).__name__, name
+                        )
                         self.skipped.append(name)
                     continue
                 acc = None

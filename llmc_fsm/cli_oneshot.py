@@ -6,8 +6,7 @@ import argparse
 import sys
 from typing import Any
 
-from llmc_fsm.oneshot import _METHODS as METHODS
-from llmc_fsm.oneshot import DEFAULT_MODEL, _positive_int, default_recipe, oneshot
+from llmc_fsm.oneshot import DEFAULT_MODEL, METHODS, _positive_int, default_recipe, oneshot
 
 
 def add_cli(sub: Any) -> None:
@@ -25,9 +24,23 @@ def add_cli(sub: Any) -> None:
         "--model", default=DEFAULT_MODEL, help=f"known model name or local HF directory (default {DEFAULT_MODEL})"
     )
     p.add_argument("--recipe", help="recipe file (YAML/JSON); default: --method/--sparsity/--mask-structure")
-    p.add_argument("--method", choices=sorted(METHODS), help="default recipe's algorithm (default sparsegpt)")
-    p.add_argument("--sparsity", type=float, help="default recipe's sparsity in [0, 1) (default 0.5)")
-    p.add_argument("--mask-structure", help="default recipe's mask: 'unstructured' (default) or N:M such as 2:4")
+    p.add_argument(
+        "--method",
+        choices=list(METHODS),
+        help="default recipe's algorithm: pruning (sparsegpt, the default; wanda; magnitude) or quantization "
+        "(gptq; rtn = round-to-nearest)",
+    )
+    p.add_argument("--sparsity", type=float, help="pruning: sparsity in [0, 1) (default 0.5)")
+    p.add_argument("--mask-structure", help="pruning: mask 'unstructured' (default) or N:M such as 2:4")
+    p.add_argument(
+        "--scheme",
+        help="quantization: compressed-tensors preset, e.g. W4A16 (default), W8A16, W8A8, FP8_DYNAMIC",
+    )
+    p.add_argument(
+        "--group-size",
+        type=int,
+        help="quantization: replace the scheme's weight group size (SmolLM2's width 576 needs 64 instead of 128)",
+    )
     p.add_argument("--dataset", help="calibration text/JSONL file or HF dataset name (default: model-generated text)")
     p.add_argument("--num-samples", type=int, default=32, help="calibration windows (default 32)")
     p.add_argument("--seq-len", type=int, default=256, help="tokens per calibration window (default 256)")
@@ -42,8 +55,19 @@ def add_cli(sub: Any) -> None:
 
 
 def _run_cli(args: argparse.Namespace) -> int:
-    if args.recipe is not None and (args.method or args.sparsity is not None or args.mask_structure):
-        msg = "--recipe cannot be combined with --method/--sparsity/--mask-structure; put them in the recipe"
+    recipe_flags = (args.method, args.sparsity, args.mask_structure, args.scheme, args.group_size)
+    if args.recipe is not None and any(flag is not None for flag in recipe_flags):
+        msg = (
+            "--recipe cannot be combined with --method/--sparsity/--mask-structure/--scheme/--group-size; "
+            "put them in the recipe"
+        )
+        raise ValueError(msg)
+    quantizing = args.method in ("gptq", "rtn")
+    if quantizing and (args.sparsity is not None or args.mask_structure):
+        msg = f"--method {args.method} quantizes: --sparsity/--mask-structure apply to pruning methods only"
+        raise ValueError(msg)
+    if not quantizing and (args.scheme is not None or args.group_size is not None):
+        msg = "--scheme/--group-size apply to --method gptq or rtn only"
         raise ValueError(msg)
     if args.threads is not None:
         import torch
@@ -55,6 +79,8 @@ def _run_cli(args: argparse.Namespace) -> int:
             args.method or "sparsegpt",
             0.5 if args.sparsity is None else args.sparsity,
             args.mask_structure or "unstructured",
+            scheme=args.scheme or "W4A16",
+            group_size=None if args.group_size is None else _positive_int("--group-size", args.group_size),
         )
     model = oneshot(
         model=args.model,

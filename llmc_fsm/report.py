@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import resource
 import sys
+import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -16,7 +17,7 @@ import attrs
 import torch
 from torch import nn
 
-__all__ = ["ModuleSparsity", "OneshotReport", "max_rss_bytes", "measure_sparsity"]
+__all__ = ["ModuleSparsity", "OneshotReport", "build_report", "max_rss_bytes", "measure_sparsity"]
 
 
 def max_rss_bytes() -> int:
@@ -27,12 +28,22 @@ def max_rss_bytes() -> int:
 
 @attrs.define(kw_only=True)
 class ModuleSparsity:
-    """Zeros of one module's weight. ``layer`` is the decoder layer index, or ``None`` outside the layers."""
+    """Zeros of one module's weight, and how it was quantized.
+
+    ``layer`` is the decoder layer index, or ``None`` outside the layers. For
+    quantized modules ``bits`` and ``group_size`` (``None`` for channel/tensor
+    strategies) are set; ``rel_output_error`` is ``||W X - W_hat X|| / ||W X||``
+    on the calibration inputs, for modifiers that keep a Hessian (SparseGPT,
+    GPTQ, RTN with calibration data), else ``None``.
+    """
 
     name: str
     layer: int | None
     zeros: int
     numel: int
+    bits: int | None = None
+    group_size: int | None = None
+    rel_output_error: float | None = None
 
     @property
     def sparsity(self) -> float:
@@ -88,6 +99,12 @@ class OneshotReport:
     max_rss_bytes: int = 0
     output_dir: str | None = None
     targeted: list[str] = attrs.field(factory=list)
+    disk: dict[str, int | None] | None = None
+
+    def finish(self, t_start: float) -> None:
+        """Set the total wall time (since ``t_start``, a ``time.perf_counter()`` value) and the peak RSS."""
+        self.seconds["total"] = time.perf_counter() - t_start
+        self.max_rss_bytes = max_rss_bytes()
 
     # --- aggregates ------------------------------------------------------------
     def _targeted(self) -> list[ModuleSparsity]:
@@ -110,6 +127,19 @@ class OneshotReport:
                 agg[m.layer] = [z + m.zeros, n + m.numel]
         return [(i, z / n if n else 0.0, n) for i, (z, n) in sorted(agg.items())]
 
+    def layer_quantization(self) -> dict[int, tuple[str, float | None]]:
+        """``{layer index: (bits/group label, mean relative output error or None)}`` of quantized targeted modules."""
+        agg: dict[int, list[ModuleSparsity]] = {}
+        for m in self._targeted():
+            if m.layer is not None and m.bits is not None:
+                agg.setdefault(m.layer, []).append(m)
+        out: dict[int, tuple[str, float | None]] = {}
+        for i, mods in agg.items():
+            labels = sorted({f"{m.bits}b" + (f"/g{m.group_size}" if m.group_size else "") for m in mods})
+            errors = [m.rel_output_error for m in mods if m.rel_output_error is not None]
+            out[i] = (",".join(labels), sum(errors) / len(errors) if errors else None)
+        return out
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "model": self.model,
@@ -128,10 +158,12 @@ class OneshotReport:
                         "numel": m.numel,
                         "sparsity": m.sparsity,
                         "targeted": m.name in set(self.targeted),
+                        **_quant_fields(m),
                     }
                     for m in self.modules
                 ],
             },
+            "disk": self.disk,
             "seconds": self.seconds,
             "max_rss_bytes": self.max_rss_bytes,
             "output_dir": self.output_dir,
@@ -154,8 +186,18 @@ class OneshotReport:
             recipe=data.get("recipe") or {},
             calibration=data.get("calibration") or {},
             modules=[
-                ModuleSparsity(name=m["name"], layer=m["layer"], zeros=m["zeros"], numel=m["numel"]) for m in entries
+                ModuleSparsity(
+                    name=m["name"],
+                    layer=m["layer"],
+                    zeros=m["zeros"],
+                    numel=m["numel"],
+                    bits=m.get("bits"),
+                    group_size=m.get("group_size"),
+                    rel_output_error=m.get("rel_output_error"),
+                )
+                for m in entries
             ],
+            disk=data.get("disk"),
             ppl_before=ppl.get("before"),
             ppl_after=ppl.get("after"),
             eval=data.get("eval"),
@@ -173,11 +215,15 @@ class OneshotReport:
             f"calibration: {cal.get('num_samples')} x {cal.get('seq_len')} tokens from {cal.get('source')}"
         )
         rows = self.layer_sparsity()
+        quant = self.layer_quantization()
         if rows:
             lines.append("")
-            lines.append(f"{'layer':>7}  {'weights':>10}  {'sparsity':>8}")
+            extra = f"  {'quantized':>9}  {'rel. output error':>16}" if quant else ""
+            lines.append(f"{'layer':>7}  {'weights':>10}  {'sparsity':>8}{extra}")
             for i, s, n in rows:
-                lines.append(f"{i:>7}  {n:>10,}  {s:>8.2%}")
+                label, err = quant.get(i, ("-", None))
+                extra = f"  {label:>9}  {'-' if err is None else f'{err:.4f}':>16}" if quant else ""
+                lines.append(f"{i:>7}  {n:>10,}  {s:>8.2%}{extra}")
         outside = [m for m in self._targeted() if m.layer is None]
         for m in outside:
             lines.append(f"{m.name:>7}  {m.numel:>10,}  {m.sparsity:>8.2%}")
@@ -195,6 +241,11 @@ class OneshotReport:
             )
         else:
             lines.append("perplexity: not measured (pass --eval-text FILE)")
+        if self.disk and self.disk.get("after_bytes"):
+            before, after = self.disk.get("before_bytes"), self.disk["after_bytes"]
+            ratio = f" ({after / before:.2f}x)" if before else ""
+            shown = f"{before / 1e6:.1f} MB -> " if before else ""
+            lines.append(f"weights on disk: {shown}{after / 1e6:.1f} MB{ratio}")
         secs = self.seconds
         parts = [f"{k} {v:.1f} s" for k, v in secs.items() if k != "total"]
         lines.append(f"wall time: {secs.get('total', 0.0):.1f} s ({', '.join(parts)})")
@@ -202,6 +253,64 @@ class OneshotReport:
         if self.output_dir:
             lines.append(f"output: {self.output_dir} (model, tokenizer, recipe.yaml, report.json)")
         return "\n".join(lines)
+
+
+def _quant_fields(m: ModuleSparsity) -> dict[str, Any]:
+    return {
+        key: value
+        for key, value in (("bits", m.bits), ("group_size", m.group_size), ("rel_output_error", m.rel_output_error))
+        if value is not None
+    }
+
+
+def build_report(
+    *,
+    model: nn.Module,
+    model_name: str,
+    recipe: Any,
+    modifiers: Iterable[Any],
+    calibration: dict[str, Any],
+    ppl_before: float | None,
+    ppl_after: float | None,
+    eval: dict[str, Any] | None,  # noqa: A002
+    seconds: dict[str, float],
+    targeted: list[str],
+) -> OneshotReport:
+    """The one-shot report of ``model`` after compression by ``modifiers``.
+
+    Sparsity is measured on the weights; quantization fields and output errors
+    come from the modifiers' per-module results (``results`` of
+    :class:`llmc_fsm.calibration.CalibratedModifier`); the targeted modules from
+    ``targeted`` (the modifiers' :attr:`~llmc_fsm.Modifier.resolved_targets`, gathered after initialize).
+    """
+    from llmc_fsm.pipeline import find_decoder_layers
+
+    try:
+        layers_name, layers = find_decoder_layers(model)
+    except ValueError:
+        layers_name, layers = "", None
+    modules = measure_sparsity(model, layers, layers_name)
+    by_name = {m.name: m for m in modules}
+    for modifier in modifiers:
+        for name, result in (getattr(modifier, "results", None) or {}).items():
+            entry = by_name.get(name)
+            if entry is None:
+                continue
+            if getattr(result, "bits", None) is not None:
+                entry.bits, entry.group_size = result.bits, result.group_size
+            if getattr(result, "rel_output_error", None) is not None:
+                entry.rel_output_error = result.rel_output_error  # the last modifier's: the final weight's error
+    return OneshotReport(
+        model=model_name,
+        recipe=recipe.to_dict(applied=True),
+        calibration=calibration,
+        modules=modules,
+        ppl_before=ppl_before,
+        ppl_after=ppl_after,
+        eval=eval,
+        seconds=seconds,
+        targeted=targeted,
+    )
 
 
 def names(mods: Iterable[ModuleSparsity]) -> list[str]:

@@ -276,8 +276,8 @@ def test_oneshot_without_dataset_uses_generated_data():
     assert report.total_sparsity == 0.5
 
 
-def test_rerun_on_saved_model_skips_stages_already_applied(tmp_path):
-    from llmc_fsm.oneshot import _merge_saved_recipe
+def test_rerun_on_saved_model_skips_stages_already_applied(tmp_path, caplog):
+    from llmc_fsm.output import merge_saved_recipe
     from llmc_fsm.recipe import resolve_recipe
 
     saved = tmp_path / "saved"
@@ -285,8 +285,13 @@ def test_rerun_on_saved_model_skips_stages_already_applied(tmp_path):
     first = resolve_recipe({"prune": {"MagnitudePruningModifier": {"sparsity": 0.5}}})
     (saved / "recipe.yaml").write_text(first.to_yaml(applied=True), encoding="utf-8")
     again = {"prune": {"MagnitudePruningModifier": {"sparsity": 0.7}}, "more": {"WandaPruningModifier": {}}}
-    merged = _merge_saved_recipe(resolve_recipe(again), saved)
+    with caplog.at_level("WARNING"):
+        merged = merge_saved_recipe(resolve_recipe(again), saved, generated=False)
     assert [(s.name, s.applied) for s in merged.stages] == [("prune", True), ("more", False)]
+    assert "its settings differ: MagnitudePruningModifier.sparsity 0.5 -> 0.7 — give the stage a new name" in caplog.text
+    # a generated recipe (--method) gets a fresh stage name instead of being skipped (issue 11 case 13)
+    renamed = merge_saved_recipe(resolve_recipe(again), saved, generated=True)
+    assert [(s.name, s.applied) for s in renamed.stages] == [("prune", True), ("prune_2", False), ("more", False)]
     assert merged.stages[0].modifiers[0].sparsity == 0.5  # the saved history stands
     assert [type(m).__name__ for m in merged.modifiers] == ["WandaPruningModifier"]
     assert "sparsity: 0.5" in merged.to_yaml(applied=True)  # saved recipes spell out every setting

@@ -210,7 +210,13 @@ class _PruneRule:
     """
 
     def __init__(
-        self, *, sparsity: float, nm: tuple[int, int] | None, bounds: list[tuple[int, int]], dead: torch.Tensor, rows: int
+        self,
+        *,
+        sparsity: float,
+        nm: tuple[int, int] | None,
+        bounds: list[tuple[int, int]],
+        dead: torch.Tensor,
+        rows: int,
     ) -> None:
         self.sparsity = sparsity
         self.nm = nm

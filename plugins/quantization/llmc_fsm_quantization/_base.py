@@ -56,8 +56,11 @@ def attach_qparams(module: nn.Module, scheme: QuantizationScheme, quantized: Qua
         ValueError: a parameter's shape differs from what compressed-tensors allocates for ``scheme``.
     """
     initialize_module_for_quantization(module, scheme, force_zero_point=True)
-    for name, value in (("weight_scale", quantized.scale), ("weight_zero_point", quantized.zero_point),
-                        ("weight_g_idx", quantized.g_idx)):
+    for name, value in (
+        ("weight_scale", quantized.scale),
+        ("weight_zero_point", quantized.zero_point),
+        ("weight_g_idx", quantized.g_idx),
+    ):
         if value is None:
             continue
         param = getattr(module, name)
@@ -119,9 +122,13 @@ class QuantizingModifier(CalibratedModifier):
         config_q = getattr(getattr(model, "config", None), "quantization_config", None)
         quantized = [name for name, m in model.named_modules() if hasattr(m, "quantization_scheme")]
         if config_q is not None or quantized:
-            method = config_q.get("quant_method") if isinstance(config_q, dict) else getattr(config_q, "quant_method", None)
-            what = f"its config carries a quantization_config (quant_method {method!r})" if config_q is not None else (
-                f"{len(quantized)} modules are already quantized, e.g. {quantized[0]}"
+            method = (
+                config_q.get("quant_method") if isinstance(config_q, dict) else getattr(config_q, "quant_method", None)
+            )
+            what = (
+                f"its config carries a quantization_config (quant_method {method!r})"
+                if config_q is not None
+                else (f"{len(quantized)} modules are already quantized, e.g. {quantized[0]}")
             )
             msg = (
                 f"{type(self).__name__}: the model is already quantized ({what}); quantize the original "
@@ -136,7 +143,7 @@ class QuantizingModifier(CalibratedModifier):
             return problem
         args = self.weight_args
         if args.strategy == QuantizationStrategy.GROUP and module.weight.shape[1] % args.group_size:
-            return f"{name}: in_features {module.weight.shape[1]} is not a multiple of group_size {args.group_size}"
+            return f"in_features {module.weight.shape[1]} is not a multiple of group_size {args.group_size}"
         return None
 
     # ---- work -----------------------------------------------------------------------

@@ -105,7 +105,9 @@ def gptq_quantize(
         raise ValueError("weights must be a non-empty list of 2-D [out, in] tensors")
     cols = weights[0].shape[1]
     if any(w.shape[1] != cols for w in weights):
-        raise ValueError(f"weights sharing a Hessian need the same in_features, got {[tuple(w.shape) for w in weights]}")
+        raise ValueError(
+            f"weights sharing a Hessian need the same in_features, got {[tuple(w.shape) for w in weights]}"
+        )
     if hessian.shape != (cols, cols):
         raise ValueError(f"hessian must have shape ({cols}, {cols}), got {tuple(hessian.shape)}")
     _check_args(cols, args, block_size, actorder)
@@ -116,7 +118,10 @@ def gptq_quantize(
         perm = torch.argsort(torch.diagonal(hessian).to(device), descending=True, stable=True)
         hessian = hessian.to(device)[perm][:, perm]
     U, _dead = inverse_hessian_cholesky(
-        hessian, dampening_frac=dampening_frac, max_dampening_retries=max_dampening_retries, device=device,
+        hessian,
+        dampening_frac=dampening_frac,
+        max_dampening_retries=max_dampening_retries,
+        device=device,
         algorithm="GPTQ",
     )
     originals = [w.detach().to(torch.float32) for w in weights]
@@ -158,8 +163,8 @@ class _QuantRule:
         self.zps: list[torch.Tensor] = []
         if upfront:
             per = [observe(w, args, observer) for w in originals]
-            self.scales = [s.expand(w.shape[0], -1) if s.numel() == 1 else s for (s, _), w in zip(per, originals)]
-            self.zps = [z.expand(w.shape[0], -1) if z.numel() == 1 else z for (_, z), w in zip(per, originals)]
+            self.scales = [s.expand(w.shape[0], -1) if s.numel() == 1 else s for (s, _), w in zip(per, originals, strict=True)]
+            self.zps = [z.expand(w.shape[0], -1) if z.numel() == 1 else z for (_, z), w in zip(per, originals, strict=True)]
             self._per_weight = per
             self.scale = torch.cat(self.scales, dim=0)
             self.zp = torch.cat(self.zps, dim=0)
@@ -211,8 +216,9 @@ class _QuantRule:
                 scale, zp = self._per_weight[k]
             else:
                 scale, zp = self.scale[r0:r1].clone(), self.zp[r0:r1].clone()
-            out.append(QuantizedWeight(weight=WT[:, r0:r1].T.contiguous().to(w.dtype), scale=scale, zero_point=zp,
-                                       g_idx=g_idx))
+            out.append(
+                QuantizedWeight(weight=WT[:, r0:r1].T.contiguous().to(w.dtype), scale=scale, zero_point=zp, g_idx=g_idx)
+            )
             r0 = r1
         return out
 
@@ -230,8 +236,14 @@ def _dampening(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
 
 
 def _actorder(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if value == "group":
+        msg = (
+            "actorder: group needs a per-column group index (g_idx) in the checkpoint, which the compressed-tensors "
+            "format (0.20) does not store; use static (the default: activation order, contiguous groups) or null"
+        )
+        raise ValueError(msg)
     if value not in ACTORDERS:
-        msg = f"actorder must be one of static, group or null, got {value!r}"
+        msg = f"actorder must be one of static or null, got {value!r}"
         raise ValueError(msg)
 
 
@@ -243,8 +255,9 @@ class GPTQModifier(QuantizingModifier):
         block_size: columns per lazy-update block (default 128).
         dampening_frac: ``dampening_frac * mean(diag H)`` added to the Hessian's
             diagonal (default 0.01, as in the paper); >= 0.
-        actorder: activation order — ``"static"`` (default), ``"group"`` or
-            ``null``; see :func:`gptq_quantize`.
+        actorder: activation order — ``"static"`` (default) or ``null``; see
+            :func:`gptq_quantize`. ``"group"`` is refused: its per-column group
+            index has no place in the compressed-tensors 0.20 checkpoint.
 
     Requires state ``model`` and ``calibration_data``. Memory: one
     ``in_features x in_features`` float32 Hessian per distinct target input of
@@ -258,14 +271,14 @@ class GPTQModifier(QuantizingModifier):
     def _new_accumulator(self, module: nn.Module) -> HessianAccumulator:
         return HessianAccumulator(module.weight.shape[1])
 
-    def _check_target(self, name: str, module: nn.Module) -> str | None:
-        problem = super()._check_target(name, module)
+    def __attrs_post_init__(self) -> None:
+        super().__attrs_post_init__()
         args = self.weight_args
-        if problem is None and args.strategy == QuantizationStrategy.GROUP:
-            gs = args.group_size
-            if self.block_size % gs and gs % self.block_size:
-                return f"block_size {self.block_size} and group_size {gs} must divide one another"
-        return problem
+        if args.strategy == QuantizationStrategy.GROUP and self.block_size % args.group_size and (
+            args.group_size % self.block_size
+        ):
+            msg = f"block_size ({self.block_size}) and group_size ({args.group_size}) must divide one another"
+            raise ValueError(msg)
 
     def _quantize(self, modules: list[nn.Module], accumulator: HessianAccumulator) -> list[QuantizedWeight]:
         return gptq_quantize(

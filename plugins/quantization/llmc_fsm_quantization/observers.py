@@ -48,7 +48,9 @@ def _groups(weight: torch.Tensor, args: QuantizationArgs) -> torch.Tensor:
     raise ValueError(msg)
 
 
-def quantize_rows(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, row_args: QuantizationArgs) -> torch.Tensor:
+def quantize_rows(
+    x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, row_args: QuantizationArgs
+) -> torch.Tensor:
     """Fake-quantize ``x`` ``[G, n]`` with one ``scale``/``zero_point`` ``[G, 1]`` per row (channel ``row_args``)."""
     return fake_quantize(x, scale, zero_point, row_args)
 
@@ -73,7 +75,9 @@ def row_qparams(x: torch.Tensor, row_args: QuantizationArgs, observer: str) -> t
 
 
 @torch.no_grad()
-def observe(weight: torch.Tensor, args: QuantizationArgs, observer: str = "minmax") -> tuple[torch.Tensor, torch.Tensor]:
+def observe(
+    weight: torch.Tensor, args: QuantizationArgs, observer: str = "minmax"
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Scale and zero point of ``weight`` for ``args`` (strategy tensor, channel or group).
 
     Args:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import attrs
 import torch
+from compressed_tensors.quantization import QuantizationArgs
 from compressed_tensors.quantization.lifecycle.forward import fake_quantize
 from torch import nn
 
@@ -15,7 +16,7 @@ __all__ = ["QuantizationModifier", "rtn_quantize"]
 
 
 @torch.no_grad()
-def rtn_quantize(weight: torch.Tensor, args, observer: str = "minmax") -> QuantizedWeight:  # noqa: ANN001
+def rtn_quantize(weight: torch.Tensor, args: QuantizationArgs, observer: str = "minmax") -> QuantizedWeight:
     """Round every weight to the nearest point of its group's grid.
 
     ``scale``/``zero_point`` from ``observer`` (:func:`~llmc_fsm_quantization.observers.observe`),

@@ -1,0 +1,133 @@
+"""Calibration and evaluation data of the one-shot job: text files read up front, token windows, generated text.
+
+* :func:`read_text` — a text source read before the model loads (errors name the argument);
+* :func:`eval_windows` — evaluation windows from the head of a text, as many as fit;
+* :func:`check_seq_len` — a sequence length the model can take;
+* :func:`generate_calibration` — calibration data sampled from the model itself
+  from :data:`DEFAULT_PROMPTS` (the default, needs no dataset).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+__all__ = ["DEFAULT_PROMPTS", "check_seq_len", "describe", "eval_windows", "generate_calibration", "read_text"]
+
+logger = logging.getLogger(__name__)
+
+#: Prompts the model continues to make its own calibration data when no dataset is given.
+DEFAULT_PROMPTS: tuple[str, ...] = (
+    "The history of the city begins",
+    "In mathematics, a prime number is",
+    "Here is a short story about a lighthouse keeper:",
+    "def fibonacci(n):",
+    "The committee published its annual report on",
+    "Photosynthesis is the process by which",
+    "Dear Sir or Madam, I am writing to",
+    "The match ended in a draw after",
+)
+
+
+def check_seq_len(model: Any, seq_len: int) -> None:
+    """Refuse a sequence length above the model's ``max_position_embeddings``.
+
+    Raises:
+        ValueError: naming the limit.
+    """
+    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if isinstance(limit, int) and seq_len > limit:
+        msg = (
+            f"sequence length {seq_len} (--seq-len / eval) is above the model's max_position_embeddings "
+            f"({limit}); use at most {limit}"
+        )
+        raise ValueError(msg)
+
+
+def eval_windows(tokenizer: Any, text: str, num_windows: int, seq_len: int) -> Any:
+    """``num_windows`` windows from the head of ``text``, or as many as fit (at least one)."""
+    from llmc_fsm.data import token_windows
+
+    try:
+        return token_windows(tokenizer, text, num_windows=num_windows, seq_len=seq_len)
+    except ValueError:
+        n_ids = len(tokenizer(text, add_special_tokens=False)["input_ids"])
+        fit = max(n_ids // seq_len, 1)
+        logger.warning("eval text has %d tokens (< %d): using %d windows", n_ids, num_windows * seq_len, fit)
+        return token_windows(tokenizer, text, num_windows=fit, seq_len=seq_len)
+
+
+def generate_calibration(
+    model: nn.Module,
+    tokenizer: Any,
+    *,
+    num_samples: int,
+    seq_len: int,
+    seed: int = 0,
+    prompts: tuple[str, ...] = DEFAULT_PROMPTS,
+) -> torch.LongTensor:
+    """Sample ``num_samples`` sequences of exactly ``seq_len`` tokens from the model itself.
+
+    Each prompt of ``prompts`` is continued by ``ceil(num_samples / len(prompts))``
+    samples (top-p 0.95, temperature 1, end-of-sequence suppressed), with the
+    torch RNG seeded by ``seed`` inside a forked RNG state (the caller's RNG is
+    untouched). Returns ``LongTensor[num_samples, seq_len]`` (prompt included).
+    """
+    import torch
+
+    per_prompt = math.ceil(num_samples / len(prompts))
+    rows: list[torch.Tensor] = []
+    device = next(model.parameters()).device
+    with torch.random.fork_rng(devices=[]), torch.inference_mode():
+        torch.manual_seed(seed)
+        for prompt in prompts:
+            if len(rows) >= num_samples:
+                break
+            ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False)["input_ids"].to(device)
+            new = max(seq_len - ids.shape[1], 1)
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=True,
+                top_p=0.95,
+                top_k=0,
+                temperature=1.0,
+                max_new_tokens=new,
+                min_new_tokens=new,
+                num_return_sequences=min(per_prompt, num_samples - len(rows)),
+                pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
+            )
+            rows.extend(out[:, :seq_len].cpu())
+    return torch.stack(rows[:num_samples]).long()
+
+
+def read_text(role: str, source: Any) -> str:
+    """``load_text(source)``; errors name ``role`` (the argument), and an empty text fails before the model loads.
+
+    Raises:
+        OSError / ValueError: from :func:`llmc_fsm.data.load_text`, prefixed with ``role``; empty text.
+    """
+    """``load_text(source)``; errors name the argument, and an empty text fails before the model loads."""
+    from llmc_fsm.data import load_text
+
+    try:
+        text = load_text(source)
+    except (OSError, ValueError) as err:
+        raise type(err)(f"{role}: {err}") from err
+    if not text.strip():
+        msg = f"{role}: {describe(source)} holds no text"
+        raise ValueError(msg)
+    return text
+
+
+def describe(source: Any) -> str:
+    """A short name for a data source (a path, or ``<tensor (N, L)>``)."""
+    if type(source).__name__ == "Tensor":
+        return f"<tensor {tuple(source.shape)}>"
+    return os.fspath(source) if isinstance(source, str | os.PathLike) else type(source).__name__

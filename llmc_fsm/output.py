@@ -1,0 +1,249 @@
+"""The output directory of the one-shot job: checked before any work, written atomically, saved in HF layout.
+
+* :func:`check_output_dir` — every check that needs no model (exists, empty,
+  writable, not the working directory);
+* :func:`atomic_dir` — a temporary sibling that replaces the target only when
+  everything was written;
+* :func:`save_model` — the model in Hugging Face layout (safetensors). A model
+  whose modules carry ``compressed-tensors`` quantization (the quantization
+  plugin's GPTQ/RTN) is saved compressed through ``compressed-tensors``: packed
+  int4 (``pack-quantized``) for W4A16, int8 (``int-quantized``) for W8A8, fp8
+  (``float-quantized``) for FP8, with ``quantization_config``
+  (``quant_method: compressed-tensors``) in ``config.json`` and, when the
+  quantized weights are sparse, a dense-format ``sparsity_config`` recording
+  the measured sparsity and its structure. ``transformers`` loads it with
+  ``compressed-tensors`` installed, vLLM serves it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import attrs
+from torch import nn
+
+if TYPE_CHECKING:
+    from llmc_fsm.recipe import Recipe
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "atomic_dir",
+    "check_output_dir",
+    "dir_size_bytes",
+    "merge_saved_recipe",
+    "quantized_modules",
+    "save_model",
+    "settings_diff",
+]
+
+
+#: A non-empty directory holding one of these may be replaced with overwrite=True.
+_MODEL_DIR_MARKERS = ("config.json", "recipe.yaml", "report.json", "model.safetensors")
+
+
+def check_output_dir(output_dir: str | os.PathLike[str] | None, overwrite: bool) -> Path | None:
+    """The resolved output directory, checked before any model work (``None`` when not given).
+
+    Raises:
+        FileExistsError: it exists and is a file, or is non-empty without ``overwrite``, or ``overwrite`` would
+            replace a directory that is not a model output.
+        ValueError: it is the working directory or contains it.
+        PermissionError: its first existing parent is not writable.
+    """
+    if output_dir is None:
+        return None
+    path = Path(output_dir).expanduser().resolve()
+    if path.exists() and not path.is_dir():
+        msg = f"output {str(path)!r} exists and is not a directory"
+        raise FileExistsError(msg)
+    cwd = Path.cwd().resolve()
+    if path == cwd or path in cwd.parents:
+        msg = (
+            f"output directory {str(path)!r} is the current directory or contains it, and the output replaces the "
+            "whole directory; choose a new directory (e.g. --output out/my-model)"
+        )
+        raise ValueError(msg)
+    if path.is_dir() and any(path.iterdir()):
+        if not overwrite:
+            msg = (
+                f"output directory {str(path)!r} exists and is not empty; pass overwrite=True (--overwrite) to "
+                "replace it"
+            )
+            raise FileExistsError(msg)
+        if not any((path / name).exists() for name in _MODEL_DIR_MARKERS):
+            msg = (
+                f"output directory {str(path)!r} does not look like a model directory (none of "
+                f"{', '.join(_MODEL_DIR_MARKERS)}); overwrite=True (--overwrite) only replaces an earlier output or a "
+                "model directory, never other files. Choose a new directory or empty this one yourself"
+            )
+            raise FileExistsError(msg)
+    parent = path.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not os.access(parent, os.W_OK):
+        msg = f"cannot write the output directory {str(path)!r}: {str(parent)!r} is not writable"
+        raise PermissionError(msg)
+    return path
+
+
+@contextlib.contextmanager
+def atomic_dir(target: Path) -> Iterator[Path]:
+    """Yield a temporary sibling directory; on success it replaces ``target``, on any error it is removed."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it 0700
+        yield tmp
+        old = None
+        if target.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
+            try:
+                os.rename(target, old / "x")
+            except BaseException:
+                shutil.rmtree(old, ignore_errors=True)
+                raise
+        try:
+            os.rename(tmp, target)
+        except BaseException:
+            if old is not None:  # put the previous output back
+                os.rename(old / "x", target)
+                shutil.rmtree(old, ignore_errors=True)
+            raise
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def dir_size_bytes(path: str | os.PathLike[str]) -> int:
+    """Bytes of every file under ``path`` (0 if it does not exist)."""
+    root = Path(path)
+    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file()) if root.exists() else 0
+
+
+def quantized_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """``{name: module}`` of the modules that carry a ``compressed-tensors`` ``quantization_scheme``."""
+    return {name: m for name, m in model.named_modules() if getattr(m, "quantization_scheme", None) is not None}
+
+
+def save_model(model: nn.Module, directory: Path, *, sparsity_structure: str | None = None) -> None:
+    """Write ``model`` to ``directory`` in Hugging Face layout; compressed through compressed-tensors if quantized.
+
+    The in-memory model is not changed: the compressed tensors are built in a
+    separate state dict, module by module, with compressed-tensors' own
+    compressors (``BaseCompressor.compress``).
+
+    Args:
+        model: a ``transformers`` ``PreTrainedModel``.
+        directory: an existing, empty directory.
+        sparsity_structure: written to ``sparsity_config`` when the quantized weights are sparse
+            (e.g. ``"2:4"``; default ``"unstructured"``).
+
+    Raises:
+        OSError: writing failed.
+    """
+    from llmc_fsm.models import fix_safetensors_permissions
+
+    _save_weights(model, directory, sparsity_structure)
+    fix_safetensors_permissions(directory)  # safetensors writes 0600 files; follow the umask like the rest
+
+
+def _save_weights(model: nn.Module, directory: Path, sparsity_structure: str | None) -> None:
+    quantized = quantized_modules(model)
+    if not quantized:
+        model.save_pretrained(directory, safe_serialization=True)
+        return
+    from compressed_tensors.compressors import BaseCompressor, ModelCompressor
+    from compressed_tensors.quantization import QuantizationStatus
+    from compressed_tensors.utils.module import get_direct_state_dict
+
+    compressor = ModelCompressor.from_pretrained_model(model)  # infers each module's format, sets scheme.format
+    state = model.state_dict()
+    zeros = numel = 0
+    for name, module in quantized.items():
+        scheme = module.quantization_scheme
+        local = get_direct_state_dict(module)
+        weight = local["weight"]
+        zeros += weight.numel() - int(weight.count_nonzero())
+        numel += weight.numel()
+        packed = BaseCompressor.get_value_from_registry(scheme.format.value).compress(local, scheme)
+        prefix = f"{name}." if name else ""
+        for key in local:
+            state.pop(prefix + key, None)
+        state.update({prefix + key: value.contiguous() for key, value in packed.items() if value is not None})
+    model.save_pretrained(directory, state_dict=state, safe_serialization=True)
+    compressor.quantization_config.quantization_status = QuantizationStatus.COMPRESSED  # what the tensors are
+    compressor.update_config(str(directory))
+    if numel and zeros / numel >= 0.05:
+        _write_sparsity_config(directory, zeros / numel, sparsity_structure or "unstructured", sorted(quantized))
+
+
+def _write_sparsity_config(directory: Path, sparsity: float, structure: str, targets: list[str]) -> None:
+    from compressed_tensors.config import DenseSparsityConfig
+
+    config_path = directory / "config.json"
+    config: dict[str, Any] = json.loads(config_path.read_text(encoding="utf-8"))
+    sparsity_config = DenseSparsityConfig(global_sparsity=sparsity, sparsity_structure=structure, targets=targets)
+    config["quantization_config"]["sparsity_config"] = sparsity_config.model_dump()
+    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
+def merge_saved_recipe(recipe: Recipe, model: Any, generated: bool) -> Recipe:
+    """Put the stages already applied to a saved model first; skip or rename new stages of the same name.
+
+    A model written by ``oneshot(output_dir=...)`` carries ``recipe.yaml`` with its
+    stages marked ``applied``. Re-running on that directory keeps those stages (so
+    the new ``recipe.yaml`` tells the model's whole history). A stage of a
+    *generated* recipe (``--method``) whose name was applied gets a fresh name
+    (``sparsity_stage_2``, ...) and runs; a stage of a given recipe whose name was
+    applied is skipped, with a warning that names the settings that differ.
+    """
+    from llmc_fsm.recipe import Recipe, resolve_recipe
+
+    if not isinstance(model, str | os.PathLike) or not (Path(model) / "recipe.yaml").is_file():
+        return recipe
+    saved = resolve_recipe(Path(model) / "recipe.yaml")
+    done = {stage.name: stage for stage in saved.stages if stage.applied}
+    fresh = []
+    for stage in recipe.stages:
+        if stage.name not in done:
+            fresh.append(stage)
+        elif generated:
+            k = 2
+            while f"{stage.name}_{k}" in done:
+                k += 1
+            fresh.append(attrs.evolve(stage, name=f"{stage.name}_{k}"))
+        else:
+            old = Recipe([done[stage.name]], saved.source).to_dict()
+            new = Recipe([stage], recipe.source).to_dict()
+            diff = settings_diff(old.get(stage.name), new.get(stage.name))
+            logger.warning(
+                "stage %r was already applied to %s (see its recipe.yaml): skipped%s",
+                stage.name,
+                model,
+                f"; its settings differ: {diff} — give the stage a new name to apply it" if diff else "",
+            )
+    return Recipe([*saved.stages, *fresh], recipe.source)
+
+
+def settings_diff(old: Any, new: Any, prefix: str = "") -> str:
+    """``"key old -> new"`` for every setting that differs between two recipe dicts ("" if none)."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        keys = [k for k in dict.fromkeys([*old, *new]) if k != "applied"]
+        parts = [settings_diff(old.get(k), new.get(k), prefix if k == "modifiers" else f"{prefix}{k}.") for k in keys]
+        return "; ".join(p for p in parts if p)
+    if isinstance(old, list) and isinstance(new, list) and len(old) == len(new):
+        return "; ".join(p for p in (settings_diff(a, b, prefix) for a, b in zip(old, new, strict=True)) if p)
+    return "" if old == new else f"{prefix.rstrip('.')} {old!r} -> {new!r}"

@@ -1,0 +1,260 @@
+"""Quantization plugin: grids, hand-computed qparams, GPTQ vs RTN, kept zeros, save/reload, early errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from compressed_tensors.quantization import QuantizationArgs
+
+import llmc_fsm
+from llmc_fsm.obs import HessianAccumulator
+from llmc_fsm_quantization import GPTQModifier, QuantizationModifier, gptq_quantize, resolve_scheme, rtn_quantize
+from llmc_fsm_quantization.observers import observe
+
+W4G16 = {"preset": "W4A16", "weights": {"group_size": 16}}
+
+
+def _args(spec: object) -> QuantizationArgs:
+    return resolve_scheme(spec, ["Linear"]).weights
+
+
+def _correlated_inputs(n: int, cols: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, cols, generator=g) @ torch.randn(cols, cols, generator=g) + 0.5
+
+
+def _hessian(x: torch.Tensor) -> torch.Tensor:
+    acc = HessianAccumulator(x.shape[1])
+    acc.add_batch(x)
+    return acc.hessian
+
+
+def _rel_error(x: torch.Tensor, w: torch.Tensor, w_hat: torch.Tensor) -> float:
+    return float((x @ (w - w_hat).T).norm() / (x @ w.T).norm())
+
+
+# --------------------------------------------------------------------------- grids and qparams
+@pytest.mark.parametrize("actorder", [None, "static", "group"])
+def test_gptq_w4_group_has_at_most_16_values_per_group(actorder: str | None) -> None:
+    torch.manual_seed(0)
+    w = torch.randn(24, 64)
+    x = _correlated_inputs(512, 64)
+    (q,) = gptq_quantize([w], _hessian(x), args=_args(W4G16), actorder=actorder, block_size=32)
+    groups = q.g_idx if q.g_idx is not None else torch.arange(64) // 16
+    for row in range(24):
+        for g in range(4):
+            values = q.weight[row, groups == g]
+            assert torch.unique(values).numel() <= 16
+            # every value is (integer in [-8, 7]) * the group's scale
+            ints = values / q.scale[row, g]
+            assert torch.allclose(ints, ints.round(), atol=1e-4)
+            assert int(ints.round().min()) >= -8 and int(ints.round().max()) <= 7
+
+
+def test_w8a8_channel_has_at_most_256_values_per_row() -> None:
+    torch.manual_seed(1)
+    w = torch.randn(8, 512)
+    q = rtn_quantize(w, _args("W8A8"))
+    assert q.scale.shape == (8, 1)
+    assert all(torch.unique(q.weight[r]).numel() <= 256 for r in range(8))
+    assert max(torch.unique(q.weight[r]).numel() for r in range(8)) > 128  # the grid is really 8-bit
+
+
+def test_symmetric_group_scale_matches_hand_computation() -> None:
+    w = torch.tensor([[0.5, -1.5, 0.25, 3.0], [-0.1, 0.2, -0.3, 0.15]])
+    args = _args({"preset": "W4A16", "weights": {"group_size": 2}})
+    scale, zp = observe(w, args)
+    # symmetric int4: range [-8, 7], scale = max|w| / ((7 - (-8)) / 2) = max|w| / 7.5, zero point 0
+    expected = torch.tensor([[1.5, 3.0], [0.2, 0.3]]) / 7.5
+    assert torch.allclose(scale, expected)
+    assert torch.equal(zp, torch.zeros(2, 2, dtype=zp.dtype))
+    q = rtn_quantize(w, args).weight
+    # row 0, group 0: 0.5 / 0.2 = 2.5 -> rounds half to even = 2 -> 0.4; -1.5 / 0.2 = -7.5 -> -8 -> -1.6
+    assert torch.allclose(q[0, :2], torch.tensor([0.4, -1.6]))
+
+
+def test_asymmetric_channel_scale_and_zero_point_match_hand_computation() -> None:
+    w = torch.tensor([[0.0, 1.0, 2.0, 3.0], [-2.0, -1.0, 0.5, 1.0]])
+    args = _args({"weights": {"num_bits": 4, "type": "int", "symmetric": False, "strategy": "channel"}})
+    scale, zp = observe(w, args)
+    # scale = (max - min) / 15; zero point = round(-8 - min / scale) (min, max widened to include 0)
+    assert torch.allclose(scale, torch.tensor([[3.0 / 15], [3.0 / 15]]))
+    assert zp.flatten().tolist() == [-8, 2]
+    q = rtn_quantize(w, args).weight
+    assert torch.allclose(q, (torch.round(w / scale + zp) - zp) * scale)
+
+
+def test_mse_observer_error_is_at_most_minmax_error() -> None:
+    torch.manual_seed(2)
+    w = torch.randn(32, 128) * torch.rand(32, 1)
+    w[:, 0] *= 8  # outliers make shrinking the range worth it
+    args = _args(W4G16)
+    err = {}
+    for observer in ("minmax", "mse"):
+        q = rtn_quantize(w, args, observer=observer).weight
+        err[observer] = float((q - w).abs().pow(2.4).sum())
+    assert err["mse"] < err["minmax"]
+
+
+# --------------------------------------------------------------------------- GPTQ
+@pytest.mark.parametrize("spec", [W4G16, "W8A8", {"preset": "W4A16_ASYM", "weights": {"group_size": 32}}])
+def test_gptq_output_error_is_lower_than_rtn(spec: object) -> None:
+    torch.manual_seed(3)
+    w = torch.randn(48, 64)
+    x = _correlated_inputs(2048, 64)
+    args = _args(spec)
+    (g,) = gptq_quantize([w], _hessian(x), args=args, block_size=32)
+    r = rtn_quantize(w, args)
+    assert _rel_error(x, w, g.weight) < 0.9 * _rel_error(x, w, r.weight)
+
+
+def test_gptq_keeps_every_zero_and_the_2_4_pattern() -> None:
+    torch.manual_seed(4)
+    w = torch.randn(32, 64)
+    keep = torch.zeros(32, 16, 4, dtype=torch.bool)
+    keep.scatter_(2, torch.rand(32, 16, 4).topk(2, dim=2).indices, True)
+    w = w * keep.reshape(32, 64)
+    x = _correlated_inputs(1024, 64)
+    (q,) = gptq_quantize([w], _hessian(x), args=_args(W4G16), block_size=32)
+    assert torch.equal(q.weight[w == 0], torch.zeros(int((w == 0).sum())))
+    nonzero_per_group = (q.weight.reshape(32, 16, 4) != 0).sum(dim=2)
+    assert int(nonzero_per_group.max()) <= 2
+
+
+def test_gptq_shared_hessian_equals_separate_runs() -> None:
+    torch.manual_seed(5)
+    a, b = torch.randn(16, 64), torch.randn(8, 64)
+    H = _hessian(_correlated_inputs(512, 64))
+    together = gptq_quantize([a, b], H, args=_args(W4G16), block_size=32)
+    alone = [gptq_quantize([w], H, args=_args(W4G16), block_size=32)[0] for w in (a, b)]
+    for t, s in zip(together, alone, strict=True):
+        assert torch.allclose(t.weight, s.weight, atol=1e-5)
+        assert torch.allclose(t.scale, s.scale, atol=1e-6)
+
+
+def test_gptq_group_sizes_that_do_not_divide_are_refused() -> None:
+    with pytest.raises(ValueError, match="in_features 60 is not a multiple of group_size 16"):
+        gptq_quantize([torch.randn(4, 60)], torch.eye(60), args=_args(W4G16))
+    with pytest.raises(ValueError, match=r"block_size \(24\) and group_size \(16\) must divide one another"):
+        gptq_quantize([torch.randn(4, 64)], torch.eye(64), args=_args(W4G16), block_size=24)
+
+
+# --------------------------------------------------------------------------- recipes and errors before work
+def test_unknown_scheme_lists_the_presets() -> None:
+    with pytest.raises(llmc_fsm.RecipeError, match=r"unknown quantization scheme 'W5A5'; presets: .*W4A16.*W8A8"):
+        llmc_fsm.Session({"quant": {"GPTQModifier": {"scheme": "W5A5"}}})
+
+
+def test_actorder_group_is_refused_because_the_format_has_no_g_idx() -> None:
+    with pytest.raises(ValueError, match=r"actorder: group needs a per-column group index \(g_idx\)"):
+        GPTQModifier(actorder="group")
+
+
+def test_static_activation_scheme_is_refused_with_what_to_use() -> None:
+    with pytest.raises(ValueError, match=r"static input_activations \(dynamic: false\) need activation observers"):
+        QuantizationModifier(scheme="FP8")
+
+
+def _tiny(layers: int = 2, hidden: int = 64) -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=128, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
+    )
+    return LlamaForCausalLM(cfg).eval()
+
+
+def test_group_size_mismatch_fails_before_calibration_naming_every_module() -> None:
+    model = _tiny(hidden=48)  # 48 and 96 are not multiples of 64
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    calls = []
+    model.model.embed_tokens.register_forward_hook(lambda *a: calls.append(1))
+    with pytest.raises(llmc_fsm.ModifierError) as info:
+        llmc_fsm.oneshot(
+            model=model, recipe={"q": {"GPTQModifier": {"scheme": {"preset": "W4A16", "weights": {"group_size": 64}}}}},
+            dataset=torch.randint(0, 128, (4, 16)), progress=False,
+        )
+    msg = str(info.value.__cause__)
+    assert msg == (
+        "GPTQModifier cannot compress 14 of its targets — in_features 48 is not a multiple of group_size 64: "
+        + ", ".join(f"model.layers.{i}.{m}" for i in (0, 1) for m in (
+            "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+            "mlp.up_proj"))
+        + "; in_features 96 is not a multiple of group_size 64: model.layers.0.mlp.down_proj, "
+        "model.layers.1.mlp.down_proj. Narrow targets or add these modules to ignore"
+    )
+    assert calls == []  # no forward ran
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_already_quantized_model_is_refused_before_calibration() -> None:
+    model = _tiny()
+    model.config.quantization_config = {"quant_method": "compressed-tensors"}
+    with pytest.raises(llmc_fsm.ModifierError) as info:
+        llmc_fsm.oneshot(model=model, recipe={"q": {"QuantizationModifier": {"scheme": "W8A8"}}},
+                         dataset=torch.randint(0, 128, (4, 16)), progress=False)
+    assert "the model is already quantized (its config carries a quantization_config (quant_method " \
+        "'compressed-tensors'))" in str(info.value.__cause__)
+
+
+# --------------------------------------------------------------------------- save -> reload
+@pytest.mark.parametrize(
+    ("recipe", "fmt"),
+    [
+        ({"q": {"GPTQModifier": {"scheme": {"preset": "W4A16", "weights": {"group_size": 32}}}}}, "pack-quantized"),
+        ({"q": {"GPTQModifier": {"scheme": {"preset": "W4A16", "weights": {"group_size": 32}}, "actorder": None}}},
+         "pack-quantized"),
+        ({"q": {"QuantizationModifier": {"scheme": "W8A8"}}}, "int-quantized"),
+    ],
+)
+def test_save_reload_gives_equal_logits(tmp_path, recipe: dict, fmt: str) -> None:  # noqa: ANN001
+    from transformers import AutoModelForCausalLM
+
+    model = _tiny()
+    out = tmp_path / "out"
+    llmc_fsm.oneshot(model=model, recipe=recipe, dataset=torch.randint(0, 128, (8, 32)), output_dir=out, progress=False)
+    config = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert config["quant_method"] == "compressed-tensors"
+    assert config["format"] == fmt
+    assert config["quantization_status"] == "compressed"
+    x = torch.randint(0, 128, (2, 24))
+    reloaded = AutoModelForCausalLM.from_pretrained(out).eval()
+    with torch.no_grad():
+        assert torch.equal(model(x).logits, reloaded(x).logits)
+    report = json.loads((out / "report.json").read_text())
+    q_proj = next(m for m in report["sparsity"]["modules"] if m["name"] == "model.layers.0.self_attn.q_proj")
+    assert q_proj["bits"] == (4 if fmt == "pack-quantized" else 8)
+    assert 0 < q_proj["rel_output_error"] < 0.2
+    assert report["disk"]["after_bytes"] < report["disk"]["before_bytes"]
+
+
+def test_staged_prune_then_quantize_initializes_each_modifier_once_and_reruns_skip(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    from llmc_fsm_pruning import SparseGPTModifier
+
+    counts: dict[str, int] = {}
+    for cls in (SparseGPTModifier, GPTQModifier):
+        original = cls.on_initialize
+
+        def counting(self, state, _original=original, _name=cls.__name__):  # noqa: ANN001, ANN202
+            counts[_name] = counts.get(_name, 0) + 1
+            return _original(self, state)
+
+        monkeypatch.setattr(cls, "on_initialize", counting)
+    recipe = {
+        "sparsity_stage": {"SparseGPTModifier": {"sparsity": 0.5, "mask_structure": "2:4"}},
+        "quantization_stage": {"GPTQModifier": {"scheme": {"preset": "W4A16", "weights": {"group_size": 32}}}},
+    }
+    out = tmp_path / "out"
+    model = llmc_fsm.oneshot(model=_tiny(), recipe=recipe, dataset=torch.randint(0, 128, (8, 32)), output_dir=out,
+                             progress=False)
+    assert counts == {"SparseGPTModifier": 1, "GPTQModifier": 1}
+    w = model.model.layers[1].mlp.down_proj.weight
+    assert int((w.reshape(w.shape[0], -1, 4) != 0).sum(dim=2).max()) <= 2  # 2:4 survived quantization
+    saved = (out / "recipe.yaml").read_text()
+    assert saved.count("applied: true") == 2
+    with pytest.raises(ValueError, match="every stage is already applied"):
+        llmc_fsm.oneshot(model=out, recipe=recipe, dataset=torch.randint(0, 128, (8, 32)), progress=False)
