@@ -36,6 +36,11 @@ What is checked:
      ``modifier.num_hooks == 0`` and, when the state holds a ``torch.nn.Module``
      as ``model``, the model carries exactly the torch hooks it had before.
 
+3. **Checkpoints** (deterministic): after one training batch, the session's
+   ``state_dict()`` (with the modifier's :meth:`~llmc_fsm.Modifier.state_dict`)
+   can be written with :func:`~llmc_fsm.checkpoint.write_checkpoint`, read back,
+   and loaded into a new session holding a fresh modifier and fresh state.
+
 A modifier hook that raises during a valid lifecycle fails the check too.
 """
 
@@ -75,17 +80,11 @@ ALLOWED_HOOKS: dict[str, frozenset[str]] = _allowed_hooks()
 
 #: Operations hypothesis draws from; composite ones make valid runs likely.
 OPERATIONS: tuple[str, ...] = (
-    "update_state_some",
-    "update_state_all",
-    "initialize",
-    "initialize_with_all",
-    "batch",
-    "batch_no_step",
+    *("update_state_some", "update_state_all", "initialize", "initialize_with_all", "batch", "batch_no_step"),
     *BATCH_EVENTS,
     "calibration",
     *CALIBRATION_EVENTS,
-    "finalize",
-    "reset",
+    *("finalize", "reset"),
 )
 
 _COMPOSITE: dict[str, tuple[str, ...]] = {
@@ -137,6 +136,40 @@ def _torch_hook_count(state: Mapping[str, Any]) -> int | None:
 def _fail(name: str, msg: str, trace: list[str]) -> None:
     steps = " -> ".join(trace) or "(no calls)"
     raise ContractViolation(f"{name}: {msg}\n  call sequence: {steps}")
+
+
+def _check_checkpoint(
+    factory: Callable[[], Modifier],
+    state_factory: Callable[[], Mapping[str, Any]],
+    batch_factory: Callable[[], Any] | None,
+    loss_factory: Callable[[], Any] | None,
+) -> None:
+    import tempfile
+
+    from llmc_fsm.checkpoint import read_checkpoint, write_checkpoint
+
+    session, resumed = Session([factory()]), Session([factory()])
+    session.initialize(**state_factory())
+    session.batch_start(batch_factory() if batch_factory else None)
+    session.loss_calculated(loss_factory() if loss_factory else 0.0)
+    for event in ("optim_pre_step", "optim_post_step", "batch_end"):
+        getattr(session, event)()
+    resumed.initialize(**state_factory())
+    name = type(session.modifiers[0]).__name__
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            write_checkpoint(session.state_dict(), tmp)
+            resumed.load_state_dict(read_checkpoint(tmp))
+    except (TypeError, ValueError) as exc:
+        msg = (
+            f"{name}: its state_dict() after one batch could not be written and loaded into a fresh session: "
+            f"{type(exc).__name__}: {exc}. Return tensors and JSON values from state_dict() and accept them in "
+            "load_state_dict()"
+        )
+        raise ContractViolation(msg) from exc
+    finally:
+        session.finalize()
+        resumed.finalize()
 
 
 def _check_declared_state(factory: Callable[[], Modifier], state_factory: Callable[[], Mapping[str, Any]]) -> None:
@@ -343,6 +376,7 @@ def check_modifier(
         _SequenceRun(init_args, factory, state_factory, batch_factory, loss_factory, modules_factory).run(steps)
 
     random_lifecycles()
+    _check_checkpoint(factory, state_factory, batch_factory, loss_factory)
 
 
 # --- pytest plugin ----------------------------------------------------------------------

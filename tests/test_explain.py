@@ -181,6 +181,12 @@ class CrashesOnEvent(Good):
         raise RuntimeError("bad batch")
 
 
+@attrs.define(kw_only=True, slots=False, eq=False)
+class UnsavableState(Good):
+    def state_dict(self) -> dict[str, Any]:
+        return {"seen": self.seen, "handle": object()}
+
+
 def test_conformance_kit_passes_a_good_modifier() -> None:
     check_modifier(Good, tiny_state, max_examples=200)
 
@@ -196,6 +202,11 @@ def test_conformance_kit_fixture_uses_option(llmc_fsm_check: Any) -> None:
         (UsesUndeclaredKey, "initialize() with only its declared keys"),
         (StartsItself, "on_start() ran during initialize()"),
         (CrashesOnEvent, "on_event() raised during a valid batch_end(): RuntimeError: bad batch"),
+        (
+            UnsavableState,
+            "UnsavableState: its state_dict() after one batch could not be written and loaded into a fresh session: "
+            "TypeError: checkpoint state at modifiers/UnsavableState/handle: a object is neither a tensor nor a JSON",
+        ),
     ],
 )
 def test_conformance_kit_catches(cls: type[Modifier], message: str) -> None:
