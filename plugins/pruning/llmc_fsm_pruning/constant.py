@@ -27,7 +27,7 @@ from llmc_fsm.targets import DEFAULT_IGNORE, DEFAULT_TARGETS, resolve_targets
 if TYPE_CHECKING:
     from llmc_fsm import Event, State
 
-__all__ = ["ConstantPruningModifier", "MaskSet", "measure_sparsity", "patterns"]
+__all__ = ["ConstantPruningModifier", "MaskSet", "load_masks_state", "masks_state", "measure_sparsity", "patterns"]
 
 logger = logging.getLogger(__name__)
 
@@ -128,6 +128,26 @@ class MaskSet:
         return len(self.weights)
 
 
+def masks_state(modifier: Any) -> dict[str, Any]:
+    """Checkpoint state of a modifier holding ``_masks`` (a :class:`MaskSet`) and measured sparsity."""
+    return {
+        "masks": modifier._masks.packed(),
+        "measured_sparsity": modifier.measured_sparsity,
+        "layer_sparsity": dict(modifier.layer_sparsity),
+    }
+
+
+def load_masks_state(modifier: Any, state: Mapping[str, Any]) -> None:
+    """Restore :func:`masks_state` into ``modifier`` (its ``_modules`` resolved at initialize).
+
+    Raises:
+        ValueError: a mask for a module the modifier does not target, or of the wrong size.
+    """
+    modifier._masks.load_packed(state.get("masks", {}), modifier._modules)
+    modifier.measured_sparsity = state.get("measured_sparsity")
+    modifier.layer_sparsity = dict(state.get("layer_sparsity", {}))
+
+
 @attrs.define(kw_only=True, slots=False, eq=False)
 class ConstantPruningModifier(Modifier):
     """Hold the current zeros of the targeted weights at zero: masks re-applied after every optimizer step.
@@ -189,11 +209,7 @@ class ConstantPruningModifier(Modifier):
 
     def state_dict(self) -> dict[str, Any]:
         """The held masks (bit-packed, ``{module name: uint8}``) and the sparsity measured at end."""
-        return {
-            "masks": self._masks.packed(),
-            "measured_sparsity": self.measured_sparsity,
-            "layer_sparsity": dict(self.layer_sparsity),
-        }
+        return masks_state(self)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict` after ``on_initialize``.
@@ -201,6 +217,4 @@ class ConstantPruningModifier(Modifier):
         Raises:
             ValueError: a mask for a module this modifier does not target, or of the wrong size.
         """
-        self._masks.load_packed(state.get("masks", {}), self._modules)
-        self.measured_sparsity = state.get("measured_sparsity")
-        self.layer_sparsity = dict(state.get("layer_sparsity", {}))
+        load_masks_state(self, state)

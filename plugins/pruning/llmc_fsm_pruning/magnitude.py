@@ -33,7 +33,7 @@ import torch
 
 from llmc_fsm import Modifier
 from llmc_fsm.targets import DEFAULT_IGNORE, DEFAULT_TARGETS, resolve_targets
-from llmc_fsm_pruning.constant import MaskSet, measure_sparsity, patterns
+from llmc_fsm_pruning.constant import MaskSet, load_masks_state, masks_state, measure_sparsity, patterns
 from llmc_fsm_pruning.masks import magnitude_mask, parse_mask_structure
 
 if TYPE_CHECKING:
@@ -210,11 +210,9 @@ class MagnitudePruningModifier(Modifier):
     def state_dict(self) -> dict[str, Any]:
         """Masks (bit-packed), pruning history, whether the final sparsity was applied, measured sparsity."""
         return {
-            "masks": self._masks.packed(),
+            **masks_state(self),
             "history": [[epoch, target] for epoch, target in self.history],
             "final_applied": self._final_applied,
-            "measured_sparsity": self.measured_sparsity,
-            "layer_sparsity": dict(self.layer_sparsity),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -223,8 +221,6 @@ class MagnitudePruningModifier(Modifier):
         Raises:
             ValueError: a mask for a module this modifier does not target, or of the wrong size.
         """
-        self._masks.load_packed(state.get("masks", {}), self._modules)
+        load_masks_state(self, state)
         self.history = [(epoch, target) for epoch, target in state.get("history", [])]
         self._final_applied = bool(state.get("final_applied", False))
-        self.measured_sparsity = state.get("measured_sparsity")
-        self.layer_sparsity = dict(state.get("layer_sparsity", {}))
