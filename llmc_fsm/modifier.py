@@ -215,8 +215,10 @@ class Modifier:
         """``{full module name: module}`` this modifier compresses, selected at initialize.
 
         The one public way for a modifier to say which modules it touches: the
-        one-shot report, the pipeline's target check and the checkpoint code
-        read it. Empty before ``initialize`` and for modifiers that touch no
+        one-shot report and the pipeline's target check read it, and the session
+        guards this modifier's hooks with the version counters of these modules'
+        parameters (read once, right after ``on_initialize``: select targets
+        there). Empty before ``initialize`` and for modifiers that touch no
         module (schedules, distillation); subclasses that select modules override it.
         """
         return {}
