@@ -4,11 +4,14 @@ Flow (:func:`run_sequential`)::
 
     capture the inputs of decoder layer 0      (embedding runs once per batch)
     session.calibration_start()
-    for each decoder layer:
+    restore the layers a checkpoint holds      (resume: their saved compressed state;
+                                                the inputs are run through them)
+    for each remaining decoder layer:
         run every calibration batch through the layer   (modifier hooks gather statistics;
                                                          each forward ends at the input of
                                                          the last hooked module)
         session.sequential_epoch_end([layer])           (modifiers compress the layer)
+        checkpoint.save(layer)                          (optional: per-layer progress)
         run the batches through the compressed layer    (its outputs feed the next layer)
     session.calibration_end()
 
@@ -23,20 +26,22 @@ the layers (checked before any work, see :func:`check_targets_in_layers`).
 
 from __future__ import annotations
 
-import itertools
 import logging
 import time
-from collections.abc import Iterable, Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Protocol
 
 import attrs
 import torch
 from torch import nn
 
+from llmc_fsm.pipeline_layer import Inputs, calibrate_layer, capture_layer_inputs, propagate
+
 if TYPE_CHECKING:
     from llmc_fsm.session import Session
 
 __all__ = [
+    "LayerCheckpoint",
     "PipelineResult",
     "calibration_batches",
     "check_targets_in_layers",
@@ -45,10 +50,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-
-class _StopForward(Exception):
-    """Raised by the capture hook on layer 0 to end the model's forward early."""
 
 
 @attrs.define(kw_only=True)
@@ -62,6 +63,7 @@ class PipelineResult:
         num_tokens: calibration tokens (all batches).
         layer_seconds: wall time per layer (calibration + compression + propagation).
         seconds: total wall time of the pipeline.
+        resumed_layers: leading layers restored from a :class:`LayerCheckpoint` instead of calibrated.
     """
 
     layers_name: str
@@ -70,6 +72,7 @@ class PipelineResult:
     num_tokens: int
     layer_seconds: list[float]
     seconds: float
+    resumed_layers: int = 0
 
 
 def find_decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
@@ -159,153 +162,17 @@ def check_targets_in_layers(session: Session, layers: nn.ModuleList, layers_name
             raise ValueError(msg)
 
 
-def _device_of(model: nn.Module) -> torch.device:
-    try:
-        return next(model.parameters()).device
-    except StopIteration:
-        return torch.device("cpu")
+class LayerCheckpoint(Protocol):
+    """Per-layer progress that :func:`run_sequential` can save and resume from (see :mod:`llmc_fsm.resume`)."""
 
+    def layers_done(self, num_layers: int) -> int:
+        """How many leading decoder layers are already compressed and saved (0 for a fresh run)."""
 
-def _capture_layer_inputs(
-    model: nn.Module, layer: nn.Module, batches: list[dict[str, Any]]
-) -> list[tuple[tuple[Any, ...], dict[str, Any]]]:
-    """Run each batch through the model up to ``layer`` and return its (args, kwargs) per batch."""
-    captured: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
+    def restore(self, index: int, layer: nn.Module) -> None:
+        """Put the saved compressed state of decoder layer ``index`` into ``layer``."""
 
-    def pre_hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        kwargs = dict(kwargs)
-        # No KV cache: the pipeline calls each layer several times on the same inputs.
-        for key in ("past_key_values", "past_key_value", "cache"):
-            if key in kwargs:
-                kwargs[key] = None
-        if "use_cache" in kwargs:
-            kwargs["use_cache"] = False
-        if not args and "hidden_states" in kwargs:
-            args = (kwargs.pop("hidden_states"),)
-        captured.append((tuple(args), kwargs))
-        raise _StopForward
-
-    handle = layer.register_forward_pre_hook(pre_hook, with_kwargs=True)
-    device = _device_of(model)
-    try:
-        for batch in batches:
-            inputs = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
-            inputs.setdefault("use_cache", False)
-            try:
-                model(**inputs)
-            except _StopForward:
-                continue
-            msg = f"the model's forward never reached its first decoder layer ({type(layer).__name__})"
-            raise RuntimeError(msg)
-    finally:
-        handle.remove()
-    return captured
-
-
-def _first(output: Any) -> torch.Tensor:
-    if isinstance(output, torch.Tensor):
-        return output
-    if isinstance(output, tuple | list):
-        return output[0]
-    hidden = getattr(output, "hidden_states", None)
-    if isinstance(hidden, torch.Tensor):
-        return hidden
-    msg = f"cannot read the hidden states from a decoder layer output of type {type(output).__name__}"
-    raise TypeError(msg)
-
-
-def _run_layer(layer: nn.Module, inputs: list[tuple[tuple[Any, ...], dict[str, Any]]]) -> Iterator[torch.Tensor]:
-    for args, kwargs in inputs:
-        yield _first(layer(*args, **kwargs))
-
-
-def _record_call_order(layer: nn.Module) -> tuple[dict[str, int], list[Any]]:
-    """Hook every submodule of ``layer`` to record ``{relative name: index of its last call}``.
-
-    Returns the (live) record and the handles to remove once one forward has run.
-    """
-    order: dict[str, int] = {}
-    calls = itertools.count()
-    handles = []
-    for name, sub in layer.named_modules():
-        if sub is layer:
-            continue
-
-        def record(module: nn.Module, args: Any, _name: str = name) -> None:
-            order[_name] = next(calls)
-
-        handles.append(sub.register_forward_pre_hook(record))
-    return order, handles
-
-
-def _has_hooks(module: nn.Module, *, post_only: bool = False) -> bool:
-    post = bool(getattr(module, "_forward_hooks", None))
-    return post if post_only else post or bool(getattr(module, "_forward_pre_hooks", None))
-
-
-def _early_exit_module(layer: nn.Module, order: Mapping[str, int]) -> nn.Module | None:
-    """The module at whose input the calibration pass of ``layer`` may stop, or ``None``.
-
-    That is the hooked submodule called last (by ``order``, the call order of
-    an earlier layer of the same class), provided it has only forward
-    pre-hooks: nothing after its input is observed. ``None`` (run the whole
-    layer) when nothing in the layer is hooked, the layer itself or a module
-    with forward hooks is hooked last, a hooked module was never called in the
-    recorded forward, or global module hooks are installed.
-    """
-    from torch.nn.modules import module as torch_module
-
-    if getattr(torch_module, "_global_forward_hooks", None) or getattr(torch_module, "_global_forward_pre_hooks", None):
-        return None
-    if _has_hooks(layer, post_only=True):
-        return None
-    last, last_pos = None, -1
-    for name, sub in layer.named_modules():
-        if sub is layer or not _has_hooks(sub):
-            continue
-        pos = order.get(name)
-        if pos is None:
-            return None
-        if pos > last_pos:
-            last, last_pos = sub, pos
-    if last is None or _has_hooks(last, post_only=True):
-        return None
-    return last
-
-
-def _raise_stop(module: nn.Module, args: Any) -> None:
-    raise _StopForward
-
-
-def _calibrate_layer(
-    layer: nn.Module, inputs: list[tuple[tuple[Any, ...], dict[str, Any]]], order: dict[str, int] | None
-) -> None:
-    """Run every batch through ``layer`` for its hooks, stopping early where nothing later is observed.
-
-    ``order`` (``None``: never stop early) is filled on the first forward if
-    empty and then reused for the layers that follow.
-    """
-    start = 0
-    if order is not None and not order:
-        recorded, handles = _record_call_order(layer)
-        try:
-            layer(*inputs[0][0], **inputs[0][1])
-        finally:
-            for handle in handles:
-                handle.remove()
-        order.update(recorded)
-        start = 1
-    stop_at = _early_exit_module(layer, order) if order is not None else None
-    handle = stop_at.register_forward_pre_hook(_raise_stop) if stop_at is not None else None
-    try:
-        for args, kwargs in inputs[start:]:
-            try:
-                layer(*args, **kwargs)
-            except _StopForward:
-                continue
-    finally:
-        if handle is not None:
-            handle.remove()
+    def save(self, index: int, layer: nn.Module) -> None:
+        """Save decoder layer ``index`` right after the modifiers compressed it."""
 
 
 def run_sequential(
@@ -316,6 +183,7 @@ def run_sequential(
     batch_size: int = 8,
     progress: bool = True,
     early_exit: bool = True,
+    checkpoint: LayerCheckpoint | None = None,
 ) -> PipelineResult:
     """Calibrate and compress ``model`` layer by layer through ``session``'s modifiers.
 
@@ -332,10 +200,16 @@ def run_sequential(
         progress: show a tqdm bar over the layers (stderr).
         early_exit: end each calibration forward at the input of the last
             hooked submodule when nothing after it is observed (see
-            :func:`_early_exit_module`); for Llama-style layers whose
+            :func:`llmc_fsm.pipeline_layer.early_exit_module`); for Llama-style layers whose
             ``down_proj`` is hooked by pre-hooks this skips ``down_proj`` and
             the residual, ~1/4 of the calibration pass. Set ``False`` for a
             modifier that observes the layer by other means than torch hooks.
+        checkpoint: per-layer progress (:class:`LayerCheckpoint`): each layer is
+            saved right after it is compressed; the first
+            ``checkpoint.layers_done()`` layers are restored (after
+            ``calibration_start``) instead of calibrated, and the calibration
+            inputs are recomputed through them, so the run continues exactly
+            where the saved one stopped.
 
     Returns:
         A :class:`PipelineResult`.
@@ -345,11 +219,38 @@ def run_sequential(
         ValueError: no decoder layers, empty data, or a modifier targets a module
             outside the decoder layers — all raised before any work.
     """
-    from tqdm.auto import tqdm
+    t_start = time.perf_counter()
+    model, batches = _check_inputs(session, model, calibration_data, batch_size)
+    layers_name, layers = find_decoder_layers(model)
+    check_targets_in_layers(session, layers, layers_name)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            resumed, layer_seconds = _run_layers(
+                session, model, layers, batches, progress=progress, early_exit=early_exit, checkpoint=checkpoint
+            )
+    finally:
+        model.train(was_training)
+    result = PipelineResult(
+        layers_name=layers_name,
+        num_layers=len(layers),
+        num_batches=len(batches),
+        num_tokens=sum(int(b["input_ids"].numel()) for b in batches if isinstance(b.get("input_ids"), torch.Tensor)),
+        layer_seconds=layer_seconds,
+        seconds=time.perf_counter() - t_start,
+        resumed_layers=resumed,
+    )
+    logger.info("sequential pipeline: %d layers, %d batches in %.2f s", len(layers), len(batches), result.seconds)
+    return result
 
+
+def _check_inputs(
+    session: Session, model: nn.Module | None, data: Any, batch_size: int
+) -> tuple[nn.Module, list[dict[str, Any]]]:
+    """The model and the calibration batches :func:`run_sequential` works on, checked before any work."""
     from llmc_fsm.errors import LifecycleError
 
-    t_start = time.perf_counter()
     if session.lifecycle not in ("initialized", "running"):
         msg = (
             f"run_sequential() needs an initialized session (lifecycle is {session.lifecycle!r}); "
@@ -360,58 +261,63 @@ def run_sequential(
     if model is None:
         msg = "run_sequential() needs a model: pass model= or put it in the session state"
         raise ValueError(msg)
-    data = calibration_data if calibration_data is not None else session.state.calibration_data
+    data = data if data is not None else session.state.calibration_data
     if data is None:
         msg = "run_sequential() needs calibration data: pass calibration_data= or put it in the session state"
         raise ValueError(msg)
-    batches = calibration_batches(data, batch_size=batch_size)
-    layers_name, layers = find_decoder_layers(model)
-    check_targets_in_layers(session, layers, layers_name)
-    num_tokens = sum(int(b["input_ids"].numel()) for b in batches if isinstance(b.get("input_ids"), torch.Tensor))
+    return model, calibration_batches(data, batch_size=batch_size)
 
-    was_training = model.training
-    model.eval()
+
+def _run_layers(
+    session: Session,
+    model: nn.Module,
+    layers: nn.ModuleList,
+    batches: list[dict[str, Any]],
+    *,
+    progress: bool,
+    early_exit: bool,
+    checkpoint: LayerCheckpoint | None,
+) -> tuple[int, list[float]]:
+    """The calibration proper (under ``no_grad``): returns (layers restored, wall time per calibrated layer)."""
+    from tqdm.auto import tqdm
+
+    inputs = capture_layer_inputs(model, layers[0], batches)
+    session.calibration_start()
+    start, inputs = _resume(layers, inputs, checkpoint)
+    order: dict[str, int] = {}  # call order of the submodules, recorded during the first calibration forward
     layer_seconds: list[float] = []
-    try:
-        with torch.no_grad():
-            inputs = _capture_layer_inputs(model, layers[0], batches)
-            session.calibration_start()
-            # Call order of the submodules, recorded during the first forward of layer 0.
-            order: dict[str, int] = {}
-            bar = tqdm(
-                range(len(layers)), desc="calibrating layers", unit="layer", disable=not progress, leave=False
-            )
-            for index in bar:
-                t0 = time.perf_counter()
-                layer = layers[index]
-                # 1) calibration pass: the modifiers' hooks see every batch.
-                _calibrate_layer(layer, inputs, order if early_exit else None)
-                # 2) compress this layer.
-                session.sequential_epoch_end([layer])
-                # 3) propagate the compressed layer's outputs to the next layer.
-                if index + 1 < len(layers):
-                    outputs = list(_run_layer(layer, inputs))
-                    inputs = [((out, *args[1:]), kwargs) for out, (args, kwargs) in zip(outputs, inputs, strict=True)]
-                layer_seconds.append(time.perf_counter() - t0)
-            bar.close()
-            del inputs
-            session.calibration_end()
-    finally:
-        model.train(was_training)
-    result = PipelineResult(
-        layers_name=layers_name,
-        num_layers=len(layers),
-        num_batches=len(batches),
-        num_tokens=num_tokens,
-        layer_seconds=layer_seconds,
-        seconds=time.perf_counter() - t_start,
+    bar = tqdm(
+        range(start, len(layers)),
+        initial=start,
+        total=len(layers),
+        desc="calibrating layers",
+        unit="layer",
+        disable=not progress,
+        leave=False,
     )
-    logger.info("sequential pipeline: %d layers, %d batches in %.2f s", len(layers), len(batches), result.seconds)
-    return result
+    for index in bar:
+        t0 = time.perf_counter()
+        layer = layers[index]
+        calibrate_layer(layer, inputs, order if early_exit else None)  # 1) the modifiers' hooks see every batch
+        session.sequential_epoch_end([layer])  # 2) compress this layer
+        if checkpoint is not None:
+            checkpoint.save(index, layer)
+        if index + 1 < len(layers):  # 3) the compressed layer's outputs feed the next layer
+            inputs = propagate(layer, inputs)
+        layer_seconds.append(time.perf_counter() - t0)
+    bar.close()
+    del inputs
+    session.calibration_end()
+    return start, layer_seconds
 
 
-def iter_modules(modules: Any) -> Iterable[nn.Module]:
-    """Yield every module under ``modules`` (a module or an iterable of modules)."""
-    roots = [modules] if isinstance(modules, nn.Module) else list(modules)
-    for root in roots:
-        yield from root.modules()
+def _resume(layers: nn.ModuleList, inputs: Inputs, checkpoint: LayerCheckpoint | None) -> tuple[int, Inputs]:
+    """Restore the layers ``checkpoint`` holds and run the calibration inputs through them."""
+    start = checkpoint.layers_done(len(layers)) if checkpoint is not None else 0
+    for index in range(start):
+        checkpoint.restore(index, layers[index])  # type: ignore[union-attr]
+        if start < len(layers):
+            inputs = propagate(layers[index], inputs)
+    if start:
+        logger.info("resumed: %d of %d decoder layers restored from saved progress", start, len(layers))
+    return start, inputs
