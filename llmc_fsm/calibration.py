@@ -23,6 +23,13 @@
 After compressing, it records a :class:`ModuleResult` per target (zeros measured
 on the new weight, and, when the accumulator holds a Hessian, the relative output
 error on the calibration inputs).
+
+Under ``torch.distributed`` (a process group with more than one rank, see
+:mod:`llmc_fsm.distributed`) each rank calibrates on its own share of the data;
+before a group of targets is compressed the accumulators are summed over the
+ranks (their ``all_reduce()``), so every rank compresses from the statistics of
+all the data and computes the same weights — checked after each compression
+by comparing per-module checksums of the new weights across ranks.
 """
 
 from __future__ import annotations
@@ -36,6 +43,13 @@ import attrs
 import torch
 from torch import nn
 
+from llmc_fsm.distributed import (
+    DistributedError,
+    all_reduce_accumulator,
+    all_reduce_tensor,
+    check_same_values,
+    is_distributed,
+)
 from llmc_fsm.modifier import Modifier
 from llmc_fsm.targets import DEFAULT_IGNORE, DEFAULT_TARGETS, is_linear_like, resolve_targets
 
@@ -151,7 +165,11 @@ class CalibratedModifier(Modifier):
 
     # ---- subclass API ----------------------------------------------------------
     def _new_accumulator(self, module: nn.Module) -> Any:
-        """A fresh statistics accumulator for ``module`` (``add_batch(x)``, ``num_samples``, ``in_features``)."""
+        """A fresh statistics accumulator for ``module`` (``add_batch(x)``, ``num_samples``, ``in_features``).
+
+        To run under ``torch.distributed`` it also needs ``all_reduce()``: sum its
+        statistics over the ranks in place (see :mod:`llmc_fsm.distributed`).
+        """
         raise NotImplementedError
 
     def _check_target(self, name: str, module: nn.Module) -> str | None:
@@ -245,7 +263,19 @@ class CalibratedModifier(Modifier):
 
     # ---- work ------------------------------------------------------------------
     def _compress_all(self, modules: dict[str, nn.Module]) -> None:
-        """Compress ``{name: module}``, each group of modules that share an accumulator in one call."""
+        """Compress ``{name: module}``, each group of modules that share an accumulator in one call.
+
+        Under ``torch.distributed`` the accumulators are first summed over the
+        ranks (:meth:`_reduce_statistics`) and the new weights are then compared
+        across ranks (:func:`llmc_fsm.distributed.check_same_values`). Every rank
+        calls this with the same ``modules`` (the same layer), so the collectives match.
+
+        Raises:
+            DistributedError: a collective failed, or the ranks computed different weights.
+        """
+        distributed = is_distributed()
+        if distributed:
+            self._reduce_statistics(modules)
         groups: dict[int, tuple[Any, list[tuple[str, nn.Module]]]] = {}
         for name, module in modules.items():
             acc = self._acc.pop(name, None)
@@ -262,6 +292,57 @@ class CalibratedModifier(Modifier):
             groups.setdefault(key, (acc, []))[1].append((name, module))
         for acc, members in groups.values():
             self._compress_members(acc, members)
+        if distributed:
+            compressed = [name for _, members in groups.values() for name, _ in members]
+            with torch.no_grad():
+                sums = {
+                    name: (float(w.sum(dtype=torch.float64)), float(w.abs().sum(dtype=torch.float64)))
+                    for name, w in ((name, modules[name].weight) for name in compressed)
+                }
+            check_same_values(sums, what="weights")
+
+    def _reduce_statistics(self, modules: dict[str, nn.Module]) -> None:
+        """Sum the accumulators of ``modules`` over every rank (every rank calls this with the same names).
+
+        A rank may hold no accumulator for a module the others saw inputs for
+        (data-dependent routing, e.g. mixture-of-experts); it contributes an
+        empty one. Which modules share an accumulator (the same input tensor)
+        is agreed on first with one ``all_reduce`` of a small int64 vector, then
+        each shared accumulator is reduced once, in ``names`` order.
+
+        Raises:
+            DistributedError: ranks disagree on which modules share statistics, or a collective failed.
+        """
+        names = list(modules)
+        if not names:
+            return
+        first: dict[int, int] = {}
+        leader = []  # per name: index of the first name sharing its accumulator, -1 without samples
+        for i, name in enumerate(names):
+            acc = self._acc.get(name)
+            leader.append(-1 if acc is None or acc.num_samples == 0 else first.setdefault(id(acc), i))
+        n = len(names)
+        table = torch.tensor(leader + [-x if x >= 0 else -n - 1 for x in leader], dtype=torch.int64)
+        all_reduce_tensor(table, op="max", what="all_reduce (statistics layout)")
+        agreed, lowest = table[:n].tolist(), [-x for x in table[n:].tolist()]
+        if any(a >= 0 and lo <= n and lo != a for a, lo in zip(agreed, lowest, strict=True)):
+            msg = (
+                f"{type(self).__name__}: ranks disagree on which targets share calibration inputs "
+                f"({', '.join(names)}); every rank must run the same model code"
+            )
+            raise DistributedError(msg)
+        for i, name in enumerate(names):
+            if agreed[i] < 0:
+                continue
+            lead = names[agreed[i]]
+            if leader[i] < 0:  # no samples here: an empty accumulator, shared like on the other ranks
+                if agreed[i] == i:
+                    self._acc[name] = self._new_accumulator(modules[name])
+                else:
+                    self._acc[name] = self._acc[lead]
+        for i, name in enumerate(names):
+            if agreed[i] == i:
+                all_reduce_accumulator(self._acc[name])
 
     def _compress_members(self, acc: Any, members: list[tuple[str, nn.Module]]) -> None:
         t0 = time.perf_counter()

@@ -22,6 +22,7 @@ import sys
 from collections.abc import Sequence
 
 from llmc_fsm import __version__
+from llmc_fsm.distributed import process_group_from_env
 
 __all__ = ["main"]
 
@@ -56,7 +57,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=logging.DEBUG if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
     )
     try:
-        return int(args.func(args) or 0)
+        with process_group_from_env():  # under torchrun (WORLD_SIZE > 1): one rank of a torch.distributed group
+            return int(args.func(args) or 0)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

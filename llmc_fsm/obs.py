@@ -148,6 +148,39 @@ class HessianAccumulator:
         if self._hessian is not None:
             self._hessian.zero_()
 
+    @torch.no_grad()
+    def all_reduce(self) -> None:
+        """Combine the statistics of every rank of the ``torch.distributed`` process group, in place.
+
+        ``H_r`` is normalised by its rank's token count ``n_r``, so the sums
+        ``sum_r n_r H_r`` and ``n = sum_r n_r`` are reduced (float64, one
+        collective) and ``H = (sum_r n_r H_r) / n``: the normalisation of one
+        process that saw every token (equal up to float rounding), identical on
+        every rank. A rank without samples contributes zeros. Every rank must
+        call it; without a process group of more than one rank it does nothing.
+
+        Raises:
+            DistributedError: the collective failed (another rank stopped or timed out).
+        """
+        from llmc_fsm.distributed import all_reduce_tensor, is_distributed
+
+        if not is_distributed():
+            return
+        H = self.hessian if self._hessian is not None else None
+        flat = torch.zeros(self.in_features * self.in_features + 1, dtype=torch.float64)
+        if H is not None:
+            flat = flat.to(H.device)
+            flat[:-1].copy_(H.reshape(-1)).mul_(self._num_samples)
+        flat[-1] = self._num_samples
+        all_reduce_tensor(flat, what="all_reduce (Hessian)")
+        total = round(float(flat[-1]))
+        if self._hessian is None:
+            self._hessian = torch.zeros(self.in_features, self.in_features, dtype=torch.float32, device=flat.device)
+        if total > 0:
+            self._hessian.copy_(flat[:-1].reshape(self.in_features, self.in_features).div_(total))
+        self._num_samples = total
+        self._mirrored = True
+
 
 def all_finite(x: torch.Tensor) -> bool:
     """No NaN/Inf in ``x``, by one float64 sum (a sum of float32 values cannot overflow float64)."""

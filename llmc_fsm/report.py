@@ -78,7 +78,8 @@ class OneshotReport:
     Attributes:
         model: model name or path (or the class name for an in-memory model).
         recipe: the recipe as a dict (stages marked applied).
-        calibration: ``{"source", "num_samples", "seq_len", "num_tokens"}``.
+        calibration: ``{"source", "num_samples", "seq_len", "num_tokens"}``, and ``"per_rank"``
+            (windows calibrated by each rank) under ``torch.distributed``.
         modules: measured sparsity of every Linear weight.
         ppl_before / ppl_after: perplexity on the evaluation windows (``None`` without eval text).
         eval: ``{"source", "num_windows", "seq_len"}`` or ``None``.
@@ -211,8 +212,10 @@ class OneshotReport:
         """The human-readable report the CLI prints."""
         lines = [f"model: {self.model}"]
         cal = self.calibration
+        split = cal.get("per_rank")
         lines.append(
             f"calibration: {cal.get('num_samples')} x {cal.get('seq_len')} tokens from {cal.get('source')}"
+            + (f" (split over {len(split)} ranks: {' + '.join(map(str, split))})" if split else "")
         )
         rows = self.layer_sparsity()
         quant = self.layer_quantization()

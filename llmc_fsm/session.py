@@ -28,6 +28,7 @@ from contextvars import ContextVar
 from typing import Any
 
 from llmc_fsm.checkpoint import SessionCheckpoints
+from llmc_fsm.distributed import check_ranks_agree, unwrap_state
 from llmc_fsm.errors import LifecycleError, MissingStateError, ModifierError
 from llmc_fsm.guard import changed, failure, module_parameters
 from llmc_fsm.lifecycle import CALLS_ALLOWED, make_machine
@@ -154,18 +155,27 @@ class Session(SessionCheckpoints):
         roll-back cannot undo that): the error then names them and the session
         refuses ``initialize`` until :meth:`reset`.
 
+        A ``model`` (or ``teacher``) wrapped in ``DistributedDataParallel`` /
+        ``DataParallel`` is unwrapped: modifiers and ``state.model`` see the
+        module inside, whose parameters the wrapper trains. Under
+        ``torch.distributed`` (more than one rank) this is a collective: every
+        rank must call it; see :func:`llmc_fsm.distributed.check_ranks_agree`.
+
         Raises:
             LifecycleError: already initialized / running / finalized; a modifier
                 object is bound to another live session; a failed hook modified
                 the model before.
             MissingStateError: required state keys are missing.
             ModifierError: a modifier's ``on_initialize`` raised.
+            ValueError: under ``torch.distributed`` the ranks disagree on the recipe,
+                the model or the expected ``world_size`` (same message on every rank).
         """
         with self._lock:
             lifecycle = self.lifecycle
             if "initialize" not in CALLS_ALLOWED[lifecycle] or self._broken is not None:
                 self._refuse("initialize")
-            full = self._state.merged(state)
+            full = unwrap_state(self._state.merged(state))  # DDP / DataParallel: the module inside
+            check_ranks_agree(self, full)  # under torch.distributed: same recipe/model on every rank, else raise
             missing = self.missing_state(**state)
             if missing:
                 msg = missing_state_message(missing, lifecycle, passed=frozenset(state))

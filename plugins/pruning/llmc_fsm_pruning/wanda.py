@@ -80,6 +80,29 @@ class InputNormAccumulator:
         self._num_samples = 0
         self._sq_norm = None
 
+    @torch.no_grad()
+    def all_reduce(self) -> None:
+        """Sum the norms and token counts of every rank of the ``torch.distributed`` process group, in place.
+
+        One float64 collective; a rank without samples contributes zeros. Every
+        rank must call it; without a process group of more than one rank it does nothing.
+
+        Raises:
+            DistributedError: the collective failed (another rank stopped or timed out).
+        """
+        from llmc_fsm.distributed import all_reduce_tensor, is_distributed
+
+        if not is_distributed():
+            return
+        flat = torch.zeros(self.in_features + 1, dtype=torch.float64)
+        if self._sq_norm is not None:
+            flat = flat.to(self._sq_norm.device)
+            flat[:-1].copy_(self._sq_norm)
+        flat[-1] = self._num_samples
+        all_reduce_tensor(flat, what="all_reduce (input norms)")
+        self._sq_norm = flat[:-1].clone()
+        self._num_samples = round(float(flat[-1]))
+
 
 @torch.no_grad()
 def wanda_mask(
