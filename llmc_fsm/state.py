@@ -76,7 +76,11 @@ class State(Mapping[str, Any]):
     # --- well-known keys ----------------------------------------------------
     @property
     def model(self) -> Any:
-        """The model being compressed (``torch.nn.Module``), or ``None``."""
+        """The model being compressed (``torch.nn.Module``), or ``None``.
+
+        After ``Session.initialize`` it is the module inside a ``DistributedDataParallel`` /
+        ``DataParallel`` wrapper if one was given (see :func:`llmc_fsm.distributed.unwrap_model`).
+        """
         return self.values.get("model")
 
     @property
