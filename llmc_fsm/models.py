@@ -55,7 +55,7 @@ from llmc_fsm.model_io import (
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-__all__ = ["KNOWN_MODELS", "KnownModel", "cache_root", "fix_safetensors_permissions", "load_model"]
+__all__ = ["KNOWN_MODELS", "KnownModel", "cache_root", "fix_safetensors_permissions", "known_model_dir", "load_model"]
 
 log = logging.getLogger(__name__)
 
@@ -308,14 +308,29 @@ def load_model(
             )
         raise ValueError(msg)
 
-    root = Path(cache_dir).expanduser() if cache_dir is not None else cache_root()
-    target = root / "models" / key
-    if not _cache_is_valid(target):
-        _ensure_cache(key, spec, target)
-    else:
-        with contextlib.suppress(OSError):  # caches written before the fix have a 0600 model.safetensors
-            fix_safetensors_permissions(target)
+    target = known_model_dir(key, cache_dir=cache_dir)
     t0 = time.perf_counter()
     model, tokenizer = load_hf_dir(target, torch_dtype)
     log.info("loaded %s from cache %s in %.2f s", key, target, time.perf_counter() - t0)
     return model, tokenizer
+
+
+def known_model_dir(name: str, *, cache_dir: str | os.PathLike[str] | None = None) -> Path:
+    """The Hugging Face directory of the known model ``name``, converted into the cache first if needed.
+
+    ``<cache_dir>/models/<name>`` (default root :func:`cache_root`); see
+    :func:`load_model` for the conversion and its lock.
+
+    Raises:
+        KeyError: ``name`` is not in :data:`KNOWN_MODELS`.
+        RuntimeError: as :func:`load_model` (package missing, cache not writable, conversion failed).
+    """
+    spec = KNOWN_MODELS[name]
+    root = Path(cache_dir).expanduser() if cache_dir is not None else cache_root()
+    target = root / "models" / name
+    if not _cache_is_valid(target):
+        _ensure_cache(name, spec, target)
+    else:
+        with contextlib.suppress(OSError):  # caches written before the fix have a 0600 model.safetensors
+            fix_safetensors_permissions(target)
+    return target

@@ -38,11 +38,13 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "atomic_dir",
     "check_output_dir",
+    "compressed_state_dict",
     "dir_size_bytes",
     "merge_saved_recipe",
     "quantized_modules",
     "save_model",
     "settings_diff",
+    "write_quantization_config",
 ]
 
 
@@ -161,33 +163,62 @@ def save_model(model: nn.Module, directory: Path, *, sparsity_structure: str | N
 
 
 def _save_weights(model: nn.Module, directory: Path, sparsity_structure: str | None) -> None:
-    quantized = quantized_modules(model)
-    if not quantized:
+    if not quantized_modules(model):
         model.save_pretrained(directory, safe_serialization=True)
         return
-    from compressed_tensors.compressors import BaseCompressor, ModelCompressor
-    from compressed_tensors.quantization import QuantizationStatus
+    state, zeros, numel = compressed_state_dict(model)
+    model.save_pretrained(directory, state_dict=state, safe_serialization=True)
+    write_quantization_config(model, directory, zeros=zeros, numel=numel, sparsity_structure=sparsity_structure)
+
+
+def compressed_state_dict(module: nn.Module, prefix: str = "") -> tuple[dict[str, Any], int, int]:
+    """``module``'s state dict, keys prefixed, with each quantized submodule's tensors compressed.
+
+    Each quantized submodule's compressed-tensors format is inferred (and set on its scheme) and its
+    tensors replaced by what that format's compressor (``BaseCompressor.compress``) gives, e.g.
+    ``weight_packed`` int32 + ``weight_shape`` for ``pack-quantized``. ``module`` is not changed.
+
+    Returns:
+        ``(state, zeros, numel)``: the state dict, and the exact zeros and the size of the quantized weights.
+    """
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.compressors.format import infer_model_format
     from compressed_tensors.utils.module import get_direct_state_dict
 
-    compressor = ModelCompressor.from_pretrained_model(model)  # infers each module's format, sets scheme.format
-    state = model.state_dict()
+    infer_model_format(module)  # sets each quantized module's scheme.format
+    state = {prefix + key: value for key, value in module.state_dict().items()}
     zeros = numel = 0
-    for name, module in quantized.items():
-        scheme = module.quantization_scheme
-        local = get_direct_state_dict(module)
+    for name, sub in quantized_modules(module).items():
+        scheme = sub.quantization_scheme
+        local = get_direct_state_dict(sub)
         weight = local["weight"]
         zeros += weight.numel() - int(weight.count_nonzero())
         numel += weight.numel()
         packed = BaseCompressor.get_value_from_registry(scheme.format.value).compress(local, scheme)
-        prefix = f"{name}." if name else ""
+        sub_prefix = f"{prefix}{name}." if name else prefix
         for key in local:
-            state.pop(prefix + key, None)
-        state.update({prefix + key: value.contiguous() for key, value in packed.items() if value is not None})
-    model.save_pretrained(directory, state_dict=state, safe_serialization=True)
+            state.pop(sub_prefix + key, None)
+        state.update({sub_prefix + key: value.contiguous() for key, value in packed.items() if value is not None})
+    return state, zeros, numel
+
+
+def write_quantization_config(
+    model: nn.Module, directory: Path, *, zeros: int, numel: int, sparsity_structure: str | None
+) -> None:
+    """Add ``quantization_config`` (status compressed) to ``directory/config.json`` from ``model``'s schemes.
+
+    Reads only the schemes on ``model``'s modules, so its weights may be on the ``meta`` device. A
+    dense-format ``sparsity_config`` is added when ``zeros / numel`` (of the quantized weights) is >= 5%.
+    """
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import QuantizationStatus
+
+    compressor = ModelCompressor.from_pretrained_model(model)  # infers each module's format, sets scheme.format
     compressor.quantization_config.quantization_status = QuantizationStatus.COMPRESSED  # what the tensors are
     compressor.update_config(str(directory))
     if numel and zeros / numel >= 0.05:
-        _write_sparsity_config(directory, zeros / numel, sparsity_structure or "unstructured", sorted(quantized))
+        targets = sorted(quantized_modules(model))
+        _write_sparsity_config(directory, zeros / numel, sparsity_structure or "unstructured", targets)
 
 
 def _write_sparsity_config(directory: Path, sparsity: float, structure: str, targets: list[str]) -> None:

@@ -278,21 +278,24 @@ def build_report(
     eval: dict[str, Any] | None,  # noqa: A002
     seconds: dict[str, float],
     targeted: list[str],
+    modules: list[ModuleSparsity] | None = None,
 ) -> OneshotReport:
     """The one-shot report of ``model`` after compression by ``modifiers``.
 
-    Sparsity is measured on the weights; quantization fields and output errors
+    Sparsity is measured on the weights (or given as ``modules``, measured while the
+    weights were in memory: :mod:`llmc_fsm.streaming`); quantization fields and output errors
     come from the modifiers' per-module results (``results`` of
     :class:`llmc_fsm.calibration.CalibratedModifier`); the targeted modules from
     ``targeted`` (the modifiers' :attr:`~llmc_fsm.Modifier.resolved_targets`, gathered after initialize).
     """
     from llmc_fsm.pipeline import find_decoder_layers
 
-    try:
-        layers_name, layers = find_decoder_layers(model)
-    except ValueError:
-        layers_name, layers = "", None
-    modules = measure_sparsity(model, layers, layers_name)
+    if modules is None:
+        try:
+            layers_name, layers = find_decoder_layers(model)
+        except ValueError:
+            layers_name, layers = "", None
+        modules = measure_sparsity(model, layers, layers_name)
     by_name = {m.name: m for m in modules}
     for modifier in modifiers:
         for name, result in (getattr(modifier, "results", None) or {}).items():
