@@ -1,12 +1,45 @@
-"""``llmc-fsm oneshot``: compress a model in one shot and print the report (see :func:`llmc_fsm.oneshot`)."""
+"""``llmc-fsm oneshot``: compress a model in one shot and print the report (see :func:`llmc_fsm.oneshot`).
+
+SIGTERM (a CI cancel, ``timeout``, a scheduler) is handled like Ctrl-C: the run
+unwinds, the partial output is removed (saved layers are kept for ``--resume``),
+one line says so, and the exit status is 143 (130 for Ctrl-C).
+"""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import signal
 import sys
+from collections.abc import Iterator
 from typing import Any
 
-from llmc_fsm.oneshot import DEFAULT_MODEL, METHODS, _positive_int, default_recipe, oneshot
+from llmc_fsm.distributed import is_main_process
+from llmc_fsm.oneshot import DEFAULT_MODEL, METHODS, default_recipe, oneshot
+from llmc_fsm.oneshot_phases import positive_int as _positive_int
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread so that the run unwinds exactly like Ctrl-C."""
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+    """Inside the block, SIGTERM raises :class:`Terminated` (once; a second SIGTERM waits for the clean-up)."""
+
+    def handler(signum: int, frame: Any) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        raise Terminated
+
+    try:
+        previous = signal.signal(signal.SIGTERM, handler)
+    except ValueError:  # not the main thread: leave signals alone
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def add_cli(sub: Any) -> None:
@@ -49,8 +82,21 @@ def add_cli(sub: Any) -> None:
     p.add_argument("--batch-size", type=int, default=8, help="calibration windows per forward pass (default 8)")
     p.add_argument("--output", help="write the compressed model, recipe.yaml and report.json to this directory")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --output directory")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue an interrupted run on the same --output from its last finished decoder layer "
+        "(same model, recipe, data and settings)",
+    )
+    p.add_argument(
+        "--low-memory",
+        action="store_true",
+        help="read, compress and write one decoder layer at a time (needs --output and --dataset; same result)",
+    )
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument(
+        "--no-progress", action="store_true", help="no progress bars (also none from transformers/compressed-tensors)"
+    )
     p.set_defaults(func=_run_cli)
 
 
@@ -82,19 +128,34 @@ def _run_cli(args: argparse.Namespace) -> int:
             scheme=args.scheme or "W4A16",
             group_size=None if args.group_size is None else _positive_int("--group-size", args.group_size),
         )
-    model = oneshot(
-        model=args.model,
-        recipe=recipe,
-        dataset=args.dataset,
-        num_calibration_samples=args.num_samples,
-        max_seq_length=args.seq_len,
-        output_dir=args.output,
-        overwrite=args.overwrite,
-        eval_text=args.eval_text,
-        num_eval_windows=args.eval_windows,
-        batch_size=args.batch_size,
-        progress=not args.no_progress,
-    )
+    try:
+        with sigterm_as_interrupt():
+            model = oneshot(
+                model=args.model,
+                recipe=recipe,
+                dataset=args.dataset,
+                num_calibration_samples=args.num_samples,
+                max_seq_length=args.seq_len,
+                output_dir=args.output,
+                overwrite=args.overwrite,
+                resume=args.resume,
+                eval_text=args.eval_text,
+                num_eval_windows=args.eval_windows,
+                batch_size=args.batch_size,
+                progress=not args.no_progress,
+                low_memory=args.low_memory,
+            )
+    except KeyboardInterrupt as exc:
+        what = "SIGTERM" if isinstance(exc, Terminated) else "Ctrl-C"
+        notes = getattr(exc, "__notes__", None)
+        print(f"llmc-fsm oneshot: interrupted ({what}); {notes[-1] if notes else 'nothing written'}", file=sys.stderr)
+        return 143 if isinstance(exc, Terminated) else 130
+    except OSError as exc:
+        notes = getattr(exc, "__notes__", None)
+        if not notes or getattr(args, "verbose", False):
+            raise
+        print(f"llmc-fsm oneshot: error: {exc}; {notes[-1]}", file=sys.stderr)
+        return 1
     print(model.llmc_fsm_report.format_table())
     sys.stdout.flush()
     return 0

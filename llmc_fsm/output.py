@@ -1,9 +1,8 @@
 """The output directory of the one-shot job: checked before any work, written atomically, saved in HF layout.
 
 * :func:`check_output_dir` — every check that needs no model (exists, empty,
-  writable, not the working directory);
-* :func:`atomic_dir` — a temporary sibling that replaces the target only when
-  everything was written;
+  writable, not the working directory); the output is then written in a hidden
+  work directory and renamed into place (:mod:`llmc_fsm.workdir`);
 * :func:`save_model` — the model in Hugging Face layout (safetensors). A model
   whose modules carry ``compressed-tensors`` quantization (the quantization
   plugin's GPTQ/RTN) is saved compressed through ``compressed-tensors``: packed
@@ -17,13 +16,9 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
-import shutil
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -36,7 +31,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "atomic_dir",
     "check_output_dir",
     "compressed_state_dict",
     "dir_size_bytes",
@@ -59,7 +53,11 @@ def check_output_dir(output_dir: str | os.PathLike[str] | None, overwrite: bool)
         FileExistsError: it exists and is a file, or is non-empty without ``overwrite``, or ``overwrite`` would
             replace a directory that is not a model output.
         ValueError: it is the working directory or contains it.
+        NotADirectoryError: its first existing parent is a file (``README.md/sub``).
         PermissionError: its first existing parent is not writable.
+
+    The directory itself is created later, with its work directory
+    (:meth:`llmc_fsm.workdir.WorkDir.claim`), still before any model work.
     """
     if output_dir is None:
         return None
@@ -91,42 +89,13 @@ def check_output_dir(output_dir: str | os.PathLike[str] | None, overwrite: bool)
     parent = path.parent
     while not parent.exists():
         parent = parent.parent
+    if not parent.is_dir():
+        msg = f"cannot create the output directory {str(path)!r}: {str(parent)!r} is a file, not a directory"
+        raise NotADirectoryError(msg)
     if not os.access(parent, os.W_OK):
-        msg = f"cannot write the output directory {str(path)!r}: {str(parent)!r} is not writable"
+        msg = f"cannot write the output directory {str(path)!r}: {str(parent)!r} is not writable (Permission denied)"
         raise PermissionError(msg)
     return path
-
-
-@contextlib.contextmanager
-def atomic_dir(target: Path) -> Iterator[Path]:
-    """Yield a temporary sibling directory; on success it replaces ``target``, on any error it is removed."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
-    try:
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it 0700
-        yield tmp
-        old = None
-        if target.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
-            try:
-                os.rename(target, old / "x")
-            except BaseException:
-                shutil.rmtree(old, ignore_errors=True)
-                raise
-        try:
-            os.rename(tmp, target)
-        except BaseException:
-            if old is not None:  # put the previous output back
-                os.rename(old / "x", target)
-                shutil.rmtree(old, ignore_errors=True)
-            raise
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def dir_size_bytes(path: str | os.PathLike[str]) -> int:

@@ -1,0 +1,405 @@
+"""The phases of :func:`llmc_fsm.oneshot`, in the order they run (each takes the :class:`Run` the others fill).
+
+* :func:`prepare` — sizes, output directory, recipe -> sessions, text files, the
+  work directory claimed (no model yet);
+* :func:`load` — model and tokenizer;
+* :func:`data` — token windows; required state checked; perplexity before;
+  generated calibration data;
+* :func:`compress` — per session: initialize, run_sequential (layer by layer,
+  each layer saved to the work directory), finalize;
+* :func:`evaluate` — perplexity;
+* :func:`save` — report; model, tokenizer, recipe.yaml, report.json written in
+  the work directory and renamed into place.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import attrs
+
+from llmc_fsm.oneshot_data import DEFAULT_PROMPTS, check_seq_len, describe, eval_windows, read_text
+from llmc_fsm.progress_bars import quiet_progress
+
+if TYPE_CHECKING:
+    from llmc_fsm.recipe import Recipe
+    from llmc_fsm.session import Session
+    from llmc_fsm.workdir import WorkDir
+
+__all__ = ["Run", "compress", "data", "evaluate", "load", "positive_int", "prepare", "save"]
+
+
+@attrs.define(kw_only=True, slots=False, eq=False)
+class Run:
+    """What the phases of :func:`llmc_fsm.oneshot` hand to one another."""
+
+    model: Any
+    tokenizer: Any
+    dataset: Any
+    recipe: Recipe
+    sessions: list[Session]
+    out_path: Path | None
+    num_samples: int
+    seq_len: int
+    eval_windows_n: int
+    eval_len: int
+    batch_size: int
+    seed: int
+    progress: bool
+    eval_source: Any
+    needs_data: bool
+    work: WorkDir | None = None
+    cal_text: str | None = None
+    ev_text: str | None = None
+    model_name: str = ""
+    windows: Any = None
+    cal_source: str = ""
+    eval_windows: Any = None
+    ppl: dict[str, float | None] = attrs.field(factory=lambda: {"eval_before": None, "eval_after": None})
+    seconds: dict[str, float] = attrs.field(factory=dict)
+    t_start: float = attrs.field(factory=time.perf_counter)
+    disk_before: int | None = None
+    targeted: list[str] = attrs.field(factory=list)
+
+    def timed(self, phase: str) -> Any:
+        return _Timer(self.seconds, phase)
+
+
+class _Timer:
+    def __init__(self, seconds: dict[str, float], phase: str) -> None:
+        self.seconds, self.phase = seconds, phase
+
+    def __enter__(self) -> None:
+        self.t0 = time.perf_counter()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.seconds[self.phase] = self.seconds.get(self.phase, 0.0) + time.perf_counter() - self.t0
+
+
+# --------------------------------------------------------------------------- prepare
+def prepare(model: Any, recipe: Any, dataset: Any, **kw: Any) -> Run:
+    """Checks that need no model: sizes, output and work directory, recipe -> sessions, the text files."""
+    num_samples = positive_int("num_calibration_samples (--num-samples)", kw["num_calibration_samples"])
+    seq_len = positive_int("max_seq_length (--seq-len)", kw["max_seq_length"])
+    eval_n = positive_int("num_eval_windows (--eval-windows)", kw["num_eval_windows"])
+    batch_size = positive_int("batch_size (--batch-size)", kw["batch_size"])
+    eval_len = positive_int("eval_seq_length", kw["eval_seq_length"]) if kw["eval_seq_length"] is not None else seq_len
+    work = _claim(kw["output_dir"], kw["overwrite"])
+    try:
+        merged, sessions = _sessions(model, recipe, kw["fuse_stages"])
+        _check_dataset_tensor(dataset)
+        run = Run(
+            model=model,
+            tokenizer=kw["tokenizer"],
+            dataset=dataset,
+            recipe=merged,
+            sessions=sessions,
+            out_path=None if work is None else work.output,
+            num_samples=num_samples,
+            seq_len=seq_len,
+            eval_windows_n=eval_n,
+            eval_len=eval_len,
+            batch_size=batch_size,
+            seed=kw["seed"],
+            progress=kw["progress"],
+            eval_source=kw["eval_text"],
+            needs_data=any("calibration_data" in m.required_keys() for s in sessions for m in s.modifiers),
+            work=work,
+        )
+        with run.timed("read_data"), quiet_progress(not run.progress):
+            if dataset is not None and not _is_tensor(dataset):
+                run.cal_text = read_text("dataset (--dataset)", dataset)
+            if kw["eval_text"] is not None:
+                run.ev_text = read_text("eval_text (--eval-text)", kw["eval_text"])
+        if work is not None:
+            work.settle(_fingerprint(run, kw["fuse_stages"]), resume=kw["resume"])
+    except BaseException:
+        if work is not None:
+            work.release()
+        raise
+    return run
+
+
+def _claim(output_dir: Any, overwrite: bool) -> WorkDir | None:
+    """The output directory checked and its work directory created and locked (``None`` without an output)."""
+    from llmc_fsm.output import check_output_dir
+    from llmc_fsm.workdir import WorkDir, recover_previous
+
+    out_path = check_output_dir(output_dir, overwrite)
+    if out_path is not None and recover_previous(out_path):
+        out_path = check_output_dir(output_dir, overwrite)  # the restored output is there again
+    return None if out_path is None else WorkDir.claim(out_path)
+
+
+def _sessions(model: Any, recipe: Any, fuse_stages: bool) -> tuple[Recipe, list[Session]]:
+    from llmc_fsm.oneshot import default_recipe
+    from llmc_fsm.output import merge_saved_recipe
+    from llmc_fsm.recipe import Recipe, resolve_recipe
+    from llmc_fsm.session import Session
+
+    generated = recipe is None
+    merged = merge_saved_recipe(resolve_recipe(default_recipe() if generated else recipe), model, generated)
+    fresh = [stage for stage in merged.stages if not stage.applied]
+    if not fresh:
+        msg = (
+            "the recipe has no modifier to run: every stage is already applied"
+            + (f" to {model} (see its recipe.yaml)" if isinstance(model, str | os.PathLike) else "")
+            + "; give a recipe with a new stage name"
+        )
+        raise ValueError(msg)
+    if fuse_stages or len(fresh) == 1:
+        return merged, [Session(merged)]
+    return merged, [Session(Recipe([stage], merged.source)) for stage in fresh]
+
+
+def _is_tensor(value: Any) -> bool:
+    import torch
+
+    return isinstance(value, torch.Tensor)
+
+
+def _check_dataset_tensor(dataset: Any) -> None:
+    if _is_tensor(dataset) and (dataset.dim() != 2 or dataset.is_floating_point()):
+        msg = f"a dataset tensor must hold token ids of shape [N, L], got {dataset.dtype} {tuple(dataset.shape)}"
+        raise ValueError(msg)
+
+
+def _fingerprint(run: Run, fuse_stages: bool) -> dict[str, Any]:
+    from llmc_fsm.resume import fingerprint
+
+    with run.timed("fingerprint"):
+        return fingerprint(
+            model=run.model,
+            recipe=run.recipe,
+            modifiers=[m for s in run.sessions for m in s.modifiers],
+            dataset=run.dataset,
+            text=run.cal_text,
+            num_samples=run.num_samples,
+            seq_len=run.seq_len,
+            batch_size=run.batch_size,
+            fuse_stages=fuse_stages,
+            seed=run.seed,
+        )
+
+
+# --------------------------------------------------------------------------- load
+def load(run: Run) -> None:
+    """The model and tokenizer (an ``nn.Module`` is used as it is)."""
+    from torch import nn
+
+    needs_text = run.cal_text is not None or run.ev_text is not None or (run.dataset is None and run.needs_data)
+    with run.timed("load"):
+        if isinstance(run.model, nn.Module):
+            run.model_name = type(run.model).__name__
+            if run.tokenizer is None and needs_text:
+                msg = (
+                    "an in-memory model needs tokenizer= to tokenize text (or pass dataset as a LongTensor of "
+                    "token ids)"
+                )
+                raise ValueError(msg)
+            run.disk_before = sum(p.numel() * p.element_size() for p in run.model.parameters())
+            return
+        from llmc_fsm.models import load_model
+
+        run.model_name = os.fspath(run.model)
+        loaded, tokenizer = load_model(run.model)
+        run.model = loaded
+        run.tokenizer = run.tokenizer if run.tokenizer is not None else tokenizer
+        if run.tokenizer is None and needs_text:
+            msg = (
+                f"model {run.model_name!r} has no tokenizer files, so text (--dataset, --eval-text or the default "
+                "generated calibration) cannot be tokenized; add the tokenizer files or pass dataset as a LongTensor "
+                "of token ids"
+            )
+            raise ValueError(msg)
+        run.disk_before = _disk_bytes(Path(run.model_name), loaded)
+
+
+def _disk_bytes(source: Path, loaded: Any) -> int:
+    from llmc_fsm.output import dir_size_bytes
+
+    weights = list(source.glob("*.safetensors")) if source.is_dir() else []
+    if weights:
+        return sum(p.stat().st_size for p in weights)
+    return dir_size_bytes(getattr(loaded, "name_or_path", "") or "/nonexistent") or sum(
+        p.numel() * p.element_size() for p in loaded.parameters()
+    )
+
+
+# --------------------------------------------------------------------------- data
+def data(run: Run) -> None:
+    """Token windows, the required-state check, perplexity before, generated calibration data."""
+    import torch
+
+    used = [run.eval_len] if run.ev_text is not None else []
+    used.append(int(run.dataset.shape[1]) if _is_tensor(run.dataset) else run.seq_len)
+    check_seq_len(run.model, max(used))
+    with run.timed("data"):
+        _windows(run)
+        if run.ev_text is not None:
+            run.eval_windows = eval_windows(run.tokenizer, run.ev_text, run.eval_windows_n, run.eval_len)
+    if run.windows is None and not run.needs_data:
+        run.windows = torch.zeros(0, run.seq_len, dtype=torch.long)
+        run.cal_source = "none (no modifier needs calibration data)"
+    for session in run.sessions:  # required state, checked before generating data or any compression
+        if session.missing_state(model=run.model, calibration_data=run.windows if run.windows is not None else True):
+            session.initialize(model=run.model, calibration_data=run.windows)  # raises MissingStateError
+    evaluate(run, "eval_before")
+    if run.windows is None:
+        from llmc_fsm.oneshot_data import generate_calibration
+
+        with run.timed("generate_calibration"):
+            run.windows = generate_calibration(
+                run.model, run.tokenizer, num_samples=run.num_samples, seq_len=run.seq_len, seed=run.seed
+            )
+        run.cal_source = f"generated by the model (seed {run.seed}, {len(DEFAULT_PROMPTS)} prompts)"
+    if run.work is not None and run.windows.shape[0] > 0:
+        from llmc_fsm.resume import save_windows
+
+        save_windows(run.work.path, run.windows)
+
+
+def _windows(run: Run) -> None:
+    """The calibration windows: a resumed run's saved ones, the given tensor, or the dataset text's tokens."""
+    from llmc_fsm.data import token_windows
+    from llmc_fsm.resume import load_windows
+
+    saved = load_windows(run.work.path) if run.work is not None and run.work.resumed else None
+    if _is_tensor(run.dataset):
+        run.windows = run.dataset.long()
+        run.cal_source = describe(run.dataset)
+    elif run.cal_text is not None:
+        run.windows = saved
+        if saved is None:
+            run.windows = token_windows(
+                run.tokenizer, run.cal_text, num_windows=run.num_samples, seq_len=run.seq_len, from_end=True
+            )
+        run.cal_source = describe(run.dataset)
+    elif saved is not None and run.needs_data:
+        run.windows = saved
+        run.cal_source = f"generated by the model (seed {run.seed}, {len(DEFAULT_PROMPTS)} prompts)"
+
+
+# --------------------------------------------------------------------------- compress
+def compress(run: Run) -> None:
+    """Each session: initialize, calibrate and compress layer by layer (or data-free), finalize."""
+    from llmc_fsm.pipeline import run_sequential
+
+    with run.timed("compress"):
+        for index, session in enumerate(run.sessions):
+            session.initialize(model=run.model, calibration_data=run.windows)
+            run.targeted.extend(n for m in session.modifiers for n in m.resolved_targets if n not in run.targeted)
+            try:
+                if run.windows.shape[0] > 0:
+                    run_sequential(
+                        session,
+                        model=run.model,
+                        calibration_data=run.windows,
+                        batch_size=run.batch_size,
+                        progress=run.progress,
+                        checkpoint=_layer_progress(run, index, session),
+                    )
+                else:
+                    session.calibration_start()
+                    session.calibration_end()
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    session.finalize()
+                raise
+            session.finalize()
+
+
+def _layer_progress(run: Run, index: int, session: Session) -> Any:
+    """Per-layer progress of pass ``index`` in the work directory, or ``None`` (no output, or not resumable)."""
+    from llmc_fsm.resume import LayerProgress, resumable
+
+    if run.work is None or not resumable(session):
+        return None
+    return LayerProgress(run.work.progress, index, len(run.sessions), session)
+
+
+# --------------------------------------------------------------------------- evaluate, save
+def evaluate(run: Run, phase: str) -> None:
+    """Perplexity on the evaluation windows (nothing without ``eval_text``)."""
+    if run.eval_windows is None:
+        return
+    from llmc_fsm.data import perplexity
+
+    with run.timed(phase):
+        run.ppl[phase] = perplexity(run.model, run.eval_windows, progress=run.progress)
+
+
+def save(run: Run) -> None:
+    """Build the report; write model, tokenizer, recipe.yaml and report.json to the output directory."""
+    report = _report(run)
+    if run.work is None:
+        report.finish(run.t_start)
+        run.model.llmc_fsm_report = report
+        return
+    from llmc_fsm.output import save_model
+
+    t0 = time.perf_counter()
+    tmp = run.work.staging
+    tmp.mkdir()
+    save_model(run.model, tmp, sparsity_structure=_sparsity_structure(run.recipe))
+    if run.tokenizer is not None and hasattr(run.tokenizer, "save_pretrained"):
+        run.tokenizer.save_pretrained(tmp)
+    (tmp / "recipe.yaml").write_text(run.recipe.to_yaml(applied=True), encoding="utf-8")
+    report.disk = {
+        "before_bytes": run.disk_before,
+        "after_bytes": sum(p.stat().st_size for p in tmp.glob("*.safetensors")),
+    }
+    report.seconds["save"] = time.perf_counter() - t0
+    report.output_dir = str(run.out_path)
+    report.finish(run.t_start)
+    (tmp / "report.json").write_text(report.to_json() + "\n", encoding="utf-8")
+    run.work.publish()
+    run.model.llmc_fsm_report = report
+
+
+def _report(run: Run) -> Any:
+    from llmc_fsm.report import build_report
+
+    return build_report(
+        model=run.model,
+        model_name=run.model_name,
+        recipe=run.recipe,
+        modifiers=[m for session in run.sessions for m in session.modifiers],
+        calibration={
+            "source": run.cal_source,
+            "num_samples": int(run.windows.shape[0]),
+            "seq_len": int(run.windows.shape[1]),
+            "num_tokens": int(run.windows.numel()),
+        },
+        ppl_before=run.ppl["eval_before"],
+        ppl_after=run.ppl["eval_after"],
+        eval=None
+        if run.eval_windows is None
+        else {
+            "source": describe(run.eval_source),
+            "num_windows": int(run.eval_windows.shape[0]),
+            "seq_len": run.eval_len,
+        },
+        seconds=run.seconds,
+        targeted=run.targeted,
+    )
+
+
+def _sparsity_structure(recipe: Recipe) -> str | None:
+    for modifier in recipe.modifiers:
+        structure = getattr(modifier, "mask_structure", None)
+        if isinstance(structure, str) and structure not in ("unstructured", "0:0"):
+            return structure
+    return None
+
+
+def positive_int(name: str, value: Any) -> int:
+    """``value`` if it is a positive ``int``; else ``ValueError`` naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        msg = f"{name} must be a positive int, got {value!r}"
+        raise ValueError(msg)
+    return value

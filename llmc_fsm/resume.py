@@ -1,0 +1,360 @@
+"""One-shot resume: the run's fingerprint and its per-layer progress in the work directory.
+
+After each decoder layer is compressed, :class:`LayerProgress` writes
+``progress/pass-P/layer-KKKKK.safetensors`` (written to a ``.partial`` file and
+renamed, so a kill leaves either the whole file or none):
+
+* the layer's ``state_dict()`` — its compressed weights and, for modules the
+  quantization plugin quantized, the compressed-tensors ``weight_scale`` /
+  ``weight_zero_point`` (/ ``weight_g_idx``) parameters;
+* in the safetensors metadata (JSON): each quantized module's
+  ``quantization_scheme`` and ``quantization_status``, and the per-module
+  results (:class:`~llmc_fsm.calibration.ModuleResult`) and skipped targets of
+  every :class:`~llmc_fsm.calibration.CalibratedModifier`, for the report.
+
+A resumed run re-does everything up to ``calibration_start`` exactly as before,
+then restores layers ``0..k-1`` from these files and recomputes the calibration
+activations entering layer ``k`` by running the restored layers on the
+calibration inputs — the same forwards, on the same weights, as the
+uninterrupted run, so the result is bitwise identical (on the same machine,
+with the same number of threads). Recomputing costs one forward per restored
+layer at resume; storing the activations instead would cost a write of the
+whole calibration set's hidden states after every layer.
+
+The calibration windows are kept too (``calibration.safetensors``: generated
+calibration data is not generated again), and the perplexity measured before
+compression (``eval_before.json``, keyed by the evaluation data).
+
+:func:`fingerprint` records what the result depends on; :func:`fingerprint_changes`
+names what differs. Modifiers that keep per-layer state of their own (override
+``on_sequential_epoch_end`` without deriving from ``CalibratedModifier``) cannot
+be restored, so a run with one keeps no per-layer progress (:func:`resumable`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import os
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from llmc_fsm.calibration import CalibratedModifier, ModuleResult
+from llmc_fsm.modifier import overrides
+
+if TYPE_CHECKING:
+    from llmc_fsm.modifier import Modifier
+    from llmc_fsm.session import Session
+
+__all__ = [
+    "LayerProgress",
+    "fingerprint",
+    "fingerprint_changes",
+    "load_windows",
+    "progress_summary",
+    "resumable",
+    "save_windows",
+]
+
+_LAYOUT = "layout.json"
+_WINDOWS = "calibration.safetensors"
+
+
+# --------------------------------------------------------------------------- fingerprint
+def _digest(chunks: Iterable[bytes]) -> str:
+    h = hashlib.sha256()
+    for chunk in chunks:
+        h.update(chunk)
+    return h.hexdigest()[:16]
+
+
+def _tensor_bytes(t: torch.Tensor) -> bytes:
+    t = t.detach().cpu().contiguous()
+    return f"{t.dtype}{tuple(t.shape)}".encode() + t.view(-1).view(torch.uint8).numpy().tobytes()
+
+
+def _file_digest(path: Path) -> str:
+    with path.open("rb") as fh:
+        return hashlib.file_digest(fh, "sha256").hexdigest()[:16]
+
+
+def _model_item(model: Any) -> dict[str, Any]:
+    """The model: its tensors (an ``nn.Module``), its files (a directory), or its name and package."""
+    from llmc_fsm.models import KNOWN_MODELS
+
+    if isinstance(model, nn.Module):
+        state = model.state_dict()
+        return {
+            "module": type(model).__name__,
+            "sha256": _digest(k.encode() + _tensor_bytes(v) for k, v in state.items()),
+        }
+    key = os.fspath(model)
+    spec = KNOWN_MODELS.get(key)
+    if spec is not None:
+        try:
+            version = importlib.metadata.version(spec.distribution)
+        except importlib.metadata.PackageNotFoundError:
+            version = None
+        return {"name": key, "package": f"{spec.distribution} {version}"}
+    path = Path(key).expanduser()
+    if path.is_dir():
+        files = sorted(p for p in path.iterdir() if p.is_file())
+        return {"directory": str(path.resolve()), "files": {p.name: _file_digest(p) for p in files}}
+    return {"hub id": key}
+
+
+def _versions(modifiers: Iterable[Modifier]) -> dict[str, str | None]:
+    from llmc_fsm import __version__
+    from llmc_fsm.plugins import get_registry
+
+    versions: dict[str, str | None] = {"llmc-fsm": __version__, "torch": torch.__version__}
+    for dist in ("transformers", "compressed-tensors"):
+        try:
+            versions[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            versions[dist] = None
+    for modifier in modifiers:
+        info = get_registry().info(modifier.modifier_name())
+        if info is not None and info.distribution is not None:
+            versions[info.distribution] = info.version
+    return versions
+
+
+def fingerprint(
+    *,
+    model: Any,
+    recipe: Any,
+    modifiers: Iterable[Modifier],
+    dataset: Any,
+    text: str | None,
+    num_samples: int,
+    seq_len: int,
+    batch_size: int,
+    fuse_stages: bool,
+    seed: int,
+) -> dict[str, Any]:
+    """What a one-shot result depends on, as JSON values (compared item by item on resume).
+
+    Items: ``model`` (sha256 of an in-memory model's tensors; of each file of a
+    model directory; a known model's name and package version), ``recipe``
+    (every setting), ``calibration data`` (source and sha256 of its text or
+    token tensor, windows, length), ``pipeline`` (batch size, stages fused),
+    ``seed``, ``library versions`` (llmc-fsm, torch, transformers,
+    compressed-tensors, the modifiers' plugin distributions). Hashing reads the
+    model once (~0.3 s for SmolLM2's 0.5 GB).
+    """
+    from llmc_fsm.oneshot_data import DEFAULT_PROMPTS, describe
+
+    if isinstance(dataset, torch.Tensor):
+        data: dict[str, Any] = {"source": describe(dataset), "sha256": _digest([_tensor_bytes(dataset)])}
+    elif text is not None:
+        data = {"source": describe(dataset), "sha256": _digest([text.encode("utf-8")])}
+    else:
+        data = {"source": "generated by the model", "sha256": _digest(p.encode() for p in DEFAULT_PROMPTS)}
+    data.update(num_samples=num_samples, seq_len=seq_len)
+    items = {
+        "model": _model_item(model),
+        "recipe": recipe.to_dict(),
+        "calibration data": data,
+        "pipeline": {"batch_size": batch_size, "fuse_stages": fuse_stages},
+        "seed": seed,
+        "library versions": _versions(modifiers),
+    }
+    return json.loads(json.dumps(items))
+
+
+def fingerprint_changes(saved: Mapping[str, Any] | None, current: Mapping[str, Any]) -> list[str]:
+    """``"item (what changed)"`` for every item of ``current`` that differs from ``saved`` (empty: same run)."""
+    from llmc_fsm.output import settings_diff
+
+    if not isinstance(saved, Mapping):
+        return ["the saved fingerprint (fingerprint.json is missing or unreadable)"]
+    changes = []
+    for key, new in current.items():
+        old = saved.get(key)
+        if old == new:
+            continue
+        if key == "model" and isinstance(old, Mapping) and "files" in old and "files" in new:
+            files = dict.fromkeys([*old["files"], *new["files"]])
+            diff = "files changed: " + ", ".join(n for n in files if old["files"].get(n) != new["files"].get(n))
+            if old.get("directory") != new.get("directory"):
+                diff = f"directory {old.get('directory')!r} -> {new.get('directory')!r}"
+        else:
+            diff = settings_diff(old, new).strip()
+        changes.append(f"{key} ({diff})")
+    return changes
+
+
+# --------------------------------------------------------------------------- per-layer progress
+def resumable(session: Session) -> bool:
+    """Whether every modifier's per-layer state can be restored (see the module docstring)."""
+    return not any(
+        overrides(m, "on_sequential_epoch_end") and not isinstance(m, CalibratedModifier) for m in session.modifiers
+    )
+
+
+def progress_summary(progress: Path) -> str | None:
+    """``"k of N decoder layers done"`` for the saved layers under ``progress``, or ``None`` when there are none."""
+    done = len(list(progress.glob("pass-*/layer-*.safetensors")))
+    if not done:
+        return None
+    try:
+        layout = json.loads((progress / _LAYOUT).read_text(encoding="utf-8"))
+        layers, passes = int(layout["num_layers"]), int(layout["passes"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"{done} decoder layers done"
+    if passes == 1:
+        return f"{done} of {layers} decoder layers done"
+    return f"{done} of {layers * passes} layer passes done ({passes} passes over {layers} decoder layers)"
+
+
+class LayerProgress:
+    """The saved layers of one calibration pass (a :class:`llmc_fsm.pipeline.LayerCheckpoint`).
+
+    Args:
+        progress: the work directory's ``progress/``.
+        pass_index / passes: this pass (one per session) and the number of passes.
+        session: the pass's session (its modifiers' results are saved and restored).
+    """
+
+    def __init__(self, progress: Path, pass_index: int, passes: int, session: Session) -> None:
+        self.root, self.passes = progress, passes
+        self.directory = progress / f"pass-{pass_index}"
+        self.modifiers = dict(zip(session.labels, session.modifiers, strict=True))
+
+    def _file(self, index: int) -> Path:
+        return self.directory / f"layer-{index:05d}.safetensors"
+
+    def layers_done(self, num_layers: int) -> int:
+        """Leading layers with a readable file (also records the layout for :func:`progress_summary`)."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        layout = self.root / _LAYOUT
+        if not layout.exists():
+            layout.write_text(json.dumps({"num_layers": num_layers, "passes": self.passes}) + "\n", encoding="utf-8")
+        done = 0
+        while done < num_layers and _readable(self._file(done)):
+            done += 1
+        return done
+
+    def save(self, index: int, layer: nn.Module) -> None:
+        """Write layer ``index`` (its state dict; quantization and results as JSON metadata)."""
+        metadata = {
+            "quantization": json.dumps(_quantization_of(layer)),
+            "results": json.dumps(self._results_of(layer)),
+        }
+        target = self._file(index)
+        tmp = target.with_name(target.name + ".partial")
+        save_file(_unshared(layer.state_dict()), str(tmp), metadata=metadata)
+        os.replace(tmp, target)
+
+    def restore(self, index: int, layer: nn.Module) -> None:
+        """Load layer ``index`` into ``layer`` and the modifiers' results for its modules.
+
+        Raises:
+            ValueError: the file does not fit the layer (another model), naming the file.
+        """
+        path = self._file(index)
+        with safe_open(str(path), "pt") as fh:
+            metadata = fh.metadata() or {}
+        tensors = load_file(str(path))
+        quantization = json.loads(metadata.get("quantization", "{}"))
+        try:
+            _init_quantization(layer, quantization)
+            layer.load_state_dict(tensors, strict=True)
+        except (RuntimeError, ValueError, AttributeError) as err:
+            msg = f"saved progress {str(path)!r} does not fit decoder layer {index}: {str(err).splitlines()[0]}"
+            raise ValueError(msg) from err
+        _set_status(layer, quantization)
+        for label, saved in json.loads(metadata.get("results", "{}")).items():
+            modifier = self.modifiers[label]
+            modifier.results.update({name: ModuleResult(**fields) for name, fields in saved["results"].items()})
+            modifier.skipped.extend(n for n in saved["skipped"] if n not in modifier.skipped)
+
+    def _results_of(self, layer: nn.Module) -> dict[str, Any]:
+        inside = {id(m) for m in layer.modules()}
+        out: dict[str, Any] = {}
+        for label, modifier in self.modifiers.items():
+            if not isinstance(modifier, CalibratedModifier):
+                continue
+            names = [n for n, m in modifier.resolved_targets.items() if id(m) in inside]
+            out[label] = {
+                "results": {n: attrs.asdict(modifier.results[n]) for n in names if n in modifier.results},
+                "skipped": [n for n in names if n in modifier.skipped],
+            }
+        return out
+
+
+def _readable(path: Path) -> bool:
+    if not path.is_file():
+        return False
+    try:
+        with safe_open(str(path), "pt") as fh:
+            fh.metadata()
+    except Exception:  # any unreadable file (e.g. truncated by a power loss) ends the saved prefix
+        return False
+    return True
+
+
+def _unshared(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` with tensors that share memory with an earlier one copied (safetensors refuses shared memory)."""
+    seen: set[int] = set()
+    out = {}
+    for key, value in state.items():
+        ptr = value.untyped_storage().data_ptr()
+        out[key] = value.clone() if ptr in seen else value.contiguous()
+        seen.add(ptr)
+    return out
+
+
+def _quantization_of(layer: nn.Module) -> dict[str, Any]:
+    out = {}
+    for name, module in layer.named_modules():
+        scheme = getattr(module, "quantization_scheme", None)
+        if scheme is not None:
+            status = getattr(module, "quantization_status", None)
+            out[name] = {"scheme": scheme.model_dump(mode="json"), "status": getattr(status, "value", status)}
+    return out
+
+
+def _init_quantization(layer: nn.Module, quantization: Mapping[str, Any]) -> None:
+    """Give the modules that were quantized their compressed-tensors parameters (values come with the state dict)."""
+    if not quantization:
+        return
+    from compressed_tensors.quantization import QuantizationScheme
+    from compressed_tensors.quantization.lifecycle.initialize import initialize_module_for_quantization
+
+    for name, info in quantization.items():
+        scheme = QuantizationScheme.model_validate(info["scheme"])
+        initialize_module_for_quantization(layer.get_submodule(name), scheme, force_zero_point=True)
+
+
+def _set_status(layer: nn.Module, quantization: Mapping[str, Any]) -> None:
+    if not quantization:
+        return
+    from compressed_tensors.quantization import QuantizationStatus
+
+    for name, info in quantization.items():
+        if info["status"] is not None:
+            layer.get_submodule(name).quantization_status = QuantizationStatus(info["status"])
+
+
+# --------------------------------------------------------------------------- calibration windows
+def save_windows(work: Path, windows: torch.Tensor) -> None:
+    """Keep the calibration windows (``LongTensor[N, L]``) for a resumed run."""
+    tmp = work / (_WINDOWS + ".partial")
+    save_file({"windows": windows.contiguous()}, str(tmp))
+    os.replace(tmp, work / _WINDOWS)
+
+
+def load_windows(work: Path) -> torch.Tensor | None:
+    """The calibration windows a run saved in ``work``, or ``None``."""
+    path = work / _WINDOWS
+    return load_file(str(path))["windows"] if _readable(path) else None
