@@ -156,6 +156,7 @@ def _run_cli(args: argparse.Namespace) -> int:
             raise
         print(f"llmc-fsm oneshot: error: {exc}; {notes[-1]}", file=sys.stderr)
         return 1
-    print(model.llmc_fsm_report.format_table())
-    sys.stdout.flush()
+    if is_main_process():  # under torchrun: the report once, from rank 0
+        print(model.llmc_fsm_report.format_table())
+        sys.stdout.flush()
     return 0

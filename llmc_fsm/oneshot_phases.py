@@ -64,6 +64,7 @@ class Run:
     t_start: float = attrs.field(factory=time.perf_counter)
     disk_before: int | None = None
     targeted: list[str] = attrs.field(factory=list)
+    per_rank: list[int] = attrs.field(factory=list)
 
     def timed(self, phase: str) -> Any:
         return _Timer(self.seconds, phase)
@@ -88,7 +89,7 @@ def prepare(model: Any, recipe: Any, dataset: Any, **kw: Any) -> Run:
     eval_n = positive_int("num_eval_windows (--eval-windows)", kw["num_eval_windows"])
     batch_size = positive_int("batch_size (--batch-size)", kw["batch_size"])
     eval_len = positive_int("eval_seq_length", kw["eval_seq_length"]) if kw["eval_seq_length"] is not None else seq_len
-    work = _claim(kw["output_dir"], kw["overwrite"])
+    work = _claim_on_rank_0(kw)
     try:
         merged, sessions = _sessions(model, recipe, kw["fuse_stages"])
         _check_dataset_tensor(dataset)
@@ -122,6 +123,23 @@ def prepare(model: Any, recipe: Any, dataset: Any, **kw: Any) -> Run:
             work.release()
         raise
     return run
+
+
+def _claim_on_rank_0(kw: dict[str, Any]) -> WorkDir | None:
+    """:func:`_claim` in one process or on rank 0; other ranks of a torch.distributed group only check the output."""
+    from llmc_fsm.distributed import is_distributed, is_main_process
+    from llmc_fsm.output import check_output_dir
+
+    if kw["resume"] and is_distributed():
+        msg = (
+            "resume (--resume) is not supported with several processes (torch.distributed): resume the run in one "
+            "process, or start it again without --resume"
+        )
+        raise ValueError(msg)
+    if is_main_process():
+        return _claim(kw["output_dir"], kw["overwrite"])
+    check_output_dir(kw["output_dir"], kw["overwrite"])  # the same errors on every rank; only rank 0 writes
+    return None
 
 
 def _claim(output_dir: Any, overwrite: bool) -> WorkDir | None:
@@ -287,9 +305,11 @@ def _windows(run: Run) -> None:
 # --------------------------------------------------------------------------- compress
 def compress(run: Run) -> None:
     """Each session: initialize, calibrate and compress layer by layer (or data-free), finalize."""
+    from llmc_fsm.distributed import shard
     from llmc_fsm.pipeline import run_sequential
 
     with run.timed("compress"):
+        windows, run.per_rank = shard(run.windows)  # this rank's share under torch.distributed
         for index, session in enumerate(run.sessions):
             session.initialize(model=run.model, calibration_data=run.windows)
             run.targeted.extend(n for m in session.modifiers for n in m.resolved_targets if n not in run.targeted)
@@ -298,7 +318,7 @@ def compress(run: Run) -> None:
                     run_sequential(
                         session,
                         model=run.model,
-                        calibration_data=run.windows,
+                        calibration_data=windows,
                         batch_size=run.batch_size,
                         progress=run.progress,
                         checkpoint=_layer_progress(run, index, session),
@@ -374,6 +394,7 @@ def _report(run: Run) -> Any:
             "num_samples": int(run.windows.shape[0]),
             "seq_len": int(run.windows.shape[1]),
             "num_tokens": int(run.windows.numel()),
+            **({"per_rank": run.per_rank} if len(run.per_rank) > 1 else {}),
         },
         ppl_before=run.ppl["eval_before"],
         ppl_after=run.ppl["eval_after"],

@@ -1,0 +1,425 @@
+"""Several processes with torch.distributed (gloo, CPU): one-shot and DDP training match one process.
+
+Tests marked ``distributed`` start 2 processes (``torch.multiprocessing``, spawn) that
+join a gloo process group through a file rendezvous in ``tmp_path``; each rank writes
+its results (tensors as safetensors, the rest as JSON in the metadata) and the test
+compares them with each other and with a single-process run in the test process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from safetensors.torch import load_file, save_file
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import llmc_fsm
+from llmc_fsm import Session
+from llmc_fsm.distributed import (
+    _recipe_digest,
+    check_ranks_agree,
+    get_rank,
+    get_world_size,
+    is_distributed,
+    is_main_process,
+    shard,
+    split_counts,
+    unwrap_model,
+)
+from llmc_fsm.oneshot import default_recipe
+
+WORLD = 2
+RECIPES = {
+    "sparsegpt": default_recipe("sparsegpt", 0.5),
+    "wanda": default_recipe("wanda", 0.5),
+    "gptq": default_recipe("gptq", scheme="W4A16", group_size=32),
+}
+
+
+def tiny_llama(seed: int = 0, layers: int = 2) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+def windows(n: int = 8, length: int = 32) -> torch.Tensor:
+    return torch.randint(0, 128, (n, length), generator=torch.Generator().manual_seed(1))
+
+
+def linears(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    modules = model.named_modules()
+    return {n: m.weight.detach().clone() for n, m in modules if isinstance(m, torch.nn.Linear) and n != "lm_head"}
+
+
+# --------------------------------------------------------------------------- process launcher (test side)
+def _entry(rank: int, world: int, tmp: str, worker: str, timeout_s: float) -> None:
+    """One rank: join the gloo group, run ``worker``, write ``rank<r>.safetensors`` (tensors + JSON metadata)."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    rendezvous = f"file://{tmp}/rendezvous"
+    timeout = timedelta(seconds=timeout_s)
+    dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=world, timeout=timeout)
+    tensors: dict[str, torch.Tensor] = {}
+    meta: dict[str, Any] = {"rank": rank}
+    t0 = time.perf_counter()
+    try:
+        meta["result"] = WORKERS[worker](rank, Path(tmp), tensors)
+    except Exception as exc:
+        meta["error"] = {"type": type(exc).__name__, "message": str(exc)}
+    meta["seconds"] = time.perf_counter() - t0
+    save_file({k: v.contiguous() for k, v in tensors.items()}, f"{tmp}/rank{rank}.safetensors",
+              metadata={"json": json.dumps(meta)})
+    dist.destroy_process_group()
+
+
+def launch(worker: str, tmp_path: Path, *, timeout_s: float = 60.0, join_s: float = 180.0) -> list[dict[str, Any]]:
+    """Run ``worker`` on ``WORLD`` spawned ranks; return per rank ``{"meta", "tensors", "exitcode"}``."""
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_entry, args=(r, WORLD, str(tmp_path), worker, timeout_s)) for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + join_s
+    for p in procs:
+        p.join(max(deadline - time.monotonic(), 0.1))
+    hung = [p.pid for p in procs if p.is_alive()]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    assert not hung, f"ranks still running after {join_s} s: pids {hung}"
+    out = []
+    for r, p in enumerate(procs):
+        path = tmp_path / f"rank{r}.safetensors"
+        if path.exists():
+            from safetensors import safe_open
+
+            with safe_open(str(path), "pt") as f:
+                meta = json.loads(f.metadata()["json"])
+            out.append({"meta": meta, "tensors": load_file(str(path)), "exitcode": p.exitcode})
+        else:
+            out.append({"meta": None, "tensors": {}, "exitcode": p.exitcode})
+    return out
+
+
+@pytest.fixture
+def one_thread(monkeypatch):
+    """Spawned ranks and the single-process reference run with one torch thread each."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+# --------------------------------------------------------------------------- workers (rank side)
+def _oneshot_worker(rank: int, tmp: Path, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+    from llmc_fsm_pruning.wanda import InputNormAccumulator
+
+    from llmc_fsm.obs import HessianAccumulator
+
+    # The accumulators alone: each rank adds its half of the same tokens, then all_reduce.
+    x = torch.randn(10, 3, 16, generator=torch.Generator().manual_seed(7))
+    hess, norms = HessianAccumulator(16), InputNormAccumulator(16)
+    for acc in (hess, norms):
+        acc.add_batch(x[:6] if rank == 0 else x[6:])
+        acc.all_reduce()
+    tensors["acc/hessian"], tensors["acc/sq_norm"] = hess.hessian, norms.sq_norm
+    info: dict[str, Any] = {"acc_samples": [hess.num_samples, norms.num_samples]}
+    for name, recipe in RECIPES.items():
+        model = tiny_llama()
+        out = tmp / f"out-{name}-rank{rank}" if name == "sparsegpt" else None
+        llmc_fsm.oneshot(model=model, recipe=recipe, dataset=windows(), batch_size=2, progress=False, output_dir=out)
+        for n, w in linears(model).items():
+            tensors[f"{name}/{n}"] = w
+        info[name] = {"calibration": model.llmc_fsm_report.calibration, "table": model.llmc_fsm_report.format_table()}
+    return info
+
+
+def _mismatch_worker(rank: int, tmp: Path, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+    errors: dict[str, Any] = {}
+    model = tiny_llama()
+    before = linears(model)
+    session = Session(default_recipe("sparsegpt", 0.5 if rank == 0 else 0.6))
+    try:
+        session.initialize(model=model, calibration_data=windows())
+    except ValueError as exc:
+        errors["recipe"] = str(exc)
+    errors["lifecycle_after"] = session.lifecycle
+    session = Session(default_recipe("sparsegpt", 0.5))
+    try:
+        session.initialize(model=model, calibration_data=windows(), world_size=3)
+    except ValueError as exc:
+        errors["world_size"] = str(exc)
+    try:  # the one-shot job: refused before any compression, weights untouched
+        llmc_fsm.oneshot(model=model, recipe=default_recipe("wanda", 0.5 if rank == 0 else 0.25), dataset=windows(),
+                         progress=False)
+    except ValueError as exc:
+        errors["oneshot"] = str(exc)
+    errors["unchanged"] = all(torch.equal(w, before[n]) for n, w in linears(model).items())
+    return errors
+
+
+def _dying_worker(rank: int, tmp: Path, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+    from llmc_fsm.calibration import CalibratedModifier
+
+    if rank == 1:  # rank 1 dies when the second decoder layer is about to be compressed
+        calls = []
+        original = CalibratedModifier._compress_all
+
+        def dying(self, modules):
+            calls.append(1)
+            if len(calls) == 2:
+                os._exit(3)
+            return original(self, modules)
+
+        CalibratedModifier._compress_all = dying
+    llmc_fsm.oneshot(model=tiny_llama(layers=3), dataset=windows(), batch_size=2, progress=False)
+    return {}
+
+
+def _ddp_worker(rank: int, tmp: Path, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+    from llmc_fsm_pruning.masks import num_to_prune
+    from torch.nn.parallel import DistributedDataParallel
+
+    from llmc_fsm.distributed import all_gather_ints
+    from llmc_fsm.integrations.torch import initialize, optimizer_step
+
+    recipe = {
+        "train": {
+            "MagnitudePruningModifier": {
+                "init_sparsity": 0.2, "final_sparsity": 0.6, "start": 0, "end": 3, "update": 1, "targets": ["Linear"],
+            }
+        }
+    }
+    info: dict[str, Any] = {}
+    for when in ("before_wrapping", "after_wrapping"):
+        model = tiny_llama()
+        session = Session(recipe)
+        if when == "before_wrapping":
+            session.update_state(model=model)
+        ddp = DistributedDataParallel(model)
+        if when == "after_wrapping":
+            session.update_state(model=ddp)
+        optimizer = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
+        initialize(session, optimizer=optimizer, steps_per_epoch=2)
+        targets = session.modifiers[0].resolved_targets
+        steps, agree, sparsity = 6, [], []  # epochs 0, 1, 2: pruned to 0.2, 0.48, 0.59; finalize: 0.6
+        data = torch.Generator().manual_seed(100 + rank)  # each rank trains on its own batches
+        for _ in range(steps):
+            batch = torch.randint(0, 128, (2, 16), generator=data)
+            session.batch_start(batch=batch)
+            loss = session.loss_calculated(ddp(input_ids=batch, labels=batch).loss)
+            loss.backward()
+            optimizer_step(session, optimizer)
+            session.batch_end()
+            keep = torch.cat([(m.weight != 0).reshape(-1) for m in targets.values()])
+            digest = int(torch.sum(keep.to(torch.int64) * torch.arange(1, keep.numel() + 1)))
+            table = all_gather_ints([digest, int(keep.numel() - keep.sum())])
+            agree.append(len({tuple(row) for row in table}) == 1)
+            sparsity.append(table[0][1] / keep.numel())
+        session.finalize()
+        for n, w in linears(model).items():
+            tensors[f"{when}/{n}"] = w
+        info[when] = {
+            "final_zeros": sum(int((m.weight == 0).sum()) for m in targets.values()),
+            "expected_zeros": sum(num_to_prune(m.weight.numel(), 0.6) for m in targets.values()),
+            "state_model_is_inner": session.state.model is model,
+            "targets": sorted(targets),
+            "agree": agree,
+            "sparsity": sparsity,
+        }
+    return info
+
+
+WORKERS = {
+    "oneshot": _oneshot_worker,
+    "mismatch": _mismatch_worker,
+    "dying": _dying_worker,
+    "ddp": _ddp_worker,
+}
+
+
+# --------------------------------------------------------------------------- without a process group
+def test_split_counts_are_contiguous_and_deterministic():
+    assert split_counts(32, 2) == [16, 16]
+    assert split_counts(10, 4) == [3, 3, 2, 2]
+    assert split_counts(3, 3) == [1, 1, 1]
+    assert split_counts(0, 2) == [0, 0]
+    with pytest.raises(ValueError, match="need world_size >= 1 and total >= 0, got world_size=0, total=4"):
+        split_counts(4, 0)
+
+
+def test_one_process_is_rank_zero_of_one():
+    data = windows()
+    assert not is_distributed()
+    assert (get_rank(), get_world_size(), is_main_process()) == (0, 1, True)
+    local, counts = shard(data)
+    assert local is data
+    assert counts == [8]
+
+
+def test_expected_world_size_without_a_process_group():
+    model = tiny_llama()
+    session = Session(default_recipe("wanda"))
+    with pytest.raises(ValueError) as info:
+        session.initialize(model=model, calibration_data=windows(), world_size=2)
+    assert str(info.value) == (
+        "expected world size 2 (state world_size) but this process runs without a torch.distributed process group "
+        "of that size (world size 1): launch it with torchrun --nproc-per-node ..."
+    )
+    assert session.lifecycle == "created"
+    with pytest.raises(ValueError, match=r"^state world_size must be a positive int \(the number of ranks expected\), "
+                       r"got 'two'$"):
+        session.initialize(model=model, calibration_data=windows(), world_size="two")
+    session.initialize(model=model, calibration_data=windows(), world_size=1)
+    assert session.lifecycle == "initialized"
+    session.finalize()
+
+
+def test_a_wrapped_model_is_unwrapped_at_initialize():
+    model = tiny_llama()
+    wrapped = torch.nn.DataParallel(model)  # CPU-only: wraps without devices, like DDP it holds .module
+    assert unwrap_model(wrapped) is model
+    assert unwrap_model(model) is model
+    session = Session(default_recipe("wanda"))
+    session.update_state(model=wrapped)
+    assert session.state.model is wrapped  # stored as given until initialize
+    session.initialize(calibration_data=windows())
+    assert session.state.model is model
+    targets = session.modifiers[0].resolved_targets
+    assert "model.layers.0.self_attn.q_proj" in targets
+    assert not any(name.startswith("module.") for name in targets)
+    session.finalize()
+
+
+def test_recipe_digest_ignores_object_addresses():
+    a = Session(default_recipe("sparsegpt", 0.5))
+    b = Session(default_recipe("sparsegpt", 0.5))
+    c = Session(default_recipe("sparsegpt", 0.6))
+    assert _recipe_digest(a) == _recipe_digest(b) != _recipe_digest(c)
+    check_ranks_agree(a, a.state)  # no process group, no expected size: nothing to check
+
+
+# --------------------------------------------------------------------------- 2 ranks
+@pytest.mark.distributed
+def test_two_ranks_match_one_process(tmp_path, one_thread):
+    """SparseGPT, Wanda, GPTQ on 2 ranks: same masks as one process, weights within 1e-5, identical across ranks."""
+    ranks = launch("oneshot", tmp_path)
+    for rank in ranks:
+        assert rank["exitcode"] == 0 and "error" not in rank["meta"], rank["meta"]
+        assert rank["meta"]["result"]["acc_samples"] == [30, 30]
+    # accumulators: identical on both ranks, equal to one process over all tokens
+    from llmc_fsm_pruning.wanda import InputNormAccumulator
+
+    from llmc_fsm.obs import HessianAccumulator
+
+    x = torch.randn(10, 3, 16, generator=torch.Generator().manual_seed(7))
+    hess, norms = HessianAccumulator(16), InputNormAccumulator(16)
+    hess.add_batch(x)
+    norms.add_batch(x)
+    t0, t1 = ranks[0]["tensors"], ranks[1]["tensors"]
+    assert torch.equal(t0["acc/hessian"], t1["acc/hessian"])
+    torch.testing.assert_close(t0["acc/hessian"], hess.hessian, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(t0["acc/sq_norm"], norms.sq_norm, rtol=1e-6, atol=1e-6)
+
+    for name, recipe in RECIPES.items():
+        model = tiny_llama()
+        llmc_fsm.oneshot(model=model, recipe=recipe, dataset=windows(), batch_size=2, progress=False)
+        single = linears(model)
+        for n, w in single.items():
+            key = f"{name}/{n}"
+            assert torch.equal(t0[key], t1[key]), f"{key}: ranks differ"
+            if name != "gptq":
+                assert torch.equal(t0[key] != 0, w != 0), f"{key}: mask differs from one process"
+                assert int((w == 0).sum()) == w.numel() // 2, key
+            torch.testing.assert_close(t0[key], w, rtol=0, atol=1e-5, msg=f"{key}: weights differ from one process")
+        calibration = ranks[0]["meta"]["result"][name]["calibration"]
+        assert calibration["num_samples"] == 8 and calibration["per_rank"] == [4, 4]
+        assert calibration["num_tokens"] == 8 * 32
+    table = ranks[0]["meta"]["result"]["sparsegpt"]["table"]
+    assert "calibration: 8 x 32 tokens from <tensor (8, 32)> (split over 2 ranks: 4 + 4)" in table
+    # only rank 0 writes the output directory
+    assert (tmp_path / "out-sparsegpt-rank0" / "report.json").is_file()
+    assert not (tmp_path / "out-sparsegpt-rank1").exists()
+    saved = json.loads((tmp_path / "out-sparsegpt-rank0" / "report.json").read_text())
+    assert saved["calibration"]["per_rank"] == [4, 4]
+
+
+@pytest.mark.distributed
+def test_ranks_disagreeing_fail_on_every_rank_with_the_same_message(tmp_path, one_thread):
+    ranks = launch("mismatch", tmp_path)
+    results = [rank["meta"]["result"] for rank in ranks]
+    assert all(rank["exitcode"] == 0 and "error" not in rank["meta"] for rank in ranks), ranks
+    d0 = _recipe_digest(Session(default_recipe("sparsegpt", 0.5))) & 0xFFFFFFFF
+    d1 = _recipe_digest(Session(default_recipe("sparsegpt", 0.6))) & 0xFFFFFFFF
+    expected = (
+        "initialize() refused on every rank of the process group (2 ranks): the recipe differs between ranks "
+        f"(digest per rank — rank 0: {d0:08x}; rank 1: {d1:08x}). Every rank must run the same recipe on the "
+        "same model; launch them with the same arguments. No modifier was initialized."
+    )
+    assert results[0]["recipe"] == results[1]["recipe"] == expected
+    assert results[0]["lifecycle_after"] == results[1]["lifecycle_after"] == "created"
+    expected = (
+        "initialize() refused on every rank of the process group (2 ranks): expected world size 3 (state "
+        "world_size) but the process group has 2 ranks. Every rank must run the same recipe on the same model; "
+        "launch them with the same arguments. No modifier was initialized."
+    )
+    assert results[0]["world_size"] == results[1]["world_size"] == expected
+    assert results[0]["oneshot"] == results[1]["oneshot"]
+    assert results[0]["oneshot"].startswith("initialize() refused on every rank of the process group (2 ranks): the "
+                                            "recipe differs between ranks")
+    assert results[0]["unchanged"] and results[1]["unchanged"]
+
+
+@pytest.mark.distributed
+def test_a_rank_dying_mid_run_is_reported_by_the_others(tmp_path, one_thread):
+    ranks = launch("dying", tmp_path, timeout_s=30.0)
+    assert ranks[1]["exitcode"] == 3 and ranks[1]["meta"] is None
+    meta = ranks[0]["meta"]
+    assert ranks[0]["exitcode"] == 0
+    error = meta["error"]
+    assert error["type"] == "ModifierError", error
+    assert "raised DistributedError: rank 0 of 2: torch.distributed all_reduce" in error["message"]
+    assert "another rank stopped (see its error) or did not reach this step within" in error["message"]
+    assert meta["seconds"] < 30.0  # reported before the collective timeout, not a hang
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_ddp_training_keeps_masks_identical_across_ranks(tmp_path, one_thread):
+    ranks = launch("ddp", tmp_path)
+    for rank in ranks:
+        assert rank["exitcode"] == 0 and "error" not in rank["meta"], rank["meta"]
+    t0, t1 = ranks[0]["tensors"], ranks[1]["tensors"]
+    for when in ("before_wrapping", "after_wrapping"):
+        info = [rank["meta"]["result"][when] for rank in ranks]
+        for i in info:
+            assert i["state_model_is_inner"]
+            assert "model.layers.0.self_attn.q_proj" in i["targets"]
+            assert all(i["agree"]), i["agree"]  # masks identical on both ranks after every step
+        assert info[0]["sparsity"] == info[1]["sparsity"]
+        assert [round(s, 2) for s in info[0]["sparsity"]] == [0.2, 0.2, 0.48, 0.48, 0.59, 0.59]
+        assert info[0]["final_zeros"] == info[0]["expected_zeros"]
+        for key in (k for k in t0 if k.startswith(when)):
+            assert torch.equal(t0[key], t1[key]), key
+    # the state given before and after wrapping trains the same model
+    for key in (k for k in t0 if k.startswith("before_wrapping")):
+        assert torch.equal(t0[key], t0[key.replace("before_wrapping", "after_wrapping")]), key
