@@ -423,3 +423,28 @@ def test_ddp_training_keeps_masks_identical_across_ranks(tmp_path, one_thread):
     # the state given before and after wrapping trains the same model
     for key in (k for k in t0 if k.startswith("before_wrapping")):
         assert torch.equal(t0[key], t0[key.replace("before_wrapping", "after_wrapping")]), key
+
+
+def test_python_dash_m_runs_the_cli():
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "llmc_fsm", "--version"], capture_output=True, text=True, check=False)
+    assert (proc.returncode, proc.stdout.strip()) == (0, f"llmc-fsm {llmc_fsm.__version__}")
+
+
+@pytest.mark.distributed
+def test_torchrun_cli_checks_the_expected_world_size_on_every_rank():
+    """``torchrun -m llmc_fsm``: the CLI joins the process group and refuses before any work."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "LLMC_FSM_WORLD_SIZE": "3"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "llmc_fsm", "lifecycle"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False, timeout=120)
+    assert proc.returncode != 0
+    line = ("llmc-fsm lifecycle: error: LLMC_FSM_WORLD_SIZE expects world size 3 but torchrun started 2 ranks; "
+            "fix --nnodes/--nproc-per-node or LLMC_FSM_WORLD_SIZE")
+    assert proc.stderr.count(line) == 2, proc.stderr
+    assert "created" not in proc.stdout  # the command itself never ran
