@@ -18,7 +18,16 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-__all__ = ["DEFAULT_PROMPTS", "check_seq_len", "describe", "eval_windows", "generate_calibration", "read_text"]
+__all__ = [
+    "DEFAULT_PROMPTS",
+    "check_dataset_tensor",
+    "check_seq_len",
+    "describe",
+    "eval_windows",
+    "generate_calibration",
+    "is_tensor",
+    "read_text",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +42,20 @@ DEFAULT_PROMPTS: tuple[str, ...] = (
     "Dear Sir or Madam, I am writing to",
     "The match ended in a draw after",
 )
+
+
+def is_tensor(value: Any) -> bool:
+    """Whether ``value`` is a ``torch.Tensor``."""
+    import torch
+
+    return isinstance(value, torch.Tensor)
+
+
+def check_dataset_tensor(dataset: Any) -> None:
+    """Refuse a dataset tensor that is not ``[N, L]`` integer token ids (``ValueError``); other values pass."""
+    if is_tensor(dataset) and (dataset.dim() != 2 or dataset.is_floating_point()):
+        msg = f"a dataset tensor must hold token ids of shape [N, L], got {dataset.dtype} {tuple(dataset.shape)}"
+        raise ValueError(msg)
 
 
 def check_seq_len(model: Any, seq_len: int) -> None:
@@ -113,7 +136,6 @@ def read_text(role: str, source: Any) -> str:
     Raises:
         OSError / ValueError: from :func:`llmc_fsm.data.load_text`, prefixed with ``role``; empty text.
     """
-    """``load_text(source)``; errors name the argument, and an empty text fails before the model loads."""
     from llmc_fsm.data import load_text
 
     try:

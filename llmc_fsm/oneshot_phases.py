@@ -22,7 +22,17 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from llmc_fsm.oneshot_data import DEFAULT_PROMPTS, check_seq_len, describe, eval_windows, read_text
+from llmc_fsm.oneshot_data import (
+    DEFAULT_PROMPTS,
+    check_dataset_tensor,
+    check_seq_len,
+    describe,
+    eval_windows,
+    is_tensor,
+    read_text,
+)
+from llmc_fsm.output import sparsity_structure as _sparsity_structure  # noqa: F401 - used by oneshot_streaming
+from llmc_fsm.output import weights_disk_bytes
 from llmc_fsm.progress_bars import quiet_progress
 
 if TYPE_CHECKING:
@@ -92,7 +102,7 @@ def prepare(model: Any, recipe: Any, dataset: Any, **kw: Any) -> Run:
     work = _claim_on_rank_0(kw)
     try:
         merged, sessions = _sessions(model, recipe, kw["fuse_stages"])
-        _check_dataset_tensor(dataset)
+        check_dataset_tensor(dataset)
         run = Run(
             model=model,
             tokenizer=kw["tokenizer"],
@@ -112,7 +122,7 @@ def prepare(model: Any, recipe: Any, dataset: Any, **kw: Any) -> Run:
             work=work,
         )
         with run.timed("read_data"), quiet_progress(not run.progress):
-            if dataset is not None and not _is_tensor(dataset):
+            if dataset is not None and not is_tensor(dataset):
                 run.cal_text = read_text("dataset (--dataset)", dataset)
             if kw["eval_text"] is not None:
                 run.ev_text = read_text("eval_text (--eval-text)", kw["eval_text"])
@@ -174,18 +184,6 @@ def _sessions(model: Any, recipe: Any, fuse_stages: bool) -> tuple[Recipe, list[
     return merged, [Session(Recipe([stage], merged.source)) for stage in fresh]
 
 
-def _is_tensor(value: Any) -> bool:
-    import torch
-
-    return isinstance(value, torch.Tensor)
-
-
-def _check_dataset_tensor(dataset: Any) -> None:
-    if _is_tensor(dataset) and (dataset.dim() != 2 or dataset.is_floating_point()):
-        msg = f"a dataset tensor must hold token ids of shape [N, L], got {dataset.dtype} {tuple(dataset.shape)}"
-        raise ValueError(msg)
-
-
 def _fingerprint(run: Run, fuse_stages: bool) -> dict[str, Any]:
     from llmc_fsm.resume import fingerprint
 
@@ -234,18 +232,7 @@ def load(run: Run) -> None:
                 "of token ids"
             )
             raise ValueError(msg)
-        run.disk_before = _disk_bytes(Path(run.model_name), loaded)
-
-
-def _disk_bytes(source: Path, loaded: Any) -> int:
-    from llmc_fsm.output import dir_size_bytes
-
-    weights = list(source.glob("*.safetensors")) if source.is_dir() else []
-    if weights:
-        return sum(p.stat().st_size for p in weights)
-    return dir_size_bytes(getattr(loaded, "name_or_path", "") or "/nonexistent") or sum(
-        p.numel() * p.element_size() for p in loaded.parameters()
-    )
+        run.disk_before = weights_disk_bytes(Path(run.model_name), loaded)
 
 
 # --------------------------------------------------------------------------- data
@@ -254,7 +241,7 @@ def data(run: Run) -> None:
     import torch
 
     used = [run.eval_len] if run.ev_text is not None else []
-    used.append(int(run.dataset.shape[1]) if _is_tensor(run.dataset) else run.seq_len)
+    used.append(int(run.dataset.shape[1]) if is_tensor(run.dataset) else run.seq_len)
     check_seq_len(run.model, max(used))
     with run.timed("data"):
         _windows(run)
@@ -287,7 +274,7 @@ def _windows(run: Run) -> None:
     from llmc_fsm.resume import load_windows
 
     saved = load_windows(run.work.path) if run.work is not None and run.work.resumed else None
-    if _is_tensor(run.dataset):
+    if is_tensor(run.dataset):
         run.windows = run.dataset.long()
         run.cal_source = describe(run.dataset)
     elif run.cal_text is not None:
@@ -358,26 +345,15 @@ def save(run: Run) -> None:
     report = _report(run)
     if run.work is None:
         report.finish(run.t_start)
-        run.model.llmc_fsm_report = report
-        return
-    from llmc_fsm.output import save_model
+    else:
+        from llmc_fsm.output import write_output
 
-    t0 = time.perf_counter()
-    tmp = run.work.staging
-    tmp.mkdir()
-    save_model(run.model, tmp, sparsity_structure=_sparsity_structure(run.recipe))
-    if run.tokenizer is not None and hasattr(run.tokenizer, "save_pretrained"):
-        run.tokenizer.save_pretrained(tmp)
-    (tmp / "recipe.yaml").write_text(run.recipe.to_yaml(applied=True), encoding="utf-8")
-    report.disk = {
-        "before_bytes": run.disk_before,
-        "after_bytes": sum(p.stat().st_size for p in tmp.glob("*.safetensors")),
-    }
-    report.seconds["save"] = time.perf_counter() - t0
-    report.output_dir = str(run.out_path)
-    report.finish(run.t_start)
-    (tmp / "report.json").write_text(report.to_json() + "\n", encoding="utf-8")
-    run.work.publish()
+        run.work.staging.mkdir()
+        write_output(run.work.staging, run.model, run.tokenizer, run.recipe, report, run.disk_before)
+        report.output_dir = str(run.out_path)
+        report.finish(run.t_start)
+        (run.work.staging / "report.json").write_text(report.to_json() + "\n", encoding="utf-8")
+        run.work.publish()
     run.model.llmc_fsm_report = report
 
 
@@ -408,14 +384,6 @@ def _report(run: Run) -> Any:
         seconds=run.seconds,
         targeted=run.targeted,
     )
-
-
-def _sparsity_structure(recipe: Recipe) -> str | None:
-    for modifier in recipe.modifiers:
-        structure = getattr(modifier, "mask_structure", None)
-        if isinstance(structure, str) and structure not in ("unstructured", "0:0"):
-            return structure
-    return None
 
 
 def positive_int(name: str, value: Any) -> int:

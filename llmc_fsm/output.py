@@ -38,6 +38,9 @@ __all__ = [
     "quantized_modules",
     "save_model",
     "settings_diff",
+    "sparsity_structure",
+    "weights_disk_bytes",
+    "write_output",
     "write_quantization_config",
 ]
 
@@ -96,6 +99,51 @@ def check_output_dir(output_dir: str | os.PathLike[str] | None, overwrite: bool)
         msg = f"cannot write the output directory {str(path)!r}: {str(parent)!r} is not writable (Permission denied)"
         raise PermissionError(msg)
     return path
+
+
+def sparsity_structure(recipe: Recipe) -> str | None:
+    """The first non-unstructured ``mask_structure`` of the recipe's modifiers (e.g. ``"2:4"``), else ``None``."""
+    for modifier in recipe.modifiers:
+        structure = getattr(modifier, "mask_structure", None)
+        if isinstance(structure, str) and structure not in ("unstructured", "0:0"):
+            return structure
+    return None
+
+
+def write_output(
+    directory: Path, model: nn.Module, tokenizer: Any, recipe: Recipe, report: Any, disk_before: int | None
+) -> None:
+    """Write the model (:func:`save_model`), its tokenizer and ``recipe.yaml`` (stages applied) into ``directory``.
+
+    Also fills ``report.disk`` (bytes of the weights before and after) and
+    ``report.seconds["save"]``; ``report.json`` is the caller's to write, last.
+
+    Raises:
+        OSError: writing failed.
+    """
+    import time
+
+    t0 = time.perf_counter()
+    save_model(model, directory, sparsity_structure=sparsity_structure(recipe))
+    if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
+        tokenizer.save_pretrained(directory)
+    (directory / "recipe.yaml").write_text(recipe.to_yaml(applied=True), encoding="utf-8")
+    report.disk = {
+        "before_bytes": disk_before,
+        "after_bytes": sum(p.stat().st_size for p in directory.glob("*.safetensors")),
+    }
+    report.seconds["save"] = time.perf_counter() - t0
+
+
+def weights_disk_bytes(source: Path, loaded: nn.Module) -> int:
+    """Bytes of the weights a model was loaded from: ``source``'s safetensors files, else its HF cache files,
+    else its parameters' size in memory."""
+    weights = list(source.glob("*.safetensors")) if source.is_dir() else []
+    if weights:
+        return sum(p.stat().st_size for p in weights)
+    return dir_size_bytes(getattr(loaded, "name_or_path", "") or "/nonexistent") or sum(
+        p.numel() * p.element_size() for p in loaded.parameters()
+    )
 
 
 def dir_size_bytes(path: str | os.PathLike[str]) -> int:

@@ -86,7 +86,7 @@ def test_sigkill_at_layer_k_then_resume_is_bitwise_identical(tiny, tmp_path):
     assert ref.returncode == 0, ref.stderr
     assert ref.stderr == ""  # --no-progress: no bar from us, transformers or compressed-tensors
 
-    killed = tiny_llama.run_cli(_args(tiny, tmp_path / "out"), signal_after="1")
+    killed = tiny_llama.run_cli(_args(tiny, tmp_path / "out"), signal_at="layer:1:SIGKILL")
     assert killed.returncode == -9  # SIGKILL right after layer 1 was saved
     work = tmp_path / ".out.work"
     assert sorted(p.name for p in tmp_path.iterdir()) == [".out.work", "ref"]
@@ -124,7 +124,7 @@ def test_quantized_layers_resume_with_their_quantization_parameters(tiny, tmp_pa
     pytest.importorskip("llmc_fsm_quantization")
     ref = tiny_llama.run_cli(_args(tiny, tmp_path / "ref", "--recipe", str(recipe)))
     assert ref.returncode == 0, ref.stderr
-    killed = tiny_llama.run_cli(_args(tiny, tmp_path / "out", "--recipe", str(recipe)), signal_after="2")
+    killed = tiny_llama.run_cli(_args(tiny, tmp_path / "out", "--recipe", str(recipe)), signal_at="layer:2:SIGKILL")
     assert killed.returncode == -9
     resumed = tiny_llama.run_cli(_args(tiny, tmp_path / "out", "--recipe", str(recipe), "--resume"))
     assert resumed.returncode == 0, resumed.stderr

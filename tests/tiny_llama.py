@@ -52,33 +52,46 @@ def build(directory: Path, text: str) -> Path:
     return directory
 
 
-#: Runs ``llmc-fsm`` with argv; with ``LLMC_FSM_TEST_SIGNAL_AFTER_LAYER=k[:SIGNAL]`` it sends itself SIGNAL
-#: (default SIGKILL) right after decoder layer k of the first pass is saved to the work directory.
+#: Runs ``llmc-fsm`` with argv. ``LLMC_FSM_TEST_SIGNAL`` = ``layer:K:SIGNAL`` sends the process SIGNAL right
+#: after decoder layer K of the first pass is saved to the work directory; ``load:SIGNAL`` / ``save:SIGNAL``
+#: when the model starts loading / the output starts being written.
 CLI_WITH_SIGNAL = """
 import os, signal, sys
-spec = os.environ.get("LLMC_FSM_TEST_SIGNAL_AFTER_LAYER")
+spec = os.environ.get("LLMC_FSM_TEST_SIGNAL")
 if spec:
-    import llmc_fsm.resume as resume
-    layer, _, name = spec.partition(":")
-    original = resume.LayerProgress.save
-    def save(self, index, module):
-        original(self, index, module)
-        if index == int(layer):
-            os.kill(os.getpid(), getattr(signal, name or "SIGKILL"))
-    resume.LayerProgress.save = save
+    where, *rest = spec.split(":")
+    def send():
+        os.kill(os.getpid(), getattr(signal, rest[-1]))
+    if where == "layer":
+        import llmc_fsm.resume as module
+        original = module.LayerProgress.save
+        def save(self, index, layer):
+            original(self, index, layer)
+            if index == int(rest[0]) and self.directory.name == "pass-0":
+                send()
+        module.LayerProgress.save = save
+    else:
+        import llmc_fsm.oneshot_phases as phases, llmc_fsm.output as output
+        module, name = (phases, "load") if where == "load" else (output, "save_model")
+        original = getattr(module, name)
+        def hooked(*args, **kwargs):
+            send()
+            return original(*args, **kwargs)
+        setattr(module, name, hooked)
 from llmc_fsm.cli import main
 sys.exit(main(sys.argv[1:]))
 """
 
 
-def run_cli(
-    args: list[str], *, signal_after: str | None = None, cwd: Path | None = None
-) -> subprocess.CompletedProcess:
-    """``llmc-fsm ARGS`` in a fresh process (1 thread, so every run computes the same bits)."""
+def run_cli(args: list[str], *, signal_at: str | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """``llmc-fsm ARGS`` in a fresh process (1 thread, so every run computes the same bits).
+
+    ``signal_at``: see :data:`CLI_WITH_SIGNAL` (e.g. ``"layer:1:SIGKILL"``, ``"save:SIGTERM"``).
+    """
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    env.pop("LLMC_FSM_TEST_SIGNAL_AFTER_LAYER", None)
-    if signal_after is not None:
-        env["LLMC_FSM_TEST_SIGNAL_AFTER_LAYER"] = signal_after
+    env.pop("LLMC_FSM_TEST_SIGNAL", None)
+    if signal_at is not None:
+        env["LLMC_FSM_TEST_SIGNAL"] = signal_at
     return subprocess.run(
         [sys.executable, "-c", CLI_WITH_SIGNAL, *args],
         capture_output=True,

@@ -1,0 +1,279 @@
+"""Issue 11 cases 4, 7 and 14 around the one-shot output: exact messages, nothing lost, nothing left behind.
+
+* case 4: an output path that cannot be written fails before any model work, in one line;
+* case 7: SIGTERM is handled like Ctrl-C (one line, exit 143/130, the partial output removed);
+  a work directory whose owner is gone is cleaned up, a live owner's is never touched;
+* case 14: an ``nn.Sequential`` pruned through the Python API reports its targets; ``--no-progress``
+  silences transformers' and compressed-tensors' bars and restores the caller's settings.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import tiny_llama
+import torch
+from torch import nn
+
+import llmc_fsm
+from llmc_fsm.cli import main
+from llmc_fsm.progress_bars import CT_TQDM_MODULES, quiet_progress
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("llmc_fsm_pruning")
+
+
+def _names(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.iterdir())
+
+
+def _tiny_module(layers: int = 2):
+    config = transformers.LlamaConfig(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+DATA = torch.randint(0, 96, (4, 16), generator=torch.Generator().manual_seed(0))
+
+
+@pytest.fixture
+def no_model_loading(monkeypatch):
+    def refuse(*a, **k):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr("llmc_fsm.models.load_model", refuse)
+
+
+# --------------------------------------------------------------------------- case 4: unwritable outputs
+def _fails_fast(output: Path | str, error: type[Exception], message: str) -> None:
+    t0 = time.perf_counter()
+    with pytest.raises(error) as info:
+        llmc_fsm.oneshot(model="smollm2-135m", output_dir=output, progress=False)
+    assert str(info.value) == message
+    assert time.perf_counter() - t0 < 1.0
+
+
+def test_output_under_a_regular_file(tmp_path, no_model_loading, capsys):
+    (tmp_path / "README.md").write_text("# readme\n")
+    out = tmp_path / "README.md" / "sub"
+    message = (
+        f"cannot create the output directory {str(out)!r}: {str(tmp_path / 'README.md')!r} is a file, not a directory"
+    )
+    _fails_fast(out, NotADirectoryError, message)
+    _fails_fast(out / "deeper", NotADirectoryError, message.replace("/sub'", "/sub/deeper'"))
+    assert main(["oneshot", "--no-progress", "--output", str(out)]) == 1
+    assert capsys.readouterr().err == f"llmc-fsm oneshot: error: {message}\n"
+    assert _names(tmp_path) == ["README.md"]
+    assert (tmp_path / "README.md").read_text() == "# readme\n"
+
+
+@pytest.mark.skipif(not Path("/sys").is_dir(), reason="needs Linux /sys")
+def test_output_under_sys(no_model_loading):
+    reason = "Operation not permitted" if os.geteuid() == 0 else "Permission denied"  # mkdir vs the access check
+    message = f"cannot write the output directory '/sys/llmc-fsm-out': '/sys' is not writable ({reason})"
+    _fails_fast("/sys/llmc-fsm-out", PermissionError, message)
+    _fails_fast("/sys/a/b/out", PermissionError, message.replace("/sys/llmc-fsm-out", "/sys/a/b/out"))
+    assert not Path("/sys/llmc-fsm-out").exists() and not Path("/sys/a").exists()
+
+
+def test_output_in_an_unwritable_parent(tmp_path, no_model_loading, monkeypatch):
+    parent = tmp_path / "ro"
+    parent.mkdir()
+    parent.chmod(0o555)
+    if os.geteuid() == 0:  # root writes anywhere: let the permission check see what another user would
+        real_access = os.access
+        monkeypatch.setattr(os, "access", lambda p, mode: False if Path(p) == parent else real_access(p, mode))
+    try:
+        message = f"cannot write the output directory {str(parent / 'a' / 'out')!r}: {str(parent)!r} is not writable "
+        _fails_fast(parent / "a" / "out", PermissionError, message + "(Permission denied)")
+        assert _names(parent) == []
+    finally:
+        parent.chmod(0o755)
+
+
+# --------------------------------------------------------------------------- case 7: SIGTERM, Ctrl-C, stale work dirs
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("tiny")
+    text = tiny_llama.calibration_text()
+    (root / "cal.txt").write_text(text, encoding="utf-8")
+    return tiny_llama.build(root / "model", text), root / "cal.txt"
+
+
+def _cli_args(tiny, out: Path, *extra: str) -> list[str]:
+    model, text = tiny
+    return [
+        "oneshot",
+        "--model",
+        str(model),
+        "--dataset",
+        str(text),
+        "--num-samples",
+        "8",
+        "--seq-len",
+        "32",
+        "--no-progress",
+        "--output",
+        str(out),
+        *extra,
+    ]
+
+
+def test_sigterm_before_any_layer_leaves_nothing(tiny, tmp_path):
+    run = tiny_llama.run_cli(_cli_args(tiny, tmp_path / "new" / "out"), signal_at="load:SIGTERM")
+    assert run.returncode == 143
+    assert run.stderr == "llmc-fsm oneshot: interrupted (SIGTERM); nothing written\n"
+    assert _names(tmp_path) == []  # the work directory and the parent it created are gone
+
+
+def test_sigterm_during_save_keeps_the_layers_and_resume_finishes(tiny, tmp_path):
+    run = tiny_llama.run_cli(_cli_args(tiny, tmp_path / "out"), signal_at="save:SIGTERM")
+    work = tmp_path / ".out.work"
+    assert run.returncode == 143
+    assert run.stderr == (
+        f"llmc-fsm oneshot: interrupted (SIGTERM); progress kept in {str(work)!r} (4 of 4 decoder layers done): "
+        "run the same command with --resume (resume=True) to continue, or remove that directory\n"
+    )
+    assert _names(tmp_path) == [".out.work"]
+    assert "output" not in _names(work)  # the half-written output is removed
+    again = tiny_llama.run_cli(_cli_args(tiny, tmp_path / "out", "--resume"))
+    assert again.returncode == 0, again.stderr
+    assert _names(tmp_path) == ["out"]
+    assert json.loads((tmp_path / "out" / "report.json").read_text())["sparsity"]["total_targeted"] == 0.5
+
+
+def test_ctrl_c_mid_run_is_one_line_with_exit_130(tiny, tmp_path):
+    run = tiny_llama.run_cli(_cli_args(tiny, tmp_path / "out"), signal_at="layer:0:SIGINT")
+    assert run.returncode == 130
+    assert run.stderr == (
+        f"llmc-fsm oneshot: interrupted (Ctrl-C); progress kept in {str(tmp_path / '.out.work')!r} (1 of 4 decoder "
+        "layers done): run the same command with --resume (resume=True) to continue, or remove that directory\n"
+    )
+
+
+def _dead_pid() -> int:
+    proc = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True
+    )
+    return int(proc.stdout)
+
+
+def test_stale_work_dir_of_a_dead_owner_is_cleaned_up(tmp_path):
+    work = tmp_path / ".o.work"
+    (work / "output").mkdir(parents=True)
+    (work / "output" / "model.safetensors").write_bytes(b"\0" * 1000)  # a save killed half-way
+    (work / "owner.lock").touch()
+    (work / "owner.json").write_text(json.dumps({"pid": _dead_pid(), "host": "h", "started": "t"}))
+    llmc_fsm.oneshot(model=_tiny_module(), dataset=DATA, output_dir=tmp_path / "o", progress=False)
+    assert _names(tmp_path) == ["o"]
+
+
+def test_a_live_owners_work_dir_is_never_touched(tmp_path):
+    work = tmp_path / ".o.work"
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import json, os, sys, time; from filelock import FileLock; w = sys.argv[1]; os.makedirs(w + '/output');"
+            "lock = FileLock(w + '/owner.lock'); lock.acquire();"
+            "json.dump({'pid': os.getpid(), 'host': 'hostA', 'started': '2026-01-01T00:00:00+00:00'},"
+            " open(w + '/owner.json', 'w')); print('held', flush=True); time.sleep(60)",
+            str(work),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline() == "held\n"
+        before = sorted(str(p) for p in work.rglob("*"))
+        with pytest.raises(FileExistsError) as info:
+            llmc_fsm.oneshot(model=_tiny_module(), dataset=DATA, output_dir=tmp_path / "o", progress=False)
+        assert str(info.value) == (
+            f"output {str(tmp_path / 'o')!r} is being written by another run (pid {holder.pid} on hostA, since "
+            "2026-01-01T00:00:00+00:00); wait for it to finish or choose another output directory"
+        )
+        assert sorted(str(p) for p in work.rglob("*")) == before
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_an_output_moved_aside_by_a_killed_swap_is_restored(tmp_path):
+    work = tmp_path / ".o.work"
+    (work / "previous").mkdir(parents=True)
+    (work / "previous" / "report.json").write_text("{}")
+    with pytest.raises(FileExistsError, match="exists and is not empty; pass overwrite=True"):
+        llmc_fsm.oneshot(model=_tiny_module(), dataset=DATA, output_dir=tmp_path / "o", progress=False)
+    assert (tmp_path / "o" / "report.json").read_text() == "{}"
+
+
+# --------------------------------------------------------------------------- case 14: reports and progress bars
+def test_sequential_pruned_through_the_api_reports_its_targets():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
+    llmc_fsm.oneshot(
+        model=model, recipe={"s": {"MagnitudePruningModifier": {"sparsity": 0.5, "ignore": []}}}, progress=False
+    )
+    report = model.llmc_fsm_report
+    assert report.targeted == ["0", "2"]
+    assert report.total_sparsity == 0.5
+    assert report.format_table().splitlines()[:7] == [
+        "model: Sequential",
+        "calibration: 0 x 256 tokens from none (no modifier needs calibration data)",
+        "      0          64    50.00%",
+        "      2          32    50.00%",
+        "  total          96    50.00%   (targeted Linear weights)",
+        "",
+        "perplexity: not measured (pass --eval-text FILE)",
+    ]
+
+
+def test_no_progress_silences_library_bars_and_restores_the_callers_settings(tmp_path, capfd):
+    from huggingface_hub.utils import are_progress_bars_disabled
+    from transformers.utils import logging as hf_logging
+
+    from llmc_fsm.models import load_model
+
+    pytest.importorskip("llmc_fsm_quantization")
+    quantized = tmp_path / "q"
+    llmc_fsm.oneshot(
+        model=_tiny_module(),
+        recipe={"q": {"QuantizationModifier": {"scheme": {"preset": "W4A16", "weights": {"group_size": 32}}}}},
+        dataset=DATA,
+        output_dir=quantized,
+        progress=False,
+    )
+    assert capfd.readouterr().err == ""  # transformers' "Writing model shards" is silenced too
+    load_model(quantized)  # loading a compressed-tensors model draws transformers' and compressed-tensors' bars
+    err = capfd.readouterr().err
+    assert "Loading weights" in err and "Applying quantization config" in err and "Compressing model" in err
+    with quiet_progress():
+        load_model(quantized)
+    assert capfd.readouterr().err == ""
+    # the caller's settings come back as they were, whichever they were
+    assert hf_logging.is_progress_bar_enabled() and not are_progress_bars_disabled()
+    modules = [sys.modules[name] for name in CT_TQDM_MODULES]
+    originals = [m.tqdm for m in modules]
+    hf_logging.disable_progress_bar()
+    try:
+        with quiet_progress():
+            assert [m.tqdm(range(2)).disable for m in modules] == [True, True]
+        assert not hf_logging.is_progress_bar_enabled() and are_progress_bars_disabled()
+    finally:
+        hf_logging.enable_progress_bar()
+    assert [m.tqdm for m in modules] == originals
+    assert hf_logging.is_progress_bar_enabled() and not are_progress_bars_disabled()
