@@ -195,6 +195,24 @@ def _dying_worker(rank: int, tmp: Path, tensors: dict[str, torch.Tensor]) -> dic
     return {}
 
 
+def _hanging_worker(rank: int, tmp: Path, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+    from llmc_fsm.calibration import CalibratedModifier
+
+    if rank == 1:  # rank 1 stalls for 12 s before the second decoder layer (the group's timeout is 3 s)
+        calls = []
+        original = CalibratedModifier._compress_all
+
+        def stalling(self, modules):
+            calls.append(1)
+            if len(calls) == 2:
+                time.sleep(12)
+            return original(self, modules)
+
+        CalibratedModifier._compress_all = stalling
+    llmc_fsm.oneshot(model=tiny_llama(layers=3), dataset=windows(), batch_size=2, progress=False)
+    return {}
+
+
 def _ddp_worker(rank: int, tmp: Path, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
     from llmc_fsm_pruning.masks import num_to_prune
     from torch.nn.parallel import DistributedDataParallel
@@ -253,6 +271,7 @@ WORKERS = {
     "oneshot": _oneshot_worker,
     "mismatch": _mismatch_worker,
     "dying": _dying_worker,
+    "hanging": _hanging_worker,
     "ddp": _ddp_worker,
 }
 
@@ -400,6 +419,16 @@ def test_a_rank_dying_mid_run_is_reported_by_the_others(tmp_path, one_thread):
     assert "raised DistributedError: rank 0 of 2: torch.distributed all_reduce" in error["message"]
     assert "another rank stopped (see its error) or did not reach this step within" in error["message"]
     assert meta["seconds"] < 30.0  # reported before the collective timeout, not a hang
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_a_hanging_rank_is_reported_within_the_collective_timeout(tmp_path, one_thread):
+    ranks = launch("hanging", tmp_path, timeout_s=3.0)
+    error = ranks[0]["meta"]["error"]
+    assert "raised DistributedError: rank 0 of 2: torch.distributed all_reduce" in error["message"]
+    assert "Timed out waiting 3000ms" in error["message"]
+    assert ranks[0]["meta"]["seconds"] < 12.0  # the timeout, not the stalled rank, ended the wait
 
 
 @pytest.mark.distributed
