@@ -4,6 +4,28 @@
 (Alg. 1: per-block adaptive mask, column-by-column OBS update, lazy batch
 updates) as a :class:`~llmc_fsm.obs.ColumnRule` on the shared sweep
 :func:`llmc_fsm.obs.obs_sweep`; :class:`SparseGPTModifier` is the recipe modifier.
+
+Mask selection (:func:`sparsegpt_prune`):
+
+* unstructured: at the start of each block ``[c0, c1)`` the block prunes
+  exactly ``num_to_prune(c1 * out, s) - num_to_prune(c0 * out, s)`` of its
+  lowest-saliency weights, selected over the whole block (all rows), as in
+  Algorithm 1 — rows may differ, which lets the mask follow the Hessian.
+  So **the layer has exactly** ``num_to_prune(numel, s)`` **zeros** (the
+  same count rule as :func:`magnitude_mask`). An earlier per-row selection
+  (exact zeros per row) measured worse: SmolLM2-135M at 50%, perplexity
+  80.0 vs 78.1 with this rule (32 x 256 calibration tokens).
+* N:M: when the sweep reaches a group of ``M`` columns, each row keeps the
+  ``N`` highest-saliency weights of the group (``block_size`` must be a
+  multiple of ``M``). Every group has exactly ``M - N`` zeros.
+
+Dead inputs (``H_jj == 0``, i.e. the channel was always zero in the
+calibration data) get ``H_jj := 1``; they do not affect the layer-wise
+error, so they are given the lowest saliency and pruned first. Unlike the
+reference code, which zeroes dead columns unconditionally, dead weights
+that the count rule keeps keep their original value (they are untouched by
+the OBS updates because their Hessian rows are zero), so the returned
+weight is zero exactly where the mask is False (plus original zeros).
 """
 
 from __future__ import annotations
@@ -55,27 +77,7 @@ def sparsegpt_prune(
     accumulated block error is applied lazily to all later columns in one
     matrix product. All math is float32 on ``weight``'s device.
 
-    Mask selection:
-
-    * unstructured: at the start of each block ``[c0, c1)`` the block prunes
-      exactly ``num_to_prune(c1 * out, s) - num_to_prune(c0 * out, s)`` of its
-      lowest-saliency weights, selected over the whole block (all rows), as in
-      Algorithm 1 — rows may differ, which lets the mask follow the Hessian.
-      So **the layer has exactly** ``num_to_prune(numel, s)`` **zeros** (the
-      same count rule as :func:`magnitude_mask`). An earlier per-row selection
-      (exact zeros per row) measured worse: SmolLM2-135M at 50%, perplexity
-      80.0 vs 78.1 with this rule (32 x 256 calibration tokens).
-    * N:M: when the sweep reaches a group of ``M`` columns, each row keeps the
-      ``N`` highest-saliency weights of the group (``block_size`` must be a
-      multiple of ``M``). Every group has exactly ``M - N`` zeros.
-
-    Dead inputs (``H_jj == 0``, i.e. the channel was always zero in the
-    calibration data) get ``H_jj := 1``; they do not affect the layer-wise
-    error, so they are given the lowest saliency and pruned first. Unlike the
-    reference code, which zeroes dead columns unconditionally, dead weights
-    that the count rule keeps keep their original value (they are untouched by
-    the OBS updates because their Hessian rows are zero), so the returned
-    weight is zero exactly where the mask is False (plus original zeros).
+    Mask selection and dead inputs: see the module docstring.
 
     Args:
         weight: ``[out_features, in_features]`` floating tensor (not modified).
@@ -152,6 +154,39 @@ def sparsegpt_prune_shared(
         HessianNotPositiveDefiniteError: as :func:`sparsegpt_prune`.
     """
     weights = list(weights)
+    s, nm = _check_inputs(weights, hessian, sparsity, mask_structure, block_size)
+    if nm is None and s == 0.0:
+        if isinstance(dampening_frac, bool) or not isinstance(dampening_frac, int | float) or not 0 <= dampening_frac:
+            raise ValueError(f"dampening_frac must be a finite number >= 0, got {dampening_frac!r}")
+        return [(w.detach().clone(), torch.ones_like(w, dtype=torch.bool)) for w in weights]
+    device = weights[0].device
+
+    U, dead = inverse_hessian_cholesky(
+        hessian,
+        dampening_frac=dampening_frac,
+        max_dampening_retries=max_dampening_retries,
+        device=device,
+        algorithm="SparseGPT",
+    )
+    # Work on the transpose ([in, out]: column j of W = contiguous row j of WT); the
+    # weights' rows sit side by side, segment (r0, r1) of WT's columns is one weight.
+    WT = torch.cat([w.detach().to(torch.float32).T for w in weights], dim=1)
+    bounds = []
+    for w in weights:
+        r0 = bounds[-1][1] if bounds else 0
+        bounds.append((r0, r0 + w.shape[0]))
+    rule = _PruneRule(sparsity=s, nm=nm, bounds=bounds, dead=dead, rows=WT.shape[1])
+    obs_sweep(WT, U, rule, block_size=block_size)
+    return [
+        (WT[:, r0:r1].T.contiguous().to(w.dtype), rule.keepT[:, r0:r1].T.contiguous())
+        for w, (r0, r1) in zip(weights, bounds, strict=True)
+    ]
+
+
+def _check_inputs(
+    weights: list[torch.Tensor], hessian: Any, sparsity: float, mask_structure: MaskStructure, block_size: Any
+) -> tuple[float, tuple[int, int] | None]:
+    """Validate :func:`sparsegpt_prune_shared`'s arguments; return ``(sparsity, (N, M) or None)``."""
     if not weights:
         raise ValueError("weights must hold at least one 2-D weight")
     for w in weights:
@@ -174,31 +209,7 @@ def sparsegpt_prune_shared(
             raise ValueError(
                 f"block_size must be a multiple of M={nm[1]} for {nm[0]}:{nm[1]} sparsity, got block_size={block_size}"
             )
-    elif s == 0.0:
-        if isinstance(dampening_frac, bool) or not isinstance(dampening_frac, int | float) or not 0 <= dampening_frac:
-            raise ValueError(f"dampening_frac must be a finite number >= 0, got {dampening_frac!r}")
-        return [(w.detach().clone(), torch.ones_like(w, dtype=torch.bool)) for w in weights]
-
-    U, dead = inverse_hessian_cholesky(
-        hessian,
-        dampening_frac=dampening_frac,
-        max_dampening_retries=max_dampening_retries,
-        device=device,
-        algorithm="SparseGPT",
-    )
-    # Work on the transpose ([in, out]: column j of W = contiguous row j of WT); the
-    # weights' rows sit side by side, segment (r0, r1) of WT's columns is one weight.
-    WT = torch.cat([w.detach().to(torch.float32).T for w in weights], dim=1)
-    bounds = []
-    for w in weights:
-        r0 = bounds[-1][1] if bounds else 0
-        bounds.append((r0, r0 + w.shape[0]))
-    rule = _PruneRule(sparsity=s, nm=nm, bounds=bounds, dead=dead, rows=WT.shape[1])
-    obs_sweep(WT, U, rule, block_size=block_size)
-    return [
-        (WT[:, r0:r1].T.contiguous().to(w.dtype), rule.keepT[:, r0:r1].T.contiguous())
-        for w, (r0, r1) in zip(weights, bounds, strict=True)
-    ]
+    return s, nm
 
 
 class _PruneRule:

@@ -6,6 +6,21 @@ the columns not yet quantized through the Cholesky factor of the damped inverse
 Hessian, with lazy batch updates — as a column rule on the sweep the core shares
 with SparseGPT (:func:`llmc_fsm.obs.obs_sweep`). :class:`GPTQModifier` is the
 recipe modifier.
+
+Scales and zero points of :func:`gptq_quantize` (``observer`` over the group's values):
+
+* tensor / channel strategy: from the original weight, before the sweep;
+* group strategy, ``actorder`` ``None`` or ``"group"``: from the current
+  (already compensated) weights when the sweep reaches the group's first
+  column, as in the paper's reference code;
+* group strategy, ``actorder="static"``: from the original weight's groups,
+  before the sweep; columns are then swept in activation order.
+
+``actorder`` (activation order, descending ``diag H``): ``"static"`` sweeps
+in that order but keeps groups contiguous in the original order (no
+``g_idx``); ``"group"`` forms groups in that order and returns ``g_idx``
+(original column -> group). Dead inputs (``H_jj = 0``) are quantized like
+the others; they receive no compensation (the reference code zeroes them).
 """
 
 from __future__ import annotations
@@ -41,6 +56,21 @@ def _check_args(cols: int, args: QuantizationArgs, block_size: int, actorder: st
             raise ValueError(f"block_size ({block_size}) and group_size ({gs}) must divide one another")
 
 
+def _check_inputs(
+    weights: list[torch.Tensor], hessian: torch.Tensor, args: QuantizationArgs, block_size: int, actorder: str | None
+) -> None:
+    if not weights or any(not isinstance(w, torch.Tensor) or w.dim() != 2 for w in weights):
+        raise ValueError("weights must be a non-empty list of 2-D [out, in] tensors")
+    cols = weights[0].shape[1]
+    if any(w.shape[1] != cols for w in weights):
+        raise ValueError(
+            f"weights sharing a Hessian need the same in_features, got {[tuple(w.shape) for w in weights]}"
+        )
+    if hessian.shape != (cols, cols):
+        raise ValueError(f"hessian must have shape ({cols}, {cols}), got {tuple(hessian.shape)}")
+    _check_args(cols, args, block_size, actorder)
+
+
 @torch.no_grad()
 def gptq_quantize(
     weights: Sequence[torch.Tensor],
@@ -64,20 +94,7 @@ def gptq_quantize(
     their quantized value is 0 and the error of forcing them there is
     compensated like any other.
 
-    Scales and zero points (``observer`` over the group's values):
-
-    * tensor / channel strategy: from the original weight, before the sweep;
-    * group strategy, ``actorder`` ``None`` or ``"group"``: from the current
-      (already compensated) weights when the sweep reaches the group's first
-      column, as in the paper's reference code;
-    * group strategy, ``actorder="static"``: from the original weight's groups,
-      before the sweep; columns are then swept in activation order.
-
-    ``actorder`` (activation order, descending ``diag H``): ``"static"`` sweeps
-    in that order but keeps groups contiguous in the original order (no
-    ``g_idx``); ``"group"`` forms groups in that order and returns ``g_idx``
-    (original column -> group). Dead inputs (``H_jj = 0``) are quantized like
-    the others; they receive no compensation (the reference code zeroes them).
+    Scales, zero points, ``actorder`` and dead inputs: see the module docstring.
 
     Args:
         weights: ``[out_i, in_features]`` float tensors on one device (not modified).
@@ -101,16 +118,7 @@ def gptq_quantize(
         HessianNotPositiveDefiniteError: the damped Hessian cannot be factorised after all retries.
     """
     weights = list(weights)
-    if not weights or any(not isinstance(w, torch.Tensor) or w.dim() != 2 for w in weights):
-        raise ValueError("weights must be a non-empty list of 2-D [out, in] tensors")
-    cols = weights[0].shape[1]
-    if any(w.shape[1] != cols for w in weights):
-        raise ValueError(
-            f"weights sharing a Hessian need the same in_features, got {[tuple(w.shape) for w in weights]}"
-        )
-    if hessian.shape != (cols, cols):
-        raise ValueError(f"hessian must have shape ({cols}, {cols}), got {tuple(hessian.shape)}")
-    _check_args(cols, args, block_size, actorder)
+    _check_inputs(weights, hessian, args, block_size, actorder)
     device = weights[0].device
     group = args.strategy == QuantizationStrategy.GROUP
     perm = None
@@ -163,8 +171,12 @@ class _QuantRule:
         self.zps: list[torch.Tensor] = []
         if upfront:
             per = [observe(w, args, observer) for w in originals]
-            self.scales = [s.expand(w.shape[0], -1) if s.numel() == 1 else s for (s, _), w in zip(per, originals, strict=True)]
-            self.zps = [z.expand(w.shape[0], -1) if z.numel() == 1 else z for (_, z), w in zip(per, originals, strict=True)]
+            self.scales = [
+                s.expand(w.shape[0], -1) if s.numel() == 1 else s for (s, _), w in zip(per, originals, strict=True)
+            ]
+            self.zps = [
+                z.expand(w.shape[0], -1) if z.numel() == 1 else z for (_, z), w in zip(per, originals, strict=True)
+            ]
             self._per_weight = per
             self.scale = torch.cat(self.scales, dim=0)
             self.zp = torch.cat(self.zps, dim=0)
@@ -274,8 +286,10 @@ class GPTQModifier(QuantizingModifier):
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
         args = self.weight_args
-        if args.strategy == QuantizationStrategy.GROUP and self.block_size % args.group_size and (
-            args.group_size % self.block_size
+        if (
+            args.strategy == QuantizationStrategy.GROUP
+            and self.block_size % args.group_size
+            and (args.group_size % self.block_size)
         ):
             msg = f"block_size ({self.block_size}) and group_size ({args.group_size}) must divide one another"
             raise ValueError(msg)

@@ -7,11 +7,11 @@ import json
 import pytest
 import torch
 from compressed_tensors.quantization import QuantizationArgs
+from llmc_fsm_quantization import GPTQModifier, QuantizationModifier, gptq_quantize, resolve_scheme, rtn_quantize
+from llmc_fsm_quantization.observers import observe
 
 import llmc_fsm
 from llmc_fsm.obs import HessianAccumulator
-from llmc_fsm_quantization import GPTQModifier, QuantizationModifier, gptq_quantize, resolve_scheme, rtn_quantize
-from llmc_fsm_quantization.observers import observe
 
 W4G16 = {"preset": "W4A16", "weights": {"group_size": 16}}
 
@@ -211,7 +211,7 @@ def test_already_quantized_model_is_refused_before_calibration() -> None:
         ({"q": {"QuantizationModifier": {"scheme": "W8A8"}}}, "int-quantized"),
     ],
 )
-def test_save_reload_gives_equal_logits(tmp_path, recipe: dict, fmt: str) -> None:  # noqa: ANN001
+def test_save_reload_gives_equal_logits(tmp_path, recipe: dict, fmt: str) -> None:
     from transformers import AutoModelForCausalLM
 
     model = _tiny()
@@ -232,14 +232,14 @@ def test_save_reload_gives_equal_logits(tmp_path, recipe: dict, fmt: str) -> Non
     assert report["disk"]["after_bytes"] < report["disk"]["before_bytes"]
 
 
-def test_staged_prune_then_quantize_initializes_each_modifier_once_and_reruns_skip(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+def test_staged_prune_then_quantize_initializes_each_modifier_once_and_reruns_skip(tmp_path, monkeypatch) -> None:
     from llmc_fsm_pruning import SparseGPTModifier
 
     counts: dict[str, int] = {}
     for cls in (SparseGPTModifier, GPTQModifier):
         original = cls.on_initialize
 
-        def counting(self, state, _original=original, _name=cls.__name__):  # noqa: ANN001, ANN202
+        def counting(self, state, _original=original, _name=cls.__name__):
             counts[_name] = counts.get(_name, 0) + 1
             return _original(self, state)
 
