@@ -16,7 +16,7 @@ from typing import Any
 
 from llmc_fsm.distributed import is_main_process
 from llmc_fsm.oneshot import DEFAULT_MODEL, METHODS, default_recipe, oneshot
-from llmc_fsm.oneshot_phases import positive_int as _positive_int
+from llmc_fsm.oneshot_data import positive_int as _positive_int
 
 
 class Terminated(KeyboardInterrupt):

@@ -26,6 +26,7 @@ __all__ = [
     "eval_windows",
     "generate_calibration",
     "is_tensor",
+    "positive_int",
     "read_text",
 ]
 
@@ -42,6 +43,14 @@ DEFAULT_PROMPTS: tuple[str, ...] = (
     "Dear Sir or Madam, I am writing to",
     "The match ended in a draw after",
 )
+
+
+def positive_int(name: str, value: Any) -> int:
+    """``value`` if it is a positive ``int``; else ``ValueError`` naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        msg = f"{name} must be a positive int, got {value!r}"
+        raise ValueError(msg)
+    return value
 
 
 def is_tensor(value: Any) -> bool:

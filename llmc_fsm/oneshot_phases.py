@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -29,6 +30,7 @@ from llmc_fsm.oneshot_data import (
     describe,
     eval_windows,
     is_tensor,
+    positive_int,
     read_text,
 )
 from llmc_fsm.output import sparsity_structure as _sparsity_structure  # noqa: F401 - used by oneshot_streaming
@@ -76,19 +78,14 @@ class Run:
     targeted: list[str] = attrs.field(factory=list)
     per_rank: list[int] = attrs.field(factory=list)
 
-    def timed(self, phase: str) -> Any:
-        return _Timer(self.seconds, phase)
-
-
-class _Timer:
-    def __init__(self, seconds: dict[str, float], phase: str) -> None:
-        self.seconds, self.phase = seconds, phase
-
-    def __enter__(self) -> None:
-        self.t0 = time.perf_counter()
-
-    def __exit__(self, *exc: Any) -> None:
-        self.seconds[self.phase] = self.seconds.get(self.phase, 0.0) + time.perf_counter() - self.t0
+    @contextlib.contextmanager
+    def timed(self, phase: str) -> Iterator[None]:
+        """Add the wall time of the block to ``seconds[phase]``."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - t0
 
 
 # --------------------------------------------------------------------------- prepare
@@ -253,7 +250,7 @@ def data(run: Run) -> None:
     for session in run.sessions:  # required state, checked before generating data or any compression
         if session.missing_state(model=run.model, calibration_data=run.windows if run.windows is not None else True):
             session.initialize(model=run.model, calibration_data=run.windows)  # raises MissingStateError
-    evaluate(run, "eval_before")
+    _evaluate_before(run)
     if run.windows is None:
         from llmc_fsm.oneshot_data import generate_calibration
 
@@ -266,6 +263,21 @@ def data(run: Run) -> None:
         from llmc_fsm.resume import save_windows
 
         save_windows(run.work.path, run.windows)
+
+
+def _evaluate_before(run: Run) -> None:
+    """Perplexity before compression; a resumed run reuses the value its first run measured on the same windows."""
+    from llmc_fsm.resume import load_eval_before, save_eval_before
+
+    if run.eval_windows is None:
+        return
+    saved = load_eval_before(run.work.path, run.eval_windows) if run.work is not None and run.work.resumed else None
+    if saved is not None:
+        run.ppl["eval_before"] = saved
+        return
+    evaluate(run, "eval_before")
+    if run.work is not None:
+        save_eval_before(run.work.path, run.eval_windows, run.ppl["eval_before"])
 
 
 def _windows(run: Run) -> None:
@@ -384,11 +396,3 @@ def _report(run: Run) -> Any:
         seconds=run.seconds,
         targeted=run.targeted,
     )
-
-
-def positive_int(name: str, value: Any) -> int:
-    """``value`` if it is a positive ``int``; else ``ValueError`` naming ``name``."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        msg = f"{name} must be a positive int, got {value!r}"
-        raise ValueError(msg)
-    return value

@@ -23,7 +23,8 @@ whole calibration set's hidden states after every layer.
 
 The calibration windows are kept too (``calibration.safetensors``: generated
 calibration data is not generated again), and the perplexity measured before
-compression (``eval_before.json``, keyed by the evaluation data).
+compression (``eval_before.json``, keyed by the evaluation windows' sha256), so
+a resumed run does not measure it again.
 
 :func:`fingerprint` records what the result depends on; :func:`fingerprint_changes`
 names what differs. Modifiers that keep per-layer state of their own (override
@@ -58,14 +59,17 @@ __all__ = [
     "LayerProgress",
     "fingerprint",
     "fingerprint_changes",
+    "load_eval_before",
     "load_windows",
     "progress_summary",
     "resumable",
+    "save_eval_before",
     "save_windows",
 ]
 
 _LAYOUT = "layout.json"
 _WINDOWS = "calibration.safetensors"
+_EVAL_BEFORE = "eval_before.json"
 
 
 # --------------------------------------------------------------------------- fingerprint
@@ -358,3 +362,24 @@ def load_windows(work: Path) -> torch.Tensor | None:
     """The calibration windows a run saved in ``work``, or ``None``."""
     path = work / _WINDOWS
     return load_file(str(path))["windows"] if _readable(path) else None
+
+
+# --------------------------------------------------------------------------- perplexity before compression
+def _eval_key(windows: torch.Tensor) -> str:
+    return _digest([_tensor_bytes(windows)])
+
+
+def save_eval_before(work: Path, windows: torch.Tensor, ppl: float) -> None:
+    """Keep the perplexity measured before compression on ``windows`` (``LongTensor[N, L]``)."""
+    tmp = work / (_EVAL_BEFORE + ".partial")
+    tmp.write_text(json.dumps({"windows_sha256": _eval_key(windows), "ppl": ppl}) + "\n", encoding="utf-8")
+    os.replace(tmp, work / _EVAL_BEFORE)
+
+
+def load_eval_before(work: Path, windows: torch.Tensor) -> float | None:
+    """The perplexity a run saved in ``work`` for the same evaluation ``windows``, or ``None``."""
+    try:
+        saved = json.loads((work / _EVAL_BEFORE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return float(saved["ppl"]) if saved.get("windows_sha256") == _eval_key(windows) else None

@@ -19,6 +19,7 @@ import torch
 from safetensors.torch import load_file
 
 import llmc_fsm
+import llmc_fsm.data as llmc_fsm_data
 from llmc_fsm.oneshot import default_recipe
 from llmc_fsm.output import dir_size_bytes
 from llmc_fsm.resume import LayerProgress
@@ -193,9 +194,16 @@ def test_second_pass_interrupted_resumes_bitwise(tmp_path, monkeypatch):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["o"]
 
 
-def test_generated_calibration_is_not_generated_again(tiny, tmp_path, monkeypatch):
-    model_dir, _ = tiny
-    kw = {"num_calibration_samples": 8, "max_seq_length": 24, "batch_size": 4, "progress": False}
+def test_resume_reuses_generated_calibration_and_perplexity_before(tiny, tmp_path, monkeypatch):
+    model_dir, text = tiny
+    kw = {
+        "num_calibration_samples": 8,
+        "max_seq_length": 24,
+        "batch_size": 4,
+        "progress": False,
+        "eval_text": text,
+        "num_eval_windows": 4,
+    }
     ref = llmc_fsm.oneshot(model=str(model_dir), **kw)
     with monkeypatch.context() as m:
         _interrupt_after(m, layer=2)
@@ -206,8 +214,16 @@ def test_generated_calibration_is_not_generated_again(tiny, tmp_path, monkeypatc
         raise AssertionError("calibration data generated again")
 
     monkeypatch.setattr("llmc_fsm.oneshot_data.generate_calibration", no_generation)
+    measured = []
+    perplexity = llmc_fsm_data.perplexity
+    monkeypatch.setattr(llmc_fsm_data, "perplexity", lambda *a, **k: measured.append(1) or perplexity(*a, **k))
     out = llmc_fsm.oneshot(model=str(model_dir), output_dir=tmp_path / "o", resume=True, **kw)
+    assert measured == [1]  # only after compression: the value before is the first run's
     assert out.llmc_fsm_report.calibration == ref.llmc_fsm_report.calibration
+    assert (out.llmc_fsm_report.ppl_before, out.llmc_fsm_report.ppl_after) == (
+        ref.llmc_fsm_report.ppl_before,
+        ref.llmc_fsm_report.ppl_after,
+    )
     ref_state, out_state = ref.state_dict(), out.state_dict()
     assert [k for k in ref_state if not torch.equal(ref_state[k], out_state[k])] == []
 
