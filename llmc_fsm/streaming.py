@@ -55,6 +55,7 @@ __all__ = [
     "compress_streaming",
     "streamed_states",
     "tail_perplexity",
+    "write_outer",
 ]
 
 logger = logging.getLogger(__name__)
@@ -198,14 +199,20 @@ def _module_order(lazy: LazyModel) -> dict[str, int]:
     return {name: i for i, (name, _) in enumerate(lazy.model.named_modules())}
 
 
-def _write_outer(lazy: LazyModel, writer: ShardWriter) -> list[ModuleSparsity]:
-    """Copy the tensors outside the decoder layers to shard 1; measure their Linear modules."""
+def write_outer(lazy: LazyModel, writer: ShardWriter) -> list[ModuleSparsity]:
+    """Copy the tensors outside the decoder layers (unchanged, in the model's dtype) to shard 1.
+
+    Returns:
+        The measured zeros of the Linear modules among them (e.g. an untied ``lm_head``).
+    """
     names = lazy.outer_names()
     measured = []
     with lazy.materialized(names):
         writer.write(1, {name: lazy.tensor(name).detach() for name in names})
         for prefix, module in _outer_modules(lazy):
-            measured += [attrs.evolve(m, name=f"{prefix}.{m.name}" if m.name else prefix) for m in measure_sparsity(module)]
+            measured += [
+                attrs.evolve(m, name=f"{prefix}.{m.name}" if m.name else prefix) for m in measure_sparsity(module)
+            ]
     return measured
 
 
@@ -253,7 +260,7 @@ def compress_streaming(
     check_streamable(session)
     check_targets_in_layers(session, lazy.layers, lazy.layers_name)
     batches = calibration_batches(windows, batch_size=batch_size) if windows.shape[0] else []
-    result = StreamedCompression(modules=_write_outer(lazy, writer))
+    result = StreamedCompression(modules=write_outer(lazy, writer))  # first: nothing else is held yet
     with torch.no_grad():
         with lazy.materialized(lazy.outer_names()):
             inputs = capture_layer_inputs(lazy.model, lazy.layers[0], batches)

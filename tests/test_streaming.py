@@ -1,0 +1,207 @@
+"""``oneshot(low_memory=True)``: one decoder layer in memory at a time, same output as the in-memory run.
+
+Each test writes a tiny Llama (3 decoder layers, a word-level tokenizer trained on
+the first lines of tinyshakespeare) to a temporary directory with
+``save_pretrained``, runs the in-memory one-shot job and the streamed one on the
+same recipe and data, and compares what they wrote, tensor by tensor, bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+import llmc_fsm
+from llmc_fsm.lazy_model import load_lazy
+
+GPTQ_G16 = {"q": {"GPTQModifier": {"scheme": {"preset": "W4A16", "weights": {"group_size": 16}}}}}
+SPARSEGPT = {"s": {"SparseGPTModifier": {"sparsity": 0.5}}}
+SIZES = {"num_calibration_samples": 8, "max_seq_length": 32, "num_eval_windows": 4, "batch_size": 4}
+
+
+@pytest.fixture(scope="module")
+def text_file(shared_data, tmp_path_factory) -> Path:
+    lines = (shared_data / "tinyshakespeare" / "input.txt").read_text(encoding="utf-8").splitlines()[:600]
+    path = tmp_path_factory.mktemp("text") / "shakespeare.txt"
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+def _build(directory: Path, text: Path, *, shard: str | None = None, dtype: torch.dtype = torch.float32) -> Path:
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator(text.read_text().splitlines(), trainers.WordLevelTrainer(special_tokens=["[UNK]"]))
+    config = LlamaConfig(vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         tie_word_embeddings=True)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).to(dtype).eval().save_pretrained(directory, **({"max_shard_size": shard} if shard else {}))
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]").save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def sharded_dir(text_file, tmp_path_factory) -> Path:
+    return _build(tmp_path_factory.mktemp("src") / "tiny", text_file, shard="200KB")
+
+
+def _tensors(directory: Path) -> dict[str, torch.Tensor]:
+    out = {}
+    for file in sorted(directory.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as handle:
+            out.update({key: handle.get_tensor(key) for key in handle.keys()})
+    return out
+
+
+def _both(src: Path, tmp_path: Path, recipe: dict, **kw) -> tuple[Path, Path, torch.nn.Module]:
+    """The in-memory and the streamed run on the same inputs; returns their output dirs and the streamed model."""
+    llmc_fsm.oneshot(str(src), recipe, output_dir=tmp_path / "mem", progress=False, **kw)
+    streamed = llmc_fsm.oneshot(str(src), recipe, output_dir=tmp_path / "low", progress=False, low_memory=True, **kw)
+    return tmp_path / "mem", tmp_path / "low", streamed
+
+
+def _assert_same_output(mem: Path, low: Path) -> None:
+    a, b = _tensors(mem), _tensors(low)
+    assert sorted(a) == sorted(b)
+    for key in a:
+        assert a[key].dtype == b[key].dtype and torch.equal(a[key], b[key]), key
+    for name in ("config.json", "generation_config.json", "recipe.yaml", "tokenizer.json"):
+        assert (mem / name).read_text() == (low / name).read_text(), name
+    index = json.loads((low / "model.safetensors.index.json").read_text())
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in b.values())
+    assert set(index["weight_map"]) == set(b)
+    shards = [f"model-0000{k}-of-00004.safetensors" for k in (1, 2, 3, 4)]  # the outer tensors, then one per layer
+    assert sorted(p.name for p in low.glob("*.safetensors")) == shards
+    ra, rb = (json.loads((d / "report.json").read_text()) for d in (mem, low))
+    for key in ("model", "recipe", "calibration", "eval", "perplexity", "sparsity"):
+        assert ra[key] == rb[key], key
+
+
+def test_sparsegpt_streamed_from_a_sharded_checkpoint_equals_in_memory(sharded_dir, text_file, tmp_path):
+    assert (sharded_dir / "model.safetensors.index.json").is_file()
+    mem, low, model = _both(sharded_dir, tmp_path, SPARSEGPT, dataset=text_file, eval_text=text_file, **SIZES)
+    _assert_same_output(mem, low)
+    report = model.llmc_fsm_report
+    assert report.total_sparsity == 0.5
+    assert report.ppl_before is not None and report.ppl_after is not None and report.ppl_after != report.ppl_before
+    assert {p.device.type for p in model.parameters()} == {"meta"}
+    assert not list(tmp_path.glob(".*"))  # no work directory left
+
+
+def test_gptq_w4a16_streamed_equals_in_memory_and_loads_with_from_pretrained(sharded_dir, text_file, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    mem, low, model = _both(sharded_dir, tmp_path, GPTQ_G16, dataset=text_file, eval_text=text_file, **SIZES)
+    _assert_same_output(mem, low)
+    config = json.loads((low / "config.json").read_text())
+    assert config["quantization_config"]["format"] == "pack-quantized"
+    assert "model.layers.0.self_attn.q_proj.weight_packed" in _tensors(low)
+    a = AutoModelForCausalLM.from_pretrained(mem).state_dict()
+    b = AutoModelForCausalLM.from_pretrained(low).state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert {m.bits for m in model.llmc_fsm_report.modules if m.layer is not None} == {4}
+
+
+def test_data_free_rtn_and_a_bf16_checkpoint_stream_like_in_memory(text_file, tmp_path):
+    src = _build(tmp_path / "bf16", text_file, dtype=torch.bfloat16)
+    recipe = {"q": {"QuantizationModifier": {"scheme": "W8A8"}}}
+    mem, low, _ = _both(src, tmp_path, recipe, max_seq_length=32)
+    _assert_same_output(mem, low)
+    assert json.loads((low / "report.json").read_text())["calibration"]["num_samples"] == 0
+    assert _tensors(low)["model.embed_tokens.weight"].dtype == torch.float32  # upcast like from_pretrained
+
+
+def test_only_one_decoder_layer_is_materialized_at_a_time(sharded_dir, text_file):
+    from llmc_fsm.lazy_model import ShardWriter
+    from llmc_fsm.session import Session
+    from llmc_fsm.streaming import compress_streaming
+
+    lazy, _ = load_lazy(sharded_dir)
+    seen = []
+
+    def count(module, args):
+        real = [i for i, layer in enumerate(lazy.layers) if any(p.device.type != "meta" for p in layer.parameters())]
+        outer = {lazy.tensor(n).device.type for n in lazy.outer_names()}
+        seen.append((real, outer))
+
+    for layer in lazy.layers:
+        layer.register_forward_pre_hook(count)
+    session = Session(SPARSEGPT)
+    windows = torch.randint(0, 50, (4, 16), generator=torch.Generator().manual_seed(0))
+    session.initialize(model=lazy.model, calibration_data=windows)
+    out = Path(text_file).parent / "out"
+    out.mkdir()
+    compress_streaming(session, lazy, windows, ShardWriter(out, 4), batch_size=2, progress=False)
+    session.finalize()
+    captured = [entry for entry in seen if not entry[0]]  # the forwards that capture layer 0's inputs
+    assert captured == [([], {"cpu"})] * 2  # two batches of 2 windows, outside tensors read, no layer
+    calls = [entry for entry in seen if entry[0]]
+    assert all(len(real) == 1 and outer == {"meta"} for real, outer in calls)
+    assert sorted({real[0] for real, _ in calls}) == [0, 1, 2]
+    assert {p.device.type for p in lazy.model.parameters()} == {"meta"}
+
+
+@pytest.mark.parametrize(
+    ("kw", "message"),
+    [
+        ({"recipe": SPARSEGPT}, "pass output_dir (--output)"),
+        ({"recipe": {"m": {"MagnitudePruningModifier": {"sparsity": 0.5}}}, "output": True},
+         "MagnitudePruningModifier acts on the whole model at once"),
+        ({"recipe": SPARSEGPT, "output": True, "dataset": None}, "pass a calibration dataset (dataset=, --dataset)"),
+        ({"recipe": {**SPARSEGPT, **GPTQ_G16}, "output": True, "fuse_stages": False}, "keep fuse_stages=True"),
+    ],
+)
+def test_jobs_low_memory_cannot_run_fail_before_reading_weights(sharded_dir, text_file, tmp_path, kw, message):
+    kw = {"dataset": text_file, **kw}
+    out = tmp_path / "o" if kw.pop("output", False) else None
+    with pytest.raises(ValueError, match=r"^low_memory \(--low-memory\) cannot run this job: ") as err:
+        llmc_fsm.oneshot(str(sharded_dir), output_dir=out, progress=False, low_memory=True, **kw)
+    assert message in str(err.value)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_in_memory_model_and_unsupported_checkpoints_are_refused(sharded_dir, text_file, tmp_path):
+    from safetensors.torch import save_file
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(sharded_dir)
+    with pytest.raises(ValueError, match="pass a model directory or a known model name, not a loaded model"):
+        llmc_fsm.oneshot(model, SPARSEGPT, torch.zeros(2, 8, dtype=torch.long), output_dir=tmp_path / "o",
+                         progress=False, low_memory=True)
+    bin_dir = tmp_path / "bin"  # weights in PyTorch's pickle format: only from_pretrained can read them
+    bin_dir.mkdir()
+    (bin_dir / "config.json").write_text((sharded_dir / "config.json").read_text())
+    torch.save(model.state_dict(), bin_dir / "pytorch_model.bin")
+    with pytest.raises(ValueError, match=r"low_memory reads safetensors weights .* holds pytorch_model\.bin"):
+        load_lazy(bin_dir)
+    partial = tmp_path / "partial"
+    partial.mkdir()
+    (partial / "config.json").write_text((sharded_dir / "config.json").read_text())
+    state = {k: v.contiguous() for k, v in model.state_dict().items() if k != "model.layers.1.mlp.up_proj.weight"}
+    state.pop("lm_head.weight")
+    save_file(state, str(partial / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"does not match the model its config.json describes \(missing "
+                                         r"model\.layers\.1\.mlp\.up_proj\.weight\)"):
+        load_lazy(partial)
+
+
+def test_cli_low_memory(sharded_dir, text_file, tmp_path, capsys):
+    from llmc_fsm.cli import main
+
+    args = ["oneshot", "--model", str(sharded_dir), "--dataset", str(text_file), "--num-samples", "4", "--seq-len",
+            "32", "--no-progress", "--low-memory"]
+    assert main([*args, "--output", str(tmp_path / "o")]) == 0
+    assert "total" in capsys.readouterr().out
+    assert (tmp_path / "o" / "model.safetensors.index.json").is_file()
+    assert main(args) != 0
+    err = capsys.readouterr().err.strip()
+    assert err.endswith("low_memory (--low-memory) cannot run this job: it writes the compressed model layer by layer "
+                        "and keeps none of it in memory: pass output_dir (--output)")
+    assert "\n" not in err and "Traceback" not in err
