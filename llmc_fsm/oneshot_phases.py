@@ -1,15 +1,11 @@
 """The phases of :func:`llmc_fsm.oneshot`, in the order they run (each takes the :class:`Run` the others fill).
 
-* :func:`prepare` — sizes, output directory, recipe -> sessions, text files, the
-  work directory claimed (no model yet);
+* :func:`prepare` — sizes, output and work directory, recipe -> sessions, text files (no model yet);
 * :func:`load` — model and tokenizer;
-* :func:`data` — token windows; required state checked; perplexity before;
-  generated calibration data;
-* :func:`compress` — per session: initialize, run_sequential (layer by layer,
-  each layer saved to the work directory), finalize;
+* :func:`data` — token windows; required state checked; perplexity before; generated calibration data;
+* :func:`compress` — per session: initialize, run_sequential (each layer saved to the work directory), finalize;
 * :func:`evaluate` — perplexity;
-* :func:`save` — report; model, tokenizer, recipe.yaml, report.json written in
-  the work directory and renamed into place.
+* :func:`save` — report; model, tokenizer, recipe.yaml, report.json written in the work directory, renamed into place.
 """
 
 from __future__ import annotations
@@ -137,6 +133,9 @@ def _claim_on_rank_0(kw: dict[str, Any]) -> WorkDir | None:
     from llmc_fsm.distributed import is_distributed, is_main_process
     from llmc_fsm.output import check_output_dir
 
+    if kw["resume"] and kw["output_dir"] is None:
+        msg = "resume (--resume) needs output_dir (--output): the progress to resume is kept next to the output"
+        raise ValueError(msg)
     if kw["resume"] and is_distributed():
         msg = (
             "resume (--resume) is not supported with several processes (torch.distributed): resume the run in one "

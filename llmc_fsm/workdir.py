@@ -5,7 +5,7 @@ fixed name, so a later run finds it again::
 
     owner.lock        an OS file lock (filelock) held while the job runs; the kernel
                       releases it when the process ends, even on SIGKILL
-    owner.json        pid, host, start time and command of the job that created it
+    owner.json        pid, host, start time, command and torch threads of the job that created it
     fingerprint.json  what the result depends on (see :func:`llmc_fsm.resume.fingerprint`)
     calibration.safetensors, eval_before.json, progress/
                       per-layer progress (see :mod:`llmc_fsm.resume`)
@@ -101,6 +101,7 @@ class WorkDir:
         self.resumed = False
         self._fresh = False
         self._settled = False
+        self._published = False
 
     @property
     def staging(self) -> Path:
@@ -191,6 +192,15 @@ class WorkDir:
                 "original settings, or remove that directory to start over"
             )
             raise ValueError(msg)
+        threads = (self._read_json(_OWNER) or {}).get("threads")
+        if threads is not None and threads != _threads():
+            logger.warning(
+                "the interrupted run used %s torch threads, this one %s: the result may differ in the last bits from "
+                "an uninterrupted run (pass --threads %s for the same bits)",
+                threads,
+                _threads(),
+                threads,
+            )
         self._clear(keep=("progress", "calibration.safetensors", "eval_before.json"))
         self.resumed = True
         logger.warning("resuming from %s (%s)", self.path, summary)
@@ -228,6 +238,7 @@ class WorkDir:
             if previous.exists():
                 os.rename(previous, self.output)
             raise
+        self._published = True
         self._remove()
 
     def abort(self, exc: BaseException) -> None:
@@ -236,6 +247,9 @@ class WorkDir:
 
         if not self._settled:
             self.release()
+            return
+        if self._published:  # interrupted while removing what is left: the output is complete
+            self._remove()
             return
         shutil.rmtree(self.staging, ignore_errors=True)
         summary = progress_summary(self.progress)
@@ -276,8 +290,15 @@ def recover_previous(output: Path) -> bool:
     return True
 
 
+def _threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
 def _owner_record() -> dict[str, Any]:
     return {
+        "threads": _threads(),
         "pid": os.getpid(),
         "host": socket.gethostname(),
         "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),

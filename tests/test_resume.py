@@ -315,3 +315,23 @@ def test_resume_without_progress_starts_over_with_a_warning(tmp_path, caplog):
         llmc_fsm.oneshot(model=_tiny_module(), dataset=data, output_dir=tmp_path / "o", resume=True, progress=False)
     assert f"resume: no saved progress in {tmp_path / '.o.work'}; starting from the first layer" in caplog.text
     assert sorted(p.name for p in tmp_path.iterdir()) == ["o"]
+
+
+def test_resume_needs_an_output_directory():
+    with pytest.raises(ValueError) as info:
+        llmc_fsm.oneshot(model=_tiny_module(), resume=True, progress=False)
+    assert str(info.value) == (
+        "resume (--resume) needs output_dir (--output): the progress to resume is kept next to the output"
+    )
+
+
+def test_resume_with_another_thread_count_warns(leftover, monkeypatch, caplog):
+    model, text, out = leftover
+    threads = torch.get_num_threads()
+    monkeypatch.setattr("llmc_fsm.workdir._threads", lambda: threads + 1)
+    with caplog.at_level("WARNING"):
+        _resume(model, text, out)
+    assert (
+        f"the interrupted run used {threads} torch threads, this one {threads + 1}: the result may differ in the "
+        f"last bits from an uninterrupted run (pass --threads {threads} for the same bits)"
+    ) in caplog.text
