@@ -12,15 +12,19 @@ benchmark scripts, which load this very module) is:
 
 This module depends only on ``torch``, ``tqdm`` and (lazily, optionally)
 ``datasets``; it must stay importable on its own (the peer venv loads it by
-file path, without the rest of the package).
+file path, without the rest of the package).  The file readers live in
+``text_files.py`` next to it, loaded by :func:`_sibling` (by file path too when
+this module was).
 """
 
 from __future__ import annotations
 
-import json
+import importlib
+import importlib.util
 import logging
 import math
 import os
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -31,136 +35,26 @@ if TYPE_CHECKING:
 
 __all__ = ["load_text", "perplexity", "token_windows"]
 
-log = logging.getLogger(__name__)
+logger = logging.getLogger(__name__)
 
-_JSON_TYPES = {str: "string", int: "number", float: "number", bool: "boolean", type(None): "null"}
-_TEXT_SUFFIXES = {".txt", ".raw", ".text", ".md"}
-_JSONL_SUFFIXES = {".jsonl", ".ndjson"}
 # Characters per tokenizer call; splitting happens at line boundaries.
 _CHUNK_CHARS = 1 << 16
 
 
-def _read_utf8(path: Path) -> str:
-    """The text of ``path`` decoded as UTF-8, with universal newlines (as ``Path.read_text``).
-
-    Raises:
-        ValueError: the file is not valid UTF-8; the message gives the file, the
-            byte offset, line and column of the first bad byte, and what to do.
-    """
-    raw = path.read_bytes()
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as err:
-        # A plain ValueError (UnicodeDecodeError's constructor takes 5 arguments, so it cannot be re-raised
-        # with a new message by callers that do ``type(err)(msg)``).
-        raise ValueError(_decode_error_message(path, raw, err)) from None
-    if "\r" in text:
-        text = text.replace("\r\n", "\n").replace("\r", "\n")
-    return text
-
-
-def _decode_error_message(path: Path, raw: bytes, err: UnicodeDecodeError) -> str:
-    offset = err.start
-    line_start = raw.rfind(b"\n", 0, offset) + 1
-    line = raw.count(b"\n", 0, offset) + 1
-    column = len(raw[line_start:offset].decode("utf-8")) + 1  # everything before ``offset`` decodes
-    where = f"byte 0x{raw[offset]:02x} at byte offset {offset} (line {line}, column {column})"
-    if b"\x00" in raw[:8192]:
-        return (
-            f"{path}: not a text file: it holds binary data (NUL bytes) and is not valid UTF-8: {where}; "
-            'pass a UTF-8 text file, or a JSON/JSONL file of {"text": ...} records'
-        )
-    return (
-        f"{path}: not UTF-8 text: {where} is invalid ({err.reason}); text files must be UTF-8: convert it, "
-        "e.g. `iconv -f latin1 -t utf-8 FILE > FILE.utf8`"
-    )
-
-
-def _record_text(record: Any, where: str) -> str:
-    if not isinstance(record, dict) or "text" not in record:
-        msg = f'{where}: expected a JSON object with a "text" field'
-        raise ValueError(msg)
-    text = record["text"]
-    if not isinstance(text, str):
-        msg = f'{where}: the "text" field must be a string, got {type(text).__name__}'
-        raise ValueError(msg)
-    return text
-
-
-def _jsonl_texts(path: Path, text: str) -> list[str]:
-    parts: list[str] = []
-    for lineno, line in enumerate(text.split("\n"), start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            msg = f"{path}:{lineno}: invalid JSON ({exc.msg} at column {exc.colno})"
-            raise ValueError(msg) from None
-        parts.append(_record_text(record, f"{path}:{lineno}"))
-    return parts
-
-
-def _read_jsonl(path: Path) -> str:
-    parts = _jsonl_texts(path, _read_utf8(path))
-    if not parts:
-        msg = f"{path}: no records found (empty JSONL file)"
-        raise ValueError(msg)
-    return "\n\n".join(parts)
-
-
-def _read_json(path: Path) -> str:
-    """A ``.json`` file: a JSON array of ``{"text": ...}`` objects, or JSON Lines of them."""
-    text = _read_utf8(path)
-    expected = 'expected a JSON array of {"text": ...} objects, or JSON Lines (one such object per line)'
-    try:
-        document = json.loads(text)
-    except json.JSONDecodeError as exc:
-        if exc.msg != "Extra data":  # several top-level values: JSON Lines under a .json name
-            msg = f"{path}: invalid JSON ({exc.msg} at line {exc.lineno}, column {exc.colno}); {expected}"
-            raise ValueError(msg) from None
-        parts = _jsonl_texts(path, text)
-    else:
-        if isinstance(document, dict):  # one record (also valid JSON Lines)
-            if not isinstance(document.get("text"), str):
-                keys = ", ".join(map(repr, list(document)[:5])) or "none"
-                msg = f'{path}: {expected}; got one object without a string "text" field (keys: {keys})'
-                raise ValueError(msg)
-            document = [document]
-        if not isinstance(document, list):
-            msg = f"{path}: {expected}; got a JSON {_JSON_TYPES.get(type(document), 'value')}"
-            raise ValueError(msg)
-        parts = [_record_text(record, f"{path}: element [{i}]") for i, record in enumerate(document)]
-    if not parts:
-        msg = f"{path}: no records found; {expected}"
-        raise ValueError(msg)
-    return "\n\n".join(parts)
-
-
-def _load_hf_dataset(source: str) -> str:
-    hint = 'pass a local text file (.txt) or JSONL file with a "text" field instead'
-    name, config, split = [*source.split(":"), None, None][:3]
-    split = split or "test"
-    try:
-        import datasets  # type: ignore[import-not-found]
-    except ImportError:
-        msg = (
-            f"{source!r} is not an existing file; treating it as a Hugging Face dataset name needs the optional "
-            f"`datasets` package, which is not installed; {hint}"
-        )
-        raise ValueError(msg) from None
-    try:
-        ds = datasets.load_dataset(name, config or None, split=split)
-    except Exception as exc:  # network errors, unknown names, offline mode, ...
-        msg = (
-            f"could not load the Hugging Face dataset {source!r} (name:config:split) "
-            f"({type(exc).__name__}: {exc}); {hint}"
-        )
-        raise RuntimeError(msg) from None
-    if "text" not in ds.column_names:
-        msg = f'the Hugging Face dataset {source!r} has no "text" column (columns: {ds.column_names}); {hint}'
-        raise ValueError(msg)
-    return "".join(ds["text"])
+def _sibling(name: str) -> Any:
+    """The module ``llmc_fsm.<name>``; loaded by file path when this file itself was (the peer benchmarks)."""
+    if __package__:
+        return importlib.import_module(f"{__package__}.{name}")
+    key = f"{__name__}.{name}"
+    if key not in sys.modules:
+        spec = importlib.util.spec_from_file_location(key, Path(__file__).with_name(f"{name}.py"))
+        if spec is None or spec.loader is None:
+            msg = f"cannot load {name}.py next to {__file__}"
+            raise ImportError(msg)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[key] = module
+        spec.loader.exec_module(module)
+    return sys.modules[key]
 
 
 def load_text(source: str | os.PathLike[str]) -> str:
@@ -192,20 +86,21 @@ def load_text(source: str | os.PathLike[str]) -> str:
             installed.
         RuntimeError: the Hugging Face dataset could not be loaded (e.g. offline).
     """
+    files = _sibling("text_files")
     path = Path(source).expanduser()
     if path.is_file():
         suffix = path.suffix.lower()
-        if suffix in _JSONL_SUFFIXES:
-            return _read_jsonl(path)
+        if suffix in files.JSONL_SUFFIXES:
+            return files.read_jsonl(path)
         if suffix == ".json":
-            return _read_json(path)
-        return _read_utf8(path)
+            return files.read_json(path)
+        return files.read_utf8(path)
     text_source = os.fspath(source)
     looks_like_path = (
         isinstance(source, os.PathLike)
         or os.sep in text_source
         or (os.altsep is not None and os.altsep in text_source)
-        or path.suffix.lower() in _TEXT_SUFFIXES | _JSONL_SUFFIXES | {".json"}
+        or path.suffix.lower() in files.TEXT_SUFFIXES | files.JSONL_SUFFIXES | {".json"}
         or text_source.startswith(".")
     )
     if path.exists():  # a directory
@@ -214,7 +109,7 @@ def load_text(source: str | os.PathLike[str]) -> str:
     if looks_like_path:
         msg = f"text file not found: {text_source}"
         raise FileNotFoundError(msg)
-    return _load_hf_dataset(text_source)
+    return files.load_hf_dataset(text_source)
 
 
 def _is_safe_cut(text: str, p: int) -> bool:
@@ -412,13 +307,11 @@ def perplexity(
             out = model(input_ids=batch)
             logits = out.logits if hasattr(out, "logits") else out[0]
             for row in range(batch.shape[0]):  # per window: no [B*L, vocab] reshape copy
-                nll = torch.nn.functional.cross_entropy(
-                    logits[row, :-1, :].float(), batch[row, 1:], reduction="sum"
-                )
+                nll = torch.nn.functional.cross_entropy(logits[row, :-1, :].float(), batch[row, 1:], reduction="sum")
                 total_nll += float(nll.double())
             del out, logits
             count += batch.shape[0] * (length - 1)
     mean = total_nll / count
     ppl = math.exp(mean)
-    log.debug("perplexity over %d windows x %d tokens: mean NLL %.5f, ppl %.4f", n, length, mean, ppl)
+    logger.debug("perplexity over %d windows x %d tokens: mean NLL %.5f, ppl %.4f", n, length, mean, ppl)
     return ppl

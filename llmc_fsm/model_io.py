@@ -34,7 +34,7 @@ __all__ = [
     "looks_like_hub_id",
 ]
 
-log = logging.getLogger(__name__)
+logger = logging.getLogger(__name__)
 
 #: Weight files ``from_pretrained`` looks for in a model directory.
 _WEIGHT_FILES = (
@@ -163,7 +163,7 @@ def _load_tokenizer(path: Path) -> PreTrainedTokenizerBase | None:
     from transformers import AutoTokenizer
 
     if not any((path / name).is_file() for name in _TOKENIZER_FILES):
-        log.info("%s has no tokenizer files; only token-id data can be used with this model", path)
+        logger.info("%s has no tokenizer files; only token-id data can be used with this model", path)
         return None
     try:
         return AutoTokenizer.from_pretrained(str(path))
@@ -226,7 +226,7 @@ def load_hub(model_id: str, torch_dtype: torch.dtype) -> tuple[PreTrainedModel, 
 
     offline = bool(constants.HF_HUB_OFFLINE)
     where = f"HF_HUB_OFFLINE={int(offline)}, Hugging Face cache searched: {constants.HF_HUB_CACHE}"
-    log.info("loading %s from the Hugging Face Hub (%s)", model_id, where)
+    logger.info("loading %s from the Hugging Face Hub (%s)", model_id, where)
     try:
         model = AutoModelForCausalLM.from_pretrained(model_id, **dtype_kwargs(torch_dtype))
     except (OSError, ValueError, SafetensorError) as err:
@@ -246,7 +246,7 @@ def load_hub(model_id: str, torch_dtype: torch.dtype) -> tuple[PreTrainedModel, 
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_id)
     except (OSError, ValueError) as err:
-        log.warning("%s: no tokenizer loaded (%s); only token-id data can be used", model_id, _first_line(err))
+        logger.warning("%s: no tokenizer loaded (%s); only token-id data can be used", model_id, _first_line(err))
         tokenizer = None
     model.eval()
     check_tied(model, f"loading {model_id}")

@@ -57,7 +57,7 @@ if TYPE_CHECKING:
 
 __all__ = ["KNOWN_MODELS", "KnownModel", "cache_root", "fix_safetensors_permissions", "known_model_dir", "load_model"]
 
-log = logging.getLogger(__name__)
+logger = logging.getLogger(__name__)
 
 _CACHE_MARKER = "llmc_fsm_cache.json"
 _CACHE_FORMAT = 1
@@ -162,7 +162,7 @@ def _build_cache(name: str, spec: KnownModel, target: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     gguf = _find_gguf(spec)
-    log.info("converting %s (%s) to a Hugging Face checkpoint; first time only", name, gguf)
+    logger.info("converting %s (%s) to a Hugging Face checkpoint; first time only", name, gguf)
     t0 = time.perf_counter()
     loaded = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, **dtype_kwargs(torch.float32))
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
@@ -195,7 +195,7 @@ def _build_cache(name: str, spec: KnownModel, target: Path) -> None:
             )
         )
         if _cache_is_valid(target):  # completed meanwhile by a process that did not take the lock: keep it
-            log.info("another process finished the cache of %s first; using it", name)
+            logger.info("another process finished the cache of %s first; using it", name)
             return
         if target.exists():  # stale or foreign content: move aside, then swap in
             trash = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
@@ -206,11 +206,11 @@ def _build_cache(name: str, spec: KnownModel, target: Path) -> None:
         except OSError:
             if not _cache_is_valid(target):  # a concurrent writer did not win either
                 raise
-            log.info("another process finished the cache of %s first; using it", name)
+            logger.info("another process finished the cache of %s first; using it", name)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
-    log.info("cached %s at %s in %.1f s", name, target, time.perf_counter() - t0)
+    logger.info("cached %s at %s in %.1f s", name, target, time.perf_counter() - t0)
 
 
 def _ensure_cache(name: str, spec: KnownModel, target: Path) -> None:
@@ -228,7 +228,7 @@ def _ensure_cache(name: str, spec: KnownModel, target: Path) -> None:
     try:
         lock.acquire(timeout=0)
     except filelock.Timeout:
-        log.warning("another process is converting %s; waiting for it (lock %s)", name, lock.lock_file)
+        logger.warning("another process is converting %s; waiting for it (lock %s)", name, lock.lock_file)
         try:
             lock.acquire(timeout=_LOCK_TIMEOUT_S)
         except filelock.Timeout:
@@ -290,7 +290,7 @@ def load_model(
     if spec is None:
         path = Path(key).expanduser()
         if path.is_dir():
-            log.info("loading model from local directory %s", path)
+            logger.info("loading model from local directory %s", path)
             return load_hf_dir(path, torch_dtype)
         if not path.exists() and looks_like_hub_id(key):
             return load_hub(key, torch_dtype)
@@ -311,7 +311,7 @@ def load_model(
     target = known_model_dir(key, cache_dir=cache_dir)
     t0 = time.perf_counter()
     model, tokenizer = load_hf_dir(target, torch_dtype)
-    log.info("loaded %s from cache %s in %.2f s", key, target, time.perf_counter() - t0)
+    logger.info("loaded %s from cache %s in %.2f s", key, target, time.perf_counter() - t0)
     return model, tokenizer
 
 
