@@ -37,6 +37,7 @@ import attrs
 
 from llmc_fsm.guard import NOTHING, Watched, changed, failure, watched_parameters
 from llmc_fsm.lifecycle import BATCH_EVENTS
+from llmc_fsm.torch_hooks import HOOK_DICTS
 
 if TYPE_CHECKING:
     import torch
@@ -63,7 +64,7 @@ HOOKS: tuple[str, ...] = (
 SCHEDULE_HOOKS: frozenset[str] = frozenset({"on_start", "on_update", "on_end"})
 
 #: torch hook kinds :meth:`Modifier.register_hook` accepts (``module.register_<kind>_hook``).
-HOOK_KINDS: frozenset[str] = frozenset({"forward", "forward_pre", "full_backward", "full_backward_pre"})
+HOOK_KINDS: frozenset[str] = frozenset(HOOK_DICTS)
 
 
 def overrides(modifier: Modifier | type[Modifier], hook: str) -> bool:

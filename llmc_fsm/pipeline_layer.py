@@ -19,6 +19,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from llmc_fsm.torch_hooks import global_forward_hooks_installed, hook_count
+
 __all__ = [
     "Inputs",
     "StopForward",
@@ -114,8 +116,7 @@ def _record_call_order(layer: nn.Module) -> tuple[dict[str, int], list[Any]]:
 
 
 def _has_hooks(module: nn.Module, *, post_only: bool = False) -> bool:
-    post = bool(getattr(module, "_forward_hooks", None))
-    return post if post_only else post or bool(getattr(module, "_forward_pre_hooks", None))
+    return hook_count(module, ("forward",) if post_only else ("forward", "forward_pre")) > 0
 
 
 def early_exit_module(layer: nn.Module, order: Mapping[str, int]) -> nn.Module | None:
@@ -128,9 +129,7 @@ def early_exit_module(layer: nn.Module, order: Mapping[str, int]) -> nn.Module |
     with forward hooks is hooked last, a hooked module was never called in the
     recorded forward, or global module hooks are installed.
     """
-    from torch.nn.modules import module as torch_module
-
-    if getattr(torch_module, "_global_forward_hooks", None) or getattr(torch_module, "_global_forward_pre_hooks", None):
+    if global_forward_hooks_installed():
         return None
     if _has_hooks(layer, post_only=True):
         return None
