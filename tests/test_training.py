@@ -12,7 +12,7 @@ import pytest
 import torch
 from llmc_fsm_pruning.constant import ConstantPruningModifier
 from llmc_fsm_pruning.magnitude import MagnitudePruningModifier, cubic_sparsity
-from llmc_fsm_training import LearningRateModifier, OutputDistillationModifier, distillation_kl
+from llmc_fsm_training import LearningRateModifier, OutputDistillationModifier, distillation_kl, scheduled_lr
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -154,21 +154,40 @@ def test_magnitude_gradual_follows_cubic_schedule_and_finalize_reaches_final():
 
 
 @pytest.mark.parametrize(
-    "kwargs",
+    ("kwargs", "message"),
     [
-        {"sparsity": 1.0},
-        {"sparsity": -0.1},
-        {},
-        {"sparsity": 0.5, "init_sparsity": 0.1, "final_sparsity": 0.5, "end": 1, "update": 0.5},
-        {"init_sparsity": 0.1, "final_sparsity": 0.5},  # no end/update
-        {"init_sparsity": 0.6, "final_sparsity": 0.5, "end": 1, "update": 0.5},
-        {"sparsity": 0.5, "mask_structure": "2:3:4"},
-        {"sparsity": 0.3, "mask_structure": "2:4"},
+        ({"sparsity": 1.0}, "sparsity must be a number in [0, 1) (fraction of weights set to zero), got 1.0"),
+        ({"sparsity": -0.1}, "sparsity must be a number in [0, 1) (fraction of weights set to zero), got -0.1"),
+        (
+            {"init_sparsity": 0.1, "final_sparsity": True, "end": 1, "update": 0.5},
+            "final_sparsity must be a number in [0, 1) (fraction of weights set to zero), got True",
+        ),
+        ({}, "give sparsity (one-shot) or init_sparsity + final_sparsity (gradual)"),
+        (
+            {"sparsity": 0.5, "init_sparsity": 0.1, "final_sparsity": 0.5, "end": 1, "update": 0.5},
+            "give either sparsity (one-shot) or init_sparsity + final_sparsity (gradual), not both",
+        ),
+        (
+            {"init_sparsity": 0.1, "final_sparsity": 0.5},  # no end/update
+            "gradual mode needs end and update (epochs): the cubic schedule runs from start to end",
+        ),
+        (
+            {"init_sparsity": 0.6, "final_sparsity": 0.5, "end": 1, "update": 0.5},
+            "init_sparsity (0.6) must be <= final_sparsity (0.5)",
+        ),
+        (
+            {"sparsity": 0.5, "mask_structure": "2:3:4"},
+            "invalid mask_structure '2:3:4': expected 'unstructured' (alias '0:0') or 'N:M' with integers 0 < N < M, "
+            "meaning N nonzero weights are kept in every group of M consecutive weights along the input dimension "
+            "(e.g. '2:4' = 50% sparsity)",
+        ),
+        ({"sparsity": 0.3, "mask_structure": "2:4"}, "sparsity 0.3 contradicts mask_structure '2:4' (0.5)"),
     ],
 )
-def test_magnitude_argument_validation(kwargs):
-    with pytest.raises(ValueError):
+def test_magnitude_argument_validation(kwargs, message):
+    with pytest.raises(ValueError) as info:
         MagnitudePruningModifier(**kwargs)
+    assert str(info.value) == message
 
 
 def test_magnitude_two_four():
@@ -243,14 +262,29 @@ def test_step_counting_with_uneven_accumulation():
 
 
 def test_lr_validation():
-    with pytest.raises(ValueError, match="needs end"):
+    with pytest.raises(ValueError, match=r"^schedule 'cosine' needs end \(epochs\): it runs from start to end$"):
         LearningRateModifier(schedule="cosine", init_lr=0.1)
-    with pytest.raises(ValueError, match="step_size"):
+    with pytest.raises(ValueError, match=r"^schedule 'step' needs step_size \(epochs between decays\)$"):
         LearningRateModifier(schedule="step", init_lr=0.1)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"^unknown schedule 'exp'; use one of constant, linear, cosine, step$"):
         LearningRateModifier(schedule="exp", init_lr=0.1)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"^init_lr must be a number > 0, got 0\.0$"):
         LearningRateModifier(init_lr=0)
+
+
+@pytest.mark.parametrize(
+    ("schedule", "kwargs", "message"),
+    [
+        ("exp", {}, "unknown schedule 'exp'; use one of constant, linear, cosine, step"),
+        ("step", {}, "schedule 'step' needs step_size (epochs between decays)"),
+        ("linear", {}, "schedule 'linear' needs end (epochs): it runs from start to end"),
+        ("cosine", {"step_size": 1.0}, "schedule 'cosine' needs end (epochs): it runs from start to end"),
+    ],
+)
+def test_scheduled_lr_refuses_missing_arguments_with_value_error(schedule, kwargs, message):
+    with pytest.raises(ValueError) as info:
+        scheduled_lr(schedule, 0.5, init_lr=0.1, **kwargs)
+    assert str(info.value) == message
 
 
 # --- Distillation -------------------------------------------------------------------
@@ -341,8 +375,12 @@ def test_recipe_yaml_uses_registered_names():
         "LearningRateModifier",
         "OutputDistillationModifier",
     ]
-    with pytest.raises(RecipeError, match="alpha"):
+    with pytest.raises(RecipeError) as info:
         Session("train:\n  OutputDistillationModifier: {alpha: 2}\n")
+    assert str(info.value) == (
+        "recipe <text>, line 2, stage 'train', modifier OutputDistillationModifier, argument 'alpha': "
+        "ValueError: alpha must be a number in [0, 1], got 2.0"
+    )
 
 
 # --- the lifecycle contract (llmc_fsm.testing) ----------------------------------------

@@ -6,24 +6,12 @@ in the core base class; this adds ``sparsity`` and ``mask_structure``.
 
 from __future__ import annotations
 
-from typing import Any
-
 import attrs
 
 from llmc_fsm.calibration import CalibratedModifier
-from llmc_fsm_pruning.masks import parse_mask_structure
+from llmc_fsm_pruning.masks import mask_structure_validator, sparsity_validator
 
 __all__ = ["CalibratedPruningModifier"]
-
-
-def _sparsity(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not 0.0 <= float(value) < 1.0:
-        msg = f"sparsity must be a number in [0, 1) (fraction of weights set to zero), got {value!r}"
-        raise ValueError(msg)
-
-
-def _mask_structure(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
-    parse_mask_structure(value)  # raises ValueError naming what is accepted
 
 
 @attrs.define(kw_only=True, slots=False, eq=False)
@@ -38,5 +26,5 @@ class CalibratedPruningModifier(CalibratedModifier):
         targets, ignore: see :class:`~llmc_fsm.calibration.CalibratedModifier`.
     """
 
-    sparsity: float = attrs.field(default=0.5, validator=_sparsity)
-    mask_structure: str = attrs.field(default="unstructured", validator=_mask_structure)
+    sparsity: float = attrs.field(default=0.5, validator=sparsity_validator)
+    mask_structure: str = attrs.field(default="unstructured", validator=mask_structure_validator)

@@ -7,55 +7,47 @@ weights after any number of optimizer steps is exactly the set at start, whateve
 the optimizer (momentum and weight decay included). With ``end`` omitted the masks
 hold until ``finalize``.
 
-The helpers :class:`MaskSet` and :func:`measure_sparsity` are shared with
+The helpers :class:`MaskSet` and :func:`weight_sparsity` are shared with
 :mod:`llmc_fsm_pruning.magnitude`.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import attrs
 import torch
 
 from llmc_fsm import Modifier
+from llmc_fsm.calibration import patterns
 from llmc_fsm.checkpoint import pack_mask, unpack_mask
 from llmc_fsm.targets import DEFAULT_IGNORE, DEFAULT_TARGETS, resolve_targets
 
 if TYPE_CHECKING:
     from llmc_fsm import Event, State
 
-__all__ = ["ConstantPruningModifier", "MaskSet", "load_masks_state", "masks_state", "measure_sparsity", "patterns"]
+__all__ = ["ConstantPruningModifier", "MaskSet", "load_masks_state", "masks_state", "weight_sparsity"]
 
 logger = logging.getLogger(__name__)
 
 
-def patterns(value: Any) -> tuple[str, ...]:
-    """attrs converter: one pattern or a list of patterns -> a tuple of strings."""
-    if isinstance(value, str):
-        return (value,)
-    if isinstance(value, Iterable):
-        items = tuple(value)
-        if all(isinstance(item, str) for item in items):
-            return items
-    msg = f"expected a module pattern or a list of them (class name, full name or 're:<regex>'), got {value!r}"
-    raise TypeError(msg)
+def weight_sparsity(weights: Mapping[str, torch.Tensor]) -> tuple[float, dict[str, float]]:
+    """``(overall fraction of exact zeros, {module name: fraction})`` of ``weights``, measured on the tensors.
 
-
-def measure_sparsity(weights: dict[str, torch.Tensor]) -> tuple[float, dict[str, float]]:
-    """Return (overall fraction of exact zeros, {name: fraction}) of ``weights``, measured on the tensors."""
-    per_layer: dict[str, float] = {}
+    (The one-shot report measures every Linear of a model: :func:`llmc_fsm.report.measure_sparsity`.)
+    """
+    per_module: dict[str, float] = {}
     zeros = total = 0
     with torch.no_grad():
         for name, weight in weights.items():
             z = weight.numel() - int(torch.count_nonzero(weight))
             n = weight.numel()
-            per_layer[name] = z / n if n else 0.0
+            per_module[name] = z / n if n else 0.0
             zeros += z
             total += n
-    return (zeros / total if total else 0.0), per_layer
+    return (zeros / total if total else 0.0), per_module
 
 
 class MaskSet:
@@ -133,7 +125,7 @@ def masks_state(modifier: Any) -> dict[str, Any]:
     return {
         "masks": modifier._masks.packed(),
         "measured_sparsity": modifier.measured_sparsity,
-        "layer_sparsity": dict(modifier.layer_sparsity),
+        "module_sparsity": dict(modifier.module_sparsity),
     }
 
 
@@ -145,7 +137,7 @@ def load_masks_state(modifier: Any, state: Mapping[str, Any]) -> None:
     """
     modifier._masks.load_packed(state.get("masks", {}), modifier._modules)
     modifier.measured_sparsity = state.get("measured_sparsity")
-    modifier.layer_sparsity = dict(state.get("layer_sparsity", {}))
+    modifier.module_sparsity = dict(state.get("module_sparsity", {}))
 
 
 @attrs.define(kw_only=True, slots=False, eq=False)
@@ -162,17 +154,17 @@ class ConstantPruningModifier(Modifier):
       (default: the first batch) and held until ``end`` (default: until finalize).
 
     Requires state ``model``. After it ends, :attr:`measured_sparsity` and
-    :attr:`layer_sparsity` report the zeros measured on the weights.
+    :attr:`module_sparsity` (``{module name: fraction}``) report the zeros measured on the weights.
     """
 
     required_state = frozenset({"model"})
     events = frozenset({"optim_post_step"})
 
-    targets: tuple[str, ...] = attrs.field(default=DEFAULT_TARGETS, converter=patterns)
-    ignore: tuple[str, ...] = attrs.field(default=DEFAULT_IGNORE, converter=patterns)
+    targets: list[str] = attrs.field(factory=lambda: list(DEFAULT_TARGETS), converter=patterns)
+    ignore: list[str] = attrs.field(factory=lambda: list(DEFAULT_IGNORE), converter=patterns)
 
     measured_sparsity: float | None = attrs.field(default=None, init=False)
-    layer_sparsity: dict[str, float] = attrs.field(factory=dict, init=False)
+    module_sparsity: dict[str, float] = attrs.field(factory=dict, init=False)
     _modules: dict[str, torch.nn.Module] = attrs.field(factory=dict, init=False, repr=False)
     _masks: MaskSet = attrs.field(factory=MaskSet, init=False, repr=False)
 
@@ -189,7 +181,7 @@ class ConstantPruningModifier(Modifier):
         with torch.no_grad():
             for name, module in self._modules.items():
                 self._masks.set(name, module.weight, module.weight != 0)
-        overall, _ = measure_sparsity({n: m.weight for n, m in self._modules.items()})
+        overall, _ = weight_sparsity({n: m.weight for n, m in self._modules.items()})
         logger.info("ConstantPruningModifier: holding %d weights at sparsity %.4f", len(self._masks), overall)
 
     def on_event(self, state: State, event: Event) -> None:
@@ -197,9 +189,7 @@ class ConstantPruningModifier(Modifier):
 
     def on_end(self, state: State, event: Event) -> None:
         self._masks.apply()
-        self.measured_sparsity, self.layer_sparsity = measure_sparsity(
-            {n: m.weight for n, m in self._modules.items()}
-        )
+        self.measured_sparsity, self.module_sparsity = weight_sparsity({n: m.weight for n, m in self._modules.items()})
         logger.info("ConstantPruningModifier: measured sparsity %.4f at end", self.measured_sparsity)
         self._masks.clear()
 

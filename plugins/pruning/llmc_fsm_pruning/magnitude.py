@@ -32,9 +32,10 @@ import attrs
 import torch
 
 from llmc_fsm import Modifier
+from llmc_fsm.calibration import patterns
 from llmc_fsm.targets import DEFAULT_IGNORE, DEFAULT_TARGETS, resolve_targets
-from llmc_fsm_pruning.constant import MaskSet, load_masks_state, masks_state, measure_sparsity, patterns
-from llmc_fsm_pruning.masks import magnitude_mask, parse_mask_structure
+from llmc_fsm_pruning.constant import MaskSet, load_masks_state, masks_state, weight_sparsity
+from llmc_fsm_pruning.masks import magnitude_mask, mask_structure_validator, parse_mask_structure, sparsity_validator
 
 if TYPE_CHECKING:
     from llmc_fsm import Event, State
@@ -50,16 +51,7 @@ def cubic_sparsity(epoch: float, init_sparsity: float, final_sparsity: float, st
     return final_sparsity + (init_sparsity - final_sparsity) * (1.0 - progress) ** 3
 
 
-def _sparsity_value(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
-    if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0.0 <= float(value) < 1.0:
-        msg = f"{attribute.name} must be a number in [0, 1), got {value!r}"
-        raise ValueError(msg)
-
-
-def _mask_structure(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
-    parse_mask_structure(value)  # raises ValueError listing what is accepted
+_optional_sparsity = attrs.validators.optional(sparsity_validator)
 
 
 def _optional_float(value: Any) -> Any:
@@ -89,22 +81,22 @@ class MagnitudePruningModifier(Modifier):
       ignored module are left alone).
 
     Requires state ``model`` (and ``steps_per_epoch`` when scheduled). After it ends,
-    :attr:`measured_sparsity` / :attr:`layer_sparsity` hold the zeros measured on the
-    weights (not the requested value).
+    :attr:`measured_sparsity` / :attr:`module_sparsity` (``{module name: fraction}``) hold the zeros
+    measured on the weights (not the requested value).
     """
 
     required_state = frozenset({"model"})
     events = frozenset({"optim_post_step"})
 
-    sparsity: float | None = attrs.field(default=None, converter=_optional_float, validator=_sparsity_value)
-    init_sparsity: float | None = attrs.field(default=None, converter=_optional_float, validator=_sparsity_value)
-    final_sparsity: float | None = attrs.field(default=None, converter=_optional_float, validator=_sparsity_value)
-    mask_structure: str = attrs.field(default="unstructured", validator=_mask_structure)
-    targets: tuple[str, ...] = attrs.field(default=DEFAULT_TARGETS, converter=patterns)
-    ignore: tuple[str, ...] = attrs.field(default=DEFAULT_IGNORE, converter=patterns)
+    sparsity: float | None = attrs.field(default=None, converter=_optional_float, validator=_optional_sparsity)
+    init_sparsity: float | None = attrs.field(default=None, converter=_optional_float, validator=_optional_sparsity)
+    final_sparsity: float | None = attrs.field(default=None, converter=_optional_float, validator=_optional_sparsity)
+    mask_structure: str = attrs.field(default="unstructured", validator=mask_structure_validator)
+    targets: list[str] = attrs.field(factory=lambda: list(DEFAULT_TARGETS), converter=patterns)
+    ignore: list[str] = attrs.field(factory=lambda: list(DEFAULT_IGNORE), converter=patterns)
 
     measured_sparsity: float | None = attrs.field(default=None, init=False)
-    layer_sparsity: dict[str, float] = attrs.field(factory=dict, init=False)
+    module_sparsity: dict[str, float] = attrs.field(factory=dict, init=False)
     #: (epoch, target sparsity) for every pruning step taken, in order.
     history: list[tuple[float | None, float]] = attrs.field(factory=list, init=False)
     _modules: dict[str, torch.nn.Module] = attrs.field(factory=dict, init=False, repr=False)
@@ -155,8 +147,9 @@ class MagnitudePruningModifier(Modifier):
         if not self.gradual:
             nm = parse_mask_structure(self.mask_structure)
             return self.sparsity if self.sparsity is not None else (nm[1] - nm[0]) / nm[1]  # type: ignore[index]
-        assert self.init_sparsity is not None and self.final_sparsity is not None and self.end is not None
-        return cubic_sparsity(epoch or 0.0, self.init_sparsity, self.final_sparsity, self.start or 0.0, self.end)
+        # gradual mode: init_sparsity, final_sparsity and end are all set (checked in __attrs_post_init__)
+        init, final, end = self.init_sparsity, self.final_sparsity, self.end
+        return cubic_sparsity(epoch or 0.0, init, final, self.start or 0.0, end)  # type: ignore[arg-type]
 
     # --- lifecycle ------------------------------------------------------------
     def on_initialize(self, state: State) -> None:
@@ -198,9 +191,7 @@ class MagnitudePruningModifier(Modifier):
         self._masks.clear()
 
     def _report(self) -> None:
-        self.measured_sparsity, self.layer_sparsity = measure_sparsity(
-            {n: m.weight for n, m in self._modules.items()}
-        )
+        self.measured_sparsity, self.module_sparsity = weight_sparsity({n: m.weight for n, m in self._modules.items()})
         logger.info("MagnitudePruningModifier: measured sparsity %.4f", self.measured_sparsity)
 
     def on_finalize(self, state: State) -> None:

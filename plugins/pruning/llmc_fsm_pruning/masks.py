@@ -38,6 +38,7 @@ from __future__ import annotations
 import math
 import numbers
 import re
+from typing import Any
 
 import torch
 
@@ -47,11 +48,13 @@ __all__ = [
     "check_sparsity",
     "check_weight",
     "magnitude_mask",
+    "mask_structure_validator",
     "nm_keep",
     "num_to_prune",
     "parse_mask_structure",
     "prune_lowest_per_row",
     "resolve_structure",
+    "sparsity_validator",
 ]
 
 #: What the ``mask_structure`` arguments accept.
@@ -106,6 +109,11 @@ def parse_mask_structure(s: str) -> tuple[int, int] | None:
 
 
 def resolve_structure(mask_structure: MaskStructure) -> tuple[int, int] | None:
+    """``None`` (unstructured) or ``(N, M)`` for a ``mask_structure`` string, ``(N, M)`` tuple or ``None``.
+
+    Raises:
+        ValueError: anything else; the message lists what is accepted.
+    """
     if mask_structure is None:
         return None
     if isinstance(mask_structure, str):
@@ -121,6 +129,11 @@ def resolve_structure(mask_structure: MaskStructure) -> tuple[int, int] | None:
 
 
 def check_sparsity(sparsity: float) -> float:
+    """``sparsity`` as a float, checked to be a real number in ``[0, 1)``.
+
+    Raises:
+        ValueError: a bool, a non-number, NaN or a value outside ``[0, 1)``.
+    """
     if isinstance(sparsity, bool) or not isinstance(sparsity, numbers.Real):
         raise ValueError(f"sparsity must be a real number in [0, 1), got {sparsity!r}")
     value = float(sparsity)
@@ -130,6 +143,11 @@ def check_sparsity(sparsity: float) -> float:
 
 
 def check_weight(weight: torch.Tensor) -> None:
+    """Check that ``weight`` is a 2-D floating-point ``[out_features, in_features]`` tensor.
+
+    Raises:
+        ValueError: not a tensor, not 2-D, or not floating point.
+    """
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
         shape = tuple(weight.shape) if isinstance(weight, torch.Tensor) else type(weight)
         raise ValueError(f"weight must be a 2-D [out_features, in_features] tensor, got {shape}")
@@ -138,9 +156,34 @@ def check_weight(weight: torch.Tensor) -> None:
 
 
 def check_nm_divisible(in_features: int, nm: tuple[int, int]) -> None:
+    """Check that the ``M`` of an N:M structure divides ``in_features``.
+
+    Raises:
+        ValueError: it does not.
+    """
     n, m = nm
     if in_features % m != 0:
         raise ValueError(f"{n}:{m} sparsity needs in_features divisible by {m}, got in_features={in_features}")
+
+
+def sparsity_validator(instance: Any, attribute: Any, value: Any) -> None:
+    """attrs validator of a modifier's sparsity argument (``sparsity``, ``init_sparsity``, ...).
+
+    Raises:
+        ValueError: a bool, a non-number, NaN or a value outside ``[0, 1)``; the message names the argument.
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0.0 <= float(value) < 1.0:
+        msg = f"{attribute.name} must be a number in [0, 1) (fraction of weights set to zero), got {value!r}"
+        raise ValueError(msg)
+
+
+def mask_structure_validator(instance: Any, attribute: Any, value: Any) -> None:
+    """attrs validator of a modifier's ``mask_structure`` argument (:func:`parse_mask_structure`).
+
+    Raises:
+        ValueError: not ``"unstructured"`` or ``"N:M"``; the message lists what is accepted.
+    """
+    parse_mask_structure(value)
 
 
 def num_to_prune(numel: int, sparsity: float) -> int:

@@ -35,6 +35,12 @@ __all__ = ["SCHEDULES", "LearningRateModifier", "scheduled_lr"]
 SCHEDULES: tuple[str, ...] = ("constant", "linear", "cosine", "step")
 
 
+def _check_schedule(instance: Any, attribute: Any, value: Any) -> None:
+    if value not in SCHEDULES:
+        msg = f"unknown schedule {value!r}; use one of {', '.join(SCHEDULES)}"
+        raise ValueError(msg)
+
+
 def scheduled_lr(
     schedule: str,
     epoch: float,
@@ -46,20 +52,27 @@ def scheduled_lr(
     step_size: float | None = None,
     gamma: float = 0.1,
 ) -> float:
-    """The closed form of ``schedule`` at ``epoch`` (see the module docstring)."""
+    """The closed form of ``schedule`` at ``epoch`` (see the module docstring).
+
+    Raises:
+        ValueError: an unknown ``schedule``, ``step`` without ``step_size``, or ``linear``/``cosine``
+            without ``end``.
+    """
+    _check_schedule(None, None, schedule)
     if schedule == "constant":
         return init_lr
     if schedule == "step":
-        assert step_size is not None
+        if step_size is None:
+            msg = "schedule 'step' needs step_size (epochs between decays)"
+            raise ValueError(msg)
         return init_lr * gamma ** math.floor(max(epoch - start, 0.0) / step_size + 1e-9)
-    assert end is not None
+    if end is None:
+        msg = f"schedule {schedule!r} needs end (epochs): it runs from start to end"
+        raise ValueError(msg)
     progress = min(max((epoch - start) / (end - start), 0.0), 1.0)
     if schedule == "linear":
         return init_lr + (final_lr - init_lr) * progress
-    if schedule == "cosine":
-        return final_lr + (init_lr - final_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))
-    msg = f"unknown schedule {schedule!r}; use one of {', '.join(SCHEDULES)}"
-    raise ValueError(msg)
+    return final_lr + (init_lr - final_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))  # cosine
 
 
 def _positive(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
@@ -107,7 +120,7 @@ class LearningRateModifier(Modifier):
     required_state = frozenset({"optimizer", "steps_per_epoch"})
     events = frozenset({"optim_pre_step"})
 
-    schedule: str = attrs.field(default="constant", validator=attrs.validators.in_(SCHEDULES))
+    schedule: str = attrs.field(default="constant", validator=_check_schedule)
     init_lr: float = attrs.field(converter=_opt_float, validator=_positive)
     final_lr: float = attrs.field(default=0.0, converter=_opt_float, validator=_non_negative)
     step_size: float | None = attrs.field(default=None, converter=_opt_float, validator=_positive)
