@@ -50,17 +50,17 @@ def read_report(path: str | os.PathLike[str]) -> dict[str, Any]:
     return data
 
 
+_HELP = "re-print a saved one-shot report (OUT/report.json); --plot draws per-layer sparsity"
+_DESCRIPTION = (
+    "Re-print the report of an `llmc-fsm oneshot --output OUT` run from OUT/report.json. With --plot, also "
+    "draw the sparsity of the targeted weights per decoder layer (and the per-layer quantization error "
+    "when the report has one) with matplotlib (pip install 'llmc-fsm[plot]')."
+)
+
+
 def add_cli(sub: Any) -> None:
     """Add the ``report`` subcommand to the ``llmc-fsm`` parser."""
-    p = sub.add_parser(
-        "report",
-        help="re-print a saved one-shot report (OUT/report.json); --plot draws per-layer sparsity",
-        description=(
-            "Re-print the report of an `llmc-fsm oneshot --output OUT` run from OUT/report.json. With --plot, also "
-            "draw the sparsity of the targeted weights per decoder layer (and the per-layer quantization error "
-            "when the report has one) with matplotlib (pip install 'llmc-fsm[plot]')."
-        ),
-    )
+    p = sub.add_parser("report", help=_HELP, description=_DESCRIPTION)
     p.add_argument("output", metavar="OUT", help="output directory of `llmc-fsm oneshot --output` (or its report.json)")
     p.add_argument(
         "--plot", metavar="FILE.png", help="write the picture to this file (format from the suffix: png, pdf, svg, ...)"

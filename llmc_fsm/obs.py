@@ -33,6 +33,7 @@ __all__ = [
     "ColumnRule",
     "HessianAccumulator",
     "HessianNotPositiveDefiniteError",
+    "check_dampening_frac",
     "inverse_hessian_cholesky",
     "obs_sweep",
 ]
@@ -207,6 +208,19 @@ def _lower_triangular_inverse(L: torch.Tensor, leaf: int = 128) -> torch.Tensor:
 
 
 @torch.no_grad()
+def check_dampening_frac(dampening_frac: float) -> float:
+    """``dampening_frac`` as a float, checked to be a finite number ``>= 0``.
+
+    Raises:
+        ValueError: a bool, a non-number, a negative number, NaN or infinity.
+    """
+    if isinstance(dampening_frac, bool) or not (
+        isinstance(dampening_frac, int | float) and 0.0 <= float(dampening_frac) < math.inf
+    ):
+        raise ValueError(f"dampening_frac must be a finite number >= 0, got {dampening_frac!r}")
+    return float(dampening_frac)
+
+
 def inverse_hessian_cholesky(
     hessian: torch.Tensor,
     *,
@@ -242,10 +256,7 @@ def inverse_hessian_cholesky(
     if not isinstance(hessian, torch.Tensor) or hessian.dim() != 2 or hessian.shape[0] != hessian.shape[1]:
         shape = tuple(hessian.shape) if isinstance(hessian, torch.Tensor) else type(hessian)
         raise ValueError(f"hessian must be a square [C, C] tensor, got {shape}")
-    if isinstance(dampening_frac, bool) or not (
-        isinstance(dampening_frac, int | float) and 0.0 <= float(dampening_frac) < math.inf
-    ):
-        raise ValueError(f"dampening_frac must be a finite number >= 0, got {dampening_frac!r}")
+    check_dampening_frac(dampening_frac)
     H = hessian.detach().to(device=device or hessian.device, dtype=torch.float32).clone()
     if not all_finite(H):
         raise ValueError("hessian contains NaN or Inf values")

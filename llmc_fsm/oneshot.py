@@ -36,6 +36,8 @@ from llmc_fsm.oneshot_data import DEFAULT_PROMPTS, generate_calibration
 if TYPE_CHECKING:
     from torch import nn
 
+    from llmc_fsm.oneshot_phases import Run
+
 __all__ = ["DEFAULT_MODEL", "DEFAULT_PROMPTS", "METHODS", "default_recipe", "generate_calibration", "oneshot"]
 
 #: The model used when none is given: SmolLM2-135M-Instruct (see :mod:`llmc_fsm.models`).
@@ -105,89 +107,33 @@ def oneshot(
 ) -> nn.Module:
     """Compress ``model`` in one shot with ``recipe``, calibrating layer by layer on ``dataset``.
 
-    Args:
-        model: a known model name (``"smollm2-135m"``, the default), a local
-            Hugging Face model directory, or an already loaded ``nn.Module``
-            (then pass ``tokenizer`` unless ``dataset`` is a token tensor and no
-            ``eval_text`` is given).
-        recipe: anything :class:`~llmc_fsm.Session` accepts (file, YAML text,
-            dict, list of modifiers). Default: :func:`default_recipe` (SparseGPT,
-            50% unstructured, every Linear except ``lm_head``).
-        dataset: calibration data: a text or JSONL file, a Hugging Face dataset
-            name (``name[:config[:split]]``, needs ``datasets`` and a network), or a
-            ``LongTensor[N, L]`` of token windows (used as is). Text is tokenized
-            and cut into ``num_calibration_samples`` windows of ``max_seq_length``
-            tokens taken from the *end* of the text (so they do not overlap
-            evaluation windows taken from its head). Default: text sampled from
-            the model itself (:func:`generate_calibration`).
-        num_calibration_samples: calibration windows (default 32).
-        max_seq_length: tokens per calibration window (default 256).
-        output_dir: if given, receives the compressed model in Hugging Face
-            layout (safetensors), its tokenizer, ``recipe.yaml`` (stages marked
-            applied) and ``report.json``. Written in the hidden work directory
-            ``.NAME.work`` next to it and renamed into place, so there is never
-            a half-written output; the work directory also keeps each compressed
-            decoder layer until the run ends (see ``resume``).
-        overwrite: replace an existing non-empty ``output_dir`` (else an error,
-            raised before the model is loaded).
-        resume: continue the run that was interrupted (killed, Ctrl-C, SIGTERM)
-            while writing ``output_dir``, from the first decoder layer it had
-            not finished; the result is bitwise identical to an uninterrupted
-            run. Refused, naming what changed, when the model files, recipe,
-            calibration data, pipeline settings, seed or library versions
-            differ from that run. Without it, a run that finds such saved
-            progress stops before loading the model and says where it is.
-        tokenizer: the tokenizer of an in-memory ``model``.
-        eval_text: if given, perplexity is measured before and after on
-            ``num_eval_windows`` non-overlapping windows of ``eval_seq_length``
-            (default ``max_seq_length``) tokens from the head of this text
-            (fewer windows if the text is shorter).
-        batch_size: calibration windows per forward pass (default 8: measured as fast
-            as 32 on 2 CPU cores, with a quarter of the layer's intermediate activations).
-        seed: seed for the self-generated default calibration data.
-        progress: tqdm progress bars on stderr. ``False`` also silences the bars of
-            transformers, huggingface_hub, datasets and compressed-tensors for the
-            duration of the call (their settings are restored afterwards).
-        fuse_stages: run consecutive one-shot stages in one layer-by-layer pass
-            (default): at each decoder layer every stage's modifiers compress it
-            in recipe order (e.g. prune it, then quantize it) before the
-            calibration inputs move on through the compressed layer. Each
-            modifier is initialized once, collects its statistics from the same
-            layer inputs, and sees the weights the earlier stages left. ``False``
-            runs one full pass per stage (one session each): later stages
-            calibrate on the model the earlier stages already compressed
-            (costs one calibration pass per stage).
-        low_memory: keep at most one decoder layer's weights in memory: the model
-            (a directory or known name with safetensors weights) is built on the
-            ``meta`` device and each layer is read, compressed, written to
-            ``output_dir`` (required) and freed in turn; perplexity streams the
-            same way. Same output and report as without it, bit for bit; needs a
-            ``dataset`` and layer-wise modifiers (see :mod:`llmc_fsm.oneshot_streaming`).
-            The returned model's parameters stay on ``meta``.
+    Args (each in full in docs/oneshot.md, "Arguments"):
+        model, tokenizer: a known name (default ``"smollm2-135m"``), a Hugging Face directory, or an ``nn.Module``
+            and its tokenizer.
+        recipe: anything :class:`~llmc_fsm.Session` accepts; default :func:`default_recipe` (SparseGPT, 50%).
+        dataset: a text/JSONL file, a Hugging Face dataset name or a ``LongTensor[N, L]``; default: model-made text.
+        num_calibration_samples, max_seq_length: calibration windows of tokens, from the end of the text.
+        output_dir, overwrite, resume: where the model, tokenizer, recipe.yaml and report.json are written.
+        eval_text, num_eval_windows, eval_seq_length: perplexity before and after, on the head of this text.
+        batch_size, seed, progress, fuse_stages, low_memory: how the job runs.
 
     Returns:
-        The compressed model (the same object when an ``nn.Module`` was passed).
-        The report (:class:`llmc_fsm.report.OneshotReport`: measured sparsity per
-        module and decoder layer, perplexity before/after, wall time per phase,
-        max RSS) is attached as ``model.llmc_fsm_report``.
+        The compressed model (the same object for an ``nn.Module``); its report
+        (:class:`llmc_fsm.report.OneshotReport`) is ``model.llmc_fsm_report``.
 
     Raises:
-        FileExistsError: ``output_dir`` exists and is not empty, without ``overwrite``;
-            another live run is writing it; an interrupted run left progress there
-            (without ``resume``).
+        FileExistsError: a non-empty ``output_dir`` without ``overwrite``, another live run writing it, or an
+            interrupted run's progress there (without ``resume``).
         NotADirectoryError / PermissionError: ``output_dir`` cannot be created.
-        RecipeError: invalid recipe (e.g. sparsity outside [0, 1)).
-        ValueError: ``resume`` with changed settings; unknown model name / missing path, dataset too short, bad sizes,
-            ``max_seq_length`` above the model's ``max_position_embeddings``,
-            targets matching no module, a quantization scheme whose group size
-            does not divide a target's input width, an already quantized model.
         FileNotFoundError: a dataset or eval file that does not exist.
+        RecipeError: an invalid recipe (e.g. sparsity outside [0, 1)).
+        ValueError: ``resume`` with changed settings, an unknown model, a dataset too short, bad sizes, a sequence
+            longer than the model's positions, targets matching nothing, a group size that does not divide a width.
         MissingStateError / ModifierError: a modifier cannot be initialized.
     """
-    from llmc_fsm import oneshot_phases as phase
-    from llmc_fsm.progress_bars import quiet_progress
+    from llmc_fsm.oneshot_phases import prepare
 
-    run = phase.prepare(
+    run = prepare(
         model,
         recipe,
         dataset,
@@ -205,8 +151,17 @@ def oneshot(
         progress=progress,
         fuse_stages=fuse_stages,
     )
+    return _run_phases(run, low_memory=low_memory)
+
+
+def _run_phases(run: Run, *, low_memory: bool) -> nn.Module:
+    """Every phase after :func:`~llmc_fsm.oneshot_phases.prepare`; on any exception (Ctrl-C, SIGTERM included) the
+    work directory is handed back (progress kept or removed, see :meth:`llmc_fsm.workdir.WorkDir.abort`)."""
+    from llmc_fsm import oneshot_phases as phase
+    from llmc_fsm.progress_bars import quiet_progress
+
     try:
-        with quiet_progress(not progress):
+        with quiet_progress(not run.progress):
             if low_memory:
                 from llmc_fsm.oneshot_streaming import run_streaming
 

@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     from llmc_fsm.session import Session
     from llmc_fsm.workdir import WorkDir
 
-__all__ = ["Run", "compress", "data", "evaluate", "load", "positive_int", "prepare", "save"]
+__all__ = ["Run", "compress", "data", "evaluate", "load", "positive_int", "prepare", "run_report", "save"]
 
 
 @attrs.define(kw_only=True, slots=False, eq=False)
@@ -353,7 +353,7 @@ def evaluate(run: Run, phase: str) -> None:
 
 def save(run: Run) -> None:
     """Build the report; write model, tokenizer, recipe.yaml and report.json to the output directory."""
-    report = _report(run)
+    report = run_report(run)
     if run.work is None:
         report.finish(run.t_start)
     else:
@@ -368,7 +368,8 @@ def save(run: Run) -> None:
     run.model.llmc_fsm_report = report
 
 
-def _report(run: Run) -> Any:
+def run_report(run: Run, modules: Any = None) -> Any:
+    """The :class:`~llmc_fsm.report.OneshotReport` of ``run`` (``modules``: sparsity measured while streaming)."""
     from llmc_fsm.report import build_report
 
     return build_report(
@@ -394,4 +395,5 @@ def _report(run: Run) -> Any:
         },
         seconds=run.seconds,
         targeted=run.targeted,
+        modules=modules,
     )

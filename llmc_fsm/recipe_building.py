@@ -30,10 +30,16 @@ _SHAPE = (
 _LONG_FORM = (
     f"{', '.join(STAGE_KEYS)} and llm-compressor modifier groups ('<group>_modifiers', e.g. 'pruning_modifiers')"
 )
+#: A modifier's window edge -> (how an omitted value reads, where it may not lie, the rule) for check_window.
+_WINDOW_EDGES = {
+    "start": ("null (the first event)", "before", "at or after"),
+    "end": ("null (finalize)", "after", "at or before"),
+}
 
 
-def where(source: str, line: int | None, stage: str | None = None, modifier: str | None = None,
-          argument: str | None = None) -> str:
+def where(
+    source: str, line: int | None, stage: str | None = None, modifier: str | None = None, argument: str | None = None
+) -> str:
     """``"recipe SOURCE, line N, stage 'S', modifier M, argument 'A'"`` with the parts that are known."""
     parts = [f"recipe {source}"]
     if line is not None:
@@ -151,8 +157,11 @@ class _Builder:
     def long_form(self, stage: Stage, body: Mapping[Any, Any], line: int | None) -> list[tuple[Any, int | None]]:
         """Read the stage keys into ``stage``; return the modifier parts ``[(body, line)]`` in key order."""
         name, source = stage.name, self.source
-        parts = [(value, line_of(body, key) or line) for key, value in body.items()
-                 if key == "modifiers" or is_group_key(key)]
+        parts = [
+            (value, line_of(body, key) or line)
+            for key, value in body.items()
+            if key == "modifiers" or is_group_key(key)
+        ]
         if not parts:
             present = [k for k in STAGE_KEYS if k in body]
             msg = (
@@ -265,8 +274,8 @@ class _Builder:
             at = where(self.source, line_of(args, key) or line, stage.name, name)
             is_field = isinstance(key, str) and key in accepted
             try:
-                translated = None if not isinstance(key, str) else translate_argument(
-                    name, key, value, args, is_field=is_field
+                translated = (
+                    None if not isinstance(key, str) else translate_argument(name, key, value, args, is_field=is_field)
                 )
             except ValueError as exc:
                 raise RecipeError(f"{at}, argument {key!r}: {exc}") from None
@@ -290,21 +299,14 @@ class _Builder:
         return kwargs, given_as
 
     def check_window(self, m: Modifier, stage: Stage, line: int | None, args: Any) -> None:
-        start, end = getattr(m, "start", None), getattr(m, "end", None)
-        label = m.modifier_name()
-        if stage.start is not None and (start is None or start < stage.start):
-            at = where(self.source, line_of(args, "start") or line, stage.name, label)
-            shown = "null (the first event)" if start is None else start
+        """The modifier's ``start``/``end`` lie inside its stage's window (raises :class:`RecipeError`)."""
+        for key, (null, outside, rule) in _WINDOW_EDGES.items():
+            bound, value = getattr(stage, key), getattr(m, key, None)
+            if bound is None or (value is not None and (value >= bound if key == "start" else value <= bound)):
+                continue
+            at = where(self.source, line_of(args, key) or line, stage.name, m.modifier_name())
             msg = (
-                f"{at}, argument 'start': the modifier starts at {shown}, before its stage's start "
-                f"({stage.start}); a modifier must start at or after its stage's start"
-            )
-            raise RecipeError(msg)
-        if stage.end is not None and (end is None or end > stage.end):
-            at = where(self.source, line_of(args, "end") or line, stage.name, label)
-            shown = "null (finalize)" if end is None else end
-            msg = (
-                f"{at}, argument 'end': the modifier ends at {shown}, after its stage's end "
-                f"({stage.end}); a modifier must end at or before its stage's end"
+                f"{at}, argument {key!r}: the modifier {key}s at {null if value is None else value}, {outside} its "
+                f"stage's {key} ({bound}); a modifier must {key} {rule} its stage's {key}"
             )
             raise RecipeError(msg)

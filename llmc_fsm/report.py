@@ -50,10 +50,11 @@ class ModuleSparsity:
         return self.zeros / self.numel if self.numel else 0.0
 
 
-def measure_sparsity(
-    model: nn.Module, layers: nn.ModuleList | None = None, layers_name: str = ""
-) -> list[ModuleSparsity]:
-    """Measure the weight sparsity of every ``nn.Linear`` of ``model`` (tied weights counted once)."""
+def measure_sparsity(model: nn.Module, layers: nn.ModuleList | None = None) -> list[ModuleSparsity]:
+    """The exact zeros of every ``nn.Linear`` weight of ``model`` (tied weights counted once), in module order.
+
+    ``layers``: the decoder layers, to record each module's layer index (``None`` outside them).
+    """
     layer_of: dict[int, int] = {}
     if layers is not None:
         for index, layer in enumerate(layers):
@@ -275,7 +276,7 @@ def build_report(
     calibration: dict[str, Any],
     ppl_before: float | None,
     ppl_after: float | None,
-    eval: dict[str, Any] | None,  # noqa: A002
+    eval: dict[str, Any] | None,
     seconds: dict[str, float],
     targeted: list[str],
     modules: list[ModuleSparsity] | None = None,
@@ -292,10 +293,10 @@ def build_report(
 
     if modules is None:
         try:
-            layers_name, layers = find_decoder_layers(model)
+            _, layers = find_decoder_layers(model)
         except ValueError:
-            layers_name, layers = "", None
-        modules = measure_sparsity(model, layers, layers_name)
+            layers = None
+        modules = measure_sparsity(model, layers)
     by_name = {m.name: m for m in modules}
     for modifier in modifiers:
         for name, result in (getattr(modifier, "results", None) or {}).items():
@@ -317,7 +318,3 @@ def build_report(
         seconds=seconds,
         targeted=targeted,
     )
-
-
-def names(mods: Iterable[ModuleSparsity]) -> list[str]:
-    return [m.name for m in mods]

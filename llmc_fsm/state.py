@@ -16,19 +16,23 @@ import attrs
 
 __all__ = ["WELL_KNOWN_KEYS", "State", "missing_state_message"]
 
-#: Keys with attribute access on :class:`State`, in documentation order.
-WELL_KNOWN_KEYS: tuple[str, ...] = (
-    "model",
-    "teacher",
-    "optimizer",
-    "calibration_data",
-    "train_data",
-    "steps_per_epoch",
-)
-
 
 def _freeze(values: Mapping[str, Any]) -> Mapping[str, Any]:
     return MappingProxyType(dict(values))
+
+
+class _Key:
+    """A well-known state key read as an attribute of :class:`State`: its value, or ``None`` when not supplied."""
+
+    def __init__(self, doc: str) -> None:
+        self.__doc__ = doc
+        self.name = ""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, state: State | None, owner: type | None = None) -> Any:
+        return self if state is None else state.values.get(self.name)
 
 
 @attrs.frozen
@@ -73,44 +77,25 @@ class State(Mapping[str, Any]):
         """Return a new snapshot with ``updates`` applied (later values win)."""
         return State({**self.values, **updates})
 
-    # --- well-known keys ----------------------------------------------------
-    @property
-    def model(self) -> Any:
-        """The model being compressed (``torch.nn.Module``), or ``None``.
-
-        After ``Session.initialize`` it is the module inside a ``DistributedDataParallel`` /
-        ``DataParallel`` wrapper if one was given (see :func:`llmc_fsm.distributed.unwrap_model`).
-        """
-        return self.values.get("model")
-
-    @property
-    def teacher(self) -> Any:
-        """The teacher model for distillation (``torch.nn.Module``), or ``None``."""
-        return self.values.get("teacher")
-
-    @property
-    def optimizer(self) -> Any:
-        """The training optimizer (``torch.optim.Optimizer``), or ``None``."""
-        return self.values.get("optimizer")
-
-    @property
-    def calibration_data(self) -> Any:
-        """Calibration batches for one-shot work (iterable of model inputs), or ``None``."""
-        return self.values.get("calibration_data")
-
-    @property
-    def train_data(self) -> Any:
-        """Training data (e.g. a ``DataLoader``), or ``None``."""
-        return self.values.get("train_data")
-
-    @property
-    def steps_per_epoch(self) -> Any:
-        """Optimizer steps per epoch (``int``), used to turn steps into epochs, or ``None``."""
-        return self.values.get("steps_per_epoch")
+    # --- well-known keys (``None`` when not supplied) ------------------------
+    model = _Key(
+        "The model being compressed (``torch.nn.Module``), or ``None``.\n\n"
+        "After ``Session.initialize`` it is the module inside a ``DistributedDataParallel`` /\n"
+        "``DataParallel`` wrapper if one was given (see :func:`llmc_fsm.distributed.unwrap_model`)."
+    )
+    teacher = _Key("The teacher model for distillation (``torch.nn.Module``), or ``None``.")
+    optimizer = _Key("The training optimizer (``torch.optim.Optimizer``), or ``None``.")
+    calibration_data = _Key("Calibration batches for one-shot work (iterable of model inputs), or ``None``.")
+    train_data = _Key("Training data (e.g. a ``DataLoader``), or ``None``.")
+    steps_per_epoch = _Key("Optimizer steps per epoch (``int``), used to turn steps into epochs, or ``None``.")
 
     def __repr__(self) -> str:
         keys = ", ".join(sorted(self))
         return f"State({keys})"
+
+
+#: Keys with attribute access on :class:`State`, in documentation order.
+WELL_KNOWN_KEYS: tuple[str, ...] = tuple(name for name, value in vars(State).items() if isinstance(value, _Key))
 
 
 def missing_state_message(missing: Mapping[str, frozenset[str]], lifecycle: str, passed: frozenset[str]) -> str:

@@ -80,6 +80,14 @@ def _jsonl_texts(path: Path, text: str) -> list[str]:
     return parts
 
 
+def _joined(path: Path, parts: list[str], hint: str) -> str:
+    """The records' texts joined with a blank line; ``ValueError`` (``no records found`` + ``hint``) for none."""
+    if not parts:
+        msg = f"{path}: no records found{hint}"
+        raise ValueError(msg)
+    return "\n\n".join(parts)
+
+
 def read_jsonl(path: Path) -> str:
     """The ``"text"`` field of every non-blank line of a JSON Lines file, joined with ``"\\n\\n"``.
 
@@ -87,11 +95,7 @@ def read_jsonl(path: Path) -> str:
         ValueError: the file is not UTF-8, a line is not valid JSON or not an object with a string
             ``"text"`` (the message gives file and line), or the file has no record.
     """
-    parts = _jsonl_texts(path, read_utf8(path))
-    if not parts:
-        msg = f"{path}: no records found (empty JSONL file)"
-        raise ValueError(msg)
-    return "\n\n".join(parts)
+    return _joined(path, _jsonl_texts(path, read_utf8(path)), " (empty JSONL file)")
 
 
 def read_json(path: Path) -> str:
@@ -121,10 +125,7 @@ def read_json(path: Path) -> str:
             msg = f"{path}: {expected}; got a JSON {_JSON_TYPES.get(type(document), 'value')}"
             raise ValueError(msg)
         parts = [_record_text(record, f"{path}: element [{i}]") for i, record in enumerate(document)]
-    if not parts:
-        msg = f"{path}: no records found; {expected}"
-        raise ValueError(msg)
-    return "\n\n".join(parts)
+    return _joined(path, parts, f"; {expected}")
 
 
 def load_hf_dataset(source: str) -> str:

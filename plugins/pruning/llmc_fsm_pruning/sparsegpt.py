@@ -37,7 +37,7 @@ import attrs
 import torch
 from torch import nn
 
-from llmc_fsm.obs import SUB_BLOCK, HessianAccumulator, inverse_hessian_cholesky, obs_sweep
+from llmc_fsm.obs import SUB_BLOCK, HessianAccumulator, check_dampening_frac, inverse_hessian_cholesky, obs_sweep
 from llmc_fsm_pruning._calibrated import CalibratedPruningModifier
 from llmc_fsm_pruning.masks import (
     MaskStructure,
@@ -156,8 +156,7 @@ def sparsegpt_prune_shared(
     weights = list(weights)
     s, nm = _check_inputs(weights, hessian, sparsity, mask_structure, block_size)
     if nm is None and s == 0.0:
-        if isinstance(dampening_frac, bool) or not isinstance(dampening_frac, int | float) or not 0 <= dampening_frac:
-            raise ValueError(f"dampening_frac must be a finite number >= 0, got {dampening_frac!r}")
+        check_dampening_frac(dampening_frac)
         return [(w.detach().clone(), torch.ones_like(w, dtype=torch.bool)) for w in weights]
     device = weights[0].device
 
