@@ -99,7 +99,7 @@ class LazyModel:
             self._load(names)
             yield
         finally:
-            extra = [p for p in module.parameters()] if module is not None else []
+            extra = list(module.parameters()) if module is not None else []
             for tensor in [*(self._tensors[n] for n in names), *extra]:
                 if tensor.device.type != "meta":
                     _swap(tensor, torch.empty_like(tensor, device="meta"))

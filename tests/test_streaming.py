@@ -23,6 +23,12 @@ SPARSEGPT = {"s": {"SparseGPTModifier": {"sparsity": 0.5}}}
 SIZES = {"num_calibration_samples": 8, "max_seq_length": 32, "num_eval_windows": 4, "batch_size": 4}
 
 
+@pytest.fixture(autouse=True)
+def _keep_the_allocator(monkeypatch):
+    """A low_memory run fixes glibc's mmap threshold for the whole process; spare the rest of the test session."""
+    monkeypatch.setattr("llmc_fsm.lazy_model.limit_heap_growth", lambda: False)
+
+
 @pytest.fixture(scope="module")
 def text_file(shared_data, tmp_path_factory) -> Path:
     lines = (shared_data / "tinyshakespeare" / "input.txt").read_text(encoding="utf-8").splitlines()[:600]
