@@ -101,7 +101,11 @@ def dtype_kwargs(torch_dtype: torch.dtype) -> dict[str, Any]:
 
 
 def check_tied(model: PreTrainedModel, where: str) -> None:
-    """Raise ``RuntimeError`` (prefixed ``where``) if the config ties the embeddings but they are two tensors."""
+    """Check that embeddings the config ties (``tie_word_embeddings``) are one tensor.
+
+    Raises:
+        RuntimeError: the config ties them but ``lm_head.weight`` is another tensor (message prefixed ``where``).
+    """
     if not getattr(model.config, "tie_word_embeddings", False):
         return
     out = model.get_output_embeddings()

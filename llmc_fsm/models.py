@@ -35,10 +35,10 @@ import os
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import attrs
 import filelock
 import torch
 
@@ -65,7 +65,7 @@ _CACHE_FORMAT = 1
 _LOCK_TIMEOUT_S = 900.0
 
 
-@dataclass(frozen=True, kw_only=True)
+@attrs.frozen(kw_only=True)
 class KnownModel:
     """A model that :func:`load_model` can fetch by name.
 

@@ -46,7 +46,11 @@ DEFAULT_PROMPTS: tuple[str, ...] = (
 
 
 def positive_int(name: str, value: Any) -> int:
-    """``value`` if it is a positive ``int``; else ``ValueError`` naming ``name``."""
+    """``value`` if it is a positive ``int``.
+
+    Raises:
+        ValueError: a bool, a non-int or a value below 1; the message names ``name``.
+    """
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         msg = f"{name} must be a positive int, got {value!r}"
         raise ValueError(msg)
@@ -61,7 +65,11 @@ def is_tensor(value: Any) -> bool:
 
 
 def check_dataset_tensor(dataset: Any) -> None:
-    """Refuse a dataset tensor that is not ``[N, L]`` integer token ids (``ValueError``); other values pass."""
+    """Refuse a dataset tensor that is not ``[N, L]`` integer token ids; other values pass.
+
+    Raises:
+        ValueError: a tensor that is not 2-D or holds floating-point values.
+    """
     if is_tensor(dataset) and (dataset.dim() != 2 or dataset.is_floating_point()):
         msg = f"a dataset tensor must hold token ids of shape [N, L], got {dataset.dtype} {tuple(dataset.shape)}"
         raise ValueError(msg)

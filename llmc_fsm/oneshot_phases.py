@@ -29,7 +29,6 @@ from llmc_fsm.oneshot_data import (
     positive_int,
     read_text,
 )
-from llmc_fsm.output import sparsity_structure as _sparsity_structure  # noqa: F401 - used by oneshot_streaming
 from llmc_fsm.output import weights_disk_bytes
 from llmc_fsm.progress_bars import quiet_progress
 
@@ -86,7 +85,11 @@ class Run:
 
 # --------------------------------------------------------------------------- prepare
 def prepare(model: Any, recipe: Any, dataset: Any, **kw: Any) -> Run:
-    """Checks that need no model: sizes, output and work directory, recipe -> sessions, the text files."""
+    """Checks that need no model: sizes, output and work directory, recipe -> sessions, the text files.
+
+    Raises:
+        ValueError / RecipeError / FileExistsError / OSError: as :func:`llmc_fsm.oneshot`, before any model work.
+    """
     num_samples = positive_int("num_calibration_samples (--num-samples)", kw["num_calibration_samples"])
     seq_len = positive_int("max_seq_length (--seq-len)", kw["max_seq_length"])
     eval_n = positive_int("num_eval_windows (--eval-windows)", kw["num_eval_windows"])
@@ -200,7 +203,12 @@ def _fingerprint(run: Run, fuse_stages: bool) -> dict[str, Any]:
 
 # --------------------------------------------------------------------------- load
 def load(run: Run) -> None:
-    """The model and tokenizer (an ``nn.Module`` is used as it is)."""
+    """The model and tokenizer (an ``nn.Module`` is used as it is).
+
+    Raises:
+        ValueError: text must be tokenized but there is no tokenizer; from :func:`llmc_fsm.models.load_model`.
+        RuntimeError / OSError: from :func:`llmc_fsm.models.load_model`.
+    """
     from torch import nn
 
     needs_text = run.cal_text is not None or run.ev_text is not None or (run.dataset is None and run.needs_data)
@@ -305,6 +313,7 @@ def compress(run: Run) -> None:
     """Each session: initialize, calibrate and compress layer by layer (or data-free), finalize."""
     from llmc_fsm.distributed import shard
     from llmc_fsm.pipeline import run_sequential
+    from llmc_fsm.resume import layer_progress
 
     with run.timed("compress"):
         windows, run.per_rank = shard(run.windows)  # this rank's share under torch.distributed
@@ -319,7 +328,7 @@ def compress(run: Run) -> None:
                         calibration_data=windows,
                         batch_size=run.batch_size,
                         progress=run.progress,
-                        checkpoint=_layer_progress(run, index, session),
+                        checkpoint=layer_progress(run.work, index, len(run.sessions), session),
                     )
                 else:
                     session.calibration_start()
@@ -329,15 +338,6 @@ def compress(run: Run) -> None:
                     session.finalize()
                 raise
             session.finalize()
-
-
-def _layer_progress(run: Run, index: int, session: Session) -> Any:
-    """Per-layer progress of pass ``index`` in the work directory, or ``None`` (no output, or not resumable)."""
-    from llmc_fsm.resume import LayerProgress, resumable
-
-    if run.work is None or not resumable(session):
-        return None
-    return LayerProgress(run.work.progress, index, len(run.sessions), session)
 
 
 # --------------------------------------------------------------------------- evaluate, save

@@ -46,7 +46,11 @@ def _device_of(model: nn.Module) -> torch.device:
 
 
 def capture_layer_inputs(model: nn.Module, layer: nn.Module, batches: list[dict[str, Any]]) -> Inputs:
-    """Run each batch through the model up to ``layer`` and return its (args, kwargs) per batch."""
+    """Run each batch through the model up to ``layer`` and return its (args, kwargs) per batch.
+
+    Raises:
+        RuntimeError: the model's forward returned without calling ``layer``.
+    """
     captured: Inputs = []
 
     def pre_hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:

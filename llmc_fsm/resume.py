@@ -54,11 +54,13 @@ from llmc_fsm.modifier import overrides
 if TYPE_CHECKING:
     from llmc_fsm.modifier import Modifier
     from llmc_fsm.session import Session
+    from llmc_fsm.workdir import WorkDir
 
 __all__ = [
     "LayerProgress",
     "fingerprint",
     "fingerprint_changes",
+    "layer_progress",
     "load_eval_before",
     "load_windows",
     "progress_summary",
@@ -203,6 +205,13 @@ def resumable(session: Session) -> bool:
     return not any(
         overrides(m, "on_sequential_epoch_end") and not isinstance(m, CalibratedModifier) for m in session.modifiers
     )
+
+
+def layer_progress(work: WorkDir | None, pass_index: int, passes: int, session: Session) -> LayerProgress | None:
+    """The saved layers of pass ``pass_index`` in ``work``; ``None`` without a work directory or :func:`resumable`."""
+    if work is None or not resumable(session):
+        return None
+    return LayerProgress(work.progress, pass_index, passes, session)
 
 
 def progress_summary(progress: Path) -> str | None:

@@ -53,6 +53,11 @@ class State(Mapping[str, Any]):
 
     # --- Mapping protocol -------------------------------------------------
     def __getitem__(self, key: str) -> Any:
+        """The value of ``key``.
+
+        Raises:
+            KeyError: ``key`` is absent or ``None``; the message names the keys present.
+        """
         value = self.values.get(key)
         if value is None:
             present = ", ".join(sorted(self)) or "none"

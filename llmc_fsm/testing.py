@@ -53,6 +53,7 @@ from typing import Any
 import pytest
 
 from llmc_fsm.errors import MissingStateError, ModifierError
+from llmc_fsm.lifecycle import BATCH_EVENTS
 from llmc_fsm.modifier import Modifier
 from llmc_fsm.session import Session
 from llmc_fsm.testing_lifecycles import OPERATIONS, ContractViolation, SequenceRun
@@ -76,7 +77,7 @@ def _check_checkpoint(
     session.initialize(**state_factory())
     session.batch_start(batch_factory() if batch_factory else None)
     session.loss_calculated(loss_factory() if loss_factory else 0.0)
-    for event in ("optim_pre_step", "optim_post_step", "batch_end"):
+    for event in BATCH_EVENTS[BATCH_EVENTS.index("loss_calculated") + 1 :]:  # the rest of the batch, in order
         getattr(session, event)()
     resumed.initialize(**state_factory())
     name = type(session.modifiers[0]).__name__

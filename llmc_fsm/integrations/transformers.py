@@ -143,6 +143,9 @@ class SessionTrainerMixin:
 
     Attributes:
         session: the :class:`~llmc_fsm.Session`.
+
+    Raises:
+        ValueError: both ``recipe`` and ``session`` given (at construction).
     """
 
     def __init__(
@@ -227,7 +230,12 @@ class SessionTrainerMixin:
 
     # --- checkpoints -----------------------------------------------------------------
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
-        """``Trainer.train``; with ``resume_from_checkpoint`` the session is restored from that checkpoint too."""
+        """``Trainer.train``; with ``resume_from_checkpoint`` the session is restored from that checkpoint too.
+
+        Raises:
+            ValueError: ``resume_from_checkpoint=True`` and ``output_dir`` holds no checkpoint.
+            CheckpointError: the session checkpoint does not match the session (when it is read).
+        """
         if resume_from_checkpoint is True:
             resume_from_checkpoint = get_last_checkpoint(self.args.output_dir)  # type: ignore[attr-defined]
             if resume_from_checkpoint is None:

@@ -130,12 +130,12 @@ def masks_state(modifier: Any) -> dict[str, Any]:
 
 
 def load_masks_state(modifier: Any, state: Mapping[str, Any]) -> None:
-    """Restore :func:`masks_state` into ``modifier`` (its ``_modules`` resolved at initialize).
+    """Restore :func:`masks_state` into ``modifier`` (after initialize: masks for its ``resolved_targets``).
 
     Raises:
         ValueError: a mask for a module the modifier does not target, or of the wrong size.
     """
-    modifier._masks.load_packed(state.get("masks", {}), modifier._modules)
+    modifier._masks.load_packed(state.get("masks", {}), modifier.resolved_targets)
     modifier.measured_sparsity = state.get("measured_sparsity")
     modifier.module_sparsity = dict(state.get("module_sparsity", {}))
 

@@ -83,6 +83,12 @@ class MagnitudePruningModifier(Modifier):
     Requires state ``model`` (and ``steps_per_epoch`` when scheduled). After it ends,
     :attr:`measured_sparsity` / :attr:`module_sparsity` (``{module name: fraction}``) hold the zeros
     measured on the weights (not the requested value).
+
+    Raises:
+        ValueError: a sparsity outside ``[0, 1)``, a bad ``mask_structure``, both or neither of the one-shot and
+            gradual arguments, gradual mode without ``end``/``update`` or with an N:M structure,
+            ``init_sparsity > final_sparsity``, or a ``sparsity`` that contradicts the N:M structure.
+        TypeError: ``targets``/``ignore`` are not patterns.
     """
 
     required_state = frozenset({"model"})

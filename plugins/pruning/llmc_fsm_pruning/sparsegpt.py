@@ -296,6 +296,9 @@ class SparseGPTModifier(CalibratedPruningModifier):
     Requires state ``model`` and ``calibration_data``. Memory: one
     ``in_features x in_features`` float32 Hessian per distinct target input,
     only for the decoder layer being calibrated under the sequential pipeline.
+
+    Raises:
+        ValueError: a bad argument, or a ``block_size`` that is not a multiple of M for N:M.
     """
 
     block_size: int = attrs.field(default=128, validator=_positive_int)

@@ -35,6 +35,9 @@ class InputNormAccumulator:
 
     Args:
         in_features: ``C``, the size of the input's last dimension.
+
+    Raises:
+        ValueError: ``in_features`` is not a positive int.
     """
 
     def __init__(self, in_features: int) -> None:

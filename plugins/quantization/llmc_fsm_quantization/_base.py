@@ -118,6 +118,12 @@ class QuantizingModifier(CalibratedModifier):
 
     # ---- checks before any calibration work ------------------------------------------
     def on_initialize(self, state: Any) -> None:
+        """Refuse an already quantized model, then select and check the targets (the base class).
+
+        Raises:
+            ValueError: the model carries a ``quantization_config`` or quantized modules; a target problem
+                (see :meth:`llmc_fsm.calibration.CalibratedModifier.on_initialize`).
+        """
         model = state.model
         config_q = getattr(getattr(model, "config", None), "quantization_config", None)
         quantized = [name for name, m in model.named_modules() if hasattr(m, "quantization_scheme")]

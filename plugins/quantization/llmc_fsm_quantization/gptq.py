@@ -274,6 +274,9 @@ class GPTQModifier(QuantizingModifier):
     Requires state ``model`` and ``calibration_data``. Memory: one
     ``in_features x in_features`` float32 Hessian per distinct target input of
     the decoder layer being calibrated.
+
+    Raises:
+        ValueError: a bad argument, or ``block_size`` and the scheme's ``group_size`` that do not divide one another.
     """
 
     block_size: int = attrs.field(default=128, validator=_positive_int)

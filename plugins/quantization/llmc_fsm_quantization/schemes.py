@@ -18,7 +18,7 @@ from typing import Any
 from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme, QuantizationStrategy
 from compressed_tensors.quantization.quant_scheme import PRESET_SCHEMES, preset_name_to_scheme
 
-__all__ = ["describe_scheme", "preset_names", "resolve_scheme", "weight_args"]
+__all__ = ["preset_names", "resolve_scheme", "weight_args"]
 
 #: Weight strategies the modifiers implement.
 _WEIGHT_STRATEGIES = (QuantizationStrategy.TENSOR, QuantizationStrategy.CHANNEL, QuantizationStrategy.GROUP)
@@ -112,16 +112,3 @@ def weight_args(scheme: QuantizationScheme) -> QuantizationArgs:
         msg = "the scheme quantizes no weights"
         raise ValueError(msg)
     return scheme.weights
-
-
-def describe_scheme(scheme: QuantizationScheme) -> str:
-    """A short human description, e.g. ``"int4 weights, group 64, symmetric; activations 16-bit"``."""
-    w = weight_args(scheme)
-    what = f"{w.type}{w.num_bits} weights, {w.strategy}"
-    if w.strategy == QuantizationStrategy.GROUP:
-        what += f" {w.group_size}"
-    what += ", symmetric" if w.symmetric else ", asymmetric"
-    a = scheme.input_activations
-    if a is None:
-        return what + "; activations unquantized"
-    return what + f"; activations {a.type}{a.num_bits} dynamic per {a.strategy}"

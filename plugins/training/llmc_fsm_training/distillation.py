@@ -54,7 +54,11 @@ _NOT_INPUTS = frozenset({"labels", "num_items_in_batch", "return_loss"})
 
 
 def logits_of(output: Any) -> torch.Tensor:
-    """The logits in a model output: ``output.logits``, ``output["logits"]``, ``output[0]`` or the tensor itself."""
+    """The logits in a model output: ``output.logits``, ``output["logits"]``, ``output[0]`` or the tensor itself.
+
+    Raises:
+        TypeError: the output holds no logits tensor.
+    """
     if isinstance(output, torch.Tensor):
         return output
     logits = getattr(output, "logits", None)
@@ -79,6 +83,9 @@ def distillation_kl(
 
     ``student_logits``/``teacher_logits``: ``[..., vocab]``; ``attention_mask``: the
     leading shape of the logits (1/True = real token). Computed in float32.
+
+    Raises:
+        ValueError: the two logits have different shapes.
     """
     if student_logits.shape != teacher_logits.shape:
         msg = (
@@ -127,6 +134,9 @@ class OutputDistillationModifier(Modifier):
     eval mode and run under ``torch.no_grad()`` on the student's last inputs.
     After each loss, :attr:`last_student_loss` and :attr:`last_distill_loss` hold
     the two terms (detached).
+
+    Raises:
+        ValueError: ``temperature`` not > 0 or ``alpha`` outside ``[0, 1]`` (at construction).
     """
 
     required_state = frozenset({"model", "teacher"})
@@ -141,6 +151,11 @@ class OutputDistillationModifier(Modifier):
     _teacher: Any = attrs.field(default=None, init=False, repr=False)
 
     def on_initialize(self, state: State) -> None:
+        """Put the teacher in eval mode and hook the student's forward to capture its inputs and logits.
+
+        Raises:
+            ValueError: the teacher is the student model itself.
+        """
         if state.teacher is state.model:
             msg = "the teacher is the student model itself; pass a separate (e.g. dense, frozen) copy as teacher"
             raise ValueError(msg)

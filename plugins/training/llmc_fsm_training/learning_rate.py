@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import attrs
 
@@ -38,6 +38,17 @@ SCHEDULES: tuple[str, ...] = ("constant", "linear", "cosine", "step")
 def _check_schedule(instance: Any, attribute: Any, value: Any) -> None:
     if value not in SCHEDULES:
         msg = f"unknown schedule {value!r}; use one of {', '.join(SCHEDULES)}"
+        raise ValueError(msg)
+
+
+def _check_schedule_args(schedule: Any, end: float | None, step_size: float | None) -> None:
+    """Refuse an unknown schedule, ``linear``/``cosine`` without ``end`` and ``step`` without ``step_size``."""
+    _check_schedule(None, None, schedule)
+    if schedule in ("linear", "cosine") and end is None:
+        msg = f"schedule {schedule!r} needs end (epochs): it runs from start to end"
+        raise ValueError(msg)
+    if schedule == "step" and step_size is None:
+        msg = "schedule 'step' needs step_size (epochs between decays)"
         raise ValueError(msg)
 
 
@@ -58,18 +69,12 @@ def scheduled_lr(
         ValueError: an unknown ``schedule``, ``step`` without ``step_size``, or ``linear``/``cosine``
             without ``end``.
     """
-    _check_schedule(None, None, schedule)
+    _check_schedule_args(schedule, end, step_size)
     if schedule == "constant":
         return init_lr
     if schedule == "step":
-        if step_size is None:
-            msg = "schedule 'step' needs step_size (epochs between decays)"
-            raise ValueError(msg)
-        return init_lr * gamma ** math.floor(max(epoch - start, 0.0) / step_size + 1e-9)
-    if end is None:
-        msg = f"schedule {schedule!r} needs end (epochs): it runs from start to end"
-        raise ValueError(msg)
-    progress = min(max((epoch - start) / (end - start), 0.0), 1.0)
+        return init_lr * gamma ** math.floor(max(epoch - start, 0.0) / cast(float, step_size) + 1e-9)
+    progress = min(max((epoch - start) / (cast(float, end) - start), 0.0), 1.0)
     if schedule == "linear":
         return init_lr + (final_lr - init_lr) * progress
     return final_lr + (init_lr - final_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))  # cosine
@@ -115,6 +120,10 @@ class LearningRateModifier(Modifier):
 
     Requires state ``optimizer`` and ``steps_per_epoch`` (the schedule is in epochs).
     :attr:`last_lr` is the value written last.
+
+    Raises:
+        ValueError: an unknown schedule, a learning rate, ``step_size`` or ``gamma`` out of range, ``linear``/``cosine``
+            without ``end``, ``step`` without ``step_size``, or ``end`` not after ``start``.
     """
 
     required_state = frozenset({"optimizer", "steps_per_epoch"})
@@ -131,12 +140,7 @@ class LearningRateModifier(Modifier):
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
-        if self.schedule in ("linear", "cosine") and self.end is None:
-            msg = f"schedule {self.schedule!r} needs end (epochs): it runs from start to end"
-            raise ValueError(msg)
-        if self.schedule == "step" and self.step_size is None:
-            msg = "schedule 'step' needs step_size (epochs between decays)"
-            raise ValueError(msg)
+        _check_schedule_args(self.schedule, self.end, self.step_size)
 
     def lr_at(self, epoch: float) -> float:
         """The learning rate this modifier sets for the optimizer step at ``epoch``."""
@@ -158,6 +162,11 @@ class LearningRateModifier(Modifier):
         self.last_lr = lr
 
     def on_initialize(self, state: State) -> None:
+        """Hold the optimizer whose learning rate the schedule sets.
+
+        Raises:
+            TypeError: state ``optimizer`` has no ``param_groups``.
+        """
         optimizer = state.optimizer
         if not hasattr(optimizer, "param_groups"):
             msg = f"state 'optimizer' must be a torch.optim.Optimizer (with param_groups), got {type(optimizer)!r}"
