@@ -68,10 +68,11 @@ def patterns(value: Any) -> list[str]:
         return [value]
     if value is None:
         return []
-    if not isinstance(value, Iterable) or not all(isinstance(v, str) for v in value):
+    items = list(value) if isinstance(value, Iterable) else None  # a generator is read once, here
+    if items is None or not all(isinstance(v, str) for v in items):
         msg = f"must be a module pattern or a list of them (class name, full name or 're:<regex>'), got {value!r}"
         raise TypeError(msg)
-    return list(value)
+    return items
 
 
 def _non_empty(instance: Any, attribute: attrs.Attribute, value: list[str]) -> None:
