@@ -31,6 +31,7 @@ from typing import Any
 import attrs
 import torch
 from compressed_tensors.quantization import QuantizationArgs, QuantizationStrategy
+from compressed_tensors.quantization.utils import calculate_range
 from torch import nn
 
 from llmc_fsm.obs import SUB_BLOCK, HessianAccumulator, inverse_hessian_cholesky, obs_sweep
@@ -191,6 +192,12 @@ class _QuantRule:
         self.group_of = group_of.tolist()
         self.maskT: torch.Tensor | None = None
         self.WT: torch.Tensor | None = None
+        # Integer grids: the column is rounded in place with compressed-tensors' own formula
+        # (x / s + z, clamp, round, (q - z) * s), one group's scale/zero point as contiguous rows.
+        self.int_grid = str(args.type) == "int"
+        self.q_min, self.q_max = (float(v) for v in calculate_range(self.row_args, torch.device("cpu")))
+        self.scaleT = self.scale.T.contiguous()
+        self.zT = self.zp.T.to(torch.float32).contiguous()
 
     def bind(self, WT: torch.Tensor) -> None:
         self.WT = WT
@@ -207,8 +214,14 @@ class _QuantRule:
             s, z = row_qparams(x, self.row_args, self.observer)
             self.scale[:, g : g + 1] = s
             self.zp[:, g : g + 1] = z.to(self.zp.dtype)
-        q = quantize_rows(W1[i].unsqueeze(1), self.scale[:, g : g + 1], self.zp[:, g : g + 1], self.row_args)
-        out.copy_(q.squeeze(1))
+            self.scaleT[g] = s.squeeze(1)
+            self.zT[g] = self.zp[:, g].to(torch.float32)
+        if self.int_grid:
+            scale, zp = self.scaleT[g], self.zT[g]
+            torch.div(W1[i], scale, out=out).add_(zp).clamp_(self.q_min, self.q_max).round_().sub_(zp).mul_(scale)
+        else:
+            q = quantize_rows(W1[i].unsqueeze(1), self.scale[:, g : g + 1], self.zp[:, g : g + 1], self.row_args)
+            out.copy_(q.squeeze(1))
         if self.maskT is not None:
             out.mul_(self.maskT[j])
         return out

@@ -258,3 +258,24 @@ def test_staged_prune_then_quantize_initializes_each_modifier_once_and_reruns_sk
     assert saved.count("applied: true") == 2
     with pytest.raises(ValueError, match="every stage is already applied"):
         llmc_fsm.oneshot(model=out, recipe=recipe, dataset=torch.randint(0, 128, (8, 32)), progress=False)
+
+
+@pytest.mark.parametrize("spec", [W4G16, "W8A8", {"preset": "W4A16_ASYM", "weights": {"group_size": 32}}])
+@pytest.mark.parametrize("actorder", [None, "static"])
+def test_gptq_integer_fast_path_is_bitwise_the_compressed_tensors_rounding(monkeypatch, spec, actorder) -> None:
+    import llmc_fsm_quantization.gptq as gptq_module
+
+    torch.manual_seed(6)
+    w = torch.randn(40, 128)
+    H = _hessian(_correlated_inputs(1024, 128))
+    (fast,) = gptq_quantize([w], H, args=_args(spec), actorder=actorder, block_size=64)
+    original_init = gptq_module._QuantRule.__init__
+
+    def library_rounding(self, *args, **kwargs) -> None:
+        original_init(self, *args, **kwargs)
+        self.int_grid = False  # every column through compressed_tensors' fake_quantize
+
+    monkeypatch.setattr(gptq_module._QuantRule, "__init__", library_rounding)
+    (reference,) = gptq_quantize([w], H, args=_args(spec), actorder=actorder, block_size=64)
+    assert torch.equal(fast.weight, reference.weight)
+    assert torch.equal(fast.scale, reference.scale)
