@@ -28,7 +28,7 @@ from contextvars import ContextVar
 from typing import Any
 
 from llmc_fsm.checkpoint import SessionCheckpoints
-from llmc_fsm.distributed import check_ranks_agree, unwrap_state
+from llmc_fsm.distributed_session import check_ranks_agree, unwrap_state
 from llmc_fsm.errors import LifecycleError, MissingStateError, ModifierError
 from llmc_fsm.guard import changed, failure, module_parameters
 from llmc_fsm.lifecycle import CALLS_ALLOWED, make_machine
@@ -159,7 +159,7 @@ class Session(SessionCheckpoints):
         ``DataParallel`` is unwrapped: modifiers and ``state.model`` see the
         module inside, whose parameters the wrapper trains. Under
         ``torch.distributed`` (more than one rank) this is a collective: every
-        rank must call it; see :func:`llmc_fsm.distributed.check_ranks_agree`.
+        rank must call it; see :func:`llmc_fsm.distributed_session.check_ranks_agree`.
 
         Raises:
             LifecycleError: already initialized / running / finalized; a modifier

@@ -23,17 +23,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import llmc_fsm
 from llmc_fsm import Session
-from llmc_fsm.distributed import (
-    _recipe_digest,
-    check_ranks_agree,
-    get_rank,
-    get_world_size,
-    is_distributed,
-    is_main_process,
-    shard,
-    split_counts,
-    unwrap_model,
-)
+from llmc_fsm.distributed import get_rank, get_world_size, is_distributed, is_main_process, shard, split_counts
+from llmc_fsm.distributed_session import _recipe_digest, check_ranks_agree, unwrap_model
 from llmc_fsm.oneshot import default_recipe
 
 WORLD = 2
