@@ -28,7 +28,7 @@ import contextlib
 import os
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -223,7 +223,9 @@ def _save(run: Run, lazy: LazyModel, writer: ShardWriter, result: StreamedCompre
     if run.tokenizer is not None and hasattr(run.tokenizer, "save_pretrained"):
         run.tokenizer.save_pretrained(staging)
     (staging / "recipe.yaml").write_text(run.recipe.to_yaml(applied=True), encoding="utf-8")
-    report = _report(run, result)
+    from llmc_fsm.oneshot_phases import run_report
+
+    report = run_report(run, modules=result.modules)
     report.disk = {
         "before_bytes": run.disk_before,
         "after_bytes": sum(p.stat().st_size for p in staging.glob("*.safetensors")),
@@ -234,33 +236,3 @@ def _save(run: Run, lazy: LazyModel, writer: ShardWriter, result: StreamedCompre
     (staging / "report.json").write_text(report.to_json() + "\n", encoding="utf-8")
     run.work.publish()  # type: ignore[union-attr]
     lazy.model.llmc_fsm_report = report
-
-
-def _report(run: Run, result: StreamedCompression) -> Any:
-    from llmc_fsm.oneshot_data import describe
-    from llmc_fsm.report import build_report
-
-    return build_report(
-        model=run.model,
-        model_name=run.model_name,
-        recipe=run.recipe,
-        modifiers=run.sessions[0].modifiers,
-        calibration={
-            "source": run.cal_source,
-            "num_samples": int(run.windows.shape[0]),
-            "seq_len": int(run.windows.shape[1]),
-            "num_tokens": int(run.windows.numel()),
-        },
-        ppl_before=run.ppl["eval_before"],
-        ppl_after=run.ppl["eval_after"],
-        eval=None
-        if run.eval_windows is None
-        else {
-            "source": describe(run.eval_source),
-            "num_windows": int(run.eval_windows.shape[0]),
-            "seq_len": run.eval_len,
-        },
-        seconds=run.seconds,
-        targeted=run.targeted,
-        modules=result.modules,
-    )

@@ -44,6 +44,7 @@ import torch
 
 __all__ = [
     "MaskStructure",
+    "check_mask_args",
     "check_nm_divisible",
     "check_sparsity",
     "check_weight",
@@ -186,6 +187,19 @@ def mask_structure_validator(instance: Any, attribute: Any, value: Any) -> None:
     parse_mask_structure(value)
 
 
+def check_mask_args(
+    weight: torch.Tensor, sparsity: float, mask_structure: MaskStructure
+) -> tuple[float, tuple[int, int] | None]:
+    """Check a mask function's arguments; return ``(sparsity, (N, M) or None)``.
+
+    Raises:
+        ValueError: a weight that is not a 2-D float tensor, ``sparsity`` outside ``[0, 1)``, or a bad
+            ``mask_structure``.
+    """
+    check_weight(weight)
+    return check_sparsity(sparsity), resolve_structure(mask_structure)
+
+
 def num_to_prune(numel: int, sparsity: float) -> int:
     """Number of weights to prune in a selection group of ``numel`` weights.
 
@@ -245,9 +259,7 @@ def magnitude_mask(weight: torch.Tensor, sparsity: float, mask_structure: MaskSt
         ValueError: bad ``sparsity``/``mask_structure``/``weight`` shape, or
             ``in_features`` not divisible by ``M`` for N:M.
     """
-    check_weight(weight)
-    s = check_sparsity(sparsity)
-    nm = resolve_structure(mask_structure)
+    s, nm = check_mask_args(weight, sparsity, mask_structure)
     score = weight.detach().abs().to(torch.float32)
     if nm is not None:
         check_nm_divisible(weight.shape[1], nm)

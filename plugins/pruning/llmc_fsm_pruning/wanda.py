@@ -13,13 +13,11 @@ from torch import nn
 from llmc_fsm_pruning._calibrated import CalibratedPruningModifier
 from llmc_fsm_pruning.masks import (
     MaskStructure,
+    check_mask_args,
     check_nm_divisible,
-    check_sparsity,
-    check_weight,
     nm_keep,
     num_to_prune,
     prune_lowest_per_row,
-    resolve_structure,
 )
 
 __all__ = ["InputNormAccumulator", "WandaPruningModifier", "wanda_mask"]
@@ -140,9 +138,7 @@ def wanda_mask(
         ValueError: bad arguments, ``input_sq_norm`` of the wrong shape or with
             negative / non-finite entries, or ``in_features % M != 0``.
     """
-    check_weight(weight)
-    s = check_sparsity(sparsity)
-    nm = resolve_structure(mask_structure)
+    s, nm = check_mask_args(weight, sparsity, mask_structure)
     in_features = weight.shape[1]
     if input_sq_norm.shape != (in_features,):
         raise ValueError(f"input_sq_norm must have shape ({in_features},), got {tuple(input_sq_norm.shape)}")
