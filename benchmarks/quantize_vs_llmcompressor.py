@@ -166,6 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--separate", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
     parser.add_argument("--no-peer", action="store_true")
+    parser.add_argument("--only", nargs="*", help="run only these: gptq rtn fused separate (default: all)")
+    parser.add_argument("--json", help="also write the rows as JSON to this file")
     parser.add_argument("--write-docs", action="store_true")
     args = parser.parse_args(argv)
     if args.worker:
@@ -177,15 +179,19 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = str(model.name_or_path)
     del model
     _log(f"model directory {model_dir}; load average {os.getloadavg()}")
+    only = set(args.only or ["gptq", "rtn", "fused", "separate"])
     dense = _run_self(["--dense"], model_dir)
     rows = []
-    for run, separate in (("gptq", False), ("rtn", False), ("2:4+gptq", False), ("2:4+gptq", True)):
-        _log(f"ours: {run}{' (two passes)' if separate else ''}")
-        rows.append(_run_self(["--run", run, *(["--separate"] if separate else [])], model_dir))
-    if not args.no_peer:
-        for method in ("gptq", "rtn"):
-            _log(f"peer: {method}")
-            rows.append({**_run_peer(method, model_dir), "run": method})
+    for run, separate, key in (("gptq", False, "gptq"), ("rtn", False, "rtn"), ("2:4+gptq", False, "fused"),
+                               ("2:4+gptq", True, "separate")):
+        if key in only:
+            _log(f"ours: {run}{' (two passes)' if separate else ''}")
+            rows.append(_run_self(["--run", run, *(["--separate"] if separate else [])], model_dir))
+        if key in ("gptq", "rtn") and key in only and not args.no_peer:
+            _log(f"peer: {key}")
+            rows.append({**_run_peer(key, model_dir), "run": key})
+    if args.json:
+        Path(args.json).write_text(json.dumps({"dense": dense, "rows": rows}, indent=2))
     section = render(dense, rows)
     print(section)
     if args.write_docs:
