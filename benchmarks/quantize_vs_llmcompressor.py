@@ -121,7 +121,7 @@ def render(dense: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     lines = [
         SECTION, "",
         f"Measured {time.strftime('%Y-%m-%d')} by `python benchmarks/quantize_vs_llmcompressor.py` on this 2-core CPU "
-        "machine (quiet: no other job running), SmolLM2-135M, calibration 32 x 256 tokens (tail of wiki.test.raw), "
+        f"machine (load average before the runs: {os.getloadavg()[0]:.2f}; wall times need a quiet machine), SmolLM2-135M, calibration 32 x 256 tokens (tail of wiki.test.raw), "
         f"perplexity on 40 x 256 tokens (head). Dense perplexity {dense['dense_ppl']:.2f}; the quantized Linear "
         f"weights take {dense['fp32_quantized_weight_bytes'] / 1e6:.0f} MB in fp32.", "",
         "| run | side | wall (s) | peak RSS through compression (GB) | perplexity | reloaded perplexity | "

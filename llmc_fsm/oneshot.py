@@ -102,7 +102,7 @@ def oneshot(
     batch_size: int = 8,
     seed: int = 0,
     progress: bool = True,
-    fuse_stages: bool = True,
+    fuse_stages: bool = False,
     low_memory: bool = False,
 ) -> nn.Module:
     """Compress ``model`` in one shot with ``recipe``, calibrating layer by layer on ``dataset``.

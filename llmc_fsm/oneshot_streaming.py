@@ -98,7 +98,7 @@ def _check(run: Run) -> None:
             not isinstance(run.model, str | os.PathLike),
             "it reads the model from its files: pass a model directory or a known model name, not a loaded model",
         ),
-        (len(run.sessions) > 1, "it runs every stage in one layer-by-layer pass: keep fuse_stages=True"),
+        (len(run.sessions) > 1, "it runs every stage in one layer-by-layer pass: pass fuse_stages=True"),
         (
             run.work is not None and run.work.resumed,
             "it cannot resume an interrupted run: run without resume (--resume)",

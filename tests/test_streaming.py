@@ -161,7 +161,7 @@ def test_only_one_decoder_layer_is_materialized_at_a_time(sharded_dir, text_file
         ({"recipe": {"m": {"MagnitudePruningModifier": {"sparsity": 0.5}}}, "output": True},
          "MagnitudePruningModifier acts on the whole model at once"),
         ({"recipe": SPARSEGPT, "output": True, "dataset": None}, "pass a calibration dataset (dataset=, --dataset)"),
-        ({"recipe": {**SPARSEGPT, **GPTQ_G16}, "output": True, "fuse_stages": False}, "keep fuse_stages=True"),
+        ({"recipe": {**SPARSEGPT, **GPTQ_G16}, "output": True, "fuse_stages": False}, "pass fuse_stages=True"),
     ],
 )
 def test_jobs_low_memory_cannot_run_fail_before_reading_weights(sharded_dir, text_file, tmp_path, kw, message):
