@@ -293,7 +293,7 @@ def write_docs(section: str) -> None:
     if SECTION in text:
         start = text.index(SECTION)
         nxt = text.find("\n## ", start + len(SECTION))
-        text = text[:start] + section + (text[nxt + 1 :] if nxt != -1 else "")
+        text = text[:start] + section + ("\n" + text[nxt + 1 :] if nxt != -1 else "")  # blank line kept
     else:
         text = text.rstrip("\n") + "\n\n" + section
     DOCS.write_text(text, encoding="utf-8")

@@ -289,15 +289,20 @@ def limit_heap_growth() -> bool:
     heap; tensors that outlive a layer (the next layer's inputs) then pin the
     heap, and the freed layers are not given back: measured on a 32-layer model
     of SmolLM2's width (one-shot SparseGPT), the process grew by ~110 MiB over
-    the run, ~8 layers' weights. A fixed threshold (``mallopt(M_MMAP_THRESHOLD,
-    128 KiB)``, what the environment variable ``MALLOC_MMAP_THRESHOLD_=131072``
-    does) keeps it flat; the price is a page fault per page of every large
-    tensor (system time 1.4 -> 4.6 s, wall +25% on a 12 s, 16-layer run). Does
-    nothing on other C libraries.
+    the run, ~8 layers' weights, and its peak kept rising with depth. A fixed
+    threshold (``mallopt(M_MMAP_THRESHOLD, 128 KiB)``, what the environment
+    variable ``MALLOC_MMAP_THRESHOLD_=131072`` does) keeps it flat; the price is
+    a page fault per page of every large tensor. SmolLM2-135M, SparseGPT, 32 x
+    256 calibration tokens: peak 1.00 -> 0.59 GB, wall 34 -> 47 s (see
+    ``docs/memory.md``). Does nothing on other C libraries, or when
+    ``MALLOC_MMAP_THRESHOLD_`` is set (the user's choice stands; e.g.
+    ``33554432`` trades memory back for speed).
 
     Returns:
         Whether the threshold was set.
     """
+    if "MALLOC_MMAP_THRESHOLD_" in os.environ:
+        return False
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return False
     try:

@@ -16,7 +16,7 @@ import torch
 from safetensors import safe_open
 
 import llmc_fsm
-from llmc_fsm.lazy_model import load_lazy
+from llmc_fsm.lazy_model import limit_heap_growth, load_lazy
 
 GPTQ_G16 = {"q": {"GPTQModifier": {"scheme": {"preset": "W4A16", "weights": {"group_size": 16}}}}}
 SPARSEGPT = {"s": {"SparseGPTModifier": {"sparsity": 0.5}}}
@@ -211,3 +211,8 @@ def test_cli_low_memory(sharded_dir, text_file, tmp_path, capsys):
     assert err.endswith("low_memory (--low-memory) cannot run this job: it writes the compressed model layer by layer "
                         "and keeps none of it in memory: pass output_dir (--output)")
     assert "\n" not in err and "Traceback" not in err
+
+
+def test_a_user_set_mmap_threshold_is_left_alone(monkeypatch):
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "33554432")
+    assert limit_heap_growth() is False
