@@ -51,7 +51,7 @@ from llmc_fsm.distributed import (
     is_distributed,
 )
 from llmc_fsm.modifier import Modifier
-from llmc_fsm.targets import DEFAULT_IGNORE, DEFAULT_TARGETS, is_linear_like, resolve_targets
+from llmc_fsm.targets import DEFAULT_IGNORE, DEFAULT_TARGETS, compact_names, is_linear_like, resolve_targets
 
 __all__ = ["CalibratedModifier", "ModuleResult", "relative_output_error"]
 
@@ -97,12 +97,29 @@ def relative_output_error(old: torch.Tensor, new: torch.Tensor, hessian: torch.T
     return (max(num, 0.0) / den) ** 0.5 if den > 0 else 0.0
 
 
+def already_quantized(model: nn.Module) -> str | None:
+    """Why ``model`` counts as quantized (its config's ``quantization_config``, or modules carrying a
+    compressed-tensors ``quantization_scheme``), or ``None`` when it is not."""
+    config_q = getattr(getattr(model, "config", None), "quantization_config", None)
+    if config_q is not None:
+        method = config_q.get("quant_method") if isinstance(config_q, dict) else getattr(config_q, "quant_method", None)
+        method = getattr(method, "value", method)  # transformers' QuantizationMethod enum
+        return f"its config carries a quantization_config (quant_method {method!r})"
+    quantized = [name for name, m in model.named_modules() if hasattr(m, "quantization_scheme")]
+    if quantized:
+        return f"{len(quantized)} modules are already quantized, e.g. {quantized[0]}"
+    return None
+
+
 @attrs.define(kw_only=True, slots=False, eq=False)
 class ModuleResult:
     """What compressing one module did.
 
     Attributes:
-        zeros / numel: exact zeros of the weight after compression, and its size.
+        zeros / numel: exact zeros of the weight after compression, and its size. For a
+            quantizer (``zeros_are_sparsity = False``) only the zeros that were already
+            there before (pruned weights, which quantization keeps): values rounded to
+            zero are not sparsity.
         seconds: compression time (modules compressed together split their group's time by weight size).
         samples: calibration tokens the module saw (0 for data-free compression).
         rel_output_error: ``||W X - W_hat X|| / ||W X||`` on the calibration inputs, or ``None``
@@ -140,6 +157,8 @@ class CalibratedModifier(Modifier):
     required_state = frozenset({"model", "calibration_data"})
     #: Whether targets need calibration inputs; ``False`` compresses unseen targets at ``calibration_end``.
     needs_inputs = True
+    #: Whether zeros the compression creates are sparsity (pruning); a quantizer sets ``False``.
+    zeros_are_sparsity = True
 
     targets: list[str] = attrs.field(factory=lambda: list(DEFAULT_TARGETS), converter=patterns, validator=_non_empty)
     ignore: list[str] = attrs.field(factory=lambda: list(DEFAULT_IGNORE), converter=patterns)
@@ -190,10 +209,37 @@ class CalibratedModifier(Modifier):
         """Extra :class:`ModuleResult` fields for ``module`` (e.g. ``bits``)."""
         return {}
 
-    # ---- lifecycle -------------------------------------------------------------
-    def on_initialize(self, state: Any) -> None:
-        self._clear()
-        targets = resolve_targets(state.model, self.targets, self.ignore)
+    #: What to do when :meth:`check_model` finds an already quantized model.
+    quantized_model_hint = (
+        "compress the original full-precision model: prune first, then quantize (a sparsity stage before the "
+        "quantization stage in one recipe)"
+    )
+
+    def _fix_hint(self, targets: dict[str, nn.Module], problems: dict[str, list[str]]) -> str:
+        """What to do about ``problems`` (reason -> module names), one sentence."""
+        return "Narrow targets or add these modules to ignore."
+
+    # ---- checks ----------------------------------------------------------------
+    def check_model(self, model: nn.Module) -> dict[str, nn.Module]:
+        """The targets this modifier would compress in ``model``, after every check that needs no data.
+
+        Pure: reads module names, classes and weight shapes only (works on a
+        ``meta``-device model), changes nothing. :meth:`on_initialize` runs it;
+        one-shot runs it for every modifier before measuring anything.
+
+        Returns:
+            ``{full name: module}`` of the selected targets.
+
+        Raises:
+            ValueError: targets/ignore select nothing usable (see
+                :func:`~llmc_fsm.targets.resolve_targets`), or some targets cannot be
+                compressed — every such module named, grouped by reason, with what to do.
+        """
+        already = already_quantized(model)
+        if already is not None:
+            msg = f"{type(self).__name__}: the model is already quantized ({already}); {self.quantized_model_hint}"
+            raise ValueError(msg)
+        targets = resolve_targets(model, self.targets, self.ignore)
         problems: dict[str, list[str]] = {}
         for name, module in targets.items():
             reason = self._check_target(name, module)
@@ -201,12 +247,18 @@ class CalibratedModifier(Modifier):
                 problems.setdefault(reason, []).append(name)
         if problems:
             count = sum(len(names) for names in problems.values())
-            shown = "; ".join(f"{reason}: {', '.join(names)}" for reason, names in problems.items())
+            shown = "; ".join(f"{reason}: {compact_names(names)}" for reason, names in problems.items())
             msg = (
-                f"{type(self).__name__} cannot compress {count} of its targets — {shown}. "
-                "Narrow targets or add these modules to ignore"
+                f"{type(self).__name__} cannot compress {count} of its {len(targets)} targets — {shown}. "
+                + self._fix_hint(targets, problems)
             )
             raise ValueError(msg)
+        return targets
+
+    # ---- lifecycle -------------------------------------------------------------
+    def on_initialize(self, state: Any) -> None:
+        self._clear()
+        targets = self.check_model(state.model)
         self._targets = targets
         self._names_by_id = {id(m): name for name, m in targets.items()}
 
@@ -350,15 +402,18 @@ class CalibratedModifier(Modifier):
         hessian = getattr(acc, "hessian", None) if acc is not None else None
         with torch.no_grad():
             olds = [module.weight.detach().clone() if hessian is not None else None for _, module in members]
+            were_zero = [module.weight == 0 if not self.zeros_are_sparsity else None for _, module in members]
             new = self._compress_group([module for _, module in members], acc)
             for (_, module), weight in zip(members, new, strict=True):
                 module.weight.copy_(weight)
         seconds = time.perf_counter() - t0
         total = sum(module.weight.numel() for _, module in members)
-        for (name, module), old in zip(members, olds, strict=True):
+        for (name, module), old, zero in zip(members, olds, were_zero, strict=True):
             numel = module.weight.numel()
             self.results[name] = ModuleResult(
-                zeros=numel - int(torch.count_nonzero(module.weight)),
+                zeros=numel - int(torch.count_nonzero(module.weight))
+                if zero is None
+                else int(torch.count_nonzero(zero & (module.weight == 0))),
                 numel=numel,
                 seconds=seconds * numel / total,
                 samples=acc.num_samples if acc is not None else 0,

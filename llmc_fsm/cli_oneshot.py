@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from llmc_fsm.distributed import is_main_process
-from llmc_fsm.oneshot import DEFAULT_MODEL, METHODS, default_recipe, oneshot
+from llmc_fsm.oneshot import DEFAULT_MODEL, METHODS, generated_recipe, oneshot
 from llmc_fsm.oneshot_data import positive_int as _positive_int
 
 
@@ -121,7 +121,7 @@ def _run_cli(args: argparse.Namespace) -> int:
         torch.set_num_threads(_positive_int("--threads", args.threads))
     recipe = args.recipe
     if recipe is None:
-        recipe = default_recipe(
+        recipe = generated_recipe(
             args.method or "sparsegpt",
             0.5 if args.sparsity is None else args.sparsity,
             args.mask_structure or "unstructured",

@@ -129,6 +129,17 @@ def explain(session: Session) -> str:
             after = sorted(m.runs_after)
             if after:
                 lines.append(f"       runs after: {', '.join(after)} (when in the recipe)")
+    calibrated = [
+        stage.name
+        for stage in recipe.stages
+        if not stage.applied and any(overrides(m, "on_calibration_end") for m in stage.modifiers)
+    ]
+    if len(calibrated) > 1:
+        lines.append(
+            f"One-shot: stages {', '.join(map(repr, calibrated))} run in that order, one layer-by-layer calibration "
+            "pass each, every pass on the model the previous stages compressed (oneshot(fuse_stages=True) shares "
+            "one pass; see docs/quantization.md)."
+        )
     if session.lifecycle in ("created", "staging"):
         missing = session.missing_state()
         if missing:

@@ -37,8 +37,18 @@ if TYPE_CHECKING:
     from torch import nn
 
     from llmc_fsm.oneshot_phases import Run
+    from llmc_fsm.recipe import Recipe
 
-__all__ = ["DEFAULT_MODEL", "DEFAULT_PROMPTS", "METHODS", "default_recipe", "generate_calibration", "oneshot"]
+__all__ = [
+    "DEFAULT_MODEL",
+    "DEFAULT_PROMPTS",
+    "GENERATED",
+    "METHODS",
+    "default_recipe",
+    "generate_calibration",
+    "generated_recipe",
+    "oneshot",
+]
 
 #: The model used when none is given: SmolLM2-135M-Instruct (see :mod:`llmc_fsm.models`).
 DEFAULT_MODEL = "smollm2-135m"
@@ -82,6 +92,24 @@ def default_recipe(
     else:
         args["scheme"] = scheme if group_size is None else {"preset": scheme, "weights": {"group_size": group_size}}
     return {stage: {name: args}}
+
+
+#: The source of :func:`generated_recipe` recipes (as recipe error messages name it).
+GENERATED = "generated from --method/--sparsity/--mask-structure/--scheme/--group-size"
+
+
+def generated_recipe(*args: Any, **kw: Any) -> Recipe:
+    """:func:`default_recipe` (same arguments) as a :class:`~llmc_fsm.Recipe` whose source is :data:`GENERATED`.
+
+    Run again on a saved output, a generated recipe's stage whose name was already
+    applied runs under a fresh name (``sparsity_stage_2``) instead of being skipped.
+
+    Raises:
+        ValueError: unknown method; RecipeError: an invalid argument (e.g. the scheme).
+    """
+    from llmc_fsm.recipe_building import build_recipe
+
+    return build_recipe(default_recipe(*args, **kw), GENERATED)
 
 
 # --------------------------------------------------------------------------- oneshot

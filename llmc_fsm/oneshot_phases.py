@@ -163,13 +163,13 @@ def _claim(output_dir: Any, overwrite: bool) -> WorkDir | None:
 
 
 def _sessions(model: Any, recipe: Any, fuse_stages: bool) -> tuple[Recipe, list[Session]]:
-    from llmc_fsm.oneshot import default_recipe
+    from llmc_fsm.oneshot import GENERATED, generated_recipe
     from llmc_fsm.output import merge_saved_recipe
     from llmc_fsm.recipe import Recipe, resolve_recipe
     from llmc_fsm.session import Session
 
-    generated = recipe is None
-    merged = merge_saved_recipe(resolve_recipe(default_recipe() if generated else recipe), model, generated)
+    recipe = generated_recipe() if recipe is None else resolve_recipe(recipe)
+    merged = merge_saved_recipe(recipe, model, generated=recipe.source == GENERATED)
     fresh = [stage for stage in merged.stages if not stage.applied]
     if not fresh:
         msg = (
@@ -242,21 +242,15 @@ def load(run: Run) -> None:
 # --------------------------------------------------------------------------- data
 def data(run: Run) -> None:
     """Token windows, the required-state check, perplexity before, generated calibration data."""
-    import torch
 
     used = [run.eval_len] if run.ev_text is not None else []
     used.append(int(run.dataset.shape[1]) if is_tensor(run.dataset) else run.seq_len)
     check_seq_len(run.model, max(used))
     with run.timed("data"):
-        _windows(run)
+        calibration_windows(run)
         if run.ev_text is not None:
             run.eval_windows = eval_windows(run.tokenizer, run.ev_text, run.eval_windows_n, run.eval_len)
-    if run.windows is None and not run.needs_data:
-        run.windows = torch.zeros(0, run.seq_len, dtype=torch.long)
-        run.cal_source = "none (no modifier needs calibration data)"
-    for session in run.sessions:  # required state, checked before generating data or any compression
-        if session.missing_state(model=run.model, calibration_data=run.windows if run.windows is not None else True):
-            session.initialize(model=run.model, calibration_data=run.windows)  # raises MissingStateError
+    check_modifiers(run.sessions, run.model, run.windows if run.windows is not None else True)
     _evaluate_before(run)
     if run.windows is None:
         from llmc_fsm.oneshot_data import generate_calibration
@@ -270,6 +264,28 @@ def data(run: Run) -> None:
         from llmc_fsm.resume import save_windows
 
         save_windows(run.work.path, run.windows)
+
+
+def check_modifiers(sessions: list[Session], model: Any, calibration_data: Any = True) -> None:
+    """Before any measuring or compression: every session's required state, then every modifier's
+    :meth:`~llmc_fsm.Modifier.check_model` (group sizes, targets, an already quantized model).
+
+    Raises:
+        MissingStateError: a modifier needs state one-shot does not provide.
+        ValueError: from a modifier's ``check_model``; nothing was changed.
+    """
+    for session in sessions:
+        if session.missing_state(model=model, calibration_data=calibration_data):
+            session.initialize(model=model, calibration_data=calibration_data)  # raises MissingStateError
+    for session in sessions:
+        for modifier in session.modifiers:
+            try:
+                modifier.check_model(model)
+            except ValueError as exc:
+                name = type(modifier).__name__
+                if str(exc).startswith(name):
+                    raise
+                raise ValueError(f"{name}: {exc}") from exc
 
 
 def _evaluate_before(run: Run) -> None:
@@ -287,8 +303,18 @@ def _evaluate_before(run: Run) -> None:
         save_eval_before(run.work.path, run.eval_windows, run.ppl["eval_before"])
 
 
-def _windows(run: Run) -> None:
-    """The calibration windows: a resumed run's saved ones, the given tensor, or the dataset text's tokens."""
+def calibration_windows(run: Run) -> None:
+    """The calibration windows: a resumed run's saved ones, the given tensor, or the dataset text's tokens.
+
+    None (``[0, seq_len]``) when no modifier needs calibration data: a given dataset is then not used.
+    """
+    import torch
+
+    if not run.needs_data:
+        run.windows = torch.zeros(0, run.seq_len, dtype=torch.long)
+        unused = "; the dataset given is not used" if run.dataset is not None else ""
+        run.cal_source = f"none (no modifier needs calibration data{unused})"
+        return
     from llmc_fsm.data import token_windows
     from llmc_fsm.resume import load_windows
 
@@ -309,6 +335,16 @@ def _windows(run: Run) -> None:
 
 
 # --------------------------------------------------------------------------- compress
+def calibration_inputs(session: Session, windows: Any) -> Any:
+    """``windows`` when a modifier of ``session`` requires ``calibration_data``, else none of them (``windows[:0]``).
+
+    A session of data-free modifiers (round-to-nearest quantization) then compresses every
+    target at once, with no calibration forwards, even when a dataset was given for other stages.
+    """
+    needs = any("calibration_data" in m.required_keys() for m in session.modifiers)
+    return windows if needs else windows[:0]
+
+
 def compress(run: Run) -> None:
     """Each session: initialize, calibrate and compress layer by layer (or data-free), finalize."""
     from llmc_fsm.distributed import shard
@@ -321,7 +357,7 @@ def compress(run: Run) -> None:
             session.initialize(model=run.model, calibration_data=run.windows)
             run.targeted.extend(n for m in session.modifiers for n in m.resolved_targets if n not in run.targeted)
             try:
-                if run.windows.shape[0] > 0:
+                if calibration_inputs(session, windows).shape[0] > 0:
                     run_sequential(
                         session,
                         model=run.model,

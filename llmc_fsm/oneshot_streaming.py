@@ -150,21 +150,16 @@ def _load(run: Run) -> LazyModel:
 def _data(run: Run, lazy: LazyModel) -> None:
     """Calibration and evaluation windows, and the modifiers' required state (no forward yet)."""
     from llmc_fsm.oneshot_data import check_seq_len, eval_windows
-    from llmc_fsm.oneshot_phases import _windows
+    from llmc_fsm.oneshot_phases import calibration_windows, check_modifiers
 
     used = [run.eval_len] if run.ev_text is not None else []
     used.append(int(run.dataset.shape[1]) if isinstance(run.dataset, torch.Tensor) else run.seq_len)
     check_seq_len(lazy.model, max(used))
     with run.timed("data"):
-        _windows(run)
+        calibration_windows(run)
         if run.ev_text is not None:
             run.eval_windows = eval_windows(run.tokenizer, run.ev_text, run.eval_windows_n, run.eval_len)
-    if run.windows is None:  # no modifier needs data (checked before loading)
-        run.windows = torch.zeros(0, run.seq_len, dtype=torch.long)
-        run.cal_source = "none (no modifier needs calibration data)"
-    session = run.sessions[0]
-    if session.missing_state(model=lazy.model, calibration_data=run.windows):
-        session.initialize(model=lazy.model, calibration_data=run.windows)  # raises MissingStateError
+    check_modifiers(run.sessions, lazy.model, run.windows)
 
 
 def _writer(run: Run, lazy: LazyModel) -> ShardWriter:
@@ -177,6 +172,7 @@ def _writer(run: Run, lazy: LazyModel) -> ShardWriter:
 
 def _compress(run: Run, lazy: LazyModel, writer: ShardWriter) -> StreamedCompression:
     """Initialize the session, compress and write every layer, finalize."""
+    from llmc_fsm.oneshot_phases import calibration_inputs
     from llmc_fsm.streaming import compress_streaming
 
     session = run.sessions[0]
@@ -187,7 +183,7 @@ def _compress(run: Run, lazy: LazyModel, writer: ShardWriter) -> StreamedCompres
             result = compress_streaming(
                 session,
                 lazy,
-                run.windows,
+                calibration_inputs(session, run.windows),
                 writer,
                 batch_size=run.batch_size,
                 eval_windows=run.eval_windows,
@@ -205,27 +201,22 @@ def _save(run: Run, lazy: LazyModel, writer: ShardWriter, result: StreamedCompre
     """Index, config, tokenizer, recipe.yaml and report.json next to the shards; the output renamed into place."""
     from llmc_fsm.lazy_model import save_config
     from llmc_fsm.models import fix_safetensors_permissions
-    from llmc_fsm.output import quantized_modules, sparsity_structure, write_quantization_config
+    from llmc_fsm.oneshot_phases import run_report
+    from llmc_fsm.output import pruned_sparsity, quantized_modules, sparsity_structure, write_quantization_config
 
     t0 = time.perf_counter()
     staging = writer.directory
     writer.finish()
     save_config(lazy.model, staging)
+    report = run_report(run, modules=result.modules)
     if quantized_modules(lazy.model):
         write_quantization_config(
-            lazy.model,
-            staging,
-            zeros=result.quantized_zeros,
-            numel=result.quantized_numel,
-            sparsity_structure=sparsity_structure(run.recipe),
+            lazy.model, staging, sparsity=pruned_sparsity(report), sparsity_structure=sparsity_structure(run.recipe)
         )
     fix_safetensors_permissions(staging)
     if run.tokenizer is not None and hasattr(run.tokenizer, "save_pretrained"):
         run.tokenizer.save_pretrained(staging)
     (staging / "recipe.yaml").write_text(run.recipe.to_yaml(applied=True), encoding="utf-8")
-    from llmc_fsm.oneshot_phases import run_report
-
-    report = run_report(run, modules=result.modules)
     report.disk = {
         "before_bytes": run.disk_before,
         "after_bytes": sum(p.stat().st_size for p in staging.glob("*.safetensors")),

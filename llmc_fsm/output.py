@@ -124,7 +124,7 @@ def write_output(
     import time
 
     t0 = time.perf_counter()
-    save_model(model, directory, sparsity_structure=sparsity_structure(recipe))
+    save_model(model, directory, sparsity_structure=sparsity_structure(recipe), sparsity=pruned_sparsity(report))
     if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
         tokenizer.save_pretrained(directory)
     (directory / "recipe.yaml").write_text(recipe.to_yaml(applied=True), encoding="utf-8")
@@ -157,7 +157,21 @@ def quantized_modules(model: nn.Module) -> dict[str, nn.Module]:
     return {name: m for name, m in model.named_modules() if getattr(m, "quantization_scheme", None) is not None}
 
 
-def save_model(model: nn.Module, directory: Path, *, sparsity_structure: str | None = None) -> None:
+def pruned_sparsity(report: Any) -> float:
+    """Fraction of the quantized weights in ``report`` that are pruned (zero before quantization, kept zero).
+
+    A quantized module's ``zeros`` in the report count only those (see
+    :class:`llmc_fsm.calibration.ModuleResult`): values that quantization rounds
+    to zero are not sparsity. 0.0 without quantized modules.
+    """
+    quantized = [m for m in report.modules if m.bits is not None]
+    numel = sum(m.numel for m in quantized)
+    return sum(m.zeros for m in quantized) / numel if numel else 0.0
+
+
+def save_model(
+    model: nn.Module, directory: Path, *, sparsity_structure: str | None = None, sparsity: float = 0.0
+) -> None:
     """Write ``model`` to ``directory`` in Hugging Face layout; compressed through compressed-tensors if quantized.
 
     The in-memory model is not changed: the compressed tensors are built in a
@@ -169,34 +183,33 @@ def save_model(model: nn.Module, directory: Path, *, sparsity_structure: str | N
         directory: an existing, empty directory.
         sparsity_structure: written to ``sparsity_config`` when the quantized weights are sparse
             (e.g. ``"2:4"``; default ``"unstructured"``).
+        sparsity: the fraction of the quantized weights that was pruned before quantization
+            (:func:`pruned_sparsity`); from 5% on, a dense-format ``sparsity_config`` is written.
+            Given, not measured: quantization rounds small values to exact zeros that are not sparsity.
 
     Raises:
         OSError: writing failed.
     """
     from llmc_fsm.models import fix_safetensors_permissions
 
-    _save_weights(model, directory, sparsity_structure)
+    _save_weights(model, directory, sparsity_structure, sparsity)
     fix_safetensors_permissions(directory)  # safetensors writes 0600 files; follow the umask like the rest
 
 
-def _save_weights(model: nn.Module, directory: Path, sparsity_structure: str | None) -> None:
+def _save_weights(model: nn.Module, directory: Path, sparsity_structure: str | None, sparsity: float) -> None:
     if not quantized_modules(model):
         model.save_pretrained(directory, safe_serialization=True)
         return
-    state, zeros, numel = compressed_state_dict(model)
-    model.save_pretrained(directory, state_dict=state, safe_serialization=True)
-    write_quantization_config(model, directory, zeros=zeros, numel=numel, sparsity_structure=sparsity_structure)
+    model.save_pretrained(directory, state_dict=compressed_state_dict(model), safe_serialization=True)
+    write_quantization_config(model, directory, sparsity=sparsity, sparsity_structure=sparsity_structure)
 
 
-def compressed_state_dict(module: nn.Module, prefix: str = "") -> tuple[dict[str, Any], int, int]:
+def compressed_state_dict(module: nn.Module, prefix: str = "") -> dict[str, Any]:
     """``module``'s state dict, keys prefixed, with each quantized submodule's tensors compressed.
 
     Each quantized submodule's compressed-tensors format is inferred (and set on its scheme) and its
     tensors replaced by what that format's compressor (``BaseCompressor.compress``) gives, e.g.
     ``weight_packed`` int32 + ``weight_shape`` for ``pack-quantized``. ``module`` is not changed.
-
-    Returns:
-        ``(state, zeros, numel)``: the state dict, and the exact zeros and the size of the quantized weights.
     """
     from compressed_tensors.compressors import BaseCompressor
     from compressed_tensors.compressors.format import infer_model_format
@@ -204,28 +217,25 @@ def compressed_state_dict(module: nn.Module, prefix: str = "") -> tuple[dict[str
 
     infer_model_format(module)  # sets each quantized module's scheme.format
     state = {prefix + key: value for key, value in module.state_dict().items()}
-    zeros = numel = 0
     for name, sub in quantized_modules(module).items():
         scheme = sub.quantization_scheme
         local = get_direct_state_dict(sub)
-        weight = local["weight"]
-        zeros += weight.numel() - int(weight.count_nonzero())
-        numel += weight.numel()
         packed = BaseCompressor.get_value_from_registry(scheme.format.value).compress(local, scheme)
         sub_prefix = f"{prefix}{name}." if name else prefix
         for key in local:
             state.pop(sub_prefix + key, None)
         state.update({sub_prefix + key: value.contiguous() for key, value in packed.items() if value is not None})
-    return state, zeros, numel
+    return state
 
 
 def write_quantization_config(
-    model: nn.Module, directory: Path, *, zeros: int, numel: int, sparsity_structure: str | None
+    model: nn.Module, directory: Path, *, sparsity: float, sparsity_structure: str | None
 ) -> None:
     """Add ``quantization_config`` (status compressed) to ``directory/config.json`` from ``model``'s schemes.
 
     Reads only the schemes on ``model``'s modules, so its weights may be on the ``meta`` device. A
-    dense-format ``sparsity_config`` is added when ``zeros / numel`` (of the quantized weights) is >= 5%.
+    dense-format ``sparsity_config`` is added when ``sparsity`` (pruned fraction of the quantized weights,
+    :func:`pruned_sparsity`) is >= 5%.
     """
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import QuantizationStatus
@@ -233,9 +243,9 @@ def write_quantization_config(
     compressor = ModelCompressor.from_pretrained_model(model)  # infers each module's format, sets scheme.format
     compressor.quantization_config.quantization_status = QuantizationStatus.COMPRESSED  # what the tensors are
     compressor.update_config(str(directory))
-    if numel and zeros / numel >= 0.05:
+    if sparsity >= 0.05:
         targets = sorted(quantized_modules(model))
-        _write_sparsity_config(directory, zeros / numel, sparsity_structure or "unstructured", targets)
+        _write_sparsity_config(directory, sparsity, sparsity_structure or "unstructured", targets)
 
 
 def _write_sparsity_config(directory: Path, sparsity: float, structure: str, targets: list[str]) -> None:

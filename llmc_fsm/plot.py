@@ -1,4 +1,4 @@
-"""Pictures of a one-shot report: per-layer sparsity and, when present, per-layer quantization error.
+"""Pictures of a one-shot report: per-layer sparsity and, when present, per-layer relative output error.
 
 matplotlib is an optional extra (``pip install 'llmc-fsm[plot]'``) imported only
 when a picture is drawn; figures are built with ``matplotlib.figure.Figure``
@@ -130,23 +130,30 @@ def _error_panel(ax: Any, entries: Sequence[Mapping[str, Any]], colors: dict[str
         _legend_outside(ax)
     else:
         _names_axis(ax, quant, "rel_output_error")
+    ax.set_ylabel("relative output error")
+    ax.set_ylim(bottom=0)
+    ax.grid(axis="y", alpha=0.3)
+    ax.set_title(error_panel_title(quant), fontsize=10)
+
+
+def error_panel_title(entries: Sequence[Mapping[str, Any]]) -> str:
+    """The error panel's title: what made the error (pruning, quantization or both) and the bits / group sizes."""
+    quant = [e for e in entries if e.get("rel_output_error") is not None]
     settings = []
     for key in ("bits", "group_size"):
         values = sorted({str(e[key]) for e in quant if e.get(key) is not None})
         if values:
             settings.append(f"{key} {'/'.join(values)}")
-    ax.set_ylabel("relative output error")
-    ax.set_ylim(bottom=0)
-    ax.grid(axis="y", alpha=0.3)
     detail = f" ({', '.join(settings)})" if settings else ""
-    ax.set_title(
-        f"quantization: relative output error ||W X - Ŵ X|| / ||W X|| per module{detail}; line: mean weighted by size",
-        fontsize=10,
-    )
+    quantized = [e for e in quant if e.get("bits") is not None]
+    what = "pruning" if not quantized else "quantization"
+    if quantized and any(e.get("zeros") for e in quantized):
+        what = "pruning + quantization"
+    return f"{what}: relative output error ||W X - Ŵ X|| / ||W X|| per module{detail}; line: mean weighted by size"
 
 
 def plot_report(data: Mapping[str, Any], path: str | os.PathLike[str]) -> Path:
-    """Draw the per-layer sparsity of a one-shot report, and its quantization error when it has one.
+    """Draw the per-layer sparsity of a one-shot report, and its relative output error when it has one.
 
     Args:
         data: the report as a dict (``OneshotReport.to_dict()``, i.e. a loaded

@@ -303,8 +303,8 @@ def build_report(
             entry = by_name.get(name)
             if entry is None:
                 continue
-            if getattr(result, "bits", None) is not None:
-                entry.bits, entry.group_size = result.bits, result.group_size
+            if getattr(result, "bits", None) is not None:  # zeros: the pruned ones only (see ModuleResult)
+                entry.bits, entry.group_size, entry.zeros = result.bits, result.group_size, result.zeros
             if getattr(result, "rel_output_error", None) is not None:
                 entry.rel_output_error = result.rel_output_error  # the last modifier's: the final weight's error
     return OneshotReport(

@@ -68,14 +68,11 @@ class StreamedCompression:
     Attributes:
         modules: measured zeros of every Linear weight, in the model's module order
             (what :func:`llmc_fsm.report.measure_sparsity` gives for the in-memory model).
-        quantized_zeros / quantized_numel: zeros and size of the quantized weights (for ``sparsity_config``).
         eval_states: the evaluation windows' hidden states after the last compressed layer
             (``None`` without evaluation windows).
     """
 
     modules: list[ModuleSparsity]
-    quantized_zeros: int = 0
-    quantized_numel: int = 0
     eval_states: Inputs | None = None
 
 
@@ -216,13 +213,13 @@ def write_outer(lazy: LazyModel, writer: ShardWriter) -> list[ModuleSparsity]:
     return measured
 
 
-def _layer_output(layer: nn.Module, prefix: str) -> tuple[dict[str, torch.Tensor], int, int]:
+def _layer_output(layer: nn.Module, prefix: str) -> dict[str, torch.Tensor]:
     """The tensors to write for a compressed layer (compressed-tensors format when quantized)."""
     from llmc_fsm.output import compressed_state_dict, quantized_modules
 
     if quantized_modules(layer):
         return compressed_state_dict(layer, prefix)
-    return {prefix + key: value for key, value in layer.state_dict().items()}, 0, 0
+    return {prefix + key: value for key, value in layer.state_dict().items()}
 
 
 def compress_streaming(
@@ -300,8 +297,5 @@ def _compress_layer(
         result.modules += [
             attrs.evolve(m, name=prefix + m.name, layer=index) for m in measure_sparsity(layer) if m.name
         ]
-        tensors, zeros, numel = _layer_output(layer, prefix)
-        result.quantized_zeros += zeros
-        result.quantized_numel += numel
-        writer.write(index + 2, tensors)
+        writer.write(index + 2, _layer_output(layer, prefix))
     return inputs

@@ -41,6 +41,7 @@ __all__ = [
     "DEFAULT_IGNORE",
     "DEFAULT_TARGETS",
     "TargetSelection",
+    "compact_names",
     "is_linear_like",
     "matches",
     "resolve_targets",
@@ -181,6 +182,39 @@ def _patterns_selecting(named, supported_names: set[str], targets: tuple[str, ..
 def _shown(items: list[str]) -> str:
     more = f" and {len(items) - _SHOWN} more" if len(items) > _SHOWN else ""
     return ", ".join(items[:_SHOWN]) + more
+
+
+def compact_names(names: Iterable[str]) -> str:
+    """Module names folded over their layer index, for one-line messages.
+
+    ``model.layers.0.mlp.up_proj`` ... ``model.layers.29.mlp.up_proj`` becomes
+    ``model.layers.{0..29}.mlp.up_proj``; names whose only difference is one
+    integer component are folded (consecutive indices as a range, others
+    listed), every other name is kept as it is. Order: first appearance.
+    """
+    groups: dict[tuple[str, str | None], list[int]] = {}
+    for name in names:
+        parts = name.split(".")
+        idx = next((i for i, part in enumerate(parts) if part.isdigit()), None)
+        if idx is None:
+            groups.setdefault((name, None), [])
+            continue
+        key = (".".join(parts[:idx]), ".".join(parts[idx + 1 :]))
+        groups.setdefault(key, []).append(int(parts[idx]))
+    shown = []
+    for (head, tail), indices in groups.items():
+        if tail is None:
+            shown.append(head)
+            continue
+        indices = sorted(set(indices))
+        if len(indices) == 1:
+            index = str(indices[0])
+        elif indices == list(range(indices[0], indices[-1] + 1)):
+            index = f"{{{indices[0]}..{indices[-1]}}}"
+        else:
+            index = "{" + ",".join(map(str, indices)) + "}"
+        shown.append(".".join(p for p in (head, index, tail) if p))
+    return ", ".join(shown)
 
 
 def _unmatched_reason(named, pattern: str) -> str:

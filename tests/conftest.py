@@ -35,3 +35,41 @@ def smollm2():
     from llmc_fsm.models import load_model
 
     return load_model("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def smollm2_oneshot(smollm2, shared_data):
+    """``run(recipe, output_dir=None)``: ``llmc_fsm.oneshot`` on a copy of SmolLM2; returns the compressed model.
+
+    Calibration 16 x 128 tokens from the tail of wikitext-2 test, perplexity on 8 x 128 tokens from its head.
+    """
+    import copy
+
+    import llmc_fsm
+
+    model, tokenizer = smollm2
+    wiki = shared_data / "wikitext-2-raw" / "wiki.test.raw"
+
+    def run(recipe: dict, output_dir: Path | None = None):
+        return llmc_fsm.oneshot(
+            model=copy.deepcopy(model),
+            tokenizer=tokenizer,
+            recipe=recipe,
+            dataset=wiki,
+            num_calibration_samples=16,
+            max_seq_length=128,
+            eval_text=wiki,
+            num_eval_windows=8,
+            output_dir=output_dir,
+            progress=False,
+        )
+
+    return run
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory) -> tuple[Path, Path]:
+    """``(model directory, calibration text file)`` of ``tiny_llama.build`` (4 layers), one per test module."""
+    import tiny_llama
+
+    return tiny_llama.build_with_text(tmp_path_factory.mktemp("tiny"))

@@ -7,9 +7,10 @@ import json
 import sys
 
 import pytest
+import tiny_llama
 import torch
 
-transformers = pytest.importorskip("transformers")
+pytest.importorskip("transformers")
 
 import llmc_fsm
 from llmc_fsm.cli import main
@@ -27,18 +28,7 @@ def test_version(capsys):
 @pytest.fixture(scope="module")
 def saved_run(tmp_path_factory):
     """A real one-shot output: a tiny 2-layer Llama, magnitude 50%, saved with report.json."""
-    config = transformers.LlamaConfig(
-        vocab_size=64,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=64,
-        tie_word_embeddings=True,
-    )
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).eval()
+    model = tiny_llama.llama(vocab=64, hidden=16, heads=2, kv_heads=1)
     out = tmp_path_factory.mktemp("run") / "out"
     pruned = llmc_fsm.oneshot(
         model=model,
@@ -165,3 +155,15 @@ def test_report_bad_inputs(tmp_path, capsys):
         assert main(["report", str(path)]) == 1
         captured = capsys.readouterr()
         assert (captured.out, captured.err) == ("", f"llmc-fsm report: error: {message}\n")
+
+
+def test_error_panel_title_names_what_made_the_error():
+    from llmc_fsm.plot import error_panel_title
+
+    pruned = [{"rel_output_error": 0.1, "zeros": 8}, {"zeros": 3}]  # the second has no error: not counted
+    quantized = [{"rel_output_error": 0.1, "zeros": 0, "bits": 4, "group_size": 64}]
+    both = [{"rel_output_error": 0.1, "zeros": 8, "bits": 4, "group_size": 64}, *quantized]
+    tail = "relative output error ||W X - Ŵ X|| / ||W X|| per module{}; line: mean weighted by size"
+    assert error_panel_title(pruned) == "pruning: " + tail.format("")
+    assert error_panel_title(quantized) == "quantization: " + tail.format(" (bits 4, group_size 64)")
+    assert error_panel_title(both) == "pruning + quantization: " + tail.format(" (bits 4, group_size 64)")

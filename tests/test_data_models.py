@@ -9,6 +9,7 @@ import sys
 import time
 
 import pytest
+import tiny_llama
 import torch
 
 from llmc_fsm import data as data_mod
@@ -387,18 +388,8 @@ def _fake_gguf_source(monkeypatch, tmp_path, tokenizer):
     fake = tmp_path / "pkg" / "fake.gguf"
     fake.parent.mkdir()
     fake.write_bytes(b"GGUF")
-    config = transformers.LlamaConfig(
-        vocab_size=64,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        tie_word_embeddings=True,
-    )
-    config.quantization_config = {"quant_method": "gguf"}  # what a GGUF load carries
-    torch.manual_seed(0)
-    tiny = transformers.LlamaForCausalLM(config)
+    tiny = tiny_llama.llama(vocab=64, hidden=16, layers=1, heads=2, kv_heads=1, positions=2048)
+    tiny.config.quantization_config = {"quant_method": "gguf"}  # what a GGUF load carries
     calls = []
 
     def from_pretrained(path, *, gguf_file, **kwargs):

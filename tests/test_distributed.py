@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
-from transformers import LlamaConfig, LlamaForCausalLM
+from tiny_llama import llama
 
 import llmc_fsm
 from llmc_fsm import Session
@@ -33,21 +33,6 @@ RECIPES = {
     "wanda": default_recipe("wanda", 0.5),
     "gptq": default_recipe("gptq", scheme="W4A16", group_size=32),
 }
-
-
-def tiny_llama(seed: int = 0, layers: int = 2) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=True,
-    )
-    return LlamaForCausalLM(config).eval()
 
 
 def windows(n: int = 8, length: int = 32) -> torch.Tensor:
@@ -135,7 +120,7 @@ def _oneshot_worker(rank: int, tmp: Path, tensors: dict[str, torch.Tensor]) -> d
     tensors["acc/hessian"], tensors["acc/sq_norm"] = hess.hessian, norms.sq_norm
     info: dict[str, Any] = {"acc_samples": [hess.num_samples, norms.num_samples]}
     for name, recipe in RECIPES.items():
-        model = tiny_llama()
+        model = llama()
         out = tmp / f"out-{name}-rank{rank}" if name == "sparsegpt" else None
         llmc_fsm.oneshot(model=model, recipe=recipe, dataset=windows(), batch_size=2, progress=False, output_dir=out)
         for n, w in linears(model).items():
@@ -146,7 +131,7 @@ def _oneshot_worker(rank: int, tmp: Path, tensors: dict[str, torch.Tensor]) -> d
 
 def _mismatch_worker(rank: int, tmp: Path, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
     errors: dict[str, Any] = {}
-    model = tiny_llama()
+    model = llama()
     before = linears(model)
     session = Session(default_recipe("sparsegpt", 0.5 if rank == 0 else 0.6))
     try:
@@ -168,39 +153,31 @@ def _mismatch_worker(rank: int, tmp: Path, tensors: dict[str, torch.Tensor]) -> 
     return errors
 
 
-def _dying_worker(rank: int, tmp: Path, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+def _oneshot_where_rank_1_stops(rank: int, stop) -> None:
+    """One-shot on 3 layers; rank 1 calls ``stop()`` when the second decoder layer is about to be compressed."""
     from llmc_fsm.calibration import CalibratedModifier
 
-    if rank == 1:  # rank 1 dies when the second decoder layer is about to be compressed
+    if rank == 1:
         calls = []
         original = CalibratedModifier._compress_all
 
-        def dying(self, modules):
+        def stopping(self, modules):
             calls.append(1)
             if len(calls) == 2:
-                os._exit(3)
+                stop()
             return original(self, modules)
 
-        CalibratedModifier._compress_all = dying
-    llmc_fsm.oneshot(model=tiny_llama(layers=3), dataset=windows(), batch_size=2, progress=False)
+        CalibratedModifier._compress_all = stopping
+    llmc_fsm.oneshot(model=llama(layers=3), dataset=windows(), batch_size=2, progress=False)
+
+
+def _dying_worker(rank: int, tmp: Path, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+    _oneshot_where_rank_1_stops(rank, lambda: os._exit(3))  # rank 1 dies
     return {}
 
 
 def _hanging_worker(rank: int, tmp: Path, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
-    from llmc_fsm.calibration import CalibratedModifier
-
-    if rank == 1:  # rank 1 stalls for 12 s before the second decoder layer (the group's timeout is 3 s)
-        calls = []
-        original = CalibratedModifier._compress_all
-
-        def stalling(self, modules):
-            calls.append(1)
-            if len(calls) == 2:
-                time.sleep(12)
-            return original(self, modules)
-
-        CalibratedModifier._compress_all = stalling
-    llmc_fsm.oneshot(model=tiny_llama(layers=3), dataset=windows(), batch_size=2, progress=False)
+    _oneshot_where_rank_1_stops(rank, lambda: time.sleep(12))  # rank 1 stalls 12 s (the group's timeout is 3 s)
     return {}
 
 
@@ -220,7 +197,7 @@ def _ddp_worker(rank: int, tmp: Path, tensors: dict[str, torch.Tensor]) -> dict[
     }
     info: dict[str, Any] = {}
     for when in ("before_wrapping", "after_wrapping"):
-        model = tiny_llama()
+        model = llama()
         session = Session(recipe)
         if when == "before_wrapping":
             session.update_state(model=model)
@@ -287,7 +264,7 @@ def test_one_process_is_rank_zero_of_one():
 
 
 def test_expected_world_size_without_a_process_group():
-    model = tiny_llama()
+    model = llama()
     session = Session(default_recipe("wanda"))
     with pytest.raises(ValueError) as info:
         session.initialize(model=model, calibration_data=windows(), world_size=2)
@@ -305,7 +282,7 @@ def test_expected_world_size_without_a_process_group():
 
 
 def test_a_wrapped_model_is_unwrapped_at_initialize():
-    model = tiny_llama()
+    model = llama()
     wrapped = torch.nn.DataParallel(model)  # CPU-only: wraps without devices, like DDP it holds .module
     assert unwrap_model(wrapped) is model
     assert unwrap_model(model) is model
@@ -351,7 +328,7 @@ def test_two_ranks_match_one_process(tmp_path, one_thread):
     torch.testing.assert_close(t0["acc/sq_norm"], norms.sq_norm, rtol=1e-6, atol=1e-6)
 
     for name, recipe in RECIPES.items():
-        model = tiny_llama()
+        model = llama()
         llmc_fsm.oneshot(model=model, recipe=recipe, dataset=windows(), batch_size=2, progress=False)
         single = linears(model)
         for n, w in single.items():

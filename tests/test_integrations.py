@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import pytest
+import tiny_llama
 import torch
 
 transformers = pytest.importorskip("transformers")
@@ -12,7 +13,7 @@ transformers = pytest.importorskip("transformers")
 from llmc_fsm_pruning.constant import ConstantPruningModifier  # noqa: E402
 from llmc_fsm_pruning.magnitude import MagnitudePruningModifier  # noqa: E402
 from llmc_fsm_training import LearningRateModifier, OutputDistillationModifier  # noqa: E402
-from transformers import LlamaConfig, LlamaForCausalLM, TrainerCallback, TrainingArguments  # noqa: E402
+from transformers import LlamaForCausalLM, TrainerCallback, TrainingArguments  # noqa: E402
 
 from llmc_fsm import CheckpointError, MissingStateError, Session  # noqa: E402
 from llmc_fsm.integrations.transformers import SESSION_DIR, SessionTrainer  # noqa: E402
@@ -21,18 +22,7 @@ VOCAB = 64
 
 
 def _llama(seed: int = 0) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        max_position_embeddings=64,
-        tie_word_embeddings=True,
-    )
-    return LlamaForCausalLM(config)
+    return tiny_llama.llama(seed=seed, vocab=VOCAB, kv_heads=4)  # Trainer.training_step calls .train()
 
 
 class _Data(torch.utils.data.Dataset):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import attrs
 import pytest
+import tiny_llama
 import torch
 from torch import nn
 
@@ -208,20 +209,10 @@ def test_a_rolled_back_initialize_that_changed_weights_names_them_and_refuses_a_
 
 
 def test_a_calibration_hook_failing_inside_the_pipeline_is_a_modifier_error_naming_the_module():
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     from llmc_fsm.pipeline import run_sequential
 
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=32,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=16,
-    )
-    model = transformers.LlamaForCausalLM(config)
+    model = tiny_llama.llama(vocab=32, hidden=16, heads=2, kv_heads=2, positions=16, tied=False)
     target = "model.layers.1.mlp.up_proj"
 
     @attrs.define(kw_only=True, slots=False, eq=False)

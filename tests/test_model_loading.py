@@ -17,15 +17,16 @@ import threading
 import time
 
 import pytest
+import tiny_llama
 import torch
-
-transformers = pytest.importorskip("transformers")
 
 from llmc_fsm import model_io
 from llmc_fsm import models as models_mod
 from llmc_fsm.cli import main
 from llmc_fsm.data import token_windows
 from llmc_fsm.models import KNOWN_MODELS, load_model
+
+transformers = pytest.importorskip("transformers")
 
 
 def _tiny_tokenizer():
@@ -39,20 +40,10 @@ def _tiny_tokenizer():
 
 
 def _tiny_model(*, quantization_config=None):
-    config = transformers.LlamaConfig(
-        vocab_size=64,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=64,
-        tie_word_embeddings=True,
-    )
+    model = tiny_llama.llama(vocab=64, hidden=16, heads=2, kv_heads=1)
     if quantization_config is not None:
-        config.quantization_config = quantization_config
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(config).eval()
+        model.config.quantization_config = quantization_config
+    return model
 
 
 @pytest.fixture(scope="module")

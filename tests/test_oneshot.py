@@ -9,11 +9,11 @@ and 2 BLAS threads; 2048 tokens keep it within ~8%.)
 
 from __future__ import annotations
 
-import copy
 import json
 from pathlib import Path
 
 import pytest
+import tiny_llama
 import torch
 
 import llmc_fsm
@@ -40,30 +40,17 @@ def _no_stray_files(parent: Path) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def pruned_runs(smollm2, shared_data, tmp_path_factory) -> dict:
+def pruned_runs(smollm2, smollm2_oneshot, tmp_path_factory) -> dict:
     """``{method: model pruned at 50% by oneshot}``, all from the same model, calibration and evaluation windows.
 
     SparseGPT's run also writes an output directory (``runs["sparsegpt_out"]``); the
     embedding before pruning is ``runs["embed_before"]``. Wanda's and magnitude's models
     are dropped after their run (only their reports are kept) to bound memory.
     """
-    model, tokenizer = smollm2
-    wiki = shared_data / "wikitext-2-raw" / "wiki.test.raw"
-    runs: dict = {"embed_before": model.model.embed_tokens.weight.detach().clone()}
+    runs: dict = {"embed_before": smollm2[0].model.embed_tokens.weight.detach().clone()}
     for method, name in METHODS.items():
         out = tmp_path_factory.mktemp("oneshot") / "out" if method == "sparsegpt" else None
-        pruned = llmc_fsm.oneshot(
-            model=copy.deepcopy(model),
-            tokenizer=tokenizer,
-            recipe={"s": {name: {"sparsity": 0.5, "ignore": ["lm_head"]}}},
-            dataset=wiki,
-            num_calibration_samples=16,
-            max_seq_length=128,
-            eval_text=wiki,
-            num_eval_windows=8,
-            output_dir=out,
-            progress=False,
-        )
+        pruned = smollm2_oneshot({"s": {name: {"sparsity": 0.5, "ignore": ["lm_head"]}}}, out)
         runs[method] = pruned if method == "sparsegpt" else pruned.llmc_fsm_report
         if out is not None:
             runs["sparsegpt_out"] = out
@@ -187,12 +174,7 @@ def test_cli_dataset_too_short(tmp_path, capsys):
 
 # --------------------------------------------------------------------------- in-memory model (fast)
 def _tiny():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)
-    return LlamaForCausalLM(config).eval()
+    return tiny_llama.llama(vocab=96, hidden=32, heads=2, kv_heads=1, positions=2048)
 
 
 def test_oneshot_in_memory_model_with_token_windows(tmp_path):

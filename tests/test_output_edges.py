@@ -25,7 +25,7 @@ import llmc_fsm
 from llmc_fsm.cli import main
 from llmc_fsm.progress_bars import CT_TQDM_MODULES, quiet_progress
 
-transformers = pytest.importorskip("transformers")
+pytest.importorskip("transformers")
 pytest.importorskip("llmc_fsm_pruning")
 
 
@@ -34,17 +34,7 @@ def _names(directory: Path) -> list[str]:
 
 
 def _tiny_module(layers: int = 2):
-    config = transformers.LlamaConfig(
-        vocab_size=96,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=layers,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        tie_word_embeddings=True,
-    )
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(config).eval()
+    return tiny_llama.llama(vocab=96, hidden=32, layers=layers, heads=2, kv_heads=1, positions=2048)
 
 
 DATA = torch.randint(0, 96, (4, 16), generator=torch.Generator().manual_seed(0))
@@ -106,42 +96,19 @@ def test_output_in_an_unwritable_parent(tmp_path, no_model_loading, monkeypatch)
 
 
 # --------------------------------------------------------------------------- case 7: SIGTERM, Ctrl-C, stale work dirs
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> tuple[Path, Path]:
-    root = tmp_path_factory.mktemp("tiny")
-    text = tiny_llama.calibration_text()
-    (root / "cal.txt").write_text(text, encoding="utf-8")
-    return tiny_llama.build(root / "model", text), root / "cal.txt"
+def _cli_args(tiny_model_dir, out: Path, *extra: str) -> list[str]:
+    return tiny_llama.oneshot_argv(*tiny_model_dir, out, "--num-samples", "8", *extra)
 
 
-def _cli_args(tiny, out: Path, *extra: str) -> list[str]:
-    model, text = tiny
-    return [
-        "oneshot",
-        "--model",
-        str(model),
-        "--dataset",
-        str(text),
-        "--num-samples",
-        "8",
-        "--seq-len",
-        "32",
-        "--no-progress",
-        "--output",
-        str(out),
-        *extra,
-    ]
-
-
-def test_sigterm_before_any_layer_leaves_nothing(tiny, tmp_path):
-    run = tiny_llama.run_cli(_cli_args(tiny, tmp_path / "new" / "out"), signal_at="load:SIGTERM")
+def test_sigterm_before_any_layer_leaves_nothing(tiny_model_dir, tmp_path):
+    run = tiny_llama.run_cli(_cli_args(tiny_model_dir, tmp_path / "new" / "out"), signal_at="load:SIGTERM")
     assert run.returncode == 143
     assert run.stderr == "llmc-fsm oneshot: interrupted (SIGTERM); nothing written\n"
     assert _names(tmp_path) == []  # the work directory and the parent it created are gone
 
 
-def test_sigterm_during_save_keeps_the_layers_and_resume_finishes(tiny, tmp_path):
-    run = tiny_llama.run_cli(_cli_args(tiny, tmp_path / "out"), signal_at="save:SIGTERM")
+def test_sigterm_during_save_keeps_the_layers_and_resume_finishes(tiny_model_dir, tmp_path):
+    run = tiny_llama.run_cli(_cli_args(tiny_model_dir, tmp_path / "out"), signal_at="save:SIGTERM")
     work = tmp_path / ".out.work"
     assert run.returncode == 143
     assert run.stderr == (
@@ -150,14 +117,14 @@ def test_sigterm_during_save_keeps_the_layers_and_resume_finishes(tiny, tmp_path
     )
     assert _names(tmp_path) == [".out.work"]
     assert "output" not in _names(work)  # the half-written output is removed
-    again = tiny_llama.run_cli(_cli_args(tiny, tmp_path / "out", "--resume"))
+    again = tiny_llama.run_cli(_cli_args(tiny_model_dir, tmp_path / "out", "--resume"))
     assert again.returncode == 0, again.stderr
     assert _names(tmp_path) == ["out"]
     assert json.loads((tmp_path / "out" / "report.json").read_text())["sparsity"]["total_targeted"] == 0.5
 
 
-def test_ctrl_c_mid_run_is_one_line_with_exit_130(tiny, tmp_path):
-    run = tiny_llama.run_cli(_cli_args(tiny, tmp_path / "out"), signal_at="layer:0:SIGINT")
+def test_ctrl_c_mid_run_is_one_line_with_exit_130(tiny_model_dir, tmp_path):
+    run = tiny_llama.run_cli(_cli_args(tiny_model_dir, tmp_path / "out"), signal_at="layer:0:SIGINT")
     assert run.returncode == 130
     assert run.stderr == (
         f"llmc-fsm oneshot: interrupted (Ctrl-C); progress kept in {str(tmp_path / '.out.work')!r} (1 of 4 decoder "

@@ -7,26 +7,10 @@ import copy
 import pytest
 import torch
 from llmc_fsm_pruning import sparsegpt_prune, wanda_mask
-from transformers import LlamaConfig, LlamaForCausalLM
+from tiny_llama import llama
 
 from llmc_fsm import MissingStateError, ModifierError, RecipeError, Session
 from llmc_fsm.pipeline import calibration_batches, find_decoder_layers, run_sequential
-
-
-def tiny_llama(seed: int = 0, layers: int = 2) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=True,
-    )
-    model = LlamaForCausalLM(config).eval()
-    return model
 
 
 @pytest.fixture
@@ -44,7 +28,7 @@ def linears(model):
 
 
 def test_find_decoder_layers():
-    model = tiny_llama(layers=3)
+    model = llama(layers=3)
     name, layers = find_decoder_layers(model)
     assert name == "model.layers"
     assert layers is model.model.layers
@@ -52,7 +36,7 @@ def test_find_decoder_layers():
 
 def test_layer_inputs_match_a_full_forward_for_a_dense_model(data):
     """With a modifier that changes nothing, each layer sees exactly what a full forward feeds it."""
-    model = tiny_llama(layers=3)
+    model = llama(layers=3)
     layers = model.model.layers
     expected: dict[int, list[torch.Tensor]] = {i: [] for i in range(len(layers))}
     handles = [
@@ -119,7 +103,7 @@ def test_pruned_weights_follow_from_a_plain_forward_through_the_pruned_earlier_l
     calibration data through the model whose earlier decoder layers are already pruned; the
     statistics the modifier accumulated equal those statistics by value."""
     data = torch.randint(0, 128, (8, 32), generator=torch.Generator().manual_seed(2))  # 256 tokens
-    model = tiny_llama(layers=3)
+    model = llama(layers=3)
     reference = copy.deepcopy(model)  # dense; pruned below layer by layer, by the algorithm alone
     session = Session({"stage": {name: {"sparsity": 0.5, "mask_structure": structure}}})
     modifier = session.modifiers[0]
@@ -173,7 +157,7 @@ def test_pruned_weights_follow_from_a_plain_forward_through_the_pruned_earlier_l
 
 @pytest.mark.parametrize("name", ["SparseGPTModifier", "WandaPruningModifier"])
 def test_exact_unstructured_sparsity_and_tied_embedding_untouched(name, data):
-    model = tiny_llama()
+    model = llama()
     embed_before = model.model.embed_tokens.weight.clone()
     session = Session({"stage": {name: {"sparsity": 0.5, "ignore": ["lm_head"]}}})
     session.initialize(model=model, calibration_data=data)
@@ -194,7 +178,7 @@ def test_exact_unstructured_sparsity_and_tied_embedding_untouched(name, data):
 
 @pytest.mark.parametrize("name", ["SparseGPTModifier", "WandaPruningModifier"])
 def test_two_four_pattern(name, data):
-    model = tiny_llama()
+    model = llama()
     session = Session({"stage": {name: {"mask_structure": "2:4"}}})
     session.initialize(model=model, calibration_data=data)
     run_sequential(session, batch_size=3, progress=False)
@@ -208,7 +192,7 @@ def test_sparsegpt_beats_wanda_on_layer_error(data):
     """SparseGPT's weight reconstruction gives a smaller output change than Wanda's mask alone."""
     outs = {}
     for name in ("SparseGPTModifier", "WandaPruningModifier"):
-        model = tiny_llama()
+        model = llama()
         with torch.no_grad():
             dense = model(input_ids=data).logits
         session = Session({"stage": {name: {"sparsity": 0.5}}})
@@ -221,7 +205,7 @@ def test_sparsegpt_beats_wanda_on_layer_error(data):
 
 
 def test_missing_calibration_data_is_reported_at_initialize_before_work():
-    model = tiny_llama()
+    model = llama()
     before = {n: p.clone() for n, p in model.named_parameters()}
     session = Session(sparsegpt())
     with pytest.raises(MissingStateError, match=r"\n  - SparseGPTModifier requires 'calibration_data'\n") as info:
@@ -233,7 +217,7 @@ def test_missing_calibration_data_is_reported_at_initialize_before_work():
 
 
 def test_targets_matching_nothing_name_targets_and_modules(data):
-    model = tiny_llama()
+    model = llama()
     session = Session(sparsegpt(targets=["Conv2d", "re:.*nothing.*"]))
     nothing = r"\('Conv2d': it matches no module; 're:\.\*nothing\.\*': it matches no module\)"
     with pytest.raises(ModifierError, match=nothing) as info:
@@ -242,7 +226,7 @@ def test_targets_matching_nothing_name_targets_and_modules(data):
 
 
 def test_targets_outside_the_layers_are_refused_before_work(data):
-    model = tiny_llama()
+    model = llama()
     model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())  # untied (a tied one is refused)
     before = model.model.layers[0].self_attn.q_proj.weight.clone()
     session = Session(sparsegpt(ignore=[]))  # lm_head is now a target
@@ -275,7 +259,7 @@ def test_bad_arguments_fail_at_session_creation(args, match):
 
 def test_modifier_without_sequential_events_prunes_at_calibration_end(data):
     """An integration that runs the whole model between calibration_start and calibration_end."""
-    model = tiny_llama()
+    model = llama()
     session = Session(sparsegpt())
     session.initialize(model=model, calibration_data=data)
     session.calibration_start()
@@ -289,7 +273,7 @@ def test_modifier_without_sequential_events_prunes_at_calibration_end(data):
 
 
 def test_hessians_are_shared_between_modules_with_the_same_input(data):
-    model = tiny_llama(layers=1)
+    model = llama(layers=1)
     session = Session(sparsegpt())
     session.initialize(model=model, calibration_data=data)
     session.calibration_start()
@@ -321,7 +305,7 @@ def _count_calls(module: torch.nn.Module, counts: dict, key: str) -> None:
 
 @pytest.mark.parametrize("early_exit", [True, False])
 def test_calibration_pass_stops_at_the_input_of_the_last_hooked_module(data, early_exit):
-    model = tiny_llama(layers=2)
+    model = llama(layers=2)
     counts: dict[str, int] = {}
     for i, layer in enumerate(model.model.layers):
         _count_calls(layer.mlp.down_proj, counts, f"down{i}")
@@ -341,7 +325,7 @@ def test_calibration_pass_stops_at_the_input_of_the_last_hooked_module(data, ear
 def test_early_exit_gives_the_same_weights_as_running_whole_layers(data):
     pruned = []
     for early_exit in (True, False):
-        model = tiny_llama(layers=3)
+        model = llama(layers=3)
         session = Session(sparsegpt())
         session.initialize(model=model, calibration_data=data)
         run_sequential(session, batch_size=4, progress=False, early_exit=early_exit)
@@ -353,7 +337,7 @@ def test_early_exit_gives_the_same_weights_as_running_whole_layers(data):
 
 def test_a_forward_hook_after_the_last_pre_hook_keeps_the_whole_layer_running(data):
     """Someone observes down_proj's output: the calibration pass must not stop before it."""
-    model = tiny_llama(layers=2)
+    model = llama(layers=2)
     outputs: list[torch.Tensor] = []
     model.model.layers[1].mlp.down_proj.register_forward_hook(lambda m, a, out: outputs.append(out))
     session = Session(sparsegpt())

@@ -1,18 +1,17 @@
 """The real SmolLM2-135M quantized with GPTQ W4A16, saved in the compressed-tensors format, reloaded by transformers.
 
 Calibration 16 x 128 tokens from the tail of wikitext-2 test, perplexity on 8 x 128 tokens from its head (the
-windows of tests/test_oneshot.py). One module-scoped run; the assertions read its output.
+windows of tests/test_oneshot.py: both run ``smollm2_oneshot`` of conftest.py). One module-scoped run; the
+assertions read its output.
 """
 
 from __future__ import annotations
 
-import copy
 import json
 
 import pytest
 import torch
 
-import llmc_fsm
 from llmc_fsm.data import load_text, perplexity, token_windows
 
 #: Dense perplexity on these 8 x 128 windows (tests/test_oneshot.py measures it too).
@@ -24,23 +23,12 @@ GPTQ_PPL = 75.44
 
 
 @pytest.fixture(scope="module")
-def gptq_run(smollm2, shared_data, tmp_path_factory):
-    model, tokenizer = smollm2
-    wiki = shared_data / "wikitext-2-raw" / "wiki.test.raw"
+def gptq_run(smollm2, smollm2_oneshot, shared_data, tmp_path_factory):
     out = tmp_path_factory.mktemp("quant") / "smollm2-w4a16"
-    quantized = llmc_fsm.oneshot(
-        model=copy.deepcopy(model),
-        tokenizer=tokenizer,
-        recipe={"quantization_stage": {"GPTQModifier": {"scheme": {"preset": "W4A16", "weights": {"group_size": 64}}}}},
-        dataset=wiki,
-        num_calibration_samples=16,
-        max_seq_length=128,
-        eval_text=wiki,
-        num_eval_windows=8,
-        output_dir=out,
-        progress=False,
-    )
-    windows = token_windows(tokenizer, load_text(wiki), num_windows=8, seq_len=128)
+    scheme = {"preset": "W4A16", "weights": {"group_size": 64}}
+    quantized = smollm2_oneshot({"quantization_stage": {"GPTQModifier": {"scheme": scheme}}}, out)
+    wiki = shared_data / "wikitext-2-raw" / "wiki.test.raw"
+    windows = token_windows(smollm2[1], load_text(wiki), num_windows=8, seq_len=128)
     return quantized, out, windows
 
 

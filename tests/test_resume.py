@@ -24,38 +24,12 @@ from llmc_fsm.oneshot import default_recipe
 from llmc_fsm.output import dir_size_bytes
 from llmc_fsm.resume import LayerProgress
 
-transformers = pytest.importorskip("transformers")
+pytest.importorskip("transformers")
 pytest.importorskip("llmc_fsm_pruning")
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> tuple[Path, Path]:
-    """``(model directory, calibration text file)`` of the tiny Llama (4 layers)."""
-    root = tmp_path_factory.mktemp("tiny")
-    text = tiny_llama.calibration_text()
-    (root / "cal.txt").write_text(text, encoding="utf-8")
-    return tiny_llama.build(root / "model", text), root / "cal.txt"
-
-
-def _args(tiny, out: Path, *extra: str) -> list[str]:
-    model, text = tiny
-    return [
-        "oneshot",
-        "--model",
-        str(model),
-        "--dataset",
-        str(text),
-        "--num-samples",
-        "16",
-        "--seq-len",
-        "32",
-        "--batch-size",
-        "4",
-        "--no-progress",
-        "--output",
-        str(out),
-        *extra,
-    ]
+def _args(tiny_model_dir, out: Path, *extra: str) -> list[str]:
+    return tiny_llama.oneshot_argv(*tiny_model_dir, out, "--num-samples", "16", "--batch-size", "4", *extra)
 
 
 def _tensors(out: Path) -> dict[str, torch.Tensor]:
@@ -82,12 +56,12 @@ def _listing(directory: Path) -> dict[str, tuple[int, int]]:
 
 
 # --------------------------------------------------------------------------- SIGKILL, then --resume
-def test_sigkill_at_layer_k_then_resume_is_bitwise_identical(tiny, tmp_path):
-    ref = tiny_llama.run_cli(_args(tiny, tmp_path / "ref"))
+def test_sigkill_at_layer_k_then_resume_is_bitwise_identical(tiny_model_dir, tmp_path):
+    ref = tiny_llama.run_cli(_args(tiny_model_dir, tmp_path / "ref"))
     assert ref.returncode == 0, ref.stderr
     assert ref.stderr == ""  # --no-progress: no bar from us, transformers or compressed-tensors
 
-    killed = tiny_llama.run_cli(_args(tiny, tmp_path / "out"), signal_at="layer:1:SIGKILL")
+    killed = tiny_llama.run_cli(_args(tiny_model_dir, tmp_path / "out"), signal_at="layer:1:SIGKILL")
     assert killed.returncode == -9  # SIGKILL right after layer 1 was saved
     work = tmp_path / ".out.work"
     assert sorted(p.name for p in tmp_path.iterdir()) == [".out.work", "ref"]
@@ -96,7 +70,7 @@ def test_sigkill_at_layer_k_then_resume_is_bitwise_identical(tiny, tmp_path):
         "layer-00001.safetensors",
     ]
 
-    again = tiny_llama.run_cli(_args(tiny, tmp_path / "out"))  # no --resume: one line, nothing touched
+    again = tiny_llama.run_cli(_args(tiny_model_dir, tmp_path / "out"))  # no --resume: one line, nothing touched
     before = _listing(work)
     assert again.returncode == 1
     size = dir_size_bytes(work) / 1e6
@@ -107,7 +81,7 @@ def test_sigkill_at_layer_k_then_resume_is_bitwise_identical(tiny, tmp_path):
     )
     assert _listing(work) == before
 
-    resumed = tiny_llama.run_cli(_args(tiny, tmp_path / "out", "--resume"))
+    resumed = tiny_llama.run_cli(_args(tiny_model_dir, tmp_path / "out", "--resume"))
     assert resumed.returncode == 0, resumed.stderr
     assert resumed.stderr == f"WARNING llmc_fsm.workdir: resuming from {work} (2 of 4 decoder layers done)\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "ref"]
@@ -115,7 +89,7 @@ def test_sigkill_at_layer_k_then_resume_is_bitwise_identical(tiny, tmp_path):
     assert _report_modules(tmp_path / "out") == _report_modules(tmp_path / "ref")
 
 
-def test_quantized_layers_resume_with_their_quantization_parameters(tiny, tmp_path):
+def test_quantized_layers_resume_with_their_quantization_parameters(tiny_model_dir, tmp_path):
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(
         "prune:\n  SparseGPTModifier: {sparsity: 0.5, mask_structure: '2:4'}\n"
@@ -123,11 +97,13 @@ def test_quantized_layers_resume_with_their_quantization_parameters(tiny, tmp_pa
         encoding="utf-8",
     )
     pytest.importorskip("llmc_fsm_quantization")
-    ref = tiny_llama.run_cli(_args(tiny, tmp_path / "ref", "--recipe", str(recipe)))
+    ref = tiny_llama.run_cli(_args(tiny_model_dir, tmp_path / "ref", "--recipe", str(recipe)))
     assert ref.returncode == 0, ref.stderr
-    killed = tiny_llama.run_cli(_args(tiny, tmp_path / "out", "--recipe", str(recipe)), signal_at="layer:2:SIGKILL")
+    killed = tiny_llama.run_cli(
+        _args(tiny_model_dir, tmp_path / "out", "--recipe", str(recipe)), signal_at="layer:2:SIGKILL"
+    )
     assert killed.returncode == -9
-    resumed = tiny_llama.run_cli(_args(tiny, tmp_path / "out", "--recipe", str(recipe), "--resume"))
+    resumed = tiny_llama.run_cli(_args(tiny_model_dir, tmp_path / "out", "--recipe", str(recipe), "--resume"))
     assert resumed.returncode == 0, resumed.stderr
     _assert_bitwise_equal(tmp_path / "ref", tmp_path / "out")
     tensors = _tensors(tmp_path / "out")
@@ -145,17 +121,7 @@ def test_quantized_layers_resume_with_their_quantization_parameters(tiny, tmp_pa
 
 # --------------------------------------------------------------------------- in-process (Python API)
 def _tiny_module():
-    config = transformers.LlamaConfig(
-        vocab_size=96,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=3,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        tie_word_embeddings=True,
-    )
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(config).eval()
+    return tiny_llama.llama(vocab=96, hidden=32, layers=3, heads=2, kv_heads=1, positions=2048)
 
 
 def _interrupt_after(monkeypatch, layer: int, pass_index: int = 0) -> None:
@@ -194,8 +160,8 @@ def test_second_pass_interrupted_resumes_bitwise(tmp_path, monkeypatch):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["o"]
 
 
-def test_resume_reuses_generated_calibration_and_perplexity_before(tiny, tmp_path, monkeypatch):
-    model_dir, text = tiny
+def test_resume_reuses_generated_calibration_and_perplexity_before(tiny_model_dir, tmp_path, monkeypatch):
+    model_dir, text = tiny_model_dir
     kw = {
         "num_calibration_samples": 8,
         "max_seq_length": 24,
@@ -230,9 +196,9 @@ def test_resume_reuses_generated_calibration_and_perplexity_before(tiny, tmp_pat
 
 # --------------------------------------------------------------------------- fingerprint mismatches
 @pytest.fixture
-def leftover(tiny, tmp_path, monkeypatch):
+def leftover(tiny_model_dir, tmp_path, monkeypatch):
     """A copy of the tiny model and text, and a run on them interrupted after layer 1 (``(model, text, out)``)."""
-    model_dir, text = tiny
+    model_dir, text = tiny_model_dir
     model = shutil.copytree(model_dir, tmp_path / "model")
     text = Path(shutil.copy(text, tmp_path / "cal.txt"))
     out = tmp_path / "out"

@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 
 import pytest
+import tiny_llama
 import torch
 from safetensors import safe_open
 
@@ -39,16 +40,13 @@ def text_file(shared_data, tmp_path_factory) -> Path:
 
 def _build(directory: Path, text: Path, *, shard: str | None = None, dtype: torch.dtype = torch.float32) -> Path:
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.WordLevel(unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.train_from_iterator(text.read_text().splitlines(), trainers.WordLevelTrainer(special_tokens=["[UNK]"]))
-    config = LlamaConfig(vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                         tie_word_embeddings=True)
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).to(dtype).eval().save_pretrained(directory, **({"max_shard_size": shard} if shard else {}))
+    model = tiny_llama.llama(vocab=tok.get_vocab_size(), layers=3).to(dtype)
+    model.save_pretrained(directory, **({"max_shard_size": shard} if shard else {}))
     PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]").save_pretrained(directory)
     return directory
 

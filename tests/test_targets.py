@@ -9,24 +9,20 @@ from __future__ import annotations
 import logging
 
 import pytest
+import tiny_llama
 import torch
 import transformers
 from compressed_tensors.utils.match import is_match
 from torch import nn
 
-from llmc_fsm.targets import TargetSelection, matches, resolve_targets, select_targets
+from llmc_fsm.targets import TargetSelection, compact_names, matches, resolve_targets, select_targets
 
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 
 
 def llama(tied: bool = True, layers: int = 2) -> transformers.LlamaForCausalLM:
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=layers, num_attention_heads=2,
-        num_key_value_heads=1, tie_word_embeddings=tied,
-    )
-    return transformers.LlamaForCausalLM(config).eval()
+    return tiny_llama.llama(vocab=64, hidden=16, layers=layers, heads=2, kv_heads=1, positions=2048, tied=tied)
 
 
 def linears(layer: int, *parts: str) -> list[str]:
@@ -134,7 +130,7 @@ def test_targeting_a_head_tied_to_the_embedding_is_refused():
         "model.embed_tokens too. Untie first (model.config.tie_word_embeddings=False and clone the weight) "
         "or add it to ignore"
     )
-    with pytest.raises(ValueError, match="^lm_head shares its weight with model.embed_tokens"):
+    with pytest.raises(ValueError, match=r"^lm_head shares its weight with model\.embed_tokens"):
         select_targets(model, ["Linear"], [])  # every Linear, lm_head included
     after = model.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
@@ -234,3 +230,17 @@ def test_selection_is_an_attrs_value_and_a_string_is_one_pattern():
         "module names, e.g. 're:.*lm_head')"
     ]
     assert selection.warnings(quiet_ignore=["lm_head"]) == []
+
+
+# --- names in messages ---------------------------------------------------------------------------------------
+
+
+def test_compact_names_folds_layer_indices():
+    names = [f"model.layers.{i}.mlp.up_proj" for i in range(30)] + ["lm_head"]
+    names += [f"model.layers.{i}.self_attn.q_proj" for i in (0, 2, 5)] + ["model.layers.7.mlp.down_proj"]
+    assert compact_names(names) == (
+        "model.layers.{0..29}.mlp.up_proj, lm_head, model.layers.{0,2,5}.self_attn.q_proj, "
+        "model.layers.7.mlp.down_proj"
+    )
+    assert compact_names(["0", "1", "2"]) == "{0..2}"  # nn.Sequential children
+    assert compact_names([]) == ""

@@ -1,9 +1,8 @@
-"""A tiny Llama model directory with its own tokenizer and a calibration text, for CLI tests (no network).
+"""Tiny random Llama models for tests (no network): in memory, or as a model directory for CLI tests.
 
-The tokenizer is a whitespace word-level tokenizer trained (``tokenizers``) on the
-text itself; the model is ``LlamaForCausalLM`` built from a ``LlamaConfig``
-(4 decoder layers, hidden size 64) with seeded random weights, saved with
-``save_pretrained``. Everything is deterministic.
+:func:`llama` builds a ``LlamaForCausalLM`` with seeded random weights. :func:`build` saves one
+(4 decoder layers, hidden size 64) with ``save_pretrained``, next to a whitespace word-level
+tokenizer trained (``tokenizers``) on the calibration text itself. Everything is deterministic.
 """
 
 from __future__ import annotations
@@ -13,8 +12,12 @@ import random
 import subprocess
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from transformers import LlamaForCausalLM
 
 NUM_LAYERS = 4
 
@@ -27,29 +30,69 @@ def calibration_text(num_words: int = 6000, seed: int = 0) -> str:
     return "\n".join(" ".join(words[i : i + 12]) for i in range(0, num_words, 12)) + "\n"
 
 
+def llama(
+    *,
+    seed: int = 0,
+    layers: int = 2,
+    hidden: int = 64,
+    intermediate: int | None = None,
+    vocab: int = 128,
+    heads: int = 4,
+    kv_heads: int = 2,
+    positions: int = 64,
+    tied: bool = True,
+) -> LlamaForCausalLM:
+    """A ``LlamaForCausalLM`` in eval mode, weights drawn after ``torch.manual_seed(seed)`` (fp32, CPU).
+
+    ``layers`` decoder layers of width ``hidden``, MLP width ``intermediate`` (default ``2 * hidden``),
+    ``heads`` attention and ``kv_heads`` key/value heads, ``positions`` = ``max_position_embeddings``
+    (transformers' default is 2048), ``tied``: ``lm_head`` shares the embedding. The same arguments give
+    bit-identical weights.
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden if intermediate is None else intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=positions,
+        tie_word_embeddings=tied,
+    )
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(config).eval()
+
+
 def build(directory: Path, text: str) -> Path:
     """Write a tiny Llama with a word-level tokenizer trained on ``text`` to ``directory``; return it."""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.WordLevel(unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.train_from_iterator(text.splitlines(), trainers.WordLevelTrainer(special_tokens=["[UNK]", "<s>", "</s>"]))
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", bos_token="<s>", eos_token="</s>")
-    config = LlamaConfig(
-        vocab_size=tok.get_vocab_size(),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=NUM_LAYERS,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        tie_word_embeddings=True,
-    )
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).eval().save_pretrained(directory)
+    llama(vocab=tok.get_vocab_size(), layers=NUM_LAYERS, positions=128).save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return directory
+
+
+def build_with_text(root: Path) -> tuple[Path, Path]:
+    """Write :func:`calibration_text` to ``root/cal.txt`` and :func:`build` on it to ``root/model``.
+
+    Returns ``(model directory, calibration text file)``.
+    """
+    text = calibration_text()
+    (root / "cal.txt").write_text(text, encoding="utf-8")
+    return build(root / "model", text), root / "cal.txt"
+
+
+def oneshot_argv(model_dir: Path, text: Path, out: Path, *extra: str) -> list[str]:
+    """argv of ``llmc-fsm oneshot`` on ``model_dir`` calibrated on ``text`` (32-token windows) into ``out``."""
+    options = ["--seq-len", "32", "--no-progress", "--output", str(out)]
+    return ["oneshot", "--model", str(model_dir), "--dataset", str(text), *options, *extra]
 
 
 #: Runs ``llmc-fsm`` with argv. ``LLMC_FSM_TEST_SIGNAL`` = ``layer:K:SIGNAL`` sends the process SIGNAL right

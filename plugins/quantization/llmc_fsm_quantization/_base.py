@@ -10,6 +10,7 @@ in-memory model computes what the saved checkpoint computes.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import attrs
@@ -117,31 +118,25 @@ class QuantizingModifier(CalibratedModifier):
         return weight_args(self._scheme)
 
     # ---- checks before any calibration work ------------------------------------------
-    def on_initialize(self, state: Any) -> None:
-        """Refuse an already quantized model, then select and check the targets (the base class).
+    quantized_model_hint = "quantize the original full-precision model instead"
+    zeros_are_sparsity = False  # int4 rounds small weights to exact zeros: not pruning
 
-        Raises:
-            ValueError: the model carries a ``quantization_config`` or quantized modules; a target problem
-                (see :meth:`llmc_fsm.calibration.CalibratedModifier.on_initialize`).
-        """
-        model = state.model
-        config_q = getattr(getattr(model, "config", None), "quantization_config", None)
-        quantized = [name for name, m in model.named_modules() if hasattr(m, "quantization_scheme")]
-        if config_q is not None or quantized:
-            method = (
-                config_q.get("quant_method") if isinstance(config_q, dict) else getattr(config_q, "quant_method", None)
-            )
-            what = (
-                f"its config carries a quantization_config (quant_method {method!r})"
-                if config_q is not None
-                else (f"{len(quantized)} modules are already quantized, e.g. {quantized[0]}")
-            )
-            msg = (
-                f"{type(self).__name__}: the model is already quantized ({what}); quantize the original "
-                "full-precision model instead"
-            )
-            raise ValueError(msg)
-        super().on_initialize(state)
+    def _fix_hint(self, targets: dict[str, nn.Module], problems: dict[str, list[str]]) -> str:
+        """Suggest the largest power-of-two group size that divides every target's input width."""
+        args = self.weight_args
+        if args.strategy != QuantizationStrategy.GROUP or not all("group_size" in r for r in problems):
+            return super()._fix_hint(targets, problems)
+        width = math.gcd(*(int(m.weight.shape[1]) for m in targets.values()))
+        group = min(width & -width, int(args.group_size))
+        name = self.scheme if isinstance(self.scheme, str) else dict(self.scheme).get("preset")
+        preset = f"preset: {name}, " if name else ""
+        fix = (
+            f"Use a group size that divides every target's input width, e.g. {group} (CLI: --group-size {group}; "
+            f"recipe: scheme: {{{preset}weights: {{group_size: {group}}}}}), or add these modules to ignore."
+            if group >= 16
+            else "Add these modules to ignore or use a channel-wise scheme (e.g. W8A16)."
+        )
+        return fix
 
     def _check_target(self, name: str, module: nn.Module) -> str | None:
         problem = super()._check_target(name, module)

@@ -40,10 +40,12 @@ def rtn_quantize(weight: torch.Tensor, args: QuantizationArgs, observer: str = "
 class QuantizationModifier(QuantizingModifier):
     """Quantize Linear weights by round-to-nearest with an observer; activations per the scheme (dynamic).
 
-    Needs no calibration data: without it every target is quantized at
-    ``calibration_end``. With calibration data flowing through the sequential
-    pipeline it quantizes each decoder layer as it is reached (after any earlier
-    modifier of the recipe compressed it) and reports the relative output
+    Needs no calibration data: every target is quantized at ``calibration_end``
+    (SmolLM2-135M W8A8: ~1.5 s on 2 CPU cores). One-shot runs no calibration pass
+    for a stage whose modifiers are all data-free, even when a dataset is given.
+    Only when it shares a pass with a modifier that needs data (the same stage,
+    or ``fuse_stages=True``) do calibration inputs reach it: it then quantizes
+    each decoder layer as the pass reaches it and reports the relative output
     error on those inputs. Arguments: ``scheme``, ``observer``, ``targets``,
     ``ignore`` (see :class:`~llmc_fsm_quantization.GPTQModifier`).
 

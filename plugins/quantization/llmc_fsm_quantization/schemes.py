@@ -57,7 +57,10 @@ def resolve_scheme(scheme: Any, targets: list[str]) -> QuantizationScheme:
         resolved = _preset(scheme, targets)
     elif isinstance(scheme, dict):
         fields = dict(scheme)
-        base = _preset(fields.pop("preset"), targets) if "preset" in fields else None
+        preset = fields.pop("preset", None)
+        base = _preset(preset, targets) if preset is not None else None
+        if base is not None:
+            _check_group_override(preset, base, fields.get("weights"))
         try:
             if base is not None:
                 data = base.model_dump()
@@ -76,6 +79,22 @@ def resolve_scheme(scheme: Any, targets: list[str]) -> QuantizationScheme:
         raise ValueError(msg)
     _check_supported(resolved)
     return resolved
+
+
+def _check_group_override(preset: str, base: QuantizationScheme, weights: Any) -> None:
+    """Refuse ``group_size`` on a preset whose weights are not group-wise (pydantic's own message is cryptic)."""
+    if not isinstance(weights, dict) or weights.get("group_size") is None or "strategy" in weights:
+        return
+    strategy = base.weights.strategy if base.weights is not None else None
+    if strategy == QuantizationStrategy.GROUP:
+        return
+    per = getattr(strategy, "value", strategy)
+    msg = (
+        f"preset {preset} quantizes weights per {per}, so group_size (--group-size) does not apply; leave it out, "
+        f"use a group-wise preset such as W4A16 or W8A16, or set weights: "
+        f"{{strategy: group, group_size: {weights['group_size']}}}"
+    )
+    raise ValueError(msg)
 
 
 def _check_supported(scheme: QuantizationScheme) -> None:

@@ -173,19 +173,19 @@ def test_group_size_mismatch_fails_before_calibration_naming_every_module() -> N
     before = {k: v.clone() for k, v in model.state_dict().items()}
     calls = []
     model.model.embed_tokens.register_forward_hook(lambda *a: calls.append(1))
-    with pytest.raises(llmc_fsm.ModifierError) as info:
+    with pytest.raises(ValueError) as info:
         llmc_fsm.oneshot(
             model=model, recipe={"q": {"GPTQModifier": {"scheme": {"preset": "W4A16", "weights": {"group_size": 64}}}}},
             dataset=torch.randint(0, 128, (4, 16)), progress=False,
         )
-    msg = str(info.value.__cause__)
-    assert msg == (
-        "GPTQModifier cannot compress 14 of its targets — in_features 48 is not a multiple of group_size 64: "
-        + ", ".join(f"model.layers.{i}.{m}" for i in (0, 1) for m in (
+    assert str(info.value) == (
+        "GPTQModifier cannot compress 14 of its 14 targets — in_features 48 is not a multiple of group_size 64: "
+        + ", ".join(f"model.layers.{{0..1}}.{m}" for m in (
             "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
             "mlp.up_proj"))
-        + "; in_features 96 is not a multiple of group_size 64: model.layers.0.mlp.down_proj, "
-        "model.layers.1.mlp.down_proj. Narrow targets or add these modules to ignore"
+        + "; in_features 96 is not a multiple of group_size 64: model.layers.{0..1}.mlp.down_proj. "
+        "Use a group size that divides every target's input width, e.g. 16 (CLI: --group-size 16; recipe: scheme: "
+        "{preset: W4A16, weights: {group_size: 16}}), or add these modules to ignore."
     )
     assert calls == []  # no forward ran
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
@@ -194,11 +194,13 @@ def test_group_size_mismatch_fails_before_calibration_naming_every_module() -> N
 def test_already_quantized_model_is_refused_before_calibration() -> None:
     model = _tiny()
     model.config.quantization_config = {"quant_method": "compressed-tensors"}
-    with pytest.raises(llmc_fsm.ModifierError) as info:
+    with pytest.raises(ValueError) as info:
         llmc_fsm.oneshot(model=model, recipe={"q": {"QuantizationModifier": {"scheme": "W8A8"}}},
                          dataset=torch.randint(0, 128, (4, 16)), progress=False)
-    assert "the model is already quantized (its config carries a quantization_config (quant_method " \
-        "'compressed-tensors'))" in str(info.value.__cause__)
+    assert str(info.value) == (
+        "QuantizationModifier: the model is already quantized (its config carries a quantization_config "
+        "(quant_method 'compressed-tensors')); quantize the original full-precision model instead"
+    )
 
 
 # --------------------------------------------------------------------------- save -> reload
@@ -228,8 +230,20 @@ def test_save_reload_gives_equal_logits(tmp_path, recipe: dict, fmt: str) -> Non
     report = json.loads((out / "report.json").read_text())
     q_proj = next(m for m in report["sparsity"]["modules"] if m["name"] == "model.layers.0.self_attn.q_proj")
     assert q_proj["bits"] == (4 if fmt == "pack-quantized" else 8)
-    assert 0 < q_proj["rel_output_error"] < 0.2
+    if fmt == "pack-quantized":  # GPTQ measures its error on the calibration inputs
+        assert 0 < q_proj["rel_output_error"] < 0.2
+    else:  # round-to-nearest is data-free: no calibration pass, so no error measured
+        assert "rel_output_error" not in q_proj
+        assert report["calibration"]["source"] == (
+            "none (no modifier needs calibration data; the dataset given is not used)"
+        )
     assert report["disk"]["after_bytes"] < report["disk"]["before_bytes"]
+    # values rounded to zero are not sparsity: nothing was pruned, so no sparsity_config and 0 zeros reported
+    assert config.get("sparsity_config") in (None, {})  # compressed-tensors writes {} for "none"
+    assert report["sparsity"]["total_targeted"] == 0.0
+    assert q_proj["zeros"] == 0
+    if fmt == "pack-quantized":  # ... although int4 did round some weights to exact zeros
+        assert int((model.model.layers[0].self_attn.q_proj.weight == 0).sum()) > 0
 
 
 def test_staged_prune_then_quantize_initializes_each_modifier_once_and_reruns_skip(tmp_path, monkeypatch) -> None:
@@ -256,8 +270,42 @@ def test_staged_prune_then_quantize_initializes_each_modifier_once_and_reruns_sk
     assert int((w.reshape(w.shape[0], -1, 4) != 0).sum(dim=2).max()) <= 2  # 2:4 survived quantization
     saved = (out / "recipe.yaml").read_text()
     assert saved.count("applied: true") == 2
+    sparsity_config = json.loads((out / "config.json").read_text())["quantization_config"]["sparsity_config"]
+    assert sparsity_config["global_sparsity"] == 0.5  # the pruned zeros only, exactly
+    assert sparsity_config["sparsity_structure"] == "2:4"
+    report = json.loads((out / "report.json").read_text())
+    assert report["sparsity"]["total_targeted"] == 0.5
     with pytest.raises(ValueError, match="every stage is already applied"):
         llmc_fsm.oneshot(model=out, recipe=recipe, dataset=torch.randint(0, 128, (8, 32)), progress=False)
+
+
+def test_pruning_a_saved_quantized_model_is_refused_before_any_work(tmp_path) -> None:
+    out = tmp_path / "out"
+    recipe = {"q": {"QuantizationModifier": {"scheme": "W8A8"}}}
+    llmc_fsm.oneshot(model=_tiny(), recipe=recipe, dataset=torch.randint(0, 128, (4, 16)), output_dir=out,
+                     progress=False)
+    before = (out / "model.safetensors").read_bytes()
+    with pytest.raises(ValueError) as info:
+        llmc_fsm.oneshot(model=out, recipe={"s": {"SparseGPTModifier": {"sparsity": 0.5}}},
+                         dataset=torch.randint(0, 128, (4, 16)), output_dir=tmp_path / "again", progress=False)
+    assert str(info.value) == (
+        "SparseGPTModifier: the model is already quantized (its config carries a quantization_config (quant_method "
+        "'compressed-tensors')); compress the original full-precision model: prune first, then quantize (a sparsity "
+        "stage before the quantization stage in one recipe)"
+    )
+    assert not (tmp_path / "again").exists()
+    assert (out / "model.safetensors").read_bytes() == before
+
+
+def test_group_size_on_a_channel_wise_preset_says_what_to_do() -> None:
+    with pytest.raises(ValueError) as info:
+        resolve_scheme({"preset": "FP8_DYNAMIC", "weights": {"group_size": 64}}, ["Linear"])
+    assert str(info.value) == (
+        "preset FP8_DYNAMIC quantizes weights per channel, so group_size (--group-size) does not apply; leave it "
+        "out, use a group-wise preset such as W4A16 or W8A16, or set weights: {strategy: group, group_size: 64}"
+    )
+    explicit = resolve_scheme({"preset": "W8A8", "weights": {"strategy": "group", "group_size": 64}}, ["Linear"])
+    assert (explicit.weights.strategy, explicit.weights.group_size) == ("group", 64)
 
 
 @pytest.mark.parametrize("spec", [W4G16, "W8A8", {"preset": "W4A16_ASYM", "weights": {"group_size": 32}}])
@@ -279,3 +327,19 @@ def test_gptq_integer_fast_path_is_bitwise_the_compressed_tensors_rounding(monke
     (reference,) = gptq_quantize([w], H, args=_args(spec), actorder=actorder, block_size=64)
     assert torch.equal(fast.weight, reference.weight)
     assert torch.equal(fast.scale, reference.scale)
+
+
+def test_explain_says_one_shot_stages_run_one_pass_each() -> None:
+    recipe = {
+        "sparsity_stage": {"SparseGPTModifier": {"sparsity": 0.5, "mask_structure": "2:4"}},
+        "quantization_stage": {"GPTQModifier": {"scheme": {"preset": "W4A16", "weights": {"group_size": 64}}}},
+    }
+    from llmc_fsm.explain import explain
+
+    text = explain(llmc_fsm.Session(recipe))
+    assert (
+        "One-shot: stages 'sparsity_stage', 'quantization_stage' run in that order, one layer-by-layer calibration "
+        "pass each, every pass on the model the previous stages compressed (oneshot(fuse_stages=True) shares one "
+        "pass; see docs/quantization.md).\n"
+    ) in text
+    assert "One-shot:" not in explain(llmc_fsm.Session({"s": {"SparseGPTModifier": {"sparsity": 0.5}}}))
