@@ -28,7 +28,7 @@ import torch
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
-def _load_data_module():  # noqa: ANN202
+def _load_data_module():
     path = REPO_ROOT / "llmc_fsm" / "data.py"
     spec = importlib.util.spec_from_file_location("_llmc_fsm_data", path)
     module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
@@ -44,12 +44,12 @@ def _vm_hwm_bytes() -> int:
     return 0
 
 
-def _recipe(method: str, group_size: int):  # noqa: ANN202
+def _recipe(method: str, group_size: int, observer: str):
     from llmcompressor.modifiers.quantization import GPTQModifier, QuantizationModifier
 
     if method == "gptq":
         weights = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": group_size,
-                   "actorder": "static"}
+                   "actorder": "static", "observer": observer}
         return GPTQModifier(config_groups={"group_0": {"targets": ["Linear"], "weights": weights}}, ignore=["lm_head"])
     return QuantizationModifier(scheme="W8A8", targets=["Linear"], ignore=["lm_head"])
 
@@ -60,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--data", required=True)
     parser.add_argument("--method", choices=["gptq", "rtn"], required=True)
     parser.add_argument("--group-size", type=int, default=64)
+    parser.add_argument("--observer", default="minmax", help="GPTQ weight observer: minmax (default) or mse")
     parser.add_argument("--calib-windows", type=int, default=32)
     parser.add_argument("--eval-windows", type=int, default=40)
     parser.add_argument("--seq-len", type=int, default=256)
@@ -80,7 +81,8 @@ def main(argv: list[str] | None = None) -> int:
     kwargs = {"dataset": dataset, "num_calibration_samples": args.calib_windows, "max_seq_length": args.seq_len,
               "shuffle_calibration_samples": False} if args.method == "gptq" else {}
     t0 = time.perf_counter()
-    model = oneshot(model=model, tokenizer=tokenizer, recipe=_recipe(args.method, args.group_size), **kwargs)
+    recipe = _recipe(args.method, args.group_size, args.observer)
+    model = oneshot(model=model, tokenizer=tokenizer, recipe=recipe, **kwargs)
     compress_s = time.perf_counter() - t0
     peak = _vm_hwm_bytes()
     ppl = data.perplexity(model, evalw, progress=False)
@@ -93,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps({
         "side": "llmcompressor " + __import__("llmcompressor").__version__,
         "method": args.method,
+        "observer": args.observer,
         "compress_wall_s": compress_s,
         "peak_rss_through_compression_bytes": peak,
         "ppl": ppl,

@@ -10,8 +10,9 @@ Protocol: SmolLM2-135M-Instruct (the ``smollm2-135m`` cache directory of
 256 tokens from the TAIL of ``wiki.test.raw``, perplexity on 40 x 256 tokens
 from its HEAD (``llmc_fsm/data.py`` on both sides). Runs: GPTQ W4A16 (int4,
 group 64, symmetric, actorder static — SmolLM2's width 576 is not a multiple of
-128) and RTN W8A8 (int8 per-channel weights, dynamic per-token int8
-activations), each side in a fresh process. "wall" is the compression call
+128), the same with the ``mse`` weight observer on both sides, and RTN W8A8
+(int8 per-channel weights, dynamic per-token int8 activations; data-free on
+both sides), each side in a fresh process. "wall" is the compression call
 alone; "peak RSS" is ``VmHWM`` right after compression, before any evaluation.
 Each side saves its compressed checkpoint, reloads it with transformers and
 measures perplexity again. Ours also runs SparseGPT 2:4 + GPTQ W4A16 with the
@@ -35,8 +36,10 @@ DATA = REPO_ROOT.parent / "shared" / "data" / "wikitext-2-raw" / "wiki.test.raw"
 DOCS = REPO_ROOT / "docs" / "benchmarks.md"
 SECTION = "## One-shot quantization vs llmcompressor"
 GPTQ_W4 = {"GPTQModifier": {"scheme": {"preset": "W4A16", "weights": {"group_size": 64}}, "actorder": "static"}}
+GPTQ_W4_MSE = {"GPTQModifier": {**GPTQ_W4["GPTQModifier"], "observer": "mse"}}
 RECIPES: dict[str, dict[str, Any]] = {
     "gptq": {"quantization_stage": GPTQ_W4},
+    "gptq-mse": {"quantization_stage": GPTQ_W4_MSE},
     "rtn": {"quantization_stage": {"QuantizationModifier": {"scheme": "W8A8"}}},
     "2:4+gptq": {
         "sparsity_stage": {"SparseGPTModifier": {"mask_structure": "2:4"}},
@@ -108,34 +111,38 @@ def _run_self(extra: list[str], model_dir: str) -> dict[str, Any]:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def _run_peer(method: str, model_dir: str) -> dict[str, Any]:
+def _run_peer(run: str, model_dir: str) -> dict[str, Any]:
     sys.path.insert(0, str(Path(__file__).parent))
     from _peer import run_peer_script
 
+    method, _, observer = run.partition("-")
     with tempfile.TemporaryDirectory() as out:
         return run_peer_script(Path(__file__).parent / "peer_quantize_llmcompressor.py",
-                               ["--model", model_dir, "--data", str(DATA), "--method", method, "--out", out])
+                               ["--model", model_dir, "--data", str(DATA), "--method", method, "--out", out,
+                                "--observer", observer or "minmax"])
 
 
 def render(dense: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     lines = [
         SECTION, "",
-        f"Measured {time.strftime('%Y-%m-%d')} by `python benchmarks/quantize_vs_llmcompressor.py` on this 2-core CPU "
-        f"machine (load average before the runs: {os.getloadavg()[0]:.2f}; wall times need a quiet machine), SmolLM2-135M, calibration 32 x 256 tokens (tail of wiki.test.raw), "
-        f"perplexity on 40 x 256 tokens (head). Dense perplexity {dense['dense_ppl']:.2f}; the quantized Linear "
+        f"Measured {time.strftime('%Y-%m-%d')} by `python benchmarks/quantize_vs_llmcompressor.py` on a 2-core "
+        "CPU machine, nothing else running (load average per run in the table), SmolLM2-135M-Instruct fp32, "
+        "calibration 32 x 256 tokens (tail of wiki.test.raw), perplexity on 40 x 256 tokens (head), same windows "
+        f"and perplexity code on both sides. Dense perplexity {dense['dense_ppl']:.2f}; the quantized Linear "
         f"weights take {dense['fp32_quantized_weight_bytes'] / 1e6:.0f} MB in fp32.", "",
         "| run | side | wall (s) | peak RSS through compression (GB) | perplexity | reloaded perplexity | "
-        "weights on disk (MB) |",
-        "|---|---|---|---|---|---|---|",
+        "weights on disk (MB) | load average |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         name = r["run"] + (" (two passes)" if r.get("separate") else "")
         lines.append(
-            f"| {name} | {r['side']} | {r['compress_wall_s']:.1f} | {r['peak_rss_through_compression_bytes'] / 1e9:.2f} "
-            f"| {r['ppl']:.2f} | {r['ppl_reloaded']:.2f} | {r['weights_on_disk_bytes'] / 1e6:.0f} |"
+            f"| {name} | {r['side']} | {r['compress_wall_s']:.1f} "
+            f"| {r['peak_rss_through_compression_bytes'] / 1e9:.2f} "
+            f"| {r['ppl']:.2f} | {r['ppl_reloaded']:.2f} | {r['weights_on_disk_bytes'] / 1e6:.0f} | {r['load']} |"
         )
     lines.append("")
-    for method in ("gptq", "rtn"):
+    for method in ("gptq", "gptq-mse", "rtn"):
         ours = next((r for r in rows if r["run"] == method and r["side"] == "llmc-fsm"), None)
         peer = next((r for r in rows if r["run"] == method and r["side"] != "llmc-fsm"), None)
         if ours and peer:
@@ -166,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--separate", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
     parser.add_argument("--no-peer", action="store_true")
-    parser.add_argument("--only", nargs="*", help="run only these: gptq rtn fused separate (default: all)")
+    parser.add_argument("--only", nargs="*", help="run only these: gptq gptq-mse rtn fused separate (default: all)")
     parser.add_argument("--json", help="also write the rows as JSON to this file")
     parser.add_argument("--write-docs", action="store_true")
     args = parser.parse_args(argv)
@@ -179,17 +186,21 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = str(model.name_or_path)
     del model
     _log(f"model directory {model_dir}; load average {os.getloadavg()}")
-    only = set(args.only or ["gptq", "rtn", "fused", "separate"])
+    only = set(args.only or ["gptq", "gptq-mse", "rtn", "fused", "separate"])
     dense = _run_self(["--dense"], model_dir)
     rows = []
-    for run, separate, key in (("gptq", False, "gptq"), ("rtn", False, "rtn"), ("2:4+gptq", False, "fused"),
-                               ("2:4+gptq", True, "separate")):
+    for run, separate, key in (("gptq", False, "gptq"), ("gptq-mse", False, "gptq-mse"), ("rtn", False, "rtn"),
+                               ("2:4+gptq", False, "fused"), ("2:4+gptq", True, "separate")):
         if key in only:
             _log(f"ours: {run}{' (two passes)' if separate else ''}")
-            rows.append(_run_self(["--run", run, *(["--separate"] if separate else [])], model_dir))
-        if key in ("gptq", "rtn") and key in only and not args.no_peer:
+            load = f"{os.getloadavg()[0]:.2f}"
+            row = _run_self(["--run", run, *(["--separate"] if separate else [])], model_dir)
+            rows.append({**row, "load": f"{load} -> {os.getloadavg()[0]:.2f}"})
+        if key in ("gptq", "gptq-mse", "rtn") and key in only and not args.no_peer:
             _log(f"peer: {key}")
-            rows.append({**_run_peer(key, model_dir), "run": key})
+            load = f"{os.getloadavg()[0]:.2f}"
+            row = _run_peer(key, model_dir)
+            rows.append({**row, "run": key, "load": f"{load} -> {os.getloadavg()[0]:.2f}"})
     if args.json:
         Path(args.json).write_text(json.dumps({"dense": dense, "rows": rows}, indent=2))
     section = render(dense, rows)

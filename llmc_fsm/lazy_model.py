@@ -22,11 +22,9 @@ become resident — an embedding lookup touches the rows of its tokens only.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import logging
 import os
-import platform
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -38,7 +36,7 @@ from torch import nn
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-__all__ = ["INDEX_NAME", "LazyModel", "ShardWriter", "limit_heap_growth", "load_lazy", "save_config"]
+__all__ = ["INDEX_NAME", "LazyModel", "ShardWriter", "load_lazy", "save_config"]
 
 logger = logging.getLogger(__name__)
 
@@ -273,42 +271,3 @@ def save_config(model: PreTrainedModel, directory: Path) -> None:
     model.config.save_pretrained(directory)
     if model.can_generate():
         model.generation_config.save_pretrained(directory)
-
-
-#: glibc's ``mallopt`` parameter number of ``M_MMAP_THRESHOLD`` (``malloc.h``).
-_M_MMAP_THRESHOLD = -3
-#: Allocations above this size get their own memory map, returned to the system when freed.
-MMAP_THRESHOLD = 128 * 1024
-
-
-def limit_heap_growth() -> bool:
-    """Make glibc serve every allocation above 128 KiB from its own memory map, for the rest of the process.
-
-    glibc starts with that threshold but raises it (up to 32 MiB) each time a
-    mapped block is freed, after which a decoder layer's tensors come from the
-    heap; tensors that outlive a layer (the next layer's inputs) then pin the
-    heap, and the freed layers are not given back: measured on a 32-layer model
-    of SmolLM2's width (one-shot SparseGPT), the process grew by ~110 MiB over
-    the run, ~8 layers' weights, and its peak kept rising with depth. A fixed
-    threshold (``mallopt(M_MMAP_THRESHOLD, 128 KiB)``, what the environment
-    variable ``MALLOC_MMAP_THRESHOLD_=131072`` does) keeps it flat; the price is
-    a page fault per page of every large tensor. SmolLM2-135M, SparseGPT, 32 x
-    256 calibration tokens: peak 1.00 -> 0.59 GB, wall 34 -> 47 s (see
-    ``docs/memory.md``). Does nothing on other C libraries, or when
-    ``MALLOC_MMAP_THRESHOLD_`` is set (the user's choice stands; e.g.
-    ``33554432`` trades memory back for speed).
-
-    Returns:
-        Whether the threshold was set.
-    """
-    if "MALLOC_MMAP_THRESHOLD_" in os.environ:
-        return False
-    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
-        return False
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        done = bool(libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD))
-    except (OSError, AttributeError):
-        return False
-    logger.debug("glibc mmap threshold fixed at %d bytes: %s", MMAP_THRESHOLD, done)
-    return done

@@ -18,7 +18,7 @@ The output equals, tensor for tensor, what the in-memory run saves (shards of on
 decoder layer each instead of one file), and the report holds the same values.
 
 Side effect: for the rest of the process, glibc serves every allocation above
-128 KiB from its own memory map (:func:`llmc_fsm.lazy_model.limit_heap_growth`),
+128 KiB from its own memory map (:func:`llmc_fsm.heap.limit_heap_growth`),
 so that the freed layers go back to the system (see ``docs/memory.md``).
 """
 
@@ -57,7 +57,7 @@ def run_streaming(run: Run) -> nn.Module:
             dataset while a modifier needs one, a process group of several ranks;
             then as :func:`llmc_fsm.lazy_model.load_lazy` and the usual one-shot checks.
     """
-    from llmc_fsm.lazy_model import limit_heap_growth
+    from llmc_fsm.heap import limit_heap_growth
     from llmc_fsm.streaming import streamed_states, tail_perplexity
 
     _check(run)

@@ -35,6 +35,7 @@ import attrs
 import torch
 from torch import nn
 
+from llmc_fsm.heap import trim_heap
 from llmc_fsm.pipeline_layer import Inputs, calibrate_layer, capture_layer_inputs, propagate
 
 if TYPE_CHECKING:
@@ -304,6 +305,7 @@ def _run_layers(
             checkpoint.save(index, layer)
         if index + 1 < len(layers):  # 3) the compressed layer's outputs feed the next layer
             inputs = propagate(layer, inputs)
+        trim_heap()  # the forwards' freed activations go back to the system
         layer_seconds.append(time.perf_counter() - t0)
     bar.close()
     del inputs

@@ -17,7 +17,8 @@ import torch
 from safetensors import safe_open
 
 import llmc_fsm
-from llmc_fsm.lazy_model import limit_heap_growth, load_lazy
+from llmc_fsm.heap import limit_heap_growth
+from llmc_fsm.lazy_model import load_lazy
 
 GPTQ_G16 = {"q": {"GPTQModifier": {"scheme": {"preset": "W4A16", "weights": {"group_size": 16}}}}}
 SPARSEGPT = {"s": {"SparseGPTModifier": {"sparsity": 0.5}}}
@@ -27,7 +28,7 @@ SIZES = {"num_calibration_samples": 8, "max_seq_length": 32, "num_eval_windows":
 @pytest.fixture(autouse=True)
 def _keep_the_allocator(monkeypatch):
     """A low_memory run fixes glibc's mmap threshold for the whole process; spare the rest of the test session."""
-    monkeypatch.setattr("llmc_fsm.lazy_model.limit_heap_growth", lambda: False)
+    monkeypatch.setattr("llmc_fsm.heap.limit_heap_growth", lambda: False)
 
 
 @pytest.fixture(scope="module")
@@ -214,3 +215,18 @@ def test_cli_low_memory(sharded_dir, text_file, tmp_path, capsys):
 def test_a_user_set_mmap_threshold_is_left_alone(monkeypatch):
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "33554432")
     assert limit_heap_growth() is False
+
+
+def test_trim_heap_gives_free_heap_pages_back():
+    import platform
+
+    from llmc_fsm.heap import trim_heap
+
+    if platform.libc_ver()[0] != "glibc":
+        assert trim_heap() is False
+        return
+    blocks = [bytearray(64 * 1024) for _ in range(2000)]  # ~125 MiB of heap blocks (below the mmap threshold)
+    pin = bytearray(64 * 1024)  # above them: freeing the blocks leaves free pages inside the heap, not at its top
+    del blocks
+    assert trim_heap() is True  # malloc_trim(0) returns 1 when it gave pages back
+    del pin
