@@ -51,9 +51,17 @@ from llmc_fsm.distributed import (
     is_distributed,
 )
 from llmc_fsm.modifier import Modifier
-from llmc_fsm.targets import DEFAULT_IGNORE, DEFAULT_TARGETS, compact_names, is_linear_like, resolve_targets
+from llmc_fsm.obs import relative_output_error
+from llmc_fsm.targets import (
+    DEFAULT_IGNORE,
+    DEFAULT_TARGETS,
+    already_quantized,
+    compact_names,
+    is_linear_like,
+    resolve_targets,
+)
 
-__all__ = ["CalibratedModifier", "ModuleResult", "relative_output_error"]
+__all__ = ["CalibratedModifier", "ModuleResult"]
 
 logger = logging.getLogger(__name__)
 
@@ -79,36 +87,6 @@ def _non_empty(instance: Any, attribute: attrs.Attribute, value: list[str]) -> N
     if not value:
         msg = f"{attribute.name} must name at least one module pattern, e.g. ['Linear']"
         raise ValueError(msg)
-
-
-@torch.no_grad()
-def relative_output_error(old: torch.Tensor, new: torch.Tensor, hessian: torch.Tensor) -> float:
-    """``||W X - W_hat X||_F / ||W X||_F`` on the inputs ``X`` whose Hessian is ``H = 2/n X X^T``.
-
-    Computed from ``H`` alone: ``||A X||_F^2 = (n/2) tr(A H A^T)``, and ``n/2``
-    cancels in the ratio. ``old``/``new`` are ``[out, in]``; ``hessian`` ``[in, in]``.
-    Returns 0.0 when ``||W X||`` is 0.
-    """
-    H = hessian.to(torch.float32)
-    W = old.to(torch.float32)
-    D = W - new.to(torch.float32)
-    num = float(((D @ H) * D).sum())
-    den = float(((W @ H) * W).sum())
-    return (max(num, 0.0) / den) ** 0.5 if den > 0 else 0.0
-
-
-def already_quantized(model: nn.Module) -> str | None:
-    """Why ``model`` counts as quantized (its config's ``quantization_config``, or modules carrying a
-    compressed-tensors ``quantization_scheme``), or ``None`` when it is not."""
-    config_q = getattr(getattr(model, "config", None), "quantization_config", None)
-    if config_q is not None:
-        method = config_q.get("quant_method") if isinstance(config_q, dict) else getattr(config_q, "quant_method", None)
-        method = getattr(method, "value", method)  # transformers' QuantizationMethod enum
-        return f"its config carries a quantization_config (quant_method {method!r})"
-    quantized = [name for name, m in model.named_modules() if hasattr(m, "quantization_scheme")]
-    if quantized:
-        return f"{len(quantized)} modules are already quantized, e.g. {quantized[0]}"
-    return None
 
 
 @attrs.define(kw_only=True, slots=False, eq=False)

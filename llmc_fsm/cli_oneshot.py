@@ -74,6 +74,12 @@ def add_cli(sub: Any) -> None:
         type=int,
         help="quantization: replace the scheme's weight group size (SmolLM2's width 576 needs 64 instead of 128)",
     )
+    p.add_argument(
+        "--observer",
+        choices=["minmax", "mse"],
+        help="quantization: weight range observer, minmax (default, as llm-compressor) or mse (range shrunk to the "
+        "smallest error; SmolLM2 W4A16 perplexity 58.6 -> 51.5 for 4-12%% more time)",
+    )
     p.add_argument("--dataset", help="calibration text/JSONL file or HF dataset name (default: model-generated text)")
     p.add_argument("--num-samples", type=int, default=32, help="calibration windows (default 32)")
     p.add_argument("--seq-len", type=int, default=256, help="tokens per calibration window (default 256)")
@@ -101,10 +107,10 @@ def add_cli(sub: Any) -> None:
 
 
 def _run_cli(args: argparse.Namespace) -> int:
-    recipe_flags = (args.method, args.sparsity, args.mask_structure, args.scheme, args.group_size)
+    recipe_flags = (args.method, args.sparsity, args.mask_structure, args.scheme, args.group_size, args.observer)
     if args.recipe is not None and any(flag is not None for flag in recipe_flags):
         msg = (
-            "--recipe cannot be combined with --method/--sparsity/--mask-structure/--scheme/--group-size; "
+            "--recipe cannot be combined with --method/--sparsity/--mask-structure/--scheme/--group-size/--observer; "
             "put them in the recipe"
         )
         raise ValueError(msg)
@@ -112,8 +118,8 @@ def _run_cli(args: argparse.Namespace) -> int:
     if quantizing and (args.sparsity is not None or args.mask_structure):
         msg = f"--method {args.method} quantizes: --sparsity/--mask-structure apply to pruning methods only"
         raise ValueError(msg)
-    if not quantizing and (args.scheme is not None or args.group_size is not None):
-        msg = "--scheme/--group-size apply to --method gptq or rtn only"
+    if not quantizing and (args.scheme is not None or args.group_size is not None or args.observer is not None):
+        msg = "--scheme/--group-size/--observer apply to --method gptq or rtn only"
         raise ValueError(msg)
     if args.threads is not None:
         import torch
@@ -127,6 +133,7 @@ def _run_cli(args: argparse.Namespace) -> int:
             args.mask_structure or "unstructured",
             scheme=args.scheme or "W4A16",
             group_size=None if args.group_size is None else _positive_int("--group-size", args.group_size),
+            observer=args.observer,
         )
     try:
         with sigterm_as_interrupt():

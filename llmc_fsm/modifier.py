@@ -225,15 +225,10 @@ class Modifier:
         return {}
 
     def check_model(self, model: torch.nn.Module) -> Any:
-        """Checks that need only ``model``: raise ``ValueError`` before any work (default: none).
+        """Checks that need only ``model`` (pure: names, classes, shapes; maybe on ``meta``); raise ``ValueError``.
 
-        Must be pure (names, classes and shapes only; the model may be on the
-        ``meta`` device). One-shot calls it for every modifier of every stage
-        right after loading the model, before measuring or calibrating anything,
-        so a recipe that cannot apply fails in seconds with the modifier's own
-        message.
+        One-shot calls it for every modifier right after loading, before any measuring or calibration.
         """
-        return None
 
     # --- checkpoints ---------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -36,6 +36,7 @@ __all__ = [
     "check_dampening_frac",
     "inverse_hessian_cholesky",
     "obs_sweep",
+    "relative_output_error",
 ]
 
 logger = logging.getLogger(__name__)
@@ -371,3 +372,19 @@ def obs_sweep(WT: torch.Tensor, U: torch.Tensor, rule: ColumnRule, *, block_size
         W1.copy_(Q1)
         if c1 < cols:
             WT[c1:].addmm_(U[c0:c1, c1:].T, Err1, alpha=-1.0)
+
+
+@torch.no_grad()
+def relative_output_error(old: torch.Tensor, new: torch.Tensor, hessian: torch.Tensor) -> float:
+    """``||W X - W_hat X||_F / ||W X||_F`` on the inputs ``X`` whose Hessian is ``H = 2/n X X^T``.
+
+    Computed from ``H`` alone: ``||A X||_F^2 = (n/2) tr(A H A^T)``, and ``n/2``
+    cancels in the ratio. ``old``/``new`` are ``[out, in]``; ``hessian`` ``[in, in]``.
+    Returns 0.0 when ``||W X||`` is 0.
+    """
+    H = hessian.to(torch.float32)
+    W = old.to(torch.float32)
+    D = W - new.to(torch.float32)
+    num = float(((D @ H) * D).sum())
+    den = float(((W @ H) * W).sum())
+    return (max(num, 0.0) / den) ** 0.5 if den > 0 else 0.0

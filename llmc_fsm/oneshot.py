@@ -70,13 +70,15 @@ def default_recipe(
     *,
     scheme: str = "W4A16",
     group_size: int | None = None,
+    observer: str | None = None,
 ) -> dict:
     """The recipe used when none is given: ``method`` on every Linear except ``lm_head``.
 
     Pruning methods (``sparsegpt`` — the default —, ``wanda``, ``magnitude``) use
     ``sparsity`` and ``mask_structure``; quantization methods (``gptq``,
     ``rtn``) use ``scheme`` (a compressed-tensors preset), with the weights'
-    ``group_size`` replaced when given (SmolLM2's width 576 needs 64).
+    ``group_size`` replaced when given (SmolLM2's width 576 needs 64), and
+    ``observer`` (``minmax``, the modifiers' default, or ``mse``) when given.
 
     Raises:
         ValueError: unknown method.
@@ -91,11 +93,13 @@ def default_recipe(
         args.update(sparsity=sparsity, mask_structure=mask_structure)
     else:
         args["scheme"] = scheme if group_size is None else {"preset": scheme, "weights": {"group_size": group_size}}
+        if observer is not None:
+            args["observer"] = observer
     return {stage: {name: args}}
 
 
 #: The source of :func:`generated_recipe` recipes (as recipe error messages name it).
-GENERATED = "generated from --method/--sparsity/--mask-structure/--scheme/--group-size"
+GENERATED = "generated from --method/--sparsity/--mask-structure/--scheme/--group-size/--observer"
 
 
 def generated_recipe(*args: Any, **kw: Any) -> Recipe:

@@ -149,8 +149,7 @@ def _load(run: Run) -> LazyModel:
 
 def _data(run: Run, lazy: LazyModel) -> None:
     """Calibration and evaluation windows, and the modifiers' required state (no forward yet)."""
-    from llmc_fsm.oneshot_data import check_seq_len, eval_windows
-    from llmc_fsm.oneshot_phases import calibration_windows, check_modifiers
+    from llmc_fsm.oneshot_data import calibration_windows, check_modifiers, check_seq_len, eval_windows
 
     used = [run.eval_len] if run.ev_text is not None else []
     used.append(int(run.dataset.shape[1]) if isinstance(run.dataset, torch.Tensor) else run.seq_len)
@@ -172,7 +171,7 @@ def _writer(run: Run, lazy: LazyModel) -> ShardWriter:
 
 def _compress(run: Run, lazy: LazyModel, writer: ShardWriter) -> StreamedCompression:
     """Initialize the session, compress and write every layer, finalize."""
-    from llmc_fsm.oneshot_phases import calibration_inputs
+    from llmc_fsm.oneshot_data import calibration_inputs
     from llmc_fsm.streaming import compress_streaming
 
     session = run.sessions[0]

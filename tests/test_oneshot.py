@@ -144,6 +144,56 @@ def test_cli_unknown_model(tmp_path, capsys):
     assert _no_stray_files(tmp_path) == []
 
 
+def test_cli_default_gptq_on_smollm2_says_which_group_size_works(tmp_path, capsys):
+    # SmolLM2's width 576 is not a multiple of W4A16's group size 128: refused right after loading, before the
+    # perplexity before compression or any calibration, with the group size that divides every width
+    # no --dataset: generating the calibration text (minutes) would come after the check
+    rc, err = _cli(["--method", "gptq", "--output", str(tmp_path / "out")], capsys)
+    assert rc == 1
+    modules = ", ".join(
+        f"model.layers.{{0..29}}.{m}"
+        for m in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+                  "mlp.up_proj")
+    )
+    assert err == (
+        "llmc-fsm oneshot: error: GPTQModifier cannot compress 180 of its 210 targets — in_features 576 is not a "
+        f"multiple of group_size 128: {modules}. Use a group size that divides every target's input width, e.g. 64 "
+        "(CLI: --group-size 64; recipe: scheme: {preset: W4A16, weights: {group_size: 64}}), or add these modules "
+        "to ignore.\n"
+    )
+    assert _no_stray_files(tmp_path) == []
+
+
+def test_cli_group_size_on_a_channel_wise_scheme(tmp_path, capsys):
+    rc, err = _cli(["--method", "rtn", "--scheme", "FP8_DYNAMIC", "--group-size", "64", "--output",
+                    str(tmp_path / "out")], capsys)
+    assert rc == 1
+    assert err.startswith("llmc-fsm oneshot: error: recipe generated from --method/--sparsity/--mask-structure/"
+                          "--scheme/--group-size/--observer, stage 'quantization_stage', ")
+    assert err.endswith("preset FP8_DYNAMIC quantizes weights per channel, so group_size (--group-size) does not "
+                        "apply; leave it out, use a group-wise preset such as W4A16 or W8A16, or set weights: "
+                        "{strategy: group, group_size: 64}\n")
+    assert _no_stray_files(tmp_path) == []
+
+
+def test_generated_quantization_recipe_carries_group_size_and_observer(tmp_path, capsys):
+    from llmc_fsm.oneshot import GENERATED, default_recipe, generated_recipe
+
+    assert default_recipe("gptq", scheme="W4A16", group_size=64, observer="mse") == {
+        "quantization_stage": {"GPTQModifier": {
+            "targets": ["Linear"], "ignore": ["lm_head"], "observer": "mse",
+            "scheme": {"preset": "W4A16", "weights": {"group_size": 64}},
+        }}
+    }
+    recipe = generated_recipe("rtn", scheme="W8A8")
+    assert recipe.source == GENERATED
+    assert recipe.modifiers[0].observer == "minmax"
+    rc, err = _cli(["--observer", "mse", "--output", str(tmp_path / "out")], capsys)  # pruning (the default method)
+    assert (rc, err) == (1, "llmc-fsm oneshot: error: --scheme/--group-size/--observer apply to --method gptq or rtn "
+                            "only\n")
+    assert _no_stray_files(tmp_path) == []
+
+
 def test_cli_sparsity_out_of_range(tmp_path, capsys):
     rc, err = _cli(["--sparsity", "1.5", "--output", str(tmp_path / "out")], capsys)
     assert rc == 1
