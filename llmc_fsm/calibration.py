@@ -2,10 +2,8 @@
 
 :class:`CalibratedModifier` holds what these modifiers share:
 
-* at ``initialize`` it selects its targets (``targets`` minus ``ignore``, see
-  :func:`llmc_fsm.targets.resolve_targets`) and checks each one
-  (:meth:`CalibratedModifier._check_target`) — every problem is reported before
-  any calibration work;
+* :meth:`CalibratedModifier.check_model` (also run at ``initialize``) selects its targets and checks each
+  one, reporting every problem before any calibration work;
 * at ``calibration_start`` it puts a forward pre-hook on every target that feeds
   the target's inputs to a statistics accumulator
   (:meth:`CalibratedModifier._new_accumulator`); targets called one after the

@@ -20,10 +20,9 @@ Hooks (all optional; the session only calls the ones a class overrides):
 ``on_finalize(state)``          once, at finalize (or when initialize is rolled back)
 ==============================  ==================================================
 
-Checkpoints: :meth:`Modifier.state_dict` / :meth:`Modifier.load_state_dict`
-carry what a modifier needs to continue exactly after a resume (default:
-nothing). A hook that raises reaches the caller as
-:class:`~llmc_fsm.ModifierError` (see :mod:`llmc_fsm.guard`).
+:meth:`Modifier.check_model` checks a model before any work (one-shot). Checkpoints:
+:meth:`Modifier.state_dict` / :meth:`Modifier.load_state_dict` (default: nothing).
+A hook that raises reaches the caller as :class:`~llmc_fsm.ModifierError` (see :mod:`llmc_fsm.guard`).
 """
 
 from __future__ import annotations
