@@ -103,8 +103,9 @@ def load_text(source: str | os.PathLike[str]) -> str:
         or path.suffix.lower() in files.TEXT_SUFFIXES | files.JSONL_SUFFIXES | {".json"}
         or text_source.startswith(".")
     )
-    if path.exists():  # a directory
-        msg = f"{text_source!r} is a directory; pass a text or JSONL file"
+    if path.exists():  # a directory, a device, a pipe...
+        what = "a directory" if path.is_dir() else "not a regular file"
+        msg = f"{text_source!r} is {what}; pass a text or JSONL file"
         raise ValueError(msg)
     if looks_like_path:
         msg = f"text file not found: {text_source}"

@@ -97,15 +97,27 @@ def check_seq_len(model: Any, seq_len: int) -> None:
 
 
 def eval_windows(tokenizer: Any, text: str, num_windows: int, seq_len: int) -> Any:
-    """``num_windows`` windows from the head of ``text``, or as many as fit (at least one)."""
+    """``num_windows`` windows from the head of ``text``, or as many as fit (with a warning).
+
+    Raises:
+        ValueError: ``text`` is shorter than one window.
+    """
     from llmc_fsm.data import token_windows
 
     try:
         return token_windows(tokenizer, text, num_windows=num_windows, seq_len=seq_len)
     except ValueError:
         n_ids = len(tokenizer(text, add_special_tokens=False)["input_ids"])
-        fit = max(n_ids // seq_len, 1)
-        logger.warning("eval text has %d tokens (< %d): using %d windows", n_ids, num_windows * seq_len, fit)
+        fit = n_ids // seq_len
+        if fit < 1:
+            msg = (
+                f"the eval text has {n_ids} tokens, fewer than one evaluation window of {seq_len}: pass a longer "
+                "eval text (--eval-text) or shorter windows (--seq-len / eval_seq_length)"
+            )
+            raise ValueError(msg) from None
+        logger.warning(
+            "the eval text has %d tokens (< %d x %d): using %d window(s)", n_ids, num_windows, seq_len, fit
+        )
         return token_windows(tokenizer, text, num_windows=fit, seq_len=seq_len)
 
 

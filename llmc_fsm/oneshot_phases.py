@@ -247,8 +247,10 @@ def data(run: Run) -> None:
     """Token windows, the required-state check, perplexity before, generated calibration data."""
 
     used = [run.eval_len] if run.ev_text is not None else []
-    used.append(int(run.dataset.shape[1]) if is_tensor(run.dataset) else run.seq_len)
-    check_seq_len(run.model, max(used))
+    if run.needs_data:  # a data-free recipe tokenizes no calibration text
+        used.append(int(run.dataset.shape[1]) if is_tensor(run.dataset) else run.seq_len)
+    if used:
+        check_seq_len(run.model, max(used))
     with run.timed("data"):
         calibration_windows(run)
         if run.ev_text is not None:
@@ -322,8 +324,9 @@ def evaluate(run: Run, phase: str) -> None:
     if run.eval_windows is None:
         return
     from llmc_fsm.data import perplexity
+    from llmc_fsm.output import quantized_weights_as_compressed
 
-    with run.timed(phase):
+    with run.timed(phase), quantized_weights_as_compressed(run.model):
         run.ppl[phase] = perplexity(run.model, run.eval_windows, progress=run.progress)
 
 

@@ -152,8 +152,10 @@ def _data(run: Run, lazy: LazyModel) -> None:
     from llmc_fsm.oneshot_data import calibration_windows, check_modifiers, check_seq_len, eval_windows
 
     used = [run.eval_len] if run.ev_text is not None else []
-    used.append(int(run.dataset.shape[1]) if isinstance(run.dataset, torch.Tensor) else run.seq_len)
-    check_seq_len(lazy.model, max(used))
+    if run.needs_data:  # a data-free recipe tokenizes no calibration text
+        used.append(int(run.dataset.shape[1]) if isinstance(run.dataset, torch.Tensor) else run.seq_len)
+    if used:
+        check_seq_len(lazy.model, max(used))
     with run.timed("data"):
         calibration_windows(run)
         if run.ev_text is not None:

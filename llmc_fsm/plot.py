@@ -147,7 +147,8 @@ def error_panel_title(entries: Sequence[Mapping[str, Any]]) -> str:
     detail = f" ({', '.join(settings)})" if settings else ""
     quantized = [e for e in quant if e.get("bits") is not None]
     what = "pruning" if not quantized else "quantization"
-    if quantized and any(e.get("zeros") for e in quantized):
+    numel = sum(int(e.get("numel") or 0) for e in quantized)
+    if numel and sum(int(e.get("zeros") or 0) for e in quantized) / numel >= 0.05:  # pruned (a dense model has a few)
         what = "pruning + quantization"
     return f"{what}: relative output error ||W X - Ŵ X|| / ||W X|| per module{detail}; line: mean weighted by size"
 

@@ -160,9 +160,10 @@ def test_report_bad_inputs(tmp_path, capsys):
 def test_error_panel_title_names_what_made_the_error():
     from llmc_fsm.plot import error_panel_title
 
-    pruned = [{"rel_output_error": 0.1, "zeros": 8}, {"zeros": 3}]  # the second has no error: not counted
-    quantized = [{"rel_output_error": 0.1, "zeros": 0, "bits": 4, "group_size": 64}]
-    both = [{"rel_output_error": 0.1, "zeros": 8, "bits": 4, "group_size": 64}, *quantized]
+    pruned = [{"rel_output_error": 0.1, "zeros": 8, "numel": 16}, {"zeros": 3}]  # the second has no error: not counted
+    # a dense weight's few exact zeros (0.03%) do not make it pruned
+    quantized = [{"rel_output_error": 0.1, "zeros": 3, "numel": 10000, "bits": 4, "group_size": 64}]
+    both = [{"rel_output_error": 0.1, "zeros": 8000, "numel": 16000, "bits": 4, "group_size": 64}, *quantized]
     tail = "relative output error ||W X - Ŵ X|| / ||W X|| per module{}; line: mean weighted by size"
     assert error_panel_title(pruned) == "pruning: " + tail.format("")
     assert error_panel_title(quantized) == "quantization: " + tail.format(" (bits 4, group_size 64)")

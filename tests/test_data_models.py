@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import math
+import os
 import sys
 import time
 
@@ -41,6 +42,16 @@ def wiki_ids(smollm2, wiki_text):
 
 
 # ---------------------------------------------------------------- load_text
+
+
+def test_load_text_refuses_directories_and_devices(tmp_path):
+    with pytest.raises(ValueError) as info:
+        load_text(tmp_path)
+    assert str(info.value) == f"{str(tmp_path)!r} is a directory; pass a text or JSONL file"
+    if os.path.exists("/dev/null"):
+        with pytest.raises(ValueError) as info:
+            load_text("/dev/null")
+        assert str(info.value) == "'/dev/null' is not a regular file; pass a text or JSONL file"
 
 
 def test_load_text_plain_file(tmp_path):
@@ -432,3 +443,25 @@ def test_interrupted_cache_build_leaves_nothing(smollm2, monkeypatch, tmp_path):
         models_mod._build_cache("smollm2-135m", KNOWN_MODELS["smollm2-135m"], target)
     assert not target.exists()
     assert list(target.parent.iterdir()) == []
+
+
+def test_eval_text_shorter_than_one_window_is_one_clear_error(tmp_path, caplog):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from llmc_fsm.oneshot_data import eval_windows
+
+    vocab = {f"w{i}": i for i in range(50)} | {"[UNK]": 50}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]")
+    with pytest.raises(ValueError) as info:
+        eval_windows(tokenizer, "w1 w2 w3 w4 w5", num_windows=4, seq_len=8)
+    assert str(info.value) == (
+        "the eval text has 5 tokens, fewer than one evaluation window of 8: pass a longer eval text (--eval-text) "
+        "or shorter windows (--seq-len / eval_seq_length)"
+    )
+    text = " ".join(f"w{i % 50}" for i in range(20))  # 20 tokens: 2 windows of 8 fit, not 4
+    windows = eval_windows(tokenizer, text, num_windows=4, seq_len=8)
+    assert tuple(windows.shape) == (2, 8)
+    assert "the eval text has 20 tokens (< 4 x 8): using 2 window(s)" in caplog.text

@@ -244,3 +244,20 @@ def test_no_progress_silences_library_bars_and_restores_the_callers_settings(tmp
         hf_logging.enable_progress_bar()
     assert [m.tqdm for m in modules] == originals
     assert hf_logging.is_progress_bar_enabled() and not are_progress_bars_disabled()
+
+
+def test_weights_disk_bytes_counts_weight_files_only(tmp_path):
+    import torch
+
+    from llmc_fsm.output import weights_disk_bytes
+
+    d = tmp_path / "m"
+    d.mkdir()
+    (d / "model.safetensors").write_bytes(b"x" * 100)
+    (d / "tokenizer.json").write_bytes(b"y" * 1000)  # not weights: not counted
+    model = torch.nn.Linear(2, 2)
+    model.name_or_path = str(d)
+    assert weights_disk_bytes(Path("smollm2-135m"), model) == 100  # a known name: the directory it was loaded from
+    assert weights_disk_bytes(d, model) == 100
+    (d / "model.safetensors").unlink()
+    assert weights_disk_bytes(d, model) == (4 + 2) * 4  # no weight file: the fp32 parameters' size

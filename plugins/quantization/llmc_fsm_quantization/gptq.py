@@ -260,6 +260,16 @@ def _dampening(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
         raise ValueError(msg)
 
 
+#: compressed-tensors' other names for the same orders (``ActivationOrdering``: ``weight`` is ``static``,
+#: ``dynamic`` is ``group``), so llm-compressor recipes that use them mean the same here.
+_ACTORDER_ALIASES = {"weight": "static", "dynamic": "group"}
+
+
+def _actorder_value(value: Any) -> Any:
+    value = getattr(value, "value", value)  # an ActivationOrdering member
+    return _ACTORDER_ALIASES.get(value, value) if isinstance(value, str) else value
+
+
 def _actorder(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
     if value == "group":
         msg = (
@@ -268,7 +278,7 @@ def _actorder(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
         )
         raise ValueError(msg)
     if value not in ACTORDERS:
-        msg = f"actorder must be one of static or null, got {value!r}"
+        msg = f"actorder must be one of static (alias weight) or null, got {value!r}"
         raise ValueError(msg)
 
 
@@ -280,8 +290,9 @@ class GPTQModifier(QuantizingModifier):
         block_size: columns per lazy-update block (default 128).
         dampening_frac: ``dampening_frac * mean(diag H)`` added to the Hessian's
             diagonal (default 0.01, as in the paper); >= 0.
-        actorder: activation order — ``"static"`` (default) or ``null``; see
-            :func:`gptq_quantize`. ``"group"`` is refused: its per-column group
+        actorder: activation order — ``"static"`` (default; compressed-tensors'
+            alias ``"weight"`` is accepted) or ``null``; see :func:`gptq_quantize`.
+            ``"group"`` (alias ``"dynamic"``) is refused: its per-column group
             index has no place in the compressed-tensors 0.20 checkpoint.
 
     Requires state ``model`` and ``calibration_data``. Memory: one
@@ -294,7 +305,7 @@ class GPTQModifier(QuantizingModifier):
 
     block_size: int = attrs.field(default=128, validator=_positive_int)
     dampening_frac: float = attrs.field(default=0.01, validator=_dampening)
-    actorder: str | None = attrs.field(default="static", validator=_actorder)
+    actorder: str | None = attrs.field(default="static", converter=_actorder_value, validator=_actorder)
 
     def _new_accumulator(self, module: nn.Module) -> HessianAccumulator:
         return HessianAccumulator(module.weight.shape[1])

@@ -148,8 +148,19 @@ def test_unknown_scheme_lists_the_presets() -> None:
 
 
 def test_actorder_group_is_refused_because_the_format_has_no_g_idx() -> None:
-    with pytest.raises(ValueError, match=r"actorder: group needs a per-column group index \(g_idx\)"):
-        GPTQModifier(actorder="group")
+    for value in ("group", "dynamic"):  # "dynamic" is compressed-tensors' alias of "group"
+        with pytest.raises(ValueError, match=r"actorder: group needs a per-column group index \(g_idx\)"):
+            GPTQModifier(actorder=value)
+
+
+def test_actorder_accepts_compressed_tensors_names() -> None:
+    from compressed_tensors.quantization import ActivationOrdering
+
+    assert GPTQModifier(actorder="weight").actorder == "static"  # compressed-tensors' canonical name
+    assert GPTQModifier(actorder=ActivationOrdering.STATIC).actorder == "static"
+    assert GPTQModifier(actorder=None).actorder is None
+    with pytest.raises(ValueError, match=r"^actorder must be one of static \(alias weight\) or null, got 'sideways'$"):
+        GPTQModifier(actorder="sideways")
 
 
 def test_static_activation_scheme_is_refused_with_what_to_use() -> None:
@@ -343,3 +354,33 @@ def test_explain_says_one_shot_stages_run_one_pass_each() -> None:
         "pass; see docs/quantization.md).\n"
     ) in text
     assert "One-shot:" not in explain(llmc_fsm.Session({"s": {"SparseGPTModifier": {"sparsity": 0.5}}}))
+
+
+def test_evaluation_skips_weight_requantization_with_equal_outputs(monkeypatch) -> None:
+    import compressed_tensors.quantization.lifecycle.forward as ct_forward
+    from compressed_tensors.quantization import QuantizationStatus
+
+    from llmc_fsm.output import quantized_weights_as_compressed
+
+    model = _tiny()
+    llmc_fsm.oneshot(model=model, recipe={"q": {"QuantizationModifier": {"scheme": "W8A8"}}}, progress=False)
+    calls: list[str] = []
+    original = ct_forward.forward_quantize
+
+    def counting(module, value, base_name, args):
+        calls.append(base_name)
+        return original(module, value, base_name, args)
+
+    monkeypatch.setattr(ct_forward, "forward_quantize", counting)
+    x = torch.randint(0, 128, (2, 16))
+    with torch.no_grad():
+        plain = model(x).logits
+        assert calls.count("weight") == 14 and calls.count("input") == 14  # 2 layers x 7 Linear
+        calls.clear()
+        with quantized_weights_as_compressed(model):
+            fast = model(x).logits
+        assert calls.count("weight") == 0 and calls.count("input") == 14  # activations are still quantized
+    assert torch.equal(plain, fast)
+    q_proj = model.model.layers[0].self_attn.q_proj
+    assert q_proj.quantization_status == QuantizationStatus.FROZEN  # restored
+
