@@ -214,10 +214,13 @@ class OneshotReport:
         lines = [f"model: {self.model}"]
         cal = self.calibration
         split = cal.get("per_rank")
-        lines.append(
-            f"calibration: {cal.get('num_samples')} x {cal.get('seq_len')} tokens from {cal.get('source')}"
-            + (f" (split over {len(split)} ranks: {' + '.join(map(str, split))})" if split else "")
-        )
+        if cal.get("num_samples"):
+            lines.append(
+                f"calibration: {cal.get('num_samples')} x {cal.get('seq_len')} tokens from {cal.get('source')}"
+                + (f" (split over {len(split)} ranks: {' + '.join(map(str, split))})" if split else "")
+            )
+        else:
+            lines.append(f"calibration: {cal.get('source')}")
         rows = self.layer_sparsity()
         quant = self.layer_quantization()
         if rows:

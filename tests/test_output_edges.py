@@ -200,7 +200,7 @@ def test_sequential_pruned_through_the_api_reports_its_targets():
     assert report.total_sparsity == 0.5
     assert report.format_table().splitlines()[:7] == [
         "model: Sequential",
-        "calibration: 0 x 256 tokens from none (no modifier needs calibration data)",
+        "calibration: none (no modifier needs calibration data)",
         "      0          64    50.00%",
         "      2          32    50.00%",
         "  total          96    50.00%   (targeted Linear weights)",
