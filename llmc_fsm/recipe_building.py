@@ -261,7 +261,8 @@ class _Builder:
             at = where(self.source, arg_line or line, stage.name, name, argument)
             if key != argument:
                 at += f" (given as {key!r})"
-            raise RecipeError(f"{at}: {type(exc).__name__}: {text}") from exc
+            kind = "" if type(exc) is ValueError else f"{type(exc).__name__}: "  # a plain bad value needs no label
+            raise RecipeError(f"{at}: {kind}{text}") from exc
 
     def arguments(
         self, cls: type[Modifier], name: str, args: Mapping[str, Any], stage: Stage, line: int | None

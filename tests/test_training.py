@@ -379,7 +379,7 @@ def test_recipe_yaml_uses_registered_names():
         Session("train:\n  OutputDistillationModifier: {alpha: 2}\n")
     assert str(info.value) == (
         "recipe <text>, line 2, stage 'train', modifier OutputDistillationModifier, argument 'alpha': "
-        "ValueError: alpha must be a number in [0, 1], got 2.0"
+        "alpha must be a number in [0, 1], got 2.0"
     )
 
 

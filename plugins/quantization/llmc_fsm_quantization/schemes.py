@@ -31,7 +31,7 @@ def preset_names() -> list[str]:
 
 def _preset(name: str, targets: list[str]) -> QuantizationScheme:
     if not isinstance(name, str) or name.upper() not in PRESET_SCHEMES:
-        msg = f"unknown quantization scheme {name!r}; presets: {', '.join(preset_names())}"
+        msg = f"unknown quantization scheme {name!r}; presets: {', '.join(sorted(preset_names()))}"
         raise ValueError(msg)
     return preset_name_to_scheme(name, targets)
 
