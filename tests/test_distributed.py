@@ -63,7 +63,12 @@ def _entry(rank: int, world: int, tmp: str, worker: str, timeout_s: float) -> No
     meta["seconds"] = time.perf_counter() - t0
     save_file({k: v.contiguous() for k, v in tensors.items()}, f"{tmp}/rank{rank}.safetensors",
               metadata={"json": json.dumps(meta)})
-    dist.destroy_process_group()
+    if "error" not in meta:
+        dist.barrier()  # leave together
+    # The results are on disk. End the process without interpreter teardown: gloo's worker threads can abort
+    # (SIGABRT, "terminate called without an active exception") while the process group is destroyed or the
+    # interpreter finalizes (pytorch/pytorch#179291), which would fail a test whose ranks all did their work.
+    os._exit(0)
 
 
 def launch(worker: str, tmp_path: Path, *, timeout_s: float = 60.0, join_s: float = 180.0) -> list[dict[str, Any]]:
