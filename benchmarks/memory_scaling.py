@@ -37,6 +37,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from _measure import loadavg  # benchmarks/_measure.py, beside this script
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DOCS = REPO_ROOT / "docs" / "benchmarks.md"
 PLOT = REPO_ROOT / "docs" / "memory_scaling.png"
@@ -315,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         print(json.dumps(worker(args)), flush=True)
         return 0
-    load = Path("/proc/loadavg").read_text().split()[0]
+    load = loadavg()
     _log(f"load average {load}")
     rows = []
     for layers in args.depths:
@@ -326,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
             row.update(measure(layers, low_memory, args))
             _log(json.dumps(row))
             rows.append(row)
-    load = f"{load} before the runs, {Path('/proc/loadavg').read_text().split()[0]} after"
+    load = f"{load} before the runs, {loadavg()} after"
     section = render(rows, args, load)
     print(section)
     if args.write_docs:

@@ -42,6 +42,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from _measure import loadavg, status_kib  # benchmarks/_measure.py, beside this script
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DATA = REPO_ROOT.parent / "shared" / "data" / "wikitext-2-raw" / "wiki.test.raw"
 DOCS = REPO_ROOT / "docs" / "benchmarks.md"
@@ -61,14 +63,6 @@ def _log(msg: str) -> None:
 
 
 # --------------------------------------------------------------------------- worker (our side)
-def _peak_kib(field: str = "VmHWM") -> int:
-    """``VmHWM`` (peak resident set, = ``ru_maxrss``) or ``VmRSS`` of this process, in KiB."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(f"no {field} in /proc/self/status")
-
-
 def _state_sha256(model: Any) -> str:
     """sha256 over the state dict (names and raw bytes, sorted by name): equal iff the weights are bitwise equal."""
     import hashlib
@@ -92,7 +86,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
     if args.threads:
         torch.set_num_threads(args.threads)
     model_dir = known_model_dir("smollm2-135m")
-    peak = {"imports_rss": _peak_kib("VmRSS")}
+    peak = {"imports_rss": status_kib("VmRSS")}
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     text = load_text(args.data)
     calib = token_windows(tokenizer, text, num_windows=args.calib_windows, seq_len=args.seq_len, from_end=True)
@@ -107,21 +101,21 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
         llmc_fsm.oneshot(str(model_dir), {"bench": modifiers}, calib, output_dir=out, batch_size=args.batch_size,
                          progress=False, low_memory=True)
         compress_s = time.perf_counter() - t0
-        peak["compress"] = _peak_kib()
+        peak["compress"] = status_kib()
         model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
         shutil.rmtree(out.parent)
     else:
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()  # as the peer loads it
-        peak["load"] = _peak_kib()
+        peak["load"] = status_kib()
         dense_ppl = None if args.skip_dense else perplexity(model, evalw, progress=False)
         if modifiers is not None:
             t0 = time.perf_counter()
             llmc_fsm.oneshot(model=model, tokenizer=tokenizer, recipe={"bench": modifiers}, dataset=calib,
                              batch_size=args.batch_size, progress=False)
             compress_s = time.perf_counter() - t0
-        peak["compress"] = _peak_kib()
+        peak["compress"] = status_kib()
     pruned_ppl = perplexity(model, evalw, progress=False)
-    peak["eval"] = _peak_kib()
+    peak["eval"] = status_kib()
     zeros = total = 0
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.Linear) and name.startswith("model.layers."):
@@ -158,17 +152,12 @@ def run_ours(
     if low_memory:
         cmd.append("--low-memory")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
-    before = _loadavg()
+    before = loadavg()
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, env=env, check=False)
     if proc.returncode != 0:
         msg = f"our worker failed ({proc.returncode}): {proc.stdout[-2000:]}"
         raise RuntimeError(msg)
-    return {**json.loads(proc.stdout.strip().splitlines()[-1]), "load": f"{before} -> {_loadavg()}"}
-
-
-def _loadavg() -> str:
-    """The 1-minute load average (the machine is shared: it tells how far the wall times can be trusted)."""
-    return Path("/proc/loadavg").read_text().split()[0]
+    return {**json.loads(proc.stdout.strip().splitlines()[-1]), "load": f"{before} -> {loadavg()}"}
 
 
 def run_peer(args: argparse.Namespace, extra: tuple[str, ...] = ()) -> dict[str, Any]:
@@ -178,14 +167,14 @@ def run_peer(args: argparse.Namespace, extra: tuple[str, ...] = ()) -> dict[str,
     from llmc_fsm.models import known_model_dir
 
     model_dir = known_model_dir("smollm2-135m")  # the directory our side loads too
-    before = _loadavg()
+    before = loadavg()
     result = run_peer_script(
         Path(__file__).resolve().parent / "peer_oneshot_llmcompressor.py",
         ["--model", str(model_dir), "--data", str(args.data), "--calib-windows", str(args.calib_windows),
          "--eval-windows", str(args.eval_windows), "--seq-len", str(args.seq_len), "--eval-batch-size", "1",
          *extra],
     )
-    return {**result, "load": f"{before} -> {_loadavg()}"}
+    return {**result, "load": f"{before} -> {loadavg()}"}
 
 
 # --------------------------------------------------------------------------- report
@@ -327,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(worker(args)), flush=True)
         return 0
 
-    load = Path("/proc/loadavg").read_text().split()[0]
+    load = loadavg()
     _log(f"load average {load}")
     _log("ours: SparseGPT 50% (in memory)")
     ours = run_ours(VARIANTS["SparseGPT 50%"], args, skip_dense=True)
@@ -363,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
         elif not args.no_variants:
             _log(f"ours: {name}")
             variants[name] = run_ours(recipe, args, skip_dense=True)["pruned_ppl"]
-    load = f"{load} before the runs, {Path('/proc/loadavg').read_text().split()[0]} after"
+    load = f"{load} before the runs, {loadavg()} after"
     section = render(ours, low, peer, variants, args, load)
     print(section)
     if args.write_docs:

@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 import torch
+from _measure import status_kib  # benchmarks/_measure.py, beside this script
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -35,13 +36,6 @@ def _load_data_module():
     sys.modules[spec.name] = module  # type: ignore[union-attr]
     spec.loader.exec_module(module)  # type: ignore[union-attr]
     return module
-
-
-def _vm_hwm_bytes() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    return 0
 
 
 def _recipe(method: str, group_size: int, observer: str):
@@ -84,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     recipe = _recipe(args.method, args.group_size, args.observer)
     model = oneshot(model=model, tokenizer=tokenizer, recipe=recipe, **kwargs)
     compress_s = time.perf_counter() - t0
-    peak = _vm_hwm_bytes()
+    peak = status_kib("VmHWM") * 1024
     ppl = data.perplexity(model, evalw, progress=False)
     model.save_pretrained(args.out, save_compressed=True)
     tokenizer.save_pretrained(args.out)

@@ -31,6 +31,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from _measure import loadavg, status_kib  # benchmarks/_measure.py, beside this script
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DATA = REPO_ROOT.parent / "shared" / "data" / "wikitext-2-raw" / "wiki.test.raw"
 DOCS = REPO_ROOT / "docs" / "benchmarks.md"
@@ -52,13 +54,6 @@ def _log(msg: str) -> None:
     print(f"[bench] {msg}", file=sys.stderr, flush=True)
 
 
-def _vm_hwm_bytes() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    return 0
-
-
 def worker(args: argparse.Namespace) -> dict[str, Any]:
     """Our side, in a fresh process: load, compress (timed), perplexity, save, reload, perplexity."""
     import torch
@@ -77,7 +72,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
     llmc_fsm.oneshot(model=model, recipe=RECIPES[args.run], dataset=calib, progress=False,
                      fuse_stages=not args.separate)
     compress_s = time.perf_counter() - t0
-    peak = _vm_hwm_bytes()
+    peak = status_kib("VmHWM") * 1024
     result: dict[str, Any] = {"side": "llmc-fsm", "run": args.run, "separate": args.separate,
                               "compress_wall_s": compress_s, "peak_rss_through_compression_bytes": peak}
     result["ppl"] = perplexity(model, evalw, progress=False)
@@ -193,14 +188,14 @@ def main(argv: list[str] | None = None) -> int:
                                ("2:4+gptq", False, "fused"), ("2:4+gptq", True, "separate")):
         if key in only:
             _log(f"ours: {run}{' (two passes)' if separate else ''}")
-            load = f"{os.getloadavg()[0]:.2f}"
+            load = loadavg()
             row = _run_self(["--run", run, *(["--separate"] if separate else [])], model_dir)
-            rows.append({**row, "load": f"{load} -> {os.getloadavg()[0]:.2f}"})
+            rows.append({**row, "load": f"{load} -> {loadavg()}"})
         if key in ("gptq", "gptq-mse", "rtn") and key in only and not args.no_peer:
             _log(f"peer: {key}")
-            load = f"{os.getloadavg()[0]:.2f}"
+            load = loadavg()
             row = _run_peer(key, model_dir)
-            rows.append({**row, "run": key, "load": f"{load} -> {os.getloadavg()[0]:.2f}"})
+            rows.append({**row, "run": key, "load": f"{load} -> {loadavg()}"})
     if args.json:
         Path(args.json).write_text(json.dumps({"dense": dense, "rows": rows}, indent=2))
     section = render(dense, rows)
