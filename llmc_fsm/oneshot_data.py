@@ -115,9 +115,7 @@ def eval_windows(tokenizer: Any, text: str, num_windows: int, seq_len: int) -> A
                 "eval text (--eval-text) or shorter windows (--seq-len / eval_seq_length)"
             )
             raise ValueError(msg) from None
-        logger.warning(
-            "the eval text has %d tokens (< %d x %d): using %d window(s)", n_ids, num_windows, seq_len, fit
-        )
+        logger.warning("the eval text has %d tokens (< %d x %d): using %d window(s)", n_ids, num_windows, seq_len, fit)
         return token_windows(tokenizer, text, num_windows=fit, seq_len=seq_len)
 
 

@@ -3,17 +3,23 @@
 Flow (:func:`run_sequential`)::
 
     capture the inputs of decoder layer 0      (embedding runs once per batch)
+    record one forward of layer 0              (call order, which modules share an input)
     session.calibration_start()
     restore the layers a checkpoint holds      (resume: their saved compressed state;
                                                 the inputs are run through them)
     for each remaining decoder layer:
-        run every calibration batch through the layer   (modifier hooks gather statistics;
-                                                         each forward ends at the input of
-                                                         the last hooked module)
-        session.sequential_epoch_end([layer])           (modifiers compress the layer)
+        run every calibration batch through the layer once (each batch a coroutine);
+        at each group of targets (q/k/v, o, gate/up, down) all batches wait:
+            session.sequential_epoch_end(group)         (modifiers compress the group)
+        session.sequential_epoch_end([layer])           (whatever the forward did not reach)
         checkpoint.save(layer)                          (optional: per-layer progress)
-        run the batches through the compressed layer    (its outputs feed the next layer)
-    session.calibration_end()
+        the outputs feed the next layer
+
+With ``true_sequential=False`` (or a layer whose targets are not all leaves
+hooked by pre-hooks) each layer runs the plain order instead: every batch
+through the layer for the hooks (ending at the input of the last hooked
+module), ``sequential_epoch_end([layer])``, every batch through the compressed
+layer.
 
 Peak memory is the model plus one layer's activations for the calibration
 batches (and whatever statistics the modifiers keep for that layer), not the
@@ -36,7 +42,7 @@ import torch
 from torch import nn
 
 from llmc_fsm.heap import trim_heap
-from llmc_fsm.pipeline_layer import Inputs, calibrate_layer, capture_layer_inputs, propagate
+from llmc_fsm.pipeline_layer import Inputs, capture_layer_inputs, compress_layer, propagate, record_calls
 
 if TYPE_CHECKING:
     from llmc_fsm.session import Session
@@ -184,6 +190,7 @@ def run_sequential(
     batch_size: int = 8,
     progress: bool = True,
     early_exit: bool = True,
+    true_sequential: bool = True,
     checkpoint: LayerCheckpoint | None = None,
 ) -> PipelineResult:
     """Calibrate and compress ``model`` layer by layer through ``session``'s modifiers.
@@ -205,6 +212,19 @@ def run_sequential(
             ``down_proj`` is hooked by pre-hooks this skips ``down_proj`` and
             the residual, ~1/4 of the calibration pass. Set ``False`` for a
             modifier that observes the layer by other means than torch hooks.
+        true_sequential: run every batch through each decoder layer once,
+            compressing each group of targets (modules called on the same
+            input: ``q/k/v_proj``, ``o_proj``, ``gate/up_proj``,
+            ``down_proj``) before any batch runs it, so later modules are
+            calibrated on the outputs of compressed ones (see
+            :mod:`llmc_fsm.true_sequential`; one layer forward instead of
+            ~1.75). ``False``: the plain order (all statistics from the layer
+            as it was, then one more pass through the compressed layer), the
+            order llm-compressor uses. Layers whose targets are not all
+            leaves hooked by pre-hooks, and sessions with a modifier that is not a
+            :class:`~llmc_fsm.calibration.CalibratedModifier`, run the plain order anyway. Set
+            ``False`` (with ``early_exit``) for a modifier that observes the
+            layer by other means than torch hooks.
         checkpoint: per-layer progress (:class:`LayerCheckpoint`): each layer is
             saved right after it is compressed; the first
             ``checkpoint.layers_done()`` layers are restored (after
@@ -229,7 +249,14 @@ def run_sequential(
     try:
         with torch.no_grad():
             resumed, layer_seconds = _run_layers(
-                session, model, layers, batches, progress=progress, early_exit=early_exit, checkpoint=checkpoint
+                session,
+                model,
+                layers,
+                batches,
+                progress=progress,
+                early_exit=early_exit,
+                true_sequential=true_sequential,
+                checkpoint=checkpoint,
             )
     finally:
         model.train(was_training)
@@ -277,15 +304,21 @@ def _run_layers(
     *,
     progress: bool,
     early_exit: bool,
+    true_sequential: bool,
     checkpoint: LayerCheckpoint | None,
 ) -> tuple[int, list[float]]:
     """The calibration proper (under ``no_grad``): returns (layers restored, wall time per calibrated layer)."""
     from tqdm.auto import tqdm
 
+    from llmc_fsm.calibration import CalibratedModifier
+
+    # grouped calibration calls a group's later members' pre-hooks early; CalibratedModifier ignores the later call
+    true_sequential = true_sequential and all(isinstance(m, CalibratedModifier) for m in session.modifiers)
     inputs = capture_layer_inputs(model, layers[0], batches)
+    # which submodules are called in which order, on which inputs: before the modifiers hook anything
+    calls = record_calls(layers[0], *inputs[0]) if early_exit or true_sequential else None
     session.calibration_start()
     start, inputs = _resume(layers, inputs, checkpoint)
-    order: dict[str, int] = {}  # call order of the submodules, recorded during the first calibration forward
     layer_seconds: list[float] = []
     bar = tqdm(
         range(start, len(layers)),
@@ -299,12 +332,19 @@ def _run_layers(
     for index in bar:
         t0 = time.perf_counter()
         layer = layers[index]
-        calibrate_layer(layer, inputs, order if early_exit else None)  # 1) the modifiers' hooks see every batch
-        session.sequential_epoch_end([layer])  # 2) compress this layer
+        last = index + 1 == len(layers)
+        outputs = compress_layer(
+            layer,
+            inputs,
+            session.sequential_epoch_end,
+            calls=calls,
+            true_sequential=true_sequential,
+            early_exit=early_exit,
+            need_outputs=not last,
+        )
         if checkpoint is not None:
             checkpoint.save(index, layer)
-        if index + 1 < len(layers):  # 3) the compressed layer's outputs feed the next layer
-            inputs = propagate(layer, inputs)
+        inputs = outputs if outputs is not None else []
         trim_heap()  # the forwards' freed activations go back to the system
         layer_seconds.append(time.perf_counter() - t0)
     bar.close()

@@ -2,6 +2,11 @@
 
 * :func:`capture_layer_inputs` — run the model up to a layer and keep that layer's
   positional and keyword inputs per batch (the forward stops there);
+* :func:`record_calls` — one forward of a layer, recording which submodules are
+  called in which order and on which input (before the modifiers hook it);
+* :func:`compress_layer` — calibrate and compress one layer: every batch runs it
+  once with each group of targets compressed before it runs
+  (:mod:`llmc_fsm.true_sequential`), or, where that does not apply, the plain order:
 * :func:`calibrate_layer` — run every batch through a layer for the modifiers'
   hooks, ending each forward at the input of the last hooked submodule when
   nothing after it is observed (:func:`early_exit_module`);
@@ -12,8 +17,7 @@ Everything here runs under the caller's ``torch.no_grad``.
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -22,16 +26,26 @@ from torch import nn
 from llmc_fsm.torch_hooks import global_forward_hooks_installed, hook_count
 
 __all__ = [
+    "Calls",
     "Inputs",
     "StopForward",
     "calibrate_layer",
+    "call_order",
     "capture_layer_inputs",
+    "compress_layer",
     "early_exit_module",
+    "first_output",
     "propagate",
+    "record_calls",
+    "with_hidden",
 ]
 
 #: Per calibration batch: the (positional args, keyword args) a decoder layer is called with.
 Inputs = list[tuple[tuple[Any, ...], dict[str, Any]]]
+
+#: A recorded forward of a decoder layer (:func:`record_calls`): per submodule call, in order,
+#: ``(name relative to the layer, input number)``; equal numbers mean the same input tensor.
+Calls = list[tuple[str, int]]
 
 
 class StopForward(Exception):
@@ -83,7 +97,12 @@ def capture_layer_inputs(model: nn.Module, layer: nn.Module, batches: list[dict[
     return captured
 
 
-def _first(output: Any) -> torch.Tensor:
+def first_output(output: Any) -> torch.Tensor:
+    """The hidden states in a decoder layer's output (a tensor, a tuple's first item or ``.hidden_states``).
+
+    Raises:
+        TypeError: none of these.
+    """
     if isinstance(output, torch.Tensor):
         return output
     if isinstance(output, tuple | list):
@@ -95,28 +114,43 @@ def _first(output: Any) -> torch.Tensor:
     raise TypeError(msg)
 
 
-def _run_layer(layer: nn.Module, inputs: Inputs) -> Iterator[torch.Tensor]:
-    for args, kwargs in inputs:
-        yield _first(layer(*args, **kwargs))
+def record_calls(layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Calls:
+    """Run ``layer`` once on ``(args, kwargs)`` and return its submodules' calls in order.
 
-
-def _record_call_order(layer: nn.Module) -> tuple[dict[str, int], list[Any]]:
-    """Hook every submodule of ``layer`` to record ``{relative name: index of its last call}``.
-
-    Returns the (live) record and the handles to remove once one forward has run.
+    Each call is ``(name relative to layer, input number)``: calls with the
+    same number got the same first input tensor (``q/k/v_proj``). Run it
+    before the modifiers hook the layer, so that no statistics are gathered.
     """
-    order: dict[str, int] = {}
-    calls = itertools.count()
+    calls: Calls = []
+    sources: list[Any] = []
+
+    def number(x: Any) -> int:
+        for i, seen in enumerate(sources):
+            if seen is x:
+                return i
+        sources.append(x)
+        return len(sources) - 1
+
     handles = []
     for name, sub in layer.named_modules():
         if sub is layer:
             continue
 
-        def record(module: nn.Module, args: Any, _name: str = name) -> None:
-            order[_name] = next(calls)
+        def record(module: nn.Module, call_args: tuple[Any, ...], _name: str = name) -> None:
+            calls.append((_name, number(call_args[0]) if call_args else -1 - len(calls)))
 
         handles.append(sub.register_forward_pre_hook(record))
-    return order, handles
+    try:
+        layer(*args, **kwargs)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return calls
+
+
+def call_order(calls: Calls) -> dict[str, int]:
+    """``{relative name: position of its last call}`` from :func:`record_calls`."""
+    return {name: position for position, (name, _) in enumerate(calls)}
 
 
 def _has_hooks(module: nn.Module, *, post_only: bool = False) -> bool:
@@ -155,26 +189,16 @@ def _raise_stop(module: nn.Module, args: Any) -> None:
     raise StopForward
 
 
-def calibrate_layer(layer: nn.Module, inputs: Inputs, order: dict[str, int] | None) -> None:
+def calibrate_layer(layer: nn.Module, inputs: Inputs, order: Mapping[str, int] | None) -> None:
     """Run every batch through ``layer`` for its hooks, stopping early where nothing later is observed.
 
-    ``order`` (``None``: never stop early) is filled on the first forward if
-    empty and then reused for the layers that follow.
+    ``order`` (:func:`call_order`; ``None``: never stop early) is the call
+    order of a layer of the same class.
     """
-    start = 0
-    if order is not None and not order:
-        recorded, handles = _record_call_order(layer)
-        try:
-            layer(*inputs[0][0], **inputs[0][1])
-        finally:
-            for handle in handles:
-                handle.remove()
-        order.update(recorded)
-        start = 1
     stop_at = early_exit_module(layer, order) if order is not None else None
     handle = stop_at.register_forward_pre_hook(_raise_stop) if stop_at is not None else None
     try:
-        for args, kwargs in inputs[start:]:
+        for args, kwargs in inputs:
             try:
                 layer(*args, **kwargs)
             except StopForward:
@@ -184,7 +208,45 @@ def calibrate_layer(layer: nn.Module, inputs: Inputs, order: dict[str, int] | No
             handle.remove()
 
 
+def compress_layer(
+    layer: nn.Module,
+    inputs: Inputs,
+    compress: Callable[[list[nn.Module]], None],
+    *,
+    calls: Calls | None,
+    true_sequential: bool,
+    early_exit: bool,
+    need_outputs: bool,
+) -> Inputs | None:
+    """Calibrate and compress ``layer`` on ``inputs``; return the next layer's inputs (``None`` if not needed).
+
+    With ``true_sequential`` and a layer :func:`llmc_fsm.true_sequential.plan_groups`
+    accepts (by ``calls``), every batch runs the
+    layer once and each group of targets is compressed (``compress(group)``)
+    before any batch runs it. Otherwise the plain order: every batch runs the
+    layer for the hooks (stopping early by ``calls`` if ``early_exit``), the layer is
+    compressed, and (if ``need_outputs``) every batch runs the compressed layer.
+    Either way ``compress([layer])`` is called once at the end (it compresses
+    whatever targets the forward did not reach).
+    """
+    from llmc_fsm.true_sequential import plan_groups, run_grouped
+
+    groups = plan_groups(layer, calls) if true_sequential and inputs else None
+    if groups is not None:
+        hidden = run_grouped(layer, inputs, groups, compress)
+        compress([layer])
+        return with_hidden(inputs, hidden) if need_outputs else None
+    if inputs:
+        calibrate_layer(layer, inputs, call_order(calls) if early_exit and calls is not None else None)
+    compress([layer])
+    return propagate(layer, inputs) if need_outputs and inputs else None
+
+
 def propagate(layer: nn.Module, inputs: Inputs) -> Inputs:
     """``inputs`` with each batch's hidden states replaced by ``layer``'s output on them."""
-    outputs = list(_run_layer(layer, inputs))
-    return [((out, *args[1:]), kwargs) for out, (args, kwargs) in zip(outputs, inputs, strict=True)]
+    return with_hidden(inputs, [first_output(layer(*args, **kwargs)) for args, kwargs in inputs])
+
+
+def with_hidden(inputs: Inputs, hidden: list[torch.Tensor]) -> Inputs:
+    """``inputs`` with each batch's hidden states (first positional argument) replaced by ``hidden``."""
+    return [((out, *args[1:]), kwargs) for out, (args, kwargs) in zip(hidden, inputs, strict=True)]

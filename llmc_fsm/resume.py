@@ -152,7 +152,8 @@ def fingerprint(
     Items: ``model`` (sha256 of an in-memory model's tensors; of each file of a
     model directory; a known model's name and package version), ``recipe``
     (every setting), ``calibration data`` (source and sha256 of its text or
-    token tensor, windows, length), ``pipeline`` (batch size, stages fused),
+    token tensor, windows, length), ``pipeline`` (batch size, stages fused, the
+    calibration order within a layer: :mod:`llmc_fsm.true_sequential`),
     ``seed``, ``library versions`` (llmc-fsm, torch, transformers,
     compressed-tensors, the modifiers' plugin distributions). Hashing reads the
     model once (~0.3 s for SmolLM2's 0.5 GB).
@@ -170,7 +171,7 @@ def fingerprint(
         "model": _model_item(model),
         "recipe": recipe.to_dict(),
         "calibration data": data,
-        "pipeline": {"batch_size": batch_size, "fuse_stages": fuse_stages},
+        "pipeline": {"batch_size": batch_size, "fuse_stages": fuse_stages, "order": "true sequential"},
         "seed": seed,
         "library versions": _versions(modifiers),
     }

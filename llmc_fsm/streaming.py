@@ -9,8 +9,9 @@ is the sequential pipeline (:mod:`llmc_fsm.pipeline`) with the weights streamed:
     session.calibration_start()
     for each decoder layer i:
         read layer i from the checkpoint
-        calibrate it, session.sequential_epoch_end([layer]),     (the same helpers and events
-        run the batches through the compressed layer              as the in-memory pipeline)
+        calibrate and compress it, its outputs feed layer i + 1   (the same helper and events as
+                                                                  the in-memory pipeline:
+                                                                  pipeline_layer.compress_layer)
         write layer i to shard i + 2, then put it back on meta
     session.calibration_end()
 
@@ -42,7 +43,7 @@ import torch
 from torch import nn
 
 from llmc_fsm.pipeline import calibration_batches, check_targets_in_layers
-from llmc_fsm.pipeline_layer import Inputs, calibrate_layer, capture_layer_inputs, propagate
+from llmc_fsm.pipeline_layer import Calls, Inputs, capture_layer_inputs, compress_layer, propagate, record_calls
 from llmc_fsm.report import ModuleSparsity, measure_sparsity
 
 if TYPE_CHECKING:
@@ -263,10 +264,13 @@ def compress_streaming(
             inputs = capture_layer_inputs(lazy.model, lazy.layers[0], batches)
             if eval_windows is not None:
                 result.eval_states = capture_layer_inputs(lazy.model, lazy.layers[0], _window_batches(eval_windows))
+        calls = None
+        if inputs:  # which submodules are called in which order, on which inputs: before any hook
+            with lazy.materialized(lazy.layer_names(0), lazy.layers[0]):
+                calls = record_calls(lazy.layers[0], *inputs[0])
         session.calibration_start()
-        order: dict[str, int] = {}  # call order of the submodules, recorded during the first calibration forward
         for index in _bar(len(lazy.layers), "compressing layers", progress):
-            inputs = _compress_layer(session, lazy, writer, index, inputs, order, result)
+            inputs = _compress_layer(session, lazy, writer, index, inputs, calls, result)
         del inputs
         session.calibration_end()
     rank = _module_order(lazy)
@@ -280,18 +284,24 @@ def _compress_layer(
     writer: ShardWriter,
     index: int,
     inputs: Inputs,
-    order: dict[str, int],
+    calls: Calls | None,
     result: StreamedCompression,
 ) -> Inputs:
     """Read, calibrate, compress, measure and write decoder layer ``index``; return the next layer's inputs."""
     layer = lazy.layers[index]
     prefix = f"{lazy.layers_name}.{index}."
     with lazy.materialized(lazy.layer_names(index), layer):
-        if inputs:
-            calibrate_layer(layer, inputs, order)
-        session.sequential_epoch_end([layer])
-        if inputs and index + 1 < len(lazy.layers):
-            inputs = propagate(layer, inputs)
+        need_outputs = index + 1 < len(lazy.layers)
+        outputs = compress_layer(
+            layer,
+            inputs,
+            session.sequential_epoch_end,
+            calls=calls,
+            true_sequential=True,
+            early_exit=True,
+            need_outputs=need_outputs,
+        )
+        inputs = outputs if outputs is not None else []
         if result.eval_states is not None:
             result.eval_states = propagate(layer, result.eval_states)
         result.modules += [

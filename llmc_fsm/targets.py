@@ -225,8 +225,9 @@ def _unmatched_reason(named, pattern: str) -> str:
     return f"it matches only modules without a Linear-like 2-D weight: {_shown(direct)}"
 
 
-def _nothing_selected(model: nn.Module, targets: tuple[str, ...], unmatched: dict[str, str],
-                      supported_names: list[str]) -> ValueError:
+def _nothing_selected(
+    model: nn.Module, targets: tuple[str, ...], unmatched: dict[str, str], supported_names: list[str]
+) -> ValueError:
     reasons = "; ".join(f"{p!r}: {why}" for p, why in unmatched.items())
     msg = (
         f"targets {list(targets)} select no module with a Linear-like weight in {type(model).__name__} "

@@ -159,7 +159,7 @@ _EXPECTED_JSON = 'expected a JSON array of {"text": ...} objects, or JSON Lines 
     [
         (
             '{"data": [{"text": "x"}]}',
-            f'{_EXPECTED_JSON}; got one object without a string "text" field (keys: \'data\')',
+            f"{_EXPECTED_JSON}; got one object without a string \"text\" field (keys: 'data')",
         ),
         ('"just a string"', f"{_EXPECTED_JSON}; got a JSON string"),
         ("3.5", f"{_EXPECTED_JSON}; got a JSON number"),

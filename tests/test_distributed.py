@@ -61,8 +61,11 @@ def _entry(rank: int, world: int, tmp: str, worker: str, timeout_s: float) -> No
     except Exception as exc:
         meta["error"] = {"type": type(exc).__name__, "message": str(exc)}
     meta["seconds"] = time.perf_counter() - t0
-    save_file({k: v.contiguous() for k, v in tensors.items()}, f"{tmp}/rank{rank}.safetensors",
-              metadata={"json": json.dumps(meta)})
+    save_file(
+        {k: v.contiguous() for k, v in tensors.items()},
+        f"{tmp}/rank{rank}.safetensors",
+        metadata={"json": json.dumps(meta)},
+    )
     if "error" not in meta:
         dist.barrier()  # leave together
     # The results are on disk. End the process without interpreter teardown: gloo's worker threads can abort
@@ -150,8 +153,9 @@ def _mismatch_worker(rank: int, tmp: Path, tensors: dict[str, torch.Tensor]) -> 
     except ValueError as exc:
         errors["world_size"] = str(exc)
     try:  # the one-shot job: refused before any compression, weights untouched
-        llmc_fsm.oneshot(model=model, recipe=default_recipe("wanda", 0.5 if rank == 0 else 0.25), dataset=windows(),
-                         progress=False)
+        llmc_fsm.oneshot(
+            model=model, recipe=default_recipe("wanda", 0.5 if rank == 0 else 0.25), dataset=windows(), progress=False
+        )
     except ValueError as exc:
         errors["oneshot"] = str(exc)
     errors["unchanged"] = all(torch.equal(w, before[n]) for n, w in linears(model).items())
@@ -196,7 +200,12 @@ def _ddp_worker(rank: int, tmp: Path, tensors: dict[str, torch.Tensor]) -> dict[
     recipe = {
         "train": {
             "MagnitudePruningModifier": {
-                "init_sparsity": 0.2, "final_sparsity": 0.6, "start": 0, "end": 3, "update": 1, "targets": ["Linear"],
+                "init_sparsity": 0.2,
+                "final_sparsity": 0.6,
+                "start": 0,
+                "end": 3,
+                "update": 1,
+                "targets": ["Linear"],
             }
         }
     }
@@ -278,8 +287,11 @@ def test_expected_world_size_without_a_process_group():
         "of that size (world size 1): launch it with torchrun --nproc-per-node ..."
     )
     assert session.lifecycle == "created"
-    with pytest.raises(ValueError, match=r"^state world_size must be a positive int \(the number of ranks expected\), "
-                       r"got 'two'$"):
+    with pytest.raises(
+        ValueError,
+        match=r"^state world_size must be a positive int \(the number of ranks expected\), "
+        r"got 'two'$",
+    ):
         session.initialize(model=model, calibration_data=windows(), world_size="two")
     session.initialize(model=model, calibration_data=windows(), world_size=1)
     assert session.lifecycle == "initialized"
@@ -376,8 +388,9 @@ def test_ranks_disagreeing_fail_on_every_rank_with_the_same_message(tmp_path, on
     )
     assert results[0]["world_size"] == results[1]["world_size"] == expected
     assert results[0]["oneshot"] == results[1]["oneshot"]
-    assert results[0]["oneshot"].startswith("initialize() refused on every rank of the process group (2 ranks): the "
-                                            "recipe differs between ranks")
+    assert results[0]["oneshot"].startswith(
+        "initialize() refused on every rank of the process group (2 ranks): the recipe differs between ranks"
+    )
     assert results[0]["unchanged"] and results[1]["unchanged"]
 
 
@@ -442,11 +455,22 @@ def test_torchrun_cli_checks_the_expected_world_size_on_every_rank():
     import sys
 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "LLMC_FSM_WORLD_SIZE": "3"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "llmc_fsm", "lifecycle"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "llmc_fsm",
+        "lifecycle",
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False, timeout=120)
     assert proc.returncode != 0
-    line = ("llmc-fsm lifecycle: error: LLMC_FSM_WORLD_SIZE expects world size 3 but torchrun started 2 ranks; "
-            "fix --nnodes/--nproc-per-node or LLMC_FSM_WORLD_SIZE")
+    line = (
+        "llmc-fsm lifecycle: error: LLMC_FSM_WORLD_SIZE expects world size 3 but torchrun started 2 ranks; "
+        "fix --nnodes/--nproc-per-node or LLMC_FSM_WORLD_SIZE"
+    )
     assert proc.stderr.count(line) == 2, proc.stderr
     assert "created" not in proc.stdout  # the command itself never ran

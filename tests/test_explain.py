@@ -217,4 +217,3 @@ def test_conformance_kit_catches(cls: type[Modifier], message: str) -> None:
 def test_conformance_kit_requires_a_complete_state_factory() -> None:
     with pytest.raises(ContractViolation, match=r"state_factory\(\) does not supply the required key\(s\) \['model'\]"):
         check_modifier(Good, dict, max_examples=1)
-

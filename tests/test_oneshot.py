@@ -23,14 +23,15 @@ from llmc_fsm.cli import main
 #: fp32, torch 2.13 CPU). Dense, Wanda and magnitude came out bit-identical in every run
 #: below; their bands allow for other CPUs / BLAS builds.
 DENSE_PPL = 50.369
-WANDA_PPL = 109.30
+WANDA_PPL = 109.85
 MAGNITUDE_PPL = 576.66
-#: SparseGPT moves with float rounding (rank-deficient Hessians): measured 88.78 ... 96.33 over
-#: 1 and 2 BLAS threads, calibration batches of 4 and 8 windows, and library versions before and
-#: after the OBS-sweep refactor. The band is that range widened by half its width on each side.
-SPARSEGPT_MEASURED = (88.78, 96.33)
+#: SparseGPT moves with float rounding (rank-deficient Hessians): measured 83.56 ... 94.48 over
+#: 1 and 2 BLAS threads and calibration batches of 4 and 8 windows, with the grouped ("true
+#: sequential") pipeline (the plain order gave 88.78 ... 96.33). The band is that range widened by
+#: half its width on each side.
+SPARSEGPT_MEASURED = (83.56, 94.48)
 _HALF = (SPARSEGPT_MEASURED[1] - SPARSEGPT_MEASURED[0]) / 2
-SPARSEGPT_BAND = (SPARSEGPT_MEASURED[0] - _HALF, SPARSEGPT_MEASURED[1] + _HALF)  # (85.0, 100.1)
+SPARSEGPT_BAND = (SPARSEGPT_MEASURED[0] - _HALF, SPARSEGPT_MEASURED[1] + _HALF)  # (78.1, 99.9)
 
 METHODS = {"sparsegpt": "SparseGPTModifier", "wanda": "WandaPruningModifier", "magnitude": "MagnitudePruningModifier"}
 
@@ -70,7 +71,7 @@ def test_perplexity_sparsegpt_beats_wanda_beats_magnitude(pruned_runs):
     assert dense.pop() == pytest.approx(DENSE_PPL, rel=0.01)
     ppl = {m: r.ppl_after for m, r in reports.items()}
     # Magnitude far behind the calibrated methods (as in both papers); SparseGPT's OBS weight update ahead
-    # of Wanda's mask alone (measured margin 13%, more than SparseGPT's run-to-run spread of 8%).
+    # of Wanda's mask alone (measured margin 24%, more than SparseGPT's spread of 13% over threads and batches).
     assert DENSE_PPL < ppl["sparsegpt"] < ppl["wanda"] < ppl["magnitude"], ppl
     assert SPARSEGPT_BAND[0] <= ppl["sparsegpt"] <= SPARSEGPT_BAND[1], ppl
     assert ppl["wanda"] == pytest.approx(WANDA_PPL, rel=0.03)
@@ -152,8 +153,14 @@ def test_cli_default_gptq_on_smollm2_says_which_group_size_works(tmp_path, capsy
     assert rc == 1
     modules = ", ".join(
         f"model.layers.{{0..29}}.{m}"
-        for m in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
-                  "mlp.up_proj")
+        for m in (
+            "self_attn.q_proj",
+            "self_attn.k_proj",
+            "self_attn.v_proj",
+            "self_attn.o_proj",
+            "mlp.gate_proj",
+            "mlp.up_proj",
+        )
     )
     assert err == (
         "llmc-fsm oneshot: error: GPTQModifier cannot compress 180 of its 210 targets — in_features 576 is not a "
@@ -165,14 +172,19 @@ def test_cli_default_gptq_on_smollm2_says_which_group_size_works(tmp_path, capsy
 
 
 def test_cli_group_size_on_a_channel_wise_scheme(tmp_path, capsys):
-    rc, err = _cli(["--method", "rtn", "--scheme", "FP8_DYNAMIC", "--group-size", "64", "--output",
-                    str(tmp_path / "out")], capsys)
+    rc, err = _cli(
+        ["--method", "rtn", "--scheme", "FP8_DYNAMIC", "--group-size", "64", "--output", str(tmp_path / "out")], capsys
+    )
     assert rc == 1
-    assert err.startswith("llmc-fsm oneshot: error: recipe generated from --method/--sparsity/--mask-structure/"
-                          "--scheme/--group-size/--observer, stage 'quantization_stage', ")
-    assert err.endswith("preset FP8_DYNAMIC quantizes weights per channel, so group_size (--group-size) does not "
-                        "apply; leave it out, use a group-wise preset such as W4A16 or W8A16, or set weights: "
-                        "{strategy: group, group_size: 64}\n")
+    assert err.startswith(
+        "llmc-fsm oneshot: error: recipe generated from --method/--sparsity/--mask-structure/"
+        "--scheme/--group-size/--observer, stage 'quantization_stage', "
+    )
+    assert err.endswith(
+        "preset FP8_DYNAMIC quantizes weights per channel, so group_size (--group-size) does not "
+        "apply; leave it out, use a group-wise preset such as W4A16 or W8A16, or set weights: "
+        "{strategy: group, group_size: 64}\n"
+    )
     assert _no_stray_files(tmp_path) == []
 
 
@@ -180,17 +192,23 @@ def test_generated_quantization_recipe_carries_group_size_and_observer(tmp_path,
     from llmc_fsm.oneshot import GENERATED, default_recipe, generated_recipe
 
     assert default_recipe("gptq", scheme="W4A16", group_size=64, observer="mse") == {
-        "quantization_stage": {"GPTQModifier": {
-            "targets": ["Linear"], "ignore": ["lm_head"], "observer": "mse",
-            "scheme": {"preset": "W4A16", "weights": {"group_size": 64}},
-        }}
+        "quantization_stage": {
+            "GPTQModifier": {
+                "targets": ["Linear"],
+                "ignore": ["lm_head"],
+                "observer": "mse",
+                "scheme": {"preset": "W4A16", "weights": {"group_size": 64}},
+            }
+        }
     }
     recipe = generated_recipe("rtn", scheme="W8A8")
     assert recipe.source == GENERATED
     assert recipe.modifiers[0].observer == "minmax"
     rc, err = _cli(["--observer", "mse", "--output", str(tmp_path / "out")], capsys)  # pruning (the default method)
-    assert (rc, err) == (1, "llmc-fsm oneshot: error: --scheme/--group-size/--observer apply to --method gptq or rtn "
-                            "only\n")
+    assert (rc, err) == (
+        1,
+        "llmc-fsm oneshot: error: --scheme/--group-size/--observer apply to --method gptq or rtn only\n",
+    )
     assert _no_stray_files(tmp_path) == []
 
 
@@ -215,8 +233,9 @@ def test_cli_missing_dataset_file(tmp_path, capsys):
 def test_cli_dataset_too_short(tmp_path, capsys):
     text = tmp_path / "short.txt"
     text.write_text("Only a few words here.\n")
-    rc, err = _cli(["--dataset", str(text), "--num-samples", "8", "--seq-len", "128", "--output",
-                    str(tmp_path / "out")], capsys)
+    rc, err = _cli(
+        ["--dataset", str(text), "--num-samples", "8", "--seq-len", "128", "--output", str(tmp_path / "out")], capsys
+    )
     assert rc == 1
     assert "8 windows x 128 tokens" in err
     assert _no_stray_files(tmp_path) == ["short.txt"]
@@ -230,8 +249,13 @@ def _tiny():
 def test_oneshot_in_memory_model_with_token_windows(tmp_path):
     model = _tiny()
     data = torch.randint(0, 96, (4, 16), generator=torch.Generator().manual_seed(0))
-    out = llmc_fsm.oneshot(model=model, recipe={"s": {"WandaPruningModifier": {"mask_structure": "2:4"}}},
-                           dataset=data, output_dir=tmp_path / "o", progress=False)
+    out = llmc_fsm.oneshot(
+        model=model,
+        recipe={"s": {"WandaPruningModifier": {"mask_structure": "2:4"}}},
+        dataset=data,
+        output_dir=tmp_path / "o",
+        progress=False,
+    )
     assert out is model
     report = model.llmc_fsm_report
     assert report.total_sparsity == 0.5
@@ -311,8 +335,9 @@ def test_overwrite_replaces_output(tmp_path):
 def test_magnitude_recipe_needs_no_calibration_data():
     model = _tiny()
     data = torch.randint(0, 96, (2, 8), generator=torch.Generator().manual_seed(0))
-    llmc_fsm.oneshot(model=model, recipe={"s": {"MagnitudePruningModifier": {"sparsity": 0.25}}}, dataset=data,
-                     progress=False)
+    llmc_fsm.oneshot(
+        model=model, recipe={"s": {"MagnitudePruningModifier": {"sparsity": 0.25}}}, dataset=data, progress=False
+    )
     q = model.model.layers[0].self_attn.q_proj.weight
     assert int((q == 0).sum()) == q.numel() // 4
 
@@ -342,8 +367,9 @@ def test_default_calibration_is_generated_by_the_model_deterministically():
 
 def test_oneshot_without_dataset_uses_generated_data():
     model = _tiny()
-    llmc_fsm.oneshot(model=model, tokenizer=_CharTokenizer(), num_calibration_samples=3, max_seq_length=40,
-                     progress=False)
+    llmc_fsm.oneshot(
+        model=model, tokenizer=_CharTokenizer(), num_calibration_samples=3, max_seq_length=40, progress=False
+    )
     report = model.llmc_fsm_report
     assert report.calibration["source"].startswith("generated by the model")
     assert report.total_sparsity == 0.5
@@ -371,5 +397,6 @@ def test_rerun_on_saved_model_skips_stages_already_applied(tmp_path, caplog):
     assert "sparsity: 0.5" in merged.to_yaml(applied=True)  # saved recipes spell out every setting
     # nothing new to run: a clear error before the model is loaded
     with pytest.raises(ValueError, match=r"every stage is already applied to .*saved \(see its recipe.yaml\)"):
-        llmc_fsm.oneshot(model=str(saved), recipe={"prune": {"MagnitudePruningModifier": {"sparsity": 0.5}}},
-                         progress=False)
+        llmc_fsm.oneshot(
+            model=str(saved), recipe={"prune": {"MagnitudePruningModifier": {"sparsity": 0.5}}}, progress=False
+        )

@@ -66,12 +66,14 @@ def test_layer_inputs_match_a_full_forward_for_a_dense_model(data):
         h.remove()
     assert result.num_layers == 3 and result.num_batches == 2
     for i in range(len(layers)):
-        # layer 0: the capture run; then the calibration pass and (but for the last layer)
-        # the propagation pass, 2 batches each
+        # layer 0: the capture run (2 batches) and the recorded forward (batch 0); then every
+        # layer one pass of 2 batches (true sequential: calibration and propagation in one)
         runs = seen[i]
-        assert len(runs) == {0: 6, 1: 4, 2: 2}[i]
-        for j, x in enumerate(runs):
+        assert len(runs) == {0: 5, 1: 2, 2: 2}[i]
+        for j, x in enumerate(runs if i else runs[:2] + runs[3:]):
             torch.testing.assert_close(x, expected[i][j % 2], rtol=1e-5, atol=1e-5)
+        if i == 0:
+            torch.testing.assert_close(runs[2], expected[0][0], rtol=1e-5, atol=1e-5)
 
 
 def _plain_forward_inputs(model, data: torch.Tensor, layer: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -94,14 +96,27 @@ def _plain_forward_inputs(model, data: torch.Tensor, layer: torch.nn.Module) -> 
     return {name: torch.cat(xs) for name, xs in seen.items()}
 
 
+#: The groups of a Llama layer's Linears (same input), in call order.
+LLAMA_GROUPS = [
+    ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
+    ["self_attn.o_proj"],
+    ["mlp.gate_proj", "mlp.up_proj"],
+    ["mlp.down_proj"],
+]
+
+
+@pytest.mark.parametrize("true_sequential", [True, False])
 @pytest.mark.parametrize(
     ("name", "structure"),
     [("SparseGPTModifier", "unstructured"), ("SparseGPTModifier", "2:4"), ("WandaPruningModifier", "unstructured")],
 )
-def test_pruned_weights_follow_from_a_plain_forward_through_the_pruned_earlier_layers(name, structure):
+def test_pruned_weights_follow_from_a_plain_forward_through_the_pruned_earlier_modules(
+    name, structure, true_sequential
+):
     """Each module's weight is the algorithm applied to the statistics of a plain forward of the
-    calibration data through the model whose earlier decoder layers are already pruned; the
-    statistics the modifier accumulated equal those statistics by value."""
+    calibration data through the model whose earlier decoder layers are already pruned — and, true
+    sequential, whose earlier groups in the same layer too; the statistics the modifier accumulated
+    equal those statistics by value."""
     data = torch.randint(0, 128, (8, 32), generator=torch.Generator().manual_seed(2))  # 256 tokens
     model = llama(layers=3)
     reference = copy.deepcopy(model)  # dense; pruned below layer by layer, by the algorithm alone
@@ -116,41 +131,44 @@ def test_pruned_weights_follow_from_a_plain_forward_through_the_pruned_earlier_l
 
     modifier._new_accumulator = spy
     session.initialize(model=model, calibration_data=data)
-    run_sequential(session, batch_size=3, progress=False)
+    run_sequential(session, batch_size=3, progress=False, true_sequential=true_sequential)
     session.finalize()
 
     compared = 0
+    groups = LLAMA_GROUPS if true_sequential else [[rel for group in LLAMA_GROUPS for rel in group]]
     for pruned_layer, ref_layer in zip(model.model.layers, reference.model.layers, strict=True):
-        inputs = _plain_forward_inputs(reference, data, ref_layer)
-        assert len(inputs) == 7
-        new_weights = {}
-        for rel, x in inputs.items():
-            dense = ref_layer.get_submodule(rel).weight.detach()
-            acc = accumulators.get(id(pruned_layer.get_submodule(rel)))
-            if name == "SparseGPTModifier":
-                h = 2.0 / x.shape[0] * x.T @ x
-                if acc is not None:
-                    assert acc.num_samples == x.shape[0] == data.numel()
-                    diff = float((acc.hessian.double() - h).abs().max())
-                    assert diff <= 1e-5 * float(h.abs().max()), (rel, diff)
-                    compared += 1
-                expected, keep = sparsegpt_prune(dense, h.float(), sparsity=0.5, mask_structure=structure)
-            else:
-                sq = (x**2).sum(dim=0)
-                if acc is not None:
-                    assert acc.num_samples == x.shape[0]
-                    diff = float((acc.sq_norm.double() - sq).abs().max())
-                    assert diff <= 1e-5 * float(sq.max()), (rel, diff)
-                    compared += 1
-                keep = wanda_mask(dense, sq, 0.5, structure)
-                expected = dense * keep
-            got = pruned_layer.get_submodule(rel).weight.detach()
-            assert torch.equal(got != 0, keep), f"{rel}: {int(((got != 0) != keep).sum())} mask entries differ"
-            assert float((got - expected).abs().max()) <= 1e-4 * float(dense.abs().max()), rel  # measured <= 1.8e-5
-            new_weights[rel] = expected
-        with torch.no_grad():  # the next layer's plain forward runs through this pruned layer
-            for rel, w in new_weights.items():
-                ref_layer.get_submodule(rel).weight.copy_(w)
+        for group in groups:
+            inputs = _plain_forward_inputs(reference, data, ref_layer)
+            assert len(inputs) == 7
+            new_weights = {}
+            for rel in group:
+                x = inputs[rel]
+                dense = ref_layer.get_submodule(rel).weight.detach()
+                acc = accumulators.get(id(pruned_layer.get_submodule(rel)))
+                if name == "SparseGPTModifier":
+                    h = 2.0 / x.shape[0] * x.T @ x
+                    if acc is not None:
+                        assert acc.num_samples == x.shape[0] == data.numel()
+                        diff = float((acc.hessian.double() - h).abs().max())
+                        assert diff <= 1e-5 * float(h.abs().max()), (rel, diff)
+                        compared += 1
+                    expected, keep = sparsegpt_prune(dense, h.float(), sparsity=0.5, mask_structure=structure)
+                else:
+                    sq = (x**2).sum(dim=0)
+                    if acc is not None:
+                        assert acc.num_samples == x.shape[0]
+                        diff = float((acc.sq_norm.double() - sq).abs().max())
+                        assert diff <= 1e-5 * float(sq.max()), (rel, diff)
+                        compared += 1
+                    keep = wanda_mask(dense, sq, 0.5, structure)
+                    expected = dense * keep
+                got = pruned_layer.get_submodule(rel).weight.detach()
+                assert torch.equal(got != 0, keep), f"{rel}: {int(((got != 0) != keep).sum())} mask entries differ"
+                assert float((got - expected).abs().max()) <= 1e-4 * float(dense.abs().max()), rel  # measured <= 1.8e-5
+                new_weights[rel] = expected
+            with torch.no_grad():  # later groups' and layers' plain forwards run through these pruned modules
+                for rel, w in new_weights.items():
+                    ref_layer.get_submodule(rel).weight.copy_(w)
     # every distinct input (q/k/v, o, gate/up, down) of every layer was compared
     assert compared >= 4 * 3
 
@@ -303,8 +321,8 @@ def _count_calls(module: torch.nn.Module, counts: dict, key: str) -> None:
     module.forward = counted
 
 
-@pytest.mark.parametrize("early_exit", [True, False])
-def test_calibration_pass_stops_at_the_input_of_the_last_hooked_module(data, early_exit):
+@pytest.mark.parametrize(("true_sequential", "early_exit"), [(True, True), (False, True), (False, False)])
+def test_forward_calls_per_layer(data, true_sequential, early_exit):
     model = llama(layers=2)
     counts: dict[str, int] = {}
     for i, layer in enumerate(model.model.layers):
@@ -312,12 +330,13 @@ def test_calibration_pass_stops_at_the_input_of_the_last_hooked_module(data, ear
         _count_calls(layer.mlp.up_proj, counts, f"up{i}")
     session = Session(sparsegpt())
     session.initialize(model=model, calibration_data=data)
-    run_sequential(session, batch_size=4, progress=False, early_exit=early_exit)  # 2 batches
+    run_sequential(session, batch_size=4, progress=False, early_exit=early_exit, true_sequential=true_sequential)
     session.finalize()
-    if early_exit:
-        # layer 0: batch 1 runs whole (it records the call order), batch 2 stops at
-        # down_proj's input; then 2 propagation runs. Layer 1 (last): both batches stop.
-        assert counts == {"down0": 1 + 2, "up0": 2 + 2, "up1": 2}
+    # layer 0 first runs one batch whole, before any hook (the recorded call order) — not when nothing uses it
+    if true_sequential:  # then one pass of both batches per layer (up_proj's statistics come from gate_proj's call)
+        assert counts == {"down0": 1 + 2, "up0": 1 + 2, "down1": 2, "up1": 2}
+    elif early_exit:  # 2 calibration runs stop at down_proj's input, 2 propagation runs (none after the last layer)
+        assert counts == {"down0": 1 + 2, "up0": 1 + 2 + 2, "up1": 2}
     else:
         assert counts == {"down0": 2 + 2, "up0": 2 + 2, "down1": 2, "up1": 2}
 
@@ -328,7 +347,7 @@ def test_early_exit_gives_the_same_weights_as_running_whole_layers(data):
         model = llama(layers=3)
         session = Session(sparsegpt())
         session.initialize(model=model, calibration_data=data)
-        run_sequential(session, batch_size=4, progress=False, early_exit=early_exit)
+        run_sequential(session, batch_size=4, progress=False, early_exit=early_exit, true_sequential=False)
         session.finalize()
         pruned.append({n: m.weight.detach().clone() for n, m in linears(model).items()})
     for name, weight in pruned[0].items():

@@ -188,8 +188,7 @@ def test_end_before_start() -> None:
     with pytest.raises(RecipeError) as info:
         resolve_recipe("s:\n  Prune:\n    start: 2\n    end: 1\n")
     assert str(info.value) == (
-        "recipe <text>, line 4, stage 's', modifier Prune, argument 'end': "
-        "end (1.0) must be after start (2.0)"
+        "recipe <text>, line 4, stage 's', modifier Prune, argument 'end': end (1.0) must be after start (2.0)"
     )
 
 
@@ -236,12 +235,16 @@ def test_stage_window_start_end() -> None:
         ("s:\n  Prune: 0.5\n", "recipe <text>, line 2, stage 's', modifier Prune: arguments must be a mapping"),
         ("s: Prune\n", "stage 's': a stage maps modifier names to arguments"),
         ("s:\n  - [Prune]\n", "line 1, stage 's': each list entry must be one modifier"),
-        ("s:\n  modifiers: {Prune: {}}\n  aplied: true\n",
-         "line 3, stage 's': unknown stage key(s) 'aplied'; the long form accepts modifiers, applied, start, end"),
+        (
+            "s:\n  modifiers: {Prune: {}}\n  aplied: true\n",
+            "line 3, stage 's': unknown stage key(s) 'aplied'; the long form accepts modifiers, applied, start, end",
+        ),
         ("s:\n  modifiers: {Prune: {}}\n  applied: maybe\n", "line 3, stage 's': applied must be true or false"),
         ("s:\n  applied: true\n  Prune: {}\n", "a stage with 'applied' must list its modifiers under 'modifiers:'"),
-        ("s:\n  Prune: {}\n  Prune: {sparsity: 0.1}\n",
-         "recipe <text>, line 3, column 3: not valid YAML/JSON: found duplicate key 'Prune' (first at line 2)"),
+        (
+            "s:\n  Prune: {}\n  Prune: {sparsity: 0.1}\n",
+            "recipe <text>, line 3, column 3: not valid YAML/JSON: found duplicate key 'Prune' (first at line 2)",
+        ),
         ("s:\n  Prune: {sparsity: [}\n", "recipe <text>, line 2, column"),
         ("s: !!python/object:os.system {}\n", "could not determine a constructor for the tag"),
     ],
@@ -273,7 +276,9 @@ def test_no_eval_or_unsafe_yaml_in_the_package() -> None:
     root = Path(__file__).resolve().parents[1] / "llmc_fsm"
     pattern = re.compile(r"(?<![.\w])(eval|exec)\(|yaml\.load\(|yaml\.load_all\(|unsafe_load|FullLoader|UnsafeLoader")
     offenders = [
-        f"{path.name}:{n}" for path in root.rglob("*.py") for n, line in enumerate(path.read_text().splitlines(), 1)
+        f"{path.name}:{n}"
+        for path in root.rglob("*.py")
+        for n, line in enumerate(path.read_text().splitlines(), 1)
         if pattern.search(line)
     ]
     assert offenders == []
@@ -303,15 +308,21 @@ def test_runs_after_three_cycle_is_named(registry: ModifierRegistry) -> None:
     registry.register(Loop)
     # Loop after Distill after Quant after Prune: a chain, no cycle
     assert names(resolve_recipe("s:\n  - Loop\n  - Distill\n  - Quant\n  - Prune\n")) == [
-        "Prune", "Quant", "Distill", "Loop"
+        "Prune",
+        "Quant",
+        "Distill",
+        "Loop",
     ]
     looping = attrs.make_class("Prune2", {}, bases=(Modifier,), slots=False)
     looping.runs_after = frozenset({"Loop"})
     quant = Quant()
     type(quant).runs_after = frozenset({"Prune2"})
     try:
-        with pytest.raises(RecipeError, match=r"cycle: Quant runs after Prune2 runs after Loop runs after Distill "
-                                              r"runs after Quant\."):
+        with pytest.raises(
+            RecipeError,
+            match=r"cycle: Quant runs after Prune2 runs after Loop runs after Distill "
+            r"runs after Quant\.",
+        ):
             resolve_recipe([quant, Distill(), Loop(), looping()])
     finally:
         Quant.runs_after = frozenset({"Prune", "NotInstalledAnywhere"})
@@ -393,8 +404,12 @@ def test_a_directory_is_named_as_a_directory(tmp_path: Path, monkeypatch: pytest
     (tmp_path / "recipes").mkdir()
     (tmp_path / "odd.yaml").mkdir()
     expected = "recipe {!r} is a directory; expected a recipe file (.yaml, .yml, .json), e.g. a recipe.yaml inside it"
-    for source, shown in (("recipes", "recipes"), ("recipes/", "recipes"), (Path("recipes"), "recipes"),
-                          ("odd.yaml", "odd.yaml")):
+    for source, shown in (
+        ("recipes", "recipes"),
+        ("recipes/", "recipes"),
+        (Path("recipes"), "recipes"),
+        ("odd.yaml", "odd.yaml"),
+    ):
         with pytest.raises(RecipeError) as info:
             resolve_recipe(source)
         assert str(info.value) == expected.format(shown)
@@ -405,9 +420,7 @@ def test_a_file_that_is_not_utf8(tmp_path: Path) -> None:
     path.write_bytes(b"s:\n  Prune: {}\n# caf\xe9\n")
     with pytest.raises(RecipeError) as info:
         resolve_recipe(path)
-    assert str(info.value) == (
-        f"recipe {path}, line 3: not UTF-8 text (byte 0xe9); save it as UTF-8"
-    )
+    assert str(info.value) == (f"recipe {path}, line 3: not UTF-8 text (byte 0xe9); save it as UTF-8")
 
 
 # --- "did you mean" ranks by similarity --------------------------------------------------------------
@@ -415,8 +428,16 @@ def test_a_file_that_is_not_utf8(tmp_path: Path) -> None:
 
 def test_did_you_mean_ranks_by_similarity_without_the_shared_suffix() -> None:
     reg = ModifierRegistry()
-    for name in ("SparseGPTModifier", "WandaPruningModifier", "MagnitudePruningModifier", "ConstantPruningModifier",
-                 "OutputDistillationModifier", "LearningRateModifier", "GPTQModifier", "QuantizationModifier"):
+    for name in (
+        "SparseGPTModifier",
+        "WandaPruningModifier",
+        "MagnitudePruningModifier",
+        "ConstantPruningModifier",
+        "OutputDistillationModifier",
+        "LearningRateModifier",
+        "GPTQModifier",
+        "QuantizationModifier",
+    ):
         reg.register(attrs.make_class(name, {}, bases=(Modifier,), slots=False))
     assert reg.suggestions("SparseGPTModifer") == ["SparseGPTModifier"]  # not LearningRateModifier, not GPTQ
     assert reg.suggestions("sparsegpt") == ["SparseGPTModifier"]

@@ -157,8 +157,10 @@ def test_only_one_decoder_layer_is_materialized_at_a_time(sharded_dir, text_file
     ("kw", "message"),
     [
         ({"recipe": SPARSEGPT}, "pass output_dir (--output)"),
-        ({"recipe": {"m": {"MagnitudePruningModifier": {"sparsity": 0.5}}}, "output": True},
-         "MagnitudePruningModifier acts on the whole model at once"),
+        (
+            {"recipe": {"m": {"MagnitudePruningModifier": {"sparsity": 0.5}}}, "output": True},
+            "MagnitudePruningModifier acts on the whole model at once",
+        ),
         ({"recipe": SPARSEGPT, "output": True, "dataset": None}, "pass a calibration dataset (dataset=, --dataset)"),
         ({"recipe": {**SPARSEGPT, **GPTQ_G16}, "output": True, "fuse_stages": False}, "pass fuse_stages=True"),
     ],
@@ -178,8 +180,14 @@ def test_in_memory_model_and_unsupported_checkpoints_are_refused(sharded_dir, te
 
     model = LlamaForCausalLM.from_pretrained(sharded_dir)
     with pytest.raises(ValueError, match="pass a model directory or a known model name, not a loaded model"):
-        llmc_fsm.oneshot(model, SPARSEGPT, torch.zeros(2, 8, dtype=torch.long), output_dir=tmp_path / "o",
-                         progress=False, low_memory=True)
+        llmc_fsm.oneshot(
+            model,
+            SPARSEGPT,
+            torch.zeros(2, 8, dtype=torch.long),
+            output_dir=tmp_path / "o",
+            progress=False,
+            low_memory=True,
+        )
     bin_dir = tmp_path / "bin"  # weights in PyTorch's pickle format: only from_pretrained can read them
     bin_dir.mkdir()
     (bin_dir / "config.json").write_text((sharded_dir / "config.json").read_text())
@@ -192,23 +200,39 @@ def test_in_memory_model_and_unsupported_checkpoints_are_refused(sharded_dir, te
     state = {k: v.contiguous() for k, v in model.state_dict().items() if k != "model.layers.1.mlp.up_proj.weight"}
     state.pop("lm_head.weight")
     save_file(state, str(partial / "model.safetensors"))
-    with pytest.raises(ValueError, match=r"does not match the model its config.json describes \(missing "
-                                         r"model\.layers\.1\.mlp\.up_proj\.weight\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"does not match the model its config.json describes \(missing "
+        r"model\.layers\.1\.mlp\.up_proj\.weight\)",
+    ):
         load_lazy(partial)
 
 
 def test_cli_low_memory(sharded_dir, text_file, tmp_path, capsys):
     from llmc_fsm.cli import main
 
-    args = ["oneshot", "--model", str(sharded_dir), "--dataset", str(text_file), "--num-samples", "4", "--seq-len",
-            "32", "--no-progress", "--low-memory"]
+    args = [
+        "oneshot",
+        "--model",
+        str(sharded_dir),
+        "--dataset",
+        str(text_file),
+        "--num-samples",
+        "4",
+        "--seq-len",
+        "32",
+        "--no-progress",
+        "--low-memory",
+    ]
     assert main([*args, "--output", str(tmp_path / "o")]) == 0
     assert "total" in capsys.readouterr().out
     assert (tmp_path / "o" / "model.safetensors.index.json").is_file()
     assert main(args) != 0
     err = capsys.readouterr().err.strip()
-    assert err.endswith("low_memory (--low-memory) cannot run this job: it writes the compressed model layer by layer "
-                        "and keeps none of it in memory: pass output_dir (--output)")
+    assert err.endswith(
+        "low_memory (--low-memory) cannot run this job: it writes the compressed model layer by layer "
+        "and keeps none of it in memory: pass output_dir (--output)"
+    )
     assert "\n" not in err and "Traceback" not in err
 
 

@@ -17,8 +17,15 @@ from torch import nn
 
 from llmc_fsm.targets import TargetSelection, compact_names, matches, resolve_targets, select_targets
 
-LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-           "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+LINEARS = (
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+)
 
 
 def llama(tied: bool = True, layers: int = 2) -> transformers.LlamaForCausalLM:
@@ -169,8 +176,22 @@ class MyLinear(nn.Linear):
 
 @pytest.mark.parametrize(
     "pattern",
-    ["Linear", "LlamaMLP", "Module", "lm_head", "model.layers.1", "re:model.layers.1", "re:.*mlp", "re:mlp",
-     "re:.*proj$", "re:model\\.layers\\.0\\..*_proj", "re:.*(q|k)_proj", "re:", "re:.*lm_head", "LlamaRMSNorm"],
+    [
+        "Linear",
+        "LlamaMLP",
+        "Module",
+        "lm_head",
+        "model.layers.1",
+        "re:model.layers.1",
+        "re:.*mlp",
+        "re:mlp",
+        "re:.*proj$",
+        "re:model\\.layers\\.0\\..*_proj",
+        "re:.*(q|k)_proj",
+        "re:",
+        "re:.*lm_head",
+        "LlamaRMSNorm",
+    ],
 )
 def test_module_patterns_match_like_compressed_tensors(pattern: str):
     """Independent reference: compressed-tensors' own ``is_match`` (re.match on names, class names over the MRO)."""
@@ -192,8 +213,7 @@ def test_parameter_names_and_special_targets():
     model = llama(tied=False)
     # llm-compressor's ConstantPruning recipes name parameters
     selection = select_targets(model, ["re:.*q_proj.weight", "lm_head.weight"], [])
-    assert list(selection.selected) == ["model.layers.0.self_attn.q_proj", "model.layers.1.self_attn.q_proj",
-                                        "lm_head"]
+    assert list(selection.selected) == ["model.layers.0.self_attn.q_proj", "model.layers.1.self_attn.q_proj", "lm_head"]
     for special in ("__ALL__", "__ALL_PRUNABLE__", "__ALL_QUANTIZABLE__"):
         assert list(select_targets(model, [special], ["lm_head"]).selected) == [*linears(0), *linears(1)]
 
@@ -207,8 +227,11 @@ def test_subclasses_match_their_base_class_name():
 @pytest.mark.parametrize(
     ("targets", "ignore", "message"),
     [
-        (["re:(unclosed"], [], "invalid regex in target pattern 're:(unclosed': missing ), unterminated subpattern at "
-                               "position 0"),
+        (
+            ["re:(unclosed"],
+            [],
+            "invalid regex in target pattern 're:(unclosed': missing ), unterminated subpattern at position 0",
+        ),
         (["Linear"], ["re:*"], "invalid regex in ignore pattern 're:*': nothing to repeat at position 0"),
         ([3], [], "target patterns must be strings (class name, full name or 're:<regex>'), got 3"),
         ([], [], "targets is empty: give at least one module pattern, e.g. ['Linear']"),
@@ -239,8 +262,7 @@ def test_compact_names_folds_layer_indices():
     names = [f"model.layers.{i}.mlp.up_proj" for i in range(30)] + ["lm_head"]
     names += [f"model.layers.{i}.self_attn.q_proj" for i in (0, 2, 5)] + ["model.layers.7.mlp.down_proj"]
     assert compact_names(names) == (
-        "model.layers.{0..29}.mlp.up_proj, lm_head, model.layers.{0,2,5}.self_attn.q_proj, "
-        "model.layers.7.mlp.down_proj"
+        "model.layers.{0..29}.mlp.up_proj, lm_head, model.layers.{0,2,5}.self_attn.q_proj, model.layers.7.mlp.down_proj"
     )
     assert compact_names(["0", "1", "2"]) == "{0..2}"  # nn.Sequential children
     assert compact_names([]) == ""
