@@ -212,19 +212,11 @@ def run_sequential(
             ``down_proj`` is hooked by pre-hooks this skips ``down_proj`` and
             the residual, ~1/4 of the calibration pass. Set ``False`` for a
             modifier that observes the layer by other means than torch hooks.
-        true_sequential: run every batch through each decoder layer once,
-            compressing each group of targets (modules called on the same
-            input: ``q/k/v_proj``, ``o_proj``, ``gate/up_proj``,
-            ``down_proj``) before any batch runs it, so later modules are
-            calibrated on the outputs of compressed ones (see
-            :mod:`llmc_fsm.true_sequential`; one layer forward instead of
-            ~1.75). ``False``: the plain order (all statistics from the layer
-            as it was, then one more pass through the compressed layer), the
-            order llm-compressor uses. Layers whose targets are not all
-            leaves hooked by pre-hooks, and sessions with a modifier that is not a
-            :class:`~llmc_fsm.calibration.CalibratedModifier`, run the plain order anyway. Set
-            ``False`` (with ``early_exit``) for a modifier that observes the
-            layer by other means than torch hooks.
+        true_sequential: one forward per layer, each group of targets
+            compressed before any batch runs it (:mod:`llmc_fsm.true_sequential`);
+            ``False``: the plain order (llm-compressor's). Only for sessions of
+            :class:`~llmc_fsm.calibration.CalibratedModifier` s whose targets are leaves hooked by
+            pre-hooks; other layers and sessions run the plain order anyway.
         checkpoint: per-layer progress (:class:`LayerCheckpoint`): each layer is
             saved right after it is compressed; the first
             ``checkpoint.layers_done()`` layers are restored (after
