@@ -215,8 +215,7 @@ def run_sequential(
         true_sequential: one forward per layer, each group of targets
             compressed before any batch runs it (:mod:`llmc_fsm.true_sequential`);
             ``False``: the plain order (llm-compressor's). Only for sessions of
-            :class:`~llmc_fsm.calibration.CalibratedModifier` s whose targets are leaves hooked by
-            pre-hooks; other layers and sessions run the plain order anyway.
+            ``CalibratedModifier`` s whose targets are leaves hooked by pre-hooks (else plain).
         checkpoint: per-layer progress (:class:`LayerCheckpoint`): each layer is
             saved right after it is compressed; the first
             ``checkpoint.layers_done()`` layers are restored (after
