@@ -121,6 +121,9 @@ def _run_cli(args: argparse.Namespace) -> int:
     if not quantizing and (args.scheme is not None or args.group_size is not None or args.observer is not None):
         msg = "--scheme/--group-size/--observer apply to --method gptq or rtn only"
         raise ValueError(msg)
+    if args.scheme is not None and not args.scheme.strip():
+        msg = "--scheme is empty: give a preset name, e.g. --scheme W4A16"
+        raise ValueError(msg)
     if args.threads is not None:
         import torch
 

@@ -202,12 +202,37 @@ def check_modifiers(sessions: list[Session], model: Any, calibration_data: Any =
     for session in sessions:
         for modifier in session.modifiers:
             try:
-                modifier.check_model(model)
+                targets = modifier.check_model(model)
             except ValueError as exc:
                 name = type(modifier).__name__
                 if str(exc).startswith(name):
                     raise
                 raise ValueError(f"{name}: {exc}") from exc
+            if is_tensor(calibration_data) and isinstance(targets, dict) and targets:
+                _warn_few_tokens(modifier, targets, int(calibration_data.numel()))
+
+
+def _warn_few_tokens(modifier: Any, targets: dict[str, Any], tokens: int) -> None:
+    """Warn when a Hessian-based modifier gets fewer calibration tokens than a target has inputs."""
+    from llmc_fsm.obs import HessianAccumulator
+
+    new_accumulator = getattr(modifier, "_new_accumulator", None)
+    if new_accumulator is None or not all(hasattr(m, "weight") for m in targets.values()):
+        return
+    widest = max(targets, key=lambda name: int(targets[name].weight.shape[-1]))
+    width = int(targets[widest].weight.shape[-1])
+    if not tokens or tokens >= width:
+        return
+    if isinstance(new_accumulator(targets[widest]), HessianAccumulator):
+        logger.warning(
+            "%s: %d calibration tokens for up to %d inputs (%s): the Hessians are rank-deficient and the result "
+            "depends on float rounding (batch size, threads); give at least %d tokens (--num-samples x --seq-len)",
+            type(modifier).__name__,
+            tokens,
+            width,
+            widest,
+            width,
+        )
 
 
 def calibration_windows(run: Run) -> None:

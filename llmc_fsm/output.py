@@ -85,6 +85,11 @@ def check_output_dir(output_dir: str | os.PathLike[str] | None, overwrite: bool)
                 f"output directory {str(path)!r} exists and is not empty; pass overwrite=True (--overwrite) to "
                 "replace it"
             )
+            if (path / "report.json").is_file():
+                msg += (
+                    ". It holds a finished run (report.json), so there is nothing to resume; to compress that "
+                    "model further, give it as the model (model=DIR, --model DIR) with a new output directory"
+                )
             raise FileExistsError(msg)
         if not any((path / name).exists() for name in _MODEL_DIR_MARKERS):
             msg = (

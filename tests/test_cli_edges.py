@@ -168,3 +168,49 @@ def test_error_panel_title_names_what_made_the_error():
     assert error_panel_title(pruned) == "pruning: " + tail.format("")
     assert error_panel_title(quantized) == "quantization: " + tail.format(" (bits 4, group_size 64)")
     assert error_panel_title(both) == "pruning + quantization: " + tail.format(" (bits 4, group_size 64)")
+
+
+def test_a_finished_output_is_not_resumed_and_the_error_says_so(saved_run):
+    _, out = saved_run
+    before = sorted(p.name for p in out.iterdir())
+    with pytest.raises(FileExistsError) as info:
+        llmc_fsm.oneshot(
+            model=tiny_llama.llama(vocab=64, hidden=16, heads=2, kv_heads=1),
+            recipe={"s": {"MagnitudePruningModifier": {"sparsity": 0.5}}},
+            dataset=torch.randint(0, 64, (2, 8)),
+            max_seq_length=8,
+            output_dir=out,
+            resume=True,
+            progress=False,
+        )
+    assert str(info.value) == (
+        f"output directory {str(out)!r} exists and is not empty; pass overwrite=True (--overwrite) to replace it. "
+        "It holds a finished run (report.json), so there is nothing to resume; to compress that model further, "
+        "give it as the model (model=DIR, --model DIR) with a new output directory"
+    )
+    assert sorted(p.name for p in out.iterdir()) == before
+
+
+def test_an_empty_scheme_is_refused(capsys):
+    assert main(["oneshot", "--method", "gptq", "--scheme", " "]) == 1
+    assert capsys.readouterr().err == (
+        "llmc-fsm oneshot: error: --scheme is empty: give a preset name, e.g. --scheme W4A16\n"
+    )
+
+
+def test_fewer_calibration_tokens_than_hessian_inputs_warn_once_before_the_work(caplog):
+    model = tiny_llama.llama(vocab=64, hidden=16, heads=2, kv_heads=1)  # down_proj has 32 inputs
+    with caplog.at_level("WARNING", logger="llmc_fsm.oneshot_data"):
+        llmc_fsm.oneshot(
+            model=model,
+            recipe={"s": {"SparseGPTModifier": {"sparsity": 0.5}}},
+            dataset=torch.randint(0, 64, (2, 8)),
+            max_seq_length=8,
+            progress=False,
+        )
+    warnings = [r.getMessage() for r in caplog.records if r.name == "llmc_fsm.oneshot_data"]
+    assert warnings == [
+        "SparseGPTModifier: 16 calibration tokens for up to 32 inputs (model.layers.0.mlp.down_proj): the Hessians "
+        "are rank-deficient and the result depends on float rounding (batch size, threads); give at least 32 tokens "
+        "(--num-samples x --seq-len)"
+    ]

@@ -318,7 +318,10 @@ class GPTQModifier(QuantizingModifier):
             and self.block_size % args.group_size
             and (args.group_size % self.block_size)
         ):
-            msg = f"block_size ({self.block_size}) and group_size ({args.group_size}) must divide one another"
+            msg = (
+                f"group_size {args.group_size} and GPTQ's block_size {self.block_size} (columns per lazy update) "
+                "must divide one another: use a power-of-two group size (e.g. 32, 64, 128)"
+            )
             raise ValueError(msg)
 
     def _quantize(self, modules: list[nn.Module], accumulator: HessianAccumulator) -> list[QuantizedWeight]:

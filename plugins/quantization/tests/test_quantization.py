@@ -139,6 +139,8 @@ def test_gptq_group_sizes_that_do_not_divide_are_refused() -> None:
         gptq_quantize([torch.randn(4, 60)], torch.eye(60), args=_args(W4G16))
     with pytest.raises(ValueError, match=r"block_size \(24\) and group_size \(16\) must divide one another"):
         gptq_quantize([torch.randn(4, 64)], torch.eye(64), args=_args(W4G16), block_size=24)
+    with pytest.raises(ValueError, match=r"group_size 16 and GPTQ's block_size 24 \(columns per lazy update\) must"):
+        GPTQModifier(scheme={"preset": "W4A16", "weights": {"group_size": 16}}, block_size=24)
 
 
 # --------------------------------------------------------------------------- recipes and errors before work
