@@ -151,17 +151,7 @@ def test_cli_default_gptq_on_smollm2_says_which_group_size_works(tmp_path, capsy
     # no --dataset: generating the calibration text (minutes) would come after the check
     rc, err = _cli(["--method", "gptq", "--output", str(tmp_path / "out")], capsys)
     assert rc == 1
-    modules = ", ".join(
-        f"model.layers.{{0..29}}.{m}"
-        for m in (
-            "self_attn.q_proj",
-            "self_attn.k_proj",
-            "self_attn.v_proj",
-            "self_attn.o_proj",
-            "mlp.gate_proj",
-            "mlp.up_proj",
-        )
-    )
+    modules = ", ".join(f"model.layers.{{0..29}}.{m}" for m in tiny_llama.LINEARS[:6])
     assert err == (
         "llmc-fsm oneshot: error: GPTQModifier cannot compress 180 of its 210 targets — in_features 576 is not a "
         f"multiple of group_size 128: {modules}. Use a group size that divides every target's input width, e.g. 64 "

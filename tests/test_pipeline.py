@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 from llmc_fsm_pruning import sparsegpt_prune, wanda_mask
-from tiny_llama import llama
+from tiny_llama import GROUPS, LINEARS, llama
 
 from llmc_fsm import MissingStateError, ModifierError, RecipeError, Session
 from llmc_fsm.pipeline import calibration_batches, find_decoder_layers, run_sequential
@@ -96,15 +96,6 @@ def _plain_forward_inputs(model, data: torch.Tensor, layer: torch.nn.Module) -> 
     return {name: torch.cat(xs) for name, xs in seen.items()}
 
 
-#: The groups of a Llama layer's Linears (same input), in call order.
-LLAMA_GROUPS = [
-    ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
-    ["self_attn.o_proj"],
-    ["mlp.gate_proj", "mlp.up_proj"],
-    ["mlp.down_proj"],
-]
-
-
 @pytest.mark.parametrize("true_sequential", [True, False])
 @pytest.mark.parametrize(
     ("name", "structure"),
@@ -135,7 +126,7 @@ def test_pruned_weights_follow_from_a_plain_forward_through_the_pruned_earlier_m
     session.finalize()
 
     compared = 0
-    groups = LLAMA_GROUPS if true_sequential else [[rel for group in LLAMA_GROUPS for rel in group]]
+    groups = GROUPS if true_sequential else [LINEARS]
     for pruned_layer, ref_layer in zip(model.model.layers, reference.model.layers, strict=True):
         for group in groups:
             inputs = _plain_forward_inputs(reference, data, ref_layer)

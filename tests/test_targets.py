@@ -13,19 +13,10 @@ import tiny_llama
 import torch
 import transformers
 from compressed_tensors.utils.match import is_match
+from tiny_llama import LINEARS
 from torch import nn
 
 from llmc_fsm.targets import TargetSelection, compact_names, matches, resolve_targets, select_targets
-
-LINEARS = (
-    "self_attn.q_proj",
-    "self_attn.k_proj",
-    "self_attn.v_proj",
-    "self_attn.o_proj",
-    "mlp.gate_proj",
-    "mlp.up_proj",
-    "mlp.down_proj",
-)
 
 
 def llama(tied: bool = True, layers: int = 2) -> transformers.LlamaForCausalLM:

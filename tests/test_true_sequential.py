@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_llama import llama
+from tiny_llama import GROUPS, llama
 from torch import nn
 
 from llmc_fsm import ModifierError, Session
@@ -12,8 +12,6 @@ from llmc_fsm.pipeline import run_sequential
 from llmc_fsm.pipeline_layer import record_calls
 from llmc_fsm.torch_hooks import hook_count
 from llmc_fsm.true_sequential import plan_groups, run_grouped
-
-GROUPS = [["q_proj", "k_proj", "v_proj"], ["o_proj"], ["gate_proj", "up_proj"], ["down_proj"]]
 
 
 @pytest.fixture
@@ -50,7 +48,7 @@ def test_each_group_is_compressed_at_its_own_event_in_call_order(data):
     session.finalize()
     expected = []
     for i in range(2):
-        expected += [[f"model.layers.{i}.{'self_attn' if g[0][0] in 'qkvo' else 'mlp'}.{n}" for n in g] for g in GROUPS]
+        expected += [[f"model.layers.{i}.{name}" for name in group] for group in GROUPS]
         expected.append([f"model.layers.{i}"])
     assert events == expected
     # each group event compresses exactly its members; the layer event finds nothing left
@@ -88,10 +86,7 @@ def test_plan_groups_falls_back_to_the_plain_order():
     handles = [m.register_forward_pre_hook(lambda m, a: None) for m in linears]
     groups = plan_groups(layer, calls)
     assert [[n for n, m in layer.named_modules() if any(m is g for g in group)] for group in groups] == [
-        [f"self_attn.{n}" for n in GROUPS[0]],
-        ["self_attn.o_proj"],
-        [f"mlp.{n}" for n in GROUPS[2]],
-        ["mlp.down_proj"],
+        list(group) for group in GROUPS
     ]
     post = layer.mlp.down_proj.register_forward_hook(lambda m, a, out: None)
     assert plan_groups(layer, calls) is None  # someone observes an output

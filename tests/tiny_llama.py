@@ -22,6 +22,17 @@ if TYPE_CHECKING:
 NUM_LAYERS = 4
 
 
+#: A Llama decoder layer's Linears (names relative to the layer) by group (called on the same input), in call order.
+GROUPS = (
+    ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    ("self_attn.o_proj",),
+    ("mlp.gate_proj", "mlp.up_proj"),
+    ("mlp.down_proj",),
+)
+#: The same Linears, flat, in call order.
+LINEARS = tuple(name for group in GROUPS for name in group)
+
+
 def calibration_text(num_words: int = 6000, seed: int = 0) -> str:
     """Deterministic word salad over 150 made-up words, 12 words a line."""
     rng = random.Random(seed)
