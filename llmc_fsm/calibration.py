@@ -41,15 +41,9 @@ import attrs
 import torch
 from torch import nn
 
-from llmc_fsm.distributed import (
-    DistributedError,
-    all_reduce_accumulator,
-    all_reduce_tensor,
-    check_same_values,
-    is_distributed,
-)
+from llmc_fsm.distributed import check_same_values, is_distributed, reduce_statistics
+from llmc_fsm.layer_error import relative_output_error
 from llmc_fsm.modifier import Modifier
-from llmc_fsm.obs import relative_output_error
 from llmc_fsm.targets import (
     DEFAULT_IGNORE,
     DEFAULT_TARGETS,
@@ -59,7 +53,7 @@ from llmc_fsm.targets import (
     resolve_targets,
 )
 
-__all__ = ["CalibratedModifier", "ModuleResult"]
+__all__ = ["CalibratedModifier", "CompressedGroup", "ModuleResult"]
 
 logger = logging.getLogger(__name__)
 
@@ -116,6 +110,15 @@ class ModuleResult:
         return self.zeros / self.numel if self.numel else 0.0
 
 
+@attrs.frozen
+class CompressedGroup:
+    """What :meth:`CalibratedModifier._compress_group` returns when the algorithm measured each new
+    weight's ``||W X - W_hat X|| / ||W X||`` itself (e.g. GPTQ from its sweep: :mod:`llmc_fsm.layer_error`)."""
+
+    weights: list[torch.Tensor]
+    rel_output_errors: list[float]
+
+
 @attrs.define(kw_only=True, slots=False, eq=False)
 class CalibratedModifier(Modifier):
     """Base of modifiers that compress Linear weights from calibration statistics (not registered itself).
@@ -135,6 +138,8 @@ class CalibratedModifier(Modifier):
     needs_inputs = True
     #: Whether zeros the compression creates are sparsity (pruning); a quantizer sets ``False``.
     zeros_are_sparsity = True
+    #: Whether :meth:`_compress_group` returns a :class:`CompressedGroup` (no copy of the old weights is kept).
+    measures_output_error = False
 
     targets: list[str] = attrs.field(factory=lambda: list(DEFAULT_TARGETS), converter=patterns, validator=_non_empty)
     ignore: list[str] = attrs.field(factory=lambda: list(DEFAULT_IGNORE), converter=patterns)
@@ -177,7 +182,7 @@ class CalibratedModifier(Modifier):
             return f"no 2-D Linear weight ({type(module).__name__})"
         return None
 
-    def _compress_group(self, modules: list[nn.Module], accumulator: Any) -> list[torch.Tensor]:
+    def _compress_group(self, modules: list[nn.Module], accumulator: Any) -> list[torch.Tensor] | CompressedGroup:
         """New weights for ``modules``, which saw the same inputs (``accumulator`` is ``None`` when data-free)."""
         raise NotImplementedError
 
@@ -295,7 +300,7 @@ class CalibratedModifier(Modifier):
         """Compress ``{name: module}``, each group of modules that share an accumulator in one call.
 
         Under ``torch.distributed`` the accumulators are first summed over the
-        ranks (:meth:`_reduce_statistics`) and the new weights are then compared
+        ranks (:func:`llmc_fsm.distributed.reduce_statistics`) and the new weights are then compared
         across ranks (:func:`llmc_fsm.distributed.check_same_values`). Every rank
         calls this with the same ``modules`` (the same layer), so the collectives match.
 
@@ -304,7 +309,7 @@ class CalibratedModifier(Modifier):
         """
         distributed = is_distributed()
         if distributed:
-            self._reduce_statistics(modules)
+            reduce_statistics(self._acc, modules, self._new_accumulator, owner=type(self).__name__)
         groups: dict[int, tuple[Any, list[tuple[str, nn.Module]]]] = {}
         for name, module in modules.items():
             acc = self._acc.pop(name, None)
@@ -330,61 +335,20 @@ class CalibratedModifier(Modifier):
                 }
             check_same_values(sums, what="weights")
 
-    def _reduce_statistics(self, modules: dict[str, nn.Module]) -> None:
-        """Sum the accumulators of ``modules`` over every rank (every rank calls this with the same names).
-
-        A rank may hold no accumulator for a module the others saw inputs for
-        (data-dependent routing, e.g. mixture-of-experts); it contributes an
-        empty one. Which modules share an accumulator (the same input tensor)
-        is agreed on first with one ``all_reduce`` of a small int64 vector, then
-        each shared accumulator is reduced once, in ``names`` order.
-
-        Raises:
-            DistributedError: ranks disagree on which modules share statistics, or a collective failed.
-        """
-        names = list(modules)
-        if not names:
-            return
-        first: dict[int, int] = {}
-        leader = []  # per name: index of the first name sharing its accumulator, -1 without samples
-        for i, name in enumerate(names):
-            acc = self._acc.get(name)
-            leader.append(-1 if acc is None or acc.num_samples == 0 else first.setdefault(id(acc), i))
-        n = len(names)
-        table = torch.tensor(leader + [-x if x >= 0 else -n - 1 for x in leader], dtype=torch.int64)
-        all_reduce_tensor(table, op="max", what="all_reduce (statistics layout)")
-        agreed, lowest = table[:n].tolist(), [-x for x in table[n:].tolist()]
-        if any(a >= 0 and lo <= n and lo != a for a, lo in zip(agreed, lowest, strict=True)):
-            msg = (
-                f"{type(self).__name__}: ranks disagree on which targets share calibration inputs "
-                f"({', '.join(names)}); every rank must run the same model code"
-            )
-            raise DistributedError(msg)
-        for i, name in enumerate(names):
-            if agreed[i] < 0:
-                continue
-            lead = names[agreed[i]]
-            if leader[i] < 0:  # no samples here: an empty accumulator, shared like on the other ranks
-                if agreed[i] == i:
-                    self._acc[name] = self._new_accumulator(modules[name])
-                else:
-                    self._acc[name] = self._acc[lead]
-        for i, name in enumerate(names):
-            if agreed[i] == i:
-                all_reduce_accumulator(self._acc[name])
-
     def _compress_members(self, acc: Any, members: list[tuple[str, nn.Module]]) -> None:
         t0 = time.perf_counter()
         hessian = getattr(acc, "hessian", None) if acc is not None else None
+        copy = hessian is not None and not self.measures_output_error
         with torch.no_grad():
-            olds = [module.weight.detach().clone() if hessian is not None else None for _, module in members]
+            olds = [module.weight.detach().clone() if copy else None for _, module in members]
             were_zero = [module.weight == 0 if not self.zeros_are_sparsity else None for _, module in members]
             new = self._compress_group([module for _, module in members], acc)
-            for (_, module), weight in zip(members, new, strict=True):
+            errors = new.rel_output_errors if isinstance(new, CompressedGroup) else [None] * len(members)
+            for (_, module), weight in zip(members, getattr(new, "weights", new), strict=True):
                 module.weight.copy_(weight)
         seconds = time.perf_counter() - t0
         total = sum(module.weight.numel() for _, module in members)
-        for (name, module), old, zero in zip(members, olds, were_zero, strict=True):
+        for (name, module), old, zero, error in zip(members, olds, were_zero, errors, strict=True):
             numel = module.weight.numel()
             self.results[name] = ModuleResult(
                 zeros=numel - int(torch.count_nonzero(module.weight))
@@ -393,7 +357,7 @@ class CalibratedModifier(Modifier):
                 numel=numel,
                 seconds=seconds * numel / total,
                 samples=acc.num_samples if acc is not None else 0,
-                rel_output_error=relative_output_error(old, module.weight, hessian) if old is not None else None,
+                rel_output_error=relative_output_error(old, module.weight, hessian) if old is not None else error,
                 **self._result_extras(module),
             )
             if name in self.skipped:

@@ -32,7 +32,7 @@ import contextlib
 import hashlib
 import logging
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -50,6 +50,7 @@ __all__ = [
     "is_distributed",
     "is_main_process",
     "process_group_from_env",
+    "reduce_statistics",
     "shard",
     "split_counts",
 ]
@@ -192,6 +193,48 @@ def all_reduce_accumulator(accumulator: Any) -> None:
         )
         raise TypeError(msg)
     reduce()
+
+
+def reduce_statistics(
+    accumulators: dict[str, Any], modules: dict[str, Any], new_accumulator: Callable[[Any], Any], *, owner: str
+) -> None:
+    """Sum the calibration accumulators of ``modules`` over every rank, in place in ``accumulators``.
+
+    Every rank calls this with the same module names (one decoder layer's targets). A rank
+    without an accumulator for a module the others saw inputs for (data-dependent routing,
+    e.g. mixture-of-experts) contributes an empty one (``new_accumulator(module)``). Which
+    modules share an accumulator is agreed on first with one ``all_reduce`` of a small int64
+    vector, then each shared accumulator is reduced once (:func:`all_reduce_accumulator`).
+
+    Raises:
+        DistributedError: ranks disagree on which modules share statistics (the message starts with
+            ``owner``), or a collective failed.
+    """
+    names = list(modules)
+    if not names:
+        return
+    first: dict[int, int] = {}
+    leader = []  # per name: index of the first name sharing its accumulator, -1 without samples
+    for i, name in enumerate(names):
+        acc = accumulators.get(name)
+        leader.append(-1 if acc is None or acc.num_samples == 0 else first.setdefault(id(acc), i))
+    n = len(names)
+    table = torch.tensor(leader + [-x if x >= 0 else -n - 1 for x in leader], dtype=torch.int64)
+    all_reduce_tensor(table, op="max", what="all_reduce (statistics layout)")
+    agreed, lowest = table[:n].tolist(), [-x for x in table[n:].tolist()]
+    if any(a >= 0 and lo <= n and lo != a for a, lo in zip(agreed, lowest, strict=True)):
+        msg = (
+            f"{owner}: ranks disagree on which targets share calibration inputs "
+            f"({', '.join(names)}); every rank must run the same model code"
+        )
+        raise DistributedError(msg)
+    for i, name in enumerate(names):
+        if agreed[i] >= 0 and leader[i] < 0:  # no samples here: an empty accumulator, shared like elsewhere
+            lead = names[agreed[i]]
+            accumulators[name] = new_accumulator(modules[name]) if agreed[i] == i else accumulators[lead]
+    for i, name in enumerate(names):
+        if agreed[i] == i:
+            all_reduce_accumulator(accumulators[name])
 
 
 def check_same_values(values: dict[str, Sequence[float]], *, what: str) -> None:

@@ -14,7 +14,9 @@ they share:
   ``lambda = dampening_frac * mean(diag H)`` with retries, and the upper Cholesky
   factor ``U`` of ``(H + lambda I)^-1``;
 * :func:`obs_sweep` — the column sweep with lazy batch updates, parametrised by a
-  :class:`ColumnRule` that says what each column becomes.
+  :class:`ColumnRule` that says what each column becomes; it returns each row's
+  error terms, from which :func:`llmc_fsm.layer_error.sweep_relative_errors`
+  gives the layer's relative output error without another product with ``H``.
 
 Conventions: a weight is ``[out_features, in_features]`` (rows = outputs,
 columns = inputs); the sweep works on its transpose ``WT`` (``[in, out]``) so that
@@ -25,7 +27,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 
@@ -33,10 +35,10 @@ __all__ = [
     "ColumnRule",
     "HessianAccumulator",
     "HessianNotPositiveDefiniteError",
+    "InverseHessianFactor",
     "check_dampening_frac",
     "inverse_hessian_cholesky",
     "obs_sweep",
-    "relative_output_error",
 ]
 
 logger = logging.getLogger(__name__)
@@ -49,6 +51,20 @@ SUB_BLOCK = 32
 
 class HessianNotPositiveDefiniteError(ValueError):
     """The (damped) Hessian could not be Cholesky-factorised."""
+
+
+class InverseHessianFactor(NamedTuple):
+    """What :func:`inverse_hessian_cholesky` returns.
+
+    Attributes:
+        U: float32 ``[C, C]`` upper triangular, ``U^T U = (H' + damping I)^-1``.
+        dead: bool ``[C]``, the inputs with ``H_jj == 0``; ``H'`` is ``H`` with those diagonal entries set to 1.
+        damping: the ``lambda`` added to the diagonal (``dampening_frac * mean(diag H')``, after any retries).
+    """
+
+    U: torch.Tensor
+    dead: torch.Tensor
+    damping: float
 
 
 class HessianAccumulator:
@@ -229,8 +245,8 @@ def inverse_hessian_cholesky(
     max_dampening_retries: int = 3,
     device: torch.device | str | None = None,
     algorithm: str = "OBS",
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Upper Cholesky factor ``U`` of the damped inverse Hessian, and the dead inputs.
+) -> InverseHessianFactor:
+    """Upper Cholesky factor ``U`` of the damped inverse Hessian, the dead inputs and the damping.
 
     Dead inputs (``H_jj == 0``: the channel was always zero in the calibration
     data) get ``H_jj := 1`` first (they do not affect the layer-wise error).
@@ -248,7 +264,8 @@ def inverse_hessian_cholesky(
         algorithm: name used in warnings and errors (``"SparseGPT"``, ``"GPTQ"``).
 
     Returns:
-        ``(U, dead)``: ``U`` float32 ``[C, C]`` upper triangular; ``dead`` bool ``[C]``.
+        ``(U, dead, damping)`` (:class:`InverseHessianFactor`): ``U`` float32 ``[C, C]`` upper
+        triangular; ``dead`` bool ``[C]``; ``damping`` the ``lambda`` used.
 
     Raises:
         ValueError: ``hessian`` is not square or holds NaN/Inf; bad ``dampening_frac``.
@@ -281,7 +298,7 @@ def inverse_hessian_cholesky(
             inv_chol = _lower_triangular_inverse(chol)
             del chol
             if all_finite(inv_chol):
-                return inv_chol.flip(0, 1), dead
+                return InverseHessianFactor(inv_chol.flip(0, 1), dead, frac * mean_diag)
             del inv_chol
         if attempt < max_dampening_retries:
             new_frac = frac * 10.0 if frac > 0 else 1e-4
@@ -320,7 +337,7 @@ class ColumnRule(Protocol):
 
 
 @torch.no_grad()
-def obs_sweep(WT: torch.Tensor, U: torch.Tensor, rule: ColumnRule, *, block_size: int = 128) -> None:
+def obs_sweep(WT: torch.Tensor, U: torch.Tensor, rule: ColumnRule, *, block_size: int = 128) -> torch.Tensor:
     """Sweep the columns of ``WT`` left to right, in place: OBS error compensation with lazy batch updates.
 
     For each column ``j`` the rule gives its final value ``q_j``; the error
@@ -338,6 +355,12 @@ def obs_sweep(WT: torch.Tensor, U: torch.Tensor, rule: ColumnRule, *, block_size
         rule: a :class:`ColumnRule`.
         block_size: columns per lazy-update block, > 0.
 
+    Returns:
+        float32 ``[rows]``: per row, ``sum_j e_j^2``. Each ``e_j^2`` is the increase of
+        that row's error ``(w - w_hat) (H' + lambda I) (w - w_hat)^T`` when column ``j``
+        is fixed (the OBS step is exact), so the sum is the row's final error in the
+        damped metric (:func:`llmc_fsm.layer_error.sweep_relative_errors`).
+
     Raises:
         ValueError: shapes that do not fit, or a bad ``block_size``.
     """
@@ -348,6 +371,7 @@ def obs_sweep(WT: torch.Tensor, U: torch.Tensor, rule: ColumnRule, *, block_size
         raise ValueError(f"block_size must be a positive int, got {block_size!r}")
     u_diag = torch.diagonal(U)
     sub = max(1, int(rule.sub_block))
+    loss = torch.zeros(rows, dtype=torch.float32, device=WT.device)
     for c0 in range(0, cols, block_size):
         c1 = min(c0 + block_size, cols)
         width = c1 - c0
@@ -370,21 +394,7 @@ def obs_sweep(WT: torch.Tensor, U: torch.Tensor, rule: ColumnRule, *, block_size
             if s1 < width:
                 W1[s1:].addmm_(Hinv1[s0:s1, s1:].T, Err1[s0:s1], alpha=-1.0)
         W1.copy_(Q1)
+        loss.add_(Err1.square().sum(0))
         if c1 < cols:
             WT[c1:].addmm_(U[c0:c1, c1:].T, Err1, alpha=-1.0)
-
-
-@torch.no_grad()
-def relative_output_error(old: torch.Tensor, new: torch.Tensor, hessian: torch.Tensor) -> float:
-    """``||W X - W_hat X||_F / ||W X||_F`` on the inputs ``X`` whose Hessian is ``H = 2/n X X^T``.
-
-    Computed from ``H`` alone: ``||A X||_F^2 = (n/2) tr(A H A^T)``, and ``n/2``
-    cancels in the ratio. ``old``/``new`` are ``[out, in]``; ``hessian`` ``[in, in]``.
-    Returns 0.0 when ``||W X||`` is 0.
-    """
-    H = hessian.to(torch.float32)
-    W = old.to(torch.float32)
-    D = W - new.to(torch.float32)
-    num = float(((D @ H) * D).sum())
-    den = float(((W @ H) * W).sum())
-    return (max(num, 0.0) / den) ** 0.5 if den > 0 else 0.0
+    return loss

@@ -37,7 +37,16 @@ import attrs
 import torch
 from torch import nn
 
-from llmc_fsm.obs import SUB_BLOCK, HessianAccumulator, check_dampening_frac, inverse_hessian_cholesky, obs_sweep
+from llmc_fsm.calibration import CompressedGroup
+from llmc_fsm.layer_error import sweep_relative_errors
+from llmc_fsm.obs import (
+    SUB_BLOCK,
+    HessianAccumulator,
+    InverseHessianFactor,
+    check_dampening_frac,
+    inverse_hessian_cholesky,
+    obs_sweep,
+)
 from llmc_fsm_pruning._calibrated import CalibratedPruningModifier
 from llmc_fsm_pruning.masks import (
     MaskStructure,
@@ -129,6 +138,7 @@ def sparsegpt_prune_shared(
     block_size: int = 128,
     dampening_frac: float = 0.01,
     max_dampening_retries: int = 3,
+    errors: list[float] | None = None,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """:func:`sparsegpt_prune` for several weights that see the same inputs (one Hessian).
 
@@ -144,6 +154,9 @@ def sparsegpt_prune_shared(
             (not modified), all with the same ``in_features``.
         hessian, sparsity, mask_structure, block_size, dampening_frac,
             max_dampening_retries: as for :func:`sparsegpt_prune`.
+        errors: if a list, each weight's relative output error ``||W X - W_hat X|| / ||W X||``
+            on the Hessian's inputs is appended to it, from the sweep's own terms
+            (:func:`llmc_fsm.layer_error.sweep_relative_errors`; 0.0 when nothing is pruned).
 
     Returns:
         ``[(pruned_weight, keep_mask), ...]`` in the order of ``weights``.
@@ -157,10 +170,12 @@ def sparsegpt_prune_shared(
     s, nm = _check_inputs(weights, hessian, sparsity, mask_structure, block_size)
     if nm is None and s == 0.0:
         check_dampening_frac(dampening_frac)
+        if errors is not None:
+            errors += [0.0] * len(weights)
         return [(w.detach().clone(), torch.ones_like(w, dtype=torch.bool)) for w in weights]
     device = weights[0].device
 
-    U, dead = inverse_hessian_cholesky(
+    U, dead, damping = inverse_hessian_cholesky(
         hessian,
         dampening_frac=dampening_frac,
         max_dampening_retries=max_dampening_retries,
@@ -175,7 +190,11 @@ def sparsegpt_prune_shared(
         r0 = bounds[-1][1] if bounds else 0
         bounds.append((r0, r0 + w.shape[0]))
     rule = _PruneRule(sparsity=s, nm=nm, bounds=bounds, dead=dead, rows=WT.shape[1])
-    obs_sweep(WT, U, rule, block_size=block_size)
+    original = WT.clone() if errors is not None else None
+    row_errors = obs_sweep(WT, U, rule, block_size=block_size)
+    if errors is not None:
+        factor = InverseHessianFactor(U, dead, damping)
+        errors += sweep_relative_errors(original, WT, factor, row_errors, [w.shape[0] for w in weights])
     return [
         (WT[:, r0:r1].T.contiguous().to(w.dtype), rule.keepT[:, r0:r1].T.contiguous())
         for w, (r0, r1) in zip(weights, bounds, strict=True)
@@ -317,8 +336,11 @@ class SparseGPTModifier(CalibratedPruningModifier):
     def _new_accumulator(self, module: nn.Module) -> HessianAccumulator:
         return HessianAccumulator(module.weight.shape[1])
 
-    def _compress_group(self, modules: list[nn.Module], accumulator: HessianAccumulator) -> list[torch.Tensor]:
+    measures_output_error = True  # from the sweep (llmc_fsm.layer_error.sweep_relative_errors)
+
+    def _compress_group(self, modules: list[nn.Module], accumulator: HessianAccumulator) -> CompressedGroup:
         # Targets that saw the same inputs (q/k/v, gate/up) share one Hessian factorisation and one sweep.
+        errors: list[float] = []
         results = sparsegpt_prune_shared(
             [module.weight for module in modules],
             accumulator.hessian,
@@ -326,5 +348,6 @@ class SparseGPTModifier(CalibratedPruningModifier):
             mask_structure=self.mask_structure,
             block_size=self.block_size,
             dampening_frac=float(self.dampening_frac),
+            errors=errors,
         )
-        return [pruned for pruned, _keep in results]
+        return CompressedGroup([pruned for pruned, _keep in results], errors)

@@ -593,6 +593,25 @@ def test_sparsegpt_shared_equals_pruning_each_weight_alone(structure, block_size
         assert int((~keep).sum()) == w.numel() // 2
 
 
+@pytest.mark.parametrize("structure", ["unstructured", "2:4"])
+def test_sparsegpt_shared_reports_the_measured_output_error(structure):
+    # from the sweep's own terms; measured here on X itself, with an input channel that is always zero (dead)
+    torch.manual_seed(1)
+    x = correlated_inputs(512, 64, seed=12)
+    x[:, 3] = 0.0
+    weights = [torch.randn(24, 64), torch.randn(8, 64)]
+    errors: list[float] = []
+    shared = sparsegpt_prune_shared(weights, hessian_of(x), sparsity=0.5, mask_structure=structure, errors=errors)
+    assert len(errors) == 2
+    for w, (out, _keep), error in zip(weights, shared, errors, strict=True):
+        measured = (recon_error(w, out, x) / float(((x.double() @ w.double().T) ** 2).sum())) ** 0.5
+        assert error == pytest.approx(measured, rel=1e-4)
+        assert 0.01 < error < 1.0
+    nothing: list[float] = []
+    sparsegpt_prune_shared(weights, hessian_of(x), sparsity=0.0, errors=nothing)
+    assert nothing == [0.0, 0.0]
+
+
 def test_sparsegpt_shared_rejects_bad_groups():
     h = torch.eye(8)
     with pytest.raises(ValueError, match="at least one 2-D weight"):

@@ -25,7 +25,7 @@ from compressed_tensors.quantization import (
 from compressed_tensors.quantization.lifecycle.initialize import initialize_module_for_quantization
 from torch import nn
 
-from llmc_fsm.calibration import CalibratedModifier
+from llmc_fsm.calibration import CalibratedModifier, CompressedGroup
 from llmc_fsm_quantization.observers import OBSERVERS
 from llmc_fsm_quantization.schemes import resolve_scheme, weight_args
 
@@ -41,12 +41,15 @@ class QuantizedWeight:
         scale: ``[1]`` (tensor), ``[out, 1]`` (channel) or ``[out, in // group_size]`` (group), float.
         zero_point: same shape as ``scale``, the scheme's ``zp_dtype`` (zeros when symmetric).
         g_idx: ``[in]`` int32 group of each input column (GPTQ ``actorder="group"``), else ``None``.
+        rel_output_error: ``||W X - W_hat X|| / ||W X||`` on the calibration inputs when the algorithm
+            computed it (GPTQ), else ``None``.
     """
 
     weight: torch.Tensor
     scale: torch.Tensor
     zero_point: torch.Tensor
     g_idx: torch.Tensor | None = None
+    rel_output_error: float | None = None
 
 
 @torch.no_grad()
@@ -151,10 +154,12 @@ class QuantizingModifier(CalibratedModifier):
     def _quantize(self, modules: list[nn.Module], accumulator: Any) -> list[QuantizedWeight]:
         raise NotImplementedError
 
-    def _compress_group(self, modules: list[nn.Module], accumulator: Any) -> list[torch.Tensor]:
+    def _compress_group(self, modules: list[nn.Module], accumulator: Any) -> list[torch.Tensor] | CompressedGroup:
         quantized = self._quantize(modules, accumulator)
         for module, q in zip(modules, quantized, strict=True):
             attach_qparams(module, self.quantization_scheme, q)
+        if self.measures_output_error:
+            return CompressedGroup([q.weight for q in quantized], [q.rel_output_error for q in quantized])
         return [q.weight for q in quantized]
 
     def _result_extras(self, module: nn.Module) -> dict[str, Any]:

@@ -34,6 +34,7 @@ from compressed_tensors.quantization import QuantizationArgs, QuantizationStrate
 from compressed_tensors.quantization.utils import calculate_range
 from torch import nn
 
+from llmc_fsm.layer_error import sweep_relative_errors
 from llmc_fsm.obs import SUB_BLOCK, HessianAccumulator, inverse_hessian_cholesky, obs_sweep
 from llmc_fsm_quantization._base import QuantizedWeight, QuantizingModifier
 from llmc_fsm_quantization.observers import as_row_args, observe, quantize_rows, row_qparams
@@ -111,8 +112,9 @@ def gptq_quantize(
     Returns:
         One :class:`QuantizedWeight` per weight: the dequantized weight (input
         dtype), ``scale`` / ``zero_point`` (``[1]``, ``[out, 1]`` or
-        ``[out, in // group_size]``) and ``g_idx`` (``[in]`` int32, only for
-        ``actorder="group"``).
+        ``[out, in // group_size]``), ``g_idx`` (``[in]`` int32, only for
+        ``actorder="group"``) and the relative output error on the Hessian's inputs
+        (from the sweep's own terms: :func:`llmc_fsm.layer_error.sweep_relative_errors`).
 
     Raises:
         ValueError: bad shapes or arguments, ``in_features`` not divisible by ``group_size``.
@@ -126,7 +128,7 @@ def gptq_quantize(
     if actorder is not None:
         perm = torch.argsort(torch.diagonal(hessian).to(device), descending=True, stable=True)
         hessian = hessian.to(device)[perm][:, perm]
-    U, _dead = inverse_hessian_cholesky(
+    factor = inverse_hessian_cholesky(
         hessian,
         dampening_frac=dampening_frac,
         max_dampening_retries=max_dampening_retries,
@@ -140,10 +142,13 @@ def gptq_quantize(
     if perm is not None:
         WT = WT[perm].contiguous()
     rule.bind(WT)
-    obs_sweep(WT, U, rule, block_size=block_size)
+    original = WT.clone()
+    row_errors = obs_sweep(WT, factor.U, rule, block_size=block_size)
+    errors = sweep_relative_errors(original, WT, factor, row_errors, [w.shape[0] for w in weights])
+    del original
     if perm is not None:
         WT = WT[torch.argsort(perm)]
-    return rule.results(WT, weights, perm if (group and actorder == "group") else None)
+    return rule.results(WT, weights, perm if (group and actorder == "group") else None, errors)
 
 
 class _QuantRule:
@@ -227,7 +232,7 @@ class _QuantRule:
         return out
 
     def results(
-        self, WT: torch.Tensor, weights: list[torch.Tensor], g_perm: torch.Tensor | None
+        self, WT: torch.Tensor, weights: list[torch.Tensor], g_perm: torch.Tensor | None, errors: list[float]
     ) -> list[QuantizedWeight]:
         out = []
         r0 = 0
@@ -242,7 +247,13 @@ class _QuantRule:
             else:
                 scale, zp = self.scale[r0:r1].clone(), self.zp[r0:r1].clone()
             out.append(
-                QuantizedWeight(weight=WT[:, r0:r1].T.contiguous().to(w.dtype), scale=scale, zero_point=zp, g_idx=g_idx)
+                QuantizedWeight(
+                    weight=WT[:, r0:r1].T.contiguous().to(w.dtype),
+                    scale=scale,
+                    zero_point=zp,
+                    g_idx=g_idx,
+                    rel_output_error=errors[k],
+                )
             )
             r0 = r1
         return out
@@ -306,6 +317,8 @@ class GPTQModifier(QuantizingModifier):
     block_size: int = attrs.field(default=128, validator=_positive_int)
     dampening_frac: float = attrs.field(default=0.01, validator=_dampening)
     actorder: str | None = attrs.field(default="static", converter=_actorder_value, validator=_actorder)
+
+    measures_output_error = True  # from the sweep (llmc_fsm.layer_error.sweep_relative_errors)
 
     def _new_accumulator(self, module: nn.Module) -> HessianAccumulator:
         return HessianAccumulator(module.weight.shape[1])

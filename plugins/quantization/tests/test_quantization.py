@@ -110,6 +110,22 @@ def test_gptq_output_error_is_lower_than_rtn(spec: object) -> None:
     assert _rel_error(x, w, g.weight) < 0.9 * _rel_error(x, w, r.weight)
 
 
+@pytest.mark.parametrize("actorder", [None, "static"])
+@pytest.mark.parametrize("spec", [W4G16, "W8A8"])
+def test_gptq_reported_output_error_is_the_measured_one(spec: object, actorder: str | None) -> None:
+    # the error comes from the sweep's own terms; here it is measured on X itself, for two weights sharing one
+    # Hessian, with an input channel that is always zero (dead) and weights that are zero already (kept zero)
+    torch.manual_seed(6)
+    x = _correlated_inputs(2048, 64)
+    x[:, 9] = 0.0
+    a, b = torch.randn(24, 64), torch.randn(8, 64)
+    a[:, ::7] = 0.0
+    qa, qb = gptq_quantize([a, b], _hessian(x), args=_args(spec), block_size=32, actorder=actorder)
+    for w, q in ((a, qa), (b, qb)):
+        assert q.rel_output_error == pytest.approx(_rel_error(x, w, q.weight), rel=1e-4)
+        assert 0.001 < q.rel_output_error < 0.5
+
+
 def test_gptq_keeps_every_zero_and_the_2_4_pattern() -> None:
     torch.manual_seed(4)
     w = torch.randn(32, 64)
