@@ -200,6 +200,7 @@ class _QuantRule:
         # Integer grids: the column is rounded in place with compressed-tensors' own formula
         # (x / s + z, clamp, round, (q - z) * s), one group's scale/zero point as contiguous rows.
         self.int_grid = str(args.type) == "int"
+        self.zero_free = self.int_grid and bool(args.symmetric)  # zero points are 0: the + z and - z are skipped
         self.q_min, self.q_max = (float(v) for v in calculate_range(self.row_args, torch.device("cpu")))
         self.scaleT = self.scale.T.contiguous()
         self.zT = self.zp.T.to(torch.float32).contiguous()
@@ -223,7 +224,10 @@ class _QuantRule:
             self.zT[g] = self.zp[:, g].to(torch.float32)
         if self.int_grid:
             scale, zp = self.scaleT[g], self.zT[g]
-            torch.div(W1[i], scale, out=out).add_(zp).clamp_(self.q_min, self.q_max).round_().sub_(zp).mul_(scale)
+            if self.zero_free:
+                torch.div(W1[i], scale, out=out).clamp_(self.q_min, self.q_max).round_().mul_(scale)
+            else:
+                torch.div(W1[i], scale, out=out).add_(zp).clamp_(self.q_min, self.q_max).round_().sub_(zp).mul_(scale)
         else:
             q = quantize_rows(W1[i].unsqueeze(1), self.scale[:, g : g + 1], self.zp[:, g : g + 1], self.row_args)
             out.copy_(q.squeeze(1))
