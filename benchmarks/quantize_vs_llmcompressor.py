@@ -15,8 +15,12 @@ group 64, symmetric, actorder static — SmolLM2's width 576 is not a multiple o
 both sides), each side in a fresh process. "wall" is the compression call
 alone; "peak RSS" is ``VmHWM`` right after compression, before any evaluation.
 Each side saves its compressed checkpoint, reloads it with transformers and
-measures perplexity again. Ours also runs SparseGPT 2:4 + GPTQ W4A16 with the
-two stages fused in one layer-by-layer pass and as two passes.
+measures perplexity again. Ours also runs GPTQ W4A16 with ``low_memory=True``
+(``oneshot(dir, ..., low_memory=True, output_dir=...)``: the model read from the
+same directory one decoder layer at a time, the compressed checkpoint written
+inside the timed call; its perplexity from that checkpoint reloaded), and
+SparseGPT 2:4 + GPTQ W4A16 with the two stages fused in one layer-by-layer pass
+and as two passes.
 """
 
 from __future__ import annotations
@@ -63,6 +67,8 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
     from llmc_fsm.data import load_text, perplexity, token_windows
     from llmc_fsm.output import save_model
 
+    if args.low_memory:
+        return low_memory_worker(args)
     model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
     text = load_text(DATA)
@@ -83,6 +89,34 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
         result["ppl_reloaded"] = perplexity(reloaded, evalw, progress=False)
     result["torch_threads"] = torch.get_num_threads()
     return result
+
+
+def low_memory_worker(args: argparse.Namespace) -> dict[str, Any]:
+    """Ours with ``low_memory=True``: the model read from the directory one decoder layer at a time and the
+    compressed checkpoint written as it goes (inside the timed call); perplexity from that checkpoint reloaded."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import llmc_fsm
+    from llmc_fsm.data import load_text, perplexity, token_windows
+
+    tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
+    text = load_text(DATA)
+    calib = token_windows(tokenizer, text, num_windows=32, seq_len=256, from_end=True)
+    evalw = token_windows(tokenizer, text, num_windows=40, seq_len=256)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "out"
+        t0 = time.perf_counter()
+        llmc_fsm.oneshot(args.model_dir, recipe=RECIPES[args.run], dataset=calib, progress=False, low_memory=True,
+                         output_dir=out)
+        compress_s = time.perf_counter() - t0
+        peak = status_kib("VmHWM") * 1024
+        disk = sum(p.stat().st_size for p in out.glob("*.safetensors"))
+        reloaded = AutoModelForCausalLM.from_pretrained(out).eval()
+        ppl = perplexity(reloaded, evalw, progress=False)
+    return {"side": "llmc-fsm low_memory", "run": args.run, "separate": False, "compress_wall_s": compress_s,
+            "peak_rss_through_compression_bytes": peak, "ppl": ppl, "ppl_reloaded": ppl,
+            "weights_on_disk_bytes": disk, "torch_threads": torch.get_num_threads()}
 
 
 def dense_worker(args: argparse.Namespace) -> dict[str, Any]:
@@ -124,25 +158,31 @@ def render(dense: dict[str, Any], rows: list[dict[str, Any]]) -> str:
         "CPU machine, nothing else running (load average per run in the table), SmolLM2-135M-Instruct fp32, "
         "calibration 32 x 256 tokens (tail of wiki.test.raw), perplexity on 40 x 256 tokens (head), same windows "
         f"and perplexity code on both sides. Dense perplexity {dense['dense_ppl']:.2f}; the quantized Linear "
-        f"weights take {dense['fp32_quantized_weight_bytes'] / 1e6:.0f} MB in fp32.", "",
+        f"weights take {dense['fp32_quantized_weight_bytes'] / 1e6:.0f} MB in fp32. `(low_memory)`: ours with "
+        "`oneshot(dir, ..., low_memory=True, output_dir=...)`, the model read from the same directory one decoder "
+        "layer at a time; its wall includes writing the checkpoint, and its perplexity is the reloaded "
+        "checkpoint's.", "",
         "| run | side | wall (s) | peak RSS through compression (GB) | perplexity | reloaded perplexity | "
         "weights on disk (MB) | load average |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        name = r["run"] + (" (two passes)" if r.get("separate") else "")
+        name = r["run"] + (" (two passes)" if r.get("separate") else "") + (
+            " (low_memory)" if "low_memory" in r["side"] else "")
         lines.append(
             f"| {name} | {r['side']} | {r['compress_wall_s']:.1f} "
             f"| {r['peak_rss_through_compression_bytes'] / 1e9:.2f} "
             f"| {r['ppl']:.2f} | {r['ppl_reloaded']:.2f} | {r['weights_on_disk_bytes'] / 1e6:.0f} | {r['load']} |"
         )
     lines.append("")
-    for method in ("gptq", "gptq-mse", "rtn"):
-        ours = next((r for r in rows if r["run"] == method and r["side"] == "llmc-fsm"), None)
-        peer = next((r for r in rows if r["run"] == method and r["side"] != "llmc-fsm"), None)
+    for method, side in (("gptq", "llmc-fsm"), ("gptq", "llmc-fsm low_memory"), ("gptq-mse", "llmc-fsm"),
+                         ("rtn", "llmc-fsm")):
+        ours = next((r for r in rows if r["run"] == method and r["side"] == side), None)
+        peer = next((r for r in rows if r["run"] == method and not r["side"].startswith("llmc-fsm")), None)
         if ours and peer:
             lines.append(
-                f"- {method}: wall {ours['compress_wall_s'] / peer['compress_wall_s']:.2f}x, peak RSS "
+                f"- {method}{' low_memory' if 'low_memory' in side else ''}: wall "
+                f"{ours['compress_wall_s'] / peer['compress_wall_s']:.2f}x, peak RSS "
                 f"{ours['peak_rss_through_compression_bytes'] / peer['peak_rss_through_compression_bytes']:.2f}x, "
                 f"perplexity {ours['ppl']:.2f} vs {peer['ppl']:.2f} (ours / llmcompressor)."
             )
@@ -166,9 +206,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dense", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--run", choices=list(RECIPES), help=argparse.SUPPRESS)
     parser.add_argument("--separate", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--low-memory", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
     parser.add_argument("--no-peer", action="store_true")
-    parser.add_argument("--only", nargs="*", help="run only these: gptq gptq-mse rtn fused separate (default: all)")
+    parser.add_argument(
+        "--only", nargs="*", help="run only these: gptq gptq-low-memory gptq-mse rtn fused separate (default: all)"
+    )
     parser.add_argument("--json", help="also write the rows as JSON to this file")
     parser.add_argument("--write-docs", action="store_true")
     args = parser.parse_args(argv)
@@ -181,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = str(model.name_or_path)
     del model
     _log(f"model directory {model_dir}; load average {os.getloadavg()}")
-    only = set(args.only or ["gptq", "gptq-mse", "rtn", "fused", "separate"])
+    only = set(args.only or ["gptq", "gptq-low-memory", "gptq-mse", "rtn", "fused", "separate"])
     dense = _run_self(["--dense"], model_dir)
     rows = []
     for run, separate, key in (("gptq", False, "gptq"), ("gptq-mse", False, "gptq-mse"), ("rtn", False, "rtn"),
@@ -190,6 +233,11 @@ def main(argv: list[str] | None = None) -> int:
             _log(f"ours: {run}{' (two passes)' if separate else ''}")
             load = loadavg()
             row = _run_self(["--run", run, *(["--separate"] if separate else [])], model_dir)
+            rows.append({**row, "load": f"{load} -> {loadavg()}"})
+        if key == "gptq" and "gptq-low-memory" in only:
+            _log("ours: gptq (low_memory)")
+            load = loadavg()
+            row = _run_self(["--run", "gptq", "--low-memory"], model_dir)
             rows.append({**row, "load": f"{load} -> {loadavg()}"})
         if key in ("gptq", "gptq-mse", "rtn") and key in only and not args.no_peer:
             _log(f"peer: {key}")
