@@ -165,6 +165,9 @@ def oneshot(
     """
     from llmc_fsm.oneshot_phases import prepare
 
+    if low_memory and resume:  # before the work directory is opened: its saved progress stays as it is
+        msg = "low_memory (--low-memory) cannot run this job: it cannot resume an interrupted run: run without resume"
+        raise ValueError(msg + " (--resume), or resume it without low_memory")
     run = prepare(
         model,
         recipe,

@@ -105,7 +105,10 @@ def check_output_dir(output_dir: str | os.PathLike[str] | None, overwrite: bool)
         msg = f"cannot create the output directory {str(path)!r}: {str(parent)!r} is a file, not a directory"
         raise NotADirectoryError(msg)
     if not os.access(parent, os.W_OK):
-        msg = f"cannot write the output directory {str(path)!r}: {str(parent)!r} is not writable (Permission denied)"
+        msg = (
+            f"cannot write the output directory {str(path)!r}: cannot create files in {str(parent)!r} "
+            "(Permission denied)"
+        )
         raise PermissionError(msg)
     return path
 

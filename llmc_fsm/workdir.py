@@ -55,7 +55,7 @@ def work_dir_path(output: Path) -> Path:
 
 def _not_writable(output: Path, parent: Path, reason: str) -> PermissionError:
     return PermissionError(
-        f"cannot write the output directory {str(output)!r}: {str(parent)!r} is not writable ({reason})"
+        f"cannot write the output directory {str(output)!r}: cannot create files in {str(parent)!r} ({reason})"
     )
 
 
@@ -242,7 +242,8 @@ class WorkDir:
         self._remove()
 
     def abort(self, exc: BaseException) -> None:
-        """Clean up after ``exc``: keep saved layers after an interruption or ``OSError``, else remove everything."""
+        """Clean up after ``exc``: keep saved layers after an interruption or ``OSError``, or when this run resumed
+        them (an earlier run's progress is not this error's to discard); else remove everything."""
         from llmc_fsm.resume import progress_summary
 
         if not self._settled:
@@ -253,7 +254,7 @@ class WorkDir:
             return
         shutil.rmtree(self.staging, ignore_errors=True)
         summary = progress_summary(self.progress)
-        if summary is not None and isinstance(exc, KeyboardInterrupt | OSError):
+        if summary is not None and (isinstance(exc, KeyboardInterrupt | OSError) or self.resumed):
             exc.add_note(
                 f"progress kept in {str(self.path)!r} ({summary}): run the same command with --resume "
                 "(resume=True) to continue, or remove that directory"

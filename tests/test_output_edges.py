@@ -74,7 +74,7 @@ def test_output_under_a_regular_file(tmp_path, no_model_loading, capsys):
 @pytest.mark.skipif(not Path("/sys").is_dir(), reason="needs Linux /sys")
 def test_output_under_sys(no_model_loading):
     reason = "Operation not permitted" if os.geteuid() == 0 else "Permission denied"  # mkdir vs the access check
-    message = f"cannot write the output directory '/sys/llmc-fsm-out': '/sys' is not writable ({reason})"
+    message = f"cannot write the output directory '/sys/llmc-fsm-out': cannot create files in '/sys' ({reason})"
     _fails_fast("/sys/llmc-fsm-out", PermissionError, message)
     _fails_fast("/sys/a/b/out", PermissionError, message.replace("/sys/llmc-fsm-out", "/sys/a/b/out"))
     assert not Path("/sys/llmc-fsm-out").exists() and not Path("/sys/a").exists()
@@ -88,7 +88,10 @@ def test_output_in_an_unwritable_parent(tmp_path, no_model_loading, monkeypatch)
         real_access = os.access
         monkeypatch.setattr(os, "access", lambda p, mode: False if Path(p) == parent else real_access(p, mode))
     try:
-        message = f"cannot write the output directory {str(parent / 'a' / 'out')!r}: {str(parent)!r} is not writable "
+        message = (
+            f"cannot write the output directory {str(parent / 'a' / 'out')!r}: "
+            f"cannot create files in {str(parent)!r} "
+        )
         _fails_fast(parent / "a" / "out", PermissionError, message + "(Permission denied)")
         assert _names(parent) == []
     finally:

@@ -301,3 +301,41 @@ def test_resume_with_another_thread_count_warns(leftover, monkeypatch, caplog):
         f"the interrupted run used {threads} torch threads, this one {threads + 1}: the result may differ in the "
         f"last bits from an uninterrupted run (pass --threads {threads} for the same bits)"
     ) in caplog.text
+
+
+def test_low_memory_resume_is_refused_before_the_saved_progress_is_touched(leftover):
+    model, text, out = leftover
+    work = out.parent / ".out.work"
+    before = _listing(work)
+    with pytest.raises(ValueError) as info:
+        _resume(model, text, out, low_memory=True)
+    assert str(info.value) == (
+        "low_memory (--low-memory) cannot run this job: it cannot resume an interrupted run: run without resume "
+        "(--resume), or resume it without low_memory"
+    )
+    assert _listing(work) == before
+    assert not out.exists()
+
+
+def test_a_resumed_run_that_fails_keeps_the_progress_it_resumed(leftover, monkeypatch):
+    model, text, out = leftover
+    work = out.parent / ".out.work"
+    before = _listing(work)
+
+    def broken_load(run):
+        raise RuntimeError("disk full of surprises")
+
+    with monkeypatch.context() as m:
+        m.setattr("llmc_fsm.oneshot_phases.load", broken_load)
+        with pytest.raises(RuntimeError, match="disk full of surprises") as info:
+            _resume(model, text, out)
+    after = _listing(work)
+    rewritten = {"owner.json", "fingerprint.json"}  # written again by the resuming run, same contents' sizes
+    assert {k: v for k, v in after.items() if k not in rewritten} == {
+        k: v for k, v in before.items() if k not in rewritten
+    }
+    sizes = [{k: v[0] for k, v in listing.items() if k in rewritten} for listing in (after, before)]
+    assert sizes[0] == sizes[1]
+    assert f"progress kept in {str(work)!r} (2 of " in "\n".join(info.value.__notes__)
+    _resume(model, text, out)  # and it still resumes
+    assert (out / "report.json").exists() and not work.exists()
