@@ -227,13 +227,22 @@ def compress_layer(
     layer for the hooks (stopping early by ``calls`` if ``early_exit``), the layer is
     compressed, and (if ``need_outputs``) every batch runs the compressed layer.
     Either way ``compress([layer])`` is called once at the end (it compresses
-    whatever targets the forward did not reach).
+    whatever targets the forward did not reach). In the grouped order, the
+    batches run a compressed group's quantized modules without re-quantizing
+    their weights (:func:`llmc_fsm.output.weights_on_grid`).
     """
+    from llmc_fsm.output import weights_on_grid
     from llmc_fsm.true_sequential import plan_groups, run_grouped
 
     groups = plan_groups(layer, calls) if true_sequential and inputs else None
     if groups is not None:
-        hidden = run_grouped(layer, inputs, groups, compress)
+        with weights_on_grid() as mark:  # the batches then run compressed groups without re-quantizing them
+
+            def compress_group(group: list[nn.Module]) -> None:
+                compress(group)
+                mark(group)
+
+            hidden = run_grouped(layer, inputs, groups, compress_group)
         compress([layer])
         return with_hidden(inputs, hidden) if need_outputs else None
     if inputs:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import pytest
@@ -402,3 +403,40 @@ def test_evaluation_skips_weight_requantization_with_equal_outputs(monkeypatch) 
     q_proj = model.model.layers[0].self_attn.q_proj
     assert q_proj.quantization_status == QuantizationStatus.FROZEN  # restored
 
+
+
+def test_grouped_calibration_runs_compressed_groups_without_requantizing_their_weights(monkeypatch) -> None:
+    import compressed_tensors.quantization.lifecycle.forward as ct_forward
+    from compressed_tensors.quantization import QuantizationStatus
+
+    import llmc_fsm.output
+
+    recipe = {"q": {"GPTQModifier": {"scheme": W4G16}}}
+    data = torch.randint(0, 128, (8, 32), generator=torch.Generator().manual_seed(0))
+    calls: list[str] = []
+    original = ct_forward.forward_quantize
+
+    def counting(module, value, base_name, args):
+        calls.append(base_name)
+        return original(module, value, base_name, args)
+
+    monkeypatch.setattr(ct_forward, "forward_quantize", counting)
+    fast = _tiny()
+    llmc_fsm.oneshot(model=fast, recipe=recipe, dataset=data, batch_size=4, progress=False)
+    assert calls == []  # after its group's compression no module re-quantizes its weight
+    assert {m.quantization_status for m in fast.modules() if hasattr(m, "quantization_scheme")} == {
+        QuantizationStatus.FROZEN
+    }
+
+    @contextlib.contextmanager
+    def marks_nothing():
+        yield lambda modules: None
+
+    monkeypatch.setattr(llmc_fsm.output, "weights_on_grid", marks_nothing)
+    slow = _tiny()
+    llmc_fsm.oneshot(model=slow, recipe=recipe, dataset=data, batch_size=4, progress=False)
+    # without the marks: k_proj, v_proj and up_proj (a group's later members, called after its compression; the
+    # heads and single modules finish the call they began before) x 2 batches x 2 layers
+    assert calls == ["weight"] * (3 * 2 * 2)
+    for a, b in zip(fast.state_dict().values(), slow.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
