@@ -375,14 +375,10 @@ def test_explain_says_one_shot_stages_run_one_pass_each() -> None:
     assert "One-shot:" not in explain(llmc_fsm.Session({"s": {"SparseGPTModifier": {"sparsity": 0.5}}}))
 
 
-def test_evaluation_skips_weight_requantization_with_equal_outputs(monkeypatch) -> None:
+def _count_forward_quantize(monkeypatch) -> list[str]:
+    """From now on, the ``base_name`` ("weight", "input") of every compressed-tensors ``forward_quantize`` call."""
     import compressed_tensors.quantization.lifecycle.forward as ct_forward
-    from compressed_tensors.quantization import QuantizationStatus
 
-    from llmc_fsm.output import quantized_weights_as_compressed
-
-    model = _tiny()
-    llmc_fsm.oneshot(model=model, recipe={"q": {"QuantizationModifier": {"scheme": "W8A8"}}}, progress=False)
     calls: list[str] = []
     original = ct_forward.forward_quantize
 
@@ -391,6 +387,17 @@ def test_evaluation_skips_weight_requantization_with_equal_outputs(monkeypatch) 
         return original(module, value, base_name, args)
 
     monkeypatch.setattr(ct_forward, "forward_quantize", counting)
+    return calls
+
+
+def test_evaluation_skips_weight_requantization_with_equal_outputs(monkeypatch) -> None:
+    from compressed_tensors.quantization import QuantizationStatus
+
+    from llmc_fsm.output import quantized_weights_as_compressed
+
+    model = _tiny()
+    llmc_fsm.oneshot(model=model, recipe={"q": {"QuantizationModifier": {"scheme": "W8A8"}}}, progress=False)
+    calls = _count_forward_quantize(monkeypatch)
     x = torch.randint(0, 128, (2, 16))
     with torch.no_grad():
         plain = model(x).logits
@@ -406,21 +413,13 @@ def test_evaluation_skips_weight_requantization_with_equal_outputs(monkeypatch) 
 
 
 def test_grouped_calibration_runs_compressed_groups_without_requantizing_their_weights(monkeypatch) -> None:
-    import compressed_tensors.quantization.lifecycle.forward as ct_forward
     from compressed_tensors.quantization import QuantizationStatus
 
     import llmc_fsm.output
 
     recipe = {"q": {"GPTQModifier": {"scheme": W4G16}}}
     data = torch.randint(0, 128, (8, 32), generator=torch.Generator().manual_seed(0))
-    calls: list[str] = []
-    original = ct_forward.forward_quantize
-
-    def counting(module, value, base_name, args):
-        calls.append(base_name)
-        return original(module, value, base_name, args)
-
-    monkeypatch.setattr(ct_forward, "forward_quantize", counting)
+    calls = _count_forward_quantize(monkeypatch)
     fast = _tiny()
     llmc_fsm.oneshot(model=fast, recipe=recipe, dataset=data, batch_size=4, progress=False)
     assert calls == []  # after its group's compression no module re-quantizes its weight
