@@ -390,3 +390,20 @@ def test_rerun_on_saved_model_skips_stages_already_applied(tmp_path, caplog):
         llmc_fsm.oneshot(
             model=str(saved), recipe={"prune": {"MagnitudePruningModifier": {"sparsity": 0.5}}}, progress=False
         )
+
+
+def test_pruning_with_evaluation_needs_no_compressed_tensors(tiny_model_dir, monkeypatch):
+    # compressed-tensors comes with the quantization plugin only: a pruning run (grouped calibration, perplexity
+    # before and after) must not import it
+    import sys
+
+    for name in [n for n in sys.modules if n == "compressed_tensors" or n.startswith("compressed_tensors.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "compressed_tensors", None)  # any import of it now raises ImportError
+    model_dir, text = tiny_model_dir
+    model = llmc_fsm.oneshot(
+        str(model_dir), dataset=text, eval_text=text, num_calibration_samples=8, max_seq_length=32, progress=False
+    )
+    report = model.llmc_fsm_report
+    assert report.total_sparsity == 0.5
+    assert report.ppl_before is not None and report.ppl_after is not None
