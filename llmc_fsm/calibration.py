@@ -343,8 +343,10 @@ class CalibratedModifier(Modifier):
             olds = [module.weight.detach().clone() if copy else None for _, module in members]
             were_zero = [module.weight == 0 if not self.zeros_are_sparsity else None for _, module in members]
             new = self._compress_group([module for _, module in members], acc)
-            errors = new.rel_output_errors if isinstance(new, CompressedGroup) else [None] * len(members)
-            for (_, module), weight in zip(members, getattr(new, "weights", new), strict=True):
+            weights, errors = (
+                (new.weights, new.rel_output_errors) if isinstance(new, CompressedGroup) else (new, [None] * len(new))
+            )
+            for (_, module), weight in zip(members, weights, strict=True):
                 module.weight.copy_(weight)
         seconds = time.perf_counter() - t0
         total = sum(module.weight.numel() for _, module in members)

@@ -252,8 +252,15 @@ def compress_layer(
 
 
 def propagate(layer: nn.Module, inputs: Inputs) -> Inputs:
-    """``inputs`` with each batch's hidden states replaced by ``layer``'s output on them."""
-    return with_hidden(inputs, [first_output(layer(*args, **kwargs)) for args, kwargs in inputs])
+    """``inputs`` with each batch's hidden states replaced by the compressed ``layer``'s output on them.
+
+    Its quantized weights already hold their grid values and are not re-quantized
+    (:func:`llmc_fsm.output.quantized_weights_as_compressed`; same outputs bitwise).
+    """
+    from llmc_fsm.output import quantized_weights_as_compressed
+
+    with quantized_weights_as_compressed(layer):
+        return with_hidden(inputs, [first_output(layer(*args, **kwargs)) for args, kwargs in inputs])
 
 
 def with_hidden(inputs: Inputs, hidden: list[torch.Tensor]) -> Inputs:

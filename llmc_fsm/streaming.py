@@ -303,10 +303,7 @@ def _compress_layer(
         )
         inputs = outputs if outputs is not None else []
         if result.eval_states is not None:
-            from llmc_fsm.output import quantized_weights_as_compressed
-
-            with quantized_weights_as_compressed(layer):  # the weights already hold their grid values
-                result.eval_states = propagate(layer, result.eval_states)
+            result.eval_states = propagate(layer, result.eval_states)
         result.modules += [
             attrs.evolve(m, name=prefix + m.name, layer=index) for m in measure_sparsity(layer) if m.name
         ]
