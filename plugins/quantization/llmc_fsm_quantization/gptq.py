@@ -204,6 +204,8 @@ class _QuantRule:
         self.q_min, self.q_max = (float(v) for v in calculate_range(self.row_args, torch.device("cpu")))
         self.scaleT = self.scale.T.contiguous()
         self.zT = self.zp.T.to(torch.float32).contiguous()
+        # One view per group made once (updated in place when a group's scale is taken during the sweep).
+        self.scale_rows, self.z_rows = self.scaleT.unbind(0), self.zT.unbind(0)
 
     def bind(self, WT: torch.Tensor) -> None:
         self.WT = WT
@@ -223,7 +225,7 @@ class _QuantRule:
             self.scaleT[g] = s.squeeze(1)
             self.zT[g] = self.zp[:, g].to(torch.float32)
         if self.int_grid:
-            scale, zp = self.scaleT[g], self.zT[g]
+            scale, zp = self.scale_rows[g], self.z_rows[g]
             if self.zero_free:
                 torch.div(W1[i], scale, out=out).clamp_(self.q_min, self.q_max).round_().mul_(scale)
             else:
