@@ -42,6 +42,7 @@ import torch
 from torch import nn
 
 from llmc_fsm.distributed import check_same_values, is_distributed, reduce_statistics
+from llmc_fsm.heap import trim_heap
 from llmc_fsm.layer_error import relative_output_error
 from llmc_fsm.modifier import Modifier
 from llmc_fsm.targets import (
@@ -56,6 +57,9 @@ from llmc_fsm.targets import (
 __all__ = ["CalibratedModifier", "CompressedGroup", "ModuleResult"]
 
 logger = logging.getLogger(__name__)
+
+#: A data-free compression gives the freed heap back after this many bytes of weights (``_compress_all``).
+TRIM_EVERY_BYTES = 32 * 1024 * 1024
 
 
 def patterns(value: Any) -> list[str]:
@@ -284,7 +288,7 @@ class CalibratedModifier(Modifier):
         self._last_acc = None
 
     def on_calibration_end(self, state: Any) -> None:
-        self._compress_all({name: m for name, m in self._targets.items() if name not in self.results})
+        self._compress_all({name: m for name, m in self._targets.items() if name not in self.results}, trim=True)
         self._last_input = None
         self._last_acc = None
         self._acc.clear()
@@ -296,8 +300,14 @@ class CalibratedModifier(Modifier):
         self._last_acc = None
 
     # ---- work ------------------------------------------------------------------
-    def _compress_all(self, modules: dict[str, nn.Module]) -> None:
+    def _compress_all(self, modules: dict[str, nn.Module], *, trim: bool = False) -> None:
         """Compress ``{name: module}``, each group of modules that share an accumulator in one call.
+
+        ``trim``: give the freed heap back to the system (:func:`llmc_fsm.heap.trim_heap`) after
+        every 32 MiB of compressed weights: a data-free run (RTN) compresses every target in this
+        one call, outside the layer-by-layer pipeline that trims after each layer. Without it
+        glibc kept up to ~0.3 GB of freed temporaries on SmolLM2 W8A8 RTN, depending on the run
+        (peak 0.92 or 1.25-1.36 GB); with it, 0.92 GB in every run.
 
         Under ``torch.distributed`` the accumulators are first summed over the
         ranks (:func:`llmc_fsm.distributed.reduce_statistics`) and the new weights are then compared
@@ -324,8 +334,13 @@ class CalibratedModifier(Modifier):
                 acc = None
             key = id(acc) if acc is not None else id(module)
             groups.setdefault(key, (acc, []))[1].append((name, module))
+        since_trim = 0
         for acc, members in groups.values():
             self._compress_members(acc, members)
+            since_trim += sum(module.weight.numel() * module.weight.element_size() for _, module in members)
+            if trim and since_trim >= TRIM_EVERY_BYTES:
+                trim_heap()
+                since_trim = 0
         if distributed:
             compressed = [name for _, members in groups.values() for name, _ in members]
             with torch.no_grad():

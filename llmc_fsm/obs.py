@@ -382,10 +382,8 @@ def obs_sweep(WT: torch.Tensor, U: torch.Tensor, rule: ColumnRule, *, block_size
         Err1 = torch.empty((width, rows), dtype=torch.float32, device=WT.device)
         inv_d = d1.reciprocal().unsqueeze(1)
         rule.begin_block(c0, c1, W1, d1)
-        # Row j of Hinv1 / U_jj: the in-sub-block update takes w_j - q_j as it is, one operation per column
-        # fewer; Err1 is scaled once per sub-block. Row views made once per block (a dispatch each per column).
-        w_rows, q_rows, err_rows = W1.unbind(0), Q1.unbind(0), Err1.unbind(0)
-        hinv_rows = (Hinv1 * inv_d).unbind(0)
+        # Rows of Hinv1 / U_jj take w_j - q_j unscaled (Err1 is scaled per sub-block); views made once per block.
+        w_rows, q_rows, err_rows, hinv_rows = W1.unbind(0), Q1.unbind(0), Err1.unbind(0), (Hinv1 * inv_d).unbind(0)
         for s0 in range(0, width, sub):
             s1 = min(s0 + sub, width)
             for i in range(s0, s1):

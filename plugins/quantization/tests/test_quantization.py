@@ -439,3 +439,23 @@ def test_grouped_calibration_runs_compressed_groups_without_requantizing_their_w
     assert calls == ["weight"] * (3 * 2 * 2)
     for a, b in zip(fast.state_dict().values(), slow.state_dict().values(), strict=True):
         assert torch.equal(a, b)
+
+
+def test_data_free_quantization_gives_the_freed_heap_back_every_32_mib_of_weights(monkeypatch) -> None:
+    import llmc_fsm.calibration
+
+    calls: list[int] = []
+    monkeypatch.setattr(llmc_fsm.calibration, "trim_heap", lambda: calls.append(1) or True)
+    assert llmc_fsm.calibration.TRIM_EVERY_BYTES == 32 * 1024 * 1024
+    # hidden 64: q/o 16 KiB, k/v 8 KiB, gate/up/down 32 KiB of fp32 weight: 144 KiB a layer, 14 modules in all
+    monkeypatch.setattr(llmc_fsm.calibration, "TRIM_EVERY_BYTES", 100 * 1024)
+    llmc_fsm.oneshot(model=_tiny(), recipe={"q": {"QuantizationModifier": {"scheme": "W8A8"}}}, progress=False)
+    assert len(calls) == 2  # 288 KiB in module order: 100 KiB is reached at up_proj of each layer (the 6th and 12th)
+    calls.clear()
+    monkeypatch.setattr(llmc_fsm.calibration, "TRIM_EVERY_BYTES", 1)
+    llmc_fsm.oneshot(model=_tiny(), recipe={"q": {"QuantizationModifier": {"scheme": "W8A8"}}}, progress=False)
+    assert len(calls) == 14  # one per module
+    calls.clear()
+    data = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(0))
+    llmc_fsm.oneshot(model=_tiny(), recipe={"q": {"GPTQModifier": {"scheme": W4G16}}}, dataset=data, progress=False)
+    assert calls == []  # the layer-by-layer pipeline trims after each layer itself (llmc_fsm.pipeline)
