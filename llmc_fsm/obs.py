@@ -126,9 +126,8 @@ class HessianAccumulator:
         if cols < _SYMMETRIC_MIN_FEATURES:
             H.addmm_(x.T, x, alpha=2.0 / total)
         else:
-            # H is symmetric: compute only the block-upper triangle (6 row blocks:
-            # 21/36 of the products; 2048 tokens, 2 cores: 43 -> 26 ms for 1536 inputs,
-            # 5.9 -> 3.7 ms for 576; 4 blocks gave 28 / 3.9 ms) and mirror it when read.
+            # H is symmetric: only the block-upper triangle (6 row blocks: 21/36 of the products; 2048 tokens,
+            # 2 cores: 43 -> 26 ms for 1536 inputs, 5.9 -> 3.7 ms for 576; 4 blocks: 28 / 3.9 ms), mirrored when read.
             step = -(-cols // 6)
             for a in range(0, cols, step):
                 H[a : a + step, a:].addmm_(x[:, a : a + step].T, x[:, a:], alpha=2.0 / total)
