@@ -126,8 +126,9 @@ class HessianAccumulator:
         if cols < _SYMMETRIC_MIN_FEATURES:
             H.addmm_(x.T, x, alpha=2.0 / total)
         else:
-            # H is symmetric: only the block-upper triangle (6 row blocks: 21/36 of the products; 2048 tokens,
-            # 2 cores: 43 -> 26 ms for 1536 inputs, 5.9 -> 3.7 ms for 576; 4 blocks: 28 / 3.9 ms), mirrored when read.
+            # H is symmetric: compute only the block-upper triangle (6 row blocks:
+            # 21/36 of the products; 2048 tokens, 2 cores: 43 -> 26 ms for 1536 inputs,
+            # 5.9 -> 3.7 ms for 576; 4 blocks gave 28 / 3.9 ms) and mirror it when read.
             step = -(-cols // 6)
             for a in range(0, cols, step):
                 H[a : a + step, a:].addmm_(x[:, a : a + step].T, x[:, a:], alpha=2.0 / total)
@@ -379,18 +380,17 @@ def obs_sweep(WT: torch.Tensor, U: torch.Tensor, rule: ColumnRule, *, block_size
         Hinv1 = U[c0:c1, c0:c1]
         Q1 = torch.empty((width, rows), dtype=torch.float32, device=WT.device)
         Err1 = torch.empty((width, rows), dtype=torch.float32, device=WT.device)
-        inv_d = d1.reciprocal().unsqueeze(1)
+        inv_d = d1.reciprocal().tolist()
         rule.begin_block(c0, c1, W1, d1)
-        # Rows of Hinv1 / U_jj take w_j - q_j unscaled (Err1 is scaled per sub-block); views made once per block.
-        w_rows, q_rows, err_rows, hinv_rows = W1.unbind(0), Q1.unbind(0), Err1.unbind(0), (Hinv1 * inv_d).unbind(0)
+        # Row views made once per block: each costs a dispatch when taken per column.
+        w_rows, q_rows, err_rows, hinv_rows = W1.unbind(0), Q1.unbind(0), Err1.unbind(0), Hinv1.unbind(0)
         for s0 in range(0, width, sub):
             s1 = min(s0 + sub, width)
             for i in range(s0, s1):
                 q = rule.column(c0 + i, W1, i, q_rows[i])
-                diff = torch.sub(w_rows[i], q, out=err_rows[i])
+                err = torch.sub(w_rows[i], q, out=err_rows[i]).mul_(inv_d[i])
                 if i + 1 < s1:
-                    W1[i + 1 : s1].addr_(hinv_rows[i][i + 1 : s1], diff, alpha=-1.0)
-            Err1[s0:s1].mul_(inv_d[s0:s1])
+                    W1[i + 1 : s1].addr_(hinv_rows[i][i + 1 : s1], err, alpha=-1.0)
             if s1 < width:
                 W1[s1:].addmm_(Hinv1[s0:s1, s1:].T, Err1[s0:s1], alpha=-1.0)
         W1.copy_(Q1)
