@@ -24,16 +24,24 @@ __all__ = ["preset_names", "resolve_scheme", "weight_args"]
 _WEIGHT_STRATEGIES = (QuantizationStrategy.TENSOR, QuantizationStrategy.CHANNEL, QuantizationStrategy.GROUP)
 
 
-def preset_names() -> list[str]:
-    """The preset scheme names ``compressed-tensors`` defines, in its order."""
-    return list(PRESET_SCHEMES)
+def preset_names(*, supported_only: bool = False) -> list[str]:
+    """The preset scheme names ``compressed-tensors`` defines, in its order; with ``supported_only``
+    those the modifiers run (NVFP4, MX formats, FP8 with static activations and FP8_BLOCK excluded)."""
+    names = list(PRESET_SCHEMES)
+    return [n for n in names if _problem(preset_name_to_scheme(n, ["Linear"])) is None] if supported_only else names
 
 
 def _preset(name: str, targets: list[str]) -> QuantizationScheme:
     if not isinstance(name, str) or name.upper() not in PRESET_SCHEMES:
-        msg = f"unknown quantization scheme {name!r}; presets: {', '.join(sorted(preset_names()))}"
+        msg = f"unknown quantization scheme {name!r}; presets: {', '.join(sorted(preset_names(supported_only=True)))}"
         raise ValueError(msg)
-    return preset_name_to_scheme(name, targets)
+    scheme = preset_name_to_scheme(name, targets)
+    problem = _problem(scheme)
+    if problem is not None:
+        presets = ", ".join(sorted(preset_names(supported_only=True)))
+        msg = f"preset {name.upper()} is not supported: {problem}. Presets that run: {presets}"
+        raise ValueError(msg)
+    return scheme
 
 
 def resolve_scheme(scheme: Any, targets: list[str]) -> QuantizationScheme:
@@ -98,27 +106,37 @@ def _check_group_override(preset: str, base: QuantizationScheme, weights: Any) -
 
 
 def _check_supported(scheme: QuantizationScheme) -> None:
+    problem = _problem(scheme)
+    if problem is not None:
+        raise ValueError(problem)
+
+
+def _problem(scheme: QuantizationScheme) -> str | None:
+    """Why the modifiers cannot run ``scheme``, or ``None``."""
     w = scheme.weights
     if w is None:
-        msg = "the scheme quantizes no weights; weight-only (W4A16, W8A16) and dynamic (W8A8, FP8_DYNAMIC) schemes work"
-        raise ValueError(msg)
+        return "the scheme quantizes no weights; weight-only (W4A16, W8A16) and dynamic (W8A8, FP8_DYNAMIC) ones work"
     if w.strategy not in _WEIGHT_STRATEGIES:
-        msg = f"weight strategy {w.strategy!r} is not supported; use tensor, channel or group"
-        raise ValueError(msg)
+        return f"weight strategy {w.strategy!r} is not supported; use tensor, channel or group"
     if w.dynamic:
-        msg = "dynamic weight quantization is not supported (weights are quantized once, here)"
-        raise ValueError(msg)
+        return "dynamic weight quantization is not supported (weights are quantized once, here)"
+    for role in ("weights", "input_activations"):
+        args = getattr(scheme, role)
+        if args is not None and getattr(args, "scale_dtype", None) is not None:
+            return (
+                f"{role} with scale_dtype {args.scale_dtype} (the MX formats' shared power-of-two scales) are not "
+                "supported; use float scales (leave scale_dtype out)"
+            )
     for role in ("input_activations", "output_activations"):
         args = getattr(scheme, role)
         if args is not None and not args.dynamic:
-            msg = (
+            return (
                 f"static {role} (dynamic: false) need activation observers, which this version does not have; "
                 "use a weight-only scheme (W4A16, W8A16) or dynamic activations (W8A8, FP8_DYNAMIC)"
             )
-            raise ValueError(msg)
     if scheme.output_activations is not None:
-        msg = "output activation quantization is not supported"
-        raise ValueError(msg)
+        return "output activation quantization is not supported"
+    return None
 
 
 def weight_args(scheme: QuantizationScheme) -> QuantizationArgs:

@@ -8,7 +8,14 @@ import json
 import pytest
 import torch
 from compressed_tensors.quantization import QuantizationArgs
-from llmc_fsm_quantization import GPTQModifier, QuantizationModifier, gptq_quantize, resolve_scheme, rtn_quantize
+from llmc_fsm_quantization import (
+    GPTQModifier,
+    QuantizationModifier,
+    gptq_quantize,
+    preset_names,
+    resolve_scheme,
+    rtn_quantize,
+)
 from llmc_fsm_quantization.observers import observe
 
 import llmc_fsm
@@ -161,9 +168,35 @@ def test_gptq_group_sizes_that_do_not_divide_are_refused() -> None:
 
 
 # --------------------------------------------------------------------------- recipes and errors before work
-def test_unknown_scheme_lists_the_presets() -> None:
-    with pytest.raises(llmc_fsm.RecipeError, match=r"unknown quantization scheme 'W5A5'; presets: .*W4A16.*W8A8"):
+RUNNABLE = (
+    "FP8_DYNAMIC, INT8, W2A16, W2A4, W2A8, W3A16, W3A4, W3A8, W4A16, W4A16_ASYM, W4A4, W4A8, W4AFP8, W5A16, W5A8, "
+    "W6A16, W6A8, W7A16, W7A8, W8A16, W8A8"
+)
+
+
+def test_unknown_scheme_lists_the_presets_that_run() -> None:
+    with pytest.raises(llmc_fsm.RecipeError) as info:
         llmc_fsm.Session({"quant": {"GPTQModifier": {"scheme": "W5A5"}}})
+    assert str(info.value).endswith(f"unknown quantization scheme 'W5A5'; presets: {RUNNABLE}")
+    assert preset_names(supported_only=True) == [n for n in preset_names() if n in RUNNABLE.split(", ")]
+
+
+@pytest.mark.parametrize(
+    ("preset", "why"),
+    [
+        ("MXFP4A16", "weights with scale_dtype torch.uint8 (the MX formats' shared power-of-two scales)"),
+        ("NVFP4", "weight strategy 'tensor_group' is not supported; use tensor, channel or group"),
+        ("FP8", "static input_activations (dynamic: false) need activation observers"),
+        ("UNQUANTIZED", "the scheme quantizes no weights"),
+    ],
+)
+def test_a_preset_the_modifiers_cannot_run_is_refused_before_any_work(preset, why) -> None:
+    # MXFP4A16 used to be accepted, then failed in the first forward (float weights against bfloat16 scales)
+    with pytest.raises(llmc_fsm.RecipeError) as info:
+        llmc_fsm.Session({"quant": {"QuantizationModifier": {"scheme": preset}}})
+    message = str(info.value)
+    assert f"preset {preset} is not supported: {why}" in message
+    assert message.endswith(f"Presets that run: {RUNNABLE}")
 
 
 def test_actorder_group_is_refused_because_the_format_has_no_g_idx() -> None:
