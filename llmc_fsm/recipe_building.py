@@ -234,6 +234,12 @@ class _Builder:
         from llmc_fsm.plugins import get_registry
 
         registry = get_registry()
+        if name not in registry and stage.name in registry:  # {"QuantizationModifier": {"scheme": ...}}
+            msg = (
+                f"{where(self.source, line, stage.name)}: {stage.name!r} is a modifier, not a stage: a recipe maps "
+                f"stage names to their modifiers, e.g. {{'my_stage': {{'{stage.name}': {{{name!r}: ...}}}}}}"
+            )
+            raise RecipeError(msg)
         if name not in registry:
             raise RecipeError(f"{where(self.source, line, stage.name)}: {registry.unknown_message(name)}")
         cls = registry.get(name)

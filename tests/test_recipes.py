@@ -148,6 +148,18 @@ def test_unknown_modifier_suggests_and_names_file_and_line(tmp_path: Path) -> No
     assert "Known modifiers: Distill, Prune, Quant." in text
 
 
+def test_a_modifier_written_where_a_stage_goes_says_so(tmp_path: Path) -> None:
+    path = write(tmp_path, "Prune:\n  sparsity: 0.5\n")
+    with pytest.raises(RecipeError) as info:
+        resolve_recipe(path)
+    assert str(info.value) == (
+        f"recipe {path}, line 2, stage 'Prune': 'Prune' is a modifier, not a stage: a recipe maps stage names to "
+        "their modifiers, e.g. {'my_stage': {'Prune': {'sparsity': ...}}}"
+    )
+    with pytest.raises(RecipeError, match="unknown modifier 'sparsity'"):  # a stage named like no modifier
+        resolve_recipe({"prune_stage": {"sparsity": 0.5}})
+
+
 def test_unknown_argument_lists_accepted(tmp_path: Path) -> None:
     path = write(tmp_path, "s:\n  Prune:\n    sparsity: 0.5\n    sparsty: 0.1\n")
     with pytest.raises(RecipeError) as info:
