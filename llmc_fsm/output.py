@@ -87,9 +87,13 @@ def check_output_dir(output_dir: str | os.PathLike[str] | None, overwrite: bool)
                 "replace it"
             )
             if (path / "report.json").is_file():
+                msg += ". It holds a finished run (report.json), so there is nothing to resume"
                 msg += (
-                    ". It holds a finished run (report.json), so there is nothing to resume; to compress that "
-                    "model further, give it as the model (model=DIR, --model DIR) with a new output directory"
+                    " (its model is quantized, and a quantized model is not compressed further: start from the "
+                    "full-precision one)"
+                    if _is_quantized_dir(path)
+                    else "; to compress that model further, give it as the model (model=DIR, --model DIR) with a new "
+                    "output directory"
                 )
             raise FileExistsError(msg)
         if not any((path / name).exists() for name in _MODEL_DIR_MARKERS):
@@ -365,3 +369,12 @@ def settings_diff(old: Any, new: Any, prefix: str = "") -> str:
     if isinstance(old, list) and isinstance(new, list) and len(old) == len(new):
         return "; ".join(p for p in (settings_diff(a, b, prefix) for a, b in zip(old, new, strict=True)) if p)
     return "" if old == new else f"{prefix.rstrip('.')} {old!r} -> {new!r}"
+
+
+def _is_quantized_dir(path: Path) -> bool:
+    """Whether ``path/config.json`` carries a ``quantization_config`` (unreadable or absent: ``False``)."""
+    try:
+        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and config.get("quantization_config") is not None

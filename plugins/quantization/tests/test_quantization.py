@@ -493,3 +493,18 @@ def test_data_free_quantization_gives_the_freed_heap_back_every_32_mib_of_weight
     data = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(0))
     llmc_fsm.oneshot(model=_tiny(), recipe={"q": {"GPTQModifier": {"scheme": W4G16}}}, dataset=data, progress=False)
     assert calls == []  # the layer-by-layer pipeline trims after each layer itself (llmc_fsm.pipeline)
+
+
+def test_a_finished_quantized_output_is_not_offered_as_a_model_to_compress_further(tmp_path) -> None:
+    out = tmp_path / "w8a8"
+    recipe = {"q": {"QuantizationModifier": {"scheme": "W8A8"}}}
+    llmc_fsm.oneshot(model=_tiny(), recipe=recipe, output_dir=out, progress=False)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    with pytest.raises(FileExistsError) as info:
+        llmc_fsm.oneshot(model=_tiny(), recipe=recipe, output_dir=out, resume=True, progress=False)
+    assert str(info.value) == (
+        f"output directory {str(out)!r} exists and is not empty; pass overwrite=True (--overwrite) to replace it. "
+        "It holds a finished run (report.json), so there is nothing to resume (its model is quantized, and a "
+        "quantized model is not compressed further: start from the full-precision one)"
+    )
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
