@@ -176,7 +176,7 @@ def read_text(role: str, source: Any) -> str:
     except (OSError, ValueError) as err:
         raise type(err)(f"{role}: {err}") from err
     if not text.strip():
-        msg = f"{role}: {describe(source)} holds no text"
+        msg = f"{role}: {describe(source)} holds no text; pass a file with text in it (e.g. wikitext-2's wiki.test.raw)"
         raise ValueError(msg)
     return text
 

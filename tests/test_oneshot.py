@@ -301,8 +301,11 @@ def test_overwrite_refuses_a_directory_that_is_not_a_model_output(tmp_path):
 def test_bad_text_inputs_name_the_argument_before_loading_the_model(tmp_path):
     empty = tmp_path / "empty.txt"
     empty.write_text("  \n")
-    with pytest.raises(ValueError, match=r"^dataset \(--dataset\): .*empty.txt holds no text"):
+    with pytest.raises(ValueError) as info:
         llmc_fsm.oneshot(model="no-such-model", dataset=empty, progress=False)
+    assert str(info.value) == (
+        f"dataset (--dataset): {empty} holds no text; pass a file with text in it (e.g. wikitext-2's wiki.test.raw)"
+    )
     with pytest.raises(FileNotFoundError, match=r"^eval_text \(--eval-text\): text file not found"):
         llmc_fsm.oneshot(model="no-such-model", eval_text=tmp_path / "missing.txt", progress=False)
     with pytest.raises(ValueError, match=r"num_calibration_samples \(--num-samples\) must be a positive int, got 0"):
