@@ -508,3 +508,25 @@ def test_a_finished_quantized_output_is_not_offered_as_a_model_to_compress_furth
         "quantized model is not compressed further: start from the full-precision one)"
     )
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+@pytest.mark.parametrize(("preset", "symmetric_format"), [("W4A16_ASYM", "pack-quantized"), ("W4A8", "int-quantized")])
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_asymmetric_int_weights_are_saved_unpacked_so_that_transformers_loads_them(
+    tmp_path, preset, symmetric_format, symmetric
+):
+    from transformers import AutoModelForCausalLM
+
+    scheme = {"preset": preset, "weights": {"group_size": 32, "symmetric": symmetric}}
+    model = _tiny()
+    out = tmp_path / "out"
+    data = torch.randint(0, 128, (8, 32), generator=torch.Generator().manual_seed(0))
+    llmc_fsm.oneshot(model=model, recipe={"q": {"GPTQModifier": {"scheme": scheme}}}, dataset=data, output_dir=out,
+                     progress=False)
+    config = json.loads((out / "config.json").read_text())["quantization_config"]
+    # packed asymmetric zero points (compressed-tensors 0.20) make transformers stop on a size mismatch
+    assert config["format"] == (symmetric_format if symmetric else "int-quantized")
+    x = torch.randint(0, 128, (2, 24))
+    reloaded = AutoModelForCausalLM.from_pretrained(out).eval()
+    with torch.no_grad():
+        assert torch.equal(model(x).logits, reloaded(x).logits)
