@@ -279,7 +279,9 @@ def compressed_state_dict(module: nn.Module, prefix: str = "") -> dict[str, Any]
     from compressed_tensors.compressors.format import infer_model_format
     from compressed_tensors.utils.module import get_direct_state_dict
 
-    _unpacked_zero_points(module)
+    from llmc_fsm.quantized_format import unpacked_zero_points
+
+    unpacked_zero_points(quantized_modules(module))
     infer_model_format(module)  # sets each quantized module's scheme.format
     state = {prefix + key: value for key, value in module.state_dict().items()}
     for name, sub in quantized_modules(module).items():
@@ -291,24 +293,6 @@ def compressed_state_dict(module: nn.Module, prefix: str = "") -> dict[str, Any]
             state.pop(sub_prefix + key, None)
         state.update({sub_prefix + key: value.contiguous() for key, value in packed.items() if value is not None})
     return state
-
-
-def _unpacked_zero_points(module: nn.Module) -> None:
-    """Asymmetric int weights that compressed-tensors would pack are saved ``int-quantized`` (int8 per weight).
-
-    ``pack-quantized`` packs their zero points too, and transformers 5 with compressed-tensors 0.20 then refuses
-    the checkpoint (it allocates unpacked zero points: size mismatch). Unpacked, W4A16_ASYM and asymmetric W4A8 /
-    W6A16 / W8A16 load with logits equal to the in-memory model's. Symmetric schemes stay ``pack-quantized``."""
-    from compressed_tensors.compressors.format import infer_module_format
-    from compressed_tensors.config import CompressionFormat
-
-    for sub in quantized_modules(module).values():
-        scheme = sub.quantization_scheme
-        asymmetric_int = scheme.weights is not None and not scheme.weights.symmetric and scheme.weights.type == "int"
-        if asymmetric_int and scheme.format in (None, CompressionFormat.pack_quantized):
-            scheme.format = None
-            if infer_module_format(type(sub), scheme) == CompressionFormat.pack_quantized:
-                scheme.format = CompressionFormat.int_quantized
 
 
 def write_quantization_config(
@@ -323,9 +307,12 @@ def write_quantization_config(
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import QuantizationStatus
 
-    compressor = ModelCompressor.from_pretrained_model(model)  # infers each module's format, sets scheme.format
-    compressor.quantization_config.quantization_status = QuantizationStatus.COMPRESSED  # what the tensors are
-    compressor.update_config(str(directory))
+    from llmc_fsm.quantized_format import leaf_targets
+
+    with leaf_targets(quantized_modules(model)):  # what was quantized, not recipe patterns (the config holds the
+        compressor = ModelCompressor.from_pretrained_model(model)  # modules' scheme objects: written inside)
+        compressor.quantization_config.quantization_status = QuantizationStatus.COMPRESSED  # what the tensors are
+        compressor.update_config(str(directory))
     if sparsity >= 0.05:
         targets = sorted(quantized_modules(model))
         _write_sparsity_config(directory, sparsity, sparsity_structure or "unstructured", targets)

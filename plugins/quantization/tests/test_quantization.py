@@ -530,3 +530,43 @@ def test_asymmetric_int_weights_are_saved_unpacked_so_that_transformers_loads_th
     reloaded = AutoModelForCausalLM.from_pretrained(out).eval()
     with torch.no_grad():
         assert torch.equal(model(x).logits, reloaded(x).logits)
+
+
+@pytest.mark.parametrize(
+    ("stage", "targets", "ignore"),
+    [
+        # container targets: written as they are, transformers applied them to the LlamaMLP / layer on reload
+        ({"GPTQModifier": {"scheme": "W8A8", "targets": ["LlamaMLP"]}}, [["Linear"]], "attention"),
+        ({"GPTQModifier": {"scheme": W4G16, "targets": [r"re:model.layers.\d*$"]}}, [["Linear"]], "head"),
+        (
+            {
+                "QuantizationModifier": {"scheme": "W8A8", "targets": ["re:.*self_attn.*"]},
+                "GPTQModifier": {"scheme": W4G16, "targets": ["re:.*mlp.*"]},
+            },
+            "names",
+            "head",
+        ),
+    ],
+)
+def test_the_saved_config_targets_the_quantized_modules_and_reloads_with_equal_logits(tmp_path, stage, targets, ignore):
+    from transformers import AutoModelForCausalLM
+
+    model = _tiny()
+    out = tmp_path / "out"
+    data = torch.randint(0, 128, (8, 32), generator=torch.Generator().manual_seed(0))
+    llmc_fsm.oneshot(model=model, recipe={"q": stage}, dataset=data, output_dir=out, progress=False)
+    config = json.loads((out / "config.json").read_text())["quantization_config"]
+    groups = [group["targets"] for group in config["config_groups"].values()]
+    attention = [f"model.layers.{i}.self_attn.{p}_proj" for i in range(2) for p in "qkvo"]
+    mlp = [f"model.layers.{i}.mlp.{p}_proj" for i in range(2) for p in ("gate", "up", "down")]
+    if targets == "names":  # two schemes: each group names its modules
+        assert sorted(map(sorted, groups)) == sorted([sorted(attention), sorted(mlp)])
+    else:
+        assert groups == targets
+    assert sorted(config["ignore"]) == sorted(["lm_head", *(attention if ignore == "attention" else [])])
+    x = torch.randint(0, 128, (2, 24))
+    reloaded = AutoModelForCausalLM.from_pretrained(out).eval()
+    with torch.no_grad():
+        assert torch.equal(model(x).logits, reloaded(x).logits)
+    # the in-memory model keeps the recipe's targets; only the written config names the modules
+    assert model.model.layers[0].mlp.up_proj.quantization_scheme.targets == stage["GPTQModifier"]["targets"]
