@@ -37,7 +37,7 @@ from torch import nn
 from llmc_fsm.layer_error import sweep_relative_errors
 from llmc_fsm.obs import SUB_BLOCK, HessianAccumulator, inverse_hessian_cholesky, obs_sweep
 from llmc_fsm_quantization._base import QuantizedWeight, QuantizingModifier
-from llmc_fsm_quantization.observers import as_row_args, observe, quantize_rows, row_qparams
+from llmc_fsm_quantization.observers import as_row_args, observe, quantize_rows, row_qparams, storable
 
 __all__ = ["ACTORDERS", "GPTQModifier", "gptq_quantize"]
 
@@ -137,7 +137,8 @@ def gptq_quantize(
     )
     originals = [w.detach().to(torch.float32) for w in weights]
     upfront = not group or actorder == "static"
-    rule = _QuantRule(args, originals, perm if actorder == "static" else None, observer, upfront, block_size)
+    static_perm = perm if actorder == "static" else None
+    rule = _QuantRule(args, originals, static_perm, observer, upfront, block_size, storage_dtype=weights[0].dtype)
     WT = torch.cat([w.T for w in originals], dim=1)
     if perm is not None:
         WT = WT[perm].contiguous()
@@ -162,8 +163,11 @@ class _QuantRule:
         observer: str,
         upfront: bool,
         block_size: int,
+        *,
+        storage_dtype: torch.dtype = torch.float32,
     ) -> None:
         self.args = args
+        self.storage_dtype = storage_dtype  # the scales are rounded to what a parameter of it holds
         self.row_args = as_row_args(args)
         self.observer = observer
         self.upfront = upfront
@@ -176,7 +180,7 @@ class _QuantRule:
         self.scales: list[torch.Tensor] = []
         self.zps: list[torch.Tensor] = []
         if upfront:
-            per = [observe(w, args, observer) for w in originals]
+            per = [(storable(s, storage_dtype), z) for s, z in (observe(w, args, observer) for w in originals)]
             self.scales = [
                 s.expand(w.shape[0], -1) if s.numel() == 1 else s for (s, _), w in zip(per, originals, strict=True)
             ]
@@ -220,6 +224,7 @@ class _QuantRule:
         if not self.upfront and j % self.gs == 0:
             x = self.WT[j : j + self.gs].T  # type: ignore[index]  # [rows, gs], every earlier column's update applied
             s, z = row_qparams(x, self.row_args, self.observer)
+            s = storable(s, self.storage_dtype)
             self.scale[:, g : g + 1] = s
             self.zp[:, g : g + 1] = z.to(self.zp.dtype)
             self.scaleT[g] = s.squeeze(1)

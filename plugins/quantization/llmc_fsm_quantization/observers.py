@@ -20,7 +20,7 @@ from compressed_tensors.quantization import QuantizationArgs, QuantizationStrate
 from compressed_tensors.quantization.lifecycle.forward import fake_quantize
 from compressed_tensors.quantization.utils import calculate_qparams
 
-__all__ = ["OBSERVERS", "as_row_args", "observe", "quantize_rows", "row_qparams"]
+__all__ = ["OBSERVERS", "as_row_args", "observe", "quantize_rows", "row_qparams", "storable"]
 
 #: Observer names accepted by the modifiers' ``observer`` argument.
 OBSERVERS = ("minmax", "mse")
@@ -74,6 +74,17 @@ def row_qparams(x: torch.Tensor, row_args: QuantizationArgs, observer: str) -> t
     return scale, zp
 
 
+def storable(scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``scale`` (float32) rounded to the values a ``dtype`` parameter holds, still float32.
+
+    compressed-tensors stores ``weight_scale`` in the weight's dtype; a bfloat16 / float16 model whose weights
+    were rounded with the float32 scale would reload (from the rounded scale) as a different model.
+    """
+    if not dtype.is_floating_point or torch.finfo(dtype).bits >= torch.finfo(scale.dtype).bits:
+        return scale
+    return scale.to(dtype).to(scale.dtype).clamp_min_(torch.finfo(dtype).tiny)
+
+
 @torch.no_grad()
 def observe(
     weight: torch.Tensor, args: QuantizationArgs, observer: str = "minmax"
@@ -86,8 +97,8 @@ def observe(
         observer: ``"minmax"`` or ``"mse"``.
 
     Returns:
-        ``(scale, zero_point)`` shaped ``[1]`` / ``[rows, 1]`` / ``[rows, cols // group_size]``; scale in
-        ``weight``'s float dtype, zero point in ``args.zp_dtype`` (symmetric: zeros).
+        ``(scale, zero_point)`` shaped ``[1]`` / ``[rows, 1]`` / ``[rows, cols // group_size]``; scale float32
+        holding values of ``weight``'s dtype (:func:`storable`), zero point in ``args.zp_dtype`` (symmetric: zeros).
 
     Raises:
         ValueError: unknown observer or strategy, or ``cols`` not divisible by ``group_size``.
@@ -101,6 +112,7 @@ def observe(
         raise ValueError(msg)
     x = _groups(weight.detach().to(torch.float32), args)
     scale, zp = row_qparams(x, as_row_args(args), observer)
+    scale = storable(scale, weight.dtype)
     if args.strategy == QuantizationStrategy.TENSOR:
         return scale.reshape(1), zp.reshape(1)
     if args.strategy == QuantizationStrategy.CHANNEL:

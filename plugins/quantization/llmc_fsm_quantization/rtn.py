@@ -32,7 +32,7 @@ def rtn_quantize(weight: torch.Tensor, args: QuantizationArgs, observer: str = "
         ValueError: as :func:`~llmc_fsm_quantization.observers.observe`.
     """
     w = weight.detach().to(torch.float32)
-    scale, zp = observe(w, args, observer)
+    scale, zp = observe(weight.detach(), args, observer)  # the scale as a parameter of weight's dtype holds it
     return QuantizedWeight(weight=fake_quantize(w, scale, zp, args).to(weight.dtype), scale=scale, zero_point=zp)
 
 
