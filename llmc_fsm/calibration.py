@@ -221,10 +221,18 @@ class CalibratedModifier(Modifier):
                 compressed — every such module named, grouped by reason, with what to do.
         """
         already = already_quantized(model)
-        if already is not None:
+        from_config = getattr(getattr(model, "config", None), "quantization_config", None) is not None
+        if already is not None and from_config:
             msg = f"{type(self).__name__}: the model is already quantized ({already}); {self.quantized_model_hint}"
             raise ValueError(msg)
         targets = resolve_targets(model, self.targets, self.ignore)
+        quantized = [name for name, module in targets.items() if hasattr(module, "quantization_scheme")]
+        if quantized:  # an earlier stage of this run quantized them; other modules may still be compressed
+            msg = (
+                f"{type(self).__name__}: {len(quantized)} of its targets are already quantized, e.g. {quantized[0]}; "
+                f"{self.quantized_model_hint}"
+            )
+            raise ValueError(msg)
         problems: dict[str, list[str]] = {}
         for name, module in targets.items():
             reason = self._check_target(name, module)

@@ -199,6 +199,7 @@ def check_modifiers(sessions: list[Session], model: Any, calibration_data: Any =
     for session in sessions:
         if session.missing_state(model=model, calibration_data=calibration_data):
             session.initialize(model=model, calibration_data=calibration_data)  # raises MissingStateError
+    quantized_by: dict[str, str] = {}  # module -> the quantizing modifier (and stage) that targets it
     for session in sessions:
         for modifier in session.modifiers:
             try:
@@ -210,6 +211,23 @@ def check_modifiers(sessions: list[Session], model: Any, calibration_data: Any =
                 raise ValueError(f"{name}: {exc}") from exc
             if is_tensor(calibration_data) and isinstance(targets, dict) and targets:
                 _warn_few_tokens(modifier, targets, int(calibration_data.numel()))
+            if hasattr(modifier, "quantization_scheme") and isinstance(targets, dict):
+                _check_quantized_once(modifier, session, targets, quantized_by)
+
+
+def _check_quantized_once(modifier: Any, session: Session, targets: dict[str, Any], seen: dict[str, str]) -> None:
+    """Refuse two quantizing modifiers of one recipe on the same module (the second would re-quantize the first's
+    grid, or find the module already quantized after the first stage's work)."""
+    stage = next((st.name for st in session.recipe.stages if any(m is modifier for m in st.modifiers)), None)
+    label = f"{type(modifier).__name__} of stage {stage!r}" if stage is not None else type(modifier).__name__
+    twice = sorted(name for name in targets if name in seen)
+    if twice:
+        msg = (
+            f"{label} and {seen[twice[0]]} both quantize {len(twice)} modules, e.g. {twice[0]}; a module is "
+            "quantized once: give the modifiers disjoint targets (or ignore)"
+        )
+        raise ValueError(msg)
+    seen.update(dict.fromkeys(targets, label))
 
 
 def _warn_few_tokens(modifier: Any, targets: dict[str, Any], tokens: int) -> None:

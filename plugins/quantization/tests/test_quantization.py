@@ -591,3 +591,47 @@ def test_a_float16_model_is_rounded_with_the_scale_its_checkpoint_stores(tmp_pat
             assert torch.equal(stored.to(torch.float16), module.weight)
             checked += 1
     assert checked == 14
+
+
+def test_two_quantization_stages_on_disjoint_modules_run_and_reload(tmp_path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    recipe = {
+        "q1": {"GPTQModifier": {"scheme": "W8A8", "targets": ["re:.*self_attn.*"]}},
+        "q2": {"GPTQModifier": {"scheme": W4G16, "targets": ["re:.*mlp.*"]}},
+    }
+    model = _tiny()
+    out = tmp_path / "out"
+    data = torch.randint(0, 128, (8, 32), generator=torch.Generator().manual_seed(0))
+    llmc_fsm.oneshot(model=model, recipe=recipe, dataset=data, output_dir=out, progress=False)  # q2 used to be refused
+    bits = {m["name"]: m["bits"] for m in json.loads((out / "report.json").read_text())["sparsity"]["modules"]
+            if "bits" in m}
+    assert bits["model.layers.1.self_attn.k_proj"] == 8 and bits["model.layers.1.mlp.down_proj"] == 4
+    x = torch.randint(0, 128, (2, 24))
+    with torch.no_grad():
+        assert torch.equal(model(x).logits, AutoModelForCausalLM.from_pretrained(out).eval()(x).logits)
+
+
+@pytest.mark.parametrize("same_stage", [True, False])
+def test_two_quantizing_modifiers_on_one_module_are_refused_before_any_work(monkeypatch, same_stage) -> None:
+    import llmc_fsm_quantization.gptq as gptq_module
+
+    calls: list[int] = []
+    original = gptq_module.gptq_quantize
+    monkeypatch.setattr(gptq_module, "gptq_quantize", lambda *a, **k: calls.append(1) or original(*a, **k))
+    first = {"GPTQModifier": {"scheme": "W8A8", "targets": ["re:.*mlp.*"]}}
+    second = {"QuantizationModifier": {"scheme": W4G16, "targets": ["re:.*up_proj"]}}
+    recipe = {"q": {**first, **second}} if same_stage else {"q1": first, "q2": second}
+    model = _tiny()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    data = torch.randint(0, 128, (8, 32), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError) as info:
+        llmc_fsm.oneshot(model=model, recipe=recipe, dataset=data, progress=False)
+    stage = "q" if same_stage else "q2"
+    assert str(info.value) == (
+        f"QuantizationModifier of stage {stage!r} and GPTQModifier of stage {'q' if same_stage else 'q1'!r} both "
+        "quantize 2 modules, e.g. model.layers.0.mlp.up_proj; a module is quantized once: give the modifiers "
+        "disjoint targets (or ignore)"
+    )
+    assert calls == []  # before any calibration work
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
