@@ -127,6 +127,8 @@ def _problem(scheme: QuantizationScheme) -> str | None:
                 f"{role} with scale_dtype {args.scale_dtype} (the MX formats' shared power-of-two scales) are not "
                 "supported; use float scales (leave scale_dtype out)"
             )
+    if w.type == "float" and w.num_bits != 8:  # compressed-tensors' float-quantized format writes fp8 only
+        return f"float weights of {w.num_bits} bits cannot be saved (fp8 only); use num_bits: 8 or type: int"
     for role in ("input_activations", "output_activations"):
         args = getattr(scheme, role)
         if args is not None and not args.dynamic:

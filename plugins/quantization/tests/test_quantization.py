@@ -181,6 +181,14 @@ def test_unknown_scheme_lists_the_presets_that_run() -> None:
     assert preset_names(supported_only=True) == [n for n in preset_names() if n in RUNNABLE.split(", ")]
 
 
+def test_float_weights_other_than_fp8_are_refused_when_the_recipe_is_read() -> None:
+    # they used to run to the end and fail in saving: "Only num_bits in (8) are supported"
+    with pytest.raises(llmc_fsm.RecipeError) as info:
+        llmc_fsm.Session({"q": {"GPTQModifier": {"scheme": {"weights": {"num_bits": 4, "type": "float",
+                                                                        "strategy": "channel"}}}}})
+    assert str(info.value).endswith("float weights of 4 bits cannot be saved (fp8 only); use num_bits: 8 or type: int")
+
+
 @pytest.mark.parametrize(
     ("preset", "why"),
     [
