@@ -344,7 +344,8 @@ class GPTQModifier(QuantizingModifier):
         ):
             msg = (
                 f"group_size {args.group_size} and GPTQ's block_size {self.block_size} (columns per lazy update) "
-                "must divide one another: use a power-of-two group size (e.g. 32, 64, 128)"
+                "must divide one another: use a power-of-two group size (e.g. 32, 64, 128), or set the recipe's "
+                f"block_size to a multiple of {args.group_size} (e.g. block_size: {args.group_size})"
             )
             raise ValueError(msg)
 
