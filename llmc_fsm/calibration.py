@@ -225,7 +225,8 @@ class CalibratedModifier(Modifier):
         if already is not None and from_config:
             msg = f"{type(self).__name__}: the model is already quantized ({already}); {self.quantized_model_hint}"
             raise ValueError(msg)
-        targets = resolve_targets(model, self.targets, self.ignore)
+        warned = self.__dict__.setdefault("_target_warnings", set())  # one-shot checks before initialize too
+        targets = resolve_targets(model, self.targets, self.ignore, warned=warned)
         quantized = [name for name, module in targets.items() if hasattr(module, "quantization_scheme")]
         if quantized:  # an earlier stage of this run quantized them; other modules may still be compressed
             msg = (

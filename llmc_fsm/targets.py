@@ -346,20 +346,28 @@ def select_targets(
 
 
 def resolve_targets(
-    model: nn.Module, targets: Iterable[str] = DEFAULT_TARGETS, ignore: Iterable[str] = DEFAULT_IGNORE
+    model: nn.Module,
+    targets: Iterable[str] = DEFAULT_TARGETS,
+    ignore: Iterable[str] = DEFAULT_IGNORE,
+    *,
+    warned: set[str] | None = None,
 ) -> dict[str, nn.Module]:
     """Return ``{full name: module}`` to compress, in model order: :attr:`select_targets(...).selected`.
 
     Logs a warning (logger ``llmc_fsm.targets``) for each target pattern that
     selects nothing while others do, and for each ``ignore`` pattern that matches
-    no module -- except the default ``lm_head`` on a model without one.
+    no module -- except the default ``lm_head`` on a model without one. ``warned``:
+    the warnings already given (by an earlier call for the same modifier); not repeated, new ones added.
 
     Raises:
         ValueError: as :func:`select_targets`.
     """
     selection = select_targets(model, targets, ignore)
     for line in selection.warnings(quiet_ignore=DEFAULT_IGNORE):
-        logger.warning("%s", line)
+        if warned is None or line not in warned:
+            logger.warning("%s", line)
+        if warned is not None:
+            warned.add(line)
     return selection.selected
 
 

@@ -643,3 +643,13 @@ def test_two_quantizing_modifiers_on_one_module_are_refused_before_any_work(monk
     )
     assert calls == []  # before any calibration work
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_an_ignore_pattern_that_matches_nothing_is_warned_about_once(caplog) -> None:
+    recipe = {"q": {"QuantizationModifier": {"scheme": "W8A8", "ignore": ["lm_haed"]}}}
+    with caplog.at_level("WARNING", logger="llmc_fsm.targets"):
+        llmc_fsm.oneshot(model=_tiny(), recipe=recipe, progress=False)  # checked before the work and at initialize
+    assert [r.getMessage() for r in caplog.records if r.name == "llmc_fsm.targets"] == [
+        "ignore pattern 'lm_haed' matches no module (check the spelling; 're:' patterns use re.match on full module "
+        "names, e.g. 're:.*lm_head')"
+    ]
