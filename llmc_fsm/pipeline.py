@@ -332,6 +332,7 @@ def _run_layers(
             true_sequential=true_sequential,
             early_exit=early_exit,
             need_outputs=not last,
+            modifiers=session.modifiers,
         )
         if checkpoint is not None:
             checkpoint.save(index, layer)

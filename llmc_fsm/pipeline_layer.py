@@ -17,7 +17,7 @@ Everything here runs under the caller's ``torch.no_grad``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -217,6 +217,7 @@ def compress_layer(
     true_sequential: bool,
     early_exit: bool,
     need_outputs: bool,
+    modifiers: Sequence[Any] = (),
 ) -> Inputs | None:
     """Calibrate and compress ``layer`` on ``inputs``; return the next layer's inputs (``None`` if not needed).
 
@@ -229,7 +230,9 @@ def compress_layer(
     Either way ``compress([layer])`` is called once at the end (it compresses
     whatever targets the forward did not reach). In the grouped order, the
     batches run a compressed group's quantized modules without re-quantizing
-    their weights (:func:`llmc_fsm.output.weights_on_grid`).
+    their weights (:func:`llmc_fsm.output.weights_on_grid`), and a group's head, paused inside its own call
+    while its group was compressed, gets its inputs from ``modifiers``' ``compressed_call_inputs`` (a
+    quantizer's input quantization), so that every module runs as its compressed forward would.
     """
     from llmc_fsm.output import weights_on_grid
     from llmc_fsm.true_sequential import plan_groups, run_grouped
@@ -242,7 +245,7 @@ def compress_layer(
                 compress(group)
                 mark(group)
 
-            hidden = run_grouped(layer, inputs, groups, compress_group)
+            hidden = run_grouped(layer, inputs, groups, compress_group, _resumed_call(list(modifiers)))
         compress([layer])
         return with_hidden(inputs, hidden) if need_outputs else None
     if inputs:
@@ -266,3 +269,17 @@ def propagate(layer: nn.Module, inputs: Inputs) -> Inputs:
 def with_hidden(inputs: Inputs, hidden: list[torch.Tensor]) -> Inputs:
     """``inputs`` with each batch's hidden states (first positional argument) replaced by ``hidden``."""
     return [((out, *args[1:]), kwargs) for out, (args, kwargs) in zip(hidden, inputs, strict=True)]
+
+
+def _resumed_call(modifiers: list[Any]) -> Callable[[nn.Module, tuple[Any, ...], dict[str, Any]], Any]:
+    """The first ``compressed_call_inputs(module, args, kwargs)`` result of ``modifiers`` that is not ``None``."""
+
+    def call(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        for modifier in modifiers:
+            adjust = getattr(modifier, "compressed_call_inputs", None)
+            result = adjust(module, args, kwargs) if adjust is not None else None
+            if result is not None:
+                return result
+        return None
+
+    return call

@@ -300,6 +300,7 @@ def _compress_layer(
             true_sequential=True,
             early_exit=True,
             need_outputs=need_outputs,
+            modifiers=session.modifiers,
         )
         inputs = outputs if outputs is not None else []
         if result.eval_states is not None:

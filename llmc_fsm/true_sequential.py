@@ -92,6 +92,7 @@ def run_grouped(
     inputs: Inputs,
     groups: list[list[nn.Module]],
     compress: Callable[[list[nn.Module]], None],
+    resumed_call: Callable[[nn.Module, tuple[Any, ...], dict[str, Any]], Any] | None = None,
 ) -> list[torch.Tensor]:
     """Run every batch once through ``layer``, calling ``compress(group)`` when all batches reached a group.
 
@@ -100,6 +101,9 @@ def run_grouped(
         inputs: per batch, the layer's (args, kwargs).
         groups: from :func:`plan_groups`.
         compress: compresses a group (the pipeline passes ``session.sequential_epoch_end``).
+        resumed_call: a group's head is paused inside its own call, which goes on with the forward it began
+            with; given the head and its ``(args, kwargs)``, this returns ``(args, kwargs)`` for that forward
+            (e.g. inputs quantized as the compressed module's new forward would), or ``None`` for as they are.
 
     Returns:
         Per batch, the layer's output hidden states (computed with every group compressed).
@@ -113,7 +117,7 @@ def run_grouped(
     handles = []
 
     def head_hook(index: int) -> Any:
-        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             for sibling in groups[index][1:]:  # their pre-hooks see this input now; the call ends there
                 siblings_calling[0] = True
                 try:
@@ -123,6 +127,7 @@ def run_grouped(
                 finally:
                     siblings_calling[0] = False
             main.switch(index)  # back to the scheduler until every batch is here and the group is compressed
+            return resumed_call(module, args, kwargs) if resumed_call is not None else None
 
         return hook
 

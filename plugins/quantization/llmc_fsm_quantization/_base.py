@@ -120,6 +120,22 @@ class QuantizingModifier(CalibratedModifier):
         """The scheme's weight ``QuantizationArgs``."""
         return weight_args(self._scheme)
 
+    def compressed_call_inputs(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """``(args, kwargs)`` of a call that began before ``module`` was quantized, with its input quantized as
+        compressed-tensors' quantized forward does (``None``: not this modifier's module, or no input quantization).
+
+        In the pipeline's grouped order a group's head is compressed while its call is under way, and that call
+        goes on with the forward it began with (:func:`llmc_fsm.true_sequential.run_grouped`); without this, its
+        output for the next group / layer missed the input quantization (W8A8, FP8_DYNAMIC), and a resumed run,
+        which propagates through fully quantized layers, differed from an uninterrupted one.
+        """
+        scheme = getattr(module, "quantization_scheme", None)
+        if id(module) not in self._names_by_id or scheme is None or scheme.input_activations is None or not args:
+            return None
+        from compressed_tensors.quantization.lifecycle.forward import forward_quantize
+
+        return (forward_quantize(module, args[0], "input", scheme.input_activations), *args[1:]), kwargs
+
     # ---- checks before any calibration work ------------------------------------------
     quantized_model_hint = "quantize the original full-precision model instead"
     zeros_are_sparsity = False  # int4 rounds small weights to exact zeros: not pruning
