@@ -119,8 +119,11 @@ def check_output_dir(output_dir: str | os.PathLike[str] | None, overwrite: bool)
 
 
 def sparsity_structure(recipe: Recipe) -> str | None:
-    """The first non-unstructured ``mask_structure`` of the recipe's modifiers (e.g. ``"2:4"``), else ``None``."""
-    for modifier in recipe.modifiers:
+    """The first non-unstructured ``mask_structure`` of the recipe's modifiers (e.g. ``"2:4"``), else ``None``.
+
+    Stages already applied count too: a 2:4 model quantized in a later run keeps its 2:4 (GPTQ keeps every zero).
+    """
+    for modifier in (m for stage in recipe.stages for m in stage.modifiers):
         structure = getattr(modifier, "mask_structure", None)
         if isinstance(structure, str) and structure not in ("unstructured", "0:0"):
             return structure

@@ -653,3 +653,14 @@ def test_an_ignore_pattern_that_matches_nothing_is_warned_about_once(caplog) -> 
         "ignore pattern 'lm_haed' matches no module (check the spelling; 're:' patterns use re.match on full module "
         "names, e.g. 're:.*lm_head')"
     ]
+
+
+def test_quantizing_a_saved_2_4_model_keeps_its_structure_in_the_sparsity_config(tmp_path) -> None:
+    data = torch.randint(0, 128, (8, 32), generator=torch.Generator().manual_seed(0))
+    pruned, quantized = tmp_path / "pruned", tmp_path / "quantized"
+    llmc_fsm.oneshot(model=_tiny(), recipe={"p": {"SparseGPTModifier": {"sparsity": 0.5, "mask_structure": "2:4"}}},
+                     dataset=data, output_dir=pruned, progress=False)
+    llmc_fsm.oneshot(pruned, recipe={"q": {"GPTQModifier": {"scheme": W4G16}}}, dataset=data, output_dir=quantized,
+                     progress=False)
+    config = json.loads((quantized / "config.json").read_text())["quantization_config"]["sparsity_config"]
+    assert config["sparsity_structure"] == "2:4"  # was "unstructured": only the stages still to run were read
