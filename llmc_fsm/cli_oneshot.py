@@ -99,6 +99,12 @@ def add_cli(sub: Any) -> None:
         action="store_true",
         help="read, compress and write one decoder layer at a time (needs --output and --dataset; same result)",
     )
+    p.add_argument(
+        "--fuse-stages",
+        action="store_true",
+        help="run consecutive one-shot stages in one layer-by-layer pass (e.g. prune then quantize each layer; "
+        "needed with --low-memory for a recipe of several stages)",
+    )
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     p.add_argument(
         "--no-progress", action="store_true", help="no progress bars (also none from transformers/compressed-tensors)"
@@ -154,6 +160,7 @@ def _run_cli(args: argparse.Namespace) -> int:
                 batch_size=args.batch_size,
                 progress=not args.no_progress,
                 low_memory=args.low_memory,
+                fuse_stages=args.fuse_stages,
             )
     except KeyboardInterrupt as exc:
         what = "SIGTERM" if isinstance(exc, Terminated) else "Ctrl-C"

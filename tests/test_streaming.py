@@ -162,7 +162,10 @@ def test_only_one_decoder_layer_is_materialized_at_a_time(sharded_dir, text_file
             "MagnitudePruningModifier acts on the whole model at once",
         ),
         ({"recipe": SPARSEGPT, "output": True, "dataset": None}, "pass a calibration dataset (dataset=, --dataset)"),
-        ({"recipe": {**SPARSEGPT, **GPTQ_G16}, "output": True, "fuse_stages": False}, "pass fuse_stages=True"),
+        (
+            {"recipe": {**SPARSEGPT, **GPTQ_G16}, "output": True, "fuse_stages": False},
+            "pass fuse_stages=True (--fuse-stages)",
+        ),
     ],
 )
 def test_jobs_low_memory_cannot_run_fail_before_reading_weights(sharded_dir, text_file, tmp_path, kw, message):
@@ -254,3 +257,20 @@ def test_trim_heap_gives_free_heap_pages_back():
     del blocks
     assert trim_heap() is True  # malloc_trim(0) returns 1 when it gave pages back
     del pin
+
+
+def test_the_cli_fuses_stages_for_a_low_memory_run_of_several_stages(tiny_model_dir, tmp_path, capsys):
+    import tiny_llama
+
+    from llmc_fsm.cli import main
+
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(
+        "a:\n  SparseGPTModifier: {sparsity: 0.5}\nb:\n  WandaPruningModifier: {sparsity: 0.6}\n", encoding="utf-8"
+    )
+    argv = tiny_llama.oneshot_argv(*tiny_model_dir, tmp_path / "o", "--recipe", str(recipe), "--low-memory")
+    assert main(argv) == 1
+    assert "pass fuse_stages=True (--fuse-stages)" in capsys.readouterr().err
+    assert main([*argv, "--fuse-stages"]) == 0  # the one-pass run the message asks for
+    report = json.loads((tmp_path / "o" / "report.json").read_text())
+    assert [stage["applied"] for stage in report["recipe"].values()] == [True, True]
