@@ -151,6 +151,7 @@ class CalibratedModifier(Modifier):
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
         self._clear()
+        self._target_warnings: set[str] = set()  # given once: one-shot checks the targets before initialize too
 
     def _clear(self) -> None:
         self._targets: dict[str, nn.Module] = {}
@@ -221,12 +222,10 @@ class CalibratedModifier(Modifier):
                 compressed — every such module named, grouped by reason, with what to do.
         """
         already = already_quantized(model)
-        from_config = getattr(getattr(model, "config", None), "quantization_config", None) is not None
-        if already is not None and from_config:
+        if already is not None:
             msg = f"{type(self).__name__}: the model is already quantized ({already}); {self.quantized_model_hint}"
             raise ValueError(msg)
-        warned = self.__dict__.setdefault("_target_warnings", set())  # one-shot checks before initialize too
-        targets = resolve_targets(model, self.targets, self.ignore, warned=warned)
+        targets = resolve_targets(model, self.targets, self.ignore, warned=self._target_warnings)
         quantized = [name for name, module in targets.items() if hasattr(module, "quantization_scheme")]
         if quantized:  # an earlier stage of this run quantized them; other modules may still be compressed
             msg = (
@@ -346,10 +345,11 @@ class CalibratedModifier(Modifier):
         since_trim = 0
         for acc, members in groups.values():
             self._compress_members(acc, members)
-            since_trim += sum(module.weight.numel() * module.weight.element_size() for _, module in members)
-            if trim and since_trim >= TRIM_EVERY_BYTES:
-                trim_heap()
-                since_trim = 0
+            if trim:
+                since_trim += sum(module.weight.numel() * module.weight.element_size() for _, module in members)
+                if since_trim >= TRIM_EVERY_BYTES:
+                    trim_heap()
+                    since_trim = 0
         if distributed:
             compressed = [name for _, members in groups.values() for name, _ in members]
             with torch.no_grad():

@@ -372,14 +372,14 @@ def resolve_targets(
 
 
 def already_quantized(model: nn.Module) -> str | None:
-    """Why ``model`` counts as quantized (its config's ``quantization_config``, or modules carrying a
-    compressed-tensors ``quantization_scheme``), or ``None`` when it is not."""
+    """Why ``model`` counts as quantized (its config's ``quantization_config``), or ``None`` when it is not.
+
+    Modules quantized in memory (an earlier stage of the same run) are checked per modifier, on its own targets
+    (:meth:`llmc_fsm.calibration.CalibratedModifier.check_model`).
+    """
     config_q = getattr(getattr(model, "config", None), "quantization_config", None)
-    if config_q is not None:
-        method = config_q.get("quant_method") if isinstance(config_q, dict) else getattr(config_q, "quant_method", None)
-        method = getattr(method, "value", method)  # transformers' QuantizationMethod enum
-        return f"its config carries a quantization_config (quant_method {method!r})"
-    quantized = [name for name, m in model.named_modules() if hasattr(m, "quantization_scheme")]
-    if quantized:
-        return f"{len(quantized)} modules are already quantized, e.g. {quantized[0]}"
-    return None
+    if config_q is None:
+        return None
+    method = config_q.get("quant_method") if isinstance(config_q, dict) else getattr(config_q, "quant_method", None)
+    method = getattr(method, "value", method)  # transformers' QuantizationMethod enum
+    return f"its config carries a quantization_config (quant_method {method!r})"
