@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -79,6 +80,33 @@ def check_dataset_tensor(dataset: Any) -> None:
     if is_tensor(dataset) and (dataset.dim() != 2 or dataset.is_floating_point()):
         msg = f"a dataset tensor must hold token ids of shape [N, L], got {dataset.dtype} {tuple(dataset.shape)}"
         raise ValueError(msg)
+
+
+def check_output_not_source(output_dir: Any, model: Any) -> None:
+    """Refuse an output directory that is, or contains, the directory the model is read from.
+
+    ``model`` is a directory path or a loaded transformers model (its ``name_or_path``). The output replaces its
+    whole directory when it is written, so even with ``overwrite`` the source model would be lost.
+
+    Raises:
+        ValueError: it is; nothing was read or written.
+    """
+    if output_dir is None:
+        return
+    out = Path(output_dir).expanduser().resolve()
+    candidates = [model] if isinstance(model, str | os.PathLike) else [getattr(model, "name_or_path", None)]
+    for candidate in candidates:
+        if not isinstance(candidate, str | os.PathLike) or not os.fspath(candidate):
+            continue
+        source = Path(candidate).expanduser().resolve()
+        if source.is_dir() and (out == source or out in source.parents):
+            relation = "is" if out == source else "contains"
+            msg = (
+                f"output directory {str(out)!r} {relation} the directory the model is read from ({str(source)!r}), "
+                f"and the output replaces the whole directory: choose a new directory (e.g. {str(source)!r} + "
+                "'-compressed')"
+            )
+            raise ValueError(msg)
 
 
 def check_seq_len(model: Any, seq_len: int) -> None:
@@ -211,23 +239,36 @@ def check_modifiers(sessions: list[Session], model: Any, calibration_data: Any =
                 raise ValueError(f"{name}: {exc}") from exc
             if is_tensor(calibration_data) and isinstance(targets, dict) and targets:
                 _warn_few_tokens(modifier, targets, int(calibration_data.numel()))
-            if hasattr(modifier, "quantization_scheme") and isinstance(targets, dict):
+            if isinstance(targets, dict):
                 _check_quantized_once(modifier, session, targets, quantized_by)
 
 
 def _check_quantized_once(modifier: Any, session: Session, targets: dict[str, Any], seen: dict[str, str]) -> None:
-    """Refuse two quantizing modifiers of one recipe on the same module (the second would re-quantize the first's
-    grid, or find the module already quantized after the first stage's work)."""
+    """Refuse a modifier, in recipe order, that compresses a module an earlier modifier of the recipe quantizes.
+
+    Two quantizing modifiers would re-quantize the first one's grid; a pruning one would move quantized weights
+    off their grid (its zeros then missing from the checkpoint's ``sparsity_config``). Unchecked, both failed only
+    after the first stage's work, or with ``fuse_stages`` not at all. ``seen``: module -> the quantizing modifier.
+    """
     stage = next((st.name for st in session.recipe.stages if any(m is modifier for m in st.modifiers)), None)
     label = f"{type(modifier).__name__} of stage {stage!r}" if stage is not None else type(modifier).__name__
     twice = sorted(name for name in targets if name in seen)
-    if twice:
+    quantizes = hasattr(modifier, "quantization_scheme")
+    if twice and quantizes:
         msg = (
             f"{label} and {seen[twice[0]]} both quantize {len(twice)} modules, e.g. {twice[0]}; a module is "
             "quantized once: give the modifiers disjoint targets (or ignore)"
         )
         raise ValueError(msg)
-    seen.update(dict.fromkeys(targets, label))
+    if twice:
+        msg = (
+            f"{label} would compress {len(twice)} modules that {seen[twice[0]]} quantizes before it, e.g. "
+            f"{twice[0]}; prune first, then quantize: put the sparsity stage (or modifier) before the quantization "
+            "one in the recipe"
+        )
+        raise ValueError(msg)
+    if quantizes:
+        seen.update(dict.fromkeys(targets, label))
 
 
 def _warn_few_tokens(modifier: Any, targets: dict[str, Any], tokens: int) -> None:

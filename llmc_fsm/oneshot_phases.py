@@ -25,6 +25,7 @@ from llmc_fsm.oneshot_data import (
     calibration_windows,
     check_dataset_tensor,
     check_modifiers,
+    check_output_not_source,
     check_seq_len,
     describe,
     eval_windows,
@@ -98,6 +99,7 @@ def prepare(model: Any, recipe: Any, dataset: Any, **kw: Any) -> Run:
     eval_n = positive_int("num_eval_windows (--eval-windows)", kw["num_eval_windows"])
     batch_size = positive_int("batch_size (--batch-size)", kw["batch_size"])
     eval_len = positive_int("eval_seq_length", kw["eval_seq_length"]) if kw["eval_seq_length"] is not None else seq_len
+    check_output_not_source(kw["output_dir"], model)
     work = _claim_on_rank_0(kw)
     try:
         merged, sessions = _sessions(model, recipe, kw["fuse_stages"])

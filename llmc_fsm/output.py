@@ -60,7 +60,7 @@ def check_output_dir(output_dir: str | os.PathLike[str] | None, overwrite: bool)
     Raises:
         FileExistsError: it exists and is a file, or is non-empty without ``overwrite``, or ``overwrite`` would
             replace a directory that is not a model output.
-        ValueError: it is the working directory or contains it.
+        ValueError: it is the working directory or contains it, or a mount point.
         NotADirectoryError: its first existing parent is a file (``README.md/sub``).
         PermissionError: its first existing parent is not writable.
 
@@ -78,6 +78,13 @@ def check_output_dir(output_dir: str | os.PathLike[str] | None, overwrite: bool)
         msg = (
             f"output directory {str(path)!r} is the current directory or contains it, and the output replaces the "
             "whole directory; choose a new directory (e.g. --output out/my-model)"
+        )
+        raise ValueError(msg)
+    if path.is_dir() and os.path.ismount(path):
+        msg = (
+            f"output directory {str(path)!r} is a mount point, which the output cannot replace (it is written "
+            f"beside the directory and then renamed into place); pass a directory inside it, e.g. "
+            f"{str(path / 'model')!r}"
         )
         raise ValueError(msg)
     if path.is_dir() and any(path.iterdir()):

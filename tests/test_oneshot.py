@@ -10,6 +10,7 @@ and 2 BLAS threads; 2048 tokens keep it within ~8%.)
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -287,6 +288,45 @@ def test_output_that_is_or_contains_the_working_directory_is_refused(tmp_path, m
         with pytest.raises(ValueError, match="is the current directory or contains it"):
             llmc_fsm.oneshot(model=_tiny(), output_dir=out, overwrite=True, progress=False)
     assert _no_stray_files(tmp_path) == ["keep.txt"]
+
+
+def test_output_that_is_or_contains_the_model_directory_is_refused_even_with_overwrite(tmp_path):
+    source = tmp_path / "models" / "tiny"
+    _tiny().save_pretrained(source)
+    files = {p: p.read_bytes() for p in source.iterdir()}
+    from transformers import AutoModelForCausalLM
+
+    loaded = AutoModelForCausalLM.from_pretrained(source)
+    for model, out, relation in (
+        (str(source), source, "is"),
+        (loaded, source, "is"),
+        (source, source.parent, "contains"),
+    ):
+        with pytest.raises(ValueError) as info:
+            llmc_fsm.oneshot(model=model, output_dir=out, overwrite=True, progress=False)
+        assert str(info.value) == (
+            f"output directory {str(out)!r} {relation} the directory the model is read from ({str(source)!r}), and "
+            f"the output replaces the whole directory: choose a new directory (e.g. {str(source)!r} + '-compressed')"
+        )
+    assert {p: p.read_bytes() for p in source.iterdir()} == files
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["models"]
+
+
+def test_output_that_is_a_mount_point_is_refused_before_any_work(tmp_path, monkeypatch):
+    out = tmp_path / "mnt"
+    out.mkdir()
+    real = os.path.ismount
+    monkeypatch.setattr(os.path, "ismount", lambda p: Path(p) == out or real(p))
+    model = _tiny()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError) as info:
+        llmc_fsm.oneshot(model=model, output_dir=out, progress=False)
+    assert str(info.value) == (
+        f"output directory {str(out)!r} is a mount point, which the output cannot replace (it is written beside "
+        f"the directory and then renamed into place); pass a directory inside it, e.g. {str(out / 'model')!r}"
+    )
+    assert list(out.iterdir()) == [] and sorted(p.name for p in tmp_path.iterdir()) == ["mnt"]
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
 def test_overwrite_refuses_a_directory_that_is_not_a_model_output(tmp_path):

@@ -645,6 +645,31 @@ def test_two_quantizing_modifiers_on_one_module_are_refused_before_any_work(monk
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
+@pytest.mark.parametrize("fuse_stages", [False, True])
+@pytest.mark.parametrize("pruner", ["SparseGPTModifier", "WandaPruningModifier"])
+def test_pruning_after_quantizing_the_same_modules_is_refused_before_any_work(monkeypatch, fuse_stages, pruner) -> None:
+    import llmc_fsm_quantization.rtn as rtn_module
+
+    calls: list[int] = []
+    original = rtn_module.rtn_quantize
+    monkeypatch.setattr(rtn_module, "rtn_quantize", lambda *a, **k: calls.append(1) or original(*a, **k))
+    recipe = {"quant_stage": {"QuantizationModifier": {"scheme": "W8A8", "targets": ["re:.*mlp.*"]}},
+              "sparsity_stage": {pruner: {"mask_structure": "2:4"}}}
+    model = _tiny()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    data = torch.randint(0, 128, (8, 32), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError) as info:
+        llmc_fsm.oneshot(model=model, recipe=recipe, dataset=data, progress=False, fuse_stages=fuse_stages)
+    assert str(info.value) == (
+        f"{pruner} of stage 'sparsity_stage' would compress 6 modules that QuantizationModifier of stage "
+        "'quant_stage' quantizes before it, e.g. model.layers.0.mlp.down_proj; prune first, then quantize: put the "
+        "sparsity stage (or modifier) before the quantization one in the recipe"
+    )
+    assert calls == []  # before any work (unfused, the first stage used to run; fused, it was not refused at all)
+    assert model.state_dict().keys() == before.keys()
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
 def test_an_ignore_pattern_that_matches_nothing_is_warned_about_once(caplog) -> None:
     recipe = {"q": {"QuantizationModifier": {"scheme": "W8A8", "ignore": ["lm_haed"]}}}
     with caplog.at_level("WARNING", logger="llmc_fsm.targets"):
