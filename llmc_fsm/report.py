@@ -34,7 +34,10 @@ class ModuleSparsity:
     quantized modules ``bits`` and ``group_size`` (``None`` for channel/tensor
     strategies) are set; ``rel_output_error`` is ``||W X - W_hat X|| / ||W X||``
     on the calibration inputs, for modifiers that keep a Hessian (SparseGPT,
-    GPTQ, RTN with calibration data), else ``None``.
+    GPTQ, RTN with calibration data), else ``None``: the last such modifier's,
+    with ``W`` the weight it received. ``rel_output_errors`` lists
+    ``(modifier, error)`` of every such modifier in the order they ran, when
+    there were several (2:4 pruning, then GPTQ); the errors do not add up.
     """
 
     name: str
@@ -44,6 +47,7 @@ class ModuleSparsity:
     bits: int | None = None
     group_size: int | None = None
     rel_output_error: float | None = None
+    rel_output_errors: list[tuple[str, float]] = attrs.Factory(list)
 
     @property
     def sparsity(self) -> float:
@@ -142,6 +146,17 @@ class OneshotReport:
             out[i] = (",".join(labels), sum(errors) / len(errors) if errors else None)
         return out
 
+    def _stacked_errors_note(self) -> list[str]:
+        """A line under the table when modules were compressed by several error-measuring modifiers."""
+        stacked = [m for m in self._targeted() if len(m.rel_output_errors) > 1]
+        if not stacked:
+            return []
+        return [
+            f"rel. output error: the last modifier's, against the weights it received; {len(stacked)} modules were "
+            f"compressed by several modifiers, whose errors do not add up (mean per module: "
+            f"{_mean_by_modifier(stacked)}; report.json: rel_output_errors)"
+        ]
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "model": self.model,
@@ -196,6 +211,7 @@ class OneshotReport:
                     bits=m.get("bits"),
                     group_size=m.get("group_size"),
                     rel_output_error=m.get("rel_output_error"),
+                    rel_output_errors=[(e["modifier"], e["rel_output_error"]) for e in m.get("rel_output_errors", [])],
                 )
                 for m in entries
             ],
@@ -234,6 +250,7 @@ class OneshotReport:
         outside = [m for m in self._targeted() if m.layer is None]
         for m in outside:
             lines.append(f"{m.name:>7}  {m.numel:>10,}  {m.sparsity:>8.2%}")
+        lines.extend(self._stacked_errors_note())
         untouched = [m for m in self.modules if m.name not in set(self.targeted)]
         total_numel = sum(m.numel for m in self._targeted())
         lines.append(f"{'total':>7}  {total_numel:>10,}  {self.total_sparsity:>8.2%}   (targeted Linear weights)")
@@ -262,12 +279,23 @@ class OneshotReport:
         return "\n".join(lines)
 
 
+def _mean_by_modifier(modules: list[ModuleSparsity]) -> str:
+    by: dict[str, list[float]] = {}
+    for m in modules:
+        for name, error in m.rel_output_errors:
+            by.setdefault(name, []).append(error)
+    return ", ".join(f"{name} {sum(v) / len(v):.4f}" for name, v in by.items())
+
+
 def _quant_fields(m: ModuleSparsity) -> dict[str, Any]:
-    return {
+    fields = {
         key: value
         for key, value in (("bits", m.bits), ("group_size", m.group_size), ("rel_output_error", m.rel_output_error))
         if value is not None
     }
+    if len(m.rel_output_errors) > 1:
+        fields["rel_output_errors"] = [{"modifier": n, "rel_output_error": e} for n, e in m.rel_output_errors]
+    return fields
 
 
 def build_report(
@@ -308,8 +336,9 @@ def build_report(
                 continue
             if getattr(result, "bits", None) is not None:  # zeros: the pruned ones only (see ModuleResult)
                 entry.bits, entry.group_size, entry.zeros = result.bits, result.group_size, result.zeros
-            if getattr(result, "rel_output_error", None) is not None:
-                entry.rel_output_error = result.rel_output_error  # the last modifier's: the final weight's error
+            if getattr(result, "rel_output_error", None) is not None:  # the last modifier's, against its input
+                entry.rel_output_error = result.rel_output_error
+                entry.rel_output_errors.append((type(modifier).__name__, result.rel_output_error))
     return OneshotReport(
         model=model_name,
         recipe=recipe.to_dict(applied=True),

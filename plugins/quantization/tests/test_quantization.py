@@ -689,3 +689,34 @@ def test_quantizing_a_saved_2_4_model_keeps_its_structure_in_the_sparsity_config
                      progress=False)
     config = json.loads((quantized / "config.json").read_text())["quantization_config"]["sparsity_config"]
     assert config["sparsity_structure"] == "2:4"  # was "unstructured": only the stages still to run were read
+
+
+@pytest.mark.parametrize("fuse_stages", [True, False])
+def test_a_pruned_then_quantized_module_reports_each_modifiers_error(tmp_path, fuse_stages) -> None:
+    from llmc_fsm.report import OneshotReport
+
+    data = torch.randint(0, 128, (8, 32), generator=torch.Generator().manual_seed(0))
+    prune = {"SparseGPTModifier": {"mask_structure": "2:4"}}
+    quant = {"GPTQModifier": {"scheme": W4G16}}
+
+    def modules(recipe: dict, out: object) -> dict[str, dict]:
+        llmc_fsm.oneshot(model=_tiny(), recipe=recipe, dataset=data, output_dir=out, progress=False,
+                         fuse_stages=fuse_stages)
+        return {m["name"]: m for m in json.loads((out / "report.json").read_text())["sparsity"]["modules"]}
+
+    alone = modules({"s": prune}, tmp_path / "pruned")
+    both = modules({"s": prune, "q": quant}, tmp_path / "both")
+    q = both["model.layers.0.self_attn.q_proj"]
+    steps = q["rel_output_errors"]
+    assert [e["modifier"] for e in steps] == ["SparseGPTModifier", "GPTQModifier"]
+    # layer 0 sees the same inputs either way: the pruning step's error is SparseGPT's alone
+    assert steps[0]["rel_output_error"] == alone["model.layers.0.self_attn.q_proj"]["rel_output_error"]
+    assert steps[1]["rel_output_error"] == q["rel_output_error"] < steps[0]["rel_output_error"]
+    assert all(len(m.get("rel_output_errors", [])) == 2 for m in both.values() if m["name"] != "lm_head")
+    assert "rel_output_errors" not in alone["model.layers.0.self_attn.q_proj"]
+    table = OneshotReport.from_dict(json.loads((tmp_path / "both" / "report.json").read_text())).format_table()
+    note = next(line for line in table.splitlines() if line.startswith("rel. output error:"))
+    assert note.startswith(
+        "rel. output error: the last modifier's, against the weights it received; 14 modules were compressed by "
+        "several modifiers, whose errors do not add up (mean per module: SparseGPTModifier 0."
+    )
