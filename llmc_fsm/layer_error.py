@@ -47,6 +47,7 @@ def sweep_relative_errors(
     factor: InverseHessianFactor,
     row_errors: torch.Tensor,
     rows: list[int],
+    hessian: torch.Tensor | None = None,
 ) -> list[float]:
     """:func:`relative_output_error` of each weight of one OBS sweep, from the sweep's own terms.
 
@@ -62,6 +63,10 @@ def sweep_relative_errors(
         factor: the :func:`llmc_fsm.obs.inverse_hessian_cholesky` result the sweep used.
         row_errors: float32 ``[R]``, what :func:`llmc_fsm.obs.obs_sweep` returned.
         rows: the output rows of each weight (they sum to ``R``).
+        hessian: ``[in, in]``, the undamped Hessian in the same column order. When the damping terms are
+            nearly all of the sweep's (``dampening_frac`` of ~1e3 and more), the differences above lose their
+            float32 digits; a weight whose difference is under 1e-3 of its damping terms is then measured with
+            :func:`relative_output_error` on ``hessian`` instead (without it, its value may be off, down to 0).
 
     Returns:
         One error per weight (0.0 where ``||W X||`` is 0).
@@ -76,14 +81,27 @@ def sweep_relative_errors(
         raise ValueError(f"rows {rows} do not add up to the {original.shape[1]} columns of original")
     U, dead, damping = factor
     energy = torch.linalg.solve_triangular(U, original.T, upper=True, left=False).square().sum(1)  # W U^-1
-    den = energy - _diagonal_terms(original, dead, damping)
+    den_terms = _diagonal_terms(original, dead, damping)
+    den = energy - den_terms
     change = original - final
-    num = row_errors - _diagonal_terms(change, dead, damping)
+    num_terms = _diagonal_terms(change, dead, damping)
+    num = row_errors - num_terms
     out, r0 = [], 0
     for r in rows:
-        out.append(_ratio(float(num[r0 : r0 + r].sum()), float(den[r0 : r0 + r].sum())))
+        part = slice(r0, r0 + r)
+        n, d = float(num[part].sum()), float(den[part].sum())
+        if hessian is not None and (
+            n < _RELIABLE * float(num_terms[part].sum()) or d < _RELIABLE * float(den_terms[part].sum())
+        ):
+            out.append(relative_output_error(original[:, part].T, final[:, part].T, hessian))
+        else:
+            out.append(_ratio(n, d))
         r0 += r
     return out
+
+
+#: A difference of the sweep's terms under this fraction of its damping terms has lost its float32 digits.
+_RELIABLE = 1e-3
 
 
 def _diagonal_terms(AT: torch.Tensor, dead: torch.Tensor, damping: float) -> torch.Tensor:

@@ -194,7 +194,9 @@ def sparsegpt_prune_shared(
     row_errors = obs_sweep(WT, U, rule, block_size=block_size)
     if errors is not None:
         factor = InverseHessianFactor(U, dead, damping)
-        errors += sweep_relative_errors(original, WT, factor, row_errors, [w.shape[0] for w in weights])
+        errors += sweep_relative_errors(
+            original, WT, factor, row_errors, [w.shape[0] for w in weights], hessian.to(device)
+        )
     return [
         (WT[:, r0:r1].T.contiguous().to(w.dtype), rule.keepT[:, r0:r1].T.contiguous())
         for w, (r0, r1) in zip(weights, bounds, strict=True)

@@ -612,6 +612,20 @@ def test_sparsegpt_shared_reports_the_measured_output_error(structure):
     assert nothing == [0.0, 0.0]
 
 
+@pytest.mark.parametrize("dampening_frac", [1e4, 1e9])
+def test_sparsegpt_shared_reports_the_measured_output_error_under_huge_damping(dampening_frac):
+    # nearly all of the sweep's terms are then damping; their difference had lost its float32 digits
+    torch.manual_seed(1)
+    x = correlated_inputs(512, 64, seed=12)
+    weights = [torch.randn(24, 64), torch.randn(8, 64)]
+    errors: list[float] = []
+    shared = sparsegpt_prune_shared(weights, hessian_of(x), sparsity=0.5, dampening_frac=dampening_frac, errors=errors)
+    for w, (out, _keep), error in zip(weights, shared, errors, strict=True):
+        measured = (recon_error(w, out, x) / float(((x.double() @ w.double().T) ** 2).sum())) ** 0.5
+        assert error == pytest.approx(measured, rel=1e-4)
+        assert error > 0.1
+
+
 def test_sparsegpt_shared_rejects_bad_groups():
     h = torch.eye(8)
     with pytest.raises(ValueError, match="at least one 2-D weight"):

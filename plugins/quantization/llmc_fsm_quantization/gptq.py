@@ -145,7 +145,7 @@ def gptq_quantize(
     rule.bind(WT)
     original = WT.clone()
     row_errors = obs_sweep(WT, factor.U, rule, block_size=block_size)
-    errors = sweep_relative_errors(original, WT, factor, row_errors, [w.shape[0] for w in weights])
+    errors = sweep_relative_errors(original, WT, factor, row_errors, [w.shape[0] for w in weights], hessian.to(device))
     del original
     if perm is not None:
         WT = WT[torch.argsort(perm)]
@@ -344,8 +344,9 @@ class GPTQModifier(QuantizingModifier):
         ):
             msg = (
                 f"group_size {args.group_size} and GPTQ's block_size {self.block_size} (columns per lazy update) "
-                "must divide one another: use a power-of-two group size (e.g. 32, 64, 128), or set the recipe's "
-                f"block_size to a multiple of {args.group_size} (e.g. block_size: {args.group_size})"
+                "must divide one another: use a power-of-two group size (e.g. 32, 64, 128), or a block_size that is "
+                f"a multiple of {args.group_size} (CLI: --block-size {args.group_size}; recipe: block_size: "
+                f"{args.group_size})"
             )
             raise ValueError(msg)
 

@@ -134,6 +134,18 @@ def test_gptq_reported_output_error_is_the_measured_one(spec: object, actorder: 
         assert 0.001 < q.rel_output_error < 0.5
 
 
+@pytest.mark.parametrize("dampening_frac", [1e4, 1e7, 1e9])
+def test_gptq_reported_output_error_stays_the_measured_one_under_huge_damping(dampening_frac: float) -> None:
+    # the sweep's terms are then nearly all damping, and their difference had lost its float32 digits (1e9: 0.0)
+    torch.manual_seed(6)
+    x = _correlated_inputs(2048, 64)
+    a, b = torch.randn(24, 64), torch.randn(8, 64)
+    qa, qb = gptq_quantize([a, b], _hessian(x), args=_args(W4G16), block_size=32, dampening_frac=dampening_frac)
+    for w, q in ((a, qa), (b, qb)):
+        assert q.rel_output_error == pytest.approx(_rel_error(x, w, q.weight), rel=1e-4)
+        assert q.rel_output_error > 0.01
+
+
 def test_gptq_keeps_every_zero_and_the_2_4_pattern() -> None:
     torch.manual_seed(4)
     w = torch.randn(32, 64)
