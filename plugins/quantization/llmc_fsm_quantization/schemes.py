@@ -9,14 +9,20 @@ as in llm-compressor recipes) or a mapping of
 ``num_bits``, ``type``, ``symmetric``, ``strategy``, ``group_size``). A mapping
 may also name a preset under ``preset`` and override its weight arguments, e.g.
 ``{preset: W4A16, weights: {group_size: 64}}``.
+
+Every refusal is a ``ValueError`` with a one-line message that says why and what
+to use instead; pydantic's validation errors are shortened to ``field: reason``.
 """
 
 from __future__ import annotations
 
+import re
+from collections.abc import Mapping
 from typing import Any
 
 from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme, QuantizationStrategy
 from compressed_tensors.quantization.quant_scheme import PRESET_SCHEMES, preset_name_to_scheme
+from pydantic import ValidationError
 
 __all__ = ["preset_names", "resolve_scheme", "weight_args"]
 
@@ -48,23 +54,30 @@ def resolve_scheme(scheme: Any, targets: list[str]) -> QuantizationScheme:
     """A ``QuantizationScheme`` for ``scheme`` (preset name or mapping), checked for what the modifiers run.
 
     Args:
-        scheme: a preset name (case-insensitive), a ``QuantizationScheme``, or a
-            mapping of its fields, optionally with ``preset: NAME`` whose weight /
-            input-activation arguments the mapping's entries update.
-        targets: the modifier's targets (stored in the scheme, as compressed-tensors expects).
+        scheme: a preset name (case-insensitive), a ``QuantizationScheme``, a
+            ``QuantizationArgs`` (the weights' arguments of a weight-only scheme), or
+            a mapping of the scheme's fields, optionally with ``preset: NAME`` whose
+            weight / input-activation arguments the mapping's entries update.
+        targets: the modifier's targets (stored in the scheme, as compressed-tensors
+            expects; they replace the targets of a given ``QuantizationScheme``).
 
     Raises:
         ValueError: unknown preset (the message lists the presets), invalid
-            fields (pydantic's message), no weight quantization, a weight strategy
-            other than tensor/channel/group, or static (calibrated) input
-            activations, which need activation observers this version does not have.
+            fields (pydantic's ``field: reason``, one line), no weight quantization,
+            dynamic weights or a weight strategy other than tensor/channel/group,
+            int weights or input activations of fewer than 2 bits, or static
+            (calibrated) input activations, which need activation observers this
+            version does not have.
     """
     if isinstance(scheme, QuantizationScheme):
-        resolved = scheme.model_copy(deep=True)
+        resolved = scheme.model_copy(deep=True, update={"targets": list(targets)})
+    elif isinstance(scheme, QuantizationArgs):
+        resolved = QuantizationScheme(targets=list(targets), weights=scheme.model_copy(deep=True))
     elif isinstance(scheme, str):
         resolved = _preset(scheme, targets)
-    elif isinstance(scheme, dict):
+    elif isinstance(scheme, Mapping):
         fields = dict(scheme)
+        _check_static_weights(fields.get("weights"))
         preset = fields.pop("preset", None)
         base = _preset(preset, targets) if preset is not None else None
         if base is not None:
@@ -78,15 +91,46 @@ def resolve_scheme(scheme: Any, targets: list[str]) -> QuantizationScheme:
                 fields = {**data, **fields}
             fields["targets"] = list(targets)
             resolved = QuantizationScheme.model_validate(fields)
-        except ValueError as err:  # pydantic.ValidationError is a ValueError
-            first = str(err).splitlines()
-            msg = f"invalid quantization scheme {scheme!r}: {' '.join(line.strip() for line in first[:4])}"
-            raise ValueError(msg) from None
+        except ValidationError as err:
+            raise ValueError(f"invalid quantization scheme {scheme!r}: {_reason(err)}") from None
     else:
         msg = f"scheme must be a preset name ({', '.join(preset_names()[:6])}, ...) or a mapping, got {scheme!r}"
         raise ValueError(msg)
     _check_supported(resolved)
     return resolved
+
+
+_ENUM_REPR = re.compile(r"<\w+\.\w+: '([^']*)'>")  # <QuantizationStrategy.TOKEN: 'token'> -> token
+
+
+def _reason(err: ValidationError) -> str:
+    """pydantic's errors as ``field: reason; ...`` (without its input values and documentation links)."""
+    parts = []
+    for error in err.errors():
+        field = ".".join(str(part) for part in error["loc"])
+        reason = _ENUM_REPR.sub(r"\1", error["msg"].removeprefix("Value error, ").rstrip("."))
+        parts.append(f"{field}: {reason}" if field else reason)
+    return "; ".join(parts)
+
+
+def _static_only(what: str) -> str:
+    return (
+        f"{what}: weights are quantized statically here (once, from the weights themselves), so dynamic weights "
+        "and strategy 'token' (a per-token scale, for activations) are not supported; use strategy channel, "
+        "group or tensor and leave dynamic out"
+    )
+
+
+def _check_static_weights(weights: Any) -> None:
+    """Refuse dynamic or per-token weights before pydantic does (its two messages send users to each other)."""
+    if not isinstance(weights, Mapping):
+        return
+    dynamic = getattr(weights.get("dynamic"), "value", weights.get("dynamic"))
+    strategy = getattr(weights.get("strategy"), "value", weights.get("strategy"))
+    if dynamic is True or (isinstance(dynamic, str) and dynamic.lower() in ("true", "local")):
+        raise ValueError(_static_only(f"weights with dynamic: {str(dynamic).lower()}"))
+    if isinstance(strategy, str) and strategy.lower() == "token":
+        raise ValueError(_static_only("weights with strategy: token"))
 
 
 def _check_group_override(preset: str, base: QuantizationScheme, weights: Any) -> None:
@@ -116,10 +160,12 @@ def _problem(scheme: QuantizationScheme) -> str | None:
     w = scheme.weights
     if w is None:
         return "the scheme quantizes no weights; weight-only (W4A16, W8A16) and dynamic (W8A8, FP8_DYNAMIC) ones work"
+    strategy = getattr(w.strategy, "value", w.strategy)
+    if w.dynamic or w.strategy == QuantizationStrategy.TOKEN:
+        dynamic = str(getattr(w.dynamic, "value", w.dynamic)).lower()
+        return _static_only(f"weights with dynamic: {dynamic}, strategy: {strategy}")
     if w.strategy not in _WEIGHT_STRATEGIES:
-        return f"weight strategy {w.strategy!r} is not supported; use tensor, channel or group"
-    if w.dynamic:
-        return "dynamic weight quantization is not supported (weights are quantized once, here)"
+        return f"weight strategy {strategy!r} is not supported; use tensor, channel or group"
     for role in ("weights", "input_activations"):
         args = getattr(scheme, role)
         if args is not None and getattr(args, "scale_dtype", None) is not None:
@@ -127,6 +173,10 @@ def _problem(scheme: QuantizationScheme) -> str | None:
                 f"{role} with scale_dtype {args.scale_dtype} (the MX formats' shared power-of-two scales) are not "
                 "supported; use float scales (leave scale_dtype out)"
             )
+    for role in ("weights", "input_activations"):
+        args = getattr(scheme, role)
+        if args is not None and args.type == "int" and args.num_bits < 2:
+            return _too_few_bits(role, args.num_bits)
     if w.type == "float" and w.num_bits != 8:  # compressed-tensors' float-quantized format writes fp8 only
         return f"float weights of {w.num_bits} bits cannot be saved (fp8 only); use num_bits: 8 or type: int"
     for role in ("input_activations", "output_activations"):
@@ -139,6 +189,17 @@ def _problem(scheme: QuantizationScheme) -> str | None:
     if scheme.output_activations is not None:
         return "output activation quantization is not supported"
     return None
+
+
+def _too_few_bits(role: str, bits: int) -> str:
+    if bits < 1:
+        return f"{role} with num_bits {bits}: an integer grid needs at least 2 bits; use num_bits 2 to 8"
+    hint = "e.g. preset W2A16" if role == "weights" else "dynamic activations are usually 8 bits, as in preset W8A8"
+    return (
+        f"int {role} of 1 bit are not supported: symmetric ones round (nearly) every value to 0 (the grid is "
+        "{-1, 0} times a scale of 2 max|x|) and asymmetric ones keep only 0 and each group's extreme (the range "
+        f"always contains 0), which loses about as much as setting them all to 0; use num_bits 2 or more ({hint})"
+    )
 
 
 def weight_args(scheme: QuantizationScheme) -> QuantizationArgs:

@@ -1,0 +1,214 @@
+"""Scheme edge cases: 1-bit int refused, dynamic weights in one message, one-line pydantic errors, scheme objects.
+
+The object tests run ``llmc_fsm.oneshot`` on a 2-layer random Llama (hidden 64) and compare the saved
+``recipe.yaml`` and the reloaded checkpoint with the in-memory result.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import yaml
+from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+from llmc_fsm_quantization import GPTQModifier, QuantizationModifier, resolve_scheme
+
+import llmc_fsm
+from llmc_fsm import RecipeError
+from llmc_fsm.recipe import resolve_recipe
+
+ONE_BIT = (
+    "int {role} of 1 bit are not supported: symmetric ones round (nearly) every value to 0 (the grid is {{-1, 0}} "
+    "times a scale of 2 max|x|) and asymmetric ones keep only 0 and each group's extreme (the range always contains "
+    "0), which loses about as much as setting them all to 0; use num_bits 2 or more ({hint})"
+)
+ONE_BIT_WEIGHTS = ONE_BIT.format(role="weights", hint="e.g. preset W2A16")
+STATIC_ONLY = (
+    "{what}: weights are quantized statically here (once, from the weights themselves), so dynamic weights and "
+    "strategy 'token' (a per-token scale, for activations) are not supported; use strategy channel, group or tensor "
+    "and leave dynamic out"
+)
+
+
+# --------------------------------------------------------------------------- fewer than 2 bits
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("strategy", [{"strategy": "channel"}, {"strategy": "group", "group_size": 16}])
+def test_one_bit_int_weights_are_refused(symmetric: bool, strategy: dict) -> None:
+    weights = {"num_bits": 1, "type": "int", "symmetric": symmetric, **strategy}
+    with pytest.raises(ValueError) as info:
+        resolve_scheme({"weights": weights}, ["Linear"])
+    assert str(info.value) == ONE_BIT_WEIGHTS
+
+
+@pytest.mark.parametrize("modifier", ["QuantizationModifier", "GPTQModifier"])
+def test_one_bit_is_refused_when_the_recipe_is_read(modifier: str) -> None:
+    text = (
+        f"q:\n  {modifier}:\n    scheme: {{weights: {{num_bits: 1, type: int, symmetric: true, strategy: channel}}}}\n"
+    )
+    with pytest.raises(RecipeError) as info:
+        resolve_recipe(text)
+    assert str(info.value) == f"recipe <text>, line 2, stage 'q', modifier {modifier}: {ONE_BIT_WEIGHTS}"
+
+
+@pytest.mark.parametrize("bits", [0, -1])
+def test_no_bits_at_all_is_refused(bits: int) -> None:
+    with pytest.raises(ValueError) as info:
+        resolve_scheme({"weights": {"num_bits": bits}}, ["Linear"])
+    assert (
+        str(info.value) == f"weights with num_bits {bits}: an integer grid needs at least 2 bits; use num_bits 2 to 8"
+    )
+
+
+def test_one_bit_int_input_activations_are_refused() -> None:
+    scheme = {
+        "weights": {"num_bits": 8, "strategy": "channel"},
+        "input_activations": {"num_bits": 1, "strategy": "token", "dynamic": True},
+    }
+    with pytest.raises(ValueError) as info:
+        resolve_scheme(scheme, ["Linear"])
+    hint = "dynamic activations are usually 8 bits, as in preset W8A8"
+    assert str(info.value) == ONE_BIT.format(role="input_activations", hint=hint)
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_two_bits_still_resolve(symmetric: bool) -> None:
+    args = resolve_scheme({"weights": {"num_bits": 2, "symmetric": symmetric, "strategy": "channel"}}, ["Linear"])
+    assert (args.weights.num_bits, args.weights.symmetric) == (2, symmetric)
+
+
+def test_symmetric_one_bit_would_round_every_weight_to_zero() -> None:
+    """Why 1 bit is refused: compressed-tensors' symmetric 1-bit grid maps every weight to 0 (checked directly)."""
+    from compressed_tensors.quantization.lifecycle.forward import fake_quantize
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    torch.manual_seed(0)
+    w = torch.randn(8, 32)
+    args = QuantizationArgs(num_bits=1, symmetric=True, strategy="channel")
+    lo, hi = w.amin(dim=1, keepdim=True), w.amax(dim=1, keepdim=True)
+    scale, zero_point = calculate_qparams(lo, hi, args)
+    assert torch.count_nonzero(fake_quantize(w, scale, zero_point, args)) == 0
+
+
+# --------------------------------------------------------------------------- dynamic / per-token weights
+@pytest.mark.parametrize(
+    ("weights", "what"),
+    [
+        ({"num_bits": 8, "strategy": "token"}, "weights with strategy: token"),
+        ({"num_bits": 8, "strategy": "token", "dynamic": True}, "weights with dynamic: true"),
+        ({"num_bits": 8, "strategy": "channel", "dynamic": True}, "weights with dynamic: true"),
+        ({"num_bits": 8, "strategy": "channel", "dynamic": "local"}, "weights with dynamic: local"),
+    ],
+)
+def test_dynamic_or_token_weights_get_one_message(weights: dict, what: str) -> None:
+    with pytest.raises(ValueError) as info:
+        resolve_scheme({"weights": weights}, ["Linear"])
+    assert str(info.value) == STATIC_ONLY.format(what=what)
+
+
+def test_dynamic_weights_over_a_preset_and_as_an_object() -> None:
+    with pytest.raises(ValueError) as info:
+        resolve_scheme({"preset": "W8A8", "weights": {"dynamic": True}}, ["Linear"])
+    assert str(info.value) == STATIC_ONLY.format(what="weights with dynamic: true")
+    scheme = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(strategy="token", dynamic=True))
+    with pytest.raises(ValueError) as info:
+        resolve_scheme(scheme, ["Linear"])
+    assert str(info.value) == STATIC_ONLY.format(what="weights with dynamic: true, strategy: token")
+
+
+# --------------------------------------------------------------------------- pydantic errors in one line
+@pytest.mark.parametrize(
+    ("scheme", "reason"),
+    [
+        (
+            {"weights": {"num_bits": "x"}},
+            "weights.num_bits: Input should be a valid integer, unable to parse string as an integer",
+        ),
+        ({"weights": {"bogus": 1}}, "weights.bogus: Extra inputs are not permitted"),
+        (
+            {"weights": {"strategy": "group"}},
+            "weights: strategy group requires group_size to be set to a positive value",
+        ),
+        (
+            {
+                "weights": {"num_bits": 8, "strategy": "channel"},
+                "input_activations": {"strategy": "channel", "dynamic": True},
+            },
+            "input_activations: One of (token, tensor, tensor_group, group) must be used for dynamic quant",
+        ),
+        (
+            {"weights": {"num_bits": "x", "bogus": 1}},
+            "weights.num_bits: Input should be a valid integer, unable to parse string as an integer; "
+            "weights.bogus: Extra inputs are not permitted",
+        ),
+    ],
+)
+def test_pydantic_errors_are_one_line_with_field_and_reason(scheme: dict, reason: str) -> None:
+    with pytest.raises(ValueError) as info:
+        resolve_scheme(scheme, ["Linear"])
+    assert str(info.value) == f"invalid quantization scheme {scheme!r}: {reason}"
+
+
+# --------------------------------------------------------------------------- block_size vs group_size
+def test_block_size_message_names_the_cli_flag_and_the_recipe_field() -> None:
+    with pytest.raises(ValueError) as info:
+        GPTQModifier(scheme={"preset": "W4A16", "weights": {"group_size": 48}})
+    assert str(info.value) == (
+        "group_size 48 and GPTQ's block_size 128 (columns per lazy update) must divide one another: use a "
+        "power-of-two group size (e.g. 32, 64, 128), or a block_size that is a multiple of 48 (CLI: --block-size 48; "
+        "recipe: block_size: 48)"
+    )
+    assert GPTQModifier(scheme={"preset": "W4A16", "weights": {"group_size": 48}}, block_size=96).block_size == 96
+
+
+# --------------------------------------------------------------------------- scheme objects
+def _tiny() -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
+    return LlamaForCausalLM(cfg).eval()
+
+
+def test_scheme_objects_resolve_with_the_modifier_targets() -> None:
+    args = QuantizationArgs(num_bits=4, group_size=16)
+    from_args = resolve_scheme(args, ["re:.*proj"])
+    from_scheme = resolve_scheme(QuantizationScheme(targets=["Linear"], weights=args), ["re:.*proj"])
+    from_mapping = resolve_scheme({"weights": {"num_bits": 4, "group_size": 16}}, ["re:.*proj"])
+    assert from_args == from_scheme == from_mapping
+    assert from_args.targets == ["re:.*proj"]
+    assert (from_args.weights.strategy, from_args.weights.group_size) == ("group", 16)
+
+
+@pytest.mark.parametrize("cls", [GPTQModifier, QuantizationModifier])
+def test_scheme_object_runs_end_to_end_and_its_saved_recipe_reads_back(tmp_path, cls) -> None:
+    from transformers import AutoModelForCausalLM
+
+    scheme = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(num_bits=4, group_size=16))
+    out = tmp_path / "out"
+    model = llmc_fsm.oneshot(
+        model=_tiny(),
+        recipe=[cls(scheme=scheme)],
+        dataset=torch.randint(0, 128, (8, 32)),
+        output_dir=out,
+        max_seq_length=32,
+        progress=False,
+    )
+    saved = yaml.safe_load((out / "recipe.yaml").read_text())
+    (entry,) = saved["default"]["modifiers"]
+    assert entry[cls.__name__]["scheme"] == {"targets": ["Linear"], "weights": {"num_bits": 4, "group_size": 16}}
+    (read_back,) = resolve_recipe(out / "recipe.yaml").stages[0].modifiers
+    assert read_back.quantization_scheme == cls(scheme=scheme).quantization_scheme
+    q = model.model.layers[0].self_attn.q_proj.weight
+    assert max(torch.unique(q[r, g * 16 : (g + 1) * 16]).numel() for r in range(64) for g in range(4)) <= 16
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+    reloaded = AutoModelForCausalLM.from_pretrained(out).eval()
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, reloaded(ids).logits)
