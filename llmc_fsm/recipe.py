@@ -16,6 +16,7 @@ execution order, writing back to YAML); reading text lives in
 from __future__ import annotations
 
 import heapq
+import sys
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -167,7 +168,9 @@ class Recipe:
 
         Modifier arguments are all the modifier's attrs init fields (defaults
         included, so a saved recipe shows every setting used) except those that
-        are ``None`` by default and still ``None``; tuples and sets become lists.
+        are ``None`` by default and still ``None``; tuples and sets become lists,
+        pydantic models (a compressed-tensors ``QuantizationScheme`` or
+        ``QuantizationArgs`` given as ``scheme``) the mapping of their given fields.
 
         Raises:
             RecipeError: an unknown stage name in ``applied``, or an argument value
@@ -203,8 +206,17 @@ class Recipe:
 
 
 def _plain(value: Any, where: str) -> Any:
+    """``value`` as YAML-safe data; a pydantic model (e.g. a compressed-tensors ``QuantizationScheme``) becomes
+    the mapping of the fields that were given, in JSON form (unset and ``None`` fields left out)."""
     if value is None or isinstance(value, bool | int | float | str):
         return value
+    pydantic = sys.modules.get("pydantic")  # no pydantic model can exist unless pydantic was imported
+    if pydantic is not None and isinstance(value, pydantic.BaseModel):
+        try:
+            value = value.model_dump(mode="json", exclude_unset=True, exclude_none=True)
+        except ValueError as err:  # pydantic_core.PydanticSerializationError
+            msg = f"{where}: the {type(value).__name__} cannot be written to a YAML recipe: {err}"
+            raise RecipeError(msg) from None
     if isinstance(value, list | tuple):
         return [_plain(v, where) for v in value]
     if isinstance(value, set | frozenset):
