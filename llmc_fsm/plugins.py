@@ -309,8 +309,10 @@ class ModifierRegistry:
 
     def unknown_message(self, name: str) -> str:
         """The message for an unknown modifier ``name``."""
-        close = self.suggestions(name)
-        hint = f" Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+        from llmc_fsm.recipe_llmcompressor import unimplemented_note  # llm-compressor modifiers we lack
+
+        close, note = self.suggestions(name), unimplemented_note(name)
+        hint = f" {note}" if note else f" Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
         known = ", ".join(sorted(self._infos)) or "none (is a plugin such as llmc-fsm-pruning installed?)"
         msg = f"unknown modifier {name!r}.{hint} Known modifiers: {known}."
         if self.errors:

@@ -20,6 +20,9 @@ what is specific to it:
   ``observer: {weights: NAME}``).
 
 ``docs/recipes.md`` carries the same table for readers (a test compares them).
+
+:data:`UNIMPLEMENTED_MODIFIERS` names llm-compressor modifiers llmc-fsm does not
+implement, so that the unknown-modifier error says so (:func:`unimplemented_note`).
 """
 
 from __future__ import annotations
@@ -37,10 +40,12 @@ __all__ = [
     "ARGUMENT_RULES",
     "GROUP_SUFFIX",
     "RUN_TYPES",
+    "UNIMPLEMENTED_MODIFIERS",
     "ArgumentRule",
     "is_group_key",
     "top_level_stages",
     "translate_argument",
+    "unimplemented_note",
 ]
 
 logger = logging.getLogger(__name__)
@@ -105,6 +110,30 @@ def top_level_stages(data: Mapping[Any, Any], source: str) -> list[tuple[Any, An
         )
         raise RecipeError(msg)
     return stages
+
+
+#: llm-compressor modifiers llmc-fsm does not implement -> what they do (and what to do without them).
+UNIMPLEMENTED_MODIFIERS: dict[str, str] = {
+    "SmoothQuantModifier": (
+        "SmoothQuant (arXiv 2211.10438) scales activation outlier channels down and the next weights up before "
+        "W8A8; W8A8 runs here without it, at some accuracy cost"
+    ),
+    "LogarithmicEqualizationModifier": "a SmoothQuant variant with logarithmic smoothing scales",
+    "AWQModifier": "AWQ (arXiv 2306.00978) scales weight channels by activation statistics before weight quantization",
+    "QuIPModifier": "QuIP-style Hadamard rotations of the weights before quantization",
+    "SpinQuantModifier": "SpinQuant (arXiv 2405.16406) rotations of weights and activations before quantization",
+}
+
+
+def unimplemented_note(name: str) -> str | None:
+    """For an llm-compressor modifier llmc-fsm does not implement, one sentence saying so; else ``None``."""
+    what = UNIMPLEMENTED_MODIFIERS.get(name)
+    if what is None:
+        return None
+    return (
+        f"{name} is an llm-compressor modifier that llmc-fsm does not implement ({what}); remove it from the "
+        "recipe or use llm-compressor for it."
+    )
 
 
 # --- argument names ---------------------------------------------------------------------------
