@@ -12,11 +12,14 @@ import contextlib
 import signal
 import sys
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from llmc_fsm.distributed import is_main_process
-from llmc_fsm.oneshot import DEFAULT_MODEL, METHODS, generated_recipe, oneshot
+from llmc_fsm.oneshot import DEFAULT_MODEL, GENERATED, METHODS, default_recipe, oneshot
 from llmc_fsm.oneshot_data import positive_int as _positive_int
+
+if TYPE_CHECKING:
+    from llmc_fsm.recipe import Recipe
 
 
 class Terminated(KeyboardInterrupt):
@@ -75,6 +78,12 @@ def add_cli(sub: Any) -> None:
         help="quantization: replace the scheme's weight group size (SmolLM2's width 576 needs 64 instead of 128)",
     )
     p.add_argument(
+        "--block-size",
+        type=int,
+        help="gptq (and sparsegpt): columns per lazy-update block (default 128); for gptq a multiple or divisor "
+        "of the group size",
+    )
+    p.add_argument(
         "--observer",
         choices=["minmax", "mse"],
         help="quantization: weight range observer, minmax (default, as llm-compressor) or mse (range shrunk to the "
@@ -112,13 +121,52 @@ def add_cli(sub: Any) -> None:
     p.set_defaults(func=_run_cli)
 
 
+#: ``--method`` values whose modifier takes ``block_size`` (``--block-size``).
+BLOCK_SIZE_METHODS = ("gptq", "sparsegpt")
+
+
+def _flags_recipe(args: argparse.Namespace, method: str) -> Recipe:
+    """The recipe of ``--method`` and its flags (:func:`~llmc_fsm.oneshot.generated_recipe`, plus ``--block-size``).
+
+    Raises:
+        ValueError: a bad size; RecipeError: an invalid argument (e.g. the scheme).
+    """
+    data = default_recipe(
+        method,
+        0.5 if args.sparsity is None else args.sparsity,
+        args.mask_structure or "unstructured",
+        scheme=args.scheme or "W4A16",
+        group_size=None if args.group_size is None else _positive_int("--group-size", args.group_size),
+        observer=args.observer,
+    )
+    if args.block_size is not None:
+        (stage,) = data.values()  # {stage: {Modifier: args}}
+        (body,) = stage.values()
+        body["block_size"] = _positive_int("--block-size", args.block_size)
+    from llmc_fsm.recipe_building import build_recipe
+
+    return build_recipe(data, GENERATED)
+
+
 def _run_cli(args: argparse.Namespace) -> int:
-    recipe_flags = (args.method, args.sparsity, args.mask_structure, args.scheme, args.group_size, args.observer)
+    recipe_flags = (
+        args.method,
+        args.sparsity,
+        args.mask_structure,
+        args.scheme,
+        args.group_size,
+        args.block_size,
+        args.observer,
+    )
     if args.recipe is not None and any(flag is not None for flag in recipe_flags):
         msg = (
-            "--recipe cannot be combined with --method/--sparsity/--mask-structure/--scheme/--group-size/--observer; "
-            "put them in the recipe"
+            "--recipe cannot be combined with --method/--sparsity/--mask-structure/--scheme/--group-size/"
+            "--block-size/--observer; put them in the recipe"
         )
+        raise ValueError(msg)
+    method = args.method or "sparsegpt"
+    if args.block_size is not None and method not in BLOCK_SIZE_METHODS:
+        msg = f"--block-size applies to --method gptq or sparsegpt only (--method {method} has no block size)"
         raise ValueError(msg)
     quantizing = args.method in ("gptq", "rtn")
     if quantizing and (args.sparsity is not None or args.mask_structure):
@@ -134,16 +182,7 @@ def _run_cli(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(_positive_int("--threads", args.threads))
-    recipe = args.recipe
-    if recipe is None:
-        recipe = generated_recipe(
-            args.method or "sparsegpt",
-            0.5 if args.sparsity is None else args.sparsity,
-            args.mask_structure or "unstructured",
-            scheme=args.scheme or "W4A16",
-            group_size=None if args.group_size is None else _positive_int("--group-size", args.group_size),
-            observer=args.observer,
-        )
+    recipe = args.recipe if args.recipe is not None else _flags_recipe(args, method)
     try:
         with sigterm_as_interrupt():
             model = oneshot(

@@ -1,0 +1,170 @@
+"""Recipe edges: pydantic objects written to YAML, llm-compressor modifiers we lack, ``oneshot --block-size``."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import attrs
+import pydantic
+import pytest
+import tiny_llama
+import yaml
+
+from llmc_fsm import Modifier, RecipeError
+from llmc_fsm import plugins as plugins_mod
+from llmc_fsm.cli import main
+from llmc_fsm.plugins import ModifierRegistry, get_registry
+from llmc_fsm.recipe import Recipe, Stage, resolve_recipe
+
+
+# --------------------------------------------------------------------------- pydantic models as arguments
+class Args(pydantic.BaseModel):
+    bits: int
+    group: int | None = None
+    note: str = "default"
+
+
+@attrs.define(kw_only=True, slots=False, eq=False)
+class WithModel(Modifier):
+    """Test modifier whose ``spec`` may hold a pydantic model."""
+
+    spec: Any = None
+
+
+@pytest.fixture
+def with_model(monkeypatch: pytest.MonkeyPatch) -> ModifierRegistry:
+    reg = ModifierRegistry()  # no entry points: isolated from installed plugins
+    reg.register(WithModel)
+    monkeypatch.setattr(plugins_mod, "_REGISTRY", reg)
+    return reg
+
+
+def test_a_pydantic_model_is_written_as_the_mapping_of_its_given_fields(with_model) -> None:
+    recipe = Recipe([Stage("s", [WithModel(spec={"inner": Args(bits=4), "list": [Args(bits=8, group=32)]})])])
+    assert recipe.to_dict()["s"]["modifiers"] == [
+        {"WithModel": {"spec": {"inner": {"bits": 4}, "list": [{"bits": 8, "group": 32}]}}}
+    ]
+    (read_back,) = resolve_recipe(recipe.to_yaml()).modifiers
+    assert read_back.spec == {"inner": {"bits": 4}, "list": [{"bits": 8, "group": 32}]}
+    assert Args.model_validate(read_back.spec["inner"]) == Args(bits=4)
+
+
+def test_an_object_that_is_not_plain_data_is_still_refused(with_model) -> None:
+    recipe = Recipe([Stage("s", [WithModel(spec=object())])])
+    with pytest.raises(RecipeError) as info:
+        recipe.to_yaml()
+    assert (
+        str(info.value) == "stage 's', modifier WithModel, argument 'spec': a object cannot be written to a YAML recipe"
+    )
+
+
+# --------------------------------------------------------------------------- llm-compressor modifiers we lack
+def _known() -> str:
+    return ", ".join(sorted(get_registry().classes))
+
+
+@pytest.mark.parametrize(
+    ("name", "what"),
+    [
+        (
+            "SmoothQuantModifier",
+            "SmoothQuant (arXiv 2211.10438) scales activation outlier channels down and the next weights up before "
+            "W8A8; W8A8 runs here without it, at some accuracy cost",
+        ),
+        ("LogarithmicEqualizationModifier", "a SmoothQuant variant with logarithmic smoothing scales"),
+        (
+            "AWQModifier",
+            "AWQ (arXiv 2306.00978) scales weight channels by activation statistics before weight quantization",
+        ),
+        ("QuIPModifier", "QuIP-style Hadamard rotations of the weights before quantization"),
+        ("SpinQuantModifier", "SpinQuant (arXiv 2405.16406) rotations of weights and activations before quantization"),
+    ],
+)
+def test_llmcompressor_modifiers_we_lack_are_named_as_such(name: str, what: str) -> None:
+    text = f"smoothing_stage:\n  smoothing_modifiers:\n    {name}:\n      smoothing_strength: 0.8\n"
+    with pytest.raises(RecipeError) as info:
+        resolve_recipe(text)
+    assert str(info.value) == (
+        f"recipe <text>, line 3, stage 'smoothing_stage': unknown modifier {name!r}. {name} is an llm-compressor "
+        f"modifier that llmc-fsm does not implement ({what}); remove it from the recipe or use llm-compressor for it. "
+        f"Known modifiers: {_known()}."
+    )
+
+
+def test_other_unknown_modifiers_keep_the_suggestion() -> None:
+    with pytest.raises(RecipeError) as info:
+        resolve_recipe({"s": {"SparseGPTModifer": {}}})
+    assert str(info.value) == (
+        f"recipe <dict>, stage 's': unknown modifier 'SparseGPTModifer'. Did you mean 'SparseGPTModifier'? "
+        f"Known modifiers: {_known()}."
+    )
+
+
+# --------------------------------------------------------------------------- oneshot --block-size
+def _cli(capsys, *args: str) -> tuple[int, str]:
+    rc = main(["oneshot", "--no-progress", *args])
+    return rc, capsys.readouterr().err
+
+
+def test_block_size_flag_reaches_the_gptq_recipe(tiny_model_dir, tmp_path, capsys) -> None:
+    out = tmp_path / "out"
+    argv = tiny_llama.oneshot_argv(*tiny_model_dir, out, "--num-samples", "4", "--method", "gptq")
+    assert main([*argv, "--group-size", "32", "--block-size", "32"]) == 0
+    capsys.readouterr()
+    saved = yaml.safe_load((out / "recipe.yaml").read_text())
+    gptq = saved["quantization_stage"]["modifiers"][0]["GPTQModifier"]
+    assert (gptq["block_size"], gptq["scheme"]) == (32, {"preset": "W4A16", "weights": {"group_size": 32}})
+
+
+def test_group_size_that_does_not_fit_the_block_names_the_flag(tiny_model_dir, tmp_path, capsys) -> None:
+    model_dir, _ = tiny_model_dir
+    rc, err = _cli(
+        capsys, "--model", str(model_dir), "--method", "gptq", "--group-size", "48", "--output", str(tmp_path / "out")
+    )
+    assert rc == 1
+    assert err == (
+        "llmc-fsm oneshot: error: recipe generated from --method/--sparsity/--mask-structure/--scheme/--group-size/"
+        "--observer, stage 'quantization_stage', modifier GPTQModifier: group_size 48 and GPTQ's block_size 128 "
+        "(columns per lazy update) must divide one another: use a power-of-two group size (e.g. 32, 64, 128), or a "
+        "block_size that is a multiple of 48 (CLI: --block-size 48; recipe: block_size: 48)\n"
+    )
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            ["--method", "rtn", "--block-size", "64"],
+            "--block-size applies to --method gptq or sparsegpt only (--method rtn has no block size)",
+        ),
+        (
+            ["--method", "wanda", "--block-size", "64"],
+            "--block-size applies to --method gptq or sparsegpt only (--method wanda has no block size)",
+        ),
+        (["--method", "gptq", "--block-size", "0"], "--block-size must be a positive int, got 0"),
+        (
+            ["--recipe", "r.yaml", "--block-size", "64"],
+            "--recipe cannot be combined with --method/--sparsity/"
+            "--mask-structure/--scheme/--group-size/--block-size/--observer; put them in the recipe",
+        ),
+    ],
+)
+def test_block_size_refusals(tmp_path, capsys, args: list[str], message: str) -> None:
+    rc, err = _cli(capsys, *args, "--output", str(tmp_path / "out"))
+    assert (rc, err) == (1, f"llmc-fsm oneshot: error: {message}\n")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_block_size_flag_reaches_sparsegpt() -> None:
+    from llmc_fsm.cli_oneshot import _flags_recipe
+    from llmc_fsm.oneshot import GENERATED
+
+    args = argparse.Namespace(
+        sparsity=None, mask_structure="2:4", scheme=None, group_size=None, observer=None, block_size=64
+    )
+    recipe = _flags_recipe(args, "sparsegpt")
+    assert recipe.source == GENERATED
+    (modifier,) = recipe.modifiers
+    assert (type(modifier).__name__, modifier.block_size, modifier.mask_structure) == ("SparseGPTModifier", 64, "2:4")
