@@ -210,4 +210,7 @@ def _run_phases(run: Run, *, low_memory: bool) -> nn.Module:
         if run.work is not None:
             run.work.abort(exc)
         raise
+    from llmc_fsm.recipe_history import APPLIED_RECIPE_ATTR
+
+    setattr(run.model, APPLIED_RECIPE_ATTR, run.recipe.to_yaml(applied=True))  # for a later oneshot on it
     return run.model

@@ -169,8 +169,8 @@ def _claim(output_dir: Any, overwrite: bool) -> WorkDir | None:
 
 def _sessions(model: Any, recipe: Any, fuse_stages: bool) -> tuple[Recipe, list[Session]]:
     from llmc_fsm.oneshot import GENERATED, generated_recipe
-    from llmc_fsm.output import merge_saved_recipe
     from llmc_fsm.recipe import Recipe, resolve_recipe
+    from llmc_fsm.recipe_history import merge_saved_recipe
     from llmc_fsm.session import Session
 
     recipe = generated_recipe() if recipe is None else resolve_recipe(recipe)

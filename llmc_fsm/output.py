@@ -24,7 +24,6 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import attrs
 from torch import nn
 
 if TYPE_CHECKING:
@@ -36,12 +35,10 @@ __all__ = [
     "check_output_dir",
     "compressed_state_dict",
     "dir_size_bytes",
-    "merge_saved_recipe",
     "pruned_sparsity",
     "quantized_modules",
     "quantized_weights_as_compressed",
     "save_model",
-    "settings_diff",
     "sparsity_structure",
     "weights_disk_bytes",
     "weights_on_grid",
@@ -336,55 +333,6 @@ def _write_sparsity_config(directory: Path, sparsity: float, structure: str, tar
     sparsity_config = DenseSparsityConfig(global_sparsity=sparsity, sparsity_structure=structure, targets=targets)
     config["quantization_config"]["sparsity_config"] = sparsity_config.model_dump()
     config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-
-
-def merge_saved_recipe(recipe: Recipe, model: Any, generated: bool) -> Recipe:
-    """Put the stages already applied to a saved model first; skip or rename new stages of the same name.
-
-    A model written by ``oneshot(output_dir=...)`` carries ``recipe.yaml`` with its
-    stages marked ``applied``. Re-running on that directory keeps those stages (so
-    the new ``recipe.yaml`` tells the model's whole history). A stage of a
-    *generated* recipe (``--method``) whose name was applied gets a fresh name
-    (``sparsity_stage_2``, ...) and runs; a stage of a given recipe whose name was
-    applied is skipped, with a warning that names the settings that differ.
-    """
-    from llmc_fsm.recipe import Recipe, resolve_recipe
-
-    if not isinstance(model, str | os.PathLike) or not (Path(model) / "recipe.yaml").is_file():
-        return recipe
-    saved = resolve_recipe(Path(model) / "recipe.yaml")
-    done = {stage.name: stage for stage in saved.stages if stage.applied}
-    fresh = []
-    for stage in recipe.stages:
-        if stage.name not in done:
-            fresh.append(stage)
-        elif generated:
-            k = 2
-            while f"{stage.name}_{k}" in done:
-                k += 1
-            fresh.append(attrs.evolve(stage, name=f"{stage.name}_{k}"))
-        else:
-            old = Recipe([done[stage.name]], saved.source).to_dict()
-            new = Recipe([stage], recipe.source).to_dict()
-            diff = settings_diff(old.get(stage.name), new.get(stage.name))
-            logger.warning(
-                "stage %r was already applied to %s (see its recipe.yaml): skipped%s",
-                stage.name,
-                model,
-                f"; its settings differ: {diff} — give the stage a new name to apply it" if diff else "",
-            )
-    return Recipe([*saved.stages, *fresh], recipe.source)
-
-
-def settings_diff(old: Any, new: Any, prefix: str = "") -> str:
-    """``"key old -> new"`` for every setting that differs between two recipe dicts ("" if none)."""
-    if isinstance(old, dict) and isinstance(new, dict):
-        keys = [k for k in dict.fromkeys([*old, *new]) if k != "applied"]
-        parts = [settings_diff(old.get(k), new.get(k), prefix if k == "modifiers" else f"{prefix}{k}.") for k in keys]
-        return "; ".join(p for p in parts if p)
-    if isinstance(old, list) and isinstance(new, list) and len(old) == len(new):
-        return "; ".join(p for p in (settings_diff(a, b, prefix) for a, b in zip(old, new, strict=True)) if p)
-    return "" if old == new else f"{prefix.rstrip('.')} {old!r} -> {new!r}"
 
 
 def _is_quantized_dir(path: Path) -> bool:

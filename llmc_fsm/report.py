@@ -279,6 +279,19 @@ class OneshotReport:
         return "\n".join(lines)
 
 
+def _bits_of_earlier_runs(model: nn.Module, by_name: dict[str, ModuleSparsity]) -> None:
+    """Bits and group size of modules quantized before this run (an in-memory model given to oneshot again),
+    from the compressed-tensors scheme they carry."""
+    for name, module in model.named_modules():
+        entry, scheme = by_name.get(name), getattr(module, "quantization_scheme", None)
+        weights = getattr(scheme, "weights", None)
+        if entry is None or entry.bits is not None or weights is None:
+            continue
+        entry.bits = int(weights.num_bits)
+        strategy = getattr(weights.strategy, "value", weights.strategy)  # an enum, or its str value
+        entry.group_size = int(weights.group_size) if strategy == "group" else None
+
+
 def _mean_by_modifier(modules: list[ModuleSparsity]) -> str:
     by: dict[str, list[float]] = {}
     for m in modules:
@@ -339,6 +352,7 @@ def build_report(
             if getattr(result, "rel_output_error", None) is not None:  # the last modifier's, against its input
                 entry.rel_output_error = result.rel_output_error
                 entry.rel_output_errors.append((type(modifier).__name__, result.rel_output_error))
+    _bits_of_earlier_runs(model, by_name)
     return OneshotReport(
         model=model_name,
         recipe=recipe.to_dict(applied=True),

@@ -180,7 +180,7 @@ def fingerprint(
 
 def fingerprint_changes(saved: Mapping[str, Any] | None, current: Mapping[str, Any]) -> list[str]:
     """``"item (what changed)"`` for every item of ``current`` that differs from ``saved`` (empty: same run)."""
-    from llmc_fsm.output import settings_diff
+    from llmc_fsm.recipe_history import settings_diff
 
     if not isinstance(saved, Mapping):
         return ["the saved fingerprint (fingerprint.json is missing or unreadable)"]

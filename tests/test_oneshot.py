@@ -409,8 +409,8 @@ def test_oneshot_without_dataset_uses_generated_data():
 
 
 def test_rerun_on_saved_model_skips_stages_already_applied(tmp_path, caplog):
-    from llmc_fsm.output import merge_saved_recipe
     from llmc_fsm.recipe import resolve_recipe
+    from llmc_fsm.recipe_history import merge_saved_recipe
 
     saved = tmp_path / "saved"
     saved.mkdir()

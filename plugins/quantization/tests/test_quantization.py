@@ -732,3 +732,22 @@ def test_a_pruned_then_quantized_module_reports_each_modifiers_error(tmp_path, f
         "rel. output error: the last modifier's, against the weights it received; 14 modules were compressed by "
         "several modifiers, whose errors do not add up (mean per module: SparseGPTModifier 0."
     )
+
+
+def test_a_second_oneshot_on_the_returned_model_records_the_first_ones_stages(tmp_path) -> None:
+    import yaml
+
+    data = torch.randint(0, 128, (8, 32), generator=torch.Generator().manual_seed(0))
+    model = llmc_fsm.oneshot(model=_tiny(), recipe={"q": {"QuantizationModifier": {"scheme": "W8A8", "targets": [
+        "re:.*mlp.*"]}}}, progress=False)
+    again = {"q": {"GPTQModifier": {"scheme": W4G16, "targets": ["re:.*self_attn.*"]}}}
+    out = tmp_path / "out"
+    llmc_fsm.oneshot(model=model, recipe=again, dataset=data, output_dir=out, progress=False)
+    saved = yaml.safe_load((out / "recipe.yaml").read_text())
+    assert list(saved) == ["q", "q_2"]  # the name applied first keeps it; the new stage runs under a fresh one
+    assert saved["q"]["applied"] is True and saved["q_2"]["applied"] is True
+    assert saved["q"]["modifiers"][0]["QuantizationModifier"]["scheme"] == "W8A8"
+    bits = {m["name"]: (m.get("bits"), m.get("group_size"))
+            for m in json.loads((out / "report.json").read_text())["sparsity"]["modules"]}
+    assert bits["model.layers.1.mlp.down_proj"] == (8, None)  # quantized by the first call: it used to be None
+    assert bits["model.layers.1.self_attn.k_proj"] == (4, 16)

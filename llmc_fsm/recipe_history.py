@@ -1,0 +1,82 @@
+"""A compressed model's history: the stages already applied to it, read back so a new run records them all.
+
+A model written by ``oneshot(output_dir=...)`` carries them in ``recipe.yaml``; an
+in-memory model that ``oneshot`` returned, in its :data:`APPLIED_RECIPE_ATTR` attribute.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import attrs
+
+if TYPE_CHECKING:
+    from llmc_fsm.recipe import Recipe
+
+__all__ = ["APPLIED_RECIPE_ATTR", "merge_saved_recipe", "settings_diff"]
+
+logger = logging.getLogger(__name__)
+
+
+#: The attribute of a model returned by :func:`llmc_fsm.oneshot` that holds its ``recipe.yaml`` text (every stage
+#: applied to it so far), so a later ``oneshot`` on the same in-memory model records the whole history.
+APPLIED_RECIPE_ATTR = "llmc_fsm_applied_recipe"
+
+
+def merge_saved_recipe(recipe: Recipe, model: Any, generated: bool) -> Recipe:
+    """Put the stages already applied to a saved model first; skip or rename new stages of the same name.
+
+    A model written by ``oneshot(output_dir=...)`` carries ``recipe.yaml`` with its
+    stages marked ``applied``; an in-memory model that ``oneshot`` returned carries
+    the same YAML in its :data:`APPLIED_RECIPE_ATTR` attribute (its new stages
+    always run, renamed like a generated recipe's when a name was applied).
+    Re-running on that directory keeps those stages (so
+    the new ``recipe.yaml`` tells the model's whole history). A stage of a
+    *generated* recipe (``--method``) whose name was applied gets a fresh name
+    (``sparsity_stage_2``, ...) and runs; a stage of a given recipe whose name was
+    applied is skipped, with a warning that names the settings that differ.
+    """
+    from llmc_fsm.recipe import Recipe, resolve_recipe
+
+    history = getattr(model, APPLIED_RECIPE_ATTR, None)
+    if isinstance(history, str):  # an in-memory model an earlier oneshot() compressed: its stages always run
+        saved, generated = resolve_recipe(history), True
+    elif isinstance(model, str | os.PathLike) and (Path(model) / "recipe.yaml").is_file():
+        saved = resolve_recipe(Path(model) / "recipe.yaml")
+    else:
+        return recipe
+    done = {stage.name: stage for stage in saved.stages if stage.applied}
+    fresh = []
+    for stage in recipe.stages:
+        if stage.name not in done:
+            fresh.append(stage)
+        elif generated:
+            k = 2
+            while f"{stage.name}_{k}" in done:
+                k += 1
+            fresh.append(attrs.evolve(stage, name=f"{stage.name}_{k}"))
+        else:
+            old = Recipe([done[stage.name]], saved.source).to_dict()
+            new = Recipe([stage], recipe.source).to_dict()
+            diff = settings_diff(old.get(stage.name), new.get(stage.name))
+            logger.warning(
+                "stage %r was already applied to %s (see its recipe.yaml): skipped%s",
+                stage.name,
+                model,
+                f"; its settings differ: {diff} — give the stage a new name to apply it" if diff else "",
+            )
+    return Recipe([*saved.stages, *fresh], recipe.source)
+
+
+def settings_diff(old: Any, new: Any, prefix: str = "") -> str:
+    """``"key old -> new"`` for every setting that differs between two recipe dicts ("" if none)."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        keys = [k for k in dict.fromkeys([*old, *new]) if k != "applied"]
+        parts = [settings_diff(old.get(k), new.get(k), prefix if k == "modifiers" else f"{prefix}{k}.") for k in keys]
+        return "; ".join(p for p in parts if p)
+    if isinstance(old, list) and isinstance(new, list) and len(old) == len(new):
+        return "; ".join(p for p in (settings_diff(a, b, prefix) for a, b in zip(old, new, strict=True)) if p)
+    return "" if old == new else f"{prefix.rstrip('.')} {old!r} -> {new!r}"
