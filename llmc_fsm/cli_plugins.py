@@ -5,7 +5,8 @@ distribution and version, required and optional state keys, one-line
 description), then the plugins that failed to load with their error and the
 ones disabled through ``LLMC_FSM_DISABLE_PLUGINS``.
 
-``explain`` resolves a recipe and prints its plan without touching a model.
+``explain`` resolves a recipe and prints its plan without touching a model; given a
+modifier's name instead, the plan of that modifier alone with every argument at its default.
 """
 
 from __future__ import annotations
@@ -59,10 +60,16 @@ def _run_modifiers(args: argparse.Namespace) -> int:
 
 
 def _run_explain(args: argparse.Namespace) -> int:
+    import os
+
     from llmc_fsm.explain import explain
+    from llmc_fsm.plugins import get_registry
     from llmc_fsm.session import Session
 
-    session = Session(args.recipe)
+    recipe = args.recipe
+    if not os.path.exists(recipe) and recipe in {info.name for info in get_registry().infos()}:
+        recipe = {"defaults": {recipe: {}}}  # a modifier's name: its plan with every argument at its default
+    session = Session(recipe)
     if args.state:
         session.update_state(**dict.fromkeys(args.state, True))
     print(explain(session), end="")
@@ -82,10 +89,13 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
         help="print a recipe's plan without touching a model",
         description=(
             "Resolve RECIPE (a .yaml/.yml/.json file) and print its stages, the modifiers in execution order, "
-            "the events each handles and the state keys each requires."
+            "their arguments, the events each handles and the state keys each requires. RECIPE may also be a "
+            "modifier's name (see llmc-fsm modifiers), e.g. GPTQModifier: its arguments and their defaults."
         ),
     )
-    parser.add_argument("recipe", metavar="RECIPE", help="recipe file (.yaml, .yml or .json)")
+    parser.add_argument(
+        "recipe", metavar="RECIPE", help="recipe file (.yaml, .yml or .json), or a modifier name (e.g. GPTQModifier)"
+    )
     parser.add_argument(
         "--state",
         metavar="KEY",

@@ -137,6 +137,16 @@ def test_cli_explain(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None
     assert f"llmc-fsm explain: error: recipe {bad}, line 2, stage 's', modifier Hold: unknown argument 'ends'" in err
 
 
+def test_cli_explain_a_modifier_name_shows_its_arguments_and_defaults(tmp_path, capsys, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert main(["explain", "Calib"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[2:5] == ["Stage 'defaults':", "  1. Calib  [in-process]", "       arguments: sparsity=0.5 (default)"]
+    (tmp_path / "Calib").write_text("s:\n  Hold: {ends: 3}\n")  # a file of that name wins
+    assert main(["explain", "Calib"]) == 1
+    assert "unknown argument 'ends'" in capsys.readouterr().err
+
+
 # --- the conformance kit catches broken modifiers -------------------------------------------
 
 
