@@ -157,6 +157,35 @@ class QuantizingModifier(CalibratedModifier):
         )
         return fix
 
+    def check_model(self, model: nn.Module) -> dict[str, nn.Module]:
+        """:meth:`CalibratedModifier.check_model`, and a refusal of mixture-of-experts models whose experts are
+        fused 3-D weights (transformers 5's ``MixtralExperts``, ``Qwen2MoeExperts``, ...).
+
+        Raises:
+            ValueError: as the base class; or such experts: they are not ``Linear`` modules, so they would stay
+                unquantized, and transformers does not reload the compressed-tensors checkpoint of such a model
+                (it fuses the experts on load and finds none; measured with transformers 5.24 on Mixtral).
+        """
+        targets = super().check_model(model)
+        experts = [
+            (name, type(module).__name__, pname, tuple(p.shape))
+            for name, module in model.named_modules()
+            if "expert" in type(module).__name__.lower()
+            for pname, p in module.named_parameters(recurse=False)
+            if p.dim() >= 3
+        ]
+        if experts:
+            name, cls, pname, shape = experts[0]
+            modules = len({e[0] for e in experts})
+            msg = (
+                f"{type(self).__name__}: the model's mixture-of-experts weights are fused 3-D tensors in {modules} "
+                f"modules (e.g. {name} ({cls}): {pname} {list(shape)}), which llmc-fsm does not quantize (it "
+                "quantizes Linear layers), and transformers does not reload a compressed-tensors checkpoint of "
+                "such a model: mixture-of-experts models are not supported for quantization"
+            )
+            raise ValueError(msg)
+        return targets
+
     def _check_target(self, name: str, module: nn.Module) -> str | None:
         problem = super()._check_target(name, module)
         if problem is not None:

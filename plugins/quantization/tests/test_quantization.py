@@ -751,3 +751,25 @@ def test_a_second_oneshot_on_the_returned_model_records_the_first_ones_stages(tm
             for m in json.loads((out / "report.json").read_text())["sparsity"]["modules"]}
     assert bits["model.layers.1.mlp.down_proj"] == (8, None)  # quantized by the first call: it used to be None
     assert bits["model.layers.1.self_attn.k_proj"] == (4, 16)
+
+
+def test_a_mixture_of_experts_model_with_fused_experts_is_refused_before_any_work() -> None:
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(0)
+    cfg = MixtralConfig(vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, num_local_experts=4,
+                        num_experts_per_tok=2, tie_word_embeddings=False)
+    model = MixtralForCausalLM(cfg).eval()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    data = torch.randint(0, 128, (8, 32), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError) as info:
+        llmc_fsm.oneshot(model=model, recipe={"q": {"GPTQModifier": {"scheme": W4G16}}}, dataset=data, progress=False)
+    assert str(info.value) == (
+        "GPTQModifier: the model's mixture-of-experts weights are fused 3-D tensors in 2 modules (e.g. "
+        "model.layers.0.mlp.experts (MixtralExperts): gate_up_proj [4, 128, 64]), which llmc-fsm does not quantize "
+        "(it quantizes Linear layers), and transformers does not reload a compressed-tensors checkpoint of such a "
+        "model: mixture-of-experts models are not supported for quantization"
+    )
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert not any(hasattr(m, "quantization_scheme") for m in model.modules())
