@@ -97,6 +97,12 @@ def add_cli(sub: Any) -> None:
     p.add_argument("--batch-size", type=int, default=8, help="calibration windows per forward pass (default 8)")
     p.add_argument("--output", help="write the compressed model, recipe.yaml and report.json to this directory")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --output directory")
+    _add_run_flags(p)
+    p.set_defaults(func=_run_cli)
+
+
+def _add_run_flags(p: Any) -> None:
+    """The flags of how the job runs: resume, memory, stages, dtype, threads, progress."""
     p.add_argument(
         "--resume",
         action="store_true",
@@ -114,11 +120,17 @@ def add_cli(sub: Any) -> None:
         help="run consecutive one-shot stages in one layer-by-layer pass (e.g. prune then quantize each layer; "
         "needed with --low-memory for a recipe of several stages)",
     )
+    p.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16", "float16", "auto"],
+        default="float32",
+        help="dtype the model is loaded, compressed and saved in (default float32, fastest on CPU; auto: the one "
+        "its config.json names, e.g. bfloat16 to save a bf16 checkpoint)",
+    )
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     p.add_argument(
         "--no-progress", action="store_true", help="no progress bars (also none from transformers/compressed-tensors)"
     )
-    p.set_defaults(func=_run_cli)
 
 
 #: ``--method`` values whose modifier takes ``block_size`` (``--block-size``).
@@ -200,6 +212,7 @@ def _run_cli(args: argparse.Namespace) -> int:
                 progress=not args.no_progress,
                 low_memory=args.low_memory,
                 fuse_stages=args.fuse_stages,
+                dtype=args.dtype,
             )
     except KeyboardInterrupt as exc:
         what = "SIGTERM" if isinstance(exc, Terminated) else "Ctrl-C"

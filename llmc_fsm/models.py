@@ -260,8 +260,8 @@ def load_model(
         cache_dir: cache root for known models; default :func:`cache_root`.  The
             model is stored in ``<cache_dir>/models/<name>``.  Ignored for paths
             and Hub IDs.
-        torch_dtype: parameter dtype of the returned model (default fp32; the
-            cache itself is always fp32).
+        torch_dtype: parameter dtype of the returned model (default fp32; ``"auto"``:
+            the dtype the checkpoint's ``config.json`` names; the cache itself is always fp32).
 
     Returns:
         ``(model, tokenizer)``; ``tokenizer`` is ``None`` when a local directory

@@ -136,6 +136,7 @@ def oneshot(
     progress: bool = True,
     fuse_stages: bool = False,
     low_memory: bool = False,
+    dtype: Any = "float32",
 ) -> nn.Module:
     """Compress ``model`` in one shot with ``recipe``, calibrating layer by layer on ``dataset``.
 
@@ -148,6 +149,8 @@ def oneshot(
         output_dir, overwrite, resume: where the model, tokenizer, recipe.yaml and report.json are written.
         eval_text, num_eval_windows, eval_seq_length: perplexity before and after, on the head of this text.
         batch_size, seed, progress, fuse_stages, low_memory: how the job runs.
+        dtype: what a model given as a name or directory is loaded, compressed and saved in: ``"float32"``
+            (default), ``"bfloat16"``, ``"float16"`` or ``"auto"`` (its ``config.json``'s dtype).
 
     Returns:
         The compressed model (the same object for an ``nn.Module``); its report
@@ -159,7 +162,8 @@ def oneshot(
         NotADirectoryError / PermissionError: ``output_dir`` cannot be created.
         FileNotFoundError: a dataset or eval file that does not exist.
         RecipeError: an invalid recipe (e.g. sparsity outside [0, 1)).
-        ValueError: ``resume`` with changed settings, an unknown model, a dataset too short, bad sizes, a sequence
+        ValueError: ``resume`` with changed settings, an unknown model, an unknown ``dtype`` (or one with an
+            ``nn.Module``), a dataset too short, bad sizes, a sequence
             longer than the model's positions, targets matching nothing, a group size that does not divide a width.
         MissingStateError / ModifierError: a modifier cannot be initialized.
     """
@@ -185,6 +189,7 @@ def oneshot(
         seed=seed,
         progress=progress,
         fuse_stages=fuse_stages,
+        dtype=dtype,
     )
     return _run_phases(run, low_memory=low_memory)
 

@@ -64,6 +64,45 @@ def positive_int(name: str, value: Any) -> int:
     return value
 
 
+#: The ``dtype`` (``--dtype``) values one-shot loads a model in (``auto``: the dtype its ``config.json`` names).
+DTYPES = ("float32", "bfloat16", "float16", "auto")
+
+
+def parse_dtype(value: Any, model: Any) -> str:
+    """``value`` as a :data:`DTYPES` name (a ``torch.dtype`` and ``fp32`` / ``bf16`` / ``fp16`` are accepted too).
+
+    ``auto`` is the dtype the checkpoint's ``config.json`` names. A model given as
+    an ``nn.Module`` is used as it is, so only the default ``float32`` goes with it.
+
+    Raises:
+        ValueError: another value, or a non-default one with an ``nn.Module``.
+    """
+    aliases = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32"}
+    name = str(value).removeprefix("torch.") if type(value).__name__ == "dtype" else value
+    name = aliases.get(name, name) if isinstance(name, str) else name
+    if name not in DTYPES:
+        msg = f"dtype (--dtype) must be one of {', '.join(DTYPES)}, got {value!r}"
+        raise ValueError(msg)
+    from torch import nn
+
+    if name != "float32" and isinstance(model, nn.Module):
+        msg = (
+            f"dtype (--dtype) {name!r} applies to a model given as a name or directory; an in-memory model is "
+            "compressed and saved in its own dtype: convert it yourself (e.g. model.to(torch.bfloat16))"
+        )
+        raise ValueError(msg)
+    return name
+
+
+def torch_dtype_of(name: str, config_dtype: Any = None) -> Any:
+    """The torch dtype of a :data:`DTYPES` name; ``auto``: ``config_dtype`` (a config's ``dtype``), fp32 if unset."""
+    import torch
+
+    if name == "auto":
+        name = str(config_dtype or "float32").removeprefix("torch.")
+    return getattr(torch, name)
+
+
 def is_tensor(value: Any) -> bool:
     """Whether ``value`` is a ``torch.Tensor``."""
     import torch

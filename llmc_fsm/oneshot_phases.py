@@ -30,8 +30,10 @@ from llmc_fsm.oneshot_data import (
     describe,
     eval_windows,
     is_tensor,
+    parse_dtype,
     positive_int,
     read_text,
+    torch_dtype_of,
 )
 from llmc_fsm.output import weights_disk_bytes
 from llmc_fsm.progress_bars import quiet_progress
@@ -63,6 +65,7 @@ class Run:
     progress: bool
     eval_source: Any
     needs_data: bool
+    dtype: str = "float32"
     work: WorkDir | None = None
     cal_text: str | None = None
     ev_text: str | None = None
@@ -99,6 +102,7 @@ def prepare(model: Any, recipe: Any, dataset: Any, **kw: Any) -> Run:
     eval_n = positive_int("num_eval_windows (--eval-windows)", kw["num_eval_windows"])
     batch_size = positive_int("batch_size (--batch-size)", kw["batch_size"])
     eval_len = positive_int("eval_seq_length", kw["eval_seq_length"]) if kw["eval_seq_length"] is not None else seq_len
+    dtype = parse_dtype(kw["dtype"], model)
     check_output_not_source(kw["output_dir"], model)
     work = _claim_on_rank_0(kw)
     try:
@@ -119,6 +123,7 @@ def prepare(model: Any, recipe: Any, dataset: Any, **kw: Any) -> Run:
             seed=kw["seed"],
             progress=kw["progress"],
             eval_source=kw["eval_text"],
+            dtype=dtype,
             needs_data=any("calibration_data" in m.required_keys() for s in sessions for m in s.modifiers),
             work=work,
         )
@@ -203,6 +208,7 @@ def _fingerprint(run: Run, fuse_stages: bool) -> dict[str, Any]:
             batch_size=run.batch_size,
             fuse_stages=fuse_stages,
             seed=run.seed,
+            dtype=run.dtype,
         )
 
 
@@ -231,7 +237,8 @@ def load(run: Run) -> None:
         from llmc_fsm.models import load_model
 
         run.model_name = os.fspath(run.model)
-        loaded, tokenizer = load_model(run.model)
+        dtype = "auto" if run.dtype == "auto" else torch_dtype_of(run.dtype)  # auto: from_pretrained's own
+        loaded, tokenizer = load_model(run.model, torch_dtype=dtype)
         run.model = loaded
         run.tokenizer = run.tokenizer if run.tokenizer is not None else tokenizer
         if run.tokenizer is None and needs_text:

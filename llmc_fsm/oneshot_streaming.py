@@ -28,7 +28,7 @@ import contextlib
 import os
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -115,6 +115,18 @@ def _check(run: Run) -> None:
     check_streamable(run.sessions[0])
 
 
+def _dtype(name: str, directory: Path) -> Any:
+    """The torch dtype of ``dtype`` (``--dtype``); ``auto``: the one ``directory/config.json`` names."""
+    from transformers import AutoConfig
+
+    from llmc_fsm.oneshot_data import torch_dtype_of
+
+    if name != "auto":
+        return torch_dtype_of(name)
+    config = AutoConfig.from_pretrained(str(directory))
+    return torch_dtype_of(name, getattr(config, "dtype", None) or getattr(config, "torch_dtype", None))
+
+
 def _load(run: Run) -> LazyModel:
     """The model on ``meta``, its checkpoint indexed, and the tokenizer."""
     from llmc_fsm.lazy_model import load_lazy
@@ -132,7 +144,7 @@ def _load(run: Run) -> LazyModel:
                 f"({', '.join(sorted(KNOWN_MODELS))}); {key!r} is neither"
             )
             raise ValueError(msg)
-        lazy, tokenizer = load_lazy(directory)
+        lazy, tokenizer = load_lazy(directory, torch_dtype=_dtype(run.dtype, directory))
     run.model_name = key
     run.model = lazy.model
     run.tokenizer = run.tokenizer if run.tokenizer is not None else tokenizer

@@ -146,13 +146,14 @@ def fingerprint(
     batch_size: int,
     fuse_stages: bool,
     seed: int,
+    dtype: str = "float32",
 ) -> dict[str, Any]:
     """What a one-shot result depends on, as JSON values (compared item by item on resume).
 
     Items: ``model`` (sha256 of an in-memory model's tensors; of each file of a
     model directory; a known model's name and package version), ``recipe``
     (every setting), ``calibration data`` (source and sha256 of its text or
-    token tensor, windows, length), ``pipeline`` (batch size, stages fused, the
+    token tensor, windows, length), ``pipeline`` (batch size, stages fused, the load ``dtype``, the
     calibration order within a layer: :mod:`llmc_fsm.true_sequential`),
     ``seed``, ``library versions`` (llmc-fsm, torch, transformers,
     compressed-tensors, the modifiers' plugin distributions). Hashing reads the
@@ -171,7 +172,7 @@ def fingerprint(
         "model": _model_item(model),
         "recipe": recipe.to_dict(),
         "calibration data": data,
-        "pipeline": {"batch_size": batch_size, "fuse_stages": fuse_stages, "order": "true sequential"},
+        "pipeline": {"batch_size": batch_size, "fuse_stages": fuse_stages, "order": "true sequential", "dtype": dtype},
         "seed": seed,
         "library versions": _versions(modifiers),
     }
