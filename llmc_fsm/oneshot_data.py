@@ -124,7 +124,8 @@ def check_dataset_tensor(dataset: Any) -> None:
 def check_output_not_source(output_dir: Any, model: Any) -> None:
     """Refuse an output directory that is, or contains, the directory the model is read from.
 
-    ``model`` is a directory path or a loaded transformers model (its ``name_or_path``). The output replaces its
+    ``model`` is a directory path, a known model name (its cache directory) or a loaded transformers model (its
+    ``name_or_path``). The output replaces its
     whole directory when it is written, so even with ``overwrite`` the source model would be lost.
 
     Raises:
@@ -132,18 +133,23 @@ def check_output_not_source(output_dir: Any, model: Any) -> None:
     """
     if output_dir is None:
         return
+    from llmc_fsm.models import KNOWN_MODELS, cache_root
+
     out = Path(output_dir).expanduser().resolve()
     candidates = [model] if isinstance(model, str | os.PathLike) else [getattr(model, "name_or_path", None)]
     for candidate in candidates:
         if not isinstance(candidate, str | os.PathLike) or not os.fspath(candidate):
             continue
         source = Path(candidate).expanduser().resolve()
-        if source.is_dir() and (out == source or out in source.parents):
+        known = isinstance(candidate, str) and candidate in KNOWN_MODELS and not source.is_dir()
+        if known:  # read from its cache directory, which need not exist yet
+            source = (cache_root() / "models" / candidate).resolve()
+        if (known or source.is_dir()) and (out == source or out in source.parents):
             relation = "is" if out == source else "contains"
             msg = (
                 f"output directory {str(out)!r} {relation} the directory the model is read from ({str(source)!r}), "
-                f"and the output replaces the whole directory: choose a new directory (e.g. {str(source)!r} + "
-                "'-compressed')"
+                f"and the output replaces the whole directory: choose a new directory (e.g. "
+                f"{str(source) + '-compressed'!r})"
             )
             raise ValueError(msg)
 

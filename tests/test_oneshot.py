@@ -169,7 +169,7 @@ def test_cli_group_size_on_a_channel_wise_scheme(tmp_path, capsys):
     assert rc == 1
     assert err.startswith(
         "llmc-fsm oneshot: error: recipe generated from --method/--sparsity/--mask-structure/"
-        "--scheme/--group-size/--observer, stage 'quantization_stage', "
+        "--scheme/--group-size/--block-size/--observer, stage 'quantization_stage', "
     )
     assert err.endswith(
         "preset FP8_DYNAMIC quantizes weights per channel, so group_size (--group-size) does not "
@@ -306,10 +306,23 @@ def test_output_that_is_or_contains_the_model_directory_is_refused_even_with_ove
             llmc_fsm.oneshot(model=model, output_dir=out, overwrite=True, progress=False)
         assert str(info.value) == (
             f"output directory {str(out)!r} {relation} the directory the model is read from ({str(source)!r}), and "
-            f"the output replaces the whole directory: choose a new directory (e.g. {str(source)!r} + '-compressed')"
+            f"the output replaces the whole directory: choose a new directory (e.g. {str(source) + '-compressed'!r})"
         )
     assert {p: p.read_bytes() for p in source.iterdir()} == files
     assert sorted(p.name for p in tmp_path.iterdir()) == ["models"]
+
+
+def test_output_that_is_a_known_models_cache_directory_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setenv("LLMC_FSM_CACHE", str(tmp_path / "cache"))  # the cache need not exist yet
+    cache = tmp_path / "cache" / "models" / "smollm2-135m"
+    for out in (cache, cache.parent):
+        with pytest.raises(ValueError) as info:
+            llmc_fsm.oneshot(model="smollm2-135m", output_dir=out, overwrite=True, progress=False)
+        relation = "is" if out == cache else "contains"
+        assert str(info.value).startswith(
+            f"output directory {str(out)!r} {relation} the directory the model is read from ({str(cache)!r})"
+        )
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_output_that_is_a_mount_point_is_refused_before_any_work(tmp_path, monkeypatch):
