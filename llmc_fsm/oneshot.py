@@ -99,7 +99,7 @@ def default_recipe(
 
 
 #: The source of :func:`generated_recipe` recipes (as recipe error messages name it).
-GENERATED = "generated from --method/--sparsity/--mask-structure/--scheme/--group-size/--observer"
+GENERATED = "generated from --method/--sparsity/--mask-structure/--scheme/--group-size/--block-size/--observer"
 
 
 def generated_recipe(*args: Any, **kw: Any) -> Recipe:

@@ -125,9 +125,9 @@ def test_group_size_that_does_not_fit_the_block_names_the_flag(tiny_model_dir, t
     assert rc == 1
     assert err == (
         "llmc-fsm oneshot: error: recipe generated from --method/--sparsity/--mask-structure/--scheme/--group-size/"
-        "--observer, stage 'quantization_stage', modifier GPTQModifier: group_size 48 and GPTQ's block_size 128 "
-        "(columns per lazy update) must divide one another: use a power-of-two group size (e.g. 32, 64, 128), or a "
-        "block_size that is a multiple of 48 (CLI: --block-size 48; recipe: block_size: 48)\n"
+        "--block-size/--observer, stage 'quantization_stage', modifier GPTQModifier: group_size 48 and GPTQ's "
+        "block_size 128 (columns per lazy update) must divide one another: use a power-of-two group size (e.g. 32, "
+        "64, 128), or a block_size that is a multiple of 48 (CLI: --block-size 48; recipe: block_size: 48)\n"
     )
     assert list(tmp_path.iterdir()) == []
 
