@@ -30,7 +30,9 @@ def merge_saved_recipe(recipe: Recipe, model: Any, generated: bool) -> Recipe:
     """Put the stages already applied to a saved model first; skip or rename new stages of the same name.
 
     A model written by ``oneshot(output_dir=...)`` carries ``recipe.yaml`` with its
-    stages marked ``applied``; an in-memory model that ``oneshot`` returned carries
+    stages marked ``applied`` (every stage of a model's ``recipe.yaml`` is taken as
+    applied: llm-compressor writes the recipe it applied without the mark; one that
+    cannot be read is left out, with a warning); an in-memory model that ``oneshot`` returned carries
     the same YAML in its :data:`APPLIED_RECIPE_ATTR` attribute (its new stages
     always run, renamed like a generated recipe's when a name was applied).
     Re-running on that directory keeps those stages (so
@@ -39,16 +41,18 @@ def merge_saved_recipe(recipe: Recipe, model: Any, generated: bool) -> Recipe:
     (``sparsity_stage_2``, ...) and runs; a stage of a given recipe whose name was
     applied is skipped, with a warning that names the settings that differ.
     """
-    from llmc_fsm.recipe import Recipe, resolve_recipe
+    from llmc_fsm.recipe import Recipe
 
     history = getattr(model, APPLIED_RECIPE_ATTR, None)
     if isinstance(history, str):  # an in-memory model an earlier oneshot() compressed: its stages always run
-        saved, generated = resolve_recipe(history), True
+        saved, generated = _read_history(history, f"the model's {APPLIED_RECIPE_ATTR} attribute"), True
     elif isinstance(model, str | os.PathLike) and (Path(model) / "recipe.yaml").is_file():
-        saved = resolve_recipe(Path(model) / "recipe.yaml")
+        saved = _read_history(Path(model) / "recipe.yaml", os.fspath(Path(model) / "recipe.yaml"))
     else:
         return recipe
-    done = {stage.name: stage for stage in saved.stages if stage.applied}
+    if saved is None:
+        return recipe
+    done = {stage.name: stage for stage in saved.stages}
     fresh = []
     for stage in recipe.stages:
         if stage.name not in done:
@@ -80,3 +84,35 @@ def settings_diff(old: Any, new: Any, prefix: str = "") -> str:
     if isinstance(old, list) and isinstance(new, list) and len(old) == len(new):
         return "; ".join(p for p in (settings_diff(a, b, prefix) for a, b in zip(old, new, strict=True)) if p)
     return "" if old == new else f"{prefix.rstrip('.')} {old!r} -> {new!r}"
+
+
+def _read_history(source: Any, where: str) -> Recipe | None:
+    """The stages already applied to a model, every one marked applied (``None``, with a warning: unreadable)."""
+    import yaml
+
+    from llmc_fsm.errors import RecipeError
+    from llmc_fsm.recipe import Recipe, resolve_recipe
+
+    try:
+        text = source if isinstance(source, str) else source.read_text(encoding="utf-8")
+        data = yaml.safe_load(text)
+        if not isinstance(data, dict):
+            raise RecipeError(f"expected a mapping of stage names, got {type(data).__name__}")
+        saved = resolve_recipe(data)
+    except (OSError, UnicodeDecodeError, yaml.YAMLError, RecipeError) as exc:
+        logger.warning(
+            "%s cannot be read as a recipe (%s): the stages applied to the model before are left out of the new "
+            "recipe.yaml",
+            where,
+            str(exc).splitlines()[0],
+        )
+        return None
+    unmarked = [stage.name for stage in saved.stages if not stage.applied]
+    if unmarked:
+        logger.warning(
+            "%s: stage(s) %s not marked applied are taken as the model's history (as llm-compressor writes the "
+            "recipe it applied), not run again",
+            where,
+            ", ".join(repr(n) for n in unmarked),
+        )
+    return Recipe([attrs.evolve(stage, applied=True) for stage in saved.stages], saved.source)

@@ -448,6 +448,36 @@ def test_rerun_on_saved_model_skips_stages_already_applied(tmp_path, caplog):
         )
 
 
+def test_a_saved_recipe_without_applied_marks_is_history_not_run_again(tmp_path, caplog):
+    # llm-compressor writes the recipe it applied without `applied: true`; such a stage used to run again
+    from llmc_fsm.recipe import resolve_recipe
+    from llmc_fsm.recipe_history import APPLIED_RECIPE_ATTR, merge_saved_recipe
+
+    saved = tmp_path / "saved"
+    saved.mkdir()
+    lc = "sparsity_stage:\n  sparsity_modifiers:\n    SparseGPTModifier: {sparsity: 0.9}\n"
+    (saved / "recipe.yaml").write_text(lc, encoding="utf-8")
+    again = resolve_recipe(
+        {"sparsity_stage": {"SparseGPTModifier": {"sparsity": 0.5}}, "q": {"WandaPruningModifier": {}}}
+    )
+    with caplog.at_level("WARNING"):
+        merged = merge_saved_recipe(again, saved, generated=False)
+    assert [(s.name, s.applied) for s in merged.stages] == [("sparsity_stage", True), ("q", False)]
+    assert merged.stages[0].modifiers[0].sparsity == 0.9  # the history, kept as it was
+    assert (
+        f"{saved / 'recipe.yaml'}: stage(s) 'sparsity_stage' not marked applied are taken as the model's history "
+        "(as llm-compressor writes the recipe it applied), not run again" in caplog.text
+    )
+    # unreadable history: left out with a warning (the in-memory attribute is never read as a file path)
+    caplog.clear()
+    model = torch.nn.Linear(2, 2)
+    for junk in ("junk", str(saved / "recipe.yaml"), "foo: bar"):
+        setattr(model, APPLIED_RECIPE_ATTR, junk)
+        with caplog.at_level("WARNING"):
+            assert merge_saved_recipe(again, model, generated=False) is again
+    assert caplog.text.count(f"the model's {APPLIED_RECIPE_ATTR} attribute cannot be read as a recipe") == 3
+
+
 def test_pruning_with_evaluation_needs_no_compressed_tensors(tiny_model_dir, monkeypatch):
     # compressed-tensors comes with the quantization plugin only: a pruning run (grouped calibration, perplexity
     # before and after) must not import it
