@@ -284,8 +284,28 @@ def check_modifiers(sessions: list[Session], model: Any, calibration_data: Any =
                 raise ValueError(f"{name}: {exc}") from exc
             if is_tensor(calibration_data) and isinstance(targets, dict) and targets:
                 _warn_few_tokens(modifier, targets, int(calibration_data.numel()))
-            if isinstance(targets, dict):
+            if not isinstance(targets, dict):
+                targets = _declared_targets(modifier, model)
+            if targets:
                 _check_quantized_once(modifier, session, targets, quantized_by)
+
+
+def _declared_targets(modifier: Any, model: Any) -> dict[str, Any]:
+    """The modules a modifier whose ``check_model`` returns none would compress, from its ``targets`` / ``ignore``
+    (``{}`` when it has none or they match nothing: the modifier reports that itself)."""
+    from llmc_fsm.targets import resolve_targets
+
+    patterns, ignore = getattr(modifier, "targets", None), getattr(modifier, "ignore", None)
+    if not isinstance(patterns, list) or not isinstance(ignore, list):
+        return {}
+    targets_logger = logging.getLogger("llmc_fsm.targets")
+    was, targets_logger.disabled = targets_logger.disabled, True  # its own checks warn, once
+    try:
+        return resolve_targets(model, patterns, ignore)
+    except ValueError:
+        return {}
+    finally:
+        targets_logger.disabled = was
 
 
 def _check_quantized_once(modifier: Any, session: Session, targets: dict[str, Any], seen: dict[str, str]) -> None:

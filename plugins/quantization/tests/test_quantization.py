@@ -658,7 +658,7 @@ def test_two_quantizing_modifiers_on_one_module_are_refused_before_any_work(monk
 
 
 @pytest.mark.parametrize("fuse_stages", [False, True])
-@pytest.mark.parametrize("pruner", ["SparseGPTModifier", "WandaPruningModifier"])
+@pytest.mark.parametrize("pruner", ["SparseGPTModifier", "WandaPruningModifier", "MagnitudePruningModifier"])
 def test_pruning_after_quantizing_the_same_modules_is_refused_before_any_work(monkeypatch, fuse_stages, pruner) -> None:
     import llmc_fsm_quantization.rtn as rtn_module
 
@@ -666,7 +666,7 @@ def test_pruning_after_quantizing_the_same_modules_is_refused_before_any_work(mo
     original = rtn_module.rtn_quantize
     monkeypatch.setattr(rtn_module, "rtn_quantize", lambda *a, **k: calls.append(1) or original(*a, **k))
     recipe = {"quant_stage": {"QuantizationModifier": {"scheme": "W8A8", "targets": ["re:.*mlp.*"]}},
-              "sparsity_stage": {pruner: {"mask_structure": "2:4"}}}
+              "sparsity_stage": {pruner: {"sparsity": 0.5}}}
     model = _tiny()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     data = torch.randint(0, 128, (8, 32), generator=torch.Generator().manual_seed(0))
