@@ -32,6 +32,7 @@ from typing import NamedTuple, Protocol
 import torch
 
 __all__ = [
+    "MAX_DAMPENING_FRAC",
     "ColumnRule",
     "HessianAccumulator",
     "HessianNotPositiveDefiniteError",
@@ -224,17 +225,28 @@ def _lower_triangular_inverse(L: torch.Tensor, leaf: int = 128) -> torch.Tensor:
     return out
 
 
-@torch.no_grad()
-def check_dampening_frac(dampening_frac: float) -> float:
-    """``dampening_frac`` as a float, checked to be a finite number ``>= 0``.
+#: The largest ``dampening_frac`` accepted: far beyond any use (above ~1e3 the damping outweighs the data, and the
+#: sweeps round or prune as if the Hessian were the identity), and far below float32 overflow of the damped diagonal.
+MAX_DAMPENING_FRAC = 1e6
+
+
+def check_dampening_frac(dampening_frac: float, *, positive: bool = False) -> float:
+    """``dampening_frac`` as a float, checked to be a number in ``[0, MAX_DAMPENING_FRAC]`` (``> 0`` if ``positive``).
 
     Raises:
-        ValueError: a bool, a non-number, a negative number, NaN or infinity.
+        ValueError: a bool, a non-number, a number out of range, NaN or infinity.
     """
+    low = "(0" if positive else "[0"
     if isinstance(dampening_frac, bool) or not (
-        isinstance(dampening_frac, int | float) and 0.0 <= float(dampening_frac) < math.inf
+        isinstance(dampening_frac, int | float)
+        and (0.0 < float(dampening_frac) if positive else 0.0 <= float(dampening_frac))
+        and float(dampening_frac) <= MAX_DAMPENING_FRAC
     ):
-        raise ValueError(f"dampening_frac must be a finite number >= 0, got {dampening_frac!r}")
+        msg = (
+            f"dampening_frac must be a number in {low}, {MAX_DAMPENING_FRAC:g}], got {dampening_frac!r} (relative "
+            "damping of the Hessian's diagonal: typically 0.01-0.1; above ~1e3 it outweighs the calibration data)"
+        )
+        raise ValueError(msg)
     return float(dampening_frac)
 
 

@@ -293,10 +293,8 @@ def _positive_int(instance: Any, attribute: attrs.Attribute, value: Any) -> None
         raise ValueError(msg)
 
 
-def _positive_number(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < float(value) < float("inf"):
-        msg = f"{attribute.name} must be a finite number > 0, got {value!r}"
-        raise ValueError(msg)
+def _positive_dampening(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    check_dampening_frac(value, positive=True)
 
 
 @attrs.define(kw_only=True, slots=False, eq=False)
@@ -323,7 +321,7 @@ class SparseGPTModifier(CalibratedPruningModifier):
     """
 
     block_size: int = attrs.field(default=128, validator=_positive_int)
-    dampening_frac: float = attrs.field(default=0.01, validator=_positive_number)
+    dampening_frac: float = attrs.field(default=0.01, validator=_positive_dampening)
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()

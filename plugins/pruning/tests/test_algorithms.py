@@ -189,7 +189,7 @@ def test_sparsegpt_argument_errors():
         sparsegpt_prune(w, torch.eye(8), sparsity=0.5, block_size=0)
     with pytest.raises(ValueError, match="block_size must be a multiple of M=4"):
         sparsegpt_prune(w, torch.eye(8), sparsity=0.5, mask_structure="2:4", block_size=6)
-    with pytest.raises(ValueError, match="dampening_frac must be a finite number >= 0"):
+    with pytest.raises(ValueError, match=r"dampening_frac must be a number in \[0, 1e\+06\], got -1.0"):
         sparsegpt_prune(w, torch.eye(8), sparsity=0.5, dampening_frac=-1.0)
     h = torch.eye(8)
     h[2, 3] = float("nan")
@@ -612,7 +612,7 @@ def test_sparsegpt_shared_reports_the_measured_output_error(structure):
     assert nothing == [0.0, 0.0]
 
 
-@pytest.mark.parametrize("dampening_frac", [1e4, 1e9])
+@pytest.mark.parametrize("dampening_frac", [1e4, 1e6])
 def test_sparsegpt_shared_reports_the_measured_output_error_under_huge_damping(dampening_frac):
     # nearly all of the sweep's terms are then damping; their difference had lost its float32 digits
     torch.manual_seed(1)

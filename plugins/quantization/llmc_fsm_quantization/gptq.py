@@ -35,7 +35,7 @@ from compressed_tensors.quantization.utils import calculate_range
 from torch import nn
 
 from llmc_fsm.layer_error import sweep_relative_errors
-from llmc_fsm.obs import SUB_BLOCK, HessianAccumulator, inverse_hessian_cholesky, obs_sweep
+from llmc_fsm.obs import SUB_BLOCK, HessianAccumulator, check_dampening_frac, inverse_hessian_cholesky, obs_sweep
 from llmc_fsm_quantization._base import QuantizedWeight, QuantizingModifier
 from llmc_fsm_quantization.observers import as_row_args, observe, quantize_rows, row_qparams, storable
 
@@ -277,9 +277,7 @@ def _positive_int(instance: Any, attribute: attrs.Attribute, value: Any) -> None
 
 
 def _dampening(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= float(value) < float("inf"):
-        msg = f"{attribute.name} must be a finite number >= 0, got {value!r}"
-        raise ValueError(msg)
+    check_dampening_frac(value)
 
 
 #: compressed-tensors' other names for the same orders (``ActivationOrdering``: ``weight`` is ``static``,
