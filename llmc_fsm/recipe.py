@@ -169,8 +169,8 @@ class Recipe:
         Modifier arguments are all the modifier's attrs init fields (defaults
         included, so a saved recipe shows every setting used) except those that
         are ``None`` by default and still ``None``; tuples and sets become lists,
-        pydantic models (a compressed-tensors ``QuantizationScheme`` or
-        ``QuantizationArgs`` given as ``scheme``) the mapping of their given fields.
+        pydantic models (a compressed-tensors ``QuantizationScheme`` given as
+        ``scheme``, the ``QuantizationArgs`` in one) the mapping of their given fields.
 
         Raises:
             RecipeError: an unknown stage name in ``applied``, or an argument value

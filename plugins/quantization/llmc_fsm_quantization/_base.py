@@ -82,6 +82,13 @@ def _observer(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
         raise ValueError(msg)
 
 
+def _weights_only(scheme: Any) -> Any:
+    """A ``QuantizationArgs`` scheme as the mapping ``{"weights": args}`` it means, so that the saved recipe.yaml
+    writes ``scheme: {weights: {...}}``, which reads back (the bare arguments' fields would read as a preset
+    mapping with unknown keys); anything else unchanged."""
+    return {"weights": scheme} if isinstance(scheme, QuantizationArgs) else scheme
+
+
 @attrs.define(kw_only=True, slots=False, eq=False)
 class QuantizingModifier(CalibratedModifier):
     """Base of the quantization modifiers (not registered itself).
@@ -89,8 +96,10 @@ class QuantizingModifier(CalibratedModifier):
     Args:
         scheme: a ``compressed-tensors`` preset name (``W4A16``, ``W8A16``,
             ``W8A8``, ``FP8_DYNAMIC``, ...) or a mapping of scheme fields (see
-            :mod:`llmc_fsm_quantization.schemes`). Bits, symmetry, strategy and
-            group size come from it. Default ``W4A16``.
+            :mod:`llmc_fsm_quantization.schemes`), or a compressed-tensors
+            ``QuantizationScheme`` / ``QuantizationArgs`` (the latter kept as
+            ``{"weights": args}``). Bits, symmetry, strategy and group size come
+            from it. Default ``W4A16``.
         observer: how a weight's range is chosen: ``minmax`` (default) or ``mse``.
         targets, ignore: see :class:`~llmc_fsm.calibration.CalibratedModifier`
             (defaults ``[Linear]`` and ``[lm_head]``).
@@ -99,7 +108,7 @@ class QuantizingModifier(CalibratedModifier):
     presets), invalid scheme fields, or an unsupported scheme.
     """
 
-    scheme: Any = attrs.field(default="W4A16")
+    scheme: Any = attrs.field(default="W4A16", converter=_weights_only)
     observer: str = attrs.field(default="minmax", validator=_observer)
 
     def __attrs_post_init__(self) -> None:

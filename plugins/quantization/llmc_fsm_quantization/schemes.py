@@ -16,6 +16,7 @@ to use instead; pydantic's validation errors are shortened to ``field: reason``.
 
 from __future__ import annotations
 
+import copy
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -76,7 +77,7 @@ def resolve_scheme(scheme: Any, targets: list[str]) -> QuantizationScheme:
     elif isinstance(scheme, str):
         resolved = _preset(scheme, targets)
     elif isinstance(scheme, Mapping):
-        fields = dict(scheme)
+        fields = copy.deepcopy(dict(scheme))  # pydantic keeps given QuantizationArgs objects: never share them
         _check_static_weights(fields.get("weights"))
         preset = fields.pop("preset", None)
         base = _preset(preset, targets) if preset is not None else None

@@ -212,3 +212,29 @@ def test_scheme_object_runs_end_to_end_and_its_saved_recipe_reads_back(tmp_path,
     reloaded = AutoModelForCausalLM.from_pretrained(out).eval()
     with torch.no_grad():
         assert torch.equal(model(ids).logits, reloaded(ids).logits)
+
+
+@pytest.mark.parametrize("cls", [GPTQModifier, QuantizationModifier])
+def test_quantization_args_scheme_is_saved_as_weights_and_reads_back(tmp_path, capsys, cls) -> None:
+    from llmc_fsm.cli import main
+
+    args = QuantizationArgs(num_bits=4, strategy="group", group_size=16)
+    out = tmp_path / "out"
+    data = torch.randint(0, 128, (8, 32))
+    llmc_fsm.oneshot(model=_tiny(), recipe=[cls(scheme=args)], dataset=data, output_dir=out, progress=False)
+    assert args.actorder is None  # the caller's object is not changed (GPTQ's actorder goes on a copy)
+    saved = yaml.safe_load((out / "recipe.yaml").read_text())
+    (entry,) = saved["default"]["modifiers"]
+    assert entry[cls.__name__]["scheme"] == {"weights": {"num_bits": 4, "group_size": 16, "strategy": "group"}}
+    (read_back,) = resolve_recipe(out / "recipe.yaml").stages[0].modifiers
+    assert read_back.quantization_scheme == cls(scheme=args).quantization_scheme
+    assert main(["explain", str(out / "recipe.yaml")]) == 0
+    assert "already applied" in capsys.readouterr().out
+    again = {"again": {cls.__name__: {"scheme": {"weights": {"num_bits": 8}}}}}
+    with pytest.raises(ValueError) as info:  # the saved recipe is read: only the quantized model is refused
+        llmc_fsm.oneshot(model=str(out), recipe=again, dataset=data, output_dir=tmp_path / "out2", progress=False)
+    assert not isinstance(info.value, RecipeError)
+    assert str(info.value) == (
+        f"{cls.__name__}: the model is already quantized (its config carries a quantization_config (quant_method "
+        "'compressed-tensors')); quantize the original full-precision model instead"
+    )
