@@ -148,6 +148,12 @@ def error_panel_title(entries: Sequence[Mapping[str, Any]]) -> str:
     quantized = [e for e in quant if e.get("bits") is not None]
     what = "pruning" if not quantized else "quantization"
     numel = sum(int(e.get("numel") or 0) for e in quantized)
+    if any(len(e.get("rel_output_errors") or ()) > 1 for e in quant):  # several modifiers: the last one's error
+        what = "the last step (quantization, after pruning)" if quantized else "the last pruning step"
+        return (
+            f"{what}: relative output error ||W X - Ŵ X|| / ||W X|| per module against the weights it received"
+            f"{detail}; line: mean weighted by size"
+        )
     if numel and sum(int(e.get("zeros") or 0) for e in quantized) / numel >= 0.05:  # pruned (a dense model has a few)
         what = "pruning + quantization"
     return f"{what}: relative output error ||W X - Ŵ X|| / ||W X|| per module{detail}; line: mean weighted by size"

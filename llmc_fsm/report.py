@@ -34,10 +34,11 @@ class ModuleSparsity:
     quantized modules ``bits`` and ``group_size`` (``None`` for channel/tensor
     strategies) are set; ``rel_output_error`` is ``||W X - W_hat X|| / ||W X||``
     on the calibration inputs, for modifiers that keep a Hessian (SparseGPT,
-    GPTQ, RTN with calibration data), else ``None``: the last such modifier's,
-    with ``W`` the weight it received. ``rel_output_errors`` lists
-    ``(modifier, error)`` of every such modifier in the order they ran, when
-    there were several (2:4 pruning, then GPTQ); the errors do not add up.
+    GPTQ, RTN with calibration data), else ``None``: the last modifier's that
+    compressed it, with ``W`` the weight it received. ``rel_output_errors``
+    lists ``("Modifier (stage)", error or None)`` of every modifier that
+    compressed it, in the order they ran, when there were several (2:4 pruning,
+    then GPTQ); the errors do not add up.
     """
 
     name: str
@@ -293,11 +294,14 @@ def _bits_of_earlier_runs(model: nn.Module, by_name: dict[str, ModuleSparsity]) 
 
 
 def _mean_by_modifier(modules: list[ModuleSparsity]) -> str:
-    by: dict[str, list[float]] = {}
+    by: dict[str, list[float | None]] = {}
     for m in modules:
         for name, error in m.rel_output_errors:
             by.setdefault(name, []).append(error)
-    return ", ".join(f"{name} {sum(v) / len(v):.4f}" for name, v in by.items())
+    return ", ".join(
+        f"{name} {sum(e for e in v if e is not None) / len(v):.4f}" if None not in v else f"{name} not measured"
+        for name, v in by.items()
+    )
 
 
 def _quant_fields(m: ModuleSparsity) -> dict[str, Any]:
@@ -306,7 +310,7 @@ def _quant_fields(m: ModuleSparsity) -> dict[str, Any]:
         for key, value in (("bits", m.bits), ("group_size", m.group_size), ("rel_output_error", m.rel_output_error))
         if value is not None
     }
-    if len(m.rel_output_errors) > 1:
+    if len(m.rel_output_errors) > 1:  # every modifier that compressed it, in order (error None: not measured)
         fields["rel_output_errors"] = [{"modifier": n, "rel_output_error": e} for n, e in m.rel_output_errors]
     return fields
 
@@ -342,16 +346,18 @@ def build_report(
             layers = None
         modules = measure_sparsity(model, layers)
     by_name = {m.name: m for m in modules}
+    stage_of = {id(m): stage.name for stage in getattr(recipe, "stages", []) for m in stage.modifiers}
     for modifier in modifiers:
+        label = type(modifier).__name__ + (f" ({stage_of[id(modifier)]})" if id(modifier) in stage_of else "")
         for name, result in (getattr(modifier, "results", None) or {}).items():
             entry = by_name.get(name)
             if entry is None:
                 continue
             if getattr(result, "bits", None) is not None:  # zeros: the pruned ones only (see ModuleResult)
                 entry.bits, entry.group_size, entry.zeros = result.bits, result.group_size, result.zeros
-            if getattr(result, "rel_output_error", None) is not None:  # the last modifier's, against its input
-                entry.rel_output_error = result.rel_output_error
-                entry.rel_output_errors.append((type(modifier).__name__, result.rel_output_error))
+            # the last modifier's error, against the weights it received (None: it measured none)
+            entry.rel_output_error = getattr(result, "rel_output_error", None)
+            entry.rel_output_errors.append((label, entry.rel_output_error))
     _bits_of_earlier_runs(model, by_name)
     return OneshotReport(
         model=model_name,

@@ -168,6 +168,16 @@ def test_error_panel_title_names_what_made_the_error():
     assert error_panel_title(pruned) == "pruning: " + tail.format("")
     assert error_panel_title(quantized) == "quantization: " + tail.format(" (bits 4, group_size 64)")
     assert error_panel_title(both) == "pruning + quantization: " + tail.format(" (bits 4, group_size 64)")
+    # several modifiers measured the same module (2:4 then GPTQ): the panel shows the last one's, and says so
+    steps = [
+        {"modifier": "SparseGPTModifier (s)", "rel_output_error": 0.3},
+        {"modifier": "GPTQModifier (q)", "rel_output_error": 0.06},
+    ]
+    stacked = [{**both[0], "rel_output_errors": steps}]
+    assert error_panel_title(stacked) == (
+        "the last step (quantization, after pruning): relative output error ||W X - Ŵ X|| / ||W X|| per module "
+        "against the weights it received (bits 4, group_size 64); line: mean weighted by size"
+    )
 
 
 def test_a_finished_output_is_not_resumed_and_the_error_says_so(saved_run):

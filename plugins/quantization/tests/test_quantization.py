@@ -730,7 +730,7 @@ def test_a_pruned_then_quantized_module_reports_each_modifiers_error(tmp_path, f
     both = modules({"s": prune, "q": quant}, tmp_path / "both")
     q = both["model.layers.0.self_attn.q_proj"]
     steps = q["rel_output_errors"]
-    assert [e["modifier"] for e in steps] == ["SparseGPTModifier", "GPTQModifier"]
+    assert [e["modifier"] for e in steps] == ["SparseGPTModifier (s)", "GPTQModifier (q)"]
     # layer 0 sees the same inputs either way: the pruning step's error is SparseGPT's alone
     assert steps[0]["rel_output_error"] == alone["model.layers.0.self_attn.q_proj"]["rel_output_error"]
     assert steps[1]["rel_output_error"] == q["rel_output_error"] < steps[0]["rel_output_error"]
@@ -740,8 +740,16 @@ def test_a_pruned_then_quantized_module_reports_each_modifiers_error(tmp_path, f
     note = next(line for line in table.splitlines() if line.startswith("rel. output error:"))
     assert note.startswith(
         "rel. output error: the last modifier's, against the weights it received; 14 modules were compressed by "
-        "several modifiers, whose errors do not add up (mean per module: SparseGPTModifier 0."
+        "several modifiers, whose errors do not add up (mean per module: SparseGPTModifier (s) 0."
     )
+    # round-to-nearest in its own pass measures nothing: the final step's error is unknown, not SparseGPT's
+    rtn = modules({"s": prune, "q": {"QuantizationModifier": {"scheme": "W8A8"}}}, tmp_path / "rtn")
+    q = rtn["model.layers.0.self_attn.q_proj"]
+    expected_last = None if not fuse_stages else q["rel_output_errors"][1]["rel_output_error"]
+    assert q.get("rel_output_error") == expected_last
+    assert [e["modifier"] for e in q["rel_output_errors"]] == ["SparseGPTModifier (s)", "QuantizationModifier (q)"]
+    table = OneshotReport.from_dict(json.loads((tmp_path / "rtn" / "report.json").read_text())).format_table()
+    assert ("QuantizationModifier (q) not measured;" in table) is not fuse_stages
 
 
 def test_a_second_oneshot_on_the_returned_model_records_the_first_ones_stages(tmp_path) -> None:
