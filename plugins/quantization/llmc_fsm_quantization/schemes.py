@@ -66,7 +66,9 @@ def resolve_scheme(scheme: Any, targets: list[str]) -> QuantizationScheme:
         ValueError: unknown preset (the message lists the presets), invalid
             fields (pydantic's ``field: reason``, one line), no weight quantization,
             dynamic weights or a weight strategy other than tensor/channel/group,
-            int weights or input activations of fewer than 2 bits, or static
+            int weights or input activations of fewer than 2 bits, float weights
+            other than 8 bits or float input activations other than 4, 6 or 8, a
+            format compressed-tensors lacks (its ``NotImplementedError``), or static
             (calibrated) input activations, which need activation observers this
             version does not have.
     """
@@ -91,9 +93,12 @@ def resolve_scheme(scheme: Any, targets: list[str]) -> QuantizationScheme:
                         fields[key] = {**data[key], **fields[key]}
                 fields = {**data, **fields}
             fields["targets"] = list(targets)
+            _check_float_bits(fields)
             resolved = QuantizationScheme.model_validate(fields)
         except ValidationError as err:
             raise ValueError(f"invalid quantization scheme {scheme!r}: {_reason(err)}") from None
+        except NotImplementedError as err:  # compressed-tensors' refusal of a format it lacks
+            raise ValueError(f"invalid quantization scheme {scheme!r}: {err}") from None
     else:
         msg = f"scheme must be a preset name ({', '.join(preset_names()[:6])}, ...) or a mapping, got {scheme!r}"
         raise ValueError(msg)
@@ -132,6 +137,35 @@ def _check_static_weights(weights: Any) -> None:
         raise ValueError(_static_only(f"weights with dynamic: {str(dynamic).lower()}"))
     if isinstance(strategy, str) and strategy.lower() == "token":
         raise ValueError(_static_only("weights with strategy: token"))
+
+
+def _bits(n: Any) -> str:
+    return f"{n} bit" if n == 1 else f"{n} bits"
+
+
+def _float_weights(bits: Any) -> str:
+    return f"float weights of {_bits(bits)} cannot be saved (fp8 only); use num_bits: 8 or type: int"
+
+
+def _check_float_bits(fields: Mapping[str, Any]) -> None:
+    """Refuse float weights other than 8 bits and float activations other than 4, 6 or 8 bits before pydantic
+    (compressed-tensors raises ``NotImplementedError: Only num_bits in (8) are supported`` for most of them)."""
+    for role in ("weights", "input_activations"):
+        args = fields.get(role)
+        if not isinstance(args, Mapping):
+            continue
+        kind = getattr(args.get("type"), "value", args.get("type"))
+        bits = args.get("num_bits", 8)
+        if not isinstance(kind, str) or kind.lower() != "float" or isinstance(bits, bool) or not isinstance(bits, int):
+            continue
+        if role == "weights" and bits != 8:
+            raise ValueError(_float_weights(bits))
+        if bits not in (4, 6, 8):
+            msg = (
+                f"float {role} of {_bits(bits)} are not supported (compressed-tensors' float formats have 4, 6 or "
+                "8 bits); use num_bits: 8 (as in preset FP8_DYNAMIC) or type: int"
+            )
+            raise ValueError(msg)
 
 
 def _check_group_override(preset: str, base: QuantizationScheme, weights: Any) -> None:
@@ -179,7 +213,7 @@ def _problem(scheme: QuantizationScheme) -> str | None:
         if args is not None and args.type == "int" and args.num_bits < 2:
             return _too_few_bits(role, args.num_bits)
     if w.type == "float" and w.num_bits != 8:  # compressed-tensors' float-quantized format writes fp8 only
-        return f"float weights of {w.num_bits} bits cannot be saved (fp8 only); use num_bits: 8 or type: int"
+        return _float_weights(w.num_bits)
     for role in ("input_activations", "output_activations"):
         args = getattr(scheme, role)
         if args is not None and not args.dynamic:

@@ -147,6 +147,38 @@ def test_pydantic_errors_are_one_line_with_field_and_reason(scheme: dict, reason
     assert str(info.value) == f"invalid quantization scheme {scheme!r}: {reason}"
 
 
+# --------------------------------------------------------------------------- float widths
+@pytest.mark.parametrize(("bits", "width"), [(1, "1 bit"), (2, "2 bits"), (16, "16 bits")])
+@pytest.mark.parametrize("modifier", ["QuantizationModifier", "GPTQModifier"])
+def test_float_weights_other_than_8_bits_are_refused_when_the_recipe_is_read(modifier, bits, width) -> None:
+    text = f"q:\n  {modifier}:\n    scheme: {{weights: {{num_bits: {bits}, type: float}}}}\n"
+    with pytest.raises(RecipeError) as info:  # compressed-tensors: NotImplementedError: Only num_bits in (8) ...
+        resolve_recipe(text)
+    assert str(info.value) == (
+        f"recipe <text>, line 2, stage 'q', modifier {modifier}: float weights of {width} cannot be saved (fp8 "
+        "only); use num_bits: 8 or type: int"
+    )
+
+
+def test_float_input_activations_need_4_6_or_8_bits() -> None:
+    scheme = {"weights": {"num_bits": 8}, "input_activations": {"num_bits": 1, "type": "float", "dynamic": True}}
+    with pytest.raises(ValueError) as info:
+        resolve_scheme(scheme, ["Linear"])
+    assert str(info.value) == (
+        "float input_activations of 1 bit are not supported (compressed-tensors' float formats have 4, 6 or 8 "
+        "bits); use num_bits: 8 (as in preset FP8_DYNAMIC) or type: int"
+    )
+    scheme["input_activations"]["num_bits"] = 4  # FP4 activations (fake-quantized dynamically) run
+    assert resolve_scheme(scheme, ["Linear"]).input_activations.num_bits == 4
+
+
+def test_a_format_compressed_tensors_lacks_is_a_one_line_value_error() -> None:
+    scheme = {"weights": {"num_bits": 8}, "output_activations": {"num_bits": 2, "type": "float", "dynamic": True}}
+    with pytest.raises(ValueError) as info:
+        resolve_scheme(scheme, ["Linear"])
+    assert str(info.value) == f"invalid quantization scheme {scheme!r}: Only num_bits in (8) are supported"
+
+
 # --------------------------------------------------------------------------- block_size vs group_size
 def test_block_size_message_names_the_cli_flag_and_the_recipe_field() -> None:
     with pytest.raises(ValueError) as info:
