@@ -1,13 +1,10 @@
 """Optimal-brain-surgeon machinery shared by SparseGPT and GPTQ.
 
-Both algorithms minimise the layer-wise reconstruction error
-``||W X - W_hat X||^2`` of a ``Linear`` layer column by column, compensating each
-column's error on the columns not yet processed through the inverse Hessian of
-that error (OBS; Frantar et al., GPTQ arXiv 2210.17323, Section 3 and Alg. 1;
-Frantar & Alistarh, SparseGPT arXiv 2301.00774, Section 3 and Alg. 1). They
-differ only in what a column becomes: SparseGPT zeroes the weights its mask
-prunes, GPTQ rounds every weight to the quantization grid. This module holds what
-they share:
+Both algorithms minimise the layer-wise reconstruction error ``||W X - W_hat X||^2`` of a ``Linear`` layer column
+by column, compensating each column's error on the columns not yet processed through the inverse Hessian of that
+error (OBS; Frantar et al., GPTQ arXiv 2210.17323, Section 3 and Alg. 1; Frantar & Alistarh, SparseGPT arXiv
+2301.00774, Section 3 and Alg. 1). They differ only in what a column becomes: SparseGPT zeroes the weights its mask
+prunes, GPTQ rounds every weight to the quantization grid. This module holds what they share:
 
 * :class:`HessianAccumulator` — ``H = 2/n * sum x x^T`` from calibration inputs;
 * :func:`inverse_hessian_cholesky` — dead-input handling, damping
@@ -225,29 +222,20 @@ def _lower_triangular_inverse(L: torch.Tensor, leaf: int = 128) -> torch.Tensor:
     return out
 
 
-#: The largest ``dampening_frac`` accepted: far beyond any use (above ~1e3 the damping outweighs the data, and the
-#: sweeps round or prune as if the Hessian were the identity), and far below float32 overflow of the damped diagonal.
+#: The largest ``dampening_frac`` accepted (above ~1e3 the damping outweighs the data; far below float32 overflow).
 MAX_DAMPENING_FRAC = 1e6
 
 
-def check_dampening_frac(dampening_frac: float, *, positive: bool = False) -> float:
-    """``dampening_frac`` as a float, checked to be a number in ``[0, MAX_DAMPENING_FRAC]`` (``> 0`` if ``positive``).
-
-    Raises:
-        ValueError: a bool, a non-number, a number out of range, NaN or infinity.
-    """
-    low = "(0" if positive else "[0"
-    if isinstance(dampening_frac, bool) or not (
-        isinstance(dampening_frac, int | float)
-        and (0.0 < float(dampening_frac) if positive else 0.0 <= float(dampening_frac))
-        and float(dampening_frac) <= MAX_DAMPENING_FRAC
-    ):
-        msg = (
-            f"dampening_frac must be a number in {low}, {MAX_DAMPENING_FRAC:g}], got {dampening_frac!r} (relative "
-            "damping of the Hessian's diagonal: typically 0.01-0.1; above ~1e3 it outweighs the calibration data)"
+def check_dampening_frac(value: float, *, positive: bool = False) -> float:
+    """``value`` as a float in ``[0, MAX_DAMPENING_FRAC]`` (``> 0`` if ``positive``); ``ValueError`` otherwise."""
+    number = isinstance(value, int | float) and not isinstance(value, bool)
+    if not number or not (0 < value if positive else 0 <= value) or not value <= MAX_DAMPENING_FRAC:
+        raise ValueError(
+            f"dampening_frac must be a number in {'(' if positive else '['}0, {MAX_DAMPENING_FRAC:g}], got {value!r} "
+            "(relative damping of the Hessian's diagonal: typically 0.01-0.1; above ~1e3 it outweighs the calibration "
+            "data)"
         )
-        raise ValueError(msg)
-    return float(dampening_frac)
+    return float(value)
 
 
 def inverse_hessian_cholesky(

@@ -224,8 +224,18 @@ def load(run: Run) -> None:
 
     needs_text = run.cal_text is not None or run.ev_text is not None or (run.dataset is None and run.needs_data)
     with run.timed("load"):
+        if isinstance(run.tokenizer, str | os.PathLike):  # a tokenizer directory or Hub id, as llm-compressor takes
+            from transformers import AutoTokenizer
+
+            run.tokenizer = AutoTokenizer.from_pretrained(os.fspath(run.tokenizer))
         if isinstance(run.model, nn.Module):
             run.model_name = type(run.model).__name__
+            if any(p.is_meta for p in run.model.parameters()):
+                msg = (
+                    "the model's parameters are on the meta device (a low_memory run returns its model so): give "
+                    "the directory its output was written to as the model instead (model=DIR, --model DIR)"
+                )
+                raise ValueError(msg)
             if run.tokenizer is None and needs_text:
                 msg = (
                     "an in-memory model needs tokenizer= to tokenize text (or pass dataset as a LongTensor of "

@@ -342,6 +342,30 @@ def test_output_that_is_a_mount_point_is_refused_before_any_work(tmp_path, monke
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
+def test_a_meta_device_model_is_refused_and_a_tokenizer_may_be_a_directory(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        meta = _tiny()
+    with pytest.raises(ValueError) as info:
+        llmc_fsm.oneshot(model=meta, progress=False)
+    assert str(info.value) == (
+        "the model's parameters are on the meta device (a low_memory run returns its model so): give the directory "
+        "its output was written to as the model instead (model=DIR, --model DIR)"
+    )
+    model_dir, text = tiny_llama.build_with_text(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    llmc_fsm.oneshot(
+        model=model,
+        tokenizer=str(model_dir),
+        dataset=text,
+        num_calibration_samples=4,
+        max_seq_length=32,
+        progress=False,
+    )  # was: TypeError 'str' object is not callable
+    assert model.llmc_fsm_report.total_sparsity == 0.5
+
+
 def test_overwrite_refuses_a_directory_that_is_not_a_model_output(tmp_path):
     out = tmp_path / "o"
     out.mkdir()
