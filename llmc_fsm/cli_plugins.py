@@ -59,16 +59,57 @@ def _run_modifiers(args: argparse.Namespace) -> int:
     return 0
 
 
+def _modifier_recipe(name: str) -> dict:
+    """The one-modifier recipe ``{"defaults": {name: {}}}`` that ``llmc-fsm explain NAME`` shows.
+
+    Raises:
+        ValueError: ``name`` is not a registered modifier (the registry's unknown-modifier message: suggestions,
+            known modifiers, llm-compressor modifiers not implemented, plugins that failed to load or are disabled);
+            or the modifier has arguments without a default (listed with the others and their defaults).
+    """
+    import attrs
+
+    from llmc_fsm.plugins import DISABLE_ENV, get_registry
+
+    registry = get_registry()
+    info = registry.info(name)
+    if info is None:
+        msg = f"no recipe file or modifier named {name!r}: {registry.unknown_message(name)}"
+        if registry.disabled:
+            msg += f" Disabled through {DISABLE_ENV}: {', '.join(sorted({d.distribution for d in registry.disabled}))}."
+        raise ValueError(msg)
+    schedule = ("start", "end", "update")  # explain shows them as the schedule, not as arguments
+    fields = [f for f in attrs.fields(info.cls) if f.init and f.name not in schedule] if attrs.has(info.cls) else []
+    required = [f.alias for f in fields if f.default is attrs.NOTHING]
+    if required:
+        others = ", ".join(f"{f.alias}={_default(f.default)}" for f in fields if f.default is not attrs.NOTHING)
+        msg = (
+            f"{name} needs {', '.join(required)} (no default); its other arguments: {others or 'none'}. See its "
+            f"plan with a recipe that sets {'them' if len(required) > 1 else 'it'}: "
+            f"llmc-fsm explain 's: {{{name}: {{{', '.join(f'{r}: VALUE' for r in required)}}}}}'"
+        )
+        raise ValueError(msg)
+    return {"defaults": {name: {}}}
+
+
+def _default(default: object) -> str:
+    """An attrs field's default as text (``(computed)`` for a factory that takes the instance)."""
+    import attrs
+
+    if isinstance(default, attrs.Factory):  # type: ignore[arg-type]
+        return "(computed)" if default.takes_self else repr(default.factory())
+    return repr(default)
+
+
 def _run_explain(args: argparse.Namespace) -> int:
     import os
 
     from llmc_fsm.explain import explain
-    from llmc_fsm.plugins import get_registry
     from llmc_fsm.session import Session
 
     recipe = args.recipe
-    if not os.path.exists(recipe) and recipe in {info.name for info in get_registry().infos()}:
-        recipe = {"defaults": {recipe: {}}}  # a modifier's name: its plan with every argument at its default
+    if not os.path.exists(recipe) and recipe.isidentifier():
+        recipe = _modifier_recipe(recipe)  # a modifier's name: its plan with every argument at its default
     session = Session(recipe)
     if args.state:
         session.update_state(**dict.fromkeys(args.state, True))
@@ -90,7 +131,8 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
         description=(
             "Resolve RECIPE (a .yaml/.yml/.json file) and print its stages, the modifiers in execution order, "
             "their arguments, the events each handles and the state keys each requires. RECIPE may also be a "
-            "modifier's name (see llmc-fsm modifiers), e.g. GPTQModifier: its arguments and their defaults."
+            "modifier's name (see llmc-fsm modifiers), e.g. GPTQModifier: its arguments and their defaults "
+            "(a modifier with arguments that have no default names them instead)."
         ),
     )
     parser.add_argument(

@@ -147,6 +147,77 @@ def test_cli_explain_a_modifier_name_shows_its_arguments_and_defaults(tmp_path, 
     assert "unknown argument 'ends'" in capsys.readouterr().err
 
 
+KNOWN = "Known modifiers: Calib, Hold."
+
+
+@pytest.mark.parametrize(
+    ("name", "hint"),
+    [
+        ("calib", " Did you mean 'Calib'?"),  # wrong case
+        ("Hol", " Did you mean 'Hold'?"),
+        ("Zebra", ""),
+        (
+            "SmoothQuantModifier",
+            " SmoothQuantModifier is an llm-compressor modifier that llmc-fsm does not implement (SmoothQuant (arXiv "
+            "2211.10438) scales activation outlier channels down and the next weights up before W8A8; W8A8 runs here "
+            "without it, at some accuracy cost); remove it from the recipe or use llm-compressor for it.",
+        ),
+    ],
+)
+def test_cli_explain_an_unknown_name_gets_the_unknown_modifier_message(tmp_path, capsys, monkeypatch, name, hint):
+    monkeypatch.chdir(tmp_path)
+    assert main(["explain", name]) == 1
+    assert capsys.readouterr().err == (
+        f"llmc-fsm explain: error: no recipe file or modifier named {name!r}: "
+        f"unknown modifier {name!r}.{hint} {KNOWN}\n"
+    )
+
+
+def test_cli_explain_an_unknown_name_names_broken_and_disabled_plugins(registry, capsys, monkeypatch) -> None:
+    from llmc_fsm.errors import PluginError
+    from llmc_fsm.plugins import DisabledPlugin
+
+    monkeypatch.setattr(registry, "errors", [PluginError("plugin 'bad' (badpkg 1.0): ImportError: no module x")])
+    monkeypatch.setattr(registry, "disabled", [DisabledPlugin("llmc-fsm-quantization", "0.1.0", "quantization")])
+    assert main(["explain", "GPTQModifier"]) == 1
+    assert capsys.readouterr().err == (
+        "llmc-fsm explain: error: no recipe file or modifier named 'GPTQModifier': unknown modifier 'GPTQModifier'. "
+        f"{KNOWN} 1 plugin(s) failed to load (run `llmc-fsm modifiers`): plugin 'bad' (badpkg 1.0): ImportError: no "
+        "module x Disabled through LLMC_FSM_DISABLE_PLUGINS: llmc-fsm-quantization.\n"
+    )
+
+
+@attrs.define(kw_only=True, slots=False, eq=False)
+class Needs(Modifier):
+    """Needs a rate."""
+
+    rate: float
+    steps: int = 3
+    names: list = attrs.field(factory=list)
+
+    def on_initialize(self, state: State) -> None:
+        pass
+
+
+def test_cli_explain_a_modifier_with_required_arguments_names_them(registry, capsys, monkeypatch, tmp_path) -> None:
+    monkeypatch.chdir(tmp_path)
+    registry.register(Needs)
+    assert main(["explain", "Needs"]) == 1
+    assert capsys.readouterr().err == (
+        "llmc-fsm explain: error: Needs needs rate (no default); its other arguments: steps=3, names=[]. See its "
+        "plan with a recipe that sets it: llmc-fsm explain 's: {Needs: {rate: VALUE}}'\n"
+    )
+    assert main(["explain", "s: {Needs: {rate: 0.5}}"]) == 0
+    assert "arguments: rate=0.5, steps=3 (default), names=[] (default)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("text", ["missing.yaml", "dir/Calib", "Calib:"])
+def test_cli_explain_a_text_that_is_no_bare_name_is_still_read_as_a_recipe(tmp_path, capsys, monkeypatch, text):
+    monkeypatch.chdir(tmp_path)
+    assert main(["explain", text]) == 1
+    assert "no recipe file or modifier named" not in capsys.readouterr().err
+
+
 # --- the conformance kit catches broken modifiers -------------------------------------------
 
 
