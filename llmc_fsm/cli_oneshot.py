@@ -124,8 +124,8 @@ def _add_run_flags(p: Any) -> None:
         "--dtype",
         choices=["float32", "bfloat16", "float16", "auto"],
         default="float32",
-        help="dtype the model is loaded, compressed and saved in (default float32, fastest on CPU; auto: the one "
-        "its config.json names, e.g. bfloat16 to save a bf16 checkpoint)",
+        help="dtype the model is loaded, compressed and saved in (default float32; auto: the one its config.json "
+        "names, e.g. bfloat16 to save a bf16 checkpoint)",
     )
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     p.add_argument(
