@@ -74,7 +74,8 @@ def _modifier_recipe(name: str) -> dict:
     registry = get_registry()
     info = registry.info(name)
     if info is None:
-        msg = f"no recipe file or modifier named {name!r}: {registry.unknown_message(name)}"
+        detail = registry.unknown_message(name).removeprefix(f"unknown modifier {name!r}.")
+        msg = f"no recipe file or modifier named {name!r}.{detail}"
         if registry.disabled:
             msg += f" Disabled through {DISABLE_ENV}: {', '.join(sorted({d.distribution for d in registry.disabled}))}."
         raise ValueError(msg)
