@@ -73,7 +73,13 @@ def resolve_scheme(scheme: Any, targets: list[str]) -> QuantizationScheme:
             version does not have.
     """
     if isinstance(scheme, QuantizationScheme):
-        resolved = scheme.model_copy(deep=True, update={"targets": list(targets)})
+        if list(scheme.targets) != list(targets):  # silently replaced, they quantized other modules than meant
+            msg = (
+                f"the QuantizationScheme's targets {list(scheme.targets)} differ from the modifier's targets "
+                f"{list(targets)}, which choose the modules: give them as the modifier's targets (targets: [...])"
+            )
+            raise ValueError(msg)
+        resolved = scheme.model_copy(deep=True)
     elif isinstance(scheme, QuantizationArgs):
         resolved = QuantizationScheme(targets=list(targets), weights=scheme.model_copy(deep=True))
     elif isinstance(scheme, str):

@@ -212,11 +212,18 @@ def _tiny() -> torch.nn.Module:
 def test_scheme_objects_resolve_with_the_modifier_targets() -> None:
     args = QuantizationArgs(num_bits=4, group_size=16)
     from_args = resolve_scheme(args, ["re:.*proj"])
-    from_scheme = resolve_scheme(QuantizationScheme(targets=["Linear"], weights=args), ["re:.*proj"])
+    from_scheme = resolve_scheme(QuantizationScheme(targets=["re:.*proj"], weights=args), ["re:.*proj"])
     from_mapping = resolve_scheme({"weights": {"num_bits": 4, "group_size": 16}}, ["re:.*proj"])
     assert from_args == from_scheme == from_mapping
     assert from_args.targets == ["re:.*proj"]
     assert (from_args.weights.strategy, from_args.weights.group_size) == ("group", 16)
+    # a scheme object whose targets differ was silently given the modifier's (and quantized other modules)
+    with pytest.raises(ValueError) as info:
+        resolve_scheme(QuantizationScheme(targets=["re:.*mlp.*"], weights=args), ["Linear"])
+    assert str(info.value) == (
+        "the QuantizationScheme's targets ['re:.*mlp.*'] differ from the modifier's targets ['Linear'], which choose "
+        "the modules: give them as the modifier's targets (targets: [...])"
+    )
 
 
 @pytest.mark.parametrize("cls", [GPTQModifier, QuantizationModifier])
