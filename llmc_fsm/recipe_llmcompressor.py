@@ -52,8 +52,8 @@ logger = logging.getLogger(__name__)
 
 #: Suffix of llm-compressor modifier-group keys (``pruning_modifiers``, ``quantization_modifiers``...).
 GROUP_SUFFIX = "_modifiers"
-#: Values a stage's ``run_type`` may take.
-RUN_TYPES: tuple[str, ...] = ("oneshot", "train")
+#: Values a stage's ``run_type`` may take (``post_train``: another name of ``oneshot`` in llm-compressor's recipes).
+RUN_TYPES: tuple[str, ...] = ("oneshot", "post_train", "train")
 #: Top-level keys llm-compressor writes as recipe metadata; read and ignored.
 METADATA_KEYS: tuple[str, ...] = ("version", "metadata")
 #: Name of the stage that top-level modifier groups form (as in llm-compressor).
@@ -212,11 +212,13 @@ _GROUP = "llm-compressor's bookkeeping of the group key; the stage and group com
 _SEQ_TARGETS = "the pipeline finds the decoder layers from the model; remove it"
 _OWL = "OWL layer-wise sparsity is not implemented; give one sparsity for every layer"
 
+_PERCDAMP = ArgumentRule("rename", "llm-compressor's older name of dampening_frac", target="dampening_frac")
 _COMMON: dict[str, ArgumentRule] = {"group": ArgumentRule("ignore", _GROUP)}
 _SPARSITY_BASE: dict[str, ArgumentRule] = {
     **_COMMON,
     "sequential_update": ArgumentRule("ignore", _LAYERWISE, accept=(True, False)),
     "sequential_targets": ArgumentRule("refuse", _SEQ_TARGETS),
+    "percdamp": _PERCDAMP,
     "sparsity_profile": ArgumentRule("refuse", _OWL),
     "owl_m": ArgumentRule("refuse", _OWL),
     "owl_lmbda": ArgumentRule("refuse", _OWL),
@@ -224,6 +226,7 @@ _SPARSITY_BASE: dict[str, ArgumentRule] = {
 }
 _QUANT_BASE: dict[str, ArgumentRule] = {
     **_COMMON,
+    "sequential_update": ArgumentRule("ignore", _LAYERWISE, accept=(True, False)),
     "config_groups": ArgumentRule(
         "rename", "one group becomes scheme (its fields) and targets", target="scheme", convert=_config_groups
     ),
@@ -232,7 +235,7 @@ _QUANT_BASE: dict[str, ArgumentRule] = {
     "observer": ArgumentRule("value", "llm-compressor's {weights: NAME} form", convert=_observer_mapping),
     "input_observer": ArgumentRule("refuse", "activation observers are chosen by the scheme"),
     "output_observer": ArgumentRule("refuse", "output activations are not quantized"),
-    "kv_cache_scheme": ArgumentRule("refuse", "KV-cache quantization is not implemented", accept=(None,)),
+    "kv_cache_scheme": ArgumentRule("refuse", "KV-cache quantization is not implemented; remove it", accept=(None,)),
     "bypass_divisibility_checks": ArgumentRule(
         "ignore", "only false: every group must divide the input width", accept=(False,)
     ),
@@ -257,8 +260,8 @@ ARGUMENT_RULES: dict[str, dict[str, ArgumentRule]] = {
     "ConstantPruningModifier": dict(_COMMON),
     "GPTQModifier": {
         **_QUANT_BASE,
-        "sequential_update": ArgumentRule("ignore", _LAYERWISE, accept=(True, False)),
         "sequential_targets": ArgumentRule("refuse", _SEQ_TARGETS),
+        "percdamp": _PERCDAMP,
         "offload_hessians": ArgumentRule("ignore", _OFFLOAD, accept=(True, False)),
     },
     "QuantizationModifier": dict(_QUANT_BASE),

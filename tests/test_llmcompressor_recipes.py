@@ -251,7 +251,7 @@ quant_modifiers:
     [
         ("GPTQModifier: {kv_cache_scheme: {num_bits: 8}}",
          "argument 'kv_cache_scheme': llm-compressor argument not supported: KV-cache quantization is not "
-         "implemented"),
+         "implemented; remove it"),
         ("QuantizationModifier: {input_observer: mse}",
          "argument 'input_observer': llm-compressor argument not supported: activation observers are chosen by "
          "the scheme"),
@@ -324,7 +324,8 @@ stages:
     ("text", "message"),
     [
         ("s:\n  run_type: finetune\n  p_modifiers: {ConstantPruningModifier: {}}\n",
-         "recipe <text>, line 2, stage 's': run_type must be oneshot or train (as in llm-compressor), got 'finetune'"),
+         "recipe <text>, line 2, stage 's': run_type must be oneshot or post_train or train (as in llm-compressor), "
+         "got 'finetune'"),
         ("s:\n  p_modifiers:\n    SparseGPTModifier: {sparsity_profile: owl, owl_m: 5, owl_lmbda: 0.08}\n",
          "recipe <text>, line 3, stage 's', modifier SparseGPTModifier, argument 'sparsity_profile': llm-compressor "
          "argument not supported: OWL layer-wise sparsity is not implemented; give one sparsity for every layer"),
@@ -353,3 +354,16 @@ def test_llmcompressor_shapes_refused_with_a_reason(text: str, message: str):
     with pytest.raises(RecipeError) as info:
         resolve_recipe(text)
     assert str(info.value).startswith(message)
+
+
+def test_older_llm_compressor_argument_names_and_run_types_are_read() -> None:
+    from llmc_fsm.recipe import resolve_recipe
+
+    recipe = resolve_recipe(
+        "s:\n  run_type: post_train\n  quant_modifiers:\n"
+        "    GPTQModifier: {percdamp: 0.05, sequential_update: true, scheme: W8A16}\n"
+        "    QuantizationModifier: {sequential_update: false, scheme: W8A8, targets: [lm_head], ignore: []}\n"
+    )
+    gptq, rtn = recipe.stages[0].modifiers
+    assert recipe.stages[0].run_type == "post_train"
+    assert gptq.dampening_frac == 0.05 and rtn.targets == ["lm_head"]
