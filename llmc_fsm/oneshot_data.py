@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -119,39 +118,6 @@ def check_dataset_tensor(dataset: Any) -> None:
     if is_tensor(dataset) and (dataset.dim() != 2 or dataset.is_floating_point()):
         msg = f"a dataset tensor must hold token ids of shape [N, L], got {dataset.dtype} {tuple(dataset.shape)}"
         raise ValueError(msg)
-
-
-def check_output_not_source(output_dir: Any, model: Any) -> None:
-    """Refuse an output directory that is, or contains, the directory the model is read from.
-
-    ``model`` is a directory path, a known model name (its cache directory) or a loaded transformers model (its
-    ``name_or_path``). The output replaces its
-    whole directory when it is written, so even with ``overwrite`` the source model would be lost.
-
-    Raises:
-        ValueError: it is; nothing was read or written.
-    """
-    if output_dir is None:
-        return
-    from llmc_fsm.models import KNOWN_MODELS, cache_root
-
-    out = Path(output_dir).expanduser().resolve()
-    candidates = [model] if isinstance(model, str | os.PathLike) else [getattr(model, "name_or_path", None)]
-    for candidate in candidates:
-        if not isinstance(candidate, str | os.PathLike) or not os.fspath(candidate):
-            continue
-        source = Path(candidate).expanduser().resolve()
-        known = isinstance(candidate, str) and candidate in KNOWN_MODELS and not source.is_dir()
-        if known:  # read from its cache directory, which need not exist yet
-            source = (cache_root() / "models" / candidate).resolve()
-        if (known or source.is_dir()) and (out == source or out in source.parents):
-            relation = "is" if out == source else "contains"
-            msg = (
-                f"output directory {str(out)!r} {relation} the directory the model is read from ({str(source)!r}), "
-                f"and the output replaces the whole directory: choose a new directory (e.g. "
-                f"{str(source) + '-compressed'!r})"
-            )
-            raise ValueError(msg)
 
 
 def check_seq_len(model: Any, seq_len: int) -> None:
@@ -266,12 +232,21 @@ def check_modifiers(sessions: list[Session], model: Any, calibration_data: Any =
     :meth:`~llmc_fsm.Modifier.check_model` (group sizes, targets, an already quantized model).
 
     Raises:
-        MissingStateError: a modifier needs state one-shot does not provide.
+        MissingStateError: a modifier needs state one-shot does not give (``steps_per_epoch``...), named.
         ValueError: from a modifier's ``check_model``; nothing was changed.
     """
+    from llmc_fsm.errors import MissingStateError
+
     for session in sessions:
-        if session.missing_state(model=model, calibration_data=calibration_data):
-            session.initialize(model=model, calibration_data=calibration_data)  # raises MissingStateError
+        missing = session.missing_state(model=model, calibration_data=calibration_data)
+        if missing:  # e.g. steps_per_epoch: only a training loop gives it
+            label, keys = next(iter(missing.items()))
+            msg = (
+                f"{label} needs {', '.join(sorted(keys))}, which one-shot does not give (it gives the model and the "
+                "calibration data): such a modifier acts during training; put it in a stage with run_type: train, "
+                "which one-shot skips, or run the recipe in a training loop (docs/training.md)"
+            )
+            raise MissingStateError(msg, lifecycle=session.lifecycle, missing=missing)
     quantized_by: dict[str, str] = {}  # module -> the quantizing modifier (and stage) that targets it
     for session in sessions:
         for modifier in session.modifiers:
@@ -292,11 +267,12 @@ def check_modifiers(sessions: list[Session], model: Any, calibration_data: Any =
 
 def _declared_targets(modifier: Any, model: Any) -> dict[str, Any]:
     """The modules a modifier whose ``check_model`` returns none would compress, from its ``targets`` / ``ignore``
-    (``{}`` when it has none or they match nothing: the modifier reports that itself)."""
+    (``{}`` when it has none, they match nothing — the modifier reports that itself — or its class says
+    ``adds_zeros = False``: it only keeps existing zeros, as ``ConstantPruningModifier``)."""
     from llmc_fsm.targets import resolve_targets
 
     patterns, ignore = getattr(modifier, "targets", None), getattr(modifier, "ignore", None)
-    if not isinstance(patterns, list) or not isinstance(ignore, list):
+    if not isinstance(patterns, list) or not isinstance(ignore, list) or not getattr(modifier, "adds_zeros", True):
         return {}
     targets_logger = logging.getLogger("llmc_fsm.targets")
     was, targets_logger.disabled = targets_logger.disabled, True  # its own checks warn, once

@@ -25,7 +25,6 @@ from llmc_fsm.oneshot_data import (
     calibration_windows,
     check_dataset_tensor,
     check_modifiers,
-    check_output_not_source,
     check_seq_len,
     describe,
     eval_windows,
@@ -35,7 +34,7 @@ from llmc_fsm.oneshot_data import (
     read_text,
     torch_dtype_of,
 )
-from llmc_fsm.output import weights_disk_bytes
+from llmc_fsm.output import check_output_not_source, weights_disk_bytes
 from llmc_fsm.progress_bars import quiet_progress
 
 if TYPE_CHECKING:
@@ -175,10 +174,11 @@ def _claim(output_dir: Any, overwrite: bool) -> WorkDir | None:
 def _sessions(model: Any, recipe: Any, fuse_stages: bool) -> tuple[Recipe, list[Session]]:
     from llmc_fsm.oneshot import GENERATED, generated_recipe
     from llmc_fsm.recipe import Recipe, resolve_recipe
-    from llmc_fsm.recipe_history import merge_saved_recipe
+    from llmc_fsm.recipe_history import merge_saved_recipe, without_training_stages
     from llmc_fsm.session import Session
 
     recipe = generated_recipe() if recipe is None else resolve_recipe(recipe)
+    recipe = without_training_stages(recipe)
     merged = merge_saved_recipe(recipe, model, generated=recipe.source == GENERATED)
     fresh = [stage for stage in merged.stages if not stage.applied]
     if not fresh:

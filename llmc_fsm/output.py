@@ -33,6 +33,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "check_output_dir",
+    "check_output_not_source",
     "compressed_state_dict",
     "dir_size_bytes",
     "pruned_sparsity",
@@ -120,6 +121,39 @@ def check_output_dir(output_dir: str | os.PathLike[str] | None, overwrite: bool)
         )
         raise PermissionError(msg)
     return path
+
+
+def check_output_not_source(output_dir: Any, model: Any) -> None:
+    """Refuse an output directory that is, or contains, the directory the model is read from.
+
+    ``model`` is a directory path, a known model name (its cache directory) or a loaded transformers model (its
+    ``name_or_path``). The output replaces its
+    whole directory when it is written, so even with ``overwrite`` the source model would be lost.
+
+    Raises:
+        ValueError: it is; nothing was read or written.
+    """
+    if output_dir is None:
+        return
+    from llmc_fsm.models import KNOWN_MODELS, cache_root
+
+    out = Path(output_dir).expanduser().resolve()
+    candidates = [model] if isinstance(model, str | os.PathLike) else [getattr(model, "name_or_path", None)]
+    for candidate in candidates:
+        if not isinstance(candidate, str | os.PathLike) or not os.fspath(candidate):
+            continue
+        source = Path(candidate).expanduser().resolve()
+        known = isinstance(candidate, str) and candidate in KNOWN_MODELS and not source.is_dir()
+        if known:  # read from its cache directory, which need not exist yet
+            source = (cache_root() / "models" / candidate).resolve()
+        if (known or source.is_dir()) and (out == source or out in source.parents):
+            relation = "is" if out == source else "contains"
+            msg = (
+                f"output directory {str(out)!r} {relation} the directory the model is read from ({str(source)!r}), "
+                f"and the output replaces the whole directory: choose a new directory (e.g. "
+                f"{str(source) + '-compressed'!r})"
+            )
+            raise ValueError(msg)
 
 
 def sparsity_structure(recipe: Recipe) -> str | None:

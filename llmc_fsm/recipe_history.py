@@ -1,4 +1,5 @@
-"""A compressed model's history: the stages already applied to it, read back so a new run records them all.
+"""Which stages a one-shot run applies: not those already applied to the model (its history, read back so the new
+``recipe.yaml`` records them all), nor those of ``run_type: train``.
 
 A model written by ``oneshot(output_dir=...)`` carries them in ``recipe.yaml``; an
 in-memory model that ``oneshot`` returned, in its :data:`APPLIED_RECIPE_ATTR` attribute.
@@ -16,7 +17,7 @@ import attrs
 if TYPE_CHECKING:
     from llmc_fsm.recipe import Recipe
 
-__all__ = ["APPLIED_RECIPE_ATTR", "merge_saved_recipe", "settings_diff"]
+__all__ = ["APPLIED_RECIPE_ATTR", "merge_saved_recipe", "settings_diff", "without_training_stages"]
 
 logger = logging.getLogger(__name__)
 
@@ -116,3 +117,33 @@ def _read_history(source: Any, where: str) -> Recipe | None:
             ", ".join(repr(n) for n in unmarked),
         )
     return Recipe([attrs.evolve(stage, applied=True) for stage in saved.stages], saved.source)
+
+
+def without_training_stages(recipe: Recipe) -> Recipe:
+    """``recipe`` without its stages of ``run_type: train`` (one-shot runs no training), with a warning.
+
+    llm-compressor's sparse recipes hold the masks in such a stage (``ConstantPruningModifier`` from ``start: 0``)
+    for a fine-tuning run after the one-shot ones; its epoch schedule needs ``steps_per_epoch``, which only a
+    training loop gives.
+
+    Raises:
+        ValueError: every stage is a training one.
+    """
+    from llmc_fsm.recipe import Recipe
+
+    training = [stage.name for stage in recipe.stages if stage.run_type == "train" and not stage.applied]
+    if not training:
+        return recipe
+    names = ", ".join(repr(n) for n in training)
+    kept = [stage for stage in recipe.stages if stage.name not in training]
+    if not kept:
+        msg = f"the recipe has no one-shot stage: {names} have run_type: train; run them in a training loop " + (
+            "(docs/training.md)"
+        )
+        raise ValueError(msg)
+    logger.warning(
+        "one-shot runs no training: stage(s) %s (run_type: train) skipped, and left out of the saved recipe.yaml; "
+        "run them in a training loop (docs/training.md)",
+        names,
+    )
+    return Recipe(kept, recipe.source)

@@ -159,6 +159,8 @@ class ConstantPruningModifier(Modifier):
 
     required_state = frozenset({"model"})
     events = frozenset({"optim_post_step"})
+    #: It keeps existing zeros and makes none: one-shot does not refuse it after a quantizing modifier.
+    adds_zeros = False
 
     targets: list[str] = attrs.field(factory=lambda: list(DEFAULT_TARGETS), converter=patterns)
     ignore: list[str] = attrs.field(factory=lambda: list(DEFAULT_IGNORE), converter=patterns)

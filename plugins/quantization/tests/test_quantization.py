@@ -791,3 +791,44 @@ def test_a_mixture_of_experts_model_with_fused_experts_is_refused_before_any_wor
     )
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert not any(hasattr(m, "quantization_scheme") for m in model.modules())
+
+
+def test_llm_compressor_2_4_recipes_with_a_finetuning_stage_run_in_one_shot(tmp_path, caplog) -> None:
+    import yaml
+
+    # the shape of llm-compressor's examples/quantization_2of4_sparse_w4a16 recipe
+    hold = {"ConstantPruningModifier": {"targets": ["re:.*q_proj.weight", "re:.*down_proj.weight"], "start": 0}}
+    recipe = {
+        "sparsity_stage": {
+            "run_type": "oneshot", "sparsity_modifiers": {"SparseGPTModifier": {"mask_structure": "2:4"}}
+        },
+        "finetuning_stage": {"run_type": "train", "finetuning_modifiers": hold},
+        "quantization_stage": {"run_type": "oneshot", "quantization_modifiers": {"GPTQModifier": {"scheme": W4G16}}},
+    }
+    data = torch.randint(0, 128, (8, 32), generator=torch.Generator().manual_seed(0))
+    out = tmp_path / "out"
+    with caplog.at_level("WARNING"):
+        model = llmc_fsm.oneshot(model=_tiny(), recipe=recipe, dataset=data, output_dir=out, progress=False)
+    assert (
+        "one-shot runs no training: stage(s) 'finetuning_stage' (run_type: train) skipped, and left out of the saved "
+        "recipe.yaml; run them in a training loop (docs/training.md)" in caplog.text
+    )
+    assert list(yaml.safe_load((out / "recipe.yaml").read_text())) == ["sparsity_stage", "quantization_stage"]
+    w = model.model.layers[1].mlp.down_proj.weight
+    assert int((w.reshape(-1, 4) != 0).sum(dim=1).max()) <= 2
+    # the holding modifier written in a one-shot stage: a one-line reason, before any work
+    with pytest.raises(llmc_fsm.MissingStateError) as info:
+        llmc_fsm.oneshot(model=_tiny(), recipe={"s": {"SparseGPTModifier": {}}, "f": hold}, dataset=data,
+                         progress=False)
+    assert str(info.value) == (
+        "ConstantPruningModifier needs steps_per_epoch, which one-shot does not give (it gives the model and the "
+        "calibration data): such a modifier acts during training; put it in a stage with run_type: train, which "
+        "one-shot skips, or run the recipe in a training loop (docs/training.md)"
+    )
+    with pytest.raises(ValueError, match="the recipe has no one-shot stage: 'f' have run_type: train"):
+        llmc_fsm.oneshot(model=_tiny(), recipe={"f": {"run_type": "train", "modifiers": hold}}, progress=False)
+    # without start, after the quantization (llm-compressor's llama3_8b_2of4 example order): it makes no zeros, so
+    # it is not refused as pruning after quantizing
+    keep = {"ConstantPruningModifier": {"targets": hold["ConstantPruningModifier"]["targets"]}}
+    stage = {"SparseGPTModifier": {"mask_structure": "2:4"}, "QuantizationModifier": {"scheme": "W8A8"}, **keep}
+    llmc_fsm.oneshot(model=_tiny(), recipe={"s": stage}, dataset=data, progress=False)
