@@ -157,10 +157,18 @@ class QuantizingModifier(CalibratedModifier):
         width = math.gcd(*(int(m.weight.shape[1]) for m in targets.values()))
         group = min(width & -width, int(args.group_size))
         name = self.scheme if isinstance(self.scheme, str) else dict(self.scheme).get("preset")
-        preset = f"preset: {name}, " if name else ""
+        if name:
+            scheme = f"{{preset: {name}, weights: {{group_size: {group}}}}}"
+        else:  # every field: a mapping's weights without num_bits would mean 8 bits
+            sym = str(bool(args.symmetric)).lower()
+            scheme = (
+                f"{{weights: {{num_bits: {args.num_bits}, type: {getattr(args.type, 'value', args.type)}, symmetric: "
+                f"{sym}, strategy: group, group_size: {group}}}}}; in an llm-compressor recipe, group_size: {group} in "
+                "config_groups' weights"
+            )
         fix = (
             f"Use a group size that divides every target's input width, e.g. {group} (CLI: --group-size {group}; "
-            f"recipe: scheme: {{{preset}weights: {{group_size: {group}}}}}), or add these modules to ignore."
+            f"recipe: scheme: {scheme}), or add these modules to ignore."
             if group >= 16
             else "Add these modules to ignore or use a channel-wise scheme (e.g. W8A16)."
         )

@@ -832,3 +832,21 @@ def test_llm_compressor_2_4_recipes_with_a_finetuning_stage_run_in_one_shot(tmp_
     keep = {"ConstantPruningModifier": {"targets": hold["ConstantPruningModifier"]["targets"]}}
     stage = {"SparseGPTModifier": {"mask_structure": "2:4"}, "QuantizationModifier": {"scheme": "W8A8"}, **keep}
     llmc_fsm.oneshot(model=_tiny(), recipe={"s": stage}, dataset=data, progress=False)
+
+
+def test_the_group_size_hint_of_a_scheme_without_preset_spells_out_every_weight_field() -> None:
+    # it used to suggest scheme: {weights: {group_size: 64}}, which (num_bits unset) quantized to 8 bits
+    import yaml
+
+    weights = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 128}
+    recipe = {"q": {"quant_modifiers": {"GPTQModifier": {"config_groups": {"group_0": {"weights": weights,
+                                                                                        "targets": ["Linear"]}}}}}}
+    data = torch.randint(0, 128, (8, 32), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError) as info:
+        llmc_fsm.oneshot(model=_tiny(), recipe=recipe, dataset=data, progress=False)
+    hint = ("recipe: scheme: {weights: {num_bits: 4, type: int, symmetric: true, strategy: group, group_size: 64}}; "
+            "in an llm-compressor recipe, group_size: 64 in config_groups' weights), or add these modules to ignore.")
+    assert str(info.value).endswith(hint)
+    followed = {"q": {"GPTQModifier": {"scheme": yaml.safe_load(hint.split("scheme: ")[1].split("; in an")[0])}}}
+    model = llmc_fsm.oneshot(model=_tiny(), recipe=followed, dataset=data, progress=False)
+    assert model.model.layers[0].self_attn.q_proj.quantization_scheme.weights.num_bits == 4
