@@ -11,6 +11,7 @@ in-memory model computes what the saved checkpoint computes.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Any
 
 import attrs
@@ -85,7 +86,18 @@ def _observer(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
 def _weights_only(scheme: Any) -> Any:
     """A ``QuantizationArgs`` scheme as the mapping ``{"weights": args}`` it means, so that the saved recipe.yaml
     writes ``scheme: {weights: {...}}``, which reads back (the bare arguments' fields would read as a preset
-    mapping with unknown keys); anything else unchanged."""
+    mapping with unknown keys); a preset name in its canonical case (``w4a16`` -> ``W4A16``, as compressed-tensors
+    reads it); anything else unchanged."""
+    from compressed_tensors.quantization.quant_scheme import PRESET_SCHEMES
+
+    if isinstance(scheme, str) and scheme.upper() in PRESET_SCHEMES:
+        return scheme.upper()
+    if (
+        isinstance(scheme, Mapping)
+        and isinstance(scheme.get("preset"), str)
+        and scheme["preset"].upper() in PRESET_SCHEMES
+    ):
+        return {**scheme, "preset": scheme["preset"].upper()}
     return {"weights": scheme} if isinstance(scheme, QuantizationArgs) else scheme
 
 

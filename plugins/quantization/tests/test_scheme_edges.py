@@ -277,3 +277,15 @@ def test_quantization_args_scheme_is_saved_as_weights_and_reads_back(tmp_path, c
         f"{cls.__name__}: the model is already quantized (its config carries a quantization_config (quant_method "
         "'compressed-tensors')); quantize the original full-precision model instead"
     )
+
+
+def test_a_preset_name_in_another_case_is_recorded_in_its_canonical_case(tmp_path) -> None:
+    out = tmp_path / "out"
+    recipe = {"q": {"QuantizationModifier": {"scheme": "w8a8"}}, "r": {"GPTQModifier": {"scheme": {"preset": "w4a16",
+              "weights": {"group_size": 16}}, "targets": ["re:.*mlp.*"]}}}
+    recipe["q"]["QuantizationModifier"]["targets"] = ["re:.*self_attn.*"]
+    llmc_fsm.oneshot(model=_tiny(), recipe=recipe, dataset=torch.randint(0, 128, (8, 32)), output_dir=out,
+                     max_seq_length=32, progress=False)
+    saved = yaml.safe_load((out / "recipe.yaml").read_text())
+    assert saved["q"]["modifiers"][0]["QuantizationModifier"]["scheme"] == "W8A8"
+    assert saved["r"]["modifiers"][0]["GPTQModifier"]["scheme"]["preset"] == "W4A16"
