@@ -77,14 +77,14 @@ def parse_dtype(value: Any, model: Any) -> str:
         ValueError: another value, or a non-default one with an ``nn.Module``.
     """
     aliases = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32"}
-    name = str(value).removeprefix("torch.") if type(value).__name__ == "dtype" else value
+    import torch
+
+    name = str(value).removeprefix("torch.") if isinstance(value, torch.dtype) else value
     name = aliases.get(name, name) if isinstance(name, str) else name
     if name not in DTYPES:
         msg = f"dtype (--dtype) must be one of {', '.join(DTYPES)}, got {value!r}"
         raise ValueError(msg)
-    from torch import nn
-
-    if name != "float32" and isinstance(model, nn.Module):
+    if name != "float32" and isinstance(model, torch.nn.Module):
         msg = (
             f"dtype (--dtype) {name!r} applies to a model given as a name or directory; an in-memory model is "
             "compressed and saved in its own dtype: convert it yourself (e.g. model.to(torch.bfloat16))"
@@ -240,11 +240,11 @@ def check_modifiers(sessions: list[Session], model: Any, calibration_data: Any =
     for session in sessions:
         missing = session.missing_state(model=model, calibration_data=calibration_data)
         if missing:  # e.g. steps_per_epoch: only a training loop gives it
-            label, keys = next(iter(missing.items()))
+            needs = "; ".join(f"{label} needs {', '.join(sorted(keys))}" for label, keys in missing.items())
             msg = (
-                f"{label} needs {', '.join(sorted(keys))}, which one-shot does not give (it gives the model and the "
-                "calibration data): such a modifier acts during training; put it in a stage with run_type: train, "
-                "which one-shot skips, or run the recipe in a training loop (docs/training.md)"
+                f"{needs}, which one-shot does not give (it gives the model and the calibration data): such a "
+                "modifier acts during training; put it in a stage with run_type: train, which one-shot skips, or "
+                "run the recipe in a training loop (docs/training.md)"
             )
             raise MissingStateError(msg, lifecycle=session.lifecycle, missing=missing)
     quantized_by: dict[str, str] = {}  # module -> the quantizing modifier (and stage) that targets it
@@ -269,19 +269,15 @@ def _declared_targets(modifier: Any, model: Any) -> dict[str, Any]:
     """The modules a modifier whose ``check_model`` returns none would compress, from its ``targets`` / ``ignore``
     (``{}`` when it has none, they match nothing — the modifier reports that itself — or its class says
     ``adds_zeros = False``: it only keeps existing zeros, as ``ConstantPruningModifier``)."""
-    from llmc_fsm.targets import resolve_targets
+    from llmc_fsm.targets import select_targets
 
     patterns, ignore = getattr(modifier, "targets", None), getattr(modifier, "ignore", None)
     if not isinstance(patterns, list) or not isinstance(ignore, list) or not getattr(modifier, "adds_zeros", True):
         return {}
-    targets_logger = logging.getLogger("llmc_fsm.targets")
-    was, targets_logger.disabled = targets_logger.disabled, True  # its own checks warn, once
     try:
-        return resolve_targets(model, patterns, ignore)
+        return select_targets(model, patterns, ignore).selected  # no warnings: the modifier's own checks give them
     except ValueError:
         return {}
-    finally:
-        targets_logger.disabled = was
 
 
 def _check_quantized_once(modifier: Any, session: Session, targets: dict[str, Any], seen: dict[str, str]) -> None:

@@ -48,7 +48,7 @@ class ModuleSparsity:
     bits: int | None = None
     group_size: int | None = None
     rel_output_error: float | None = None
-    rel_output_errors: list[tuple[str, float]] = attrs.Factory(list)
+    rel_output_errors: list[tuple[str, float | None]] = attrs.Factory(list)
 
     @property
     def sparsity(self) -> float:
@@ -299,7 +299,7 @@ def _mean_by_modifier(modules: list[ModuleSparsity]) -> str:
         for name, error in m.rel_output_errors:
             by.setdefault(name, []).append(error)
     return ", ".join(
-        f"{name} {sum(e for e in v if e is not None) / len(v):.4f}" if None not in v else f"{name} not measured"
+        f"{name} not measured" if None in v else f"{name} {sum(v) / len(v):.4f}"  # type: ignore[arg-type]
         for name, v in by.items()
     )
 

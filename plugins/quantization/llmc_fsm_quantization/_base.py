@@ -83,7 +83,7 @@ def _observer(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
         raise ValueError(msg)
 
 
-def _weights_only(scheme: Any) -> Any:
+def _canonical_scheme(scheme: Any) -> Any:
     """A ``QuantizationArgs`` scheme as the mapping ``{"weights": args}`` it means, so that the saved recipe.yaml
     writes ``scheme: {weights: {...}}``, which reads back (the bare arguments' fields would read as a preset
     mapping with unknown keys); a preset name in its canonical case (``w4a16`` -> ``W4A16``, as compressed-tensors
@@ -120,7 +120,7 @@ class QuantizingModifier(CalibratedModifier):
     presets), invalid scheme fields, or an unsupported scheme.
     """
 
-    scheme: Any = attrs.field(default="W4A16", converter=_weights_only)
+    scheme: Any = attrs.field(default="W4A16", converter=_canonical_scheme)
     observer: str = attrs.field(default="minmax", validator=_observer)
 
     def __attrs_post_init__(self) -> None:
