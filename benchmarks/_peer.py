@@ -103,7 +103,7 @@ def run_peer_script(
     """Run ``script`` with the peer venv's Python and return the last JSON object it printed.
 
     The repository root is put on ``PYTHONPATH`` so a peer script can import
-    ``llmc_fsm.data`` (same tokenisation / perplexity protocol as ours).  The
+    ``llmc_fsm.data.protocol`` (same tokenisation / perplexity protocol as ours).  The
     script's stderr is passed through to ours (progress, logs).
 
     Raises:

@@ -25,7 +25,7 @@ from llmc_fsm_pruning.constant import ConstantPruningModifier
 from llmc_fsm_pruning.magnitude import MagnitudePruningModifier
 
 from llmc_fsm import Session
-from llmc_fsm.models import load_model
+from llmc_fsm.models.known import load_model
 
 
 def _best(fn, repeats: int) -> float:

@@ -47,7 +47,7 @@ DEFAULT_DATA = HERE.parent.parent.parent / "shared" / "data" / "wikitext-2-raw" 
 def worker(stats_dir: str, argv: list[str]) -> int:
     """One process (a rank under torchrun): run the CLI, then write its times and max RSS."""
     t0 = time.perf_counter()
-    import llmc_fsm.cli_oneshot as cli_oneshot
+    import llmc_fsm.cli.oneshot as cli_oneshot
     from llmc_fsm.cli import main as cli_main
 
     reports = []
@@ -129,8 +129,8 @@ def _agreement(reference: Path, other: Path) -> dict:
 def _perplexity(output: Path, dataset: str, windows: int) -> float:
     import torch
 
-    from llmc_fsm.data import perplexity, token_windows
-    from llmc_fsm.models import load_model
+    from llmc_fsm.data.protocol import perplexity, token_windows
+    from llmc_fsm.models.known import load_model
 
     torch.set_num_threads(max(1, len(os.sched_getaffinity(0))))
     model, tokenizer = load_model(str(output))

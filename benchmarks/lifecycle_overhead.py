@@ -32,7 +32,7 @@ from pathlib import Path
 import attrs
 
 from llmc_fsm import Modifier, Session
-from llmc_fsm.lifecycle import make_machine
+from llmc_fsm.core.lifecycle import make_machine
 
 
 @attrs.define(kw_only=True, slots=False, eq=False)

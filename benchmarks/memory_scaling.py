@@ -119,7 +119,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     import llmc_fsm
-    from llmc_fsm.oneshot_streaming import run_streaming  # noqa: F401
+    from llmc_fsm.oneshot_job.streaming import run_streaming  # noqa: F401
 
     torch.set_num_threads(args.threads)
     with init_empty_weights():  # the model code and its config machinery, no weights
@@ -156,15 +156,15 @@ def _reset_peak() -> None:
 def _phase_peaks(low_memory: bool) -> dict[str, float]:
     """Split the run's peak in three: before, during, and after writing what lies outside the decoder layers.
 
-    Streamed, :func:`llmc_fsm.streaming.write_outer` runs first (the embedding and head
-    read once), then the decoder layers; in memory, :func:`llmc_fsm.output.save_model` runs
+    Streamed, :func:`llmc_fsm.pipeline.streaming.write_outer` runs first (the embedding and head
+    read once), then the decoder layers; in memory, :func:`llmc_fsm.output.save.save_model` runs
     last, after loading and compressing. ``VmHWM`` is read and reset when that function is
     entered and when it returns; the caller adds the peak of the rest ("rest").
     """
-    import llmc_fsm.output
-    import llmc_fsm.streaming
+    import llmc_fsm.output.save
+    import llmc_fsm.pipeline.streaming
 
-    module, name = (llmc_fsm.streaming, "write_outer") if low_memory else (llmc_fsm.output, "save_model")
+    module, name = (llmc_fsm.pipeline.streaming, "write_outer") if low_memory else (llmc_fsm.output.save, "save_model")
     original = getattr(module, name)
     peaks: dict[str, float] = {}
 

@@ -4,8 +4,8 @@
     python benchmarks/oneshot_vs_llmcompressor.py --write-docs    # ... and update docs/benchmarks.md
     python benchmarks/oneshot_vs_llmcompressor.py --no-peer       # ours only
 
-Protocol (both sides use ``llmc_fsm/data.py``): SmolLM2-135M-Instruct (the
-``smollm2-135m`` cache of :mod:`llmc_fsm.models`), calibration = 32 windows x
+Protocol (both sides use ``llmc_fsm/data/protocol.py``): SmolLM2-135M-Instruct (the
+``smollm2-135m`` cache of :mod:`llmc_fsm.models.known`), calibration = 32 windows x
 256 tokens from the TAIL of ``wiki.test.raw``, evaluation = 40 windows x 256
 tokens from its HEAD; SparseGPT 50% unstructured, every Linear except
 ``lm_head``. Each side runs in its own fresh process (ours in this venv, the
@@ -80,8 +80,8 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import llmc_fsm
-    from llmc_fsm.data import load_text, perplexity, token_windows
-    from llmc_fsm.models import known_model_dir
+    from llmc_fsm.data.protocol import load_text, perplexity, token_windows
+    from llmc_fsm.models.known import known_model_dir
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -164,7 +164,7 @@ def run_peer(args: argparse.Namespace, extra: tuple[str, ...] = ()) -> dict[str,
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from _peer import run_peer_script
 
-    from llmc_fsm.models import known_model_dir
+    from llmc_fsm.models.known import known_model_dir
 
     model_dir = known_model_dir("smollm2-135m")  # the directory our side loads too
     before = loadavg()

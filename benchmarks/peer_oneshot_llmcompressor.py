@@ -3,11 +3,11 @@
 Runs INSIDE the peer venv (see ``benchmarks/_peer.py``), never in ours::
 
     python benchmarks/_peer.py benchmarks/peer_oneshot_llmcompressor.py \\
-        --model ~/.cache/llmc_fsm/models/smollm2-135m \\
+        --model ~/.cache/llmc_fsm/models/known/smollm2-135m \\
         --data ../shared/data/wikitext-2-raw/wiki.test.raw
 
 Protocol (identical to ours, because the windows and the perplexity come from
-our own ``llmc_fsm/data.py``, loaded by file path so the rest of our package
+our own ``llmc_fsm/data/protocol.py``, loaded by file path so the rest of our package
 and its dependencies are not needed here):
 
 * calibration: ``--calib-windows`` x ``--seq-len`` tokens from the TAIL of the text;
@@ -38,7 +38,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 def _load_data_module():
-    path = REPO_ROOT / "llmc_fsm" / "data.py"
+    path = REPO_ROOT / "llmc_fsm" / "data" / "protocol.py"
     spec = importlib.util.spec_from_file_location("_llmc_fsm_data", path)
     if spec is None or spec.loader is None:
         raise RuntimeError(f"cannot load {path}")

@@ -3,11 +3,11 @@
 Runs INSIDE the peer venv (see ``benchmarks/_peer.py``), never in ours::
 
     python benchmarks/_peer.py benchmarks/peer_quantize_llmcompressor.py \\
-        --model ~/.cache/llmc_fsm/models/smollm2-135m --data ../shared/data/wikitext-2-raw/wiki.test.raw \\
+        --model ~/.cache/llmc_fsm/models/known/smollm2-135m --data ../shared/data/wikitext-2-raw/wiki.test.raw \\
         --method gptq --group-size 64 --out /tmp/peer-gptq
 
 Same protocol as ``benchmarks/quantize_vs_llmcompressor.py``'s own side: windows
-and perplexity from our ``llmc_fsm/data.py`` (loaded by file path), the model
+and perplexity from our ``llmc_fsm/data/protocol.py`` (loaded by file path), the model
 loaded with ``AutoModelForCausalLM.from_pretrained(dir, dtype=float32)``.
 Prints ONE JSON object as the last stdout line: compression wall time, peak RSS
 through compression (``VmHWM`` before any evaluation), perplexity in memory and
@@ -30,7 +30,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 def _load_data_module():
-    path = REPO_ROOT / "llmc_fsm" / "data.py"
+    path = REPO_ROOT / "llmc_fsm" / "data" / "protocol.py"
     spec = importlib.util.spec_from_file_location("_llmc_fsm_data", path)
     module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
     sys.modules[spec.name] = module  # type: ignore[union-attr]

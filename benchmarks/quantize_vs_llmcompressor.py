@@ -5,10 +5,10 @@
     python benchmarks/quantize_vs_llmcompressor.py --no-peer       # ours only
 
 Protocol: SmolLM2-135M-Instruct (the ``smollm2-135m`` cache directory of
-:mod:`llmc_fsm.models`, loaded on both sides with
+:mod:`llmc_fsm.models.known`, loaded on both sides with
 ``AutoModelForCausalLM.from_pretrained(dir, dtype=float32)``); calibration 32 x
 256 tokens from the TAIL of ``wiki.test.raw``, perplexity on 40 x 256 tokens
-from its HEAD (``llmc_fsm/data.py`` on both sides). Runs: GPTQ W4A16 (int4,
+from its HEAD (``llmc_fsm/data/protocol.py`` on both sides). Runs: GPTQ W4A16 (int4,
 group 64, symmetric, actorder static — SmolLM2's width 576 is not a multiple of
 128), the same with the ``mse`` weight observer on both sides, and RTN W8A8
 (int8 per-channel weights, dynamic per-token int8 activations; data-free on
@@ -64,8 +64,8 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import llmc_fsm
-    from llmc_fsm.data import load_text, perplexity, token_windows
-    from llmc_fsm.output import save_model
+    from llmc_fsm.data.protocol import load_text, perplexity, token_windows
+    from llmc_fsm.output.save import save_model
 
     if args.low_memory:
         return low_memory_worker(args)
@@ -98,7 +98,7 @@ def low_memory_worker(args: argparse.Namespace) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import llmc_fsm
-    from llmc_fsm.data import load_text, perplexity, token_windows
+    from llmc_fsm.data.protocol import load_text, perplexity, token_windows
 
     tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
     text = load_text(DATA)
@@ -123,7 +123,7 @@ def dense_worker(args: argparse.Namespace) -> dict[str, Any]:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from llmc_fsm.data import load_text, perplexity, token_windows
+    from llmc_fsm.data.protocol import load_text, perplexity, token_windows
 
     model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         print(json.dumps(dense_worker(args) if args.dense else worker(args)), flush=True)
         return 0
-    from llmc_fsm.models import load_model
+    from llmc_fsm.models.known import load_model
 
     model, _ = load_model("smollm2-135m")  # builds the cache directory once
     model_dir = str(model.name_or_path)

@@ -29,7 +29,7 @@ DATA = Path(os.environ.get("LLMC_FSM_DATA", ROOT.parent / "shared" / "data")) / 
 #: Child process: time the work-directory steps (written as JSON to $TIMINGS), optionally SIGKILL after a layer.
 CHILD = """
 import json, os, signal, sys, time
-import llmc_fsm.resume as resume, llmc_fsm.workdir as workdir, llmc_fsm.oneshot_phases as phases
+import llmc_fsm.oneshot_job.resume as resume, llmc_fsm.output.workdir as workdir, llmc_fsm.oneshot_job.phases as phases
 spent = {}
 def timed(owner, name, key, after=None):
     original = getattr(owner, name)

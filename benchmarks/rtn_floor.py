@@ -68,7 +68,7 @@ def floor_worker(kind: str, model_dir: str) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import llmc_fsm  # noqa: F401
-    from llmc_fsm.data import load_text, token_windows
+    from llmc_fsm.data.protocol import load_text, token_windows
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.floor:
         print(json.dumps(floor_worker(args.floor, args.model_dir)), flush=True)
         return 0
-    from llmc_fsm.models import load_model
+    from llmc_fsm.models.known import load_model
 
     model, _ = load_model("smollm2-135m")  # builds the cache directory once
     model_dir = str(model.name_or_path)

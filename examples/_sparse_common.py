@@ -1,6 +1,6 @@
 """Shared setup for the sparse fine-tuning examples (not a public API).
 
-- the dense teacher: SmolLM2-135M (``llmc_fsm.models.load_model``);
+- the dense teacher: SmolLM2-135M (``llmc_fsm.models.known.load_model``);
 - the 50%-sparse student: ``--pruned DIR`` (the output of ``llmc-fsm oneshot
   --output DIR``), else ``llmc_fsm.oneshot`` when it is available, else pruned
   here with a one-shot ``MagnitudePruningModifier`` through a Session;
@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 
 from llmc_fsm import Session
-from llmc_fsm.data import load_text, token_windows
-from llmc_fsm.models import load_model
+from llmc_fsm.data.protocol import load_text, token_windows
+from llmc_fsm.models.known import load_model
 
 MODEL = "smollm2-135m"
 
@@ -69,7 +69,7 @@ def prune_in_process(model: torch.nn.Module, sparsity: float, tokenizer=None) ->
     from llmc_fsm_pruning.magnitude import MagnitudePruningModifier
 
     try:
-        from llmc_fsm.oneshot import oneshot
+        from llmc_fsm.oneshot_job.api import oneshot
     except ImportError:
         oneshot = None
     if oneshot is not None:  # magnitude needs no calibration statistics: 1 tiny window

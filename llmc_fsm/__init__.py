@@ -3,7 +3,7 @@
 Public API; everything else is private and may change.
 """
 
-from llmc_fsm.errors import (
+from llmc_fsm.core.errors import (
     CheckpointError,
     EventOrderError,
     LifecycleError,
@@ -12,12 +12,13 @@ from llmc_fsm.errors import (
     PluginError,
     RecipeError,
 )
-from llmc_fsm.hookspecs import hookimpl, hookspec
-from llmc_fsm.modifier import Event, Modifier
-from llmc_fsm.oneshot import oneshot
-from llmc_fsm.recipe import Recipe, Stage
-from llmc_fsm.session import Session, active_session, create_session
-from llmc_fsm.state import State
+from llmc_fsm.core.hookspecs import hookimpl, hookspec
+from llmc_fsm.core.modifier import Event, Modifier
+from llmc_fsm.core.state import State
+from llmc_fsm.core.version import __version__ as __version__
+from llmc_fsm.oneshot_job.api import oneshot
+from llmc_fsm.recipes.model import Recipe, Stage
+from llmc_fsm.session.session import Session, active_session, create_session
 
 __all__ = [
     "CheckpointError",
@@ -39,6 +40,3 @@ __all__ = [
     "hookspec",
     "oneshot",
 ]
-
-
-__version__ = "0.1.0"

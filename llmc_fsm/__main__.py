@@ -5,7 +5,7 @@ Also the entry point for several processes::
     torchrun --nproc-per-node 2 -m llmc_fsm oneshot --dataset wiki.test.raw --output out
 
 Under ``torchrun`` the CLI initializes the process group itself (see
-:func:`llmc_fsm.distributed.process_group_from_env` and ``docs/distributed.md``).
+:func:`llmc_fsm.toolkit.distributed.process_group_from_env` and ``docs/distributed.md``).
 """
 
 from __future__ import annotations

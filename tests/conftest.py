@@ -32,7 +32,7 @@ def smollm2():
 
     Shared by the whole session: do not modify the model in place (``copy.deepcopy`` it first).
     """
-    from llmc_fsm.models import load_model
+    from llmc_fsm.models.known import load_model
 
     return load_model("smollm2-135m")
 

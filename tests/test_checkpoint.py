@@ -19,7 +19,8 @@ from llmc_fsm_training import LearningRateModifier
 from torch import nn
 
 from llmc_fsm import CheckpointError, LifecycleError, Modifier, Session
-from llmc_fsm.checkpoint import MANIFEST, pack_mask, read_checkpoint, unpack_mask, write_checkpoint
+from llmc_fsm.session.checkpoint import MANIFEST, read_checkpoint, write_checkpoint
+from llmc_fsm.toolkit.masks import pack_mask, unpack_mask
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -318,7 +319,7 @@ def test_checkpoint_calls_are_refused_where_they_cannot_be_exact():
 _KILL_SCRIPT = textwrap.dedent(
     """
     import os, signal, sys
-    import llmc_fsm.checkpoint_io as io
+    import llmc_fsm.session.checkpoint_io as io
     from test_checkpoint import Counter, _steps
     from llmc_fsm import Session
 

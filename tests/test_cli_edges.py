@@ -14,7 +14,7 @@ pytest.importorskip("transformers")
 
 import llmc_fsm
 from llmc_fsm.cli import main
-from llmc_fsm.report import ModuleSparsity, OneshotReport
+from llmc_fsm.report.build import ModuleSparsity, OneshotReport
 
 
 def test_version(capsys):
@@ -93,7 +93,7 @@ def test_report_plot_with_quantization_has_a_second_panel(saved_run, tmp_path):
 def test_plot_model_without_decoder_layers(tmp_path):
     from matplotlib.image import imread
 
-    from llmc_fsm.plot import plot_report
+    from llmc_fsm.report.plot import plot_report
 
     report = OneshotReport(
         model="Sequential",
@@ -158,7 +158,7 @@ def test_report_bad_inputs(tmp_path, capsys):
 
 
 def test_error_panel_title_names_what_made_the_error():
-    from llmc_fsm.plot import error_panel_title
+    from llmc_fsm.report.plot import error_panel_title
 
     pruned = [{"rel_output_error": 0.1, "zeros": 8, "numel": 16}, {"zeros": 3}]  # the second has no error: not counted
     # a dense weight's few exact zeros (0.03%) do not make it pruned
@@ -210,7 +210,7 @@ def test_an_empty_scheme_is_refused(capsys):
 
 def test_fewer_calibration_tokens_than_hessian_inputs_warn_once_before_the_work(caplog):
     model = tiny_llama.llama(vocab=64, hidden=16, heads=2, kv_heads=1)  # down_proj has 32 inputs
-    with caplog.at_level("WARNING", logger="llmc_fsm.oneshot_data"):
+    with caplog.at_level("WARNING", logger="llmc_fsm.oneshot_job.data"):
         llmc_fsm.oneshot(
             model=model,
             recipe={"s": {"SparseGPTModifier": {"sparsity": 0.5}}},
@@ -218,7 +218,7 @@ def test_fewer_calibration_tokens_than_hessian_inputs_warn_once_before_the_work(
             max_seq_length=8,
             progress=False,
         )
-    warnings = [r.getMessage() for r in caplog.records if r.name == "llmc_fsm.oneshot_data"]
+    warnings = [r.getMessage() for r in caplog.records if r.name == "llmc_fsm.oneshot_job.data"]
     assert warnings == [
         "SparseGPTModifier: 16 calibration tokens for up to 32 inputs (model.layers.0.mlp.down_proj): the Hessians "
         "are rank-deficient and the result depends on float rounding (batch size, threads); give at least 32 tokens "

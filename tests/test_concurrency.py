@@ -12,9 +12,9 @@ import torch
 import transitions
 
 from llmc_fsm import EventOrderError, LifecycleError, Modifier, Session
-from llmc_fsm.lifecycle import BATCH_EVENTS
+from llmc_fsm.core.lifecycle import BATCH_EVENTS
 
-# Reference event order inside a batch, written independently of llmc_fsm.lifecycle.
+# Reference event order inside a batch, written independently of llmc_fsm.core.lifecycle.
 NEXT = {
     "idle": {"batch_start"},
     "batch_start": {"loss_calculated", "optim_pre_step", "batch_end"},

@@ -23,9 +23,9 @@ from tiny_llama import llama
 
 import llmc_fsm
 from llmc_fsm import Session
-from llmc_fsm.distributed import get_rank, get_world_size, is_distributed, is_main_process, shard, split_counts
-from llmc_fsm.distributed_session import _recipe_digest, check_ranks_agree, unwrap_model
-from llmc_fsm.oneshot import default_recipe
+from llmc_fsm.oneshot_job.settings import default_recipe
+from llmc_fsm.session.ranks import _recipe_digest, check_ranks_agree, unwrap_model
+from llmc_fsm.toolkit.distributed import get_rank, get_world_size, is_distributed, is_main_process, shard, split_counts
 
 WORLD = 2
 RECIPES = {
@@ -117,7 +117,7 @@ def one_thread(monkeypatch):
 def _oneshot_worker(rank: int, tmp: Path, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
     from llmc_fsm_pruning.wanda import InputNormAccumulator
 
-    from llmc_fsm.obs import HessianAccumulator
+    from llmc_fsm.toolkit.obs import HessianAccumulator
 
     # The accumulators alone: each rank adds its half of the same tokens, then all_reduce.
     x = torch.randn(10, 3, 16, generator=torch.Generator().manual_seed(7))
@@ -164,7 +164,7 @@ def _mismatch_worker(rank: int, tmp: Path, tensors: dict[str, torch.Tensor]) -> 
 
 def _oneshot_where_rank_1_stops(rank: int, stop) -> None:
     """One-shot on 3 layers; rank 1 calls ``stop()`` when the second decoder layer is about to be compressed."""
-    from llmc_fsm.calibration import CalibratedModifier
+    from llmc_fsm.toolkit.calibrated import CalibratedModifier
 
     if rank == 1:
         calls = []
@@ -194,8 +194,8 @@ def _ddp_worker(rank: int, tmp: Path, tensors: dict[str, torch.Tensor]) -> dict[
     from llmc_fsm_pruning.masks import num_to_prune
     from torch.nn.parallel import DistributedDataParallel
 
-    from llmc_fsm.distributed import all_gather_ints
     from llmc_fsm.integrations.torch import initialize, optimizer_step
+    from llmc_fsm.toolkit.distributed import all_gather_ints
 
     recipe = {
         "train": {
@@ -333,7 +333,7 @@ def test_two_ranks_match_one_process(tmp_path, one_thread):
     # accumulators: identical on both ranks, equal to one process over all tokens
     from llmc_fsm_pruning.wanda import InputNormAccumulator
 
-    from llmc_fsm.obs import HessianAccumulator
+    from llmc_fsm.toolkit.obs import HessianAccumulator
 
     x = torch.randn(10, 3, 16, generator=torch.Generator().manual_seed(7))
     hess, norms = HessianAccumulator(16), InputNormAccumulator(16)

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from llmc_fsm import Modifier, Session, State
-from llmc_fsm import plugins as plugins_mod
 from llmc_fsm.cli import main
-from llmc_fsm.explain import explain, handled_events
-from llmc_fsm.plugins import ModifierRegistry
+from llmc_fsm.core import registry as plugins_mod
+from llmc_fsm.core.registry import ModifierRegistry
+from llmc_fsm.session.explain import explain, handled_events
 from llmc_fsm.testing import ContractViolation, check_modifier
 
 
@@ -173,8 +173,8 @@ def test_cli_explain_an_unknown_name_gets_the_unknown_modifier_message(tmp_path,
 
 
 def test_cli_explain_an_unknown_name_names_broken_and_disabled_plugins(registry, capsys, monkeypatch) -> None:
-    from llmc_fsm.errors import PluginError
-    from llmc_fsm.plugins import DisabledPlugin
+    from llmc_fsm.core.errors import PluginError
+    from llmc_fsm.core.registry import DisabledPlugin
 
     monkeypatch.setattr(registry, "errors", [PluginError("plugin 'bad' (badpkg 1.0): ImportError: no module x")])
     monkeypatch.setattr(registry, "disabled", [DisabledPlugin("llmc-fsm-quantization", "0.1.0", "quantization")])

@@ -14,7 +14,7 @@ import torch
 import transitions
 
 import llmc_fsm
-import llmc_fsm.lifecycle
+import llmc_fsm.core.lifecycle
 from llmc_fsm import (
     EventOrderError,
     LifecycleError,
@@ -25,7 +25,7 @@ from llmc_fsm import (
     active_session,
     create_session,
 )
-from llmc_fsm.lifecycle import EVENT_ORDER, STATES, TRANSITIONS, mermaid
+from llmc_fsm.core.lifecycle import EVENT_ORDER, STATES, TRANSITIONS, mermaid
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -563,7 +563,10 @@ def test_docs_diagram_matches_table_and_cli():
     doc = (REPO / "docs" / "lifecycle.md").read_text(encoding="utf-8")
     assert generated in doc, "docs/lifecycle.md is out of date: run `llmc-fsm lifecycle --mermaid` and paste it"
     out = subprocess.run(
-        [sys.executable, "-m", "llmc_fsm.cli", "lifecycle", "--mermaid"], capture_output=True, text=True, check=True
+        [sys.executable, "-m", "llmc_fsm.cli.main", "lifecycle", "--mermaid"],
+        capture_output=True,
+        text=True,
+        check=True,
     )
     assert out.stdout == generated
     for row in TRANSITIONS:
@@ -598,19 +601,19 @@ def _at(path: list[str]) -> Session:
 def test_allowed_calls_are_exactly_the_events_the_session_accepts(where):
     listed = _at(_PATHS[where]).allowed_calls
     accepted = set()
-    for event in llmc_fsm.lifecycle.EVENTS:
+    for event in llmc_fsm.core.lifecycle.EVENTS:
         session = _at(_PATHS[where])
         try:
             getattr(session, event)(*_EVENT_ARGS.get(event, ()))
         except LifecycleError:
             continue
         accepted.add(event)
-    assert accepted == set(listed) & set(llmc_fsm.lifecycle.EVENTS)
+    assert accepted == set(listed) & set(llmc_fsm.core.lifecycle.EVENTS)
 
 
 def test_docs_and_cli_list_the_allowed_calls_per_state_and_position():
     out = subprocess.run(
-        [sys.executable, "-m", "llmc_fsm.cli", "lifecycle"], capture_output=True, text=True, check=True
+        [sys.executable, "-m", "llmc_fsm.cli.main", "lifecycle"], capture_output=True, text=True, check=True
     ).stdout
     assert out.splitlines()[2] == "initialized  allows: batch_start, calibration_start, finalize, reset"
     assert "              after optim_pre_step(): optim_post_step" in out.splitlines()

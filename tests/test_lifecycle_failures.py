@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from llmc_fsm import LifecycleError, Modifier, ModifierError, Session
-from llmc_fsm.lifecycle import BATCH_EVENTS
+from llmc_fsm.core.lifecycle import BATCH_EVENTS
 
 RELOAD = "Model modified by a failed hook; reload it"
 
@@ -210,7 +210,7 @@ def test_a_rolled_back_initialize_that_changed_weights_names_them_and_refuses_a_
 
 def test_a_calibration_hook_failing_inside_the_pipeline_is_a_modifier_error_naming_the_module():
     pytest.importorskip("transformers")
-    from llmc_fsm.pipeline import run_sequential
+    from llmc_fsm.pipeline.sequential import run_sequential
 
     model = tiny_llama.llama(vocab=32, hidden=16, heads=2, kv_heads=2, positions=16, tied=False)
     target = "model.layers.1.mlp.up_proj"

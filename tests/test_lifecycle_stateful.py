@@ -1,6 +1,6 @@
 """Random call sequences against a reference transition table (hypothesis stateful testing).
 
-The reference below is written independently of ``llmc_fsm.lifecycle``: if the
+The reference below is written independently of ``llmc_fsm.core.lifecycle``: if the
 library's table or its guards change behaviour, these tests disagree with it.
 Every invalid call must raise ``LifecycleError`` (or a subclass) and change
 nothing observable. At arbitrary points the session is checkpointed (in memory
@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from llmc_fsm import EventOrderError, LifecycleError, MissingStateError, Modifier, ModifierError, Session
-from llmc_fsm.checkpoint import read_checkpoint
+from llmc_fsm.session.checkpoint import read_checkpoint
 
 # lifecycle -> call -> next lifecycle (reference; events handled separately)
 REFERENCE = {

@@ -18,8 +18,8 @@ from test_targets import LINEARS, llama
 
 from llmc_fsm import RecipeError, Session
 from llmc_fsm.integrations.torch import initialize, optimizer_step
-from llmc_fsm.pipeline import run_sequential
-from llmc_fsm.recipe import resolve_recipe
+from llmc_fsm.pipeline.sequential import run_sequential
+from llmc_fsm.recipes.building import resolve_recipe
 
 DATA = torch.randint(0, 64, (8, 12), generator=torch.Generator().manual_seed(0))
 
@@ -134,8 +134,17 @@ pruning_stage:
     assert isinstance(mod, MagnitudePruningModifier)
     assert (mod.init_sparsity, mod.final_sparsity, mod.start, mod.end, mod.update) == (0.05, 0.5, 0.0, 2.0, 1.0)
     model = llama(tied=True)
-    native = {"prune": {"MagnitudePruningModifier": {
-        "init_sparsity": 0.05, "final_sparsity": 0.5, "start": 0, "end": 2, "update": 1}}}
+    native = {
+        "prune": {
+            "MagnitudePruningModifier": {
+                "init_sparsity": 0.05,
+                "final_sparsity": 0.5,
+                "start": 0,
+                "end": 2,
+                "update": 1,
+            }
+        }
+    }
     theirs = train(recipe, copy.deepcopy(model), steps=4)  # 2 epochs: until end (the masks are released at end)
     ours = train(native, model, steps=4)
     same_weights(theirs, ours)
@@ -210,8 +219,9 @@ quantization_stage:
           weights: {num_bits: 4, type: int, symmetric: true, strategy: group, group_size: 8}
 """
     (mod,) = resolve_recipe(recipe).modifiers
-    assert mod.scheme == {"weights": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
-                                      "group_size": 8}}
+    assert mod.scheme == {
+        "weights": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 8}
+    }
     assert list(mod.targets) == ["Linear"]
     native = {"q": {"GPTQModifier": {"scheme": mod.scheme, "actorder": "static"}}}
     model = llama(tied=True)
@@ -249,24 +259,37 @@ quant_modifiers:
 @pytest.mark.parametrize(
     ("body", "message"),
     [
-        ("GPTQModifier: {kv_cache_scheme: {num_bits: 8}}",
-         "argument 'kv_cache_scheme': llm-compressor argument not supported: KV-cache quantization is not "
-         "implemented; remove it"),
-        ("QuantizationModifier: {input_observer: mse}",
-         "argument 'input_observer': llm-compressor argument not supported: activation observers are chosen by "
-         "the scheme"),
-        ("QuantizationModifier: {weight_observer: mse, observer: minmax}",
-         "argument 'weight_observer': it sets 'observer' to 'mse', but 'observer' is also given"),
-        ("QuantizationModifier: {weight_observer: best}",
-         "argument 'observer' (given as 'weight_observer'): unknown observer 'best'; choose one of "
-         "minmax, mse"),
-        ("GPTQModifier: {targets: [Linear], config_groups: {g: {targets: [re:.*proj$], weights: {num_bits: 8}}}}",
-         "argument 'config_groups': its targets ['re:.*proj$'] differ from the modifier's targets ['Linear']"),
-        ("GPTQModifier: {scheme: {W8A8: [Linear], W4A16: [Linear]}}",
-         "argument 'scheme': one preset per modifier, got W8A8, W4A16; split into modifiers"),
-        ("QuantizationModifier: {observer: {weights: mse, input: minmax}}",
-         "argument 'observer': only the weight observer can be chosen ({weights: NAME}), got {'weights': 'mse', "
-         "'input': 'minmax'}"),
+        (
+            "GPTQModifier: {kv_cache_scheme: {num_bits: 8}}",
+            "argument 'kv_cache_scheme': llm-compressor argument not supported: KV-cache quantization is not "
+            "implemented; remove it",
+        ),
+        (
+            "QuantizationModifier: {input_observer: mse}",
+            "argument 'input_observer': llm-compressor argument not supported: activation observers are chosen by "
+            "the scheme",
+        ),
+        (
+            "QuantizationModifier: {weight_observer: mse, observer: minmax}",
+            "argument 'weight_observer': it sets 'observer' to 'mse', but 'observer' is also given",
+        ),
+        (
+            "QuantizationModifier: {weight_observer: best}",
+            "argument 'observer' (given as 'weight_observer'): unknown observer 'best'; choose one of minmax, mse",
+        ),
+        (
+            "GPTQModifier: {targets: [Linear], config_groups: {g: {targets: [re:.*proj$], weights: {num_bits: 8}}}}",
+            "argument 'config_groups': its targets ['re:.*proj$'] differ from the modifier's targets ['Linear']",
+        ),
+        (
+            "GPTQModifier: {scheme: {W8A8: [Linear], W4A16: [Linear]}}",
+            "argument 'scheme': one preset per modifier, got W8A8, W4A16; split into modifiers",
+        ),
+        (
+            "QuantizationModifier: {observer: {weights: mse, input: minmax}}",
+            "argument 'observer': only the weight observer can be chosen ({weights: NAME}), got {'weights': 'mse', "
+            "'input': 'minmax'}",
+        ),
     ],
 )
 def test_quantization_argument_refusals(body: str, message: str):
@@ -279,8 +302,10 @@ def test_quantization_argument_refusals(body: str, message: str):
 
 def test_quantization_value_forms_of_llmcompressor():
     pytest.importorskip("llmc_fsm_quantization", reason="the llmc-fsm-quantization plugin is not installed")
-    recipe = resolve_recipe("s:\n  q_modifiers:\n    QuantizationModifier:\n      scheme: {W8A8: [re:.*proj$]}\n"
-                            "      observer: {weights: mse}\n")
+    recipe = resolve_recipe(
+        "s:\n  q_modifiers:\n    QuantizationModifier:\n      scheme: {W8A8: [re:.*proj$]}\n"
+        "      observer: {weights: mse}\n"
+    )
     (mod,) = recipe.modifiers
     assert (mod.scheme, list(mod.targets), mod.observer) == ("W8A8", ["re:.*proj$"], "mse")
     assert mod.quantization_scheme.targets == ["re:.*proj$"]
@@ -310,42 +335,66 @@ stages:
     (stage,) = recipe.stages
     assert (stage.name, stage.run_type) == ("first_stage", "oneshot")
     assert [m.modifier_name() for m in stage.modifiers] == [
-        "WandaPruningModifier", "ConstantPruningModifier", "MagnitudePruningModifier"]
+        "WandaPruningModifier",
+        "ConstantPruningModifier",
+        "MagnitudePruningModifier",
+    ]
     again = resolve_recipe(recipe.to_yaml(applied=True))
     assert [(s.name, s.run_type, s.applied) for s in again.stages] == [("first_stage", "oneshot", True)]
     # top-level groups and a stage: the groups become the stage 'default', where the first group was
-    recipe = resolve_recipe("p_modifiers:\n  WandaPruningModifier: {}\nlater:\n  ConstantPruningModifier:\n"
-                            "q_modifiers:\n  MagnitudePruningModifier: {sparsity: 0.1}\n")
+    recipe = resolve_recipe(
+        "p_modifiers:\n  WandaPruningModifier: {}\nlater:\n  ConstantPruningModifier:\n"
+        "q_modifiers:\n  MagnitudePruningModifier: {sparsity: 0.1}\n"
+    )
     assert [(s.name, [m.modifier_name() for m in s.modifiers]) for s in recipe.stages] == [
-        ("default", ["WandaPruningModifier", "MagnitudePruningModifier"]), ("later", ["ConstantPruningModifier"])]
+        ("default", ["WandaPruningModifier", "MagnitudePruningModifier"]),
+        ("later", ["ConstantPruningModifier"]),
+    ]
 
 
 @pytest.mark.parametrize(
     ("text", "message"),
     [
-        ("s:\n  run_type: finetune\n  p_modifiers: {ConstantPruningModifier: {}}\n",
-         "recipe <text>, line 2, stage 's': run_type must be oneshot or post_train or train (as in llm-compressor), "
-         "got 'finetune'"),
-        ("s:\n  p_modifiers:\n    SparseGPTModifier: {sparsity_profile: owl, owl_m: 5, owl_lmbda: 0.08}\n",
-         "recipe <text>, line 3, stage 's', modifier SparseGPTModifier, argument 'sparsity_profile': llm-compressor "
-         "argument not supported: OWL layer-wise sparsity is not implemented; give one sparsity for every layer"),
-        ("s:\n  p_modifiers:\n    SparseGPTModifier: {preserve_sparsity_mask: true}\n",
-         "recipe <text>, line 3, stage 's', modifier SparseGPTModifier, argument 'preserve_sparsity_mask': "
-         "llm-compressor argument accepted only as False, got True: only false: existing zeros are not kept as a "
-         "fixed mask"),
-        ("s:\n  p_modifiers:\n    MagnitudePruningModifier: {sparsity: 0.5, update_scheduler: linear}\n",
-         "recipe <text>, line 3, stage 's', modifier MagnitudePruningModifier, argument 'update_scheduler': "
-         "llm-compressor argument accepted only as 'cubic', got 'linear': only 'cubic', the schedule llmc-fsm uses"),
-        ("s:\n  p_modifiers:\n    WandaPruningModifier: {sparsity: [0.5, 0.4]}\n",
-         "recipe <text>, line 3, stage 's', modifier WandaPruningModifier, argument 'sparsity': "
-         "sparsity must be a number in [0, 1) (fraction of weights set to zero), got [0.5, 0.4]"),
-        ("s:\n  p_modifiers:\n    WandaPruningModifier: {quantize: false}\n",
-         "recipe <text>, line 3, stage 's', modifier WandaPruningModifier: unknown argument 'quantize'."),
-        ("default:\n  WandaPruningModifier: {}\np_modifiers:\n  WandaPruningModifier: {}\n",
-         "recipe <text>: top-level '<group>_modifiers' keys form the stage 'default', and the recipe also has a "
-         "stage named 'default'; rename that stage"),
-        ("s:\n  run_type: oneshot\n", "recipe <text>, line 1, stage 's': a stage with 'run_type' must list its "
-         "modifiers under 'modifiers:' or llm-compressor groups such as 'pruning_modifiers:'"),
+        (
+            "s:\n  run_type: finetune\n  p_modifiers: {ConstantPruningModifier: {}}\n",
+            "recipe <text>, line 2, stage 's': run_type must be oneshot or post_train or train (as in llm-compressor), "
+            "got 'finetune'",
+        ),
+        (
+            "s:\n  p_modifiers:\n    SparseGPTModifier: {sparsity_profile: owl, owl_m: 5, owl_lmbda: 0.08}\n",
+            "recipe <text>, line 3, stage 's', modifier SparseGPTModifier, argument 'sparsity_profile': llm-compressor "
+            "argument not supported: OWL layer-wise sparsity is not implemented; give one sparsity for every layer",
+        ),
+        (
+            "s:\n  p_modifiers:\n    SparseGPTModifier: {preserve_sparsity_mask: true}\n",
+            "recipe <text>, line 3, stage 's', modifier SparseGPTModifier, argument 'preserve_sparsity_mask': "
+            "llm-compressor argument accepted only as False, got True: only false: existing zeros are not kept as a "
+            "fixed mask",
+        ),
+        (
+            "s:\n  p_modifiers:\n    MagnitudePruningModifier: {sparsity: 0.5, update_scheduler: linear}\n",
+            "recipe <text>, line 3, stage 's', modifier MagnitudePruningModifier, argument 'update_scheduler': "
+            "llm-compressor argument accepted only as 'cubic', got 'linear': only 'cubic', the schedule llmc-fsm uses",
+        ),
+        (
+            "s:\n  p_modifiers:\n    WandaPruningModifier: {sparsity: [0.5, 0.4]}\n",
+            "recipe <text>, line 3, stage 's', modifier WandaPruningModifier, argument 'sparsity': "
+            "sparsity must be a number in [0, 1) (fraction of weights set to zero), got [0.5, 0.4]",
+        ),
+        (
+            "s:\n  p_modifiers:\n    WandaPruningModifier: {quantize: false}\n",
+            "recipe <text>, line 3, stage 's', modifier WandaPruningModifier: unknown argument 'quantize'.",
+        ),
+        (
+            "default:\n  WandaPruningModifier: {}\np_modifiers:\n  WandaPruningModifier: {}\n",
+            "recipe <text>: top-level '<group>_modifiers' keys form the stage 'default', and the recipe also has a "
+            "stage named 'default'; rename that stage",
+        ),
+        (
+            "s:\n  run_type: oneshot\n",
+            "recipe <text>, line 1, stage 's': a stage with 'run_type' must list its "
+            "modifiers under 'modifiers:' or llm-compressor groups such as 'pruning_modifiers:'",
+        ),
         ("s:\n  run_type: oneshot\n  p_modifiers:\n", "recipe <text>, line 3, stage 's': the stage has no modifiers"),
         ("version: 1.0\n", "recipe <text> has no stages (only metadata)"),
     ],
@@ -357,7 +406,7 @@ def test_llmcompressor_shapes_refused_with_a_reason(text: str, message: str):
 
 
 def test_older_llm_compressor_argument_names_and_run_types_are_read() -> None:
-    from llmc_fsm.recipe import resolve_recipe
+    from llmc_fsm.recipes.building import resolve_recipe
 
     recipe = resolve_recipe(
         "s:\n  run_type: post_train\n  quant_modifiers:\n"

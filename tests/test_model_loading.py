@@ -20,11 +20,11 @@ import pytest
 import tiny_llama
 import torch
 
-from llmc_fsm import model_io
-from llmc_fsm import models as models_mod
 from llmc_fsm.cli import main
-from llmc_fsm.data import token_windows
-from llmc_fsm.models import KNOWN_MODELS, load_model
+from llmc_fsm.data.protocol import token_windows
+from llmc_fsm.models import hf_io as model_io
+from llmc_fsm.models import known as models_mod
+from llmc_fsm.models.known import KNOWN_MODELS, load_model
 
 transformers = pytest.importorskip("transformers")
 
@@ -282,7 +282,7 @@ _HUB_SCRIPT = textwrap.dedent(
     """
     import json, sys
     from llmc_fsm.cli import main
-    from llmc_fsm.models import load_model
+    from llmc_fsm.models.known import load_model
 
     out = {}
     try:

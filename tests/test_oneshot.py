@@ -180,7 +180,7 @@ def test_cli_group_size_on_a_channel_wise_scheme(tmp_path, capsys):
 
 
 def test_generated_quantization_recipe_carries_group_size_and_observer(tmp_path, capsys):
-    from llmc_fsm.oneshot import GENERATED, default_recipe, generated_recipe
+    from llmc_fsm.oneshot_job.settings import GENERATED, default_recipe, generated_recipe
 
     assert default_recipe("gptq", scheme="W4A16", group_size=64, observer="mse") == {
         "quantization_stage": {
@@ -275,7 +275,7 @@ def test_interrupted_save_leaves_no_output(tmp_path, monkeypatch):
         "--resume (resume=True) to continue, or remove that directory"
     ]
     # an interruption before any layer is done leaves nothing at all
-    monkeypatch.setattr("llmc_fsm.pipeline._run_layers", boom)
+    monkeypatch.setattr("llmc_fsm.pipeline.sequential._run_layers", boom)
     with pytest.raises(KeyboardInterrupt):
         llmc_fsm.oneshot(model=_tiny(), dataset=data, output_dir=tmp_path / "p", progress=False)
     assert _no_stray_files(tmp_path) == [".o.work"]
@@ -424,7 +424,7 @@ class _CharTokenizer:
 
 
 def test_default_calibration_is_generated_by_the_model_deterministically():
-    from llmc_fsm.oneshot import generate_calibration
+    from llmc_fsm.oneshot_job.data import generate_calibration
 
     model = _tiny()
     a = generate_calibration(model, _CharTokenizer(), num_samples=5, seq_len=40, seed=3)
@@ -446,8 +446,8 @@ def test_oneshot_without_dataset_uses_generated_data():
 
 
 def test_rerun_on_saved_model_skips_stages_already_applied(tmp_path, caplog):
-    from llmc_fsm.recipe import resolve_recipe
-    from llmc_fsm.recipe_history import merge_saved_recipe
+    from llmc_fsm.recipes.building import resolve_recipe
+    from llmc_fsm.recipes.history import merge_saved_recipe
 
     saved = tmp_path / "saved"
     saved.mkdir()
@@ -474,8 +474,8 @@ def test_rerun_on_saved_model_skips_stages_already_applied(tmp_path, caplog):
 
 def test_a_saved_recipe_without_applied_marks_is_history_not_run_again(tmp_path, caplog):
     # llm-compressor writes the recipe it applied without `applied: true`; such a stage used to run again
-    from llmc_fsm.recipe import resolve_recipe
-    from llmc_fsm.recipe_history import APPLIED_RECIPE_ATTR, merge_saved_recipe
+    from llmc_fsm.recipes.building import resolve_recipe
+    from llmc_fsm.recipes.history import APPLIED_RECIPE_ATTR, merge_saved_recipe
 
     saved = tmp_path / "saved"
     saved.mkdir()

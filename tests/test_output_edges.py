@@ -23,7 +23,7 @@ from torch import nn
 
 import llmc_fsm
 from llmc_fsm.cli import main
-from llmc_fsm.progress_bars import CT_TQDM_MODULES, quiet_progress
+from llmc_fsm.oneshot_job.progress import CT_TQDM_MODULES, quiet_progress
 
 pytest.importorskip("transformers")
 pytest.importorskip("llmc_fsm_pruning")
@@ -45,7 +45,7 @@ def no_model_loading(monkeypatch):
     def refuse(*a, **k):
         raise AssertionError("the model was loaded")
 
-    monkeypatch.setattr("llmc_fsm.models.load_model", refuse)
+    monkeypatch.setattr("llmc_fsm.models.known.load_model", refuse)
 
 
 # --------------------------------------------------------------------------- case 4: unwritable outputs
@@ -89,8 +89,7 @@ def test_output_in_an_unwritable_parent(tmp_path, no_model_loading, monkeypatch)
         monkeypatch.setattr(os, "access", lambda p, mode: False if Path(p) == parent else real_access(p, mode))
     try:
         message = (
-            f"cannot write the output directory {str(parent / 'a' / 'out')!r}: "
-            f"cannot create files in {str(parent)!r} "
+            f"cannot write the output directory {str(parent / 'a' / 'out')!r}: cannot create files in {str(parent)!r} "
         )
         _fails_fast(parent / "a" / "out", PermissionError, message + "(Permission denied)")
         assert _names(parent) == []
@@ -216,7 +215,7 @@ def test_no_progress_silences_library_bars_and_restores_the_callers_settings(tmp
     from huggingface_hub.utils import are_progress_bars_disabled
     from transformers.utils import logging as hf_logging
 
-    from llmc_fsm.models import load_model
+    from llmc_fsm.models.known import load_model
 
     pytest.importorskip("llmc_fsm_quantization")
     quantized = tmp_path / "q"
@@ -252,7 +251,7 @@ def test_no_progress_silences_library_bars_and_restores_the_callers_settings(tmp
 def test_weights_disk_bytes_counts_weight_files_only(tmp_path):
     import torch
 
-    from llmc_fsm.output import weights_disk_bytes
+    from llmc_fsm.output.save import weights_disk_bytes
 
     d = tmp_path / "m"
     d.mkdir()

@@ -10,7 +10,8 @@ from llmc_fsm_pruning import sparsegpt_prune, wanda_mask
 from tiny_llama import GROUPS, LINEARS, llama
 
 from llmc_fsm import MissingStateError, ModifierError, RecipeError, Session
-from llmc_fsm.pipeline import calibration_batches, find_decoder_layers, run_sequential
+from llmc_fsm.models.layers import find_decoder_layers
+from llmc_fsm.pipeline.sequential import calibration_batches, run_sequential
 
 
 @pytest.fixture

@@ -17,9 +17,9 @@ import pytest
 
 import llmc_fsm
 from llmc_fsm import Modifier, PluginError, RecipeError, Session, hookimpl
-from llmc_fsm import plugins as plugins_mod
 from llmc_fsm.cli import main
-from llmc_fsm.plugins import DISABLE_ENV, ModifierRegistry, get_registry
+from llmc_fsm.core import registry as plugins_mod
+from llmc_fsm.core.registry import DISABLE_ENV, ModifierRegistry, get_registry
 
 SAMPLE_DIR = Path(__file__).parent / "sample_plugin"
 

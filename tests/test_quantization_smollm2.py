@@ -12,7 +12,7 @@ import json
 import pytest
 import torch
 
-from llmc_fsm.data import load_text, perplexity, token_windows
+from llmc_fsm.data.protocol import load_text, perplexity, token_windows
 
 #: Dense perplexity on these 8 x 128 windows (tests/test_oneshot.py measures it too).
 DENSE_PPL = 50.369

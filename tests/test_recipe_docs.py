@@ -11,7 +11,7 @@ line before a fenced block:
 * ``<!-- error-of-path: NAME/ -->``: the exact error of resolving ``NAME`` when it
   is a directory.
 * ``<!-- select-targets: {"targets": [...], "ignore": [...]} -->``: the exact
-  ``ValueError`` of :func:`llmc_fsm.targets.select_targets` on a tiny Llama with
+  ``ValueError`` of :func:`llmc_fsm.toolkit.targets.select_targets` on a tiny Llama with
   tied embeddings.
 """
 
@@ -26,8 +26,8 @@ import attrs
 import pytest
 
 from llmc_fsm import RecipeError
-from llmc_fsm.recipe import resolve_recipe
-from llmc_fsm.recipe_llmcompressor import ARGUMENT_RULES
+from llmc_fsm.recipes.building import resolve_recipe
+from llmc_fsm.recipes.llmcompressor import ARGUMENT_RULES
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "recipes.md"
 _FENCE = re.compile(r"^(?P<indent>[ \t]*)```(?P<lang>\w*)\n(?P<body>.*?)^(?P=indent)```[ \t]*$", re.S | re.M)
@@ -75,7 +75,7 @@ def cases() -> list[tuple[Block, Block | None]]:
 @pytest.fixture(autouse=True)
 def real_plugins(monkeypatch: pytest.MonkeyPatch) -> None:
     """The installed plugins, freshly loaded (other tests may have swapped the registry)."""
-    from llmc_fsm import plugins
+    from llmc_fsm.core import registry as plugins
 
     monkeypatch.setattr(plugins, "_REGISTRY", None)
     monkeypatch.delenv(plugins.DISABLE_ENV, raising=False)
@@ -114,7 +114,7 @@ def test_directory_error_example(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 def test_select_targets_examples() -> None:
     from test_targets import llama
 
-    from llmc_fsm.targets import select_targets
+    from llmc_fsm.toolkit.targets import select_targets
 
     for block in [b for b in blocks() if b.marker == "select-targets"]:
         args = json.loads(block.arg)

@@ -12,10 +12,11 @@ import tiny_llama
 import yaml
 
 from llmc_fsm import Modifier, RecipeError
-from llmc_fsm import plugins as plugins_mod
 from llmc_fsm.cli import main
-from llmc_fsm.plugins import ModifierRegistry, get_registry
-from llmc_fsm.recipe import Recipe, Stage, resolve_recipe
+from llmc_fsm.core import registry as plugins_mod
+from llmc_fsm.core.registry import ModifierRegistry, get_registry
+from llmc_fsm.recipes.building import resolve_recipe
+from llmc_fsm.recipes.model import Recipe, Stage
 
 
 # --------------------------------------------------------------------------- pydantic models as arguments
@@ -158,8 +159,8 @@ def test_block_size_refusals(tmp_path, capsys, args: list[str], message: str) ->
 
 
 def test_block_size_flag_reaches_sparsegpt() -> None:
-    from llmc_fsm.cli_oneshot import _flags_recipe
-    from llmc_fsm.oneshot import GENERATED
+    from llmc_fsm.cli.oneshot import _flags_recipe
+    from llmc_fsm.oneshot_job.settings import GENERATED
 
     args = argparse.Namespace(
         sparsity=None, mask_structure="2:4", scheme=None, group_size=None, observer=None, block_size=64

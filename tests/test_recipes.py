@@ -11,9 +11,10 @@ import attrs
 import pytest
 
 from llmc_fsm import Modifier, RecipeError, Session
-from llmc_fsm import plugins as plugins_mod
-from llmc_fsm.plugins import ModifierRegistry
-from llmc_fsm.recipe import Recipe, Stage, resolve_recipe
+from llmc_fsm.core import registry as plugins_mod
+from llmc_fsm.core.registry import ModifierRegistry
+from llmc_fsm.recipes.building import resolve_recipe
+from llmc_fsm.recipes.model import Recipe, Stage
 
 
 def _sparsity(instance: Any, attribute: attrs.Attribute, value: float) -> None:

@@ -19,10 +19,10 @@ import torch
 from safetensors.torch import load_file
 
 import llmc_fsm
-import llmc_fsm.data as llmc_fsm_data
-from llmc_fsm.oneshot import default_recipe
-from llmc_fsm.output import dir_size_bytes
-from llmc_fsm.resume import LayerProgress
+import llmc_fsm.data.protocol as llmc_fsm_data
+from llmc_fsm.oneshot_job.resume import LayerProgress
+from llmc_fsm.oneshot_job.settings import default_recipe
+from llmc_fsm.output.save import dir_size_bytes
 
 pytest.importorskip("transformers")
 pytest.importorskip("llmc_fsm_pruning")
@@ -83,7 +83,7 @@ def test_sigkill_at_layer_k_then_resume_is_bitwise_identical(tiny_model_dir, tmp
 
     resumed = tiny_llama.run_cli(_args(tiny_model_dir, tmp_path / "out", "--resume"))
     assert resumed.returncode == 0, resumed.stderr
-    assert resumed.stderr == f"WARNING llmc_fsm.workdir: resuming from {work} (2 of 4 decoder layers done)\n"
+    assert resumed.stderr == f"WARNING llmc_fsm.output.workdir: resuming from {work} (2 of 4 decoder layers done)\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "ref"]
     _assert_bitwise_equal(tmp_path / "ref", tmp_path / "out")
     assert _report_modules(tmp_path / "out") == _report_modules(tmp_path / "ref")
@@ -203,7 +203,7 @@ def test_resume_reuses_generated_calibration_and_perplexity_before(tiny_model_di
     def no_generation(*a, **k):
         raise AssertionError("calibration data generated again")
 
-    monkeypatch.setattr("llmc_fsm.oneshot_data.generate_calibration", no_generation)
+    monkeypatch.setattr("llmc_fsm.oneshot_job.data.generate_calibration", no_generation)
     measured = []
     perplexity = llmc_fsm_data.perplexity
     monkeypatch.setattr(llmc_fsm_data, "perplexity", lambda *a, **k: measured.append(1) or perplexity(*a, **k))
@@ -268,7 +268,7 @@ def test_resume_with_changed_settings_is_refused_naming_them(leftover, monkeypat
     def no_model_work(*a, **k):
         raise AssertionError("the model was loaded")
 
-    monkeypatch.setattr("llmc_fsm.models.load_model", no_model_work)
+    monkeypatch.setattr("llmc_fsm.models.known.load_model", no_model_work)
     cases = [
         ({"recipe": default_recipe(sparsity=0.6)}, "recipe (sparsity_stage.SparseGPTModifier.sparsity 0.5 -> 0.6)"),
         ({"seed": 1}, "seed (0 -> 1)"),
@@ -288,7 +288,7 @@ def test_resume_with_changed_settings_is_refused_naming_them(leftover, monkeypat
     assert str(info.value) == _refusal(work, f"calibration data (sha256 {old_sha!r} -> {new_sha!r})")
     # model files changed, and the library version too: both named
     (model / "generation_config.json").write_text("{}\n", encoding="utf-8")
-    monkeypatch.setattr(llmc_fsm, "__version__", "9.9.9")
+    monkeypatch.setattr(llmc_fsm.core.version, "__version__", "9.9.9")
     with pytest.raises(ValueError) as info:
         _resume(model, text, out)
     assert str(info.value) == _refusal(
@@ -318,7 +318,7 @@ def test_resume_needs_an_output_directory():
 def test_resume_with_another_thread_count_warns(leftover, monkeypatch, caplog):
     model, text, out = leftover
     threads = torch.get_num_threads()
-    monkeypatch.setattr("llmc_fsm.workdir._threads", lambda: threads + 1)
+    monkeypatch.setattr("llmc_fsm.output.workdir._threads", lambda: threads + 1)
     with caplog.at_level("WARNING"):
         _resume(model, text, out)
     assert (
@@ -350,7 +350,7 @@ def test_a_resumed_run_that_fails_keeps_the_progress_it_resumed(leftover, monkey
         raise RuntimeError("disk full of surprises")
 
     with monkeypatch.context() as m:
-        m.setattr("llmc_fsm.oneshot_phases.load", broken_load)
+        m.setattr("llmc_fsm.oneshot_job.phases.load", broken_load)
         with pytest.raises(RuntimeError, match="disk full of surprises") as info:
             _resume(model, text, out)
     after = _listing(work)

@@ -17,8 +17,8 @@ import torch
 from safetensors import safe_open
 
 import llmc_fsm
-from llmc_fsm.heap import limit_heap_growth
-from llmc_fsm.lazy_model import load_lazy
+from llmc_fsm.models.lazy import load_lazy
+from llmc_fsm.toolkit.heap import limit_heap_growth
 
 GPTQ_G16 = {"q": {"GPTQModifier": {"scheme": {"preset": "W4A16", "weights": {"group_size": 16}}}}}
 SPARSEGPT = {"s": {"SparseGPTModifier": {"sparsity": 0.5}}}
@@ -28,7 +28,7 @@ SIZES = {"num_calibration_samples": 8, "max_seq_length": 32, "num_eval_windows":
 @pytest.fixture(autouse=True)
 def _keep_the_allocator(monkeypatch):
     """A low_memory run fixes glibc's mmap threshold for the whole process; spare the rest of the test session."""
-    monkeypatch.setattr("llmc_fsm.heap.limit_heap_growth", lambda: False)
+    monkeypatch.setattr("llmc_fsm.toolkit.heap.limit_heap_growth", lambda: False)
 
 
 @pytest.fixture(scope="module")
@@ -124,9 +124,9 @@ def test_data_free_rtn_and_a_bf16_checkpoint_stream_like_in_memory(text_file, tm
 
 
 def test_only_one_decoder_layer_is_materialized_at_a_time(sharded_dir, text_file):
-    from llmc_fsm.lazy_model import ShardWriter
-    from llmc_fsm.session import Session
-    from llmc_fsm.streaming import compress_streaming
+    from llmc_fsm.models.lazy import ShardWriter
+    from llmc_fsm.pipeline.streaming import compress_streaming
+    from llmc_fsm.session.session import Session
 
     lazy, _ = load_lazy(sharded_dir)
     seen = []
@@ -247,7 +247,7 @@ def test_a_user_set_mmap_threshold_is_left_alone(monkeypatch):
 def test_trim_heap_gives_free_heap_pages_back():
     import platform
 
-    from llmc_fsm.heap import trim_heap
+    from llmc_fsm.toolkit.heap import trim_heap
 
     if platform.libc_ver()[0] != "glibc":
         assert trim_heap() is False

@@ -1,4 +1,4 @@
-"""Target selection (llmc_fsm.targets): llm-compressor's matching rules, containers, ignore, tied weights.
+"""Target selection (llmc_fsm.toolkit.targets): llm-compressor's matching rules, containers, ignore, tied weights.
 
 Issue 11 cases 9 (a regex that also matches containers), 10 (an ignore pattern
 that matches nothing) and 11 (a target tied to the embedding).
@@ -16,7 +16,7 @@ from compressed_tensors.utils.match import is_match
 from tiny_llama import LINEARS
 from torch import nn
 
-from llmc_fsm.targets import TargetSelection, compact_names, matches, resolve_targets, select_targets
+from llmc_fsm.toolkit.targets import TargetSelection, compact_names, matches, resolve_targets, select_targets
 
 
 def llama(tied: bool = True, layers: int = 2) -> transformers.LlamaForCausalLM:
@@ -55,7 +55,7 @@ def test_a_container_selects_the_linear_modules_inside_it():
 
 def test_patterns_that_select_nothing_are_named_with_the_reason(caplog: pytest.LogCaptureFixture):
     model = llama()
-    with caplog.at_level(logging.WARNING, logger="llmc_fsm.targets"):
+    with caplog.at_level(logging.WARNING, logger="llmc_fsm.toolkit.targets"):
         selected = resolve_targets(model, ["re:.*q_proj$", "LlamaRMSNorm", "re:.*nothing"], ["lm_head"])
     assert list(selected) == ["model.layers.0.self_attn.q_proj", "model.layers.1.self_attn.q_proj"]
     assert [r.getMessage() for r in caplog.records] == [
@@ -94,7 +94,7 @@ def test_transformers_conv1d_is_not_linear_like():
 def test_ignore_pattern_matching_nothing_warns_naming_it(caplog: pytest.LogCaptureFixture):
     model = llama(tied=False)
     # re.match anchors at the start: 're:head' does not match 'lm_head' (a typical mistake), and a typo
-    with caplog.at_level(logging.WARNING, logger="llmc_fsm.targets"):
+    with caplog.at_level(logging.WARNING, logger="llmc_fsm.toolkit.targets"):
         selected = resolve_targets(model, ["Linear"], ["re:head", "lm_haed"])
     assert "lm_head" in selected
     assert [r.getMessage() for r in caplog.records] == [
@@ -109,7 +109,7 @@ def test_ignore_pattern_matching_nothing_warns_naming_it(caplog: pytest.LogCaptu
 
 def test_default_ignore_on_a_model_without_lm_head_is_quiet(caplog: pytest.LogCaptureFixture):
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
-    with caplog.at_level(logging.WARNING, logger="llmc_fsm.targets"):
+    with caplog.at_level(logging.WARNING, logger="llmc_fsm.toolkit.targets"):
         assert list(resolve_targets(model)) == ["0", "2"]
     assert caplog.records == []
     assert select_targets(model).unmatched_ignore == ("lm_head",)  # still reported to whoever asks

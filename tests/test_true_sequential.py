@@ -8,10 +8,10 @@ from tiny_llama import GROUPS, llama
 from torch import nn
 
 from llmc_fsm import ModifierError, Session
-from llmc_fsm.pipeline import run_sequential
-from llmc_fsm.pipeline_layer import record_calls
-from llmc_fsm.torch_hooks import hook_count
-from llmc_fsm.true_sequential import plan_groups, run_grouped
+from llmc_fsm.core.torch_hooks import hook_count
+from llmc_fsm.pipeline.forward import record_calls
+from llmc_fsm.pipeline.sequential import run_sequential
+from llmc_fsm.pipeline.true_sequential import plan_groups, run_grouped
 
 
 @pytest.fixture

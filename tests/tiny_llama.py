@@ -117,7 +117,7 @@ if spec:
     def send():
         os.kill(os.getpid(), getattr(signal, rest[-1]))
     if where == "layer":
-        import llmc_fsm.resume as module
+        import llmc_fsm.oneshot_job.resume as module
         original = module.LayerProgress.save
         def save(self, index, layer):
             original(self, index, layer)
@@ -125,7 +125,7 @@ if spec:
                 send()
         module.LayerProgress.save = save
     else:
-        import llmc_fsm.oneshot_phases as phases, llmc_fsm.output as output
+        import llmc_fsm.oneshot_job.phases as phases, llmc_fsm.output.save as output
         module, name = (phases, "load") if where == "load" else (output, "save_model")
         original = getattr(module, name)
         def hooked(*args, **kwargs):

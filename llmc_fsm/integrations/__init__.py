@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
-from llmc_fsm.errors import MissingStateError
+from llmc_fsm.core.errors import MissingStateError
 
 __all__ = ["with_integration_hints"]
 

@@ -71,10 +71,10 @@ import math
 from pathlib import Path
 from typing import Any
 
-from llmc_fsm.checkpoint import read_checkpoint
-from llmc_fsm.errors import MissingStateError
+from llmc_fsm.core.errors import MissingStateError
 from llmc_fsm.integrations import with_integration_hints
-from llmc_fsm.session import Session
+from llmc_fsm.session.checkpoint import read_checkpoint
+from llmc_fsm.session.session import Session
 
 __all__ = ["HINTS", "initialize", "is_step", "optimizer_step", "resume_position", "steps_per_epoch"]
 

@@ -46,7 +46,7 @@ If ``train()`` raises midway, the session stays ``running``: call
 
 Checkpoints: every checkpoint the Trainer writes (``save_strategy``) also holds
 the session, in ``checkpoint-N/llmc_fsm_session/`` (written after the Trainer's
-own files; see :mod:`llmc_fsm.checkpoint`). ``trainer.train(resume_from_checkpoint=
+own files; see :mod:`llmc_fsm.session.checkpoint`). ``trainer.train(resume_from_checkpoint=
 path or True)`` restores it: the Trainer loads model, optimizer, scheduler, RNG
 state and skips the trained batches; at ``on_train_begin`` the session is
 initialized and then loaded from the checkpoint, so the next step continues
@@ -65,10 +65,10 @@ from typing import Any
 from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
-from llmc_fsm.checkpoint import read_checkpoint
-from llmc_fsm.errors import CheckpointError, MissingStateError
+from llmc_fsm.core.errors import CheckpointError, MissingStateError
 from llmc_fsm.integrations import with_integration_hints
-from llmc_fsm.session import Session
+from llmc_fsm.session.checkpoint import read_checkpoint
+from llmc_fsm.session.session import Session
 
 __all__ = ["HINTS", "SESSION_DIR", "SessionCallback", "SessionTrainer", "SessionTrainerMixin"]
 

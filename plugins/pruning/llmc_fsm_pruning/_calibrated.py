@@ -1,4 +1,4 @@
-"""The pruning arguments shared by SparseGPT and Wanda on top of :class:`llmc_fsm.calibration.CalibratedModifier`.
+"""The pruning arguments shared by SparseGPT and Wanda on top of :class:`llmc_fsm.toolkit.calibrated.CalibratedModifier`.
 
 Hooks, target selection, shared-input statistics and per-layer compression live
 in the core base class; this adds ``sparsity`` and ``mask_structure``.
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import attrs
 
-from llmc_fsm.calibration import CalibratedModifier
+from llmc_fsm.toolkit.calibrated import CalibratedModifier
 from llmc_fsm_pruning.masks import mask_structure_validator, sparsity_validator
 
 __all__ = ["CalibratedPruningModifier"]
@@ -23,7 +23,7 @@ class CalibratedPruningModifier(CalibratedModifier):
             (default ``0.5``). Ignored for N:M structures, whose pattern fixes it.
         mask_structure: ``"unstructured"`` (default) or ``"N:M"``: keep N weights
             of every M consecutive weights along the input dimension (``"2:4"``).
-        targets, ignore: see :class:`~llmc_fsm.calibration.CalibratedModifier`.
+        targets, ignore: see :class:`~llmc_fsm.toolkit.calibrated.CalibratedModifier`.
     """
 
     sparsity: float = attrs.field(default=0.5, validator=sparsity_validator)

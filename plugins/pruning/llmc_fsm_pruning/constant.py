@@ -21,9 +21,9 @@ import attrs
 import torch
 
 from llmc_fsm import Modifier
-from llmc_fsm.calibration import patterns
-from llmc_fsm.checkpoint import pack_mask, unpack_mask
-from llmc_fsm.targets import DEFAULT_IGNORE, DEFAULT_TARGETS, resolve_targets
+from llmc_fsm.toolkit.calibrated import patterns
+from llmc_fsm.toolkit.masks import pack_mask, unpack_mask
+from llmc_fsm.toolkit.targets import DEFAULT_IGNORE, DEFAULT_TARGETS, resolve_targets
 
 if TYPE_CHECKING:
     from llmc_fsm import Event, State
@@ -36,7 +36,7 @@ logger = logging.getLogger(__name__)
 def weight_sparsity(weights: Mapping[str, torch.Tensor]) -> tuple[float, dict[str, float]]:
     """``(overall fraction of exact zeros, {module name: fraction})`` of ``weights``, measured on the tensors.
 
-    (The one-shot report measures every Linear of a model: :func:`llmc_fsm.report.measure_sparsity`.)
+    (The one-shot report measures every Linear of a model: :func:`llmc_fsm.report.build.measure_sparsity`.)
     """
     per_module: dict[str, float] = {}
     zeros = total = 0
@@ -91,7 +91,7 @@ class MaskSet:
         self.masks.clear()
 
     def packed(self) -> dict[str, torch.Tensor]:
-        """``{name: bit-packed keep-mask}`` for a checkpoint (:func:`llmc_fsm.checkpoint.pack_mask`: 1 bit/weight)."""
+        """``{name: bit-packed keep-mask}`` for a checkpoint (:func:`llmc_fsm.toolkit.masks.pack_mask`: 1 bit/weight)."""
         return {name: pack_mask(mask != 0) for name, mask in zip(self.names, self.masks, strict=True)}
 
     def load_packed(self, packed: Mapping[str, torch.Tensor], modules: Mapping[str, torch.nn.Module]) -> None:

@@ -2,8 +2,8 @@
 
 :func:`sparsegpt_prune` / :func:`sparsegpt_prune_shared` are the algorithm
 (Alg. 1: per-block adaptive mask, column-by-column OBS update, lazy batch
-updates) as a :class:`~llmc_fsm.obs.ColumnRule` on the shared sweep
-:func:`llmc_fsm.obs.obs_sweep`; :class:`SparseGPTModifier` is the recipe modifier.
+updates) as a :class:`~llmc_fsm.toolkit.obs.ColumnRule` on the shared sweep
+:func:`llmc_fsm.toolkit.obs.obs_sweep`; :class:`SparseGPTModifier` is the recipe modifier.
 
 Mask selection (:func:`sparsegpt_prune`):
 
@@ -37,9 +37,9 @@ import attrs
 import torch
 from torch import nn
 
-from llmc_fsm.calibration import CompressedGroup
-from llmc_fsm.layer_error import sweep_relative_errors
-from llmc_fsm.obs import (
+from llmc_fsm.toolkit.calibrated import CompressedGroup
+from llmc_fsm.toolkit.layer_error import sweep_relative_errors
+from llmc_fsm.toolkit.obs import (
     SUB_BLOCK,
     HessianAccumulator,
     InverseHessianFactor,
@@ -156,7 +156,7 @@ def sparsegpt_prune_shared(
             max_dampening_retries: as for :func:`sparsegpt_prune`.
         errors: if a list, each weight's relative output error ``||W X - W_hat X|| / ||W X||``
             on the Hessian's inputs is appended to it, from the sweep's own terms
-            (:func:`llmc_fsm.layer_error.sweep_relative_errors`; 0.0 when nothing is pruned).
+            (:func:`llmc_fsm.toolkit.layer_error.sweep_relative_errors`; 0.0 when nothing is pruned).
 
     Returns:
         ``[(pruned_weight, keep_mask), ...]`` in the order of ``weights``.
@@ -336,7 +336,7 @@ class SparseGPTModifier(CalibratedPruningModifier):
     def _new_accumulator(self, module: nn.Module) -> HessianAccumulator:
         return HessianAccumulator(module.weight.shape[1])
 
-    measures_output_error = True  # from the sweep (llmc_fsm.layer_error.sweep_relative_errors)
+    measures_output_error = True  # from the sweep (llmc_fsm.toolkit.layer_error.sweep_relative_errors)
 
     def _compress_group(self, modules: list[nn.Module], accumulator: HessianAccumulator) -> CompressedGroup:
         # Targets that saw the same inputs (q/k/v, gate/up) share one Hessian factorisation and one sweep.

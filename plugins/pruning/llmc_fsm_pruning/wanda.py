@@ -91,7 +91,7 @@ class InputNormAccumulator:
         Raises:
             DistributedError: the collective failed (another rank stopped or timed out).
         """
-        from llmc_fsm.distributed import all_reduce_tensor, is_distributed
+        from llmc_fsm.toolkit.distributed import all_reduce_tensor, is_distributed
 
         if not is_distributed():
             return
@@ -117,7 +117,7 @@ def wanda_mask(
     Score ``S_ij = |W_ij| * ||X_j||_2`` where ``||X_j||_2^2`` is the squared L2
     norm of input channel ``j`` over all calibration tokens
     (:attr:`InputNormAccumulator.sq_norm` or
-    :attr:`llmc_fsm.obs.HessianAccumulator.input_sq_norm`; any positive rescaling of it gives
+    :attr:`llmc_fsm.toolkit.obs.HessianAccumulator.input_sq_norm`; any positive rescaling of it gives
     the same mask). Scores are compared per output row, as in the paper.
 
     Args:

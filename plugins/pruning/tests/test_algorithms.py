@@ -19,7 +19,7 @@ from llmc_fsm_pruning import (
     wanda_mask,
 )
 
-from llmc_fsm.obs import HessianAccumulator, HessianNotPositiveDefiniteError, _lower_triangular_inverse
+from llmc_fsm.toolkit.obs import HessianAccumulator, HessianNotPositiveDefiniteError, _lower_triangular_inverse
 
 MASK_MSG = r"expected 'unstructured' \(alias '0:0'\) or 'N:M' with integers 0 < N < M"
 SPARSITY_MSG = r"sparsity must be a real number in \[0, 1\)"

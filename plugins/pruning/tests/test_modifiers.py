@@ -8,7 +8,7 @@ from llmc_fsm_pruning import SparseGPTModifier, WandaPruningModifier
 from torch import nn
 
 from llmc_fsm import MissingStateError, ModifierError, RecipeError, Session
-from llmc_fsm.pipeline import run_sequential
+from llmc_fsm.pipeline.sequential import run_sequential
 
 
 class Block(nn.Module):
@@ -47,7 +47,7 @@ DATA = torch.randint(0, 32, (6, 12), generator=torch.Generator().manual_seed(0))
 
 
 def test_registered_through_the_entry_point():
-    from llmc_fsm.plugins import get_registry
+    from llmc_fsm.core.registry import get_registry
 
     registry = get_registry()
     for name in ("SparseGPTModifier", "WandaPruningModifier", "MagnitudePruningModifier", "ConstantPruningModifier"):

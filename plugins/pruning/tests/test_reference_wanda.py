@@ -31,7 +31,7 @@ from llmc_fsm_pruning import InputNormAccumulator, WandaPruningModifier, magnitu
 from torch import nn
 
 from llmc_fsm import Session
-from llmc_fsm.obs import HessianAccumulator
+from llmc_fsm.toolkit.obs import HessianAccumulator
 
 #: Smallest relative score gap at a selection boundary for an exact mask comparison.
 MIN_GAP = 1e-5

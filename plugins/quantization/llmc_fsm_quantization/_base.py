@@ -26,7 +26,7 @@ from compressed_tensors.quantization import (
 from compressed_tensors.quantization.lifecycle.initialize import initialize_module_for_quantization
 from torch import nn
 
-from llmc_fsm.calibration import CalibratedModifier, CompressedGroup
+from llmc_fsm.toolkit.calibrated import CalibratedModifier, CompressedGroup
 from llmc_fsm_quantization.observers import OBSERVERS
 from llmc_fsm_quantization.schemes import resolve_scheme, weight_args
 
@@ -113,7 +113,7 @@ class QuantizingModifier(CalibratedModifier):
             ``{"weights": args}``). Bits, symmetry, strategy and group size come
             from it. Default ``W4A16``.
         observer: how a weight's range is chosen: ``minmax`` (default) or ``mse``.
-        targets, ignore: see :class:`~llmc_fsm.calibration.CalibratedModifier`
+        targets, ignore: see :class:`~llmc_fsm.toolkit.calibrated.CalibratedModifier`
             (defaults ``[Linear]`` and ``[lm_head]``).
 
     Raises (at construction): ``ValueError`` for an unknown preset (listing the
@@ -146,7 +146,7 @@ class QuantizingModifier(CalibratedModifier):
         compressed-tensors' quantized forward does (``None``: not this modifier's module, or no input quantization).
 
         In the pipeline's grouped order a group's head is compressed while its call is under way, and that call
-        goes on with the forward it began with (:func:`llmc_fsm.true_sequential.run_grouped`); without this, its
+        goes on with the forward it began with (:func:`llmc_fsm.pipeline.true_sequential.run_grouped`); without this, its
         output for the next group / layer missed the input quantization (W8A8, FP8_DYNAMIC), and a resumed run,
         which propagates through fully quantized layers, differed from an uninterrupted one.
         """

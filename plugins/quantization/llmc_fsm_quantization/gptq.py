@@ -4,7 +4,7 @@
 (optionally in activation order), each column's rounding error compensated on
 the columns not yet quantized through the Cholesky factor of the damped inverse
 Hessian, with lazy batch updates — as a column rule on the sweep the core shares
-with SparseGPT (:func:`llmc_fsm.obs.obs_sweep`). :class:`GPTQModifier` is the
+with SparseGPT (:func:`llmc_fsm.toolkit.obs.obs_sweep`). :class:`GPTQModifier` is the
 recipe modifier.
 
 Scales and zero points of :func:`gptq_quantize` (``observer`` over the group's values):
@@ -34,8 +34,8 @@ from compressed_tensors.quantization import QuantizationArgs, QuantizationStrate
 from compressed_tensors.quantization.utils import calculate_range
 from torch import nn
 
-from llmc_fsm.layer_error import sweep_relative_errors
-from llmc_fsm.obs import SUB_BLOCK, HessianAccumulator, check_dampening_frac, inverse_hessian_cholesky, obs_sweep
+from llmc_fsm.toolkit.layer_error import sweep_relative_errors
+from llmc_fsm.toolkit.obs import SUB_BLOCK, HessianAccumulator, check_dampening_frac, inverse_hessian_cholesky, obs_sweep
 from llmc_fsm_quantization._base import QuantizedWeight, QuantizingModifier
 from llmc_fsm_quantization.observers import as_row_args, observe, quantize_rows, row_qparams, storable
 
@@ -100,7 +100,7 @@ def gptq_quantize(
 
     Args:
         weights: ``[out_i, in_features]`` float tensors on one device (not modified).
-        hessian: ``[in_features, in_features]``, e.g. :attr:`llmc_fsm.obs.HessianAccumulator.hessian`.
+        hessian: ``[in_features, in_features]``, e.g. :attr:`llmc_fsm.toolkit.obs.HessianAccumulator.hessian`.
         args: the weight ``QuantizationArgs`` (strategy tensor, channel or group).
         block_size: columns per lazy-update block (default 128); for group
             strategy it and ``group_size`` must divide one another.
@@ -114,7 +114,7 @@ def gptq_quantize(
         dtype), ``scale`` / ``zero_point`` (``[1]``, ``[out, 1]`` or
         ``[out, in // group_size]``), ``g_idx`` (``[in]`` int32, only for
         ``actorder="group"``) and the relative output error on the Hessian's inputs
-        (from the sweep's own terms: :func:`llmc_fsm.layer_error.sweep_relative_errors`).
+        (from the sweep's own terms: :func:`llmc_fsm.toolkit.layer_error.sweep_relative_errors`).
 
     Raises:
         ValueError: bad shapes or arguments, ``in_features`` not divisible by ``group_size``.
@@ -327,7 +327,7 @@ class GPTQModifier(QuantizingModifier):
     dampening_frac: float = attrs.field(default=0.01, validator=_dampening)
     actorder: str | None = attrs.field(default="static", converter=_actorder_value, validator=_actorder)
 
-    measures_output_error = True  # from the sweep (llmc_fsm.layer_error.sweep_relative_errors)
+    measures_output_error = True  # from the sweep (llmc_fsm.toolkit.layer_error.sweep_relative_errors)
 
     def _new_accumulator(self, module: nn.Module) -> HessianAccumulator:
         return HessianAccumulator(module.weight.shape[1])

@@ -19,7 +19,7 @@ from llmc_fsm_quantization import (
 from llmc_fsm_quantization.observers import observe
 
 import llmc_fsm
-from llmc_fsm.obs import HessianAccumulator
+from llmc_fsm.toolkit.obs import HessianAccumulator
 
 W4G16 = {"preset": "W4A16", "weights": {"group_size": 16}}
 
@@ -427,7 +427,7 @@ def test_explain_says_one_shot_stages_run_one_pass_each() -> None:
         "sparsity_stage": {"SparseGPTModifier": {"sparsity": 0.5, "mask_structure": "2:4"}},
         "quantization_stage": {"GPTQModifier": {"scheme": {"preset": "W4A16", "weights": {"group_size": 64}}}},
     }
-    from llmc_fsm.explain import explain
+    from llmc_fsm.session.explain import explain
 
     text = explain(llmc_fsm.Session(recipe))
     assert (
@@ -456,7 +456,7 @@ def _count_forward_quantize(monkeypatch) -> list[str]:
 def test_evaluation_skips_weight_requantization_with_equal_outputs(monkeypatch) -> None:
     from compressed_tensors.quantization import QuantizationStatus
 
-    from llmc_fsm.output import quantized_weights_as_compressed
+    from llmc_fsm.output.save import quantized_weights_as_compressed
 
     model = _tiny()
     llmc_fsm.oneshot(model=model, recipe={"q": {"QuantizationModifier": {"scheme": "W8A8"}}}, progress=False)
@@ -478,7 +478,7 @@ def test_evaluation_skips_weight_requantization_with_equal_outputs(monkeypatch) 
 def test_grouped_calibration_runs_compressed_groups_without_requantizing_their_weights(monkeypatch) -> None:
     from compressed_tensors.quantization import QuantizationStatus
 
-    import llmc_fsm.output
+    import llmc_fsm.output.save
 
     recipe = {"q": {"GPTQModifier": {"scheme": W4G16}}}
     data = torch.randint(0, 128, (8, 32), generator=torch.Generator().manual_seed(0))
@@ -494,7 +494,7 @@ def test_grouped_calibration_runs_compressed_groups_without_requantizing_their_w
     def marks_nothing():
         yield lambda modules: None
 
-    monkeypatch.setattr(llmc_fsm.output, "weights_on_grid", marks_nothing)
+    monkeypatch.setattr(llmc_fsm.output.save, "weights_on_grid", marks_nothing)
     slow = _tiny()
     llmc_fsm.oneshot(model=slow, recipe=recipe, dataset=data, batch_size=4, progress=False)
     # without the marks: k_proj, v_proj and up_proj (a group's later members, called after its compression; the
@@ -505,24 +505,24 @@ def test_grouped_calibration_runs_compressed_groups_without_requantizing_their_w
 
 
 def test_data_free_quantization_gives_the_freed_heap_back_every_32_mib_of_weights(monkeypatch) -> None:
-    import llmc_fsm.calibration
+    import llmc_fsm.toolkit.calibrated
 
     calls: list[int] = []
-    monkeypatch.setattr(llmc_fsm.calibration, "trim_heap", lambda: calls.append(1) or True)
-    assert llmc_fsm.calibration.TRIM_EVERY_BYTES == 32 * 1024 * 1024
+    monkeypatch.setattr(llmc_fsm.toolkit.calibrated, "trim_heap", lambda: calls.append(1) or True)
+    assert llmc_fsm.toolkit.calibrated.TRIM_EVERY_BYTES == 32 * 1024 * 1024
     # hidden 64: q/o 16 KiB, k/v 8 KiB, gate/up/down 32 KiB of fp32 weight: 144 KiB a layer, 14 modules in all
-    monkeypatch.setattr(llmc_fsm.calibration, "TRIM_EVERY_BYTES", 100 * 1024)
+    monkeypatch.setattr(llmc_fsm.toolkit.calibrated, "TRIM_EVERY_BYTES", 100 * 1024)
     llmc_fsm.oneshot(model=_tiny(), recipe={"q": {"QuantizationModifier": {"scheme": "W8A8"}}}, progress=False)
     # 288 KiB in module order: 100 KiB since the last trim is reached at layer 0's up_proj, then at layer 1's gate_proj
     assert len(calls) == 2
     calls.clear()
-    monkeypatch.setattr(llmc_fsm.calibration, "TRIM_EVERY_BYTES", 1)
+    monkeypatch.setattr(llmc_fsm.toolkit.calibrated, "TRIM_EVERY_BYTES", 1)
     llmc_fsm.oneshot(model=_tiny(), recipe={"q": {"QuantizationModifier": {"scheme": "W8A8"}}}, progress=False)
     assert len(calls) == 14  # one per module
     calls.clear()
     data = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(0))
     llmc_fsm.oneshot(model=_tiny(), recipe={"q": {"GPTQModifier": {"scheme": W4G16}}}, dataset=data, progress=False)
-    assert calls == []  # the layer-by-layer pipeline trims after each layer itself (llmc_fsm.pipeline)
+    assert calls == []  # the layer-by-layer pipeline trims after each layer itself (llmc_fsm.pipeline.sequential)
 
 
 def test_a_finished_quantized_output_is_not_offered_as_a_model_to_compress_further(tmp_path) -> None:
@@ -694,9 +694,9 @@ def test_pruning_after_quantizing_the_same_modules_is_refused_before_any_work(mo
 
 def test_an_ignore_pattern_that_matches_nothing_is_warned_about_once(caplog) -> None:
     recipe = {"q": {"QuantizationModifier": {"scheme": "W8A8", "ignore": ["lm_haed"]}}}
-    with caplog.at_level("WARNING", logger="llmc_fsm.targets"):
+    with caplog.at_level("WARNING", logger="llmc_fsm.toolkit.targets"):
         llmc_fsm.oneshot(model=_tiny(), recipe=recipe, progress=False)  # checked before the work and at initialize
-    assert [r.getMessage() for r in caplog.records if r.name == "llmc_fsm.targets"] == [
+    assert [r.getMessage() for r in caplog.records if r.name == "llmc_fsm.toolkit.targets"] == [
         "ignore pattern 'lm_haed' matches no module (check the spelling; 're:' patterns use re.match on full module "
         "names, e.g. 're:.*lm_head')"
     ]
@@ -715,7 +715,7 @@ def test_quantizing_a_saved_2_4_model_keeps_its_structure_in_the_sparsity_config
 
 @pytest.mark.parametrize("fuse_stages", [True, False])
 def test_a_pruned_then_quantized_module_reports_each_modifiers_error(tmp_path, fuse_stages) -> None:
-    from llmc_fsm.report import OneshotReport
+    from llmc_fsm.report.build import OneshotReport
 
     data = torch.randint(0, 128, (8, 32), generator=torch.Generator().manual_seed(0))
     prune = {"SparseGPTModifier": {"mask_structure": "2:4"}}

@@ -14,7 +14,7 @@ from llmc_fsm_quantization import GPTQModifier, QuantizationModifier, resolve_sc
 
 import llmc_fsm
 from llmc_fsm import RecipeError
-from llmc_fsm.recipe import resolve_recipe
+from llmc_fsm.recipes.building import resolve_recipe
 
 ONE_BIT = (
     "int {role} of 1 bit are not supported: symmetric ones round (nearly) every value to 0 (the grid is {{-1, 0}} "

@@ -9,7 +9,7 @@ from llmc_fsm_training import LearningRateModifier, OutputDistillationModifier, 
 
 
 def test_registered_through_entry_points():
-    from llmc_fsm.plugins import get_registry
+    from llmc_fsm.core.registry import get_registry
 
     registry = get_registry()
     assert registry.get("OutputDistillationModifier") is OutputDistillationModifier

@@ -1,0 +1,68 @@
+"""The ``llmc-fsm`` command line.
+
+Subcommands:
+    lifecycle   print the session lifecycle (``--mermaid``: the diagram generated from the table)
+    modifiers   list every discovered modifier plugin
+    explain     print a recipe's plan without touching a model
+    oneshot     compress a model in one shot and report perplexity before/after
+    report      re-print a saved one-shot report (``--plot``: draw per-layer sparsity)
+
+``llmc-fsm --version`` prints the package version.
+
+Each subcommand lives in the module that implements it and contributes an
+``add_cli(subparsers)`` function; this module only wires them together.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+from llmc_fsm.cli import lifecycle, oneshot, plugins, report
+from llmc_fsm.core.version import __version__
+from llmc_fsm.toolkit.distributed import process_group_from_env
+
+__all__ = ["main"]
+
+#: Modules that contribute subcommands through ``add_cli(subparsers)``.
+#: The subcommands, in the order ``--help`` lists them; each module has ``add_cli(subparsers)``.
+_SUBCOMMANDS = (lifecycle, plugins, oneshot, report)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="llmc-fsm",
+        description="Compress LLMs through a session with a guarded lifecycle and plugin modifiers.",
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
+    parser.add_argument("--version", action="version", version=f"llmc-fsm {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for module in _SUBCOMMANDS:
+        module.add_cli(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the CLI; returns the process exit status (0 ok, 1 error, 2 usage)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        with process_group_from_env():  # under torchrun (WORLD_SIZE > 1): one rank of a torch.distributed group
+            return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except (ValueError, RuntimeError, OSError) as exc:  # OSError: FileNotFoundError, PermissionError, ...
+        if args.verbose:
+            raise
+        print(f"llmc-fsm {args.command}: error: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,148 @@
+"""``llmc-fsm modifiers`` and ``llmc-fsm explain RECIPE``.
+
+``modifiers`` lists every modifier the installed plugins register (name,
+distribution and version, required and optional state keys, one-line
+description), then the plugins that failed to load with their error and the
+ones disabled through ``LLMC_FSM_DISABLE_PLUGINS``.
+
+``explain`` resolves a recipe and prints its plan without touching a model; given a
+modifier's name instead, the plan of that modifier alone with every argument at its default.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from llmc_fsm.core.registry import DISABLE_ENV, get_registry
+from llmc_fsm.recipes.llmcompressor import unimplemented_note
+from llmc_fsm.session.explain import explain
+from llmc_fsm.session.session import Session
+
+__all__ = ["add_cli", "format_modifiers"]
+
+
+def _keys(keys: frozenset[str]) -> str:
+    return ", ".join(sorted(keys)) or "-"
+
+
+def format_modifiers() -> str:
+    """The ``llmc-fsm modifiers`` listing as text."""
+
+    registry = get_registry()
+    lines: list[str] = []
+    infos = registry.infos()
+    if infos:
+        lines.append(f"{len(infos)} modifier(s):")
+    else:
+        lines.append("No modifiers registered (install a plugin such as llmc-fsm-pruning).")
+    for info in infos:
+        origin = info.distribution or "<in-process>"
+        if info.version:
+            origin += f" {info.version}"
+        lines.append(f"  {info.name}  [{origin}]")
+        description = info.cls.description()
+        if description:
+            lines.append(f"      {description}")
+        lines.append(f"      required state: {_keys(info.cls.required_state)}")
+        lines.append(f"      optional state: {_keys(info.cls.optional_state)}")
+        if info.cls.events:
+            lines.append(f"      batch events: {_keys(info.cls.events)}")
+    if registry.errors:
+        lines.append(f"{len(registry.errors)} broken plugin(s):")
+        lines.extend(f"  ERROR {err}" for err in registry.errors)
+    if registry.disabled:
+        lines.append(f"Disabled through {DISABLE_ENV}:")
+        for item in registry.disabled:
+            version = f" {item.version}" if item.version else ""
+            lines.append(f"  {item.distribution}{version} (entry point {item.entry_point!r})")
+    return "\n".join(lines) + "\n"
+
+
+def _run_modifiers(args: argparse.Namespace) -> int:
+    print(format_modifiers(), end="")
+    return 0
+
+
+def _modifier_recipe(name: str) -> dict:
+    """The one-modifier recipe ``{"defaults": {name: {}}}`` that ``llmc-fsm explain NAME`` shows.
+
+    Raises:
+        ValueError: ``name`` is not a registered modifier (the registry's unknown-modifier message: suggestions,
+            known modifiers, llm-compressor modifiers not implemented, plugins that failed to load or are disabled);
+            or the modifier has arguments without a default (listed with the others and their defaults).
+    """
+    import attrs
+
+    registry = get_registry()
+    info = registry.info(name)
+    if info is None:
+        detail = registry.unknown_message(name, unimplemented_note(name)).removeprefix(f"unknown modifier {name!r}.")
+        msg = f"no recipe file or modifier named {name!r}.{detail}"
+        if registry.disabled:
+            msg += f" Disabled through {DISABLE_ENV}: {', '.join(sorted({d.distribution for d in registry.disabled}))}."
+        raise ValueError(msg)
+    schedule = ("start", "end", "update")  # explain shows them as the schedule, not as arguments
+    fields = [f for f in attrs.fields(info.cls) if f.init and f.name not in schedule] if attrs.has(info.cls) else []
+    required = [f.alias for f in fields if f.default is attrs.NOTHING]
+    if required:
+        others = ", ".join(f"{f.alias}={_default(f.default)}" for f in fields if f.default is not attrs.NOTHING)
+        msg = (
+            f"{name} needs {', '.join(required)} (no default); its other arguments: {others or 'none'}. See its "
+            f"plan with a recipe that sets {'them' if len(required) > 1 else 'it'}: "
+            f"llmc-fsm explain 's: {{{name}: {{{', '.join(f'{r}: VALUE' for r in required)}}}}}'"
+        )
+        raise ValueError(msg)
+    return {"defaults": {name: {}}}
+
+
+def _default(default: object) -> str:
+    """An attrs field's default as text (``(computed)`` for a factory that takes the instance)."""
+    import attrs
+
+    if isinstance(default, attrs.Factory):  # type: ignore[arg-type]
+        return "(computed)" if default.takes_self else repr(default.factory())
+    return repr(default)
+
+
+def _run_explain(args: argparse.Namespace) -> int:
+    import os
+
+    recipe = args.recipe
+    if not os.path.exists(recipe) and recipe.isidentifier():
+        recipe = _modifier_recipe(recipe)  # a modifier's name: its plan with every argument at its default
+    session = Session(recipe)
+    if args.state:
+        session.update_state(**dict.fromkeys(args.state, True))
+    print(explain(session), end="")
+    return 0
+
+
+def add_cli(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser(
+        "modifiers",
+        help="list every discovered modifier plugin",
+        description="List every modifier registered by the installed plugins, and the plugins that failed to load.",
+    )
+    parser.set_defaults(func=_run_modifiers)
+
+    parser = sub.add_parser(
+        "explain",
+        help="print a recipe's plan without touching a model",
+        description=(
+            "Resolve RECIPE (a .yaml/.yml/.json file) and print its stages, the modifiers in execution order, "
+            "their arguments, the events each handles and the state keys each requires. RECIPE may also be a "
+            "modifier's name (see llmc-fsm modifiers), e.g. GPTQModifier: its arguments and their defaults "
+            "(a modifier with arguments that have no default names them instead)."
+        ),
+    )
+    parser.add_argument(
+        "recipe", metavar="RECIPE", help="recipe file (.yaml, .yml or .json), or a modifier name (e.g. GPTQModifier)"
+    )
+    parser.add_argument(
+        "--state",
+        metavar="KEY",
+        action="append",
+        default=[],
+        help="count state KEY as supplied (repeatable), e.g. --state model --state calibration_data",
+    )
+    parser.set_defaults(func=_run_explain)

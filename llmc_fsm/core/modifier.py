@@ -1,0 +1,399 @@
+"""The :class:`Modifier` base class every compression algorithm derives from.
+
+A modifier is an attrs class: its recipe arguments are attrs fields, validated
+by attrs validators/converters when the recipe is resolved (so a bad argument
+fails when the session is created, before any state is gathered). It declares
+the state keys it needs in ``required_state``; the session checks them at
+``initialize`` and calls :meth:`Modifier.on_initialize` exactly once.
+
+Hooks (all optional; the session only calls the ones a class overrides):
+
+==============================  ==================================================
+``on_initialize(state)``        once, with the complete, frozen state
+``on_start(state, event)``      when the schedule reaches ``start``
+``on_update(state, event)``     every ``update`` epochs between start and end
+``on_end(state, event)``        when the schedule reaches ``end`` (or at finalize)
+``on_event(state, event)``      for each batch event in ``events`` while active
+``on_calibration_start(state)`` one-shot calibration begins
+``on_sequential_epoch_end(state, modules)``  a group of layers has been calibrated
+``on_calibration_end(state)``   one-shot calibration ends
+``on_finalize(state)``          once, at finalize (or when initialize is rolled back)
+==============================  ==================================================
+
+:meth:`Modifier.check_model` checks a model before any work (one-shot). Checkpoints:
+:meth:`Modifier.state_dict` / :meth:`Modifier.load_state_dict` (default: nothing).
+A hook that raises reaches the caller as :class:`~llmc_fsm.ModifierError` (see :mod:`llmc_fsm.core.guard`).
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import attrs
+
+from llmc_fsm.core.guard import NOTHING, Watched, changed, failure, watched_parameters
+from llmc_fsm.core.lifecycle import BATCH_EVENTS
+from llmc_fsm.core.state import State
+from llmc_fsm.core.torch_hooks import HOOK_DICTS
+
+if TYPE_CHECKING:
+    import torch
+
+
+__all__ = ["BATCH_EVENTS", "HOOKS", "SCHEDULE_HOOKS", "Event", "Modifier", "modifier_labels", "overrides"]
+
+#: Every modifier hook, in lifecycle order.
+HOOKS: tuple[str, ...] = (
+    "on_initialize",
+    "on_start",
+    "on_update",
+    "on_calibration_start",
+    "on_sequential_epoch_end",
+    "on_calibration_end",
+    "on_event",
+    "on_end",
+    "on_finalize",
+)
+
+#: The hooks the schedule fires (at an opening event, at finalize or reset).
+SCHEDULE_HOOKS: frozenset[str] = frozenset({"on_start", "on_update", "on_end"})
+
+#: torch hook kinds :meth:`Modifier.register_hook` accepts (``module.register_<kind>_hook``).
+HOOK_KINDS: frozenset[str] = frozenset(HOOK_DICTS)
+
+
+def overrides(modifier: Modifier | type[Modifier], hook: str) -> bool:
+    """Whether ``modifier`` (an instance or a class) overrides the base class's ``hook``."""
+    cls = modifier if isinstance(modifier, type) else type(modifier)
+    return getattr(cls, hook) is not getattr(Modifier, hook)
+
+
+def modifier_labels(modifiers: list[Modifier]) -> list[str]:
+    """Labels of ``modifiers`` in order: the class name, ``#k`` appended when a name occurs more than once."""
+    names = [m.modifier_name() for m in modifiers]
+    seen: dict[str, int] = {}
+    labels = []
+    for name in names:
+        seen[name] = seen.get(name, 0) + 1
+        labels.append(name if names.count(name) == 1 else f"{name}#{seen[name]}")
+    return labels
+
+
+class _Binding:
+    """The live session a modifier belongs to (a weak reference), its label there and its watched parameters."""
+
+    __slots__ = ("label", "session", "watched")
+
+    def __init__(self, session: Any, label: str) -> None:  # a llmc_fsm.Session (a higher layer: not imported)
+        self.session = weakref.ref(session)
+        self.label = label
+        self.watched: Watched | None = None
+
+
+class Event:
+    """What a modifier learns about the current event.
+
+    The session reuses one instance per session and mutates it in place (an
+    allocation per event would be measurable); do not keep a reference to it.
+
+    Attributes:
+        type: the event name, e.g. ``"optim_post_step"``.
+        global_step: optimizer steps completed so far (``int``); during a batch it
+            is the index of the optimizer step the batch contributes to.
+        epoch: ``global_step / steps_per_epoch`` (``float``), or ``None`` when the
+            state has no ``steps_per_epoch``.
+        batch: the batch passed to ``batch_start`` (any type), or ``None``.
+        loss: the loss passed to ``loss_calculated`` (a scalar tensor), or ``None``.
+    """
+
+    __slots__ = ("batch", "epoch", "global_step", "loss", "type")
+
+    def __init__(self) -> None:
+        self.type: str = ""
+        self.global_step: int = 0
+        self.epoch: float | None = None
+        self.batch: Any = None
+        self.loss: Any = None
+
+    def __repr__(self) -> str:
+        return f"Event(type={self.type!r}, global_step={self.global_step}, epoch={self.epoch})"
+
+
+def _optional_epoch(value: Any) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        msg = f"must be a number of epochs or null, got {value!r}"
+        raise TypeError(msg)
+    return float(value)
+
+
+def _check_schedule(instance: Modifier, attribute: attrs.Attribute, value: float | None) -> None:
+    if value is None:
+        return
+    if attribute.name == "update" and value <= 0:
+        msg = f"update must be > 0 epochs, got {value}"
+        raise ValueError(msg)
+    if attribute.name == "start" and value < 0:
+        msg = f"start must be >= 0 epochs, got {value}"
+        raise ValueError(msg)
+
+
+@attrs.define(kw_only=True, slots=False, eq=False)
+class Modifier:
+    """Base class for compression modifiers (pruning, quantization, distillation, schedules).
+
+    Subclass it with ``@attrs.define(kw_only=True, slots=False, eq=False)`` and
+    declare recipe arguments as attrs fields with validators. Class attributes:
+
+    - ``required_state``: state keys :meth:`on_initialize` needs; ``initialize``
+      refuses to run until every modifier's keys are present.
+    - ``optional_state``: keys used when present.
+    - ``events``: the batch events :meth:`on_event` handles (default: none).
+      Declaring them lets the session skip this modifier on every other event.
+    - ``runs_after``: names of modifiers this one must follow within an event.
+
+    Recipe fields shared by every modifier (all in epochs, ``float``):
+
+    - ``start``: when :meth:`on_start` fires; ``None`` (default) = at the first event.
+    - ``end``: when :meth:`on_end` fires; ``None`` (default) = active until finalize.
+    - ``update``: period of :meth:`on_update` between start and end; ``None`` = never.
+
+    A modifier with a numeric ``start``, ``end`` or ``update`` also requires
+    ``steps_per_epoch`` (steps are turned into epochs with it).
+
+    Raises (at construction): ``TypeError``/``ValueError`` from attrs validators
+    for bad arguments, e.g. ``end`` not after ``start``.
+    """
+
+    required_state: ClassVar[frozenset[str]] = frozenset()
+    optional_state: ClassVar[frozenset[str]] = frozenset()
+    events: ClassVar[frozenset[str]] = frozenset()
+    runs_after: ClassVar[frozenset[str]] = frozenset()
+
+    start: float | None = attrs.field(default=None, converter=_optional_epoch, validator=_check_schedule)
+    end: float | None = attrs.field(default=None, converter=_optional_epoch, validator=_check_schedule)
+    update: float | None = attrs.field(default=None, converter=_optional_epoch, validator=_check_schedule)
+
+    def __attrs_post_init__(self) -> None:
+        if self.start is not None and self.end is not None and self.end <= self.start:
+            msg = f"end ({self.end}) must be after start ({self.start})"
+            raise ValueError(msg)
+
+    # --- declared needs ---------------------------------------------------
+    @classmethod
+    def modifier_name(cls) -> str:
+        """The name recipes use for this class (the class name)."""
+        return cls.__name__
+
+    @classmethod
+    def description(cls) -> str:
+        """First line of the class docstring."""
+        doc = (cls.__doc__ or "").strip()
+        return doc.splitlines()[0] if doc else ""
+
+    def required_keys(self) -> frozenset[str]:
+        """The state keys this instance needs at ``initialize``.
+
+        ``required_state`` plus ``steps_per_epoch`` when the schedule is numeric.
+        """
+        if self.is_scheduled:
+            return self.required_state | {"steps_per_epoch"}
+        return self.required_state
+
+    @property
+    def is_scheduled(self) -> bool:
+        """Whether ``start``, ``end`` or ``update`` is set (needs ``steps_per_epoch``)."""
+        return self.start is not None or self.end is not None or self.update is not None
+
+    @property
+    def resolved_targets(self) -> dict[str, torch.nn.Module]:
+        """``{full module name: module}`` this modifier compresses, selected at initialize.
+
+        The one public way for a modifier to say which modules it touches: the
+        one-shot report and the pipeline's target check read it, and the session
+        guards this modifier's hooks with the version counters of these modules'
+        parameters (read once, right after ``on_initialize``: select targets
+        there). Empty before ``initialize`` and for modifiers that touch no
+        module (schedules, distillation); subclasses that select modules override it.
+        """
+        return {}
+
+    def check_model(self, model: torch.nn.Module) -> Any:
+        """Checks that need only ``model`` (pure: names, classes, shapes; maybe on ``meta``); raise ``ValueError``.
+
+        One-shot calls it for every modifier right after loading, before any measuring or calibration.
+        """
+
+    # --- checkpoints ---------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Return what this modifier needs to continue exactly after a resume (default: nothing).
+
+        Called between batches (the session refuses to save inside a batch).
+        Values are ``torch.Tensor`` (stored in safetensors), JSON values
+        (``None``, bool, int, float, str, lists) or nested ``dict``s of them
+        with string keys; recipe arguments need not be included (the checkpoint
+        records them and refuses a session whose arguments differ). Store masks
+        compactly (e.g. :func:`llmc_fsm.toolkit.masks.pack_mask`), not as float copies.
+        """
+        return {}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned; called after ``on_initialize``, before the first event.
+
+        Tensors come back on the CPU; JSON lists as lists. Validate everything
+        before changing anything.
+
+        Raises:
+            ValueError: ``state`` does not fit this modifier (the default accepts
+                only an empty dict).
+        """
+        if state:
+            msg = (
+                f"{self.modifier_name()} keeps no checkpoint state (it does not implement load_state_dict), "
+                f"but the checkpoint holds {sorted(state)} for it"
+            )
+            raise ValueError(msg)
+
+    # --- the live session this modifier belongs to ----------------------------
+    @property
+    def _binding(self) -> _Binding | None:
+        return self.__dict__.get("_llmc_fsm_binding")
+
+    def _watched(self) -> Watched:
+        binding = self._binding
+        if binding is not None and binding.watched is not None:
+            return binding.watched
+        targets = self.resolved_targets
+        return watched_parameters(targets) if targets else NOTHING
+
+    # --- torch hooks that finalize always removes ---------------------------
+    def register_hook(
+        self,
+        module: torch.nn.Module,
+        hook: Callable[..., Any],
+        kind: str = "forward",
+        **kwargs: Any,
+    ) -> Any:
+        """Register a torch hook on ``module`` that the session removes at finalize.
+
+        The hook is guarded: an exception inside it reaches the caller (e.g.
+        the model's forward inside the one-shot pipeline) as
+        :class:`~llmc_fsm.ModifierError` naming this modifier and the module.
+        If it changed parameters of :attr:`resolved_targets` in place before
+        raising, the error names them and the modifier's session refuses
+        further events (see :mod:`llmc_fsm.core.guard`).
+
+        Args:
+            module: the ``torch.nn.Module`` to hook.
+            hook: the hook function, with the signature torch expects for ``kind``.
+            kind: ``"forward"``, ``"forward_pre"``, ``"full_backward"`` or
+                ``"full_backward_pre"`` (``module.register_<kind>_hook``).
+            **kwargs: passed on (e.g. ``with_kwargs=True``).
+
+        Returns:
+            the torch ``RemovableHandle``.
+
+        Raises:
+            ValueError: unknown ``kind``.
+        """
+        if kind not in HOOK_KINDS:
+            msg = f"unknown hook kind {kind!r}; use forward, forward_pre, full_backward or full_backward_pre"
+            raise ValueError(msg)
+
+        @functools.wraps(hook)
+        def guarded(*args: Any, **kw: Any) -> Any:
+            watched = self._watched()
+            before = [t._version for t in watched[1]] if watched[1] else None
+            try:
+                return hook(*args, **kw)
+            except Exception as exc:
+                raise self._torch_hook_failed(module, kind, exc, watched, before) from exc
+
+        handle = getattr(module, f"register_{kind}_hook")(guarded, **kwargs)
+        self.__dict__.setdefault("_llmc_fsm_hooks", []).append(handle)
+        return handle
+
+    def _module_name(self, module: Any) -> str:
+        for name, target in self.resolved_targets.items():
+            if target is module:
+                return name
+        binding = self._binding
+        session = binding.session() if binding is not None else None
+        model = session.state.get("model") if session is not None else None
+        for name, sub in getattr(model, "named_modules", list)():
+            if sub is module:
+                return name or "the model"
+        return type(module).__name__
+
+    def _torch_hook_failed(
+        self, module: Any, kind: str, exc: Exception, watched: Watched, before: list[int] | None
+    ) -> Exception:
+        binding = self._binding
+        session = binding.session() if binding is not None else None
+        label = binding.label if binding is not None else self.modifier_name()
+        modified = changed(watched, before)
+        if not modified:
+            then = "No targeted parameter was changed; the hook stays registered."
+        elif session is not None:
+            then = "The session refuses further events and removed every modifier's hooks."
+        else:
+            then = "The modifier's hooks were removed."
+        error = failure(
+            label,
+            f"{kind} hook",
+            exc,
+            during="a forward/backward pass of the model",
+            modified=modified,
+            module=self._module_name(module),
+            then=then,
+        )
+        if session is not None:
+            session._hook_failed(error)
+        elif modified:
+            self.remove_hooks()
+        return error
+
+    def remove_hooks(self) -> int:
+        """Remove every hook registered with :meth:`register_hook`; return how many."""
+        handles = self.__dict__.pop("_llmc_fsm_hooks", [])
+        for handle in handles:
+            handle.remove()
+        return len(handles)
+
+    @property
+    def num_hooks(self) -> int:
+        """Number of live hooks registered with :meth:`register_hook`."""
+        return len(self.__dict__.get("_llmc_fsm_hooks", ()))
+
+    # --- lifecycle hooks (no-ops; override what you need) -------------------
+    def on_initialize(self, state: State) -> None:
+        """Prepare with the complete state; raise if something is unusable."""
+
+    def on_start(self, state: State, event: Event) -> None:
+        """Begin the modifier's active period."""
+
+    def on_update(self, state: State, event: Event) -> None:
+        """Periodic update while active (every ``update`` epochs)."""
+
+    def on_end(self, state: State, event: Event) -> None:
+        """End the active period (at ``end``, or at finalize when ``end`` is omitted)."""
+
+    def on_event(self, state: State, event: Event) -> Any:
+        """Handle a batch event listed in ``events``; for ``loss_calculated`` a
+        returned tensor replaces the loss."""
+
+    def on_calibration_start(self, state: State) -> None:
+        """One-shot calibration begins: attach observers/hooks."""
+
+    def on_sequential_epoch_end(self, state: State, modules: Any) -> None:
+        """Calibration data has passed through ``modules``: compress them now."""
+
+    def on_calibration_end(self, state: State) -> None:
+        """One-shot calibration has ended."""
+
+    def on_finalize(self, state: State) -> None:
+        """Leave the model in its final form; release everything."""

@@ -1,0 +1,366 @@
+"""Modifier registry: recipe name -> Modifier class, filled from plugins.
+
+Plugins are found through the ``llmc_fsm`` entry-point group of the installed
+distributions (``importlib.metadata``) and loaded **one at a time**: a plugin
+that fails to import, whose hook implementation does not match its
+specification, whose hook raises, or that registers a modifier name already
+taken, is recorded as a :class:`~llmc_fsm.PluginError` (naming the
+distribution, the entry point and the cause) in :attr:`ModifierRegistry.errors`,
+and the other plugins still load.
+
+``LLMC_FSM_DISABLE_PLUGINS`` (comma-separated distribution names, compared
+case-insensitively with ``-``/``_``/``.`` treated alike) blocks plugins: their
+entry points are not even imported.
+
+In-process registration (tests, notebooks) needs no packaging::
+
+    from llmc_fsm.core.registry import get_registry
+    get_registry().register(MyModifier)
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib.metadata
+import logging
+import os
+import re
+from collections.abc import Iterable
+from typing import Any
+
+import attrs
+import pluggy
+
+from llmc_fsm.core import hookspecs as hookspecs
+from llmc_fsm.core.errors import PluginError, RecipeError
+from llmc_fsm.core.modifier import Modifier
+
+__all__ = [
+    "DISABLE_ENV",
+    "ENTRY_POINT_GROUP",
+    "DisabledPlugin",
+    "ModifierInfo",
+    "ModifierRegistry",
+    "get_registry",
+]
+
+logger = logging.getLogger(__name__)
+
+#: Entry-point group plugins register under.
+ENTRY_POINT_GROUP = hookspecs.PROJECT_NAME
+#: Environment variable: comma-separated distribution names whose plugins are not loaded.
+DISABLE_ENV = "LLMC_FSM_DISABLE_PLUGINS"
+
+
+def _normalize(name: str) -> str:
+    """PEP 503 normalization, so ``My_Plugin`` and ``my-plugin`` name the same distribution."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _disabled_from_env() -> frozenset[str]:
+    raw = os.environ.get(DISABLE_ENV, "")
+    return frozenset(_normalize(part.strip()) for part in raw.split(",") if part.strip())
+
+
+@attrs.frozen
+class ModifierInfo:
+    """One registered modifier class and where it came from.
+
+    Attributes:
+        name: the recipe name (``cls.modifier_name()``).
+        cls: the :class:`~llmc_fsm.Modifier` subclass.
+        distribution: the distribution that ships it, or ``None`` (registered in-process).
+        version: that distribution's version, or ``None``.
+        entry_point: the entry point name it was loaded through, or ``None``.
+    """
+
+    name: str
+    cls: type[Modifier]
+    distribution: str | None = None
+    version: str | None = None
+    entry_point: str | None = None
+
+
+@attrs.frozen
+class DisabledPlugin:
+    """An entry point skipped because its distribution is listed in ``LLMC_FSM_DISABLE_PLUGINS``."""
+
+    distribution: str
+    version: str | None
+    entry_point: str
+
+
+class ModifierRegistry:
+    """Maps modifier names to classes and remembers which distribution provided each.
+
+    Attributes:
+        manager: the ``pluggy.PluginManager("llmc_fsm")`` holding the loaded plugins
+            (each registered under ``"<distribution>:<entry point>"``).
+        errors: a :class:`~llmc_fsm.PluginError` per plugin problem, in load order.
+        disabled: entry points skipped through ``LLMC_FSM_DISABLE_PLUGINS``.
+    """
+
+    def __init__(self) -> None:
+        self._infos: dict[str, ModifierInfo] = {}
+        self.errors: list[PluginError] = []
+        self.disabled: list[DisabledPlugin] = []
+        self.manager = pluggy.PluginManager(hookspecs.PROJECT_NAME)
+        self.manager.add_hookspecs(hookspecs)
+
+    # --- views ------------------------------------------------------------------
+    @property
+    def classes(self) -> dict[str, type[Modifier]]:
+        """Name -> class (a copy)."""
+        return {name: info.cls for name, info in self._infos.items()}
+
+    @property
+    def distributions(self) -> dict[str, tuple[str | None, str | None]]:
+        """Name -> (distribution, version) (a copy)."""
+        return {name: (info.distribution, info.version) for name, info in self._infos.items()}
+
+    def infos(self) -> list[ModifierInfo]:
+        """Every registered modifier, sorted by name."""
+        return [self._infos[name] for name in sorted(self._infos)]
+
+    def info(self, name: str) -> ModifierInfo | None:
+        """The :class:`ModifierInfo` registered as ``name``, or ``None``."""
+        return self._infos.get(name)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._infos
+
+    def __len__(self) -> int:
+        return len(self._infos)
+
+    # --- registration -------------------------------------------------------------
+    def register(
+        self,
+        cls: type[Modifier],
+        *,
+        distribution: str | None = None,
+        version: str | None = None,
+        entry_point: str | None = None,
+    ) -> None:
+        """Register ``cls`` under ``cls.modifier_name()``.
+
+        Use it directly for classes defined in a test or a notebook; installed
+        plugins are registered through their entry point instead. Registering
+        the same class twice is a no-op.
+
+        Raises:
+            PluginError: not a Modifier subclass, or the name is already taken by
+                another class (the message names the owner).
+        """
+        if not (isinstance(cls, type) and issubclass(cls, Modifier)):
+            msg = f"{cls!r} is not a subclass of llmc_fsm.Modifier"
+            raise PluginError(msg, distribution=distribution, entry_point=entry_point)
+        name = cls.modifier_name()
+        old = self._infos.get(name)
+        if old is not None:
+            if old.cls is cls:
+                return
+            owner = _describe(old.distribution, old.version, old.entry_point)
+            new = _describe(distribution, version, entry_point)
+            msg = (
+                f"modifier name {name!r} from {new} ({cls.__module__}.{cls.__qualname__}) is already registered "
+                f"by {owner} ({old.cls.__module__}.{old.cls.__qualname__}); the later one is not registered. "
+                f"Rename one of the classes (override modifier_name()) or disable one distribution with "
+                f"{DISABLE_ENV}."
+            )
+            raise PluginError(msg, distribution=distribution, entry_point=entry_point)
+        self._infos[name] = ModifierInfo(name, cls, distribution, version, entry_point)
+
+    def unregister(self, name: str) -> None:
+        """Forget the modifier registered as ``name`` (no error if unknown)."""
+        self._infos.pop(name, None)
+
+    def register_plugin(
+        self,
+        plugin: Any,
+        *,
+        distribution: str | None = None,
+        version: str | None = None,
+        entry_point: str | None = None,
+    ) -> list[PluginError]:
+        """Register a pluggy plugin object (usually a module) and its modifiers.
+
+        The plugin's hook implementations are validated by pluggy; then its
+        ``llmc_fsm_register_modifiers()`` alone is called and each returned class
+        is registered. Problems are appended to :attr:`errors` and returned (this
+        method does not raise for them). A plugin that fails validation or whose
+        hook raises is unregistered again.
+        """
+        label = _describe(distribution, version, entry_point)
+        name = f"{distribution or '<in-process>'}:{entry_point or getattr(plugin, '__name__', repr(plugin))}"
+        found: list[PluginError] = []
+
+        def fail(cause: str, exc: BaseException | None = None) -> list[PluginError]:
+            err = PluginError(f"plugin {label}: {cause}", distribution=distribution, entry_point=entry_point)
+            err.__cause__ = exc
+            found.append(err)
+            self.errors.append(err)
+            logger.warning("%s", err)
+            return found
+
+        if self.manager.is_registered(plugin) or self.manager.get_plugin(name) is not None:
+            return found  # the same module exposed twice: already loaded
+        try:
+            self.manager.register(plugin, name=name)
+        except pluggy.PluginValidationError as exc:
+            return fail(f"hook implementation does not match its specification: {exc}", exc)
+        except ValueError as exc:  # pragma: no cover - guarded by the check above
+            return fail(str(exc))
+        callers = self.manager.get_hookcallers(plugin) or []
+        unknown = sorted(caller.name for caller in callers if not caller.has_spec())
+        if unknown:
+            self.manager.unregister(plugin)
+            known = ", ".join(sorted(n for n in dir(hookspecs) if n.startswith("llmc_fsm_")))
+            return fail(f"implements unknown hook(s) {', '.join(unknown)}; known hooks: {known}")
+        others = [p for p in self.manager.get_plugins() if p is not plugin]
+        call = self.manager.subset_hook_caller("llmc_fsm_register_modifiers", remove_plugins=others)
+        try:
+            results = call()
+        except Exception as exc:
+            self.manager.unregister(plugin)
+            return fail(f"llmc_fsm_register_modifiers() raised {type(exc).__name__}: {exc}", exc)
+        for result in results:
+            if result is None:
+                continue
+            if isinstance(result, type) or not isinstance(result, list | tuple):
+                fail(
+                    "llmc_fsm_register_modifiers() must return a list of Modifier subclasses, "
+                    f"got {type(result).__name__}"
+                )
+                continue
+            for cls in result:
+                try:
+                    self.register(cls, distribution=distribution, version=version, entry_point=entry_point)
+                except PluginError as exc:
+                    fail(str(exc))
+        return found
+
+    def load_entry_points(self, *, disabled: Iterable[str] | None = None) -> list[PluginError]:
+        """Load every plugin of the ``llmc_fsm`` entry-point group, one at a time.
+
+        Args:
+            disabled: distribution names not to load; default: the
+                ``LLMC_FSM_DISABLE_PLUGINS`` environment variable.
+
+        Returns:
+            the plugin errors found by this call (also appended to :attr:`errors`).
+        """
+        blocked = _disabled_from_env() if disabled is None else frozenset(_normalize(d) for d in disabled)
+        found: list[PluginError] = []
+        eps = sorted(
+            importlib.metadata.entry_points(group=ENTRY_POINT_GROUP),
+            key=lambda ep: (_dist_name(ep) or "", ep.name),
+        )
+        for ep in eps:
+            dist = _dist_name(ep)
+            version = ep.dist.version if ep.dist is not None else None
+            if dist is not None and _normalize(dist) in blocked:
+                self.disabled.append(DisabledPlugin(dist, version, ep.name))
+                continue
+            try:
+                plugin = ep.load()
+            except Exception as exc:
+                label = _describe(dist, version, ep.name)
+                err = PluginError(
+                    f"plugin {label}: failed to import {ep.value!r}: {type(exc).__name__}: {exc}",
+                    distribution=dist,
+                    entry_point=ep.name,
+                )
+                err.__cause__ = exc
+                self.errors.append(err)
+                found.append(err)
+                logger.warning("%s", err)
+                continue
+            found.extend(self.register_plugin(plugin, distribution=dist, version=version, entry_point=ep.name))
+        return found
+
+    # --- lookup -------------------------------------------------------------------
+    def get(self, name: str) -> type[Modifier]:
+        """Return the class registered as ``name``.
+
+        Raises:
+            RecipeError: unknown name, with "did you mean" suggestions, the known
+                names and the plugins that failed to load.
+        """
+        info = self._infos.get(name)
+        if info is not None:
+            return info.cls
+        raise RecipeError(self.unknown_message(name)) from None
+
+    def suggestions(self, name: str) -> list[str]:
+        """Registered names close to ``name``, best first (at most 3).
+
+        Similarity is :class:`difflib.SequenceMatcher`'s ratio on lower-case names
+        without their ``Modifier`` suffix (every modifier shares it, which made
+        ``SparseGPTModifer`` look like ``LearningRateModifier``). A name is
+        suggested when it scores at least 0.55 and within 0.1 of the best one.
+        """
+        scored = sorted(
+            ((-difflib.SequenceMatcher(None, _stem(name), _stem(known)).ratio(), known) for known in self._infos),
+        )
+        if not scored or -scored[0][0] < _SUGGEST_CUTOFF:
+            return []
+        best = -scored[0][0]
+        return [known for score, known in scored[:3] if -score >= max(_SUGGEST_CUTOFF, best - _SUGGEST_SPREAD)]
+
+    def unknown_message(self, name: str, note: str | None = None) -> str:
+        """The message for an unknown modifier ``name``; ``note`` (e.g. "an llm-compressor modifier llmc-fsm does not
+        implement", from :func:`llmc_fsm.recipes.llmcompressor.unimplemented_note`) replaces the suggestions."""
+        close = self.suggestions(name)
+        hint = f" {note}" if note else f" Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+        known = ", ".join(sorted(self._infos)) or "none (is a plugin such as llmc-fsm-pruning installed?)"
+        msg = f"unknown modifier {name!r}.{hint} Known modifiers: {known}."
+        if self.errors:
+            msg += f" {len(self.errors)} plugin(s) failed to load (run `llmc-fsm modifiers`): " + "; ".join(
+                str(e) for e in self.errors
+            )
+        return msg
+
+
+_SUGGEST_CUTOFF = 0.55
+_SUGGEST_SPREAD = 0.1
+
+
+def _stem(name: str) -> str:
+    """``name`` lower-cased without a trailing ``modifier`` (or a misspelling of it, e.g. ``modifer``)."""
+    lowered = name.lower()
+    return re.sub(r"mod[a-z]{0,6}$", "", lowered) or lowered
+
+
+def _dist_name(ep: importlib.metadata.EntryPoint) -> str | None:
+    dist = ep.dist
+    if dist is None:
+        return None
+    return dist.metadata["Name"] or getattr(dist, "name", None)
+
+
+def _describe(distribution: str | None, version: str | None, entry_point: str | None) -> str:
+    text = distribution or "<in-process>"
+    if version:
+        text += f" {version}"
+    if entry_point:
+        text += f" (entry point {entry_point!r})"
+    return text
+
+
+_REGISTRY: ModifierRegistry | None = None
+
+
+def get_registry(*, reload: bool = False) -> ModifierRegistry:
+    """Return the process-wide registry, loading the installed plugins on first use.
+
+    Args:
+        reload: build a fresh registry (re-reading entry points and
+            ``LLMC_FSM_DISABLE_PLUGINS``); classes registered in-process with
+            :meth:`ModifierRegistry.register` are dropped.
+    """
+    global _REGISTRY
+    if _REGISTRY is None or reload:
+        registry = ModifierRegistry()
+        _REGISTRY = registry  # set first: a plugin calling get_registry() while loading gets this one
+        registry.load_entry_points()
+    return _REGISTRY

@@ -1,0 +1,126 @@
+"""The state a session gathers for its modifiers.
+
+State keys are open-ended: the well-known keys below get attributes, and any
+other key a future modifier needs is reachable with ``state["key"]`` or
+``state.get("key")``. A :class:`State` is a read-only snapshot — the session
+replaces it on every ``update_state``; nobody mutates it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from types import MappingProxyType
+from typing import Any
+
+import attrs
+
+__all__ = ["WELL_KNOWN_KEYS", "State", "missing_state_message"]
+
+
+def _freeze(values: Mapping[str, Any]) -> Mapping[str, Any]:
+    return MappingProxyType(dict(values))
+
+
+class _Key:
+    """A well-known state key read as an attribute of :class:`State`: its value, or ``None`` when not supplied."""
+
+    def __init__(self, doc: str) -> None:
+        self.__doc__ = doc
+        self.name = ""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, state: State | None, owner: type | None = None) -> Any:
+        return self if state is None else state.values.get(self.name)
+
+
+@attrs.frozen
+class State(Mapping[str, Any]):
+    """A read-only snapshot of the session state.
+
+    Attributes ``model``, ``teacher``, ``optimizer``, ``calibration_data``,
+    ``train_data`` and ``steps_per_epoch`` return ``None`` when not supplied.
+    ``state["key"]`` raises ``KeyError`` naming the keys that are present;
+    ``state.get("key", default)`` does not. A key whose value is ``None`` counts
+    as absent (``"key" in state`` is False).
+
+    The objects themselves (the model, the optimizer...) are not copied: a
+    modifier prunes the real model. Only the key -> object mapping is frozen.
+    """
+
+    values: Mapping[str, Any] = attrs.field(factory=dict, converter=_freeze)
+
+    # --- Mapping protocol -------------------------------------------------
+    def __getitem__(self, key: str) -> Any:
+        """The value of ``key``.
+
+        Raises:
+            KeyError: ``key`` is absent or ``None``; the message names the keys present.
+        """
+        value = self.values.get(key)
+        if value is None:
+            present = ", ".join(sorted(self)) or "none"
+            msg = f"state has no key {key!r} (present: {present}); supply it with update_state({key}=...)"
+            raise KeyError(msg)
+        return value
+
+    def __iter__(self) -> Iterator[str]:
+        return (key for key, value in self.values.items() if value is not None)
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+    def __contains__(self, key: object) -> bool:
+        return self.values.get(key) is not None  # type: ignore[call-overload]
+
+    def get(self, key: str, default: Any = None) -> Any:
+        value = self.values.get(key)
+        return default if value is None else value
+
+    def merged(self, updates: Mapping[str, Any]) -> State:
+        """Return a new snapshot with ``updates`` applied (later values win)."""
+        return State({**self.values, **updates})
+
+    # --- well-known keys (``None`` when not supplied) ------------------------
+    model = _Key(
+        "The model being compressed (``torch.nn.Module``), or ``None``.\n\n"
+        "After ``Session.initialize`` it is the module inside a ``DistributedDataParallel`` /\n"
+        "``DataParallel`` wrapper if one was given (see :func:`llmc_fsm.session.ranks.unwrap_model`)."
+    )
+    teacher = _Key("The teacher model for distillation (``torch.nn.Module``), or ``None``.")
+    optimizer = _Key("The training optimizer (``torch.optim.Optimizer``), or ``None``.")
+    calibration_data = _Key("Calibration batches for one-shot work (iterable of model inputs), or ``None``.")
+    train_data = _Key("Training data (e.g. a ``DataLoader``), or ``None``.")
+    steps_per_epoch = _Key("Optimizer steps per epoch (``int``), used to turn steps into epochs, or ``None``.")
+
+    def __repr__(self) -> str:
+        keys = ", ".join(sorted(self))
+        return f"State({keys})"
+
+
+#: Keys with attribute access on :class:`State`, in documentation order.
+WELL_KNOWN_KEYS: tuple[str, ...] = tuple(name for name, value in vars(State).items() if isinstance(value, _Key))
+
+
+def missing_state_message(missing: Mapping[str, frozenset[str]], lifecycle: str, passed: frozenset[str]) -> str:
+    """The message of the :class:`~llmc_fsm.MissingStateError` ``initialize`` raises (``missing``: label -> keys)."""
+    lines = [
+        f"initialize() refused: {len(missing)} modifier(s) are missing required state; "
+        f"no modifier was initialized and nothing was stored (the session is still {lifecycle!r}):"
+    ]
+    lines.extend(f"  - {label} requires {', '.join(repr(k) for k in sorted(keys))}" for label, keys in missing.items())
+    all_keys = sorted(set().union(*missing.values()))
+    example = ", ".join(f"{k}=..." for k in all_keys)
+    lines.append(
+        f"Supply them where they are created with session.update_state({example}), or pass them to "
+        f"session.initialize({example})."
+    )
+    if passed:
+        lines.append(f"Pass again what you gave this call ({', '.join(sorted(passed))}): it was not stored.")
+    if "steps_per_epoch" in all_keys:
+        lines.append(
+            "steps_per_epoch (optimizer steps per epoch, int) is required because the modifier has a "
+            "start/end/update schedule in epochs."
+        )
+    return "\n".join(lines)

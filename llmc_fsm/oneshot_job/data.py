@@ -1,0 +1,339 @@
+"""Calibration and evaluation data of the one-shot job: text files read up front, token windows, generated text.
+
+* :func:`read_text` — a text source read before the model loads (errors name the argument);
+* :func:`eval_windows` — evaluation windows from the head of a text, as many as fit;
+* :func:`check_seq_len` — a sequence length the model can take;
+* :func:`generate_calibration` — calibration data sampled from the model itself
+  from :data:`DEFAULT_PROMPTS` (the default, needs no dataset).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from typing import TYPE_CHECKING, Any
+
+from llmc_fsm.core.errors import MissingStateError
+from llmc_fsm.data.protocol import load_text, token_windows
+from llmc_fsm.session.session import Session
+from llmc_fsm.toolkit.obs import HessianAccumulator
+from llmc_fsm.toolkit.targets import select_targets
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+
+__all__ = [
+    "DEFAULT_PROMPTS",
+    "calibration_inputs",
+    "check_dataset_tensor",
+    "check_modifiers",
+    "check_seq_len",
+    "describe",
+    "eval_windows",
+    "generate_calibration",
+    "is_tensor",
+    "positive_int",
+    "read_text",
+]
+
+logger = logging.getLogger(__name__)
+
+#: Prompts the model continues to make its own calibration data when no dataset is given.
+DEFAULT_PROMPTS: tuple[str, ...] = (
+    "The history of the city begins",
+    "In mathematics, a prime number is",
+    "Here is a short story about a lighthouse keeper:",
+    "def fibonacci(n):",
+    "The committee published its annual report on",
+    "Photosynthesis is the process by which",
+    "Dear Sir or Madam, I am writing to",
+    "The match ended in a draw after",
+)
+
+
+def positive_int(name: str, value: Any) -> int:
+    """``value`` if it is a positive ``int``.
+
+    Raises:
+        ValueError: a bool, a non-int or a value below 1; the message names ``name``.
+    """
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        msg = f"{name} must be a positive int, got {value!r}"
+        raise ValueError(msg)
+    return value
+
+
+#: The ``dtype`` (``--dtype``) values one-shot loads a model in (``auto``: the dtype its ``config.json`` names).
+DTYPES = ("float32", "bfloat16", "float16", "auto")
+
+
+def parse_dtype(value: Any, model: Any) -> str:
+    """``value`` as a :data:`DTYPES` name (a ``torch.dtype`` and ``fp32`` / ``bf16`` / ``fp16`` are accepted too).
+
+    ``auto`` is the dtype the checkpoint's ``config.json`` names. A model given as
+    an ``nn.Module`` is used as it is, so only the default ``float32`` goes with it.
+
+    Raises:
+        ValueError: another value, or a non-default one with an ``nn.Module``.
+    """
+    aliases = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32"}
+    import torch
+
+    name = str(value).removeprefix("torch.") if isinstance(value, torch.dtype) else value
+    name = aliases.get(name, name) if isinstance(name, str) else name
+    if name not in DTYPES:
+        msg = f"dtype (--dtype) must be one of {', '.join(DTYPES)}, got {value!r}"
+        raise ValueError(msg)
+    if name != "float32" and isinstance(model, torch.nn.Module):
+        msg = (
+            f"dtype (--dtype) {name!r} applies to a model given as a name or directory; an in-memory model is "
+            "compressed and saved in its own dtype: convert it yourself (e.g. model.to(torch.bfloat16))"
+        )
+        raise ValueError(msg)
+    return name
+
+
+def torch_dtype_of(name: str, config_dtype: Any = None) -> Any:
+    """The torch dtype of a :data:`DTYPES` name; ``auto``: ``config_dtype`` (a config's ``dtype``), fp32 if unset."""
+    import torch
+
+    if name == "auto":
+        name = str(config_dtype or "float32").removeprefix("torch.")
+    return getattr(torch, name)
+
+
+def is_tensor(value: Any) -> bool:
+    """Whether ``value`` is a ``torch.Tensor``."""
+    import torch
+
+    return isinstance(value, torch.Tensor)
+
+
+def check_dataset_tensor(dataset: Any) -> None:
+    """Refuse a dataset tensor that is not ``[N, L]`` integer token ids; other values pass.
+
+    Raises:
+        ValueError: a tensor that is not 2-D or holds floating-point values.
+    """
+    if is_tensor(dataset) and (dataset.dim() != 2 or dataset.is_floating_point()):
+        msg = f"a dataset tensor must hold token ids of shape [N, L], got {dataset.dtype} {tuple(dataset.shape)}"
+        raise ValueError(msg)
+
+
+def check_seq_len(model: Any, seq_len: int) -> None:
+    """Refuse a sequence length above the model's ``max_position_embeddings``.
+
+    Raises:
+        ValueError: naming the limit.
+    """
+    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if isinstance(limit, int) and seq_len > limit:
+        msg = (
+            f"sequence length {seq_len} (--seq-len / eval) is above the model's max_position_embeddings "
+            f"({limit}); use at most {limit}"
+        )
+        raise ValueError(msg)
+
+
+def eval_windows(tokenizer: Any, text: str, num_windows: int, seq_len: int) -> Any:
+    """``num_windows`` windows from the head of ``text``, or as many as fit (with a warning).
+
+    Raises:
+        ValueError: ``text`` is shorter than one window.
+    """
+
+    try:
+        return token_windows(tokenizer, text, num_windows=num_windows, seq_len=seq_len)
+    except ValueError:
+        n_ids = len(tokenizer(text, add_special_tokens=False)["input_ids"])
+        fit = n_ids // seq_len
+        if fit < 1:
+            msg = (
+                f"the eval text has {n_ids} tokens, fewer than one evaluation window of {seq_len}: pass a longer "
+                "eval text (--eval-text) or shorter windows (--seq-len / eval_seq_length)"
+            )
+            raise ValueError(msg) from None
+        logger.warning("the eval text has %d tokens (< %d x %d): using %d window(s)", n_ids, num_windows, seq_len, fit)
+        return token_windows(tokenizer, text, num_windows=fit, seq_len=seq_len)
+
+
+def generate_calibration(
+    model: nn.Module,
+    tokenizer: Any,
+    *,
+    num_samples: int,
+    seq_len: int,
+    seed: int = 0,
+    prompts: tuple[str, ...] = DEFAULT_PROMPTS,
+) -> torch.LongTensor:
+    """Sample ``num_samples`` sequences of exactly ``seq_len`` tokens from the model itself.
+
+    Each prompt of ``prompts`` is continued by ``ceil(num_samples / len(prompts))``
+    samples (top-p 0.95, temperature 1, end-of-sequence suppressed), with the
+    torch RNG seeded by ``seed`` inside a forked RNG state (the caller's RNG is
+    untouched). Returns ``LongTensor[num_samples, seq_len]`` (prompt included).
+    """
+    import torch
+
+    per_prompt = math.ceil(num_samples / len(prompts))
+    rows: list[torch.Tensor] = []
+    device = next(model.parameters()).device
+    with torch.random.fork_rng(devices=[]), torch.inference_mode():
+        torch.manual_seed(seed)
+        for prompt in prompts:
+            if len(rows) >= num_samples:
+                break
+            ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False)["input_ids"].to(device)
+            new = max(seq_len - ids.shape[1], 1)
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=True,
+                top_p=0.95,
+                top_k=0,
+                temperature=1.0,
+                max_new_tokens=new,
+                min_new_tokens=new,
+                num_return_sequences=min(per_prompt, num_samples - len(rows)),
+                pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
+            )
+            rows.extend(out[:, :seq_len].cpu())
+    return torch.stack(rows[:num_samples]).long()
+
+
+def read_text(role: str, source: Any) -> str:
+    """``load_text(source)``; errors name ``role`` (the argument), and an empty text fails before the model loads.
+
+    Raises:
+        OSError / ValueError: from :func:`llmc_fsm.data.protocol.load_text`, prefixed with ``role``; empty text.
+    """
+
+    try:
+        text = load_text(source)
+    except (OSError, ValueError) as err:
+        raise type(err)(f"{role}: {err}") from err
+    if not text.strip():
+        msg = f"{role}: {describe(source)} holds no text; pass a file with text in it (e.g. wikitext-2's wiki.test.raw)"
+        raise ValueError(msg)
+    return text
+
+
+def describe(source: Any) -> str:
+    """A short name for a data source (a path, or ``<tensor (N, L)>``)."""
+    if type(source).__name__ == "Tensor":
+        return f"<tensor {tuple(source.shape)}>"
+    return os.fspath(source) if isinstance(source, str | os.PathLike) else type(source).__name__
+
+
+def check_modifiers(sessions: list[Session], model: Any, calibration_data: Any = True) -> None:
+    """Before any measuring or compression: every session's required state, then every modifier's
+    :meth:`~llmc_fsm.Modifier.check_model` (group sizes, targets, an already quantized model).
+
+    Raises:
+        MissingStateError: a modifier needs state one-shot does not give (``steps_per_epoch``...), named.
+        ValueError: from a modifier's ``check_model``; nothing was changed.
+    """
+
+    for session in sessions:
+        missing = session.missing_state(model=model, calibration_data=calibration_data)
+        if missing:  # e.g. steps_per_epoch: only a training loop gives it
+            needs = "; ".join(f"{label} needs {', '.join(sorted(keys))}" for label, keys in missing.items())
+            msg = (
+                f"{needs}, which one-shot does not give (it gives the model and the calibration data): such a "
+                "modifier acts during training; put it in a stage with run_type: train, which one-shot skips, or "
+                "run the recipe in a training loop (docs/training.md)"
+            )
+            raise MissingStateError(msg, lifecycle=session.lifecycle, missing=missing)
+    quantized_by: dict[str, str] = {}  # module -> the quantizing modifier (and stage) that targets it
+    for session in sessions:
+        for modifier in session.modifiers:
+            try:
+                targets = modifier.check_model(model)
+            except ValueError as exc:
+                name = type(modifier).__name__
+                if str(exc).startswith(name):
+                    raise
+                raise ValueError(f"{name}: {exc}") from exc
+            if is_tensor(calibration_data) and isinstance(targets, dict) and targets:
+                _warn_few_tokens(modifier, targets, int(calibration_data.numel()))
+            if not isinstance(targets, dict):
+                targets = _declared_targets(modifier, model)
+            if targets:
+                _check_quantized_once(modifier, session, targets, quantized_by)
+
+
+def _declared_targets(modifier: Any, model: Any) -> dict[str, Any]:
+    """The modules a modifier whose ``check_model`` returns none would compress, from its ``targets`` / ``ignore``
+    (``{}`` when it has none, they match nothing — the modifier reports that itself — or its class says
+    ``adds_zeros = False``: it only keeps existing zeros, as ``ConstantPruningModifier``)."""
+
+    patterns, ignore = getattr(modifier, "targets", None), getattr(modifier, "ignore", None)
+    if not isinstance(patterns, list) or not isinstance(ignore, list) or not getattr(modifier, "adds_zeros", True):
+        return {}
+    try:
+        return select_targets(model, patterns, ignore).selected  # no warnings: the modifier's own checks give them
+    except ValueError:
+        return {}
+
+
+def _check_quantized_once(modifier: Any, session: Session, targets: dict[str, Any], seen: dict[str, str]) -> None:
+    """Refuse a modifier, in recipe order, that compresses a module an earlier modifier of the recipe quantizes.
+
+    Two quantizing modifiers would re-quantize the first one's grid; a pruning one would move quantized weights
+    off their grid (its zeros then missing from the checkpoint's ``sparsity_config``). Unchecked, both failed only
+    after the first stage's work, or with ``fuse_stages`` not at all. ``seen``: module -> the quantizing modifier.
+    """
+    stage = next((st.name for st in session.recipe.stages if any(m is modifier for m in st.modifiers)), None)
+    label = f"{type(modifier).__name__} of stage {stage!r}" if stage is not None else type(modifier).__name__
+    twice = sorted(name for name in targets if name in seen)
+    quantizes = hasattr(modifier, "quantization_scheme")
+    if twice and quantizes:
+        msg = (
+            f"{label} and {seen[twice[0]]} both quantize {len(twice)} modules, e.g. {twice[0]}; a module is "
+            "quantized once: give the modifiers disjoint targets (or ignore)"
+        )
+        raise ValueError(msg)
+    if twice:
+        msg = (
+            f"{label} would compress {len(twice)} modules that {seen[twice[0]]} quantizes before it, e.g. "
+            f"{twice[0]}; prune first, then quantize: put the sparsity stage (or modifier) before the quantization "
+            "one in the recipe"
+        )
+        raise ValueError(msg)
+    if quantizes:
+        seen.update(dict.fromkeys(targets, label))
+
+
+def _warn_few_tokens(modifier: Any, targets: dict[str, Any], tokens: int) -> None:
+    """Warn when a Hessian-based modifier gets fewer calibration tokens than a target has inputs."""
+
+    new_accumulator = getattr(modifier, "_new_accumulator", None)
+    if new_accumulator is None or not all(hasattr(m, "weight") for m in targets.values()):
+        return
+    widest = max(targets, key=lambda name: int(targets[name].weight.shape[-1]))
+    width = int(targets[widest].weight.shape[-1])
+    if not tokens or tokens >= width:
+        return
+    if isinstance(new_accumulator(targets[widest]), HessianAccumulator):
+        logger.warning(
+            "%s: %d calibration tokens for up to %d inputs (%s): the Hessians are rank-deficient and the result "
+            "depends on float rounding (batch size, threads); give at least %d tokens (--num-samples x --seq-len)",
+            type(modifier).__name__,
+            tokens,
+            width,
+            widest,
+            width,
+        )
+
+
+def calibration_inputs(session: Session, windows: Any) -> Any:
+    """``windows`` when a modifier of ``session`` requires ``calibration_data``, else none of them (``windows[:0]``).
+
+    A session of data-free modifiers (round-to-nearest quantization) then compresses every
+    target at once, with no calibration forwards, even when a dataset was given for other stages.
+    """
+    needs = any("calibration_data" in m.required_keys() for m in session.modifiers)
+    return windows if needs else windows[:0]

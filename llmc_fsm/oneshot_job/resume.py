@@ -1,0 +1,353 @@
+"""One-shot resume: the run's fingerprint and its per-layer progress in the work directory.
+
+After each decoder layer is compressed, :class:`LayerProgress` writes
+``progress/pass-P/layer-KKKKK.safetensors`` (written to a ``.partial`` file and
+renamed, so a kill leaves either the whole file or none):
+
+* the layer's ``state_dict()`` — its compressed weights and, for modules the
+  quantization plugin quantized, the compressed-tensors ``weight_scale`` /
+  ``weight_zero_point`` (/ ``weight_g_idx``) parameters;
+* in the safetensors metadata (JSON): each quantized module's
+  ``quantization_scheme`` and ``quantization_status``, and the per-module
+  results (:class:`~llmc_fsm.toolkit.calibrated.ModuleResult`) and skipped targets of
+  every :class:`~llmc_fsm.toolkit.calibrated.CalibratedModifier`, for the report.
+
+A resumed run re-does everything up to ``calibration_start`` exactly as before,
+then restores layers ``0..k-1`` from these files and recomputes the calibration
+activations entering layer ``k`` by running the restored layers on the
+calibration inputs — the same forwards, on the same weights, as the
+uninterrupted run, so the result is bitwise identical (on the same machine,
+with the same number of threads). Recomputing costs one forward per restored
+layer at resume; storing the activations instead would cost a write of the
+whole calibration set's hidden states after every layer.
+
+The calibration windows are kept too (``calibration.safetensors``: generated
+calibration data is not generated again), and the perplexity measured before
+compression (``eval_before.json``, keyed by the evaluation windows' sha256), so
+a resumed run does not measure it again.
+
+:func:`fingerprint` records what the result depends on; :func:`llmc_fsm.output.workdir.fingerprint_changes`
+names what differs. Modifiers that keep per-layer state of their own (override
+``on_sequential_epoch_end`` without deriving from ``CalibratedModifier``) cannot
+be restored, so a run with one keeps no per-layer progress (:func:`resumable`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import os
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import attrs
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from llmc_fsm.core import version
+from llmc_fsm.core.modifier import Modifier, overrides
+from llmc_fsm.core.registry import get_registry
+from llmc_fsm.models.known import KNOWN_MODELS
+from llmc_fsm.oneshot_job.data import DEFAULT_PROMPTS, describe
+from llmc_fsm.output.workdir import LAYOUT, WorkDir
+from llmc_fsm.session.session import Session
+from llmc_fsm.toolkit.calibrated import CalibratedModifier, ModuleResult
+
+__all__ = [
+    "LayerProgress",
+    "fingerprint",
+    "layer_progress",
+    "load_eval_before",
+    "load_windows",
+    "resumable",
+    "save_eval_before",
+    "save_windows",
+]
+
+_WINDOWS = "calibration.safetensors"
+_EVAL_BEFORE = "eval_before.json"
+
+
+# --------------------------------------------------------------------------- fingerprint
+def _digest(chunks: Iterable[bytes]) -> str:
+    h = hashlib.sha256()
+    for chunk in chunks:
+        h.update(chunk)
+    return h.hexdigest()[:16]
+
+
+def _tensor_bytes(t: torch.Tensor) -> bytes:
+    t = t.detach().cpu().contiguous()
+    return f"{t.dtype}{tuple(t.shape)}".encode() + t.view(-1).view(torch.uint8).numpy().tobytes()
+
+
+def _file_digest(path: Path) -> str:
+    with path.open("rb") as fh:
+        return hashlib.file_digest(fh, "sha256").hexdigest()[:16]
+
+
+def _model_item(model: Any) -> dict[str, Any]:
+    """The model: its tensors (an ``nn.Module``), its files (a directory), or its name and package."""
+
+    if isinstance(model, nn.Module):
+        state = model.state_dict()
+        return {
+            "module": type(model).__name__,
+            "sha256": _digest(k.encode() + _tensor_bytes(v) for k, v in state.items()),
+        }
+    key = os.fspath(model)
+    spec = KNOWN_MODELS.get(key)
+    if spec is not None:
+        try:
+            version = importlib.metadata.version(spec.distribution)
+        except importlib.metadata.PackageNotFoundError:
+            version = None
+        return {"name": key, "package": f"{spec.distribution} {version}"}
+    path = Path(key).expanduser()
+    if path.is_dir():
+        files = sorted(p for p in path.iterdir() if p.is_file())
+        return {"directory": str(path.resolve()), "files": {p.name: _file_digest(p) for p in files}}
+    return {"hub id": key}
+
+
+def _versions(modifiers: Iterable[Modifier]) -> dict[str, str | None]:
+
+    versions: dict[str, str | None] = {"llmc-fsm": version.__version__, "torch": torch.__version__}
+    for dist in ("transformers", "compressed-tensors"):
+        try:
+            versions[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            versions[dist] = None
+    for modifier in modifiers:
+        info = get_registry().info(modifier.modifier_name())
+        if info is not None and info.distribution is not None:
+            versions[info.distribution] = info.version
+    return versions
+
+
+def fingerprint(
+    *,
+    model: Any,
+    recipe: Any,
+    modifiers: Iterable[Modifier],
+    dataset: Any,
+    text: str | None,
+    num_samples: int,
+    seq_len: int,
+    batch_size: int,
+    fuse_stages: bool,
+    seed: int,
+    dtype: str = "float32",
+) -> dict[str, Any]:
+    """What a one-shot result depends on, as JSON values (compared item by item on resume).
+
+    Items: ``model`` (sha256 of an in-memory model's tensors; of each file of a
+    model directory; a known model's name and package version), ``recipe``
+    (every setting), ``calibration data`` (source and sha256 of its text or
+    token tensor, windows, length), ``pipeline`` (batch size, stages fused, the load ``dtype``, the
+    calibration order within a layer: :mod:`llmc_fsm.pipeline.true_sequential`),
+    ``seed``, ``library versions`` (llmc-fsm, torch, transformers,
+    compressed-tensors, the modifiers' plugin distributions). Hashing reads the
+    model once (~0.3 s for SmolLM2's 0.5 GB).
+    """
+
+    if isinstance(dataset, torch.Tensor):
+        data: dict[str, Any] = {"source": describe(dataset), "sha256": _digest([_tensor_bytes(dataset)])}
+    elif text is not None:
+        data = {"source": describe(dataset), "sha256": _digest([text.encode("utf-8")])}
+    else:
+        data = {"source": "generated by the model", "sha256": _digest(p.encode() for p in DEFAULT_PROMPTS)}
+    data.update(num_samples=num_samples, seq_len=seq_len)
+    items = {
+        "model": _model_item(model),
+        "recipe": recipe.to_dict(),
+        "calibration data": data,
+        "pipeline": {"batch_size": batch_size, "fuse_stages": fuse_stages, "order": "true sequential", "dtype": dtype},
+        "seed": seed,
+        "library versions": _versions(modifiers),
+    }
+    return json.loads(json.dumps(items))
+
+
+# --------------------------------------------------------------------------- per-layer progress
+def resumable(session: Session) -> bool:
+    """Whether every modifier's per-layer state can be restored (see the module docstring)."""
+    return not any(
+        overrides(m, "on_sequential_epoch_end") and not isinstance(m, CalibratedModifier) for m in session.modifiers
+    )
+
+
+def layer_progress(work: WorkDir | None, pass_index: int, passes: int, session: Session) -> LayerProgress | None:
+    """The saved layers of pass ``pass_index`` in ``work``; ``None`` without a work directory or :func:`resumable`."""
+    if work is None or not resumable(session):
+        return None
+    return LayerProgress(work.progress, pass_index, passes, session)
+
+
+class LayerProgress:
+    """The saved layers of one calibration pass (a :class:`llmc_fsm.pipeline.sequential.LayerCheckpoint`).
+
+    Args:
+        progress: the work directory's ``progress/``.
+        pass_index / passes: this pass (one per session) and the number of passes.
+        session: the pass's session (its modifiers' results are saved and restored).
+    """
+
+    def __init__(self, progress: Path, pass_index: int, passes: int, session: Session) -> None:
+        self.root, self.passes = progress, passes
+        self.directory = progress / f"pass-{pass_index}"
+        self.modifiers = dict(zip(session.labels, session.modifiers, strict=True))
+
+    def _file(self, index: int) -> Path:
+        return self.directory / f"layer-{index:05d}.safetensors"
+
+    def layers_done(self, num_layers: int) -> int:
+        """Leading layers with a readable file (also records the layout for :func:`llmc_fsm.output.workdir.progress_summary`)."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        layout = self.root / LAYOUT
+        if not layout.exists():
+            layout.write_text(json.dumps({"num_layers": num_layers, "passes": self.passes}) + "\n", encoding="utf-8")
+        done = 0
+        while done < num_layers and _readable(self._file(done)):
+            done += 1
+        return done
+
+    def save(self, index: int, layer: nn.Module) -> None:
+        """Write layer ``index`` (its state dict; quantization and results as JSON metadata)."""
+        metadata = {
+            "quantization": json.dumps(_quantization_of(layer)),
+            "results": json.dumps(self._results_of(layer)),
+        }
+        target = self._file(index)
+        tmp = target.with_name(target.name + ".partial")
+        save_file(_unshared(layer.state_dict()), str(tmp), metadata=metadata)
+        os.replace(tmp, target)
+
+    def restore(self, index: int, layer: nn.Module) -> None:
+        """Load layer ``index`` into ``layer`` and the modifiers' results for its modules.
+
+        Raises:
+            ValueError: the file does not fit the layer (another model), naming the file.
+        """
+        path = self._file(index)
+        with safe_open(str(path), "pt") as fh:
+            metadata = fh.metadata() or {}
+        tensors = load_file(str(path))
+        quantization = json.loads(metadata.get("quantization", "{}"))
+        try:
+            _init_quantization(layer, quantization)
+            layer.load_state_dict(tensors, strict=True)
+        except (RuntimeError, ValueError, AttributeError) as err:
+            msg = f"saved progress {str(path)!r} does not fit decoder layer {index}: {str(err).splitlines()[0]}"
+            raise ValueError(msg) from err
+        _set_status(layer, quantization)
+        for label, saved in json.loads(metadata.get("results", "{}")).items():
+            modifier = self.modifiers[label]
+            modifier.results.update({name: ModuleResult(**fields) for name, fields in saved["results"].items()})
+            modifier.skipped.extend(n for n in saved["skipped"] if n not in modifier.skipped)
+
+    def _results_of(self, layer: nn.Module) -> dict[str, Any]:
+        inside = {id(m) for m in layer.modules()}
+        out: dict[str, Any] = {}
+        for label, modifier in self.modifiers.items():
+            if not isinstance(modifier, CalibratedModifier):
+                continue
+            names = [n for n, m in modifier.resolved_targets.items() if id(m) in inside]
+            out[label] = {
+                "results": {n: attrs.asdict(modifier.results[n]) for n in names if n in modifier.results},
+                "skipped": [n for n in names if n in modifier.skipped],
+            }
+        return out
+
+
+def _readable(path: Path) -> bool:
+    if not path.is_file():
+        return False
+    try:
+        with safe_open(str(path), "pt") as fh:
+            fh.metadata()
+    except Exception:  # any unreadable file (e.g. truncated by a power loss) ends the saved prefix
+        return False
+    return True
+
+
+def _unshared(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` with tensors that share memory with an earlier one copied (safetensors refuses shared memory)."""
+    seen: set[int] = set()
+    out = {}
+    for key, value in state.items():
+        ptr = value.untyped_storage().data_ptr()
+        out[key] = value.clone() if ptr in seen else value.contiguous()
+        seen.add(ptr)
+    return out
+
+
+def _quantization_of(layer: nn.Module) -> dict[str, Any]:
+    out = {}
+    for name, module in layer.named_modules():
+        scheme = getattr(module, "quantization_scheme", None)
+        if scheme is not None:
+            status = getattr(module, "quantization_status", None)
+            out[name] = {"scheme": scheme.model_dump(mode="json"), "status": getattr(status, "value", status)}
+    return out
+
+
+def _init_quantization(layer: nn.Module, quantization: Mapping[str, Any]) -> None:
+    """Give the modules that were quantized their compressed-tensors parameters (values come with the state dict)."""
+    if not quantization:
+        return
+    from compressed_tensors.quantization import QuantizationScheme
+    from compressed_tensors.quantization.lifecycle.initialize import initialize_module_for_quantization
+
+    for name, info in quantization.items():
+        scheme = QuantizationScheme.model_validate(info["scheme"])
+        initialize_module_for_quantization(layer.get_submodule(name), scheme, force_zero_point=True)
+
+
+def _set_status(layer: nn.Module, quantization: Mapping[str, Any]) -> None:
+    if not quantization:
+        return
+    from compressed_tensors.quantization import QuantizationStatus
+
+    for name, info in quantization.items():
+        if info["status"] is not None:
+            layer.get_submodule(name).quantization_status = QuantizationStatus(info["status"])
+
+
+# --------------------------------------------------------------------------- calibration windows
+def save_windows(work: Path, windows: torch.Tensor) -> None:
+    """Keep the calibration windows (``LongTensor[N, L]``) for a resumed run."""
+    tmp = work / (_WINDOWS + ".partial")
+    save_file({"windows": windows.contiguous()}, str(tmp))
+    os.replace(tmp, work / _WINDOWS)
+
+
+def load_windows(work: Path) -> torch.Tensor | None:
+    """The calibration windows a run saved in ``work``, or ``None``."""
+    path = work / _WINDOWS
+    return load_file(str(path))["windows"] if _readable(path) else None
+
+
+# --------------------------------------------------------------------------- perplexity before compression
+def _eval_key(windows: torch.Tensor) -> str:
+    return _digest([_tensor_bytes(windows)])
+
+
+def save_eval_before(work: Path, windows: torch.Tensor, ppl: float) -> None:
+    """Keep the perplexity measured before compression on ``windows`` (``LongTensor[N, L]``)."""
+    tmp = work / (_EVAL_BEFORE + ".partial")
+    tmp.write_text(json.dumps({"windows_sha256": _eval_key(windows), "ppl": ppl}) + "\n", encoding="utf-8")
+    os.replace(tmp, work / _EVAL_BEFORE)
+
+
+def load_eval_before(work: Path, windows: torch.Tensor) -> float | None:
+    """The perplexity a run saved in ``work`` for the same evaluation ``windows``, or ``None``."""
+    try:
+        saved = json.loads((work / _EVAL_BEFORE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return float(saved["ppl"]) if saved.get("windows_sha256") == _eval_key(windows) else None

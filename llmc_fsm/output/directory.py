@@ -1,0 +1,132 @@
+"""The output directory of the one-shot job, checked before any work: writable, empty or replaceable, not the source.
+
+* :func:`check_output_dir` — every check that needs no model (exists, empty, writable, not the working directory);
+* :func:`check_output_not_source` — not the directory the model is read from, nor one containing it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from llmc_fsm.models.known import KNOWN_MODELS, cache_root
+
+__all__ = ["check_output_dir", "check_output_not_source"]
+
+
+#: A non-empty directory holding one of these may be replaced with overwrite=True.
+_MODEL_DIR_MARKERS = ("config.json", "recipe.yaml", "report.json", "model.safetensors")
+
+
+def check_output_dir(output_dir: str | os.PathLike[str] | None, overwrite: bool) -> Path | None:
+    """The resolved output directory, checked before any model work (``None`` when not given).
+
+    Raises:
+        FileExistsError: it exists and is a file, or is non-empty without ``overwrite``, or ``overwrite`` would
+            replace a directory that is not a model output.
+        ValueError: it is the working directory or contains it, or a mount point.
+        NotADirectoryError: its first existing parent is a file (``README.md/sub``).
+        PermissionError: its first existing parent is not writable.
+
+    The directory itself is created later, with its work directory
+    (:meth:`llmc_fsm.output.workdir.WorkDir.claim`), still before any model work.
+    """
+    if output_dir is None:
+        return None
+    path = Path(output_dir).expanduser().resolve()
+    if path.exists() and not path.is_dir():
+        msg = f"output {str(path)!r} exists and is not a directory"
+        raise FileExistsError(msg)
+    cwd = Path.cwd().resolve()
+    if path == cwd or path in cwd.parents:
+        msg = (
+            f"output directory {str(path)!r} is the current directory or contains it, and the output replaces the "
+            "whole directory; choose a new directory (e.g. --output out/my-model)"
+        )
+        raise ValueError(msg)
+    if path.is_dir() and os.path.ismount(path):
+        msg = (
+            f"output directory {str(path)!r} is a mount point, which the output cannot replace (it is written "
+            f"beside the directory and then renamed into place); pass a directory inside it, e.g. "
+            f"{str(path / 'model')!r}"
+        )
+        raise ValueError(msg)
+    if path.is_dir() and any(path.iterdir()):
+        if not overwrite:
+            msg = (
+                f"output directory {str(path)!r} exists and is not empty; pass overwrite=True (--overwrite) to "
+                "replace it"
+            )
+            if (path / "report.json").is_file():
+                msg += ". It holds a finished run (report.json), so there is nothing to resume"
+                msg += (
+                    " (its model is quantized, and a quantized model is not compressed further: start from the "
+                    "full-precision one)"
+                    if _is_quantized_dir(path)
+                    else "; to compress that model further, give it as the model (model=DIR, --model DIR) with a new "
+                    "output directory"
+                )
+            raise FileExistsError(msg)
+        if not any((path / name).exists() for name in _MODEL_DIR_MARKERS):
+            msg = (
+                f"output directory {str(path)!r} does not look like a model directory (none of "
+                f"{', '.join(_MODEL_DIR_MARKERS)}); overwrite=True (--overwrite) only replaces an earlier output or a "
+                "model directory, never other files. Choose a new directory or empty this one yourself"
+            )
+            raise FileExistsError(msg)
+    parent = path.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        msg = f"cannot create the output directory {str(path)!r}: {str(parent)!r} is a file, not a directory"
+        raise NotADirectoryError(msg)
+    if not os.access(parent, os.W_OK):
+        msg = (
+            f"cannot write the output directory {str(path)!r}: cannot create files in {str(parent)!r} "
+            "(Permission denied)"
+        )
+        raise PermissionError(msg)
+    return path
+
+
+def check_output_not_source(output_dir: Any, model: Any) -> None:
+    """Refuse an output directory that is, or contains, the directory the model is read from.
+
+    ``model`` is a directory path, a known model name (its cache directory) or a loaded transformers model (its
+    ``name_or_path``). The output replaces its
+    whole directory when it is written, so even with ``overwrite`` the source model would be lost.
+
+    Raises:
+        ValueError: it is; nothing was read or written.
+    """
+    if output_dir is None:
+        return
+
+    out = Path(output_dir).expanduser().resolve()
+    candidates = [model] if isinstance(model, str | os.PathLike) else [getattr(model, "name_or_path", None)]
+    for candidate in candidates:
+        if not isinstance(candidate, str | os.PathLike) or not os.fspath(candidate):
+            continue
+        source = Path(candidate).expanduser().resolve()
+        known = isinstance(candidate, str) and candidate in KNOWN_MODELS and not source.is_dir()
+        if known:  # read from its cache directory, which need not exist yet
+            source = (cache_root() / "models" / candidate).resolve()
+        if (known or source.is_dir()) and (out == source or out in source.parents):
+            relation = "is" if out == source else "contains"
+            msg = (
+                f"output directory {str(out)!r} {relation} the directory the model is read from ({str(source)!r}), "
+                f"and the output replaces the whole directory: choose a new directory (e.g. "
+                f"{str(source) + '-compressed'!r})"
+            )
+            raise ValueError(msg)
+
+
+def _is_quantized_dir(path: Path) -> bool:
+    """Whether ``path/config.json`` carries a ``quantization_config`` (unreadable or absent: ``False``)."""
+    try:
+        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and config.get("quantization_config") is not None

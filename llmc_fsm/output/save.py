@@ -1,0 +1,255 @@
+"""Saving the one-shot output in Hugging Face layout, compressed where the model is quantized.
+
+Checked before any work by :mod:`llmc_fsm.output.directory`; written in a hidden work directory and renamed into
+place (:mod:`llmc_fsm.output.workdir`).
+
+* :func:`save_model` — the model in Hugging Face layout (safetensors). A model
+  whose modules carry ``compressed-tensors`` quantization (the quantization
+  plugin's GPTQ/RTN) is saved compressed through ``compressed-tensors``: packed
+  int4 (``pack-quantized``) for W4A16, int8 (``int-quantized``) for W8A8, fp8
+  (``float-quantized``) for FP8, with ``quantization_config``
+  (``quant_method: compressed-tensors``) in ``config.json`` and, when the
+  quantized weights are sparse, a dense-format ``sparsity_config`` recording
+  the measured sparsity and its structure. ``transformers`` loads it with
+  ``compressed-tensors`` installed, vLLM serves it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from llmc_fsm.models.known import fix_safetensors_permissions
+from llmc_fsm.output.compressed import leaf_targets, unpacked_zero_points
+from llmc_fsm.recipes.model import Recipe
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "compressed_state_dict",
+    "dir_size_bytes",
+    "pruned_sparsity",
+    "quantized_modules",
+    "quantized_weights_as_compressed",
+    "save_model",
+    "sparsity_structure",
+    "weights_disk_bytes",
+    "weights_on_grid",
+    "write_output",
+    "write_quantization_config",
+]
+
+
+def sparsity_structure(recipe: Recipe) -> str | None:
+    """The first non-unstructured ``mask_structure`` of the recipe's modifiers (e.g. ``"2:4"``), else ``None``.
+
+    Stages already applied count too: a 2:4 model quantized in a later run keeps its 2:4 (GPTQ keeps every zero).
+    """
+    for modifier in (m for stage in recipe.stages for m in stage.modifiers):
+        structure = getattr(modifier, "mask_structure", None)
+        if isinstance(structure, str) and structure not in ("unstructured", "0:0"):
+            return structure
+    return None
+
+
+def write_output(
+    directory: Path, model: nn.Module, tokenizer: Any, recipe: Recipe, report: Any, disk_before: int | None
+) -> None:
+    """Write the model (:func:`save_model`), its tokenizer and ``recipe.yaml`` (stages applied) into ``directory``.
+
+    Also fills ``report.disk`` (bytes of the weights before and after) and
+    ``report.seconds["save"]``; ``report.json`` is the caller's to write, last.
+
+    Raises:
+        OSError: writing failed.
+    """
+    import time
+
+    t0 = time.perf_counter()
+    save_model(model, directory, sparsity_structure=sparsity_structure(recipe), sparsity=pruned_sparsity(report))
+    if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
+        tokenizer.save_pretrained(directory)
+    (directory / "recipe.yaml").write_text(recipe.to_yaml(applied=True), encoding="utf-8")
+    report.disk = {
+        "before_bytes": disk_before,
+        "after_bytes": sum(p.stat().st_size for p in directory.glob("*.safetensors")),
+    }
+    report.seconds["save"] = time.perf_counter() - t0
+
+
+def weights_disk_bytes(source: Path, loaded: nn.Module) -> int:
+    """Bytes of the weight files a model was loaded from (``*.safetensors``, else ``*.bin``): in ``source`` when it
+    is a directory, else in the directory the model was loaded from (a known model's cache), else its parameters'
+    size in memory. Tokenizer and config files do not count."""
+    for directory in (source, Path(getattr(loaded, "name_or_path", "") or "/nonexistent")):
+        if directory.is_dir():
+            for pattern in ("*.safetensors", "*.bin"):
+                weights = list(directory.glob(pattern))
+                if weights:
+                    return sum(p.stat().st_size for p in weights)
+    return sum(p.numel() * p.element_size() for p in loaded.parameters())
+
+
+def dir_size_bytes(path: str | os.PathLike[str]) -> int:
+    """Bytes of every file under ``path`` (0 if it does not exist)."""
+    root = Path(path)
+    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file()) if root.exists() else 0
+
+
+def quantized_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """``{name: module}`` of the modules that carry a ``compressed-tensors`` ``quantization_scheme``."""
+    return {name: m for name, m in model.named_modules() if getattr(m, "quantization_scheme", None) is not None}
+
+
+def pruned_sparsity(report: Any) -> float:
+    """Fraction of the quantized weights in ``report`` that are pruned (zero before quantization, kept zero).
+
+    A quantized module's ``zeros`` in the report count only those (see
+    :class:`llmc_fsm.toolkit.calibrated.ModuleResult`): values that quantization rounds
+    to zero are not sparsity. 0.0 without quantized modules.
+    """
+    quantized = [m for m in report.modules if m.bits is not None]
+    numel = sum(m.numel for m in quantized)
+    return sum(m.zeros for m in quantized) / numel if numel else 0.0
+
+
+@contextlib.contextmanager
+def weights_on_grid() -> Iterator[Callable[[Iterable[nn.Module]], None]]:
+    """Yields ``mark(modules)``: until the block ends, forwards skip re-quantizing the weights of those modules.
+
+    compressed-tensors' forward fake-quantizes a ``frozen`` module's weight on every
+    call; ours already hold exactly those values (fake quantization is idempotent), as
+    the weights of a reloaded checkpoint do, whose modules are marked ``compressed``.
+    ``mark`` marks the frozen quantized modules among ``modules`` so too (activation
+    quantization still runs; other modules are left alone), and the block restores
+    ``frozen`` when it ends: the same outputs bitwise, ~40% less time per forward for
+    W8A8 on SmolLM2-135M. compressed-tensors is imported only when a module carries a
+    quantization scheme.
+    """
+    marked: list[nn.Module] = []
+
+    def mark(modules: Iterable[nn.Module]) -> None:
+        quantized = [m for m in modules if getattr(m, "quantization_scheme", None) is not None]
+        if not quantized:
+            return
+        from compressed_tensors.quantization import QuantizationStatus
+
+        for module in quantized:
+            if module.quantization_status == QuantizationStatus.FROZEN:
+                module.quantization_status = QuantizationStatus.COMPRESSED
+                marked.append(module)
+
+    try:
+        yield mark
+    finally:
+        if marked:
+            from compressed_tensors.quantization import QuantizationStatus
+
+            for module in marked:
+                module.quantization_status = QuantizationStatus.FROZEN
+
+
+@contextlib.contextmanager
+def quantized_weights_as_compressed(model: nn.Module) -> Iterator[None]:
+    """Within the block, forwards skip the re-quantization of every weight of ``model`` that already holds its
+    grid values (:func:`weights_on_grid` for all its modules)."""
+    with weights_on_grid() as mark:
+        mark(model.modules())
+        yield
+
+
+def save_model(
+    model: nn.Module, directory: Path, *, sparsity_structure: str | None = None, sparsity: float = 0.0
+) -> None:
+    """Write ``model`` to ``directory`` in Hugging Face layout; compressed through compressed-tensors if quantized.
+
+    The in-memory model is not changed: the compressed tensors are built in a
+    separate state dict, module by module, with compressed-tensors' own
+    compressors (``BaseCompressor.compress``).
+
+    Args:
+        model: a ``transformers`` ``PreTrainedModel``.
+        directory: an existing, empty directory.
+        sparsity_structure: written to ``sparsity_config`` when the quantized weights are sparse
+            (e.g. ``"2:4"``; default ``"unstructured"``).
+        sparsity: the fraction of the quantized weights that was pruned before quantization
+            (:func:`pruned_sparsity`); from 5% on, a dense-format ``sparsity_config`` is written.
+            Given, not measured: quantization rounds small values to exact zeros that are not sparsity.
+
+    Raises:
+        OSError: writing failed.
+    """
+
+    _save_weights(model, directory, sparsity_structure, sparsity)
+    fix_safetensors_permissions(directory)  # safetensors writes 0600 files; follow the umask like the rest
+
+
+def _save_weights(model: nn.Module, directory: Path, sparsity_structure: str | None, sparsity: float) -> None:
+    if not quantized_modules(model):
+        model.save_pretrained(directory, safe_serialization=True)
+        return
+    model.save_pretrained(directory, state_dict=compressed_state_dict(model), safe_serialization=True)
+    write_quantization_config(model, directory, sparsity=sparsity, sparsity_structure=sparsity_structure)
+
+
+def compressed_state_dict(module: nn.Module, prefix: str = "") -> dict[str, Any]:
+    """``module``'s state dict, keys prefixed, with each quantized submodule's tensors compressed.
+
+    Each quantized submodule's compressed-tensors format is inferred (and set on its scheme) and its
+    tensors replaced by what that format's compressor (``BaseCompressor.compress``) gives, e.g.
+    ``weight_packed`` int32 + ``weight_shape`` for ``pack-quantized``. ``module`` is not changed.
+    """
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.compressors.format import infer_model_format
+    from compressed_tensors.utils.module import get_direct_state_dict
+
+    unpacked_zero_points(quantized_modules(module))
+    infer_model_format(module)  # sets each quantized module's scheme.format
+    state = {prefix + key: value for key, value in module.state_dict().items()}
+    for name, sub in quantized_modules(module).items():
+        scheme = sub.quantization_scheme
+        local = get_direct_state_dict(sub)
+        packed = BaseCompressor.get_value_from_registry(scheme.format.value).compress(local, scheme)
+        sub_prefix = f"{prefix}{name}." if name else prefix
+        for key in local:
+            state.pop(sub_prefix + key, None)
+        state.update({sub_prefix + key: value.contiguous() for key, value in packed.items() if value is not None})
+    return state
+
+
+def write_quantization_config(
+    model: nn.Module, directory: Path, *, sparsity: float, sparsity_structure: str | None
+) -> None:
+    """Add ``quantization_config`` (status compressed) to ``directory/config.json`` from ``model``'s schemes.
+
+    Reads only the schemes on ``model``'s modules, so its weights may be on the ``meta`` device. A
+    dense-format ``sparsity_config`` is added when ``sparsity`` (pruned fraction of the quantized weights,
+    :func:`pruned_sparsity`) is >= 5%.
+    """
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import QuantizationStatus
+
+    with leaf_targets(quantized_modules(model)):  # what was quantized, not recipe patterns (the config holds the
+        compressor = ModelCompressor.from_pretrained_model(model)  # modules' scheme objects: written inside)
+        compressor.quantization_config.quantization_status = QuantizationStatus.COMPRESSED  # what the tensors are
+        compressor.update_config(str(directory))
+    if sparsity >= 0.05:
+        targets = sorted(quantized_modules(model))
+        _write_sparsity_config(directory, sparsity, sparsity_structure or "unstructured", targets)
+
+
+def _write_sparsity_config(directory: Path, sparsity: float, structure: str, targets: list[str]) -> None:
+    from compressed_tensors.config import DenseSparsityConfig
+
+    config_path = directory / "config.json"
+    config: dict[str, Any] = json.loads(config_path.read_text(encoding="utf-8"))
+    sparsity_config = DenseSparsityConfig(global_sparsity=sparsity, sparsity_structure=structure, targets=targets)
+    config["quantization_config"]["sparsity_config"] = sparsity_config.model_dump()
+    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")

@@ -1,0 +1,344 @@
+"""The hidden work directory of a one-shot job with an output directory: claimed before any model work.
+
+For an output directory ``DIR/NAME`` the job works in ``DIR/.NAME.work`` — a
+fixed name, so a later run finds it again::
+
+    owner.lock        an OS file lock (filelock) held while the job runs; the kernel
+                      releases it when the process ends, even on SIGKILL
+    owner.json        pid, host, start time, command and torch threads of the job that created it
+    fingerprint.json  what the result depends on (see :func:`llmc_fsm.oneshot_job.resume.fingerprint`)
+    calibration.safetensors, eval_before.json, progress/
+                      per-layer progress (see :mod:`llmc_fsm.oneshot_job.resume`)
+    output/           the output being written; renamed to NAME once complete
+    previous/         an earlier output being replaced (``overwrite``), during the swap
+
+:meth:`WorkDir.claim` creates it (and any missing parents) before the model is
+loaded, so an output path that cannot be written fails at once. A work
+directory whose lock is held belongs to a live run and is never touched. One
+whose owner is gone is *stale*: without saved layers it is cleared and reused;
+with saved layers it is resumed with ``resume=True`` (``--resume``) when its
+fingerprint matches, and otherwise reported (size, how to resume or remove it)
+and left as it is. On failure (:meth:`WorkDir.abort`) the partial output is
+removed; saved layers are kept only after an interruption (Ctrl-C, SIGTERM) or
+an ``OSError`` (e.g. a full disk), and the exception gets a note saying where.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+import shutil
+import socket
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from filelock import FileLock, Timeout
+
+from llmc_fsm.output.save import dir_size_bytes
+from llmc_fsm.recipes.history import settings_diff
+
+__all__ = ["LAYOUT", "WorkDir", "fingerprint_changes", "progress_summary", "recover_previous", "work_dir_path"]
+
+logger = logging.getLogger(__name__)
+
+_LOCK = "owner.lock"
+_OWNER = "owner.json"
+_FINGERPRINT = "fingerprint.json"
+
+
+def work_dir_path(output: Path) -> Path:
+    """``DIR/.NAME.work`` for the output directory ``DIR/NAME``."""
+    return output.parent / f".{output.name}.work"
+
+
+def _not_writable(output: Path, parent: Path, reason: str) -> PermissionError:
+    return PermissionError(
+        f"cannot write the output directory {str(output)!r}: cannot create files in {str(parent)!r} ({reason})"
+    )
+
+
+def _make_parents(output: Path) -> list[Path]:
+    """Create the missing parents of ``output``; return those created, outermost first."""
+    missing = []
+    parent = output.parent
+    while not parent.exists():
+        missing.append(parent)
+        parent = parent.parent
+    created = []
+    for directory in reversed(missing):
+        try:
+            directory.mkdir()
+        except FileExistsError:
+            continue
+        except OSError as err:
+            _remove_created(created)
+            raise _not_writable(output, directory.parent, err.strerror or str(err)) from None
+        created.append(directory)
+    return created
+
+
+def _remove_created(created: list[Path]) -> None:
+    for directory in reversed(created):
+        try:
+            directory.rmdir()
+        except OSError:
+            break
+
+
+class WorkDir:
+    """A claimed work directory (see the module docstring).
+
+    Attributes:
+        path: the work directory.
+        output: the final output directory.
+        resumed: saved progress matched the fingerprint and will be continued.
+    """
+
+    def __init__(self, path: Path, output: Path, lock: FileLock, created: list[Path]) -> None:
+        self.path, self.output, self._lock, self._created = path, output, lock, created
+        self.resumed = False
+        self._fresh = False
+        self._settled = False
+        self._published = False
+
+    @property
+    def staging(self) -> Path:
+        """Where the output is written before it is renamed into place."""
+        return self.path / "output"
+
+    @property
+    def progress(self) -> Path:
+        """Per-layer progress (see :class:`llmc_fsm.oneshot_job.resume.LayerProgress`)."""
+        return self.path / "progress"
+
+    # --- claiming -------------------------------------------------------------------
+    @classmethod
+    def claim(cls, output: Path) -> WorkDir:
+        """Create (with any missing parents) and lock the work directory of ``output``; nothing in it is touched.
+
+        Call :meth:`settle` next, or :meth:`release` on an error before that.
+
+        Raises:
+            PermissionError: the output's parent or the work directory cannot be created.
+            FileExistsError: another live run holds it.
+        """
+        created = _make_parents(output)
+        path = work_dir_path(output)
+        fresh = not path.exists()
+        try:
+            path.mkdir(exist_ok=True)
+        except OSError as err:
+            _remove_created(created)
+            raise _not_writable(output, output.parent, err.strerror or str(err)) from None
+        work = cls(path, output, FileLock(path / _LOCK, fallback_to_soft=False), created if fresh else [])
+        work._fresh = fresh
+        try:
+            work._lock.acquire(blocking=False)
+        except Timeout:
+            raise FileExistsError(work._busy_message()) from None
+        return work
+
+    def settle(self, fingerprint: dict[str, Any], *, resume: bool) -> None:
+        """Take over what a dead owner left: resume its progress, refuse, or clear it; record this run.
+
+        Raises:
+            FileExistsError: (without ``resume``) an interrupted run left saved layers here.
+            ValueError: ``resume`` and the saved fingerprint differs (names what changed).
+        """
+        self._settle(fingerprint, resume)
+        self._write_json(_OWNER, _owner_record())
+        self._write_json(_FINGERPRINT, fingerprint)
+        self._settled = True
+
+    def release(self) -> None:
+        """Give the work directory up before :meth:`settle`: removed if this run created it, else left as it was."""
+        if self._fresh:
+            self._remove()
+        else:
+            self._lock.release()
+
+    def _busy_message(self) -> str:
+        owner = self._read_json(_OWNER) or {}
+        who = f"pid {owner.get('pid', '?')} on {owner.get('host', '?')}, since {owner.get('started', '?')}"
+        return (
+            f"output {str(self.output)!r} is being written by another run ({who}); wait for it to finish or "
+            "choose another output directory"
+        )
+
+    def _settle(self, fingerprint: dict[str, Any], resume: bool) -> None:
+        """Decide what to do with what an earlier (dead) owner left here."""
+        summary = progress_summary(self.progress)
+        if summary is None:
+            if resume:
+                logger.warning("resume: no saved progress in %s; starting from the first layer", self.path)
+            self._clear(keep=())
+            return
+        if not resume:
+            size = dir_size_bytes(self.path) / 1e6
+            msg = (
+                f"output {str(self.output)!r}: an interrupted run left its progress in {str(self.path)!r} "
+                f"({summary}, {size:.1f} MB); run the same command with --resume (resume=True) to continue it, "
+                "or remove that directory to start over"
+            )
+            raise FileExistsError(msg)
+        changes = fingerprint_changes(self._read_json(_FINGERPRINT), fingerprint)
+        if changes:
+            msg = (
+                f"cannot resume from {str(self.path)!r}: {'; '.join(changes)} — changed since that run; use the "
+                "original settings, or remove that directory to start over"
+            )
+            raise ValueError(msg)
+        threads = (self._read_json(_OWNER) or {}).get("threads")
+        if threads is not None and threads != _threads():
+            logger.warning(
+                "the interrupted run used %s torch threads, this one %s: the result may differ in the last bits from "
+                "an uninterrupted run (pass --threads %s for the same bits)",
+                threads,
+                _threads(),
+                threads,
+            )
+        self._clear(keep=("progress", "calibration.safetensors", "eval_before.json"))
+        self.resumed = True
+        logger.warning("resuming from %s (%s)", self.path, summary)
+
+    def _clear(self, keep: tuple[str, ...]) -> None:
+        for entry in self.path.iterdir():
+            if entry.name in (_LOCK, *keep):
+                continue
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry)
+            else:
+                entry.unlink()
+
+    # --- files ------------------------------------------------------------------------
+    def _read_json(self, name: str) -> Any:
+        try:
+            return json.loads((self.path / name).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return None
+
+    def _write_json(self, name: str, value: Any) -> None:
+        tmp = self.path / f"{name}.partial"
+        tmp.write_text(json.dumps(value, indent=1, sort_keys=True) + "\n", encoding="utf-8")
+        os.replace(tmp, self.path / name)
+
+    # --- ending -----------------------------------------------------------------------
+    def publish(self) -> None:
+        """Move the complete :attr:`staging` output into place (replacing an earlier one) and remove the rest."""
+        previous = self.path / "previous"
+        if self.output.exists():
+            os.rename(self.output, previous)
+        try:
+            os.rename(self.staging, self.output)
+        except BaseException:
+            if previous.exists():
+                os.rename(previous, self.output)
+            raise
+        self._published = True
+        self._remove()
+
+    def abort(self, exc: BaseException) -> None:
+        """Clean up after ``exc``: keep saved layers after an interruption or ``OSError``, or when this run resumed
+        them (an earlier run's progress is not this error's to discard); else remove everything."""
+        if not self._settled:
+            self.release()
+            return
+        if self._published:  # interrupted while removing what is left: the output is complete
+            self._remove()
+            return
+        shutil.rmtree(self.staging, ignore_errors=True)
+        summary = progress_summary(self.progress)
+        if summary is not None and (isinstance(exc, KeyboardInterrupt | OSError) or self.resumed):
+            exc.add_note(
+                f"progress kept in {str(self.path)!r} ({summary}): run the same command with --resume "
+                "(resume=True) to continue, or remove that directory"
+            )
+            self._lock.release()
+            return
+        self._remove()
+
+    def _remove(self) -> None:
+        shutil.rmtree(self.path, ignore_errors=True)
+        self._lock.release()
+        _remove_created(self._created)
+
+
+def recover_previous(output: Path) -> bool:
+    """Put back an earlier output that a run killed while replacing it had moved aside; ``True`` if it did.
+
+    Nothing is done while another run holds the work directory.
+    """
+    path = work_dir_path(output)
+    previous = path / "previous"
+    if output.exists() or not previous.is_dir():
+        return False
+    lock = FileLock(path / _LOCK, fallback_to_soft=False)
+    try:
+        lock.acquire(blocking=False)
+    except Timeout:
+        return False
+    try:
+        os.rename(previous, output)
+    finally:
+        lock.release()
+    logger.warning("restored %s: a run was killed while replacing it", output)
+    return True
+
+
+def _threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
+def _owner_record() -> dict[str, Any]:
+    return {
+        "threads": _threads(),
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "command": sys.argv,
+    }
+
+
+#: The per-layer progress layout file under ``progress/`` (written by :class:`llmc_fsm.oneshot_job.resume.LayerProgress`).
+LAYOUT = "layout.json"
+
+
+def fingerprint_changes(saved: Mapping[str, Any] | None, current: Mapping[str, Any]) -> list[str]:
+    """``"item (what changed)"`` for every item of ``current`` that differs from ``saved`` (empty: same run)."""
+    if not isinstance(saved, Mapping):
+        return ["the saved fingerprint (fingerprint.json is missing or unreadable)"]
+    changes = []
+    for key, new in current.items():
+        old = saved.get(key)
+        if old == new:
+            continue
+        if key == "model" and isinstance(old, Mapping) and "files" in old and "files" in new:
+            files = dict.fromkeys([*old["files"], *new["files"]])
+            diff = "files changed: " + ", ".join(n for n in files if old["files"].get(n) != new["files"].get(n))
+            if old.get("directory") != new.get("directory"):
+                diff = f"directory {old.get('directory')!r} -> {new.get('directory')!r}"
+        else:
+            diff = settings_diff(old, new).strip()
+        changes.append(f"{key} ({diff})")
+    return changes
+
+
+def progress_summary(progress: Path) -> str | None:
+    """``"k of N decoder layers done"`` for the saved layers under ``progress``, or ``None`` when there are none."""
+    done = len(list(progress.glob("pass-*/layer-*.safetensors")))
+    if not done:
+        return None
+    try:
+        layout = json.loads((progress / LAYOUT).read_text(encoding="utf-8"))
+        layers, passes = int(layout["num_layers"]), int(layout["passes"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"{done} decoder layers done"
+    if passes == 1:
+        return f"{done} of {layers} decoder layers done"
+    return f"{done} of {layers * passes} layer passes done ({passes} passes over {layers} decoder layers)"

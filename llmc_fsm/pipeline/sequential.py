@@ -1,0 +1,330 @@
+"""The sequential calibration pipeline: calibrate and compress a model one decoder layer at a time.
+
+Flow (:func:`run_sequential`)::
+
+    capture the inputs of decoder layer 0      (embedding runs once per batch)
+    record one forward of layer 0              (call order, which modules share an input)
+    session.calibration_start()
+    restore the layers a checkpoint holds      (resume: their saved compressed state;
+                                                the inputs are run through them)
+    for each remaining decoder layer:
+        run every calibration batch through the layer once (each batch a coroutine);
+        at each group of targets (q/k/v, o, gate/up, down) all batches wait:
+            session.sequential_epoch_end(group)         (modifiers compress the group)
+        session.sequential_epoch_end([layer])           (whatever the forward did not reach)
+        checkpoint.save(layer)                          (optional: per-layer progress)
+        the outputs feed the next layer
+
+With ``true_sequential=False`` (or a layer whose targets are not all leaves
+hooked by pre-hooks) each layer runs the plain order instead: every batch
+through the layer for the hooks (ending at the input of the last hooked
+module), ``sequential_epoch_end([layer])``, every batch through the compressed
+layer.
+
+Peak memory is the model plus one layer's activations for the calibration
+batches (and whatever statistics the modifiers keep for that layer), not the
+activations of the whole model. Everything runs under ``torch.no_grad``.
+
+Only the decoder layers are calibrated: the embedding, the final norm and the
+head see no calibration pass, so modifiers must not target modules outside
+the layers (checked before any work, see :func:`check_targets_in_layers`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+import attrs
+import torch
+from torch import nn
+
+from llmc_fsm.core.errors import LifecycleError
+from llmc_fsm.models.layers import find_decoder_layers
+from llmc_fsm.pipeline.forward import Inputs, capture_layer_inputs, record_calls
+from llmc_fsm.pipeline.layer import compress_layer, propagate
+from llmc_fsm.session.session import Session
+from llmc_fsm.toolkit.calibrated import CalibratedModifier
+from llmc_fsm.toolkit.heap import trim_heap
+
+__all__ = [
+    "LayerCheckpoint",
+    "PipelineResult",
+    "calibration_batches",
+    "check_targets_in_layers",
+    "run_sequential",
+]
+
+logger = logging.getLogger(__name__)
+
+
+@attrs.define(kw_only=True)
+class PipelineResult:
+    """What :func:`run_sequential` did.
+
+    Attributes:
+        layers_name: qualified name of the decoder-layer list (e.g. ``"model.layers"``).
+        num_layers: decoder layers calibrated.
+        num_batches: calibration batches per layer.
+        num_tokens: calibration tokens (all batches).
+        layer_seconds: wall time per layer (calibration + compression + propagation).
+        seconds: total wall time of the pipeline.
+        resumed_layers: leading layers restored from a :class:`LayerCheckpoint` instead of calibrated.
+    """
+
+    layers_name: str
+    num_layers: int
+    num_batches: int
+    num_tokens: int
+    layer_seconds: list[float]
+    seconds: float
+    resumed_layers: int = 0
+
+
+def calibration_batches(data: Any, *, batch_size: int = 8) -> list[dict[str, Any]]:
+    """Turn calibration data into a list of keyword-argument dicts for ``model(**batch)``.
+
+    Accepted ``data``:
+
+    * a ``LongTensor[N, L]`` of token windows: split into batches of ``batch_size`` rows;
+    * an iterable of ``LongTensor[B, L]`` (``input_ids`` batches) or of mappings
+      (passed to the model as keyword arguments, e.g. ``{"input_ids": ..., "attention_mask": ...}``).
+
+    Raises:
+        ValueError: empty data, ``batch_size < 1``, or an unsupported item type.
+    """
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        msg = f"batch_size must be a positive int, got {batch_size!r}"
+        raise ValueError(msg)
+    if isinstance(data, torch.Tensor):
+        if data.dim() == 1:
+            data = data.unsqueeze(0)
+        if data.dim() != 2 or data.is_floating_point():
+            msg = f"calibration tensor must be integer token ids of shape [N, L], got {data.dtype} {tuple(data.shape)}"
+            raise ValueError(msg)
+        batches = [{"input_ids": chunk} for chunk in data.split(batch_size)]
+    else:
+        batches = []
+        for item in data:
+            if isinstance(item, torch.Tensor):
+                batches.append({"input_ids": item if item.dim() == 2 else item.unsqueeze(0)})
+            elif isinstance(item, Mapping):
+                batches.append(dict(item))
+            else:
+                msg = f"calibration batches must be LongTensors or dicts of model inputs, got {type(item).__name__}"
+                raise ValueError(msg)
+    if not batches:
+        msg = "calibration data is empty: give at least one batch of token ids"
+        raise ValueError(msg)
+    return batches
+
+
+def check_targets_in_layers(session: Session, layers: nn.ModuleList, layers_name: str) -> None:
+    """Raise before any work if a modifier targets a module the pipeline never calibrates.
+
+    Modifiers that expose ``resolved_targets`` (``{name: module}``, e.g. the
+    pruning plugin's) are checked; others are trusted.
+
+    Raises:
+        ValueError: naming the modifier, the modules outside the layers and the fix.
+    """
+    inside = {id(m) for m in layers.modules()}
+    for modifier in session.modifiers:
+        targets = getattr(modifier, "resolved_targets", None)
+        if not isinstance(targets, Mapping):
+            continue
+        outside = [name for name, module in targets.items() if id(module) not in inside]
+        if outside:
+            shown = ", ".join(outside[:5]) + (f" and {len(outside) - 5} more" if len(outside) > 5 else "")
+            msg = (
+                f"{modifier.modifier_name()} targets {shown}, outside the decoder layers ({layers_name}); the "
+                "sequential pipeline calibrates only the decoder layers. Add them to the modifier's ignore list."
+            )
+            raise ValueError(msg)
+
+
+class LayerCheckpoint(Protocol):
+    """Per-layer progress that :func:`run_sequential` can save and resume from (see :mod:`llmc_fsm.oneshot_job.resume`)."""
+
+    def layers_done(self, num_layers: int) -> int:
+        """How many leading decoder layers are already compressed and saved (0 for a fresh run)."""
+
+    def restore(self, index: int, layer: nn.Module) -> None:
+        """Put the saved compressed state of decoder layer ``index`` into ``layer``."""
+
+    def save(self, index: int, layer: nn.Module) -> None:
+        """Save decoder layer ``index`` right after the modifiers compressed it."""
+
+
+def run_sequential(
+    session: Session,
+    *,
+    model: nn.Module | None = None,
+    calibration_data: Any = None,
+    batch_size: int = 8,
+    progress: bool = True,
+    early_exit: bool = True,
+    true_sequential: bool = True,
+    checkpoint: LayerCheckpoint | None = None,
+) -> PipelineResult:
+    """Calibrate and compress ``model`` layer by layer through ``session``'s modifiers.
+
+    Fires ``calibration_start()``, one ``sequential_epoch_end([layer])`` per
+    decoder layer, and ``calibration_end()``; it does not finalize the session.
+
+    Args:
+        session: an initialized session (its modifiers hook the layers at
+            ``calibration_start``).
+        model: default: the session state's ``model``.
+        calibration_data: default: the session state's ``calibration_data``;
+            see :func:`calibration_batches` for the accepted forms.
+        batch_size: rows per forward pass when the data is a ``[N, L]`` tensor.
+        progress: show a tqdm bar over the layers (stderr).
+        early_exit: end each calibration forward at the input of the last
+            hooked submodule when nothing after it is observed (see
+            :func:`llmc_fsm.pipeline.layer.early_exit_module`); for Llama-style layers whose
+            ``down_proj`` is hooked by pre-hooks this skips ``down_proj`` and
+            the residual, ~1/4 of the calibration pass. Set ``False`` for a
+            modifier that observes the layer by other means than torch hooks.
+        true_sequential: one forward per layer, each group of targets
+            compressed before any batch runs it (:mod:`llmc_fsm.pipeline.true_sequential`);
+            ``False``: the plain order (llm-compressor's). Only for sessions of
+            ``CalibratedModifier`` s whose targets are leaves hooked by pre-hooks (else plain).
+        checkpoint: per-layer progress (:class:`LayerCheckpoint`): each layer is
+            saved right after it is compressed; the first
+            ``checkpoint.layers_done()`` layers are restored (after
+            ``calibration_start``) instead of calibrated, and the calibration
+            inputs are recomputed through them, so the run continues exactly
+            where the saved one stopped.
+
+    Returns:
+        A :class:`PipelineResult`.
+
+    Raises:
+        LifecycleError: the session is not initialized (or finalized).
+        ValueError: no decoder layers, empty data, or a modifier targets a module
+            outside the decoder layers — all raised before any work.
+    """
+    t_start = time.perf_counter()
+    model, batches = _check_inputs(session, model, calibration_data, batch_size)
+    layers_name, layers = find_decoder_layers(model)
+    check_targets_in_layers(session, layers, layers_name)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            resumed, layer_seconds = _run_layers(
+                session,
+                model,
+                layers,
+                batches,
+                progress=progress,
+                early_exit=early_exit,
+                true_sequential=true_sequential,
+                checkpoint=checkpoint,
+            )
+    finally:
+        model.train(was_training)
+    result = PipelineResult(
+        layers_name=layers_name,
+        num_layers=len(layers),
+        num_batches=len(batches),
+        num_tokens=sum(int(b["input_ids"].numel()) for b in batches if isinstance(b.get("input_ids"), torch.Tensor)),
+        layer_seconds=layer_seconds,
+        seconds=time.perf_counter() - t_start,
+        resumed_layers=resumed,
+    )
+    logger.info("sequential pipeline: %d layers, %d batches in %.2f s", len(layers), len(batches), result.seconds)
+    return result
+
+
+def _check_inputs(
+    session: Session, model: nn.Module | None, data: Any, batch_size: int
+) -> tuple[nn.Module, list[dict[str, Any]]]:
+    """The model and the calibration batches :func:`run_sequential` works on, checked before any work."""
+
+    if session.lifecycle not in ("initialized", "running"):
+        msg = (
+            f"run_sequential() needs an initialized session (lifecycle is {session.lifecycle!r}); "
+            "call session.initialize(model=..., calibration_data=...) first"
+        )
+        raise LifecycleError(msg, lifecycle=session.lifecycle, call="run_sequential", allowed=session.allowed_calls)
+    model = model if model is not None else session.state.model
+    if model is None:
+        msg = "run_sequential() needs a model: pass model= or put it in the session state"
+        raise ValueError(msg)
+    data = data if data is not None else session.state.calibration_data
+    if data is None:
+        msg = "run_sequential() needs calibration data: pass calibration_data= or put it in the session state"
+        raise ValueError(msg)
+    return model, calibration_batches(data, batch_size=batch_size)
+
+
+def _run_layers(
+    session: Session,
+    model: nn.Module,
+    layers: nn.ModuleList,
+    batches: list[dict[str, Any]],
+    *,
+    progress: bool,
+    early_exit: bool,
+    true_sequential: bool,
+    checkpoint: LayerCheckpoint | None,
+) -> tuple[int, list[float]]:
+    """The calibration proper (under ``no_grad``): returns (layers restored, wall time per calibrated layer)."""
+    from tqdm.auto import tqdm
+
+    # grouped calibration calls a group's later members' pre-hooks early; CalibratedModifier ignores the later call
+    true_sequential = true_sequential and all(isinstance(m, CalibratedModifier) for m in session.modifiers)
+    inputs = capture_layer_inputs(model, layers[0], batches)
+    # which submodules are called in which order, on which inputs: before the modifiers hook anything
+    calls = record_calls(layers[0], *inputs[0]) if early_exit or true_sequential else None
+    session.calibration_start()
+    start, inputs = _resume(layers, inputs, checkpoint)
+    layer_seconds: list[float] = []
+    bar = tqdm(
+        range(start, len(layers)),
+        initial=start,
+        total=len(layers),
+        desc="calibrating layers",
+        unit="layer",
+        disable=not progress,
+        leave=False,
+    )
+    for index in bar:
+        t0 = time.perf_counter()
+        layer = layers[index]
+        last = index + 1 == len(layers)
+        outputs = compress_layer(
+            layer,
+            inputs,
+            session.sequential_epoch_end,
+            calls=calls,
+            true_sequential=true_sequential,
+            early_exit=early_exit,
+            need_outputs=not last,
+            modifiers=session.modifiers,
+        )
+        if checkpoint is not None:
+            checkpoint.save(index, layer)
+        inputs = outputs if outputs is not None else []
+        trim_heap()  # the forwards' freed activations go back to the system
+        layer_seconds.append(time.perf_counter() - t0)
+    bar.close()
+    del inputs
+    session.calibration_end()
+    return start, layer_seconds
+
+
+def _resume(layers: nn.ModuleList, inputs: Inputs, checkpoint: LayerCheckpoint | None) -> tuple[int, Inputs]:
+    """Restore the layers ``checkpoint`` holds and run the calibration inputs through them."""
+    start = checkpoint.layers_done(len(layers)) if checkpoint is not None else 0
+    for index in range(start):
+        checkpoint.restore(index, layers[index])  # type: ignore[union-attr]
+        if start < len(layers):
+            inputs = propagate(layers[index], inputs)
+    if start:
+        logger.info("resumed: %d of %d decoder layers restored from saved progress", start, len(layers))
+    return start, inputs

@@ -1,0 +1,311 @@
+"""One-shot compression in memory bounded by one decoder layer (``oneshot(low_memory=True)``, ``--low-memory``).
+
+The model is built on the ``meta`` device and read from its safetensors
+checkpoint one part at a time (:mod:`llmc_fsm.models.lazy`). :func:`compress_streaming`
+is the sequential pipeline (:mod:`llmc_fsm.pipeline.sequential`) with the weights streamed::
+
+    write the tensors outside the decoder layers to shard 1      (read once, unchanged)
+    capture the inputs of decoder layer 0                        (embedding rows read on demand)
+    session.calibration_start()
+    for each decoder layer i:
+        read layer i from the checkpoint
+        calibrate and compress it, its outputs feed layer i + 1   (the same helper and events as
+                                                                  the in-memory pipeline:
+                                                                  pipeline_layer.compress_layer)
+        write layer i to shard i + 2, then put it back on meta
+    session.calibration_end()
+
+so the output equals, bit for bit, what the in-memory pipeline saves for the
+same recipe and data. Perplexity streams the same way
+(:func:`streamed_states` and :func:`tail_perplexity`): every evaluation
+window's hidden states go through the layers one layer at a time, then the
+model's own forward finishes them (final norm, head, loss), with the decoder
+layers replaced by a module that returns those states.
+
+Peak memory: the Python process and libraries, one decoder layer's weights
+and the modifiers' statistics for it, the calibration activations (and the
+evaluation hidden states, when measured) — and, once, the tensors outside the
+layers while they are copied to the output or evaluated (the embedding and
+head; memory-mapped, so only what is read is resident). Only modifiers that
+compress layer by layer at ``sequential_epoch_end`` can run this way
+(:class:`~llmc_fsm.toolkit.calibrated.CalibratedModifier`: SparseGPT, Wanda, GPTQ, RTN).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import attrs
+import torch
+from torch import nn
+
+from llmc_fsm.data.protocol import perplexity
+from llmc_fsm.models.lazy import LazyModel, ShardWriter
+from llmc_fsm.output.save import compressed_state_dict, quantized_modules
+from llmc_fsm.pipeline.forward import Calls, Inputs, capture_layer_inputs, record_calls
+from llmc_fsm.pipeline.layer import compress_layer, propagate
+from llmc_fsm.pipeline.sequential import calibration_batches, check_targets_in_layers
+from llmc_fsm.report.build import ModuleSparsity, measure_sparsity
+from llmc_fsm.session.session import Session
+from llmc_fsm.toolkit.calibrated import CalibratedModifier
+
+__all__ = [
+    "StreamedCompression",
+    "check_streamable",
+    "compress_streaming",
+    "streamed_states",
+    "tail_perplexity",
+    "write_outer",
+]
+
+logger = logging.getLogger(__name__)
+
+
+@attrs.define(kw_only=True)
+class StreamedCompression:
+    """What :func:`compress_streaming` did.
+
+    Attributes:
+        modules: measured zeros of every Linear weight, in the model's module order
+            (what :func:`llmc_fsm.report.build.measure_sparsity` gives for the in-memory model).
+        eval_states: the evaluation windows' hidden states after the last compressed layer
+            (``None`` without evaluation windows).
+    """
+
+    modules: list[ModuleSparsity]
+    eval_states: Inputs | None = None
+
+
+def check_streamable(session: Session) -> None:
+    """Raise before any work if a modifier of ``session`` cannot compress one decoder layer at a time.
+
+    Raises:
+        ValueError: naming the modifiers that act on the whole model (e.g. magnitude pruning at its start).
+    """
+
+    whole = [m.modifier_name() for m in session.modifiers if not isinstance(m, CalibratedModifier)]
+    if whole:
+        msg = (
+            "low_memory (--low-memory) cannot run this job: it compresses one decoder layer at a time, but "
+            f"{', '.join(whole)} acts on the whole model at once; use a layer-wise method (sparsegpt, wanda, gptq, "
+            "rtn) or run without low_memory"
+        )
+        raise ValueError(msg)
+
+
+def _window_batches(windows: torch.Tensor) -> list[dict[str, Any]]:
+    """One batch per window, as :func:`llmc_fsm.data.protocol.perplexity` runs them (``batch_size=1``)."""
+    return [{"input_ids": windows[i : i + 1].long()} for i in range(windows.shape[0])]
+
+
+def _bar(total: int, desc: str, progress: bool) -> Any:
+    from tqdm.auto import tqdm
+
+    return tqdm(range(total), desc=desc, unit="layer", disable=not progress, leave=False)
+
+
+class _OutputKind:
+    """Records whether a decoder layer returns a tensor or a tuple (its first forward tells)."""
+
+    def __init__(self) -> None:
+        self.as_tuple: bool | None = None
+
+    def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self.as_tuple is None:
+            self.as_tuple = isinstance(output, tuple | list)
+            if not self.as_tuple and not isinstance(output, torch.Tensor):
+                msg = f"cannot stream {type(module).__name__}: it returns {type(output).__name__}, not a tensor/tuple"
+                raise TypeError(msg)
+
+
+def streamed_states(lazy: LazyModel, windows: torch.Tensor, *, progress: bool = False) -> tuple[Inputs, bool]:
+    """Run every window (``LongTensor[N, L]``) through the decoder layers, reading one layer at a time.
+
+    Returns:
+        ``(states, as_tuple)``: per window the inputs the layer after the last
+        would get (hidden states ``[1, L, hidden]`` first), and whether the
+        layers return tuples — what :func:`tail_perplexity` needs.
+    """
+    kind = _OutputKind()
+    with torch.no_grad():
+        with lazy.materialized(lazy.outer_names()):
+            states = capture_layer_inputs(lazy.model, lazy.layers[0], _window_batches(windows))
+        for index in _bar(len(lazy.layers), "evaluating layers", progress):
+            layer = lazy.layers[index]
+            with lazy.materialized(lazy.layer_names(index), layer):
+                handle = layer.register_forward_hook(kind)
+                try:
+                    states = propagate(layer, states)
+                finally:
+                    handle.remove()
+    return states, bool(kind.as_tuple)
+
+
+class _Replay(nn.Module):
+    """Stands in for the decoder layers: returns the next precomputed hidden state at each call."""
+
+    def __init__(self, states: Iterable[torch.Tensor], as_tuple: bool) -> None:
+        super().__init__()
+        self._states = iter(states)
+        self._as_tuple = as_tuple
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        hidden = next(self._states)
+        return (hidden,) if self._as_tuple else hidden
+
+
+@contextlib.contextmanager
+def _replaying(lazy: LazyModel, states: Inputs, as_tuple: bool) -> Iterator[None]:
+    parent_name, _, attr = lazy.layers_name.rpartition(".")
+    parent = lazy.model.get_submodule(parent_name)
+    setattr(parent, attr, nn.ModuleList([_Replay((args[0] for args, _ in states), as_tuple)]))
+    try:
+        yield
+    finally:
+        setattr(parent, attr, lazy.layers)
+
+
+def tail_perplexity(
+    lazy: LazyModel, windows: torch.Tensor, states: Inputs, as_tuple: bool, *, progress: bool = False
+) -> float:
+    """Perplexity of ``windows`` whose hidden states after the last decoder layer are ``states``.
+
+    The model's own forward (and :func:`llmc_fsm.data.protocol.perplexity`'s loss) runs
+    with the tensors outside the layers read once and the decoder layers
+    replaced by the precomputed states, so the value is what the in-memory
+    model gives.
+    """
+
+    with lazy.materialized(lazy.outer_names()), _replaying(lazy, states, as_tuple):
+        return perplexity(lazy.model, windows, progress=progress)
+
+
+def _outer_modules(lazy: LazyModel) -> Iterator[tuple[str, nn.Module]]:
+    """The largest submodules that neither are nor hold the decoder layers (embedding, final norm, head...)."""
+    parts = lazy.layers_name.split(".")
+    holders = {".".join(parts[:k]) for k in range(len(parts))}  # "" and every ancestor of the layer list
+    for name, module in lazy.model.named_modules():
+        parent = name.rpartition(".")[0]
+        if name and name not in holders and name != lazy.layers_name and parent in holders:
+            yield name, module
+
+
+def _module_order(lazy: LazyModel) -> dict[str, int]:
+    return {name: i for i, (name, _) in enumerate(lazy.model.named_modules())}
+
+
+def write_outer(lazy: LazyModel, writer: ShardWriter) -> list[ModuleSparsity]:
+    """Copy the tensors outside the decoder layers (unchanged, in the model's dtype) to shard 1.
+
+    Returns:
+        The measured zeros of the Linear modules among them (e.g. an untied ``lm_head``).
+    """
+    names = lazy.outer_names()
+    measured = []
+    with lazy.materialized(names):
+        writer.write(1, {name: lazy.tensor(name).detach() for name in names})
+        for prefix, module in _outer_modules(lazy):
+            measured += [
+                attrs.evolve(m, name=f"{prefix}.{m.name}" if m.name else prefix) for m in measure_sparsity(module)
+            ]
+    return measured
+
+
+def _layer_output(layer: nn.Module, prefix: str) -> dict[str, torch.Tensor]:
+    """The tensors to write for a compressed layer (compressed-tensors format when quantized)."""
+
+    if quantized_modules(layer):
+        return compressed_state_dict(layer, prefix)
+    return {prefix + key: value for key, value in layer.state_dict().items()}
+
+
+def compress_streaming(
+    session: Session,
+    lazy: LazyModel,
+    windows: torch.Tensor,
+    writer: ShardWriter,
+    *,
+    batch_size: int = 8,
+    eval_windows: torch.Tensor | None = None,
+    progress: bool = True,
+) -> StreamedCompression:
+    """Calibrate, compress and write ``lazy``'s model one decoder layer at a time through ``session``.
+
+    Fires ``calibration_start()``, one ``sequential_epoch_end([layer])`` per
+    decoder layer and ``calibration_end()`` (not ``finalize``), as
+    :func:`llmc_fsm.pipeline.sequential.run_sequential` does, and writes shard 1 (the
+    tensors outside the layers) and shard ``i + 2`` (layer ``i``, compressed)
+    with ``writer``. ``writer.finish()`` is left to the caller.
+
+    Args:
+        session: initialized with ``model=lazy.model``.
+        lazy: the model and its checkpoint (:func:`llmc_fsm.models.lazy.load_lazy`).
+        windows: calibration ``LongTensor[N, L]``; ``N = 0`` for modifiers that need no data.
+        writer: a :class:`~llmc_fsm.models.lazy.ShardWriter` with ``num_shards = len(lazy.layers) + 1``.
+        batch_size: calibration windows per forward pass.
+        eval_windows: ``LongTensor[M, L']`` to carry through the compressed layers for the perplexity after
+            (:attr:`StreamedCompression.eval_states`).
+        progress: a tqdm bar over the layers.
+
+    Raises:
+        ValueError: a modifier acts on the whole model (:func:`check_streamable`) or targets a module outside
+            the decoder layers — before any work.
+    """
+    check_streamable(session)
+    check_targets_in_layers(session, lazy.layers, lazy.layers_name)
+    batches = calibration_batches(windows, batch_size=batch_size) if windows.shape[0] else []
+    result = StreamedCompression(modules=write_outer(lazy, writer))  # first: nothing else is held yet
+    with torch.no_grad():
+        with lazy.materialized(lazy.outer_names()):
+            inputs = capture_layer_inputs(lazy.model, lazy.layers[0], batches)
+            if eval_windows is not None:
+                result.eval_states = capture_layer_inputs(lazy.model, lazy.layers[0], _window_batches(eval_windows))
+        calls = None
+        if inputs:  # which submodules are called in which order, on which inputs: before any hook
+            with lazy.materialized(lazy.layer_names(0), lazy.layers[0]):
+                calls = record_calls(lazy.layers[0], *inputs[0])
+        session.calibration_start()
+        for index in _bar(len(lazy.layers), "compressing layers", progress):
+            inputs = _compress_layer(session, lazy, writer, index, inputs, calls, result)
+        del inputs
+        session.calibration_end()
+    rank = _module_order(lazy)
+    result.modules.sort(key=lambda m: rank[m.name])
+    return result
+
+
+def _compress_layer(
+    session: Session,
+    lazy: LazyModel,
+    writer: ShardWriter,
+    index: int,
+    inputs: Inputs,
+    calls: Calls | None,
+    result: StreamedCompression,
+) -> Inputs:
+    """Read, calibrate, compress, measure and write decoder layer ``index``; return the next layer's inputs."""
+    layer = lazy.layers[index]
+    prefix = f"{lazy.layers_name}.{index}."
+    with lazy.materialized(lazy.layer_names(index), layer):
+        need_outputs = index + 1 < len(lazy.layers)
+        outputs = compress_layer(
+            layer,
+            inputs,
+            session.sequential_epoch_end,
+            calls=calls,
+            true_sequential=True,
+            early_exit=True,
+            need_outputs=need_outputs,
+            modifiers=session.modifiers,
+        )
+        inputs = outputs if outputs is not None else []
+        if result.eval_states is not None:
+            result.eval_states = propagate(layer, result.eval_states)
+        result.modules += [
+            attrs.evolve(m, name=prefix + m.name, layer=index) for m in measure_sparsity(layer) if m.name
+        ]
+        writer.write(index + 2, _layer_output(layer, prefix))
+    return inputs

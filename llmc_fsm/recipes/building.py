@@ -1,0 +1,370 @@
+"""Building a :class:`~llmc_fsm.recipes.model.Recipe` from parsed recipe data: stages, modifiers, arguments.
+
+Input is what :func:`llmc_fsm.recipes.loading.load_recipe_data` returns (or a
+dict given by the caller); every error names the source, line (where YAML gave
+it), stage, modifier and argument. Both the llmc-fsm shapes and llm-compressor's
+nesting are read (see ``docs/recipes.md``); llm-compressor's argument names are
+translated by :mod:`llmc_fsm.recipes.llmcompressor`.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import attrs
+
+from llmc_fsm.core.errors import RecipeError
+from llmc_fsm.core.modifier import Modifier
+from llmc_fsm.core.registry import get_registry
+from llmc_fsm.recipes.llmcompressor import (
+    RUN_TYPES,
+    is_group_key,
+    top_level_stages,
+    translate_argument,
+    unimplemented_note,
+)
+from llmc_fsm.recipes.loading import line_of, load_recipe_data, looks_like_path, read_recipe_file
+from llmc_fsm.recipes.model import STAGE_KEYS, Recipe, Stage
+
+__all__ = ["build_recipe"]
+
+_SHAPE = (
+    "a stage maps modifier names to arguments ({Name: {arg: value}}), or lists entries "
+    "(- Name: {arg: value}, or - Name)"
+)
+_LONG_FORM = (
+    f"{', '.join(STAGE_KEYS)} and llm-compressor modifier groups ('<group>_modifiers', e.g. 'pruning_modifiers')"
+)
+#: A modifier's window edge -> (how an omitted value reads, where it may not lie, the rule) for check_window.
+_WINDOW_EDGES = {
+    "start": ("null (the first event)", "before", "at or after"),
+    "end": ("null (finalize)", "after", "at or before"),
+}
+
+
+def where(
+    source: str, line: int | None, stage: str | None = None, modifier: str | None = None, argument: str | None = None
+) -> str:
+    """``"recipe SOURCE, line N, stage 'S', modifier M, argument 'A'"`` with the parts that are known."""
+    parts = [f"recipe {source}"]
+    if line is not None:
+        parts.append(f"line {line}")
+    if stage is not None:
+        parts.append(f"stage {stage!r}")
+    if modifier is not None:
+        parts.append(f"modifier {modifier}")
+    if argument is not None:
+        parts.append(f"argument {argument!r}")
+    return ", ".join(parts)
+
+
+def build_recipe(data: Any, source: str) -> Recipe:
+    """Build and validate a recipe from plain data (see the module docs).
+
+    Raises:
+        RecipeError: bad structure, unknown modifier or argument, an invalid
+            argument value, a modifier outside its stage's window, or an
+            impossible ``runs_after`` order.
+    """
+    if data is None or (isinstance(data, Mapping | list) and not data):
+        msg = (
+            f"recipe {source} is empty: give at least one stage with a modifier "
+            "(for a session without modifiers, pass recipe=None)"
+        )
+        raise RecipeError(msg)
+    if isinstance(data, list):
+        msg = (
+            f"recipe {source}, line {line_of(data) or 1}: the top level must map stage names to modifiers, "
+            "got a list; put it under a stage name, e.g. `default:` followed by the list"
+        )
+        raise RecipeError(msg)
+    if not isinstance(data, Mapping):
+        msg = f"recipe {source}: the top level must map stage names to modifiers, got {type(data).__name__}"
+        if isinstance(data, str) and "\n" not in data:
+            msg += f" (if {data!r} is meant to be a file, it does not exist)"
+        raise RecipeError(msg)
+    builder = _Builder(source)
+    stages = [builder.stage(name, body, line) for name, body, line in top_level_stages(data, source)]
+    if not stages:
+        msg = f"recipe {source} has no stages (only metadata); give at least one stage with a modifier"
+        raise RecipeError(msg)
+    return Recipe(stages, source)
+
+
+def _epoch(value: Any, at: str, key: str) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        msg = f"{at}: {key} must be a number of epochs or null, got {value!r}"
+        raise RecipeError(msg)
+    if value < 0:
+        msg = f"{at}: {key} must be >= 0 epochs, got {value}"
+        raise RecipeError(msg)
+    return float(value)
+
+
+def _failing_argument(exc: BaseException, cls: type, given: Mapping[str, Any]) -> str | None:
+    """Best guess of the argument an attrs validator/converter refused.
+
+    attrs' own validators pass the attribute in the exception; otherwise the
+    first argument the message names, else the first argument whose converter
+    alone refuses its value.
+    """
+    for arg in exc.args[1:2]:
+        if isinstance(arg, attrs.Attribute):
+            return arg.alias or arg.name
+    text = str(exc)
+    found = []
+    for name in list(given):
+        for quoted in (f"'{name}'", f"{name} ", f"{name}:", f"({name})", f"{name}="):
+            pos = text.find(quoted)
+            if pos >= 0 and (pos == 0 or not (text[pos - 1].isalnum() or text[pos - 1] == "_")):
+                found.append((pos, name))
+                break
+    if found:
+        return min(found)[1]
+    for field in attrs.fields(cls):
+        alias = field.alias or field.name
+        if alias in given and field.converter is not None:
+            try:
+                field.converter(given[alias])
+            except Exception:
+                return alias
+    return None
+
+
+def _is_long_form(body: Any) -> bool:
+    return isinstance(body, Mapping) and any(k in STAGE_KEYS or is_group_key(k) for k in body)
+
+
+class _Builder:
+    """Builds stages and modifiers for one recipe source."""
+
+    def __init__(self, source: str) -> None:
+        self.source = source
+
+    # --- stages -------------------------------------------------------------------------
+    def stage(self, name: Any, body: Any, line: int | None) -> Stage:
+        if not isinstance(name, str):
+            msg = f"{where(self.source, line)}: stage names must be strings, got {name!r}"
+            raise RecipeError(msg)
+        stage = Stage(name, [])
+        parts = self.long_form(stage, body, line) if _is_long_form(body) else [(body, line)]
+        entries = [entry for part, part_line in parts for entry in self.entries(part, name, part_line)]
+        if not entries:
+            first_line = parts[0][1] if parts else line
+            at = where(self.source, first_line, name)
+            raise RecipeError(f"{at}: the stage has no modifiers; remove the stage or add a modifier")
+        for mod_name, args, mod_line in entries:
+            stage.modifiers.append(self.modifier(mod_name, args, stage, mod_line))
+        return stage
+
+    def long_form(self, stage: Stage, body: Mapping[Any, Any], line: int | None) -> list[tuple[Any, int | None]]:
+        """Read the stage keys into ``stage``; return the modifier parts ``[(body, line)]`` in key order."""
+        name, source = stage.name, self.source
+        parts = [
+            (value, line_of(body, key) or line)
+            for key, value in body.items()
+            if key == "modifiers" or is_group_key(key)
+        ]
+        if not parts:
+            present = [k for k in STAGE_KEYS if k in body]
+            msg = (
+                f"{where(source, line, name)}: a stage with {', '.join(map(repr, present))} must list its modifiers "
+                f"under 'modifiers:' or llm-compressor groups such as 'pruning_modifiers:' (long form: {_LONG_FORM})"
+            )
+            raise RecipeError(msg)
+        extra = [k for k in body if k not in STAGE_KEYS and not is_group_key(k)]
+        if extra:
+            hint = ""
+            if all(isinstance(k, str) and k[:1].isupper() for k in extra):
+                hint = " (modifier names go under 'modifiers:' when a stage has stage keys)"
+            msg = (
+                f"{where(source, line_of(body, extra[0]), name)}: unknown stage key(s) "
+                f"{', '.join(map(repr, extra))}{hint}; the long form accepts {_LONG_FORM}"
+            )
+            raise RecipeError(msg)
+        stage.applied = body.get("applied", False)
+        if not isinstance(stage.applied, bool):
+            at = where(source, line_of(body, "applied"), name)
+            raise RecipeError(f"{at}: applied must be true or false, got {stage.applied!r}")
+        stage.run_type = body.get("run_type")
+        if stage.run_type is not None and stage.run_type not in RUN_TYPES:
+            at = where(source, line_of(body, "run_type"), name)
+            msg = f"{at}: run_type must be {' or '.join(RUN_TYPES)} (as in llm-compressor), got {stage.run_type!r}"
+            raise RecipeError(msg)
+        stage.start = _epoch(body.get("start"), where(source, line_of(body, "start"), name), "start")
+        stage.end = _epoch(body.get("end"), where(source, line_of(body, "end"), name), "end")
+        if stage.start is not None and stage.end is not None and stage.end <= stage.start:
+            at = where(source, line_of(body, "end"), name)
+            raise RecipeError(f"{at}: the stage's end ({stage.end}) must be after its start ({stage.start})")
+        return parts
+
+    def entries(self, body: Any, stage: str, line: int | None) -> list[tuple[str, Any, int | None]]:
+        """``[(modifier name, arguments or object, line)]`` of one modifier part (mapping or list)."""
+        items: list[tuple[str, Any, int | None]] = []
+        if body is None:
+            pass
+        elif isinstance(body, Modifier):
+            items.append((body.modifier_name(), body, line))
+        elif isinstance(body, Mapping):
+            items.extend((key, args, line_of(body, key)) for key, args in body.items())
+        elif isinstance(body, Sequence) and not isinstance(body, str | bytes):
+            for entry in body:
+                if isinstance(entry, Modifier):
+                    items.append((entry.modifier_name(), entry, line))
+                elif isinstance(entry, str):
+                    items.append((entry, None, line))
+                elif isinstance(entry, Mapping) and len(entry) == 1:
+                    ((key, args),) = entry.items()
+                    items.append((key, args, line_of(entry, key)))
+                else:
+                    at = where(self.source, line_of(entry) or line, stage)
+                    raise RecipeError(f"{at}: each list entry must be one modifier ({_SHAPE}), got {entry!r}")
+        else:
+            raise RecipeError(f"{where(self.source, line, stage)}: {_SHAPE}; got {body!r}")
+        for key, _, key_line in items:
+            if not isinstance(key, str):
+                msg = f"{where(self.source, key_line, stage)}: modifier names must be strings, got {key!r}"
+                raise RecipeError(msg)
+        return items
+
+    # --- modifiers ------------------------------------------------------------------------
+    def modifier(self, name: str, args: Any, stage: Stage, line: int | None) -> Modifier:
+        modifier = args if isinstance(args, Modifier) else self.build(name, args, stage, line)
+        self.check_window(modifier, stage, line, args)
+        return modifier
+
+    def build(self, name: str, args: Any, stage: Stage, line: int | None) -> Modifier:
+
+        registry = get_registry()
+        if name not in registry and stage.name in registry:  # {"QuantizationModifier": {"scheme": ...}}
+            msg = (
+                f"{where(self.source, line, stage.name)}: {stage.name!r} is a modifier, not a stage: a recipe maps "
+                f"stage names to their modifiers, e.g. {{'my_stage': {{'{stage.name}': {{{name!r}: ...}}}}}}"
+            )
+            raise RecipeError(msg)
+        if name not in registry:
+            raise RecipeError(
+                f"{where(self.source, line, stage.name)}: {registry.unknown_message(name, unimplemented_note(name))}"
+            )
+        cls = registry.get(name)
+        if args is None:
+            args = {}  # an empty body means "all defaults"
+        if not isinstance(args, Mapping):
+            msg = (
+                f"{where(self.source, line, stage.name, name)}: arguments must be a mapping of argument names to "
+                f"values (or empty for all defaults), got {type(args).__name__} {args!r}"
+            )
+            raise RecipeError(msg)
+        kwargs, given_as = self.arguments(cls, name, args, stage, line)
+        accepted = {a.alias or a.name for a in attrs.fields(cls) if a.init}
+        if stage.start is not None and "start" in accepted and "start" not in kwargs:
+            kwargs["start"] = stage.start
+        if stage.end is not None and "end" in accepted and "end" not in kwargs:
+            kwargs["end"] = stage.end
+        try:
+            return cls(**kwargs)
+        except Exception as exc:
+            argument = _failing_argument(exc, cls, kwargs)
+            key = given_as.get(argument, argument) if argument is not None else None
+            arg_line = line_of(args, key) if key is not None else None
+            text = str(exc.args[0]) if len(exc.args) > 1 and isinstance(exc.args[1], attrs.Attribute) else str(exc)
+            at = where(self.source, arg_line or line, stage.name, name, argument)
+            if key != argument:
+                at += f" (given as {key!r})"
+            kind = "" if type(exc) is ValueError else f"{type(exc).__name__}: "  # a plain bad value needs no label
+            raise RecipeError(f"{at}: {kind}{text}") from exc
+
+    def arguments(
+        self, cls: type[Modifier], name: str, args: Mapping[str, Any], stage: Stage, line: int | None
+    ) -> tuple[dict[str, Any], dict[str, str]]:
+        """``(kwargs, {kwarg: recipe key it came from})``: llm-compressor names translated, unknown ones refused."""
+        accepted = [a.alias or a.name for a in attrs.fields(cls) if a.init]
+        kwargs: dict[str, Any] = {}
+        given_as: dict[str, str] = {}
+        for key, value in args.items():
+            at = where(self.source, line_of(args, key) or line, stage.name, name)
+            is_field = isinstance(key, str) and key in accepted
+            try:
+                translated = (
+                    None if not isinstance(key, str) else translate_argument(name, key, value, args, is_field=is_field)
+                )
+            except ValueError as exc:
+                raise RecipeError(f"{at}, argument {key!r}: {exc}") from None
+            if translated is None and is_field:
+                kwargs[key] = value
+                continue
+            if translated is None:
+                close = difflib.get_close_matches(str(key), accepted, n=1, cutoff=0.6)
+                hint = f" Did you mean {close[0]!r}?" if close else ""
+                raise RecipeError(f"{at}: unknown argument {key!r}.{hint} {name} accepts: {', '.join(accepted)}")
+            for target, new in translated.items():
+                if target not in accepted:
+                    msg = f"{at}, argument {key!r}: it maps to {target!r}, which {name} does not accept"
+                    raise RecipeError(msg)
+                if target in args and target != key and args[target] != new:
+                    msg = f"{at}, argument {key!r}: it sets {target!r} to {new!r}, but {target!r} is also given"
+                    raise RecipeError(msg)
+                kwargs[target] = new
+                if target != key:
+                    given_as[target] = key
+        return kwargs, given_as
+
+    def check_window(self, m: Modifier, stage: Stage, line: int | None, args: Any) -> None:
+        """The modifier's ``start``/``end`` lie inside its stage's window (raises :class:`RecipeError`)."""
+        for key, (null, outside, rule) in _WINDOW_EDGES.items():
+            bound, value = getattr(stage, key), getattr(m, key, None)
+            if bound is None or (value is not None and (value >= bound if key == "start" else value <= bound)):
+                continue
+            at = where(self.source, line_of(args, key) or line, stage.name, m.modifier_name())
+            msg = (
+                f"{at}, argument {key!r}: the modifier {key}s at {null if value is None else value}, {outside} its "
+                f"stage's {key} ({bound}); a modifier must {key} {rule} its stage's {key}"
+            )
+            raise RecipeError(msg)
+
+
+def resolve_recipe(recipe: Any) -> Recipe:
+    """Parse and validate ``recipe`` into a :class:`Recipe` with modifier objects.
+
+    Args:
+        recipe: ``None``, a :class:`Recipe`, a Modifier or list of Modifiers, a
+            dict, YAML/JSON text, or a path (``str`` or ``os.PathLike``) to a
+            ``.yaml``/``.yml``/``.json`` file.
+
+    Raises:
+        RecipeError: unreadable source (missing file, a directory, not UTF-8), bad
+            structure, unknown modifier or argument, an invalid argument value, a
+            modifier outside its stage's window, or an impossible ``runs_after``
+            order; the message names the source, line (where YAML gives it),
+            stage, modifier and argument.
+    """
+    if recipe is None:
+        return Recipe()
+    if isinstance(recipe, Recipe):
+        return recipe
+    if isinstance(recipe, Modifier):
+        recipe = [recipe]
+    if isinstance(recipe, Mapping):
+        return build_recipe(recipe, "<dict>")
+    if looks_like_path(recipe):
+        text, source = read_recipe_file(recipe)
+        return build_recipe(load_recipe_data(text, source), source)
+    if isinstance(recipe, str):
+        return build_recipe(load_recipe_data(recipe, "<text>"), "<text>")
+    if isinstance(recipe, Sequence) and not isinstance(recipe, bytes):
+        bad = [m for m in recipe if not isinstance(m, Modifier)]
+        if bad:
+            msg = (
+                f"a recipe list must contain only llmc_fsm.Modifier objects, got {bad[0]!r}; "
+                "use a dict {stage: [...]} for modifier names and arguments"
+            )
+            raise RecipeError(msg)
+        if not recipe:
+            return Recipe(source="<objects>")
+        return Recipe([Stage("default", list(recipe))], "<objects>")
+    msg = f"unsupported recipe type {type(recipe).__name__}: pass a path, YAML text, a dict or a list of Modifiers"
+    raise RecipeError(msg)

@@ -1,0 +1,305 @@
+"""Reading recipes written for llm-compressor: their nesting and their argument names.
+
+llm-compressor nests ``stage -> <group>_modifiers -> ModifierName -> arguments``,
+a stage may carry ``run_type: oneshot|train``, and modifier groups may also sit
+at the top level (one implicit ``default`` stage). The builder
+(:mod:`llmc_fsm.recipes.building`) reads that nesting directly; this module holds
+what is specific to it:
+
+* :func:`is_group_key` -- ``<group>_modifiers`` keys;
+* :func:`top_level_stages` -- top-level groups gathered into one ``default``
+  stage, the old ``stages:`` wrapper unwrapped, ``version``/``metadata`` skipped,
+  ``args`` refused (llm-compressor evaluates its "eval" expressions with them;
+  llmc-fsm has no expression language);
+* :data:`ARGUMENT_RULES` -- llm-compressor argument names that the llmc-fsm
+  modifiers do not have as fields: each is renamed, accepted and ignored (with
+  the reason), or refused with the reason. Such a rule is only consulted for a
+  name that is *not* a field of the modifier class, so a plugin that implements
+  the argument itself always wins. Two ``"value"`` rules rewrite llm-compressor
+  forms of arguments the modifiers do have (``scheme: {PRESET: targets}``,
+  ``observer: {weights: NAME}``).
+
+``docs/recipes.md`` carries the same table for readers (a test compares them).
+
+:data:`UNIMPLEMENTED_MODIFIERS` names llm-compressor modifiers llmc-fsm does not
+implement, so that the unknown-modifier error says so (:func:`unimplemented_note`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import attrs
+
+from llmc_fsm.core.errors import RecipeError
+from llmc_fsm.recipes.loading import MarkedDict, line_of
+
+__all__ = [
+    "ARGUMENT_RULES",
+    "GROUP_SUFFIX",
+    "RUN_TYPES",
+    "UNIMPLEMENTED_MODIFIERS",
+    "ArgumentRule",
+    "is_group_key",
+    "top_level_stages",
+    "translate_argument",
+    "unimplemented_note",
+]
+
+logger = logging.getLogger(__name__)
+
+#: Suffix of llm-compressor modifier-group keys (``pruning_modifiers``, ``quantization_modifiers``...).
+GROUP_SUFFIX = "_modifiers"
+#: Values a stage's ``run_type`` may take (``post_train``: another name of ``oneshot`` in llm-compressor's recipes).
+RUN_TYPES: tuple[str, ...] = ("oneshot", "post_train", "train")
+#: Top-level keys llm-compressor writes as recipe metadata; read and ignored.
+METADATA_KEYS: tuple[str, ...] = ("version", "metadata")
+#: Name of the stage that top-level modifier groups form (as in llm-compressor).
+DEFAULT_STAGE = "default"
+
+
+def is_group_key(key: Any) -> bool:
+    """Whether ``key`` is an llm-compressor modifier group such as ``pruning_modifiers``."""
+    return isinstance(key, str) and key.endswith(GROUP_SUFFIX) and len(key) > len(GROUP_SUFFIX)
+
+
+def top_level_stages(data: Mapping[Any, Any], source: str) -> list[tuple[Any, Any, int | None]]:
+    """``[(stage name, stage body, line)]`` of a top-level mapping, llm-compressor shapes included.
+
+    Top-level ``<group>_modifiers`` keys become one stage named ``default`` (at the
+    place of the first group), whose body holds those groups; ``stages:`` (an
+    older llm-compressor wrapper) contributes the stages it maps; ``version`` and
+    ``metadata`` are skipped. Every other key is a stage name.
+
+    Raises:
+        RecipeError: a top-level ``args`` key, a ``stages:`` value that is not a
+            mapping, or a ``default`` stage next to top-level groups.
+    """
+    stages: list[tuple[Any, Any, int | None]] = []
+    groups = MarkedDict()
+    for key, body in data.items():
+        line = line_of(data, key)
+        if key == "args":
+            msg = (
+                f"recipe {source}, line {line or 1}: 'args' (llm-compressor's values for its eval expressions) "
+                "is not supported: llmc-fsm has no expression language. Write the values in place and remove 'args'"
+            )
+            raise RecipeError(msg)
+        if key in METADATA_KEYS:
+            continue
+        if is_group_key(key):
+            if not groups:
+                groups.line = line
+                stages.append((DEFAULT_STAGE, groups, line))
+            groups[key] = body
+            groups.key_lines[key] = line  # type: ignore[assignment]
+        elif key == "stages" and isinstance(body, Mapping) and body:
+            stages.extend((name, inner, line_of(body, name)) for name, inner in body.items())
+        elif key == "stages" and body is not None and not isinstance(body, Mapping):
+            msg = f"recipe {source}, line {line or 1}: 'stages' must map stage names to stages"
+            raise RecipeError(msg)
+        else:
+            stages.append((key, body, line))
+    names = [name for name, _, _ in stages]
+    if groups and names.count(DEFAULT_STAGE) > 1:
+        msg = (
+            f"recipe {source}: top-level '<group>_modifiers' keys form the stage {DEFAULT_STAGE!r}, "
+            f"and the recipe also has a stage named {DEFAULT_STAGE!r}; rename that stage"
+        )
+        raise RecipeError(msg)
+    return stages
+
+
+#: llm-compressor modifiers llmc-fsm does not implement -> what they do (and what to do without them).
+UNIMPLEMENTED_MODIFIERS: dict[str, str] = {
+    "SmoothQuantModifier": (
+        "SmoothQuant (arXiv 2211.10438) scales activation outlier channels down and the next weights up before "
+        "W8A8; W8A8 runs here without it, at some accuracy cost"
+    ),
+    "LogarithmicEqualizationModifier": "a SmoothQuant variant with logarithmic smoothing scales",
+    "AWQModifier": "AWQ (arXiv 2306.00978) scales weight channels by activation statistics before weight quantization",
+    "QuIPModifier": "QuIP-style Hadamard rotations of the weights before quantization",
+    "SpinQuantModifier": "SpinQuant (arXiv 2405.16406) rotations of weights and activations before quantization",
+}
+
+
+def unimplemented_note(name: str) -> str | None:
+    """For an llm-compressor modifier llmc-fsm does not implement, one sentence saying so; else ``None``."""
+    what = UNIMPLEMENTED_MODIFIERS.get(name)
+    if what is None:
+        return None
+    return (
+        f"{name} is an llm-compressor modifier that llmc-fsm does not implement ({what}); remove it from the "
+        "recipe or use llm-compressor for it."
+    )
+
+
+# --- argument names ---------------------------------------------------------------------------
+
+
+@attrs.frozen
+class ArgumentRule:
+    """How one llm-compressor argument name is read for one modifier.
+
+    Attributes:
+        action: ``"rename"`` (passed on as ``target``), ``"ignore"`` (accepted,
+            no effect; only the ``accept`` values when given), ``"refuse"``, or
+            ``"value"``: the modifier has this argument, but llm-compressor also
+            accepts a form of its value that ``convert`` rewrites (``convert``
+            returns ``None`` for a value that needs no rewriting).
+        note: why, in one phrase (shown in errors and in ``docs/recipes.md``).
+        target: the llmc-fsm argument a ``"rename"`` maps to.
+        accept: for ``"ignore"``: the only values accepted (others are refused); empty = any.
+        convert: for ``"rename"``/``"value"``: function turning the value (and the
+            other arguments) into ``{argument: value}``; raises ``ValueError`` to refuse.
+    """
+
+    action: str
+    note: str
+    target: str | None = None
+    accept: tuple[Any, ...] = ()
+    convert: Callable[[Any, Mapping[str, Any]], dict[str, Any]] | None = None
+
+
+def _config_groups(value: Any, args: Mapping[str, Any]) -> dict[str, Any]:
+    """One llm-compressor ``config_groups`` entry -> ``scheme`` (its fields) and ``targets``."""
+    if not isinstance(value, Mapping) or len(value) != 1:
+        count = len(value) if isinstance(value, Mapping) else type(value).__name__
+        msg = f"exactly one config group is supported (one scheme per modifier), got {count}; split into modifiers"
+        raise ValueError(msg)
+    ((_, group),) = value.items()
+    if not isinstance(group, Mapping):
+        raise ValueError(f"a config group must be a mapping of scheme fields, got {group!r}")
+    scheme = {k: v for k, v in group.items() if k != "targets"}
+    result: dict[str, Any] = {"scheme": scheme}
+    if "targets" in group:
+        if "targets" in args and args["targets"] != group["targets"]:
+            raise ValueError(f"its targets {group['targets']!r} differ from the modifier's targets {args['targets']!r}")
+        result["targets"] = group["targets"]
+    return result
+
+
+_SCHEME_FIELDS = frozenset({"weights", "input_activations", "output_activations", "targets", "format", "preset"})
+
+
+def _preset_targets(value: Any, args: Mapping[str, Any]) -> dict[str, Any] | None:
+    """llm-compressor's ``scheme: {PRESET: targets}`` -> ``scheme: PRESET`` and ``targets``."""
+    if not isinstance(value, Mapping) or not value or set(value) & _SCHEME_FIELDS:
+        return None  # a preset name, or a mapping of scheme fields: the modifier reads it
+    if len(value) != 1:
+        raise ValueError(f"one preset per modifier, got {', '.join(map(str, value))}; split into modifiers")
+    ((preset, targets),) = value.items()
+    targets = [targets] if isinstance(targets, str) else targets
+    if "targets" in args and list(args["targets"]) != list(targets):
+        raise ValueError(f"its targets {targets!r} differ from the modifier's targets {args['targets']!r}")
+    return {"scheme": preset, "targets": targets}
+
+
+def _observer_mapping(value: Any, args: Mapping[str, Any]) -> dict[str, Any] | None:
+    """llm-compressor's ``observer: {weights: NAME}`` -> ``observer: NAME``."""
+    if not isinstance(value, Mapping):
+        return None
+    if set(value) != {"weights"}:
+        raise ValueError(f"only the weight observer can be chosen ({{weights: NAME}}), got {dict(value)!r}")
+    return {"observer": value["weights"]}
+
+
+_LAYERWISE = "llmc-fsm always calibrates one decoder layer at a time (what sequential_update: true meant)"
+_OFFLOAD = "memory placement only; llmc-fsm keeps only the current layer's statistics"
+_GROUP = "llm-compressor's bookkeeping of the group key; the stage and group come from the recipe nesting"
+_SEQ_TARGETS = "the pipeline finds the decoder layers from the model; remove it"
+_OWL = "OWL layer-wise sparsity is not implemented; give one sparsity for every layer"
+
+_PERCDAMP = ArgumentRule("rename", "llm-compressor's older name of dampening_frac", target="dampening_frac")
+_COMMON: dict[str, ArgumentRule] = {"group": ArgumentRule("ignore", _GROUP)}
+_SPARSITY_BASE: dict[str, ArgumentRule] = {
+    **_COMMON,
+    "sequential_update": ArgumentRule("ignore", _LAYERWISE, accept=(True, False)),
+    "sequential_targets": ArgumentRule("refuse", _SEQ_TARGETS),
+    "percdamp": _PERCDAMP,
+    "sparsity_profile": ArgumentRule("refuse", _OWL),
+    "owl_m": ArgumentRule("refuse", _OWL),
+    "owl_lmbda": ArgumentRule("refuse", _OWL),
+    "offload_hessians": ArgumentRule("ignore", _OFFLOAD, accept=(True, False)),
+}
+_QUANT_BASE: dict[str, ArgumentRule] = {
+    **_COMMON,
+    "sequential_update": ArgumentRule("ignore", _LAYERWISE, accept=(True, False)),
+    "config_groups": ArgumentRule(
+        "rename", "one group becomes scheme (its fields) and targets", target="scheme", convert=_config_groups
+    ),
+    "weight_observer": ArgumentRule("rename", "the weight observer", target="observer"),
+    "scheme": ArgumentRule("value", "llm-compressor's {PRESET: targets} form", convert=_preset_targets),
+    "observer": ArgumentRule("value", "llm-compressor's {weights: NAME} form", convert=_observer_mapping),
+    "input_observer": ArgumentRule("refuse", "activation observers are chosen by the scheme"),
+    "output_observer": ArgumentRule("refuse", "output activations are not quantized"),
+    "kv_cache_scheme": ArgumentRule("refuse", "KV-cache quantization is not implemented; remove it", accept=(None,)),
+    "bypass_divisibility_checks": ArgumentRule(
+        "ignore", "only false: every group must divide the input width", accept=(False,)
+    ),
+}
+
+#: modifier name -> llm-compressor argument name -> rule (only for names the class does not have).
+ARGUMENT_RULES: dict[str, dict[str, ArgumentRule]] = {
+    "SparseGPTModifier": {
+        **_SPARSITY_BASE,
+        "preserve_sparsity_mask": ArgumentRule(
+            "ignore", "only false: existing zeros are not kept as a fixed mask", accept=(False,)
+        ),
+    },
+    "WandaPruningModifier": dict(_SPARSITY_BASE),
+    "MagnitudePruningModifier": {
+        **_COMMON,
+        "leave_enabled": ArgumentRule("ignore", "deprecated in llm-compressor, which ignores it too"),
+        "update_scheduler": ArgumentRule("ignore", "only 'cubic', the schedule llmc-fsm uses", accept=("cubic",)),
+        "scheduler_args": ArgumentRule("ignore", "the cubic schedule takes none", accept=(None, {})),
+        "apply_globally": ArgumentRule("ignore", "only false: sparsity is per layer", accept=(False,)),
+    },
+    "ConstantPruningModifier": dict(_COMMON),
+    "GPTQModifier": {
+        **_QUANT_BASE,
+        "sequential_targets": ArgumentRule("refuse", _SEQ_TARGETS),
+        "percdamp": _PERCDAMP,
+        "offload_hessians": ArgumentRule("ignore", _OFFLOAD, accept=(True, False)),
+    },
+    "QuantizationModifier": dict(_QUANT_BASE),
+}
+
+
+def translate_argument(
+    modifier: str, key: str, value: Any, args: Mapping[str, Any], *, is_field: bool = False
+) -> dict[str, Any] | None:
+    """Translate llm-compressor argument ``key`` of modifier ``modifier`` (see :data:`ARGUMENT_RULES`).
+
+    Args:
+        is_field: ``key`` is an argument of the modifier class; then only a
+            ``"value"`` rule applies (the class's own argument wins otherwise).
+
+    Returns:
+        ``None`` when nothing is to be translated (the caller passes a field on
+        as it is, or reports an unknown argument); ``{}`` when the argument is
+        accepted and ignored; else ``{argument: value}`` to pass instead.
+
+    Raises:
+        ValueError: the rule refuses the argument or this value; the message says why.
+    """
+    rule = ARGUMENT_RULES.get(modifier, _COMMON).get(key)
+    if rule is None or is_field != (rule.action == "value"):
+        return None
+    if rule.action == "refuse" and not (rule.accept and _accepted(value, rule.accept)):
+        raise ValueError(f"llm-compressor argument not supported: {rule.note}")
+    if rule.action in ("ignore", "refuse"):
+        if rule.accept and not _accepted(value, rule.accept):
+            shown = " or ".join(repr(v) for v in rule.accept)
+            raise ValueError(f"llm-compressor argument accepted only as {shown}, got {value!r}: {rule.note}")
+        logger.info("%s: llm-compressor argument %r=%r accepted and ignored: %s", modifier, key, value, rule.note)
+        return {}
+    if rule.convert is not None:
+        return rule.convert(value, args)
+    return {rule.target: value}  # type: ignore[dict-item]
+
+
+def _accepted(value: Any, accept: tuple[Any, ...]) -> bool:
+    return any(value is v if v is None or isinstance(v, bool) else value == v for v in accept)

@@ -1,0 +1,174 @@
+"""Reading recipe text: YAML/JSON with line numbers, recipe files and paths.
+
+YAML is read with a :class:`yaml.SafeLoader` subclass (``safe_load`` semantics:
+plain data only, no Python objects, no ``eval``) that also records the line of
+every mapping and key and rejects duplicate keys, so later errors can say where
+they are. Nothing here knows about stages or modifiers (see
+:mod:`llmc_fsm.recipes.building`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from llmc_fsm.core.errors import RecipeError
+
+__all__ = ["RECIPE_SUFFIXES", "MarkedDict", "line_of", "load_recipe_data", "looks_like_path", "read_recipe_file"]
+
+#: File suffixes read as recipes.
+RECIPE_SUFFIXES: tuple[str, ...] = (".yaml", ".yml", ".json")
+
+
+class MarkedDict(dict):  # type: ignore[type-arg]
+    """A mapping read from YAML: ``line`` of the mapping, ``key_lines[key]`` of each key (1-based)."""
+
+    line: int | None = None
+    key_lines: dict[Any, int]
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.key_lines = {}
+
+
+def line_of(container: Any, key: Any = None) -> int | None:
+    """The 1-based line of ``key`` in ``container`` (or of the container), if it was read from YAML."""
+    if not isinstance(container, MarkedDict):
+        return None
+    if key is not None and key in container.key_lines:
+        return container.key_lines[key]
+    return container.line
+
+
+class _RecipeLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that records line numbers of mappings and keys and rejects duplicate keys."""
+
+
+def _construct_mapping(loader: _RecipeLoader, node: yaml.MappingNode) -> Iterable[MarkedDict]:
+    data = MarkedDict()
+    data.line = node.start_mark.line + 1
+    yield data
+    seen: dict[Any, int] = {}
+    for key_node, _ in node.value:
+        if key_node.tag == "tag:yaml.org,2002:merge":
+            continue
+        key = loader.construct_object(key_node, deep=False)
+        try:
+            first = seen.get(key)
+        except TypeError:
+            raise yaml.constructor.ConstructorError(
+                "while constructing a mapping", node.start_mark, "found an unhashable key", key_node.start_mark
+            ) from None
+        if first is not None:
+            raise yaml.constructor.ConstructorError(
+                "while constructing a mapping",
+                node.start_mark,
+                f"found duplicate key {key!r} (first at line {first}); every key must be unique",
+                key_node.start_mark,
+            )
+        seen[key] = key_node.start_mark.line + 1
+    data.update(loader.construct_mapping(node))
+    data.key_lines = seen
+
+
+_RecipeLoader.add_constructor("tag:yaml.org,2002:map", _construct_mapping)
+
+
+def _yaml_error(exc: yaml.YAMLError, source: str) -> RecipeError:
+    mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
+    where = f", line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    problem = getattr(exc, "problem", None) or str(exc)
+    return RecipeError(f"recipe {source}{where}: not valid YAML/JSON: {problem}")
+
+
+def _load_yaml(text: str, source: str) -> Any:
+    loader = _RecipeLoader(text)
+    docs: list[tuple[int, Any]] = []
+    try:
+        while loader.check_node():
+            node = loader.get_node()
+            docs.append((node.start_mark.line + 1, loader.construct_document(node)))
+    finally:
+        loader.dispose()
+    content = [(line, data) for line, data in docs if data is not None]
+    if len(content) > 1:
+        lines = ", ".join(str(line) for line, _ in content)
+        msg = (
+            f"recipe {source} holds {len(content)} YAML documents (starting at lines {lines}): YAML front matter "
+            "and several documents separated by '---' are not supported. Put all stages in one mapping, in one "
+            "document."
+        )
+        raise RecipeError(msg)
+    return content[0][1] if content else None
+
+
+def load_recipe_data(text: str, source: str = "<text>") -> Any:
+    """Parse recipe ``text`` (YAML or JSON) into plain data, with line numbers where YAML gives them.
+
+    Mappings come back as :class:`MarkedDict` (a ``dict``); JSON that YAML cannot
+    read (tabs, for example) is read with :func:`json.loads` (plain dicts, no lines).
+
+    Raises:
+        RecipeError: not valid YAML/JSON (with the line), or several YAML documents.
+    """
+    try:
+        return _load_yaml(text, source)
+    except yaml.YAMLError as exc:
+        error = _yaml_error(exc, source)
+        if not (source.endswith(".json") or text.lstrip().startswith(("{", "["))):
+            raise error from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        msg = f"recipe {source}, line {exc.lineno}, column {exc.colno}: not valid JSON: {exc.msg}"
+        raise RecipeError(msg) from None
+
+
+def looks_like_path(recipe: Any) -> bool:
+    """Whether ``recipe`` names a file or directory rather than holding YAML text.
+
+    True for ``os.PathLike`` objects and for one-line strings that end in a
+    recipe suffix or name an existing file or directory.
+    """
+    if isinstance(recipe, os.PathLike):
+        return True
+    if not isinstance(recipe, str) or "\n" in recipe or not recipe.strip():
+        return False
+    return recipe.strip().endswith(RECIPE_SUFFIXES) or os.path.exists(recipe)
+
+
+def read_recipe_file(path: str | os.PathLike[str]) -> tuple[str, str]:
+    """Read a recipe file; return ``(text, source)`` where ``source`` is the path as given.
+
+    Raises:
+        RecipeError: the path does not exist, is a directory (or anything but a
+            file), or cannot be read / is not UTF-8.
+    """
+    file = Path(path)
+    source = str(file)
+    if file.is_dir():
+        msg = (
+            f"recipe {source!r} is a directory; expected a recipe file ({', '.join(RECIPE_SUFFIXES)}), "
+            "e.g. a recipe.yaml inside it"
+        )
+        raise RecipeError(msg)
+    if not file.exists():
+        msg = f"recipe file {source!r} does not exist"
+        raise RecipeError(msg)
+    if not file.is_file():
+        msg = f"recipe {source!r} is not a regular file; expected a recipe file ({', '.join(RECIPE_SUFFIXES)})"
+        raise RecipeError(msg)
+    try:
+        return file.read_text(encoding="utf-8"), source
+    except UnicodeDecodeError as exc:
+        line = exc.object[: exc.start].count(b"\n") + 1
+        msg = f"recipe {source}, line {line}: not UTF-8 text (byte 0x{exc.object[exc.start]:02x}); save it as UTF-8"
+        raise RecipeError(msg) from None
+    except OSError as exc:
+        msg = f"recipe {source}: cannot be read: {exc.strerror or exc}"
+        raise RecipeError(msg) from None

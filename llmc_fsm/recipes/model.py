@@ -1,0 +1,242 @@
+"""Recipes: named stages of modifiers with arguments.
+
+Sources accepted by :func:`resolve_recipe`: ``None`` (no modifiers), a
+:class:`Recipe`, a :class:`~llmc_fsm.Modifier` or a list of them (used as they
+are, never round-tripped through text), a dict (whose stage bodies may also hold
+modifier objects), YAML/JSON text, or a path to a ``.yaml``/``.yml``/``.json``
+file. Recipes written for llm-compressor (``stage -> <group>_modifiers ->
+modifier``, ``run_type``) are read too. See ``docs/recipes.md`` for the format.
+
+This module holds the resolved recipe (:class:`Recipe`, :class:`Stage`, the
+execution order, writing back to YAML); reading text lives in
+:mod:`llmc_fsm.recipes.loading`, building stages and modifiers from data in
+:mod:`llmc_fsm.recipes.building`.
+"""
+
+from __future__ import annotations
+
+import heapq
+import sys
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import attrs
+import yaml
+
+from llmc_fsm.core.errors import RecipeError
+from llmc_fsm.core.modifier import Modifier
+
+__all__ = ["STAGE_KEYS", "Recipe", "Stage"]
+
+#: Keys of a stage's long form ``{modifiers: ..., applied: ..., start: ..., end: ..., run_type: ...}``
+#: (besides llm-compressor's ``<group>_modifiers`` keys).
+STAGE_KEYS: tuple[str, ...] = ("modifiers", "applied", "start", "end", "run_type")
+
+
+@attrs.define(eq=False)
+class Stage:
+    """One named stage: modifiers in recipe order.
+
+    Attributes:
+        name: the stage name.
+        modifiers: modifier objects, in recipe order.
+        applied: the stage was already applied to a saved model; its modifiers do not run.
+        start: epoch the stage starts at, or ``None``; modifiers may not start before it.
+        end: epoch the stage ends at, or ``None``; modifiers may not end after it.
+        run_type: llm-compressor's ``"oneshot"`` or ``"train"``, or ``None``; recorded
+            and written back, it does not change how the modifiers run (the caller's
+            loop -- one-shot calibration or training -- fires their events).
+    """
+
+    name: str
+    modifiers: list[Modifier]
+    applied: bool = False
+    start: float | None = None
+    end: float | None = None
+    run_type: str | None = None
+
+
+def _label(m: Modifier) -> str:
+    return m.modifier_name()
+
+
+def _order_stage(stage: Stage, later: Mapping[str, str], source: str) -> list[Modifier]:
+    """Stable topological order of one stage's modifiers under ``runs_after``.
+
+    Recipe order is kept wherever the constraints allow (the ready modifier with
+    the lowest recipe index goes first). ``later`` maps names only present in a
+    later stage to that stage: running after them is impossible.
+    """
+    mods = stage.modifiers
+    names = [_label(m) for m in mods]
+    preds: list[set[int]] = []
+    for i, m in enumerate(mods):
+        wanted = set(m.runs_after)
+        for name in sorted(wanted):
+            if name in later and name not in names:
+                msg = (
+                    f"recipe {source}, stage {stage.name!r}, modifier {names[i]}: impossible order: it must run "
+                    f"after {name} (runs_after), but {name} is only in the later stage {later[name]!r}. Move one "
+                    "of them so that they share a stage or the order of stages matches."
+                )
+                raise RecipeError(msg)
+        preds.append({j for j, n in enumerate(names) if n in wanted and j != i})
+    succ: list[list[int]] = [[] for _ in mods]
+    for i, ps in enumerate(preds):
+        for j in ps:
+            succ[j].append(i)
+    indegree = [len(ps) for ps in preds]
+    ready = [i for i, d in enumerate(indegree) if d == 0]
+    heapq.heapify(ready)
+    order: list[int] = []
+    while ready:
+        i = heapq.heappop(ready)
+        order.append(i)
+        for k in succ[i]:
+            indegree[k] -= 1
+            if indegree[k] == 0:
+                heapq.heappush(ready, k)
+    if len(order) < len(mods):
+        left = {i for i in range(len(mods)) if i not in set(order)}
+        node = min(left)
+        path: list[int] = []
+        while node not in path:
+            path.append(node)
+            node = min(j for j in preds[node] if j in left)
+        cycle = [*path[path.index(node) :], node]
+        text = " runs after ".join(names[i] for i in cycle)
+        msg = (
+            f"recipe {source}, stage {stage.name!r}: runs_after constraints form a cycle: {text}. "
+            "No order satisfies them; remove one of the modifiers or split them into separate stages."
+        )
+        raise RecipeError(msg)
+    return [mods[i] for i in order]
+
+
+@attrs.define(eq=False)
+class Recipe:
+    """A resolved recipe.
+
+    Attributes:
+        stages: the stages, in recipe order.
+        source: where it came from (a path, ``"<text>"``, ``"<dict>"``, ``"<objects>"``...).
+
+    Raises (at construction):
+        RecipeError: the modifiers' ``runs_after`` constraints cannot be met.
+    """
+
+    stages: list[Stage] = attrs.field(factory=list)
+    source: str = "<none>"
+
+    def __attrs_post_init__(self) -> None:
+        self.plan()
+
+    def plan(self) -> list[tuple[Stage, list[Modifier]]]:
+        """Each stage not yet applied with its modifiers in execution order.
+
+        Within a stage, modifiers keep recipe order except where a ``runs_after``
+        constraint moves one after the modifiers it names; a name not in the
+        recipe is ignored, a name in an earlier stage is already satisfied.
+
+        Raises:
+            RecipeError: a ``runs_after`` cycle, or a modifier that must run after
+                one that only appears in a later stage.
+        """
+        live = [stage for stage in self.stages if not stage.applied]
+        result = []
+        for index, stage in enumerate(live):
+            later: dict[str, str] = {}
+            for other in reversed(live[index + 1 :]):
+                for m in other.modifiers:
+                    later[_label(m)] = other.name
+            result.append((stage, _order_stage(stage, later, self.source)))
+        return result
+
+    @property
+    def modifiers(self) -> list[Modifier]:
+        """Modifiers of the stages not yet applied, in execution order (see :meth:`plan`)."""
+        return [m for _, modifiers in self.plan() for m in modifiers]
+
+    def to_dict(self, *, applied: bool | Iterable[str] | None = None) -> dict[str, Any]:
+        """The recipe as plain data (the long stage form), ready for YAML.
+
+        Args:
+            applied: ``None`` keeps each stage's ``applied`` flag; ``True`` marks
+                every stage applied; a collection of stage names marks those
+                (stages already applied stay applied).
+
+        Modifier arguments are all the modifier's attrs init fields (defaults
+        included, so a saved recipe shows every setting used) except those that
+        are ``None`` by default and still ``None``; tuples and sets become lists,
+        pydantic models (a compressed-tensors ``QuantizationScheme`` given as
+        ``scheme``, the ``QuantizationArgs`` in one) the mapping of their given fields.
+
+        Raises:
+            RecipeError: an unknown stage name in ``applied``, or an argument value
+                YAML cannot hold (the message names stage, modifier and argument).
+        """
+        names = {stage.name for stage in self.stages}
+        if applied is None or isinstance(applied, bool):
+            marked = names if applied else set()
+        else:
+            marked = set(applied)
+            unknown = sorted(marked - names)
+            if unknown:
+                msg = f"recipe {self.source}: no stage named {', '.join(map(repr, unknown))}; stages: {sorted(names)}"
+                raise RecipeError(msg)
+        data: dict[str, Any] = {}
+        for stage in self.stages:
+            body: dict[str, Any] = {
+                "modifiers": [{_label(m): _modifier_args(m, stage.name)} for m in stage.modifiers],
+                "applied": stage.applied or stage.name in marked,
+            }
+            if stage.start is not None:
+                body["start"] = stage.start
+            if stage.end is not None:
+                body["end"] = stage.end
+            if stage.run_type is not None:
+                body["run_type"] = stage.run_type
+            data[stage.name] = body
+        return data
+
+    def to_yaml(self, *, applied: bool | Iterable[str] | None = None) -> str:
+        """The recipe as YAML text that :func:`resolve_recipe` reads back (see :meth:`to_dict`)."""
+        return yaml.safe_dump(self.to_dict(applied=applied), sort_keys=False, default_flow_style=False)
+
+
+def _plain(value: Any, where: str) -> Any:
+    """``value`` as YAML-safe data; a pydantic model (e.g. a compressed-tensors ``QuantizationScheme``) becomes
+    the mapping of the fields that were given, in JSON form (unset and ``None`` fields left out)."""
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    pydantic = sys.modules.get("pydantic")  # no pydantic model can exist unless pydantic was imported
+    if pydantic is not None and isinstance(value, pydantic.BaseModel):
+        try:
+            value = value.model_dump(mode="json", exclude_unset=True, exclude_none=True)
+        except ValueError as err:  # pydantic_core.PydanticSerializationError
+            msg = f"{where}: the {type(value).__name__} cannot be written to a YAML recipe: {err}"
+            raise RecipeError(msg) from None
+    if isinstance(value, list | tuple):
+        return [_plain(v, where) for v in value]
+    if isinstance(value, set | frozenset):
+        return sorted(_plain(v, where) for v in value)
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v, where) for k, v in value.items()}
+    msg = f"{where}: a {type(value).__name__} cannot be written to a YAML recipe"
+    raise RecipeError(msg)
+
+
+def _modifier_args(m: Modifier, stage: str) -> dict[str, Any]:
+    args: dict[str, Any] = {}
+    for field in attrs.fields(type(m)):
+        if not field.init:
+            continue
+        value = getattr(m, field.name)
+        default = field.default
+        if isinstance(default, attrs.Factory):  # type: ignore[arg-type]
+            default = default.factory(m) if default.takes_self else default.factory()
+        if value is None and default is None:  # unset schedule fields and the like
+            continue
+        where = f"stage {stage!r}, modifier {_label(m)}, argument {field.alias!r}"
+        args[field.alias] = _plain(value, where)
+    return args

@@ -1,0 +1,3 @@
+"""The one-shot report (measured per layer) and its plots."""
+
+__all__: list[str] = []

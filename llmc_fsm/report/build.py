@@ -1,0 +1,373 @@
+"""The one-shot report: measured sparsity per layer, perplexity before/after, wall time, memory.
+
+Sparsity is *measured* on the weights after compression (exact zeros), not
+taken from what the modifiers intended.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import attrs
+import torch
+from torch import nn
+
+from llmc_fsm.models.layers import find_decoder_layers
+
+__all__ = ["ModuleSparsity", "OneshotReport", "build_report", "max_rss_bytes", "measure_sparsity"]
+
+
+def max_rss_bytes() -> int:
+    """Peak resident set size of this process so far, in bytes."""
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss if sys.platform == "darwin" else rss * 1024)
+
+
+@attrs.define(kw_only=True)
+class ModuleSparsity:
+    """Zeros of one module's weight, and how it was quantized.
+
+    ``layer`` is the decoder layer index, or ``None`` outside the layers. For
+    quantized modules ``bits`` and ``group_size`` (``None`` for channel/tensor
+    strategies) are set; ``rel_output_error`` is ``||W X - W_hat X|| / ||W X||``
+    on the calibration inputs, for modifiers that keep a Hessian (SparseGPT,
+    GPTQ, RTN with calibration data), else ``None``: the last modifier's that
+    compressed it, with ``W`` the weight it received. ``rel_output_errors``
+    lists ``("Modifier (stage)", error or None)`` of every modifier that
+    compressed it, in the order they ran, when there were several (2:4 pruning,
+    then GPTQ); the errors do not add up.
+    """
+
+    name: str
+    layer: int | None
+    zeros: int
+    numel: int
+    bits: int | None = None
+    group_size: int | None = None
+    rel_output_error: float | None = None
+    rel_output_errors: list[tuple[str, float | None]] = attrs.Factory(list)
+
+    @property
+    def sparsity(self) -> float:
+        return self.zeros / self.numel if self.numel else 0.0
+
+
+def measure_sparsity(model: nn.Module, layers: nn.ModuleList | None = None) -> list[ModuleSparsity]:
+    """The exact zeros of every ``nn.Linear`` weight of ``model`` (tied weights counted once), in module order.
+
+    ``layers``: the decoder layers, to record each module's layer index (``None`` outside them).
+    """
+    layer_of: dict[int, int] = {}
+    if layers is not None:
+        for index, layer in enumerate(layers):
+            for sub in layer.modules():
+                layer_of[id(sub)] = index
+    seen: set[int] = set()
+    out = []
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.Linear) or id(module.weight) in seen:
+            continue
+        seen.add(id(module.weight))
+        w = module.weight
+        zeros = w.numel() - int(torch.count_nonzero(w))  # no [numel] temporary, unlike (w == 0).sum()
+        out.append(ModuleSparsity(name=name, layer=layer_of.get(id(module)), zeros=zeros, numel=w.numel()))
+    return out
+
+
+@attrs.define(kw_only=True)
+class OneshotReport:
+    """What :func:`llmc_fsm.oneshot` did; ``to_dict()`` is what ``report.json`` holds.
+
+    Attributes:
+        model: model name or path (or the class name for an in-memory model).
+        recipe: the recipe as a dict (stages marked applied).
+        calibration: ``{"source", "num_samples", "seq_len", "num_tokens"}``, and ``"per_rank"``
+            (windows calibrated by each rank) under ``torch.distributed``.
+        modules: measured sparsity of every Linear weight.
+        ppl_before / ppl_after: perplexity on the evaluation windows (``None`` without eval text).
+        eval: ``{"source", "num_windows", "seq_len"}`` or ``None``.
+        seconds: wall time per phase (``load``, ``data``, ``eval_before``, ``compress``, ``eval_after``,
+            ``save``, ``total``).
+        max_rss_bytes: peak resident memory of the process at the end.
+        output_dir: where the model was written, or ``None``.
+    """
+
+    model: str
+    recipe: dict[str, Any]
+    calibration: dict[str, Any]
+    modules: list[ModuleSparsity]
+    ppl_before: float | None = None
+    ppl_after: float | None = None
+    eval: dict[str, Any] | None = None
+    seconds: dict[str, float] = attrs.field(factory=dict)
+    max_rss_bytes: int = 0
+    output_dir: str | None = None
+    targeted: list[str] = attrs.field(factory=list)
+    disk: dict[str, int | None] | None = None
+
+    def finish(self, t_start: float) -> None:
+        """Set the total wall time (since ``t_start``, a ``time.perf_counter()`` value) and the peak RSS."""
+        self.seconds["total"] = time.perf_counter() - t_start
+        self.max_rss_bytes = max_rss_bytes()
+
+    # --- aggregates ------------------------------------------------------------
+    def _targeted(self) -> list[ModuleSparsity]:
+        names = set(self.targeted)
+        return [m for m in self.modules if m.name in names]
+
+    @property
+    def total_sparsity(self) -> float:
+        """Zeros / weights over all targeted modules."""
+        mods = self._targeted()
+        numel = sum(m.numel for m in mods)
+        return sum(m.zeros for m in mods) / numel if numel else 0.0
+
+    def layer_sparsity(self) -> list[tuple[int, float, int]]:
+        """``(layer index, sparsity, numel)`` of the targeted Linear weights in each decoder layer."""
+        agg: dict[int, list[int]] = {}
+        for m in self._targeted():
+            if m.layer is not None:
+                z, n = agg.setdefault(m.layer, [0, 0])
+                agg[m.layer] = [z + m.zeros, n + m.numel]
+        return [(i, z / n if n else 0.0, n) for i, (z, n) in sorted(agg.items())]
+
+    def layer_quantization(self) -> dict[int, tuple[str, float | None]]:
+        """``{layer index: (bits/group label, mean relative output error or None)}`` of quantized targeted modules."""
+        agg: dict[int, list[ModuleSparsity]] = {}
+        for m in self._targeted():
+            if m.layer is not None and m.bits is not None:
+                agg.setdefault(m.layer, []).append(m)
+        out: dict[int, tuple[str, float | None]] = {}
+        for i, mods in agg.items():
+            labels = sorted({f"{m.bits}b" + (f"/g{m.group_size}" if m.group_size else "") for m in mods})
+            errors = [m.rel_output_error for m in mods if m.rel_output_error is not None]
+            out[i] = (",".join(labels), sum(errors) / len(errors) if errors else None)
+        return out
+
+    def _stacked_errors_note(self) -> list[str]:
+        """A line under the table when modules were compressed by several error-measuring modifiers."""
+        stacked = [m for m in self._targeted() if len(m.rel_output_errors) > 1]
+        if not stacked:
+            return []
+        return [
+            f"rel. output error: the last modifier's, against the weights it received; {len(stacked)} modules were "
+            f"compressed by several modifiers, whose errors do not add up (mean per module: "
+            f"{_mean_by_modifier(stacked)}; report.json: rel_output_errors)"
+        ]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.model,
+            "recipe": self.recipe,
+            "calibration": self.calibration,
+            "eval": self.eval,
+            "perplexity": {"before": self.ppl_before, "after": self.ppl_after},
+            "sparsity": {
+                "total_targeted": self.total_sparsity,
+                "layers": [{"layer": i, "sparsity": s, "numel": n} for i, s, n in self.layer_sparsity()],
+                "modules": [
+                    {
+                        "name": m.name,
+                        "layer": m.layer,
+                        "zeros": m.zeros,
+                        "numel": m.numel,
+                        "sparsity": m.sparsity,
+                        "targeted": m.name in set(self.targeted),
+                        **_quant_fields(m),
+                    }
+                    for m in self.modules
+                ],
+            },
+            "disk": self.disk,
+            "seconds": self.seconds,
+            "max_rss_bytes": self.max_rss_bytes,
+            "output_dir": self.output_dir,
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> OneshotReport:
+        """The report that :meth:`to_dict` returned ``data`` for (e.g. a loaded ``report.json``).
+
+        Raises:
+            KeyError / TypeError: ``data`` lacks ``model`` or ``sparsity.modules``, or they have the wrong shape.
+        """
+        entries = data["sparsity"]["modules"]
+        ppl = data.get("perplexity") or {}
+        return cls(
+            model=data["model"],
+            recipe=data.get("recipe") or {},
+            calibration=data.get("calibration") or {},
+            modules=[
+                ModuleSparsity(
+                    name=m["name"],
+                    layer=m["layer"],
+                    zeros=m["zeros"],
+                    numel=m["numel"],
+                    bits=m.get("bits"),
+                    group_size=m.get("group_size"),
+                    rel_output_error=m.get("rel_output_error"),
+                    rel_output_errors=[(e["modifier"], e["rel_output_error"]) for e in m.get("rel_output_errors", [])],
+                )
+                for m in entries
+            ],
+            disk=data.get("disk"),
+            ppl_before=ppl.get("before"),
+            ppl_after=ppl.get("after"),
+            eval=data.get("eval"),
+            seconds=data.get("seconds") or {},
+            max_rss_bytes=data.get("max_rss_bytes", 0),
+            output_dir=data.get("output_dir"),
+            targeted=[m["name"] for m in entries if m.get("targeted")],
+        )
+
+    def format_table(self) -> str:
+        """The human-readable report the CLI prints."""
+        lines = [f"model: {self.model}"]
+        cal = self.calibration
+        split = cal.get("per_rank")
+        if cal.get("num_samples"):
+            lines.append(
+                f"calibration: {cal.get('num_samples')} x {cal.get('seq_len')} tokens from {cal.get('source')}"
+                + (f" (split over {len(split)} ranks: {' + '.join(map(str, split))})" if split else "")
+            )
+        else:
+            lines.append(f"calibration: {cal.get('source')}")
+        rows = self.layer_sparsity()
+        quant = self.layer_quantization()
+        if rows:
+            lines.append("")
+            extra = f"  {'quantized':>9}  {'rel. output error':>16}" if quant else ""
+            lines.append(f"{'layer':>7}  {'weights':>10}  {'sparsity':>8}{extra}")
+            for i, s, n in rows:
+                label, err = quant.get(i, ("-", None))
+                extra = f"  {label:>9}  {'-' if err is None else f'{err:.4f}':>16}" if quant else ""
+                lines.append(f"{i:>7}  {n:>10,}  {s:>8.2%}{extra}")
+        outside = [m for m in self._targeted() if m.layer is None]
+        for m in outside:
+            lines.append(f"{m.name:>7}  {m.numel:>10,}  {m.sparsity:>8.2%}")
+        lines.extend(self._stacked_errors_note())
+        untouched = [m for m in self.modules if m.name not in set(self.targeted)]
+        total_numel = sum(m.numel for m in self._targeted())
+        lines.append(f"{'total':>7}  {total_numel:>10,}  {self.total_sparsity:>8.2%}   (targeted Linear weights)")
+        for m in untouched:
+            lines.append(f"not targeted: {m.name} ({m.numel:,} weights, sparsity {m.sparsity:.2%})")
+        lines.append("")
+        if self.eval is not None:
+            ev = self.eval
+            lines.append(
+                f"perplexity on {ev['num_windows']} x {ev['seq_len']} tokens of {ev['source']}: "
+                f"before {self.ppl_before:.3f}  after {self.ppl_after:.3f}"
+            )
+        else:
+            lines.append("perplexity: not measured (pass --eval-text FILE)")
+        if self.disk and self.disk.get("after_bytes"):
+            before, after = self.disk.get("before_bytes"), self.disk["after_bytes"]
+            ratio = f" ({after / before:.2f}x)" if before else ""
+            shown = f"{before / 1e6:.1f} MB -> " if before else ""
+            lines.append(f"weights on disk: {shown}{after / 1e6:.1f} MB{ratio}")
+        secs = self.seconds
+        parts = [f"{k} {v:.1f} s" for k, v in secs.items() if k != "total"]
+        lines.append(f"wall time: {secs.get('total', 0.0):.1f} s ({', '.join(parts)})")
+        lines.append(f"max RSS: {self.max_rss_bytes / 2**30:.2f} GiB")
+        if self.output_dir:
+            lines.append(f"output: {self.output_dir} (model, tokenizer, recipe.yaml, report.json)")
+        return "\n".join(lines)
+
+
+def _bits_of_earlier_runs(model: nn.Module, by_name: dict[str, ModuleSparsity]) -> None:
+    """Bits and group size of modules quantized before this run (an in-memory model given to oneshot again),
+    from the compressed-tensors scheme they carry."""
+    for name, module in model.named_modules():
+        entry, scheme = by_name.get(name), getattr(module, "quantization_scheme", None)
+        weights = getattr(scheme, "weights", None)
+        if entry is None or entry.bits is not None or weights is None:
+            continue
+        entry.bits = int(weights.num_bits)
+        strategy = getattr(weights.strategy, "value", weights.strategy)  # an enum, or its str value
+        entry.group_size = int(weights.group_size) if strategy == "group" else None
+
+
+def _mean_by_modifier(modules: list[ModuleSparsity]) -> str:
+    by: dict[str, list[float | None]] = {}
+    for m in modules:
+        for name, error in m.rel_output_errors:
+            by.setdefault(name, []).append(error)
+    return ", ".join(
+        f"{name} not measured" if None in v else f"{name} {sum(v) / len(v):.4f}"  # type: ignore[arg-type]
+        for name, v in by.items()
+    )
+
+
+def _quant_fields(m: ModuleSparsity) -> dict[str, Any]:
+    fields = {
+        key: value
+        for key, value in (("bits", m.bits), ("group_size", m.group_size), ("rel_output_error", m.rel_output_error))
+        if value is not None
+    }
+    if len(m.rel_output_errors) > 1:  # every modifier that compressed it, in order (error None: not measured)
+        fields["rel_output_errors"] = [{"modifier": n, "rel_output_error": e} for n, e in m.rel_output_errors]
+    return fields
+
+
+def build_report(
+    *,
+    model: nn.Module,
+    model_name: str,
+    recipe: Any,
+    modifiers: Iterable[Any],
+    calibration: dict[str, Any],
+    ppl_before: float | None,
+    ppl_after: float | None,
+    eval: dict[str, Any] | None,
+    seconds: dict[str, float],
+    targeted: list[str],
+    modules: list[ModuleSparsity] | None = None,
+) -> OneshotReport:
+    """The one-shot report of ``model`` after compression by ``modifiers``.
+
+    Sparsity is measured on the weights (or given as ``modules``, measured while the
+    weights were in memory: :mod:`llmc_fsm.pipeline.streaming`); quantization fields and output errors
+    come from the modifiers' per-module results (``results`` of
+    :class:`llmc_fsm.toolkit.calibrated.CalibratedModifier`); the targeted modules from
+    ``targeted`` (the modifiers' :attr:`~llmc_fsm.Modifier.resolved_targets`, gathered after initialize).
+    """
+
+    if modules is None:
+        try:
+            _, layers = find_decoder_layers(model)
+        except ValueError:
+            layers = None
+        modules = measure_sparsity(model, layers)
+    by_name = {m.name: m for m in modules}
+    stage_of = {id(m): stage.name for stage in getattr(recipe, "stages", []) for m in stage.modifiers}
+    for modifier in modifiers:
+        label = type(modifier).__name__ + (f" ({stage_of[id(modifier)]})" if id(modifier) in stage_of else "")
+        for name, result in (getattr(modifier, "results", None) or {}).items():
+            entry = by_name.get(name)
+            if entry is None:
+                continue
+            if getattr(result, "bits", None) is not None:  # zeros: the pruned ones only (see ModuleResult)
+                entry.bits, entry.group_size, entry.zeros = result.bits, result.group_size, result.zeros
+            # the last modifier's error, against the weights it received (None: it measured none)
+            entry.rel_output_error = getattr(result, "rel_output_error", None)
+            entry.rel_output_errors.append((label, entry.rel_output_error))
+    _bits_of_earlier_runs(model, by_name)
+    return OneshotReport(
+        model=model_name,
+        recipe=recipe.to_dict(applied=True),
+        calibration=calibration,
+        modules=modules,
+        ppl_before=ppl_before,
+        ppl_after=ppl_after,
+        eval=eval,
+        seconds=seconds,
+        targeted=targeted,
+    )

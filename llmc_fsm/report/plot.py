@@ -1,0 +1,200 @@
+"""Pictures of a one-shot report: per-layer sparsity and, when present, per-layer relative output error.
+
+matplotlib is an optional extra (``pip install 'llmc-fsm[plot]'``) imported only
+when a picture is drawn; figures are built with ``matplotlib.figure.Figure``
+directly, so no pyplot state or GUI backend is involved.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from llmc_fsm.report.build import OneshotReport
+
+__all__ = ["QUANT_KEYS", "check_plot_path", "plot_report"]
+
+#: Per-module keys of a report's ``sparsity.modules`` entries that carry quantization results.
+QUANT_KEYS = ("bits", "group_size", "rel_output_error")
+
+_INSTALL_HINT = "install it with `pip install 'llmc-fsm[plot]'` (or `pip install 'matplotlib>=3.7'`)"
+
+
+def _matplotlib() -> Any:
+    try:
+        import matplotlib
+        from matplotlib.figure import Figure
+    except ImportError:
+        msg = f"drawing a plot needs matplotlib, which is not installed; {_INSTALL_HINT}"
+        raise RuntimeError(msg) from None
+    return matplotlib, Figure
+
+
+def check_plot_path(path: str | os.PathLike[str]) -> Path:
+    """Check, before any work, that a picture can be written to ``path``.
+
+    Returns:
+        ``path`` as a ``Path``.
+
+    Raises:
+        RuntimeError: matplotlib is not installed (the message says how to install it).
+        ValueError: the suffix is not an image format matplotlib writes (the message lists them).
+        FileNotFoundError: the parent directory does not exist.
+    """
+    _, figure_cls = _matplotlib()
+    out = Path(path).expanduser()
+    formats = figure_cls().canvas.get_supported_filetypes()
+    suffix = out.suffix.lower().lstrip(".")
+    if suffix not in formats:
+        msg = f"cannot draw {out}: the file name must end in an image format ({', '.join(sorted(formats))})"
+        raise ValueError(msg)
+    if not out.parent.is_dir():
+        msg = f"cannot draw {out}: the directory {out.parent} does not exist"
+        raise FileNotFoundError(msg)
+    return out
+
+
+def _suffix(entry: Mapping[str, Any]) -> str:
+    """``self_attn.q_proj`` for ``model.layers.3.self_attn.q_proj`` (the part after the layer index)."""
+    return entry["name"].split(f".{entry['layer']}.", 1)[-1]
+
+
+def _by_kind(entries: Sequence[Mapping[str, Any]]) -> dict[str, list[Mapping[str, Any]]]:
+    """Entries inside decoder layers grouped by module kind, in order of first appearance."""
+    kinds: dict[str, list[Mapping[str, Any]]] = {}
+    for e in entries:
+        if e.get("layer") is not None:
+            kinds.setdefault(_suffix(e), []).append(e)
+    return kinds
+
+
+def _kind_markers(ax: Any, kinds: dict[str, list[Mapping[str, Any]]], colors: dict[str, str], key: str) -> None:
+    """One marker per module, in its kind's colour, spread a little around its layer so kinds stay visible."""
+    width = 0.6 / max(len(colors), 1)
+    for kind, group in kinds.items():
+        offset = (list(colors).index(kind) - (len(colors) - 1) / 2) * width
+        xs = [e["layer"] + offset for e in group]
+        ax.plot(xs, [e[key] for e in group], ".", ms=5, color=colors[kind], label=kind)
+
+
+def _legend_outside(ax: Any) -> None:
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
+
+
+def _names_axis(ax: Any, entries: Sequence[Mapping[str, Any]], key: str) -> None:
+    """Fallback without decoder layers: one bar per module."""
+    ax.bar(range(len(entries)), [e[key] for e in entries], color="0.6")
+    ax.set_xticks(range(len(entries)), [e["name"] for e in entries], rotation=60, ha="right", fontsize=7)
+    ax.set_xlabel("module")
+
+
+def _sparsity_panel(
+    ax: Any, report: OneshotReport, entries: Sequence[Mapping[str, Any]], colors: dict[str, str]
+) -> None:
+    rows = report.layer_sparsity()
+    targeted = [e for e in entries if e.get("targeted")]
+    if rows:
+        ax.bar([i for i, _, _ in rows], [s for _, s, _ in rows], color="0.85", label="layer (all targeted)")
+        _kind_markers(ax, _by_kind(targeted), colors, "sparsity")
+        ax.set_xlabel("decoder layer")
+        outside = [f"{e['name']} {e['sparsity']:.1%}" for e in targeted if e["layer"] is None]
+        if outside:
+            ax.text(0.01, 0.02, "outside the layers: " + ", ".join(outside), transform=ax.transAxes, fontsize=8)
+        _legend_outside(ax)
+    else:  # no decoder layers (e.g. an nn.Sequential)
+        _names_axis(ax, targeted, "sparsity")
+    ax.set_ylim(0, 1)
+    ax.yaxis.set_major_formatter("{x:.0%}")
+    ax.set_ylabel("sparsity (exact zeros)")
+    ax.grid(axis="y", alpha=0.3)
+    ax.set_title(f"{report.model}: sparsity of targeted weights (total {report.total_sparsity:.2%})", fontsize=10)
+
+
+def _error_panel(ax: Any, entries: Sequence[Mapping[str, Any]], colors: dict[str, str]) -> None:
+    quant = [e for e in entries if e.get("rel_output_error") is not None]
+    kinds = _by_kind(quant)
+    if kinds:
+        by_layer: dict[int, list[float]] = {}
+        for group in kinds.values():
+            for e in group:
+                size = float(e.get("numel") or 1)
+                total = by_layer.setdefault(e["layer"], [0.0, 0.0])
+                total[0] += size * float(e["rel_output_error"])
+                total[1] += size
+        layers = sorted(by_layer)
+        ax.plot(layers, [by_layer[i][0] / by_layer[i][1] for i in layers], "-", color="0.3", label="layer mean")
+        _kind_markers(ax, kinds, colors, "rel_output_error")
+        ax.set_xlabel("decoder layer")
+        _legend_outside(ax)
+    else:
+        _names_axis(ax, quant, "rel_output_error")
+    ax.set_ylabel("relative output error")
+    ax.set_ylim(bottom=0)
+    ax.grid(axis="y", alpha=0.3)
+    ax.set_title(error_panel_title(quant), fontsize=10)
+
+
+def error_panel_title(entries: Sequence[Mapping[str, Any]]) -> str:
+    """The error panel's title: what made the error (pruning, quantization or both) and the bits / group sizes."""
+    quant = [e for e in entries if e.get("rel_output_error") is not None]
+    settings = []
+    for key in ("bits", "group_size"):
+        values = sorted({str(e[key]) for e in quant if e.get(key) is not None})
+        if values:
+            settings.append(f"{key} {'/'.join(values)}")
+    detail = f" ({', '.join(settings)})" if settings else ""
+    quantized = [e for e in quant if e.get("bits") is not None]
+    what = "pruning" if not quantized else "quantization"
+    numel = sum(int(e.get("numel") or 0) for e in quantized)
+    if any(len(e.get("rel_output_errors") or ()) > 1 for e in quant):  # several modifiers: the last one's error
+        what = "the last step (quantization, after pruning)" if quantized else "the last pruning step"
+        return (
+            f"{what}: relative output error ||W X - Ŵ X|| / ||W X|| per module against the weights it received"
+            f"{detail}; line: mean weighted by size"
+        )
+    if numel and sum(int(e.get("zeros") or 0) for e in quantized) / numel >= 0.05:  # pruned (a dense model has a few)
+        what = "pruning + quantization"
+    return f"{what}: relative output error ||W X - Ŵ X|| / ||W X|| per module{detail}; line: mean weighted by size"
+
+
+def plot_report(data: Mapping[str, Any], path: str | os.PathLike[str]) -> Path:
+    """Draw the per-layer sparsity of a one-shot report, and its relative output error when it has one.
+
+    Args:
+        data: the report as a dict (``OneshotReport.to_dict()``, i.e. a loaded
+            ``report.json``).  Panel 1: sparsity of the targeted weights per
+            decoder layer (bars) and per module kind (markers).  Panel 2, only
+            when some entry of ``data["sparsity"]["modules"]`` has
+            ``rel_output_error`` (with optional ``bits`` / ``group_size``): that
+            error per module and its weight-count-weighted mean per layer.
+        path: the image file; the format follows its suffix (``.png``, ``.pdf``, ``.svg``, ...).
+
+    Returns:
+        ``path`` as a ``Path``.
+
+    Raises:
+        RuntimeError: matplotlib is not installed.
+        ValueError: unknown image suffix, or no targeted module to draw.
+        FileNotFoundError: the parent directory of ``path`` does not exist.
+        KeyError / TypeError: ``data`` is not a report dict.
+    """
+    out = check_plot_path(path)
+    _, figure_cls = _matplotlib()
+    report = OneshotReport.from_dict(dict(data))
+    entries = data["sparsity"]["modules"]
+    if not any(e.get("targeted") for e in entries):
+        msg = "the report has no targeted module: nothing to plot"
+        raise ValueError(msg)
+    has_error = any(e.get("rel_output_error") is not None for e in entries)
+    fig = figure_cls(figsize=(11, 7.5 if has_error else 4.2), layout="constrained")
+    axes = fig.subplots(2 if has_error else 1, 1, squeeze=False, sharex=True)[:, 0]
+    kinds = _by_kind([e for e in entries if e.get("targeted") or e.get("rel_output_error") is not None])
+    colors = {kind: f"C{i % 10}" for i, kind in enumerate(kinds)}  # one colour per module kind in both panels
+    _sparsity_panel(axes[0], report, entries, colors)
+    if has_error:
+        _error_panel(axes[1], entries, colors)
+        axes[0].tick_params(labelbottom=True)  # sharex hides the upper panel's layer numbers
+    fig.savefig(out, dpi=120)
+    return out

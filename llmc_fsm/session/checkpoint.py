@@ -1,0 +1,208 @@
+"""Session checkpoints: ``state_dict()``/``load_state_dict()``, ``session.save(dir)``/``Session.load(dir, recipe)``.
+
+A checkpoint holds the session's progress — lifecycle, global step, each
+modifier's schedule position (started, ended, next update), stage progress —
+and each modifier's own :meth:`~llmc_fsm.Modifier.state_dict` (masks, pruning
+history, distillation settings, learning-rate position...). It records the
+recipe as each modifier's label, class, stage and arguments, and
+``steps_per_epoch``; loading into a session whose recipe or modifiers differ
+raises :class:`~llmc_fsm.CheckpointError` naming every difference before
+anything changes. Model, optimizer and RNG state are the caller's (saved and
+restored as usual).
+
+On disk (:func:`write_checkpoint` / :func:`read_checkpoint`) a checkpoint is a
+directory with ``session.json`` (everything but tensors, plus the name and
+SHA-256 of the tensor file) and ``tensors-<digest>.safetensors`` — no pickle.
+Each file is written to a temporary sibling and renamed into place, the
+manifest last, and the previous tensor file is removed only after that: a kill
+at any moment leaves the previous checkpoint loadable. Masks are stored
+bit-packed (:func:`pack_mask`: 1 bit per weight, 1/32 of the fp32 weight bytes).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, NoReturn
+
+from llmc_fsm.core.errors import CheckpointError, LifecycleError
+from llmc_fsm.core.lifecycle import format_calls
+from llmc_fsm.recipes.fingerprint import differences, recipe_fingerprint
+from llmc_fsm.session.checkpoint_io import FORMAT, MANIFEST, VERSION, read_checkpoint, write_checkpoint
+from llmc_fsm.session.events import SessionEvents
+from llmc_fsm.session.scheduling import Schedule
+
+__all__ = [
+    "FORMAT",
+    "MANIFEST",
+    "VERSION",
+    "SessionCheckpoints",
+    "read_checkpoint",
+    "write_checkpoint",
+]
+
+_LIVE = ("initialized", "running")
+
+
+# --- masks ---------------------------------------------------------------------------------------
+# --- session state <-> dict -------------------------------------------------------------------
+def session_state(session: Any, schedule: Schedule, step: int) -> dict[str, Any]:
+    """The state dict of ``session`` (between batches; see :meth:`~llmc_fsm.Session.state_dict`)."""
+    plan = session.recipe.plan()
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "lifecycle": session.lifecycle,
+        "global_step": step,
+        "steps_per_epoch": session.state.get("steps_per_epoch"),
+        "recipe": recipe_fingerprint(session.labels, session.modifiers, plan),
+        "stages": schedule.progress([(stage.name, mods) for stage, mods in plan]),
+        "schedule": schedule.state_dict(),
+        "modifiers": {slot.label: slot.modifier.state_dict() for slot in schedule.slots},
+    }
+
+
+def _format_problem(state: Any) -> str | None:
+    if not isinstance(state, Mapping) or state.get("format") != FORMAT:
+        return f"not an llmc-fsm session state dict (no format {FORMAT!r})"
+    if state.get("version") != VERSION:
+        return f"format version {state.get('version')!r}; this llmc-fsm reads version {VERSION}"
+    missing = [k for k in ("lifecycle", "global_step", "recipe", "schedule", "modifiers") if k not in state]
+    return f"incomplete state dict: no {', '.join(missing)}" if missing else None
+
+
+def _recipe_problems(state: Any, session: Any) -> list[str]:
+    """Format and recipe differences (usable before ``initialize``)."""
+    problem = _format_problem(state)
+    if problem is not None:
+        return [problem]
+    current = recipe_fingerprint(session.labels, session.modifiers, session.recipe.plan())
+    return differences(state["recipe"], current)
+
+
+def _problems(state: Any, session: Any) -> list[str]:
+    if _format_problem(state) is not None:
+        return _recipe_problems(state, session)
+    out = _recipe_problems(state, session)
+    spe_old, spe_new = state.get("steps_per_epoch"), session.state.get("steps_per_epoch")
+    if spe_old != spe_new:
+        out.append(f"state steps_per_epoch is {spe_old!r} in the checkpoint, {spe_new!r} now")
+    if state["lifecycle"] not in ("initialized", "running"):
+        out.append(f"lifecycle {state['lifecycle']!r} in the checkpoint (expected 'initialized' or 'running')")
+    return out
+
+
+def _mismatch(problems: list[str]) -> CheckpointError:
+    msg = (
+        f"the checkpoint does not match this session ({len(problems)} difference(s)): "
+        + "; ".join(problems)
+        + ". Nothing was loaded: resume with the recipe and state the checkpoint was written with."
+    )
+    return CheckpointError(msg, differences=problems)
+
+
+def restore(session: Any, schedule: Schedule, state: Mapping[str, Any]) -> int:
+    """Check ``state`` against ``session``, then load every modifier's part and the schedule; return the step.
+
+    Raises:
+        CheckpointError: a difference (nothing loaded), or a modifier refused its
+            part (the modifiers loaded before it are restored to their state before).
+    """
+    problems = _problems(state, session)
+    if problems:
+        raise _mismatch(problems)
+    previous = {slot.label: slot.modifier.state_dict() for slot in schedule.slots}
+    done = []
+    for slot in schedule.slots:
+        try:
+            slot.modifier.load_state_dict(state["modifiers"].get(slot.label, {}))
+        except Exception as exc:
+            for other in done:
+                other.modifier.load_state_dict(previous[other.label])
+            msg = f"{slot.label}.load_state_dict() refused its part of the checkpoint: {exc}. Nothing was loaded."
+            raise CheckpointError(msg) from exc
+        done.append(slot)
+    schedule.load_state_dict(state["schedule"])
+    return int(state["global_step"])
+
+
+# --- the Session methods ----------------------------------------------------------------------
+class SessionCheckpoints(SessionEvents):
+    """Checkpoint methods of :class:`~llmc_fsm.Session` (a base class of it; see the module docstring)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """The session's progress: lifecycle, step, schedule, stages and each modifier's ``state_dict()``.
+
+        Tensors stay tensors; everything else is JSON values. Model and
+        optimizer state are not included (save them as usual).
+
+        Raises:
+            LifecycleError: not initialized/running, inside a batch or calibration,
+                or a failed hook modified the model.
+        """
+        with self._lock:
+            if self.lifecycle not in _LIVE or self._position != "idle" or self._broken is not None:
+                self._refuse_checkpoint("state_dict")
+            return session_state(self, self._schedule, self._step)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue exactly where the session that wrote ``state`` (:meth:`state_dict`) stopped.
+
+        Call it after :meth:`initialize` and before the first event. Everything
+        is checked before anything changes.
+
+        Raises:
+            LifecycleError: not right after ``initialize``.
+            CheckpointError: ``state`` was written for another recipe (a modifier
+                added/removed, a class or argument changed, another
+                ``steps_per_epoch``) or a modifier refused its part.
+        """
+        with self._lock:
+            if self.lifecycle != "initialized" or self._broken is not None:
+                self._refuse_checkpoint("load_state_dict")
+            self._step = restore(self, self._schedule, state)
+            if state["lifecycle"] == "running":
+                self._fire("first_event")
+
+    def _refuse_checkpoint(self, call: str) -> NoReturn:
+        if self._broken is not None:
+            self._refuse(call)
+        if call == "load_state_dict":
+            why = "load a checkpoint right after initialize(), before the first event"
+        else:
+            why = "a checkpoint is taken between batches of an initialized or running session"
+        where = f"lifecycle {self.lifecycle!r}" + (f", position {self._position!r}" if self.lifecycle in _LIVE else "")
+        msg = f"{call}() refused: {why} ({where}). Allowed now: {format_calls(self.allowed_calls)}."
+        raise LifecycleError(msg, lifecycle=self.lifecycle, call=call, allowed=self.allowed_calls) from None
+
+    def save(self, path: str | Path) -> Path:
+        """Write :meth:`state_dict` to the directory ``path`` (see :func:`llmc_fsm.session.checkpoint.write_checkpoint`).
+
+        Raises:
+            LifecycleError: as :meth:`state_dict`.
+            OSError: the directory cannot be written (the previous checkpoint there stays loadable).
+        """
+        return write_checkpoint(self.state_dict(), path)
+
+    @classmethod
+    def load(cls, path: str | Path, recipe: Any, **state: Any) -> Any:
+        """Resume: ``Session(recipe)``, ``initialize(**state)``, then load the checkpoint at ``path``.
+
+        Raises:
+            CheckpointError: no readable checkpoint at ``path``, or it does not match
+                ``recipe`` (checked before anything is initialized where possible;
+                otherwise the new session is reset, releasing its hooks).
+            MissingStateError, ModifierError: as :meth:`initialize`.
+        """
+        saved = read_checkpoint(path)
+        session = cls(recipe)
+        problems = _recipe_problems(saved, session)
+        if problems:
+            raise _mismatch(problems)
+        session.initialize(**state)
+        try:
+            session.load_state_dict(saved)
+        except BaseException:
+            session.reset()
+            raise
+        return session

@@ -1,0 +1,153 @@
+"""Session checkpoint files: ``session.json`` + ``tensors-<digest>.safetensors``, written so a kill never loses one.
+
+See :mod:`llmc_fsm.session.checkpoint` for what a checkpoint holds. The tensors of a
+state dict go to safetensors (keyed by their path in the dict), everything else
+to JSON, where a tensor is replaced by ``{"__tensor__": key}``. No pickle.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import secrets
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from llmc_fsm.core.errors import CheckpointError
+
+__all__ = ["FORMAT", "MANIFEST", "VERSION", "read_checkpoint", "write_checkpoint"]
+
+FORMAT = "llmc-fsm-session"
+VERSION = 1
+#: The manifest file of a checkpoint directory.
+MANIFEST = "session.json"
+_TENSOR = "__tensor__"
+
+
+def _split(value: Any, path: str, tensors: dict[str, Any]) -> Any:
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        key = path if path not in tensors else f"{path}#{len(tensors)}"
+        tensors[key] = value.detach().to("cpu").clone().contiguous()
+        return {_TENSOR: key}
+    if isinstance(value, Mapping):
+        out = {}
+        for k, v in value.items():
+            if not isinstance(k, str):
+                msg = f"checkpoint state at {path or '<root>'}: keys must be strings, got {k!r}"
+                raise TypeError(msg)
+            out[k] = _split(v, f"{path}/{k}" if path else k, tensors)
+        return out
+    if isinstance(value, list | tuple):
+        return [_split(v, f"{path}/{i}", tensors) for i, v in enumerate(value)]
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    msg = f"checkpoint state at {path}: a {type(value).__name__} is neither a tensor nor a JSON value"
+    raise TypeError(msg)
+
+
+def _join(value: Any, tensors: Mapping[str, Any]) -> Any:
+    if isinstance(value, dict):
+        if set(value) == {_TENSOR}:
+            return tensors[value[_TENSOR]]
+        return {k: _join(v, tensors) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_join(v, tensors) for v in value]
+    return value
+
+
+def _write_atomic(target: Path, data: bytes) -> None:
+    tmp = target.with_name(f".{target.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # pragma: no cover - platforms without directory fds
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_checkpoint(state: Mapping[str, Any], path: str | Path) -> Path:
+    """Write a session state dict to the directory ``path`` (created if needed); return it.
+
+    The tensor file goes first, then ``session.json`` replaces the previous
+    manifest in one rename; older tensor files and stray temporary files are
+    removed last. A kill at any point leaves a loadable checkpoint (the new one,
+    or the previous one).
+
+    Raises:
+        TypeError: a value in ``state`` is neither a tensor nor a JSON value (nothing written).
+        OSError: the directory cannot be written.
+    """
+    from safetensors.torch import save as save_tensors
+
+    path = Path(path)
+    tensors: dict[str, Any] = {}
+    meta = _split(state, "", tensors)
+    payload = save_tensors(tensors)
+    digest = hashlib.sha256(payload).hexdigest()
+    tensor_name = f"tensors-{digest[:16]}.safetensors"
+    manifest = {"format": FORMAT, "version": VERSION, "tensors": tensor_name, "sha256": digest, "state": meta}
+    text = json.dumps(manifest, indent=1, allow_nan=True).encode("utf-8")
+    path.mkdir(parents=True, exist_ok=True)
+    _write_atomic(path / tensor_name, payload)
+    _write_atomic(path / MANIFEST, text)
+    _fsync_dir(path)
+    for stale in [*path.glob("tensors-*.safetensors"), *path.glob(".*.tmp")]:
+        if stale.name != tensor_name:
+            stale.unlink(missing_ok=True)
+    return path
+
+
+def read_checkpoint(path: str | Path) -> dict[str, Any]:
+    """Read the state dict written by :func:`write_checkpoint` (tensors on the CPU).
+
+    Raises:
+        CheckpointError: no checkpoint at ``path``, or its files are damaged or
+            missing (the message says which).
+    """
+    from safetensors.torch import load as load_tensors
+
+    path = Path(path)
+    manifest_path = path / MANIFEST
+    if not manifest_path.is_file():
+        where = "the directory does not exist" if not path.exists() else f"it has no {MANIFEST}"
+        msg = f"no session checkpoint at {path}: {where} (write one with session.save(path))"
+        raise CheckpointError(msg)
+    try:
+        manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+        tensor_file = path / manifest["tensors"]
+        expected = manifest["sha256"]
+    except (ValueError, KeyError, TypeError) as exc:
+        msg = f"session checkpoint {manifest_path} is damaged ({type(exc).__name__}: {exc}); use an earlier one"
+        raise CheckpointError(msg) from None
+    if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
+        msg = (
+            f"{manifest_path} is not an llmc-fsm session checkpoint of format version {VERSION} "
+            f"(format {manifest.get('format')!r}, version {manifest.get('version')!r})"
+        )
+        raise CheckpointError(msg)
+    try:
+        payload = tensor_file.read_bytes()
+    except OSError as exc:
+        msg = f"session checkpoint {path}: its tensor file {tensor_file.name} cannot be read ({exc.strerror})"
+        raise CheckpointError(msg) from None
+    if hashlib.sha256(payload).hexdigest() != expected:
+        msg = f"session checkpoint {path}: {tensor_file.name} does not match the SHA-256 in {MANIFEST} (damaged)"
+        raise CheckpointError(msg)
+    return _join(manifest["state"], load_tensors(payload))

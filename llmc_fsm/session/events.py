@@ -1,0 +1,269 @@
+"""The event half of :class:`~llmc_fsm.Session`: refusals, guarded hook calls and the eight events.
+
+Per-batch events do not go through ``transitions`` triggers: ``_enter`` checks
+the order with one lookup in :data:`~llmc_fsm.core.lifecycle.EVENT_ORDER`, and
+``_dispatch`` calls the modifiers :class:`~llmc_fsm.session.scheduling.Schedule`
+resolved for the event. Each public event holds the session's lock; each hook
+call is guarded (:mod:`llmc_fsm.core.guard`): the version counters of the
+modifier's targeted parameters are read before it (nothing for modifiers
+without targets) and compared only if it raises.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from typing import Any, NoReturn
+
+from transitions import MachineError
+
+from llmc_fsm.core.errors import EventOrderError, LifecycleError, ModifierError
+from llmc_fsm.core.guard import changed, failure
+from llmc_fsm.core.lifecycle import EVENT_ORDER, allowed_now, format_calls, order_refusal, refusal
+from llmc_fsm.core.modifier import Event
+from llmc_fsm.core.state import State
+from llmc_fsm.session.scheduling import Schedule, Slot
+
+__all__ = ["SessionEvents"]
+
+
+class SessionEvents:
+    """Events, refusals and hook failures of a session (mixed into :class:`~llmc_fsm.Session`)."""
+
+    _lock: AbstractContextManager[Any]  # a threading.RLock
+    _fsm: Any
+    _state: State
+    _position: str
+    _step: int
+    _schedule: Schedule
+    _event: Event
+    _broken: str | None
+
+    @property
+    def lifecycle(self) -> str:
+        """``"created"``, ``"staging"``, ``"initialized"``, ``"running"`` or ``"finalized"``."""
+        return self._fsm.state
+
+    @property
+    def allowed_calls(self) -> frozenset[str]:
+        """The public calls allowed now: lifecycle calls and the events the event order allows next."""
+        calls = allowed_now(self.lifecycle, self._position)
+        return calls - {"initialize"} if self._broken is not None else calls
+
+    # --- refusals and triggers -------------------------------------------------
+    def _refuse(self, call: str) -> NoReturn:
+        lifecycle = self.lifecycle
+        allowed = self.allowed_calls
+        if self._broken is not None and call not in allowed:
+            msg = f"{call}() refused: {self._broken} Allowed now: {format_calls(allowed)}."
+            raise LifecycleError(msg, lifecycle=lifecycle, call=call, allowed=allowed) from None
+        msg = refusal(call, lifecycle, self._position)
+        raise LifecycleError(msg, lifecycle=lifecycle, call=call, allowed=allowed) from None
+
+    def _refuse_event(self, event: str) -> NoReturn:
+        if self._position == "closed":
+            self._refuse(event)
+        expected = EVENT_ORDER[self._position]
+        msg = order_refusal(event, self._position)
+        raise EventOrderError(msg, lifecycle=self.lifecycle, call=event, allowed=expected) from None
+
+    def _fire(self, trigger: str) -> None:
+        """Fire a ``transitions`` trigger; the session checked it first, so a MachineError is a bug here."""
+        try:
+            getattr(self._fsm, trigger)()
+        except MachineError as exc:  # pragma: no cover - every call is checked before its trigger
+            msg = f"{trigger}() refused in lifecycle {self.lifecycle!r}: {exc.value}"
+            raise LifecycleError(msg, lifecycle=self.lifecycle, call=trigger, allowed=self.allowed_calls) from None
+
+    # --- failures ---------------------------------------------------------------
+    def _hook_failed(self, error: ModifierError) -> None:
+        """A guarded hook failed (see :mod:`llmc_fsm.core.guard`): refuse further events if it modified the model."""
+        if not error.modified:
+            return
+        with self._lock:
+            if self._broken is None:
+                self._broken = (
+                    f"{error.modifier}'s {error.hook} failed after changing {len(error.modified)} parameter(s) in "
+                    "place (model modified by a failed hook; reload it): reload the model (or the last "
+                    "checkpoint), then session.reset() or a new Session."
+                )
+                self._position = "closed"
+                for slot in self._schedule.slots:
+                    slot.modifier.remove_hooks()
+
+    def _event_failed(self, slot: Slot, hook: str, exc: Exception, before: list[int] | None) -> NoReturn:
+        modified = changed(slot.watched, before)
+        during = f"{self._event.type}()"
+        if modified:
+            then = "The session refuses further events and removed every modifier's hooks."
+        else:
+            then = (
+                "No targeted parameter was changed. The event counts as delivered; modifiers after this one did "
+                "not see it. Continue, or finalize()/reset() the session."
+            )
+        error = failure(slot.label, hook, exc, during=during, modified=modified, then=then)
+        self._hook_failed(error)
+        raise error from exc
+
+    def _call(self, slot: Slot, hook: str, *args: Any) -> Any:
+        """Call ``slot``'s ``hook(state, *args)`` guarded (schedule and calibration hooks)."""
+        tensors = slot.watched[1]
+        before = [t._version for t in tensors] if tensors else None
+        try:
+            return getattr(slot.modifier, hook)(self._state, *args)
+        except Exception as exc:
+            self._event_failed(slot, hook, exc, before)
+
+    # --- events (hot path: no transitions trigger, one dict lookup) ------------
+    def _enter(self, event: str, step: int | None = None) -> Event:
+        """Check the event order (one lookup), then set the global step (if given) and the shared Event."""
+        position = EVENT_ORDER[self._position].get(event)
+        if position is None:
+            self._refuse_event(event)
+        if step is not None:
+            self._step = step
+        if self._fsm.state == "initialized":
+            self._fsm.first_event()  # type: ignore[attr-defined]
+        self._position = position
+        ev = self._event
+        ev.type = event
+        ev.global_step = self._step
+        spe = self._state.values.get("steps_per_epoch")
+        ev.epoch = self._step / spe if spe else None
+        return ev
+
+    def _dispatch(self, event: str, ev: Event) -> None:
+        """Run ``on_event`` of the modifiers handling ``event``; for ``loss_calculated`` a result replaces the loss."""
+        state = self._state
+        for slot, handler, tensors in self._schedule.dispatch[event]:
+            before = [t._version for t in tensors] if tensors else None
+            try:
+                result = handler(state, ev)
+            except Exception as exc:
+                self._event_failed(slot, "on_event", exc, before)
+            if result is not None and event == "loss_calculated":
+                ev.loss = result
+
+    def _calibration(self, event: str, *args: Any) -> None:
+        for slot in self._schedule.handlers[event]:
+            self._call(slot, f"on_{event}", *args)
+
+    def batch_start(self, batch: Any = None, global_step: int | None = None) -> None:
+        """A training batch begins; modifiers whose epoch has come are started/updated/ended first.
+
+        Args:
+            batch: the batch (any type), passed to modifiers as ``event.batch``.
+            global_step: optimizer steps completed so far, when the caller counts
+                them (e.g. the HF Trainer); otherwise the session counts
+                ``optim_post_step`` calls.
+
+        Raises:
+            LifecycleError: not initialized, finalized, or a failed hook modified the model.
+            EventOrderError: a batch is still open, or calibration is running.
+            ValueError: ``global_step`` is not a non-negative int.
+            ModifierError: a modifier hook raised.
+        """
+        if global_step is not None and (
+            isinstance(global_step, bool) or not isinstance(global_step, int) or global_step < 0
+        ):
+            msg = f"global_step must be a non-negative int, got {global_step!r}"
+            raise ValueError(msg)
+        with self._lock:
+            ev = self._enter("batch_start", global_step)
+            ev.batch = batch
+            ev.loss = None
+            if self._schedule.pending:
+                self._schedule.advance(ev.epoch, self._call_with_event)
+            self._dispatch("batch_start", ev)
+
+    def _call_with_event(self, slot: Slot, hook: str) -> None:
+        self._call(slot, hook, self._event)
+
+    def loss_calculated(self, loss: Any) -> Any:
+        """The batch loss is known; returns the loss, possibly replaced by modifiers (e.g. distillation).
+
+        Raises:
+            LifecycleError: not initialized, finalized, or a failed hook modified the model.
+            EventOrderError: not after ``batch_start``.
+            ModifierError: a modifier hook raised.
+        """
+        with self._lock:
+            ev = self._enter("loss_calculated")
+            ev.loss = loss
+            self._dispatch("loss_calculated", ev)
+            return ev.loss
+
+    def optim_pre_step(self) -> None:
+        """The optimizer is about to step (gradients are final).
+
+        Raises:
+            LifecycleError: not initialized, finalized, or a failed hook modified the model.
+            EventOrderError: not after ``batch_start``/``loss_calculated``.
+            ModifierError: a modifier hook raised.
+        """
+        with self._lock:
+            self._dispatch("optim_pre_step", self._enter("optim_pre_step"))
+
+    def optim_post_step(self) -> None:
+        """The optimizer has stepped; the global step advances by one before modifiers see it.
+
+        Raises:
+            LifecycleError: not initialized, finalized, or a failed hook modified the model.
+            EventOrderError: not right after ``optim_pre_step``.
+            ModifierError: a modifier hook raised.
+        """
+        with self._lock:
+            self._dispatch("optim_post_step", self._enter("optim_post_step", self._step + 1))
+
+    def batch_end(self) -> None:
+        """The batch is done (with or without an optimizer step).
+
+        Raises:
+            LifecycleError: not initialized, finalized, or a failed hook modified the model.
+            EventOrderError: no batch is open, or it is between ``optim_pre_step`` and ``optim_post_step``.
+            ModifierError: a modifier hook raised.
+        """
+        with self._lock:
+            ev = self._enter("batch_end")
+            try:
+                self._dispatch("batch_end", ev)
+            finally:
+                ev.batch = None
+                ev.loss = None
+
+    def calibration_start(self) -> None:
+        """One-shot calibration begins (modifiers whose start has come are started first).
+
+        Raises:
+            LifecycleError: not initialized, finalized, or a failed hook modified the model.
+            EventOrderError: inside a batch, or calibration already running.
+            ModifierError: a modifier hook raised.
+        """
+        with self._lock:
+            ev = self._enter("calibration_start")
+            if self._schedule.pending:
+                self._schedule.advance(ev.epoch, self._call_with_event)
+            self._calibration("calibration_start")
+
+    def sequential_epoch_end(self, modules: Any) -> None:
+        """Calibration data has passed through ``modules`` (e.g. one decoder layer): compress them.
+
+        Raises:
+            LifecycleError: not initialized, finalized, or a failed hook modified the model.
+            EventOrderError: not between ``calibration_start`` and ``calibration_end``.
+            ModifierError: a modifier hook raised.
+        """
+        with self._lock:
+            self._enter("sequential_epoch_end")
+            self._calibration("sequential_epoch_end", modules)
+
+    def calibration_end(self) -> None:
+        """One-shot calibration has ended.
+
+        Raises:
+            LifecycleError: not initialized, finalized, or a failed hook modified the model.
+            EventOrderError: calibration is not running.
+            ModifierError: a modifier hook raised.
+        """
+        with self._lock:
+            self._enter("calibration_end")
+            self._calibration("calibration_end")

@@ -1,0 +1,148 @@
+"""``llmc_fsm.session.explain.explain(session)`` / ``llmc-fsm explain RECIPE``: the plan as text, touching no model.
+
+For each stage (applied stages are listed as skipped): the modifiers in
+execution order, their non-default arguments, their schedule, the events and
+lifecycle calls each handles, the state keys each requires or uses and whether
+they are present yet, and the ``runs_after`` constraints that shaped the order.
+
+This module depends on :mod:`llmc_fsm.session.session` (it reads a session's recipe,
+state and lifecycle); the session does not know about it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+from llmc_fsm.core.lifecycle import BATCH_EVENTS
+from llmc_fsm.core.modifier import HOOKS, Modifier, modifier_labels, overrides
+from llmc_fsm.core.registry import get_registry
+from llmc_fsm.core.state import State
+from llmc_fsm.session.session import Session
+
+__all__ = ["explain", "handled_events"]
+
+
+def handled_events(modifier: Modifier | type[Modifier]) -> list[str]:
+    """The lifecycle calls and events ``modifier`` has hooks for, in lifecycle order.
+
+    ``on_event`` contributes the batch events listed in ``events``; a modifier
+    that declares no events never receives one.
+    """
+    cls = modifier if isinstance(modifier, type) else type(modifier)
+    handled: list[str] = []
+    for hook in HOOKS:
+        if not overrides(cls, hook):
+            continue
+        if hook == "on_event":
+            handled.extend(e for e in BATCH_EVENTS if e in cls.events)
+        else:
+            handled.append(hook.removeprefix("on_"))
+    return handled
+
+
+def _schedule(m: Modifier) -> str:
+    start = "the first event" if m.start is None else f"epoch {m.start:g}"
+    end = "finalize" if m.end is None else f"epoch {m.end:g}"
+    text = f"from {start} until {end}"
+    if m.update is not None:
+        text += f", update every {m.update:g} epoch(s)"
+    return text
+
+
+def _arguments(m: Modifier) -> str:
+    parts = []
+    for field in attrs.fields(type(m)):
+        if not field.init or field.name in ("start", "end", "update"):
+            continue
+        value = getattr(m, field.name)
+        default = field.default
+        if isinstance(default, attrs.Factory):  # type: ignore[arg-type]
+            default = default.factory(m) if default.takes_self else default.factory()
+        mark = "" if default is attrs.NOTHING or value != default else " (default)"
+        parts.append(f"{field.alias}={value!r}{mark}")
+    return ", ".join(parts) or "-"
+
+
+def _keys(keys: Any, state: State, absent: str) -> str:
+    if not keys:
+        return "-"
+    return ", ".join(f"{k} ({'present' if k in state else absent})" for k in sorted(keys))
+
+
+def _origin(m: Modifier) -> str:
+
+    info = get_registry().info(m.modifier_name())
+    if info is None or info.cls is not type(m):
+        return f"{type(m).__module__}"
+    origin = info.distribution or "in-process"
+    return f"{origin} {info.version}" if info.version else origin
+
+
+def _window(stage: Any) -> str:
+    if stage.start is None and stage.end is None:
+        return ""
+    start = "-" if stage.start is None else f"{stage.start:g}"
+    end = "-" if stage.end is None else f"{stage.end:g}"
+    return f" [epochs {start} to {end}]"
+
+
+def explain(session: Session) -> str:
+    """Return ``session``'s plan as text, touching no model (see the module docstring).
+
+    Raises:
+        TypeError: ``session`` is not a :class:`~llmc_fsm.Session`.
+    """
+    if not isinstance(session, Session):
+        msg = f"explain() takes a llmc_fsm.Session, got {type(session).__name__}"
+        raise TypeError(msg)
+    recipe = session.recipe
+    state = session.state
+    plan = {id(stage): modifiers for stage, modifiers in recipe.plan()}
+    labels = dict(zip(map(id, recipe.modifiers), modifier_labels(recipe.modifiers), strict=True))
+    present = ", ".join(sorted(state)) or "none"
+    lines = [
+        f"Recipe {recipe.source}: {len(recipe.stages)} stage(s), {len(labels)} modifier(s) to run",
+        f"Session lifecycle: {session.lifecycle}; state present: {present}",
+    ]
+    if not recipe.stages:
+        lines.append("No stages: the session runs without modifiers.")
+    position = 0
+    for stage in recipe.stages:
+        if stage.applied:
+            names = ", ".join(m.modifier_name() for m in stage.modifiers)
+            lines.append(f"Stage {stage.name!r}{_window(stage)}: already applied, skipped ({names})")
+            continue
+        lines.append(f"Stage {stage.name!r}{_window(stage)}:")
+        for m in plan[id(stage)]:
+            position += 1
+            lines.append(f"  {position}. {labels[id(m)]}  [{_origin(m)}]")
+            lines.append(f"       arguments: {_arguments(m)}")
+            lines.append(f"       active:    {_schedule(m)}")
+            lines.append(f"       handles:   {', '.join(handled_events(m)) or 'nothing'}")
+            lines.append(f"       requires:  {_keys(m.required_keys(), state, 'MISSING')}")
+            optional = frozenset(m.optional_state) - m.required_keys()
+            lines.append(f"       optional:  {_keys(optional, state, 'absent')}")
+            after = sorted(m.runs_after)
+            if after:
+                lines.append(f"       runs after: {', '.join(after)} (when in the recipe)")
+    calibrated = [
+        stage.name
+        for stage in recipe.stages
+        if not stage.applied and any(overrides(m, "on_calibration_end") for m in stage.modifiers)
+    ]
+    if len(calibrated) > 1:
+        lines.append(
+            f"One-shot: stages {', '.join(map(repr, calibrated))} run in that order, one layer-by-layer calibration "
+            "pass each, every pass on the model the previous stages compressed (oneshot(fuse_stages=True) shares "
+            "one pass; see docs/quantization.md)."
+        )
+    if session.lifecycle in ("created", "staging"):
+        missing = session.missing_state()
+        if missing:
+            lines.append("Missing before initialize():")
+            lines.extend(f"  - {label}: {', '.join(sorted(keys))}" for label, keys in missing.items())
+        else:
+            lines.append("Ready to initialize: every required state key is present.")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,138 @@
+"""What ``Session.initialize`` does under ``torch.distributed``: ranks agree before any work; wrappers unwrapped.
+
+* :func:`check_ranks_agree` — every rank compares a digest of its recipe and of
+  its model's parameter names/shapes, and the expected world size when one was
+  given (state key ``world_size``); any disagreement raises the same
+  ``ValueError`` on every rank before a modifier is initialized;
+* :func:`unwrap_model` / :func:`unwrap_state` — a ``DistributedDataParallel`` /
+  ``DataParallel`` model is replaced by the module inside it, whose parameters
+  are the live ones the wrapper trains.
+
+See :mod:`llmc_fsm.toolkit.distributed` for the collectives and ``docs/distributed.md``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from torch import nn
+
+from llmc_fsm.core.state import State
+from llmc_fsm.toolkit.distributed import _digest, all_gather_ints, get_world_size, is_distributed
+
+__all__ = ["check_ranks_agree", "unwrap_model", "unwrap_state"]
+
+
+def _recipe_digest(fingerprint: list[dict]) -> int:
+    text = json.dumps(fingerprint, sort_keys=True, default=str)
+    return _digest(re.sub(r" at 0x[0-9a-fA-F]+", "", text).encode())  # object reprs carry addresses
+
+
+def _model_digest(model: Any) -> int:
+    if not isinstance(model, nn.Module):
+        return 0
+    shapes = [(name, tuple(p.shape), str(p.dtype)) for name, p in model.named_parameters()]
+    return _digest(repr(shapes).encode())
+
+
+def _positive_int_or_none(name: str, value: Any) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        msg = f"{name} must be a positive int (the number of ranks expected), got {value!r}"
+        raise ValueError(msg)
+    return value
+
+
+def _ranks(table: list[list[int]], column: int) -> str:
+    groups: dict[int, list[int]] = {}
+    for rank, row in enumerate(table):
+        groups.setdefault(row[column], []).append(rank)
+    return "; ".join(
+        f"rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}: {v & 0xFFFFFFFF:08x}" for v, r in groups.items()
+    )
+
+
+def check_ranks_agree(fingerprint: list[dict], state: State) -> None:
+    """Raise the same error on every rank unless all ranks agree on recipe, model structure and world size.
+
+    Called by ``Session.initialize`` before any modifier is initialized. One
+    ``all_gather`` of three int64 per rank: a digest of the recipe's ``fingerprint`` (each
+    modifier's label, class, stage and arguments: :func:`llmc_fsm.recipes.fingerprint.recipe_fingerprint`), a digest of the model's
+    parameter names, shapes and dtypes, and the expected world size (state key
+    ``world_size``, optional). With ``world_size`` given and no process group,
+    it must be 1.
+
+    Raises:
+        ValueError: ``world_size`` is not a positive int; the ranks disagree (on
+            every rank, with the same message); the world size differs from
+            the expected one.
+        DistributedError: the collective failed.
+    """
+    expected = _positive_int_or_none("state world_size", state.get("world_size"))
+    world = get_world_size()
+    if not is_distributed():
+        if expected is not None and expected != world:
+            msg = (
+                f"expected world size {expected} (state world_size) but this process runs without a torch.distributed "
+                f"process group of that size (world size {world}): launch it with torchrun --nproc-per-node ..."
+            )
+            raise ValueError(msg)
+        return
+    row = [_recipe_digest(fingerprint), _model_digest(state.get("model")), -1 if expected is None else expected]
+    table = all_gather_ints(row, what="all_gather (recipe check at initialize)")
+    problems = []
+    if len({r[0] for r in table}) > 1:
+        problems.append(f"the recipe differs between ranks (digest per rank — {_ranks(table, 0)})")
+    if len({r[1] for r in table}) > 1:
+        problems.append(f"the model's parameter names/shapes differ between ranks ({_ranks(table, 1)})")
+    wanted = sorted({r[2] for r in table if r[2] != -1})
+    if len(wanted) > 1 or (wanted and len({r[2] for r in table}) > 1):
+        given = ", ".join(f"rank {k}: {r[2] if r[2] != -1 else 'none'}" for k, r in enumerate(table))
+        problems.append(f"the ranks expect different world sizes ({given})")
+    elif wanted and wanted[0] != world:
+        problems.append(f"expected world size {wanted[0]} (state world_size) but the process group has {world} ranks")
+    if problems:
+        msg = (
+            f"initialize() refused on every rank of the process group ({world} ranks): " + "; ".join(problems) + ". "
+            "Every rank must run the same recipe on the same model; launch them with the same arguments. "
+            "No modifier was initialized."
+        )
+        raise ValueError(msg)
+
+
+# --------------------------------------------------------------------------- wrappers
+def unwrap_model(model: Any) -> Any:
+    """The module inside ``DistributedDataParallel`` / ``DataParallel`` wrappers (``model`` itself otherwise).
+
+    The wrapped module's parameters are the ones the wrapper trains, so
+    modifiers that change them in place act on the live model.
+
+    Raises:
+        ValueError: a ``FullyShardedDataParallel`` model (its parameters are
+            sharded across ranks; not supported).
+    """
+    while True:
+        if isinstance(model, nn.parallel.DistributedDataParallel | nn.DataParallel):
+            model = model.module
+            continue
+        if type(model).__name__ == "FullyShardedDataParallel":
+            msg = (
+                "FullyShardedDataParallel shards the parameters across ranks, so a modifier cannot see whole "
+                "weights; wrap the model in DistributedDataParallel instead"
+            )
+            raise ValueError(msg)
+        return model
+
+
+def unwrap_state(state: State) -> State:
+    """``state`` with ``model`` and ``teacher`` unwrapped (:func:`unwrap_model`); ``state`` if none is wrapped."""
+    updates = {}
+    for key in ("model", "teacher"):
+        value = state.get(key)
+        inner = unwrap_model(value) if value is not None else None
+        if inner is not value:
+            updates[key] = inner
+    return state.merged(updates) if updates else state

@@ -1,0 +1,205 @@
+"""Scheduling bookkeeping of one session run (used by :class:`~llmc_fsm.Session`).
+
+For every modifier a :class:`Slot` records whether it has started or ended and
+when its next ``on_update`` is due. :class:`Schedule` advances them at the
+opening events (``batch_start``, ``calibration_start``) and keeps, per event,
+the tuple of modifiers that handle it — rebuilt only when a modifier starts or
+ends, so dispatching an event is one dictionary lookup and a loop.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from llmc_fsm.core.guard import NOTHING, Watched, watched_parameters
+from llmc_fsm.core.lifecycle import BATCH_EVENTS, EVENTS
+from llmc_fsm.core.modifier import Modifier, _Binding, modifier_labels, overrides
+
+__all__ = ["Schedule", "Slot"]
+
+#: Serializes binding modifiers to sessions (two sessions initializing one modifier object at once).
+_BINDING_LOCK = threading.Lock()
+_LIVE = ("initialized", "running")
+
+
+class Slot:
+    """Per-modifier bookkeeping of one session run.
+
+    Attributes:
+        modifier: the modifier.
+        label: its label in the session (see :func:`~llmc_fsm.core.modifier.modifier_labels`).
+        started, ended: whether ``on_start`` / ``on_end`` has fired.
+        next_update: the epoch of the next ``on_update``, or ``None``.
+        watched: the parameters of its targets whose version counters guard its hooks.
+    """
+
+    __slots__ = ("ended", "label", "modifier", "next_update", "started", "watched")
+
+    def __init__(self, modifier: Modifier, label: str) -> None:
+        self.modifier = modifier
+        self.label = label
+        self.started = False
+        self.ended = False
+        self.next_update: float | None = None
+        self.watched: Watched = NOTHING
+
+    @property
+    def has_schedule_work(self) -> bool:
+        """Whether a later opening event may still start, update or end it."""
+        m = self.modifier
+        return not self.ended and (not self.started or m.end is not None or self.next_update is not None)
+
+    def handles(self, event: str) -> bool:
+        """Whether its modifier has a hook for ``event`` (``on_event`` + ``events``, or ``on_<calibration event>``)."""
+        if event in BATCH_EVENTS:
+            return event in self.modifier.events
+        return overrides(self.modifier, f"on_{event}")
+
+
+class Schedule:
+    """The slots of a recipe's modifiers and the per-event dispatch tables derived from them.
+
+    Attributes:
+        slots: one :class:`Slot` per modifier, in execution order.
+        pending: slots the next opening event may start, update or end.
+        handlers: event -> the active slots that handle it, in execution order.
+        dispatch: batch event -> ``(slot, bound on_event, watched tensors)`` of those slots
+            (the hot path unpacks one tuple per modifier).
+    """
+
+    def __init__(self, modifiers: list[Modifier]) -> None:
+        self.slots = [Slot(m, label) for m, label in zip(modifiers, modifier_labels(modifiers), strict=True)]
+        self.pending: list[Slot] = []
+        self.handlers: dict[str, tuple[Slot, ...]] = {}
+        self.dispatch: dict[str, tuple[tuple[Slot, Callable[..., Any], tuple[Any, ...]], ...]] = {}
+        self.clear()
+
+    def begin(self) -> None:
+        """Arm the schedule (at ``initialize``): every slot is pending."""
+        self.pending = list(self.slots)
+
+    def clear(self) -> None:
+        """Nothing pending, nothing dispatched (at ``finalize``/``reset``)."""
+        self.pending = []
+        self.handlers = {event: () for event in EVENTS}
+        self.dispatch = {event: () for event in BATCH_EVENTS}
+
+    def rebuild(self) -> None:
+        """Recompute ``pending`` and ``handlers`` from the slots."""
+        self.pending = [slot for slot in self.slots if slot.has_schedule_work]
+        active = [slot for slot in self.slots if slot.started and not slot.ended]
+        self.handlers = {event: tuple(s for s in active if s.handles(event)) for event in EVENTS}
+        self.dispatch = {
+            event: tuple((s, s.modifier.on_event, s.watched[1]) for s in self.handlers[event]) for event in BATCH_EVENTS
+        }
+
+    def advance(self, epoch: float | None, call: Callable[[Slot, str], Any]) -> None:
+        """Fire ``on_start`` / ``on_update`` / ``on_end`` (through ``call(slot, hook)``) for the slots due at ``epoch``.
+
+        The bookkeeping of a slot is updated before its hook runs, and the
+        dispatch tables are rebuilt even when a hook raises.
+        """
+        changed = False
+        try:
+            for slot in self.pending:
+                m = slot.modifier
+                if not slot.started:
+                    if m.start is not None and (epoch is None or epoch < m.start):
+                        continue
+                    slot.started = changed = True
+                    if m.update is not None:
+                        slot.next_update = (m.start or 0.0) + m.update
+                    call(slot, "on_start")
+                ending = m.end is not None and epoch is not None and epoch >= m.end
+                due = slot.next_update
+                if not ending and due is not None and epoch is not None and epoch >= due:
+                    while due <= epoch:
+                        due += m.update  # type: ignore[operator]
+                    slot.next_update = due
+                    call(slot, "on_update")
+                if ending:
+                    slot.ended = changed = True
+                    slot.next_update = None
+                    call(slot, "on_end")
+        finally:
+            if changed:
+                self.rebuild()
+
+    # --- which live session a modifier object belongs to ---------------------------
+    def bind(self, owner: Any) -> str | None:
+        """Bind every modifier to the session ``owner``; return why not (nothing bound) or ``None``.
+
+        Refused: a modifier object listed twice, or bound to another live session
+        (initializing it again would undo that session's work).
+        """
+        with _BINDING_LOCK:
+            seen: dict[int, str] = {}
+            for slot in self.slots:
+                m = slot.modifier
+                if id(m) in seen:
+                    return (
+                        f"{slot.label} is the same object as {seen[id(m)]} in this recipe; each recipe entry "
+                        "needs its own modifier object (one object holds one run's state)."
+                    )
+                seen[id(m)] = slot.label
+                binding = m._binding
+                other = binding.session() if binding is not None else None
+                if other is not None and other is not owner and other.lifecycle in _LIVE:
+                    return (
+                        f"modifier {slot.label} (this object) is bound to another live session {other!r}; "
+                        "initializing it here would undo that session's work (its targets, masks, schedule and "
+                        "hooks). Finalize or reset that session first, or give this session its own modifier "
+                        "objects (e.g. build the recipe again)."
+                    )
+            for slot in self.slots:
+                slot.modifier.__dict__["_llmc_fsm_binding"] = _Binding(owner, slot.label)
+        return None
+
+    def watch(self) -> None:
+        """After ``on_initialize``: record each modifier's targeted parameters (guarding its hooks)."""
+        for slot in self.slots:
+            slot.watched = watched_parameters(slot.modifier.resolved_targets)
+            binding = slot.modifier._binding
+            if binding is not None:
+                binding.watched = slot.watched
+
+    def unbind(self, owner: Any) -> None:
+        """Release the modifiers bound to ``owner``."""
+        with _BINDING_LOCK:
+            for slot in self.slots:
+                binding = slot.modifier._binding
+                if binding is not None and binding.session() is owner:
+                    del slot.modifier.__dict__["_llmc_fsm_binding"]
+
+    # --- checkpoints --------------------------------------------------------------
+    def state_dict(self) -> dict[str, dict[str, Any]]:
+        """``{label: {"started", "ended", "next_update"}}`` (JSON values)."""
+        return {
+            slot.label: {"started": slot.started, "ended": slot.ended, "next_update": slot.next_update}
+            for slot in self.slots
+        }
+
+    def load_state_dict(self, state: Mapping[str, Mapping[str, Any]]) -> None:
+        """Restore :meth:`state_dict` (labels already checked against the recipe) and rebuild the dispatch."""
+        for slot in self.slots:
+            saved = state[slot.label]
+            slot.started = bool(saved["started"])
+            slot.ended = bool(saved["ended"])
+            slot.next_update = None if saved["next_update"] is None else float(saved["next_update"])
+        self.rebuild()
+
+    def progress(self, stages: list[tuple[str, list[Modifier]]]) -> dict[str, str]:
+        """Stage name -> ``"pending"`` (no modifier started), ``"done"`` (all ended) or ``"active"``."""
+        by_id = {id(slot.modifier): slot for slot in self.slots}
+        result = {}
+        for name, modifiers in stages:
+            slots = [by_id[id(m)] for m in modifiers if id(m) in by_id]
+            if slots and all(s.ended for s in slots):
+                result[name] = "done"
+            elif any(s.started for s in slots):
+                result[name] = "active"
+            else:
+                result[name] = "pending"
+        return result

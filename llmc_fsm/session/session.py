@@ -1,0 +1,365 @@
+"""The compression session: a guarded lifecycle that gathers state from many places.
+
+Flow (see ``docs/lifecycle.md``)::
+
+    session = Session(recipe)            # recipe parsed and resolved now
+    session.update_state(model=model)    # any number of times, from anywhere
+    session.update_state(optimizer=opt)
+    session.initialize(teacher=teacher)  # checks every modifier's required keys,
+                                         # then calls each on_initialize once
+    session.batch_start(); ...           # events (the first one: -> running)
+    session.finalize()
+
+Stage changes go through the ``transitions`` machine built from
+:data:`llmc_fsm.core.lifecycle.TRANSITIONS`; per-batch events are checked with one
+lookup in :data:`llmc_fsm.core.lifecycle.EVENT_ORDER` and dispatched to the modifiers
+resolved for that event (:mod:`llmc_fsm.session.scheduling`). Every public call holds
+the session's own re-entrant lock, so a session may be called from several
+threads; every hook is guarded (:mod:`llmc_fsm.core.guard`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections.abc import Iterator
+from contextvars import ContextVar
+from typing import Any
+
+from llmc_fsm.core.errors import LifecycleError, MissingStateError, ModifierError
+from llmc_fsm.core.guard import changed, failure, module_parameters
+from llmc_fsm.core.lifecycle import CALLS_ALLOWED, make_machine
+from llmc_fsm.core.modifier import Event, Modifier
+from llmc_fsm.core.state import State, missing_state_message
+from llmc_fsm.recipes.building import resolve_recipe
+from llmc_fsm.recipes.fingerprint import recipe_fingerprint
+from llmc_fsm.recipes.model import Recipe
+from llmc_fsm.session.checkpoint import SessionCheckpoints
+from llmc_fsm.session.ranks import check_ranks_agree, unwrap_state
+from llmc_fsm.session.scheduling import Schedule, Slot
+
+__all__ = ["ModifierError", "Session", "active_session", "create_session"]
+
+logger = logging.getLogger(__name__)
+
+_LIVE = ("initialized", "running")
+
+
+class _Lifecycle:
+    """The object ``transitions`` drives; its ``state`` attribute is the lifecycle."""
+
+    state: str
+
+
+class Session(SessionCheckpoints):
+    """A compression session with the lifecycle ``created -> staging -> initialized -> running -> finalized``.
+
+    The events (``batch_start`` ... ``calibration_end``) come from
+    :class:`~llmc_fsm.session.events.SessionEvents`, the checkpoint methods
+    (``state_dict``, ``load_state_dict``, ``save``, ``load``) from
+    :class:`~llmc_fsm.session.checkpoint.SessionCheckpoints`. Every public call holds
+    the session's re-entrant lock: one session may be called from several threads.
+
+    Args:
+        recipe: a recipe file path, YAML/JSON text, a dict, a list of
+            :class:`~llmc_fsm.Modifier` objects, a :class:`~llmc_fsm.recipes.model.Recipe`,
+            or ``None`` (no modifiers). Parsed and resolved here, so recipe
+            errors surface before any state is gathered.
+
+    Raises:
+        RecipeError: the recipe cannot be parsed or a modifier argument is invalid.
+    """
+
+    def __init__(self, recipe: Any = None) -> None:
+        self._recipe: Recipe = resolve_recipe(recipe)
+        self._fsm = _Lifecycle()
+        make_machine(self._fsm)
+        self._lock = threading.RLock()
+        self._event = Event()
+        self._clear_run()
+
+    def _clear_run(self) -> None:
+        self._state = State()
+        self._position = "closed"
+        self._step = 0
+        self._schedule = Schedule(self._recipe.modifiers)
+        self._broken: str | None = None
+
+    # --- read-only views ------------------------------------------------------
+    @property
+    def state(self) -> State:
+        """A read-only snapshot of the state gathered so far (see :class:`~llmc_fsm.State`)."""
+        return self._state
+
+    @property
+    def recipe(self) -> Recipe:
+        """The resolved recipe."""
+        return self._recipe
+
+    @property
+    def modifiers(self) -> list[Modifier]:
+        """The recipe's modifiers, in execution order."""
+        return [slot.modifier for slot in self._schedule.slots]
+
+    @property
+    def labels(self) -> list[str]:
+        """The modifiers' labels (class name, ``#k`` appended for repeats), in execution order."""
+        return [slot.label for slot in self._schedule.slots]
+
+    @property
+    def global_step(self) -> int:
+        """Optimizer steps completed (``int``)."""
+        return self._step
+
+    @property
+    def failed(self) -> str | None:
+        """Why the session refuses further events after a hook modified the model and failed, else ``None``."""
+        return self._broken
+
+    # --- staging --------------------------------------------------------------
+    def update_state(self, **state: Any) -> None:
+        """Store state for the modifiers; they see it at :meth:`initialize`.
+
+        May be called any number of times, from different places; later values
+        win. Keys are open-ended (see :class:`~llmc_fsm.State`).
+
+        Raises:
+            LifecycleError: the session is already initialized, running or finalized.
+        """
+        with self._lock:
+            if "update_state" not in CALLS_ALLOWED[self.lifecycle]:
+                self._refuse("update_state")
+            self._state = self._state.merged(state)
+            self._fire("update_state")
+
+    def missing_state(self, **extra: Any) -> dict[str, frozenset[str]]:
+        """Return modifier label -> required keys not yet supplied (``extra`` counted as supplied)."""
+        state = self._state.merged(extra) if extra else self._state
+        missing = {}
+        for slot in self._schedule.slots:
+            keys = frozenset(k for k in slot.modifier.required_keys() if k not in state)
+            if keys:
+                missing[slot.label] = keys
+        return missing
+
+    def initialize(self, **state: Any) -> None:
+        """Merge ``state`` into the stored state and initialize every modifier exactly once.
+
+        All modifiers' required keys are checked first; if any are missing,
+        :class:`MissingStateError` names every modifier and key, nothing is
+        initialized, nothing (including ``state``) is stored, and the lifecycle
+        is unchanged. If a modifier's ``on_initialize`` raises, the modifiers
+        already initialized are rolled back (hooks removed, ``on_finalize``
+        called), nothing is stored, and :class:`ModifierError` is raised with
+        the original exception chained; a retry is allowed — unless the
+        initialize changed parameters of a model in the state in place (the
+        roll-back cannot undo that): the error then names them and the session
+        refuses ``initialize`` until :meth:`reset`.
+
+        A ``model`` (or ``teacher``) wrapped in ``DistributedDataParallel`` /
+        ``DataParallel`` is unwrapped: modifiers and ``state.model`` see the
+        module inside, whose parameters the wrapper trains. Under
+        ``torch.distributed`` (more than one rank) this is a collective: every
+        rank must call it; see :func:`llmc_fsm.session.ranks.check_ranks_agree`.
+
+        Raises:
+            LifecycleError: already initialized / running / finalized; a modifier
+                object is bound to another live session; a failed hook modified
+                the model before.
+            MissingStateError: required state keys are missing.
+            ModifierError: a modifier's ``on_initialize`` raised.
+            ValueError: under ``torch.distributed`` the ranks disagree on the recipe,
+                the model or the expected ``world_size`` (same message on every rank).
+        """
+        with self._lock:
+            lifecycle = self.lifecycle
+            if "initialize" not in CALLS_ALLOWED[lifecycle] or self._broken is not None:
+                self._refuse("initialize")
+            full = unwrap_state(self._state.merged(state))  # DDP / DataParallel: the module inside
+            check_ranks_agree(
+                recipe_fingerprint(self.labels, self.modifiers, self.recipe.plan()), full
+            )  # under torch.distributed: same recipe/model on every rank, else raise
+            missing = self.missing_state(**state)
+            if missing:
+                msg = missing_state_message(missing, lifecycle, passed=frozenset(state))
+                raise MissingStateError(msg, lifecycle=lifecycle, missing=missing, allowed=CALLS_ALLOWED[lifecycle])
+            self._bind()
+            watched = module_parameters(full)
+            before = [t._version for t in watched[1]]
+            done: list[Slot] = []
+            for slot in self._schedule.slots:
+                try:
+                    slot.modifier.on_initialize(full)
+                except BaseException as exc:
+                    slot.modifier.remove_hooks()
+                    self._roll_back(done, full)
+                    if not isinstance(exc, Exception):
+                        raise
+                    raise self._initialize_failed(slot, exc, len(done), changed(watched, before)) from exc
+                done.append(slot)
+            self._schedule.watch()
+            self._state = full
+            self._position = "idle"
+            self._schedule.begin()
+            self._fire("initialize")
+
+    def _initialize_failed(self, slot: Slot, exc: Exception, done: int, modified: list[str]) -> ModifierError:
+        if modified:
+            self._broken = (
+                f"initialize() changed {len(modified)} parameter(s) of the model in place before a modifier "
+                "failed (model modified by a failed hook; reload it), then call session.reset() and gather "
+                "the state again."
+            )
+        then = (
+            f"Rolled back: {done} modifier(s) already initialized were finalized and their hooks removed; "
+            f"the session is still {self.lifecycle!r} and nothing passed to initialize() was stored. "
+            + ("" if modified else "Fix the cause and call initialize() again with all its arguments.")
+        )
+        return failure(slot.label, "on_initialize", exc, during="initialize()", modified=modified, then=then)
+
+    def _bind(self) -> None:
+        reason = self._schedule.bind(self)
+        if reason is not None:
+            msg = f"initialize() refused: {reason}"
+            raise LifecycleError(msg, lifecycle=self.lifecycle, call="initialize", allowed=self.allowed_calls)
+
+    def _roll_back(self, slots: list[Slot], state: State) -> None:
+        for slot in reversed(slots):
+            try:
+                slot.modifier.on_finalize(state)
+            except Exception:
+                logger.exception("%s.on_finalize() raised during roll-back", slot.label)
+            finally:
+                slot.modifier.remove_hooks()
+        self._schedule.unbind(self)
+
+    # --- ending -----------------------------------------------------------------
+    def finalize(self) -> None:
+        """End every active modifier (``on_end``), finalize all of them, remove their hooks.
+
+        Runs once. Every modifier is finalized and every hook removed even if one
+        raises; the session is then ``finalized`` and the first error is raised as
+        :class:`ModifierError` with the original chained. After a failed hook
+        modified the model, ``on_end`` is skipped (only ``on_finalize`` releases).
+
+        Raises:
+            LifecycleError: not initialized, or already finalized.
+            ModifierError: a modifier's ``on_end``/``on_finalize`` raised.
+        """
+        with self._lock:
+            if "finalize" not in CALLS_ALLOWED[self.lifecycle]:
+                self._refuse("finalize")
+            errors = self._finalize_modifiers()
+            self._position = "closed"
+            self._fire("finalize")
+            if errors:
+                raise errors[0]
+
+    def _finalize_modifiers(self) -> list[ModifierError]:
+        errors: list[ModifierError] = []
+        ev = self._event
+        ev.type = "finalize"
+        for slot in self._schedule.slots:
+            m = slot.modifier
+            hook = "on_end"
+            before = [t._version for t in slot.watched[1]]
+            try:
+                if slot.started and not slot.ended:
+                    slot.ended = True
+                    if self._broken is None:
+                        m.on_end(self._state, ev)
+                hook = "on_finalize"
+                m.on_finalize(self._state)
+            except Exception as exc:
+                then = "All modifiers were still finalized and their hooks removed."
+                error = failure(
+                    slot.label, hook, exc, during="finalize()", modified=changed(slot.watched, before), then=then
+                )
+                error.__cause__ = exc
+                if errors:
+                    logger.error("%s", error)
+                errors.append(error)
+            finally:
+                m.remove_hooks()
+        self._schedule.clear()
+        self._schedule.unbind(self)
+        return errors
+
+    def reset(self, recipe: Any = None) -> None:
+        """Return to ``created`` from any state, keeping the recipe or taking a new one.
+
+        A new recipe is resolved first; if it is invalid, :class:`RecipeError`
+        is raised and the session is left exactly as it was. Live modifiers
+        (initialized or running) are finalized and their hooks removed; the
+        stored state is dropped (and with it a failed hook's refusal).
+
+        Raises:
+            RecipeError: ``recipe`` is invalid.
+        """
+        new_recipe = resolve_recipe(recipe) if recipe is not None else self._recipe
+        with self._lock:
+            if self.lifecycle in _LIVE:
+                for error in self._finalize_modifiers():
+                    logger.error("during reset: %s", error)
+            self._schedule.unbind(self)
+            self._recipe = new_recipe
+            self._clear_run()
+            self._fire("reset")
+
+    def __repr__(self) -> str:
+        names = ", ".join(self.labels) or "no modifiers"
+        return f"<Session {self.lifecycle} [{names}]>"
+
+
+_ACTIVE: ContextVar[Session | None] = ContextVar("llmc_fsm_active_session", default=None)
+
+
+@contextlib.contextmanager
+def create_session(recipe: Any = None) -> Iterator[Session]:
+    """Create a :class:`Session` and make it the active one for this thread / asyncio task.
+
+    Use as ``with create_session(recipe) as session: ...``. On exit the previous
+    active session (usually none) is restored, and a session left initialized or
+    running is finalized so no hook outlives the block (if the block raised,
+    its exception propagates and finalize errors are only logged).
+
+    Raises:
+        RecipeError: the recipe is invalid.
+        ModifierError: finalize on exit failed (only when the block did not raise).
+    """
+    session = Session(recipe)
+    token = _ACTIVE.set(session)
+    ok = False
+    try:
+        yield session
+        ok = True
+    finally:
+        _ACTIVE.reset(token)
+        if session.lifecycle in _LIVE:
+            if ok:
+                session.finalize()
+            else:
+                try:
+                    session.finalize()
+                except Exception:
+                    logger.exception("finalize() failed while leaving create_session() after an error")
+
+
+def active_session() -> Session:
+    """Return the session made active by the innermost ``create_session`` in this context.
+
+    Sessions are held in a ``contextvars.ContextVar``: each thread and each
+    asyncio task sees only its own.
+
+    Raises:
+        LifecycleError: no session is active here.
+    """
+    session = _ACTIVE.get()
+    if session is None:
+        msg = (
+            "no active session in this thread/task: wrap the code in "
+            "`with llmc_fsm.create_session(recipe) as session:` or pass a Session explicitly."
+        )
+        raise LifecycleError(msg, lifecycle="none", call="active_session")
+    return session

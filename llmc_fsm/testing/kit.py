@@ -1,0 +1,212 @@
+"""Conformance kit for modifier authors: a pytest plugin and :func:`check_modifier`.
+
+One line checks that a modifier obeys the lifecycle contract::
+
+    from llmc_fsm.testing import check_modifier
+
+    def test_my_modifier_obeys_the_contract():
+        check_modifier(lambda: MyModifier(sparsity=0.5), lambda: {"model": tiny_model()})
+
+or, with the fixture this plugin provides (installed with llmc-fsm as the
+``pytest11`` entry point ``llmc_fsm``; the number of examples follows
+``--llmc-fsm-examples``)::
+
+    def test_my_modifier(llmc_fsm_check):
+        llmc_fsm_check(MyModifier, lambda: {"model": tiny_model()})
+
+What is checked:
+
+1. **Required state is declared truthfully** (deterministic): ``state_factory()``
+   supplies every key in ``required_keys()``; ``initialize`` without any one of
+   them raises :class:`~llmc_fsm.MissingStateError` naming it; ``initialize`` with
+   *only* the declared keys (``required_state`` + ``optional_state``, then only
+   the required ones) succeeds — the modifier needs nothing it did not declare.
+2. **Random lifecycles** (hypothesis draws valid and invalid call sequences of
+   ``update_state``, ``initialize``, batch events, calibration events,
+   ``finalize`` and ``reset`` against a :class:`~llmc_fsm.Session` holding a fresh
+   modifier):
+
+   - ``on_initialize`` runs exactly once per successful ``initialize`` and never
+     for a refused one; ``on_finalize`` at most once per initialization;
+   - a refused call (``LifecycleError``) runs no hook at all;
+   - hooks run only inside the session calls that own them (``on_event`` only
+     for the events in ``events``, calibration hooks only in their calibration
+     call, ``on_start``/``on_update``/``on_end`` only at events, finalize or reset);
+   - after ``finalize``/``reset`` (and a refused ``initialize``),
+     ``modifier.num_hooks == 0`` and, when the state holds a ``torch.nn.Module``
+     as ``model``, the model carries exactly the torch hooks it had before.
+
+3. **Checkpoints** (deterministic): after one training batch, the session's
+   ``state_dict()`` (with the modifier's :meth:`~llmc_fsm.Modifier.state_dict`)
+   can be written with :func:`~llmc_fsm.session.checkpoint.write_checkpoint`, read back,
+   and loaded into a new session holding a fresh modifier and fresh state.
+
+A modifier hook that raises during a valid lifecycle fails the check too.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import pytest
+
+from llmc_fsm.core.errors import MissingStateError, ModifierError
+from llmc_fsm.core.lifecycle import BATCH_EVENTS
+from llmc_fsm.core.modifier import Modifier
+from llmc_fsm.session.checkpoint import read_checkpoint, write_checkpoint
+from llmc_fsm.session.session import Session
+from llmc_fsm.testing.lifecycles import OPERATIONS, ContractViolation, SequenceRun
+
+__all__ = ["ContractViolation", "check_modifier", "llmc_fsm_check"]
+
+DEFAULT_EXAMPLES = 100
+
+
+def _check_checkpoint(
+    factory: Callable[[], Modifier],
+    state_factory: Callable[[], Mapping[str, Any]],
+    batch_factory: Callable[[], Any] | None,
+    loss_factory: Callable[[], Any] | None,
+) -> None:
+    import tempfile
+
+    session, resumed = Session([factory()]), Session([factory()])
+    session.initialize(**state_factory())
+    session.batch_start(batch_factory() if batch_factory else None)
+    session.loss_calculated(loss_factory() if loss_factory else 0.0)
+    for event in BATCH_EVENTS[BATCH_EVENTS.index("loss_calculated") + 1 :]:  # the rest of the batch, in order
+        getattr(session, event)()
+    resumed.initialize(**state_factory())
+    name = type(session.modifiers[0]).__name__
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            write_checkpoint(session.state_dict(), tmp)
+            resumed.load_state_dict(read_checkpoint(tmp))
+    except (TypeError, ValueError) as exc:
+        msg = (
+            f"{name}: its state_dict() after one batch could not be written and loaded into a fresh session: "
+            f"{type(exc).__name__}: {exc}. Return tensors and JSON values from state_dict() and accept them in "
+            "load_state_dict()"
+        )
+        raise ContractViolation(msg) from exc
+    finally:
+        session.finalize()
+        resumed.finalize()
+
+
+def _check_declared_state(factory: Callable[[], Modifier], state_factory: Callable[[], Mapping[str, Any]]) -> None:
+    probe = factory()
+    name = type(probe).__name__
+    state = dict(state_factory())
+    required = probe.required_keys()
+    absent = sorted(k for k in required if state.get(k) is None)
+    if absent:
+        msg = (
+            f"{name}: state_factory() does not supply the required key(s) {absent}; "
+            "give check_modifier a state_factory with every key in required_state"
+        )
+        raise ContractViolation(msg)
+    for key in sorted(required):
+        session = Session([factory()])
+        partial = {k: v for k, v in state.items() if k != key}
+        try:
+            session.initialize(**partial)
+        except MissingStateError as exc:
+            if not any(key in keys for keys in exc.missing.values()):
+                raise ContractViolation(f"{name}: initialize() without {key!r} did not name it: {exc}") from None
+        else:  # pragma: no cover - the session enforces this
+            session.finalize()
+            raise ContractViolation(f"{name}: initialize() without required key {key!r} did not raise")
+    declared = required | frozenset(probe.optional_state)
+    for keys, what in ((declared, "required_state + optional_state"), (required, "required_state")):
+        session = Session([factory()])
+        try:
+            session.initialize(**{k: v for k, v in state.items() if k in keys})
+        except ModifierError as exc:
+            cause = exc.__cause__
+            msg = (
+                f"{name}: initialize() with only its declared keys ({what}: {sorted(keys)}) failed: "
+                f"{type(cause).__name__}: {cause}. Declare every key on_initialize needs in required_state "
+                "(or make it optional and handle its absence)."
+            )
+            raise ContractViolation(msg) from cause
+        session.finalize()
+
+
+def check_modifier(
+    factory: Callable[[], Modifier] | type[Modifier],
+    state_factory: Callable[[], Mapping[str, Any]],
+    *,
+    max_examples: int = DEFAULT_EXAMPLES,
+    max_calls: int = 20,
+    batch_factory: Callable[[], Any] | None = None,
+    loss_factory: Callable[[], Any] | None = None,
+    modules_factory: Callable[[Mapping[str, Any]], Any] | None = None,
+) -> None:
+    """Check that the modifier made by ``factory`` obeys the lifecycle contract (see the module docstring).
+
+    Args:
+        factory: returns a fresh modifier (a class with usable defaults works too);
+            called once per example, so no state leaks between examples.
+        state_factory: returns a fresh ``{key: value}`` state holding at least every
+            required key (e.g. a new tiny model each time); called once per example.
+        max_examples: hypothesis examples (random lifecycles) to run; default 100.
+        max_calls: longest drawn call sequence (composite steps count once).
+        batch_factory: the ``batch`` passed to ``batch_start`` (default ``None``).
+        loss_factory: the loss passed to ``loss_calculated`` (default ``0.0``).
+        modules_factory: ``state -> modules`` for ``sequential_epoch_end`` (default ``()``).
+
+    Raises:
+        ContractViolation: a rule was broken; the message names the rule and the
+            call sequence (hypothesis shrinks it to a minimal one).
+    """
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    _check_declared_state(factory, state_factory)
+
+    # Composite steps are drawn more often, and half the runs start initialized, so that
+    # valid lifecycles (which exercise the hooks) are common next to invalid ones.
+    weighted = (*OPERATIONS, "batch", "batch", "batch_no_step", "calibration", "calibration")
+
+    @settings(
+        max_examples=max_examples,
+        deadline=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+    )
+    @given(
+        ops=st.lists(st.sampled_from(weighted), max_size=max_calls),
+        init_args=st.booleans(),
+        start_initialized=st.booleans(),
+    )
+    def random_lifecycles(ops: list[str], init_args: bool, start_initialized: bool) -> None:
+        steps = ["initialize_with_all", *ops] if start_initialized else ops
+        SequenceRun(init_args, factory, state_factory, batch_factory, loss_factory, modules_factory).run(steps)
+
+    random_lifecycles()
+    _check_checkpoint(factory, state_factory, batch_factory, loss_factory)
+
+
+# --- pytest plugin ----------------------------------------------------------------------
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("llmc-fsm", "llmc-fsm modifier conformance")
+    group.addoption(
+        "--llmc-fsm-examples",
+        type=int,
+        default=None,
+        metavar="N",
+        help=f"random lifecycles per llmc_fsm_check() call (default {DEFAULT_EXAMPLES})",
+    )
+
+
+@pytest.fixture
+def llmc_fsm_check(request: pytest.FixtureRequest) -> Callable[..., None]:
+    """:func:`check_modifier`, with ``max_examples`` taken from ``--llmc-fsm-examples`` when given."""
+    examples = request.config.getoption("llmc_fsm_examples", default=None)
+    if examples is None:
+        return check_modifier
+    return functools.partial(check_modifier, max_examples=examples)

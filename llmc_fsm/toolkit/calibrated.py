@@ -1,0 +1,390 @@
+"""Base class of modifiers that compress weights from calibration statistics (SparseGPT, Wanda, GPTQ, RTN).
+
+:class:`CalibratedModifier` holds what these modifiers share:
+
+* :meth:`CalibratedModifier.check_model` (also run at ``initialize``) selects its targets and checks each
+  one, reporting every problem before any calibration work;
+* at ``calibration_start`` it puts a forward pre-hook on every target that feeds
+  the target's inputs to a statistics accumulator
+  (:meth:`CalibratedModifier._new_accumulator`); targets called one after the
+  other on the *same* input tensor (``q/k/v``, ``gate/up``) share one
+  accumulator, and are compressed together;
+* at ``sequential_epoch_end(modules)`` it compresses the targets inside
+  ``modules`` (:meth:`CalibratedModifier._compress_group`) and frees their
+  accumulators, so at most one decoder layer's statistics are alive at a time
+  under the sequential pipeline;
+* at ``calibration_end`` it compresses every target not compressed yet. Targets
+  that never saw a calibration input are compressed only if the modifier needs
+  no data (:attr:`CalibratedModifier.needs_inputs` false), else left as they are
+  and listed in :attr:`CalibratedModifier.skipped`.
+
+After compressing, it records a :class:`ModuleResult` per target (zeros measured
+on the new weight, and, when the accumulator holds a Hessian, the relative output
+error on the calibration inputs).
+
+Under ``torch.distributed`` (a process group with more than one rank, see
+:mod:`llmc_fsm.toolkit.distributed`) each rank calibrates on its own share of the data;
+before a group of targets is compressed the accumulators are summed over the
+ranks (their ``all_reduce()``), so every rank compresses from the statistics of
+all the data and computes the same weights — checked after each compression
+by comparing per-module checksums of the new weights across ranks.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import attrs
+import torch
+from torch import nn
+
+from llmc_fsm.core.modifier import Modifier
+from llmc_fsm.toolkit.distributed import check_same_values, is_distributed, reduce_statistics
+from llmc_fsm.toolkit.heap import trim_heap
+from llmc_fsm.toolkit.layer_error import relative_output_error
+from llmc_fsm.toolkit.targets import (
+    DEFAULT_IGNORE,
+    DEFAULT_TARGETS,
+    already_quantized,
+    compact_names,
+    is_linear_like,
+    resolve_targets,
+)
+
+__all__ = ["CalibratedModifier", "CompressedGroup", "ModuleResult"]
+
+logger = logging.getLogger(__name__)
+
+#: A data-free compression gives the freed heap back after this many bytes of weights (``_compress_all``).
+TRIM_EVERY_BYTES = 32 * 1024 * 1024
+
+
+def patterns(value: Any) -> list[str]:
+    """attrs converter: one module pattern or a list of them -> ``list[str]``.
+
+    Raises:
+        TypeError: anything else.
+    """
+    if isinstance(value, str):
+        return [value]
+    if value is None:
+        return []
+    items = list(value) if isinstance(value, Iterable) else None  # a generator is read once, here
+    if items is None or not all(isinstance(v, str) for v in items):
+        msg = f"must be a module pattern or a list of them (class name, full name or 're:<regex>'), got {value!r}"
+        raise TypeError(msg)
+    return items
+
+
+def _non_empty(instance: Any, attribute: attrs.Attribute, value: list[str]) -> None:
+    if not value:
+        msg = f"{attribute.name} must name at least one module pattern, e.g. ['Linear']"
+        raise ValueError(msg)
+
+
+@attrs.define(kw_only=True, slots=False, eq=False)
+class ModuleResult:
+    """What compressing one module did.
+
+    Attributes:
+        zeros / numel: exact zeros of the weight after compression, and its size. For a
+            quantizer (``zeros_are_sparsity = False``) only the zeros that were already
+            there before (pruned weights, which quantization keeps): values rounded to
+            zero are not sparsity.
+        seconds: compression time (modules compressed together split their group's time by weight size).
+        samples: calibration tokens the module saw (0 for data-free compression).
+        rel_output_error: ``||W X - W_hat X|| / ||W X||`` on the calibration inputs, or ``None``
+            when the statistics hold no Hessian (Wanda, data-free RTN).
+        bits / group_size: weight bits and group size for quantized modules, else ``None``.
+    """
+
+    zeros: int
+    numel: int
+    seconds: float
+    samples: int
+    rel_output_error: float | None = None
+    bits: int | None = None
+    group_size: int | None = None
+
+    @property
+    def sparsity(self) -> float:
+        return self.zeros / self.numel if self.numel else 0.0
+
+
+@attrs.frozen
+class CompressedGroup:
+    """What :meth:`CalibratedModifier._compress_group` returns when the algorithm measured each new
+    weight's ``||W X - W_hat X|| / ||W X||`` itself (e.g. GPTQ from its sweep: :mod:`llmc_fsm.toolkit.layer_error`)."""
+
+    weights: list[torch.Tensor]
+    rel_output_errors: list[float]
+
+
+@attrs.define(kw_only=True, slots=False, eq=False)
+class CalibratedModifier(Modifier):
+    """Base of modifiers that compress Linear weights from calibration statistics (not registered itself).
+
+    Args:
+        targets: module patterns to compress: class names (``"Linear"``, the
+            default), full module names, or ``"re:<regex>"`` matched against
+            full names.
+        ignore: module patterns never compressed (default ``["lm_head"]``). A
+            module whose weight is tied to an ignored one is ignored too.
+
+    Subclasses implement :meth:`_new_accumulator` and :meth:`_compress_group`.
+    """
+
+    required_state = frozenset({"model", "calibration_data"})
+    #: Whether targets need calibration inputs; ``False`` compresses unseen targets at ``calibration_end``.
+    needs_inputs = True
+    #: Whether zeros the compression creates are sparsity (pruning); a quantizer sets ``False``.
+    zeros_are_sparsity = True
+    #: Whether :meth:`_compress_group` returns a :class:`CompressedGroup` (no copy of the old weights is kept).
+    measures_output_error = False
+
+    targets: list[str] = attrs.field(factory=lambda: list(DEFAULT_TARGETS), converter=patterns, validator=_non_empty)
+    ignore: list[str] = attrs.field(factory=lambda: list(DEFAULT_IGNORE), converter=patterns)
+
+    def __attrs_post_init__(self) -> None:
+        super().__attrs_post_init__()
+        self._clear()
+        self._target_warnings: set[str] = set()  # given once: one-shot checks the targets before initialize too
+
+    def _clear(self) -> None:
+        self._targets: dict[str, nn.Module] = {}
+        self._names_by_id: dict[int, str] = {}
+        self._acc: dict[str, Any] = {}
+        self._last_input: torch.Tensor | None = None
+        self._last_acc: Any = None
+        #: module name -> :class:`ModuleResult`, in the order the modules were compressed.
+        self.results: dict[str, ModuleResult] = {}
+        #: targets that never received a calibration input (left as they were).
+        self.skipped: list[str] = []
+
+    @property
+    def resolved_targets(self) -> dict[str, nn.Module]:
+        """``{full name: module}`` selected at initialize (empty before)."""
+        return dict(self._targets)
+
+    # ---- subclass API ----------------------------------------------------------
+    def _new_accumulator(self, module: nn.Module) -> Any:
+        """A fresh statistics accumulator for ``module`` (``add_batch(x)``, ``num_samples``, ``in_features``).
+
+        To run under ``torch.distributed`` it also needs ``all_reduce()``: sum its
+        statistics over the ranks in place (see :mod:`llmc_fsm.toolkit.distributed`).
+        """
+        raise NotImplementedError
+
+    def _check_target(self, name: str, module: nn.Module) -> str | None:
+        """Why ``module`` cannot be compressed (one line, without its name), or ``None``.
+
+        Default: it must be Linear-like. Modules with the same reason are reported together.
+        """
+        if not is_linear_like(module):
+            return f"no 2-D Linear weight ({type(module).__name__})"
+        return None
+
+    def _compress_group(self, modules: list[nn.Module], accumulator: Any) -> list[torch.Tensor] | CompressedGroup:
+        """New weights for ``modules``, which saw the same inputs (``accumulator`` is ``None`` when data-free)."""
+        raise NotImplementedError
+
+    def _result_extras(self, module: nn.Module) -> dict[str, Any]:
+        """Extra :class:`ModuleResult` fields for ``module`` (e.g. ``bits``)."""
+        return {}
+
+    #: What to do when :meth:`check_model` finds an already quantized model.
+    quantized_model_hint = (
+        "compress the original full-precision model: prune first, then quantize (a sparsity stage before the "
+        "quantization stage in one recipe)"
+    )
+
+    def _fix_hint(self, targets: dict[str, nn.Module], problems: dict[str, list[str]]) -> str:
+        """What to do about ``problems`` (reason -> module names), one sentence."""
+        return "Narrow targets or add these modules to ignore."
+
+    # ---- checks ----------------------------------------------------------------
+    def check_model(self, model: nn.Module) -> dict[str, nn.Module]:
+        """The targets this modifier would compress in ``model``, after every check that needs no data.
+
+        Pure: reads module names, classes and weight shapes only (works on a
+        ``meta``-device model), changes nothing. :meth:`on_initialize` runs it;
+        one-shot runs it for every modifier before measuring anything.
+
+        Returns:
+            ``{full name: module}`` of the selected targets.
+
+        Raises:
+            ValueError: targets/ignore select nothing usable (see
+                :func:`~llmc_fsm.toolkit.targets.resolve_targets`), or some targets cannot be
+                compressed — every such module named, grouped by reason, with what to do.
+        """
+        already = already_quantized(model)
+        if already is not None:
+            msg = f"{type(self).__name__}: the model is already quantized ({already}); {self.quantized_model_hint}"
+            raise ValueError(msg)
+        targets = resolve_targets(model, self.targets, self.ignore, warned=self._target_warnings)
+        quantized = [name for name, module in targets.items() if hasattr(module, "quantization_scheme")]
+        if quantized:  # an earlier stage of this run quantized them; other modules may still be compressed
+            msg = (
+                f"{type(self).__name__}: {len(quantized)} of its targets are already quantized, e.g. {quantized[0]}; "
+                f"{self.quantized_model_hint}"
+            )
+            raise ValueError(msg)
+        problems: dict[str, list[str]] = {}
+        for name, module in targets.items():
+            reason = self._check_target(name, module)
+            if reason is not None:
+                problems.setdefault(reason, []).append(name)
+        if problems:
+            count = sum(len(names) for names in problems.values())
+            shown = "; ".join(f"{reason}: {compact_names(names)}" for reason, names in problems.items())
+            msg = (
+                f"{type(self).__name__} cannot compress {count} of its {len(targets)} targets — {shown}. "
+                + self._fix_hint(targets, problems)
+            )
+            raise ValueError(msg)
+        return targets
+
+    # ---- lifecycle -------------------------------------------------------------
+    def on_initialize(self, state: Any) -> None:
+        self._clear()
+        targets = self.check_model(state.model)
+        self._targets = targets
+        self._names_by_id = {id(m): name for name, m in targets.items()}
+
+    def on_calibration_start(self, state: Any) -> None:
+        for name, module in self._targets.items():
+            if name not in self.results:
+                self.register_hook(module, self._make_hook(name), kind="forward_pre")
+
+    def _make_hook(self, name: str) -> Any:
+        def hook(module: nn.Module, args: tuple[Any, ...]) -> None:
+            if name in self.results or not args:
+                return
+            x = args[0]
+            acc = self._acc.get(name)
+            if x is self._last_input:
+                # Same input tensor as the module called just before (q/k/v, gate/up):
+                # share its statistics instead of computing them again.
+                if acc is None and self._last_acc is not None and self._last_acc.in_features == x.shape[-1]:
+                    self._acc[name] = self._last_acc
+                    return
+                if acc is self._last_acc:
+                    return
+            if acc is None:
+                acc = self._acc[name] = self._new_accumulator(module)
+            with torch.no_grad():
+                acc.add_batch(x)
+            self._last_input = x
+            self._last_acc = acc
+
+        return hook
+
+    def on_sequential_epoch_end(self, state: Any, modules: Any) -> None:
+        roots = [modules] if isinstance(modules, nn.Module) else list(modules)
+        pending = {}
+        for root in roots:
+            for sub in root.modules():
+                name = self._names_by_id.get(id(sub))
+                if name is not None and name not in self.results:
+                    pending[name] = sub
+        self._compress_all(pending)
+        self._last_input = None
+        self._last_acc = None
+
+    def on_calibration_end(self, state: Any) -> None:
+        self._compress_all({name: m for name, m in self._targets.items() if name not in self.results}, trim=True)
+        self._last_input = None
+        self._last_acc = None
+        self._acc.clear()
+        self.remove_hooks()
+
+    def on_finalize(self, state: Any) -> None:
+        self._acc.clear()
+        self._last_input = None
+        self._last_acc = None
+
+    # ---- work ------------------------------------------------------------------
+    def _compress_all(self, modules: dict[str, nn.Module], *, trim: bool = False) -> None:
+        """Compress ``{name: module}``, each group of modules that share an accumulator in one call.
+
+        ``trim``: give the freed heap back to the system (:func:`llmc_fsm.toolkit.heap.trim_heap`) after
+        every 32 MiB of compressed weights: a data-free run (RTN) compresses every target in this
+        one call, outside the layer-by-layer pipeline that trims after each layer. Without it
+        glibc kept up to ~0.3 GB of freed temporaries on SmolLM2 W8A8 RTN, depending on the run
+        (peak 0.92 or 1.25-1.36 GB); with it, 0.92 GB in every run.
+
+        Under ``torch.distributed`` the accumulators are first summed over the
+        ranks (:func:`llmc_fsm.toolkit.distributed.reduce_statistics`) and the new weights are then compared
+        across ranks (:func:`llmc_fsm.toolkit.distributed.check_same_values`). Every rank
+        calls this with the same ``modules`` (the same layer), so the collectives match.
+
+        Raises:
+            DistributedError: a collective failed, or the ranks computed different weights.
+        """
+        distributed = is_distributed()
+        if distributed:
+            reduce_statistics(self._acc, modules, self._new_accumulator, owner=type(self).__name__)
+        groups: dict[int, tuple[Any, list[tuple[str, nn.Module]]]] = {}
+        for name, module in modules.items():
+            acc = self._acc.pop(name, None)
+            if acc is None or acc.num_samples == 0:
+                if self.needs_inputs:
+                    if name not in self.skipped:
+                        logger.warning(
+                            "%s: %s received no calibration input; left as it was", type(self).__name__, name
+                        )
+                        self.skipped.append(name)
+                    continue
+                acc = None
+            key = id(acc) if acc is not None else id(module)
+            groups.setdefault(key, (acc, []))[1].append((name, module))
+        since_trim = 0
+        for acc, members in groups.values():
+            self._compress_members(acc, members)
+            if trim:
+                since_trim += sum(module.weight.numel() * module.weight.element_size() for _, module in members)
+                if since_trim >= TRIM_EVERY_BYTES:
+                    trim_heap()
+                    since_trim = 0
+        if distributed:
+            compressed = [name for _, members in groups.values() for name, _ in members]
+            with torch.no_grad():
+                sums = {
+                    name: (float(w.sum(dtype=torch.float64)), float(w.abs().sum(dtype=torch.float64)))
+                    for name, w in ((name, modules[name].weight) for name in compressed)
+                }
+            check_same_values(sums, what="weights")
+
+    def _compress_members(self, acc: Any, members: list[tuple[str, nn.Module]]) -> None:
+        t0 = time.perf_counter()
+        hessian = getattr(acc, "hessian", None) if acc is not None else None
+        copy = hessian is not None and not self.measures_output_error
+        with torch.no_grad():
+            olds = [module.weight.detach().clone() if copy else None for _, module in members]
+            were_zero = [module.weight == 0 if not self.zeros_are_sparsity else None for _, module in members]
+            new = self._compress_group([module for _, module in members], acc)
+            weights, errors = (
+                (new.weights, new.rel_output_errors) if isinstance(new, CompressedGroup) else (new, [None] * len(new))
+            )
+            for (_, module), weight in zip(members, weights, strict=True):
+                module.weight.copy_(weight)
+        seconds = time.perf_counter() - t0
+        total = sum(module.weight.numel() for _, module in members)
+        for (name, module), old, zero, error in zip(members, olds, were_zero, errors, strict=True):
+            numel = module.weight.numel()
+            self.results[name] = ModuleResult(
+                zeros=numel - int(torch.count_nonzero(module.weight))
+                if zero is None
+                else int(torch.count_nonzero(zero & (module.weight == 0))),
+                numel=numel,
+                seconds=seconds * numel / total,
+                samples=acc.num_samples if acc is not None else 0,
+                rel_output_error=relative_output_error(old, module.weight, hessian) if old is not None else error,
+                **self._result_extras(module),
+            )
+            if name in self.skipped:
+                self.skipped.remove(name)

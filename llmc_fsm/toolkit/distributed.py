@@ -1,0 +1,400 @@
+"""Several processes with ``torch.distributed``: split calibration data, reduce statistics, agree before work.
+
+Nothing here launches processes or moves bytes itself: ranks are started by
+``torchrun`` (or any launcher that sets up a ``torch.distributed`` process
+group) and every collective is a ``torch.distributed`` call (gloo on CPU, NCCL
+on GPUs). See ``docs/distributed.md`` for the commands.
+
+Every function is a no-op (or answers for one process) unless a process group
+is initialized with more than one rank (:func:`is_distributed`). What the
+library does under a process group:
+
+* :func:`shard` — each rank calibrates on a contiguous slice of the
+  calibration windows (:func:`split_counts`: the first ``N mod W`` ranks get
+  one window more), after checking that every rank holds the same windows;
+* statistics accumulators are summed over the ranks before a layer is
+  compressed (:func:`all_reduce_accumulator`, called by
+  :class:`~llmc_fsm.toolkit.calibrated.CalibratedModifier`); every rank then computes
+  the same weights, which :func:`check_same_values` verifies;
+* at ``Session.initialize`` every rank compares digests of its recipe and
+  model, and a ``DistributedDataParallel`` model is unwrapped
+  (:mod:`llmc_fsm.session.ranks`);
+* :func:`process_group_from_env` — what the CLI does under ``torchrun``.
+
+A collective that fails (another rank stopped, or did not arrive within the
+process group's timeout) raises :class:`DistributedError` naming this rank
+and the step, instead of hanging.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+from collections.abc import Callable, Iterator, Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+__all__ = [
+    "DEFAULT_TIMEOUT_S",
+    "DistributedError",
+    "all_gather_ints",
+    "all_reduce_accumulator",
+    "all_reduce_tensor",
+    "check_same_values",
+    "get_rank",
+    "get_world_size",
+    "is_distributed",
+    "is_main_process",
+    "process_group_from_env",
+    "reduce_statistics",
+    "shard",
+    "split_counts",
+]
+
+logger = logging.getLogger(__name__)
+
+#: Collective timeout (seconds) the CLI gives the process group; ``LLMC_FSM_DIST_TIMEOUT`` overrides it.
+DEFAULT_TIMEOUT_S = 600.0
+#: Environment variable: collective timeout in seconds for the CLI's process group.
+TIMEOUT_ENV = "LLMC_FSM_DIST_TIMEOUT"
+#: Environment variable: the world size the CLI expects (checked on every rank before any work).
+WORLD_SIZE_ENV = "LLMC_FSM_WORLD_SIZE"
+
+_timeout_s: float | None = None  # set when process_group_from_env created the group
+
+
+class DistributedError(RuntimeError):
+    """A ``torch.distributed`` collective failed: another rank stopped or timed out, or the ranks diverged."""
+
+
+# --------------------------------------------------------------------------- who am I
+def is_distributed() -> bool:
+    """Whether a ``torch.distributed`` process group is initialized with more than one rank."""
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def get_rank() -> int:
+    """This process's rank in the default process group (0 without one)."""
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def get_world_size() -> int:
+    """Ranks in the default process group (1 without one)."""
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def is_main_process() -> bool:
+    """Whether this process is rank 0 (or the only process): the one that writes output files."""
+    return get_rank() == 0
+
+
+def _device() -> torch.device:
+    """Where collective tensors live: the current CUDA device for NCCL, else the CPU."""
+    import torch.distributed as dist
+
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+# --------------------------------------------------------------------------- collectives
+@contextlib.contextmanager
+def _collective(what: str) -> Iterator[None]:
+    try:
+        yield
+    except RuntimeError as exc:  # DistBackendError, gloo/NCCL errors, timeouts
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        timeout = f"{_timeout_s:g} s" if _timeout_s is not None else "the process group's timeout"
+        msg = (
+            f"rank {get_rank()} of {get_world_size()}: torch.distributed {what} failed ({first}); another rank "
+            f"stopped (see its error) or did not reach this step within {timeout}. This rank stops too."
+        )
+        raise DistributedError(msg) from exc
+
+
+def all_reduce_tensor(tensor: torch.Tensor, *, op: str = "sum", what: str = "all_reduce") -> torch.Tensor:
+    """``torch.distributed.all_reduce`` of ``tensor`` in place (``op``: ``"sum"``, ``"max"``, ``"min"``).
+
+    The tensor is moved to the collective device (CUDA for NCCL) and back.
+    Without a process group of more than one rank it is returned unchanged.
+
+    Returns:
+        ``tensor`` (reduced in place; the same object).
+
+    Raises:
+        DistributedError: the collective failed (another rank stopped or timed out).
+        ValueError: unknown ``op``.
+    """
+    import torch.distributed as dist
+
+    ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+    if op not in ops:
+        msg = f"op must be one of {', '.join(ops)}, got {op!r}"
+        raise ValueError(msg)
+    if not is_distributed():
+        return tensor
+    device = _device()
+    work = tensor if tensor.device == device else tensor.to(device)
+    with _collective(what):
+        dist.all_reduce(work, op=ops[op])
+    if work is not tensor:
+        tensor.copy_(work)
+    return tensor
+
+
+def all_gather_ints(values: Sequence[int], *, what: str = "all_gather") -> list[list[int]]:
+    """Every rank's ``values`` (int64, the same length on every rank), indexed by rank.
+
+    Without a process group: ``[list(values)]``.
+
+    Raises:
+        DistributedError: the collective failed.
+    """
+    import torch.distributed as dist
+
+    if not is_distributed():
+        return [list(values)]
+    device = _device()
+    local = torch.tensor(list(values), dtype=torch.int64, device=device)
+    gathered = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+    with _collective(what):
+        dist.all_gather(gathered, local)
+    return [g.cpu().tolist() for g in gathered]
+
+
+def all_reduce_accumulator(accumulator: Any) -> None:
+    """Sum a statistics accumulator over every rank, in place (a collective: every rank must call it).
+
+    The accumulator implements ``all_reduce()`` (e.g.
+    :meth:`llmc_fsm.toolkit.obs.HessianAccumulator.all_reduce`), which reduces its
+    sufficient statistics and restores its own normalisation, so that it then
+    holds what one process that saw every rank's inputs would hold (equal up
+    to float rounding, identical on every rank).
+
+    Raises:
+        TypeError: the accumulator has no ``all_reduce()`` (raised on every rank alike).
+        DistributedError: the collective failed.
+    """
+    reduce = getattr(accumulator, "all_reduce", None)
+    if not callable(reduce):
+        msg = (
+            f"{type(accumulator).__name__} has no all_reduce(): a statistics accumulator must implement "
+            "all_reduce() (sum its statistics over the ranks) to calibrate under torch.distributed"
+        )
+        raise TypeError(msg)
+    reduce()
+
+
+def reduce_statistics(
+    accumulators: dict[str, Any], modules: dict[str, Any], new_accumulator: Callable[[Any], Any], *, owner: str
+) -> None:
+    """Sum the calibration accumulators of ``modules`` over every rank, in place in ``accumulators``.
+
+    Every rank calls this with the same module names (one decoder layer's targets). A rank
+    without an accumulator for a module the others saw inputs for (data-dependent routing,
+    e.g. mixture-of-experts) contributes an empty one (``new_accumulator(module)``). Which
+    modules share an accumulator is agreed on first with one ``all_reduce`` of a small int64
+    vector, then each shared accumulator is reduced once (:func:`all_reduce_accumulator`).
+
+    Raises:
+        DistributedError: ranks disagree on which modules share statistics (the message starts with
+            ``owner``), or a collective failed.
+    """
+    names = list(modules)
+    if not names:
+        return
+    first: dict[int, int] = {}
+    leader = []  # per name: index of the first name sharing its accumulator, -1 without samples
+    for i, name in enumerate(names):
+        acc = accumulators.get(name)
+        leader.append(-1 if acc is None or acc.num_samples == 0 else first.setdefault(id(acc), i))
+    n = len(names)
+    table = torch.tensor(leader + [-x if x >= 0 else -n - 1 for x in leader], dtype=torch.int64)
+    all_reduce_tensor(table, op="max", what="all_reduce (statistics layout)")
+    agreed, lowest = table[:n].tolist(), [-x for x in table[n:].tolist()]
+    if any(a >= 0 and lo <= n and lo != a for a, lo in zip(agreed, lowest, strict=True)):
+        msg = (
+            f"{owner}: ranks disagree on which targets share calibration inputs "
+            f"({', '.join(names)}); every rank must run the same model code"
+        )
+        raise DistributedError(msg)
+    for i, name in enumerate(names):
+        if agreed[i] >= 0 and leader[i] < 0:  # no samples here: an empty accumulator, shared like elsewhere
+            lead = names[agreed[i]]
+            accumulators[name] = new_accumulator(modules[name]) if agreed[i] == i else accumulators[lead]
+    for i, name in enumerate(names):
+        if agreed[i] == i:
+            all_reduce_accumulator(accumulators[name])
+
+
+def check_same_values(values: dict[str, Sequence[float]], *, what: str) -> None:
+    """Raise on every rank if any entry of ``values`` differs between ranks (one collective).
+
+    ``values`` is ``{name: numbers}`` with the same names and lengths on every
+    rank (e.g. checksums of the weights each rank computed). Compared exactly.
+
+    Raises:
+        DistributedError: naming the entries that differ (the same message on every rank), or a failed collective.
+    """
+    if not is_distributed() or not values:
+        return
+    names = list(values)
+    flat = torch.tensor([float(v) for name in names for v in values[name]], dtype=torch.float64)
+    both = torch.cat([flat, -flat])
+    all_reduce_tensor(both, op="max", what=f"all_reduce ({what} check)")
+    hi, neg_lo = both[: flat.numel()], both[flat.numel() :]
+    differs = (hi != -neg_lo).tolist()
+    bad, pos = [], 0
+    for name in names:
+        n = len(values[name])
+        if any(differs[pos : pos + n]):
+            bad.append(name)
+        pos += n
+    if bad:
+        shown = ", ".join(bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
+        msg = (
+            f"ranks computed different {what} for {len(bad)} module(s) ({shown}) from the same reduced statistics: "
+            "their arithmetic differs (different device kinds, library versions or thread settings); run every rank "
+            "on the same kind of device with the same software"
+        )
+        raise DistributedError(msg)
+
+
+# --------------------------------------------------------------------------- calibration data
+def split_counts(total: int, world_size: int) -> list[int]:
+    """Items per rank for a contiguous split of ``total`` items: the first ``total mod world_size`` ranks get one more.
+
+    Rank ``r`` takes items ``[sum(counts[:r]), sum(counts[:r + 1]))``.
+
+    Raises:
+        ValueError: ``world_size < 1`` or ``total < 0``.
+    """
+    if world_size < 1 or total < 0:
+        msg = f"need world_size >= 1 and total >= 0, got world_size={world_size}, total={total}"
+        raise ValueError(msg)
+    base, extra = divmod(total, world_size)
+    return [base + (1 if r < extra else 0) for r in range(world_size)]
+
+
+def _digest(data: bytes) -> int:
+    """A signed 64-bit digest of ``data`` (sha256, first 8 bytes)."""
+    return int.from_bytes(hashlib.sha256(data).digest()[:8], "big", signed=True)
+
+
+def shard(windows: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+    """This rank's contiguous slice of the calibration windows, and every rank's count.
+
+    Args:
+        windows: ``LongTensor[N, L]``, the same on every rank (checked: one
+            collective over a digest of the tensor).
+
+    Returns:
+        ``(windows[start:end], counts)``: ``counts[r]`` windows for rank ``r``
+        (:func:`split_counts`). Without a process group: ``(windows, [N])``.
+        ``N == 0`` (data-free runs) is returned as is on every rank.
+
+    Raises:
+        ValueError: fewer windows than ranks, or ranks holding different windows
+            (the same message on every rank).
+        DistributedError: the collective failed.
+    """
+    total = int(windows.shape[0])
+    world = get_world_size()
+    if not is_distributed() or total == 0:
+        return windows, [total]
+    header = repr((tuple(windows.shape), str(windows.dtype))).encode()
+    digest = _digest(header + windows.cpu().contiguous().numpy().tobytes())
+    table = all_gather_ints([digest], what="all_gather (calibration data check)")
+    differ = [r for r, (d,) in enumerate(table) if d != table[0][0]]
+    if differ:
+        msg = (
+            f"ranks hold different calibration windows (rank(s) {', '.join(map(str, differ))} differ from rank 0): "
+            "every rank must load the same data, which is then split between them; give every rank the same "
+            "dataset, sizes and seed"
+        )
+        raise ValueError(msg)
+    if total < world:
+        msg = (
+            f"{total} calibration window(s) cannot be split across {world} ranks (each rank needs at least one): "
+            f"use at least {world} samples (--num-samples) or fewer ranks"
+        )
+        raise ValueError(msg)
+    counts = split_counts(total, world)
+    start = sum(counts[: get_rank()])
+    return windows[start : start + counts[get_rank()]], counts
+
+
+# --------------------------------------------------------------------------- the CLI under torchrun
+def _env_number(name: str, cast: Any, default: Any) -> Any:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = cast(raw)
+    except ValueError:
+        value = None
+    if value is None or value <= 0:
+        msg = f"environment variable {name} must be a positive number, got {raw!r}"
+        raise ValueError(msg)
+    return value
+
+
+@contextlib.contextmanager
+def process_group_from_env() -> Iterator[bool]:
+    """Initialize the default process group when launched by ``torchrun`` with more than one rank; destroy it on exit.
+
+    Launched by ``torchrun`` means ``WORLD_SIZE`` (> 1), ``RANK`` and
+    ``MASTER_ADDR`` are set; the rendezvous is torchrun's (``init_method="env://"``).
+    Backend: NCCL when CUDA is available (device ``LOCAL_RANK``), else gloo.
+    Collective timeout: ``$LLMC_FSM_DIST_TIMEOUT`` seconds (default
+    :data:`DEFAULT_TIMEOUT_S`). If ``$LLMC_FSM_WORLD_SIZE`` is set, every rank
+    checks it against the group's size right away (one ``all_gather``), before
+    any work. Does nothing when a process group already exists or the
+    environment names a single process.
+
+    Yields:
+        Whether this context created a process group.
+
+    Raises:
+        ValueError: a bad environment variable, or a world size other than the expected one.
+    """
+    import torch.distributed as dist
+
+    global _timeout_s
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if world <= 1 or "RANK" not in os.environ or not dist.is_available() or dist.is_initialized():
+        yield False
+        return
+    timeout = float(_env_number(TIMEOUT_ENV, float, DEFAULT_TIMEOUT_S))
+    expected = _env_number(WORLD_SIZE_ENV, int, None)
+    backend = "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend=backend, init_method="env://", timeout=timedelta(seconds=timeout))
+    _timeout_s = timeout
+    try:
+        if expected is not None:
+            table = all_gather_ints([expected], what="all_gather (world size check)")
+            values = sorted({row[0] for row in table})
+            if values != [get_world_size()]:
+                msg = (
+                    f"{WORLD_SIZE_ENV} expects world size {', '.join(map(str, values))} but torchrun started "
+                    f"{get_world_size()} ranks; fix --nnodes/--nproc-per-node or {WORLD_SIZE_ENV}"
+                )
+                raise ValueError(msg)
+        logger.info("process group: rank %d of %d (%s)", get_rank(), get_world_size(), backend)
+        yield True
+    finally:
+        _timeout_s = None
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()

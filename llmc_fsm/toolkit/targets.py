@@ -1,0 +1,385 @@
+"""Which modules a modifier compresses: ``targets`` minus ``ignore``, tied weights honoured.
+
+Patterns follow llm-compressor / compressed-tensors (``compressed_tensors.utils.match``),
+so a recipe written for llm-compressor selects the same modules here. A pattern
+matches a module called ``name`` when:
+
+* it is ``"re:<regex>"`` and ``re.match(regex, name)`` succeeds -- anchored at the
+  start only, like llm-compressor: ``re:.*mlp`` matches ``model.layers.0.mlp.up_proj``
+  and ``re:model.layers.1`` also matches ``model.layers.10``; end the regex with
+  ``$`` to anchor it at the end;
+* it equals ``name`` exactly (``"lm_head"``, ``"model.layers.0.mlp.down_proj"``);
+* it equals the name of the module's class or of any ``nn.Module`` base class
+  (``"Linear"`` also matches subclasses of ``nn.Linear``);
+* ``re:`` or exact, it matches one of the module's own parameters by full name
+  (``"<name>.weight"``), as llm-compressor's parameter targets do
+  (``re:.*q_proj.weight``);
+* it is one of llm-compressor's ``__ALL__``, ``__ALL_PRUNABLE__``, ``__ALL_QUANTIZABLE__``
+  (every module).
+
+A pattern that matches a container (``LlamaMLP``, a decoder layer, the model)
+selects the supported modules inside it, and an ``ignore`` pattern that matches a
+container ignores everything inside it. Only modules with a supported weight are
+ever selected: by default Linear-like modules (a 2-D ``[out_features, in_features]``
+weight and an ``in_features`` attribute equal to its second dimension) -- so
+``Embedding``, norms and ``transformers``' ``Conv1D`` (weight stored ``[in, out]``)
+are never selected.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Callable, Iterable
+
+import attrs
+import torch
+from torch import nn
+
+__all__ = [
+    "ALL_MODULES",
+    "DEFAULT_IGNORE",
+    "DEFAULT_TARGETS",
+    "TargetSelection",
+    "already_quantized",
+    "compact_names",
+    "is_linear_like",
+    "matches",
+    "resolve_targets",
+    "select_targets",
+]
+
+#: Every ``nn.Linear`` (and subclass).
+DEFAULT_TARGETS: tuple[str, ...] = ("Linear",)
+#: The output head (tied to the input embedding in many LLMs).
+DEFAULT_IGNORE: tuple[str, ...] = ("lm_head",)
+#: llm-compressor's special targets; each matches every module (then only supported ones are selected).
+ALL_MODULES: frozenset[str] = frozenset({"__ALL__", "__ALL_PRUNABLE__", "__ALL_QUANTIZABLE__"})
+
+logger = logging.getLogger(__name__)
+
+_SHOWN = 4  # module names quoted per message
+
+
+def is_linear_like(module: nn.Module) -> bool:
+    """Whether ``module`` holds a Linear-like weight: 2-D ``[out_features, in_features]`` applied to the last dim."""
+    weight = getattr(module, "weight", None)
+    return (
+        isinstance(weight, torch.Tensor)
+        and weight.dim() == 2
+        and getattr(module, "in_features", None) == weight.shape[1]
+    )
+
+
+def matches(name: str, module: nn.Module, pattern: str) -> bool:
+    """Whether ``pattern`` matches the module called ``name`` itself (containers are not expanded here).
+
+    Raises:
+        re.error: ``pattern`` is ``"re:<regex>"`` with an invalid regex.
+    """
+    if pattern in ALL_MODULES:
+        return True
+    names = [name, *(f"{name}.{p}" if name else p for p, _ in module.named_parameters(recurse=False))]
+    if pattern.startswith("re:"):
+        regex = re.compile(pattern[3:])
+        return any(regex.match(n) is not None for n in names)
+    if pattern in names:
+        return True
+    return any(cls.__name__ == pattern for cls in type(module).__mro__ if issubclass(cls, nn.Module))
+
+
+@attrs.frozen(kw_only=True)
+class TargetSelection:
+    """The modules a ``targets`` / ``ignore`` pair selects in one model (see :func:`select_targets`).
+
+    Attributes:
+        targets: the target patterns, as given.
+        ignore: the ignore patterns, as given.
+        selected: ``{full module name: module}`` to compress, in model order.
+        selected_by: ``{full module name: the first target pattern that selected it}``.
+        ignored: ``{full module name: reason}`` for every module a target selected
+            but that is not compressed: the ``ignore`` pattern that excluded it
+            (itself or a container around it), or ``"tied to <name>"`` when its
+            weight is the same tensor as an ignored or already selected module's.
+        unmatched_targets: ``{target pattern: why}`` for the patterns that selected
+            no module with a supported weight (they match no module, or only
+            containers/modules without such a weight).
+        unmatched_ignore: the ignore patterns that match no module of the model
+            at all (a typo, or a regex that cannot match a name).
+    """
+
+    targets: tuple[str, ...]
+    ignore: tuple[str, ...]
+    selected: dict[str, nn.Module]
+    selected_by: dict[str, str]
+    ignored: dict[str, str]
+    unmatched_targets: dict[str, str]
+    unmatched_ignore: tuple[str, ...]
+
+    def warnings(self, *, quiet_ignore: Iterable[str] = ()) -> list[str]:
+        """One line per unmatched target and per unmatched ignore pattern (empty when all matched).
+
+        Args:
+            quiet_ignore: ignore patterns not to warn about when they match nothing
+                (:func:`resolve_targets` passes the default ``lm_head``).
+        """
+        quiet = set(quiet_ignore)
+        lines = [f"target pattern {p!r} selects nothing: {why}" for p, why in self.unmatched_targets.items()]
+        lines += [
+            f"ignore pattern {p!r} matches no module (check the spelling; 're:' patterns use re.match on full "
+            "module names, e.g. 're:.*lm_head')"
+            for p in self.unmatched_ignore
+            if p not in quiet
+        ]
+        return lines
+
+
+def _check_patterns(patterns: Iterable[str], what: str) -> tuple[str, ...]:
+    if isinstance(patterns, str):
+        patterns = [patterns]
+    result = tuple(patterns)
+    for pattern in result:
+        if not isinstance(pattern, str):
+            msg = f"{what} patterns must be strings (class name, full name or 're:<regex>'), got {pattern!r}"
+            raise ValueError(msg)
+        if pattern.startswith("re:"):
+            try:
+                re.compile(pattern[3:])
+            except re.error as exc:
+                msg = f"invalid regex in {what} pattern {pattern!r}: {exc}"
+                raise ValueError(msg) from None
+    return result
+
+
+def _parent(name: str) -> str | None:
+    if not name:
+        return None
+    return name.rsplit(".", 1)[0] if "." in name else ""
+
+
+def _first_match(named: list[tuple[str, nn.Module]], patterns: tuple[str, ...]) -> dict[str, str | None]:
+    """Per module name: the first pattern matching it, else its nearest container's, else ``None``."""
+    found: dict[str, str | None] = {}
+    for name, module in named:
+        own = next((p for p in patterns if matches(name, module, p)), None)
+        parent = _parent(name)
+        found[name] = own or (found.get(parent) if parent is not None else None)
+    return found
+
+
+def _patterns_selecting(named, supported_names: set[str], targets: tuple[str, ...]) -> dict[str, set[str]]:
+    """target pattern -> supported module names it selects (directly or through a container)."""
+    result: dict[str, set[str]] = {p: set() for p in targets}
+    for pattern in targets:
+        hit: set[str] = set()
+        for name, module in named:
+            parent = _parent(name)
+            if (parent is not None and parent in hit) or matches(name, module, pattern):
+                hit.add(name)
+        result[pattern] = hit & supported_names
+    return result
+
+
+def _shown(items: list[str]) -> str:
+    more = f" and {len(items) - _SHOWN} more" if len(items) > _SHOWN else ""
+    return ", ".join(items[:_SHOWN]) + more
+
+
+def compact_names(names: Iterable[str]) -> str:
+    """Module names folded over their layer index, for one-line messages.
+
+    ``model.layers.0.mlp.up_proj`` ... ``model.layers.29.mlp.up_proj`` becomes
+    ``model.layers.{0..29}.mlp.up_proj``; names whose only difference is one
+    integer component are folded (consecutive indices as a range, others
+    listed), every other name is kept as it is. Order: first appearance.
+    """
+    groups: dict[tuple[str, str | None], list[int]] = {}
+    for name in names:
+        parts = name.split(".")
+        idx = next((i for i, part in enumerate(parts) if part.isdigit()), None)
+        if idx is None:
+            groups.setdefault((name, None), [])
+            continue
+        key = (".".join(parts[:idx]), ".".join(parts[idx + 1 :]))
+        groups.setdefault(key, []).append(int(parts[idx]))
+    shown = []
+    for (head, tail), indices in groups.items():
+        if tail is None:
+            shown.append(head)
+            continue
+        indices = sorted(set(indices))
+        if len(indices) == 1:
+            index = str(indices[0])
+        elif indices == list(range(indices[0], indices[-1] + 1)):
+            index = f"{{{indices[0]}..{indices[-1]}}}"
+        else:
+            index = "{" + ",".join(map(str, indices)) + "}"
+        shown.append(".".join(p for p in (head, index, tail) if p))
+    return ", ".join(shown)
+
+
+def _unmatched_reason(named, pattern: str) -> str:
+    direct = [f"{n or '<model>'} ({type(m).__name__})" for n, m in named if matches(n, m, pattern)]
+    if not direct:
+        return "it matches no module"
+    return f"it matches only modules without a Linear-like 2-D weight: {_shown(direct)}"
+
+
+def _nothing_selected(
+    model: nn.Module, targets: tuple[str, ...], unmatched: dict[str, str], supported_names: list[str]
+) -> ValueError:
+    reasons = "; ".join(f"{p!r}: {why}" for p, why in unmatched.items())
+    msg = (
+        f"targets {list(targets)} select no module with a Linear-like weight in {type(model).__name__} "
+        f"({reasons}). Patterns are class names ('Linear'), full module names or 're:<regex>' (re.match on "
+        f"full names). Linear-like modules: {_shown(supported_names) or 'none'}"
+    )
+    return ValueError(msg)
+
+
+def _tied_error(name: str, other: str, other_module: nn.Module) -> ValueError:
+    kind = "tied embeddings" if isinstance(other_module, nn.Embedding) else "tied weights"
+    msg = (
+        f"{name} shares its weight with {other} ({kind}); compressing it changes {other} too. Untie first "
+        "(model.config.tie_word_embeddings=False and clone the weight) or add it to ignore"
+    )
+    return ValueError(msg)
+
+
+def _apply_ties(named, candidates: dict[str, nn.Module], ignored_names: set[str]) -> tuple[dict, dict]:
+    """Split ``candidates`` into selected and ``{name: "tied to X"}``; raise for a weight shared with the rest."""
+    holders: dict[int, list[str]] = {}
+    modules = dict(named)
+    for name, module in named:
+        for p in module.parameters(recurse=False):
+            holders.setdefault(id(p), []).append(name)
+    selected: dict[str, nn.Module] = {}
+    tied: dict[str, str] = {}
+    for name, module in candidates.items():
+        weight = getattr(module, "weight", None)
+        others = [n for n in holders.get(id(weight), []) if n != name] if weight is not None else []
+        ignored_partner = next((n for n in others if n in ignored_names), None)
+        earlier = next((n for n in others if n in selected), None)
+        if ignored_partner is not None or earlier is not None:
+            tied[name] = f"tied to {ignored_partner if ignored_partner is not None else earlier}"
+            continue
+        outside = next((n for n in others if n not in candidates), None)
+        if outside is not None:
+            raise _tied_error(name, outside, modules[outside])
+        selected[name] = module
+    return selected, tied
+
+
+def select_targets(
+    model: nn.Module,
+    targets: Iterable[str] = DEFAULT_TARGETS,
+    ignore: Iterable[str] = DEFAULT_IGNORE,
+    *,
+    supported: Callable[[nn.Module], bool] = is_linear_like,
+) -> TargetSelection:
+    """Select the modules of ``model`` that ``targets`` name and ``ignore`` does not (see the module docs).
+
+    Pure: nothing is logged and the model is not changed. :func:`resolve_targets`
+    is the thin wrapper modifiers call; it also logs :meth:`TargetSelection.warnings`.
+
+    Args:
+        model: any ``nn.Module``; names are those of ``model.named_modules()``.
+        targets: patterns of the modules to compress (a string is one pattern).
+        ignore: patterns of modules never compressed; a module whose weight is the
+            same tensor as an ignored module's is ignored too ("tied to ...").
+        supported: which modules may be selected (default :func:`is_linear_like`).
+
+    Returns:
+        a :class:`TargetSelection`.
+
+    Raises:
+        ValueError: a pattern that is not a string or not a valid regex; no target
+            selects any supported module (the message says why for each pattern and
+            lists the Linear-like modules); every selected module is ignored; or a selected
+            module's weight is shared with a module that is neither selected nor
+            ignored, e.g. ``lm_head`` tied to ``model.embed_tokens`` (compressing it
+            would silently change the embedding too).
+    """
+    targets = _check_patterns(targets, "target")
+    ignore = _check_patterns(ignore, "ignore")
+    if not targets:
+        msg = "targets is empty: give at least one module pattern, e.g. ['Linear']"
+        raise ValueError(msg)
+    named = list(model.named_modules())
+    supported_names = {name for name, module in named if supported(module)}
+    by_pattern = _patterns_selecting(named, supported_names, targets)
+    unmatched = {p: _unmatched_reason(named, p) for p, hit in by_pattern.items() if not hit}
+    if len(unmatched) == len(targets):
+        raise _nothing_selected(model, targets, unmatched, [n for n, _ in named if n in supported_names])
+    ignored_by = _first_match(named, ignore)
+    ignored_names = {n for n, p in ignored_by.items() if p is not None}
+    target_names = set().union(*by_pattern.values())
+    candidates: dict[str, nn.Module] = {}
+    selected_by: dict[str, str] = {}
+    ignored: dict[str, str] = {}
+    for name, module in named:
+        if name not in target_names:
+            continue
+        selected_by[name] = next(p for p in targets if name in by_pattern[p])
+        pattern = ignored_by[name]
+        if pattern is not None:
+            ignored[name] = pattern
+        else:
+            candidates[name] = module
+    selected, tied = _apply_ties(named, candidates, ignored_names)
+    ignored.update(tied)
+    if not selected:
+        msg = (
+            f"every module selected by targets {list(targets)} is excluded by ignore {list(ignore)} "
+            f"(or tied to an ignored weight): {_shown(list(ignored))}"
+        )
+        raise ValueError(msg)
+    return TargetSelection(
+        targets=targets,
+        ignore=ignore,
+        selected=selected,
+        selected_by={n: selected_by[n] for n in selected},
+        ignored=ignored,
+        unmatched_targets=unmatched,
+        unmatched_ignore=tuple(p for p in ignore if not any(matches(n, m, p) for n, m in named)),
+    )
+
+
+def resolve_targets(
+    model: nn.Module,
+    targets: Iterable[str] = DEFAULT_TARGETS,
+    ignore: Iterable[str] = DEFAULT_IGNORE,
+    *,
+    warned: set[str] | None = None,
+) -> dict[str, nn.Module]:
+    """Return ``{full name: module}`` to compress, in model order: :attr:`select_targets(...).selected`.
+
+    Logs a warning (logger ``llmc_fsm.toolkit.targets``) for each target pattern that
+    selects nothing while others do, and for each ``ignore`` pattern that matches
+    no module -- except the default ``lm_head`` on a model without one. ``warned``:
+    the warnings already given (by an earlier call for the same modifier); not repeated, new ones added.
+
+    Raises:
+        ValueError: as :func:`select_targets`.
+    """
+    selection = select_targets(model, targets, ignore)
+    for line in selection.warnings(quiet_ignore=DEFAULT_IGNORE):
+        if warned is None or line not in warned:
+            logger.warning("%s", line)
+        if warned is not None:
+            warned.add(line)
+    return selection.selected
+
+
+def already_quantized(model: nn.Module) -> str | None:
+    """Why ``model`` counts as quantized (its config's ``quantization_config``), or ``None`` when it is not.
+
+    Modules quantized in memory (an earlier stage of the same run) are checked per modifier, on its own targets
+    (:meth:`llmc_fsm.toolkit.calibrated.CalibratedModifier.check_model`).
+    """
+    config_q = getattr(getattr(model, "config", None), "quantization_config", None)
+    if config_q is None:
+        return None
+    method = config_q.get("quant_method") if isinstance(config_q, dict) else getattr(config_q, "quant_method", None)
+    method = getattr(method, "value", method)  # transformers' QuantizationMethod enum
+    return f"its config carries a quantization_config (quant_method {method!r})"
