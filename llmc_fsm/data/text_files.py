@@ -1,4 +1,4 @@
-"""Readers for the text sources of :func:`llmc_fsm.data.protocol.load_text`: UTF-8 text, JSON, JSON Lines, Hugging Face datasets.
+"""Readers for the text sources of :func:`llmc_fsm.data.protocol.load_text`: UTF-8 text, JSON, JSON Lines, HF datasets.
 
 Like :mod:`llmc_fsm.data.protocol` this module depends only on the standard library (and, lazily and optionally, on
 ``datasets``): the peer benchmark scripts load ``data.py`` by file path, and ``data.py`` loads this file the same way.

@@ -60,7 +60,8 @@ def check_ranks_agree(fingerprint: list[dict], state: State) -> None:
 
     Called by ``Session.initialize`` before any modifier is initialized. One
     ``all_gather`` of three int64 per rank: a digest of the recipe's ``fingerprint`` (each
-    modifier's label, class, stage and arguments: :func:`llmc_fsm.recipes.fingerprint.recipe_fingerprint`), a digest of the model's
+    modifier's label, class, stage and arguments:
+    :func:`llmc_fsm.recipes.fingerprint.recipe_fingerprint`), a digest of the model's
     parameter names, shapes and dtypes, and the expected world size (state key
     ``world_size``, optional). With ``world_size`` given and no process group,
     it must be 1.
