@@ -210,10 +210,10 @@ quantization_stage:
           weights: {num_bits: 4, type: int, symmetric: true, strategy: group, group_size: 8}
 """
     (mod,) = resolve_recipe(recipe).modifiers
-    assert mod.scheme == {"weights": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
-                                      "group_size": 8}}
+    weights = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 8}
+    assert mod.config_groups == {"group_0": {"targets": ["Linear"], "weights": weights}}  # read as it is
     assert list(mod.targets) == ["Linear"]
-    native = {"q": {"GPTQModifier": {"scheme": mod.scheme, "actorder": "static"}}}
+    native = {"q": {"GPTQModifier": {"scheme": {"weights": weights}, "actorder": "static"}}}
     model = llama(tied=True)
     theirs = oneshot(recipe, copy.deepcopy(model))
     same_weights(theirs, oneshot(native, model))
@@ -259,9 +259,10 @@ quant_modifiers:
          "argument 'weight_observer': it sets 'observer' to 'mse', but 'observer' is also given"),
         ("QuantizationModifier: {weight_observer: best}",
          "argument 'observer' (given as 'weight_observer'): unknown observer 'best'; choose one of "
-         "minmax, mse"),
-        ("GPTQModifier: {targets: [Linear], config_groups: {g: {targets: [re:.*proj$], weights: {num_bits: 8}}}}",
-         "argument 'config_groups': its targets ['re:.*proj$'] differ from the modifier's targets ['Linear']"),
+         "minmax, static_minmax, memoryless_minmax, mse, memoryless_mse, imatrix_mse"),
+        ("GPTQModifier: {targets: [re:.*mlp.*], config_groups: {g: {targets: [re:.*proj$], weights: {num_bits: 8}}}}",
+         "argument 'targets': the modifier's targets ['re:.*mlp.*'] differ from its config_groups' targets "
+         "['re:.*proj$']: leave targets out (each config group names its own)"),
         ("GPTQModifier: {scheme: {W8A8: [Linear], W4A16: [Linear]}}",
          "argument 'scheme': one preset per modifier, got W8A8, W4A16; split into modifiers"),
         ("QuantizationModifier: {observer: {weights: mse, input: minmax}}",

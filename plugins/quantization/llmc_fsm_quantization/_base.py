@@ -10,6 +10,7 @@ in-memory model computes what the saved checkpoint computes.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -26,11 +27,20 @@ from compressed_tensors.quantization import (
 from compressed_tensors.quantization.lifecycle.initialize import initialize_module_for_quantization
 from torch import nn
 
-from llmc_fsm.calibration import CalibratedModifier, CompressedGroup
-from llmc_fsm_quantization.observers import OBSERVERS
-from llmc_fsm_quantization.schemes import resolve_scheme, weight_args
+from llmc_fsm.calibration import CalibratedModifier, CompressedGroup, patterns
+from llmc_fsm.targets import DEFAULT_IGNORE, DEFAULT_TARGETS, select_targets
+from llmc_fsm_quantization.observers import IMPORTANCE_OBSERVERS, check_observer
+from llmc_fsm_quantization.schemes import resolve_config_groups, resolve_scheme, weight_args
 
-__all__ = ["QuantizedWeight", "QuantizingModifier", "attach_qparams"]
+__all__ = ["DEFAULT_SCHEME", "QuantizedWeight", "QuantizingModifier", "attach_qparams"]
+
+logger = logging.getLogger(__name__)
+
+#: The scheme of a modifier given neither ``scheme`` nor ``config_groups``.
+DEFAULT_SCHEME = "W4A16"
+#: The weight observer of a scheme that names none (compressed-tensors leaves it ``None``; llm-compressor then
+#: observes weights by their minimum and maximum).
+DEFAULT_OBSERVER = "minmax"
 
 
 @attrs.define(kw_only=True)
@@ -78,9 +88,17 @@ def attach_qparams(module: nn.Module, scheme: QuantizationScheme, quantized: Qua
 
 
 def _observer(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
-    if value not in OBSERVERS:
-        msg = f"unknown observer {value!r}; choose one of {', '.join(OBSERVERS)}"
-        raise ValueError(msg)
+    if value is not None:
+        check_observer(value)
+
+
+class _DefaultIgnore(list):
+    """The ``ignore`` a recipe did not give (``[lm_head]``): a list that remembers it was defaulted."""
+
+
+def _ignore(value: Any) -> list[str]:
+    """attrs converter of ``ignore``: ``None`` (not given) -> the default ``[lm_head]``, marked as defaulted."""
+    return _DefaultIgnore(DEFAULT_IGNORE) if value is None else patterns(value)
 
 
 def _canonical_scheme(scheme: Any) -> Any:
@@ -90,6 +108,8 @@ def _canonical_scheme(scheme: Any) -> Any:
     reads it); anything else unchanged."""
     from compressed_tensors.quantization.quant_scheme import PRESET_SCHEMES
 
+    if scheme is None:
+        return None
     if isinstance(scheme, str) and scheme.upper() in PRESET_SCHEMES:
         return scheme.upper()
     if (
@@ -111,35 +131,104 @@ class QuantizingModifier(CalibratedModifier):
             :mod:`llmc_fsm_quantization.schemes`), or a compressed-tensors
             ``QuantizationScheme`` / ``QuantizationArgs`` (the latter kept as
             ``{"weights": args}``). Bits, symmetry, strategy and group size come
-            from it. Default ``W4A16``.
-        observer: how a weight's range is chosen: ``minmax`` (default) or ``mse``.
+            from it. Default ``W4A16`` when ``config_groups`` is not given either.
+        config_groups: llm-compressor's ``{group name: {targets: [...], weights: {...},
+            input_activations: {...}}}``: each group quantizes its targets with its
+            scheme (non-uniform quantization). Either this or ``scheme``, not both. The
+            modifier's ``targets`` become the groups' targets together; a module two
+            groups select is refused, naming both groups.
+        observer: how a weight's range is chosen, for every group:
+            ``minmax``, ``static_minmax``, ``memoryless_minmax``, ``mse``,
+            ``memoryless_mse`` or ``imatrix_mse`` (see
+            :mod:`llmc_fsm_quantization.observers`; ``imatrix_mse`` needs calibration
+            data). Default: each scheme's own ``weights.observer``, else ``minmax``; when
+            every group uses the same one it is recorded here (and in the saved recipe).
         targets, ignore: see :class:`~llmc_fsm.calibration.CalibratedModifier`
-            (defaults ``[Linear]`` and ``[lm_head]``).
+            (defaults ``[Linear]`` and ``[lm_head]``; llm-compressor's default ``ignore``
+            is empty, so a recipe without ``ignore`` keeps ``lm_head`` dense here, which
+            is logged, and the saved recipe records ``ignore: [lm_head]``).
 
     Raises (at construction): ``ValueError`` for an unknown preset (listing the
-    presets), invalid scheme fields, or an unsupported scheme.
+    presets), invalid scheme fields, an unsupported scheme, an unknown observer
+    (anywhere: here or inside a scheme), ``scheme`` together with ``config_groups``,
+    or ``targets`` that differ from the config groups' targets.
     """
 
-    scheme: Any = attrs.field(default="W4A16", converter=_canonical_scheme)
-    observer: str = attrs.field(default="minmax", validator=_observer)
+    scheme: Any = attrs.field(default=None, converter=_canonical_scheme)
+    config_groups: Any = attrs.field(default=None)
+    observer: str | None = attrs.field(default=None, validator=_observer)
+    ignore: list[str] = attrs.field(default=None, converter=_ignore)
 
     def __attrs_post_init__(self) -> None:
+        if isinstance(self.ignore, _DefaultIgnore):
+            self.ignore = list(self.ignore)
+            logger.info(
+                "%s: no ignore given: lm_head is kept dense (ignore: [lm_head]; llm-compressor's default ignore is "
+                "empty, which quantizes lm_head too: give ignore: [] for that)",
+                type(self).__name__,
+            )
         super().__attrs_post_init__()
-        self._scheme = resolve_scheme(self.scheme, self.targets)
+        if self.config_groups is not None:
+            if self.scheme is not None:
+                msg = "give either scheme or config_groups, not both (as in llm-compressor)"
+                raise ValueError(msg)
+            groups = resolve_config_groups(self.config_groups)
+            union = list(dict.fromkeys(t for scheme in groups.values() for t in scheme.targets))
+            if list(self.targets) not in (union, list(DEFAULT_TARGETS)):
+                msg = (
+                    f"the modifier's targets {list(self.targets)} differ from its config_groups' targets {union}: "
+                    "leave targets out (each config group names its own)"
+                )
+                raise ValueError(msg)
+            self.targets = union
+        else:
+            if self.scheme is None:
+                self.scheme = DEFAULT_SCHEME
+            groups = {"group_0": resolve_scheme(self.scheme, self.targets)}
         actorder = getattr(self, "actorder", None)
-        w = self._scheme.weights
-        if actorder is not None and w is not None and w.strategy == QuantizationStrategy.GROUP:
-            w.actorder = ActivationOrdering(actorder)
+        for scheme in groups.values():
+            w = scheme.weights
+            if w is None:
+                continue
+            if self.observer is not None:
+                w.observer = self.observer
+            elif w.observer is None:
+                w.observer = DEFAULT_OBSERVER
+            if actorder is not None and w.strategy == QuantizationStrategy.GROUP:
+                w.actorder = ActivationOrdering(actorder)
+        observers = {s.weights.observer for s in groups.values() if s.weights is not None}
+        if self.observer is None and len(observers) == 1:
+            (self.observer,) = observers
+        self._groups: dict[str, QuantizationScheme] = groups
+        self._group_of: dict[str, str] = {}
 
     @property
     def quantization_scheme(self) -> QuantizationScheme:
-        """The resolved ``compressed_tensors`` scheme (a copy)."""
-        return self._scheme.model_copy(deep=True)
+        """The resolved ``compressed_tensors`` scheme (a copy); with several config groups, the first group's
+        (:attr:`quantization_schemes` has them all)."""
+        return next(iter(self._groups.values())).model_copy(deep=True)
+
+    @property
+    def quantization_schemes(self) -> dict[str, QuantizationScheme]:
+        """``{config group name: resolved scheme}`` (copies); ``{"group_0": scheme}`` for a ``scheme``."""
+        return {name: scheme.model_copy(deep=True) for name, scheme in self._groups.items()}
 
     @property
     def weight_args(self) -> QuantizationArgs:
-        """The scheme's weight ``QuantizationArgs``."""
-        return weight_args(self._scheme)
+        """The (first config group's) scheme's weight ``QuantizationArgs``."""
+        return weight_args(next(iter(self._groups.values())))
+
+    def _group(self, name: str) -> str:
+        return self._group_of.get(name, next(iter(self._groups)))
+
+    def scheme_of(self, name: str) -> QuantizationScheme:
+        """The scheme of target ``name`` (after :meth:`check_model`): its config group's."""
+        return self._groups[self._group(name)]
+
+    @property
+    def needs_importance(self) -> bool:
+        """Whether some group's weight observer weights the error by the calibration inputs (``imatrix_mse``)."""
+        return any(s.weights is not None and s.weights.observer in IMPORTANCE_OBSERVERS for s in self._groups.values())
 
     def compressed_call_inputs(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """``(args, kwargs)`` of a call that began before ``module`` was quantized, with its input quantized as
@@ -163,12 +252,15 @@ class QuantizingModifier(CalibratedModifier):
 
     def _fix_hint(self, targets: dict[str, nn.Module], problems: dict[str, list[str]]) -> str:
         """Suggest the largest power-of-two group size that divides every target's input width."""
-        args = self.weight_args
+        first = next(name for names in problems.values() for name in names)
+        args = weight_args(self.scheme_of(first))
         if args.strategy != QuantizationStrategy.GROUP or not all("group_size" in r for r in problems):
             return super()._fix_hint(targets, problems)
         width = math.gcd(*(int(m.weight.shape[1]) for m in targets.values()))
         group = min(width & -width, int(args.group_size))
-        name = self.scheme if isinstance(self.scheme, str) else dict(self.scheme).get("preset")
+        name = self.scheme if isinstance(self.scheme, str) else None
+        if isinstance(self.scheme, Mapping):
+            name = self.scheme.get("preset")
         if name:
             scheme = f"{{preset: {name}, weights: {{group_size: {group}}}}}"
         else:  # every field: a mapping's weights without num_bits would mean 8 bits
@@ -193,8 +285,11 @@ class QuantizingModifier(CalibratedModifier):
         Raises:
             ValueError: as the base class; or such experts: they are not ``Linear`` modules, so they would stay
                 unquantized, and transformers does not reload the compressed-tensors checkpoint of such a model
-                (it fuses the experts on load and finds none; measured with transformers 5.24 on Mixtral).
+                (it fuses the experts on load and finds none; measured with transformers 5.24 on Mixtral); or,
+                with several config groups, a group that selects nothing, or a module two groups select (both
+                groups and the module named).
         """
+        self._group_of = self._memberships(model)
         targets = super().check_model(model)
         experts = [
             (name, type(module).__name__, pname, tuple(p.shape))
@@ -215,29 +310,60 @@ class QuantizingModifier(CalibratedModifier):
             raise ValueError(msg)
         return targets
 
+    def _memberships(self, model: nn.Module) -> dict[str, str]:
+        """``{module name: config group}`` of every module a group selects (``{}`` with one group).
+
+        Raises:
+            ValueError: a group selects nothing, or two groups select one module.
+        """
+        if len(self._groups) == 1:
+            return {}
+        owner: dict[str, str] = {}
+        for group, scheme in self._groups.items():
+            try:
+                selected = select_targets(model, scheme.targets, self.ignore).selected
+            except ValueError as exc:
+                raise ValueError(f"{type(self).__name__}: config group {group!r}: {exc}") from None
+            for name in selected:
+                if name in owner:
+                    msg = (
+                        f"{type(self).__name__}: module {name} is selected by config groups {owner[name]!r} and "
+                        f"{group!r}; a module is quantized with one scheme: narrow the groups' targets"
+                    )
+                    raise ValueError(msg)
+                owner[name] = group
+        return owner
+
     def _check_target(self, name: str, module: nn.Module) -> str | None:
         problem = super()._check_target(name, module)
         if problem is not None:
             return problem
-        args = self.weight_args
+        args = weight_args(self.scheme_of(name))
         if args.strategy == QuantizationStrategy.GROUP and module.weight.shape[1] % args.group_size:
             return f"in_features {module.weight.shape[1]} is not a multiple of group_size {args.group_size}"
         return None
 
     # ---- work -----------------------------------------------------------------------
-    def _quantize(self, modules: list[nn.Module], accumulator: Any) -> list[QuantizedWeight]:
+    def _quantize(self, modules: list[nn.Module], accumulator: Any, args: QuantizationArgs) -> list[QuantizedWeight]:
+        """Quantized weights of ``modules`` (one config group's, sharing ``accumulator``) for weight ``args``."""
         raise NotImplementedError
 
     def _compress_group(self, modules: list[nn.Module], accumulator: Any) -> list[torch.Tensor] | CompressedGroup:
-        quantized = self._quantize(modules, accumulator)
-        for module, q in zip(modules, quantized, strict=True):
-            attach_qparams(module, self.quantization_scheme, q)
+        by_group: dict[str, list[int]] = {}
+        for i, module in enumerate(modules):
+            by_group.setdefault(self._group(self._names_by_id.get(id(module), "")), []).append(i)
+        quantized: list[QuantizedWeight | None] = [None] * len(modules)
+        for group, members in by_group.items():
+            scheme = self._groups[group]
+            for i, q in zip(members, self._quantize([modules[i] for i in members], accumulator, scheme.weights)):
+                quantized[i] = q
+                attach_qparams(modules[i], scheme.model_copy(deep=True), q)
         if self.measures_output_error:
             return CompressedGroup([q.weight for q in quantized], [q.rel_output_error for q in quantized])
         return [q.weight for q in quantized]
 
     def _result_extras(self, module: nn.Module) -> dict[str, Any]:
-        args = self.weight_args
+        args = weight_args(self.scheme_of(self._names_by_id.get(id(module), "")))
         return {
             "bits": int(args.num_bits),
             "group_size": int(args.group_size) if args.strategy == QuantizationStrategy.GROUP else None,

@@ -37,7 +37,15 @@ from torch import nn
 from llmc_fsm.layer_error import sweep_relative_errors
 from llmc_fsm.obs import SUB_BLOCK, HessianAccumulator, check_dampening_frac, inverse_hessian_cholesky, obs_sweep
 from llmc_fsm_quantization._base import QuantizedWeight, QuantizingModifier
-from llmc_fsm_quantization.observers import as_row_args, observe, quantize_rows, row_qparams, storable
+from llmc_fsm_quantization.observers import (
+    IMPORTANCE_OBSERVERS,
+    as_row_args,
+    importance_from_hessian,
+    observe,
+    quantize_rows,
+    row_qparams,
+    storable,
+)
 
 __all__ = ["ACTORDERS", "GPTQModifier", "gptq_quantize"]
 
@@ -106,7 +114,8 @@ def gptq_quantize(
             strategy it and ``group_size`` must divide one another.
         dampening_frac: relative damping (default 0.01), >= 0.
         actorder: ``"static"`` (default), ``"group"`` or ``None``.
-        observer: ``"minmax"`` (default) or ``"mse"``.
+        observer: one of :data:`~llmc_fsm_quantization.observers.OBSERVERS` (default ``"minmax"``);
+            ``imatrix_mse`` takes its importance, ``E[x_j^2]``, from the Hessian's diagonal.
         max_dampening_retries: retries with 10x damping when ``H`` is not positive definite.
 
     Returns:
@@ -128,6 +137,9 @@ def gptq_quantize(
     if actorder is not None:
         perm = torch.argsort(torch.diagonal(hessian).to(device), descending=True, stable=True)
         hessian = hessian.to(device)[perm][:, perm]
+    importance = None
+    if observer in IMPORTANCE_OBSERVERS:  # E[x^2] per input column, in the sweep's (permuted) order
+        importance = importance_from_hessian(hessian).to(device)
     factor = inverse_hessian_cholesky(
         hessian,
         dampening_frac=dampening_frac,
@@ -138,7 +150,17 @@ def gptq_quantize(
     originals = [w.detach().to(torch.float32) for w in weights]
     upfront = not group or actorder == "static"
     static_perm = perm if actorder == "static" else None
-    rule = _QuantRule(args, originals, static_perm, observer, upfront, block_size, storage_dtype=weights[0].dtype)
+    rule = _QuantRule(
+        args,
+        originals,
+        static_perm,
+        observer,
+        upfront,
+        block_size,
+        storage_dtype=weights[0].dtype,
+        importance=importance,
+        perm=perm,
+    )
     WT = torch.cat([w.T for w in originals], dim=1)
     if perm is not None:
         WT = WT[perm].contiguous()
@@ -165,8 +187,11 @@ class _QuantRule:
         block_size: int,
         *,
         storage_dtype: torch.dtype = torch.float32,
+        importance: torch.Tensor | None = None,
+        perm: torch.Tensor | None = None,
     ) -> None:
         self.args = args
+        self.importance = importance  # [cols] in sweep order (imatrix_mse), else None
         self.storage_dtype = storage_dtype  # the scales are rounded to what a parameter of it holds
         self.row_args = as_row_args(args)
         self.observer = observer
@@ -180,7 +205,13 @@ class _QuantRule:
         self.scales: list[torch.Tensor] = []
         self.zps: list[torch.Tensor] = []
         if upfront:
-            per = [(storable(s, storage_dtype), z) for s, z in (observe(w, args, observer) for w in originals)]
+            original_order = None  # the importance of the original columns (observe sees unpermuted weights)
+            if importance is not None:
+                original_order = importance if perm is None else importance[torch.argsort(perm)]
+            per = [
+                (storable(s, storage_dtype), z)
+                for s, z in (observe(w, args, observer, importance=original_order) for w in originals)
+            ]
             self.scales = [
                 s.expand(w.shape[0], -1) if s.numel() == 1 else s for (s, _), w in zip(per, originals, strict=True)
             ]
@@ -223,7 +254,8 @@ class _QuantRule:
         g = self.group_of[j]
         if not self.upfront and j % self.gs == 0:
             x = self.WT[j : j + self.gs].T  # type: ignore[index]  # [rows, gs], every earlier column's update applied
-            s, z = row_qparams(x, self.row_args, self.observer)
+            imp = None if self.importance is None else self.importance[j : j + self.gs].unsqueeze(0)
+            s, z = row_qparams(x, self.row_args, self.observer, imp)
             s = storable(s, self.storage_dtype)
             self.scale[:, g : g + 1] = s
             self.zp[:, g : g + 1] = z.to(self.zp.dtype)
@@ -348,13 +380,15 @@ class GPTQModifier(QuantizingModifier):
             )
             raise ValueError(msg)
 
-    def _quantize(self, modules: list[nn.Module], accumulator: HessianAccumulator) -> list[QuantizedWeight]:
+    def _quantize(
+        self, modules: list[nn.Module], accumulator: HessianAccumulator, args: QuantizationArgs
+    ) -> list[QuantizedWeight]:
         return gptq_quantize(
             [m.weight for m in modules],
             accumulator.hessian,
-            args=self.weight_args,
+            args=args,
             block_size=self.block_size,
             dampening_frac=float(self.dampening_frac),
             actorder=self.actorder,
-            observer=self.observer,
+            observer=args.observer,
         )

@@ -25,7 +25,9 @@ from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 from compressed_tensors.quantization.quant_scheme import PRESET_SCHEMES, preset_name_to_scheme
 from pydantic import ValidationError
 
-__all__ = ["preset_names", "resolve_scheme", "weight_args"]
+from llmc_fsm_quantization.observers import IMPORTANCE_OBSERVERS, OBSERVERS
+
+__all__ = ["preset_names", "resolve_config_groups", "resolve_scheme", "weight_args"]
 
 #: Weight strategies the modifiers implement.
 _WEIGHT_STRATEGIES = (QuantizationStrategy.TENSOR, QuantizationStrategy.CHANNEL, QuantizationStrategy.GROUP)
@@ -125,6 +127,61 @@ def _reason(err: ValidationError) -> str:
     return "; ".join(parts)
 
 
+def resolve_config_groups(config_groups: Any) -> dict[str, QuantizationScheme]:
+    """``{group name: QuantizationScheme}`` of llm-compressor's ``config_groups``, each checked by
+    :func:`resolve_scheme` with its own targets.
+
+    Args:
+        config_groups: ``{name: {targets: [...], <scheme fields>}}`` (a value may also be a
+            ``QuantizationScheme``); the scheme fields are those :func:`resolve_scheme` reads
+            (``weights``, ``input_activations``, ``preset``, ...).
+
+    Raises:
+        ValueError: not a non-empty mapping, a group without targets, or a group :func:`resolve_scheme`
+            refuses (the message starts ``config_groups entry 'NAME': ``).
+    """
+    if not isinstance(config_groups, Mapping) or not config_groups:
+        msg = f"config_groups must map group names to schemes with targets, got {config_groups!r}"
+        raise ValueError(msg)
+    groups: dict[str, QuantizationScheme] = {}
+    for name, group in config_groups.items():
+        if isinstance(group, QuantizationScheme):
+            fields: Any = group
+            targets = list(group.targets)
+        elif isinstance(group, Mapping):
+            targets = group.get("targets")
+            targets = [targets] if isinstance(targets, str) else targets
+            fields = {k: v for k, v in group.items() if k != "targets"}
+        else:
+            raise ValueError(f"config_groups entry {name!r} must be a mapping of scheme fields, got {group!r}")
+        if not targets or not isinstance(targets, list | tuple) or not all(isinstance(t, str) for t in targets):
+            msg = f"config_groups entry {name!r} needs targets: a list of module patterns (e.g. [Linear]), got {targets!r}"
+            raise ValueError(msg)
+        try:
+            groups[str(name)] = resolve_scheme(fields, list(targets))
+        except ValueError as err:
+            raise ValueError(f"config_groups entry {name!r}: {err}") from None
+    return groups
+
+
+def _check_observers(scheme: QuantizationScheme) -> str | None:
+    """Why an observer named in ``scheme`` cannot run (unknown, importance for activations, kwargs), or ``None``."""
+    for role in ("weights", "input_activations", "output_activations"):
+        args = getattr(scheme, role)
+        if args is None:
+            continue
+        if args.observer is not None and args.observer not in OBSERVERS:
+            return f"{role}: unknown observer {args.observer!r}; choose one of {', '.join(OBSERVERS)}"
+        if role != "weights" and args.observer in IMPORTANCE_OBSERVERS:
+            return f"{role}: observer {args.observer} weighs weight errors by input importance; it is for weights only"
+        if args.observer_kwargs:
+            return (
+                f"{role}: observer_kwargs {dict(args.observer_kwargs)!r} are not supported (each observer runs "
+                "with llm-compressor's defaults, see docs/quantization.md); remove them"
+            )
+    return None
+
+
 def _static_only(what: str) -> str:
     return (
         f"{what}: weights are quantized statically here (once, from the weights themselves), so dynamic weights "
@@ -198,6 +255,9 @@ def _check_supported(scheme: QuantizationScheme) -> None:
 
 def _problem(scheme: QuantizationScheme) -> str | None:
     """Why the modifiers cannot run ``scheme``, or ``None``."""
+    problem = _check_observers(scheme)
+    if problem is not None:
+        return problem
     w = scheme.weights
     if w is None:
         return "the scheme quantizes no weights; weight-only (W4A16, W8A16) and dynamic (W8A8, FP8_DYNAMIC) ones work"
