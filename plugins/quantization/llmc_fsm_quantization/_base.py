@@ -160,14 +160,27 @@ class QuantizingModifier(CalibratedModifier):
     ignore: list[str] = attrs.field(default=None, converter=_ignore)
 
     def __attrs_post_init__(self) -> None:
-        if isinstance(self.ignore, _DefaultIgnore):
-            self.ignore = list(self.ignore)
-            logger.info(
-                "%s: no ignore given: lm_head is kept dense (ignore: [lm_head]; llm-compressor's default ignore is "
-                "empty, which quantizes lm_head too: give ignore: [] for that)",
-                type(self).__name__,
-            )
+        self._ignore_defaulted = isinstance(self.ignore, _DefaultIgnore)
+        self._ignore_logged = False
+        self.ignore = list(self.ignore)
+        #: no quantization config at all (llm-compressor's "has_config" false): a GPTQModifier so written takes the
+        #: config of a QuantizationModifier before it in its stage (:meth:`GPTQModifier.take_stage_config`)
+        self._bare = (
+            self.scheme is None
+            and self.config_groups is None
+            and self.observer is None
+            and list(self.targets) == list(DEFAULT_TARGETS)
+            and self._ignore_defaulted
+        )
         super().__attrs_post_init__()
+        self._resolve()
+
+    def _resolve(self) -> None:
+        """Resolve ``scheme`` / ``config_groups`` and the observers into :attr:`quantization_schemes`.
+
+        Raises:
+            ValueError: see the class docs.
+        """
         if self.config_groups is not None:
             if self.scheme is not None:
                 msg = "give either scheme or config_groups, not both (as in llm-compressor)"
@@ -289,6 +302,13 @@ class QuantizingModifier(CalibratedModifier):
                 with several config groups, a group that selects nothing, or a module two groups select (both
                 groups and the module named).
         """
+        if self._ignore_defaulted and not self._ignore_logged:
+            self._ignore_logged = True
+            logger.info(
+                "%s: no ignore given: lm_head is kept dense (ignore: [lm_head]; llm-compressor's default ignore is "
+                "empty, which quantizes lm_head too: give ignore: [] for that)",
+                type(self).__name__,
+            )
         self._group_of = self._memberships(model)
         targets = super().check_model(model)
         experts = [

@@ -25,6 +25,8 @@ the others; they receive no compensation (the reference code zeroes them).
 
 from __future__ import annotations
 
+import copy
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -48,6 +50,8 @@ from llmc_fsm_quantization.observers import (
 )
 
 __all__ = ["ACTORDERS", "GPTQModifier", "gptq_quantize"]
+
+logger = logging.getLogger(__name__)
 
 #: Values of ``actorder``: ``None`` (natural column order), ``"static"``, ``"group"``.
 ACTORDERS = (None, "static", "group")
@@ -364,21 +368,58 @@ class GPTQModifier(QuantizingModifier):
     def _new_accumulator(self, module: nn.Module) -> HessianAccumulator:
         return HessianAccumulator(module.weight.shape[1])
 
-    def __attrs_post_init__(self) -> None:
-        super().__attrs_post_init__()
-        args = self.weight_args
-        if (
-            args.strategy == QuantizationStrategy.GROUP
-            and self.block_size % args.group_size
-            and (args.group_size % self.block_size)
-        ):
-            msg = (
-                f"group_size {args.group_size} and GPTQ's block_size {self.block_size} (columns per lazy update) "
-                "must divide one another: use a power-of-two group size (e.g. 32, 64, 128), or a block_size that is "
-                f"a multiple of {args.group_size} (CLI: --block-size {args.group_size}; recipe: block_size: "
-                f"{args.group_size})"
-            )
-            raise ValueError(msg)
+    def _resolve(self) -> None:
+        super()._resolve()
+        for args in (scheme.weights for scheme in self._groups.values()):
+            if (
+                args is not None
+                and args.strategy == QuantizationStrategy.GROUP
+                and self.block_size % args.group_size
+                and (args.group_size % self.block_size)
+            ):
+                msg = (
+                    f"group_size {args.group_size} and GPTQ's block_size {self.block_size} (columns per lazy update) "
+                    "must divide one another: use a power-of-two group size (e.g. 32, 64, 128), or a block_size "
+                    f"that is a multiple of {args.group_size} (CLI: --block-size {args.group_size}; recipe: "
+                    f"block_size: {args.group_size})"
+                )
+                raise ValueError(msg)
+
+    def take_stage_config(self, earlier: list[Any], stage: str) -> list[Any]:
+        """llm-compressor's idiom: a GPTQModifier without any quantization config (no ``scheme``,
+        ``config_groups``, ``targets``, ``ignore`` or ``observer``) after a ``QuantizationModifier`` of the same
+        stage runs GPTQ with that modifier's config, which then does not run by itself.
+
+        Args:
+            earlier: the stage's modifiers before this one, in recipe order.
+            stage: the stage's name (for the log line).
+
+        Returns:
+            ``earlier`` without the ``QuantizationModifier`` whose config this modifier took (its ``scheme`` or
+            ``config_groups``, ``targets``, ``ignore`` and ``observer``); ``earlier`` unchanged when this
+            modifier has a config of its own or the stage has not exactly one such ``QuantizationModifier``
+            (then both run, and one-shot refuses a module the two would quantize).
+
+        Raises:
+            ValueError: the taken config does not suit GPTQ (e.g. its group size and ``block_size``).
+        """
+        from llmc_fsm_quantization.rtn import QuantizationModifier
+
+        sources = [m for m in earlier if type(m) is QuantizationModifier]
+        if not self._bare or len(sources) != 1 or sources[0]._bare:
+            return earlier
+        (source,) = sources
+        self.scheme, self.config_groups = source.scheme, copy.deepcopy(source.config_groups)
+        self.targets, self.ignore, self.observer = list(source.targets), list(source.ignore), source.observer
+        self._ignore_defaulted, self._bare = source._ignore_defaulted, False
+        self._resolve()
+        logger.info(
+            "stage %r: GPTQModifier has no quantization config of its own and takes the QuantizationModifier's before "
+            "it (as llm-compressor does): GPTQ quantizes with that config, and the QuantizationModifier does not run "
+            "by itself",
+            stage,
+        )
+        return [m for m in earlier if m is not source]
 
     def _quantize(
         self, modules: list[nn.Module], accumulator: HessianAccumulator, args: QuantizationArgs

@@ -315,3 +315,53 @@ def test_every_observer_name_constructs_both_modifiers() -> None:
     for name in OBSERVERS:
         assert GPTQModifier(observer=name).quantization_scheme.weights.observer == name
         assert QuantizationModifier(observer=name).observer == name
+
+
+# --------------------------------------------------------------------------- llm-compressor idioms
+IDIOM = """
+quant_stage:
+  quant_modifiers:
+    QuantizationModifier:
+      ignore: [lm_head]
+      config_groups:
+        group_0:
+          targets: [Linear]
+          weights: {num_bits: 4, type: int, symmetric: true, strategy: group, group_size: 16, observer: mse}
+    GPTQModifier:
+      block_size: 32
+      dampening_frac: 0.02
+"""
+
+
+def test_a_bare_gptq_modifier_takes_the_quantization_modifiers_config_of_its_stage(tmp_path, caplog) -> None:
+    from llmc_fsm.recipe import resolve_recipe
+
+    with caplog.at_level(logging.INFO, logger="llmc_fsm_quantization.gptq"):
+        recipe = resolve_recipe(IDIOM)
+    (mod,) = recipe.modifiers  # the QuantizationModifier is not run by itself
+    assert type(mod) is GPTQModifier and (mod.block_size, mod.dampening_frac) == (32, 0.02)
+    assert [r.getMessage() for r in caplog.records if r.name == "llmc_fsm_quantization.gptq"] == [
+        "stage 'quant_stage': GPTQModifier has no quantization config of its own and takes the QuantizationModifier's "
+        "before it (as llm-compressor does): GPTQ quantizes with that config, and the QuantizationModifier does not "
+        "run by itself"
+    ]
+    weights = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 16}
+    native = {"q": {"GPTQModifier": {"ignore": ["lm_head"], "scheme": {"weights": weights}, "observer": "mse",
+                                     "block_size": 32, "dampening_frac": 0.02}}}
+    out = tmp_path / "out"
+    theirs = llmc_fsm.oneshot(model=_tiny(), recipe=IDIOM, dataset=_data(), output_dir=out, progress=False)
+    ours = llmc_fsm.oneshot(model=_tiny(), recipe=native, dataset=_data(), progress=False)
+    for (name, a), (_, b) in zip(theirs.named_parameters(), ours.named_parameters(), strict=True):
+        assert torch.equal(a, b), name
+    report = json.loads((out / "report.json").read_text())["sparsity"]["modules"]
+    assert all(m["rel_output_error"] > 0 for m in report if "bits" in m)  # GPTQ's, measured on the calibration
+    saved = yaml.safe_load((out / "recipe.yaml").read_text())["quant_stage"]["modifiers"]
+    assert [next(iter(m)) for m in saved] == ["GPTQModifier"]
+
+
+def test_a_gptq_modifier_with_its_own_config_still_meets_the_quantization_modifier_as_a_second_quantizer() -> None:
+    recipe = IDIOM.replace("      block_size: 32\n", "      block_size: 32\n      scheme: W8A8\n")
+    with pytest.raises(ValueError) as info:
+        llmc_fsm.oneshot(model=_tiny(), recipe=recipe, dataset=_data(), progress=False)
+    assert str(info.value).startswith("GPTQModifier of stage 'quant_stage' and QuantizationModifier of stage "
+                                      "'quant_stage' both quantize 14 modules")
