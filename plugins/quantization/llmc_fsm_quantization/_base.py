@@ -28,16 +28,19 @@ from compressed_tensors.quantization.lifecycle.initialize import initialize_modu
 from torch import nn
 
 from llmc_fsm.calibration import CalibratedModifier, CompressedGroup, patterns
+from llmc_fsm.obs import HessianAccumulator
 from llmc_fsm.targets import DEFAULT_IGNORE, DEFAULT_TARGETS, select_targets
 from llmc_fsm_quantization.observers import IMPORTANCE_OBSERVERS, check_observer
 from llmc_fsm_quantization.schemes import resolve_config_groups, resolve_scheme, weight_args
 
-__all__ = ["DEFAULT_SCHEME", "QuantizedWeight", "QuantizingModifier", "attach_qparams"]
+__all__ = ["DEFAULT_SCHEME", "CalibrationStatistics", "QuantizedWeight", "QuantizingModifier", "attach_qparams"]
 
 logger = logging.getLogger(__name__)
 
 #: The scheme of a modifier given neither ``scheme`` nor ``config_groups``.
 DEFAULT_SCHEME = "W4A16"
+#: The input-activation observer of a static scheme that names none (llm-compressor's default for activations).
+ACTIVATION_OBSERVER = "minmax"
 #: The weight observer of a scheme that names none (compressed-tensors leaves it ``None``; llm-compressor then
 #: observes weights by their minimum and maximum).
 DEFAULT_OBSERVER = "minmax"
@@ -54,6 +57,8 @@ class QuantizedWeight:
         g_idx: ``[in]`` int32 group of each input column (GPTQ ``actorder="group"``), else ``None``.
         rel_output_error: ``||W X - W_hat X|| / ||W X||`` on the calibration inputs when the algorithm
             computed it (GPTQ), else ``None``.
+        input_scale / input_zero_point: ``[1]`` static (calibrated) per-tensor input-activation scale and zero
+            point (``input_activations`` with ``dynamic: false``), else ``None``.
     """
 
     weight: torch.Tensor
@@ -61,6 +66,8 @@ class QuantizedWeight:
     zero_point: torch.Tensor
     g_idx: torch.Tensor | None = None
     rel_output_error: float | None = None
+    input_scale: torch.Tensor | None = None
+    input_zero_point: torch.Tensor | None = None
 
 
 @torch.no_grad()
@@ -75,6 +82,8 @@ def attach_qparams(module: nn.Module, scheme: QuantizationScheme, quantized: Qua
         ("weight_scale", quantized.scale),
         ("weight_zero_point", quantized.zero_point),
         ("weight_g_idx", quantized.g_idx),
+        ("input_scale", quantized.input_scale),
+        ("input_zero_point", quantized.input_zero_point),
     ):
         if value is None:
             continue
@@ -85,6 +94,68 @@ def attach_qparams(module: nn.Module, scheme: QuantizationScheme, quantized: Qua
         param.data.copy_(value.to(param.dtype))
     module.weight.data.copy_(quantized.weight)
     module.quantization_status = QuantizationStatus.FROZEN
+
+
+class CalibrationStatistics(HessianAccumulator):
+    """:class:`~llmc_fsm.obs.HessianAccumulator` of a target's inputs, plus their range for static input scales.
+
+    Each call (one calibration batch through the target) gives the minimum and maximum over all its input
+    values (per tensor), kept three ways, one per activation observer of llm-compressor 0.14:
+
+    * ``static_minmax``: the smallest minimum and largest maximum of all calls;
+    * ``minmax``: a moving average, the first call's values then ``v <- (1 - c) v + c v_call`` with
+      ``c = 0.01`` (llm-compressor's ``averaging_constant``), so it depends on the batch split;
+    * ``memoryless_minmax``: the last call's values.
+
+    Under ``torch.distributed`` :meth:`all_reduce` takes the extremes over the ranks for the first and the
+    mean over the ranks for the other two (as llm-compressor does).
+    """
+
+    AVERAGING_CONSTANT = 0.01
+
+    def __init__(self, in_features: int, device: torch.device | str | None = None) -> None:
+        super().__init__(in_features, device)
+        self.ranges: dict[str, torch.Tensor] = {}  # observer -> float64 tensor [min, max]
+
+    @torch.no_grad()
+    def add_batch(self, x: torch.Tensor) -> None:
+        super().add_batch(x)
+        if x.numel() == 0:
+            return
+        call = torch.stack([x.detach().amin(), x.detach().amax()]).to(device="cpu", dtype=torch.float64)
+        if not self.ranges:
+            self.ranges = {"static_minmax": call.clone(), "minmax": call.clone(), "memoryless_minmax": call}
+            return
+        extremes = self.ranges["static_minmax"]
+        extremes[0] = torch.minimum(extremes[0], call[0])
+        extremes[1] = torch.maximum(extremes[1], call[1])
+        moving = self.ranges["minmax"]
+        moving.mul_(1 - self.AVERAGING_CONSTANT).add_(call * self.AVERAGING_CONSTANT)
+        self.ranges["memoryless_minmax"] = call
+
+    def all_reduce(self) -> None:
+        super().all_reduce()
+        from llmc_fsm.distributed import all_reduce_tensor, is_distributed
+
+        if not is_distributed() or not self.ranges:
+            return
+        extremes = self.ranges["static_minmax"] * torch.tensor([-1.0, 1.0], dtype=torch.float64)
+        all_reduce_tensor(extremes, op="max", what="all_reduce (input ranges)")
+        self.ranges["static_minmax"] = extremes * torch.tensor([-1.0, 1.0], dtype=torch.float64)
+        world = torch.distributed.get_world_size()
+        for name in ("minmax", "memoryless_minmax"):
+            value = self.ranges[name].clone()
+            all_reduce_tensor(value, op="sum", what="all_reduce (input ranges)")
+            self.ranges[name] = value / world
+
+
+def _input_qparams(scheme: QuantizationScheme, stats: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """Static per-tensor input scale and zero point ``[1]`` from ``stats`` (:class:`CalibrationStatistics`)."""
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    args = scheme.input_activations
+    lo, hi = stats.ranges[args.observer or ACTIVATION_OBSERVER].to(torch.float32)
+    return calculate_qparams(lo.reshape(1), hi.reshape(1), args)
 
 
 def _observer(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
@@ -200,6 +271,9 @@ class QuantizingModifier(CalibratedModifier):
             groups = {"group_0": resolve_scheme(self.scheme, self.targets)}
         actorder = getattr(self, "actorder", None)
         for scheme in groups.values():
+            a = scheme.input_activations
+            if a is not None and not a.dynamic and a.observer is None:
+                a.observer = ACTIVATION_OBSERVER  # recorded in the saved config: what was used
             w = scheme.weights
             if w is None:
                 continue
@@ -237,6 +311,14 @@ class QuantizingModifier(CalibratedModifier):
     def scheme_of(self, name: str) -> QuantizationScheme:
         """The scheme of target ``name`` (after :meth:`check_model`): its config group's."""
         return self._groups[self._group(name)]
+
+    @property
+    def static_inputs(self) -> bool:
+        """Whether some group quantizes its input activations with a static (calibrated) scale."""
+        return any(s.input_activations is not None and not s.input_activations.dynamic for s in self._groups.values())
+
+    def _new_accumulator(self, module: nn.Module) -> CalibrationStatistics:
+        return CalibrationStatistics(module.weight.shape[1])
 
     @property
     def needs_importance(self) -> bool:
@@ -376,6 +458,8 @@ class QuantizingModifier(CalibratedModifier):
         for group, members in by_group.items():
             scheme = self._groups[group]
             for i, q in zip(members, self._quantize([modules[i] for i in members], accumulator, scheme.weights)):
+                if scheme.input_activations is not None and not scheme.input_activations.dynamic:
+                    q.input_scale, q.input_zero_point = _input_qparams(scheme, accumulator)
                 quantized[i] = q
                 attach_qparams(modules[i], scheme.model_copy(deep=True), q)
         if self.measures_output_error:

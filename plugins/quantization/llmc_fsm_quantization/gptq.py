@@ -365,9 +365,6 @@ class GPTQModifier(QuantizingModifier):
 
     measures_output_error = True  # from the sweep (llmc_fsm.layer_error.sweep_relative_errors)
 
-    def _new_accumulator(self, module: nn.Module) -> HessianAccumulator:
-        return HessianAccumulator(module.weight.shape[1])
-
     def _resolve(self) -> None:
         super()._resolve()
         for args in (scheme.weights for scheme in self._groups.values()):

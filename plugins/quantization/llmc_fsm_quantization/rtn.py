@@ -55,25 +55,26 @@ class QuantizationModifier(QuantizingModifier):
 
     Requires state ``model``; also ``calibration_data`` when a weight observer is
     ``imatrix_mse``, which weights each input column by its mean square on the
-    calibration tokens (a target that receives no calibration input is then left
-    as it was and listed as skipped).
+    calibration tokens, or when input activations are static (``dynamic: false``,
+    e.g. preset ``FP8``: one scale per tensor from the range of the calibration
+    inputs); a target that receives no calibration input is then left as it was
+    and listed as skipped.
     """
 
     required_state = frozenset({"model"})
     optional_state = frozenset({"calibration_data"})
     needs_inputs = False
 
-    def _new_accumulator(self, module: nn.Module) -> HessianAccumulator:
-        return HessianAccumulator(module.weight.shape[1])
-
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
-        self.needs_inputs = self.needs_importance  # imatrix_mse: no weight is quantized without its inputs' statistics
+        # imatrix_mse or static input scales: no target is quantized without its inputs' statistics
+        self.needs_inputs = self.needs_importance or self.static_inputs
 
     def required_keys(self) -> frozenset[str]:
-        """``model``; and ``calibration_data`` when a weight observer needs the inputs' importance (``imatrix_mse``)."""
+        """``model``; and ``calibration_data`` when a weight observer needs the inputs' importance (``imatrix_mse``)
+        or input activations have static (calibrated) scales."""
         keys = super().required_keys()
-        return keys | {"calibration_data"} if self.needs_importance else keys
+        return keys | {"calibration_data"} if self.needs_inputs else keys
 
     def _quantize(
         self, modules: list[nn.Module], accumulator: HessianAccumulator | None, args: QuantizationArgs

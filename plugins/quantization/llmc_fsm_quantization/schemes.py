@@ -27,7 +27,10 @@ from pydantic import ValidationError
 
 from llmc_fsm_quantization.observers import IMPORTANCE_OBSERVERS, OBSERVERS
 
-__all__ = ["preset_names", "resolve_config_groups", "resolve_scheme", "weight_args"]
+#: Observers of static (calibrated) per-tensor input scales (see :class:`llmc_fsm_quantization._base.CalibrationStatistics`).
+STATIC_INPUT_OBSERVERS = ("minmax", "static_minmax", "memoryless_minmax")
+
+__all__ = ["STATIC_INPUT_OBSERVERS", "preset_names", "resolve_config_groups", "resolve_scheme", "weight_args"]
 
 #: Weight strategies the modifiers implement.
 _WEIGHT_STRATEGIES = (QuantizationStrategy.TENSOR, QuantizationStrategy.CHANNEL, QuantizationStrategy.GROUP)
@@ -280,13 +283,21 @@ def _problem(scheme: QuantizationScheme) -> str | None:
             return _too_few_bits(role, args.num_bits)
     if w.type == "float" and w.num_bits != 8:  # compressed-tensors' float-quantized format writes fp8 only
         return _float_weights(w.num_bits)
-    for role in ("input_activations", "output_activations"):
-        args = getattr(scheme, role)
-        if args is not None and not args.dynamic:
+    a = scheme.input_activations
+    if a is not None and not a.dynamic:
+        if a.strategy != QuantizationStrategy.TENSOR:
+            per = getattr(a.strategy, "value", a.strategy)
             return (
-                f"static {role} (dynamic: false) need activation observers, which this version does not have; "
-                "use a weight-only scheme (W4A16, W8A16) or dynamic activations (W8A8, FP8_DYNAMIC)"
+                f"static input_activations (dynamic: false) per {per} are not supported: static input scales are "
+                "per tensor (strategy: tensor, as in preset FP8); or use dynamic activations (W8A8, FP8_DYNAMIC)"
             )
+        if a.observer is not None and a.observer not in STATIC_INPUT_OBSERVERS:
+            return (
+                f"input_activations: observer {a.observer} is not supported for static input scales; use one of "
+                f"{', '.join(STATIC_INPUT_OBSERVERS)}"
+            )
+    if scheme.output_activations is not None and not scheme.output_activations.dynamic:
+        return "static output_activations (dynamic: false) are not supported: output activations are not quantized"
     if scheme.output_activations is not None:
         return "output activation quantization is not supported"
     return None
