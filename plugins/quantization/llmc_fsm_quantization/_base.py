@@ -30,7 +30,7 @@ from torch import nn
 from llmc_fsm.calibration import CalibratedModifier, CompressedGroup, patterns
 from llmc_fsm.obs import HessianAccumulator
 from llmc_fsm.targets import DEFAULT_IGNORE, DEFAULT_TARGETS, select_targets
-from llmc_fsm_quantization.observers import IMPORTANCE_OBSERVERS, check_observer
+from llmc_fsm_quantization.observers import IMPORTANCE_OBSERVERS, check_observer, is_scaled_format
 from llmc_fsm_quantization.schemes import resolve_config_groups, resolve_scheme, weight_args
 
 __all__ = ["DEFAULT_SCHEME", "CalibrationStatistics", "QuantizedWeight", "QuantizingModifier", "attach_qparams"]
@@ -59,6 +59,7 @@ class QuantizedWeight:
             computed it (GPTQ), else ``None``.
         input_scale / input_zero_point: ``[1]`` static (calibrated) per-tensor input-activation scale and zero
             point (``input_activations`` with ``dynamic: false``), else ``None``.
+        global_scale: ``[1]`` float32 NVFP4 global scale (``weight_global_scale``), else ``None``.
     """
 
     weight: torch.Tensor
@@ -68,6 +69,7 @@ class QuantizedWeight:
     rel_output_error: float | None = None
     input_scale: torch.Tensor | None = None
     input_zero_point: torch.Tensor | None = None
+    global_scale: torch.Tensor | None = None
 
 
 @torch.no_grad()
@@ -82,6 +84,7 @@ def attach_qparams(module: nn.Module, scheme: QuantizationScheme, quantized: Qua
         ("weight_scale", quantized.scale),
         ("weight_zero_point", quantized.zero_point),
         ("weight_g_idx", quantized.g_idx),
+        ("weight_global_scale", quantized.global_scale),
         ("input_scale", quantized.input_scale),
         ("input_zero_point", quantized.input_zero_point),
     ):
@@ -94,6 +97,30 @@ def attach_qparams(module: nn.Module, scheme: QuantizationScheme, quantized: Qua
         param.data.copy_(value.to(param.dtype))
     module.weight.data.copy_(quantized.weight)
     module.quantization_status = QuantizationStatus.FROZEN
+    if is_scaled_format(scheme.weights):
+        _as_reloaded(module, scheme)
+        quantized.weight = module.weight.data.clone()
+
+
+def _as_reloaded(module: nn.Module, scheme: QuantizationScheme) -> None:
+    """NVFP4 / MX / FP8-block: ``module.weight`` becomes what its checkpoint decompresses to.
+
+    compressed-tensors' compressor packs the weight (``compress``) and transformers dequantizes it on load with
+    the same compressor's ``decompress``, in that format's own arithmetic (NVFP4 and MX: bfloat16, so
+    ``q * scale / global_scale`` is rounded there); the module is given exactly those values, so the in-memory
+    model computes what the reloaded one does, and marked ``decompressed`` (its forward no longer re-quantizes
+    the weight, as for a reloaded module).
+    """
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.compressors.format import infer_module_format
+    from compressed_tensors.utils.module import get_direct_state_dict
+
+    fmt = scheme.format or infer_module_format(type(module), scheme)
+    compressor = BaseCompressor.get_value_from_registry(getattr(fmt, "value", fmt))
+    local = {k: v.detach().clone() for k, v in get_direct_state_dict(module).items() if v is not None}
+    restored = compressor.decompress(compressor.compress(local, scheme), scheme)
+    module.weight.data.copy_(restored["weight"].to(module.weight.dtype))
+    module.quantization_status = QuantizationStatus.DECOMPRESSED
 
 
 class CalibrationStatistics(HessianAccumulator):
@@ -441,7 +468,24 @@ class QuantizingModifier(CalibratedModifier):
         if problem is not None:
             return problem
         args = weight_args(self.scheme_of(name))
-        if args.strategy == QuantizationStrategy.GROUP and module.weight.shape[1] % args.group_size:
+        a = self.scheme_of(name).input_activations
+        if a is not None and a.strategy in (QuantizationStrategy.GROUP, QuantizationStrategy.TENSOR_GROUP) and (
+            module.weight.shape[1] % a.group_size
+        ):
+            return f"in_features {module.weight.shape[1]} is not a multiple of the input activations' group_size {a.group_size}"
+        if is_scaled_format(args) and args.scale_dtype is not None and module.weight.dtype != torch.bfloat16:
+            return (
+                f"{module.weight.dtype} weight: NVFP4 / MX checkpoints decompress to bfloat16 on load (compressed-"
+                "tensors 0.20), and transformers then cannot run the reloaded model (bfloat16 weights against "
+                f"{module.weight.dtype} inputs); load the model in bfloat16 (dtype: bfloat16)"
+            )
+        if args.strategy == QuantizationStrategy.BLOCK:
+            r, c = (int(v) for v in args.block_structure)
+            if module.weight.shape[0] % r or module.weight.shape[1] % c:
+                return f"weight {list(module.weight.shape)} is not a whole number of {[r, c]} blocks"
+        if args.strategy in (QuantizationStrategy.GROUP, QuantizationStrategy.TENSOR_GROUP) and (
+            module.weight.shape[1] % args.group_size
+        ):
             return f"in_features {module.weight.shape[1]} is not a multiple of group_size {args.group_size}"
         return None
 

@@ -43,6 +43,7 @@ from llmc_fsm_quantization.observers import (
     IMPORTANCE_OBSERVERS,
     as_row_args,
     importance_from_hessian,
+    is_scaled_format,
     observe,
     quantize_rows,
     row_qparams,
@@ -368,6 +369,13 @@ class GPTQModifier(QuantizingModifier):
     def _resolve(self) -> None:
         super()._resolve()
         for args in (scheme.weights for scheme in self._groups.values()):
+            if args is not None and is_scaled_format(args):
+                msg = (
+                    f"GPTQ with {getattr(args.strategy, 'value', args.strategy)} weights of scale_dtype "
+                    f"{args.scale_dtype} (NVFP4, MX or FP8 block formats) is not implemented; use "
+                    "QuantizationModifier (round-to-nearest) for them"
+                )
+                raise ValueError(msg)
             if (
                 args is not None
                 and args.strategy == QuantizationStrategy.GROUP

@@ -45,7 +45,9 @@ __all__ = [
     "as_row_args",
     "check_observer",
     "importance_from_hessian",
+    "is_scaled_format",
     "observe",
+    "observe_scaled_format",
     "quantize_rows",
     "row_qparams",
     "storable",
@@ -219,3 +221,71 @@ def observe(
     if args.strategy == QuantizationStrategy.CHANNEL:
         return scale, zp
     return scale.reshape(rows, cols // args.group_size), zp.reshape(rows, cols // args.group_size)
+
+
+def is_scaled_format(args: QuantizationArgs) -> bool:
+    """Whether ``args`` is a format whose scales compressed-tensors derives in its own way: NVFP4
+    (``tensor_group``: fp8 group scales under one fp32 global scale), the MX formats (power-of-two group scales,
+    ``scale_dtype`` uint8) or FP8 block scales (``block``). :func:`observe_scaled_format` takes those."""
+    return args.strategy in (QuantizationStrategy.TENSOR_GROUP, QuantizationStrategy.BLOCK) or (
+        args.scale_dtype is not None
+    )
+
+
+@torch.no_grad()
+def observe_scaled_format(
+    weight: torch.Tensor, args: QuantizationArgs, observer: str = "minmax"
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Scale, zero point and global scale of ``weight`` for NVFP4, MX or FP8-block ``args`` (minmax observers).
+
+    Each group's (``tensor_group`` / MX: ``group_size`` inputs of a row; ``block``: a ``block_structure``
+    ``[r, c]`` tile) minimum and maximum go through ``compressed_tensors.quantization.utils.calculate_qparams``,
+    which makes the format's scales: NVFP4 ``scale = fp8(global * max|w_g| / 6)`` with
+    ``global = 448 * 6 / max|W|`` (``generate_gparam``, one per weight), so the effective scale is
+    ``scale / global``; MX a power of two per group (E8M0 exponent); FP8 block ``max|w_b| / 448``.
+
+    Returns:
+        ``(scale, zero_point, global_scale)``: ``[rows, cols // group_size]`` or ``[rows / r, cols / c]``
+        (float32), the same shape in ``args.zp_dtype``, and ``[1]`` float32 for ``tensor_group`` else ``None``.
+
+    Raises:
+        ValueError: an observer other than the minmax ones (the range-searching observers are not implemented
+            for these formats), or a group / block that does not divide the weight.
+    """
+    from compressed_tensors.quantization.utils import generate_gparam
+
+    if observer not in _MINMAX:
+        msg = (
+            f"observer {observer} is not implemented for {_format_name(args)} weights; use minmax (or "
+            "static_minmax / memoryless_minmax, the same for a weight)"
+        )
+        raise ValueError(msg)
+    rows, cols = weight.shape
+    w = weight.detach().to(torch.float32)
+    if args.strategy == QuantizationStrategy.BLOCK:
+        r, c = (int(v) for v in args.block_structure)
+        if rows % r or cols % c:
+            msg = f"weight [{rows}, {cols}] is not a whole number of [{r}, {c}] blocks"
+            raise ValueError(msg)
+        tiles = w.reshape(rows // r, r, cols // c, c)
+        lo, hi = tiles.amin(dim=(1, 3)), tiles.amax(dim=(1, 3))
+    else:
+        gs = int(args.group_size)
+        if cols % gs:
+            msg = f"in_features {cols} is not a multiple of group_size {gs}"
+            raise ValueError(msg)
+        groups = w.reshape(rows, cols // gs, gs)
+        lo, hi = groups.amin(dim=2), groups.amax(dim=2)
+    global_scale = None
+    if args.strategy == QuantizationStrategy.TENSOR_GROUP:
+        global_scale = generate_gparam(w.amin().reshape(1), w.amax().reshape(1))
+    scale, zp = calculate_qparams(lo, hi, args, global_scale=global_scale)
+    return scale.to(torch.float32), zp, global_scale
+
+
+def _format_name(args: QuantizationArgs) -> str:
+    if args.strategy == QuantizationStrategy.TENSOR_GROUP:
+        return "NVFP4 (tensor_group)"
+    if args.strategy == QuantizationStrategy.BLOCK:
+        return "block-wise"
+    return "MX (power-of-two scales)"

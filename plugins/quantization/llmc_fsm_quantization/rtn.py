@@ -10,7 +10,14 @@ from torch import nn
 
 from llmc_fsm.obs import HessianAccumulator
 from llmc_fsm_quantization._base import QuantizedWeight, QuantizingModifier
-from llmc_fsm_quantization.observers import IMPORTANCE_OBSERVERS, importance_from_hessian, observe
+from llmc_fsm_quantization.observers import (
+    IMPORTANCE_OBSERVERS,
+    importance_from_hessian,
+    is_scaled_format,
+    observe,
+    observe_scaled_format,
+    storable,
+)
 
 __all__ = ["QuantizationModifier", "rtn_quantize"]
 
@@ -21,7 +28,8 @@ def rtn_quantize(
 ) -> QuantizedWeight:
     """Round every weight to the nearest point of its group's grid.
 
-    ``scale``/``zero_point`` from ``observer`` (:func:`~llmc_fsm_quantization.observers.observe`),
+    ``scale``/``zero_point`` from ``observer`` (:func:`~llmc_fsm_quantization.observers.observe`; NVFP4, MX
+    and FP8-block weights: :func:`~llmc_fsm_quantization.observers.observe_scaled_format`, with NVFP4's global scale),
     then ``q = clamp(round(w / scale) + zero_point, q_min, q_max)`` and
     ``w_hat = (q - zero_point) * scale`` (``compressed_tensors``' ``fake_quantize``).
 
@@ -36,6 +44,12 @@ def rtn_quantize(
         ValueError: as :func:`~llmc_fsm_quantization.observers.observe`.
     """
     w = weight.detach().to(torch.float32)
+    if is_scaled_format(args):  # NVFP4, MX, FP8 block: compressed-tensors' own scales
+        scale, zp, global_scale = observe_scaled_format(weight, args, observer)
+        if args.scale_dtype is None:
+            scale = storable(scale, weight.dtype)
+        q = fake_quantize(w, scale, zp, args, global_scale=global_scale).to(weight.dtype)
+        return QuantizedWeight(weight=q, scale=scale, zero_point=zp, global_scale=global_scale)
     scale, zp = observe(weight.detach(), args, observer, importance=importance)  # the scale as a parameter of weight's dtype holds it
     return QuantizedWeight(weight=fake_quantize(w, scale, zp, args).to(weight.dtype), scale=scale, zero_point=zp)
 

@@ -25,7 +25,7 @@ from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 from compressed_tensors.quantization.quant_scheme import PRESET_SCHEMES, preset_name_to_scheme
 from pydantic import ValidationError
 
-from llmc_fsm_quantization.observers import IMPORTANCE_OBSERVERS, OBSERVERS
+from llmc_fsm_quantization.observers import IMPORTANCE_OBSERVERS, OBSERVERS, is_scaled_format
 
 #: Observers of static (calibrated) per-tensor input scales (see :class:`llmc_fsm_quantization._base.CalibrationStatistics`).
 STATIC_INPUT_OBSERVERS = ("minmax", "static_minmax", "memoryless_minmax")
@@ -33,7 +33,13 @@ STATIC_INPUT_OBSERVERS = ("minmax", "static_minmax", "memoryless_minmax")
 __all__ = ["STATIC_INPUT_OBSERVERS", "preset_names", "resolve_config_groups", "resolve_scheme", "weight_args"]
 
 #: Weight strategies the modifiers implement.
-_WEIGHT_STRATEGIES = (QuantizationStrategy.TENSOR, QuantizationStrategy.CHANNEL, QuantizationStrategy.GROUP)
+_WEIGHT_STRATEGIES = (
+    QuantizationStrategy.TENSOR,
+    QuantizationStrategy.CHANNEL,
+    QuantizationStrategy.GROUP,
+    QuantizationStrategy.TENSOR_GROUP,
+    QuantizationStrategy.BLOCK,
+)
 
 
 def preset_names(*, supported_only: bool = False) -> list[str]:
@@ -210,7 +216,10 @@ def _bits(n: Any) -> str:
 
 
 def _float_weights(bits: Any) -> str:
-    return f"float weights of {_bits(bits)} cannot be saved (fp8 only); use num_bits: 8 or type: int"
+    return (
+        f"float weights of {_bits(bits)} cannot be saved (fp8, or fp4 / fp6 with the scales of NVFP4 or the MX "
+        "formats: presets NVFP4A16, MXFP4A16, MXFP6A16); use num_bits: 8 or type: int"
+    )
 
 
 def _check_float_bits(fields: Mapping[str, Any]) -> None:
@@ -224,7 +233,7 @@ def _check_float_bits(fields: Mapping[str, Any]) -> None:
         bits = args.get("num_bits", 8)
         if not isinstance(kind, str) or kind.lower() != "float" or isinstance(bits, bool) or not isinstance(bits, int):
             continue
-        if role == "weights" and bits != 8:
+        if role == "weights" and bits != 8 and (bits not in (4, 6) or args.get("scale_dtype") is None):
             raise ValueError(_float_weights(bits))
         if bits not in (4, 6, 8):
             msg = (
@@ -269,21 +278,26 @@ def _problem(scheme: QuantizationScheme) -> str | None:
         dynamic = str(getattr(w.dynamic, "value", w.dynamic)).lower()
         return _static_only(f"weights with dynamic: {dynamic}, strategy: {strategy}")
     if w.strategy not in _WEIGHT_STRATEGIES:
-        return f"weight strategy {strategy!r} is not supported; use tensor, channel or group"
-    for role in ("weights", "input_activations"):
-        args = getattr(scheme, role)
-        if args is not None and getattr(args, "scale_dtype", None) is not None:
-            return (
-                f"{role} with scale_dtype {args.scale_dtype} (the MX formats' shared power-of-two scales) are not "
-                "supported; use float scales (leave scale_dtype out)"
-            )
+        return f"weight strategy {strategy!r} is not supported; use tensor, channel, group, tensor_group or block"
+    if w.scale_dtype is not None and not is_scaled_format(w):
+        return (
+            f"weights with scale_dtype {w.scale_dtype} are supported only as compressed-tensors' MX formats "
+            "(float, group_size 32, scale_dtype uint8) and NVFP4 (tensor_group, scale_dtype float8_e4m3fn)"
+        )
+    if w.strategy == QuantizationStrategy.TENSOR_GROUP and (w.type != "float" or w.num_bits != 4):
+        return "tensor_group weights are NVFP4's: float, 4 bits (preset NVFP4A16)"
     for role in ("weights", "input_activations"):
         args = getattr(scheme, role)
         if args is not None and args.type == "int" and args.num_bits < 2:
             return _too_few_bits(role, args.num_bits)
-    if w.type == "float" and w.num_bits != 8:  # compressed-tensors' float-quantized format writes fp8 only
-        return _float_weights(w.num_bits)
+    if w.type == "float" and w.num_bits != 8 and not (w.scale_dtype is not None and is_scaled_format(w)):
+        return _float_weights(w.num_bits)  # compressed-tensors packs fp4/fp6 only as NVFP4 and MX
     a = scheme.input_activations
+    if a is not None and getattr(a.dynamic, "value", a.dynamic) == "local":
+        return (
+            "input_activations with dynamic: local (NVFP4's per-group input scales under a calibrated global "
+            "scale) are not supported; use NVFP4A16 (weights only) or FP8 / FP8_DYNAMIC activations"
+        )
     if a is not None and not a.dynamic:
         if a.strategy != QuantizationStrategy.TENSOR:
             per = getattr(a.strategy, "value", a.strategy)

@@ -114,3 +114,115 @@ def test_static_input_scales_per_group_are_refused_with_what_to_use() -> None:
         "static input_activations (dynamic: false) per group are not supported: static input scales are per "
         "tensor (strategy: tensor, as in preset FP8); or use dynamic activations (W8A8, FP8_DYNAMIC)"
     )
+
+
+# --------------------------------------------------------------------------- NVFP4, MX, FP8 block (round-to-nearest)
+FP4_VALUES = 15  # e2m1: +-{0, 0.5, 1, 1.5, 2, 3, 4, 6}
+
+
+@pytest.fixture(scope="module")
+def bf16_dir(tmp_path_factory):
+    """The tiny Llama saved once, to be loaded in bfloat16 (NVFP4 / MX checkpoints decompress to bfloat16)."""
+    path = tmp_path_factory.mktemp("tiny") / "model"
+    _tiny().save_pretrained(path)
+    return path
+
+
+def _bf16(path) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+
+
+def _rtn(model, scheme, out) -> dict:
+    recipe = {"q": {"QuantizationModifier": {"scheme": scheme, "ignore": ["lm_head"]}}}
+    llmc_fsm.oneshot(model=model, recipe=recipe, output_dir=out, progress=False)
+    return json.loads((out / "config.json").read_text())["quantization_config"]
+
+
+def test_nvfp4a16_global_and_group_scales_equal_a_hand_computation_and_reload(tmp_path, bf16_dir) -> None:
+    model = _bf16(bf16_dir)
+    down = model.model.layers[1].mlp.down_proj
+    original = down.weight.detach().float().clone()
+    config = _rtn(model, "NVFP4A16", tmp_path / "out")
+    assert config["format"] == "nvfp4-pack-quantized"
+    # global scale: 448 * 6 / max|W|; group scales: fp8(global * max|w_g| / 6), 16 inputs a group
+    global_scale = 448.0 * 6.0 / float(original.abs().max())
+    assert float(down.weight_global_scale) == pytest.approx(global_scale, rel=1e-6)
+    amax = original.reshape(64, -1, 16).abs().amax(dim=2)
+    expected = (float(down.weight_global_scale) * amax / 6.0).to(torch.float8_e4m3fn).float()
+    assert torch.equal(down.weight_scale.float(), expected)
+    groups = down.weight.detach().float().reshape(64, -1, 16)
+    assert max(torch.unique(g).numel() for g in groups.reshape(-1, 16)) <= FP4_VALUES
+    # every value is an fp4 value times its group's effective scale (rounded to bfloat16 on decompression)
+    effective = (down.weight_scale.float() / down.weight_global_scale.float()).unsqueeze(-1)
+    grid = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6])
+    steps = (groups / effective).abs()
+    assert torch.allclose(steps, grid[(steps.unsqueeze(-1) - grid).abs().argmin(-1)], rtol=1e-2, atol=1e-2)
+    _reload_equal(model, tmp_path / "out")
+
+
+def _mx_scale(amax: torch.Tensor, offset: int) -> torch.Tensor:
+    """OCP MX shared scale: 2 ** (exponent of max|w_g| rounded to 1 mantissa bit - the element's max exponent)."""
+    e = torch.floor(torch.log2(amax))
+    e = torch.where(amax / 2**e >= 1.75, e + 1, e)  # 1.75 and above round up to 2 with one mantissa bit
+    return 2.0 ** (e - offset)
+
+
+@pytest.mark.parametrize(("preset", "fmt", "values", "offset"), [
+    ("MXFP4A16", "mxfp4-pack-quantized", FP4_VALUES, 2),
+    ("MXFP8A16", "mxfp8-quantized", 255, 8),
+    ("MXFP4", "mxfp4-pack-quantized", FP4_VALUES, 2),
+])
+def test_mx_power_of_two_scales_equal_a_hand_computation_and_reload(tmp_path, bf16_dir, preset, fmt, values,
+                                                                     offset) -> None:
+    model = _bf16(bf16_dir)
+    up = model.model.layers[0].mlp.up_proj
+    original = up.weight.detach().float().clone()
+    config = _rtn(model, preset, tmp_path / "out")
+    assert config["format"] == fmt
+    amax = original.reshape(128, -1, 32).abs().amax(dim=2)
+    assert torch.equal(up.weight_scale.float(), _mx_scale(amax, offset))
+    groups = up.weight.detach().float().reshape(-1, 32)
+    assert max(torch.unique(g).numel() for g in groups) <= values
+    _reload_equal(model, tmp_path / "out")
+
+
+def test_fp8_block_scales_equal_a_hand_computation_and_reload_in_float32(tmp_path) -> None:
+    model = _tiny()
+    down = model.model.layers[1].mlp.down_proj
+    original = down.weight.detach().clone()
+    scheme = {"preset": "FP8_BLOCK", "weights": {"block_structure": [32, 32]}, "input_activations": {"group_size": 32}}
+    config = _rtn(model, scheme, tmp_path / "out")
+    assert config["format"] == "float-quantized"
+    amax = original.reshape(2, 32, 4, 32).abs().amax(dim=(1, 3))
+    assert torch.allclose(down.weight_scale, amax / FP8_MAX, rtol=1e-6, atol=0)
+    blocks = down.weight.detach().reshape(2, 32, 4, 32).permute(0, 2, 1, 3).reshape(8, -1)
+    assert max(torch.unique(b).numel() for b in blocks) <= 256
+    _reload_equal(model, tmp_path / "out")
+
+
+def test_nvfp4_and_mx_on_a_float32_model_are_refused_before_any_work() -> None:
+    model = _tiny()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError) as info:
+        llmc_fsm.oneshot(model=model, recipe={"q": {"QuantizationModifier": {"scheme": "NVFP4A16"}}}, progress=False)
+    assert str(info.value).startswith(
+        "QuantizationModifier cannot compress 14 of its 14 targets — torch.float32 weight: NVFP4 / MX checkpoints "
+        "decompress to bfloat16 on load (compressed-tensors 0.20), and transformers then cannot run the reloaded "
+        "model (bfloat16 weights against torch.float32 inputs); load the model in bfloat16 (dtype: bfloat16)"
+    )
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_gptq_with_nvfp4_mx_or_block_weights_is_refused_when_the_recipe_is_read() -> None:
+    with pytest.raises(llmc_fsm.RecipeError) as info:
+        llmc_fsm.Session({"q": {"GPTQModifier": {"scheme": "NVFP4A16"}}})
+    assert str(info.value).endswith(
+        "GPTQ with tensor_group weights of scale_dtype torch.float8_e4m3fn (NVFP4, MX or FP8 block formats) is not "
+        "implemented; use QuantizationModifier (round-to-nearest) for them"
+    )
+    with pytest.raises(llmc_fsm.RecipeError) as info:
+        llmc_fsm.Session({"q": {"QuantizationModifier": {"scheme": "NVFP4"}}})
+    assert "input_activations with dynamic: local (NVFP4's per-group input scales under a calibrated global scale) " \
+           "are not supported; use NVFP4A16 (weights only) or FP8 / FP8_DYNAMIC activations" in str(info.value)
