@@ -45,6 +45,7 @@ from llmc_fsm_quantization.observers import (
     importance_from_hessian,
     is_scaled_format,
     observe,
+    observe_scaled_format,
     quantize_rows,
     row_qparams,
     storable,
@@ -153,7 +154,7 @@ def gptq_quantize(
         algorithm="GPTQ",
     )
     originals = [w.detach().to(torch.float32) for w in weights]
-    upfront = not group or actorder == "static"
+    upfront = not group or actorder == "static" or is_scaled_format(args)
     static_perm = perm if actorder == "static" else None
     rule = _QuantRule(
         args,
@@ -198,18 +199,27 @@ class _QuantRule:
         self.args = args
         self.importance = importance  # [cols] in sweep order (imatrix_mse), else None
         self.storage_dtype = storage_dtype  # the scales are rounded to what a parameter of it holds
+        self.scaled = is_scaled_format(args)  # NVFP4 / MX / FP8 block: compressed-tensors' scales, from the start
         self.row_args = as_row_args(args)
+        if self.scaled:  # each column is rounded with its rows' effective scales (NVFP4: scale / global scale)
+            self.row_args = self.row_args.model_copy(update={"scale_dtype": None, "block_structure": None})
         self.observer = observer
         self.upfront = upfront
         self.rows = sum(w.shape[0] for w in originals)
         cols = originals[0].shape[1]
         self.gs = args.group_size if args.strategy == QuantizationStrategy.GROUP else cols
+        if args.strategy == QuantizationStrategy.TENSOR_GROUP:
+            self.gs = args.group_size
+        elif args.strategy == QuantizationStrategy.BLOCK:
+            self.gs = int(args.block_structure[1])
         # Groups formed during the sweep start a sub-block (gs <= block_size) or a block (gs > block_size), so
         # their scale is taken with every earlier column's compensation applied.
         self.sub_block = self.gs if (not upfront and self.gs <= block_size) else SUB_BLOCK
         self.scales: list[torch.Tensor] = []
         self.zps: list[torch.Tensor] = []
-        if upfront:
+        if self.scaled:
+            self._scaled_upfront(args, originals, observer)
+        elif upfront:
             original_order = None  # the importance of the original columns (observe sees unpermuted weights)
             if importance is not None:
                 original_order = importance if perm is None else importance[torch.argsort(perm)]
@@ -246,6 +256,24 @@ class _QuantRule:
         self.zT = self.zp.T.to(torch.float32).contiguous()
         # One view per group made once (updated in place when a group's scale is taken during the sweep).
         self.scale_rows, self.z_rows = self.scaleT.unbind(0), self.zT.unbind(0)
+
+    def _scaled_upfront(self, args: QuantizationArgs, originals: list[torch.Tensor], observer: str) -> None:
+        """NVFP4 / MX / FP8-block scales of every weight, from the original weights, before the sweep: the stored
+        ``(scale, zero point, global scale)`` per weight, and per row and column group the effective scale the
+        columns are rounded with (NVFP4: ``scale / global``; block: the block's scale for each of its rows)."""
+        self._per_weight_scaled = [
+            (s if args.scale_dtype is not None else storable(s, self.storage_dtype), z, g)
+            for s, z, g in (observe_scaled_format(w, args, observer) for w in originals)
+        ]
+        effective, zps = [], []
+        for s, z, g in self._per_weight_scaled:
+            if args.strategy == QuantizationStrategy.BLOCK:
+                rows_per_block = int(args.block_structure[0])
+                s, z = s.repeat_interleave(rows_per_block, dim=0), z.repeat_interleave(rows_per_block, dim=0)
+            effective.append(s / g if g is not None else s)
+            zps.append(z.to(torch.float32))
+        self.scale = torch.cat(effective, dim=0)
+        self.zp = torch.cat(zps, dim=0)
 
     def bind(self, WT: torch.Tensor) -> None:
         self.WT = WT
@@ -290,7 +318,10 @@ class _QuantRule:
             g_idx[g_perm] = (torch.arange(WT.shape[0], device=WT.device) // self.gs).to(torch.int32)
         for k, w in enumerate(weights):
             r1 = r0 + w.shape[0]
-            if self.upfront and self._per_weight[k][0].numel() == 1:  # tensor strategy
+            global_scale = None
+            if self.scaled:
+                scale, zp, global_scale = self._per_weight_scaled[k]
+            elif self.upfront and self._per_weight[k][0].numel() == 1:  # tensor strategy
                 scale, zp = self._per_weight[k]
             else:
                 scale, zp = self.scale[r0:r1].clone(), self.zp[r0:r1].clone()
@@ -301,6 +332,7 @@ class _QuantRule:
                     zero_point=zp,
                     g_idx=g_idx,
                     rel_output_error=errors[k],
+                    global_scale=global_scale,
                 )
             )
             r0 = r1
@@ -369,13 +401,6 @@ class GPTQModifier(QuantizingModifier):
     def _resolve(self) -> None:
         super()._resolve()
         for args in (scheme.weights for scheme in self._groups.values()):
-            if args is not None and is_scaled_format(args):
-                msg = (
-                    f"GPTQ with {getattr(args.strategy, 'value', args.strategy)} weights of scale_dtype "
-                    f"{args.scale_dtype} (NVFP4, MX or FP8 block formats) is not implemented; use "
-                    "QuantizationModifier (round-to-nearest) for them"
-                )
-                raise ValueError(msg)
             if (
                 args is not None
                 and args.strategy == QuantizationStrategy.GROUP

@@ -215,14 +215,62 @@ def test_nvfp4_and_mx_on_a_float32_model_are_refused_before_any_work() -> None:
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
-def test_gptq_with_nvfp4_mx_or_block_weights_is_refused_when_the_recipe_is_read() -> None:
-    with pytest.raises(llmc_fsm.RecipeError) as info:
-        llmc_fsm.Session({"q": {"GPTQModifier": {"scheme": "NVFP4A16"}}})
-    assert str(info.value).endswith(
-        "GPTQ with tensor_group weights of scale_dtype torch.float8_e4m3fn (NVFP4, MX or FP8 block formats) is not "
-        "implemented; use QuantizationModifier (round-to-nearest) for them"
-    )
+def test_nvfp4_with_fp4_activations_is_refused_when_the_recipe_is_read() -> None:
     with pytest.raises(llmc_fsm.RecipeError) as info:
         llmc_fsm.Session({"q": {"QuantizationModifier": {"scheme": "NVFP4"}}})
     assert "input_activations with dynamic: local (NVFP4's per-group input scales under a calibrated global scale) " \
            "are not supported; use NVFP4A16 (weights only) or FP8 / FP8_DYNAMIC activations" in str(info.value)
+
+
+# --------------------------------------------------------------------------- the same formats with GPTQ
+def _correlated_inputs(n: int, cols: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, cols, generator=g) @ torch.randn(cols, cols, generator=g) + 0.5
+
+
+@pytest.mark.parametrize("scheme", [
+    "NVFP4A16", "MXFP4A16", "MXFP8A16", {"preset": "FP8_BLOCK", "weights": {"block_structure": [16, 16]}},
+])
+def test_gptq_keeps_the_format_grid_with_rtns_scales_and_a_lower_output_error(scheme) -> None:
+    from compressed_tensors.quantization.lifecycle.forward import fake_quantize
+    from llmc_fsm_quantization import gptq_quantize, resolve_scheme, rtn_quantize
+    from llmc_fsm_quantization.observers import observe_scaled_format
+
+    from llmc_fsm.obs import HessianAccumulator
+
+    args = resolve_scheme(scheme, ["Linear"]).weights
+    torch.manual_seed(6)
+    w = torch.randn(32, 64)
+    x = _correlated_inputs(512, 64)
+    acc = HessianAccumulator(64)
+    acc.add_batch(x)
+    (q,) = gptq_quantize([w], acc.hessian, args=args, actorder="static", block_size=32)
+    scale, zp, global_scale = observe_scaled_format(w, args)  # taken from the original weight, before the sweep
+    assert torch.equal(q.scale, scale)
+    assert (q.global_scale is None) == (global_scale is None)
+    if global_scale is not None:
+        assert torch.equal(q.global_scale, global_scale)
+    # every value is on the format's grid: rounding it again with the stored scales changes nothing
+    again = fake_quantize(q.weight, q.scale, q.zero_point, args, global_scale=q.global_scale)
+    assert torch.allclose(again, q.weight, rtol=1e-6, atol=0)
+
+    def error(w_hat: torch.Tensor) -> float:
+        return float((x @ (w - w_hat).T).norm() / (x @ w.T).norm())
+
+    rtn = rtn_quantize(w, args).weight
+    assert error(q.weight) < 0.9 * error(rtn)
+    assert q.rel_output_error == pytest.approx(error(q.weight), rel=1e-3)
+
+
+def test_gptq_nvfp4a16_reloads_with_equal_logits(tmp_path, bf16_dir) -> None:
+    model = _bf16(bf16_dir)
+    out = tmp_path / "out"
+    recipe = {"q": {"GPTQModifier": {"scheme": "NVFP4A16", "ignore": ["lm_head"]}}}
+    llmc_fsm.oneshot(model=model, recipe=recipe, dataset=_data(), output_dir=out, progress=False)
+    config = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert config["format"] == "nvfp4-pack-quantized"
+    report = json.loads((out / "report.json").read_text())["sparsity"]["modules"]
+    assert all(0 < m["rel_output_error"] < 0.3 for m in report if "bits" in m)
+    down = model.model.layers[1].mlp.down_proj
+    assert max(torch.unique(g).numel() for g in down.weight.detach().float().reshape(-1, 16)) <= FP4_VALUES
+    _reload_equal(model, out)
