@@ -198,12 +198,14 @@ def _preset_targets(value: Any, args: Mapping[str, Any]) -> dict[str, Any] | Non
 
 
 def _observer_mapping(value: Any, args: Mapping[str, Any]) -> dict[str, Any] | None:
-    """llm-compressor's ``observer: {weights: NAME}`` -> ``observer: NAME``."""
+    """llm-compressor's ``observer: {weights: NAME, input: NAME}`` -> ``observer: NAME``, ``input_observer: NAME``."""
     if not isinstance(value, Mapping):
         return None
-    if set(value) != {"weights"}:
-        raise ValueError(f"only the weight observer can be chosen ({{weights: NAME}}), got {dict(value)!r}")
-    return {"observer": value["weights"]}
+    if not value or not set(value) <= {"weights", "input"}:
+        msg = f"only the weight and input observers can be chosen ({{weights: NAME, input: NAME}}), got {dict(value)!r}"
+        raise ValueError(msg)
+    names = {"weights": "observer", "input": "input_observer"}
+    return {names[key]: name for key, name in value.items()}
 
 
 _LAYERWISE = "llmc-fsm always calibrates one decoder layer at a time (what sequential_update: true meant)"

@@ -252,9 +252,9 @@ quant_modifiers:
         ("GPTQModifier: {kv_cache_scheme: {num_bits: 8}}",
          "argument 'kv_cache_scheme': llm-compressor argument not supported: KV-cache quantization is not "
          "implemented; remove it"),
-        ("QuantizationModifier: {input_observer: mse}",
-         "argument 'input_observer': llm-compressor argument not supported: activation observers are chosen by "
-         "the scheme"),
+        ("QuantizationModifier: {input_observer: static_minmax}",
+         "argument 'input_observer': input_observer applies to static input activations (dynamic: false), and no "
+         "config group has them"),
         ("QuantizationModifier: {weight_observer: mse, observer: minmax}",
          "argument 'weight_observer': it sets 'observer' to 'mse', but 'observer' is also given"),
         ("QuantizationModifier: {weight_observer: best}",
@@ -265,9 +265,9 @@ quant_modifiers:
          "['re:.*proj$']: leave targets out (each config group names its own)"),
         ("GPTQModifier: {scheme: {W8A8: [Linear], W4A16: [Linear]}}",
          "argument 'scheme': one preset per modifier, got W8A8, W4A16; split into modifiers"),
-        ("QuantizationModifier: {observer: {weights: mse, input: minmax}}",
-         "argument 'observer': only the weight observer can be chosen ({weights: NAME}), got {'weights': 'mse', "
-         "'input': 'minmax'}"),
+        ("QuantizationModifier: {observer: {weights: mse, output: minmax}}",
+         "argument 'observer': only the weight and input observers can be chosen ({weights: NAME, input: NAME}), "
+         "got {'weights': 'mse', 'output': 'minmax'}"),
     ],
 )
 def test_quantization_argument_refusals(body: str, message: str):

@@ -190,6 +190,15 @@ def _observer(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
         check_observer(value)
 
 
+def _input_observer(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    from llmc_fsm_quantization.schemes import STATIC_INPUT_OBSERVERS
+
+    if value is not None and value not in STATIC_INPUT_OBSERVERS:
+        choices = ", ".join(STATIC_INPUT_OBSERVERS)
+        msg = f"input_observer {value!r} is not an observer of static input scales; use one of {choices}"
+        raise ValueError(msg)
+
+
 class _DefaultIgnore(list):
     """The ``ignore`` a recipe did not give (``[lm_head]``): a list that remembers it was defaulted."""
 
@@ -241,6 +250,10 @@ class QuantizingModifier(CalibratedModifier):
             :mod:`llmc_fsm_quantization.observers`; ``imatrix_mse`` needs calibration
             data). Default: each scheme's own ``weights.observer``, else ``minmax``; when
             every group uses the same one it is recorded here (and in the saved recipe).
+        input_observer: the observer of static input scales, for every group with static
+            input activations: ``minmax`` (moving average), ``static_minmax`` or
+            ``memoryless_minmax`` (see :class:`CalibrationStatistics`). Default: each
+            scheme's own, else ``minmax``. Refused when no group has static input activations.
         targets, ignore: see :class:`~llmc_fsm.calibration.CalibratedModifier`
             (defaults ``[Linear]`` and ``[lm_head]``; llm-compressor's default ``ignore``
             is empty, so a recipe without ``ignore`` keeps ``lm_head`` dense here, which
@@ -255,6 +268,7 @@ class QuantizingModifier(CalibratedModifier):
     scheme: Any = attrs.field(default=None, converter=_canonical_scheme)
     config_groups: Any = attrs.field(default=None)
     observer: str | None = attrs.field(default=None, validator=_observer)
+    input_observer: str | None = attrs.field(default=None, validator=_input_observer)
     ignore: list[str] = attrs.field(default=None, converter=_ignore)
 
     def __attrs_post_init__(self) -> None:
@@ -297,10 +311,17 @@ class QuantizingModifier(CalibratedModifier):
                 self.scheme = DEFAULT_SCHEME
             groups = {"group_0": resolve_scheme(self.scheme, self.targets)}
         actorder = getattr(self, "actorder", None)
-        for scheme in groups.values():
-            a = scheme.input_activations
-            if a is not None and not a.dynamic and a.observer is None:
+        static = [s.input_activations for s in groups.values() if s.input_activations is not None]
+        static = [a for a in static if not a.dynamic]
+        if self.input_observer is not None and not static:
+            msg = "input_observer applies to static input activations (dynamic: false), and no config group has them"
+            raise ValueError(msg)
+        for a in static:
+            if self.input_observer is not None:
+                a.observer = self.input_observer
+            elif a.observer is None:
                 a.observer = ACTIVATION_OBSERVER  # recorded in the saved config: what was used
+        for scheme in groups.values():
             w = scheme.weights
             if w is None:
                 continue
@@ -469,10 +490,13 @@ class QuantizingModifier(CalibratedModifier):
             return problem
         args = weight_args(self.scheme_of(name))
         a = self.scheme_of(name).input_activations
-        if a is not None and a.strategy in (QuantizationStrategy.GROUP, QuantizationStrategy.TENSOR_GROUP) and (
-            module.weight.shape[1] % a.group_size
+        if (
+            a is not None
+            and a.strategy in (QuantizationStrategy.GROUP, QuantizationStrategy.TENSOR_GROUP)
+            and (module.weight.shape[1] % a.group_size)
         ):
-            return f"in_features {module.weight.shape[1]} is not a multiple of the input activations' group_size {a.group_size}"
+            width = module.weight.shape[1]
+            return f"in_features {width} is not a multiple of the input activations' group_size {a.group_size}"
         if is_scaled_format(args) and args.scale_dtype is not None and module.weight.dtype != torch.bfloat16:
             return (
                 f"{module.weight.dtype} weight: NVFP4 / MX checkpoints decompress to bfloat16 on load (compressed-"
@@ -501,7 +525,8 @@ class QuantizingModifier(CalibratedModifier):
         quantized: list[QuantizedWeight | None] = [None] * len(modules)
         for group, members in by_group.items():
             scheme = self._groups[group]
-            for i, q in zip(members, self._quantize([modules[i] for i in members], accumulator, scheme.weights)):
+            results = self._quantize([modules[i] for i in members], accumulator, scheme.weights)
+            for i, q in zip(members, results, strict=True):
                 if scheme.input_activations is not None and not scheme.input_activations.dynamic:
                     q.input_scale, q.input_zero_point = _input_qparams(scheme, accumulator)
                 quantized[i] = q

@@ -50,7 +50,8 @@ def rtn_quantize(
             scale = storable(scale, weight.dtype)
         q = fake_quantize(w, scale, zp, args, global_scale=global_scale).to(weight.dtype)
         return QuantizedWeight(weight=q, scale=scale, zero_point=zp, global_scale=global_scale)
-    scale, zp = observe(weight.detach(), args, observer, importance=importance)  # the scale as a parameter of weight's dtype holds it
+    # the scale as a parameter of weight's dtype holds it
+    scale, zp = observe(weight.detach(), args, observer, importance=importance)
     return QuantizedWeight(weight=fake_quantize(w, scale, zp, args).to(weight.dtype), scale=scale, zero_point=zp)
 
 

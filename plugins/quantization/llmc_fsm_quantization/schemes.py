@@ -27,7 +27,8 @@ from pydantic import ValidationError
 
 from llmc_fsm_quantization.observers import IMPORTANCE_OBSERVERS, OBSERVERS, is_scaled_format
 
-#: Observers of static (calibrated) per-tensor input scales (see :class:`llmc_fsm_quantization._base.CalibrationStatistics`).
+#: Observers of static (calibrated) per-tensor input scales
+#: (see :class:`llmc_fsm_quantization._base.CalibrationStatistics`).
 STATIC_INPUT_OBSERVERS = ("minmax", "static_minmax", "memoryless_minmax")
 
 __all__ = ["STATIC_INPUT_OBSERVERS", "preset_names", "resolve_config_groups", "resolve_scheme", "weight_args"]
@@ -164,7 +165,10 @@ def resolve_config_groups(config_groups: Any) -> dict[str, QuantizationScheme]:
         else:
             raise ValueError(f"config_groups entry {name!r} must be a mapping of scheme fields, got {group!r}")
         if not targets or not isinstance(targets, list | tuple) or not all(isinstance(t, str) for t in targets):
-            msg = f"config_groups entry {name!r} needs targets: a list of module patterns (e.g. [Linear]), got {targets!r}"
+            msg = (
+                f"config_groups entry {name!r} needs targets: a list of module patterns (e.g. [Linear]), "
+                f"got {targets!r}"
+            )
             raise ValueError(msg)
         try:
             groups[str(name)] = resolve_scheme(fields, list(targets))

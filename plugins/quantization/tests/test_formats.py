@@ -245,7 +245,7 @@ def test_gptq_keeps_the_format_grid_with_rtns_scales_and_a_lower_output_error(sc
     acc = HessianAccumulator(64)
     acc.add_batch(x)
     (q,) = gptq_quantize([w], acc.hessian, args=args, actorder="static", block_size=32)
-    scale, zp, global_scale = observe_scaled_format(w, args)  # taken from the original weight, before the sweep
+    scale, _, global_scale = observe_scaled_format(w, args)  # taken from the original weight, before the sweep
     assert torch.equal(q.scale, scale)
     assert (q.global_scale is None) == (global_scale is None)
     if global_scale is not None:
@@ -274,3 +274,19 @@ def test_gptq_nvfp4a16_reloads_with_equal_logits(tmp_path, bf16_dir) -> None:
     down = model.model.layers[1].mlp.down_proj
     assert max(torch.unique(g).numel() for g in down.weight.detach().float().reshape(-1, 16)) <= FP4_VALUES
     _reload_equal(model, out)
+
+
+def test_llm_compressors_input_observer_forms_are_honoured() -> None:
+    from llmc_fsm.recipe import resolve_recipe
+
+    text = ("s:\n  q_modifiers:\n    QuantizationModifier: {scheme: FP8, "
+            "observer: {weights: mse, input: memoryless_minmax}}\n")
+    (mod,) = resolve_recipe(text).modifiers
+    scheme = mod.quantization_scheme
+    assert (scheme.weights.observer, scheme.input_activations.observer) == ("mse", "memoryless_minmax")
+    (mod,) = resolve_recipe("s:\n  QuantizationModifier: {scheme: FP8, input_observer: minmax}\n").modifiers
+    assert mod.quantization_scheme.input_activations.observer == "minmax"  # the preset's static_minmax replaced
+    with pytest.raises(llmc_fsm.RecipeError) as info:
+        resolve_recipe("s:\n  QuantizationModifier: {scheme: FP8, input_observer: mse}\n")
+    assert str(info.value).endswith("argument 'input_observer': input_observer 'mse' is not an observer of static "
+                                    "input scales; use one of minmax, static_minmax, memoryless_minmax")
