@@ -161,19 +161,28 @@ class CalibrationStatistics(HessianAccumulator):
         self.ranges["memoryless_minmax"] = call
 
     def all_reduce(self) -> None:
+        """:meth:`HessianAccumulator.all_reduce`, then the ranges: extremes by max / min, the other two averaged
+        over the ranks that saw inputs (a rank without any takes part with neutral values)."""
         super().all_reduce()
         from llmc_fsm.distributed import all_reduce_tensor, is_distributed
 
-        if not is_distributed() or not self.ranges:
+        if not is_distributed():
             return
-        extremes = self.ranges["static_minmax"] * torch.tensor([-1.0, 1.0], dtype=torch.float64)
-        all_reduce_tensor(extremes, op="max", what="all_reduce (input ranges)")
-        self.ranges["static_minmax"] = extremes * torch.tensor([-1.0, 1.0], dtype=torch.float64)
-        world = torch.distributed.get_world_size()
+        what = "all_reduce (input ranges)"
+        extremes = self.ranges.get("static_minmax")
+        flipped = (
+            torch.full((2,), float("-inf"), dtype=torch.float64)
+            if extremes is None
+            else extremes * torch.tensor([-1.0, 1.0], dtype=torch.float64)
+        )
+        all_reduce_tensor(flipped, op="max", what=what)
+        averaged = {}
         for name in ("minmax", "memoryless_minmax"):
-            value = self.ranges[name].clone()
-            all_reduce_tensor(value, op="sum", what="all_reduce (input ranges)")
-            self.ranges[name] = value / world
+            value = self.ranges.get(name)
+            summed = torch.zeros(3, dtype=torch.float64) if value is None else torch.cat([value, value.new_ones(1)])
+            all_reduce_tensor(summed, op="sum", what=what)
+            averaged[name] = summed[:2] / summed[2]
+        self.ranges = {"static_minmax": flipped * torch.tensor([-1.0, 1.0], dtype=torch.float64), **averaged}
 
 
 def _input_qparams(scheme: QuantizationScheme, stats: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -365,8 +374,12 @@ class QuantizingModifier(CalibratedModifier):
         """Whether some group quantizes its input activations with a static (calibrated) scale."""
         return any(s.input_activations is not None and not s.input_activations.dynamic for s in self._groups.values())
 
-    def _new_accumulator(self, module: nn.Module) -> CalibrationStatistics:
-        return CalibrationStatistics(module.weight.shape[1])
+    def _new_accumulator(self, module: nn.Module) -> HessianAccumulator:
+        """The Hessian of the target's inputs; with static input scales also their ranges
+        (:class:`CalibrationStatistics`)."""
+        if self.static_inputs:
+            return CalibrationStatistics(module.weight.shape[1])
+        return HessianAccumulator(module.weight.shape[1])
 
     @property
     def needs_importance(self) -> bool:

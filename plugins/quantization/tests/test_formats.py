@@ -290,3 +290,55 @@ def test_llm_compressors_input_observer_forms_are_honoured() -> None:
         resolve_recipe("s:\n  QuantizationModifier: {scheme: FP8, input_observer: mse}\n")
     assert str(info.value).endswith("argument 'input_observer': input_observer 'mse' is not an observer of static "
                                     "input scales; use one of minmax, static_minmax, memoryless_minmax")
+
+
+# --------------------------------------------------------------------------- input ranges under torch.distributed
+def _ranges_rank(rank: int, tmp: str, queue) -> None:
+    import torch.distributed as dist
+    from llmc_fsm_quantization._base import CalibrationStatistics
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=2)
+    stats = CalibrationStatistics(8)
+    x = torch.randn(6, 5, 8, generator=torch.Generator().manual_seed(11))
+    for batch in (x[:2], x[2:4]) if rank == 0 else (x[4:],):
+        stats.add_batch(batch)
+    empty = CalibrationStatistics(8)  # a rank without inputs takes part with neutral values
+    other = CalibrationStatistics(8)
+    if rank == 0:
+        other.add_batch(x[:3])
+    stats.all_reduce()
+    (other if rank == 0 else empty).all_reduce()
+    queue.put((rank, {k: v.tolist() for k, v in stats.ranges.items()},
+               {k: v.tolist() for k, v in (other if rank == 0 else empty).ranges.items()}))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.distributed
+def test_input_ranges_are_combined_over_ranks(tmp_path) -> None:
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_ranges_rank, args=(r, str(tmp_path), queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    results = {r: (a, b) for r, a, b in (queue.get(timeout=300) for _ in procs)}
+    for p in procs:
+        p.join(60)
+    x = torch.randn(6, 5, 8, generator=torch.Generator().manual_seed(11)).double()
+    calls = {0: [(x[:2].min(), x[:2].max()), (x[2:4].min(), x[2:4].max())], 1: [(x[4:].min(), x[4:].max())]}
+    moving0 = [0.99 * calls[0][0][i] + 0.01 * calls[0][1][i] for i in range(2)]
+    expected = {
+        "static_minmax": [float(x.min()), float(x.max())],
+        "minmax": [float((moving0[i] + calls[1][0][i]) / 2) for i in range(2)],
+        "memoryless_minmax": [float((calls[0][1][i] + calls[1][0][i]) / 2) for i in range(2)],
+    }
+    for rank in (0, 1):
+        got = results[rank][0]
+        for name, value in expected.items():
+            assert got[name] == pytest.approx(value, rel=1e-12), (rank, name)
+    third = [float(x[:3].min()), float(x[:3].max())]
+    for rank in (0, 1):  # only rank 0 saw inputs: its values, not halved by the empty rank
+        assert results[rank][1] == {"static_minmax": pytest.approx(third), "minmax": pytest.approx(third),
+                                    "memoryless_minmax": pytest.approx(third)}
