@@ -552,5 +552,9 @@ class QuantizingModifier(CalibratedModifier):
         args = weight_args(self.scheme_of(self._names_by_id.get(id(module), "")))
         return {
             "bits": int(args.num_bits),
-            "group_size": int(args.group_size) if args.strategy == QuantizationStrategy.GROUP else None,
+            "group_size": (
+                int(args.group_size)
+                if args.strategy in (QuantizationStrategy.GROUP, QuantizationStrategy.TENSOR_GROUP)
+                else None
+            ),
         }

@@ -271,6 +271,7 @@ def test_gptq_nvfp4a16_reloads_with_equal_logits(tmp_path, bf16_dir) -> None:
     assert config["format"] == "nvfp4-pack-quantized"
     report = json.loads((out / "report.json").read_text())["sparsity"]["modules"]
     assert all(0 < m["rel_output_error"] < 0.3 for m in report if "bits" in m)
+    assert {(m["bits"], m["group_size"]) for m in report if "bits" in m} == {(4, 16)}
     down = model.model.layers[1].mlp.down_proj
     assert max(torch.unique(g).numel() for g in down.weight.detach().float().reshape(-1, 16)) <= FP4_VALUES
     _reload_equal(model, out)
