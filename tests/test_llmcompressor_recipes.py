@@ -219,11 +219,10 @@ quantization_stage:
           weights: {num_bits: 4, type: int, symmetric: true, strategy: group, group_size: 8}
 """
     (mod,) = resolve_recipe(recipe).modifiers
-    assert mod.scheme == {
-        "weights": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 8}
-    }
+    weights = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 8}
+    assert mod.config_groups == {"group_0": {"targets": ["Linear"], "weights": weights}}  # read as it is
     assert list(mod.targets) == ["Linear"]
-    native = {"q": {"GPTQModifier": {"scheme": mod.scheme, "actorder": "static"}}}
+    native = {"q": {"GPTQModifier": {"scheme": {"weights": weights}, "actorder": "static"}}}
     model = llama(tied=True)
     theirs = oneshot(recipe, copy.deepcopy(model))
     same_weights(theirs, oneshot(native, model))
@@ -259,37 +258,25 @@ quant_modifiers:
 @pytest.mark.parametrize(
     ("body", "message"),
     [
-        (
-            "GPTQModifier: {kv_cache_scheme: {num_bits: 8}}",
-            "argument 'kv_cache_scheme': llm-compressor argument not supported: KV-cache quantization is not "
-            "implemented; remove it",
-        ),
-        (
-            "QuantizationModifier: {input_observer: mse}",
-            "argument 'input_observer': llm-compressor argument not supported: activation observers are chosen by "
-            "the scheme",
-        ),
-        (
-            "QuantizationModifier: {weight_observer: mse, observer: minmax}",
-            "argument 'weight_observer': it sets 'observer' to 'mse', but 'observer' is also given",
-        ),
-        (
-            "QuantizationModifier: {weight_observer: best}",
-            "argument 'observer' (given as 'weight_observer'): unknown observer 'best'; choose one of minmax, mse",
-        ),
-        (
-            "GPTQModifier: {targets: [Linear], config_groups: {g: {targets: [re:.*proj$], weights: {num_bits: 8}}}}",
-            "argument 'config_groups': its targets ['re:.*proj$'] differ from the modifier's targets ['Linear']",
-        ),
-        (
-            "GPTQModifier: {scheme: {W8A8: [Linear], W4A16: [Linear]}}",
-            "argument 'scheme': one preset per modifier, got W8A8, W4A16; split into modifiers",
-        ),
-        (
-            "QuantizationModifier: {observer: {weights: mse, input: minmax}}",
-            "argument 'observer': only the weight observer can be chosen ({weights: NAME}), got {'weights': 'mse', "
-            "'input': 'minmax'}",
-        ),
+        ("GPTQModifier: {kv_cache_scheme: {num_bits: 8}}",
+         "argument 'kv_cache_scheme': llm-compressor argument not supported: KV-cache quantization is not "
+         "implemented; remove it"),
+        ("QuantizationModifier: {input_observer: static_minmax}",
+         "argument 'input_observer': input_observer applies to static input activations (dynamic: false), and no "
+         "config group has them"),
+        ("QuantizationModifier: {weight_observer: mse, observer: minmax}",
+         "argument 'weight_observer': it sets 'observer' to 'mse', but 'observer' is also given"),
+        ("QuantizationModifier: {weight_observer: best}",
+         "argument 'observer' (given as 'weight_observer'): unknown observer 'best'; choose one of "
+         "minmax, static_minmax, memoryless_minmax, mse, memoryless_mse, imatrix_mse"),
+        ("GPTQModifier: {targets: [re:.*mlp.*], config_groups: {g: {targets: [re:.*proj$], weights: {num_bits: 8}}}}",
+         "argument 'targets': the modifier's targets ['re:.*mlp.*'] differ from its config_groups' targets "
+         "['re:.*proj$']: leave targets out (each config group names its own)"),
+        ("GPTQModifier: {scheme: {W8A8: [Linear], W4A16: [Linear]}}",
+         "argument 'scheme': one preset per modifier, got W8A8, W4A16; split into modifiers"),
+        ("QuantizationModifier: {observer: {weights: mse, output: minmax}}",
+         "argument 'observer': only the weight and input observers can be chosen ({weights: NAME, input: NAME}), "
+         "got {'weights': 'mse', 'output': 'minmax'}"),
     ],
 )
 def test_quantization_argument_refusals(body: str, message: str):

@@ -158,7 +158,14 @@ class _Builder:
             at = where(self.source, first_line, name)
             raise RecipeError(f"{at}: the stage has no modifiers; remove the stage or add a modifier")
         for mod_name, args, mod_line in entries:
-            stage.modifiers.append(self.modifier(mod_name, args, stage, mod_line))
+            modifier = self.modifier(mod_name, args, stage, mod_line)
+            take = getattr(modifier, "take_stage_config", None)  # e.g. a bare GPTQModifier after a quantization config
+            if callable(take):
+                try:
+                    stage.modifiers = take(list(stage.modifiers), name)
+                except ValueError as exc:
+                    raise RecipeError(f"{where(self.source, mod_line, name, mod_name)}: {exc}") from None
+            stage.modifiers.append(modifier)
         return stage
 
     def long_form(self, stage: Stage, body: Mapping[Any, Any], line: int | None) -> list[tuple[Any, int | None]]:

@@ -163,24 +163,6 @@ class ArgumentRule:
     convert: Callable[[Any, Mapping[str, Any]], dict[str, Any]] | None = None
 
 
-def _config_groups(value: Any, args: Mapping[str, Any]) -> dict[str, Any]:
-    """One llm-compressor ``config_groups`` entry -> ``scheme`` (its fields) and ``targets``."""
-    if not isinstance(value, Mapping) or len(value) != 1:
-        count = len(value) if isinstance(value, Mapping) else type(value).__name__
-        msg = f"exactly one config group is supported (one scheme per modifier), got {count}; split into modifiers"
-        raise ValueError(msg)
-    ((_, group),) = value.items()
-    if not isinstance(group, Mapping):
-        raise ValueError(f"a config group must be a mapping of scheme fields, got {group!r}")
-    scheme = {k: v for k, v in group.items() if k != "targets"}
-    result: dict[str, Any] = {"scheme": scheme}
-    if "targets" in group:
-        if "targets" in args and args["targets"] != group["targets"]:
-            raise ValueError(f"its targets {group['targets']!r} differ from the modifier's targets {args['targets']!r}")
-        result["targets"] = group["targets"]
-    return result
-
-
 _SCHEME_FIELDS = frozenset({"weights", "input_activations", "output_activations", "targets", "format", "preset"})
 
 
@@ -198,12 +180,14 @@ def _preset_targets(value: Any, args: Mapping[str, Any]) -> dict[str, Any] | Non
 
 
 def _observer_mapping(value: Any, args: Mapping[str, Any]) -> dict[str, Any] | None:
-    """llm-compressor's ``observer: {weights: NAME}`` -> ``observer: NAME``."""
+    """llm-compressor's ``observer: {weights: NAME, input: NAME}`` -> ``observer: NAME``, ``input_observer: NAME``."""
     if not isinstance(value, Mapping):
         return None
-    if set(value) != {"weights"}:
-        raise ValueError(f"only the weight observer can be chosen ({{weights: NAME}}), got {dict(value)!r}")
-    return {"observer": value["weights"]}
+    if not value or not set(value) <= {"weights", "input"}:
+        msg = f"only the weight and input observers can be chosen ({{weights: NAME, input: NAME}}), got {dict(value)!r}"
+        raise ValueError(msg)
+    names = {"weights": "observer", "input": "input_observer"}
+    return {names[key]: name for key, name in value.items()}
 
 
 _LAYERWISE = "llmc-fsm always calibrates one decoder layer at a time (what sequential_update: true meant)"
@@ -227,13 +211,9 @@ _SPARSITY_BASE: dict[str, ArgumentRule] = {
 _QUANT_BASE: dict[str, ArgumentRule] = {
     **_COMMON,
     "sequential_update": ArgumentRule("ignore", _LAYERWISE, accept=(True, False)),
-    "config_groups": ArgumentRule(
-        "rename", "one group becomes scheme (its fields) and targets", target="scheme", convert=_config_groups
-    ),
     "weight_observer": ArgumentRule("rename", "the weight observer", target="observer"),
     "scheme": ArgumentRule("value", "llm-compressor's {PRESET: targets} form", convert=_preset_targets),
     "observer": ArgumentRule("value", "llm-compressor's {weights: NAME} form", convert=_observer_mapping),
-    "input_observer": ArgumentRule("refuse", "activation observers are chosen by the scheme"),
     "output_observer": ArgumentRule("refuse", "output activations are not quantized"),
     "kv_cache_scheme": ArgumentRule("refuse", "KV-cache quantization is not implemented; remove it", accept=(None,)),
     "bypass_divisibility_checks": ArgumentRule(

@@ -10,6 +10,7 @@ in-memory model computes what the saved checkpoint computes.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -26,11 +27,23 @@ from compressed_tensors.quantization import (
 from compressed_tensors.quantization.lifecycle.initialize import initialize_module_for_quantization
 from torch import nn
 
-from llmc_fsm.toolkit.calibrated import CalibratedModifier, CompressedGroup
-from llmc_fsm_quantization.observers import OBSERVERS
-from llmc_fsm_quantization.schemes import resolve_scheme, weight_args
+from llmc_fsm.toolkit.calibrated import CalibratedModifier, CompressedGroup, patterns
+from llmc_fsm.toolkit.obs import HessianAccumulator
+from llmc_fsm.toolkit.targets import DEFAULT_IGNORE, DEFAULT_TARGETS, select_targets
+from llmc_fsm_quantization.observers import IMPORTANCE_OBSERVERS, check_observer, is_scaled_format
+from llmc_fsm_quantization.schemes import resolve_config_groups, resolve_scheme, weight_args
 
-__all__ = ["QuantizedWeight", "QuantizingModifier", "attach_qparams"]
+__all__ = ["DEFAULT_SCHEME", "CalibrationStatistics", "QuantizedWeight", "QuantizingModifier", "attach_qparams"]
+
+logger = logging.getLogger(__name__)
+
+#: The scheme of a modifier given neither ``scheme`` nor ``config_groups``.
+DEFAULT_SCHEME = "W4A16"
+#: The input-activation observer of a static scheme that names none (llm-compressor's default for activations).
+ACTIVATION_OBSERVER = "minmax"
+#: The weight observer of a scheme that names none (compressed-tensors leaves it ``None``; llm-compressor then
+#: observes weights by their minimum and maximum).
+DEFAULT_OBSERVER = "minmax"
 
 
 @attrs.define(kw_only=True)
@@ -44,6 +57,9 @@ class QuantizedWeight:
         g_idx: ``[in]`` int32 group of each input column (GPTQ ``actorder="group"``), else ``None``.
         rel_output_error: ``||W X - W_hat X|| / ||W X||`` on the calibration inputs when the algorithm
             computed it (GPTQ), else ``None``.
+        input_scale / input_zero_point: ``[1]`` static (calibrated) per-tensor input-activation scale and zero
+            point (``input_activations`` with ``dynamic: false``), else ``None``.
+        global_scale: ``[1]`` float32 NVFP4 global scale (``weight_global_scale``), else ``None``.
     """
 
     weight: torch.Tensor
@@ -51,6 +67,9 @@ class QuantizedWeight:
     zero_point: torch.Tensor
     g_idx: torch.Tensor | None = None
     rel_output_error: float | None = None
+    input_scale: torch.Tensor | None = None
+    input_zero_point: torch.Tensor | None = None
+    global_scale: torch.Tensor | None = None
 
 
 @torch.no_grad()
@@ -65,6 +84,9 @@ def attach_qparams(module: nn.Module, scheme: QuantizationScheme, quantized: Qua
         ("weight_scale", quantized.scale),
         ("weight_zero_point", quantized.zero_point),
         ("weight_g_idx", quantized.g_idx),
+        ("weight_global_scale", quantized.global_scale),
+        ("input_scale", quantized.input_scale),
+        ("input_zero_point", quantized.input_zero_point),
     ):
         if value is None:
             continue
@@ -75,12 +97,124 @@ def attach_qparams(module: nn.Module, scheme: QuantizationScheme, quantized: Qua
         param.data.copy_(value.to(param.dtype))
     module.weight.data.copy_(quantized.weight)
     module.quantization_status = QuantizationStatus.FROZEN
+    if is_scaled_format(scheme.weights):
+        _as_reloaded(module, scheme)
+        quantized.weight = module.weight.data.clone()
+
+
+def _as_reloaded(module: nn.Module, scheme: QuantizationScheme) -> None:
+    """NVFP4 / MX / FP8-block: ``module.weight`` becomes what its checkpoint decompresses to.
+
+    compressed-tensors' compressor packs the weight (``compress``) and transformers dequantizes it on load with
+    the same compressor's ``decompress``, in that format's own arithmetic (NVFP4 and MX: bfloat16, so
+    ``q * scale / global_scale`` is rounded there); the module is given exactly those values, so the in-memory
+    model computes what the reloaded one does, and marked ``decompressed`` (its forward no longer re-quantizes
+    the weight, as for a reloaded module).
+    """
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.compressors.format import infer_module_format
+    from compressed_tensors.utils.module import get_direct_state_dict
+
+    fmt = scheme.format or infer_module_format(type(module), scheme)
+    compressor = BaseCompressor.get_value_from_registry(getattr(fmt, "value", fmt))
+    local = {k: v.detach().clone() for k, v in get_direct_state_dict(module).items() if v is not None}
+    restored = compressor.decompress(compressor.compress(local, scheme), scheme)
+    module.weight.data.copy_(restored["weight"].to(module.weight.dtype))
+    module.quantization_status = QuantizationStatus.DECOMPRESSED
+
+
+class CalibrationStatistics(HessianAccumulator):
+    """:class:`~llmc_fsm.toolkit.obs.HessianAccumulator` of a target's inputs, plus their range for static input scales.
+
+    Each call (one calibration batch through the target) gives the minimum and maximum over all its input
+    values (per tensor), kept three ways, one per activation observer of llm-compressor 0.14:
+
+    * ``static_minmax``: the smallest minimum and largest maximum of all calls;
+    * ``minmax``: a moving average, the first call's values then ``v <- (1 - c) v + c v_call`` with
+      ``c = 0.01`` (llm-compressor's ``averaging_constant``), so it depends on the batch split;
+    * ``memoryless_minmax``: the last call's values.
+
+    Under ``torch.distributed`` :meth:`all_reduce` takes the extremes over the ranks for the first and the
+    mean over the ranks for the other two (as llm-compressor does).
+    """
+
+    AVERAGING_CONSTANT = 0.01
+
+    def __init__(self, in_features: int, device: torch.device | str | None = None) -> None:
+        super().__init__(in_features, device)
+        self.ranges: dict[str, torch.Tensor] = {}  # observer -> float64 tensor [min, max]
+
+    @torch.no_grad()
+    def add_batch(self, x: torch.Tensor) -> None:
+        super().add_batch(x)
+        if x.numel() == 0:
+            return
+        call = torch.stack([x.detach().amin(), x.detach().amax()]).to(device="cpu", dtype=torch.float64)
+        if not self.ranges:
+            self.ranges = {"static_minmax": call.clone(), "minmax": call.clone(), "memoryless_minmax": call}
+            return
+        extremes = self.ranges["static_minmax"]
+        extremes[0] = torch.minimum(extremes[0], call[0])
+        extremes[1] = torch.maximum(extremes[1], call[1])
+        moving = self.ranges["minmax"]
+        moving.mul_(1 - self.AVERAGING_CONSTANT).add_(call * self.AVERAGING_CONSTANT)
+        self.ranges["memoryless_minmax"] = call
+
+    def all_reduce(self) -> None:
+        """:meth:`HessianAccumulator.all_reduce`, then the ranges: extremes by max / min, the other two averaged
+        over the ranks that saw inputs (a rank without any takes part with neutral values)."""
+        super().all_reduce()
+        from llmc_fsm.toolkit.distributed import all_reduce_tensor, is_distributed
+
+        if not is_distributed():
+            return
+        what = "all_reduce (input ranges)"
+        extremes = self.ranges.get("static_minmax")
+        flipped = (
+            torch.full((2,), float("-inf"), dtype=torch.float64)
+            if extremes is None
+            else extremes * torch.tensor([-1.0, 1.0], dtype=torch.float64)
+        )
+        all_reduce_tensor(flipped, op="max", what=what)
+        averaged = {}
+        for name in ("minmax", "memoryless_minmax"):
+            value = self.ranges.get(name)
+            summed = torch.zeros(3, dtype=torch.float64) if value is None else torch.cat([value, value.new_ones(1)])
+            all_reduce_tensor(summed, op="sum", what=what)
+            averaged[name] = summed[:2] / summed[2]
+        self.ranges = {"static_minmax": flipped * torch.tensor([-1.0, 1.0], dtype=torch.float64), **averaged}
+
+
+def _input_qparams(scheme: QuantizationScheme, stats: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """Static per-tensor input scale and zero point ``[1]`` from ``stats`` (:class:`CalibrationStatistics`)."""
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    args = scheme.input_activations
+    lo, hi = stats.ranges[args.observer or ACTIVATION_OBSERVER].to(torch.float32)
+    return calculate_qparams(lo.reshape(1), hi.reshape(1), args)
 
 
 def _observer(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
-    if value not in OBSERVERS:
-        msg = f"unknown observer {value!r}; choose one of {', '.join(OBSERVERS)}"
+    if value is not None:
+        check_observer(value)
+
+
+def _input_observer(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    from llmc_fsm_quantization.schemes import STATIC_INPUT_OBSERVERS
+
+    if value is not None and value not in STATIC_INPUT_OBSERVERS:
+        choices = ", ".join(STATIC_INPUT_OBSERVERS)
+        msg = f"input_observer {value!r} is not an observer of static input scales; use one of {choices}"
         raise ValueError(msg)
+
+
+class _DefaultIgnore(list):
+    """The ``ignore`` a recipe did not give (``[lm_head]``): a list that remembers it was defaulted."""
+
+
+def _ignore(value: Any) -> list[str]:
+    """attrs converter of ``ignore``: ``None`` (not given) -> the default ``[lm_head]``, marked as defaulted."""
+    return _DefaultIgnore(DEFAULT_IGNORE) if value is None else patterns(value)
 
 
 def _canonical_scheme(scheme: Any) -> Any:
@@ -90,6 +224,8 @@ def _canonical_scheme(scheme: Any) -> Any:
     reads it); anything else unchanged."""
     from compressed_tensors.quantization.quant_scheme import PRESET_SCHEMES
 
+    if scheme is None:
+        return None
     if isinstance(scheme, str) and scheme.upper() in PRESET_SCHEMES:
         return scheme.upper()
     if (
@@ -111,35 +247,144 @@ class QuantizingModifier(CalibratedModifier):
             :mod:`llmc_fsm_quantization.schemes`), or a compressed-tensors
             ``QuantizationScheme`` / ``QuantizationArgs`` (the latter kept as
             ``{"weights": args}``). Bits, symmetry, strategy and group size come
-            from it. Default ``W4A16``.
-        observer: how a weight's range is chosen: ``minmax`` (default) or ``mse``.
+            from it. Default ``W4A16`` when ``config_groups`` is not given either.
+        config_groups: llm-compressor's ``{group name: {targets: [...], weights: {...},
+            input_activations: {...}}}``: each group quantizes its targets with its
+            scheme (non-uniform quantization). Either this or ``scheme``, not both. The
+            modifier's ``targets`` become the groups' targets together; a module two
+            groups select is refused, naming both groups.
+        observer: how a weight's range is chosen, for every group:
+            ``minmax``, ``static_minmax``, ``memoryless_minmax``, ``mse``,
+            ``memoryless_mse`` or ``imatrix_mse`` (see
+            :mod:`llmc_fsm_quantization.observers`; ``imatrix_mse`` needs calibration
+            data). Default: each scheme's own ``weights.observer``, else ``minmax``; when
+            every group uses the same one it is recorded here (and in the saved recipe).
+        input_observer: the observer of static input scales, for every group with static
+            input activations: ``minmax`` (moving average), ``static_minmax`` or
+            ``memoryless_minmax`` (see :class:`CalibrationStatistics`). Default: each
+            scheme's own, else ``minmax``. Refused when no group has static input activations.
         targets, ignore: see :class:`~llmc_fsm.toolkit.calibrated.CalibratedModifier`
-            (defaults ``[Linear]`` and ``[lm_head]``).
+            (defaults ``[Linear]`` and ``[lm_head]``; llm-compressor's default ``ignore``
+            is empty, so a recipe without ``ignore`` keeps ``lm_head`` dense here, which
+            is logged, and the saved recipe records ``ignore: [lm_head]``).
 
     Raises (at construction): ``ValueError`` for an unknown preset (listing the
-    presets), invalid scheme fields, or an unsupported scheme.
+    presets), invalid scheme fields, an unsupported scheme, an unknown observer
+    (anywhere: here or inside a scheme), ``scheme`` together with ``config_groups``,
+    or ``targets`` that differ from the config groups' targets.
     """
 
-    scheme: Any = attrs.field(default="W4A16", converter=_canonical_scheme)
-    observer: str = attrs.field(default="minmax", validator=_observer)
+    scheme: Any = attrs.field(default=None, converter=_canonical_scheme)
+    config_groups: Any = attrs.field(default=None)
+    observer: str | None = attrs.field(default=None, validator=_observer)
+    input_observer: str | None = attrs.field(default=None, validator=_input_observer)
+    ignore: list[str] = attrs.field(default=None, converter=_ignore)
 
     def __attrs_post_init__(self) -> None:
+        self._ignore_defaulted = isinstance(self.ignore, _DefaultIgnore)
+        self._ignore_logged = False
+        self.ignore = list(self.ignore)
+        #: no quantization config at all (llm-compressor's "has_config" false): a GPTQModifier so written takes the
+        #: config of a QuantizationModifier before it in its stage (:meth:`GPTQModifier.take_stage_config`)
+        self._bare = (
+            self.scheme is None
+            and self.config_groups is None
+            and self.observer is None
+            and list(self.targets) == list(DEFAULT_TARGETS)
+            and self._ignore_defaulted
+        )
         super().__attrs_post_init__()
-        self._scheme = resolve_scheme(self.scheme, self.targets)
+        self._resolve()
+
+    def _resolve(self) -> None:
+        """Resolve ``scheme`` / ``config_groups`` and the observers into :attr:`quantization_schemes`.
+
+        Raises:
+            ValueError: see the class docs.
+        """
+        if self.config_groups is not None:
+            if self.scheme is not None:
+                msg = "give either scheme or config_groups, not both (as in llm-compressor)"
+                raise ValueError(msg)
+            groups = resolve_config_groups(self.config_groups)
+            union = list(dict.fromkeys(t for scheme in groups.values() for t in scheme.targets))
+            if list(self.targets) not in (union, list(DEFAULT_TARGETS)):
+                msg = (
+                    f"the modifier's targets {list(self.targets)} differ from its config_groups' targets {union}: "
+                    "leave targets out (each config group names its own)"
+                )
+                raise ValueError(msg)
+            self.targets = union
+        else:
+            if self.scheme is None:
+                self.scheme = DEFAULT_SCHEME
+            groups = {"group_0": resolve_scheme(self.scheme, self.targets)}
         actorder = getattr(self, "actorder", None)
-        w = self._scheme.weights
-        if actorder is not None and w is not None and w.strategy == QuantizationStrategy.GROUP:
-            w.actorder = ActivationOrdering(actorder)
+        static = [s.input_activations for s in groups.values() if s.input_activations is not None]
+        static = [a for a in static if not a.dynamic]
+        if self.input_observer is not None and not static:
+            msg = "input_observer applies to static input activations (dynamic: false), and no config group has them"
+            raise ValueError(msg)
+        for a in static:
+            if self.input_observer is not None:
+                a.observer = self.input_observer
+            elif a.observer is None:
+                a.observer = ACTIVATION_OBSERVER  # recorded in the saved config: what was used
+        for scheme in groups.values():
+            w = scheme.weights
+            if w is None:
+                continue
+            if self.observer is not None:
+                w.observer = self.observer
+            elif w.observer is None:
+                w.observer = DEFAULT_OBSERVER
+            if actorder is not None and w.strategy == QuantizationStrategy.GROUP:
+                w.actorder = ActivationOrdering(actorder)
+        observers = {s.weights.observer for s in groups.values() if s.weights is not None}
+        if self.observer is None and len(observers) == 1:
+            (self.observer,) = observers
+        self._groups: dict[str, QuantizationScheme] = groups
+        self._group_of: dict[str, str] = {}
 
     @property
     def quantization_scheme(self) -> QuantizationScheme:
-        """The resolved ``compressed_tensors`` scheme (a copy)."""
-        return self._scheme.model_copy(deep=True)
+        """The resolved ``compressed_tensors`` scheme (a copy); with several config groups, the first group's
+        (:attr:`quantization_schemes` has them all)."""
+        return next(iter(self._groups.values())).model_copy(deep=True)
+
+    @property
+    def quantization_schemes(self) -> dict[str, QuantizationScheme]:
+        """``{config group name: resolved scheme}`` (copies); ``{"group_0": scheme}`` for a ``scheme``."""
+        return {name: scheme.model_copy(deep=True) for name, scheme in self._groups.items()}
 
     @property
     def weight_args(self) -> QuantizationArgs:
-        """The scheme's weight ``QuantizationArgs``."""
-        return weight_args(self._scheme)
+        """The (first config group's) scheme's weight ``QuantizationArgs``."""
+        return weight_args(next(iter(self._groups.values())))
+
+    def _group(self, name: str) -> str:
+        return self._group_of.get(name, next(iter(self._groups)))
+
+    def scheme_of(self, name: str) -> QuantizationScheme:
+        """The scheme of target ``name`` (after :meth:`check_model`): its config group's."""
+        return self._groups[self._group(name)]
+
+    @property
+    def static_inputs(self) -> bool:
+        """Whether some group quantizes its input activations with a static (calibrated) scale."""
+        return any(s.input_activations is not None and not s.input_activations.dynamic for s in self._groups.values())
+
+    def _new_accumulator(self, module: nn.Module) -> HessianAccumulator:
+        """The Hessian of the target's inputs; with static input scales also their ranges
+        (:class:`CalibrationStatistics`)."""
+        if self.static_inputs:
+            return CalibrationStatistics(module.weight.shape[1])
+        return HessianAccumulator(module.weight.shape[1])
+
+    @property
+    def needs_importance(self) -> bool:
+        """Whether some group's weight observer weights the error by the calibration inputs (``imatrix_mse``)."""
+        return any(s.weights is not None and s.weights.observer in IMPORTANCE_OBSERVERS for s in self._groups.values())
 
     def compressed_call_inputs(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """``(args, kwargs)`` of a call that began before ``module`` was quantized, with its input quantized as
@@ -163,12 +408,15 @@ class QuantizingModifier(CalibratedModifier):
 
     def _fix_hint(self, targets: dict[str, nn.Module], problems: dict[str, list[str]]) -> str:
         """Suggest the largest power-of-two group size that divides every target's input width."""
-        args = self.weight_args
+        first = next(name for names in problems.values() for name in names)
+        args = weight_args(self.scheme_of(first))
         if args.strategy != QuantizationStrategy.GROUP or not all("group_size" in r for r in problems):
             return super()._fix_hint(targets, problems)
         width = math.gcd(*(int(m.weight.shape[1]) for m in targets.values()))
         group = min(width & -width, int(args.group_size))
-        name = self.scheme if isinstance(self.scheme, str) else dict(self.scheme).get("preset")
+        name = self.scheme if isinstance(self.scheme, str) else None
+        if isinstance(self.scheme, Mapping):
+            name = self.scheme.get("preset")
         if name:
             scheme = f"{{preset: {name}, weights: {{group_size: {group}}}}}"
         else:  # every field: a mapping's weights without num_bits would mean 8 bits
@@ -193,8 +441,18 @@ class QuantizingModifier(CalibratedModifier):
         Raises:
             ValueError: as the base class; or such experts: they are not ``Linear`` modules, so they would stay
                 unquantized, and transformers does not reload the compressed-tensors checkpoint of such a model
-                (it fuses the experts on load and finds none; measured with transformers 5.24 on Mixtral).
+                (it fuses the experts on load and finds none; measured with transformers 5.24 on Mixtral); or,
+                with several config groups, a group that selects nothing, or a module two groups select (both
+                groups and the module named).
         """
+        if self._ignore_defaulted and not self._ignore_logged:
+            self._ignore_logged = True
+            logger.info(
+                "%s: no ignore given: lm_head is kept dense (ignore: [lm_head]; llm-compressor's default ignore is "
+                "empty, which quantizes lm_head too: give ignore: [] for that)",
+                type(self).__name__,
+            )
+        self._group_of = self._memberships(model)
         targets = super().check_model(model)
         experts = [
             (name, type(module).__name__, pname, tuple(p.shape))
@@ -215,30 +473,88 @@ class QuantizingModifier(CalibratedModifier):
             raise ValueError(msg)
         return targets
 
+    def _memberships(self, model: nn.Module) -> dict[str, str]:
+        """``{module name: config group}`` of every module a group selects (``{}`` with one group).
+
+        Raises:
+            ValueError: a group selects nothing, or two groups select one module.
+        """
+        if len(self._groups) == 1:
+            return {}
+        owner: dict[str, str] = {}
+        for group, scheme in self._groups.items():
+            try:
+                selected = select_targets(model, scheme.targets, self.ignore).selected
+            except ValueError as exc:
+                raise ValueError(f"{type(self).__name__}: config group {group!r}: {exc}") from None
+            for name in selected:
+                if name in owner:
+                    msg = (
+                        f"{type(self).__name__}: module {name} is selected by config groups {owner[name]!r} and "
+                        f"{group!r}; a module is quantized with one scheme: narrow the groups' targets"
+                    )
+                    raise ValueError(msg)
+                owner[name] = group
+        return owner
+
     def _check_target(self, name: str, module: nn.Module) -> str | None:
         problem = super()._check_target(name, module)
         if problem is not None:
             return problem
-        args = self.weight_args
-        if args.strategy == QuantizationStrategy.GROUP and module.weight.shape[1] % args.group_size:
+        args = weight_args(self.scheme_of(name))
+        a = self.scheme_of(name).input_activations
+        if (
+            a is not None
+            and a.strategy in (QuantizationStrategy.GROUP, QuantizationStrategy.TENSOR_GROUP)
+            and (module.weight.shape[1] % a.group_size)
+        ):
+            width = module.weight.shape[1]
+            return f"in_features {width} is not a multiple of the input activations' group_size {a.group_size}"
+        if is_scaled_format(args) and args.scale_dtype is not None and module.weight.dtype != torch.bfloat16:
+            return (
+                f"{module.weight.dtype} weight: NVFP4 / MX checkpoints decompress to bfloat16 on load (compressed-"
+                "tensors 0.20), and transformers then cannot run the reloaded model (bfloat16 weights against "
+                f"{module.weight.dtype} inputs); load the model in bfloat16 (dtype: bfloat16)"
+            )
+        if args.strategy == QuantizationStrategy.BLOCK:
+            r, c = (int(v) for v in args.block_structure)
+            if module.weight.shape[0] % r or module.weight.shape[1] % c:
+                return f"weight {list(module.weight.shape)} is not a whole number of {[r, c]} blocks"
+        if args.strategy in (QuantizationStrategy.GROUP, QuantizationStrategy.TENSOR_GROUP) and (
+            module.weight.shape[1] % args.group_size
+        ):
             return f"in_features {module.weight.shape[1]} is not a multiple of group_size {args.group_size}"
         return None
 
     # ---- work -----------------------------------------------------------------------
-    def _quantize(self, modules: list[nn.Module], accumulator: Any) -> list[QuantizedWeight]:
+    def _quantize(self, modules: list[nn.Module], accumulator: Any, args: QuantizationArgs) -> list[QuantizedWeight]:
+        """Quantized weights of ``modules`` (one config group's, sharing ``accumulator``) for weight ``args``."""
         raise NotImplementedError
 
     def _compress_group(self, modules: list[nn.Module], accumulator: Any) -> list[torch.Tensor] | CompressedGroup:
-        quantized = self._quantize(modules, accumulator)
-        for module, q in zip(modules, quantized, strict=True):
-            attach_qparams(module, self.quantization_scheme, q)
+        by_group: dict[str, list[int]] = {}
+        for i, module in enumerate(modules):
+            by_group.setdefault(self._group(self._names_by_id.get(id(module), "")), []).append(i)
+        quantized: list[QuantizedWeight | None] = [None] * len(modules)
+        for group, members in by_group.items():
+            scheme = self._groups[group]
+            results = self._quantize([modules[i] for i in members], accumulator, scheme.weights)
+            for i, q in zip(members, results, strict=True):
+                if scheme.input_activations is not None and not scheme.input_activations.dynamic:
+                    q.input_scale, q.input_zero_point = _input_qparams(scheme, accumulator)
+                quantized[i] = q
+                attach_qparams(modules[i], scheme.model_copy(deep=True), q)
         if self.measures_output_error:
             return CompressedGroup([q.weight for q in quantized], [q.rel_output_error for q in quantized])
         return [q.weight for q in quantized]
 
     def _result_extras(self, module: nn.Module) -> dict[str, Any]:
-        args = self.weight_args
+        args = weight_args(self.scheme_of(self._names_by_id.get(id(module), "")))
         return {
             "bits": int(args.num_bits),
-            "group_size": int(args.group_size) if args.strategy == QuantizationStrategy.GROUP else None,
+            "group_size": (
+                int(args.group_size)
+                if args.strategy in (QuantizationStrategy.GROUP, QuantizationStrategy.TENSOR_GROUP)
+                else None
+            ),
         }

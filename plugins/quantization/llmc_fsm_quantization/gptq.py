@@ -25,6 +25,8 @@ the others; they receive no compensation (the reference code zeroes them).
 
 from __future__ import annotations
 
+import copy
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -37,9 +39,21 @@ from torch import nn
 from llmc_fsm.toolkit.layer_error import sweep_relative_errors
 from llmc_fsm.toolkit.obs import SUB_BLOCK, HessianAccumulator, check_dampening_frac, inverse_hessian_cholesky, obs_sweep
 from llmc_fsm_quantization._base import QuantizedWeight, QuantizingModifier
-from llmc_fsm_quantization.observers import as_row_args, observe, quantize_rows, row_qparams, storable
+from llmc_fsm_quantization.observers import (
+    IMPORTANCE_OBSERVERS,
+    as_row_args,
+    importance_from_hessian,
+    is_scaled_format,
+    observe,
+    observe_scaled_format,
+    quantize_rows,
+    row_qparams,
+    storable,
+)
 
 __all__ = ["ACTORDERS", "GPTQModifier", "gptq_quantize"]
+
+logger = logging.getLogger(__name__)
 
 #: Values of ``actorder``: ``None`` (natural column order), ``"static"``, ``"group"``.
 ACTORDERS = (None, "static", "group")
@@ -106,7 +120,8 @@ def gptq_quantize(
             strategy it and ``group_size`` must divide one another.
         dampening_frac: relative damping (default 0.01), >= 0.
         actorder: ``"static"`` (default), ``"group"`` or ``None``.
-        observer: ``"minmax"`` (default) or ``"mse"``.
+        observer: one of :data:`~llmc_fsm_quantization.observers.OBSERVERS` (default ``"minmax"``);
+            ``imatrix_mse`` takes its importance, ``E[x_j^2]``, from the Hessian's diagonal.
         max_dampening_retries: retries with 10x damping when ``H`` is not positive definite.
 
     Returns:
@@ -128,6 +143,9 @@ def gptq_quantize(
     if actorder is not None:
         perm = torch.argsort(torch.diagonal(hessian).to(device), descending=True, stable=True)
         hessian = hessian.to(device)[perm][:, perm]
+    importance = None
+    if observer in IMPORTANCE_OBSERVERS:  # E[x^2] per input column, in the sweep's (permuted) order
+        importance = importance_from_hessian(hessian).to(device)
     factor = inverse_hessian_cholesky(
         hessian,
         dampening_frac=dampening_frac,
@@ -136,9 +154,19 @@ def gptq_quantize(
         algorithm="GPTQ",
     )
     originals = [w.detach().to(torch.float32) for w in weights]
-    upfront = not group or actorder == "static"
+    upfront = not group or actorder == "static" or is_scaled_format(args)
     static_perm = perm if actorder == "static" else None
-    rule = _QuantRule(args, originals, static_perm, observer, upfront, block_size, storage_dtype=weights[0].dtype)
+    rule = _QuantRule(
+        args,
+        originals,
+        static_perm,
+        observer,
+        upfront,
+        block_size,
+        storage_dtype=weights[0].dtype,
+        importance=importance,
+        perm=perm,
+    )
     WT = torch.cat([w.T for w in originals], dim=1)
     if perm is not None:
         WT = WT[perm].contiguous()
@@ -165,22 +193,40 @@ class _QuantRule:
         block_size: int,
         *,
         storage_dtype: torch.dtype = torch.float32,
+        importance: torch.Tensor | None = None,
+        perm: torch.Tensor | None = None,
     ) -> None:
         self.args = args
+        self.importance = importance  # [cols] in sweep order (imatrix_mse), else None
         self.storage_dtype = storage_dtype  # the scales are rounded to what a parameter of it holds
+        self.scaled = is_scaled_format(args)  # NVFP4 / MX / FP8 block: compressed-tensors' scales, from the start
         self.row_args = as_row_args(args)
+        if self.scaled:  # each column is rounded with its rows' effective scales (NVFP4: scale / global scale)
+            self.row_args = self.row_args.model_copy(update={"scale_dtype": None, "block_structure": None})
         self.observer = observer
         self.upfront = upfront
         self.rows = sum(w.shape[0] for w in originals)
         cols = originals[0].shape[1]
         self.gs = args.group_size if args.strategy == QuantizationStrategy.GROUP else cols
+        if args.strategy == QuantizationStrategy.TENSOR_GROUP:
+            self.gs = args.group_size
+        elif args.strategy == QuantizationStrategy.BLOCK:
+            self.gs = int(args.block_structure[1])
         # Groups formed during the sweep start a sub-block (gs <= block_size) or a block (gs > block_size), so
         # their scale is taken with every earlier column's compensation applied.
         self.sub_block = self.gs if (not upfront and self.gs <= block_size) else SUB_BLOCK
         self.scales: list[torch.Tensor] = []
         self.zps: list[torch.Tensor] = []
-        if upfront:
-            per = [(storable(s, storage_dtype), z) for s, z in (observe(w, args, observer) for w in originals)]
+        if self.scaled:
+            self._scaled_upfront(args, originals, observer)
+        elif upfront:
+            original_order = None  # the importance of the original columns (observe sees unpermuted weights)
+            if importance is not None:
+                original_order = importance if perm is None else importance[torch.argsort(perm)]
+            per = [
+                (storable(s, storage_dtype), z)
+                for s, z in (observe(w, args, observer, importance=original_order) for w in originals)
+            ]
             self.scales = [
                 s.expand(w.shape[0], -1) if s.numel() == 1 else s for (s, _), w in zip(per, originals, strict=True)
             ]
@@ -211,6 +257,24 @@ class _QuantRule:
         # One view per group made once (updated in place when a group's scale is taken during the sweep).
         self.scale_rows, self.z_rows = self.scaleT.unbind(0), self.zT.unbind(0)
 
+    def _scaled_upfront(self, args: QuantizationArgs, originals: list[torch.Tensor], observer: str) -> None:
+        """NVFP4 / MX / FP8-block scales of every weight, from the original weights, before the sweep: the stored
+        ``(scale, zero point, global scale)`` per weight, and per row and column group the effective scale the
+        columns are rounded with (NVFP4: ``scale / global``; block: the block's scale for each of its rows)."""
+        self._per_weight_scaled = [
+            (s if args.scale_dtype is not None else storable(s, self.storage_dtype), z, g)
+            for s, z, g in (observe_scaled_format(w, args, observer) for w in originals)
+        ]
+        effective, zps = [], []
+        for s, z, g in self._per_weight_scaled:
+            if args.strategy == QuantizationStrategy.BLOCK:
+                rows_per_block = int(args.block_structure[0])
+                s, z = s.repeat_interleave(rows_per_block, dim=0), z.repeat_interleave(rows_per_block, dim=0)
+            effective.append(s / g if g is not None else s)
+            zps.append(z.to(torch.float32))
+        self.scale = torch.cat(effective, dim=0)
+        self.zp = torch.cat(zps, dim=0)
+
     def bind(self, WT: torch.Tensor) -> None:
         self.WT = WT
         keep = WT != 0
@@ -223,7 +287,8 @@ class _QuantRule:
         g = self.group_of[j]
         if not self.upfront and j % self.gs == 0:
             x = self.WT[j : j + self.gs].T  # type: ignore[index]  # [rows, gs], every earlier column's update applied
-            s, z = row_qparams(x, self.row_args, self.observer)
+            imp = None if self.importance is None else self.importance[j : j + self.gs].unsqueeze(0)
+            s, z = row_qparams(x, self.row_args, self.observer, imp)
             s = storable(s, self.storage_dtype)
             self.scale[:, g : g + 1] = s
             self.zp[:, g : g + 1] = z.to(self.zp.dtype)
@@ -253,7 +318,10 @@ class _QuantRule:
             g_idx[g_perm] = (torch.arange(WT.shape[0], device=WT.device) // self.gs).to(torch.int32)
         for k, w in enumerate(weights):
             r1 = r0 + w.shape[0]
-            if self.upfront and self._per_weight[k][0].numel() == 1:  # tensor strategy
+            global_scale = None
+            if self.scaled:
+                scale, zp, global_scale = self._per_weight_scaled[k]
+            elif self.upfront and self._per_weight[k][0].numel() == 1:  # tensor strategy
                 scale, zp = self._per_weight[k]
             else:
                 scale, zp = self.scale[r0:r1].clone(), self.zp[r0:r1].clone()
@@ -264,6 +332,7 @@ class _QuantRule:
                     zero_point=zp,
                     g_idx=g_idx,
                     rel_output_error=errors[k],
+                    global_scale=global_scale,
                 )
             )
             r0 = r1
@@ -329,32 +398,68 @@ class GPTQModifier(QuantizingModifier):
 
     measures_output_error = True  # from the sweep (llmc_fsm.toolkit.layer_error.sweep_relative_errors)
 
-    def _new_accumulator(self, module: nn.Module) -> HessianAccumulator:
-        return HessianAccumulator(module.weight.shape[1])
+    def _resolve(self) -> None:
+        super()._resolve()
+        for args in (scheme.weights for scheme in self._groups.values()):
+            if (
+                args is not None
+                and args.strategy == QuantizationStrategy.GROUP
+                and self.block_size % args.group_size
+                and (args.group_size % self.block_size)
+            ):
+                msg = (
+                    f"group_size {args.group_size} and GPTQ's block_size {self.block_size} (columns per lazy update) "
+                    "must divide one another: use a power-of-two group size (e.g. 32, 64, 128), or a block_size "
+                    f"that is a multiple of {args.group_size} (CLI: --block-size {args.group_size}; recipe: "
+                    f"block_size: {args.group_size})"
+                )
+                raise ValueError(msg)
 
-    def __attrs_post_init__(self) -> None:
-        super().__attrs_post_init__()
-        args = self.weight_args
-        if (
-            args.strategy == QuantizationStrategy.GROUP
-            and self.block_size % args.group_size
-            and (args.group_size % self.block_size)
-        ):
-            msg = (
-                f"group_size {args.group_size} and GPTQ's block_size {self.block_size} (columns per lazy update) "
-                "must divide one another: use a power-of-two group size (e.g. 32, 64, 128), or a block_size that is "
-                f"a multiple of {args.group_size} (CLI: --block-size {args.group_size}; recipe: block_size: "
-                f"{args.group_size})"
-            )
-            raise ValueError(msg)
+    def take_stage_config(self, earlier: list[Any], stage: str) -> list[Any]:
+        """llm-compressor's idiom: a GPTQModifier without any quantization config (no ``scheme``,
+        ``config_groups``, ``targets``, ``ignore`` or ``observer``) after a ``QuantizationModifier`` of the same
+        stage runs GPTQ with that modifier's config, which then does not run by itself.
 
-    def _quantize(self, modules: list[nn.Module], accumulator: HessianAccumulator) -> list[QuantizedWeight]:
+        Args:
+            earlier: the stage's modifiers before this one, in recipe order.
+            stage: the stage's name (for the log line).
+
+        Returns:
+            ``earlier`` without the ``QuantizationModifier`` whose config this modifier took (its ``scheme`` or
+            ``config_groups``, ``targets``, ``ignore`` and ``observer``); ``earlier`` unchanged when this
+            modifier has a config of its own or the stage has not exactly one such ``QuantizationModifier``
+            (then both run, and one-shot refuses a module the two would quantize).
+
+        Raises:
+            ValueError: the taken config does not suit GPTQ (e.g. its group size and ``block_size``).
+        """
+        from llmc_fsm_quantization.rtn import QuantizationModifier
+
+        sources = [m for m in earlier if type(m) is QuantizationModifier]
+        if not self._bare or len(sources) != 1 or sources[0]._bare:
+            return earlier
+        (source,) = sources
+        self.scheme, self.config_groups = source.scheme, copy.deepcopy(source.config_groups)
+        self.targets, self.ignore, self.observer = list(source.targets), list(source.ignore), source.observer
+        self._ignore_defaulted, self._bare = source._ignore_defaulted, False
+        self._resolve()
+        logger.info(
+            "stage %r: GPTQModifier has no quantization config of its own and takes the QuantizationModifier's before "
+            "it (as llm-compressor does): GPTQ quantizes with that config, and the QuantizationModifier does not run "
+            "by itself",
+            stage,
+        )
+        return [m for m in earlier if m is not source]
+
+    def _quantize(
+        self, modules: list[nn.Module], accumulator: HessianAccumulator, args: QuantizationArgs
+    ) -> list[QuantizedWeight]:
         return gptq_quantize(
             [m.weight for m in modules],
             accumulator.hessian,
-            args=self.weight_args,
+            args=args,
             block_size=self.block_size,
             dampening_frac=float(self.dampening_frac),
             actorder=self.actorder,
-            observer=self.observer,
+            observer=args.observer,
         )

@@ -1,13 +1,31 @@
 """Weight observers: the scale and zero point of a weight (or of each of its rows / groups).
 
-``minmax`` takes each group's minimum and maximum; ``mse`` shrinks that range
-by a factor ``p`` in ``1, 0.99, ..., 0.81`` (``grid`` = 100 steps, at most 20%
-shrink) and keeps, per group, the ``p`` whose fake-quantized values have the
-smallest ``sum |x - q(x)|^2.4`` (the search of GPTQ's reference code,
-arXiv 2210.17323, and llm-compressor's MSE observer). Scale and zero point
-from a range come from ``compressed_tensors.quantization.utils.calculate_qparams``
-and the rounding from ``compressed_tensors``' ``fake_quantize``, so the values
-match what the checkpoint's compressor computes when it packs the weight.
+The names are llm-compressor's (0.14), with the meaning they have for a weight,
+which is observed once:
+
+* ``minmax``, ``static_minmax``, ``memoryless_minmax``: each group's minimum and
+  maximum. llm-compressor's three differ only in how they combine *several*
+  observations (a moving average, a running extreme, the last one); a weight is
+  observed once, so all three give its minimum and maximum.
+* ``mse``, ``memoryless_mse``: the range shrunk by a factor ``p`` in ``1, 0.99,
+  ..., 0.8`` (``grid`` 100 steps, at most 20% shrink), keeping per group the ``p``
+  whose fake-quantized values have the smallest ``sum |x - q(x)|^2.4`` (the search
+  of GPTQ's reference code, arXiv 2210.17323, and llm-compressor's MSE observer;
+  every step is tried, llm-compressor may stop after 5 steps that improve no group).
+* ``imatrix_mse``: the same search with every error weighted by the importance of
+  its input column, ``E[x_j^2]`` over the calibration tokens (the "importance
+  matrix" of llama.cpp, llama.cpp PR 4861, as llm-compressor's ``imatrix_mse``):
+  ``sum_j imp_j |w_ij - q(w_ij)|^3`` with ``imp`` divided by its mean, ``p`` in
+  ``1, 0.95, ..., 0.05`` (``grid`` 20, at most 95% shrink), stopping after 5 steps
+  that improve no group. ``E[x_j^2]`` is half the diagonal of the Hessian
+  ``H = (2/n) X^T X`` that :class:`llmc_fsm.toolkit.obs.HessianAccumulator` gathers, so it
+  needs calibration data. Unlike llm-compressor (which then falls back to plain
+  MSE) it also weights per-tensor scales.
+
+Any other name is refused (:func:`check_observer`). Scale and zero point from a
+range come from ``compressed_tensors.quantization.utils.calculate_qparams`` and
+the rounding from ``compressed_tensors``' ``fake_quantize``, so the values match
+what the checkpoint's compressor computes when it packs the weight.
 
 Shapes (``W`` is ``[rows, cols]``): tensor strategy ``[1]``, channel
 ``[rows, 1]``, group ``[rows, cols // group_size]``.
@@ -15,19 +33,76 @@ Shapes (``W`` is ``[rows, cols]``): tensor strategy ``[1]``, channel
 
 from __future__ import annotations
 
+import attrs
 import torch
 from compressed_tensors.quantization import QuantizationArgs, QuantizationStrategy
 from compressed_tensors.quantization.lifecycle.forward import fake_quantize
 from compressed_tensors.quantization.utils import calculate_qparams
 
-__all__ = ["OBSERVERS", "as_row_args", "observe", "quantize_rows", "row_qparams", "storable"]
+__all__ = [
+    "IMPORTANCE_OBSERVERS",
+    "OBSERVERS",
+    "as_row_args",
+    "check_observer",
+    "importance_from_hessian",
+    "is_scaled_format",
+    "observe",
+    "observe_scaled_format",
+    "quantize_rows",
+    "row_qparams",
+    "storable",
+]
 
-#: Observer names accepted by the modifiers' ``observer`` argument.
-OBSERVERS = ("minmax", "mse")
+#: Observer names the modifiers accept (llm-compressor's weight observers).
+OBSERVERS = ("minmax", "static_minmax", "memoryless_minmax", "mse", "memoryless_mse", "imatrix_mse")
+#: Observers that weight the error by the calibration inputs' importance (they need calibration data).
+IMPORTANCE_OBSERVERS = frozenset({"imatrix_mse"})
+_MINMAX = frozenset({"minmax", "static_minmax", "memoryless_minmax"})
 
-_MSE_GRID = 100
-_MSE_MAX_SHRINK = 0.2
-_MSE_NORM = 2.4
+
+@attrs.frozen
+class _Search:
+    """A range-shrinking search: ``p = 1 - i / grid`` for ``i = 0 .. int(max_shrink * grid)``, error
+    ``sum (importance *) |x - q(x)|^norm`` per group; stop after ``patience`` steps improving no group (``None``:
+    never)."""
+
+    grid: int
+    max_shrink: float
+    norm: float
+    patience: int | None
+
+
+_SEARCHES = {
+    "mse": _Search(grid=100, max_shrink=0.2, norm=2.4, patience=None),
+    "memoryless_mse": _Search(grid=100, max_shrink=0.2, norm=2.4, patience=None),
+    "imatrix_mse": _Search(grid=20, max_shrink=0.95, norm=3.0, patience=5),
+}
+
+
+def check_observer(name: object) -> str:
+    """``name`` if it is an observer the modifiers have.
+
+    Raises:
+        ValueError: ``unknown observer 'NAME'; choose one of minmax, static_minmax, ...`` (one line).
+    """
+    if not isinstance(name, str) or name not in OBSERVERS:
+        msg = f"unknown observer {name!r}; choose one of {', '.join(OBSERVERS)}"
+        raise ValueError(msg)
+    return name
+
+
+def importance_from_hessian(hessian: torch.Tensor) -> torch.Tensor:
+    """Per-input-column importance ``E[x_j^2]`` ``[in]`` float32 from ``H = (2/n) X^T X`` ``[in, in]``
+    (half its diagonal), divided by its mean as ``imatrix_mse`` uses it (all zeros stay zeros).
+
+    Raises:
+        ValueError: ``H``'s diagonal holds a negative or non-finite value.
+    """
+    imp = torch.diagonal(hessian).to(torch.float32) / 2
+    if not bool(torch.isfinite(imp).all()) or bool((imp < 0).any()):
+        msg = "imatrix_mse: the calibration inputs' mean squares are not finite and non-negative"
+        raise ValueError(msg)
+    return imp / (imp.mean() + torch.finfo(torch.float32).tiny)
 
 
 def as_row_args(args: QuantizationArgs) -> QuantizationArgs:
@@ -55,22 +130,43 @@ def quantize_rows(
     return fake_quantize(x, scale, zero_point, row_args)
 
 
-def row_qparams(x: torch.Tensor, row_args: QuantizationArgs, observer: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Scale and zero point ``[G, 1]`` of each row of ``x`` ``[G, n]`` (channel ``row_args``) by ``observer``."""
+def row_qparams(
+    x: torch.Tensor, row_args: QuantizationArgs, observer: str, importance: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scale and zero point ``[G, 1]`` of each row of ``x`` ``[G, n]`` (channel ``row_args``) by ``observer``.
+
+    ``importance``: for ``imatrix_mse``, the weight of each entry's error, ``[G, n]`` or broadcastable to it.
+
+    Raises:
+        ValueError: unknown observer, or ``imatrix_mse`` without ``importance``.
+    """
+    check_observer(observer)
     lo = x.amin(dim=1, keepdim=True)
     hi = x.amax(dim=1, keepdim=True)
     scale, zp = calculate_qparams(lo, hi, row_args)
-    if observer == "minmax":
+    if observer in _MINMAX:
         return scale, zp
+    if observer in IMPORTANCE_OBSERVERS and importance is None:
+        msg = f"observer {observer} weights the error by the calibration inputs' importance: it needs calibration data"
+        raise ValueError(msg)
+    search = _SEARCHES[observer]
+    weight = importance.to(torch.float32) if observer in IMPORTANCE_OBSERVERS else None  # type: ignore[union-attr]
     best = torch.full((x.shape[0], 1), float("inf"), dtype=torch.float32, device=x.device)
-    for i in range(int(_MSE_MAX_SHRINK * _MSE_GRID) + 1):
-        p = 1.0 - i / _MSE_GRID
+    stale = 0
+    for i in range(int(search.max_shrink * search.grid) + 1):
+        p = 1.0 - i / search.grid
         s, z = (scale, zp) if i == 0 else calculate_qparams(lo * p, hi * p, row_args)
-        err = (quantize_rows(x, s, z, row_args) - x).abs_().pow_(_MSE_NORM).sum(dim=1, keepdim=True)
+        err = (quantize_rows(x, s, z, row_args) - x).abs_().pow_(search.norm)
+        if weight is not None:
+            err.mul_(weight)
+        err = err.sum(dim=1, keepdim=True)
         better = err < best
         best = torch.where(better, err, best)
         scale = torch.where(better, s, scale)
         zp = torch.where(better, z, zp)
+        stale = 0 if bool(better.any()) else stale + 1
+        if search.patience is not None and stale >= search.patience:
+            break
     return scale, zp
 
 
@@ -87,34 +183,109 @@ def storable(scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 @torch.no_grad()
 def observe(
-    weight: torch.Tensor, args: QuantizationArgs, observer: str = "minmax"
+    weight: torch.Tensor, args: QuantizationArgs, observer: str = "minmax", *, importance: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Scale and zero point of ``weight`` for ``args`` (strategy tensor, channel or group).
 
     Args:
         weight: ``[rows, cols]`` float tensor (group strategy: ``cols`` divisible by ``group_size``).
         args: the weight's ``QuantizationArgs``.
-        observer: ``"minmax"`` or ``"mse"``.
+        observer: one of :data:`OBSERVERS` (see the module docs).
+        importance: ``[cols]`` importance of each input column (:func:`importance_from_hessian`); needed by
+            ``imatrix_mse``, unused by the others.
 
     Returns:
         ``(scale, zero_point)`` shaped ``[1]`` / ``[rows, 1]`` / ``[rows, cols // group_size]``; scale float32
         holding values of ``weight``'s dtype (:func:`storable`), zero point in ``args.zp_dtype`` (symmetric: zeros).
 
     Raises:
-        ValueError: unknown observer or strategy, or ``cols`` not divisible by ``group_size``.
+        ValueError: unknown observer or strategy, ``cols`` not divisible by ``group_size``, or ``imatrix_mse``
+            without ``importance`` (or with one of another size).
     """
-    if observer not in OBSERVERS:
-        msg = f"unknown observer {observer!r}; choose one of {', '.join(OBSERVERS)}"
-        raise ValueError(msg)
+    check_observer(observer)
     rows, cols = weight.shape
     if args.strategy == QuantizationStrategy.GROUP and cols % args.group_size:
         msg = f"in_features {cols} is not a multiple of group_size {args.group_size}"
         raise ValueError(msg)
     x = _groups(weight.detach().to(torch.float32), args)
-    scale, zp = row_qparams(x, as_row_args(args), observer)
+    entry_importance = None
+    if observer in IMPORTANCE_OBSERVERS and importance is not None:
+        if importance.shape != (cols,):
+            msg = f"imatrix_mse: importance has shape {tuple(importance.shape)}, expected ({cols},)"
+            raise ValueError(msg)
+        entry_importance = _groups(importance.to(x.device, torch.float32).expand(rows, cols), args)
+    scale, zp = row_qparams(x, as_row_args(args), observer, entry_importance)
     scale = storable(scale, weight.dtype)
     if args.strategy == QuantizationStrategy.TENSOR:
         return scale.reshape(1), zp.reshape(1)
     if args.strategy == QuantizationStrategy.CHANNEL:
         return scale, zp
     return scale.reshape(rows, cols // args.group_size), zp.reshape(rows, cols // args.group_size)
+
+
+def is_scaled_format(args: QuantizationArgs) -> bool:
+    """Whether ``args`` is a format whose scales compressed-tensors derives in its own way: NVFP4
+    (``tensor_group``: fp8 group scales under one fp32 global scale), the MX formats (power-of-two group scales,
+    ``scale_dtype`` uint8) or FP8 block scales (``block``). :func:`observe_scaled_format` takes those."""
+    return args.strategy in (QuantizationStrategy.TENSOR_GROUP, QuantizationStrategy.BLOCK) or (
+        args.scale_dtype is not None
+    )
+
+
+@torch.no_grad()
+def observe_scaled_format(
+    weight: torch.Tensor, args: QuantizationArgs, observer: str = "minmax"
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Scale, zero point and global scale of ``weight`` for NVFP4, MX or FP8-block ``args`` (minmax observers).
+
+    Each group's (``tensor_group`` / MX: ``group_size`` inputs of a row; ``block``: a ``block_structure``
+    ``[r, c]`` tile) minimum and maximum go through ``compressed_tensors.quantization.utils.calculate_qparams``,
+    which makes the format's scales: NVFP4 ``scale = fp8(global * max|w_g| / 6)`` with
+    ``global = 448 * 6 / max|W|`` (``generate_gparam``, one per weight), so the effective scale is
+    ``scale / global``; MX a power of two per group (E8M0 exponent); FP8 block ``max|w_b| / 448``.
+
+    Returns:
+        ``(scale, zero_point, global_scale)``: ``[rows, cols // group_size]`` or ``[rows / r, cols / c]``
+        (float32), the same shape in ``args.zp_dtype``, and ``[1]`` float32 for ``tensor_group`` else ``None``.
+
+    Raises:
+        ValueError: an observer other than the minmax ones (the range-searching observers are not implemented
+            for these formats), or a group / block that does not divide the weight.
+    """
+    from compressed_tensors.quantization.utils import generate_gparam
+
+    if observer not in _MINMAX:
+        msg = (
+            f"observer {observer} is not implemented for {_format_name(args)} weights; use minmax (or "
+            "static_minmax / memoryless_minmax, the same for a weight)"
+        )
+        raise ValueError(msg)
+    rows, cols = weight.shape
+    w = weight.detach().to(torch.float32)
+    if args.strategy == QuantizationStrategy.BLOCK:
+        r, c = (int(v) for v in args.block_structure)
+        if rows % r or cols % c:
+            msg = f"weight [{rows}, {cols}] is not a whole number of [{r}, {c}] blocks"
+            raise ValueError(msg)
+        tiles = w.reshape(rows // r, r, cols // c, c)
+        lo, hi = tiles.amin(dim=(1, 3)), tiles.amax(dim=(1, 3))
+    else:
+        gs = int(args.group_size)
+        if cols % gs:
+            msg = f"in_features {cols} is not a multiple of group_size {gs}"
+            raise ValueError(msg)
+        groups = w.reshape(rows, cols // gs, gs)
+        lo, hi = groups.amin(dim=2), groups.amax(dim=2)
+    global_scale = None
+    if args.strategy == QuantizationStrategy.TENSOR_GROUP:
+        global_scale = generate_gparam(w.amin().reshape(1), w.amax().reshape(1))
+    scale, zp = calculate_qparams(lo, hi, args, global_scale=global_scale)
+    return scale.to(torch.float32), zp, global_scale
+
+
+def _format_name(args: QuantizationArgs) -> str:
+    if args.strategy == QuantizationStrategy.TENSOR_GROUP:
+        return "NVFP4 (tensor_group)"
+    if args.strategy == QuantizationStrategy.BLOCK:
+        return "block-wise"
+    return "MX (power-of-two scales)"

@@ -10,29 +10,48 @@ from torch import nn
 
 from llmc_fsm.toolkit.obs import HessianAccumulator
 from llmc_fsm_quantization._base import QuantizedWeight, QuantizingModifier
-from llmc_fsm_quantization.observers import observe
+from llmc_fsm_quantization.observers import (
+    IMPORTANCE_OBSERVERS,
+    importance_from_hessian,
+    is_scaled_format,
+    observe,
+    observe_scaled_format,
+    storable,
+)
 
 __all__ = ["QuantizationModifier", "rtn_quantize"]
 
 
 @torch.no_grad()
-def rtn_quantize(weight: torch.Tensor, args: QuantizationArgs, observer: str = "minmax") -> QuantizedWeight:
+def rtn_quantize(
+    weight: torch.Tensor, args: QuantizationArgs, observer: str = "minmax", *, importance: torch.Tensor | None = None
+) -> QuantizedWeight:
     """Round every weight to the nearest point of its group's grid.
 
-    ``scale``/``zero_point`` from ``observer`` (:func:`~llmc_fsm_quantization.observers.observe`),
+    ``scale``/``zero_point`` from ``observer`` (:func:`~llmc_fsm_quantization.observers.observe`; NVFP4, MX
+    and FP8-block weights: :func:`~llmc_fsm_quantization.observers.observe_scaled_format`, with NVFP4's global scale),
     then ``q = clamp(round(w / scale) + zero_point, q_min, q_max)`` and
     ``w_hat = (q - zero_point) * scale`` (``compressed_tensors``' ``fake_quantize``).
 
     Args:
         weight: ``[out, in]`` float tensor (not modified).
         args: the weight ``QuantizationArgs``.
-        observer: ``"minmax"`` or ``"mse"``.
+        observer: one of :data:`~llmc_fsm_quantization.observers.OBSERVERS`.
+        importance: ``[in]`` per-input-column importance for ``imatrix_mse``
+            (:func:`~llmc_fsm_quantization.observers.importance_from_hessian`).
 
     Raises:
         ValueError: as :func:`~llmc_fsm_quantization.observers.observe`.
     """
     w = weight.detach().to(torch.float32)
-    scale, zp = observe(weight.detach(), args, observer)  # the scale as a parameter of weight's dtype holds it
+    if is_scaled_format(args):  # NVFP4, MX, FP8 block: compressed-tensors' own scales
+        scale, zp, global_scale = observe_scaled_format(weight, args, observer)
+        if args.scale_dtype is None:
+            scale = storable(scale, weight.dtype)
+        q = fake_quantize(w, scale, zp, args, global_scale=global_scale).to(weight.dtype)
+        return QuantizedWeight(weight=q, scale=scale, zero_point=zp, global_scale=global_scale)
+    # the scale as a parameter of weight's dtype holds it
+    scale, zp = observe(weight.detach(), args, observer, importance=importance)
     return QuantizedWeight(weight=fake_quantize(w, scale, zp, args).to(weight.dtype), scale=scale, zero_point=zp)
 
 
@@ -46,18 +65,36 @@ class QuantizationModifier(QuantizingModifier):
     Only when it shares a pass with a modifier that needs data (the same stage,
     or ``fuse_stages=True``) do calibration inputs reach it: it then quantizes
     each decoder layer as the pass reaches it and reports the relative output
-    error on those inputs. Arguments: ``scheme``, ``observer``, ``targets``,
-    ``ignore`` (see :class:`~llmc_fsm_quantization.GPTQModifier`).
+    error on those inputs. Arguments: ``scheme`` or ``config_groups``, ``observer``,
+    ``targets``, ``ignore`` (see :class:`~llmc_fsm_quantization._base.QuantizingModifier`).
 
-    Requires state ``model``.
+    Requires state ``model``; also ``calibration_data`` when a weight observer is
+    ``imatrix_mse``, which weights each input column by its mean square on the
+    calibration tokens, or when input activations are static (``dynamic: false``,
+    e.g. preset ``FP8``: one scale per tensor from the range of the calibration
+    inputs); a target that receives no calibration input is then left as it was
+    and listed as skipped.
     """
 
     required_state = frozenset({"model"})
     optional_state = frozenset({"calibration_data"})
     needs_inputs = False
 
-    def _new_accumulator(self, module: nn.Module) -> HessianAccumulator:
-        return HessianAccumulator(module.weight.shape[1])
+    def __attrs_post_init__(self) -> None:
+        super().__attrs_post_init__()
+        # imatrix_mse or static input scales: no target is quantized without its inputs' statistics
+        self.needs_inputs = self.needs_importance or self.static_inputs
 
-    def _quantize(self, modules: list[nn.Module], accumulator: object) -> list[QuantizedWeight]:
-        return [rtn_quantize(m.weight, self.weight_args, self.observer) for m in modules]
+    def required_keys(self) -> frozenset[str]:
+        """``model``; and ``calibration_data`` when a weight observer needs the inputs' importance (``imatrix_mse``)
+        or input activations have static (calibrated) scales."""
+        keys = super().required_keys()
+        return keys | {"calibration_data"} if self.needs_inputs else keys
+
+    def _quantize(
+        self, modules: list[nn.Module], accumulator: HessianAccumulator | None, args: QuantizationArgs
+    ) -> list[QuantizedWeight]:
+        importance = None
+        if args.observer in IMPORTANCE_OBSERVERS and accumulator is not None:
+            importance = importance_from_hessian(accumulator.hessian)
+        return [rtn_quantize(m.weight, args, args.observer, importance=importance) for m in modules]

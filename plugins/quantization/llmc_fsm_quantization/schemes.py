@@ -25,10 +25,22 @@ from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 from compressed_tensors.quantization.quant_scheme import PRESET_SCHEMES, preset_name_to_scheme
 from pydantic import ValidationError
 
-__all__ = ["preset_names", "resolve_scheme", "weight_args"]
+from llmc_fsm_quantization.observers import IMPORTANCE_OBSERVERS, OBSERVERS, is_scaled_format
+
+#: Observers of static (calibrated) per-tensor input scales
+#: (see :class:`llmc_fsm_quantization._base.CalibrationStatistics`).
+STATIC_INPUT_OBSERVERS = ("minmax", "static_minmax", "memoryless_minmax")
+
+__all__ = ["STATIC_INPUT_OBSERVERS", "preset_names", "resolve_config_groups", "resolve_scheme", "weight_args"]
 
 #: Weight strategies the modifiers implement.
-_WEIGHT_STRATEGIES = (QuantizationStrategy.TENSOR, QuantizationStrategy.CHANNEL, QuantizationStrategy.GROUP)
+_WEIGHT_STRATEGIES = (
+    QuantizationStrategy.TENSOR,
+    QuantizationStrategy.CHANNEL,
+    QuantizationStrategy.GROUP,
+    QuantizationStrategy.TENSOR_GROUP,
+    QuantizationStrategy.BLOCK,
+)
 
 
 def preset_names(*, supported_only: bool = False) -> list[str]:
@@ -125,6 +137,64 @@ def _reason(err: ValidationError) -> str:
     return "; ".join(parts)
 
 
+def resolve_config_groups(config_groups: Any) -> dict[str, QuantizationScheme]:
+    """``{group name: QuantizationScheme}`` of llm-compressor's ``config_groups``, each checked by
+    :func:`resolve_scheme` with its own targets.
+
+    Args:
+        config_groups: ``{name: {targets: [...], <scheme fields>}}`` (a value may also be a
+            ``QuantizationScheme``); the scheme fields are those :func:`resolve_scheme` reads
+            (``weights``, ``input_activations``, ``preset``, ...).
+
+    Raises:
+        ValueError: not a non-empty mapping, a group without targets, or a group :func:`resolve_scheme`
+            refuses (the message starts ``config_groups entry 'NAME': ``).
+    """
+    if not isinstance(config_groups, Mapping) or not config_groups:
+        msg = f"config_groups must map group names to schemes with targets, got {config_groups!r}"
+        raise ValueError(msg)
+    groups: dict[str, QuantizationScheme] = {}
+    for name, group in config_groups.items():
+        if isinstance(group, QuantizationScheme):
+            fields: Any = group
+            targets = list(group.targets)
+        elif isinstance(group, Mapping):
+            targets = group.get("targets")
+            targets = [targets] if isinstance(targets, str) else targets
+            fields = {k: v for k, v in group.items() if k != "targets"}
+        else:
+            raise ValueError(f"config_groups entry {name!r} must be a mapping of scheme fields, got {group!r}")
+        if not targets or not isinstance(targets, list | tuple) or not all(isinstance(t, str) for t in targets):
+            msg = (
+                f"config_groups entry {name!r} needs targets: a list of module patterns (e.g. [Linear]), "
+                f"got {targets!r}"
+            )
+            raise ValueError(msg)
+        try:
+            groups[str(name)] = resolve_scheme(fields, list(targets))
+        except ValueError as err:
+            raise ValueError(f"config_groups entry {name!r}: {err}") from None
+    return groups
+
+
+def _check_observers(scheme: QuantizationScheme) -> str | None:
+    """Why an observer named in ``scheme`` cannot run (unknown, importance for activations, kwargs), or ``None``."""
+    for role in ("weights", "input_activations", "output_activations"):
+        args = getattr(scheme, role)
+        if args is None:
+            continue
+        if args.observer is not None and args.observer not in OBSERVERS:
+            return f"{role}: unknown observer {args.observer!r}; choose one of {', '.join(OBSERVERS)}"
+        if role != "weights" and args.observer in IMPORTANCE_OBSERVERS:
+            return f"{role}: observer {args.observer} weighs weight errors by input importance; it is for weights only"
+        if args.observer_kwargs:
+            return (
+                f"{role}: observer_kwargs {dict(args.observer_kwargs)!r} are not supported (each observer runs "
+                "with llm-compressor's defaults, see docs/quantization.md); remove them"
+            )
+    return None
+
+
 def _static_only(what: str) -> str:
     return (
         f"{what}: weights are quantized statically here (once, from the weights themselves), so dynamic weights "
@@ -150,7 +220,10 @@ def _bits(n: Any) -> str:
 
 
 def _float_weights(bits: Any) -> str:
-    return f"float weights of {_bits(bits)} cannot be saved (fp8 only); use num_bits: 8 or type: int"
+    return (
+        f"float weights of {_bits(bits)} cannot be saved (fp8, or fp4 / fp6 with the scales of NVFP4 or the MX "
+        "formats: presets NVFP4A16, MXFP4A16, MXFP6A16); use num_bits: 8 or type: int"
+    )
 
 
 def _check_float_bits(fields: Mapping[str, Any]) -> None:
@@ -164,7 +237,7 @@ def _check_float_bits(fields: Mapping[str, Any]) -> None:
         bits = args.get("num_bits", 8)
         if not isinstance(kind, str) or kind.lower() != "float" or isinstance(bits, bool) or not isinstance(bits, int):
             continue
-        if role == "weights" and bits != 8:
+        if role == "weights" and bits != 8 and (bits not in (4, 6) or args.get("scale_dtype") is None):
             raise ValueError(_float_weights(bits))
         if bits not in (4, 6, 8):
             msg = (
@@ -198,6 +271,9 @@ def _check_supported(scheme: QuantizationScheme) -> None:
 
 def _problem(scheme: QuantizationScheme) -> str | None:
     """Why the modifiers cannot run ``scheme``, or ``None``."""
+    problem = _check_observers(scheme)
+    if problem is not None:
+        return problem
     w = scheme.weights
     if w is None:
         return "the scheme quantizes no weights; weight-only (W4A16, W8A16) and dynamic (W8A8, FP8_DYNAMIC) ones work"
@@ -206,27 +282,40 @@ def _problem(scheme: QuantizationScheme) -> str | None:
         dynamic = str(getattr(w.dynamic, "value", w.dynamic)).lower()
         return _static_only(f"weights with dynamic: {dynamic}, strategy: {strategy}")
     if w.strategy not in _WEIGHT_STRATEGIES:
-        return f"weight strategy {strategy!r} is not supported; use tensor, channel or group"
-    for role in ("weights", "input_activations"):
-        args = getattr(scheme, role)
-        if args is not None and getattr(args, "scale_dtype", None) is not None:
-            return (
-                f"{role} with scale_dtype {args.scale_dtype} (the MX formats' shared power-of-two scales) are not "
-                "supported; use float scales (leave scale_dtype out)"
-            )
+        return f"weight strategy {strategy!r} is not supported; use tensor, channel, group, tensor_group or block"
+    if w.scale_dtype is not None and not is_scaled_format(w):
+        return (
+            f"weights with scale_dtype {w.scale_dtype} are supported only as compressed-tensors' MX formats "
+            "(float, group_size 32, scale_dtype uint8) and NVFP4 (tensor_group, scale_dtype float8_e4m3fn)"
+        )
+    if w.strategy == QuantizationStrategy.TENSOR_GROUP and (w.type != "float" or w.num_bits != 4):
+        return "tensor_group weights are NVFP4's: float, 4 bits (preset NVFP4A16)"
     for role in ("weights", "input_activations"):
         args = getattr(scheme, role)
         if args is not None and args.type == "int" and args.num_bits < 2:
             return _too_few_bits(role, args.num_bits)
-    if w.type == "float" and w.num_bits != 8:  # compressed-tensors' float-quantized format writes fp8 only
-        return _float_weights(w.num_bits)
-    for role in ("input_activations", "output_activations"):
-        args = getattr(scheme, role)
-        if args is not None and not args.dynamic:
+    if w.type == "float" and w.num_bits != 8 and not (w.scale_dtype is not None and is_scaled_format(w)):
+        return _float_weights(w.num_bits)  # compressed-tensors packs fp4/fp6 only as NVFP4 and MX
+    a = scheme.input_activations
+    if a is not None and getattr(a.dynamic, "value", a.dynamic) == "local":
+        return (
+            "input_activations with dynamic: local (NVFP4's per-group input scales under a calibrated global "
+            "scale) are not supported; use NVFP4A16 (weights only) or FP8 / FP8_DYNAMIC activations"
+        )
+    if a is not None and not a.dynamic:
+        if a.strategy != QuantizationStrategy.TENSOR:
+            per = getattr(a.strategy, "value", a.strategy)
             return (
-                f"static {role} (dynamic: false) need activation observers, which this version does not have; "
-                "use a weight-only scheme (W4A16, W8A16) or dynamic activations (W8A8, FP8_DYNAMIC)"
+                f"static input_activations (dynamic: false) per {per} are not supported: static input scales are "
+                "per tensor (strategy: tensor, as in preset FP8); or use dynamic activations (W8A8, FP8_DYNAMIC)"
             )
+        if a.observer is not None and a.observer not in STATIC_INPUT_OBSERVERS:
+            return (
+                f"input_activations: observer {a.observer} is not supported for static input scales; use one of "
+                f"{', '.join(STATIC_INPUT_OBSERVERS)}"
+            )
+    if scheme.output_activations is not None and not scheme.output_activations.dynamic:
+        return "static output_activations (dynamic: false) are not supported: output activations are not quantized"
     if scheme.output_activations is not None:
         return "output activation quantization is not supported"
     return None

@@ -191,8 +191,9 @@ def test_gptq_group_sizes_that_do_not_divide_are_refused() -> None:
 
 # --------------------------------------------------------------------------- recipes and errors before work
 RUNNABLE = (
-    "FP8_DYNAMIC, INT8, W2A16, W2A4, W2A8, W3A16, W3A4, W3A8, W4A16, W4A16_ASYM, W4A4, W4A8, W4AFP8, W5A16, W5A8, "
-    "W6A16, W6A8, W7A16, W7A8, W8A16, W8A8"
+    "FP8, FP8_BLOCK, FP8_DYNAMIC, INT8, MXFP4, MXFP4A16, MXFP4XFP8, MXFP6A16, MXFP6A8, MXFP8, MXFP8A16, NVFP4A16, "
+    "W2A16, W2A4, W2A8, W3A16, W3A4, W3A8, W4A16, W4A16_ASYM, W4A4, W4A8, W4AFP8, W5A16, W5A8, W6A16, W6A8, W7A16, "
+    "W7A8, W8A16, W8A8"
 )
 
 
@@ -208,15 +209,16 @@ def test_float_weights_other_than_fp8_are_refused_when_the_recipe_is_read() -> N
     with pytest.raises(llmc_fsm.RecipeError) as info:
         llmc_fsm.Session({"q": {"GPTQModifier": {"scheme": {"weights": {"num_bits": 4, "type": "float",
                                                                         "strategy": "channel"}}}}})
-    assert str(info.value).endswith("float weights of 4 bits cannot be saved (fp8 only); use num_bits: 8 or type: int")
+    assert str(info.value).endswith("float weights of 4 bits cannot be saved (fp8, or fp4 / fp6 with the scales of "
+                                    "NVFP4 or the MX formats: presets NVFP4A16, MXFP4A16, MXFP6A16); use num_bits: 8 "
+                                    "or type: int")
 
 
 @pytest.mark.parametrize(
     ("preset", "why"),
     [
-        ("MXFP4A16", "weights with scale_dtype torch.uint8 (the MX formats' shared power-of-two scales)"),
-        ("NVFP4", "weight strategy 'tensor_group' is not supported; use tensor, channel or group"),
-        ("FP8", "static input_activations (dynamic: false) need activation observers"),
+        ("NVFP4", "input_activations with dynamic: local (NVFP4's per-group input scales under a calibrated "
+                  "global scale) are not supported"),
         ("UNQUANTIZED", "the scheme quantizes no weights"),
     ],
 )
@@ -245,9 +247,10 @@ def test_actorder_accepts_compressed_tensors_names() -> None:
         GPTQModifier(actorder="sideways")
 
 
-def test_static_activation_scheme_is_refused_with_what_to_use() -> None:
-    with pytest.raises(ValueError, match=r"static input_activations \(dynamic: false\) need activation observers"):
-        QuantizationModifier(scheme="FP8")
+def test_static_activation_scheme_with_an_mse_observer_is_refused_with_what_to_use() -> None:
+    with pytest.raises(ValueError, match=r"^input_activations: observer mse is not supported for static input scales; "
+                                         r"use one of minmax, static_minmax, memoryless_minmax$"):
+        QuantizationModifier(scheme={"preset": "FP8", "input_activations": {"observer": "mse"}})
 
 
 def _tiny(layers: int = 2, hidden: int = 64) -> torch.nn.Module:

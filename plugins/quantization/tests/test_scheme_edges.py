@@ -155,8 +155,9 @@ def test_float_weights_other_than_8_bits_are_refused_when_the_recipe_is_read(mod
     with pytest.raises(RecipeError) as info:  # compressed-tensors: NotImplementedError: Only num_bits in (8) ...
         resolve_recipe(text)
     assert str(info.value) == (
-        f"recipe <text>, line 2, stage 'q', modifier {modifier}: float weights of {width} cannot be saved (fp8 "
-        "only); use num_bits: 8 or type: int"
+        f"recipe <text>, line 2, stage 'q', modifier {modifier}: float weights of {width} cannot be saved (fp8, "
+        "or fp4 / fp6 with the scales of NVFP4 or the MX formats: presets NVFP4A16, MXFP4A16, MXFP6A16); use "
+        "num_bits: 8 or type: int"
     )
 
 

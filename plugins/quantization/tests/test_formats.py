@@ -1,0 +1,345 @@
+"""New formats through compressed-tensors' own compressors: static input scales (FP8, INT8), on a 2-layer random
+Llama (hidden 64): the grid of the dequantized weights, scales against a hand computation, save -> reload with
+transformers giving the in-memory model's logits exactly."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import llmc_fsm
+
+FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
+
+
+def _tiny(layers: int = 2, hidden: int = 64) -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=128, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
+    )
+    return LlamaForCausalLM(cfg).eval()
+
+
+def _data(seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, 128, (8, 32), generator=torch.Generator().manual_seed(seed))
+
+
+def _first_layer_inputs(model: torch.nn.Module, data: torch.Tensor, batch_size: int) -> list[torch.Tensor]:
+    """q_proj's input of the first decoder layer, one tensor per calibration batch (it does not depend on the
+    quantization of any layer)."""
+    seen: list[torch.Tensor] = []
+    q = model.model.layers[0].self_attn.q_proj
+    handle = q.register_forward_pre_hook(lambda m, a: seen.append(a[0].detach().clone()))
+    with torch.no_grad():
+        for i in range(0, data.shape[0], batch_size):
+            model(data[i : i + batch_size])
+    handle.remove()
+    return seen
+
+
+def _reload_equal(model: torch.nn.Module, out) -> None:
+    from transformers import AutoModelForCausalLM
+
+    x = torch.randint(0, 128, (2, 24))
+    reloaded = AutoModelForCausalLM.from_pretrained(out).eval()
+    with torch.no_grad():
+        assert torch.equal(model(x).logits, reloaded(x).logits)
+
+
+STATIC_INT8 = {"preset": "W8A8", "input_activations": {"num_bits": 8, "type": "int", "symmetric": True,
+                                                      "strategy": "tensor", "dynamic": False}}
+
+
+@pytest.mark.parametrize("modifier", ["QuantizationModifier", "GPTQModifier"])
+@pytest.mark.parametrize(("scheme", "observer", "fmt"), [
+    ("FP8", "static_minmax", "float-quantized"),
+    (STATIC_INT8, "minmax", "int-quantized"),
+    ({**STATIC_INT8, "input_activations": {**STATIC_INT8["input_activations"], "observer": "memoryless_minmax"}},
+     "memoryless_minmax", "int-quantized"),
+])
+def test_static_input_scales_are_observed_on_the_calibration_inputs_and_reload(
+    tmp_path, modifier, scheme, observer, fmt
+) -> None:
+    model = _tiny()
+    data = _data()
+    batches = _first_layer_inputs(model, data, batch_size=2)
+    q = model.model.layers[0].self_attn.q_proj
+    original = q.weight.detach().clone()
+    out = tmp_path / "out"
+    recipe = {"q": {modifier: {"scheme": scheme, "ignore": ["lm_head"]}}}
+    llmc_fsm.oneshot(model=model, recipe=recipe, dataset=data, batch_size=2, output_dir=out, progress=False)
+    assert q.quantization_scheme.input_activations.observer == observer
+    # the hand computation, float64: each batch's min and max over all its input values
+    calls = [(float(x.double().min()), float(x.double().max())) for x in batches]
+    if observer == "static_minmax":
+        lo, hi = min(c[0] for c in calls), max(c[1] for c in calls)
+    elif observer == "memoryless_minmax":
+        lo, hi = calls[-1]
+    else:  # minmax: moving average, averaging constant 0.01
+        lo, hi = calls[0]
+        for c in calls[1:]:
+            lo, hi = 0.99 * lo + 0.01 * c[0], 0.99 * hi + 0.01 * c[1]
+    grid = FP8_MAX if fmt == "float-quantized" else 127.5  # symmetric int8: max|x| / ((127 - (-128)) / 2)
+    expected = max(abs(min(lo, 0.0)), abs(max(hi, 0.0))) / grid
+    assert float(q.input_scale) == pytest.approx(expected, rel=1e-6)
+    if fmt == "float-quantized":  # FP8 weights: one scale per tensor, at most 256 fp8 values
+        assert float(q.weight_scale) == pytest.approx(float(original.abs().max()) / FP8_MAX, rel=1e-6) or (
+            modifier == "GPTQModifier")
+        assert torch.unique(q.weight).numel() <= 256
+    config = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert config["format"] == fmt
+    (group,) = config["config_groups"].values()
+    assert group["input_activations"]["dynamic"] is False
+    _reload_equal(model, out)
+
+
+def test_static_input_scales_need_calibration_data_even_for_round_to_nearest() -> None:
+    from llmc_fsm_quantization import QuantizationModifier
+
+    assert "calibration_data" in QuantizationModifier(scheme="FP8").required_keys()
+    assert QuantizationModifier(scheme="FP8").needs_inputs
+
+
+def test_static_input_scales_per_group_are_refused_with_what_to_use() -> None:
+    scheme = {**STATIC_INT8, "input_activations": {**STATIC_INT8["input_activations"], "strategy": "group",
+                                                   "group_size": 16}}
+    with pytest.raises(llmc_fsm.RecipeError) as info:
+        llmc_fsm.Session({"q": {"QuantizationModifier": {"scheme": scheme}}})
+    assert str(info.value).endswith(
+        "static input_activations (dynamic: false) per group are not supported: static input scales are per "
+        "tensor (strategy: tensor, as in preset FP8); or use dynamic activations (W8A8, FP8_DYNAMIC)"
+    )
+
+
+# --------------------------------------------------------------------------- NVFP4, MX, FP8 block (round-to-nearest)
+FP4_VALUES = 15  # e2m1: +-{0, 0.5, 1, 1.5, 2, 3, 4, 6}
+
+
+@pytest.fixture(scope="module")
+def bf16_dir(tmp_path_factory):
+    """The tiny Llama saved once, to be loaded in bfloat16 (NVFP4 / MX checkpoints decompress to bfloat16)."""
+    path = tmp_path_factory.mktemp("tiny") / "model"
+    _tiny().save_pretrained(path)
+    return path
+
+
+def _bf16(path) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+
+
+def _rtn(model, scheme, out) -> dict:
+    recipe = {"q": {"QuantizationModifier": {"scheme": scheme, "ignore": ["lm_head"]}}}
+    llmc_fsm.oneshot(model=model, recipe=recipe, output_dir=out, progress=False)
+    return json.loads((out / "config.json").read_text())["quantization_config"]
+
+
+def test_nvfp4a16_global_and_group_scales_equal_a_hand_computation_and_reload(tmp_path, bf16_dir) -> None:
+    model = _bf16(bf16_dir)
+    down = model.model.layers[1].mlp.down_proj
+    original = down.weight.detach().float().clone()
+    config = _rtn(model, "NVFP4A16", tmp_path / "out")
+    assert config["format"] == "nvfp4-pack-quantized"
+    # global scale: 448 * 6 / max|W|; group scales: fp8(global * max|w_g| / 6), 16 inputs a group
+    global_scale = 448.0 * 6.0 / float(original.abs().max())
+    assert float(down.weight_global_scale) == pytest.approx(global_scale, rel=1e-6)
+    amax = original.reshape(64, -1, 16).abs().amax(dim=2)
+    expected = (float(down.weight_global_scale) * amax / 6.0).to(torch.float8_e4m3fn).float()
+    assert torch.equal(down.weight_scale.float(), expected)
+    groups = down.weight.detach().float().reshape(64, -1, 16)
+    assert max(torch.unique(g).numel() for g in groups.reshape(-1, 16)) <= FP4_VALUES
+    # every value is an fp4 value times its group's effective scale (rounded to bfloat16 on decompression)
+    effective = (down.weight_scale.float() / down.weight_global_scale.float()).unsqueeze(-1)
+    grid = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6])
+    steps = (groups / effective).abs()
+    assert torch.allclose(steps, grid[(steps.unsqueeze(-1) - grid).abs().argmin(-1)], rtol=1e-2, atol=1e-2)
+    _reload_equal(model, tmp_path / "out")
+
+
+def _mx_scale(amax: torch.Tensor, offset: int) -> torch.Tensor:
+    """OCP MX shared scale: 2 ** (exponent of max|w_g| rounded to 1 mantissa bit - the element's max exponent)."""
+    e = torch.floor(torch.log2(amax))
+    e = torch.where(amax / 2**e >= 1.75, e + 1, e)  # 1.75 and above round up to 2 with one mantissa bit
+    return 2.0 ** (e - offset)
+
+
+@pytest.mark.parametrize(("preset", "fmt", "values", "offset"), [
+    ("MXFP4A16", "mxfp4-pack-quantized", FP4_VALUES, 2),
+    ("MXFP8A16", "mxfp8-quantized", 255, 8),
+    ("MXFP4", "mxfp4-pack-quantized", FP4_VALUES, 2),
+])
+def test_mx_power_of_two_scales_equal_a_hand_computation_and_reload(tmp_path, bf16_dir, preset, fmt, values,
+                                                                     offset) -> None:
+    model = _bf16(bf16_dir)
+    up = model.model.layers[0].mlp.up_proj
+    original = up.weight.detach().float().clone()
+    config = _rtn(model, preset, tmp_path / "out")
+    assert config["format"] == fmt
+    amax = original.reshape(128, -1, 32).abs().amax(dim=2)
+    assert torch.equal(up.weight_scale.float(), _mx_scale(amax, offset))
+    groups = up.weight.detach().float().reshape(-1, 32)
+    assert max(torch.unique(g).numel() for g in groups) <= values
+    _reload_equal(model, tmp_path / "out")
+
+
+def test_fp8_block_scales_equal_a_hand_computation_and_reload_in_float32(tmp_path) -> None:
+    model = _tiny()
+    down = model.model.layers[1].mlp.down_proj
+    original = down.weight.detach().clone()
+    scheme = {"preset": "FP8_BLOCK", "weights": {"block_structure": [32, 32]}, "input_activations": {"group_size": 32}}
+    config = _rtn(model, scheme, tmp_path / "out")
+    assert config["format"] == "float-quantized"
+    amax = original.reshape(2, 32, 4, 32).abs().amax(dim=(1, 3))
+    assert torch.allclose(down.weight_scale, amax / FP8_MAX, rtol=1e-6, atol=0)
+    blocks = down.weight.detach().reshape(2, 32, 4, 32).permute(0, 2, 1, 3).reshape(8, -1)
+    assert max(torch.unique(b).numel() for b in blocks) <= 256
+    _reload_equal(model, tmp_path / "out")
+
+
+def test_nvfp4_and_mx_on_a_float32_model_are_refused_before_any_work() -> None:
+    model = _tiny()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError) as info:
+        llmc_fsm.oneshot(model=model, recipe={"q": {"QuantizationModifier": {"scheme": "NVFP4A16"}}}, progress=False)
+    assert str(info.value).startswith(
+        "QuantizationModifier cannot compress 14 of its 14 targets — torch.float32 weight: NVFP4 / MX checkpoints "
+        "decompress to bfloat16 on load (compressed-tensors 0.20), and transformers then cannot run the reloaded "
+        "model (bfloat16 weights against torch.float32 inputs); load the model in bfloat16 (dtype: bfloat16)"
+    )
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_nvfp4_with_fp4_activations_is_refused_when_the_recipe_is_read() -> None:
+    with pytest.raises(llmc_fsm.RecipeError) as info:
+        llmc_fsm.Session({"q": {"QuantizationModifier": {"scheme": "NVFP4"}}})
+    assert "input_activations with dynamic: local (NVFP4's per-group input scales under a calibrated global scale) " \
+           "are not supported; use NVFP4A16 (weights only) or FP8 / FP8_DYNAMIC activations" in str(info.value)
+
+
+# --------------------------------------------------------------------------- the same formats with GPTQ
+def _correlated_inputs(n: int, cols: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, cols, generator=g) @ torch.randn(cols, cols, generator=g) + 0.5
+
+
+@pytest.mark.parametrize("scheme", [
+    "NVFP4A16", "MXFP4A16", "MXFP8A16", {"preset": "FP8_BLOCK", "weights": {"block_structure": [16, 16]}},
+])
+def test_gptq_keeps_the_format_grid_with_rtns_scales_and_a_lower_output_error(scheme) -> None:
+    from compressed_tensors.quantization.lifecycle.forward import fake_quantize
+    from llmc_fsm_quantization import gptq_quantize, resolve_scheme, rtn_quantize
+    from llmc_fsm_quantization.observers import observe_scaled_format
+
+    from llmc_fsm.toolkit.obs import HessianAccumulator
+
+    args = resolve_scheme(scheme, ["Linear"]).weights
+    torch.manual_seed(6)
+    w = torch.randn(32, 64)
+    x = _correlated_inputs(512, 64)
+    acc = HessianAccumulator(64)
+    acc.add_batch(x)
+    (q,) = gptq_quantize([w], acc.hessian, args=args, actorder="static", block_size=32)
+    scale, _, global_scale = observe_scaled_format(w, args)  # taken from the original weight, before the sweep
+    assert torch.equal(q.scale, scale)
+    assert (q.global_scale is None) == (global_scale is None)
+    if global_scale is not None:
+        assert torch.equal(q.global_scale, global_scale)
+    # every value is on the format's grid: rounding it again with the stored scales changes nothing
+    again = fake_quantize(q.weight, q.scale, q.zero_point, args, global_scale=q.global_scale)
+    assert torch.allclose(again, q.weight, rtol=1e-6, atol=0)
+
+    def error(w_hat: torch.Tensor) -> float:
+        return float((x @ (w - w_hat).T).norm() / (x @ w.T).norm())
+
+    rtn = rtn_quantize(w, args).weight
+    assert error(q.weight) < 0.9 * error(rtn)
+    assert q.rel_output_error == pytest.approx(error(q.weight), rel=1e-3)
+
+
+def test_gptq_nvfp4a16_reloads_with_equal_logits(tmp_path, bf16_dir) -> None:
+    model = _bf16(bf16_dir)
+    out = tmp_path / "out"
+    recipe = {"q": {"GPTQModifier": {"scheme": "NVFP4A16", "ignore": ["lm_head"]}}}
+    llmc_fsm.oneshot(model=model, recipe=recipe, dataset=_data(), output_dir=out, progress=False)
+    config = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert config["format"] == "nvfp4-pack-quantized"
+    report = json.loads((out / "report.json").read_text())["sparsity"]["modules"]
+    assert all(0 < m["rel_output_error"] < 0.3 for m in report if "bits" in m)
+    assert {(m["bits"], m["group_size"]) for m in report if "bits" in m} == {(4, 16)}
+    down = model.model.layers[1].mlp.down_proj
+    assert max(torch.unique(g).numel() for g in down.weight.detach().float().reshape(-1, 16)) <= FP4_VALUES
+    _reload_equal(model, out)
+
+
+def test_llm_compressors_input_observer_forms_are_honoured() -> None:
+    from llmc_fsm.recipes.building import resolve_recipe
+
+    text = ("s:\n  q_modifiers:\n    QuantizationModifier: {scheme: FP8, "
+            "observer: {weights: mse, input: memoryless_minmax}}\n")
+    (mod,) = resolve_recipe(text).modifiers
+    scheme = mod.quantization_scheme
+    assert (scheme.weights.observer, scheme.input_activations.observer) == ("mse", "memoryless_minmax")
+    (mod,) = resolve_recipe("s:\n  QuantizationModifier: {scheme: FP8, input_observer: minmax}\n").modifiers
+    assert mod.quantization_scheme.input_activations.observer == "minmax"  # the preset's static_minmax replaced
+    with pytest.raises(llmc_fsm.RecipeError) as info:
+        resolve_recipe("s:\n  QuantizationModifier: {scheme: FP8, input_observer: mse}\n")
+    assert str(info.value).endswith("argument 'input_observer': input_observer 'mse' is not an observer of static "
+                                    "input scales; use one of minmax, static_minmax, memoryless_minmax")
+
+
+# --------------------------------------------------------------------------- input ranges under torch.distributed
+def _ranges_rank(rank: int, tmp: str, queue) -> None:
+    import torch.distributed as dist
+    from llmc_fsm_quantization._base import CalibrationStatistics
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=2)
+    stats = CalibrationStatistics(8)
+    x = torch.randn(6, 5, 8, generator=torch.Generator().manual_seed(11))
+    for batch in (x[:2], x[2:4]) if rank == 0 else (x[4:],):
+        stats.add_batch(batch)
+    empty = CalibrationStatistics(8)  # a rank without inputs takes part with neutral values
+    other = CalibrationStatistics(8)
+    if rank == 0:
+        other.add_batch(x[:3])
+    stats.all_reduce()
+    (other if rank == 0 else empty).all_reduce()
+    queue.put((rank, {k: v.tolist() for k, v in stats.ranges.items()},
+               {k: v.tolist() for k, v in (other if rank == 0 else empty).ranges.items()}))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.distributed
+def test_input_ranges_are_combined_over_ranks(tmp_path) -> None:
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_ranges_rank, args=(r, str(tmp_path), queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    results = {r: (a, b) for r, a, b in (queue.get(timeout=300) for _ in procs)}
+    for p in procs:
+        p.join(60)
+    x = torch.randn(6, 5, 8, generator=torch.Generator().manual_seed(11)).double()
+    calls = {0: [(x[:2].min(), x[:2].max()), (x[2:4].min(), x[2:4].max())], 1: [(x[4:].min(), x[4:].max())]}
+    moving0 = [0.99 * calls[0][0][i] + 0.01 * calls[0][1][i] for i in range(2)]
+    expected = {
+        "static_minmax": [float(x.min()), float(x.max())],
+        "minmax": [float((moving0[i] + calls[1][0][i]) / 2) for i in range(2)],
+        "memoryless_minmax": [float((calls[0][1][i] + calls[1][0][i]) / 2) for i in range(2)],
+    }
+    for rank in (0, 1):
+        got = results[rank][0]
+        for name, value in expected.items():
+            assert got[name] == pytest.approx(value, rel=1e-12), (rank, name)
+    third = [float(x[:3].min()), float(x[:3].max())]
+    for rank in (0, 1):  # only rank 0 saw inputs: its values, not halved by the empty rank
+        assert results[rank][1] == {"static_minmax": pytest.approx(third), "minmax": pytest.approx(third),
+                                    "memoryless_minmax": pytest.approx(third)}

@@ -1,0 +1,367 @@
+"""Observers by name (each honoured or refused), several config groups in one modifier, the lm_head default.
+
+Observer references are written here in float64 from the definitions in ``llmc_fsm_quantization.observers``
+(llm-compressor 0.14's weight observers); the group tests run ``llmc_fsm.oneshot`` on a 2-layer random Llama
+(hidden 64), save, reload with transformers and compare logits with the in-memory model's.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+import yaml
+from llmc_fsm_quantization import GPTQModifier, QuantizationModifier, gptq_quantize, resolve_scheme, rtn_quantize
+from llmc_fsm_quantization.observers import OBSERVERS, importance_from_hessian, observe
+
+import llmc_fsm
+from llmc_fsm import RecipeError
+from llmc_fsm.toolkit.obs import HessianAccumulator
+
+CHOICES = "minmax, static_minmax, memoryless_minmax, mse, memoryless_mse, imatrix_mse"
+
+
+def _args(spec: object):
+    return resolve_scheme(spec, ["Linear"]).weights
+
+
+def _tiny(layers: int = 2, hidden: int = 64) -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=128, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
+    )
+    return LlamaForCausalLM(cfg).eval()
+
+
+def _data(seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, 128, (8, 32), generator=torch.Generator().manual_seed(seed))
+
+
+def _search_reference(w, imp, *, grid, max_shrink, norm, patience, qmin=-8, qmax=7):
+    """Symmetric int range search in float64, one scale per row of ``w`` ``[G, n]``: the row's max |w| shrunk by
+    ``p = 1 - i / grid``; error ``sum imp * |w - q|^norm``; stop after ``patience`` steps that improve no row."""
+    w = w.double()
+    imp = torch.ones_like(w) if imp is None else imp.double().expand_as(w)
+    amax = torch.maximum(w.amin(dim=1).abs(), w.amax(dim=1).abs())
+    best = torch.full((w.shape[0],), float("inf"), dtype=torch.float64)
+    scale = torch.zeros(w.shape[0], dtype=torch.float64)
+    stale = 0
+    for i in range(int(max_shrink * grid) + 1):
+        s = amax * (1 - i / grid) / ((qmax - qmin) / 2)
+        q = torch.clamp(torch.round(w / s[:, None]), qmin, qmax) * s[:, None]
+        err = (imp * (w - q).abs() ** norm).sum(dim=1)
+        better = err < best
+        best = torch.where(better, err, best)
+        scale = torch.where(better, s, scale)
+        stale = 0 if bool(better.any()) else stale + 1
+        if patience is not None and stale >= patience:
+            break
+    return scale
+
+
+# --------------------------------------------------------------------------- every observer name
+def test_the_minmax_and_mse_families_equal_their_definitions_on_a_weight() -> None:
+    # llm-compressor observes a weight once: minmax / static_minmax / memoryless_minmax all take its extremes,
+    # mse / memoryless_mse both search the range (grid 100, at most 20% shrink, |error|^2.4)
+    torch.manual_seed(3)
+    w = torch.randn(6, 32)
+    args = _args({"preset": "W4A16", "weights": {"group_size": 8}})
+    groups = w.reshape(-1, 8)
+    minmax = (groups.double().abs().amax(dim=1) / 7.5).reshape(6, 4)
+    mse = _search_reference(groups, None, grid=100, max_shrink=0.2, norm=2.4, patience=None).reshape(6, 4)
+    for name in ("minmax", "static_minmax", "memoryless_minmax"):
+        assert torch.allclose(observe(w, args, name)[0].double(), minmax, rtol=1e-6, atol=0), name
+    for name in ("mse", "memoryless_mse"):
+        assert torch.allclose(observe(w, args, name)[0].double(), mse, rtol=1e-6, atol=0), name
+    assert not torch.allclose(minmax, mse)  # the search did shrink some ranges
+
+
+def test_imatrix_mse_scale_equals_a_float64_importance_weighted_search() -> None:
+    torch.manual_seed(4)
+    w = torch.randn(6, 32)
+    x = torch.randn(256, 32) * torch.linspace(0.05, 3.0, 32)  # inputs of very different magnitudes per column
+    acc = HessianAccumulator(32)
+    acc.add_batch(x)
+    imp = importance_from_hessian(acc.hessian)
+    mean_sq = (x.double() ** 2).mean(dim=0)
+    assert torch.allclose(imp.double(), mean_sq / mean_sq.mean(), rtol=1e-5)  # E[x^2] / its mean
+    args = _args({"preset": "W4A16", "weights": {"group_size": 8}})
+    scale, _ = observe(w, args, "imatrix_mse", importance=imp)
+    groups = w.reshape(-1, 8)
+    group_imp = (mean_sq / mean_sq.mean()).expand(6, 32).reshape(-1, 8)
+    expected = _search_reference(groups, group_imp, grid=20, max_shrink=0.95, norm=3.0, patience=5).reshape(6, 4)
+    assert torch.allclose(scale.double(), expected, rtol=1e-6, atol=0)
+    unweighted = _search_reference(groups, None, grid=20, max_shrink=0.95, norm=3.0, patience=5).reshape(6, 4)
+    assert not torch.allclose(expected, unweighted)  # the importance changed some groups' ranges
+    assert not torch.equal(scale, observe(w, args, "minmax")[0])
+
+
+def test_imatrix_mse_without_calibration_statistics_is_refused() -> None:
+    args = _args("W8A8")
+    with pytest.raises(ValueError) as info:
+        rtn_quantize(torch.randn(4, 16), args, "imatrix_mse")
+    assert str(info.value) == (
+        "observer imatrix_mse weights the error by the calibration inputs' importance: it needs calibration data"
+    )
+    assert "calibration_data" in QuantizationModifier(scheme="W8A8", observer="imatrix_mse").required_keys()
+    assert "calibration_data" not in QuantizationModifier(scheme="W8A8").required_keys()
+
+
+def test_gptq_imatrix_mse_takes_the_importance_from_its_hessian() -> None:
+    torch.manual_seed(5)
+    w = torch.randn(8, 32)
+    x = torch.randn(512, 32) * torch.linspace(0.05, 3.0, 32)
+    acc = HessianAccumulator(32)
+    acc.add_batch(x)
+    args = _args({"weights": {"num_bits": 4, "strategy": "channel"}})  # scales from the weight, before the sweep
+    (q,) = gptq_quantize([w], acc.hessian, args=args, observer="imatrix_mse", actorder="static")
+    mean_sq = (x.double() ** 2).mean(dim=0)
+    expected = _search_reference(w, mean_sq / mean_sq.mean(), grid=20, max_shrink=0.95, norm=3.0, patience=5,
+                                 )
+    assert torch.allclose(q.scale.double().squeeze(1), expected, rtol=1e-6, atol=0)
+    (plain,) = gptq_quantize([w], acc.hessian, args=args, observer="minmax", actorder="static")
+    assert not torch.equal(q.scale, plain.scale)
+
+
+def test_rtn_imatrix_mse_uses_the_calibration_inputs_of_each_module() -> None:
+    model = _tiny()
+    layer = model.model.layers[0].self_attn
+    seen: list[torch.Tensor] = []
+    handle = layer.q_proj.register_forward_pre_hook(lambda m, a: seen.append(a[0].detach().reshape(-1, 64)))
+    data = _data()
+    with torch.no_grad():
+        model(data)
+    handle.remove()
+    original = layer.q_proj.weight.detach().clone()
+    recipe = {"q": {"QuantizationModifier": {"scheme": {"preset": "W4A16", "weights": {"group_size": 64}},
+                                             "observer": "imatrix_mse", "ignore": ["lm_head"]}}}
+    llmc_fsm.oneshot(model=model, recipe=recipe, dataset=data, batch_size=8, progress=False)
+    x = torch.cat(seen).double()  # the first layer's inputs do not depend on the quantization
+    mean_sq = (x**2).mean(dim=0)
+    args = _args({"preset": "W4A16", "weights": {"group_size": 64}})
+    group_imp = (mean_sq / mean_sq.mean()).expand(64, 64)
+    expected_scale = _search_reference(original, group_imp, grid=20, max_shrink=0.95, norm=3.0, patience=5)
+    assert torch.allclose(layer.q_proj.weight_scale.double().squeeze(1), expected_scale, rtol=1e-5, atol=0)
+    assert layer.q_proj.quantization_scheme.weights.observer == "imatrix_mse"
+    minmax = rtn_quantize(original, args, "minmax")
+    assert not torch.equal(layer.q_proj.weight, minmax.weight)
+
+
+@pytest.mark.parametrize(
+    ("where", "recipe_args", "message"),
+    [
+        ("modifier", {"observer": "percentile"},
+         f"argument 'observer': unknown observer 'percentile'; choose one of {CHOICES}"),
+        ("config group weights", {"config_groups": {"g": {"targets": ["Linear"], "weights": {
+            "num_bits": 4, "strategy": "group", "group_size": 16, "observer": "nvfp4_expanded_mse"}}}},
+         "argument 'config_groups': config_groups entry 'g': weights: unknown observer 'nvfp4_expanded_mse'; "
+         f"choose one of {CHOICES}"),
+        ("scheme weights", {"scheme": {"preset": "W4A16", "weights": {"observer": "mse_plus"}}},
+         f": weights: unknown observer 'mse_plus'; choose one of {CHOICES}"),
+        ("input activations", {"scheme": {"preset": "W8A8", "input_activations": {"observer": "imatrix_mse"}}},
+         ": input_activations: observer imatrix_mse weighs weight errors by input importance; "
+         "it is for weights only"),
+        ("observer kwargs", {"scheme": {"preset": "W4A16", "weights": {"observer": "mse",
+                                                                     "observer_kwargs": {"maxshrink": 0.5}}}},
+         ": weights: observer_kwargs {'maxshrink': 0.5} are not supported (each observer runs with "
+         "llm-compressor's defaults, see docs/quantization.md); remove them"),
+    ],
+)
+def test_an_observer_we_do_not_have_is_refused_when_the_recipe_is_read(where, recipe_args, message) -> None:
+    for name in ("GPTQModifier", "QuantizationModifier"):
+        with pytest.raises(RecipeError) as info:
+            llmc_fsm.Session({"q": {name: recipe_args}})
+        sep = "" if message.startswith(":") else ", "  # a problem inside a scheme is not pinned to one argument
+        assert str(info.value) == f"recipe <dict>, stage 'q', modifier {name}{sep}{message}", where
+
+
+def test_observer_inside_config_groups_weights_is_honoured_and_saved(tmp_path) -> None:
+    data = _data()
+    weights = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 16}
+    grouped = {"q": {"GPTQModifier": {"ignore": ["lm_head"], "config_groups": {
+        "group_0": {"targets": ["Linear"], "weights": {**weights, "observer": "mse"}}}}}}
+    native = {"q": {"GPTQModifier": {"ignore": ["lm_head"], "scheme": {"weights": weights}, "observer": "mse"}}}
+    minmax = {"q": {"GPTQModifier": {"ignore": ["lm_head"], "scheme": {"weights": weights}}}}
+    out = tmp_path / "out"
+    a = llmc_fsm.oneshot(model=_tiny(), recipe=grouped, dataset=data, output_dir=out, progress=False)
+    b = llmc_fsm.oneshot(model=_tiny(), recipe=native, dataset=data, progress=False)
+    c = llmc_fsm.oneshot(model=_tiny(), recipe=minmax, dataset=data, progress=False)
+    wa, wb, wc = (m.model.layers[1].mlp.down_proj.weight for m in (a, b, c))
+    assert torch.equal(wa, wb)
+    assert not torch.equal(wa, wc)  # it used to be replaced by minmax
+    config = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert [g["weights"]["observer"] for g in config["config_groups"].values()] == ["mse"]
+    saved = yaml.safe_load((out / "recipe.yaml").read_text())["q"]["modifiers"][0]["GPTQModifier"]
+    assert saved["observer"] == "mse" and "scheme" not in saved
+
+
+# --------------------------------------------------------------------------- several config groups
+GROUPS = {
+    "attention": {"targets": ["re:.*self_attn.*"], "weights": {"num_bits": 8, "type": "int", "symmetric": True,
+                                                               "strategy": "channel"}},
+    "mlp": {"targets": ["re:.*mlp.*"], "weights": {"num_bits": 4, "type": "int", "symmetric": True,
+                                                   "strategy": "group", "group_size": 16}},
+}
+
+
+@pytest.mark.parametrize("modifier", ["GPTQModifier", "QuantizationModifier"])
+def test_several_config_groups_quantize_each_its_targets_and_reload(tmp_path, modifier) -> None:
+    from transformers import AutoModelForCausalLM
+
+    model = _tiny()
+    out = tmp_path / "out"
+    recipe = {"q": {modifier: {"ignore": ["lm_head"], "config_groups": GROUPS}}}
+    llmc_fsm.oneshot(model=model, recipe=recipe, dataset=_data(), output_dir=out, progress=False)
+    bits = {m["name"]: (m["bits"], m.get("group_size"))
+            for m in json.loads((out / "report.json").read_text())["sparsity"]["modules"] if "bits" in m}
+    assert len(bits) == 14
+    for name, value in bits.items():
+        assert value == ((8, None) if "self_attn" in name else (4, 16)), name
+    k = model.model.layers[1].self_attn.k_proj
+    assert k.weight_scale.shape == (k.weight.shape[0], 1)
+    assert all(torch.unique(k.weight[r]).numel() <= 256 for r in range(k.weight.shape[0]))
+    down = model.model.layers[1].mlp.down_proj
+    assert down.weight_scale.shape == (64, 128 // 16)
+    assert max(torch.unique(g).numel() for g in down.weight.detach().reshape(64, -1, 16).reshape(-1, 16)) <= 16
+    config = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert sorted((g["weights"]["num_bits"], len(g["targets"])) for g in config["config_groups"].values()) == [
+        (4, 6), (8, 8)]
+    x = torch.randint(0, 128, (2, 24))
+    reloaded = AutoModelForCausalLM.from_pretrained(out).eval()
+    with torch.no_grad():
+        assert torch.equal(model(x).logits, reloaded(x).logits)
+    saved = yaml.safe_load((out / "recipe.yaml").read_text())["q"]["modifiers"][0][modifier]
+    assert saved["config_groups"] == GROUPS and saved["targets"] == ["re:.*self_attn.*", "re:.*mlp.*"]
+    from llmc_fsm.recipes.building import resolve_recipe
+
+    read_back = resolve_recipe((out / "recipe.yaml").read_text()).stages[0].modifiers[0]
+    assert read_back.quantization_schemes == llmc_fsm.Session(recipe).recipe.modifiers[0].quantization_schemes
+
+
+def test_a_module_two_config_groups_select_is_refused_naming_both(monkeypatch) -> None:
+    import llmc_fsm_quantization.gptq as gptq_module
+
+    calls: list[int] = []
+    monkeypatch.setattr(gptq_module, "gptq_quantize", lambda *a, **k: calls.append(1))
+    groups = {**GROUPS, "projections": {"targets": ["re:.*up_proj"], "weights": {"num_bits": 8}}}
+    model = _tiny()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError) as info:
+        llmc_fsm.oneshot(model=model, recipe={"q": {"GPTQModifier": {"config_groups": groups}}}, dataset=_data(),
+                         progress=False)
+    assert str(info.value) == (
+        "GPTQModifier: module model.layers.0.mlp.up_proj is selected by config groups 'mlp' and 'projections'; a "
+        "module is quantized with one scheme: narrow the groups' targets"
+    )
+    assert calls == []
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_scheme_and_config_groups_together_are_refused() -> None:
+    with pytest.raises(RecipeError) as info:
+        llmc_fsm.Session({"q": {"GPTQModifier": {"scheme": "W8A8", "config_groups": GROUPS}}})
+    assert str(info.value).endswith("argument 'scheme': give either scheme or config_groups, not both (as in "
+                                    "llm-compressor)")
+    with pytest.raises(RecipeError) as info:
+        llmc_fsm.Session({"q": {"GPTQModifier": {"config_groups": {"g": {"weights": {"num_bits": 8}}}}}})
+    assert str(info.value).endswith("argument 'config_groups': config_groups entry 'g' needs targets: a list of "
+                                    "module patterns (e.g. [Linear]), got None")
+
+
+def test_two_quantizing_modifiers_over_disjoint_modules_in_one_stage_run_and_reload(tmp_path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    recipe = {"q": {"GPTQModifier": {"scheme": "W8A8", "targets": ["re:.*self_attn.*"]},
+                    "QuantizationModifier": {"scheme": {"preset": "W4A16", "weights": {"group_size": 16}},
+                                             "targets": ["re:.*mlp.*"]}}}
+    model = _tiny()
+    out = tmp_path / "out"
+    llmc_fsm.oneshot(model=model, recipe=recipe, dataset=_data(), output_dir=out, progress=False)
+    bits = {m["name"]: m["bits"] for m in json.loads((out / "report.json").read_text())["sparsity"]["modules"]
+            if "bits" in m}
+    assert bits["model.layers.1.self_attn.k_proj"] == 8 and bits["model.layers.1.mlp.down_proj"] == 4
+    x = torch.randint(0, 128, (2, 24))
+    with torch.no_grad():
+        assert torch.equal(model(x).logits, AutoModelForCausalLM.from_pretrained(out).eval()(x).logits)
+
+
+# --------------------------------------------------------------------------- defaults that differ
+def test_a_recipe_without_ignore_keeps_lm_head_dense_says_so_and_records_it(tmp_path, caplog) -> None:
+    out = tmp_path / "out"
+    with caplog.at_level(logging.INFO, logger="llmc_fsm_quantization._base"):
+        llmc_fsm.oneshot(model=_tiny(), recipe={"q": {"QuantizationModifier": {"scheme": "W8A8"}}}, output_dir=out,
+                         progress=False)
+    lines = [r.getMessage() for r in caplog.records if r.name == "llmc_fsm_quantization._base"]
+    assert lines and set(lines) == {
+        "QuantizationModifier: no ignore given: lm_head is kept dense (ignore: [lm_head]; llm-compressor's default "
+        "ignore is empty, which quantizes lm_head too: give ignore: [] for that)"
+    }
+    saved = yaml.safe_load((out / "recipe.yaml").read_text())["q"]["modifiers"][0]["QuantizationModifier"]
+    assert saved["ignore"] == ["lm_head"]
+    report = json.loads((out / "report.json").read_text())["sparsity"]["modules"]
+    assert "lm_head" not in {m["name"] for m in report if "bits" in m}
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="llmc_fsm_quantization._base"):
+        QuantizationModifier(scheme="W8A8", ignore=[])
+    assert not [r for r in caplog.records if r.name == "llmc_fsm_quantization._base"]
+
+
+def test_every_observer_name_constructs_both_modifiers() -> None:
+    for name in OBSERVERS:
+        assert GPTQModifier(observer=name).quantization_scheme.weights.observer == name
+        assert QuantizationModifier(observer=name).observer == name
+
+
+# --------------------------------------------------------------------------- llm-compressor idioms
+IDIOM = """
+quant_stage:
+  quant_modifiers:
+    QuantizationModifier:
+      ignore: [lm_head]
+      config_groups:
+        group_0:
+          targets: [Linear]
+          weights: {num_bits: 4, type: int, symmetric: true, strategy: group, group_size: 16, observer: mse}
+    GPTQModifier:
+      block_size: 32
+      dampening_frac: 0.02
+"""
+
+
+def test_a_bare_gptq_modifier_takes_the_quantization_modifiers_config_of_its_stage(tmp_path, caplog) -> None:
+    from llmc_fsm.recipes.building import resolve_recipe
+
+    with caplog.at_level(logging.INFO, logger="llmc_fsm_quantization.gptq"):
+        recipe = resolve_recipe(IDIOM)
+    (mod,) = recipe.modifiers  # the QuantizationModifier is not run by itself
+    assert type(mod) is GPTQModifier and (mod.block_size, mod.dampening_frac) == (32, 0.02)
+    assert [r.getMessage() for r in caplog.records if r.name == "llmc_fsm_quantization.gptq"] == [
+        "stage 'quant_stage': GPTQModifier has no quantization config of its own and takes the QuantizationModifier's "
+        "before it (as llm-compressor does): GPTQ quantizes with that config, and the QuantizationModifier does not "
+        "run by itself"
+    ]
+    weights = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 16}
+    native = {"q": {"GPTQModifier": {"ignore": ["lm_head"], "scheme": {"weights": weights}, "observer": "mse",
+                                     "block_size": 32, "dampening_frac": 0.02}}}
+    out = tmp_path / "out"
+    theirs = llmc_fsm.oneshot(model=_tiny(), recipe=IDIOM, dataset=_data(), output_dir=out, progress=False)
+    ours = llmc_fsm.oneshot(model=_tiny(), recipe=native, dataset=_data(), progress=False)
+    for (name, a), (_, b) in zip(theirs.named_parameters(), ours.named_parameters(), strict=True):
+        assert torch.equal(a, b), name
+    report = json.loads((out / "report.json").read_text())["sparsity"]["modules"]
+    assert all(m["rel_output_error"] > 0 for m in report if "bits" in m)  # GPTQ's, measured on the calibration
+    saved = yaml.safe_load((out / "recipe.yaml").read_text())["quant_stage"]["modifiers"]
+    assert [next(iter(m)) for m in saved] == ["GPTQModifier"]
+
+
+def test_a_gptq_modifier_with_its_own_config_still_meets_the_quantization_modifier_as_a_second_quantizer() -> None:
+    recipe = IDIOM.replace("      block_size: 32\n", "      block_size: 32\n      scheme: W8A8\n")
+    with pytest.raises(ValueError) as info:
+        llmc_fsm.oneshot(model=_tiny(), recipe=recipe, dataset=_data(), progress=False)
+    assert str(info.value).startswith("GPTQModifier of stage 'quant_stage' and QuantizationModifier of stage "
+                                      "'quant_stage' both quantize 14 modules")
