@@ -24,6 +24,7 @@ from tiny_llama import llama
 import llmc_fsm
 from llmc_fsm import Session
 from llmc_fsm.oneshot_job.settings import default_recipe
+from llmc_fsm.recipes.fingerprint import recipe_fingerprint
 from llmc_fsm.session.ranks import _recipe_digest, check_ranks_agree, unwrap_model
 from llmc_fsm.toolkit.distributed import get_rank, get_world_size, is_distributed, is_main_process, shard, split_counts
 
@@ -314,12 +315,16 @@ def test_a_wrapped_model_is_unwrapped_at_initialize():
     session.finalize()
 
 
+def _fingerprint(session: Session) -> list[dict]:
+    return recipe_fingerprint(session.labels, session.modifiers, session.recipe.plan())
+
+
 def test_recipe_digest_ignores_object_addresses():
     a = Session(default_recipe("sparsegpt", 0.5))
     b = Session(default_recipe("sparsegpt", 0.5))
     c = Session(default_recipe("sparsegpt", 0.6))
-    assert _recipe_digest(a) == _recipe_digest(b) != _recipe_digest(c)
-    check_ranks_agree(a, a.state)  # no process group, no expected size: nothing to check
+    assert _recipe_digest(_fingerprint(a)) == _recipe_digest(_fingerprint(b)) != _recipe_digest(_fingerprint(c))
+    check_ranks_agree(_fingerprint(a), a.state)  # no process group, no expected size: nothing to check
 
 
 # --------------------------------------------------------------------------- 2 ranks
@@ -372,8 +377,8 @@ def test_ranks_disagreeing_fail_on_every_rank_with_the_same_message(tmp_path, on
     ranks = launch("mismatch", tmp_path)
     results = [rank["meta"]["result"] for rank in ranks]
     assert all(rank["exitcode"] == 0 and "error" not in rank["meta"] for rank in ranks), ranks
-    d0 = _recipe_digest(Session(default_recipe("sparsegpt", 0.5))) & 0xFFFFFFFF
-    d1 = _recipe_digest(Session(default_recipe("sparsegpt", 0.6))) & 0xFFFFFFFF
+    d0 = _recipe_digest(_fingerprint(Session(default_recipe("sparsegpt", 0.5)))) & 0xFFFFFFFF
+    d1 = _recipe_digest(_fingerprint(Session(default_recipe("sparsegpt", 0.6)))) & 0xFFFFFFFF
     expected = (
         "initialize() refused on every rank of the process group (2 ranks): the recipe differs between ranks "
         f"(digest per rank — rank 0: {d0:08x}; rank 1: {d1:08x}). Every rank must run the same recipe on the "
