@@ -26,7 +26,7 @@ from compressed_tensors.quantization import (
 from compressed_tensors.quantization.lifecycle.initialize import initialize_module_for_quantization
 from torch import nn
 
-from llmc_fsm.toolkit.calibrated import CalibratedModifier, CompressedGroup
+from llmc_fsm.toolkit import CalibratedModifier, CompressedGroup
 from llmc_fsm_quantization.observers import OBSERVERS
 from llmc_fsm_quantization.schemes import resolve_scheme, weight_args
 
