@@ -350,7 +350,10 @@ def test_clipped_rtn_through_oneshot_matches_the_float64_reference(clip_rtn, tmp
         (label, rel), *_ = [(lbl, e) for lbl, e in entry.rel_output_errors if lbl.startswith("ClippedRTNModifier")]
         assert label == "ClippedRTNModifier (quant_stage)"
         assert rel == pytest.approx((err / float(torch.einsum("oi,ij,oj->", weight, hessian, weight))) ** 0.5, rel=1e-4)
-    assert clipped_channels > 0 and lower_error > 0  # the search changed something, and it paid off
+    # the search clipped channels, and it paid off in every module (on this seed: 412 of 512 channels clipped,
+    # squared output error 0.42-0.80 of plain RTN's; the best ratio beat the second by >= 4e-5 relative, far above
+    # the float32 Hessian's rounding, so the modifier and the float64 reference cannot disagree on a near-tie)
+    assert clipped_channels > 0 and lower_error == len(targets)
 
 
 def test_clipped_rtn_obeys_the_lifecycle_contract(clip_rtn):

@@ -34,10 +34,10 @@ def _ratio(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
 
 @attrs.define(kw_only=True, slots=False, eq=False)
 class ClippedRTNModifier(CalibratedModifier):
-    """Round Linear weights to a symmetric per-output-channel int grid whose range is clipped per channel to
-    minimise the layer's output error on the calibration inputs (no GPTQ update).
+    """Round-to-nearest on a symmetric per-channel int grid, each channel's range clipped to minimise output error.
 
-    For each output channel the clipping ratio is chosen among ``steps`` ratios from 1.0 down to ``min_ratio`` by
+    Linear weights are rounded to a symmetric per-output-channel integer grid (no GPTQ update). For each output
+    channel the clipping ratio is chosen among ``steps`` ratios from 1.0 down to ``min_ratio`` by
     ``(w - w_hat) H (w - w_hat)^T`` with ``H`` the Hessian of the calibration inputs
     (:func:`llmc_fsm_clip_rtn.clipping.search_clip_ratios`); ratio 1.0 (plain RTN) is a candidate, so no channel's
     output error is worse than plain RTN's. The weights keep their dtype and hold the dequantized values
