@@ -65,7 +65,7 @@ def non_public_imports(source: str, filename: str) -> list[str]:
             found += [
                 f"{where}: from {node.module} import {a.name} (not in {node.module}.__all__)"
                 for a in node.names
-                if a.name not in PUBLIC[node.module]
+                if a.name not in PUBLIC[node.module] and f"{node.module}.{a.name}" not in PUBLIC
             ]
         elif isinstance(node, ast.Import):
             found += [
@@ -126,7 +126,7 @@ def test_the_import_check_names_every_private_use():
         "import llmc_fsm\n"
         "import llmc_fsm.toolkit\n"
         "import llmc_fsm.core.registry\n"
-        "from llmc_fsm import Modifier, hookimpl\n"
+        "from llmc_fsm import Modifier, hookimpl, toolkit\n"
         "from llmc_fsm import Modifier, Run\n"
         "from llmc_fsm.toolkit import obs_sweep, TRIM_EVERY_BYTES\n"
         "from llmc_fsm.toolkit.obs import obs_sweep\n"
