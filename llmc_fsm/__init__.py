@@ -1,6 +1,7 @@
 """llmc-fsm: compress LLMs through a session with an explicit, guarded lifecycle.
 
-Public API; everything else is private and may change.
+Public API, with :mod:`llmc_fsm.toolkit` (for modifier authors) and :mod:`llmc_fsm.testing` (for their tests);
+everything else is private and may change.
 """
 
 from llmc_fsm.core.errors import (

@@ -1,6 +1,113 @@
 """Public toolkit for modifier authors: the calibrated-modifier base, the OBS sweep, targets, layer error, ranks.
 
-Imports only :mod:`llmc_fsm.core`. See ``docs/plugins.md``, "Writing a calibrated modifier".
+Everything a third-party modifier needs beyond ``llmc_fsm`` itself (``Modifier``, ``State``, ``Event``,
+``hookimpl`` and the errors) is importable from here, and only the names in ``__all__`` are public: the
+submodules (``llmc_fsm.toolkit.obs`` and so on) and anything not listed may change between versions. The first-party
+plugins (``plugins/pruning``, ``plugins/quantization``, ``plugins/training``) import nothing else
+(``tests/test_toolkit_example.py`` checks it). ``docs/plugins.md``, "Writing a calibrated modifier", shows how the
+pieces fit; ``docs/examples/llmc-fsm-clip-rtn`` is a complete third-party distribution built on them.
+
+Conventions: a Linear weight is ``[out_features, in_features]`` (rows = outputs); statistics and algorithm math are
+float32 unless a name says otherwise; errors are ``ValueError`` for bad input (raised before any work),
+``DistributedError`` for a failed collective.
+
+The public names, by concern:
+
+* **calibrated modifiers** (:mod:`~llmc_fsm.toolkit.calibrated`): :class:`CalibratedModifier` (the base class: target
+  selection and checks, calibration hooks, compression per decoder layer, results, ``torch.distributed``),
+  :class:`ModuleResult` (what compressing one module did), :class:`CompressedGroup` (new weights with their
+  measured output errors), :func:`patterns` (the attrs converter of ``targets`` / ``ignore`` fields);
+* **optimal brain surgeon** (:mod:`~llmc_fsm.toolkit.obs`; GPTQ arXiv 2210.17323 Sec. 3-4, SparseGPT arXiv
+  2301.00774 Sec. 3): :class:`HessianAccumulator` (``H = 2/n X^T X``), :func:`inverse_hessian_cholesky`
+  (damping and the Cholesky factor of ``H^-1``) returning :class:`InverseHessianFactor`, :func:`obs_sweep` (the
+  column sweep with lazy batch updates) driven by a :class:`ColumnRule`, :func:`check_dampening_frac` and
+  :data:`MAX_DAMPENING_FRAC`, :data:`SUB_BLOCK` (the sweep's default inner block, 32 columns),
+  :class:`HessianNotPositiveDefiniteError`;
+* **layer error** (:mod:`~llmc_fsm.toolkit.layer_error`): :func:`relative_output_error`
+  (``||W X - W_hat X|| / ||W X||`` from ``H``), :func:`sweep_relative_errors` (the same from an OBS sweep's terms);
+* **targets** (:mod:`~llmc_fsm.toolkit.targets`): :func:`select_targets` returning :class:`TargetSelection`,
+  :func:`resolve_targets` (the same, with warnings), :func:`matches`, :func:`is_linear_like`, :func:`compact_names`,
+  :data:`DEFAULT_TARGETS` (``("Linear",)``), :data:`DEFAULT_IGNORE` (``("lm_head",)``);
+* **masks** (:mod:`~llmc_fsm.toolkit.masks`): :func:`pack_mask` / :func:`unpack_mask` (bool <-> bit-packed uint8);
+* **ranks** (:mod:`~llmc_fsm.toolkit.distributed`): :func:`is_distributed`, :func:`get_rank`,
+  :func:`get_world_size`, :func:`is_main_process`, :func:`all_reduce_tensor`, :func:`all_gather_ints`,
+  :func:`all_reduce_accumulator`, :func:`check_same_values`, :class:`DistributedError`;
+* **memory** (:mod:`~llmc_fsm.toolkit.heap`): :func:`trim_heap` (give glibc's free heap pages back).
+
+Imports only :mod:`llmc_fsm.core`.
 """
 
-__all__: list[str] = []
+from llmc_fsm.toolkit.calibrated import CalibratedModifier, CompressedGroup, ModuleResult, patterns
+from llmc_fsm.toolkit.distributed import (
+    DistributedError,
+    all_gather_ints,
+    all_reduce_accumulator,
+    all_reduce_tensor,
+    check_same_values,
+    get_rank,
+    get_world_size,
+    is_distributed,
+    is_main_process,
+)
+from llmc_fsm.toolkit.heap import trim_heap
+from llmc_fsm.toolkit.layer_error import relative_output_error, sweep_relative_errors
+from llmc_fsm.toolkit.masks import pack_mask, unpack_mask
+from llmc_fsm.toolkit.obs import (
+    MAX_DAMPENING_FRAC,
+    SUB_BLOCK,
+    ColumnRule,
+    HessianAccumulator,
+    HessianNotPositiveDefiniteError,
+    InverseHessianFactor,
+    check_dampening_frac,
+    inverse_hessian_cholesky,
+    obs_sweep,
+)
+from llmc_fsm.toolkit.targets import (
+    DEFAULT_IGNORE,
+    DEFAULT_TARGETS,
+    TargetSelection,
+    compact_names,
+    is_linear_like,
+    matches,
+    resolve_targets,
+    select_targets,
+)
+
+__all__ = [
+    "DEFAULT_IGNORE",
+    "DEFAULT_TARGETS",
+    "MAX_DAMPENING_FRAC",
+    "SUB_BLOCK",
+    "CalibratedModifier",
+    "ColumnRule",
+    "CompressedGroup",
+    "DistributedError",
+    "HessianAccumulator",
+    "HessianNotPositiveDefiniteError",
+    "InverseHessianFactor",
+    "ModuleResult",
+    "TargetSelection",
+    "all_gather_ints",
+    "all_reduce_accumulator",
+    "all_reduce_tensor",
+    "check_dampening_frac",
+    "check_same_values",
+    "compact_names",
+    "get_rank",
+    "get_world_size",
+    "inverse_hessian_cholesky",
+    "is_distributed",
+    "is_linear_like",
+    "is_main_process",
+    "matches",
+    "obs_sweep",
+    "pack_mask",
+    "patterns",
+    "relative_output_error",
+    "resolve_targets",
+    "select_targets",
+    "sweep_relative_errors",
+    "trim_heap",
+    "unpack_mask",
+]

@@ -111,13 +111,20 @@ class ModuleResult:
 
     @property
     def sparsity(self) -> float:
+        """``zeros / numel`` (a fraction in ``[0, 1]``; 0.0 for an empty weight)."""
         return self.zeros / self.numel if self.numel else 0.0
 
 
 @attrs.frozen
 class CompressedGroup:
     """What :meth:`CalibratedModifier._compress_group` returns when the algorithm measured each new
-    weight's ``||W X - W_hat X|| / ||W X||`` itself (e.g. GPTQ from its sweep: :mod:`llmc_fsm.toolkit.layer_error`)."""
+    weight's ``||W X - W_hat X|| / ||W X||`` itself (e.g. GPTQ from its sweep: :mod:`llmc_fsm.toolkit.layer_error`).
+
+    Attributes:
+        weights: one new ``[out, in]`` weight per module, in the order of the modules given (any float dtype).
+        rel_output_errors: one relative output error per module (a float ``>= 0``), same order; the class that
+            returns it sets ``measures_output_error = True``.
+    """
 
     weights: list[torch.Tensor]
     rel_output_errors: list[float]
@@ -134,7 +141,11 @@ class CalibratedModifier(Modifier):
         ignore: module patterns never compressed (default ``["lm_head"]``). A
             module whose weight is tied to an ignored one is ignored too.
 
-    Subclasses implement :meth:`_new_accumulator` and :meth:`_compress_group`.
+    Subclasses implement :meth:`_new_accumulator` and :meth:`_compress_group` (see ``docs/plugins.md``,
+    "Writing a calibrated modifier", for the lifecycle and every override point).
+
+    Raises (at construction): ``TypeError`` for a pattern that is not a string (or a list of them), ``ValueError``
+    for empty ``targets``.
     """
 
     required_state = frozenset({"model", "calibration_data"})

@@ -29,8 +29,16 @@ def relative_output_error(old: torch.Tensor, new: torch.Tensor, hessian: torch.T
     """``||W X - W_hat X||_F / ||W X||_F`` on the inputs ``X`` whose Hessian is ``H = 2/n X X^T``.
 
     Computed from ``H`` alone: ``||A X||_F^2 = (n/2) tr(A H A^T)``, and ``n/2``
-    cancels in the ratio. ``old``/``new`` are ``[out, in]``; ``hessian`` ``[in, in]``.
-    Returns 0.0 when ``||W X||`` is 0.
+    cancels in the ratio. ``old``/``new`` are ``[out, in]``; ``hessian`` ``[in, in]``
+    (any float dtypes, on one device; computed in float32). ``||W X - W_hat X||`` is
+    the layer-wise objective of GPTQ (arXiv 2210.17323, Section 3) and SparseGPT
+    (arXiv 2301.00774, Section 3).
+
+    Returns:
+        The ratio, a float ``>= 0`` (unitless); 0.0 when ``||W X||`` is 0.
+
+    Raises:
+        RuntimeError: shapes that do not fit (from the matrix products).
     """
     H = hessian.to(torch.float32)
     W = old.to(torch.float32)

@@ -8,7 +8,14 @@ __all__ = ["pack_mask", "unpack_mask"]
 
 
 def pack_mask(keep: torch.Tensor) -> torch.Tensor:
-    """Bit-pack a bool mask: ``uint8`` tensor of ``ceil(numel / 8)`` bytes (row-major, most significant bit first)."""
+    """Bit-pack a bool mask: ``uint8`` tensor of ``ceil(numel / 8)`` bytes (row-major, most significant bit first).
+
+    Args:
+        keep: a mask of any shape and device (converted to ``bool``: nonzero is ``True``).
+
+    Returns:
+        A 1-D CPU ``uint8`` tensor; the shape is not stored (give it to :func:`unpack_mask`).
+    """
     import numpy as np
     import torch
 

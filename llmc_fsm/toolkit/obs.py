@@ -50,7 +50,8 @@ SUB_BLOCK = 32
 
 
 class HessianNotPositiveDefiniteError(ValueError):
-    """The (damped) Hessian could not be Cholesky-factorised."""
+    """The (damped) Hessian could not be Cholesky-factorised: raised by :func:`inverse_hessian_cholesky` after its
+    damping retries (a ``ValueError``: more damping or more / more diverse calibration data fixes it)."""
 
 
 class InverseHessianFactor(NamedTuple):

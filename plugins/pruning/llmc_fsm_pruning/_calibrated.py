@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import attrs
 
-from llmc_fsm.toolkit.calibrated import CalibratedModifier
+from llmc_fsm.toolkit import CalibratedModifier
 from llmc_fsm_pruning.masks import mask_structure_validator, sparsity_validator
 
 __all__ = ["CalibratedPruningModifier"]

@@ -21,9 +21,7 @@ import attrs
 import torch
 
 from llmc_fsm import Modifier
-from llmc_fsm.toolkit.calibrated import patterns
-from llmc_fsm.toolkit.masks import pack_mask, unpack_mask
-from llmc_fsm.toolkit.targets import DEFAULT_IGNORE, DEFAULT_TARGETS, resolve_targets
+from llmc_fsm.toolkit import DEFAULT_IGNORE, DEFAULT_TARGETS, pack_mask, patterns, resolve_targets, unpack_mask
 
 if TYPE_CHECKING:
     from llmc_fsm import Event, State

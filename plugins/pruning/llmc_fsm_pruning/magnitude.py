@@ -32,8 +32,7 @@ import attrs
 import torch
 
 from llmc_fsm import Modifier
-from llmc_fsm.toolkit.calibrated import patterns
-from llmc_fsm.toolkit.targets import DEFAULT_IGNORE, DEFAULT_TARGETS, resolve_targets
+from llmc_fsm.toolkit import DEFAULT_IGNORE, DEFAULT_TARGETS, patterns, resolve_targets
 from llmc_fsm_pruning.constant import MaskSet, load_masks_state, masks_state, weight_sparsity
 from llmc_fsm_pruning.masks import magnitude_mask, mask_structure_validator, parse_mask_structure, sparsity_validator
 

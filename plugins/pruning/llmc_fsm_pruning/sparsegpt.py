@@ -37,15 +37,15 @@ import attrs
 import torch
 from torch import nn
 
-from llmc_fsm.toolkit.calibrated import CompressedGroup
-from llmc_fsm.toolkit.layer_error import sweep_relative_errors
-from llmc_fsm.toolkit.obs import (
+from llmc_fsm.toolkit import (
     SUB_BLOCK,
+    CompressedGroup,
     HessianAccumulator,
     InverseHessianFactor,
     check_dampening_frac,
     inverse_hessian_cholesky,
     obs_sweep,
+    sweep_relative_errors,
 )
 from llmc_fsm_pruning._calibrated import CalibratedPruningModifier
 from llmc_fsm_pruning.masks import (

@@ -10,6 +10,7 @@ import attrs
 import torch
 from torch import nn
 
+from llmc_fsm.toolkit import all_reduce_tensor, is_distributed
 from llmc_fsm_pruning._calibrated import CalibratedPruningModifier
 from llmc_fsm_pruning.masks import (
     MaskStructure,
@@ -91,8 +92,6 @@ class InputNormAccumulator:
         Raises:
             DistributedError: the collective failed (another rank stopped or timed out).
         """
-        from llmc_fsm.toolkit.distributed import all_reduce_tensor, is_distributed
-
         if not is_distributed():
             return
         flat = torch.zeros(self.in_features + 1, dtype=torch.float64)

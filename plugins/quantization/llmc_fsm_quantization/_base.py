@@ -27,9 +27,17 @@ from compressed_tensors.quantization import (
 from compressed_tensors.quantization.lifecycle.initialize import initialize_module_for_quantization
 from torch import nn
 
-from llmc_fsm.toolkit.calibrated import CalibratedModifier, CompressedGroup, patterns
-from llmc_fsm.toolkit.obs import HessianAccumulator
-from llmc_fsm.toolkit.targets import DEFAULT_IGNORE, DEFAULT_TARGETS, select_targets
+from llmc_fsm.toolkit import (
+    DEFAULT_IGNORE,
+    DEFAULT_TARGETS,
+    CalibratedModifier,
+    CompressedGroup,
+    HessianAccumulator,
+    all_reduce_tensor,
+    is_distributed,
+    patterns,
+    select_targets,
+)
 from llmc_fsm_quantization.observers import IMPORTANCE_OBSERVERS, check_observer, is_scaled_format
 from llmc_fsm_quantization.schemes import resolve_config_groups, resolve_scheme, weight_args
 
@@ -164,8 +172,6 @@ class CalibrationStatistics(HessianAccumulator):
         """:meth:`HessianAccumulator.all_reduce`, then the ranges: extremes by max / min, the other two averaged
         over the ranks that saw inputs (a rank without any takes part with neutral values)."""
         super().all_reduce()
-        from llmc_fsm.toolkit.distributed import all_reduce_tensor, is_distributed
-
         if not is_distributed():
             return
         what = "all_reduce (input ranges)"

@@ -36,8 +36,14 @@ from compressed_tensors.quantization import QuantizationArgs, QuantizationStrate
 from compressed_tensors.quantization.utils import calculate_range
 from torch import nn
 
-from llmc_fsm.toolkit.layer_error import sweep_relative_errors
-from llmc_fsm.toolkit.obs import SUB_BLOCK, HessianAccumulator, check_dampening_frac, inverse_hessian_cholesky, obs_sweep
+from llmc_fsm.toolkit import (
+    SUB_BLOCK,
+    HessianAccumulator,
+    check_dampening_frac,
+    inverse_hessian_cholesky,
+    obs_sweep,
+    sweep_relative_errors,
+)
 from llmc_fsm_quantization._base import QuantizedWeight, QuantizingModifier
 from llmc_fsm_quantization.observers import (
     IMPORTANCE_OBSERVERS,

@@ -8,7 +8,7 @@ from compressed_tensors.quantization import QuantizationArgs
 from compressed_tensors.quantization.lifecycle.forward import fake_quantize
 from torch import nn
 
-from llmc_fsm.toolkit.obs import HessianAccumulator
+from llmc_fsm.toolkit import HessianAccumulator
 from llmc_fsm_quantization._base import QuantizedWeight, QuantizingModifier
 from llmc_fsm_quantization.observers import (
     IMPORTANCE_OBSERVERS,
