@@ -481,7 +481,7 @@ def test_evaluation_skips_weight_requantization_with_equal_outputs(monkeypatch) 
 def test_grouped_calibration_runs_compressed_groups_without_requantizing_their_weights(monkeypatch) -> None:
     from compressed_tensors.quantization import QuantizationStatus
 
-    import llmc_fsm.output.save
+    import llmc_fsm.pipeline.layer
 
     recipe = {"q": {"GPTQModifier": {"scheme": W4G16}}}
     data = torch.randint(0, 128, (8, 32), generator=torch.Generator().manual_seed(0))
@@ -497,7 +497,7 @@ def test_grouped_calibration_runs_compressed_groups_without_requantizing_their_w
     def marks_nothing():
         yield lambda modules: None
 
-    monkeypatch.setattr(llmc_fsm.output.save, "weights_on_grid", marks_nothing)
+    monkeypatch.setattr(llmc_fsm.pipeline.layer, "weights_on_grid", marks_nothing)  # where it is used
     slow = _tiny()
     llmc_fsm.oneshot(model=slow, recipe=recipe, dataset=data, batch_size=4, progress=False)
     # without the marks: k_proj, v_proj and up_proj (a group's later members, called after its compression; the
