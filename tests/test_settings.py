@@ -156,7 +156,8 @@ def _bad_cases(model: Path, tmp: Path) -> list[tuple[dict, list[str], type, str]
     return [
         ({"num_calibration_samples": 0}, ["--num-samples", "0"], ValueError,
          "num_calibration_samples (--num-samples) must be a positive int, got 0"),
-        ({"batch_size": 0}, ["--batch-size", "0"], ValueError, "batch_size (--batch-size) must be a positive int, got 0"),
+        ({"batch_size": 0}, ["--batch-size", "0"], ValueError,
+         "batch_size (--batch-size) must be a positive int, got 0"),
         ({"max_seq_length": -4}, ["--seq-len", "-4"], ValueError,
          "max_seq_length (--seq-len) must be a positive int, got -4"),
         ({"num_eval_windows": 0}, ["--eval-windows", "0"], ValueError,
@@ -210,7 +211,10 @@ def test_bad_values_are_refused_by_the_api_and_the_cli_before_the_model_loads(
     ("flags", "message"),
     [
         (["--sparsity", "1.0"], f"recipe {GENERATED}, stage 'sparsity_stage', modifier SparseGPTModifier, {SPARSITY}"),
-        (["--mask-structure", "3:2"], f"recipe {GENERATED}, stage 'sparsity_stage', modifier SparseGPTModifier, {MASK}"),
+        (
+            ["--mask-structure", "3:2"],
+            f"recipe {GENERATED}, stage 'sparsity_stage', modifier SparseGPTModifier, {MASK}",
+        ),
         (
             ["--mask-structure", "2:4", "--sparsity", "0.7"],
             "--sparsity 0.7 contradicts --mask-structure 2:4: N:M keeps N of every M weights, which fixes the "
@@ -220,8 +224,8 @@ def test_bad_values_are_refused_by_the_api_and_the_cli_before_the_model_loads(
         (["--method", "gptq", "--group-size", "0"], "--group-size must be a positive int, got 0"),
         (
             ["--method", "gptq", "--scheme", "W3X"],
-            f"recipe {GENERATED}, stage 'quantization_stage', modifier GPTQModifier, argument 'scheme': unknown quantization "
-            "scheme 'W3X'; presets: ...",  # the list is compressed-tensors' (checked: it holds W4A16)
+            f"recipe {GENERATED}, stage 'quantization_stage', modifier GPTQModifier, argument 'scheme': unknown "
+            "quantization scheme 'W3X'; presets: ...",  # the list is compressed-tensors' (checked: it holds W4A16)
         ),
     ],
 )

@@ -2,8 +2,8 @@
 
 The flags are generated from the fields of :class:`~llmc_fsm.oneshot_job.settings.OneshotSettings` and
 :class:`~llmc_fsm.oneshot_job.settings.RecipeFlags` (their metadata: flag, help, type), and the parsed flags
-become one :class:`~llmc_fsm.oneshot_job.settings.OneshotSettings` (:func:`~llmc_fsm.oneshot_job.settings.settings_from_flags`),
-checked before any model work.
+become one :class:`~llmc_fsm.oneshot_job.settings.OneshotSettings`
+(:func:`~llmc_fsm.oneshot_job.settings.settings_from_flags`), checked before any model work.
 
 SIGTERM (a CI cancel, ``timeout``, a scheduler) is handled like Ctrl-C: the run
 unwinds, the partial output is removed (saved layers are kept for ``--resume``),

@@ -8,7 +8,7 @@ that read top to bottom::
     run = prepare(settings)          # output directory, recipe -> sessions, text files, work directory: no model yet
     load(run)                        # model and tokenizer
     data(run)                        # token windows; required state checked; perplexity before
-    compress(run)                    # per session: initialize, run_sequential (layer by layer, each layer saved), finalize
+    compress(run)                    # per session: initialize, run_sequential (each layer saved), finalize
     evaluate(run)                    # perplexity after
     save(run)                        # report; model (compressed-tensors when quantized), recipe.yaml, report.json
 

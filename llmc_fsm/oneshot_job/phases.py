@@ -165,9 +165,7 @@ def token_data(run: Run) -> None:
     with run.timed("data"):
         calibration_windows(run)
         if run.ev_text is not None:
-            run.eval_windows = eval_windows(
-                run.tokenizer, run.ev_text, settings.num_eval_windows, settings.eval_length
-            )
+            run.eval_windows = eval_windows(run.tokenizer, run.ev_text, settings.num_eval_windows, settings.eval_length)
     check_modifiers(run.sessions, run.model, run.windows if run.windows is not None else True)
 
 

@@ -202,7 +202,8 @@ class LayerProgress:
         return self.directory / f"layer-{index:05d}.safetensors"
 
     def layers_done(self, num_layers: int) -> int:
-        """Leading layers with a readable file (also records the layout for :func:`llmc_fsm.output.workdir.progress_summary`)."""
+        """Leading layers with a readable file (also records the layout for
+        :func:`llmc_fsm.output.workdir.progress_summary`)."""
         self.directory.mkdir(parents=True, exist_ok=True)
         layout = self.root / LAYOUT
         if not layout.exists():

@@ -17,6 +17,7 @@ Every error is one line naming the argument and its CLI flag, e.g.
 model loaded is listed in docs/oneshot.md, "Which checks need the model".
 """
 
+# ruff: noqa: RUF009  (the class fields are attrs fields: _setting returns attrs.field(...) with our metadata)
 from __future__ import annotations
 
 import argparse
@@ -254,7 +255,11 @@ class OneshotSettings:
         validator=_path_or_none,
     )
     overwrite: bool = _setting(
-        False, "replace a non-empty --output directory", flag="--overwrite", cli={"action": "store_true"}, validator=_bool
+        False,
+        "replace a non-empty --output directory",
+        flag="--overwrite",
+        cli={"action": "store_true"},
+        validator=_bool,
     )
     resume: bool = _setting(
         False,
@@ -264,7 +269,9 @@ class OneshotSettings:
         cli={"action": "store_true"},
         validator=_bool,
     )
-    tokenizer: Any = _setting(None, "the tokenizer of an in-memory model (object, directory or Hub id)", eq=_by_identity)
+    tokenizer: Any = _setting(
+        None, "the tokenizer of an in-memory model (object, directory or Hub id)", eq=_by_identity
+    )
     eval_text: str | os.PathLike[str] | None = _setting(
         None,
         "text file for perplexity before/after (non-overlapping windows from its head)",
@@ -285,7 +292,9 @@ class OneshotSettings:
         fingerprint=("pipeline", "batch_size"),
         validator=_positive_int,
     )
-    seed: int = _setting(0, "seed of the self-generated default calibration data", fingerprint=("seed",), validator=_int)
+    seed: int = _setting(
+        0, "seed of the self-generated default calibration data", fingerprint=("seed",), validator=_int
+    )
     progress: bool = _setting(
         True,
         "no progress bars (also none from transformers/compressed-tensors)",
