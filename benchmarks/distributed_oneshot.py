@@ -51,14 +51,14 @@ def worker(stats_dir: str, argv: list[str]) -> int:
     from llmc_fsm.cli import main as cli_main
 
     reports = []
-    run_oneshot = cli_oneshot.oneshot
+    run_oneshot = cli_oneshot.run_oneshot
 
     def keep_report(*args, **kwargs):
         model = run_oneshot(*args, **kwargs)
         reports.append(model.llmc_fsm_report)
         return model
 
-    cli_oneshot.oneshot = keep_report  # the CLI prints the report on rank 0 only; every rank keeps its own here
+    cli_oneshot.run_oneshot = keep_report  # the CLI prints the report on rank 0 only; every rank keeps its own here
     rc = cli_main(argv)
     rank = int(os.environ.get("RANK", "0"))
     usage = resource.getrusage(resource.RUSAGE_SELF)

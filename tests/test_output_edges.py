@@ -45,7 +45,7 @@ def no_model_loading(monkeypatch):
     def refuse(*a, **k):
         raise AssertionError("the model was loaded")
 
-    monkeypatch.setattr("llmc_fsm.models.known.load_model", refuse)
+    monkeypatch.setattr("llmc_fsm.oneshot_job.phases.load_model", refuse)  # where the job calls it
 
 
 # --------------------------------------------------------------------------- case 4: unwritable outputs

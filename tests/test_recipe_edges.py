@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 from typing import Any
 
 import attrs
@@ -159,13 +158,9 @@ def test_block_size_refusals(tmp_path, capsys, args: list[str], message: str) ->
 
 
 def test_block_size_flag_reaches_sparsegpt() -> None:
-    from llmc_fsm.cli.oneshot import _flags_recipe
-    from llmc_fsm.oneshot_job.settings import GENERATED
+    from llmc_fsm.oneshot_job.settings import GENERATED, RecipeFlags
 
-    args = argparse.Namespace(
-        sparsity=None, mask_structure="2:4", scheme=None, group_size=None, observer=None, block_size=64
-    )
-    recipe = _flags_recipe(args, "sparsegpt")
+    recipe = RecipeFlags(method="sparsegpt", mask_structure="2:4", block_size=64).recipe()
     assert recipe.source == GENERATED
     (modifier,) = recipe.modifiers
     assert (type(modifier).__name__, modifier.block_size, modifier.mask_structure) == ("SparseGPTModifier", 64, "2:4")

@@ -20,6 +20,7 @@ from safetensors.torch import load_file
 
 import llmc_fsm
 import llmc_fsm.data.protocol as llmc_fsm_data
+import llmc_fsm.oneshot_job.phases as phases
 from llmc_fsm.oneshot_job.resume import LayerProgress
 from llmc_fsm.oneshot_job.settings import default_recipe
 from llmc_fsm.output.save import dir_size_bytes
@@ -203,10 +204,10 @@ def test_resume_reuses_generated_calibration_and_perplexity_before(tiny_model_di
     def no_generation(*a, **k):
         raise AssertionError("calibration data generated again")
 
-    monkeypatch.setattr("llmc_fsm.oneshot_job.data.generate_calibration", no_generation)
+    monkeypatch.setattr("llmc_fsm.oneshot_job.phases.generate_calibration", no_generation)  # where it is called
     measured = []
     perplexity = llmc_fsm_data.perplexity
-    monkeypatch.setattr(llmc_fsm_data, "perplexity", lambda *a, **k: measured.append(1) or perplexity(*a, **k))
+    monkeypatch.setattr(phases, "perplexity", lambda *a, **k: measured.append(1) or perplexity(*a, **k))
     out = llmc_fsm.oneshot(model=str(model_dir), output_dir=tmp_path / "o", resume=True, **kw)
     assert measured == [1]  # only after compression: the value before is the first run's
     assert out.llmc_fsm_report.calibration == ref.llmc_fsm_report.calibration
@@ -268,7 +269,7 @@ def test_resume_with_changed_settings_is_refused_naming_them(leftover, monkeypat
     def no_model_work(*a, **k):
         raise AssertionError("the model was loaded")
 
-    monkeypatch.setattr("llmc_fsm.models.known.load_model", no_model_work)
+    monkeypatch.setattr("llmc_fsm.oneshot_job.phases.load_model", no_model_work)  # where the job calls it
     cases = [
         ({"recipe": default_recipe(sparsity=0.6)}, "recipe (sparsity_stage.SparseGPTModifier.sparsity 0.5 -> 0.6)"),
         ({"seed": 1}, "seed (0 -> 1)"),

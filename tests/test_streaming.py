@@ -28,7 +28,7 @@ SIZES = {"num_calibration_samples": 8, "max_seq_length": 32, "num_eval_windows":
 @pytest.fixture(autouse=True)
 def _keep_the_allocator(monkeypatch):
     """A low_memory run fixes glibc's mmap threshold for the whole process; spare the rest of the test session."""
-    monkeypatch.setattr("llmc_fsm.toolkit.heap.limit_heap_growth", lambda: False)
+    monkeypatch.setattr("llmc_fsm.oneshot_job.streaming.limit_heap_growth", lambda: False)  # where it is called
 
 
 @pytest.fixture(scope="module")

@@ -4,15 +4,16 @@
 pipeline (:mod:`llmc_fsm.pipeline.sequential`), in named phases (:mod:`llmc_fsm.oneshot_job.phases`)
 that read top to bottom::
 
-    run = prepare(...)   # sizes, output directory, recipe -> sessions, text files, work directory: no model yet
-    load(run)            # model and tokenizer
-    data(run)            # token windows; required state checked; perplexity before
-    compress(run)        # per session: initialize, run_sequential (layer by layer, each layer saved), finalize
-    evaluate(run)        # perplexity after
-    save(run)            # report; model (compressed-tensors when quantized), recipe.yaml, report.json
+    settings = OneshotSettings(...)  # every argument checked (sizes, dtype, paths...): frozen from here on
+    run = prepare(settings)          # output directory, recipe -> sessions, text files, work directory: no model yet
+    load(run)                        # model and tokenizer
+    data(run)                        # token windows; required state checked; perplexity before
+    compress(run)                    # per session: initialize, run_sequential (each layer saved), finalize
+    evaluate(run)                    # perplexity after
+    save(run)                        # report; model (compressed-tensors when quantized), recipe.yaml, report.json
 
-Every check that does not need the model runs before the model is loaded,
-including creating the hidden work directory next to ``output_dir``
+Every check that does not need the model runs before the model is loaded
+(docs/oneshot.md, "Which checks need the model"), including creating the hidden work directory next to ``output_dir``
 (:mod:`llmc_fsm.output.workdir`), so an output path that cannot be written fails at
 once. Checks that need the model or tokenizer (sequence length, a dataset too
 short, group sizes, targets) run right after loading, before any compression
@@ -28,13 +29,17 @@ else (a text/JSONL file or a Hugging Face dataset name).
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
+
+import torch
 
 from llmc_fsm.oneshot_job import phases as phase
 from llmc_fsm.oneshot_job.phases import Run, prepare
 from llmc_fsm.oneshot_job.progress import quiet_progress
-from llmc_fsm.oneshot_job.settings import DEFAULT_MODEL
+from llmc_fsm.oneshot_job.settings import DEFAULT_MODEL, OneshotSettings
 from llmc_fsm.oneshot_job.streaming import run_streaming
 from llmc_fsm.recipes.history import APPLIED_RECIPE_ATTR
 
@@ -44,6 +49,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "oneshot",
+    "run_oneshot",
 ]
 
 
@@ -68,10 +74,12 @@ def oneshot(
     fuse_stages: bool = False,
     low_memory: bool = False,
     dtype: Any = "float32",
+    threads: int | None = None,
 ) -> nn.Module:
     """Compress ``model`` in one shot with ``recipe``, calibrating layer by layer on ``dataset``.
 
-    Args (each in full in docs/oneshot.md, "Arguments"):
+    Args (each in full in docs/oneshot.md, "Arguments"; they become one frozen
+    :class:`~llmc_fsm.oneshot_job.settings.OneshotSettings`, checked before any model work):
         model, tokenizer: a known name (default ``"smollm2-135m"``), a Hugging Face directory, or an ``nn.Module``
             and its tokenizer.
         recipe: anything :class:`~llmc_fsm.Session` accepts; default :func:`default_recipe` (SparseGPT, 50%).
@@ -82,6 +90,8 @@ def oneshot(
         batch_size, seed, progress, fuse_stages, low_memory: how the job runs.
         dtype: what a model given as a name or directory is loaded, compressed and saved in: ``"float32"``
             (default), ``"bfloat16"``, ``"float16"`` or ``"auto"`` (its ``config.json``'s dtype).
+        threads: torch CPU threads during the call (``torch.set_num_threads``, put back afterwards); ``None``:
+            torch's choice.
 
     Returns:
         The compressed model (the same object for an ``nn.Module``); its report
@@ -93,44 +103,46 @@ def oneshot(
         NotADirectoryError / PermissionError: ``output_dir`` cannot be created.
         FileNotFoundError: a dataset or eval file that does not exist.
         RecipeError: an invalid recipe (e.g. sparsity outside [0, 1)).
-        ValueError: ``resume`` with changed settings, an unknown model, an unknown ``dtype`` (or one with an
-            ``nn.Module``), a dataset too short, bad sizes, a sequence
-            longer than the model's positions, targets matching nothing, a group size that does not divide a width.
+        ValueError: a bad value (a size below 1, an unknown ``dtype`` or one with an ``nn.Module``, ``resume``
+            without ``output_dir``...: one line naming the argument and its flag), ``resume`` with changed settings,
+            an unknown model, a dataset too short, a sequence longer than the model's positions, targets matching
+            nothing, a group size that does not divide a width.
         MissingStateError / ModifierError: a modifier cannot be initialized.
     """
 
-    if low_memory and resume:  # before the work directory is opened: its saved progress stays as it is
-        msg = "low_memory (--low-memory) cannot run this job: it cannot resume an interrupted run: run without resume"
-        raise ValueError(msg + " (--resume), or resume it without low_memory")
-    run = prepare(
-        model,
-        recipe,
-        dataset,
-        tokenizer=tokenizer,
-        num_calibration_samples=num_calibration_samples,
-        max_seq_length=max_seq_length,
-        output_dir=output_dir,
-        overwrite=overwrite,
-        resume=resume,
-        eval_text=eval_text,
-        num_eval_windows=num_eval_windows,
-        eval_seq_length=eval_seq_length,
-        batch_size=batch_size,
-        seed=seed,
-        progress=progress,
-        fuse_stages=fuse_stages,
-        dtype=dtype,
-    )
-    return _run_phases(run, low_memory=low_memory)
+    return run_oneshot(OneshotSettings(**locals()))  # every argument above, by name
 
 
-def _run_phases(run: Run, *, low_memory: bool) -> nn.Module:
+def run_oneshot(settings: OneshotSettings) -> nn.Module:
+    """:func:`oneshot` with its arguments already in a :class:`~llmc_fsm.oneshot_job.settings.OneshotSettings`
+    (``llmc-fsm oneshot`` builds one from its flags). Returns and raises as :func:`oneshot`."""
+
+    with _torch_threads(settings.threads):
+        run = prepare(settings)
+        return _run_phases(run)
+
+
+@contextlib.contextmanager
+def _torch_threads(threads: int | None) -> Iterator[None]:
+    """``torch.set_num_threads(threads)`` inside the block (nothing for ``None``); the previous count after it."""
+    if threads is None:
+        yield
+        return
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _run_phases(run: Run) -> nn.Module:
     """Every phase after :func:`~llmc_fsm.oneshot_job.phases.prepare`; on any exception (Ctrl-C, SIGTERM included) the
     work directory is handed back (progress kept or removed, see :meth:`llmc_fsm.output.workdir.WorkDir.abort`)."""
 
     try:
-        with quiet_progress(not run.progress):
-            if low_memory:
+        with quiet_progress(not run.settings.progress):
+            if run.settings.low_memory:
                 return run_streaming(run)
             phase.load(run)
             phase.data(run)

@@ -28,14 +28,12 @@ if TYPE_CHECKING:
 __all__ = [
     "DEFAULT_PROMPTS",
     "calibration_inputs",
-    "check_dataset_tensor",
     "check_modifiers",
     "check_seq_len",
     "describe",
     "eval_windows",
     "generate_calibration",
     "is_tensor",
-    "positive_int",
     "read_text",
 ]
 
@@ -54,50 +52,9 @@ DEFAULT_PROMPTS: tuple[str, ...] = (
 )
 
 
-def positive_int(name: str, value: Any) -> int:
-    """``value`` if it is a positive ``int``.
-
-    Raises:
-        ValueError: a bool, a non-int or a value below 1; the message names ``name``.
-    """
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        msg = f"{name} must be a positive int, got {value!r}"
-        raise ValueError(msg)
-    return value
-
-
-#: The ``dtype`` (``--dtype``) values one-shot loads a model in (``auto``: the dtype its ``config.json`` names).
-DTYPES = ("float32", "bfloat16", "float16", "auto")
-
-
-def parse_dtype(value: Any, model: Any) -> str:
-    """``value`` as a :data:`DTYPES` name (a ``torch.dtype`` and ``fp32`` / ``bf16`` / ``fp16`` are accepted too).
-
-    ``auto`` is the dtype the checkpoint's ``config.json`` names. A model given as
-    an ``nn.Module`` is used as it is, so only the default ``float32`` goes with it.
-
-    Raises:
-        ValueError: another value, or a non-default one with an ``nn.Module``.
-    """
-    aliases = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32"}
-    import torch
-
-    name = str(value).removeprefix("torch.") if isinstance(value, torch.dtype) else value
-    name = aliases.get(name, name) if isinstance(name, str) else name
-    if name not in DTYPES:
-        msg = f"dtype (--dtype) must be one of {', '.join(DTYPES)}, got {value!r}"
-        raise ValueError(msg)
-    if name != "float32" and isinstance(model, torch.nn.Module):
-        msg = (
-            f"dtype (--dtype) {name!r} applies to a model given as a name or directory; an in-memory model is "
-            "compressed and saved in its own dtype: convert it yourself (e.g. model.to(torch.bfloat16))"
-        )
-        raise ValueError(msg)
-    return name
-
-
 def torch_dtype_of(name: str, config_dtype: Any = None) -> Any:
-    """The torch dtype of a :data:`DTYPES` name; ``auto``: ``config_dtype`` (a config's ``dtype``), fp32 if unset."""
+    """The torch dtype of a ``dtype`` setting (:data:`llmc_fsm.oneshot_job.settings.DTYPES`); ``auto``:
+    ``config_dtype`` (a config's ``dtype``), fp32 if unset."""
     import torch
 
     if name == "auto":
@@ -110,17 +67,6 @@ def is_tensor(value: Any) -> bool:
     import torch
 
     return isinstance(value, torch.Tensor)
-
-
-def check_dataset_tensor(dataset: Any) -> None:
-    """Refuse a dataset tensor that is not ``[N, L]`` integer token ids; other values pass.
-
-    Raises:
-        ValueError: a tensor that is not 2-D or holds floating-point values.
-    """
-    if is_tensor(dataset) and (dataset.dim() != 2 or dataset.is_floating_point()):
-        msg = f"a dataset tensor must hold token ids of shape [N, L], got {dataset.dtype} {tuple(dataset.shape)}"
-        raise ValueError(msg)
 
 
 def check_seq_len(model: Any, seq_len: int) -> None:

@@ -1,6 +1,7 @@
 """The phases of :func:`llmc_fsm.oneshot`, in the order they run (each takes the :class:`Run` the others fill).
 
-* :func:`prepare` — sizes, output and work directory, recipe -> sessions, text files (no model yet);
+* :func:`prepare` — output and work directory, recipe -> sessions, text files (no model yet; the settings,
+  :class:`~llmc_fsm.oneshot_job.settings.OneshotSettings`, were checked when they were built);
 * :func:`load` — model and tokenizer;
 * :func:`data` — token windows; required state checked; perplexity before; generated calibration data;
 * :func:`compress` — per session: initialize, run_sequential (each layer saved to the work directory), finalize;
@@ -24,15 +25,12 @@ from llmc_fsm.models.known import load_model
 from llmc_fsm.oneshot_job.data import (
     DEFAULT_PROMPTS,
     calibration_inputs,
-    check_dataset_tensor,
     check_modifiers,
     check_seq_len,
     describe,
     eval_windows,
     generate_calibration,
     is_tensor,
-    parse_dtype,
-    positive_int,
     read_text,
     torch_dtype_of,
 )
@@ -45,8 +43,8 @@ from llmc_fsm.oneshot_job.resume import (
     save_eval_before,
     save_windows,
 )
-from llmc_fsm.oneshot_job.settings import GENERATED, generated_recipe
-from llmc_fsm.output.directory import check_output_dir, check_output_not_source
+from llmc_fsm.oneshot_job.settings import GENERATED, OneshotSettings, generated_recipe
+from llmc_fsm.output.directory import check_output_dir
 from llmc_fsm.output.save import quantized_weights_as_compressed, weights_disk_bytes, write_output
 from llmc_fsm.output.workdir import WorkDir, recover_previous
 from llmc_fsm.pipeline.sequential import run_sequential
@@ -57,30 +55,33 @@ from llmc_fsm.report.build import build_report
 from llmc_fsm.session.session import Session
 from llmc_fsm.toolkit.distributed import is_distributed, is_main_process, shard
 
-__all__ = ["Run", "compress", "data", "evaluate", "load", "positive_int", "prepare", "run_report", "save"]
+__all__ = [
+    "Run",
+    "calibration_windows",
+    "compress",
+    "data",
+    "evaluate",
+    "given_tokenizer",
+    "load",
+    "prepare",
+    "run_report",
+    "save",
+    "token_data",
+]
 
 
 @attrs.define(kw_only=True, slots=False, eq=False)
 class Run:
-    """What the phases of :func:`llmc_fsm.oneshot` hand to one another."""
+    """What the phases of :func:`llmc_fsm.oneshot` hand to one another: the frozen ``settings`` they were asked for,
+    and the progress they make (nothing here is a copy of a setting)."""
 
-    model: Any
-    tokenizer: Any
-    dataset: Any
-    recipe: Recipe
+    settings: OneshotSettings
+    recipe: Recipe  # the recipe resolved, merged with a saved model's applied stages
     sessions: list[Session]
-    out_path: Path | None
-    num_samples: int
-    seq_len: int
-    eval_windows_n: int
-    eval_len: int
-    batch_size: int
-    seed: int
-    progress: bool
-    eval_source: Any
-    needs_data: bool
-    dtype: str = "float32"
+    needs_data: bool  # a modifier requires calibration data
     work: WorkDir | None = None
+    model: Any = None  # the model being compressed, once loaded
+    tokenizer: Any = None
     cal_text: str | None = None
     ev_text: str | None = None
     model_name: str = ""
@@ -93,6 +94,11 @@ class Run:
     disk_before: int | None = None
     targeted: list[str] = attrs.field(factory=list)
     per_rank: list[int] = attrs.field(factory=list)
+
+    @property
+    def out_path(self) -> Path | None:
+        """The output directory (absolute), ``None`` without one or on a rank that does not write."""
+        return None if self.work is None else self.work.output
 
     @contextlib.contextmanager
     def timed(self, phase: str) -> Iterator[None]:
@@ -111,72 +117,83 @@ def calibration_windows(run: Run) -> None:
     """
     import torch
 
+    settings = run.settings
     if not run.needs_data:
-        run.windows = torch.zeros(0, run.seq_len, dtype=torch.long)
-        unused = "; the dataset given is not used" if run.dataset is not None else ""
+        run.windows = torch.zeros(0, settings.max_seq_length, dtype=torch.long)
+        unused = "; the dataset given is not used" if settings.dataset is not None else ""
         run.cal_source = f"none (no modifier needs calibration data{unused})"
         return
 
     saved = load_windows(run.work.path) if run.work is not None and run.work.resumed else None
-    if is_tensor(run.dataset):
-        run.windows = run.dataset.long()
-        run.cal_source = describe(run.dataset)
+    if is_tensor(settings.dataset):
+        run.windows = settings.dataset.long()
+        run.cal_source = describe(settings.dataset)
     elif run.cal_text is not None:
         run.windows = saved
         if saved is None:
             run.windows = token_windows(
-                run.tokenizer, run.cal_text, num_windows=run.num_samples, seq_len=run.seq_len, from_end=True
+                run.tokenizer,
+                run.cal_text,
+                num_windows=settings.num_calibration_samples,
+                seq_len=settings.max_seq_length,
+                from_end=True,
             )
-        run.cal_source = describe(run.dataset)
+        run.cal_source = describe(settings.dataset)
     elif saved is not None and run.needs_data:
         run.windows = saved
-        run.cal_source = f"generated by the model (seed {run.seed}, {len(DEFAULT_PROMPTS)} prompts)"
+        run.cal_source = _generated_source(settings)
+
+
+def _generated_source(settings: OneshotSettings) -> str:
+    return f"generated by the model (seed {settings.seed}, {len(DEFAULT_PROMPTS)} prompts)"
+
+
+def token_data(run: Run) -> None:
+    """Calibration and evaluation windows, after checking the sequence lengths against ``run.model`` (the loaded
+    model, or the ``meta``-device one of a streamed run), then the modifiers' checks of it (no forward yet).
+
+    Raises:
+        ValueError: a sequence longer than the model's positions, a text too short, a modifier's check_model.
+        MissingStateError: a modifier needs state one-shot does not give.
+    """
+    settings = run.settings
+    used = [settings.eval_length] if run.ev_text is not None else []
+    if run.needs_data:  # a data-free recipe tokenizes no calibration text
+        used.append(int(settings.dataset.shape[1]) if is_tensor(settings.dataset) else settings.max_seq_length)
+    if used:
+        check_seq_len(run.model, max(used))
+    with run.timed("data"):
+        calibration_windows(run)
+        if run.ev_text is not None:
+            run.eval_windows = eval_windows(run.tokenizer, run.ev_text, settings.num_eval_windows, settings.eval_length)
+    check_modifiers(run.sessions, run.model, run.windows if run.windows is not None else True)
 
 
 # --------------------------------------------------------------------------- prepare
-def prepare(model: Any, recipe: Any, dataset: Any, **kw: Any) -> Run:
-    """Checks that need no model: sizes, output and work directory, recipe -> sessions, the text files.
+def prepare(settings: OneshotSettings) -> Run:
+    """What needs no model and was not checked by :class:`OneshotSettings` itself: the output and work directory,
+    the recipe resolved into sessions, the text files read, the resume fingerprint.
 
     Raises:
         ValueError / RecipeError / FileExistsError / OSError: as :func:`llmc_fsm.oneshot`, before any model work.
     """
-    num_samples = positive_int("num_calibration_samples (--num-samples)", kw["num_calibration_samples"])
-    seq_len = positive_int("max_seq_length (--seq-len)", kw["max_seq_length"])
-    eval_n = positive_int("num_eval_windows (--eval-windows)", kw["num_eval_windows"])
-    batch_size = positive_int("batch_size (--batch-size)", kw["batch_size"])
-    eval_len = positive_int("eval_seq_length", kw["eval_seq_length"]) if kw["eval_seq_length"] is not None else seq_len
-    dtype = parse_dtype(kw["dtype"], model)
-    check_output_not_source(kw["output_dir"], model)
-    work = _claim_on_rank_0(kw)
+    work = _claim_on_rank_0(settings)
     try:
-        merged, sessions = _sessions(model, recipe, kw["fuse_stages"])
-        check_dataset_tensor(dataset)
+        merged, sessions = _sessions(settings.model, settings.recipe, settings.fuse_stages)
         run = Run(
-            model=model,
-            tokenizer=kw["tokenizer"],
-            dataset=dataset,
+            settings=settings,
             recipe=merged,
             sessions=sessions,
-            out_path=None if work is None else work.output,
-            num_samples=num_samples,
-            seq_len=seq_len,
-            eval_windows_n=eval_n,
-            eval_len=eval_len,
-            batch_size=batch_size,
-            seed=kw["seed"],
-            progress=kw["progress"],
-            eval_source=kw["eval_text"],
-            dtype=dtype,
             needs_data=any("calibration_data" in m.required_keys() for s in sessions for m in s.modifiers),
             work=work,
         )
-        with run.timed("read_data"), quiet_progress(not run.progress):
-            if dataset is not None and not is_tensor(dataset):
-                run.cal_text = read_text("dataset (--dataset)", dataset)
-            if kw["eval_text"] is not None:
-                run.ev_text = read_text("eval_text (--eval-text)", kw["eval_text"])
+        with run.timed("read_data"), quiet_progress(not settings.progress):
+            if settings.dataset is not None and not is_tensor(settings.dataset):
+                run.cal_text = read_text("dataset (--dataset)", settings.dataset)
+            if settings.eval_text is not None:
+                run.ev_text = read_text("eval_text (--eval-text)", settings.eval_text)
         if work is not None:
-            work.settle(_fingerprint(run, kw["fuse_stages"]), resume=kw["resume"])
+            work.settle(_fingerprint(run), resume=settings.resume)
     except BaseException:
         if work is not None:
             work.release()
@@ -184,21 +201,18 @@ def prepare(model: Any, recipe: Any, dataset: Any, **kw: Any) -> Run:
     return run
 
 
-def _claim_on_rank_0(kw: dict[str, Any]) -> WorkDir | None:
+def _claim_on_rank_0(settings: OneshotSettings) -> WorkDir | None:
     """:func:`_claim` in one process or on rank 0; other ranks of a torch.distributed group only check the output."""
 
-    if kw["resume"] and kw["output_dir"] is None:
-        msg = "resume (--resume) needs output_dir (--output): the progress to resume is kept next to the output"
-        raise ValueError(msg)
-    if kw["resume"] and is_distributed():
+    if settings.resume and is_distributed():
         msg = (
             "resume (--resume) is not supported with several processes (torch.distributed): resume the run in one "
             "process, or start it again without --resume"
         )
         raise ValueError(msg)
     if is_main_process():
-        return _claim(kw["output_dir"], kw["overwrite"])
-    check_output_dir(kw["output_dir"], kw["overwrite"])  # the same errors on every rank; only rank 0 writes
+        return _claim(settings.output_dir, settings.overwrite)
+    check_output_dir(settings.output_dir, settings.overwrite)  # the same errors on every rank; only rank 0 writes
     return None
 
 
@@ -229,25 +243,28 @@ def _sessions(model: Any, recipe: Any, fuse_stages: bool) -> tuple[Recipe, list[
     return merged, [Session(Recipe([stage], merged.source)) for stage in fresh]
 
 
-def _fingerprint(run: Run, fuse_stages: bool) -> dict[str, Any]:
+def _fingerprint(run: Run) -> dict[str, Any]:
 
     with run.timed("fingerprint"):
         return fingerprint(
-            model=run.model,
+            run.settings,
             recipe=run.recipe,
             modifiers=[m for s in run.sessions for m in s.modifiers],
-            dataset=run.dataset,
             text=run.cal_text,
-            num_samples=run.num_samples,
-            seq_len=run.seq_len,
-            batch_size=run.batch_size,
-            fuse_stages=fuse_stages,
-            seed=run.seed,
-            dtype=run.dtype,
         )
 
 
 # --------------------------------------------------------------------------- load
+def given_tokenizer(settings: OneshotSettings) -> Any:
+    """The ``tokenizer`` setting, loaded with ``AutoTokenizer.from_pretrained`` when it is a directory or Hub id
+    (as llm-compressor takes it); ``None`` when none was given."""
+    if isinstance(settings.tokenizer, str | os.PathLike):
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(os.fspath(settings.tokenizer))
+    return settings.tokenizer
+
+
 def load(run: Run) -> None:
     """The model and tokenizer (an ``nn.Module`` is used as it is).
 
@@ -257,13 +274,12 @@ def load(run: Run) -> None:
     """
     from torch import nn
 
-    needs_text = run.cal_text is not None or run.ev_text is not None or (run.dataset is None and run.needs_data)
+    settings = run.settings
+    needs_text = run.cal_text is not None or run.ev_text is not None or (settings.dataset is None and run.needs_data)
     with run.timed("load"):
-        if isinstance(run.tokenizer, str | os.PathLike):  # a tokenizer directory or Hub id, as llm-compressor takes
-            from transformers import AutoTokenizer
-
-            run.tokenizer = AutoTokenizer.from_pretrained(os.fspath(run.tokenizer))
-        if isinstance(run.model, nn.Module):
+        run.tokenizer = given_tokenizer(settings)
+        if isinstance(settings.model, nn.Module):
+            run.model = settings.model
             run.model_name = type(run.model).__name__
             if any(p.is_meta for p in run.model.parameters()):
                 msg = (
@@ -280,9 +296,9 @@ def load(run: Run) -> None:
             run.disk_before = sum(p.numel() * p.element_size() for p in run.model.parameters())
             return
 
-        run.model_name = os.fspath(run.model)
-        dtype = "auto" if run.dtype == "auto" else torch_dtype_of(run.dtype)  # auto: from_pretrained's own
-        loaded, tokenizer = load_model(run.model, torch_dtype=dtype)
+        run.model_name = os.fspath(settings.model)
+        dtype = "auto" if settings.dtype == "auto" else torch_dtype_of(settings.dtype)  # auto: from_pretrained's own
+        loaded, tokenizer = load_model(settings.model, torch_dtype=dtype)
         run.model = loaded
         run.tokenizer = run.tokenizer if run.tokenizer is not None else tokenizer
         if run.tokenizer is None and needs_text:
@@ -299,23 +315,19 @@ def load(run: Run) -> None:
 def data(run: Run) -> None:
     """Token windows, the required-state check, perplexity before, generated calibration data."""
 
-    used = [run.eval_len] if run.ev_text is not None else []
-    if run.needs_data:  # a data-free recipe tokenizes no calibration text
-        used.append(int(run.dataset.shape[1]) if is_tensor(run.dataset) else run.seq_len)
-    if used:
-        check_seq_len(run.model, max(used))
-    with run.timed("data"):
-        calibration_windows(run)
-        if run.ev_text is not None:
-            run.eval_windows = eval_windows(run.tokenizer, run.ev_text, run.eval_windows_n, run.eval_len)
-    check_modifiers(run.sessions, run.model, run.windows if run.windows is not None else True)
+    settings = run.settings
+    token_data(run)
     _evaluate_before(run)
     if run.windows is None:
         with run.timed("generate_calibration"):
             run.windows = generate_calibration(
-                run.model, run.tokenizer, num_samples=run.num_samples, seq_len=run.seq_len, seed=run.seed
+                run.model,
+                run.tokenizer,
+                num_samples=settings.num_calibration_samples,
+                seq_len=settings.max_seq_length,
+                seed=settings.seed,
             )
-        run.cal_source = f"generated by the model (seed {run.seed}, {len(DEFAULT_PROMPTS)} prompts)"
+        run.cal_source = _generated_source(settings)
     if run.work is not None and run.windows.shape[0] > 0:
         save_windows(run.work.path, run.windows)
 
@@ -349,8 +361,8 @@ def compress(run: Run) -> None:
                         session,
                         model=run.model,
                         calibration_data=windows,
-                        batch_size=run.batch_size,
-                        progress=run.progress,
+                        batch_size=run.settings.batch_size,
+                        progress=run.settings.progress,
                         checkpoint=layer_progress(run.work, index, len(run.sessions), session),
                     )
                 else:
@@ -370,7 +382,7 @@ def evaluate(run: Run, phase: str) -> None:
         return
 
     with run.timed(phase), quantized_weights_as_compressed(run.model):
-        run.ppl[phase] = perplexity(run.model, run.eval_windows, progress=run.progress)
+        run.ppl[phase] = perplexity(run.model, run.eval_windows, progress=run.settings.progress)
 
 
 def save(run: Run) -> None:
@@ -408,9 +420,9 @@ def run_report(run: Run, modules: Any = None) -> Any:
         eval=None
         if run.eval_windows is None
         else {
-            "source": describe(run.eval_source),
+            "source": describe(run.settings.eval_text),
             "num_windows": int(run.eval_windows.shape[0]),
-            "seq_len": run.eval_len,
+            "seq_len": run.settings.eval_length,
         },
         seconds=run.seconds,
         targeted=run.targeted,
