@@ -209,6 +209,14 @@ class SmoothingModifier(Modifier):
         """One line per kind of resolved mapping (for ``explain`` and logs)."""
         return describe_mappings(self._mappings)
 
+    def explain_model(self, model: nn.Module) -> list[str]:
+        """The mappings :meth:`resolve` finds in ``model``, one line per kind (``llmc-fsm explain --model``); pure.
+
+        Raises:
+            ValueError: as :meth:`resolve`.
+        """
+        return [f"mapping {line}" for line in describe_mappings(self.resolve(model))]
+
     # ---- lifecycle -------------------------------------------------------------
     def on_initialize(self, state: Any) -> None:
         self.check_model(state.model)

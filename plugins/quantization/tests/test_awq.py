@@ -206,3 +206,55 @@ def test_awq_duo_both_searches_both_families_on_its_grid() -> None:
     for result in awq.smoothing_results.values():
         assert result["exponent"] in (None, 0.0, 0.25, 0.5, 0.75)
         assert result["duo_scaling"] in (None, True, False)
+
+
+def test_the_report_holds_each_mappings_exponent_and_errors(tmp_path) -> None:
+    import json
+
+    from llmc_fsm.report import OneshotReport
+
+    recipe = {"q": {"AWQModifier": {}, "QuantizationModifier": {"scheme": W4G16}}}
+    llmc_fsm.oneshot(model=tiny(), recipe=recipe, dataset=DATA, progress=False, output_dir=tmp_path / "out")
+    data = json.loads((tmp_path / "out" / "report.json").read_text())
+    smoothing = data["smoothing"]["AWQModifier (q)"]
+    assert list(smoothing) == [f"model.layers.{i}.{n}" for i in (0, 1) for n in (
+        "input_layernorm", "self_attn.v_proj", "post_attention_layernorm", "mlp.up_proj")]
+    first = smoothing["model.layers.0.input_layernorm"]
+    assert first["balance_layers"] == [f"model.layers.0.self_attn.{p}_proj" for p in "qkv"]
+    assert set(first) == {
+        "balance_layers", "exponent", "duo_scaling", "error_unsmoothed", "error", "scale_min", "scale_max", "scale_mean"
+    }
+    report = OneshotReport.from_dict(data)
+    assert report.smoothing == data["smoothing"]
+    kept = sum(r["exponent"] is None for r in smoothing.values())
+    chosen = [r["exponent"] for r in smoothing.values() if r["exponent"] is not None]
+    unsmoothed = sum(r["error_unsmoothed"] for r in smoothing.values()) / 8
+    error = sum(r["error"] for r in smoothing.values()) / 8
+    assert (
+        f"AWQModifier (q): 8 mappings smoothed ({kept} kept unscaled, mean exponent {sum(chosen) / len(chosen):.2f}); "
+        f"mean block output error, quantized: {unsmoothed:.3g} unscaled -> {error:.3g}"
+    ) in report.format_table().splitlines()
+
+
+def test_explain_shows_the_mappings_resolved_on_the_model(tmp_path, capsys) -> None:
+    from llmc_fsm.cli import main
+    from llmc_fsm.explain import explain
+
+    session = llmc_fsm.Session({"q": {"AWQModifier": {}, "QuantizationModifier": {"scheme": "W4A16"}}})
+    session.update_state(model=tiny(kv_heads=2))  # grouped-query attention: no v_proj -> o_proj
+    lines = explain(session).splitlines()
+    at = lines.index("       optional:  -")
+    assert lines[at + 1 : at + 4] == [
+        "       on model:  mapping input_layernorm -> q_proj, k_proj, v_proj (2x: model.layers.{0..1}.input_layernorm)",
+        "                  mapping post_attention_layernorm -> gate_proj, up_proj (2x: "
+        "model.layers.{0..1}.post_attention_layernorm)",
+        "                  mapping up_proj -> down_proj (2x: model.layers.{0..1}.mlp.up_proj)",
+    ]
+    tiny().save_pretrained(tmp_path / "m")
+    (tmp_path / "r.yaml").write_text("s:\n  SmoothQuantModifier: {mappings: [[['re:.*q_proj'], 're:.*ln_1$']]}\n")
+    assert main(["explain", str(tmp_path / "r.yaml"), "--model", str(tmp_path / "m")]) == 0
+    assert (
+        "       on model:  does not fit this model: SmoothQuantModifier: mapping {'smooth_layer': 're:.*ln_1$', "
+        "'balance_layers': ['re:.*q_proj']} fits no module of LlamaForCausalLM (llama): the smooth layer pattern "
+        "'re:.*ln_1$' matches no module"
+    ) in capsys.readouterr().out.splitlines()
