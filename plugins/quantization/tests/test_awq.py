@@ -258,3 +258,33 @@ def test_explain_shows_the_mappings_resolved_on_the_model(tmp_path, capsys) -> N
         "'balance_layers': ['re:.*q_proj']} fits no module of LlamaForCausalLM (llama): the smooth layer pattern "
         "'re:.*ln_1$' matches no module"
     ) in capsys.readouterr().out.splitlines()
+
+
+def test_awq_then_gptq_in_one_stage_quantizes_the_smoothed_layer_with_its_smoothed_hessian() -> None:
+    from llmc_fsm_quantization import GPTQModifier, gptq_quantize
+
+    from llmc_fsm.obs import HessianAccumulator
+
+    model = tiny()
+    original = copy.deepcopy(model)
+    awq, gptq = AWQModifier(), GPTQModifier(scheme=W4G16, block_size=16)
+    llmc_fsm.oneshot(model=model, recipe=[awq, gptq], dataset=DATA, progress=False)
+    s = awq.smoothing_scales["model.layers.0.input_layernorm"]
+    assert awq.smoothing_results["model.layers.0.input_layernorm"]["exponent"] is not None
+    x = []
+    attn = original.model.layers[0].self_attn
+    handle = attn.q_proj.register_forward_pre_hook(lambda m, a: x.append(a[0].detach()))
+    with torch.no_grad():
+        original(DATA)
+    handle.remove()
+    acc = HessianAccumulator(64)
+    acc.add_batch(torch.cat(x).reshape(-1, 64) / s)
+    s_vo = awq.smoothing_scales["model.layers.0.self_attn.v_proj"][:, None]  # v_proj's rows: the v -> o mapping
+    with torch.no_grad():
+        expected = gptq_quantize(
+            [attn.q_proj.weight * s, attn.k_proj.weight * s, attn.v_proj.weight * s / s_vo], acc.hessian,
+            args=gptq.weight_args, block_size=16,
+        )
+    got = model.model.layers[0].self_attn
+    for module, q in zip((got.q_proj, got.k_proj, got.v_proj), expected, strict=True):
+        assert torch.allclose(module.weight, q.weight, atol=1e-5, rtol=0)
