@@ -29,7 +29,8 @@ A recipe may give the mappings itself, as llm-compressor writes them (:func:`par
 names, class names or ``re:<regex>`` (``re.match`` on the full name, :func:`llmc_fsm.targets.matches`).
 For each module the smooth pattern matches, every balance pattern is looked up in the innermost
 enclosing module where each of them matches (its decoder layer, or its attention block for
-``v_proj -> o_proj``).
+``v_proj -> o_proj``); there each must match one Linear, else that smooth layer is skipped (e.g. a
+final norm whose nearest ``q_proj`` s are every layer's).
 """
 
 from __future__ import annotations
@@ -320,20 +321,26 @@ def _scopes(name: str) -> list[str]:
 
 def _resolve_spec(
     model: nn.Module, named: list[tuple[str, nn.Module]], spec: MappingSpec, ignore: list[str]
-) -> tuple[list[ResolvedMapping], list[str]]:
-    """The resolutions of ``spec`` in ``model`` and the problems of the smooth layers that did not fit."""
+) -> tuple[list[ResolvedMapping], list[str], list[str]]:
+    """The resolutions of ``spec`` in ``model``, why patterns matched nothing, and why matched modules did not fit
+    (shapes: e.g. ``v_proj -> o_proj`` under grouped-query attention, skipped as llm-compressor does)."""
     smooth_matches = [(n, m) for n, m in named if n and matches(n, m, spec.smooth_layer)]
     resolved: list[ResolvedMapping] = []
     problems: list[str] = []
+    misfits: list[str] = []
     for smooth_name, _ in smooth_matches:
         chosen: dict[str, nn.Module] | None = None
         for scope in _scopes(smooth_name):
             inside = [(n, m) for n, m in named if n != smooth_name and (not scope or n.startswith(scope + "."))]
             found: dict[str, nn.Module] = {}
+            ambiguous = ""
             for pattern in spec.balance_layers:
                 hits = [(n, m) for n, m in inside if matches(n, m, pattern) and is_linear_like(m)]
                 if not hits:
                     break
+                if len(hits) > 1 and not ambiguous:
+                    shown = compact_names([n for n, _ in hits])
+                    ambiguous = f"{pattern!r} matches {len(hits)} Linears around {smooth_name} ({shown})"
                 found.update(hits)
             else:
                 chosen = found
@@ -341,18 +348,22 @@ def _resolve_spec(
         if chosen is None:
             problems.append(f"{smooth_name}: no Linear matching {list(spec.balance_layers)} around it")
             continue
-        names = [n for n in chosen if not any(matches(n, chosen[n], p) for p in ignore)]
-        if not names:
-            continue  # every balance layer ignored: the recipe asked to leave this one alone
-        mapping = _resolved(model, "", smooth_name, names, chosen)
+        if ambiguous:  # one module per balance pattern, in the innermost module holding them all
+            misfits.append(ambiguous)
+            continue
+        if any(matches(n, chosen[n], p) for n in chosen for p in ignore):
+            # a scaled smooth layer needs every reader compensated: an ignored balance layer skips the mapping
+            logger.info("mapping %s -> %s skipped: a balance layer is ignored", smooth_name, ", ".join(chosen))
+            continue
+        mapping = _resolved(model, "", smooth_name, list(chosen), chosen)
         problem = _fit_problem(mapping)
         if problem is None:
             resolved.append(mapping)
         else:
-            problems.append(problem)
+            misfits.append(problem)
     if not smooth_matches:
         problems.append(f"the smooth layer pattern {spec.smooth_layer!r} matches no module")
-    return resolved, problems
+    return resolved, problems, misfits
 
 
 def resolve_mappings(
@@ -370,8 +381,8 @@ def resolve_mappings(
     Args:
         specs: ``None`` for :func:`default_mappings`.
         owner: the modifier's name, for messages.
-        ignore: module patterns (full names, class names, ``re:``) whose mappings are skipped when every
-            balance layer is ignored (single balance layers dropped otherwise).
+        ignore: module patterns (full names, class names, ``re:``); a mapping with an ignored balance layer is
+            skipped (the smooth layer's scale must be compensated in every layer reading it).
         include_linear: see :func:`default_mappings`.
 
     Returns:
@@ -379,8 +390,9 @@ def resolve_mappings(
 
     Raises:
         ValueError: no mapping fits the model (naming the architecture and the decoder layer's modules);
-            a recipe mapping that fits no module (naming the pattern and why); a smooth layer in two
-            mappings.
+            a recipe mapping whose smooth or balance patterns match no module (naming the pattern); no recipe
+            mapping whose shapes fit (a mapping that fits some layers only is skipped elsewhere, with a warning,
+            as ``v_proj -> o_proj`` under grouped-query attention); a smooth layer in two mappings.
     """
     ignore = list(ignore or [])
     if specs is None:
@@ -394,17 +406,30 @@ def resolve_mappings(
     else:
         named = list(model.named_modules())
         mappings = []
+        misfit: list[tuple[MappingSpec, list[str]]] = []
         for spec in specs:
-            found, problems = _resolve_spec(model, named, spec, ignore)
-            if not found and problems:
+            found, problems, misfits = _resolve_spec(model, named, spec, ignore)
+            if problems:
                 msg = (
                     f"{owner}: mapping {spec.to_recipe()} fits no module of {architecture(model)}: "
                     f"{'; '.join(problems[:3])}{' ...' if len(problems) > 3 else ''}"
                 )
                 raise ValueError(msg)
-            for problem in problems:
-                logger.warning("%s: mapping %s skipped where it does not fit: %s", owner, spec.to_recipe(), problem)
+            if misfits:
+                logger.warning(
+                    "%s: mapping %s skipped at %d of %d smooth layers: %s",
+                    owner,
+                    spec.to_recipe(),
+                    len(misfits),
+                    len(misfits) + len(found),
+                    misfits[0],
+                )
+                misfit.append((spec, misfits))
             mappings.extend(found)
+        if not mappings:
+            spec, misfits = misfit[0]
+            msg = f"{owner}: no mapping of the recipe fits {architecture(model)}: {spec.to_recipe()}: {misfits[0]}"
+            raise ValueError(msg)
         order = {name: i for i, (name, _) in enumerate(named)}
         mappings.sort(key=lambda m: order[m.balance_names[0]])  # a layer's balance layers are registered in call order
     seen: dict[str, str] = {}

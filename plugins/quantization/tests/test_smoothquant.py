@@ -271,3 +271,42 @@ def test_smoothing_refuses_an_already_quantized_model() -> None:
         "model.layers.0.self_attn.q_proj; smooth the original full-precision model, before quantizing it (put the "
         "smoothing modifier before the quantizing one)"
     )
+
+
+def test_recipe_mappings_that_do_not_fit_some_layers_are_skipped_there_and_fail_when_they_fit_none(caplog) -> None:
+    awq_llama = [
+        {"smooth_layer": "re:.*input_layernorm$", "balance_layers": ["re:.*q_proj$", "re:.*k_proj$", "re:.*v_proj$"]},
+        {"smooth_layer": "re:.*v_proj$", "balance_layers": ["re:.*o_proj$"]},
+    ]
+    gqa = tiny(kv_heads=2)  # v_proj: 32 outputs for o_proj's 64 inputs: v -> o is skipped, as llm-compressor does
+    found = resolve_mappings(gqa, parse_mappings(awq_llama), owner="AWQModifier")
+    assert [m.smooth_name for m in found] == [f"model.layers.{i}.input_layernorm" for i in (0, 1)]
+    assert (
+        "AWQModifier: mapping {'smooth_layer': 're:.*v_proj$', 'balance_layers': ['re:.*o_proj$']} skipped at 2 of 2 "
+        "smooth layers: model.layers.0.self_attn.v_proj has 32 output channels but model.layers.0.self_attn.o_proj "
+        "reads 64"
+    ) in caplog.messages
+    with pytest.raises(ValueError) as info:
+        resolve_mappings(gqa, parse_mappings(awq_llama[1:]), owner="AWQModifier")
+    assert str(info.value) == (
+        "AWQModifier: no mapping of the recipe fits LlamaForCausalLM (llama): {'smooth_layer': 're:.*v_proj$', "
+        "'balance_layers': ['re:.*o_proj$']}: model.layers.0.self_attn.v_proj has 32 output channels but "
+        "model.layers.0.self_attn.o_proj reads 64"
+    )
+    # the final norm's nearest q_proj are every layer's: one per pattern is required, so it is skipped
+    final = [[["re:.*q_proj$"], r"re:(.*input_layernorm|model\.norm)$"]]
+    found = resolve_mappings(tiny(), parse_mappings(final), owner="SmoothQuantModifier")
+    assert [m.smooth_name for m in found] == ["model.layers.0.input_layernorm", "model.layers.1.input_layernorm"]
+    assert any("'re:.*q_proj$' matches 2 Linears around model.norm" in m for m in caplog.messages)
+
+
+def test_a_mapping_with_an_ignored_balance_layer_is_skipped_whole() -> None:
+    mappings = [[["re:.*q_proj", "re:.*k_proj", "re:.*v_proj"], "re:.*input_layernorm"]]
+    found = resolve_mappings(tiny(), parse_mappings(mappings), owner="t", ignore=["model.layers.0.self_attn.k_proj"])
+    assert [m.smooth_name for m in found] == ["model.layers.1.input_layernorm"]
+    found = resolve_mappings(tiny(), None, owner="t", ignore=["model.layers.0.self_attn.k_proj"], include_linear=False)
+    assert [m.smooth_name for m in found] == [
+        "model.layers.0.post_attention_layernorm",
+        "model.layers.1.input_layernorm",
+        "model.layers.1.post_attention_layernorm",
+    ]
