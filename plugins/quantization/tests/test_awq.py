@@ -288,3 +288,28 @@ def test_awq_then_gptq_in_one_stage_quantizes_the_smoothed_layer_with_its_smooth
     got = model.model.layers[0].self_attn
     for module, q in zip((got.q_proj, got.k_proj, got.v_proj), expected, strict=True):
         assert torch.allclose(module.weight, q.weight, atol=1e-5, rtol=0)
+
+
+def test_awq_under_low_memory_writes_the_in_memory_checkpoint(tmp_path) -> None:
+    import glob
+
+    from safetensors.torch import load_file
+
+    tiny().save_pretrained(tmp_path / "model")
+    recipe = {"q": {"AWQModifier": {}, "QuantizationModifier": {"scheme": W4G16}}}
+    for out, low in (("in_memory", False), ("streamed", True)):
+        llmc_fsm.oneshot(
+            model=str(tmp_path / "model"), recipe=recipe, dataset=DATA, output_dir=tmp_path / out, progress=False,
+            low_memory=low,
+        )
+
+    def tensors(out: str) -> dict[str, torch.Tensor]:
+        found: dict[str, torch.Tensor] = {}
+        for file in sorted(glob.glob(str(tmp_path / out / "*.safetensors"))):
+            found.update(load_file(file))
+        return found
+
+    a, b = tensors("in_memory"), tensors("streamed")
+    assert a.keys() == b.keys()
+    assert "model.layers.0.input_layernorm.weight" in a
+    assert [k for k in a if not torch.equal(a[k], b[k])] == []
