@@ -17,6 +17,7 @@ from llmc_fsm.core.hookspecs import hookimpl, hookspec
 from llmc_fsm.core.modifier import Event, Modifier
 from llmc_fsm.core.state import State
 from llmc_fsm.core.version import __version__ as __version__
+from llmc_fsm.models.layers import find_decoder_layers
 from llmc_fsm.oneshot_job.api import oneshot
 from llmc_fsm.recipes.model import Recipe, Stage
 from llmc_fsm.session.session import Session, active_session, create_session
@@ -37,6 +38,7 @@ __all__ = [
     "State",
     "active_session",
     "create_session",
+    "find_decoder_layers",
     "hookimpl",
     "hookspec",
     "oneshot",

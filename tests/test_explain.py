@@ -157,10 +157,9 @@ KNOWN = "Known modifiers: Calib, Hold."
         ("Hol", " Did you mean 'Hold'?"),
         ("Zebra", ""),
         (
-            "SmoothQuantModifier",
-            " SmoothQuantModifier is an llm-compressor modifier that llmc-fsm does not implement (SmoothQuant (arXiv "
-            "2211.10438) scales activation outlier channels down and the next weights up before W8A8; W8A8 runs here "
-            "without it, at some accuracy cost); remove it from the recipe or use llm-compressor for it.",
+            "QuIPModifier",
+            " QuIPModifier is an llm-compressor modifier that llmc-fsm does not implement (QuIP-style Hadamard "
+            "rotations of the weights before quantization); remove it from the recipe or use llm-compressor for it.",
         ),
     ],
 )

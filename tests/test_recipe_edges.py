@@ -67,16 +67,6 @@ def _known() -> str:
 @pytest.mark.parametrize(
     ("name", "what"),
     [
-        (
-            "SmoothQuantModifier",
-            "SmoothQuant (arXiv 2211.10438) scales activation outlier channels down and the next weights up before "
-            "W8A8; W8A8 runs here without it, at some accuracy cost",
-        ),
-        ("LogarithmicEqualizationModifier", "a SmoothQuant variant with logarithmic smoothing scales"),
-        (
-            "AWQModifier",
-            "AWQ (arXiv 2306.00978) scales weight channels by activation statistics before weight quantization",
-        ),
         ("QuIPModifier", "QuIP-style Hadamard rotations of the weights before quantization"),
         ("SpinQuantModifier", "SpinQuant (arXiv 2405.16406) rotations of weights and activations before quantization"),
     ],

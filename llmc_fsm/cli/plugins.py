@@ -12,6 +12,7 @@ modifier's name instead, the plan of that modifier alone with every argument at 
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 from llmc_fsm.core.registry import DISABLE_ENV, get_registry
 from llmc_fsm.recipes.llmcompressor import unimplemented_note
@@ -113,8 +114,28 @@ def _run_explain(args: argparse.Namespace) -> int:
     session = Session(recipe)
     if args.state:
         session.update_state(**dict.fromkeys(args.state, True))
+    if args.model is not None:
+        session.update_state(model=_meta_model(args.model))
     print(explain(session), end="")
     return 0
+
+
+def _meta_model(directory: str) -> Any:
+    """The model a Hugging Face directory's ``config.json`` describes, on the meta device (no weights read).
+
+    Raises:
+        ValueError: no ``config.json`` there.
+    """
+    import os
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if not os.path.isfile(os.path.join(directory, "config.json")):
+        msg = f"--model {directory}: no config.json there; give a Hugging Face model directory"
+        raise ValueError(msg)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(directory))
 
 
 def add_cli(sub: argparse._SubParsersAction) -> None:
@@ -144,5 +165,12 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
         action="append",
         default=[],
         help="count state KEY as supplied (repeatable), e.g. --state model --state calibration_data",
+    )
+    parser.add_argument(
+        "--model",
+        metavar="DIR",
+        default=None,
+        help="a Hugging Face model directory: its architecture (config.json, on the meta device, no weights) is the "
+        "state's model, and modifiers that resolve modules on it show them (e.g. AWQ's smoothing mappings)",
     )
     parser.set_defaults(func=_run_explain)

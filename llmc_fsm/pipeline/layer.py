@@ -108,12 +108,18 @@ def compress_layer(
     layer for the hooks (stopping early by ``calls`` if ``early_exit``), the layer is
     compressed, and (if ``need_outputs``) every batch runs the compressed layer.
     Either way ``compress([layer])`` is called once at the end (it compresses
-    whatever targets the forward did not reach). In the grouped order, the
+    whatever targets the forward did not reach). First, each of ``modifiers`` that has a
+    ``prepare_layer(layer, inputs)`` method runs it (smoothing: it folds scales into the layer from its own pass
+    over ``inputs``, its hooks only). In the grouped order, the
     batches run a compressed group's quantized modules without re-quantizing
     their weights (:func:`llmc_fsm.output.save.weights_on_grid`), and a group's head, paused inside its own call
     while its group was compressed, gets its inputs from ``modifiers``' ``compressed_call_inputs`` (a
     quantizer's input quantization), so that every module runs as its compressed forward would.
     """
+    for modifier in modifiers:  # smoothing (SmoothQuant, AWQ) changes the layer before anything calibrates it
+        prepare = getattr(modifier, "prepare_layer", None)
+        if prepare is not None and inputs:
+            prepare(layer, inputs)
     groups = plan_groups(layer, calls) if true_sequential and inputs else None
     if groups is not None:
         with weights_on_grid() as mark:  # the batches then run compressed groups without re-quantizing them

@@ -86,7 +86,11 @@ def check_streamable(session: Session) -> None:
         ValueError: naming the modifiers that act on the whole model (e.g. magnitude pruning at its start).
     """
 
-    whole = [m.modifier_name() for m in session.modifiers if not isinstance(m, CalibratedModifier)]
+    whole = [  # a prepare_layer method works on one layer at a time too (smoothing, see compress_layer)
+        m.modifier_name()
+        for m in session.modifiers
+        if not isinstance(m, CalibratedModifier) and not callable(getattr(m, "prepare_layer", None))
+    ]
     if whole:
         msg = (
             "low_memory (--low-memory) cannot run this job: it compresses one decoder layer at a time, but "

@@ -114,12 +114,6 @@ def top_level_stages(data: Mapping[Any, Any], source: str) -> list[tuple[Any, An
 
 #: llm-compressor modifiers llmc-fsm does not implement -> what they do (and what to do without them).
 UNIMPLEMENTED_MODIFIERS: dict[str, str] = {
-    "SmoothQuantModifier": (
-        "SmoothQuant (arXiv 2211.10438) scales activation outlier channels down and the next weights up before "
-        "W8A8; W8A8 runs here without it, at some accuracy cost"
-    ),
-    "LogarithmicEqualizationModifier": "a SmoothQuant variant with logarithmic smoothing scales",
-    "AWQModifier": "AWQ (arXiv 2306.00978) scales weight channels by activation statistics before weight quantization",
     "QuIPModifier": "QuIP-style Hadamard rotations of the weights before quantization",
     "SpinQuantModifier": "SpinQuant (arXiv 2405.16406) rotations of weights and activations before quantization",
 }

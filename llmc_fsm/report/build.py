@@ -109,6 +109,9 @@ class OneshotReport:
     output_dir: str | None = None
     targeted: list[str] = attrs.field(factory=list)
     disk: dict[str, int | None] | None = None
+    #: modifier label -> smooth layer -> what a smoothing modifier (SmoothQuant, AWQ) folded there (its
+    #: ``smoothing_results``: scale statistics; AWQ's chosen exponent and block errors). Empty: none ran.
+    smoothing: dict[str, dict[str, dict[str, Any]]] = attrs.field(factory=dict)
 
     def finish(self, t_start: float) -> None:
         """Set the total wall time (since ``t_start``, a ``time.perf_counter()`` value) and the peak RSS."""
@@ -183,6 +186,7 @@ class OneshotReport:
                     for m in self.modules
                 ],
             },
+            **({"smoothing": self.smoothing} if self.smoothing else {}),
             "disk": self.disk,
             "seconds": self.seconds,
             "max_rss_bytes": self.max_rss_bytes,
@@ -226,6 +230,7 @@ class OneshotReport:
             max_rss_bytes=data.get("max_rss_bytes", 0),
             output_dir=data.get("output_dir"),
             targeted=[m["name"] for m in entries if m.get("targeted")],
+            smoothing=data.get("smoothing") or {},
         )
 
     def format_table(self) -> str:
@@ -254,6 +259,7 @@ class OneshotReport:
         for m in outside:
             lines.append(f"{m.name:>7}  {m.numel:>10,}  {m.sparsity:>8.2%}")
         lines.extend(self._stacked_errors_note())
+        lines.extend(_smoothing_line(label, results) for label, results in self.smoothing.items())
         untouched = [m for m in self.modules if m.name not in set(self.targeted)]
         total_numel = sum(m.numel for m in self._targeted())
         lines.append(f"{'total':>7}  {total_numel:>10,}  {self.total_sparsity:>8.2%}   (targeted Linear weights)")
@@ -293,6 +299,27 @@ def _bits_of_earlier_runs(model: nn.Module, by_name: dict[str, ModuleSparsity]) 
         entry.bits = int(weights.num_bits)
         strategy = getattr(weights.strategy, "value", weights.strategy)  # an enum, or its str value
         entry.group_size = int(weights.group_size) if strategy == "group" else None
+
+
+def _smoothing_line(label: str, results: dict[str, dict[str, Any]]) -> str:
+    """One line summing up a smoothing modifier's ``smoothing_results`` (see :attr:`OneshotReport.smoothing`)."""
+    values = list(results.values())
+    text = f"{label}: {len(values)} mappings smoothed"
+    if values and all("error" in r for r in values):  # AWQ: exponents and the quantized block errors
+        chosen = [r["exponent"] for r in values if r.get("exponent") is not None]
+        unsmoothed = sum(r["error_unsmoothed"] for r in values) / len(values)
+        error = sum(r["error"] for r in values) / len(values)
+        mean = f", mean exponent {sum(chosen) / len(chosen):.2f}" if chosen else ""
+        return (
+            f"{text} ({len(values) - len(chosen)} kept unscaled{mean}); mean block output error, quantized: "
+            f"{unsmoothed:.3g} unscaled -> {error:.3g}"
+        )
+    if values and all("act_max_after" in r for r in values):  # SmoothQuant: the largest activation, before/after
+        before = max(r["act_max_before"] for r in values)
+        after = max(r["act_max_after"] for r in values)
+        low, high = min(r["scale_min"] for r in values), max(r["scale_max"] for r in values)
+        return f"{text}; scales {low:.3g} to {high:.3g}; largest input max |x| {before:.3g} -> {after:.3g}"
+    return text
 
 
 def _mean_by_modifier(modules: list[ModuleSparsity]) -> str:
@@ -348,8 +375,11 @@ def build_report(
         modules = measure_sparsity(model, layers)
     by_name = {m.name: m for m in modules}
     stage_of = {id(m): stage.name for stage in getattr(recipe, "stages", []) for m in stage.modifiers}
+    smoothing: dict[str, dict[str, dict[str, Any]]] = {}
     for modifier in modifiers:
         label = type(modifier).__name__ + (f" ({stage_of[id(modifier)]})" if id(modifier) in stage_of else "")
+        if getattr(modifier, "smoothing_results", None):
+            smoothing[label] = dict(modifier.smoothing_results)
         for name, result in (getattr(modifier, "results", None) or {}).items():
             entry = by_name.get(name)
             if entry is None:
@@ -370,4 +400,5 @@ def build_report(
         eval=eval,
         seconds=seconds,
         targeted=targeted,
+        smoothing=smoothing,
     )

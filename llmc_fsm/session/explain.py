@@ -4,6 +4,9 @@ For each stage (applied stages are listed as skipped): the modifiers in
 execution order, their non-default arguments, their schedule, the events and
 lifecycle calls each handles, the state keys each requires or uses and whether
 they are present yet, and the ``runs_after`` constraints that shaped the order.
+When the state holds a model (e.g. on the meta device) and a modifier has an
+``explain_model(model)`` method returning lines (the smoothing modifiers' resolved
+mappings), those lines too.
 
 This module depends on :mod:`llmc_fsm.session.session` (it reads a session's recipe,
 state and lifecycle); the session does not know about it.
@@ -88,6 +91,18 @@ def _window(stage: Any) -> str:
     return f" [epochs {start} to {end}]"
 
 
+def _on_model(m: Modifier, model: Any) -> list[str]:
+    """What ``m.explain_model(model)`` says about the state's model (e.g. smoothing mappings), if it says anything."""
+    describe = getattr(m, "explain_model", None)
+    if describe is None or not callable(getattr(model, "named_modules", None)):
+        return []
+    try:
+        found = describe(model)
+    except ValueError as err:
+        found = [f"does not fit this model: {err}"]
+    return [f"       {'on model:' if i == 0 else '':<10} {line}" for i, line in enumerate(found)]
+
+
 def explain(session: Session) -> str:
     """Return ``session``'s plan as text, touching no model (see the module docstring).
 
@@ -127,6 +142,7 @@ def explain(session: Session) -> str:
             after = sorted(m.runs_after)
             if after:
                 lines.append(f"       runs after: {', '.join(after)} (when in the recipe)")
+            lines.extend(_on_model(m, state.get("model")))
     calibrated = [
         stage.name
         for stage in recipe.stages

@@ -27,7 +27,8 @@ The public names, by concern:
   (``||W X - W_hat X|| / ||W X||`` from ``H``), :func:`sweep_relative_errors` (the same from an OBS sweep's terms);
 * **targets** (:mod:`~llmc_fsm.toolkit.targets`): :func:`select_targets` returning :class:`TargetSelection`,
   :func:`resolve_targets` (the same, with warnings), :func:`matches`, :func:`is_linear_like`, :func:`compact_names`,
-  :data:`DEFAULT_TARGETS` (``("Linear",)``), :data:`DEFAULT_IGNORE` (``("lm_head",)``);
+  :data:`DEFAULT_TARGETS` (``("Linear",)``), :data:`DEFAULT_IGNORE` (``("lm_head",)``), :func:`already_quantized` (why a
+  model counts as quantized, or ``None``);
 * **masks** (:mod:`~llmc_fsm.toolkit.masks`): :func:`pack_mask` / :func:`unpack_mask` (bool <-> bit-packed uint8);
 * **ranks** (:mod:`~llmc_fsm.toolkit.distributed`): :func:`is_distributed`, :func:`get_rank`,
   :func:`get_world_size`, :func:`is_main_process`, :func:`all_reduce_tensor`, :func:`all_gather_ints`,
@@ -67,6 +68,7 @@ from llmc_fsm.toolkit.targets import (
     DEFAULT_IGNORE,
     DEFAULT_TARGETS,
     TargetSelection,
+    already_quantized,
     compact_names,
     is_linear_like,
     matches,
@@ -89,6 +91,7 @@ __all__ = [
     "ModuleResult",
     "TargetSelection",
     "all_gather_ints",
+    "already_quantized",
     "all_reduce_accumulator",
     "all_reduce_tensor",
     "check_dampening_frac",

@@ -1,0 +1,363 @@
+"""AWQ: activation-aware weight scaling before weight quantization (Lin et al., arXiv 2306.00978, Sec. 3.2).
+
+For each mapping (a smooth layer and the Linears reading its output, :mod:`llmc_fsm_quantization.mappings`;
+defaults ``input_layernorm -> q/k/v``, ``v_proj -> o_proj`` without grouped-query attention,
+``post_attention_layernorm -> gate/up``, ``up_proj -> down_proj``), with ``x_j`` the mean ``|X_j|`` of input
+channel ``j`` over the calibration tokens, the candidate scales for exponent ``r`` in ``0, 1/n, ..., (n-1)/n``
+(``n = n_grid``, default 20) are
+
+* ``s_j = x_j ** r`` (the paper's search space, ``duo_scaling: false``), or
+* ``s_j = x_j ** r / (w_j ** (1 - r) + 1e-4)`` (``duo_scaling: true``, the default, as llm-compressor and
+  AutoAWQ), ``w_j`` the mean over the balance layers' rows of ``|W_ij|`` divided by the maximum ``|W|`` of
+  the quantization group holding it;
+
+clamped to at least ``1e-4`` and divided by ``sqrt(max s * min s)``. ``duo_scaling: both`` searches both
+families (``2 n`` candidates). Each candidate is scored by the mean squared difference between the block's
+float output and its output with every quantized balance layer's weight replaced by ``Q(W diag(s)) diag(s)^-1``
+(``Q``: round-to-nearest with the quantizing modifier's scheme and observer), on the layer's calibration
+inputs; the block is the innermost module holding the balance layers (``self_attn``, ``o_proj``, ``mlp``,
+``down_proj``). No smoothing (``s = 1``) is scored too and kept when no candidate beats it, so smoothing never
+raises a block's error on the calibration data. The chosen scales are folded into the smooth layer and the
+balance layers (the float model is unchanged); the quantizer then quantizes the smoothed weights.
+
+Two recipe forms (both as llm-compressor reads them): ``AWQModifier`` followed by a ``QuantizationModifier`` (or
+``GPTQModifier``) that carries the scheme, in the same stage; or the scheme on ``AWQModifier`` itself
+(``scheme`` or ``config_groups``, the older form), which then also quantizes its ``targets`` by round-to-nearest
+(as :class:`~llmc_fsm_quantization.QuantizationModifier`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+import torch
+from compressed_tensors.quantization import QuantizationArgs, QuantizationStrategy
+from torch import nn
+
+from llmc_fsm.toolkit import DEFAULT_IGNORE, DEFAULT_TARGETS, patterns
+from llmc_fsm_quantization.mappings import ResolvedMapping, fold_scales
+from llmc_fsm_quantization.rtn import QuantizationModifier, rtn_quantize
+from llmc_fsm_quantization.smoothquant import (
+    ActivationObserver,
+    SmoothingModifier,
+    _scale_stats,
+    suspended_forward_hooks,
+)
+
+__all__ = ["AWQModifier", "awq_candidate_scales", "awq_weight_mean"]
+
+logger = logging.getLogger(__name__)
+
+#: (weight args, observer) a balance layer is quantized with, or ``None`` (it stays float).
+Quantizer = tuple[QuantizationArgs, str] | None
+
+
+def awq_weight_mean(weights: list[torch.Tensor], group_sizes: list[int | None]) -> torch.Tensor:
+    """``w_j``: mean over all rows of ``|W_ij| / max |W|`` of the quantization group holding ``W_ij``.
+
+    Args:
+        weights: the balance layers' ``[out_k, C]`` weights.
+        group_sizes: per weight, its group size (``None``: one group per row; ``0``: the whole tensor).
+
+    Returns:
+        ``[C]`` float32.
+    """
+    rows = []
+    for w, g in zip(weights, group_sizes, strict=True):
+        a = w.detach().abs().to(torch.float32)
+        if g == 0:
+            a = a / a.max().clamp_min(1e-30)
+        elif g is None:
+            a = a / a.amax(dim=1, keepdim=True).clamp_min(1e-30)
+        else:
+            grouped = a.reshape(-1, g)
+            a = (grouped / grouped.amax(dim=1, keepdim=True).clamp_min(1e-30)).reshape(a.shape)
+        rows.append(a)
+    return torch.cat(rows).mean(dim=0)
+
+
+def awq_candidate_scales(x_mean: torch.Tensor, w_mean: torch.Tensor | None, ratio: float) -> torch.Tensor:
+    """One candidate of the grid: ``x ** r`` (``w_mean`` ``None``) or ``x ** r / (w ** (1 - r) + 1e-4)``,
+    clamped to ``>= 1e-4`` and divided by ``sqrt(max * min)``. ``[C]`` float32."""
+    s = x_mean.pow(ratio)
+    if w_mean is not None:
+        s = s / (w_mean.pow(1.0 - ratio) + 1e-4)
+    s = s.clamp_min(1e-4)
+    return s / (s.max() * s.min()).sqrt()
+
+
+def _duo(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if value not in (True, False, "both"):
+        raise ValueError(f"duo_scaling must be true, false or 'both', got {value!r}")
+
+
+def _grid(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"n_grid must be a positive int (grid points of the exponent search), got {value!r}")
+
+
+def _offload(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if value is not None and str(value) not in ("cpu", "cuda", "meta"):
+        raise ValueError(f"offload_device must be null, 'cpu' or 'cuda', got {value!r}")
+
+
+def _config_groups(value: Any) -> tuple[dict[str, Any], list[str] | None]:
+    if not isinstance(value, Mapping) or len(value) != 1:
+        count = len(value) if isinstance(value, Mapping) else type(value).__name__
+        msg = f"config_groups: exactly one config group is supported (one scheme per modifier), got {count}"
+        raise ValueError(msg)
+    ((_, group),) = value.items()
+    if not isinstance(group, Mapping):
+        raise ValueError(f"config_groups: a config group must be a mapping of scheme fields, got {group!r}")
+    targets = group.get("targets")
+    return {k: v for k, v in group.items() if k != "targets"}, (
+        [targets] if isinstance(targets, str) else list(targets) if targets is not None else None
+    )
+
+
+@attrs.define(kw_only=True, slots=False, eq=False)
+class AWQModifier(SmoothingModifier):
+    """AWQ: scale weight channels by activation statistics before weight quantization (arXiv 2306.00978).
+
+    Args:
+        mappings: llm-compressor's ``mappings`` (either form); default: derived from the model (see
+            :mod:`llmc_fsm_quantization.mappings`).
+        duo_scaling: ``true`` (default), ``false`` or ``"both"`` (see the module docstring).
+        n_grid: exponent grid points (default 20, as llm-compressor).
+        ignore: module patterns not smoothed (nor quantized, with a scheme); default ``["lm_head"]``.
+        scheme / config_groups: the older form: AWQ quantizes ``targets`` itself by round-to-nearest with this
+            scheme (``config_groups``: one group, llm-compressor's form; its ``targets`` become ``targets``).
+            Without them a quantizing modifier of the same stage must quantize the balance layers.
+        targets: modules quantized with ``scheme`` (default ``["Linear"]``).
+        observer: weight observer of ``scheme`` (``minmax`` or ``mse``).
+        offload_device: llm-compressor's memory placement; accepted and not used (one layer's inputs are kept).
+
+    Requires state ``model`` and ``calibration_data``; runs in the sequential pipeline. :attr:`smoothing_results`:
+    per smooth layer ``exponent`` (``None``: no smoothing won), ``duo_scaling``, ``error_unsmoothed`` and
+    ``error`` (mean squared block output error, quantized, without and with the chosen scales) and the scales'
+    ``scale_min/max/mean``.
+    """
+
+    include_linear_mappings = True
+
+    duo_scaling: Any = attrs.field(default=True, validator=_duo)
+    n_grid: int = attrs.field(default=20, validator=_grid)
+    ignore: list[str] = attrs.field(factory=lambda: list(DEFAULT_IGNORE), converter=patterns)
+    scheme: Any = None
+    config_groups: Any = None
+    targets: list[str] = attrs.field(factory=lambda: list(DEFAULT_TARGETS), converter=patterns)
+    observer: str = "minmax"
+    offload_device: Any = attrs.field(default=None, validator=_offload)
+
+    def __attrs_post_init__(self) -> None:
+        super().__attrs_post_init__()
+        self._quantizer: QuantizationModifier | None = None
+        if self.scheme is not None and self.config_groups is not None:
+            raise ValueError("give scheme or config_groups, not both")
+        scheme, targets = self.scheme, self.targets
+        if self.config_groups is not None:
+            scheme, group_targets = _config_groups(self.config_groups)
+            if group_targets is not None:
+                targets = group_targets
+        if scheme is not None:
+            self._quantizer = QuantizationModifier(
+                scheme=scheme, targets=targets, ignore=self.ignore, observer=self.observer
+            )
+        self._quantizers: dict[int, Quantizer] = {}
+
+    # ---- the older form: AWQ quantizes too --------------------------------------
+    @property
+    def quantization_scheme(self) -> Any:
+        """The scheme AWQ quantizes with (older form); ``AttributeError`` when a separate modifier quantizes."""
+        if self._quantizer is None:
+            raise AttributeError("AWQModifier without scheme does not quantize")
+        return self._quantizer.quantization_scheme
+
+    @property
+    def weight_args(self) -> QuantizationArgs:
+        if self._quantizer is None:
+            raise AttributeError("AWQModifier without scheme does not quantize")
+        return self._quantizer.weight_args
+
+    @property
+    def results(self) -> dict[str, Any]:
+        """The quantized modules' results (older form), else empty."""
+        return self._quantizer.results if self._quantizer is not None else {}
+
+    @property
+    def skipped(self) -> list[str]:
+        return self._quantizer.skipped if self._quantizer is not None else []
+
+    @property
+    def resolved_targets(self) -> dict[str, nn.Module]:
+        targets = super().resolved_targets
+        if self._quantizer is not None:
+            targets.update(self._quantizer.resolved_targets)
+        return targets
+
+    def check_model(self, model: nn.Module) -> dict[str, nn.Module]:
+        targets = super().check_model(model)
+        if self._quantizer is not None:
+            targets.update(self._quantizer.check_model(model))
+        return targets
+
+    def compressed_call_inputs(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if self._quantizer is None:
+            return None
+        return self._quantizer.compressed_call_inputs(module, args, kwargs)
+
+    # ---- lifecycle ----------------------------------------------------------
+    def on_initialize(self, state: Any) -> None:
+        super().on_initialize(state)
+        if self._quantizer is not None:
+            self._quantizer.on_initialize(state)
+
+    def on_calibration_start(self, state: Any) -> None:
+        """Find, per balance layer, the quantizer's arguments; refuse mappings nothing quantizes (before any work).
+
+        Raises:
+            ValueError: a mapping none of whose balance layers a modifier of this session quantizes.
+        """
+        super().on_calibration_start(state)
+        self._quantizers = self._find_quantizers()
+        unquantized = [m for m in self._mappings if all(self._quantizers.get(id(b)) is None for b in m.balances)]
+        if unquantized:
+            m = unquantized[0]
+            msg = (
+                f"AWQModifier: no modifier of this stage quantizes the balance layers of {len(unquantized)} "
+                f"mappings, e.g. {', '.join(m.balance_names)}: AWQ chooses scales for a weight quantization; put a "
+                "QuantizationModifier (or GPTQModifier) with the scheme in the same stage, or give AWQModifier a "
+                "scheme (e.g. scheme: W4A16)"
+            )
+            raise ValueError(msg)
+        if self._quantizer is not None:
+            self._quantizer.on_calibration_start(state)
+
+    def _find_quantizers(self) -> dict[int, Quantizer]:
+        found: dict[int, Quantizer] = {}
+        others: list[Any] = [self._quantizer] if self._quantizer is not None else []
+        binding = self._binding
+        session = binding.session() if binding is not None else None
+        if session is not None:
+            others += [m for m in session.modifiers if m is not self]
+        for modifier in others:
+            try:
+                args, observer = modifier.weight_args, getattr(modifier, "observer", "minmax")
+            except (AttributeError, ValueError):
+                continue
+            for module in modifier.resolved_targets.values():
+                found.setdefault(id(module), (args, observer))
+        return found
+
+    def on_sequential_epoch_end(self, state: Any, modules: Any) -> None:
+        if self._quantizer is not None:
+            self._quantizer.on_sequential_epoch_end(state, modules)
+
+    def on_calibration_end(self, state: Any) -> None:
+        if self._quantizer is not None:
+            self._quantizer.on_calibration_end(state)
+        super().on_calibration_end(state)
+
+    def on_finalize(self, state: Any) -> None:
+        if self._quantizer is not None:
+            self._quantizer.on_finalize(state)
+            self._quantizer.remove_hooks()
+        super().on_finalize(state)
+
+    # ---- the search ---------------------------------------------------------
+    def _smooth_layer_mappings(
+        self, layer: nn.Module, inputs: list[tuple[tuple[Any, ...], dict[str, Any]]], todo: list[ResolvedMapping]
+    ) -> None:
+        observer = ActivationObserver(todo, keep=True)
+        observer.run(layer, inputs)
+        observer.check(type(self).__name__)
+        with suspended_forward_hooks(layer):
+            for mapping in todo:
+                self._smooth_mapping(mapping, observer)
+        observer.parent_inputs.clear()
+        observer.parent_outputs.clear()
+
+    def _smooth_mapping(self, mapping: ResolvedMapping, observer: ActivationObserver) -> None:
+        name = mapping.smooth_name
+        quantizers = [self._quantizers.get(id(b)) for b in mapping.balances]
+        x_mean = (observer.abs_sum[name] / observer.tokens[name]).to(torch.float32)
+        w_mean = awq_weight_mean([b.weight for b in mapping.balances], [_group_size(q) for q in quantizers])
+        evaluate = _BlockError(mapping, quantizers, observer.parent_inputs[name], observer.parent_outputs[name])
+        unsmoothed = evaluate(None)
+        best: tuple[float, float | None, bool | None, torch.Tensor | None] = (unsmoothed, None, None, None)
+        families = {True: [True], False: [False], "both": [False, True]}[self.duo_scaling]
+        for duo in families:
+            for i in range(self.n_grid):
+                ratio = i / self.n_grid
+                scales = awq_candidate_scales(x_mean, w_mean if duo else None, ratio)
+                error = evaluate(scales)
+                if error < best[0]:
+                    best = (error, ratio, duo, scales)
+        error, ratio, duo, scales = best
+        if scales is not None:
+            fold_scales(mapping, scales)
+            self.smoothing_scales[name] = scales
+        stats = _scale_stats(scales) if scales is not None else {"scale_min": 1.0, "scale_max": 1.0, "scale_mean": 1.0}
+        self.smoothing_results[name] = {
+            "balance_layers": list(mapping.balance_names),
+            "exponent": ratio,
+            "duo_scaling": duo,
+            "error_unsmoothed": unsmoothed,
+            "error": error,
+            **stats,
+        }
+
+
+def _group_size(quantizer: Quantizer) -> int | None:
+    if quantizer is None:
+        return None
+    args = quantizer[0]
+    if args.strategy == QuantizationStrategy.GROUP:
+        return int(args.group_size)
+    return 0 if args.strategy == QuantizationStrategy.TENSOR else None
+
+
+class _BlockError:
+    """Mean squared difference between a mapping's block output on the cached inputs and the float output,
+    with the quantized balance layers' weights replaced by ``Q(W diag(s)) diag(s)^-1`` (``s`` ``None``: ``Q(W)``)."""
+
+    def __init__(
+        self,
+        mapping: ResolvedMapping,
+        quantizers: list[Quantizer],
+        inputs: list[tuple[tuple[Any, ...], dict[str, Any]]],
+        outputs: list[torch.Tensor],
+    ) -> None:
+        self.mapping = mapping
+        self.quantizers = quantizers
+        self.inputs = inputs
+        self.outputs = outputs
+
+    @torch.no_grad()
+    def __call__(self, scales: torch.Tensor | None) -> float:
+        originals = [b.weight.detach().clone() for b in self.mapping.balances]
+        try:
+            for balance, w, quantizer in zip(self.mapping.balances, originals, self.quantizers, strict=True):
+                if quantizer is None:
+                    continue
+                args, observer = quantizer
+                wf = w.to(torch.float32)
+                if scales is None:
+                    balance.weight.copy_(rtn_quantize(w, args, observer).weight)
+                    continue
+                s = scales.to(wf.device)[None, :]
+                q = rtn_quantize((wf * s).to(w.dtype), args, observer).weight.to(torch.float32)
+                balance.weight.copy_((q / s).to(w.dtype))
+            total, count = 0.0, 0
+            for (args, kwargs), ref in zip(self.inputs, self.outputs, strict=True):
+                out = self.mapping.parent(*args, **kwargs)
+                out = out[0] if isinstance(out, tuple | list) else out
+                total += float((out.to(torch.float32) - ref.to(torch.float32)).pow(2).sum(dtype=torch.float64))
+                count += ref.numel()
+            return total / max(count, 1)
+        finally:
+            for balance, w in zip(self.mapping.balances, originals, strict=True):
+                balance.weight.copy_(w)

@@ -1,0 +1,508 @@
+"""Smoothing mappings: which layer's output channels are scaled down and which Linears' inputs scaled up.
+
+A *mapping* pairs a **smooth layer** (a norm, or a Linear) with the **balance layers** that read its
+output: SmoothQuant (Xiao et al., arXiv 2211.10438, Sec. 4) and AWQ (Lin et al., arXiv 2306.00978,
+Sec. 3.2) divide the smooth layer's output channel ``j`` by ``s_j`` and multiply input column ``j`` of
+every balance layer by ``s_j``, so the float model computes the same function (:func:`fold_scales`).
+
+Default mappings are derived per decoder layer from the module graph (names and types, no forward;
+works on a ``meta`` model), for Llama-style pre-norm layers (Llama, Mistral, Qwen2/3, SmolLM2, ...):
+
+=====================================  =======================================  =====================
+smooth layer                           balance layers                           when
+=====================================  =======================================  =====================
+``input_layernorm``                    ``q_proj``, ``k_proj``, ``v_proj``        always
+``v_proj``                             ``o_proj``                               ``v.out == o.in``
+``post_attention_layernorm``           ``gate_proj``, ``up_proj``               a pre-MLP norm
+``up_proj``                            ``down_proj``                            ``up.out == down.in``
+=====================================  =======================================  =====================
+
+``v_proj -> o_proj`` needs one value channel per ``o_proj`` input (no grouped-query attention: with
+GQA a value channel feeds several heads' outputs); ``post_attention_layernorm`` is skipped when the
+layer also has ``pre_feedforward_layernorm`` / ``post_feedforward_layernorm`` (then it normalizes the
+attention *output*, Gemma 2/3, OLMo 2). Norms whose output is not ``weight * f(x) (+ bias)`` (Gemma's
+``(1 + weight)``) cannot take a scale and are refused.
+
+A recipe may give the mappings itself, as llm-compressor writes them (:func:`parse_mappings`):
+``[[[balance patterns...], smooth pattern], ...]`` (SmoothQuant) or
+``[{smooth_layer: PATTERN, balance_layers: [PATTERNS...]}, ...]`` (AWQ). Patterns are full module
+names, class names or ``re:<regex>`` (``re.match`` on the full name, :func:`llmc_fsm.toolkit.targets.matches`).
+For each module the smooth pattern matches, every balance pattern is looked up in the innermost
+enclosing module where each of them matches (its decoder layer, or its attention block for
+``v_proj -> o_proj``); there each must match one Linear, else that smooth layer is skipped (e.g. a
+final norm whose nearest ``q_proj`` s are every layer's).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import attrs
+import torch
+from torch import nn
+
+from llmc_fsm import find_decoder_layers
+from llmc_fsm.toolkit import compact_names, is_linear_like, matches
+
+__all__ = [
+    "MappingSpec",
+    "ResolvedMapping",
+    "architecture",
+    "default_mappings",
+    "describe_mappings",
+    "fold_scales",
+    "mappings_to_recipe",
+    "parse_mappings",
+    "resolve_mappings",
+    "smooth_channels",
+]
+
+logger = logging.getLogger(__name__)
+
+
+@attrs.frozen
+class MappingSpec:
+    """One recipe mapping: a smooth-layer pattern and the balance-layer patterns (see the module docstring)."""
+
+    smooth_layer: str
+    balance_layers: tuple[str, ...]
+
+    def to_recipe(self) -> dict[str, Any]:
+        """The llm-compressor AWQ form ``{smooth_layer: ..., balance_layers: [...]}`` (what recipe.yaml holds)."""
+        return {"smooth_layer": self.smooth_layer, "balance_layers": list(self.balance_layers)}
+
+
+@attrs.frozen(eq=False)
+class ResolvedMapping:
+    """A mapping resolved in one model.
+
+    Attributes:
+        smooth_name / smooth: the smooth layer (a norm with a 1-D ``weight`` of ``C`` channels, or a
+            Linear of ``C`` output features).
+        balance_names / balances: the Linears that read its output (``in_features == C``).
+        parent_name / parent: the innermost module holding every balance layer (a single balance
+            layer: itself) -- AWQ measures this block's output error.
+    """
+
+    smooth_name: str
+    smooth: nn.Module
+    balance_names: tuple[str, ...]
+    balances: tuple[nn.Module, ...]
+    parent_name: str
+    parent: nn.Module
+
+    @property
+    def channels(self) -> int:
+        """``C``: the smooth layer's output channels."""
+        return smooth_channels(self.smooth)
+
+    def describe(self) -> str:
+        """``smooth -> balance, balance`` with names relative to the smooth layer's parent scope."""
+        scope = _common_prefix([self.smooth_name, *self.balance_names])
+        short = [n[len(scope) :] if scope else n for n in (self.smooth_name, *self.balance_names)]
+        return f"{scope}{{{short[0]} -> {', '.join(short[1:])}}}" if scope else f"{short[0]} -> {', '.join(short[1:])}"
+
+
+def _common_prefix(names: list[str]) -> str:
+    parts = [n.split(".") for n in names]
+    common: list[str] = []
+    for items in zip(*parts, strict=False):
+        if len(set(items)) != 1:
+            break
+        common.append(items[0])
+    if common and len(common) == min(len(p) for p in parts):
+        common = common[:-1]
+    return ".".join(common) + "." if common else ""
+
+
+# --------------------------------------------------------------------------- recipe form
+def parse_mappings(value: Any) -> list[MappingSpec] | None:
+    """attrs converter: llm-compressor's ``mappings`` (either form) -> ``list[MappingSpec]`` (``None``: default).
+
+    Accepted entries: ``[[balance patterns...], smooth pattern]`` (SmoothQuant's form; a single balance
+    pattern may be a string), ``{smooth_layer: PATTERN, balance_layers: [PATTERNS...]}`` (AWQ's form;
+    ``activation_hook_target`` only as null), or a :class:`MappingSpec`.
+
+    Raises:
+        ValueError: an empty list, or an entry of another shape (the message shows the expected forms).
+    """
+    if value is None:
+        return None
+    if isinstance(value, str | bytes | Mapping) or not isinstance(value, Iterable):
+        raise ValueError(_form_error(value))
+    specs = [_parse_entry(entry) for entry in value]
+    if not specs:
+        msg = "mappings is empty: leave it out for the default mappings of the model's architecture, or give some"
+        raise ValueError(msg)
+    return specs
+
+
+def _form_error(entry: Any) -> str:
+    return (
+        f"mappings: cannot read {entry!r}; give a list of [[balance layer patterns...], smooth layer pattern] "
+        "(llm-compressor's SmoothQuant form) or of {smooth_layer: PATTERN, balance_layers: [PATTERNS...]} "
+        "(its AWQ form)"
+    )
+
+
+def _patterns(value: Any) -> tuple[str, ...] | None:
+    if isinstance(value, str):
+        return (value,)
+    if isinstance(value, list | tuple) and value and all(isinstance(v, str) for v in value):
+        return tuple(value)
+    return None
+
+
+def _parse_entry(entry: Any) -> MappingSpec:
+    if isinstance(entry, MappingSpec):
+        return entry
+    if isinstance(entry, Mapping):
+        extra = set(entry) - {"smooth_layer", "balance_layers", "activation_hook_target"}
+        if extra or entry.get("activation_hook_target") is not None:
+            msg = (
+                f"mappings: {dict(entry)!r}: only smooth_layer and balance_layers are read "
+                "(activation_hook_target, for parallel attention/MLP blocks, is not supported: leave it out)"
+            )
+            raise ValueError(msg)
+        smooth, balances = entry.get("smooth_layer"), _patterns(entry.get("balance_layers"))
+    elif isinstance(entry, list | tuple) and len(entry) == 2:
+        balances, smooth = _patterns(entry[0]), entry[1]
+    else:
+        raise ValueError(_form_error(entry))
+    if not isinstance(smooth, str) or not smooth or balances is None:
+        raise ValueError(_form_error(entry))
+    return MappingSpec(smooth, balances)
+
+
+def mappings_to_recipe(specs: list[MappingSpec] | None) -> list[dict[str, Any]] | None:
+    """``specs`` as plain data for recipe.yaml (the AWQ form), ``None`` for the default."""
+    return None if specs is None else [s.to_recipe() for s in specs]
+
+
+# --------------------------------------------------------------------------- model structure
+def architecture(model: nn.Module) -> str:
+    """``ClassName (model_type)`` of ``model`` for messages."""
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    return f"{type(model).__name__} ({model_type})" if model_type else type(model).__name__
+
+
+def _is_norm(module: nn.Module) -> bool:
+    weight = getattr(module, "weight", None)
+    return isinstance(weight, torch.Tensor) and weight.dim() == 1 and "norm" in type(module).__name__.lower()
+
+
+def _norm_problem(module: nn.Module) -> str | None:
+    """Why a scale cannot be folded into norm ``module`` (``None``: it can)."""
+    if type(module).__name__.startswith("Gemma"):  # output x_hat * (1 + weight): dividing weight is wrong
+        return f"{type(module).__name__} scales by (1 + weight), so a scale cannot be folded into its weight"
+    return None
+
+
+def smooth_channels(module: nn.Module) -> int:
+    """Output channels of a smooth layer: a norm's weight size or a Linear's ``out_features``."""
+    return int(module.weight.shape[0])
+
+
+def _find_layers(model: nn.Module) -> tuple[str, nn.ModuleList] | None:
+    try:
+        return find_decoder_layers(model)
+    except ValueError:
+        return None
+
+
+def _child(module: nn.Module, name: str) -> nn.Module | None:
+    return module._modules.get(name)  # noqa: SLF001 - direct children by name, no attribute magic
+
+
+def _linear_named(block: nn.Module, leaf: str) -> tuple[str, nn.Module] | None:
+    for name, sub in block.named_modules():
+        if name.rsplit(".", 1)[-1] == leaf and is_linear_like(sub):
+            return name, sub
+    return None
+
+
+def _default_specs_for_layer(layer: nn.Module, *, include_linear: bool) -> list[tuple[str, tuple[str, ...]]]:
+    """``[(smooth name, balance names)]`` relative to ``layer``, for a Llama-style pre-norm decoder layer."""
+    out: list[tuple[str, tuple[str, ...]]] = []
+    children = dict(layer.named_children())
+    post_norms = "pre_feedforward_layernorm" in children or "post_feedforward_layernorm" in children
+    q = _linear_named(layer, "q_proj")
+    k = _linear_named(layer, "k_proj")
+    v = _linear_named(layer, "v_proj")
+    o = _linear_named(layer, "o_proj")
+    norm = _child(layer, "input_layernorm")
+    if norm is not None and _is_norm(norm) and q and k and v:
+        out.append(("input_layernorm", (q[0], k[0], v[0])))
+    if include_linear and v and o and v[1].weight.shape[0] == o[1].weight.shape[1]:
+        out.append((v[0], (o[0],)))
+    gate = _linear_named(layer, "gate_proj")
+    up = _linear_named(layer, "up_proj")
+    down = _linear_named(layer, "down_proj")
+    mlp_norm_name = "pre_feedforward_layernorm" if post_norms else "post_attention_layernorm"
+    mlp_norm = _child(layer, mlp_norm_name)
+    if mlp_norm is not None and _is_norm(mlp_norm) and up:
+        out.append((mlp_norm_name, (gate[0], up[0]) if gate else (up[0],)))
+    if include_linear and up and down and up[1].weight.shape[0] == down[1].weight.shape[1]:
+        out.append((up[0], (down[0],)))
+    return out
+
+
+def default_mappings(model: nn.Module, *, include_linear: bool = True) -> list[ResolvedMapping]:
+    """The default mappings of ``model`` (table in the module docstring), decoder layer by decoder layer.
+
+    Args:
+        include_linear: also the Linear-to-Linear mappings (``v_proj -> o_proj``, ``up_proj -> down_proj``;
+            AWQ's defaults); ``False``: the norm mappings only (SmoothQuant's defaults, the inputs of the
+            attention and MLP input projections, paper Sec. 4).
+
+    Returns:
+        ``[]`` when no decoder layer has a mapping that fits (the caller raises, see :func:`resolve_mappings`).
+    """
+    found = _find_layers(model)
+    if found is None:
+        return []
+    layers_name, layers = found
+    mappings: list[ResolvedMapping] = []
+    for index, layer in enumerate(layers):
+        prefix = f"{layers_name}.{index}."
+        for smooth, balances in _default_specs_for_layer(layer, include_linear=include_linear):
+            mapping = _resolved(
+                layer, prefix, smooth, list(balances), {name: layer.get_submodule(name) for name in balances}
+            )
+            if _fit_problem(mapping) is None:
+                mappings.append(mapping)
+    return mappings
+
+
+def _resolved(
+    root: nn.Module, prefix: str, smooth: str, balance_names: list[str], balances: dict[str, nn.Module]
+) -> ResolvedMapping:
+    if len(balance_names) == 1:
+        parent = balance_names[0]
+    else:
+        parent = _common_prefix(balance_names).rstrip(".")
+    return ResolvedMapping(
+        smooth_name=prefix + smooth,
+        smooth=root.get_submodule(smooth),
+        balance_names=tuple(prefix + n for n in balance_names),
+        balances=tuple(balances[n] for n in balance_names),
+        parent_name=(prefix + parent).rstrip("."),
+        parent=root.get_submodule(parent) if parent else root,
+    )
+
+
+def _fit_problem(mapping: ResolvedMapping) -> str | None:
+    """Why ``mapping`` cannot be smoothed (one phrase), or ``None``."""
+    smooth = mapping.smooth
+    if _is_norm(smooth):
+        problem = _norm_problem(smooth)
+        if problem is not None:
+            return problem
+    elif not is_linear_like(smooth):
+        return f"{mapping.smooth_name} ({type(smooth).__name__}) is neither a norm with a 1-D weight nor a Linear"
+    channels = smooth_channels(smooth)
+    for name, balance in zip(mapping.balance_names, mapping.balances, strict=True):
+        if not is_linear_like(balance):
+            return f"{name} ({type(balance).__name__}) is not a Linear"
+        if int(balance.weight.shape[1]) != channels:
+            return f"{mapping.smooth_name} has {channels} output channels but {name} reads {balance.weight.shape[1]}"
+    return None
+
+
+# --------------------------------------------------------------------------- recipe mappings
+def _scopes(name: str) -> list[str]:
+    """Enclosing module names of ``name``, innermost first (``a.b.c`` -> ``a.b``, ``a``, ``""``)."""
+    parts = name.split(".")
+    return [".".join(parts[:i]) for i in range(len(parts) - 1, -1, -1)]
+
+
+def _resolve_spec(
+    model: nn.Module, named: list[tuple[str, nn.Module]], spec: MappingSpec, ignore: list[str]
+) -> tuple[list[ResolvedMapping], list[str], list[str]]:
+    """The resolutions of ``spec`` in ``model``, why patterns matched nothing, and why matched modules did not fit
+    (shapes: e.g. ``v_proj -> o_proj`` under grouped-query attention, skipped as llm-compressor does)."""
+    smooth_matches = [(n, m) for n, m in named if n and matches(n, m, spec.smooth_layer)]
+    resolved: list[ResolvedMapping] = []
+    problems: list[str] = []
+    misfits: list[str] = []
+    for smooth_name, _ in smooth_matches:
+        chosen: dict[str, nn.Module] | None = None
+        for scope in _scopes(smooth_name):
+            inside = [(n, m) for n, m in named if n != smooth_name and (not scope or n.startswith(scope + "."))]
+            found: dict[str, nn.Module] = {}
+            ambiguous = ""
+            for pattern in spec.balance_layers:
+                hits = [(n, m) for n, m in inside if matches(n, m, pattern) and is_linear_like(m)]
+                if not hits:
+                    break
+                if len(hits) > 1 and not ambiguous:
+                    shown = compact_names([n for n, _ in hits])
+                    ambiguous = f"{pattern!r} matches {len(hits)} Linears around {smooth_name} ({shown})"
+                found.update(hits)
+            else:
+                chosen = found
+                break
+        if chosen is None:
+            problems.append(f"{smooth_name}: no Linear matching {list(spec.balance_layers)} around it")
+            continue
+        if ambiguous:  # one module per balance pattern, in the innermost module holding them all
+            misfits.append(ambiguous)
+            continue
+        if any(matches(n, chosen[n], p) for n in chosen for p in ignore):
+            # a scaled smooth layer needs every reader compensated: an ignored balance layer skips the mapping
+            logger.info("mapping %s -> %s skipped: a balance layer is ignored", smooth_name, ", ".join(chosen))
+            continue
+        mapping = _resolved(model, "", smooth_name, list(chosen), chosen)
+        problem = _fit_problem(mapping)
+        if problem is None:
+            resolved.append(mapping)
+        else:
+            misfits.append(problem)
+    if not smooth_matches:
+        problems.append(f"the smooth layer pattern {spec.smooth_layer!r} matches no module")
+    return resolved, problems, misfits
+
+
+def resolve_mappings(
+    model: nn.Module,
+    specs: list[MappingSpec] | None,
+    *,
+    owner: str,
+    ignore: list[str] | None = None,
+    include_linear: bool = True,
+) -> list[ResolvedMapping]:
+    """The mappings of ``model``: ``specs`` (a recipe's ``mappings``) or the defaults; checked, pure.
+
+    Reads module names, classes and weight shapes only (works on a ``meta`` model), changes nothing.
+
+    Args:
+        specs: ``None`` for :func:`default_mappings`.
+        owner: the modifier's name, for messages.
+        ignore: module patterns (full names, class names, ``re:``); a mapping with an ignored balance layer is
+            skipped (the smooth layer's scale must be compensated in every layer reading it).
+        include_linear: see :func:`default_mappings`.
+
+    Returns:
+        The mappings in the order of their first balance layer in the model, each smooth layer once.
+
+    Raises:
+        ValueError: no mapping fits the model (naming the architecture and the decoder layer's modules);
+            a recipe mapping whose smooth or balance patterns match no module (naming the pattern); no recipe
+            mapping whose shapes fit (a mapping that fits some layers only is skipped elsewhere, with a warning,
+            as ``v_proj -> o_proj`` under grouped-query attention); a smooth layer in two mappings.
+    """
+    ignore = list(ignore or [])
+    if specs is None:
+        mappings = [
+            m
+            for m in default_mappings(model, include_linear=include_linear)
+            if not any(matches(n, b, p) for n, b in zip(m.balance_names, m.balances, strict=True) for p in ignore)
+        ]
+        if not mappings:
+            raise ValueError(_no_default_message(model, owner))
+    else:
+        named = list(model.named_modules())
+        mappings = []
+        misfit: list[tuple[MappingSpec, list[str]]] = []
+        for spec in specs:
+            found, problems, misfits = _resolve_spec(model, named, spec, ignore)
+            if problems:
+                msg = (
+                    f"{owner}: mapping {spec.to_recipe()} fits no module of {architecture(model)}: "
+                    f"{'; '.join(problems[:3])}{' ...' if len(problems) > 3 else ''}"
+                )
+                raise ValueError(msg)
+            if misfits:
+                logger.warning(
+                    "%s: mapping %s skipped at %d of %d smooth layers: %s",
+                    owner,
+                    spec.to_recipe(),
+                    len(misfits),
+                    len(misfits) + len(found),
+                    misfits[0],
+                )
+                misfit.append((spec, misfits))
+            mappings.extend(found)
+        if not mappings:
+            spec, misfits = misfit[0]
+            msg = f"{owner}: no mapping of the recipe fits {architecture(model)}: {spec.to_recipe()}: {misfits[0]}"
+            raise ValueError(msg)
+        order = {name: i for i, (name, _) in enumerate(named)}
+        mappings.sort(key=lambda m: order[m.balance_names[0]])  # a layer's balance layers are registered in call order
+    seen: dict[str, str] = {}
+    for mapping in mappings:
+        if mapping.smooth_name in seen:
+            msg = (
+                f"{owner}: {mapping.smooth_name} is the smooth layer of two mappings (-> {seen[mapping.smooth_name]} "
+                f"and -> {', '.join(mapping.balance_names)}); give each smooth layer once, with all its balance layers"
+            )
+            raise ValueError(msg)
+        seen[mapping.smooth_name] = ", ".join(mapping.balance_names)
+    return mappings
+
+
+def _no_default_message(model: nn.Module, owner: str) -> str:
+    found = _find_layers(model)
+    if found is None:
+        where = "it has no decoder layers (an nn.ModuleList of same-class blocks)"
+    else:
+        layers_name, layers = found
+        layer = layers[0]
+        norms = [n for n, m in layer.named_modules() if n and _is_norm(m)]
+        linears = [n for n, m in layer.named_modules() if n and is_linear_like(m)]
+        where = (
+            f"its decoder layer {layers_name}.0 ({type(layer).__name__}) has norms "
+            f"[{', '.join(norms) or 'none'}] and Linears [{', '.join(linears) or 'none'}]"
+        )
+    return (
+        f"{owner}: no smoothing mapping fits {architecture(model)}: {where}; the default mappings need a "
+        "Llama-style pre-norm layer (input_layernorm -> q_proj/k_proj/v_proj, post_attention_layernorm -> "
+        "gate_proj/up_proj). Give the recipe's mappings, e.g. [{smooth_layer: 're:.*<norm>$', balance_layers: "
+        "['re:.*<linear>$', ...]}]"
+    )
+
+
+def describe_mappings(mappings: list[ResolvedMapping]) -> list[str]:
+    """One line per distinct mapping shape: ``smooth -> balances`` with layer indices folded (``{0..29}``)."""
+    groups: dict[str, list[str]] = {}
+    for m in mappings:
+        key = " -> ".join([m.smooth_name.rsplit(".", 1)[-1], ", ".join(n.rsplit(".", 1)[-1] for n in m.balance_names)])
+        groups.setdefault(key, []).append(m.smooth_name)
+    return [f"{key} ({len(names)}x: {compact_names(names)})" for key, names in groups.items()]
+
+
+# --------------------------------------------------------------------------- folding
+@torch.no_grad()
+def fold_scales(mapping: ResolvedMapping, scales: torch.Tensor) -> None:
+    """Fold per-channel ``scales`` into ``mapping``: the smooth layer's output channel ``j`` divided by
+    ``scales[j]``, every balance layer's input column ``j`` multiplied by it (the float function is unchanged).
+
+    Norm: ``weight /= s`` (and ``bias``). Linear smooth layer: row ``j`` of ``weight`` (and ``bias[j]``)
+    ``/= s_j``. Computed in float32 and written back in each parameter's dtype.
+
+    Args:
+        scales: ``[C]`` positive floats (``C`` = :attr:`ResolvedMapping.channels`).
+
+    Raises:
+        ValueError: wrong shape, or a scale that is not finite and positive (nothing changed).
+    """
+    channels = mapping.channels
+    if scales.shape != (channels,):
+        raise ValueError(f"scales of shape {tuple(scales.shape)} for {mapping.smooth_name} with {channels} channels")
+    s = scales.detach().to(torch.float32)
+    if not bool(torch.isfinite(s).all()) or not bool((s > 0).all()):
+        raise ValueError(f"scales for {mapping.smooth_name} must be finite and positive")
+    smooth = mapping.smooth
+    w = smooth.weight
+    if w.dim() == 1:
+        w.copy_((w.to(torch.float32) / s.to(w.device)).to(w.dtype))
+    else:
+        w.copy_((w.to(torch.float32) / s.to(w.device)[:, None]).to(w.dtype))
+    bias = getattr(smooth, "bias", None)
+    if isinstance(bias, torch.Tensor):
+        bias.copy_((bias.to(torch.float32) / s.to(bias.device)).to(bias.dtype))
+    for balance in mapping.balances:
+        bw = balance.weight
+        bw.copy_((bw.to(torch.float32) * s.to(bw.device)[None, :]).to(bw.dtype))

@@ -1,0 +1,434 @@
+"""SmoothQuant and logarithmic equalization: move activation outliers into the weights before quantization.
+
+SmoothQuant (Xiao et al., arXiv 2211.10438, Sec. 3-4): for each mapping (a smooth layer and the Linears that
+read its output, :mod:`llmc_fsm_quantization.mappings`) and each channel ``j`` of that output,
+
+    ``s_j = max|X_j| ** alpha / max|W_j| ** (1 - alpha)``
+
+where ``max|X_j|`` is over every calibration token and ``max|W_j|`` over column ``j`` of every balance layer;
+``alpha`` is ``smoothing_strength``. The smooth layer's output channel ``j`` is divided by ``s_j`` and the balance
+layers' column ``j`` multiplied by it (:func:`~llmc_fsm_quantization.mappings.fold_scales`): the float model is
+unchanged, and the migrated activations' ``max|X'_j| = max|X_j| / s_j`` are flatter, so per-tensor / per-token
+int8 activations lose less. ``LogarithmicEqualizationModifier`` uses ``s_j = max|X_j| / log2(2 + max|X_j|)``
+(no weight term). A channel whose activation or weight maximum is 0 keeps ``s_j = 1``.
+
+Smoothing runs decoder layer by decoder layer inside the sequential pipeline: before the pipeline calibrates a
+layer for the other modifiers of the stage (GPTQ, RTN), it calls :meth:`SmoothingModifier.prepare_layer`, which
+runs the calibration inputs through the layer once (with the other modifiers' hooks suspended), computes the
+scales and folds them. So a quantizer in the same stage sees the smoothed activations and weights, as it
+would in a later stage. Defaults: the norm mappings (``input_layernorm -> q/k/v``,
+``post_attention_layernorm -> gate/up``), the inputs of the attention and MLP projections (paper Sec. 4).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections import OrderedDict
+from collections.abc import Iterator
+from typing import Any, ClassVar
+
+import attrs
+import torch
+from torch import nn
+
+from llmc_fsm import Modifier
+from llmc_fsm.toolkit import already_quantized, is_distributed, patterns
+from llmc_fsm_quantization.mappings import (
+    ResolvedMapping,
+    describe_mappings,
+    fold_scales,
+    mappings_to_recipe,
+    parse_mappings,
+    resolve_mappings,
+)
+
+__all__ = [
+    "LogarithmicEqualizationModifier",
+    "SmoothQuantModifier",
+    "SmoothingModifier",
+    "logarithmic_scales",
+    "smoothquant_scales",
+]
+
+logger = logging.getLogger(__name__)
+
+#: torch's private per-module dictionaries of forward hooks, swapped out while a smoothing pass runs.
+_FORWARD_HOOK_DICTS = (
+    "_forward_pre_hooks",
+    "_forward_pre_hooks_with_kwargs",
+    "_forward_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+)
+
+
+@contextlib.contextmanager
+def suspended_forward_hooks(root: nn.Module) -> Iterator[None]:
+    """Run forwards of ``root`` without the forward hooks already registered on it or its submodules.
+
+    The smoothing pass of a decoder layer must not feed the other modifiers' statistics (their hooks
+    were registered at ``calibration_start`` and expect the smoothed layer). Hooks registered inside the
+    block go to fresh dictionaries, which the block must have emptied (remove their handles) before it ends.
+    """
+    saved = []
+    for module in root.modules():
+        for attr in _FORWARD_HOOK_DICTS:
+            if hasattr(module, attr):
+                saved.append((module, attr, getattr(module, attr)))
+                setattr(module, attr, OrderedDict())
+    try:
+        yield
+    finally:
+        for module, attr, value in saved:
+            setattr(module, attr, value)
+
+
+def smoothquant_scales(act_max: torch.Tensor, weight_max: torch.Tensor, alpha: float) -> torch.Tensor:
+    """SmoothQuant's ``s_j = act_max_j ** alpha / weight_max_j ** (1 - alpha)`` (arXiv 2211.10438, Eq. 4).
+
+    Args:
+        act_max: ``[C]`` float32, ``max|X_j|`` over the calibration tokens.
+        weight_max: ``[C]`` float32, ``max|W_ij|`` over the balance layers' rows.
+        alpha: migration strength in ``[0, 1]``.
+
+    Returns:
+        ``[C]`` float32; 1 where ``act_max`` or ``weight_max`` is 0.
+    """
+    ok = (act_max > 0) & (weight_max > 0)
+    s = act_max.clamp_min(1e-30).pow(alpha) / weight_max.clamp_min(1e-30).pow(1.0 - alpha)
+    return torch.where(ok, s, torch.ones_like(s))
+
+
+def logarithmic_scales(act_max: torch.Tensor) -> torch.Tensor:
+    """Logarithmic equalization's ``s_j = act_max_j / log2(2 + act_max_j)`` (``[C]`` float32; 1 where 0)."""
+    s = act_max / torch.log2(2.0 + act_max)
+    return torch.where(act_max > 0, s, torch.ones_like(s))
+
+
+def _strength(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0.0 <= float(value) <= 1.0:
+        msg = f"smoothing_strength must be a number in [0, 1] (SmoothQuant's alpha), got {value!r}"
+        raise ValueError(msg)
+
+
+def _mappings_field(value: Any) -> list[dict[str, Any]] | None:
+    return mappings_to_recipe(parse_mappings(value))
+
+
+def _steps(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if value is not None:
+        msg = (
+            f"{attribute.name} is not supported: smoothing uses every calibration sample "
+            "(--num-samples sets how many); leave it out"
+        )
+        raise ValueError(msg)
+
+
+@attrs.define(kw_only=True, slots=False, eq=False)
+class SmoothingModifier(Modifier):
+    """Base of the smoothing modifiers (not registered itself): mappings, the per-layer pass, folding.
+
+    Args:
+        mappings: llm-compressor's ``mappings`` (either form, :func:`~llmc_fsm_quantization.mappings.parse_mappings`);
+            default: derived from the model's decoder layers.
+        ignore: module patterns; a mapping whose balance layers are all ignored is not smoothed.
+
+    Subclasses implement :meth:`_smooth_layer_mappings`. After the run, :attr:`smoothing_results` holds, per smooth
+    layer name, the statistics of what was folded.
+    """
+
+    required_state = frozenset({"model", "calibration_data"})
+    #: whether the default mappings include ``v_proj -> o_proj`` and ``up_proj -> down_proj``.
+    include_linear_mappings: ClassVar[bool] = False
+
+    mappings: list[dict[str, Any]] | None = attrs.field(default=None, converter=_mappings_field)
+    ignore: list[str] = attrs.field(factory=list, converter=patterns)
+
+    def __attrs_post_init__(self) -> None:
+        super().__attrs_post_init__()
+        self._mappings: list[ResolvedMapping] = []
+        self._done: set[str] = set()
+        #: smooth layer name -> statistics of the scales folded into it (see the subclasses).
+        self.smoothing_results: dict[str, dict[str, Any]] = {}
+        #: smooth layer name -> the ``[C]`` float32 scales folded into it (none where nothing was folded).
+        self.smoothing_scales: dict[str, torch.Tensor] = {}
+
+    # ---- checks ----------------------------------------------------------------
+    def resolve(self, model: nn.Module) -> list[ResolvedMapping]:
+        """The mappings this modifier smooths in ``model`` (pure; see :func:`resolve_mappings`).
+
+        Raises:
+            ValueError: no mapping fits (naming the architecture and the modules), or a recipe mapping fits nothing.
+        """
+        return resolve_mappings(
+            model,
+            parse_mappings(self.mappings),
+            owner=type(self).__name__,
+            ignore=self.ignore,
+            include_linear=self.include_linear_mappings,
+        )
+
+    def check_model(self, model: nn.Module) -> dict[str, nn.Module]:
+        """The modules smoothing changes (smooth and balance layers), after :meth:`resolve`; pure.
+
+        Raises:
+            ValueError: as :meth:`resolve`, or the model is already quantized (smoothing a quantized
+                weight would move it off its grid).
+        """
+        already = already_quantized(model)
+        if already is not None:
+            msg = (
+                f"{type(self).__name__}: the model is already quantized ({already}); smooth the original "
+                "full-precision model, before quantizing it"
+            )
+            raise ValueError(msg)
+        modules = _modules_of(self.resolve(model))
+        quantized = [name for name, module in modules.items() if hasattr(module, "quantization_scheme")]
+        if quantized:
+            msg = (
+                f"{type(self).__name__}: {len(quantized)} of the modules it would smooth are already quantized, e.g. "
+                f"{quantized[0]}; smooth the original full-precision model, before quantizing it (put the smoothing "
+                "modifier before the quantizing one)"
+            )
+            raise ValueError(msg)
+        return modules
+
+    @property
+    def resolved_targets(self) -> dict[str, nn.Module]:
+        return _modules_of(self._mappings)
+
+    @property
+    def resolved_mappings(self) -> list[ResolvedMapping]:
+        """The mappings resolved at initialize (empty before)."""
+        return list(self._mappings)
+
+    def describe_mappings(self) -> list[str]:
+        """One line per kind of resolved mapping (for ``explain`` and logs)."""
+        return describe_mappings(self._mappings)
+
+    def explain_model(self, model: nn.Module) -> list[str]:
+        """The mappings :meth:`resolve` finds in ``model``, one line per kind (``llmc-fsm explain --model``); pure.
+
+        Raises:
+            ValueError: as :meth:`resolve`.
+        """
+        return [f"mapping {line}" for line in describe_mappings(self.resolve(model))]
+
+    # ---- lifecycle -------------------------------------------------------------
+    def on_initialize(self, state: Any) -> None:
+        self.check_model(state.model)
+        self._mappings = self.resolve(state.model)
+        self._done = set()
+        self.smoothing_results = {}
+        self.smoothing_scales = {}
+        for line in self.describe_mappings():
+            logger.info("%s mapping: %s", type(self).__name__, line)
+
+    def on_calibration_start(self, state: Any) -> None:
+        if is_distributed():
+            msg = f"{type(self).__name__} does not run under torch.distributed yet; run it in one process"
+            raise ValueError(msg)
+
+    def on_sequential_epoch_end(self, state: Any, modules: Any) -> None:
+        """Nothing: smoothing happened in :meth:`prepare_layer`. Overridden so that a one-shot ``--resume``
+        restarts this stage from its first layer (the per-layer checkpoints hold no smoothing statistics)."""
+
+    def on_calibration_end(self, state: Any) -> None:
+        left = [m.smooth_name for m in self._mappings if m.smooth_name not in self._done]
+        if left:
+            msg = (
+                f"{type(self).__name__}: {len(left)} of {len(self._mappings)} mappings were not smoothed, e.g. "
+                f"{left[0]}: smoothing runs in the sequential pipeline (llmc_fsm.oneshot or "
+                "llmc_fsm.pipeline.sequential.run_sequential), which calls prepare_layer before each decoder layer"
+            )
+            raise ValueError(msg)
+
+    def on_finalize(self, state: Any) -> None:
+        self._mappings = []
+
+    # ---- the per-layer pass ----------------------------------------------------
+    @torch.no_grad()
+    def prepare_layer(self, layer: nn.Module, inputs: list[tuple[tuple[Any, ...], dict[str, Any]]]) -> None:
+        """Smooth the mappings inside decoder ``layer`` from its calibration ``inputs`` (before any other
+        modifier calibrates it); the pipeline calls it once per layer.
+
+        Args:
+            layer: a decoder layer.
+            inputs: per batch, the layer's ``(args, kwargs)`` (hidden states first).
+
+        Raises:
+            ValueError: a norm mapping's balance layers do not read the norm's output in this layer's forward
+                (the default mappings' names did not describe the data flow); checked before anything changes.
+        """
+        inside = {id(m) for m in layer.modules()}
+        todo = [m for m in self._mappings if id(m.smooth) in inside and m.smooth_name not in self._done]
+        if not todo or not inputs:
+            return
+        self._smooth_layer_mappings(layer, inputs, todo)
+        self._done.update(m.smooth_name for m in todo)
+
+    def _smooth_layer_mappings(
+        self, layer: nn.Module, inputs: list[tuple[tuple[Any, ...], dict[str, Any]]], todo: list[ResolvedMapping]
+    ) -> None:
+        raise NotImplementedError
+
+
+def _modules_of(mappings: list[ResolvedMapping]) -> dict[str, nn.Module]:
+    out: dict[str, nn.Module] = {}
+    for m in mappings:
+        out[m.smooth_name] = m.smooth
+        out.update(zip(m.balance_names, m.balances, strict=True))
+    return out
+
+
+class ActivationObserver:
+    """Per-channel statistics of each mapping's balance input over a layer's calibration pass.
+
+    Keeps, per mapping, ``max|x_j|`` and ``sum|x_j|`` (float32 / float64, ``[C]``), the token count and,
+    when ``keep`` is set, the inputs themselves (AWQ needs them) and the parent block's ``(args, kwargs)``
+    and output. A norm mapping's first balance layer must receive the norm's output tensor itself.
+    """
+
+    def __init__(self, mappings: list[ResolvedMapping], *, keep: bool = False) -> None:
+        self.mappings = mappings
+        self.keep = keep
+        self.act_max: dict[str, torch.Tensor] = {}
+        self.abs_sum: dict[str, torch.Tensor] = {}
+        self.tokens: dict[str, int] = {}
+        self.parent_inputs: dict[str, list[tuple[tuple[Any, ...], dict[str, Any]]]] = {}
+        self.parent_outputs: dict[str, list[torch.Tensor]] = {}
+        self._last_out: dict[int, Any] = {}
+        self.problems: list[str] = []
+
+    def run(self, layer: nn.Module, inputs: list[tuple[tuple[Any, ...], dict[str, Any]]]) -> None:
+        """Run every batch through ``layer`` with only this observer's hooks."""
+        with suspended_forward_hooks(layer):
+            handles = []
+            try:
+                for m in self.mappings:
+                    if m.smooth.weight.dim() == 1:
+                        handles.append(m.smooth.register_forward_hook(self._norm_hook(m)))
+                    handles.append(m.balances[0].register_forward_pre_hook(self._input_hook(m)))
+                    if self.keep:
+                        handles.append(m.parent.register_forward_pre_hook(self._parent_in(m), with_kwargs=True))
+                        handles.append(m.parent.register_forward_hook(self._parent_out(m)))
+                for args, kwargs in inputs:
+                    layer(*args, **kwargs)
+                    self._last_out.clear()
+            finally:
+                for handle in handles:
+                    handle.remove()
+
+    def _norm_hook(self, m: ResolvedMapping) -> Any:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            self._last_out[id(module)] = output
+
+        return hook
+
+    def _input_hook(self, m: ResolvedMapping) -> Any:
+        def hook(module: nn.Module, args: tuple[Any, ...]) -> None:
+            x = args[0]
+            if m.smooth.weight.dim() == 1 and x is not self._last_out.get(id(m.smooth)):
+                self.problems.append(f"{m.balance_names[0]} does not read the output of {m.smooth_name}")
+                return
+            flat = x.detach().reshape(-1, x.shape[-1]).to(torch.float32)
+            mx = flat.abs().amax(dim=0)
+            sm = flat.abs().sum(dim=0, dtype=torch.float64)
+            name = m.smooth_name
+            self.act_max[name] = torch.maximum(self.act_max[name], mx) if name in self.act_max else mx
+            self.abs_sum[name] = self.abs_sum[name] + sm if name in self.abs_sum else sm
+            self.tokens[name] = self.tokens.get(name, 0) + flat.shape[0]
+
+        return hook
+
+    def _parent_in(self, m: ResolvedMapping) -> Any:
+        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            self.parent_inputs.setdefault(m.smooth_name, []).append((tuple(args), dict(kwargs)))
+
+        return hook
+
+    def _parent_out(self, m: ResolvedMapping) -> Any:
+        def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+            out = output[0] if isinstance(output, tuple | list) else output
+            self.parent_outputs.setdefault(m.smooth_name, []).append(out.detach())
+
+        return hook
+
+    def check(self, owner: str) -> None:
+        """Raise if a norm mapping's data flow was not what its names said, or a balance layer saw no input.
+
+        Raises:
+            ValueError: naming the mapping.
+        """
+        if self.problems:
+            msg = (
+                f"{owner}: {self.problems[0]} in the forward pass, so scales folded into it would change the "
+                "model; give the recipe's mappings for this architecture"
+            )
+            raise ValueError(msg)
+        missing = [m.balance_names[0] for m in self.mappings if m.smooth_name not in self.tokens]
+        if missing:
+            msg = f"{owner}: {missing[0]} received no calibration input in its decoder layer's forward"
+            raise ValueError(msg)
+
+
+def _weight_max(mapping: ResolvedMapping) -> torch.Tensor:
+    return torch.cat([b.weight.detach().abs().to(torch.float32) for b in mapping.balances]).amax(dim=0)
+
+
+def _scale_stats(scales: torch.Tensor) -> dict[str, float]:
+    return {"scale_min": float(scales.min()), "scale_max": float(scales.max()), "scale_mean": float(scales.mean())}
+
+
+@attrs.define(kw_only=True, slots=False, eq=False)
+class SmoothQuantModifier(SmoothingModifier):
+    """SmoothQuant: migrate activation outliers into the next weights before W8A8 (arXiv 2211.10438).
+
+    Args:
+        smoothing_strength: ``alpha`` in ``[0, 1]`` (default 0.5; the paper uses 0.5 for most models, up to
+            0.75-0.85 for some); larger moves more of the range into the weights.
+        mappings, ignore: see :class:`SmoothingModifier` (default mappings: the attention and MLP input norms).
+        num_calibration_steps: llm-compressor's; only null (every calibration sample is used).
+
+    Put a quantizing modifier after it, in the same stage or a later one (``GPTQModifier``/``QuantizationModifier``
+    with ``W8A8``). Requires state ``model`` and ``calibration_data``; runs in the sequential pipeline.
+    :attr:`smoothing_results`: per smooth layer ``scale_min/max/mean``, ``act_max_before`` / ``act_max_after``
+    (the largest ``max|X_j|`` over channels before and after).
+    """
+
+    smoothing_strength: float = attrs.field(default=0.5, validator=_strength)
+    num_calibration_steps: Any = attrs.field(default=None, validator=_steps)
+
+    def _scales(self, act_max: torch.Tensor, mapping: ResolvedMapping) -> torch.Tensor:
+        return smoothquant_scales(act_max, _weight_max(mapping), float(self.smoothing_strength))
+
+    def _smooth_layer_mappings(
+        self, layer: nn.Module, inputs: list[tuple[tuple[Any, ...], dict[str, Any]]], todo: list[ResolvedMapping]
+    ) -> None:
+        observer = ActivationObserver(todo)
+        observer.run(layer, inputs)
+        observer.check(type(self).__name__)
+        for mapping in todo:
+            act_max = observer.act_max[mapping.smooth_name]
+            scales = self._scales(act_max, mapping)
+            fold_scales(mapping, scales)
+            self.smoothing_scales[mapping.smooth_name] = scales
+            self.smoothing_results[mapping.smooth_name] = {
+                "balance_layers": list(mapping.balance_names),
+                **_scale_stats(scales),
+                "act_max_before": float(act_max.max()),
+                "act_max_after": float((act_max / scales).max()),
+            }
+
+
+@attrs.define(kw_only=True, slots=False, eq=False)
+class LogarithmicEqualizationModifier(SmoothQuantModifier):
+    """Logarithmic activation equalization: SmoothQuant with ``s_j = max|X_j| / log2(2 + max|X_j|)``.
+
+    The scales depend on the activations only (``smoothing_strength`` is accepted, as in llm-compressor, and
+    not used). Arguments and results otherwise as :class:`SmoothQuantModifier`.
+    """
+
+    def _scales(self, act_max: torch.Tensor, mapping: ResolvedMapping) -> torch.Tensor:
+        return logarithmic_scales(act_max)

@@ -1,0 +1,315 @@
+"""AWQ: the exponent grid search against an independent float64 one, lower block errors, unchanged float model."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from llmc_fsm_quantization import AWQModifier, QuantizationModifier, rtn_quantize
+from llmc_fsm_quantization.mappings import default_mappings, fold_scales
+
+import llmc_fsm
+
+from test_smoothquant import DATA, tiny  # noqa: I001 - the same tiny model with outlier channels
+
+W4G16 = {"preset": "W4A16_ASYM", "weights": {"group_size": 16}}  # asymmetric: no value on a rounding tie
+N_GRID = 20
+
+
+# --------------------------------------------------------------------------- the reference, float64
+def _q_int4_asym_g16(w: torch.Tensor) -> torch.Tensor:
+    """Asymmetric int4 in groups of 16 (range widened to hold 0): scale = (max - min) / 15, zero point
+    round(-8 - min / scale), q = clamp(round(w / scale) + zero point, -8, 7), w_hat = (q - zero point) * scale.
+
+    The scale is rounded to float32, the dtype the checkpoint stores it in."""
+    g = w.reshape(-1, 16)
+    lo, hi = g.amin(dim=1, keepdim=True).clamp(max=0), g.amax(dim=1, keepdim=True).clamp(min=0)
+    scale = ((hi - lo) / 15).float().double()
+    zp = torch.clamp(torch.round(-8 - lo / scale), -8, 7)
+    return ((torch.clamp(torch.round(g / scale) + zp, -8, 7) - zp) * scale).reshape(w.shape)
+
+
+def _layer0_blocks(model: torch.nn.Module):
+    """float64 copy of layer 0 and, per mapping, (balance names, block call, balance input, float output)."""
+    layer = copy.deepcopy(model).double().model.layers[0]
+    captured: dict[str, tuple] = {}
+
+    def keep(name):
+        def hook(module, args, kwargs):
+            captured[name] = (args, kwargs)
+
+        return hook
+
+    handles = [
+        layer.get_submodule(n).register_forward_pre_hook(keep(n), with_kwargs=True)
+        for n in ("self_attn", "self_attn.o_proj", "mlp", "mlp.down_proj")
+    ]
+    with torch.no_grad():
+        hidden = model.model.embed_tokens(DATA).double()
+        position_ids = torch.arange(DATA.shape[1])[None]
+        rotary = copy.deepcopy(model.model.rotary_emb).double()
+        mask = torch.full((32, 32), float("-inf"), dtype=torch.float64).triu(1)[None, None]
+        layer(hidden, attention_mask=mask, position_ids=position_ids, position_embeddings=rotary(hidden, position_ids))
+    for h in handles:
+        h.remove()
+
+    def call(name):
+        args, kwargs = captured[name]
+        module = layer.get_submodule(name)
+
+        def run():
+            out = module(*args, **kwargs)
+            return out[0] if isinstance(out, tuple) else out
+
+        return run
+
+    attn_x = captured["self_attn"][1]["hidden_states"]  # the normalized hidden states
+    return layer, [
+        (["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], call("self_attn"), attn_x),
+        (["self_attn.o_proj"], call("self_attn.o_proj"), captured["self_attn.o_proj"][0][0]),
+        (["mlp.gate_proj", "mlp.up_proj"], call("mlp"), captured["mlp"][0][0]),
+        (["mlp.down_proj"], call("mlp.down_proj"), captured["mlp.down_proj"][0][0]),
+    ]
+
+
+def _reference_search(layer, names, run, x, duo: bool) -> tuple[float | None, float, float]:
+    """(chosen exponent or None for no smoothing, its error, the unsmoothed error) of the paper's grid search."""
+    with torch.no_grad():
+        reference = run()
+        weights = [layer.get_submodule(n).weight.detach().clone() for n in names]
+        x_mean = x.reshape(-1, x.shape[-1]).abs().mean(dim=0)
+        w_rows = []
+        for w in weights:
+            g = w.abs().reshape(-1, 16)
+            w_rows.append((g / g.amax(dim=1, keepdim=True)).reshape(w.shape))
+        w_mean = torch.cat(w_rows).mean(dim=0)
+
+        def error(s):
+            for n, w in zip(names, weights):
+                layer.get_submodule(n).weight.copy_(_q_int4_asym_g16(w * s) / s)
+            e = float((run() - reference).pow(2).mean())
+            for n, w in zip(names, weights):
+                layer.get_submodule(n).weight.copy_(w)
+            return e
+
+        unsmoothed = error(torch.ones_like(x_mean))
+        best = (unsmoothed, None)
+        for i in range(N_GRID):
+            r = i / N_GRID
+            s = x_mean.pow(r) / (w_mean.pow(1 - r) + 1e-4) if duo else x_mean.pow(r)
+            s = s.clamp(min=1e-4)
+            s = s / (s.max() * s.min()).sqrt()
+            e = error(s)
+            if e < best[0]:
+                best = (e, r)
+    return best[1], best[0], unsmoothed
+
+
+# --------------------------------------------------------------------------- tests
+@pytest.mark.parametrize("duo", [True, False])
+def test_awq_chooses_the_exponent_of_a_float64_grid_search_and_lowers_each_block_error(duo: bool) -> None:
+    model = tiny()
+    original = copy.deepcopy(model)
+    awq = AWQModifier(duo_scaling=duo)
+    llmc_fsm.oneshot(model=model, recipe=[awq, QuantizationModifier(scheme=W4G16)], dataset=DATA, progress=False)
+    layer, blocks = _layer0_blocks(original)
+    smooth_names = ["input_layernorm", "self_attn.v_proj", "post_attention_layernorm", "mlp.up_proj"]
+    for smooth, (names, run, x) in zip(smooth_names, blocks, strict=True):
+        exponent, error, unsmoothed = _reference_search(layer, names, run, x, duo)
+        result = awq.smoothing_results[f"model.layers.0.{smooth}"]
+        assert result["exponent"] == exponent, smooth
+        assert result["error"] == pytest.approx(error, rel=1e-5)
+        assert result["error_unsmoothed"] == pytest.approx(unsmoothed, rel=1e-5)
+        assert result["duo_scaling"] == (duo if exponent is not None else None)
+    for name, result in awq.smoothing_results.items():  # every mapped block of every layer
+        assert result["error"] <= result["error_unsmoothed"], name
+    for layer_index in (0, 1):  # the outlier channels' blocks gain clearly
+        for smooth in ("input_layernorm", "post_attention_layernorm"):
+            result = awq.smoothing_results[f"model.layers.{layer_index}.{smooth}"]
+            assert result["error"] < 0.8 * result["error_unsmoothed"]
+
+
+def test_awq_folding_keeps_the_float_model_and_the_quantizer_rounds_the_smoothed_weights() -> None:
+    model = tiny()
+    original = copy.deepcopy(model)
+    awq = AWQModifier()
+    llmc_fsm.oneshot(model=model, recipe=[awq, QuantizationModifier(scheme=W4G16)], dataset=DATA, progress=False)
+    assert len(awq.smoothing_scales) >= 4
+    folded = copy.deepcopy(original)
+    for mapping in default_mappings(folded):
+        if mapping.smooth_name in awq.smoothing_scales:
+            fold_scales(mapping, awq.smoothing_scales[mapping.smooth_name])
+    with torch.no_grad():
+        assert torch.allclose(folded(DATA).logits, original(DATA).logits, atol=3e-5, rtol=1e-5)
+    args = QuantizationModifier(scheme=W4G16).weight_args
+    for name, module in folded.named_modules():
+        if isinstance(module, torch.nn.Linear) and name != "lm_head":
+            assert torch.equal(model.get_submodule(name).weight, rtn_quantize(module.weight, args).weight), name
+        elif name.endswith("layernorm"):
+            assert torch.equal(model.get_submodule(name).weight, module.weight), name
+
+
+def test_awq_with_the_scheme_on_it_equals_awq_followed_by_a_quantization_modifier(tmp_path) -> None:
+    current, older = tiny(), tiny()
+    recipe_current = tmp_path / "current.yaml"
+    recipe_current.write_text(
+        "default_stage:\n  default_modifiers:\n    AWQModifier: {ignore: [lm_head], duo_scaling: true}\n"
+        "    QuantizationModifier:\n      ignore: [lm_head]\n      config_groups:\n        group_0:\n"
+        "          targets: [Linear]\n          weights: {num_bits: 4, type: int, symmetric: true, strategy: group, "
+        "group_size: 16}\n"
+    )
+    recipe_older = tmp_path / "older.yaml"
+    recipe_older.write_text(
+        "quant_stage:\n  quant_modifiers:\n    AWQModifier:\n      ignore: [lm_head]\n      config_groups:\n"
+        "        group_0:\n          targets: [Linear]\n          weights: {num_bits: 4, type: int, symmetric: true, "
+        "strategy: group, group_size: 16}\n"
+    )
+    llmc_fsm.oneshot(model=current, recipe=str(recipe_current), dataset=DATA, progress=False)
+    out = tmp_path / "out"
+    llmc_fsm.oneshot(model=older, recipe=str(recipe_older), dataset=DATA, progress=False, output_dir=out)
+    a, b = current.state_dict(), older.state_dict()
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert older.model.layers[1].mlp.down_proj.weight_scale.shape == (64, 8)
+    report = (out / "report.json").read_text()
+    assert '"bits": 4' in report
+
+
+def test_awq_without_a_quantizer_fails_before_calibration_and_changes_nothing() -> None:
+    model = tiny()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(llmc_fsm.ModifierError) as info:
+        llmc_fsm.oneshot(model=model, recipe={"s": {"AWQModifier": {}}}, dataset=DATA, progress=False)
+    assert (
+        "AWQModifier: no modifier of this stage quantizes the balance layers of 8 mappings, e.g. "
+        "model.layers.0.self_attn.q_proj, model.layers.0.self_attn.k_proj, model.layers.0.self_attn.v_proj: AWQ "
+        "chooses scales for a weight quantization; put a QuantizationModifier (or GPTQModifier) with the scheme in "
+        "the same stage, or give AWQModifier a scheme (e.g. scheme: W4A16)"
+    ) in str(info.value)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def test_awq_arguments_are_checked_at_construction() -> None:
+    with pytest.raises(ValueError, match=r"^duo_scaling must be true, false or 'both', got 'yes'$"):
+        AWQModifier(duo_scaling="yes")
+    with pytest.raises(ValueError, match=r"^n_grid must be a positive int \(grid points of the exponent search\), got 0$"):
+        AWQModifier(n_grid=0)
+    with pytest.raises(ValueError, match=r"^give scheme or config_groups, not both$"):
+        AWQModifier(scheme="W4A16", config_groups={"g": {"weights": {"num_bits": 4}}})
+
+
+def test_awq_duo_both_searches_both_families_on_its_grid() -> None:
+    model = tiny()
+    awq = AWQModifier(duo_scaling="both", n_grid=4)
+    llmc_fsm.oneshot(model=model, recipe=[awq, QuantizationModifier(scheme=W4G16)], dataset=DATA, progress=False)
+    for result in awq.smoothing_results.values():
+        assert result["exponent"] in (None, 0.0, 0.25, 0.5, 0.75)
+        assert result["duo_scaling"] in (None, True, False)
+
+
+def test_the_report_holds_each_mappings_exponent_and_errors(tmp_path) -> None:
+    import json
+
+    from llmc_fsm.report.build import OneshotReport
+
+    recipe = {"q": {"AWQModifier": {}, "QuantizationModifier": {"scheme": W4G16}}}
+    llmc_fsm.oneshot(model=tiny(), recipe=recipe, dataset=DATA, progress=False, output_dir=tmp_path / "out")
+    data = json.loads((tmp_path / "out" / "report.json").read_text())
+    smoothing = data["smoothing"]["AWQModifier (q)"]
+    assert list(smoothing) == [f"model.layers.{i}.{n}" for i in (0, 1) for n in (
+        "input_layernorm", "self_attn.v_proj", "post_attention_layernorm", "mlp.up_proj")]
+    first = smoothing["model.layers.0.input_layernorm"]
+    assert first["balance_layers"] == [f"model.layers.0.self_attn.{p}_proj" for p in "qkv"]
+    assert set(first) == {
+        "balance_layers", "exponent", "duo_scaling", "error_unsmoothed", "error", "scale_min", "scale_max", "scale_mean"
+    }
+    report = OneshotReport.from_dict(data)
+    assert report.smoothing == data["smoothing"]
+    kept = sum(r["exponent"] is None for r in smoothing.values())
+    chosen = [r["exponent"] for r in smoothing.values() if r["exponent"] is not None]
+    unsmoothed = sum(r["error_unsmoothed"] for r in smoothing.values()) / 8
+    error = sum(r["error"] for r in smoothing.values()) / 8
+    assert (
+        f"AWQModifier (q): 8 mappings smoothed ({kept} kept unscaled, mean exponent {sum(chosen) / len(chosen):.2f}); "
+        f"mean block output error, quantized: {unsmoothed:.3g} unscaled -> {error:.3g}"
+    ) in report.format_table().splitlines()
+
+
+def test_explain_shows_the_mappings_resolved_on_the_model(tmp_path, capsys) -> None:
+    from llmc_fsm.cli import main
+    from llmc_fsm.session.explain import explain
+
+    session = llmc_fsm.Session({"q": {"AWQModifier": {}, "QuantizationModifier": {"scheme": "W4A16"}}})
+    session.update_state(model=tiny(kv_heads=2))  # grouped-query attention: no v_proj -> o_proj
+    lines = explain(session).splitlines()
+    at = lines.index("       optional:  -")
+    assert lines[at + 1 : at + 4] == [
+        "       on model:  mapping input_layernorm -> q_proj, k_proj, v_proj (2x: model.layers.{0..1}.input_layernorm)",
+        "                  mapping post_attention_layernorm -> gate_proj, up_proj (2x: "
+        "model.layers.{0..1}.post_attention_layernorm)",
+        "                  mapping up_proj -> down_proj (2x: model.layers.{0..1}.mlp.up_proj)",
+    ]
+    tiny().save_pretrained(tmp_path / "m")
+    (tmp_path / "r.yaml").write_text("s:\n  SmoothQuantModifier: {mappings: [[['re:.*q_proj'], 're:.*ln_1$']]}\n")
+    assert main(["explain", str(tmp_path / "r.yaml"), "--model", str(tmp_path / "m")]) == 0
+    assert (
+        "       on model:  does not fit this model: SmoothQuantModifier: mapping {'smooth_layer': 're:.*ln_1$', "
+        "'balance_layers': ['re:.*q_proj']} fits no module of LlamaForCausalLM (llama): the smooth layer pattern "
+        "'re:.*ln_1$' matches no module"
+    ) in capsys.readouterr().out.splitlines()
+
+
+def test_awq_then_gptq_in_one_stage_quantizes_the_smoothed_layer_with_its_smoothed_hessian() -> None:
+    from llmc_fsm_quantization import GPTQModifier, gptq_quantize
+
+    from llmc_fsm.toolkit.obs import HessianAccumulator
+
+    model = tiny()
+    original = copy.deepcopy(model)
+    awq, gptq = AWQModifier(), GPTQModifier(scheme=W4G16, block_size=16)
+    llmc_fsm.oneshot(model=model, recipe=[awq, gptq], dataset=DATA, progress=False)
+    s = awq.smoothing_scales["model.layers.0.input_layernorm"]
+    assert awq.smoothing_results["model.layers.0.input_layernorm"]["exponent"] is not None
+    x = []
+    attn = original.model.layers[0].self_attn
+    handle = attn.q_proj.register_forward_pre_hook(lambda m, a: x.append(a[0].detach()))
+    with torch.no_grad():
+        original(DATA)
+    handle.remove()
+    acc = HessianAccumulator(64)
+    acc.add_batch(torch.cat(x).reshape(-1, 64) / s)
+    s_vo = awq.smoothing_scales["model.layers.0.self_attn.v_proj"][:, None]  # v_proj's rows: the v -> o mapping
+    with torch.no_grad():
+        expected = gptq_quantize(
+            [attn.q_proj.weight * s, attn.k_proj.weight * s, attn.v_proj.weight * s / s_vo], acc.hessian,
+            args=gptq.weight_args, block_size=16,
+        )
+    got = model.model.layers[0].self_attn
+    for module, q in zip((got.q_proj, got.k_proj, got.v_proj), expected, strict=True):
+        assert torch.allclose(module.weight, q.weight, atol=1e-5, rtol=0)
+
+
+def test_awq_under_low_memory_writes_the_in_memory_checkpoint(tmp_path) -> None:
+    import glob
+
+    from safetensors.torch import load_file
+
+    tiny().save_pretrained(tmp_path / "model")
+    recipe = {"q": {"AWQModifier": {}, "QuantizationModifier": {"scheme": W4G16}}}
+    for out, low in (("in_memory", False), ("streamed", True)):
+        llmc_fsm.oneshot(
+            model=str(tmp_path / "model"), recipe=recipe, dataset=DATA, output_dir=tmp_path / out, progress=False,
+            low_memory=low,
+        )
+
+    def tensors(out: str) -> dict[str, torch.Tensor]:
+        found: dict[str, torch.Tensor] = {}
+        for file in sorted(glob.glob(str(tmp_path / out / "*.safetensors"))):
+            found.update(load_file(file))
+        return found
+
+    a, b = tensors("in_memory"), tensors("streamed")
+    assert a.keys() == b.keys()
+    assert "model.layers.0.input_layernorm.weight" in a
+    assert [k for k in a if not torch.equal(a[k], b[k])] == []
