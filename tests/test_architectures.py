@@ -151,3 +151,39 @@ def test_a_layer_the_models_forward_skips_is_refused_before_any_work():
         "does not run (e.g. cross-attention layers without their image inputs)"
     )
     assert all("forward" not in layer.__dict__ for layer in layers)
+
+
+def _reload_compare(tmp_path, family, recipe):
+    """Compress ``family`` through ``llmc_fsm.oneshot``, reload the output with transformers; logits and keys."""
+    import llmc_fsm
+    from tiny_families import FAMILIES
+
+    model = build(family)
+    data = torch.randint(3, 128, (4, 32), generator=torch.Generator().manual_seed(0))
+    out = tmp_path / family
+    llmc_fsm.oneshot(model=model, recipe=recipe, dataset=data, output_dir=out, progress=False)
+    cls = getattr(transformers, FAMILIES[family][2] or "AutoModelForCausalLM")
+    reloaded, info = cls.from_pretrained(out, output_loading_info=True)
+    reloaded.eval()
+    with torch.no_grad():
+        expected = model(data[:2]).logits
+        got = reloaded(data[:2]).logits
+    return model, reloaded, info, expected, got
+
+
+_MM_IGNORE = ["lm_head", "re:.*vision_tower.*", "re:.*multi_modal_projector.*"]
+
+
+@pytest.mark.parametrize("family", ["gpt_neox", "llava", "mistral3", "gemma3_vlm"])
+def test_gptq_output_reloads_with_every_key_and_the_same_logits(tmp_path, family):
+    """The saved ignore uses the reloaded model's names; towers and projectors stay unquantized on reload
+    (Gemma 3's SigLIP head keeps an nn.MultiheadAttention whose out_proj subclasses nn.Linear)."""
+    recipe = {"s": {"GPTQModifier": {"scheme": {"preset": "W4A16", "weights": {"group_size": 16}}, "ignore": _MM_IGNORE}}}
+    model, reloaded, info, expected, got = _reload_compare(tmp_path, family, recipe)
+    assert (sorted(info["missing_keys"]), sorted(info["unexpected_keys"])) == ([], [])
+    assert not torch.isnan(got).any()
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+    towers = [n for n, m in reloaded.named_modules() if ("vision_tower" in n or "projector" in n) and hasattr(m, "weight")]
+    assert all(not hasattr(reloaded.get_submodule(n), "quantization_scheme") for n in towers)
+    decoder = [n for n, m in reloaded.named_modules() if hasattr(m, "quantization_scheme")]
+    assert decoder and all(".layers." in n and "vision" not in n for n in decoder)
