@@ -187,3 +187,30 @@ def test_gptq_output_reloads_with_every_key_and_the_same_logits(tmp_path, family
     assert all(not hasattr(reloaded.get_submodule(n), "quantization_scheme") for n in towers)
     decoder = [n for n, m in reloaded.named_modules() if hasattr(m, "quantization_scheme")]
     assert decoder and all(".layers." in n and "vision" not in n for n in decoder)
+
+
+@pytest.mark.parametrize(
+    "recipe",
+    [
+        {"s": {"SparseGPTModifier": {"sparsity": 0.5}}},
+        {"s": {"GPTQModifier": {"scheme": {"preset": "W4A16", "weights": {"group_size": 16}}}}},
+    ],
+    ids=["sparsegpt", "gptq"],
+)
+def test_gpt2_conv1d_projections_are_refused_before_any_work_naming_the_family(tmp_path, recipe):
+    """GPT-2 keeps transformers Conv1D; 'Linear' targets name them, and they are refused, not skipped."""
+    import llmc_fsm
+
+    model = build("gpt2")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    data = torch.randint(3, 128, (4, 16), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError) as info:
+        llmc_fsm.oneshot(model=model, recipe=recipe, dataset=data, output_dir=tmp_path / "o", progress=False)
+    assert str(info.value).endswith(
+        "GPT2LMHeadModel (model_type 'gpt2') keeps transformer.h.{0..3}.attn.c_attn, transformer.h.{0..3}.attn.c_proj, "
+        "transformer.h.{0..3}.mlp.c_fc, transformer.h.{0..3}.mlp.c_proj as transformers Conv1D (a Linear whose weight "
+        "is stored [in, out]), which targets ['Linear'] select; compressing Conv1D is not supported: add them to "
+        "ignore to compress only the other modules"
+    )
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert not (tmp_path / "o").exists()

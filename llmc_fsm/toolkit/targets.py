@@ -22,8 +22,10 @@ selects the supported modules inside it, and an ``ignore`` pattern that matches 
 container ignores everything inside it. Only modules with a supported weight are
 ever selected: by default Linear-like modules (a 2-D ``[out_features, in_features]``
 weight and an ``in_features`` attribute equal to its second dimension) -- so
-``Embedding``, norms and ``transformers``' ``Conv1D`` (weight stored ``[in, out]``)
-are never selected.
+``Embedding`` and norms are never selected. ``transformers``' ``Conv1D`` (GPT-2's
+projections, weight stored ``[in, out]``) is not supported: targets that select one
+(``"Linear"`` counts as naming them, as users expect) are refused before any work
+unless ``ignore`` excludes it.
 """
 
 from __future__ import annotations
@@ -237,6 +239,33 @@ def _nothing_selected(
     return ValueError(msg)
 
 
+def _is_conv1d(module: nn.Module) -> bool:
+    weight = getattr(module, "weight", None)
+    return isinstance(weight, torch.Tensor) and weight.dim() == 2 and type(module).__name__ == "Conv1D"
+
+
+def _conv1d_selected(named, targets: tuple[str, ...], ignore: tuple[str, ...]) -> list[str]:
+    """transformers ``Conv1D`` modules the targets select (``"Linear"`` counts as naming them) and ignore keeps."""
+    conv = {name for name, module in named if _is_conv1d(module)}
+    if not conv:
+        return []
+    patterns = targets + (("Conv1D",) if "Linear" in targets else ())
+    hit = set().union(*_patterns_selecting(named, conv, patterns).values())
+    ignored_by = _first_match(named, ignore)
+    return [name for name, _ in named if name in hit and ignored_by[name] is None]
+
+
+def _conv1d_error(model: nn.Module, targets: tuple[str, ...], names: list[str]) -> ValueError:
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    family = f"{type(model).__name__} (model_type {model_type!r})" if model_type else type(model).__name__
+    msg = (
+        f"{family} keeps {compact_names(names)} as transformers Conv1D (a Linear whose weight is stored "
+        f"[in, out]), which targets {list(targets)} select; compressing Conv1D is not supported: add them to "
+        "ignore to compress only the other modules"
+    )
+    return ValueError(msg)
+
+
 def _tied_error(name: str, other: str, other_module: nn.Module) -> ValueError:
     kind = "tied embeddings" if isinstance(other_module, nn.Embedding) else "tied weights"
     msg = (
@@ -299,6 +328,9 @@ def select_targets(
             module's weight is shared with a module that is neither selected nor
             ignored, e.g. ``lm_head`` tied to ``model.embed_tokens`` (compressing it
             would silently change the embedding too).
+            Also: a target selects a ``transformers`` ``Conv1D`` (GPT-2 family) that
+            ``ignore`` does not exclude (``"Linear"`` counts as naming it); the message
+            names the model family and the modules.
     """
     targets = _check_patterns(targets, "target")
     ignore = _check_patterns(ignore, "ignore")
@@ -306,6 +338,9 @@ def select_targets(
         msg = "targets is empty: give at least one module pattern, e.g. ['Linear']"
         raise ValueError(msg)
     named = list(model.named_modules())
+    conv1d = _conv1d_selected(named, targets, ignore)
+    if conv1d:
+        raise _conv1d_error(model, targets, conv1d)
     supported_names = {name for name, module in named if supported(module)}
     by_pattern = _patterns_selecting(named, supported_names, targets)
     unmatched = {p: _unmatched_reason(named, p) for p, hit in by_pattern.items() if not hit}
