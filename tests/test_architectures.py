@@ -214,3 +214,57 @@ def test_gpt2_conv1d_projections_are_refused_before_any_work_naming_the_family(t
     )
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert not (tmp_path / "o").exists()
+
+
+#: mixture-of-experts families -> (fused experts module names, their weights)
+MOE = {
+    "mixtral": ("model.layers.{0..3}.mlp.experts", "down_proj, gate_up_proj"),
+    "qwen3_moe": ("model.layers.{0..3}.mlp.experts", "down_proj, gate_up_proj"),
+    "deepseek_v3": ("model.layers.{1..3}.mlp.experts", "down_proj, gate_up_proj"),
+    "gpt_oss": ("model.layers.{0..3}.mlp.experts", "down_proj, down_proj_bias, gate_up_proj, gate_up_proj_bias"),
+    "jamba": ("model.layers.{1,3}.feed_forward.experts", "down_proj, gate_up_proj"),
+    "dbrx": ("transformer.blocks.{0..1}.ffn.experts.mlp", "v1, w1, w2"),
+    "nemotron_h": ("model.layers.1.mixer.experts", "down_proj, up_proj"),
+    "qwen3_next": ("model.layers.{0..1}.mlp.experts", "down_proj, gate_up_proj"),
+}
+
+
+@pytest.mark.parametrize("family", sorted(MOE))
+def test_fused_experts_are_refused_naming_the_family_never_skipped(family):
+    """SparseGPT used to skip fused experts silently and report 50%; they are refused before any work."""
+    from llmc_fsm.toolkit.targets import select_targets
+
+    model = build(family)
+    names, weights = MOE[family]
+    model_type = model.config.model_type
+    with pytest.raises(ValueError) as info:
+        select_targets(model, ["Linear"], ["lm_head"])
+    assert str(info.value) == (
+        f"{type(model).__name__} (model_type {model_type!r}) keeps its experts fused in {names} ({weights}: every "
+        "expert's weights in one tensor, not one Linear per expert), which targets ['Linear'] select; compressing "
+        "fused experts is not supported: add 're:.*\\.experts' to ignore to compress only the other modules (the "
+        "report then counts only those)"
+    )
+    selection = select_targets(model, ["Linear"], ["lm_head", "re:.*\\.experts"])
+    assert selection.selected and not any(".experts" in name for name in selection.selected)
+
+
+def test_moe_with_experts_ignored_compresses_the_rest_and_reports_only_those(tmp_path):
+    import llmc_fsm
+
+    model = build("mixtral")
+    experts = {k: v.clone() for k, v in model.state_dict().items() if ".experts." in k}
+    data = torch.randint(3, 128, (4, 32), generator=torch.Generator().manual_seed(0))
+    recipe = {"s": {"SparseGPTModifier": {"sparsity": 0.5, "ignore": ["lm_head", "re:.*\\.experts"]}}}
+    with pytest.raises(ValueError, match="keeps its experts fused in model.layers"):
+        llmc_fsm.oneshot(model=build("mixtral"), recipe={"s": {"SparseGPTModifier": {"sparsity": 0.5}}},
+                         dataset=data, output_dir=tmp_path / "refused", progress=False)  # fmt: skip
+    assert not (tmp_path / "refused").exists()
+    llmc_fsm.oneshot(model=model, recipe=recipe, dataset=data, output_dir=tmp_path / "o", progress=False)
+    report = model.llmc_fsm_report
+    assert all(".experts" not in name for name in report.targeted)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in experts.items())
+    reloaded, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "o", output_loading_info=True)
+    assert sorted(info["missing_keys"]) == []
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded.eval()(data[:2]).logits, model(data[:2]).logits, rtol=0, atol=1e-5)
