@@ -242,8 +242,8 @@ def test_fused_experts_are_refused_naming_the_family_never_skipped(family):
     assert str(info.value) == (
         f"{type(model).__name__} (model_type {model_type!r}) keeps its experts fused in {names} ({weights}: every "
         "expert's weights in one tensor, not one Linear per expert), which targets ['Linear'] select; compressing "
-        "fused experts is not supported: add 're:.*\\.experts' to ignore to compress only the other modules (the "
-        "report then counts only those)"
+        "fused experts is not supported: to prune only the other modules add 're:.*\\.experts' to ignore (the "
+        "report then counts only those); quantizing such a model is not supported"
     )
     selection = select_targets(model, ["Linear"], ["lm_head", "re:.*\\.experts"])
     assert selection.selected and not any(".experts" in name for name in selection.selected)

@@ -279,8 +279,8 @@ def _experts_error(model: nn.Module, targets: tuple[str, ...], names: list[str],
     msg = (
         f"{_family(model)} keeps its experts fused in {compact_names(names)} ({', '.join(weights)}: every expert's "
         f"weights in one tensor, not one Linear per expert), which targets {list(targets)} select; compressing "
-        "fused experts is not supported: add 're:.*\\.experts' to ignore to compress only the other modules (the "
-        "report then counts only those)"
+        "fused experts is not supported: to prune only the other modules add 're:.*\\.experts' to ignore (the "
+        "report then counts only those); quantizing such a model is not supported"
     )
     return ValueError(msg)
 
