@@ -25,7 +25,11 @@ LAYERS = {
     "llava": ("model.language_model.layers", 4, {"LlamaDecoderLayer"}),
     "mistral3": ("model.language_model.layers", 4, {"MistralDecoderLayer"}),
     "gemma3_vlm": ("model.language_model.layers", 4, {"Gemma3DecoderLayer"}),
-    "mllama": ("model.language_model.layers", 4, {"MllamaSelfAttentionDecoderLayer", "MllamaCrossAttentionDecoderLayer"}),
+    "mllama": (
+        "model.language_model.layers",
+        4,
+        {"MllamaSelfAttentionDecoderLayer", "MllamaCrossAttentionDecoderLayer"},
+    ),
 }
 
 
@@ -178,12 +182,15 @@ _MM_IGNORE = ["lm_head", "re:.*vision_tower.*", "re:.*multi_modal_projector.*"]
 def test_gptq_output_reloads_with_every_key_and_the_same_logits(tmp_path, family):
     """The saved ignore uses the reloaded model's names; towers and projectors stay unquantized on reload
     (Gemma 3's SigLIP head keeps an nn.MultiheadAttention whose out_proj subclasses nn.Linear)."""
-    recipe = {"s": {"GPTQModifier": {"scheme": {"preset": "W4A16", "weights": {"group_size": 16}}, "ignore": _MM_IGNORE}}}
+    scheme = {"preset": "W4A16", "weights": {"group_size": 16}}
+    recipe = {"s": {"GPTQModifier": {"scheme": scheme, "ignore": _MM_IGNORE}}}
     model, reloaded, info, expected, got = _reload_compare(tmp_path, family, recipe)
     assert (sorted(info["missing_keys"]), sorted(info["unexpected_keys"])) == ([], [])
     assert not torch.isnan(got).any()
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
-    towers = [n for n, m in reloaded.named_modules() if ("vision_tower" in n or "projector" in n) and hasattr(m, "weight")]
+    towers = [
+        n for n, m in reloaded.named_modules() if ("vision_tower" in n or "projector" in n) and hasattr(m, "weight")
+    ]
     assert all(not hasattr(reloaded.get_submodule(n), "quantization_scheme") for n in towers)
     decoder = [n for n, m in reloaded.named_modules() if hasattr(m, "quantization_scheme")]
     assert decoder and all(".layers." in n and "vision" not in n for n in decoder)

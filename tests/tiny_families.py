@@ -112,7 +112,11 @@ FAMILIES: dict[str, tuple[str, dict[str, Any], str | None]] = {
         None,
     ),
     "gpt_neox": ("gpt_neox", {"rotary_pct": 0.5}, None),
-    "falcon_h1": ("falcon_h1", {"num_hidden_layers": 2, "mamba_d_state": 8, "mamba_n_heads": 8, "mamba_d_head": 16, "mamba_d_ssm": 128}, None),
+    "falcon_h1": (
+        "falcon_h1",
+        {"num_hidden_layers": 2, "mamba_d_state": 8, "mamba_n_heads": 8, "mamba_d_head": 16, "mamba_d_ssm": 128},
+        None,
+    ),
     "nemotron_h": (
         "nemotron_h",
         {

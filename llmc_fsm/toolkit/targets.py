@@ -253,7 +253,11 @@ def _is_fused_experts(module: nn.Module) -> bool:
 
 
 def _selected_unsupported(
-    named, targets: tuple[str, ...], ignore: tuple[str, ...], kind: Callable[[nn.Module], bool], linear_alias: str | None
+    named,
+    targets: tuple[str, ...],
+    ignore: tuple[str, ...],
+    kind: Callable[[nn.Module], bool],
+    linear_alias: str | None,
 ) -> list[str]:
     """Modules of ``kind`` the targets select (directly or through a container; ``"Linear"`` also counts as
     naming ``linear_alias`` or, when ``None``, every such module) and ``ignore`` does not exclude."""

@@ -791,8 +791,8 @@ def test_a_mixture_of_experts_model_with_fused_experts_is_refused_before_any_wor
         "a model is not supported"
     )
     with pytest.raises(ValueError, match=r"^GPTQModifier: the model's mixture-of-experts weights are fused 3-D"):
-        llmc_fsm.oneshot(model=model, recipe={"q": {"GPTQModifier": {"scheme": W4G16, "ignore": ["lm_head", "re:.*\\.experts"]}}},
-                         dataset=data, progress=False)  # fmt: skip
+        ignored = {"q": {"GPTQModifier": {"scheme": W4G16, "ignore": ["lm_head", "re:.*\\.experts"]}}}
+        llmc_fsm.oneshot(model=model, recipe=ignored, dataset=data, progress=False)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert not any(hasattr(m, "quantization_scheme") for m in model.modules())
 
