@@ -16,7 +16,7 @@ from compressed_tensors.utils.match import is_match
 from tiny_llama import LINEARS
 from torch import nn
 
-from llmc_fsm.toolkit.targets import TargetSelection, compact_names, matches, resolve_targets, select_targets
+from llmc_fsm.toolkit.targets import TargetSelection, compact_names, is_linear_like, matches, resolve_targets, select_targets
 
 
 def llama(tied: bool = True, layers: int = 2) -> transformers.LlamaForCausalLM:
@@ -85,7 +85,11 @@ def test_targets_that_all_select_nothing_are_an_error():
 def test_transformers_conv1d_is_not_linear_like():
     conv = transformers.pytorch_utils.Conv1D(8, 4)  # weight [in=4, out=8]
     model = nn.Sequential(conv, nn.Linear(8, 2))
-    assert list(select_targets(model, ["re:.*"], []).selected) == ["1"]
+    assert not is_linear_like(conv)
+    # a target selecting it is refused (never skipped silently); ignored, the others are selected
+    with pytest.raises(ValueError, match=r"^Sequential keeps 0 as transformers Conv1D \(a Linear whose weight is"):
+        select_targets(model, ["re:.*"], [])
+    assert list(select_targets(model, ["re:.*"], ["0"]).selected) == ["1"]
 
 
 # --- case 10: ignore patterns that match nothing -------------------------------------------------------

@@ -1,22 +1,106 @@
-"""Finding a model's decoder layers: the blocks the sequential pipeline calibrates and compresses one at a time."""
+"""Finding a model's decoder layers: the blocks the sequential pipeline calibrates and compresses one at a time.
+
+The layers are read from the model's own structure, never guessed by size: a Hugging Face model's decoder is
+``model.get_decoder()`` (the language model of a vision-language or audio model, the decoder of an
+encoder-decoder), and its layers are the ``nn.ModuleList`` it holds as ``layers`` (or ``h``, ``blocks``,
+``layer``), whose length is the text config's ``num_hidden_layers`` where the config says so. The blocks need not
+share a class: hybrid stacks (Jamba's mamba and attention layers, Falcon-H1, Nemotron-H) run layer by layer.
+"""
 
 from __future__ import annotations
 
 from torch import nn
 
-__all__ = ["find_decoder_layers"]
+__all__ = ["UnsupportedArchitectureError", "find_decoder_layers"]
+
+#: Attribute names under which a decoder keeps its layer list, most common first.
+LAYER_LIST_NAMES = ("layers", "h", "blocks", "layer", "decoder_layers")
+
+
+class UnsupportedArchitectureError(ValueError):
+    """A model whose decoder layers cannot be found from its structure (raised before any work)."""
+
+
+def _family(model: nn.Module) -> str:
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    return f"{type(model).__name__} (model_type {model_type!r})" if model_type else type(model).__name__
+
+
+def _num_layers(model: nn.Module) -> int | None:
+    config = getattr(model, "config", None)
+    if config is None:
+        return None
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    for key in ("num_hidden_layers", "n_layer", "num_layers", "decoder_layers"):
+        value = getattr(text, key, None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return None
+
+
+def _structural(model: nn.Module) -> tuple[str, nn.ModuleList] | None:
+    """The layers of ``model.get_decoder()`` (a Hugging Face model), or ``None`` when it has no ``get_decoder``."""
+    get_decoder = getattr(model, "get_decoder", None)
+    if not callable(get_decoder):
+        return None
+    try:
+        decoder = get_decoder()
+    except (AttributeError, NotImplementedError, ValueError):
+        return None
+    if not isinstance(decoder, nn.Module):
+        return None
+    prefix = next((name for name, module in model.named_modules() if module is decoder), None)
+    if prefix is None:
+        return None
+    expected = _num_layers(model)
+    candidates = []
+    for attr in LAYER_LIST_NAMES:
+        child = getattr(decoder, attr, None)
+        if isinstance(child, nn.ModuleList) and len(child) > 0:
+            candidates.append((attr, child))
+    if not candidates:  # e.g. a decoder that keeps its blocks one level down (``decoder.block.layers``)
+        candidates = [
+            (name, module)
+            for name, module in decoder.named_modules()
+            if isinstance(module, nn.ModuleList) and len(module) > 0 and module is not decoder
+        ]
+    if expected is not None:
+        matching = [c for c in candidates if len(c[1]) == expected]
+        candidates = matching or candidates
+    if not candidates:
+        return None
+    attr, layers = candidates[0]
+    return (f"{prefix}.{attr}" if prefix else attr), layers
 
 
 def find_decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
     """Return ``(qualified name, ModuleList)`` of the model's decoder layers.
 
-    The decoder layers are the largest ``nn.ModuleList`` whose children all
-    have the same class (``model.model.layers`` for Llama-style models); ties go
-    to the one found first.
+    A Hugging Face model (one with ``get_decoder``): the ``ModuleList`` its
+    decoder (``model.get_decoder()``: the language model of a multimodal
+    model, the decoder of an encoder-decoder) holds as ``layers`` / ``h`` /
+    ``blocks`` / ``layer`` (``model.model.layers`` for Llama,
+    ``model.model.language_model.layers`` for Qwen2-VL, ``transformer.h`` for
+    GPT-2), preferring the one whose length is the text config's
+    ``num_hidden_layers``. Its blocks may have different classes (hybrid
+    stacks). Any other module (a plain ``nn.Module``): the largest
+    ``nn.ModuleList`` whose children all have the same class, ties to the one
+    found first.
 
     Raises:
-        ValueError: no ``ModuleList`` of same-class blocks exists.
+        UnsupportedArchitectureError: (a ``ValueError``) no decoder layer list
+            is found; the message names the family.
     """
+    found = _structural(model)
+    if found is not None:
+        return found
+    if callable(getattr(model, "get_decoder", None)):
+        msg = (
+            f"cannot find the decoder layers of {_family(model)}: its decoder (get_decoder()) holds no "
+            f"nn.ModuleList named {', '.join(LAYER_LIST_NAMES)}; the sequential pipeline needs one"
+        )
+        raise UnsupportedArchitectureError(msg)
     best: tuple[str, nn.ModuleList] | None = None
     for name, module in model.named_modules():
         if isinstance(module, nn.ModuleList) and len(module) > 0:
@@ -28,5 +112,5 @@ def find_decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
             f"cannot find the decoder layers of {type(model).__name__}: the sequential pipeline needs an "
             "nn.ModuleList of same-class blocks (e.g. model.model.layers)"
         )
-        raise ValueError(msg)
+        raise UnsupportedArchitectureError(msg)
     return best

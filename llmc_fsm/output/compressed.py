@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 from torch import nn
 
-__all__ = ["leaf_targets", "unpacked_zero_points"]
+__all__ = ["ignore_for_reload", "leaf_targets", "unpacked_zero_points"]
 
 
 def unpacked_zero_points(modules: dict[str, nn.Module]) -> None:
@@ -62,3 +62,33 @@ def leaf_targets(modules: dict[str, nn.Module]) -> Iterator[None]:
     finally:
         for name, sub in modules.items():
             sub.quantization_scheme.targets = saved[name]
+
+
+def ignore_for_reload(model: nn.Module, modules: dict[str, nn.Module], ignore: list[str]) -> list[str]:
+    """``ignore`` plus every module the reloaded model would quantize by class but that was not quantized.
+
+    compressed-tensors lists under ``ignore`` the unquantized modules whose class *is* a target class, while on
+    reload a class target also matches subclasses (its ``_match_class`` walks the MRO): a vision tower's
+    ``nn.MultiheadAttention.out_proj`` (``NonDynamicallyQuantizableLinear``, an ``nn.Linear``) in SigLIP (Gemma 3,
+    PaliGemma) was then reloaded as if quantized and transformers failed to initialise it. Names are the module
+    names of ``model``, which are those of the model transformers reloads. Order: ``ignore`` first, then the added
+    names in module order.
+
+    Args:
+        model: the saved model.
+        modules: ``{name: module}`` of its quantized modules (:func:`llmc_fsm.output.save.quantized_modules`).
+        ignore: what compressed-tensors wrote.
+    """
+    targets = {t for sub in modules.values() for t in sub.quantization_scheme.targets}
+    quantized = {id(sub) for sub in modules.values()}
+    listed = set(ignore)
+    added = [
+        name
+        for name, sub in model.named_modules()
+        if name
+        and name not in listed
+        and id(sub) not in quantized
+        and not isinstance(sub, nn.ModuleList | nn.ModuleDict)
+        and any(cls.__name__ in targets for cls in type(sub).__mro__)
+    ]
+    return [*ignore, *added]

@@ -27,7 +27,7 @@ from typing import Any
 from torch import nn
 
 from llmc_fsm.models.known import fix_safetensors_permissions
-from llmc_fsm.output.compressed import leaf_targets, unpacked_zero_points
+from llmc_fsm.output.compressed import ignore_for_reload, leaf_targets, unpacked_zero_points
 from llmc_fsm.recipes.model import Recipe
 
 logger = logging.getLogger(__name__)
@@ -239,6 +239,8 @@ def write_quantization_config(
     with leaf_targets(quantized_modules(model)):  # what was quantized, not recipe patterns (the config holds the
         compressor = ModelCompressor.from_pretrained_model(model)  # modules' scheme objects: written inside)
         compressor.quantization_config.quantization_status = QuantizationStatus.COMPRESSED  # what the tensors are
+        config = compressor.quantization_config  # every unquantized module a class target would match on reload
+        config.ignore = ignore_for_reload(model, quantized_modules(model), list(config.ignore or []))
         compressor.update_config(str(directory))
     if sparsity >= 0.05:
         targets = sorted(quantized_modules(model))

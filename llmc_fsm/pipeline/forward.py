@@ -1,7 +1,7 @@
 """Forward primitives of the sequential pipeline: a decoder layer's captured inputs, its recorded calls, its output.
 
-* :func:`capture_layer_inputs` — run the model up to a layer and keep that layer's positional and keyword inputs per
-  batch (the forward stops there);
+* :func:`capture_layer_inputs` — run the model's forward over its decoder layers (none computing anything) and keep
+  per batch the positional and keyword inputs the model gives each layer (:class:`LayerKwargs`);
 * :func:`record_calls` / :func:`call_order` — one forward of a layer, recording which submodules are called in which
   order and on which input (before the modifiers hook it);
 * :func:`first_output` / :func:`with_hidden` — the hidden states a layer returns, and inputs carrying new ones.
@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Any
 
 import torch
@@ -17,11 +18,14 @@ from torch import nn
 __all__ = [
     "Calls",
     "Inputs",
+    "LayerKwargs",
     "StopForward",
     "call_order",
     "capture_layer_inputs",
     "first_output",
+    "inputs_of",
     "record_calls",
+    "record_calls_per_class",
     "with_hidden",
 ]
 
@@ -37,6 +41,36 @@ class StopForward(Exception):
     """Raised by the capture hook on layer 0 to end the model's forward early."""
 
 
+#: Keyword arguments holding a KV / state cache: the pipeline calls each layer several times on the same inputs.
+_CACHE_KEYS = ("past_key_values", "past_key_value", "cache", "cache_params", "layer_past")
+
+
+class LayerKwargs(dict):
+    """One batch's keyword inputs of one decoder layer, knowing those the model gives every later layer.
+
+    A plain ``dict`` to the layer (``layer(*args, **kwargs)``). :func:`with_hidden` builds the next layer's
+    inputs from it: the next layer's own keyword (and extra positional) arguments as the model's forward
+    passed them in the capture (:func:`capture_layer_inputs`): its attention mask (sliding-window or full),
+    its rotary embeddings (local or global rope), its cache arguments.
+
+    Attributes:
+        index: the position of this layer in ``per_layer``.
+        per_layer: per decoder layer (from the captured one on), ``(positional args after the hidden states,
+            keyword args)``; the tensors are shared between layers wherever the model shares them.
+    """
+
+    __slots__ = ("index", "per_layer")
+
+    def __init__(self, per_layer: list[tuple[tuple[Any, ...], dict[str, Any]]], index: int) -> None:
+        super().__init__(per_layer[index][1])
+        self.per_layer = per_layer
+        self.index = index
+
+    def at(self, index: int) -> tuple[tuple[Any, ...], LayerKwargs]:
+        """``(extra positional args, keyword args)`` of layer ``index`` (counted like :attr:`per_layer`)."""
+        return self.per_layer[index][0], LayerKwargs(self.per_layer, index)
+
+
 def _device_of(model: nn.Module) -> torch.device:
     try:
         return next(model.parameters()).device
@@ -44,41 +78,113 @@ def _device_of(model: nn.Module) -> torch.device:
         return torch.device("cpu")
 
 
+def _no_cache(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The call without KV cache and with the hidden states as first positional argument."""
+    kwargs = dict(kwargs)
+    for key in _CACHE_KEYS:
+        if key in kwargs:
+            kwargs[key] = None
+    if "use_cache" in kwargs:
+        kwargs["use_cache"] = False
+    if not args and "hidden_states" in kwargs:
+        args = (kwargs.pop("hidden_states"),)
+    return tuple(args), kwargs
+
+
+def _layer_list(model: nn.Module, layer: nn.Module) -> list[nn.Module]:
+    """``layer`` and the layers after it in the ``nn.ModuleList`` that holds it (``[layer]`` when none does)."""
+    for module in model.modules():
+        if isinstance(module, nn.ModuleList):
+            for index, child in enumerate(module):
+                if child is layer:
+                    return list(module)[index:]
+    return [layer]
+
+
+def _family(model: nn.Module) -> str:
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    return f"{type(model).__name__} (model_type {model_type!r})" if model_type else type(model).__name__
+
+
 def capture_layer_inputs(model: nn.Module, layer: nn.Module, batches: list[dict[str, Any]]) -> Inputs:
     """Run each batch through the model up to ``layer`` and return its (args, kwargs) per batch.
 
+    The inputs of every later decoder layer (those after ``layer`` in the ``nn.ModuleList`` holding it) are
+    captured in the same forward: each layer's ``forward`` is replaced, for the capture, by one that records
+    its arguments and returns its hidden states unchanged (no layer computes anything, so the layers may be
+    on the ``meta`` device), and the forward ends at the last layer. The keyword arguments returned are
+    :class:`LayerKwargs`: :func:`with_hidden` gives each next layer the arguments the model's own forward
+    gives it (sliding-window or full attention mask, local or global rope, its cache arguments), not layer
+    0's. Any KV cache argument is ``None`` and ``use_cache`` is ``False``.
+
     Raises:
-        RuntimeError: the model's forward returned without calling ``layer``.
+        RuntimeError: the model's forward returned without calling ``layer``, or skipped or repeated a later
+            layer (e.g. Mllama's cross-attention layers without images): the pipeline cannot give such a
+            layer its inputs; raised before any work.
     """
+    layers = _layer_list(model, layer)
     captured: Inputs = []
-
-    def pre_hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        kwargs = dict(kwargs)
-        # No KV cache: the pipeline calls each layer several times on the same inputs.
-        for key in ("past_key_values", "past_key_value", "cache"):
-            if key in kwargs:
-                kwargs[key] = None
-        if "use_cache" in kwargs:
-            kwargs["use_cache"] = False
-        if not args and "hidden_states" in kwargs:
-            args = (kwargs.pop("hidden_states"),)
-        captured.append((tuple(args), kwargs))
-        raise StopForward
-
-    handle = layer.register_forward_pre_hook(pre_hook, with_kwargs=True)
     device = _device_of(model)
+    saved = [module.__dict__.get("forward") for module in layers]
+    calls: list[tuple[tuple[Any, ...], dict[str, Any]] | None] = []
+
+    def stub(position: int) -> Any:
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            args, kwargs = _no_cache(args, kwargs)
+            if calls[position] is not None:
+                msg = f"the forward of {_family(model)} calls decoder layer {position} twice"
+                raise RuntimeError(msg)
+            calls[position] = (args, kwargs)
+            if position + 1 == len(layers):
+                raise StopForward
+            return args[0]
+
+        return forward
+
+    # Hooks on the layers see only what they saw before: layer 0's pre-hooks its real inputs; the later layers'
+    # hooks and layer 0's forward hooks nothing (the stubs' calls are no forward of the layer).
+    hook_dicts = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
+    pre_dicts = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs")
+    saved_hooks = [
+        {key: module.__dict__[key] for key in hook_dicts + (pre_dicts if position else ()) if key in module.__dict__}
+        for position, module in enumerate(layers)
+    ]
     try:
+        for position, module in enumerate(layers):
+            for key in saved_hooks[position]:
+                setattr(module, key, OrderedDict())
+            module.forward = stub(position)
         for batch in batches:
+            calls[:] = [None] * len(layers)
             inputs = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
             inputs.setdefault("use_cache", False)
             try:
                 model(**inputs)
             except StopForward:
-                continue
-            msg = f"the model's forward never reached its first decoder layer ({type(layer).__name__})"
-            raise RuntimeError(msg)
+                pass
+            else:
+                if calls[0] is None:
+                    msg = f"the model's forward never reached its first decoder layer ({type(layer).__name__})"
+                    raise RuntimeError(msg)
+            skipped = [i for i, call in enumerate(calls) if call is None]
+            if skipped:
+                msg = (
+                    f"the forward of {_family(model)} skips decoder layers {skipped} (counted from the first "
+                    "captured) on these calibration inputs; the sequential pipeline cannot calibrate a layer the "
+                    "model does not run (e.g. cross-attention layers without their image inputs)"
+                )
+                raise RuntimeError(msg)
+            per_layer = [(args[1:], kwargs) for args, kwargs in calls]  # type: ignore[misc]
+            first_args = calls[0][0]  # type: ignore[index]
+            captured.append(((first_args[0], *per_layer[0][0]), LayerKwargs(per_layer, 0)))
     finally:
-        handle.remove()
+        for module, forward, hooks in zip(layers, saved, saved_hooks, strict=True):
+            if forward is None:
+                module.__dict__.pop("forward", None)
+            else:
+                module.forward = forward
+            for key, value in hooks.items():
+                setattr(module, key, value)
     return captured
 
 
@@ -139,5 +245,44 @@ def call_order(calls: Calls) -> dict[str, int]:
 
 
 def with_hidden(inputs: Inputs, hidden: list[torch.Tensor]) -> Inputs:
-    """``inputs`` with each batch's hidden states (first positional argument) replaced by ``hidden``."""
-    return [((out, *args[1:]), kwargs) for out, (args, kwargs) in zip(hidden, inputs, strict=True)]
+    """The next decoder layer's inputs: each batch's hidden states (first positional argument) replaced by ``hidden``.
+
+    Where the keyword arguments are :class:`LayerKwargs` (captured per layer by :func:`capture_layer_inputs`),
+    the other arguments are the next layer's own; otherwise they are kept as they are.
+    """
+    result: Inputs = []
+    for out, (args, kwargs) in zip(hidden, inputs, strict=True):
+        if isinstance(kwargs, LayerKwargs) and kwargs.index + 1 < len(kwargs.per_layer):
+            rest, kwargs = kwargs.at(kwargs.index + 1)
+            result.append(((out, *rest), kwargs))
+        else:
+            result.append(((out, *args[1:]), kwargs))
+    return result
+
+
+def inputs_of(inputs: Inputs, offset: int) -> Inputs:
+    """The inputs of the decoder layer ``offset`` layers after the one ``inputs`` are for (same hidden states).
+
+    Only with :class:`LayerKwargs` (:func:`capture_layer_inputs`); otherwise ``inputs`` unchanged.
+    """
+    result: Inputs = []
+    for args, kwargs in inputs:
+        if isinstance(kwargs, LayerKwargs) and offset:
+            rest, kwargs = kwargs.at(kwargs.index + offset)
+            result.append(((args[0], *rest), kwargs))
+        else:
+            result.append((args, kwargs))
+    return result
+
+
+def record_calls_per_class(layers: nn.ModuleList, first: tuple[tuple[Any, ...], dict[str, Any]]) -> dict[type, Calls]:
+    """:func:`record_calls` of the first layer of each class in ``layers`` (hybrid stacks mix classes).
+
+    ``first`` is one batch's inputs of ``layers[0]``; each layer runs on its own captured arguments.
+    """
+    result: dict[type, Calls] = {}
+    for index, layer in enumerate(layers):
+        if type(layer) not in result:
+            ((args, kwargs),) = inputs_of([first], index)
+            result[type(layer)] = record_calls(layer, args, kwargs)
+    return result

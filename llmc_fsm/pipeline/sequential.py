@@ -43,7 +43,7 @@ from torch import nn
 
 from llmc_fsm.core.errors import LifecycleError
 from llmc_fsm.models.layers import find_decoder_layers
-from llmc_fsm.pipeline.forward import Inputs, capture_layer_inputs, record_calls
+from llmc_fsm.pipeline.forward import Inputs, capture_layer_inputs, record_calls_per_class
 from llmc_fsm.pipeline.layer import compress_layer, propagate
 from llmc_fsm.session.session import Session
 from llmc_fsm.toolkit.calibrated import CalibratedModifier
@@ -280,7 +280,7 @@ def _run_layers(
     true_sequential = true_sequential and all(isinstance(m, CalibratedModifier) for m in session.modifiers)
     inputs = capture_layer_inputs(model, layers[0], batches)
     # which submodules are called in which order, on which inputs: before the modifiers hook anything
-    calls = record_calls(layers[0], *inputs[0]) if early_exit or true_sequential else None
+    calls = record_calls_per_class(layers, inputs[0]) if (early_exit or true_sequential) and inputs else {}
     session.calibration_start()
     start, inputs = _resume(layers, inputs, checkpoint)
     layer_seconds: list[float] = []
@@ -301,7 +301,7 @@ def _run_layers(
             layer,
             inputs,
             session.sequential_epoch_end,
-            calls=calls,
+            calls=calls.get(type(layer)),
             true_sequential=true_sequential,
             early_exit=early_exit,
             need_outputs=not last,

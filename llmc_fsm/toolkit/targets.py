@@ -22,8 +22,10 @@ selects the supported modules inside it, and an ``ignore`` pattern that matches 
 container ignores everything inside it. Only modules with a supported weight are
 ever selected: by default Linear-like modules (a 2-D ``[out_features, in_features]``
 weight and an ``in_features`` attribute equal to its second dimension) -- so
-``Embedding``, norms and ``transformers``' ``Conv1D`` (weight stored ``[in, out]``)
-are never selected.
+``Embedding`` and norms are never selected. ``transformers``' ``Conv1D`` (GPT-2's
+projections, weight stored ``[in, out]``) is not supported: targets that select one
+(``"Linear"`` counts as naming them, as users expect) are refused before any work
+unless ``ignore`` excludes it.
 """
 
 from __future__ import annotations
@@ -237,6 +239,65 @@ def _nothing_selected(
     return ValueError(msg)
 
 
+def _is_conv1d(module: nn.Module) -> bool:
+    weight = getattr(module, "weight", None)
+    return isinstance(weight, torch.Tensor) and weight.dim() == 2 and type(module).__name__ == "Conv1D"
+
+
+def _is_fused_experts(module: nn.Module) -> bool:
+    """A mixture-of-experts module holding its experts' weights itself (transformers 5's fused 3-D ``gate_up_proj`` /
+    ``down_proj``, DBRX's 2-D ``w1`` / ``v1`` / ``w2``), not as one ``nn.Linear`` per expert."""
+    return "expert" in type(module).__name__.lower() and any(
+        p.dim() >= 2 for p in module.parameters(recurse=False)
+    )
+
+
+def _selected_unsupported(
+    named,
+    targets: tuple[str, ...],
+    ignore: tuple[str, ...],
+    kind: Callable[[nn.Module], bool],
+    linear_alias: str | None,
+) -> list[str]:
+    """Modules of ``kind`` the targets select (directly or through a container; ``"Linear"`` also counts as
+    naming ``linear_alias`` or, when ``None``, every such module) and ``ignore`` does not exclude."""
+    found = {name for name, module in named if kind(module)}
+    if not found:
+        return []
+    patterns = targets
+    if "Linear" in targets:
+        patterns = targets + ((linear_alias,) if linear_alias else ("__ALL__",))
+    hit = set().union(*_patterns_selecting(named, found, patterns).values())
+    ignored_by = _first_match(named, ignore)
+    return [name for name, _ in named if name in hit and ignored_by[name] is None]
+
+
+def _family(model: nn.Module) -> str:
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    return f"{type(model).__name__} (model_type {model_type!r})" if model_type else type(model).__name__
+
+
+def _experts_error(model: nn.Module, targets: tuple[str, ...], names: list[str], named) -> ValueError:
+    modules = dict(named)
+    weights = sorted({p for n in names for p, t in modules[n].named_parameters(recurse=False) if t.dim() >= 2})
+    msg = (
+        f"{_family(model)} keeps its experts fused in {compact_names(names)} ({', '.join(weights)}: every expert's "
+        f"weights in one tensor, not one Linear per expert), which targets {list(targets)} select; compressing "
+        "fused experts is not supported: to prune only the other modules add 're:.*\\.experts' to ignore (the "
+        "report then counts only those); quantizing such a model is not supported"
+    )
+    return ValueError(msg)
+
+
+def _conv1d_error(model: nn.Module, targets: tuple[str, ...], names: list[str]) -> ValueError:
+    msg = (
+        f"{_family(model)} keeps {compact_names(names)} as transformers Conv1D (a Linear whose weight is stored "
+        f"[in, out]), which targets {list(targets)} select; compressing Conv1D is not supported: add them to "
+        "ignore to compress only the other modules"
+    )
+    return ValueError(msg)
+
+
 def _tied_error(name: str, other: str, other_module: nn.Module) -> ValueError:
     kind = "tied embeddings" if isinstance(other_module, nn.Embedding) else "tied weights"
     msg = (
@@ -299,6 +360,11 @@ def select_targets(
             module's weight is shared with a module that is neither selected nor
             ignored, e.g. ``lm_head`` tied to ``model.embed_tokens`` (compressing it
             would silently change the embedding too).
+            Also: a target selects a ``transformers`` ``Conv1D`` (GPT-2 family) that
+            ``ignore`` does not exclude (``"Linear"`` counts as naming it); the message
+            names the model family and the modules. Likewise a mixture-of-experts module
+            holding its experts fused (transformers 5's 3-D ``gate_up_proj``, DBRX's
+            ``w1``), which no modifier compresses per expert yet.
     """
     targets = _check_patterns(targets, "target")
     ignore = _check_patterns(ignore, "ignore")
@@ -306,6 +372,12 @@ def select_targets(
         msg = "targets is empty: give at least one module pattern, e.g. ['Linear']"
         raise ValueError(msg)
     named = list(model.named_modules())
+    conv1d = _selected_unsupported(named, targets, ignore, _is_conv1d, "Conv1D")
+    if conv1d:
+        raise _conv1d_error(model, targets, conv1d)
+    experts = _selected_unsupported(named, targets, ignore, _is_fused_experts, None)
+    if experts:
+        raise _experts_error(model, targets, experts, named)
     supported_names = {name for name, module in named if supported(module)}
     by_pattern = _patterns_selecting(named, supported_names, targets)
     unmatched = {p: _unmatched_reason(named, p) for p, hit in by_pattern.items() if not hit}

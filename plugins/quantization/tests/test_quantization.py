@@ -786,12 +786,16 @@ def test_a_mixture_of_experts_model_with_fused_experts_is_refused_before_any_wor
     data = torch.randint(0, 128, (8, 32), generator=torch.Generator().manual_seed(0))
     with pytest.raises(ValueError) as info:
         llmc_fsm.oneshot(model=model, recipe={"q": {"GPTQModifier": {"scheme": W4G16}}}, dataset=data, progress=False)
-    assert str(info.value) == (
-        "GPTQModifier: the model's mixture-of-experts weights are fused 3-D tensors in 2 modules (e.g. "
-        "model.layers.0.mlp.experts (MixtralExperts): gate_up_proj [4, 128, 64]), which llmc-fsm does not quantize "
-        "(it quantizes Linear layers), and transformers does not reload a compressed-tensors checkpoint of such a "
-        "model: mixture-of-experts models are not supported for quantization"
+    assert str(info.value) == (  # the targets' refusal (llmc_fsm.toolkit.targets) comes first
+        "GPTQModifier: MixtralForCausalLM (model_type 'mixtral') keeps its experts fused in "
+        "model.layers.{0..1}.mlp.experts (down_proj, gate_up_proj: every expert's weights in one tensor, not one "
+        "Linear per expert), which targets ['Linear'] select; compressing fused experts is not supported: to prune "
+        "only the other modules add 're:.*\\.experts' to ignore (the report then counts only those); quantizing such "
+        "a model is not supported"
     )
+    with pytest.raises(ValueError, match=r"^GPTQModifier: the model's mixture-of-experts weights are fused 3-D"):
+        ignored = {"q": {"GPTQModifier": {"scheme": W4G16, "ignore": ["lm_head", "re:.*\\.experts"]}}}
+        llmc_fsm.oneshot(model=model, recipe=ignored, dataset=data, progress=False)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert not any(hasattr(m, "quantization_scheme") for m in model.modules())
 

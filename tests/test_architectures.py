@@ -1,0 +1,277 @@
+"""Every architecture: decoder layers found from the model's structure, and each layer's own inputs.
+
+Tiny random models of each family (tests/tiny_families.py, built offline from transformers configs).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from llmc_fsm.models.layers import UnsupportedArchitectureError, find_decoder_layers
+from llmc_fsm.pipeline.forward import LayerKwargs, capture_layer_inputs, first_output, with_hidden
+from tiny_families import build, batches
+
+#: family -> (decoder layers' qualified name, number, classes of its blocks)
+LAYERS = {
+    "llama": ("model.layers", 4, {"LlamaDecoderLayer"}),
+    "gpt2": ("transformer.h", 4, {"GPT2Block"}),
+    "gpt_neox": ("gpt_neox.layers", 4, {"GPTNeoXLayer"}),
+    "falcon": ("transformer.h", 4, {"FalconDecoderLayer"}),
+    "dbrx": ("transformer.blocks", 2, {"DbrxBlock"}),
+    "jamba": ("model.layers", 4, {"JambaMambaDecoderLayer", "JambaAttentionDecoderLayer"}),
+    "qwen2_vl": ("model.language_model.layers", 4, {"Qwen2VLDecoderLayer"}),
+    "llava": ("model.language_model.layers", 4, {"LlamaDecoderLayer"}),
+    "mistral3": ("model.language_model.layers", 4, {"MistralDecoderLayer"}),
+    "gemma3_vlm": ("model.language_model.layers", 4, {"Gemma3DecoderLayer"}),
+    "mllama": (
+        "model.language_model.layers",
+        4,
+        {"MllamaSelfAttentionDecoderLayer", "MllamaCrossAttentionDecoderLayer"},
+    ),
+}
+
+
+@pytest.mark.parametrize("family", sorted(LAYERS))
+def test_decoder_layers_are_the_text_decoders(family):
+    """The language model's layers, not the vision tower's (which has more blocks: 6), mixed classes allowed."""
+    model = build(family)
+    name, layers = find_decoder_layers(model)
+    expected_name, count, classes = LAYERS[family]
+    assert name == expected_name
+    assert layers is model.get_submodule(expected_name)
+    assert len(layers) == count
+    assert {type(layer).__name__ for layer in layers} == classes
+
+
+def test_whisper_gets_its_decoder_layers_not_the_larger_encoder():
+    config = transformers.WhisperConfig(
+        vocab_size=128, d_model=32, encoder_layers=3, decoder_layers=2, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, num_mel_bins=8, max_source_positions=16,
+        max_target_positions=32, pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=1,
+    )  # fmt: skip
+    model = transformers.WhisperForConditionalGeneration(config)
+    name, layers = find_decoder_layers(model)
+    assert name == "model.decoder.layers"
+    assert layers is model.model.decoder.layers and len(layers) == 2
+
+
+def test_qwen2_audio_gets_its_language_model_layers_not_the_audio_encoder():
+    config = transformers.Qwen2AudioConfig(
+        audio_config={"d_model": 32, "encoder_layers": 6, "encoder_attention_heads": 2, "encoder_ffn_dim": 64,
+                      "num_mel_bins": 8, "max_source_positions": 16},
+        text_config={"model_type": "qwen2", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                     "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 128},
+    )  # fmt: skip
+    model = transformers.Qwen2AudioForConditionalGeneration(config)
+    name, layers = find_decoder_layers(model)
+    assert name == "language_model.layers" or name == "model.language_model.layers"
+    assert layers is model.get_decoder().layers and len(layers) == 2
+
+
+def test_a_decoder_without_a_layer_list_is_refused_naming_the_family():
+    class Decoderless(transformers.PreTrainedModel):
+        config_class = transformers.LlamaConfig
+
+        def __init__(self, config):
+            super().__init__(config)
+            self.proj = torch.nn.Linear(4, 4)
+
+    model = Decoderless(transformers.LlamaConfig(num_hidden_layers=2))
+    with pytest.raises(UnsupportedArchitectureError) as info:
+        find_decoder_layers(model)
+    assert str(info.value) == (
+        "cannot find the decoder layers of Decoderless (model_type 'llama'): its decoder (get_decoder()) holds no "
+        "nn.ModuleList named layers, h, blocks, layer, decoder_layers; the sequential pipeline needs one"
+    )
+
+
+def _layer_by_layer(layers, inputs):
+    """The pipeline's uncompressed forward: each layer on the inputs, its outputs the next layer's inputs."""
+    for index, layer in enumerate(layers):
+        outputs = [first_output(layer(*args, **kwargs)) for args, kwargs in inputs]
+        if index + 1 < len(layers):
+            inputs = with_hidden(inputs, outputs)
+    return outputs
+
+
+def _model_last_layer_outputs(model, layers, data):
+    seen = []
+    handle = layers[-1].register_forward_hook(lambda module, args, output: seen.append(first_output(output)))
+    try:
+        for batch in data:
+            model(**batch, use_cache=False)
+    finally:
+        handle.remove()
+    return seen
+
+
+#: mixed-attention families: sliding-window and full attention layers (Gemma 3: local and global rope too)
+MIXED = ["gemma2", "gemma3", "gemma3_vlm", "cohere2", "exaone4", "olmo3", "gpt_oss"]
+#: hybrid stacks and mixture-of-experts: layers of several kinds
+OTHERS = ["llama", "gpt2", "gpt_neox", "falcon", "jamba", "nemotron_h", "falcon_h1", "qwen3_next", "mixtral",
+          "qwen3_moe", "deepseek_v3", "dbrx", "qwen2_vl", "llava", "mistral3"]  # fmt: skip
+
+
+@pytest.mark.parametrize("family", MIXED + OTHERS)
+def test_layer_by_layer_forward_equals_the_models_own(family):
+    """Each layer gets the mask / rope / cache arguments the model's own forward gives it: same last-layer output."""
+    model = build(family)
+    _, layers = find_decoder_layers(model)
+    data = batches(length=24)  # longer than the sliding window (8)
+    with torch.no_grad():
+        expected = _model_last_layer_outputs(model, layers, data)
+        inputs = capture_layer_inputs(model, layers[0], data)
+        assert all(isinstance(kwargs, LayerKwargs) for _, kwargs in inputs)
+        got = _layer_by_layer(layers, inputs)
+        for out, ref in zip(got, expected, strict=True):
+            torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+        if family in MIXED:  # layer 0's arguments for every layer (the old capture) is measurably wrong
+            stale = _layer_by_layer(layers, [(args, dict(kwargs)) for args, kwargs in inputs])
+            worst = max(float((s - r).abs().max() / r.abs().max()) for s, r in zip(stale, expected, strict=True))
+            assert worst > 1e-3
+
+
+def test_capture_stubs_are_removed_and_layers_untouched():
+    model = build("gemma2")
+    _, layers = find_decoder_layers(model)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        capture_layer_inputs(model, layers[0], batches(num=1))
+    assert all("forward" not in layer.__dict__ for layer in layers)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_a_layer_the_models_forward_skips_is_refused_before_any_work():
+    """Mllama's cross-attention layer does not run without images: refused with the family and the reason."""
+    model = build("mllama")
+    _, layers = find_decoder_layers(model)
+    with pytest.raises(RuntimeError) as info, torch.no_grad():
+        capture_layer_inputs(model, layers[0], batches(num=1))
+    assert str(info.value) == (
+        "the forward of MllamaForConditionalGeneration (model_type 'mllama') skips decoder layers [1] (counted from "
+        "the first captured) on these calibration inputs; the sequential pipeline cannot calibrate a layer the model "
+        "does not run (e.g. cross-attention layers without their image inputs)"
+    )
+    assert all("forward" not in layer.__dict__ for layer in layers)
+
+
+def _reload_compare(tmp_path, family, recipe):
+    """Compress ``family`` through ``llmc_fsm.oneshot``, reload the output with transformers; logits and keys."""
+    import llmc_fsm
+    from tiny_families import FAMILIES
+
+    model = build(family)
+    data = torch.randint(3, 128, (4, 32), generator=torch.Generator().manual_seed(0))
+    out = tmp_path / family
+    llmc_fsm.oneshot(model=model, recipe=recipe, dataset=data, output_dir=out, progress=False)
+    cls = getattr(transformers, FAMILIES[family][2] or "AutoModelForCausalLM")
+    reloaded, info = cls.from_pretrained(out, output_loading_info=True)
+    reloaded.eval()
+    with torch.no_grad():
+        expected = model(data[:2]).logits
+        got = reloaded(data[:2]).logits
+    return model, reloaded, info, expected, got
+
+
+_MM_IGNORE = ["lm_head", "re:.*vision_tower.*", "re:.*multi_modal_projector.*"]
+
+
+@pytest.mark.parametrize("family", ["gpt_neox", "llava", "mistral3", "gemma3_vlm"])
+def test_gptq_output_reloads_with_every_key_and_the_same_logits(tmp_path, family):
+    """The saved ignore uses the reloaded model's names; towers and projectors stay unquantized on reload
+    (Gemma 3's SigLIP head keeps an nn.MultiheadAttention whose out_proj subclasses nn.Linear)."""
+    scheme = {"preset": "W4A16", "weights": {"group_size": 16}}
+    recipe = {"s": {"GPTQModifier": {"scheme": scheme, "ignore": _MM_IGNORE}}}
+    model, reloaded, info, expected, got = _reload_compare(tmp_path, family, recipe)
+    assert (sorted(info["missing_keys"]), sorted(info["unexpected_keys"])) == ([], [])
+    assert not torch.isnan(got).any()
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+    towers = [
+        n for n, m in reloaded.named_modules() if ("vision_tower" in n or "projector" in n) and hasattr(m, "weight")
+    ]
+    assert all(not hasattr(reloaded.get_submodule(n), "quantization_scheme") for n in towers)
+    decoder = [n for n, m in reloaded.named_modules() if hasattr(m, "quantization_scheme")]
+    assert decoder and all(".layers." in n and "vision" not in n for n in decoder)
+
+
+@pytest.mark.parametrize(
+    "recipe",
+    [
+        {"s": {"SparseGPTModifier": {"sparsity": 0.5}}},
+        {"s": {"GPTQModifier": {"scheme": {"preset": "W4A16", "weights": {"group_size": 16}}}}},
+    ],
+    ids=["sparsegpt", "gptq"],
+)
+def test_gpt2_conv1d_projections_are_refused_before_any_work_naming_the_family(tmp_path, recipe):
+    """GPT-2 keeps transformers Conv1D; 'Linear' targets name them, and they are refused, not skipped."""
+    import llmc_fsm
+
+    model = build("gpt2")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    data = torch.randint(3, 128, (4, 16), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError) as info:
+        llmc_fsm.oneshot(model=model, recipe=recipe, dataset=data, output_dir=tmp_path / "o", progress=False)
+    assert str(info.value).endswith(
+        "GPT2LMHeadModel (model_type 'gpt2') keeps transformer.h.{0..3}.attn.c_attn, transformer.h.{0..3}.attn.c_proj, "
+        "transformer.h.{0..3}.mlp.c_fc, transformer.h.{0..3}.mlp.c_proj as transformers Conv1D (a Linear whose weight "
+        "is stored [in, out]), which targets ['Linear'] select; compressing Conv1D is not supported: add them to "
+        "ignore to compress only the other modules"
+    )
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert not (tmp_path / "o").exists()
+
+
+#: mixture-of-experts families -> (fused experts module names, their weights)
+MOE = {
+    "mixtral": ("model.layers.{0..3}.mlp.experts", "down_proj, gate_up_proj"),
+    "qwen3_moe": ("model.layers.{0..3}.mlp.experts", "down_proj, gate_up_proj"),
+    "deepseek_v3": ("model.layers.{1..3}.mlp.experts", "down_proj, gate_up_proj"),
+    "gpt_oss": ("model.layers.{0..3}.mlp.experts", "down_proj, down_proj_bias, gate_up_proj, gate_up_proj_bias"),
+    "jamba": ("model.layers.{1,3}.feed_forward.experts", "down_proj, gate_up_proj"),
+    "dbrx": ("transformer.blocks.{0..1}.ffn.experts.mlp", "v1, w1, w2"),
+    "nemotron_h": ("model.layers.1.mixer.experts", "down_proj, up_proj"),
+    "qwen3_next": ("model.layers.{0..1}.mlp.experts", "down_proj, gate_up_proj"),
+}
+
+
+@pytest.mark.parametrize("family", sorted(MOE))
+def test_fused_experts_are_refused_naming_the_family_never_skipped(family):
+    """SparseGPT used to skip fused experts silently and report 50%; they are refused before any work."""
+    from llmc_fsm.toolkit.targets import select_targets
+
+    model = build(family)
+    names, weights = MOE[family]
+    model_type = model.config.model_type
+    with pytest.raises(ValueError) as info:
+        select_targets(model, ["Linear"], ["lm_head"])
+    assert str(info.value) == (
+        f"{type(model).__name__} (model_type {model_type!r}) keeps its experts fused in {names} ({weights}: every "
+        "expert's weights in one tensor, not one Linear per expert), which targets ['Linear'] select; compressing "
+        "fused experts is not supported: to prune only the other modules add 're:.*\\.experts' to ignore (the "
+        "report then counts only those); quantizing such a model is not supported"
+    )
+    selection = select_targets(model, ["Linear"], ["lm_head", "re:.*\\.experts"])
+    assert selection.selected and not any(".experts" in name for name in selection.selected)
+
+
+def test_moe_with_experts_ignored_compresses_the_rest_and_reports_only_those(tmp_path):
+    import llmc_fsm
+
+    model = build("mixtral")
+    experts = {k: v.clone() for k, v in model.state_dict().items() if ".experts." in k}
+    data = torch.randint(3, 128, (4, 32), generator=torch.Generator().manual_seed(0))
+    recipe = {"s": {"SparseGPTModifier": {"sparsity": 0.5, "ignore": ["lm_head", "re:.*\\.experts"]}}}
+    with pytest.raises(ValueError, match="keeps its experts fused in model.layers"):
+        llmc_fsm.oneshot(model=build("mixtral"), recipe={"s": {"SparseGPTModifier": {"sparsity": 0.5}}},
+                         dataset=data, output_dir=tmp_path / "refused", progress=False)  # fmt: skip
+    assert not (tmp_path / "refused").exists()
+    llmc_fsm.oneshot(model=model, recipe=recipe, dataset=data, output_dir=tmp_path / "o", progress=False)
+    report = model.llmc_fsm_report
+    assert all(".experts" not in name for name in report.targeted)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in experts.items())
+    reloaded, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "o", output_loading_info=True)
+    assert sorted(info["missing_keys"]) == []
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded.eval()(data[:2]).logits, model(data[:2]).logits, rtol=0, atol=1e-5)

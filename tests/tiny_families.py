@@ -1,0 +1,258 @@
+"""Tiny random models of many transformers families, built offline from their configs (no network, seeded).
+
+:func:`build` returns a model in eval mode (fp32, CPU) of family ``name`` (a key of :data:`FAMILIES`): 4 decoder
+layers (2 for the slow hybrid families) of width 64, vocabulary 128, with the family's own mix of layer kinds
+(sliding-window and full attention, mamba and attention, dense and mixture-of-experts layers). Multimodal families
+are their ``...ForConditionalGeneration`` with a tiny vision tower; text-only calibration runs their language model.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+VOCAB = 128
+
+_TEXT = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "vocab_size": VOCAB,
+    "max_position_embeddings": 256,
+    "pad_token_id": 0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+
+_MIXED = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
+_VISION = {
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 6,
+    "num_attention_heads": 2,
+    "image_size": 16,
+    "patch_size": 8,
+}
+_VLM = "AutoModelForImageTextToText"
+
+#: family -> (model_type, config overrides, model class name or None for AutoModelForCausalLM)
+FAMILIES: dict[str, tuple[str, dict[str, Any], str | None]] = {
+    "llama": ("llama", {}, None),
+    "gemma2": ("gemma2", {"layer_types": _MIXED, "sliding_window": 8}, None),
+    "gemma3": ("gemma3_text", {"layer_types": _MIXED, "sliding_window": 8}, None),
+    "cohere2": ("cohere2", {"layer_types": _MIXED, "sliding_window": 8}, None),
+    "exaone4": ("exaone4", {"layer_types": _MIXED, "sliding_window": 8}, None),
+    "olmo3": ("olmo3", {"layer_types": _MIXED, "sliding_window": 8}, None),
+    "gpt_oss": (
+        "gpt_oss",
+        {"layer_types": _MIXED, "sliding_window": 8, "num_local_experts": 4, "num_experts_per_tok": 2},
+        None,
+    ),
+    "mixtral": ("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2}, None),
+    "qwen3_moe": (
+        "qwen3_moe",
+        {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "decoder_sparse_step": 1},
+        None,
+    ),
+    "jamba": (
+        "jamba",
+        {
+            "attn_layer_period": 2,
+            "attn_layer_offset": 1,
+            "expert_layer_period": 2,
+            "expert_layer_offset": 1,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "mamba_d_state": 8,
+            "mamba_expand": 2,
+            "mamba_dt_rank": 8,
+            "use_mamba_kernels": False,
+        },
+        None,
+    ),
+    "deepseek_v3": (
+        "deepseek_v3",
+        {
+            "n_routed_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "first_k_dense_replace": 1,
+            "n_group": 1,
+            "topk_group": 1,
+            "kv_lora_rank": 16,
+            "q_lora_rank": 32,
+            "qk_rope_head_dim": 8,
+            "head_dim": 8,
+            "qk_nope_head_dim": 8,
+            "v_head_dim": 16,
+            "n_shared_experts": 1,
+        },
+        None,
+    ),
+    "dbrx": (
+        "dbrx",
+        {
+            "_raw": True,
+            "d_model": 64,
+            "n_heads": 4,
+            "n_layers": 2,
+            "max_seq_len": 256,
+            "attn_config": {"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
+            "ffn_config": {"ffn_hidden_size": 32, "moe_num_experts": 4, "moe_top_k": 2},
+        },
+        None,
+    ),
+    "falcon": (
+        "falcon",
+        {"_raw": True, "hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4, "multi_query": True},
+        None,
+    ),
+    "gpt_neox": ("gpt_neox", {"rotary_pct": 0.5}, None),
+    "falcon_h1": (
+        "falcon_h1",
+        {"num_hidden_layers": 2, "mamba_d_state": 8, "mamba_n_heads": 8, "mamba_d_head": 16, "mamba_d_ssm": 128},
+        None,
+    ),
+    "nemotron_h": (
+        "nemotron_h",
+        {
+            "layers_block_type": ["mamba", "moe", "attention", "mlp"],
+            "n_routed_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "ssm_state_size": 8,
+            "mamba_num_heads": 4,
+            "mamba_head_dim": 16,
+            "n_groups": 1,
+        },
+        None,
+    ),
+    "qwen3_next": (
+        "qwen3_next",
+        {
+            "layer_types": ["linear_attention", "full_attention"],
+            "num_hidden_layers": 2,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 32,
+            "linear_num_key_heads": 2,
+            "linear_num_value_heads": 4,
+            "linear_key_head_dim": 16,
+            "linear_value_head_dim": 16,
+        },
+        None,
+    ),
+    "qwen2_vl": (
+        "qwen2_vl",
+        {
+            "_raw": True,
+            "text_config": {
+                **_TEXT,
+                "rope_parameters": {"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0},
+            },
+            "vision_config": {
+                "depth": 6,
+                "embed_dim": 32,
+                "hidden_size": 64,
+                "num_heads": 2,
+                "mlp_ratio": 2,
+                "patch_size": 8,
+                "spatial_merge_size": 2,
+            },
+            "image_token_id": 5,
+            "video_token_id": 6,
+            "vision_start_token_id": 7,
+        },
+        _VLM,
+    ),
+    "llava": (
+        "llava",
+        {
+            "_raw": True,
+            "text_config": {**_TEXT, "model_type": "llama"},
+            "vision_config": {**_VISION, "model_type": "clip_vision_model"},
+            "image_token_id": 5,
+        },
+        _VLM,
+    ),
+    "mistral3": (
+        "mistral3",
+        {
+            "_raw": True,
+            "text_config": {**_TEXT, "model_type": "mistral"},
+            "vision_config": {**_VISION, "model_type": "pixtral", "head_dim": 16},
+            "image_token_id": 5,
+            "spatial_merge_size": 1,
+        },
+        _VLM,
+    ),
+    "gemma3_vlm": (
+        "gemma3",
+        {
+            "_raw": True,
+            "text_config": {**_TEXT, "model_type": "gemma3_text", "layer_types": _MIXED, "sliding_window": 8},
+            "vision_config": {**_VISION, "model_type": "siglip_vision_model"},
+            "mm_tokens_per_image": 4,
+            "image_token_id": 5,
+            "boi_token_id": 6,
+            "eoi_token_id": 7,
+        },
+        _VLM,
+    ),
+    "mllama": (
+        "mllama",
+        {
+            "_raw": True,
+            "text_config": {**_TEXT, "cross_attention_layers": [1]},
+            "vision_config": {
+                "hidden_size": 32,
+                "intermediate_size": 64,
+                "num_hidden_layers": 2,
+                "num_global_layers": 1,
+                "attention_heads": 2,
+                "image_size": 16,
+                "patch_size": 8,
+                "vision_output_dim": 64,
+                "intermediate_layers_indices": [0],
+            },
+            "image_token_index": 5,
+        },
+        _VLM,
+    ),
+    "gpt2": ("gpt2", {"n_embd": 64, "n_layer": 4, "n_head": 4, "n_positions": 256}, None),
+}
+
+
+def config(name: str) -> Any:
+    """The tiny config of family ``name``."""
+    from transformers import AutoConfig
+
+    model_type, overrides, _ = FAMILIES[name]
+    overrides = dict(overrides)
+    if overrides.pop("_raw", False):  # a config whose fields have other names: only the ids and vocabulary
+        base = {k: _TEXT[k] for k in ("vocab_size", "pad_token_id", "bos_token_id", "eos_token_id")}
+    else:
+        base = _TEXT
+    return AutoConfig.for_model(model_type, **{**base, **overrides})
+
+
+def build(name: str, *, seed: int = 0) -> torch.nn.Module:
+    """A tiny random model of family ``name`` in eval mode, weights drawn after ``torch.manual_seed(seed)``."""
+    import transformers
+
+    _, _, cls_name = FAMILIES[name]
+    cfg = config(name)
+    torch.manual_seed(seed)
+    cls = getattr(transformers, cls_name or "AutoModelForCausalLM")
+    return cls.from_config(cfg).eval()
+
+
+def batches(num: int = 2, rows: int = 2, length: int = 24, seed: int = 0) -> list[dict[str, torch.Tensor]]:
+    """``num`` calibration batches of ``rows`` random token windows of ``length`` tokens."""
+    gen = torch.Generator().manual_seed(seed)
+    return [{"input_ids": torch.randint(3, VOCAB, (rows, length), generator=gen)} for _ in range(num)]
