@@ -12,6 +12,7 @@ import llmc_fsm
 from llmc_fsm_quantization._base import QuantizedWeight, attach_qparams
 from llmc_fsm_quantization.gptq import GPTQModifier, gptq_quantize
 from llmc_fsm_quantization.observers import observe
+from llmc_fsm_quantization.rotations import SpinQuantModifier
 from llmc_fsm_quantization.rtn import QuantizationModifier, rtn_quantize
 from llmc_fsm_quantization.schemes import preset_names, resolve_scheme
 
@@ -19,6 +20,7 @@ __all__ = [
     "GPTQModifier",
     "QuantizationModifier",
     "QuantizedWeight",
+    "SpinQuantModifier",
     "attach_qparams",
     "gptq_quantize",
     "llmc_fsm_register_modifiers",
@@ -32,4 +34,4 @@ __all__ = [
 @llmc_fsm.hookimpl
 def llmc_fsm_register_modifiers() -> list[type[llmc_fsm.Modifier]]:
     """Register the quantization modifiers."""
-    return [GPTQModifier, QuantizationModifier]
+    return [GPTQModifier, QuantizationModifier, SpinQuantModifier]
