@@ -267,6 +267,7 @@ ARGUMENT_RULES: dict[str, dict[str, ArgumentRule]] = {
         "offload_hessians": ArgumentRule("ignore", _OFFLOAD, accept=(True, False)),
     },
     "QuantizationModifier": dict(_QUANT_BASE),
+    "AutoRoundModifier": dict(_QUANT_BASE),
 }
 
 

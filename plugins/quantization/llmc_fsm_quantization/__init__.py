@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import llmc_fsm
 from llmc_fsm_quantization._base import QuantizedWeight, attach_qparams
+from llmc_fsm_quantization.autoround import AutoRoundModifier
 from llmc_fsm_quantization.gptq import GPTQModifier, gptq_quantize
 from llmc_fsm_quantization.observers import observe
 from llmc_fsm_quantization.rotations import SpinQuantModifier
@@ -17,6 +18,7 @@ from llmc_fsm_quantization.rtn import QuantizationModifier, rtn_quantize
 from llmc_fsm_quantization.schemes import preset_names, resolve_scheme
 
 __all__ = [
+    "AutoRoundModifier",
     "GPTQModifier",
     "QuantizationModifier",
     "QuantizedWeight",
@@ -34,4 +36,4 @@ __all__ = [
 @llmc_fsm.hookimpl
 def llmc_fsm_register_modifiers() -> list[type[llmc_fsm.Modifier]]:
     """Register the quantization modifiers."""
-    return [GPTQModifier, QuantizationModifier, SpinQuantModifier]
+    return [AutoRoundModifier, GPTQModifier, QuantizationModifier, SpinQuantModifier]
