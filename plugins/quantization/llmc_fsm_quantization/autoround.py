@@ -320,6 +320,7 @@ class AutoRoundModifier(QuantizingModifier):
         self._layers: dict[int, tuple[str, nn.Module]] = {}
         self._captured: dict[int, tuple[Inputs, list[torch.Tensor]]] = {}
         self._tuning = False  # the tuning loop's own forwards are not captured
+        self._done: set[int] = set()  # layers tuned: the pipeline's propagation through them is not captured
 
     # ---- hooks --------------------------------------------------------------------------------
     def on_initialize(self, state: Any) -> None:
@@ -354,7 +355,7 @@ class AutoRoundModifier(QuantizingModifier):
 
     def _capture_input(self, key: int) -> Any:
         def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-            if self._tuning:
+            if self._tuning or key in self._done:
                 return
             if not args and "hidden_states" in kwargs:
                 kwargs = dict(kwargs)
@@ -365,7 +366,7 @@ class AutoRoundModifier(QuantizingModifier):
 
     def _capture_output(self, key: int) -> Any:
         def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-            if not self._tuning:
+            if not self._tuning and key not in self._done:
                 self._captured.setdefault(key, ([], []))[1].append(first_output(output).detach())
 
         return hook
@@ -381,6 +382,7 @@ class AutoRoundModifier(QuantizingModifier):
 
     def on_calibration_end(self, state: Any) -> None:
         self._captured.clear()
+        self._done.clear()
         super().on_calibration_end(state)
 
     def on_finalize(self, state: Any) -> None:
@@ -390,6 +392,7 @@ class AutoRoundModifier(QuantizingModifier):
     # ---- work ---------------------------------------------------------------------------------
     def _tune(self, layer_name: str, layer: nn.Module, key: int) -> None:
         inputs, outputs = self._captured.pop(key)
+        self._done.add(key)
         if len(inputs) != len(outputs):  # a forward stopped early: no float output for every batch
             msg = f"AutoRoundModifier: {layer_name} ran {len(inputs)} times but returned {len(outputs)} outputs"
             raise RuntimeError(msg)
