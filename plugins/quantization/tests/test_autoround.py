@@ -156,3 +156,20 @@ def test_unsupported_arguments_are_refused_when_the_recipe_is_read(args: dict, m
     with pytest.raises(ValueError) as info:
         AutoRoundModifier(**args)
     assert str(info.value) == message
+
+
+def test_low_memory_run_equals_the_in_memory_run(tmp_path) -> None:
+    from tiny_llama import build, calibration_text
+    from transformers import AutoModelForCausalLM
+
+    directory = build(tmp_path / "model", calibration_text())
+    recipe = {"q": {"AutoRoundModifier": {"scheme": W4G16, "iters": 5, "batch_size": 4}}}
+    data = torch.randint(0, 100, (8, 32), generator=torch.Generator().manual_seed(4))
+    out = tmp_path / "out"
+    llmc_fsm.oneshot(str(directory), recipe=recipe, dataset=data, low_memory=True, output_dir=out, progress=False)
+    model = AutoModelForCausalLM.from_pretrained(directory).eval()
+    llmc_fsm.oneshot(model=model, recipe=recipe, dataset=data, progress=False)
+    x = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(5))
+    streamed = AutoModelForCausalLM.from_pretrained(out).eval()
+    with torch.no_grad():
+        assert torch.equal(streamed(x).logits, model(x).logits)
