@@ -260,9 +260,7 @@ def _bool(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
 
 def _device_ids(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
     if value is not None:
-        msg = (
-            f"device_ids {value!r} is not supported: each decoder layer is tuned on the device it is on; remove it"
-        )
+        msg = f"device_ids {value!r} is not supported: each decoder layer is tuned on the device it is on; remove it"
         raise ValueError(msg)
 
 
@@ -404,7 +402,13 @@ class AutoRoundModifier(QuantizingModifier):
         self._tuning = True
         try:
             quantized, errors = signround_layer(
-                layer, rel, inputs, outputs, args=self.weight_args, iters=self.iters, lr=self.lr,
+                layer,
+                rel,
+                inputs,
+                outputs,
+                args=self.weight_args,
+                iters=self.iters,
+                lr=self.lr,
                 batch_size=self.batch_size,
             )
         finally:

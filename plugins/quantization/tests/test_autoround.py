@@ -18,7 +18,7 @@ from llmc_fsm.pipeline_layer import capture_layer_inputs, first_output
 from llmc_fsm.recipe import resolve_recipe
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "tests"))
-from tiny_llama import LINEARS, llama  # noqa: E402
+from tiny_llama import LINEARS, llama
 
 W4G16 = {"preset": "W4A16", "weights": {"group_size": 16}}
 

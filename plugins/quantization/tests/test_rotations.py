@@ -16,7 +16,7 @@ from llmc_fsm.errors import RecipeError
 from llmc_fsm.recipe import resolve_recipe
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "tests"))
-from tiny_llama import llama  # noqa: E402
+from tiny_llama import llama
 
 W4G16 = {"preset": "W4A16", "weights": {"group_size": 16}}
 
