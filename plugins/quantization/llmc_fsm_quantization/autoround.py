@@ -338,7 +338,7 @@ class AutoRoundModifier(QuantizingModifier):
         self._layers = {
             id(layer): (f"{name}.{i}", layer)
             for i, layer in enumerate(layers)
-            if any(id(m) in {id(x) for x in layer.modules()} for m in self._targets.values())
+            if any(id(x) in self._names_by_id for x in layer.modules())
         }
 
     def on_calibration_start(self, state: Any) -> None:
