@@ -19,6 +19,7 @@ from llmc_fsm.core.state import State
 from llmc_fsm.core.version import __version__ as __version__
 from llmc_fsm.models.layers import find_decoder_layers
 from llmc_fsm.oneshot_job.api import oneshot
+from llmc_fsm.pipeline.forward import first_output
 from llmc_fsm.recipes.model import Recipe, Stage
 from llmc_fsm.session.session import Session, active_session, create_session
 
@@ -39,6 +40,7 @@ __all__ = [
     "active_session",
     "create_session",
     "find_decoder_layers",
+    "first_output",
     "hookimpl",
     "hookspec",
     "oneshot",

@@ -67,8 +67,12 @@ def _known() -> str:
 @pytest.mark.parametrize(
     ("name", "what"),
     [
-        ("QuIPModifier", "QuIP-style Hadamard rotations of the weights before quantization"),
-        ("SpinQuantModifier", "SpinQuant (arXiv 2405.16406) rotations of weights and activations before quantization"),
+        (
+            "QuIPModifier",
+            "QuIP-style Hadamard rotations of every Linear's input at run time, which transformers does not apply "
+            "when it loads a compressed-tensors checkpoint; SpinQuantModifier fuses R1/R2 rotations into the weights "
+            "instead",
+        ),
     ],
 )
 def test_llmcompressor_modifiers_we_lack_are_named_as_such(name: str, what: str) -> None:

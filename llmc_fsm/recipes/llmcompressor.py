@@ -114,8 +114,10 @@ def top_level_stages(data: Mapping[Any, Any], source: str) -> list[tuple[Any, An
 
 #: llm-compressor modifiers llmc-fsm does not implement -> what they do (and what to do without them).
 UNIMPLEMENTED_MODIFIERS: dict[str, str] = {
-    "QuIPModifier": "QuIP-style Hadamard rotations of the weights before quantization",
-    "SpinQuantModifier": "SpinQuant (arXiv 2405.16406) rotations of weights and activations before quantization",
+    "QuIPModifier": (
+        "QuIP-style Hadamard rotations of every Linear's input at run time, which transformers does not apply when "
+        "it loads a compressed-tensors checkpoint; SpinQuantModifier fuses R1/R2 rotations into the weights instead"
+    ),
 }
 
 
@@ -239,6 +241,7 @@ ARGUMENT_RULES: dict[str, dict[str, ArgumentRule]] = {
         "offload_hessians": ArgumentRule("ignore", _OFFLOAD, accept=(True, False)),
     },
     "QuantizationModifier": dict(_QUANT_BASE),
+    "AutoRoundModifier": dict(_QUANT_BASE),
 }
 
 

@@ -3,7 +3,7 @@
 Installed as its own distribution (``llmc-fsm-quantization``) and discovered by
 llmc-fsm through the ``llmc_fsm`` entry-point group, exactly like a third-party
 plugin. Recipe names: ``GPTQModifier``, ``QuantizationModifier``, ``AWQModifier``,
-``SmoothQuantModifier``, ``LogarithmicEqualizationModifier``. Schemes,
+``SmoothQuantModifier``, ``LogarithmicEqualizationModifier``, ``AutoRoundModifier``, ``SpinQuantModifier``. Schemes,
 argument types, qparams and packing come from ``compressed-tensors``.
 """
 
@@ -11,20 +11,24 @@ from __future__ import annotations
 
 import llmc_fsm
 from llmc_fsm_quantization._base import QuantizedWeight, attach_qparams
+from llmc_fsm_quantization.autoround import AutoRoundModifier
 from llmc_fsm_quantization.awq import AWQModifier
 from llmc_fsm_quantization.gptq import GPTQModifier, gptq_quantize
 from llmc_fsm_quantization.observers import observe
+from llmc_fsm_quantization.rotations import SpinQuantModifier
 from llmc_fsm_quantization.rtn import QuantizationModifier, rtn_quantize
 from llmc_fsm_quantization.schemes import preset_names, resolve_scheme
 from llmc_fsm_quantization.smoothquant import LogarithmicEqualizationModifier, SmoothQuantModifier
 
 __all__ = [
     "AWQModifier",
+    "AutoRoundModifier",
     "LogarithmicEqualizationModifier",
     "SmoothQuantModifier",
     "GPTQModifier",
     "QuantizationModifier",
     "QuantizedWeight",
+    "SpinQuantModifier",
     "attach_qparams",
     "gptq_quantize",
     "llmc_fsm_register_modifiers",
@@ -38,4 +42,12 @@ __all__ = [
 @llmc_fsm.hookimpl
 def llmc_fsm_register_modifiers() -> list[type[llmc_fsm.Modifier]]:
     """Register the quantization modifiers."""
-    return [GPTQModifier, QuantizationModifier, AWQModifier, SmoothQuantModifier, LogarithmicEqualizationModifier]
+    return [
+        AutoRoundModifier,
+        GPTQModifier,
+        QuantizationModifier,
+        AWQModifier,
+        SmoothQuantModifier,
+        LogarithmicEqualizationModifier,
+        SpinQuantModifier,
+    ]

@@ -1,0 +1,175 @@
+"""AutoRoundModifier (SignRound): lower layer output error than round-to-nearest, refusals, save/reload."""
+
+from __future__ import annotations
+
+import copy
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from compressed_tensors.quantization.lifecycle.forward import fake_quantize
+from llmc_fsm_quantization import resolve_scheme, rtn_quantize
+from llmc_fsm_quantization.autoround import AutoRoundModifier, signround_layer
+
+import llmc_fsm
+from llmc_fsm.pipeline.forward import capture_layer_inputs, first_output
+from llmc_fsm.recipes.building import resolve_recipe
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "tests"))
+from tiny_llama import LINEARS, llama
+
+W4G16 = {"preset": "W4A16", "weights": {"group_size": 16}}
+
+
+def _output_mse(layer, weights: dict, inputs, targets) -> float:
+    """Mean squared error of ``layer`` with ``weights`` ({relative name: weight}) against ``targets``, float64."""
+    layer = copy.deepcopy(layer)
+    with torch.no_grad():
+        for name, w in weights.items():
+            layer.get_submodule(name).weight.copy_(w)
+        se = sum(
+            float((first_output(layer(*a, **kw)).double() - t.double()).pow(2).sum())
+            for (a, kw), t in zip(inputs, targets, strict=True)
+        )
+    return se / sum(t.numel() for t in targets)
+
+
+W8_CHANNEL = {"weights": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"}}
+
+
+@pytest.mark.parametrize("scheme", [W4G16, {"preset": "W4A16_ASYM", "weights": {"group_size": 32}}, W8_CHANNEL])
+def test_autoround_lowers_each_layers_output_error_against_rtn(scheme) -> None:
+    model = llama(layers=3, hidden=64, heads=4, kv_heads=2)
+    args = resolve_scheme(scheme, ["Linear"]).weights
+    ids = torch.randint(0, 128, (8, 24), generator=torch.Generator().manual_seed(5))
+    batches = [{"input_ids": chunk} for chunk in ids.split(4)]
+    with torch.no_grad():
+        inputs = capture_layer_inputs(model, model.model.layers[0], batches)
+    for index, layer in enumerate(model.model.layers):
+        with torch.no_grad():
+            targets = [first_output(layer(*a, **kw)) for a, kw in inputs]
+        linears = {name: layer.get_submodule(name) for name in LINEARS}
+        quantized, errors = signround_layer(layer, linears, inputs, targets, args=args, iters=40, batch_size=4)
+        rtn = _output_mse(layer, {n: rtn_quantize(m.weight, args).weight for n, m in linears.items()}, inputs, targets)
+        tuned = _output_mse(layer, {n: q.weight for n, q in quantized.items()}, inputs, targets)
+        assert tuned < rtn, (index, tuned, rtn)
+        assert errors.kept == "autoround"
+        assert errors.rtn == pytest.approx(rtn, rel=1e-4) and errors.tuned == pytest.approx(tuned, rel=1e-4)
+        for name, q in quantized.items():  # on the grid its scale / zero point define: the packer finds the same
+            w = linears[name].weight
+            assert q.scale.shape == q.zero_point.shape
+            assert torch.equal(fake_quantize(q.weight, q.scale, q.zero_point, args), q.weight)
+            assert not torch.equal(q.weight, rtn_quantize(w, args).weight)  # the rounding did change
+        with torch.no_grad():
+            inputs = [((t, *a[1:]), kw) for t, (a, kw) in zip(targets, inputs, strict=True)]
+
+
+def test_autoround_keeps_round_to_nearest_when_tuning_does_not_help() -> None:
+    model = llama(layers=1, hidden=64, heads=4, kv_heads=2)
+    layer = model.model.layers[0]
+    args = resolve_scheme(W4G16, ["Linear"]).weights
+    batches = [{"input_ids": torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(1))}]
+    with torch.no_grad():
+        inputs = capture_layer_inputs(model, layer, batches)
+        targets = [first_output(layer(*a, **kw)) for a, kw in inputs]
+    linears = {name: layer.get_submodule(name) for name in LINEARS}
+    # a step so large that every offset jumps to the end of its range: worse than round-to-nearest
+    quantized, errors = signround_layer(layer, linears, inputs, targets, args=args, iters=1, lr=10.0, batch_size=4)
+    assert errors.kept == "rtn" and errors.tuned >= errors.rtn
+    for name, q in quantized.items():
+        assert torch.equal(q.weight, rtn_quantize(linears[name].weight, args).weight)
+
+
+def test_autoround_one_shot_saves_and_reloads_with_equal_logits(tmp_path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    model = llama(layers=2, hidden=64, heads=4, kv_heads=2)
+    recipe = {"q": {"AutoRoundModifier": {"scheme": W4G16, "iters": 20, "batch_size": 4}}}
+    out = tmp_path / "out"
+    data = torch.randint(0, 128, (8, 32), generator=torch.Generator().manual_seed(2))
+    llmc_fsm.oneshot(model=model, recipe=recipe, dataset=data, output_dir=out, progress=False)
+    config = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert config["format"] == "pack-quantized"
+    x = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(3))
+    reloaded = AutoModelForCausalLM.from_pretrained(out).eval()
+    with torch.no_grad():
+        assert torch.equal(model(x).logits, reloaded(x).logits)
+    report = json.loads((out / "report.json").read_text())["sparsity"]["modules"]
+    quantized = {m["name"]: m for m in report if m.get("bits") is not None}
+    assert sorted(quantized) == sorted(f"model.layers.{i}.{n}" for i in range(2) for n in LINEARS)
+    assert {m["bits"] for m in quantized.values()} == {4} and {m["group_size"] for m in quantized.values()} == {16}
+
+
+def test_llmcompressor_recipe_with_config_groups_is_read() -> None:
+    text = (
+        "quant_stage:\n  quant_modifiers:\n    AutoRoundModifier:\n      iters: 10\n      ignore: [lm_head]\n"
+        "      config_groups:\n        group_0:\n          targets: [Linear]\n          input_activations: null\n"
+        "          output_activations: null\n          weights: {num_bits: 4, type: int, symmetric: true, "
+        "strategy: group, group_size: 32}\n"
+    )
+    (modifier,) = [m for stage in resolve_recipe(text).stages for m in stage.modifiers]
+    assert isinstance(modifier, AutoRoundModifier)
+    assert (modifier.iters, modifier.lr, modifier.batch_size) == (10, None, 8)
+    assert modifier.weight_args.group_size == 32 and modifier.weight_args.num_bits == 4
+
+
+def test_defaults_are_llmcompressors() -> None:
+    modifier = AutoRoundModifier()
+    assert (modifier.iters, modifier.lr, modifier.batch_size, modifier.enable_torch_compile) == (200, None, 8, True)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            {"scheme": "W8A8"},
+            "AutoRoundModifier tunes integer weight-only schemes with channel or group strategy (W4A16, W8A16, ...): "
+            "the scheme given is not supported (it quantizes activations); use GPTQModifier or QuantizationModifier "
+            "for it",
+        ),
+        (
+            {"scheme": {"weights": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "tensor"}}},
+            "AutoRoundModifier tunes integer weight-only schemes with channel or group strategy (W4A16, W8A16, ...): "
+            "the scheme given is not supported (its weight strategy is tensor); use GPTQModifier or "
+            "QuantizationModifier for it",
+        ),
+        (
+            {"observer": "mse"},
+            "AutoRoundModifier tunes the weight range itself: observer must be minmax, got 'mse'",
+        ),
+        (
+            {"iters": 0},
+            "iters must be a positive int, got 0; iters: 0 is auto-round's round-to-nearest mode: use "
+            "QuantizationModifier",
+        ),
+        ({"batch_size": 0}, "batch_size must be a positive int, got 0"),
+        ({"lr": -0.1}, "lr must be a positive number or null (1 / iters), got -0.1"),
+        (
+            {"device_ids": "0,1"},
+            "device_ids '0,1' is not supported: each decoder layer is tuned on the device it is on; remove it",
+        ),
+    ],
+)
+def test_unsupported_arguments_are_refused_when_the_recipe_is_read(args: dict, message: str) -> None:
+    with pytest.raises(ValueError) as info:
+        AutoRoundModifier(**args)
+    assert str(info.value) == message
+
+
+def test_low_memory_run_equals_the_in_memory_run(tmp_path) -> None:
+    from tiny_llama import build, calibration_text
+    from transformers import AutoModelForCausalLM
+
+    directory = build(tmp_path / "model", calibration_text())
+    recipe = {"q": {"AutoRoundModifier": {"scheme": W4G16, "iters": 5, "batch_size": 4}}}
+    data = torch.randint(0, 100, (8, 32), generator=torch.Generator().manual_seed(4))
+    out = tmp_path / "out"
+    llmc_fsm.oneshot(str(directory), recipe=recipe, dataset=data, low_memory=True, output_dir=out, progress=False)
+    model = AutoModelForCausalLM.from_pretrained(directory).eval()
+    llmc_fsm.oneshot(model=model, recipe=recipe, dataset=data, progress=False)
+    x = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(5))
+    streamed = AutoModelForCausalLM.from_pretrained(out).eval()
+    with torch.no_grad():
+        assert torch.equal(streamed(x).logits, model(x).logits)
