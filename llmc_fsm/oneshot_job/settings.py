@@ -64,8 +64,9 @@ GENERATED = "generated from --method/--sparsity/--mask-structure/--scheme/--grou
 def generated_recipe(*args: Any, **kw: Any) -> Recipe:
     """:func:`default_recipe` (same arguments) as a :class:`~llmc_fsm.Recipe` whose source is :data:`GENERATED`.
 
-    Run again on a saved output, a generated recipe's stage whose name was already
-    applied runs under a fresh name (``sparsity_stage_2``) instead of being skipped.
+    Run again on a saved output, its stage is skipped when the same settings were applied, and otherwise runs
+    (under a fresh name, ``sparsity_stage_2``, when its name was applied); see
+    :func:`llmc_fsm.recipes.history.merge_saved_recipe`.
 
     Raises:
         ValueError: unknown method; RecipeError: an invalid argument (e.g. the scheme).
