@@ -87,7 +87,7 @@ def add_cli(sub: Any) -> None:
         "--observer",
         choices=["minmax", "mse"],
         help="quantization: weight range observer, minmax (default, as llm-compressor) or mse (range shrunk to the "
-        "smallest error; SmolLM2 W4A16 perplexity 58.6 -> 51.5 for 4-12%% more time)",
+        "smallest error; SmolLM2 GPTQ W4A16 group 64 perplexity 57.1 -> 50.9, dense 42.9, for ~15%% more time)",
     )
     p.add_argument("--dataset", help="calibration text/JSONL file or HF dataset name (default: model-generated text)")
     p.add_argument("--num-samples", type=int, default=32, help="calibration windows (default 32)")

@@ -17,6 +17,7 @@ to use instead; pydantic's validation errors are shortened to ``field: reason``.
 from __future__ import annotations
 
 import copy
+import logging
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -26,6 +27,8 @@ from compressed_tensors.quantization.quant_scheme import PRESET_SCHEMES, preset_
 from pydantic import ValidationError
 
 __all__ = ["preset_names", "resolve_scheme", "weight_args"]
+
+logger = logging.getLogger(__name__)
 
 #: Weight strategies the modifiers implement.
 _WEIGHT_STRATEGIES = (QuantizationStrategy.TENSOR, QuantizationStrategy.CHANNEL, QuantizationStrategy.GROUP)
@@ -109,6 +112,15 @@ def resolve_scheme(scheme: Any, targets: list[str]) -> QuantizationScheme:
         msg = f"scheme must be a preset name ({', '.join(preset_names()[:6])}, ...) or a mapping, got {scheme!r}"
         raise ValueError(msg)
     _check_supported(resolved)
+    acts = resolved.input_activations
+    if acts is not None and acts.num_bits <= 4 and acts.type == "int":
+        logger.warning(
+            "scheme %s quantizes activations to %d-bit integers, which without rotations (QuaRot, SpinQuant) or "
+            "calibrated clipping scales (neither is applied here) usually ruins the model's perplexity; W4A16 or "
+            "W8A8 keep it",
+            scheme if isinstance(scheme, str) else "given",
+            acts.num_bits,
+        )
     return resolved
 
 
