@@ -200,10 +200,11 @@ class Needs(Modifier):
 def test_cli_explain_a_modifier_with_required_arguments_names_them(registry, capsys, monkeypatch, tmp_path) -> None:
     monkeypatch.chdir(tmp_path)
     registry.register(Needs)
-    assert main(["explain", "Needs"]) == 1
-    assert capsys.readouterr().err == (
-        "llmc-fsm explain: error: Needs needs rate (no default); its other arguments: steps=3, names=[]. See its "
-        "plan with a recipe that sets it: llmc-fsm explain 's: {Needs: {rate: VALUE}}'\n"
+    assert main(["explain", "Needs"]) == 0  # lists its arguments (issue 27: it used to be an error)
+    assert capsys.readouterr().out == (
+        "Needs: arguments (default):\n  rate = (required)\n  steps = 3\n  names = []\n"
+        "No plan with the defaults alone: rate (no default). See its plan with a recipe that sets what it needs, "
+        "e.g. llmc-fsm explain 's: {Needs: {rate: VALUE}}'\n"
     )
     assert main(["explain", "s: {Needs: {rate: 0.5}}"]) == 0
     assert "arguments: rate=0.5, steps=3 (default), names=[] (default)" in capsys.readouterr().out

@@ -455,15 +455,15 @@ def test_rerun_on_saved_model_skips_stages_already_applied(tmp_path, caplog):
     (saved / "recipe.yaml").write_text(first.to_yaml(applied=True), encoding="utf-8")
     again = {"prune": {"MagnitudePruningModifier": {"sparsity": 0.7}}, "more": {"WandaPruningModifier": {}}}
     with caplog.at_level("WARNING"):
-        merged = merge_saved_recipe(resolve_recipe(again), saved, generated=False)
-    assert [(s.name, s.applied) for s in merged.stages] == [("prune", True), ("more", False)]
-    differ = "its settings differ: MagnitudePruningModifier.sparsity 0.5 -> 0.7 — give the stage a new name"
-    assert differ in caplog.text
-    # a generated recipe (--method) gets a fresh stage name instead of being skipped (issue 11 case 13)
-    renamed = merge_saved_recipe(resolve_recipe(again), saved, generated=True)
-    assert [(s.name, s.applied) for s in renamed.stages] == [("prune", True), ("prune_2", False), ("more", False)]
+        merged = merge_saved_recipe(resolve_recipe(again), saved)
+    # other settings under an applied name: runs under a fresh name, saying what was applied before (issue 27)
+    assert [(s.name, s.applied) for s in merged.stages] == [("prune", True), ("prune_2", False), ("more", False)]
+    assert (
+        f"{saved} (see its recipe.yaml) already had stage 'prune' (MagnitudePruningModifier) applied; stage "
+        "'prune_2' runs on top of it (MagnitudePruningModifier.sparsity 0.5 -> 0.7)" in caplog.text
+    )
     assert merged.stages[0].modifiers[0].sparsity == 0.5  # the saved history stands
-    assert [type(m).__name__ for m in merged.modifiers] == ["WandaPruningModifier"]
+    assert [type(m).__name__ for m in merged.modifiers] == ["MagnitudePruningModifier", "WandaPruningModifier"]
     assert "sparsity: 0.5" in merged.to_yaml(applied=True)  # saved recipes spell out every setting
     # nothing new to run: a clear error before the model is loaded
     with pytest.raises(ValueError, match=r"every stage is already applied to .*saved \(see its recipe.yaml\)"):
@@ -485,8 +485,12 @@ def test_a_saved_recipe_without_applied_marks_is_history_not_run_again(tmp_path,
         {"sparsity_stage": {"SparseGPTModifier": {"sparsity": 0.5}}, "q": {"WandaPruningModifier": {}}}
     )
     with caplog.at_level("WARNING"):
-        merged = merge_saved_recipe(again, saved, generated=False)
-    assert [(s.name, s.applied) for s in merged.stages] == [("sparsity_stage", True), ("q", False)]
+        merged = merge_saved_recipe(again, saved)
+    assert [(s.name, s.applied) for s in merged.stages] == [
+        ("sparsity_stage", True),
+        ("sparsity_stage_2", False),  # other settings than the history's: runs (issue 27)
+        ("q", False),
+    ]
     assert merged.stages[0].modifiers[0].sparsity == 0.9  # the history, kept as it was
     assert (
         f"{saved / 'recipe.yaml'}: stage(s) 'sparsity_stage' not marked applied are taken as the model's history "
@@ -498,7 +502,7 @@ def test_a_saved_recipe_without_applied_marks_is_history_not_run_again(tmp_path,
     for junk in ("junk", str(saved / "recipe.yaml"), "foo: bar"):
         setattr(model, APPLIED_RECIPE_ATTR, junk)
         with caplog.at_level("WARNING"):
-            assert merge_saved_recipe(again, model, generated=False) is again
+            assert merge_saved_recipe(again, model) is again
     assert caplog.text.count(f"the model's {APPLIED_RECIPE_ATTR} attribute cannot be read as a recipe") == 3
 
 

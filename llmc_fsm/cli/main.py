@@ -7,7 +7,8 @@ Subcommands:
     oneshot     compress a model in one shot and report perplexity before/after
     report      re-print a saved one-shot report (``--plot``: draw per-layer sparsity)
 
-``llmc-fsm --version`` prints the package version.
+``llmc-fsm --version`` prints the package version. An error is one line on stderr (exit status 1); under
+``torchrun`` only rank 0 prints it (every rank exits with 1; ``-v`` shows each rank's traceback).
 
 Each subcommand lives in the module that implements it and contributes an
 ``add_cli(subparsers)`` function; this module only wires them together.
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Sequence
 
@@ -60,8 +62,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, RuntimeError, OSError) as exc:  # OSError: FileNotFoundError, PermissionError, ...
         if args.verbose:
             raise
-        print(f"llmc-fsm {args.command}: error: {exc}", file=sys.stderr)
+        if _launch_rank() == 0:  # under torchrun every rank fails alike: one line, from rank 0 (all exit 1)
+            print(f"llmc-fsm {args.command}: error: {exc}", file=sys.stderr)
         return 1
+
+
+def _launch_rank() -> int:
+    """This process's rank as ``torchrun`` set it (``RANK`` with ``WORLD_SIZE`` > 1), else 0."""
+    try:
+        return int(os.environ.get("RANK", "0")) if int(os.environ.get("WORLD_SIZE", "1")) > 1 else 0
+    except ValueError:
+        return 0
 
 
 if __name__ == "__main__":  # pragma: no cover

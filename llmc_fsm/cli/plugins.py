@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from llmc_fsm.core.errors import RecipeError
 from llmc_fsm.core.registry import DISABLE_ENV, get_registry
 from llmc_fsm.recipes.llmcompressor import unimplemented_note
 from llmc_fsm.session.explain import explain
@@ -64,16 +65,13 @@ def _run_modifiers(args: argparse.Namespace) -> int:
     return 0
 
 
-def _modifier_recipe(name: str) -> dict:
-    """The one-modifier recipe ``{"defaults": {name: {}}}`` that ``llmc-fsm explain NAME`` shows.
+def _modifier_info(name: str) -> Any:
+    """The registry entry of modifier ``name``.
 
     Raises:
         ValueError: ``name`` is not a registered modifier (the registry's unknown-modifier message: suggestions,
-            known modifiers, llm-compressor modifiers not implemented, plugins that failed to load or are disabled);
-            or the modifier has arguments without a default (listed with the others and their defaults).
+            known modifiers, llm-compressor modifiers not implemented, plugins that failed to load or are disabled).
     """
-    import attrs
-
     registry = get_registry()
     info = registry.info(name)
     if info is None:
@@ -82,18 +80,37 @@ def _modifier_recipe(name: str) -> dict:
         if registry.disabled:
             msg += f" Disabled through {DISABLE_ENV}: {', '.join(sorted({d.distribution for d in registry.disabled}))}."
         raise ValueError(msg)
+    return info
+
+
+def _modifier_plan(name: str, state: list[str]) -> str:
+    """What ``llmc-fsm explain NAME`` prints: the plan of ``{"defaults": {name: {}}}`` when every argument has a
+    default that forms a valid modifier; otherwise its arguments with their defaults and what must be set.
+
+    Raises:
+        ValueError: ``name`` is not a registered modifier.
+    """
+    import attrs
+
+    info = _modifier_info(name)
     schedule = ("start", "end", "update")  # explain shows them as the schedule, not as arguments
     fields = [f for f in attrs.fields(info.cls) if f.init and f.name not in schedule] if attrs.has(info.cls) else []
     required = [f.alias for f in fields if f.default is attrs.NOTHING]
-    if required:
-        others = ", ".join(f"{f.alias}={_default(f.default)}" for f in fields if f.default is not attrs.NOTHING)
-        msg = (
-            f"{name} needs {', '.join(required)} (no default); its other arguments: {others or 'none'}. See its "
-            f"plan with a recipe that sets {'them' if len(required) > 1 else 'it'}: "
-            f"llmc-fsm explain 's: {{{name}: {{{', '.join(f'{r}: VALUE' for r in required)}}}}}'"
-        )
-        raise ValueError(msg)
-    return {"defaults": {name: {}}}
+    why = f"{', '.join(required)} (no default)" if required else None
+    if why is None:
+        try:
+            return _plan({"defaults": {name: {}}}, state)
+        except (RecipeError, ValueError) as exc:  # the defaults alone are not a valid modifier (e.g. no sparsity)
+            why = str(exc).rsplit(": ", 1)[-1] if isinstance(exc, RecipeError) else str(exc)
+    lines = [f"{name}: arguments (default):"]
+    lines += [f"  {f.alias} = {_default(f.default) if f.default is not attrs.NOTHING else '(required)'}" for f in fields]
+    unset = [f.alias for f in fields if f.default is None][:1]  # e.g. sparsity, when the defaults alone fail
+    example = ", ".join(f"{r}: VALUE" for r in required or unset) or "ARGUMENT: VALUE"
+    lines.append(
+        f"No plan with the defaults alone: {why}. See its plan with a recipe that sets what it needs, e.g. "
+        f"llmc-fsm explain 's: {{{name}: {{{example}}}}}'"
+    )
+    return "\n".join(lines) + "\n"
 
 
 def _default(default: object) -> str:
@@ -110,7 +127,8 @@ def _run_explain(args: argparse.Namespace) -> int:
 
     recipe = args.recipe
     if not os.path.exists(recipe) and recipe.isidentifier():
-        recipe = _modifier_recipe(recipe)  # a modifier's name: its plan with every argument at its default
+        print(_modifier_plan(recipe, args.state), end="")  # a modifier's name: its plan with the defaults
+        return 0
     session = Session(recipe)
     if args.state:
         session.update_state(**dict.fromkeys(args.state, True))
@@ -118,6 +136,13 @@ def _run_explain(args: argparse.Namespace) -> int:
         session.update_state(model=_meta_model(args.model))
     print(explain(session), end="")
     return 0
+
+
+def _plan(recipe: Any, state: list[str]) -> str:
+    session = Session(recipe)
+    if state:
+        session.update_state(**dict.fromkeys(state, True))
+    return explain(session)
 
 
 def _meta_model(directory: str) -> Any:

@@ -13,8 +13,13 @@ in-place operation that autograd can see: ``mul_``, ``copy_``,
 before the hook (one integer read per parameter, ~40 ns) and compared after a
 failure. Watched are the parameters of the modifier's
 :attr:`~llmc_fsm.Modifier.resolved_targets`; for ``on_initialize`` (targets are
-not known yet) every parameter of the modules in the state. Writes through
-``tensor.data`` bypass the counter and are not detected.
+not known yet) and for the session hooks of a modifier that declares no targets
+(it may change any weight, e.g. ``lm_head``), every parameter of the modules in
+the state (:func:`module_parameters`). So the per-event cost of a modifier with
+targets stays one read per targeted parameter, and a change such a modifier
+makes *outside* its targets is not seen (nor are changes in the torch hooks of a
+modifier without targets). Writes through ``tensor.data`` bypass the counter and
+are not detected.
 """
 
 from __future__ import annotations

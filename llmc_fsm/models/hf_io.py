@@ -5,7 +5,9 @@
   only ``config.json`` or a truncated ``model.safetensors`` fails with one line
   naming the file; a directory without tokenizer files loads with tokenizer ``None``.
 * :func:`load_hub` loads ``org/name`` through ``from_pretrained`` and the Hugging
-  Face cache; failures name the ID, ``HF_HUB_OFFLINE`` and the cache searched.
+  Face cache; failures name the ID, ``HF_HUB_OFFLINE`` and the cache searched. When the Hub cannot be reached
+  (:func:`hub_unreachable`, one TCP connection, 3 s at most), a cached model loads from the cache and an
+  uncached one fails at once instead of after ``from_pretrained``'s retries.
 * :func:`fix_safetensors_permissions` undoes the ``0600`` mode safetensors >= 0.8
   gives the files it writes.
 """
@@ -16,6 +18,8 @@ import json
 import logging
 import os
 import re
+import socket
+import urllib.parse
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -29,6 +33,7 @@ __all__ = [
     "current_umask",
     "dtype_kwargs",
     "fix_safetensors_permissions",
+    "hub_unreachable",
     "load_hf_dir",
     "load_hub",
     "looks_like_hub_id",
@@ -209,6 +214,25 @@ def looks_like_hub_id(key: str) -> bool:
     return re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", key) is not None and ".." not in key
 
 
+def hub_unreachable(endpoint: str, timeout_s: float = 3.0) -> str | None:
+    """Why a TCP connection to the Hub ``endpoint`` (a URL) cannot be opened within ``timeout_s`` s, or ``None``.
+
+    ``None`` without trying when a proxy is configured (``HTTPS_PROXY``, ``HTTP_PROXY``, ``ALL_PROXY``, any case):
+    the Hub is then reached through it, and ``from_pretrained`` reports what fails.
+    """
+    if any(os.environ.get(k) for k in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")):
+        return None
+    parts = urllib.parse.urlsplit(endpoint)
+    if not parts.hostname:
+        return f"no host in {endpoint!r}"
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    try:
+        with socket.create_connection((parts.hostname, port), timeout=timeout_s):
+            return None
+    except OSError as err:
+        return f"{parts.hostname}:{port}: {err.strerror or err}"
+
+
 def load_hub(model_id: str, torch_dtype: torch.dtype) -> tuple[PreTrainedModel, PreTrainedTokenizerBase | None]:
     """Load ``model_id`` (``org/name``) with ``from_pretrained`` through the Hugging Face cache.
 
@@ -231,8 +255,23 @@ def load_hub(model_id: str, torch_dtype: torch.dtype) -> tuple[PreTrainedModel, 
     offline = bool(constants.HF_HUB_OFFLINE)
     where = f"HF_HUB_OFFLINE={int(offline)}, Hugging Face cache searched: {constants.HF_HUB_CACHE}"
     logger.info("loading %s from the Hugging Face Hub (%s)", model_id, where)
+    local_only = offline
+    if not offline:
+        unreachable = hub_unreachable(constants.ENDPOINT)
+        if unreachable is not None:  # without a network, from_pretrained retries for ~25 s, warning twice a try
+            if not isinstance(try_to_load_from_cache(model_id, "config.json"), str):
+                msg = (
+                    f"model {model_id!r} is not a known name or a local directory, and as a Hugging Face Hub model "
+                    f"ID it is not in the cache ({where}) and the Hub cannot be reached ({unreachable}): connect to "
+                    "the network, point HF_HUB_CACHE at a cache that holds it, or pass a local model directory"
+                )
+                raise RuntimeError(msg)
+            local_only = True
+            logger.warning("the Hugging Face Hub cannot be reached (%s): loading %s from the cache", unreachable, model_id)
     try:
-        model = AutoModelForCausalLM.from_pretrained(model_id, **dtype_kwargs(torch_dtype))
+        model = AutoModelForCausalLM.from_pretrained(
+            model_id, **dtype_kwargs(torch_dtype), **({"local_files_only": True} if local_only else {})
+        )
     except (OSError, ValueError, SafetensorError) as err:
         cached = isinstance(try_to_load_from_cache(model_id, "config.json"), str)
         if offline and not cached:
@@ -248,7 +287,7 @@ def load_hub(model_id: str, torch_dtype: torch.dtype) -> tuple[PreTrainedModel, 
             )
         raise RuntimeError(msg) from err
     try:
-        tokenizer = AutoTokenizer.from_pretrained(model_id)
+        tokenizer = AutoTokenizer.from_pretrained(model_id, **({"local_files_only": True} if local_only else {}))
     except (OSError, ValueError) as err:
         logger.warning("%s: no tokenizer loaded (%s); only token-id data can be used", model_id, _first_line(err))
         tokenizer = None

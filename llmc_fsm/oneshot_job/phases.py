@@ -43,7 +43,7 @@ from llmc_fsm.oneshot_job.resume import (
     save_eval_before,
     save_windows,
 )
-from llmc_fsm.oneshot_job.settings import GENERATED, OneshotSettings, generated_recipe
+from llmc_fsm.oneshot_job.settings import OneshotSettings, generated_recipe
 from llmc_fsm.output.directory import check_output_dir
 from llmc_fsm.output.save import quantized_weights_as_compressed, weights_disk_bytes, write_output
 from llmc_fsm.output.workdir import WorkDir, recover_previous
@@ -229,13 +229,13 @@ def _sessions(model: Any, recipe: Any, fuse_stages: bool) -> tuple[Recipe, list[
 
     recipe = generated_recipe() if recipe is None else resolve_recipe(recipe)
     recipe = without_training_stages(recipe)
-    merged = merge_saved_recipe(recipe, model, generated=recipe.source == GENERATED)
+    merged = merge_saved_recipe(recipe, model)
     fresh = [stage for stage in merged.stages if not stage.applied]
     if not fresh:
         msg = (
             "the recipe has no modifier to run: every stage is already applied"
             + (f" to {model} (see its recipe.yaml)" if isinstance(model, str | os.PathLike) else "")
-            + "; give a recipe with a new stage name"
+            + " with the same settings; nothing to do (change a setting or the method to compress further)"
         )
         raise ValueError(msg)
     if fuse_stages or len(fresh) == 1:

@@ -414,8 +414,9 @@ GENERATED = "generated from --method/--sparsity/--mask-structure/--scheme/--grou
 def generated_recipe(*args: Any, **kw: Any) -> Recipe:
     """:func:`default_recipe` (same arguments) as a :class:`~llmc_fsm.Recipe` whose source is :data:`GENERATED`.
 
-    Run again on a saved output, a generated recipe's stage whose name was already
-    applied runs under a fresh name (``sparsity_stage_2``) instead of being skipped.
+    Run again on a saved output, its stage is skipped when the same settings were applied, and otherwise runs
+    (under a fresh name, ``sparsity_stage_2``, when its name was applied); see
+    :func:`llmc_fsm.recipes.history.merge_saved_recipe`.
 
     Raises:
         ValueError: unknown method; RecipeError: an invalid argument (e.g. the scheme).
@@ -484,7 +485,7 @@ class RecipeFlags:
     observer: str | None = _setting(
         None,
         "quantization: weight range observer, minmax (default, as llm-compressor) or mse (range shrunk to the "
-        "smallest error; SmolLM2 W4A16 perplexity 58.6 -> 51.5 for 4-12%% more time)",
+        "smallest error; SmolLM2 GPTQ W4A16 group 64 perplexity 57.1 -> 50.9, dense 42.9, for ~15%% more time)",
         flag="--observer",
         cli={"choices": ["minmax", "mse"]},
         cli_only=True,

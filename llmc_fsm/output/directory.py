@@ -1,7 +1,7 @@
 """The output directory of the one-shot job, checked before any work: writable, empty or replaceable, not the source.
 
 * :func:`check_output_dir` — every check that needs no model (exists, empty, writable, not the working directory);
-* :func:`check_output_not_source` — not the directory the model is read from, nor one containing it.
+* :func:`check_output_not_source` — not the directory the model is read from, nor one containing it or inside it.
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ def check_output_dir(output_dir: str | os.PathLike[str] | None, overwrite: bool)
 
 
 def check_output_not_source(output_dir: Any, model: Any) -> None:
-    """Refuse an output directory that is, or contains, the directory the model is read from.
+    """Refuse an output directory that is, contains, or is inside the directory the model is read from.
 
     ``model`` is a directory path, a known model name (its cache directory) or a loaded transformers model (its
     ``name_or_path``). The output replaces its
@@ -113,12 +113,20 @@ def check_output_not_source(output_dir: Any, model: Any) -> None:
         known = isinstance(candidate, str) and candidate in KNOWN_MODELS and not source.is_dir()
         if known:  # read from its cache directory, which need not exist yet
             source = (cache_root() / "models" / candidate).resolve()
-        if (known or source.is_dir()) and (out == source or out in source.parents):
+        if not (known or source.is_dir()):
+            continue
+        suggestion = f"choose a new directory (e.g. {str(source) + '-compressed'!r})"
+        if out == source or out in source.parents:
             relation = "is" if out == source else "contains"
             msg = (
                 f"output directory {str(out)!r} {relation} the directory the model is read from ({str(source)!r}), "
-                f"and the output replaces the whole directory: choose a new directory (e.g. "
-                f"{str(source) + '-compressed'!r})"
+                f"and the output replaces the whole directory: {suggestion}"
+            )
+            raise ValueError(msg)
+        if source in out.parents:
+            msg = (
+                f"output directory {str(out)!r} is inside the directory the model is read from ({str(source)!r}): "
+                f"the output and its work directory would be mixed into the model's files: {suggestion}"
             )
             raise ValueError(msg)
 

@@ -19,16 +19,23 @@ whose owner is gone is *stale*: without saved layers it is cleared and reused;
 with saved layers it is resumed with ``resume=True`` (``--resume``) when its
 fingerprint matches, and otherwise reported (size, how to resume or remove it)
 and left as it is. On failure (:meth:`WorkDir.abort`) the partial output is
-removed; saved layers are kept only after an interruption (Ctrl-C, SIGTERM) or
-an ``OSError`` (e.g. a full disk), and the exception gets a note saying where.
+removed; saved layers are kept after an interruption (Ctrl-C, SIGTERM) or any
+write failure (:func:`write_failure`: an ``OSError`` such as a full disk or a
+vanished folder, or safetensors' ``SafetensorError``, which is not an
+``OSError``), and the exception gets a note saying where and that ``--resume``
+continues. A write failure that is not an ``OSError`` is raised as one (errno
+and the work directory's path), so it reads as one line like any other.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import errno
 import json
 import logging
 import os
+import re
 import shutil
 import socket
 import sys
@@ -37,11 +44,20 @@ from pathlib import Path
 from typing import Any
 
 from filelock import FileLock, Timeout
+from safetensors import SafetensorError
 
 from llmc_fsm.output.save import dir_size_bytes
 from llmc_fsm.recipes.history import settings_diff
 
-__all__ = ["LAYOUT", "WorkDir", "fingerprint_changes", "progress_summary", "recover_previous", "work_dir_path"]
+__all__ = [
+    "LAYOUT",
+    "WorkDir",
+    "fingerprint_changes",
+    "progress_summary",
+    "recover_previous",
+    "work_dir_path",
+    "write_failure",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +69,32 @@ _FINGERPRINT = "fingerprint.json"
 def work_dir_path(output: Path) -> Path:
     """``DIR/.NAME.work`` for the output directory ``DIR/NAME``."""
     return output.parent / f".{output.name}.work"
+
+
+def write_failure(exc: BaseException) -> BaseException | None:
+    """The write error behind ``exc`` — ``exc`` itself or one it was raised from or during — or ``None``.
+
+    A write error is an ``OSError`` (``ENOSPC``, a vanished directory, ...) or safetensors'
+    ``SafetensorError`` (what ``safetensors.torch.save_file`` and ``save_pretrained`` raise on a full disk).
+    """
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        if isinstance(current, OSError | SafetensorError):
+            return current
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return None
+
+
+def _as_os_error(error: BaseException, path: Path) -> OSError:
+    """``error`` (a write failure, see :func:`write_failure`) as an ``OSError`` with an errno, naming ``path``."""
+    if isinstance(error, OSError):
+        return error
+    found = re.search(r"code: (\d+)", str(error))  # safetensors: IoError(Os { code: 28, kind: StorageFull, ... })
+    if found:
+        return OSError(int(found.group(1)), os.strerror(int(found.group(1))), str(path))
+    return OSError(errno.EIO, f"writing failed (safetensors: {error})", str(path))
 
 
 def _not_writable(output: Path, parent: Path, reason: str) -> PermissionError:
@@ -242,17 +284,32 @@ class WorkDir:
         self._remove()
 
     def abort(self, exc: BaseException) -> None:
-        """Clean up after ``exc``: keep saved layers after an interruption or ``OSError``, or when this run resumed
-        them (an earlier run's progress is not this error's to discard); else remove everything."""
+        """Clean up after ``exc``: keep saved layers after an interruption or a write failure (:func:`write_failure`),
+        or when this run resumed them (an earlier run's progress is not this error's to discard); else remove
+        everything. The caller raises ``exc`` next.
+
+        Raises:
+            OSError: ``exc`` is (or was raised from) safetensors' ``SafetensorError``, which is not an ``OSError``:
+                the same failure as an ``OSError`` (its errno, this work directory's path, the note), from ``exc``.
+        """
+        written = write_failure(exc)
         if not self._settled:
             self.release()
-            return
-        if self._published:  # interrupted while removing what is left: the output is complete
+        elif self._published:  # interrupted while removing what is left: the output is complete
             self._remove()
-            return
-        shutil.rmtree(self.staging, ignore_errors=True)
+        else:
+            self._keep_or_remove(exc, written)
+        if isinstance(written, SafetensorError) and not isinstance(exc, OSError | KeyboardInterrupt):
+            error = _as_os_error(written, self.path)
+            for note in getattr(exc, "__notes__", ()):
+                error.add_note(note)
+            raise error from exc
+
+    def _keep_or_remove(self, exc: BaseException, written: BaseException | None) -> None:
+        with contextlib.suppress(OSError):  # a vanished output folder: nothing to remove there
+            shutil.rmtree(self.staging, ignore_errors=True)
         summary = progress_summary(self.progress)
-        if summary is not None and (isinstance(exc, KeyboardInterrupt | OSError) or self.resumed):
+        if summary is not None and (isinstance(exc, KeyboardInterrupt) or written is not None or self.resumed):
             exc.add_note(
                 f"progress kept in {str(self.path)!r} ({summary}): run the same command with --resume "
                 "(resume=True) to continue, or remove that directory"

@@ -1,5 +1,6 @@
-"""Which stages a one-shot run applies: not those already applied to the model (its history, read back so the new
-``recipe.yaml`` records them all), nor those of ``run_type: train``.
+"""Which stages a one-shot run applies: not those already applied to the model with the same settings (its history,
+read back so the new ``recipe.yaml`` records them all; see :func:`merge_saved_recipe`), nor those of
+``run_type: train``.
 
 A model written by ``oneshot(output_dir=...)`` carries them in ``recipe.yaml``; an
 in-memory model that ``oneshot`` returned, in its :data:`APPLIED_RECIPE_ATTR` attribute.
@@ -28,52 +29,88 @@ logger = logging.getLogger(__name__)
 APPLIED_RECIPE_ATTR = "llmc_fsm_applied_recipe"
 
 
-def merge_saved_recipe(recipe: Recipe, model: Any, generated: bool) -> Recipe:
-    """Put the stages already applied to a saved model first; skip or rename new stages of the same name.
+def merge_saved_recipe(recipe: Recipe, model: Any) -> Recipe:
+    """Put the stages already applied to ``model`` first; skip new stages applied before with the same settings.
 
-    A model written by ``oneshot(output_dir=...)`` carries ``recipe.yaml`` with its
+    The history: a model written by ``oneshot(output_dir=...)`` carries ``recipe.yaml`` with its
     stages marked ``applied`` (every stage of a model's ``recipe.yaml`` is taken as
     applied: llm-compressor writes the recipe it applied without the mark; one that
     cannot be read is left out, with a warning); an in-memory model that ``oneshot`` returned carries
-    the same YAML in its :data:`APPLIED_RECIPE_ATTR` attribute (its new stages
-    always run, renamed like a generated recipe's when a name was applied).
-    Re-running on that directory keeps those stages (so
-    the new ``recipe.yaml`` tells the model's whole history). A stage of a
-    *generated* recipe (``--method``) whose name was applied gets a fresh name
-    (``sparsity_stage_2``, ...) and runs; a stage of a given recipe whose name was
-    applied is skipped, with a warning that names the settings that differ.
+    the same YAML in its :data:`APPLIED_RECIPE_ATTR` attribute. The merged recipe keeps that history first
+    (so the new ``recipe.yaml`` tells the model's whole history).
+
+    One rule for every new stage, whatever its source (``--method`` or a recipe) and whatever the model
+    (a saved directory or an in-memory model):
+
+    * the same modifiers with the same settings were applied before (under any stage name):
+      **skipped**, with a one-line warning naming the applied stage;
+    * otherwise it **runs**; when its name was applied it runs under a fresh one
+      (``sparsity_stage_2``, ...), and when a stage of the same modifier(s) was applied with other
+      settings a one-line warning says what was applied before and what differs.
     """
 
     history = getattr(model, APPLIED_RECIPE_ATTR, None)
-    if isinstance(history, str):  # an in-memory model an earlier oneshot() compressed: its stages always run
-        saved, generated = _read_history(history, f"the model's {APPLIED_RECIPE_ATTR} attribute"), True
+    if isinstance(history, str):  # an in-memory model an earlier oneshot() compressed
+        saved, where = _read_history(history, f"the model's {APPLIED_RECIPE_ATTR} attribute"), "the model"
     elif isinstance(model, str | os.PathLike) and (Path(model) / "recipe.yaml").is_file():
+        where = f"{os.fspath(model)} (see its recipe.yaml)"
         saved = _read_history(Path(model) / "recipe.yaml", os.fspath(Path(model) / "recipe.yaml"))
     else:
         return recipe
     if saved is None:
         return recipe
-    done = {stage.name: stage for stage in saved.stages}
+    done = {stage.name: _settings(stage) for stage in saved.stages}
+    names = set(done)
     fresh = []
     for stage in recipe.stages:
-        if stage.name not in done:
-            fresh.append(stage)
-        elif generated:
-            k = 2
-            while f"{stage.name}_{k}" in done:
-                k += 1
-            fresh.append(attrs.evolve(stage, name=f"{stage.name}_{k}"))
-        else:
-            old = Recipe([done[stage.name]], saved.source).to_dict()
-            new = Recipe([stage], recipe.source).to_dict()
-            diff = settings_diff(old.get(stage.name), new.get(stage.name))
+        if stage.applied:  # marked applied in the given recipe: history too (once)
+            if stage.name not in names:
+                names.add(stage.name)
+                fresh.append(stage)
+            continue
+        settings = _settings(stage)
+        same = next((name for name, old in done.items() if old == settings), None)
+        if same is not None:
             logger.warning(
-                "stage %r was already applied to %s (see its recipe.yaml): skipped%s",
+                "stage %r (%s) was already applied to %s with the same settings (stage %r): skipped",
                 stage.name,
-                model,
-                f"; its settings differ: {diff} — give the stage a new name to apply it" if diff else "",
+                _modifier_names(settings),
+                where,
+                same,
+            )
+            continue
+        name = stage.name
+        if name in names:
+            k = 2
+            while f"{stage.name}_{k}" in names:
+                k += 1
+            name = f"{stage.name}_{k}"
+            stage = attrs.evolve(stage, name=name)
+        names.add(name)
+        fresh.append(stage)
+        similar = [(old_name, old) for old_name, old in done.items() if _modifier_names(old) == _modifier_names(settings)]
+        if similar:
+            old_name, old = similar[-1]
+            logger.warning(
+                "%s already had stage %r (%s) applied; stage %r runs on top of it (%s)",
+                where,
+                old_name,
+                _modifier_names(old),
+                name,
+                settings_diff(old, settings) or "other settings",
             )
     return Recipe([*saved.stages, *fresh], recipe.source)
+
+
+def _settings(stage: Any) -> dict[str, Any]:
+    """A stage's modifiers and schedule as plain data, without its name and ``applied`` mark."""
+    body = Recipe([stage], "").to_dict()[stage.name]
+    body.pop("applied", None)
+    return body
+
+
+def _modifier_names(settings: dict[str, Any]) -> str:
+    return ", ".join(name for entry in settings["modifiers"] for name in entry)
 
 
 def settings_diff(old: Any, new: Any, prefix: str = "") -> str:

@@ -240,7 +240,8 @@ class OneshotReport:
         split = cal.get("per_rank")
         if cal.get("num_samples"):
             lines.append(
-                f"calibration: {cal.get('num_samples')} x {cal.get('seq_len')} tokens from {cal.get('source')}"
+                f"calibration: {cal.get('num_samples')} x {cal.get('seq_len')} tokens "
+                + (f"{source}" if str(source := cal.get("source")).startswith("generated ") else f"from {source}")
                 + (f" (split over {len(split)} ranks: {' + '.join(map(str, split))})" if split else "")
             )
         else:

@@ -8,13 +8,14 @@ directly, so no pyplot state or GUI backend is involved.
 from __future__ import annotations
 
 import os
+import textwrap
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from llmc_fsm.report.build import OneshotReport
 
-__all__ = ["QUANT_KEYS", "check_plot_path", "plot_report"]
+__all__ = ["QUANT_KEYS", "check_plot_path", "error_panel_title", "plot_report", "quantization_summary"]
 
 #: Per-module keys of a report's ``sparsity.modules`` entries that carry quantization results.
 QUANT_KEYS = ("bits", "group_size", "rel_output_error")
@@ -109,7 +110,37 @@ def _sparsity_panel(
     ax.yaxis.set_major_formatter("{x:.0%}")
     ax.set_ylabel("sparsity (exact zeros)")
     ax.grid(axis="y", alpha=0.3)
-    ax.set_title(f"{report.model}: sparsity of targeted weights (total {report.total_sparsity:.2%})", fontsize=10)
+    title = f"{report.model}: sparsity of targeted weights (total {report.total_sparsity:.2%})"
+    quantized = quantization_summary(entries)
+    if quantized:
+        title += f"; {quantized}"
+        if report.total_sparsity < 0.05 and not any(e.get("rel_output_error") is not None for e in entries):
+            ax.text(
+                0.5,
+                0.55,
+                f"nothing pruned: the model is {quantized}\n(no relative output error was measured)",
+                transform=ax.transAxes,
+                ha="center",
+                va="center",
+                fontsize=10,
+            )
+    ax.set_title(_wrapped(title), fontsize=10)
+
+
+def quantization_summary(entries: Sequence[Mapping[str, Any]]) -> str:
+    """``"quantized: 8 bits on 14 modules"`` (bits and group sizes of the entries that carry ``bits``), or ``""``."""
+    quantized = [e for e in entries if e.get("bits") is not None]
+    if not quantized:
+        return ""
+    bits = "/".join(sorted({str(e["bits"]) for e in quantized}))
+    groups = sorted({str(e["group_size"]) for e in quantized if e.get("group_size") is not None})
+    group = f", group size {'/'.join(groups)}" if groups else ""
+    return f"quantized: {bits} bits{group} on {len(quantized)} modules"
+
+
+def _wrapped(title: str, width: int = 100) -> str:
+    """``title`` broken into lines of at most ``width`` characters (a line of the 11-inch figure holds ~130)."""
+    return textwrap.fill(title, width=width, break_long_words=False, break_on_hyphens=False)
 
 
 def _error_panel(ax: Any, entries: Sequence[Mapping[str, Any]], colors: dict[str, str]) -> None:
@@ -133,7 +164,7 @@ def _error_panel(ax: Any, entries: Sequence[Mapping[str, Any]], colors: dict[str
     ax.set_ylabel("relative output error")
     ax.set_ylim(bottom=0)
     ax.grid(axis="y", alpha=0.3)
-    ax.set_title(error_panel_title(quant), fontsize=10)
+    ax.set_title(_wrapped(error_panel_title(quant)), fontsize=10)
 
 
 def error_panel_title(entries: Sequence[Mapping[str, Any]]) -> str:

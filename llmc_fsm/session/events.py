@@ -5,8 +5,10 @@ the order with one lookup in :data:`~llmc_fsm.core.lifecycle.EVENT_ORDER`, and
 ``_dispatch`` calls the modifiers :class:`~llmc_fsm.session.scheduling.Schedule`
 resolved for the event. Each public event holds the session's lock; each hook
 call is guarded (:mod:`llmc_fsm.core.guard`): the version counters of the
-modifier's targeted parameters are read before it (nothing for modifiers
-without targets) and compared only if it raises.
+modifier's targeted parameters are read before it and compared only if it
+raises. A modifier without declared targets may change any weight, so around
+its hooks the counters of every parameter of the modules in the state (the
+model, a teacher...) are read; modifiers with targets do not pay for that.
 """
 
 from __future__ import annotations
@@ -96,8 +98,9 @@ class SessionEvents:
         if modified:
             then = "The session refuses further events and removed every modifier's hooks."
         else:
+            checked = "targeted parameter" if slot.modifier.resolved_targets else "parameter of the model"
             then = (
-                "No targeted parameter was changed. The event counts as delivered; modifiers after this one did "
+                f"No {checked} was changed. The event counts as delivered; modifiers after this one did "
                 "not see it. Continue, or finalize()/reset() the session."
             )
         error = failure(slot.label, hook, exc, during=during, modified=modified, then=then)
@@ -181,11 +184,21 @@ class SessionEvents:
     def loss_calculated(self, loss: Any) -> Any:
         """The batch loss is known; returns the loss, possibly replaced by modifiers (e.g. distillation).
 
+        Args:
+            loss: the batch's loss (a tensor, or a number); not ``None``.
+
         Raises:
             LifecycleError: not initialized, finalized, or a failed hook modified the model.
             EventOrderError: not after ``batch_start``.
+            ValueError: ``loss`` is ``None`` (the session is left as it was).
             ModifierError: a modifier hook raised.
         """
+        if loss is None:
+            msg = (
+                "loss_calculated(loss) got None: pass the batch's loss (e.g. outputs.loss of a forward pass with "
+                "labels); modifiers such as distillation add to it or replace it"
+            )
+            raise ValueError(msg)
         with self._lock:
             ev = self._enter("loss_calculated")
             ev.loss = loss

@@ -199,10 +199,24 @@ class Session(SessionCheckpoints):
                     raise self._initialize_failed(slot, exc, len(done), changed(watched, before)) from exc
                 done.append(slot)
             self._schedule.watch()
+            self._watch_whole_model(full)
             self._state = full
             self._position = "idle"
             self._schedule.begin()
             self._fire("initialize")
+
+    def _watch_whole_model(self, state: State) -> None:
+        """Guard the hooks of modifiers without declared targets with every parameter of the state's modules.
+
+        A modifier that declares no targets may change any weight (e.g. ``lm_head``), so a failure in its hooks
+        compares the version counters of every parameter of ``model`` (and ``teacher``...). The reads happen only
+        around the hooks of such modifiers: modifiers with targets keep watching their targets alone.
+        """
+        whole = None
+        for slot in self._schedule.slots:
+            if not slot.watched[1]:
+                whole = module_parameters(state) if whole is None else whole
+                slot.watched = whole
 
     def _initialize_failed(self, slot: Slot, exc: Exception, done: int, modified: list[str]) -> ModifierError:
         if modified:

@@ -413,11 +413,13 @@ class GPTQModifier(QuantizingModifier):
                 and self.block_size % args.group_size
                 and (args.group_size % self.block_size)
             ):
+                fit = next(g for g in (64, 32, 16, 8, 4, 2, 1) if self.block_size % g == 0)
                 msg = (
                     f"group_size {args.group_size} and GPTQ's block_size {self.block_size} (columns per lazy update) "
-                    "must divide one another: use a power-of-two group size (e.g. 32, 64, 128), or a block_size "
-                    f"that is a multiple of {args.group_size} (CLI: --block-size {args.group_size}; recipe: "
-                    f"block_size: {args.group_size})"
+                    f"must divide one another: use a group size that divides {self.block_size} and every targeted "
+                    f"layer's input width (e.g. CLI: --group-size {fit}; recipe: group_size: {fit}), or, only if "
+                    f"every targeted layer's input width is a multiple of {args.group_size}, a block_size that is a "
+                    f"multiple of it (CLI: --block-size {args.group_size}; recipe: block_size: {args.group_size})"
                 )
                 raise ValueError(msg)
 

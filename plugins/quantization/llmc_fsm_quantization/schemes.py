@@ -17,6 +17,7 @@ to use instead; pydantic's validation errors are shortened to ``field: reason``.
 from __future__ import annotations
 
 import copy
+import logging
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -32,6 +33,8 @@ from llmc_fsm_quantization.observers import IMPORTANCE_OBSERVERS, OBSERVERS, is_
 STATIC_INPUT_OBSERVERS = ("minmax", "static_minmax", "memoryless_minmax")
 
 __all__ = ["STATIC_INPUT_OBSERVERS", "preset_names", "resolve_config_groups", "resolve_scheme", "weight_args"]
+
+logger = logging.getLogger(__name__)
 
 #: Weight strategies the modifiers implement.
 _WEIGHT_STRATEGIES = (
@@ -121,6 +124,15 @@ def resolve_scheme(scheme: Any, targets: list[str]) -> QuantizationScheme:
         msg = f"scheme must be a preset name ({', '.join(preset_names()[:6])}, ...) or a mapping, got {scheme!r}"
         raise ValueError(msg)
     _check_supported(resolved)
+    acts = resolved.input_activations
+    if acts is not None and acts.num_bits <= 4 and acts.type == "int":
+        logger.warning(
+            "scheme %s quantizes activations to %d-bit integers, which without rotations (QuaRot, SpinQuant) or "
+            "calibrated clipping scales (neither is applied here) usually ruins the model's perplexity; W4A16 or "
+            "W8A8 keep it",
+            scheme if isinstance(scheme, str) else "given",
+            acts.num_bits,
+        )
     return resolved
 
 

@@ -185,9 +185,13 @@ def test_block_size_message_names_the_cli_flag_and_the_recipe_field() -> None:
     with pytest.raises(ValueError) as info:
         GPTQModifier(scheme={"preset": "W4A16", "weights": {"group_size": 48}})
     assert str(info.value) == (
-        "group_size 48 and GPTQ's block_size 128 (columns per lazy update) must divide one another: use a "
-        "power-of-two group size (e.g. 32, 64, 128), or a block_size that is a multiple of 48 (CLI: --block-size 48; "
-        "recipe: block_size: 48)"
+        "group_size 48 and GPTQ's block_size 128 (columns per lazy update) "
+        + (
+            "must divide one another: use a group size that divides 128 and every targeted layer's input wid"
+            "th (e.g. CLI: --group-size 64; recipe: group_size: 64), or, only if every targeted layer's inpu"
+            't width is a multiple of 48, a block_size that is a multiple of it (CLI: --block-size 48; recip'
+            'e: block_size: 48)'
+        )
     )
     assert GPTQModifier(scheme={"preset": "W4A16", "weights": {"group_size": 48}}, block_size=96).block_size == 96
 

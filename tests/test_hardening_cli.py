@@ -1,0 +1,170 @@
+"""Issue 27: what a new user trips on — explain of a modifier needing an argument, advice that must itself work,
+output inside the source model, an offline Hub ID, torchrun ranks repeating errors, W4A4, the report's wording."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+
+import pytest
+import torch
+
+import llmc_fsm
+from llmc_fsm.cli.main import main
+from llmc_fsm.core.registry import get_registry
+
+pytest.importorskip("llmc_fsm_pruning")
+
+
+# --------------------------------------------------------------------------- explain NAME
+def test_explain_magnitude_pruning_lists_its_arguments_and_its_example_is_accepted(capsys):
+    assert main(["explain", "MagnitudePruningModifier"]) == 0
+    out = capsys.readouterr().out
+    assert out == (
+        "MagnitudePruningModifier: arguments (default):\n  sparsity = None\n  init_sparsity = None\n"
+        "  final_sparsity = None\n  mask_structure = 'unstructured'\n  targets = ['Linear']\n  ignore = ['lm_head']\n"
+        "No plan with the defaults alone: give sparsity (one-shot) or init_sparsity + final_sparsity (gradual). See "
+        "its plan with a recipe that sets what it needs, e.g. llmc-fsm explain "
+        "'s: {MagnitudePruningModifier: {sparsity: VALUE}}'\n"
+    )
+    example = out.rsplit("llmc-fsm explain ", 1)[1].strip().strip("'").replace("VALUE", "0.5")
+    assert main(["explain", example]) == 0  # the advice works
+    assert "MagnitudePruningModifier" in capsys.readouterr().out
+
+
+def test_explain_every_registered_modifier_name_answers_without_error(capsys):
+    for info in get_registry().infos():
+        assert main(["explain", info.name]) == 0, capsys.readouterr().err
+        assert capsys.readouterr().err == ""
+
+
+# --------------------------------------------------------------------------- advice that must work
+def test_the_group_size_advice_is_accepted():
+    pytest.importorskip("llmc_fsm_quantization")
+    from llmc_fsm_quantization import GPTQModifier
+
+    with pytest.raises(ValueError) as info:
+        GPTQModifier(scheme={"preset": "W4A16", "weights": {"group_size": 100}})
+    msg = str(info.value)
+    assert "e.g. CLI: --group-size 64; recipe: group_size: 64" in msg
+    assert "only if every targeted layer's input width is a multiple of 100" in msg
+    assert "--block-size 100" in msg
+    assert GPTQModifier(scheme={"preset": "W4A16", "weights": {"group_size": 64}}).weight_args.group_size == 64
+    assert all(width % 64 == 0 for width in (576, 1536))  # SmolLM2-135M's input widths take the suggested size
+    assert GPTQModifier(scheme={"preset": "W4A16", "weights": {"group_size": 100}}, block_size=100).block_size == 100
+
+
+def test_the_per_channel_preset_advice_is_accepted():
+    pytest.importorskip("llmc_fsm_quantization")
+    from llmc_fsm_quantization import GPTQModifier
+
+    with pytest.raises(ValueError) as info:
+        GPTQModifier(scheme={"preset": "W8A8", "weights": {"group_size": 64}})
+    assert str(info.value).endswith("or set weights: {strategy: group, group_size: 64}")
+    accepted = GPTQModifier(scheme={"preset": "W8A8", "weights": {"strategy": "group", "group_size": 64}})
+    assert accepted.weight_args.group_size == 64
+    assert GPTQModifier(scheme="W4A16").weight_args.group_size == 128  # the group-wise preset it names
+
+
+# --------------------------------------------------------------------------- output inside the source model
+def test_an_output_inside_the_source_model_directory_is_refused_before_anything(tiny_model_dir, tmp_path, capsys):
+    model_dir, text = tiny_model_dir
+    before = sorted(p.name for p in model_dir.rglob("*"))
+    out = model_dir / "compressed"
+    assert main(["oneshot", "--model", str(model_dir), "--dataset", str(text), "--output", str(out)]) == 1
+    assert capsys.readouterr().err == (
+        f"llmc-fsm oneshot: error: output directory {str(out)!r} is inside the directory the model is read from "
+        f"({str(model_dir)!r}): the output and its work directory would be mixed into the model's files: choose a "
+        f"new directory (e.g. {str(model_dir) + '-compressed'!r})\n"
+    )
+    assert sorted(p.name for p in model_dir.rglob("*")) == before
+
+
+# --------------------------------------------------------------------------- an offline Hub model ID
+def test_an_unreachable_hub_fails_at_once_for_an_uncached_model(tmp_path, monkeypatch):
+    pytest.importorskip("transformers")
+    from huggingface_hub import constants
+
+    from llmc_fsm.models.hf_io import load_hub
+
+    for key in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")  # the discard port: nothing listens
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
+
+    def no_download(*a, **k):
+        raise AssertionError("from_pretrained was called")
+
+    monkeypatch.setattr("transformers.AutoModelForCausalLM.from_pretrained", no_download)
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError) as info:
+        load_hub("nobody-here/no-such-model", torch.float32)
+    assert time.monotonic() - t0 < 5
+    assert str(info.value).startswith(
+        "model 'nobody-here/no-such-model' is not a known name or a local directory, and as a Hugging Face Hub "
+        f"model ID it is not in the cache (HF_HUB_OFFLINE=0, Hugging Face cache searched: {tmp_path}) and the Hub "
+        "cannot be reached (127.0.0.1:9: "
+    )
+    assert str(info.value).endswith(
+        "): connect to the network, point HF_HUB_CACHE at a cache that holds it, or pass a local model directory"
+    )
+    assert list(tmp_path.iterdir()) == []
+
+
+# --------------------------------------------------------------------------- torchrun: one error line
+@pytest.mark.parametrize(("rank", "printed"), [("0", True), ("1", False)])
+def test_under_torchrun_only_rank_0_prints_the_error_line(monkeypatch, capsys, rank, printed):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", rank)
+    monkeypatch.setattr(sys.modules["llmc_fsm.cli.main"], "process_group_from_env", _no_group)
+    assert main(["explain", "/nonexistent/recipe.yaml"]) == 1
+    err = capsys.readouterr().err
+    assert (err.startswith("llmc-fsm explain: error: ") and err.count("\n") == 1) if printed else err == ""
+
+
+class _no_group:
+    def __enter__(self):
+        return False
+
+    def __exit__(self, *exc):
+        return False
+
+
+# --------------------------------------------------------------------------- W4A4 warns
+def test_w4a4_warns_in_one_line(caplog):
+    pytest.importorskip("llmc_fsm_quantization")
+    from llmc_fsm_quantization import QuantizationModifier
+
+    with caplog.at_level(logging.WARNING, logger="llmc_fsm_quantization.schemes"):
+        QuantizationModifier(scheme="W4A4")
+        QuantizationModifier(scheme="W8A8")
+    assert [r.getMessage() for r in caplog.records] == [
+        "scheme W4A4 quantizes activations to 4-bit integers, which without rotations (QuaRot, SpinQuant) or "
+        "calibrated clipping scales (neither is applied here) usually ruins the model's perplexity; W4A16 or W8A8 "
+        "keep it"
+    ]
+
+
+# --------------------------------------------------------------------------- the report's wording
+def test_the_report_says_tokens_generated_by_the_model(tiny_model_dir):
+    pytest.importorskip("transformers")
+    from llmc_fsm.report.build import OneshotReport
+
+    report = OneshotReport.from_dict(
+        {**_minimal_report(), "calibration": {"num_samples": 4, "seq_len": 8, "source": "generated by the model (seed 0, 8 prompts)"}}
+    )
+    line = report.format_table().splitlines()[1]
+    assert line == "calibration: 4 x 8 tokens generated by the model (seed 0, 8 prompts)"
+
+
+def _minimal_report() -> dict:
+    model = torch.nn.Sequential(torch.nn.Embedding(8, 8), torch.nn.Linear(8, 8))
+    out = llmc_fsm.oneshot(
+        model=model,
+        recipe={"p": {"MagnitudePruningModifier": {"sparsity": 0.5, "targets": ["Linear"], "ignore": []}}},
+        dataset=torch.randint(0, 8, (2, 8)),
+        progress=False,
+    )
+    return out.llmc_fsm_report.to_dict()

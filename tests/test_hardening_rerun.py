@@ -1,0 +1,98 @@
+"""Issue 27: re-running on a one-shot output — the same method and settings are skipped, other ones run.
+
+The rule (llmc_fsm.recipes.history.merge_saved_recipe), the same for ``--method`` and for a recipe, for a saved
+directory (CLI and API) and for an in-memory model: a stage whose modifiers and settings were already applied is
+skipped with one warning line (nothing left to run: one error line before the model is loaded, nothing written);
+otherwise it runs, under a fresh name if its name was applied, and one warning line says what was applied before.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import tiny_llama
+import torch
+import yaml
+
+import llmc_fsm
+from llmc_fsm.cli.main import main
+
+pytest.importorskip("transformers")
+pytest.importorskip("llmc_fsm_pruning")
+
+
+def _listing(directory):
+    return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def pruned(tiny_model_dir, tmp_path_factory):
+    """The tiny model pruned by the CLI's default method (SparseGPT 50%) into ``out``."""
+    out = tmp_path_factory.mktemp("rerun") / "out"
+    assert main(tiny_llama.oneshot_argv(*tiny_model_dir, out, "--num-samples", "8", "--batch-size", "4")) == 0
+    return out
+
+
+def test_the_same_method_again_is_skipped_in_one_line_before_the_model_loads(
+    pruned, tiny_model_dir, tmp_path, monkeypatch, capsys, caplog
+):
+    capsys.readouterr()
+    before = _listing(pruned)
+
+    def no_model(*a, **k):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr("llmc_fsm.oneshot_job.phases.load_model", no_model)
+    with caplog.at_level(logging.WARNING, logger="llmc_fsm.recipes.history"):
+        status = main(["oneshot", "--model", str(pruned), "--dataset", str(tiny_model_dir[1]), "--no-progress"])
+    err = capsys.readouterr().err
+    assert status == 1
+    assert [r.getMessage() for r in caplog.records] == [
+        f"stage 'sparsity_stage' (SparseGPTModifier) was already applied to {pruned} (see its recipe.yaml) with "
+        "the same settings (stage 'sparsity_stage'): skipped"
+    ]
+    assert err == (
+        f"llmc-fsm oneshot: error: the recipe has no modifier to run: every stage is already applied to {pruned} "
+        "(see its recipe.yaml) with the same settings; nothing to do (change a setting or the method to compress "
+        "further)\n"
+    )
+    assert _listing(pruned) == before  # nothing written
+
+
+def test_other_settings_run_and_say_what_was_applied_before(pruned, tiny_model_dir, tmp_path, caplog):
+    out = tmp_path / "more"
+    with caplog.at_level(logging.WARNING, logger="llmc_fsm.recipes.history"):
+        model = llmc_fsm.oneshot(
+            model=str(pruned),
+            recipe={"sparsity_stage": {"SparseGPTModifier": {"sparsity": 0.75, "targets": ["Linear"], "ignore": ["lm_head"]}}},
+            dataset=str(tiny_model_dir[1]),
+            num_calibration_samples=8,
+            max_seq_length=32,
+            batch_size=4,
+            output_dir=out,
+            progress=False,
+        )
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{pruned} (see its recipe.yaml) already had stage 'sparsity_stage' (SparseGPTModifier) applied; stage "
+        "'sparsity_stage_2' runs on top of it (SparseGPTModifier.sparsity 0.5 -> 0.75)"
+    ]
+    saved = yaml.safe_load((out / "recipe.yaml").read_text())
+    assert list(saved) == ["sparsity_stage", "sparsity_stage_2"]
+    assert [s["modifiers"][0]["SparseGPTModifier"]["sparsity"] for s in saved.values()] == [0.5, 0.75]
+    assert model.llmc_fsm_report.total_sparsity == pytest.approx(0.75, abs=1e-6)
+
+
+def test_an_in_memory_model_follows_the_same_rule(caplog):
+    data = torch.randint(0, 96, (4, 16), generator=torch.Generator().manual_seed(1))
+    recipe = {"p": {"MagnitudePruningModifier": {"sparsity": 0.5, "targets": ["Linear"], "ignore": ["lm_head"]}}}
+    model = llmc_fsm.oneshot(model=tiny_llama.llama(vocab=96, hidden=32, layers=2), recipe=recipe, dataset=data,
+                             progress=False)
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError) as info:
+        llmc_fsm.oneshot(model=model, recipe=recipe, dataset=data, progress=False)
+    assert str(info.value) == (
+        "the recipe has no modifier to run: every stage is already applied with the same settings; nothing to do "
+        "(change a setting or the method to compress further)"
+    )
+    assert all(torch.equal(weights[k], v) for k, v in model.state_dict().items())  # untouched
