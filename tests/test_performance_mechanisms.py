@@ -1,0 +1,165 @@
+"""The mechanisms behind the performance of issue 26, measured deterministically (no timings).
+
+* perplexity without the ``[windows, seq_len, vocab]`` logits: every tensor the evaluation creates is recorded
+  by a ``TorchDispatchMode``, so the largest one is an exact count of bytes, not a load-dependent timing;
+* the dense perplexity reused from :class:`llmc_fsm.data.protocol.PerplexityCache` (said so in the report);
+* the calibrated modifiers' memory: no copy of a group's weights kept through the sweep, accumulators (Hessians)
+  freed as soon as their group is compressed.
+"""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import tiny_llama
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+import llmc_fsm
+from llmc_fsm.data.protocol import PerplexityCache, load_text, perplexity, token_windows
+
+
+class _NewStorages(TorchDispatchMode):
+    """Records the bytes of every storage an op creates (views of existing storages are not new)."""
+
+    def __init__(self, known: list[torch.Tensor]) -> None:
+        super().__init__()
+        self.seen = {t.untyped_storage().data_ptr() for t in known}
+        self.sizes: list[tuple[int, tuple[int, ...]]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.device.type == "cpu":
+                storage = t.untyped_storage()
+                if storage.data_ptr() not in self.seen and storage.nbytes() > 0:
+                    self.seen.add(storage.data_ptr())
+                    self.sizes.append((storage.nbytes(), tuple(t.shape)))
+        return out
+
+    @property
+    def largest(self) -> tuple[int, tuple[int, ...]]:
+        return max(self.sizes)
+
+
+def _reference_ppl(logits_of, windows: torch.Tensor) -> float:
+    """exp(mean NLL) from full logits, float64, one window at a time (independent of the library)."""
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for row in windows:
+            logp = torch.log_softmax(logits_of(row[None])[0, :-1].double(), dim=-1)
+            total -= float(logp.gather(1, row[1:, None]).sum())
+            count += row.numel() - 1
+    return math.exp(total / count)
+
+
+def _big_vocab_llama():
+    """A tiny Llama whose logits dominate: vocabulary 4096, hidden 32 (a window of 32 tokens: 512 KiB of logits)."""
+    return tiny_llama.llama(layers=2, hidden=32, vocab=4096, heads=4, kv_heads=2, positions=64)
+
+
+def _windows(n: int = 6, length: int = 32, vocab: int = 4096) -> torch.Tensor:
+    return torch.randint(0, vocab, (n, length), generator=torch.Generator().manual_seed(0))
+
+
+@pytest.mark.parametrize(("batch_size", "loss_chunk"), [(1, 128), (4, 7), (6, 1000)])
+def test_perplexity_equals_full_logit_reference_on_tiny_llama(batch_size, loss_chunk):
+    model, windows = _big_vocab_llama(), _windows()
+    ref = _reference_ppl(lambda ids: model(input_ids=ids).logits, windows)
+    got = perplexity(model, windows, batch_size=batch_size, loss_chunk=loss_chunk, progress=False)
+    assert got == pytest.approx(ref, rel=1e-6)
+
+
+def test_perplexity_never_makes_the_windows_x_seq_x_vocab_logits():
+    model, windows = _big_vocab_llama(), _windows()
+    vocab, chunk, batch = 4096, 16, 3
+    known = [*model.parameters(), *model.buffers(), windows]
+    with _NewStorages(known) as mode:
+        perplexity(model, windows, batch_size=batch, loss_chunk=chunk, progress=False)
+    largest, shape = mode.largest
+    # at most a chunk of positions' float32 logits (the first batch's 4 checked positions: 3 x 4 < 16)
+    assert largest <= chunk * vocab * 4, (largest, shape)
+    assert not any(vocab in s and math.prod(s) >= windows.shape[1] * vocab for _, s in mode.sizes)
+
+
+class _ScaledLogits(torch.nn.Module):
+    """A causal LM whose logits are its head's output halved (as a logit scale would): not the projection."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def get_output_embeddings(self) -> torch.nn.Module:
+        return self.inner.get_output_embeddings()
+
+    def forward(self, input_ids: torch.Tensor) -> SimpleNamespace:
+        return SimpleNamespace(logits=self.inner(input_ids=input_ids).logits * 0.5)
+
+
+def test_perplexity_of_a_model_that_changes_its_logits_uses_them_and_the_measure_sees_them():
+    model, windows = _ScaledLogits(_big_vocab_llama()), _windows()
+    ref = _reference_ppl(lambda ids: model(input_ids=ids).logits, windows)
+    known = [*model.parameters(), *model.buffers(), windows]
+    with _NewStorages(known) as mode:
+        got = perplexity(model, windows, batch_size=2, loss_chunk=16, progress=False)
+    assert got == pytest.approx(ref, rel=1e-6)
+    # the fallback makes [2, 32, 4096] logits: the measure above would catch them in the chunked path
+    assert mode.largest[0] >= 2 * 32 * 4096 * 4
+
+
+def test_perplexity_rejects_bad_loss_chunk():
+    with pytest.raises(ValueError, match=r"loss_chunk must be an int >= 1, got 0"):
+        perplexity(_big_vocab_llama(), _windows(), loss_chunk=0, progress=False)
+
+
+@pytest.mark.slow
+def test_perplexity_equals_full_logit_reference_on_smollm2(smollm2, shared_data):
+    model, tokenizer = smollm2
+    text = load_text(shared_data / "wikitext-2-raw" / "wiki.test.raw")
+    windows = token_windows(tokenizer, text, num_windows=3, seq_len=128)
+    ref = _reference_ppl(lambda ids: model(input_ids=ids).logits, windows)
+    assert perplexity(model, windows, batch_size=2, progress=False) == pytest.approx(ref, rel=1e-5)
+
+
+# ---------------------------------------------------------------- dense perplexity reused
+def test_dense_perplexity_is_reused_for_the_same_model_files_and_windows(tiny_model_dir, tmp_path, monkeypatch):
+    model_dir, text = tiny_model_dir
+    kw = {"num_calibration_samples": 4, "max_seq_length": 16, "eval_text": text, "num_eval_windows": 3}
+    kw |= {"progress": False, "dataset": text}
+    measured = []
+    real = llmc_fsm.oneshot_job.phases.perplexity
+    monkeypatch.setattr(llmc_fsm.oneshot_job.phases, "perplexity", lambda *a, **k: measured.append(1) or real(*a, **k))
+    first = llmc_fsm.oneshot(str(model_dir), **kw).llmc_fsm_report
+    assert len(measured) == 2 and "before" not in first.eval
+    second = llmc_fsm.oneshot(str(model_dir), **kw).llmc_fsm_report
+    assert len(measured) == 3  # after compression only
+    assert second.ppl_before == first.ppl_before
+    assert second.eval["before"].startswith("reused: measured ")
+    assert "(before: reused: measured " in second.format_table()
+    third = llmc_fsm.oneshot(str(model_dir), **(kw | {"num_eval_windows": 2})).llmc_fsm_report
+    assert len(measured) == 5 and "before" not in third.eval  # other windows: measured again
+
+
+def test_perplexity_cache_key_follows_files_dtype_and_windows(tmp_path):
+    model_dir = tmp_path / "m"
+    model_dir.mkdir()
+    (model_dir / "model.safetensors").write_bytes(b"x" * 10)
+    cache = PerplexityCache(tmp_path / "cache")
+    windows = torch.arange(12).view(3, 4)
+    key = cache.key(model_dir, "float32", windows)
+    assert key == cache.key(model_dir, "float32", windows.clone())
+    assert len({key, cache.key(model_dir, "bfloat16", windows), cache.key(model_dir, "float32", windows + 1)}) == 3
+    cache.put(key, 12.5, model="m")
+    assert cache.get(key)["ppl"] == 12.5
+    (model_dir / "model.safetensors").write_bytes(b"y" * 11)  # a changed checkpoint
+    assert cache.get(cache.key(model_dir, "float32", windows)) is None
+    assert PerplexityCache(None).key(model_dir, "float32", windows) is None
+    assert cache.key(tmp_path / "missing", "float32", windows) is None
+    monkeypatch_env = {"LLMC_FSM_PERPLEXITY_CACHE": "off"}
+    with pytest.MonkeyPatch.context() as m:
+        for name, value in monkeypatch_env.items():
+            m.setenv(name, value)
+        assert PerplexityCache.default().directory is None
