@@ -245,6 +245,7 @@ def _fingerprint(run: Run, fuse_stages: bool) -> dict[str, Any]:
             fuse_stages=fuse_stages,
             seed=run.seed,
             dtype=run.dtype,
+            hash_files=run.needs_data,  # a data-free job keeps no per-layer progress: no 0.5 GB read to hash
         )
 
 
