@@ -241,3 +241,33 @@ def test_a_data_free_job_does_not_read_the_model_files_to_fingerprint_them(tiny_
         output_dir=tmp_path / "sparsegpt", progress=False,
     )
     assert "model.safetensors" in hashed
+
+
+class _WeightWrites(TorchDispatchMode):
+    """Counts the ops that write into each given weight's storage in place (``copy_`` and other ``_`` ops)."""
+
+    def __init__(self, weights: dict[str, torch.Tensor]) -> None:
+        super().__init__()
+        self.names = {w.untyped_storage().data_ptr(): n for n, w in weights.items()}
+        self.writes: dict[str, int] = dict.fromkeys(weights, 0)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func._schema.name.endswith("_") and args and isinstance(args[0], torch.Tensor):
+            name = self.names.get(args[0].untyped_storage().data_ptr())
+            if name is not None:
+                self.writes[name] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_rtn_writes_each_weight_once():
+    from llmc_fsm import Session
+
+    model = tiny_llama.llama(layers=2, tied=False)
+    session = Session({"quantization_stage": {"QuantizationModifier": {"scheme": "W8A8"}}})
+    session.initialize(model=model, calibration_data=None)
+    weights = {n: m.weight for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"}
+    with _WeightWrites(weights) as mode:
+        session.calibration_start()
+        session.calibration_end()
+    assert mode.writes == dict.fromkeys(weights, 1)
+    assert all(m.quantization_status.value == "frozen" for m in (model.get_submodule(n) for n in weights))

@@ -378,7 +378,8 @@ class CalibratedModifier(Modifier):
                 (new.weights, new.rel_output_errors) if isinstance(new, CompressedGroup) else (new, [None] * len(new))
             )
             for (_, module), weight in zip(members, weights, strict=True):
-                module.weight.copy_(weight)
+                if weight is not module.weight:  # a modifier that wrote the weight in place returns it
+                    module.weight.copy_(weight)
         seconds = time.perf_counter() - t0
         total = sum(module.weight.numel() for _, module in members)
         for (name, module), old, zero, error in zip(members, olds, were_zero, errors, strict=True):

@@ -232,9 +232,10 @@ class QuantizingModifier(CalibratedModifier):
         quantized = self._quantize(modules, accumulator)
         for module, q in zip(modules, quantized, strict=True):
             attach_qparams(module, self.quantization_scheme, q)
+        weights = [module.weight for module in modules]  # attach_qparams wrote q.weight there: no second copy
         if self.measures_output_error:
-            return CompressedGroup([q.weight for q in quantized], [q.rel_output_error for q in quantized])
-        return [q.weight for q in quantized]
+            return CompressedGroup(weights, [q.rel_output_error for q in quantized])
+        return weights
 
     def _result_extras(self, module: nn.Module) -> dict[str, Any]:
         args = self.weight_args
