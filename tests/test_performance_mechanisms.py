@@ -23,11 +23,13 @@ from llmc_fsm.data.protocol import PerplexityCache, load_text, perplexity, token
 
 
 class _NewStorages(TorchDispatchMode):
-    """Records the bytes of every storage an op creates (views of existing storages are not new)."""
+    """Records the storage bytes of every tensor an op returns, except views of the ``known`` tensors (parameters,
+    inputs). A view of an intermediate counts with its whole storage (which is alive then); freed memory that the
+    allocator hands out again at the same address counts again (no deduplication by address)."""
 
     def __init__(self, known: list[torch.Tensor]) -> None:
         super().__init__()
-        self.seen = {t.untyped_storage().data_ptr() for t in known}
+        self.known = {t.untyped_storage().data_ptr() for t in known}
         self.sizes: list[tuple[int, tuple[int, ...]]] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -35,8 +37,7 @@ class _NewStorages(TorchDispatchMode):
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor) and t.device.type == "cpu":
                 storage = t.untyped_storage()
-                if storage.data_ptr() not in self.seen and storage.nbytes() > 0:
-                    self.seen.add(storage.data_ptr())
+                if storage.data_ptr() not in self.known and storage.nbytes() > 0:
                     self.sizes.append((storage.nbytes(), tuple(t.shape)))
         return out
 
