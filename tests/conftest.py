@@ -10,6 +10,12 @@ import pytest
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.fixture(autouse=True)
+def _perplexity_cache(tmp_path_factory, monkeypatch):
+    """Each test its own (empty) dense-perplexity cache (:class:`llmc_fsm.data.protocol.PerplexityCache`)."""
+    monkeypatch.setenv("LLMC_FSM_PERPLEXITY_CACHE", str(tmp_path_factory.mktemp("perplexity-cache")))
+
+
 @pytest.fixture(scope="session")
 def shared_data() -> Path:
     """The real-data folder: ``$LLMC_FSM_DATA`` if set, else ``<repo>/../shared/data``.

@@ -19,12 +19,15 @@ this module was).
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import importlib.util
+import json
 import logging
 import math
 import os
 import sys
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -33,7 +36,7 @@ import torch
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
-__all__ = ["load_text", "perplexity", "token_windows"]
+__all__ = ["LOSS_CHUNK", "PerplexityCache", "load_text", "perplexity", "token_windows"]
 
 logger = logging.getLogger(__name__)
 
@@ -250,12 +253,73 @@ def token_windows(
     return flat.view(num_windows, seq_len)
 
 
+#: Predicted positions whose full-vocabulary logits exist at once (``[LOSS_CHUNK, vocab]`` float32: 25 MB for
+#: a 49,152-token vocabulary), when the model's logits are its output projection of the final hidden states.
+LOSS_CHUNK = 128
+#: Positions of the first batch whose logits the model computes itself, to check that they equal the output
+#: projection of the hidden states (a model that scales or caps its logits after the projection fails the check).
+_CHECK_POSITIONS = 4
+
+
+class _HeadInput:
+    """Forward pre-hook on the output projection (``lm_head``): keeps its input, the final hidden states
+    ``[B, L, hidden]``, and hands the projection only its first ``keep`` positions, so the model computes
+    ``[B, keep, vocab]`` logits instead of ``[B, L, vocab]``."""
+
+    def __init__(self) -> None:
+        self.hidden: torch.Tensor | None = None
+        self.keep = 0
+        self.active = True
+
+    def __call__(self, module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+        if not self.active or not args or not isinstance(args[0], torch.Tensor) or args[0].dim() != 3:
+            return None
+        self.hidden = args[0]
+        return (args[0][:, : self.keep], *args[1:])
+
+
+def _output_projection(model: torch.nn.Module) -> torch.nn.Module | None:
+    """``model.get_output_embeddings()`` when it is a module with a 2-D weight, else ``None``."""
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    weight = getattr(head, "weight", None)
+    if isinstance(head, torch.nn.Module) and isinstance(weight, torch.Tensor) and weight.dim() == 2:
+        return head
+    return None
+
+
+def _chunked_nll(head: torch.nn.Module, hidden: torch.Tensor, batch: torch.Tensor, chunk: int) -> float:
+    """Summed next-token NLL of ``batch`` (``[B, L]``) from its final hidden states ``[B, L, hidden]``.
+
+    The logits of at most ``chunk`` positions exist at a time (float32 ``[chunk, vocab]`` and its log-softmax).
+    """
+    states = hidden[:, :-1].reshape(-1, hidden.shape[-1])  # [B * (L - 1), hidden]
+    labels = batch[:, 1:].reshape(-1)
+    total = 0.0
+    for p0 in range(0, states.shape[0], chunk):
+        logits = head(states[p0 : p0 + chunk]).float()
+        nll = torch.nn.functional.cross_entropy(logits, labels[p0 : p0 + chunk], reduction="sum")
+        total += float(nll.double())
+        del logits
+    return total
+
+
+def _full_nll(logits: torch.Tensor, batch: torch.Tensor) -> float:
+    """Summed next-token NLL of ``batch`` (``[B, L]``) from the model's logits ``[B, L, vocab]``, one window at a time."""
+    total = 0.0
+    for row in range(batch.shape[0]):  # per window: no [B*L, vocab] reshape copy
+        nll = torch.nn.functional.cross_entropy(logits[row, :-1, :].float(), batch[row, 1:], reduction="sum")
+        total += float(nll.double())
+    return total
+
+
 def perplexity(
     model: torch.nn.Module,
     windows: torch.Tensor,
     *,
     batch_size: int = 1,
     progress: bool = True,
+    loss_chunk: int = LOSS_CHUNK,
 ) -> float:
     """Perplexity of a causal LM on token windows: ``exp(mean next-token NLL)``.
 
@@ -263,23 +327,34 @@ def perplexity(
     the window), so ``N * (L - 1)`` positions contribute; the NLL is summed in
     float64 and averaged over all of them (not a mean of per-window means).
 
+    Memory: the full-vocabulary logits of a batch (``[B, L, vocab]`` float32, 50 MB per 256-token window of a
+    49k vocabulary) are never made when the model's logits are its output projection
+    (``get_output_embeddings()``, e.g. ``lm_head``) of the final hidden states: a pre-hook on the projection
+    keeps the hidden states ``[B, L, hidden]`` and lets the model project only their first positions, and the
+    loss is computed ``loss_chunk`` positions at a time from the hidden states (``[loss_chunk, vocab]``
+    logits at most, 25 MB at the default 128). On the first batch, the model's own logits of the first 4
+    positions are compared (bitwise) with the projection of their hidden states; a model that changes its
+    logits after the projection (scaling, soft-capping) fails the check and is scored from its full logits,
+    one window of them at a time, as is a model without an output projection.
+
     Args:
         model: a causal LM; called as ``model(input_ids=LongTensor[B, L])`` and
             must return ``.logits`` (or a tuple whose first item is the logits)
             of shape ``[B, L, vocab]``.  Runs on the device of its first
             parameter; its train/eval mode is left unchanged (use eval mode).
         windows: ``LongTensor[N, L]`` from :func:`token_windows`, ``L >= 2``.
-        batch_size: windows per forward pass (default 1: the ``[B, L, vocab]``
-            float32 logits dominate peak memory, ~50 MB per 256-token window for
-            a 49k vocabulary, and a larger batch is not faster on CPU).
+        batch_size: windows per forward pass (default 1: with the chunked loss a batch costs only its
+            activations, but larger batches were not faster on 2 CPU cores, and a batch of 1 gives the values the
+            streamed evaluation of ``llmc_fsm.pipeline.streaming`` gives, bit for bit).
         progress: show a tqdm progress bar (on stderr).
+        loss_chunk: positions whose logits exist at once (default :data:`LOSS_CHUNK`).
 
     Returns:
         The perplexity as a Python float.
 
     Raises:
         ValueError: ``windows`` is not a 2-D integer tensor with ``L >= 2`` and
-            ``N >= 1``, or ``batch_size < 1``.
+            ``N >= 1``, or ``batch_size < 1`` or ``loss_chunk < 1``.
     """
     from tqdm.auto import tqdm
 
@@ -293,26 +368,138 @@ def perplexity(
     if n < 1 or length < 2:
         msg = f"need at least 1 window of at least 2 tokens, got shape {tuple(windows.shape)}"
         raise ValueError(msg)
-    if batch_size < 1:
-        msg = f"batch_size must be >= 1, got {batch_size}"
-        raise ValueError(msg)
+    for arg, value in (("batch_size", batch_size), ("loss_chunk", loss_chunk)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            msg = f"{arg} must be an int >= 1, got {value!r}"
+            raise ValueError(msg)
     try:
         device = next(model.parameters()).device
     except StopIteration:
         device = torch.device("cpu")
+    head = _output_projection(model)
+    hook = _HeadInput()
+    handle = head.register_forward_pre_hook(hook) if head is not None else None
     total_nll = 0.0
     count = 0
-    with torch.inference_mode():
-        for start in tqdm(range(0, n, batch_size), desc="perplexity", unit="batch", disable=not progress):
-            batch = windows[start : start + batch_size].to(device=device, dtype=torch.long)
-            out = model(input_ids=batch)
-            logits = out.logits if hasattr(out, "logits") else out[0]
-            for row in range(batch.shape[0]):  # per window: no [B*L, vocab] reshape copy
-                nll = torch.nn.functional.cross_entropy(logits[row, :-1, :].float(), batch[row, 1:], reduction="sum")
-                total_nll += float(nll.double())
-            del out, logits
-            count += batch.shape[0] * (length - 1)
+    try:
+        with torch.inference_mode():
+            for start in tqdm(range(0, n, batch_size), desc="perplexity", unit="batch", disable=not progress):
+                batch = windows[start : start + batch_size].to(device=device, dtype=torch.long)
+                hook.hidden, hook.keep = None, (_CHECK_POSITIONS if start == 0 else 0)
+                out = model(input_ids=batch)
+                logits = out.logits if hasattr(out, "logits") else out[0]
+                hidden, hook.hidden = hook.hidden, None
+                if handle is not None and (hidden is None or tuple(hidden.shape[:2]) != tuple(batch.shape)):
+                    hidden = None
+                if handle is not None and hidden is not None and start == 0:
+                    hook.active = False
+                    mine = head(hidden[:, :_CHECK_POSITIONS])
+                    hook.active = True
+                    if mine.shape != logits.shape or not torch.equal(mine.float(), logits.float()):
+                        hidden = None
+                if handle is not None and hidden is None:  # not the projection of the hidden states: full logits
+                    logger.debug("perplexity: %s's logits are not its output projection; full logits", type(model))
+                    handle.remove()
+                    handle = None
+                    out = model(input_ids=batch)
+                    logits = out.logits if hasattr(out, "logits") else out[0]
+                if handle is not None:
+                    hook.active = False
+                    try:
+                        total_nll += _chunked_nll(head, hidden, batch, loss_chunk)
+                    finally:
+                        hook.active = True
+                else:
+                    total_nll += _full_nll(logits, batch)
+                del out, logits, hidden
+                count += batch.shape[0] * (length - 1)
+    finally:
+        if handle is not None:
+            handle.remove()
     mean = total_nll / count
     ppl = math.exp(mean)
     logger.debug("perplexity over %d windows x %d tokens: mean NLL %.5f, ppl %.4f", n, length, mean, ppl)
     return ppl
+
+
+class PerplexityCache:
+    """Perplexities measured before, keyed by the model's files, the load dtype and the token windows.
+
+    One-shot measures the perplexity of the uncompressed model on every run; for a model read from a
+    directory (or a known model's cached directory) that was measured on the same windows before, the value is
+    read back instead (a dense SmolLM2 evaluation of 40 x 256 tokens takes ~15-40 s on 2 CPU cores). The key
+    is the sha256 of: the directory's resolved path, the name, size and modification time (ns) of each of its
+    files, the dtype, the windows' bytes, the torch and transformers versions and :data:`CACHE_VERSION`; a
+    changed file, dtype, window or library version measures again. Entries are small JSON files
+    (``<key>.json``: the perplexity, when and what it was measured on), written atomically.
+
+    Args:
+        directory: where the entries live; ``None`` turns the cache off (nothing read or written).
+    """
+
+    #: Part of every key: raise it when the perplexity protocol changes its values.
+    CACHE_VERSION = 1
+    #: Environment variable naming the cache directory (``off`` or empty: no cache).
+    ENV = "LLMC_FSM_PERPLEXITY_CACHE"
+
+    def __init__(self, directory: str | os.PathLike[str] | None) -> None:
+        self.directory = None if directory is None else Path(directory).expanduser()
+
+    @classmethod
+    def default(cls) -> PerplexityCache:
+        """``$LLMC_FSM_PERPLEXITY_CACHE``, else ``$XDG_CACHE_HOME/llmc_fsm/perplexity``, else
+        ``~/.cache/llmc_fsm/perplexity``; ``LLMC_FSM_PERPLEXITY_CACHE=off`` (or empty) turns it off."""
+        env = os.environ.get(cls.ENV)
+        if env is not None:
+            return cls(None if env.strip() in ("", "off") else env)
+        xdg = os.environ.get("XDG_CACHE_HOME")
+        root = Path(xdg).expanduser() / "llmc_fsm" if xdg else Path.home() / ".cache" / "llmc_fsm"
+        return cls(root / "perplexity")
+
+    def key(self, model_dir: str | os.PathLike[str], dtype: str, windows: torch.Tensor) -> str | None:
+        """The entry's key (64 hex digits), or ``None`` when the cache is off or ``model_dir`` is not a directory."""
+        path = Path(model_dir).expanduser()
+        if self.directory is None or not path.is_dir():
+            return None
+        try:
+            import transformers
+
+            transformers_version = transformers.__version__
+        except ImportError:
+            transformers_version = None
+        files = {p.name: [p.stat().st_size, p.stat().st_mtime_ns] for p in sorted(path.iterdir()) if p.is_file()}
+        ident = {
+            "directory": str(path.resolve()),
+            "files": files,
+            "dtype": str(dtype),
+            "versions": [self.CACHE_VERSION, torch.__version__, transformers_version],
+            "windows": [str(windows.dtype), list(windows.shape)],
+        }
+        h = hashlib.sha256(json.dumps(ident, sort_keys=True).encode())
+        h.update(windows.detach().cpu().contiguous().to(torch.int64).numpy().tobytes())
+        return h.hexdigest()
+
+    def get(self, key: str | None) -> dict[str, Any] | None:
+        """The entry ``{"ppl": float, "measured": ISO time, ...}`` under ``key``, or ``None`` (no entry, unreadable)."""
+        if key is None or self.directory is None:
+            return None
+        try:
+            entry = json.loads((self.directory / f"{key}.json").read_text(encoding="utf-8"))
+            ppl = float(entry["ppl"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+        return {**entry, "ppl": ppl} if math.isfinite(ppl) else None
+
+    def put(self, key: str | None, ppl: float, **about: Any) -> None:
+        """Keep ``ppl`` under ``key`` (with ``about``: what it was measured on); a cache that cannot be written
+        is skipped with a debug log (it only saves time)."""
+        if key is None or self.directory is None:
+            return
+        entry = {"ppl": ppl, "measured": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **about}
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            tmp = self.directory / f"{key}.json.{os.getpid()}.partial"
+            tmp.write_text(json.dumps(entry) + "\n", encoding="utf-8")
+            os.replace(tmp, self.directory / f"{key}.json")
+        except OSError as err:
+            logger.debug("perplexity cache %s not written: %s", self.directory, err)

@@ -20,8 +20,8 @@ from typing import Any
 
 import attrs
 
-from llmc_fsm.data.protocol import perplexity, token_windows
-from llmc_fsm.models.known import load_model
+from llmc_fsm.data.protocol import PerplexityCache, perplexity, token_windows
+from llmc_fsm.models.known import KNOWN_MODELS, known_model_dir, load_model
 from llmc_fsm.oneshot_job.data import (
     DEFAULT_PROMPTS,
     calibration_inputs,
@@ -89,6 +89,7 @@ class Run:
     cal_source: str = ""
     eval_windows: Any = None
     ppl: dict[str, float | None] = attrs.field(factory=lambda: {"eval_before": None, "eval_after": None})
+    ppl_before_reused: str | None = None
     seconds: dict[str, float] = attrs.field(factory=dict)
     t_start: float = attrs.field(factory=time.perf_counter)
     disk_before: int | None = None
@@ -251,6 +252,7 @@ def _fingerprint(run: Run) -> dict[str, Any]:
             recipe=run.recipe,
             modifiers=[m for s in run.sessions for m in s.modifiers],
             text=run.cal_text,
+            hash_files=run.needs_data,  # a data-free job keeps no per-layer progress: no 0.5 GB read to hash
         )
 
 
@@ -341,9 +343,24 @@ def _evaluate_before(run: Run) -> None:
     if saved is not None:
         run.ppl["eval_before"] = saved
         return
-    evaluate(run, "eval_before")
+    cache = PerplexityCache.default()
+    key = _dense_cache_key(run, cache)
+    hit = cache.get(key)
+    if hit is not None:
+        run.ppl["eval_before"], run.ppl_before_reused = hit["ppl"], f"reused: measured {hit['measured']}"
+    else:
+        evaluate(run, "eval_before")
+        cache.put(key, run.ppl["eval_before"], model=run.model_name, dtype=run.dtype)
     if run.work is not None:
         save_eval_before(run.work.path, run.eval_windows, run.ppl["eval_before"])
+
+
+def _dense_cache_key(run: Run, cache: PerplexityCache) -> str | None:
+    """The :class:`~llmc_fsm.data.protocol.PerplexityCache` key of the model's files (``None``: an ``nn.Module``)."""
+    if run.model_name == type(run.model).__name__:
+        return None
+    directory = known_model_dir(run.model_name) if run.model_name in KNOWN_MODELS else run.model_name
+    return cache.key(directory, run.dtype, run.eval_windows)
 
 
 # --------------------------------------------------------------------------- compress
@@ -423,6 +440,7 @@ def run_report(run: Run, modules: Any = None) -> Any:
             "source": describe(run.settings.eval_text),
             "num_windows": int(run.eval_windows.shape[0]),
             "seq_len": run.settings.eval_length,
+            **({"before": run.ppl_before_reused} if run.ppl_before_reused else {}),
         },
         seconds=run.seconds,
         targeted=run.targeted,

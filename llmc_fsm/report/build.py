@@ -272,6 +272,7 @@ class OneshotReport:
             lines.append(
                 f"perplexity on {ev['num_windows']} x {ev['seq_len']} tokens of {ev['source']}: "
                 f"before {self.ppl_before:.3f}  after {self.ppl_after:.3f}"
+                + (f"  (before: {ev['before']})" if ev.get("before") else "")
             )
         else:
             lines.append("perplexity: not measured (pass --eval-text FILE)")

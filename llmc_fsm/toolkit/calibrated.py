@@ -353,16 +353,21 @@ class CalibratedModifier(Modifier):
                 acc = None
             key = id(acc) if acc is not None else id(module)
             groups.setdefault(key, (acc, []))[1].append((name, module))
+        if any(acc is self._last_acc for acc, _ in groups.values()):
+            self._last_input = None  # the last batch's input and statistics are not needed past their group
+            self._last_acc = None
         since_trim = 0
-        for acc, members in groups.values():
+        for key in list(groups):
+            acc, members = groups.pop(key)
             self._compress_members(acc, members)
+            del acc  # the group's Hessian goes as soon as its weights are compressed
             if trim:
                 since_trim += sum(module.weight.numel() * module.weight.element_size() for _, module in members)
                 if since_trim >= TRIM_EVERY_BYTES:
                     trim_heap()
                     since_trim = 0
         if distributed:
-            compressed = [name for _, members in groups.values() for name, _ in members]
+            compressed = [name for name in modules if name in self.results]
             with torch.no_grad():
                 sums = {
                     name: (float(w.sum(dtype=torch.float64)), float(w.abs().sum(dtype=torch.float64)))
@@ -376,21 +381,24 @@ class CalibratedModifier(Modifier):
         copy = hessian is not None and not self.measures_output_error
         with torch.no_grad():
             olds = [module.weight.detach().clone() if copy else None for _, module in members]
-            were_zero = [module.weight == 0 if not self.zeros_are_sparsity else None for _, module in members]
+            were_zero = [
+                None if self.zeros_are_sparsity else _zero_mask_if_any(module.weight) for _, module in members
+            ]
             new = self._compress_group([module for _, module in members], acc)
             weights, errors = (
                 (new.weights, new.rel_output_errors) if isinstance(new, CompressedGroup) else (new, [None] * len(new))
             )
             for (_, module), weight in zip(members, weights, strict=True):
-                module.weight.copy_(weight)
+                if weight is not module.weight:  # a modifier that wrote the weight in place returns it
+                    module.weight.copy_(weight)
         seconds = time.perf_counter() - t0
         total = sum(module.weight.numel() for _, module in members)
         for (name, module), old, zero, error in zip(members, olds, were_zero, errors, strict=True):
             numel = module.weight.numel()
             self.results[name] = ModuleResult(
                 zeros=numel - int(torch.count_nonzero(module.weight))
-                if zero is None
-                else int(torch.count_nonzero(zero & (module.weight == 0))),
+                if self.zeros_are_sparsity
+                else (0 if zero is None else int(torch.count_nonzero(zero & (module.weight == 0)))),
                 numel=numel,
                 seconds=seconds * numel / total,
                 samples=acc.num_samples if acc is not None else 0,
@@ -399,3 +407,8 @@ class CalibratedModifier(Modifier):
             )
             if name in self.skipped:
                 self.skipped.remove(name)
+
+
+def _zero_mask_if_any(weight: torch.Tensor) -> torch.Tensor | None:
+    """``weight == 0`` (bool, the weight's shape) when the weight holds an exact zero, else ``None`` (no mask made)."""
+    return (weight == 0) if int(torch.count_nonzero(weight)) < weight.numel() else None

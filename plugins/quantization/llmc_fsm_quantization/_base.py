@@ -550,9 +550,10 @@ class QuantizingModifier(CalibratedModifier):
                     q.input_scale, q.input_zero_point = _input_qparams(scheme, accumulator)
                 quantized[i] = q
                 attach_qparams(modules[i], scheme.model_copy(deep=True), q)
+        weights = [module.weight for module in modules]  # attach_qparams wrote q.weight there: no second copy
         if self.measures_output_error:
-            return CompressedGroup([q.weight for q in quantized], [q.rel_output_error for q in quantized])
-        return [q.weight for q in quantized]
+            return CompressedGroup(weights, [q.rel_output_error for q in quantized])
+        return weights
 
     def _result_extras(self, module: nn.Module) -> dict[str, Any]:
         args = weight_args(self.scheme_of(self._names_by_id.get(id(module), "")))

@@ -1,0 +1,274 @@
+"""The mechanisms behind the performance of issue 26, measured deterministically (no timings).
+
+* perplexity without the ``[windows, seq_len, vocab]`` logits: every tensor the evaluation creates is recorded
+  by a ``TorchDispatchMode``, so the largest one is an exact count of bytes, not a load-dependent timing;
+* the dense perplexity reused from :class:`llmc_fsm.data.protocol.PerplexityCache` (said so in the report);
+* the calibrated modifiers' memory: no copy of a group's weights kept through the sweep, accumulators (Hessians)
+  freed as soon as their group is compressed.
+"""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import tiny_llama
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+import llmc_fsm
+from llmc_fsm.data.protocol import PerplexityCache, load_text, perplexity, token_windows
+
+
+class _NewStorages(TorchDispatchMode):
+    """Records the storage bytes of every tensor an op returns, except views of the ``known`` tensors (parameters,
+    inputs). A view of an intermediate counts with its whole storage (which is alive then); freed memory that the
+    allocator hands out again at the same address counts again (no deduplication by address)."""
+
+    def __init__(self, known: list[torch.Tensor]) -> None:
+        super().__init__()
+        self.known = {t.untyped_storage().data_ptr() for t in known}
+        self.sizes: list[tuple[int, tuple[int, ...]]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.device.type == "cpu":
+                storage = t.untyped_storage()
+                if storage.data_ptr() not in self.known and storage.nbytes() > 0:
+                    self.sizes.append((storage.nbytes(), tuple(t.shape)))
+        return out
+
+    @property
+    def largest(self) -> tuple[int, tuple[int, ...]]:
+        return max(self.sizes)
+
+
+def _reference_ppl(logits_of, windows: torch.Tensor) -> float:
+    """exp(mean NLL) from full logits, float64, one window at a time (independent of the library)."""
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for row in windows:
+            logp = torch.log_softmax(logits_of(row[None])[0, :-1].double(), dim=-1)
+            total -= float(logp.gather(1, row[1:, None]).sum())
+            count += row.numel() - 1
+    return math.exp(total / count)
+
+
+def _big_vocab_llama():
+    """A tiny Llama whose logits dominate: vocabulary 4096, hidden 32 (a window of 32 tokens: 512 KiB of logits)."""
+    return tiny_llama.llama(layers=2, hidden=32, vocab=4096, heads=4, kv_heads=2, positions=64)
+
+
+def _windows(n: int = 6, length: int = 32, vocab: int = 4096) -> torch.Tensor:
+    return torch.randint(0, vocab, (n, length), generator=torch.Generator().manual_seed(0))
+
+
+@pytest.mark.parametrize(("batch_size", "loss_chunk"), [(1, 128), (4, 7), (6, 1000)])
+def test_perplexity_equals_full_logit_reference_on_tiny_llama(batch_size, loss_chunk):
+    model, windows = _big_vocab_llama(), _windows()
+    ref = _reference_ppl(lambda ids: model(input_ids=ids).logits, windows)
+    got = perplexity(model, windows, batch_size=batch_size, loss_chunk=loss_chunk, progress=False)
+    assert got == pytest.approx(ref, rel=1e-6)
+
+
+def test_perplexity_never_makes_the_windows_x_seq_x_vocab_logits():
+    model, windows = _big_vocab_llama(), _windows()
+    vocab, chunk, batch = 4096, 16, 3
+    known = [*model.parameters(), *model.buffers(), windows]
+    with _NewStorages(known) as mode:
+        perplexity(model, windows, batch_size=batch, loss_chunk=chunk, progress=False)
+    largest, shape = mode.largest
+    # at most a chunk of positions' float32 logits (the first batch's 4 checked positions: 3 x 4 < 16)
+    assert largest <= chunk * vocab * 4, (largest, shape)
+    assert not any(vocab in s and math.prod(s) >= windows.shape[1] * vocab for _, s in mode.sizes)
+
+
+class _ScaledLogits(torch.nn.Module):
+    """A causal LM whose logits are its head's output halved (as a logit scale would): not the projection."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def get_output_embeddings(self) -> torch.nn.Module:
+        return self.inner.get_output_embeddings()
+
+    def forward(self, input_ids: torch.Tensor) -> SimpleNamespace:
+        return SimpleNamespace(logits=self.inner(input_ids=input_ids).logits * 0.5)
+
+
+def test_perplexity_of_a_model_that_changes_its_logits_uses_them_and_the_measure_sees_them():
+    model, windows = _ScaledLogits(_big_vocab_llama()), _windows()
+    ref = _reference_ppl(lambda ids: model(input_ids=ids).logits, windows)
+    known = [*model.parameters(), *model.buffers(), windows]
+    with _NewStorages(known) as mode:
+        got = perplexity(model, windows, batch_size=2, loss_chunk=16, progress=False)
+    assert got == pytest.approx(ref, rel=1e-6)
+    # the fallback makes [2, 32, 4096] logits: the measure above would catch them in the chunked path
+    assert mode.largest[0] >= 2 * 32 * 4096 * 4
+
+
+def test_perplexity_rejects_bad_loss_chunk():
+    with pytest.raises(ValueError, match=r"loss_chunk must be an int >= 1, got 0"):
+        perplexity(_big_vocab_llama(), _windows(), loss_chunk=0, progress=False)
+
+
+@pytest.mark.slow
+def test_perplexity_equals_full_logit_reference_on_smollm2(smollm2, shared_data):
+    model, tokenizer = smollm2
+    text = load_text(shared_data / "wikitext-2-raw" / "wiki.test.raw")
+    windows = token_windows(tokenizer, text, num_windows=3, seq_len=128)
+    ref = _reference_ppl(lambda ids: model(input_ids=ids).logits, windows)
+    # the previous implementation: full float32 logits of each window, float32 cross-entropy, under inference_mode
+    with torch.inference_mode():
+        nll = sum(
+            float(torch.nn.functional.cross_entropy(model(input_ids=row[None]).logits[0, :-1], row[1:], reduction="sum"))
+            for row in windows
+        )
+    previous = math.exp(nll / (windows.shape[0] * (windows.shape[1] - 1)))
+    assert perplexity(model, windows, batch_size=1, progress=False) == pytest.approx(previous, rel=1e-6)
+    # float64 reference (no_grad) and batches of 3 (other matrix-product blocking): float rounding over 30 layers
+    assert previous == pytest.approx(ref, rel=1e-4)
+    assert perplexity(model, windows, batch_size=3, progress=False) == pytest.approx(ref, rel=1e-4)
+
+
+# ---------------------------------------------------------------- dense perplexity reused
+def test_dense_perplexity_is_reused_for_the_same_model_files_and_windows(tiny_model_dir, tmp_path, monkeypatch):
+    model_dir, text = tiny_model_dir
+    kw = {"num_calibration_samples": 4, "max_seq_length": 16, "eval_text": text, "num_eval_windows": 3}
+    kw |= {"progress": False, "dataset": text}
+    measured = []
+    real = llmc_fsm.oneshot_job.phases.perplexity
+    monkeypatch.setattr(llmc_fsm.oneshot_job.phases, "perplexity", lambda *a, **k: measured.append(1) or real(*a, **k))
+    first = llmc_fsm.oneshot(str(model_dir), **kw).llmc_fsm_report
+    assert len(measured) == 2 and "before" not in first.eval
+    second = llmc_fsm.oneshot(str(model_dir), **kw).llmc_fsm_report
+    assert len(measured) == 3  # after compression only
+    assert second.ppl_before == first.ppl_before
+    assert second.eval["before"].startswith("reused: measured ")
+    assert "(before: reused: measured " in second.format_table()
+    third = llmc_fsm.oneshot(str(model_dir), **(kw | {"num_eval_windows": 2})).llmc_fsm_report
+    assert len(measured) == 5 and "before" not in third.eval  # other windows: measured again
+
+
+def test_perplexity_cache_key_follows_files_dtype_and_windows(tmp_path):
+    model_dir = tmp_path / "m"
+    model_dir.mkdir()
+    (model_dir / "model.safetensors").write_bytes(b"x" * 10)
+    cache = PerplexityCache(tmp_path / "cache")
+    windows = torch.arange(12).view(3, 4)
+    key = cache.key(model_dir, "float32", windows)
+    assert key == cache.key(model_dir, "float32", windows.clone())
+    assert len({key, cache.key(model_dir, "bfloat16", windows), cache.key(model_dir, "float32", windows + 1)}) == 3
+    cache.put(key, 12.5, model="m")
+    assert cache.get(key)["ppl"] == 12.5
+    (model_dir / "model.safetensors").write_bytes(b"y" * 11)  # a changed checkpoint
+    assert cache.get(cache.key(model_dir, "float32", windows)) is None
+    assert PerplexityCache(None).key(model_dir, "float32", windows) is None
+    assert cache.key(tmp_path / "missing", "float32", windows) is None
+    monkeypatch_env = {"LLMC_FSM_PERPLEXITY_CACHE": "off"}
+    with pytest.MonkeyPatch.context() as m:
+        for name, value in monkeypatch_env.items():
+            m.setenv(name, value)
+        assert PerplexityCache.default().directory is None
+
+
+# ---------------------------------------------------------------- calibrated modifiers' memory
+@pytest.mark.parametrize(
+    "recipe",
+    [
+        {"stage": {"SparseGPTModifier": {"sparsity": 0.5}}},
+        {"stage": {"GPTQModifier": {"scheme": {"preset": "W4A16", "weights": {"group_size": 32}}}}},
+    ],
+    ids=["sparsegpt", "gptq"],
+)
+def test_each_hessian_and_input_is_freed_as_soon_as_its_group_is_compressed(recipe):
+    """Weak references to every accumulator (Hessian) and to the last calibration input: when a group starts
+    compressing, the accumulators of every group compressed before it are gone, and so is the last input."""
+    import weakref
+
+    from llmc_fsm import Session
+    from llmc_fsm.pipeline.sequential import run_sequential
+
+    model = tiny_llama.llama(layers=2)
+    data = torch.randint(0, 128, (6, 16), generator=torch.Generator().manual_seed(1))
+    session = Session(recipe)
+    modifier = session.modifiers[0]
+    made, done = [], []
+    new_accumulator, compress_members = modifier._new_accumulator, modifier._compress_members
+
+    def spy_new(module):
+        acc = new_accumulator(module)
+        made.append(weakref.ref(acc))
+        return acc
+
+    def spy_compress(acc, members):
+        alive = [ref for ref in done if ref() is not None]
+        assert alive == [], f"{len(alive)} Hessians of compressed groups still alive"
+        assert modifier._last_acc is None or modifier._last_acc is acc
+        compress_members(acc, members)
+        # nothing of the modifier's keeps the group's statistics or its last input past its compression
+        assert modifier._last_acc is None and modifier._last_input is None
+        assert all(a is not acc for a in modifier._acc.values())
+        done.append(weakref.ref(acc))
+
+    modifier._new_accumulator, modifier._compress_members = spy_new, spy_compress
+    session.initialize(model=model, calibration_data=data)
+    run_sequential(session, batch_size=3, progress=False)
+    assert len(done) == 2 * 4  # 4 groups (q/k/v, o, gate/up, down) per layer
+    assert [ref for ref in made if ref() is not None] == []
+    assert modifier._last_input is None and modifier._acc == {}
+
+
+# ---------------------------------------------------------------- the data-free path
+def test_a_data_free_job_does_not_read_the_model_files_to_fingerprint_them(tiny_model_dir, tmp_path, monkeypatch):
+    """The fingerprint (for --resume) of a data-free job records file sizes and times: it keeps no per-layer
+    progress, so reading the whole checkpoint to hash it bought nothing. A calibrated job still hashes them."""
+    from llmc_fsm.oneshot_job import resume
+
+    model_dir, text = tiny_model_dir
+    hashed = []
+    real = resume._file_digest
+    monkeypatch.setattr(resume, "_file_digest", lambda p: hashed.append(p.name) or real(p))
+    rtn = {"quantization_stage": {"QuantizationModifier": {"scheme": "W8A8"}}}
+    llmc_fsm.oneshot(str(model_dir), rtn, output_dir=tmp_path / "rtn", progress=False)
+    assert hashed == []
+    assert (tmp_path / "rtn" / "model.safetensors").is_file()
+    llmc_fsm.oneshot(
+        str(model_dir), None, dataset=text, num_calibration_samples=4, max_seq_length=16,
+        output_dir=tmp_path / "sparsegpt", progress=False,
+    )
+    assert "model.safetensors" in hashed
+
+
+class _WeightWrites(TorchDispatchMode):
+    """Counts the ops that write into each given weight's storage in place (``copy_`` and other ``_`` ops)."""
+
+    def __init__(self, weights: dict[str, torch.Tensor]) -> None:
+        super().__init__()
+        self.names = {w.untyped_storage().data_ptr(): n for n, w in weights.items()}
+        self.writes: dict[str, int] = dict.fromkeys(weights, 0)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func._schema.name.endswith("_") and args and isinstance(args[0], torch.Tensor):
+            name = self.names.get(args[0].untyped_storage().data_ptr())
+            if name is not None:
+                self.writes[name] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_rtn_writes_each_weight_once():
+    from llmc_fsm import Session
+
+    model = tiny_llama.llama(layers=2, tied=False)
+    session = Session({"quantization_stage": {"QuantizationModifier": {"scheme": "W8A8"}}})
+    session.initialize(model=model, calibration_data=None)
+    weights = {n: m.weight for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"}
+    with _WeightWrites(weights) as mode:
+        session.calibration_start()
+        session.calibration_end()
+    assert mode.writes == dict.fromkeys(weights, 1)
+    assert all(m.quantization_status.value == "frozen" for m in (model.get_submodule(n) for n in weights))
