@@ -39,6 +39,7 @@ from llmc_fsm.oneshot_job.settings import (
 from llmc_fsm.recipes.building import resolve_recipe
 
 RECIPE = {"s": {"MagnitudePruningModifier": {"sparsity": 0.5, "ignore": ["lm_head"]}}}
+CALIBRATED = {"s": {"WandaPruningModifier": {"sparsity": 0.5, "ignore": ["lm_head"]}}}
 #: The pruning modifiers' own refusals (llmc_fsm_pruning.masks), after the recipe's "stage ..., modifier ..., ".
 SPARSITY = "argument 'sparsity': sparsity must be a number in [0, 1) (fraction of weights set to zero), got 1.0"
 MASK = (
@@ -290,14 +291,15 @@ def _fingerprint_of(settings: OneshotSettings) -> dict:
 
 
 def test_the_fingerprint_is_the_one_the_previous_code_wrote(tiny_model_dir, tmp_path):
-    """Same inputs, same fingerprint.json as before the settings object (so an interrupted run of the previous
+    """A calibrated recipe (a data-free one records file sizes and times instead of hashes: see
+    tests/test_performance_mechanisms.py). Same inputs, same fingerprint.json as before the settings object (so an interrupted run of the previous
     version resumes). The expected dict is written out from the previous ``resume.fingerprint`` definition:
     ``model`` = the directory and the first 16 hex digits of each file's sha256; ``recipe`` = the resolved recipe's
     ``to_dict()``; ``calibration data`` = source, sha256 of the text, ``num_samples`` and ``seq_len``;
     ``pipeline`` = ``batch_size``, ``fuse_stages``, the constant ``order`` and ``dtype``; ``seed``; the versions."""
     model, text = tiny_model_dir
     settings = OneshotSettings(
-        model=str(model), recipe=RECIPE, dataset=str(text), num_calibration_samples=4, max_seq_length=16,
+        model=str(model), recipe=CALIBRATED, dataset=str(text), num_calibration_samples=4, max_seq_length=16,
         batch_size=2, fuse_stages=True, dtype="bfloat16", seed=7, output_dir=tmp_path / "o", progress=False,
     )  # fmt: skip
     pruning = get_registry().info("MagnitudePruningModifier").distribution
@@ -306,7 +308,7 @@ def test_the_fingerprint_is_the_one_the_previous_code_wrote(tiny_model_dir, tmp_
             "directory": str(model.resolve()),
             "files": {p.name: _sha16(p.read_bytes()) for p in sorted(model.iterdir()) if p.is_file()},
         },
-        "recipe": resolve_recipe(RECIPE).to_dict(),
+        "recipe": resolve_recipe(CALIBRATED).to_dict(),
         "calibration data": {"source": str(text), "sha256": _sha16(text.read_bytes()), "num_samples": 4, "seq_len": 16},
         "pipeline": {"batch_size": 2, "fuse_stages": True, "order": "true sequential", "dtype": "bfloat16"},
         "seed": 7,

@@ -350,7 +350,7 @@ def _evaluate_before(run: Run) -> None:
         run.ppl["eval_before"], run.ppl_before_reused = hit["ppl"], f"reused: measured {hit['measured']}"
     else:
         evaluate(run, "eval_before")
-        cache.put(key, run.ppl["eval_before"], model=run.model_name, dtype=run.dtype)
+        cache.put(key, run.ppl["eval_before"], model=run.model_name, dtype=run.settings.dtype)
     if run.work is not None:
         save_eval_before(run.work.path, run.eval_windows, run.ppl["eval_before"])
 
@@ -360,7 +360,7 @@ def _dense_cache_key(run: Run, cache: PerplexityCache) -> str | None:
     if run.model_name == type(run.model).__name__:
         return None
     directory = known_model_dir(run.model_name) if run.model_name in KNOWN_MODELS else run.model_name
-    return cache.key(directory, run.dtype, run.eval_windows)
+    return cache.key(directory, run.settings.dtype, run.eval_windows)
 
 
 # --------------------------------------------------------------------------- compress
