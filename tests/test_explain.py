@@ -159,7 +159,9 @@ KNOWN = "Known modifiers: Calib, Hold."
         (
             "QuIPModifier",
             " QuIPModifier is an llm-compressor modifier that llmc-fsm does not implement (QuIP-style Hadamard "
-            "rotations of the weights before quantization); remove it from the recipe or use llm-compressor for it.",
+            "rotations of every Linear's input at run time, which transformers does not apply when it loads a "
+            "compressed-tensors checkpoint; SpinQuantModifier fuses R1/R2 rotations into the weights instead); "
+            "remove it from the recipe or use llm-compressor for it.",
         ),
     ],
 )
