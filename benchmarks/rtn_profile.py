@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _measure import loadavg, status_kib  # noqa: E402
+from _measure import loadavg, status_kib
 
 RECIPE = {"quantization_stage": {"QuantizationModifier": {"scheme": "W8A8"}}}
 #: row -> (path suffix, function name) pairs whose cumulative times add up to the row (first match per pair).

@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
+from tiny_families import batches, build
 
 from llmc_fsm.models.layers import UnsupportedArchitectureError, find_decoder_layers
 from llmc_fsm.pipeline.forward import LayerKwargs, capture_layer_inputs, first_output, with_hidden
-from tiny_families import build, batches
 
 #: family -> (decoder layers' qualified name, number, classes of its blocks)
 LAYERS = {
@@ -159,8 +159,9 @@ def test_a_layer_the_models_forward_skips_is_refused_before_any_work():
 
 def _reload_compare(tmp_path, family, recipe):
     """Compress ``family`` through ``llmc_fsm.oneshot``, reload the output with transformers; logits and keys."""
-    import llmc_fsm
     from tiny_families import FAMILIES
+
+    import llmc_fsm
 
     model = build(family)
     data = torch.randint(3, 128, (4, 32), generator=torch.Generator().manual_seed(0))

@@ -21,10 +21,10 @@ pytest.importorskip("matplotlib")
 pytest.importorskip("llmc_fsm_pruning")
 pytest.importorskip("llmc_fsm_quantization")
 
-from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: E402
-from matplotlib.figure import Figure  # noqa: E402
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
 
-from llmc_fsm.report import plot as plot_module  # noqa: E402
+from llmc_fsm.report import plot as plot_module
 
 G32 = {"preset": "W4A16", "weights": {"group_size": 32}}
 ALL = {"targets": ["Linear"], "ignore": ["lm_head"]}

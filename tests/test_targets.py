@@ -16,7 +16,14 @@ from compressed_tensors.utils.match import is_match
 from tiny_llama import LINEARS
 from torch import nn
 
-from llmc_fsm.toolkit.targets import TargetSelection, compact_names, is_linear_like, matches, resolve_targets, select_targets
+from llmc_fsm.toolkit.targets import (
+    TargetSelection,
+    compact_names,
+    is_linear_like,
+    matches,
+    resolve_targets,
+    select_targets,
+)
 
 
 def llama(tied: bool = True, layers: int = 2) -> transformers.LlamaForCausalLM:

@@ -23,11 +23,11 @@ from llmc_fsm_quantization.smoothquant import LogarithmicEqualizationModifier, S
 __all__ = [
     "AWQModifier",
     "AutoRoundModifier",
-    "LogarithmicEqualizationModifier",
-    "SmoothQuantModifier",
     "GPTQModifier",
+    "LogarithmicEqualizationModifier",
     "QuantizationModifier",
     "QuantizedWeight",
+    "SmoothQuantModifier",
     "SpinQuantModifier",
     "attach_qparams",
     "gptq_quantize",

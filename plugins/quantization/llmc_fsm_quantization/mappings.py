@@ -213,7 +213,7 @@ def _find_layers(model: nn.Module) -> tuple[str, nn.ModuleList] | None:
 
 
 def _child(module: nn.Module, name: str) -> nn.Module | None:
-    return module._modules.get(name)  # noqa: SLF001 - direct children by name, no attribute magic
+    return module._modules.get(name)
 
 
 def _linear_named(block: nn.Module, leaf: str) -> tuple[str, nn.Module] | None:

@@ -8,10 +8,9 @@ import pytest
 import torch
 from llmc_fsm_quantization import AWQModifier, QuantizationModifier, rtn_quantize
 from llmc_fsm_quantization.mappings import default_mappings, fold_scales
+from test_smoothquant import DATA, tiny
 
 import llmc_fsm
-
-from test_smoothquant import DATA, tiny  # noqa: I001 - the same tiny model with outlier channels
 
 W4G16 = {"preset": "W4A16_ASYM", "weights": {"group_size": 16}}  # asymmetric: no value on a rounding tie
 N_GRID = 20
