@@ -12,7 +12,11 @@ modifier's name instead, the plan of that modifier alone with every argument at 
 from __future__ import annotations
 
 import argparse
+import os
 from typing import Any
+
+import attrs
+import torch
 
 from llmc_fsm.core.errors import RecipeError
 from llmc_fsm.core.registry import DISABLE_ENV, get_registry
@@ -90,7 +94,6 @@ def _modifier_plan(name: str, state: list[str]) -> str:
     Raises:
         ValueError: ``name`` is not a registered modifier.
     """
-    import attrs
 
     info = _modifier_info(name)
     schedule = ("start", "end", "update")  # explain shows them as the schedule, not as arguments
@@ -103,7 +106,9 @@ def _modifier_plan(name: str, state: list[str]) -> str:
         except (RecipeError, ValueError) as exc:  # the defaults alone are not a valid modifier (e.g. no sparsity)
             why = str(exc).rsplit(": ", 1)[-1] if isinstance(exc, RecipeError) else str(exc)
     lines = [f"{name}: arguments (default):"]
-    lines += [f"  {f.alias} = {_default(f.default) if f.default is not attrs.NOTHING else '(required)'}" for f in fields]
+    lines += [
+        f"  {f.alias} = {_default(f.default) if f.default is not attrs.NOTHING else '(required)'}" for f in fields
+    ]
     unset = [f.alias for f in fields if f.default is None][:1]  # e.g. sparsity, when the defaults alone fail
     example = ", ".join(f"{r}: VALUE" for r in required or unset) or "ARGUMENT: VALUE"
     lines.append(
@@ -115,7 +120,6 @@ def _modifier_plan(name: str, state: list[str]) -> str:
 
 def _default(default: object) -> str:
     """An attrs field's default as text (``(computed)`` for a factory that takes the instance)."""
-    import attrs
 
     if isinstance(default, attrs.Factory):  # type: ignore[arg-type]
         return "(computed)" if default.takes_self else repr(default.factory())
@@ -123,7 +127,6 @@ def _default(default: object) -> str:
 
 
 def _run_explain(args: argparse.Namespace) -> int:
-    import os
 
     recipe = args.recipe
     if not os.path.exists(recipe) and recipe.isidentifier():
@@ -151,9 +154,7 @@ def _meta_model(directory: str) -> Any:
     Raises:
         ValueError: no ``config.json`` there.
     """
-    import os
 
-    import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if not os.path.isfile(os.path.join(directory, "config.json")):

@@ -14,6 +14,8 @@ import math
 import os
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from llmc_fsm.core.errors import MissingStateError
 from llmc_fsm.data.protocol import load_text, token_windows
 from llmc_fsm.session.session import Session
@@ -55,7 +57,6 @@ DEFAULT_PROMPTS: tuple[str, ...] = (
 def torch_dtype_of(name: str, config_dtype: Any = None) -> Any:
     """The torch dtype of a ``dtype`` setting (:data:`llmc_fsm.oneshot_job.settings.DTYPES`); ``auto``:
     ``config_dtype`` (a config's ``dtype``), fp32 if unset."""
-    import torch
 
     if name == "auto":
         name = str(config_dtype or "float32").removeprefix("torch.")
@@ -64,7 +65,6 @@ def torch_dtype_of(name: str, config_dtype: Any = None) -> Any:
 
 def is_tensor(value: Any) -> bool:
     """Whether ``value`` is a ``torch.Tensor``."""
-    import torch
 
     return isinstance(value, torch.Tensor)
 
@@ -122,7 +122,6 @@ def generate_calibration(
     torch RNG seeded by ``seed`` inside a forked RNG state (the caller's RNG is
     untouched). Returns ``LongTensor[num_samples, seq_len]`` (prompt included).
     """
-    import torch
 
     per_prompt = math.ceil(num_samples / len(prompts))
     rows: list[torch.Tensor] = []

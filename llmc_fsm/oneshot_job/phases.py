@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import attrs
+import torch
 
 from llmc_fsm.data.protocol import PerplexityCache, perplexity, token_windows
 from llmc_fsm.models.known import KNOWN_MODELS, known_model_dir, load_model
@@ -116,7 +117,6 @@ def calibration_windows(run: Run) -> None:
 
     None (``[0, seq_len]``) when no modifier needs calibration data: a given dataset is then not used.
     """
-    import torch
 
     settings = run.settings
     if not run.needs_data:

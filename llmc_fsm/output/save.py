@@ -20,6 +20,7 @@ import contextlib
 import json
 import logging
 import os
+import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -70,7 +71,6 @@ def write_output(
     Raises:
         OSError: writing failed.
     """
-    import time
 
     t0 = time.perf_counter()
     save_model(model, directory, sparsity_structure=sparsity_structure(recipe), sparsity=pruned_sparsity(report))

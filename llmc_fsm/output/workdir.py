@@ -43,6 +43,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import torch
 from filelock import FileLock, Timeout
 from safetensors import SafetensorError
 
@@ -347,7 +348,6 @@ def recover_previous(output: Path) -> bool:
 
 
 def _threads() -> int:
-    import torch
 
     return torch.get_num_threads()
 

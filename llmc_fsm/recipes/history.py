@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import attrs
+import yaml
 
 from llmc_fsm.core.errors import RecipeError
 from llmc_fsm.recipes.building import resolve_recipe
@@ -88,7 +89,9 @@ def merge_saved_recipe(recipe: Recipe, model: Any) -> Recipe:
             stage = attrs.evolve(stage, name=name)
         names.add(name)
         fresh.append(stage)
-        similar = [(old_name, old) for old_name, old in done.items() if _modifier_names(old) == _modifier_names(settings)]
+        similar = [
+            (old_name, old) for old_name, old in done.items() if _modifier_names(old) == _modifier_names(settings)
+        ]
         if similar:
             old_name, old = similar[-1]
             logger.warning(
@@ -126,7 +129,6 @@ def settings_diff(old: Any, new: Any, prefix: str = "") -> str:
 
 def _read_history(source: Any, where: str) -> Recipe | None:
     """The stages already applied to a model, every one marked applied (``None``, with a warning: unreadable)."""
-    import yaml
 
     try:
         text = source if isinstance(source, str) else source.read_text(encoding="utf-8")

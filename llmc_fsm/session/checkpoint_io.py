@@ -15,6 +15,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from llmc_fsm.core.errors import CheckpointError
 
 __all__ = ["FORMAT", "MANIFEST", "VERSION", "read_checkpoint", "write_checkpoint"]
@@ -27,7 +29,6 @@ _TENSOR = "__tensor__"
 
 
 def _split(value: Any, path: str, tensors: dict[str, Any]) -> Any:
-    import torch
 
     if isinstance(value, torch.Tensor):
         key = path if path not in tensors else f"{path}#{len(tensors)}"

@@ -47,6 +47,7 @@ A modifier hook that raises during a valid lifecycle fails the check too.
 from __future__ import annotations
 
 import functools
+import tempfile
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -70,7 +71,6 @@ def _check_checkpoint(
     batch_factory: Callable[[], Any] | None,
     loss_factory: Callable[[], Any] | None,
 ) -> None:
-    import tempfile
 
     session, resumed = Session([factory()]), Session([factory()])
     session.initialize(**state_factory())

@@ -37,6 +37,7 @@ from datetime import timedelta
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
@@ -74,21 +75,18 @@ class DistributedError(RuntimeError):
 # --------------------------------------------------------------------------- who am I
 def is_distributed() -> bool:
     """Whether a ``torch.distributed`` process group is initialized with more than one rank."""
-    import torch.distributed as dist
 
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def get_rank() -> int:
     """This process's rank in the default process group (0 without one)."""
-    import torch.distributed as dist
 
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def get_world_size() -> int:
     """Ranks in the default process group (1 without one)."""
-    import torch.distributed as dist
 
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
@@ -100,7 +98,6 @@ def is_main_process() -> bool:
 
 def _device() -> torch.device:
     """Where collective tensors live: the current CUDA device for NCCL, else the CPU."""
-    import torch.distributed as dist
 
     if dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
@@ -135,7 +132,6 @@ def all_reduce_tensor(tensor: torch.Tensor, *, op: str = "sum", what: str = "all
         DistributedError: the collective failed (another rank stopped or timed out).
         ValueError: unknown ``op``.
     """
-    import torch.distributed as dist
 
     ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
     if op not in ops:
@@ -160,7 +156,6 @@ def all_gather_ints(values: Sequence[int], *, what: str = "all_gather") -> list[
     Raises:
         DistributedError: the collective failed.
     """
-    import torch.distributed as dist
 
     if not is_distributed():
         return [list(values)]
@@ -368,7 +363,6 @@ def process_group_from_env() -> Iterator[bool]:
     Raises:
         ValueError: a bad environment variable, or a world size other than the expected one.
     """
-    import torch.distributed as dist
 
     global _timeout_s
     world = int(os.environ.get("WORLD_SIZE", "1") or 1)

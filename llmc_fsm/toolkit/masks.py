@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import torch
 
 __all__ = ["pack_mask", "unpack_mask"]
@@ -16,8 +19,6 @@ def pack_mask(keep: torch.Tensor) -> torch.Tensor:
     Returns:
         A 1-D CPU ``uint8`` tensor; the shape is not stored (give it to :func:`unpack_mask`).
     """
-    import numpy as np
-    import torch
 
     bits = keep.detach().to(device="cpu", dtype=torch.bool).reshape(-1).numpy()
     return torch.from_numpy(np.packbits(bits))
@@ -29,10 +30,6 @@ def unpack_mask(packed: torch.Tensor, shape: tuple[int, ...] | torch.Size) -> to
     Raises:
         ValueError: ``packed`` is not ``uint8`` or has the wrong number of bytes for ``shape``.
     """
-    import math
-
-    import numpy as np
-    import torch
 
     numel = math.prod(shape)
     if packed.dtype != torch.uint8 or packed.numel() != (numel + 7) // 8:
