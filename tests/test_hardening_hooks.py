@@ -1,7 +1,9 @@
-"""Issue 27: a modifier without declared targets that changes a weight and fails is named, and stops the session.
+"""Issue 27: a failed hook names every parameter it changed in place, and a changed model stops the session.
 
-The session guards the hooks of a modifier that declares no targets with the version counters of every
-parameter of the model it holds (a modifier with targets keeps watching only its targets).
+Each modifier's hooks (session hooks and torch hooks) are guarded by the version counters of every parameter
+of the modules in the state: its declared targets read before each hook, the rest at the hook's first torch
+call (:class:`llmc_fsm.core.guard.Guard`) — so a modifier without targets, a targeted modifier that writes
+outside its targets, and the torch hooks of either are all named.
 """
 
 from __future__ import annotations
@@ -119,22 +121,206 @@ class Targeted(Modifier):
         raise RuntimeError("boom")
 
 
-def test_a_targeted_modifier_still_watches_only_its_targets():
+def test_each_guard_reads_its_targets_eagerly_and_the_rest_of_the_model_at_the_first_torch_call():
     model = _model()
     session = Session([Targeted(), Untargeted(events=frozenset({"loss_calculated"}), mutate=False)])
     session.initialize(model=model)
-    slots = session._schedule.slots
-    assert slots[0].watched[0] == ("body.weight", "body.bias")  # per-event cost unchanged for targeted ones
-    assert slots[1].watched[0] == ("body.weight", "body.bias", "lm_head.weight")  # the whole model
+    targeted, untargeted = (slot.guard for slot in session._schedule.slots)
+    assert targeted.target_names == ("body.weight", "body.bias")
+    assert targeted.names == ("body.weight", "body.bias", "lm_head.weight")
+    assert untargeted.target_names == ()
+    assert untargeted.names == ("body.weight", "body.bias", "lm_head.weight")  # the whole model
+    assert not targeted.eager and not untargeted.eager  # nothing read before a hook has made a torch call
     session.batch_start()
     with pytest.raises(ModifierError):
         session.loss_calculated(torch.tensor(1.0))
+    assert not untargeted.eager  # its hook made no torch call: it stays lazy
+    assert torch._C._len_torch_function_stack() == 0  # the lazy mode was popped
     session.optim_pre_step()
     session.optim_post_step()
     with pytest.raises(ModifierError) as info:
         session.batch_end()
     assert info.value.modified == ("body.weight",)
+    assert targeted.eager  # its hook made a torch call (mul_): from now on every counter is read before its hooks
+    assert torch._C._len_torch_function_stack() == 0
     assert session.failed is not None
+
+
+@attrs.define(kw_only=True, slots=False, eq=False)
+class Outside(Modifier):
+    """Targets ``body``; at its ``fail_at``-th ``batch_end`` it scales ``lm_head`` (and ``body`` if ``inside``), raises."""
+
+    required_state = frozenset({"model"})
+    events = frozenset({"batch_end"})
+    inside: bool = True
+    fail_at: int = 1
+    _body: nn.Module | None = attrs.field(default=None, init=False)
+    _calls: int = attrs.field(default=0, init=False)
+
+    @property
+    def resolved_targets(self):
+        return {"body": self._body} if self._body is not None else {}
+
+    def on_initialize(self, state):
+        self._body = state.model.body
+
+    def on_event(self, state, event):
+        self._calls += 1
+        if self._calls < self.fail_at:
+            torch.mul(self._body.weight, 1.0)  # a torch call that changes nothing
+            return
+        with torch.no_grad():
+            if self.inside:
+                self._body.weight.mul_(0.5)
+            state.model.lm_head.weight.view(-1)[0] = 7.0  # through a view: the same counter
+        raise RuntimeError("boom")
+
+
+def _clone(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("fail_at", [1, 2], ids=["lazy", "eager"])
+def test_a_targeted_modifier_that_changed_a_parameter_outside_its_targets_is_named_and_stops_the_session(fail_at):
+    model = _model()
+    before = _clone(model)
+    session = Session([Outside(fail_at=fail_at)])
+    session.initialize(model=model)
+    if fail_at == 2:
+        _step(session)
+        assert session._schedule.slots[0].guard.eager
+    with pytest.raises(ModifierError) as info:
+        _step(session)
+    err = info.value
+    assert err.modified == ("body.weight", "lm_head.weight")
+    assert str(err) == (
+        "Outside.on_event() raised RuntimeError: boom (during batch_end()). It had already changed 2 parameter(s) "
+        "in place: body.weight, lm_head.weight (1 outside its declared targets: lm_head.weight). Model modified "
+        "by a failed hook; reload it (the change is not undone). The session refuses further events and removed "
+        "every modifier's hooks."
+    )
+    after = model.state_dict()
+    assert torch.equal(after["body.weight"], before["body.weight"] * 0.5)
+    expected_head = before["lm_head.weight"].clone()
+    expected_head.view(-1)[0] = 7.0
+    assert torch.equal(after["lm_head.weight"], expected_head)
+    assert torch.equal(after["body.bias"], before["body.bias"])  # nothing else changed
+    with pytest.raises(LifecycleError) as refused:
+        session.batch_start()
+    assert str(refused.value).startswith("batch_start() refused: Outside's on_event failed after changing 2")
+    session.finalize()
+
+
+def test_a_targeted_modifier_that_changed_only_a_parameter_outside_its_targets_is_named():
+    model = _model()
+    session = Session([Outside(inside=False)])
+    session.initialize(model=model)
+    with pytest.raises(ModifierError) as info:
+        _step(session)
+    assert info.value.modified == ("lm_head.weight",)
+    assert "in place: lm_head.weight (1 outside its declared targets: lm_head.weight). Model modified" in str(
+        info.value
+    )
+    assert session.failed is not None
+
+
+@attrs.define(kw_only=True, slots=False, eq=False)
+class HookedUntargeted(Modifier):
+    """Declares no targets; a forward hook on ``lm_head`` raises, after scaling ``body.weight`` when ``mutate``."""
+
+    required_state = frozenset({"model"})
+    mutate: bool = True
+
+    def on_initialize(self, state):
+        self.register_hook(state.model.lm_head, self._hook, kind="forward")
+
+    def _hook(self, module, args, output):
+        if self.mutate:
+            with torch.no_grad():
+                self._model.body.weight.add_(1.0)
+        raise RuntimeError("hook boom")
+
+    @property
+    def _model(self):
+        return self._binding.session().state.model
+
+
+def _forward(model: _LM) -> torch.Tensor:
+    return model.lm_head(model.body(torch.ones(1, 4)))
+
+
+def test_a_torch_hook_of_an_untargeted_modifier_that_changed_a_weight_is_named_and_stops_the_session():
+    model = _model()
+    before = _clone(model)
+    session = Session([HookedUntargeted()])
+    session.initialize(model=model)
+    with pytest.raises(ModifierError) as info:
+        _forward(model)
+    err = info.value
+    assert (err.modifier, err.hook, err.module, err.modified) == (
+        "HookedUntargeted",
+        "forward hook",
+        "lm_head",
+        ("body.weight",),
+    )
+    assert str(err) == (
+        "HookedUntargeted's forward hook on lm_head raised RuntimeError: hook boom (during a forward/backward pass "
+        "of the model). It had already changed 1 parameter(s) in place: body.weight. Model modified by a failed "
+        "hook; reload it (the change is not undone). The session refuses further events and removed every "
+        "modifier's hooks."
+    )
+    assert torch._C._len_torch_function_stack() == 0
+    after = model.state_dict()
+    assert torch.equal(after["body.weight"], before["body.weight"] + 1.0)
+    assert all(torch.equal(after[k], before[k]) for k in ("body.bias", "lm_head.weight"))  # nothing else
+    assert session.modifiers[0].num_hooks == 0 and not model.lm_head._forward_hooks
+    with pytest.raises(LifecycleError) as refused:
+        session.batch_start()
+    assert str(refused.value).startswith(
+        "batch_start() refused: HookedUntargeted's forward hook failed after changing 1 parameter(s) in place"
+    )
+    _forward(model)  # the hook is gone: a forward pass runs
+    session.finalize()
+
+
+def test_a_torch_hook_of_an_untargeted_modifier_that_changed_nothing_stays_registered():
+    model = _model()
+    before = _clone(model)
+    session = Session([HookedUntargeted(mutate=False)])
+    session.initialize(model=model)
+    with pytest.raises(ModifierError) as info:
+        _forward(model)
+    assert info.value.modified == ()
+    assert str(info.value) == (
+        "HookedUntargeted's forward hook on lm_head raised RuntimeError: hook boom (during a forward/backward pass "
+        "of the model). No parameter of the model was changed; the hook stays registered."
+    )
+    assert session.failed is None and session.modifiers[0].num_hooks == 1
+    _step(session)  # still accepts events
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    session.finalize()
+
+
+@attrs.define(kw_only=True, slots=False, eq=False)
+class Interrupted(Modifier):
+    """Declares no targets; its ``batch_start`` hook raises a ``BaseException`` (as Ctrl-C would)."""
+
+    required_state = frozenset({"model"})
+    events = frozenset({"batch_start"})
+
+    def on_event(self, state, event):
+        raise KeyboardInterrupt
+
+
+def test_a_base_exception_in_a_lazily_guarded_hook_leaves_the_torch_function_mode_stack_as_it_was():
+    session = Session([Interrupted()])
+    session.initialize(model=_model())
+    with torch.device("cpu"):  # a torch-function mode of the caller's
+        depth = torch._C._len_torch_function_stack()
+        with pytest.raises(KeyboardInterrupt):
+            session.batch_start()
+        assert torch._C._len_torch_function_stack() == depth
+    assert torch._C._len_torch_function_stack() == 0
 
 
 def test_loss_calculated_none_is_refused_and_the_session_is_left_as_it_was():

@@ -6,20 +6,32 @@ modifier registers with :meth:`~llmc_fsm.Modifier.register_hook` is guarded:
 an exception becomes :class:`~llmc_fsm.ModifierError` naming the modifier, the
 hook and (for a torch hook) the module, with the original chained.
 
-Whether the hook changed weights before raising is found cheaply with the
-tensors' in-place version counters (``tensor._version``, bumped by every
-in-place operation that autograd can see: ``mul_``, ``copy_``,
-``torch._foreach_mul_``...): the counters of the *watched* parameters are read
-before the hook (one integer read per parameter, ~40 ns) and compared after a
-failure. Watched are the parameters of the modifier's
-:attr:`~llmc_fsm.Modifier.resolved_targets`; for ``on_initialize`` (targets are
-not known yet) and for the session hooks of a modifier that declares no targets
-(it may change any weight, e.g. ``lm_head``), every parameter of the modules in
-the state (:func:`module_parameters`). So the per-event cost of a modifier with
-targets stays one read per targeted parameter, and a change such a modifier
-makes *outside* its targets is not seen (nor are changes in the torch hooks of a
-modifier without targets). Writes through ``tensor.data`` bypass the counter and
-are not detected.
+Whether the hook changed weights before raising is found with the tensors'
+in-place version counters (``tensor._version``, bumped by every in-place
+operation that autograd can see: ``mul_``, ``copy_``, ``torch._foreach_mul_``,
+``param[...] = ...``), compared only when the hook raises. Each modifier's hooks
+are guarded by one :class:`Guard`, which watches every parameter of the modules
+in the state (the model, a teacher...) in two parts:
+
+- the parameters of the modifier's :attr:`~llmc_fsm.Modifier.resolved_targets`:
+  their counters are read before every hook (one integer read each, ~0.15 µs);
+- every other parameter (all of them for a modifier that declares no targets):
+  read *lazily*. A :class:`~llmc_fsm.core.torch_hooks.FirstTorchCall` mode is
+  pushed around the hook and reads their counters at the hook's first torch
+  call, before it runs. A hook that makes no torch call (a schedule, a no-op)
+  cannot have changed a parameter in place and pays only the push and pop
+  (~1 µs); once a hook of the modifier has made a torch call (it does tensor
+  work: distillation, pruning), the guard reads these counters before each of
+  its hooks instead (``eager``), so its torch calls do not each pass through a
+  Python mode.
+
+So a failure names exactly the parameters that changed between the hook's start
+and its exception, inside the declared targets or outside them. Not seen: writes
+through ``tensor.data`` (no counter), a parameter replaced by another object, and
+in-place writes made by compiled extensions (pybind functions that are not torch
+functions) in a hook before its first torch call.
+
+For ``on_initialize`` (targets are not known yet) every parameter is read eagerly.
 """
 
 from __future__ import annotations
@@ -28,8 +40,18 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from llmc_fsm.core.errors import ModifierError
+from llmc_fsm.core.torch_hooks import FirstTorchCall, pop_mode, push_mode
 
-__all__ = ["NOTHING", "Watched", "changed", "failure", "module_parameters", "watched_parameters"]
+__all__ = [
+    "NOTHING",
+    "Guard",
+    "Watched",
+    "changed",
+    "failure",
+    "module_parameters",
+    "watched_parameters",
+    "without",
+]
 
 #: (parameter names, the tensors) — two parallel tuples, so taking a snapshot is one comprehension.
 Watched = tuple[tuple[str, ...], tuple[Any, ...]]
@@ -72,6 +94,82 @@ def changed(watched: Watched, before: Sequence[int] | None) -> list[str]:
     return [name for name, tensor, version in zip(names, tensors, before, strict=True) if tensor._version != version]
 
 
+def without(watched: Watched, exclude: Watched) -> Watched:
+    """``watched`` minus the tensors of ``exclude`` (compared by identity), in ``watched``'s order."""
+    ids = {id(t) for t in exclude[1]}
+    kept = [(n, t) for n, t in zip(*watched, strict=True) if id(t) not in ids]
+    return tuple(n for n, _ in kept), tuple(t for _, t in kept)
+
+
+class Guard:
+    """The version counters that guard one modifier's hooks (see the module docstring).
+
+    Use around a hook: ``token = guard.enter()``, call the hook, then
+    ``guard.leave(token)`` on success (or any ``BaseException``), or
+    ``guard.failed(token)`` when it raised an ``Exception`` (leaves and returns
+    the names of the parameters changed in place since ``enter``).
+
+    Args:
+        targets: ``(names, tensors)`` of the declared targets' parameters, read before every hook.
+        rest: ``(names, tensors)`` of every other watched parameter, read lazily (at the first torch call).
+
+    Attributes:
+        names: target names, then the other names.
+        eager: whether every counter is read before each hook (the rest is empty, or a hook of this
+            modifier made a torch call).
+    """
+
+    __slots__ = ("eager", "names", "rest", "targets", "tensors")
+
+    def __init__(self, targets: Watched = NOTHING, rest: Watched = NOTHING) -> None:
+        self.names: tuple[str, ...] = targets[0] + rest[0]
+        self.tensors: tuple[Any, ...] = targets[1] + rest[1]
+        self.targets: tuple[Any, ...] = targets[1]
+        self.rest: tuple[Any, ...] = rest[1]
+        self.eager = not self.rest
+
+    @property
+    def target_names(self) -> tuple[str, ...]:
+        """The names of the declared targets' parameters."""
+        return self.names[: len(self.targets)]
+
+    def enter(self) -> Any:
+        """Before the hook: read the targets' counters (all counters if ``eager``), else push the lazy mode."""
+        if self.eager:
+            tensors = self.tensors
+            return [t._version for t in tensors] if tensors else None
+        mode = FirstTorchCall(self.rest, [t._version for t in self.targets])
+        push_mode(mode)
+        return mode
+
+    def leave(self, token: Any) -> None:
+        """After the hook: pop the lazy mode; if the hook made a torch call, read eagerly from now on."""
+        if token.__class__ is FirstTorchCall:
+            pop_mode(token)
+            if token.before is not None:
+                self.eager = True
+
+    def failed(self, token: Any) -> list[str]:
+        """The hook raised: :meth:`leave`, then return the names of the parameters changed since :meth:`enter`."""
+        self.leave(token)
+        if token is None:
+            return []
+        if token.__class__ is not FirstTorchCall:
+            return changed((self.names, self.tensors), token)
+        n = len(self.targets)
+        modified = changed((self.names[:n], self.targets), token.early)
+        if token.before is not None:  # no torch call: nothing outside the targets can have changed
+            modified += changed((self.names[n:], self.rest), token.before)
+        return modified
+
+    def outside(self, modified: Sequence[str]) -> list[str]:
+        """Those of ``modified`` that are not parameters of the declared targets (``[]`` without targets)."""
+        if not self.targets:
+            return []
+        inside = set(self.target_names)
+        return [name for name in modified if name not in inside]
+
+
 def _list(names: Iterable[str], limit: int = 8) -> str:
     names = sorted(names)
     shown = ", ".join(names[:limit])
@@ -86,6 +184,7 @@ def failure(
     during: str,
     modified: Sequence[str] = (),
     module: str | None = None,
+    outside: Sequence[str] = (),
     then: str = "",
 ) -> ModifierError:
     """Build the :class:`ModifierError` for ``label``'s ``hook`` that raised ``exc`` (raise it ``from exc``).
@@ -97,14 +196,16 @@ def failure(
         during: where it happened, e.g. ``"optim_post_step()"``.
         modified: parameters changed in place before the failure (see :func:`changed`).
         module: the hooked module's name, for torch hooks.
+        outside: those of ``modified`` outside the modifier's declared targets (see :meth:`Guard.outside`).
         then: one or two sentences on what the session did and what to do now.
     """
     where = f"{label}'s {hook} on {module}" if module is not None else f"{label}.{hook}()"
     msg = f"{where} raised {type(exc).__name__}: {exc} (during {during})."
     if modified:
         msg += (
-            f" It had already changed {len(modified)} parameter(s) in place: {_list(modified)}. "
-            "Model modified by a failed hook; reload it (the change is not undone)."
+            f" It had already changed {len(modified)} parameter(s) in place: {_list(modified)}"
+            + (f" ({len(outside)} outside its declared targets: {_list(outside)})" if outside else "")
+            + ". Model modified by a failed hook; reload it (the change is not undone)."
         )
     if then:
         msg += " " + then

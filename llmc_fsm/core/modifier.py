@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import attrs
 
-from llmc_fsm.core.guard import NOTHING, Watched, changed, failure, watched_parameters
+from llmc_fsm.core.guard import Guard, failure, watched_parameters
 from llmc_fsm.core.lifecycle import BATCH_EVENTS
 from llmc_fsm.core.state import State
 from llmc_fsm.core.torch_hooks import HOOK_DICTS
@@ -83,14 +83,14 @@ def modifier_labels(modifiers: list[Modifier]) -> list[str]:
 
 
 class _Binding:
-    """The live session a modifier belongs to (a weak reference), its label there and its watched parameters."""
+    """The live session a modifier belongs to (a weak reference), its label there and the guard of its hooks."""
 
-    __slots__ = ("label", "session", "watched")
+    __slots__ = ("guard", "label", "session")
 
     def __init__(self, session: Any, label: str) -> None:  # a llmc_fsm.Session (a higher layer: not imported)
         self.session = weakref.ref(session)
         self.label = label
-        self.watched: Watched | None = None
+        self.guard: Guard | None = None
 
 
 class Event:
@@ -263,12 +263,12 @@ class Modifier:
     def _binding(self) -> _Binding | None:
         return self.__dict__.get("_llmc_fsm_binding")
 
-    def _watched(self) -> Watched:
+    def _guard(self) -> Guard:
         binding = self._binding
-        if binding is not None and binding.watched is not None:
-            return binding.watched
-        targets = self.resolved_targets
-        return watched_parameters(targets) if targets else NOTHING
+        if binding is not None and binding.guard is not None:
+            return binding.guard  # the session's: targets before each hook, the rest of the state lazily
+        targets = self.resolved_targets  # not (yet) in a session: its targets only
+        return Guard(watched_parameters(targets)) if targets else Guard()
 
     # --- torch hooks that finalize always removes ---------------------------
     def register_hook(
@@ -283,9 +283,10 @@ class Modifier:
         The hook is guarded: an exception inside it reaches the caller (e.g.
         the model's forward inside the one-shot pipeline) as
         :class:`~llmc_fsm.ModifierError` naming this modifier and the module.
-        If it changed parameters of :attr:`resolved_targets` in place before
-        raising, the error names them and the modifier's session refuses
-        further events (see :mod:`llmc_fsm.core.guard`).
+        If it changed parameters in place before raising (of
+        :attr:`resolved_targets` or, in a session, of any module in the state),
+        the error names them and the modifier's session refuses further events
+        (see :mod:`llmc_fsm.core.guard`).
 
         Args:
             module: the ``torch.nn.Module`` to hook.
@@ -306,12 +307,18 @@ class Modifier:
 
         @functools.wraps(hook)
         def guarded(*args: Any, **kw: Any) -> Any:
-            watched = self._watched()
-            before = [t._version for t in watched[1]] if watched[1] else None
+            guard = self._guard()
+            token = guard.enter()
             try:
-                return hook(*args, **kw)
+                result = hook(*args, **kw)
             except Exception as exc:
-                raise self._torch_hook_failed(module, kind, exc, watched, before) from exc
+                modified = guard.failed(token)
+                raise self._torch_hook_failed(module, kind, exc, modified, guard.outside(modified)) from exc
+            except BaseException:
+                guard.leave(token)
+                raise
+            guard.leave(token)
+            return result
 
         handle = getattr(module, f"register_{kind}_hook")(guarded, **kwargs)
         self.__dict__.setdefault("_llmc_fsm_hooks", []).append(handle)
@@ -330,14 +337,14 @@ class Modifier:
         return type(module).__name__
 
     def _torch_hook_failed(
-        self, module: Any, kind: str, exc: Exception, watched: Watched, before: list[int] | None
+        self, module: Any, kind: str, exc: Exception, modified: list[str], outside: list[str]
     ) -> Exception:
         binding = self._binding
         session = binding.session() if binding is not None else None
         label = binding.label if binding is not None else self.modifier_name()
-        modified = changed(watched, before)
         if not modified:
-            then = "No targeted parameter was changed; the hook stays registered."
+            checked = "parameter of the model" if session is not None else "targeted parameter"
+            then = f"No {checked} was changed; the hook stays registered."
         elif session is not None:
             then = "The session refuses further events and removed every modifier's hooks."
         else:
@@ -349,6 +356,7 @@ class Modifier:
             during="a forward/backward pass of the model",
             modified=modified,
             module=self._module_name(module),
+            outside=outside,
             then=then,
         )
         if session is not None:

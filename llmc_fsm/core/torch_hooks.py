@@ -1,18 +1,30 @@
-"""The one place that reads torch's private hook dictionaries.
+"""The one place that uses torch's private hook machinery: module hook dictionaries and the torch-function mode stack.
 
 ``torch.nn.Module`` keeps its hooks in private attributes (``_forward_hooks``,
 ``_forward_pre_hooks``, ``_backward_hooks``, ``_backward_pre_hooks``) and the
 global module hooks in ``torch.nn.modules.module`` (``_global_forward_hooks``,
 ``_global_forward_pre_hooks``); torch has no public API to count them. Every
 reader in the library goes through these helpers, so a change in torch is fixed here.
+
+:class:`FirstTorchCall` is a ``torch.overrides.TorchFunctionMode`` that the
+failure guard (:mod:`llmc_fsm.core.guard`) pushes around a hook: at the hook's
+first call of a torch function (``mul_``, ``copy_``, ``torch.no_grad()``'s
+``_set_grad_enabled``, a ``Tensor`` attribute read...) it reads the version
+counters of the tensors it was given, before that call runs. A hook that makes
+no torch call costs one push and one pop of torch's mode stack
+(:func:`push_mode` / :func:`pop_mode`: the private calls ``with mode:`` makes,
+without its Python frames).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-__all__ = ["HOOK_DICTS", "global_forward_hooks_installed", "hook_count"]
+import torch
+from torch.overrides import TorchFunctionMode
+
+__all__ = ["HOOK_DICTS", "FirstTorchCall", "global_forward_hooks_installed", "hook_count", "pop_mode", "push_mode"]
 
 #: Hook kind (``module.register_<kind>_hook``) -> the private ``nn.Module`` dictionary that holds those hooks.
 HOOK_DICTS: dict[str, str] = {
@@ -41,3 +53,53 @@ def global_forward_hooks_installed() -> bool:
     return bool(
         getattr(torch_module, "_global_forward_hooks", None) or getattr(torch_module, "_global_forward_pre_hooks", None)
     )
+
+
+class FirstTorchCall(TorchFunctionMode):
+    """A torch-function mode that reads ``tensors``' version counters at the first torch call made under it.
+
+    Every call is passed on unchanged (to the next mode on the stack, then to torch).
+
+    Attributes:
+        tensors: the tensors whose ``_version`` is read (a tuple).
+        early: what the guard read before pushing the mode (kept here for it; not used by the mode).
+        before: ``[tensor._version ...]`` read just before the first torch call, or ``None`` while none was made.
+    """
+
+    def __init__(self, tensors: Sequence[Any], early: Any = None) -> None:
+        self.tensors = tensors
+        self.early = early
+        self.before: list[int] | None = None
+
+    def __torch_function__(
+        self, func: Callable[..., Any], types: Any, args: Sequence[Any] = (), kwargs: Any = None
+    ) -> Any:
+        if self.before is None:  # the mode is off torch's stack while this runs: these reads do not come back here
+            self.before = [t._version for t in self.tensors]
+        return func(*args, **(kwargs or {}))
+
+
+def push_mode(mode: TorchFunctionMode) -> None:
+    """Push ``mode`` on this thread's torch-function mode stack (what ``with mode:`` does on entry)."""
+    torch._C._push_on_torch_function_stack(mode)
+
+
+def pop_mode(mode: TorchFunctionMode) -> None:
+    """Take ``mode`` off this thread's torch-function mode stack.
+
+    Modes a hook pushed above it and left there are put back in their order; if
+    ``mode`` is no longer on the stack (a hook popped it), the stack is left as it was.
+    """
+    if not torch._C._len_torch_function_stack():
+        return
+    popped = torch._C._pop_torch_function_stack()
+    if popped is mode:
+        return
+    above = [popped]  # top first
+    while torch._C._len_torch_function_stack():
+        popped = torch._C._pop_torch_function_stack()
+        if popped is mode:
+            break
+        above.append(popped)
+    for other in reversed(above):
+        torch._C._push_on_torch_function_stack(other)

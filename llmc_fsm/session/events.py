@@ -4,11 +4,14 @@ Per-batch events do not go through ``transitions`` triggers: ``_enter`` checks
 the order with one lookup in :data:`~llmc_fsm.core.lifecycle.EVENT_ORDER`, and
 ``_dispatch`` calls the modifiers :class:`~llmc_fsm.session.scheduling.Schedule`
 resolved for the event. Each public event holds the session's lock; each hook
-call is guarded (:mod:`llmc_fsm.core.guard`): the version counters of the
-modifier's targeted parameters are read before it and compared only if it
-raises. A modifier without declared targets may change any weight, so around
-its hooks the counters of every parameter of the modules in the state (the
-model, a teacher...) are read; modifiers with targets do not pay for that.
+call is guarded by the modifier's :class:`~llmc_fsm.core.guard.Guard`: the
+version counters of its targeted parameters are read before it, those of every
+other parameter of the modules in the state (the model, a teacher...) at the
+hook's first torch call (or before it, once the modifier's hooks are known to
+make torch calls), and compared only if it raises — so a failure names what it
+changed inside or outside the declared targets, and a modifier without targets
+whose hooks make no torch call (a schedule) pays ~1 µs per hook, not one read per
+parameter.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from typing import Any, NoReturn
 from transitions import MachineError
 
 from llmc_fsm.core.errors import EventOrderError, LifecycleError, ModifierError
-from llmc_fsm.core.guard import changed, failure
+from llmc_fsm.core.guard import failure
 from llmc_fsm.core.lifecycle import EVENT_ORDER, allowed_now, format_calls, order_refusal, refusal
 from llmc_fsm.core.modifier import Event
 from llmc_fsm.core.state import State
@@ -92,29 +95,36 @@ class SessionEvents:
                 for slot in self._schedule.slots:
                     slot.modifier.remove_hooks()
 
-    def _event_failed(self, slot: Slot, hook: str, exc: Exception, before: list[int] | None) -> NoReturn:
-        modified = changed(slot.watched, before)
+    def _event_failed(self, slot: Slot, hook: str, exc: Exception, token: Any) -> NoReturn:
+        guard = slot.guard
+        modified = guard.failed(token)
         during = f"{self._event.type}()"
         if modified:
             then = "The session refuses further events and removed every modifier's hooks."
         else:
-            checked = "targeted parameter" if slot.modifier.resolved_targets else "parameter of the model"
+            checked = "No parameter of the model was changed." if guard.tensors else "The state holds no model."
             then = (
-                f"No {checked} was changed. The event counts as delivered; modifiers after this one did "
+                f"{checked} The event counts as delivered; modifiers after this one did "
                 "not see it. Continue, or finalize()/reset() the session."
             )
-        error = failure(slot.label, hook, exc, during=during, modified=modified, then=then)
+        outside = guard.outside(modified)
+        error = failure(slot.label, hook, exc, during=during, modified=modified, outside=outside, then=then)
         self._hook_failed(error)
         raise error from exc
 
     def _call(self, slot: Slot, hook: str, *args: Any) -> Any:
         """Call ``slot``'s ``hook(state, *args)`` guarded (schedule and calibration hooks)."""
-        tensors = slot.watched[1]
-        before = [t._version for t in tensors] if tensors else None
+        guard = slot.guard
+        token = guard.enter()
         try:
-            return getattr(slot.modifier, hook)(self._state, *args)
+            result = getattr(slot.modifier, hook)(self._state, *args)
         except Exception as exc:
-            self._event_failed(slot, hook, exc, before)
+            self._event_failed(slot, hook, exc, token)
+        except BaseException:
+            guard.leave(token)
+            raise
+        guard.leave(token)
+        return result
 
     # --- events (hot path: no transitions trigger, one dict lookup) ------------
     def _enter(self, event: str, step: int | None = None) -> Event:
@@ -137,12 +147,16 @@ class SessionEvents:
     def _dispatch(self, event: str, ev: Event) -> None:
         """Run ``on_event`` of the modifiers handling ``event``; for ``loss_calculated`` a result replaces the loss."""
         state = self._state
-        for slot, handler, tensors in self._schedule.dispatch[event]:
-            before = [t._version for t in tensors] if tensors else None
+        for slot, handler, guard in self._schedule.dispatch[event]:
+            token = guard.enter()
             try:
                 result = handler(state, ev)
             except Exception as exc:
-                self._event_failed(slot, "on_event", exc, before)
+                self._event_failed(slot, "on_event", exc, token)
+            except BaseException:
+                guard.leave(token)
+                raise
+            guard.leave(token)
             if result is not None and event == "loss_calculated":
                 ev.loss = result
 

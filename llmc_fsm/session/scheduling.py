@@ -13,7 +13,7 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from llmc_fsm.core.guard import NOTHING, Watched, watched_parameters
+from llmc_fsm.core.guard import Guard, module_parameters, watched_parameters, without
 from llmc_fsm.core.lifecycle import BATCH_EVENTS, EVENTS
 from llmc_fsm.core.modifier import Modifier, _Binding, modifier_labels, overrides
 
@@ -32,10 +32,10 @@ class Slot:
         label: its label in the session (see :func:`~llmc_fsm.core.modifier.modifier_labels`).
         started, ended: whether ``on_start`` / ``on_end`` has fired.
         next_update: the epoch of the next ``on_update``, or ``None``.
-        watched: the parameters of its targets whose version counters guard its hooks.
+        guard: the version counters that guard its hooks (:class:`~llmc_fsm.core.guard.Guard`).
     """
 
-    __slots__ = ("ended", "label", "modifier", "next_update", "started", "watched")
+    __slots__ = ("ended", "guard", "label", "modifier", "next_update", "started")
 
     def __init__(self, modifier: Modifier, label: str) -> None:
         self.modifier = modifier
@@ -43,7 +43,7 @@ class Slot:
         self.started = False
         self.ended = False
         self.next_update: float | None = None
-        self.watched: Watched = NOTHING
+        self.guard = Guard()
 
     @property
     def has_schedule_work(self) -> bool:
@@ -65,7 +65,7 @@ class Schedule:
         slots: one :class:`Slot` per modifier, in execution order.
         pending: slots the next opening event may start, update or end.
         handlers: event -> the active slots that handle it, in execution order.
-        dispatch: batch event -> ``(slot, bound on_event, watched tensors)`` of those slots
+        dispatch: batch event -> ``(slot, bound on_event, its guard)`` of those slots
             (the hot path unpacks one tuple per modifier).
     """
 
@@ -73,7 +73,7 @@ class Schedule:
         self.slots = [Slot(m, label) for m, label in zip(modifiers, modifier_labels(modifiers), strict=True)]
         self.pending: list[Slot] = []
         self.handlers: dict[str, tuple[Slot, ...]] = {}
-        self.dispatch: dict[str, tuple[tuple[Slot, Callable[..., Any], tuple[Any, ...]], ...]] = {}
+        self.dispatch: dict[str, tuple[tuple[Slot, Callable[..., Any], Guard], ...]] = {}
         self.clear()
 
     def begin(self) -> None:
@@ -92,7 +92,7 @@ class Schedule:
         active = [slot for slot in self.slots if slot.started and not slot.ended]
         self.handlers = {event: tuple(s for s in active if s.handles(event)) for event in EVENTS}
         self.dispatch = {
-            event: tuple((s, s.modifier.on_event, s.watched[1]) for s in self.handlers[event]) for event in BATCH_EVENTS
+            event: tuple((s, s.modifier.on_event, s.guard) for s in self.handlers[event]) for event in BATCH_EVENTS
         }
 
     def advance(self, epoch: float | None, call: Callable[[Slot, str], Any]) -> None:
@@ -157,13 +157,19 @@ class Schedule:
                 slot.modifier.__dict__["_llmc_fsm_binding"] = _Binding(owner, slot.label)
         return None
 
-    def watch(self) -> None:
-        """After ``on_initialize``: record each modifier's targeted parameters (guarding its hooks)."""
+    def watch(self, state: Mapping[str, Any]) -> None:
+        """After ``on_initialize``: build each modifier's :class:`~llmc_fsm.core.guard.Guard`.
+
+        Its targeted parameters are read before each hook; every other parameter of the modules in ``state``
+        lazily (see :mod:`llmc_fsm.core.guard`). The modifier's torch hooks use the same guard.
+        """
+        whole = module_parameters(state)
         for slot in self.slots:
-            slot.watched = watched_parameters(slot.modifier.resolved_targets)
+            targets = watched_parameters(slot.modifier.resolved_targets)
+            slot.guard = Guard(targets, without(whole, targets))
             binding = slot.modifier._binding
             if binding is not None:
-                binding.watched = slot.watched
+                binding.guard = slot.guard
 
     def unbind(self, owner: Any) -> None:
         """Release the modifiers bound to ``owner``."""

@@ -198,25 +198,11 @@ class Session(SessionCheckpoints):
                         raise
                     raise self._initialize_failed(slot, exc, len(done), changed(watched, before)) from exc
                 done.append(slot)
-            self._schedule.watch()
-            self._watch_whole_model(full)
+            self._schedule.watch(full)
             self._state = full
             self._position = "idle"
             self._schedule.begin()
             self._fire("initialize")
-
-    def _watch_whole_model(self, state: State) -> None:
-        """Guard the hooks of modifiers without declared targets with every parameter of the state's modules.
-
-        A modifier that declares no targets may change any weight (e.g. ``lm_head``), so a failure in its hooks
-        compares the version counters of every parameter of ``model`` (and ``teacher``...). The reads happen only
-        around the hooks of such modifiers: modifiers with targets keep watching their targets alone.
-        """
-        whole = None
-        for slot in self._schedule.slots:
-            if not slot.watched[1]:
-                whole = module_parameters(state) if whole is None else whole
-                slot.watched = whole
 
     def _initialize_failed(self, slot: Slot, exc: Exception, done: int, modified: list[str]) -> ModifierError:
         if modified:
@@ -277,7 +263,8 @@ class Session(SessionCheckpoints):
         for slot in self._schedule.slots:
             m = slot.modifier
             hook = "on_end"
-            before = [t._version for t in slot.watched[1]]
+            guard = slot.guard
+            before = [t._version for t in guard.tensors]  # once per modifier: every counter, read eagerly
             try:
                 if slot.started and not slot.ended:
                     slot.ended = True
@@ -287,8 +274,15 @@ class Session(SessionCheckpoints):
                 m.on_finalize(self._state)
             except Exception as exc:
                 then = "All modifiers were still finalized and their hooks removed."
+                modified = changed((guard.names, guard.tensors), before)
                 error = failure(
-                    slot.label, hook, exc, during="finalize()", modified=changed(slot.watched, before), then=then
+                    slot.label,
+                    hook,
+                    exc,
+                    during="finalize()",
+                    modified=modified,
+                    outside=guard.outside(modified),
+                    then=then,
                 )
                 error.__cause__ = exc
                 if errors:
