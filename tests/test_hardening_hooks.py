@@ -8,10 +8,13 @@ outside its targets, and the torch hooks of either are all named.
 
 from __future__ import annotations
 
+from typing import Any
+
 import attrs
 import pytest
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from llmc_fsm import LifecycleError, Modifier, ModifierError, Session
 from llmc_fsm.core.lifecycle import BATCH_EVENTS
@@ -134,14 +137,15 @@ def test_each_guard_reads_its_targets_eagerly_and_the_rest_of_the_model_at_the_f
     session.batch_start()
     with pytest.raises(ModifierError):
         session.loss_calculated(torch.tensor(1.0))
-    assert not untargeted.eager  # its hook made no torch call: it stays lazy
+    assert not untargeted.for_hook("loss_calculated").eager  # its hook made no torch call: it stays lazy
     assert torch._C._len_torch_function_stack() == 0  # the lazy mode was popped
     session.optim_pre_step()
     session.optim_post_step()
     with pytest.raises(ModifierError) as info:
         session.batch_end()
     assert info.value.modified == ("body.weight",)
-    assert targeted.eager  # its hook made a torch call (mul_): from now on every counter is read before its hooks
+    assert targeted.for_hook("batch_end").eager  # it made a torch call (mul_): every counter is read before it now
+    assert not targeted.for_hook("batch_start").eager  # each hook on its own
     assert torch._C._len_torch_function_stack() == 0
     assert session.failed is not None
 
@@ -188,7 +192,7 @@ def test_a_targeted_modifier_that_changed_a_parameter_outside_its_targets_is_nam
     session.initialize(model=model)
     if fail_at == 2:
         _step(session)
-        assert session._schedule.slots[0].guard.eager
+        assert session._schedule.slots[0].guard.for_hook("batch_end").eager
     with pytest.raises(ModifierError) as info:
         _step(session)
     err = info.value
@@ -339,3 +343,70 @@ def test_loss_calculated_none_is_refused_and_the_session_is_left_as_it_was():
     with pytest.raises(ModifierError):  # the real loss reaches the modifier
         session.loss_calculated(torch.tensor(2.0))
     session.optim_pre_step()
+
+
+@attrs.define(kw_only=True, slots=False, eq=False)
+class LeavesAMode(Modifier):
+    """Declares no targets; its ``batch_start`` hook pushes a torch-function mode of its own and leaves it there."""
+
+    required_state = frozenset({"model"})
+    events = frozenset({"batch_start"})
+    mode: Any = None
+
+    def on_event(self, state, event):
+        self.mode = _Passing()
+        self.mode.__enter__()
+
+
+class _Passing(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_guard_takes_only_its_own_mode_off_the_stack_when_a_hook_left_another_one_there():
+    session = Session([LeavesAMode()])
+    session.initialize(model=_model())
+    session.batch_start()
+    leaked = session.modifiers[0].mode
+    assert torch._C._len_torch_function_stack() == 1
+    assert torch._C._get_function_stack_at(0) is leaked  # the guard's own mode is gone, the hook's stays
+    leaked.__exit__(None, None, None)
+    assert torch._C._len_torch_function_stack() == 0
+    session.batch_end()
+    session.finalize()
+
+
+@attrs.define(kw_only=True, slots=False, eq=False)
+class CalibrationWriter(Modifier):
+    """Declares no targets; its ``on_sequential_epoch_end`` zeroes one row of ``lm_head`` and raises."""
+
+    required_state = frozenset({"model"})
+
+    def on_sequential_epoch_end(self, state, modules):
+        with torch.no_grad():
+            state.model.lm_head.weight[0].zero_()
+        raise ValueError("calibration boom")
+
+
+def test_a_calibration_hook_without_targets_that_changed_a_weight_is_named():
+    model = _model()
+    before = _clone(model)
+    session = Session([CalibrationWriter()])
+    session.initialize(model=model)
+    session.calibration_start()
+    with pytest.raises(ModifierError) as info:
+        session.sequential_epoch_end([model.body])
+    assert str(info.value) == (
+        "CalibrationWriter.on_sequential_epoch_end() raised ValueError: calibration boom (during "
+        "sequential_epoch_end()). It had already changed 1 parameter(s) in place: lm_head.weight. Model modified by "
+        "a failed hook; reload it (the change is not undone). The session refuses further events and removed every "
+        "modifier's hooks."
+    )
+    after = model.state_dict()
+    expected = before["lm_head.weight"].clone()
+    expected[0] = 0.0
+    assert torch.equal(after["lm_head.weight"], expected)
+    assert all(torch.equal(after[k], before[k]) for k in ("body.weight", "body.bias"))
+    with pytest.raises(LifecycleError):
+        session.calibration_end()
+    session.finalize()

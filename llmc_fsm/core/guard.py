@@ -119,7 +119,7 @@ class Guard:
             modifier made a torch call).
     """
 
-    __slots__ = ("eager", "names", "rest", "targets", "tensors")
+    __slots__ = ("eager", "hooks", "mode", "names", "rest", "targets", "tensors")
 
     def __init__(self, targets: Watched = NOTHING, rest: Watched = NOTHING) -> None:
         self.names: tuple[str, ...] = targets[0] + rest[0]
@@ -127,6 +127,22 @@ class Guard:
         self.targets: tuple[Any, ...] = targets[1]
         self.rest: tuple[Any, ...] = rest[1]
         self.eager = not self.rest
+        self.mode = FirstTorchCall(self.rest)  # reused: no allocation per hook
+        self.hooks: dict[Any, Guard] = {}
+
+    def for_hook(self, key: Any) -> Guard:
+        """The guard of one of the modifier's hooks (``key``: e.g. the event name): same counters, own ``eager``.
+
+        So a hook that makes torch calls (distillation's ``loss_calculated``) does not make the modifier's other
+        hooks (its ``batch_start``, which makes none) read every counter.
+        """
+        guard = self.hooks.get(key)
+        if guard is None:
+            guard = self.hooks[key] = Guard()
+            guard.names, guard.tensors, guard.targets, guard.rest = self.names, self.tensors, self.targets, self.rest
+            guard.eager = not self.rest
+            guard.mode = FirstTorchCall(self.rest)
+        return guard
 
     @property
     def target_names(self) -> tuple[str, ...]:
@@ -138,7 +154,13 @@ class Guard:
         if self.eager:
             tensors = self.tensors
             return [t._version for t in tensors] if tensors else None
-        mode = FirstTorchCall(self.rest, [t._version for t in self.targets])
+        mode = self.mode
+        if mode.active:  # entered again inside one of its own hooks (e.g. a forward hook in its on_event)
+            mode = FirstTorchCall(self.rest)
+        mode.active = True
+        mode.before = None
+        targets = self.targets
+        mode.early = [t._version for t in targets] if targets else None
         push_mode(mode)
         return mode
 
@@ -146,6 +168,7 @@ class Guard:
         """After the hook: pop the lazy mode; if the hook made a torch call, read eagerly from now on."""
         if token.__class__ is FirstTorchCall:
             pop_mode(token)
+            token.active = False
             if token.before is not None:
                 self.eager = True
 
@@ -158,7 +181,7 @@ class Guard:
             return changed((self.names, self.tensors), token)
         n = len(self.targets)
         modified = changed((self.names[:n], self.targets), token.early)
-        if token.before is not None:  # no torch call: nothing outside the targets can have changed
+        if token.before is not None:  # else no torch call was made: nothing outside the targets changed
             modified += changed((self.names[n:], self.rest), token.before)
         return modified
 

@@ -305,9 +305,11 @@ class Modifier:
             msg = f"unknown hook kind {kind!r}; use forward, forward_pre, full_backward or full_backward_pre"
             raise ValueError(msg)
 
+        key = (kind, id(module))  # its guard's own lazy/eager state (see Guard.for_hook)
+
         @functools.wraps(hook)
         def guarded(*args: Any, **kw: Any) -> Any:
-            guard = self._guard()
+            guard = self._guard().for_hook(key)
             token = guard.enter()
             try:
                 result = hook(*args, **kw)

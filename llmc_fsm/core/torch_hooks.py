@@ -58,18 +58,21 @@ def global_forward_hooks_installed() -> bool:
 class FirstTorchCall(TorchFunctionMode):
     """A torch-function mode that reads ``tensors``' version counters at the first torch call made under it.
 
-    Every call is passed on unchanged (to the next mode on the stack, then to torch).
+    Every call is passed on unchanged (to the next mode on the stack, then to torch). One instance may be
+    pushed again after it was popped (:meth:`arm` first).
 
     Attributes:
         tensors: the tensors whose ``_version`` is read (a tuple).
         early: what the guard read before pushing the mode (kept here for it; not used by the mode).
         before: ``[tensor._version ...]`` read just before the first torch call, or ``None`` while none was made.
+        active: whether it is on a mode stack now (set by its user).
     """
 
-    def __init__(self, tensors: Sequence[Any], early: Any = None) -> None:
+    def __init__(self, tensors: Sequence[Any]) -> None:
         self.tensors = tensors
-        self.early = early
+        self.early: Any = None
         self.before: list[int] | None = None
+        self.active = False
 
     def __torch_function__(
         self, func: Callable[..., Any], types: Any, args: Sequence[Any] = (), kwargs: Any = None
@@ -79,23 +82,27 @@ class FirstTorchCall(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def push_mode(mode: TorchFunctionMode) -> None:
-    """Push ``mode`` on this thread's torch-function mode stack (what ``with mode:`` does on entry)."""
-    torch._C._push_on_torch_function_stack(mode)
+#: Push a mode on this thread's torch-function mode stack (torch's own C function; what ``with mode:`` calls).
+push_mode: Callable[[TorchFunctionMode], None] = torch._C._push_on_torch_function_stack
 
 
 def pop_mode(mode: TorchFunctionMode) -> None:
-    """Take ``mode`` off this thread's torch-function mode stack.
+    """Take ``mode`` off this thread's torch-function mode stack (what ``with mode:`` does on exit).
 
-    Modes a hook pushed above it and left there are put back in their order; if
-    ``mode`` is no longer on the stack (a hook popped it), the stack is left as it was.
+    Fast when ``mode`` is on top. Modes a hook pushed above it and left there are
+    put back in their order; if ``mode`` is no longer on the stack (a hook popped
+    it), the stack is left as it was.
     """
-    if not torch._C._len_torch_function_stack():
+    try:
+        popped = torch._C._pop_torch_function_stack()
+    except RuntimeError:  # empty: a hook popped it
         return
-    popped = torch._C._pop_torch_function_stack()
-    if popped is mode:
-        return
-    above = [popped]  # top first
+    if popped is not mode:
+        _pop_below(mode, popped)
+
+
+def _pop_below(mode: TorchFunctionMode, top: Any) -> None:
+    above = [top]  # top first
     while torch._C._len_torch_function_stack():
         popped = torch._C._pop_torch_function_stack()
         if popped is mode:

@@ -22,7 +22,7 @@ from typing import Any, NoReturn
 from transitions import MachineError
 
 from llmc_fsm.core.errors import EventOrderError, LifecycleError, ModifierError
-from llmc_fsm.core.guard import failure
+from llmc_fsm.core.guard import Guard, failure
 from llmc_fsm.core.lifecycle import EVENT_ORDER, allowed_now, format_calls, order_refusal, refusal
 from llmc_fsm.core.modifier import Event
 from llmc_fsm.core.state import State
@@ -95,8 +95,7 @@ class SessionEvents:
                 for slot in self._schedule.slots:
                     slot.modifier.remove_hooks()
 
-    def _event_failed(self, slot: Slot, hook: str, exc: Exception, token: Any) -> NoReturn:
-        guard = slot.guard
+    def _event_failed(self, slot: Slot, hook: str, exc: Exception, token: Any, guard: Guard) -> NoReturn:
         modified = guard.failed(token)
         during = f"{self._event.type}()"
         if modified:
@@ -114,12 +113,12 @@ class SessionEvents:
 
     def _call(self, slot: Slot, hook: str, *args: Any) -> Any:
         """Call ``slot``'s ``hook(state, *args)`` guarded (schedule and calibration hooks)."""
-        guard = slot.guard
+        guard = slot.guard.for_hook(hook)
         token = guard.enter()
         try:
             result = getattr(slot.modifier, hook)(self._state, *args)
         except Exception as exc:
-            self._event_failed(slot, hook, exc, token)
+            self._event_failed(slot, hook, exc, token, guard)
         except BaseException:
             guard.leave(token)
             raise
@@ -152,7 +151,7 @@ class SessionEvents:
             try:
                 result = handler(state, ev)
             except Exception as exc:
-                self._event_failed(slot, "on_event", exc, token)
+                self._event_failed(slot, "on_event", exc, token, guard)
             except BaseException:
                 guard.leave(token)
                 raise

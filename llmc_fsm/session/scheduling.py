@@ -65,7 +65,7 @@ class Schedule:
         slots: one :class:`Slot` per modifier, in execution order.
         pending: slots the next opening event may start, update or end.
         handlers: event -> the active slots that handle it, in execution order.
-        dispatch: batch event -> ``(slot, bound on_event, its guard)`` of those slots
+        dispatch: batch event -> ``(slot, bound on_event, its guard for that event)`` of those slots
             (the hot path unpacks one tuple per modifier).
     """
 
@@ -92,7 +92,8 @@ class Schedule:
         active = [slot for slot in self.slots if slot.started and not slot.ended]
         self.handlers = {event: tuple(s for s in active if s.handles(event)) for event in EVENTS}
         self.dispatch = {
-            event: tuple((s, s.modifier.on_event, s.guard) for s in self.handlers[event]) for event in BATCH_EVENTS
+            event: tuple((s, s.modifier.on_event, s.guard.for_hook(event)) for s in self.handlers[event])
+            for event in BATCH_EVENTS
         }
 
     def advance(self, epoch: float | None, call: Callable[[Slot, str], Any]) -> None:
