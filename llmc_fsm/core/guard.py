@@ -104,7 +104,9 @@ def without(watched: Watched, exclude: Watched) -> Watched:
 class Guard:
     """The version counters that guard one modifier's hooks (see the module docstring).
 
-    Use around a hook: ``token = guard.enter()``, call the hook, then
+    The session builds one per modifier after ``on_initialize``; each of its hooks (an event, a schedule or
+    calibration hook, a torch hook) is guarded by :meth:`for_hook`'s guard, which shares the counters and
+    decides on its own whether to read the rest of the model lazily or eagerly. Use around a hook: ``token = guard.enter()``, call the hook, then
     ``guard.leave(token)`` on success (or any ``BaseException``), or
     ``guard.failed(token)`` when it raised an ``Exception`` (leaves and returns
     the names of the parameters changed in place since ``enter``).
@@ -115,8 +117,8 @@ class Guard:
 
     Attributes:
         names: target names, then the other names.
-        eager: whether every counter is read before each hook (the rest is empty, or a hook of this
-            modifier made a torch call).
+        eager: whether every counter is read before each call (the rest is empty, or this hook has made a
+            torch call before).
     """
 
     __slots__ = ("eager", "hooks", "mode", "names", "rest", "targets", "tensors")
@@ -127,21 +129,23 @@ class Guard:
         self.targets: tuple[Any, ...] = targets[1]
         self.rest: tuple[Any, ...] = rest[1]
         self.eager = not self.rest
-        self.mode = FirstTorchCall(self.rest)  # reused: no allocation per hook
+        self.mode: FirstTorchCall | None = FirstTorchCall(self.rest) if self.rest else None  # reused by enter()
         self.hooks: dict[Any, Guard] = {}
 
-    def for_hook(self, key: Any) -> Guard:
+    def for_hook(self, key: Any, *, reuse_mode: bool = True) -> Guard:
         """The guard of one of the modifier's hooks (``key``: e.g. the event name): same counters, own ``eager``.
 
         So a hook that makes torch calls (distillation's ``loss_calculated``) does not make the modifier's other
-        hooks (its ``batch_start``, which makes none) read every counter.
+        hooks (its ``batch_start``, which makes none) read every counter. ``reuse_mode=False`` (torch hooks,
+        which may run in several threads at once, e.g. ``DataParallel`` replicas): a new mode object per call.
         """
         guard = self.hooks.get(key)
         if guard is None:
-            guard = self.hooks[key] = Guard()
+            guard = Guard()
             guard.names, guard.tensors, guard.targets, guard.rest = self.names, self.tensors, self.targets, self.rest
             guard.eager = not self.rest
-            guard.mode = FirstTorchCall(self.rest)
+            guard.mode = FirstTorchCall(self.rest) if self.rest and reuse_mode else None
+            self.hooks[key] = guard
         return guard
 
     @property
@@ -155,7 +159,7 @@ class Guard:
             tensors = self.tensors
             return [t._version for t in tensors] if tensors else None
         mode = self.mode
-        if mode.active:  # entered again inside one of its own hooks (e.g. a forward hook in its on_event)
+        if mode is None or mode.active:  # not reused, or entered again inside its own hook (nested)
             mode = FirstTorchCall(self.rest)
         mode.active = True
         mode.before = None

@@ -309,7 +309,7 @@ class Modifier:
 
         @functools.wraps(hook)
         def guarded(*args: Any, **kw: Any) -> Any:
-            guard = self._guard().for_hook(key)
+            guard = self._guard().for_hook(key, reuse_mode=False)
             token = guard.enter()
             try:
                 result = hook(*args, **kw)
