@@ -108,7 +108,8 @@ class Guard:
     calibration hook, a torch hook) is guarded by :meth:`for_hook`'s guard, which shares the counters and
     decides on its own whether to read the rest of the model lazily or eagerly.
 
-    Use around a hook: ``token = guard.enter()``, call the hook, then ``guard.leave(token)`` on success (or any ``BaseException``), or
+    Use around a hook: ``token = guard.enter()``, call the hook, then
+    ``guard.leave(token)`` on success (or any ``BaseException``), or
     ``guard.failed(token)`` when it raised an ``Exception`` (leaves and returns
     the names of the parameters changed in place since ``enter``).
 
