@@ -115,7 +115,8 @@ def _only_targets(session: Session) -> None:
 def _eager(session: Session) -> None:
     """Read every counter before each hook (the guard before issue 27 for modifiers without targets)."""
     for slot in session._schedule.slots:
-        slot.guard.eager = True
+        for event in NoOp.events:
+            slot.guard.for_hook(event).eager = True
 
 
 def time_guarded(model: nn.Module, steps: int, repeats: int = 5) -> dict[str, float]:

@@ -113,10 +113,13 @@ class SessionEvents:
 
     def _call(self, slot: Slot, hook: str, *args: Any) -> Any:
         """Call ``slot``'s ``hook(state, *args)`` guarded (schedule and calibration hooks)."""
-        guard = slot.guard.for_hook(hook)
+        return self._guarded(slot, slot.guard.for_hook(hook), hook, getattr(slot.modifier, hook), *args)
+
+    def _guarded(self, slot: Slot, guard: Guard, hook: str, fn: Any, *args: Any) -> Any:
+        """Call ``fn(state, *args)`` (``slot``'s ``hook``) inside ``guard`` (lazy or eager)."""
         token = guard.enter()
         try:
-            result = getattr(slot.modifier, hook)(self._state, *args)
+            result = fn(self._state, *args)
         except Exception as exc:
             self._event_failed(slot, hook, exc, token, guard)
         except BaseException:
@@ -147,15 +150,15 @@ class SessionEvents:
         """Run ``on_event`` of the modifiers handling ``event``; for ``loss_calculated`` a result replaces the loss."""
         state = self._state
         for slot, handler, guard in self._schedule.dispatch[event]:
-            token = guard.enter()
-            try:
-                result = handler(state, ev)
-            except Exception as exc:
-                self._event_failed(slot, "on_event", exc, token, guard)
-            except BaseException:
-                guard.leave(token)
-                raise
-            guard.leave(token)
+            if guard.eager:  # Guard.enter() inlined: read the counters (if any); nothing to leave
+                tensors = guard.tensors
+                token = [t._version for t in tensors] if tensors else None
+                try:
+                    result = handler(state, ev)
+                except Exception as exc:
+                    self._event_failed(slot, "on_event", exc, token, guard)
+            else:
+                result = self._guarded(slot, guard, "on_event", handler, ev)
             if result is not None and event == "loss_calculated":
                 ev.loss = result
 
