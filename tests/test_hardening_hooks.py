@@ -410,3 +410,46 @@ def test_a_calibration_hook_without_targets_that_changed_a_weight_is_named():
     with pytest.raises(LifecycleError):
         session.calibration_end()
     session.finalize()
+
+
+@attrs.define(kw_only=True, slots=False, eq=False)
+class HookedTargeted(Modifier):
+    """Targets ``body``; a forward pre-hook on ``body`` scales ``lm_head`` (outside its targets) and raises."""
+
+    required_state = frozenset({"model"})
+    _body: nn.Module | None = attrs.field(default=None, init=False)
+    _head: nn.Module | None = attrs.field(default=None, init=False)
+
+    @property
+    def resolved_targets(self):
+        return {"body": self._body} if self._body is not None else {}
+
+    def on_initialize(self, state):
+        self._body, self._head = state.model.body, state.model.lm_head
+        self.register_hook(self._body, self._hook, kind="forward_pre")
+
+    def _hook(self, module, args):
+        with torch.no_grad():
+            self._head.weight.mul_(3.0)
+        raise RuntimeError("pre-hook boom")
+
+
+def test_a_torch_hook_of_a_targeted_modifier_that_changed_a_weight_outside_its_targets_is_named():
+    model = _model()
+    before = _clone(model)
+    session = Session([HookedTargeted()])
+    session.initialize(model=model)
+    with pytest.raises(ModifierError) as info:
+        _forward(model)
+    assert info.value.modified == ("lm_head.weight",)
+    assert str(info.value) == (
+        "HookedTargeted's forward_pre hook on body raised RuntimeError: pre-hook boom (during a forward/backward "
+        "pass of the model). It had already changed 1 parameter(s) in place: lm_head.weight (1 outside its "
+        "declared targets: lm_head.weight). Model modified by a failed hook; reload it (the change is not "
+        "undone). The session refuses further events and removed every modifier's hooks."
+    )
+    after = model.state_dict()
+    assert torch.equal(after["lm_head.weight"], before["lm_head.weight"] * 3.0)
+    assert all(torch.equal(after[k], before[k]) for k in ("body.weight", "body.bias"))
+    assert session.failed is not None and not model.body._forward_pre_hooks
+    session.finalize()
