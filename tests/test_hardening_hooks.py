@@ -152,7 +152,7 @@ def test_each_guard_reads_its_targets_eagerly_and_the_rest_of_the_model_at_the_f
 
 @attrs.define(kw_only=True, slots=False, eq=False)
 class Outside(Modifier):
-    """Targets ``body``; at its ``fail_at``-th ``batch_end`` it scales ``lm_head`` (and ``body`` if ``inside``), raises."""
+    """Targets ``body``; at call ``fail_at`` of its ``batch_end`` hook it writes ``lm_head`` (and ``body``), raises."""
 
     required_state = frozenset({"model"})
     events = frozenset({"batch_end"})
