@@ -7,11 +7,10 @@ resolved for the event. Each public event holds the session's lock; each hook
 call is guarded by the modifier's :class:`~llmc_fsm.core.guard.Guard`: the
 version counters of its targeted parameters are read before it, those of every
 other parameter of the modules in the state (the model, a teacher...) at the
-hook's first torch call (or before it, once the modifier's hooks are known to
-make torch calls), and compared only if it raises — so a failure names what it
-changed inside or outside the declared targets, and a modifier without targets
-whose hooks make no torch call (a schedule) pays ~1 µs per hook, not one read per
-parameter.
+hook's first torch call (or before it, once that hook has made a torch call),
+and compared only if it raises — so a failure names what it changed inside or
+outside the declared targets, and a hook that makes no torch call (a schedule, a
+no-op) pays the push and pop of a torch-function mode, not one read per parameter.
 """
 
 from __future__ import annotations
