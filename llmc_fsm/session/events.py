@@ -156,8 +156,16 @@ class SessionEvents:
                     result = handler(state, ev)
                 except Exception as exc:
                     self._event_failed(slot, "on_event", exc, token, guard)
-            else:
-                result = self._guarded(slot, guard, "on_event", handler, ev)
+            else:  # lazy: the rest of the model is read at the hook's first torch call (not through _guarded: hot)
+                token = guard.enter()
+                try:
+                    result = handler(state, ev)
+                except Exception as exc:
+                    self._event_failed(slot, "on_event", exc, token, guard)
+                except BaseException:
+                    guard.leave(token)
+                    raise
+                guard.leave(token)
             if result is not None and event == "loss_calculated":
                 ev.loss = result
 
