@@ -453,3 +453,31 @@ def test_a_torch_hook_of_a_targeted_modifier_that_changed_a_weight_outside_its_t
     assert all(torch.equal(after[k], before[k]) for k in ("body.weight", "body.bias"))
     assert session.failed is not None and not model.body._forward_pre_hooks
     session.finalize()
+
+
+@attrs.define(kw_only=True, slots=False, eq=False)
+class NestedHooked(HookedUntargeted):
+    """Declares no targets; its ``batch_start`` hook runs a forward pass, where its own forward hook fails."""
+
+    events = frozenset({"batch_start"})
+
+    def on_event(self, state, event):
+        _forward(state.model)
+
+
+def test_a_torch_hook_failing_inside_an_event_hook_is_named_by_both_guards_and_leaves_no_mode_behind():
+    model = _model()
+    before = _clone(model)
+    session = Session([NestedHooked()])
+    session.initialize(model=model)
+    with pytest.raises(ModifierError) as info:
+        session.batch_start()
+    outer, inner = info.value, info.value.__cause__
+    assert (outer.hook, outer.modified) == ("on_event", ("body.weight",))
+    assert isinstance(inner, ModifierError)
+    assert (inner.hook, inner.module, inner.modified) == ("forward hook", "lm_head", ("body.weight",))
+    assert torch._C._len_torch_function_stack() == 0
+    assert session.failed.startswith("NestedHooked's forward hook failed after changing 1 parameter(s) in place")
+    assert torch.equal(model.body.weight, before["body.weight"] + 1.0)
+    assert torch.equal(model.lm_head.weight, before["lm_head.weight"])
+    session.finalize()
