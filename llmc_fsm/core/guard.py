@@ -14,16 +14,16 @@ are guarded by one :class:`Guard`, which watches every parameter of the modules
 in the state (the model, a teacher...) in two parts:
 
 - the parameters of the modifier's :attr:`~llmc_fsm.Modifier.resolved_targets`:
-  their counters are read before every hook (one integer read each, ~0.15 µs);
+  their counters are read before every hook (one integer read each);
 - every other parameter (all of them for a modifier that declares no targets):
   read *lazily*. A :class:`~llmc_fsm.core.torch_hooks.FirstTorchCall` mode is
   pushed around the hook and reads their counters at the hook's first torch
   call, before it runs. A hook that makes no torch call (a schedule, a no-op)
-  cannot have changed a parameter in place and pays only the push and pop
-  (~1 µs); once a hook of the modifier has made a torch call (it does tensor
-  work: distillation, pruning), the guard reads these counters before each of
-  its hooks instead (``eager``), so its torch calls do not each pass through a
-  Python mode.
+  cannot have changed a parameter in place and pays only the push and pop of
+  the mode (measured cost: ``docs/lifecycle.md``). Once a hook has made a torch
+  call (it does tensor work: distillation, pruning), its guard
+  (:meth:`Guard.for_hook`) reads these counters before each of its later calls
+  instead (``eager``), so its torch calls do not each pass through a Python mode.
 
 So a failure names exactly the parameters that changed between the hook's start
 and its exception, inside the declared targets or outside them. Not seen: writes
