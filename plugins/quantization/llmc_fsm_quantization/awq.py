@@ -54,7 +54,7 @@ import torch
 from compressed_tensors.quantization import QuantizationArgs, QuantizationStrategy
 from torch import nn
 
-from llmc_fsm.toolkit import DEFAULT_IGNORE, DEFAULT_TARGETS, patterns
+from llmc_fsm.toolkit import DEFAULT_IGNORE, DEFAULT_TARGETS, ModuleResult, patterns
 from llmc_fsm_quantization.mappings import ResolvedMapping, fold_scales
 from llmc_fsm_quantization.observers import is_scaled_format
 from llmc_fsm_quantization.rtn import QuantizationModifier, rtn_quantize
@@ -415,6 +415,32 @@ class AWQModifier(SmoothingModifier):
     def on_sequential_epoch_end(self, state: Any, modules: Any) -> None:
         if self._quantizer is not None:
             self._quantizer.on_sequential_epoch_end(state, modules)
+
+    def progress_state(self, layer: nn.Module) -> dict[str, Any]:
+        """:meth:`SmoothingModifier.progress_state`, with the :attr:`clipping_results` of the layer's Linears and,
+        in the older form, the results of the layer's modules quantized by AWQ's own round-to-nearest."""
+        out = super().progress_state(layer)
+        inside = {id(m) for m in layer.modules()}
+        out["clipping"] = {
+            n: self.clipping_results[n]
+            for n, (m, _) in self._clip_targets.items()
+            if id(m) in inside and n in self.clipping_results
+        }
+        if self._quantizer is not None:
+            names = [n for n, m in self._quantizer.resolved_targets.items() if id(m) in inside]
+            out["quantized"] = {
+                "results": {n: attrs.asdict(self._quantizer.results[n]) for n in names if n in self._quantizer.results},
+                "skipped": [n for n in names if n in self._quantizer.skipped],
+            }
+        return out
+
+    def restore_progress_state(self, layer: nn.Module, state: dict[str, Any]) -> None:
+        super().restore_progress_state(layer, state)
+        self.clipping_results.update(state.get("clipping", {}))
+        quantized = state.get("quantized")
+        if self._quantizer is not None and quantized is not None:
+            self._quantizer.results.update({n: ModuleResult(**f) for n, f in quantized["results"].items()})
+            self._quantizer.skipped.extend(n for n in quantized["skipped"] if n not in self._quantizer.skipped)
 
     def on_calibration_end(self, state: Any) -> None:
         if self._quantizer is not None:

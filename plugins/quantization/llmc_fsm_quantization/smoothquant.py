@@ -231,8 +231,39 @@ class SmoothingModifier(Modifier):
             raise ValueError(msg)
 
     def on_sequential_epoch_end(self, state: Any, modules: Any) -> None:
-        """Nothing: smoothing happened in :meth:`prepare_layer`. Overridden so that a one-shot ``--resume``
-        restarts this stage from its first layer (the per-layer checkpoints hold no smoothing statistics)."""
+        """Nothing: smoothing happened in :meth:`prepare_layer` (a one-shot ``--resume`` restores what it did
+        in the saved layers through :meth:`progress_state` / :meth:`restore_progress_state`)."""
+
+    # ---- resume ----------------------------------------------------------------
+    def _mappings_in(self, layer: nn.Module) -> list[ResolvedMapping]:
+        inside = {id(m) for m in layer.modules()}
+        return [m for m in self._mappings if id(m.smooth) in inside]
+
+    def progress_state(self, layer: nn.Module) -> dict[str, Any]:
+        """What this modifier did in decoder ``layer``, as JSON values, for a one-shot run's per-layer progress
+        (:mod:`llmc_fsm.oneshot_job.resume`): the smoothed mappings, their :attr:`smoothing_results` and their
+        :attr:`smoothing_scales` (float32 values, exact as JSON numbers)."""
+        names = [m.smooth_name for m in self._mappings_in(layer) if m.smooth_name in self._done]
+        return {
+            "done": names,
+            "results": {n: self.smoothing_results[n] for n in names if n in self.smoothing_results},
+            "scales": {n: self.smoothing_scales[n].tolist() for n in names if n in self.smoothing_scales},
+        }
+
+    def restore_progress_state(self, layer: nn.Module, state: dict[str, Any]) -> None:
+        """Take back :meth:`progress_state` of decoder ``layer`` (its weights come from the saved layer).
+
+        Raises:
+            ValueError: the state names a mapping this modifier did not resolve in ``layer`` (another model).
+        """
+        known = {m.smooth_name for m in self._mappings_in(layer)}
+        unknown = [n for n in state["done"] if n not in known]
+        if unknown:
+            msg = f"{type(self).__name__}: saved progress names {unknown[0]}, not a mapping of this decoder layer"
+            raise ValueError(msg)
+        self._done.update(state["done"])
+        self.smoothing_results.update(state["results"])
+        self.smoothing_scales.update({n: torch.tensor(v, dtype=torch.float32) for n, v in state["scales"].items()})
 
     def on_calibration_end(self, state: Any) -> None:
         left = [m.smooth_name for m in self._mappings if m.smooth_name not in self._done]
