@@ -37,6 +37,11 @@ NVFP4/MX/FP8-block scales, not GPTQ's ``actorder: group``), refused before calib
 :attr:`AWQModifier.clipping_results` holds, per clipped Linear, ``groups`` / ``groups_clipped``, the mean kept
 range ``shrink_mean`` (``m / max|W_group|``), ``error_unclipped`` / ``error`` and ``applied``.
 
+Under ``torch.distributed`` (``torchrun``) each rank runs its share of the calibration windows; the statistics
+(``sum|x_j|`` and token counts), every candidate's block error and the clipping scores are summed over the ranks
+(:func:`llmc_fsm.toolkit.all_reduce_tensor`) before any choice, so every rank folds the same scales, those of one
+process (up to the order of the float64 additions).
+
 Two recipe forms (both as llm-compressor reads them): ``AWQModifier`` followed by a ``QuantizationModifier`` (or
 ``GPTQModifier``) that carries the scheme, in the same stage; or the scheme on ``AWQModifier`` itself
 (``scheme`` or ``config_groups``, the older form), which then also quantizes its ``targets`` by round-to-nearest
@@ -54,7 +59,15 @@ import torch
 from compressed_tensors.quantization import QuantizationArgs, QuantizationStrategy
 from torch import nn
 
-from llmc_fsm.toolkit import DEFAULT_IGNORE, DEFAULT_TARGETS, ModuleResult, patterns
+from llmc_fsm.toolkit import (
+    DEFAULT_IGNORE,
+    DEFAULT_TARGETS,
+    ModuleResult,
+    all_gather_ints,
+    all_reduce_tensor,
+    get_rank,
+    patterns,
+)
 from llmc_fsm_quantization.mappings import ResolvedMapping, fold_scales
 from llmc_fsm_quantization.observers import is_scaled_format
 from llmc_fsm_quantization.rtn import QuantizationModifier, rtn_quantize
@@ -154,6 +167,9 @@ def awq_clip_search(
 
     Returns:
         ``(max_val, index)``: ``[out, groups]`` float32 chosen range ``m`` and int64 chosen ``i``.
+
+    Under ``torch.distributed`` a collective: every rank passes its own calibration tokens and the scores are summed
+    over the ranks (float64), so every rank chooses the same ranges, those of one process holding all the tokens.
     """
     w = weight.detach().to(torch.float32)
     rows, cols = w.shape
@@ -162,13 +178,15 @@ def awq_clip_search(
     wg = w.reshape(rows, groups, g)
     xg = inputs.detach().to(torch.float32).reshape(-1, groups, g)
     org_max = wg.abs().amax(dim=-1)
-    best_err = torch.full((rows, groups), float("inf"))
+    tokens = float(all_reduce_tensor(torch.tensor([float(xg.shape[0])], dtype=torch.float64), what="all_reduce (AWQ clip)"))
+    best_err = torch.full((rows, groups), float("inf"), dtype=torch.float64)
     best_idx = torch.zeros((rows, groups), dtype=torch.int64)
     for i in range(max(1, int(max_shrink * n_grid))):
         m = (org_max * (1.0 - i / n_grid))[..., None]
         clamped = torch.maximum(torch.minimum(wg, m), -m).reshape(rows, cols).to(weight.dtype)
         q = rtn_quantize(clamped, args, observer).weight.to(torch.float32).reshape(rows, groups, g)
-        err = torch.einsum("rgc,ngc->rgn", q - wg, xg).pow(2).mean(dim=-1)
+        err = torch.einsum("rgc,ngc->rgn", q - wg, xg).pow(2).sum(dim=-1, dtype=torch.float64)
+        err = all_reduce_tensor(err, what="all_reduce (AWQ clip)") / max(tokens, 1.0)
         better = err < best_err
         best_err = torch.where(better, err, best_err)
         best_idx = torch.where(better, torch.full_like(best_idx, i), best_idx)
@@ -184,10 +202,12 @@ def _clamp_groups(weight: torch.Tensor, max_val: torch.Tensor, group_size: int) 
 
 
 def _output_error(weight: torch.Tensor, quantized: torch.Tensor, inputs: torch.Tensor) -> float:
-    """``mean((X (Q - W)^T) ** 2)`` over tokens and output rows (float64 sum)."""
+    """``mean((X (Q - W)^T) ** 2)`` over tokens (every rank's) and output rows (float64 sum)."""
     delta = quantized.to(torch.float32) - weight.to(torch.float32)
     out = inputs.to(torch.float32) @ delta.T
-    return float(out.pow(2).sum(dtype=torch.float64)) / max(out.numel(), 1)
+    sums = torch.tensor([float(out.pow(2).sum(dtype=torch.float64)), float(out.numel())], dtype=torch.float64)
+    all_reduce_tensor(sums, what="all_reduce (AWQ clip error)")
+    return float(sums[0]) / max(float(sums[1]), 1.0)
 
 
 def _duo(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
@@ -459,6 +479,7 @@ class AWQModifier(SmoothingModifier):
     ) -> None:
         observer = ActivationObserver(todo, keep=True)
         observer.run(layer, inputs)
+        observer.all_reduce()
         observer.check(type(self).__name__)
         with suspended_forward_hooks(layer):
             for mapping in todo:
@@ -500,7 +521,7 @@ class AWQModifier(SmoothingModifier):
             "groups": int(index.numel()),
             "groups_clipped": int((index > 0).sum()),
             "shrink_mean": float((1.0 - index.to(torch.float64) / self.clip_n_grid).mean()),
-            "tokens": int(x.shape[0]),
+            "tokens": int(all_reduce_tensor(torch.tensor([x.shape[0]], dtype=torch.int64), what="all_reduce (AWQ clip)")),
             "error_unclipped": unclipped_error,
             "error": error if applied else unclipped_error,
             "applied": applied,
@@ -544,19 +565,22 @@ def _capture_inputs(
     n_sample_token: int,
 ) -> dict[str, torch.Tensor]:
     """Every ``k``-th calibration token's input of each of ``modules`` (``[tokens, in]`` float32), ``k = max(1,
-    N // n_sample_token)``, ``N`` the layer's calibration tokens; one forward of ``layer`` with only these hooks."""
-    total = 0
+    N // n_sample_token)``, ``N`` the layer's calibration tokens (every rank's, counted in the order of one process:
+    each rank keeps its share of the same tokens); one forward of ``layer`` with only these hooks."""
+    local = 0
     for args, kwargs in inputs:
         hidden = args[0] if args else kwargs["hidden_states"]
-        total += hidden.numel() // hidden.shape[-1]
-    step = max(1, total // n_sample_token)
-    seen: dict[str, int] = {}
+        local += hidden.numel() // hidden.shape[-1]
+    counts = [c for (c,) in all_gather_ints([local], what="all_gather (AWQ clip tokens)")]  # [local] in one process
+    step = max(1, sum(counts) // n_sample_token)
+    start = sum(counts[: get_rank()])  # this rank's first token in the order of one process
+    seen: dict[str, int] = {name: start for name in modules}
     kept: dict[str, list[torch.Tensor]] = {}
 
     def hook_for(name: str) -> Any:
         def hook(module: nn.Module, args: tuple[Any, ...]) -> None:
             flat = args[0].detach().reshape(-1, args[0].shape[-1])
-            offset = seen.get(name, 0)
+            offset = seen[name]
             first = (-offset) % step
             kept.setdefault(name, []).append(flat[first::step].to(torch.float32))
             seen[name] = offset + flat.shape[0]
@@ -620,7 +644,8 @@ class _BlockError:
                 out = out[0] if isinstance(out, tuple | list) else out
                 total += float((out.to(torch.float32) - ref.to(torch.float32)).pow(2).sum(dtype=torch.float64))
                 count += ref.numel()
-            return total / max(count, 1)
+            sums = all_reduce_tensor(torch.tensor([total, count], dtype=torch.float64), what="all_reduce (AWQ error)")
+            return float(sums[0]) / max(float(sums[1]), 1.0)
         finally:
             for balance, w in zip(self.mapping.balances, originals, strict=True):
                 balance.weight.copy_(w)
