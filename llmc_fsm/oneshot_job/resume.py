@@ -193,9 +193,7 @@ def _keeps_progress(modifier: Modifier) -> bool:
 
 def resumable(session: Session) -> bool:
     """Whether every modifier's per-layer state can be restored (see the module docstring)."""
-    return not any(
-        overrides(m, "on_sequential_epoch_end") and not _keeps_progress(m) for m in session.modifiers
-    )
+    return not any(overrides(m, "on_sequential_epoch_end") and not _keeps_progress(m) for m in session.modifiers)
 
 
 def layer_progress(work: WorkDir | None, pass_index: int, passes: int, session: Session) -> LayerProgress | None:

@@ -143,7 +143,9 @@ def clip_problem(args: QuantizationArgs) -> str | None:
 
 
 def _format(args: QuantizationArgs) -> str:
-    return f"{getattr(args.type, 'value', args.type)} {args.num_bits}-bit {getattr(args.strategy, 'value', args.strategy)}"
+    return (
+        f"{getattr(args.type, 'value', args.type)} {args.num_bits}-bit {getattr(args.strategy, 'value', args.strategy)}"
+    )
 
 
 @torch.no_grad()
@@ -178,7 +180,9 @@ def awq_clip_search(
     wg = w.reshape(rows, groups, g)
     xg = inputs.detach().to(torch.float32).reshape(-1, groups, g)
     org_max = wg.abs().amax(dim=-1)
-    tokens = float(all_reduce_tensor(torch.tensor([float(xg.shape[0])], dtype=torch.float64), what="all_reduce (AWQ clip)"))
+    tokens = float(
+        all_reduce_tensor(torch.tensor([float(xg.shape[0])], dtype=torch.float64), what="all_reduce (AWQ clip)")
+    )
     best_err = torch.full((rows, groups), float("inf"), dtype=torch.float64)
     best_idx = torch.zeros((rows, groups), dtype=torch.int64)
     for i in range(max(1, int(max_shrink * n_grid))):
@@ -227,7 +231,10 @@ def _clip_grid(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
 
 def _shrink(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int | float) or not 0.0 < float(value) < 1.0:
-        msg = f"clip_max_shrink must be a number in (0, 1) (the largest fraction a group's range is shrunk), got {value!r}"
+        msg = (
+            f"clip_max_shrink must be a number in (0, 1) (the largest fraction a group's range is shrunk), "
+            f"got {value!r}"
+        )
         raise ValueError(msg)
 
 
@@ -521,7 +528,9 @@ class AWQModifier(SmoothingModifier):
             "groups": int(index.numel()),
             "groups_clipped": int((index > 0).sum()),
             "shrink_mean": float((1.0 - index.to(torch.float64) / self.clip_n_grid).mean()),
-            "tokens": int(all_reduce_tensor(torch.tensor([x.shape[0]], dtype=torch.int64), what="all_reduce (AWQ clip)")),
+            "tokens": int(
+                all_reduce_tensor(torch.tensor([x.shape[0]], dtype=torch.int64), what="all_reduce (AWQ clip)")
+            ),
             "error_unclipped": unclipped_error,
             "error": error if applied else unclipped_error,
             "applied": applied,

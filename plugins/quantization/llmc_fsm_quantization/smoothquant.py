@@ -18,8 +18,9 @@ runs the calibration inputs through the layer once (with the other modifiers' ho
 scales and folds them. So a quantizer in the same stage sees the smoothed activations and weights, as it
 would in a later stage. Under ``torch.distributed`` (``torchrun``) each rank observes its share of the calibration
 windows and the per-channel statistics are combined over the ranks before the scales are computed
-(:meth:`ActivationObserver.all_reduce`), so every rank folds the scales of one process. Defaults: the norm mappings (``input_layernorm -> q/k/v``,
-``post_attention_layernorm -> gate/up``), the inputs of the attention and MLP projections (paper Sec. 4).
+(:meth:`ActivationObserver.all_reduce`), so every rank folds the scales of one process. Defaults: the norm mappings
+(``input_layernorm -> q/k/v``, ``post_attention_layernorm -> gate/up``), the inputs of the attention and MLP
+projections (paper Sec. 4).
 """
 
 from __future__ import annotations

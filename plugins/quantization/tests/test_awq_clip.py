@@ -124,7 +124,10 @@ def test_clipping_is_off_by_default_and_leaves_the_queries_and_keys() -> None:
 def test_clipping_with_a_per_tensor_scheme_is_refused_before_calibration_and_changes_nothing() -> None:
     model = tiny()
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    recipe = [AWQModifier(apply_clip=True), QuantizationModifier(scheme={"weights": {"num_bits": 8, "strategy": "tensor"}})]
+    recipe = [
+        AWQModifier(apply_clip=True),
+        QuantizationModifier(scheme={"weights": {"num_bits": 8, "strategy": "tensor"}}),
+    ]
     with pytest.raises(llmc_fsm.ModifierError) as info:
         llmc_fsm.oneshot(model=model, recipe=recipe, dataset=DATA, progress=False)
     assert info.value.hook == "on_calibration_start"
@@ -146,3 +149,18 @@ def test_clipping_arguments_are_checked_at_construction() -> None:
         AWQModifier(clip_n_sample_token=1.5)
     with pytest.raises(ValueError, match=r"^clip_max_shrink must be a number in \(0, 1\) .*got 1$"):
         AWQModifier(clip_max_shrink=1)
+
+
+def test_the_report_holds_the_clipping_results_and_sums_them_up(tmp_path) -> None:
+    model = tiny()
+    awq = AWQModifier(apply_clip=True)
+    llmc_fsm.oneshot(model=model, recipe=[awq, QuantizationModifier(scheme=W4G16)], dataset=DATA, progress=False)
+    report = model.llmc_fsm_report
+    assert report.to_dict()["smoothing"]["AWQModifier (default) clipping"] == awq.clipping_results
+    values = list(awq.clipping_results.values())
+    unclipped = sum(r["error_unclipped"] for r in values) / 10
+    error = sum(r["error"] for r in values) / 10
+    assert (
+        "AWQModifier (default) clipping: 10 of 10 Linears clipped; mean output error, quantized: "
+        f"{unclipped:.3g} unclipped -> {error:.3g}"
+    ) in report.format_table()

@@ -18,9 +18,9 @@ from typing import Any
 import pytest
 import torch
 import torch.multiprocessing as mp
+from llmc_fsm_quantization import AWQModifier, QuantizationModifier, SmoothQuantModifier
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-from llmc_fsm_quantization import AWQModifier, QuantizationModifier, SmoothQuantModifier
 from test_smoothquant import tiny
 
 import llmc_fsm
@@ -50,7 +50,11 @@ def _worker(rank: int, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
         model, report, clipping = _run(name)
         for key, value in model.state_dict().items():
             tensors[f"{name}/{key}"] = value.detach().clone()
-        out[name] = {"smoothing": report["smoothing"], "per_rank": report["calibration"]["per_rank"], "clipping": clipping}
+        out[name] = {
+            "smoothing": report["smoothing"],
+            "per_rank": report["calibration"]["per_rank"],
+            "clipping": clipping,
+        }
     return out
 
 
@@ -67,7 +71,9 @@ def _entry(rank: int, tmp: str) -> None:
         meta["result"] = _worker(rank, tensors)
     except Exception as exc:
         meta["error"] = {"type": type(exc).__name__, "message": str(exc)}
-    save_file({k: v.contiguous() for k, v in tensors.items()}, f"{tmp}/rank{rank}.safetensors", {"json": json.dumps(meta)})
+    save_file(
+        {k: v.contiguous() for k, v in tensors.items()}, f"{tmp}/rank{rank}.safetensors", {"json": json.dumps(meta)}
+    )
     if "error" not in meta:
         dist.barrier()
     os._exit(0)  # no interpreter teardown: gloo's threads can abort there (see tests/test_distributed.py)
@@ -127,7 +133,9 @@ def test_smoothquant_and_awq_on_two_ranks_fold_the_scales_of_one_process(tmp_pat
             got = result["clipping"][linear]
             assert got["tokens"] == values["tokens"] == 64
             assert (got["groups_clipped"], got["shrink_mean"], got["applied"]) == (
-                values["groups_clipped"], values["shrink_mean"], values["applied"]
+                values["groups_clipped"],
+                values["shrink_mean"],
+                values["applied"],
             ), linear
             assert got["error"] == pytest.approx(values["error"], rel=1e-6)
         for key, value in single.state_dict().items():

@@ -85,9 +85,8 @@ def test_a_modifier_with_own_per_layer_state_and_no_progress_state_keeps_no_prog
             pass
 
     class Session:
-        modifiers = [Counting()]
+        def __init__(self, modifier: llmc_fsm.Modifier) -> None:
+            self.modifiers = [modifier]
 
-    assert not resumable(Session())  # type: ignore[arg-type]
-    Session.modifiers = [SmoothingModifier()]
-    assert resumable(Session())  # type: ignore[arg-type]
-
+    assert not resumable(Session(Counting()))  # type: ignore[arg-type]
+    assert resumable(Session(SmoothingModifier()))  # type: ignore[arg-type]
