@@ -118,7 +118,7 @@ def test_smoothquant_and_awq_on_two_ranks_fold_the_scales_of_one_process(tmp_pat
         assert result["clipping"] == ranks[1]["meta"]["result"][name]["clipping"]
         single, report, clipping = _run(name)
         expected = report["smoothing"]
-        (label,) = expected
+        label = next(k for k in expected if not k.endswith(" clipping"))  # AWQ's clipping: compared below
         assert sorted(result["smoothing"][label]) == sorted(expected[label])
         for smooth, values in expected[label].items():
             got = result["smoothing"][label][smooth]
