@@ -27,9 +27,12 @@ compression (``eval_before.json``, keyed by the evaluation windows' sha256), so
 a resumed run does not measure it again.
 
 :func:`fingerprint` records what the result depends on; :func:`llmc_fsm.output.workdir.fingerprint_changes`
-names what differs. Modifiers that keep per-layer state of their own (override
-``on_sequential_epoch_end`` without deriving from ``CalibratedModifier``) cannot
-be restored, so a run with one keeps no per-layer progress (:func:`resumable`).
+names what differs. A modifier that keeps per-layer state of its own (overrides
+``on_sequential_epoch_end`` without deriving from ``CalibratedModifier``) is restored
+when it has ``progress_state(layer) -> dict`` (JSON values: its state for the modules
+inside ``layer``, saved in the layer's metadata) and
+``restore_progress_state(layer, state)`` (the smoothing modifiers have them); a run with
+one that has not keeps no per-layer progress (:func:`resumable`).
 """
 
 from __future__ import annotations
@@ -184,11 +187,13 @@ def fingerprint(
 
 
 # --------------------------------------------------------------------------- per-layer progress
+def _keeps_progress(modifier: Modifier) -> bool:
+    return isinstance(modifier, CalibratedModifier) or callable(getattr(modifier, "progress_state", None))
+
+
 def resumable(session: Session) -> bool:
     """Whether every modifier's per-layer state can be restored (see the module docstring)."""
-    return not any(
-        overrides(m, "on_sequential_epoch_end") and not isinstance(m, CalibratedModifier) for m in session.modifiers
-    )
+    return not any(overrides(m, "on_sequential_epoch_end") and not _keeps_progress(m) for m in session.modifiers)
 
 
 def layer_progress(work: WorkDir | None, pass_index: int, passes: int, session: Session) -> LayerProgress | None:
@@ -258,6 +263,9 @@ class LayerProgress:
         _set_status(layer, quantization)
         for label, saved in json.loads(metadata.get("results", "{}")).items():
             modifier = self.modifiers[label]
+            if "state" in saved:  # a modifier with its own per-layer state (see the module docstring)
+                modifier.restore_progress_state(layer, saved["state"])
+                continue
             modifier.results.update({name: ModuleResult(**fields) for name, fields in saved["results"].items()})
             modifier.skipped.extend(n for n in saved["skipped"] if n not in modifier.skipped)
 
@@ -266,6 +274,8 @@ class LayerProgress:
         out: dict[str, Any] = {}
         for label, modifier in self.modifiers.items():
             if not isinstance(modifier, CalibratedModifier):
+                if callable(getattr(modifier, "progress_state", None)):
+                    out[label] = {"state": modifier.progress_state(layer)}
                 continue
             names = [n for n, m in modifier.resolved_targets.items() if id(m) in inside]
             out[label] = {

@@ -110,7 +110,8 @@ class OneshotReport:
     targeted: list[str] = attrs.field(factory=list)
     disk: dict[str, int | None] | None = None
     #: modifier label -> smooth layer -> what a smoothing modifier (SmoothQuant, AWQ) folded there (its
-    #: ``smoothing_results``: scale statistics; AWQ's chosen exponent and block errors). Empty: none ran.
+    #: ``smoothing_results``: scale statistics; AWQ's chosen exponent and block errors); with AWQ's ``apply_clip``
+    #: also ``"<label> clipping"`` -> Linear -> its ``clipping_results``. Empty: none ran.
     smoothing: dict[str, dict[str, dict[str, Any]]] = attrs.field(factory=dict)
 
     def finish(self, t_start: float) -> None:
@@ -306,6 +307,14 @@ def _bits_of_earlier_runs(model: nn.Module, by_name: dict[str, ModuleSparsity]) 
 def _smoothing_line(label: str, results: dict[str, dict[str, Any]]) -> str:
     """One line summing up a smoothing modifier's ``smoothing_results`` (see :attr:`OneshotReport.smoothing`)."""
     values = list(results.values())
+    if values and all("error_unclipped" in r for r in values):  # AWQ's clipping: per Linear
+        applied = [r for r in values if r["applied"]]
+        unclipped = sum(r["error_unclipped"] for r in values) / len(values)
+        error = sum(r["error"] for r in values) / len(values)
+        return (
+            f"{label}: {len(applied)} of {len(values)} Linears clipped; mean output error, quantized: "
+            f"{unclipped:.3g} unclipped -> {error:.3g}"
+        )
     text = f"{label}: {len(values)} mappings smoothed"
     if values and all("error" in r for r in values):  # AWQ: exponents and the quantized block errors
         chosen = [r["exponent"] for r in values if r.get("exponent") is not None]
@@ -382,6 +391,8 @@ def build_report(
         label = type(modifier).__name__ + (f" ({stage_of[id(modifier)]})" if id(modifier) in stage_of else "")
         if getattr(modifier, "smoothing_results", None):
             smoothing[label] = dict(modifier.smoothing_results)
+        if getattr(modifier, "clipping_results", None):  # AWQ's apply_clip: per Linear
+            smoothing[f"{label} clipping"] = dict(modifier.clipping_results)
         for name, result in (getattr(modifier, "results", None) or {}).items():
             entry = by_name.get(name)
             if entry is None:

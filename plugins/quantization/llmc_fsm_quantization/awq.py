@@ -20,6 +20,28 @@ inputs; the block is the innermost module holding the balance layers (``self_att
 raises a block's error on the calibration data. The chosen scales are folded into the smooth layer and the
 balance layers (the float model is unchanged); the quantizer then quantizes the smoothed weights.
 
+Clipping (``apply_clip: true``; the paper's v1, Sec. 3.3 and Table 2, as AutoAWQ's ``apply_clip``; llm-compressor 0.14
+has no clipping, and its recipes leave ``apply_clip`` out, which means no clipping here too): after a decoder layer's
+mappings are smoothed, every Linear of the layer that a modifier of the session quantizes, except the query and key
+projections (their outputs meet in the attention scores, which a per-output error does not measure; AutoAWQ skips
+them too), gets a per (output row, quantization group) range: for ``i`` in ``0 .. int(clip_max_shrink * clip_n_grid)
+- 1`` the weights of the group are clamped to ``[-m_i, m_i]``, ``m_i = (1 - i / clip_n_grid) * max|W_group|``,
+quantized (the quantizer's scheme and observer), and scored by the mean over calibration tokens ``x`` of
+``(x_group . (Q(clamp(W)) - W)_group) ** 2``; each group keeps its lowest-scoring ``m_i`` (ties: the larger).
+The tokens are the layer's smoothed calibration inputs, every ``k``-th with ``k = max(1, N // clip_n_sample_token)``.
+The clamped weight is kept only if it lowers the Linear's whole quantized output error
+``mean((X (Q(W') - W)^T) ** 2)`` on those tokens against ``Q(W)`` (else the Linear is left as it was), so clipping
+never raises it on the calibration data. Unlike smoothing, clipping changes the float model (it is a
+quantization choice). Needs a weight quantization per output channel or per group (not per tensor, not
+NVFP4/MX/FP8-block scales, not GPTQ's ``actorder: group``), refused before calibration otherwise.
+:attr:`AWQModifier.clipping_results` holds, per clipped Linear, ``groups`` / ``groups_clipped``, the mean kept
+range ``shrink_mean`` (``m / max|W_group|``), ``error_unclipped`` / ``error`` and ``applied``.
+
+Under ``torch.distributed`` (``torchrun``) each rank runs its share of the calibration windows; the statistics
+(``sum|x_j|`` and token counts), every candidate's block error and the clipping scores are summed over the ranks
+(:func:`llmc_fsm.toolkit.all_reduce_tensor`) before any choice, so every rank folds the same scales, those of one
+process (up to the order of the float64 additions).
+
 Two recipe forms (both as llm-compressor reads them): ``AWQModifier`` followed by a ``QuantizationModifier`` (or
 ``GPTQModifier``) that carries the scheme, in the same stage; or the scheme on ``AWQModifier`` itself
 (``scheme`` or ``config_groups``, the older form), which then also quantizes its ``targets`` by round-to-nearest
@@ -37,8 +59,17 @@ import torch
 from compressed_tensors.quantization import QuantizationArgs, QuantizationStrategy
 from torch import nn
 
-from llmc_fsm.toolkit import DEFAULT_IGNORE, DEFAULT_TARGETS, patterns
+from llmc_fsm.toolkit import (
+    DEFAULT_IGNORE,
+    DEFAULT_TARGETS,
+    ModuleResult,
+    all_gather_ints,
+    all_reduce_tensor,
+    get_rank,
+    patterns,
+)
 from llmc_fsm_quantization.mappings import ResolvedMapping, fold_scales
+from llmc_fsm_quantization.observers import is_scaled_format
 from llmc_fsm_quantization.rtn import QuantizationModifier, rtn_quantize
 from llmc_fsm_quantization.smoothquant import (
     ActivationObserver,
@@ -47,7 +78,7 @@ from llmc_fsm_quantization.smoothquant import (
     suspended_forward_hooks,
 )
 
-__all__ = ["AWQModifier", "awq_candidate_scales", "awq_weight_mean"]
+__all__ = ["NOT_CLIPPED", "AWQModifier", "awq_candidate_scales", "awq_clip_search", "awq_weight_mean", "clip_problem"]
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +120,100 @@ def awq_candidate_scales(x_mean: torch.Tensor, w_mean: torch.Tensor | None, rati
     return s / (s.max() * s.min()).sqrt()
 
 
+#: leaf names of the projections the clipping search leaves alone (queries and keys, fused ones included).
+NOT_CLIPPED = ("q_proj", "k_proj", "query", "key", "qkv_proj", "Wqkv", "query_key_value")
+
+
+def _clip_group_size(args: QuantizationArgs, cols: int) -> int:
+    if args.strategy == QuantizationStrategy.GROUP:
+        return int(args.group_size)
+    return cols
+
+
+def clip_problem(args: QuantizationArgs) -> str | None:
+    """Why the clipping search cannot serve weights quantized with ``args`` (``None``: it can)."""
+    strategy = getattr(args.strategy, "value", args.strategy)
+    if is_scaled_format(args):
+        return f"{_format(args)} scales are shared beyond one output row and group"
+    if strategy not in ("group", "channel"):
+        return f"the {strategy} strategy shares one scale beyond one output row and group"
+    if getattr(args.actorder, "value", args.actorder) == "group":
+        return "actorder: group reorders the columns of each group"
+    return None
+
+
+def _format(args: QuantizationArgs) -> str:
+    return (
+        f"{getattr(args.type, 'value', args.type)} {args.num_bits}-bit {getattr(args.strategy, 'value', args.strategy)}"
+    )
+
+
+@torch.no_grad()
+def awq_clip_search(
+    weight: torch.Tensor,
+    inputs: torch.Tensor,
+    args: QuantizationArgs,
+    observer: str = "minmax",
+    *,
+    n_grid: int = 20,
+    max_shrink: float = 0.5,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """AWQ's clipping search for one Linear (arXiv 2306.00978 v1, Sec. 3.3; see the module docstring).
+
+    Args:
+        weight: ``[out, in]`` float weight (not modified).
+        inputs: ``[tokens, in]`` calibration inputs of the Linear.
+        args: the weight's ``QuantizationArgs`` (group or channel strategy, :func:`clip_problem` ``None``).
+        observer: the quantizer's observer.
+        n_grid / max_shrink: candidates ``m_i = (1 - i / n_grid) * max|W_group|`` for ``i < int(max_shrink * n_grid)``.
+
+    Returns:
+        ``(max_val, index)``: ``[out, groups]`` float32 chosen range ``m`` and int64 chosen ``i``.
+
+    Under ``torch.distributed`` a collective: every rank passes its own calibration tokens and the scores are summed
+    over the ranks (float64), so every rank chooses the same ranges, those of one process holding all the tokens.
+    """
+    w = weight.detach().to(torch.float32)
+    rows, cols = w.shape
+    g = _clip_group_size(args, cols)
+    groups = cols // g
+    wg = w.reshape(rows, groups, g)
+    xg = inputs.detach().to(torch.float32).reshape(-1, groups, g)
+    org_max = wg.abs().amax(dim=-1)
+    tokens = float(
+        all_reduce_tensor(torch.tensor([float(xg.shape[0])], dtype=torch.float64), what="all_reduce (AWQ clip)")
+    )
+    best_err = torch.full((rows, groups), float("inf"), dtype=torch.float64)
+    best_idx = torch.zeros((rows, groups), dtype=torch.int64)
+    for i in range(max(1, int(max_shrink * n_grid))):
+        m = (org_max * (1.0 - i / n_grid))[..., None]
+        clamped = torch.maximum(torch.minimum(wg, m), -m).reshape(rows, cols).to(weight.dtype)
+        q = rtn_quantize(clamped, args, observer).weight.to(torch.float32).reshape(rows, groups, g)
+        err = torch.einsum("rgc,ngc->rgn", q - wg, xg).pow(2).sum(dim=-1, dtype=torch.float64)
+        err = all_reduce_tensor(err, what="all_reduce (AWQ clip)") / max(tokens, 1.0)
+        better = err < best_err
+        best_err = torch.where(better, err, best_err)
+        best_idx = torch.where(better, torch.full_like(best_idx, i), best_idx)
+    return org_max * (1.0 - best_idx.to(torch.float32) / n_grid), best_idx
+
+
+def _clamp_groups(weight: torch.Tensor, max_val: torch.Tensor, group_size: int) -> torch.Tensor:
+    """``weight`` with each (row, group) clamped to ``[-max_val, max_val]``, in its dtype."""
+    rows, cols = weight.shape
+    wg = weight.detach().to(torch.float32).reshape(rows, cols // group_size, group_size)
+    m = max_val[..., None]
+    return torch.maximum(torch.minimum(wg, m), -m).reshape(rows, cols).to(weight.dtype)
+
+
+def _output_error(weight: torch.Tensor, quantized: torch.Tensor, inputs: torch.Tensor) -> float:
+    """``mean((X (Q - W)^T) ** 2)`` over tokens (every rank's) and output rows (float64 sum)."""
+    delta = quantized.to(torch.float32) - weight.to(torch.float32)
+    out = inputs.to(torch.float32) @ delta.T
+    sums = torch.tensor([float(out.pow(2).sum(dtype=torch.float64)), float(out.numel())], dtype=torch.float64)
+    all_reduce_tensor(sums, what="all_reduce (AWQ clip error)")
+    return float(sums[0]) / max(float(sums[1]), 1.0)
+
+
 def _duo(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
     if value not in (True, False, "both"):
         raise ValueError(f"duo_scaling must be true, false or 'both', got {value!r}")
@@ -97,6 +222,25 @@ def _duo(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
 def _grid(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"n_grid must be a positive int (grid points of the exponent search), got {value!r}")
+
+
+def _clip_grid(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{attribute.name} must be a positive int, got {value!r}")
+
+
+def _shrink(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0.0 < float(value) < 1.0:
+        msg = (
+            f"clip_max_shrink must be a number in (0, 1) (the largest fraction a group's range is shrunk), "
+            f"got {value!r}"
+        )
+        raise ValueError(msg)
+
+
+def _flag(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{attribute.name} must be true or false, got {value!r}")
 
 
 def _offload(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
@@ -134,11 +278,15 @@ class AWQModifier(SmoothingModifier):
         targets: modules quantized with ``scheme`` (default ``["Linear"]``).
         observer: weight observer of ``scheme`` (``minmax`` or ``mse``).
         offload_device: llm-compressor's memory placement; accepted and not used (one layer's inputs are kept).
+        apply_clip: also search and apply AWQ's weight clipping (default ``false``; see the module docstring).
+        clip_n_grid / clip_max_shrink: the clipping grid (defaults 20 and 0.5: ranges 1, 0.95, ..., 0.55 of the
+            group's ``max|W|``).
+        clip_n_sample_token: about how many calibration tokens the clipping search uses per Linear (default 512).
 
     Requires state ``model`` and ``calibration_data``; runs in the sequential pipeline. :attr:`smoothing_results`:
     per smooth layer ``exponent`` (``None``: no smoothing won), ``duo_scaling``, ``error_unsmoothed`` and
     ``error`` (mean squared block output error, quantized, without and with the chosen scales) and the scales'
-    ``scale_min/max/mean``.
+    ``scale_min/max/mean``; :attr:`clipping_results` (with ``apply_clip``): see the module docstring.
     """
 
     include_linear_mappings = True
@@ -151,6 +299,10 @@ class AWQModifier(SmoothingModifier):
     targets: list[str] = attrs.field(factory=lambda: list(DEFAULT_TARGETS), converter=patterns)
     observer: str = "minmax"
     offload_device: Any = attrs.field(default=None, validator=_offload)
+    apply_clip: bool = attrs.field(default=False, validator=_flag)
+    clip_n_grid: int = attrs.field(default=20, validator=_clip_grid)
+    clip_max_shrink: float = attrs.field(default=0.5, validator=_shrink)
+    clip_n_sample_token: int = attrs.field(default=512, validator=_clip_grid)
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
@@ -167,6 +319,10 @@ class AWQModifier(SmoothingModifier):
                 scheme=scheme, targets=targets, ignore=self.ignore, observer=self.observer
             )
         self._quantizers: dict[int, Quantizer] = {}
+        #: Linear name -> (module, quantizer) the clipping search serves (with ``apply_clip``, after calibration_start).
+        self._clip_targets: dict[str, tuple[nn.Module, tuple[QuantizationArgs, str]]] = {}
+        #: Linear name -> what the clipping search chose there (see the module docstring).
+        self.clipping_results: dict[str, dict[str, Any]] = {}
 
     # ---- the older form: AWQ quantizes too --------------------------------------
     @property
@@ -196,6 +352,7 @@ class AWQModifier(SmoothingModifier):
         targets = super().resolved_targets
         if self._quantizer is not None:
             targets.update(self._quantizer.resolved_targets)
+        targets.update((name, module) for name, (module, _) in self._clip_targets.items())
         return targets
 
     def check_model(self, model: nn.Module) -> dict[str, nn.Module]:
@@ -233,28 +390,84 @@ class AWQModifier(SmoothingModifier):
                 "scheme (e.g. scheme: W4A16)"
             )
             raise ValueError(msg)
+        self._clip_targets = self._find_clip_targets() if self.apply_clip else {}
+        self.clipping_results = {}
         if self._quantizer is not None:
             self._quantizer.on_calibration_start(state)
 
-    def _find_quantizers(self) -> dict[int, Quantizer]:
-        found: dict[int, Quantizer] = {}
+    def _quantizing_modifiers(self) -> list[tuple[Any, tuple[QuantizationArgs, str]]]:
         others: list[Any] = [self._quantizer] if self._quantizer is not None else []
         binding = self._binding
         session = binding.session() if binding is not None else None
         if session is not None:
             others += [m for m in session.modifiers if m is not self]
+        found = []
         for modifier in others:
             try:
                 args, observer = modifier.weight_args, getattr(modifier, "observer", "minmax")
             except (AttributeError, ValueError):
                 continue
+            found.append((modifier, (args, observer)))
+        return found
+
+    def _find_quantizers(self) -> dict[int, Quantizer]:
+        found: dict[int, Quantizer] = {}
+        for modifier, quantizer in self._quantizing_modifiers():
             for module in modifier.resolved_targets.values():
-                found.setdefault(id(module), (args, observer))
+                found.setdefault(id(module), quantizer)
+        return found
+
+    def _find_clip_targets(self) -> dict[str, tuple[nn.Module, tuple[QuantizationArgs, str]]]:
+        """The Linears the clipping search serves (quantized by a modifier of the session, not queries/keys).
+
+        Raises:
+            ValueError: one is quantized in a form the search cannot serve (:func:`clip_problem`).
+        """
+        found: dict[str, tuple[nn.Module, tuple[QuantizationArgs, str]]] = {}
+        for modifier, quantizer in self._quantizing_modifiers():
+            problem = clip_problem(quantizer[0])
+            for name, module in modifier.resolved_targets.items():
+                if name in found or name.rsplit(".", 1)[-1] in NOT_CLIPPED or not hasattr(module, "weight"):
+                    continue
+                if problem is not None:
+                    msg = (
+                        f"AWQModifier: apply_clip searches one clipping range per output row and quantization group, "
+                        f"but {modifier.modifier_name()} quantizes {name} with {_format(quantizer[0])} weights: "
+                        f"{problem}; use a group or channel weight scheme, or leave apply_clip out"
+                    )
+                    raise ValueError(msg)
+                found[name] = (module, quantizer)
         return found
 
     def on_sequential_epoch_end(self, state: Any, modules: Any) -> None:
         if self._quantizer is not None:
             self._quantizer.on_sequential_epoch_end(state, modules)
+
+    def progress_state(self, layer: nn.Module) -> dict[str, Any]:
+        """:meth:`SmoothingModifier.progress_state`, with the :attr:`clipping_results` of the layer's Linears and,
+        in the older form, the results of the layer's modules quantized by AWQ's own round-to-nearest."""
+        out = super().progress_state(layer)
+        inside = {id(m) for m in layer.modules()}
+        out["clipping"] = {
+            n: self.clipping_results[n]
+            for n, (m, _) in self._clip_targets.items()
+            if id(m) in inside and n in self.clipping_results
+        }
+        if self._quantizer is not None:
+            names = [n for n, m in self._quantizer.resolved_targets.items() if id(m) in inside]
+            out["quantized"] = {
+                "results": {n: attrs.asdict(self._quantizer.results[n]) for n in names if n in self._quantizer.results},
+                "skipped": [n for n in names if n in self._quantizer.skipped],
+            }
+        return out
+
+    def restore_progress_state(self, layer: nn.Module, state: dict[str, Any]) -> None:
+        super().restore_progress_state(layer, state)
+        self.clipping_results.update(state.get("clipping", {}))
+        quantized = state.get("quantized")
+        if self._quantizer is not None and quantized is not None:
+            self._quantizer.results.update({n: ModuleResult(**f) for n, f in quantized["results"].items()})
+            self._quantizer.skipped.extend(n for n in quantized["skipped"] if n not in self._quantizer.skipped)
 
     def on_calibration_end(self, state: Any) -> None:
         if self._quantizer is not None:
@@ -273,12 +486,55 @@ class AWQModifier(SmoothingModifier):
     ) -> None:
         observer = ActivationObserver(todo, keep=True)
         observer.run(layer, inputs)
+        observer.all_reduce()
         observer.check(type(self).__name__)
         with suspended_forward_hooks(layer):
             for mapping in todo:
                 self._smooth_mapping(mapping, observer)
         observer.parent_inputs.clear()
         observer.parent_outputs.clear()
+        if self._clip_targets:
+            self._clip_layer(layer, inputs)
+
+    # ---- clipping -------------------------------------------------------------
+    def _clip_layer(self, layer: nn.Module, inputs: list[tuple[tuple[Any, ...], dict[str, Any]]]) -> None:
+        """Search and apply the clipping ranges of the clip targets inside ``layer`` (already smoothed)."""
+        inside = {id(m) for m in layer.modules()}
+        targets = {n: t for n, t in self._clip_targets.items() if id(t[0]) in inside and n not in self.clipping_results}
+        if not targets:
+            return
+        captured = _capture_inputs(layer, inputs, {n: m for n, (m, _) in targets.items()}, self.clip_n_sample_token)
+        with suspended_forward_hooks(layer):
+            for name, (module, (args, observer)) in targets.items():
+                if name not in captured:
+                    continue  # no calibration input reached it in this layer's forward: left as it is
+                self._clip_module(name, module, captured[name], args, observer)
+
+    @torch.no_grad()
+    def _clip_module(
+        self, name: str, module: nn.Module, x: torch.Tensor, args: QuantizationArgs, observer: str
+    ) -> None:
+        weight = module.weight
+        max_val, index = awq_clip_search(
+            weight, x, args, observer, n_grid=self.clip_n_grid, max_shrink=self.clip_max_shrink
+        )
+        clipped = _clamp_groups(weight, max_val, _clip_group_size(args, weight.shape[1]))
+        unclipped_error = _output_error(weight, rtn_quantize(weight, args, observer).weight, x)
+        error = _output_error(weight, rtn_quantize(clipped, args, observer).weight, x)
+        applied = error < unclipped_error
+        if applied:
+            weight.copy_(clipped)
+        self.clipping_results[name] = {
+            "groups": int(index.numel()),
+            "groups_clipped": int((index > 0).sum()),
+            "shrink_mean": float((1.0 - index.to(torch.float64) / self.clip_n_grid).mean()),
+            "tokens": int(
+                all_reduce_tensor(torch.tensor([x.shape[0]], dtype=torch.int64), what="all_reduce (AWQ clip)")
+            ),
+            "error_unclipped": unclipped_error,
+            "error": error if applied else unclipped_error,
+            "applied": applied,
+        }
 
     def _smooth_mapping(self, mapping: ResolvedMapping, observer: ActivationObserver) -> None:
         name = mapping.smooth_name
@@ -309,6 +565,46 @@ class AWQModifier(SmoothingModifier):
             "error": error,
             **stats,
         }
+
+
+def _capture_inputs(
+    layer: nn.Module,
+    inputs: list[tuple[tuple[Any, ...], dict[str, Any]]],
+    modules: dict[str, nn.Module],
+    n_sample_token: int,
+) -> dict[str, torch.Tensor]:
+    """Every ``k``-th calibration token's input of each of ``modules`` (``[tokens, in]`` float32), ``k = max(1,
+    N // n_sample_token)``, ``N`` the layer's calibration tokens (every rank's, counted in the order of one process:
+    each rank keeps its share of the same tokens); one forward of ``layer`` with only these hooks."""
+    local = 0
+    for args, kwargs in inputs:
+        hidden = args[0] if args else kwargs["hidden_states"]
+        local += hidden.numel() // hidden.shape[-1]
+    counts = [c for (c,) in all_gather_ints([local], what="all_gather (AWQ clip tokens)")]  # [local] in one process
+    step = max(1, sum(counts) // n_sample_token)
+    start = sum(counts[: get_rank()])  # this rank's first token in the order of one process
+    seen: dict[str, int] = {name: start for name in modules}
+    kept: dict[str, list[torch.Tensor]] = {}
+
+    def hook_for(name: str) -> Any:
+        def hook(module: nn.Module, args: tuple[Any, ...]) -> None:
+            flat = args[0].detach().reshape(-1, args[0].shape[-1])
+            offset = seen[name]
+            first = (-offset) % step
+            kept.setdefault(name, []).append(flat[first::step].to(torch.float32))
+            seen[name] = offset + flat.shape[0]
+
+        return hook
+
+    with suspended_forward_hooks(layer):
+        handles = [module.register_forward_pre_hook(hook_for(name)) for name, module in modules.items()]
+        try:
+            for args, kwargs in inputs:
+                layer(*args, **kwargs)
+        finally:
+            for handle in handles:
+                handle.remove()
+    return {name: torch.cat(parts) for name, parts in kept.items()}
 
 
 def _group_size(quantizer: Quantizer) -> int | None:
@@ -357,7 +653,8 @@ class _BlockError:
                 out = out[0] if isinstance(out, tuple | list) else out
                 total += float((out.to(torch.float32) - ref.to(torch.float32)).pow(2).sum(dtype=torch.float64))
                 count += ref.numel()
-            return total / max(count, 1)
+            sums = all_reduce_tensor(torch.tensor([total, count], dtype=torch.float64), what="all_reduce (AWQ error)")
+            return float(sums[0]) / max(float(sums[1]), 1.0)
         finally:
             for balance, w in zip(self.mapping.balances, originals, strict=True):
                 balance.weight.copy_(w)

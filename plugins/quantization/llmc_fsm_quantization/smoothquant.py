@@ -16,8 +16,11 @@ Smoothing runs decoder layer by decoder layer inside the sequential pipeline: be
 layer for the other modifiers of the stage (GPTQ, RTN), it calls :meth:`SmoothingModifier.prepare_layer`, which
 runs the calibration inputs through the layer once (with the other modifiers' hooks suspended), computes the
 scales and folds them. So a quantizer in the same stage sees the smoothed activations and weights, as it
-would in a later stage. Defaults: the norm mappings (``input_layernorm -> q/k/v``,
-``post_attention_layernorm -> gate/up``), the inputs of the attention and MLP projections (paper Sec. 4).
+would in a later stage. Under ``torch.distributed`` (``torchrun``) each rank observes its share of the calibration
+windows and the per-channel statistics are combined over the ranks before the scales are computed
+(:meth:`ActivationObserver.all_reduce`), so every rank folds the scales of one process. Defaults: the norm mappings
+(``input_layernorm -> q/k/v``, ``post_attention_layernorm -> gate/up``), the inputs of the attention and MLP
+projections (paper Sec. 4).
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ import torch
 from torch import nn
 
 from llmc_fsm import Modifier
-from llmc_fsm.toolkit import already_quantized, is_distributed, patterns
+from llmc_fsm.toolkit import all_reduce_tensor, already_quantized, patterns
 from llmc_fsm_quantization.mappings import (
     ResolvedMapping,
     describe_mappings,
@@ -226,13 +229,43 @@ class SmoothingModifier(Modifier):
             logger.info("%s mapping: %s", type(self).__name__, line)
 
     def on_calibration_start(self, state: Any) -> None:
-        if is_distributed():
-            msg = f"{type(self).__name__} does not run under torch.distributed yet; run it in one process"
-            raise ValueError(msg)
+        """Nothing to prepare (under ``torch.distributed`` each rank smooths from the statistics of every rank's
+        calibration tokens, see :meth:`ActivationObserver.all_reduce`)."""
 
     def on_sequential_epoch_end(self, state: Any, modules: Any) -> None:
-        """Nothing: smoothing happened in :meth:`prepare_layer`. Overridden so that a one-shot ``--resume``
-        restarts this stage from its first layer (the per-layer checkpoints hold no smoothing statistics)."""
+        """Nothing: smoothing happened in :meth:`prepare_layer` (a one-shot ``--resume`` restores what it did
+        in the saved layers through :meth:`progress_state` / :meth:`restore_progress_state`)."""
+
+    # ---- resume ----------------------------------------------------------------
+    def _mappings_in(self, layer: nn.Module) -> list[ResolvedMapping]:
+        inside = {id(m) for m in layer.modules()}
+        return [m for m in self._mappings if id(m.smooth) in inside]
+
+    def progress_state(self, layer: nn.Module) -> dict[str, Any]:
+        """What this modifier did in decoder ``layer``, as JSON values, for a one-shot run's per-layer progress
+        (:mod:`llmc_fsm.oneshot_job.resume`): the smoothed mappings, their :attr:`smoothing_results` and their
+        :attr:`smoothing_scales` (float32 values, exact as JSON numbers)."""
+        names = [m.smooth_name for m in self._mappings_in(layer) if m.smooth_name in self._done]
+        return {
+            "done": names,
+            "results": {n: self.smoothing_results[n] for n in names if n in self.smoothing_results},
+            "scales": {n: self.smoothing_scales[n].tolist() for n in names if n in self.smoothing_scales},
+        }
+
+    def restore_progress_state(self, layer: nn.Module, state: dict[str, Any]) -> None:
+        """Take back :meth:`progress_state` of decoder ``layer`` (its weights come from the saved layer).
+
+        Raises:
+            ValueError: the state names a mapping this modifier did not resolve in ``layer`` (another model).
+        """
+        known = {m.smooth_name for m in self._mappings_in(layer)}
+        unknown = [n for n in state["done"] if n not in known]
+        if unknown:
+            msg = f"{type(self).__name__}: saved progress names {unknown[0]}, not a mapping of this decoder layer"
+            raise ValueError(msg)
+        self._done.update(state["done"])
+        self.smoothing_results.update(state["results"])
+        self.smoothing_scales.update({n: torch.tensor(v, dtype=torch.float32) for n, v in state["scales"].items()})
 
     def on_calibration_end(self, state: Any) -> None:
         left = [m.smooth_name for m in self._mappings if m.smooth_name not in self._done]
@@ -355,6 +388,24 @@ class ActivationObserver:
 
         return hook
 
+    def all_reduce(self) -> None:
+        """Combine the statistics of every rank (``torch.distributed``; a no-op in one process): ``max|x_j|`` by
+        maximum, ``sum|x_j|`` and the token counts by sum, mapping by mapping in order. A collective: every rank
+        calls it after :meth:`run` on its own calibration inputs; then every rank holds what one process running
+        all the inputs would (the maxima exactly, the float64 sums up to their order of addition)."""
+        for m in self.mappings:
+            name = m.smooth_name
+            if name in self.act_max:
+                all_reduce_tensor(self.act_max[name], op="max", what="all_reduce (smoothing max|x|)")
+                all_reduce_tensor(self.abs_sum[name], what="all_reduce (smoothing sum|x|)")
+            tokens = torch.tensor([self.tokens.get(name, 0)], dtype=torch.int64)
+            all_reduce_tensor(tokens, what="all_reduce (smoothing tokens)")
+            if int(tokens) and name not in self.act_max:  # this rank saw no input of it: another rank did
+                msg = f"{m.balance_names[0]} received calibration input on another rank but not on this one"
+                raise ValueError(msg)
+            if int(tokens):
+                self.tokens[name] = int(tokens)
+
     def check(self, owner: str) -> None:
         """Raise if a norm mapping's data flow was not what its names said, or a balance layer saw no input.
 
@@ -408,6 +459,7 @@ class SmoothQuantModifier(SmoothingModifier):
     ) -> None:
         observer = ActivationObserver(todo)
         observer.run(layer, inputs)
+        observer.all_reduce()
         observer.check(type(self).__name__)
         for mapping in todo:
             act_max = observer.act_max[mapping.smooth_name]

@@ -289,13 +289,14 @@ def test_awq_then_gptq_in_one_stage_quantizes_the_smoothed_layer_with_its_smooth
         assert torch.allclose(module.weight, q.weight, atol=1e-5, rtol=0)
 
 
-def test_awq_under_low_memory_writes_the_in_memory_checkpoint(tmp_path) -> None:
+@pytest.mark.parametrize("awq", [{}, {"apply_clip": True}], ids=["smoothing", "smoothing and clipping"])
+def test_awq_under_low_memory_writes_the_in_memory_checkpoint(tmp_path, awq) -> None:
     import glob
 
     from safetensors.torch import load_file
 
     tiny().save_pretrained(tmp_path / "model")
-    recipe = {"q": {"AWQModifier": {}, "QuantizationModifier": {"scheme": W4G16}}}
+    recipe = {"q": {"AWQModifier": awq, "QuantizationModifier": {"scheme": W4G16}}}
     for out, low in (("in_memory", False), ("streamed", True)):
         llmc_fsm.oneshot(
             model=str(tmp_path / "model"), recipe=recipe, dataset=DATA, output_dir=tmp_path / out, progress=False,

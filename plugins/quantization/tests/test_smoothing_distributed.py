@@ -1,0 +1,145 @@
+"""Smoothing under torch.distributed (2 ranks, gloo, CPU): every rank folds the scales of one process.
+
+Each rank runs its half of the calibration windows; SmoothQuant's max |x| per channel (reduced by maximum) gives
+the one-process scales exactly, AWQ's mean |x|, block errors and clipping scores (summed in float64) the same
+choices. Like tests/test_distributed.py: 2 spawned processes join a gloo group through a file rendezvous in
+``tmp_path`` and write their results (tensors as safetensors, the rest as JSON metadata).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from llmc_fsm_quantization import AWQModifier, QuantizationModifier, SmoothQuantModifier
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from test_smoothquant import tiny
+
+import llmc_fsm
+
+WORLD = 2
+W4G16 = {"preset": "W4A16_ASYM", "weights": {"group_size": 16}}
+RECIPES: dict[str, Any] = {
+    "smoothquant": lambda: [SmoothQuantModifier(smoothing_strength=0.8), QuantizationModifier(scheme="W8A8")],
+    "awq": lambda: [AWQModifier(apply_clip=True, clip_n_sample_token=50), QuantizationModifier(scheme=W4G16)],
+}
+
+
+def windows() -> torch.Tensor:
+    return torch.randint(0, 128, (6, 32), generator=torch.Generator().manual_seed(3))  # 3 + 3 windows
+
+
+def _run(name: str) -> tuple[torch.nn.Module, dict[str, Any], dict[str, Any]]:
+    """The model, its report and the smoothing modifier's clipping results after the one-shot run of ``name``."""
+    model, recipe = tiny(), RECIPES[name]()
+    llmc_fsm.oneshot(model=model, recipe=recipe, dataset=windows(), batch_size=2, progress=False, threads=1)
+    return model, model.llmc_fsm_report.to_dict(), getattr(recipe[0], "clipping_results", {})
+
+
+def _worker(rank: int, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name in RECIPES:
+        model, report, clipping = _run(name)
+        for key, value in model.state_dict().items():
+            tensors[f"{name}/{key}"] = value.detach().clone()
+        out[name] = {
+            "smoothing": report["smoothing"],
+            "per_rank": report["calibration"]["per_rank"],
+            "clipping": clipping,
+        }
+    return out
+
+
+def _entry(rank: int, tmp: str) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=WORLD, timeout=timedelta(seconds=60)
+    )
+    tensors: dict[str, torch.Tensor] = {}
+    meta: dict[str, Any] = {"rank": rank}
+    try:
+        meta["result"] = _worker(rank, tensors)
+    except Exception as exc:
+        meta["error"] = {"type": type(exc).__name__, "message": str(exc)}
+    save_file(
+        {k: v.contiguous() for k, v in tensors.items()}, f"{tmp}/rank{rank}.safetensors", {"json": json.dumps(meta)}
+    )
+    if "error" not in meta:
+        dist.barrier()
+    os._exit(0)  # no interpreter teardown: gloo's threads can abort there (see tests/test_distributed.py)
+
+
+def _launch(tmp_path: Path, join_s: float = 240.0) -> list[dict[str, Any]]:
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_entry, args=(r, str(tmp_path))) for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + join_s
+    for p in procs:
+        p.join(max(deadline - time.monotonic(), 0.1))
+    hung = [p.pid for p in procs if p.is_alive()]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    assert not hung, f"ranks still running after {join_s} s: pids {hung}"
+    out = []
+    for r in range(WORLD):
+        path = tmp_path / f"rank{r}.safetensors"
+        with safe_open(str(path), "pt") as f:
+            meta = json.loads(f.metadata()["json"])
+        out.append({"meta": meta, "tensors": load_file(str(path))})
+    return out
+
+
+@pytest.mark.distributed
+def test_smoothquant_and_awq_on_two_ranks_fold_the_scales_of_one_process(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    ranks = _launch(tmp_path)
+    for rank in ranks:
+        assert "error" not in rank["meta"], rank["meta"]
+    r0, r1 = ranks[0]["tensors"], ranks[1]["tensors"]
+    assert r0.keys() == r1.keys()
+    assert [k for k in r0 if not torch.equal(r0[k], r1[k])] == []  # every rank holds the same model
+    for name in RECIPES:
+        result = ranks[0]["meta"]["result"][name]
+        assert result["per_rank"] == [3, 3]
+        assert result["smoothing"] == ranks[1]["meta"]["result"][name]["smoothing"]
+        assert result["clipping"] == ranks[1]["meta"]["result"][name]["clipping"]
+        single, report, clipping = _run(name)
+        expected = report["smoothing"]
+        label = next(k for k in expected if not k.endswith(" clipping"))  # AWQ's clipping: compared below
+        assert sorted(result["smoothing"][label]) == sorted(expected[label])
+        for smooth, values in expected[label].items():
+            got = result["smoothing"][label][smooth]
+            if name == "smoothquant":  # maxima: exactly the one-process values
+                assert got == values, smooth
+            else:  # the same exponent; errors up to the order of the float64 sums
+                assert got["exponent"] == values["exponent"] and got["duo_scaling"] == values["duo_scaling"], smooth
+                assert got["error"] == pytest.approx(values["error"], rel=1e-6)
+                assert got["error_unsmoothed"] == pytest.approx(values["error_unsmoothed"], rel=1e-6)
+        assert sorted(result["clipping"]) == sorted(clipping)
+        for linear, values in clipping.items():  # 192 tokens, every 3rd: 64 of them, split 32 + 32 over the ranks
+            got = result["clipping"][linear]
+            assert got["tokens"] == values["tokens"] == 64
+            assert (got["groups_clipped"], got["shrink_mean"], got["applied"]) == (
+                values["groups_clipped"],
+                values["shrink_mean"],
+                values["applied"],
+            ), linear
+            assert got["error"] == pytest.approx(values["error"], rel=1e-6)
+        for key, value in single.state_dict().items():
+            if name == "smoothquant":
+                assert torch.equal(r0[f"{name}/{key}"], value), key
+            else:
+                torch.testing.assert_close(r0[f"{name}/{key}"], value, rtol=1e-5, atol=1e-6, msg=key)
