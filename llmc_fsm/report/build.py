@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from llmc_fsm.models.layers import find_decoder_layers
+from llmc_fsm.toolkit.views import weight_views
 
 __all__ = ["ModuleSparsity", "OneshotReport", "build_report", "max_rss_bytes", "measure_sparsity"]
 
@@ -60,6 +61,8 @@ class ModuleSparsity:
 def measure_sparsity(model: nn.Module, layers: nn.ModuleList | None = None) -> list[ModuleSparsity]:
     """The exact zeros of every ``nn.Linear`` weight of ``model`` (tied weights counted once), in module order.
 
+    Weights seen through a :class:`~llmc_fsm.toolkit.views.LinearView` count too: each expert matrix of fused
+    mixture-of-experts weights (``<experts>.<e>.gate_proj`` ...) and each ``Conv1D`` (under its own name).
     ``layers``: the decoder layers, to record each module's layer index (``None`` outside them).
     """
     layer_of: dict[int, int] = {}
@@ -70,6 +73,11 @@ def measure_sparsity(model: nn.Module, layers: nn.ModuleList | None = None) -> l
     seen: set[int] = set()
     out = []
     for name, module in model.named_modules():
+        for suffix, view in weight_views(module).items():  # fused experts, Conv1D
+            w = view.weight
+            full = f"{name}.{suffix}" if suffix and name else (suffix or name)
+            zeros = w.numel() - int(torch.count_nonzero(w))
+            out.append(ModuleSparsity(name=full, layer=layer_of.get(id(module)), zeros=zeros, numel=w.numel()))
         if not isinstance(module, nn.Linear) or id(module.weight) in seen:
             continue
         seen.add(id(module.weight))
