@@ -173,6 +173,15 @@ def test_an_expert_the_router_never_picks_is_named_and_left_unless_all_experts_c
     pruned = [m for m in report.modules if m.name in set(report.targeted) and m.name not in idle]
     total = sum(m.numel for m in report.modules if m.name in set(report.targeted))
     assert report.total_sparsity == sum(m.zeros for m in pruned) / total < 0.5
+    assert all(by_name[n].routed_tokens == 0 for n in idle)
+    assert all(by_name[m.name].routed_tokens > 0 for m in pruned if ".experts." in m.name)
+    layers = "{0..3}"
+    assert (
+        f"no routed token: model.layers.{layers}.mlp.experts.3.gate_proj, model.layers.{layers}.mlp.experts.3.up_proj, "
+        f"model.layers.{layers}.mlp.experts.3.down_proj (report.json: routed_tokens)"
+    ) in report.format_table()
+    entries = {m["name"]: m for m in report.to_dict()["sparsity"]["modules"]}
+    assert entries[idle[0]]["routed_tokens"] == 0 and "routed_tokens" not in entries["model.layers.0.self_attn.q_proj"]
     model = build("gpt_oss")
     for layer in model.model.layers:
         with torch.no_grad():
@@ -254,7 +263,10 @@ def test_routers_are_ignored_by_default_and_views_not_registered():
     assert list(named.selected) == [router]
     assert list(model.state_dict()) == keys and [n for n, _ in model.named_modules()] == modules
     only = select_targets(model, ["re:.*experts.mlp.1.v1$"], [], views=True)
-    assert list(only.selected) == ["transformer.blocks.0.ffn.experts.mlp.1.v1", "transformer.blocks.1.ffn.experts.mlp.1.v1"]
+    assert list(only.selected) == [
+        "transformer.blocks.0.ffn.experts.mlp.1.v1",
+        "transformer.blocks.1.ffn.experts.mlp.1.v1",
+    ]
     ignored = select_targets(model, ["Linear"], ["lm_head", "transformer.blocks.0.ffn.experts"], views=True)
     assert not any(n.startswith("transformer.blocks.0.ffn.experts") for n in ignored.selected)
     assert "transformer.blocks.1.ffn.experts.mlp.0.w1" in ignored.selected

@@ -131,7 +131,7 @@ def check_targets_in_layers(session: Session, layers: nn.ModuleList, layers_name
     Raises:
         ValueError: naming the modifier, the modules outside the layers and the fix.
     """
-    inside = {id(v) for m in layers.modules() for v in (m, *weight_views(m).values())}  # views: experts, Conv1D
+    inside = {id(v) for m in layers.modules() for v in (m, *weight_views(m).values())}  # with fused experts, Conv1D
     for modifier in session.modifiers:
         targets = getattr(modifier, "resolved_targets", None)
         if not isinstance(targets, Mapping):

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from llmc_fsm.models.layers import find_decoder_layers
+from llmc_fsm.toolkit.targets import compact_names
 from llmc_fsm.toolkit.views import weight_views
 
 __all__ = ["ModuleSparsity", "OneshotReport", "build_report", "max_rss_bytes", "measure_sparsity"]
@@ -41,7 +42,8 @@ class ModuleSparsity:
     compressed it, with ``W`` the weight it received. ``rel_output_errors``
     lists ``("Modifier (stage)", error or None)`` of every modifier that
     compressed it, in the order they ran, when there were several (2:4 pruning,
-    then GPTQ); the errors do not add up.
+    then GPTQ); the errors do not add up. ``routed_tokens``: for one expert's matrix of fused
+    mixture-of-experts weights, the calibration tokens the router sent to that expert (``None`` otherwise).
     """
 
     name: str
@@ -52,6 +54,7 @@ class ModuleSparsity:
     group_size: int | None = None
     rel_output_error: float | None = None
     rel_output_errors: list[tuple[str, float | None]] = attrs.Factory(list)
+    routed_tokens: int | None = None
 
     @property
     def sparsity(self) -> float:
@@ -171,6 +174,19 @@ class OneshotReport:
             f"{_mean_by_modifier(stacked)}; report.json: rel_output_errors)"
         ]
 
+    def _routed_tokens_note(self) -> list[str]:
+        """A line on the calibration tokens routed to each expert (fused experts pruned per expert), if any."""
+        routed = [m for m in self._targeted() if m.routed_tokens is not None]
+        if not routed:
+            return []
+        counts = [m.routed_tokens for m in routed]
+        idle = [m.name for m in routed if m.routed_tokens == 0]
+        none = f"; no routed token: {compact_names(idle)}" if idle else "; every expert got tokens"
+        return [
+            f"experts: {len(routed)} expert matrices, {min(counts)}-{max(counts)} routed calibration tokens each"
+            f"{none} (report.json: routed_tokens)"
+        ]
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "model": self.model,
@@ -227,6 +243,7 @@ class OneshotReport:
                     group_size=m.get("group_size"),
                     rel_output_error=m.get("rel_output_error"),
                     rel_output_errors=[(e["modifier"], e["rel_output_error"]) for e in m.get("rel_output_errors", [])],
+                    routed_tokens=m.get("routed_tokens"),
                 )
                 for m in entries
             ],
@@ -268,6 +285,7 @@ class OneshotReport:
         for m in outside:
             lines.append(f"{m.name:>7}  {m.numel:>10,}  {m.sparsity:>8.2%}")
         lines.extend(self._stacked_errors_note())
+        lines.extend(self._routed_tokens_note())
         lines.extend(_smoothing_line(label, results) for label, results in self.smoothing.items())
         untouched = [m for m in self.modules if m.name not in set(self.targeted)]
         total_numel = sum(m.numel for m in self._targeted())
@@ -346,7 +364,12 @@ def _mean_by_modifier(modules: list[ModuleSparsity]) -> str:
 def _quant_fields(m: ModuleSparsity) -> dict[str, Any]:
     fields = {
         key: value
-        for key, value in (("bits", m.bits), ("group_size", m.group_size), ("rel_output_error", m.rel_output_error))
+        for key, value in (
+            ("bits", m.bits),
+            ("group_size", m.group_size),
+            ("rel_output_error", m.rel_output_error),
+            ("routed_tokens", m.routed_tokens),
+        )
         if value is not None
     }
     if len(m.rel_output_errors) > 1:  # every modifier that compressed it, in order (error None: not measured)
@@ -399,6 +422,9 @@ def build_report(
             # the last modifier's error, against the weights it received (None: it measured none)
             entry.rel_output_error = getattr(result, "rel_output_error", None)
             entry.rel_output_errors.append((label, entry.rel_output_error))
+        for name, count in (getattr(modifier, "routed_tokens", None) or {}).items():  # fused experts' matrices
+            if name in by_name:
+                by_name[name].routed_tokens = count
     _bits_of_earlier_runs(model, by_name)
     return OneshotReport(
         model=model_name,

@@ -243,7 +243,9 @@ def router_names(named: list[tuple[str, nn.Module]]) -> list[str]:
     return found
 
 
-def _routing_args(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+def _routing_args(
+    module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(hidden_states [tokens, hidden], top-k expert indices [tokens, k])`` from the experts module's call."""
     if len(args) >= 2:
         return args[0], args[1]

@@ -1,4 +1,4 @@
-"""The pruning arguments shared by SparseGPT and Wanda on top of :class:`llmc_fsm.toolkit.calibrated.CalibratedModifier`.
+"""The pruning arguments shared by SparseGPT and Wanda on top of :class:`llmc_fsm.toolkit.CalibratedModifier`.
 
 Hooks, target selection, shared-input statistics and per-layer compression live
 in the core base class; this adds ``sparsity``, ``mask_structure`` and the calibration of
