@@ -191,7 +191,9 @@ def test_an_expert_the_router_never_picks_is_named_and_left_unless_all_experts_c
     assert model.llmc_fsm_report.total_sparsity == 0.5
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "dbrx", "gpt2"])
+@pytest.mark.parametrize(
+    "family", ["mixtral", "qwen3_moe", "dbrx", "gpt_oss", "deepseek_v3", "qwen3_next", "gpt2"]
+)
 def test_sparsegpt_prunes_every_expert_and_conv1d_and_the_output_reloads(tmp_path, family):
     """Every expert matrix (and every Conv1D) 50% sparse, counted in the report; saved in the fused layout:
     transformers reloads every key and gives the in-memory logits."""
@@ -299,3 +301,25 @@ def test_quantizing_fused_experts_or_conv1d_is_refused_before_any_work_saying_wh
         )
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert not (tmp_path / "o").exists()
+
+
+def test_low_memory_prunes_conv1d_like_in_memory_and_refuses_per_expert_checkpoints_saying_why(tmp_path):
+    """GPT-2 streamed from disk gives the in-memory weights; a Mixtral checkpoint (transformers 5 saves its fused
+    experts per expert and fuses them on load) is refused before any work, naming why."""
+    recipe = {"s": {"SparseGPTModifier": {"sparsity": 0.5}}}
+    build("gpt2").save_pretrained(tmp_path / "gpt2")
+    in_memory = build("gpt2")
+    llmc_fsm.oneshot(model=in_memory, recipe=recipe, dataset=DATA, output_dir=tmp_path / "a", progress=False)
+    llmc_fsm.oneshot(
+        model=str(tmp_path / "gpt2"), recipe=recipe, dataset=DATA, output_dir=tmp_path / "b", progress=False,
+        low_memory=True,
+    )  # fmt: skip
+    streamed = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "b")
+    assert all(torch.equal(v, streamed.state_dict()[k]) for k, v in in_memory.state_dict().items())
+    build("mixtral").save_pretrained(tmp_path / "mixtral")
+    with pytest.raises(ValueError, match=r"keeps mixture-of-experts weights per expert \(missing model\.layers\.0"):
+        llmc_fsm.oneshot(
+            model=str(tmp_path / "mixtral"), recipe=recipe, dataset=DATA, output_dir=tmp_path / "c", progress=False,
+            low_memory=True,
+        )  # fmt: skip
+    assert not (tmp_path / "c").exists()
