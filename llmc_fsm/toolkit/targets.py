@@ -22,10 +22,14 @@ selects the supported modules inside it, and an ``ignore`` pattern that matches 
 container ignores everything inside it. Only modules with a supported weight are
 ever selected: by default Linear-like modules (a 2-D ``[out_features, in_features]``
 weight and an ``in_features`` attribute equal to its second dimension) -- so
-``Embedding`` and norms are never selected. ``transformers``' ``Conv1D`` (GPT-2's
-projections, weight stored ``[in, out]``) is not supported: targets that select one
-(``"Linear"`` counts as naming them, as users expect) are refused before any work
-unless ``ignore`` excludes it.
+``Embedding`` and norms are never selected.
+
+Weights kept otherwise than as one Linear each -- ``transformers``' ``Conv1D`` (GPT-2's
+projections, weight stored ``[in, out]``) and fused mixture-of-experts weights (transformers 5's
+3-D ``gate_up_proj`` / ``down_proj``, DBRX's ``w1`` / ``v1`` / ``w2``) -- are selected as
+:class:`~llmc_fsm.toolkit.views.LinearView` per matrix when the caller asks for ``views``
+(the pruning modifiers; ``"Linear"`` names them, as users expect), and refused before any work
+otherwise (quantizers: the message says why) unless ``ignore`` excludes them.
 """
 
 from __future__ import annotations
