@@ -7,6 +7,7 @@ fused parameters by hand, statistics in float64.
 
 from __future__ import annotations
 
+import copy
 import logging
 
 import pytest
@@ -264,6 +265,10 @@ def test_routers_are_ignored_by_default_and_views_not_registered():
     named = select_targets(model, [router], [], views=True)
     assert list(named.selected) == [router]
     assert list(model.state_dict()) == keys and [n for n, _ in model.named_modules()] == modules
+    copied = copy.deepcopy(model)  # the cached views follow the copy's own parameters
+    view = weight_views(copied.transformer.blocks[0].ffn.experts)["mlp.1.w2"]
+    assert view.owner is copied.transformer.blocks[0].ffn.experts.mlp
+    assert view.weight.data_ptr() == copied.transformer.blocks[0].ffn.experts.mlp.w2.data_ptr() + 32 * 64 * 4
     only = select_targets(model, ["re:.*experts.mlp.1.v1$"], [], views=True)
     assert list(only.selected) == [
         "transformer.blocks.0.ffn.experts.mlp.1.v1",

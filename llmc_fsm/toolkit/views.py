@@ -25,7 +25,6 @@ still match; DBRX's are ``<experts>.mlp.<e>.w1`` / ``v1`` / ``w2``.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -51,6 +50,8 @@ class LinearView(nn.Module):
         param_name: the parameter's name on ``owner``.
         expert: the expert index, or ``None`` (Conv1D).
         in_features / out_features: the matrix as a Linear (ints).
+        transposed / rows / block: how the matrix is read: ``param[expert]`` (or, with ``block``, rows
+            ``expert * block ... (expert + 1) * block`` of a 2-D ``param``: DBRX), transposed, then ``rows`` of it.
         routed_tokens: tokens the router sent to this expert during calibration (:func:`observe_inputs`; ``0``
             before, always ``0`` for Conv1D).
     """
@@ -61,15 +62,19 @@ class LinearView(nn.Module):
         param_name: str,
         *,
         expert: int | None,
-        split: Callable[[torch.Tensor], torch.Tensor],
         in_features: int,
         out_features: int,
+        transposed: bool = False,
+        rows: slice | None = None,
+        block: int | None = None,
     ) -> None:
         super().__init__()
         self.__dict__["owner"] = owner  # not registered: the view is no part of the owner's module tree
         self.param_name = param_name
         self.expert = expert
-        self._split = split
+        self.transposed = transposed
+        self.rows = rows
+        self.block = block
         self.in_features = in_features
         self.out_features = out_features
         self.routed_tokens = 0
@@ -77,7 +82,11 @@ class LinearView(nn.Module):
     @property
     def weight(self) -> torch.Tensor:
         """``[out_features, in_features]`` view of the owner's parameter (shares its storage)."""
-        return self._split(getattr(self.owner, self.param_name))
+        p = getattr(self.owner, self.param_name)
+        if self.expert is not None:
+            p = p.view(-1, self.block, p.shape[-1])[self.expert] if self.block is not None else p[self.expert]
+        w = p.T if self.transposed else p
+        return w if self.rows is None else w[self.rows]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Return ``x`` unchanged (an observation point: forward pre-hooks see the matrix's input)."""
@@ -112,26 +121,6 @@ def _is_dbrx(module: nn.Module) -> bool:
     )
 
 
-def _expert_matrix(e: int, transposed: bool, rows: slice | None) -> Callable[[torch.Tensor], torch.Tensor]:
-    def split(p: torch.Tensor) -> torch.Tensor:
-        w = p[e].T if transposed else p[e]
-        return w if rows is None else w[rows]
-
-    return split
-
-
-def _dbrx_matrix(e: int, ffn: int, transposed: bool) -> Callable[[torch.Tensor], torch.Tensor]:
-    def split(p: torch.Tensor) -> torch.Tensor:
-        w = p.view(-1, ffn, p.shape[-1])[e]
-        return w.T if transposed else w
-
-    return split
-
-
-def _transpose(p: torch.Tensor) -> torch.Tensor:
-    return p.T
-
-
 def fused_experts_reason(module: nn.Module) -> str | None:
     """Why the fused experts ``module`` (a transformers ``use_experts_implementation`` class) has no views, or ``None``.
 
@@ -158,7 +147,7 @@ def _build_views(module: nn.Module) -> dict[str, LinearView]:
     if _is_conv1d(module):
         w = module.weight
         views[""] = LinearView(
-            module, "weight", expert=None, split=_transpose, in_features=w.shape[0], out_features=w.shape[1]
+            module, "weight", expert=None, transposed=True, in_features=w.shape[0], out_features=w.shape[1]
         )
     elif _is_hf_experts(module) and fused_experts_reason(module) is None:
         t = bool(module.is_transposed)
@@ -174,19 +163,19 @@ def _build_views(module: nn.Module) -> dict[str, LinearView]:
                     else (slice(0, None, 2), slice(1, None, 2))
                 )
                 views[f"{e}.gate_proj"] = LinearView(
-                    module, first, expert=e, split=_expert_matrix(e, t, gate_rows), in_features=hidden,
+                    module, first, expert=e, transposed=t, rows=gate_rows, in_features=hidden,
                     out_features=inter,
                 )  # fmt: skip
                 views[f"{e}.up_proj"] = LinearView(
-                    module, first, expert=e, split=_expert_matrix(e, t, up_rows), in_features=hidden,
+                    module, first, expert=e, transposed=t, rows=up_rows, in_features=hidden,
                     out_features=inter,
                 )  # fmt: skip
             else:
                 views[f"{e}.up_proj"] = LinearView(
-                    module, first, expert=e, split=_expert_matrix(e, t, None), in_features=hidden, out_features=inter
+                    module, first, expert=e, transposed=t, in_features=hidden, out_features=inter
                 )
             views[f"{e}.down_proj"] = LinearView(
-                module, "down_proj", expert=e, split=_expert_matrix(e, t, None), in_features=inter,
+                module, "down_proj", expert=e, transposed=t, in_features=inter,
                 out_features=hidden,
             )  # fmt: skip
     elif _is_dbrx(module):
@@ -195,7 +184,7 @@ def _build_views(module: nn.Module) -> dict[str, LinearView]:
         for e in range(module.num_experts):
             for pname, transposed in (("w1", False), ("v1", False), ("w2", True)):
                 views[f"mlp.{e}.{pname}"] = LinearView(
-                    mlp, pname, expert=e, split=_dbrx_matrix(e, ffn, transposed),
+                    mlp, pname, expert=e, transposed=transposed, block=ffn,
                     in_features=ffn if transposed else hidden, out_features=hidden if transposed else ffn,
                 )  # fmt: skip
     return views
