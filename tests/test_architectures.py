@@ -248,6 +248,9 @@ def test_moe_with_experts_ignored_compresses_the_rest_and_reports_only_those(tmp
     llmc_fsm.oneshot(model=model, recipe=recipe, dataset=data, output_dir=tmp_path / "o", progress=False)
     report = model.llmc_fsm_report
     assert all(".experts" not in name for name in report.targeted)
+    assert "not targeted: 49 modules, 401,408 weights, sparsity 0.00%: model.layers.{0..3}.mlp.experts.0.gate_proj, " in (
+        report.format_table()
+    )  # 48 expert matrices of 128 x 64 (4 layers x 4 experts x 3) and lm_head (8,192), folded into one line
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in experts.items())
     reloaded, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "o", output_loading_info=True)
     assert sorted(info["missing_keys"]) == []

@@ -290,7 +290,14 @@ class OneshotReport:
         untouched = [m for m in self.modules if m.name not in set(self.targeted)]
         total_numel = sum(m.numel for m in self._targeted())
         lines.append(f"{'total':>7}  {total_numel:>10,}  {self.total_sparsity:>8.2%}   (targeted Linear weights)")
-        for m in untouched:
+        if len(untouched) > 8:  # e.g. ignored fused experts: one line per expert matrix would flood the table
+            numel, zeros = sum(m.numel for m in untouched), sum(m.zeros for m in untouched)
+            share = zeros / numel if numel else 0.0
+            lines.append(
+                f"not targeted: {len(untouched)} modules, {numel:,} weights, sparsity {share:.2%}: "
+                + compact_names(m.name for m in untouched)
+            )
+        for m in untouched if len(untouched) <= 8 else []:
             lines.append(f"not targeted: {m.name} ({m.numel:,} weights, sparsity {m.sparsity:.2%})")
         lines.append("")
         if self.eval is not None:
