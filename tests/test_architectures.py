@@ -226,8 +226,8 @@ def test_fused_experts_are_refused_for_quantizers_and_viewed_per_expert_for_prun
         f"{type(model).__name__} (model_type {model_type!r}) keeps its experts fused in {names} ({weights}: every "
         "expert's weights in one tensor, not one Linear per expert), which targets ['Linear'] select; this modifier "
         "compresses Linear modules only: the pruning modifiers (SparseGPT, Wanda, magnitude) prune fused experts per "
-        "expert; quantizing them is not supported (transformers 5 does not reload a compressed-tensors checkpoint "
-        "with quantized fused experts): add 're:.*\\.experts' to ignore to compress the other modules"
+        "expert; quantizing them is not implemented (the quantizers quantize and save nn.Linear modules, and fused "
+        "experts have no module per expert): add 're:.*\\.experts' to ignore to compress the other modules"
     )
     selection = select_targets(model, ["Linear"], ["lm_head", "re:.*\\.experts"])
     assert selection.selected and not any(".experts" in name for name in selection.selected)

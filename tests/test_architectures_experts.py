@@ -300,8 +300,8 @@ def test_quantizing_fused_experts_or_conv1d_is_refused_before_any_work_saying_wh
             "MixtralForCausalLM (model_type 'mixtral') keeps its experts fused in model.layers.{0..3}.mlp.experts "
             "(down_proj, gate_up_proj: every expert's weights in one tensor, not one Linear per expert), which "
             "targets ['Linear'] select; this modifier compresses Linear modules only: the pruning modifiers "
-            "(SparseGPT, Wanda, magnitude) prune fused experts per expert; quantizing them is not supported "
-            "(transformers 5 does not reload a compressed-tensors checkpoint with quantized fused experts): add "
+            "(SparseGPT, Wanda, magnitude) prune fused experts per expert; quantizing them is not implemented (the "
+            "quantizers quantize and save nn.Linear modules, and fused experts have no module per expert): add "
             "'re:.*\\.experts' to ignore to compress the other modules"
         )
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())

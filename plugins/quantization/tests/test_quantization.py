@@ -791,8 +791,8 @@ def test_a_mixture_of_experts_model_with_fused_experts_is_refused_before_any_wor
         "model.layers.{0..1}.mlp.experts (down_proj, gate_up_proj: every expert's weights in one tensor, not one "
         "Linear per expert), which targets ['Linear'] select; this modifier compresses Linear modules only: the "
         "pruning modifiers (SparseGPT, Wanda, magnitude) prune fused experts per expert; quantizing them is not "
-        "supported (transformers 5 does not reload a compressed-tensors checkpoint with quantized fused experts): add "
-        "'re:.*\\.experts' to ignore to compress the other modules"
+        "implemented (the quantizers quantize and save nn.Linear modules, and fused experts have no module per "
+        "expert): add 're:.*\\.experts' to ignore to compress the other modules"
     )
     with pytest.raises(ValueError, match=r"^GPTQModifier: the model's mixture-of-experts weights are fused 3-D"):
         ignored = {"q": {"GPTQModifier": {"scheme": W4G16, "ignore": ["lm_head", "re:.*\\.experts"]}}}
