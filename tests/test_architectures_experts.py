@@ -292,8 +292,8 @@ def test_quantizing_fused_experts_or_conv1d_is_refused_before_any_work_saying_wh
             "c_proj, transformer.h.{0..3}.mlp.c_fc, transformer.h.{0..3}.mlp.c_proj as transformers Conv1D (a Linear "
             "whose weight is stored [in, out]), which targets ['Linear'] select; this modifier compresses Linear "
             "modules only: the pruning modifiers (SparseGPT, Wanda, magnitude) prune Conv1D; quantizing it is not "
-            "supported (compressed-tensors quantizes nn.Linear modules only, so the checkpoint would not reload): add "
-            "them to ignore to compress only the other modules"
+            "implemented (the quantizers quantize and save nn.Linear modules, compressed-tensors' layout): add them "
+            "to ignore to compress only the other modules"
         )
     else:
         assert str(info.value).endswith(

@@ -326,9 +326,9 @@ def _conv1d_error(model: nn.Module, targets: tuple[str, ...], names: list[str]) 
     msg = (
         f"{_family(model)} keeps {compact_names(names)} as transformers Conv1D (a Linear whose weight is stored "
         f"[in, out]), which targets {list(targets)} select; this modifier compresses Linear modules only: the "
-        "pruning modifiers (SparseGPT, Wanda, magnitude) prune Conv1D; quantizing it is not supported "
-        "(compressed-tensors quantizes nn.Linear modules only, so the checkpoint would not reload): add them to "
-        "ignore to compress only the other modules"
+        "pruning modifiers (SparseGPT, Wanda, magnitude) prune Conv1D; quantizing it is not implemented (the "
+        "quantizers quantize and save nn.Linear modules, compressed-tensors' layout): add them to ignore to "
+        "compress only the other modules"
     )
     return ValueError(msg)
 
