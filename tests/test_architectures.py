@@ -197,33 +197,6 @@ def test_gptq_output_reloads_with_every_key_and_the_same_logits(tmp_path, family
     assert decoder and all(".layers." in n and "vision" not in n for n in decoder)
 
 
-@pytest.mark.parametrize(
-    "recipe",
-    [
-        {"s": {"SparseGPTModifier": {"sparsity": 0.5}}},
-        {"s": {"GPTQModifier": {"scheme": {"preset": "W4A16", "weights": {"group_size": 16}}}}},
-    ],
-    ids=["sparsegpt", "gptq"],
-)
-def test_gpt2_conv1d_projections_are_refused_before_any_work_naming_the_family(tmp_path, recipe):
-    """GPT-2 keeps transformers Conv1D; 'Linear' targets name them, and they are refused, not skipped."""
-    import llmc_fsm
-
-    model = build("gpt2")
-    before = {k: v.clone() for k, v in model.state_dict().items()}
-    data = torch.randint(3, 128, (4, 16), generator=torch.Generator().manual_seed(0))
-    with pytest.raises(ValueError) as info:
-        llmc_fsm.oneshot(model=model, recipe=recipe, dataset=data, output_dir=tmp_path / "o", progress=False)
-    assert str(info.value).endswith(
-        "GPT2LMHeadModel (model_type 'gpt2') keeps transformer.h.{0..3}.attn.c_attn, transformer.h.{0..3}.attn.c_proj, "
-        "transformer.h.{0..3}.mlp.c_fc, transformer.h.{0..3}.mlp.c_proj as transformers Conv1D (a Linear whose weight "
-        "is stored [in, out]), which targets ['Linear'] select; compressing Conv1D is not supported: add them to "
-        "ignore to compress only the other modules"
-    )
-    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
-    assert not (tmp_path / "o").exists()
-
-
 #: mixture-of-experts families -> (fused experts module names, their weights)
 MOE = {
     "mixtral": ("model.layers.{0..3}.mlp.experts", "down_proj, gate_up_proj"),
@@ -238,9 +211,11 @@ MOE = {
 
 
 @pytest.mark.parametrize("family", sorted(MOE))
-def test_fused_experts_are_refused_naming_the_family_never_skipped(family):
-    """SparseGPT used to skip fused experts silently and report 50%; they are refused before any work."""
+def test_fused_experts_are_refused_for_quantizers_and_viewed_per_expert_for_pruning(family):
+    """SparseGPT used to skip fused experts silently and report 50%. Without views (quantizers) they are refused
+    before any work, naming the family; with views (pruning) every expert matrix of every such module is selected."""
     from llmc_fsm.toolkit.targets import select_targets
+    from llmc_fsm.toolkit.views import LinearView
 
     model = build(family)
     names, weights = MOE[family]
@@ -249,12 +224,18 @@ def test_fused_experts_are_refused_naming_the_family_never_skipped(family):
         select_targets(model, ["Linear"], ["lm_head"])
     assert str(info.value) == (
         f"{type(model).__name__} (model_type {model_type!r}) keeps its experts fused in {names} ({weights}: every "
-        "expert's weights in one tensor, not one Linear per expert), which targets ['Linear'] select; compressing "
-        "fused experts is not supported: to prune only the other modules add 're:.*\\.experts' to ignore (the "
-        "report then counts only those); quantizing such a model is not supported"
+        "expert's weights in one tensor, not one Linear per expert), which targets ['Linear'] select; this modifier "
+        "compresses Linear modules only: the pruning modifiers (SparseGPT, Wanda, magnitude) prune fused experts per "
+        "expert; quantizing them is not implemented (the quantizers quantize and save nn.Linear modules, and fused "
+        "experts have no module per expert): add 're:.*\\.experts' to ignore to compress the other modules"
     )
     selection = select_targets(model, ["Linear"], ["lm_head", "re:.*\\.experts"])
     assert selection.selected and not any(".experts" in name for name in selection.selected)
+    viewed = select_targets(model, ["Linear"], ["lm_head"], views=True).selected
+    fused = [n for n, m in model.named_modules() if type(m).__name__.endswith("Experts")]  # DBRX: DbrxExperts
+    per_expert = 3 if family != "nemotron_h" else 2  # Nemotron-H's experts have no gate
+    expected = len(fused) * 4 * per_expert
+    assert sum(isinstance(m, LinearView) for m in viewed.values()) == expected
 
 
 def test_moe_with_experts_ignored_compresses_the_rest_and_reports_only_those(tmp_path):
@@ -264,13 +245,12 @@ def test_moe_with_experts_ignored_compresses_the_rest_and_reports_only_those(tmp
     experts = {k: v.clone() for k, v in model.state_dict().items() if ".experts." in k}
     data = torch.randint(3, 128, (4, 32), generator=torch.Generator().manual_seed(0))
     recipe = {"s": {"SparseGPTModifier": {"sparsity": 0.5, "ignore": ["lm_head", "re:.*\\.experts"]}}}
-    with pytest.raises(ValueError, match="keeps its experts fused in model.layers"):
-        llmc_fsm.oneshot(model=build("mixtral"), recipe={"s": {"SparseGPTModifier": {"sparsity": 0.5}}},
-                         dataset=data, output_dir=tmp_path / "refused", progress=False)  # fmt: skip
-    assert not (tmp_path / "refused").exists()
     llmc_fsm.oneshot(model=model, recipe=recipe, dataset=data, output_dir=tmp_path / "o", progress=False)
     report = model.llmc_fsm_report
     assert all(".experts" not in name for name in report.targeted)
+    assert "not targeted: 49 modules, 401,408 weights, sparsity 0.00%: model.layers.{0..3}.mlp.experts.0.gate_proj, " in (
+        report.format_table()
+    )  # 48 expert matrices of 128 x 64 (4 layers x 4 experts x 3) and lm_head (8,192), folded into one line
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in experts.items())
     reloaded, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "o", output_loading_info=True)
     assert sorted(info["missing_keys"]) == []

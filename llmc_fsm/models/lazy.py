@@ -180,6 +180,12 @@ def _match_sources(model: nn.Module, directory: Path, files: Mapping[str, str]) 
             f"{directory}: the checkpoint does not match the model its config.json describes ({'; '.join(parts)}); "
             "low_memory needs the tensor names from_pretrained/save_pretrained use: save the model again"
         )
+        if any("experts" in name for name in missing):  # transformers 5 saves fused experts per expert
+            msg = (
+                f"{directory}: the checkpoint keeps mixture-of-experts weights per expert ({'; '.join(parts)}), "
+                "which transformers fuses on load (its weight conversion); low_memory reads each tensor by the "
+                "model's own name and does not convert them: run without low_memory"
+            )
         raise ValueError(msg)
     return sources
 

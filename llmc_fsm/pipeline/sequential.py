@@ -48,6 +48,7 @@ from llmc_fsm.pipeline.layer import compress_layer, propagate
 from llmc_fsm.session.session import Session
 from llmc_fsm.toolkit.calibrated import CalibratedModifier
 from llmc_fsm.toolkit.heap import trim_heap
+from llmc_fsm.toolkit.views import weight_views
 
 __all__ = [
     "LayerCheckpoint",
@@ -130,7 +131,7 @@ def check_targets_in_layers(session: Session, layers: nn.ModuleList, layers_name
     Raises:
         ValueError: naming the modifier, the modules outside the layers and the fix.
     """
-    inside = {id(m) for m in layers.modules()}
+    inside = {id(v) for m in layers.modules() for v in (m, *weight_views(m).values())}  # with fused experts, Conv1D
     for modifier in session.modifiers:
         targets = getattr(modifier, "resolved_targets", None)
         if not isinstance(targets, Mapping):

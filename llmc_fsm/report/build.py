@@ -18,6 +18,8 @@ import torch
 from torch import nn
 
 from llmc_fsm.models.layers import find_decoder_layers
+from llmc_fsm.toolkit.targets import compact_names
+from llmc_fsm.toolkit.views import weight_views
 
 __all__ = ["ModuleSparsity", "OneshotReport", "build_report", "max_rss_bytes", "measure_sparsity"]
 
@@ -40,7 +42,8 @@ class ModuleSparsity:
     compressed it, with ``W`` the weight it received. ``rel_output_errors``
     lists ``("Modifier (stage)", error or None)`` of every modifier that
     compressed it, in the order they ran, when there were several (2:4 pruning,
-    then GPTQ); the errors do not add up.
+    then GPTQ); the errors do not add up. ``routed_tokens``: for one expert's matrix of fused
+    mixture-of-experts weights, the calibration tokens the router sent to that expert (``None`` otherwise).
     """
 
     name: str
@@ -51,6 +54,7 @@ class ModuleSparsity:
     group_size: int | None = None
     rel_output_error: float | None = None
     rel_output_errors: list[tuple[str, float | None]] = attrs.Factory(list)
+    routed_tokens: int | None = None
 
     @property
     def sparsity(self) -> float:
@@ -60,6 +64,8 @@ class ModuleSparsity:
 def measure_sparsity(model: nn.Module, layers: nn.ModuleList | None = None) -> list[ModuleSparsity]:
     """The exact zeros of every ``nn.Linear`` weight of ``model`` (tied weights counted once), in module order.
 
+    Weights seen through a :class:`~llmc_fsm.toolkit.views.LinearView` count too: each expert matrix of fused
+    mixture-of-experts weights (``<experts>.<e>.gate_proj`` ...) and each ``Conv1D`` (under its own name).
     ``layers``: the decoder layers, to record each module's layer index (``None`` outside them).
     """
     layer_of: dict[int, int] = {}
@@ -70,6 +76,11 @@ def measure_sparsity(model: nn.Module, layers: nn.ModuleList | None = None) -> l
     seen: set[int] = set()
     out = []
     for name, module in model.named_modules():
+        for suffix, view in weight_views(module).items():  # fused experts, Conv1D
+            w = view.weight
+            full = f"{name}.{suffix}" if suffix and name else (suffix or name)
+            zeros = w.numel() - int(torch.count_nonzero(w))
+            out.append(ModuleSparsity(name=full, layer=layer_of.get(id(module)), zeros=zeros, numel=w.numel()))
         if not isinstance(module, nn.Linear) or id(module.weight) in seen:
             continue
         seen.add(id(module.weight))
@@ -164,6 +175,19 @@ class OneshotReport:
             f"{_mean_by_modifier(stacked)}; report.json: rel_output_errors)"
         ]
 
+    def _routed_tokens_note(self) -> list[str]:
+        """A line on the calibration tokens routed to each expert (fused experts pruned per expert), if any."""
+        routed = [m for m in self._targeted() if m.routed_tokens is not None]
+        if not routed:
+            return []
+        counts = [m.routed_tokens for m in routed]
+        idle = [m.name for m in routed if m.routed_tokens == 0]
+        none = f"; no routed token: {compact_names(idle)}" if idle else "; every expert got tokens"
+        return [
+            f"experts: {len(routed)} expert matrices, {min(counts)}-{max(counts)} routed calibration tokens each"
+            f"{none} (report.json: routed_tokens)"
+        ]
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "model": self.model,
@@ -220,6 +244,7 @@ class OneshotReport:
                     group_size=m.get("group_size"),
                     rel_output_error=m.get("rel_output_error"),
                     rel_output_errors=[(e["modifier"], e["rel_output_error"]) for e in m.get("rel_output_errors", [])],
+                    routed_tokens=m.get("routed_tokens"),
                 )
                 for m in entries
             ],
@@ -261,11 +286,19 @@ class OneshotReport:
         for m in outside:
             lines.append(f"{m.name:>7}  {m.numel:>10,}  {m.sparsity:>8.2%}")
         lines.extend(self._stacked_errors_note())
+        lines.extend(self._routed_tokens_note())
         lines.extend(_smoothing_line(label, results) for label, results in self.smoothing.items())
         untouched = [m for m in self.modules if m.name not in set(self.targeted)]
         total_numel = sum(m.numel for m in self._targeted())
         lines.append(f"{'total':>7}  {total_numel:>10,}  {self.total_sparsity:>8.2%}   (targeted Linear weights)")
-        for m in untouched:
+        if len(untouched) > 8:  # e.g. ignored fused experts: one line per expert matrix would flood the table
+            numel, zeros = sum(m.numel for m in untouched), sum(m.zeros for m in untouched)
+            share = zeros / numel if numel else 0.0
+            lines.append(
+                f"not targeted: {len(untouched)} modules, {numel:,} weights, sparsity {share:.2%}: "
+                + compact_names(m.name for m in untouched)
+            )
+        for m in untouched if len(untouched) <= 8 else []:
             lines.append(f"not targeted: {m.name} ({m.numel:,} weights, sparsity {m.sparsity:.2%})")
         lines.append("")
         if self.eval is not None:
@@ -347,7 +380,12 @@ def _mean_by_modifier(modules: list[ModuleSparsity]) -> str:
 def _quant_fields(m: ModuleSparsity) -> dict[str, Any]:
     fields = {
         key: value
-        for key, value in (("bits", m.bits), ("group_size", m.group_size), ("rel_output_error", m.rel_output_error))
+        for key, value in (
+            ("bits", m.bits),
+            ("group_size", m.group_size),
+            ("rel_output_error", m.rel_output_error),
+            ("routed_tokens", m.routed_tokens),
+        )
         if value is not None
     }
     if len(m.rel_output_errors) > 1:  # every modifier that compressed it, in order (error None: not measured)
@@ -402,6 +440,9 @@ def build_report(
             # the last modifier's error, against the weights it received (None: it measured none)
             entry.rel_output_error = getattr(result, "rel_output_error", None)
             entry.rel_output_errors.append((label, entry.rel_output_error))
+        for name, count in (getattr(modifier, "routed_tokens", None) or {}).items():  # fused experts' matrices
+            if name in by_name:
+                by_name[name].routed_tokens = count
     _bits_of_earlier_runs(model, by_name)
     return OneshotReport(
         model=model_name,

@@ -29,6 +29,10 @@ The public names, by concern:
   :func:`resolve_targets` (the same, with warnings), :func:`matches`, :func:`is_linear_like`, :func:`compact_names`,
   :data:`DEFAULT_TARGETS` (``("Linear",)``), :data:`DEFAULT_IGNORE` (``("lm_head",)``), :func:`already_quantized` (why a
   model counts as quantized, or ``None``);
+* **views** (:mod:`~llmc_fsm.toolkit.views`): :class:`LinearView` (one matrix of a fused mixture-of-experts
+  parameter, or a ``Conv1D`` weight, seen as a Linear weight sharing its storage), :func:`weight_views` (a module's
+  views), :func:`observe_inputs` (feed the views the inputs their matrices receive: per expert, its routed tokens),
+  :func:`router_names`, :func:`fused_experts_reason`;
 * **masks** (:mod:`~llmc_fsm.toolkit.masks`): :func:`pack_mask` / :func:`unpack_mask` (bool <-> bit-packed uint8);
 * **ranks** (:mod:`~llmc_fsm.toolkit.distributed`): :func:`is_distributed`, :func:`get_rank`,
   :func:`get_world_size`, :func:`is_main_process`, :func:`all_reduce_tensor`, :func:`all_gather_ints`,
@@ -75,6 +79,7 @@ from llmc_fsm.toolkit.targets import (
     resolve_targets,
     select_targets,
 )
+from llmc_fsm.toolkit.views import LinearView, fused_experts_reason, observe_inputs, router_names, weight_views
 
 __all__ = [
     "DEFAULT_IGNORE",
@@ -88,6 +93,7 @@ __all__ = [
     "HessianAccumulator",
     "HessianNotPositiveDefiniteError",
     "InverseHessianFactor",
+    "LinearView",
     "ModuleResult",
     "TargetSelection",
     "all_gather_ints",
@@ -97,6 +103,7 @@ __all__ = [
     "check_dampening_frac",
     "check_same_values",
     "compact_names",
+    "fused_experts_reason",
     "get_rank",
     "get_world_size",
     "inverse_hessian_cholesky",
@@ -105,12 +112,15 @@ __all__ = [
     "is_main_process",
     "matches",
     "obs_sweep",
+    "observe_inputs",
     "pack_mask",
     "patterns",
     "relative_output_error",
     "resolve_targets",
+    "router_names",
     "select_targets",
     "sweep_relative_errors",
     "trim_heap",
     "unpack_mask",
+    "weight_views",
 ]

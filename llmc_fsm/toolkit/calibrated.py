@@ -53,6 +53,7 @@ from llmc_fsm.toolkit.targets import (
     is_linear_like,
     resolve_targets,
 )
+from llmc_fsm.toolkit.views import weight_views
 
 __all__ = ["CalibratedModifier", "CompressedGroup", "ModuleResult"]
 
@@ -155,6 +156,9 @@ class CalibratedModifier(Modifier):
     zeros_are_sparsity = True
     #: Whether :meth:`_compress_group` returns a :class:`CompressedGroup` (no copy of the old weights is kept).
     measures_output_error = False
+    #: Whether targets include the Linear views of fused experts and Conv1D (:mod:`llmc_fsm.toolkit.views`; the
+    #: subclass then feeds their inputs, see :func:`~llmc_fsm.toolkit.views.observe_inputs`); ``False`` refuses them.
+    compresses_views = False
 
     targets: list[str] = attrs.field(factory=lambda: list(DEFAULT_TARGETS), converter=patterns, validator=_non_empty)
     ignore: list[str] = attrs.field(factory=lambda: list(DEFAULT_IGNORE), converter=patterns)
@@ -236,7 +240,9 @@ class CalibratedModifier(Modifier):
         if already is not None:
             msg = f"{type(self).__name__}: the model is already quantized ({already}); {self.quantized_model_hint}"
             raise ValueError(msg)
-        targets = resolve_targets(model, self.targets, self.ignore, warned=self._target_warnings)
+        targets = resolve_targets(
+            model, self.targets, self.ignore, warned=self._target_warnings, views=self.compresses_views
+        )
         quantized = [name for name, module in targets.items() if hasattr(module, "quantization_scheme")]
         if quantized:  # an earlier stage of this run quantized them; other modules may still be compressed
             msg = (
@@ -298,10 +304,11 @@ class CalibratedModifier(Modifier):
         roots = [modules] if isinstance(modules, nn.Module) else list(modules)
         pending = {}
         for root in roots:
-            for sub in root.modules():
-                name = self._names_by_id.get(id(sub))
-                if name is not None and name not in self.results:
-                    pending[name] = sub
+            for module in root.modules():
+                for sub in (module, *weight_views(module).values()):  # views: fused experts, Conv1D
+                    name = self._names_by_id.get(id(sub))
+                    if name is not None and name not in self.results:
+                        pending[name] = sub
         self._compress_all(pending)
         self._last_input = None
         self._last_acc = None

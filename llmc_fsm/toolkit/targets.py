@@ -22,10 +22,14 @@ selects the supported modules inside it, and an ``ignore`` pattern that matches 
 container ignores everything inside it. Only modules with a supported weight are
 ever selected: by default Linear-like modules (a 2-D ``[out_features, in_features]``
 weight and an ``in_features`` attribute equal to its second dimension) -- so
-``Embedding`` and norms are never selected. ``transformers``' ``Conv1D`` (GPT-2's
-projections, weight stored ``[in, out]``) is not supported: targets that select one
-(``"Linear"`` counts as naming them, as users expect) are refused before any work
-unless ``ignore`` excludes it.
+``Embedding`` and norms are never selected.
+
+Weights kept otherwise than as one Linear each -- ``transformers``' ``Conv1D`` (GPT-2's
+projections, weight stored ``[in, out]``) and fused mixture-of-experts weights (transformers 5's
+3-D ``gate_up_proj`` / ``down_proj``, DBRX's ``w1`` / ``v1`` / ``w2``) -- are selected as
+:class:`~llmc_fsm.toolkit.views.LinearView` per matrix when the caller asks for ``views``
+(the pruning modifiers; ``"Linear"`` names them, as users expect), and refused before any work
+otherwise (quantizers: the message says why) unless ``ignore`` excludes them.
 """
 
 from __future__ import annotations
@@ -37,6 +41,8 @@ from collections.abc import Callable, Iterable
 import attrs
 import torch
 from torch import nn
+
+from llmc_fsm.toolkit.views import LinearView, fused_experts_reason, router_names, weight_views
 
 __all__ = [
     "ALL_MODULES",
@@ -81,7 +87,12 @@ def matches(name: str, module: nn.Module, pattern: str) -> bool:
     """
     if pattern in ALL_MODULES:
         return True
+    if isinstance(module, LinearView) or _is_conv1d(module):  # a Linear seen through a view: "Linear" names it
+        if pattern == "Linear":
+            return True
     names = [name, *(f"{name}.{p}" if name else p for p, _ in module.named_parameters(recurse=False))]
+    if isinstance(module, LinearView):
+        names.append(f"{name}.weight")
     if pattern.startswith("re:"):
         regex = re.compile(pattern[3:])
         return any(regex.match(n) is not None for n in names)
@@ -159,23 +170,32 @@ def _parent(name: str) -> str | None:
     return name.rsplit(".", 1)[0] if "." in name else ""
 
 
+def _ancestors(name: str) -> Iterable[str]:
+    """The names above ``name``, nearest first, down to ``""`` (a view's parent need not be a module)."""
+    parent = _parent(name)
+    while parent is not None:
+        yield parent
+        parent = _parent(parent)
+
+
 def _first_match(named: list[tuple[str, nn.Module]], patterns: tuple[str, ...]) -> dict[str, str | None]:
     """Per module name: the first pattern matching it, else its nearest container's, else ``None``."""
     found: dict[str, str | None] = {}
     for name, module in named:
         own = next((p for p in patterns if matches(name, module, p)), None)
-        parent = _parent(name)
-        found[name] = own or (found.get(parent) if parent is not None else None)
+        parent = next((a for a in _ancestors(name) if a in found), None)
+        found[name] = own or (found[parent] if parent is not None else None)
     return found
 
 
 def _patterns_selecting(named, supported_names: set[str], targets: tuple[str, ...]) -> dict[str, set[str]]:
     """target pattern -> supported module names it selects (directly or through a container)."""
     result: dict[str, set[str]] = {p: set() for p in targets}
+    names = {name for name, _ in named}
     for pattern in targets:
         hit: set[str] = set()
         for name, module in named:
-            parent = _parent(name)
+            parent = next((a for a in _ancestors(name) if a in names), None)
             if (parent is not None and parent in hit) or matches(name, module, pattern):
                 hit.add(name)
         result[pattern] = hit & supported_names
@@ -277,23 +297,38 @@ def _family(model: nn.Module) -> str:
     return f"{type(model).__name__} (model_type {model_type!r})" if model_type else type(model).__name__
 
 
-def _experts_error(model: nn.Module, targets: tuple[str, ...], names: list[str], named) -> ValueError:
+def _experts_error(
+    model: nn.Module, targets: tuple[str, ...], names: list[str], named, *, views: bool
+) -> ValueError:
     modules = dict(named)
     weights = sorted({p for n in names for p, t in modules[n].named_parameters(recurse=False) if t.dim() >= 2})
-    msg = (
+    head = (
         f"{_family(model)} keeps its experts fused in {compact_names(names)} ({', '.join(weights)}: every expert's "
-        f"weights in one tensor, not one Linear per expert), which targets {list(targets)} select; compressing "
-        "fused experts is not supported: to prune only the other modules add 're:.*\\.experts' to ignore (the "
-        "report then counts only those); quantizing such a model is not supported"
+        f"weights in one tensor, not one Linear per expert), which targets {list(targets)} select; "
     )
-    return ValueError(msg)
+    if views:
+        reasons = sorted({fused_experts_reason(modules[n]) or f"layout of {type(modules[n]).__name__}" for n in names})
+        tail = (
+            f"no per-expert view of this layout ({'; '.join(reasons)}): add 're:.*\\.experts' to ignore to "
+            "compress the other modules (the report then counts only those)"
+        )
+    else:
+        tail = (
+            "this modifier compresses Linear modules only: the pruning modifiers (SparseGPT, Wanda, magnitude) "
+            "prune fused experts per expert; quantizing them is not implemented (the quantizers quantize and save "
+            "nn.Linear modules, and fused experts have no module per expert): add 're:.*\\.experts' to ignore to "
+            "compress the other modules"
+        )
+    return ValueError(head + tail)
 
 
 def _conv1d_error(model: nn.Module, targets: tuple[str, ...], names: list[str]) -> ValueError:
     msg = (
         f"{_family(model)} keeps {compact_names(names)} as transformers Conv1D (a Linear whose weight is stored "
-        f"[in, out]), which targets {list(targets)} select; compressing Conv1D is not supported: add them to "
-        "ignore to compress only the other modules"
+        f"[in, out]), which targets {list(targets)} select; this modifier compresses Linear modules only: the "
+        "pruning modifiers (SparseGPT, Wanda, magnitude) prune Conv1D; quantizing it is not implemented (the "
+        "quantizers quantize and save nn.Linear modules, compressed-tensors' layout): add them to ignore to "
+        "compress only the other modules"
     )
     return ValueError(msg)
 
@@ -337,6 +372,7 @@ def select_targets(
     ignore: Iterable[str] = DEFAULT_IGNORE,
     *,
     supported: Callable[[nn.Module], bool] = is_linear_like,
+    views: bool = False,
 ) -> TargetSelection:
     """Select the modules of ``model`` that ``targets`` name and ``ignore`` does not (see the module docs).
 
@@ -349,6 +385,14 @@ def select_targets(
         ignore: patterns of modules never compressed; a module whose weight is the
             same tensor as an ignored module's is ignored too ("tied to ...").
         supported: which modules may be selected (default :func:`is_linear_like`).
+        views: also select the :class:`~llmc_fsm.toolkit.views.LinearView` of weights kept otherwise
+            (:func:`~llmc_fsm.toolkit.views.weight_views`): each expert matrix of a fused mixture-of-experts module
+            (``<experts>.<e>.gate_proj`` ...; a target or ignore pattern that matches the experts module or a
+            container matches its views, ``"Linear"`` matches every view) and each ``Conv1D`` (selected under its
+            own name, as its transposed view). The routers of those mixture-of-experts layers
+            (:func:`~llmc_fsm.toolkit.views.router_names`) are then ignored (``"router of a mixture-of-experts
+            layer"``) unless a target names one exactly. For modifiers that write ``module.weight`` in place
+            (pruning); ``False`` (quantizers) refuses them as below.
 
     Returns:
         a :class:`TargetSelection`.
@@ -360,11 +404,11 @@ def select_targets(
             module's weight is shared with a module that is neither selected nor
             ignored, e.g. ``lm_head`` tied to ``model.embed_tokens`` (compressing it
             would silently change the embedding too).
-            Also: a target selects a ``transformers`` ``Conv1D`` (GPT-2 family) that
+            Also, without ``views``: a target selects a ``transformers`` ``Conv1D`` (GPT-2 family) that
             ``ignore`` does not exclude (``"Linear"`` counts as naming it); the message
             names the model family and the modules. Likewise a mixture-of-experts module
             holding its experts fused (transformers 5's 3-D ``gate_up_proj``, DBRX's
-            ``w1``), which no modifier compresses per expert yet.
+            ``w1``). With ``views``: such a module whose layout has no view (e.g. Llama 4's experts).
     """
     targets = _check_patterns(targets, "target")
     ignore = _check_patterns(ignore, "ignore")
@@ -372,18 +416,36 @@ def select_targets(
         msg = "targets is empty: give at least one module pattern, e.g. ['Linear']"
         raise ValueError(msg)
     named = list(model.named_modules())
-    conv1d = _selected_unsupported(named, targets, ignore, _is_conv1d, "Conv1D")
-    if conv1d:
-        raise _conv1d_error(model, targets, conv1d)
-    experts = _selected_unsupported(named, targets, ignore, _is_fused_experts, None)
+    if views:
+        named, substitute, covered = _with_views(named)
+        check = supported
+
+        def supported(module: nn.Module) -> bool:
+            return isinstance(module, LinearView) or _is_conv1d(module) or check(module)
+
+        experts = [
+            n
+            for n in _selected_unsupported(named, targets, ignore, _is_fused_experts, None)
+            if id(dict(named)[n]) not in covered
+        ]
+    else:
+        substitute = {}
+        conv1d = _selected_unsupported(named, targets, ignore, _is_conv1d, "Conv1D")
+        if conv1d:
+            raise _conv1d_error(model, targets, conv1d)
+        experts = _selected_unsupported(named, targets, ignore, _is_fused_experts, None)
     if experts:
-        raise _experts_error(model, targets, experts, named)
+        raise _experts_error(model, targets, experts, named, views=views)
     supported_names = {name for name, module in named if supported(module)}
     by_pattern = _patterns_selecting(named, supported_names, targets)
     unmatched = {p: _unmatched_reason(named, p) for p, hit in by_pattern.items() if not hit}
     if len(unmatched) == len(targets):
         raise _nothing_selected(model, targets, unmatched, [n for n, _ in named if n in supported_names])
     ignored_by = _first_match(named, ignore)
+    if views:
+        for name in router_names(named):
+            if ignored_by.get(name) is None and name not in targets:
+                ignored_by[name] = "router of a mixture-of-experts layer"
     ignored_names = {n for n, p in ignored_by.items() if p is not None}
     target_names = set().union(*by_pattern.values())
     candidates: dict[str, nn.Module] = {}
@@ -397,7 +459,7 @@ def select_targets(
         if pattern is not None:
             ignored[name] = pattern
         else:
-            candidates[name] = module
+            candidates[name] = substitute.get(name, module)
     selected, tied = _apply_ties(named, candidates, ignored_names)
     ignored.update(tied)
     if not selected:
@@ -417,12 +479,30 @@ def select_targets(
     )
 
 
+def _with_views(named: list[tuple[str, nn.Module]]) -> tuple[list, dict[str, LinearView], set[int]]:
+    """``named`` with each fused-experts module followed by its views, Conv1D's view by name, covered owners."""
+    expanded: list[tuple[str, nn.Module]] = []
+    substitute: dict[str, LinearView] = {}
+    covered: set[int] = set()
+    for name, module in named:
+        expanded.append((name, module))
+        found = weight_views(module)
+        for suffix, view in found.items():
+            covered.add(id(view.owner))
+            if suffix:
+                expanded.append((f"{name}.{suffix}" if name else suffix, view))
+            else:
+                substitute[name] = view
+    return expanded, substitute, covered
+
+
 def resolve_targets(
     model: nn.Module,
     targets: Iterable[str] = DEFAULT_TARGETS,
     ignore: Iterable[str] = DEFAULT_IGNORE,
     *,
     warned: set[str] | None = None,
+    views: bool = False,
 ) -> dict[str, nn.Module]:
     """Return ``{full name: module}`` to compress, in model order: :attr:`select_targets(...).selected`.
 
@@ -434,7 +514,7 @@ def resolve_targets(
     Raises:
         ValueError: as :func:`select_targets`.
     """
-    selection = select_targets(model, targets, ignore)
+    selection = select_targets(model, targets, ignore, views=views)
     for line in selection.warnings(quiet_ignore=DEFAULT_IGNORE):
         if warned is None or line not in warned:
             logger.warning("%s", line)

@@ -1,17 +1,32 @@
-"""The pruning arguments shared by SparseGPT and Wanda on top of :class:`llmc_fsm.toolkit.calibrated.CalibratedModifier`.
+"""The pruning arguments shared by SparseGPT and Wanda on top of :class:`llmc_fsm.toolkit.CalibratedModifier`.
 
 Hooks, target selection, shared-input statistics and per-layer compression live
-in the core base class; this adds ``sparsity`` and ``mask_structure``.
+in the core base class; this adds ``sparsity``, ``mask_structure`` and the calibration of
+weights seen through views (:mod:`llmc_fsm.toolkit.views`): each expert of a fused
+mixture-of-experts module (its own Hessian / input norms from the tokens routed to it) and
+GPT-2's ``Conv1D``.
 """
 
 from __future__ import annotations
 
-import attrs
+import logging
+from typing import Any
 
-from llmc_fsm.toolkit import CalibratedModifier
+import attrs
+from torch import nn
+
+from llmc_fsm.toolkit import CalibratedModifier, LinearView, observe_inputs, weight_views
 from llmc_fsm_pruning.masks import mask_structure_validator, sparsity_validator
 
 __all__ = ["CalibratedPruningModifier"]
+
+logger = logging.getLogger(__name__)
+
+
+def _bool(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if not isinstance(value, bool):
+        msg = f"{attribute.name} must be true or false, got {value!r}"
+        raise ValueError(msg)
 
 
 @attrs.define(kw_only=True, slots=False, eq=False)
@@ -23,8 +38,75 @@ class CalibratedPruningModifier(CalibratedModifier):
             (default ``0.5``). Ignored for N:M structures, whose pattern fixes it.
         mask_structure: ``"unstructured"`` (default) or ``"N:M"``: keep N weights
             of every M consecutive weights along the input dimension (``"2:4"``).
-        targets, ignore: see :class:`~llmc_fsm.toolkit.calibrated.CalibratedModifier`.
+        calibrate_all_experts: mixture-of-experts layers with fused experts: ``False`` (default) gives each
+            expert's matrices the tokens the router sent to that expert; ``True`` sends every calibration token
+            through every expert for the statistics only (the layer's output still uses the router's choice, so
+            the next layer's inputs are unchanged), so that an expert the router rarely picks is still pruned from
+            enough data. Either way :attr:`routed_tokens` counts the routed tokens per expert matrix.
+        targets, ignore: see :class:`~llmc_fsm.toolkit.calibrated.CalibratedModifier`. ``"Linear"`` also
+            selects each expert matrix of fused experts (``<experts>.<e>.gate_proj`` / ``up_proj`` /
+            ``down_proj``; DBRX ``<experts>.mlp.<e>.w1`` / ``v1`` / ``w2``) and each ``Conv1D``; the routers of
+            those layers are ignored unless named exactly.
+
+    Attributes:
+        routed_tokens: ``{expert matrix name: calibration tokens the router sent to that expert}``, filled when
+            the expert is compressed. An expert with none is named in a warning: without
+            ``calibrate_all_experts`` it is left as it was (listed in ``skipped``).
     """
+
+    compresses_views = True
 
     sparsity: float = attrs.field(default=0.5, validator=sparsity_validator)
     mask_structure: str = attrs.field(default="unstructured", validator=mask_structure_validator)
+    calibrate_all_experts: bool = attrs.field(default=False, validator=_bool)
+
+    def _clear(self) -> None:
+        super()._clear()
+        self.routed_tokens: dict[str, int] = {}
+
+    def on_calibration_start(self, state: Any) -> None:
+        super().on_calibration_start(state)
+        sources: dict[int, nn.Module] = {}
+        for name, view in self._targets.items():
+            if isinstance(view, LinearView) and name not in self.results:
+                sources[id(view.source)] = view.source
+        for source in sources.values():
+            for view in weight_views(source).values():
+                view.routed_tokens = 0
+            self.register_hook(source, self._observe, kind="forward_pre", with_kwargs=True)
+
+    def _observe(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        observe_inputs(module, args, kwargs, all_experts=self.calibrate_all_experts)
+
+    def on_sequential_epoch_end(self, state: Any, modules: Any) -> None:
+        super().on_sequential_epoch_end(state, modules)
+        self._record_routed()
+
+    def on_calibration_end(self, state: Any) -> None:
+        super().on_calibration_end(state)
+        self._record_routed()
+
+    def _record_routed(self) -> None:
+        """Copy the routed-token counts of the expert matrices compressed (or skipped) since the last call."""
+        idle = []
+        for name, view in self._targets.items():
+            if not isinstance(view, LinearView) or view.expert is None or name in self.routed_tokens:
+                continue
+            if name not in self.results and name not in self.skipped:
+                continue
+            self.routed_tokens[name] = view.routed_tokens
+            if view.routed_tokens == 0:
+                idle.append(name)
+        if idle:
+            what = (
+                "compressed from every token's statistics (calibrate_all_experts)"
+                if self.calibrate_all_experts
+                else "left as they were; set calibrate_all_experts: true to prune them from every token's statistics"
+            )
+            logger.warning(
+                "%s: the router sent no calibration token to %d expert matrices: %s; %s",
+                type(self).__name__,
+                len(idle),
+                ", ".join(idle),
+                what,
+            )

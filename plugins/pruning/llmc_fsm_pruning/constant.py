@@ -174,7 +174,7 @@ class ConstantPruningModifier(Modifier):
         return dict(self._modules)
 
     def on_initialize(self, state: State) -> None:
-        self._modules = resolve_targets(state.model, self.targets, self.ignore)
+        self._modules = resolve_targets(state.model, self.targets, self.ignore, views=True)
 
     def on_start(self, state: State, event: Event) -> None:
         self._masks.clear()

@@ -158,7 +158,7 @@ class MagnitudePruningModifier(Modifier):
 
     # --- lifecycle ------------------------------------------------------------
     def on_initialize(self, state: State) -> None:
-        self._modules = resolve_targets(state.model, self.targets, self.ignore)
+        self._modules = resolve_targets(state.model, self.targets, self.ignore, views=True)
         if parse_mask_structure(self.mask_structure) is not None:
             for module in self._modules.values():  # fail at initialize, not mid-run
                 magnitude_mask(module.weight[:1], 0.0, self.mask_structure)

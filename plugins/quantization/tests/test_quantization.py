@@ -789,9 +789,10 @@ def test_a_mixture_of_experts_model_with_fused_experts_is_refused_before_any_wor
     assert str(info.value) == (  # the targets' refusal (llmc_fsm.toolkit.targets) comes first
         "GPTQModifier: MixtralForCausalLM (model_type 'mixtral') keeps its experts fused in "
         "model.layers.{0..1}.mlp.experts (down_proj, gate_up_proj: every expert's weights in one tensor, not one "
-        "Linear per expert), which targets ['Linear'] select; compressing fused experts is not supported: to prune "
-        "only the other modules add 're:.*\\.experts' to ignore (the report then counts only those); quantizing such "
-        "a model is not supported"
+        "Linear per expert), which targets ['Linear'] select; this modifier compresses Linear modules only: the "
+        "pruning modifiers (SparseGPT, Wanda, magnitude) prune fused experts per expert; quantizing them is not "
+        "implemented (the quantizers quantize and save nn.Linear modules, and fused experts have no module per "
+        "expert): add 're:.*\\.experts' to ignore to compress the other modules"
     )
     with pytest.raises(ValueError, match=r"^GPTQModifier: the model's mixture-of-experts weights are fused 3-D"):
         ignored = {"q": {"GPTQModifier": {"scheme": W4G16, "ignore": ["lm_head", "re:.*\\.experts"]}}}

@@ -1,0 +1,295 @@
+"""Linear views of weights that are not kept as one ``nn.Linear`` each: fused mixture-of-experts weights, ``Conv1D``.
+
+transformers 5 keeps a mixture-of-experts layer's experts in one module holding every expert's weights in one
+tensor (``gate_up_proj`` ``[experts, 2 * intermediate, hidden]``, ``down_proj`` ``[experts, hidden, intermediate]``
+in ``MixtralExperts``, ``Qwen3MoeExperts`` and the ~60 classes built with transformers'
+``use_experts_implementation``; DBRX keeps ``w1`` / ``v1`` / ``w2`` as 2-D ``[experts * ffn, hidden]``), and GPT-2
+keeps its projections as ``transformers.Conv1D``, a Linear whose weight is stored ``[in_features, out_features]``.
+A :class:`LinearView` is one such matrix seen as a Linear weight ``[out_features, in_features]``: its ``weight`` is a
+view sharing the parameter's storage (so a modifier that writes ``view.weight.copy_(new)`` writes the model's own
+parameter, and the model saves in its own fused layout), and calling it records an input (its ``forward`` returns
+the input unchanged: it is an observation point for forward pre-hooks, never part of the model's computation).
+
+:func:`weight_views` gives the views of one module (cached on it, so the same objects come back); the views are not
+registered as submodules, so the model's ``state_dict``, ``named_modules`` and saved checkpoint are unchanged.
+:func:`observe_inputs` feeds the views of a module the inputs each matrix receives in the module's forward: for
+experts, each expert's own routed tokens (``all_experts=True``: every token, for statistics only), computed from the
+module's own inputs; the module's output is computed by its own forward, untouched.
+
+Per expert, a gated layer's ``gate_up_proj`` is split into its gate rows and up rows (``is_concatenated``: the first
+and second halves; otherwise interleaved, even and odd rows, as GPT-OSS), named ``<experts>.<e>.gate_proj`` /
+``up_proj`` / ``down_proj`` -- the names transformers 4 gave the per-expert Linears, so recipes written for them
+still match; DBRX's are ``<experts>.mlp.<e>.w1`` / ``v1`` / ``w2``.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+__all__ = ["LinearView", "fused_experts_reason", "observe_inputs", "router_names", "weight_views"]
+
+_CACHE = "_llmc_fsm_weight_views"
+
+
+class LinearView(nn.Module):
+    """One matrix of another module's parameter, seen as a Linear weight ``[out_features, in_features]``.
+
+    Not a submodule of anything (no parameter, no buffer, not saved). ``weight`` reads the owner's parameter each
+    time (a view: same storage; onloading that replaces the parameter is followed). Calling the view returns its
+    input unchanged, after its forward pre-hooks saw it (see :func:`observe_inputs`).
+
+    Attributes:
+        owner: the module holding the parameter.
+        source: the module :func:`weight_views` gave it for, whose call :func:`observe_inputs` observes (the
+            owner, except DBRX: ``DbrxExperts`` routes, its ``mlp`` holds the weights).
+        param_name: the parameter's name on ``owner``.
+        expert: the expert index, or ``None`` (Conv1D).
+        in_features / out_features: the matrix as a Linear (ints).
+        transposed / rows / block: how the matrix is read: ``param[expert]`` (or, with ``block``, rows
+            ``expert * block ... (expert + 1) * block`` of a 2-D ``param``: DBRX), transposed, then ``rows`` of it.
+        routed_tokens: tokens the router sent to this expert during calibration (:func:`observe_inputs`; ``0``
+            before, always ``0`` for Conv1D).
+    """
+
+    def __init__(
+        self,
+        owner: nn.Module,
+        param_name: str,
+        *,
+        expert: int | None,
+        in_features: int,
+        out_features: int,
+        transposed: bool = False,
+        rows: slice | None = None,
+        block: int | None = None,
+    ) -> None:
+        super().__init__()
+        self.__dict__["owner"] = owner  # not registered: the view is no part of the owner's module tree
+        self.param_name = param_name
+        self.expert = expert
+        self.transposed = transposed
+        self.rows = rows
+        self.block = block
+        self.in_features = in_features
+        self.out_features = out_features
+        self.routed_tokens = 0
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """``[out_features, in_features]`` view of the owner's parameter (shares its storage)."""
+        p = getattr(self.owner, self.param_name)
+        if self.expert is not None:
+            p = p.view(-1, self.block, p.shape[-1])[self.expert] if self.block is not None else p[self.expert]
+        w = p.T if self.transposed else p
+        return w if self.rows is None else w[self.rows]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Return ``x`` unchanged (an observation point: forward pre-hooks see the matrix's input)."""
+        return x
+
+    def extra_repr(self) -> str:
+        return (
+            f"{type(self.owner).__name__}.{self.param_name}, expert={self.expert}, "
+            f"in_features={self.in_features}, out_features={self.out_features}"
+        )
+
+
+def _is_conv1d(module: nn.Module) -> bool:
+    weight = getattr(module, "weight", None)
+    return type(module).__name__ == "Conv1D" and isinstance(weight, torch.Tensor) and weight.dim() == 2
+
+
+def _is_hf_experts(module: nn.Module) -> bool:
+    """A transformers experts class built with ``use_experts_implementation`` (its layout flags set at init)."""
+    return all(hasattr(module, a) for a in ("has_gate", "has_bias", "is_transposed", "is_concatenated")) and hasattr(
+        module, "num_experts"
+    )
+
+
+def _is_dbrx(module: nn.Module) -> bool:
+    mlp = getattr(module, "mlp", None)
+    return (
+        type(module).__name__ == "DbrxExperts"
+        and all(isinstance(getattr(mlp, p, None), torch.Tensor) for p in ("w1", "v1", "w2"))
+        and hasattr(module, "num_experts")
+        and hasattr(module, "ffn_hidden_size")
+    )
+
+
+def fused_experts_reason(module: nn.Module) -> str | None:
+    """Why the fused experts ``module`` (a transformers ``use_experts_implementation`` class) has no views, or ``None``.
+
+    Checked: the parameter shapes agree with the class's layout flags, and the module is not expert-parallel.
+    """
+    if not _is_hf_experts(module):
+        return None
+    if getattr(module, "_is_expert_parallel", False):
+        return "expert-parallel experts (each rank holds a share of the experts)"
+    first = "gate_up_proj" if module.has_gate else "up_proj"
+    up, down = getattr(module, first, None), getattr(module, "down_proj", None)
+    if not isinstance(up, torch.Tensor) or not isinstance(down, torch.Tensor) or up.dim() != 3 or down.dim() != 3:
+        return f"no 3-D {first} and down_proj parameters"
+    n = module.num_experts
+    out_up = up.shape[2] if module.is_transposed else up.shape[1]
+    in_down = down.shape[1] if module.is_transposed else down.shape[2]
+    if up.shape[0] != n or down.shape[0] != n or out_up != (2 * in_down if module.has_gate else in_down):
+        return f"{first} {list(up.shape)} and down_proj {list(down.shape)} do not match {n} experts"
+    return None
+
+
+def _build_views(module: nn.Module) -> dict[str, LinearView]:
+    views: dict[str, LinearView] = {}
+    if _is_conv1d(module):
+        w = module.weight
+        views[""] = LinearView(
+            module, "weight", expert=None, transposed=True, in_features=w.shape[0], out_features=w.shape[1]
+        )
+    elif _is_hf_experts(module) and fused_experts_reason(module) is None:
+        t = bool(module.is_transposed)
+        first = "gate_up_proj" if module.has_gate else "up_proj"
+        up, down = getattr(module, first), module.down_proj
+        hidden = up.shape[1] if t else up.shape[2]
+        inter = down.shape[1] if t else down.shape[2]
+        for e in range(module.num_experts):
+            if module.has_gate:
+                gate_rows, up_rows = (
+                    (slice(0, inter), slice(inter, 2 * inter))
+                    if module.is_concatenated
+                    else (slice(0, None, 2), slice(1, None, 2))
+                )
+                views[f"{e}.gate_proj"] = LinearView(
+                    module, first, expert=e, transposed=t, rows=gate_rows, in_features=hidden,
+                    out_features=inter,
+                )  # fmt: skip
+                views[f"{e}.up_proj"] = LinearView(
+                    module, first, expert=e, transposed=t, rows=up_rows, in_features=hidden,
+                    out_features=inter,
+                )  # fmt: skip
+            else:
+                views[f"{e}.up_proj"] = LinearView(
+                    module, first, expert=e, transposed=t, in_features=hidden, out_features=inter
+                )
+            views[f"{e}.down_proj"] = LinearView(
+                module, "down_proj", expert=e, transposed=t, in_features=inter,
+                out_features=hidden,
+            )  # fmt: skip
+    elif _is_dbrx(module):
+        mlp, ffn = module.mlp, module.ffn_hidden_size
+        hidden = mlp.w1.shape[-1]
+        for e in range(module.num_experts):
+            for pname, transposed in (("w1", False), ("v1", False), ("w2", True)):
+                views[f"mlp.{e}.{pname}"] = LinearView(
+                    mlp, pname, expert=e, transposed=transposed, block=ffn,
+                    in_features=ffn if transposed else hidden, out_features=hidden if transposed else ffn,
+                )  # fmt: skip
+    return views
+
+
+def weight_views(module: nn.Module) -> dict[str, LinearView]:
+    """The Linear views of ``module``'s weights: ``{name suffix: LinearView}``, empty for any other module.
+
+    * ``transformers.Conv1D``: ``{"": view}``, ``weight`` = the stored weight transposed ``[out, in]``;
+    * a transformers fused-experts module (built with ``use_experts_implementation``, layout read from its
+      ``has_gate`` / ``is_transposed`` / ``is_concatenated`` flags): per expert ``e``, ``"e.gate_proj"`` and
+      ``"e.up_proj"`` (rows of ``gate_up_proj[e]``; only ``"e.up_proj"`` without a gate) and ``"e.down_proj"``;
+    * DBRX's ``DbrxExperts``: ``"mlp.e.w1"``, ``"mlp.e.v1"`` (rows ``e * ffn ... (e+1) * ffn`` of
+      ``mlp.w1`` / ``mlp.v1``) and ``"mlp.e.w2"`` (those rows of ``mlp.w2``, transposed).
+
+    The full name of a view is ``f"{module name}.{suffix}"`` (the module's own name for Conv1D). The views are
+    built once and cached on the module (the same objects come back: hooks and results can be keyed on them).
+    """
+    cached = module.__dict__.get(_CACHE)
+    if cached is None:
+        cached = _build_views(module)
+        for view in cached.values():
+            view.__dict__["source"] = module
+        module.__dict__[_CACHE] = cached
+    return cached
+
+
+def router_names(named: list[tuple[str, nn.Module]]) -> list[str]:
+    """Names of the Linear-like routers (gates) of the mixture-of-experts layers that have views.
+
+    A router is a module with a 2-D weight of ``num_experts`` rows that is a sibling of a viewable experts module
+    (``mlp.gate`` next to ``mlp.experts``), or inside such a sibling (DBRX's ``ffn.router.layer``).
+    """
+    experts = {name: m for name, m in named if weight_views(m) and not _is_conv1d(m)}
+    found = []
+    for exp_name, module in experts.items():
+        parent = exp_name.rsplit(".", 1)[0] if "." in exp_name else ""
+        count = module.num_experts
+        for name, sub in named:
+            if name == exp_name or name.startswith(exp_name + ".") or not name.startswith(parent + "."):
+                continue
+            weight = getattr(sub, "weight", None)
+            if isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.shape[0] == count:
+                found.append(name)
+    return found
+
+
+def _routing_args(
+    module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(hidden_states [tokens, hidden], top-k expert indices [tokens, k])`` from the experts module's call."""
+    if len(args) >= 2:
+        return args[0], args[1]
+    forward = getattr(type(module).forward, "__wrapped__", type(module).forward)
+    names = [p for p in inspect.signature(forward).parameters if p != "self"][:2]
+    bound = list(args) + [kwargs[n] for n in names[len(args) :]]
+    return bound[0], bound[1]
+
+
+@torch.no_grad()
+def observe_inputs(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], *, all_experts: bool) -> None:
+    """Call each view of ``module`` on the input its matrix receives in ``module(*args, **kwargs)``.
+
+    A forward pre-hook body (``with_kwargs=True``); the module's own forward then computes its output unchanged.
+    Conv1D: its input. Experts: for expert ``e``, the tokens the router sent to it (``top_k_index == e``) go to
+    ``gate_proj`` / ``up_proj`` (the same tensor, so statistics shared by input are shared), and their
+    ``act(gate) * up`` (the module's own ``_apply_gate``, bias included) to ``down_proj``; with ``all_experts``,
+    every token goes through every expert (for statistics only; the output still uses the router's choice).
+    ``routed_tokens`` of the expert's views grows by the routed count either way. An expert that gets no token is
+    not called.
+    """
+    views = weight_views(module)
+    if not views:
+        return
+    if _is_conv1d(module):
+        views[""](args[0])
+        return
+    hidden, index = _routing_args(module, args, kwargs)
+    hidden = hidden.reshape(-1, hidden.shape[-1])
+    index = index.reshape(hidden.shape[0], -1)
+    for e in range(module.num_experts):
+        routed = (index == e).any(dim=-1)
+        count = int(routed.sum())
+        names = [n for n in views if n.split(".")[-2] == str(e)]
+        for n in names:
+            views[n].routed_tokens += count
+        x = hidden if all_experts else hidden[routed]
+        if x.shape[0] == 0:
+            continue
+        if _is_dbrx(module):
+            mlp, pre = module.mlp, f"mlp.{e}."
+            views[pre + "w1"](x)
+            views[pre + "v1"](x)
+            h = mlp.activation_fn(F.linear(x, views[pre + "w1"].weight)) * F.linear(x, views[pre + "v1"].weight)
+            views[pre + "w2"](h)
+            continue
+        first = "gate_up_proj" if module.has_gate else "up_proj"
+        w = getattr(module, first)[e]
+        bias = getattr(module, f"{first}_bias")[e] if module.has_bias else None
+        out = F.linear(x, w.T if module.is_transposed else w, bias)
+        if module.has_gate:
+            views[f"{e}.gate_proj"](x)
+            views[f"{e}.up_proj"](x)
+            h = module._apply_gate(out)
+        else:
+            views[f"{e}.up_proj"](x)
+            h = module.act_fn(out)
+        views[f"{e}.down_proj"](h)
