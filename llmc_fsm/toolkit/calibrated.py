@@ -26,13 +26,19 @@ Under ``torch.distributed`` (a process group with more than one rank, see
 :mod:`llmc_fsm.toolkit.distributed`) each rank calibrates on its own share of the data;
 before a group of targets is compressed the accumulators are summed over the
 ranks (their ``all_reduce()``), so every rank compresses from the statistics of
-all the data and computes the same weights — checked after each compression
-by comparing per-module checksums of the new weights across ranks.
+all the data. A modifier whose compression changes nothing but the weights' values
+(:attr:`CalibratedModifier.shares_work_across_ranks`, e.g. SparseGPT, Wanda) then
+**shares the work**: the groups of targets of a layer are assigned to ranks,
+balanced by their sweep cost (rows x columns², :func:`llmc_fsm.toolkit.distributed.assign_to_ranks`),
+each rank compresses its share and the new weights (and results) are broadcast
+from their owner; any other modifier compresses every group on every rank. Either
+way the new weights are then compared across ranks by per-module checksums.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Iterable
 from typing import Any
@@ -42,7 +48,17 @@ import torch
 from torch import nn
 
 from llmc_fsm.core.modifier import Modifier
-from llmc_fsm.toolkit.distributed import check_same_values, is_distributed, reduce_statistics
+from llmc_fsm.toolkit.distributed import (
+    assign_to_ranks,
+    broadcast_tensor,
+    broadcast_values,
+    check_same_values,
+    get_rank,
+    get_world_size,
+    is_distributed,
+    reduce_statistics,
+    sweep_cost,
+)
 from llmc_fsm.toolkit.heap import trim_heap
 from llmc_fsm.toolkit.layer_error import relative_output_error
 from llmc_fsm.toolkit.targets import (
@@ -155,6 +171,10 @@ class CalibratedModifier(Modifier):
     zeros_are_sparsity = True
     #: Whether :meth:`_compress_group` returns a :class:`CompressedGroup` (no copy of the old weights is kept).
     measures_output_error = False
+    #: Whether :meth:`_compress_group` changes nothing but the values of the modules' weights (no new parameters,
+    #: buffers or attributes, no state kept on the modifier): then under ``torch.distributed`` each group of
+    #: targets is compressed by one rank and its new weights are broadcast (the sweeps are split between ranks).
+    shares_work_across_ranks = False
 
     targets: list[str] = attrs.field(factory=lambda: list(DEFAULT_TARGETS), converter=patterns, validator=_non_empty)
     ignore: list[str] = attrs.field(factory=lambda: list(DEFAULT_IGNORE), converter=patterns)
@@ -174,6 +194,10 @@ class CalibratedModifier(Modifier):
         self.results: dict[str, ModuleResult] = {}
         #: targets that never received a calibration input (left as they were).
         self.skipped: list[str] = []
+        #: targets this process compressed itself, in order (under shared work, only its share).
+        self.compressed_here: list[str] = []
+        #: when ranks share the work: module name -> (rank that compressed it, sweep cost, seconds).
+        self.work_shares: dict[str, tuple[int, int, float]] = {}
 
     @property
     def resolved_targets(self) -> dict[str, nn.Module]:
@@ -356,6 +380,9 @@ class CalibratedModifier(Modifier):
         if any(acc is self._last_acc for acc, _ in groups.values()):
             self._last_input = None  # the last batch's input and statistics are not needed past their group
             self._last_acc = None
+        if distributed and self.shares_work_across_ranks:
+            self._compress_shared(groups)
+            groups = {}
         since_trim = 0
         for key in list(groups):
             acc, members = groups.pop(key)
@@ -375,15 +402,56 @@ class CalibratedModifier(Modifier):
                 }
             check_same_values(sums, what="weights")
 
+    def _compress_shared(self, groups: dict[int, tuple[Any, list[tuple[str, nn.Module]]]]) -> None:
+        """Each group compressed by the rank :func:`~llmc_fsm.toolkit.distributed.assign_to_ranks` gives it (every
+        rank holds the same groups in the same order: the reduced statistics), then its new weights and results
+        broadcast from that rank, group by group."""
+        order = list(groups.values())
+        costs = [sum(sweep_cost(module.weight.shape) for _, module in members) for _, members in order]
+        owners = assign_to_ranks(costs, get_world_size())
+        rank = get_rank()
+        for (acc, members), owner in zip(order, owners, strict=True):
+            if owner == rank:
+                self._compress_members(acc, members)
+        for (acc, members), owner in zip(order, owners, strict=True):
+            for name, module in members:
+                with torch.no_grad():
+                    broadcast_tensor(module.weight.data, src=owner, what=f"broadcast (new weight of {name})")
+                mine = self.results.get(name) if owner == rank else None
+                numbers = (
+                    [
+                        mine.zeros,
+                        mine.seconds,
+                        mine.samples,
+                        math.nan if mine.rel_output_error is None else mine.rel_output_error,
+                    ]
+                    if mine is not None
+                    else [0.0, 0.0, 0.0, 0.0]
+                )
+                zeros, seconds, samples, error = broadcast_values(
+                    numbers, src=owner, what=f"broadcast (result of {name})"
+                )
+                if owner != rank:
+                    self.results[name] = ModuleResult(
+                        zeros=int(zeros),
+                        numel=module.weight.numel(),
+                        seconds=seconds,
+                        samples=int(samples),
+                        rel_output_error=None if math.isnan(error) else error,
+                        **self._result_extras(module),
+                    )
+                    if name in self.skipped:
+                        self.skipped.remove(name)
+                self.work_shares[name] = (owner, sweep_cost(module.weight.shape), seconds)
+            del acc
+
     def _compress_members(self, acc: Any, members: list[tuple[str, nn.Module]]) -> None:
         t0 = time.perf_counter()
         hessian = getattr(acc, "hessian", None) if acc is not None else None
         copy = hessian is not None and not self.measures_output_error
         with torch.no_grad():
             olds = [module.weight.detach().clone() if copy else None for _, module in members]
-            were_zero = [
-                None if self.zeros_are_sparsity else _zero_mask_if_any(module.weight) for _, module in members
-            ]
+            were_zero = [None if self.zeros_are_sparsity else _zero_mask_if_any(module.weight) for _, module in members]
             new = self._compress_group([module for _, module in members], acc)
             weights, errors = (
                 (new.weights, new.rel_output_errors) if isinstance(new, CompressedGroup) else (new, [None] * len(new))
@@ -407,6 +475,7 @@ class CalibratedModifier(Modifier):
             )
             if name in self.skipped:
                 self.skipped.remove(name)
+            self.compressed_here.append(name)
 
 
 def _zero_mask_if_any(weight: torch.Tensor) -> torch.Tensor | None:
