@@ -8,6 +8,7 @@ path runs with the CPU as the device (every move is recorded; results compared b
 from __future__ import annotations
 
 import contextlib
+from pathlib import Path
 
 import pytest
 import torch
@@ -275,3 +276,27 @@ def test_the_first_progress_line_names_the_device(capsys):
     llmc_fsm.oneshot(model=model, recipe=default_recipe("wanda", 0.5), dataset=windows(), device="cpu")
     first = capsys.readouterr().err.splitlines()[0]
     assert first == f"llmc-fsm oneshot: device {device_label(describe_device(torch.device('cpu')))}"
+
+
+def test_cuda_tests_not_run_are_counted_in_the_summary():
+    """Where torch sees no CUDA device the cuda-marked tests are skipped with the reason, and counted."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "tests/test_cuda.py", "-q", "-p", "no:cacheprovider"],
+        capture_output=True,
+        text=True,
+        cwd=str(Path(__file__).resolve().parent.parent),
+        timeout=300,
+    )
+    if torch.cuda.is_available():
+        assert proc.returncode == 0 and "CUDA test(s) not run" not in proc.stdout, proc.stdout
+        return
+    reason = f"torch {torch.__version__} (built with CUDA {torch.version.cuda or 'none'}) sees no CUDA device"
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "6 skipped" in proc.stdout
+    assert proc.stdout.count(f"needs CUDA: {reason}") == 2  # -ra: the skips grouped by where they were marked
+    assert f"6 CUDA test(s) not run: {reason}; run them on a machine with a GPU (python -m pytest -m cuda)" in (
+        proc.stdout
+    )
