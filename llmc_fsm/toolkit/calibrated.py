@@ -198,6 +198,7 @@ class CalibratedModifier(Modifier):
         self.compressed_here: list[str] = []
         #: when ranks share the work: module name -> (rank that compressed it, sweep cost, seconds).
         self.work_shares: dict[str, tuple[int, int, float]] = {}
+        self._rank_loads: list[int] = []
 
     @property
     def resolved_targets(self) -> dict[str, nn.Module]:
@@ -403,47 +404,51 @@ class CalibratedModifier(Modifier):
             check_same_values(sums, what="weights")
 
     def _compress_shared(self, groups: dict[int, tuple[Any, list[tuple[str, nn.Module]]]]) -> None:
-        """Each group compressed by the rank :func:`~llmc_fsm.toolkit.distributed.assign_to_ranks` gives it (every
-        rank holds the same groups in the same order: the reduced statistics), then its new weights and results
-        broadcast from that rank, group by group."""
-        order = list(groups.values())
-        costs = [sum(sweep_cost(module.weight.shape) for _, module in members) for _, members in order]
-        owners = assign_to_ranks(costs, get_world_size())
-        rank = get_rank()
-        for (acc, members), owner in zip(order, owners, strict=True):
-            if owner == rank:
-                self._compress_members(acc, members)
-        for (acc, members), owner in zip(order, owners, strict=True):
-            for name, module in members:
-                with torch.no_grad():
-                    broadcast_tensor(module.weight.data, src=owner, what=f"broadcast (new weight of {name})")
-                mine = self.results.get(name) if owner == rank else None
-                numbers = (
-                    [
-                        mine.zeros,
-                        mine.seconds,
-                        mine.samples,
-                        math.nan if mine.rel_output_error is None else mine.rel_output_error,
-                    ]
-                    if mine is not None
-                    else [0.0, 0.0, 0.0, 0.0]
+        """Each module compressed by the rank :func:`~llmc_fsm.toolkit.distributed.assign_to_ranks` gives it, then its
+        new weight and result broadcast from that rank.
+
+        The unit of work is a module, not a group: the true-sequential pipeline hands over one group at a time
+        (q/k/v, then o, then gate/up, then down), so ranks split a group's modules — each rank factors the
+        group's shared Hessian and sweeps its own modules (a module's sweep and mask depend only on its own rows
+        and the Hessian) — and the loads carry over from group to group, balancing the ranks over the run. Every
+        rank holds the same groups in the same order (the reduced statistics), so all compute the same owners.
+        """
+        world, rank = get_world_size(), get_rank()
+        if len(self._rank_loads) != world:
+            self._rank_loads = [0] * world
+        order = [(acc, name, module) for acc, members in groups.values() for name, module in members]
+        owners = assign_to_ranks([sweep_cost(m.weight.shape) for _, _, m in order], world, self._rank_loads)
+        for acc, members in groups.values():
+            mine = [(name, module) for name, module in members if owners[_index(order, name)] == rank]
+            if mine:
+                self._compress_members(acc, mine)
+        for (_, name, module), owner in zip(order, owners, strict=True):
+            with torch.no_grad():
+                broadcast_tensor(module.weight.data, src=owner, what=f"broadcast (new weight of {name})")
+            result = self.results.get(name) if owner == rank else None
+            numbers = (
+                [
+                    result.zeros,
+                    result.seconds,
+                    result.samples,
+                    math.nan if result.rel_output_error is None else result.rel_output_error,
+                ]
+                if result is not None
+                else [0.0, 0.0, 0.0, 0.0]
+            )
+            zeros, seconds, samples, error = broadcast_values(numbers, src=owner, what=f"broadcast (result of {name})")
+            if owner != rank:
+                self.results[name] = ModuleResult(
+                    zeros=int(zeros),
+                    numel=module.weight.numel(),
+                    seconds=seconds,
+                    samples=int(samples),
+                    rel_output_error=None if math.isnan(error) else error,
+                    **self._result_extras(module),
                 )
-                zeros, seconds, samples, error = broadcast_values(
-                    numbers, src=owner, what=f"broadcast (result of {name})"
-                )
-                if owner != rank:
-                    self.results[name] = ModuleResult(
-                        zeros=int(zeros),
-                        numel=module.weight.numel(),
-                        seconds=seconds,
-                        samples=int(samples),
-                        rel_output_error=None if math.isnan(error) else error,
-                        **self._result_extras(module),
-                    )
-                    if name in self.skipped:
-                        self.skipped.remove(name)
-                self.work_shares[name] = (owner, sweep_cost(module.weight.shape), seconds)
-            del acc
+                if name in self.skipped:
+                    self.skipped.remove(name)
+            self.work_shares[name] = (owner, sweep_cost(module.weight.shape), seconds)
 
     def _compress_members(self, acc: Any, members: list[tuple[str, nn.Module]]) -> None:
         t0 = time.perf_counter()
@@ -476,6 +481,10 @@ class CalibratedModifier(Modifier):
             if name in self.skipped:
                 self.skipped.remove(name)
             self.compressed_here.append(name)
+
+
+def _index(order: list[tuple[Any, str, nn.Module]], name: str) -> int:
+    return next(i for i, (_, n, _) in enumerate(order) if n == name)
 
 
 def _zero_mask_if_any(weight: torch.Tensor) -> torch.Tensor | None:

@@ -279,22 +279,30 @@ def sweep_cost(weight_shape: Sequence[int]) -> int:
     return rows * columns * columns
 
 
-def assign_to_ranks(costs: Sequence[int], world_size: int) -> list[int]:
+def assign_to_ranks(costs: Sequence[int], world_size: int, loads: list[int] | None = None) -> list[int]:
     """The rank that does each unit of work: longest first, each to the rank with the least work so far.
 
     Deterministic (ties: the earlier unit first, the lower rank), so every rank computes the same assignment from
     the same ``costs``; the largest load is at most 4/3 of the best possible (Graham's LPT bound).
 
+    Args:
+        costs: per unit of work, its cost (e.g. :func:`sweep_cost`).
+        world_size: ranks.
+        loads: per rank, the work it already has (updated in place: a caller assigning the work of one decoder
+            layer group by group keeps the ranks balanced over the layer); default: none.
+
     Returns:
         ``owner[i]`` for each unit ``i``.
 
     Raises:
-        ValueError: ``world_size < 1`` or a negative cost.
+        ValueError: ``world_size < 1``, a negative cost, or ``loads`` of another length than ``world_size``.
     """
-    if world_size < 1 or any(c < 0 for c in costs):
+    if world_size < 1 or any(c < 0 for c in costs) or (loads is not None and len(loads) != world_size):
         msg = f"need world_size >= 1 and costs >= 0, got world_size={world_size}, costs={list(costs)}"
+        if loads is not None and world_size >= 1 and len(loads) != world_size:
+            msg = f"loads must hold one value per rank ({world_size}), got {len(loads)}"
         raise ValueError(msg)
-    load = [0] * world_size
+    load = loads if loads is not None else [0] * world_size
     owner = [0] * len(costs)
     for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
         rank = min(range(world_size), key=lambda r: (load[r], r))
