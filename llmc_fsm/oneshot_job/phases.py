@@ -483,13 +483,15 @@ def run_report(run: Run, modules: Any = None) -> Any:
 
 def execution_summary(run: Run) -> dict[str, Any]:
     """Where the job computed, for the report: the device (name, total memory), where the activations between
-    layers lived, peak device memory (overall and per layer, CUDA only) and, under torch.distributed, each rank's
-    share of the compression work (``modifier results``' ``rank``)."""
+    layers lived, wall time per calibrated layer (summed over the sessions), peak device memory (overall and per
+    layer, CUDA only) and, when ranks shared the work, each rank's share
+    (:func:`llmc_fsm.toolkit.distributed.rank_work`)."""
     device = run.settings.execution_device
     summary: dict[str, Any] = {"device": describe_device(device)}
     if run.pipelines:
         last = run.pipelines[-1]
         summary["activations"] = last.activations
+        summary["layer_seconds"] = [sum(v) for v in zip(*(p.layer_seconds for p in run.pipelines), strict=False)]
         peaks = [p.peak_device_bytes for p in run.pipelines if p.peak_device_bytes is not None]
         if peaks:
             summary["peak_device_bytes"] = max(peaks)
