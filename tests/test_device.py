@@ -136,9 +136,22 @@ def test_onloaded_restores_every_tensor_and_sends_new_ones_home():
     assert layer.scale.device == torch.device("cpu")
 
 
-def _recording(monkeypatch, model):
-    """Record every onloaded() the pipeline opens, and every compression, in order."""
-    names = {id(m): n or "model" for n, m in model.named_modules()}
+def _recording(monkeypatch, model, where=(sequential, forward)):
+    """Record every onloaded() the pipeline opens, and every compression, in order (``model``: whose names to use;
+    a callable: called for the model when it is first needed)."""
+    known: dict[int, str] = {}
+
+    class Names(dict):
+        def __missing__(self, key):
+            known.update(
+                {
+                    id(m): n or "model"
+                    for n, m in (model if isinstance(model, torch.nn.Module) else model()).named_modules()
+                }
+            )
+            return known[key]
+
+    names = Names()
     events: list[tuple] = []
     real = device_module.onloaded
 
@@ -153,8 +166,8 @@ def _recording(monkeypatch, model):
 
         return block()
 
-    monkeypatch.setattr(sequential, "onloaded", record)
-    monkeypatch.setattr(forward, "onloaded", record)
+    for module in where:
+        monkeypatch.setattr(module, "onloaded", record)
     from llmc_fsm_pruning.wanda import WandaPruningModifier
 
     original = WandaPruningModifier._compress_group
@@ -300,3 +313,42 @@ def test_cuda_tests_not_run_are_counted_in_the_summary():
     assert f"6 CUDA test(s) not run: {reason}; run them on a machine with a GPU (python -m pytest -m cuda)" in (
         proc.stdout
     )
+
+
+def test_the_streamed_path_onloads_each_layer_it_reads(monkeypatch, tiny_model_dir, tmp_path):
+    """--low-memory: each decoder layer, read from the checkpoint, is onloaded for its work and written from where
+    it was read."""
+    from llmc_fsm.pipeline import streaming
+
+    model_dir, text = tiny_model_dir
+    seen = {}
+    real_load = llmc_fsm.oneshot_job.streaming.load_lazy
+
+    def load_lazy(*args, **kwargs):
+        lazy, tokenizer = real_load(*args, **kwargs)
+        seen["model"] = lazy.model
+        return lazy, tokenizer
+
+    monkeypatch.setattr(llmc_fsm.oneshot_job.streaming, "load_lazy", load_lazy)
+    events = _recording(monkeypatch, lambda: seen["model"], where=(streaming,))
+    llmc_fsm.oneshot(
+        model=str(model_dir),
+        recipe=default_recipe("wanda", 0.5),
+        dataset=str(text),
+        num_calibration_samples=4,
+        max_seq_length=16,
+        output_dir=str(tmp_path / "out"),
+        low_memory=True,
+        progress=False,
+        device="cpu",
+    )
+    assert events[:2] == [("on", "model", "cpu", ("model.layers",)), ("off", "model")]
+    assert events[2:4] == [("on", "model.layers.0", "cpu", ()), ("off", "model.layers.0")]  # record_calls
+    onloads = [e for e in events[4:] if e[0] == "on"]
+    assert onloads == [("on", f"model.layers.{i}", "cpu", ()) for i in range(4)]
+    for index in range(4):
+        layer = f"model.layers.{index}"
+        start, end = events.index(("on", layer, "cpu", ()), 4), events.index(("off", layer), 4)
+        assert [e[1].rsplit(".", 1)[0] for e in events[start + 1 : end]] == [f"{layer}.self_attn"] * 3 + [
+            f"{layer}.self_attn"
+        ] + [f"{layer}.mlp"] * 3

@@ -77,15 +77,23 @@ def run_streaming(run: Run) -> nn.Module:
     progress = run.settings.progress
     if run.eval_windows is not None:
         with run.timed("eval_before"):
-            states, as_tuple = streamed_states(lazy, run.eval_windows, progress=progress)
-            run.ppl["eval_before"] = tail_perplexity(lazy, run.eval_windows, states, as_tuple, progress=progress)
+            device = run.settings.execution_device
+            states, as_tuple = streamed_states(lazy, run.eval_windows, progress=progress, device=device)
+            run.ppl["eval_before"] = tail_perplexity(
+                lazy, run.eval_windows, states, as_tuple, progress=progress, device=device
+            )
         del states
     writer = _writer(run, lazy)
     result = _compress(run, lazy, writer)
     if result.eval_states is not None:
         with run.timed("eval_after"):
             run.ppl["eval_after"] = tail_perplexity(
-                lazy, run.eval_windows, result.eval_states, as_tuple, progress=progress
+                lazy,
+                run.eval_windows,
+                result.eval_states,
+                as_tuple,
+                progress=progress,
+                device=run.settings.execution_device,
             )
         result.eval_states = None
     _save(run, lazy, writer, result)
@@ -187,6 +195,7 @@ def _compress(run: Run, lazy: LazyModel, writer: ShardWriter) -> StreamedCompres
                 batch_size=run.settings.batch_size,
                 eval_windows=run.eval_windows,
                 progress=run.settings.progress,
+                device=run.settings.execution_device,
             )
         except BaseException:
             with contextlib.suppress(Exception):

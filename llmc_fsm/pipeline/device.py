@@ -156,7 +156,7 @@ def _own_tensors(module: nn.Module, skip: set[int]) -> Iterator[tuple[nn.Module,
 
 
 def _move(owner: nn.Module, name: str, kind: str, tensor: torch.Tensor, device: torch.device) -> None:
-    if tensor.device == device:
+    if tensor.device == device or tensor.is_meta:  # a lazily loaded model's tensors not read yet stay where they are
         return
     if kind == "parameter":
         tensor.data = tensor.data.to(device)  # the same Parameter object: hooks, optimizers, ties keep it
