@@ -352,3 +352,35 @@ def test_the_streamed_path_onloads_each_layer_it_reads(monkeypatch, tiny_model_d
         assert [e[1].rsplit(".", 1)[0] for e in events[start + 1 : end]] == [f"{layer}.self_attn"] * 3 + [
             f"{layer}.self_attn"
         ] + [f"{layer}.mlp"] * 3
+
+
+# --------------------------------------------------------------------------- weights too large for CPU memory
+def test_weights_too_large_for_cpu_memory_take_the_streamed_path(monkeypatch, tiny_model_dir, tmp_path, capsys):
+    from llmc_fsm.oneshot_job import streaming as job_streaming
+
+    model_dir, text = tiny_model_dir
+    need = job_streaming.estimated_weight_bytes(model_dir, "float32")
+    assert need == sum(f.stat().st_size for f in model_dir.glob("*.safetensors"))  # stored float32, loaded float32
+    monkeypatch.setattr(job_streaming, "available_memory_bytes", lambda: need - 1)
+    model = llmc_fsm.oneshot(
+        model=str(model_dir),
+        recipe=default_recipe("wanda", 0.5),
+        dataset=str(text),
+        num_calibration_samples=4,
+        max_seq_length=16,
+        output_dir=str(tmp_path / "out"),
+        device="cpu",
+    )
+    assert all(p.is_meta for p in model.parameters())  # the streamed path's model
+    assert (tmp_path / "out" / "report.json").is_file()
+    what = (
+        f"the weights of {model_dir} ({need / 2**30:.2f} GiB in float32) do not fit in the CPU memory available "
+        f"({(need - 1) / 2**30:.2f} GiB)"
+    )
+    assert f"llmc-fsm oneshot: {what}: streaming one decoder layer at a time (--low-memory)" in capsys.readouterr().err
+    with pytest.raises(ValueError) as info:
+        llmc_fsm.oneshot(model=str(model_dir), dataset=str(text), progress=False, device="cpu")
+    assert str(info.value) == (
+        f"{what}, and the streamed path (--low-memory) cannot run this job: it writes the compressed model layer by "
+        "layer and keeps none of it in memory: pass output_dir (--output)"
+    )

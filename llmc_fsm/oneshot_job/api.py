@@ -43,7 +43,7 @@ from llmc_fsm.oneshot_job import phases as phase
 from llmc_fsm.oneshot_job.phases import Run, prepare
 from llmc_fsm.oneshot_job.progress import quiet_progress
 from llmc_fsm.oneshot_job.settings import DEFAULT_MODEL, OneshotSettings
-from llmc_fsm.oneshot_job.streaming import run_streaming
+from llmc_fsm.oneshot_job.streaming import run_streaming, stream_if_too_large
 from llmc_fsm.pipeline.device import describe_device, device_label
 from llmc_fsm.recipes.history import APPLIED_RECIPE_ATTR
 from llmc_fsm.toolkit.distributed import is_main_process
@@ -167,7 +167,7 @@ def _run_phases(run: Run) -> nn.Module:
     try:
         _announce_device(run)
         with quiet_progress(not run.settings.progress):
-            if run.settings.low_memory:
+            if run.settings.low_memory or stream_if_too_large(run):
                 return run_streaming(run)
             phase.load(run)
             phase.data(run)
