@@ -1,7 +1,7 @@
 """Ranks that share the compression work (gloo, CPU): each module compressed by exactly one rank, same weights.
 
-Under ``torch.distributed`` a modifier whose compression changes only the weights (SparseGPT, Wanda:
-``shares_work_across_ranks``) assigns the groups of targets of each decoder layer to ranks, balanced by their sweep
+Under ``torch.distributed`` a modifier that can share its work (``shares_work_across_ranks``: SparseGPT, Wanda, and
+GPTQ with a plain integer scheme) assigns the groups of targets of each decoder layer to ranks, balanced by their sweep
 cost (rows x columns²), and broadcasts the new weights. Each test starts 2 or 3 processes (spawn) in a gloo group
 through a file rendezvous in ``tmp_path``; each rank writes its weights and what it compressed.
 """
@@ -28,7 +28,11 @@ from llmc_fsm.oneshot_job.settings import default_recipe
 from llmc_fsm.pipeline.sequential import run_sequential
 from llmc_fsm.toolkit.distributed import assign_to_ranks, rank_work, shard, sweep_cost
 
-RECIPES = {"sparsegpt": default_recipe("sparsegpt", 0.5), "wanda": default_recipe("wanda", 0.5)}
+RECIPES = {
+    "sparsegpt": default_recipe("sparsegpt", 0.5),
+    "wanda": default_recipe("wanda", 0.5),
+    "gptq": default_recipe("gptq", scheme="W4A16", group_size=32),
+}
 LAYERS = 2
 MODULES = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
            "mlp.up_proj", "mlp.down_proj")  # fmt: skip
@@ -79,6 +83,9 @@ def _worker(rank: int, tmp: Path, tensors: dict[str, torch.Tensor]) -> dict[str,
         for n, m in model.named_modules():
             if n in TARGETS:
                 tensors[f"{name}/{n}"] = m.weight.detach().clone()
+                for q in ("weight_scale", "weight_zero_point"):
+                    if hasattr(m, q):
+                        tensors[f"{name}/{n}.{q}"] = getattr(m, q).detach().clone()
     model = llama(layers=LAYERS)
     llmc_fsm.oneshot(model=model, recipe=RECIPES["sparsegpt"], dataset=windows(), batch_size=2, progress=False)
     info["execution"] = model.llmc_fsm_report.execution
@@ -157,7 +164,8 @@ def test_each_module_is_compressed_by_exactly_one_rank_with_the_weights_of_one_p
         assert all(r["owners"] == owners for r in results)  # every rank agrees on who compressed what
         for r, result in enumerate(results):
             assert sorted(result["compressed_here"]) == sorted(n for n, o in owners.items() if o == r)
-            assert result["compressed_here"], f"rank {r} compressed nothing"
+            if name != "gptq":  # a GPTQ group goes to one rank whole: over 2 layers one rank may get none
+                assert result["compressed_here"], f"rank {r} compressed nothing"
             assert result["results"] == results[0]["results"]  # results broadcast with the weights
             work = result["work"]
             assert [w["modules"] for w in work] == [sum(1 for o in owners.values() if o == k) for k in range(world)]
@@ -172,8 +180,22 @@ def test_each_module_is_compressed_by_exactly_one_rank_with_the_weights_of_one_p
             key = f"{name}/{n}"
             for rank in ranks[1:]:
                 assert torch.equal(rank["tensors"][key], ranks[0]["tensors"][key]), f"{key}: ranks differ"
-            assert torch.equal(ranks[0]["tensors"][key] != 0, w != 0), f"{key}: mask differs from one process"
-            torch.testing.assert_close(ranks[0]["tensors"][key], w, rtol=0, atol=1e-5)
+            if name != "gptq":
+                assert torch.equal(ranks[0]["tensors"][key] != 0, w != 0), f"{key}: mask differs from one process"
+            if name != "gptq":
+                torch.testing.assert_close(ranks[0]["tensors"][key], w, rtol=0, atol=1e-5)
+            else:  # the ranks' Hessian is summed in another order (~1e-7 relative): a near-tie of the rounding can
+                # land one grid step away, in a whole group of 32 when its scale moves (a GPTQ group goes to one
+                # rank whole, so its sweep is bitwise the one every rank would compute: the order is the cause)
+                differ = ranks[0]["tensors"][key] != w
+                assert int(differ.sum()) <= 0.01 * w.numel(), f"{key}: {int(differ.sum())} weights differ"
+            if name == "gptq":  # the quantization parameters reach every rank too, as one process has them
+                module = model.get_submodule(n)
+                for q in ("weight_scale", "weight_zero_point"):
+                    for rank in ranks[1:]:
+                        assert torch.equal(rank["tensors"][f"{key}.{q}"], ranks[0]["tensors"][f"{key}.{q}"])
+                    mine, single_q = ranks[0]["tensors"][f"{key}.{q}"], getattr(module, q)
+                    assert int((mine != single_q).sum()) <= max(1, 0.01 * single_q.numel()), f"{key}.{q}"
     execution = ranks[0]["meta"]["result"]["execution"]
     work = execution["compress_per_rank"]
     assert len(work) == world and sum(w["modules"] for w in work) == len(TARGETS)

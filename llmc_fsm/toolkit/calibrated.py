@@ -37,6 +37,7 @@ way the new weights are then compared across ranks by per-module checksums.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import time
@@ -49,6 +50,8 @@ from torch import nn
 
 from llmc_fsm.core.modifier import Modifier
 from llmc_fsm.toolkit.distributed import (
+    DistributedError,
+    all_gather_ints,
     assign_to_ranks,
     broadcast_tensor,
     broadcast_values,
@@ -175,6 +178,11 @@ class CalibratedModifier(Modifier):
     #: buffers or attributes, no state kept on the modifier): then under ``torch.distributed`` each group of
     #: targets is compressed by one rank and its new weights are broadcast (the sweeps are split between ranks).
     shares_work_across_ranks = False
+    #: When ranks share the work: whether the modules of one group (sharing a Hessian: q/k/v, gate/up) may go to
+    #: different ranks, each sweeping its own (``False``: a group goes to one rank whole, as one process sweeps it,
+    #: so the new weights are bitwise those of the replicated computation; the ranks then run in parallel only when
+    #: several groups are handed over at once, i.e. the plain pipeline order).
+    splits_groups_across_ranks = True
 
     targets: list[str] = attrs.field(factory=lambda: list(DEFAULT_TARGETS), converter=patterns, validator=_non_empty)
     ignore: list[str] = attrs.field(factory=lambda: list(DEFAULT_IGNORE), converter=patterns)
@@ -230,6 +238,16 @@ class CalibratedModifier(Modifier):
     def _result_extras(self, module: nn.Module) -> dict[str, Any]:
         """Extra :class:`ModuleResult` fields for ``module`` (e.g. ``bits``)."""
         return {}
+
+    def _prepare_to_receive(self, modules: list[tuple[str, nn.Module]]) -> None:
+        """When ranks share the work (:attr:`shares_work_across_ranks`): on a rank that does not compress
+        ``modules`` (``(name, module)``), give them the parameters and buffers :meth:`_compress_group` creates on
+        the rank that does (shapes and dtypes; the values are then broadcast). Default: nothing (only the
+        weights change)."""
+
+    def _after_receive(self, modules: list[tuple[str, nn.Module]]) -> None:
+        """When ranks share the work: on a rank that did not compress ``modules``, what is left to do once their
+        tensors hold the compressing rank's values. Default: nothing."""
 
     #: What to do when :meth:`check_model` finds an already quantized model.
     quantized_model_hint = (
@@ -417,14 +435,34 @@ class CalibratedModifier(Modifier):
         if len(self._rank_loads) != world:
             self._rank_loads = [0] * world
         order = [(acc, name, module) for acc, members in groups.values() for name, module in members]
-        owners = assign_to_ranks([sweep_cost(m.weight.shape) for _, _, m in order], world, self._rank_loads)
+        if self.splits_groups_across_ranks:
+            owners = assign_to_ranks([sweep_cost(m.weight.shape) for _, _, m in order], world, self._rank_loads)
+        else:
+            costs = [sum(sweep_cost(m.weight.shape) for _, m in members) for _, members in groups.values()]
+            per_group = assign_to_ranks(costs, world, self._rank_loads)
+            owners = [owner for owner, (_, members) in zip(per_group, groups.values(), strict=True) for _ in members]
         for acc, members in groups.values():
             mine = [(name, module) for name, module in members if owners[_index(order, name)] == rank]
             if mine:
                 self._compress_members(acc, mine)
         for (_, name, module), owner in zip(order, owners, strict=True):
+            if owner != rank:
+                self._prepare_to_receive([(name, module)])
+            tensors = _module_tensors(module)
+            layout = _digest_layout(tensors)
+            table = all_gather_ints([layout], what=f"all_gather (tensors of {name})")
+            if any(row[0] != table[owner][0] for row in table):
+                msg = (
+                    f"{type(self).__name__}: after compressing {name} the ranks hold different parameters and buffers "
+                    "in it (names, shapes or dtypes): the modifier's _prepare_to_receive does not create what its "
+                    "_compress_group does"
+                )
+                raise DistributedError(msg)
             with torch.no_grad():
-                broadcast_tensor(module.weight.data, src=owner, what=f"broadcast (new weight of {name})")
+                for key, tensor in tensors:
+                    broadcast_tensor(tensor, src=owner, what=f"broadcast ({name}.{key})")
+            if owner != rank:
+                self._after_receive([(name, module)])
             result = self.results.get(name) if owner == rank else None
             numbers = (
                 [
@@ -481,6 +519,18 @@ class CalibratedModifier(Modifier):
             if name in self.skipped:
                 self.skipped.remove(name)
             self.compressed_here.append(name)
+
+
+def _module_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """A module's parameters and buffers (its own and its submodules'), by name, as the tensors to broadcast into."""
+    found = [(n, p.data) for n, p in module.named_parameters()] + list(module.named_buffers())
+    return sorted(found, key=lambda item: item[0])
+
+
+def _digest_layout(tensors: list[tuple[str, torch.Tensor]]) -> int:
+    """A signed 64-bit digest of the tensors' names, shapes and dtypes."""
+    text = repr([(n, tuple(t.shape), str(t.dtype)) for n, t in tensors]).encode()
+    return int.from_bytes(hashlib.sha256(text).digest()[:8], "big", signed=True)
 
 
 def _index(order: list[tuple[Any, str, nn.Module]], name: str) -> int:
