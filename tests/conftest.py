@@ -9,6 +9,47 @@ import pytest
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
+_CUDA_NOT_RUN: list[str] = []  # node ids of the tests marked cuda that this run could not run
+
+
+def _cuda_missing() -> str | None:
+    """Why CUDA tests cannot run here, or ``None`` when torch sees a CUDA device."""
+    import torch
+
+    if torch.cuda.is_available():
+        return None
+    return f"torch {torch.__version__} (built with CUDA {torch.version.cuda or 'none'}) sees no CUDA device"
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers",
+        "cuda: needs a CUDA device; run wherever torch sees one, and counted (with the reason) in the terminal "
+        "summary where not",
+    )
+
+
+@pytest.hookimpl(trylast=True)  # after -k / -m deselected what this run does not select
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``cuda`` are skipped, with the reason, where torch sees no CUDA device — and counted, so that
+    the terminal summary says how many were not run (never silently)."""
+    reason = _cuda_missing()
+    if reason is None:
+        return
+    for item in items:
+        if item.get_closest_marker("cuda") is not None:
+            item.add_marker(pytest.mark.skip(reason=f"needs CUDA: {reason}"))
+            _CUDA_NOT_RUN.append(item.nodeid)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    if _CUDA_NOT_RUN:
+        terminalreporter.write_sep("=", "CUDA tests not run", yellow=True)
+        terminalreporter.write_line(
+            f"{len(_CUDA_NOT_RUN)} CUDA test(s) not run: {_cuda_missing()}; run them on a machine with a GPU "
+            "(python -m pytest -m cuda)"
+        )
+
 
 @pytest.fixture(autouse=True)
 def _perplexity_cache(tmp_path_factory, monkeypatch):

@@ -166,6 +166,11 @@ def _bad_cases(model: Path, tmp: Path) -> list[tuple[dict, list[str], type, str]
         ({"threads": 0}, ["--threads", "0"], ValueError, "threads (--threads) must be a positive int, got 0"),
         ({"dtype": "int8"}, ["--dtype", "int8"], ValueError,
          "dtype (--dtype) must be one of float32, bfloat16, float16, auto, got 'int8'"),
+        ({"device": "gpu"}, ["--device", "gpu"], ValueError,
+         "device (--device) must be one of auto, cpu, cuda or cuda:N (N a CUDA device index), got 'gpu'"),
+        ({"activation_budget_mib": -1.0}, ["--activation-budget-mib", "-1"], ValueError,
+         "activation_budget_mib (--activation-budget-mib) must be a number of MiB >= 0, or None for half the "
+         "device's free memory, got -1.0"),
         ({"resume": True}, ["--resume"], ValueError,
          "resume (--resume) needs output_dir (--output): the progress to resume is kept next to the output"),
         ({"resume": True, "low_memory": True, "output_dir": str(tmp / "o")},
@@ -356,6 +361,8 @@ def test_every_fingerprinted_field_changes_the_fingerprint_and_no_other_does(tin
         "low_memory": {"low_memory": True},
         "dtype": {"dtype": "float16"},
         "threads": {"threads": 3},
+        "device": {"device": "cpu"},
+        "activation_budget_mib": {"activation_budget_mib": 8.0},
     }
     fields = {f.name: f for f in attrs.fields(OneshotSettings)}
     assert sorted(changes) == sorted(fields)  # a new field must be classified here

@@ -30,18 +30,23 @@ else (a text/JSONL file or a Hugging Face dataset name).
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
+import sys
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
+from tqdm.auto import tqdm
 
 from llmc_fsm.oneshot_job import phases as phase
 from llmc_fsm.oneshot_job.phases import Run, prepare
 from llmc_fsm.oneshot_job.progress import quiet_progress
 from llmc_fsm.oneshot_job.settings import DEFAULT_MODEL, OneshotSettings
-from llmc_fsm.oneshot_job.streaming import run_streaming
+from llmc_fsm.oneshot_job.streaming import run_streaming, stream_if_too_large
+from llmc_fsm.pipeline.device import describe_device, device_label
 from llmc_fsm.recipes.history import APPLIED_RECIPE_ATTR
+from llmc_fsm.toolkit.distributed import is_main_process
 
 if TYPE_CHECKING:
     from torch import nn
@@ -51,6 +56,8 @@ __all__ = [
     "oneshot",
     "run_oneshot",
 ]
+
+logger = logging.getLogger(__name__)
 
 
 # --------------------------------------------------------------------------- oneshot
@@ -75,6 +82,8 @@ def oneshot(
     low_memory: bool = False,
     dtype: Any = "float32",
     threads: int | None = None,
+    device: Any = "auto",
+    activation_budget_mib: float | None = None,
 ) -> nn.Module:
     """Compress ``model`` in one shot with ``recipe``, calibrating layer by layer on ``dataset``.
 
@@ -92,6 +101,11 @@ def oneshot(
             (default), ``"bfloat16"``, ``"float16"`` or ``"auto"`` (its ``config.json``'s dtype).
         threads: torch CPU threads during the call (``torch.set_num_threads``, put back afterwards); ``None``:
             torch's choice.
+        device: where each decoder layer is calibrated and compressed (``"auto"``, ``"cpu"``, ``"cuda"``,
+            ``"cuda:N"`` or a ``torch.device``; ``auto``: the current CUDA device when torch sees one, else the CPU).
+            The weights stay where they were loaded; one decoder layer at a time is onloaded to the device.
+        activation_budget_mib: MiB of device memory the hidden states between layers may take (default: half the
+            free device memory); beyond it they live in CPU memory and move per batch (same result).
 
     Returns:
         The compressed model (the same object for an ``nn.Module``); its report
@@ -103,7 +117,8 @@ def oneshot(
         NotADirectoryError / PermissionError: ``output_dir`` cannot be created.
         FileNotFoundError: a dataset or eval file that does not exist.
         RecipeError: an invalid recipe (e.g. sparsity outside [0, 1)).
-        ValueError: a bad value (a size below 1, an unknown ``dtype`` or one with an ``nn.Module``, ``resume``
+        ValueError: a bad value (a size below 1, an unknown ``device``, ``cuda`` without CUDA or a CUDA index torch
+            does not see, an unknown ``dtype`` or one with an ``nn.Module``, ``resume``
             without ``output_dir``...: one line naming the argument and its flag), ``resume`` with changed settings,
             an unknown model, a dataset too short, a sequence longer than the model's positions, targets matching
             nothing, a group size that does not divide a width.
@@ -136,13 +151,23 @@ def _torch_threads(threads: int | None) -> Iterator[None]:
         torch.set_num_threads(previous)
 
 
+def _announce_device(run: Run) -> None:
+    """The first progress line (stderr, rank 0, with progress on) and a log line: the execution device, its name and
+    total memory."""
+    label = device_label(describe_device(run.settings.execution_device))
+    logger.info("execution device: %s", label)
+    if run.settings.progress and is_main_process():
+        tqdm.write(f"llmc-fsm oneshot: device {label}", file=sys.stderr)
+
+
 def _run_phases(run: Run) -> nn.Module:
     """Every phase after :func:`~llmc_fsm.oneshot_job.phases.prepare`; on any exception (Ctrl-C, SIGTERM included) the
     work directory is handed back (progress kept or removed, see :meth:`llmc_fsm.output.workdir.WorkDir.abort`)."""
 
     try:
+        _announce_device(run)
         with quiet_progress(not run.settings.progress):
-            if run.settings.low_memory:
+            if run.settings.low_memory or stream_if_too_large(run):
                 return run_streaming(run)
             phase.load(run)
             phase.data(run)

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import time
 from collections.abc import Iterator
@@ -48,13 +49,14 @@ from llmc_fsm.oneshot_job.settings import OneshotSettings, generated_recipe
 from llmc_fsm.output.directory import check_output_dir
 from llmc_fsm.output.save import quantized_weights_as_compressed, weights_disk_bytes, write_output
 from llmc_fsm.output.workdir import WorkDir, recover_previous
+from llmc_fsm.pipeline.device import describe_device, free_device_bytes, onloaded
 from llmc_fsm.pipeline.sequential import run_sequential
 from llmc_fsm.recipes.building import resolve_recipe
 from llmc_fsm.recipes.history import merge_saved_recipe, without_training_stages
 from llmc_fsm.recipes.model import Recipe
 from llmc_fsm.report.build import build_report
 from llmc_fsm.session.session import Session
-from llmc_fsm.toolkit.distributed import is_distributed, is_main_process, shard
+from llmc_fsm.toolkit.distributed import is_distributed, is_main_process, rank_work, shard
 
 __all__ = [
     "Run",
@@ -62,13 +64,17 @@ __all__ = [
     "compress",
     "data",
     "evaluate",
+    "execution_summary",
     "given_tokenizer",
     "load",
+    "model_on_device",
     "prepare",
     "run_report",
     "save",
     "token_data",
 ]
+
+logger = logging.getLogger(__name__)
 
 
 @attrs.define(kw_only=True, slots=False, eq=False)
@@ -96,6 +102,7 @@ class Run:
     disk_before: int | None = None
     targeted: list[str] = attrs.field(factory=list)
     per_rank: list[int] = attrs.field(factory=list)
+    pipelines: list[Any] = attrs.field(factory=list)  # the PipelineResult of each session's sequential pass
 
     @property
     def out_path(self) -> Path | None:
@@ -321,7 +328,7 @@ def data(run: Run) -> None:
     token_data(run)
     _evaluate_before(run)
     if run.windows is None:
-        with run.timed("generate_calibration"):
+        with run.timed("generate_calibration"), model_on_device(run):
             run.windows = generate_calibration(
                 run.model,
                 run.tokenizer,
@@ -374,14 +381,17 @@ def compress(run: Run) -> None:
             run.targeted.extend(n for m in session.modifiers for n in m.resolved_targets if n not in run.targeted)
             try:
                 if calibration_inputs(session, windows).shape[0] > 0:
-                    run_sequential(
+                    result = run_sequential(
                         session,
                         model=run.model,
                         calibration_data=windows,
                         batch_size=run.settings.batch_size,
                         progress=run.settings.progress,
                         checkpoint=layer_progress(run.work, index, len(run.sessions), session),
+                        device=run.settings.execution_device,
+                        activation_budget=run.settings.activation_budget_bytes,
                     )
+                    run.pipelines.append(result)
                 else:
                     session.calibration_start()
                     session.calibration_end()
@@ -398,8 +408,30 @@ def evaluate(run: Run, phase: str) -> None:
     if run.eval_windows is None:
         return
 
-    with run.timed(phase), quantized_weights_as_compressed(run.model):
+    with run.timed(phase), quantized_weights_as_compressed(run.model), model_on_device(run):
         run.ppl[phase] = perplexity(run.model, run.eval_windows, progress=run.settings.progress)
+
+
+@contextlib.contextmanager
+def model_on_device(run: Run) -> Iterator[None]:
+    """The whole model on the execution device inside the block when its weights fit in 90% of the device's free
+    memory (perplexity, generated calibration data); otherwise it runs where its weights are, and a warning says so.
+    On the CPU: nothing moves."""
+    device = run.settings.execution_device
+    free = free_device_bytes(device)
+    size = sum(p.numel() * p.element_size() for p in run.model.parameters())
+    if free is None or size <= 0.9 * free:
+        with onloaded(run.model, device):
+            yield
+        return
+    logger.warning(
+        "the model's weights (%.2f GiB) do not fit in 90%% of %s's free memory (%.2f GiB): perplexity and generated "
+        "calibration data run where the weights are",
+        size / 2**30,
+        device,
+        free / 2**30,
+    )
+    yield
 
 
 def save(run: Run) -> None:
@@ -445,4 +477,28 @@ def run_report(run: Run, modules: Any = None) -> Any:
         seconds=run.seconds,
         targeted=run.targeted,
         modules=modules,
+        execution=execution_summary(run),
     )
+
+
+def execution_summary(run: Run) -> dict[str, Any]:
+    """Where the job computed, for the report: the device (name, total memory), where the activations between
+    layers lived, wall time per calibrated layer (summed over the sessions), peak device memory (overall and per
+    layer, CUDA only) and, when ranks shared the work, each rank's share
+    (:func:`llmc_fsm.toolkit.distributed.rank_work`)."""
+    device = run.settings.execution_device
+    summary: dict[str, Any] = {"device": describe_device(device)}
+    if run.pipelines:
+        last = run.pipelines[-1]
+        summary["activations"] = last.activations
+        summary["layer_seconds"] = [sum(v) for v in zip(*(p.layer_seconds for p in run.pipelines), strict=False)]
+        peaks = [p.peak_device_bytes for p in run.pipelines if p.peak_device_bytes is not None]
+        if peaks:
+            summary["peak_device_bytes"] = max(peaks)
+            summary["layer_peak_device_bytes"] = [
+                max(v) for v in zip(*(p.layer_peak_device_bytes for p in run.pipelines), strict=False)
+            ]
+    work = rank_work([m for session in run.sessions for m in session.modifiers])
+    if work:
+        summary["compress_per_rank"] = work
+    return summary

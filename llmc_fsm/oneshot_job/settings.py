@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from llmc_fsm.output.directory import check_output_not_source
+from llmc_fsm.pipeline.device import DEVICE_CHOICES, resolve_device
 from llmc_fsm.recipes.building import build_recipe
 from llmc_fsm.recipes.model import Recipe
 
@@ -161,6 +162,22 @@ def _dtype(_: Any, field: attrs.Attribute, value: Any) -> None:
     if value not in DTYPES:
         msg = f"{argument_name(field)} must be one of {', '.join(DTYPES)}, got {value!r}"
         raise ValueError(msg)
+
+
+def _device(_: Any, field: attrs.Attribute, value: Any) -> None:
+    """The device resolves (:func:`llmc_fsm.pipeline.device.resolve_device`): checked when the settings are built."""
+    try:
+        resolve_device(value)
+    except ValueError as exc:
+        msg = f"{argument_name(field)} {exc}"
+        raise ValueError(msg) from None
+
+
+def _budget(_: Any, field: attrs.Attribute, value: Any) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0 or value == float("inf"):
+        _fail(field, "a number of MiB >= 0, or None for half the device's free memory", value)
 
 
 def _by_identity(value: Any) -> Any:
@@ -335,6 +352,23 @@ class OneshotSettings:
         cli={"type": int},
         validator=_positive_int_or_none,
     )
+    device: str = _setting(
+        "auto",
+        f"where the decoder layers are calibrated and compressed, one at a time ({DEVICE_CHOICES}; auto: the current "
+        "CUDA device when torch sees one, else the CPU); the weights stay where they were loaded",
+        flag="--device",
+        cli={"metavar": "{auto,cpu,cuda,cuda:N}"},
+        converter=lambda value: str(value) if isinstance(value, torch.device) else value,
+        validator=_device,
+    )
+    activation_budget_mib: float | None = _setting(
+        None,
+        "MiB of device memory the hidden states between decoder layers may take; beyond it they live in CPU memory "
+        "and move per batch (same result); default: half the device's free memory (no limit on the CPU)",
+        flag="--activation-budget-mib",
+        cli={"type": float},
+        validator=_budget,
+    )
 
     def __attrs_post_init__(self) -> None:
         """The checks that read several fields, in the order a user meets them."""
@@ -354,6 +388,16 @@ class OneshotSettings:
         if self.resume and self.output_dir is None:
             msg = "resume (--resume) needs output_dir (--output): the progress to resume is kept next to the output"
             raise ValueError(msg)
+
+    @property
+    def execution_device(self) -> torch.device:
+        """The ``device`` setting resolved (:func:`llmc_fsm.pipeline.device.resolve_device`)."""
+        return resolve_device(self.device)
+
+    @property
+    def activation_budget_bytes(self) -> int | None:
+        """``activation_budget_mib`` in bytes (``None``: the pipeline's default share of free device memory)."""
+        return None if self.activation_budget_mib is None else int(self.activation_budget_mib * 2**20)
 
     @property
     def eval_length(self) -> int:

@@ -25,12 +25,17 @@ so that the freed layers go back to the system (see ``docs/memory.md``).
 from __future__ import annotations
 
 import contextlib
+import json
+import logging
 import os
+import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import attrs
 import torch
+from tqdm.auto import tqdm
 
 from llmc_fsm.models.known import KNOWN_MODELS, fix_safetensors_permissions, known_model_dir
 from llmc_fsm.models.lazy import LazyModel, ShardWriter, load_lazy, save_config
@@ -44,13 +49,95 @@ from llmc_fsm.pipeline.streaming import (
     streamed_states,
     tail_perplexity,
 )
+from llmc_fsm.toolkit.distributed import is_main_process
 from llmc_fsm.toolkit.heap import limit_heap_growth
 
 if TYPE_CHECKING:
     from torch import nn
 
 
-__all__ = ["run_streaming"]
+__all__ = [
+    "available_memory_bytes",
+    "check_job",
+    "estimated_weight_bytes",
+    "run_streaming",
+    "stream_if_too_large",
+]
+
+logger = logging.getLogger(__name__)
+
+_ELEMENT_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2, "float64": 8}
+
+
+def available_memory_bytes() -> int | None:
+    """The CPU memory the kernel can give without swapping (``MemAvailable`` of ``/proc/meminfo``; ``None``
+    where unknown)."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def estimated_weight_bytes(directory: Path, dtype: str) -> int | None:
+    """Bytes the weights of the model in ``directory`` take once loaded in ``dtype`` (a ``DTYPES`` name): the
+    safetensors (or ``.bin``) files' size scaled from the dtype ``config.json`` names to ``dtype``; ``None`` without
+    weight files."""
+    files = [*directory.glob("*.safetensors"), *directory.glob("*.bin")]
+    if not files:
+        return None
+    size = sum(f.stat().st_size for f in files)
+    try:
+        config = json.loads((directory / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        config = {}
+    stored = str(config.get("torch_dtype") or config.get("dtype") or "float32")
+    stored_bytes = _ELEMENT_BYTES.get(stored, 4)
+    target_bytes = stored_bytes if dtype == "auto" else _ELEMENT_BYTES.get(dtype, 4)
+    return size * target_bytes // stored_bytes
+
+
+def stream_if_too_large(run: Run) -> bool:
+    """Switch ``run`` to the streamed path (``low_memory``) when a model directory's weights would not fit in the
+    CPU memory available (checked before loading); say so on stderr (with progress on) and in the log.
+
+    Returns:
+        Whether the run now streams.
+
+    Raises:
+        ValueError: the weights do not fit and the job cannot stream (one line: why, and what to pass).
+    """
+    settings = run.settings
+    if settings.low_memory or not isinstance(settings.model, str | os.PathLike):
+        return False
+    directory = Path(settings.model)
+    if not directory.is_dir():
+        return False
+    need, available = estimated_weight_bytes(directory, settings.dtype), available_memory_bytes()
+    if need is None or available is None or need <= available:
+        return False
+    what = (
+        f"the weights of {os.fspath(settings.model)} ({need / 2**30:.2f} GiB in {settings.dtype}) do not fit in the "
+        f"CPU memory available ({available / 2**30:.2f} GiB)"
+    )
+    if settings.resume:
+        msg = f"{what}, and a streamed run (--low-memory) cannot resume: run without resume (--resume)"
+        raise ValueError(msg)
+    run.settings = attrs.evolve(settings, low_memory=True)
+    try:
+        check_job(run)
+    except ValueError as exc:
+        run.settings = settings
+        reason = str(exc).removeprefix("low_memory (--low-memory) cannot run this job: ")
+        msg = f"{what}, and the streamed path (--low-memory) cannot run this job: {reason}"
+        raise ValueError(msg) from None
+    logger.warning("%s: streaming one decoder layer at a time (--low-memory)", what)
+    if settings.progress and is_main_process():
+        tqdm.write(f"llmc-fsm oneshot: {what}: streaming one decoder layer at a time (--low-memory)", file=sys.stderr)
+    return True
 
 
 def run_streaming(run: Run) -> nn.Module:
@@ -69,7 +156,7 @@ def run_streaming(run: Run) -> nn.Module:
             then as :func:`llmc_fsm.models.lazy.load_lazy` and the usual one-shot checks.
     """
 
-    _check(run)
+    check_job(run)
     limit_heap_growth()  # freed layers go back to the system (glibc)
     lazy = _load(run)
     token_data(run)  # on the meta-device model: lengths and the modifiers' checks, no forward
@@ -77,23 +164,35 @@ def run_streaming(run: Run) -> nn.Module:
     progress = run.settings.progress
     if run.eval_windows is not None:
         with run.timed("eval_before"):
-            states, as_tuple = streamed_states(lazy, run.eval_windows, progress=progress)
-            run.ppl["eval_before"] = tail_perplexity(lazy, run.eval_windows, states, as_tuple, progress=progress)
+            device = run.settings.execution_device
+            states, as_tuple = streamed_states(lazy, run.eval_windows, progress=progress, device=device)
+            run.ppl["eval_before"] = tail_perplexity(
+                lazy, run.eval_windows, states, as_tuple, progress=progress, device=device
+            )
         del states
     writer = _writer(run, lazy)
     result = _compress(run, lazy, writer)
     if result.eval_states is not None:
         with run.timed("eval_after"):
             run.ppl["eval_after"] = tail_perplexity(
-                lazy, run.eval_windows, result.eval_states, as_tuple, progress=progress
+                lazy,
+                run.eval_windows,
+                result.eval_states,
+                as_tuple,
+                progress=progress,
+                device=run.settings.execution_device,
             )
         result.eval_states = None
     _save(run, lazy, writer, result)
     return lazy.model
 
 
-def _check(run: Run) -> None:
-    """Everything that rules a run out, before any weight is read."""
+def check_job(run: Run) -> None:
+    """Everything that rules a streamed run out, before any weight is read.
+
+    Raises:
+        ValueError: ``low_memory (--low-memory) cannot run this job: <why>``.
+    """
 
     dist = torch.distributed
     several_ranks = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
@@ -187,6 +286,7 @@ def _compress(run: Run, lazy: LazyModel, writer: ShardWriter) -> StreamedCompres
                 batch_size=run.settings.batch_size,
                 eval_windows=run.eval_windows,
                 progress=run.settings.progress,
+                device=run.settings.execution_device,
             )
         except BaseException:
             with contextlib.suppress(Exception):

@@ -9,11 +9,14 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections import OrderedDict
 from typing import Any
 
 import torch
 from torch import nn
+
+from llmc_fsm.pipeline.device import OffloadedInputs, onloaded
 
 __all__ = [
     "Calls",
@@ -106,8 +109,19 @@ def _family(model: nn.Module) -> str:
     return f"{type(model).__name__} (model_type {model_type!r})" if model_type else type(model).__name__
 
 
-def capture_layer_inputs(model: nn.Module, layer: nn.Module, batches: list[dict[str, Any]]) -> Inputs:
+def capture_layer_inputs(
+    model: nn.Module,
+    layer: nn.Module,
+    batches: list[dict[str, Any]],
+    *,
+    device: torch.device | None = None,
+    keep: Any = None,
+) -> Inputs:
     """Run each batch through the model up to ``layer`` and return its (args, kwargs) per batch.
+
+    ``device``: where the batches' tensors are put (default: that of the model's first parameter); ``keep``: called
+    on each batch's hidden states as they are captured, returning where they wait for the layer (e.g.
+    :meth:`llmc_fsm.pipeline.device.ActivationStore.keep`, a copy in CPU memory); default: as they are.
 
     The inputs of every later decoder layer (those after ``layer`` in the ``nn.ModuleList`` holding it) are
     captured in the same forward: each layer's ``forward`` is replaced, for the capture, by one that records
@@ -124,7 +138,7 @@ def capture_layer_inputs(model: nn.Module, layer: nn.Module, batches: list[dict[
     """
     layers = _layer_list(model, layer)
     captured: Inputs = []
-    device = _device_of(model)
+    device = _device_of(model) if device is None else device
     saved = [module.__dict__.get("forward") for module in layers]
     calls: list[tuple[tuple[Any, ...], dict[str, Any]] | None] = []
 
@@ -176,7 +190,8 @@ def capture_layer_inputs(model: nn.Module, layer: nn.Module, batches: list[dict[
                 raise RuntimeError(msg)
             per_layer = [(args[1:], kwargs) for args, kwargs in calls]  # type: ignore[misc]
             first_args = calls[0][0]  # type: ignore[index]
-            captured.append(((first_args[0], *per_layer[0][0]), LayerKwargs(per_layer, 0)))
+            hidden = first_args[0] if keep is None else keep(first_args[0])
+            captured.append(((hidden, *per_layer[0][0]), LayerKwargs(per_layer, 0)))
     finally:
         for module, forward, hooks in zip(layers, saved, saved_hooks, strict=True):
             if forward is None:
@@ -251,7 +266,8 @@ def with_hidden(inputs: Inputs, hidden: list[torch.Tensor]) -> Inputs:
     the other arguments are the next layer's own; otherwise they are kept as they are.
     """
     result: Inputs = []
-    for out, (args, kwargs) in zip(hidden, inputs, strict=True):
+    held = inputs.raw() if isinstance(inputs, OffloadedInputs) else inputs  # no batch moved just to be replaced
+    for out, (args, kwargs) in zip(hidden, held, strict=True):
         if isinstance(kwargs, LayerKwargs) and kwargs.index + 1 < len(kwargs.per_layer):
             rest, kwargs = kwargs.at(kwargs.index + 1)
             result.append(((out, *rest), kwargs))
@@ -275,14 +291,18 @@ def inputs_of(inputs: Inputs, offset: int) -> Inputs:
     return result
 
 
-def record_calls_per_class(layers: nn.ModuleList, first: tuple[tuple[Any, ...], dict[str, Any]]) -> dict[type, Calls]:
+def record_calls_per_class(
+    layers: nn.ModuleList, first: tuple[tuple[Any, ...], dict[str, Any]], *, device: torch.device | None = None
+) -> dict[type, Calls]:
     """:func:`record_calls` of the first layer of each class in ``layers`` (hybrid stacks mix classes).
 
-    ``first`` is one batch's inputs of ``layers[0]``; each layer runs on its own captured arguments.
+    ``first`` is one batch's inputs of ``layers[0]``; each layer runs on its own captured arguments, onloaded to
+    ``device`` for the call (:func:`llmc_fsm.pipeline.device.onloaded`; ``None``: where it is).
     """
     result: dict[type, Calls] = {}
     for index, layer in enumerate(layers):
         if type(layer) not in result:
             ((args, kwargs),) = inputs_of([first], index)
-            result[type(layer)] = record_calls(layer, args, kwargs)
+            with onloaded(layer, device) if device is not None else contextlib.nullcontext():
+                result[type(layer)] = record_calls(layer, args, kwargs)
     return result

@@ -43,6 +43,7 @@ from torch import nn
 
 from llmc_fsm.core.errors import LifecycleError
 from llmc_fsm.models.layers import find_decoder_layers
+from llmc_fsm.pipeline.device import ActivationStore, activation_store, describe_device, onloaded, resolve_device
 from llmc_fsm.pipeline.forward import Inputs, capture_layer_inputs, record_calls_per_class
 from llmc_fsm.pipeline.layer import compress_layer, propagate
 from llmc_fsm.session.session import Session
@@ -73,6 +74,11 @@ class PipelineResult:
         layer_seconds: wall time per layer (calibration + compression + propagation).
         seconds: total wall time of the pipeline.
         resumed_layers: leading layers restored from a :class:`LayerCheckpoint` instead of calibrated.
+        device: the execution device (:func:`llmc_fsm.pipeline.device.describe_device`: device, name, total memory).
+        activations: where the hidden states between layers lived
+            (:meth:`llmc_fsm.pipeline.device.ActivationStore.report`).
+        layer_peak_device_bytes: per calibrated layer, ``torch.cuda.max_memory_allocated`` during it (CUDA only,
+            else empty); ``peak_device_bytes``: over the whole pipeline (``None`` on the CPU).
     """
 
     layers_name: str
@@ -82,6 +88,10 @@ class PipelineResult:
     layer_seconds: list[float]
     seconds: float
     resumed_layers: int = 0
+    device: dict[str, Any] = attrs.field(factory=dict)
+    activations: dict[str, Any] = attrs.field(factory=dict)
+    layer_peak_device_bytes: list[int] = attrs.field(factory=list)
+    peak_device_bytes: int | None = None
 
 
 def calibration_batches(data: Any, *, batch_size: int = 8) -> list[dict[str, Any]]:
@@ -169,6 +179,8 @@ def run_sequential(
     early_exit: bool = True,
     true_sequential: bool = True,
     checkpoint: LayerCheckpoint | None = None,
+    device: torch.device | str | None = None,
+    activation_budget: int | None = None,
 ) -> PipelineResult:
     """Calibrate and compress ``model`` layer by layer through ``session``'s modifiers.
 
@@ -199,6 +211,14 @@ def run_sequential(
             ``calibration_start``) instead of calibrated, and the calibration
             inputs are recomputed through them, so the run continues exactly
             where the saved one stopped.
+        device: the execution device (``torch.device`` or a string :func:`llmc_fsm.pipeline.device.resolve_device`
+            accepts; ``None``: where the model's first parameter is). The model's weights stay where they are: the
+            embeddings and the other modules outside the decoder layers are onloaded for the capture of layer 0's
+            inputs, each decoder layer for its calibration forwards, statistics, compression and propagation, and
+            each goes back afterwards (:func:`llmc_fsm.pipeline.device.onloaded`).
+        activation_budget: bytes the hidden states between layers (a layer's inputs and outputs) may take on the
+            device; beyond it they live in CPU memory and move per batch. ``None``: half the device's free memory
+            (no limit on the CPU). Results are bit-identical either way.
 
     Returns:
         A :class:`PipelineResult`.
@@ -210,10 +230,23 @@ def run_sequential(
     """
     t_start = time.perf_counter()
     model, batches = _check_inputs(session, model, calibration_data, batch_size)
+    execution = _execution_device(model, device)
+    if activation_budget is not None and (
+        isinstance(activation_budget, bool) or not isinstance(activation_budget, int) or activation_budget < 0
+    ):
+        msg = f"activation_budget must be a number of bytes >= 0 or None, got {activation_budget!r}"
+        raise ValueError(msg)
     layers_name, layers = find_decoder_layers(model)
     check_targets_in_layers(session, layers, layers_name)
     was_training = model.training
     model.eval()
+    cuda = execution.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(execution)
+    runner = _LayerRunner(
+        device=execution,
+        store=activation_store(execution, _activation_bytes(model, batches), activation_budget),
+    )
     try:
         with torch.no_grad():
             resumed, layer_seconds = _run_layers(
@@ -221,6 +254,7 @@ def run_sequential(
                 model,
                 layers,
                 batches,
+                runner,
                 progress=progress,
                 early_exit=early_exit,
                 true_sequential=true_sequential,
@@ -236,6 +270,10 @@ def run_sequential(
         layer_seconds=layer_seconds,
         seconds=time.perf_counter() - t_start,
         resumed_layers=resumed,
+        device=describe_device(execution),
+        activations=runner.store.report(),
+        layer_peak_device_bytes=runner.layer_peaks,
+        peak_device_bytes=int(torch.cuda.max_memory_allocated(execution)) if cuda else None,
     )
     logger.info("sequential pipeline: %d layers, %d batches in %.2f s", len(layers), len(batches), result.seconds)
     return result
@@ -263,11 +301,45 @@ def _check_inputs(
     return model, calibration_batches(data, batch_size=batch_size)
 
 
+def _execution_device(model: nn.Module, device: torch.device | str | None) -> torch.device:
+    """``device`` resolved, or (``None``) the device of the model's first parameter (the CPU without one)."""
+    if device is not None:
+        return resolve_device(device) if not isinstance(device, torch.device) or device.type == "cuda" else device
+    for param in model.parameters():
+        return param.device
+    return torch.device("cpu")
+
+
+def _activation_bytes(model: nn.Module, batches: list[dict[str, Any]]) -> int:
+    """Bytes of one decoder layer's hidden states over ``batches``: tokens x ``config.hidden_size`` x the size of the
+    model's floating dtype (0 when the model has no ``hidden_size`` in its config: counted as fitting)."""
+    hidden = getattr(getattr(model, "config", None), "hidden_size", None)
+    if not isinstance(hidden, int):
+        return 0
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    tokens = sum(int(b["input_ids"].numel()) for b in batches if isinstance(b.get("input_ids"), torch.Tensor))
+    return tokens * hidden * torch.empty(0, dtype=dtype).element_size()
+
+
+@attrs.define(kw_only=True, eq=False)
+class _LayerRunner:
+    """The execution device, the activation store and the per-layer peak device memory of one pipeline run."""
+
+    device: torch.device
+    store: ActivationStore
+    layer_peaks: list[int] = attrs.field(factory=list)
+
+    def onload(self, module: nn.Module, *, skip: Any = ()) -> Any:
+        """:func:`llmc_fsm.pipeline.device.onloaded` on this run's device."""
+        return onloaded(module, self.device, skip=skip)
+
+
 def _run_layers(
     session: Session,
     model: nn.Module,
     layers: nn.ModuleList,
     batches: list[dict[str, Any]],
+    runner: _LayerRunner,
     *,
     progress: bool,
     early_exit: bool,
@@ -279,11 +351,14 @@ def _run_layers(
 
     # grouped calibration calls a group's later members' pre-hooks early; CalibratedModifier ignores the later call
     true_sequential = true_sequential and all(isinstance(m, CalibratedModifier) for m in session.modifiers)
-    inputs = capture_layer_inputs(model, layers[0], batches)
+    store = runner.store
+    with runner.onload(model, skip=[layers]):  # embeddings, rotary tables (the layers' forwards are stubbed)
+        inputs = store.wrap(capture_layer_inputs(model, layers[0], batches, device=runner.device, keep=store.keep))
     # which submodules are called in which order, on which inputs: before the modifiers hook anything
-    calls = record_calls_per_class(layers, inputs[0]) if (early_exit or true_sequential) and inputs else {}
+    wanted = (early_exit or true_sequential) and len(inputs) > 0
+    calls = record_calls_per_class(layers, inputs[0], device=runner.device) if wanted else {}
     session.calibration_start()
-    start, inputs = _resume(layers, inputs, checkpoint)
+    start, inputs = _resume(layers, inputs, checkpoint, runner)
     layer_seconds: list[float] = []
     bar = tqdm(
         range(start, len(layers)),
@@ -298,19 +373,25 @@ def _run_layers(
         t0 = time.perf_counter()
         layer = layers[index]
         last = index + 1 == len(layers)
-        outputs = compress_layer(
-            layer,
-            inputs,
-            session.sequential_epoch_end,
-            calls=calls.get(type(layer)),
-            true_sequential=true_sequential,
-            early_exit=early_exit,
-            need_outputs=not last,
-            modifiers=session.modifiers,
-        )
+        cuda = runner.device.type == "cuda"
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(runner.device)
+        with runner.onload(layer):  # calibration forwards, statistics, compression, propagation on the device
+            outputs = compress_layer(
+                layer,
+                inputs,
+                session.sequential_epoch_end,
+                calls=calls.get(type(layer)),
+                true_sequential=true_sequential,
+                early_exit=early_exit,
+                need_outputs=not last,
+                modifiers=session.modifiers,
+            )
+        if cuda:
+            runner.layer_peaks.append(int(torch.cuda.max_memory_allocated(runner.device)))
         if checkpoint is not None:
-            checkpoint.save(index, layer)
-        inputs = outputs if outputs is not None else []
+            checkpoint.save(index, layer)  # from where the weights live
+        inputs = store.hold(outputs) if outputs is not None else []
         trim_heap()  # the forwards' freed activations go back to the system
         layer_seconds.append(time.perf_counter() - t0)
     bar.close()
@@ -319,13 +400,16 @@ def _run_layers(
     return start, layer_seconds
 
 
-def _resume(layers: nn.ModuleList, inputs: Inputs, checkpoint: LayerCheckpoint | None) -> tuple[int, Inputs]:
-    """Restore the layers ``checkpoint`` holds and run the calibration inputs through them."""
+def _resume(
+    layers: nn.ModuleList, inputs: Inputs, checkpoint: LayerCheckpoint | None, runner: _LayerRunner
+) -> tuple[int, Inputs]:
+    """Restore the layers ``checkpoint`` holds and run the calibration inputs through them (each onloaded)."""
     start = checkpoint.layers_done(len(layers)) if checkpoint is not None else 0
     for index in range(start):
         checkpoint.restore(index, layers[index])  # type: ignore[union-attr]
         if start < len(layers):
-            inputs = propagate(layers[index], inputs)
+            with runner.onload(layers[index]):
+                inputs = runner.store.hold(propagate(layers[index], inputs))
     if start:
         logger.info("resumed: %d of %d decoder layers restored from saved progress", start, len(layers))
     return start, inputs

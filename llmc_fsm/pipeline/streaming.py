@@ -45,6 +45,7 @@ from torch import nn
 from llmc_fsm.data.protocol import perplexity
 from llmc_fsm.models.lazy import LazyModel, ShardWriter
 from llmc_fsm.output.save import compressed_state_dict, quantized_modules
+from llmc_fsm.pipeline.device import onloaded
 from llmc_fsm.pipeline.forward import Calls, Inputs, capture_layer_inputs, record_calls
 from llmc_fsm.pipeline.layer import compress_layer, propagate
 from llmc_fsm.pipeline.sequential import calibration_batches, check_targets_in_layers
@@ -125,8 +126,13 @@ class _OutputKind:
                 raise TypeError(msg)
 
 
-def streamed_states(lazy: LazyModel, windows: torch.Tensor, *, progress: bool = False) -> tuple[Inputs, bool]:
+def streamed_states(
+    lazy: LazyModel, windows: torch.Tensor, *, progress: bool = False, device: torch.device | None = None
+) -> tuple[Inputs, bool]:
     """Run every window (``LongTensor[N, L]``) through the decoder layers, reading one layer at a time.
+
+    ``device``: where each part computes, onloaded while it runs (:func:`llmc_fsm.pipeline.device.onloaded`;
+    ``None``: the CPU, where the parts are read).
 
     Returns:
         ``(states, as_tuple)``: per window the inputs the layer after the last
@@ -134,12 +140,13 @@ def streamed_states(lazy: LazyModel, windows: torch.Tensor, *, progress: bool = 
         layers return tuples — what :func:`tail_perplexity` needs.
     """
     kind = _OutputKind()
+    device = torch.device("cpu") if device is None else device
     with torch.no_grad():
-        with lazy.materialized(lazy.outer_names()):
-            states = capture_layer_inputs(lazy.model, lazy.layers[0], _window_batches(windows))
+        with lazy.materialized(lazy.outer_names()), onloaded(lazy.model, device, skip=[lazy.layers]):
+            states = capture_layer_inputs(lazy.model, lazy.layers[0], _window_batches(windows), device=device)
         for index in _bar(len(lazy.layers), "evaluating layers", progress):
             layer = lazy.layers[index]
-            with lazy.materialized(lazy.layer_names(index), layer):
+            with lazy.materialized(lazy.layer_names(index), layer), onloaded(layer, device):
                 handle = layer.register_forward_hook(kind)
                 try:
                     states = propagate(layer, states)
@@ -173,18 +180,26 @@ def _replaying(lazy: LazyModel, states: Inputs, as_tuple: bool) -> Iterator[None
 
 
 def tail_perplexity(
-    lazy: LazyModel, windows: torch.Tensor, states: Inputs, as_tuple: bool, *, progress: bool = False
+    lazy: LazyModel,
+    windows: torch.Tensor,
+    states: Inputs,
+    as_tuple: bool,
+    *,
+    progress: bool = False,
+    device: torch.device | None = None,
 ) -> float:
     """Perplexity of ``windows`` whose hidden states after the last decoder layer are ``states``.
 
     The model's own forward (and :func:`llmc_fsm.data.protocol.perplexity`'s loss) runs
     with the tensors outside the layers read once and the decoder layers
     replaced by the precomputed states, so the value is what the in-memory
-    model gives.
+    model gives. ``device``: where the parts outside the layers compute (where ``states`` are; ``None``: the CPU).
     """
 
+    device = torch.device("cpu") if device is None else device
     with lazy.materialized(lazy.outer_names()), _replaying(lazy, states, as_tuple):
-        return perplexity(lazy.model, windows, progress=progress)
+        with onloaded(lazy.model, device, skip=[lazy.layers]):
+            return perplexity(lazy.model, windows, progress=progress)
 
 
 def _outer_modules(lazy: LazyModel) -> Iterator[tuple[str, nn.Module]]:
@@ -235,6 +250,7 @@ def compress_streaming(
     batch_size: int = 8,
     eval_windows: torch.Tensor | None = None,
     progress: bool = True,
+    device: torch.device | None = None,
 ) -> StreamedCompression:
     """Calibrate, compress and write ``lazy``'s model one decoder layer at a time through ``session``.
 
@@ -253,6 +269,9 @@ def compress_streaming(
         eval_windows: ``LongTensor[M, L']`` to carry through the compressed layers for the perplexity after
             (:attr:`StreamedCompression.eval_states`).
         progress: a tqdm bar over the layers.
+        device: the execution device (``None``: the CPU): the parts outside the layers are onloaded for the
+            capture, each decoder layer, once read from the checkpoint, for its calibration, compression and
+            propagation; it is written from CPU memory (:func:`llmc_fsm.pipeline.device.onloaded`).
 
     Raises:
         ValueError: a modifier acts on the whole model (:func:`check_streamable`) or targets a module outside
@@ -261,19 +280,22 @@ def compress_streaming(
     check_streamable(session)
     check_targets_in_layers(session, lazy.layers, lazy.layers_name)
     batches = calibration_batches(windows, batch_size=batch_size) if windows.shape[0] else []
+    device = torch.device("cpu") if device is None else device
     result = StreamedCompression(modules=write_outer(lazy, writer))  # first: nothing else is held yet
     with torch.no_grad():
-        with lazy.materialized(lazy.outer_names()):
-            inputs = capture_layer_inputs(lazy.model, lazy.layers[0], batches)
+        with lazy.materialized(lazy.outer_names()), onloaded(lazy.model, device, skip=[lazy.layers]):
+            inputs = capture_layer_inputs(lazy.model, lazy.layers[0], batches, device=device)
             if eval_windows is not None:
-                result.eval_states = capture_layer_inputs(lazy.model, lazy.layers[0], _window_batches(eval_windows))
+                result.eval_states = capture_layer_inputs(
+                    lazy.model, lazy.layers[0], _window_batches(eval_windows), device=device
+                )
         calls = None
         if inputs:  # which submodules are called in which order, on which inputs: before any hook
-            with lazy.materialized(lazy.layer_names(0), lazy.layers[0]):
+            with lazy.materialized(lazy.layer_names(0), lazy.layers[0]), onloaded(lazy.layers[0], device):
                 calls = record_calls(lazy.layers[0], *inputs[0])
         session.calibration_start()
         for index in _bar(len(lazy.layers), "compressing layers", progress):
-            inputs = _compress_layer(session, lazy, writer, index, inputs, calls, result)
+            inputs = _compress_layer(session, lazy, writer, index, inputs, calls, result, device)
         del inputs
         session.calibration_end()
     rank = _module_order(lazy)
@@ -289,25 +311,27 @@ def _compress_layer(
     inputs: Inputs,
     calls: Calls | None,
     result: StreamedCompression,
+    device: torch.device,
 ) -> Inputs:
     """Read, calibrate, compress, measure and write decoder layer ``index``; return the next layer's inputs."""
     layer = lazy.layers[index]
     prefix = f"{lazy.layers_name}.{index}."
     with lazy.materialized(lazy.layer_names(index), layer):
         need_outputs = index + 1 < len(lazy.layers)
-        outputs = compress_layer(
-            layer,
-            inputs,
-            session.sequential_epoch_end,
-            calls=calls,
-            true_sequential=True,
-            early_exit=True,
-            need_outputs=need_outputs,
-            modifiers=session.modifiers,
-        )
+        with onloaded(layer, device):  # read into CPU memory, computed on the device, written from CPU memory
+            outputs = compress_layer(
+                layer,
+                inputs,
+                session.sequential_epoch_end,
+                calls=calls,
+                true_sequential=True,
+                early_exit=True,
+                need_outputs=need_outputs,
+                modifiers=session.modifiers,
+            )
+            if result.eval_states is not None:
+                result.eval_states = propagate(layer, result.eval_states)
         inputs = outputs if outputs is not None else []
-        if result.eval_states is not None:
-            result.eval_states = propagate(layer, result.eval_states)
         result.modules += [
             attrs.evolve(m, name=prefix + m.name, layer=index) for m in measure_sparsity(layer) if m.name
         ]

@@ -124,6 +124,9 @@ class OneshotReport:
     #: ``smoothing_results``: scale statistics; AWQ's chosen exponent and block errors); with AWQ's ``apply_clip``
     #: also ``"<label> clipping"`` -> Linear -> its ``clipping_results``. Empty: none ran.
     smoothing: dict[str, dict[str, dict[str, Any]]] = attrs.field(factory=dict)
+    #: where the job computed (:func:`llmc_fsm.oneshot_job.phases.execution_summary`): ``device`` (name, total
+    #: memory), ``activations`` (mode ``device`` or ``cpu-offloaded``), peak device memory, per-rank work.
+    execution: dict[str, Any] | None = None
 
     def finish(self, t_start: float) -> None:
         """Set the total wall time (since ``t_start``, a ``time.perf_counter()`` value) and the peak RSS."""
@@ -212,6 +215,7 @@ class OneshotReport:
                 ],
             },
             **({"smoothing": self.smoothing} if self.smoothing else {}),
+            **({"execution": self.execution} if self.execution else {}),
             "disk": self.disk,
             "seconds": self.seconds,
             "max_rss_bytes": self.max_rss_bytes,
@@ -257,6 +261,7 @@ class OneshotReport:
             output_dir=data.get("output_dir"),
             targeted=[m["name"] for m in entries if m.get("targeted")],
             smoothing=data.get("smoothing") or {},
+            execution=data.get("execution"),
         )
 
     def format_table(self) -> str:
@@ -319,9 +324,32 @@ class OneshotReport:
         parts = [f"{k} {v:.1f} s" for k, v in secs.items() if k != "total"]
         lines.append(f"wall time: {secs.get('total', 0.0):.1f} s ({', '.join(parts)})")
         lines.append(f"max RSS: {self.max_rss_bytes / 2**30:.2f} GiB")
+        lines.extend(_execution_lines(self.execution))
         if self.output_dir:
             lines.append(f"output: {self.output_dir} (model, tokenizer, recipe.yaml, report.json)")
         return "\n".join(lines)
+
+
+def _execution_lines(execution: dict[str, Any] | None) -> list[str]:
+    """The report's lines on where the job computed (device, activations, peak device memory, per-rank work)."""
+    if not execution or "device" not in execution:
+        return []
+    info = execution["device"]
+    total = info.get("total_memory_bytes")
+    line = f"device: {info['device']} ({info['name']}" + (f", {total / 2**30:.1f} GiB)" if total else ")")
+    acts = execution.get("activations")
+    if acts:
+        where = "on the device" if acts.get("mode") == "device" else "in CPU memory, moved to the device per batch"
+        line += f"; activations between layers {where} ({acts.get('activation_bytes', 0) / 2**20:.1f} MiB)"
+    if execution.get("peak_device_bytes") is not None:
+        line += f"; peak device memory {execution['peak_device_bytes'] / 2**30:.2f} GiB"
+    lines = [line]
+    for rank, work in enumerate(execution.get("compress_per_rank") or []):
+        lines.append(
+            f"rank {rank}: compressed {work['modules']} modules (sweep cost {work['cost']:.3g} = rows x columns^2, "
+            f"{work['seconds']:.1f} s)"
+        )
+    return lines
 
 
 def _bits_of_earlier_runs(model: nn.Module, by_name: dict[str, ModuleSparsity]) -> None:
@@ -406,6 +434,7 @@ def build_report(
     seconds: dict[str, float],
     targeted: list[str],
     modules: list[ModuleSparsity] | None = None,
+    execution: dict[str, Any] | None = None,
 ) -> OneshotReport:
     """The one-shot report of ``model`` after compression by ``modifiers``.
 
@@ -455,4 +484,5 @@ def build_report(
         seconds=seconds,
         targeted=targeted,
         smoothing=smoothing,
+        execution=execution,
     )

@@ -26,13 +26,20 @@ Under ``torch.distributed`` (a process group with more than one rank, see
 :mod:`llmc_fsm.toolkit.distributed`) each rank calibrates on its own share of the data;
 before a group of targets is compressed the accumulators are summed over the
 ranks (their ``all_reduce()``), so every rank compresses from the statistics of
-all the data and computes the same weights — checked after each compression
-by comparing per-module checksums of the new weights across ranks.
+all the data. A modifier whose compression changes nothing but the weights' values
+(:attr:`CalibratedModifier.shares_work_across_ranks`, e.g. SparseGPT, Wanda) then
+**shares the work**: the groups of targets of a layer are assigned to ranks,
+balanced by their sweep cost (rows x columns², :func:`llmc_fsm.toolkit.distributed.assign_to_ranks`),
+each rank compresses its share and the new weights (and results) are broadcast
+from their owner; any other modifier compresses every group on every rank. Either
+way the new weights are then compared across ranks by per-module checksums.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import math
 import time
 from collections.abc import Iterable
 from typing import Any
@@ -42,7 +49,19 @@ import torch
 from torch import nn
 
 from llmc_fsm.core.modifier import Modifier
-from llmc_fsm.toolkit.distributed import check_same_values, is_distributed, reduce_statistics
+from llmc_fsm.toolkit.distributed import (
+    DistributedError,
+    all_gather_ints,
+    assign_to_ranks,
+    broadcast_tensor,
+    broadcast_values,
+    check_same_values,
+    get_rank,
+    get_world_size,
+    is_distributed,
+    reduce_statistics,
+    sweep_cost,
+)
 from llmc_fsm.toolkit.heap import trim_heap
 from llmc_fsm.toolkit.layer_error import relative_output_error
 from llmc_fsm.toolkit.targets import (
@@ -159,6 +178,15 @@ class CalibratedModifier(Modifier):
     #: Whether targets include the Linear views of fused experts and Conv1D (:mod:`llmc_fsm.toolkit.views`; the
     #: subclass then feeds their inputs, see :func:`~llmc_fsm.toolkit.views.observe_inputs`); ``False`` refuses them.
     compresses_views = False
+    #: Whether :meth:`_compress_group` changes nothing but the values of the modules' weights (no new parameters,
+    #: buffers or attributes, no state kept on the modifier): then under ``torch.distributed`` each group of
+    #: targets is compressed by one rank and its new weights are broadcast (the sweeps are split between ranks).
+    shares_work_across_ranks = False
+    #: When ranks share the work: whether the modules of one group (sharing a Hessian: q/k/v, gate/up) may go to
+    #: different ranks, each sweeping its own (``False``: a group goes to one rank whole, as one process sweeps it,
+    #: so the new weights are bitwise those of the replicated computation; the ranks then run in parallel only when
+    #: several groups are handed over at once, i.e. the plain pipeline order).
+    splits_groups_across_ranks = True
 
     targets: list[str] = attrs.field(factory=lambda: list(DEFAULT_TARGETS), converter=patterns, validator=_non_empty)
     ignore: list[str] = attrs.field(factory=lambda: list(DEFAULT_IGNORE), converter=patterns)
@@ -178,6 +206,11 @@ class CalibratedModifier(Modifier):
         self.results: dict[str, ModuleResult] = {}
         #: targets that never received a calibration input (left as they were).
         self.skipped: list[str] = []
+        #: targets this process compressed itself, in order (under shared work, only its share).
+        self.compressed_here: list[str] = []
+        #: when ranks share the work: module name -> (rank that compressed it, sweep cost, seconds).
+        self.work_shares: dict[str, tuple[int, int, float]] = {}
+        self._rank_loads: list[int] = []
 
     @property
     def resolved_targets(self) -> dict[str, nn.Module]:
@@ -209,6 +242,16 @@ class CalibratedModifier(Modifier):
     def _result_extras(self, module: nn.Module) -> dict[str, Any]:
         """Extra :class:`ModuleResult` fields for ``module`` (e.g. ``bits``)."""
         return {}
+
+    def _prepare_to_receive(self, modules: list[tuple[str, nn.Module]]) -> None:
+        """When ranks share the work (:attr:`shares_work_across_ranks`): on a rank that does not compress
+        ``modules`` (``(name, module)``), give them the parameters and buffers :meth:`_compress_group` creates on
+        the rank that does (shapes and dtypes; the values are then broadcast). Default: nothing (only the
+        weights change)."""
+
+    def _after_receive(self, modules: list[tuple[str, nn.Module]]) -> None:
+        """When ranks share the work: on a rank that did not compress ``modules``, what is left to do once their
+        tensors hold the compressing rank's values. Default: nothing."""
 
     #: What to do when :meth:`check_model` finds an already quantized model.
     quantized_model_hint = (
@@ -363,6 +406,9 @@ class CalibratedModifier(Modifier):
         if any(acc is self._last_acc for acc, _ in groups.values()):
             self._last_input = None  # the last batch's input and statistics are not needed past their group
             self._last_acc = None
+        if distributed and self.shares_work_across_ranks:
+            self._compress_shared(groups)
+            groups = {}
         since_trim = 0
         for key in list(groups):
             acc, members = groups.pop(key)
@@ -382,15 +428,80 @@ class CalibratedModifier(Modifier):
                 }
             check_same_values(sums, what="weights")
 
+    def _compress_shared(self, groups: dict[int, tuple[Any, list[tuple[str, nn.Module]]]]) -> None:
+        """Each module compressed by the rank :func:`~llmc_fsm.toolkit.distributed.assign_to_ranks` gives it, then its
+        new weight and result broadcast from that rank.
+
+        The unit of work is a module, not a group: the true-sequential pipeline hands over one group at a time
+        (q/k/v, then o, then gate/up, then down), so ranks split a group's modules — each rank factors the
+        group's shared Hessian and sweeps its own modules (a module's sweep and mask depend only on its own rows
+        and the Hessian) — and the loads carry over from group to group, balancing the ranks over the run. Every
+        rank holds the same groups in the same order (the reduced statistics), so all compute the same owners.
+        """
+        world, rank = get_world_size(), get_rank()
+        if len(self._rank_loads) != world:
+            self._rank_loads = [0] * world
+        order = [(acc, name, module) for acc, members in groups.values() for name, module in members]
+        if self.splits_groups_across_ranks:
+            owners = assign_to_ranks([sweep_cost(m.weight.shape) for _, _, m in order], world, self._rank_loads)
+        else:
+            costs = [sum(sweep_cost(m.weight.shape) for _, m in members) for _, members in groups.values()]
+            per_group = assign_to_ranks(costs, world, self._rank_loads)
+            owners = [owner for owner, (_, members) in zip(per_group, groups.values(), strict=True) for _ in members]
+        for acc, members in groups.values():
+            mine = [(name, module) for name, module in members if owners[_index(order, name)] == rank]
+            if mine:
+                self._compress_members(acc, mine)
+        for (_, name, module), owner in zip(order, owners, strict=True):
+            if owner != rank:
+                self._prepare_to_receive([(name, module)])
+            tensors = _module_tensors(module)
+            layout = _digest_layout(tensors)
+            table = all_gather_ints([layout], what=f"all_gather (tensors of {name})")
+            if any(row[0] != table[owner][0] for row in table):
+                msg = (
+                    f"{type(self).__name__}: after compressing {name} the ranks hold different parameters and buffers "
+                    "in it (names, shapes or dtypes): the modifier's _prepare_to_receive does not create what its "
+                    "_compress_group does"
+                )
+                raise DistributedError(msg)
+            with torch.no_grad():
+                for key, tensor in tensors:
+                    broadcast_tensor(tensor, src=owner, what=f"broadcast ({name}.{key})")
+            if owner != rank:
+                self._after_receive([(name, module)])
+            result = self.results.get(name) if owner == rank else None
+            numbers = (
+                [
+                    result.zeros,
+                    result.seconds,
+                    result.samples,
+                    math.nan if result.rel_output_error is None else result.rel_output_error,
+                ]
+                if result is not None
+                else [0.0, 0.0, 0.0, 0.0]
+            )
+            zeros, seconds, samples, error = broadcast_values(numbers, src=owner, what=f"broadcast (result of {name})")
+            if owner != rank:
+                self.results[name] = ModuleResult(
+                    zeros=int(zeros),
+                    numel=module.weight.numel(),
+                    seconds=seconds,
+                    samples=int(samples),
+                    rel_output_error=None if math.isnan(error) else error,
+                    **self._result_extras(module),
+                )
+                if name in self.skipped:
+                    self.skipped.remove(name)
+            self.work_shares[name] = (owner, sweep_cost(module.weight.shape), seconds)
+
     def _compress_members(self, acc: Any, members: list[tuple[str, nn.Module]]) -> None:
         t0 = time.perf_counter()
         hessian = getattr(acc, "hessian", None) if acc is not None else None
         copy = hessian is not None and not self.measures_output_error
         with torch.no_grad():
             olds = [module.weight.detach().clone() if copy else None for _, module in members]
-            were_zero = [
-                None if self.zeros_are_sparsity else _zero_mask_if_any(module.weight) for _, module in members
-            ]
+            were_zero = [None if self.zeros_are_sparsity else _zero_mask_if_any(module.weight) for _, module in members]
             new = self._compress_group([module for _, module in members], acc)
             weights, errors = (
                 (new.weights, new.rel_output_errors) if isinstance(new, CompressedGroup) else (new, [None] * len(new))
@@ -414,6 +525,23 @@ class CalibratedModifier(Modifier):
             )
             if name in self.skipped:
                 self.skipped.remove(name)
+            self.compressed_here.append(name)
+
+
+def _module_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """A module's parameters and buffers (its own and its submodules'), by name, as the tensors to broadcast into."""
+    found = [(n, p.data) for n, p in module.named_parameters()] + list(module.named_buffers())
+    return sorted(found, key=lambda item: item[0])
+
+
+def _digest_layout(tensors: list[tuple[str, torch.Tensor]]) -> int:
+    """A signed 64-bit digest of the tensors' names, shapes and dtypes."""
+    text = repr([(n, tuple(t.shape), str(t.dtype)) for n, t in tensors]).encode()
+    return int.from_bytes(hashlib.sha256(text).digest()[:8], "big", signed=True)
+
+
+def _index(order: list[tuple[Any, str, nn.Module]], name: str) -> int:
+    return next(i for i, (_, n, _) in enumerate(order) if n == name)
 
 
 def _zero_mask_if_any(weight: torch.Tensor) -> torch.Tensor | None:

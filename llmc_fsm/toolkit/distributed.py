@@ -16,6 +16,11 @@ library does under a process group:
   compressed (:func:`all_reduce_accumulator`, called by
   :class:`~llmc_fsm.toolkit.calibrated.CalibratedModifier`); every rank then computes
   the same weights, which :func:`check_same_values` verifies;
+* the modules of a decoder layer are **assigned to ranks** (:func:`assign_to_ranks`, balanced by their sweep cost
+  :func:`sweep_cost`, about rows x columns²) for a modifier whose compression changes only the weights
+  (``CalibratedModifier.shares_work_across_ranks``): each rank compresses its share, then the new weights are
+  broadcast from their owner (:func:`broadcast_tensor`), so N ranks cut the sweep time too;
+  :func:`rank_work` sums up what each rank did;
 * at ``Session.initialize`` every rank compares digests of its recipe and
   model, and a ``DistributedDataParallel`` model is unwrapped
   (:mod:`llmc_fsm.session.ranks`);
@@ -32,7 +37,7 @@ import contextlib
 import hashlib
 import logging
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -45,15 +50,20 @@ __all__ = [
     "all_gather_ints",
     "all_reduce_accumulator",
     "all_reduce_tensor",
+    "assign_to_ranks",
+    "broadcast_tensor",
+    "broadcast_values",
     "check_same_values",
     "get_rank",
     "get_world_size",
     "is_distributed",
     "is_main_process",
     "process_group_from_env",
+    "rank_work",
     "reduce_statistics",
     "shard",
     "split_counts",
+    "sweep_cost",
 ]
 
 logger = logging.getLogger(__name__)
@@ -230,6 +240,95 @@ def reduce_statistics(
     for i, name in enumerate(names):
         if agreed[i] == i:
             all_reduce_accumulator(accumulators[name])
+
+
+def broadcast_tensor(tensor: torch.Tensor, *, src: int, what: str = "broadcast") -> torch.Tensor:
+    """``torch.distributed.broadcast`` of ``tensor`` from rank ``src``, in place (moved to the collective device and
+    back when it lives elsewhere). Without a process group of more than one rank: unchanged.
+
+    Returns:
+        ``tensor`` (the same object, holding rank ``src``'s values).
+
+    Raises:
+        DistributedError: the collective failed.
+    """
+    if not is_distributed():
+        return tensor
+    device = _device()
+    work = tensor if tensor.device == device and tensor.is_contiguous() else tensor.to(device).contiguous()
+    with _collective(what):
+        dist.broadcast(work, src=src)
+    if work is not tensor:
+        tensor.copy_(work)
+    return tensor
+
+
+def broadcast_values(values: Sequence[float], *, src: int, what: str = "broadcast") -> list[float]:
+    """Rank ``src``'s ``values`` (float64; the same length on every rank) on every rank."""
+    if not is_distributed():
+        return list(values)
+    flat = torch.tensor([float(v) for v in values], dtype=torch.float64)
+    return broadcast_tensor(flat, src=src, what=what).tolist()
+
+
+def sweep_cost(weight_shape: Sequence[int]) -> int:
+    """The cost of an OBS sweep over a ``[rows, columns]`` weight, in multiply-adds up to a constant:
+    ``rows * columns ** 2`` (each of the ``columns`` steps updates the ``rows x remaining columns`` block; the
+    Cholesky factor costs ``columns ** 3``, shared by the modules of one input)."""
+    rows, columns = int(weight_shape[0]), int(weight_shape[-1])
+    return rows * columns * columns
+
+
+def assign_to_ranks(costs: Sequence[int], world_size: int, loads: list[int] | None = None) -> list[int]:
+    """The rank that does each unit of work: longest first, each to the rank with the least work so far.
+
+    Deterministic (ties: the earlier unit first, the lower rank), so every rank computes the same assignment from
+    the same ``costs``; the largest load is at most 4/3 of the best possible (Graham's LPT bound).
+
+    Args:
+        costs: per unit of work, its cost (e.g. :func:`sweep_cost`).
+        world_size: ranks.
+        loads: per rank, the work it already has (updated in place: a caller assigning the work of one decoder
+            layer group by group keeps the ranks balanced over the layer); default: none.
+
+    Returns:
+        ``owner[i]`` for each unit ``i``.
+
+    Raises:
+        ValueError: ``world_size < 1``, a negative cost, or ``loads`` of another length than ``world_size``.
+    """
+    if world_size < 1 or any(c < 0 for c in costs) or (loads is not None and len(loads) != world_size):
+        msg = f"need world_size >= 1 and costs >= 0, got world_size={world_size}, costs={list(costs)}"
+        if loads is not None and world_size >= 1 and len(loads) != world_size:
+            msg = f"loads must hold one value per rank ({world_size}), got {len(loads)}"
+        raise ValueError(msg)
+    load = loads if loads is not None else [0] * world_size
+    owner = [0] * len(costs)
+    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        rank = min(range(world_size), key=lambda r: (load[r], r))
+        owner[i] = rank
+        load[rank] += costs[i]
+    return owner
+
+
+def rank_work(modifiers: Iterable[Any]) -> list[dict[str, Any]]:
+    """What each rank compressed, summed over ``modifiers``' ``work_shares`` (``{module: (rank, cost, seconds)}``,
+    kept by :class:`~llmc_fsm.toolkit.calibrated.CalibratedModifier` when several ranks share the work).
+
+    Returns:
+        Per rank ``{"modules": int, "cost": float (rows x columns²), "seconds": float}``; ``[]`` when no work was
+        shared (one process, or modifiers that compress every module on every rank).
+    """
+    shares = [share for m in modifiers for share in (getattr(m, "work_shares", None) or {}).values()]
+    if not shares:
+        return []
+    world = max(get_world_size(), 1 + max(rank for rank, _, _ in shares))
+    out = [{"modules": 0, "cost": 0.0, "seconds": 0.0} for _ in range(world)]
+    for rank, cost, seconds in shares:
+        out[rank]["modules"] += 1
+        out[rank]["cost"] += float(cost)
+        out[rank]["seconds"] += float(seconds)
+    return out
 
 
 def check_same_values(values: dict[str, Sequence[float]], *, what: str) -> None:

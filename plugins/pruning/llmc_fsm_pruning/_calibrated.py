@@ -55,6 +55,8 @@ class CalibratedPruningModifier(CalibratedModifier):
     """
 
     compresses_views = True
+    #: SparseGPT and Wanda change only the weights' values: under torch.distributed ranks share the sweeps.
+    shares_work_across_ranks = True
 
     sparsity: float = attrs.field(default=0.5, validator=sparsity_validator)
     mask_structure: str = attrs.field(default="unstructured", validator=mask_structure_validator)

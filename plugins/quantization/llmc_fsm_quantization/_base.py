@@ -555,6 +555,30 @@ class QuantizingModifier(CalibratedModifier):
             return CompressedGroup(weights, [q.rel_output_error for q in quantized])
         return weights
 
+    #: GPTQ's joint sweep of a group (q/k/v) is not split: a sweep of fewer rows rounds differently, and rounding to
+    #: the grid turns that into a whole step on some weights.
+    splits_groups_across_ranks = False
+
+    @property
+    def shares_work_across_ranks(self) -> bool:  # type: ignore[override]
+        """Under torch.distributed ranks share the sweeps when every scheme's compression only attaches its
+        parameters (no NVFP4 / MX / FP8-block reload, no calibrated static input scale)."""
+        return all(
+            not is_scaled_format(s.weights) and (s.input_activations is None or s.input_activations.dynamic)
+            for s in self._groups.values()
+            if s.weights is not None
+        )
+
+    def _prepare_to_receive(self, modules: list[tuple[str, nn.Module]]) -> None:
+        for name, module in modules:  # the parameters attach_qparams fills on the compressing rank
+            initialize_module_for_quantization(
+                module, self._groups[self._group(name)].model_copy(deep=True), force_zero_point=True
+            )
+
+    def _after_receive(self, modules: list[tuple[str, nn.Module]]) -> None:
+        for _, module in modules:
+            module.quantization_status = QuantizationStatus.FROZEN
+
     def _result_extras(self, module: nn.Module) -> dict[str, Any]:
         args = weight_args(self.scheme_of(self._names_by_id.get(id(module), "")))
         return {

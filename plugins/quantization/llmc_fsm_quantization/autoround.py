@@ -290,6 +290,9 @@ class AutoRoundModifier(QuantizingModifier):
     Raises (at construction): ``ValueError`` for an unsupported scheme or argument.
     """
 
+    #: Under torch.distributed every rank tunes every module (its per-layer tuning state is not handed over).
+    shares_work_across_ranks = False
+
     iters: int = attrs.field(default=200, validator=_positive_int)
     lr: float | None = attrs.field(default=None, validator=_lr)
     batch_size: int = attrs.field(default=8, validator=_positive_int)
