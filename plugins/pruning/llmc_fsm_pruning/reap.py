@@ -287,6 +287,18 @@ class REAPPruningModifier(Modifier):
                 f"the {count} experts per block; the pruned model would not reload"
             )
             raise ValueError(msg)
+        left = [
+            n
+            for n, m in model.named_modules()
+            if _ignored(n, self.ignore) and getattr(getattr(m, "experts", None), "num_experts", None) == count
+        ]
+        if left:
+            msg = (
+                f"REAPPruningModifier: ignore leaves {', '.join(left)} whole while the other blocks drop experts; "
+                f"the config's one {key} cannot describe both and transformers would not reload the model; "
+                "remove them from ignore"
+            )
+            raise ValueError(msg)
         num_drop = int(count * self.sparsity)
         if num_drop == 0:
             msg = f"REAPPruningModifier: sparsity={self.sparsity} drops 0 of {count} experts; raise the sparsity"
