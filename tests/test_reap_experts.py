@@ -21,7 +21,12 @@ from llmc_fsm import Session
 from llmc_fsm.pipeline.sequential import run_sequential
 
 DATA = torch.randint(3, 128, (4, 16), generator=torch.Generator().manual_seed(0))
-CONFIG_KEY = {"mixtral": "num_local_experts", "qwen3_moe": "num_experts"}
+CONFIG_KEY = {
+    "mixtral": "num_local_experts",
+    "qwen3_moe": "num_experts",
+    "gpt_oss": "num_local_experts",
+    "deepseek_v3": "n_routed_experts",
+}
 
 
 def _blocks(model):
@@ -29,7 +34,7 @@ def _blocks(model):
 
 
 def _expert_output64(experts, e, x):
-    """Expert ``e`` on ``x``: ``down @ (silu(gate x) * up x)``, float64, weights sliced from the fused tensors by hand."""
+    """Expert ``e`` on ``x``: ``down @ (silu(gate x) * up x)``, float64, weights sliced from the fused tensors."""
     inter = experts.down_proj.shape[2]
     gate_up, down = experts.gate_up_proj[e].double(), experts.down_proj[e].double()
     x = x.double()
@@ -103,7 +108,7 @@ def test_scores_equal_a_float64_reference_layer_by_layer_and_the_lowest_experts_
         assert torch.equal(model(DATA).logits, reference_model(DATA).logits)
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "gpt_oss", "deepseek_v3"])
 def test_llmcompressor_recipe_prunes_experts_and_the_smaller_model_reloads(tmp_path, family):
     """llm-compressor's recipe spelling; the saved model has 2 experts per layer, reloads with every key and the
     in-memory logits; ``report_path`` lists the kept experts."""
@@ -119,12 +124,13 @@ prune_stage:
     model = build(family)
     llmc_fsm.oneshot(model=model, recipe=recipe, dataset=DATA, output_dir=tmp_path / "o", progress=False)
     kept = json.loads((tmp_path / "reap" / "kept.json").read_text())
-    assert sorted(kept) == [f"model.layers.{i}.mlp" for i in range(4)]
+    blocks = [n for n, m in build(family).named_modules() if hasattr(m, "experts")]
+    assert sorted(kept) == blocks and len(blocks) == (3 if family == "deepseek_v3" else 4)  # V3: layer 0 dense
     assert all(len(v) == 2 and v == sorted(v) for v in kept.values())
     reloaded, info = type(model).from_pretrained(tmp_path / "o", output_loading_info=True)
     assert (sorted(info["missing_keys"]), sorted(info["unexpected_keys"])) == ([], [])
     assert getattr(reloaded.config, CONFIG_KEY[family]) == 2
-    assert reloaded.model.layers[0].mlp.experts.gate_up_proj.shape[0] == 2
+    assert reloaded.model.layers[-1].mlp.experts.gate_up_proj.shape[0] == 2
     with torch.no_grad():
         assert torch.equal(reloaded.eval()(DATA[:2]).logits, model(DATA[:2]).logits)
 
@@ -207,3 +213,37 @@ def test_bad_arguments_fail_at_construction(kwargs, message):
     with pytest.raises(ValueError) as info:
         REAPPruningModifier(**kwargs)
     assert str(info.value) == message
+
+
+@torch.no_grad()
+def test_gpt_oss_scores_use_its_transposed_biased_experts_and_its_router_bias_is_cut():
+    """GPT-OSS layer 0 (inputs: the original model's): experts stored ``[E, in, out]`` with biases, gate/up rows
+    interleaved, its own clamped gate; the router has a bias, cut with its weight rows."""
+    original = build("gpt_oss")
+    model = copy.deepcopy(original)
+    modifier = _run(model, sparsity=0.5)
+    block = original.model.layers[0].mlp
+    experts = block.experts
+    hidden = _experts_input(original, 0).reshape(-1, 64)
+    _, weights, index = block.router(hidden)
+    scores = []
+    for e in range(4):
+        token, slot = torch.where(index == e)
+        x = hidden[token].double()
+        gate_up, bias = experts.gate_up_proj[e].double(), experts.gate_up_proj_bias[e].double()
+        gate = (x @ gate_up[:, 0::2] + bias[0::2]).clamp(max=experts.limit)
+        up = (x @ gate_up[:, 1::2] + bias[1::2]).clamp(-experts.limit, experts.limit)
+        inner = (up + 1) * gate * torch.sigmoid(gate * experts.alpha)
+        out = inner @ experts.down_proj[e].double() + experts.down_proj_bias[e].double()
+        norms = torch.linalg.vector_norm(out, dim=-1)
+        scores.append(float((weights[token, slot].double() * norms).sum()) / max(token.numel(), 1))
+    torch.testing.assert_close(
+        torch.tensor(modifier.scores["model.layers.0.mlp"]), torch.tensor(scores), rtol=1e-5, atol=0
+    )
+    keep = sorted(sorted(range(4), key=lambda e: scores[e])[2:])
+    assert modifier.retained["model.layers.0.mlp"] == keep
+    pruned = model.model.layers[0].mlp
+    assert torch.equal(pruned.router.weight, block.router.weight[keep])
+    assert torch.equal(pruned.router.bias, block.router.bias[keep])
+    assert torch.equal(pruned.experts.gate_up_proj_bias, experts.gate_up_proj_bias[keep])
+    assert torch.equal(pruned.experts.down_proj_bias, experts.down_proj_bias[keep])

@@ -80,7 +80,14 @@ from llmc_fsm.toolkit.targets import (
     resolve_targets,
     select_targets,
 )
-from llmc_fsm.toolkit.views import LinearView, clear_weight_views, fused_experts_reason, observe_inputs, router_names, weight_views
+from llmc_fsm.toolkit.views import (
+    LinearView,
+    clear_weight_views,
+    fused_experts_reason,
+    observe_inputs,
+    router_names,
+    weight_views,
+)
 
 __all__ = [
     "DEFAULT_IGNORE",

@@ -324,7 +324,10 @@ class REAPPruningModifier(Modifier):
 
     def on_initialize(self, state: Any) -> None:
         if is_distributed():
-            msg = "REAPPruningModifier: torch.distributed runs are not implemented (scores are not reduced); run on one process"
+            msg = (
+                "REAPPruningModifier: torch.distributed runs are not implemented (scores are not reduced); "
+                "run on one process"
+            )
             raise ValueError(msg)
         self._blocks, self._num_experts, self._num_drop, self._config_key = self._plan(state.model)
         self._model = state.model
