@@ -247,3 +247,31 @@ def test_gpt_oss_scores_use_its_transposed_biased_experts_and_its_router_bias_is
     assert torch.equal(pruned.router.bias, block.router.bias[keep])
     assert torch.equal(pruned.experts.gate_up_proj_bias, experts.gate_up_proj_bias[keep])
     assert torch.equal(pruned.experts.down_proj_bias, experts.down_proj_bias[keep])
+
+
+def test_another_modifier_on_the_experts_in_the_same_stage_is_refused_and_a_later_stage_works(tmp_path):
+    """SparseGPT selects per-expert views at initialize: in REAP's stage it is refused before any weight changes;
+    in a later stage it prunes the 2 experts kept, and the output reloads."""
+    model = build("mixtral")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    same = {"a": {"REAPPruningModifier": {"sparsity": 0.5}, "SparseGPTModifier": {"sparsity": 0.5}}}
+    with pytest.raises(llmc_fsm.ModifierError) as info:
+        llmc_fsm.oneshot(model=model, recipe=same, dataset=DATA, output_dir=tmp_path / "a", progress=False)
+    assert (
+        "REAPPruningModifier: SparseGPTModifier in the same stage targets 48 modules of the MoE blocks whose experts "
+        "REAP drops (e.g. model.layers.0.mlp.experts.0.down_proj); put REAPPruningModifier in its own stage before it"
+    ) in str(info.value)
+    after = model.state_dict()
+    assert sorted(after) == sorted(before) and all(torch.equal(after[k], before[k]) for k in before)
+    staged = {"a": {"REAPPruningModifier": {"sparsity": 0.5}}, "b": {"SparseGPTModifier": {"sparsity": 0.5}}}
+    model = build("mixtral")
+    llmc_fsm.oneshot(model=model, recipe=staged, dataset=DATA, output_dir=tmp_path / "b", progress=False)
+    experts = model.model.layers[0].mlp.experts
+    assert (
+        experts.gate_up_proj.shape[0] == 2
+        and int((experts.gate_up_proj == 0).sum()) == experts.gate_up_proj.numel() // 2
+    )
+    reloaded, loading = type(model).from_pretrained(tmp_path / "b", output_loading_info=True)
+    assert (sorted(loading["missing_keys"]), sorted(loading["unexpected_keys"])) == ([], [])
+    with torch.no_grad():
+        assert torch.equal(reloaded.eval()(DATA[:2]).logits, model(DATA[:2]).logits)

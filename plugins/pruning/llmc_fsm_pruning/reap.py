@@ -338,7 +338,35 @@ class REAPPruningModifier(Modifier):
             self._num_experts,
         )
 
+    def _check_alone(self) -> None:
+        """Refuse other modifiers of this session that target modules of the blocks REAP prunes.
+
+        They selected their targets (per-expert views among them) before any expert is dropped, so they would
+        index experts that no longer exist. Run REAP in its own stage instead (stages run one after the other).
+        """
+        binding = self._binding
+        session = binding.session() if binding is not None else None
+        if session is None:
+            return
+        owned = {id(m) for b in self._blocks for m in b.block.modules()}
+        for other in session.modifiers:
+            if other is self:
+                continue
+            hit = sorted(
+                name
+                for name, module in other.resolved_targets.items()
+                if id(module) in owned or id(getattr(module, "source", None)) in owned
+            )
+            if hit:
+                msg = (
+                    f"REAPPruningModifier: {other.modifier_name()} in the same stage targets {len(hit)} modules of "
+                    f"the MoE blocks whose experts REAP drops (e.g. {hit[0]}); put REAPPruningModifier in its own "
+                    "stage before it"
+                )
+                raise ValueError(msg)
+
     def on_calibration_start(self, state: Any) -> None:
+        self._check_alone()
         self._sums, self._counts = {}, {}
         for b in self._blocks:
             if b.name in self.retained:
