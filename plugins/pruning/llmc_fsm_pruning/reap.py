@@ -226,8 +226,9 @@ class REAPPruningModifier(Modifier):
 
     - ``sparsity``: fraction of experts dropped per layer, in ``(0, 1)``; must drop at least one and keep at least
       the router's top-k.
-    - ``ignore``: regular expressions searched in the MoE block names (``model.layers.0.mlp``); matching blocks
-      are left whole. Default: none.
+    - ``ignore``: regular expressions searched in the MoE block names (``model.layers.0.mlp``; a ``re:`` prefix is
+      allowed); matching blocks are left whole. Default: none. Leaving whole a block of the same size as the pruned
+      ones is refused (the config holds one expert count: the model would not reload).
     - ``report_path``: a ``.json`` file written at finalize: ``{block name: [kept expert indices]}``.
 
     Requires state ``model`` and ``calibration_data``. After calibration: :attr:`scores` (``{block: [S_j]}``),
@@ -235,7 +236,9 @@ class REAPPruningModifier(Modifier):
 
     Raises (``check_model`` / ``initialize``, before any work): ``ValueError`` for a model without supported
     fused experts (naming the block and why), group-limited routing, a sparsity dropping no expert or keeping
-    fewer than top-k, no config key for the expert count, or a ``torch.distributed`` run.
+    fewer than top-k, no config key for the expert count, or a ``torch.distributed`` run; at ``calibration_start``,
+    before any weight changes: another modifier of the same session targeting modules of the blocks (put REAP in
+    its own stage, before it).
     """
 
     required_state = frozenset({"model", "calibration_data"})
