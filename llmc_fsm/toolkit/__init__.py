@@ -32,7 +32,8 @@ The public names, by concern:
 * **views** (:mod:`~llmc_fsm.toolkit.views`): :class:`LinearView` (one matrix of a fused mixture-of-experts
   parameter, or a ``Conv1D`` weight, seen as a Linear weight sharing its storage), :func:`weight_views` (a module's
   views), :func:`observe_inputs` (feed the views the inputs their matrices receive: per expert, its routed tokens),
-  :func:`router_names`, :func:`fused_experts_reason`;
+  :func:`router_names`, :func:`fused_experts_reason`, :func:`clear_weight_views` (after a module's
+  parameters changed shape);
 * **masks** (:mod:`~llmc_fsm.toolkit.masks`): :func:`pack_mask` / :func:`unpack_mask` (bool <-> bit-packed uint8);
 * **ranks** (:mod:`~llmc_fsm.toolkit.distributed`): :func:`is_distributed`, :func:`get_rank`,
   :func:`get_world_size`, :func:`is_main_process`, :func:`all_reduce_tensor`, :func:`all_gather_ints`,
@@ -79,7 +80,14 @@ from llmc_fsm.toolkit.targets import (
     resolve_targets,
     select_targets,
 )
-from llmc_fsm.toolkit.views import LinearView, fused_experts_reason, observe_inputs, router_names, weight_views
+from llmc_fsm.toolkit.views import (
+    LinearView,
+    clear_weight_views,
+    fused_experts_reason,
+    observe_inputs,
+    router_names,
+    weight_views,
+)
 
 __all__ = [
     "DEFAULT_IGNORE",
@@ -102,6 +110,7 @@ __all__ = [
     "already_quantized",
     "check_dampening_frac",
     "check_same_values",
+    "clear_weight_views",
     "compact_names",
     "fused_experts_reason",
     "get_rank",

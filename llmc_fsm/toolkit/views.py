@@ -31,7 +31,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-__all__ = ["LinearView", "fused_experts_reason", "observe_inputs", "router_names", "weight_views"]
+__all__ = ["LinearView", "clear_weight_views", "fused_experts_reason", "observe_inputs", "router_names", "weight_views"]
 
 _CACHE = "_llmc_fsm_weight_views"
 
@@ -210,6 +210,11 @@ def weight_views(module: nn.Module) -> dict[str, LinearView]:
             view.__dict__["source"] = module
         module.__dict__[_CACHE] = cached
     return cached
+
+
+def clear_weight_views(module: nn.Module) -> None:
+    """Forget the views cached on ``module`` (after its parameters changed shape, e.g. experts dropped)."""
+    module.__dict__.pop(_CACHE, None)
 
 
 def router_names(named: list[tuple[str, nn.Module]]) -> list[str]:
