@@ -26,7 +26,11 @@ venv, through ``benchmarks/_peer.py``). Jobs (:data:`JOBS`):
 * ``autoround`` — ``AutoRoundModifier`` W4A16 group 64, ``iters`` = ``--autoround-iters`` (200, llm-compressor's
   default); the peer goes through the ``auto-round`` package (0.15.1 in the peer venv);
 * ``spinquant`` — ``SpinQuantModifier`` ``rotations: [R1, R2]``, ``transform_type: hadamard``, then
-  ``QuantizationModifier`` W4A16 group 64 (RTN; llm-compressor's spinquant example).
+  ``QuantizationModifier`` W4A16 group 64 (RTN; llm-compressor's spinquant example), with
+  ``transform_block_size: 64``: llm-compressor 0.14 builds the deterministic ``hadamard`` only for powers of two
+  (``ValueError: Cannot construct deterministic hadamard of size != 2^n`` for SmolLM2's 576), so R1 is
+  block-diagonal, 9 Sylvester blocks of 64 — the same matrix on both sides (ours alone would also take the full
+  576 = 36 x 16 matrix without a block size).
 
 Every W4 group-64 scheme is spelled out as one ``config_groups`` group (symmetric int4, ``targets: [Linear]``),
 ``ignore: [lm_head]``, so nothing depends on either side's preset overrides or defaults.
@@ -153,6 +157,7 @@ quant_stage:
     SpinQuantModifier:
       rotations: [R1, R2]
       transform_type: hadamard
+      transform_block_size: 64
     QuantizationModifier:
       ignore: [lm_head]
       {w4g64}
