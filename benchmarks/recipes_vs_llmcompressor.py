@@ -265,12 +265,12 @@ def render(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
     ]
     for r in rows:
         if r.get("skipped") or r.get("error"):
-            lines.append(f"| {r['job']} | {r['side']} | {r.get('skipped') or 'failed: ' + r['error']} "
-                         f"| | | | | | {r['load']} |")
+            why = (r.get("skipped") or "failed: " + r["error"]).replace("|", "\\|")
+            lines.append(f"| {r['job']} | {r['side']} | {why} | | | | | | {r['load']} |")
             continue
         rss = None if r.get("peak_rss_bytes") is None else r["peak_rss_bytes"] / 1e9
         reloaded = _fmt(r.get("ppl_reloaded"), ".2f") if "reload_error" not in r else \
-            "not reloaded: " + r["reload_error"]
+            "not reloaded: " + r["reload_error"].replace("|", "\\|")
         lines.append(
             f"| {r['job']} | {r['side']} | {_fmt(r.get('call_s'), '.2f')} | {_fmt(r.get('process_s'), '.2f')} | "
             f"{_fmt(r.get('cpu_s'), '.2f')} | {_fmt(rss, '.3f')} | {_fmt(r.get('ppl'), '.2f')} | {reloaded} | "
