@@ -76,7 +76,7 @@ def run(args: argparse.Namespace) -> dict:
         reloaded = AutoModelForCausalLM.from_pretrained(args.out).eval()
         if evalw is not None:
             row["ppl_reloaded"] = data.perplexity(reloaded, evalw, progress=False)
-    except Exception as exc:  # noqa: BLE001 - reported in the row
+    except Exception as exc:  # reported in the row
         row["reload_error"] = _first_line(exc)
     return row
 

@@ -212,7 +212,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
             reloaded = AutoModelForCausalLM.from_pretrained(out).eval()
             if evalw is not None:
                 row["ppl_reloaded"] = perplexity(reloaded, evalw, progress=False)
-        except Exception as exc:  # noqa: BLE001 - reported in the row
+        except Exception as exc:  # reported in the row
             row["reload_error"] = _first_line(exc)
     row["torch_threads"] = torch.get_num_threads()
     return row
