@@ -7,7 +7,8 @@ calls it once per job, in a fresh process::
         --recipe-file recipe.yaml --with-data --out /tmp/peer-out
 
 Same protocol as ours (``llmc_fsm/data/protocol.py``, loaded by file path): the model loaded with
-``AutoModelForCausalLM.from_pretrained(dir, dtype=...)``, calibration windows from the tail of the text (passed to
+``AutoModelForCausalLM.from_pretrained(dir, dtype=...)`` (on a machine without an accelerator, one no-op shim:
+:func:`_cpu_shims`), calibration windows from the tail of the text (passed to
 ``oneshot`` only with ``--with-data``: a data-free recipe is run as llm-compressor's examples run it, without a
 dataset), evaluation windows from the head. Prints ONE JSON object as the last stdout line: the ``oneshot`` call's
 wall time, the process's wall and CPU time, peak RSS (``VmHWM``) right after the call, perplexity in memory and
@@ -24,6 +25,7 @@ T_START = time.perf_counter()
 import argparse  # noqa: E402
 import json  # noqa: E402
 import resource  # noqa: E402
+import traceback  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
@@ -36,6 +38,21 @@ def _first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0] if text else ''}"[:400]
 
 
+def _cpu_shims() -> list[str]:
+    """Make llmcompressor 0.14 run on a machine without an accelerator; returns what was changed (for the row).
+
+    Its ``AWQModifier`` pins the cached layer inputs (``IntermediatesCache.pin_memory``, a host-to-device transfer
+    optimisation), and ``Tensor.pin_memory`` raises ``RuntimeError: Cannot access accelerator device when none is
+    available`` on a CPU-only torch. Pinning changes no value, so it is skipped there.
+    """
+    if torch.accelerator.is_available():
+        return []
+    from llmcompressor.pipelines.cache import IntermediatesCache
+
+    IntermediatesCache.pin_memory = lambda self, batch_index, input_names=None: None
+    return ["IntermediatesCache.pin_memory skipped (no accelerator)"]
+
+
 def run(args: argparse.Namespace) -> dict:
     import llmcompressor
     from datasets import Dataset
@@ -43,7 +60,7 @@ def run(args: argparse.Namespace) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     data = _load_data_module()
-    row: dict = {"side": "llmcompressor " + llmcompressor.__version__}
+    row: dict = {"side": "llmcompressor " + llmcompressor.__version__, "cpu_shims": _cpu_shims()}
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype)).eval()
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     text = data.load_text(args.data)
@@ -59,7 +76,8 @@ def run(args: argparse.Namespace) -> dict:
     t0 = time.perf_counter()
     try:
         model = oneshot(model=model, tokenizer=tokenizer, recipe=recipe, **kwargs)
-    except Exception as exc:  # the row says why; the next job still runs
+    except Exception as exc:  # the row says why (the traceback goes to stderr); the next job still runs
+        traceback.print_exc()
         row["error"] = _first_line(exc)
         return row
     row["call_s"] = time.perf_counter() - t0
