@@ -189,11 +189,12 @@ def render(dense: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_docs(section: str) -> None:
+def write_docs(section: str, heading: str = SECTION) -> None:
+    """Replace the section of docs/benchmarks.md that starts with ``heading`` by ``section`` (or append it)."""
     text = DOCS.read_text(encoding="utf-8") if DOCS.exists() else "# Benchmarks\n"
-    start = text.find(SECTION)
+    start = text.find(heading)
     if start >= 0:
-        end = text.find("\n## ", start + len(SECTION))
+        end = text.find("\n## ", start + len(heading))
         text = text[:start] + section + (text[end + 1 :] if end >= 0 else "")
     else:
         text = text.rstrip() + "\n\n" + section
