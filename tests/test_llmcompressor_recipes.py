@@ -258,9 +258,10 @@ quant_modifiers:
 @pytest.mark.parametrize(
     ("body", "message"),
     [
-        ("GPTQModifier: {kv_cache_scheme: {num_bits: 8}}",
-         "argument 'kv_cache_scheme': llm-compressor argument not supported: KV-cache quantization is not "
-         "implemented; remove it"),
+        ("GPTQModifier: {scheme: W8A8, kv_cache_scheme: {num_bits: 8}}",
+         "argument 'kv_cache_scheme': kv_cache_scheme: only an FP8 KV cache is supported (num_bits 8, type float; "
+         "vLLM's KV-cache format), got num_bits 8, type int; use {num_bits: 8, type: float, symmetric: true, "
+         "dynamic: false, strategy: tensor (or attn_head)}"),
         ("QuantizationModifier: {input_observer: static_minmax}",
          "argument 'input_observer': input_observer applies to static input activations (dynamic: false), and no "
          "config group has them"),

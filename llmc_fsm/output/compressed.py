@@ -10,10 +10,15 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import Any
 
 from torch import nn
 
-__all__ = ["ignore_for_reload", "leaf_targets", "unpacked_zero_points"]
+__all__ = ["ignore_for_reload", "kv_cache_scheme", "leaf_targets", "unpacked_zero_points"]
+
+#: Attribute of an attention module whose KV cache is quantized: its compressed-tensors ``QuantizationArgs``
+#: (set by the quantization plugin, next to its ``k_scale`` / ``v_scale`` parameters).
+KV_CACHE_SCHEME_ATTR = "kv_cache_scheme"
 
 
 def unpacked_zero_points(modules: dict[str, nn.Module]) -> None:
@@ -92,3 +97,26 @@ def ignore_for_reload(model: nn.Module, modules: dict[str, nn.Module], ignore: l
         and any(cls.__name__ in targets for cls in type(sub).__mro__)
     ]
     return [*ignore, *added]
+
+
+def kv_cache_scheme(model: nn.Module) -> Any:
+    """The ``kv_cache_scheme`` to write in ``quantization_config``: the ``QuantizationArgs`` that ``model``'s
+    attention modules carry (attribute ``kv_cache_scheme``, with their ``k_scale`` / ``v_scale``), or ``None``.
+
+    compressed-tensors 0.20 finds a KV-cache scheme only on attention modules it recognises by a
+    ``past_key_values`` argument, which transformers 5.24's attention no longer has (it is ``cache``); so it
+    is read here from the modules the quantization plugin calibrated.
+
+    Raises:
+        ValueError: two attention modules carry different schemes.
+    """
+    found = {
+        name: args
+        for name, sub in model.named_modules()
+        if (args := getattr(sub, KV_CACHE_SCHEME_ATTR, None)) is not None
+    }
+    schemes = {args.model_dump_json(): name for name, args in found.items()}
+    if len(schemes) > 1:
+        first, second = list(schemes.values())[:2]
+        raise ValueError(f"{first} and {second} quantize their KV cache with different schemes; one is written")
+    return next(iter(found.values()), None)
