@@ -14,7 +14,7 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["ignore_for_reload", "kv_cache_scheme", "leaf_targets", "unpacked_zero_points"]
+__all__ = ["ignore_for_reload", "kv_cache_scheme", "leaf_targets", "unpacked_embeddings", "unpacked_zero_points"]
 
 #: Attribute of an attention module whose KV cache is quantized: its compressed-tensors ``QuantizationArgs``
 #: (set by the quantization plugin, next to its ``k_scale`` / ``v_scale`` parameters).
@@ -36,6 +36,28 @@ def unpacked_zero_points(modules: dict[str, nn.Module]) -> None:
         scheme = sub.quantization_scheme
         asymmetric_int = scheme.weights is not None and not scheme.weights.symmetric and scheme.weights.type == "int"
         if asymmetric_int and scheme.format in (None, CompressionFormat.pack_quantized):
+            scheme.format = None
+            if infer_module_format(type(sub), scheme) == CompressionFormat.pack_quantized:
+                scheme.format = CompressionFormat.int_quantized
+
+
+def unpacked_embeddings(modules: dict[str, nn.Module]) -> None:
+    """Quantized ``nn.Embedding`` weights that compressed-tensors would pack are saved ``int-quantized``.
+
+    ``pack-quantized`` replaces an embedding's ``weight`` by ``weight_packed``, and transformers 5.24 then fails
+    to reload the checkpoint: its weight initialisation reads ``Embedding.weight`` (``AttributeError:
+    'Embedding' object has no attribute 'weight'``, measured with compressed-tensors 0.20). ``int-quantized``
+    keeps the integer values under ``weight`` (one int8 per value) and reloads with logits equal to the in-memory
+    model's (W4A16 / W4A16_ASYM group 32, int8 per channel). Sets ``quantization_scheme.format`` of those modules.
+    """
+    from compressed_tensors.compressors.format import infer_module_format
+    from compressed_tensors.config import CompressionFormat
+
+    for sub in modules.values():
+        if not isinstance(sub, nn.Embedding):
+            continue
+        scheme = sub.quantization_scheme
+        if scheme.format in (None, CompressionFormat.pack_quantized):
             scheme.format = None
             if infer_module_format(type(sub), scheme) == CompressionFormat.pack_quantized:
                 scheme.format = CompressionFormat.int_quantized

@@ -36,6 +36,7 @@ from llmc_fsm.toolkit import (
     all_reduce_tensor,
     compact_names,
     is_distributed,
+    is_linear_like,
     patterns,
     select_targets,
 )
@@ -220,6 +221,12 @@ def _prefixes(name: str) -> list[str]:
     """``"a.b.c"`` -> ``["a.b.c", "a.b", "a"]`` (``[]`` for ``""``)."""
     parts = name.split(".") if name else []
     return [".".join(parts[:i]) for i in range(len(parts), 0, -1)]
+
+
+def _no_statistics(module: nn.Module, args: tuple[Any, ...]) -> None:
+    """The forward pre-hook of an ``nn.Embedding`` target: nothing to collect (see
+    :meth:`QuantizingModifier._make_hook`)."""
+    return None
 
 
 def _observed_whole(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
@@ -620,7 +627,7 @@ class QuantizingModifier(CalibratedModifier):
         owner: dict[str, str] = {}
         for group, scheme in self._groups.items():
             try:
-                selected = select_targets(model, scheme.targets, self.ignore).selected
+                selected = select_targets(model, scheme.targets, self.ignore, supported=self._selectable).selected
             except ValueError as exc:
                 raise ValueError(f"{type(self).__name__}: config group {group!r}: {exc}") from None
             for name in selected:
@@ -633,8 +640,49 @@ class QuantizingModifier(CalibratedModifier):
                 owner[name] = group
         return owner
 
+    def _selectable(self, module: nn.Module) -> bool:
+        """Linear-like modules, and ``nn.Embedding`` (weight-only round-to-nearest; see :meth:`_embedding_problem`)."""
+        return is_linear_like(module) or isinstance(module, nn.Embedding)
+
+    def _embedding_problem(self, name: str) -> str | None:
+        """Why the ``nn.Embedding`` target ``name`` cannot be quantized by this modifier, or ``None``.
+
+        An embedding's weight ``[vocab, hidden]`` is quantized data-free by round-to-nearest, weight only, with an
+        int scheme (saved ``int-quantized``: transformers 5.24 cannot reload a packed embedding, see
+        :func:`llmc_fsm.output.compressed.unpacked_embeddings`) or FP8 per channel / tensor; its inputs are token
+        ids, so nothing that needs calibration inputs applies to it.
+        """
+        scheme = self.scheme_of(name)
+        args = weight_args(scheme)
+        if self.measures_output_error:  # GPTQ: the Hessian of a Linear's inputs
+            return (
+                "an Embedding has no inputs to take a Hessian of (GPTQ): quantize embeddings with a separate "
+                "QuantizationModifier (round-to-nearest, weight only)"
+            )
+        if self.needs_inputs:
+            return (
+                "an Embedding is quantized data-free, and this modifier needs calibration inputs (imatrix_mse, static "
+                "input activations or kv_cache_scheme): quantize embeddings with a separate QuantizationModifier"
+            )
+        if scheme.input_activations is not None or scheme.output_activations is not None:
+            return "an Embedding's inputs are token ids: quantize its weight only (e.g. W8A16, W4A16)"
+        kind = str(getattr(args.type, "value", args.type))
+        if is_scaled_format(args) or not (kind == "int" or (kind == "float" and args.num_bits == 8)):
+            return "an Embedding is quantized with int weights or FP8 per channel / tensor only (not NVFP4, MX or block)"
+        return None
+
+    def _make_hook(self, name: str) -> Any:
+        """:meth:`CalibratedModifier._make_hook`; an ``nn.Embedding`` target (its inputs are token ids) collects
+        nothing and is quantized data-free."""
+        if isinstance(self._targets.get(name), nn.Embedding):
+            return _no_statistics
+        return super()._make_hook(name)
+
     def _check_target(self, name: str, module: nn.Module) -> str | None:
-        problem = super()._check_target(name, module)
+        if isinstance(module, nn.Embedding):
+            problem = self._embedding_problem(name)
+        else:
+            problem = super()._check_target(name, module)
         if problem is not None:
             return problem
         args = weight_args(self.scheme_of(name))
