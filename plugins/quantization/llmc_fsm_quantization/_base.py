@@ -668,7 +668,7 @@ class QuantizingModifier(CalibratedModifier):
             return "an Embedding's inputs are token ids: quantize its weight only (e.g. W8A16, W4A16)"
         kind = str(getattr(args.type, "value", args.type))
         if is_scaled_format(args) or not (kind == "int" or (kind == "float" and args.num_bits == 8)):
-            return "an Embedding is quantized with int weights or FP8 per channel / tensor only (not NVFP4, MX or block)"
+            return "an Embedding is quantized with int weights or FP8 per channel / tensor only (not NVFP4, MX, block)"
         return None
 
     def _make_hook(self, name: str) -> Any:

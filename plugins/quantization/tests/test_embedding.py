@@ -115,7 +115,7 @@ def test_a_packed_embedding_checkpoint_is_what_transformers_cannot_reload(tmp_pa
      "an Embedding is quantized data-free, and this modifier needs calibration inputs (imatrix_mse, static input "
      "activations or kv_cache_scheme): quantize embeddings with a separate QuantizationModifier: model.embed_tokens"),
     ("QuantizationModifier", {"scheme": "NVFP4A16", "targets": ["Embedding"]},
-     "an Embedding is quantized with int weights or FP8 per channel / tensor only (not NVFP4, MX or block): "
+     "an Embedding is quantized with int weights or FP8 per channel / tensor only (not NVFP4, MX, block): "
      "model.embed_tokens"),
 ])
 def test_what_does_not_apply_to_an_embedding_is_refused_before_any_work(modifier, args, message) -> None:
