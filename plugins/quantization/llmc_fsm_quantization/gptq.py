@@ -436,8 +436,8 @@ class GPTQModifier(QuantizingModifier):
         Returns:
             ``earlier`` without the ``QuantizationModifier`` whose config this modifier took (its ``scheme`` or
             ``config_groups``, ``targets``, ``ignore``, ``observer`` and ``kv_cache_scheme``); ``earlier``
-            unchanged when this modifier has a config of its own or the stage has not exactly one such ``QuantizationModifier``
-            (then both run, and one-shot refuses a module the two would quantize).
+            unchanged when this modifier has a config of its own or the stage has not exactly one such
+            ``QuantizationModifier`` (then both run, and one-shot refuses a module the two would quantize).
 
         Raises:
             ValueError: the taken config does not suit GPTQ (e.g. its group size and ``block_size``).
