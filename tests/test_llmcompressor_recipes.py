@@ -269,7 +269,7 @@ quant_modifiers:
          "argument 'weight_observer': it sets 'observer' to 'mse', but 'observer' is also given"),
         ("QuantizationModifier: {weight_observer: best}",
          "argument 'observer' (given as 'weight_observer'): unknown observer 'best'; choose one of "
-         "minmax, static_minmax, memoryless_minmax, mse, memoryless_mse, imatrix_mse"),
+         "minmax, static_minmax, memoryless_minmax, mse, memoryless_mse, imatrix_mse, nvfp4_expanded_mse"),
         ("GPTQModifier: {targets: [re:.*mlp.*], config_groups: {g: {targets: [re:.*proj$], weights: {num_bits: 8}}}}",
          "argument 'targets': the modifier's targets ['re:.*mlp.*'] differ from its config_groups' targets "
          "['re:.*proj$']: leave targets out (each config group names its own)"),

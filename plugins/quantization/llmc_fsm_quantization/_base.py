@@ -41,7 +41,13 @@ from llmc_fsm.toolkit import (
     select_targets,
 )
 from llmc_fsm_quantization import kv_cache
-from llmc_fsm_quantization.observers import IMPORTANCE_OBSERVERS, check_observer, is_scaled_format
+from llmc_fsm_quantization.observers import (
+    IMPORTANCE_OBSERVERS,
+    NVFP4_OBSERVERS,
+    check_observer,
+    is_nvfp4,
+    is_scaled_format,
+)
 from llmc_fsm_quantization.schemes import resolve_config_groups, resolve_scheme, weight_args
 
 __all__ = ["DEFAULT_SCHEME", "CalibrationStatistics", "QuantizedWeight", "QuantizingModifier", "attach_qparams"]
@@ -396,6 +402,12 @@ class QuantizingModifier(CalibratedModifier):
                 w.observer = DEFAULT_OBSERVER
             if actorder is not None and w.strategy == QuantizationStrategy.GROUP:
                 w.actorder = ActivationOrdering(actorder)
+        for group, scheme in groups.items():
+            w = scheme.weights
+            if w is not None and w.observer in NVFP4_OBSERVERS and not is_nvfp4(w):
+                where = f"config group {group!r}" if self.config_groups is not None else "the scheme"
+                msg = f"observer {w.observer} is for NVFP4 weights (tensor_group, 4-bit float), and {where} is not"
+                raise ValueError(msg)
         observers = {s.weights.observer for s in groups.values() if s.weights is not None}
         if self.observer is None and len(observers) == 1:
             (self.observer,) = observers
