@@ -217,3 +217,17 @@ def test_an_interrupted_run_resumes_with_the_kv_scales_bitwise(tmp_path, monkeyp
     assert ref_state.keys() == out_state.keys()
     assert "model.layers.2.self_attn.k_scale" in out_state
     assert [k for k in ref_state if not torch.equal(ref_state[k], out_state[k])] == []
+
+
+def test_attention_quantization_of_queries_keys_and_values_is_refused_with_what_to_use() -> None:
+    # llm-compressor's attention quantization: a config group with input activations only, targeting the attention
+    fp8 = {**KV, "strategy": "attn_head"}
+    recipe = {"q": {"QuantizationModifier": {"config_groups": {
+        "attention": {"targets": ["LlamaAttention"], "input_activations": fp8}}}}}
+    with pytest.raises(ValueError) as info:
+        llmc_fsm.oneshot(model=_tiny(), recipe=recipe, dataset=_data(), progress=False)
+    assert (
+        "config_groups entry 'attention': the scheme quantizes input activations only (llm-compressor's attention "
+        "quantization of queries, keys and values), which is not implemented; for FP8 keys and values give "
+        "kv_cache_scheme with a weight scheme"
+    ) in str(info.value)
