@@ -555,7 +555,8 @@ class QuantizingModifier(CalibratedModifier):
             ValueError: no attention module with a cache argument
                 (:func:`llmc_fsm_quantization.kv_cache.attention_modules`),
                 per-head scales and an attention without ``head_dim``, or a ``torch.distributed`` run (the key and
-                value ranges are not combined over ranks).
+                value ranges are not combined over ranks), or a model on the ``meta`` device (``low_memory``: its
+                layers are streamed, and the KV scales are not).
         """
         name = type(self).__name__
         attention = kv_cache.attention_modules(model)
@@ -575,6 +576,12 @@ class QuantizingModifier(CalibratedModifier):
                 raise ValueError(msg)
         if is_distributed():
             msg = f"{name}: kv_cache_scheme under torch.distributed is not implemented; run it on one process"
+            raise ValueError(msg)
+        if any(p.is_meta for m in attention.values() for p in m.parameters()):
+            msg = (
+                f"{name}: kv_cache_scheme with low_memory (--low-memory: layers streamed from the checkpoint) is not "
+                "implemented; run without low_memory"
+            )
             raise ValueError(msg)
         return attention
 

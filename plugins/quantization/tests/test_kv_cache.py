@@ -231,3 +231,18 @@ def test_attention_quantization_of_queries_keys_and_values_is_refused_with_what_
         "quantization of queries, keys and values), which is not implemented; for FP8 keys and values give "
         "kv_cache_scheme with a weight scheme"
     ) in str(info.value)
+
+
+def test_kv_cache_quantization_with_low_memory_is_refused_before_any_work(tmp_path) -> None:
+    source = tmp_path / "model"
+    _tiny().save_pretrained(source)
+    before = sorted(p.name for p in source.iterdir())
+    recipe = {"q": {"GPTQModifier": {"scheme": "W8A8", "kv_cache_scheme": KV}}}
+    with pytest.raises(ValueError) as info:
+        llmc_fsm.oneshot(model=str(source), recipe=recipe, dataset=_data(), output_dir=tmp_path / "out",
+                         low_memory=True, progress=False)
+    assert (
+        "GPTQModifier: kv_cache_scheme with low_memory (--low-memory: layers streamed from the checkpoint) is not "
+        "implemented; run without low_memory"
+    ) in str(info.value)
+    assert sorted(p.name for p in source.iterdir()) == before
