@@ -258,9 +258,10 @@ quant_modifiers:
 @pytest.mark.parametrize(
     ("body", "message"),
     [
-        ("GPTQModifier: {kv_cache_scheme: {num_bits: 8}}",
-         "argument 'kv_cache_scheme': llm-compressor argument not supported: KV-cache quantization is not "
-         "implemented; remove it"),
+        ("GPTQModifier: {scheme: W8A8, kv_cache_scheme: {num_bits: 8}}",
+         "argument 'kv_cache_scheme': kv_cache_scheme: only an FP8 KV cache is supported (num_bits 8, type float; "
+         "vLLM's KV-cache format), got num_bits 8, type int; use {num_bits: 8, type: float, symmetric: true, "
+         "dynamic: false, strategy: tensor (or attn_head)}"),
         ("QuantizationModifier: {input_observer: static_minmax}",
          "argument 'input_observer': input_observer applies to static input activations (dynamic: false), and no "
          "config group has them"),
@@ -268,7 +269,7 @@ quant_modifiers:
          "argument 'weight_observer': it sets 'observer' to 'mse', but 'observer' is also given"),
         ("QuantizationModifier: {weight_observer: best}",
          "argument 'observer' (given as 'weight_observer'): unknown observer 'best'; choose one of "
-         "minmax, static_minmax, memoryless_minmax, mse, memoryless_mse, imatrix_mse"),
+         "minmax, static_minmax, memoryless_minmax, mse, memoryless_mse, imatrix_mse, nvfp4_expanded_mse"),
         ("GPTQModifier: {targets: [re:.*mlp.*], config_groups: {g: {targets: [re:.*proj$], weights: {num_bits: 8}}}}",
          "argument 'targets': the modifier's targets ['re:.*mlp.*'] differ from its config_groups' targets "
          "['re:.*proj$']: leave targets out (each config group names its own)"),

@@ -10,10 +10,15 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import Any
 
 from torch import nn
 
-__all__ = ["ignore_for_reload", "leaf_targets", "unpacked_zero_points"]
+__all__ = ["ignore_for_reload", "kv_cache_scheme", "leaf_targets", "unpacked_embeddings", "unpacked_zero_points"]
+
+#: Attribute of an attention module whose KV cache is quantized: its compressed-tensors ``QuantizationArgs``
+#: (set by the quantization plugin, next to its ``k_scale`` / ``v_scale`` parameters).
+KV_CACHE_SCHEME_ATTR = "kv_cache_scheme"
 
 
 def unpacked_zero_points(modules: dict[str, nn.Module]) -> None:
@@ -31,6 +36,28 @@ def unpacked_zero_points(modules: dict[str, nn.Module]) -> None:
         scheme = sub.quantization_scheme
         asymmetric_int = scheme.weights is not None and not scheme.weights.symmetric and scheme.weights.type == "int"
         if asymmetric_int and scheme.format in (None, CompressionFormat.pack_quantized):
+            scheme.format = None
+            if infer_module_format(type(sub), scheme) == CompressionFormat.pack_quantized:
+                scheme.format = CompressionFormat.int_quantized
+
+
+def unpacked_embeddings(modules: dict[str, nn.Module]) -> None:
+    """Quantized ``nn.Embedding`` weights that compressed-tensors would pack are saved ``int-quantized``.
+
+    ``pack-quantized`` replaces an embedding's ``weight`` by ``weight_packed``, and transformers 5.24 then fails
+    to reload the checkpoint: its weight initialisation reads ``Embedding.weight`` (``AttributeError:
+    'Embedding' object has no attribute 'weight'``, measured with compressed-tensors 0.20). ``int-quantized``
+    keeps the integer values under ``weight`` (one int8 per value) and reloads with logits equal to the in-memory
+    model's (W4A16 / W4A16_ASYM group 32, int8 per channel). Sets ``quantization_scheme.format`` of those modules.
+    """
+    from compressed_tensors.compressors.format import infer_module_format
+    from compressed_tensors.config import CompressionFormat
+
+    for sub in modules.values():
+        if not isinstance(sub, nn.Embedding):
+            continue
+        scheme = sub.quantization_scheme
+        if scheme.format in (None, CompressionFormat.pack_quantized):
             scheme.format = None
             if infer_module_format(type(sub), scheme) == CompressionFormat.pack_quantized:
                 scheme.format = CompressionFormat.int_quantized
@@ -92,3 +119,26 @@ def ignore_for_reload(model: nn.Module, modules: dict[str, nn.Module], ignore: l
         and any(cls.__name__ in targets for cls in type(sub).__mro__)
     ]
     return [*ignore, *added]
+
+
+def kv_cache_scheme(model: nn.Module) -> Any:
+    """The ``kv_cache_scheme`` to write in ``quantization_config``: the ``QuantizationArgs`` that ``model``'s
+    attention modules carry (attribute ``kv_cache_scheme``, with their ``k_scale`` / ``v_scale``), or ``None``.
+
+    compressed-tensors 0.20 finds a KV-cache scheme only on attention modules it recognises by a
+    ``past_key_values`` argument, which transformers 5.24's attention no longer has (it is ``cache``); so it
+    is read here from the modules the quantization plugin calibrated.
+
+    Raises:
+        ValueError: two attention modules carry different schemes.
+    """
+    found = {
+        name: args
+        for name, sub in model.named_modules()
+        if (args := getattr(sub, KV_CACHE_SCHEME_ATTR, None)) is not None
+    }
+    schemes = {args.model_dump_json(): name for name, args in found.items()}
+    if len(schemes) > 1:
+        first, second = list(schemes.values())[:2]
+        raise ValueError(f"{first} and {second} quantize their KV cache with different schemes; one is written")
+    return next(iter(found.values()), None)

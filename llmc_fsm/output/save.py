@@ -28,7 +28,13 @@ from typing import Any
 from torch import nn
 
 from llmc_fsm.models.known import fix_safetensors_permissions
-from llmc_fsm.output.compressed import ignore_for_reload, leaf_targets, unpacked_zero_points
+from llmc_fsm.output.compressed import (
+    ignore_for_reload,
+    kv_cache_scheme,
+    leaf_targets,
+    unpacked_embeddings,
+    unpacked_zero_points,
+)
 from llmc_fsm.recipes.model import Recipe
 
 logger = logging.getLogger(__name__)
@@ -211,6 +217,7 @@ def compressed_state_dict(module: nn.Module, prefix: str = "") -> dict[str, Any]
     from compressed_tensors.utils.module import get_direct_state_dict
 
     unpacked_zero_points(quantized_modules(module))
+    unpacked_embeddings(quantized_modules(module))
     infer_model_format(module)  # sets each quantized module's scheme.format
     state = {prefix + key: value for key, value in module.state_dict().items()}
     for name, sub in quantized_modules(module).items():
@@ -241,6 +248,7 @@ def write_quantization_config(
         compressor.quantization_config.quantization_status = QuantizationStatus.COMPRESSED  # what the tensors are
         config = compressor.quantization_config  # every unquantized module a class target would match on reload
         config.ignore = ignore_for_reload(model, quantized_modules(model), list(config.ignore or []))
+        config.kv_cache_scheme = kv_cache_scheme(model) or config.kv_cache_scheme  # the plugin's calibrated KV scales
         compressor.update_config(str(directory))
     if sparsity >= 0.05:
         targets = sorted(quantized_modules(model))

@@ -211,7 +211,6 @@ _QUANT_BASE: dict[str, ArgumentRule] = {
     "scheme": ArgumentRule("value", "llm-compressor's {PRESET: targets} form", convert=_preset_targets),
     "observer": ArgumentRule("value", "llm-compressor's {weights: NAME} form", convert=_observer_mapping),
     "output_observer": ArgumentRule("refuse", "output activations are not quantized"),
-    "kv_cache_scheme": ArgumentRule("refuse", "KV-cache quantization is not implemented; remove it", accept=(None,)),
     "bypass_divisibility_checks": ArgumentRule(
         "ignore", "only false: every group must divide the input width", accept=(False,)
     ),

@@ -226,6 +226,10 @@ class CalibratedModifier(Modifier):
         """
         raise NotImplementedError
 
+    def _selectable(self, module: nn.Module) -> bool:
+        """Whether ``targets`` may select ``module`` (default: :func:`~llmc_fsm.toolkit.targets.is_linear_like`)."""
+        return is_linear_like(module)
+
     def _check_target(self, name: str, module: nn.Module) -> str | None:
         """Why ``module`` cannot be compressed (one line, without its name), or ``None``.
 
@@ -284,7 +288,8 @@ class CalibratedModifier(Modifier):
             msg = f"{type(self).__name__}: the model is already quantized ({already}); {self.quantized_model_hint}"
             raise ValueError(msg)
         targets = resolve_targets(
-            model, self.targets, self.ignore, warned=self._target_warnings, views=self.compresses_views
+            model, self.targets, self.ignore, warned=self._target_warnings, supported=self._selectable,
+            views=self.compresses_views,
         )
         quantized = [name for name, module in targets.items() if hasattr(module, "quantization_scheme")]
         if quantized:  # an earlier stage of this run quantized them; other modules may still be compressed

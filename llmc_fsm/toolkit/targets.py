@@ -502,6 +502,7 @@ def resolve_targets(
     ignore: Iterable[str] = DEFAULT_IGNORE,
     *,
     warned: set[str] | None = None,
+    supported: Callable[[nn.Module], bool] = is_linear_like,
     views: bool = False,
 ) -> dict[str, nn.Module]:
     """Return ``{full name: module}`` to compress, in model order: :attr:`select_targets(...).selected`.
@@ -510,11 +511,13 @@ def resolve_targets(
     selects nothing while others do, and for each ``ignore`` pattern that matches
     no module -- except the default ``lm_head`` on a model without one. ``warned``:
     the warnings already given (by an earlier call for the same modifier); not repeated, new ones added.
+    ``supported``: which modules may be selected; ``views``: whether the Linear views of fused experts and Conv1D
+    are selectable (both as for :func:`select_targets`).
 
     Raises:
         ValueError: as :func:`select_targets`.
     """
-    selection = select_targets(model, targets, ignore, views=views)
+    selection = select_targets(model, targets, ignore, supported=supported, views=views)
     for line in selection.warnings(quiet_ignore=DEFAULT_IGNORE):
         if warned is None or line not in warned:
             logger.warning("%s", line)

@@ -14,6 +14,7 @@ from llmc_fsm_quantization._base import QuantizedWeight, attach_qparams
 from llmc_fsm_quantization.autoround import AutoRoundModifier
 from llmc_fsm_quantization.awq import AWQModifier
 from llmc_fsm_quantization.gptq import GPTQModifier, gptq_quantize
+from llmc_fsm_quantization.kv_cache import load_kv_cache_scales
 from llmc_fsm_quantization.observers import observe
 from llmc_fsm_quantization.rotations import SpinQuantModifier
 from llmc_fsm_quantization.rtn import QuantizationModifier, rtn_quantize
@@ -32,6 +33,7 @@ __all__ = [
     "attach_qparams",
     "gptq_quantize",
     "llmc_fsm_register_modifiers",
+    "load_kv_cache_scales",
     "observe",
     "preset_names",
     "resolve_scheme",

@@ -34,11 +34,20 @@ from llmc_fsm.toolkit import (
     CompressedGroup,
     HessianAccumulator,
     all_reduce_tensor,
+    compact_names,
     is_distributed,
+    is_linear_like,
     patterns,
     select_targets,
 )
-from llmc_fsm_quantization.observers import IMPORTANCE_OBSERVERS, check_observer, is_scaled_format
+from llmc_fsm_quantization import kv_cache
+from llmc_fsm_quantization.observers import (
+    IMPORTANCE_OBSERVERS,
+    NVFP4_OBSERVERS,
+    check_observer,
+    is_nvfp4,
+    is_scaled_format,
+)
 from llmc_fsm_quantization.schemes import resolve_config_groups, resolve_scheme, weight_args
 
 __all__ = ["DEFAULT_SCHEME", "CalibrationStatistics", "QuantizedWeight", "QuantizingModifier", "attach_qparams"]
@@ -214,6 +223,24 @@ def _input_observer(instance: Any, attribute: attrs.Attribute, value: Any) -> No
         raise ValueError(msg)
 
 
+def _prefixes(name: str) -> list[str]:
+    """``"a.b.c"`` -> ``["a.b.c", "a.b", "a"]`` (``[]`` for ``""``)."""
+    parts = name.split(".") if name else []
+    return [".".join(parts[:i]) for i in range(len(parts), 0, -1)]
+
+
+def _no_statistics(module: nn.Module, args: tuple[Any, ...]) -> None:
+    """The forward pre-hook of an ``nn.Embedding`` target: nothing to collect (see
+    :meth:`QuantizingModifier._make_hook`)."""
+    return None
+
+
+def _observed_whole(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+    """A forward hook that does nothing: the pipeline then runs the hooked layer to its end (see
+    :meth:`QuantizingModifier.on_calibration_start`)."""
+    return None
+
+
 class _DefaultIgnore(list):
     """The ``ignore`` a recipe did not give (``[lm_head]``): a list that remembers it was defaulted."""
 
@@ -269,6 +296,14 @@ class QuantizingModifier(CalibratedModifier):
             input activations: ``minmax`` (moving average), ``static_minmax`` or
             ``memoryless_minmax`` (see :class:`CalibrationStatistics`). Default: each
             scheme's own, else ``minmax``. Refused when no group has static input activations.
+        kv_cache_scheme: llm-compressor's / compressed-tensors' KV-cache scheme: a mapping of FP8
+            ``QuantizationArgs`` fields (``{num_bits: 8, type: float, symmetric: true, dynamic: false,
+            strategy: tensor}``, or ``strategy: attn_head`` for one scale per key/value head; ``observer``
+            ``minmax`` (default), ``static_minmax`` or ``memoryless_minmax``). Every attention module of
+            the model gets ``k_scale`` / ``v_scale`` calibrated from the keys and values of the calibration
+            tokens, and its keys and values are fake-quantized from then on (see
+            :mod:`llmc_fsm_quantization.kv_cache`). Needs calibration data and a weight scheme too; only
+            the modifiers with :attr:`supports_kv_cache` (GPTQ, round-to-nearest) take it.
         targets, ignore: see :class:`~llmc_fsm.toolkit.calibrated.CalibratedModifier`
             (defaults ``[Linear]`` and ``[lm_head]``; llm-compressor's default ``ignore``
             is empty, so a recipe without ``ignore`` keeps ``lm_head`` dense here, which
@@ -285,11 +320,16 @@ class QuantizingModifier(CalibratedModifier):
     observer: str | None = attrs.field(default=None, validator=_observer)
     input_observer: str | None = attrs.field(default=None, validator=_input_observer)
     ignore: list[str] = attrs.field(default=None, converter=_ignore)
+    kv_cache_scheme: Any = attrs.field(default=None)
+
+    #: Whether this modifier calibrates a ``kv_cache_scheme`` (its lifecycle is this class's).
+    supports_kv_cache = False
 
     def __attrs_post_init__(self) -> None:
         self._ignore_defaulted = isinstance(self.ignore, _DefaultIgnore)
         self._ignore_logged = False
         self.ignore = list(self.ignore)
+        self._kv_attention: dict[str, nn.Module] = {}  # attention name -> module (kv_cache_scheme)
         #: no quantization config at all (llm-compressor's "has_config" false): a GPTQModifier so written takes the
         #: config of a QuantizationModifier before it in its stage (:meth:`GPTQModifier.take_stage_config`)
         self._bare = (
@@ -298,6 +338,7 @@ class QuantizingModifier(CalibratedModifier):
             and self.observer is None
             and list(self.targets) == list(DEFAULT_TARGETS)
             and self._ignore_defaulted
+            and self.kv_cache_scheme is None
         )
         super().__attrs_post_init__()
         self._resolve()
@@ -308,6 +349,21 @@ class QuantizingModifier(CalibratedModifier):
         Raises:
             ValueError: see the class docs.
         """
+        self._kv_args = kv_cache.resolve_kv_cache_scheme(self.kv_cache_scheme)
+        if self._kv_args is not None:
+            if not self.supports_kv_cache:
+                name = type(self).__name__
+                msg = f"kv_cache_scheme is not implemented for {name}; use GPTQModifier or QuantizationModifier"
+                raise ValueError(msg)
+            if self.scheme is None and self.config_groups is None:
+                msg = (
+                    "kv_cache_scheme without a weight scheme (KV cache only) is not supported: give scheme or "
+                    "config_groups too (e.g. scheme: FP8_DYNAMIC)"
+                )
+                raise ValueError(msg)
+            fields = ("num_bits", "type", "symmetric", "strategy", "dynamic", "observer")
+            values = {f: getattr(self._kv_args, f) for f in fields}
+            self.kv_cache_scheme = {f: getattr(v, "value", v) for f, v in values.items()}  # what recipe.yaml records
         if self.config_groups is not None:
             if self.scheme is not None:
                 msg = "give either scheme or config_groups, not both (as in llm-compressor)"
@@ -346,6 +402,12 @@ class QuantizingModifier(CalibratedModifier):
                 w.observer = DEFAULT_OBSERVER
             if actorder is not None and w.strategy == QuantizationStrategy.GROUP:
                 w.actorder = ActivationOrdering(actorder)
+        for group, scheme in groups.items():
+            w = scheme.weights
+            if w is not None and w.observer in NVFP4_OBSERVERS and not is_nvfp4(w):
+                where = f"config group {group!r}" if self.config_groups is not None else "the scheme"
+                msg = f"observer {w.observer} is for NVFP4 weights (tensor_group, 4-bit float), and {where} is not"
+                raise ValueError(msg)
         observers = {s.weights.observer for s in groups.values() if s.weights is not None}
         if self.observer is None and len(observers) == 1:
             (self.observer,) = observers
@@ -391,6 +453,11 @@ class QuantizingModifier(CalibratedModifier):
     def needs_importance(self) -> bool:
         """Whether some group's weight observer weights the error by the calibration inputs (``imatrix_mse``)."""
         return any(s.weights is not None and s.weights.observer in IMPORTANCE_OBSERVERS for s in self._groups.values())
+
+    @property
+    def kv_cache_args(self) -> QuantizationArgs | None:
+        """The resolved ``kv_cache_scheme`` (``None`` without one)."""
+        return self._kv_args
 
     def compressed_call_inputs(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """``(args, kwargs)`` of a call that began before ``module`` was quantized, with its input quantized as
@@ -477,7 +544,96 @@ class QuantizingModifier(CalibratedModifier):
                 "such a model: mixture-of-experts models are not supported for quantization"
             )
             raise ValueError(msg)
+        if self._kv_args is not None:
+            self._kv_attention = self._check_kv_cache(model)
         return targets
+
+    def _check_kv_cache(self, model: nn.Module) -> dict[str, nn.Module]:
+        """The attention modules whose KV cache ``kv_cache_scheme`` quantizes.
+
+        Raises:
+            ValueError: no attention module with a cache argument
+                (:func:`llmc_fsm_quantization.kv_cache.attention_modules`),
+                per-head scales and an attention without ``head_dim``, or a ``torch.distributed`` run (the key and
+                value ranges are not combined over ranks), or a model on the ``meta`` device (``low_memory``: its
+                layers are streamed, and the KV scales are not).
+        """
+        name = type(self).__name__
+        attention = kv_cache.attention_modules(model)
+        if not attention:
+            msg = (
+                f"{name}: kv_cache_scheme: the model has no attention module with k_proj, v_proj and a cache "
+                f"argument ({', '.join(kv_cache.CACHE_ARGUMENTS)}) whose keys and values could be observed"
+            )
+            raise ValueError(msg)
+        if self._kv_args.strategy == QuantizationStrategy.ATTN_HEAD:
+            unknown = [n for n, m in attention.items() if kv_cache.kv_heads(m) is None]
+            if unknown:
+                msg = (
+                    f"{name}: kv_cache_scheme strategy attn_head: the number of key/value heads of {unknown[0]} is "
+                    "unknown (no head_dim dividing k_proj's width); use strategy: tensor"
+                )
+                raise ValueError(msg)
+        if is_distributed():
+            msg = f"{name}: kv_cache_scheme under torch.distributed is not implemented; run it on one process"
+            raise ValueError(msg)
+        if any(p.is_meta for m in attention.values() for p in m.parameters()):
+            msg = (
+                f"{name}: kv_cache_scheme with low_memory (--low-memory: layers streamed from the checkpoint) is not "
+                "implemented; run without low_memory"
+            )
+            raise ValueError(msg)
+        return attention
+
+    # ---- KV cache: calibrated alongside the weights ---------------------------------------
+    def on_initialize(self, state: Any) -> None:
+        self._kv_attention = {}
+        super().on_initialize(state)
+
+    def on_calibration_start(self, state: Any) -> None:
+        """Hook the targets (:class:`CalibratedModifier`); with ``kv_cache_scheme`` also prepare every attention
+        module (:func:`llmc_fsm_quantization.kv_cache.install`) and give each of its ancestors a forward hook that
+        does nothing, so that the pipeline runs each layer whole (no early exit before the attention's cache
+        update; its plain order: calibrate, compress, then propagate through the KV-quantized attention)."""
+        super().on_calibration_start(state)
+        if self._kv_args is None:
+            return
+        names = dict.fromkeys(n.rpartition(".")[0] for n in self._kv_attention)
+        ancestors = {p for n in names for p in _prefixes(n)}
+        for name, module in state.model.named_modules():
+            if name in ancestors:
+                self.register_hook(module, _observed_whole, kind="forward")
+        for module in self._kv_attention.values():
+            kv_cache.install(module, self._kv_args)
+
+    def on_sequential_epoch_end(self, state: Any, modules: Any) -> None:
+        super().on_sequential_epoch_end(state, modules)
+        if self._kv_args is None:
+            return
+        roots = [modules] if isinstance(modules, nn.Module) else list(modules)
+        inside = {id(sub) for root in roots for sub in root.modules()}
+        self._set_kv_scales({n: m for n, m in self._kv_attention.items() if id(m) in inside}, final=False)
+
+    def on_calibration_end(self, state: Any) -> None:
+        super().on_calibration_end(state)
+        if self._kv_args is not None:
+            self._set_kv_scales(self._kv_attention, final=True)
+
+    def _set_kv_scales(self, attention: dict[str, nn.Module], *, final: bool) -> None:
+        """Calibrate ``attention``'s KV scales from what they observed (those that observed nothing wait, unless
+        ``final``).
+
+        Raises:
+            ValueError: (``final``) an attention never handed keys and values to its cache argument on the
+                calibration tokens, so its scales cannot be observed.
+        """
+        missing = [name for name, module in attention.items() if not kv_cache.set_scales(module)]
+        if missing and final:
+            msg = (
+                f"{type(self).__name__}: kv_cache_scheme: {compact_names(missing)} never handed keys and values to "
+                "its cache argument (cache.update) on the calibration tokens; its KV scales cannot be calibrated"
+            )
+            raise ValueError(msg)
 
     def _memberships(self, model: nn.Module) -> dict[str, str]:
         """``{module name: config group}`` of every module a group selects (``{}`` with one group).
@@ -490,7 +646,7 @@ class QuantizingModifier(CalibratedModifier):
         owner: dict[str, str] = {}
         for group, scheme in self._groups.items():
             try:
-                selected = select_targets(model, scheme.targets, self.ignore).selected
+                selected = select_targets(model, scheme.targets, self.ignore, supported=self._selectable).selected
             except ValueError as exc:
                 raise ValueError(f"{type(self).__name__}: config group {group!r}: {exc}") from None
             for name in selected:
@@ -503,8 +659,49 @@ class QuantizingModifier(CalibratedModifier):
                 owner[name] = group
         return owner
 
+    def _selectable(self, module: nn.Module) -> bool:
+        """Linear-like modules, and ``nn.Embedding`` (weight-only round-to-nearest; see :meth:`_embedding_problem`)."""
+        return is_linear_like(module) or isinstance(module, nn.Embedding)
+
+    def _embedding_problem(self, name: str) -> str | None:
+        """Why the ``nn.Embedding`` target ``name`` cannot be quantized by this modifier, or ``None``.
+
+        An embedding's weight ``[vocab, hidden]`` is quantized data-free by round-to-nearest, weight only, with an
+        int scheme (saved ``int-quantized``: transformers 5.24 cannot reload a packed embedding, see
+        :func:`llmc_fsm.output.compressed.unpacked_embeddings`) or FP8 per channel / tensor; its inputs are token
+        ids, so nothing that needs calibration inputs applies to it.
+        """
+        scheme = self.scheme_of(name)
+        args = weight_args(scheme)
+        if self.measures_output_error:  # GPTQ: the Hessian of a Linear's inputs
+            return (
+                "an Embedding has no inputs to take a Hessian of (GPTQ): quantize embeddings with a separate "
+                "QuantizationModifier (round-to-nearest, weight only)"
+            )
+        if self.needs_inputs:
+            return (
+                "an Embedding is quantized data-free, and this modifier needs calibration inputs (imatrix_mse, static "
+                "input activations or kv_cache_scheme): quantize embeddings with a separate QuantizationModifier"
+            )
+        if scheme.input_activations is not None or scheme.output_activations is not None:
+            return "an Embedding's inputs are token ids: quantize its weight only (e.g. W8A16, W4A16)"
+        kind = str(getattr(args.type, "value", args.type))
+        if is_scaled_format(args) or not (kind == "int" or (kind == "float" and args.num_bits == 8)):
+            return "an Embedding is quantized with int weights or FP8 per channel / tensor only (not NVFP4, MX, block)"
+        return None
+
+    def _make_hook(self, name: str) -> Any:
+        """:meth:`CalibratedModifier._make_hook`; an ``nn.Embedding`` target (its inputs are token ids) collects
+        nothing and is quantized data-free."""
+        if isinstance(self._targets.get(name), nn.Embedding):
+            return _no_statistics
+        return super()._make_hook(name)
+
     def _check_target(self, name: str, module: nn.Module) -> str | None:
-        problem = super()._check_target(name, module)
+        if isinstance(module, nn.Embedding):
+            problem = self._embedding_problem(name)
+        else:
+            problem = super()._check_target(name, module)
         if problem is not None:
             return problem
         args = weight_args(self.scheme_of(name))

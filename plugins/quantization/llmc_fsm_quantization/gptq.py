@@ -402,6 +402,7 @@ class GPTQModifier(QuantizingModifier):
     dampening_frac: float = attrs.field(default=0.01, validator=_dampening)
     actorder: str | None = attrs.field(default="static", converter=_actorder_value, validator=_actorder)
 
+    supports_kv_cache = True
     measures_output_error = True  # from the sweep (llmc_fsm.toolkit.layer_error.sweep_relative_errors)
 
     def _resolve(self) -> None:
@@ -434,9 +435,9 @@ class GPTQModifier(QuantizingModifier):
 
         Returns:
             ``earlier`` without the ``QuantizationModifier`` whose config this modifier took (its ``scheme`` or
-            ``config_groups``, ``targets``, ``ignore`` and ``observer``); ``earlier`` unchanged when this
-            modifier has a config of its own or the stage has not exactly one such ``QuantizationModifier``
-            (then both run, and one-shot refuses a module the two would quantize).
+            ``config_groups``, ``targets``, ``ignore``, ``observer`` and ``kv_cache_scheme``); ``earlier``
+            unchanged when this modifier has a config of its own or the stage has not exactly one such
+            ``QuantizationModifier`` (then both run, and one-shot refuses a module the two would quantize).
 
         Raises:
             ValueError: the taken config does not suit GPTQ (e.g. its group size and ``block_size``).
@@ -449,6 +450,7 @@ class GPTQModifier(QuantizingModifier):
         (source,) = sources
         self.scheme, self.config_groups = source.scheme, copy.deepcopy(source.config_groups)
         self.targets, self.ignore, self.observer = list(source.targets), list(source.ignore), source.observer
+        self.kv_cache_scheme = copy.deepcopy(source.kv_cache_scheme)
         self._ignore_defaulted, self._bare = source._ignore_defaulted, False
         self._resolve()
         logger.info(

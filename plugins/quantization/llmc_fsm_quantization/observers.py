@@ -22,6 +22,14 @@ which is observed once:
   needs calibration data. Unlike llm-compressor (which then falls back to plain
   MSE) it also weights per-tensor scales.
 
+* ``nvfp4_expanded_mse`` (NVFP4 weights only): each 16-value group's range is searched from 1.8x the
+  observed range down to 0.8x: ``p = 1.8 (1 - i / 200)`` for ``i = 0 .. 111`` (llm-compressor's defaults:
+  ``expand`` 1.8, ``grid`` 200, ``maxshrink`` ``1 - 0.8 / 1.8``, every step tried), keeping per group the
+  ``p`` whose NVFP4 values have the smallest ``sum |x - q(x)|^2.4``. The error is that of the format itself:
+  the group scale rounded to FP8 under the weight's global scale (``448 * 6 / max|W|``, from the unexpanded
+  range), as the checkpoint stores it. A range wider than the group's values lets its largest value fall
+  between the FP4 grid's 4 and 6 (the "four over six" idea; llm-compressor PR 2950).
+
 Any other name is refused (:func:`check_observer`). Scale and zero point from a
 range come from ``compressed_tensors.quantization.utils.calculate_qparams`` and
 the rounding from ``compressed_tensors``' ``fake_quantize``, so the values match
@@ -41,10 +49,12 @@ from compressed_tensors.quantization.utils import calculate_qparams
 
 __all__ = [
     "IMPORTANCE_OBSERVERS",
+    "NVFP4_OBSERVERS",
     "OBSERVERS",
     "as_row_args",
     "check_observer",
     "importance_from_hessian",
+    "is_nvfp4",
     "is_scaled_format",
     "observe",
     "observe_scaled_format",
@@ -54,7 +64,17 @@ __all__ = [
 ]
 
 #: Observer names the modifiers accept (llm-compressor's weight observers).
-OBSERVERS = ("minmax", "static_minmax", "memoryless_minmax", "mse", "memoryless_mse", "imatrix_mse")
+OBSERVERS = (
+    "minmax",
+    "static_minmax",
+    "memoryless_minmax",
+    "mse",
+    "memoryless_mse",
+    "imatrix_mse",
+    "nvfp4_expanded_mse",
+)
+#: Observers only for NVFP4 weights (``tensor_group``, 4-bit float).
+NVFP4_OBSERVERS = frozenset({"nvfp4_expanded_mse"})
 #: Observers that weight the error by the calibration inputs' importance (they need calibration data).
 IMPORTANCE_OBSERVERS = frozenset({"imatrix_mse"})
 _MINMAX = frozenset({"minmax", "static_minmax", "memoryless_minmax"})
@@ -77,6 +97,17 @@ _SEARCHES = {
     "memoryless_mse": _Search(grid=100, max_shrink=0.2, norm=2.4, patience=None),
     "imatrix_mse": _Search(grid=20, max_shrink=0.95, norm=3.0, patience=5),
 }
+
+
+#: ``nvfp4_expanded_mse``: ``p = EXPAND * (1 - i / grid)``, ``i = 0 .. int(max_shrink * grid)``.
+_NVFP4_EXPAND = 1.8
+_NVFP4_SEARCH = _Search(grid=200, max_shrink=1 - 0.8 / 1.8, norm=2.4, patience=None)
+
+
+def is_nvfp4(args: QuantizationArgs) -> bool:
+    """Whether ``args`` are NVFP4 weights: ``tensor_group`` strategy, 4-bit float."""
+    kind = str(getattr(args.type, "value", args.type))
+    return args.strategy == QuantizationStrategy.TENSOR_GROUP and kind == "float" and args.num_bits == 4
 
 
 def check_observer(name: object) -> str:
@@ -141,6 +172,8 @@ def row_qparams(
         ValueError: unknown observer, or ``imatrix_mse`` without ``importance``.
     """
     check_observer(observer)
+    if observer in NVFP4_OBSERVERS:
+        raise ValueError(f"observer {observer} is for NVFP4 weights (tensor_group, 4-bit float) only")
     lo = x.amin(dim=1, keepdim=True)
     hi = x.amax(dim=1, keepdim=True)
     scale, zp = calculate_qparams(lo, hi, row_args)
@@ -254,10 +287,11 @@ def observe_scaled_format(
     """
     from compressed_tensors.quantization.utils import generate_gparam
 
-    if observer not in _MINMAX:
+    if observer not in _MINMAX and not (observer in NVFP4_OBSERVERS and is_nvfp4(args)):
         msg = (
             f"observer {observer} is not implemented for {_format_name(args)} weights; use minmax (or "
             "static_minmax / memoryless_minmax, the same for a weight)"
+            + ("; nvfp4_expanded_mse for NVFP4" if args.strategy == QuantizationStrategy.TENSOR_GROUP else "")
         )
         raise ValueError(msg)
     rows, cols = weight.shape
@@ -279,8 +313,34 @@ def observe_scaled_format(
     global_scale = None
     if args.strategy == QuantizationStrategy.TENSOR_GROUP:
         global_scale = generate_gparam(w.amin().reshape(1), w.amax().reshape(1))
-    scale, zp = calculate_qparams(lo, hi, args, global_scale=global_scale)
+    if observer in NVFP4_OBSERVERS:
+        scale, zp = _expanded_search(w, lo, hi, args, global_scale)
+    else:
+        scale, zp = calculate_qparams(lo, hi, args, global_scale=global_scale)
     return scale.to(torch.float32), zp, global_scale
+
+
+def _expanded_search(
+    w: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, args: QuantizationArgs, global_scale: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``nvfp4_expanded_mse``'s search (module docs): per group of ``w`` ``[rows, cols]`` (extremes ``lo``/``hi``
+    ``[rows, cols // 16]``) the NVFP4 scale and zero point of the range ``p * [lo, hi]`` with the smallest
+    ``sum |w - q(w)|^2.4``; on equal errors the first (widest) ``p``."""
+    rows = w.shape[0]
+    search = _NVFP4_SEARCH
+    best = torch.full(lo.shape, float("inf"), dtype=torch.float32, device=w.device)
+    scale = zp = None
+    for i in range(int(search.max_shrink * search.grid) + 1):
+        p = _NVFP4_EXPAND * (1.0 - i / search.grid)
+        s, z = calculate_qparams(lo * p, hi * p, args, global_scale=global_scale)
+        s = s.to(torch.float32)  # FP8 values, kept in float32 (as observe_scaled_format returns them)
+        q = fake_quantize(w, s, z, args, global_scale=global_scale)
+        err = (q - w).abs_().pow_(search.norm).reshape(rows, lo.shape[1], -1).sum(dim=2)
+        better = err < best
+        best = torch.where(better, err, best)
+        scale = s if scale is None else torch.where(better, s, scale)
+        zp = z if zp is None else torch.where(better, z, zp)
+    return scale, zp
 
 
 def _format_name(args: QuantizationArgs) -> str:

@@ -70,24 +70,26 @@ class QuantizationModifier(QuantizingModifier):
 
     Requires state ``model``; also ``calibration_data`` when a weight observer is
     ``imatrix_mse``, which weights each input column by its mean square on the
-    calibration tokens, or when input activations are static (``dynamic: false``,
+    calibration tokens, when input activations are static (``dynamic: false``,
     e.g. preset ``FP8``: one scale per tensor from the range of the calibration
-    inputs); a target that receives no calibration input is then left as it was
+    inputs), or with a ``kv_cache_scheme`` (key and value scales from the calibration
+    tokens); a target that receives no calibration input is then left as it was
     and listed as skipped.
     """
 
     required_state = frozenset({"model"})
     optional_state = frozenset({"calibration_data"})
     needs_inputs = False
+    supports_kv_cache = True
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
         # imatrix_mse or static input scales: no target is quantized without its inputs' statistics
-        self.needs_inputs = self.needs_importance or self.static_inputs
+        self.needs_inputs = self.needs_importance or self.static_inputs or self.kv_cache_args is not None
 
     def required_keys(self) -> frozenset[str]:
-        """``model``; and ``calibration_data`` when a weight observer needs the inputs' importance (``imatrix_mse``)
-        or input activations have static (calibrated) scales."""
+        """``model``; and ``calibration_data`` when a weight observer needs the inputs' importance (``imatrix_mse``),
+        input activations have static (calibrated) scales, or a ``kv_cache_scheme`` is given."""
         keys = super().required_keys()
         return keys | {"calibration_data"} if self.needs_inputs else keys
 

@@ -287,6 +287,11 @@ def _problem(scheme: QuantizationScheme) -> str | None:
     if problem is not None:
         return problem
     w = scheme.weights
+    if w is None and scheme.input_activations is not None:
+        return (
+            "the scheme quantizes input activations only (llm-compressor's attention quantization of queries, keys "
+            "and values), which is not implemented; for FP8 keys and values give kv_cache_scheme with a weight scheme"
+        )
     if w is None:
         return "the scheme quantizes no weights; weight-only (W4A16, W8A16) and dynamic (W8A8, FP8_DYNAMIC) ones work"
     strategy = getattr(w.strategy, "value", w.strategy)

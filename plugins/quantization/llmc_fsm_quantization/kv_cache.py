@@ -1,0 +1,332 @@
+"""KV-cache quantization (compressed-tensors' ``kv_cache_scheme``): FP8 key and value scales from calibration.
+
+A quantizing modifier given ``kv_cache_scheme`` (an FP8 ``QuantizationArgs``: ``num_bits: 8, type: float,
+symmetric: true, dynamic: false``, strategy ``tensor`` or ``attn_head``) gives every attention module of the
+model two parameters, ``k_scale`` and ``v_scale`` (``[1]`` per tensor, ``[num_kv_heads, 1, 1]`` per head, the
+attention's parameter dtype), as compressed-tensors' ``initialize_attn_qparams`` allocates them; the checkpoint
+holds them as ``<attention>.k_scale`` / ``<attention>.v_scale`` next to ``kv_cache_scheme`` in
+``quantization_config``, the names vLLM reads for an FP8 KV cache.
+
+What is observed are the key and value states the attention hands to its cache (``cache.update(k, v, ...)``):
+keys after the rotary embedding, ``[batch, num_kv_heads, seq, head_dim]``, as compressed-tensors' own
+``QuantizedKVCache`` observes them. A forward pre-hook of the attention (:func:`install`) replaces its cache
+argument by a :class:`CacheTap`, which, while the attention's scales are not yet calibrated (NaN), records the
+range of each call's k and v (:class:`KVRange`), and afterwards fake-quantizes them with compressed-tensors'
+``fake_quantize`` (what its ``forward_quantize`` does for ``k`` / ``v``) before handing them to the real cache
+(if any). The hook stays on the model: the in-memory model computes with the FP8 KV cache, and the decoder
+layers after a calibrated one are calibrated on the outputs of its quantized attention (the sequential
+pipeline propagates through it). A layer restored from saved progress (a resumed run) gets its scales from
+its state dict and quantizes at once.
+
+Scale of each observer (per tensor, or per KV head over batch, positions and head dimension), with
+``range = max(|min|, |max|)`` and the FP8 (e4m3) maximum 448 (compressed-tensors' ``calculate_qparams``):
+
+* ``static_minmax``: ``max |x|`` over every calibration token / 448;
+* ``minmax`` (llm-compressor's default for k and v): the per-call minimum and maximum averaged as
+  ``v <- 0.99 v + 0.01 v_call`` from the first call's values, then ``range / 448``;
+* ``memoryless_minmax``: the last call's range / 448.
+
+Limit (compressed-tensors 0.20 with transformers 5.24): transformers' attention names its cache argument
+``cache``, and compressed-tensors recognises an attention with KV cache by an argument ``past_key_values``, so
+transformers reloads the checkpoint (weights exact) but leaves ``k_scale`` / ``v_scale`` unused ("UNEXPECTED"
+keys) and computes attention with full-precision keys and values. :func:`load_kv_cache_scales` gives such a
+reloaded model the saved KV-cache quantization back (then its logits are the in-memory model's); setting an
+attention's ``quantization_enabled = False`` (compressed-tensors' switch) turns it off in memory.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import math
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from compressed_tensors.quantization import QuantizationArgs, QuantizationStrategy
+from compressed_tensors.quantization.lifecycle.forward import fake_quantize
+from compressed_tensors.quantization.utils import calculate_qparams
+from pydantic import ValidationError
+from torch import nn
+
+__all__ = [
+    "CACHE_ARGUMENTS",
+    "KV_CACHE_OBSERVERS",
+    "KV_CACHE_STRATEGIES",
+    "CacheTap",
+    "KVRange",
+    "attention_modules",
+    "install",
+    "kv_heads",
+    "load_kv_cache_scales",
+    "resolve_kv_cache_scheme",
+    "set_scales",
+]
+
+#: The attention's cache argument, by the names transformers has used (5.24: ``cache``).
+CACHE_ARGUMENTS = ("cache", "past_key_values", "past_key_value")
+#: Strategies of a KV-cache scheme: one scale per tensor, or one per key/value head.
+KV_CACHE_STRATEGIES = (QuantizationStrategy.TENSOR, QuantizationStrategy.ATTN_HEAD)
+#: Observers of the key and value ranges (see the module docstring).
+KV_CACHE_OBSERVERS = ("minmax", "static_minmax", "memoryless_minmax")
+#: The observer of a KV-cache scheme that names none (llm-compressor's default for k and v).
+DEFAULT_KV_OBSERVER = "minmax"
+#: Attribute of a calibrated attention module holding its ``QuantizationArgs`` (read when saving the config).
+SCHEME_ATTR = "kv_cache_scheme"
+_STATE_ATTR = "_kv_cache_ranges"  # {"k": KVRange, "v": KVRange} while the scales are being observed
+
+
+def resolve_kv_cache_scheme(value: Any) -> QuantizationArgs | None:
+    """The ``QuantizationArgs`` of ``kv_cache_scheme`` (a mapping of its fields, or the args), observer filled in.
+
+    Returns:
+        ``None`` for ``None``; else a copy whose ``observer`` is the given one or ``minmax``.
+
+    Raises:
+        ValueError: invalid fields, or a scheme that is not FP8 (e4m3, symmetric, static) per tensor or per
+            head, or an observer not in :data:`KV_CACHE_OBSERVERS`; the message says what to use.
+    """
+    if value is None:
+        return None
+    if isinstance(value, QuantizationArgs):
+        args = value.model_copy(deep=True)
+    elif isinstance(value, Mapping):
+        try:
+            args = QuantizationArgs.model_validate(dict(value))
+        except ValidationError as exc:
+            fields = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'value'}: {e['msg']}" for e in exc.errors())
+            raise ValueError(f"kv_cache_scheme: {fields}") from None
+    else:
+        msg = f"kv_cache_scheme must be a mapping of QuantizationArgs fields, got {type(value).__name__}"
+        raise ValueError(msg)
+    fp8 = "{num_bits: 8, type: float, symmetric: true, dynamic: false, strategy: tensor (or attn_head)}"
+    if args.num_bits != 8 or str(getattr(args.type, "value", args.type)) != "float":
+        msg = (
+            f"kv_cache_scheme: only an FP8 KV cache is supported (num_bits 8, type float; vLLM's KV-cache "
+            f"format), got num_bits {args.num_bits}, type {getattr(args.type, 'value', args.type)}; use {fp8}"
+        )
+        raise ValueError(msg)
+    if not args.symmetric or args.dynamic is not False:
+        msg = f"kv_cache_scheme: the KV-cache scales are static and symmetric (calibrated once); use {fp8}"
+        raise ValueError(msg)
+    if args.strategy not in KV_CACHE_STRATEGIES:
+        strategy = getattr(args.strategy, "value", args.strategy)
+        msg = f"kv_cache_scheme: strategy {strategy} is not supported; use tensor (one scale) or attn_head (per head)"
+        raise ValueError(msg)
+    if args.observer is None:
+        args.observer = DEFAULT_KV_OBSERVER
+    if args.observer not in KV_CACHE_OBSERVERS:
+        msg = (
+            f"kv_cache_scheme: observer {args.observer!r} is not supported; use one of {', '.join(KV_CACHE_OBSERVERS)}"
+        )
+        raise ValueError(msg)
+    return args
+
+
+def _cache_argument(module: nn.Module) -> str | None:
+    try:
+        parameters = inspect.signature(module.forward).parameters
+    except (TypeError, ValueError):
+        return None
+    return next((name for name in CACHE_ARGUMENTS if name in parameters), None)
+
+
+def attention_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """``{name: module}`` of the attention modules with a KV cache: class name containing ``attention``,
+    ``k_proj`` and ``v_proj`` children, and a cache argument (:data:`CACHE_ARGUMENTS`) in ``forward``."""
+    return {
+        name: module
+        for name, module in model.named_modules()
+        if "attention" in type(module).__name__.lower()
+        and isinstance(getattr(module, "k_proj", None), nn.Module)
+        and isinstance(getattr(module, "v_proj", None), nn.Module)
+        and _cache_argument(module) is not None
+    }
+
+
+def kv_heads(module: nn.Module) -> int | None:
+    """Number of key/value heads of attention ``module``: ``k_proj``'s output width / ``head_dim`` (``None``
+    when the attention has no ``head_dim`` attribute or it does not divide the width)."""
+    head_dim = getattr(module, "head_dim", None)
+    width = getattr(module.k_proj, "out_features", None)
+    if not isinstance(head_dim, int) or not isinstance(width, int) or head_dim <= 0 or width % head_dim:
+        return None
+    return width // head_dim
+
+
+class KVRange:
+    """Minimum and maximum of key (or value) states ``[batch, heads, seq, head_dim]`` over calibration calls.
+
+    ``ranges[observer]``: float64 ``[2, *shape]`` (minimum, maximum), ``shape`` ``[1]`` per tensor or
+    ``[heads, 1, 1]`` per head, kept for every observer of :data:`KV_CACHE_OBSERVERS` (see the module docstring).
+    """
+
+    AVERAGING_CONSTANT = 0.01
+
+    def __init__(self, per_head: bool) -> None:
+        self.per_head = per_head
+        self.ranges: dict[str, torch.Tensor] = {}
+        self.calls = 0
+
+    @torch.no_grad()
+    def add(self, x: torch.Tensor) -> None:
+        """Record one call's states ``x`` ``[batch, heads, seq, head_dim]``."""
+        if x.numel() == 0:
+            return
+        x = x.detach()
+        if self.per_head:
+            lo, hi = x.amin(dim=(0, 2, 3)).reshape(-1, 1, 1), x.amax(dim=(0, 2, 3)).reshape(-1, 1, 1)
+        else:
+            lo, hi = x.amin().reshape(1), x.amax().reshape(1)
+        call = torch.stack([lo, hi]).to(device="cpu", dtype=torch.float64)
+        self.calls += 1
+        if not self.ranges:
+            self.ranges = {"static_minmax": call.clone(), "minmax": call.clone(), "memoryless_minmax": call}
+            return
+        extremes = self.ranges["static_minmax"]
+        extremes[0] = torch.minimum(extremes[0], call[0])
+        extremes[1] = torch.maximum(extremes[1], call[1])
+        self.ranges["minmax"].mul_(1 - self.AVERAGING_CONSTANT).add_(call * self.AVERAGING_CONSTANT)
+        self.ranges["memoryless_minmax"] = call
+
+
+class CacheTap:
+    """Stands for an attention's cache argument: ``update(k, v, ...)`` observes or fake-quantizes ``k`` and ``v``
+    (see the module docstring), then returns the real cache's ``update`` (or ``(k, v)`` without a cache). Other
+    attributes are the real cache's."""
+
+    def __init__(self, attention: nn.Module, cache: Any) -> None:
+        self._attention = attention
+        self._cache = cache
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        attention = self._attention
+        ranges = attention.__dict__.get(_STATE_ATTR)
+        if not calibrated(attention):
+            if ranges is not None:
+                ranges["k"].add(key_states)
+                ranges["v"].add(value_states)
+        elif getattr(attention, "quantization_enabled", True):  # compressed-tensors' switch, honoured too
+            args_ = getattr(attention, SCHEME_ATTR)
+            key_states = fake_quantize(key_states, attention.k_scale, None, args_)
+            value_states = fake_quantize(value_states, attention.v_scale, None, args_)
+        if self._cache is not None:
+            return self._cache.update(key_states, value_states, *args, **kwargs)
+        return key_states, value_states
+
+    def __getattr__(self, name: str) -> Any:
+        cache = self.__dict__.get("_cache")
+        if cache is None or name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(cache, name)
+
+
+def calibrated(attention: nn.Module) -> bool:
+    """Whether ``attention``'s ``k_scale`` and ``v_scale`` hold calibrated values (not NaN)."""
+    k, v = getattr(attention, "k_scale", None), getattr(attention, "v_scale", None)
+    return k is not None and v is not None and bool(torch.isfinite(k).all()) and bool(torch.isfinite(v).all())
+
+
+def _swap_cache(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple, dict]:
+    """Forward pre-hook of a KV-quantized attention: its cache argument becomes a :class:`CacheTap`."""
+    name = next((n for n in CACHE_ARGUMENTS if n in kwargs), None)  # as the caller named it (maybe an old alias)
+    if name is None:
+        name = _cache_argument(module)
+        position = list(inspect.signature(module.forward).parameters).index(name)
+        if position < len(args):  # given by position
+            if not isinstance(args[position], CacheTap):
+                args = (*args[:position], CacheTap(module, args[position]), *args[position + 1 :])
+            return args, kwargs
+    if not isinstance(kwargs.get(name), CacheTap):
+        kwargs[name] = CacheTap(module, kwargs.get(name))
+    return args, kwargs
+
+
+def install(attention: nn.Module, args: QuantizationArgs) -> None:
+    """Prepare ``attention`` for KV-cache quantization with ``args`` (:func:`resolve_kv_cache_scheme`).
+
+    Registers ``k_scale`` / ``v_scale`` (NaN: not calibrated) and the permanent forward pre-hook (once), and
+    starts recording the ranges of its keys and values. A module already calibrated keeps its scales.
+
+    Raises:
+        ValueError: per-head scales for an attention whose number of key/value heads is unknown.
+    """
+    if getattr(attention, SCHEME_ATTR, None) is None:
+        shape: tuple[int, ...] = (1,)
+        if args.strategy == QuantizationStrategy.ATTN_HEAD:
+            heads = kv_heads(attention)
+            if heads is None:
+                msg = f"{type(attention).__name__}: per-head KV scales need its head_dim; use strategy: tensor"
+                raise ValueError(msg)
+            shape = (heads, 1, 1)
+        dtype = next(attention.parameters()).dtype
+        dtype = dtype if dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64) else torch.float16
+        device = next(attention.parameters()).device
+        for base in ("k", "v"):
+            scale = torch.full(shape, math.nan, dtype=dtype, device=device)
+            attention.register_parameter(f"{base}_scale", nn.Parameter(scale, requires_grad=False))
+        setattr(attention, SCHEME_ATTR, args.model_copy(deep=True))
+        attention.register_forward_pre_hook(_swap_cache, with_kwargs=True)
+    if not calibrated(attention):
+        per_head = args.strategy == QuantizationStrategy.ATTN_HEAD
+        attention.__dict__[_STATE_ATTR] = {"k": KVRange(per_head), "v": KVRange(per_head)}
+
+
+def set_scales(attention: nn.Module) -> bool:
+    """Compute ``attention``'s ``k_scale`` / ``v_scale`` from the recorded ranges and stop recording.
+
+    Returns:
+        ``True`` when the scales are calibrated (now or before); ``False`` when no key/value states were seen.
+    """
+    ranges = attention.__dict__.pop(_STATE_ATTR, None)
+    if calibrated(attention):
+        return True
+    if ranges is None or not ranges["k"].calls:
+        return False
+    args = getattr(attention, SCHEME_ATTR)
+    for base in ("k", "v"):
+        lo, hi = ranges[base].ranges[args.observer].to(torch.float32)
+        scale, _ = calculate_qparams(lo, hi, args)
+        param = getattr(attention, f"{base}_scale")
+        param.data.copy_(scale.reshape(param.shape).to(param.dtype))
+    return True
+
+
+def load_kv_cache_scales(model: nn.Module, directory: str | Path) -> int:
+    """Give ``model``, loaded by transformers from ``directory``, the KV-cache quantization its checkpoint holds.
+
+    Reads ``quantization_config.kv_cache_scheme`` of ``directory/config.json`` and the ``<attention>.k_scale`` /
+    ``<attention>.v_scale`` tensors of its ``*.safetensors`` files, and sets them on the attention modules of
+    ``model`` (:func:`install`), which then fake-quantize their keys and values as the model that was saved did.
+
+    Returns:
+        The number of attention modules given scales (0 when the checkpoint has no ``kv_cache_scheme``).
+
+    Raises:
+        ValueError: an attention module of ``model`` has no scales in the checkpoint, or a scale's shape differs.
+    """
+    from safetensors import safe_open
+
+    directory = Path(directory)
+    config = json.loads((directory / "config.json").read_text(encoding="utf-8")).get("quantization_config") or {}
+    args = resolve_kv_cache_scheme(config.get("kv_cache_scheme"))
+    if args is None:
+        return 0
+    scales: dict[str, torch.Tensor] = {}
+    for path in sorted(directory.glob("*.safetensors")):
+        with safe_open(str(path), "pt") as fh:
+            scales.update({key: fh.get_tensor(key) for key in fh.keys() if key.endswith((".k_scale", ".v_scale"))})
+    attention = attention_modules(model)
+    for name, module in attention.items():
+        install(module, args)
+        for base in ("k", "v"):
+            value = scales.get(f"{name}.{base}_scale")
+            param = getattr(module, f"{base}_scale")
+            if value is None or value.shape != param.shape:
+                got = "none" if value is None else list(value.shape)
+                msg = f"{directory}: {name}.{base}_scale: expected shape {list(param.shape)}, the checkpoint has {got}"
+                raise ValueError(msg)
+            param.data.copy_(value.to(param.dtype))
+        module.__dict__.pop(_STATE_ATTR, None)
+    return len(attention)

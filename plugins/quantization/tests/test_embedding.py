@@ -1,0 +1,137 @@
+"""``Embedding`` targets: weight-only round-to-nearest of ``nn.Embedding`` ([vocab, hidden]) on a 2-layer random
+Llama with untied embeddings; scales against a hand computation, the grid, save -> reload with transformers giving
+the in-memory logits exactly, and refusals of what does not apply to an embedding."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import llmc_fsm
+
+
+def _tiny(tied: bool = False) -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=tied,
+    )
+    return LlamaForCausalLM(cfg).eval()
+
+
+W4_G32 = {"preset": "W4A16", "weights": {"group_size": 32}}
+W4_ASYM_G32 = {"preset": "W4A16_ASYM", "weights": {"group_size": 32}}
+INT8_CHANNEL = {"weights": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"}}
+
+
+def _hand(weight: torch.Tensor, bits: int, group: int | None, symmetric: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dequantized weight, scale) of round-to-nearest, float64, per row (channel) or per row and group."""
+    w = weight.double()
+    rows, cols = w.shape
+    g = w.reshape(rows, cols // group, group) if group else w.reshape(rows, 1, cols)
+    q_min, q_max = -(2 ** (bits - 1)), 2 ** (bits - 1) - 1
+    lo, hi = g.amin(-1, keepdim=True).clamp(max=0), g.amax(-1, keepdim=True).clamp(min=0)
+    if symmetric:
+        scale = torch.maximum(lo.abs(), hi) / ((q_max - q_min) / 2)
+        zero = torch.zeros_like(scale)
+    else:
+        scale = (hi - lo) / (q_max - q_min)
+        zero = (q_min - lo / scale).round().clamp(q_min, q_max)
+    q = (g / scale + zero).round().clamp(q_min, q_max)
+    return ((q - zero) * scale).reshape(rows, cols), scale.squeeze(-1)
+
+
+@pytest.mark.parametrize(("scheme", "bits", "group", "symmetric"), [
+    (W4_G32, 4, 32, True), (W4_ASYM_G32, 4, 32, False), (INT8_CHANNEL, 8, None, True),
+])
+def test_an_embedding_is_quantized_by_round_to_nearest_and_reloads(tmp_path, scheme, bits, group, symmetric) -> None:
+    from transformers import AutoModelForCausalLM
+
+    model = _tiny()
+    emb = model.model.embed_tokens
+    original = emb.weight.detach().clone()
+    out = tmp_path / "out"
+    recipe = {"q": {"QuantizationModifier": {"scheme": scheme, "targets": ["Embedding", "Linear"]}}}
+    llmc_fsm.oneshot(model=model, recipe=recipe, output_dir=out, progress=False)
+    expected, scale = _hand(original, bits, group, symmetric)
+    torch.testing.assert_close(emb.weight_scale.double(), scale, rtol=1e-6, atol=0)
+    # the grid of the stored (float32) scale and zero point: float32 rounding, as the checkpoint decompresses
+    s, z = emb.weight_scale.float(), emb.weight_zero_point.float()
+    rows, cols = original.shape
+    cols_per = group or cols
+    g = original.reshape(rows, -1, cols_per)
+    q = (g / s.unsqueeze(-1) + z.unsqueeze(-1)).round().clamp(-(2 ** (bits - 1)), 2 ** (bits - 1) - 1)
+    assert torch.equal(emb.weight, ((q - z.unsqueeze(-1)) * s.unsqueeze(-1)).reshape(rows, cols))
+    torch.testing.assert_close(emb.weight.double(), expected, rtol=0, atol=float(scale.max()) * 1.0001)  # <= 1 step
+    per_group = emb.weight.reshape(emb.weight.shape[0], -1, group or emb.weight.shape[1])
+    assert max(len(torch.unique(row)) for rows in per_group for row in rows) <= 2**bits
+    config = json.loads((out / "config.json").read_text())["quantization_config"]
+    groups = config["config_groups"].values()
+    (embedding_group,) = [g for g in groups if {"model.embed_tokens", "Embedding"} & set(g["targets"])]
+    assert embedding_group["format"] == "int-quantized"  # not packed: see the next test
+    assert embedding_group["input_activations"] is None
+    x = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(1))
+    reloaded = AutoModelForCausalLM.from_pretrained(out).eval()
+    with torch.no_grad():
+        assert torch.equal(reloaded(x).logits, model(x).logits)
+
+
+def test_a_packed_embedding_checkpoint_is_what_transformers_cannot_reload(tmp_path, monkeypatch) -> None:
+    # why embeddings are saved int-quantized: the pack-quantized form fails in transformers 5.24's weight init
+    from compressed_tensors.config import CompressionFormat
+    from transformers import AutoModelForCausalLM
+
+    import llmc_fsm.output.save as save
+
+    model = _tiny()
+    recipe = {"q": {"QuantizationModifier": {"scheme": W4_G32, "targets": ["Embedding"]}}}
+    llmc_fsm.oneshot(model=model, recipe=recipe, progress=False)
+
+    def keep_packed(modules):
+        for sub in modules.values():
+            sub.quantization_scheme.format = CompressionFormat.pack_quantized
+
+    monkeypatch.setattr(save, "unpacked_embeddings", keep_packed)
+    out = tmp_path / "packed"
+    out.mkdir()
+    save.save_model(model, out)
+    assert json.loads((out / "config.json").read_text())["quantization_config"]["format"] == "pack-quantized"
+    with pytest.raises(AttributeError, match="'Embedding' object has no attribute 'weight'"):
+        AutoModelForCausalLM.from_pretrained(out)
+
+
+@pytest.mark.parametrize(("modifier", "args", "message"), [
+    ("GPTQModifier", {"scheme": W4_G32, "targets": ["Embedding"]},
+     "an Embedding has no inputs to take a Hessian of (GPTQ): quantize embeddings with a separate "
+     "QuantizationModifier (round-to-nearest, weight only): model.embed_tokens"),
+    ("QuantizationModifier", {"scheme": "FP8_DYNAMIC", "targets": ["Embedding"]},
+     "an Embedding's inputs are token ids: quantize its weight only (e.g. W8A16, W4A16): model.embed_tokens"),
+    ("QuantizationModifier", {"scheme": W4_G32, "targets": ["Embedding", "Linear"], "kv_cache_scheme": {
+        "num_bits": 8, "type": "float", "symmetric": True, "dynamic": False, "strategy": "tensor"}},
+     "an Embedding is quantized data-free, and this modifier needs calibration inputs (imatrix_mse, static input "
+     "activations or kv_cache_scheme): quantize embeddings with a separate QuantizationModifier: model.embed_tokens"),
+    ("QuantizationModifier", {"scheme": "NVFP4A16", "targets": ["Embedding"]},
+     "an Embedding is quantized with int weights or FP8 per channel / tensor only (not NVFP4, MX, block): "
+     "model.embed_tokens"),
+])
+def test_what_does_not_apply_to_an_embedding_is_refused_before_any_work(modifier, args, message) -> None:
+    model = _tiny()
+    before = model.model.embed_tokens.weight.detach().clone()
+    data = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError) as info:
+        llmc_fsm.oneshot(model=model, recipe={"q": {modifier: args}}, dataset=data, progress=False)
+    assert message in str(info.value)
+    assert torch.equal(model.model.embed_tokens.weight, before)
+    assert not hasattr(model.model.embed_tokens, "quantization_scheme")
+
+
+def test_a_tied_embedding_is_ignored_with_lm_head() -> None:
+    model = _tiny(tied=True)
+    recipe = {"q": {"QuantizationModifier": {"scheme": W4_G32, "targets": ["Embedding", "Linear"]}}}
+    llmc_fsm.oneshot(model=model, recipe=recipe, progress=False)
+    assert not hasattr(model.model.embed_tokens, "quantization_scheme")  # tied to the ignored lm_head
+    assert hasattr(model.model.layers[0].mlp.up_proj, "quantization_scheme")

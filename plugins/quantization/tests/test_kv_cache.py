@@ -1,0 +1,248 @@
+"""KV-cache quantization (``kv_cache_scheme``, FP8 per tensor and per head) on a 2-layer random Llama (hidden 64,
+4 heads, 2 KV heads): the scales against an independent float64 computation of the post-RoPE keys and the values
+over the calibration tokens; the checkpoint's layout and config; reload with transformers; refusals."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+from llmc_fsm_quantization import load_kv_cache_scales
+from safetensors import safe_open
+
+import llmc_fsm
+
+FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
+KV = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False, "strategy": "tensor"}
+
+
+def _tiny(layers: int = 2) -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
+    )
+    return LlamaForCausalLM(cfg).eval()
+
+
+def _data() -> torch.Tensor:
+    return torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(0))
+
+
+def _rope(x: torch.Tensor, theta: float) -> torch.Tensor:
+    """Llama's rotary embedding of ``x`` ``[batch, heads, seq, dim]`` in float64 (rotate-half form)."""
+    dim, seq = x.shape[-1], x.shape[-2]
+    inv_freq = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+    angles = torch.arange(seq, dtype=torch.float64)[:, None] * inv_freq[None, :]
+    cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
+    half = dim // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+def _reference_ranges(model, original, data, batch_size):
+    """Per layer and batch: (keys, values) ``[batch, kv_heads, seq, head_dim]`` float64, computed from the inputs
+    each layer's k_proj / v_proj receive in ``model`` (the compressed model: what the calibration of that layer saw)
+    and the *original* projection weights (the calibration ran before the layer was quantized)."""
+    inputs: dict[int, list[torch.Tensor]] = {i: [] for i in range(len(model.model.layers))}
+    handles = [
+        layer.self_attn.k_proj.register_forward_pre_hook(lambda m, a, i=i: inputs[i].append(a[0].double()))
+        for i, layer in enumerate(model.model.layers)
+    ]
+    with torch.no_grad():
+        for b in range(0, data.shape[0], batch_size):
+            model(data[b : b + batch_size], use_cache=False)
+    for h in handles:
+        h.remove()
+    theta = float(original.config.rope_parameters["rope_theta"])
+    out = {}
+    for i, layer in enumerate(original.model.layers):
+        a = layer.self_attn
+        wk, wv = a.k_proj.weight.double(), a.v_proj.weight.double()
+        per_batch = []
+        for x in inputs[i]:
+            shape = (*x.shape[:-1], -1, a.head_dim)
+            k = _rope((x @ wk.T).view(shape).transpose(1, 2), theta)
+            v = (x @ wv.T).view(shape).transpose(1, 2)
+            per_batch.append((k, v))
+        out[i] = per_batch
+    return out
+
+
+def _expected_scale(states: list[torch.Tensor], observer: str, per_head: bool) -> torch.Tensor:
+    """max(|min|, |max|) / 448 by observer, per tensor ``[1]`` or per head ``[heads, 1, 1]``."""
+    def lo_hi(x):
+        if per_head:
+            return x.amin(dim=(0, 2, 3)).reshape(-1, 1, 1), x.amax(dim=(0, 2, 3)).reshape(-1, 1, 1)
+        return x.amin().reshape(1), x.amax().reshape(1)
+
+    calls = [lo_hi(x) for x in states]
+    if observer == "static_minmax":
+        lo = torch.stack([c[0] for c in calls]).amin(0)
+        hi = torch.stack([c[1] for c in calls]).amax(0)
+    else:  # minmax: moving average with constant 0.01, from the first call's values
+        lo, hi = calls[0]
+        for c in calls[1:]:
+            lo, hi = 0.99 * lo + 0.01 * c[0], 0.99 * hi + 0.01 * c[1]
+    return torch.maximum(lo.clamp(max=0).abs(), hi.clamp(min=0)) / FP8_MAX
+
+
+@pytest.mark.parametrize("modifier", ["QuantizationModifier", "GPTQModifier"])
+@pytest.mark.parametrize(("strategy", "observer"), [("tensor", "static_minmax"), ("attn_head", "static_minmax"),
+                                                    ("attn_head", None)])
+def test_kv_scales_are_the_range_of_the_keys_and_values_over_the_calibration_tokens(
+    tmp_path, modifier, strategy, observer
+) -> None:
+    model, data = _tiny(), _data()
+    original = copy.deepcopy(model)
+    kv = {**KV, "strategy": strategy, **({"observer": observer} if observer else {})}
+    recipe = {"q": {modifier: {"scheme": "W8A8", "kv_cache_scheme": kv}}}
+    out = tmp_path / "out"
+    llmc_fsm.oneshot(model=model, recipe=recipe, dataset=data, batch_size=2, output_dir=out, progress=False)
+    used = observer or "minmax"  # llm-compressor's default observer of k and v
+    reference = _reference_ranges(model, original, data, batch_size=2)
+    heads = model.config.num_key_value_heads
+    for i, layer in enumerate(model.model.layers):
+        a = layer.self_attn
+        for base, index in (("k", 0), ("v", 1)):
+            expected = _expected_scale([kv_pair[index] for kv_pair in reference[i]], used, strategy == "attn_head")
+            got = getattr(a, f"{base}_scale")
+            assert got.shape == ((heads, 1, 1) if strategy == "attn_head" else (1,))
+            torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=0)
+    if strategy == "attn_head":  # per head means per head: the two KV heads' key ranges differ here
+        assert not torch.equal(model.model.layers[0].self_attn.k_scale[0], model.model.layers[0].self_attn.k_scale[1])
+    config = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert config["kv_cache_scheme"] == {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False,
+                                         "strategy": strategy, "group_size": None, "observer": used}
+    with safe_open(str(out / "model.safetensors"), "pt") as fh:  # vLLM's names: <attention>.k_scale / .v_scale
+        for i, layer in enumerate(model.model.layers):
+            for base in ("k", "v"):
+                saved = fh.get_tensor(f"model.layers.{i}.self_attn.{base}_scale")
+                assert torch.equal(saved, getattr(layer.self_attn, f"{base}_scale").data)
+
+
+def test_the_in_memory_model_quantizes_its_kv_cache_and_a_transformers_reload_gets_it_back(tmp_path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    model, data = _tiny(), _data()
+    recipe = {"q": {"QuantizationModifier": {"scheme": "W8A8", "kv_cache_scheme": KV}}}
+    out = tmp_path / "out"
+    llmc_fsm.oneshot(model=model, recipe=recipe, dataset=data, batch_size=2, output_dir=out, progress=False)
+    x = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(1))
+    reloaded = AutoModelForCausalLM.from_pretrained(out).eval()
+    with torch.no_grad():
+        quantized_kv = model(x).logits
+        for layer in model.model.layers:
+            layer.self_attn.quantization_enabled = False
+        full_kv = model(x).logits
+        for layer in model.model.layers:
+            del layer.self_attn.quantization_enabled
+        # transformers 5.24 + compressed-tensors 0.20 load the weights but not the KV scales (see kv_cache's docs)
+        assert not hasattr(reloaded.model.layers[0].self_attn, "k_scale")
+        assert torch.equal(reloaded(x).logits, full_kv)
+        assert not torch.equal(full_kv, quantized_kv)  # the FP8 KV cache changes the logits
+        assert load_kv_cache_scales(reloaded, out) == 2
+        assert torch.equal(reloaded(x).logits, quantized_kv)
+        # generation with transformers' own cache: the quantized keys and values go into it
+        generated = model.generate(x[:1, :8], max_new_tokens=4, do_sample=False)
+        assert torch.equal(reloaded.generate(x[:1, :8], max_new_tokens=4, do_sample=False), generated)
+
+
+def test_a_bare_gptq_modifier_takes_the_kv_cache_scheme_of_the_quantization_modifier() -> None:
+    model, data = _tiny(), _data()
+    recipe = {"q": {"QuantizationModifier": {"scheme": "W8A8", "kv_cache_scheme": KV}, "GPTQModifier": {}}}
+    llmc_fsm.oneshot(model=model, recipe=recipe, dataset=data, batch_size=2, progress=False)
+    assert torch.isfinite(model.model.layers[1].self_attn.v_scale).all()
+
+
+@pytest.mark.parametrize(("modifier", "args", "message"), [
+    ("GPTQModifier", {"scheme": "W8A8", "kv_cache_scheme": {**KV, "type": "int"}},
+     "kv_cache_scheme: only an FP8 KV cache is supported (num_bits 8, type float; vLLM's KV-cache format), got "
+     "num_bits 8, type int; use {num_bits: 8, type: float, symmetric: true, dynamic: false, strategy: tensor (or "
+     "attn_head)}"),
+    ("GPTQModifier", {"scheme": "W8A8", "kv_cache_scheme": {**KV, "strategy": "channel"}},
+     "kv_cache_scheme: strategy channel is not supported; use tensor (one scale) or attn_head (per head)"),
+    ("GPTQModifier", {"scheme": "W8A8", "kv_cache_scheme": {**KV, "dynamic": True}},
+     "kv_cache_scheme: the KV-cache scales are static and symmetric (calibrated once); use {num_bits: 8, type: "
+     "float, symmetric: true, dynamic: false, strategy: tensor (or attn_head)}"),
+    ("QuantizationModifier", {"scheme": "W8A8", "kv_cache_scheme": {**KV, "observer": "mse"}},
+     "kv_cache_scheme: observer 'mse' is not supported; use one of minmax, static_minmax, memoryless_minmax"),
+    ("QuantizationModifier", {"kv_cache_scheme": KV},
+     "kv_cache_scheme without a weight scheme (KV cache only) is not supported: give scheme or config_groups too "
+     "(e.g. scheme: FP8_DYNAMIC)"),
+    ("AutoRoundModifier", {"scheme": "W8A8", "kv_cache_scheme": KV},
+     "kv_cache_scheme is not implemented for AutoRoundModifier; use GPTQModifier or QuantizationModifier"),
+])
+def test_unsupported_kv_cache_schemes_are_refused_before_any_work(modifier, args, message) -> None:
+    model = _tiny()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError) as info:
+        llmc_fsm.oneshot(model=model, recipe={"q": {modifier: args}}, dataset=_data(), progress=False)
+    assert message in str(info.value)
+    after = model.state_dict()
+    assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
+    assert not any(n.endswith("_scale") for n, _ in model.named_parameters())
+
+
+def test_kv_cache_quantization_needs_calibration_data_even_for_round_to_nearest() -> None:
+    from llmc_fsm_quantization import QuantizationModifier
+
+    assert "calibration_data" in QuantizationModifier(scheme="W8A8", kv_cache_scheme=KV).required_keys()
+    assert "calibration_data" not in QuantizationModifier(scheme="W8A8").required_keys()
+
+
+def test_an_interrupted_run_resumes_with_the_kv_scales_bitwise(tmp_path, monkeypatch) -> None:
+    from llmc_fsm.oneshot_job.resume import LayerProgress
+
+    recipe = {"q": {"GPTQModifier": {"scheme": "W8A8", "kv_cache_scheme": {**KV, "strategy": "attn_head"}}}}
+    kw = {"recipe": recipe, "dataset": _data(), "batch_size": 2, "progress": False}
+    ref = llmc_fsm.oneshot(model=_tiny(3), **kw)
+    original = LayerProgress.save
+
+    def save(self, index, module):  # stop the run after layer 0 is saved
+        original(self, index, module)
+        if index == 0:
+            raise KeyboardInterrupt
+
+    with monkeypatch.context() as m:
+        m.setattr(LayerProgress, "save", save)
+        with pytest.raises(KeyboardInterrupt):
+            llmc_fsm.oneshot(model=_tiny(3), output_dir=tmp_path / "o", **kw)
+    out = llmc_fsm.oneshot(model=_tiny(3), output_dir=tmp_path / "o", resume=True, **kw)
+    ref_state, out_state = ref.state_dict(), out.state_dict()
+    assert ref_state.keys() == out_state.keys()
+    assert "model.layers.2.self_attn.k_scale" in out_state
+    assert [k for k in ref_state if not torch.equal(ref_state[k], out_state[k])] == []
+
+
+def test_attention_quantization_of_queries_keys_and_values_is_refused_with_what_to_use() -> None:
+    # llm-compressor's attention quantization: a config group with input activations only, targeting the attention
+    fp8 = {**KV, "strategy": "attn_head"}
+    recipe = {"q": {"QuantizationModifier": {"config_groups": {
+        "attention": {"targets": ["LlamaAttention"], "input_activations": fp8}}}}}
+    with pytest.raises(ValueError) as info:
+        llmc_fsm.oneshot(model=_tiny(), recipe=recipe, dataset=_data(), progress=False)
+    assert (
+        "config_groups entry 'attention': the scheme quantizes input activations only (llm-compressor's attention "
+        "quantization of queries, keys and values), which is not implemented; for FP8 keys and values give "
+        "kv_cache_scheme with a weight scheme"
+    ) in str(info.value)
+
+
+def test_kv_cache_quantization_with_low_memory_is_refused_before_any_work(tmp_path) -> None:
+    source = tmp_path / "model"
+    _tiny().save_pretrained(source)
+    before = sorted(p.name for p in source.iterdir())
+    recipe = {"q": {"GPTQModifier": {"scheme": "W8A8", "kv_cache_scheme": KV}}}
+    with pytest.raises(ValueError) as info:
+        llmc_fsm.oneshot(model=str(source), recipe=recipe, dataset=_data(), output_dir=tmp_path / "out",
+                         low_memory=True, progress=False)
+    assert (
+        "GPTQModifier: kv_cache_scheme with low_memory (--low-memory: layers streamed from the checkpoint) is not "
+        "implemented; run without low_memory"
+    ) in str(info.value)
+    assert sorted(p.name for p in source.iterdir()) == before
