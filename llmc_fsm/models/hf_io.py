@@ -19,6 +19,7 @@ import logging
 import os
 import re
 import socket
+import threading
 import urllib.parse
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -42,6 +43,11 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 #: Weight files ``from_pretrained`` looks for in a model directory.
+#: ``from_pretrained`` is not thread-safe (transformers keeps loading state, e.g. weight tying and
+#: initialisation switches, in module globals): two threads loading at once can return a model whose declared tied
+#: embeddings are two tensors. Every load of this module holds this lock, so loads in one process run one at a time.
+_LOAD_LOCK = threading.Lock()
+
 _WEIGHT_FILES = (
     "model.safetensors",
     "model.safetensors.index.json",
@@ -198,12 +204,13 @@ def load_hf_dir(path: Path, torch_dtype: torch.dtype) -> tuple[PreTrainedModel, 
     from transformers import AutoModelForCausalLM
 
     _check_model_dir(path)
-    try:
-        model = AutoModelForCausalLM.from_pretrained(str(path), **dtype_kwargs(torch_dtype))
-    except (OSError, ValueError, SafetensorError) as err:
-        msg = f"could not load the model in {path}: {_first_line(err)}"
-        raise ValueError(msg) from err
-    tokenizer = _load_tokenizer(path)
+    with _LOAD_LOCK:
+        try:
+            model = AutoModelForCausalLM.from_pretrained(str(path), **dtype_kwargs(torch_dtype))
+        except (OSError, ValueError, SafetensorError) as err:
+            msg = f"could not load the model in {path}: {_first_line(err)}"
+            raise ValueError(msg) from err
+        tokenizer = _load_tokenizer(path)
     model.eval()
     check_tied(model, f"loading {path}")
     return model, tokenizer
@@ -269,9 +276,10 @@ def load_hub(model_id: str, torch_dtype: torch.dtype) -> tuple[PreTrainedModel, 
             local_only = True
             logger.warning("the Hugging Face Hub cannot be reached (%s): loading %s from the cache", unreachable, model_id)
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            model_id, **dtype_kwargs(torch_dtype), **({"local_files_only": True} if local_only else {})
-        )
+        with _LOAD_LOCK:
+            model = AutoModelForCausalLM.from_pretrained(
+                model_id, **dtype_kwargs(torch_dtype), **({"local_files_only": True} if local_only else {})
+            )
     except (OSError, ValueError, SafetensorError) as err:
         cached = isinstance(try_to_load_from_cache(model_id, "config.json"), str)
         if offline and not cached:
