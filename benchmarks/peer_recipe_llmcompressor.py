@@ -53,6 +53,20 @@ def _cpu_shims() -> list[str]:
     return ["IntermediatesCache.pin_memory skipped (no accelerator)"]
 
 
+def _for_eval(model, copy: bool = True):
+    """A bfloat16 model is evaluated in float32 (exact values; bf16 products are very slow on this CPU), as ours."""
+    import copy as _copy
+
+    if next(model.parameters()).dtype != torch.bfloat16:
+        return model
+    model = _copy.deepcopy(model) if copy else model
+    # Tensor by tensor: transformers refuses ``.float()`` on a model it reloaded as quantized.
+    for tensor in [*model.parameters(), *model.buffers()]:
+        if tensor.dtype == torch.bfloat16:
+            tensor.data = tensor.data.float()
+    return model
+
+
 def run(args: argparse.Namespace) -> dict:
     import llmcompressor
     from datasets import Dataset
@@ -81,18 +95,27 @@ def run(args: argparse.Namespace) -> dict:
         row["error"] = _first_line(exc)
         return row
     row["call_s"] = time.perf_counter() - t0
+    row["call_end_s"] = time.perf_counter() - T_START
     row["peak_rss_bytes"] = status_kib("VmHWM") * 1024
     evalw = data.token_windows(tokenizer, text, num_windows=args.eval_windows, seq_len=args.seq_len) \
         if args.eval_windows else None
     if evalw is not None:
-        row["ppl"] = data.perplexity(model, evalw, progress=False)
+        row["ppl"] = data.perplexity(_for_eval(model), evalw, progress=False)
+    probe = torch.tensor(kwargs["dataset"]["input_ids"][:1]) if kwargs else \
+        data.token_windows(tokenizer, text, num_windows=1, seq_len=args.seq_len, from_end=True)
+    with torch.no_grad():
+        logits = model(probe).logits
     try:
+        t_save = time.perf_counter()
         model.save_pretrained(args.out, save_compressed=True)
+        row["save_s"] = time.perf_counter() - t_save
         tokenizer.save_pretrained(args.out)
         row["weights_on_disk_bytes"] = sum(p.stat().st_size for p in Path(args.out).glob("*.safetensors"))
         del model
         reloaded = AutoModelForCausalLM.from_pretrained(args.out).eval()
-        if evalw is not None:
+        with torch.no_grad():
+            row["reload_max_abs_logit_diff"] = float((reloaded(probe).logits - logits).abs().max())
+        if evalw is not None and args.dtype == "float32":
             row["ppl_reloaded"] = data.perplexity(reloaded, evalw, progress=False)
     except Exception as exc:  # reported in the row
         row["reload_error"] = _first_line(exc)

@@ -180,6 +180,24 @@ def _first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0] if text else ''}"[:400]
 
 
+def _for_eval(model: Any, copy: bool = True) -> Any:
+    """The model to measure perplexity on: a bfloat16 model is evaluated in float32 (its values are exact in float32;
+    bfloat16 matrix products on a CPU without bf16 instructions take ~10 min per 40 windows). ``copy``: cast a deep
+    copy, leaving the model to be saved in its own dtype. The peer script does the same."""
+    import copy as _copy
+
+    import torch
+
+    if next(model.parameters()).dtype != torch.bfloat16:
+        return model
+    model = _copy.deepcopy(model) if copy else model
+    # Tensor by tensor: transformers refuses ``.float()`` on a model it reloaded as quantized.
+    for tensor in [*model.parameters(), *model.buffers()]:
+        if tensor.dtype == torch.bfloat16:
+            tensor.data = tensor.data.float()
+    return model
+
+
 def worker(args: argparse.Namespace) -> dict[str, Any]:
     """Ours, in this fresh process: load, ``oneshot`` (timed), perplexity, save, reload, perplexity."""
     import torch
@@ -204,18 +222,26 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
         row["error"] = _first_line(exc)
         return row
     row["call_s"] = time.perf_counter() - t0
+    row["call_end_s"] = time.perf_counter() - T_START
     row["peak_rss_bytes"] = status_kib("VmHWM") * 1024
     evalw = token_windows(tokenizer, text, num_windows=args.eval_windows, seq_len=SEQ_LEN) \
         if args.eval_windows else None
     if evalw is not None:
-        row["ppl"] = perplexity(model, evalw, progress=False)
+        row["ppl"] = perplexity(_for_eval(model), evalw, progress=False)
+    probe = calib[:1]
+    with torch.no_grad():
+        logits = model(probe).logits
     with tempfile.TemporaryDirectory() as out:
         try:
+            t_save = time.perf_counter()
             save_model(model, Path(out))
+            row["save_s"] = time.perf_counter() - t_save
             row["weights_on_disk_bytes"] = sum(p.stat().st_size for p in Path(out).glob("*.safetensors"))
             del model
             reloaded = AutoModelForCausalLM.from_pretrained(out).eval()
-            if evalw is not None:
+            with torch.no_grad():
+                row["reload_max_abs_logit_diff"] = float((reloaded(probe).logits - logits).abs().max())
+            if evalw is not None and job["dtype"] == "float32":
                 row["ppl_reloaded"] = perplexity(reloaded, evalw, progress=False)
         except Exception as exc:  # reported in the row
             row["reload_error"] = _first_line(exc)
@@ -256,6 +282,24 @@ def _peer(job: str, model_dir: str, args: argparse.Namespace) -> dict[str, Any]:
     return row
 
 
+def _to_saved(r: dict[str, Any]) -> float | None:
+    """Seconds from the process's start to the checkpoint written, evaluation excluded: imports, load, tokenizer,
+    calibration windows and the ``oneshot`` call (``call_end_s``) plus the save (``save_s``)."""
+    if r.get("call_end_s") is None or r.get("save_s") is None:
+        return None
+    return r["call_end_s"] + r["save_s"]
+
+
+def _reloaded_cell(r: dict[str, Any]) -> str:
+    """The reloaded perplexity (float32 jobs) and the largest |logit| difference between the reloaded and the
+    in-memory model on one calibration window (every job; a bfloat16 model is compared in bfloat16)."""
+    if "reload_error" in r:
+        return "not reloaded: " + r["reload_error"].replace("|", "\\|")
+    diff = r.get("reload_max_abs_logit_diff")
+    cell = _fmt(r.get("ppl_reloaded"), ".2f") if r.get("ppl_reloaded") is not None else "not measured (bf16)"
+    return cell if diff is None else f"{cell}; max abs logit diff {diff:.3g}"
+
+
 def render(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
     lines = [
         SECTION, "",
@@ -263,21 +307,24 @@ def render(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
         f"{args.calib_samples} x {SEQ_LEN} tokens from the tail of wiki.test.raw, perplexity on {args.eval_windows} "
         f"x {SEQ_LEN} from its head, AutoRound iters {args.autoround_iters}); each job's recipe text is in the "
         "script (`JOBS`), the same for both sides. `call s`: the `oneshot` call; `process s`, `CPU s`: the whole "
-        "fresh process; peak RSS: `VmHWM` after the call; reloaded: the saved checkpoint reloaded with "
-        "transformers.", "",
-        "| job | side | call s | process s | CPU s | peak RSS GB | perplexity | reloaded | load before -> after |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---|",
+        "fresh process (evaluation included); `start -> saved s`: from the process's start to the checkpoint "
+        "written, evaluation excluded (imports, load, calibration windows, the call, the save); peak RSS: `VmHWM` after the call; reloaded: the saved checkpoint reloaded with "
+        "transformers: its perplexity (float32 jobs; a bfloat16 job's in-memory perplexity is taken on a float32 "
+        "copy of its exact values, bf16 products being ~20x slower on this CPU) and the largest |logit| difference "
+        "to the in-memory model on one calibration window.", "",
+        "| job | side | call s | start -> saved s | process s | CPU s | peak RSS GB | perplexity | reloaded | load before -> after |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in rows:
         if r.get("skipped") or r.get("error"):
             why = (r.get("skipped") or "failed: " + r["error"]).replace("|", "\\|")
-            lines.append(f"| {r['job']} | {r['side']} | {why} | | | | | | {r['load']} |")
+            lines.append(f"| {r['job']} | {r['side']} | {why} | | | | | | | {r['load']} |")
             continue
         rss = None if r.get("peak_rss_bytes") is None else r["peak_rss_bytes"] / 1e9
-        reloaded = _fmt(r.get("ppl_reloaded"), ".2f") if "reload_error" not in r else \
-            "not reloaded: " + r["reload_error"].replace("|", "\\|")
+        reloaded = _reloaded_cell(r)
         lines.append(
-            f"| {r['job']} | {r['side']} | {_fmt(r.get('call_s'), '.2f')} | {_fmt(r.get('process_s'), '.2f')} | "
+            f"| {r['job']} | {r['side']} | {_fmt(r.get('call_s'), '.2f')} | {_fmt(_to_saved(r), '.2f')} | "
+            f"{_fmt(r.get('process_s'), '.2f')} | "
             f"{_fmt(r.get('cpu_s'), '.2f')} | {_fmt(rss, '.3f')} | {_fmt(r.get('ppl'), '.2f')} | {reloaded} | "
             f"{r['load']} |"
         )
@@ -290,7 +337,9 @@ def render(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
         if "ours" in sides and "peer" in sides:
             o, p = sides["ours"], sides["peer"]
             parts = [f"{job}: ours / llmcompressor, same run"]
-            for key, label in (("call_s", "call"), ("process_s", "process"), ("cpu_s", "CPU"),
+            o["to_saved_s"], p["to_saved_s"] = _to_saved(o), _to_saved(p)
+            for key, label in (("call_s", "call"), ("to_saved_s", "start -> saved"), ("process_s", "process"),
+                               ("cpu_s", "CPU"),
                                ("peak_rss_bytes", "peak RSS"), ("ppl", "perplexity"),
                                ("ppl_reloaded", "reloaded perplexity")):
                 if o.get(key) and p.get(key):
