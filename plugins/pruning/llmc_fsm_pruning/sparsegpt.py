@@ -241,9 +241,7 @@ def _check_flag(value: Any) -> bool:
     return value
 
 
-def _existing_zeros(
-    weights: list[torch.Tensor], sparsity: float, nm: tuple[int, int] | None
-) -> torch.Tensor | None:
+def _existing_zeros(weights: list[torch.Tensor], sparsity: float, nm: tuple[int, int] | None) -> torch.Tensor | None:
     """``[in, sum(out_i)]`` bool: the weights' zeros, transposed and side by side (``None`` when there are none).
 
     Raises:
