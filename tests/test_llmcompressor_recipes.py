@@ -354,12 +354,6 @@ stages:
             "argument not supported: OWL layer-wise sparsity is not implemented; give one sparsity for every layer",
         ),
         (
-            "s:\n  p_modifiers:\n    SparseGPTModifier: {preserve_sparsity_mask: true}\n",
-            "recipe <text>, line 3, stage 's', modifier SparseGPTModifier, argument 'preserve_sparsity_mask': "
-            "llm-compressor argument accepted only as False, got True: only false: existing zeros are not kept as a "
-            "fixed mask",
-        ),
-        (
             "s:\n  p_modifiers:\n    MagnitudePruningModifier: {sparsity: 0.5, update_scheduler: linear}\n",
             "recipe <text>, line 3, stage 's', modifier MagnitudePruningModifier, argument 'update_scheduler': "
             "llm-compressor argument accepted only as 'cubic', got 'linear': only 'cubic', the schedule llmc-fsm uses",

@@ -218,12 +218,7 @@ _QUANT_BASE: dict[str, ArgumentRule] = {
 
 #: modifier name -> llm-compressor argument name -> rule (only for names the class does not have).
 ARGUMENT_RULES: dict[str, dict[str, ArgumentRule]] = {
-    "SparseGPTModifier": {
-        **_SPARSITY_BASE,
-        "preserve_sparsity_mask": ArgumentRule(
-            "ignore", "only false: existing zeros are not kept as a fixed mask", accept=(False,)
-        ),
-    },
+    "SparseGPTModifier": dict(_SPARSITY_BASE),
     "WandaPruningModifier": dict(_SPARSITY_BASE),
     "MagnitudePruningModifier": {
         **_COMMON,

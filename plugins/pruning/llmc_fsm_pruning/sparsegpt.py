@@ -19,6 +19,28 @@ Mask selection (:func:`sparsegpt_prune`):
   ``N`` highest-saliency weights of the group (``block_size`` must be a
   multiple of ``M``). Every group has exactly ``M - N`` zeros.
 
+Existing zeros (``preserve_sparsity_mask``, llm-compressor's argument of the same
+name, for pruning an already sparse model further): every weight that is zero
+before the sweep is in the mask from the start — it is pruned whatever its
+saliency, counts toward the target, and is never un-pruned. Like any pruned
+weight it is set to zero when the sweep reaches its column and the error of
+that is compensated on the later columns (the OBS step of the paper; it may
+have received compensation from earlier columns). Without the flag the mask is
+chosen afresh: an existing zero is a weight of saliency 0 that the OBS updates
+may make non-zero and the selection may keep.
+
+* unstructured: block ``[c0, c1)`` prunes its existing zeros plus the
+  lowest-saliency other weights up to the cumulative count
+  ``num_to_prune(c1 * out, s)`` — never fewer than its existing zeros, never so
+  many that the later blocks' existing zeros would exceed the layer's
+  ``num_to_prune(numel, s)``. So the layer again has **exactly**
+  ``num_to_prune(numel, s)`` zeros; a weight with more existing zeros than that
+  is refused (``ValueError``, as llm-compressor refuses it).
+* N:M: a row's group of ``M`` columns prunes its existing zeros first and then
+  the lowest-saliency other weights up to ``M - N``: it ends with
+  ``max(M - N, existing zeros)`` zeros (a group that already had more than
+  ``M - N`` keeps them all, so it is sparser than N:M asks).
+
 Dead inputs (``H_jj == 0``, i.e. the channel was always zero in the
 calibration data) get ``H_jj := 1``; they do not affect the layer-wise
 error, so they are given the lowest saliency and pruned first. Unlike the
@@ -72,6 +94,7 @@ def sparsegpt_prune(
     block_size: int = 128,
     dampening_frac: float = 0.01,
     max_dampening_retries: int = 3,
+    preserve_sparsity_mask: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """SparseGPT one-shot pruning with OBS weight reconstruction.
 
@@ -105,6 +128,9 @@ def sparsegpt_prune(
         max_dampening_retries: if the damped ``H`` is not positive definite,
             retry this many times, each time multiplying ``dampening_frac`` by
             10 (a warning is logged for each retry). 0 disables retrying.
+        preserve_sparsity_mask: keep every zero of ``weight`` pruned and count
+            it toward ``sparsity`` (see the module docstring); default ``False``
+            (the mask is chosen afresh).
 
     Returns:
         ``(pruned_weight, keep_mask)``: ``pruned_weight`` has ``weight``'s
@@ -112,7 +138,9 @@ def sparsegpt_prune(
 
     Raises:
         ValueError: bad arguments/shapes, non-finite ``hessian``, ``in_features``
-            or ``block_size`` not divisible by ``M`` for N:M.
+            or ``block_size`` not divisible by ``M`` for N:M; with
+            ``preserve_sparsity_mask`` and unstructured sparsity, a weight that
+            already has more zeros than ``num_to_prune(numel, sparsity)``.
         HessianNotPositiveDefiniteError (a ``ValueError``): the damped Hessian
             cannot be Cholesky-factorised after all retries.
     """
@@ -124,6 +152,7 @@ def sparsegpt_prune(
         block_size=block_size,
         dampening_frac=dampening_frac,
         max_dampening_retries=max_dampening_retries,
+        preserve_sparsity_mask=preserve_sparsity_mask,
     )
     return pruned, keep
 
@@ -139,6 +168,7 @@ def sparsegpt_prune_shared(
     dampening_frac: float = 0.01,
     max_dampening_retries: int = 3,
     errors: list[float] | None = None,
+    preserve_sparsity_mask: bool = False,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """:func:`sparsegpt_prune` for several weights that see the same inputs (one Hessian).
 
@@ -153,7 +183,8 @@ def sparsegpt_prune_shared(
         weights: ``[out_i, in_features]`` floating tensors on one device
             (not modified), all with the same ``in_features``.
         hessian, sparsity, mask_structure, block_size, dampening_frac,
-            max_dampening_retries: as for :func:`sparsegpt_prune`.
+            max_dampening_retries, preserve_sparsity_mask: as for :func:`sparsegpt_prune`
+            (each weight's existing zeros and counts are its own).
         errors: if a list, each weight's relative output error ``||W X - W_hat X|| / ||W X||``
             on the Hessian's inputs is appended to it, from the sweep's own terms
             (:func:`llmc_fsm.toolkit.layer_error.sweep_relative_errors`; 0.0 when nothing is pruned).
@@ -168,6 +199,7 @@ def sparsegpt_prune_shared(
     """
     weights = list(weights)
     s, nm = _check_inputs(weights, hessian, sparsity, mask_structure, block_size)
+    fixed = _existing_zeros(weights, s, nm) if _check_flag(preserve_sparsity_mask) else None
     if nm is None and s == 0.0:
         check_dampening_frac(dampening_frac)
         if errors is not None:
@@ -189,7 +221,7 @@ def sparsegpt_prune_shared(
     for w in weights:
         r0 = bounds[-1][1] if bounds else 0
         bounds.append((r0, r0 + w.shape[0]))
-    rule = _PruneRule(sparsity=s, nm=nm, bounds=bounds, dead=dead, rows=WT.shape[1])
+    rule = _PruneRule(sparsity=s, nm=nm, bounds=bounds, dead=dead, rows=WT.shape[1], fixed=fixed)
     original = WT.clone() if errors is not None else None
     row_errors = obs_sweep(WT, U, rule, block_size=block_size)
     if errors is not None:
@@ -201,6 +233,35 @@ def sparsegpt_prune_shared(
         (WT[:, r0:r1].T.contiguous().to(w.dtype), rule.keepT[:, r0:r1].T.contiguous())
         for w, (r0, r1) in zip(weights, bounds, strict=True)
     ]
+
+
+def _check_flag(value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"preserve_sparsity_mask must be true or false, got {value!r}")
+    return value
+
+
+def _existing_zeros(weights: list[torch.Tensor], sparsity: float, nm: tuple[int, int] | None) -> torch.Tensor | None:
+    """``[in, sum(out_i)]`` bool: the weights' zeros, transposed and side by side (``None`` when there are none).
+
+    Raises:
+        ValueError: unstructured, and a weight has more zeros than ``num_to_prune(numel, sparsity)``.
+    """
+    zeros = [w.detach() == 0 for w in weights]
+    if nm is None:
+        for i, (w, z) in enumerate(zip(weights, zeros, strict=True)):
+            count, target = int(z.sum()), num_to_prune(w.numel(), sparsity)
+            if count > target:
+                which = f"weight {i} " if len(weights) > 1 else "the weight "
+                raise ValueError(
+                    f"preserve_sparsity_mask: {which}{list(w.shape)} already has {count} zeros, more than the "
+                    f"{target} that sparsity {sparsity} prunes, and every existing zero stays pruned; give a higher "
+                    f"sparsity (the weight's is {count / w.numel():.4g}) or preserve_sparsity_mask: false (the mask "
+                    "is then chosen afresh)"
+                )
+    if not any(bool(z.any()) for z in zeros):
+        return None
+    return torch.cat([z.T for z in zeros], dim=1)
 
 
 def _check_inputs(
@@ -235,9 +296,10 @@ def _check_inputs(
 class _PruneRule:
     """SparseGPT's column rule: a column keeps the weights its mask keeps and zeroes the others.
 
-    Mask selection (saliency ``w_j^2 / U_jj^2``; dead inputs get -1, pruned first):
-    unstructured, at each block start over the whole block and each weight's own
-    rows; N:M, at each group of ``M`` columns, per row.
+    Mask selection (saliency ``w_j^2 / U_jj^2``; dead inputs get -1, pruned first;
+    preserved existing zeros (``fixed``) -inf, always pruned): unstructured, at each
+    block start over the whole block and each weight's own rows; N:M, at each group
+    of ``M`` columns, per row.
     """
 
     def __init__(
@@ -248,11 +310,22 @@ class _PruneRule:
         bounds: list[tuple[int, int]],
         dead: torch.Tensor,
         rows: int,
+        fixed: torch.Tensor | None = None,
     ) -> None:
         self.sparsity = sparsity
         self.nm = nm
         self.bounds = bounds
         self.dead = dead
+        self.fixed = fixed  # [in, rows] bool: existing zeros kept pruned (preserve_sparsity_mask), or None
+        cols = dead.shape[0]
+        # Unstructured with existing zeros: per weight, existing zeros in columns < c (index c) and weights pruned.
+        self._fixed_cum: list[list[int]] = []
+        self._pruned = [0] * len(bounds)
+        if fixed is not None and nm is None:
+            for r0, r1 in bounds:
+                per_column = fixed[:, r0:r1].sum(dim=1).cpu()
+                self._fixed_cum.append([0, *per_column.cumsum(0).tolist()])
+        self._total = [num_to_prune(cols * (r1 - r0), sparsity) for r0, r1 in bounds]
         self.keepT = torch.ones((dead.shape[0], rows), dtype=torch.bool, device=dead.device)
         # A sub-block is a multiple of M for N:M, so a group never straddles two sub-blocks.
         self.sub_block = SUB_BLOCK if nm is None else nm[1] * max(1, SUB_BLOCK // nm[1])
@@ -268,22 +341,43 @@ class _PruneRule:
             return
         score = (W1.square() / self._d1.square()).masked_fill_(self.dead[c0:c1].unsqueeze(1), -1.0)
         width = c1 - c0
-        for r0, r1 in self.bounds:
+        for index, (r0, r1) in enumerate(self.bounds):
             n = r1 - r0
-            k_block = num_to_prune(c1 * n, self.sparsity) - num_to_prune(c0 * n, self.sparsity)
+            if self.fixed is None:
+                k_block = num_to_prune(c1 * n, self.sparsity) - num_to_prune(c0 * n, self.sparsity)
+            else:
+                k_block = self._preserving_count(index, c0, c1)
             if not k_block:
                 continue
             seg = torch.ones((width, n), dtype=torch.bool, device=W1.device)
             flat = score[:, r0:r1].reshape(-1)
+            if self.fixed is not None:
+                flat = flat.masked_fill(self.fixed[c0:c1, r0:r1].reshape(-1), float("-inf"))
             seg.view(-1)[torch.topk(flat, k_block, largest=False, sorted=False).indices] = False
             self._keep1[:, r0:r1] = seg
+
+    def _preserving_count(self, index: int, c0: int, c1: int) -> int:
+        """Weights block ``[c0, c1)`` prunes in weight ``index`` when its existing zeros stay pruned: the
+        cumulative count ``num_to_prune(c1 * out)`` less those pruned so far, at least the block's existing zeros
+        and at most what leaves room for the later blocks' (see the module docstring)."""
+        cum = self._fixed_cum[index]
+        in_block, after = cum[c1] - cum[c0], cum[-1] - cum[c1]
+        done = self._pruned[index]
+        n = self.bounds[index][1] - self.bounds[index][0]
+        k = min(max(num_to_prune(c1 * n, self.sparsity) - done, in_block), self._total[index] - done - after)
+        self._pruned[index] = done + k
+        return k
 
     def column(self, j: int, W1: torch.Tensor, i: int, out: torch.Tensor) -> torch.Tensor:
         if self.nm is not None and i % self.nm[1] == 0:
             grp = slice(i, i + self.nm[1])
             d = self._d1[grp]  # type: ignore[index]
             score = (W1[grp].square() / d.square()).masked_fill_(self.dead[j : j + self.nm[1]].unsqueeze(1), -1.0)
-            self._keep1[grp] = nm_keep(score.T, self.nm).T
+            if self.fixed is None:
+                self._keep1[grp] = nm_keep(score.T, self.nm).T
+            else:  # existing zeros first (all of them, even more than M - N), then the lowest saliencies
+                fixed = self.fixed[j : j + self.nm[1]]
+                self._keep1[grp] = nm_keep(score.masked_fill_(fixed, float("-inf")).T, self.nm).T & ~fixed
         return torch.mul(W1[i], self._keep1[i], out=out)
 
 
@@ -295,6 +389,12 @@ def _positive_int(instance: Any, attribute: attrs.Attribute, value: Any) -> None
 
 def _positive_dampening(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
     check_dampening_frac(value, positive=True)
+
+
+def _flag(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if not isinstance(value, bool):
+        msg = f"{attribute.name} must be true or false, got {value!r}"
+        raise ValueError(msg)
 
 
 @attrs.define(kw_only=True, slots=False, eq=False)
@@ -311,17 +411,24 @@ class SparseGPTModifier(CalibratedPruningModifier):
             must be a multiple of M for N:M structures.
         dampening_frac: ``dampening_frac * mean(diag H)`` is added to the diagonal
             of ``H`` before inversion (default 0.01, as in the paper); > 0.
+        preserve_sparsity_mask: ``True`` keeps every weight that is already zero
+            pruned and counts it toward ``sparsity`` (llm-compressor's argument,
+            for pruning a sparse model further, e.g. a 2:4 model to 75%); default
+            ``False``: the mask is chosen afresh. See the module docstring.
 
     Requires state ``model`` and ``calibration_data``. Memory: one
     ``in_features x in_features`` float32 Hessian per distinct target input,
     only for the decoder layer being calibrated under the sequential pipeline.
 
     Raises:
-        ValueError: a bad argument, or a ``block_size`` that is not a multiple of M for N:M.
+        ValueError: a bad argument, or a ``block_size`` that is not a multiple of M for N:M; at
+            :meth:`check_model`, with ``preserve_sparsity_mask`` and unstructured sparsity, targets that already
+            have more zeros than ``sparsity`` prunes (all of them named, before any calibration).
     """
 
     block_size: int = attrs.field(default=128, validator=_positive_int)
     dampening_frac: float = attrs.field(default=0.01, validator=_positive_dampening)
+    preserve_sparsity_mask: bool = attrs.field(default=False, validator=_flag)
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
@@ -336,6 +443,22 @@ class SparseGPTModifier(CalibratedPruningModifier):
     def _new_accumulator(self, module: nn.Module) -> HessianAccumulator:
         return HessianAccumulator(module.weight.shape[1])
 
+    def _check_target(self, name: str, module: nn.Module) -> str | None:
+        """The base class's check; with ``preserve_sparsity_mask`` and unstructured sparsity also that the weight
+        has no more zeros than ``sparsity`` prunes (a weight on the ``meta`` device, streamed by ``low_memory``,
+        is checked when its layer is compressed: :func:`sparsegpt_prune_shared` refuses it then)."""
+        problem = super()._check_target(name, module)
+        if problem is not None or not self.preserve_sparsity_mask or parse_mask_structure(self.mask_structure):
+            return problem
+        weight = module.weight
+        if weight.is_meta or int((weight == 0).sum()) <= num_to_prune(weight.numel(), float(self.sparsity)):
+            return None
+        return (
+            f"already more zeros than sparsity {self.sparsity} prunes, and preserve_sparsity_mask keeps every "
+            "existing zero pruned (give a higher sparsity, or preserve_sparsity_mask: false to choose the mask "
+            "afresh)"
+        )
+
     measures_output_error = True  # from the sweep (llmc_fsm.toolkit.layer_error.sweep_relative_errors)
 
     def _compress_group(self, modules: list[nn.Module], accumulator: HessianAccumulator) -> CompressedGroup:
@@ -349,5 +472,6 @@ class SparseGPTModifier(CalibratedPruningModifier):
             block_size=self.block_size,
             dampening_frac=float(self.dampening_frac),
             errors=errors,
+            preserve_sparsity_mask=self.preserve_sparsity_mask,
         )
         return CompressedGroup([pruned for pruned, _keep in results], errors)

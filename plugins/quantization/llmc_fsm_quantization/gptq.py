@@ -17,10 +17,21 @@ Scales and zero points of :func:`gptq_quantize` (``observer`` over the group's v
   before the sweep; columns are then swept in activation order.
 
 ``actorder`` (activation order, descending ``diag H``): ``"static"`` sweeps
-in that order but keeps groups contiguous in the original order (no
+in that order but keeps groups contiguous in the original order (each column
+keeps the group, scale and zero point of its original position: no
 ``g_idx``); ``"group"`` forms groups in that order and returns ``g_idx``
 (original column -> group). Dead inputs (``H_jj = 0``) are quantized like
 the others; they receive no compensation (the reference code zeroes them).
+
+:class:`GPTQModifier` refuses ``actorder: group`` (measured in
+``tests/test_actorder_group.py``): compressed-tensors 0.20 removed it — its
+``QuantizationArgs`` raises ``actorder='group' has been removed``, it registers no
+``weight_g_idx`` even when the value is forced in, and a ``config.json`` naming it
+does not load in transformers 5.24 — while a ``weight_g_idx`` tensor in the
+checkpoint is an unexpected key that transformers drops (the reloaded model
+ignores the grouping). llm-compressor 0.14 accepts the value in a recipe but its
+GPTQ then stops (``Invalid activation ordering ActivationOrdering.GROUP. Only
+'weight' and 'static' are supported for GPTQ.``).
 """
 
 from __future__ import annotations
@@ -365,13 +376,18 @@ def _actorder_value(value: Any) -> Any:
     return _ACTORDER_ALIASES.get(value, value) if isinstance(value, str) else value
 
 
+#: Why ``actorder: group`` is refused (see the module docstring).
+_ACTORDER_GROUP_REFUSAL = (
+    "actorder: group needs a per-column group index (g_idx) in the checkpoint, which compressed-tensors 0.20 has "
+    "removed (its QuantizationArgs refuses actorder 'group' and no weight_g_idx is saved or applied on reload; "
+    "llm-compressor 0.14's GPTQ refuses it too); use static (the default, alias weight: columns in activation "
+    "order, each keeping the group of its original position) or null"
+)
+
+
 def _actorder(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
     if value == "group":
-        msg = (
-            "actorder: group needs a per-column group index (g_idx) in the checkpoint, which the compressed-tensors "
-            "format (0.20) does not store; use static (the default: activation order, contiguous groups) or null"
-        )
-        raise ValueError(msg)
+        raise ValueError(_ACTORDER_GROUP_REFUSAL)
     if value not in ACTORDERS:
         msg = f"actorder must be one of static (alias weight) or null, got {value!r}"
         raise ValueError(msg)
@@ -387,8 +403,9 @@ class GPTQModifier(QuantizingModifier):
             diagonal (default 0.01, as in the paper); >= 0.
         actorder: activation order — ``"static"`` (default; compressed-tensors'
             alias ``"weight"`` is accepted) or ``null``; see :func:`gptq_quantize`.
-            ``"group"`` (alias ``"dynamic"``) is refused: its per-column group
-            index has no place in the compressed-tensors 0.20 checkpoint.
+            ``"group"`` (alias ``"dynamic"``) is refused:
+            compressed-tensors 0.20 removed it, so its per-column group index has no
+            place in the checkpoint.
 
     Requires state ``model`` and ``calibration_data``. Memory: one
     ``in_features x in_features`` float32 Hessian per distinct target input of
