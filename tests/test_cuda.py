@@ -6,12 +6,19 @@ reason and the terminal summary counts it (tests/conftest.py). CI has no GPU: no
 
 from __future__ import annotations
 
+import math
+from pathlib import Path
+
 import pytest
 import torch
+from llmc_fsm_pruning.constant import ConstantPruningModifier
+from llmc_fsm_training import OutputDistillationModifier
+from safetensors.torch import load_file
 from tiny_llama import llama
 
 import llmc_fsm
 from llmc_fsm import Session
+from llmc_fsm.integrations.torch import initialize, optimizer_step
 from llmc_fsm.oneshot_job.settings import default_recipe
 from llmc_fsm.pipeline.sequential import run_sequential
 
@@ -93,3 +100,164 @@ def test_oneshot_on_cuda_reports_the_device():
     }
     assert execution["peak_device_bytes"] > 0
     assert all(p.device == torch.device("cpu") for p in model.parameters())
+
+
+def _tensors(directory: Path) -> dict[str, torch.Tensor]:
+    return {k: v for f in sorted(directory.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+
+def test_the_streamed_path_offloads_activations_to_cpu_memory_under_a_tiny_budget(tiny_model_dir, tmp_path):
+    model_dir, text = tiny_model_dir
+    runs = {}
+    for budget in (None, 0):
+        model = llmc_fsm.oneshot(
+            model=str(model_dir), recipe=default_recipe("sparsegpt", 0.5), dataset=str(text),
+            num_calibration_samples=4, max_seq_length=16, eval_text=str(text), num_eval_windows=2,
+            eval_seq_length=16, batch_size=2, output_dir=str(tmp_path / f"out-{budget}"), low_memory=True,
+            progress=False, device="cuda", activation_budget_mib=budget,
+        )  # fmt: skip
+        runs[budget] = model.llmc_fsm_report.to_dict()
+    assert runs[None]["execution"]["activations"]["mode"] == "device"
+    offloaded = runs[0]["execution"]["activations"]
+    assert offloaded["mode"] == "cpu-offloaded" and offloaded["batches_moved_to_device"] > 0
+    assert runs[None]["perplexity"] == runs[0]["perplexity"]
+    a, b = _tensors(tmp_path / "out-None"), _tensors(tmp_path / "out-0")
+    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+# --------------------------------------------------------------------------- training: state on the parameters' device
+def _train_batches(n: int, device: str, vocab: int = 128) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(7)
+    batches = []
+    for _ in range(n):
+        ids = torch.randint(0, vocab, (2, 16), generator=g).to(device)
+        batches.append({"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids})
+    return batches
+
+
+def _steps(session: Session, model: torch.nn.Module, optimizer, batches) -> list[torch.Tensor]:
+    model.train()
+    losses = []
+    for batch in batches:
+        session.batch_start(batch=batch)
+        loss = session.loss_calculated(model(**batch).loss)
+        loss.backward()
+        optimizer_step(session, optimizer)
+        session.batch_end()
+        losses.append(loss.detach())
+    return losses
+
+
+def _half_zero(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Zero every other input column of each decoder Linear; returns the zero sets (on the CPU)."""
+    with torch.no_grad():
+        for weight in linears(model).values():
+            weight[:, ::2] = 0.0
+    return {name: (weight == 0).cpu() for name, weight in linears(model).items()}
+
+
+def _same_zeros(model: torch.nn.Module, zeros: dict[str, torch.Tensor]) -> bool:
+    return all(torch.equal((weight == 0).cpu(), zeros[name]) for name, weight in linears(model).items())
+
+
+def test_constant_pruning_masks_live_on_the_cuda_weights_and_hold_their_zeros():
+    model = llama(layers=2).cuda()
+    zeros = _half_zero(model)
+    modifier = ConstantPruningModifier()
+    session = Session([modifier])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    initialize(session, model=model, optimizer=optimizer)
+    _steps(session, model, optimizer, _train_batches(3, "cuda"))
+    assert {mask.device.type for mask in modifier._masks.masks} == {"cuda"}
+    assert _same_zeros(model, zeros)
+    session.finalize()
+    assert modifier.measured_sparsity == pytest.approx(0.5)
+
+
+def test_constant_pruning_masks_follow_a_model_moved_to_cuda_after_they_were_taken():
+    model = llama(layers=2)
+    zeros = _half_zero(model)
+    modifier = ConstantPruningModifier()
+    session = Session([modifier])
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    initialize(session, model=model, optimizer=optimizer)
+    _steps(session, model, optimizer, _train_batches(1, "cpu"))  # masks taken on the CPU
+    assert {mask.device.type for mask in modifier._masks.masks} == {"cpu"}
+    model.cuda()  # the same Parameter objects, now on the GPU
+    _steps(session, model, optimizer, _train_batches(2, "cuda"))
+    assert {mask.device.type for mask in modifier._masks.masks} == {"cuda"}
+    assert _same_zeros(model, zeros)
+    session.finalize()
+
+
+def _reference_loss(batch: dict[str, torch.Tensor], temperature: float, alpha: float) -> float:
+    """The distillation loss of llama(seed=0) against llama(seed=1) on the CPU, the KL written out in float64."""
+    student, teacher = llama(seed=0), llama(seed=1)
+    batch = {k: v.cpu() for k, v in batch.items()}
+    with torch.no_grad():
+        out = student(**batch)
+        s = torch.log_softmax(out.logits.double() / temperature, dim=-1)
+        t = torch.log_softmax(teacher(input_ids=batch["input_ids"]).logits.double() / temperature, dim=-1)
+    kd = float((t.exp() * (t - s)).sum(-1).mean()) * temperature**2
+    return (1 - alpha) * float(out.loss) + alpha * kd
+
+
+@pytest.mark.parametrize(("teacher_device", "where"), [(None, "cuda"), ("cpu", "cpu")], ids=["follows", "cpu"])
+def test_the_teacher_is_placed_on_the_students_device_or_teacher_device(teacher_device, where):
+    student, teacher = llama(seed=0).cuda(), llama(seed=1)
+    modifier = OutputDistillationModifier(temperature=2.0, alpha=0.5)
+    session = Session([modifier])
+    optimizer = torch.optim.SGD(student.parameters(), lr=0.0)
+    initialize(session, model=student, teacher=teacher, optimizer=optimizer, teacher_device=teacher_device)
+    assert {p.device.type for p in teacher.parameters()} == {where}
+    batch = _train_batches(1, "cuda")[0]
+    (loss,) = _steps(session, student, optimizer, [batch])
+    assert loss.device.type == "cuda" and modifier.last_distill_loss.device.type == "cuda"
+    assert math.isclose(float(loss), _reference_loss(batch, 2.0, 0.5), rel_tol=1e-4)
+    session.finalize()
+
+
+def test_a_teacher_spread_over_two_devices_is_left_alone_or_refused_with_teacher_device():
+    student, teacher = llama(seed=0).cuda(), llama(seed=1)
+    teacher.model.layers[0].cuda()  # as a device map would put it
+    session = Session([OutputDistillationModifier()])
+    index = torch.cuda.current_device()
+    with pytest.raises(ValueError) as info:
+        initialize(session, model=student, teacher=teacher, teacher_device="cuda")
+    assert str(info.value) == (
+        f"teacher_device is 'cuda:{index}' but the teacher is spread over cpu, cuda:{index} (a device map); leave "
+        "teacher_device unset to keep it as dispatched"
+    )
+    assert session.lifecycle == "created"
+    initialize(session, model=student, teacher=teacher)
+    assert teacher.model.embed_tokens.weight.device.type == "cpu"  # left as dispatched
+    assert teacher.model.layers[0].self_attn.q_proj.weight.device.type == "cuda"
+    session.finalize()
+
+
+def test_session_trainer_on_cuda_moves_the_teacher_to_the_models_device(tmp_path):
+    from transformers import TrainingArguments
+
+    from llmc_fsm.integrations.transformers import SessionTrainer
+
+    class Windows(torch.utils.data.Dataset):
+        def __init__(self) -> None:
+            self.ids = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(3))
+
+        def __len__(self) -> int:
+            return len(self.ids)
+
+        def __getitem__(self, i):
+            return {"input_ids": self.ids[i], "attention_mask": torch.ones_like(self.ids[i]), "labels": self.ids[i]}
+
+    student, teacher = llama(seed=0), llama(seed=1)
+    args = TrainingArguments(
+        output_dir=str(tmp_path), report_to=[], save_strategy="no", per_device_train_batch_size=2, max_steps=2,
+        disable_tqdm=True, dataloader_num_workers=0, seed=0,
+    )  # fmt: skip
+    modifier = OutputDistillationModifier()
+    trainer = SessionTrainer(model=student, args=args, train_dataset=Windows(), recipe=[modifier], teacher=teacher)
+    trainer.train()
+    assert {p.device.type for p in student.parameters()} == {"cuda"}
+    assert {p.device.type for p in teacher.parameters()} == {"cuda"}
+    assert modifier.last_distill_loss is not None and trainer.session.lifecycle == "finalized"

@@ -308,9 +308,10 @@ def test_cuda_tests_not_run_are_counted_in_the_summary():
         return
     reason = f"torch {torch.__version__} (built with CUDA {torch.version.cuda or 'none'}) sees no CUDA device"
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "6 skipped" in proc.stdout
-    assert proc.stdout.count(f"needs CUDA: {reason}") == 2  # -ra: the skips grouped by where they were marked
-    assert f"6 CUDA test(s) not run: {reason}; run them on a machine with a GPU (python -m pytest -m cuda)" in (
+    assert "13 skipped" in proc.stdout
+    # -ra groups the skips: one line for the plain tests, one per parametrized test
+    assert proc.stdout.count(f"needs CUDA: {reason}") == 3
+    assert f"13 CUDA test(s) not run: {reason}; run them on a machine with a GPU (python -m pytest -m cuda)" in (
         proc.stdout
     )
 
@@ -352,6 +353,66 @@ def test_the_streamed_path_onloads_each_layer_it_reads(monkeypatch, tiny_model_d
         assert [e[1].rsplit(".", 1)[0] for e in events[start + 1 : end]] == [f"{layer}.self_attn"] * 3 + [
             f"{layer}.self_attn"
         ] + [f"{layer}.mlp"] * 3
+
+
+def _tensors(directory: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return {k: v for f in sorted(directory.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+
+def test_the_streamed_path_honours_the_activation_budget_with_identical_output(tiny_model_dir, tmp_path):
+    """--low-memory --activation-budget-mib 0: the hidden states between layers (calibration and evaluation) wait
+    in CPU memory; the output and the perplexities are bit-identical to those of the unlimited run, and the report
+    says which ran."""
+    model_dir, text = tiny_model_dir
+    runs = {}
+    for budget in (None, 0):
+        model = llmc_fsm.oneshot(
+            model=str(model_dir),
+            recipe=default_recipe("sparsegpt", 0.5),
+            dataset=str(text),
+            num_calibration_samples=4,
+            max_seq_length=16,
+            eval_text=str(text),
+            num_eval_windows=2,
+            eval_seq_length=16,
+            batch_size=2,
+            output_dir=str(tmp_path / f"out-{budget}"),
+            low_memory=True,
+            progress=False,
+            device="cpu",
+            activation_budget_mib=budget,
+        )
+        runs[budget] = model.llmc_fsm_report.to_dict()
+    hidden = 64 * 4  # float32 hidden states of width 64
+    unlimited, offloaded = runs[None]["execution"]["activations"], runs[0]["execution"]["activations"]
+    assert unlimited == {"mode": "device", "activation_bytes": (4 + 2) * 16 * hidden, "budget_bytes": None}
+    # calibration: 2 batches held after the capture and after each of the first 3 of 4 layers; evaluation: 2 windows
+    # held after the capture and after each of the 4 layers (they go on to the perplexity after)
+    assert offloaded == {
+        "mode": "cpu-offloaded",
+        "activation_bytes": (4 + 2) * 16 * hidden,
+        "budget_bytes": 0,
+        "batches_held_in_cpu_memory": 2 * 4 + 2 * 5,
+        "batches_moved_to_device": 0,  # the device is the CPU: a held batch is already there
+    }
+    assert runs[None]["perplexity"] == runs[0]["perplexity"]
+    a, b = _tensors(tmp_path / "out-None"), _tensors(tmp_path / "out-0")
+    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_compress_streaming_refuses_a_bad_budget_before_any_work():
+    from llmc_fsm.pipeline.streaming import compress_streaming
+
+    class Untouchable:
+        def __getattr__(self, name):
+            raise AssertionError(f"{name} was used")
+
+    for budget in (-1, 1.5, True):
+        with pytest.raises(ValueError) as info:
+            compress_streaming(Untouchable(), Untouchable(), torch.zeros(0, 1), Untouchable(), activation_budget=budget)
+        assert str(info.value) == f"activation_budget must be a number of bytes >= 0 or None, got {budget!r}"
 
 
 # --------------------------------------------------------------------------- weights too large for CPU memory

@@ -11,14 +11,11 @@ from __future__ import annotations
 import json
 import os
 import time
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.multiprocessing as mp
-from safetensors.torch import load_file, save_file
 from tiny_llama import llama
 
 import llmc_fsm
@@ -26,6 +23,7 @@ from llmc_fsm import Session
 from llmc_fsm.oneshot_job.settings import default_recipe
 from llmc_fsm.recipes.fingerprint import recipe_fingerprint
 from llmc_fsm.session.ranks import _recipe_digest, check_ranks_agree, unwrap_model
+from llmc_fsm.testing import run_ranks
 from llmc_fsm.toolkit.distributed import get_rank, get_world_size, is_distributed, is_main_process, shard, split_counts
 
 WORLD = 2
@@ -46,62 +44,10 @@ def linears(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 # --------------------------------------------------------------------------- process launcher (test side)
-def _entry(rank: int, world: int, tmp: str, worker: str, timeout_s: float) -> None:
-    """One rank: join the gloo group, run ``worker``, write ``rank<r>.safetensors`` (tensors + JSON metadata)."""
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    rendezvous = f"file://{tmp}/rendezvous"
-    timeout = timedelta(seconds=timeout_s)
-    dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=world, timeout=timeout)
-    tensors: dict[str, torch.Tensor] = {}
-    meta: dict[str, Any] = {"rank": rank}
-    t0 = time.perf_counter()
-    try:
-        meta["result"] = WORKERS[worker](rank, Path(tmp), tensors)
-    except Exception as exc:
-        meta["error"] = {"type": type(exc).__name__, "message": str(exc)}
-    meta["seconds"] = time.perf_counter() - t0
-    save_file(
-        {k: v.contiguous() for k, v in tensors.items()},
-        f"{tmp}/rank{rank}.safetensors",
-        metadata={"json": json.dumps(meta)},
-    )
-    if "error" not in meta:
-        dist.barrier()  # leave together
-    # The results are on disk. End the process without interpreter teardown: gloo's worker threads can abort
-    # (SIGABRT, "terminate called without an active exception") while the process group is destroyed or the
-    # interpreter finalizes (pytorch/pytorch#179291), which would fail a test whose ranks all did their work.
-    os._exit(0)
-
-
 def launch(worker: str, tmp_path: Path, *, timeout_s: float = 60.0, join_s: float = 180.0) -> list[dict[str, Any]]:
-    """Run ``worker`` on ``WORLD`` spawned ranks; return per rank ``{"meta", "tensors", "exitcode"}``."""
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_entry, args=(r, WORLD, str(tmp_path), worker, timeout_s)) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + join_s
-    for p in procs:
-        p.join(max(deadline - time.monotonic(), 0.1))
-    hung = [p.pid for p in procs if p.is_alive()]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join()
-    assert not hung, f"ranks still running after {join_s} s: pids {hung}"
-    out = []
-    for r, p in enumerate(procs):
-        path = tmp_path / f"rank{r}.safetensors"
-        if path.exists():
-            from safetensors import safe_open
-
-            with safe_open(str(path), "pt") as f:
-                meta = json.loads(f.metadata()["json"])
-            out.append({"meta": meta, "tensors": load_file(str(path)), "exitcode": p.exitcode})
-        else:
-            out.append({"meta": None, "tensors": {}, "exitcode": p.exitcode})
-    return out
+    """Run ``WORKERS[worker]`` on ``WORLD`` spawned ranks (:func:`llmc_fsm.testing.run_ranks`); per rank
+    ``{"meta", "tensors", "exitcode"}``."""
+    return run_ranks(WORKERS[worker], tmp_path, world_size=WORLD, timeout_s=timeout_s, join_s=join_s)
 
 
 @pytest.fixture
@@ -186,8 +132,20 @@ def _dying_worker(rank: int, tmp: Path, tensors: dict[str, torch.Tensor]) -> dic
     return {}
 
 
+#: The group's collective timeout in the hanging-rank test, and the longest rank 1 stalls (seconds).
+HANG_TIMEOUT_S, STALL_CAP_S = 5.0, 120.0
+
+
 def _hanging_worker(rank: int, tmp: Path, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
-    _oneshot_where_rank_1_stops(rank, lambda: time.sleep(12))  # rank 1 stalls 12 s (the group's timeout is 3 s)
+    def stall() -> None:
+        """Rank 1 stalls until rank 0 has written its result (at most STALL_CAP_S), and records how it ended."""
+        reported = tmp / "rank0.safetensors"
+        deadline = time.monotonic() + STALL_CAP_S
+        while time.monotonic() < deadline and not reported.exists():
+            time.sleep(0.05)
+        (tmp / "stall.json").write_text(json.dumps({"rank_0_reported_during_the_stall": reported.exists()}))
+
+    _oneshot_where_rank_1_stops(rank, stall)
     return {}
 
 
@@ -415,11 +373,15 @@ def test_a_rank_dying_mid_run_is_reported_by_the_others(tmp_path, one_thread):
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_a_hanging_rank_is_reported_within_the_collective_timeout(tmp_path, one_thread):
-    ranks = launch("hanging", tmp_path, timeout_s=3.0)
+    """Rank 1 stalls before compressing its second layer until rank 0 has reported; rank 0's wait is ended by the
+    group's timeout while rank 1 is still stalled (an order of events, not a wall time: the check does not depend
+    on how loaded the machine is)."""
+    ranks = launch("hanging", tmp_path, timeout_s=HANG_TIMEOUT_S)
     error = ranks[0]["meta"]["error"]
     assert "raised DistributedError: rank 0 of 2: torch.distributed all_reduce" in error["message"]
-    assert "Timed out waiting 3000ms" in error["message"]
-    assert ranks[0]["meta"]["seconds"] < 12.0  # the timeout, not the stalled rank, ended the wait
+    assert f"Timed out waiting {int(HANG_TIMEOUT_S * 1000)}ms" in error["message"]
+    stall = json.loads((tmp_path / "stall.json").read_text())
+    assert stall["rank_0_reported_during_the_stall"]  # the timeout, not the stalled rank, ended the wait
 
 
 @pytest.mark.distributed

@@ -9,23 +9,18 @@ through a file rendezvous in ``tmp_path``; each rank writes its weights and what
 from __future__ import annotations
 
 import collections
-import json
-import os
-import time
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.multiprocessing as mp
-from safetensors.torch import load_file, save_file
 from tiny_llama import llama
 
 import llmc_fsm
 from llmc_fsm import Session
 from llmc_fsm.oneshot_job.settings import default_recipe
 from llmc_fsm.pipeline.sequential import run_sequential
+from llmc_fsm.testing import run_ranks
 from llmc_fsm.toolkit.distributed import assign_to_ranks, rank_work, shard, sweep_cost
 
 RECIPES = {
@@ -93,52 +88,9 @@ def _worker(rank: int, tmp: Path, tensors: dict[str, torch.Tensor]) -> dict[str,
     return info
 
 
-def _entry(rank: int, world: int, tmp: str, timeout_s: float) -> None:
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{tmp}/rendezvous",
-        rank=rank,
-        world_size=world,
-        timeout=timedelta(seconds=timeout_s),
-    )
-    tensors: dict[str, torch.Tensor] = {}
-    meta: dict[str, Any] = {"rank": rank}
-    try:
-        meta["result"] = _worker(rank, Path(tmp), tensors)
-    except Exception as exc:
-        meta["error"] = {"type": type(exc).__name__, "message": str(exc)}
-    save_file({k: v.contiguous() for k, v in tensors.items()}, f"{tmp}/rank{rank}.safetensors",
-              metadata={"json": json.dumps(meta)})  # fmt: skip
-    if "error" not in meta:
-        dist.barrier()
-    os._exit(0)  # no interpreter teardown: gloo threads can abort it (see tests/test_distributed.py)
-
-
 def launch(world: int, tmp_path: Path, *, join_s: float = 240.0) -> list[dict[str, Any]]:
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_entry, args=(r, world, str(tmp_path), 90.0)) for r in range(world)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + join_s
-    for p in procs:
-        p.join(max(deadline - time.monotonic(), 0.1))
-    hung = [p.pid for p in procs if p.is_alive()]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join()
-    assert not hung, f"ranks still running after {join_s} s: pids {hung}"
-    from safetensors import safe_open
-
-    out = []
-    for r in range(world):
-        with safe_open(str(tmp_path / f"rank{r}.safetensors"), "pt") as f:
-            meta = json.loads(f.metadata()["json"])
-        out.append({"meta": meta, "tensors": load_file(str(tmp_path / f"rank{r}.safetensors"))})
-    return out
+    """:func:`_worker` on ``world`` spawned ranks (:func:`llmc_fsm.testing.run_ranks`, collective timeout 90 s)."""
+    return run_ranks(_worker, tmp_path, world_size=world, timeout_s=90.0, join_s=join_s)
 
 
 @pytest.fixture

@@ -273,3 +273,34 @@ def test_example_short_run_keeps_sparsity(name, shared_data, capsys):
     assert result["sparsity_after"] == result["sparsity_before"]
     out = capsys.readouterr().out
     assert "step   2" in out and "final measured sparsity" in out
+
+
+def test_trainer_refuses_a_teacher_device_torch_cannot_use_at_construction(tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    built = []
+
+    class Spy(SessionTrainer):
+        def create_optimizer(self, *a, **k):
+            built.append("optimizer")
+            return super().create_optimizer(*a, **k)
+
+    with pytest.raises(ValueError) as info:
+        Spy(model=_llama(0), args=_args(tmp_path, max_steps=1), train_dataset=_Data(2),
+            recipe=[OutputDistillationModifier()], teacher=_llama(1), teacher_device="cuda:0")  # fmt: skip
+    assert str(info.value) == (
+        f"teacher_device is 'cuda:0' but torch sees no CUDA device (torch {torch.__version__}, built with CUDA "
+        f"{torch.version.cuda or 'none'}); use cpu, or auto to take CUDA only where it exists"
+    )
+    assert built == []
+
+
+def test_trainer_keeps_the_teacher_on_the_models_device_on_cpu(tmp_path):
+    """On the CPU the model's device is the CPU: the teacher stays (same object, same parameters); teacher_device
+    "cpu" is accepted. (The move onto a GPU is tests/test_cuda.py's.)"""
+    student, teacher = _llama(0), _llama(1)
+    params = [p.data_ptr() for p in teacher.parameters()]
+    trainer = SessionTrainer(model=student, args=_args(tmp_path, max_steps=1), train_dataset=_Data(2),
+                             recipe=[OutputDistillationModifier()], teacher=teacher, teacher_device="cpu")  # fmt: skip
+    trainer.train()
+    assert trainer.session.lifecycle == "finalized"
+    assert [p.data_ptr() for p in teacher.parameters()] == params

@@ -530,3 +530,172 @@ def test_resume_position_arithmetic():
         assert resume_position(session, 5, 2) == expected, step  # 5 batches, 2 per step -> 3 steps per epoch
     with pytest.raises(ValueError, match="batches_per_epoch must be an int >= 1, got 0"):
         resume_position(session, 0)
+
+
+# --- Devices: state follows the student's parameters; the teacher is placed by the integration -----------------
+
+
+def _fake_cuda(monkeypatch, *, count: int, current: int = 0) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: count > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current)
+
+
+def _no_cuda_message(spec: str) -> str:
+    return (
+        f"teacher_device is {spec!r} but torch sees no CUDA device (torch {torch.__version__}, built with CUDA "
+        f"{torch.version.cuda or 'none'}); use cpu, or auto to take CUDA only where it exists"
+    )
+
+
+@pytest.mark.parametrize(
+    ("spec", "count", "message"),
+    [
+        ("cuda", 0, _no_cuda_message("cuda")),
+        ("cuda:0", 0, _no_cuda_message("cuda:0")),
+        ("cuda:2", 2, "teacher_device is 'cuda:2' but torch sees 2 CUDA device(s) (cuda:0 to cuda:1); pick one "
+         "of those"),
+        ("gpu", 0, "teacher_device must be one of auto, cpu, cuda or cuda:N (N a CUDA device index), got 'gpu'"),
+        (3, 0, "teacher_device must be one of auto, cpu, cuda or cuda:N (N a CUDA device index), got 3"),
+    ],
+)
+def test_teacher_device_is_refused_in_one_line_before_anything_is_initialized(monkeypatch, spec, count, message):
+    _fake_cuda(monkeypatch, count=count)
+    student, teacher = TinyLM(seed=0), TinyLM(seed=1)
+    session = Session([OutputDistillationModifier()])
+    with pytest.raises(ValueError) as info:
+        initialize(session, model=student, teacher=teacher, teacher_device=spec)
+    assert str(info.value) == message
+    assert session.lifecycle == "created" and "model" not in session.state
+    assert not student._forward_hooks  # nothing hooked
+
+
+def test_teacher_device_resolves_like_the_oneshot_device_and_the_teacher_is_moved_there(monkeypatch):
+    """With CUDA faked (2 devices, current 1) ``auto`` and ``cuda`` name cuda:1; the teacher's ``to`` is called with
+    that device after initialize (recorded: the real move is tests/test_cuda.py's), and not at all by default while
+    it is already on the student's device."""
+    moved: list[torch.device] = []
+
+    class Recorded(TinyLM):
+        def to(self, *args, **kwargs):
+            moved.append(args[0])
+            return self
+
+    _fake_cuda(monkeypatch, count=2, current=1)
+    for spec, expected in (("auto", torch.device("cuda", 1)), ("cuda", torch.device("cuda", 1)),
+                           ("cuda:0", torch.device("cuda", 0)), (None, None), ("cpu", None)):  # fmt: skip
+        moved.clear()
+        session = Session([OutputDistillationModifier()])
+        initialize(session, model=TinyLM(seed=0), teacher=Recorded(seed=1), teacher_device=spec)
+        assert session.lifecycle == "initialized"
+        assert moved == ([] if expected is None else [expected]), spec
+        session.finalize()
+
+
+def test_the_teacher_is_placed_only_when_a_modifier_uses_it(monkeypatch):
+    moved = []
+
+    class Recorded(TinyLM):
+        def to(self, *args, **kwargs):
+            moved.append(args[0])
+            return self
+
+    _fake_cuda(monkeypatch, count=1)
+    session = Session([ConstantPruningModifier()])
+    initialize(session, model=TinyLM(), teacher=Recorded(seed=1), teacher_device="cuda")
+    assert moved == []  # no modifier requires 'teacher': it stays out of device memory
+    session.finalize()
+
+
+def test_a_teacher_on_the_meta_device_is_refused_before_initialize():
+    with torch.device("meta"):
+        teacher = TinyLM(seed=1)
+    student = TinyLM(seed=0)
+    session = Session([OutputDistillationModifier()])
+    with pytest.raises(ValueError) as info:
+        initialize(session, model=student, teacher=teacher)
+    assert str(info.value) == (
+        "the teacher's weights are on the meta device (not loaded); load them (e.g. from_pretrained without a meta "
+        "device map) before training"
+    )
+    assert session.lifecycle == "created" and not student._forward_hooks
+
+
+def test_masks_are_made_on_the_weights_device():
+    from llmc_fsm_pruning.constant import MaskSet
+
+    weight = torch.empty(3, 4, device="meta", dtype=torch.float16)
+    masks = MaskSet()
+    masks.set("w", weight, torch.tensor([[True, False, True, False]] * 3))  # a keep-mask read on the CPU
+    assert masks.masks[0].device == torch.device("meta") and masks.masks[0].dtype == torch.float16
+    assert masks.keep("w").device == torch.device("meta") and masks.keep("w").dtype == torch.bool
+
+
+def test_constant_pruning_masks_follow_a_model_cast_after_they_were_taken():
+    model = TinyLM()
+    with torch.no_grad():
+        for layer in (model.fc1, model.fc2):
+            layer.weight[:, ::2] = 0.0  # half the columns zero
+    before = _zeros(model)
+    mod = ConstantPruningModifier()
+    session = Session([mod])
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    initialize(session, model=model, optimizer=optimizer)
+    batches = _batches(4)
+    _loop(session, model, optimizer, batches[:2])  # masks taken at the first batch, float32
+    assert {m.dtype for m in mod._masks.masks} == {torch.float32}
+    model.to(torch.float64)  # the same Parameter objects, cast: the masks are cast at the next re-application
+    _loop(session, model, optimizer, batches[2:])
+    assert {m.dtype for m in mod._masks.masks} == {torch.float64}
+    after = _zeros(model)
+    assert all(torch.equal(after[n], before[n]) for n in ("fc1", "fc2"))
+    assert all(int(after[n].sum()) == 8 * 4 for n in ("fc1", "fc2"))
+    session.finalize()
+    assert mod.measured_sparsity == pytest.approx(0.5)
+
+
+def test_to_device_moves_every_tensor_of_nested_inputs_and_copies_none_already_there():
+    from collections import namedtuple
+
+    from llmc_fsm_training.distillation import to_device
+
+    Pair = namedtuple("Pair", "a b")
+    ids, mask = torch.tensor([[1, 2]]), torch.ones(1, 2)
+    moved = to_device(({"input_ids": ids, "mask": [mask, "keep"]}, Pair(ids, 3), None), torch.device("meta"))
+    assert moved[0]["input_ids"].device.type == "meta" and moved[0]["input_ids"].shape == (1, 2)
+    assert moved[0]["mask"][0].device.type == "meta" and moved[0]["mask"][1] == "keep"
+    assert type(moved[1]) is Pair and moved[1].a.device.type == "meta" and moved[1].b == 3 and moved[2] is None
+    same = to_device({"input_ids": ids}, torch.device("cpu"))
+    assert same["input_ids"] is ids
+
+
+def test_the_teacher_computes_on_its_own_device_and_its_logits_come_back_to_the_students():
+    """A teacher "on the meta device" (its one buffer there) gets the student's inputs moved there; the logits it
+    returns (CPU, fixed) are compared with the student's on the student's device: the KL is the hand value."""
+
+    seen = {}
+
+    class Elsewhere(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("anchor", torch.empty(1, device="meta"))
+
+        def forward(self, input_ids, attention_mask=None):
+            seen["input_ids"], seen["attention_mask"] = input_ids.device, attention_mask.device
+            return type("Out", (), {"logits": torch.zeros((*input_ids.shape, 11))})()
+
+    student = TinyLM(seed=0)
+    mod = OutputDistillationModifier(temperature=1.0, alpha=1.0)
+    session = Session([mod])
+    session.initialize(model=student, teacher=Elsewhere())  # the integrations refuse a meta teacher; the modifier not
+    batch = _batches(1)[0]
+    session.batch_start(batch=batch)
+    out = student(**batch)
+    loss = session.loss_calculated(out.loss)
+    assert seen == {"input_ids": torch.device("meta"), "attention_mask": torch.device("meta")}
+    log_q_s = torch.log_softmax(out.logits.detach().double(), dim=-1)
+    expected = (torch.full_like(log_q_s, 1 / 11) * (math.log(1 / 11) - log_q_s)).sum(-1).mean()  # KL(uniform||q_s)
+    assert loss.device == torch.device("cpu")
+    assert float(loss.detach()) == pytest.approx(float(expected), rel=1e-5)
+    session.batch_end()
+    session.finalize()

@@ -108,13 +108,20 @@ def oneshot_argv(model_dir: Path, text: Path, out: Path, *extra: str) -> list[st
 
 #: Runs ``llmc-fsm`` with argv. ``LLMC_FSM_TEST_SIGNAL`` = ``layer:K:SIGNAL`` sends the process SIGNAL right
 #: after decoder layer K of the first pass is saved to the work directory; ``load:SIGNAL`` / ``save:SIGNAL``
-#: when the model starts loading / the output starts being written.
+#: when the model starts loading / the output starts being written. SIGINT acts as Ctrl-C in a terminal even where
+#: this process was started with SIGINT ignored (a background job of a shell without job control, nohup: Python
+#: then installs no KeyboardInterrupt handler and the signal would be lost). A run that never reached the point
+#: exits 97 saying so, instead of finishing as if nothing had been asked.
 CLI_WITH_SIGNAL = """
 import os, signal, sys
 spec = os.environ.get("LLMC_FSM_TEST_SIGNAL")
+sent = []
 if spec:
     where, *rest = spec.split(":")
+    if rest[-1] == "SIGINT":
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     def send():
+        sent.append(rest[-1])
         os.kill(os.getpid(), getattr(signal, rest[-1]))
     if where == "layer":
         import llmc_fsm.oneshot_job.resume as module
@@ -133,7 +140,11 @@ if spec:
             return original(*args, **kwargs)
         setattr(module, name, hooked)
 from llmc_fsm.cli import main
-sys.exit(main(sys.argv[1:]))
+status = main(sys.argv[1:])
+if spec and not sent:
+    print(f"LLMC_FSM_TEST_SIGNAL={spec}: the run never reached that point (exit status {status})", file=sys.stderr)
+    sys.exit(97)
+sys.exit(status)
 """
 
 

@@ -7,15 +7,32 @@
 
 Both re-raise :class:`~llmc_fsm.MissingStateError` with the message extended by
 how to pass each missing key *in that integration* (same ``missing`` attribute).
+
+Devices. The training loop (or the Trainer) places the student; everything the
+library creates follows the student's parameters: pruning masks are made on
+their weight's device and move with it, distillation's loss terms live on the
+student's device. The one model the library moves is the teacher
+(:func:`place_teacher`, called by both integrations after ``initialize``): by
+default onto the student's device, or onto ``teacher_device`` — ``"auto" |
+"cpu" | "cuda" | "cuda:N"``, resolved and refused exactly as the one-shot
+``device`` (:func:`llmc_fsm.pipeline.device.resolve_device`).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
 
 from llmc_fsm.core.errors import MissingStateError
+from llmc_fsm.pipeline.device import resolve_device
 
-__all__ = ["with_integration_hints"]
+__all__ = ["check_teacher", "place_teacher", "resolve_teacher_device", "with_integration_hints"]
+
+logger = logging.getLogger(__name__)
 
 
 def with_integration_hints(
@@ -40,3 +57,93 @@ def with_integration_hints(
             lines.append(f"  - {key}: {text}")
     new = MissingStateError("\n".join(lines), lifecycle=exc.lifecycle, missing=exc.missing, allowed=exc.allowed)
     return new
+
+
+def resolve_teacher_device(spec: Any, argument: str = "teacher_device") -> torch.device | None:
+    """Where the integrations put the teacher: ``None`` (follow the student) or ``spec`` resolved.
+
+    Args:
+        spec: ``None``, or what :func:`llmc_fsm.pipeline.device.resolve_device` accepts (``"auto"``, ``"cpu"``,
+            ``"cuda"``, ``"cuda:N"``, a ``torch.device``).
+        argument: the argument's name, for the message.
+
+    Raises:
+        ValueError: one line, ``<argument> <why>`` — an unknown string, ``cuda`` without CUDA or an index torch
+            does not see (the one-shot ``--device`` messages).
+    """
+    if spec is None:
+        return None
+    try:
+        return resolve_device(spec)
+    except ValueError as exc:
+        msg = f"{argument} {exc}"
+        raise ValueError(msg) from None
+
+
+def _devices(model: nn.Module) -> list[torch.device]:
+    """The distinct devices of ``model``'s parameters and buffers, in order of first appearance."""
+    seen: list[torch.device] = []
+    for tensor in (*model.parameters(), *model.buffers()):
+        if tensor.device not in seen:
+            seen.append(tensor.device)
+    return seen
+
+
+def _uses_teacher(session: Any) -> bool:
+    return any("teacher" in getattr(m, "required_state", ()) for m in session.modifiers)
+
+
+def check_teacher(session: Any, teacher: Any, device: torch.device | None, argument: str = "teacher_device") -> None:
+    """Refuse, before the session is initialized, a teacher :func:`place_teacher` could not place.
+
+    Only when a modifier of ``session`` requires ``teacher`` and ``teacher`` is an ``nn.Module``.
+
+    Raises:
+        ValueError: one line: the teacher's weights are on the ``meta`` device (not loaded), or ``device`` was
+            given for a teacher spread over several devices (dispatched with a device map).
+    """
+    if not isinstance(teacher, nn.Module) or not _uses_teacher(session):
+        return
+    devices = _devices(teacher)
+    if any(d.type == "meta" for d in devices):
+        msg = (
+            "the teacher's weights are on the meta device (not loaded); load them (e.g. from_pretrained without "
+            "a meta device map) before training"
+        )
+        raise ValueError(msg)
+    if device is not None and len(devices) > 1:
+        msg = (
+            f"{argument} is {str(device)!r} but the teacher is spread over {', '.join(map(str, devices))} "
+            f"(a device map); leave {argument} unset to keep it as dispatched"
+        )
+        raise ValueError(msg)
+
+
+def place_teacher(session: Any, device: torch.device | None) -> torch.device | None:
+    """Move the session's teacher (state ``teacher``) to ``device``, or (``None``) to the student's device.
+
+    Nothing moves when no modifier of ``session`` requires ``teacher``, when the teacher is not an ``nn.Module``
+    or is the student itself, when it is already there, or (``device`` ``None``) when the teacher is spread over
+    several devices (dispatched with a device map) or the student has no tensors. The move is
+    ``teacher.to(device)``: in place, the same module and parameter objects.
+
+    Args:
+        session: an initialized session (its state holds ``model`` and ``teacher``).
+        device: from :func:`resolve_teacher_device`.
+
+    Returns:
+        The teacher's device afterwards (``None`` when there is no teacher to place or it spans several devices).
+    """
+    teacher, student = session.state.get("teacher"), session.state.get("model")
+    if not isinstance(teacher, nn.Module) or teacher is student or not _uses_teacher(session):
+        return None
+    devices = _devices(teacher)
+    if device is None:
+        student_devices = _devices(student) if isinstance(student, nn.Module) else []
+        if len(devices) > 1 or not student_devices:
+            return devices[0] if len(devices) == 1 else None
+        device = student_devices[0]
+    if devices != [device]:
+        teacher.to(device)
+        logger.info("teacher moved to %s", device)
+    return device

@@ -63,6 +63,13 @@ deterministic data order).
 
 Call ``loss_calculated`` with the per-batch (mean) loss *before* dividing it for
 gradient accumulation: distillation combines it with a per-batch mean KL term.
+
+Devices: put the student where it trains before :func:`initialize` (masks and
+other modifier state are made on, and follow, its parameters' device).
+:func:`initialize` puts the teacher on the student's device, or on
+``teacher_device="auto" | "cpu" | "cuda" | "cuda:N"`` (e.g. ``"cpu"`` to keep a
+large teacher out of device memory: the teacher then computes there, on copies
+of the student's inputs); see :mod:`llmc_fsm.integrations`.
 """
 
 from __future__ import annotations
@@ -72,7 +79,7 @@ from pathlib import Path
 from typing import Any
 
 from llmc_fsm.core.errors import MissingStateError
-from llmc_fsm.integrations import with_integration_hints
+from llmc_fsm.integrations import check_teacher, place_teacher, resolve_teacher_device, with_integration_hints
 from llmc_fsm.session.checkpoint import read_checkpoint
 from llmc_fsm.session.session import Session
 
@@ -146,27 +153,45 @@ def optimizer_step(session: Session, optimizer: Any, *, scheduler: Any = None, z
         optimizer.zero_grad(set_to_none=True)
 
 
-def initialize(session: Session, *, checkpoint: str | Path | None = None, **state: Any) -> None:
-    """``session.initialize(**state)``, then (with ``checkpoint``) resume from the session saved there.
+def initialize(
+    session: Session, *, checkpoint: str | Path | None = None, teacher_device: Any = None, **state: Any
+) -> None:
+    """``session.initialize(**state)``, the teacher placed, then (with ``checkpoint``) the saved session resumed.
 
     Args:
         session: a session in ``created``/``staging``.
         checkpoint: a directory written by ``session.save`` (see the module
             docstring); the checkpoint is read before anything is initialized.
+        teacher_device: where the teacher (state ``teacher``, when a modifier
+            requires it) is moved after ``initialize``: ``None`` (default) = the
+            device of the student's first parameter; ``"auto"``, ``"cpu"``,
+            ``"cuda"``, ``"cuda:N"`` or a ``torch.device`` as the one-shot
+            ``device`` (:func:`llmc_fsm.integrations.place_teacher`).
         **state: passed to ``Session.initialize``.
 
     Raises:
+        ValueError: ``teacher_device`` does not resolve, or the teacher cannot be
+            placed (weights on the meta device; ``teacher_device`` for a teacher
+            spread over several devices) — one line, before anything is
+            initialized or read.
         MissingStateError: as from ``Session.initialize`` (same ``missing``), the
             message extended by how to supply each key in a plain loop.
         CheckpointError: ``checkpoint`` is unreadable or was written for another
             recipe; the session is then reset (its hooks removed, its state dropped).
         LifecycleError, ModifierError: as from ``Session.initialize``.
     """
+    device = resolve_teacher_device(teacher_device)
+    check_teacher(session, state.get("teacher", session.state.get("teacher")), device)
     saved = read_checkpoint(checkpoint) if checkpoint is not None else None
     try:
         session.initialize(**state)
     except MissingStateError as exc:
         raise with_integration_hints(exc, "a plain PyTorch loop", _hint) from exc
+    try:
+        place_teacher(session, device)
+    except BaseException:
+        session.reset()
+        raise
     if saved is not None:
         try:
             session.load_state_dict(saved)

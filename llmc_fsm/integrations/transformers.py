@@ -15,7 +15,8 @@ objects are born:
 ==================  =============================================================
 ``model``           at construction (``self.model`` after ``Trainer.__init__``)
 ``teacher``         at construction, from ``teacher=`` (put in eval mode by the
-                    distillation modifier; move it to the training device yourself)
+                    distillation modifier; moved at ``on_train_begin`` to the
+                    device the Trainer put the model on, or to ``teacher_device``)
 ``optimizer``       when the Trainer creates it (``create_optimizer``), or at
                     construction when passed with ``optimizers=(opt, sched)``
 ``train_data``,     in ``get_train_dataloader``: the real dataloader and
@@ -44,6 +45,13 @@ the Trainer divides the combined loss by the accumulation steps.
 If ``train()`` raises midway, the session stays ``running``: call
 ``trainer.session.finalize()`` (or ``reset()``) yourself.
 
+Devices: the Trainer places the model (``args.device``); masks and other
+modifier state follow its parameters. The teacher is the one model the library
+moves: at ``on_train_begin``, once the model is placed, onto the model's device,
+or onto ``teacher_device="auto" | "cpu" | "cuda" | "cuda:N"`` (resolved and
+refused at construction as the one-shot ``device``;
+:func:`llmc_fsm.integrations.place_teacher`).
+
 Checkpoints: every checkpoint the Trainer writes (``save_strategy``) also holds
 the session, in ``checkpoint-N/llmc_fsm_session/`` (written after the Trainer's
 own files; see :mod:`llmc_fsm.session.checkpoint`). ``trainer.train(resume_from_checkpoint=
@@ -66,7 +74,7 @@ from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
 from llmc_fsm.core.errors import CheckpointError, MissingStateError
-from llmc_fsm.integrations import with_integration_hints
+from llmc_fsm.integrations import check_teacher, place_teacher, resolve_teacher_device, with_integration_hints
 from llmc_fsm.session.checkpoint import read_checkpoint
 from llmc_fsm.session.session import Session
 
@@ -139,13 +147,20 @@ class SessionTrainerMixin:
         session: an existing session in ``created``/``staging`` (e.g. one you
             already gave extra state with ``update_state``).
         teacher: the teacher model for distillation (state key ``teacher``).
+        teacher_device: where the teacher is moved at ``on_train_begin``:
+            ``None`` (default) = the device of the model's first parameter, once
+            the Trainer has placed it; ``"auto"``, ``"cpu"``, ``"cuda"``,
+            ``"cuda:N"`` or a ``torch.device`` as the one-shot ``device``.
         session_state: any other state keys, ``{"key": value}``.
 
     Attributes:
         session: the :class:`~llmc_fsm.Session`.
 
     Raises:
-        ValueError: both ``recipe`` and ``session`` given (at construction).
+        ValueError: both ``recipe`` and ``session`` given, ``teacher_device`` does
+            not resolve, or the teacher cannot be placed (weights on the meta
+            device; ``teacher_device`` for a teacher spread over several devices)
+            — at construction, before the Trainer is built.
     """
 
     def __init__(
@@ -154,13 +169,18 @@ class SessionTrainerMixin:
         recipe: Any = None,
         session: Session | None = None,
         teacher: Any = None,
+        teacher_device: Any = None,
         session_state: dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:
         if session is not None and recipe is not None:
             msg = "give recipe= or session=, not both (a session already holds its recipe)"
             raise ValueError(msg)
+        self._llmc_teacher_device = resolve_teacher_device(teacher_device)
         self.session: Session = session if session is not None else Session(recipe)
+        given = teacher if teacher is not None else (session_state or {}).get("teacher")
+        given = given if given is not None else self.session.state.get("teacher")
+        check_teacher(self.session, given, self._llmc_teacher_device)
         self._llmc_loss_pending = False
         self._llmc_resume: str | None = None
         super().__init__(*args, **kwargs)
@@ -203,10 +223,16 @@ class SessionTrainerMixin:
         optimizer = self.optimizer  # type: ignore[attr-defined]
         if optimizer is not None and self.session.state.get("optimizer") is not optimizer:
             extra["optimizer"] = optimizer  # the accelerate-prepared wrapper, same param_groups
+        check_teacher(self.session, self.session.state.get("teacher"), self._llmc_teacher_device)
         try:
             self.session.initialize(**extra)
         except MissingStateError as exc:
             raise with_integration_hints(exc, "SessionTrainer", _hint) from exc
+        try:
+            place_teacher(self.session, self._llmc_teacher_device)  # the model is where the Trainer put it
+        except BaseException:
+            self.session.reset()
+            raise
         if saved is not None:
             try:
                 self.session.load_state_dict(saved)

@@ -165,7 +165,13 @@ def run_streaming(run: Run) -> nn.Module:
     if run.eval_windows is not None:
         with run.timed("eval_before"):
             device = run.settings.execution_device
-            states, as_tuple = streamed_states(lazy, run.eval_windows, progress=progress, device=device)
+            states, as_tuple = streamed_states(
+                lazy,
+                run.eval_windows,
+                progress=progress,
+                device=device,
+                activation_budget=run.settings.activation_budget_bytes,
+            )
             run.ppl["eval_before"] = tail_perplexity(
                 lazy, run.eval_windows, states, as_tuple, progress=progress, device=device
             )
@@ -287,6 +293,7 @@ def _compress(run: Run, lazy: LazyModel, writer: ShardWriter) -> StreamedCompres
                 eval_windows=run.eval_windows,
                 progress=run.settings.progress,
                 device=run.settings.execution_device,
+                activation_budget=run.settings.activation_budget_bytes,
             )
         except BaseException:
             with contextlib.suppress(Exception):
@@ -304,6 +311,8 @@ def _save(run: Run, lazy: LazyModel, writer: ShardWriter, result: StreamedCompre
     writer.finish()
     save_config(lazy.model, staging)
     report = run_report(run, modules=result.modules)
+    if report.execution is not None and result.activations:
+        report.execution["activations"] = result.activations  # the streamed pipeline's, as the in-memory one's
     if quantized_modules(lazy.model):
         write_quantization_config(
             lazy.model, staging, sparsity=pruned_sparsity(report), sparsity_structure=sparsity_structure(run.recipe)

@@ -24,7 +24,10 @@ layers replaced by a module that returns those states.
 
 Peak memory: the Python process and libraries, one decoder layer's weights
 and the modifiers' statistics for it, the calibration activations (and the
-evaluation hidden states, when measured) — and, once, the tensors outside the
+evaluation hidden states, when measured; on the execution device while a
+layer's inputs and outputs fit in the activation budget, else in CPU memory and
+moved to the device one batch at a time, as in the in-memory pipeline:
+:func:`llmc_fsm.pipeline.device.activation_store`) — and, once, the tensors outside the
 layers while they are copied to the output or evaluated (the embedding and
 head; memory-mapped, so only what is read is resident). Only modifiers that
 compress layer by layer at ``sequential_epoch_end`` can run this way
@@ -45,10 +48,10 @@ from torch import nn
 from llmc_fsm.data.protocol import perplexity
 from llmc_fsm.models.lazy import LazyModel, ShardWriter
 from llmc_fsm.output.save import compressed_state_dict, quantized_modules
-from llmc_fsm.pipeline.device import onloaded
+from llmc_fsm.pipeline.device import ActivationStore, activation_store, onloaded
 from llmc_fsm.pipeline.forward import Calls, Inputs, capture_layer_inputs, record_calls
 from llmc_fsm.pipeline.layer import compress_layer, propagate
-from llmc_fsm.pipeline.sequential import calibration_batches, check_targets_in_layers
+from llmc_fsm.pipeline.sequential import _activation_bytes, calibration_batches, check_targets_in_layers
 from llmc_fsm.report.build import ModuleSparsity, measure_sparsity
 from llmc_fsm.session.session import Session
 from llmc_fsm.toolkit.calibrated import CalibratedModifier
@@ -74,10 +77,14 @@ class StreamedCompression:
             (what :func:`llmc_fsm.report.build.measure_sparsity` gives for the in-memory model).
         eval_states: the evaluation windows' hidden states after the last compressed layer
             (``None`` without evaluation windows).
+        activations: where the hidden states between layers lived
+            (:meth:`llmc_fsm.pipeline.device.ActivationStore.report`: mode ``device`` or ``cpu-offloaded``, bytes,
+            budget, batches moved), as the in-memory pipeline reports it.
     """
 
     modules: list[ModuleSparsity]
     eval_states: Inputs | None = None
+    activations: dict[str, Any] = attrs.field(factory=dict)
 
 
 def check_streamable(session: Session) -> None:
@@ -127,12 +134,20 @@ class _OutputKind:
 
 
 def streamed_states(
-    lazy: LazyModel, windows: torch.Tensor, *, progress: bool = False, device: torch.device | None = None
+    lazy: LazyModel,
+    windows: torch.Tensor,
+    *,
+    progress: bool = False,
+    device: torch.device | None = None,
+    activation_budget: int | None = None,
 ) -> tuple[Inputs, bool]:
     """Run every window (``LongTensor[N, L]``) through the decoder layers, reading one layer at a time.
 
     ``device``: where each part computes, onloaded while it runs (:func:`llmc_fsm.pipeline.device.onloaded`;
-    ``None``: the CPU, where the parts are read).
+    ``None``: the CPU, where the parts are read). ``activation_budget``: bytes the windows' hidden states (a
+    layer's inputs and outputs) may take on the device, beyond which they wait in CPU memory
+    (:func:`llmc_fsm.pipeline.device.activation_store`; ``None``: half the device's free memory, no limit on the
+    CPU).
 
     Returns:
         ``(states, as_tuple)``: per window the inputs the layer after the last
@@ -141,15 +156,19 @@ def streamed_states(
     """
     kind = _OutputKind()
     device = torch.device("cpu") if device is None else device
+    batches = _window_batches(windows)
+    store = activation_store(device, _activation_bytes(lazy.model, batches), activation_budget)
     with torch.no_grad():
         with lazy.materialized(lazy.outer_names()), onloaded(lazy.model, device, skip=[lazy.layers]):
-            states = capture_layer_inputs(lazy.model, lazy.layers[0], _window_batches(windows), device=device)
+            states = store.wrap(
+                capture_layer_inputs(lazy.model, lazy.layers[0], batches, device=device, keep=store.keep)
+            )
         for index in _bar(len(lazy.layers), "evaluating layers", progress):
             layer = lazy.layers[index]
             with lazy.materialized(lazy.layer_names(index), layer), onloaded(layer, device):
                 handle = layer.register_forward_hook(kind)
                 try:
-                    states = propagate(layer, states)
+                    states = store.hold(propagate(layer, states))
                 finally:
                     handle.remove()
     return states, bool(kind.as_tuple)
@@ -251,6 +270,7 @@ def compress_streaming(
     eval_windows: torch.Tensor | None = None,
     progress: bool = True,
     device: torch.device | None = None,
+    activation_budget: int | None = None,
 ) -> StreamedCompression:
     """Calibrate, compress and write ``lazy``'s model one decoder layer at a time through ``session``.
 
@@ -272,22 +292,36 @@ def compress_streaming(
         device: the execution device (``None``: the CPU): the parts outside the layers are onloaded for the
             capture, each decoder layer, once read from the checkpoint, for its calibration, compression and
             propagation; it is written from CPU memory (:func:`llmc_fsm.pipeline.device.onloaded`).
+        activation_budget: bytes the hidden states between layers (a layer's inputs and outputs, calibration
+            batches and evaluation windows together) may take on the device; beyond it they live in CPU memory
+            and move to the device one batch at a time (:func:`llmc_fsm.pipeline.device.activation_store`).
+            ``None``: half the device's free memory (no limit on the CPU). Results are bit-identical either way;
+            :attr:`StreamedCompression.activations` says which ran.
 
     Raises:
-        ValueError: a modifier acts on the whole model (:func:`check_streamable`) or targets a module outside
-            the decoder layers — before any work.
+        ValueError: a modifier acts on the whole model (:func:`check_streamable`), targets a module outside
+            the decoder layers, or ``activation_budget`` is not a number of bytes >= 0 — before any work.
     """
+    if activation_budget is not None and (
+        isinstance(activation_budget, bool) or not isinstance(activation_budget, int) or activation_budget < 0
+    ):
+        msg = f"activation_budget must be a number of bytes >= 0 or None, got {activation_budget!r}"
+        raise ValueError(msg)
     check_streamable(session)
     check_targets_in_layers(session, lazy.layers, lazy.layers_name)
     batches = calibration_batches(windows, batch_size=batch_size) if windows.shape[0] else []
+    eval_batches = _window_batches(eval_windows) if eval_windows is not None else []
     device = torch.device("cpu") if device is None else device
+    store = activation_store(device, _activation_bytes(lazy.model, batches + eval_batches), activation_budget)
     result = StreamedCompression(modules=write_outer(lazy, writer))  # first: nothing else is held yet
     with torch.no_grad():
         with lazy.materialized(lazy.outer_names()), onloaded(lazy.model, device, skip=[lazy.layers]):
-            inputs = capture_layer_inputs(lazy.model, lazy.layers[0], batches, device=device)
+            inputs = store.wrap(
+                capture_layer_inputs(lazy.model, lazy.layers[0], batches, device=device, keep=store.keep)
+            )
             if eval_windows is not None:
-                result.eval_states = capture_layer_inputs(
-                    lazy.model, lazy.layers[0], _window_batches(eval_windows), device=device
+                result.eval_states = store.wrap(
+                    capture_layer_inputs(lazy.model, lazy.layers[0], eval_batches, device=device, keep=store.keep)
                 )
         calls = None
         if inputs:  # which submodules are called in which order, on which inputs: before any hook
@@ -295,9 +329,10 @@ def compress_streaming(
                 calls = record_calls(lazy.layers[0], *inputs[0])
         session.calibration_start()
         for index in _bar(len(lazy.layers), "compressing layers", progress):
-            inputs = _compress_layer(session, lazy, writer, index, inputs, calls, result, device)
+            inputs = _compress_layer(session, lazy, writer, index, inputs, calls, result, device, store)
         del inputs
         session.calibration_end()
+    result.activations = store.report()
     rank = _module_order(lazy)
     result.modules.sort(key=lambda m: rank[m.name])
     return result
@@ -312,6 +347,7 @@ def _compress_layer(
     calls: Calls | None,
     result: StreamedCompression,
     device: torch.device,
+    store: ActivationStore,
 ) -> Inputs:
     """Read, calibrate, compress, measure and write decoder layer ``index``; return the next layer's inputs."""
     layer = lazy.layers[index]
@@ -330,8 +366,8 @@ def _compress_layer(
                 modifiers=session.modifiers,
             )
             if result.eval_states is not None:
-                result.eval_states = propagate(layer, result.eval_states)
-        inputs = outputs if outputs is not None else []
+                result.eval_states = store.hold(propagate(layer, result.eval_states))
+        inputs = store.hold(outputs) if outputs is not None else []
         result.modules += [
             attrs.evolve(m, name=prefix + m.name, layer=index) for m in measure_sparsity(layer) if m.name
         ]

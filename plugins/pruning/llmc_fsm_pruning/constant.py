@@ -53,7 +53,10 @@ class MaskSet:
 
     Masks are stored as 0/1 tensors in the weight's dtype (a ``bool`` mask would
     need a dtype promotion per call, ~6x slower); that costs one weight-sized
-    tensor per targeted weight.
+    tensor per targeted weight. Each mask lives on its weight's device and follows
+    it: a weight moved or cast after the masks were taken (``model.to(...)``, which
+    keeps the ``Parameter`` objects between the CPU and CUDA) gets its mask
+    moved/cast at the next :meth:`apply`.
     """
 
     __slots__ = ("masks", "names", "weights")
@@ -74,12 +77,20 @@ class MaskSet:
             self.masks.append(mask)
 
     def keep(self, name: str) -> torch.Tensor:
-        """The current bool keep-mask of ``name``."""
-        return self.masks[self.names.index(name)] != 0
+        """The current bool keep-mask of ``name``, on its weight's device."""
+        i = self.names.index(name)
+        return (self.masks[i] != 0).to(self.weights[i].device)
+
+    def follow(self) -> None:
+        """Move (cast) every mask to its weight's current device (dtype); nothing is copied for the others."""
+        for i, (weight, mask) in enumerate(zip(self.weights, self.masks, strict=True)):
+            if mask.device != weight.device or mask.dtype != weight.dtype:
+                self.masks[i] = mask.to(device=weight.device, dtype=weight.dtype)
 
     def apply(self) -> None:
-        """Zero every masked-out weight (in place, outside autograd)."""
+        """Zero every masked-out weight (in place, outside autograd), each mask on its weight's device."""
         if self.weights:
+            self.follow()
             with torch.no_grad():
                 torch._foreach_mul_(self.weights, self.masks)
 

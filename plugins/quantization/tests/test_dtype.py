@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors import safe_open
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from tiny_quant_models import tiny_llama
+from transformers import AutoModelForCausalLM
 
 import llmc_fsm
 from llmc_fsm.cli import main
@@ -18,12 +19,8 @@ DATA = torch.randint(0, 128, (8, 32), generator=torch.Generator().manual_seed(0)
 
 
 def _bf16_dir(root: Path) -> Path:
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                      tie_word_embeddings=False)
     directory = root / "bf16"
-    LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(directory)
+    tiny_llama().to(torch.bfloat16).save_pretrained(directory)
     return directory
 
 

@@ -8,20 +8,9 @@ import json
 
 import pytest
 import torch
+from tiny_quant_models import tiny_llama
 
 import llmc_fsm
-
-
-def _tiny(tied: bool = False) -> torch.nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=tied,
-    )
-    return LlamaForCausalLM(cfg).eval()
-
 
 W4_G32 = {"preset": "W4A16", "weights": {"group_size": 32}}
 W4_ASYM_G32 = {"preset": "W4A16_ASYM", "weights": {"group_size": 32}}
@@ -51,7 +40,7 @@ def _hand(weight: torch.Tensor, bits: int, group: int | None, symmetric: bool) -
 def test_an_embedding_is_quantized_by_round_to_nearest_and_reloads(tmp_path, scheme, bits, group, symmetric) -> None:
     from transformers import AutoModelForCausalLM
 
-    model = _tiny()
+    model = tiny_llama()
     emb = model.model.embed_tokens
     original = emb.weight.detach().clone()
     out = tmp_path / "out"
@@ -87,7 +76,7 @@ def test_a_packed_embedding_checkpoint_is_what_transformers_cannot_reload(tmp_pa
 
     import llmc_fsm.output.save as save
 
-    model = _tiny()
+    model = tiny_llama()
     recipe = {"q": {"QuantizationModifier": {"scheme": W4_G32, "targets": ["Embedding"]}}}
     llmc_fsm.oneshot(model=model, recipe=recipe, progress=False)
 
@@ -119,7 +108,7 @@ def test_a_packed_embedding_checkpoint_is_what_transformers_cannot_reload(tmp_pa
      "model.embed_tokens"),
 ])
 def test_what_does_not_apply_to_an_embedding_is_refused_before_any_work(modifier, args, message) -> None:
-    model = _tiny()
+    model = tiny_llama()
     before = model.model.embed_tokens.weight.detach().clone()
     data = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(0))
     with pytest.raises(ValueError) as info:
@@ -130,7 +119,7 @@ def test_what_does_not_apply_to_an_embedding_is_refused_before_any_work(modifier
 
 
 def test_a_tied_embedding_is_ignored_with_lm_head() -> None:
-    model = _tiny(tied=True)
+    model = tiny_llama(tied=True)
     recipe = {"q": {"QuantizationModifier": {"scheme": W4_G32, "targets": ["Embedding", "Linear"]}}}
     llmc_fsm.oneshot(model=model, recipe=recipe, progress=False)
     assert not hasattr(model.model.embed_tokens, "quantization_scheme")  # tied to the ignored lm_head

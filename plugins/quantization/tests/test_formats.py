@@ -8,21 +8,11 @@ import json
 
 import pytest
 import torch
+from tiny_quant_models import tiny_llama
 
 import llmc_fsm
 
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
-
-
-def _tiny(layers: int = 2, hidden: int = 64) -> torch.nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=128, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
-    )
-    return LlamaForCausalLM(cfg).eval()
 
 
 def _data(seed: int = 0) -> torch.Tensor:
@@ -65,7 +55,7 @@ STATIC_INT8 = {"preset": "W8A8", "input_activations": {"num_bits": 8, "type": "i
 def test_static_input_scales_are_observed_on_the_calibration_inputs_and_reload(
     tmp_path, modifier, scheme, observer, fmt
 ) -> None:
-    model = _tiny()
+    model = tiny_llama()
     data = _data()
     batches = _first_layer_inputs(model, data, batch_size=2)
     q = model.model.layers[0].self_attn.q_proj
@@ -124,7 +114,7 @@ FP4_VALUES = 15  # e2m1: +-{0, 0.5, 1, 1.5, 2, 3, 4, 6}
 def bf16_dir(tmp_path_factory):
     """The tiny Llama saved once, to be loaded in bfloat16 (NVFP4 / MX checkpoints decompress to bfloat16)."""
     path = tmp_path_factory.mktemp("tiny") / "model"
-    _tiny().save_pretrained(path)
+    tiny_llama().save_pretrained(path)
     return path
 
 
@@ -189,7 +179,7 @@ def test_mx_power_of_two_scales_equal_a_hand_computation_and_reload(tmp_path, bf
 
 
 def test_fp8_block_scales_equal_a_hand_computation_and_reload_in_float32(tmp_path) -> None:
-    model = _tiny()
+    model = tiny_llama()
     down = model.model.layers[1].mlp.down_proj
     original = down.weight.detach().clone()
     scheme = {"preset": "FP8_BLOCK", "weights": {"block_structure": [32, 32]}, "input_activations": {"group_size": 32}}
@@ -203,7 +193,7 @@ def test_fp8_block_scales_equal_a_hand_computation_and_reload_in_float32(tmp_pat
 
 
 def test_nvfp4_and_mx_on_a_float32_model_are_refused_before_any_work() -> None:
-    model = _tiny()
+    model = tiny_llama()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(ValueError) as info:
         llmc_fsm.oneshot(model=model, recipe={"q": {"QuantizationModifier": {"scheme": "NVFP4A16"}}}, progress=False)

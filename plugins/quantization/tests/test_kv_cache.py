@@ -11,22 +11,12 @@ import pytest
 import torch
 from llmc_fsm_quantization import load_kv_cache_scales
 from safetensors import safe_open
+from tiny_quant_models import tiny_llama
 
 import llmc_fsm
 
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 KV = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False, "strategy": "tensor"}
-
-
-def _tiny(layers: int = 2) -> torch.nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
-    )
-    return LlamaForCausalLM(cfg).eval()
 
 
 def _data() -> torch.Tensor:
@@ -97,7 +87,7 @@ def _expected_scale(states: list[torch.Tensor], observer: str, per_head: bool) -
 def test_kv_scales_are_the_range_of_the_keys_and_values_over_the_calibration_tokens(
     tmp_path, modifier, strategy, observer
 ) -> None:
-    model, data = _tiny(), _data()
+    model, data = tiny_llama(), _data()
     original = copy.deepcopy(model)
     kv = {**KV, "strategy": strategy, **({"observer": observer} if observer else {})}
     recipe = {"q": {modifier: {"scheme": "W8A8", "kv_cache_scheme": kv}}}
@@ -128,7 +118,7 @@ def test_kv_scales_are_the_range_of_the_keys_and_values_over_the_calibration_tok
 def test_the_in_memory_model_quantizes_its_kv_cache_and_a_transformers_reload_gets_it_back(tmp_path) -> None:
     from transformers import AutoModelForCausalLM
 
-    model, data = _tiny(), _data()
+    model, data = tiny_llama(), _data()
     recipe = {"q": {"QuantizationModifier": {"scheme": "W8A8", "kv_cache_scheme": KV}}}
     out = tmp_path / "out"
     llmc_fsm.oneshot(model=model, recipe=recipe, dataset=data, batch_size=2, output_dir=out, progress=False)
@@ -153,7 +143,7 @@ def test_the_in_memory_model_quantizes_its_kv_cache_and_a_transformers_reload_ge
 
 
 def test_a_bare_gptq_modifier_takes_the_kv_cache_scheme_of_the_quantization_modifier() -> None:
-    model, data = _tiny(), _data()
+    model, data = tiny_llama(), _data()
     recipe = {"q": {"QuantizationModifier": {"scheme": "W8A8", "kv_cache_scheme": KV}, "GPTQModifier": {}}}
     llmc_fsm.oneshot(model=model, recipe=recipe, dataset=data, batch_size=2, progress=False)
     assert torch.isfinite(model.model.layers[1].self_attn.v_scale).all()
@@ -178,7 +168,7 @@ def test_a_bare_gptq_modifier_takes_the_kv_cache_scheme_of_the_quantization_modi
      "kv_cache_scheme is not implemented for AutoRoundModifier; use GPTQModifier or QuantizationModifier"),
 ])
 def test_unsupported_kv_cache_schemes_are_refused_before_any_work(modifier, args, message) -> None:
-    model = _tiny()
+    model = tiny_llama()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(ValueError) as info:
         llmc_fsm.oneshot(model=model, recipe={"q": {modifier: args}}, dataset=_data(), progress=False)
@@ -200,7 +190,7 @@ def test_an_interrupted_run_resumes_with_the_kv_scales_bitwise(tmp_path, monkeyp
 
     recipe = {"q": {"GPTQModifier": {"scheme": "W8A8", "kv_cache_scheme": {**KV, "strategy": "attn_head"}}}}
     kw = {"recipe": recipe, "dataset": _data(), "batch_size": 2, "progress": False}
-    ref = llmc_fsm.oneshot(model=_tiny(3), **kw)
+    ref = llmc_fsm.oneshot(model=tiny_llama(3), **kw)
     original = LayerProgress.save
 
     def save(self, index, module):  # stop the run after layer 0 is saved
@@ -211,8 +201,8 @@ def test_an_interrupted_run_resumes_with_the_kv_scales_bitwise(tmp_path, monkeyp
     with monkeypatch.context() as m:
         m.setattr(LayerProgress, "save", save)
         with pytest.raises(KeyboardInterrupt):
-            llmc_fsm.oneshot(model=_tiny(3), output_dir=tmp_path / "o", **kw)
-    out = llmc_fsm.oneshot(model=_tiny(3), output_dir=tmp_path / "o", resume=True, **kw)
+            llmc_fsm.oneshot(model=tiny_llama(3), output_dir=tmp_path / "o", **kw)
+    out = llmc_fsm.oneshot(model=tiny_llama(3), output_dir=tmp_path / "o", resume=True, **kw)
     ref_state, out_state = ref.state_dict(), out.state_dict()
     assert ref_state.keys() == out_state.keys()
     assert "model.layers.2.self_attn.k_scale" in out_state
@@ -225,7 +215,7 @@ def test_attention_quantization_of_queries_keys_and_values_is_refused_with_what_
     recipe = {"q": {"QuantizationModifier": {"config_groups": {
         "attention": {"targets": ["LlamaAttention"], "input_activations": fp8}}}}}
     with pytest.raises(ValueError) as info:
-        llmc_fsm.oneshot(model=_tiny(), recipe=recipe, dataset=_data(), progress=False)
+        llmc_fsm.oneshot(model=tiny_llama(), recipe=recipe, dataset=_data(), progress=False)
     assert (
         "config_groups entry 'attention': the scheme quantizes input activations only (llm-compressor's attention "
         "quantization of queries, keys and values), which is not implemented; for FP8 keys and values give "
@@ -235,7 +225,7 @@ def test_attention_quantization_of_queries_keys_and_values_is_refused_with_what_
 
 def test_kv_cache_quantization_with_low_memory_is_refused_before_any_work(tmp_path) -> None:
     source = tmp_path / "model"
-    _tiny().save_pretrained(source)
+    tiny_llama().save_pretrained(source)
     before = sorted(p.name for p in source.iterdir())
     recipe = {"q": {"GPTQModifier": {"scheme": "W8A8", "kv_cache_scheme": KV}}}
     with pytest.raises(ValueError) as info:

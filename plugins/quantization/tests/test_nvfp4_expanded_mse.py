@@ -7,6 +7,7 @@ import copy
 
 import pytest
 import torch
+from tiny_quant_models import tiny_llama
 
 import llmc_fsm
 
@@ -16,15 +17,8 @@ FP4_GRID = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=torch.fl
 @pytest.fixture(scope="module")
 def bf16_dir(tmp_path_factory):
     """A tiny random Llama saved once, loaded in bfloat16 (NVFP4 checkpoints decompress to bfloat16)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
-    )
     path = tmp_path_factory.mktemp("tiny") / "model"
-    LlamaForCausalLM(cfg).save_pretrained(path)
+    tiny_llama().save_pretrained(path)
     return path
 
 

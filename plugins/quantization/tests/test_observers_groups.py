@@ -15,6 +15,7 @@ import torch
 import yaml
 from llmc_fsm_quantization import GPTQModifier, QuantizationModifier, gptq_quantize, resolve_scheme, rtn_quantize
 from llmc_fsm_quantization.observers import OBSERVERS, importance_from_hessian, observe
+from tiny_quant_models import tiny_llama
 
 import llmc_fsm
 from llmc_fsm import RecipeError
@@ -25,17 +26,6 @@ CHOICES = "minmax, static_minmax, memoryless_minmax, mse, memoryless_mse, imatri
 
 def _args(spec: object):
     return resolve_scheme(spec, ["Linear"]).weights
-
-
-def _tiny(layers: int = 2, hidden: int = 64) -> torch.nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=128, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
-    )
-    return LlamaForCausalLM(cfg).eval()
 
 
 def _data(seed: int = 0) -> torch.Tensor:
@@ -129,7 +119,7 @@ def test_gptq_imatrix_mse_takes_the_importance_from_its_hessian() -> None:
 
 
 def test_rtn_imatrix_mse_uses_the_calibration_inputs_of_each_module() -> None:
-    model = _tiny()
+    model = tiny_llama()
     layer = model.model.layers[0].self_attn
     seen: list[torch.Tensor] = []
     handle = layer.q_proj.register_forward_pre_hook(lambda m, a: seen.append(a[0].detach().reshape(-1, 64)))
@@ -188,9 +178,9 @@ def test_observer_inside_config_groups_weights_is_honoured_and_saved(tmp_path) -
     native = {"q": {"GPTQModifier": {"ignore": ["lm_head"], "scheme": {"weights": weights}, "observer": "mse"}}}
     minmax = {"q": {"GPTQModifier": {"ignore": ["lm_head"], "scheme": {"weights": weights}}}}
     out = tmp_path / "out"
-    a = llmc_fsm.oneshot(model=_tiny(), recipe=grouped, dataset=data, output_dir=out, progress=False)
-    b = llmc_fsm.oneshot(model=_tiny(), recipe=native, dataset=data, progress=False)
-    c = llmc_fsm.oneshot(model=_tiny(), recipe=minmax, dataset=data, progress=False)
+    a = llmc_fsm.oneshot(model=tiny_llama(), recipe=grouped, dataset=data, output_dir=out, progress=False)
+    b = llmc_fsm.oneshot(model=tiny_llama(), recipe=native, dataset=data, progress=False)
+    c = llmc_fsm.oneshot(model=tiny_llama(), recipe=minmax, dataset=data, progress=False)
     wa, wb, wc = (m.model.layers[1].mlp.down_proj.weight for m in (a, b, c))
     assert torch.equal(wa, wb)
     assert not torch.equal(wa, wc)  # it used to be replaced by minmax
@@ -213,7 +203,7 @@ GROUPS = {
 def test_several_config_groups_quantize_each_its_targets_and_reload(tmp_path, modifier) -> None:
     from transformers import AutoModelForCausalLM
 
-    model = _tiny()
+    model = tiny_llama()
     out = tmp_path / "out"
     recipe = {"q": {modifier: {"ignore": ["lm_head"], "config_groups": GROUPS}}}
     llmc_fsm.oneshot(model=model, recipe=recipe, dataset=_data(), output_dir=out, progress=False)
@@ -249,7 +239,7 @@ def test_a_module_two_config_groups_select_is_refused_naming_both(monkeypatch) -
     calls: list[int] = []
     monkeypatch.setattr(gptq_module, "gptq_quantize", lambda *a, **k: calls.append(1))
     groups = {**GROUPS, "projections": {"targets": ["re:.*up_proj"], "weights": {"num_bits": 8}}}
-    model = _tiny()
+    model = tiny_llama()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(ValueError) as info:
         llmc_fsm.oneshot(model=model, recipe={"q": {"GPTQModifier": {"config_groups": groups}}}, dataset=_data(),
@@ -279,7 +269,7 @@ def test_two_quantizing_modifiers_over_disjoint_modules_in_one_stage_run_and_rel
     recipe = {"q": {"GPTQModifier": {"scheme": "W8A8", "targets": ["re:.*self_attn.*"]},
                     "QuantizationModifier": {"scheme": {"preset": "W4A16", "weights": {"group_size": 16}},
                                              "targets": ["re:.*mlp.*"]}}}
-    model = _tiny()
+    model = tiny_llama()
     out = tmp_path / "out"
     llmc_fsm.oneshot(model=model, recipe=recipe, dataset=_data(), output_dir=out, progress=False)
     bits = {m["name"]: m["bits"] for m in json.loads((out / "report.json").read_text())["sparsity"]["modules"]
@@ -294,7 +284,7 @@ def test_two_quantizing_modifiers_over_disjoint_modules_in_one_stage_run_and_rel
 def test_a_recipe_without_ignore_keeps_lm_head_dense_says_so_and_records_it(tmp_path, caplog) -> None:
     out = tmp_path / "out"
     with caplog.at_level(logging.INFO, logger="llmc_fsm_quantization._base"):
-        llmc_fsm.oneshot(model=_tiny(), recipe={"q": {"QuantizationModifier": {"scheme": "W8A8"}}}, output_dir=out,
+        llmc_fsm.oneshot(model=tiny_llama(), recipe={"q": {"QuantizationModifier": {"scheme": "W8A8"}}}, output_dir=out,
                          progress=False)
     lines = [r.getMessage() for r in caplog.records if r.name == "llmc_fsm_quantization._base"]
     assert lines and set(lines) == {
@@ -350,8 +340,8 @@ def test_a_bare_gptq_modifier_takes_the_quantization_modifiers_config_of_its_sta
     native = {"q": {"GPTQModifier": {"ignore": ["lm_head"], "scheme": {"weights": weights}, "observer": "mse",
                                      "block_size": 32, "dampening_frac": 0.02}}}
     out = tmp_path / "out"
-    theirs = llmc_fsm.oneshot(model=_tiny(), recipe=IDIOM, dataset=_data(), output_dir=out, progress=False)
-    ours = llmc_fsm.oneshot(model=_tiny(), recipe=native, dataset=_data(), progress=False)
+    theirs = llmc_fsm.oneshot(model=tiny_llama(), recipe=IDIOM, dataset=_data(), output_dir=out, progress=False)
+    ours = llmc_fsm.oneshot(model=tiny_llama(), recipe=native, dataset=_data(), progress=False)
     for (name, a), (_, b) in zip(theirs.named_parameters(), ours.named_parameters(), strict=True):
         assert torch.equal(a, b), name
     report = json.loads((out / "report.json").read_text())["sparsity"]["modules"]
@@ -363,6 +353,6 @@ def test_a_bare_gptq_modifier_takes_the_quantization_modifiers_config_of_its_sta
 def test_a_gptq_modifier_with_its_own_config_still_meets_the_quantization_modifier_as_a_second_quantizer() -> None:
     recipe = IDIOM.replace("      block_size: 32\n", "      block_size: 32\n      scheme: W8A8\n")
     with pytest.raises(ValueError) as info:
-        llmc_fsm.oneshot(model=_tiny(), recipe=recipe, dataset=_data(), progress=False)
+        llmc_fsm.oneshot(model=tiny_llama(), recipe=recipe, dataset=_data(), progress=False)
     assert str(info.value).startswith("GPTQModifier of stage 'quant_stage' and QuantizationModifier of stage "
                                       "'quant_stage' both quantize 14 modules")

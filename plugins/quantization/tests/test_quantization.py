@@ -17,6 +17,7 @@ from llmc_fsm_quantization import (
     rtn_quantize,
 )
 from llmc_fsm_quantization.observers import observe
+from tiny_quant_models import tiny_llama
 
 import llmc_fsm
 from llmc_fsm.toolkit.obs import HessianAccumulator
@@ -253,19 +254,8 @@ def test_static_activation_scheme_with_an_mse_observer_is_refused_with_what_to_u
         QuantizationModifier(scheme={"preset": "FP8", "input_activations": {"observer": "mse"}})
 
 
-def _tiny(layers: int = 2, hidden: int = 64) -> torch.nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=128, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
-    )
-    return LlamaForCausalLM(cfg).eval()
-
-
 def test_group_size_mismatch_fails_before_calibration_naming_every_module() -> None:
-    model = _tiny(hidden=48)  # 48 and 96 are not multiples of 64
+    model = tiny_llama(hidden=48)  # 48 and 96 are not multiples of 64
     before = {k: v.clone() for k, v in model.state_dict().items()}
     calls = []
     model.model.embed_tokens.register_forward_hook(lambda *a: calls.append(1))
@@ -288,7 +278,7 @@ def test_group_size_mismatch_fails_before_calibration_naming_every_module() -> N
 
 
 def test_already_quantized_model_is_refused_before_calibration() -> None:
-    model = _tiny()
+    model = tiny_llama()
     model.config.quantization_config = {"quant_method": "compressed-tensors"}
     with pytest.raises(ValueError) as info:
         llmc_fsm.oneshot(model=model, recipe={"q": {"QuantizationModifier": {"scheme": "W8A8"}}},
@@ -312,7 +302,7 @@ def test_already_quantized_model_is_refused_before_calibration() -> None:
 def test_save_reload_gives_equal_logits(tmp_path, recipe: dict, fmt: str) -> None:
     from transformers import AutoModelForCausalLM
 
-    model = _tiny()
+    model = tiny_llama()
     out = tmp_path / "out"
     llmc_fsm.oneshot(model=model, recipe=recipe, dataset=torch.randint(0, 128, (8, 32)), output_dir=out, progress=False)
     config = json.loads((out / "config.json").read_text())["quantization_config"]
@@ -359,7 +349,7 @@ def test_staged_prune_then_quantize_initializes_each_modifier_once_and_reruns_sk
         "quantization_stage": {"GPTQModifier": {"scheme": {"preset": "W4A16", "weights": {"group_size": 32}}}},
     }
     out = tmp_path / "out"
-    model = llmc_fsm.oneshot(model=_tiny(), recipe=recipe, dataset=torch.randint(0, 128, (8, 32)), output_dir=out,
+    model = llmc_fsm.oneshot(model=tiny_llama(), recipe=recipe, dataset=torch.randint(0, 128, (8, 32)), output_dir=out,
                              progress=False)
     assert counts == {"SparseGPTModifier": 1, "GPTQModifier": 1}
     w = model.model.layers[1].mlp.down_proj.weight
@@ -378,7 +368,7 @@ def test_staged_prune_then_quantize_initializes_each_modifier_once_and_reruns_sk
 def test_pruning_a_saved_quantized_model_is_refused_before_any_work(tmp_path) -> None:
     out = tmp_path / "out"
     recipe = {"q": {"QuantizationModifier": {"scheme": "W8A8"}}}
-    llmc_fsm.oneshot(model=_tiny(), recipe=recipe, dataset=torch.randint(0, 128, (4, 16)), output_dir=out,
+    llmc_fsm.oneshot(model=tiny_llama(), recipe=recipe, dataset=torch.randint(0, 128, (4, 16)), output_dir=out,
                      progress=False)
     before = (out / "model.safetensors").read_bytes()
     with pytest.raises(ValueError) as info:
@@ -461,7 +451,7 @@ def test_evaluation_skips_weight_requantization_with_equal_outputs(monkeypatch) 
 
     from llmc_fsm.output.save import quantized_weights_as_compressed
 
-    model = _tiny()
+    model = tiny_llama()
     llmc_fsm.oneshot(model=model, recipe={"q": {"QuantizationModifier": {"scheme": "W8A8"}}}, progress=False)
     calls = _count_forward_quantize(monkeypatch)
     x = torch.randint(0, 128, (2, 16))
@@ -477,7 +467,6 @@ def test_evaluation_skips_weight_requantization_with_equal_outputs(monkeypatch) 
     assert q_proj.quantization_status == QuantizationStatus.FROZEN  # restored
 
 
-
 def test_grouped_calibration_runs_compressed_groups_without_requantizing_their_weights(monkeypatch) -> None:
     from compressed_tensors.quantization import QuantizationStatus
 
@@ -486,7 +475,7 @@ def test_grouped_calibration_runs_compressed_groups_without_requantizing_their_w
     recipe = {"q": {"GPTQModifier": {"scheme": W4G16}}}
     data = torch.randint(0, 128, (8, 32), generator=torch.Generator().manual_seed(0))
     calls = _count_forward_quantize(monkeypatch)
-    fast = _tiny()
+    fast = tiny_llama()
     llmc_fsm.oneshot(model=fast, recipe=recipe, dataset=data, batch_size=4, progress=False)
     assert calls == []  # after its group's compression no module re-quantizes its weight
     assert {m.quantization_status for m in fast.modules() if hasattr(m, "quantization_scheme")} == {
@@ -498,7 +487,7 @@ def test_grouped_calibration_runs_compressed_groups_without_requantizing_their_w
         yield lambda modules: None
 
     monkeypatch.setattr(llmc_fsm.pipeline.layer, "weights_on_grid", marks_nothing)  # where it is used
-    slow = _tiny()
+    slow = tiny_llama()
     llmc_fsm.oneshot(model=slow, recipe=recipe, dataset=data, batch_size=4, progress=False)
     # without the marks: k_proj, v_proj and up_proj (a group's later members, called after its compression; the
     # heads and single modules finish the call they began before) x 2 batches x 2 layers
@@ -515,26 +504,27 @@ def test_data_free_quantization_gives_the_freed_heap_back_every_32_mib_of_weight
     assert llmc_fsm.toolkit.calibrated.TRIM_EVERY_BYTES == 32 * 1024 * 1024
     # hidden 64: q/o 16 KiB, k/v 8 KiB, gate/up/down 32 KiB of fp32 weight: 144 KiB a layer, 14 modules in all
     monkeypatch.setattr(llmc_fsm.toolkit.calibrated, "TRIM_EVERY_BYTES", 100 * 1024)
-    llmc_fsm.oneshot(model=_tiny(), recipe={"q": {"QuantizationModifier": {"scheme": "W8A8"}}}, progress=False)
+    llmc_fsm.oneshot(model=tiny_llama(), recipe={"q": {"QuantizationModifier": {"scheme": "W8A8"}}}, progress=False)
     # 288 KiB in module order: 100 KiB since the last trim is reached at layer 0's up_proj, then at layer 1's gate_proj
     assert len(calls) == 2
     calls.clear()
     monkeypatch.setattr(llmc_fsm.toolkit.calibrated, "TRIM_EVERY_BYTES", 1)
-    llmc_fsm.oneshot(model=_tiny(), recipe={"q": {"QuantizationModifier": {"scheme": "W8A8"}}}, progress=False)
+    llmc_fsm.oneshot(model=tiny_llama(), recipe={"q": {"QuantizationModifier": {"scheme": "W8A8"}}}, progress=False)
     assert len(calls) == 14  # one per module
     calls.clear()
     data = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(0))
-    llmc_fsm.oneshot(model=_tiny(), recipe={"q": {"GPTQModifier": {"scheme": W4G16}}}, dataset=data, progress=False)
+    recipe = {"q": {"GPTQModifier": {"scheme": W4G16}}}
+    llmc_fsm.oneshot(model=tiny_llama(), recipe=recipe, dataset=data, progress=False)
     assert calls == []  # the layer-by-layer pipeline trims after each layer itself (llmc_fsm.pipeline.sequential)
 
 
 def test_a_finished_quantized_output_is_not_offered_as_a_model_to_compress_further(tmp_path) -> None:
     out = tmp_path / "w8a8"
     recipe = {"q": {"QuantizationModifier": {"scheme": "W8A8"}}}
-    llmc_fsm.oneshot(model=_tiny(), recipe=recipe, output_dir=out, progress=False)
+    llmc_fsm.oneshot(model=tiny_llama(), recipe=recipe, output_dir=out, progress=False)
     before = {p.name: p.read_bytes() for p in out.iterdir()}
     with pytest.raises(FileExistsError) as info:
-        llmc_fsm.oneshot(model=_tiny(), recipe=recipe, output_dir=out, resume=True, progress=False)
+        llmc_fsm.oneshot(model=tiny_llama(), recipe=recipe, output_dir=out, resume=True, progress=False)
     assert str(info.value) == (
         f"output directory {str(out)!r} exists and is not empty; pass overwrite=True (--overwrite) to replace it. "
         "It holds a finished run (report.json), so there is nothing to resume (its model is quantized, and a "
@@ -551,7 +541,7 @@ def test_asymmetric_int_weights_are_saved_unpacked_so_that_transformers_loads_th
     from transformers import AutoModelForCausalLM
 
     scheme = {"preset": preset, "weights": {"group_size": 32, "symmetric": symmetric}}
-    model = _tiny()
+    model = tiny_llama()
     out = tmp_path / "out"
     data = torch.randint(0, 128, (8, 32), generator=torch.Generator().manual_seed(0))
     llmc_fsm.oneshot(model=model, recipe={"q": {"GPTQModifier": {"scheme": scheme}}}, dataset=data, output_dir=out,
@@ -584,7 +574,7 @@ def test_asymmetric_int_weights_are_saved_unpacked_so_that_transformers_loads_th
 def test_the_saved_config_targets_the_quantized_modules_and_reloads_with_equal_logits(tmp_path, stage, targets, ignore):
     from transformers import AutoModelForCausalLM
 
-    model = _tiny()
+    model = tiny_llama()
     out = tmp_path / "out"
     data = torch.randint(0, 128, (8, 32), generator=torch.Generator().manual_seed(0))
     llmc_fsm.oneshot(model=model, recipe={"q": stage}, dataset=data, output_dir=out, progress=False)
@@ -609,7 +599,7 @@ def test_the_saved_config_targets_the_quantized_modules_and_reloads_with_equal_l
 def test_a_float16_model_is_rounded_with_the_scale_its_checkpoint_stores(tmp_path, modifier) -> None:
     from safetensors.torch import load_file
 
-    model = _tiny().to(torch.float16)
+    model = tiny_llama().to(torch.float16)
     out = tmp_path / "out"
     data = torch.randint(0, 128, (8, 32), generator=torch.Generator().manual_seed(0))
     llmc_fsm.oneshot(model=model, recipe={"q": {modifier: {"scheme": "W8A8"}}}, dataset=data, output_dir=out,
@@ -633,7 +623,7 @@ def test_two_quantization_stages_on_disjoint_modules_run_and_reload(tmp_path) ->
         "q1": {"GPTQModifier": {"scheme": "W8A8", "targets": ["re:.*self_attn.*"]}},
         "q2": {"GPTQModifier": {"scheme": W4G16, "targets": ["re:.*mlp.*"]}},
     }
-    model = _tiny()
+    model = tiny_llama()
     out = tmp_path / "out"
     data = torch.randint(0, 128, (8, 32), generator=torch.Generator().manual_seed(0))
     llmc_fsm.oneshot(model=model, recipe=recipe, dataset=data, output_dir=out, progress=False)  # q2 used to be refused
@@ -655,7 +645,7 @@ def test_two_quantizing_modifiers_on_one_module_are_refused_before_any_work(monk
     first = {"GPTQModifier": {"scheme": "W8A8", "targets": ["re:.*mlp.*"]}}
     second = {"QuantizationModifier": {"scheme": W4G16, "targets": ["re:.*up_proj"]}}
     recipe = {"q": {**first, **second}} if same_stage else {"q1": first, "q2": second}
-    model = _tiny()
+    model = tiny_llama()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     data = torch.randint(0, 128, (8, 32), generator=torch.Generator().manual_seed(0))
     with pytest.raises(ValueError) as info:
@@ -680,7 +670,7 @@ def test_pruning_after_quantizing_the_same_modules_is_refused_before_any_work(mo
     monkeypatch.setattr(rtn_module, "rtn_quantize", lambda *a, **k: calls.append(1) or original(*a, **k))
     recipe = {"quant_stage": {"QuantizationModifier": {"scheme": "W8A8", "targets": ["re:.*mlp.*"]}},
               "sparsity_stage": {pruner: {"sparsity": 0.5}}}
-    model = _tiny()
+    model = tiny_llama()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     data = torch.randint(0, 128, (8, 32), generator=torch.Generator().manual_seed(0))
     with pytest.raises(ValueError) as info:
@@ -698,7 +688,7 @@ def test_pruning_after_quantizing_the_same_modules_is_refused_before_any_work(mo
 def test_an_ignore_pattern_that_matches_nothing_is_warned_about_once(caplog) -> None:
     recipe = {"q": {"QuantizationModifier": {"scheme": "W8A8", "ignore": ["lm_haed"]}}}
     with caplog.at_level("WARNING", logger="llmc_fsm.toolkit.targets"):
-        llmc_fsm.oneshot(model=_tiny(), recipe=recipe, progress=False)  # checked before the work and at initialize
+        llmc_fsm.oneshot(model=tiny_llama(), recipe=recipe, progress=False)  # checked before the work and at initialize
     assert [r.getMessage() for r in caplog.records if r.name == "llmc_fsm.toolkit.targets"] == [
         "ignore pattern 'lm_haed' matches no module (check the spelling; 're:' patterns use re.match on full module "
         "names, e.g. 're:.*lm_head')"
@@ -708,8 +698,8 @@ def test_an_ignore_pattern_that_matches_nothing_is_warned_about_once(caplog) -> 
 def test_quantizing_a_saved_2_4_model_keeps_its_structure_in_the_sparsity_config(tmp_path) -> None:
     data = torch.randint(0, 128, (8, 32), generator=torch.Generator().manual_seed(0))
     pruned, quantized = tmp_path / "pruned", tmp_path / "quantized"
-    llmc_fsm.oneshot(model=_tiny(), recipe={"p": {"SparseGPTModifier": {"sparsity": 0.5, "mask_structure": "2:4"}}},
-                     dataset=data, output_dir=pruned, progress=False)
+    two_four = {"p": {"SparseGPTModifier": {"sparsity": 0.5, "mask_structure": "2:4"}}}
+    llmc_fsm.oneshot(model=tiny_llama(), recipe=two_four, dataset=data, output_dir=pruned, progress=False)
     llmc_fsm.oneshot(pruned, recipe={"q": {"GPTQModifier": {"scheme": W4G16}}}, dataset=data, output_dir=quantized,
                      progress=False)
     config = json.loads((quantized / "config.json").read_text())["quantization_config"]["sparsity_config"]
@@ -725,7 +715,7 @@ def test_a_pruned_then_quantized_module_reports_each_modifiers_error(tmp_path, f
     quant = {"GPTQModifier": {"scheme": W4G16}}
 
     def modules(recipe: dict, out: object) -> dict[str, dict]:
-        llmc_fsm.oneshot(model=_tiny(), recipe=recipe, dataset=data, output_dir=out, progress=False,
+        llmc_fsm.oneshot(model=tiny_llama(), recipe=recipe, dataset=data, output_dir=out, progress=False,
                          fuse_stages=fuse_stages)
         return {m["name"]: m for m in json.loads((out / "report.json").read_text())["sparsity"]["modules"]}
 
@@ -759,7 +749,7 @@ def test_a_second_oneshot_on_the_returned_model_records_the_first_ones_stages(tm
     import yaml
 
     data = torch.randint(0, 128, (8, 32), generator=torch.Generator().manual_seed(0))
-    model = llmc_fsm.oneshot(model=_tiny(), recipe={"q": {"QuantizationModifier": {"scheme": "W8A8", "targets": [
+    model = llmc_fsm.oneshot(model=tiny_llama(), recipe={"q": {"QuantizationModifier": {"scheme": "W8A8", "targets": [
         "re:.*mlp.*"]}}}, progress=False)
     again = {"q": {"GPTQModifier": {"scheme": W4G16, "targets": ["re:.*self_attn.*"]}}}
     out = tmp_path / "out"
@@ -816,7 +806,7 @@ def test_llm_compressor_2_4_recipes_with_a_finetuning_stage_run_in_one_shot(tmp_
     data = torch.randint(0, 128, (8, 32), generator=torch.Generator().manual_seed(0))
     out = tmp_path / "out"
     with caplog.at_level("WARNING"):
-        model = llmc_fsm.oneshot(model=_tiny(), recipe=recipe, dataset=data, output_dir=out, progress=False)
+        model = llmc_fsm.oneshot(model=tiny_llama(), recipe=recipe, dataset=data, output_dir=out, progress=False)
     assert (
         "one-shot runs no training: stage(s) 'finetuning_stage' (run_type: train) skipped, and left out of the saved "
         "recipe.yaml; run them in a training loop (docs/training.md)" in caplog.text
@@ -826,7 +816,7 @@ def test_llm_compressor_2_4_recipes_with_a_finetuning_stage_run_in_one_shot(tmp_
     assert int((w.reshape(-1, 4) != 0).sum(dim=1).max()) <= 2
     # the holding modifier written in a one-shot stage: a one-line reason, before any work
     with pytest.raises(llmc_fsm.MissingStateError) as info:
-        llmc_fsm.oneshot(model=_tiny(), recipe={"s": {"SparseGPTModifier": {}}, "f": hold}, dataset=data,
+        llmc_fsm.oneshot(model=tiny_llama(), recipe={"s": {"SparseGPTModifier": {}}, "f": hold}, dataset=data,
                          progress=False)
     assert str(info.value) == (
         "ConstantPruningModifier needs steps_per_epoch, which one-shot does not give (it gives the model and the "
@@ -834,12 +824,12 @@ def test_llm_compressor_2_4_recipes_with_a_finetuning_stage_run_in_one_shot(tmp_
         "one-shot skips, or run the recipe in a training loop (docs/training.md)"
     )
     with pytest.raises(ValueError, match="the recipe has no one-shot stage: 'f' have run_type: train"):
-        llmc_fsm.oneshot(model=_tiny(), recipe={"f": {"run_type": "train", "modifiers": hold}}, progress=False)
+        llmc_fsm.oneshot(model=tiny_llama(), recipe={"f": {"run_type": "train", "modifiers": hold}}, progress=False)
     # without start, after the quantization (llm-compressor's llama3_8b_2of4 example order): it makes no zeros, so
     # it is not refused as pruning after quantizing
     keep = {"ConstantPruningModifier": {"targets": hold["ConstantPruningModifier"]["targets"]}}
     stage = {"SparseGPTModifier": {"mask_structure": "2:4"}, "QuantizationModifier": {"scheme": "W8A8"}, **keep}
-    llmc_fsm.oneshot(model=_tiny(), recipe={"s": stage}, dataset=data, progress=False)
+    llmc_fsm.oneshot(model=tiny_llama(), recipe={"s": stage}, dataset=data, progress=False)
 
 
 def test_the_group_size_hint_of_a_scheme_without_preset_spells_out_every_weight_field() -> None:
@@ -851,10 +841,10 @@ def test_the_group_size_hint_of_a_scheme_without_preset_spells_out_every_weight_
                                                                                         "targets": ["Linear"]}}}}}}
     data = torch.randint(0, 128, (8, 32), generator=torch.Generator().manual_seed(0))
     with pytest.raises(ValueError) as info:
-        llmc_fsm.oneshot(model=_tiny(), recipe=recipe, dataset=data, progress=False)
+        llmc_fsm.oneshot(model=tiny_llama(), recipe=recipe, dataset=data, progress=False)
     hint = ("recipe: scheme: {weights: {num_bits: 4, type: int, symmetric: true, strategy: group, group_size: 64}}; "
             "in an llm-compressor recipe, group_size: 64 in config_groups' weights), or add these modules to ignore.")
     assert str(info.value).endswith(hint)
     followed = {"q": {"GPTQModifier": {"scheme": yaml.safe_load(hint.split("scheme: ")[1].split("; in an")[0])}}}
-    model = llmc_fsm.oneshot(model=_tiny(), recipe=followed, dataset=data, progress=False)
+    model = llmc_fsm.oneshot(model=tiny_llama(), recipe=followed, dataset=data, progress=False)
     assert model.model.layers[0].self_attn.q_proj.quantization_scheme.weights.num_bits == 4

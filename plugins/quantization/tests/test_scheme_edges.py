@@ -11,6 +11,7 @@ import torch
 import yaml
 from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 from llmc_fsm_quantization import GPTQModifier, QuantizationModifier, resolve_scheme
+from tiny_quant_models import tiny_llama
 
 import llmc_fsm
 from llmc_fsm import RecipeError
@@ -197,21 +198,6 @@ def test_block_size_message_names_the_cli_flag_and_the_recipe_field() -> None:
 
 
 # --------------------------------------------------------------------------- scheme objects
-def _tiny() -> torch.nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-    )
-    return LlamaForCausalLM(cfg).eval()
 
 
 def test_scheme_objects_resolve_with_the_modifier_targets() -> None:
@@ -238,7 +224,7 @@ def test_scheme_object_runs_end_to_end_and_its_saved_recipe_reads_back(tmp_path,
     scheme = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(num_bits=4, group_size=16))
     out = tmp_path / "out"
     model = llmc_fsm.oneshot(
-        model=_tiny(),
+        model=tiny_llama(),
         recipe=[cls(scheme=scheme)],
         dataset=torch.randint(0, 128, (8, 32)),
         output_dir=out,
@@ -265,7 +251,7 @@ def test_quantization_args_scheme_is_saved_as_weights_and_reads_back(tmp_path, c
     args = QuantizationArgs(num_bits=4, strategy="group", group_size=16)
     out = tmp_path / "out"
     data = torch.randint(0, 128, (8, 32))
-    llmc_fsm.oneshot(model=_tiny(), recipe=[cls(scheme=args)], dataset=data, output_dir=out, progress=False)
+    llmc_fsm.oneshot(model=tiny_llama(), recipe=[cls(scheme=args)], dataset=data, output_dir=out, progress=False)
     assert args.actorder is None  # the caller's object is not changed (GPTQ's actorder goes on a copy)
     saved = yaml.safe_load((out / "recipe.yaml").read_text())
     (entry,) = saved["default"]["modifiers"]
@@ -289,7 +275,7 @@ def test_a_preset_name_in_another_case_is_recorded_in_its_canonical_case(tmp_pat
     recipe = {"q": {"QuantizationModifier": {"scheme": "w8a8"}}, "r": {"GPTQModifier": {"scheme": {"preset": "w4a16",
               "weights": {"group_size": 16}}, "targets": ["re:.*mlp.*"]}}}
     recipe["q"]["QuantizationModifier"]["targets"] = ["re:.*self_attn.*"]
-    llmc_fsm.oneshot(model=_tiny(), recipe=recipe, dataset=torch.randint(0, 128, (8, 32)), output_dir=out,
+    llmc_fsm.oneshot(model=tiny_llama(), recipe=recipe, dataset=torch.randint(0, 128, (8, 32)), output_dir=out,
                      max_seq_length=32, progress=False)
     saved = yaml.safe_load((out / "recipe.yaml").read_text())
     assert saved["q"]["modifiers"][0]["QuantizationModifier"]["scheme"] == "W8A8"

@@ -2,28 +2,22 @@
 
 Each rank runs its half of the calibration windows; SmoothQuant's max |x| per channel (reduced by maximum) gives
 the one-process scales exactly, AWQ's mean |x|, block errors and clipping scores (summed in float64) the same
-choices. Like tests/test_distributed.py: 2 spawned processes join a gloo group through a file rendezvous in
-``tmp_path`` and write their results (tensors as safetensors, the rest as JSON metadata).
+choices. 2 spawned processes join a gloo group through a file rendezvous in ``tmp_path`` and write their results
+(tensors as safetensors, the rest as JSON metadata): :func:`llmc_fsm.testing.run_ranks`.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import time
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from llmc_fsm_quantization import AWQModifier, QuantizationModifier, SmoothQuantModifier
-from safetensors import safe_open
-from safetensors.torch import load_file, save_file
 from test_smoothquant import tiny
 
 import llmc_fsm
+from llmc_fsm.testing import run_ranks
 
 WORLD = 2
 W4G16 = {"preset": "W4A16_ASYM", "weights": {"group_size": 16}}
@@ -44,7 +38,7 @@ def _run(name: str) -> tuple[torch.nn.Module, dict[str, Any], dict[str, Any]]:
     return model, model.llmc_fsm_report.to_dict(), getattr(recipe[0], "clipping_results", {})
 
 
-def _worker(rank: int, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+def _worker(rank: int, tmp: Path, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name in RECIPES:
         model, report, clipping = _run(name)
@@ -58,48 +52,8 @@ def _worker(rank: int, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
     return out
 
 
-def _entry(rank: int, tmp: str) -> None:
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=WORLD, timeout=timedelta(seconds=60)
-    )
-    tensors: dict[str, torch.Tensor] = {}
-    meta: dict[str, Any] = {"rank": rank}
-    try:
-        meta["result"] = _worker(rank, tensors)
-    except Exception as exc:
-        meta["error"] = {"type": type(exc).__name__, "message": str(exc)}
-    save_file(
-        {k: v.contiguous() for k, v in tensors.items()}, f"{tmp}/rank{rank}.safetensors", {"json": json.dumps(meta)}
-    )
-    if "error" not in meta:
-        dist.barrier()
-    os._exit(0)  # no interpreter teardown: gloo's threads can abort there (see tests/test_distributed.py)
-
-
 def _launch(tmp_path: Path, join_s: float = 240.0) -> list[dict[str, Any]]:
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_entry, args=(r, str(tmp_path))) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + join_s
-    for p in procs:
-        p.join(max(deadline - time.monotonic(), 0.1))
-    hung = [p.pid for p in procs if p.is_alive()]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join()
-    assert not hung, f"ranks still running after {join_s} s: pids {hung}"
-    out = []
-    for r in range(WORLD):
-        path = tmp_path / f"rank{r}.safetensors"
-        with safe_open(str(path), "pt") as f:
-            meta = json.loads(f.metadata()["json"])
-        out.append({"meta": meta, "tensors": load_file(str(path))})
-    return out
+    return run_ranks(_worker, tmp_path, world_size=WORLD, timeout_s=60.0, join_s=join_s)
 
 
 @pytest.mark.distributed

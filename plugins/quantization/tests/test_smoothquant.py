@@ -8,6 +8,7 @@ import pytest
 import torch
 from llmc_fsm_quantization import LogarithmicEqualizationModifier, SmoothQuantModifier
 from llmc_fsm_quantization.mappings import default_mappings, parse_mappings, resolve_mappings
+from tiny_quant_models import tiny_llama
 
 import llmc_fsm
 
@@ -16,14 +17,7 @@ DATA = torch.randint(0, 128, (8, 32), generator=torch.Generator().manual_seed(1)
 
 def tiny(kv_heads: int = 4, layers: int = 2) -> torch.nn.Module:
     """A tiny Llama whose norms make activation outlier channels (3 and 17 before attention, 5 before the MLP)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
-        num_key_value_heads=kv_heads, max_position_embeddings=64, tie_word_embeddings=False,
-    )
-    model = LlamaForCausalLM(cfg).eval()
+    model = tiny_llama(layers, kv_heads=kv_heads)
     with torch.no_grad():
         for layer in model.model.layers:
             layer.input_layernorm.weight[[3, 17]] = 20.0

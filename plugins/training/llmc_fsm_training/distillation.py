@@ -26,6 +26,16 @@ loss: any loop that calls ``model(...)`` and then ``session.loss_calculated(loss
 works, whatever the batch format. The captured tensors are released right after.
 A ``loss_calculated`` with no student training forward since ``batch_start``
 leaves the loss unchanged and emits a ``RuntimeWarning``.
+
+Devices
+-------
+The teacher runs where its weights are: the student's inputs are moved to the
+teacher's device for its forward (nothing is copied when both are on the same
+device) and the teacher's logits to the student's, where the loss is computed.
+The modifier moves no model itself; the integrations place the teacher
+(:func:`llmc_fsm.integrations.place_teacher`: by default on the student's
+device, or where ``teacher_device`` says). Tensors the modifier holds (the
+last loss terms, also when loaded from a checkpoint) live on the student's device.
 """
 
 from __future__ import annotations
@@ -45,7 +55,7 @@ from llmc_fsm import Modifier
 if TYPE_CHECKING:
     from llmc_fsm import Event, State
 
-__all__ = ["OutputDistillationModifier", "distillation_kl", "logits_of"]
+__all__ = ["OutputDistillationModifier", "distillation_kl", "logits_of", "model_device", "to_device"]
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +81,30 @@ def logits_of(output: Any) -> torch.Tensor:
         msg = f"cannot find logits in a model output of type {type(output).__name__}"
         raise TypeError(msg)
     return logits
+
+
+def model_device(model: Any) -> torch.device | None:
+    """The device of ``model``'s first parameter (or buffer); ``None`` for a model without tensors."""
+    for tensor in (*model.parameters(), *model.buffers()) if isinstance(model, torch.nn.Module) else ():
+        return tensor.device
+    return None
+
+
+def to_device(value: Any, device: torch.device) -> Any:
+    """``value`` with every tensor in it (nested in tuples, lists and dicts) on ``device``; the rest as it is.
+
+    A tensor already on ``device`` is returned itself (no copy).
+    """
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, dict):
+        return {key: to_device(item, device) for key, item in value.items()}
+    if isinstance(value, list):
+        return [to_device(item, device) for item in value]
+    if isinstance(value, tuple):
+        items = [to_device(item, device) for item in value]
+        return type(value)(*items) if hasattr(value, "_fields") else tuple(items)  # a namedtuple keeps its type
+    return value
 
 
 def distillation_kl(
@@ -149,6 +183,7 @@ class OutputDistillationModifier(Modifier):
     last_distill_loss: torch.Tensor | None = attrs.field(default=None, init=False, repr=False)
     _captured: tuple[Any, Any, torch.Tensor] | None = attrs.field(default=None, init=False, repr=False)
     _teacher: Any = attrs.field(default=None, init=False, repr=False)
+    _student: Any = attrs.field(default=None, init=False, repr=False)
 
     def on_initialize(self, state: State) -> None:
         """Put the teacher in eval mode and hook the student's forward to capture its inputs and logits.
@@ -160,6 +195,7 @@ class OutputDistillationModifier(Modifier):
             msg = "the teacher is the student model itself; pass a separate (e.g. dense, frozen) copy as teacher"
             raise ValueError(msg)
         self._teacher = state.teacher
+        self._student = state.model
         self._teacher.eval()
         self.register_hook(state.model, self._capture, kind="forward", with_kwargs=True)
 
@@ -182,6 +218,9 @@ class OutputDistillationModifier(Modifier):
             return None
         args, kwargs, student_logits = captured
         teacher_kwargs = {k: v for k, v in kwargs.items() if k not in _NOT_INPUTS}
+        where = model_device(self._teacher)
+        if where is not None:  # the teacher computes on its own device (tensors already there are not copied)
+            args, teacher_kwargs = to_device(args, where), to_device(teacher_kwargs, where)
         with torch.no_grad():
             teacher_logits = logits_of(self._teacher(*args, **teacher_kwargs))
         kd = distillation_kl(student_logits, teacher_logits, self.temperature, kwargs.get("attention_mask"))
@@ -193,6 +232,7 @@ class OutputDistillationModifier(Modifier):
     def on_finalize(self, state: State) -> None:
         self._captured = None
         self._teacher = None
+        self._student = None
 
     def state_dict(self) -> dict[str, Any]:
         """The distillation settings (``temperature``, ``alpha``) and the last two loss terms (tensors or ``None``)."""
@@ -214,5 +254,7 @@ class OutputDistillationModifier(Modifier):
             if saved != getattr(self, name):
                 msg = f"{name} is {saved} in the checkpoint, {getattr(self, name)} in this recipe"
                 raise ValueError(msg)
-        self.last_student_loss = state.get("last_student_loss")
-        self.last_distill_loss = state.get("last_distill_loss")
+        device = model_device(self._student)
+        for name in ("last_student_loss", "last_distill_loss"):  # read on the CPU; held on the student's device
+            value = state.get(name)
+            setattr(self, name, value.to(device) if isinstance(value, torch.Tensor) and device is not None else value)
