@@ -1,5 +1,10 @@
 """``llmc-fsm oneshot``: compress a model in one shot and print the report (see :func:`llmc_fsm.oneshot`).
 
+The command never uses the compressed model in memory, so it takes the streamed path (``low_memory``: one decoder
+layer read, compressed and written at a time; same output tensors, shards of one layer each) whenever the job allows
+it, and says so in one line on stderr (:func:`llmc_fsm.oneshot_job.streaming.stream_by_default`); ``--in-memory``
+loads the whole model as :func:`llmc_fsm.oneshot` does (needed to keep per-layer progress for ``--resume``).
+
 The flags are generated from the fields of :class:`~llmc_fsm.oneshot_job.settings.OneshotSettings` and
 :class:`~llmc_fsm.oneshot_job.settings.RecipeFlags` (their metadata: flag, help, type), and the parsed flags
 become one :class:`~llmc_fsm.oneshot_job.settings.OneshotSettings`
@@ -61,14 +66,24 @@ def add_cli(sub: Any) -> None:
         ),
     )
     add_flags(p, OneshotSettings, after={"recipe": lambda parser: add_flags(parser, RecipeFlags)})
+    p.add_argument(
+        "--in-memory",
+        action="store_true",
+        help="load the whole model in memory (and keep each finished decoder layer for --resume) even when the job "
+        "could stream; by default the command streams one decoder layer at a time whenever the job allows it (as "
+        "--low-memory, which instead refuses a job that cannot stream) and runs in memory otherwise",
+    )
     p.set_defaults(func=_run_cli)
 
 
 def _run_cli(args: argparse.Namespace) -> int:
+    if args.in_memory and args.low_memory:
+        msg = "--in-memory and --low-memory contradict each other: pass one of them (or neither: stream when possible)"
+        raise ValueError(msg)
     settings = settings_from_flags(args)  # every check that needs no model, the generated recipe built
     try:
         with sigterm_as_interrupt():
-            model = run_oneshot(settings)
+            model = run_oneshot(settings, stream_when_possible=not args.in_memory)
     except KeyboardInterrupt as exc:
         what = "SIGTERM" if isinstance(exc, Terminated) else "Ctrl-C"
         notes = getattr(exc, "__notes__", None)
