@@ -1,4 +1,4 @@
-"""What every benchmark script reads from Linux: a process's memory fields and the machine's load.
+"""What every benchmark script reads from Linux: a process's memory fields, its age, and the machine's load.
 
 Standard library only, so the peer scripts (run in their own venv) import it too.
 """
@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-__all__ = ["loadavg", "status_kib"]
+__all__ = ["loadavg", "process_seconds", "status_kib"]
 
 
 def status_kib(field: str = "VmHWM") -> int:
@@ -22,6 +22,24 @@ def status_kib(field: str = "VmHWM") -> int:
         if line.startswith(field + ":"):
             return int(line.split()[1])
     raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def process_seconds() -> float:
+    """Wall seconds since this process started (its ``exec``, i.e. before the interpreter imported anything):
+    ``/proc/uptime`` now minus the ``starttime`` field of ``/proc/self/stat`` (both in the kernel's clock ticks,
+    so the resolution is 1 / ``SC_CLK_TCK``, 10 ms on Linux).
+
+    Raises:
+        RuntimeError: not Linux (no ``/proc``).
+    """
+    try:
+        stat = Path("/proc/self/stat").read_text()
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+    except OSError as exc:
+        raise RuntimeError(f"no /proc to read the process start from: {exc}") from None
+    fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) ": field 3 (state) is fields[0]
+    start_ticks = int(fields[19])  # field 22, starttime
+    return uptime - start_ticks / os.sysconf("SC_CLK_TCK")
 
 
 def loadavg() -> str:

@@ -1,26 +1,42 @@
-"""Issue 26's three jobs end to end, ours and llmcompressor==0.14.0.1's, each in a fresh process: one command.
+"""Issue 26's jobs end to end, ours and llmcompressor==0.14.0.1's, each in a fresh process, measured alike.
 
-    python benchmarks/jobs_vs_llmcompressor.py                      # all jobs, both sides (peer only when quiet)
-    python benchmarks/jobs_vs_llmcompressor.py --jobs gptq --no-peer --eval-windows 0
+    python benchmarks/jobs_vs_llmcompressor.py                      # every job, both sides (peer only when quiet)
+    python benchmarks/jobs_vs_llmcompressor.py --jobs gptq,gptq-cli --no-peer --eval-windows 0
     python benchmarks/jobs_vs_llmcompressor.py --code /path/to/other/checkout   # ours from another revision
     python benchmarks/jobs_vs_llmcompressor.py --json out.json
 
-Jobs (SmolLM2-135M-Instruct fp32 directory, the ``smollm2-135m`` cache of :mod:`llmc_fsm.models.known`):
+Jobs (SmolLM2-135M-Instruct fp32 directory, the ``smollm2-135m`` cache of :mod:`llmc_fsm.models.known`; every
+Linear but ``lm_head``; calibrated jobs: 32 x 256 tokens from the tail of ``wiki.test.raw``; output written):
 
-* ``rtn`` — RTN W8A8 end to end: ``oneshot(dir, QuantizationModifier W8A8, output_dir=...)``: load, quantize,
-  save compressed-tensors (no calibration data); ``rtn-streamed``: the same with ``low_memory=True``;
-* ``sparsegpt`` — SparseGPT 50% (the default recipe), calibration 32 x 256 tokens from the tail of
-  ``wiki.test.raw``, in-memory (default) path, output written;
-* ``gptq`` — GPTQ W4A16 group 64 (``actorder: static``), same calibration, default path, output written.
+* ``rtn`` — RTN W8A8 (data-free) through ``llmc_fsm.oneshot(...)``, the in-memory path (``low_memory=False``);
+  ``rtn-streamed``: the same with ``low_memory=True``; ``rtn-cli``: ``llmc-fsm oneshot --method rtn --scheme W8A8
+  --output OUT`` (its ``main()`` called in the fresh process: whatever path the CLI takes by default);
+* ``sparsegpt`` — SparseGPT 50% unstructured (the default recipe) through ``llmc_fsm.oneshot`` (in-memory path);
+  ``sparsegpt-cli``: ``llmc-fsm oneshot --dataset wiki.test.raw --output OUT``;
+* ``gptq`` — GPTQ W4A16 group 64 (``actorder: static``) through ``llmc_fsm.oneshot`` (in-memory path);
+  ``gptq-cli``: ``llmc-fsm oneshot --recipe <the same recipe> --dataset wiki.test.raw --output OUT``.
 
-Per run: ``call s`` = the ``oneshot`` call (load + compression + save for ours), ``process s`` = the whole
-worker process (imports included), ``CPU s`` = user + system time of the worker (``getrusage``; far less
-sensitive to other jobs on the machine than wall time), ``peak RSS`` = ``VmHWM`` right after the call, and the
-perplexity of the compressed model on 40 x 256 tokens from the head of the text (``--eval-windows``; measured
-after the peak was read). The load average is printed before and after every run. The peer runs only when the
-1-minute load average is below 1.5 (``--force-peer`` overrides), through ``benchmarks/_peer.py``
-(``peer_quantize_llmcompressor.py`` / ``peer_oneshot_llmcompressor.py``: model loaded with ``from_pretrained``
-inside the process, its ``compress_wall_s`` and peak through compression); ratios are ours / theirs, same run.
+Each side runs in its own fresh process and measures the same things in the same order
+(``benchmarks/peer_jobs_llmcompressor.py`` is the peer's; the ``-streamed`` / ``-cli`` variants are ours only and
+are compared with the peer's row of their job):
+
+``e2e s``   wall seconds from the process's start (its ``exec``, before the interpreter imported anything, read
+            from ``/proc``: ``_measure.process_seconds``) to the checkpoint saved — imports, model load, tokenizer,
+            calibration data, compression, save: what a user waits for;
+``call s``  the library's one-shot call alone: ours ``oneshot(...)`` / the CLI's ``main()`` (which load the model
+            and save it: there is no other way to call them), the peer's ``oneshot(model=...)`` (model loaded
+            before it and saved after it by the script, as its documentation shows);
+``CPU s``   user + system seconds of the process at that point (``getrusage``; much less sensitive than wall time
+            to other jobs on the machine);
+``peak RSS`` ``VmHWM`` right after the save;
+``RSS imports / loaded``  ``VmRSS`` after the imports (ours: ``llmc_fsm`` and torch; the peer's: llmcompressor,
+            transformers, datasets) and, for the peer, after ``from_pretrained`` (ours loads inside the call);
+``perplexity``  measured only after all of the above: the saved checkpoint reloaded with ``from_pretrained`` and
+            evaluated on ``--eval-windows`` x 256 tokens from the head of the text (our protocol, batch 1; the
+            peer script loads the same ``llmc_fsm/data/protocol.py``); ``--eval-windows 0`` skips it.
+
+The 1-minute load average is printed before and after every run. The peer runs only when it is below 1.5
+(``--force-peer`` overrides; the row then says why it did not run). Ratios are ours / theirs, same run.
 """
 
 from __future__ import annotations
@@ -36,57 +52,91 @@ import time
 from pathlib import Path
 from typing import Any
 
-T_START = time.perf_counter()
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _measure import loadavg, status_kib  # noqa: E402
+from _measure import loadavg, process_seconds, status_kib  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DATA = REPO_ROOT.parent / "shared" / "data" / "wikitext-2-raw" / "wiki.test.raw"
 QUIET = 1.5
 GPTQ = {"GPTQModifier": {"scheme": {"preset": "W4A16", "weights": {"group_size": 64}}, "actorder": "static"}}
+RTN = {"quantization_stage": {"QuantizationModifier": {"scheme": "W8A8"}}}
+#: job -> how our side runs it: ``recipe`` (None: the default recipe), ``data`` (calibration text), ``path``
+#: (``api``: ``llmc_fsm.oneshot`` in memory; ``streamed``: ``low_memory=True``; ``cli``: ``llmc-fsm oneshot``).
 JOBS: dict[str, dict[str, Any]] = {
-    "rtn": {"recipe": {"quantization_stage": {"QuantizationModifier": {"scheme": "W8A8"}}}, "data": False},
-    "rtn-streamed": {"recipe": {"quantization_stage": {"QuantizationModifier": {"scheme": "W8A8"}}}, "data": False,
-                     "low_memory": True},
-    "sparsegpt": {"recipe": None, "data": True},
-    "gptq": {"recipe": {"quantization_stage": GPTQ}, "data": True},
+    "rtn": {"recipe": RTN, "data": False, "path": "api"},
+    "rtn-streamed": {"recipe": RTN, "data": False, "path": "streamed"},
+    "rtn-cli": {"recipe": RTN, "data": False, "path": "cli", "flags": ["--method", "rtn", "--scheme", "W8A8"]},
+    "sparsegpt": {"recipe": None, "data": True, "path": "api"},
+    "sparsegpt-cli": {"recipe": None, "data": True, "path": "cli", "flags": []},
+    "gptq": {"recipe": {"quantization_stage": GPTQ}, "data": True, "path": "api"},
+    "gptq-cli": {"recipe": {"quantization_stage": GPTQ}, "data": True, "path": "cli"},
 }
+DEFAULT_JOBS = "rtn,rtn-cli,sparsegpt,sparsegpt-cli,gptq,gptq-cli"
+
+
+def peer_job(job: str) -> str:
+    """The peer job a job of ours is compared with (``gptq-cli`` -> ``gptq``)."""
+    return job.split("-")[0]
+
+
+def _cli_args(job: dict[str, Any], out: Path, tmp: Path) -> list[str]:
+    args = ["oneshot", "--output", str(out), "--no-progress"]
+    if job["data"]:
+        args += ["--dataset", str(DATA)]
+    if "flags" in job:
+        return args + job["flags"]
+    recipe = tmp / "recipe.json"
+    recipe.write_text(json.dumps(job["recipe"]))
+    return args + ["--recipe", str(recipe)]
 
 
 def worker(args: argparse.Namespace) -> dict[str, Any]:
-    """Ours, in this fresh process."""
-    t_imports = time.perf_counter()
-    import torch
-
-    import llmc_fsm
-    from llmc_fsm.data.protocol import load_text, perplexity, token_windows
-
-    imports_s = time.perf_counter() - t_imports
+    """Ours, in this fresh process: the job, then (only after its measurements) the perplexity of its output."""
     job = JOBS[args.worker]
+    if job["path"] == "cli":
+        from llmc_fsm.cli.main import main as cli_main
+    else:
+        import llmc_fsm
+    import torch  # imported by llmc_fsm already
+
+    imports_s = process_seconds()
+    rss_imports = status_kib("VmRSS") * 1024
+    phases = None
     with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "out"
         t0 = time.perf_counter()
-        model = llmc_fsm.oneshot(
-            args.model_dir, job["recipe"], dataset=str(DATA) if job["data"] else None,
-            num_calibration_samples=32, max_seq_length=256, output_dir=Path(tmp) / "out", progress=False,
-            low_memory=job.get("low_memory", False),
-        )
+        if job["path"] == "cli":
+            status = cli_main(_cli_args(job, out, Path(tmp)))
+            if status:
+                raise SystemExit(f"llmc-fsm oneshot exited with {status}")
+        else:
+            model = llmc_fsm.oneshot(
+                args.model_dir, job["recipe"], dataset=str(DATA) if job["data"] else None,
+                num_calibration_samples=32, max_seq_length=256, output_dir=out, progress=False,
+                low_memory=job["path"] == "streamed",
+            )
+            phases = model.llmc_fsm_report.seconds
+            del model
         call_s = time.perf_counter() - t0
+        e2e_s = process_seconds()
         peak = status_kib("VmHWM") * 1024
-        report = model.llmc_fsm_report
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        report = json.loads((out / "report.json").read_text())
+        size = sum(p.stat().st_size for p in out.glob("*.safetensors"))
         ppl = None
         if args.eval_windows:
             from transformers import AutoModelForCausalLM, AutoTokenizer
 
-            tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
+            from llmc_fsm.data.protocol import load_text, perplexity, token_windows
+
+            tokenizer = AutoTokenizer.from_pretrained(out)
             windows = token_windows(tokenizer, load_text(DATA), num_windows=args.eval_windows, seq_len=256)
-            if job.get("low_memory"):
-                model = AutoModelForCausalLM.from_pretrained(Path(tmp) / "out").eval()
-            ppl = perplexity(model, windows, progress=False)
-    usage = resource.getrusage(resource.RUSAGE_SELF)
+            ppl = perplexity(AutoModelForCausalLM.from_pretrained(out).eval(), windows, progress=False)
     return {
-        "side": "llmc-fsm", "job": args.worker, "call_s": call_s, "imports_s": imports_s,
-        "process_s": time.perf_counter() - T_START, "cpu_s": usage.ru_utime + usage.ru_stime,
-        "peak_rss_bytes": peak, "ppl": ppl, "phases_s": report.seconds, "torch_threads": torch.get_num_threads(),
+        "side": "llmc-fsm", "job": args.worker, "path": job["path"], "e2e_s": e2e_s, "imports_s": imports_s,
+        "call_s": call_s, "cpu_s": usage.ru_utime + usage.ru_stime, "peak_rss_bytes": peak,
+        "rss_after_imports_bytes": rss_imports, "ppl": ppl, "weights_on_disk_bytes": size,
+        "phases_s": phases or report.get("seconds"), "torch_threads": torch.get_num_threads(),
     }
 
 
@@ -98,64 +148,58 @@ def _ours(job: str, model_dir: str, eval_windows: int, code: str | None) -> dict
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, env=env, check=True)
     row = json.loads(proc.stdout.strip().splitlines()[-1])
-    row["launch_s"] = time.perf_counter() - t0
+    row["launch_s"] = time.perf_counter() - t0  # the whole child, perplexity included
     return row
 
 
 def _peer(job: str, model_dir: str, eval_windows: int) -> dict[str, Any]:
     from _peer import run_peer_script
 
-    here = Path(__file__).parent
-    with tempfile.TemporaryDirectory() as out:
-        if job == "sparsegpt":
-            row = run_peer_script(here / "peer_oneshot_llmcompressor.py",
-                                  ["--model", model_dir, "--data", str(DATA), "--skip-dense",
-                                   "--eval-windows", str(max(eval_windows, 1))])
-        else:
-            row = run_peer_script(here / "peer_quantize_llmcompressor.py",
-                                  ["--model", model_dir, "--data", str(DATA), "--method", job.split("-")[0],
-                                   "--out", out, "--eval-windows", str(max(eval_windows, 1))])
-    return {"side": row.get("side", "llmcompressor"), "job": job, "call_s": row.get("compress_wall_s"),
-            "peak_rss_bytes": row.get("peak_rss_through_compression_bytes") or row.get("peak_rss_bytes"),
-            "ppl": row.get("ppl") or row.get("pruned_ppl"), "raw": row}
+    row = run_peer_script(Path(__file__).parent / "peer_jobs_llmcompressor.py",
+                          ["--job", job, "--model", model_dir, "--data", str(DATA),
+                           "--eval-windows", str(eval_windows)])
+    return {**row, "side": row.get("side", "llmcompressor"), "job": job}
 
 
 def _fmt(value: Any, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
+def _gb(value: Any) -> Any:
+    return None if value is None else value / 1e9
+
+
 def render(rows: list[dict[str, Any]]) -> str:
     lines = [
-        "| job | side | call s | process s | CPU s | peak RSS GB | perplexity | load before -> after |",
-        "|---|---|---:|---:|---:|---:|---:|---|",
+        "| job | side | e2e s | call s | CPU s | peak RSS GB | RSS imports GB | perplexity | load before -> after |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in rows:
         if r.get("skipped"):
-            lines.append(f"| {r['job']} | {r['side']} | {r['skipped']} | | | | | {r['load']} |")
+            lines.append(f"| {r['job']} | {r['side']} | {r['skipped']} | | | | | | {r['load']} |")
             continue
-        rss = None if r.get("peak_rss_bytes") is None else r["peak_rss_bytes"] / 1e9
         lines.append(
-            f"| {r['job']} | {r['side']} | {_fmt(r.get('call_s'), '.2f')} | {_fmt(r.get('process_s'), '.2f')} | "
-            f"{_fmt(r.get('cpu_s'), '.2f')} | {_fmt(rss, '.3f')} | {_fmt(r.get('ppl'), '.2f')} | {r['load']} |"
+            f"| {r['job']} | {r['side']} | {_fmt(r.get('e2e_s'), '.2f')} | {_fmt(r.get('call_s'), '.2f')} | "
+            f"{_fmt(r.get('cpu_s'), '.2f')} | {_fmt(_gb(r.get('peak_rss_bytes')), '.3f')} | "
+            f"{_fmt(_gb(r.get('rss_after_imports_bytes')), '.3f')} | {_fmt(r.get('ppl'), '.2f')} | {r['load']} |"
         )
-    by_job: dict[str, dict[str, dict[str, Any]]] = {}
-    for r in rows:
-        if not r.get("skipped"):
-            by_job.setdefault(r["job"], {})["ours" if r["side"] == "llmc-fsm" else "peer"] = r
-    for job, sides in by_job.items():
-        if "ours" in sides and "peer" in sides:
-            o, p = sides["ours"], sides["peer"]
-            parts = [f"{job}: ours / llmcompressor, same run"]
-            for key, label in (("call_s", "wall"), ("peak_rss_bytes", "peak RSS"), ("ppl", "perplexity")):
-                if o.get(key) and p.get(key):
-                    parts.append(f"{label} {o[key] / p[key]:.2f}x")
-            lines.append("- " + ", ".join(parts))
+    peers = {r["job"]: r for r in rows if not r.get("skipped") and r["side"] != "llmc-fsm"}
+    for o in rows:
+        if o.get("skipped") or o["side"] != "llmc-fsm" or peer_job(o["job"]) not in peers:
+            continue
+        p = peers[peer_job(o["job"])]
+        parts = [f"{o['job']}: ours / llmcompressor ({p['job']}), same run"]
+        for key, label in (("e2e_s", "e2e wall"), ("call_s", "call wall"), ("cpu_s", "CPU"),
+                           ("peak_rss_bytes", "peak RSS"), ("ppl", "perplexity")):
+            if o.get(key) and p.get(key):
+                parts.append(f"{label} {o[key] / p[key]:.2f}x")
+        lines.append("- " + ", ".join(parts))
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--jobs", default="rtn,rtn-streamed,sparsegpt,gptq")
+    parser.add_argument("--jobs", default=DEFAULT_JOBS, help=f"comma-separated, of {', '.join(JOBS)}")
     parser.add_argument("--eval-windows", type=int, default=40, help="0: no perplexity (shorter runs)")
     parser.add_argument("--no-peer", action="store_true")
     parser.add_argument("--force-peer", action="store_true", help=f"run the peer even at load average >= {QUIET}")
@@ -167,24 +211,32 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         print(json.dumps(worker(args)), flush=True)
         return 0
+    jobs = args.jobs.split(",")
+    unknown = [j for j in jobs if j not in JOBS]
+    if unknown:
+        parser.error(f"unknown job(s) {', '.join(unknown)}; choose from {', '.join(JOBS)}")
     from llmc_fsm.models.known import known_model_dir
 
     model_dir = str(known_model_dir("smollm2-135m"))
     rows: list[dict[str, Any]] = []
-    for job in args.jobs.split(","):
+    peer_done: set[str] = set()
+    for job in jobs:
         load = loadavg()
         row = _ours(job, model_dir, args.eval_windows, args.code)
         rows.append({**row, "load": f"{load} -> {loadavg()}"})
         print(f"[bench] {job} ours: {json.dumps(rows[-1])}", file=sys.stderr, flush=True)
-        if args.no_peer or job == "rtn-streamed":
+        peer = peer_job(job)
+        if args.no_peer or peer in peer_done:
             continue
+        peer_done.add(peer)
         load = loadavg()
         if float(load) >= QUIET and not args.force_peer:
-            rows.append({"job": job, "side": "llmcompressor", "load": load,
+            rows.append({"job": peer, "side": "llmcompressor", "load": load,
                          "skipped": f"not run: load average {load} >= {QUIET}"})
             continue
-        row = _peer(job, model_dir, args.eval_windows)
+        row = _peer(peer, model_dir, args.eval_windows)
         rows.append({**row, "load": f"{load} -> {loadavg()}"})
+        print(f"[bench] {peer} peer: {json.dumps(rows[-1])}", file=sys.stderr, flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")
     print(render(rows))

@@ -3,6 +3,7 @@
     python benchmarks/rtn_profile.py                    # this checkout
     python benchmarks/rtn_profile.py --code /old/tree   # another revision of llmc_fsm (PYTHONPATH), for before/after
     python benchmarks/rtn_profile.py --low-memory       # the streamed path
+    python benchmarks/rtn_profile.py --cli              # llmc-fsm oneshot --method rtn --scheme W8A8 (its default path)
 
 The worker imports torch, transformers and llmc_fsm (timed: ``imports``), then runs, under ``cProfile``,
 ``llmc_fsm.oneshot(<smollm2-135m fp32 directory>, QuantizationModifier W8A8, output_dir=<tmp>)``: load the
@@ -41,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _measure import loadavg, status_kib
+from _measure import loadavg, process_seconds, status_kib
 
 RECIPE = {"quantization_stage": {"QuantizationModifier": {"scheme": "W8A8"}}}
 #: row -> (path suffix, function name) pairs whose cumulative times add up to the row (first match per pair).
@@ -75,6 +76,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
     import transformers  # noqa: F401
 
     import llmc_fsm
+    from llmc_fsm.cli.main import main as cli_main
     from llmc_fsm.models.known import known_model_dir
 
     imports_s = time.perf_counter() - t0
@@ -84,13 +86,23 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
         t1 = time.perf_counter()
         if profile is not None:
             profile.enable()
-        model = llmc_fsm.oneshot(model_dir, RECIPE, output_dir=Path(tmp) / "out", progress=False,
-                                 low_memory=args.low_memory)
+        if args.cli:
+            out = Path(tmp) / "out"
+            status = cli_main(["oneshot", "--model", model_dir, "--method", "rtn", "--scheme", "W8A8",
+                               "--output", str(out), "--no-progress"])
+            if status:
+                raise SystemExit(f"llmc-fsm oneshot exited with {status}")
+            phases = json.loads((out / "report.json").read_text())["seconds"]
+        else:
+            model = llmc_fsm.oneshot(model_dir, RECIPE, output_dir=Path(tmp) / "out", progress=False,
+                                     low_memory=args.low_memory)
+            phases = model.llmc_fsm_report.seconds
         if profile is not None:
             profile.disable()
         call_s = time.perf_counter() - t1
-    row: dict[str, Any] = {"imports_s": imports_s, "call_s": call_s, "peak_rss_bytes": status_kib("VmHWM") * 1024,
-                           "phases_s": model.llmc_fsm_report.seconds}
+        e2e_s = process_seconds()
+    row: dict[str, Any] = {"imports_s": imports_s, "call_s": call_s, "e2e_s": e2e_s,
+                           "peak_rss_bytes": status_kib("VmHWM") * 1024, "phases_s": phases}
     if profile is not None:
         stats = pstats.Stats(profile)
         parts = {row_name: sum(_cumulative(stats, s, f) for s, f in pairs) for row_name, pairs in PARTS.items()}
@@ -101,12 +113,12 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
     return row
 
 
-def _run(code: str | None, *, profile: bool, low_memory: bool) -> dict[str, Any]:
+def _run(code: str | None, *, profile: bool, low_memory: bool, cli: bool) -> dict[str, Any]:
     env = {**os.environ, "TQDM_DISABLE": "1", "LLMC_FSM_PERPLEXITY_CACHE": "off"}
     if code:
         env["PYTHONPATH"] = os.pathsep.join([code, env.get("PYTHONPATH", "")])
     cmd = [sys.executable, __file__, "--worker", *(["--profile"] if profile else []),
-           *(["--low-memory"] if low_memory else [])]
+           *(["--low-memory"] if low_memory else []), *(["--cli"] if cli else [])]
     out = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, env=env, check=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
@@ -115,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--code", help="run llmc_fsm from this checkout (PYTHONPATH)")
     parser.add_argument("--low-memory", action="store_true")
+    parser.add_argument("--cli", action="store_true", help="run llmc-fsm oneshot --method rtn --scheme W8A8 instead")
     parser.add_argument("--json", help="also write the result to this file")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--profile", action="store_true", help=argparse.SUPPRESS)
@@ -123,9 +136,9 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(worker(args)), flush=True)
         return 0
     load0 = loadavg()
-    profiled = _run(args.code, profile=True, low_memory=args.low_memory)
+    profiled = _run(args.code, profile=True, low_memory=args.low_memory, cli=args.cli)
     load1 = loadavg()
-    plain = _run(args.code, profile=False, low_memory=args.low_memory)
+    plain = _run(args.code, profile=False, low_memory=args.low_memory, cli=args.cli)
     load2 = loadavg()
     lines = [f"RTN W8A8 end to end{' (low_memory)' if args.low_memory else ''}, code: {args.code or 'this checkout'}",
              f"load average: {load0} -> {load1} (profiled) -> {load2} (plain)", "",
@@ -136,7 +149,8 @@ def main(argv: list[str] | None = None) -> int:
         lines.append(f"| {name} | {seconds:.2f} | {seconds / total:.0%} |")
     lines.append(f"| **oneshot call, profiled** | **{total:.2f}** | 100% |")
     lines.append("")
-    lines.append(f"call s (no profiler): {plain['call_s']:.2f}; imports {plain['imports_s']:.2f} s; "
+    lines.append(f"no profiler: e2e (process start -> saved) {plain['e2e_s']:.2f} s; call {plain['call_s']:.2f} s; "
+                 f"imports {plain['imports_s']:.2f} s; "
                  f"peak RSS {plain['peak_rss_bytes'] / 1e9:.3f} GB; phases {json.dumps(plain['phases_s'])}")
     if args.json:
         Path(args.json).write_text(json.dumps({"profiled": profiled, "plain": plain,

@@ -138,7 +138,8 @@ def test_the_cli_says_it_in_one_line(tiny_model_dir, tmp_path, monkeypatch, caps
     out, work = tmp_path / "out", tmp_path / ".out.work"
     with monkeypatch.context() as m:
         _fail_layer(m, 2, SafetensorError(FULL))
-        status = main(tiny_llama.oneshot_argv(*tiny_model_dir, out, "--num-samples", "8", "--batch-size", "4"))
+        argv = tiny_llama.oneshot_argv(*tiny_model_dir, out, "--num-samples", "8", "--batch-size", "4", "--in-memory")
+        status = main(argv)  # --in-memory: per-layer progress is the in-memory path's (the CLI streams by default)
     err = capsys.readouterr().err
     assert status == 1
     assert err == (

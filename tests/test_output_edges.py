@@ -100,7 +100,9 @@ def test_output_in_an_unwritable_parent(tmp_path, no_model_loading, monkeypatch)
 
 # --------------------------------------------------------------------------- case 7: SIGTERM, Ctrl-C, stale work dirs
 def _cli_args(tiny_model_dir, out: Path, *extra: str) -> list[str]:
-    return tiny_llama.oneshot_argv(*tiny_model_dir, out, "--num-samples", "8", *extra)
+    # --in-memory: what these cases check (per-layer progress, the load and save phases) is the in-memory path's;
+    # the CLI streams such a job by default (tests/test_cli_streaming_default.py)
+    return tiny_llama.oneshot_argv(*tiny_model_dir, out, "--num-samples", "8", "--in-memory", *extra)
 
 
 def test_sigterm_before_any_layer_leaves_nothing(tiny_model_dir, tmp_path):

@@ -30,7 +30,9 @@ pytest.importorskip("llmc_fsm_pruning")
 
 
 def _args(tiny_model_dir, out: Path, *extra: str) -> list[str]:
-    return tiny_llama.oneshot_argv(*tiny_model_dir, out, "--num-samples", "16", "--batch-size", "4", *extra)
+    # --in-memory: the CLI streams such a job by default, and a streamed run keeps no per-layer progress to resume
+    options = ("--num-samples", "16", "--batch-size", "4", "--in-memory")
+    return tiny_llama.oneshot_argv(*tiny_model_dir, out, *options, *extra)
 
 
 def _tensors(out: Path) -> dict[str, torch.Tensor]:

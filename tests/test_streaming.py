@@ -31,6 +31,13 @@ def _keep_the_allocator(monkeypatch):
     monkeypatch.setattr("llmc_fsm.oneshot_job.streaming.limit_heap_growth", lambda: False)  # where it is called
 
 
+@pytest.fixture(autouse=True)
+def _measure_both_perplexities(monkeypatch):
+    """Each run measures its dense perplexity (the streamed run would otherwise reuse the in-memory one from the
+    cache, tests/test_cli_streaming_default.py): the values are compared, not read back."""
+    monkeypatch.setenv("LLMC_FSM_PERPLEXITY_CACHE", "off")
+
+
 @pytest.fixture(scope="module")
 def text_file(shared_data, tmp_path_factory) -> Path:
     lines = (shared_data / "tinyshakespeare" / "input.txt").read_text(encoding="utf-8").splitlines()[:600]

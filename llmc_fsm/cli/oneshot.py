@@ -1,5 +1,11 @@
 """``llmc-fsm oneshot``: compress a model in one shot and print the report (see :func:`llmc_fsm.oneshot`).
 
+The command never uses the compressed model in memory, so a data-free job (no calibration: RTN, magnitude-free
+schemes) takes the streamed path (``low_memory``: one decoder layer read, compressed and written at a time; same
+output tensors, shards of one layer each) whenever the job allows it, and says so in one line on stderr
+(:func:`llmc_fsm.oneshot_job.streaming.stream_by_default`); a calibrated job stays in memory, where it keeps per-layer
+progress for ``--resume`` (``--low-memory`` streams it); ``--in-memory`` loads the whole model for any job.
+
 The flags are generated from the fields of :class:`~llmc_fsm.oneshot_job.settings.OneshotSettings` and
 :class:`~llmc_fsm.oneshot_job.settings.RecipeFlags` (their metadata: flag, help, type), and the parsed flags
 become one :class:`~llmc_fsm.oneshot_job.settings.OneshotSettings`
@@ -61,14 +67,24 @@ def add_cli(sub: Any) -> None:
         ),
     )
     add_flags(p, OneshotSettings, after={"recipe": lambda parser: add_flags(parser, RecipeFlags)})
+    p.add_argument(
+        "--in-memory",
+        action="store_true",
+        help="load the whole model in memory even for a data-free job; by default a data-free job (no calibration) "
+        "streams one decoder layer at a time when it can (as --low-memory, which instead refuses a job that cannot "
+        "stream) and a calibrated job runs in memory, keeping each finished layer for --resume",
+    )
     p.set_defaults(func=_run_cli)
 
 
 def _run_cli(args: argparse.Namespace) -> int:
+    if args.in_memory and args.low_memory:
+        msg = "--in-memory and --low-memory contradict each other: pass one of them (or neither: stream when possible)"
+        raise ValueError(msg)
     settings = settings_from_flags(args)  # every check that needs no model, the generated recipe built
     try:
         with sigterm_as_interrupt():
-            model = run_oneshot(settings)
+            model = run_oneshot(settings, stream_when_possible=not args.in_memory)
     except KeyboardInterrupt as exc:
         what = "SIGTERM" if isinstance(exc, Terminated) else "Ctrl-C"
         notes = getattr(exc, "__notes__", None)

@@ -43,7 +43,7 @@ from llmc_fsm.oneshot_job import phases as phase
 from llmc_fsm.oneshot_job.phases import Run, prepare
 from llmc_fsm.oneshot_job.progress import quiet_progress
 from llmc_fsm.oneshot_job.settings import DEFAULT_MODEL, OneshotSettings
-from llmc_fsm.oneshot_job.streaming import run_streaming, stream_if_too_large
+from llmc_fsm.oneshot_job.streaming import run_streaming, stream_by_default, stream_if_too_large
 from llmc_fsm.pipeline.device import describe_device, device_label
 from llmc_fsm.recipes.history import APPLIED_RECIPE_ATTR
 from llmc_fsm.toolkit.distributed import is_main_process
@@ -108,7 +108,10 @@ def oneshot(
             free device memory); beyond it they live in CPU memory and move per batch (same result).
 
     Returns:
-        The compressed model (the same object for an ``nn.Module``); its report
+        The compressed model (the same object for an ``nn.Module``), in memory and usable, unless ``low_memory``
+        is set (or the weights do not fit in memory and the job streams): its parameters are then on the ``meta``
+        device and the weights are in ``output_dir``. Unlike ``llmc-fsm oneshot``, which streams whenever the job
+        allows it, this function runs in memory by default. Its report
         (:class:`llmc_fsm.report.build.OneshotReport`) is ``model.llmc_fsm_report``.
 
     Raises:
@@ -128,13 +131,20 @@ def oneshot(
     return run_oneshot(OneshotSettings(**locals()))  # every argument above, by name
 
 
-def run_oneshot(settings: OneshotSettings) -> nn.Module:
+def run_oneshot(settings: OneshotSettings, *, stream_when_possible: bool = False) -> nn.Module:
     """:func:`oneshot` with its arguments already in a :class:`~llmc_fsm.oneshot_job.settings.OneshotSettings`
-    (``llmc-fsm oneshot`` builds one from its flags). Returns and raises as :func:`oneshot`."""
+    (``llmc-fsm oneshot`` builds one from its flags). Returns and raises as :func:`oneshot`.
+
+    ``stream_when_possible`` (what ``llmc-fsm oneshot`` passes unless ``--in-memory``): take the streamed path
+    (``low_memory``, :mod:`llmc_fsm.oneshot_job.streaming`) whenever the job allows it — a model directory or known
+    name with a safetensors checkpoint whose names the model uses, an output directory, calibration text given when
+    a modifier needs it, layer-wise modifiers, one pass, no ``resume``, one process — and say so on stderr; else
+    run in memory as without it. The returned model then has its parameters on ``meta`` (the CLI does not use it).
+    """
 
     with _torch_threads(settings.threads):
         run = prepare(settings)
-        return _run_phases(run)
+        return _run_phases(run, stream_when_possible=stream_when_possible)
 
 
 @contextlib.contextmanager
@@ -160,7 +170,7 @@ def _announce_device(run: Run) -> None:
         tqdm.write(f"llmc-fsm oneshot: device {label}", file=sys.stderr)
 
 
-def _run_phases(run: Run) -> nn.Module:
+def _run_phases(run: Run, *, stream_when_possible: bool = False) -> nn.Module:
     """Every phase after :func:`~llmc_fsm.oneshot_job.phases.prepare`; on any exception (Ctrl-C, SIGTERM included) the
     work directory is handed back (progress kept or removed, see :meth:`llmc_fsm.output.workdir.WorkDir.abort`)."""
 
@@ -169,6 +179,9 @@ def _run_phases(run: Run) -> nn.Module:
         with quiet_progress(not run.settings.progress):
             if run.settings.low_memory or stream_if_too_large(run):
                 return run_streaming(run)
+            lazy = stream_by_default(run) if stream_when_possible else None
+            if lazy is not None:
+                return run_streaming(run, lazy)
             phase.load(run)
             phase.data(run)
             phase.compress(run)

@@ -15,7 +15,7 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +64,7 @@ __all__ = [
     "compress",
     "data",
     "evaluate",
+    "evaluate_before",
     "execution_summary",
     "given_tokenizer",
     "load",
@@ -326,7 +327,7 @@ def data(run: Run) -> None:
 
     settings = run.settings
     token_data(run)
-    _evaluate_before(run)
+    evaluate_before(run)
     if run.windows is None:
         with run.timed("generate_calibration"), model_on_device(run):
             run.windows = generate_calibration(
@@ -341,8 +342,13 @@ def data(run: Run) -> None:
         save_windows(run.work.path, run.windows)
 
 
-def _evaluate_before(run: Run) -> None:
-    """Perplexity before compression; a resumed run reuses the value its first run measured on the same windows."""
+def evaluate_before(run: Run, measure: Callable[[], float] | None = None) -> None:
+    """Perplexity before compression (nothing without evaluation windows): a resumed run reuses the value its first
+    run measured on the same windows, and a model directory or known model whose files, dtype and windows were
+    measured before reads it from the :class:`~llmc_fsm.data.protocol.PerplexityCache` (the report says
+    ``reused: measured <time>``); otherwise ``measure()`` (default: :func:`evaluate` on the in-memory model; the
+    streamed path passes its own) is timed as ``eval_before`` and its value cached.
+    """
 
     if run.eval_windows is None:
         return
@@ -356,7 +362,11 @@ def _evaluate_before(run: Run) -> None:
     if hit is not None:
         run.ppl["eval_before"], run.ppl_before_reused = hit["ppl"], f"reused: measured {hit['measured']}"
     else:
-        evaluate(run, "eval_before")
+        if measure is None:
+            evaluate(run, "eval_before")
+        else:
+            with run.timed("eval_before"):
+                run.ppl["eval_before"] = measure()
         cache.put(key, run.ppl["eval_before"], model=run.model_name, dtype=run.settings.dtype)
     if run.work is not None:
         save_eval_before(run.work.path, run.eval_windows, run.ppl["eval_before"])

@@ -40,8 +40,10 @@ from tqdm.auto import tqdm
 from llmc_fsm.models.known import KNOWN_MODELS, fix_safetensors_permissions, known_model_dir
 from llmc_fsm.models.lazy import LazyModel, ShardWriter, load_lazy, save_config
 from llmc_fsm.oneshot_job.data import calibration_inputs, torch_dtype_of
-from llmc_fsm.oneshot_job.phases import Run, given_tokenizer, run_report, token_data
+from llmc_fsm.oneshot_job.phases import Run, evaluate_before, given_tokenizer, run_report, token_data
 from llmc_fsm.output.save import pruned_sparsity, quantized_modules, sparsity_structure, write_quantization_config
+from llmc_fsm.pipeline.device import onloaded
+from llmc_fsm.pipeline.forward import capture_layer_inputs
 from llmc_fsm.pipeline.streaming import (
     StreamedCompression,
     check_streamable,
@@ -57,10 +59,12 @@ if TYPE_CHECKING:
 
 
 __all__ = [
+    "STREAMING_NOTE",
     "available_memory_bytes",
     "check_job",
     "estimated_weight_bytes",
     "run_streaming",
+    "stream_by_default",
     "stream_if_too_large",
 ]
 
@@ -140,8 +144,70 @@ def stream_if_too_large(run: Run) -> bool:
     return True
 
 
-def run_streaming(run: Run) -> nn.Module:
-    """Run the one-shot job prepared in ``run`` with memory bounded by one decoder layer.
+#: The line ``llmc-fsm oneshot`` prints (stderr, with progress on) when it streams by default.
+STREAMING_NOTE = (
+    "llmc-fsm oneshot: streaming one decoder layer at a time (the default for a data-free job; --in-memory loads "
+    "the whole model)"
+)
+
+
+def stream_by_default(run: Run) -> LazyModel | None:
+    """The CLI's default (``llmc-fsm oneshot`` without ``--in-memory``): switch ``run`` to the streamed path when the
+    job allows it, before any weight is read, and say so (one line on stderr with progress on, :data:`STREAMING_NOTE`;
+    a log line either way).
+
+    The job streams when it is data-free (no modifier requires calibration data: a calibrated job stays in memory,
+    where it keeps per-layer progress for ``--resume`` after a kill; ``--low-memory`` streams it), :func:`check_job`
+    accepts it (one process, an output directory, a model directory or known name, one pass), it does not ``resume``
+    (a streamed run keeps no per-layer progress), and :func:`llmc_fsm.models.lazy.load_lazy` indexes the checkpoint
+    (safetensors whose tensor names the model uses). Otherwise nothing changes (``run`` is as it was; the reason
+    is logged) and the job runs in memory.
+
+    Returns:
+        The indexed model (pass it to :func:`run_streaming`), or ``None``: run in memory.
+    """
+    settings = run.settings
+    if settings.low_memory or settings.resume:
+        return None
+    if run.needs_data:
+        # A calibrated job keeps per-layer progress in memory (``--resume`` after a kill); streaming it is a choice
+        # the user makes with --low-memory.
+        logger.info("in memory: a calibrated job keeps per-layer progress for --resume (--low-memory streams it)")
+        return None
+    run.settings = attrs.evolve(settings, low_memory=True)
+    try:
+        check_job(run)
+        lazy = _load(run)
+    except ValueError as exc:
+        run.settings = settings
+        run.model, run.tokenizer, run.model_name, run.disk_before = None, None, "", None
+        run.seconds.pop("load", None)
+        logger.info("in memory: %s", str(exc).removeprefix("low_memory (--low-memory) cannot run this job: "))
+        return None
+    logger.info("streaming one decoder layer at a time (the command's default when the job allows it)")
+    if settings.progress and is_main_process():
+        tqdm.write(STREAMING_NOTE, file=sys.stderr)
+    return lazy
+
+
+def _layers_return_tuples(lazy: LazyModel, windows: torch.Tensor, device: torch.device) -> bool:
+    """Whether the decoder layers return a tuple (or a tensor): what
+    :func:`llmc_fsm.pipeline.streaming.tail_perplexity` needs when the streamed perplexity before (which records it)
+    was read from the cache. Decoder layer 0 runs once on the first window's inputs (the embedding rows of its
+    tokens and layer 0 read, then freed); a hook on the layer through the compression would change its order
+    (:func:`llmc_fsm.pipeline.true_sequential.plan_groups` runs the plain order for a layer with forward hooks)."""
+    with torch.no_grad():
+        with lazy.materialized(lazy.outer_names()), onloaded(lazy.model, device, skip=[lazy.layers]):
+            inputs = capture_layer_inputs(lazy.model, lazy.layers[0], [{"input_ids": windows[:1].long()}], device=device)
+        layer = lazy.layers[0]
+        with lazy.materialized(lazy.layer_names(0), layer), onloaded(layer, device):
+            ((args, kwargs),) = inputs
+            return isinstance(layer(*args, **kwargs), tuple | list)
+
+
+def run_streaming(run: Run, lazy: LazyModel | None = None) -> nn.Module:
+    """Run the one-shot job prepared in ``run`` with memory bounded by one decoder layer (``lazy``: the model
+    :func:`stream_by_default` already indexed; ``None``: the job is checked and the model indexed here).
 
     Returns:
         The model, with its parameters on the ``meta`` device (the compressed
@@ -156,26 +222,29 @@ def run_streaming(run: Run) -> nn.Module:
             then as :func:`llmc_fsm.models.lazy.load_lazy` and the usual one-shot checks.
     """
 
-    check_job(run)
+    if lazy is None:
+        check_job(run)
+        lazy = _load(run)
     limit_heap_growth()  # freed layers go back to the system (glibc)
-    lazy = _load(run)
     token_data(run)  # on the meta-device model: lengths and the modifiers' checks, no forward
-    as_tuple = False
     progress = run.settings.progress
-    if run.eval_windows is not None:
-        with run.timed("eval_before"):
-            device = run.settings.execution_device
-            states, as_tuple = streamed_states(
-                lazy,
-                run.eval_windows,
-                progress=progress,
-                device=device,
-                activation_budget=run.settings.activation_budget_bytes,
-            )
-            run.ppl["eval_before"] = tail_perplexity(
-                lazy, run.eval_windows, states, as_tuple, progress=progress, device=device
-            )
-        del states
+    device = run.settings.execution_device
+    layers: dict[str, bool] = {}  # "as_tuple": whether the decoder layers return tuples, once known
+
+    def measure() -> float:
+        states, layers["as_tuple"] = streamed_states(
+            lazy,
+            run.eval_windows,
+            progress=progress,
+            device=device,
+            activation_budget=run.settings.activation_budget_bytes,
+        )
+        return tail_perplexity(lazy, run.eval_windows, states, layers["as_tuple"], progress=progress, device=device)
+
+    evaluate_before(run, measure)  # or the dense perplexity measured before on the same files and windows
+    if run.eval_windows is not None and "as_tuple" not in layers:  # read from the cache
+        layers["as_tuple"] = _layers_return_tuples(lazy, run.eval_windows, device)
+    as_tuple = layers.get("as_tuple", False)
     writer = _writer(run, lazy)
     result = _compress(run, lazy, writer)
     if result.eval_states is not None:

@@ -1,0 +1,163 @@
+"""``llmc-fsm oneshot`` streams a data-free job by default when the job allows it (``--in-memory`` to load the whole
+model); a calibrated job stays in memory (per-layer progress for ``--resume``; ``--low-memory`` streams it).
+
+The command never uses the compressed model in memory, so a data-free job takes the ``low_memory`` path whenever the
+job allows it and says so in one line; jobs that cannot stream run in memory as before; ``oneshot()`` keeps the
+in-memory path.
+Each test runs the CLI on ``tiny_llama.build`` (4 decoder layers) saved to a temporary directory.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import tiny_llama
+import torch
+from safetensors import safe_open
+
+import llmc_fsm
+from llmc_fsm.cli import main
+from llmc_fsm.oneshot_job.streaming import STREAMING_NOTE
+
+
+@pytest.fixture(autouse=True)
+def _keep_the_allocator(monkeypatch):
+    """A streamed run fixes glibc's mmap threshold for the whole process; spare the rest of the test session."""
+    monkeypatch.setattr("llmc_fsm.oneshot_job.streaming.limit_heap_growth", lambda: False)
+
+
+@pytest.fixture(autouse=True)
+def _own_perplexity_cache(monkeypatch, tmp_path):
+    monkeypatch.setenv("LLMC_FSM_PERPLEXITY_CACHE", str(tmp_path / "ppl-cache"))
+
+
+def _tensors(directory: Path) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for file in sorted(directory.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as handle:
+            out.update({name: handle.get_tensor(name) for name in handle.keys()})  # noqa: SIM118
+    return out
+
+
+def _run(argv: list[str], capsys) -> tuple[int, str]:
+    status = main(argv)
+    return status, capsys.readouterr().err
+
+
+RTN = ["--method", "rtn", "--scheme", "W8A8"]
+
+
+@pytest.mark.parametrize("scheme", ["W8A8", "W4A16"])
+def test_the_cli_streams_a_data_free_job_by_default_and_writes_the_in_memory_tensors(tiny_model_dir, tmp_path,
+                                                                                     capsys, scheme):
+    model_dir, text = tiny_model_dir
+    flags = ["--method", "rtn", "--scheme", scheme, *(["--group-size", "16"] if scheme == "W4A16" else [])]
+    streamed, in_memory = tmp_path / "streamed", tmp_path / "in-memory"
+    status, err = _run(tiny_llama.oneshot_argv(model_dir, text, streamed, "--num-samples", "8", *flags), capsys)
+    assert status == 0
+    assert STREAMING_NOTE not in err  # --no-progress: no line on stderr
+    status, err = _run(tiny_llama.oneshot_argv(model_dir, text, in_memory, "--num-samples", "8", "--in-memory",
+                                               *flags), capsys)
+    assert status == 0
+    assert (streamed / "model.safetensors.index.json").is_file()  # one shard per decoder layer + one for the rest
+    assert len(list(streamed.glob("model-*-of-*.safetensors"))) == 4 + 1
+    assert not (streamed / "model.safetensors").exists()
+    assert [p.name for p in in_memory.glob("*.safetensors")] == ["model.safetensors"]
+    a, b = _tensors(streamed), _tensors(in_memory)
+    assert sorted(a) == sorted(b)
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+    assert json.loads((streamed / "config.json").read_text()) == json.loads((in_memory / "config.json").read_text())
+    assert (streamed / "recipe.yaml").read_text() == (in_memory / "recipe.yaml").read_text()
+    report_s, report_m = (json.loads((d / "report.json").read_text()) for d in (streamed, in_memory))
+    assert report_s["sparsity"] == report_m["sparsity"] and report_s["calibration"] == report_m["calibration"]
+
+
+@pytest.mark.parametrize("method", ["sparsegpt", "gptq"])
+def test_a_calibrated_job_stays_in_memory_by_default_and_says_why(tiny_model_dir, tmp_path, capsys, caplog, method):
+    model_dir, text = tiny_model_dir
+    out = tmp_path / "o"
+    argv = tiny_llama.oneshot_argv(model_dir, text, out, "--num-samples", "4", "--method", method,
+                                   *(["--scheme", "W4A16", "--group-size", "16"] if method == "gptq" else []))
+    argv.remove("--no-progress")
+    with caplog.at_level("INFO", logger="llmc_fsm.oneshot_job.streaming"):
+        status, err = _run(argv, capsys)
+    assert status == 0
+    assert STREAMING_NOTE not in err
+    assert [p.name for p in out.glob("*.safetensors")] == ["model.safetensors"]
+    assert [r.getMessage() for r in caplog.records if r.getMessage().startswith("in memory")] == [
+        "in memory: a calibrated job keeps per-layer progress for --resume (--low-memory streams it)"
+    ]
+
+
+def test_the_cli_says_in_one_line_that_it_streams(tiny_model_dir, tmp_path, capsys):
+    model_dir, text = tiny_model_dir
+    argv = tiny_llama.oneshot_argv(model_dir, text, tmp_path / "o", "--num-samples", "4", *RTN)
+    argv.remove("--no-progress")
+    status, err = _run(argv, capsys)
+    assert status == 0
+    assert err.count(STREAMING_NOTE + "\n") == 1
+
+
+def test_a_job_that_cannot_stream_runs_in_memory_silently(tiny_model_dir, tmp_path, capsys, caplog):
+    model_dir, text = tiny_model_dir
+    out = tmp_path / "o"
+    # magnitude pruning acts on the whole model at once: the streamed path refuses it, the CLI runs it in memory
+    argv = tiny_llama.oneshot_argv(model_dir, text, out, "--num-samples", "4", "--method", "magnitude")
+    argv.remove("--no-progress")
+    with caplog.at_level("INFO", logger="llmc_fsm.oneshot_job.streaming"):
+        status, err = _run(argv, capsys)
+    assert status == 0
+    assert STREAMING_NOTE not in err
+    assert [p.name for p in out.glob("*.safetensors")] == ["model.safetensors"]
+    assert any(r.getMessage().startswith("in memory: it compresses one decoder layer at a time, but "
+                                         "MagnitudePruningModifier acts on the whole model") for r in caplog.records)
+
+
+def test_in_memory_and_low_memory_together_are_refused_before_any_work(tiny_model_dir, tmp_path, capsys):
+    model_dir, text = tiny_model_dir
+    out = tmp_path / "o"
+    status, err = _run(tiny_llama.oneshot_argv(model_dir, text, out, "--in-memory", "--low-memory"), capsys)
+    assert status == 1
+    assert err == (
+        "llmc-fsm oneshot: error: --in-memory and --low-memory contradict each other: pass one of them (or neither: "
+        "stream when possible)\n"
+    )
+    assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_the_dense_perplexity_is_reused_by_the_streamed_default(tiny_model_dir, tmp_path, capsys, monkeypatch):
+    """Second identical run: the streamed perplexity before is read from the cache (not measured), said in the table
+    and report.json, and equals the first run's; the perplexity after is measured again and is the same."""
+    import llmc_fsm.oneshot_job.streaming as streaming
+
+    model_dir, text = tiny_model_dir
+    measured = []
+    real = streaming.streamed_states
+    monkeypatch.setattr(streaming, "streamed_states", lambda *a, **k: measured.append(1) or real(*a, **k))
+    extra = ["--num-samples", "4", "--eval-text", str(text), "--eval-windows", "3", *RTN]
+    assert main(tiny_llama.oneshot_argv(model_dir, text, tmp_path / "a", *extra)) == 0
+    first_table = capsys.readouterr().out
+    assert len(measured) == 1 and "(before: reused" not in first_table
+    assert main(tiny_llama.oneshot_argv(model_dir, text, tmp_path / "b", *extra)) == 0
+    second_table = capsys.readouterr().out
+    assert len(measured) == 1  # the dense pass was not run again
+    first, second = (json.loads((tmp_path / d / "report.json").read_text()) for d in ("a", "b"))
+    assert second["perplexity"] == first["perplexity"]
+    assert second["eval"]["before"].startswith("reused: measured ") and "before" not in first["eval"]
+    assert "(before: reused: measured " in second_table
+    # the in-memory path measures the same value bit for bit (batch 1), and reuses the streamed one too
+    assert main(tiny_llama.oneshot_argv(model_dir, text, tmp_path / "c", *extra, "--in-memory")) == 0
+    third = json.loads((tmp_path / "c" / "report.json").read_text())
+    assert third["perplexity"] == first["perplexity"]
+    assert third["eval"]["before"].startswith("reused: measured ")
+
+
+def test_the_python_api_keeps_the_in_memory_path(tiny_model_dir, tmp_path):
+    model_dir, text = tiny_model_dir
+    model = llmc_fsm.oneshot(str(model_dir), dataset=str(text), num_calibration_samples=4, max_seq_length=32,
+                             output_dir=tmp_path / "o", progress=False)
+    assert not any(p.is_meta for p in model.parameters())
+    assert [p.name for p in (tmp_path / "o").glob("*.safetensors")] == ["model.safetensors"]
