@@ -12,9 +12,10 @@ Linear but ``lm_head``; calibrated jobs: 32 x 256 tokens from the tail of ``wiki
   ``rtn-streamed``: the same with ``low_memory=True``; ``rtn-cli``: ``llmc-fsm oneshot --method rtn --scheme W8A8
   --output OUT`` (its ``main()`` called in the fresh process: whatever path the CLI takes by default);
 * ``sparsegpt`` — SparseGPT 50% unstructured (the default recipe) through ``llmc_fsm.oneshot`` (in-memory path);
-  ``sparsegpt-cli``: ``llmc-fsm oneshot --dataset wiki.test.raw --output OUT``;
+  ``sparsegpt-cli``: ``llmc-fsm oneshot --dataset wiki.test.raw --output OUT --low-memory`` (the CLI streams only
+  data-free jobs by default: a calibrated one stays in memory, where it keeps per-layer progress for ``--resume``);
 * ``gptq`` — GPTQ W4A16 group 64 (``actorder: static``) through ``llmc_fsm.oneshot`` (in-memory path);
-  ``gptq-cli``: ``llmc-fsm oneshot --recipe <the same recipe> --dataset wiki.test.raw --output OUT``.
+  ``gptq-cli``: ``llmc-fsm oneshot --recipe <the same recipe> --dataset wiki.test.raw --output OUT --low-memory``.
 
 Each side runs in its own fresh process and measures the same things in the same order
 (``benchmarks/peer_jobs_llmcompressor.py`` is the peer's; the ``-streamed`` / ``-cli`` variants are ours only and
@@ -67,9 +68,9 @@ JOBS: dict[str, dict[str, Any]] = {
     "rtn-streamed": {"recipe": RTN, "data": False, "path": "streamed"},
     "rtn-cli": {"recipe": RTN, "data": False, "path": "cli", "flags": ["--method", "rtn", "--scheme", "W8A8"]},
     "sparsegpt": {"recipe": None, "data": True, "path": "api"},
-    "sparsegpt-cli": {"recipe": None, "data": True, "path": "cli", "flags": []},
+    "sparsegpt-cli": {"recipe": None, "data": True, "path": "cli", "flags": ["--low-memory"]},
     "gptq": {"recipe": {"quantization_stage": GPTQ}, "data": True, "path": "api"},
-    "gptq-cli": {"recipe": {"quantization_stage": GPTQ}, "data": True, "path": "cli"},
+    "gptq-cli": {"recipe": {"quantization_stage": GPTQ}, "data": True, "path": "cli", "extra": ["--low-memory"]},
 }
 DEFAULT_JOBS = "rtn,rtn-cli,sparsegpt,sparsegpt-cli,gptq,gptq-cli"
 
@@ -87,7 +88,7 @@ def _cli_args(job: dict[str, Any], out: Path, tmp: Path) -> list[str]:
         return args + job["flags"]
     recipe = tmp / "recipe.json"
     recipe.write_text(json.dumps(job["recipe"]))
-    return args + ["--recipe", str(recipe)]
+    return args + ["--recipe", str(recipe), *job.get("extra", [])]
 
 
 def worker(args: argparse.Namespace) -> dict[str, Any]:
