@@ -3,7 +3,8 @@
 :func:`build` returns a model in eval mode (fp32, CPU) of family ``name`` (a key of :data:`FAMILIES`): 4 decoder
 layers (2 for the slow hybrid families) of width 64, vocabulary 128, with the family's own mix of layer kinds
 (sliding-window and full attention, mamba and attention, dense and mixture-of-experts layers). Multimodal families
-are their ``...ForConditionalGeneration`` with a tiny vision tower; text-only calibration runs their language model.
+are their ``...ForConditionalGeneration`` with a tiny vision (Qwen2-Audio: audio) tower; text-only calibration runs
+their language model. Whisper (an encoder-decoder) is here to test its refusal.
 """
 
 from __future__ import annotations
@@ -224,6 +225,62 @@ FAMILIES: dict[str, tuple[str, dict[str, Any], str | None]] = {
         },
         _VLM,
     ),
+    "llava_pixtral": (  # llm-compressor's Pixtral example: a LlavaForConditionalGeneration with a Pixtral tower
+        "llava",
+        {
+            "_raw": True,
+            "text_config": {**_TEXT, "model_type": "mistral"},
+            "vision_config": {**_VISION, "model_type": "pixtral", "head_dim": 16},
+            "image_token_id": 5,
+        },
+        _VLM,
+    ),
+    "idefics3": (
+        "idefics3",
+        {
+            "_raw": True,
+            "text_config": {**_TEXT, "model_type": "llama"},
+            "vision_config": dict(_VISION),
+            "image_token_id": 5,
+            "scale_factor": 1,
+        },
+        _VLM,
+    ),
+    "qwen2_audio": (
+        "qwen2_audio",
+        {
+            "_raw": True,
+            "text_config": {**_TEXT, "model_type": "qwen2"},
+            "audio_config": {
+                "d_model": 32,
+                "encoder_layers": 6,
+                "encoder_attention_heads": 2,
+                "encoder_ffn_dim": 64,
+                "num_mel_bins": 8,
+                "max_source_positions": 16,
+            },
+            "audio_token_index": 5,
+        },
+        "Qwen2AudioForConditionalGeneration",
+    ),
+    "whisper": (
+        "whisper",
+        {
+            "_raw": True,
+            "d_model": 64,
+            "encoder_layers": 6,
+            "decoder_layers": 4,
+            "encoder_attention_heads": 4,
+            "decoder_attention_heads": 4,
+            "encoder_ffn_dim": 128,
+            "decoder_ffn_dim": 128,
+            "num_mel_bins": 8,
+            "max_source_positions": 16,
+            "max_target_positions": 64,
+            "decoder_start_token_id": 1,
+        },
+        "WhisperForConditionalGeneration",
+    ),
     "gpt2": ("gpt2", {"n_embd": 64, "n_layer": 4, "n_head": 4, "n_positions": 256}, None),
 }
 
@@ -249,7 +306,8 @@ def build(name: str, *, seed: int = 0) -> torch.nn.Module:
     cfg = config(name)
     torch.manual_seed(seed)
     cls = getattr(transformers, cls_name or "AutoModelForCausalLM")
-    return cls.from_config(cfg).eval()
+    model = cls.from_config(cfg) if hasattr(cls, "from_config") else cls(cfg)  # an Auto class, or the class itself
+    return model.eval()
 
 
 def batches(num: int = 2, rows: int = 2, length: int = 24, seed: int = 0) -> list[dict[str, torch.Tensor]]:

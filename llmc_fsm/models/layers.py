@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from torch import nn
 
-__all__ = ["UnsupportedArchitectureError", "find_decoder_layers"]
+__all__ = ["UnsupportedArchitectureError", "check_calibrates_from_text", "find_decoder_layers"]
 
 #: Attribute names under which a decoder keeps its layer list, most common first.
 LAYER_LIST_NAMES = ("layers", "h", "blocks", "layer", "decoder_layers")
@@ -114,3 +114,32 @@ def find_decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
         )
         raise UnsupportedArchitectureError(msg)
     return best
+
+
+def check_calibrates_from_text(model: nn.Module) -> None:
+    """Refuse, before any work, a model whose decoder layers token ids alone cannot calibrate.
+
+    An encoder-decoder model (``config.is_encoder_decoder``: Whisper, T5, BART...) runs its decoder layers on the
+    encoder's output, and the sequential pipeline's calibration data are token ids given as ``input_ids`` to the
+    model's forward: Whisper's encoder reads audio features, not text, and its forward takes no ``input_ids``.
+    Decoder-only models, and multimodal models whose language model runs on text alone (LLaVA, Qwen2-VL,
+    Qwen2-Audio...), pass.
+
+    Raises:
+        UnsupportedArchitectureError: (a ``ValueError``) an encoder-decoder model; one line naming the family,
+            its decoder layers and why.
+    """
+    config = getattr(model, "config", None)
+    if not getattr(config, "is_encoder_decoder", False):
+        return
+    try:
+        where = f" ({find_decoder_layers(model)[0]})"
+    except UnsupportedArchitectureError:
+        where = ""
+    msg = (
+        f"{_family(model)} is an encoder-decoder model: its decoder layers{where} attend to the encoder's output, "
+        "which the sequential pipeline's calibration (token ids as the model's input_ids) does not produce; it "
+        "calibrates decoder-only language models (multimodal ones on text, through their language model): not "
+        "supported"
+    )
+    raise UnsupportedArchitectureError(msg)

@@ -24,6 +24,7 @@ import torch
 
 from llmc_fsm.data.protocol import PerplexityCache, perplexity, token_windows
 from llmc_fsm.models.known import KNOWN_MODELS, known_model_dir, load_model
+from llmc_fsm.models.layers import check_calibrates_from_text
 from llmc_fsm.oneshot_job.data import (
     DEFAULT_PROMPTS,
     calibration_inputs,
@@ -290,6 +291,7 @@ def load(run: Run) -> None:
         run.tokenizer = given_tokenizer(settings)
         if isinstance(settings.model, nn.Module):
             run.model = settings.model
+            check_calibrates_from_text(run.model)
             run.model_name = type(run.model).__name__
             if any(p.is_meta for p in run.model.parameters()):
                 msg = (
@@ -310,6 +312,7 @@ def load(run: Run) -> None:
         dtype = "auto" if settings.dtype == "auto" else torch_dtype_of(settings.dtype)  # auto: from_pretrained's own
         loaded, tokenizer = load_model(settings.model, torch_dtype=dtype)
         run.model = loaded
+        check_calibrates_from_text(run.model)
         run.tokenizer = run.tokenizer if run.tokenizer is not None else tokenizer
         if run.tokenizer is None and needs_text:
             msg = (

@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 from llmc_fsm.core.errors import LifecycleError
-from llmc_fsm.models.layers import find_decoder_layers
+from llmc_fsm.models.layers import check_calibrates_from_text, find_decoder_layers
 from llmc_fsm.pipeline.device import ActivationStore, activation_store, describe_device, onloaded, resolve_device
 from llmc_fsm.pipeline.forward import Inputs, capture_layer_inputs, record_calls_per_class
 from llmc_fsm.pipeline.layer import compress_layer, propagate
@@ -236,6 +236,7 @@ def run_sequential(
     ):
         msg = f"activation_budget must be a number of bytes >= 0 or None, got {activation_budget!r}"
         raise ValueError(msg)
+    check_calibrates_from_text(model)
     layers_name, layers = find_decoder_layers(model)
     check_targets_in_layers(session, layers, layers_name)
     was_training = model.training
