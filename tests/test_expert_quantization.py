@@ -329,3 +329,20 @@ def test_an_interrupted_run_resumes_with_each_expert_s_quantization(tmp_path, mo
     with safe_open(str(files[0][0]), "pt") as a, safe_open(str(files[1][0]), "pt") as b:
         assert sorted(a.keys()) == sorted(b.keys())
         assert [k for k in a.keys() if not torch.equal(a.get_tensor(k), b.get_tensor(k))] == []
+
+
+def test_falcon_gptq_output_reloads_its_falconlinear_unpacked(tmp_path):
+    """Falcon's _init_weights reads FalconLinear.weight unguarded, which a packed module has not on reload
+    (transformers 5.24: "'FalconLinear' object has no attribute 'weight'"): its quantized FalconLinear are saved
+    int-quantized (integer values under weight), and the checkpoint reloads with every key and equal logits."""
+    import json
+
+    model = build("falcon")
+    recipe = {"s": {"GPTQModifier": {"scheme": SCHEME}}}
+    llmc_fsm.oneshot(model=model, recipe=recipe, dataset=DATA, output_dir=tmp_path / "o", progress=False)
+    config = json.loads((tmp_path / "o" / "config.json").read_text())["quantization_config"]
+    assert (config["format"], config["config_groups"]["group_0"]["targets"]) == ("int-quantized", ["FalconLinear"])
+    reloaded, info = _reload(tmp_path / "o", "falcon")
+    assert (sorted(info["missing_keys"]), sorted(info["unexpected_keys"])) == ([], [])
+    with torch.no_grad():
+        assert torch.equal(reloaded(DATA[:2]).logits, model(DATA[:2]).logits)
