@@ -220,7 +220,9 @@ def test_an_expert_without_routed_tokens_is_rounded_to_nearest_and_named(tmp_pat
     experts = _experts_modules(model)
     idle = [f"{n}.3.{m}" for n in experts for m in ("gate_proj", "up_proj", "down_proj")]
     originals = {n: model.get_submodule(n.rsplit(".", 2)[0]) for n in idle}
-    originals = {n: weight_views(m)[".".join(n.rsplit(".", 2)[1:])].weight.detach().clone() for n, m in originals.items()}
+    originals = {
+        n: weight_views(m)[".".join(n.rsplit(".", 2)[1:])].weight.detach().clone() for n, m in originals.items()
+    }
     recipe = {"s": {"GPTQModifier": {"scheme": SCHEME}}}
     with caplog.at_level(logging.WARNING):
         llmc_fsm.oneshot(model=model, recipe=recipe, dataset=DATA, output_dir=tmp_path / "a", progress=False)
@@ -237,6 +239,8 @@ def test_an_expert_without_routed_tokens_is_rounded_to_nearest_and_named(tmp_pat
     assert "quantized by round-to-nearest (no calibration input)" in report.format_table()
     reloaded, info = _reload(tmp_path / "a", "deepseek_v3")
     assert (sorted(info["missing_keys"]), sorted(info["unexpected_keys"])) == ([], [])
+    with torch.no_grad():
+        assert torch.equal(reloaded(DATA[:2]).logits, model(DATA[:2]).logits)
     model = build("deepseek_v3")
     _never_route_expert_3(model)
     recipe = {"s": {"GPTQModifier": {"scheme": SCHEME, "calibrate_all_experts": True}}}
@@ -247,41 +251,47 @@ def test_an_expert_without_routed_tokens_is_rounded_to_nearest_and_named(tmp_pat
 
 REFUSALS = {
     "gpt_oss": (
-        "gpt_oss", {"scheme": SCHEME},
+        "gpt_oss",
+        {"scheme": SCHEME},
         "GPTQModifier: GptOssForCausalLM (model_type 'gpt_oss'): fused experts model.layers.0.mlp.experts cannot be "
         "quantized: transformers saves model.layers.0.mlp.experts.gate_up_proj, model.layers.0.mlp.experts.down_proj "
         "fused in the checkpoint (no per-expert key), so no per-expert quantized weights can be written that it "
         "reloads",
     ),
     "dbrx": (
-        "dbrx", {"scheme": SCHEME},
+        "dbrx",
+        {"scheme": SCHEME},
         "GPTQModifier: DbrxForCausalLM (model_type 'dbrx'): fused experts transformer.blocks.0.ffn.experts cannot be "
         "quantized: transformers saves transformer.blocks.0.ffn.experts.mlp.w1, transformer.blocks.0.ffn.experts.mlp."
         "v1, transformer.blocks.0.ffn.experts.mlp.w2 fused in the checkpoint (no per-expert key), so no per-expert "
         "quantized weights can be written that it reloads",
     ),
     "ignored": (
-        "mixtral", {"scheme": SCHEME, "ignore": ["lm_head", "re:.*\\.experts"]},
+        "mixtral",
+        {"scheme": SCHEME, "ignore": ["lm_head", "re:.*\\.experts"]},
         "GPTQModifier: MixtralForCausalLM (model_type 'mixtral'): the fused experts model.layers.{0..3}.mlp.experts "
         "are ignored, and transformers 5.24 does not reload dense fused experts from a compressed-tensors checkpoint "
         "(its experts loader decompresses packed weights only and drops the rest: missing keys; measured on "
         "Mixtral): quantize them too (leave them out of ignore)",
     ),
     "partial": (
-        "mixtral", {"scheme": SCHEME, "ignore": ["lm_head", "re:.*experts\\.0\\.down_proj"]},
+        "mixtral",
+        {"scheme": SCHEME, "ignore": ["lm_head", "re:.*experts\\.0\\.down_proj"]},
         "GPTQModifier: MixtralForCausalLM (model_type 'mixtral'): model.layers.{0..3}.mlp.experts.0.down_proj would "
         "stay dense while other expert matrices are quantized; transformers 5.24 reloads a layer's fused experts "
         "from packed weights only (the dense ones would be missing): quantize every expert matrix (no ignore pattern "
         "inside the experts) or none of the model",
     ),
     "activations": (
-        "mixtral", {"scheme": "W8A8"},
+        "mixtral",
+        {"scheme": "W8A8"},
         "GPTQModifier: MixtralForCausalLM (model_type 'mixtral'): fused experts model.layers.{0..3}.mlp.experts: "
         "weight-only schemes only (e.g. W4A16, W8A16): transformers 5.24 reloads fused experts dequantized into "
         "their fused parameters, which run without activation quantization",
     ),
     "asymmetric": (
-        "mixtral", {"scheme": {"preset": "W4A16_ASYM", "weights": {"group_size": 16}}},
+        "mixtral",
+        {"scheme": {"preset": "W4A16_ASYM", "weights": {"group_size": 16}}},
         "GPTQModifier: MixtralForCausalLM (model_type 'mixtral'): fused experts model.layers.{0..3}.mlp.experts: "
         "symmetric int weights that compressed-tensors packs (pack-quantized: W4A16, W8A16) only: transformers 5.24 "
         "rebuilds a checkpoint's experts from their packed weights, scales and shapes alone (no zero point, no "

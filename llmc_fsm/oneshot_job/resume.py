@@ -288,7 +288,9 @@ class LayerProgress:
             out[label] = {
                 "results": {n: attrs.asdict(modifier.results[n]) for n in names if n in modifier.results},
                 "skipped": [n for n in names if n in modifier.skipped],
-                "routed_tokens": {n: c for n, c in (getattr(modifier, "routed_tokens", None) or {}).items() if n in names},
+                "routed_tokens": {
+                    n: c for n, c in (getattr(modifier, "routed_tokens", None) or {}).items() if n in names
+                },
             }
         return out
 

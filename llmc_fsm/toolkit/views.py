@@ -342,7 +342,8 @@ def expert_checkpoint_names(model: nn.Module, name: str, module: nn.Module) -> d
         module: a fused experts module with views (:func:`weight_views`).
 
     Returns:
-        ``{view suffix: checkpoint module name}``, e.g. ``{"0.gate_proj": "model.layers.0.block_sparse_moe.experts.0.w1"}``
+        ``{view suffix: checkpoint module name}``, e.g. ``"0.gate_proj"`` ->
+        ``"model.layers.0.block_sparse_moe.experts.0.w1"``
         (its tensors are ``<name>.weight``, or compressed-tensors' ``<name>.weight_packed`` ...).
 
     Raises:

@@ -638,7 +638,7 @@ class QuantizingModifier(CalibratedModifier):
                 fix = (
                     "quantize them too (leave them out of ignore)"
                     if self.compresses_views
-                    else f"{name} does not quantize fused experts (GPTQModifier and QuantizationModifier do, per expert)"
+                    else f"{name} does not quantize fused experts (GPTQModifier, QuantizationModifier do, per expert)"
                 )
                 msg = (
                     f"{name}: {family}: the fused experts {compact_names(dense)} are ignored, and transformers 5.24 "

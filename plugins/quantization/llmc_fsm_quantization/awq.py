@@ -369,7 +369,8 @@ class AWQModifier(SmoothingModifier):
         """
         fused = [n for n, m in model.named_modules() if weight_views(m) and "" not in weight_views(m)]
         if fused:
-            family = f"{type(model).__name__} (model_type {getattr(getattr(model, 'config', None), 'model_type', None)!r})"
+            model_type = getattr(getattr(model, "config", None), "model_type", None)
+            family = f"{type(model).__name__} (model_type {model_type!r})"
             msg = (
                 f"AWQModifier: {family} keeps fused experts in {compact_names(fused)}: AWQ on fused experts is not "
                 "implemented (its smoothing balances the Linear modules of its mappings, and no mapping reaches an "
