@@ -279,31 +279,21 @@ def test_routers_are_ignored_by_default_and_views_not_registered():
     assert "transformer.blocks.1.ffn.experts.mlp.0.w1" in ignored.selected
 
 
-@pytest.mark.parametrize("family", ["mixtral", "gpt2"])
-def test_quantizing_fused_experts_or_conv1d_is_refused_before_any_work_saying_why(tmp_path, family):
-    model = build(family)
+def test_quantizing_conv1d_is_refused_before_any_work_saying_why(tmp_path):
+    """GPT-2's Conv1D: refused by the quantizers, naming the modules and why (fused experts are quantized per expert:
+    tests/test_expert_quantization.py)."""
+    from llmc_fsm_quantization._base import CONV1D_REFUSAL
+
+    model = build("gpt2")
     before = {k: v.clone() for k, v in model.state_dict().items()}
     recipe = {"s": {"GPTQModifier": {"scheme": {"preset": "W4A16", "weights": {"group_size": 16}}}}}
     with pytest.raises(ValueError) as info:
         llmc_fsm.oneshot(model=model, recipe=recipe, dataset=DATA, output_dir=tmp_path / "o", progress=False)
-    if family == "gpt2":
-        assert str(info.value).endswith(
-            "GPT2LMHeadModel (model_type 'gpt2') keeps transformer.h.{0..3}.attn.c_attn, transformer.h.{0..3}.attn."
-            "c_proj, transformer.h.{0..3}.mlp.c_fc, transformer.h.{0..3}.mlp.c_proj as transformers Conv1D (a Linear "
-            "whose weight is stored [in, out]), which targets ['Linear'] select; this modifier compresses Linear "
-            "modules only: the pruning modifiers (SparseGPT, Wanda, magnitude) prune Conv1D; quantizing it is not "
-            "implemented (the quantizers quantize and save nn.Linear modules, compressed-tensors' layout): add them "
-            "to ignore to compress only the other modules"
-        )
-    else:
-        assert str(info.value).endswith(
-            "MixtralForCausalLM (model_type 'mixtral') keeps its experts fused in model.layers.{0..3}.mlp.experts "
-            "(down_proj, gate_up_proj: every expert's weights in one tensor, not one Linear per expert), which "
-            "targets ['Linear'] select; this modifier compresses Linear modules only: the pruning modifiers "
-            "(SparseGPT, Wanda, magnitude) prune fused experts per expert; quantizing them is not implemented (the "
-            "quantizers quantize and save nn.Linear modules, and fused experts have no module per expert): add "
-            "'re:.*\\.experts' to ignore to compress the other modules"
-        )
+    assert str(info.value) == (
+        "GPTQModifier: GPT2LMHeadModel (model_type 'gpt2') keeps transformer.h.{0..3}.attn.c_attn, transformer.h."
+        "{0..3}.attn.c_proj, transformer.h.{0..3}.mlp.c_fc, transformer.h.{0..3}.mlp.c_proj as transformers Conv1D: "
+        + CONV1D_REFUSAL
+    )
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert not (tmp_path / "o").exists()
 

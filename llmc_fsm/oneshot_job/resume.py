@@ -61,6 +61,7 @@ from llmc_fsm.output.workdir import LAYOUT, WorkDir
 from llmc_fsm.recipes.model import Recipe
 from llmc_fsm.session.session import Session
 from llmc_fsm.toolkit.calibrated import CalibratedModifier, ModuleResult
+from llmc_fsm.toolkit.views import weight_views
 
 __all__ = [
     "LayerProgress",
@@ -234,13 +235,15 @@ class LayerProgress:
 
     def save(self, index: int, layer: nn.Module) -> None:
         """Write layer ``index`` (its state dict; quantization and results as JSON metadata)."""
+        views, view_tensors = _views_of(layer)
         metadata = {
             "quantization": json.dumps(_quantization_of(layer)),
             "results": json.dumps(self._results_of(layer)),
+            "views": json.dumps(views),
         }
         target = self._file(index)
         tmp = target.with_name(target.name + ".partial")
-        save_file(_unshared(layer.state_dict()), str(tmp), metadata=metadata)
+        save_file({**_unshared(layer.state_dict()), **view_tensors}, str(tmp), metadata=metadata)
         os.replace(tmp, target)
 
     def restore(self, index: int, layer: nn.Module) -> None:
@@ -253,6 +256,7 @@ class LayerProgress:
         with safe_open(str(path), "pt") as fh:
             metadata = fh.metadata() or {}
         tensors = load_file(str(path))
+        view_tensors = {k: tensors.pop(k) for k in [k for k in tensors if k.startswith(_VIEWS)]}
         quantization = json.loads(metadata.get("quantization", "{}"))
         try:
             _init_quantization(layer, quantization)
@@ -261,6 +265,7 @@ class LayerProgress:
             msg = f"saved progress {str(path)!r} does not fit decoder layer {index}: {str(err).splitlines()[0]}"
             raise ValueError(msg) from err
         _set_status(layer, quantization)
+        _restore_views(layer, json.loads(metadata.get("views", "{}")), view_tensors)
         for label, saved in json.loads(metadata.get("results", "{}")).items():
             modifier = self.modifiers[label]
             if "state" in saved:  # a modifier with its own per-layer state (see the module docstring)
@@ -268,9 +273,11 @@ class LayerProgress:
                 continue
             modifier.results.update({name: ModuleResult(**fields) for name, fields in saved["results"].items()})
             modifier.skipped.extend(n for n in saved["skipped"] if n not in modifier.skipped)
+            if isinstance(getattr(modifier, "routed_tokens", None), dict):  # fused experts: counts of the first run
+                modifier.routed_tokens.update(saved.get("routed_tokens", {}))
 
     def _results_of(self, layer: nn.Module) -> dict[str, Any]:
-        inside = {id(m) for m in layer.modules()}
+        inside = {id(v) for m in layer.modules() for v in (m, *weight_views(m).values())}  # with expert views
         out: dict[str, Any] = {}
         for label, modifier in self.modifiers.items():
             if not isinstance(modifier, CalibratedModifier):
@@ -281,6 +288,9 @@ class LayerProgress:
             out[label] = {
                 "results": {n: attrs.asdict(modifier.results[n]) for n in names if n in modifier.results},
                 "skipped": [n for n in names if n in modifier.skipped],
+                "routed_tokens": {
+                    n: c for n, c in (getattr(modifier, "routed_tokens", None) or {}).items() if n in names
+                },
             }
         return out
 
@@ -327,6 +337,49 @@ def _init_quantization(layer: nn.Module, quantization: Mapping[str, Any]) -> Non
     for name, info in quantization.items():
         scheme = QuantizationScheme.model_validate(info["scheme"])
         initialize_module_for_quantization(layer.get_submodule(name), scheme, force_zero_point=True)
+
+
+#: Key prefix, in a layer's progress file, of the quantization parameters kept on expert views (not in the state dict).
+_VIEWS = "__llmc_fsm_views__."
+
+
+def _expert_views(layer: nn.Module) -> dict[str, Any]:
+    """``{name inside layer: view}`` of the expert matrices of the layer's fused experts."""
+    return {
+        f"{name}.{suffix}" if name else suffix: view
+        for name, module in layer.named_modules()
+        for suffix, view in weight_views(module).items()
+        if view.expert is not None
+    }
+
+
+def _views_of(layer: nn.Module) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """What the quantization plugin keeps on the layer's expert views outside the state dict: per quantized view its
+    scheme and checkpoint name (metadata) and its ``quantized_params`` (tensors, keys prefixed ``_VIEWS``)."""
+    info: dict[str, Any] = {}
+    tensors: dict[str, torch.Tensor] = {}
+    for name, view in _expert_views(layer).items():
+        scheme = getattr(view, "quantization_scheme", None)
+        if scheme is not None:
+            info[name] = {"scheme": scheme.model_dump(mode="json"), "checkpoint_name": view.checkpoint_name}
+            tensors.update({f"{_VIEWS}{name}.{k}": t.contiguous() for k, t in view.quantized_params.items()})
+    return info, tensors
+
+
+def _restore_views(layer: nn.Module, info: Mapping[str, Any], tensors: Mapping[str, torch.Tensor]) -> None:
+    """Give the layer's expert views back what :func:`_views_of` saved (their values came with the state dict)."""
+    if not info:
+        return
+    from compressed_tensors.quantization import QuantizationScheme, QuantizationStatus
+
+    views = _expert_views(layer)
+    for name, entry in info.items():
+        view = views[name]
+        view.quantization_scheme = QuantizationScheme.model_validate(entry["scheme"])
+        view.quantization_status = QuantizationStatus.FROZEN
+        view.checkpoint_name = entry["checkpoint_name"]
+        prefix = f"{_VIEWS}{name}."
+        view.quantized_params = {k.removeprefix(prefix): t for k, t in tensors.items() if k.startswith(prefix)}
 
 
 def _set_status(layer: nn.Module, quantization: Mapping[str, Any]) -> None:

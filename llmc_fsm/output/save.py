@@ -11,7 +11,10 @@ place (:mod:`llmc_fsm.output.workdir`).
   (``quant_method: compressed-tensors``) in ``config.json`` and, when the
   quantized weights are sparse, a dense-format ``sparsity_config`` recording
   the measured sparsity and its structure. ``transformers`` loads it with
-  ``compressed-tensors`` installed, vLLM serves it.
+  ``compressed-tensors`` installed, vLLM serves it. Expert matrices of fused
+  mixture-of-experts weights quantized per expert (:func:`quantized_views`) are
+  packed the same way and written under the per-expert names transformers 5
+  reads back (it reloads them dequantized into the fused parameters).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from llmc_fsm.output.compressed import (
     unpacked_zero_points,
 )
 from llmc_fsm.recipes.model import Recipe
+from llmc_fsm.toolkit.views import LinearView, weight_views
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +48,7 @@ __all__ = [
     "dir_size_bytes",
     "pruned_sparsity",
     "quantized_modules",
+    "quantized_views",
     "quantized_weights_as_compressed",
     "save_model",
     "sparsity_structure",
@@ -112,6 +117,22 @@ def dir_size_bytes(path: str | os.PathLike[str]) -> int:
 def quantized_modules(model: nn.Module) -> dict[str, nn.Module]:
     """``{name: module}`` of the modules that carry a ``compressed-tensors`` ``quantization_scheme``."""
     return {name: m for name, m in model.named_modules() if getattr(m, "quantization_scheme", None) is not None}
+
+
+def quantized_views(model: nn.Module) -> dict[str, LinearView]:
+    """``{name: view}`` of the expert matrices of fused experts that the quantization plugin quantized.
+
+    Such a :class:`~llmc_fsm.toolkit.views.LinearView` carries ``quantization_scheme``, ``quantized_params``
+    (``weight_scale``, ``weight_zero_point``) and ``checkpoint_name`` (the per-expert module name transformers 5
+    reads back, :func:`~llmc_fsm.toolkit.views.expert_checkpoint_names`); its matrix in the fused parameter holds the
+    dequantized values.
+    """
+    return {
+        f"{name}.{suffix}" if name else suffix: view
+        for name, module in model.named_modules()
+        for suffix, view in weight_views(module).items()
+        if getattr(view, "quantization_scheme", None) is not None
+    }
 
 
 def pruned_sparsity(report: Any) -> float:
@@ -198,7 +219,7 @@ def save_model(
 
 
 def _save_weights(model: nn.Module, directory: Path, sparsity_structure: str | None, sparsity: float) -> None:
-    if not quantized_modules(model):
+    if not quantized_modules(model) and not quantized_views(model):
         model.save_pretrained(directory, safe_serialization=True)
         return
     model.save_pretrained(directory, state_dict=compressed_state_dict(model), safe_serialization=True)
@@ -218,6 +239,7 @@ def compressed_state_dict(module: nn.Module, prefix: str = "") -> dict[str, Any]
 
     unpacked_zero_points(quantized_modules(module))
     unpacked_embeddings(quantized_modules(module))
+    _unpacked_where_init_reads_weight(module, quantized_modules(module))
     infer_model_format(module)  # sets each quantized module's scheme.format
     state = {prefix + key: value for key, value in module.state_dict().items()}
     for name, sub in quantized_modules(module).items():
@@ -228,7 +250,37 @@ def compressed_state_dict(module: nn.Module, prefix: str = "") -> dict[str, Any]
         for key in local:
             state.pop(sub_prefix + key, None)
         state.update({sub_prefix + key: value.contiguous() for key, value in packed.items() if value is not None})
+    state.update(_expert_tensors(module, prefix, state))
     return state
+
+
+def _expert_tensors(module: nn.Module, prefix: str, state: dict[str, Any]) -> dict[str, Any]:
+    """The compressed tensors of ``module``'s quantized expert matrices (:func:`quantized_views`), under their
+    per-expert checkpoint names; the fused parameters they were read from are removed from ``state``.
+
+    Each matrix is packed by compressed-tensors' compressor of its scheme's format (``pack-quantized``:
+    ``weight_packed``, ``weight_scale``, ``weight_shape``), as a Linear module of that shape would be. transformers 5
+    writes these keys unchanged and, on reload, decompresses them and fuses the experts again (dequantized).
+    """
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.compressors.format import infer_module_format
+
+    views = quantized_views(module)
+    if not views:
+        return {}
+    owners = {id(sub): name for name, sub in module.named_modules()}
+    out: dict[str, Any] = {}
+    for view in views.values():
+        owner = owners[id(view.owner)]
+        state.pop(f"{prefix}{owner}.{view.param_name}" if owner else prefix + view.param_name, None)
+        scheme = view.quantization_scheme
+        scheme.format = scheme.format or infer_module_format(nn.Linear, scheme)
+        local = {"weight": view.weight.detach().contiguous(), **view.quantized_params}
+        packed = BaseCompressor.get_value_from_registry(scheme.format.value).compress(local, scheme)
+        out.update(
+            {f"{view.checkpoint_name}.{key}": value.contiguous() for key, value in packed.items() if value is not None}
+        )
+    return out
 
 
 def write_quantization_config(
@@ -243,8 +295,12 @@ def write_quantization_config(
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import QuantizationStatus
 
+    views = quantized_views(model)
     with leaf_targets(quantized_modules(model)):  # what was quantized, not recipe patterns (the config holds the
-        compressor = ModelCompressor.from_pretrained_model(model)  # modules' scheme objects: written inside)
+        if quantized_modules(model):  # modules' scheme objects: written inside)
+            compressor = ModelCompressor.from_pretrained_model(model)
+        else:  # only fused experts quantized
+            compressor = ModelCompressor(quantization_config=_experts_only_config(model, views))
         compressor.quantization_config.quantization_status = QuantizationStatus.COMPRESSED  # what the tensors are
         config = compressor.quantization_config  # every unquantized module a class target would match on reload
         config.ignore = ignore_for_reload(model, quantized_modules(model), list(config.ignore or []))
@@ -255,6 +311,24 @@ def write_quantization_config(
         _write_sparsity_config(directory, sparsity, sparsity_structure or "unstructured", targets)
 
 
+def _experts_only_config(model: nn.Module, views: dict[str, LinearView]) -> Any:
+    """The ``quantization_config`` of a model whose only quantized weights are fused experts' matrices.
+
+    One config group (the experts' scheme, the plugin allows one) targeting ``Linear``, which transformers 5.24's
+    experts loader takes for the experts (its ``get_experts_scheme``), with every ``nn.Linear`` module of the model
+    under ``ignore`` (none of them is quantized).
+    """
+    from compressed_tensors.quantization import QuantizationConfig
+
+    scheme = next(iter(views.values())).quantization_scheme.model_copy(deep=True)
+    scheme.targets = ["Linear"]
+    return QuantizationConfig(
+        config_groups={"group_0": scheme},
+        format=scheme.format.value,
+        ignore=[name for name, sub in model.named_modules() if name and isinstance(sub, nn.Linear)],
+    )
+
+
 def _write_sparsity_config(directory: Path, sparsity: float, structure: str, targets: list[str]) -> None:
     from compressed_tensors.config import DenseSparsityConfig
 
@@ -263,3 +337,48 @@ def _write_sparsity_config(directory: Path, sparsity: float, structure: str, tar
     sparsity_config = DenseSparsityConfig(global_sparsity=sparsity, sparsity_structure=structure, targets=targets)
     config["quantization_config"]["sparsity_config"] = sparsity_config.model_dump()
     config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
+def _init_reads_weight(model: nn.Module, module: nn.Module) -> bool:
+    """Whether ``model``'s own weight initialisation (transformers' ``_init_weights``, which runs on every module
+    when a checkpoint is loaded) fails on a module of ``module``'s class that has no ``weight``, as a module of a
+    packed checkpoint has none on reload (``weight_packed`` instead).
+
+    Measured by calling it on such a module (no parameter: nothing is initialised). Falcon's ``_init_weights``
+    reads ``FalconLinear.weight`` unguarded (transformers 5.24): ``AttributeError: 'FalconLinear' object has no
+    attribute 'weight'``; the generic one skips a Linear without weight.
+    """
+    init = getattr(model, "_init_weights", None)
+    if init is None or type(module) is nn.Linear or not isinstance(module, nn.Linear):
+        return False
+    probe = nn.Module.__new__(type(module))
+    nn.Module.__init__(probe)
+    probe.register_parameter("bias", None)
+    probe.in_features, probe.out_features = module.in_features, module.out_features
+    try:
+        init(probe)
+    except AttributeError as exc:
+        return "weight" in str(exc)
+    return False
+
+
+def _unpacked_where_init_reads_weight(model: nn.Module, modules: dict[str, nn.Module]) -> None:
+    """Quantized modules that compressed-tensors would pack and whose class the model's weight initialisation reads
+    ``weight`` of (:func:`_init_reads_weight`: Falcon's ``FalconLinear``) are saved ``int-quantized``: their integer
+    values under ``weight`` (one int8 each, so a 4-bit weight takes 8 bits on disk), which reload. Packed, transformers
+    5.24 failed to reload the checkpoint (``'FalconLinear' object has no attribute 'weight'``). Sets
+    ``quantization_scheme.format`` of those modules."""
+    from compressed_tensors.compressors.format import infer_module_format
+    from compressed_tensors.config import CompressionFormat
+
+    reads: dict[type, bool] = {}
+    for sub in modules.values():
+        scheme = sub.quantization_scheme
+        if scheme.format not in (None, CompressionFormat.pack_quantized):
+            continue
+        if type(sub) not in reads:
+            reads[type(sub)] = _init_reads_weight(model, sub)
+        if reads[type(sub)]:
+            scheme.format = None
+            if infer_module_format(type(sub), scheme) == CompressionFormat.pack_quantized:
+                scheme.format = CompressionFormat.int_quantized

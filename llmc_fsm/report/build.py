@@ -186,6 +186,8 @@ class OneshotReport:
         counts = [m.routed_tokens for m in routed]
         idle = [m.name for m in routed if m.routed_tokens == 0]
         none = f"; no routed token: {compact_names(idle)}" if idle else "; every expert got tokens"
+        if any(m.bits is not None and m.routed_tokens == 0 for m in routed):  # GPTQ without a Hessian
+            none += ", quantized by round-to-nearest (no calibration input)"
         return [
             f"experts: {len(routed)} expert matrices, {min(counts)}-{max(counts)} routed calibration tokens each"
             f"{none} (report.json: routed_tokens)"

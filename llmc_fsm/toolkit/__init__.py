@@ -33,7 +33,7 @@ The public names, by concern:
   parameter, or a ``Conv1D`` weight, seen as a Linear weight sharing its storage), :func:`weight_views` (a module's
   views), :func:`observe_inputs` (feed the views the inputs their matrices receive: per expert, its routed tokens),
   :func:`router_names`, :func:`fused_experts_reason`, :func:`clear_weight_views` (after a module's
-  parameters changed shape);
+  parameters changed shape), :func:`expert_checkpoint_names` (the per-expert checkpoint names of fused experts);
 * **masks** (:mod:`~llmc_fsm.toolkit.masks`): :func:`pack_mask` / :func:`unpack_mask` (bool <-> bit-packed uint8);
 * **ranks** (:mod:`~llmc_fsm.toolkit.distributed`): :func:`is_distributed`, :func:`get_rank`,
   :func:`get_world_size`, :func:`is_main_process`, :func:`all_reduce_tensor`, :func:`all_gather_ints`,
@@ -83,6 +83,7 @@ from llmc_fsm.toolkit.targets import (
 from llmc_fsm.toolkit.views import (
     LinearView,
     clear_weight_views,
+    expert_checkpoint_names,
     fused_experts_reason,
     observe_inputs,
     router_names,
@@ -112,6 +113,7 @@ __all__ = [
     "check_same_values",
     "clear_weight_views",
     "compact_names",
+    "expert_checkpoint_names",
     "fused_experts_reason",
     "get_rank",
     "get_world_size",

@@ -314,10 +314,9 @@ def _experts_error(
         )
     else:
         tail = (
-            "this modifier compresses Linear modules only: the pruning modifiers (SparseGPT, Wanda, magnitude) "
-            "prune fused experts per expert; quantizing them is not implemented (the quantizers quantize and save "
-            "nn.Linear modules, and fused experts have no module per expert): add 're:.*\\.experts' to ignore to "
-            "compress the other modules"
+            "this modifier compresses Linear modules only (SparseGPT, Wanda, magnitude, GPTQ and "
+            "QuantizationModifier compress fused experts per expert): add 're:.*\\.experts' to ignore to compress "
+            "the other modules"
         )
     return ValueError(head + tail)
 

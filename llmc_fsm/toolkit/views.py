@@ -25,13 +25,22 @@ still match; DBRX's are ``<experts>.mlp.<e>.w1`` / ``v1`` / ``w2``.
 from __future__ import annotations
 
 import inspect
+import math
 from typing import Any
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-__all__ = ["LinearView", "clear_weight_views", "fused_experts_reason", "observe_inputs", "router_names", "weight_views"]
+__all__ = [
+    "LinearView",
+    "clear_weight_views",
+    "expert_checkpoint_names",
+    "fused_experts_reason",
+    "observe_inputs",
+    "router_names",
+    "weight_views",
+]
 
 _CACHE = "_llmc_fsm_weight_views"
 
@@ -82,7 +91,10 @@ class LinearView(nn.Module):
     @property
     def weight(self) -> torch.Tensor:
         """``[out_features, in_features]`` view of the owner's parameter (shares its storage)."""
-        p = getattr(self.owner, self.param_name)
+        return self.matrix_of(getattr(self.owner, self.param_name))
+
+    def matrix_of(self, p: torch.Tensor) -> torch.Tensor:
+        """This view's matrix read from ``p``, a tensor laid out like the owner's parameter (same leading sizes)."""
         if self.expert is not None:
             p = p.view(-1, self.block, p.shape[-1])[self.expert] if self.block is not None else p[self.expert]
         w = p.T if self.transposed else p
@@ -298,3 +310,79 @@ def observe_inputs(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, A
             views[f"{e}.up_proj"](x)
             h = module.act_fn(out)
         views[f"{e}.down_proj"](h)
+
+
+def _marker(view: LinearView, param: torch.Tensor) -> torch.Tensor:
+    """A float64 tensor laid out like ``param`` but one input column wide, every entry distinct (its position).
+
+    Reading a view's matrix from it (:meth:`LinearView.matrix_of`) gives ``[out_features, 1]``: which entries of the
+    parameter are that view's rows, without allocating the parameter's size.
+    """
+    shape = list(param.shape)
+    if view.block is not None or not view.transposed:
+        shape[-1] = 1  # [experts, out, in] or DBRX's [experts * ffn, hidden]: rows kept, one column
+    else:
+        shape[-2] = 1  # transposed [experts, in, out]: the input dim is the one before last
+    return torch.arange(math.prod(shape), dtype=torch.float64).reshape(shape)
+
+
+def expert_checkpoint_names(model: nn.Module, name: str, module: nn.Module) -> dict[str, str]:
+    """The checkpoint name of each expert matrix of the fused experts ``module`` (called ``name`` in ``model``).
+
+    transformers 5 saves fused experts in the checkpoint's own layout through the model's conversion mapping
+    (``revert_weight_conversion``, as ``save_pretrained`` does): Mixtral's ``mlp.experts.gate_up_proj`` becomes
+    ``block_sparse_moe.experts.<e>.w1.weight`` / ``w3.weight``, Qwen2/3-MoE's and DeepSeek-V3's
+    ``mlp.experts.<e>.gate_proj.weight`` ... . Which per-expert key holds which view's matrix is read by converting
+    marker tensors (one column wide, every entry distinct) with that same mapping, so the names are transformers'
+    own, not a copy of its table.
+
+    Args:
+        model: a transformers ``PreTrainedModel`` holding ``module``.
+        name: ``module``'s full name in ``model`` (as in ``model.state_dict()`` keys).
+        module: a fused experts module with views (:func:`weight_views`).
+
+    Returns:
+        ``{view suffix: checkpoint module name}``, e.g. ``"0.gate_proj"`` ->
+        ``"model.layers.0.block_sparse_moe.experts.0.w1"``
+        (its tensors are ``<name>.weight``, or compressed-tensors' ``<name>.weight_packed`` ...).
+
+    Raises:
+        ValueError: (one line, why) the family's checkpoint keeps the fused tensors (no per-expert key: GPT-OSS,
+            DBRX), a per-expert key is not one view's ``[out, in]`` matrix, or the per-expert names would not be
+            written as given (the conversion would rename them again).
+    """
+    from transformers.core_model_loading import revert_weight_conversion  # optional third-party: transformers
+
+    views = weight_views(module)
+    params = {v.param_name: getattr(v.owner, v.param_name) for v in views.values()}
+    prefix = name + "." if name else ""
+    owner_prefix = prefix + ("mlp." if _is_dbrx(module) else "")
+    first = next(iter(views.values()))
+    markers = {pname: _marker(first, p) for pname, p in params.items()}
+    reverted = revert_weight_conversion(model, {owner_prefix + p: m for p, m in markers.items()})
+    kept = [k for k in reverted if k.startswith(owner_prefix) and k.removeprefix(owner_prefix) in markers]
+    if kept:
+        msg = (
+            f"transformers saves {', '.join(kept)} fused in the checkpoint (no per-expert key), so no per-expert "
+            "quantized weights can be written that it reloads"
+        )
+        raise ValueError(msg)
+    names: dict[str, str] = {}
+    for key, tensor in reverted.items():
+        found = [
+            s for s, v in views.items()
+            if tuple(tensor.shape) == (v.out_features, 1) and torch.equal(tensor, v.matrix_of(markers[v.param_name]))
+        ]  # fmt: skip
+        if len(found) != 1 or not key.endswith(".weight"):
+            msg = f"the checkpoint key {key} is not one expert matrix stored as a Linear weight [out, in]"
+            raise ValueError(msg)
+        names[found[0]] = key.removesuffix(".weight")
+    missing = [s for s in views if s not in names]
+    if missing:
+        raise ValueError(f"no checkpoint key holds the expert matrix {prefix}{missing[0]}")
+    probe = {n + ".weight_packed": torch.zeros(1) for n in names.values()}
+    renamed = sorted(set(revert_weight_conversion(model, probe)) - set(probe))
+    if renamed:
+        msg = f"saving would rename the per-expert key {sorted(probe)[0]} (to e.g. {renamed[0]})"
+        raise ValueError(msg)
+    return names

@@ -33,12 +33,16 @@ from llmc_fsm.toolkit import (
     CalibratedModifier,
     CompressedGroup,
     HessianAccumulator,
+    LinearView,
     all_reduce_tensor,
     compact_names,
+    expert_checkpoint_names,
     is_distributed,
     is_linear_like,
+    observe_inputs,
     patterns,
     select_targets,
+    weight_views,
 )
 from llmc_fsm_quantization import kv_cache
 from llmc_fsm_quantization.observers import (
@@ -241,6 +245,64 @@ def _observed_whole(module: nn.Module, args: tuple[Any, ...], output: Any) -> No
     return None
 
 
+def _bool(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if not isinstance(value, bool):
+        msg = f"{attribute.name} must be true or false, got {value!r}"
+        raise ValueError(msg)
+
+
+#: Why a ``Conv1D`` target (GPT-2) is refused by the quantizers.
+CONV1D_REFUSAL = (
+    "quantizing Conv1D is not implemented (the quantizers quantize and save nn.Linear modules, compressed-tensors' "
+    "layout): add them to ignore to quantize the other modules; the pruning modifiers prune Conv1D"
+)
+
+
+def _expert_scheme_problem(scheme: QuantizationScheme) -> str | None:
+    """Why fused experts cannot be quantized with ``scheme`` so that transformers 5.24 reloads them, or ``None``.
+
+    Its experts loader (``CompressedTensorsDequantize``) rebuilds each expert from ``weight_packed``,
+    ``weight_scale`` and ``weight_shape`` alone, and the reloaded experts run dense (no input quantization).
+    """
+    from compressed_tensors.compressors.format import infer_module_format
+    from compressed_tensors.config import CompressionFormat
+
+    w = scheme.weights
+    if w is None:
+        return "the scheme quantizes no weights"
+    if scheme.input_activations is not None or scheme.output_activations is not None:
+        return (
+            "weight-only schemes only (e.g. W4A16, W8A16): transformers 5.24 reloads fused experts dequantized into "
+            "their fused parameters, which run without activation quantization"
+        )
+    packed = (scheme.format or infer_module_format(nn.Linear, scheme)) == CompressionFormat.pack_quantized
+    if str(w.type) != "int" or not w.symmetric or not packed or is_scaled_format(w):
+        return (
+            "symmetric int weights that compressed-tensors packs (pack-quantized: W4A16, W8A16) only: transformers "
+            "5.24 rebuilds a checkpoint's experts from their packed weights, scales and shapes alone (no zero point, "
+            "no other format)"
+        )
+    return None
+
+
+@torch.no_grad()
+def _attach_view_qparams(view: LinearView, scheme: QuantizationScheme, quantized: QuantizedWeight) -> None:
+    """Write ``quantized.weight`` into the fused parameter through ``view`` and keep its quantization on the view.
+
+    The view (not a registered module) then carries ``quantization_scheme``, ``quantization_status`` (frozen) and
+    ``quantized_params`` (``weight_scale`` in the weight's dtype, ``weight_zero_point`` in the scheme's zero-point
+    dtype), which :func:`llmc_fsm.output.save.compressed_state_dict` packs with compressed-tensors' compressor.
+    """
+    args = scheme.weights
+    view.weight.copy_(quantized.weight)
+    view.quantization_scheme = scheme
+    view.quantization_status = QuantizationStatus.FROZEN
+    view.quantized_params = {
+        "weight_scale": quantized.scale.detach().to(view.weight.dtype).clone(),
+        "weight_zero_point": quantized.zero_point.detach().to(args.zp_dtype or torch.int8).clone(),
+    }
+
+
 class _DefaultIgnore(list):
     """The ``ignore`` a recipe did not give (``[lm_head]``): a list that remembers it was defaulted."""
 
@@ -304,6 +366,15 @@ class QuantizingModifier(CalibratedModifier):
             tokens, and its keys and values are fake-quantized from then on (see
             :mod:`llmc_fsm_quantization.kv_cache`). Needs calibration data and a weight scheme too; only
             the modifiers with :attr:`supports_kv_cache` (GPTQ, round-to-nearest) take it.
+        calibrate_all_experts: mixture-of-experts layers with fused experts (transformers 5's ``MixtralExperts``
+            ...): ``False`` (default) gives each expert matrix (``<experts>.<e>.gate_proj`` / ``up_proj`` /
+            ``down_proj``, views of the fused parameters: :mod:`llmc_fsm.toolkit.views`) the tokens the router sent
+            to that expert, so each has its own Hessian (GPTQ); ``True`` sends every calibration token through every
+            expert for the statistics only (the layer's output keeps the router's choice). An expert matrix that got
+            no token is quantized by round-to-nearest (named in a warning and in
+            :attr:`round_to_nearest_fallback`). :attr:`routed_tokens` counts the routed tokens per expert matrix.
+            The quantized values are written into the fused parameters; saved per expert, packed, under the names
+            transformers 5 reads back (it reloads them dequantized into the fused parameters).
         targets, ignore: see :class:`~llmc_fsm.toolkit.calibrated.CalibratedModifier`
             (defaults ``[Linear]`` and ``[lm_head]``; llm-compressor's default ``ignore``
             is empty, so a recipe without ``ignore`` keeps ``lm_head`` dense here, which
@@ -321,6 +392,7 @@ class QuantizingModifier(CalibratedModifier):
     input_observer: str | None = attrs.field(default=None, validator=_input_observer)
     ignore: list[str] = attrs.field(default=None, converter=_ignore)
     kv_cache_scheme: Any = attrs.field(default=None)
+    calibrate_all_experts: bool = attrs.field(default=False, validator=_bool)
 
     #: Whether this modifier calibrates a ``kv_cache_scheme`` (its lifecycle is this class's).
     supports_kv_cache = False
@@ -508,13 +580,10 @@ class QuantizingModifier(CalibratedModifier):
         return fix
 
     def check_model(self, model: nn.Module) -> dict[str, nn.Module]:
-        """:meth:`CalibratedModifier.check_model`, and a refusal of mixture-of-experts models whose experts are
-        fused 3-D weights (transformers 5's ``MixtralExperts``, ``Qwen2MoeExperts``, ...).
+        """:meth:`CalibratedModifier.check_model`, and the checks of fused experts and Conv1D (:meth:`_check_views`).
 
         Raises:
-            ValueError: as the base class; or such experts: they are not ``Linear`` modules, so they would stay
-                unquantized, and transformers does not reload the compressed-tensors checkpoint of such a model
-                (it fuses the experts on load and finds none; measured with transformers 5.24 on Mixtral); or,
+            ValueError: as the base class; as :meth:`_check_views`; or,
                 with several config groups, a group that selects nothing, or a module two groups select (both
                 groups and the module named).
         """
@@ -527,26 +596,90 @@ class QuantizingModifier(CalibratedModifier):
             )
         self._group_of = self._memberships(model)
         targets = super().check_model(model)
-        experts = [
-            (name, type(module).__name__, pname, tuple(p.shape))
-            for name, module in model.named_modules()
-            if "expert" in type(module).__name__.lower()
-            for pname, p in module.named_parameters(recurse=False)
-            if p.dim() >= 3
-        ]
-        if experts:
-            name, cls, pname, shape = experts[0]
-            modules = len({e[0] for e in experts})
-            msg = (
-                f"{type(self).__name__}: the model's mixture-of-experts weights are fused 3-D tensors in {modules} "
-                f"modules (e.g. {name} ({cls}): {pname} {list(shape)}), which llmc-fsm does not quantize (it "
-                "quantizes Linear layers), and transformers does not reload a compressed-tensors checkpoint of "
-                "such a model: mixture-of-experts models are not supported for quantization"
-            )
-            raise ValueError(msg)
+        self._expert_names = self._check_views(model, targets)
         if self._kv_args is not None:
             self._kv_attention = self._check_kv_cache(model)
         return targets
+
+    def _check_views(self, model: nn.Module, targets: dict[str, nn.Module]) -> dict[str, str]:
+        """Checks of the targets that are Linear views (:mod:`llmc_fsm.toolkit.views`), before any work.
+
+        Fused experts are quantized per expert matrix and saved in compressed-tensors' per-expert layout under the
+        checkpoint names transformers 5 reads back (:func:`~llmc_fsm.toolkit.views.expert_checkpoint_names`); on
+        reload, transformers 5.24 decompresses each expert's packed weight and fuses them again (its
+        ``CompressedTensorsDequantize``: packed weights, scales and shapes only). Hence what is refused.
+
+        Returns:
+            ``{expert view name: checkpoint module name}`` of every expert matrix targeted.
+
+        Raises:
+            ValueError: one line naming the family and why, for: a ``Conv1D`` target (see
+                :data:`CONV1D_REFUSAL`); fused experts of a family whose checkpoint keeps them fused (GPT-OSS, DBRX);
+                fused experts left dense while other modules are quantized (transformers 5.24 then drops them on
+                reload), or only some matrices of an experts module targeted; an experts scheme that is not
+                weight-only symmetric int packed by compressed-tensors (``pack-quantized``: W4A16, W8A16, any group
+                size) or several config groups; fused experts under ``torch.distributed``.
+        """
+        name = type(self).__name__
+        family = f"{type(model).__name__} (model_type {getattr(getattr(model, 'config', None), 'model_type', None)!r})"
+        views = {n: m for n, m in targets.items() if isinstance(m, LinearView)}
+        conv1d = [n for n, v in views.items() if v.expert is None]
+        if conv1d:
+            msg = f"{name}: {family} keeps {compact_names(conv1d)} as transformers Conv1D: {CONV1D_REFUSAL}"
+            raise ValueError(msg)
+        module_names = {id(m): n for n, m in model.named_modules()}
+        sources: dict[str, nn.Module] = {}
+        for view in views.values():
+            sources.setdefault(module_names[id(view.source)], view.source)
+        fused = {n: m for n, m in model.named_modules() if weight_views(m) and next(iter(weight_views(m))) != ""}
+        dense = [n for n in fused if n not in sources]
+        if not sources:
+            if dense:  # experts ignored: the quantized checkpoint would not reload them
+                fix = (
+                    "quantize them too (leave them out of ignore)"
+                    if self.compresses_views
+                    else f"{name} does not quantize fused experts (GPTQModifier, QuantizationModifier do, per expert)"
+                )
+                msg = (
+                    f"{name}: {family}: the fused experts {compact_names(dense)} are ignored, and transformers 5.24 "
+                    "does not reload dense fused experts from a compressed-tensors checkpoint (its experts loader "
+                    f"decompresses packed weights only and drops the rest: missing keys; measured on Mixtral): {fix}"
+                )
+                raise ValueError(msg)
+            return {}
+        partial = [
+            f"{n}.{s}" for n, m in sources.items() for s in weight_views(m) if f"{n}.{s}" not in views
+        ]  # fmt: skip
+        if dense or partial:
+            left = compact_names(dense or partial)
+            msg = (
+                f"{name}: {family}: {left} would stay dense while other expert matrices are quantized; transformers "
+                "5.24 reloads a layer's fused experts from packed weights only (the dense ones would be missing): "
+                "quantize every expert matrix (no ignore pattern inside the experts) or none of the model"
+            )
+            raise ValueError(msg)
+        if is_distributed():
+            msg = f"{name}: quantizing fused experts under torch.distributed is not implemented; run it on one process"
+            raise ValueError(msg)
+        if len(self._groups) > 1:
+            msg = (
+                f"{name}: {family}: several config groups with fused experts: transformers 5.24 reloads every expert "
+                "with one group's scheme (the first one's); quantize with one scheme"
+            )
+            raise ValueError(msg)
+        problem = _expert_scheme_problem(next(iter(self._groups.values())))
+        if problem is not None:
+            msg = f"{name}: {family}: fused experts {compact_names(list(sources))}: {problem}"
+            raise ValueError(msg)
+        names: dict[str, str] = {}
+        for source_name, source in sources.items():
+            try:
+                per_expert = expert_checkpoint_names(model, source_name, source)
+            except ValueError as exc:
+                msg = f"{name}: {family}: fused experts {source_name} cannot be quantized: {exc}"
+                raise ValueError(msg) from None
+            names.update({f"{source_name}.{s}": n for s, n in per_expert.items()})
+        return names
 
     def _check_kv_cache(self, model: nn.Module) -> dict[str, nn.Module]:
         """The attention modules whose KV cache ``kv_cache_scheme`` quantizes.
@@ -585,6 +718,64 @@ class QuantizingModifier(CalibratedModifier):
             raise ValueError(msg)
         return attention
 
+    # ---- fused experts: each expert matrix from its routed tokens --------------------------
+    def _clear(self) -> None:
+        super()._clear()
+        self._expert_names: dict[str, str] = {}
+        #: ``{expert matrix name: calibration tokens the router sent to that expert}``, filled when it is quantized.
+        self.routed_tokens: dict[str, int] = {}
+        #: expert matrices the router sent no calibration token, quantized by round-to-nearest (no Hessian / no
+        #: input statistics), in order.
+        self.round_to_nearest_fallback: list[str] = []
+
+    def _observe_views(self) -> None:
+        sources: dict[int, nn.Module] = {}
+        for name, view in self._targets.items():
+            if isinstance(view, LinearView) and view.expert is not None and name not in self.results:
+                sources[id(view.source)] = view.source
+        for source in sources.values():
+            for view in weight_views(source).values():
+                view.routed_tokens = 0
+            self.register_hook(source, self._observe, kind="forward_pre", with_kwargs=True)
+
+    def _observe(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        observe_inputs(module, args, kwargs, all_experts=self.calibrate_all_experts)
+
+    def _record_routed(self) -> None:
+        """Copy the routed-token counts of the expert matrices quantized since the last call."""
+        for name, view in self._targets.items():
+            if isinstance(view, LinearView) and view.expert is not None and name in self.results:
+                if self.needs_inputs or self.results[name].samples:  # data-free RTN: no routing to count
+                    self.routed_tokens.setdefault(name, view.routed_tokens)
+
+    def _compress_all(self, modules: dict[str, nn.Module], *, trim: bool = False) -> None:
+        """:meth:`CalibratedModifier._compress_all`; an expert matrix that received no calibration input (the router
+        sent its expert no token, without ``calibrate_all_experts``) is quantized by round-to-nearest with the
+        scheme's observer (``minmax`` for ``imatrix_mse``): a layer's experts are reloaded from packed weights only,
+        so none is left dense. Named in a warning and in :attr:`round_to_nearest_fallback`."""
+        if self.needs_inputs:
+            idle = {
+                name: module
+                for name, module in modules.items()
+                if isinstance(module, LinearView)
+                and module.expert is not None
+                and getattr(self._acc.get(name), "num_samples", 0) == 0
+            }
+            if idle:
+                for name in idle:
+                    self._acc.pop(name, None)
+                logger.warning(
+                    "%s: the router sent no calibration token to %d expert matrices: %s; quantized by round-to-"
+                    "nearest (no input statistics; set calibrate_all_experts: true to calibrate them on every token)",
+                    type(self).__name__,
+                    len(idle),
+                    compact_names(list(idle)),
+                )
+                self._compress_members(None, list(idle.items()))
+                self.round_to_nearest_fallback.extend(idle)
+                modules = {name: module for name, module in modules.items() if name not in idle}
+        super()._compress_all(modules, trim=trim)
+
     # ---- KV cache: calibrated alongside the weights ---------------------------------------
     def on_initialize(self, state: Any) -> None:
         self._kv_attention = {}
@@ -594,8 +785,11 @@ class QuantizingModifier(CalibratedModifier):
         """Hook the targets (:class:`CalibratedModifier`); with ``kv_cache_scheme`` also prepare every attention
         module (:func:`llmc_fsm_quantization.kv_cache.install`) and give each of its ancestors a forward hook that
         does nothing, so that the pipeline runs each layer whole (no early exit before the attention's cache
-        update; its plain order: calibrate, compress, then propagate through the KV-quantized attention)."""
+        update; its plain order: calibrate, compress, then propagate through the KV-quantized attention). Fused
+        experts targeted: a forward pre-hook on each experts module feeds every expert matrix its routed tokens
+        (:func:`~llmc_fsm.toolkit.views.observe_inputs`; every token with ``calibrate_all_experts``)."""
         super().on_calibration_start(state)
+        self._observe_views()
         if self._kv_args is None:
             return
         names = dict.fromkeys(n.rpartition(".")[0] for n in self._kv_attention)
@@ -608,6 +802,7 @@ class QuantizingModifier(CalibratedModifier):
 
     def on_sequential_epoch_end(self, state: Any, modules: Any) -> None:
         super().on_sequential_epoch_end(state, modules)
+        self._record_routed()
         if self._kv_args is None:
             return
         roots = [modules] if isinstance(modules, nn.Module) else list(modules)
@@ -616,6 +811,7 @@ class QuantizingModifier(CalibratedModifier):
 
     def on_calibration_end(self, state: Any) -> None:
         super().on_calibration_end(state)
+        self._record_routed()
         if self._kv_args is not None:
             self._set_kv_scales(self._kv_attention, final=True)
 
@@ -646,7 +842,9 @@ class QuantizingModifier(CalibratedModifier):
         owner: dict[str, str] = {}
         for group, scheme in self._groups.items():
             try:
-                selected = select_targets(model, scheme.targets, self.ignore, supported=self._selectable).selected
+                selected = select_targets(
+                    model, scheme.targets, self.ignore, supported=self._selectable, views=self.compresses_views
+                ).selected
             except ValueError as exc:
                 raise ValueError(f"{type(self).__name__}: config group {group!r}: {exc}") from None
             for name in selected:
@@ -741,12 +939,19 @@ class QuantizingModifier(CalibratedModifier):
         quantized: list[QuantizedWeight | None] = [None] * len(modules)
         for group, members in by_group.items():
             scheme = self._groups[group]
-            results = self._quantize([modules[i] for i in members], accumulator, scheme.weights)
+            args = scheme.weights
+            if accumulator is None and args.observer in IMPORTANCE_OBSERVERS:  # an expert without routed tokens
+                args = args.model_copy(update={"observer": DEFAULT_OBSERVER})
+            results = self._quantize([modules[i] for i in members], accumulator, args)
             for i, q in zip(members, results, strict=True):
                 if scheme.input_activations is not None and not scheme.input_activations.dynamic:
                     q.input_scale, q.input_zero_point = _input_qparams(scheme, accumulator)
                 quantized[i] = q
-                attach_qparams(modules[i], scheme.model_copy(deep=True), q)
+                if isinstance(modules[i], LinearView):
+                    _attach_view_qparams(modules[i], scheme.model_copy(deep=True), q)
+                    modules[i].checkpoint_name = self._expert_names[self._names_by_id[id(modules[i])]]
+                else:
+                    attach_qparams(modules[i], scheme.model_copy(deep=True), q)
         weights = [module.weight for module in modules]  # attach_qparams wrote q.weight there: no second copy
         if self.measures_output_error:
             return CompressedGroup(weights, [q.rel_output_error for q in quantized])

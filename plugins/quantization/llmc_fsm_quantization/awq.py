@@ -65,8 +65,10 @@ from llmc_fsm.toolkit import (
     ModuleResult,
     all_gather_ints,
     all_reduce_tensor,
+    compact_names,
     get_rank,
     patterns,
+    weight_views,
 )
 from llmc_fsm_quantization.mappings import ResolvedMapping, fold_scales
 from llmc_fsm_quantization.observers import is_scaled_format
@@ -356,6 +358,27 @@ class AWQModifier(SmoothingModifier):
         return targets
 
     def check_model(self, model: nn.Module) -> dict[str, nn.Module]:
+        """:meth:`SmoothingModifier.check_model` (and the older form's quantizer's); a model with fused
+        mixture-of-experts weights is refused.
+
+        Raises:
+            ValueError: as the base classes; or the model keeps fused experts (transformers 5's ``MixtralExperts``
+                ...): AWQ's smoothing balances the Linear modules of its mappings, and no mapping reaches an expert
+                matrix (a view of a fused parameter), so the experts would be quantized without their smoothing;
+                left dense, transformers 5.24 does not reload the quantized checkpoint.
+        """
+        fused = [n for n, m in model.named_modules() if weight_views(m) and "" not in weight_views(m)]
+        if fused:
+            model_type = getattr(getattr(model, "config", None), "model_type", None)
+            family = f"{type(model).__name__} (model_type {model_type!r})"
+            msg = (
+                f"AWQModifier: {family} keeps fused experts in {compact_names(fused)}: AWQ on fused experts is not "
+                "implemented (its smoothing balances the Linear modules of its mappings, and no mapping reaches an "
+                "expert matrix, so the experts would be quantized unsmoothed; left dense, transformers 5.24 does not "
+                "reload the quantized checkpoint): use GPTQModifier or QuantizationModifier, which quantize each "
+                "expert matrix"
+            )
+            raise ValueError(msg)
         targets = super().check_model(model)
         if self._quantizer is not None:
             targets.update(self._quantizer.check_model(model))

@@ -67,6 +67,7 @@ from llmc_fsm_quantization.observers import (
     row_qparams,
     storable,
 )
+from llmc_fsm_quantization.rtn import rtn_quantize
 
 __all__ = ["ACTORDERS", "GPTQModifier", "gptq_quantize"]
 
@@ -421,6 +422,7 @@ class GPTQModifier(QuantizingModifier):
 
     supports_kv_cache = True
     measures_output_error = True  # from the sweep (llmc_fsm.toolkit.layer_error.sweep_relative_errors)
+    compresses_views = True  # each expert matrix of fused experts (QuantizingModifier._check_views)
 
     def _resolve(self) -> None:
         super()._resolve()
@@ -479,8 +481,10 @@ class GPTQModifier(QuantizingModifier):
         return [m for m in earlier if m is not source]
 
     def _quantize(
-        self, modules: list[nn.Module], accumulator: HessianAccumulator, args: QuantizationArgs
+        self, modules: list[nn.Module], accumulator: HessianAccumulator | None, args: QuantizationArgs
     ) -> list[QuantizedWeight]:
+        if accumulator is None:  # an expert the router sent no token: no Hessian (QuantizingModifier._compress_all)
+            return [rtn_quantize(m.weight, args, args.observer) for m in modules]
         return gptq_quantize(
             [m.weight for m in modules],
             accumulator.hessian,

@@ -81,6 +81,7 @@ class QuantizationModifier(QuantizingModifier):
     optional_state = frozenset({"calibration_data"})
     needs_inputs = False
     supports_kv_cache = True
+    compresses_views = True  # each expert matrix of fused experts (QuantizingModifier._check_views)
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()

@@ -1,0 +1,358 @@
+"""GPTQ and round-to-nearest per expert matrix of fused mixture-of-experts weights (issue 24).
+
+Tiny random models from ``tiny_families`` (transformers 5 configs, offline). References are computed in the tests:
+each expert's routed tokens from the inputs its experts module received during calibration (the router's own
+top-k), its Hessian and a GPTQ sweep (arXiv 2210.17323, Alg. 1) in float64, round-to-nearest by hand; the saved
+checkpoint is read with safetensors and its packed integers unpacked with compressed-tensors.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import transformers
+from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+from safetensors import safe_open
+from tiny_families import FAMILIES, build
+from torch.nn import functional as F
+
+import llmc_fsm
+from llmc_fsm.toolkit import weight_views
+
+DATA = torch.randint(3, 128, (4, 16), generator=torch.Generator().manual_seed(0))
+#: 512 tokens: each expert of the tiny Mixtral gets more routed tokens than its widest input (128)
+MORE = torch.randint(3, 128, (16, 32), generator=torch.Generator().manual_seed(0))
+SCHEME = {"preset": "W4A16", "weights": {"group_size": 16}}
+GROUP, Q_MIN, Q_MAX = 16, -8, 7
+
+
+def _experts_modules(model):
+    return {n: m for n, m in model.named_modules() if weight_views(m) and "" not in weight_views(m)}
+
+
+def _scales(w: torch.Tensor) -> torch.Tensor:
+    """Symmetric int4 scale per row and group of 16 columns, ``max |w| / 7.5`` (float32, as stored)."""
+    return w.float().reshape(w.shape[0], -1, GROUP).abs().amax(-1) / 7.5
+
+
+def _rtn(w: torch.Tensor) -> torch.Tensor:
+    s = _scales(w).repeat_interleave(GROUP, dim=1)
+    return torch.clamp(torch.round(w.float() / s), Q_MIN, Q_MAX) * s
+
+
+def _gptq_reference(w: torch.Tensor, hessian: torch.Tensor, damp: float = 0.01):
+    """GPTQ in float64 with static activation order (columns swept by descending ``diag H``, groups of 16 kept in
+    the original order, their scales from the original weight). Returns the weight and, per entry, ``w / scale``
+    just before it was rounded."""
+    cols = w.shape[1]
+    scale = _scales(w).double()
+    perm = torch.argsort(torch.diagonal(hessian), descending=True, stable=True)
+    h = hessian[perm][:, perm]
+    h = h + damp * torch.diagonal(h).mean() * torch.eye(cols, dtype=torch.float64)
+    u = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
+    wp = w.double()[:, perm].clone()
+    before = torch.empty_like(wp)
+    for j in range(cols):
+        s = scale[:, int(perm[j]) // GROUP]
+        before[:, j] = wp[:, j] / s
+        q = torch.clamp(torch.round(before[:, j]), Q_MIN, Q_MAX) * s
+        err = (wp[:, j] - q) / u[j, j]
+        wp[:, j] = q
+        wp[:, j + 1 :] -= err[:, None] * u[j, j + 1 :][None, :]
+    out, ratio = torch.empty_like(wp), torch.empty_like(wp)
+    out[:, perm], ratio[:, perm] = wp, before
+    return out, ratio, perm
+
+
+def _assert_gptq_equal(got: torch.Tensor, w: torch.Tensor, hessian: torch.Tensor, name: str) -> None:
+    """``got`` is the float64 GPTQ of ``w``: equal integers, except that a row (at most 5% of them) may part from the
+    reference from a column whose value before rounding was within 1e-4 of a rounding boundary (float32 vs float64)."""
+    ref, ratio, perm = _gptq_reference(w, hessian)
+    s = _scales(w).double().repeat_interleave(GROUP, dim=1)
+    q_got, q_ref = torch.round(got.double() / s), torch.round(ref / s)
+    assert torch.equal(got, q_got.float() * _scales(w).repeat_interleave(GROUP, dim=1)), name  # on the grid
+    parted = 0
+    for r in torch.nonzero((q_got != q_ref).any(dim=1)).flatten().tolist():
+        first = next(int(c) for c in perm if q_got[r, c] != q_ref[r, c])
+        assert abs(abs(ratio[r, first] - torch.floor(ratio[r, first])) - 0.5) < 1e-4, (name, r, first)
+        parted += 1
+    assert parted <= got.shape[0] // 20, (name, parted)  # at most 5% of the rows
+
+
+def _capture(experts):
+    """Each calibration call of ``experts`` (before its matrices are quantized, and one the modifier counted: the
+    pipeline's first-layer call-order trace is not): (tokens [n, hidden], top-k index [n, k], the fused gate_up_proj
+    at that moment)."""
+    calls, pending = [], []
+    views = list(weight_views(experts).values())
+
+    def pre(module, args, kwargs):
+        pending.clear()
+        if getattr(views[0], "quantization_scheme", None) is None:
+            hidden, index = args[0], args[1]
+            pending.append((hidden.detach().reshape(-1, hidden.shape[-1]).clone(), index.detach().clone(),
+                            module.gate_up_proj.detach().clone(), sum(v.routed_tokens for v in views)))  # fmt: skip
+
+    def post(module, args, output):
+        if pending and sum(v.routed_tokens for v in views) != pending[0][3]:
+            calls.append(pending[0][:3])
+
+    handles = [experts.register_forward_pre_hook(pre, with_kwargs=True), experts.register_forward_hook(post)]
+    return calls, handles
+
+
+def _reload(path, family):
+    cls = getattr(transformers, FAMILIES[family][2] or "AutoModelForCausalLM")
+    reloaded, info = cls.from_pretrained(path, output_loading_info=True)
+    return reloaded.eval(), info
+
+
+def test_gptq_quantizes_each_expert_from_its_routed_tokens_and_the_checkpoint_holds_its_bits(tmp_path):
+    """Mixtral, every layer: each expert matrix equals a float64 GPTQ of its original weight with the Hessian of its
+    own routed tokens (down_proj: of act(gate) x up of them); the report counts every expert matrix (4 bits, group
+    16, its routed tokens); the checkpoint holds each expert's packed integers under transformers' per-expert
+    names, and reloads with no missing or unexpected key, the experts equal to the in-memory fused values."""
+    model = build("mixtral")
+    experts = _experts_modules(model)
+    originals = {n: (m.gate_up_proj.detach().clone(), m.down_proj.detach().clone()) for n, m in experts.items()}
+    captures = {n: _capture(m) for n, m in experts.items()}
+    recipe = {"s": {"GPTQModifier": {"scheme": SCHEME}}}
+    llmc_fsm.oneshot(model=model, recipe=recipe, dataset=MORE, output_dir=tmp_path / "o", progress=False)
+    for _, handles in captures.values():
+        for handle in handles:
+            handle.remove()
+    report = model.llmc_fsm_report
+    by_name = {m.name: m for m in report.modules}
+    inter = model.config.intermediate_size
+    for name, module in experts.items():
+        calls = captures[name][0]
+        assert calls
+        gate_up, down = originals[name]
+        for e in range(module.num_experts):
+            xs = [x[(index == e).any(-1)].double() for x, index, _ in calls]
+            hs = [F.silu(x @ gu[e, :inter].double().T) * (x @ gu[e, inter:].double().T)
+                  for x, (_, _, gu) in zip(xs, calls, strict=True)]  # fmt: skip
+            h_in = sum(x.T @ x for x in xs)
+            h_down = sum(h.T @ h for h in hs)
+            tokens = sum(x.shape[0] for x in xs)
+            views = weight_views(module)
+            _assert_gptq_equal(views[f"{e}.gate_proj"].weight, gate_up[e, :inter], h_in, f"{name}.{e}.gate_proj")
+            _assert_gptq_equal(views[f"{e}.up_proj"].weight, gate_up[e, inter:], h_in, f"{name}.{e}.up_proj")
+            _assert_gptq_equal(views[f"{e}.down_proj"].weight, down[e], h_down, f"{name}.{e}.down_proj")
+            for matrix in ("gate_proj", "up_proj", "down_proj"):
+                entry = by_name[f"{name}.{e}.{matrix}"]
+                assert (entry.bits, entry.group_size, entry.routed_tokens) == (4, 16, tokens) and tokens > 0
+    assert "every expert got tokens" in report.format_table()
+    reloaded, info = _reload(tmp_path / "o", "mixtral")
+    assert (sorted(info["missing_keys"]), sorted(info["unexpected_keys"])) == ([], [])
+    for name, module in experts.items():
+        again = reloaded.get_submodule(name)
+        assert torch.equal(again.gate_up_proj, module.gate_up_proj) and torch.equal(again.down_proj, module.down_proj)
+    with torch.no_grad():
+        assert torch.equal(reloaded(DATA[:2]).logits, model(DATA[:2]).logits)
+    files = sorted((tmp_path / "o").glob("*.safetensors"))
+    with safe_open(str(files[0]), "pt") as f:
+        keys = set(f.keys())
+        assert not any(k.endswith(("gate_up_proj", "experts.down_proj")) for k in keys)
+        view = weight_views(model.model.layers[2].mlp.experts)["1.up_proj"]  # Mixtral's w3
+        prefix = "model.layers.2.block_sparse_moe.experts.1.w3."
+        assert {prefix + k for k in ("weight_packed", "weight_scale", "weight_shape")} <= keys
+        scale = f.get_tensor(prefix + "weight_scale")
+        ints = unpack_from_int32(f.get_tensor(prefix + "weight_packed"), 4, torch.Size([inter, 64]))
+    assert torch.equal(scale, view.quantized_params["weight_scale"])
+    assert torch.equal(ints.float() * scale.repeat_interleave(GROUP, dim=1), view.weight)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_round_to_nearest_rounds_each_expert_matrix_by_hand_and_reloads(tmp_path, family):
+    """QuantizationModifier (data-free): every expert matrix equals its original rounded by hand (symmetric int4,
+    group 16); reload with no missing or unexpected key, experts and logits equal."""
+    model = build(family)
+    experts = _experts_modules(model)
+    originals = {f"{n}.{s}": v.weight.detach().clone() for n, m in experts.items() for s, v in weight_views(m).items()}
+    recipe = {"s": {"QuantizationModifier": {"scheme": SCHEME}}}
+    llmc_fsm.oneshot(model=model, recipe=recipe, dataset=DATA, output_dir=tmp_path / "o", progress=False)
+    by_name = {m.name: m for m in model.llmc_fsm_report.modules}
+    for name, module in experts.items():
+        for suffix, view in weight_views(module).items():
+            assert torch.equal(view.weight, _rtn(originals[f"{name}.{suffix}"])), f"{name}.{suffix}"
+            entry = by_name[f"{name}.{suffix}"]
+            assert (entry.bits, entry.group_size, entry.routed_tokens) == (4, 16, None)
+    reloaded, info = _reload(tmp_path / "o", family)
+    assert (sorted(info["missing_keys"]), sorted(info["unexpected_keys"])) == ([], [])
+    for name, module in experts.items():
+        assert torch.equal(reloaded.get_submodule(name).gate_up_proj, module.gate_up_proj)
+    with torch.no_grad():
+        assert torch.equal(reloaded(DATA[:2]).logits, model(DATA[:2]).logits)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "qwen3_next"])
+def test_gptq_quantizes_every_expert_and_the_output_reloads(tmp_path, family):
+    model = build(family)
+    recipe = {"s": {"GPTQModifier": {"scheme": SCHEME}}}
+    llmc_fsm.oneshot(model=model, recipe=recipe, dataset=DATA, output_dir=tmp_path / "o", progress=False)
+    report = model.llmc_fsm_report
+    names = [f"{n}.{s}" for n, m in _experts_modules(model).items() for s in weight_views(m)]
+    by_name = {m.name: m for m in report.modules}
+    assert names and all(by_name[n].bits == 4 and by_name[n].routed_tokens is not None for n in names)
+    reloaded, info = _reload(tmp_path / "o", family)
+    assert (sorted(info["missing_keys"]), sorted(info["unexpected_keys"])) == ([], [])
+    with torch.no_grad():
+        assert torch.equal(reloaded(DATA[:2]).logits, model(DATA[:2]).logits)
+
+
+def _never_route_expert_3(model):
+    for layer in model.model.layers:
+        gate = getattr(layer.mlp, "gate", None)
+        if gate is not None and hasattr(gate, "e_score_correction_bias"):
+            with torch.no_grad():
+                gate.e_score_correction_bias[3] = -1e4
+
+
+def test_an_expert_without_routed_tokens_is_rounded_to_nearest_and_named(tmp_path, caplog):
+    """DeepSeek-V3 with expert 3's selection bias at -1e4: GPTQ has no Hessian for it, so its matrices are rounded to
+    nearest (equal to hand rounding), named in a warning and in the report; with calibrate_all_experts they are
+    quantized by GPTQ from every token (routed count still 0)."""
+    model = build("deepseek_v3")
+    _never_route_expert_3(model)
+    experts = _experts_modules(model)
+    idle = [f"{n}.3.{m}" for n in experts for m in ("gate_proj", "up_proj", "down_proj")]
+    originals = {n: model.get_submodule(n.rsplit(".", 2)[0]) for n in idle}
+    originals = {
+        n: weight_views(m)[".".join(n.rsplit(".", 2)[1:])].weight.detach().clone() for n, m in originals.items()
+    }
+    recipe = {"s": {"GPTQModifier": {"scheme": SCHEME}}}
+    with caplog.at_level(logging.WARNING):
+        llmc_fsm.oneshot(model=model, recipe=recipe, dataset=DATA, output_dir=tmp_path / "a", progress=False)
+    assert "GPTQModifier: the router sent no calibration token to 3 expert matrices: model.layers.1.mlp.experts.3." in (
+        caplog.text
+    )
+    assert "quantized by round-to-nearest (no input statistics; set calibrate_all_experts: true" in caplog.text
+    for name in idle:
+        view = weight_views(model.get_submodule(name.rsplit(".", 2)[0]))[".".join(name.rsplit(".", 2)[1:])]
+        assert torch.equal(view.weight, _rtn(originals[name])), name
+    report = model.llmc_fsm_report
+    by_name = {m.name: m for m in report.modules}
+    assert all(by_name[n].routed_tokens == 0 and by_name[n].bits == 4 for n in idle)
+    assert "quantized by round-to-nearest (no calibration input)" in report.format_table()
+    reloaded, info = _reload(tmp_path / "a", "deepseek_v3")
+    assert (sorted(info["missing_keys"]), sorted(info["unexpected_keys"])) == ([], [])
+    with torch.no_grad():
+        assert torch.equal(reloaded(DATA[:2]).logits, model(DATA[:2]).logits)
+    model = build("deepseek_v3")
+    _never_route_expert_3(model)
+    recipe = {"s": {"GPTQModifier": {"scheme": SCHEME, "calibrate_all_experts": True}}}
+    llmc_fsm.oneshot(model=model, recipe=recipe, dataset=DATA, output_dir=tmp_path / "b", progress=False)
+    by_name = {m.name: m for m in model.llmc_fsm_report.modules}
+    assert all(by_name[n].routed_tokens == 0 and by_name[n].rel_output_error is not None for n in idle)
+
+
+REFUSALS = {
+    "gpt_oss": (
+        "gpt_oss",
+        {"scheme": SCHEME},
+        "GPTQModifier: GptOssForCausalLM (model_type 'gpt_oss'): fused experts model.layers.0.mlp.experts cannot be "
+        "quantized: transformers saves model.layers.0.mlp.experts.gate_up_proj, model.layers.0.mlp.experts.down_proj "
+        "fused in the checkpoint (no per-expert key), so no per-expert quantized weights can be written that it "
+        "reloads",
+    ),
+    "dbrx": (
+        "dbrx",
+        {"scheme": SCHEME},
+        "GPTQModifier: DbrxForCausalLM (model_type 'dbrx'): fused experts transformer.blocks.0.ffn.experts cannot be "
+        "quantized: transformers saves transformer.blocks.0.ffn.experts.mlp.w1, transformer.blocks.0.ffn.experts.mlp."
+        "v1, transformer.blocks.0.ffn.experts.mlp.w2 fused in the checkpoint (no per-expert key), so no per-expert "
+        "quantized weights can be written that it reloads",
+    ),
+    "ignored": (
+        "mixtral",
+        {"scheme": SCHEME, "ignore": ["lm_head", "re:.*\\.experts"]},
+        "GPTQModifier: MixtralForCausalLM (model_type 'mixtral'): the fused experts model.layers.{0..3}.mlp.experts "
+        "are ignored, and transformers 5.24 does not reload dense fused experts from a compressed-tensors checkpoint "
+        "(its experts loader decompresses packed weights only and drops the rest: missing keys; measured on "
+        "Mixtral): quantize them too (leave them out of ignore)",
+    ),
+    "partial": (
+        "mixtral",
+        {"scheme": SCHEME, "ignore": ["lm_head", "re:.*experts\\.0\\.down_proj"]},
+        "GPTQModifier: MixtralForCausalLM (model_type 'mixtral'): model.layers.{0..3}.mlp.experts.0.down_proj would "
+        "stay dense while other expert matrices are quantized; transformers 5.24 reloads a layer's fused experts "
+        "from packed weights only (the dense ones would be missing): quantize every expert matrix (no ignore pattern "
+        "inside the experts) or none of the model",
+    ),
+    "activations": (
+        "mixtral",
+        {"scheme": "W8A8"},
+        "GPTQModifier: MixtralForCausalLM (model_type 'mixtral'): fused experts model.layers.{0..3}.mlp.experts: "
+        "weight-only schemes only (e.g. W4A16, W8A16): transformers 5.24 reloads fused experts dequantized into "
+        "their fused parameters, which run without activation quantization",
+    ),
+    "asymmetric": (
+        "mixtral",
+        {"scheme": {"preset": "W4A16_ASYM", "weights": {"group_size": 16}}},
+        "GPTQModifier: MixtralForCausalLM (model_type 'mixtral'): fused experts model.layers.{0..3}.mlp.experts: "
+        "symmetric int weights that compressed-tensors packs (pack-quantized: W4A16, W8A16) only: transformers 5.24 "
+        "rebuilds a checkpoint's experts from their packed weights, scales and shapes alone (no zero point, no "
+        "other format)",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(REFUSALS))
+def test_what_transformers_cannot_reload_is_refused_before_any_work(tmp_path, case):
+    family, args, message = REFUSALS[case]
+    model = build(family)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError) as info:
+        llmc_fsm.oneshot(
+            model=model, recipe={"s": {"GPTQModifier": args}}, dataset=DATA, output_dir=tmp_path / "o", progress=False
+        )
+    assert str(info.value) == message
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert not (tmp_path / "o").exists()
+
+
+def test_an_interrupted_run_resumes_with_each_expert_s_quantization(tmp_path, monkeypatch):
+    """Killed after layer 1 and resumed: the expert views of the restored layers get back their scales, scheme,
+    checkpoint names and routed-token counts (kept in the layer's progress file), so the saved checkpoint and the
+    report equal the uninterrupted run's."""
+    from llmc_fsm.oneshot_job.resume import LayerProgress
+
+    kw = {"recipe": {"s": {"GPTQModifier": {"scheme": SCHEME}}}, "dataset": DATA, "progress": False}
+    ref = llmc_fsm.oneshot(model=build("mixtral"), output_dir=tmp_path / "ref", **kw)
+    original = LayerProgress.save
+
+    def save(self, index, module):
+        original(self, index, module)
+        if index == 1:
+            raise KeyboardInterrupt
+
+    with monkeypatch.context() as m:
+        m.setattr(LayerProgress, "save", save)
+        with pytest.raises(KeyboardInterrupt):
+            llmc_fsm.oneshot(model=build("mixtral"), output_dir=tmp_path / "o", **kw)
+    out = llmc_fsm.oneshot(model=build("mixtral"), output_dir=tmp_path / "o", resume=True, **kw)
+    assert out.llmc_fsm_report.to_dict()["sparsity"] == ref.llmc_fsm_report.to_dict()["sparsity"]
+    files = [sorted(d.glob("*.safetensors")) for d in (tmp_path / "ref", tmp_path / "o")]
+    with safe_open(str(files[0][0]), "pt") as a, safe_open(str(files[1][0]), "pt") as b:
+        assert sorted(a.keys()) == sorted(b.keys())
+        assert [k for k in a.keys() if not torch.equal(a.get_tensor(k), b.get_tensor(k))] == []
+
+
+def test_falcon_gptq_output_reloads_its_falconlinear_unpacked(tmp_path):
+    """Falcon's _init_weights reads FalconLinear.weight unguarded, which a packed module has not on reload
+    (transformers 5.24: "'FalconLinear' object has no attribute 'weight'"): its quantized FalconLinear are saved
+    int-quantized (integer values under weight), and the checkpoint reloads with every key and equal logits."""
+    import json
+
+    model = build("falcon")
+    recipe = {"s": {"GPTQModifier": {"scheme": SCHEME}}}
+    llmc_fsm.oneshot(model=model, recipe=recipe, dataset=DATA, output_dir=tmp_path / "o", progress=False)
+    config = json.loads((tmp_path / "o" / "config.json").read_text())["quantization_config"]
+    assert (config["format"], config["config_groups"]["group_0"]["targets"]) == ("int-quantized", ["FalconLinear"])
+    reloaded, info = _reload(tmp_path / "o", "falcon")
+    assert (sorted(info["missing_keys"]), sorted(info["unexpected_keys"])) == ([], [])
+    with torch.no_grad():
+        assert torch.equal(reloaded(DATA[:2]).logits, model(DATA[:2]).logits)
