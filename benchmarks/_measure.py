@@ -45,3 +45,21 @@ def process_seconds() -> float:
 def loadavg() -> str:
     """The 1-minute load average, two decimals (a benchmark is only as good as the machine is quiet)."""
     return f"{os.getloadavg()[0]:.2f}"
+
+
+def for_eval(model, copy: bool = True):
+    """The model to measure perplexity on (both sides of ``recipes_vs_llmcompressor.py``): a bfloat16 model is
+    evaluated in float32 (its values are exact in float32; bfloat16 matrix products on a CPU without bf16
+    instructions take ~10 min per 40 windows of 256 tokens). ``copy``: cast a deep copy, leaving the model to be saved
+    in its own dtype. Cast tensor by tensor: transformers refuses ``.float()`` on a model it reloaded as quantized."""
+    import copy as _copy
+
+    import torch  # only the torch processes call this
+
+    if next(model.parameters()).dtype != torch.bfloat16:
+        return model
+    model = _copy.deepcopy(model) if copy else model
+    for tensor in [*model.parameters(), *model.buffers()]:
+        if tensor.dtype == torch.bfloat16:
+            tensor.data = tensor.data.float()
+    return model

@@ -29,7 +29,7 @@ import traceback  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
-from _measure import status_kib  # noqa: E402  (benchmarks/_measure.py, beside this script)
+from _measure import for_eval, status_kib  # noqa: E402  (benchmarks/_measure.py, beside this script)
 from peer_quantize_llmcompressor import _load_data_module  # noqa: E402
 
 
@@ -51,20 +51,6 @@ def _cpu_shims() -> list[str]:
 
     IntermediatesCache.pin_memory = lambda self, batch_index, input_names=None: None
     return ["IntermediatesCache.pin_memory skipped (no accelerator)"]
-
-
-def _for_eval(model, copy: bool = True):
-    """A bfloat16 model is evaluated in float32 (exact values; bf16 products are very slow on this CPU), as ours."""
-    import copy as _copy
-
-    if next(model.parameters()).dtype != torch.bfloat16:
-        return model
-    model = _copy.deepcopy(model) if copy else model
-    # Tensor by tensor: transformers refuses ``.float()`` on a model it reloaded as quantized.
-    for tensor in [*model.parameters(), *model.buffers()]:
-        if tensor.dtype == torch.bfloat16:
-            tensor.data = tensor.data.float()
-    return model
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -100,7 +86,7 @@ def run(args: argparse.Namespace) -> dict:
     evalw = data.token_windows(tokenizer, text, num_windows=args.eval_windows, seq_len=args.seq_len) \
         if args.eval_windows else None
     if evalw is not None:
-        row["ppl"] = data.perplexity(_for_eval(model), evalw, progress=False)
+        row["ppl"] = data.perplexity(for_eval(model), evalw, progress=False)
     probe = torch.tensor(kwargs["dataset"]["input_ids"][:1]) if kwargs else \
         data.token_windows(tokenizer, text, num_windows=1, seq_len=args.seq_len, from_end=True)
     with torch.no_grad():

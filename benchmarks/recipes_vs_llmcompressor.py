@@ -70,7 +70,7 @@ from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _measure import loadavg, status_kib  # noqa: E402
+from _measure import for_eval, loadavg, status_kib  # noqa: E402
 from jobs_vs_llmcompressor import QUIET, _fmt  # noqa: E402
 from quantize_vs_llmcompressor import DATA, write_docs  # noqa: E402
 
@@ -180,24 +180,6 @@ def _first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0] if text else ''}"[:400]
 
 
-def _for_eval(model: Any, copy: bool = True) -> Any:
-    """The model to measure perplexity on: a bfloat16 model is evaluated in float32 (its values are exact in float32;
-    bfloat16 matrix products on a CPU without bf16 instructions take ~10 min per 40 windows). ``copy``: cast a deep
-    copy, leaving the model to be saved in its own dtype. The peer script does the same."""
-    import copy as _copy
-
-    import torch
-
-    if next(model.parameters()).dtype != torch.bfloat16:
-        return model
-    model = _copy.deepcopy(model) if copy else model
-    # Tensor by tensor: transformers refuses ``.float()`` on a model it reloaded as quantized.
-    for tensor in [*model.parameters(), *model.buffers()]:
-        if tensor.dtype == torch.bfloat16:
-            tensor.data = tensor.data.float()
-    return model
-
-
 def worker(args: argparse.Namespace) -> dict[str, Any]:
     """Ours, in this fresh process: load, ``oneshot`` (timed), perplexity, save, reload, perplexity."""
     import torch
@@ -227,7 +209,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
     evalw = token_windows(tokenizer, text, num_windows=args.eval_windows, seq_len=SEQ_LEN) \
         if args.eval_windows else None
     if evalw is not None:
-        row["ppl"] = perplexity(_for_eval(model), evalw, progress=False)
+        row["ppl"] = perplexity(for_eval(model), evalw, progress=False)
     probe = calib[:1]
     with torch.no_grad():
         logits = model(probe).logits
@@ -239,6 +221,12 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
             row["weights_on_disk_bytes"] = sum(p.stat().st_size for p in Path(out).glob("*.safetensors"))
             del model
             reloaded = AutoModelForCausalLM.from_pretrained(out).eval()
+            if "kv_cache_scheme" in recipe_text(args.worker, args.autoround_iters):
+                # transformers 5.24 ignores the saved k_scale / v_scale (docs/quantization.md): put them back
+                from llmc_fsm_quantization import load_kv_cache_scales
+
+                load_kv_cache_scales(reloaded, Path(out))
+                row["reload_note"] = "k/v scales put back by load_kv_cache_scales"
             with torch.no_grad():
                 row["reload_max_abs_logit_diff"] = float((reloaded(probe).logits - logits).abs().max())
             if evalw is not None and job["dtype"] == "float32":
