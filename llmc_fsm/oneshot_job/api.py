@@ -181,7 +181,7 @@ def _run_phases(run: Run, *, stream_when_possible: bool = False) -> nn.Module:
                 return run_streaming(run)
             lazy = stream_by_default(run) if stream_when_possible else None
             if lazy is not None:
-                return run_streaming(run, lazy)
+                return run_streaming(run, lazy, bounded_heap=False)
             phase.load(run)
             phase.data(run)
             phase.compress(run)

@@ -116,11 +116,22 @@ def attach_qparams(module: nn.Module, scheme: QuantizationScheme, quantized: Qua
             msg = f"{name}: compressed-tensors expects shape {tuple(param.shape)}, got {tuple(value.shape)}"
             raise ValueError(msg)
         param.data.copy_(value.to(param.dtype))
-    module.weight.data.copy_(quantized.weight)
+    _take_weight(module.weight, quantized.weight)
     module.quantization_status = QuantizationStatus.FROZEN
     if is_scaled_format(scheme.weights):
         _as_reloaded(module, scheme)
         quantized.weight = module.weight.data.clone()
+
+
+def _take_weight(weight: nn.Parameter, new: torch.Tensor) -> None:
+    """Make ``weight`` hold ``new``'s values: by taking ``new``'s storage when ``new`` is a whole, contiguous tensor
+    of the same shape, dtype and device (no copy, and no write into the old storage, which on a memory-mapped
+    checkpoint would fault every page in), else by copying into it."""
+    whole = new.is_contiguous() and new.untyped_storage().nbytes() == new.numel() * new.element_size()
+    if whole and new.shape == weight.shape and new.dtype == weight.dtype and new.device == weight.device:
+        weight.data = new
+    else:
+        weight.data.copy_(new)
 
 
 def _as_reloaded(module: nn.Module, scheme: QuantizationScheme) -> None:

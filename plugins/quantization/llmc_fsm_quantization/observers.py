@@ -44,8 +44,9 @@ from __future__ import annotations
 import attrs
 import torch
 from compressed_tensors.quantization import QuantizationArgs, QuantizationStrategy
-from compressed_tensors.quantization.lifecycle.forward import fake_quantize
 from compressed_tensors.quantization.utils import calculate_qparams
+
+from llmc_fsm_quantization.rounding import fake_quantize
 
 __all__ = [
     "IMPORTANCE_OBSERVERS",

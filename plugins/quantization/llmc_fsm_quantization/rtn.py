@@ -5,7 +5,6 @@ from __future__ import annotations
 import attrs
 import torch
 from compressed_tensors.quantization import QuantizationArgs
-from compressed_tensors.quantization.lifecycle.forward import fake_quantize
 from torch import nn
 
 from llmc_fsm.toolkit import HessianAccumulator
@@ -18,6 +17,7 @@ from llmc_fsm_quantization.observers import (
     observe_scaled_format,
     storable,
 )
+from llmc_fsm_quantization.rounding import fake_quantize
 
 __all__ = ["QuantizationModifier", "rtn_quantize"]
 
