@@ -47,8 +47,10 @@ from llmc_fsm.toolkit import (
 from llmc_fsm_quantization import kv_cache
 from llmc_fsm_quantization.observers import (
     IMPORTANCE_OBSERVERS,
+    INPUT_MSE_OBSERVERS,
     NVFP4_OBSERVERS,
     check_observer,
+    input_range_mse,
     is_nvfp4,
     is_scaled_format,
 )
@@ -166,15 +168,22 @@ class CalibrationStatistics(HessianAccumulator):
       ``c = 0.01`` (llm-compressor's ``averaging_constant``), so it depends on the batch split;
     * ``memoryless_minmax``: the last call's values.
 
+    Given ``mse_args`` (the input ``QuantizationArgs`` of a scheme whose input observer is ``mse`` or
+    ``memoryless_mse``), each call's range is also searched (:func:`~llmc_fsm_quantization.observers.input_range_mse`)
+    and kept as ``mse`` (the same moving average) and ``memoryless_mse`` (the last call's).
+
     Under ``torch.distributed`` :meth:`all_reduce` takes the extremes over the ranks for the first and the
-    mean over the ranks for the other two (as llm-compressor does).
+    mean over the ranks for the others (as llm-compressor does).
     """
 
     AVERAGING_CONSTANT = 0.01
 
-    def __init__(self, in_features: int, device: torch.device | str | None = None) -> None:
+    def __init__(
+        self, in_features: int, device: torch.device | str | None = None, mse_args: QuantizationArgs | None = None
+    ) -> None:
         super().__init__(in_features, device)
         self.ranges: dict[str, torch.Tensor] = {}  # observer -> float64 tensor [min, max]
+        self.mse_args = mse_args
 
     @torch.no_grad()
     def add_batch(self, x: torch.Tensor) -> None:
@@ -182,15 +191,20 @@ class CalibrationStatistics(HessianAccumulator):
         if x.numel() == 0:
             return
         call = torch.stack([x.detach().amin(), x.detach().amax()]).to(device="cpu", dtype=torch.float64)
+        searched = input_range_mse(x, self.mse_args) if self.mse_args is not None else None
         if not self.ranges:
             self.ranges = {"static_minmax": call.clone(), "minmax": call.clone(), "memoryless_minmax": call}
+            if searched is not None:
+                self.ranges.update(mse=searched.clone(), memoryless_mse=searched)
             return
         extremes = self.ranges["static_minmax"]
         extremes[0] = torch.minimum(extremes[0], call[0])
         extremes[1] = torch.maximum(extremes[1], call[1])
-        moving = self.ranges["minmax"]
-        moving.mul_(1 - self.AVERAGING_CONSTANT).add_(call * self.AVERAGING_CONSTANT)
+        _moving_average(self.ranges["minmax"], call, self.AVERAGING_CONSTANT)
         self.ranges["memoryless_minmax"] = call
+        if searched is not None:
+            _moving_average(self.ranges["mse"], searched, self.AVERAGING_CONSTANT)
+            self.ranges["memoryless_mse"] = searched
 
     def all_reduce(self) -> None:
         """:meth:`HessianAccumulator.all_reduce`, then the ranges: extremes by max / min, the other two averaged
@@ -207,12 +221,17 @@ class CalibrationStatistics(HessianAccumulator):
         )
         all_reduce_tensor(flipped, op="max", what=what)
         averaged = {}
-        for name in ("minmax", "memoryless_minmax"):
+        for name in ("minmax", "memoryless_minmax", *(("mse", "memoryless_mse") if self.mse_args is not None else ())):
             value = self.ranges.get(name)
             summed = torch.zeros(3, dtype=torch.float64) if value is None else torch.cat([value, value.new_ones(1)])
             all_reduce_tensor(summed, op="sum", what=what)
             averaged[name] = summed[:2] / summed[2]
         self.ranges = {"static_minmax": flipped * torch.tensor([-1.0, 1.0], dtype=torch.float64), **averaged}
+
+
+def _moving_average(value: torch.Tensor, call: torch.Tensor, constant: float) -> None:
+    """``value <- (1 - c) value + c call`` in place (llm-compressor's ``averaging_constant`` ``c``)."""
+    value.mul_(1 - constant).add_(call * constant)
 
 
 def _input_qparams(scheme: QuantizationScheme, stats: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -529,7 +548,9 @@ class QuantizingModifier(CalibratedModifier):
         """The Hessian of the target's inputs; with static input scales also their ranges
         (:class:`CalibrationStatistics`)."""
         if self.static_inputs:
-            return CalibrationStatistics(module.weight.shape[1])
+            inputs = self._groups[self._group(self._names_by_id.get(id(module), ""))].input_activations
+            searched = inputs is not None and not inputs.dynamic and inputs.observer in INPUT_MSE_OBSERVERS
+            return CalibrationStatistics(module.weight.shape[1], mse_args=inputs if searched else None)
         return HessianAccumulator(module.weight.shape[1])
 
     @property

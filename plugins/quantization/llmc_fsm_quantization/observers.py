@@ -30,6 +30,10 @@ which is observed once:
   range), as the checkpoint stores it. A range wider than the group's values lets its largest value fall
   between the FP4 grid's 4 and 6 (the "four over six" idea; llm-compressor PR 2950).
 
+Static input scales (``input_activations`` with ``dynamic: false``, one scale per tensor) are observed on every
+calibration batch (:class:`llmc_fsm_quantization._base.CalibrationStatistics`); ``mse`` and ``memoryless_mse`` there
+search each batch's range as llm-compressor 0.14's activation MSE observers do (:func:`input_range_mse`).
+
 Any other name is refused (:func:`check_observer`). Scale and zero point from a
 range come from ``compressed_tensors.quantization.utils.calculate_qparams`` and
 the rounding from ``compressed_tensors``' ``fake_quantize``, so the values match
@@ -50,11 +54,13 @@ from llmc_fsm_quantization.rounding import fake_quantize
 
 __all__ = [
     "IMPORTANCE_OBSERVERS",
+    "INPUT_MSE_OBSERVERS",
     "NVFP4_OBSERVERS",
     "OBSERVERS",
     "as_row_args",
     "check_observer",
     "importance_from_hessian",
+    "input_range_mse",
     "is_nvfp4",
     "is_scaled_format",
     "observe",
@@ -103,6 +109,49 @@ _SEARCHES = {
 #: ``nvfp4_expanded_mse``: ``p = EXPAND * (1 - i / grid)``, ``i = 0 .. int(max_shrink * grid)``.
 _NVFP4_EXPAND = 1.8
 _NVFP4_SEARCH = _Search(grid=200, max_shrink=1 - 0.8 / 1.8, norm=2.4, patience=None)
+
+
+#: Activation observers that search each batch's range (:func:`input_range_mse`).
+INPUT_MSE_OBSERVERS = frozenset({"mse", "memoryless_mse"})
+
+
+@torch.no_grad()
+def input_range_mse(x: torch.Tensor, args: QuantizationArgs) -> torch.Tensor:
+    """The range ``[lo, hi]`` (float64 ``[2]``) of one calibration batch ``x`` (``[..., hidden]``) whose per-tensor
+    fake quantization has the smallest error: llm-compressor 0.14's activation ``mse`` observer on one batch.
+
+    ``lo, hi`` = the batch's minimum and maximum times ``p = 1 - i / grid`` for ``i = 0 .. int(maxshrink * grid) - 1``
+    (defaults: ``grid`` 100, ``maxshrink`` 0.2, so ``p`` from 1 to 0.81), error ``sum |x - q(x)|^norm`` (``norm`` 2.4)
+    with scale and zero point from ``calculate_qparams`` and compressed-tensors' rounding; the first ``p`` of the
+    smallest error is kept, and the search stops after ``patience`` (5) steps without a smaller one. The four values
+    are read from ``args.observer_kwargs`` under llm-compressor's names. Computed in float32 on ``x``'s device.
+
+    Source: the range search of GPTQ's reference code (Frantar et al., arXiv 2210.17323), as llm-compressor applies
+    it to activations (``MovingAverageMSEObserver``; the moving average over batches is the caller's).
+    """
+    kwargs = args.observer_kwargs or {}
+    grid, maxshrink = float(kwargs.get("grid", 100.0)), float(kwargs.get("maxshrink", 0.20))
+    norm, patience = float(kwargs.get("norm", 2.4)), int(kwargs.get("patience", 5))
+    observed = x.detach().to(torch.float32).reshape(-1, 1, x.shape[-1])
+    token_args = args.model_copy(update={"strategy": QuantizationStrategy.TOKEN})
+    lo, hi = torch.amin(observed, dim=(0, -1)), torch.amax(observed, dim=(0, -1))
+    best = torch.full_like(lo, torch.finfo(lo.dtype).max)
+    best_lo, best_hi = lo.clone(), hi.clone()
+    still = 0
+    for i in range(int(maxshrink * grid)):
+        p = 1 - i / grid
+        scale, zero_point = calculate_qparams(lo * p, hi * p, args)
+        q = fake_quantize(observed, scale.unsqueeze(-1), zero_point.unsqueeze(-1), token_args).to(observed.dtype)
+        err = torch.sum((q - observed).abs().pow(norm), dim=(0, -1))
+        improved = err < best
+        if bool(improved.any()):
+            best[improved], best_lo[improved], best_hi[improved] = err[improved], lo[improved] * p, hi[improved] * p
+            still = 0
+        else:
+            still += 1
+            if still >= patience:
+                break
+    return torch.cat([best_lo, best_hi]).to(device="cpu", dtype=torch.float64)
 
 
 def is_nvfp4(args: QuantizationArgs) -> bool:

@@ -30,7 +30,7 @@ from llmc_fsm_quantization.observers import IMPORTANCE_OBSERVERS, OBSERVERS, is_
 
 #: Observers of static (calibrated) per-tensor input scales
 #: (see :class:`llmc_fsm_quantization._base.CalibrationStatistics`).
-STATIC_INPUT_OBSERVERS = ("minmax", "static_minmax", "memoryless_minmax")
+STATIC_INPUT_OBSERVERS = ("minmax", "static_minmax", "memoryless_minmax", "mse", "memoryless_mse")
 
 __all__ = ["STATIC_INPUT_OBSERVERS", "preset_names", "resolve_config_groups", "resolve_scheme", "weight_args"]
 

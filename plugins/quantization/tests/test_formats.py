@@ -278,9 +278,10 @@ def test_llm_compressors_input_observer_forms_are_honoured() -> None:
     (mod,) = resolve_recipe("s:\n  QuantizationModifier: {scheme: FP8, input_observer: minmax}\n").modifiers
     assert mod.quantization_scheme.input_activations.observer == "minmax"  # the preset's static_minmax replaced
     with pytest.raises(llmc_fsm.RecipeError) as info:
-        resolve_recipe("s:\n  QuantizationModifier: {scheme: FP8, input_observer: mse}\n")
-    assert str(info.value).endswith("argument 'input_observer': input_observer 'mse' is not an observer of static "
-                                    "input scales; use one of minmax, static_minmax, memoryless_minmax")
+        resolve_recipe("s:\n  QuantizationModifier: {scheme: FP8, input_observer: imatrix_mse}\n")
+    assert str(info.value).endswith("argument 'input_observer': input_observer 'imatrix_mse' is not an observer of "
+                                    "static input scales; use one of minmax, static_minmax, memoryless_minmax, mse, "
+                                    "memoryless_mse")
 
 
 # --------------------------------------------------------------------------- input ranges under torch.distributed
@@ -333,3 +334,76 @@ def test_input_ranges_are_combined_over_ranks(tmp_path) -> None:
     for rank in (0, 1):  # only rank 0 saw inputs: its values, not halved by the empty rank
         assert results[rank][1] == {"static_minmax": pytest.approx(third), "minmax": pytest.approx(third),
                                     "memoryless_minmax": pytest.approx(third)}
+
+
+# --------------------------------------------------------------------------- activation mse observers
+def _reference_mse_range(x: torch.Tensor, bits: int = 8) -> tuple[float, float]:
+    """llm-compressor 0.14's activation ``mse`` search on one batch, in float64, for symmetric int ``bits``: the
+    range ``p * [min, max]``, ``p = 1 - i / 100`` for ``i = 0 .. 19``, of the smallest ``sum |x - q(x)|^2.4``; the
+    first such ``p``; stop after 5 steps without a smaller error."""
+    v = x.double().reshape(-1)
+    lo, hi = float(v.min()), float(v.max())
+    q_min, q_max = -(2 ** (bits - 1)), 2 ** (bits - 1) - 1
+    best, best_p, still = float("inf"), 1.0, 0
+    for i in range(20):
+        p = 1 - i / 100
+        scale = max(abs(min(lo * p, 0.0)), abs(max(hi * p, 0.0))) / ((q_max - q_min) / 2)
+        q = torch.clamp(v / scale, q_min, q_max).round() * scale
+        err = float((q - v).abs().pow(2.4).sum())
+        if err < best:
+            best, best_p, still = err, p, 0
+        else:
+            still += 1
+            if still >= 5:
+                break
+    return lo * best_p, hi * best_p
+
+
+def test_input_range_mse_equals_a_float64_search() -> None:
+    from compressed_tensors.quantization import QuantizationArgs
+
+    from llmc_fsm_quantization.observers import input_range_mse
+
+    args = QuantizationArgs(**STATIC_INT8["input_activations"])
+    gen = torch.Generator().manual_seed(0)
+    chosen = set()
+    for outliers in (0, 1, 3, 12):
+        x = torch.randn(4, 32, 64, generator=gen)
+        x.view(-1)[:outliers] = torch.tensor([40.0, -35.0, 30.0] * 4)[:outliers]
+        lo, hi = input_range_mse(x, args).tolist()
+        ref_lo, ref_hi = _reference_mse_range(x)
+        assert lo == pytest.approx(ref_lo, rel=1e-6) and hi == pytest.approx(ref_hi, rel=1e-6)
+        chosen.add(round(hi / float(x.max()), 2))
+    assert len(chosen) > 1  # the search does not always keep the full range
+
+
+@pytest.mark.parametrize("observer", ["mse", "memoryless_mse"])
+def test_an_mse_input_observer_is_honoured_end_to_end(tmp_path, observer) -> None:
+    """Static int8 input scales with llm-compressor's activation ``mse`` observers: q_proj's input scale equals the
+    float64 search of each calibration batch, averaged (``mse``: moving average, constant 0.01) or the last one
+    (``memoryless_mse``); the saved config says which observer; the reload gives the in-memory logits."""
+    model = tiny_llama()
+    data = _data()
+    with torch.no_grad():  # an outlier channel in the first layer's input, as LLM activations have
+        model.model.layers[0].input_layernorm.weight[5] = 60.0
+    batches = _first_layer_inputs(model, data, batch_size=2)
+    q = model.model.layers[0].self_attn.q_proj
+    scheme = {**STATIC_INT8, "input_activations": {**STATIC_INT8["input_activations"], "observer": observer}}
+    out = tmp_path / "out"
+    recipe = {"q": {"QuantizationModifier": {"scheme": scheme, "ignore": ["lm_head"]}}}
+    llmc_fsm.oneshot(model=model, recipe=recipe, dataset=data, batch_size=2, output_dir=out, progress=False)
+
+    def scale(calls: list[tuple[float, float]]) -> float:
+        lo, hi = calls[-1] if observer == "memoryless_mse" else calls[0]
+        if observer == "mse":
+            for c in calls[1:]:
+                lo, hi = 0.99 * lo + 0.01 * c[0], 0.99 * hi + 0.01 * c[1]
+        return max(abs(min(lo, 0.0)), abs(max(hi, 0.0))) / 127.5
+
+    assert float(q.input_scale) == pytest.approx(scale([_reference_mse_range(x) for x in batches]), rel=1e-5)
+    unsearched = scale([(float(x.double().min()), float(x.double().max())) for x in batches])
+    assert float(q.input_scale) < unsearched * 0.999  # the search shrank the range: not the minmax scale
+    config = json.loads((out / "config.json").read_text())["quantization_config"]
+    (group,) = config["config_groups"].values()
+    assert group["input_activations"]["observer"] == observer
+    _reload_equal(model, out)

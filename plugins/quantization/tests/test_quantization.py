@@ -248,10 +248,11 @@ def test_actorder_accepts_compressed_tensors_names() -> None:
         GPTQModifier(actorder="sideways")
 
 
-def test_static_activation_scheme_with_an_mse_observer_is_refused_with_what_to_use() -> None:
-    with pytest.raises(ValueError, match=r"^input_activations: observer mse is not supported for static input scales; "
-                                         r"use one of minmax, static_minmax, memoryless_minmax$"):
-        QuantizationModifier(scheme={"preset": "FP8", "input_activations": {"observer": "mse"}})
+def test_static_activation_scheme_with_a_weight_only_observer_is_refused_with_what_to_use() -> None:
+    with pytest.raises(ValueError, match=r"^input_activations: observer nvfp4_expanded_mse is not supported for static "
+                                         r"input scales; use one of minmax, static_minmax, memoryless_minmax, mse, "
+                                         r"memoryless_mse$"):
+        QuantizationModifier(scheme={"preset": "FP8", "input_activations": {"observer": "nvfp4_expanded_mse"}})
 
 
 def test_group_size_mismatch_fails_before_calibration_naming_every_module() -> None:
