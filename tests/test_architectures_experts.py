@@ -298,6 +298,27 @@ def test_quantizing_conv1d_is_refused_before_any_work_saying_why(tmp_path):
     assert not (tmp_path / "o").exists()
 
 
+def test_compressed_tensors_cannot_quantize_a_conv1d():
+    """The measured reason of the Conv1D refusal (fails, and the refusal should go, once compressed-tensors can):
+    its initializer refuses a Conv1D, and applying a config that targets one (what transformers does on reload)
+    leaves it without quantization parameters."""
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
+    from compressed_tensors.quantization import apply_quantization_config
+    from compressed_tensors.quantization.lifecycle.initialize import initialize_module_for_quantization
+
+    scheme = QuantizationScheme(
+        targets=["re:.*c_attn$"], weights=QuantizationArgs(num_bits=4, type="int", strategy="channel", symmetric=True)
+    )
+    model = build("gpt2")
+    conv = model.transformer.h[0].attn.c_attn
+    with pytest.raises(ValueError, match=r"^Quantization of module type <class 'transformers.pytorch_utils.Conv1D'> "
+                                         r"is not supported$"):
+        initialize_module_for_quantization(conv, scheme, force_zero_point=True)
+    fresh = build("gpt2")
+    apply_quantization_config(fresh, QuantizationConfig(config_groups={"g": scheme}, format="pack-quantized"))
+    assert not any(hasattr(m, "weight_scale") for m in fresh.modules())
+
+
 def test_low_memory_prunes_conv1d_like_in_memory_and_refuses_per_expert_checkpoints_saying_why(tmp_path):
     """GPT-2 streamed from disk gives the in-memory weights; a Mixtral checkpoint (transformers 5 saves its fused
     experts per expert and fuses them on load) is refused before any work, naming why."""

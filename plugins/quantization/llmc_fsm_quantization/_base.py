@@ -283,8 +283,9 @@ def _bool(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
 
 #: Why a ``Conv1D`` target (GPT-2) is refused by the quantizers.
 CONV1D_REFUSAL = (
-    "quantizing Conv1D is not implemented (the quantizers quantize and save nn.Linear modules, compressed-tensors' "
-    "layout): add them to ignore to quantize the other modules; the pruning modifiers prune Conv1D"
+    "a quantized Conv1D cannot be saved so that it reloads (compressed-tensors 0.20 refuses to initialize a Conv1D "
+    "for quantization and transformers' loader skips it, so its weights would reload unquantized): add them to "
+    "ignore to quantize the other modules; the pruning modifiers prune Conv1D"
 )
 
 
