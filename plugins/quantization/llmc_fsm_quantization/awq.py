@@ -62,6 +62,7 @@ from torch import nn
 from llmc_fsm.toolkit import (
     DEFAULT_IGNORE,
     DEFAULT_TARGETS,
+    LinearView,
     ModuleResult,
     all_gather_ints,
     all_reduce_tensor,
@@ -70,13 +71,16 @@ from llmc_fsm.toolkit import (
     patterns,
     weight_views,
 )
-from llmc_fsm_quantization.mappings import ResolvedMapping, fold_scales
+from llmc_fsm_quantization.mappings import ResolvedMapping, fold_scales, moe_mapping_problem
 from llmc_fsm_quantization.observers import is_scaled_format
 from llmc_fsm_quantization.rtn import QuantizationModifier, rtn_quantize
 from llmc_fsm_quantization.smoothquant import (
     ActivationObserver,
     SmoothingModifier,
+    _observe_routed,
     _scale_stats,
+    block_output,
+    members,
     suspended_forward_hooks,
 )
 
@@ -358,27 +362,41 @@ class AWQModifier(SmoothingModifier):
         return targets
 
     def check_model(self, model: nn.Module) -> dict[str, nn.Module]:
-        """:meth:`SmoothingModifier.check_model` (and the older form's quantizer's); a model with fused
-        mixture-of-experts weights is refused.
+        """:meth:`SmoothingModifier.check_model` (and the older form's quantizer's); fused mixture-of-experts weights
+        no mapping reaches are refused.
 
         Raises:
-            ValueError: as the base classes; or the model keeps fused experts (transformers 5's ``MixtralExperts``
-                ...): AWQ's smoothing balances the Linear modules of its mappings, and no mapping reaches an expert
-                matrix (a view of a fused parameter), so the experts would be quantized without their smoothing;
-                left dense, transformers 5.24 does not reload the quantized checkpoint.
+            ValueError: as the base classes; or the model keeps fused experts (transformers 5's experts classes, DBRX)
+                that no resolved mapping smooths (:func:`~llmc_fsm_quantization.mappings.moe_mapping_problem` says
+                why the default mappings leave them out: GPT-OSS's biased, clamped gate, DBRX's layout, shared
+                experts), so they would be quantized unsmoothed.
         """
-        fused = [n for n, m in model.named_modules() if weight_views(m) and "" not in weight_views(m)]
+        fused = {n: m for n, m in model.named_modules() if weight_views(m) and "" not in weight_views(m)}
         if fused:
-            model_type = getattr(getattr(model, "config", None), "model_type", None)
-            family = f"{type(model).__name__} (model_type {model_type!r})"
-            msg = (
-                f"AWQModifier: {family} keeps fused experts in {compact_names(fused)}: AWQ on fused experts is not "
-                "implemented (its smoothing balances the Linear modules of its mappings, and no mapping reaches an "
-                "expert matrix, so the experts would be quantized unsmoothed; left dense, transformers 5.24 does not "
-                "reload the quantized checkpoint): use GPTQModifier or QuantizationModifier, which quantize each "
-                "expert matrix"
-            )
-            raise ValueError(msg)
+            try:
+                reached = {id(b) for mapping in self.resolve(model) for b in mapping.balances}
+            except ValueError:  # no mapping fits at all: the experts are named first
+                reached = set()
+            left = {n: m for n, m in fused.items() if not all(id(v) in reached for v in weight_views(m).values())}
+            if left:
+                model_type = getattr(getattr(model, "config", None), "model_type", None)
+                family = f"{type(model).__name__} (model_type {model_type!r})"
+                name = next(iter(left))
+                block, _, leaf = name.rpartition(".")
+                parent = model.get_submodule(block)
+                routers = [
+                    n for n, m in parent.named_children()
+                    if n != leaf and getattr(getattr(m, "weight", None), "dim", lambda: 0)() == 2
+                ]  # fmt: skip
+                why = moe_mapping_problem(parent, leaf, routers[0] if routers else "") or (
+                    "the mappings do not smooth each expert's gate/up and down matrices"
+                )
+                msg = (
+                    f"AWQModifier: {family} keeps fused experts in {compact_names(left)} that no smoothing mapping "
+                    f"reaches ({why}), so they would be quantized unsmoothed: use GPTQModifier or "
+                    "QuantizationModifier, which quantize each expert matrix"
+                )
+                raise ValueError(msg)
         targets = super().check_model(model)
         if self._quantizer is not None:
             targets.update(self._quantizer.check_model(model))
@@ -470,7 +488,7 @@ class AWQModifier(SmoothingModifier):
         """:meth:`SmoothingModifier.progress_state`, with the :attr:`clipping_results` of the layer's Linears and,
         in the older form, the results of the layer's modules quantized by AWQ's own round-to-nearest."""
         out = super().progress_state(layer)
-        inside = {id(m) for m in layer.modules()}
+        inside = members(layer)
         out["clipping"] = {
             n: self.clipping_results[n]
             for n, (m, _) in self._clip_targets.items()
@@ -522,7 +540,7 @@ class AWQModifier(SmoothingModifier):
     # ---- clipping -------------------------------------------------------------
     def _clip_layer(self, layer: nn.Module, inputs: list[tuple[tuple[Any, ...], dict[str, Any]]]) -> None:
         """Search and apply the clipping ranges of the clip targets inside ``layer`` (already smoothed)."""
-        inside = {id(m) for m in layer.modules()}
+        inside = members(layer)
         targets = {n: t for n, t in self._clip_targets.items() if id(t[0]) in inside and n not in self.clipping_results}
         if not targets:
             return
@@ -561,6 +579,19 @@ class AWQModifier(SmoothingModifier):
 
     def _smooth_mapping(self, mapping: ResolvedMapping, observer: ActivationObserver) -> None:
         name = mapping.smooth_name
+        if name not in observer.tokens:  # an expert the router sent no calibration token: nothing to search from
+            self.smoothing_results[name] = {
+                "balance_layers": list(mapping.balance_names),
+                "exponent": None,
+                "duo_scaling": None,
+                "error_unsmoothed": 0.0,  # a mean over no token
+                "error": 0.0,
+                "tokens": 0,
+                "scale_min": 1.0,
+                "scale_max": 1.0,
+                "scale_mean": 1.0,
+            }
+            return
         quantizers = [self._quantizers.get(id(b)) for b in mapping.balances]
         x_mean = (observer.abs_sum[name] / observer.tokens[name]).to(torch.float32)
         w_mean = awq_weight_mean([b.weight for b in mapping.balances], [_group_size(q) for q in quantizers])
@@ -584,6 +615,7 @@ class AWQModifier(SmoothingModifier):
             "balance_layers": list(mapping.balance_names),
             "exponent": ratio,
             "duo_scaling": duo,
+            "tokens": observer.tokens[name],
             "error_unsmoothed": unsmoothed,
             "error": error,
             **stats,
@@ -621,6 +653,10 @@ def _capture_inputs(
 
     with suspended_forward_hooks(layer):
         handles = [module.register_forward_pre_hook(hook_for(name)) for name, module in modules.items()]
+        sources = {
+            id(m.source): m.source for m in modules.values() if isinstance(m, LinearView) and m.expert is not None
+        }
+        handles += [s.register_forward_pre_hook(_observe_routed, with_kwargs=True) for s in sources.values()]
         try:
             for args, kwargs in inputs:
                 layer(*args, **kwargs)
@@ -672,8 +708,7 @@ class _BlockError:
                 balance.weight.copy_((q / s).to(w.dtype))
             total, count = 0.0, 0
             for (args, kwargs), ref in zip(self.inputs, self.outputs, strict=True):
-                out = self.mapping.parent(*args, **kwargs)
-                out = out[0] if isinstance(out, tuple | list) else out
+                out = block_output(self.mapping.parent, args, kwargs)
                 total += float((out.to(torch.float32) - ref.to(torch.float32)).pow(2).sum(dtype=torch.float64))
                 count += ref.numel()
             sums = all_reduce_tensor(torch.tensor([total, count], dtype=torch.float64), what="all_reduce (AWQ error)")
