@@ -3,9 +3,10 @@ up rows, a scale per expert for up -> down, folded into the fused parameters.
 
 Tiny random Mixtral / Qwen3-MoE models from ``tiny_families`` whose ``post_attention_layernorm`` makes activation
 outlier channels (5, 11, 40; with them the float64 search's best exponent beats the next by 16% / 6%, more than the
-float32 / float64 difference of the errors, so the chosen exponents can be compared exactly). References are written here: the float64 grid search over the MoE block (the router's own
-top-k, every expert's gate/up rows replaced by ``Q(W diag(s)) diag(s)^-1``, symmetric int4 in groups of 16), the
-block output error measured on the final models, the checkpoint reloaded by transformers.
+float32 / float64 difference of the errors, so the chosen exponents can be compared exactly). References are
+written here: the float64 grid search over the MoE block (the router's own top-k, every expert's gate/up rows
+replaced by ``Q(W diag(s)) diag(s)^-1``, symmetric int4 in groups of 16), the block output error measured on the
+final models, the checkpoint reloaded by transformers.
 """
 
 from __future__ import annotations
