@@ -267,3 +267,65 @@ def test_experts_no_mapping_reaches_are_refused_before_any_work(tmp_path, family
     assert str(info.value) == REFUSALS[family]
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert not (tmp_path / "o").exists()
+
+
+# --------------------------------------------------------------------------- resume, clipping
+def test_an_interrupted_awq_run_on_experts_resumes_to_the_uninterrupted_checkpoint(tmp_path, monkeypatch) -> None:
+    """Killed after layer 1 and resumed: the per-expert mappings of the saved layers are restored (their smoothing
+    results and scales from the layer's progress file, the fused weights from the saved layer), so the checkpoint and
+    the report's smoothing equal the uninterrupted run's."""
+    from safetensors import safe_open
+
+    from llmc_fsm.oneshot_job.resume import LayerProgress
+
+    recipe = {"s": {"AWQModifier": {}, "GPTQModifier": {"scheme": SCHEME}}}
+    kw = {"recipe": recipe, "dataset": DATA, "progress": False}
+    ref = llmc_fsm.oneshot(model=_outliers("mixtral"), output_dir=tmp_path / "ref", **kw)
+    original = LayerProgress.save
+
+    def save(self, index, module):
+        original(self, index, module)
+        if index == 1:
+            raise KeyboardInterrupt
+
+    with monkeypatch.context() as m:
+        m.setattr(LayerProgress, "save", save)
+        with pytest.raises(KeyboardInterrupt):
+            llmc_fsm.oneshot(model=_outliers("mixtral"), output_dir=tmp_path / "o", **kw)
+    out = llmc_fsm.oneshot(model=_outliers("mixtral"), output_dir=tmp_path / "o", resume=True, **kw)
+    smoothing = out.llmc_fsm_report.to_dict()["smoothing"]
+    assert smoothing == ref.llmc_fsm_report.to_dict()["smoothing"]
+    assert len([n for n in smoothing["AWQModifier (s)"] if ".experts." in n]) == 16
+    files = [sorted(d.glob("*.safetensors")) for d in (tmp_path / "ref", tmp_path / "o")]
+    with safe_open(str(files[0][0]), "pt") as a, safe_open(str(files[1][0]), "pt") as b:
+        assert sorted(a.keys()) == sorted(b.keys())
+        assert [k for k in a.keys() if not torch.equal(a.get_tensor(k), b.get_tensor(k))] == []
+
+
+def test_clipping_serves_each_expert_matrix_from_its_routed_tokens() -> None:
+    """``apply_clip``: every expert matrix the quantizer quantizes gets a clipping result from the tokens the router
+    sent to its expert (gate/up: as many tokens as its up -> down mapping saw); the float checks still hold."""
+    model = _outliers("mixtral")
+    awq = AWQModifier(apply_clip=True, clip_n_sample_token=10_000)  # every token
+    _run(model, QuantizationModifier(scheme=SCHEME), awq=awq)
+    for e in range(4):
+        tokens = awq.smoothing_results[f"{L0}mlp.experts.{e}.up_proj"]["tokens"]
+        for p in ("gate_proj", "up_proj", "down_proj"):
+            result = awq.clipping_results[f"{L0}mlp.experts.{e}.{p}"]
+            assert result["tokens"] == tokens > 0
+            assert result["error"] <= result["error_unclipped"]
+
+
+def test_awq_on_experts_under_torch_distributed_is_refused_before_any_work(monkeypatch) -> None:
+    from llmc_fsm_quantization import awq as awq_module
+
+    monkeypatch.setattr(awq_module, "is_distributed", lambda: True)
+    model = build("mixtral")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError) as info:
+        AWQModifier().check_model(model)
+    assert str(info.value) == (
+        "AWQModifier: smoothing fused experts under torch.distributed is not implemented (a rank may see no token "
+        "routed to an expert that another rank sees); run it on one process"
+    )
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())

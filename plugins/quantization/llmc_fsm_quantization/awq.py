@@ -37,6 +37,18 @@ NVFP4/MX/FP8-block scales, not GPTQ's ``actorder: group``), refused before calib
 :attr:`AWQModifier.clipping_results` holds, per clipped Linear, ``groups`` / ``groups_clipped``, the mean kept
 range ``shrink_mean`` (``m / max|W_group|``), ``error_unclipped`` / ``error`` and ``applied``.
 
+Mixture-of-experts layers with fused experts (transformers 5's ``MixtralExperts``, ``Qwen3MoeExperts``: 3-D
+``gate_up_proj`` / ``down_proj``; :mod:`llmc_fsm_quantization.mappings`): ``post_attention_layernorm -> router and
+every expert's gate/up rows`` shares one scale; its ``x_j`` is over every token reaching the block, ``w_j`` over the
+rows of all of them (the router per row: it is not quantized), and the error is the block's output, the router's
+top-k computed as in the float model (the router reads the unscaled input during the search, and its weight takes
+the scale when folded, so the routing is unchanged). Each expert's ``up_proj -> down_proj`` gets its own scale from
+the tokens the router sent to it, scored by its ``down_proj`` output on them (as AutoAWQ's per-expert
+``up -> down``); an expert with no routed token is left unscaled. The scales are folded into the fused parameters
+through the expert matrices' views (they share the storage), and the quantizer (GPTQ or round-to-nearest per expert
+matrix) then quantizes the smoothed experts. Refused, before any work: experts no mapping reaches (GPT-OSS, DBRX,
+blocks with a shared expert: the message names why), and fused experts under ``torch.distributed``.
+
 Under ``torch.distributed`` (``torchrun``) each rank runs its share of the calibration windows; the statistics
 (``sum|x_j|`` and token counts), every candidate's block error and the clipping scores are summed over the ranks
 (:func:`llmc_fsm.toolkit.all_reduce_tensor`) before any choice, so every rank folds the same scales, those of one
@@ -68,6 +80,7 @@ from llmc_fsm.toolkit import (
     all_reduce_tensor,
     compact_names,
     get_rank,
+    is_distributed,
     patterns,
     weight_views,
 )
@@ -290,9 +303,11 @@ class AWQModifier(SmoothingModifier):
         clip_n_sample_token: about how many calibration tokens the clipping search uses per Linear (default 512).
 
     Requires state ``model`` and ``calibration_data``; runs in the sequential pipeline. :attr:`smoothing_results`:
-    per smooth layer ``exponent`` (``None``: no smoothing won), ``duo_scaling``, ``error_unsmoothed`` and
-    ``error`` (mean squared block output error, quantized, without and with the chosen scales) and the scales'
-    ``scale_min/max/mean``; :attr:`clipping_results` (with ``apply_clip``): see the module docstring.
+    per smooth layer ``exponent`` (``None``: no smoothing won), ``duo_scaling``, ``tokens`` (the calibration tokens
+    the statistics came from: every token, or an expert's routed ones; ``0``: the router sent that expert none, it is
+    left unscaled and its errors are ``0.0``), ``error_unsmoothed`` and ``error`` (mean squared block output error,
+    quantized, without and with the chosen scales) and the scales' ``scale_min/max/mean``; :attr:`clipping_results`
+    (with ``apply_clip``): see the module docstring.
     """
 
     include_linear_mappings = True
@@ -369,7 +384,7 @@ class AWQModifier(SmoothingModifier):
             ValueError: as the base classes; or the model keeps fused experts (transformers 5's experts classes, DBRX)
                 that no resolved mapping smooths (:func:`~llmc_fsm_quantization.mappings.moe_mapping_problem` says
                 why the default mappings leave them out: GPT-OSS's biased, clamped gate, DBRX's layout, shared
-                experts), so they would be quantized unsmoothed.
+                experts), so they would be quantized unsmoothed; fused experts under ``torch.distributed``.
         """
         fused = {n: m for n, m in model.named_modules() if weight_views(m) and "" not in weight_views(m)}
         if fused:
@@ -397,6 +412,12 @@ class AWQModifier(SmoothingModifier):
                     "QuantizationModifier, which quantize each expert matrix"
                 )
                 raise ValueError(msg)
+        if fused and is_distributed():
+            msg = (
+                "AWQModifier: smoothing fused experts under torch.distributed is not implemented (a rank may see no "
+                "token routed to an expert that another rank sees); run it on one process"
+            )
+            raise ValueError(msg)
         targets = super().check_model(model)
         if self._quantizer is not None:
             targets.update(self._quantizer.check_model(model))
