@@ -404,8 +404,8 @@ class AWQModifier(SmoothingModifier):
                     if n != leaf and getattr(getattr(m, "weight", None), "dim", lambda: 0)() == 2
                 ]  # fmt: skip
                 why = moe_mapping_problem(parent, leaf, routers[0] if routers else "") or (
-                    "the default mappings smooth a block read from post_attention_layernorm, and recipe mappings do not "
-                    "reach expert matrices"
+                    "the default mappings smooth a block read from post_attention_layernorm, and recipe mappings do "
+                    "not reach expert matrices"
                 )
                 msg = (
                     f"AWQModifier: {family} keeps fused experts in {compact_names(left)} that no smoothing mapping "
