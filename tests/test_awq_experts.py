@@ -17,7 +17,7 @@ import pytest
 import torch
 from llmc_fsm_quantization import AWQModifier, GPTQModifier, QuantizationModifier
 from llmc_fsm_quantization.mappings import default_mappings, fold_scales
-from test_expert_quantization import GROUP, Q_MAX, Q_MIN, SCHEME, _reload
+from test_expert_quantization import GROUP, Q_MAX, Q_MIN, SCHEME, _interrupted_and_resumed, _reload
 from tiny_families import build
 
 import llmc_fsm
@@ -274,32 +274,12 @@ def test_an_interrupted_awq_run_on_experts_resumes_to_the_uninterrupted_checkpoi
     """Killed after layer 1 and resumed: the per-expert mappings of the saved layers are restored (their smoothing
     results and scales from the layer's progress file, the fused weights from the saved layer), so the checkpoint and
     the report's smoothing equal the uninterrupted run's."""
-    from safetensors import safe_open
-
-    from llmc_fsm.oneshot_job.resume import LayerProgress
-
     recipe = {"s": {"AWQModifier": {}, "GPTQModifier": {"scheme": SCHEME}}}
     kw = {"recipe": recipe, "dataset": DATA, "progress": False}
-    ref = llmc_fsm.oneshot(model=_outliers("mixtral"), output_dir=tmp_path / "ref", **kw)
-    original = LayerProgress.save
-
-    def save(self, index, module):
-        original(self, index, module)
-        if index == 1:
-            raise KeyboardInterrupt
-
-    with monkeypatch.context() as m:
-        m.setattr(LayerProgress, "save", save)
-        with pytest.raises(KeyboardInterrupt):
-            llmc_fsm.oneshot(model=_outliers("mixtral"), output_dir=tmp_path / "o", **kw)
-    out = llmc_fsm.oneshot(model=_outliers("mixtral"), output_dir=tmp_path / "o", resume=True, **kw)
+    ref, out = _interrupted_and_resumed(tmp_path, monkeypatch, lambda: _outliers("mixtral"), **kw)
     smoothing = out.llmc_fsm_report.to_dict()["smoothing"]
     assert smoothing == ref.llmc_fsm_report.to_dict()["smoothing"]
     assert len([n for n in smoothing["AWQModifier (s)"] if ".experts." in n]) == 16
-    files = [sorted(d.glob("*.safetensors")) for d in (tmp_path / "ref", tmp_path / "o")]
-    with safe_open(str(files[0][0]), "pt") as a, safe_open(str(files[1][0]), "pt") as b:
-        assert sorted(a.keys()) == sorted(b.keys())
-        assert [k for k in a.keys() if not torch.equal(a.get_tensor(k), b.get_tensor(k))] == []
 
 
 def test_clipping_serves_each_expert_matrix_from_its_routed_tokens() -> None:
