@@ -309,3 +309,19 @@ def test_awq_on_experts_under_torch_distributed_is_refused_before_any_work(monke
         "routed to an expert that another rank sees); run it on one process"
     )
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_awq_on_experts_with_low_memory_is_refused_before_any_work(tmp_path) -> None:
+    """The streamed loader reads tensors by the model's own names; transformers 5 saves fused experts per expert."""
+    build("mixtral").save_pretrained(tmp_path / "ckpt")
+    with pytest.raises(ValueError) as info:
+        _run(str(tmp_path / "ckpt"), GPTQModifier(scheme=SCHEME), awq=AWQModifier(), low_memory=True,
+             output_dir=tmp_path / "o")  # fmt: skip
+    assert str(info.value).endswith(
+        "which transformers fuses on load (its weight conversion); low_memory reads each tensor by the model's own "
+        "name and does not convert them: run without low_memory"
+    )
+    assert str(info.value).startswith(
+        f"{tmp_path / 'ckpt'}: the checkpoint keeps mixture-of-experts weights per expert"
+    )
+    assert not (tmp_path / "o").exists()
