@@ -220,19 +220,29 @@ def test_the_quantized_moe_block_output_is_closer_with_smoothing(family: str) ->
 
 
 # --------------------------------------------------------------------------- the checkpoint
-@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
-def test_awq_then_gptq_per_expert_saves_a_checkpoint_transformers_reloads(tmp_path, family: str) -> None:
+@pytest.mark.parametrize(("family", "form"), [("mixtral", "gptq"), ("qwen3_moe", "gptq"), ("qwen3_moe", "older")])
+def test_awq_then_per_expert_quantization_saves_a_checkpoint_transformers_reloads(tmp_path, family, form) -> None:
+    """AWQ then GPTQ per expert matrix, or the older form (the scheme on AWQModifier: its own round-to-nearest):
+    the checkpoint reloads with no missing or unexpected key and the in-memory model's logits exactly; the report
+    holds every mapping's exponent."""
     model = _outliers(family)
-    awq = AWQModifier()
-    _run(model, GPTQModifier(scheme=SCHEME), awq=awq, output_dir=tmp_path / "o")
+    if form == "gptq":
+        awq, gptq = AWQModifier(), GPTQModifier(scheme=SCHEME)
+        _run(model, gptq, awq=awq, output_dir=tmp_path / "o")
+        # AWQ's own pass over the experts left GPTQ's routed-token counts alone: top-2, three matrices per expert
+        assert sum(n for name, n in gptq.routed_tokens.items() if name.startswith(L0)) == 2 * 3 * DATA.numel()
+    else:
+        awq = AWQModifier(scheme=SCHEME)
+        llmc_fsm.oneshot(model=model, recipe=[awq], dataset=DATA, progress=False, output_dir=tmp_path / "o")
+        assert len(awq.results) == 4 * (4 + 4 * 3)  # per layer: q, k, v, o and every expert's three matrices
     assert awq.smoothing_results[L0 + "post_attention_layernorm"]["exponent"] is not None
     reloaded, info = _reload(tmp_path / "o", family)
     assert (sorted(info["missing_keys"]), sorted(info["unexpected_keys"])) == ([], [])
     with torch.no_grad():
         assert torch.equal(reloaded(DATA[:2]).logits, model(DATA[:2]).logits)
     report = model.llmc_fsm_report.to_dict()
-    shared = report["smoothing"]["AWQModifier (default)"][L0 + "post_attention_layernorm"]
-    assert shared["exponent"] == awq.smoothing_results[L0 + "post_attention_layernorm"]["exponent"]
+    assert report["smoothing"]["AWQModifier (default)"] == awq.smoothing_results
+    assert len(awq.smoothing_results) == 4 * (2 + 4)  # per layer: two norms and four experts' up -> down
 
 
 # --------------------------------------------------------------------------- refusals
