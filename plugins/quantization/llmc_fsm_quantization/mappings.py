@@ -321,7 +321,7 @@ def moe_mapping_problem(block: nn.Module, experts: str, router: str) -> str | No
     if module.has_bias:
         return f"{kind} adds biases to its projections"
     if getattr(type(module)._apply_gate, "__name__", "") != "_default_apply_gate":
-        return f"{kind} gates by its own {type(module).__name__}._apply_gate, not act(gate) * up"
+        return f"{kind} gates by its own _apply_gate, not act(gate) * up"
     leaves = {experts.rpartition(".")[2], router.rpartition(".")[2]}
     others = [n for n, m in block.named_children() if n not in leaves and any(True for _ in m.parameters())]
     if others:
