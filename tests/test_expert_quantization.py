@@ -314,14 +314,12 @@ def test_what_transformers_cannot_reload_is_refused_before_any_work(tmp_path, ca
     assert not (tmp_path / "o").exists()
 
 
-def test_an_interrupted_run_resumes_with_each_expert_s_quantization(tmp_path, monkeypatch):
-    """Killed after layer 1 and resumed: the expert views of the restored layers get back their scales, scheme,
-    checkpoint names and routed-token counts (kept in the layer's progress file), so the saved checkpoint and the
-    report equal the uninterrupted run's."""
+def _interrupted_and_resumed(tmp_path, monkeypatch, make_model, **kw):
+    """An uninterrupted one-shot run of ``make_model()`` into ``tmp_path / "ref"``, one killed after layer 1 is saved
+    and resumed into ``tmp_path / "o"``; asserts the two checkpoints hold the same tensors, returns both models."""
     from llmc_fsm.oneshot_job.resume import LayerProgress
 
-    kw = {"recipe": {"s": {"GPTQModifier": {"scheme": SCHEME}}}, "dataset": DATA, "progress": False}
-    ref = llmc_fsm.oneshot(model=build("mixtral"), output_dir=tmp_path / "ref", **kw)
+    ref = llmc_fsm.oneshot(model=make_model(), output_dir=tmp_path / "ref", **kw)
     original = LayerProgress.save
 
     def save(self, index, module):
@@ -332,13 +330,22 @@ def test_an_interrupted_run_resumes_with_each_expert_s_quantization(tmp_path, mo
     with monkeypatch.context() as m:
         m.setattr(LayerProgress, "save", save)
         with pytest.raises(KeyboardInterrupt):
-            llmc_fsm.oneshot(model=build("mixtral"), output_dir=tmp_path / "o", **kw)
-    out = llmc_fsm.oneshot(model=build("mixtral"), output_dir=tmp_path / "o", resume=True, **kw)
-    assert out.llmc_fsm_report.to_dict()["sparsity"] == ref.llmc_fsm_report.to_dict()["sparsity"]
+            llmc_fsm.oneshot(model=make_model(), output_dir=tmp_path / "o", **kw)
+    out = llmc_fsm.oneshot(model=make_model(), output_dir=tmp_path / "o", resume=True, **kw)
     files = [sorted(d.glob("*.safetensors")) for d in (tmp_path / "ref", tmp_path / "o")]
     with safe_open(str(files[0][0]), "pt") as a, safe_open(str(files[1][0]), "pt") as b:
         assert sorted(a.keys()) == sorted(b.keys())
         assert [k for k in a.keys() if not torch.equal(a.get_tensor(k), b.get_tensor(k))] == []
+    return ref, out
+
+
+def test_an_interrupted_run_resumes_with_each_expert_s_quantization(tmp_path, monkeypatch):
+    """Killed after layer 1 and resumed: the expert views of the restored layers get back their scales, scheme,
+    checkpoint names and routed-token counts (kept in the layer's progress file), so the saved checkpoint and the
+    report equal the uninterrupted run's."""
+    kw = {"recipe": {"s": {"GPTQModifier": {"scheme": SCHEME}}}, "dataset": DATA, "progress": False}
+    ref, out = _interrupted_and_resumed(tmp_path, monkeypatch, lambda: build("mixtral"), **kw)
+    assert out.llmc_fsm_report.to_dict()["sparsity"] == ref.llmc_fsm_report.to_dict()["sparsity"]
 
 
 def test_falcon_gptq_output_reloads_its_falconlinear_unpacked(tmp_path):

@@ -24,8 +24,10 @@ still match; DBRX's are ``<experts>.mlp.<e>.w1`` / ``v1`` / ``w2``.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
+from collections.abc import Callable, Container, Mapping
 from typing import Any
 
 import torch
@@ -38,6 +40,7 @@ __all__ = [
     "expert_checkpoint_names",
     "fused_experts_reason",
     "observe_inputs",
+    "observe_view_inputs",
     "router_names",
     "weight_views",
 ]
@@ -310,6 +313,43 @@ def observe_inputs(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, A
             views[f"{e}.up_proj"](x)
             h = module.act_fn(out)
         views[f"{e}.down_proj"](h)
+
+
+def observe_view_inputs(
+    register_hook: Callable[..., Any],
+    targets: Mapping[str, nn.Module],
+    done: Container[str] = (),
+    *,
+    all_experts: bool,
+) -> list[nn.Module]:
+    """Hook every module whose views are among ``targets`` so that each view sees its own inputs.
+
+    For each :class:`LinearView` in ``targets`` whose name is not in ``done`` (already compressed), its
+    :attr:`~LinearView.source` (the fused experts module, or the ``Conv1D``) gets one forward pre-hook (kwargs
+    included) that runs :func:`observe_inputs` (``all_experts`` passed on), and the ``routed_tokens`` of all that
+    module's views are reset to ``0``. Modules seen through several targets are hooked once.
+
+    Args:
+        register_hook: the modifier's ``register_hook`` (:meth:`llmc_fsm.core.Modifier.register_hook`: the session
+            removes the hooks at finalize), called as ``register_hook(module, hook, kind="forward_pre",
+            with_kwargs=True)``.
+        targets: ``{name: module}``, the modifier's resolved targets (modules that are not views are passed over).
+        done: names of targets whose views need no more inputs.
+        all_experts: every calibration token through every expert, for statistics only (:func:`observe_inputs`).
+
+    Returns:
+        The hooked modules, in the order of their first view in ``targets``.
+    """
+    sources: dict[int, nn.Module] = {}
+    for name, view in targets.items():
+        if isinstance(view, LinearView) and name not in done:
+            sources.setdefault(id(view.source), view.source)
+    hook = functools.partial(observe_inputs, all_experts=all_experts)
+    for source in sources.values():
+        for view in weight_views(source).values():
+            view.routed_tokens = 0
+        register_hook(source, hook, kind="forward_pre", with_kwargs=True)
+    return list(sources.values())
 
 
 def _marker(view: LinearView, param: torch.Tensor) -> torch.Tensor:

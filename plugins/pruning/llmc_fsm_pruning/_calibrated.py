@@ -13,9 +13,9 @@ import logging
 from typing import Any
 
 import attrs
-from torch import nn
 
-from llmc_fsm.toolkit import CalibratedModifier, LinearView, observe_inputs, weight_views
+from llmc_fsm.toolkit import CalibratedModifier, LinearView
+from llmc_fsm.toolkit.views import observe_view_inputs
 from llmc_fsm_pruning.masks import mask_structure_validator, sparsity_validator
 
 __all__ = ["CalibratedPruningModifier"]
@@ -68,17 +68,7 @@ class CalibratedPruningModifier(CalibratedModifier):
 
     def on_calibration_start(self, state: Any) -> None:
         super().on_calibration_start(state)
-        sources: dict[int, nn.Module] = {}
-        for name, view in self._targets.items():
-            if isinstance(view, LinearView) and name not in self.results:
-                sources[id(view.source)] = view.source
-        for source in sources.values():
-            for view in weight_views(source).values():
-                view.routed_tokens = 0
-            self.register_hook(source, self._observe, kind="forward_pre", with_kwargs=True)
-
-    def _observe(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        observe_inputs(module, args, kwargs, all_experts=self.calibrate_all_experts)
+        observe_view_inputs(self.register_hook, self._targets, self.results, all_experts=self.calibrate_all_experts)
 
     def on_sequential_epoch_end(self, state: Any, modules: Any) -> None:
         super().on_sequential_epoch_end(state, modules)

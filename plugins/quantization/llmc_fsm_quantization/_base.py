@@ -39,11 +39,11 @@ from llmc_fsm.toolkit import (
     expert_checkpoint_names,
     is_distributed,
     is_linear_like,
-    observe_inputs,
     patterns,
     select_targets,
     weight_views,
 )
+from llmc_fsm.toolkit.views import observe_view_inputs
 from llmc_fsm_quantization import kv_cache
 from llmc_fsm_quantization.observers import (
     IMPORTANCE_OBSERVERS,
@@ -569,9 +569,9 @@ class QuantizingModifier(CalibratedModifier):
         compressed-tensors' quantized forward does (``None``: not this modifier's module, or no input quantization).
 
         In the pipeline's grouped order a group's head is compressed while its call is under way, and that call
-        goes on with the forward it began with (:func:`llmc_fsm.pipeline.true_sequential.run_grouped`); without this, its
-        output for the next group / layer missed the input quantization (W8A8, FP8_DYNAMIC), and a resumed run,
-        which propagates through fully quantized layers, differed from an uninterrupted one.
+        goes on with the forward it began with (:func:`llmc_fsm.pipeline.true_sequential.run_grouped`); without
+        this, its output for the next group / layer missed the input quantization (W8A8, FP8_DYNAMIC), and a
+        resumed run, which propagates through fully quantized layers, differed from an uninterrupted one.
         """
         scheme = getattr(module, "quantization_scheme", None)
         if id(module) not in self._names_by_id or scheme is None or scheme.input_activations is None or not args:
@@ -762,17 +762,7 @@ class QuantizingModifier(CalibratedModifier):
         self.round_to_nearest_fallback: list[str] = []
 
     def _observe_views(self) -> None:
-        sources: dict[int, nn.Module] = {}
-        for name, view in self._targets.items():
-            if isinstance(view, LinearView) and view.expert is not None and name not in self.results:
-                sources[id(view.source)] = view.source
-        for source in sources.values():
-            for view in weight_views(source).values():
-                view.routed_tokens = 0
-            self.register_hook(source, self._observe, kind="forward_pre", with_kwargs=True)
-
-    def _observe(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        observe_inputs(module, args, kwargs, all_experts=self.calibrate_all_experts)
+        observe_view_inputs(self.register_hook, self._targets, self.results, all_experts=self.calibrate_all_experts)
 
     def _record_routed(self) -> None:
         """Copy the routed-token counts of the expert matrices quantized since the last call."""

@@ -37,6 +37,18 @@ NVFP4/MX/FP8-block scales, not GPTQ's ``actorder: group``), refused before calib
 :attr:`AWQModifier.clipping_results` holds, per clipped Linear, ``groups`` / ``groups_clipped``, the mean kept
 range ``shrink_mean`` (``m / max|W_group|``), ``error_unclipped`` / ``error`` and ``applied``.
 
+Mixture-of-experts layers with fused experts (transformers 5's ``MixtralExperts``, ``Qwen3MoeExperts``: 3-D
+``gate_up_proj`` / ``down_proj``; :mod:`llmc_fsm_quantization.mappings`): ``post_attention_layernorm -> router and
+every expert's gate/up rows`` shares one scale; its ``x_j`` is over every token reaching the block, ``w_j`` over the
+rows of all of them (the router per row: it is not quantized), and the error is the block's output, the router's
+top-k computed as in the float model (the router reads the unscaled input during the search, and its weight takes
+the scale when folded, so the routing is unchanged). Each expert's ``up_proj -> down_proj`` gets its own scale from
+the tokens the router sent to it, scored by its ``down_proj`` output on them (as AutoAWQ's per-expert
+``up -> down``); an expert with no routed token is left unscaled. The scales are folded into the fused parameters
+through the expert matrices' views (they share the storage), and the quantizer (GPTQ or round-to-nearest per expert
+matrix) then quantizes the smoothed experts. Refused, before any work: experts no mapping reaches (GPT-OSS, DBRX,
+blocks with a shared expert: the message names why), and fused experts under ``torch.distributed``.
+
 Under ``torch.distributed`` (``torchrun``) each rank runs its share of the calibration windows; the statistics
 (``sum|x_j|`` and token counts), every candidate's block error and the clipping scores are summed over the ranks
 (:func:`llmc_fsm.toolkit.all_reduce_tensor`) before any choice, so every rank folds the same scales, those of one
@@ -62,21 +74,26 @@ from torch import nn
 from llmc_fsm.toolkit import (
     DEFAULT_IGNORE,
     DEFAULT_TARGETS,
+    LinearView,
     ModuleResult,
     all_gather_ints,
     all_reduce_tensor,
     compact_names,
     get_rank,
+    is_distributed,
     patterns,
     weight_views,
 )
-from llmc_fsm_quantization.mappings import ResolvedMapping, fold_scales
+from llmc_fsm_quantization.mappings import ResolvedMapping, fold_scales, moe_mapping_problem
 from llmc_fsm_quantization.observers import is_scaled_format
 from llmc_fsm_quantization.rtn import QuantizationModifier, rtn_quantize
 from llmc_fsm_quantization.smoothquant import (
     ActivationObserver,
     SmoothingModifier,
+    _observe_routed,
     _scale_stats,
+    block_output,
+    members,
     suspended_forward_hooks,
 )
 
@@ -286,9 +303,11 @@ class AWQModifier(SmoothingModifier):
         clip_n_sample_token: about how many calibration tokens the clipping search uses per Linear (default 512).
 
     Requires state ``model`` and ``calibration_data``; runs in the sequential pipeline. :attr:`smoothing_results`:
-    per smooth layer ``exponent`` (``None``: no smoothing won), ``duo_scaling``, ``error_unsmoothed`` and
-    ``error`` (mean squared block output error, quantized, without and with the chosen scales) and the scales'
-    ``scale_min/max/mean``; :attr:`clipping_results` (with ``apply_clip``): see the module docstring.
+    per smooth layer ``exponent`` (``None``: no smoothing won), ``duo_scaling``, ``tokens`` (the calibration tokens
+    the statistics came from: every token, or an expert's routed ones; ``0``: the router sent that expert none, it is
+    left unscaled and its errors are ``0.0``), ``error_unsmoothed`` and ``error`` (mean squared block output error,
+    quantized, without and with the chosen scales) and the scales' ``scale_min/max/mean``; :attr:`clipping_results`
+    (with ``apply_clip``): see the module docstring.
     """
 
     include_linear_mappings = True
@@ -358,25 +377,46 @@ class AWQModifier(SmoothingModifier):
         return targets
 
     def check_model(self, model: nn.Module) -> dict[str, nn.Module]:
-        """:meth:`SmoothingModifier.check_model` (and the older form's quantizer's); a model with fused
-        mixture-of-experts weights is refused.
+        """:meth:`SmoothingModifier.check_model` (and the older form's quantizer's); fused mixture-of-experts weights
+        no mapping reaches are refused.
 
         Raises:
-            ValueError: as the base classes; or the model keeps fused experts (transformers 5's ``MixtralExperts``
-                ...): AWQ's smoothing balances the Linear modules of its mappings, and no mapping reaches an expert
-                matrix (a view of a fused parameter), so the experts would be quantized without their smoothing;
-                left dense, transformers 5.24 does not reload the quantized checkpoint.
+            ValueError: as the base classes; or the model keeps fused experts (transformers 5's experts classes, DBRX)
+                that no resolved mapping smooths (:func:`~llmc_fsm_quantization.mappings.moe_mapping_problem` says
+                why the default mappings leave them out: GPT-OSS's biased, clamped gate, DBRX's layout, shared
+                experts), so they would be quantized unsmoothed; fused experts under ``torch.distributed``.
         """
-        fused = [n for n, m in model.named_modules() if weight_views(m) and "" not in weight_views(m)]
+        fused = {n: m for n, m in model.named_modules() if weight_views(m) and "" not in weight_views(m)}
         if fused:
-            model_type = getattr(getattr(model, "config", None), "model_type", None)
-            family = f"{type(model).__name__} (model_type {model_type!r})"
+            try:
+                reached = {id(b) for mapping in self.resolve(model) for b in mapping.balances}
+            except ValueError:  # no mapping fits at all: the experts are named first
+                reached = set()
+            left = {n: m for n, m in fused.items() if not all(id(v) in reached for v in weight_views(m).values())}
+            if left:
+                model_type = getattr(getattr(model, "config", None), "model_type", None)
+                family = f"{type(model).__name__} (model_type {model_type!r})"
+                name = next(iter(left))
+                block, _, leaf = name.rpartition(".")
+                parent = model.get_submodule(block)
+                routers = [
+                    n for n, m in parent.named_children()
+                    if n != leaf and getattr(getattr(m, "weight", None), "dim", lambda: 0)() == 2
+                ]  # fmt: skip
+                why = moe_mapping_problem(parent, leaf, routers[0] if routers else "") or (
+                    "the default mappings smooth a block read from post_attention_layernorm, and recipe mappings do "
+                    "not reach expert matrices"
+                )
+                msg = (
+                    f"AWQModifier: {family} keeps fused experts in {compact_names(left)} that no smoothing mapping "
+                    f"reaches ({why}), so they would be quantized unsmoothed: use GPTQModifier or "
+                    "QuantizationModifier, which quantize each expert matrix"
+                )
+                raise ValueError(msg)
+        if fused and is_distributed():
             msg = (
-                f"AWQModifier: {family} keeps fused experts in {compact_names(fused)}: AWQ on fused experts is not "
-                "implemented (its smoothing balances the Linear modules of its mappings, and no mapping reaches an "
-                "expert matrix, so the experts would be quantized unsmoothed; left dense, transformers 5.24 does not "
-                "reload the quantized checkpoint): use GPTQModifier or QuantizationModifier, which quantize each "
-                "expert matrix"
+                "AWQModifier: smoothing fused experts under torch.distributed is not implemented (a rank may see no "
+                "token routed to an expert that another rank sees); run it on one process"
             )
             raise ValueError(msg)
         targets = super().check_model(model)
@@ -470,7 +510,7 @@ class AWQModifier(SmoothingModifier):
         """:meth:`SmoothingModifier.progress_state`, with the :attr:`clipping_results` of the layer's Linears and,
         in the older form, the results of the layer's modules quantized by AWQ's own round-to-nearest."""
         out = super().progress_state(layer)
-        inside = {id(m) for m in layer.modules()}
+        inside = members(layer)
         out["clipping"] = {
             n: self.clipping_results[n]
             for n, (m, _) in self._clip_targets.items()
@@ -522,7 +562,7 @@ class AWQModifier(SmoothingModifier):
     # ---- clipping -------------------------------------------------------------
     def _clip_layer(self, layer: nn.Module, inputs: list[tuple[tuple[Any, ...], dict[str, Any]]]) -> None:
         """Search and apply the clipping ranges of the clip targets inside ``layer`` (already smoothed)."""
-        inside = {id(m) for m in layer.modules()}
+        inside = members(layer)
         targets = {n: t for n, t in self._clip_targets.items() if id(t[0]) in inside and n not in self.clipping_results}
         if not targets:
             return
@@ -561,6 +601,19 @@ class AWQModifier(SmoothingModifier):
 
     def _smooth_mapping(self, mapping: ResolvedMapping, observer: ActivationObserver) -> None:
         name = mapping.smooth_name
+        if name not in observer.tokens:  # an expert the router sent no calibration token: nothing to search from
+            self.smoothing_results[name] = {
+                "balance_layers": list(mapping.balance_names),
+                "exponent": None,
+                "duo_scaling": None,
+                "error_unsmoothed": 0.0,  # a mean over no token
+                "error": 0.0,
+                "tokens": 0,
+                "scale_min": 1.0,
+                "scale_max": 1.0,
+                "scale_mean": 1.0,
+            }
+            return
         quantizers = [self._quantizers.get(id(b)) for b in mapping.balances]
         x_mean = (observer.abs_sum[name] / observer.tokens[name]).to(torch.float32)
         w_mean = awq_weight_mean([b.weight for b in mapping.balances], [_group_size(q) for q in quantizers])
@@ -584,6 +637,7 @@ class AWQModifier(SmoothingModifier):
             "balance_layers": list(mapping.balance_names),
             "exponent": ratio,
             "duo_scaling": duo,
+            "tokens": observer.tokens[name],
             "error_unsmoothed": unsmoothed,
             "error": error,
             **stats,
@@ -621,6 +675,10 @@ def _capture_inputs(
 
     with suspended_forward_hooks(layer):
         handles = [module.register_forward_pre_hook(hook_for(name)) for name, module in modules.items()]
+        sources = {
+            id(m.source): m.source for m in modules.values() if isinstance(m, LinearView) and m.expert is not None
+        }
+        handles += [s.register_forward_pre_hook(_observe_routed, with_kwargs=True) for s in sources.values()]
         try:
             for args, kwargs in inputs:
                 layer(*args, **kwargs)
@@ -672,8 +730,7 @@ class _BlockError:
                 balance.weight.copy_((q / s).to(w.dtype))
             total, count = 0.0, 0
             for (args, kwargs), ref in zip(self.inputs, self.outputs, strict=True):
-                out = self.mapping.parent(*args, **kwargs)
-                out = out[0] if isinstance(out, tuple | list) else out
+                out = block_output(self.mapping.parent, args, kwargs)
                 total += float((out.to(torch.float32) - ref.to(torch.float32)).pow(2).sum(dtype=torch.float64))
                 count += ref.numel()
             sums = all_reduce_tensor(torch.tensor([total, count], dtype=torch.float64), what="all_reduce (AWQ error)")

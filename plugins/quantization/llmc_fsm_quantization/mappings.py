@@ -15,7 +15,20 @@ smooth layer                           balance layers                           
 ``v_proj``                             ``o_proj``                               ``v.out == o.in``
 ``post_attention_layernorm``           ``gate_proj``, ``up_proj``               a pre-MLP norm
 ``up_proj``                            ``down_proj``                            ``up.out == down.in``
+``post_attention_layernorm``           the router and every expert's            a mixture-of-experts
+                                       ``gate_proj``, ``up_proj``               block (below)
+``experts.<e>.up_proj``                ``experts.<e>.down_proj``                per expert, as above
 =====================================  =======================================  =====================
+
+Mixture-of-experts layers whose experts transformers 5 keeps fused (``MixtralExperts``, ``Qwen3MoeExperts``: 3-D
+``gate_up_proj`` / ``down_proj``, seen per expert through :mod:`llmc_fsm.toolkit.views`): every expert's gate and up
+rows and the router read the block's input, the normed hidden states, so one per-channel scale is shared by all of
+them; the router's weight is compensated too (it is not quantized, but without it the float routing would change).
+Each expert's ``up`` rows -> its ``down_proj`` columns is a mapping of its own (its scale from the tokens routed to
+it). As AutoAWQ's Mixtral mappings (``block_sparse_moe.gate`` among the balance layers) and llm-compressor's MoE
+mappings. The block must hold only the experts and the router (no shared expert), the experts a gate without
+biases and transformers' own ``act(gate) * up`` (not GPT-OSS's clamped gate), in transformers' layout class (not
+DBRX's): :func:`moe_mapping_problem` says why a block does not fit.
 
 ``v_proj -> o_proj`` needs one value channel per ``o_proj`` input (no grouped-query attention: with
 GQA a value channel feeds several heads' outputs); ``post_attention_layernorm`` is skipped when the
@@ -44,7 +57,7 @@ import torch
 from torch import nn
 
 from llmc_fsm import find_decoder_layers
-from llmc_fsm.toolkit import compact_names, is_linear_like, matches
+from llmc_fsm.toolkit import LinearView, compact_names, is_linear_like, matches, weight_views
 
 __all__ = [
     "MappingSpec",
@@ -54,6 +67,7 @@ __all__ = [
     "describe_mappings",
     "fold_scales",
     "mappings_to_recipe",
+    "moe_mapping_problem",
     "parse_mappings",
     "resolve_mappings",
     "smooth_channels",
@@ -84,6 +98,8 @@ class ResolvedMapping:
         balance_names / balances: the Linears that read its output (``in_features == C``).
         parent_name / parent: the innermost module holding every balance layer (a single balance
             layer: itself) -- AWQ measures this block's output error.
+        experts: for a mixture-of-experts mapping, the fused experts module whose expert matrices
+            (:class:`~llmc_fsm.toolkit.views.LinearView`) are among the smooth and balance layers; ``None`` otherwise.
     """
 
     smooth_name: str
@@ -92,6 +108,15 @@ class ResolvedMapping:
     balances: tuple[nn.Module, ...]
     parent_name: str
     parent: nn.Module
+    experts: nn.Module | None = None
+
+    @property
+    def reader(self) -> nn.Module:
+        """The module whose first input is the smooth layer's output (its statistics are taken there): the
+        mixture-of-experts block for a norm mapping onto the router and experts, else the first balance layer."""
+        if self.experts is not None and self.smooth.weight.dim() == 1:
+            return self.parent
+        return self.balances[0]
 
     @property
     def channels(self) -> int:
@@ -242,11 +267,66 @@ def _default_specs_for_layer(layer: nn.Module, *, include_linear: bool) -> list[
     down = _linear_named(layer, "down_proj")
     mlp_norm_name = "pre_feedforward_layernorm" if post_norms else "post_attention_layernorm"
     mlp_norm = _child(layer, mlp_norm_name)
-    if mlp_norm is not None and _is_norm(mlp_norm) and up:
+    moe = _moe_block(layer)
+    # the norm also feeds the router and the experts of a mixture-of-experts block: its shared expert alone cannot
+    # take the scale (DeepSeek-V3's shared_experts)
+    shared = moe is not None and up is not None and up[0].startswith(moe[0] + ".")
+    if mlp_norm is not None and _is_norm(mlp_norm) and up and not shared:
         out.append((mlp_norm_name, (gate[0], up[0]) if gate else (up[0],)))
     if include_linear and up and down and up[1].weight.shape[0] == down[1].weight.shape[1]:
         out.append((up[0], (down[0],)))
+    if not up and moe is not None and mlp_norm is not None and _is_norm(mlp_norm):
+        block, experts, router = moe
+        if moe_mapping_problem(layer.get_submodule(block), experts, router) is None:
+            views = [f"{experts}.{suffix}" for suffix in weight_views(layer.get_submodule(experts))]
+            out.append((mlp_norm_name, (router, *(v for v in views if not v.endswith(".down_proj")))))
+            if include_linear:
+                out.extend((v, (v.removesuffix("up_proj") + "down_proj",)) for v in views if v.endswith(".up_proj"))
     return out
+
+
+def _fused_experts(layer: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``(name, module)`` of the fused experts modules in ``layer`` (:func:`~llmc_fsm.toolkit.views.weight_views`)."""
+    return [(n, m) for n, m in layer.named_modules() if n and weight_views(m) and "" not in weight_views(m)]
+
+
+def _moe_block(layer: nn.Module) -> tuple[str, str, str] | None:
+    """``(block, experts, router)`` names in ``layer`` of its one mixture-of-experts block with fused experts (the
+    experts module's parent) and its one router (a child of the block with a ``[num_experts, hidden]`` weight)."""
+    found = _fused_experts(layer)
+    if len(found) != 1:
+        return None
+    experts_name, experts = found[0]
+    block = experts_name.rpartition(".")[0]
+    count = getattr(experts, "num_experts", None)
+    routers = [
+        f"{block}.{n}" if block else n
+        for n, m in layer.get_submodule(block).named_children()
+        if isinstance(getattr(m, "weight", None), torch.Tensor) and m.weight.dim() == 2 and m.weight.shape[0] == count
+    ]
+    return (block, experts_name, routers[0]) if len(routers) == 1 else None
+
+
+def moe_mapping_problem(block: nn.Module, experts: str, router: str) -> str | None:
+    """Why the mixture-of-experts ``block`` cannot take the shared smoothing scale of its input (one phrase), or
+    ``None``: its ``experts`` (a fused experts module, the name of a child of ``block``) must be transformers'
+    layout class with a gate, no biases and transformers' own ``act(gate) * up``, and ``block`` must hold nothing
+    else that reads the input but the ``router`` child (a ``[num_experts, hidden]`` weight applied as a Linear)."""
+    module = block.get_submodule(experts.rpartition(".")[2])
+    kind = type(module).__name__
+    if not all(hasattr(module, a) for a in ("has_gate", "has_bias", "is_transposed", "is_concatenated")):
+        return f"{kind} is not a transformers fused-experts class with layout flags (has_gate, is_concatenated, ...)"
+    if not module.has_gate:
+        return f"{kind} has no gate rows"
+    if module.has_bias:
+        return f"{kind} adds biases to its projections"
+    if getattr(type(module)._apply_gate, "__name__", "") != "_default_apply_gate":
+        return f"{kind} gates by its own _apply_gate, not act(gate) * up"
+    leaves = {experts.rpartition(".")[2], router.rpartition(".")[2]}
+    others = [n for n, m in block.named_children() if n not in leaves and any(True for _ in m.parameters())]
+    if others:
+        return f"the block also holds {', '.join(others)} (shared experts), which read its input too"
+    return None
 
 
 def default_mappings(model: nn.Module, *, include_linear: bool = True) -> list[ResolvedMapping]:
@@ -267,30 +347,44 @@ def default_mappings(model: nn.Module, *, include_linear: bool = True) -> list[R
     mappings: list[ResolvedMapping] = []
     for index, layer in enumerate(layers):
         prefix = f"{layers_name}.{index}."
-        for smooth, balances in _default_specs_for_layer(layer, include_linear=include_linear):
-            mapping = _resolved(
-                layer, prefix, smooth, list(balances), {name: layer.get_submodule(name) for name in balances}
-            )
+        specs = _default_specs_for_layer(layer, include_linear=include_linear)
+        if not specs:
+            continue
+        experts = dict(_fused_experts(layer))
+        views = {f"{n}.{s}": v for n, m in experts.items() for s, v in weight_views(m).items()}
+        for smooth, balances in specs:
+            named = {name: _lookup(layer, views, name) for name in (smooth, *balances)}
+            mapping = _resolved(layer, prefix, smooth, list(balances), named)
             if _fit_problem(mapping) is None:
                 mappings.append(mapping)
     return mappings
 
 
 def _resolved(
-    root: nn.Module, prefix: str, smooth: str, balance_names: list[str], balances: dict[str, nn.Module]
+    root: nn.Module, prefix: str, smooth: str, balance_names: list[str], modules: dict[str, nn.Module]
 ) -> ResolvedMapping:
+    """The mapping ``smooth -> balance_names`` (names relative to ``root``, ``modules`` holds at least the balance
+    layers; the smooth layer and the parent are looked up in ``modules``, then in ``root``)."""
     if len(balance_names) == 1:
         parent = balance_names[0]
     else:
         parent = _common_prefix(balance_names).rstrip(".")
+    views = [modules[n] for n in (smooth, *balance_names) if isinstance(modules.get(n), LinearView)]
     return ResolvedMapping(
         smooth_name=prefix + smooth,
-        smooth=root.get_submodule(smooth),
+        smooth=_lookup(root, modules, smooth),
         balance_names=tuple(prefix + n for n in balance_names),
-        balances=tuple(balances[n] for n in balance_names),
+        balances=tuple(modules[n] for n in balance_names),
         parent_name=(prefix + parent).rstrip("."),
-        parent=root.get_submodule(parent) if parent else root,
+        parent=_lookup(root, modules, parent) if parent else root,
+        experts=views[0].source if views else None,
     )
+
+
+def _lookup(root: nn.Module, modules: Mapping[str, nn.Module], name: str) -> nn.Module:
+    """``modules[name]`` (a view of a fused expert matrix, not a submodule), else ``root``'s submodule ``name``."""
+    found = modules.get(name)
+    return found if found is not None else root.get_submodule(name)
 
 
 def _fit_problem(mapping: ResolvedMapping) -> str | None:
@@ -304,7 +398,12 @@ def _fit_problem(mapping: ResolvedMapping) -> str | None:
         return f"{mapping.smooth_name} ({type(smooth).__name__}) is neither a norm with a 1-D weight nor a Linear"
     channels = smooth_channels(smooth)
     for name, balance in zip(mapping.balance_names, mapping.balances, strict=True):
-        if not is_linear_like(balance):
+        router = (
+            mapping.experts is not None
+            and balance.weight.dim() == 2
+            and balance.weight.shape[0] == getattr(mapping.experts, "num_experts", None)
+        )
+        if not is_linear_like(balance) and not router:
             return f"{name} ({type(balance).__name__}) is not a Linear"
         if int(balance.weight.shape[1]) != channels:
             return f"{mapping.smooth_name} has {channels} output channels but {name} reads {balance.weight.shape[1]}"
@@ -468,7 +567,11 @@ def describe_mappings(mappings: list[ResolvedMapping]) -> list[str]:
     """One line per distinct mapping shape: ``smooth -> balances`` with layer indices folded (``{0..29}``)."""
     groups: dict[str, list[str]] = {}
     for m in mappings:
-        key = " -> ".join([m.smooth_name.rsplit(".", 1)[-1], ", ".join(n.rsplit(".", 1)[-1] for n in m.balance_names)])
+        leaves: dict[str, int] = {}
+        for n in m.balance_names:
+            leaves[n.rsplit(".", 1)[-1]] = leaves.get(n.rsplit(".", 1)[-1], 0) + 1
+        balances = ", ".join(f"{leaf} ({count} experts)" if count > 1 else leaf for leaf, count in leaves.items())
+        key = f"{m.smooth_name.rsplit('.', 1)[-1]} -> {balances}"
         groups.setdefault(key, []).append(m.smooth_name)
     return [f"{key} ({len(names)}x: {compact_names(names)})" for key, names in groups.items()]
 

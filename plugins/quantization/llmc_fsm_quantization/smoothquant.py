@@ -36,7 +36,8 @@ import torch
 from torch import nn
 
 from llmc_fsm import Modifier
-from llmc_fsm.toolkit import all_reduce_tensor, already_quantized, patterns
+from llmc_fsm.toolkit import LinearView, all_reduce_tensor, already_quantized, patterns, weight_views
+from llmc_fsm.toolkit.views import observe_inputs
 from llmc_fsm_quantization.mappings import (
     ResolvedMapping,
     describe_mappings,
@@ -73,9 +74,13 @@ def suspended_forward_hooks(root: nn.Module) -> Iterator[None]:
     The smoothing pass of a decoder layer must not feed the other modifiers' statistics (their hooks
     were registered at ``calibration_start`` and expect the smoothed layer). Hooks registered inside the
     block go to fresh dictionaries, which the block must have emptied (remove their handles) before it ends.
+    The views of fused expert matrices inside ``root`` (:func:`~llmc_fsm.toolkit.views.weight_views`; not
+    submodules) are covered too, and their ``routed_tokens`` counts are put back as they were.
     """
     saved = []
-    for module in root.modules():
+    views = [v for module in root.modules() for v in weight_views(module).values()]
+    counts = [v.routed_tokens for v in views]
+    for module in [*root.modules(), *views]:
         for attr in _FORWARD_HOOK_DICTS:
             if hasattr(module, attr):
                 saved.append((module, attr, getattr(module, attr)))
@@ -85,6 +90,23 @@ def suspended_forward_hooks(root: nn.Module) -> Iterator[None]:
     finally:
         for module, attr, value in saved:
             setattr(module, attr, value)
+        for view, count in zip(views, counts, strict=True):
+            view.routed_tokens = count
+
+
+def members(layer: nn.Module) -> set[int]:
+    """``id`` of every module of ``layer`` and of every view of a fused expert matrix in it."""
+    return {id(m) for module in layer.modules() for m in (module, *weight_views(module).values())}
+
+
+def block_output(block: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor:
+    """What ``block`` computes on ``(args, kwargs)``: its forward's (first) output; for the view of one expert
+    matrix (:class:`~llmc_fsm.toolkit.views.LinearView`, whose call returns its input), ``x W^T``."""
+    if isinstance(block, LinearView):
+        x = args[0]
+        return torch.nn.functional.linear(x, block.weight.to(x.dtype))
+    out = block(*args, **kwargs)
+    return out[0] if isinstance(out, tuple | list) else out
 
 
 def smoothquant_scales(act_max: torch.Tensor, weight_max: torch.Tensor, alpha: float) -> torch.Tensor:
@@ -238,7 +260,7 @@ class SmoothingModifier(Modifier):
 
     # ---- resume ----------------------------------------------------------------
     def _mappings_in(self, layer: nn.Module) -> list[ResolvedMapping]:
-        inside = {id(m) for m in layer.modules()}
+        inside = members(layer)
         return [m for m in self._mappings if id(m.smooth) in inside]
 
     def progress_state(self, layer: nn.Module) -> dict[str, Any]:
@@ -294,7 +316,7 @@ class SmoothingModifier(Modifier):
             ValueError: a norm mapping's balance layers do not read the norm's output in this layer's forward
                 (the default mappings' names did not describe the data flow); checked before anything changes.
         """
-        inside = {id(m) for m in layer.modules()}
+        inside = members(layer)
         todo = [m for m in self._mappings if id(m.smooth) in inside and m.smooth_name not in self._done]
         if not todo or not inputs:
             return
@@ -320,7 +342,10 @@ class ActivationObserver:
 
     Keeps, per mapping, ``max|x_j|`` and ``sum|x_j|`` (float32 / float64, ``[C]``), the token count and,
     when ``keep`` is set, the inputs themselves (AWQ needs them) and the parent block's ``(args, kwargs)``
-    and output. A norm mapping's first balance layer must receive the norm's output tensor itself.
+    and output (:func:`block_output`). A norm mapping's reader (:attr:`ResolvedMapping.reader`: its first balance
+    layer, or the mixture-of-experts block) must receive the norm's output tensor itself. The views of fused expert
+    matrices get their inputs through :func:`~llmc_fsm.toolkit.views.observe_inputs` (each expert's routed
+    tokens); a per-expert mapping whose expert the router sent no token has no statistics (:meth:`check`).
     """
 
     def __init__(self, mappings: list[ResolvedMapping], *, keep: bool = False) -> None:
@@ -339,10 +364,14 @@ class ActivationObserver:
         with suspended_forward_hooks(layer):
             handles = []
             try:
+                sources = {id(v.source): v.source for m in self.mappings for v in (m.reader, m.parent)
+                           if isinstance(v, LinearView) and v.expert is not None}  # fmt: skip
+                for source in sources.values():
+                    handles.append(source.register_forward_pre_hook(_observe_routed, with_kwargs=True))
                 for m in self.mappings:
                     if m.smooth.weight.dim() == 1:
                         handles.append(m.smooth.register_forward_hook(self._norm_hook(m)))
-                    handles.append(m.balances[0].register_forward_pre_hook(self._input_hook(m)))
+                    handles.append(m.reader.register_forward_pre_hook(self._input_hook(m)))
                     if self.keep:
                         handles.append(m.parent.register_forward_pre_hook(self._parent_in(m), with_kwargs=True))
                         handles.append(m.parent.register_forward_hook(self._parent_out(m)))
@@ -363,7 +392,8 @@ class ActivationObserver:
         def hook(module: nn.Module, args: tuple[Any, ...]) -> None:
             x = args[0]
             if m.smooth.weight.dim() == 1 and x is not self._last_out.get(id(m.smooth)):
-                self.problems.append(f"{m.balance_names[0]} does not read the output of {m.smooth_name}")
+                reader = m.parent_name if m.reader is m.parent else m.balance_names[0]
+                self.problems.append(f"{reader} does not read the output of {m.smooth_name}")
                 return
             flat = x.detach().reshape(-1, x.shape[-1]).to(torch.float32)
             mx = flat.abs().amax(dim=0)
@@ -383,6 +413,8 @@ class ActivationObserver:
 
     def _parent_out(self, m: ResolvedMapping) -> Any:
         def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+            if isinstance(module, LinearView):  # its call returned its input
+                output = block_output(module, args, {})
             out = output[0] if isinstance(output, tuple | list) else output
             self.parent_outputs.setdefault(m.smooth_name, []).append(out.detach())
 
@@ -409,6 +441,9 @@ class ActivationObserver:
     def check(self, owner: str) -> None:
         """Raise if a norm mapping's data flow was not what its names said, or a balance layer saw no input.
 
+        A per-expert mapping (its reader the view of an expert matrix) whose expert received no routed token is not
+        an error: it has no statistics, and is left unsmoothed by the caller.
+
         Raises:
             ValueError: naming the mapping.
         """
@@ -418,10 +453,18 @@ class ActivationObserver:
                 "model; give the recipe's mappings for this architecture"
             )
             raise ValueError(msg)
-        missing = [m.balance_names[0] for m in self.mappings if m.smooth_name not in self.tokens]
+        missing = [
+            m.balance_names[0]
+            for m in self.mappings
+            if m.smooth_name not in self.tokens and not isinstance(m.reader, LinearView)
+        ]
         if missing:
             msg = f"{owner}: {missing[0]} received no calibration input in its decoder layer's forward"
             raise ValueError(msg)
+
+
+def _observe_routed(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    observe_inputs(module, args, kwargs, all_experts=False)
 
 
 def _weight_max(mapping: ResolvedMapping) -> torch.Tensor:
@@ -462,6 +505,8 @@ class SmoothQuantModifier(SmoothingModifier):
         observer.all_reduce()
         observer.check(type(self).__name__)
         for mapping in todo:
+            if mapping.smooth_name not in observer.act_max:
+                continue  # an expert the router sent no calibration token (see ActivationObserver.check)
             act_max = observer.act_max[mapping.smooth_name]
             scales = self._scales(act_max, mapping)
             fold_scales(mapping, scales)

@@ -221,8 +221,10 @@ def test_the_report_holds_each_mappings_exponent_and_errors(tmp_path) -> None:
     first = smoothing["model.layers.0.input_layernorm"]
     assert first["balance_layers"] == [f"model.layers.0.self_attn.{p}_proj" for p in "qkv"]
     assert set(first) == {
-        "balance_layers", "exponent", "duo_scaling", "error_unsmoothed", "error", "scale_min", "scale_max", "scale_mean"
+        "balance_layers", "exponent", "duo_scaling", "tokens", "error_unsmoothed", "error", "scale_min", "scale_max",
+        "scale_mean",
     }
+    assert first["tokens"] == DATA.numel()
     report = OneshotReport.from_dict(data)
     assert report.smoothing == data["smoothing"]
     kept = sum(r["exponent"] is None for r in smoothing.values())

@@ -1,0 +1,337 @@
+"""AWQ on fused mixture-of-experts experts (issue 24): one input scale shared by the router and every expert's gate and
+up rows, a scale per expert for up -> down, folded into the fused parameters.
+
+Tiny random Mixtral / Qwen3-MoE models from ``tiny_families`` whose ``post_attention_layernorm`` makes activation
+outlier channels (5, 11, 40; with them the float64 search's best exponent beats the next by 16% / 6%, more than the
+float32 / float64 difference of the errors, so the chosen exponents can be compared exactly). References are
+written here: the float64 grid search over the MoE block (the router's own top-k, every expert's gate/up rows
+replaced by ``Q(W diag(s)) diag(s)^-1``, symmetric int4 in groups of 16), the block output error measured on the
+final models, the checkpoint reloaded by transformers.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from llmc_fsm_quantization import AWQModifier, GPTQModifier, QuantizationModifier
+from llmc_fsm_quantization.mappings import default_mappings, fold_scales
+from test_expert_quantization import GROUP, Q_MAX, Q_MIN, SCHEME, _interrupted_and_resumed, _reload
+from tiny_families import build
+
+import llmc_fsm
+from llmc_fsm.toolkit import weight_views
+
+#: 512 calibration tokens
+DATA = torch.randint(3, 128, (16, 32), generator=torch.Generator().manual_seed(0))
+N_GRID = 20
+L0 = "model.layers.0."
+
+
+def _outliers(family: str) -> torch.nn.Module:
+    """The tiny model of ``family`` whose MoE blocks read outlier channels (5, 11, 40) from their norm."""
+    model = build(family)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.post_attention_layernorm.weight[[5, 11, 40]] = 20.0
+    return model
+
+
+def _run(model: torch.nn.Module, quantizer, *, awq: AWQModifier | None = None, **kw):
+    recipe = ([awq] if awq is not None else []) + [quantizer]
+    return llmc_fsm.oneshot(model=model, recipe=recipe, dataset=DATA, progress=False, **kw)
+
+
+def _q_int4_sym_g16(w: torch.Tensor) -> torch.Tensor:
+    """Symmetric int4 in groups of 16 columns of ``w`` rounded to float32 (the weights' dtype): scale
+    ``max|w| / 7.5``, ``clamp(round(w / scale), -8, 7) * scale``, in float32 as the weights are (a group's largest
+    entry lands on the tie -7.5 / 7.5, so the dtype decides its rounding); returned as float64."""
+    g = w.float().reshape(-1, GROUP)
+    scale = g.abs().amax(dim=1, keepdim=True) / 7.5
+    return (torch.clamp(torch.round(g / scale), Q_MIN, Q_MAX) * scale).reshape(w.shape).double()
+
+
+def _block_input(model: torch.nn.Module) -> torch.Tensor:
+    """The float model's layer-0 MoE block input on ``DATA`` (the normed hidden states), ``[tokens, hidden]``."""
+    seen = []
+    handle = model.model.layers[0].mlp.register_forward_pre_hook(lambda m, args: seen.append(args[0].detach()))
+    with torch.no_grad():
+        model(DATA)
+    handle.remove()
+    return seen[0].reshape(-1, seen[0].shape[-1])
+
+
+# --------------------------------------------------------------------------- mappings
+def test_the_default_mappings_reach_the_router_and_every_expert_matrix() -> None:
+    model = build("mixtral")
+    mappings = [m for m in default_mappings(model) if m.smooth_name.startswith(L0)]
+    shared = L0 + "post_attention_layernorm"
+    experts = [f"{L0}mlp.experts.{e}.{p}" for e in range(4) for p in ("gate_proj", "up_proj")]
+    assert [(m.smooth_name, m.balance_names, m.parent_name) for m in mappings] == [
+        (L0 + "input_layernorm", tuple(f"{L0}self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj")), L0 + "self_attn"),
+        (shared, (L0 + "mlp.gate", *experts), L0 + "mlp"),
+        *[(f"{L0}mlp.experts.{e}.up_proj", (f"{L0}mlp.experts.{e}.down_proj",), f"{L0}mlp.experts.{e}.down_proj")
+          for e in range(4)],
+    ]  # fmt: skip
+    views = weight_views(model.model.layers[0].mlp.experts)
+    assert mappings[1].balances[1:] == tuple(views[f"{e}.{p}"] for e in range(4) for p in ("gate_proj", "up_proj"))
+    assert mappings[1].balances[0] is model.model.layers[0].mlp.gate
+    assert AWQModifier().explain_model(model) == [
+        "mapping input_layernorm -> q_proj, k_proj, v_proj (4x: model.layers.{0..3}.input_layernorm)",
+        "mapping post_attention_layernorm -> gate, gate_proj (4 experts), up_proj (4 experts) "
+        "(4x: model.layers.{0..3}.post_attention_layernorm)",
+        "mapping up_proj -> down_proj (16x: model.layers.{0..3}.mlp.experts.0.up_proj, "
+        "model.layers.{0..3}.mlp.experts.1.up_proj, model.layers.{0..3}.mlp.experts.2.up_proj, "
+        "model.layers.{0..3}.mlp.experts.3.up_proj)",
+    ]
+
+
+# --------------------------------------------------------------------------- float model unchanged
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_folding_the_chosen_scales_keeps_the_float_logits_and_needs_the_router(family: str) -> None:
+    """The scales AWQ chose, folded into a fresh float copy: logits equal to 1e-5 relative. The same scales folded
+    without the router's compensation change them (so the router is what keeps the routing)."""
+    model = _outliers(family)
+    original = copy.deepcopy(model)
+    awq = AWQModifier()
+    _run(model, QuantizationModifier(scheme=SCHEME), awq=awq)
+    shared = awq.smoothing_results[L0 + "post_attention_layernorm"]
+    assert shared["exponent"] is not None  # the outlier channel is smoothed
+    per_expert = [n for n in awq.smoothing_scales if ".experts." in n]
+    assert len(per_expert) >= 8
+    folded, unrouted = copy.deepcopy(original), copy.deepcopy(original)
+    for target, keep_router in ((folded, True), (unrouted, False)):
+        for mapping in default_mappings(target):
+            if mapping.smooth_name in awq.smoothing_scales:
+                router = mapping.balances[0]
+                before = router.weight.detach().clone()
+                fold_scales(mapping, awq.smoothing_scales[mapping.smooth_name])
+                if mapping.smooth_name.endswith("post_attention_layernorm") and not keep_router:
+                    router.weight.data.copy_(before)
+    with torch.no_grad():
+        ref = original(DATA).logits
+        assert torch.allclose(folded(DATA).logits, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
+        assert not torch.allclose(unrouted(DATA).logits, ref, rtol=1e-3, atol=1e-3 * float(ref.abs().max()))
+        experts = folded.model.layers[0].mlp.experts
+        assert not torch.equal(experts.gate_up_proj, original.model.layers[0].mlp.experts.gate_up_proj)
+
+
+# --------------------------------------------------------------------------- the search
+def _moe_block(x, router, gate_up, down, top_k: int, normalize: bool) -> torch.Tensor:
+    """A Mixtral / Qwen3-MoE sparse block written out: softmax of the router logits, top-k experts (their
+    probabilities renormalized when ``normalize``), each ``down (silu(gate x) * up x)`` weighted by its probability."""
+    probs = torch.softmax(x @ router.T, dim=-1)
+    top, index = torch.topk(probs, top_k, dim=-1)
+    if normalize:
+        top = top / top.sum(dim=-1, keepdim=True)
+    inter = down.shape[2]
+    out = torch.zeros_like(x)
+    for e in range(gate_up.shape[0]):
+        rows, slot = torch.nonzero(index == e, as_tuple=True)
+        h = x[rows] @ gate_up[e].T
+        y = (torch.nn.functional.silu(h[:, :inter]) * h[:, inter:]) @ down[e].T
+        out.index_add_(0, rows, y * top[rows, slot, None])
+    return out
+
+
+def _reference_shared_search(model: torch.nn.Module):
+    """``(exponent or None, unsmoothed error, candidate(r) -> scales, error(scales) -> float)`` of AWQ's duo-scaling
+    grid search for layer 0's ``post_attention_layernorm -> router, experts' gate/up``, in float64 on the float
+    model's MoE block."""
+    x = _block_input(model).double()
+    mlp = model.model.layers[0].mlp
+    w = mlp.experts.gate_up_proj.detach().double()  # [experts, 2 * inter, hidden]: gate rows, then up rows
+    down = mlp.experts.down_proj.detach().double()
+    router = mlp.gate.weight.detach().double()
+    inter = down.shape[2]
+    normalize = getattr(model.config, "norm_topk_prob", True)  # Mixtral always renormalizes
+    k = model.config.num_experts_per_tok
+
+    def run(gate_up: torch.Tensor) -> torch.Tensor:
+        return _moe_block(x, router, gate_up, down, k, normalize)
+
+    reference = run(w)
+    x_mean = x.abs().mean(dim=0)
+    rows = [router.abs() / router.abs().amax(dim=1, keepdim=True)]  # the router: per row (not quantized)
+    for e in range(w.shape[0]):
+        for part in (w[e, :inter], w[e, inter:]):
+            g = part.abs().reshape(-1, GROUP)
+            rows.append((g / g.amax(dim=1, keepdim=True)).reshape(part.shape))
+    w_mean = torch.cat(rows).mean(dim=0)
+
+    def error(s: torch.Tensor) -> float:
+        q = torch.stack([torch.cat([_q_int4_sym_g16(p * s) / s for p in (w[e, :inter], w[e, inter:])])
+                         for e in range(w.shape[0])])  # fmt: skip
+        return float((run(q) - reference).pow(2).mean())
+
+    def candidate(r: float) -> torch.Tensor:
+        s = (x_mean.pow(r) / (w_mean.pow(1 - r) + 1e-4)).clamp(min=1e-4)
+        return s / (s.max() * s.min()).sqrt()
+
+    unsmoothed = error(torch.ones_like(x_mean))
+    best: tuple[float, float | None] = (unsmoothed, None)
+    for i in range(N_GRID):
+        e = error(candidate(i / N_GRID))
+        if e < best[0]:
+            best = (e, i / N_GRID)
+    return best[1], unsmoothed, candidate, error
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_the_shared_exponent_is_a_float64_grid_search_s_and_lowers_the_block_error(family: str) -> None:
+    model = _outliers(family)
+    original = copy.deepcopy(model)
+    awq = AWQModifier()
+    _run(model, QuantizationModifier(scheme=SCHEME), awq=awq)
+    exponent, unsmoothed, candidate, error = _reference_shared_search(original)
+    result = awq.smoothing_results[L0 + "post_attention_layernorm"]
+    scales = awq.smoothing_scales[L0 + "post_attention_layernorm"]
+    assert exponent is not None
+    assert result["exponent"] == exponent
+    # the modifier's scales are float32: equal to the float64 ones to float32 rounding; a group's largest entry sits
+    # on the tie 7.5, so an ulp of a scale can round it the other way: the error is compared at the modifier's scales
+    assert torch.allclose(scales.double(), candidate(exponent), rtol=1e-6, atol=0)
+    assert result["error"] == pytest.approx(error(scales.double()), rel=1e-5)
+    assert result["error_unsmoothed"] == pytest.approx(unsmoothed, rel=1e-5)
+    assert result["error"] < 0.9 * result["error_unsmoothed"]
+    assert result["tokens"] == DATA.numel()
+    for name, r in awq.smoothing_results.items():  # every mapping, per-expert ones included
+        assert r["error"] <= r["error_unsmoothed"], name
+    routed = [r["tokens"] for n, r in awq.smoothing_results.items() if n.startswith(L0 + "mlp.experts.")]
+    assert sum(routed) == 2 * DATA.numel()  # top-2: each token reaches two experts' down_proj
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_the_quantized_moe_block_output_is_closer_with_smoothing(family: str) -> None:
+    """Layer 0's MoE block of the final models (round-to-nearest, with and without AWQ), each on its own input (the
+    smoothed norm's output for AWQ's), against the float block: the squared output error drops."""
+    original = _outliers(family)
+    plain, smoothed = copy.deepcopy(original), copy.deepcopy(original)
+    _run(plain, QuantizationModifier(scheme=SCHEME))
+    _run(smoothed, QuantizationModifier(scheme=SCHEME), awq=AWQModifier())
+    errors = {}
+    with torch.no_grad():
+        reference = original.model.layers[0].mlp(_block_input(original)[None])
+        for label, model in (("plain", plain), ("awq", smoothed)):
+            out = model.model.layers[0].mlp(_block_input(model)[None])
+            errors[label] = float((out - reference).double().pow(2).mean())
+    assert errors["awq"] < 0.95 * errors["plain"], errors
+
+
+# --------------------------------------------------------------------------- the checkpoint
+@pytest.mark.parametrize(("family", "form"), [("mixtral", "gptq"), ("qwen3_moe", "gptq"), ("qwen3_moe", "older")])
+def test_awq_then_per_expert_quantization_saves_a_checkpoint_transformers_reloads(tmp_path, family, form) -> None:
+    """AWQ then GPTQ per expert matrix, or the older form (the scheme on AWQModifier: its own round-to-nearest):
+    the checkpoint reloads with no missing or unexpected key and the in-memory model's logits exactly; the report
+    holds every mapping's exponent."""
+    model = _outliers(family)
+    if form == "gptq":
+        awq, gptq = AWQModifier(), GPTQModifier(scheme=SCHEME)
+        _run(model, gptq, awq=awq, output_dir=tmp_path / "o")
+        # AWQ's own pass over the experts left GPTQ's routed-token counts alone: top-2, three matrices per expert
+        assert sum(n for name, n in gptq.routed_tokens.items() if name.startswith(L0)) == 2 * 3 * DATA.numel()
+    else:
+        awq = AWQModifier(scheme=SCHEME)
+        llmc_fsm.oneshot(model=model, recipe=[awq], dataset=DATA, progress=False, output_dir=tmp_path / "o")
+        assert len(awq.results) == 4 * (4 + 4 * 3)  # per layer: q, k, v, o and every expert's three matrices
+    assert awq.smoothing_results[L0 + "post_attention_layernorm"]["exponent"] is not None
+    reloaded, info = _reload(tmp_path / "o", family)
+    assert (sorted(info["missing_keys"]), sorted(info["unexpected_keys"])) == ([], [])
+    with torch.no_grad():
+        assert torch.equal(reloaded(DATA[:2]).logits, model(DATA[:2]).logits)
+    report = model.llmc_fsm_report.to_dict()
+    assert report["smoothing"]["AWQModifier (default)"] == awq.smoothing_results
+    assert len(awq.smoothing_results) == 4 * (2 + 4)  # per layer: two norms and four experts' up -> down
+
+
+# --------------------------------------------------------------------------- refusals
+REFUSALS = {
+    "gpt_oss": (
+        "AWQModifier: GptOssForCausalLM (model_type 'gpt_oss') keeps fused experts in "
+        "model.layers.{0..3}.mlp.experts that no smoothing mapping reaches (GptOssExperts adds biases to its "
+        "projections), so they would be quantized unsmoothed: use GPTQModifier or QuantizationModifier, which "
+        "quantize each expert matrix"
+    ),
+    "dbrx": (
+        "AWQModifier: DbrxForCausalLM (model_type 'dbrx') keeps fused experts in "
+        "transformer.blocks.{0..1}.ffn.experts that no smoothing mapping reaches (DbrxExperts is not a transformers "
+        "fused-experts class with layout flags (has_gate, is_concatenated, ...)), so they would be quantized "
+        "unsmoothed: use GPTQModifier or QuantizationModifier, which quantize each expert matrix"
+    ),
+    "deepseek_v3": (
+        "AWQModifier: DeepseekV3ForCausalLM (model_type 'deepseek_v3') keeps fused experts in "
+        "model.layers.{1..3}.mlp.experts that no smoothing mapping reaches (the block also holds shared_experts "
+        "(shared experts), which read its input too), so they would be quantized unsmoothed: use GPTQModifier or "
+        "QuantizationModifier, which quantize each expert matrix"
+    ),
+}
+
+
+@pytest.mark.parametrize("family", sorted(REFUSALS))
+def test_experts_no_mapping_reaches_are_refused_before_any_work(tmp_path, family: str) -> None:
+    model = build(family)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError) as info:
+        _run(model, QuantizationModifier(scheme=SCHEME), awq=AWQModifier(), output_dir=tmp_path / "o")
+    assert str(info.value) == REFUSALS[family]
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert not (tmp_path / "o").exists()
+
+
+# --------------------------------------------------------------------------- resume, clipping
+def test_an_interrupted_awq_run_on_experts_resumes_to_the_uninterrupted_checkpoint(tmp_path, monkeypatch) -> None:
+    """Killed after layer 1 and resumed: the per-expert mappings of the saved layers are restored (their smoothing
+    results and scales from the layer's progress file, the fused weights from the saved layer), so the checkpoint and
+    the report's smoothing equal the uninterrupted run's."""
+    recipe = {"s": {"AWQModifier": {}, "GPTQModifier": {"scheme": SCHEME}}}
+    kw = {"recipe": recipe, "dataset": DATA, "progress": False}
+    ref, out = _interrupted_and_resumed(tmp_path, monkeypatch, lambda: _outliers("mixtral"), **kw)
+    smoothing = out.llmc_fsm_report.to_dict()["smoothing"]
+    assert smoothing == ref.llmc_fsm_report.to_dict()["smoothing"]
+    assert len([n for n in smoothing["AWQModifier (s)"] if ".experts." in n]) == 16
+
+
+def test_clipping_serves_each_expert_matrix_from_its_routed_tokens() -> None:
+    """``apply_clip``: every expert matrix the quantizer quantizes gets a clipping result from the tokens the router
+    sent to its expert (gate/up: as many tokens as its up -> down mapping saw); the float checks still hold."""
+    model = _outliers("mixtral")
+    awq = AWQModifier(apply_clip=True, clip_n_sample_token=10_000)  # every token
+    _run(model, QuantizationModifier(scheme=SCHEME), awq=awq)
+    for e in range(4):
+        tokens = awq.smoothing_results[f"{L0}mlp.experts.{e}.up_proj"]["tokens"]
+        for p in ("gate_proj", "up_proj", "down_proj"):
+            result = awq.clipping_results[f"{L0}mlp.experts.{e}.{p}"]
+            assert result["tokens"] == tokens > 0
+            assert result["error"] <= result["error_unclipped"]
+
+
+def test_awq_on_experts_under_torch_distributed_is_refused_before_any_work(monkeypatch) -> None:
+    from llmc_fsm_quantization import awq as awq_module
+
+    monkeypatch.setattr(awq_module, "is_distributed", lambda: True)
+    model = build("mixtral")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError) as info:
+        AWQModifier().check_model(model)
+    assert str(info.value) == (
+        "AWQModifier: smoothing fused experts under torch.distributed is not implemented (a rank may see no token "
+        "routed to an expert that another rank sees); run it on one process"
+    )
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_awq_on_experts_with_low_memory_is_refused_before_any_work(tmp_path) -> None:
+    """The streamed loader reads tensors by the model's own names; transformers 5 saves fused experts per expert."""
+    build("mixtral").save_pretrained(tmp_path / "ckpt")
+    with pytest.raises(ValueError) as info:
+        _run(str(tmp_path / "ckpt"), GPTQModifier(scheme=SCHEME), awq=AWQModifier(), low_memory=True,
+             output_dir=tmp_path / "o")  # fmt: skip
+    assert str(info.value).endswith(
+        "which transformers fuses on load (its weight conversion); low_memory reads each tensor by the model's own "
+        "name and does not convert them: run without low_memory"
+    )
+    assert str(info.value).startswith(
+        f"{tmp_path / 'ckpt'}: the checkpoint keeps mixture-of-experts weights per expert"
+    )
+    assert not (tmp_path / "o").exists()
