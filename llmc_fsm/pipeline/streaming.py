@@ -51,7 +51,7 @@ from llmc_fsm.output.save import compressed_state_dict, quantized_modules
 from llmc_fsm.pipeline.device import ActivationStore, activation_store, onloaded
 from llmc_fsm.pipeline.forward import Calls, Inputs, capture_layer_inputs, record_calls
 from llmc_fsm.pipeline.layer import compress_layer, propagate
-from llmc_fsm.pipeline.sequential import _activation_bytes, calibration_batches, check_targets_in_layers
+from llmc_fsm.pipeline.sequential import activation_bytes, calibration_batches, check_targets_in_layers
 from llmc_fsm.report.build import ModuleSparsity, measure_sparsity
 from llmc_fsm.session.session import Session
 from llmc_fsm.toolkit.calibrated import CalibratedModifier
@@ -157,7 +157,7 @@ def streamed_states(
     kind = _OutputKind()
     device = torch.device("cpu") if device is None else device
     batches = _window_batches(windows)
-    store = activation_store(device, _activation_bytes(lazy.model, batches), activation_budget)
+    store = activation_store(device, activation_bytes(lazy.model, batches), activation_budget)
     with torch.no_grad():
         with lazy.materialized(lazy.outer_names()), onloaded(lazy.model, device, skip=[lazy.layers]):
             states = store.wrap(
@@ -312,7 +312,7 @@ def compress_streaming(
     batches = calibration_batches(windows, batch_size=batch_size) if windows.shape[0] else []
     eval_batches = _window_batches(eval_windows) if eval_windows is not None else []
     device = torch.device("cpu") if device is None else device
-    store = activation_store(device, _activation_bytes(lazy.model, batches + eval_batches), activation_budget)
+    store = activation_store(device, activation_bytes(lazy.model, batches + eval_batches), activation_budget)
     result = StreamedCompression(modules=write_outer(lazy, writer))  # first: nothing else is held yet
     with torch.no_grad():
         with lazy.materialized(lazy.outer_names()), onloaded(lazy.model, device, skip=[lazy.layers]):
