@@ -345,9 +345,11 @@ def compress_streaming(
             with lazy.materialized(lazy.layer_names(0), lazy.layers[0]), onloaded(lazy.layers[0], device):
                 calls = record_calls(lazy.layers[0], *inputs[0])
         session.calibration_start()
-        start = checkpoint.layers_done(len(lazy.layers)) if checkpoint is not None else 0
-        for index in range(start):  # start > 0 only with a checkpoint
-            inputs = _restore_layer(checkpoint, lazy, writer, index, inputs, result, device, store)  # type: ignore
+        start = 0
+        if checkpoint is not None:
+            start = checkpoint.layers_done(len(lazy.layers))
+            for index in range(start):
+                inputs = _restore_layer(checkpoint, lazy, writer, index, inputs, result, device, store)
         if start:
             logger.info("resumed: %d of %d decoder layers restored from saved progress", start, len(lazy.layers))
         for index in _bar(len(lazy.layers), "compressing layers", progress, start):
