@@ -1,9 +1,9 @@
-"""``llmc-fsm oneshot`` streams a data-free job by default when the job allows it (``--in-memory`` to load the whole
-model); a calibrated job stays in memory (per-layer progress for ``--resume``; ``--low-memory`` streams it).
+"""``llmc-fsm oneshot`` streams a job, data-free or calibrated, by default when the job allows it (``--in-memory`` to
+load the whole model).
 
-The command never uses the compressed model in memory, so a data-free job takes the ``low_memory`` path whenever the
-job allows it and says so in one line; jobs that cannot stream run in memory as before; ``oneshot()`` keeps the
-in-memory path.
+The command never uses the compressed model in memory, so it takes the ``low_memory`` path whenever the job allows it
+and says so in one line (a calibrated job keeps its per-layer progress for ``--resume`` there too:
+tests/test_resume.py); jobs that cannot stream run in memory as before; ``oneshot()`` keeps the in-memory path.
 Each test runs the CLI on ``tiny_llama.build`` (4 decoder layers) saved to a temporary directory.
 """
 
@@ -76,20 +76,35 @@ def test_the_cli_streams_a_data_free_job_by_default_and_writes_the_in_memory_ten
 
 
 @pytest.mark.parametrize("method", ["sparsegpt", "gptq"])
-def test_a_calibrated_job_stays_in_memory_by_default_and_says_why(tiny_model_dir, tmp_path, capsys, caplog, method):
+def test_a_calibrated_job_streams_by_default_and_in_memory_does_not(tiny_model_dir, tmp_path, capsys, monkeypatch,
+                                                                     method):
+    """Streamed by default, with glibc's memory-map threshold fixed as --low-memory fixes it (a data-free job leaves
+    it alone: tests/test_performance_mechanisms.py); --in-memory neither streams nor fixes it."""
+    heap_fixed = []
+    monkeypatch.setattr("llmc_fsm.oneshot_job.streaming.limit_heap_growth", lambda: heap_fixed.append(1) or False)
     model_dir, text = tiny_model_dir
-    out = tmp_path / "o"
-    argv = tiny_llama.oneshot_argv(model_dir, text, out, "--num-samples", "4", "--method", method,
-                                   *(["--scheme", "W4A16", "--group-size", "16"] if method == "gptq" else []))
+    flags = ["--num-samples", "4", "--method", method, *(["--scheme", "W4A16", "--group-size", "16"] if method ==
+                                                         "gptq" else [])]
+    streamed, in_memory = tmp_path / "streamed", tmp_path / "in-memory"
+    argv = tiny_llama.oneshot_argv(model_dir, text, streamed, *flags)
     argv.remove("--no-progress")
-    with caplog.at_level("INFO", logger="llmc_fsm.oneshot_job.streaming"):
-        status, err = _run(argv, capsys)
+    status, err = _run(argv, capsys)
+    assert status == 0
+    assert err.count(STREAMING_NOTE + "\n") == 1
+    assert sorted(p.name for p in streamed.glob("*.safetensors")) == [
+        f"model-{k:05d}-of-00005.safetensors" for k in range(1, 6)
+    ]
+    assert heap_fixed == [1]
+    argv = tiny_llama.oneshot_argv(model_dir, text, in_memory, *flags, "--in-memory")
+    argv.remove("--no-progress")
+    status, err = _run(argv, capsys)
     assert status == 0
     assert STREAMING_NOTE not in err
-    assert [p.name for p in out.glob("*.safetensors")] == ["model.safetensors"]
-    assert [r.getMessage() for r in caplog.records if r.getMessage().startswith("in memory")] == [
-        "in memory: a calibrated job keeps per-layer progress for --resume (--low-memory streams it)"
-    ]
+    assert [p.name for p in in_memory.glob("*.safetensors")] == ["model.safetensors"]
+    assert heap_fixed == [1]  # not again
+    a, b = _tensors(streamed), _tensors(in_memory)
+    assert sorted(a) == sorted(b)
+    assert [name for name in a if not torch.equal(a[name], b[name])] == []
 
 
 def test_the_cli_says_in_one_line_that_it_streams(tiny_model_dir, tmp_path, capsys):
@@ -99,6 +114,10 @@ def test_the_cli_says_in_one_line_that_it_streams(tiny_model_dir, tmp_path, caps
     status, err = _run(argv, capsys)
     assert status == 0
     assert err.count(STREAMING_NOTE + "\n") == 1
+    assert STREAMING_NOTE == (
+        "llmc-fsm oneshot: streaming one decoder layer at a time (the default when the job allows it; --in-memory "
+        "loads the whole model)"
+    )
 
 
 def test_a_job_that_cannot_stream_runs_in_memory_silently(tiny_model_dir, tmp_path, capsys, caplog):

@@ -21,6 +21,8 @@ from safetensors.torch import load_file
 import llmc_fsm
 import llmc_fsm.data.protocol as llmc_fsm_data
 import llmc_fsm.oneshot_job.phases as phases
+import llmc_fsm.pipeline.sequential as pipeline_sequential
+import llmc_fsm.pipeline.streaming as pipeline_streaming
 from llmc_fsm.oneshot_job.resume import LayerProgress
 from llmc_fsm.oneshot_job.settings import default_recipe
 from llmc_fsm.output.save import dir_size_bytes
@@ -30,7 +32,8 @@ pytest.importorskip("llmc_fsm_pruning")
 
 
 def _args(tiny_model_dir, out: Path, *extra: str) -> list[str]:
-    # --in-memory: the CLI streams such a job by default, and a streamed run keeps no per-layer progress to resume
+    # --in-memory: these tests check the in-memory path's progress (the CLI streams such a job by default; the
+    # streamed path's resume is tested below)
     options = ("--num-samples", "16", "--batch-size", "4", "--in-memory")
     return tiny_llama.oneshot_argv(*tiny_model_dir, out, *options, *extra)
 
@@ -330,18 +333,131 @@ def test_resume_with_another_thread_count_warns(leftover, monkeypatch, caplog):
     ) in caplog.text
 
 
-def test_low_memory_resume_is_refused_before_the_saved_progress_is_touched(leftover):
-    model, text, out = leftover
+def test_a_streamed_resume_refuses_changed_settings_before_the_saved_progress_is_touched(leftover, monkeypatch):
+    model, text, out = leftover  # the progress of an in-memory run
     work = out.parent / ".out.work"
     before = _listing(work)
+
+    def no_model_work(*a, **k):
+        raise AssertionError("the model was indexed")
+
+    monkeypatch.setattr("llmc_fsm.oneshot_job.streaming.load_lazy", no_model_work)  # where the streamed job calls it
     with pytest.raises(ValueError) as info:
-        _resume(model, text, out, low_memory=True)
-    assert str(info.value) == (
-        "low_memory (--low-memory) cannot run this job: it cannot resume an interrupted run: run without resume "
-        "(--resume), or resume it without low_memory"
-    )
+        _resume(model, text, out, low_memory=True, batch_size=4)
+    assert str(info.value) == _refusal(work, "pipeline (batch_size 8 -> 4)")
     assert _listing(work) == before
     assert not out.exists()
+
+
+# --------------------------------------------------------------------------- the streamed path (low_memory)
+GPTQ_G16 = {"q": {"GPTQModifier": {"scheme": {"preset": "W4A16", "weights": {"group_size": 16}}}}}
+SPARSEGPT = {"s": {"SparseGPTModifier": {"sparsity": 0.5}}}
+
+
+@pytest.fixture
+def streamed(tiny_model_dir, monkeypatch):
+    """``run(out, **kw)``: a one-shot job on the tiny model (4 decoder layers) and text, with evaluation windows."""
+    # a streamed run fixes glibc's mmap threshold for the whole process; spare the rest of the test session
+    monkeypatch.setattr("llmc_fsm.oneshot_job.streaming.limit_heap_growth", lambda: False)
+    monkeypatch.setenv("LLMC_FSM_PERPLEXITY_CACHE", "off")  # every run measures its perplexity before
+    model_dir, text = tiny_model_dir
+    base = {
+        "model": str(model_dir),
+        "dataset": text,
+        "eval_text": text,
+        "num_eval_windows": 3,
+        "num_calibration_samples": 8,
+        "max_seq_length": 32,
+        "batch_size": 4,
+        "progress": False,
+    }
+    return lambda out, **kw: llmc_fsm.oneshot(**{**base, "output_dir": out, **kw})
+
+
+def _count_compressed_layers(monkeypatch) -> list[int]:
+    """A list that gets one item per decoder layer calibrated and compressed, in memory or streamed."""
+    compressed: list[int] = []
+    for module in (pipeline_streaming, pipeline_sequential):
+        real = module.compress_layer
+        monkeypatch.setattr(module, "compress_layer", lambda *a, real=real, **k: compressed.append(1) or real(*a, **k))
+    return compressed
+
+
+def _files(out: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(out.glob("*.safetensors"))}
+
+
+def _report(out: Path) -> dict:
+    report = json.loads((out / "report.json").read_text())
+    return {k: report[k] for k in ("model", "recipe", "calibration", "eval", "perplexity", "sparsity")}
+
+
+@pytest.mark.parametrize("layer", [0, 1])
+@pytest.mark.parametrize("recipe", [GPTQ_G16, SPARSEGPT], ids=["gptq-w4a16", "sparsegpt"])
+def test_a_streamed_run_interrupted_after_layer_k_resumes_bitwise(streamed, tmp_path, monkeypatch, recipe, layer):
+    streamed(tmp_path / "ref", recipe=recipe, low_memory=True)
+    with monkeypatch.context() as m:
+        _interrupt_after(m, layer=layer)
+        with pytest.raises(KeyboardInterrupt) as info:
+            streamed(tmp_path / "out", recipe=recipe, low_memory=True)
+    work = tmp_path / ".out.work"
+    assert info.value.__notes__[-1] == (
+        f"progress kept in {str(work)!r} ({layer + 1} of 4 decoder layers done): run the same command with --resume "
+        "(resume=True) to continue, or remove that directory"
+    )
+    assert sorted(p.name for p in (work / "progress" / "pass-0").iterdir()) == [
+        f"layer-{k:05d}.safetensors" for k in range(layer + 1)
+    ]
+    compressed = _count_compressed_layers(monkeypatch)
+    streamed(tmp_path / "out", recipe=recipe, low_memory=True, resume=True)
+    assert len(compressed) == 4 - (layer + 1)  # the saved layers were restored, not calibrated again
+    ref, out = _files(tmp_path / "ref"), _files(tmp_path / "out")
+    assert len(ref) == 4 + 1 and sorted(out) == sorted(ref)  # the outer tensors, then one shard per decoder layer
+    assert [name for name in ref if out[name] != ref[name]] == []
+    assert (tmp_path / "out" / "model.safetensors.index.json").read_text() == (
+        tmp_path / "ref" / "model.safetensors.index.json"
+    ).read_text()
+    assert _report(tmp_path / "out") == _report(tmp_path / "ref")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "ref"]
+
+
+@pytest.mark.parametrize("first", ["in memory", "streamed"])
+def test_progress_resumes_bitwise_on_the_other_path(streamed, tmp_path, monkeypatch, first):
+    """In-memory progress resumed by a streamed run, and streamed progress by an in-memory run: the same files (one
+    format), the same fingerprint, the same bits as an uninterrupted run on the resuming path."""
+    then = "streamed" if first == "in memory" else "in memory"
+    streamed(tmp_path / "ref", recipe=GPTQ_G16, low_memory=then == "streamed")
+    with monkeypatch.context() as m:
+        _interrupt_after(m, layer=1)
+        with pytest.raises(KeyboardInterrupt):
+            streamed(tmp_path / "out", recipe=GPTQ_G16, low_memory=first == "streamed")
+    compressed = _count_compressed_layers(monkeypatch)
+    streamed(tmp_path / "out", recipe=GPTQ_G16, low_memory=then == "streamed", resume=True)
+    assert len(compressed) == 2  # layers 0 and 1 restored from the other path's progress
+    ref, out = _files(tmp_path / "ref"), _files(tmp_path / "out")
+    assert sorted(out) == sorted(ref) == (
+        [f"model-{k:05d}-of-00005.safetensors" for k in range(1, 6)] if then == "streamed" else ["model.safetensors"]
+    )
+    assert [name for name in ref if out[name] != ref[name]] == []
+    assert _report(tmp_path / "out") == _report(tmp_path / "ref")
+
+
+def test_the_cli_default_streams_a_calibrated_job_and_resumes_it_after_sigkill(tiny_model_dir, tmp_path):
+    args = ("--num-samples", "16", "--batch-size", "4", "--method", "gptq", "--scheme", "W4A16", "--group-size", "16")
+    ref = tiny_llama.run_cli(tiny_llama.oneshot_argv(*tiny_model_dir, tmp_path / "ref", *args))
+    assert ref.returncode == 0, ref.stderr
+    killed = tiny_llama.run_cli(tiny_llama.oneshot_argv(*tiny_model_dir, tmp_path / "out", *args),
+                                signal_at="layer:1:SIGKILL")
+    assert killed.returncode == -9
+    work = tmp_path / ".out.work"
+    resumed = tiny_llama.run_cli(tiny_llama.oneshot_argv(*tiny_model_dir, tmp_path / "out", *args, "--resume"))
+    assert resumed.returncode == 0, resumed.stderr
+    assert resumed.stderr == f"WARNING llmc_fsm.output.workdir: resuming from {work} (2 of 4 decoder layers done)\n"
+    ref_files, out_files = _files(tmp_path / "ref"), _files(tmp_path / "out")
+    assert len(ref_files) == 4 + 1  # streamed by default: one shard per decoder layer and one for the rest
+    assert sorted(out_files) == sorted(ref_files)
+    assert [name for name in ref_files if out_files[name] != ref_files[name]] == []
+    assert _report_modules(tmp_path / "out") == _report_modules(tmp_path / "ref")
 
 
 def test_a_resumed_run_that_fails_keeps_the_progress_it_resumed(leftover, monkeypatch):

@@ -173,10 +173,6 @@ def _bad_cases(model: Path, tmp: Path) -> list[tuple[dict, list[str], type, str]
          "device's free memory, got -1.0"),
         ({"resume": True}, ["--resume"], ValueError,
          "resume (--resume) needs output_dir (--output): the progress to resume is kept next to the output"),
-        ({"resume": True, "low_memory": True, "output_dir": str(tmp / "o")},
-         ["--resume", "--low-memory", "--output", str(tmp / "o")], ValueError,
-         "low_memory (--low-memory) cannot run this job: it cannot resume an interrupted run: run without resume "
-         "(--resume), or resume it without low_memory"),
         ({"output_dir": str(model)}, ["--output", str(model)], ValueError, _source_message(model)),
         ({"dataset": str(missing)}, ["--dataset", str(missing)], FileNotFoundError,
          f"dataset (--dataset): text file not found: {missing}"),

@@ -1,10 +1,10 @@
 """``llmc-fsm oneshot``: compress a model in one shot and print the report (see :func:`llmc_fsm.oneshot`).
 
-The command never uses the compressed model in memory, so a data-free job (no calibration: RTN, magnitude-free
-schemes) takes the streamed path (``low_memory``: one decoder layer read, compressed and written at a time; same
-output tensors, shards of one layer each) whenever the job allows it, and says so in one line on stderr
-(:func:`llmc_fsm.oneshot_job.streaming.stream_by_default`); a calibrated job stays in memory, where it keeps per-layer
-progress for ``--resume`` (``--low-memory`` streams it); ``--in-memory`` loads the whole model for any job.
+The command never uses the compressed model in memory, so a job, data-free (RTN and the other data-free schemes) or
+calibrated (SparseGPT, GPTQ, ...), takes the streamed path (``low_memory``: one decoder layer read, compressed and
+written at a time; same output tensors, shards of one layer each) whenever the job allows it, and says so in one line
+on stderr (:func:`llmc_fsm.oneshot_job.streaming.stream_by_default`); a calibrated job keeps per-layer progress for
+``--resume`` on either path (the same files); ``--in-memory`` loads the whole model for any job.
 
 The flags are generated from the fields of :class:`~llmc_fsm.oneshot_job.settings.OneshotSettings` and
 :class:`~llmc_fsm.oneshot_job.settings.RecipeFlags` (their metadata: flag, help, type), and the parsed flags
@@ -70,9 +70,9 @@ def add_cli(sub: Any) -> None:
     p.add_argument(
         "--in-memory",
         action="store_true",
-        help="load the whole model in memory even for a data-free job; by default a data-free job (no calibration) "
-        "streams one decoder layer at a time when it can (as --low-memory, which instead refuses a job that cannot "
-        "stream) and a calibrated job runs in memory, keeping each finished layer for --resume",
+        help="load the whole model in memory; by default a job, data-free or calibrated, streams one decoder layer "
+        "at a time when it can (as --low-memory, which instead refuses a job that cannot stream), keeping each "
+        "finished layer of a calibrated job for --resume either way",
     )
     p.set_defaults(func=_run_cli)
 

@@ -138,7 +138,7 @@ def run_oneshot(settings: OneshotSettings, *, stream_when_possible: bool = False
     ``stream_when_possible`` (what ``llmc-fsm oneshot`` passes unless ``--in-memory``): take the streamed path
     (``low_memory``, :mod:`llmc_fsm.oneshot_job.streaming`) whenever the job allows it — a model directory or known
     name with a safetensors checkpoint whose names the model uses, an output directory, calibration text given when
-    a modifier needs it, layer-wise modifiers, one pass, no ``resume``, one process — and say so on stderr; else
+    a modifier needs it, layer-wise modifiers, one pass, one process — and say so on stderr; else
     run in memory as without it. The returned model then has its parameters on ``meta`` (the CLI does not use it).
     """
 
@@ -181,7 +181,9 @@ def _run_phases(run: Run, *, stream_when_possible: bool = False) -> nn.Module:
                 return run_streaming(run)
             lazy = stream_by_default(run) if stream_when_possible else None
             if lazy is not None:
-                return run_streaming(run, lazy, bounded_heap=False)
+                # a calibrated job fixes glibc's threshold as --low-memory does (its peak, not the page faults,
+                # dominates); a data-free one leaves it alone (the page faults would: llmc_fsm.oneshot_job.streaming)
+                return run_streaming(run, lazy, bounded_heap=run.needs_data)
             phase.load(run)
             phase.data(run)
             phase.compress(run)

@@ -68,6 +68,7 @@ __all__ = [
     "evaluate_before",
     "execution_summary",
     "given_tokenizer",
+    "keep_windows",
     "load",
     "model_on_device",
     "prepare",
@@ -341,6 +342,12 @@ def data(run: Run) -> None:
                 seed=settings.seed,
             )
         run.cal_source = _generated_source(settings)
+    keep_windows(run)
+
+
+def keep_windows(run: Run) -> None:
+    """Save the calibration windows in the work directory for a resumed run (nothing without one or without
+    calibration data)."""
     if run.work is not None and run.windows.shape[0] > 0:
         save_windows(run.work.path, run.windows)
 

@@ -218,9 +218,8 @@ class OneshotSettings:
 
     Raises:
         ValueError: a value of the wrong type or out of range (one line naming the argument and its flag), an
-            unknown ``dtype`` or one with an ``nn.Module``, ``resume`` without ``output_dir`` or with
-            ``low_memory``, an ``output_dir`` that is or contains the model's directory, a dataset tensor that
-            is not ``[N, L]`` token ids.
+            unknown ``dtype`` or one with an ``nn.Module``, ``resume`` without ``output_dir``, an ``output_dir``
+            that is or contains the model's directory, a dataset tensor that is not ``[N, L]`` token ids.
     """
 
     model: Any = _setting(
@@ -372,12 +371,6 @@ class OneshotSettings:
 
     def __attrs_post_init__(self) -> None:
         """The checks that read several fields, in the order a user meets them."""
-        if self.low_memory and self.resume:  # before the work directory is opened: its saved progress stays as it is
-            msg = (
-                "low_memory (--low-memory) cannot run this job: it cannot resume an interrupted run: run without "
-                "resume (--resume), or resume it without low_memory"
-            )
-            raise ValueError(msg)
         if self.dtype != "float32" and isinstance(self.model, nn.Module):
             msg = (
                 f"dtype (--dtype) {self.dtype!r} applies to a model given as a name or directory; an in-memory model "

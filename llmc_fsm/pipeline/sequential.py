@@ -54,6 +54,7 @@ from llmc_fsm.toolkit.views import weight_views
 __all__ = [
     "LayerCheckpoint",
     "PipelineResult",
+    "activation_bytes",
     "calibration_batches",
     "check_targets_in_layers",
     "run_sequential",
@@ -246,7 +247,7 @@ def run_sequential(
         torch.cuda.reset_peak_memory_stats(execution)
     runner = _LayerRunner(
         device=execution,
-        store=activation_store(execution, _activation_bytes(model, batches), activation_budget),
+        store=activation_store(execution, activation_bytes(model, batches), activation_budget),
     )
     try:
         with torch.no_grad():
@@ -311,9 +312,11 @@ def _execution_device(model: nn.Module, device: torch.device | str | None) -> to
     return torch.device("cpu")
 
 
-def _activation_bytes(model: nn.Module, batches: list[dict[str, Any]]) -> int:
-    """Bytes of one decoder layer's hidden states over ``batches``: tokens x ``config.hidden_size`` x the size of the
-    model's floating dtype (0 when the model has no ``hidden_size`` in its config: counted as fitting)."""
+def activation_bytes(model: nn.Module, batches: list[dict[str, Any]]) -> int:
+    """Bytes of one decoder layer's hidden states over ``batches`` (dicts with ``input_ids`` ``LongTensor[B, L]``):
+    tokens x ``config.hidden_size`` x the size of the model's floating dtype (0 when the model has no ``hidden_size``
+    in its config: counted as fitting). What :func:`llmc_fsm.pipeline.device.activation_store` weighs against the
+    activation budget, here and in :mod:`llmc_fsm.pipeline.streaming`."""
     hidden = getattr(getattr(model, "config", None), "hidden_size", None)
     if not isinstance(hidden, int):
         return 0

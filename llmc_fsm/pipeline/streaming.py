@@ -7,12 +7,16 @@ is the sequential pipeline (:mod:`llmc_fsm.pipeline.sequential`) with the weight
     write the tensors outside the decoder layers to shard 1      (read once, unchanged)
     capture the inputs of decoder layer 0                        (embedding rows read on demand)
     session.calibration_start()
-    for each decoder layer i:
+    for each layer i the per-layer progress holds (resume):
+        read layer i, load its saved compressed state,           (as the in-memory pipeline's resume)
+        run the inputs through it, write it to shard i + 2
+    for each remaining decoder layer i:
         read layer i from the checkpoint
         calibrate and compress it, its outputs feed layer i + 1   (the same helper and events as
                                                                   the in-memory pipeline:
                                                                   pipeline_layer.compress_layer)
-        write layer i to shard i + 2, then put it back on meta
+        save its progress (optional), write it to shard i + 2,
+        then put it back on meta
     session.calibration_end()
 
 so the output equals, bit for bit, what the in-memory pipeline saves for the
@@ -51,7 +55,12 @@ from llmc_fsm.output.save import compressed_state_dict, quantized_modules
 from llmc_fsm.pipeline.device import ActivationStore, activation_store, onloaded
 from llmc_fsm.pipeline.forward import Calls, Inputs, capture_layer_inputs, record_calls
 from llmc_fsm.pipeline.layer import compress_layer, propagate
-from llmc_fsm.pipeline.sequential import _activation_bytes, calibration_batches, check_targets_in_layers
+from llmc_fsm.pipeline.sequential import (
+    LayerCheckpoint,
+    activation_bytes,
+    calibration_batches,
+    check_targets_in_layers,
+)
 from llmc_fsm.report.build import ModuleSparsity, measure_sparsity
 from llmc_fsm.session.session import Session
 from llmc_fsm.toolkit.calibrated import CalibratedModifier
@@ -113,10 +122,12 @@ def _window_batches(windows: torch.Tensor) -> list[dict[str, Any]]:
     return [{"input_ids": windows[i : i + 1].long()} for i in range(windows.shape[0])]
 
 
-def _bar(total: int, desc: str, progress: bool) -> Any:
+def _bar(total: int, desc: str, progress: bool, start: int = 0) -> Any:
     from tqdm.auto import tqdm
 
-    return tqdm(range(total), desc=desc, unit="layer", disable=not progress, leave=False)
+    return tqdm(
+        range(start, total), initial=start, total=total, desc=desc, unit="layer", disable=not progress, leave=False
+    )
 
 
 class _OutputKind:
@@ -157,7 +168,7 @@ def streamed_states(
     kind = _OutputKind()
     device = torch.device("cpu") if device is None else device
     batches = _window_batches(windows)
-    store = activation_store(device, _activation_bytes(lazy.model, batches), activation_budget)
+    store = activation_store(device, activation_bytes(lazy.model, batches), activation_budget)
     with torch.no_grad():
         with lazy.materialized(lazy.outer_names()), onloaded(lazy.model, device, skip=[lazy.layers]):
             states = store.wrap(
@@ -271,6 +282,7 @@ def compress_streaming(
     progress: bool = True,
     device: torch.device | None = None,
     activation_budget: int | None = None,
+    checkpoint: LayerCheckpoint | None = None,
 ) -> StreamedCompression:
     """Calibrate, compress and write ``lazy``'s model one decoder layer at a time through ``session``.
 
@@ -297,6 +309,11 @@ def compress_streaming(
             and move to the device one batch at a time (:func:`llmc_fsm.pipeline.device.activation_store`).
             ``None``: half the device's free memory (no limit on the CPU). Results are bit-identical either way;
             :attr:`StreamedCompression.activations` says which ran.
+        checkpoint: per-layer progress (:class:`llmc_fsm.pipeline.sequential.LayerCheckpoint`, the in-memory
+            pipeline's: :class:`llmc_fsm.oneshot_job.resume.LayerProgress`): each layer is saved right after it is
+            compressed, before it is written; the first ``checkpoint.layers_done()`` layers are read, restored
+            (after ``calibration_start``), run on the calibration inputs and evaluation windows, and written, instead
+            of calibrated — so a resumed run writes what an uninterrupted one writes, bit for bit.
 
     Raises:
         ValueError: a modifier acts on the whole model (:func:`check_streamable`), targets a module outside
@@ -312,7 +329,7 @@ def compress_streaming(
     batches = calibration_batches(windows, batch_size=batch_size) if windows.shape[0] else []
     eval_batches = _window_batches(eval_windows) if eval_windows is not None else []
     device = torch.device("cpu") if device is None else device
-    store = activation_store(device, _activation_bytes(lazy.model, batches + eval_batches), activation_budget)
+    store = activation_store(device, activation_bytes(lazy.model, batches + eval_batches), activation_budget)
     result = StreamedCompression(modules=write_outer(lazy, writer))  # first: nothing else is held yet
     with torch.no_grad():
         with lazy.materialized(lazy.outer_names()), onloaded(lazy.model, device, skip=[lazy.layers]):
@@ -328,8 +345,15 @@ def compress_streaming(
             with lazy.materialized(lazy.layer_names(0), lazy.layers[0]), onloaded(lazy.layers[0], device):
                 calls = record_calls(lazy.layers[0], *inputs[0])
         session.calibration_start()
-        for index in _bar(len(lazy.layers), "compressing layers", progress):
-            inputs = _compress_layer(session, lazy, writer, index, inputs, calls, result, device, store)
+        start = 0
+        if checkpoint is not None:
+            start = checkpoint.layers_done(len(lazy.layers))
+            for index in range(start):
+                inputs = _restore_layer(checkpoint, lazy, writer, index, inputs, result, device, store)
+        if start:
+            logger.info("resumed: %d of %d decoder layers restored from saved progress", start, len(lazy.layers))
+        for index in _bar(len(lazy.layers), "compressing layers", progress, start):
+            inputs = _compress_layer(session, lazy, writer, index, inputs, calls, result, device, store, checkpoint)
         del inputs
         session.calibration_end()
     result.activations = store.report()
@@ -348,10 +372,11 @@ def _compress_layer(
     result: StreamedCompression,
     device: torch.device,
     store: ActivationStore,
+    checkpoint: LayerCheckpoint | None,
 ) -> Inputs:
-    """Read, calibrate, compress, measure and write decoder layer ``index``; return the next layer's inputs."""
+    """Read, calibrate, compress, save (``checkpoint``), measure and write decoder layer ``index``; return the next
+    layer's inputs."""
     layer = lazy.layers[index]
-    prefix = f"{lazy.layers_name}.{index}."
     with lazy.materialized(lazy.layer_names(index), layer):
         need_outputs = index + 1 < len(lazy.layers)
         with onloaded(layer, device):  # read into CPU memory, computed on the device, written from CPU memory
@@ -367,9 +392,38 @@ def _compress_layer(
             )
             if result.eval_states is not None:
                 result.eval_states = store.hold(propagate(layer, result.eval_states))
-        inputs = store.hold(outputs) if outputs is not None else []
-        result.modules += [
-            attrs.evolve(m, name=prefix + m.name, layer=index) for m in measure_sparsity(layer) if m.name
-        ]
-        writer.write(index + 2, _layer_output(layer, prefix))
-    return inputs
+        if checkpoint is not None:
+            checkpoint.save(index, layer)  # from CPU memory, as the in-memory pipeline saves it
+        _write_layer(lazy, writer, index, result)
+    return store.hold(outputs) if outputs is not None else []
+
+
+def _restore_layer(
+    checkpoint: LayerCheckpoint,
+    lazy: LazyModel,
+    writer: ShardWriter,
+    index: int,
+    inputs: Inputs,
+    result: StreamedCompression,
+    device: torch.device,
+    store: ActivationStore,
+) -> Inputs:
+    """Read decoder layer ``index``, load its saved compressed state, run the calibration inputs and the evaluation
+    windows through it, measure and write it; return the next layer's inputs."""
+    layer = lazy.layers[index]
+    with lazy.materialized(lazy.layer_names(index), layer):
+        checkpoint.restore(index, layer)
+        with onloaded(layer, device):
+            outputs = propagate(layer, inputs) if index + 1 < len(lazy.layers) and inputs else None
+            if result.eval_states is not None:
+                result.eval_states = store.hold(propagate(layer, result.eval_states))
+        _write_layer(lazy, writer, index, result)
+    return store.hold(outputs) if outputs is not None else []
+
+
+def _write_layer(lazy: LazyModel, writer: ShardWriter, index: int, result: StreamedCompression) -> None:
+    """Measure the zeros of decoder layer ``index`` (read) into ``result`` and write it to shard ``index + 2``."""
+    layer = lazy.layers[index]
+    prefix = f"{lazy.layers_name}.{index}."
+    result.modules += [attrs.evolve(m, name=prefix + m.name, layer=index) for m in measure_sparsity(layer) if m.name]
+    writer.write(index + 2, _layer_output(layer, prefix))
