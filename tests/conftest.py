@@ -120,3 +120,11 @@ def tiny_model_dir(tmp_path_factory) -> tuple[Path, Path]:
     import tiny_llama
 
     return tiny_llama.build_with_text(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(autouse=True)
+def _keep_glibcs_allocator(monkeypatch):
+    """A streamed calibrated run (the CLI's default) fixes glibc's mmap threshold for the rest of the process
+    (:func:`llmc_fsm.toolkit.heap.limit_heap_growth`); in-process CLI tests would leave the rest of the test session
+    paying a page fault per page of every large tensor. Tests of that call patch it themselves."""
+    monkeypatch.setattr("llmc_fsm.oneshot_job.streaming.limit_heap_growth", lambda: False)

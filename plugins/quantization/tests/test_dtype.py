@@ -25,8 +25,13 @@ def _bf16_dir(root: Path) -> Path:
 
 
 def _saved_dtypes(out: Path) -> tuple[str, set[str]]:
-    with safe_open(str(out / "model.safetensors"), "pt") as f:
-        floats = {str(f.get_tensor(k).dtype) for k in f.keys() if f.get_tensor(k).is_floating_point()}
+    """The config's dtype and those of the floating-point tensors of every shard (the CLI streams by default: a shard
+    per decoder layer)."""
+    floats: set[str] = set()
+    for file in sorted(out.glob("*.safetensors")):
+        with safe_open(str(file), "pt") as f:
+            floats |= {str(f.get_tensor(k).dtype) for k in f.keys() if f.get_tensor(k).is_floating_point()}
+    assert floats  # some tensor was read
     return json.loads((out / "config.json").read_text())["dtype"], floats
 
 
