@@ -201,24 +201,34 @@ class HessianAccumulator:
 
 
 def all_finite(x: torch.Tensor) -> bool:
-    """No NaN/Inf in ``x``, by one float64 sum (a sum of float32 values cannot overflow float64)."""
+    """No NaN/Inf in ``x``.
+
+    A finite sum in ``x``'s own dtype proves it (a NaN or Inf makes any sum NaN or Inf); only when that sum is not
+    finite — a NaN/Inf, or an overflow of finite values — one float64 sum decides (a sum of float32 values cannot
+    overflow float64). The first sum is ~15x cheaper than the float64 one (1536 x 1536 float32: 0.4 vs 6.5 ms).
+    """
+    if math.isfinite(float(x.sum())):
+        return True
     return math.isfinite(float(x.sum(dtype=torch.float64)))
 
 
-def _lower_triangular_inverse(L: torch.Tensor, leaf: int = 128) -> torch.Tensor:
+def _lower_triangular_inverse(L: torch.Tensor, leaf: int = 128, out: torch.Tensor | None = None) -> torch.Tensor:
     """``L^-1`` for a lower-triangular ``[n, n]`` ``L``, by 2 x 2 block recursion.
 
     ``[[A, 0], [B, C]]^-1 = [[A^-1, 0], [-C^-1 B A^-1, C^-1]]``: the work is in
     matrix products, ~2x faster on CPU than a triangular solve against the
-    identity for n = 576 ... 1536 (measured: 26 vs 44 ms at n = 1536).
+    identity for n = 576 ... 1536 (measured: 26 vs 44 ms at n = 1536). Every
+    level writes into its block of one output (``out``, zeros above the diagonal;
+    made here when ``None``) instead of returning a block to be copied.
     """
     n = L.shape[0]
+    if out is None:
+        out = torch.zeros_like(L)
     if n <= leaf:
-        return torch.linalg.solve_triangular(L, torch.eye(n, dtype=L.dtype, device=L.device), upper=False)
+        return out.copy_(torch.linalg.solve_triangular(L, torch.eye(n, dtype=L.dtype, device=L.device), upper=False))
     h = n // 2
-    out = torch.zeros_like(L)
-    out[:h, :h] = _lower_triangular_inverse(L[:h, :h], leaf)
-    out[h:, h:] = _lower_triangular_inverse(L[h:, h:], leaf)
+    _lower_triangular_inverse(L[:h, :h], leaf, out[:h, :h])
+    _lower_triangular_inverse(L[h:, h:], leaf, out[h:, h:])
     torch.mm(out[h:, h:], L[h:, :h] @ out[:h, :h], out=out[h:, :h])
     out[h:, :h].neg_()
     return out
@@ -277,12 +287,13 @@ def inverse_hessian_cholesky(
         shape = tuple(hessian.shape) if isinstance(hessian, torch.Tensor) else type(hessian)
         raise ValueError(f"hessian must be a square [C, C] tensor, got {shape}")
     check_dampening_frac(dampening_frac)
-    H = hessian.detach().to(device=device or hessian.device, dtype=torch.float32).clone()
+    H = hessian.detach().to(device=device or hessian.device, dtype=torch.float32)  # read only, unless dead inputs
     if not all_finite(H):
         raise ValueError("hessian contains NaN or Inf values")
     dead = torch.diagonal(H) == 0
     if bool(dead.any()):
         idx = dead.nonzero().squeeze(1)
+        H = H.clone()
         H[idx, idx] = 1.0
     mean_diag = float(torch.diagonal(H).mean())
     if mean_diag <= 0.0:
@@ -374,6 +385,7 @@ def obs_sweep(WT: torch.Tensor, U: torch.Tensor, rule: ColumnRule, *, block_size
     u_diag = torch.diagonal(U)
     sub = max(1, int(rule.sub_block))
     loss = torch.zeros(rows, dtype=torch.float32, device=WT.device)
+    column, subtract = rule.column, torch.sub  # looked up once: the loop below runs once per column
     for c0 in range(0, cols, block_size):
         c1 = min(c0 + block_size, cols)
         width = c1 - c0
@@ -388,11 +400,11 @@ def obs_sweep(WT: torch.Tensor, U: torch.Tensor, rule: ColumnRule, *, block_size
         w_rows, q_rows, err_rows, hinv_rows = W1.unbind(0), Q1.unbind(0), Err1.unbind(0), Hinv1.unbind(0)
         for s0 in range(0, width, sub):
             s1 = min(s0 + sub, width)
-            for i in range(s0, s1):
-                q = rule.column(c0 + i, W1, i, q_rows[i])
-                err = torch.sub(w_rows[i], q, out=err_rows[i]).mul_(inv_d[i])
-                if i + 1 < s1:
-                    W1[i + 1 : s1].addr_(hinv_rows[i][i + 1 : s1], err, alpha=-1.0)
+            for i in range(s0, s1 - 1):
+                err = subtract(w_rows[i], column(c0 + i, W1, i, q_rows[i]), out=err_rows[i]).mul_(inv_d[i])
+                W1[i + 1 : s1].addr_(hinv_rows[i][i + 1 : s1], err, alpha=-1.0)
+            last = s1 - 1  # nothing after it in the sub-block
+            subtract(w_rows[last], column(c0 + last, W1, last, q_rows[last]), out=err_rows[last]).mul_(inv_d[last])
             if s1 < width:
                 W1[s1:].addmm_(Hinv1[s0:s1, s1:].T, Err1[s0:s1], alpha=-1.0)
         W1.copy_(Q1)

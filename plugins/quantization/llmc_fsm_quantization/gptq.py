@@ -160,7 +160,7 @@ def gptq_quantize(
     perm = None
     if actorder is not None:
         perm = torch.argsort(torch.diagonal(hessian).to(device), descending=True, stable=True)
-        hessian = hessian.to(device)[perm][:, perm]
+        hessian = hessian.to(device)[perm.unsqueeze(1), perm]  # one gather (rows and columns permuted)
     importance = None
     if observer in IMPORTANCE_OBSERVERS:  # E[x^2] per input column, in the sweep's (permuted) order
         importance = importance_from_hessian(hessian).to(device)
