@@ -31,7 +31,8 @@ The public names, by concern:
   model counts as quantized, or ``None``);
 * **views** (:mod:`~llmc_fsm.toolkit.views`): :class:`LinearView` (one matrix of a fused mixture-of-experts
   parameter, or a ``Conv1D`` weight, seen as a Linear weight sharing its storage), :func:`weight_views` (a module's
-  views), :func:`observe_inputs` (feed the views the inputs their matrices receive: per expert, its routed tokens),
+  views), :func:`observe_inputs` (feed the views the inputs their matrices receive: per expert, its routed tokens;
+  :func:`observe_view_inputs` registers it on every module whose views a modifier targets),
   :func:`router_names`, :func:`fused_experts_reason`, :func:`clear_weight_views` (after a module's
   parameters changed shape), :func:`expert_checkpoint_names` (the per-expert checkpoint names of fused experts);
 * **masks** (:mod:`~llmc_fsm.toolkit.masks`): :func:`pack_mask` / :func:`unpack_mask` (bool <-> bit-packed uint8);
@@ -86,6 +87,7 @@ from llmc_fsm.toolkit.views import (
     expert_checkpoint_names,
     fused_experts_reason,
     observe_inputs,
+    observe_view_inputs,
     router_names,
     weight_views,
 )
@@ -124,6 +126,7 @@ __all__ = [
     "matches",
     "obs_sweep",
     "observe_inputs",
+    "observe_view_inputs",
     "pack_mask",
     "patterns",
     "relative_output_error",

@@ -14,8 +14,7 @@ from typing import Any
 
 import attrs
 
-from llmc_fsm.toolkit import CalibratedModifier, LinearView
-from llmc_fsm.toolkit.views import observe_view_inputs
+from llmc_fsm.toolkit import CalibratedModifier, LinearView, observe_view_inputs
 from llmc_fsm_pruning.masks import mask_structure_validator, sparsity_validator
 
 __all__ = ["CalibratedPruningModifier"]

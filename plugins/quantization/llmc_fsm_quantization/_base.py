@@ -39,11 +39,11 @@ from llmc_fsm.toolkit import (
     expert_checkpoint_names,
     is_distributed,
     is_linear_like,
+    observe_view_inputs,
     patterns,
     select_targets,
     weight_views,
 )
-from llmc_fsm.toolkit.views import observe_view_inputs
 from llmc_fsm_quantization import kv_cache
 from llmc_fsm_quantization.observers import (
     IMPORTANCE_OBSERVERS,

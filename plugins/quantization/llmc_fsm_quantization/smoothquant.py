@@ -36,8 +36,14 @@ import torch
 from torch import nn
 
 from llmc_fsm import Modifier
-from llmc_fsm.toolkit import LinearView, all_reduce_tensor, already_quantized, patterns, weight_views
-from llmc_fsm.toolkit.views import observe_inputs
+from llmc_fsm.toolkit import (
+    LinearView,
+    all_reduce_tensor,
+    already_quantized,
+    observe_inputs,
+    patterns,
+    weight_views,
+)
 from llmc_fsm_quantization.mappings import (
     ResolvedMapping,
     describe_mappings,
