@@ -301,3 +301,17 @@ def test_only_low_memory_fixes_the_heap_threshold(tiny_model_dir, tmp_path, monk
     assert main(argv) == 0
     assert len(calls) == fixed
     assert len(list((tmp_path / "out").glob("*.safetensors"))) > 1  # streamed: a shard per decoder layer
+
+
+def test_the_printed_per_layer_error_is_the_size_weighted_mean_the_plot_draws():
+    """The CLI table's per-layer relative output error weights each module by its number of weights (as
+    ``llmc-fsm report --plot`` does): 3 x 0.1 over 300 weights and 1 x 0.5 over 100 give 0.2, not 0.3."""
+    from llmc_fsm.report.build import ModuleSparsity, OneshotReport
+
+    modules = [
+        ModuleSparsity(name="a", layer=0, zeros=0, numel=300, bits=4, group_size=64, rel_output_error=0.1),
+        ModuleSparsity(name="b", layer=0, zeros=0, numel=100, bits=4, group_size=64, rel_output_error=0.5),
+    ]
+    report = OneshotReport(model="m", recipe={}, calibration={}, modules=modules, targeted=["a", "b"])
+    assert report.layer_quantization() == {0: ("4b/g64", pytest.approx(0.2, rel=1e-12))}
+    assert "0.2000" in report.format_table()

@@ -155,7 +155,8 @@ class OneshotReport:
         return [(i, z / n if n else 0.0, n) for i, (z, n) in sorted(agg.items())]
 
     def layer_quantization(self) -> dict[int, tuple[str, float | None]]:
-        """``{layer index: (bits/group label, mean relative output error or None)}`` of quantized targeted modules."""
+        """``{layer index: (bits/group label, relative output error or None)}`` of quantized targeted modules: the
+        mean of the modules' errors weighted by their numbers of weights (as ``llmc-fsm report --plot`` draws it)."""
         agg: dict[int, list[ModuleSparsity]] = {}
         for m in self._targeted():
             if m.layer is not None and m.bits is not None:
@@ -163,8 +164,10 @@ class OneshotReport:
         out: dict[int, tuple[str, float | None]] = {}
         for i, mods in agg.items():
             labels = sorted({f"{m.bits}b" + (f"/g{m.group_size}" if m.group_size else "") for m in mods})
-            errors = [m.rel_output_error for m in mods if m.rel_output_error is not None]
-            out[i] = (",".join(labels), sum(errors) / len(errors) if errors else None)
+            measured = [m for m in mods if m.rel_output_error is not None]
+            size = sum(m.numel for m in measured)
+            error = sum(m.numel * m.rel_output_error for m in measured) / size if size else None
+            out[i] = (",".join(labels), error)
         return out
 
     def _stacked_errors_note(self) -> list[str]:
