@@ -37,6 +37,14 @@ venv, through ``benchmarks/_peer.py``). Jobs (:data:`JOBS`):
   block-diagonal, 9 Sylvester blocks of 64 — the same matrix on both sides (ours alone would also take the full
   576 = 36 x 16 matrix without a block size).
 
+``<job>-cli`` (e.g. ``sq-gptq-cli``): the same recipe text through the command a user runs, ``llmc-fsm oneshot
+--recipe FILE --dataset wiki.test.raw --output OUT`` (its defaults: 32 x 256 calibration tokens from the text's
+tail, the model's own dtype or ``--dtype bfloat16`` for a bfloat16 job), called in this fresh process. That is
+the command's default path: it streams one decoder layer at a time when the job allows it (it says which on its
+log). Its row is compared with the peer's row of ``<job>`` (which runs once per job in a run); its ``start ->
+saved`` is the process's start to the command's return (the save included), its perplexity is the reloaded
+checkpoint's (the streamed model is not kept in memory).
+
 Every W4 group-64 scheme is spelled out as one ``config_groups`` group (symmetric int4, ``targets: [Linear]``),
 ``ignore: [lm_head]``, so nothing depends on either side's preset overrides or defaults.
 
@@ -180,8 +188,53 @@ def _first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0] if text else ''}"[:400]
 
 
+def base_job(job: str) -> str:
+    """``sq-gptq-cli`` -> ``sq-gptq``: the recipe (and the peer row) a ``-cli`` job runs."""
+    return job.removesuffix("-cli")
+
+
+def cli_worker(args: argparse.Namespace) -> dict[str, Any]:
+    """Ours through the command, in this fresh process: ``llmc-fsm oneshot --recipe`` (the default path), then the
+    saved checkpoint reloaded and evaluated."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from llmc_fsm.cli.main import main as cli_main
+    from llmc_fsm.data.protocol import load_text, perplexity, token_windows
+
+    job = JOBS[base_job(args.worker)]
+    row: dict[str, Any] = {"side": "llmc-fsm", "path": "llmc-fsm oneshot (default path)"}
+    with tempfile.TemporaryDirectory() as tmp:
+        recipe, out = Path(tmp) / "recipe.yaml", Path(tmp) / "out"
+        recipe.write_text(recipe_text(base_job(args.worker), args.autoround_iters), encoding="utf-8")
+        argv = ["oneshot", "--model", args.model_dir, "--recipe", str(recipe), "--output", str(out), "--no-progress",
+                "--num-samples", str(args.calib_samples), "--seq-len", str(SEQ_LEN)]
+        if job["data"]:
+            argv += ["--dataset", str(DATA)]
+        if job["dtype"] != "float32":
+            argv += ["--dtype", job["dtype"]]
+        t0 = time.perf_counter()
+        status = cli_main(argv)
+        if status:
+            row["error"] = f"llmc-fsm oneshot exited with {status} (its stderr is above)"
+            return row
+        row["call_s"] = time.perf_counter() - t0
+        row["to_saved_s"] = time.perf_counter() - T_START
+        row["peak_rss_bytes"] = status_kib("VmHWM") * 1024
+        row["weights_on_disk_bytes"] = sum(p.stat().st_size for p in out.glob("*.safetensors"))
+        if args.eval_windows:
+            tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
+            evalw = token_windows(tokenizer, load_text(DATA), num_windows=args.eval_windows, seq_len=SEQ_LEN)
+            reloaded = AutoModelForCausalLM.from_pretrained(out).eval()
+            row["ppl_reloaded"] = perplexity(for_eval(reloaded), evalw, progress=False)
+    row["torch_threads"] = torch.get_num_threads()
+    return row
+
+
 def worker(args: argparse.Namespace) -> dict[str, Any]:
     """Ours, in this fresh process: load, ``oneshot`` (timed), perplexity, save, reload, perplexity."""
+    if args.worker.endswith("-cli"):
+        return cli_worker(args)
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -272,7 +325,10 @@ def _peer(job: str, model_dir: str, args: argparse.Namespace) -> dict[str, Any]:
 
 def _to_saved(r: dict[str, Any]) -> float | None:
     """Seconds from the process's start to the checkpoint written, evaluation excluded: imports, load, tokenizer,
-    calibration windows and the ``oneshot`` call (``call_end_s``) plus the save (``save_s``)."""
+    calibration windows and the ``oneshot`` call (``call_end_s``) plus the save (``save_s``); a ``-cli`` row's
+    process start to the command's return."""
+    if r.get("to_saved_s") is not None:
+        return r["to_saved_s"]
     if r.get("call_end_s") is None or r.get("save_s") is None:
         return None
     return r["call_end_s"] + r["save_s"]
@@ -322,10 +378,13 @@ def render(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
         if not r.get("skipped") and not r.get("error"):
             by_job.setdefault(r["job"], {})["ours" if r["side"] == "llmc-fsm" else "peer"] = r
     for job, sides in by_job.items():
-        if "ours" in sides and "peer" in sides:
-            o, p = sides["ours"], sides["peer"]
-            parts = [f"{job}: ours / llmcompressor, same run"]
+        peer = by_job.get(base_job(job), {}).get("peer")
+        if "ours" in sides and peer is not None:
+            o, p = sides["ours"], peer
+            parts = [f"{job}: ours / llmcompressor ({base_job(job)}), same run"]
             o["to_saved_s"], p["to_saved_s"] = _to_saved(o), _to_saved(p)
+            if "ppl" not in o and o.get("ppl_reloaded") and p.get("ppl"):  # a -cli row: only the reloaded model
+                parts.append(f"reloaded perplexity / peer's in memory {o['ppl_reloaded'] / p['ppl']:.2f}x")
             for key, label in (("call_s", "call"), ("to_saved_s", "start -> saved"), ("process_s", "process"),
                                ("cpu_s", "CPU"),
                                ("peak_rss_bytes", "peak RSS"), ("ppl", "perplexity"),
@@ -338,7 +397,8 @@ def render(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--jobs", default=",".join(JOBS), help=f"comma-separated, of: {', '.join(JOBS)}")
+    parser.add_argument("--jobs", default=",".join(JOBS),
+                        help=f"comma-separated, of: {', '.join(JOBS)}; <job>-cli: the same through `llmc-fsm oneshot`")
     parser.add_argument("--eval-windows", type=int, default=40, help="0: no perplexity (save and reload still run)")
     parser.add_argument("--calib-samples", type=int, default=32)
     parser.add_argument("--autoround-iters", type=int, default=200, help="AutoRoundModifier iters, both sides")
@@ -346,7 +406,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--force-peer", action="store_true", help=f"run the peer even at load average >= {QUIET}")
     parser.add_argument("--json", help="also write the rows to this file")
     parser.add_argument("--write-docs", action="store_true", help=f"write/replace '{SECTION}' in docs/benchmarks.md")
-    parser.add_argument("--worker", choices=sorted(JOBS), help=argparse.SUPPRESS)
+    parser.add_argument("--worker", choices=sorted([*JOBS, *(f"{j}-cli" for j in JOBS)]), help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
@@ -356,20 +416,23 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(row), flush=True)
         return 0
     jobs = [j.strip() for j in args.jobs.split(",") if j.strip()]
-    unknown = [j for j in jobs if j not in JOBS]
+    unknown = [j for j in jobs if base_job(j) not in JOBS]
     if unknown:
         parser.error(f"unknown job(s) {', '.join(unknown)}; choose from {', '.join(JOBS)}")
     from llmc_fsm.models.known import known_model_dir
 
     model_dir = str(known_model_dir("smollm2-135m"))
     rows: list[dict[str, Any]] = []
+    peer_ran: set[str] = set()
     for job in jobs:
         load = loadavg()
         row = _ours(job, model_dir, args)
         rows.append({**row, "job": job, "load": f"{load} -> {loadavg()}"})
         print(f"[bench] {job} ours: {json.dumps(rows[-1])}", file=sys.stderr, flush=True)
-        if args.no_peer:
+        if args.no_peer or base_job(job) in peer_ran:
             continue
+        peer_ran.add(base_job(job))
+        job = base_job(job)
         load = loadavg()
         if float(load) >= QUIET and not args.force_peer:
             rows.append({"job": job, "side": "llmcompressor", "load": load,
