@@ -188,10 +188,18 @@ def test_round_to_nearest_rounds_each_expert_matrix_by_hand_and_reloads(tmp_path
         assert torch.equal(reloaded(DATA[:2]).logits, model(DATA[:2]).logits)
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "qwen3_next"])
+#: modules whose in_features group size 16 does not divide in the tiny configs, ignored by name: Jamba's mamba
+#: ``dt_proj`` (8), Nemotron-H's shared expert ``down_proj`` (7688, transformers' default)
+MISFIT = {
+    "jamba": ["lm_head", "re:.*mamba\\.dt_proj$"],
+    "nemotron_h": ["lm_head", "re:.*shared_experts\\.down_proj$"],
+}
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "qwen3_next", "jamba", "nemotron_h"])
 def test_gptq_quantizes_every_expert_and_the_output_reloads(tmp_path, family):
     model = build(family)
-    recipe = {"s": {"GPTQModifier": {"scheme": SCHEME}}}
+    recipe = {"s": {"GPTQModifier": {"scheme": SCHEME, **({"ignore": MISFIT[family]} if family in MISFIT else {})}}}
     llmc_fsm.oneshot(model=model, recipe=recipe, dataset=DATA, output_dir=tmp_path / "o", progress=False)
     report = model.llmc_fsm_report
     names = [f"{n}.{s}" for n, m in _experts_modules(model).items() for s in weight_views(m)]
