@@ -388,8 +388,9 @@ def expert_checkpoint_names(model: nn.Module, name: str, module: nn.Module) -> d
 
     Raises:
         ValueError: (one line, why) the family's checkpoint keeps the fused tensors (no per-expert key: GPT-OSS,
-            DBRX), a per-expert key is not one view's ``[out, in]`` matrix, or the per-expert names would not be
-            written as given (the conversion would rename them again).
+            DBRX; transformers 5.24 then reloads neither per-expert nor fused packed tensors into them, measured:
+            docs/architectures.md), a per-expert key is not one view's ``[out, in]`` matrix, or the per-expert names
+            would not be written as given (the conversion would rename them again).
     """
     from transformers.core_model_loading import revert_weight_conversion  # optional third-party: transformers
 
@@ -403,8 +404,11 @@ def expert_checkpoint_names(model: nn.Module, name: str, module: nn.Module) -> d
     kept = [k for k in reverted if k.startswith(owner_prefix) and k.removeprefix(owner_prefix) in markers]
     if kept:
         msg = (
-            f"transformers saves {', '.join(kept)} fused in the checkpoint (no per-expert key), so no per-expert "
-            "quantized weights can be written that it reloads"
+            f"transformers saves {', '.join(kept)} fused in the checkpoint (its conversion mapping has no per-expert "
+            "key for them) and reads compressed-tensors packed weights into fused experts only through such a "
+            f"per-expert mapping: measured on transformers 5.24, packed per expert they reload as unexpected keys "
+            f"with {kept[0]} missing (randomly initialised), packed under the fused name as unexpected "
+            f"{kept[0]}.weight_packed ... keys, so no packed experts can be written that it reloads"
         )
         raise ValueError(msg)
     names: dict[str, str] = {}
