@@ -18,7 +18,8 @@ float output and its output with every quantized balance layer's weight replaced
 inputs; the block is the innermost module holding the balance layers (``self_attn``, ``o_proj``, ``mlp``,
 ``down_proj``). No smoothing (``s = 1``) is scored too and kept when no candidate beats it, so smoothing never
 raises a block's error on the calibration data. The errors are summed window by window in a fixed order, and the
-search is a branch and bound over the windows: every candidate's first window is scored, then the candidates are
+search is a branch and bound over the windows (taken in the order of the unsmoothed block's error per window,
+largest first): every candidate's first window is scored, then the candidates are
 completed in the order of that score, and one whose partial sum already exceeds the best complete error is dropped
 (it cannot be chosen: the sums only grow). The choice (lowest error, the earliest candidate on ties) is the one
 scoring every candidate in full gives; on SmolLM2-135M with 32 x 256 calibration tokens it scores about 3/4 of the
@@ -761,8 +762,9 @@ class _BlockError:
     """Mean squared difference between a mapping's block output on the cached inputs and the float output,
     with the quantized balance layers' weights replaced by ``Q(W diag(s)) diag(s)^-1`` (``s`` ``None``: ``Q(W)``).
 
-    The cached batches are evaluated in chunks (one calibration window each, :func:`_split_windows`), always in the
-    same order, and a candidate's error is the float64 sum of its chunks' squared differences in that order divided by
+    The cached batches are evaluated in chunks (one calibration window each, :func:`_split_windows`), for every
+    candidate in the same order (that of the first candidate's errors per chunk, largest first), and a candidate's
+    error is the float64 sum of its chunks' squared differences in that order divided by
     the element count. :meth:`search` scores a grid of candidates by branch and bound: the sum is non-decreasing chunk
     by chunk, so a candidate whose partial sum already exceeds the best complete one's cannot be chosen and is not
     evaluated further. The choice (lowest error, the earliest candidate on ties) is the one a full evaluation of every
@@ -849,8 +851,12 @@ class _BlockError:
         partial = [0.0] * len(candidates)
         done = [0] * len(candidates)
         self._set(candidates[0])
-        for k in range(n):
-            partial[0] += self._chunk(k)
+        first = [self._chunk(k) for k in range(n)]
+        # every candidate's windows in the order of the first candidate's errors, largest first: the partial sums
+        # then reach a losing candidate's bound sooner
+        order = sorted(range(n), key=lambda k: (-first[k], k))
+        for k in order:
+            partial[0] += first[k]
         done[0] = n
         errors[0] = partial[0] / count
         best = (errors[0], 0)
@@ -865,7 +871,7 @@ class _BlockError:
             if n:
                 self._set(candidates[i], keep=i)
                 current = i
-                partial[i] = self._chunk(0)
+                partial[i] = self._chunk(order[0])
                 done[i] = 1
         for i in sorted(range(1, len(candidates)), key=lambda j: (partial[j], j)):
             if beaten(i):
@@ -874,7 +880,7 @@ class _BlockError:
                 self._set(candidates[i], keep=i)
                 current = i
             while done[i] < n and not beaten(i):
-                partial[i] += self._chunk(done[i])
+                partial[i] += self._chunk(order[done[i]])
                 done[i] += 1
             if done[i] == n:
                 errors[i] = partial[i] / count
