@@ -746,7 +746,7 @@ def _split_windows(
 
 
 #: bytes of quantized candidate weights the grid search keeps between its first pass over the candidates and the rest.
-_KEPT_BYTES = 128 * 2**20
+_KEPT_BYTES = 32 * 2**20
 
 #: rows (tokens) per chunk of a Linear's ``[N, C]`` inputs in the error evaluation.
 _CHUNK_ROWS = 256
