@@ -335,3 +335,112 @@ def test_awq_on_experts_with_low_memory_is_refused_before_any_work(tmp_path) -> 
         f"{tmp_path / 'ckpt'}: the checkpoint keeps mixture-of-experts weights per expert"
     )
     assert not (tmp_path / "o").exists()
+
+
+# --------------------------------------------------------------------------- recipe mappings (issue 24)
+#: llm-compressor's mixture-of-experts AWQ mappings (its ``_moe_default_mappings`` for Mixtral / Qwen3-MoE, less the
+#: ``v_proj -> o_proj`` one, which grouped-query attention skips), as a recipe writes them.
+MOE_RECIPE_MAPPINGS = [
+    {"smooth_layer": "re:.*input_layernorm$", "balance_layers": ["re:.*q_proj$", "re:.*k_proj$", "re:.*v_proj$"]},
+    {
+        "smooth_layer": "re:.*post_attention_layernorm$",
+        "balance_layers": ["re:.*mlp.gate$", "re:.*mlp.experts.*.gate_proj$", "re:.*mlp.experts.*.up_proj$"],
+    },
+    {"smooth_layer": "re:.*up_proj$", "balance_layers": ["re:.*down_proj$"]},
+]
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_llm_compressors_moe_recipe_mappings_resolve_to_the_default_mappings(family: str) -> None:
+    """The same modules, in the same order, with the same parents and experts module, mapping for mapping."""
+    model = build(family)
+    recipe = AWQModifier(mappings=MOE_RECIPE_MAPPINGS).resolve(model)
+    default = default_mappings(model)
+
+    def key(m):
+        return (m.smooth_name, m.balance_names, m.parent_name, m.smooth, m.balances, m.parent, m.experts)
+
+    assert [key(m) for m in recipe] == [key(m) for m in default]
+    assert len(default) == 4 * (1 + 1 + 4)  # per layer: input norm, shared norm, 4 experts' up -> down
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_awq_with_llm_compressors_moe_recipe_mappings_gives_the_default_mappings_weights(family: str) -> None:
+    """Bit for bit: every weight, every scale and every smoothing result of the recipe run equal the default run's."""
+    default, recipe = _outliers(family), _outliers(family)
+    awq_default, awq_recipe = AWQModifier(), AWQModifier(mappings=MOE_RECIPE_MAPPINGS)
+    _run(default, QuantizationModifier(scheme=SCHEME), awq=awq_default)
+    _run(recipe, QuantizationModifier(scheme=SCHEME), awq=awq_recipe)
+    assert awq_recipe.smoothing_results == awq_default.smoothing_results
+    assert awq_recipe.smoothing_scales.keys() == awq_default.smoothing_scales.keys()
+    assert all(torch.equal(awq_recipe.smoothing_scales[n], s) for n, s in awq_default.smoothing_scales.items())
+    assert any(".experts." in n for n in awq_default.smoothing_scales)
+    expected = default.state_dict()
+    assert all(torch.equal(expected[k], v) for k, v in recipe.state_dict().items())
+
+
+def test_the_issues_expert_spelling_resolves_too() -> None:
+    """``re:.*mlp.experts.*.up_proj$ -> re:.*mlp.experts.*.down_proj$`` (patterns naming the experts) gives each
+    expert's own up -> down, as the default."""
+    model = build("mixtral")
+    spec = [{"smooth_layer": "re:.*mlp.experts.*.up_proj$", "balance_layers": ["re:.*mlp.experts.*.down_proj$"]}]
+    found = AWQModifier(mappings=spec).resolve(model)
+    assert [(m.smooth_name, m.balance_names) for m in found] == [
+        (f"model.layers.{i}.mlp.experts.{e}.up_proj", (f"model.layers.{i}.mlp.experts.{e}.down_proj",))
+        for i in range(4) for e in range(4)
+    ]  # fmt: skip
+
+
+RECIPE_REFUSALS = {
+    "no router": (
+        [{"smooth_layer": "re:.*post_attention_layernorm$",
+          "balance_layers": ["re:.*mlp.experts.*.gate_proj$", "re:.*mlp.experts.*.up_proj$"]}],
+        "AWQModifier: mapping {'smooth_layer': 're:.*post_attention_layernorm$', 'balance_layers': "
+        "['re:.*mlp.experts.*.gate_proj$', 're:.*mlp.experts.*.up_proj$']} fits no module of MixtralForCausalLM "
+        "(mixtral): model.layers.0.post_attention_layernorm also feeds model.layers.0.mlp.gate, which the mapping "
+        "leaves out: its scale must be folded into every module reading it (balance_layers: the router, e.g. "
+        "'re:.*mlp.gate$', and every expert's gate_proj and up_proj); model.layers.1.post_attention_layernorm also "
+        "feeds model.layers.1.mlp.gate, which the mapping leaves out: its scale must be folded into every module "
+        "reading it (balance_layers: the router, e.g. 're:.*mlp.gate$', and every expert's gate_proj and up_proj); "
+        "model.layers.2.post_attention_layernorm also feeds model.layers.2.mlp.gate, which the mapping leaves out: "
+        "its scale must be folded into every module reading it (balance_layers: the router, e.g. 're:.*mlp.gate$', "
+        "and every expert's gate_proj and up_proj) ..."
+    ),
+    "gate onto down": (
+        [{"smooth_layer": "re:.*experts.*.gate_proj$", "balance_layers": ["re:.*down_proj$"]}],
+        "AWQModifier: mapping {'smooth_layer': 're:.*experts.*.gate_proj$', 'balance_layers': ['re:.*down_proj$']} "
+        "fits no module of MixtralForCausalLM (mixtral): model.layers.0.mlp.experts.0.gate_proj -> "
+        "model.layers.0.mlp.experts.0.down_proj: an expert's scaled rows can be folded only as its up_proj -> its own "
+        "down_proj; model.layers.0.mlp.experts.1.gate_proj -> model.layers.0.mlp.experts.1.down_proj: an expert's "
+        "scaled rows can be folded only as its up_proj -> its own down_proj; model.layers.0.mlp.experts.2.gate_proj "
+        "-> model.layers.0.mlp.experts.2.down_proj: an expert's scaled rows can be folded only as its up_proj -> its "
+        "own down_proj ..."
+    ),
+    "matches nothing": (
+        [{"smooth_layer": "re:.*post_attention_layernorm$",
+          "balance_layers": ["re:.*mlp.router$", "re:.*mlp.experts.*.w1$"]}],
+        "AWQModifier: mapping {'smooth_layer': 're:.*post_attention_layernorm$', 'balance_layers': "
+        "['re:.*mlp.router$', 're:.*mlp.experts.*.w1$']} fits no module of MixtralForCausalLM (mixtral): "
+        "model.layers.0.post_attention_layernorm: no Linear matching ['re:.*mlp.router$', 're:.*mlp.experts.*.w1$'] "
+        "around it; model.layers.1.post_attention_layernorm: no Linear matching ['re:.*mlp.router$', "
+        "'re:.*mlp.experts.*.w1$'] around it; model.layers.2.post_attention_layernorm: no Linear matching "
+        "['re:.*mlp.router$', 're:.*mlp.experts.*.w1$'] around it ..."
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", sorted(RECIPE_REFUSALS))
+def test_expert_recipe_mappings_that_do_not_fit_are_refused_before_calibration(tmp_path, case: str) -> None:
+    """Named in one message before any forward: nothing changed, nothing written, no calibration batch run."""
+    mappings, message = RECIPE_REFUSALS[case]
+    model = _outliers("mixtral")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    calls = []
+    handle = model.model.layers[0].register_forward_pre_hook(lambda m, a: calls.append(1))
+    with pytest.raises(ValueError) as info:
+        _run(model, QuantizationModifier(scheme=SCHEME), awq=AWQModifier(mappings=mappings), output_dir=tmp_path / "o")
+    handle.remove()
+    assert str(info.value) == message
+    assert calls == []
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert not (tmp_path / "o").exists()

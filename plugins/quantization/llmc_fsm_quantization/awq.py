@@ -17,7 +17,13 @@ float output and its output with every quantized balance layer's weight replaced
 (``Q``: round-to-nearest with the quantizing modifier's scheme and observer), on the layer's calibration
 inputs; the block is the innermost module holding the balance layers (``self_attn``, ``o_proj``, ``mlp``,
 ``down_proj``). No smoothing (``s = 1``) is scored too and kept when no candidate beats it, so smoothing never
-raises a block's error on the calibration data. The chosen scales are folded into the smooth layer and the
+raises a block's error on the calibration data. The errors are summed window by window in a fixed order, and the
+search is a branch and bound over the windows (taken in the order of the unsmoothed block's error per window,
+largest first): every candidate's first window is scored, then the candidates are
+completed in the order of that score, and one whose partial sum already exceeds the best complete error is dropped
+(it cannot be chosen: the sums only grow). The choice (lowest error, the earliest candidate on ties) is the one
+scoring every candidate in full gives; on SmolLM2-135M with 32 x 256 calibration tokens it scores about 3/4 of the
+grid's windows. The chosen scales are folded into the smooth layer and the
 balance layers (the float model is unchanged); the quantizer then quantizes the smoothed weights.
 
 Clipping (``apply_clip: true``; the paper's v1, Sec. 3.3 and Table 2, as AutoAWQ's ``apply_clip``; llm-compressor 0.14
@@ -390,7 +396,9 @@ class AWQModifier(SmoothingModifier):
         if fused:
             try:
                 reached = {id(b) for mapping in self.resolve(model) for b in mapping.balances}
-            except ValueError:  # no mapping fits at all: the experts are named first
+            except ValueError:  # no default mapping fits at all: the experts are named first
+                if self.mappings is not None:  # a recipe mapping that does not fit: its own message
+                    raise
                 reached = set()
             left = {n: m for n, m in fused.items() if not all(id(v) in reached for v in weight_views(m).values())}
             if left:
@@ -404,8 +412,10 @@ class AWQModifier(SmoothingModifier):
                     if n != leaf and getattr(getattr(m, "weight", None), "dim", lambda: 0)() == 2
                 ]  # fmt: skip
                 why = moe_mapping_problem(parent, leaf, routers[0] if routers else "") or (
-                    "the default mappings smooth a block read from post_attention_layernorm, and recipe mappings do "
-                    "not reach expert matrices"
+                    "the default mappings smooth a block read from post_attention_layernorm; recipe mappings must "
+                    "list every expert matrix, e.g. post_attention_layernorm -> 're:.*mlp.gate$', "
+                    "'re:.*mlp.experts.*.gate_proj$', 're:.*mlp.experts.*.up_proj$' and 're:.*up_proj$' -> "
+                    "'re:.*down_proj$'"
                 )
                 msg = (
                     f"AWQModifier: {family} keeps fused experts in {compact_names(left)} that no smoothing mapping "
@@ -617,17 +627,21 @@ class AWQModifier(SmoothingModifier):
         quantizers = [self._quantizers.get(id(b)) for b in mapping.balances]
         x_mean = (observer.abs_sum[name] / observer.tokens[name]).to(torch.float32)
         w_mean = awq_weight_mean([b.weight for b in mapping.balances], [_group_size(q) for q in quantizers])
-        evaluate = _BlockError(mapping, quantizers, observer.parent_inputs[name], observer.parent_outputs[name])
-        unsmoothed = evaluate(None)
-        best: tuple[float, float | None, bool | None, torch.Tensor | None] = (unsmoothed, None, None, None)
         families = {True: [True], False: [False], "both": [False, True]}[self.duo_scaling]
-        for duo in families:
-            for i in range(self.n_grid):
-                ratio = i / self.n_grid
-                scales = awq_candidate_scales(x_mean, w_mean if duo else None, ratio)
-                error = evaluate(scales)
-                if error < best[0]:
-                    best = (error, ratio, duo, scales)
+        grid = [(i / self.n_grid, duo) for duo in families for i in range(self.n_grid)]
+        evaluate = _BlockError(mapping, quantizers, observer.parent_inputs[name], observer.parent_outputs[name])
+        try:
+            errors = evaluate.search(
+                [None, *(awq_candidate_scales(x_mean, w_mean if duo else None, ratio) for ratio, duo in grid)]
+            )
+        finally:
+            evaluate.restore()
+        unsmoothed = errors[0]
+        best: tuple[float, float | None, bool | None, torch.Tensor | None] = (unsmoothed, None, None, None)
+        for position, (ratio, duo) in enumerate(grid, start=1):
+            error = errors[position]
+            if error is not None and error < best[0]:
+                best = (error, ratio, duo, awq_candidate_scales(x_mean, w_mean if duo else None, ratio))
         error, ratio, duo, scales = best
         if scales is not None:
             fold_scales(mapping, scales)
@@ -697,9 +711,65 @@ def _group_size(quantizer: Quantizer) -> int | None:
     return 0 if args.strategy == QuantizationStrategy.TENSOR else None
 
 
+def _split_windows(
+    parent: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], ref: torch.Tensor
+) -> list[tuple[tuple[Any, ...], dict[str, Any], torch.Tensor]]:
+    """One cached batch of a block's inputs and float output, cut into chunks the block computes independently.
+
+    A batch of windows ``[B, T, C]`` gives one chunk per window: every tensor argument whose first dimension is ``B``
+    (and has at least 2 dimensions: masks, position ids, rotary tables) is cut along it, the others (broadcast
+    tensors, flags) are passed whole. The ``[N, C]`` tokens of a Linear or an expert matrix's view give chunks of
+    :data:`_CHUNK_ROWS` rows. Anything else (an argument of another type, such as a cache) stays one chunk.
+    """
+    hidden = args[0] if args else kwargs.get("hidden_states")
+    whole = [(args, kwargs, ref)]
+    if not isinstance(hidden, torch.Tensor) or hidden.dim() < 2 or ref.shape[0] != hidden.shape[0]:
+        return whole
+    rows = hidden.shape[0]
+    if hidden.dim() == 2:
+        if not isinstance(parent, LinearView | nn.Linear) or kwargs:
+            return whole
+        return [((hidden[i : i + _CHUNK_ROWS],), {}, ref[i : i + _CHUNK_ROWS]) for i in range(0, rows, _CHUNK_ROWS)]
+    if rows == 1 or not all(_cuttable(v) for v in (*args, *kwargs.values())):
+        return whole
+
+    def cut(value: Any, i: int) -> Any:
+        if isinstance(value, torch.Tensor):
+            return value[i : i + 1] if value.dim() >= 2 and value.shape[0] == rows else value
+        if isinstance(value, tuple | list):
+            return type(value)(cut(v, i) for v in value)
+        return value
+
+    return [
+        (tuple(cut(a, i) for a in args), {k: cut(v, i) for k, v in kwargs.items()}, ref[i : i + 1]) for i in range(rows)
+    ]
+
+
+#: bytes of quantized candidate weights the grid search keeps between its first pass over the candidates and the rest.
+_KEPT_BYTES = 32 * 2**20
+
+#: rows (tokens) per chunk of a Linear's ``[N, C]`` inputs in the error evaluation.
+_CHUNK_ROWS = 256
+
+
+def _cuttable(value: Any) -> bool:
+    if isinstance(value, tuple | list):
+        return all(_cuttable(v) for v in value)
+    return value is None or isinstance(value, torch.Tensor | bool | int | float | str)
+
+
 class _BlockError:
     """Mean squared difference between a mapping's block output on the cached inputs and the float output,
-    with the quantized balance layers' weights replaced by ``Q(W diag(s)) diag(s)^-1`` (``s`` ``None``: ``Q(W)``)."""
+    with the quantized balance layers' weights replaced by ``Q(W diag(s)) diag(s)^-1`` (``s`` ``None``: ``Q(W)``).
+
+    The cached batches are evaluated in chunks (one calibration window each, :func:`_split_windows`), for every
+    candidate in the same order (that of the first candidate's errors per chunk, largest first), and a candidate's
+    error is the float64 sum of its chunks' squared differences in that order divided by
+    the element count. :meth:`search` scores a grid of candidates by branch and bound: the sum is non-decreasing chunk
+    by chunk, so a candidate whose partial sum already exceeds the best complete one's cannot be chosen and is not
+    evaluated further. The choice (lowest error, the earliest candidate on ties) is the one a full evaluation of every
+    candidate gives.
+    """
 
     def __init__(
         self,
@@ -710,31 +780,110 @@ class _BlockError:
     ) -> None:
         self.mapping = mapping
         self.quantizers = quantizers
-        self.inputs = inputs
-        self.outputs = outputs
+        self.chunks = [
+            chunk
+            for (args, kwargs), ref in zip(inputs, outputs, strict=True)
+            for chunk in _split_windows(mapping.parent, args, kwargs, ref)
+        ]
+        self.count = sum(ref.numel() for _, _, ref in self.chunks)
+        self.originals = [b.weight.detach().clone() for b in mapping.balances]
+        self._kept: dict[int, list[torch.Tensor | None]] = {}
+        self._kept_bytes = 0
 
     @torch.no_grad()
-    def __call__(self, scales: torch.Tensor | None) -> float:
-        originals = [b.weight.detach().clone() for b in self.mapping.balances]
-        try:
-            for balance, w, quantizer in zip(self.mapping.balances, originals, self.quantizers, strict=True):
-                if quantizer is None:
-                    continue
-                args, observer = quantizer
-                wf = w.to(torch.float32)
-                if scales is None:
-                    balance.weight.copy_(rtn_quantize(w, args, observer).weight)
-                    continue
-                s = scales.to(wf.device)[None, :]
-                q = rtn_quantize((wf * s).to(w.dtype), args, observer).weight.to(torch.float32)
-                balance.weight.copy_((q / s).to(w.dtype))
-            total, count = 0.0, 0
-            for (args, kwargs), ref in zip(self.inputs, self.outputs, strict=True):
-                out = block_output(self.mapping.parent, args, kwargs)
-                total += float((out.to(torch.float32) - ref.to(torch.float32)).pow(2).sum(dtype=torch.float64))
-                count += ref.numel()
-            sums = all_reduce_tensor(torch.tensor([total, count], dtype=torch.float64), what="all_reduce (AWQ error)")
-            return float(sums[0]) / max(float(sums[1]), 1.0)
-        finally:
-            for balance, w in zip(self.mapping.balances, originals, strict=True):
+    def _set(self, scales: torch.Tensor | None, *, keep: int | None = None) -> None:
+        """Put candidate ``scales``' quantized weights into the balance layers; ``keep``: remember them under this
+        key while :data:`_KEPT_BYTES` allows (a candidate set again is then copied, not quantized again)."""
+        kept = self._kept.get(keep) if keep is not None else None
+        if kept is None:
+            kept = [self._quantized(w, q, scales) for w, q in zip(self.originals, self.quantizers, strict=True)]
+            size = sum(t.numel() * t.element_size() for t in kept if t is not None)
+            if keep is not None and self._kept_bytes + size <= _KEPT_BYTES:
+                self._kept[keep] = kept
+                self._kept_bytes += size
+        for balance, w in zip(self.mapping.balances, kept, strict=True):
+            if w is not None:
                 balance.weight.copy_(w)
+
+    @staticmethod
+    def _quantized(w: torch.Tensor, quantizer: Quantizer, scales: torch.Tensor | None) -> torch.Tensor | None:
+        """``Q(W diag(s)) diag(s)^-1`` in ``w``'s dtype (``s`` ``None``: ``Q(W)``; no quantizer: ``None``)."""
+        if quantizer is None:
+            return None
+        args, observer = quantizer
+        if scales is None:
+            return rtn_quantize(w, args, observer).weight
+        wf = w.to(torch.float32)
+        s = scales.to(wf.device)[None, :]
+        q = rtn_quantize((wf * s).to(w.dtype), args, observer).weight.to(torch.float32)
+        return (q / s).to(w.dtype)
+
+    @torch.no_grad()
+    def _chunk(self, k: int) -> float:
+        args, kwargs, ref = self.chunks[k]
+        out = block_output(self.mapping.parent, args, kwargs)
+        return float((out.to(torch.float32) - ref.to(torch.float32)).pow_(2).sum(dtype=torch.float64))
+
+    @torch.no_grad()
+    def restore(self) -> None:
+        """Put the balance layers' original weights back."""
+        for balance, w in zip(self.mapping.balances, self.originals, strict=True):
+            balance.weight.copy_(w)
+
+    def search(self, candidates: list[torch.Tensor | None]) -> list[float | None]:
+        """Errors of ``candidates`` (scales, or ``None`` for no smoothing), ``None`` where pruned (see the class).
+
+        The first candidate is always evaluated in full. Under ``torch.distributed`` every candidate is evaluated in
+        full and its sums are added over the ranks (every rank then chooses the same). The balance layers hold the
+        last candidate's weights afterwards: call :meth:`restore`.
+        """
+        n = len(self.chunks)
+        errors: list[float | None] = [None] * len(candidates)
+        if is_distributed():
+            for i, scales in enumerate(candidates):
+                self._set(scales)
+                total = sum((self._chunk(k) for k in range(n)), 0.0)
+                sums = torch.tensor([total, float(self.count)], dtype=torch.float64)
+                sums = all_reduce_tensor(sums, what="all_reduce (AWQ error)")
+                errors[i] = float(sums[0]) / max(float(sums[1]), 1.0)
+            return errors
+        count = max(float(self.count), 1.0)
+        partial = [0.0] * len(candidates)
+        done = [0] * len(candidates)
+        self._set(candidates[0])
+        first = [self._chunk(k) for k in range(n)]
+        # every candidate's windows in the order of the first candidate's errors, largest first: the partial sums
+        # then reach a losing candidate's bound sooner
+        order = sorted(range(n), key=lambda k: (-first[k], k))
+        for k in order:
+            partial[0] += first[k]
+        done[0] = n
+        errors[0] = partial[0] / count
+        best = (errors[0], 0)
+
+        def beaten(i: int) -> bool:
+            e = partial[i] / count
+            return e > best[0] or (e == best[0] and i > best[1])
+
+        # every other candidate's first chunk, then the candidates in the order of that partial error
+        current = 0
+        for i in range(1, len(candidates)):
+            if n:
+                self._set(candidates[i], keep=i)
+                current = i
+                partial[i] = self._chunk(order[0])
+                done[i] = 1
+        for i in sorted(range(1, len(candidates)), key=lambda j: (partial[j], j)):
+            if beaten(i):
+                continue
+            if current != i:
+                self._set(candidates[i], keep=i)
+                current = i
+            while done[i] < n and not beaten(i):
+                partial[i] += self._chunk(order[done[i]])
+                done[i] += 1
+            if done[i] == n:
+                errors[i] = partial[i] / count
+                if (errors[i], i) < best:
+                    best = (errors[i], i)
+        return errors

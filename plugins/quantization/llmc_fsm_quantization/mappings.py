@@ -43,7 +43,19 @@ names, class names or ``re:<regex>`` (``re.match`` on the full name, :func:`llmc
 For each module the smooth pattern matches, every balance pattern is looked up in the innermost
 enclosing module where each of them matches (its decoder layer, or its attention block for
 ``v_proj -> o_proj``); there each must match one Linear, else that smooth layer is skipped (e.g. a
-final norm whose nearest ``q_proj`` s are every layer's).
+final norm whose nearest ``q_proj`` s are every layer's). The per-expert matrices of fused experts are matched by
+their view names (``<experts>.<e>.gate_proj``, ``.up_proj``, ``.down_proj``, :func:`~llmc_fsm.toolkit.weight_views`)
+and a balance pattern may match every expert of one experts module, as llm-compressor's MoE mappings write them::
+
+    - smooth_layer: "re:.*post_attention_layernorm$"
+      balance_layers: ["re:.*mlp.gate$", "re:.*mlp.experts.*.gate_proj$", "re:.*mlp.experts.*.up_proj$"]
+    - smooth_layer: "re:.*up_proj$"            # each expert's up_proj (and a dense MLP's)
+      balance_layers: ["re:.*down_proj$"]      # its own down_proj, the innermost match
+
+These resolve to the default mixture-of-experts mappings above (the same modules, the balance layers in the model's
+order), so they give the same result. Refused, naming the modules: a norm mapping onto experts that leaves out the
+router or some expert's gate/up rows (they read the norm's output too, so the float model would change), an
+expert's ``up_proj`` onto anything but its own ``down_proj``, and experts :func:`moe_mapping_problem` rejects.
 """
 
 from __future__ import annotations
@@ -57,7 +69,7 @@ import torch
 from torch import nn
 
 from llmc_fsm import find_decoder_layers
-from llmc_fsm.toolkit import LinearView, compact_names, is_linear_like, matches, weight_views
+from llmc_fsm.toolkit import LinearView, compact_names, is_linear_like, matches, router_names, weight_views
 
 __all__ = [
     "MappingSpec",
@@ -422,21 +434,24 @@ def _resolve_spec(
 ) -> tuple[list[ResolvedMapping], list[str], list[str]]:
     """The resolutions of ``spec`` in ``model``, why patterns matched nothing, and why matched modules did not fit
     (shapes: e.g. ``v_proj -> o_proj`` under grouped-query attention, skipped as llm-compressor does)."""
-    smooth_matches = [(n, m) for n, m in named if n and matches(n, m, spec.smooth_layer)]
+    # a fused experts module matches through its parameters' names (gate_up_proj): its views stand for it
+    smooth_matches = [(n, m) for n, m in named if n and matches(n, m, spec.smooth_layer) and not _fused(m)]
     resolved: list[ResolvedMapping] = []
     problems: list[str] = []
     misfits: list[str] = []
-    for smooth_name, _ in smooth_matches:
+    routers = set(router_names(named))
+    index = {n: i for i, (n, _) in enumerate(named)}
+    for smooth_name, smooth in smooth_matches:
         chosen: dict[str, nn.Module] | None = None
         for scope in _scopes(smooth_name):
             inside = [(n, m) for n, m in named if n != smooth_name and (not scope or n.startswith(scope + "."))]
             found: dict[str, nn.Module] = {}
             ambiguous = ""
             for pattern in spec.balance_layers:
-                hits = [(n, m) for n, m in inside if matches(n, m, pattern) and is_linear_like(m)]
+                hits = [(n, m) for n, m in inside if matches(n, m, pattern) and (is_linear_like(m) or n in routers)]
                 if not hits:
                     break
-                if len(hits) > 1 and not ambiguous:
+                if len(hits) > 1 and not ambiguous and not _one_experts_module([m for _, m in hits]):
                     shown = compact_names([n for n, _ in hits])
                     ambiguous = f"{pattern!r} matches {len(hits)} Linears around {smooth_name} ({shown})"
                 found.update(hits)
@@ -453,15 +468,82 @@ def _resolve_spec(
             # a scaled smooth layer needs every reader compensated: an ignored balance layer skips the mapping
             logger.info("mapping %s -> %s skipped: a balance layer is ignored", smooth_name, ", ".join(chosen))
             continue
-        mapping = _resolved(model, "", smooth_name, list(chosen), chosen)
+        # the model's order, views after the modules (the default mappings' order: the router, then the experts)
+        names = sorted(chosen, key=lambda n: (isinstance(chosen[n], LinearView), index[n]))
+        mapping = _resolved(model, "", smooth_name, names, {**chosen, smooth_name: smooth})
         problem = _fit_problem(mapping)
-        if problem is None:
-            resolved.append(mapping)
-        else:
+        if problem is not None:
             misfits.append(problem)
+            continue
+        problem = _expert_problem(mapping, named)
+        if problem is not None:
+            problems.append(problem)
+            continue
+        resolved.append(mapping)
     if not smooth_matches:
         problems.append(f"the smooth layer pattern {spec.smooth_layer!r} matches no module")
     return resolved, problems, misfits
+
+
+def _fused(module: nn.Module) -> bool:
+    views = weight_views(module)
+    return bool(views) and "" not in views
+
+
+def _one_experts_module(modules: list[nn.Module]) -> bool:
+    """Whether ``modules`` are all views of expert matrices of one fused experts module."""
+    sources = {id(m.source) for m in modules if isinstance(m, LinearView) and m.expert is not None}
+    return len(sources) == 1 and all(isinstance(m, LinearView) for m in modules)
+
+
+def _named_with_views(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``model.named_modules()``, each fused experts module followed by the views of its expert matrices
+    (``<experts>.<e>.gate_proj``, ...: :func:`~llmc_fsm.toolkit.weight_views`)."""
+    named: list[tuple[str, nn.Module]] = []
+    for name, module in model.named_modules():
+        named.append((name, module))
+        if _fused(module):
+            named.extend((f"{name}.{suffix}", view) for suffix, view in weight_views(module).items())
+    return named
+
+
+def _expert_problem(mapping: ResolvedMapping, named: list[tuple[str, nn.Module]]) -> str | None:
+    """Why a recipe mapping reaching expert matrices cannot be smoothed as the default mixture-of-experts mappings
+    are (one phrase naming the modules), or ``None`` (it reaches none, or it is one of those mappings)."""
+    if mapping.experts is None:
+        return None
+    names = {id(m): n for n, m in named}
+    experts_name = names[id(mapping.experts)]
+    block_name = experts_name.rpartition(".")[0]
+    block = next(m for n, m in named if n == block_name)
+    routers = [n for n in router_names(named) if n.rpartition(".")[0] == block_name]
+    if len(routers) != 1:
+        return f"{experts_name}: its block {block_name} has {len(routers)} routers, not one"
+    problem = moe_mapping_problem(block, experts_name.rpartition(".")[2], routers[0])
+    if problem is not None:
+        return f"{experts_name}: {problem}"
+    views = {f"{experts_name}.{suffix}": v for suffix, v in weight_views(mapping.experts).items()}
+    balances = set(mapping.balance_names)
+    if mapping.smooth.weight.dim() == 1:  # a norm: the router and every expert's gate and up rows read its output
+        readers = {routers[0], *(n for n in views if not n.endswith(".down_proj"))}
+        missing = sorted(readers - balances)
+        wrong = sorted(balances - readers)
+        if missing:
+            return (
+                f"{mapping.smooth_name} also feeds {compact_names(missing)}, which the mapping leaves out: its scale "
+                f"must be folded into every module reading it (balance_layers: the router, e.g. 're:.*mlp.gate$', "
+                "and every expert's gate_proj and up_proj)"
+            )
+        if wrong:
+            return f"{compact_names(wrong)} do not read the output of {mapping.smooth_name}"
+        return None
+    smooth, (balance, *others) = mapping.smooth_name, mapping.balance_names
+    if not smooth.endswith(".up_proj") or others or balance != smooth.removesuffix("up_proj") + "down_proj":
+        return (
+            f"{smooth} -> {', '.join(mapping.balance_names)}: an expert's scaled rows can be folded only as its "
+            "up_proj -> its own down_proj"
+        )
+    return None
 
 
 def resolve_mappings(
@@ -502,7 +584,7 @@ def resolve_mappings(
         if not mappings:
             raise ValueError(_no_default_message(model, owner))
     else:
-        named = list(model.named_modules())
+        named = _named_with_views(model)
         mappings = []
         misfit: list[tuple[MappingSpec, list[str]]] = []
         for spec in specs:
@@ -529,7 +611,8 @@ def resolve_mappings(
             msg = f"{owner}: no mapping of the recipe fits {architecture(model)}: {spec.to_recipe()}: {misfits[0]}"
             raise ValueError(msg)
         order = {name: i for i, (name, _) in enumerate(named)}
-        mappings.sort(key=lambda m: order[m.balance_names[0]])  # a layer's balance layers are registered in call order
+        # a layer's balance layers are registered in call order (a router may come after its experts: Qwen3-MoE)
+        mappings.sort(key=lambda m: min(order[n] for n in m.balance_names))
     seen: dict[str, str] = {}
     for mapping in mappings:
         if mapping.smooth_name in seen:

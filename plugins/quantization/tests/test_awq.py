@@ -315,3 +315,47 @@ def test_awq_under_low_memory_writes_the_in_memory_checkpoint(tmp_path, awq) -> 
     assert a.keys() == b.keys()
     assert "model.layers.0.input_layernorm.weight" in a
     assert [k for k in a if not torch.equal(a[k], b[k])] == []
+
+
+# --------------------------------------------------------------------------- the branch and bound
+def test_the_pruned_grid_search_scores_and_chooses_as_scoring_every_candidate_in_full() -> None:
+    """``_BlockError.search`` on ``up -> down`` of a random block with outlier input channels: every candidate it
+    completes has the float64 reference error of ``mean((X Q(W diag(s)) diag(s)^-1)^T - X W^T)^2)`` (the reference
+    quantizer written here), the lowest of them is the reference's lowest, some candidates are dropped early, and the
+    weights are put back."""
+    from compressed_tensors.quantization import QuantizationArgs
+    from llmc_fsm_quantization.awq import _BlockError, awq_candidate_scales
+    from llmc_fsm_quantization.mappings import ResolvedMapping
+
+    gen = torch.Generator().manual_seed(3)
+    up, down = torch.nn.Linear(32, 64, bias=False), torch.nn.Linear(64, 16, bias=False)
+    with torch.no_grad():
+        down.weight.copy_(torch.randn(16, 64, generator=gen))
+    x = torch.randn(4, 8, 64, generator=gen) * (1 + 30 * (torch.arange(64) % 13 == 0))  # 4 windows of 8 tokens
+    batches = [x[:2], x[2:]]
+    mapping = ResolvedMapping("up", up, ("down",), (down,), "down", down)
+    args = QuantizationArgs(num_bits=4, type="int", symmetric=False, strategy="group", group_size=16)
+    refs = [torch.nn.functional.linear(b, down.weight) for b in batches]
+    evaluate = _BlockError(mapping, [(args, "minmax")], [((b,), {}) for b in batches], refs)
+    assert len(evaluate.chunks) == 4  # one per window
+    x_mean = x.abs().reshape(-1, 64).mean(dim=0)
+    candidates = [None, *(awq_candidate_scales(x_mean, None, i / N_GRID) for i in range(N_GRID))]
+    w0 = down.weight.detach().clone()
+    errors = evaluate.search(candidates)
+    evaluate.restore()
+    assert torch.equal(down.weight, w0)
+
+    xd, wd = x.reshape(-1, 64).double(), w0.double()
+    reference = []
+    for s in candidates:
+        s = torch.ones(64, dtype=torch.float64) if s is None else s.double()
+        w_hat = _q_int4_asym_g16((wd * s).float().double()) / s
+        reference.append(float((xd @ (w_hat - wd).T).pow(2).mean()))
+    completed = [i for i, e in enumerate(errors) if e is not None]
+    assert 0 in completed and len(completed) < len(candidates)
+    for i in completed:
+        assert errors[i] == pytest.approx(reference[i], rel=1e-4)
+    best = min(range(len(reference)), key=lambda i: (reference[i], i))
+    second = sorted(reference)[1]
+    assert second > reference[best] * 1.001  # the float32 / float64 difference cannot swap them
+    assert min(completed, key=lambda i: (errors[i], i)) == best
