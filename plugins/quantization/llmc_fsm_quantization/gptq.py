@@ -289,7 +289,7 @@ class _QuantRule:
         self._per_weight_scaled = [
             (s if args.scale_dtype is not None else storable(s, self.storage_dtype), z, g)
             for s, z, g in (
-                observe_scaled_format(w, args, observer, global_scale=g)
+                observe_scaled_format(w.to(self.storage_dtype), args, observer, global_scale=g)  # the weight's dtype
                 for w, g in zip(originals, global_scales, strict=True)
             )
         ]

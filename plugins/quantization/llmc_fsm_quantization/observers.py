@@ -331,20 +331,23 @@ FUSED_SIBLINGS = (
 
 @torch.no_grad()
 def fused_global_scale(weights: list[torch.Tensor]) -> torch.Tensor:
-    """The NVFP4 global scale ``[1]`` float32 that ``weights`` (each ``[rows_i, cols_i]``) share:
+    """The NVFP4 global scale ``[1]`` float32 that ``weights`` (each ``[rows_i, cols_i]``, one dtype) share:
     ``448 * 6 / max|W|`` over all their values (compressed-tensors' ``generate_gparam``: the FP8 E4M3 maximum
     times the FP4 E2M1 maximum over the joint absolute maximum, so that the largest group scale of any of them
-    reaches 448; 1.0 when every value is zero). One weight: its own global scale.
+    reaches 448; 1.0 when every value is zero), computed in the weights' dtype as compressed-tensors computes it
+    from their range (bfloat16 weights: ``2688`` times the bfloat16 reciprocal of ``max|W|``, rounded to
+    bfloat16, which is how torch divides a number by a bfloat16 tensor; llm-compressor 0.14's value). One weight:
+    its own global scale.
 
     Raises:
-        ValueError: ``weights`` is empty.
+        ValueError: ``weights`` is empty or of several dtypes.
     """
     from compressed_tensors.quantization.utils import generate_gparam
 
-    if not weights:
-        raise ValueError("fused_global_scale: no weights")
+    if not weights or len({w.dtype for w in weights}) != 1:
+        raise ValueError("fused_global_scale: give one or more weights of one dtype")
     device = weights[0].device
-    absmax = torch.stack([w.detach().abs().amax().to(device=device, dtype=torch.float32) for w in weights]).amax()
+    absmax = torch.stack([w.detach().abs().amax().to(device) for w in weights]).amax()
     return generate_gparam(-absmax.reshape(1), absmax.reshape(1))
 
 
@@ -401,13 +404,14 @@ def observe_scaled_format(
         groups = w.reshape(rows, cols // gs, gs)
         lo, hi = groups.amin(dim=2), groups.amax(dim=2)
     if args.strategy == QuantizationStrategy.TENSOR_GROUP and global_scale is None:
-        global_scale = fused_global_scale([w])
+        global_scale = fused_global_scale([weight])
     elif global_scale is not None:
         global_scale = global_scale.to(device=w.device, dtype=torch.float32).reshape(1)
     if observer in NVFP4_OBSERVERS:
         scale, zp = _expanded_search(w, lo, hi, args, global_scale)
-    else:
-        scale, zp = calculate_qparams(lo, hi, args, global_scale=global_scale)
+    else:  # from the range in the weight's dtype (its values, exactly), as compressed-tensors computes it from a
+        # weight's observed range: a bfloat16 weight's max|w_g| / 6 is rounded to bfloat16 (llm-compressor 0.14)
+        scale, zp = calculate_qparams(lo.to(weight.dtype), hi.to(weight.dtype), args, global_scale=global_scale)
     return scale.to(torch.float32), zp, global_scale
 
 

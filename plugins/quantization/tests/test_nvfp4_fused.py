@@ -39,8 +39,11 @@ def _parent(model, layer: int, name: str) -> str:
 
 
 def _global_scale_f64(weights: list[torch.Tensor]) -> float:
-    """compressed-tensors' NVFP4 global scale: FP8 E4M3 max (448) x FP4 E2M1 max (6) / max |W| over the weights."""
-    return 448.0 * 6.0 / max(float(w.double().abs().max()) for w in weights)
+    """compressed-tensors' NVFP4 global scale: FP8 E4M3 max (448) x FP4 E2M1 max (6) / max |W| over the weights,
+    computed in the weights' dtype (bfloat16) as compressed-tensors computes it there: torch divides the number
+    2688 by a bfloat16 tensor as 2688 times its reciprocal rounded to bfloat16, the product rounded to bfloat16."""
+    reciprocal = torch.tensor(1.0 / max(float(w.double().abs().max()) for w in weights), dtype=torch.float64)
+    return float((448.0 * 6.0 * reciprocal.to(torch.bfloat16).double()).to(torch.bfloat16))
 
 
 @pytest.mark.parametrize("modifier", ["QuantizationModifier", "GPTQModifier"])
@@ -65,12 +68,13 @@ def test_fused_modules_share_one_global_scale_in_memory_and_in_the_checkpoint(tm
                     module = model.get_submodule(f)
                     assert in_file.dtype == torch.float32 and in_file.shape == (1,)
                     assert torch.equal(in_file, module.weight_global_scale.data)
-                    assert abs(float(in_file) - expected) <= expected * 2.0**-24, f  # float32 of the float64 value
+                    assert float(in_file) == expected, f
                     own = _global_scale_f64([originals[f]])
                     shared_differs_from_own += abs(own - expected) > expected * 1e-3
-                    # group scales: fp8(global x max|w_g| / 6) for round-to-nearest (GPTQ: the same, from the original)
-                    amax = originals[f].float().reshape(originals[f].shape[0], -1, 16).abs().amax(dim=2)
-                    group = (float(in_file) * amax / 6.0).to(torch.float8_e4m3fn)
+                    # group scales: fp8(global x bf16(max|w_g| / 6)) (GPTQ: the same, from the original weight)
+                    amax = originals[f].double().reshape(originals[f].shape[0], -1, 16).abs().amax(dim=2)
+                    third = (amax / 6.0).to(torch.bfloat16).double()
+                    group = (expected * third).float().to(torch.float8_e4m3fn)
                     assert torch.equal(saved.get_tensor(f"{f}.weight_scale").float(), group.float()), f
                     assert torch.equal(module.weight_scale.data.float(), group.float()), f
                     values = module.weight.detach().float().reshape(-1, 16)
