@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 from safetensors import safe_open
-from tiny_quant_models import tiny_llama
+from test_formats import FP4_VALUES, _bf16, bf16_dir  # noqa: F401 (bf16_dir: the tiny Llama's fixture)
 
 import llmc_fsm
 from llmc_fsm.output.compressed import PACKED_ATTR, kept_packed
@@ -16,22 +16,8 @@ from llmc_fsm.output.save import compressed_state_dict
 from llmc_fsm_quantization import QuantizationModifier
 from llmc_fsm_quantization.rounding import fp4_positive_zeros
 
-FP4_VALUES = 15  # e2m1: +-{0, 0.5, 1, 1.5, 2, 3, 4, 6}
 FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 ALONE = ("o_proj", "down_proj")
-
-
-@pytest.fixture(scope="module")
-def bf16_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny") / "model"
-    tiny_llama().save_pretrained(path)
-    return path
-
-
-def _bf16(path) -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
 
 
 def _parent(model, layer: int, name: str) -> str:
