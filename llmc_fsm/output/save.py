@@ -33,6 +33,7 @@ from torch import nn
 from llmc_fsm.models.known import fix_safetensors_permissions
 from llmc_fsm.output.compressed import (
     ignore_for_reload,
+    kept_packed,
     kv_cache_scheme,
     leaf_targets,
     unpacked_embeddings,
@@ -245,7 +246,9 @@ def compressed_state_dict(module: nn.Module, prefix: str = "") -> dict[str, Any]
     for name, sub in quantized_modules(module).items():
         scheme = sub.quantization_scheme
         local = get_direct_state_dict(sub)
-        packed = BaseCompressor.get_value_from_registry(scheme.format.value).compress(local, scheme)
+        packed = kept_packed(sub, scheme.format.value, local)  # packed when it was quantized (NVFP4, MX, FP8 block)
+        if packed is None:
+            packed = BaseCompressor.get_value_from_registry(scheme.format.value).compress(local, scheme)
         sub_prefix = f"{prefix}{name}." if name else prefix
         for key in local:
             state.pop(sub_prefix + key, None)

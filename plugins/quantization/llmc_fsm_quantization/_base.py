@@ -46,14 +46,17 @@ from llmc_fsm.toolkit import (
 )
 from llmc_fsm_quantization import kv_cache
 from llmc_fsm_quantization.observers import (
+    FUSED_SIBLINGS,
     IMPORTANCE_OBSERVERS,
     INPUT_MSE_OBSERVERS,
     NVFP4_OBSERVERS,
     check_observer,
+    fused_global_scale,
     input_range_mse,
     is_nvfp4,
     is_scaled_format,
 )
+from llmc_fsm_quantization.rounding import FP4_PACKED_FORMATS, fp4_positive_zeros
 from llmc_fsm_quantization.schemes import resolve_config_groups, resolve_scheme, weight_args
 
 __all__ = ["DEFAULT_SCHEME", "CalibrationStatistics", "QuantizedWeight", "QuantizingModifier", "attach_qparams"]
@@ -122,7 +125,7 @@ def attach_qparams(module: nn.Module, scheme: QuantizationScheme, quantized: Qua
     module.quantization_status = QuantizationStatus.FROZEN
     if is_scaled_format(scheme.weights):
         _as_reloaded(module, scheme)
-        quantized.weight = module.weight.data.clone()
+        quantized.weight = module.weight.data
 
 
 def _take_weight(weight: nn.Parameter, new: torch.Tensor) -> None:
@@ -139,22 +142,30 @@ def _take_weight(weight: nn.Parameter, new: torch.Tensor) -> None:
 def _as_reloaded(module: nn.Module, scheme: QuantizationScheme) -> None:
     """NVFP4 / MX / FP8-block: ``module.weight`` becomes what its checkpoint decompresses to.
 
-    compressed-tensors' compressor packs the weight (``compress``) and transformers dequantizes it on load with
-    the same compressor's ``decompress``, in that format's own arithmetic (NVFP4 and MX: bfloat16, so
+    compressed-tensors' compressor packs the weight (``compress``: the one rounding of a round-to-nearest weight,
+    which may come unrounded, see :func:`~llmc_fsm_quantization.rtn.rtn_quantize`) and transformers dequantizes it
+    on load with the same compressor's ``decompress``, in that format's own arithmetic (NVFP4 and MX: bfloat16, so
     ``q * scale / global_scale`` is rounded there); the module is given exactly those values, so the in-memory
     model computes what the reloaded one does, and marked ``decompressed`` (its forward no longer re-quantizes
-    the weight, as for a reloaded module).
+    the weight, as for a reloaded module). The packed tensors are kept on the module for the save
+    (:func:`llmc_fsm.output.compressed.keep_packed`), which then does not round the weight again.
     """
     from compressed_tensors.compressors import BaseCompressor
     from compressed_tensors.compressors.format import infer_module_format
     from compressed_tensors.utils.module import get_direct_state_dict
 
+    from llmc_fsm.output.compressed import keep_packed
+
     fmt = scheme.format or infer_module_format(type(module), scheme)
     compressor = BaseCompressor.get_value_from_registry(getattr(fmt, "value", fmt))
-    local = {k: v.detach().clone() for k, v in get_direct_state_dict(module).items() if v is not None}
-    restored = compressor.decompress(compressor.compress(local, scheme), scheme)
-    module.weight.data.copy_(restored["weight"].to(module.weight.dtype))
+    # the weight as it is (compress does not write into it), its small parameters copied (packed may hold them)
+    state = {k: v.detach() for k, v in get_direct_state_dict(module).items() if v is not None}
+    packed = compressor.compress({k: v if k == "weight" else v.clone() for k, v in state.items()}, scheme)
+    if getattr(fmt, "value", fmt) in FP4_PACKED_FORMATS:  # zeros as the twice-rounded weight had them
+        packed["weight_packed"] = fp4_positive_zeros(packed["weight_packed"])
+    _take_weight(module.weight, compressor.decompress(packed, scheme)["weight"].to(module.weight.dtype))
     module.quantization_status = QuantizationStatus.DECOMPRESSED
+    keep_packed(module, getattr(fmt, "value", fmt), packed)
 
 
 class CalibrationStatistics(HessianAccumulator):
@@ -629,10 +640,71 @@ class QuantizingModifier(CalibratedModifier):
             )
         self._group_of = self._memberships(model)
         targets = super().check_model(model)
+        self._fused = self._fused_siblings(model, targets)
         self._expert_names = self._check_views(model, targets)
         if self._kv_args is not None:
             self._kv_attention = self._check_kv_cache(model)
         return targets
+
+    def _fused_siblings(self, model: nn.Module, targets: dict[str, nn.Module]) -> dict[str, tuple[str, ...]]:
+        """``{target name: names of the modules it is fused with, itself included}`` for every NVFP4 target that
+        vLLM loads fused with siblings (:data:`~llmc_fsm_quantization.observers.FUSED_SIBLINGS`: ``q/k/v_proj``,
+        ``gate/up_proj``, ... of one parent): they get one global scale (:meth:`global_scales`). The names are
+        the parent's attributes that are not ``None``; a parent lacking one of a set's names fuses nothing.
+
+        Raises:
+            ValueError: a fused set with an NVFP4 target and a sibling that is not a target of this modifier with
+                NVFP4 weights (ignored, not selected, or another scheme): its one global scale could not be shared
+                (llm-compressor 0.14 refuses this too, with an assertion). All such sets named.
+        """
+        fused: dict[str, tuple[str, ...]] = {}
+        problems: dict[str, None] = {}
+        for name in targets:
+            if not self._nvfp4(name) or name in fused:
+                continue
+            parent_name, _, attribute = name.rpartition(".")
+            parent = model.get_submodule(parent_name)
+            for siblings in FUSED_SIBLINGS:
+                if attribute not in siblings or not all(hasattr(parent, s) for s in siblings):
+                    continue
+                prefix = f"{parent_name}." if parent_name else ""
+                present = [s for s in siblings if getattr(parent, s) is not None]
+                members = tuple(prefix + s for s in present)
+                others = [s for s in present if prefix + s not in targets or not self._nvfp4(prefix + s)]
+                if others:
+                    problems[f"{prefix}{{{','.join(present)}}} ({', '.join(others)} not)"] = None
+                else:
+                    fused.update(dict.fromkeys(members, members))
+        if problems:
+            msg = (
+                f"{type(self).__name__}: vLLM loads each of these sets of modules as one fused layer with one NVFP4 "
+                f"global scale, and only some of each are quantized with NVFP4 here: {'; '.join(problems)}; quantize "
+                "all modules of a set with NVFP4 (tensor_group) or none (as llm-compressor, which refuses this too)"
+            )
+            raise ValueError(msg)
+        return fused
+
+    def _nvfp4(self, name: str) -> bool:
+        """Whether target ``name``'s scheme quantizes its weight with NVFP4 (tensor_group, 4-bit float)."""
+        weights = self.scheme_of(name).weights
+        return weights is not None and is_nvfp4(weights)
+
+    def global_scales(self, modules: list[nn.Module]) -> list[torch.Tensor | None]:
+        """The NVFP4 global scale ``[1]`` float32 of each of ``modules`` (targets): the one shared with the
+        modules it is fused with (:meth:`_fused_siblings`), from all their weights as they are when the first of
+        them is quantized (:func:`~llmc_fsm_quantization.observers.fused_global_scale`, as llm-compressor 0.14's
+        fused weight observers); ``None`` for a module fused with none (its own global scale)."""
+        scales: list[torch.Tensor | None] = []
+        for module in modules:
+            members = self._fused.get(self._names_by_id.get(id(module), ""))
+            if members is None:
+                scales.append(None)
+                continue
+            if members not in self._shared_global_scales:
+                weights = [self._targets[m].weight for m in members]
+                self._shared_global_scales[members] = fused_global_scale(weights)
+            scales.append(self._shared_global_scales[members])
+        return scales
 
     def _check_views(self, model: nn.Module, targets: dict[str, nn.Module]) -> dict[str, str]:
         """Checks of the targets that are Linear views (:mod:`llmc_fsm.toolkit.views`), before any work.
@@ -755,6 +827,9 @@ class QuantizingModifier(CalibratedModifier):
     def _clear(self) -> None:
         super()._clear()
         self._expert_names: dict[str, str] = {}
+        self._fused: dict[str, tuple[str, ...]] = {}
+        #: ``{fused set: its NVFP4 global scale}``, computed when the first of the set is quantized.
+        self._shared_global_scales: dict[tuple[str, ...], torch.Tensor] = {}
         #: ``{expert matrix name: calibration tokens the router sent to that expert}``, filled when it is quantized.
         self.routed_tokens: dict[str, int] = {}
         #: expert matrices the router sent no calibration token, quantized by round-to-nearest (no Hessian / no

@@ -116,6 +116,7 @@ def gptq_quantize(
     actorder: str | None = "static",
     observer: str = "minmax",
     max_dampening_retries: int = 3,
+    global_scales: Sequence[torch.Tensor | None] | None = None,
 ) -> list[QuantizedWeight]:
     """Quantize weights that see the same inputs (one Hessian) with GPTQ.
 
@@ -141,6 +142,8 @@ def gptq_quantize(
         observer: one of :data:`~llmc_fsm_quantization.observers.OBSERVERS` (default ``"minmax"``);
             ``imatrix_mse`` takes its importance, ``E[x_j^2]``, from the Hessian's diagonal.
         max_dampening_retries: retries with 10x damping when ``H`` is not positive definite.
+        global_scales: NVFP4 only: per weight a ``[1]`` global scale to use instead of its own, or ``None``
+            (:meth:`~llmc_fsm_quantization._base.QuantizingModifier.global_scales`).
 
     Returns:
         One :class:`QuantizedWeight` per weight: the dequantized weight (input
@@ -184,6 +187,7 @@ def gptq_quantize(
         storage_dtype=weights[0].dtype,
         importance=importance,
         perm=perm,
+        global_scales=global_scales,
     )
     WT = torch.cat([w.T for w in originals], dim=1)
     if perm is not None:
@@ -213,6 +217,7 @@ class _QuantRule:
         storage_dtype: torch.dtype = torch.float32,
         importance: torch.Tensor | None = None,
         perm: torch.Tensor | None = None,
+        global_scales: Sequence[torch.Tensor | None] | None = None,
     ) -> None:
         self.args = args
         self.importance = importance  # [cols] in sweep order (imatrix_mse), else None
@@ -236,7 +241,7 @@ class _QuantRule:
         self.scales: list[torch.Tensor] = []
         self.zps: list[torch.Tensor] = []
         if self.scaled:
-            self._scaled_upfront(args, originals, observer)
+            self._scaled_upfront(args, originals, observer, global_scales or [None] * len(originals))
         elif upfront:
             original_order = None  # the importance of the original columns (observe sees unpermuted weights)
             if importance is not None:
@@ -275,13 +280,18 @@ class _QuantRule:
         # One view per group made once (updated in place when a group's scale is taken during the sweep).
         self.scale_rows, self.z_rows = self.scaleT.unbind(0), self.zT.unbind(0)
 
-    def _scaled_upfront(self, args: QuantizationArgs, originals: list[torch.Tensor], observer: str) -> None:
+    def _scaled_upfront(
+        self, args: QuantizationArgs, originals: list[torch.Tensor], observer: str, global_scales: Sequence[Any]
+    ) -> None:
         """NVFP4 / MX / FP8-block scales of every weight, from the original weights, before the sweep: the stored
         ``(scale, zero point, global scale)`` per weight, and per row and column group the effective scale the
         columns are rounded with (NVFP4: ``scale / global``; block: the block's scale for each of its rows)."""
         self._per_weight_scaled = [
             (s if args.scale_dtype is not None else storable(s, self.storage_dtype), z, g)
-            for s, z, g in (observe_scaled_format(w, args, observer) for w in originals)
+            for s, z, g in (
+                observe_scaled_format(w.to(self.storage_dtype), args, observer, global_scale=g)  # the weight's dtype
+                for w, g in zip(originals, global_scales, strict=True)
+            )
         ]
         effective, zps = [], []
         for s, z, g in self._per_weight_scaled:
@@ -484,7 +494,8 @@ class GPTQModifier(QuantizingModifier):
         self, modules: list[nn.Module], accumulator: HessianAccumulator | None, args: QuantizationArgs
     ) -> list[QuantizedWeight]:
         if accumulator is None:  # an expert the router sent no token: no Hessian (QuantizingModifier._compress_all)
-            return [rtn_quantize(m.weight, args, args.observer) for m in modules]
+            scales = self.global_scales(modules)
+            return [rtn_quantize(m.weight, args, args.observer, global_scale=g) for m, g in zip(modules, scales)]
         return gptq_quantize(
             [m.weight for m in modules],
             accumulator.hessian,
@@ -493,4 +504,5 @@ class GPTQModifier(QuantizingModifier):
             dampening_frac=float(self.dampening_frac),
             actorder=self.actorder,
             observer=args.observer,
+            global_scales=self.global_scales(modules),
         )

@@ -53,12 +53,14 @@ from compressed_tensors.quantization.utils import calculate_qparams
 from llmc_fsm_quantization.rounding import fake_quantize
 
 __all__ = [
+    "FUSED_SIBLINGS",
     "IMPORTANCE_OBSERVERS",
     "INPUT_MSE_OBSERVERS",
     "NVFP4_OBSERVERS",
     "OBSERVERS",
     "as_row_args",
     "check_observer",
+    "fused_global_scale",
     "importance_from_hessian",
     "input_range_mse",
     "is_nvfp4",
@@ -315,17 +317,56 @@ def is_scaled_format(args: QuantizationArgs) -> bool:
     )
 
 
+#: Sibling modules (attribute names of one parent module) that vLLM loads as one fused layer: ``qkv_proj``,
+#: ``gate_up_proj`` (also of each expert of a mixture of experts), DeepSeek's multi-latent attention
+#: ``fused_qkv_a_proj``, and experts' ``w1`` / ``w3``. A fused NVFP4 layer has one ``weight_global_scale``, so
+#: their NVFP4 weights share one (:func:`fused_global_scale`); llm-compressor 0.14 fuses the same sets.
+FUSED_SIBLINGS = (
+    ("q_proj", "k_proj", "v_proj"),
+    ("gate_proj", "up_proj"),
+    ("q_a_proj", "kv_a_proj_with_mqa"),
+    ("w1", "w3"),
+)
+
+
+@torch.no_grad()
+def fused_global_scale(weights: list[torch.Tensor]) -> torch.Tensor:
+    """The NVFP4 global scale ``[1]`` float32 that ``weights`` (each ``[rows_i, cols_i]``, one dtype) share:
+    ``448 * 6 / max|W|`` over all their values (compressed-tensors' ``generate_gparam``: the FP8 E4M3 maximum
+    times the FP4 E2M1 maximum over the joint absolute maximum, so that the largest group scale of any of them
+    reaches 448; 1.0 when every value is zero), computed in the weights' dtype as compressed-tensors computes it
+    from their range (bfloat16 weights: ``2688`` times the bfloat16 reciprocal of ``max|W|``, rounded to
+    bfloat16, which is how torch divides a number by a bfloat16 tensor; llm-compressor 0.14's value). One weight:
+    its own global scale.
+
+    Raises:
+        ValueError: ``weights`` is empty or of several dtypes.
+    """
+    from compressed_tensors.quantization.utils import generate_gparam
+
+    if not weights or len({w.dtype for w in weights}) != 1:
+        raise ValueError("fused_global_scale: give one or more weights of one dtype")
+    device = weights[0].device
+    absmax = torch.stack([w.detach().abs().amax().to(device) for w in weights]).amax()
+    return generate_gparam(-absmax.reshape(1), absmax.reshape(1))
+
+
 @torch.no_grad()
 def observe_scaled_format(
-    weight: torch.Tensor, args: QuantizationArgs, observer: str = "minmax"
+    weight: torch.Tensor,
+    args: QuantizationArgs,
+    observer: str = "minmax",
+    *,
+    global_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Scale, zero point and global scale of ``weight`` for NVFP4, MX or FP8-block ``args`` (minmax observers).
 
     Each group's (``tensor_group`` / MX: ``group_size`` inputs of a row; ``block``: a ``block_structure``
     ``[r, c]`` tile) minimum and maximum go through ``compressed_tensors.quantization.utils.calculate_qparams``,
     which makes the format's scales: NVFP4 ``scale = fp8(global * max|w_g| / 6)`` with
-    ``global = 448 * 6 / max|W|`` (``generate_gparam``, one per weight), so the effective scale is
-    ``scale / global``; MX a power of two per group (E8M0 exponent); FP8 block ``max|w_b| / 448``.
+    ``global = 448 * 6 / max|W|`` (``generate_gparam``; ``global_scale`` when given, e.g. the one the modules
+    vLLM fuses share: :func:`fused_global_scale`), so the effective scale is ``scale / global``; MX a power of
+    two per group (E8M0 exponent); FP8 block ``max|w_b| / 448``.
 
     Returns:
         ``(scale, zero_point, global_scale)``: ``[rows, cols // group_size]`` or ``[rows / r, cols / c]``
@@ -333,10 +374,12 @@ def observe_scaled_format(
 
     Raises:
         ValueError: an observer other than the minmax ones (the range-searching observers are not implemented
-            for these formats), or a group / block that does not divide the weight.
+            for these formats), a group / block that does not divide the weight, or ``global_scale`` given for a
+            format without one (not ``tensor_group``).
     """
-    from compressed_tensors.quantization.utils import generate_gparam
-
+    if global_scale is not None and args.strategy != QuantizationStrategy.TENSOR_GROUP:
+        msg = f"a global scale was given for {_format_name(args)} weights, which have none (NVFP4 only)"
+        raise ValueError(msg)
     if observer not in _MINMAX and not (observer in NVFP4_OBSERVERS and is_nvfp4(args)):
         msg = (
             f"observer {observer} is not implemented for {_format_name(args)} weights; use minmax (or "
@@ -360,13 +403,15 @@ def observe_scaled_format(
             raise ValueError(msg)
         groups = w.reshape(rows, cols // gs, gs)
         lo, hi = groups.amin(dim=2), groups.amax(dim=2)
-    global_scale = None
-    if args.strategy == QuantizationStrategy.TENSOR_GROUP:
-        global_scale = generate_gparam(w.amin().reshape(1), w.amax().reshape(1))
+    if args.strategy == QuantizationStrategy.TENSOR_GROUP and global_scale is None:
+        global_scale = fused_global_scale([weight])
+    elif global_scale is not None:
+        global_scale = global_scale.to(device=w.device, dtype=torch.float32).reshape(1)
     if observer in NVFP4_OBSERVERS:
         scale, zp = _expanded_search(w, lo, hi, args, global_scale)
-    else:
-        scale, zp = calculate_qparams(lo, hi, args, global_scale=global_scale)
+    else:  # from the range in the weight's dtype (its values, exactly), as compressed-tensors computes it from a
+        # weight's observed range: a bfloat16 weight's max|w_g| / 6 is rounded to bfloat16 (llm-compressor 0.14)
+        scale, zp = calculate_qparams(lo.to(weight.dtype), hi.to(weight.dtype), args, global_scale=global_scale)
     return scale.to(torch.float32), zp, global_scale
 
 

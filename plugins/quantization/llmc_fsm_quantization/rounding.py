@@ -15,7 +15,7 @@ from compressed_tensors.quantization import QuantizationArgs, QuantizationStrate
 from compressed_tensors.quantization.lifecycle.forward import fake_quantize as _library_fake_quantize
 from compressed_tensors.quantization.utils import calculate_range
 
-__all__ = ["fake_quantize"]
+__all__ = ["fake_quantize", "fp4_positive_zeros"]
 
 _IN_PLACE_STRATEGIES = (QuantizationStrategy.TENSOR, QuantizationStrategy.CHANNEL, QuantizationStrategy.GROUP)
 
@@ -71,3 +71,21 @@ def fake_quantize(
     if args.strategy == QuantizationStrategy.GROUP:  # compressed-tensors returns groups in x's dtype
         return out.reshape(shape).to(dtype)
     return out
+
+
+#: compressed-tensors' formats that pack two FP4 (E2M1) codes per byte: sign bit 0x8, magnitude index 0x7.
+FP4_PACKED_FORMATS = frozenset({"nvfp4-pack-quantized", "mxfp4-pack-quantized"})
+
+
+def fp4_positive_zeros(packed: torch.Tensor) -> torch.Tensor:
+    """``packed`` (uint8, two FP4 E2M1 codes per byte, compressed-tensors' ``pack_fp4_to_uint8``) with every
+    negative zero (code ``0x8``) made positive (``0x0``); a new tensor.
+
+    A weight in ``(-scale / 4, 0)`` rounds to FP4 ``-0``. Quantizing it twice (fake quantization, then the
+    compressor's rounding, which adds the zero point ``0``: ``-0 + 0 = +0``) wrote ``+0``; rounded once it would be
+    ``-0``. Both dequantize to zero; this keeps the checkpoint bytes those of the twice-rounded weight.
+    """
+    low, high = packed & 0x0F, packed & 0xF0
+    low = torch.where(low == 0x08, torch.zeros_like(low), low)
+    high = torch.where(high == 0x80, torch.zeros_like(high), high)
+    return low | high

@@ -24,7 +24,13 @@ __all__ = ["QuantizationModifier", "rtn_quantize"]
 
 @torch.no_grad()
 def rtn_quantize(
-    weight: torch.Tensor, args: QuantizationArgs, observer: str = "minmax", *, importance: torch.Tensor | None = None
+    weight: torch.Tensor,
+    args: QuantizationArgs,
+    observer: str = "minmax",
+    *,
+    importance: torch.Tensor | None = None,
+    global_scale: torch.Tensor | None = None,
+    rounded: bool = True,
 ) -> QuantizedWeight:
     """Round every weight to the nearest point of its group's grid.
 
@@ -39,16 +45,21 @@ def rtn_quantize(
         observer: one of :data:`~llmc_fsm_quantization.observers.OBSERVERS`.
         importance: ``[in]`` per-input-column importance for ``imatrix_mse``
             (:func:`~llmc_fsm_quantization.observers.importance_from_hessian`).
+        global_scale: NVFP4 only: ``[1]`` float32 global scale to use instead of the weight's own (one shared by
+            the modules a serving engine fuses: :func:`~llmc_fsm_quantization.observers.fused_global_scale`).
+        rounded: ``False``: an NVFP4, MX or FP8-block weight is returned unrounded (its scales computed), for
+            :func:`~llmc_fsm_quantization._base.attach_qparams` to round it once, with the checkpoint's compressor
+            (the values are the same: the compressor rounds the original weight as ``fake_quantize`` does).
 
     Raises:
         ValueError: as :func:`~llmc_fsm_quantization.observers.observe`.
     """
     w = weight.detach().to(torch.float32)
     if is_scaled_format(args):  # NVFP4, MX, FP8 block: compressed-tensors' own scales
-        scale, zp, global_scale = observe_scaled_format(weight, args, observer)
+        scale, zp, global_scale = observe_scaled_format(weight, args, observer, global_scale=global_scale)
         if args.scale_dtype is None:
             scale = storable(scale, weight.dtype)
-        q = fake_quantize(w, scale, zp, args, global_scale=global_scale).to(weight.dtype)
+        q = fake_quantize(w, scale, zp, args, global_scale=global_scale).to(weight.dtype) if rounded else weight.detach()
         return QuantizedWeight(weight=q, scale=scale, zero_point=zp, global_scale=global_scale)
     # the scale as a parameter of weight's dtype holds it
     scale, zp = observe(weight.detach(), args, observer, importance=importance)
@@ -100,4 +111,7 @@ class QuantizationModifier(QuantizingModifier):
         importance = None
         if args.observer in IMPORTANCE_OBSERVERS and accumulator is not None:
             importance = importance_from_hessian(accumulator.hessian)
-        return [rtn_quantize(m.weight, args, args.observer, importance=importance) for m in modules]
+        return [
+            rtn_quantize(m.weight, args, args.observer, importance=importance, global_scale=g, rounded=False)
+            for m, g in zip(modules, self.global_scales(modules), strict=True)
+        ]

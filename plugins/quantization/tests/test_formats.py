@@ -136,11 +136,14 @@ def test_nvfp4a16_global_and_group_scales_equal_a_hand_computation_and_reload(tm
     original = down.weight.detach().float().clone()
     config = _rtn(model, "NVFP4A16", tmp_path / "out")
     assert config["format"] == "nvfp4-pack-quantized"
-    # global scale: 448 * 6 / max|W|; group scales: fp8(global * max|w_g| / 6), 16 inputs a group
-    global_scale = 448.0 * 6.0 / float(original.abs().max())
-    assert float(down.weight_global_scale) == pytest.approx(global_scale, rel=1e-6)
-    amax = original.reshape(64, -1, 16).abs().amax(dim=2)
-    expected = (float(down.weight_global_scale) * amax / 6.0).to(torch.float8_e4m3fn).float()
+    # global scale: 448 * 6 / max|W|; group scales: fp8(global * max|w_g| / 6), 16 inputs a group; the quotients
+    # in the weight's dtype (bfloat16), as compressed-tensors computes them from a bfloat16 weight's range (torch
+    # divides the number 2688 by a bfloat16 tensor as 2688 times its bfloat16 reciprocal, rounded to bfloat16)
+    reciprocal = torch.tensor(1.0 / float(original.abs().max()), dtype=torch.float64).bfloat16().double()
+    global_scale = float((448.0 * 6.0 * reciprocal).bfloat16())
+    assert float(down.weight_global_scale) == global_scale
+    amax = original.double().reshape(64, -1, 16).abs().amax(dim=2)
+    expected = (global_scale * (amax / 6.0).bfloat16().double()).float().to(torch.float8_e4m3fn).float()
     assert torch.equal(down.weight_scale.float(), expected)
     groups = down.weight.detach().float().reshape(64, -1, 16)
     assert max(torch.unique(g).numel() for g in groups.reshape(-1, 16)) <= FP4_VALUES

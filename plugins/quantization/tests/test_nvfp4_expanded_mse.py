@@ -40,9 +40,10 @@ def _nvfp4_error(w: torch.Tensor, fp8_scale: torch.Tensor, global_scale: float) 
 
 def _reference(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
     """(best fp8 group scales, their errors, global scale) of the search p = 1.8 (1 - i / 200), i = 0..111; the
-    fp8 group scale of a range r is fp8(global * p * max|w_g| / 6), global = 448 * 6 / max|W|."""
+    fp8 group scale of a range r is fp8(global * p * max|w_g| / 6), global = bf16(448 * 6 / max|W|)."""
     w = w.double().reshape(w.shape[0], -1, 16)
-    global_scale = float(torch.tensor(448.0 * 6.0, dtype=torch.float32) / w.abs().max().float())
+    reciprocal = (1.0 / w.abs().max()).to(torch.bfloat16).double()  # 2688 / bfloat16 max: times its bf16 reciprocal
+    global_scale = float((448.0 * 6.0 * reciprocal).to(torch.bfloat16))
     amax = w.abs().amax(-1)
     best_err = torch.full(amax.shape, float("inf"), dtype=torch.float64)
     best = torch.zeros_like(amax)
@@ -71,9 +72,9 @@ def test_nvfp4_expanded_mse_takes_the_range_with_the_smallest_nvfp4_error(tmp_pa
         x = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(1))
         with torch.no_grad():
             assert torch.equal(AutoModelForCausalLM.from_pretrained(out).eval()(x).logits, model(x).logits)
-    original = base.model.layers[0].mlp.up_proj.weight.detach()
-    mine = models["nvfp4_expanded_mse"].model.layers[0].mlp.up_proj
-    minmax = models["minmax"].model.layers[0].mlp.up_proj
+    original = base.model.layers[0].mlp.down_proj.weight.detach()  # not fused: its own global scale
+    mine = models["nvfp4_expanded_mse"].model.layers[0].mlp.down_proj
+    minmax = models["minmax"].model.layers[0].mlp.down_proj
     assert mine.quantization_scheme.weights.observer == "nvfp4_expanded_mse"
     best, best_err, global_scale = _reference(original)
     assert float(mine.weight_global_scale) == pytest.approx(global_scale, rel=1e-6)  # the unexpanded range's
