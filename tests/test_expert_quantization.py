@@ -188,6 +188,35 @@ def test_round_to_nearest_rounds_each_expert_matrix_by_hand_and_reloads(tmp_path
         assert torch.equal(reloaded(DATA[:2]).logits, model(DATA[:2]).logits)
 
 
+def test_square_expert_matrices_are_named_apart_and_reload(tmp_path):
+    """Experts whose ``down_proj`` is square-sized like ``gate_proj`` (``moe_intermediate_size == hidden_size``) are
+    told apart when their checkpoint names are read (found by llm-compressor's recipe corpus: it was refused as
+    'not one expert matrix'): every expert matrix rounded by hand, reload with no missing or unexpected key and
+    equal logits."""
+    import transformers
+    from tiny_families import config
+
+    cfg = config("qwen3_moe")
+    cfg.moe_intermediate_size = cfg.hidden_size
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    experts = _experts_modules(model)
+    originals = {f"{n}.{s}": v.weight.detach().clone() for n, m in experts.items() for s, v in weight_views(m).items()}
+    assert {tuple(w.shape) for w in originals.values()} == {(cfg.hidden_size, cfg.hidden_size)}
+    recipe = {"s": {"QuantizationModifier": {"scheme": SCHEME}}}
+    llmc_fsm.oneshot(model=model, recipe=recipe, dataset=DATA, output_dir=tmp_path / "o", progress=False)
+    for name, module in experts.items():
+        for suffix, view in weight_views(module).items():
+            assert torch.equal(view.weight, _rtn(originals[f"{name}.{suffix}"])), f"{name}.{suffix}"
+    reloaded, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "o", output_loading_info=True)
+    assert (sorted(info["missing_keys"]), sorted(info["unexpected_keys"])) == ([], [])
+    for name, module in experts.items():
+        assert torch.equal(reloaded.get_submodule(name).gate_up_proj, module.gate_up_proj)
+        assert torch.equal(reloaded.get_submodule(name).down_proj, module.down_proj)
+    with torch.no_grad():
+        assert torch.equal(reloaded.eval()(DATA[:2]).logits, model(DATA[:2]).logits)
+
+
 #: modules whose in_features group size 16 does not divide in the tiny configs, ignored by name: Jamba's mamba
 #: ``dt_proj`` (8), Nemotron-H's shared expert ``down_proj`` (7688, transformers' default)
 MISFIT = {

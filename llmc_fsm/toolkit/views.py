@@ -352,8 +352,9 @@ def observe_view_inputs(
     return list(sources.values())
 
 
-def _marker(view: LinearView, param: torch.Tensor) -> torch.Tensor:
-    """A float64 tensor laid out like ``param`` but one input column wide, every entry distinct (its position).
+def _marker(view: LinearView, param: torch.Tensor, start: int = 0) -> torch.Tensor:
+    """A float64 tensor laid out like ``param`` but one input column wide, every entry distinct (``start`` + its
+    position; give each parameter of a module its own ``start`` so that no two parameters' markers share a value).
 
     Reading a view's matrix from it (:meth:`LinearView.matrix_of`) gives ``[out_features, 1]``: which entries of the
     parameter are that view's rows, without allocating the parameter's size.
@@ -363,7 +364,7 @@ def _marker(view: LinearView, param: torch.Tensor) -> torch.Tensor:
         shape[-1] = 1  # [experts, out, in] or DBRX's [experts * ffn, hidden]: rows kept, one column
     else:
         shape[-2] = 1  # transposed [experts, in, out]: the input dim is the one before last
-    return torch.arange(math.prod(shape), dtype=torch.float64).reshape(shape)
+    return torch.arange(start, start + math.prod(shape), dtype=torch.float64).reshape(shape)
 
 
 def expert_checkpoint_names(model: nn.Module, name: str, module: nn.Module) -> dict[str, str]:
@@ -399,7 +400,10 @@ def expert_checkpoint_names(model: nn.Module, name: str, module: nn.Module) -> d
     prefix = name + "." if name else ""
     owner_prefix = prefix + ("mlp." if _is_dbrx(module) else "")
     first = next(iter(views.values()))
-    markers = {pname: _marker(first, p) for pname, p in params.items()}
+    markers, start = {}, 0
+    for pname, p in params.items():  # disjoint values: square experts (down_proj [H, I] with I == H) stay apart
+        markers[pname] = _marker(first, p, start)
+        start += markers[pname].numel()
     reverted = revert_weight_conversion(model, {owner_prefix + p: m for p, m in markers.items()})
     kept = [k for k in reverted if k.startswith(owner_prefix) and k.removeprefix(owner_prefix) in markers]
     if kept:
