@@ -51,6 +51,7 @@ from llmc_fsm_quantization.observers import (
     INPUT_MSE_OBSERVERS,
     NVFP4_OBSERVERS,
     check_observer,
+    check_scaled_observer,
     fused_global_scale,
     input_range_mse,
     is_nvfp4,
@@ -522,6 +523,8 @@ class QuantizingModifier(CalibratedModifier):
                 where = f"config group {group!r}" if self.config_groups is not None else "the scheme"
                 msg = f"observer {w.observer} is for NVFP4 weights (tensor_group, 4-bit float), and {where} is not"
                 raise ValueError(msg)
+            if w is not None and is_scaled_format(w):
+                check_scaled_observer(w.observer, w)  # refused when read, before any calibration
         observers = {s.weights.observer for s in groups.values() if s.weights is not None}
         if self.observer is None and len(observers) == 1:
             (self.observer,) = observers

@@ -60,6 +60,7 @@ __all__ = [
     "OBSERVERS",
     "as_row_args",
     "check_observer",
+    "check_scaled_observer",
     "fused_global_scale",
     "importance_from_hessian",
     "input_range_mse",
@@ -352,6 +353,22 @@ def fused_global_scale(weights: list[torch.Tensor]) -> torch.Tensor:
 
 
 @torch.no_grad()
+def check_scaled_observer(observer: str, args: QuantizationArgs) -> None:
+    """Whether :func:`observe_scaled_format` has ``observer`` for the NVFP4 / MX / FP8-block ``args``.
+
+    Raises:
+        ValueError: (one line) ``observer NAME is not implemented for FORMAT weights; use minmax ...``: only the
+            minmax observers, and ``nvfp4_expanded_mse`` for NVFP4, are.
+    """
+    if observer not in _MINMAX and not (observer in NVFP4_OBSERVERS and is_nvfp4(args)):
+        msg = (
+            f"observer {observer} is not implemented for {_format_name(args)} weights; use minmax (or "
+            "static_minmax / memoryless_minmax, the same for a weight)"
+            + ("; nvfp4_expanded_mse for NVFP4" if args.strategy == QuantizationStrategy.TENSOR_GROUP else "")
+        )
+        raise ValueError(msg)
+
+
 def observe_scaled_format(
     weight: torch.Tensor,
     args: QuantizationArgs,
@@ -380,13 +397,7 @@ def observe_scaled_format(
     if global_scale is not None and args.strategy != QuantizationStrategy.TENSOR_GROUP:
         msg = f"a global scale was given for {_format_name(args)} weights, which have none (NVFP4 only)"
         raise ValueError(msg)
-    if observer not in _MINMAX and not (observer in NVFP4_OBSERVERS and is_nvfp4(args)):
-        msg = (
-            f"observer {observer} is not implemented for {_format_name(args)} weights; use minmax (or "
-            "static_minmax / memoryless_minmax, the same for a weight)"
-            + ("; nvfp4_expanded_mse for NVFP4" if args.strategy == QuantizationStrategy.TENSOR_GROUP else "")
-        )
-        raise ValueError(msg)
+    check_scaled_observer(observer, args)
     rows, cols = weight.shape
     w = weight.detach().to(torch.float32)
     if args.strategy == QuantizationStrategy.BLOCK:

@@ -102,3 +102,26 @@ def test_nvfp4_expanded_mse_off_nvfp4_is_refused_when_the_recipe_is_read(bf16_di
     assert "observer nvfp4_expanded_mse is for NVFP4 weights (tensor_group, 4-bit float), and the scheme is not" in (
         str(info.value))
     assert not hasattr(model.model.layers[0].mlp.up_proj, "quantization_scheme")
+
+
+@pytest.mark.parametrize(("scheme", "observer", "fmt"), [("NVFP4A16", "imatrix_mse", "NVFP4 (tensor_group)"),
+                                                          ("NVFP4A16", "mse", "NVFP4 (tensor_group)"),
+                                                          ("MXFP4A16", "imatrix_mse", "MX (power-of-two scales)")])
+def test_a_range_searching_observer_on_scaled_formats_is_refused_before_calibration(
+    bf16_dir, monkeypatch, scheme, observer, fmt
+) -> None:
+    """Found by llm-compressor's recipe corpus (examples/imatrix/llama3_nvfp4_imatrix_example.py): the observer was
+    refused only when the first layer was compressed; now when the recipe is read, before any forward."""
+    from llmc_fsm.pipeline import sequential
+
+    model = _tiny_bf16(bf16_dir)
+    calls = []
+    monkeypatch.setattr(sequential, "capture_layer_inputs", lambda *a, **k: calls.append(1))
+    with pytest.raises(ValueError) as info:
+        llmc_fsm.oneshot(model=model, recipe={"q": {"QuantizationModifier": {
+            "targets": ["Linear"], "ignore": ["lm_head"], "scheme": scheme, "observer": observer}}},
+            dataset=torch.arange(3, 35).reshape(2, 16), progress=False)
+    assert f"observer {observer} is not implemented for {fmt} weights; use minmax (or static_minmax / " \
+           "memoryless_minmax, the same for a weight)" in str(info.value)
+    assert calls == []
+    assert not hasattr(model.model.layers[0].mlp.up_proj, "quantization_scheme")
