@@ -16,6 +16,7 @@ import copy
 import pytest
 import torch
 from llmc_fsm_quantization import AWQModifier, GPTQModifier, QuantizationModifier
+from llmc_fsm_quantization.awq import awq_candidate_scales, awq_weight_mean
 from llmc_fsm_quantization.mappings import default_mappings, fold_scales
 from test_expert_quantization import GROUP, Q_MAX, Q_MIN, SCHEME, _interrupted_and_resumed, _reload
 from tiny_families import build
@@ -125,6 +126,12 @@ def _moe_block(x, router, gate_up, down, top_k: int, normalize: bool) -> torch.T
     top, index = torch.topk(probs, top_k, dim=-1)
     if normalize:
         top = top / top.sum(dim=-1, keepdim=True)
+    return _routed_experts(x, top, index, gate_up, down)
+
+
+def _routed_experts(x, top, index, gate_up, down) -> torch.Tensor:
+    """``sum`` over each token's chosen experts ``e`` (``index``, probabilities ``top``) of
+    ``down_e (silu(gate_e x) * up_e x)``."""
     inter = down.shape[2]
     out = torch.zeros_like(x)
     for e in range(gate_up.shape[0]):
@@ -259,11 +266,18 @@ REFUSALS = {
         "fused-experts class with layout flags (has_gate, is_concatenated, ...)), so they would be quantized "
         "unsmoothed: use GPTQModifier or QuantizationModifier, which quantize each expert matrix"
     ),
-    "deepseek_v3": (
-        "AWQModifier: DeepseekV3ForCausalLM (model_type 'deepseek_v3') keeps fused experts in "
-        "model.layers.{1..3}.mlp.experts that no smoothing mapping reaches (the block also holds shared_experts "
-        "(shared experts), which read its input too), so they would be quantized unsmoothed: use GPTQModifier or "
-        "QuantizationModifier, which quantize each expert matrix"
+    "jamba": (
+        "AWQModifier: JambaForCausalLM (model_type 'jamba') keeps fused experts in "
+        "model.layers.{1,3}.feed_forward.experts that no smoothing mapping reaches (the default mappings smooth a "
+        "block read from post_attention_layernorm; recipe mappings must list every expert matrix, e.g. "
+        "post_attention_layernorm -> 're:.*mlp.gate$', 're:.*mlp.experts.*.gate_proj$', "
+        "'re:.*mlp.experts.*.up_proj$' and 're:.*up_proj$' -> 're:.*down_proj$'), so they would be quantized "
+        "unsmoothed: use GPTQModifier or QuantizationModifier, which quantize each expert matrix"
+    ),
+    "nemotron_h": (
+        "AWQModifier: NemotronHForCausalLM (model_type 'nemotron_h') keeps fused experts in "
+        "model.layers.1.mixer.experts that no smoothing mapping reaches (NemotronHExperts has no gate rows), so they "
+        "would be quantized unsmoothed: use GPTQModifier or QuantizationModifier, which quantize each expert matrix"
     ),
 }
 
@@ -444,3 +458,161 @@ def test_expert_recipe_mappings_that_do_not_fit_are_refused_before_calibration(t
     assert calls == []
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert not (tmp_path / "o").exists()
+
+
+# --------------------------------------------------------------------------- shared experts (DeepSeek-V3, Qwen3-Next)
+#: family -> (its first mixture-of-experts layer, its shared expert, the shared expert's gate or None); DeepSeek-V3's
+#: layer 0 is dense, left float by the runs below so that layer 1 reads the float model's input
+SHARED = {"deepseek_v3": (1, "shared_experts", None), "qwen3_next": (0, "shared_expert", "shared_expert_gate")}
+
+
+@pytest.mark.parametrize("family", sorted(SHARED))
+def test_a_shared_experts_norm_mapping_balances_every_reader_of_the_norm_over_the_whole_block(family: str) -> None:
+    model = build(family)
+    index, shared, gate = SHARED[family]
+    layer = f"model.layers.{index}."
+    found = {m.smooth_name: m for m in default_mappings(model) if m.smooth_name.startswith(layer)}
+    norm = found[layer + "post_attention_layernorm"]
+    experts = [f"{layer}mlp.experts.{e}.{p}" for e in range(4) for p in ("gate_proj", "up_proj")]
+    readers = [
+        f"{layer}mlp.{shared}.gate_proj",
+        f"{layer}mlp.{shared}.up_proj",
+        *([f"{layer}mlp.{gate}"] if gate else []),
+    ]
+    assert norm.balance_names == (layer + "mlp.gate", *readers, *experts)
+    assert (norm.parent_name, norm.parent) == (layer + "mlp", model.get_submodule(layer + "mlp"))
+    up = found[f"{layer}mlp.{shared}.up_proj"]
+    assert up.balance_names == (f"{layer}mlp.{shared}.down_proj",)
+    assert (
+        len(found) == 2 + 4
+    )  # the norm, the shared expert's and 4 experts' up -> down (no q/k/v: MLA, linear attention)
+
+
+def _block_input_of(model: torch.nn.Module, index: int) -> torch.Tensor:
+    """The float model's layer-``index`` MoE block input on ``DATA``, ``[16, 32, hidden]``."""
+    seen = []
+    handle = model.model.layers[index].mlp.register_forward_pre_hook(lambda m, args: seen.append(args[0].detach()))
+    with torch.no_grad():
+        model(DATA)
+    handle.remove()
+    return seen[0]
+
+
+def _reference_block_search(model: torch.nn.Module, family: str):
+    """``(exponent or None, candidate(r) -> scales, error(scales) -> float)``: AWQ's duo-scaling grid search of
+    ``post_attention_layernorm -> router, shared expert's gate/up (and its gate), experts' gate/up`` in float64 on a
+    float64 copy of the float model's whole MoE block (routed + shared output): every quantized balance weight replaced
+    by ``Q(W diag(s)) diag(s)^-1``, the router float."""
+    index, shared, gate = SHARED[family]
+    x = _block_input_of(model, index).double()
+    block = copy.deepcopy(model.model.layers[index].mlp).double()
+    quantized = {
+        "experts.gate_up_proj": block.experts.gate_up_proj,  # [experts, 2 * inter, hidden]
+        f"{shared}.gate_proj": block.get_submodule(shared).gate_proj.weight,
+        f"{shared}.up_proj": block.get_submodule(shared).up_proj.weight,
+        **({gate: block.get_submodule(gate).weight} if gate else {}),
+    }
+    originals = {n: w.detach().clone() for n, w in quantized.items()}
+
+    def run() -> torch.Tensor:  # the block written out: the router's own choice, the experts, the (gated) shared expert
+        flat = x.reshape(-1, x.shape[-1])
+        _, top, index = block.gate(flat)
+        out = _routed_experts(flat, top.double(), index, block.experts.gate_up_proj, block.experts.down_proj)
+        mlp = block.get_submodule(shared)
+        shared_out = torch.nn.functional.silu(flat @ mlp.gate_proj.weight.T) * (flat @ mlp.up_proj.weight.T)
+        shared_out = shared_out @ mlp.down_proj.weight.T
+        if gate:
+            shared_out = torch.sigmoid(flat @ block.get_submodule(gate).weight.T) * shared_out
+        return out + shared_out
+
+    with torch.no_grad():
+        reference = run()
+    router = block.gate.weight.detach()
+    x_mean = x.reshape(-1, x.shape[-1]).abs().mean(dim=0)
+    rows = [router.abs() / router.abs().amax(dim=1, keepdim=True)]  # the router: per row (not quantized)
+    for w in originals.values():
+        g = w.abs().reshape(-1, GROUP)
+        rows.append((g / g.amax(dim=1, keepdim=True)).reshape(-1, w.shape[-1]))
+    w_mean = torch.cat(rows).mean(dim=0)
+    # the candidates as the modifier computes them, in float32 (checked against the float64 formula below): an ulp
+    # of a scale can flip a group's tie (see error) and with it the block error by 10%
+    balances = [router.float(), *(originals[n].float().reshape(-1, x.shape[-1]) for n in list(originals)[1:])]
+    balances.append(originals["experts.gate_up_proj"].float().reshape(-1, x.shape[-1]))
+    w_mean32 = awq_weight_mean(balances, [None] + [GROUP] * (len(balances) - 1))
+
+    def error(s: torch.Tensor) -> float:
+        with torch.no_grad():
+            for n, w in quantized.items():
+                # W diag(s) in float32 as the weights and the modifier's scales are (a group's largest entry lands
+                # on the tie -7.5 / 7.5: an ulp decides its rounding)
+                w.copy_(_q_int4_sym_g16(originals[n].float() * s.float()) / s.float().double())
+            out = run()
+            for n, w in quantized.items():
+                w.copy_(originals[n])
+        return float((out - reference).pow(2).mean())
+
+    def candidate(r: float) -> torch.Tensor:
+        s = (x_mean.pow(r) / (w_mean.pow(1 - r) + 1e-4)).clamp(min=1e-4)
+        return s / (s.max() * s.min()).sqrt()
+
+    best: tuple[float, float | None] = (error(torch.ones_like(x_mean)), None)
+    errors = []
+    for i in range(N_GRID):
+        scales = awq_candidate_scales(x_mean.float(), w_mean32, i / N_GRID).double()
+        assert torch.allclose(scales, candidate(i / N_GRID), rtol=1e-6, atol=0)
+        errors.append(error(scales))
+        if errors[-1] < best[0]:
+            best = (errors[-1], i / N_GRID)
+    return best[1], candidate, error, errors
+
+
+@pytest.fixture(scope="module", params=sorted(SHARED))
+def shared_run(request, tmp_path_factory):
+    """``(family, float model, AWQ modifier, smoothed and quantized model, checkpoint)`` of AWQ then W4A16
+    round-to-nearest (groups of 16) on the family's outlier model, the layers before :data:`SHARED`'s left float."""
+    family = request.param
+    original = _outliers(family)
+    model = copy.deepcopy(original)
+    ignore = ["lm_head", *(rf"re:model\.layers\.{i}\..*" for i in range(SHARED[family][0]))]
+    awq = AWQModifier(ignore=ignore)
+    out = tmp_path_factory.mktemp(family) / "o"
+    _run(model, QuantizationModifier(scheme=SCHEME, ignore=ignore), awq=awq, output_dir=out)
+    return family, original, awq, model, out
+
+
+def test_the_shared_expert_blocks_smoothing_leaves_the_float_model_unchanged(shared_run) -> None:
+    """The scales AWQ chose, folded alone into a fresh float copy: logits within 1e-5 (relative to the largest)."""
+    family, original, awq, _, _ = shared_run
+    index, shared, _ = SHARED[family]
+    norm = f"model.layers.{index}.post_attention_layernorm"
+    assert awq.smoothing_results[norm]["exponent"] is not None
+    assert f"model.layers.{index}.mlp.{shared}.up_proj" in awq.smoothing_scales
+    folded = copy.deepcopy(original)
+    for mapping in default_mappings(folded):
+        if mapping.smooth_name in awq.smoothing_scales:
+            fold_scales(mapping, awq.smoothing_scales[mapping.smooth_name])
+    with torch.no_grad():
+        ref = original(DATA).logits
+        assert torch.allclose(folded(DATA).logits, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
+    assert not torch.equal(folded.get_submodule(norm).weight, original.get_submodule(norm).weight)
+
+
+def test_the_shared_expert_blocks_exponent_is_a_float64_grid_search_s(shared_run) -> None:
+    family, original, awq, _, _ = shared_run
+    norm = f"model.layers.{SHARED[family][0]}.post_attention_layernorm"
+    exponent, candidate, error, errors = _reference_block_search(original, family)
+    result, scales = awq.smoothing_results[norm], awq.smoothing_scales[norm]
+    assert exponent is not None
+    assert result["exponent"] == exponent, errors
+    assert torch.allclose(scales.double(), candidate(exponent), rtol=1e-6, atol=0)
+    assert result["error"] == pytest.approx(error(scales.double()), rel=1e-4)
+    assert result["error"] < result["error_unsmoothed"]
+
+
+def test_the_shared_expert_checkpoint_reloads_with_every_key_and_the_same_logits(shared_run) -> None:
+    family, _, awq, model, out = shared_run
+    reloaded, info = _reload(out, family)
+    assert (sorted(info["missing_keys"]), sorted(info["unexpected_keys"])) == ([], [])
+    with torch.no_grad():
+        assert torch.equal(reloaded(DATA[:2]).logits, model(DATA[:2]).logits)
+    assert model.llmc_fsm_report.to_dict()["smoothing"]["AWQModifier (default)"] == awq.smoothing_results

@@ -52,8 +52,10 @@ the scale when folded, so the routing is unchanged). Each expert's ``up_proj -> 
 the tokens the router sent to it, scored by its ``down_proj`` output on them (as AutoAWQ's per-expert
 ``up -> down``); an expert with no routed token is left unscaled. The scales are folded into the fused parameters
 through the expert matrices' views (they share the storage), and the quantizer (GPTQ or round-to-nearest per expert
-matrix) then quantizes the smoothed experts. Refused, before any work: experts no mapping reaches (GPT-OSS, DBRX,
-blocks with a shared expert: the message names why), and fused experts under ``torch.distributed``.
+matrix) then quantizes the smoothed experts. A shared expert (DeepSeek-V3, Qwen3-Next) and its gate are balance layers
+of the same norm mapping, scored on the whole block's output (routed plus shared), with their own ``up -> down``.
+Refused, before any work: experts no mapping reaches (GPT-OSS, DBRX, Nemotron-H, Jamba: the message names why), and
+fused experts under ``torch.distributed``.
 
 Under ``torch.distributed`` (``torchrun``) each rank runs its share of the calibration windows; the statistics
 (``sum|x_j|`` and token counts), every candidate's block error and the clipping scores are summed over the ranks
@@ -389,8 +391,9 @@ class AWQModifier(SmoothingModifier):
         Raises:
             ValueError: as the base classes; or the model keeps fused experts (transformers 5's experts classes, DBRX)
                 that no resolved mapping smooths (:func:`~llmc_fsm_quantization.mappings.moe_mapping_problem` says
-                why the default mappings leave them out: GPT-OSS's biased, clamped gate, DBRX's layout, shared
-                experts), so they would be quantized unsmoothed; fused experts under ``torch.distributed``.
+                why the default mappings leave them out: GPT-OSS's biased, clamped gate, DBRX's layout, a block
+                module that is neither an expert, the router, a shared expert nor its gate), so they would be
+                quantized unsmoothed; fused experts under ``torch.distributed``.
         """
         fused = {n: m for n, m in model.named_modules() if weight_views(m) and "" not in weight_views(m)}
         if fused:

@@ -15,8 +15,11 @@ smooth layer                           balance layers                           
 ``v_proj``                             ``o_proj``                               ``v.out == o.in``
 ``post_attention_layernorm``           ``gate_proj``, ``up_proj``               a pre-MLP norm
 ``up_proj``                            ``down_proj``                            ``up.out == down.in``
-``post_attention_layernorm``           the router and every expert's            a mixture-of-experts
-                                       ``gate_proj``, ``up_proj``               block (below)
+``post_attention_layernorm``           the router, the shared expert's          a mixture-of-experts
+                                       ``gate_proj``, ``up_proj`` and gate,     block (below)
+                                       every expert's ``gate_proj``,
+                                       ``up_proj``
+``shared_expert(s).up_proj``           its ``down_proj``                        a shared expert
 ``experts.<e>.up_proj``                ``experts.<e>.down_proj``                per expert, as above
 =====================================  =======================================  =====================
 
@@ -26,15 +29,18 @@ rows and the router read the block's input, the normed hidden states, so one per
 them; the router's weight is compensated too (it is not quantized, but without it the float routing would change).
 Each expert's ``up`` rows -> its ``down_proj`` columns is a mapping of its own (its scale from the tokens routed to
 it). As AutoAWQ's Mixtral mappings (``block_sparse_moe.gate`` among the balance layers) and llm-compressor's MoE
-mappings. The block must hold only the experts and the router (no shared expert), the experts a gate without
+mappings. A shared expert (DeepSeek-V3's ``shared_experts``, Qwen3-Next's ``shared_expert``) and its 1-output gate
+(Qwen3-Next's ``shared_expert_gate``) read the block's input too: they are balance layers of the same norm mapping
+(:func:`shared_expert_readers`), whose parent is the whole block (routed plus shared output), and the shared expert's
+``up_proj -> down_proj`` is a mapping like a dense MLP's. The block must hold nothing else, the experts a gate without
 biases and transformers' own ``act(gate) * up`` (not GPT-OSS's clamped gate), in transformers' layout class (not
 DBRX's): :func:`moe_mapping_problem` says why a block does not fit.
 
 ``v_proj -> o_proj`` needs one value channel per ``o_proj`` input (no grouped-query attention: with
 GQA a value channel feeds several heads' outputs); ``post_attention_layernorm`` is skipped when the
 layer also has ``pre_feedforward_layernorm`` / ``post_feedforward_layernorm`` (then it normalizes the
-attention *output*, Gemma 2/3, OLMo 2). Norms whose output is not ``weight * f(x) (+ bias)`` (Gemma's
-``(1 + weight)``) cannot take a scale and are refused.
+attention *output*, Gemma 2/3, OLMo 2). Norms whose output is ``(1 + weight) * f(x)`` (Gemma, Qwen3-Next:
+:func:`scales_by_one_plus_weight`) take the scale as ``weight = (1 + weight) / s - 1`` (:func:`fold_scales`).
 
 A recipe may give the mappings itself, as llm-compressor writes them (:func:`parse_mappings`):
 ``[[[balance patterns...], smooth pattern], ...]`` (SmoothQuant) or
@@ -54,13 +60,16 @@ and a balance pattern may match every expert of one experts module, as llm-compr
 
 These resolve to the default mixture-of-experts mappings above (the same modules, the balance layers in the model's
 order), so they give the same result. Refused, naming the modules: a norm mapping onto experts that leaves out the
-router or some expert's gate/up rows (they read the norm's output too, so the float model would change), an
-expert's ``up_proj`` onto anything but its own ``down_proj``, and experts :func:`moe_mapping_problem` rejects.
+router, a shared expert's gate/up or some expert's gate/up rows (they read the norm's output too, so the float model
+would change), an expert's ``up_proj`` onto anything but its own ``down_proj``, and experts
+:func:`moe_mapping_problem` rejects.
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
+import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -82,6 +91,8 @@ __all__ = [
     "moe_mapping_problem",
     "parse_mappings",
     "resolve_mappings",
+    "scales_by_one_plus_weight",
+    "shared_expert_readers",
     "smooth_channels",
 ]
 
@@ -230,11 +241,19 @@ def _is_norm(module: nn.Module) -> bool:
     return isinstance(weight, torch.Tensor) and weight.dim() == 1 and "norm" in type(module).__name__.lower()
 
 
-def _norm_problem(module: nn.Module) -> str | None:
-    """Why a scale cannot be folded into norm ``module`` (``None``: it can)."""
-    if type(module).__name__.startswith("Gemma"):  # output x_hat * (1 + weight): dividing weight is wrong
-        return f"{type(module).__name__} scales by (1 + weight), so a scale cannot be folded into its weight"
-    return None
+#: a norm's forward that scales by ``1 + weight`` (Gemma, Qwen3-Next, Qwen3.5: ``(1.0 + self.weight.float())``;
+#: Nemotron: ``self.weight + 1.0``)
+_ONE_PLUS_WEIGHT = re.compile(r"\(\s*1(\.0)?\s*\+\s*self\.weight\b|\bself\.weight(\.float\(\))?\s*\+\s*1(\.0)?\b")
+
+
+def scales_by_one_plus_weight(module: nn.Module) -> bool:
+    """Whether norm ``module`` multiplies its normalized input by ``1 + weight`` (read from its forward's source; a
+    class whose source cannot be read counts as ``weight * f(x)``)."""
+    try:
+        source = inspect.getsource(type(module).forward)
+    except (OSError, TypeError):
+        return False
+    return _ONE_PLUS_WEIGHT.search(source) is not None
 
 
 def smooth_channels(module: nn.Module) -> int:
@@ -280,20 +299,26 @@ def _default_specs_for_layer(layer: nn.Module, *, include_linear: bool) -> list[
     mlp_norm_name = "pre_feedforward_layernorm" if post_norms else "post_attention_layernorm"
     mlp_norm = _child(layer, mlp_norm_name)
     moe = _moe_block(layer)
-    # the norm also feeds the router and the experts of a mixture-of-experts block: its shared expert alone cannot
-    # take the scale (DeepSeek-V3's shared_experts)
+    norm_fits = mlp_norm is not None and _is_norm(mlp_norm)
+    # the up_proj found is a shared expert's: the norm feeds it, its gate and the router and experts alike
     shared = moe is not None and up is not None and up[0].startswith(moe[0] + ".")
-    if mlp_norm is not None and _is_norm(mlp_norm) and up and not shared:
+    expert_views: list[str] = []
+    if moe is not None and (not up or shared):
+        block, experts, router = moe
+        if moe_mapping_problem(layer.get_submodule(block), experts, router) is None:
+            expert_views = [f"{experts}.{suffix}" for suffix in weight_views(layer.get_submodule(experts))]
+            scope = f"{block}." if block else ""
+            readers = [scope + n for n in shared_expert_readers(layer.get_submodule(block), experts, router)]
+            if norm_fits:
+                gate_up = (v for v in expert_views if not v.endswith(".down_proj"))
+                out.append((mlp_norm_name, (router, *readers, *gate_up)))
+    elif norm_fits and up:
         out.append((mlp_norm_name, (gate[0], up[0]) if gate else (up[0],)))
     if include_linear and up and down and up[1].weight.shape[0] == down[1].weight.shape[1]:
         out.append((up[0], (down[0],)))
-    if not up and moe is not None and mlp_norm is not None and _is_norm(mlp_norm):
-        block, experts, router = moe
-        if moe_mapping_problem(layer.get_submodule(block), experts, router) is None:
-            views = [f"{experts}.{suffix}" for suffix in weight_views(layer.get_submodule(experts))]
-            out.append((mlp_norm_name, (router, *(v for v in views if not v.endswith(".down_proj")))))
-            if include_linear:
-                out.extend((v, (v.removesuffix("up_proj") + "down_proj",)) for v in views if v.endswith(".up_proj"))
+    if include_linear and norm_fits:
+        ups = (v for v in expert_views if v.endswith(".up_proj"))
+        out.extend((v, (v.removesuffix("up_proj") + "down_proj",)) for v in ups)
     return out
 
 
@@ -323,7 +348,8 @@ def moe_mapping_problem(block: nn.Module, experts: str, router: str) -> str | No
     """Why the mixture-of-experts ``block`` cannot take the shared smoothing scale of its input (one phrase), or
     ``None``: its ``experts`` (a fused experts module, the name of a child of ``block``) must be transformers'
     layout class with a gate, no biases and transformers' own ``act(gate) * up``, and ``block`` must hold nothing
-    else that reads the input but the ``router`` child (a ``[num_experts, hidden]`` weight applied as a Linear)."""
+    else that reads the input but the ``router`` child (a ``[num_experts, hidden]`` weight applied as a Linear) and
+    shared experts (:func:`shared_expert_readers`)."""
     module = block.get_submodule(experts.rpartition(".")[2])
     kind = type(module).__name__
     if not all(hasattr(module, a) for a in ("has_gate", "has_bias", "is_transposed", "is_concatenated")):
@@ -334,11 +360,51 @@ def moe_mapping_problem(block: nn.Module, experts: str, router: str) -> str | No
         return f"{kind} adds biases to its projections"
     if getattr(type(module)._apply_gate, "__name__", "") != "_default_apply_gate":
         return f"{kind} gates by its own _apply_gate, not act(gate) * up"
-    leaves = {experts.rpartition(".")[2], router.rpartition(".")[2]}
-    others = [n for n, m in block.named_children() if n not in leaves and any(True for _ in m.parameters())]
-    if others:
-        return f"the block also holds {', '.join(others)} (shared experts), which read its input too"
+    others = _other_children(block, experts, router)
+    hidden = int(block.get_submodule(router.rpartition(".")[2]).weight.shape[1])
+    odd = [n for n, m in others.items() if _shared_reader_names(m, hidden) is None]
+    if odd:
+        return (
+            f"the block also holds {', '.join(odd)}, which reads its input too but is neither a shared expert "
+            "(gate_proj, up_proj, down_proj Linears) nor a shared expert's 1-output gate Linear"
+        )
     return None
+
+
+def _other_children(block: nn.Module, experts: str, router: str) -> dict[str, nn.Module]:
+    """``block``'s children with parameters other than its ``experts`` and ``router``."""
+    leaves = {experts.rpartition(".")[2], router.rpartition(".")[2]}
+    return {n: m for n, m in block.named_children() if n not in leaves and any(True for _ in m.parameters())}
+
+
+def _shared_reader_names(module: nn.Module, hidden: int) -> list[str] | None:
+    """The names in ``module`` of what reads the block's input when ``module`` is a shared expert (its ``gate_proj``
+    and ``up_proj``) or a shared expert's gate (a Linear of 1 output: ``""``); ``None``: it is neither."""
+    if is_linear_like(module):
+        return [""] if tuple(module.weight.shape) == (1, hidden) else None
+    parts = [_child(module, leaf) for leaf in ("gate_proj", "up_proj", "down_proj")]
+    if not all(p is not None and is_linear_like(p) for p in parts):
+        return None
+    gate, up, down = parts
+    if (
+        gate.weight.shape != up.weight.shape
+        or gate.weight.shape[1] != hidden
+        or down.weight.shape[1] != up.weight.shape[0]
+    ):
+        return None
+    return ["gate_proj", "up_proj"]
+
+
+def shared_expert_readers(block: nn.Module, experts: str, router: str) -> list[str]:
+    """Names in ``block`` (a block :func:`moe_mapping_problem` accepts) of the shared expert modules that read its
+    input beside the router and the routed experts: a shared expert's ``gate_proj`` and ``up_proj`` (DeepSeek-V3's
+    ``shared_experts``, Qwen3-Next's ``shared_expert``) and the shared expert's gate (Qwen3-Next's
+    ``shared_expert_gate``), in the block's order; ``[]`` without a shared expert."""
+    hidden = int(block.get_submodule(router.rpartition(".")[2]).weight.shape[1])
+    found = []
+    for name, module in _other_children(block, experts, router).items():
+        found += [f"{name}.{leaf}" if leaf else name for leaf in _shared_reader_names(module, hidden) or []]
+    return found
 
 
 def default_mappings(model: nn.Module, *, include_linear: bool = True) -> list[ResolvedMapping]:
@@ -402,11 +468,7 @@ def _lookup(root: nn.Module, modules: Mapping[str, nn.Module], name: str) -> nn.
 def _fit_problem(mapping: ResolvedMapping) -> str | None:
     """Why ``mapping`` cannot be smoothed (one phrase), or ``None``."""
     smooth = mapping.smooth
-    if _is_norm(smooth):
-        problem = _norm_problem(smooth)
-        if problem is not None:
-            return problem
-    elif not is_linear_like(smooth):
+    if not _is_norm(smooth) and not is_linear_like(smooth):
         return f"{mapping.smooth_name} ({type(smooth).__name__}) is neither a norm with a 1-D weight nor a Linear"
     channels = smooth_channels(smooth)
     for name, balance in zip(mapping.balance_names, mapping.balances, strict=True):
@@ -525,7 +587,10 @@ def _expert_problem(mapping: ResolvedMapping, named: list[tuple[str, nn.Module]]
     views = {f"{experts_name}.{suffix}": v for suffix, v in weight_views(mapping.experts).items()}
     balances = set(mapping.balance_names)
     if mapping.smooth.weight.dim() == 1:  # a norm: the router and every expert's gate and up rows read its output
-        readers = {routers[0], *(n for n in views if not n.endswith(".down_proj"))}
+        shared = [
+            f"{block_name}.{n}" for n in shared_expert_readers(block, experts_name.rpartition(".")[2], routers[0])
+        ]
+        readers = {routers[0], *shared, *(n for n in views if not n.endswith(".down_proj"))}
         missing = sorted(readers - balances)
         wrong = sorted(balances - readers)
         if missing:
@@ -665,7 +730,8 @@ def fold_scales(mapping: ResolvedMapping, scales: torch.Tensor) -> None:
     """Fold per-channel ``scales`` into ``mapping``: the smooth layer's output channel ``j`` divided by
     ``scales[j]``, every balance layer's input column ``j`` multiplied by it (the float function is unchanged).
 
-    Norm: ``weight /= s`` (and ``bias``). Linear smooth layer: row ``j`` of ``weight`` (and ``bias[j]``)
+    Norm: ``weight /= s`` (and ``bias``); a norm scaling by ``1 + weight`` (:func:`scales_by_one_plus_weight`):
+    ``weight = (1 + weight) / s - 1``. Linear smooth layer: row ``j`` of ``weight`` (and ``bias[j]``)
     ``/= s_j``. Computed in float32 and written back in each parameter's dtype.
 
     Args:
@@ -682,7 +748,9 @@ def fold_scales(mapping: ResolvedMapping, scales: torch.Tensor) -> None:
         raise ValueError(f"scales for {mapping.smooth_name} must be finite and positive")
     smooth = mapping.smooth
     w = smooth.weight
-    if w.dim() == 1:
+    if w.dim() == 1 and scales_by_one_plus_weight(smooth):  # (1 + w') = (1 + w) / s
+        w.copy_(((1.0 + w.to(torch.float32)) / s.to(w.device) - 1.0).to(w.dtype))
+    elif w.dim() == 1:
         w.copy_((w.to(torch.float32) / s.to(w.device)).to(w.dtype))
     else:
         w.copy_((w.to(torch.float32) / s.to(w.device)[:, None]).to(w.dtype))
