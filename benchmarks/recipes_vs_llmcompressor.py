@@ -13,6 +13,9 @@ venv, through ``benchmarks/_peer.py``). Jobs (:data:`JOBS`):
 * ``nvfp4a16``, ``mxfp4a16`` — ``QuantizationModifier`` scheme ``NVFP4A16`` / ``MXFP4A16``, data-free; run on the
   model loaded in bfloat16 on both sides (ours refuses fp4 formats on a float32 model: its checkpoint does not
   reload into a runnable float32 model on CPU — docs/quantization.md);
+* ``nvfp4`` — ``QuantizationModifier`` scheme ``NVFP4`` (W4A4: NVFP4 weights, fp4 inputs with per-group scales
+  computed at run time under an input global scale calibrated on the calibration data), bfloat16 as above; the
+  perplexity of both sides is taken on the float32 copy (``_measure.for_eval``), inputs still quantized;
 * ``fp8-static`` — ``QuantizationModifier`` scheme ``FP8`` (fp8 per-tensor weights, static per-tensor input scales
   observed on the calibration data);
 * ``fp8-block`` — FP8 block weights with dynamic fp8 per-group inputs. The preset ``FP8_BLOCK`` uses blocks of
@@ -98,6 +101,14 @@ quant_stage:
     QuantizationModifier:
       targets: [Linear]
       scheme: NVFP4A16
+      ignore: [lm_head]
+"""},
+    "nvfp4": {"data": True, "dtype": "bfloat16", "recipe": """
+quant_stage:
+  quant_modifiers:
+    QuantizationModifier:
+      targets: [Linear]
+      scheme: NVFP4
       ignore: [lm_head]
 """},
     "mxfp4a16": {"data": False, "dtype": "bfloat16", "recipe": """

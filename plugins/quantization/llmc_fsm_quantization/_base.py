@@ -54,11 +54,12 @@ from llmc_fsm_quantization.observers import (
     check_scaled_observer,
     fused_global_scale,
     input_range_mse,
+    is_local,
     is_nvfp4,
     is_scaled_format,
 )
 from llmc_fsm_quantization.rounding import FP4_PACKED_FORMATS, fp4_positive_zeros
-from llmc_fsm_quantization.schemes import resolve_config_groups, resolve_scheme, weight_args
+from llmc_fsm_quantization.schemes import LOCAL_INPUT_OBSERVERS, resolve_config_groups, resolve_scheme, weight_args
 
 __all__ = ["DEFAULT_SCHEME", "CalibrationStatistics", "QuantizedWeight", "QuantizingModifier", "attach_qparams"]
 
@@ -87,6 +88,9 @@ class QuantizedWeight:
         input_scale / input_zero_point: ``[1]`` static (calibrated) per-tensor input-activation scale and zero
             point (``input_activations`` with ``dynamic: false``), else ``None``.
         global_scale: ``[1]`` float32 NVFP4 global scale (``weight_global_scale``), else ``None``.
+        input_global_scale: ``[1]`` float32 NVFP4 input global scale (``input_global_scale``: ``448 * 6 / max|x|``
+            over the calibration inputs, under which the per-group input scales are computed at run time;
+            ``input_activations`` with ``dynamic: local``), else ``None``.
     """
 
     weight: torch.Tensor
@@ -97,6 +101,7 @@ class QuantizedWeight:
     input_scale: torch.Tensor | None = None
     input_zero_point: torch.Tensor | None = None
     global_scale: torch.Tensor | None = None
+    input_global_scale: torch.Tensor | None = None
 
 
 @torch.no_grad()
@@ -114,6 +119,7 @@ def attach_qparams(module: nn.Module, scheme: QuantizationScheme, quantized: Qua
         ("weight_global_scale", quantized.global_scale),
         ("input_scale", quantized.input_scale),
         ("input_zero_point", quantized.input_zero_point),
+        ("input_global_scale", quantized.input_global_scale),
     ):
         if value is None:
             continue
@@ -184,6 +190,10 @@ class CalibrationStatistics(HessianAccumulator):
     ``memoryless_mse``), each call's range is also searched (:func:`~llmc_fsm_quantization.observers.input_range_mse`)
     and kept as ``mse`` (the same moving average) and ``memoryless_mse`` (the last call's).
 
+    Given ``group_size`` (NVFP4's ``dynamic: local`` inputs), each range is kept per group of ``group_size``
+    consecutive input features (``[2, in_features // group_size]``), as llm-compressor's observers keep them for
+    such inputs; :func:`_input_global_scale` takes the largest magnitude over the groups.
+
     Under ``torch.distributed`` :meth:`all_reduce` takes the extremes over the ranks for the first and the
     mean over the ranks for the others (as llm-compressor does).
     """
@@ -191,18 +201,27 @@ class CalibrationStatistics(HessianAccumulator):
     AVERAGING_CONSTANT = 0.01
 
     def __init__(
-        self, in_features: int, device: torch.device | str | None = None, mse_args: QuantizationArgs | None = None
+        self,
+        in_features: int,
+        device: torch.device | str | None = None,
+        mse_args: QuantizationArgs | None = None,
+        group_size: int | None = None,
     ) -> None:
         super().__init__(in_features, device)
-        self.ranges: dict[str, torch.Tensor] = {}  # observer -> float64 tensor [min, max]
+        self.ranges: dict[str, torch.Tensor] = {}  # observer -> float64 tensor [min, max] (or [2, groups])
         self.mse_args = mse_args
+        self.group_size = group_size
 
     @torch.no_grad()
     def add_batch(self, x: torch.Tensor) -> None:
         super().add_batch(x)
         if x.numel() == 0:
             return
-        call = torch.stack([x.detach().amin(), x.detach().amax()]).to(device="cpu", dtype=torch.float64)
+        values = x.detach() if self.group_size is None else x.detach().reshape(-1, self.in_features // self.group_size,
+                                                                                self.group_size)
+        dims = None if self.group_size is None else (0, 2)
+        low, high = (values.amin(), values.amax()) if dims is None else (values.amin(dim=dims), values.amax(dim=dims))
+        call = torch.stack([low, high]).to(device="cpu", dtype=torch.float64)
         searched = input_range_mse(x, self.mse_args) if self.mse_args is not None else None
         if not self.ranges:
             self.ranges = {"static_minmax": call.clone(), "minmax": call.clone(), "memoryless_minmax": call}
@@ -225,20 +244,20 @@ class CalibrationStatistics(HessianAccumulator):
         if not is_distributed():
             return
         what = "all_reduce (input ranges)"
+        shape = (2,) if self.group_size is None else (2, self.in_features // self.group_size)
+        sign = torch.tensor([-1.0, 1.0], dtype=torch.float64).reshape(2, *([1] * (len(shape) - 1)))
         extremes = self.ranges.get("static_minmax")
-        flipped = (
-            torch.full((2,), float("-inf"), dtype=torch.float64)
-            if extremes is None
-            else extremes * torch.tensor([-1.0, 1.0], dtype=torch.float64)
-        )
+        flipped = torch.full(shape, float("-inf"), dtype=torch.float64) if extremes is None else extremes * sign
         all_reduce_tensor(flipped, op="max", what=what)
         averaged = {}
         for name in ("minmax", "memoryless_minmax", *(("mse", "memoryless_mse") if self.mse_args is not None else ())):
             value = self.ranges.get(name)
-            summed = torch.zeros(3, dtype=torch.float64) if value is None else torch.cat([value, value.new_ones(1)])
-            all_reduce_tensor(summed, op="sum", what=what)
-            averaged[name] = summed[:2] / summed[2]
-        self.ranges = {"static_minmax": flipped * torch.tensor([-1.0, 1.0], dtype=torch.float64), **averaged}
+            flat = torch.zeros(math.prod(shape) + 1, dtype=torch.float64)
+            if value is not None:
+                flat[:-1], flat[-1] = value.flatten(), 1.0
+            all_reduce_tensor(flat, op="sum", what=what)
+            averaged[name] = (flat[:-1] / flat[-1]).reshape(shape)
+        self.ranges = {"static_minmax": flipped * sign, **averaged}
 
 
 def _moving_average(value: torch.Tensor, call: torch.Tensor, constant: float) -> None:
@@ -253,6 +272,17 @@ def _input_qparams(scheme: QuantizationScheme, stats: Any) -> tuple[torch.Tensor
     args = scheme.input_activations
     lo, hi = stats.ranges[args.observer or ACTIVATION_OBSERVER].to(torch.float32)
     return calculate_qparams(lo.reshape(1), hi.reshape(1), args)
+
+
+def _input_global_scale(scheme: QuantizationScheme, stats: Any) -> torch.Tensor:
+    """NVFP4's input global scale ``[1]`` float32 from ``stats`` (:class:`CalibrationStatistics` kept per group):
+    compressed-tensors' ``generate_gparam`` of the largest magnitude over the groups' ranges of the scheme's input
+    observer, ``448 * 6 / max|x|`` (as llm-compressor 0.14's observers give it)."""
+    from compressed_tensors.quantization.utils import generate_gparam
+
+    lo, hi = stats.ranges[scheme.input_activations.observer or ACTIVATION_OBSERVER].to(torch.float32)
+    absmax = torch.maximum(-lo.min(), hi.max()).reshape(1)
+    return generate_gparam(-absmax, absmax).to(torch.float32)
 
 
 def _observer(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
@@ -498,15 +528,24 @@ class QuantizingModifier(CalibratedModifier):
             groups = {"group_0": resolve_scheme(self.scheme, self.targets)}
         actorder = getattr(self, "actorder", None)
         static = [s.input_activations for s in groups.values() if s.input_activations is not None]
-        static = [a for a in static if not a.dynamic]
+        static = [a for a in static if not a.dynamic or is_local(a)]
         if self.input_observer is not None and not static:
-            msg = "input_observer applies to static input activations (dynamic: false), and no config group has them"
+            msg = (
+                "input_observer applies to static input activations (dynamic: false) or NVFP4's (dynamic: local), "
+                "and no config group has them"
+            )
             raise ValueError(msg)
         for a in static:
             if self.input_observer is not None:
                 a.observer = self.input_observer
             elif a.observer is None:
                 a.observer = ACTIVATION_OBSERVER  # recorded in the saved config: what was used
+            if is_local(a) and a.observer not in LOCAL_INPUT_OBSERVERS:
+                msg = (
+                    f"input observer {a.observer} is not supported for NVFP4's input global scale; use one of "
+                    f"{', '.join(LOCAL_INPUT_OBSERVERS)}"
+                )
+                raise ValueError(msg)
         for scheme in groups.values():
             w = scheme.weights
             if w is None:
@@ -555,17 +594,25 @@ class QuantizingModifier(CalibratedModifier):
         return self._groups[self._group(name)]
 
     @property
-    def static_inputs(self) -> bool:
-        """Whether some group quantizes its input activations with a static (calibrated) scale."""
-        return any(s.input_activations is not None and not s.input_activations.dynamic for s in self._groups.values())
+    def calibrated_inputs(self) -> bool:
+        """Whether some group's input activations take a calibrated scale: static (``dynamic: false``) or NVFP4's
+        input global scale (``dynamic: local``)."""
+        return any(
+            s.input_activations is not None and (not s.input_activations.dynamic or is_local(s.input_activations))
+            for s in self._groups.values()
+        )
 
     def _new_accumulator(self, module: nn.Module) -> HessianAccumulator:
-        """The Hessian of the target's inputs; with static input scales also their ranges
-        (:class:`CalibrationStatistics`)."""
-        if self.static_inputs:
+        """The Hessian of the target's inputs; with calibrated input scales also their ranges
+        (:class:`CalibrationStatistics`, per group of 16 for NVFP4's inputs)."""
+        if self.calibrated_inputs:
             inputs = self._groups[self._group(self._names_by_id.get(id(module), ""))].input_activations
             searched = inputs is not None and not inputs.dynamic and inputs.observer in INPUT_MSE_OBSERVERS
-            return CalibrationStatistics(module.weight.shape[1], mse_args=inputs if searched else None)
+            return CalibrationStatistics(
+                module.weight.shape[1],
+                mse_args=inputs if searched else None,
+                group_size=int(inputs.group_size) if is_local(inputs) else None,
+            )
         return HessianAccumulator(module.weight.shape[1])
 
     @property
@@ -1047,6 +1094,8 @@ class QuantizingModifier(CalibratedModifier):
             for i, q in zip(members, results, strict=True):
                 if scheme.input_activations is not None and not scheme.input_activations.dynamic:
                     q.input_scale, q.input_zero_point = _input_qparams(scheme, accumulator)
+                elif is_local(scheme.input_activations):
+                    q.input_global_scale = _input_global_scale(scheme, accumulator)
                 quantized[i] = q
                 if isinstance(modules[i], LinearView):
                     _attach_view_qparams(modules[i], scheme.model_copy(deep=True), q)

@@ -64,6 +64,7 @@ __all__ = [
     "fused_global_scale",
     "importance_from_hessian",
     "input_range_mse",
+    "is_local",
     "is_nvfp4",
     "is_scaled_format",
     "observe",
@@ -155,6 +156,12 @@ def input_range_mse(x: torch.Tensor, args: QuantizationArgs) -> torch.Tensor:
             if still >= patience:
                 break
     return torch.cat([best_lo, best_hi]).to(device="cpu", dtype=torch.float64)
+
+
+def is_local(args: QuantizationArgs | None) -> bool:
+    """Whether ``args`` are input activations with ``dynamic: local`` (NVFP4's: per-group scales computed at run time
+    under a calibrated per-tensor global scale)."""
+    return args is not None and str(getattr(args.dynamic, "value", args.dynamic)).lower() == "local"
 
 
 def is_nvfp4(args: QuantizationArgs) -> bool:

@@ -97,7 +97,7 @@ class QuantizationModifier(QuantizingModifier):
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
         # imatrix_mse or static input scales: no target is quantized without its inputs' statistics
-        self.needs_inputs = self.needs_importance or self.static_inputs or self.kv_cache_args is not None
+        self.needs_inputs = self.needs_importance or self.calibrated_inputs or self.kv_cache_args is not None
 
     def required_keys(self) -> frozenset[str]:
         """``model``; and ``calibration_data`` when a weight observer needs the inputs' importance (``imatrix_mse``),

@@ -26,13 +26,16 @@ from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 from compressed_tensors.quantization.quant_scheme import PRESET_SCHEMES, preset_name_to_scheme
 from pydantic import ValidationError
 
-from llmc_fsm_quantization.observers import IMPORTANCE_OBSERVERS, OBSERVERS, is_scaled_format
+from llmc_fsm_quantization.observers import IMPORTANCE_OBSERVERS, OBSERVERS, is_local, is_nvfp4, is_scaled_format
 
 #: Observers of static (calibrated) per-tensor input scales
 #: (see :class:`llmc_fsm_quantization._base.CalibrationStatistics`).
 STATIC_INPUT_OBSERVERS = ("minmax", "static_minmax", "memoryless_minmax", "mse", "memoryless_mse")
+#: Observers of the range NVFP4's input global scale is taken from (``dynamic: local`` inputs; preset NVFP4's is
+#: ``static_minmax``, a scheme without one gets llm-compressor's activation default ``minmax``).
+LOCAL_INPUT_OBSERVERS = ("minmax", "static_minmax", "memoryless_minmax")
 
-__all__ = ["STATIC_INPUT_OBSERVERS", "preset_names", "resolve_config_groups", "resolve_scheme", "weight_args"]
+__all__ = ["LOCAL_INPUT_OBSERVERS", "STATIC_INPUT_OBSERVERS", "preset_names", "resolve_config_groups", "resolve_scheme", "weight_args"]
 
 logger = logging.getLogger(__name__)
 
@@ -314,11 +317,18 @@ def _problem(scheme: QuantizationScheme) -> str | None:
     if w.type == "float" and w.num_bits != 8 and not (w.scale_dtype is not None and is_scaled_format(w)):
         return _float_weights(w.num_bits)  # compressed-tensors packs fp4/fp6 only as NVFP4 and MX
     a = scheme.input_activations
-    if a is not None and getattr(a.dynamic, "value", a.dynamic) == "local":
-        return (
-            "input_activations with dynamic: local (NVFP4's per-group input scales under a calibrated global "
-            "scale) are not supported; use NVFP4A16 (weights only) or FP8 / FP8_DYNAMIC activations"
-        )
+    if a is not None and is_local(a):
+        if not (is_nvfp4(a) and a.group_size == 16 and is_nvfp4(w)):
+            return (
+                "input_activations with dynamic: local (per-group input scales under a calibrated global scale) are "
+                "supported as NVFP4's (preset NVFP4: float, 4 bits, tensor_group, group_size 16, with NVFP4 weights); "
+                "use preset NVFP4, NVFP4A16 (weights only) or FP8 / FP8_DYNAMIC activations"
+            )
+        if a.observer is not None and a.observer not in LOCAL_INPUT_OBSERVERS:
+            return (
+                f"input_activations: observer {a.observer} is not supported for NVFP4's input global scale; use one "
+                f"of {', '.join(LOCAL_INPUT_OBSERVERS)}"
+            )
     if a is not None and not a.dynamic:
         if a.strategy != QuantizationStrategy.TENSOR:
             per = getattr(a.strategy, "value", a.strategy)
