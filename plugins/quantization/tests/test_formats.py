@@ -208,13 +208,6 @@ def test_nvfp4_and_mx_on_a_float32_model_are_refused_before_any_work() -> None:
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
-def test_nvfp4_with_fp4_activations_is_refused_when_the_recipe_is_read() -> None:
-    with pytest.raises(llmc_fsm.RecipeError) as info:
-        llmc_fsm.Session({"q": {"QuantizationModifier": {"scheme": "NVFP4"}}})
-    assert "input_activations with dynamic: local (NVFP4's per-group input scales under a calibrated global scale) " \
-           "are not supported; use NVFP4A16 (weights only) or FP8 / FP8_DYNAMIC activations" in str(info.value)
-
-
 # --------------------------------------------------------------------------- the same formats with GPTQ
 def _correlated_inputs(n: int, cols: int, seed: int = 0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)

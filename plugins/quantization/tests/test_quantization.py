@@ -192,7 +192,7 @@ def test_gptq_group_sizes_that_do_not_divide_are_refused() -> None:
 
 # --------------------------------------------------------------------------- recipes and errors before work
 RUNNABLE = (
-    "FP8, FP8_BLOCK, FP8_DYNAMIC, INT8, MXFP4, MXFP4A16, MXFP4XFP8, MXFP6A16, MXFP6A8, MXFP8, MXFP8A16, NVFP4A16, "
+    "FP8, FP8_BLOCK, FP8_DYNAMIC, INT8, MXFP4, MXFP4A16, MXFP4XFP8, MXFP6A16, MXFP6A8, MXFP8, MXFP8A16, NVFP4, NVFP4A16, "
     "W2A16, W2A4, W2A8, W3A16, W3A4, W3A8, W4A16, W4A16_ASYM, W4A4, W4A8, W4AFP8, W5A16, W5A8, W6A16, W6A8, W7A16, "
     "W7A8, W8A16, W8A8"
 )
@@ -218,8 +218,6 @@ def test_float_weights_other_than_fp8_are_refused_when_the_recipe_is_read() -> N
 @pytest.mark.parametrize(
     ("preset", "why"),
     [
-        ("NVFP4", "input_activations with dynamic: local (NVFP4's per-group input scales under a calibrated "
-                  "global scale) are not supported"),
         ("UNQUANTIZED", "the scheme quantizes no weights"),
     ],
 )
