@@ -4,6 +4,9 @@ Usage::
 
     OMP_NUM_THREADS=1 python benchmarks/recipe_corpus.py LLMC_CHECKOUT [--rev HEAD] [--out results.json]
         [--timeout 120] [--only SUBSTRING] [--list]
+    OMP_NUM_THREADS=1 python benchmarks/recipe_corpus.py LLMC_CHECKOUT --rerun OLD.json --out NEW.json
+        # only the recipes OLD.json did not record as "reload equal" (or "not run"); NEW.json = OLD.json with them
+        # replaced
 
 ``LLMC_CHECKOUT`` is a source checkout of llm-compressor: a working tree, or a git directory (bare or a mirror;
 its files are read with ``git show REV:path`` at ``--rev``). Nothing of it is copied into this repository: the
@@ -739,6 +742,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--start", type=int, default=0, help="run from this index of the corpus order (0-based)")
     parser.add_argument("--stop", type=int, default=None, help="run up to (excluding) this index")
     parser.add_argument("--report", action="store_true", help="print the summary of the --out results, run nothing")
+    parser.add_argument("--rerun", type=Path, default=None,
+                        help="a results file: run only its recipes not recorded as 'reload equal' or 'not run', and "
+                        "write it to --out with their rows replaced")
     args = parser.parse_args(argv)
     if args.report:
         saved = json.loads(args.out.read_text())
@@ -750,6 +756,10 @@ def main(argv: list[str] | None = None) -> int:
     entries, other = corpus(checkout)
     if args.only:
         entries = [e for e in entries if args.only in e.source]
+    previous = json.loads(args.rerun.read_text())["rows"] if args.rerun else None
+    if previous is not None:
+        again = {r["source"] for r in previous if r["class"] not in ("reload equal", "not run")}
+        entries = [e for e in entries if e.source in again]
     entries.sort(key=lambda e: "AutoRoundModifier" in e.modifiers)  # the slow ones last (stable otherwise)
     if args.list:
         for e in entries:
@@ -774,6 +784,9 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(row)
         print(f"[{i + 1}/{len(entries)}] {row['class']:14} {result.get('wall_s')}s {entry.source}", file=sys.stderr)
         args.out.write_text(json.dumps({"rows": rows, "other": [asdict(e) for e in other]}, indent=1, default=str))
+    if previous is not None:
+        new = {r["source"]: r for r in rows}
+        rows = [new.get(r["source"], r) for r in previous]
     args.out.write_text(json.dumps({"rows": rows, "other": [asdict(e) for e in other]}, indent=1, default=str))
     print(markdown(rows, other, checkout.revision()))
     return 0

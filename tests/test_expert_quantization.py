@@ -359,6 +359,28 @@ def test_what_transformers_cannot_reload_is_refused_before_any_work(tmp_path, ca
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.parametrize(
+    ("preset", "why"),
+    [
+        ("NVFP4", "weight-only schemes only (e.g. W4A16, W8A16): transformers 5.24 reloads fused experts dequantized "
+                  "into their fused parameters, which run without activation quantization"),
+        ("NVFP4A16", "symmetric int weights that compressed-tensors packs (pack-quantized: W4A16, W8A16) only"),
+    ],
+)
+def test_nvfp4_on_fused_experts_is_refused_before_the_shared_global_scales_are_looked_up(tmp_path, preset, why):
+    """Found by llm-compressor's recipe corpus (tests/e2e/moe_configs/nvfp4_moe.yaml): the lookup of the modules
+    that share an NVFP4 global scale ran before the experts' refusal and raised AttributeError on an expert view."""
+    model = build("qwen3_moe").to(torch.bfloat16)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    recipe = {"s": {"QuantizationModifier": {"scheme": preset, "ignore": ["lm_head", "re:.*mlp.gate$"]}}}
+    with pytest.raises(ValueError) as info:
+        llmc_fsm.oneshot(model=model, recipe=recipe, dataset=DATA, output_dir=tmp_path / "o", progress=False)
+    assert str(info.value).startswith("QuantizationModifier: Qwen3MoeForCausalLM (model_type 'qwen3_moe'): fused experts ")
+    assert why in str(info.value)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert not (tmp_path / "o").exists()
+
+
 def _write_packed_experts(model, directory, layout):
     """Save ``model`` (transformers' ``save_pretrained``), then replace each fused expert parameter in the checkpoint
     by compressed-tensors ``pack-quantized`` tensors of its expert matrices (symmetric int4, group 16, scales

@@ -690,8 +690,8 @@ class QuantizingModifier(CalibratedModifier):
             )
         self._group_of = self._memberships(model)
         targets = super().check_model(model)
+        self._expert_names = self._check_views(model, targets)  # refuses what fused experts cannot take first
         self._fused = self._fused_siblings(model, targets)
-        self._expert_names = self._check_views(model, targets)
         if self._kv_args is not None:
             self._kv_attention = self._check_kv_cache(model)
         return targets
@@ -709,8 +709,8 @@ class QuantizingModifier(CalibratedModifier):
         """
         fused: dict[str, tuple[str, ...]] = {}
         problems: dict[str, None] = {}
-        for name in targets:
-            if not self._nvfp4(name) or name in fused:
+        for name, module in targets.items():
+            if not self._nvfp4(name) or name in fused or isinstance(module, LinearView):  # an expert matrix: no parent
                 continue
             parent_name, _, attribute = name.rpartition(".")
             parent = model.get_submodule(parent_name)
