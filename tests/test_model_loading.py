@@ -344,3 +344,14 @@ def test_non_hub_unknown_name_lists_choices():
         "unknown model 'gpt-17': known model names are smollm2-135m; or pass a local Hugging Face model directory "
         "(config.json + weights + tokenizer) or a Hugging Face Hub model ID (org/name)"
     )
+
+
+@pytest.mark.parametrize("key", ["/nope/model", "./nope", "../nope/model", "~/nope-model"])
+def test_a_path_that_does_not_exist_is_named_as_a_missing_directory(key):
+    # a newcomer's try: '--model /nope/model' used to read "unknown model", as if it were a name
+    with pytest.raises(ValueError) as exc:
+        load_model(key)
+    assert str(exc.value) == (
+        f"model directory {key!r} does not exist; pass an existing local Hugging Face model directory "
+        "(config.json + weights + tokenizer) or a known model name (smollm2-135m)"
+    )

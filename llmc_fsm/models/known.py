@@ -300,6 +300,11 @@ def load_model(
                 f"{key!r} is a file, not a model directory; pass a known model name ({known}) "
                 "or a local Hugging Face model directory"
             )
+        elif key.startswith(("/", "./", "../", "~")):  # a path, not a name or a Hub ID
+            msg = (
+                f"model directory {key!r} does not exist; pass an existing local Hugging Face model directory "
+                f"(config.json + weights + tokenizer) or a known model name ({known})"
+            )
         else:
             msg = (
                 f"unknown model {key!r}: known model names are {known}; "
