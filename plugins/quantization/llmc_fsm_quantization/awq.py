@@ -336,6 +336,8 @@ class AWQModifier(SmoothingModifier):
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
         self._quantizer: QuantizationModifier | None = None
+        #: smooth layers of the mappings left unsmoothed because nothing quantizes their balance layers
+        self.unsmoothed: list[str] = []
         if self.scheme is not None and self.config_groups is not None:
             raise ValueError("give scheme or config_groups, not both")
         scheme, targets = self.scheme, self.targets
@@ -449,14 +451,26 @@ class AWQModifier(SmoothingModifier):
             self._quantizer.on_initialize(state)
 
     def on_calibration_start(self, state: Any) -> None:
-        """Find, per balance layer, the quantizer's arguments; refuse mappings nothing quantizes (before any work).
+        """Find, per balance layer, the quantizer's arguments. A mapping none of whose balance layers is quantized
+        (e.g. a quantizer's ``ignore`` leaves a layer dense) is not smoothed, as llm-compressor 0.14 skips it: its
+        smooth layers are named in a warning and in :attr:`unsmoothed`. Before any work.
 
         Raises:
-            ValueError: a mapping none of whose balance layers a modifier of this session quantizes.
+            ValueError: no balance layer of any mapping is quantized by a modifier of this stage.
         """
         super().on_calibration_start(state)
         self._quantizers = self._find_quantizers()
         unquantized = [m for m in self._mappings if all(self._quantizers.get(id(b)) is None for b in m.balances)]
+        if unquantized and len(unquantized) < len(self._mappings):
+            self.unsmoothed = [m.smooth_name for m in unquantized]
+            logger.warning(
+                "AWQModifier: %d of %d mappings are not smoothed: no modifier of this stage quantizes their balance "
+                "layers (e.g. %s, balance layers %s), so smoothing them would change nothing the quantizer sees",
+                len(unquantized), len(self._mappings), unquantized[0].smooth_name, ", ".join(unquantized[0].balance_names),
+            )
+            kept = {id(m) for m in unquantized}
+            self._mappings = [m for m in self._mappings if id(m) not in kept]
+            unquantized = []
         if unquantized:
             m = unquantized[0]
             msg = (

@@ -359,3 +359,24 @@ def test_the_pruned_grid_search_scores_and_chooses_as_scoring_every_candidate_in
     second = sorted(reference)[1]
     assert second > reference[best] * 1.001  # the float32 / float64 difference cannot swap them
     assert min(completed, key=lambda i: (errors[i], i)) == best
+
+
+def test_a_mapping_whose_balance_layers_are_not_quantized_is_not_smoothed_and_named(caplog) -> None:
+    """As llm-compressor 0.14 (its GLM-4.7 example ignores layers 0-2 in the quantizer): the mappings of layers the
+    quantizer leaves dense are skipped with a warning, the others smoothed; found by the recipe corpus."""
+    import logging
+
+    model = tiny()
+    norm0 = model.model.layers[0].input_layernorm.weight.detach().clone()
+    norm1 = model.model.layers[1].input_layernorm.weight.detach().clone()
+    recipe = {"s": {"AWQModifier": {}, "QuantizationModifier": {
+        "scheme": {"preset": "W4A16", "weights": {"group_size": 16}},
+        "ignore": ["lm_head", "re:.*layers\\.0\\..*"]}}}
+    with caplog.at_level(logging.WARNING):
+        llmc_fsm.oneshot(model=model, recipe=recipe, dataset=DATA, progress=False)
+    assert "AWQModifier: 4 of 8 mappings are not smoothed: no modifier of this stage quantizes their balance layers " \
+           "(e.g. model.layers.0.input_layernorm, balance layers model.layers.0.self_attn.q_proj, " \
+           "model.layers.0.self_attn.k_proj, model.layers.0.self_attn.v_proj)" in caplog.text
+    assert torch.equal(model.model.layers[0].input_layernorm.weight, norm0)
+    assert not torch.equal(model.model.layers[1].input_layernorm.weight, norm1)
+    assert not hasattr(model.model.layers[0].self_attn.q_proj, "weight_scale")
