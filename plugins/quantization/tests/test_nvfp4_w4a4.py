@@ -8,25 +8,11 @@ import json
 
 import pytest
 import torch
-from tiny_quant_models import tiny_llama
+from test_formats import _bf16, bf16_dir  # noqa: F401 (bf16_dir: the tiny Llama's fixture)
 
 import llmc_fsm
 
 CALIB = torch.randint(3, 60, (4, 32), generator=torch.Generator().manual_seed(0))
-
-
-@pytest.fixture(scope="module")
-def bf16_dir(tmp_path_factory):
-    """A tiny random Llama saved once, loaded in bfloat16 (NVFP4 checkpoints decompress to bfloat16)."""
-    path = tmp_path_factory.mktemp("tiny") / "model"
-    tiny_llama().save_pretrained(path)
-    return path
-
-
-def _bf16(path) -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
 
 
 def _run(model, scheme, out, **extra) -> None:
