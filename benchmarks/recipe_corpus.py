@@ -462,7 +462,7 @@ def tiny_model(family: str, dtype: Any) -> tuple[Any, str]:
                 setattr(part, key, value)
     try:
         return make(cfg, True), ""
-    except Exception as exc:  # noqa: BLE001 -- a family whose fields do not widen together
+    except Exception as exc:
         return make(config(family), False), f"; narrow (width 64): widening failed ({type(exc).__name__})"
 
 
@@ -578,7 +578,7 @@ def run_entry(entry: Entry, workdir: Path) -> dict[str, Any]:
     try:
         explain(Session(str(path)))
         result["explain"] = "ok"
-    except Exception as exc:  # noqa: BLE001 -- every failure is a finding
+    except Exception as exc:
         result["explain"] = _failure("explain", exc)
     family, why = family_of(entry.models)
     result["family"], result["family_note"] = family, why
@@ -592,7 +592,7 @@ def run_entry(entry: Entry, workdir: Path) -> dict[str, Any]:
             model=model, recipe=str(path), dataset=data, num_calibration_samples=NUM_WINDOWS,
             max_seq_length=WINDOW, output_dir=str(out), progress=False, threads=1, device="cpu", batch_size=4,
         )
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         result["oneshot"] = _failure("oneshot", exc)
         return result
     result["oneshot"] = "ok"
@@ -618,7 +618,7 @@ def run_entry(entry: Entry, workdir: Path) -> dict[str, Any]:
             with torch.no_grad():
                 got = reloaded(input_ids=window).logits.float()
             result["reload_equal_with_kv_scales"] = bool(torch.equal(got, ref))
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         result["reload"] = _failure("reload", exc)
     return result
 
@@ -626,7 +626,7 @@ def run_entry(entry: Entry, workdir: Path) -> dict[str, Any]:
 def _child(entry: Entry, workdir: str, queue: Any) -> None:
     try:
         queue.put(run_entry(entry, Path(workdir)))
-    except BaseException as exc:  # noqa: BLE001 -- e.g. building the tiny model
+    except BaseException as exc:
         queue.put({"harness_error": _failure("harness", exc)})
 
 
@@ -642,7 +642,7 @@ def run_forked(entry: Entry, timeout: float) -> dict[str, Any]:
             try:
                 result = queue.get(timeout=1.0)
                 break
-            except Exception:  # noqa: BLE001 -- queue.Empty
+            except Exception:
                 if not proc.is_alive() and queue.empty():
                     break
         if result is None:

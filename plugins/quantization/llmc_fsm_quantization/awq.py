@@ -466,7 +466,10 @@ class AWQModifier(SmoothingModifier):
             logger.warning(
                 "AWQModifier: %d of %d mappings are not smoothed: no modifier of this stage quantizes their balance "
                 "layers (e.g. %s, balance layers %s), so smoothing them would change nothing the quantizer sees",
-                len(unquantized), len(self._mappings), unquantized[0].smooth_name, ", ".join(unquantized[0].balance_names),
+                len(unquantized),
+                len(self._mappings),
+                unquantized[0].smooth_name,
+                ", ".join(unquantized[0].balance_names),
             )
             kept = {id(m) for m in unquantized}
             self._mappings = [m for m in self._mappings if id(m) not in kept]

@@ -35,7 +35,14 @@ STATIC_INPUT_OBSERVERS = ("minmax", "static_minmax", "memoryless_minmax", "mse",
 #: ``static_minmax``, a scheme without one gets llm-compressor's activation default ``minmax``).
 LOCAL_INPUT_OBSERVERS = ("minmax", "static_minmax", "memoryless_minmax")
 
-__all__ = ["LOCAL_INPUT_OBSERVERS", "STATIC_INPUT_OBSERVERS", "preset_names", "resolve_config_groups", "resolve_scheme", "weight_args"]
+__all__ = [
+    "LOCAL_INPUT_OBSERVERS",
+    "STATIC_INPUT_OBSERVERS",
+    "preset_names",
+    "resolve_config_groups",
+    "resolve_scheme",
+    "weight_args",
+]
 
 logger = logging.getLogger(__name__)
 
