@@ -59,7 +59,9 @@ def rtn_quantize(
         scale, zp, global_scale = observe_scaled_format(weight, args, observer, global_scale=global_scale)
         if args.scale_dtype is None:
             scale = storable(scale, weight.dtype)
-        q = fake_quantize(w, scale, zp, args, global_scale=global_scale).to(weight.dtype) if rounded else weight.detach()
+        q = weight.detach()
+        if rounded:
+            q = fake_quantize(w, scale, zp, args, global_scale=global_scale).to(weight.dtype)
         return QuantizedWeight(weight=q, scale=scale, zero_point=zp, global_scale=global_scale)
     # the scale as a parameter of weight's dtype holds it
     scale, zp = observe(weight.detach(), args, observer, importance=importance)
