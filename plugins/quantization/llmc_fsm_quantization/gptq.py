@@ -495,7 +495,8 @@ class GPTQModifier(QuantizingModifier):
     ) -> list[QuantizedWeight]:
         if accumulator is None:  # an expert the router sent no token: no Hessian (QuantizingModifier._compress_all)
             scales = self.global_scales(modules)
-            return [rtn_quantize(m.weight, args, args.observer, global_scale=g) for m, g in zip(modules, scales, strict=True)]
+            pairs = zip(modules, scales, strict=True)
+            return [rtn_quantize(m.weight, args, args.observer, global_scale=g) for m, g in pairs]
         return gptq_quantize(
             [m.weight for m in modules],
             accumulator.hessian,
