@@ -263,8 +263,8 @@ quant_modifiers:
          "vLLM's KV-cache format), got num_bits 8, type int; use {num_bits: 8, type: float, symmetric: true, "
          "dynamic: false, strategy: tensor (or attn_head)}"),
         ("QuantizationModifier: {input_observer: static_minmax}",
-         "argument 'input_observer': input_observer applies to static input activations (dynamic: false), and no "
-         "config group has them"),
+         "argument 'input_observer': input_observer applies to static input activations (dynamic: false) or "
+         "NVFP4's (dynamic: local), and no config group has them"),
         ("QuantizationModifier: {weight_observer: mse, observer: minmax}",
          "argument 'weight_observer': it sets 'observer' to 'mse', but 'observer' is also given"),
         ("QuantizationModifier: {weight_observer: best}",

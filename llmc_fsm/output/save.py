@@ -33,13 +33,13 @@ from torch import nn
 from llmc_fsm.models.known import fix_safetensors_permissions
 from llmc_fsm.output.compressed import (
     ignore_for_reload,
-    kept_packed,
     kv_cache_scheme,
     leaf_targets,
     unpacked_embeddings,
     unpacked_zero_points,
 )
 from llmc_fsm.recipes.model import Recipe
+from llmc_fsm.toolkit.packed import kept_packed
 from llmc_fsm.toolkit.views import LinearView, weight_views
 
 logger = logging.getLogger(__name__)

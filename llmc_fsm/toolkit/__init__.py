@@ -39,7 +39,9 @@ The public names, by concern:
 * **ranks** (:mod:`~llmc_fsm.toolkit.distributed`): :func:`is_distributed`, :func:`get_rank`,
   :func:`get_world_size`, :func:`is_main_process`, :func:`all_reduce_tensor`, :func:`all_gather_ints`,
   :func:`all_reduce_accumulator`, :func:`check_same_values`, :class:`DistributedError`;
-* **memory** (:mod:`~llmc_fsm.toolkit.heap`): :func:`trim_heap` (give glibc's free heap pages back).
+* **memory** (:mod:`~llmc_fsm.toolkit.heap`): :func:`trim_heap` (give glibc's free heap pages back);
+* **checkpoint** (:mod:`~llmc_fsm.toolkit.packed`): :func:`keep_packed` (keep the tensors compressed-tensors
+  packed when a module was quantized, for the save to write instead of rounding again).
 
 Imports only :mod:`llmc_fsm.core`.
 """
@@ -70,6 +72,7 @@ from llmc_fsm.toolkit.obs import (
     inverse_hessian_cholesky,
     obs_sweep,
 )
+from llmc_fsm.toolkit.packed import keep_packed
 from llmc_fsm.toolkit.targets import (
     DEFAULT_IGNORE,
     DEFAULT_TARGETS,
@@ -123,6 +126,7 @@ __all__ = [
     "is_distributed",
     "is_linear_like",
     "is_main_process",
+    "keep_packed",
     "matches",
     "obs_sweep",
     "observe_inputs",

@@ -39,6 +39,7 @@ from llmc_fsm.toolkit import (
     expert_checkpoint_names,
     is_distributed,
     is_linear_like,
+    keep_packed,
     observe_view_inputs,
     patterns,
     select_targets,
@@ -155,13 +156,11 @@ def _as_reloaded(module: nn.Module, scheme: QuantizationScheme) -> None:
     ``q * scale / global_scale`` is rounded there); the module is given exactly those values, so the in-memory
     model computes what the reloaded one does, and marked ``decompressed`` (its forward no longer re-quantizes
     the weight, as for a reloaded module). The packed tensors are kept on the module for the save
-    (:func:`llmc_fsm.output.compressed.keep_packed`), which then does not round the weight again.
+    (:func:`llmc_fsm.toolkit.keep_packed`), which then does not round the weight again.
     """
     from compressed_tensors.compressors import BaseCompressor
     from compressed_tensors.compressors.format import infer_module_format
     from compressed_tensors.utils.module import get_direct_state_dict
-
-    from llmc_fsm.output.compressed import keep_packed
 
     fmt = scheme.format or infer_module_format(type(module), scheme)
     compressor = BaseCompressor.get_value_from_registry(getattr(fmt, "value", fmt))

@@ -11,7 +11,7 @@ from safetensors import safe_open
 from test_formats import FP4_VALUES, _bf16, bf16_dir  # noqa: F401 (bf16_dir: the tiny Llama's fixture)
 
 import llmc_fsm
-from llmc_fsm.output.compressed import PACKED_ATTR, kept_packed
+from llmc_fsm.toolkit.packed import PACKED_ATTR, kept_packed
 from llmc_fsm.output.save import compressed_state_dict
 from llmc_fsm_quantization import QuantizationModifier
 from llmc_fsm_quantization.rounding import fp4_positive_zeros
