@@ -616,3 +616,25 @@ def test_the_shared_expert_checkpoint_reloads_with_every_key_and_the_same_logits
     with torch.no_grad():
         assert torch.equal(reloaded(DATA[:2]).logits, model(DATA[:2]).logits)
     assert model.llmc_fsm_report.to_dict()["smoothing"]["AWQModifier (default)"] == awq.smoothing_results
+
+
+@pytest.mark.parametrize(("family", "one_plus"), [("gemma2", True), ("gemma3", True), ("llama", False)])
+def test_norms_that_scale_by_one_plus_weight_take_the_scales_so_the_float_model_is_unchanged(family, one_plus) -> None:
+    """Gemma's RMSNorm multiplies by ``1 + weight``: folding a scale ``s`` writes ``(1 + w) / s - 1`` (recognised from
+    the norm's forward, not from a class name). Random positive scales folded into every default mapping of the tiny
+    model leave its logits unchanged (within 1e-5 of the largest)."""
+    from llmc_fsm_quantization.mappings import scales_by_one_plus_weight
+
+    model = build(family)
+    original = copy.deepcopy(model)
+    mappings = default_mappings(model)
+    norms = [m for m in mappings if "norm" in m.smooth_name]
+    assert norms and all(scales_by_one_plus_weight(m.smooth) is one_plus for m in norms)
+    gen = torch.Generator().manual_seed(0)
+    for mapping in mappings:
+        fold_scales(mapping, torch.rand(mapping.channels, generator=gen) * 1.5 + 0.5)
+    with torch.no_grad():
+        ref = original(DATA).logits
+        assert torch.allclose(model(DATA).logits, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
+    first = "model.layers.0.input_layernorm"
+    assert not torch.equal(model.get_submodule(first).weight, original.get_submodule(first).weight)
