@@ -258,26 +258,40 @@ quant_modifiers:
 @pytest.mark.parametrize(
     ("body", "message"),
     [
-        ("GPTQModifier: {scheme: W8A8, kv_cache_scheme: {num_bits: 8}}",
-         "argument 'kv_cache_scheme': kv_cache_scheme: only an FP8 KV cache is supported (num_bits 8, type float; "
-         "vLLM's KV-cache format), got num_bits 8, type int; use {num_bits: 8, type: float, symmetric: true, "
-         "dynamic: false, strategy: tensor (or attn_head)}"),
-        ("QuantizationModifier: {input_observer: static_minmax}",
-         "argument 'input_observer': input_observer applies to static input activations (dynamic: false) or "
-         "NVFP4's (dynamic: local), and no config group has them"),
-        ("QuantizationModifier: {weight_observer: mse, observer: minmax}",
-         "argument 'weight_observer': it sets 'observer' to 'mse', but 'observer' is also given"),
-        ("QuantizationModifier: {weight_observer: best}",
-         "argument 'observer' (given as 'weight_observer'): unknown observer 'best'; choose one of "
-         "minmax, static_minmax, memoryless_minmax, mse, memoryless_mse, imatrix_mse, nvfp4_expanded_mse"),
-        ("GPTQModifier: {targets: [re:.*mlp.*], config_groups: {g: {targets: [re:.*proj$], weights: {num_bits: 8}}}}",
-         "argument 'targets': the modifier's targets ['re:.*mlp.*'] differ from its config_groups' targets "
-         "['re:.*proj$']: leave targets out (each config group names its own)"),
-        ("GPTQModifier: {scheme: {W8A8: [Linear], W4A16: [Linear]}}",
-         "argument 'scheme': one preset per modifier, got W8A8, W4A16; split into modifiers"),
-        ("QuantizationModifier: {observer: {weights: mse, output: minmax}}",
-         "argument 'observer': only the weight and input observers can be chosen ({weights: NAME, input: NAME}), "
-         "got {'weights': 'mse', 'output': 'minmax'}"),
+        (
+            "GPTQModifier: {scheme: W8A8, kv_cache_scheme: {num_bits: 8}}",
+            "argument 'kv_cache_scheme': kv_cache_scheme: only an FP8 KV cache is supported (num_bits 8, type float; "
+            "vLLM's KV-cache format), got num_bits 8, type int; use {num_bits: 8, type: float, symmetric: true, "
+            "dynamic: false, strategy: tensor (or attn_head)}",
+        ),
+        (
+            "QuantizationModifier: {input_observer: static_minmax}",
+            "argument 'input_observer': input_observer applies to static input activations (dynamic: false) or "
+            "NVFP4's (dynamic: local), and no config group has them",
+        ),
+        (
+            "QuantizationModifier: {weight_observer: mse, observer: minmax}",
+            "argument 'weight_observer': it sets 'observer' to 'mse', but 'observer' is also given",
+        ),
+        (
+            "QuantizationModifier: {weight_observer: best}",
+            "argument 'observer' (given as 'weight_observer'): unknown observer 'best'; choose one of "
+            "minmax, static_minmax, memoryless_minmax, mse, memoryless_mse, imatrix_mse, nvfp4_expanded_mse",
+        ),
+        (
+            "GPTQModifier: {targets: [re:.*mlp.*], config_groups: {g: {targets: [re:.*proj$], weights: {num_bits: 8}}}}",
+            "argument 'targets': the modifier's targets ['re:.*mlp.*'] differ from its config_groups' targets "
+            "['re:.*proj$']: leave targets out (each config group names its own)",
+        ),
+        (
+            "GPTQModifier: {scheme: {W8A8: [Linear], W4A16: [Linear]}}",
+            "argument 'scheme': one preset per modifier, got W8A8, W4A16; split into modifiers",
+        ),
+        (
+            "QuantizationModifier: {observer: {weights: mse, output: minmax}}",
+            "argument 'observer': only the weight and input observers can be chosen ({weights: NAME, input: NAME}), "
+            "got {'weights': 'mse', 'output': 'minmax'}",
+        ),
     ],
 )
 def test_quantization_argument_refusals(body: str, message: str):
@@ -350,8 +364,12 @@ stages:
         ),
         (
             "s:\n  p_modifiers:\n    SparseGPTModifier: {sparsity_profile: owl, owl_m: 5, owl_lmbda: 0.08}\n",
-            "recipe <text>, line 3, stage 's', modifier SparseGPTModifier, argument 'sparsity_profile': llm-compressor "
-            "argument not supported: OWL layer-wise sparsity is not implemented; give one sparsity for every layer",
+            "recipe <text> has 3 problems; fix them all, then run it again:\n"
+            + "".join(
+                f"  - line 3, stage 's', modifier SparseGPTModifier, argument {arg!r}: llm-compressor argument not "
+                f"supported: OWL layer-wise sparsity is not implemented; give one sparsity for every layer{end}"
+                for arg, end in (("sparsity_profile", "\n"), ("owl_m", "\n"), ("owl_lmbda", ""))
+            ),
         ),
         (
             "s:\n  p_modifiers:\n    MagnitudePruningModifier: {sparsity: 0.5, update_scheduler: linear}\n",

@@ -10,6 +10,7 @@ translated by :mod:`llmc_fsm.recipes.llmcompressor`.
 from __future__ import annotations
 
 import difflib
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -28,7 +29,7 @@ from llmc_fsm.recipes.llmcompressor import (
 from llmc_fsm.recipes.loading import line_of, load_recipe_data, looks_like_path, read_recipe_file
 from llmc_fsm.recipes.model import STAGE_KEYS, Recipe, Stage
 
-__all__ = ["build_recipe"]
+__all__ = ["RecipeProblems", "build_recipe", "given_arguments"]
 
 _SHAPE = (
     "a stage maps modifier names to arguments ({Name: {arg: value}}), or lists entries "
@@ -60,13 +61,63 @@ def where(
     return ", ".join(parts)
 
 
+class RecipeProblems(RecipeError):
+    """Several problems in one recipe, reported together (one line each) so that one run finds them all.
+
+    Attributes:
+        problems: each problem as the :class:`RecipeError` it would be alone (its message names the
+            source, line, stage, modifier and argument; a value a modifier refused keeps that
+            exception as ``__cause__``), modifier by modifier in recipe order.
+    """
+
+    def __init__(self, source: str, problems: Sequence[RecipeError]) -> None:
+        self.problems = tuple(problems)
+        lines = [f"recipe {source} has {len(problems)} problems; fix them all, then run it again:"]
+        for problem in problems:
+            text = str(problem)
+            for prefix in (f"recipe {source}, ", f"recipe {source}: "):
+                text = text.removeprefix(prefix)
+            lines.append(f"  - {text}")
+        super().__init__("\n".join(lines))
+
+
+#: id of a modifier built from recipe data -> (a weak reference to it, the arguments the recipe gave it, in
+#: llmc-fsm names); keyed by id because a modifier class may define ``__eq__`` (attrs' default) and so no hash.
+_GIVEN: dict[int, tuple[weakref.ref[Modifier], frozenset[str]]] = {}
+
+
+def _set_given(modifier: Modifier, given: frozenset[str]) -> None:
+    key = id(modifier)
+    _GIVEN[key] = (weakref.ref(modifier, lambda _: _GIVEN.pop(key, None)), given)
+
+
+def given_arguments(modifier: Modifier) -> frozenset[str] | None:
+    """The arguments (llmc-fsm names) a recipe gave ``modifier``; ``None`` when it was not built from recipe data.
+
+    Every other argument of a modifier built from a recipe has its default. A GPTQModifier that took a
+    QuantizationModifier's config (llm-compressor's idiom) counts that modifier's arguments as given too.
+    """
+    ref, given = _GIVEN.get(id(modifier), (None, None))
+    return given if ref is not None and ref() is modifier else None
+
+
 def build_recipe(data: Any, source: str) -> Recipe:
     """Build and validate a recipe from plain data (see the module docs).
+
+    Every modifier's arguments are checked before the error is raised: unknown
+    argument names, refused llm-compressor arguments, values a modifier refuses
+    (each argument that fails is set aside and the modifier built again without
+    it, to find the next), unknown modifiers and modifiers outside their stage's
+    window are collected over the whole recipe. One problem raises its own
+    :class:`RecipeError`; several raise one :class:`RecipeProblems` listing
+    them all. A structural problem (a stage that is not a mapping...) ends the
+    reading there, listed after the problems found before it.
 
     Raises:
         RecipeError: bad structure, unknown modifier or argument, an invalid
             argument value, a modifier outside its stage's window, or an
             impossible ``runs_after`` order.
+        RecipeProblems: (a ``RecipeError``) several of those.
     """
     if data is None or (isinstance(data, Mapping | list) and not data):
         msg = (
@@ -86,7 +137,16 @@ def build_recipe(data: Any, source: str) -> Recipe:
             msg += f" (if {data!r} is meant to be a file, it does not exist)"
         raise RecipeError(msg)
     builder = _Builder(source)
-    stages = [builder.stage(name, body, line) for name, body, line in top_level_stages(data, source)]
+    try:
+        stages = [builder.stage(name, body, line) for name, body, line in top_level_stages(data, source)]
+    except RecipeError as exc:  # the structure stops the reading: the problems found so far, then this one
+        if not builder.problems:
+            raise
+        builder.problems.append(exc)
+    if builder.problems:
+        if len(builder.problems) == 1:
+            raise builder.problems[0]
+        raise RecipeProblems(source, builder.problems)
     if not stages:
         msg = f"recipe {source} has no stages (only metadata); give at least one stage with a modifier"
         raise RecipeError(msg)
@@ -144,6 +204,15 @@ class _Builder:
 
     def __init__(self, source: str) -> None:
         self.source = source
+        #: problems found so far, each as the error it would raise alone (see :func:`build_recipe`)
+        self.problems: list[RecipeError] = []
+
+    def problem(self, msg: str, cause: BaseException | None = None) -> None:
+        """Record one problem (raised together with the others at the end of the recipe)."""
+        error = RecipeError(msg)
+        if cause is not None:
+            error.__cause__ = cause
+        self.problems.append(error)
 
     # --- stages -------------------------------------------------------------------------
     def stage(self, name: Any, body: Any, line: int | None) -> Stage:
@@ -159,12 +228,20 @@ class _Builder:
             raise RecipeError(f"{at}: the stage has no modifiers; remove the stage or add a modifier")
         for mod_name, args, mod_line in entries:
             modifier = self.modifier(mod_name, args, stage, mod_line)
+            if modifier is None:  # its problems are recorded
+                continue
             take = getattr(modifier, "take_stage_config", None)  # e.g. a bare GPTQModifier after a quantization config
             if callable(take):
                 try:
-                    stage.modifiers = take(list(stage.modifiers), name)
+                    kept = take(list(stage.modifiers), name)
                 except ValueError as exc:
-                    raise RecipeError(f"{where(self.source, mod_line, name, mod_name)}: {exc}") from None
+                    self.problem(f"{where(self.source, mod_line, name, mod_name)}: {exc}")
+                    continue
+                taken = [m for m in stage.modifiers if all(k is not m for k in kept)]
+                own = given_arguments(modifier)
+                if taken and own is not None:
+                    _set_given(modifier, own.union(*(given_arguments(m) or () for m in taken)))
+                stage.modifiers = kept
             stage.modifiers.append(modifier)
         return stage
 
@@ -239,12 +316,15 @@ class _Builder:
         return items
 
     # --- modifiers ------------------------------------------------------------------------
-    def modifier(self, name: str, args: Any, stage: Stage, line: int | None) -> Modifier:
+    def modifier(self, name: str, args: Any, stage: Stage, line: int | None) -> Modifier | None:
+        """The modifier of one entry, or ``None`` when it has problems (recorded)."""
         modifier = args if isinstance(args, Modifier) else self.build(name, args, stage, line)
-        self.check_window(modifier, stage, line, args)
+        if modifier is None or not self.check_window(modifier, stage, line, args):
+            return None
         return modifier
 
-    def build(self, name: str, args: Any, stage: Stage, line: int | None) -> Modifier:
+    def build(self, name: str, args: Any, stage: Stage, line: int | None) -> Modifier | None:
+        """Build modifier ``name`` from the recipe's ``args``; ``None`` when it has problems (each recorded)."""
 
         registry = get_registry()
         if name not in registry and stage.name in registry:  # {"QuantizationModifier": {"scheme": ...}}
@@ -254,9 +334,10 @@ class _Builder:
             )
             raise RecipeError(msg)
         if name not in registry:
-            raise RecipeError(
+            self.problem(
                 f"{where(self.source, line, stage.name)}: {registry.unknown_message(name, unimplemented_note(name))}"
             )
+            return None
         cls = registry.get(name)
         if args is None:
             args = {}  # an empty body means "all defaults"
@@ -265,30 +346,61 @@ class _Builder:
                 f"{where(self.source, line, stage.name, name)}: arguments must be a mapping of argument names to "
                 f"values (or empty for all defaults), got {type(args).__name__} {args!r}"
             )
-            raise RecipeError(msg)
+            self.problem(msg)
+            return None
+        known = len(self.problems)
         kwargs, given_as = self.arguments(cls, name, args, stage, line)
+        given = frozenset(kwargs)
         accepted = {a.alias or a.name for a in attrs.fields(cls) if a.init}
         if stage.start is not None and "start" in accepted and "start" not in kwargs:
             kwargs["start"] = stage.start
         if stage.end is not None and "end" in accepted and "end" not in kwargs:
             kwargs["end"] = stage.end
-        try:
-            return cls(**kwargs)
-        except Exception as exc:
-            argument = _failing_argument(exc, cls, kwargs)
-            key = given_as.get(argument, argument) if argument is not None else None
-            arg_line = line_of(args, key) if key is not None else None
-            text = str(exc.args[0]) if len(exc.args) > 1 and isinstance(exc.args[1], attrs.Attribute) else str(exc)
-            at = where(self.source, arg_line or line, stage.name, name, argument)
-            if key != argument:
-                at += f" (given as {key!r})"
-            kind = "" if type(exc) is ValueError else f"{type(exc).__name__}: "  # a plain bad value needs no label
-            raise RecipeError(f"{at}: {kind}{text}") from exc
+        while True:
+            try:
+                modifier = cls(**kwargs)
+            except Exception as exc:
+                argument = _failing_argument(exc, cls, kwargs)
+                if len(self.problems) > known and (argument is None or argument not in given):
+                    # after an argument was set aside, a failure no given argument explains may be a
+                    # consequence of setting it aside: the problems found so far are reported
+                    return None
+                self.refused(exc, argument, cls, name, args, given_as, stage, line)
+                if argument is None or argument not in kwargs:
+                    return None
+                del kwargs[argument]  # build again without it: the next argument the modifier refuses, if any
+                continue
+            if len(self.problems) > known:
+                return None
+            _set_given(modifier, given)
+            return modifier
+
+    def refused(
+        self,
+        exc: Exception,
+        argument: str | None,
+        cls: type,
+        name: str,
+        args: Mapping[str, Any],
+        given_as: Mapping[str, str],
+        stage: Stage,
+        line: int | None,
+    ) -> None:
+        """Record ``cls(**kwargs)``'s refusal ``exc`` of ``argument`` (``None``: not known) as a problem."""
+        key = given_as.get(argument, argument) if argument is not None else None
+        arg_line = line_of(args, key) if key is not None else None
+        text = str(exc.args[0]) if len(exc.args) > 1 and isinstance(exc.args[1], attrs.Attribute) else str(exc)
+        at = where(self.source, arg_line or line, stage.name, name, argument)
+        if key != argument:
+            at += f" (given as {key!r})"
+        kind = "" if type(exc) is ValueError else f"{type(exc).__name__}: "  # a plain bad value needs no label
+        self.problem(f"{at}: {kind}{text}", exc)
 
     def arguments(
         self, cls: type[Modifier], name: str, args: Mapping[str, Any], stage: Stage, line: int | None
     ) -> tuple[dict[str, Any], dict[str, str]]:
-        """``(kwargs, {kwarg: recipe key it came from})``: llm-compressor names translated, unknown ones refused."""
+        """``(kwargs, {kwarg: recipe key it came from})``: llm-compressor names translated; an unknown or refused
+        argument is recorded as a problem and left out."""
         accepted = [a.alias or a.name for a in attrs.fields(cls) if a.init]
         kwargs: dict[str, Any] = {}
         given_as: dict[str, str] = {}
@@ -300,28 +412,32 @@ class _Builder:
                     None if not isinstance(key, str) else translate_argument(name, key, value, args, is_field=is_field)
                 )
             except ValueError as exc:
-                raise RecipeError(f"{at}, argument {key!r}: {exc}") from None
+                self.problem(f"{at}, argument {key!r}: {exc}")
+                continue
             if translated is None and is_field:
                 kwargs[key] = value
                 continue
             if translated is None:
                 close = difflib.get_close_matches(str(key), accepted, n=1, cutoff=0.6)
                 hint = f" Did you mean {close[0]!r}?" if close else ""
-                raise RecipeError(f"{at}: unknown argument {key!r}.{hint} {name} accepts: {', '.join(accepted)}")
+                self.problem(f"{at}: unknown argument {key!r}.{hint} {name} accepts: {', '.join(accepted)}")
+                continue
             for target, new in translated.items():
                 if target not in accepted:
-                    msg = f"{at}, argument {key!r}: it maps to {target!r}, which {name} does not accept"
-                    raise RecipeError(msg)
+                    self.problem(f"{at}, argument {key!r}: it maps to {target!r}, which {name} does not accept")
+                    continue
                 if target in args and target != key and args[target] != new:
                     msg = f"{at}, argument {key!r}: it sets {target!r} to {new!r}, but {target!r} is also given"
-                    raise RecipeError(msg)
+                    self.problem(msg)
+                    continue
                 kwargs[target] = new
                 if target != key:
                     given_as[target] = key
         return kwargs, given_as
 
-    def check_window(self, m: Modifier, stage: Stage, line: int | None, args: Any) -> None:
-        """The modifier's ``start``/``end`` lie inside its stage's window (raises :class:`RecipeError`)."""
+    def check_window(self, m: Modifier, stage: Stage, line: int | None, args: Any) -> bool:
+        """Whether the modifier's ``start``/``end`` lie inside its stage's window (each edge outside: a problem)."""
+        inside = True
         for key, (null, outside, rule) in _WINDOW_EDGES.items():
             bound, value = getattr(stage, key), getattr(m, key, None)
             if bound is None or (value is not None and (value >= bound if key == "start" else value <= bound)):
@@ -331,7 +447,9 @@ class _Builder:
                 f"{at}, argument {key!r}: the modifier {key}s at {null if value is None else value}, {outside} its "
                 f"stage's {key} ({bound}); a modifier must {key} {rule} its stage's {key}"
             )
-            raise RecipeError(msg)
+            self.problem(msg)
+            inside = False
+        return inside
 
 
 def resolve_recipe(recipe: Any) -> Recipe:

@@ -21,6 +21,10 @@ what is specific to it:
 
 ``docs/recipes.md`` carries the same table for readers (a test compares them).
 
+:data:`DEFAULT_DIFFERENCES` says where an llmc-fsm default differs from llm-compressor's for the same
+recipe (``llmc-fsm explain`` shows it next to the value; the run logs it and the saved recipe.yaml records
+the value used).
+
 :data:`UNIMPLEMENTED_MODIFIERS` names llm-compressor modifiers llmc-fsm does not
 implement, so that the unknown-modifier error says so (:func:`unimplemented_note`).
 """
@@ -38,10 +42,12 @@ from llmc_fsm.recipes.loading import MarkedDict, line_of
 
 __all__ = [
     "ARGUMENT_RULES",
+    "DEFAULT_DIFFERENCES",
     "GROUP_SUFFIX",
     "RUN_TYPES",
     "UNIMPLEMENTED_MODIFIERS",
     "ArgumentRule",
+    "default_difference",
     "is_group_key",
     "top_level_stages",
     "translate_argument",
@@ -270,6 +276,34 @@ def translate_argument(
     if rule.convert is not None:
         return rule.convert(value, args)
     return {rule.target: value}  # type: ignore[dict-item]
+
+
+_LM_HEAD_DENSE = "llm-compressor's default ignore is empty, which quantizes lm_head too: give ignore: [] for that"
+
+_NO_DEFAULT_SCHEME = (
+    "llm-compressor has no default scheme: without scheme or config_groups its QuantizationModifier refuses the "
+    "recipe and its GPTQModifier only uses a config an earlier modifier attached; give scheme: W4A16 for the same run "
+    "there"
+)
+
+#: modifier name -> argument -> how llm-compressor's default differs for the same recipe, when the recipe does
+#: not give the argument (and the default value is not ``None``). The quantizing modifiers keep ``lm_head``
+#: dense by default (``ignore: [lm_head]``); llm-compressor's ``ignore`` defaults to ``[]``, so its ``targets:
+#: [Linear]`` quantizes ``lm_head`` too. They quantize with ``W4A16`` when neither ``scheme`` nor
+#: ``config_groups`` is given; llm-compressor has no default scheme. (Its pruning modifiers also default
+#: ``ignore`` to ``[]`` but prune only inside the decoder layers, so ``lm_head`` stays dense there too; its weight
+#: observer ``minmax`` becomes ``memoryless_minmax``, the same range for a weight observed once: no difference.)
+DEFAULT_DIFFERENCES: dict[str, dict[str, str]] = {
+    name: {"ignore": _LM_HEAD_DENSE, "scheme": _NO_DEFAULT_SCHEME}
+    for name in ("GPTQModifier", "QuantizationModifier", "AutoRoundModifier")
+}
+
+
+def default_difference(modifier: str, argument: str, value: Any) -> str | None:
+    """How llm-compressor's default of ``argument`` of ``modifier`` differs from llmc-fsm's default ``value``
+    (one phrase), or ``None`` when they agree, the value is ``None`` (nothing set by default, e.g. ``scheme``
+    next to ``config_groups``) or llm-compressor has no such argument (see :data:`DEFAULT_DIFFERENCES`)."""
+    return None if value is None else DEFAULT_DIFFERENCES.get(modifier, {}).get(argument)
 
 
 def _accepted(value: Any, accept: tuple[Any, ...]) -> bool:

@@ -1,7 +1,8 @@
 """``llmc_fsm.session.explain.explain(session)`` / ``llmc-fsm explain RECIPE``: the plan as text, touching no model.
 
 For each stage (applied stages are listed as skipped): the modifiers in
-execution order, their non-default arguments, their schedule, the events and
+execution order, their arguments (``(default)`` after each value the recipe did
+not give, saying where llm-compressor's default differs), their schedule, the events and
 lifecycle calls each handles, the state keys each requires or uses and whether
 they are present yet, and the ``runs_after`` constraints that shaped the order.
 When the state holds a model (e.g. on the meta device) and a modifier has an
@@ -22,6 +23,8 @@ from llmc_fsm.core.lifecycle import BATCH_EVENTS
 from llmc_fsm.core.modifier import HOOKS, Modifier, modifier_labels, overrides
 from llmc_fsm.core.registry import get_registry
 from llmc_fsm.core.state import State
+from llmc_fsm.recipes.building import given_arguments
+from llmc_fsm.recipes.llmcompressor import default_difference
 from llmc_fsm.session.session import Session
 
 __all__ = ["explain", "handled_events"]
@@ -55,6 +58,9 @@ def _schedule(m: Modifier) -> str:
 
 
 def _arguments(m: Modifier) -> str:
+    """``name=value`` of every argument; ``(default)`` after each the recipe did not give (for a modifier not
+    built from recipe data: each equal to its default), with how llm-compressor's default differs, if it does."""
+    given = given_arguments(m)
     parts = []
     for field in attrs.fields(type(m)):
         if not field.init or field.name in ("start", "end", "update"):
@@ -63,7 +69,12 @@ def _arguments(m: Modifier) -> str:
         default = field.default
         if isinstance(default, attrs.Factory):  # type: ignore[arg-type]
             default = default.factory(m) if default.takes_self else default.factory()
-        mark = "" if default is attrs.NOTHING or value != default else " (default)"
+        if given is None:
+            defaulted = default is not attrs.NOTHING and value == default
+        else:
+            defaulted = field.alias not in given
+        differs = default_difference(m.modifier_name(), field.alias, value) if defaulted else None
+        mark = f" (default; {differs})" if differs else " (default)" if defaulted else ""
         parts.append(f"{field.alias}={value!r}{mark}")
     return ", ".join(parts) or "-"
 
