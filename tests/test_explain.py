@@ -299,3 +299,86 @@ def test_conformance_kit_catches(cls: type[Modifier], message: str) -> None:
 def test_conformance_kit_requires_a_complete_state_factory() -> None:
     with pytest.raises(ContractViolation, match=r"state_factory\(\) does not supply the required key\(s\) \['model'\]"):
         check_modifier(Good, dict, max_examples=1)
+
+
+# --- (default) marks the values the recipe did not give ---------------------------------------------
+
+
+def _arguments_line(recipe: Any) -> str:
+    lines = [line for line in explain(Session(recipe)).splitlines() if line.startswith("       arguments: ")]
+    assert len(lines) == 1
+    return lines[0].removeprefix("       arguments: ")
+
+
+def test_explain_marks_only_the_values_the_recipe_did_not_give() -> None:
+    assert _arguments_line("s: {Calib: {sparsity: 0.5}}") == "sparsity=0.5"  # given, though equal to the default
+    assert _arguments_line("s: {Calib: {}}") == "sparsity=0.5 (default)"
+    assert _arguments_line([Calib(sparsity=0.5)]) == "sparsity=0.5 (default)"  # an object: compared to the default
+    assert _arguments_line([Calib(sparsity=0.7)]) == "sparsity=0.7"
+
+
+LM_HEAD = "llm-compressor's default ignore is empty, which quantizes lm_head too: give ignore: [] for that"
+NO_SCHEME = (
+    "llm-compressor has no default scheme: without scheme or config_groups its QuantizationModifier refuses the "
+    "recipe and its GPTQModifier only uses a config an earlier modifier attached; give scheme: W4A16 for the same run "
+    "there"
+)
+GPTQ_REST = (
+    "kv_cache_scheme=None (default), calibrate_all_experts=False (default), block_size=128 (default), "
+    "dampening_frac=0.01 (default), actorder='static' (default)"
+)
+
+
+@pytest.fixture
+def quantizers(registry: ModifierRegistry) -> None:
+    from llmc_fsm_quantization.gptq import GPTQModifier
+    from llmc_fsm_quantization.rtn import QuantizationModifier
+
+    registry.register(GPTQModifier)
+    registry.register(QuantizationModifier)
+
+
+@pytest.mark.usefixtures("quantizers")
+@pytest.mark.parametrize(
+    ("recipe", "line"),
+    [
+        (  # values the recipe gave are not marked, even the ones equal to a default (targets)
+            "s: {GPTQModifier: {scheme: W8A16, targets: [Linear], dampening_frac: 0.05}}",
+            "targets=['Linear'], scheme='W8A16', config_groups=None (default), observer='minmax' (default), "
+            f"input_observer=None (default), ignore=['lm_head'] (default; {LM_HEAD}), kv_cache_scheme=None (default), "
+            "calibrate_all_experts=False (default), block_size=128 (default), dampening_frac=0.05, "
+            "actorder='static' (default)",
+        ),
+        (  # nothing given: every value a default, with where llm-compressor's defaults differ
+            "s: {GPTQModifier: {}}",
+            f"targets=['Linear'] (default), scheme='W4A16' (default; {NO_SCHEME}), config_groups=None (default), "
+            f"observer='minmax' (default), input_observer=None (default), ignore=['lm_head'] (default; {LM_HEAD}), "
+            + GPTQ_REST,
+        ),
+        (  # ignore given as llm-compressor's default; scheme None next to config_groups: no difference to name
+            "s: {GPTQModifier: {ignore: [], config_groups: {g: {targets: [Linear], weights: {num_bits: 8}}}}}",
+            "targets=['Linear'] (default), scheme=None (default), config_groups={'g': {'targets': ['Linear'], "
+            "'weights': {'num_bits': 8}}}, observer='minmax' (default), input_observer=None (default), ignore=[], "
+            + GPTQ_REST,
+        ),
+        (  # a bare GPTQModifier takes the QuantizationModifier's config: those arguments count as given
+            "s: {QuantizationModifier: {scheme: W8A16, ignore: [lm_head]}, GPTQModifier: {}}",
+            "targets=['Linear'] (default), scheme='W8A16', config_groups=None (default), observer='minmax' (default), "
+            "input_observer=None (default), ignore=['lm_head'], " + GPTQ_REST,
+        ),
+    ],
+)
+def test_explain_marks_defaults_and_where_llm_compressor_differs(recipe: str, line: str) -> None:
+    assert _arguments_line(recipe) == line
+
+
+@pytest.mark.usefixtures("quantizers")
+def test_cli_explain_a_quantizer_by_name_shows_every_default(capsys, monkeypatch, tmp_path) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert main(["explain", "QuantizationModifier"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[4] == (
+        f"       arguments: targets=['Linear'] (default), scheme='W4A16' (default; {NO_SCHEME}), config_groups=None "
+        "(default), observer='minmax' (default), input_observer=None (default), ignore=['lm_head'] (default; "
+        f"{LM_HEAD}), kv_cache_scheme=None (default), calibrate_all_experts=False (default)"
+    )

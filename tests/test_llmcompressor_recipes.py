@@ -416,3 +416,56 @@ def test_older_llm_compressor_argument_names_and_run_types_are_read() -> None:
     gptq, rtn = recipe.stages[0].modifiers
     assert recipe.stages[0].run_type == "post_train"
     assert gptq.dampening_frac == 0.05 and rtn.targets == ["lm_head"]
+
+
+THREE_PROBLEMS = """\
+prune_stage:
+  pruning_modifiers:
+    SparseGPTModifier:
+      sparsity: "0.5"
+      mask_structure: "2:4"
+quant_stage:
+  quantization_modifiers:
+    GPTQModifier:
+      scheme: W4A16
+      dampening: 0.01
+      actorder: sideways
+"""
+
+
+def three_problems(source: str) -> str:
+    return (
+        f"recipe {source} has 3 problems; fix them all, then run it again:\n"
+        "  - line 4, stage 'prune_stage', modifier SparseGPTModifier, argument 'sparsity': sparsity must be a number "
+        "in [0, 1) (fraction of weights set to zero), got '0.5'\n"
+        "  - line 10, stage 'quant_stage', modifier GPTQModifier: unknown argument 'dampening'. Did you mean "
+        "'dampening_frac'? GPTQModifier accepts: start, end, update, targets, scheme, config_groups, observer, "
+        "input_observer, ignore, kv_cache_scheme, calibrate_all_experts, block_size, dampening_frac, actorder\n"
+        "  - line 11, stage 'quant_stage', modifier GPTQModifier, argument 'actorder': actorder must be one of static "
+        "(alias weight) or null, got 'sideways'"
+    )
+
+
+def test_a_recipe_with_three_problems_in_two_modifiers_gets_one_error_naming_all_three() -> None:
+    # a wrong type, an unknown name and an unsupported value: one run finds all of them
+    with pytest.raises(RecipeError) as info:
+        resolve_recipe(THREE_PROBLEMS)
+    assert str(info.value) == three_problems("<text>")
+    assert len(info.value.problems) == 3
+
+
+def test_oneshot_cli_lists_every_problem_before_the_model_loads(tmp_path, capsys, monkeypatch) -> None:
+    from llmc_fsm.cli import main
+    from llmc_fsm.models.known import known_model_dir
+    from llmc_fsm.oneshot_job import phases
+
+    def no_load(*args: object, **kw: object) -> None:
+        raise AssertionError("the model was loaded before the recipe was checked")
+
+    monkeypatch.setattr(phases, "load_model", no_load)
+    path = tmp_path / "recipe.yaml"
+    path.write_text(THREE_PROBLEMS)
+    argv = ["oneshot", "--model", str(known_model_dir("smollm2-135m")), "--recipe", str(path)]
+    assert main([*argv, "--output", str(tmp_path / "out")]) == 1
+    assert capsys.readouterr().err == f"llmc-fsm oneshot: error: {three_problems(str(path))}\n"
+    assert not (tmp_path / "out").exists()

@@ -463,3 +463,72 @@ def test_did_you_mean_ranks_by_similarity_without_the_shared_suffix() -> None:
         "unknown modifier 'SparseGPTModifer'. Did you mean 'SparseGPTModifier'? Known modifiers: "
         "ConstantPruningModifier"
     )
+
+
+# --- every problem of a recipe in one error ---------------------------------------------------------
+
+
+def test_every_problem_of_a_recipe_is_reported_in_one_error(tmp_path: Path) -> None:
+    from llmc_fsm.recipes.building import RecipeProblems
+
+    path = write(tmp_path, "prune:\n  Prune:\n    sparsty: 0.1\n    sparsity: 1.5\nquant:\n  Quant: {bits: 3}\n  Nope: {}\n")
+    with pytest.raises(RecipeProblems) as info:
+        resolve_recipe(path)
+    assert str(info.value) == (
+        f"recipe {path} has 4 problems; fix them all, then run it again:\n"
+        "  - line 3, stage 'prune', modifier Prune: unknown argument 'sparsty'. Did you mean 'sparsity'? "
+        "Prune accepts: start, end, update, sparsity, targets\n"
+        "  - line 4, stage 'prune', modifier Prune, argument 'sparsity': sparsity must be in [0, 1), got 1.5\n"
+        "  - line 6, stage 'quant', modifier Quant, argument 'bits': 'bits' must be in [2, 4, 8] (got 3)\n"
+        "  - line 7, stage 'quant': unknown modifier 'Nope'. Known modifiers: Distill, Prune, Quant."
+    )
+    assert isinstance(info.value, RecipeError)  # the error type callers catch is unchanged
+    first, second, third, _ = info.value.problems  # each as the error it would be alone
+    assert str(first).startswith(f"recipe {path}, line 3, stage 'prune', modifier Prune: unknown argument")
+    assert isinstance(second.__cause__, ValueError) and isinstance(third.__cause__, ValueError)
+
+
+def test_a_single_problem_keeps_its_own_error() -> None:
+    from llmc_fsm.recipes.building import RecipeProblems
+
+    with pytest.raises(RecipeError) as info:
+        resolve_recipe("s:\n  Quant: {}\n  Prune: {sparsity: 2}\n")
+    assert type(info.value) is RecipeError and not isinstance(info.value, RecipeProblems)
+    assert str(info.value) == (
+        "recipe <text>, line 3, stage 's', modifier Prune, argument 'sparsity': sparsity must be in [0, 1), got 2.0"
+    )
+
+
+def test_an_argument_set_aside_is_not_blamed_twice_and_a_structure_error_comes_last() -> None:
+    # the unknown 'sparsty' is left out: the modifier is still built to check its other values, and then
+    # the stage that is not a mapping ends the reading, listed after what was found before it
+    with pytest.raises(RecipeError) as info:
+        resolve_recipe("a:\n  Prune: {sparsty: 0.1, targets: [Linear]}\n  Quant: {bits: 8, extra: 1}\nb: 7\n")
+    assert str(info.value) == (
+        "recipe <text> has 2 problems; fix them all, then run it again:\n"
+        "  - line 2, stage 'a', modifier Prune: unknown argument 'sparsty'. Did you mean 'sparsity'? "
+        "Prune accepts: start, end, update, sparsity, targets\n"
+        "  - line 4, stage 'b': a stage maps modifier names to arguments ({Name: {arg: value}}), or lists entries "
+        "(- Name: {arg: value}, or - Name); got 7"
+    )
+
+
+def test_modifiers_outside_their_stage_window_are_all_named() -> None:
+    with pytest.raises(RecipeError) as info:
+        resolve_recipe("s:\n  start: 2\n  end: 4\n  modifiers:\n    Prune: {start: 1}\n    Quant: {end: 5}\n")
+    assert str(info.value).splitlines() == [
+        "recipe <text> has 2 problems; fix them all, then run it again:",
+        "  - line 5, stage 's', modifier Prune, argument 'start': the modifier starts at 1.0, before its stage's "
+        "start (2.0); a modifier must start at or after its stage's start",
+        "  - line 6, stage 's', modifier Quant, argument 'end': the modifier ends at 5.0, after its stage's end "
+        "(4.0); a modifier must end at or before its stage's end",
+    ]
+
+
+def test_given_arguments_are_remembered_for_modifiers_built_from_recipe_data() -> None:
+    from llmc_fsm.recipes.building import given_arguments
+
+    prune, quant = resolve_recipe("s:\n  Prune: {sparsity: 0.5}\n  Quant:\n").modifiers
+    assert given_arguments(prune) == frozenset({"sparsity"})  # given even where it equals the default
+    assert given_arguments(quant) == frozenset()
+    assert given_arguments(Prune()) is None  # an object: not known

@@ -206,13 +206,15 @@ class _Builder:
         self.source = source
         #: problems found so far, each as the error it would raise alone (see :func:`build_recipe`)
         self.problems: list[RecipeError] = []
+        self.lines: list[int | None] = []  # the line of each problem, where known (orders a modifier's problems)
 
-    def problem(self, msg: str, cause: BaseException | None = None) -> None:
+    def problem(self, msg: str, cause: BaseException | None = None, line: int | None = None) -> None:
         """Record one problem (raised together with the others at the end of the recipe)."""
         error = RecipeError(msg)
         if cause is not None:
             error.__cause__ = cause
         self.problems.append(error)
+        self.lines.append(line)
 
     # --- stages -------------------------------------------------------------------------
     def stage(self, name: Any, body: Any, line: int | None) -> Stage:
@@ -324,7 +326,16 @@ class _Builder:
         return modifier
 
     def build(self, name: str, args: Any, stage: Stage, line: int | None) -> Modifier | None:
-        """Build modifier ``name`` from the recipe's ``args``; ``None`` when it has problems (each recorded)."""
+        """Build modifier ``name`` from the recipe's ``args``; ``None`` when it has problems (each recorded, in
+        the order of their lines)."""
+        known = len(self.problems)
+        modifier = self.build_checked(name, args, stage, line)
+        found = sorted(zip(self.lines[known:], self.problems[known:], strict=True), key=lambda p: p[0] or line or 0)
+        self.lines[known:] = [at for at, _ in found]
+        self.problems[known:] = [error for _, error in found]
+        return modifier
+
+    def build_checked(self, name: str, args: Any, stage: Stage, line: int | None) -> Modifier | None:
 
         registry = get_registry()
         if name not in registry and stage.name in registry:  # {"QuantizationModifier": {"scheme": ...}}
@@ -394,7 +405,7 @@ class _Builder:
         if key != argument:
             at += f" (given as {key!r})"
         kind = "" if type(exc) is ValueError else f"{type(exc).__name__}: "  # a plain bad value needs no label
-        self.problem(f"{at}: {kind}{text}", exc)
+        self.problem(f"{at}: {kind}{text}", exc, arg_line)
 
     def arguments(
         self, cls: type[Modifier], name: str, args: Mapping[str, Any], stage: Stage, line: int | None
@@ -405,14 +416,15 @@ class _Builder:
         kwargs: dict[str, Any] = {}
         given_as: dict[str, str] = {}
         for key, value in args.items():
-            at = where(self.source, line_of(args, key) or line, stage.name, name)
+            key_line = line_of(args, key) or line
+            at = where(self.source, key_line, stage.name, name)
             is_field = isinstance(key, str) and key in accepted
             try:
                 translated = (
                     None if not isinstance(key, str) else translate_argument(name, key, value, args, is_field=is_field)
                 )
             except ValueError as exc:
-                self.problem(f"{at}, argument {key!r}: {exc}")
+                self.problem(f"{at}, argument {key!r}: {exc}", line=key_line)
                 continue
             if translated is None and is_field:
                 kwargs[key] = value
@@ -420,15 +432,17 @@ class _Builder:
             if translated is None:
                 close = difflib.get_close_matches(str(key), accepted, n=1, cutoff=0.6)
                 hint = f" Did you mean {close[0]!r}?" if close else ""
-                self.problem(f"{at}: unknown argument {key!r}.{hint} {name} accepts: {', '.join(accepted)}")
+                msg = f"{at}: unknown argument {key!r}.{hint} {name} accepts: {', '.join(accepted)}"
+                self.problem(msg, line=key_line)
                 continue
             for target, new in translated.items():
                 if target not in accepted:
-                    self.problem(f"{at}, argument {key!r}: it maps to {target!r}, which {name} does not accept")
+                    msg = f"{at}, argument {key!r}: it maps to {target!r}, which {name} does not accept"
+                    self.problem(msg, line=key_line)
                     continue
                 if target in args and target != key and args[target] != new:
                     msg = f"{at}, argument {key!r}: it sets {target!r} to {new!r}, but {target!r} is also given"
-                    self.problem(msg)
+                    self.problem(msg, line=key_line)
                     continue
                 kwargs[target] = new
                 if target != key:
