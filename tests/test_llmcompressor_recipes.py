@@ -279,7 +279,8 @@ quant_modifiers:
             "minmax, static_minmax, memoryless_minmax, mse, memoryless_mse, imatrix_mse, nvfp4_expanded_mse",
         ),
         (
-            "GPTQModifier: {targets: [re:.*mlp.*], config_groups: {g: {targets: [re:.*proj$], weights: {num_bits: 8}}}}",
+            "GPTQModifier: {targets: [re:.*mlp.*], "
+            "config_groups: {g: {targets: [re:.*proj$], weights: {num_bits: 8}}}}",
             "argument 'targets': the modifier's targets ['re:.*mlp.*'] differ from its config_groups' targets "
             "['re:.*proj$']: leave targets out (each config group names its own)",
         ),

@@ -471,7 +471,9 @@ def test_did_you_mean_ranks_by_similarity_without_the_shared_suffix() -> None:
 def test_every_problem_of_a_recipe_is_reported_in_one_error(tmp_path: Path) -> None:
     from llmc_fsm.recipes.building import RecipeProblems
 
-    path = write(tmp_path, "prune:\n  Prune:\n    sparsty: 0.1\n    sparsity: 1.5\nquant:\n  Quant: {bits: 3}\n  Nope: {}\n")
+    path = write(
+        tmp_path, "prune:\n  Prune:\n    sparsty: 0.1\n    sparsity: 1.5\nquant:\n  Quant: {bits: 3}\n  Nope: {}\n"
+    )
     with pytest.raises(RecipeProblems) as info:
         resolve_recipe(path)
     assert str(info.value) == (
