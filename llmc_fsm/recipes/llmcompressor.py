@@ -286,16 +286,29 @@ _NO_DEFAULT_SCHEME = (
     "there"
 )
 
+_LM_HEAD_PRUNED = (
+    "llm-compressor's default ignore is empty, which prunes lm_head too (with a warning): give ignore: [] for that"
+)
+
 #: modifier name -> argument -> how llm-compressor's default differs for the same recipe, when the recipe does
-#: not give the argument (and the default value is not ``None``). The quantizing modifiers keep ``lm_head``
-#: dense by default (``ignore: [lm_head]``); llm-compressor's ``ignore`` defaults to ``[]``, so its ``targets:
-#: [Linear]`` quantizes ``lm_head`` too. They quantize with ``W4A16`` when neither ``scheme`` nor
-#: ``config_groups`` is given; llm-compressor has no default scheme. (Its pruning modifiers also default
-#: ``ignore`` to ``[]`` but prune only inside the decoder layers, so ``lm_head`` stays dense there too; its weight
+#: not give the argument (and the default value is not ``None``). The quantizing modifiers and SparseGPT / Wanda
+#: keep ``lm_head`` dense by default (``ignore: [lm_head]``); llm-compressor's ``ignore`` defaults to ``[]``, so
+#: its ``targets: [Linear]`` quantizes (prunes) ``lm_head`` too. The quantizing modifiers quantize with ``W4A16``
+#: when neither ``scheme`` nor ``config_groups`` is given; llm-compressor has no default scheme; SparseGPT /
+#: Wanda prune 50% without ``sparsity``, which llm-compressor requires. (Its weight
 #: observer ``minmax`` becomes ``memoryless_minmax``, the same range for a weight observed once: no difference.)
 DEFAULT_DIFFERENCES: dict[str, dict[str, str]] = {
-    name: {"ignore": _LM_HEAD_DENSE, "scheme": _NO_DEFAULT_SCHEME}
-    for name in ("GPTQModifier", "QuantizationModifier", "AutoRoundModifier")
+    **{
+        name: {"ignore": _LM_HEAD_DENSE, "scheme": _NO_DEFAULT_SCHEME}
+        for name in ("GPTQModifier", "QuantizationModifier", "AutoRoundModifier")
+    },
+    **{
+        name: {
+            "ignore": _LM_HEAD_PRUNED,
+            "sparsity": "llm-compressor has no default sparsity: give sparsity: 0.5 there",
+        }
+        for name in ("SparseGPTModifier", "WandaPruningModifier")
+    },
 }
 
 
