@@ -382,3 +382,21 @@ def test_cli_explain_a_quantizer_by_name_shows_every_default(capsys, monkeypatch
         "(default), observer='minmax' (default), input_observer=None (default), ignore=['lm_head'] (default; "
         f"{LM_HEAD}), kv_cache_scheme=None (default), calibrate_all_experts=False (default)"
     )
+
+
+def test_explain_names_where_llm_compressor_pruning_defaults_differ(registry: ModifierRegistry) -> None:
+    from llmc_fsm_pruning.constant import ConstantPruningModifier
+    from llmc_fsm_pruning.sparsegpt import SparseGPTModifier
+
+    registry.register(SparseGPTModifier)
+    registry.register(ConstantPruningModifier)
+    assert _arguments_line("s: {SparseGPTModifier: {sparsity: 0.5, ignore: [lm_head]}}") == (
+        "targets=['Linear'] (default), ignore=['lm_head'], sparsity=0.5, mask_structure='unstructured' (default), "
+        "calibrate_all_experts=False (default), block_size=128 (default), dampening_frac=0.01 (default), "
+        "preserve_sparsity_mask=False (default)"
+    )
+    assert _arguments_line("s: {ConstantPruningModifier: {}}") == (
+        "targets=['Linear'] (default; llm-compressor requires targets (no default): give targets: [Linear] there), "
+        "ignore=['lm_head'] (default; llm-compressor has no ignore: every module its targets match is pruned there, "
+        "lm_head included)"
+    )

@@ -143,6 +143,7 @@ def build_recipe(data: Any, source: str) -> Recipe:
         if not builder.problems:
             raise
         builder.problems.append(exc)
+        builder.lines.append(None)
     if builder.problems:
         if len(builder.problems) == 1:
             raise builder.problems[0]

@@ -295,7 +295,8 @@ _LM_HEAD_PRUNED = (
 #: keep ``lm_head`` dense by default (``ignore: [lm_head]``); llm-compressor's ``ignore`` defaults to ``[]``, so
 #: its ``targets: [Linear]`` quantizes (prunes) ``lm_head`` too. The quantizing modifiers quantize with ``W4A16``
 #: when neither ``scheme`` nor ``config_groups`` is given; llm-compressor has no default scheme; SparseGPT /
-#: Wanda prune 50% without ``sparsity``, which llm-compressor requires. (Its weight
+#: Wanda prune 50% without ``sparsity``, which llm-compressor requires; its Magnitude / Constant pruning require
+#: ``targets`` and have no ``ignore``, where ours default to ``[Linear]`` and ``[lm_head]``. (Its weight
 #: observer ``minmax`` becomes ``memoryless_minmax``, the same range for a weight observed once: no difference.)
 DEFAULT_DIFFERENCES: dict[str, dict[str, str]] = {
     **{
@@ -308,6 +309,13 @@ DEFAULT_DIFFERENCES: dict[str, dict[str, str]] = {
             "sparsity": "llm-compressor has no default sparsity: give sparsity: 0.5 there",
         }
         for name in ("SparseGPTModifier", "WandaPruningModifier")
+    },
+    **{
+        name: {
+            "targets": "llm-compressor requires targets (no default): give targets: [Linear] there",
+            "ignore": "llm-compressor has no ignore: every module its targets match is pruned there, lm_head included",
+        }
+        for name in ("MagnitudePruningModifier", "ConstantPruningModifier")
     },
 }
 
