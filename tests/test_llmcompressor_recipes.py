@@ -470,3 +470,18 @@ def test_oneshot_cli_lists_every_problem_before_the_model_loads(tmp_path, capsys
     assert main([*argv, "--output", str(tmp_path / "out")]) == 1
     assert capsys.readouterr().err == f"llmc-fsm oneshot: error: {three_problems(str(path))}\n"
     assert not (tmp_path / "out").exists()
+
+
+def test_bad_stage_keys_are_listed_with_the_modifiers_problems() -> None:
+    # the stage's own keys do not hide its modifiers' problems (the stage is read on without the bad values)
+    with pytest.raises(RecipeError) as info:
+        resolve_recipe(
+            "s:\n  run_type: finetune\n  start: -1\n  p_modifiers:\n    WandaPruningModifier: {sparsity: 2}\n"
+        )
+    assert str(info.value).splitlines() == [
+        "recipe <text> has 3 problems; fix them all, then run it again:",
+        "  - line 2, stage 's': run_type must be oneshot or post_train or train (as in llm-compressor), got 'finetune'",
+        "  - line 3, stage 's': start must be >= 0 epochs, got -1",
+        "  - line 5, stage 's', modifier WandaPruningModifier, argument 'sparsity': sparsity must be a number in "
+        "[0, 1) (fraction of weights set to zero), got 2",
+    ]

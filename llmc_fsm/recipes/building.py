@@ -108,7 +108,8 @@ def build_recipe(data: Any, source: str) -> Recipe:
     argument names, refused llm-compressor arguments, values a modifier refuses
     (each argument that fails is set aside and the modifier built again without
     it, to find the next), unknown modifiers and modifiers outside their stage's
-    window are collected over the whole recipe. One problem raises its own
+    window, unknown stage keys and bad stage-key values are collected over the
+    whole recipe. One problem raises its own
     :class:`RecipeError`; several raise one :class:`RecipeProblems` listing
     them all. A structural problem (a stage that is not a mapping...) ends the
     reading there, listed after the problems found before it.
@@ -249,7 +250,10 @@ class _Builder:
         return stage
 
     def long_form(self, stage: Stage, body: Mapping[Any, Any], line: int | None) -> list[tuple[Any, int | None]]:
-        """Read the stage keys into ``stage``; return the modifier parts ``[(body, line)]`` in key order."""
+        """Read the stage keys into ``stage``; return the modifier parts ``[(body, line)]`` in key order.
+
+        A stage without modifier parts raises; an unknown stage key or a bad value of one is recorded as a
+        problem (the value left at its default), so that the stage's modifiers are still checked."""
         name, source = stage.name, self.source
         parts = [
             (value, line_of(body, key) or line)
@@ -272,21 +276,30 @@ class _Builder:
                 f"{where(source, line_of(body, extra[0]), name)}: unknown stage key(s) "
                 f"{', '.join(map(repr, extra))}{hint}; the long form accepts {_LONG_FORM}"
             )
-            raise RecipeError(msg)
+            self.problem(msg, line=line_of(body, extra[0]))
+        # a stage key with a bad value is a problem; the stage is read on without it (its modifiers are checked)
         stage.applied = body.get("applied", False)
         if not isinstance(stage.applied, bool):
             at = where(source, line_of(body, "applied"), name)
-            raise RecipeError(f"{at}: applied must be true or false, got {stage.applied!r}")
+            self.problem(f"{at}: applied must be true or false, got {stage.applied!r}")
+            stage.applied = False
         stage.run_type = body.get("run_type")
         if stage.run_type is not None and stage.run_type not in RUN_TYPES:
             at = where(source, line_of(body, "run_type"), name)
-            msg = f"{at}: run_type must be {' or '.join(RUN_TYPES)} (as in llm-compressor), got {stage.run_type!r}"
-            raise RecipeError(msg)
-        stage.start = _epoch(body.get("start"), where(source, line_of(body, "start"), name), "start")
-        stage.end = _epoch(body.get("end"), where(source, line_of(body, "end"), name), "end")
+            self.problem(
+                f"{at}: run_type must be {' or '.join(RUN_TYPES)} (as in llm-compressor), got {stage.run_type!r}"
+            )
+            stage.run_type = None
+        for key in ("start", "end"):
+            try:
+                setattr(stage, key, _epoch(body.get(key), where(source, line_of(body, key), name), key))
+            except RecipeError as exc:
+                self.problems.append(exc)
+                self.lines.append(line_of(body, key))
         if stage.start is not None and stage.end is not None and stage.end <= stage.start:
             at = where(source, line_of(body, "end"), name)
-            raise RecipeError(f"{at}: the stage's end ({stage.end}) must be after its start ({stage.start})")
+            self.problem(f"{at}: the stage's end ({stage.end}) must be after its start ({stage.start})")
+            stage.end = None
         return parts
 
     def entries(self, body: Any, stage: str, line: int | None) -> list[tuple[str, Any, int | None]]:
