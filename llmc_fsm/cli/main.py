@@ -7,7 +7,8 @@ Subcommands:
     oneshot     compress a model in one shot and report perplexity before/after
     report      re-print a saved one-shot report (``--plot``: draw per-layer sparsity)
 
-``llmc-fsm --version`` prints the package version. An error is one line on stderr (exit status 1); under
+``llmc-fsm --version`` prints the package version. An error is one line on stderr (exit status 1; a recipe with
+several problems: a heading line, then one line per problem, all found before any work); under
 ``torchrun`` only rank 0 prints it (every rank exits with 1; ``-v`` shows each rank's traceback).
 
 Each subcommand lives in the module that implements it and contributes an

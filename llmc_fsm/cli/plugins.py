@@ -5,8 +5,10 @@ distribution and version, required and optional state keys, one-line
 description), then the plugins that failed to load with their error and the
 ones disabled through ``LLMC_FSM_DISABLE_PLUGINS``.
 
-``explain`` resolves a recipe and prints its plan without touching a model; given a
-modifier's name instead, the plan of that modifier alone with every argument at its default.
+``explain`` resolves a recipe and prints its plan without touching a model (``(default)`` after each
+argument the recipe did not give, and where llm-compressor's default differs for the same recipe, how:
+:data:`llmc_fsm.recipes.llmcompressor.DEFAULT_DIFFERENCES`); given a modifier's name instead, the plan of
+that modifier alone with every argument at its default.
 """
 
 from __future__ import annotations
