@@ -340,6 +340,57 @@ def test_private_pages_tells_file_pages_from_private_ones(tmp_path):
     assert not private_pages(torch.empty(0))
 
 
+def _resident_pages(t: torch.Tensor) -> int:
+    import os
+
+    page = os.sysconf("SC_PAGE_SIZE")
+    start, size = t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()
+    with open("/proc/self/pagemap", "rb") as f:
+        f.seek(start // page * 8)
+        last = -(-(start + size) // page)
+        raw = f.read((last - start // page) * 8)
+    return sum(int.from_bytes(raw[i : i + 8], "little") >> 63 for i in range(0, len(raw), 8))
+
+
+def test_release_file_pages_unmaps_unwritten_file_pages_and_nothing_written(tmp_path):
+    """``release_file_pages``: the read pages of a private file map are unmapped and read back the file's values;
+    a storage with one written (private) page is left whole; ordinary tensor memory is never released."""
+    from llmc_fsm.toolkit import release_file_pages
+
+    path = tmp_path / "pages.bin"
+    values = torch.arange(4 * 4096, dtype=torch.float32)
+    path.write_bytes(values.numpy().tobytes())
+    mapped = torch.from_file(str(path), shared=False, size=4 * 4096, dtype=torch.float32)
+    assert torch.equal(mapped, values)  # read: 16 file pages resident
+    assert _resident_pages(mapped) == 16
+    assert release_file_pages(mapped) == 16 * 4096
+    assert _resident_pages(mapped) == 0
+    assert torch.equal(mapped, values)  # mapped again from the file
+    mapped[5000] = -1.0  # page 1 now private
+    assert release_file_pages(mapped) == 0
+    assert _resident_pages(mapped) == 16 and float(mapped[5000]) == -1.0
+    assert release_file_pages(torch.ones(8192)) == 0
+
+
+def test_rtn_on_a_loaded_checkpoint_unmaps_the_replaced_weights(tmp_path):
+    """RTN on a model loaded by ``from_pretrained``: each replaced weight's checkpoint pages are no longer resident
+    (read back, they still hold the checkpoint's values), so the loaded and the rounded copy are not both kept."""
+    from llmc_fsm import Session
+
+    model = _loaded_tiny_llama(tmp_path)
+    weights = {n: m.weight for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"}
+    loaded = {n: w.data for n, w in weights.items()}
+    originals = {n: w.detach().clone() for n, w in loaded.items()}  # reads every page: all resident
+    assert all(_resident_pages(w) > 0 for w in loaded.values())
+    session = Session({"quantization_stage": {"QuantizationModifier": {"scheme": "W8A8"}}})
+    session.initialize(model=model, calibration_data=None)
+    session.calibration_start()
+    session.calibration_end()
+    inner = {n: w for n, w in loaded.items() if w.untyped_storage().nbytes() >= 3 * 4096}  # whole pages inside
+    assert inner and all(_resident_pages(w) <= 2 for w in inner.values())  # at most the two boundary pages
+    assert all(torch.equal(loaded[n], originals[n]) for n in weights)
+
+
 @pytest.mark.parametrize(("flags", "fixed"), [([], 0), (["--low-memory"], 1)])
 def test_only_low_memory_fixes_the_heap_threshold(tiny_model_dir, tmp_path, monkeypatch, flags, fixed):
     """``--low-memory`` fixes glibc's memory-map threshold (flat peak); the command's default streaming of a data-free
