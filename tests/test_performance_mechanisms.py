@@ -20,6 +20,7 @@ from torch.utils._pytree import tree_flatten
 
 import llmc_fsm
 from llmc_fsm.data.protocol import PerplexityCache, load_text, perplexity, token_windows
+from llmc_fsm.toolkit import private_pages
 
 
 class _NewStorages(TorchDispatchMode):
@@ -260,7 +261,15 @@ class _WeightWrites(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_rtn_takes_the_rounded_weight_without_writing_into_the_loaded_one():
+def _loaded_tiny_llama(tmp_path):
+    """A tiny Llama saved and loaded back by ``from_pretrained``: its weights lie in a private map of the file."""
+    from transformers import AutoModelForCausalLM
+
+    tiny_llama.llama(layers=2, tied=False).save_pretrained(tmp_path / "tiny")
+    return AutoModelForCausalLM.from_pretrained(tmp_path / "tiny", dtype=torch.float32)
+
+
+def test_rtn_takes_the_rounded_weight_without_writing_into_the_loaded_one(tmp_path):
     """RTN writes nothing into a loaded weight's storage (on a memory-mapped checkpoint every written page faults):
     the module's Parameter (the same object, so hooks and optimizers keep it) takes the rounded tensor's storage,
     and holds exactly what ``rtn_quantize`` gives for the original weight."""
@@ -268,7 +277,8 @@ def test_rtn_takes_the_rounded_weight_without_writing_into_the_loaded_one():
 
     from llmc_fsm import Session
 
-    model = tiny_llama.llama(layers=2, tied=False)
+    model = _loaded_tiny_llama(tmp_path)
+    assert not any(private_pages(m.weight) for m in model.modules() if isinstance(m, torch.nn.Linear))
     session = Session({"quantization_stage": {"QuantizationModifier": {"scheme": "W8A8"}}})
     session.initialize(model=model, calibration_data=None)
     weights = {n: m.weight for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"}
@@ -285,6 +295,100 @@ def test_rtn_takes_the_rounded_weight_without_writing_into_the_loaded_one():
         expected = rtn_quantize(originals[name], module.quantization_scheme.weights).weight
         assert torch.equal(module.weight.detach(), expected)
     assert all(m.quantization_status.value == "frozen" for m in (model.get_submodule(n) for n in weights))
+
+
+def test_rtn_writes_into_a_weight_an_earlier_modifier_wrote(tmp_path):
+    """A loaded weight that was written in place before RTN (as rotations and smoothing do) is private memory
+    already: RTN writes the rounded values into it (one write, no page fault) instead of handing the Parameter a new
+    storage, which would keep both copies resident."""
+    from llmc_fsm_quantization import rtn_quantize
+
+    from llmc_fsm import Session
+
+    model = _loaded_tiny_llama(tmp_path)
+    weights = {n: m.weight for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"}
+    with torch.no_grad():
+        for w in weights.values():
+            w.mul_(0.5)  # what a smoothing modifier does: the map's pages are copied on write
+    assert all(private_pages(w) for w in weights.values())
+    originals = {n: w.detach().clone() for n, w in weights.items()}
+    storages = {n: w.untyped_storage().data_ptr() for n, w in weights.items()}
+    session = Session({"quantization_stage": {"QuantizationModifier": {"scheme": "W8A8"}}})
+    session.initialize(model=model, calibration_data=None)
+    with _WeightWrites(dict(weights)) as mode:
+        session.calibration_start()
+        session.calibration_end()
+    assert mode.writes == dict.fromkeys(weights, 1)
+    for name, weight in weights.items():
+        module = model.get_submodule(name)
+        assert module.weight is weight and weight.untyped_storage().data_ptr() == storages[name]
+        assert torch.equal(weight.detach(), rtn_quantize(originals[name], module.quantization_scheme.weights).weight)
+
+
+def test_private_pages_tells_file_pages_from_private_ones(tmp_path):
+    """``private_pages``: an untouched or only-read page of a private file map is not private; a written one is
+    (copied on write); ordinary tensor memory is once written."""
+    path = tmp_path / "pages.bin"
+    path.write_bytes(bytes(4 * 4096))
+    mapped = torch.from_file(str(path), shared=False, size=4096, dtype=torch.float32)
+    assert not private_pages(mapped)  # not touched: not resident
+    assert float(mapped.sum()) == 0.0
+    assert not private_pages(mapped)  # read: the file's page
+    mapped[0] = 1.0
+    assert private_pages(mapped)  # written: an anonymous copy
+    assert private_pages(torch.ones(4096))
+    assert not private_pages(torch.empty(0))
+
+
+def _resident_pages(t: torch.Tensor) -> int:
+    import os
+
+    page = os.sysconf("SC_PAGE_SIZE")
+    start, size = t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()
+    with open("/proc/self/pagemap", "rb") as f:
+        f.seek(start // page * 8)
+        last = -(-(start + size) // page)
+        raw = f.read((last - start // page) * 8)
+    return sum(int.from_bytes(raw[i : i + 8], "little") >> 63 for i in range(0, len(raw), 8))
+
+
+def test_release_file_pages_unmaps_unwritten_file_pages_and_nothing_written(tmp_path):
+    """``release_file_pages``: the read pages of a private file map are unmapped and read back the file's values;
+    a storage with one written (private) page is left whole; ordinary tensor memory is never released."""
+    from llmc_fsm.toolkit import release_file_pages
+
+    path = tmp_path / "pages.bin"
+    values = torch.arange(4 * 4096, dtype=torch.float32)
+    path.write_bytes(values.numpy().tobytes())
+    mapped = torch.from_file(str(path), shared=False, size=4 * 4096, dtype=torch.float32)
+    assert torch.equal(mapped, values)  # read: 16 file pages resident
+    assert _resident_pages(mapped) == 16
+    assert release_file_pages(mapped) == 16 * 4096
+    assert _resident_pages(mapped) == 0
+    assert torch.equal(mapped, values)  # mapped again from the file
+    mapped[5000] = -1.0  # page 1 now private
+    assert release_file_pages(mapped) == 0
+    assert _resident_pages(mapped) == 16 and float(mapped[5000]) == -1.0
+    assert release_file_pages(torch.ones(8192)) == 0
+
+
+def test_rtn_on_a_loaded_checkpoint_unmaps_the_replaced_weights(tmp_path):
+    """RTN on a model loaded by ``from_pretrained``: each replaced weight's checkpoint pages are no longer resident
+    (read back, they still hold the checkpoint's values), so the loaded and the rounded copy are not both kept."""
+    from llmc_fsm import Session
+
+    model = _loaded_tiny_llama(tmp_path)
+    weights = {n: m.weight for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"}
+    loaded = {n: w.data for n, w in weights.items()}
+    originals = {n: w.detach().clone() for n, w in loaded.items()}  # reads every page: all resident
+    assert all(_resident_pages(w) > 0 for w in loaded.values())
+    session = Session({"quantization_stage": {"QuantizationModifier": {"scheme": "W8A8"}}})
+    session.initialize(model=model, calibration_data=None)
+    session.calibration_start()
+    session.calibration_end()
+    inner = {n: w for n, w in loaded.items() if w.untyped_storage().nbytes() >= 3 * 4096}  # whole pages inside
+    assert inner and all(_resident_pages(w) <= 2 for w in inner.values())  # at most the two boundary pages
+    assert all(torch.equal(loaded[n], originals[n]) for n in weights)
 
 
 @pytest.mark.parametrize(("flags", "fixed"), [([], 0), (["--low-memory"], 1)])

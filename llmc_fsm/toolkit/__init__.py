@@ -39,7 +39,9 @@ The public names, by concern:
 * **ranks** (:mod:`~llmc_fsm.toolkit.distributed`): :func:`is_distributed`, :func:`get_rank`,
   :func:`get_world_size`, :func:`is_main_process`, :func:`all_reduce_tensor`, :func:`all_gather_ints`,
   :func:`all_reduce_accumulator`, :func:`check_same_values`, :class:`DistributedError`;
-* **memory** (:mod:`~llmc_fsm.toolkit.heap`): :func:`trim_heap` (give glibc's free heap pages back);
+* **memory** (:mod:`~llmc_fsm.toolkit.heap`): :func:`trim_heap` (give glibc's free heap pages back),
+  :func:`private_pages` (whether a weight's storage is private memory already: write into it rather than replace it),
+  :func:`release_file_pages` (unmap a replaced weight's unwritten pages of a memory-mapped checkpoint);
 * **checkpoint** (:mod:`~llmc_fsm.toolkit.packed`): :func:`keep_packed` (keep the tensors compressed-tensors
   packed when a module was quantized, for the save to write instead of rounding again).
 
@@ -58,7 +60,7 @@ from llmc_fsm.toolkit.distributed import (
     is_distributed,
     is_main_process,
 )
-from llmc_fsm.toolkit.heap import trim_heap
+from llmc_fsm.toolkit.heap import private_pages, release_file_pages, trim_heap
 from llmc_fsm.toolkit.layer_error import relative_output_error, sweep_relative_errors
 from llmc_fsm.toolkit.masks import pack_mask, unpack_mask
 from llmc_fsm.toolkit.obs import (
@@ -133,7 +135,9 @@ __all__ = [
     "observe_view_inputs",
     "pack_mask",
     "patterns",
+    "private_pages",
     "relative_output_error",
+    "release_file_pages",
     "resolve_targets",
     "router_names",
     "select_targets",

@@ -42,6 +42,8 @@ from llmc_fsm.toolkit import (
     keep_packed,
     observe_view_inputs,
     patterns,
+    private_pages,
+    release_file_pages,
     select_targets,
     weight_views,
 )
@@ -138,11 +140,16 @@ def attach_qparams(module: nn.Module, scheme: QuantizationScheme, quantized: Qua
 
 def _take_weight(weight: nn.Parameter, new: torch.Tensor) -> None:
     """Make ``weight`` hold ``new``'s values: by taking ``new``'s storage when ``new`` is a whole, contiguous tensor
-    of the same shape, dtype and device (no copy, and no write into the old storage, which on a memory-mapped
-    checkpoint would fault every page in), else by copying into it."""
+    of the same shape, dtype and device and the old storage is not private memory yet (no copy, and no write into
+    a memory-mapped checkpoint's pages, each of which would be copied on write; the replaced pages are then unmapped,
+    :func:`llmc_fsm.toolkit.release_file_pages`), else by copying into it (a weight
+    an earlier modifier wrote in place, e.g. rotated or smoothed: replacing it would keep both copies resident,
+    :func:`llmc_fsm.toolkit.private_pages`)."""
     whole = new.is_contiguous() and new.untyped_storage().nbytes() == new.numel() * new.element_size()
-    if whole and new.shape == weight.shape and new.dtype == weight.dtype and new.device == weight.device:
-        weight.data = new
+    same = new.shape == weight.shape and new.dtype == weight.dtype and new.device == weight.device
+    if whole and same and not private_pages(weight):
+        old, weight.data = weight.data, new
+        release_file_pages(old)  # the checkpoint's pages of the replaced weight: unmapped, not kept resident
     else:
         weight.data.copy_(new)
 

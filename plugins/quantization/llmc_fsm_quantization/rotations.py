@@ -327,6 +327,18 @@ def _set(param: torch.Tensor, value: torch.Tensor) -> None:
     param.copy_(value.to(param.dtype))
 
 
+#: Rows of a weight updated at a time by :func:`_update_rows`: its working-precision copies stay 4096 x hidden
+#: (SmolLM2's 49152 x 576 embedding and head in float64 whole: 226 MB each, twice, at once).
+ROW_BLOCK = 4096
+
+
+def _update_rows(weight: torch.Tensor, fn: Any, precision: torch.dtype) -> None:
+    """``weight <- fn(weight)`` for a row-wise ``fn`` (each output row depends on its input row only), computed in
+    ``precision`` :data:`ROW_BLOCK` rows at a time, so no working copy of the whole weight is made."""
+    for block in weight.split(ROW_BLOCK):
+        _set(block, fn(block.to(precision)))
+
+
 @torch.no_grad()
 def untie(model: nn.Module, plan: RotationPlan) -> RotationPlan:
     """Give the head its own copy of the embedding's weight and record it in the config; return the new plan."""
@@ -356,7 +368,7 @@ def fuse_norms(plan: RotationPlan, precision: torch.dtype = torch.float64) -> No
     for norm, linears in pairs:
         g = norm.weight.to(precision)
         for linear in linears:
-            _set(linear.weight, linear.weight.to(precision) * g)
+            _update_rows(linear.weight, lambda w, g=g: w * g, precision)
         norm.weight.fill_(1.0)
 
 
@@ -368,10 +380,9 @@ def rotate_residual(plan: RotationPlan, q: torch.Tensor) -> None:
     ``E <- E Q``. The norms must have unit scale (:func:`fuse_norms`).
     """
     p = q.dtype
-    _set(plan.embedding.weight, plan.embedding.weight.to(p) @ q)
     readers = [m for layer in plan.layers for m in (layer.q, layer.k, layer.v, layer.gate, layer.up)] + [plan.head]
-    for m in readers:
-        _set(m.weight, m.weight.to(p) @ q)
+    for weight in [plan.embedding.weight, *(m.weight for m in readers)]:
+        _update_rows(weight, lambda w: w @ q, p)
     for m in (x for layer in plan.layers for x in (layer.o, layer.down)):
         _set(m.weight, q.T @ m.weight.to(p))
         if getattr(m, "bias", None) is not None:
