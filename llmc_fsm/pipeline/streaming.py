@@ -64,6 +64,7 @@ from llmc_fsm.pipeline.sequential import (
 from llmc_fsm.report.build import ModuleSparsity, measure_sparsity
 from llmc_fsm.session.session import Session
 from llmc_fsm.toolkit.calibrated import CalibratedModifier
+from llmc_fsm.toolkit.views import weight_views
 
 __all__ = [
     "StreamedCompression",
@@ -243,7 +244,9 @@ def _outer_modules(lazy: LazyModel) -> Iterator[tuple[str, nn.Module]]:
 
 
 def _module_order(lazy: LazyModel) -> dict[str, int]:
-    return {name: i for i, (name, _) in enumerate(lazy.model.named_modules())}
+    """Rank of each module name, an expert matrix's view (``experts.0.gate_proj``) right after its experts module."""
+    names = [n for name, m in lazy.model.named_modules() for n in (name, *(f"{name}.{s}" for s in weight_views(m)))]
+    return {name: i for i, name in enumerate(names)}
 
 
 def write_outer(lazy: LazyModel, writer: ShardWriter) -> list[ModuleSparsity]:
