@@ -119,7 +119,10 @@ def test_awq_gptq_on_hybrid_stacks_runs_names_the_mamba_mixers_and_reloads(tmp_p
     assert [w.split(" (")[0] for w in warned] == [f"default smoothing mappings: no mapping reaches {names}"]
     assert set(awq.smoothing_results) == {e.split(" -> ")[0] for e in EXPECTED[family]}
     if family == "jamba":  # every expert matrix quantized (changed)
-        for key in ("model.layers.1.feed_forward.experts.gate_up_proj", "model.layers.1.feed_forward.experts.down_proj"):
+        for key in (
+            "model.layers.1.feed_forward.experts.gate_up_proj",
+            "model.layers.1.feed_forward.experts.down_proj",
+        ):
             assert all(not torch.equal(model.state_dict()[key][e], source[key][e]) for e in range(4))
     reloaded = _reload(tmp_path / "o")
     with torch.no_grad():
