@@ -90,7 +90,7 @@ def test_gptq_quantizes_the_language_model_only_and_the_output_reloads(tmp_path,
     """The reloaded model's quantized modules are exactly the text decoder layers' Linears; towers and projectors
     come back unquantized and equal to before; reload with no missing/unexpected key and equal logits."""
     scheme = {"preset": "W4A16", "weights": {"group_size": 16}}
-    model, layers_name, before, reloaded, info, expected, got = _oneshot_and_reload(
+    _model, layers_name, before, reloaded, info, expected, got = _oneshot_and_reload(
         tmp_path, family, ("GPTQModifier", {"scheme": scheme})
     )
     _assert_reloads(info, expected, got)
