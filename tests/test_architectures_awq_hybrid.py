@@ -127,18 +127,3 @@ def test_awq_gptq_on_hybrid_stacks_runs_names_the_mamba_mixers_and_reloads(tmp_p
     reloaded = _reload(tmp_path / "o")
     with torch.no_grad():
         torch.testing.assert_close(reloaded(DATA).logits, model(DATA).logits, rtol=0, atol=1e-5)
-
-
-def test_awq_on_nemotron_h_experts_without_gate_is_refused_before_any_work():
-    """Nemotron-H's experts compute down(relu2(up)): no exact smoothing reaches their down_proj (see the control
-    above), so AWQ refuses, naming the block and why, before any weight changes."""
-    model = build("nemotron_h")
-    before = {k: v.clone() for k, v in model.state_dict().items()}
-    with pytest.raises(ValueError) as info:
-        AWQModifier().check_model(model)
-    assert str(info.value) == (
-        "AWQModifier: NemotronHForCausalLM (model_type 'nemotron_h') keeps fused experts in "
-        "model.layers.1.mixer.experts that no smoothing mapping reaches (NemotronHExperts has no gate rows), so they "
-        "would be quantized unsmoothed: use GPTQModifier or QuantizationModifier, which quantize each expert matrix"
-    )
-    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())

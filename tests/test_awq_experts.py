@@ -254,6 +254,7 @@ def test_awq_then_per_expert_quantization_saves_a_checkpoint_transformers_reload
 
 
 # --------------------------------------------------------------------------- refusals
+#: Jamba is smoothed (tests/test_architectures_awq_hybrid.py)
 REFUSALS = {
     "gpt_oss": (
         "AWQModifier: GptOssForCausalLM (model_type 'gpt_oss') keeps fused experts in "
@@ -265,14 +266,6 @@ REFUSALS = {
         "AWQModifier: DbrxForCausalLM (model_type 'dbrx') keeps fused experts in "
         "transformer.blocks.{0..1}.ffn.experts that no smoothing mapping reaches (DbrxExperts is not a transformers "
         "fused-experts class with layout flags (has_gate, is_concatenated, ...)), so they would be quantized "
-        "unsmoothed: use GPTQModifier or QuantizationModifier, which quantize each expert matrix"
-    ),
-    "jamba": (
-        "AWQModifier: JambaForCausalLM (model_type 'jamba') keeps fused experts in "
-        "model.layers.{1,3}.feed_forward.experts that no smoothing mapping reaches (the default mappings smooth a "
-        "block read from post_attention_layernorm; recipe mappings must list every expert matrix, e.g. "
-        "post_attention_layernorm -> 're:.*mlp.gate$', 're:.*mlp.experts.*.gate_proj$', "
-        "'re:.*mlp.experts.*.up_proj$' and 're:.*up_proj$' -> 're:.*down_proj$'), so they would be quantized "
         "unsmoothed: use GPTQModifier or QuantizationModifier, which quantize each expert matrix"
     ),
     "nemotron_h": (
