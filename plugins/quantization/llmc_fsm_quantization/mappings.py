@@ -294,8 +294,10 @@ def _default_specs_for_layer(layer: nn.Module, *, include_linear: bool) -> list[
     v = _linear_named(layer, "v_proj")
     o = _linear_named(layer, "o_proj")
     norms = [n for n, m in children.items() if _is_norm(m)]
-    # a block with one norm before its one mixer (Nemotron-H: attention, MLP, experts or mamba) uses it as either
-    only = norms[0] if len(norms) == 1 and "input_layernorm" not in children else None
+    # a block of one norm and one mixer (Nemotron-H: attention, MLP, experts or mamba) uses it as either; not a
+    # parallel block whose one norm feeds attention and MLP alike (GPT-J's ln_1: smoothing it for q/k/v alone would
+    # change the MLP's input)
+    only = norms[0] if len(norms) == 1 and len(children) == 2 and "input_layernorm" not in children else None
     norm_name = "input_layernorm" if only is None else only
     norm = _child(layer, norm_name)
     if norm is not None and _is_norm(norm) and q and k and v:
