@@ -132,3 +132,26 @@ def _assert_both_refuse_packing_fused_experts(tmp_path, family):
         "transformers saves model.layers.0.mlp.experts.down_proj, model.layers.0.mlp.experts.gate_up_proj fused in "
         "the checkpoint"
     )
+
+
+@pytest.mark.parametrize("method", ["sparsegpt", "gptq"])
+def test_streamed_checkpoint_holds_the_in_memory_checkpoints_tensors(tmp_path, method):
+    """The streamed output is written under the names save_pretrained writes (Mixtral's per-expert
+    ``block_sparse_moe.experts.<e>.w1.weight``, not the fused ``mlp.experts.gate_up_proj``): the same keys as the
+    in-memory run's checkpoint, every tensor bit-equal."""
+    from safetensors.torch import load_file
+
+    _save("mixtral", tmp_path / "ckpt", "per_expert")
+    tensors = []
+    for low_memory in (False, True):
+        out = tmp_path / f"out_{low_memory}"
+        llmc_fsm.oneshot(
+            model=str(tmp_path / "ckpt"), recipe=RECIPES[method], dataset=DATA, output_dir=out, progress=False,
+            low_memory=low_memory,
+        )  # fmt: skip
+        tensors.append({k: v for f in sorted(out.glob("*.safetensors")) for k, v in load_file(f).items()})
+    assert sorted(tensors[0]) == sorted(tensors[1])
+    assert [k for k, v in tensors[0].items() if not torch.equal(v, tensors[1][k])] == []
+    suffix = "weight" if method == "sparsegpt" else "weight_packed"
+    assert f"model.layers.0.block_sparse_moe.experts.3.w1.{suffix}" in tensors[1]
+    assert not any(".mlp." in k for k in tensors[1])

@@ -258,12 +258,23 @@ def write_outer(lazy: LazyModel, writer: ShardWriter) -> list[ModuleSparsity]:
     names = lazy.outer_names()
     measured = []
     with lazy.materialized(names):
-        writer.write(1, {name: lazy.tensor(name).detach() for name in names})
+        writer.write(1, _saved_names(lazy, {name: lazy.tensor(name).detach() for name in names}))
         for prefix, module in _outer_modules(lazy):
             measured += [
                 attrs.evolve(m, name=f"{prefix}.{m.name}" if m.name else prefix) for m in measure_sparsity(module)
             ]
     return measured
+
+
+def _saved_names(lazy: LazyModel, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``tensors`` as ``save_pretrained`` writes them: transformers' ``revert_weight_conversion`` (fused experts back
+    to the checkpoint's per-expert keys, renamed keys back); a tensor a conversion built (a slice of a fused one) is
+    copied to own its memory, the others are written as they are."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    given = {id(t) for t in tensors.values()}
+    saved = revert_weight_conversion(lazy.model, tensors)
+    return {k: v if id(v) in given else v.contiguous().clone() for k, v in saved.items()}
 
 
 def _layer_output(layer: nn.Module, prefix: str) -> dict[str, torch.Tensor]:
@@ -429,4 +440,4 @@ def _write_layer(lazy: LazyModel, writer: ShardWriter, index: int, result: Strea
     layer = lazy.layers[index]
     prefix = f"{lazy.layers_name}.{index}."
     result.modules += [attrs.evolve(m, name=prefix + m.name, layer=index) for m in measure_sparsity(layer) if m.name]
-    writer.write(index + 2, _layer_output(layer, prefix))
+    writer.write(index + 2, _saved_names(lazy, _layer_output(layer, prefix)))
