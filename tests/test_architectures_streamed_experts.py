@@ -13,7 +13,7 @@ import pytest
 import torch
 import transformers
 from safetensors import safe_open
-from safetensors.torch import save_model
+from safetensors.torch import load_file, save_model
 from tiny_families import build
 
 import llmc_fsm
@@ -76,12 +76,13 @@ def _reload(directory):
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
 def test_streamed_output_equals_the_in_memory_output(tmp_path, family, layout, method):
     """One-shot from the same checkpoint, streamed (low_memory) and in memory: both outputs reload with no missing
-    or unexpected key, every tensor bit-equal, every expert matrix compressed (SparseGPT: exactly 50 % zeros per
+    or unexpected key, the checkpoint files hold the same keys (save_pretrained's: per expert where the source is) and
+    tensors, every reloaded tensor bit-equal, every expert matrix compressed (SparseGPT: exactly 50 % zeros per
     expert matrix; GPTQ: every expert tensor changed), logits equal."""
     _save(family, tmp_path / "ckpt", layout)
     if (layout, method) == ("fused", "gptq"):
         return _assert_both_refuse_packing_fused_experts(tmp_path, family)
-    outputs = {}
+    outputs, files = {}, []
     for low_memory in (False, True):
         out = tmp_path / f"out_{low_memory}"
         llmc_fsm.oneshot(
@@ -89,6 +90,12 @@ def test_streamed_output_equals_the_in_memory_output(tmp_path, family, layout, m
             low_memory=low_memory,
         )  # fmt: skip
         outputs[low_memory] = _reload(out)
+        files.append({k: v for f in sorted(out.glob("*.safetensors")) for k, v in load_file(f).items()})
+    # the checkpoint files: the same keys (save_pretrained's names, the source's layout), every tensor bit-equal
+    assert sorted(files[0]) == sorted(files[1])
+    assert [k for k, v in files[0].items() if not torch.equal(v, files[1][k])] == []
+    stored = PER_EXPERT_KEY[family].removesuffix("weight") + ("weight" if method == "sparsegpt" else "weight_packed")
+    assert (stored in files[1]) == (layout == "per_expert")
     in_memory, streamed = outputs[False].state_dict(), outputs[True].state_dict()
     assert sorted(in_memory) == sorted(streamed)
     assert [k for k in in_memory if not torch.equal(in_memory[k], streamed[k])] == []
@@ -132,26 +139,3 @@ def _assert_both_refuse_packing_fused_experts(tmp_path, family):
         "transformers saves model.layers.0.mlp.experts.down_proj, model.layers.0.mlp.experts.gate_up_proj fused in "
         "the checkpoint"
     )
-
-
-@pytest.mark.parametrize("method", ["sparsegpt", "gptq"])
-def test_streamed_checkpoint_holds_the_in_memory_checkpoints_tensors(tmp_path, method):
-    """The streamed output is written under the names save_pretrained writes (Mixtral's per-expert
-    ``block_sparse_moe.experts.<e>.w1.weight``, not the fused ``mlp.experts.gate_up_proj``): the same keys as the
-    in-memory run's checkpoint, every tensor bit-equal."""
-    from safetensors.torch import load_file
-
-    _save("mixtral", tmp_path / "ckpt", "per_expert")
-    tensors = []
-    for low_memory in (False, True):
-        out = tmp_path / f"out_{low_memory}"
-        llmc_fsm.oneshot(
-            model=str(tmp_path / "ckpt"), recipe=RECIPES[method], dataset=DATA, output_dir=out, progress=False,
-            low_memory=low_memory,
-        )  # fmt: skip
-        tensors.append({k: v for f in sorted(out.glob("*.safetensors")) for k, v in load_file(f).items()})
-    assert sorted(tensors[0]) == sorted(tensors[1])
-    assert [k for k, v in tensors[0].items() if not torch.equal(v, tensors[1][k])] == []
-    suffix = "weight" if method == "sparsegpt" else "weight_packed"
-    assert f"model.layers.0.block_sparse_moe.experts.3.w1.{suffix}" in tensors[1]
-    assert not any(".mlp." in k for k in tensors[1])
