@@ -192,9 +192,7 @@ def test_an_expert_the_router_never_picks_is_named_and_left_unless_all_experts_c
     assert model.llmc_fsm_report.total_sparsity == 0.5
 
 
-@pytest.mark.parametrize(
-    "family", ["mixtral", "qwen3_moe", "dbrx", "gpt_oss", "deepseek_v3", "qwen3_next", "gpt2"]
-)
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "dbrx", "gpt_oss", "deepseek_v3", "qwen3_next", "gpt2"])
 def test_sparsegpt_prunes_every_expert_and_conv1d_and_the_output_reloads(tmp_path, family):
     """Every expert matrix (and every Conv1D) 50% sparse, counted in the report; saved in the fused layout:
     transformers reloads every key and gives the in-memory logits."""
@@ -302,8 +300,12 @@ def test_compressed_tensors_cannot_quantize_a_conv1d():
     """The measured reason of the Conv1D refusal (fails, and the refusal should go, once compressed-tensors can):
     its initializer refuses a Conv1D, and applying a config that targets one (what transformers does on reload)
     leaves it without quantization parameters."""
-    from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
-    from compressed_tensors.quantization import apply_quantization_config
+    from compressed_tensors.quantization import (
+        QuantizationArgs,
+        QuantizationConfig,
+        QuantizationScheme,
+        apply_quantization_config,
+    )
     from compressed_tensors.quantization.lifecycle.initialize import initialize_module_for_quantization
 
     scheme = QuantizationScheme(
@@ -311,17 +313,23 @@ def test_compressed_tensors_cannot_quantize_a_conv1d():
     )
     model = build("gpt2")
     conv = model.transformer.h[0].attn.c_attn
-    with pytest.raises(ValueError, match=r"^Quantization of module type <class 'transformers.pytorch_utils.Conv1D'> "
-                                         r"is not supported$"):
+    with pytest.raises(
+        ValueError,
+        match=r"^Quantization of module type <class 'transformers.pytorch_utils.Conv1D'> "
+        r"is not supported$",
+    ):
         initialize_module_for_quantization(conv, scheme, force_zero_point=True)
     fresh = build("gpt2")
     apply_quantization_config(fresh, QuantizationConfig(config_groups={"g": scheme}, format="pack-quantized"))
     assert not any(hasattr(m, "weight_scale") for m in fresh.modules())
 
 
-def test_low_memory_prunes_conv1d_like_in_memory_and_refuses_per_expert_checkpoints_saying_why(tmp_path):
-    """GPT-2 streamed from disk gives the in-memory weights; a Mixtral checkpoint (transformers 5 saves its fused
-    experts per expert and fuses them on load) is refused before any work, naming why."""
+def test_low_memory_prunes_conv1d_like_in_memory_and_refuses_a_checkpoint_without_the_experts_saying_why(tmp_path):
+    """GPT-2 streamed from disk gives the in-memory weights (mixture-of-experts checkpoints stream too:
+    tests/test_architectures_streamed_experts.py); a Mixtral checkpoint that lacks expert tensors is refused before
+    any work, naming them."""
+    from safetensors.torch import load_file, save_file
+
     recipe = {"s": {"SparseGPTModifier": {"sparsity": 0.5}}}
     build("gpt2").save_pretrained(tmp_path / "gpt2")
     in_memory = build("gpt2")
@@ -333,9 +341,16 @@ def test_low_memory_prunes_conv1d_like_in_memory_and_refuses_per_expert_checkpoi
     streamed = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "b")
     assert all(torch.equal(v, streamed.state_dict()[k]) for k, v in in_memory.state_dict().items())
     build("mixtral").save_pretrained(tmp_path / "mixtral")
-    with pytest.raises(ValueError, match=r"keeps mixture-of-experts weights per expert \(missing model\.layers\.0"):
+    path = tmp_path / "mixtral" / "model.safetensors"
+    tensors = load_file(path)
+    save_file({k: v for k, v in tensors.items() if ".experts.3." not in k}, path, metadata={"format": "pt"})
+    with pytest.raises(ValueError) as info:
         llmc_fsm.oneshot(
             model=str(tmp_path / "mixtral"), recipe=recipe, dataset=DATA, output_dir=tmp_path / "c", progress=False,
             low_memory=True,
         )  # fmt: skip
+    assert str(info.value).startswith(
+        f"{tmp_path / 'mixtral'}: the checkpoint does not match the model its config.json describes (other shapes: "
+        "model.layers.0.mlp.experts.gate_up_proj [3, 256, 64] (the config gives [4, 256, 64])"
+    )
     assert not (tmp_path / "c").exists()

@@ -12,7 +12,7 @@ import re
 import pytest
 import torch
 import transformers
-from tiny_families import FAMILIES, build
+from tiny_families import FAMILIES, batches, build
 
 import llmc_fsm
 from llmc_fsm.models.layers import UnsupportedArchitectureError, find_decoder_layers
@@ -90,7 +90,7 @@ def test_gptq_quantizes_the_language_model_only_and_the_output_reloads(tmp_path,
     """The reloaded model's quantized modules are exactly the text decoder layers' Linears; towers and projectors
     come back unquantized and equal to before; reload with no missing/unexpected key and equal logits."""
     scheme = {"preset": "W4A16", "weights": {"group_size": 16}}
-    model, layers_name, before, reloaded, info, expected, got = _oneshot_and_reload(
+    _model, layers_name, before, reloaded, info, expected, got = _oneshot_and_reload(
         tmp_path, family, ("GPTQModifier", {"scheme": scheme})
     )
     _assert_reloads(info, expected, got)
@@ -116,3 +116,88 @@ def test_whisper_is_refused_before_any_work_naming_the_family_and_why():
         "ones on text, through their language model): not supported"
     )
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+
+
+# --------------------------------------------------------------------------- Mllama: cross-attention layers (issue 24)
+def _mllama_image_batches(model, num: int = 2, rows: int = 2, length: int = 24) -> list[dict[str, torch.Tensor]]:
+    """Calibration batches with one random image each (every tile, aspect ratio 1x1), as MllamaProcessor lays them
+    out: ``pixel_values [B, 1, tiles, C, H, W]``, ``aspect_ratio_ids [B, 1]``, ``aspect_ratio_mask [B, 1, tiles]``,
+    ``cross_attention_mask [B, L, 1, tiles]`` (every token sees the image), the image token first."""
+    vision = model.config.vision_config
+    tiles, gen = vision.max_num_tiles, torch.Generator().manual_seed(1)
+    out = []
+    for batch in batches(num=num, rows=rows, length=length):
+        ids = batch["input_ids"].clone()
+        ids[:, 0] = model.config.image_token_index
+        size = (rows, 1, tiles, vision.num_channels, vision.image_size, vision.image_size)
+        out.append({
+            "input_ids": ids,
+            "pixel_values": torch.randn(size, generator=gen),
+            "aspect_ratio_ids": torch.ones(rows, 1, dtype=torch.long),
+            "aspect_ratio_mask": torch.ones(rows, 1, tiles, dtype=torch.long),
+            "cross_attention_mask": torch.ones(rows, length, 1, tiles, dtype=torch.long),
+        })  # fmt: skip
+    return out
+
+
+def test_mllama_layer_inputs_with_images_equal_the_models_own_forward():
+    """With image inputs the model's forward runs the cross-attention layer, and each layer gets its own captured
+    arguments (cross_attention_states from the vision tower, cross_attention_mask, full_text_row_masked_out_mask):
+    the layer-by-layer last-layer output equals the model's own (bit for bit here)."""
+    from test_architectures import _layer_by_layer, _model_last_layer_outputs
+
+    from llmc_fsm.pipeline.forward import capture_layer_inputs
+
+    model = build("mllama")
+    _, layers = find_decoder_layers(model)
+    assert type(layers[1]).__name__ == "MllamaCrossAttentionDecoderLayer"
+    data = _mllama_image_batches(model)
+    with torch.no_grad():
+        expected = _model_last_layer_outputs(model, layers, data)
+        inputs = capture_layer_inputs(model, layers[0], data)
+        assert inputs[0][1].per_layer[1][1]["cross_attention_states"] is not None
+        for out, ref in zip(_layer_by_layer(layers, inputs), expected, strict=True):
+            torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("method", ["sparsegpt", "gptq"])
+def test_mllama_compressed_on_image_batches_reloads(tmp_path, method):
+    """SparseGPT 50 % / GPTQ W4A16 g16 through the sequential pipeline (``run_sequential``) on image batches: every
+    Linear of the text decoder, the cross-attention layer's included, compressed; the vision tower and projector
+    untouched; saved, reloaded with no missing, unexpected or mismatched key, logits (with an image) equal."""
+    from llmc_fsm_pruning import SparseGPTModifier
+    from llmc_fsm_quantization import GPTQModifier
+
+    from llmc_fsm import Session
+    from llmc_fsm.output.save import save_model
+    from llmc_fsm.pipeline.sequential import run_sequential
+
+    model = build("mllama")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    ignore = ["lm_head", "re:.*vision_model.*", "re:.*multi_modal_projector.*"]
+    if method == "sparsegpt":
+        modifier = SparseGPTModifier(sparsity=0.5, ignore=ignore)
+    else:
+        modifier = GPTQModifier(scheme={"preset": "W4A16", "weights": {"group_size": 16}}, ignore=ignore)
+    data = _mllama_image_batches(model)
+    session = Session([modifier])
+    session.initialize(model=model, calibration_data=data)
+    run_sequential(session, progress=False)
+    session.finalize()
+    text = [n for n, m in model.named_modules() if ".language_model.layers." in n and isinstance(m, torch.nn.Linear)]
+    assert any(".layers.1.cross_attn." in n for n in text)
+    for name in text:
+        weight = model.get_submodule(name).weight
+        if method == "sparsegpt":
+            assert int((weight == 0).sum()) == weight.numel() // 2, name
+        else:
+            assert not torch.equal(weight, before[name + ".weight"]), name
+    rest = [k for k in before if ".language_model.layers." not in k]
+    assert [k for k in rest if not torch.equal(before[k], model.state_dict()[k])] == []
+    out = tmp_path / "o"
+    out.mkdir()
+    save_model(model, out)
+    reloaded, info = transformers.MllamaForConditionalGeneration.from_pretrained(out, output_loading_info=True)
+    assert (info["missing_keys"], info["unexpected_keys"], info["mismatched_keys"]) == (set(), set(), set())
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded.eval()(**data[0]).logits, model(**data[0]).logits, rtol=0, atol=1e-5)

@@ -15,6 +15,7 @@ import copy
 
 import pytest
 import torch
+import transformers
 from llmc_fsm_quantization import AWQModifier, GPTQModifier, QuantizationModifier
 from llmc_fsm_quantization.awq import awq_candidate_scales, awq_weight_mean
 from llmc_fsm_quantization.mappings import default_mappings, fold_scales
@@ -253,6 +254,7 @@ def test_awq_then_per_expert_quantization_saves_a_checkpoint_transformers_reload
 
 
 # --------------------------------------------------------------------------- refusals
+#: Jamba is smoothed (tests/test_architectures_awq_hybrid.py)
 REFUSALS = {
     "gpt_oss": (
         "AWQModifier: GptOssForCausalLM (model_type 'gpt_oss') keeps fused experts in "
@@ -264,14 +266,6 @@ REFUSALS = {
         "AWQModifier: DbrxForCausalLM (model_type 'dbrx') keeps fused experts in "
         "transformer.blocks.{0..1}.ffn.experts that no smoothing mapping reaches (DbrxExperts is not a transformers "
         "fused-experts class with layout flags (has_gate, is_concatenated, ...)), so they would be quantized "
-        "unsmoothed: use GPTQModifier or QuantizationModifier, which quantize each expert matrix"
-    ),
-    "jamba": (
-        "AWQModifier: JambaForCausalLM (model_type 'jamba') keeps fused experts in "
-        "model.layers.{1,3}.feed_forward.experts that no smoothing mapping reaches (the default mappings smooth a "
-        "block read from post_attention_layernorm; recipe mappings must list every expert matrix, e.g. "
-        "post_attention_layernorm -> 're:.*mlp.gate$', 're:.*mlp.experts.*.gate_proj$', "
-        "'re:.*mlp.experts.*.up_proj$' and 're:.*up_proj$' -> 're:.*down_proj$'), so they would be quantized "
         "unsmoothed: use GPTQModifier or QuantizationModifier, which quantize each expert matrix"
     ),
     "nemotron_h": (
@@ -335,20 +329,21 @@ def test_awq_on_experts_under_torch_distributed_is_refused_before_any_work(monke
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
-def test_awq_on_experts_with_low_memory_is_refused_before_any_work(tmp_path) -> None:
-    """The streamed loader reads tensors by the model's own names; transformers 5 saves fused experts per expert."""
+def test_awq_on_experts_with_low_memory_equals_the_in_memory_run(tmp_path) -> None:
+    """The streamed loader fuses the per-expert checkpoint tensors with transformers' own conversion
+    (llmc_fsm.models.lazy): AWQ + GPTQ streamed from a Mixtral checkpoint saved by transformers 5 gives the in-memory
+    run's output, tensor for tensor, and it reloads with no missing or unexpected key."""
     build("mixtral").save_pretrained(tmp_path / "ckpt")
-    with pytest.raises(ValueError) as info:
-        _run(str(tmp_path / "ckpt"), GPTQModifier(scheme=SCHEME), awq=AWQModifier(), low_memory=True,
-             output_dir=tmp_path / "o")  # fmt: skip
-    assert str(info.value).endswith(
-        "which transformers fuses on load (its weight conversion); low_memory reads each tensor by the model's own "
-        "name and does not convert them: run without low_memory"
-    )
-    assert str(info.value).startswith(
-        f"{tmp_path / 'ckpt'}: the checkpoint keeps mixture-of-experts weights per expert"
-    )
-    assert not (tmp_path / "o").exists()
+    reloaded = []
+    for low_memory in (False, True):
+        out = tmp_path / f"o_{low_memory}"
+        _run(str(tmp_path / "ckpt"), GPTQModifier(scheme=SCHEME), awq=AWQModifier(), low_memory=low_memory,
+             output_dir=out)  # fmt: skip
+        model, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+        assert (info["missing_keys"], info["unexpected_keys"]) == (set(), set())
+        reloaded.append(model.state_dict())
+    assert sorted(reloaded[0]) == sorted(reloaded[1])
+    assert [k for k, v in reloaded[0].items() if not torch.equal(v, reloaded[1][k])] == []
 
 
 # --------------------------------------------------------------------------- recipe mappings (issue 24)

@@ -285,12 +285,12 @@ FAMILIES: dict[str, tuple[str, dict[str, Any], str | None]] = {
 }
 
 
-def config(name: str) -> Any:
-    """The tiny config of family ``name``."""
+def config(name: str, **extra: Any) -> Any:
+    """The tiny config of family ``name`` (``extra``: fields set on top of the family's, e.g. a layer pattern)."""
     from transformers import AutoConfig
 
     model_type, overrides, _ = FAMILIES[name]
-    overrides = dict(overrides)
+    overrides = {**overrides, **extra}
     if overrides.pop("_raw", False):  # a config whose fields have other names: only the ids and vocabulary
         base = {k: _TEXT[k] for k in ("vocab_size", "pad_token_id", "bos_token_id", "eos_token_id")}
     else:

@@ -8,6 +8,18 @@ checkpoint — ``model.safetensors``, or shards listed in
 tensors of one decoder layer (or of everything outside the decoder layers) and
 puts them back on ``meta`` when the block ends.
 
+Checkpoint keys are matched to the model's tensors with transformers' own
+weight conversion (``get_model_conversion_mapping`` and
+``core_model_loading.rename_source_key``, as ``from_pretrained`` applies them):
+renamed keys (Mixtral's ``block_sparse_moe`` -> ``mlp``) are read under their
+checkpoint name, and tensors that ``from_pretrained`` builds from several
+checkpoint tensors (transformers 5's fused mixture-of-experts parameters
+``experts.gate_up_proj`` / ``experts.down_proj``, from the per-expert
+``experts.<e>.gate_proj.weight`` ...) are built by the same converter
+(``WeightConverter.convert``) from the keys it collects, in the order
+``from_pretrained`` collects them; a checkpoint that already holds the fused
+tensors is read as it is.
+
 Tensors are swapped into the model's existing parameter objects
 (``torch.utils.swap_tensors``), so a parameter keeps its identity: tied weights
 stay tied, and the modules a modifier selected at ``initialize`` are the ones
@@ -25,9 +37,9 @@ import contextlib
 import json
 import logging
 import os
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import torch
@@ -56,7 +68,9 @@ class LazyModel:
         model: the model; its parameters are on ``meta`` except inside :meth:`materialized`.
         directory: the checkpoint directory.
         sources: ``{model tensor name: (file name, checkpoint key)}`` for every
-            tensor of the state dict, tied tensors once (under the first name).
+            tensor of the state dict read as stored (possibly renamed), tied tensors once (under the first name).
+        converted: ``{model tensor name: conversion}`` for the tensors transformers' weight conversion
+            builds from several checkpoint tensors (fused experts); the tensors one conversion builds share it.
         layers_name: qualified name of the decoder-layer list (e.g. ``"model.layers"``).
         layers: the decoder layers.
     """
@@ -66,6 +80,7 @@ class LazyModel:
     sources: dict[str, tuple[str, str]]
     layers_name: str
     layers: nn.ModuleList
+    converted: dict[str, _Conversion] = attrs.field(factory=dict)
     _tensors: dict[str, torch.Tensor] = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
@@ -74,12 +89,12 @@ class LazyModel:
     def layer_names(self, index: int) -> list[str]:
         """The tensor names of decoder layer ``index`` (full names)."""
         prefix = f"{self.layers_name}.{index}."
-        return [name for name in self.sources if name.startswith(prefix)]
+        return [name for name in (*self.sources, *self.converted) if name.startswith(prefix)]
 
     def outer_names(self) -> list[str]:
         """The tensor names outside the decoder layers: embeddings, final norm, head (tied ones once)."""
         prefix = f"{self.layers_name}."
-        return [name for name in self.sources if not name.startswith(prefix)]
+        return [name for name in (*self.sources, *self.converted) if not name.startswith(prefix)]
 
     def tensor(self, name: str) -> torch.Tensor:
         """The model's parameter or buffer called ``name`` (on ``meta`` unless materialized)."""
@@ -110,13 +125,64 @@ class LazyModel:
 
         by_file: dict[str, list[str]] = {}
         for name in names:
-            by_file.setdefault(self.sources[name][0], []).append(name)
+            if name in self.sources:
+                by_file.setdefault(self.sources[name][0], []).append(name)
         for file, group in by_file.items():
             with safe_open(str(self.directory / file), framework="pt") as handle:
                 for name in group:
-                    target = self._tensors[name]
-                    value = handle.get_tensor(self.sources[name][1])
-                    _swap(target, value.to(target.dtype) if value.dtype != target.dtype else value)
+                    _swap_cast(self._tensors[name], handle.get_tensor(self.sources[name][1]))
+        wanted = set(names)
+        conversions = {id(c): c for name, c in self.converted.items() if name in wanted}
+        for conversion in conversions.values():
+            built = conversion.run(self.model, lambda file, key: _read(self.directory / file, key))
+            for name, value in built.items():
+                if name in wanted:
+                    _swap_cast(self._tensors[name], value)
+
+
+@attrs.frozen(eq=False)
+class _Conversion:
+    """One transformers ``WeightConverter`` application: the checkpoint tensors it collects and the tensors it builds.
+
+    Attributes:
+        converter: the model's converter (from ``get_model_conversion_mapping``); copied for each run.
+        first: the model tensor name ``from_pretrained`` files the collected tensors under (the first target).
+        keys: ``(file name, checkpoint key, source pattern)`` in the order ``from_pretrained`` collects them
+            (its ``dot_natural_key`` order: expert 2 before expert 10).
+        names: ``{built tensor name: model tensor name}`` (the first of tied names).
+    """
+
+    converter: Any
+    first: str
+    keys: tuple[tuple[str, str, str], ...]
+    names: dict[str, str] = attrs.field(factory=dict)
+
+    def run(self, model: nn.Module, read: Callable[[str, str], torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``{model tensor name: tensor}`` built by the converter from ``read(file, key)`` of each key.
+
+        Raises:
+            Exception: what the converter's operations raise (e.g. experts of different shapes).
+        """
+        from copy import deepcopy
+
+        converter = deepcopy(self.converter)  # from_pretrained copies it for each target too
+        for file, key, pattern in self.keys:
+            converter.add_tensor(self.first, key, pattern, read(file, key))
+        built = converter.convert(self.first, model=model, config=getattr(model, "config", None))
+        return {
+            self.names.get(name, name): value[0] if isinstance(value, list) else value for name, value in built.items()
+        }
+
+
+def _read(path: Path, key: str) -> torch.Tensor:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as handle:
+        return handle.get_tensor(key)
+
+
+def _swap_cast(target: torch.Tensor, value: torch.Tensor) -> None:
+    _swap(target, value.to(target.dtype) if value.dtype != target.dtype else value)
 
 
 def _swap(target: torch.Tensor, value: torch.Tensor) -> None:
@@ -143,36 +209,87 @@ def _checkpoint_files(directory: Path) -> dict[str, str]:
     raise ValueError(msg)
 
 
-def _match_sources(model: nn.Module, directory: Path, files: Mapping[str, str]) -> dict[str, tuple[str, str]]:
-    """Map each state-dict tensor (tied ones once) to its checkpoint file and key; check names and shapes.
+def _match_sources(
+    model: nn.Module, directory: Path, files: Mapping[str, str]
+) -> tuple[dict[str, tuple[str, str]], dict[str, _Conversion]]:
+    """Map each state-dict tensor (tied ones once) to the checkpoint tensors it is read or built from; check shapes.
+
+    Each checkpoint key is renamed as ``from_pretrained`` renames it (transformers'
+    ``rename_source_key`` with the model's ``get_model_conversion_mapping``: renamings,
+    then at most one converter). A key a converter collects joins that converter's
+    :class:`_Conversion`, which is run once here on ``meta`` tensors of the stored
+    shapes and dtypes (no data read) to learn the tensors it builds and check their
+    shapes. Checkpoint keys that match no tensor are left unread, as ``from_pretrained``
+    leaves unexpected keys. The conversions actually used are kept on the model as
+    ``_weight_conversions``, as ``from_pretrained`` keeps them, so saving writes the
+    checkpoint's layout back.
+
+    Returns:
+        ``(sources, converted)`` as in :class:`LazyModel`.
 
     Raises:
-        ValueError: tensors missing from the checkpoint or of another shape (the first five are named).
+        ValueError: tensors missing from the checkpoint or of another shape, or a conversion that fails
+            (the first five are named).
     """
     from safetensors import safe_open
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, rename_source_key
 
-    groups: dict[int, list[str]] = {}
     tensors = model.state_dict(keep_vars=True)
-    for name, tensor in tensors.items():
-        groups.setdefault(id(tensor), []).append(name)
-    sources: dict[str, tuple[str, str]] = {}
-    missing: list[str] = []
-    for names in groups.values():
-        key = next((n for n in names if n in files), None)
-        if key is None:
-            missing.append(names[0])
+    first_of: dict[int, str] = {}
+    canonical = {name: first_of.setdefault(id(tensor), name) for name, tensor in tensors.items()}
+    mapping = get_model_conversion_mapping(model) if hasattr(model, "base_model_prefix") else []
+    renamings = [t for t in mapping if isinstance(t, WeightRenaming)]
+    converters = [t for t in mapping if isinstance(t, WeightConverter)]
+    by_pattern = {pattern: c for c in converters for pattern in c.source_patterns}
+    prefix = getattr(model, "base_model_prefix", None)
+    plain: dict[str, tuple[str, str]] = {}
+    collected: dict[str, list[tuple[str, str, str]]] = {}
+    for key in sorted(files, key=dot_natural_key):  # from_pretrained's order: it fixes the order experts are stacked
+        name, pattern = rename_source_key(key, renamings, converters, prefix, tensors)
+        if name not in tensors and key in tensors:  # from_pretrained's fallback: the key as stored
+            name, pattern = rename_source_key(key, [], [], prefix, tensors)
+        if name not in tensors:
+            continue
+        if pattern is None:
+            plain.setdefault(canonical[name], (files[key], key))
         else:
-            sources[names[0]] = (files[key], key)
-    wrong: list[str] = []
+            collected.setdefault(name, []).append((files[key], key, pattern))
+
+    shapes: dict[str, tuple[list[int], torch.dtype]] = {}
     by_file: dict[str, list[str]] = {}
-    for name, (file, _key) in sources.items():
-        by_file.setdefault(file, []).append(name)
-    for file, names in by_file.items():
+    for file, key in [*plain.values(), *((f, k) for keys in collected.values() for f, k, _ in keys)]:
+        by_file.setdefault(file, []).append(key)
+    for file, keys in by_file.items():
         with safe_open(str(directory / file), framework="pt") as handle:
-            for name in names:
-                shape = list(handle.get_slice(sources[name][1]).get_shape())
-                if shape != list(tensors[name].shape):
-                    wrong.append(f"{name} {shape} (the config gives {list(tensors[name].shape)})")
+            for key in keys:
+                stored = handle.get_slice(key)
+                shapes[key] = (list(stored.get_shape()), _SAFETENSORS_DTYPES.get(stored.get_dtype(), torch.float32))
+
+    wrong: list[str] = []
+    misshapen: set[str] = set()
+    converted: dict[str, _Conversion] = {}
+    for first, keys in collected.items():
+        conversion = _Conversion(by_pattern[keys[0][2]], first, tuple(keys))
+        try:
+            built = conversion.run(model, lambda _f, k: torch.empty(shapes[k][0], dtype=shapes[k][1], device="meta"))
+        except Exception as exc:  # a converter's operation failing on these shapes: named below
+            wrong.append(f"{first} (transformers' conversion of {keys[0][1]} ... failed: {exc})")
+            continue
+        for name, value in built.items():
+            if name not in tensors:
+                wrong.append(f"{name} (built by transformers' conversion, not a tensor of the model)")
+            elif list(value.shape) != list(tensors[name].shape):
+                wrong.append(f"{name} {list(value.shape)} (the config gives {list(tensors[name].shape)})")
+                misshapen.add(canonical[name])
+            else:
+                conversion.names[name] = canonical[name]
+                converted[canonical[name]] = conversion
+    for name, (_file, key) in plain.items():
+        if shapes[key][0] != list(tensors[name].shape):
+            wrong.append(f"{name} {shapes[key][0]} (the config gives {list(tensors[name].shape)})")
+    found = {*plain, *converted, *misshapen}
+    missing = [n for n in dict.fromkeys(canonical.values()) if n not in found]
     if missing or wrong:
         parts = [f"missing {', '.join(missing[:5])}" + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")]
         parts = (parts if missing else []) + ([f"other shapes: {', '.join(wrong[:5])}"] if wrong else [])
@@ -180,14 +297,18 @@ def _match_sources(model: nn.Module, directory: Path, files: Mapping[str, str]) 
             f"{directory}: the checkpoint does not match the model its config.json describes ({'; '.join(parts)}); "
             "low_memory needs the tensor names from_pretrained/save_pretrained use: save the model again"
         )
-        if any("experts" in name for name in missing):  # transformers 5 saves fused experts per expert
-            msg = (
-                f"{directory}: the checkpoint keeps mixture-of-experts weights per expert ({'; '.join(parts)}), "
-                "which transformers fuses on load (its weight conversion); low_memory reads each tensor by the "
-                "model's own name and does not convert them: run without low_memory"
-            )
         raise ValueError(msg)
-    return sources
+    if mapping:
+        model._weight_conversions = [t for t in mapping if t.was_used()]  # as from_pretrained keeps them
+    return plain, converted
+
+
+#: safetensors' dtype names (``get_slice(...).get_dtype()``) of the float dtypes a checkpoint holds.
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool,
+}  # fmt: skip
 
 
 def load_lazy(
@@ -222,9 +343,9 @@ def load_lazy(
     model.tie_weights()
     model.eval()
     check_tied(model, f"loading {directory}")
-    sources = _match_sources(model, directory, files)
+    sources, converted = _match_sources(model, directory, files)
     layers_name, layers = find_decoder_layers(model)
-    return LazyModel(model, directory, sources, layers_name, layers), _load_tokenizer(directory)
+    return LazyModel(model, directory, sources, layers_name, layers, converted), _load_tokenizer(directory)
 
 
 @attrs.define(eq=False)

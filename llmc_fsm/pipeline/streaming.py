@@ -64,6 +64,7 @@ from llmc_fsm.pipeline.sequential import (
 from llmc_fsm.report.build import ModuleSparsity, measure_sparsity
 from llmc_fsm.session.session import Session
 from llmc_fsm.toolkit.calibrated import CalibratedModifier
+from llmc_fsm.toolkit.views import weight_views
 
 __all__ = [
     "StreamedCompression",
@@ -243,7 +244,9 @@ def _outer_modules(lazy: LazyModel) -> Iterator[tuple[str, nn.Module]]:
 
 
 def _module_order(lazy: LazyModel) -> dict[str, int]:
-    return {name: i for i, (name, _) in enumerate(lazy.model.named_modules())}
+    """Rank of each module name, an expert matrix's view (``experts.0.gate_proj``) right after its experts module."""
+    names = [n for name, m in lazy.model.named_modules() for n in (name, *(f"{name}.{s}" for s in weight_views(m)))]
+    return {name: i for i, name in enumerate(names)}
 
 
 def write_outer(lazy: LazyModel, writer: ShardWriter) -> list[ModuleSparsity]:
@@ -255,12 +258,23 @@ def write_outer(lazy: LazyModel, writer: ShardWriter) -> list[ModuleSparsity]:
     names = lazy.outer_names()
     measured = []
     with lazy.materialized(names):
-        writer.write(1, {name: lazy.tensor(name).detach() for name in names})
+        writer.write(1, _saved_names(lazy, {name: lazy.tensor(name).detach() for name in names}))
         for prefix, module in _outer_modules(lazy):
             measured += [
                 attrs.evolve(m, name=f"{prefix}.{m.name}" if m.name else prefix) for m in measure_sparsity(module)
             ]
     return measured
+
+
+def _saved_names(lazy: LazyModel, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``tensors`` as ``save_pretrained`` writes them: transformers' ``revert_weight_conversion`` (fused experts back
+    to the checkpoint's per-expert keys, renamed keys back); a tensor a conversion built (a slice of a fused one) is
+    copied to own its memory, the others are written as they are."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    given = {id(t) for t in tensors.values()}
+    saved = revert_weight_conversion(lazy.model, tensors)
+    return {k: v if id(v) in given else v.contiguous().clone() for k, v in saved.items()}
 
 
 def _layer_output(layer: nn.Module, prefix: str) -> dict[str, torch.Tensor]:
@@ -426,4 +440,4 @@ def _write_layer(lazy: LazyModel, writer: ShardWriter, index: int, result: Strea
     layer = lazy.layers[index]
     prefix = f"{lazy.layers_name}.{index}."
     result.modules += [attrs.evolve(m, name=prefix + m.name, layer=index) for m in measure_sparsity(layer) if m.name]
-    writer.write(index + 2, _layer_output(layer, prefix))
+    writer.write(index + 2, _saved_names(lazy, _layer_output(layer, prefix)))

@@ -70,6 +70,7 @@ from __future__ import annotations
 import inspect
 import logging
 import re
+import weakref
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -94,9 +95,13 @@ __all__ = [
     "scales_by_one_plus_weight",
     "shared_expert_readers",
     "smooth_channels",
+    "unsmoothed_mixers",
 ]
 
 logger = logging.getLogger(__name__)
+
+#: models whose mixers no default mapping reaches were named for (:func:`default_mappings`)
+_WARNED: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.WeakKeyDictionary()
 
 
 @attrs.frozen
@@ -288,15 +293,26 @@ def _default_specs_for_layer(layer: nn.Module, *, include_linear: bool) -> list[
     k = _linear_named(layer, "k_proj")
     v = _linear_named(layer, "v_proj")
     o = _linear_named(layer, "o_proj")
-    norm = _child(layer, "input_layernorm")
+    norms = [n for n, m in children.items() if _is_norm(m)]
+    # a block of one norm and one mixer (Nemotron-H: attention, MLP, experts or mamba) uses it as either; not a
+    # parallel block whose one norm feeds attention and MLP alike (GPT-J's ln_1: smoothing it for q/k/v alone would
+    # change the MLP's input)
+    only = norms[0] if len(norms) == 1 and len(children) == 2 and "input_layernorm" not in children else None
+    norm_name = "input_layernorm" if only is None else only
+    norm = _child(layer, norm_name)
     if norm is not None and _is_norm(norm) and q and k and v:
-        out.append(("input_layernorm", (q[0], k[0], v[0])))
+        out.append((norm_name, (q[0], k[0], v[0])))
     if include_linear and v and o and v[1].weight.shape[0] == o[1].weight.shape[1]:
         out.append((v[0], (o[0],)))
     gate = _linear_named(layer, "gate_proj")
     up = _linear_named(layer, "up_proj")
     down = _linear_named(layer, "down_proj")
-    mlp_norm_name = "pre_feedforward_layernorm" if post_norms else "post_attention_layernorm"
+    if post_norms:
+        mlp_norm_name = "pre_feedforward_layernorm"
+    elif only is not None and not (q and k and v):
+        mlp_norm_name = only
+    else:  # Llama-style; Jamba's pre_ff_layernorm
+        mlp_norm_name = next((n for n in _MLP_NORMS if n in children), _MLP_NORMS[0])
     mlp_norm = _child(layer, mlp_norm_name)
     moe = _moe_block(layer)
     norm_fits = mlp_norm is not None and _is_norm(mlp_norm)
@@ -314,12 +330,18 @@ def _default_specs_for_layer(layer: nn.Module, *, include_linear: bool) -> list[
                 out.append((mlp_norm_name, (router, *readers, *gate_up)))
     elif norm_fits and up:
         out.append((mlp_norm_name, (gate[0], up[0]) if gate else (up[0],)))
-    if include_linear and up and down and up[1].weight.shape[0] == down[1].weight.shape[1]:
+    # up -> down is exact only for down(act(gate) * up): without a gate (Nemotron's relu2(up)) it would change the model
+    gated = gate is not None and up is not None and gate[0].rpartition(".")[0] == up[0].rpartition(".")[0]
+    if include_linear and gated and down and up[1].weight.shape[0] == down[1].weight.shape[1]:
         out.append((up[0], (down[0],)))
     if include_linear and norm_fits:
         ups = (v for v in expert_views if v.endswith(".up_proj"))
         out.extend((v, (v.removesuffix("up_proj") + "down_proj",)) for v in ups)
     return out
+
+
+#: a decoder layer's norm before its MLP or mixture-of-experts block, by name (Llama-style; Jamba)
+_MLP_NORMS = ("post_attention_layernorm", "pre_ff_layernorm")
 
 
 def _fused_experts(layer: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -435,7 +457,33 @@ def default_mappings(model: nn.Module, *, include_linear: bool = True) -> list[R
             mapping = _resolved(layer, prefix, smooth, list(balances), named)
             if _fit_problem(mapping) is None:
                 mappings.append(mapping)
+    left = unsmoothed_mixers(model, mappings)
+    if mappings and left and not _WARNED.get(model):
+        _WARNED[model] = True  # once per model: the modifiers resolve the mappings at each stage of their lifecycle
+        logger.warning(
+            "default smoothing mappings: no mapping reaches %s (%s): their Linears are quantized without smoothing",
+            compact_names(list(left)),
+            ", ".join(sorted({type(m).__name__ for m in left.values()})),
+        )
     return mappings
+
+
+def unsmoothed_mixers(model: nn.Module, mappings: Iterable[ResolvedMapping]) -> dict[str, nn.Module]:
+    """``{name: module}`` of the decoder layers' children that hold Linears none of which is a balance layer of
+    ``mappings`` (e.g. Jamba's and Nemotron-H's mamba mixers: their ``in_proj`` reads the norm through no mapping
+    the defaults know), in the model's order; ``{}`` without decoder layers."""
+    found = _find_layers(model)
+    if found is None:
+        return {}
+    reached = {id(b) for m in mappings for b in m.balances}
+    layers_name, layers = found
+    left: dict[str, nn.Module] = {}
+    for index, layer in enumerate(layers):
+        for name, child in layer.named_children():
+            linears = [m for m in child.modules() if is_linear_like(m)]
+            if linears and not any(id(m) in reached for m in linears):
+                left[f"{layers_name}.{index}.{name}"] = child
+    return left
 
 
 def _resolved(

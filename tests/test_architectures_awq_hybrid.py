@@ -1,0 +1,129 @@
+"""AWQ's default smoothing mappings on hybrid stacks: Jamba and Nemotron-H (issue 24).
+
+Tiny random models from ``tiny_families`` (offline configs). A mapping is right when folding any positive scales
+into it leaves the float model's function unchanged (``fold_scales``, AWQ paper Sec. 3.2): checked with random
+scales on every default mapping, the logits compared with the model's before; a control shows that a mapping the
+defaults leave out (a gateless MLP's ``up_proj -> down_proj``) does change them.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import transformers
+from llmc_fsm_quantization import AWQModifier, GPTQModifier
+from llmc_fsm_quantization.mappings import default_mappings, fold_scales, unsmoothed_mixers
+from tiny_families import build, config
+
+import llmc_fsm
+
+DATA = torch.randint(3, 128, (4, 16), generator=torch.Generator().manual_seed(0))
+SCHEME = {"preset": "W4A16", "weights": {"group_size": 16}}
+
+
+def _nemotron_h_dense() -> torch.nn.Module:
+    """Nemotron-H with mamba, attention and MLP blocks and no mixture-of-experts block (its experts have no gate
+    rows, which AWQ refuses: test below)."""
+    cfg = config("nemotron_h", layers_block_type=["mamba", "attention", "mlp", "mlp"])
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(cfg).eval()
+
+
+MODELS = {"jamba": lambda: build("jamba"), "nemotron_h_dense": _nemotron_h_dense}
+#: the default mappings (smooth layer -> balance layers, layer 0..3), as the module graph gives them
+EXPECTED = {
+    "jamba": [
+        "model.layers.0.pre_ff_layernorm -> feed_forward.gate_proj, feed_forward.up_proj",
+        "model.layers.0.feed_forward.up_proj -> feed_forward.down_proj",
+        "model.layers.1.input_layernorm -> self_attn.q_proj, self_attn.k_proj, self_attn.v_proj",
+        "model.layers.1.pre_ff_layernorm -> feed_forward.router, "
+        + ", ".join(f"feed_forward.experts.{e}.{p}" for e in range(4) for p in ("gate_proj", "up_proj")),
+        *(f"model.layers.1.feed_forward.experts.{e}.up_proj -> feed_forward.experts.{e}.down_proj" for e in range(4)),
+        "model.layers.2.pre_ff_layernorm -> feed_forward.gate_proj, feed_forward.up_proj",
+        "model.layers.2.feed_forward.up_proj -> feed_forward.down_proj",
+        "model.layers.3.input_layernorm -> self_attn.q_proj, self_attn.k_proj, self_attn.v_proj",
+        "model.layers.3.pre_ff_layernorm -> feed_forward.router, "
+        + ", ".join(f"feed_forward.experts.{e}.{p}" for e in range(4) for p in ("gate_proj", "up_proj")),
+        *(f"model.layers.3.feed_forward.experts.{e}.up_proj -> feed_forward.experts.{e}.down_proj" for e in range(4)),
+    ],
+    "nemotron_h_dense": [
+        "model.layers.1.norm -> mixer.q_proj, mixer.k_proj, mixer.v_proj",
+        "model.layers.2.norm -> mixer.up_proj",
+        "model.layers.3.norm -> mixer.up_proj",
+    ],
+}
+UNSMOOTHED = {"jamba": ["model.layers.0.mamba", "model.layers.2.mamba"], "nemotron_h_dense": ["model.layers.0.mixer"]}
+
+
+def _described(mapping) -> str:
+    layer = ".".join(mapping.smooth_name.split(".")[:3]) + "."
+    return f"{mapping.smooth_name} -> {', '.join(n.removeprefix(layer) for n in mapping.balance_names)}"
+
+
+@pytest.mark.parametrize("family", ["jamba", "nemotron_h_dense"])
+def test_default_mappings_of_hybrid_layers_keep_the_float_model(family):
+    """Every default mapping, folded with random scales in [0.5, 2], leaves the logits equal (float32 rounding:
+    atol 1e-5 on logits of size ~0.1-1); the mamba mixers are reached by none and named."""
+    model = MODELS[family]()
+    with torch.no_grad():
+        before = model(DATA).logits
+    mappings = default_mappings(model)
+    assert [_described(m) for m in mappings] == EXPECTED[family]
+    assert list(unsmoothed_mixers(model, mappings)) == UNSMOOTHED[family]
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for mapping in mappings:
+            fold_scales(mapping, 0.5 + 1.5 * torch.rand(mapping.channels, generator=gen))
+        after = model(DATA).logits
+    assert before.abs().max() > 0.05
+    torch.testing.assert_close(after, before, rtol=0, atol=1e-5)
+
+
+def test_a_gateless_mlp_up_to_down_mapping_would_change_the_model():
+    """Control: why the defaults smooth up_proj -> down_proj only under a gate. Nemotron-H's MLP computes
+    down(relu2(up(x))); folding scales into up_proj -> down_proj changes the logits (the former default did)."""
+    model = _nemotron_h_dense()
+    with torch.no_grad():
+        before = model(DATA).logits
+        mlp = model.model.layers[2].mixer
+        s = 0.5 + 1.5 * torch.rand(mlp.up_proj.out_features, generator=torch.Generator().manual_seed(1))
+        mlp.up_proj.weight.div_(s[:, None])
+        mlp.down_proj.weight.mul_(s[None, :])
+        assert (model(DATA).logits - before).abs().max() > 1e-2
+
+
+def _reload(directory):
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(directory, output_loading_info=True)
+    assert (info["missing_keys"], info["unexpected_keys"], info["mismatched_keys"]) == (set(), set(), set())
+    return model.eval()
+
+
+@pytest.mark.parametrize("family", ["jamba", "nemotron_h_dense"])
+def test_awq_gptq_on_hybrid_stacks_runs_names_the_mamba_mixers_and_reloads(tmp_path, family, caplog):
+    """AWQ + GPTQ W4A16 g16 (Jamba: ``mamba.dt_proj`` ignored, in_features 8 < group 16): the mappings above are
+    smoothed (every expert's gate/up included), the mamba mixers are quantized unsmoothed and named in the log, and
+    the output reloads with no missing or unexpected key and the in-memory model's logits."""
+    model = MODELS[family]()
+    source = {k: v.clone() for k, v in model.state_dict().items()}
+    ignore = ["lm_head", "re:.*mamba\\.dt_proj$"] if family == "jamba" else ["lm_head"]
+    awq = AWQModifier(ignore=ignore)
+    with caplog.at_level(logging.WARNING):
+        llmc_fsm.oneshot(
+            model=model, recipe=[awq, GPTQModifier(scheme=SCHEME, ignore=ignore)], dataset=DATA,
+            output_dir=tmp_path / "o", progress=False,
+        )  # fmt: skip
+    names = "model.layers.{0,2}.mamba" if family == "jamba" else "model.layers.0.mixer"
+    warned = [r.getMessage() for r in caplog.records if r.getMessage().startswith("default smoothing mappings")]
+    assert [w.split(" (")[0] for w in warned] == [f"default smoothing mappings: no mapping reaches {names}"]
+    assert set(awq.smoothing_results) == {e.split(" -> ")[0] for e in EXPECTED[family]}
+    if family == "jamba":  # every expert matrix quantized (changed)
+        for key in (
+            "model.layers.1.feed_forward.experts.gate_up_proj",
+            "model.layers.1.feed_forward.experts.down_proj",
+        ):
+            assert all(not torch.equal(model.state_dict()[key][e], source[key][e]) for e in range(4))
+    reloaded = _reload(tmp_path / "o")
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(DATA).logits, model(DATA).logits, rtol=0, atol=1e-5)
