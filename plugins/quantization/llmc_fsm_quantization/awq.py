@@ -649,7 +649,11 @@ class AWQModifier(SmoothingModifier):
         w_mean = awq_weight_mean([b.weight for b in mapping.balances], [_group_size(q) for q in quantizers])
         families = {True: [True], False: [False], "both": [False, True]}[self.duo_scaling]
         grid = [(i / self.n_grid, duo) for duo in families for i in range(self.n_grid)]
-        evaluate = _BlockError(mapping, quantizers, observer.parent_inputs[name], observer.parent_outputs[name])
+        evaluate: _BlockError | _GramError
+        if _GramError.serves(mapping) and quantizers[0] is not None:
+            evaluate = _GramError(mapping, quantizers[0], observer.parent_inputs[name])
+        else:
+            evaluate = _BlockError(mapping, quantizers, observer.parent_inputs[name], observer.parent_outputs[name])
         try:
             errors = evaluate.search(
                 [None, *(awq_candidate_scales(x_mean, w_mean if duo else None, ratio) for ratio, duo in grid)]
@@ -907,3 +911,64 @@ class _BlockError:
                 if (errors[i], i) < best:
                     best = (errors[i], i)
         return errors
+
+
+class _GramError:
+    """The block error of a mapping whose block is its one balance Linear (``v -> o``, ``up -> down``, an expert's
+    ``up -> down``), from the Gram matrix of its inputs instead of a forward per candidate.
+
+    With ``X`` the ``[N, in]`` calibration inputs and ``dW = Q(W diag(s)) diag(s)^-1 - W`` (``[out, in]``), the
+    block's output error is ``sum((X dW^T) ** 2) = tr(dW H dW^T)``, ``H = X^T X``: ``H`` is accumulated once
+    (in float32 per cached batch, float64 for a float64 model, summed in float64; under ``torch.distributed`` summed over the ranks), factored once
+    as ``H = L L^T`` (float64 Cholesky; an eigendecomposition ``V diag(sqrt(max(e, 0)))`` where ``H`` is singular),
+    and each candidate costs ``sum((dW L) ** 2)`` (products in that dtype, float64 sum): ``out * in^2`` multiply-adds
+    instead of ``N * in * out``, and every candidate is scored in full (no pruning). The error is divided by
+    ``N * out`` as :class:`_BlockError`'s. It equals the forward's up to float rounding (the forward's output
+    rounding in the model's dtype, bfloat16 say, is not part of it).
+    """
+
+    def __init__(
+        self, mapping: ResolvedMapping, quantizer: Quantizer, inputs: list[tuple[tuple[Any, ...], dict[str, Any]]]
+    ) -> None:
+        self.weight = mapping.balances[0].weight.detach()
+        self.quantizer = quantizer
+        #: the products' dtype: float32, float64 for a float64 model
+        self.dtype = torch.float64 if self.weight.dtype == torch.float64 else torch.float32
+        cols = self.weight.shape[1]
+        gram = torch.zeros(cols, cols, dtype=torch.float64, device=self.weight.device)
+        tokens = 0
+        for args, kwargs in inputs:
+            x = (args[0] if args else kwargs["input"]).detach().reshape(-1, cols).to(self.dtype)
+            gram += (x.T @ x).to(torch.float64)
+            tokens += x.shape[0]
+        gram = all_reduce_tensor(gram, what="all_reduce (AWQ Gram matrix)")
+        sums = all_reduce_tensor(torch.tensor([float(tokens)], dtype=torch.float64), what="all_reduce (AWQ Gram)")
+        self.count = max(float(sums[0]) * self.weight.shape[0], 1.0)
+        factor, info = torch.linalg.cholesky_ex(gram)
+        if int(info) != 0:  # singular (fewer tokens than inputs, a dead channel): H = V diag(e) V^T, e >= 0
+            values, vectors = torch.linalg.eigh(gram)
+            factor = vectors * values.clamp_min(0.0).sqrt()[None, :]
+        self.factor = factor.to(self.dtype)
+
+    @staticmethod
+    def serves(mapping: ResolvedMapping) -> bool:
+        """Whether the mapping's block is its single balance layer, a Linear (or an expert matrix's view)."""
+        return (
+            len(mapping.balances) == 1
+            and mapping.parent is mapping.balances[0]
+            and isinstance(mapping.parent, nn.Linear | LinearView)
+        )
+
+    @torch.no_grad()
+    def error(self, scales: torch.Tensor | None) -> float:
+        """``tr(dW H dW^T) / (N * out)`` for candidate ``scales`` (``None``: no smoothing)."""
+        quantized = _BlockError._quantized(self.weight, self.quantizer, scales)
+        delta = quantized.to(self.dtype) - self.weight.to(self.dtype)
+        return float((delta @ self.factor).pow_(2).sum(dtype=torch.float64)) / self.count
+
+    def search(self, candidates: list[torch.Tensor | None]) -> list[float | None]:
+        """Every candidate's error (none pruned; the balance layer's weight is not touched)."""
+        return [self.error(scales) for scales in candidates]
+
+    def restore(self) -> None:
+        """Nothing to put back (the interface of :class:`_BlockError`)."""
