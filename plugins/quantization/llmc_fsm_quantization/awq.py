@@ -256,6 +256,11 @@ def _clip_grid(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
         raise ValueError(f"{attribute.name} must be a positive int, got {value!r}")
 
 
+def _sample(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"{attribute.name} must be null (every token) or a positive int, got {value!r}")
+
+
 def _shrink(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int | float) or not 0.0 < float(value) < 1.0:
         msg = (
@@ -309,6 +314,11 @@ class AWQModifier(SmoothingModifier):
         clip_n_grid / clip_max_shrink: the clipping grid (defaults 20 and 0.5: ranges 1, 0.95, ..., 0.55 of the
             group's ``max|W|``).
         clip_n_sample_token: about how many calibration tokens the clipping search uses per Linear (default 512).
+        search_n_sample_token: opt-in shortcut, not the paper's search: about how many calibration tokens the
+            exponent search of a mapping scored by a block forward (``self_attn``, ``mlp``) uses: every ``k``-th
+            window, ``k = max(1, N // search_n_sample_token)``, ``N`` this process's tokens; its errors are then
+            means over those windows. Default ``null``: every token (the exact grid search). Linear blocks
+            (``v -> o``, ``up -> down``) always use every token (their Gram matrix, see the module docstring).
 
     Requires state ``model`` and ``calibration_data``; runs in the sequential pipeline. :attr:`smoothing_results`:
     per smooth layer ``exponent`` (``None``: no smoothing won), ``duo_scaling``, ``tokens`` (the calibration tokens
@@ -332,6 +342,7 @@ class AWQModifier(SmoothingModifier):
     clip_n_grid: int = attrs.field(default=20, validator=_clip_grid)
     clip_max_shrink: float = attrs.field(default=0.5, validator=_shrink)
     clip_n_sample_token: int = attrs.field(default=512, validator=_clip_grid)
+    search_n_sample_token: int | None = attrs.field(default=None, validator=_sample)
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
@@ -653,7 +664,13 @@ class AWQModifier(SmoothingModifier):
         if _GramError.serves(mapping) and quantizers[0] is not None:
             evaluate = _GramError(mapping, quantizers[0], observer.parent_inputs[name])
         else:
-            evaluate = _BlockError(mapping, quantizers, observer.parent_inputs[name], observer.parent_outputs[name])
+            evaluate = _BlockError(
+                mapping,
+                quantizers,
+                observer.parent_inputs[name],
+                observer.parent_outputs[name],
+                sample_tokens=self.search_n_sample_token,
+            )
         try:
             errors = evaluate.search(
                 [None, *(awq_candidate_scales(x_mean, w_mean if duo else None, ratio) for ratio, duo in grid)]
@@ -801,7 +818,11 @@ class _BlockError:
         quantizers: list[Quantizer],
         inputs: list[tuple[tuple[Any, ...], dict[str, Any]]],
         outputs: list[torch.Tensor],
+        *,
+        sample_tokens: int | None = None,
     ) -> None:
+        """``sample_tokens``: keep every ``k``-th chunk, ``k = max(1, N // sample_tokens)`` (``N``: the cached
+        tokens; ``None``: every chunk)."""
         self.mapping = mapping
         self.quantizers = quantizers
         self.chunks = [
@@ -809,6 +830,9 @@ class _BlockError:
             for (args, kwargs), ref in zip(inputs, outputs, strict=True)
             for chunk in _split_windows(mapping.parent, args, kwargs, ref)
         ]
+        if sample_tokens is not None:
+            tokens = sum(ref.numel() // max(ref.shape[-1], 1) for _, _, ref in self.chunks)
+            self.chunks = self.chunks[:: max(1, tokens // sample_tokens)]
         self.count = sum(ref.numel() for _, _, ref in self.chunks)
         self.originals = [b.weight.detach().clone() for b in mapping.balances]
         self._kept: dict[int, list[torch.Tensor | None]] = {}
@@ -918,13 +942,14 @@ class _GramError:
     ``up -> down``), from the Gram matrix of its inputs instead of a forward per candidate.
 
     With ``X`` the ``[N, in]`` calibration inputs and ``dW = Q(W diag(s)) diag(s)^-1 - W`` (``[out, in]``), the
-    block's output error is ``sum((X dW^T) ** 2) = tr(dW H dW^T)``, ``H = X^T X``: ``H`` is accumulated once
-    (in float32 per cached batch, float64 for a float64 model, summed in float64; under ``torch.distributed`` summed over the ranks), factored once
-    as ``H = L L^T`` (float64 Cholesky; an eigendecomposition ``V diag(sqrt(max(e, 0)))`` where ``H`` is singular),
-    and each candidate costs ``sum((dW L) ** 2)`` (products in that dtype, float64 sum): ``out * in^2`` multiply-adds
-    instead of ``N * in * out``, and every candidate is scored in full (no pruning). The error is divided by
-    ``N * out`` as :class:`_BlockError`'s. It equals the forward's up to float rounding (the forward's output
-    rounding in the model's dtype, bfloat16 say, is not part of it).
+    block's output error is ``sum((X dW^T) ** 2) = tr(dW H dW^T)``, ``H = X^T X`` (the bias cancels). ``H`` is
+    accumulated once (products in float32, float64 for a float64 model, per cached batch; summed in float64, and
+    over the ranks under ``torch.distributed``) and factored once as ``H = L L^T`` (float64 Cholesky; where ``H`` is
+    singular, ``L = V diag(sqrt(max(e, 0)))`` from its eigendecomposition); each candidate then costs
+    ``sum((dW L) ** 2)`` (products in that dtype, float64 sum): ``out * in^2`` multiply-adds instead of
+    ``N * in * out``, every candidate scored in full (no pruning). Divided by ``N * out`` as :class:`_BlockError`'s
+    errors; equal to the forward's up to float rounding (the forward's rounding of the output to the model's dtype,
+    bfloat16 say, is not in it).
     """
 
     def __init__(

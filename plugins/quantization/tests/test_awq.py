@@ -388,7 +388,8 @@ def test_the_gram_error_of_a_linear_block_equals_the_direct_forward_and_chooses_
     channels: every candidate's error equals the direct ``mean((X Q(W diag(s)) diag(s)^-1)^T - X W^T)^2)`` computed
     here in float64 (``Q(W diag(s)) diag(s)^-1``: the search's own candidate weights; float64 model: to 1e-9,
     float32: 1e-4), the chosen exponent is the direct one's (the margin to the second best is checked to exceed that
-    tolerance), and ``_BlockError`` (the block's forward, all candidates in full) chooses the same. 40 tokens < 64 inputs: a singular ``H`` (the eigendecomposition's factor)."""
+    tolerance), and ``_BlockError`` (the block's forward, all candidates in full) chooses the same.
+    40 tokens < 64 inputs: a singular ``H`` (the eigendecomposition's factor)."""
     from compressed_tensors.quantization import QuantizationArgs
     from llmc_fsm_quantization.awq import _BlockError, _GramError, awq_candidate_scales
     from llmc_fsm_quantization.mappings import ResolvedMapping
@@ -433,3 +434,45 @@ def test_the_gram_error_of_a_linear_block_equals_the_direct_forward_and_chooses_
     direct.restore()
     assert full == pytest.approx(errors, rel=1e-4)  # _BlockError takes the output difference in float32
     assert min(range(len(full)), key=lambda i: (full[i], i)) == best
+
+
+def test_search_n_sample_token_is_opt_in_and_scores_every_kth_window() -> None:
+    """The opt-in shortcut: off by default; ``_BlockError`` with ``sample_tokens=16`` on 8 windows of 8 tokens keeps
+    windows 0 and 4 (``k = 64 // 16``), and its unsmoothed error is the float64 mean over those two windows; through
+    ``oneshot`` the mlp mappings' errors are over a quarter of the tokens (``DATA``: 8 windows of 32, sample 64)."""
+    from compressed_tensors.quantization import QuantizationArgs
+    from llmc_fsm_quantization.awq import _BlockError
+    from llmc_fsm_quantization.mappings import ResolvedMapping
+
+    with pytest.raises(
+        ValueError, match=r"^search_n_sample_token must be null \(every token\) or a positive int, got 0$"
+    ):
+        AWQModifier(search_n_sample_token=0)
+    assert AWQModifier().search_n_sample_token is None
+
+    gen = torch.Generator().manual_seed(7)
+    up, down = torch.nn.Linear(32, 48, bias=False), torch.nn.Linear(48, 16, bias=False)
+    block = torch.nn.Sequential(up, torch.nn.ReLU(), down)
+    x = torch.randn(8, 8, 32, generator=gen)
+    ref = block(x).detach()
+    mapping = ResolvedMapping("norm", torch.nn.Identity(), ("0",), (up,), "blk", block)
+    args = QuantizationArgs(num_bits=4, type="int", symmetric=False, strategy="group", group_size=16)
+    evaluate = _BlockError(mapping, [(args, "minmax")], [((x,), {})], [ref], sample_tokens=16)
+    assert [torch.equal(r, ref[i : i + 1]) for i, (_, _, r) in zip((0, 4), evaluate.chunks, strict=True)] == [True] * 2
+    (error,) = evaluate.search([None])
+    evaluate.restore()
+    with torch.no_grad():
+        w_hat = rtn_quantize(up.weight.detach(), args).weight.double()
+        xs = x[[0, 4]].double()
+        out = torch.relu(xs @ w_hat.T) @ down.weight.double().T
+    assert error == pytest.approx(float((out - ref[[0, 4]].double()).pow(2).mean()), rel=1e-5)
+
+    model = tiny()
+    awq = AWQModifier(search_n_sample_token=64)
+    llmc_fsm.oneshot(model=model, recipe=[awq, QuantizationModifier(scheme=W4G16)], dataset=DATA, progress=False)
+    full = AWQModifier()
+    llmc_fsm.oneshot(model=tiny(), recipe=[full, QuantizationModifier(scheme=W4G16)], dataset=DATA, progress=False)
+    for name in ("model.layers.0.post_attention_layernorm", "model.layers.0.input_layernorm"):
+        assert awq.smoothing_results[name]["error_unsmoothed"] != full.smoothing_results[name]["error_unsmoothed"]
+    up_down = "model.layers.0.mlp.up_proj"  # a Linear block: every token (its Gram matrix)
+    assert awq.smoothing_results[up_down]["error_unsmoothed"] == full.smoothing_results[up_down]["error_unsmoothed"]
