@@ -23,7 +23,11 @@ largest first): every candidate's first window is scored, then the candidates ar
 completed in the order of that score, and one whose partial sum already exceeds the best complete error is dropped
 (it cannot be chosen: the sums only grow). The choice (lowest error, the earliest candidate on ties) is the one
 scoring every candidate in full gives; on SmolLM2-135M with 32 x 256 calibration tokens it scores about 3/4 of the
-grid's windows. The chosen scales are folded into the smooth layer and the
+grid's windows. A block that is its one balance Linear (``v -> o``, ``up -> down``) is scored instead from the
+Gram matrix ``H = X^T X`` of its inputs, accumulated once: the error is ``tr(dW H dW^T)``, ``dW`` the candidate's
+quantized weight minus ``W`` (``out * in^2`` per candidate instead of ``N * in * out``; every candidate in full).
+``search_n_sample_token`` (opt-in, default off, not the paper's search) scores the other blocks on every ``k``-th
+window only. The chosen scales are folded into the smooth layer and the
 balance layers (the float model is unchanged); the quantizer then quantizes the smoothed weights.
 
 Clipping (``apply_clip: true``; the paper's v1, Sec. 3.3 and Table 2, as AutoAWQ's ``apply_clip``; llm-compressor 0.14
