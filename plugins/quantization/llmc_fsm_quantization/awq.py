@@ -25,7 +25,8 @@ completed in the order of that score, and one whose partial sum already exceeds 
 scoring every candidate in full gives; on SmolLM2-135M with 32 x 256 calibration tokens it scores about 3/4 of the
 grid's windows. A block that is its one balance Linear (``v -> o``, ``up -> down``) is scored instead from the
 Gram matrix ``H = X^T X`` of its inputs, accumulated once: the error is ``tr(dW H dW^T)``, ``dW`` the candidate's
-quantized weight minus ``W`` (``out * in^2`` per candidate instead of ``N * in * out``; every candidate in full).
+quantized weight minus ``W`` (``out * in^2`` per candidate instead of ``N * in * out``; every candidate in full;
+where that is cheaper: not for an expert few tokens reach).
 ``search_n_sample_token`` (opt-in, default off, not the paper's search) scores the other blocks on every ``k``-th
 window only. The chosen scales are folded into the smooth layer and the
 balance layers (the float model is unchanged); the quantizer then quantizes the smoothed weights.
@@ -665,13 +666,18 @@ class AWQModifier(SmoothingModifier):
         families = {True: [True], False: [False], "both": [False, True]}[self.duo_scaling]
         grid = [(i / self.n_grid, duo) for duo in families for i in range(self.n_grid)]
         evaluate: _BlockError | _GramError
-        if _GramError.serves(mapping) and quantizers[0] is not None:
-            evaluate = _GramError(mapping, quantizers[0], observer.parent_inputs[name])
+        inputs = observer.parent_inputs[name]
+        if (
+            _GramError.serves(mapping)
+            and quantizers[0] is not None
+            and _GramError.cheaper(mapping, inputs, len(grid) + 1)
+        ):
+            evaluate = _GramError(mapping, quantizers[0], inputs)
         else:
             evaluate = _BlockError(
                 mapping,
                 quantizers,
-                observer.parent_inputs[name],
+                inputs,
                 observer.parent_outputs[name],
                 sample_tokens=self.search_n_sample_token,
             )
@@ -953,7 +959,7 @@ class _GramError:
     ``sum((dW L) ** 2)`` (products in that dtype, float64 sum): ``out * in^2`` multiply-adds instead of
     ``N * in * out``, every candidate scored in full (no pruning). Divided by ``N * out`` as :class:`_BlockError`'s
     errors; equal to the forward's up to float rounding (the forward's rounding of the output to the model's dtype,
-    bfloat16 say, is not in it).
+    bfloat16 say, is not in it). Taken where it costs fewer multiply-adds than the forwards (:meth:`cheaper`).
     """
 
     def __init__(
@@ -987,6 +993,19 @@ class _GramError:
             and mapping.parent is mapping.balances[0]
             and isinstance(mapping.parent, nn.Linear | LinearView)
         )
+
+    @staticmethod
+    def cheaper(
+        mapping: ResolvedMapping, inputs: list[tuple[tuple[Any, ...], dict[str, Any]]], candidates: int
+    ) -> bool:
+        """Whether the Gram path costs fewer multiply-adds than forwards of every candidate over the tokens:
+        ``N in^2 + in^3 + c out in^2 < c N in out`` (``N`` the tokens, summed over the ranks under
+        ``torch.distributed`` so every rank takes the same path; ``c`` the candidates). False for an expert few
+        tokens reach (``N`` about ``in`` or below)."""
+        out, cols = mapping.balances[0].weight.shape
+        local = sum((a[0] if a else k["input"]).numel() // cols for a, k in inputs)
+        tokens = float(all_reduce_tensor(torch.tensor([float(local)], dtype=torch.float64), what="all_reduce (AWQ)"))
+        return tokens * cols**2 + cols**3 + candidates * out * cols**2 < candidates * tokens * cols * out
 
     @torch.no_grad()
     def error(self, scales: torch.Tensor | None) -> float:

@@ -403,6 +403,8 @@ def test_the_gram_error_of_a_linear_block_equals_the_direct_forward_and_chooses_
     batches = [x[: tokens // 2].reshape(1, -1, 64), x[tokens // 2 :].reshape(1, -1, 64)]
     mapping = ResolvedMapping("up", up, ("down",), (down,), "down", down)
     assert _GramError.serves(mapping)
+    # N in^2 + in^3 + 21 out in^2 against 21 N in out: 2031616 < 2064384 with 96 tokens, 1802240 > 860160 with 40
+    assert _GramError.cheaper(mapping, [((b,), {}) for b in batches], 21) is (tokens == 96)
     assert not _GramError.serves(ResolvedMapping("n", up, ("up", "down"), (up, down), "blk", torch.nn.Sequential()))
     args = QuantizationArgs(num_bits=4, type="int", symmetric=False, strategy="group", group_size=16)
     inputs = [((b,), {}) for b in batches]
