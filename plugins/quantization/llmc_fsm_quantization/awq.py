@@ -23,7 +23,12 @@ largest first): every candidate's first window is scored, then the candidates ar
 completed in the order of that score, and one whose partial sum already exceeds the best complete error is dropped
 (it cannot be chosen: the sums only grow). The choice (lowest error, the earliest candidate on ties) is the one
 scoring every candidate in full gives; on SmolLM2-135M with 32 x 256 calibration tokens it scores about 3/4 of the
-grid's windows. The chosen scales are folded into the smooth layer and the
+grid's windows. A block that is its one balance Linear (``v -> o``, ``up -> down``) is scored instead from the
+Gram matrix ``H = X^T X`` of its inputs, accumulated once: the error is ``tr(dW H dW^T)``, ``dW`` the candidate's
+quantized weight minus ``W`` (``out * in^2`` per candidate instead of ``N * in * out``; every candidate in full;
+where that is cheaper: not for an expert few tokens reach).
+``search_n_sample_token`` (opt-in, default off, not the paper's search) scores the other blocks on every ``k``-th
+window only. The chosen scales are folded into the smooth layer and the
 balance layers (the float model is unchanged); the quantizer then quantizes the smoothed weights.
 
 Clipping (``apply_clip: true``; the paper's v1, Sec. 3.3 and Table 2, as AutoAWQ's ``apply_clip``; llm-compressor 0.14
@@ -256,6 +261,11 @@ def _clip_grid(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
         raise ValueError(f"{attribute.name} must be a positive int, got {value!r}")
 
 
+def _sample(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"{attribute.name} must be null (every token) or a positive int, got {value!r}")
+
+
 def _shrink(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int | float) or not 0.0 < float(value) < 1.0:
         msg = (
@@ -309,6 +319,11 @@ class AWQModifier(SmoothingModifier):
         clip_n_grid / clip_max_shrink: the clipping grid (defaults 20 and 0.5: ranges 1, 0.95, ..., 0.55 of the
             group's ``max|W|``).
         clip_n_sample_token: about how many calibration tokens the clipping search uses per Linear (default 512).
+        search_n_sample_token: opt-in shortcut, not the paper's search: about how many calibration tokens the
+            exponent search of a mapping scored by a block forward (``self_attn``, ``mlp``) uses: every ``k``-th
+            window, ``k = max(1, N // search_n_sample_token)``, ``N`` this process's tokens; its errors are then
+            means over those windows. Default ``null``: every token (the exact grid search). Linear blocks
+            (``v -> o``, ``up -> down``) always use every token (their Gram matrix, see the module docstring).
 
     Requires state ``model`` and ``calibration_data``; runs in the sequential pipeline. :attr:`smoothing_results`:
     per smooth layer ``exponent`` (``None``: no smoothing won), ``duo_scaling``, ``tokens`` (the calibration tokens
@@ -332,6 +347,7 @@ class AWQModifier(SmoothingModifier):
     clip_n_grid: int = attrs.field(default=20, validator=_clip_grid)
     clip_max_shrink: float = attrs.field(default=0.5, validator=_shrink)
     clip_n_sample_token: int = attrs.field(default=512, validator=_clip_grid)
+    search_n_sample_token: int | None = attrs.field(default=None, validator=_sample)
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
@@ -649,7 +665,22 @@ class AWQModifier(SmoothingModifier):
         w_mean = awq_weight_mean([b.weight for b in mapping.balances], [_group_size(q) for q in quantizers])
         families = {True: [True], False: [False], "both": [False, True]}[self.duo_scaling]
         grid = [(i / self.n_grid, duo) for duo in families for i in range(self.n_grid)]
-        evaluate = _BlockError(mapping, quantizers, observer.parent_inputs[name], observer.parent_outputs[name])
+        evaluate: _BlockError | _GramError
+        inputs = observer.parent_inputs[name]
+        if (
+            _GramError.serves(mapping)
+            and quantizers[0] is not None
+            and _GramError.cheaper(mapping, inputs, len(grid) + 1)
+        ):
+            evaluate = _GramError(mapping, quantizers[0], inputs)
+        else:
+            evaluate = _BlockError(
+                mapping,
+                quantizers,
+                inputs,
+                observer.parent_outputs[name],
+                sample_tokens=self.search_n_sample_token,
+            )
         try:
             errors = evaluate.search(
                 [None, *(awq_candidate_scales(x_mean, w_mean if duo else None, ratio) for ratio, duo in grid)]
@@ -797,7 +828,11 @@ class _BlockError:
         quantizers: list[Quantizer],
         inputs: list[tuple[tuple[Any, ...], dict[str, Any]]],
         outputs: list[torch.Tensor],
+        *,
+        sample_tokens: int | None = None,
     ) -> None:
+        """``sample_tokens``: keep every ``k``-th chunk, ``k = max(1, N // sample_tokens)`` (``N``: the cached
+        tokens; ``None``: every chunk)."""
         self.mapping = mapping
         self.quantizers = quantizers
         self.chunks = [
@@ -805,6 +840,9 @@ class _BlockError:
             for (args, kwargs), ref in zip(inputs, outputs, strict=True)
             for chunk in _split_windows(mapping.parent, args, kwargs, ref)
         ]
+        if sample_tokens is not None:
+            tokens = sum(ref.numel() // max(ref.shape[-1], 1) for _, _, ref in self.chunks)
+            self.chunks = self.chunks[:: max(1, tokens // sample_tokens)]
         self.count = sum(ref.numel() for _, _, ref in self.chunks)
         self.originals = [b.weight.detach().clone() for b in mapping.balances]
         self._kept: dict[int, list[torch.Tensor | None]] = {}
@@ -907,3 +945,78 @@ class _BlockError:
                 if (errors[i], i) < best:
                     best = (errors[i], i)
         return errors
+
+
+class _GramError:
+    """The block error of a mapping whose block is its one balance Linear (``v -> o``, ``up -> down``, an expert's
+    ``up -> down``), from the Gram matrix of its inputs instead of a forward per candidate.
+
+    With ``X`` the ``[N, in]`` calibration inputs and ``dW = Q(W diag(s)) diag(s)^-1 - W`` (``[out, in]``), the
+    block's output error is ``sum((X dW^T) ** 2) = tr(dW H dW^T)``, ``H = X^T X`` (the bias cancels). ``H`` is
+    accumulated once (products in float32, float64 for a float64 model, per cached batch; summed in float64, and
+    over the ranks under ``torch.distributed``) and factored once as ``H = L L^T`` (float64 Cholesky; where ``H`` is
+    singular, ``L = V diag(sqrt(max(e, 0)))`` from its eigendecomposition); each candidate then costs
+    ``sum((dW L) ** 2)`` (products in that dtype, float64 sum): ``out * in^2`` multiply-adds instead of
+    ``N * in * out``, every candidate scored in full (no pruning). Divided by ``N * out`` as :class:`_BlockError`'s
+    errors; equal to the forward's up to float rounding (the forward's rounding of the output to the model's dtype,
+    bfloat16 say, is not in it). Taken where it costs fewer multiply-adds than the forwards (:meth:`cheaper`).
+    """
+
+    def __init__(
+        self, mapping: ResolvedMapping, quantizer: Quantizer, inputs: list[tuple[tuple[Any, ...], dict[str, Any]]]
+    ) -> None:
+        self.weight = mapping.balances[0].weight.detach()
+        self.quantizer = quantizer
+        #: the products' dtype: float32, float64 for a float64 model
+        self.dtype = torch.float64 if self.weight.dtype == torch.float64 else torch.float32
+        cols = self.weight.shape[1]
+        gram = torch.zeros(cols, cols, dtype=torch.float64, device=self.weight.device)
+        tokens = 0
+        for args, kwargs in inputs:
+            x = (args[0] if args else kwargs["input"]).detach().reshape(-1, cols).to(self.dtype)
+            gram += (x.T @ x).to(torch.float64)
+            tokens += x.shape[0]
+        gram = all_reduce_tensor(gram, what="all_reduce (AWQ Gram matrix)")
+        sums = all_reduce_tensor(torch.tensor([float(tokens)], dtype=torch.float64), what="all_reduce (AWQ Gram)")
+        self.count = max(float(sums[0]) * self.weight.shape[0], 1.0)
+        factor, info = torch.linalg.cholesky_ex(gram)
+        if int(info) != 0:  # singular (fewer tokens than inputs, a dead channel): H = V diag(e) V^T, e >= 0
+            values, vectors = torch.linalg.eigh(gram)
+            factor = vectors * values.clamp_min(0.0).sqrt()[None, :]
+        self.factor = factor.to(self.dtype)
+
+    @staticmethod
+    def serves(mapping: ResolvedMapping) -> bool:
+        """Whether the mapping's block is its single balance layer, a Linear (or an expert matrix's view)."""
+        return (
+            len(mapping.balances) == 1
+            and mapping.parent is mapping.balances[0]
+            and isinstance(mapping.parent, nn.Linear | LinearView)
+        )
+
+    @staticmethod
+    def cheaper(
+        mapping: ResolvedMapping, inputs: list[tuple[tuple[Any, ...], dict[str, Any]]], candidates: int
+    ) -> bool:
+        """Whether the Gram path costs fewer multiply-adds than forwards of every candidate over the tokens:
+        ``N in^2 + in^3 + c out in^2 < c N in out`` (``N`` the tokens, summed over the ranks under
+        ``torch.distributed`` so every rank takes the same path; ``c`` the candidates). False for an expert few
+        tokens reach (``N`` about ``in`` or below)."""
+        out, cols = mapping.balances[0].weight.shape
+        local = sum((a[0] if a else k["input"]).numel() // cols for a, k in inputs)
+        tokens = float(all_reduce_tensor(torch.tensor([float(local)], dtype=torch.float64), what="all_reduce (AWQ)"))
+        return tokens * cols**2 + cols**3 + candidates * out * cols**2 < candidates * tokens * cols * out
+
+    @torch.no_grad()
+    def error(self, scales: torch.Tensor | None) -> float:
+        """``tr(dW H dW^T) / (N * out)`` for candidate ``scales`` (``None``: no smoothing)."""
+        quantized = _BlockError._quantized(self.weight, self.quantizer, scales)
+        delta = quantized.to(self.dtype) - self.weight.to(self.dtype)
+        return float((delta @ self.factor).pow_(2).sum(dtype=torch.float64)) / self.count
+
+    def search(self, candidates: list[torch.Tensor | None]) -> list[float | None]:
+        """Every candidate's error (none pruned; the balance layer's weight is not touched)."""
+        return [self.error(scales) for scales in candidates]
+
+    def restore(self) -> None:
+        """Nothing to put back (the interface of :class:`_BlockError`)."""

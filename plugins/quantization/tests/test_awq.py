@@ -380,3 +380,101 @@ def test_a_mapping_whose_balance_layers_are_not_quantized_is_not_smoothed_and_na
     assert torch.equal(model.model.layers[0].input_layernorm.weight, norm0)
     assert not torch.equal(model.model.layers[1].input_layernorm.weight, norm1)
     assert not hasattr(model.model.layers[0].self_attn.q_proj, "weight_scale")
+
+
+@pytest.mark.parametrize(("dtype", "tokens"), [(torch.float64, 96), (torch.float32, 96), (torch.float64, 40)])
+def test_the_gram_error_of_a_linear_block_equals_the_direct_forward_and_chooses_the_same_exponent(dtype, tokens):
+    """``_GramError`` (``tr(dW H dW^T)``, ``H = X^T X``) on ``up -> down`` of a random block with outlier input
+    channels: every candidate's error equals the direct ``mean((X Q(W diag(s)) diag(s)^-1)^T - X W^T)^2)`` computed
+    here in float64 (``Q(W diag(s)) diag(s)^-1``: the search's own candidate weights; float64 model: to 1e-9,
+    float32: 1e-4), the chosen exponent is the direct one's (the margin to the second best is checked to exceed that
+    tolerance), and ``_BlockError`` (the block's forward, all candidates in full) chooses the same.
+    40 tokens < 64 inputs: a singular ``H`` (the eigendecomposition's factor)."""
+    from compressed_tensors.quantization import QuantizationArgs
+    from llmc_fsm_quantization.awq import _BlockError, _GramError, awq_candidate_scales
+    from llmc_fsm_quantization.mappings import ResolvedMapping
+
+    gen = torch.Generator().manual_seed(5)
+    up, down = torch.nn.Linear(32, 64, bias=False), torch.nn.Linear(64, 16, bias=True)
+    with torch.no_grad():
+        down.weight.copy_(torch.randn(16, 64, generator=gen))
+    up, down = up.to(dtype), down.to(dtype)
+    x = (torch.randn(tokens, 64, generator=gen) * (1 + 30 * (torch.arange(64) % 13 == 0))).to(dtype)
+    batches = [x[: tokens // 2].reshape(1, -1, 64), x[tokens // 2 :].reshape(1, -1, 64)]
+    mapping = ResolvedMapping("up", up, ("down",), (down,), "down", down)
+    assert _GramError.serves(mapping)
+    # N in^2 + in^3 + 21 out in^2 against 21 N in out: 2031616 < 2064384 with 96 tokens, 1802240 > 860160 with 40
+    assert _GramError.cheaper(mapping, [((b,), {}) for b in batches], 21) is (tokens == 96)
+    assert not _GramError.serves(ResolvedMapping("n", up, ("up", "down"), (up, down), "blk", torch.nn.Sequential()))
+    args = QuantizationArgs(num_bits=4, type="int", symmetric=False, strategy="group", group_size=16)
+    inputs = [((b,), {}) for b in batches]
+    x_mean = x.abs().mean(dim=0).float()
+    candidates = [None, *(awq_candidate_scales(x_mean, None, i / N_GRID) for i in range(N_GRID))]
+    w0 = down.weight.detach().clone()
+    gram = _GramError(mapping, (args, "minmax"), inputs)
+    errors = gram.search(candidates)
+    assert torch.equal(down.weight, w0)
+
+    xd, wd = x.double(), w0.double()
+    reference = []
+    for s in candidates:  # the candidate weights the search quantizes, the error computed directly in float64
+        w_hat = _BlockError._quantized(w0, (args, "minmax"), s).double()
+        reference.append(float((xd @ (w_hat - wd).T).pow(2).mean()))
+    rel = 1e-9 if dtype == torch.float64 else 1e-4
+    assert errors == pytest.approx(reference, rel=rel)
+    best = min(range(len(reference)), key=lambda i: (reference[i], i))
+    assert sorted(reference)[1] > reference[best] * (1 + 10 * rel)
+    assert min(range(len(errors)), key=lambda i: (errors[i], i)) == best
+
+    refs = [down(b) for b in batches]
+    direct = _BlockError(mapping, [(args, "minmax")], inputs, [r.detach() for r in refs])
+    with torch.no_grad():
+        full = []
+        for s in candidates:
+            direct._set(s)
+            full.append(sum(direct._chunk(k) for k in range(len(direct.chunks))) / direct.count)
+    direct.restore()
+    assert full == pytest.approx(errors, rel=1e-4)  # _BlockError takes the output difference in float32
+    assert min(range(len(full)), key=lambda i: (full[i], i)) == best
+
+
+def test_search_n_sample_token_is_opt_in_and_scores_every_kth_window() -> None:
+    """The opt-in shortcut: off by default; ``_BlockError`` with ``sample_tokens=16`` on 8 windows of 8 tokens keeps
+    windows 0 and 4 (``k = 64 // 16``), and its unsmoothed error is the float64 mean over those two windows; through
+    ``oneshot`` the mlp mappings' errors are over a quarter of the tokens (``DATA``: 8 windows of 32, sample 64)."""
+    from compressed_tensors.quantization import QuantizationArgs
+    from llmc_fsm_quantization.awq import _BlockError
+    from llmc_fsm_quantization.mappings import ResolvedMapping
+
+    with pytest.raises(
+        ValueError, match=r"^search_n_sample_token must be null \(every token\) or a positive int, got 0$"
+    ):
+        AWQModifier(search_n_sample_token=0)
+    assert AWQModifier().search_n_sample_token is None
+
+    gen = torch.Generator().manual_seed(7)
+    up, down = torch.nn.Linear(32, 48, bias=False), torch.nn.Linear(48, 16, bias=False)
+    block = torch.nn.Sequential(up, torch.nn.ReLU(), down)
+    x = torch.randn(8, 8, 32, generator=gen)
+    ref = block(x).detach()
+    mapping = ResolvedMapping("norm", torch.nn.Identity(), ("0",), (up,), "blk", block)
+    args = QuantizationArgs(num_bits=4, type="int", symmetric=False, strategy="group", group_size=16)
+    evaluate = _BlockError(mapping, [(args, "minmax")], [((x,), {})], [ref], sample_tokens=16)
+    assert [torch.equal(r, ref[i : i + 1]) for i, (_, _, r) in zip((0, 4), evaluate.chunks, strict=True)] == [True] * 2
+    (error,) = evaluate.search([None])
+    evaluate.restore()
+    with torch.no_grad():
+        w_hat = rtn_quantize(up.weight.detach(), args).weight.double()
+        xs = x[[0, 4]].double()
+        out = torch.relu(xs @ w_hat.T) @ down.weight.double().T
+    assert error == pytest.approx(float((out - ref[[0, 4]].double()).pow(2).mean()), rel=1e-5)
+
+    model = tiny()
+    awq = AWQModifier(search_n_sample_token=64)
+    llmc_fsm.oneshot(model=model, recipe=[awq, QuantizationModifier(scheme=W4G16)], dataset=DATA, progress=False)
+    full = AWQModifier()
+    llmc_fsm.oneshot(model=tiny(), recipe=[full, QuantizationModifier(scheme=W4G16)], dataset=DATA, progress=False)
+    for name in ("model.layers.0.post_attention_layernorm", "model.layers.0.input_layernorm"):
+        assert awq.smoothing_results[name]["error_unsmoothed"] != full.smoothing_results[name]["error_unsmoothed"]
+    up_down = "model.layers.0.mlp.up_proj"  # a Linear block: every token (its Gram matrix)
+    assert awq.smoothing_results[up_down]["error_unsmoothed"] == full.smoothing_results[up_down]["error_unsmoothed"]
