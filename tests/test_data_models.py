@@ -252,23 +252,11 @@ def test_chunk_split_points_fuzz(smollm2, monkeypatch):
     for _ in range(300):
         text = "".join(rng.choice(alphabet) for _ in range(rng.randint(1, 50)))
         assert "".join(data_mod._chunks(text, 5)) == text
-        assert data_mod._tokenize(tok, text) == tok(text, add_special_tokens=False)["input_ids"], repr(text)
-
-
-def test_partial_tokenization_fuzz(smollm2, monkeypatch):
-    # with need, only pieces from the head (tail) are tokenized: their ids are the whole text's first (last) ones
-    _, tok = smollm2
-    monkeypatch.setattr(data_mod, "_CHUNK_CHARS", 5)
-    import random
-
-    rng = random.Random(1)
-    alphabet = ["a", "Bc", " ", "\n", "\t", "1", ".", "é", "  ", "\n\n", " \n", "xyz "]
-    for _ in range(300):
-        text = "".join(rng.choice(alphabet) for _ in range(rng.randint(1, 80)))
         whole = tok(text, add_special_tokens=False)["input_ids"]
+        assert data_mod._tokenize(tok, text) == whole, repr(text)
+        # with need, only pieces from the head (tail) are tokenized: their ids are the whole text's first (last) ones
         need = rng.randint(1, len(whole) + 2)
-        head = data_mod._tokenize(tok, text, need)
-        tail = data_mod._tokenize(tok, text, need, from_end=True)
+        head, tail = data_mod._tokenize(tok, text, need), data_mod._tokenize(tok, text, need, from_end=True)
         assert len(head) >= min(need, len(whole)) and head == whole[: len(head)], repr(text)
         assert len(tail) >= min(need, len(whole)) and tail == whole[len(whole) - len(tail) :], repr(text)
 
