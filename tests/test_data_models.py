@@ -252,7 +252,30 @@ def test_chunk_split_points_fuzz(smollm2, monkeypatch):
     for _ in range(300):
         text = "".join(rng.choice(alphabet) for _ in range(rng.randint(1, 50)))
         assert "".join(data_mod._chunks(text, 5)) == text
-        assert data_mod._tokenize(tok, text) == tok(text, add_special_tokens=False)["input_ids"], repr(text)
+        whole = tok(text, add_special_tokens=False)["input_ids"]
+        assert data_mod._tokenize(tok, text) == whole, repr(text)
+        # with need, only pieces from the head (tail) are tokenized: their ids are the whole text's first (last) ones
+        need = rng.randint(1, len(whole) + 2)
+        head, tail = data_mod._tokenize(tok, text, need), data_mod._tokenize(tok, text, need, from_end=True)
+        assert len(head) >= min(need, len(whole)) and head == whole[: len(head)], repr(text)
+        assert len(tail) >= min(need, len(whole)) and tail == whole[len(whole) - len(tail) :], repr(text)
+
+
+def test_calibration_windows_tokenize_only_the_tail(smollm2, wiki_text, wiki_ids):
+    # SmolLM2's tokenizer, wiki.test.raw (301,948 ids): 32 x 256 tail windows tokenize one or two 64 KiB pieces
+    _, tok = smollm2
+    calls = []
+    real = type(tok).__call__
+
+    def counting(self, text, *args, **kwargs):
+        calls.append(sum(map(len, text)) if isinstance(text, list) else len(text))
+        return real(self, text, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(type(tok), "__call__", counting)
+        w = token_windows(tok, wiki_text, num_windows=32, seq_len=256, from_end=True)
+    assert w.flatten().tolist() == wiki_ids[-32 * 256 :]
+    assert sum(calls) < 3 * 2**16 < len(wiki_text)
 
 
 def test_windows_too_short_message(smollm2):

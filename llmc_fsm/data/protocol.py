@@ -177,7 +177,14 @@ def _chunkable(tokenizer: Any) -> bool:
     return not getattr(pre, "add_prefix_space", True) and getattr(pre, "use_regex", False)
 
 
-def _tokenize(tokenizer: Any, text: str) -> list[int]:
+def _tokenize(tokenizer: Any, text: str, need: int | None = None, *, from_end: bool = False) -> list[int]:
+    """The ids of ``text`` (no special tokens); with ``need``, at least its first (``from_end``: last) ``need`` ids
+    (all of them if it has fewer).
+
+    A chunkable tokenizer (:func:`_chunkable`) tokenizes the text's pieces (:func:`_chunks`) in one batch call, or,
+    with ``need``, from the head (tail) in batches of 1, 2, 4... pieces until ``need`` ids are there: a piece's ids
+    do not depend on the other pieces, so these are the whole text's first (last) ids.
+    """
     # Silence "Token indices sequence length is longer than the specified maximum".
     old_max = getattr(tokenizer, "model_max_length", None)
     try:
@@ -188,10 +195,17 @@ def _tokenize(tokenizer: Any, text: str) -> list[int]:
         if not _chunkable(tokenizer):
             return list(tokenizer(text, add_special_tokens=False)["input_ids"])
         pieces = list(_chunks(text, _CHUNK_CHARS))
-        ids: list[int] = []
-        for piece_ids in tokenizer(pieces, add_special_tokens=False)["input_ids"]:
-            ids.extend(piece_ids)
-        return ids
+        if from_end:
+            pieces.reverse()
+        done, batch, count = 0, len(pieces) if need is None else 1, 0
+        parts: list[list[int]] = []  # each batch's pieces' ids, in the order tokenized
+        while done < len(pieces) and (need is None or count < need):
+            todo = pieces[done : done + batch]
+            ids = tokenizer(todo[::-1] if from_end else todo, add_special_tokens=False)["input_ids"]
+            parts.append([i for piece in ids for i in piece])
+            count += len(parts[-1])
+            done, batch = done + len(todo), 2 * batch
+        return [i for part in (reversed(parts) if from_end else parts) for i in part]
     finally:
         if old_max is not None:
             tokenizer.model_max_length = old_max
@@ -211,11 +225,14 @@ def token_windows(
     too-long-sequence warning.  For GPT-2 style byte-level BPE tokenizers (such
     as SmolLM2's) it is tokenized as a batch of ~64 KiB pieces split only at
     newlines where the split provably cannot change the ids (about 2x faster on
-    2 cores, identical ids); other tokenizers get the whole text in one call.  Window ``i`` is ``ids[s + i*seq_len : s +
-    (i+1)*seq_len]`` where ``s = 0`` (head, default) or ``s = len(ids) -
-    num_windows*seq_len`` (``from_end=True``: the last ``num_windows*seq_len``
-    tokens, used for calibration so it does not overlap head evaluation windows
-    of a long enough text).
+    2 cores, identical ids), and only as many pieces from the head (``from_end``:
+    the tail) as give the windows' tokens (the same ids: a piece's ids do not
+    depend on the others; 32 x 256 tail windows of wiki.test.raw: 0.06 instead of
+    1.1 CPU seconds); other tokenizers get the whole text in one call.  Window
+    ``i`` is ``ids[s + i*seq_len : s + (i+1)*seq_len]`` where ``s = 0`` (head,
+    default) or ``s = len(ids) - num_windows*seq_len`` (``from_end=True``: the
+    last ``num_windows*seq_len`` tokens, used for calibration so it does not
+    overlap head evaluation windows of a long enough text).
 
     Returns:
         ``torch.LongTensor`` of shape ``[num_windows, seq_len]`` (dtype int64, CPU).
@@ -236,8 +253,8 @@ def token_windows(
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             msg = f"{arg} must be a positive int, got {value!r}"
             raise ValueError(msg)
-    ids = _tokenize(tokenizer, text)
     needed = num_windows * seq_len
+    ids = _tokenize(tokenizer, text, needed, from_end=from_end)
     if len(ids) < needed:
         fit = len(ids) // seq_len
         advice = (
