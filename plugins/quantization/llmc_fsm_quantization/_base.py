@@ -184,21 +184,29 @@ def _as_reloaded(module: nn.Module, scheme: QuantizationScheme) -> None:
 class CalibrationStatistics(HessianAccumulator):
     """:class:`~llmc_fsm.toolkit.obs.HessianAccumulator` of a target's inputs, plus their range for static input scales.
 
-    Each call (one calibration batch through the target) gives the minimum and maximum over all its input
-    values (per tensor), kept three ways, one per activation observer of llm-compressor 0.14:
+    One observation is one calibration sample (a row of the batch ``[batch, seq, in_features]``; a 2-D input, e.g.
+    an expert's routed tokens, is one observation), taken in order, so the ranges do not depend on how the samples
+    are batched: llm-compressor 0.14 observes each forward call, and its ``oneshot`` calls the model once per
+    sample (``batch_size`` 1, its default). Each observation gives the minimum and maximum over its input values
+    (per tensor), kept three ways, one per activation observer of llm-compressor 0.14:
 
-    * ``static_minmax``: the smallest minimum and largest maximum of all calls;
-    * ``minmax``: a moving average, the first call's values then ``v <- (1 - c) v + c v_call`` with
-      ``c = 0.01`` (llm-compressor's ``averaging_constant``), so it depends on the batch split;
-    * ``memoryless_minmax``: the last call's values.
+    * ``static_minmax``: the smallest minimum and largest maximum of all observations;
+    * ``minmax``: a moving average, the first observation's values then ``v <- (1 - c) v + c v_obs`` with
+      ``c = 0.01`` (llm-compressor's ``averaging_constant``);
+    * ``memoryless_minmax``: the last observation's values.
 
     Given ``mse_args`` (the input ``QuantizationArgs`` of a scheme whose input observer is ``mse`` or
-    ``memoryless_mse``), each call's range is also searched (:func:`~llmc_fsm_quantization.observers.input_range_mse`)
-    and kept as ``mse`` (the same moving average) and ``memoryless_mse`` (the last call's).
+    ``memoryless_mse``), each observation's range is also searched
+    (:func:`~llmc_fsm_quantization.observers.input_range_mse`) and kept as ``mse`` (the same moving average) and
+    ``memoryless_mse`` (the last observation's).
 
     Given ``group_size`` (NVFP4's ``dynamic: local`` inputs), each range is kept per group of ``group_size``
     consecutive input features (``[2, in_features // group_size]``), as llm-compressor's observers keep them for
     such inputs; :func:`_input_global_scale` takes the largest magnitude over the groups.
+
+    The ranges are float64 (the extremes are exact values of the inputs); :attr:`dtype` is the inputs' dtype, in
+    which the scales are computed from them (:func:`_input_qparams`, :func:`_input_global_scale`), as
+    compressed-tensors computes them from the ranges llm-compressor's observers keep in the observed dtype.
 
     Under ``torch.distributed`` :meth:`all_reduce` takes the extremes over the ranks for the first and the
     mean over the ranks for the others (as llm-compressor does).
@@ -217,18 +225,29 @@ class CalibrationStatistics(HessianAccumulator):
         self.ranges: dict[str, torch.Tensor] = {}  # observer -> float64 tensor [min, max] (or [2, groups])
         self.mse_args = mse_args
         self.group_size = group_size
+        #: dtype of the observed inputs (the scales are computed in it); float32 until an input is seen.
+        self.dtype = torch.float32
 
     @torch.no_grad()
     def add_batch(self, x: torch.Tensor) -> None:
         super().add_batch(x)
         if x.numel() == 0:
             return
-        values = x.detach() if self.group_size is None else x.detach().reshape(-1, self.in_features // self.group_size,
-                                                                                self.group_size)
-        dims = None if self.group_size is None else (0, 2)
-        low, high = (values.amin(), values.amax()) if dims is None else (values.amin(dim=dims), values.amax(dim=dims))
-        call = torch.stack([low, high]).to(device="cpu", dtype=torch.float64)
-        searched = input_range_mse(x, self.mse_args) if self.mse_args is not None else None
+        self.dtype = x.dtype
+        x = x.detach()
+        per_sample = x.reshape(x.shape[0] if x.dim() > 2 else 1, -1, self.in_features)  # [samples, tokens, in]
+        if self.group_size is None:
+            low, high = per_sample.amin(dim=(1, 2)), per_sample.amax(dim=(1, 2))
+        else:  # [samples, groups]
+            grouped = per_sample.unflatten(-1, (-1, self.group_size))
+            low, high = grouped.amin(dim=(1, 3)), grouped.amax(dim=(1, 3))
+        calls = torch.stack([low, high], dim=1).to(device="cpu", dtype=torch.float64)  # [samples, 2, (groups)]
+        for i, call in enumerate(calls):
+            searched = input_range_mse(per_sample[i], self.mse_args) if self.mse_args is not None else None
+            self._observe(call, searched)
+
+    def _observe(self, call: torch.Tensor, searched: torch.Tensor | None) -> None:
+        """Combine one observation's ``[min, max]`` (and its searched range) into :attr:`ranges`."""
         if not self.ranges:
             self.ranges = {"static_minmax": call.clone(), "minmax": call.clone(), "memoryless_minmax": call}
             if searched is not None:
@@ -272,21 +291,24 @@ def _moving_average(value: torch.Tensor, call: torch.Tensor, constant: float) ->
 
 
 def _input_qparams(scheme: QuantizationScheme, stats: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """Static per-tensor input scale and zero point ``[1]`` from ``stats`` (:class:`CalibrationStatistics`)."""
+    """Static per-tensor input scale and zero point ``[1]`` from ``stats`` (:class:`CalibrationStatistics`),
+    computed in the inputs' dtype (``stats.dtype``)."""
     from compressed_tensors.quantization.utils import calculate_qparams
 
     args = scheme.input_activations
-    lo, hi = stats.ranges[args.observer or ACTIVATION_OBSERVER].to(torch.float32)
+    lo, hi = stats.ranges[args.observer or ACTIVATION_OBSERVER].to(stats.dtype)
     return calculate_qparams(lo.reshape(1), hi.reshape(1), args)
 
 
 def _input_global_scale(scheme: QuantizationScheme, stats: Any) -> torch.Tensor:
     """NVFP4's input global scale ``[1]`` float32 from ``stats`` (:class:`CalibrationStatistics` kept per group):
     compressed-tensors' ``generate_gparam`` of the largest magnitude over the groups' ranges of the scheme's input
-    observer, ``448 * 6 / max|x|`` (as llm-compressor 0.14's observers give it)."""
+    observer, ``448 * 6 / max|x|`` (as llm-compressor 0.14's observers give it), divided in the inputs' dtype
+    (``stats.dtype``: for bfloat16 inputs the bfloat16 quotient, as ``generate_gparam`` divides the bfloat16 range
+    llm-compressor's observer hands it) and returned as float32."""
     from compressed_tensors.quantization.utils import generate_gparam
 
-    lo, hi = stats.ranges[scheme.input_activations.observer or ACTIVATION_OBSERVER].to(torch.float32)
+    lo, hi = stats.ranges[scheme.input_activations.observer or ACTIVATION_OBSERVER].to(stats.dtype)
     absmax = torch.maximum(-lo.min(), hi.max()).reshape(1)
     return generate_gparam(-absmax, absmax).to(torch.float32)
 

@@ -22,9 +22,14 @@ Scale of each observer (per tensor, or per KV head over batch, positions and hea
 ``range = max(|min|, |max|)`` and the FP8 (e4m3) maximum 448 (compressed-tensors' ``calculate_qparams``):
 
 * ``static_minmax``: ``max |x|`` over every calibration token / 448;
-* ``minmax`` (llm-compressor's default for k and v): the per-call minimum and maximum averaged as
-  ``v <- 0.99 v + 0.01 v_call`` from the first call's values, then ``range / 448``;
-* ``memoryless_minmax``: the last call's range / 448.
+* ``minmax`` (llm-compressor's default for k and v): each calibration sample's minimum and maximum averaged as
+  ``v <- 0.99 v + 0.01 v_sample`` from the first sample's values, then ``range / 448`` (one observation per sample,
+  in order, whatever the batch size: llm-compressor observes each call, one sample per call at its default
+  ``batch_size`` 1);
+* ``memoryless_minmax``: the last sample's range / 448.
+
+The scales are computed in the states' dtype (the model's), as compressed-tensors computes them from the ranges
+llm-compressor's observers keep in the observed dtype.
 
 Limit (compressed-tensors 0.20 with transformers 5.24): transformers' attention names its cache argument
 ``cache``, and compressed-tensors recognises an attention with KV cache by an argument ``past_key_values``, so
@@ -156,10 +161,13 @@ def kv_heads(module: nn.Module) -> int | None:
 
 
 class KVRange:
-    """Minimum and maximum of key (or value) states ``[batch, heads, seq, head_dim]`` over calibration calls.
+    """Minimum and maximum of key (or value) states ``[batch, heads, seq, head_dim]`` over the calibration samples.
 
-    ``ranges[observer]``: float64 ``[2, *shape]`` (minimum, maximum), ``shape`` ``[1]`` per tensor or
-    ``[heads, 1, 1]`` per head, kept for every observer of :data:`KV_CACHE_OBSERVERS` (see the module docstring).
+    One observation is one sample (a row of the batch), taken in order, so the ranges do not depend on how the
+    samples are batched (llm-compressor 0.14 observes each forward call, one sample per call at its default
+    ``batch_size`` 1). ``ranges[observer]``: float64 ``[2, *shape]`` (minimum, maximum), ``shape`` ``[1]`` per tensor
+    or ``[heads, 1, 1]`` per head, kept for every observer of :data:`KV_CACHE_OBSERVERS` (see the module docstring);
+    ``dtype``: the states' dtype, in which :func:`set_scales` computes the scales.
     """
 
     AVERAGING_CONSTANT = 0.01
@@ -168,27 +176,30 @@ class KVRange:
         self.per_head = per_head
         self.ranges: dict[str, torch.Tensor] = {}
         self.calls = 0
+        self.dtype = torch.float32
 
     @torch.no_grad()
     def add(self, x: torch.Tensor) -> None:
-        """Record one call's states ``x`` ``[batch, heads, seq, head_dim]``."""
+        """Record one call's states ``x`` ``[batch, heads, seq, head_dim]``, sample by sample."""
         if x.numel() == 0:
             return
         x = x.detach()
-        if self.per_head:
-            lo, hi = x.amin(dim=(0, 2, 3)).reshape(-1, 1, 1), x.amax(dim=(0, 2, 3)).reshape(-1, 1, 1)
-        else:
-            lo, hi = x.amin().reshape(1), x.amax().reshape(1)
-        call = torch.stack([lo, hi]).to(device="cpu", dtype=torch.float64)
+        self.dtype = x.dtype
+        if self.per_head:  # [batch, heads, 1, 1]
+            lo, hi = x.amin(dim=(2, 3), keepdim=True), x.amax(dim=(2, 3), keepdim=True)
+        else:  # [batch, 1]
+            lo, hi = x.flatten(1).amin(dim=1, keepdim=True), x.flatten(1).amax(dim=1, keepdim=True)
+        calls = torch.stack([lo, hi], dim=1).to(device="cpu", dtype=torch.float64)  # [batch, 2, *shape]
         self.calls += 1
-        if not self.ranges:
-            self.ranges = {"static_minmax": call.clone(), "minmax": call.clone(), "memoryless_minmax": call}
-            return
-        extremes = self.ranges["static_minmax"]
-        extremes[0] = torch.minimum(extremes[0], call[0])
-        extremes[1] = torch.maximum(extremes[1], call[1])
-        self.ranges["minmax"].mul_(1 - self.AVERAGING_CONSTANT).add_(call * self.AVERAGING_CONSTANT)
-        self.ranges["memoryless_minmax"] = call
+        for call in calls:
+            if not self.ranges:
+                self.ranges = {"static_minmax": call.clone(), "minmax": call.clone(), "memoryless_minmax": call}
+                continue
+            extremes = self.ranges["static_minmax"]
+            extremes[0] = torch.minimum(extremes[0], call[0])
+            extremes[1] = torch.maximum(extremes[1], call[1])
+            self.ranges["minmax"].mul_(1 - self.AVERAGING_CONSTANT).add_(call * self.AVERAGING_CONSTANT)
+            self.ranges["memoryless_minmax"] = call
 
 
 class CacheTap:
@@ -286,7 +297,7 @@ def set_scales(attention: nn.Module) -> bool:
         return False
     args = getattr(attention, SCHEME_ATTR)
     for base in ("k", "v"):
-        lo, hi = ranges[base].ranges[args.observer].to(torch.float32)
+        lo, hi = ranges[base].ranges[args.observer].to(ranges[base].dtype)  # in the states' dtype, as observed
         scale, _ = calculate_qparams(lo, hi, args)
         param = getattr(attention, f"{base}_scale")
         param.data.copy_(scale.reshape(param.shape).to(param.dtype))

@@ -35,7 +35,7 @@ def _rope(x: torch.Tensor, theta: float) -> torch.Tensor:
 
 
 def _reference_ranges(model, original, data, batch_size):
-    """Per layer and batch: (keys, values) ``[batch, kv_heads, seq, head_dim]`` float64, computed from the inputs
+    """Per layer and batch of ``batch_size``: (keys, values) ``[batch, kv_heads, seq, head_dim]`` float64, from inputs
     each layer's k_proj / v_proj receive in ``model`` (the compressed model: what the calibration of that layer saw)
     and the *original* projection weights (the calibration ran before the layer was quantized)."""
     inputs: dict[int, list[torch.Tensor]] = {i: [] for i in range(len(model.model.layers))}
@@ -74,7 +74,7 @@ def _expected_scale(states: list[torch.Tensor], observer: str, per_head: bool) -
     if observer == "static_minmax":
         lo = torch.stack([c[0] for c in calls]).amin(0)
         hi = torch.stack([c[1] for c in calls]).amax(0)
-    else:  # minmax: moving average with constant 0.01, from the first call's values
+    else:  # minmax: moving average with constant 0.01, from the first observation's values
         lo, hi = calls[0]
         for c in calls[1:]:
             lo, hi = 0.99 * lo + 0.01 * c[0], 0.99 * hi + 0.01 * c[1]
@@ -94,7 +94,8 @@ def test_kv_scales_are_the_range_of_the_keys_and_values_over_the_calibration_tok
     out = tmp_path / "out"
     llmc_fsm.oneshot(model=model, recipe=recipe, dataset=data, batch_size=2, output_dir=out, progress=False)
     used = observer or "minmax"  # llm-compressor's default observer of k and v
-    reference = _reference_ranges(model, original, data, batch_size=2)
+    # one observation per calibration sample (llm-compressor's, at its batch_size 1), whatever the batch size
+    reference = _reference_ranges(model, original, data, batch_size=1)
     heads = model.config.num_key_value_heads
     for i, layer in enumerate(model.model.layers):
         a = layer.self_attn
