@@ -72,6 +72,20 @@ def test_output_under_a_regular_file(tmp_path, no_model_loading, capsys):
     assert (tmp_path / "README.md").read_text() == "# readme\n"
 
 
+def test_output_that_is_a_regular_file(tmp_path, no_model_loading, capsys):
+    out = tmp_path / "model.txt"
+    out.write_text("keep me\n")
+    message = (
+        f"output {str(out)!r} exists and is not a directory; choose a new directory for the output (e.g. "
+        "--output out/my-model), or move the file away"
+    )
+    _fails_fast(out, FileExistsError, message)
+    assert main(["oneshot", "--no-progress", "--output", str(out)]) == 1
+    assert capsys.readouterr().err == f"llmc-fsm oneshot: error: {message}\n"
+    assert _names(tmp_path) == ["model.txt"]
+    assert out.read_text() == "keep me\n"
+
+
 @pytest.mark.skipif(not Path("/sys").is_dir(), reason="needs Linux /sys")
 def test_output_under_sys(no_model_loading):
     reason = "Operation not permitted" if os.geteuid() == 0 else "Permission denied"  # mkdir vs the access check

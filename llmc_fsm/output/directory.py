@@ -37,7 +37,10 @@ def check_output_dir(output_dir: str | os.PathLike[str] | None, overwrite: bool)
         return None
     path = Path(output_dir).expanduser().resolve()
     if path.exists() and not path.is_dir():
-        msg = f"output {str(path)!r} exists and is not a directory"
+        msg = (
+            f"output {str(path)!r} exists and is not a directory; choose a new directory for the output (e.g. "
+            "--output out/my-model), or move the file away"
+        )
         raise FileExistsError(msg)
     cwd = Path.cwd().resolve()
     if path == cwd or path in cwd.parents:
