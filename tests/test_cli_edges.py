@@ -41,6 +41,25 @@ def saved_run(tmp_path_factory):
     return pruned.llmc_fsm_report, out
 
 
+def test_an_unknown_option_is_named_by_the_subcommand_with_the_option_meant(capsys, tmp_path, monkeypatch):
+    """A misspelt option of a subcommand: exit status 2 before any work, the subcommand's own usage line, the
+    unknown arguments and the closest option; nothing written."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as info:
+        main(["oneshot", "--methd", "gptq", "--output", "out"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: llmc-fsm oneshot ")
+    assert err.endswith("llmc-fsm oneshot: error: unrecognized arguments: --methd gptq (did you mean --method?)\n")
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(SystemExit) as info:
+        main(["modifiers", "extra"])
+    assert info.value.code == 2
+    assert capsys.readouterr().err == (
+        "usage: llmc-fsm modifiers [-h]\nllmc-fsm modifiers: error: unrecognized arguments: extra\n"
+    )
+
+
 def test_report_from_dict_round_trips(saved_run):
     report, out = saved_run
     saved = json.loads((out / "report.json").read_text())

@@ -18,6 +18,7 @@ Each subcommand lives in the module that implements it and contributes an
 from __future__ import annotations
 
 import argparse
+import difflib
 import logging
 import os
 import sys
@@ -44,13 +45,28 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for module in _SUBCOMMANDS:
         module.add_cli(sub)
+    parser.set_defaults(_commands=sub.choices)
     return parser
+
+
+def _reject_unknown(args: argparse.Namespace, extra: list[str]) -> None:
+    """Exit with status 2 through the subcommand's own parser (its usage line, not the top level's), naming the
+    unknown arguments and, for a misspelt option, the option meant."""
+    command = args._commands[args.command]
+    message = f"unrecognized arguments: {' '.join(extra)}"
+    options = list(command._option_string_actions)  # argparse's table of option strings
+    close = [m for e in extra if e.startswith("--") for m in difflib.get_close_matches(e.split("=")[0], options, 1)]
+    if close:
+        message += f" (did you mean {', '.join(close)}?)"
+    command.error(message)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the process exit status (0 ok, 1 error, 2 usage)."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        _reject_unknown(args, extra)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
     )
