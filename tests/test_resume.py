@@ -31,6 +31,11 @@ pytest.importorskip("transformers")
 pytest.importorskip("llmc_fsm_pruning")
 
 
+#: round-to-nearest FP8 with static input scales: calibrated, its weight update deferred (later layers calibrate on
+#: the layers as loaded, :func:`llmc_fsm.pipeline.layer.defers_weights`)
+RTN_FP8_STATIC = {"q": {"QuantizationModifier": {"scheme": "FP8"}}}
+
+
 def _args(tiny_model_dir, out: Path, *extra: str) -> list[str]:
     # --in-memory: these tests check the in-memory path's progress (the CLI streams such a job by default; the
     # streamed path's resume is tested below)
@@ -172,6 +177,7 @@ def test_second_pass_interrupted_resumes_bitwise(tmp_path, monkeypatch):
         {"q": {"GPTQModifier": {"scheme": "W8A8"}}},
         {"q": {"GPTQModifier": {"scheme": "FP8_DYNAMIC"}}},
         {"p": {"SparseGPTModifier": {"sparsity": 0.5}}, "q": {"QuantizationModifier": {"scheme": "W8A8"}}},
+        RTN_FP8_STATIC,  # later layers calibrate on the layers as loaded: a resumed run propagates before restoring
     ],
 )
 def test_activation_quantizing_schemes_resume_bitwise(tmp_path, monkeypatch, recipe):
@@ -393,7 +399,7 @@ def _report(out: Path) -> dict:
 
 
 @pytest.mark.parametrize("layer", [0, 1])
-@pytest.mark.parametrize("recipe", [GPTQ_G16, SPARSEGPT], ids=["gptq-w4a16", "sparsegpt"])
+@pytest.mark.parametrize("recipe", [GPTQ_G16, SPARSEGPT, RTN_FP8_STATIC], ids=["gptq-w4a16", "sparsegpt", "rtn-fp8"])
 def test_a_streamed_run_interrupted_after_layer_k_resumes_bitwise(streamed, tmp_path, monkeypatch, recipe, layer):
     streamed(tmp_path / "ref", recipe=recipe, low_memory=True)
     with monkeypatch.context() as m:

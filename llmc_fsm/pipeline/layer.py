@@ -10,27 +10,84 @@ Its inputs are captured and its calls recorded by :mod:`llmc_fsm.pipeline.forwar
   nothing after it is observed (:func:`early_exit_module`);
 * :func:`propagate` — replace each batch's hidden states by the layer's output.
 
+Calibration runs with activation quantization off, as llm-compressor's sequential pipeline runs it (its
+``DisableQuantization`` around calibration and propagation): inside a layer and from one layer to the next, the
+calibration inputs are what the model computes with the weights the modifiers have written so far and
+full-precision activations — no input, output, query or KV-cache quantization (:func:`activation_quantization_off`).
+So a static input scale, a KV-cache scale or a Hessian is observed on full-precision activations. Where every
+modifier of the session only rounds weights to their grid (round-to-nearest, which llm-compressor applies when it
+saves the model), the next layer's inputs are the layer's output *before* it is compressed (:func:`defers_weights`):
+one forward per batch, on the layer as it was loaded, as in llm-compressor.
+
 Everything here runs under the caller's ``torch.no_grad``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from torch import nn
 
 from llmc_fsm.core.torch_hooks import global_forward_hooks_installed, hook_count
-from llmc_fsm.output.save import quantized_weights_as_compressed, weights_on_grid
+from llmc_fsm.output.save import quantized_weights_as_compressed
 from llmc_fsm.pipeline.forward import Calls, Inputs, StopForward, call_order, first_output, with_hidden
 from llmc_fsm.pipeline.true_sequential import plan_groups, run_grouped
 
 __all__ = [
+    "activation_quantization_off",
     "calibrate_layer",
     "compress_layer",
+    "defers_weights",
     "early_exit_module",
     "propagate",
 ]
+
+#: compressed-tensors' switch of a module's fake quantization (its quantized forward, attention and KV cache read it;
+#: so does :mod:`llmc_fsm_quantization.kv_cache`); absent means on.
+_SWITCH = "quantization_enabled"
+
+
+@contextlib.contextmanager
+def activation_quantization_off(layer: nn.Module) -> Iterator[Callable[[], None]]:
+    """Within the block, ``layer``'s modules compute without fake quantization; yields ``off()`` to call again after
+    modules were (re)initialised for quantization inside the block (a compressed group).
+
+    Sets compressed-tensors' ``quantization_enabled = False`` on every module of ``layer`` (the layer included), so
+    their forwards skip input / output / query / KV-cache quantization and use the weights as stored — which hold
+    their grid values once a modifier compressed them.
+    Each module's own value (or its absence, which means on) is put back when the block ends.
+    """
+    before: dict[int, tuple[nn.Module, Any]] = {}
+
+    def off() -> None:
+        for module in layer.modules():
+            if id(module) not in before:
+                before[id(module)] = (module, module.__dict__.get(_SWITCH, _ABSENT))
+            module.__dict__[_SWITCH] = False
+
+    off()
+    try:
+        yield off
+    finally:
+        for module, value in before.values():
+            if value is _ABSENT:
+                module.__dict__.pop(_SWITCH, None)
+            else:
+                module.__dict__[_SWITCH] = value
+
+
+_ABSENT = object()
+
+
+def defers_weights(modifiers: Sequence[Any]) -> bool:
+    """Whether every one of ``modifiers`` (at least one) declares ``defers_weight_update``: its compression only
+    rounds weights to their grid and nothing calibrated later depends on it (round-to-nearest, which llm-compressor
+    applies when it saves the model, so that its later layers calibrate on the full-precision weights). Then the
+    pipeline computes a layer's output for the next layer before compressing it (:func:`compress_layer`), and a
+    resumed run propagates the restored layers' inputs through the layer as loaded."""
+    return bool(modifiers) and all(getattr(m, "defers_weight_update", False) is True for m in modifiers)
 
 
 def _has_hooks(module: nn.Module, *, post_only: bool = False) -> bool:
@@ -101,61 +158,59 @@ def compress_layer(
 ) -> Inputs | None:
     """Calibrate and compress ``layer`` on ``inputs``; return the next layer's inputs (``None`` if not needed).
 
-    With ``true_sequential`` and a layer :func:`llmc_fsm.pipeline.true_sequential.plan_groups`
-    accepts (by ``calls``), every batch runs the
-    layer once and each group of targets is compressed (``compress(group)``)
-    before any batch runs it. Otherwise the plain order: every batch runs the
-    layer for the hooks (stopping early by ``calls`` if ``early_exit``), the layer is
-    compressed, and (if ``need_outputs``) every batch runs the compressed layer.
-    Either way ``compress([layer])`` is called once at the end (it compresses
-    whatever targets the forward did not reach). First, each of ``modifiers`` that has a
-    ``prepare_layer(layer, inputs)`` method runs it (smoothing: it folds scales into the layer from its own pass
-    over ``inputs``, its hooks only). In the grouped order, the
-    batches run a compressed group's quantized modules without re-quantizing
-    their weights (:func:`llmc_fsm.output.save.weights_on_grid`), and a group's head, paused inside its own call
-    while its group was compressed, gets its inputs from ``modifiers``' ``compressed_call_inputs`` (a
-    quantizer's input quantization), so that every module runs as its compressed forward would.
+    First, each of ``modifiers`` that has a ``prepare_layer(layer, inputs)`` method runs it (smoothing: it folds
+    scales into the layer from its own pass over ``inputs``, its hooks only). Then, with activation quantization off
+    throughout (:func:`activation_quantization_off`), one of three orders:
+
+    * ``true_sequential`` and a layer :func:`llmc_fsm.pipeline.true_sequential.plan_groups` accepts (by ``calls``):
+      every batch runs the layer once and each group of targets is compressed (``compress(group)``) before any batch
+      runs it, the batches running a compressed group with the weights it now holds;
+    * ``modifiers`` all defer their weight update (:func:`defers_weights`) and ``need_outputs``: every batch runs
+      the whole layer for the hooks, the layer is compressed, and the outputs of that forward (the layer as it was
+      loaded) are the next layer's inputs;
+    * otherwise the plain order: every batch runs the layer for the hooks (stopping early by ``calls`` if
+      ``early_exit``), the layer is compressed, and (if ``need_outputs``) every batch runs the compressed layer.
+
+    Either way ``compress([layer])`` is called once at the end (it compresses whatever targets the forward did not
+    reach).
     """
     for modifier in modifiers:  # smoothing (SmoothQuant, AWQ) changes the layer before anything calibrates it
         prepare = getattr(modifier, "prepare_layer", None)
         if prepare is not None and inputs:
             prepare(layer, inputs)
-    groups = plan_groups(layer, calls) if true_sequential and inputs else None
-    if groups is not None:
-        with weights_on_grid() as mark:  # the batches then run compressed groups without re-quantizing them
+    deferred = defers_weights(modifiers)
+    with activation_quantization_off(layer) as off:
+        groups = plan_groups(layer, calls) if true_sequential and inputs and not deferred else None
+        if groups is not None:
 
             def compress_group(group: list[nn.Module]) -> None:
                 compress(group)
-                mark(group)
+                off()  # a module initialised for quantization by compress computes without it here too
 
-            hidden = run_grouped(layer, inputs, groups, compress_group, _resumed_call(list(modifiers)))
+            hidden = run_grouped(layer, inputs, groups, compress_group)
+            compress([layer])
+            return with_hidden(inputs, hidden) if need_outputs else None
+        if deferred and need_outputs and inputs:  # the layer's output before compression: one forward per batch
+            hidden = [first_output(layer(*args, **kwargs)) for args, kwargs in inputs]
+            compress([layer])
+            return with_hidden(inputs, hidden)
+        if inputs:
+            calibrate_layer(layer, inputs, call_order(calls) if early_exit and calls is not None else None)
         compress([layer])
-        return with_hidden(inputs, hidden) if need_outputs else None
-    if inputs:
-        calibrate_layer(layer, inputs, call_order(calls) if early_exit and calls is not None else None)
-    compress([layer])
-    return propagate(layer, inputs) if need_outputs and inputs else None
+        off()
+        return propagate(layer, inputs) if need_outputs and inputs else None
 
 
-def propagate(layer: nn.Module, inputs: Inputs) -> Inputs:
+def propagate(layer: nn.Module, inputs: Inputs, *, calibration: bool = False) -> Inputs:
     """``inputs`` with each batch's hidden states replaced by the compressed ``layer``'s output on them.
 
     Its quantized weights already hold their grid values and are not re-quantized
-    (:func:`llmc_fsm.output.save.quantized_weights_as_compressed`; same outputs bitwise).
+    (:func:`llmc_fsm.output.save.quantized_weights_as_compressed`; same outputs bitwise). ``calibration``: the
+    inputs are calibration inputs, computed with activation quantization off (:func:`activation_quantization_off`);
+    else (evaluation windows) the layer computes as the quantized model does.
     """
-    with quantized_weights_as_compressed(layer):
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(quantized_weights_as_compressed(layer))
+        if calibration:
+            stack.enter_context(activation_quantization_off(layer))
         return with_hidden(inputs, [first_output(layer(*args, **kwargs)) for args, kwargs in inputs])
-
-
-def _resumed_call(modifiers: list[Any]) -> Callable[[nn.Module, tuple[Any, ...], dict[str, Any]], Any]:
-    """The first ``compressed_call_inputs(module, args, kwargs)`` result of ``modifiers`` that is not ``None``."""
-
-    def call(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        for modifier in modifiers:
-            adjust = getattr(modifier, "compressed_call_inputs", None)
-            result = adjust(module, args, kwargs) if adjust is not None else None
-            if result is not None:
-                return result
-        return None
-
-    return call

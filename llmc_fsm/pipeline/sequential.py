@@ -45,7 +45,7 @@ from llmc_fsm.core.errors import LifecycleError
 from llmc_fsm.models.layers import check_calibrates_from_text, find_decoder_layers
 from llmc_fsm.pipeline.device import ActivationStore, activation_store, describe_device, onloaded, resolve_device
 from llmc_fsm.pipeline.forward import Inputs, capture_layer_inputs, record_calls_per_class
-from llmc_fsm.pipeline.layer import compress_layer, propagate
+from llmc_fsm.pipeline.layer import compress_layer, defers_weights, propagate
 from llmc_fsm.session.session import Session
 from llmc_fsm.toolkit.calibrated import CalibratedModifier
 from llmc_fsm.toolkit.heap import trim_heap
@@ -362,7 +362,7 @@ def _run_layers(
     wanted = (early_exit or true_sequential) and len(inputs) > 0
     calls = record_calls_per_class(layers, inputs[0], device=runner.device) if wanted else {}
     session.calibration_start()
-    start, inputs = _resume(layers, inputs, checkpoint, runner)
+    start, inputs = _resume(layers, inputs, checkpoint, runner, defers_weights(session.modifiers))
     layer_seconds: list[float] = []
     bar = tqdm(
         range(start, len(layers)),
@@ -405,15 +405,20 @@ def _run_layers(
 
 
 def _resume(
-    layers: nn.ModuleList, inputs: Inputs, checkpoint: LayerCheckpoint | None, runner: _LayerRunner
+    layers: nn.ModuleList, inputs: Inputs, checkpoint: LayerCheckpoint | None, runner: _LayerRunner, deferred: bool
 ) -> tuple[int, Inputs]:
-    """Restore the layers ``checkpoint`` holds and run the calibration inputs through them (each onloaded)."""
+    """Restore the layers ``checkpoint`` holds and run the calibration inputs through them (each onloaded), as the
+    interrupted run computed them: through the restored layer, or, when the modifiers defer their weight update
+    (:func:`llmc_fsm.pipeline.layer.defers_weights`), through the layer as loaded, before it is restored."""
     start = checkpoint.layers_done(len(layers)) if checkpoint is not None else 0
     for index in range(start):
-        checkpoint.restore(index, layers[index])  # type: ignore[union-attr]
-        if start < len(layers):
+        if deferred and start < len(layers):
             with runner.onload(layers[index]):
-                inputs = runner.store.hold(propagate(layers[index], inputs))
+                inputs = runner.store.hold(propagate(layers[index], inputs, calibration=True))
+        checkpoint.restore(index, layers[index])  # type: ignore[union-attr]
+        if not deferred and start < len(layers):
+            with runner.onload(layers[index]):
+                inputs = runner.store.hold(propagate(layers[index], inputs, calibration=True))
     if start:
         logger.info("resumed: %d of %d decoder layers restored from saved progress", start, len(layers))
     return start, inputs

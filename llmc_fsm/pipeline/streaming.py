@@ -54,7 +54,7 @@ from llmc_fsm.models.lazy import LazyModel, ShardWriter
 from llmc_fsm.output.save import compressed_state_dict, quantized_modules
 from llmc_fsm.pipeline.device import ActivationStore, activation_store, onloaded
 from llmc_fsm.pipeline.forward import Calls, Inputs, capture_layer_inputs, record_calls
-from llmc_fsm.pipeline.layer import compress_layer, propagate
+from llmc_fsm.pipeline.layer import compress_layer, defers_weights, propagate
 from llmc_fsm.pipeline.sequential import (
     LayerCheckpoint,
     activation_bytes,
@@ -363,7 +363,9 @@ def compress_streaming(
         if checkpoint is not None:
             start = checkpoint.layers_done(len(lazy.layers))
             for index in range(start):
-                inputs = _restore_layer(checkpoint, lazy, writer, index, inputs, result, device, store)
+                inputs = _restore_layer(
+                    checkpoint, lazy, writer, index, inputs, result, device, store, defers_weights(session.modifiers)
+                )
         if start:
             logger.info("resumed: %d of %d decoder layers restored from saved progress", start, len(lazy.layers))
         for index in _bar(len(lazy.layers), "compressing layers", progress, start):
@@ -421,14 +423,22 @@ def _restore_layer(
     result: StreamedCompression,
     device: torch.device,
     store: ActivationStore,
+    deferred: bool,
 ) -> Inputs:
-    """Read decoder layer ``index``, load its saved compressed state, run the calibration inputs and the evaluation
-    windows through it, measure and write it; return the next layer's inputs."""
+    """Read decoder layer ``index``, load its saved compressed state, run the calibration inputs (as the
+    interrupted run did: :func:`~llmc_fsm.pipeline.sequential._resume`) and the evaluation windows through it,
+    measure and write it; return the next layer's inputs."""
     layer = lazy.layers[index]
+    need_outputs = index + 1 < len(lazy.layers) and bool(inputs)
     with lazy.materialized(lazy.layer_names(index), layer):
+        outputs = None
+        if deferred and need_outputs:  # as the interrupted run computed them: the layer as read, before compression
+            with onloaded(layer, device):
+                outputs = propagate(layer, inputs, calibration=True)
         checkpoint.restore(index, layer)
         with onloaded(layer, device):
-            outputs = propagate(layer, inputs) if index + 1 < len(lazy.layers) and inputs else None
+            if not deferred and need_outputs:
+                outputs = propagate(layer, inputs, calibration=True)
             if result.eval_states is not None:
                 result.eval_states = store.hold(propagate(layer, result.eval_states))
         _write_layer(lazy, writer, index, result)

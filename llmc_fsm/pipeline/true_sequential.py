@@ -92,7 +92,6 @@ def run_grouped(
     inputs: Inputs,
     groups: list[list[nn.Module]],
     compress: Callable[[list[nn.Module]], None],
-    resumed_call: Callable[[nn.Module, tuple[Any, ...], dict[str, Any]], Any] | None = None,
 ) -> list[torch.Tensor]:
     """Run every batch once through ``layer``, calling ``compress(group)`` when all batches reached a group.
 
@@ -100,10 +99,10 @@ def run_grouped(
         layer: the decoder layer (its targets hooked by the modifiers).
         inputs: per batch, the layer's (args, kwargs).
         groups: from :func:`plan_groups`.
-        compress: compresses a group (the pipeline passes ``session.sequential_epoch_end``).
-        resumed_call: a group's head is paused inside its own call, which goes on with the forward it began
-            with; given the head and its ``(args, kwargs)``, this returns ``(args, kwargs)`` for that forward
-            (e.g. inputs quantized as the compressed module's new forward would), or ``None`` for as they are.
+        compress: compresses a group (the pipeline passes ``session.sequential_epoch_end``). A group's head is
+            paused inside its own call, which then goes on with the forward it began with (its input as it was, the
+            weights the group now holds); the pipeline runs the layer with activation quantization off
+            (:func:`llmc_fsm.pipeline.layer.activation_quantization_off`), so the compressed module computes that too.
 
     Returns:
         Per batch, the layer's output hidden states (computed with every group compressed).
@@ -127,7 +126,6 @@ def run_grouped(
                 finally:
                     siblings_calling[0] = False
             main.switch(index)  # back to the scheduler until every batch is here and the group is compressed
-            return resumed_call(module, args, kwargs) if resumed_call is not None else None
 
         return hook
 

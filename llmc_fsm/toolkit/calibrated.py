@@ -187,6 +187,12 @@ class CalibratedModifier(Modifier):
     #: so the new weights are bitwise those of the replicated computation; the ranks then run in parallel only when
     #: several groups are handed over at once, i.e. the plain pipeline order).
     splits_groups_across_ranks = True
+    #: Whether the compression only rounds the weights to their grid, so that the layers after a compressed one may
+    #: calibrate on its weights as they were (round-to-nearest, which llm-compressor applies when it saves the
+    #: model): when every modifier of a session says so, the pipeline computes each layer's output before the
+    #: layer is compressed (:func:`llmc_fsm.pipeline.layer.defers_weights`). ``False``: later layers calibrate on
+    #: the compressed weights (GPTQ, SparseGPT: the weights they updated).
+    defers_weight_update = False
 
     targets: list[str] = attrs.field(factory=lambda: list(DEFAULT_TARGETS), converter=patterns, validator=_non_empty)
     ignore: list[str] = attrs.field(factory=lambda: list(DEFAULT_IGNORE), converter=patterns)
@@ -288,7 +294,11 @@ class CalibratedModifier(Modifier):
             msg = f"{type(self).__name__}: the model is already quantized ({already}); {self.quantized_model_hint}"
             raise ValueError(msg)
         targets = resolve_targets(
-            model, self.targets, self.ignore, warned=self._target_warnings, supported=self._selectable,
+            model,
+            self.targets,
+            self.ignore,
+            warned=self._target_warnings,
+            supported=self._selectable,
             views=self.compresses_views,
         )
         quantized = [name for name, module in targets.items() if hasattr(module, "quantization_scheme")]

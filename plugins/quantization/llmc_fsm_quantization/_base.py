@@ -653,22 +653,6 @@ class QuantizingModifier(CalibratedModifier):
         """The resolved ``kv_cache_scheme`` (``None`` without one)."""
         return self._kv_args
 
-    def compressed_call_inputs(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """``(args, kwargs)`` of a call that began before ``module`` was quantized, with its input quantized as
-        compressed-tensors' quantized forward does (``None``: not this modifier's module, or no input quantization).
-
-        In the pipeline's grouped order a group's head is compressed while its call is under way, and that call
-        goes on with the forward it began with (:func:`llmc_fsm.pipeline.true_sequential.run_grouped`); without
-        this, its output for the next group / layer missed the input quantization (W8A8, FP8_DYNAMIC), and a
-        resumed run, which propagates through fully quantized layers, differed from an uninterrupted one.
-        """
-        scheme = getattr(module, "quantization_scheme", None)
-        if id(module) not in self._names_by_id or scheme is None or scheme.input_activations is None or not args:
-            return None
-        from compressed_tensors.quantization.lifecycle.forward import forward_quantize
-
-        return (forward_quantize(module, args[0], "input", scheme.input_activations), *args[1:]), kwargs
-
     # ---- checks before any calibration work ------------------------------------------
     quantized_model_hint = "quantize the original full-precision model instead"
     zeros_are_sparsity = False  # int4 rounds small weights to exact zeros: not pruning
@@ -961,7 +945,7 @@ class QuantizingModifier(CalibratedModifier):
         """Hook the targets (:class:`CalibratedModifier`); with ``kv_cache_scheme`` also prepare every attention
         module (:func:`llmc_fsm_quantization.kv_cache.install`) and give each of its ancestors a forward hook that
         does nothing, so that the pipeline runs each layer whole (no early exit before the attention's cache
-        update; its plain order: calibrate, compress, then propagate through the KV-quantized attention). Fused
+        update; its plain order: calibrate, compress, then propagate with the KV quantization off). Fused
         experts targeted: a forward pre-hook on each experts module feeds every expert matrix its routed tokens
         (:func:`~llmc_fsm.toolkit.views.observe_inputs`; every token with ``calibrate_all_experts``)."""
         super().on_calibration_start(state)

@@ -13,10 +13,10 @@ keys after the rotary embedding, ``[batch, num_kv_heads, seq, head_dim]``, as co
 argument by a :class:`CacheTap`, which, while the attention's scales are not yet calibrated (NaN), records the
 range of each call's k and v (:class:`KVRange`), and afterwards fake-quantizes them with compressed-tensors'
 ``fake_quantize`` (what its ``forward_quantize`` does for ``k`` / ``v``) before handing them to the real cache
-(if any). The hook stays on the model: the in-memory model computes with the FP8 KV cache, and the decoder
-layers after a calibrated one are calibrated on the outputs of its quantized attention (the sequential
-pipeline propagates through it). A layer restored from saved progress (a resumed run) gets its scales from
-its state dict and quantizes at once.
+(if any), unless the attention's ``quantization_enabled`` is off. The hook stays on the model: the in-memory model
+computes with the FP8 KV cache; the sequential pipeline's calibration forwards turn it off, as llm-compressor
+calibrates on full-precision activations (:func:`llmc_fsm.pipeline.layer.activation_quantization_off`). A layer
+restored from saved progress (a resumed run) gets its scales from its state dict and quantizes at once.
 
 Scale of each observer (per tensor, or per KV head over batch, positions and head dimension), with
 ``range = max(|min|, |max|)`` and the FP8 (e4m3) maximum 448 (compressed-tensors' ``calculate_qparams``):

@@ -95,6 +95,7 @@ class QuantizationModifier(QuantizingModifier):
     needs_inputs = False
     supports_kv_cache = True
     compresses_views = True  # each expert matrix of fused experts (QuantizingModifier._check_views)
+    defers_weight_update = True  # later layers calibrate on the full-precision weights, as in llm-compressor
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()

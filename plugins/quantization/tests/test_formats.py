@@ -88,6 +88,48 @@ def test_static_input_scales_are_observed_on_the_calibration_inputs_and_reload(
     _reload_equal(model, out)
 
 
+def _inputs_max(model: torch.nn.Module, data: torch.Tensor, *, quantization: bool) -> dict[str, float]:
+    """max |x| over the calibration tokens of each decoder-layer Linear's input; ``quantization=False``: with every
+    fake quantization of ``model`` off (compressed-tensors' ``quantization_enabled``)."""
+    seen: dict[str, float] = {}
+    handles = [
+        module.register_forward_pre_hook(
+            lambda m, a, name=name: seen.__setitem__(name, max(seen.get(name, 0.0), float(a[0].abs().max())))
+        )
+        for name, module in model.model.layers.named_modules()
+        if isinstance(module, torch.nn.Linear)
+    ]
+    for module in model.modules():
+        module.quantization_enabled = quantization
+    with torch.no_grad():
+        model(data)
+    for module in model.modules():
+        del module.quantization_enabled
+    for handle in handles:
+        handle.remove()
+    return seen
+
+
+@pytest.mark.parametrize("modifier", ["QuantizationModifier", "GPTQModifier"])
+def test_every_static_input_scale_is_observed_on_full_precision_activations_as_llm_compressor_does(modifier) -> None:
+    """llm-compressor calibrates under ``DisableQuantization``: every layer's inputs are computed without input
+    quantization, on the weights as the modifiers left them so far (round-to-nearest rounds them when it saves, so
+    its later layers see the original weights; GPTQ's updated weights are in place)."""
+    import copy
+
+    model, data = tiny_llama(), _data()
+    original = copy.deepcopy(model)
+    recipe = {"q": {modifier: {"scheme": "FP8", "ignore": ["lm_head"]}}}  # FP8: static_minmax input scales
+    llmc_fsm.oneshot(model=model, recipe=recipe, dataset=data, batch_size=2, progress=False)
+    expected = _inputs_max(original if modifier == "QuantizationModifier" else model, data, quantization=False)
+    assert len(expected) == 14  # 2 layers x 7 Linear
+    got = {name: float(m.input_scale) for name, m in model.model.layers.named_modules() if name in expected}
+    assert got == pytest.approx({name: value / FP8_MAX for name, value in expected.items()}, rel=1e-6)
+    # not what the quantized model's layers receive (their inputs with input and weight quantization on)
+    quantized = _inputs_max(model, data, quantization=True)
+    assert got != pytest.approx({name: value / FP8_MAX for name, value in quantized.items()}, rel=1e-6)
+
+
 def test_static_input_scales_need_calibration_data_even_for_round_to_nearest() -> None:
     from llmc_fsm_quantization import QuantizationModifier
 

@@ -34,18 +34,23 @@ def _rope(x: torch.Tensor, theta: float) -> torch.Tensor:
     return x * cos + rotated * sin
 
 
-def _reference_ranges(model, original, data, batch_size):
+def _reference_ranges(propagated, original, data, batch_size):
     """Per layer and batch of ``batch_size``: (keys, values) ``[batch, kv_heads, seq, head_dim]`` float64, from inputs
-    each layer's k_proj / v_proj receive in ``model`` (the compressed model: what the calibration of that layer saw)
-    and the *original* projection weights (the calibration ran before the layer was quantized)."""
-    inputs: dict[int, list[torch.Tensor]] = {i: [] for i in range(len(model.model.layers))}
+    each layer's k_proj / v_proj receive in ``propagated`` with every fake quantization off (what the calibration of
+    that layer saw: llm-compressor's calibration, activations in full precision) and the *original* projection
+    weights (the calibration ran before the layer was quantized)."""
+    inputs: dict[int, list[torch.Tensor]] = {i: [] for i in range(len(propagated.model.layers))}
     handles = [
         layer.self_attn.k_proj.register_forward_pre_hook(lambda m, a, i=i: inputs[i].append(a[0].double()))
-        for i, layer in enumerate(model.model.layers)
+        for i, layer in enumerate(propagated.model.layers)
     ]
+    for module in propagated.modules():
+        module.quantization_enabled = False  # compressed-tensors' switch: no input, weight or KV-cache quantization
     with torch.no_grad():
         for b in range(0, data.shape[0], batch_size):
-            model(data[b : b + batch_size], use_cache=False)
+            propagated(data[b : b + batch_size], use_cache=False)
+    for module in propagated.modules():
+        del module.quantization_enabled
     for h in handles:
         h.remove()
     theta = float(original.config.rope_parameters["rope_theta"])
@@ -94,8 +99,12 @@ def test_kv_scales_are_the_range_of_the_keys_and_values_over_the_calibration_tok
     out = tmp_path / "out"
     llmc_fsm.oneshot(model=model, recipe=recipe, dataset=data, batch_size=2, output_dir=out, progress=False)
     used = observer or "minmax"  # llm-compressor's default observer of k and v
-    # one observation per calibration sample (llm-compressor's, at its batch_size 1), whatever the batch size
-    reference = _reference_ranges(model, original, data, batch_size=1)
+    # one observation per calibration sample (llm-compressor's, at its batch_size 1), whatever the batch size; the
+    # layers before calibrate on full-precision activations: round-to-nearest's on the original weights (it rounds
+    # them when the model is saved, in llm-compressor), GPTQ's on the weights it updated (with quantization off, the
+    # compressed model's frozen weights hold exactly those)
+    propagated = original if modifier == "QuantizationModifier" else model
+    reference = _reference_ranges(propagated, original, data, batch_size=1)
     heads = model.config.num_key_value_heads
     for i, layer in enumerate(model.model.layers):
         a = layer.self_attn

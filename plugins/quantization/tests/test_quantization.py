@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 
 import pytest
@@ -466,33 +465,24 @@ def test_evaluation_skips_weight_requantization_with_equal_outputs(monkeypatch) 
     assert q_proj.quantization_status == QuantizationStatus.FROZEN  # restored
 
 
-def test_grouped_calibration_runs_compressed_groups_without_requantizing_their_weights(monkeypatch) -> None:
+@pytest.mark.parametrize("scheme", [W4G16, "W8A8"])
+def test_calibration_computes_without_fake_quantization_and_leaves_it_on(monkeypatch, scheme) -> None:
+    """As llm-compressor's ``DisableQuantization`` around calibration: no calibration forward fake-quantizes a weight
+    or an input (the compressed groups' weights already hold their grid values); afterwards the model does."""
     from compressed_tensors.quantization import QuantizationStatus
 
-    import llmc_fsm.pipeline.layer
-
-    recipe = {"q": {"GPTQModifier": {"scheme": W4G16}}}
+    recipe = {"q": {"GPTQModifier": {"scheme": scheme}}}
     data = torch.randint(0, 128, (8, 32), generator=torch.Generator().manual_seed(0))
     calls = _count_forward_quantize(monkeypatch)
-    fast = tiny_llama()
-    llmc_fsm.oneshot(model=fast, recipe=recipe, dataset=data, batch_size=4, progress=False)
-    assert calls == []  # after its group's compression no module re-quantizes its weight
-    assert {m.quantization_status for m in fast.modules() if hasattr(m, "quantization_scheme")} == {
-        QuantizationStatus.FROZEN
-    }
-
-    @contextlib.contextmanager
-    def marks_nothing():
-        yield lambda modules: None
-
-    monkeypatch.setattr(llmc_fsm.pipeline.layer, "weights_on_grid", marks_nothing)  # where it is used
-    slow = tiny_llama()
-    llmc_fsm.oneshot(model=slow, recipe=recipe, dataset=data, batch_size=4, progress=False)
-    # without the marks: k_proj, v_proj and up_proj (a group's later members, called after its compression; the
-    # heads and single modules finish the call they began before) x 2 batches x 2 layers
-    assert calls == ["weight"] * (3 * 2 * 2)
-    for a, b in zip(fast.state_dict().values(), slow.state_dict().values(), strict=True):
-        assert torch.equal(a, b)
+    model = tiny_llama()
+    llmc_fsm.oneshot(model=model, recipe=recipe, dataset=data, batch_size=4, progress=False)
+    assert calls == []
+    quantized = [m for m in model.modules() if hasattr(m, "quantization_scheme")]
+    assert {m.quantization_status for m in quantized} == {QuantizationStatus.FROZEN}
+    assert not any("quantization_enabled" in m.__dict__ for m in model.modules())  # compressed-tensors' default: on
+    with torch.no_grad():
+        model(data[:1])
+    assert calls.count("weight") == 14 and calls.count("input") == (14 if scheme == "W8A8" else 0)
 
 
 def test_data_free_quantization_gives_the_freed_heap_back_every_32_mib_of_weights(monkeypatch) -> None:
