@@ -135,6 +135,27 @@ def test_default_mappings_reach_every_expert_and_folding_keeps_the_float_logits(
         assert (linear(DATA).logits - before).abs().max() > 1e-3
 
 
+def test_the_relu2_fold_divides_up_proj_s_bias_by_sqrt_s_too() -> None:
+    """With ``mlp_bias: true`` (the shared expert's and the dense MLP's Linears carry biases; random ones here),
+    folding random scales into every default mapping leaves the logits equal (1e-5):
+    ``relu2((W x + b) / sqrt(s)) = relu2(W x + b) / s``."""
+    model = _model(mlp_bias=True)
+    gen = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if isinstance(module, torch.nn.Linear) and module.bias is not None and name.endswith("up_proj"):
+                module.bias.copy_(0.1 * torch.randn(module.bias.shape, generator=gen))
+        before = model(DATA).logits
+        mappings = default_mappings(model)
+        assert {m.smooth_name for m in mappings if m.degree == 2 and getattr(m.smooth, "bias", None) is not None} == {
+            MOE + "mixer.shared_experts.up_proj",
+            "model.layers.3.mixer.up_proj",
+        }
+        for mapping in mappings:
+            fold_scales(mapping, 0.5 + 1.5 * torch.rand(mapping.channels, generator=gen))
+        torch.testing.assert_close(model(DATA).logits, before, rtol=0, atol=1e-5)
+
+
 def test_a_gateless_up_to_down_mapping_of_another_activation_has_no_fold() -> None:
     """Nemotron-H built with ``mlp_hidden_act: silu``: the dense MLP's up -> down is left out of the defaults (a
     warning names it) and, given as a recipe mapping, is skipped as misfit; folding into it is refused."""
