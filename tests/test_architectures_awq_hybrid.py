@@ -2,8 +2,8 @@
 
 Tiny random models from ``tiny_families`` (offline configs). A mapping is right when folding any positive scales
 into it leaves the float model's function unchanged (``fold_scales``, AWQ paper Sec. 3.2): checked with random
-scales on every default mapping, the logits compared with the model's before; a control shows that a mapping the
-defaults leave out (a gateless MLP's ``up_proj -> down_proj``) does change them.
+scales on every default mapping, the logits compared with the model's before; a control shows that a gateless MLP's
+``up_proj -> down_proj`` folded linearly (as under a gate) does change them: the defaults fold it through relu2.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ SCHEME = {"preset": "W4A16", "weights": {"group_size": 16}}
 
 
 def _nemotron_h_dense() -> torch.nn.Module:
-    """Nemotron-H with mamba, attention and MLP blocks and no mixture-of-experts block (its experts have no gate
-    rows, which AWQ refuses: test below)."""
+    """Nemotron-H with mamba, attention and MLP blocks and no mixture-of-experts block (its MoE blocks:
+    plugins/quantization/tests/test_awq_nemotron_h.py)."""
     cfg = config("nemotron_h", layers_block_type=["mamba", "attention", "mlp", "mlp"])
     torch.manual_seed(0)
     return transformers.AutoModelForCausalLM.from_config(cfg).eval()
@@ -51,7 +51,9 @@ EXPECTED = {
     "nemotron_h_dense": [
         "model.layers.1.norm -> mixer.q_proj, mixer.k_proj, mixer.v_proj",
         "model.layers.2.norm -> mixer.up_proj",
+        "model.layers.2.mixer.up_proj -> mixer.down_proj",
         "model.layers.3.norm -> mixer.up_proj",
+        "model.layers.3.mixer.up_proj -> mixer.down_proj",
     ],
 }
 UNSMOOTHED = {"jamba": ["model.layers.0.mamba", "model.layers.2.mamba"], "nemotron_h_dense": ["model.layers.0.mixer"]}
@@ -82,8 +84,8 @@ def test_default_mappings_of_hybrid_layers_keep_the_float_model(family):
 
 
 def test_a_gateless_mlp_up_to_down_mapping_would_change_the_model():
-    """Control: why the defaults smooth up_proj -> down_proj only under a gate. Nemotron-H's MLP computes
-    down(relu2(up(x))); folding scales into up_proj -> down_proj changes the logits (the former default did)."""
+    """Control: why a gateless up_proj -> down_proj is not folded as under a gate. Nemotron-H's MLP computes
+    down(relu2(up(x))); up's rows divided by s (not sqrt(s), the default's degree-2 fold) change the logits."""
     model = _nemotron_h_dense()
     with torch.no_grad():
         before = model(DATA).logits

@@ -254,7 +254,7 @@ def test_awq_then_per_expert_quantization_saves_a_checkpoint_transformers_reload
 
 
 # --------------------------------------------------------------------------- refusals
-#: Jamba is smoothed (tests/test_architectures_awq_hybrid.py)
+#: Jamba and Nemotron-H are smoothed (tests/test_architectures_awq_hybrid.py; test_awq_nemotron_h.py in the plugin)
 REFUSALS = {
     "gpt_oss": (
         "AWQModifier: GptOssForCausalLM (model_type 'gpt_oss') keeps fused experts in "
@@ -267,11 +267,6 @@ REFUSALS = {
         "transformer.blocks.{0..1}.ffn.experts that no smoothing mapping reaches (DbrxExperts is not a transformers "
         "fused-experts class with layout flags (has_gate, is_concatenated, ...)), so they would be quantized "
         "unsmoothed: use GPTQModifier or QuantizationModifier, which quantize each expert matrix"
-    ),
-    "nemotron_h": (
-        "AWQModifier: NemotronHForCausalLM (model_type 'nemotron_h') keeps fused experts in "
-        "model.layers.1.mixer.experts that no smoothing mapping reaches (NemotronHExperts has no gate rows), so they "
-        "would be quantized unsmoothed: use GPTQModifier or QuantizationModifier, which quantize each expert matrix"
     ),
 }
 

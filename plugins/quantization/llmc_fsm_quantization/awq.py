@@ -59,8 +59,14 @@ the tokens the router sent to it, scored by its ``down_proj`` output on them (as
 through the expert matrices' views (they share the storage), and the quantizer (GPTQ or round-to-nearest per expert
 matrix) then quantizes the smoothed experts. A shared expert (DeepSeek-V3, Qwen3-Next) and its gate are balance layers
 of the same norm mapping, scored on the whole block's output (routed plus shared), with their own ``up -> down``.
-Refused, before any work: experts no mapping reaches (GPT-OSS, DBRX, Nemotron-H, Jamba: the message names why), and
-fused experts under ``torch.distributed``.
+Nemotron-H's experts have no gate (``down(relu2(up x))``, as its shared expert and dense MLP): the norm's scale goes
+into the router, the shared expert's and every expert's ``up_proj`` as above, and each ``up -> down`` is searched the
+same way (the candidates scale ``down``'s input columns) and folded through squared ReLU, positively homogeneous of
+degree 2: ``up``'s rows are divided by ``sqrt(s)`` and ``down``'s columns multiplied by ``s``, exact for the float
+model (:attr:`~llmc_fsm_quantization.mappings.ResolvedMapping.degree`; the activation is recognised by its class,
+transformers' ``ReLUSquaredActivation``). Refused, before any work: experts no mapping reaches (GPT-OSS, DBRX, gateless
+experts of another activation, a block with Nemotron-H's latent projection: the message names why), and fused experts
+under ``torch.distributed``.
 
 Under ``torch.distributed`` (``torchrun``) each rank runs its share of the calibration windows; the statistics
 (``sum|x_j|`` and token counts), every candidate's block error and the clipping scores are summed over the ranks
@@ -409,9 +415,10 @@ class AWQModifier(SmoothingModifier):
         Raises:
             ValueError: as the base classes; or the model keeps fused experts (transformers 5's experts classes, DBRX)
                 that no resolved mapping smooths (:func:`~llmc_fsm_quantization.mappings.moe_mapping_problem` says
-                why the default mappings leave them out: GPT-OSS's biased, clamped gate, DBRX's layout, a block
-                module that is neither an expert, the router, a shared expert nor its gate), so they would be
-                quantized unsmoothed; fused experts under ``torch.distributed``.
+                why the default mappings leave them out: GPT-OSS's biased, clamped gate, DBRX's layout, gateless
+                experts whose activation is not relu2, a block module that is neither an expert, the router, a shared
+                expert nor its gate), so they would be quantized unsmoothed; fused experts under
+                ``torch.distributed``.
         """
         fused = {n: m for n, m in model.named_modules() if weight_views(m) and "" not in weight_views(m)}
         if fused:

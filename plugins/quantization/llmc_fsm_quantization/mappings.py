@@ -23,6 +23,13 @@ smooth layer                           balance layers                           
 ``experts.<e>.up_proj``                ``experts.<e>.down_proj``                per expert, as above
 =====================================  =======================================  =====================
 
+Gateless MLPs and experts (Nemotron-H: ``down(relu2(up x))`` in its MLP, shared expert and routed experts): the norm
+mapping holds the router, the shared expert's ``up_proj`` and every expert's ``up_proj``; ``up_proj -> down_proj`` is
+a mapping only where the activation is positively homogeneous (:func:`homogeneity_degree`: transformers'
+``ReLUSquaredActivation``, degree 2), folded with ``up``'s rows divided by ``s ** (1 / 2)``
+(:attr:`ResolvedMapping.degree`, :func:`fold_scales`); through another activation it has no exact fold and is left
+out (a warning names it; fused experts are then refused by AWQ).
+
 Mixture-of-experts layers whose experts transformers 5 keeps fused (``MixtralExperts``, ``Qwen3MoeExperts``: 3-D
 ``gate_up_proj`` / ``down_proj``, seen per expert through :mod:`llmc_fsm.toolkit.views`): every expert's gate and up
 rows and the router read the block's input, the normed hidden states, so one per-channel scale is shared by all of
@@ -88,6 +95,7 @@ __all__ = [
     "default_mappings",
     "describe_mappings",
     "fold_scales",
+    "homogeneity_degree",
     "mappings_to_recipe",
     "moe_mapping_problem",
     "parse_mappings",
@@ -128,6 +136,12 @@ class ResolvedMapping:
             layer: itself) -- AWQ measures this block's output error.
         experts: for a mixture-of-experts mapping, the fused experts module whose expert matrices
             (:class:`~llmc_fsm.toolkit.views.LinearView`) are among the smooth and balance layers; ``None`` otherwise.
+        degree: ``k`` of the function between the smooth layer's output and the balance layers' input, positively
+            homogeneous of degree ``k`` (``f(y / t) = f(y) / t ** k``, ``t > 0``): ``1`` for a norm's output read
+            directly, ``v -> o`` and a gated ``up -> down`` (``act(gate) * up`` is linear in ``up``); ``2`` for a
+            gateless ``up -> down`` through squared ReLU (Nemotron-H's experts, shared expert and MLP:
+            :func:`homogeneity_degree`); ``None``: none is known (an ``up -> down`` through another activation
+            without a gate), the mapping cannot be folded exactly (:func:`fold_scales` refuses it).
     """
 
     smooth_name: str
@@ -137,6 +151,7 @@ class ResolvedMapping:
     parent_name: str
     parent: nn.Module
     experts: nn.Module | None = None
+    degree: int | None = 1
 
     @property
     def reader(self) -> nn.Module:
@@ -261,6 +276,22 @@ def scales_by_one_plus_weight(module: nn.Module) -> bool:
     return _ONE_PLUS_WEIGHT.search(source) is not None
 
 
+def homogeneity_degree(act: Any) -> int | None:
+    """``k`` such that ``act(y / t) == act(y) / t ** k`` for every ``t > 0`` (positive homogeneity), or ``None``.
+
+    Known by the identity of ``act``'s class, not its name or config string: an instance of exactly
+    ``transformers.activations.ReLUSquaredActivation`` (``relu(y) ** 2``, what ``ACT2FN["relu2"]`` builds:
+    Nemotron-H's ``mlp_hidden_act``; So et al., Primer, arXiv 2109.08668) without an instance-level ``forward``
+    gives ``2``; anything else (a subclass, SiLU, GELU, ``None``) ``None``. So a gateless ``down(act(up x))`` takes an
+    exact fold: ``up``'s row ``j`` divided by ``s_j ** (1 / k)`` and ``down``'s column ``j`` multiplied by ``s_j``.
+    """
+    from transformers.activations import ReLUSquaredActivation
+
+    if type(act) is ReLUSquaredActivation and "forward" not in vars(act):
+        return 2
+    return None
+
+
 def smooth_channels(module: nn.Module) -> int:
     """Output channels of a smooth layer: a norm's weight size or a Linear's ``out_features``."""
     return int(module.weight.shape[0])
@@ -330,14 +361,38 @@ def _default_specs_for_layer(layer: nn.Module, *, include_linear: bool) -> list[
                 out.append((mlp_norm_name, (router, *readers, *gate_up)))
     elif norm_fits and up:
         out.append((mlp_norm_name, (gate[0], up[0]) if gate else (up[0],)))
-    # up -> down is exact only for down(act(gate) * up): without a gate (Nemotron's relu2(up)) it would change the model
+    # up -> down is exact for down(act(gate) * up), and without a gate for a positively homogeneous act (Nemotron's
+    # relu2(up): up's rows take s ** (1 / 2), :func:`homogeneity_degree`); another gateless act is left out (warned)
     gated = gate is not None and up is not None and gate[0].rpartition(".")[0] == up[0].rpartition(".")[0]
     if include_linear and gated and down and up[1].weight.shape[0] == down[1].weight.shape[1]:
         out.append((up[0], (down[0],)))
+    if include_linear and not gated:
+        out.extend((u, (d,)) for u, d, degree in _gateless_mlps(layer) if degree is not None)
     if include_linear and norm_fits:
         ups = (v for v in expert_views if v.endswith(".up_proj"))
         out.extend((v, (v.removesuffix("up_proj") + "down_proj",)) for v in ups)
     return out
+
+
+def _gateless_mlps(layer: nn.Module) -> list[tuple[str, str, int | None]]:
+    """``(up, down, degree)`` for each module in ``layer`` computing ``down(act(up x))`` without a gate: children
+    ``up_proj`` and ``down_proj`` (Linears, ``up.out == down.in``) and ``act_fn``, no ``gate_proj`` (Nemotron-H's MLP
+    and shared expert); ``degree``: :func:`homogeneity_degree` of its ``act_fn``."""
+    found = []
+    for name, module in layer.named_modules():
+        up, down, act = (_child(module, leaf) for leaf in ("up_proj", "down_proj", "act_fn"))
+        if (
+            _child(module, "gate_proj") is None
+            and up is not None
+            and down is not None
+            and act is not None
+            and is_linear_like(up)
+            and is_linear_like(down)
+            and up.weight.shape[0] == down.weight.shape[1]
+        ):
+            scope = f"{name}." if name else ""
+            found.append((f"{scope}up_proj", f"{scope}down_proj", homogeneity_degree(act)))
+    return found
 
 
 #: a decoder layer's norm before its MLP or mixture-of-experts block, by name (Llama-style; Jamba)
@@ -369,26 +424,33 @@ def _moe_block(layer: nn.Module) -> tuple[str, str, str] | None:
 def moe_mapping_problem(block: nn.Module, experts: str, router: str) -> str | None:
     """Why the mixture-of-experts ``block`` cannot take the shared smoothing scale of its input (one phrase), or
     ``None``: its ``experts`` (a fused experts module, the name of a child of ``block``) must be transformers'
-    layout class with a gate, no biases and transformers' own ``act(gate) * up``, and ``block`` must hold nothing
-    else that reads the input but the ``router`` child (a ``[num_experts, hidden]`` weight applied as a Linear) and
-    shared experts (:func:`shared_expert_readers`)."""
+    layout class without biases, either with a gate and transformers' own ``act(gate) * up`` or without a gate and a
+    positively homogeneous ``act_fn`` (``down(relu2(up x))``, Nemotron-H: :func:`homogeneity_degree`), and ``block``
+    must hold nothing else that reads the input but the ``router`` child (a ``[num_experts, hidden]`` weight applied
+    as a Linear) and shared experts (:func:`shared_expert_readers`)."""
     module = block.get_submodule(experts.rpartition(".")[2])
     kind = type(module).__name__
     if not all(hasattr(module, a) for a in ("has_gate", "has_bias", "is_transposed", "is_concatenated")):
         return f"{kind} is not a transformers fused-experts class with layout flags (has_gate, is_concatenated, ...)"
-    if not module.has_gate:
-        return f"{kind} has no gate rows"
+    if not module.has_gate and homogeneity_degree(getattr(module, "act_fn", None)) is None:
+        act = type(getattr(module, "act_fn", None)).__name__
+        return (
+            f"{kind} has no gate rows and its act_fn {act} is not transformers' ReLUSquaredActivation (relu2): "
+            "down(act(up x)) has no exact fold of an up -> down scale"
+        )
     if module.has_bias:
         return f"{kind} adds biases to its projections"
-    if getattr(type(module)._apply_gate, "__name__", "") != "_default_apply_gate":
+    if module.has_gate and getattr(type(module)._apply_gate, "__name__", "") != "_default_apply_gate":
         return f"{kind} gates by its own _apply_gate, not act(gate) * up"
     others = _other_children(block, experts, router)
     hidden = int(block.get_submodule(router.rpartition(".")[2]).weight.shape[1])
     odd = [n for n, m in others.items() if _shared_reader_names(m, hidden) is None]
     if odd:
         return (
-            f"the block also holds {', '.join(odd)}, which reads its input too but is neither a shared expert "
-            "(gate_proj, up_proj, down_proj Linears) nor a shared expert's 1-output gate Linear"
+            f"the block also holds {', '.join(odd)}: neither its router, its experts, a shared expert (gate_proj, "
+            "up_proj, down_proj Linears; or up_proj, down_proj without a gate) nor a shared expert's 1-output gate "
+            "Linear (e.g. Nemotron-H's latent projection fc1_latent_proj between the block's input and its experts), "
+            "so the scale of the block's input cannot be folded"
         )
     return None
 
@@ -401,13 +463,17 @@ def _other_children(block: nn.Module, experts: str, router: str) -> dict[str, nn
 
 def _shared_reader_names(module: nn.Module, hidden: int) -> list[str] | None:
     """The names in ``module`` of what reads the block's input when ``module`` is a shared expert (its ``gate_proj``
-    and ``up_proj``) or a shared expert's gate (a Linear of 1 output: ``""``); ``None``: it is neither."""
+    and ``up_proj``; without a gate, Nemotron-H's ``shared_experts``: its ``up_proj``) or a shared expert's gate (a
+    Linear of 1 output: ``""``); ``None``: it is neither."""
     if is_linear_like(module):
         return [""] if tuple(module.weight.shape) == (1, hidden) else None
-    parts = [_child(module, leaf) for leaf in ("gate_proj", "up_proj", "down_proj")]
-    if not all(p is not None and is_linear_like(p) for p in parts):
+    gate, up, down = (_child(module, leaf) for leaf in ("gate_proj", "up_proj", "down_proj"))
+    if gate is None and up is not None and down is not None and is_linear_like(up) and is_linear_like(down):
+        fits = up.weight.shape[1] == hidden and down.weight.shape[1] == up.weight.shape[0]
+        only = set(dict(module.named_children())) == {"up_proj", "down_proj", "act_fn"}
+        return ["up_proj"] if fits and only else None
+    if not all(p is not None and is_linear_like(p) for p in (gate, up, down)):
         return None
-    gate, up, down = parts
     if (
         gate.weight.shape != up.weight.shape
         or gate.weight.shape[1] != hidden
@@ -420,8 +486,9 @@ def _shared_reader_names(module: nn.Module, hidden: int) -> list[str] | None:
 def shared_expert_readers(block: nn.Module, experts: str, router: str) -> list[str]:
     """Names in ``block`` (a block :func:`moe_mapping_problem` accepts) of the shared expert modules that read its
     input beside the router and the routed experts: a shared expert's ``gate_proj`` and ``up_proj`` (DeepSeek-V3's
-    ``shared_experts``, Qwen3-Next's ``shared_expert``) and the shared expert's gate (Qwen3-Next's
-    ``shared_expert_gate``), in the block's order; ``[]`` without a shared expert."""
+    ``shared_experts``, Qwen3-Next's ``shared_expert``; ``up_proj`` alone without a gate, Nemotron-H's) and the
+    shared expert's gate (Qwen3-Next's ``shared_expert_gate``), in the block's order; ``[]`` without a shared
+    expert."""
     hidden = int(block.get_submodule(router.rpartition(".")[2]).weight.shape[1])
     found = []
     for name, module in _other_children(block, experts, router).items():
@@ -459,12 +526,27 @@ def default_mappings(model: nn.Module, *, include_linear: bool = True) -> list[R
                 mappings.append(mapping)
     left = unsmoothed_mixers(model, mappings)
     if mappings and left and not _WARNED.get(model):
-        _WARNED[model] = True  # once per model: the modifiers resolve the mappings at each stage of their lifecycle
         logger.warning(
             "default smoothing mappings: no mapping reaches %s (%s): their Linears are quantized without smoothing",
             compact_names(list(left)),
             ", ".join(sorted({type(m).__name__ for m in left.values()})),
         )
+    gateless: dict[str, str] = {}  # a gateless MLP's up_proj -> its act's class, where no exact fold is known
+    for index, layer in enumerate(layers if include_linear else []):
+        for up, _, degree in _gateless_mlps(layer):
+            if degree is None:
+                act = layer.get_submodule(up.removesuffix("up_proj") + "act_fn")
+                gateless[f"{layers_name}.{index}.{up}"] = type(act).__name__
+    if mappings and gateless and not _WARNED.get(model):
+        logger.warning(
+            "default smoothing mappings: %s -> down_proj left out: without a gate, down(%s(up x)) is invariant to a "
+            "fold only for a positively homogeneous act (transformers' relu2); their down_proj is quantized without "
+            "smoothing",
+            compact_names(list(gateless)),
+            ", ".join(sorted(set(gateless.values()))),
+        )
+    if mappings:
+        _WARNED[model] = True  # once per model: the modifiers resolve the mappings at each stage of their lifecycle
     return mappings
 
 
@@ -496,15 +578,34 @@ def _resolved(
     else:
         parent = _common_prefix(balance_names).rstrip(".")
     views = [modules[n] for n in (smooth, *balance_names) if isinstance(modules.get(n), LinearView)]
+    smooth_module = _lookup(root, modules, smooth)
     return ResolvedMapping(
         smooth_name=prefix + smooth,
-        smooth=_lookup(root, modules, smooth),
+        smooth=smooth_module,
         balance_names=tuple(prefix + n for n in balance_names),
         balances=tuple(modules[n] for n in balance_names),
         parent_name=(prefix + parent).rstrip("."),
         parent=_lookup(root, modules, parent) if parent else root,
         experts=views[0].source if views else None,
+        degree=_fold_degree(root, smooth, smooth_module),
     )
+
+
+def _fold_degree(root: nn.Module, smooth_name: str, smooth: nn.Module) -> int | None:
+    """:attr:`ResolvedMapping.degree` of a mapping from ``smooth`` (``smooth_name`` relative to ``root``): an expert's
+    ``up_proj`` rows of gateless fused experts, or an ``up_proj`` Linear whose module has a ``down_proj`` and no
+    ``gate_proj``, take the :func:`homogeneity_degree` of the ``act_fn`` between them; anything else ``1``."""
+    if isinstance(smooth, LinearView) and smooth.expert is not None:
+        source = smooth.source
+        gateless = getattr(source, "has_gate", True) is False and smooth.param_name == "up_proj"
+        return homogeneity_degree(getattr(source, "act_fn", None)) if gateless else 1
+    scope, _, leaf = smooth_name.rpartition(".")
+    if smooth.weight.dim() != 2 or leaf != "up_proj":
+        return 1
+    module = root.get_submodule(scope) if scope else root
+    if _child(module, "gate_proj") is not None or _child(module, "down_proj") is None:
+        return 1
+    return homogeneity_degree(_child(module, "act_fn"))
 
 
 def _lookup(root: nn.Module, modules: Mapping[str, nn.Module], name: str) -> nn.Module:
@@ -518,6 +619,11 @@ def _fit_problem(mapping: ResolvedMapping) -> str | None:
     smooth = mapping.smooth
     if not _is_norm(smooth) and not is_linear_like(smooth):
         return f"{mapping.smooth_name} ({type(smooth).__name__}) is neither a norm with a 1-D weight nor a Linear"
+    if mapping.degree is None:
+        return (
+            f"{mapping.smooth_name} -> {', '.join(mapping.balance_names)}: without a gate, down(act(up x)) is "
+            "invariant to a fold only for a positively homogeneous act (transformers' relu2)"
+        )
     channels = smooth_channels(smooth)
     for name, balance in zip(mapping.balance_names, mapping.balances, strict=True):
         router = (
@@ -780,13 +886,16 @@ def fold_scales(mapping: ResolvedMapping, scales: torch.Tensor) -> None:
 
     Norm: ``weight /= s`` (and ``bias``); a norm scaling by ``1 + weight`` (:func:`scales_by_one_plus_weight`):
     ``weight = (1 + weight) / s - 1``. Linear smooth layer: row ``j`` of ``weight`` (and ``bias[j]``)
-    ``/= s_j``. Computed in float32 and written back in each parameter's dtype.
+    ``/= s_j ** (1 / k)``, ``k`` = :attr:`ResolvedMapping.degree` (``1`` but for a gateless ``up -> down`` through
+    relu2, ``k = 2``: ``relu2((W_j x + b_j) / sqrt(s_j)) = relu2(W_j x + b_j) / s_j``, which the balance layer's
+    column ``j`` times ``s_j`` restores). Computed in float32 and written back in each parameter's dtype.
 
     Args:
         scales: ``[C]`` positive floats (``C`` = :attr:`ResolvedMapping.channels`).
 
     Raises:
-        ValueError: wrong shape, or a scale that is not finite and positive (nothing changed).
+        ValueError: wrong shape, a scale that is not finite and positive, or a mapping of ``degree`` ``None`` (no
+            exact fold; nothing changed).
     """
     channels = mapping.channels
     if scales.shape != (channels,):
@@ -794,17 +903,21 @@ def fold_scales(mapping: ResolvedMapping, scales: torch.Tensor) -> None:
     s = scales.detach().to(torch.float32)
     if not bool(torch.isfinite(s).all()) or not bool((s > 0).all()):
         raise ValueError(f"scales for {mapping.smooth_name} must be finite and positive")
+    if mapping.degree is None:
+        raise ValueError(f"{_fit_problem(mapping)}: no scales can be folded into it")
     smooth = mapping.smooth
     w = smooth.weight
+    # the smooth layer's rows: s ** (1 / k) (k = 2 through relu2), so the balance layers' input is divided by s
+    rows = s if mapping.degree == 1 or w.dim() == 1 else s.pow(1.0 / mapping.degree)
     if w.dim() == 1 and scales_by_one_plus_weight(smooth):  # (1 + w') = (1 + w) / s
         w.copy_(((1.0 + w.to(torch.float32)) / s.to(w.device) - 1.0).to(w.dtype))
     elif w.dim() == 1:
         w.copy_((w.to(torch.float32) / s.to(w.device)).to(w.dtype))
     else:
-        w.copy_((w.to(torch.float32) / s.to(w.device)[:, None]).to(w.dtype))
+        w.copy_((w.to(torch.float32) / rows.to(w.device)[:, None]).to(w.dtype))
     bias = getattr(smooth, "bias", None)
     if isinstance(bias, torch.Tensor):
-        bias.copy_((bias.to(torch.float32) / s.to(bias.device)).to(bias.dtype))
+        bias.copy_((bias.to(torch.float32) / rows.to(bias.device)).to(bias.dtype))
     for balance in mapping.balances:
         bw = balance.weight
         bw.copy_((bw.to(torch.float32) * s.to(bw.device)[None, :]).to(bw.dtype))
