@@ -462,11 +462,6 @@ class AWQModifier(SmoothingModifier):
             targets.update(self._quantizer.check_model(model))
         return targets
 
-    def compressed_call_inputs(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        if self._quantizer is None:
-            return None
-        return self._quantizer.compressed_call_inputs(module, args, kwargs)
-
     # ---- lifecycle ----------------------------------------------------------
     def on_initialize(self, state: Any) -> None:
         super().on_initialize(state)
