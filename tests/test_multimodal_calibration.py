@@ -319,3 +319,26 @@ def test_image_dataset_errors_name_the_file_and_line(tmp_path, dirs):
         str(syntax.value)
         == f"{bad / 'metadata.jsonl'}:1: invalid JSON (Expecting property name enclosed in double quotes at column 23)"
     )
+
+
+def test_images_with_a_known_text_model_name_are_refused(dirs):
+    _, image_dir = dirs
+    with pytest.raises(ValueError) as info:
+        llmc_fsm.oneshot(model="smollm2-135m", dataset=str(image_dir), num_calibration_samples=4, progress=False)
+    assert str(info.value) == (
+        f"image calibration data ({image_dir}) needs a local model directory or a loaded model (model=, --model); "
+        "'smollm2-135m' is a known text model or a Hub ID"
+    )
+
+
+def test_a_data_free_recipe_on_mllama_needs_no_images(tmp_path, dirs):
+    """Round-to-nearest W4A16 takes no calibration data: Mllama runs as before, an image directory given is unused."""
+    model_dir, image_dir = dirs
+    recipe = {
+        "s": {"QuantizationModifier": {"scheme": {"preset": "W4A16", "weights": {"group_size": 16}}, "ignore": IGNORE}}
+    }
+    model = llmc_fsm.oneshot(model=str(model_dir), recipe=recipe, dataset=str(image_dir), progress=False)
+    assert (
+        model.llmc_fsm_report.calibration["source"]
+        == "none (no modifier needs calibration data; the dataset given is not used)"
+    )

@@ -215,7 +215,8 @@ def prepare(settings: OneshotSettings) -> Run:
         )
         with run.timed("read_data"), quiet_progress(not settings.progress):
             if is_image_dataset(settings.dataset):
-                run.cal_images = read_image_captions(settings.dataset, settings.num_calibration_samples)
+                used = settings.num_calibration_samples if run.needs_data else 0  # a data-free recipe reads none
+                run.cal_images = read_image_captions(settings.dataset, used)
             elif settings.dataset is not None and not is_tensor(settings.dataset):
                 run.cal_text = read_text("dataset (--dataset)", settings.dataset)
             if settings.eval_text is not None:
@@ -233,23 +234,37 @@ def prepare(settings: OneshotSettings) -> Run:
 def _check_data_kind(run: Run) -> None:
     """Before the weights are read: image calibration data for a model whose decoder layers read images (Mllama),
     text for the others (:func:`llmc_fsm.data.images.check_calibration_data`), from the config of an in-memory model
-    or a model directory (a Hub ID is checked once loaded); image data runs in one process."""
+    or a model directory (a known name is a text model; a Hub ID's text is not checked); image data needs a local
+    model directory or a loaded model, and one process.
+
+    Raises:
+        ValueError: one line, naming the model and what to give.
+    """
     from torch import nn
 
-    settings = run.settings
+    settings, images = run.settings, run.cal_images is not None
     if not run.needs_data:
         return
-    if run.cal_images is not None and is_distributed():
+    if images and is_distributed():
         msg = "image calibration data runs in one process (torch.distributed is not supported with it)"
         raise ValueError(msg)
     model = settings.model
     if isinstance(model, str | os.PathLike) and (Path(model).expanduser() / "config.json").is_file():
         from transformers import AutoConfig
 
-        model = AutoConfig.from_pretrained(os.fspath(Path(model).expanduser()))
+        try:
+            model = AutoConfig.from_pretrained(os.fspath(Path(model).expanduser()))
+        except (OSError, ValueError):  # loading the model reports it, as before
+            return
     elif not isinstance(model, nn.Module):
+        if images:
+            msg = (
+                f"image calibration data ({describe(settings.dataset)}) needs a local model directory or a loaded "
+                f"model (model=, --model); {os.fspath(model)!r} is a known text model or a Hub ID"
+            )
+            raise ValueError(msg)
         return
-    check_calibration_data(model, images=run.cal_images is not None, source=settings.dataset)
+    check_calibration_data(model, images=images, source=settings.dataset)
 
 
 def _claim_on_rank_0(settings: OneshotSettings) -> WorkDir | None:
@@ -371,12 +386,11 @@ def load(run: Run) -> None:
 
 
 def _load_processor(run: Run) -> None:
-    """With image calibration data that a modifier uses: the model checked against it (a Hub ID's config is known
-    only now), its processor in ``run.processor`` and the processor's tokenizer in ``run.tokenizer`` (unless one was
-    given)."""
+    """With image calibration data that a modifier uses: the model's processor in ``run.processor`` and the
+    processor's tokenizer in ``run.tokenizer`` (unless one was given)."""
     if run.cal_images is None or not run.needs_data:
         return
-    check_calibration_data(run.model, images=True, source=run.settings.dataset)
+    check_calibration_data(run.model, images=True, source=run.settings.dataset)  # a config AutoConfig did not read
     run.processor = load_processor(run.settings.tokenizer, run.settings.model)
     if run.tokenizer is None or run.tokenizer is run.processor:
         run.tokenizer = run.processor.tokenizer
