@@ -342,3 +342,24 @@ def test_a_data_free_recipe_on_mllama_needs_no_images(tmp_path, dirs):
         model.llmc_fsm_report.calibration["source"]
         == "none (no modifier needs calibration data; the dataset given is not used)"
     )
+
+
+def test_the_resume_fingerprint_follows_the_records_and_the_image_bytes(tmp_path, dirs):
+    """``ImageCaptions.digest`` (the fingerprint's calibration data): the same for the same files, changed by one
+    byte of an image or one caption."""
+    import shutil
+
+    _, image_dir = dirs
+    copy = tmp_path / "copy"
+    shutil.copytree(image_dir, copy)
+    digest = read_image_captions(image_dir, 2).digest()
+    assert read_image_captions(copy, 2).digest() == digest
+    image = copy / "img" / "1.png"
+    raw = bytearray(image.read_bytes())
+    raw[-20] ^= 1
+    image.write_bytes(bytes(raw))
+    assert read_image_captions(copy, 2).digest() != digest
+    assert read_image_captions(copy, 1).digest() == read_image_captions(image_dir, 1).digest()
+    lines = (image_dir / "metadata.jsonl").read_text(encoding="utf-8").replace('"text": "', '"text": "w0 ', 1)
+    (copy / "metadata.jsonl").write_text(lines, encoding="utf-8")
+    assert read_image_captions(copy, 1).digest() != read_image_captions(image_dir, 1).digest()
