@@ -12,7 +12,15 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from pathlib import Path
 
-__all__ = ["JSONL_SUFFIXES", "TEXT_SUFFIXES", "load_hf_dataset", "read_json", "read_jsonl", "read_utf8"]
+__all__ = [
+    "JSONL_SUFFIXES",
+    "TEXT_SUFFIXES",
+    "jsonl_records",
+    "load_hf_dataset",
+    "read_json",
+    "read_jsonl",
+    "read_utf8",
+]
 
 _JSON_TYPES = {str: "string", int: "number", float: "number", bool: "boolean", type(None): "null"}
 TEXT_SUFFIXES = frozenset({".txt", ".raw", ".text", ".md"})
@@ -66,18 +74,26 @@ def _record_text(record: Any, where: str) -> str:
     return text
 
 
-def _jsonl_texts(path: Path, text: str) -> list[str]:
-    parts: list[str] = []
+def jsonl_records(path: Path, text: str) -> list[tuple[int, Any]]:
+    """``(line number, parsed value)`` of every non-blank line of ``text`` (the contents of ``path``).
+
+    Raises:
+        ValueError: a line is not valid JSON (``{path}:{line}: invalid JSON (... at column N)``).
+    """
+    records: list[tuple[int, Any]] = []
     for lineno, line in enumerate(text.split("\n"), start=1):
         if not line.strip():
             continue
         try:
-            record = json.loads(line)
+            records.append((lineno, json.loads(line)))
         except json.JSONDecodeError as exc:
             msg = f"{path}:{lineno}: invalid JSON ({exc.msg} at column {exc.colno})"
             raise ValueError(msg) from None
-        parts.append(_record_text(record, f"{path}:{lineno}"))
-    return parts
+    return records
+
+
+def _jsonl_texts(path: Path, text: str) -> list[str]:
+    return [_record_text(record, f"{path}:{lineno}") for lineno, record in jsonl_records(path, text)]
 
 
 def _joined(path: Path, parts: list[str], hint: str) -> str:

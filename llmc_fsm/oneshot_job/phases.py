@@ -22,6 +22,14 @@ from typing import Any
 import attrs
 import torch
 
+from llmc_fsm.data.images import (
+    check_calibration_data,
+    image_batches,
+    is_image_dataset,
+    load_image_text_model,
+    load_processor,
+    read_image_captions,
+)
 from llmc_fsm.data.protocol import PerplexityCache, perplexity, token_windows
 from llmc_fsm.models.known import KNOWN_MODELS, known_model_dir, load_model
 from llmc_fsm.models.layers import check_calibrates_from_text
@@ -93,6 +101,8 @@ class Run:
     model: Any = None  # the model being compressed, once loaded
     tokenizer: Any = None
     cal_text: str | None = None
+    cal_images: Any = None  # the image-caption records (llmc_fsm.data.images.ImageCaptions) of an image dataset
+    processor: Any = None  # the model's processor, with image calibration data
     ev_text: str | None = None
     model_name: str = ""
     windows: Any = None
@@ -136,7 +146,12 @@ def calibration_windows(run: Run) -> None:
         return
 
     saved = load_windows(run.work.path) if run.work is not None and run.work.resumed else None
-    if is_tensor(settings.dataset):
+    if run.cal_images is not None:
+        run.windows = image_batches(
+            run.processor, run.cal_images, batch_size=settings.batch_size, max_seq_length=settings.max_seq_length
+        )
+        run.cal_source = f"{describe(settings.dataset)} (images and text)"
+    elif is_tensor(settings.dataset):
         run.windows = settings.dataset.long()
         run.cal_source = describe(settings.dataset)
     elif run.cal_text is not None:
@@ -199,10 +214,14 @@ def prepare(settings: OneshotSettings) -> Run:
             work=work,
         )
         with run.timed("read_data"), quiet_progress(not settings.progress):
-            if settings.dataset is not None and not is_tensor(settings.dataset):
+            if is_image_dataset(settings.dataset):
+                used = settings.num_calibration_samples if run.needs_data else 0  # a data-free recipe reads none
+                run.cal_images = read_image_captions(settings.dataset, used)
+            elif settings.dataset is not None and not is_tensor(settings.dataset):
                 run.cal_text = read_text("dataset (--dataset)", settings.dataset)
             if settings.eval_text is not None:
                 run.ev_text = read_text("eval_text (--eval-text)", settings.eval_text)
+        _check_data_kind(run)
         if work is not None:
             work.settle(_fingerprint(run), resume=settings.resume)
     except BaseException:
@@ -210,6 +229,42 @@ def prepare(settings: OneshotSettings) -> Run:
             work.release()
         raise
     return run
+
+
+def _check_data_kind(run: Run) -> None:
+    """Before the weights are read: image calibration data for a model whose decoder layers read images (Mllama),
+    text for the others (:func:`llmc_fsm.data.images.check_calibration_data`), from the config of an in-memory model
+    or a model directory (a known name is a text model; a Hub ID's text is not checked); image data needs a local
+    model directory or a loaded model, and one process.
+
+    Raises:
+        ValueError: one line, naming the model and what to give.
+    """
+    from torch import nn
+
+    settings, images = run.settings, run.cal_images is not None
+    if not run.needs_data:
+        return
+    if images and is_distributed():
+        msg = "image calibration data runs in one process (torch.distributed is not supported with it)"
+        raise ValueError(msg)
+    model = settings.model
+    if isinstance(model, str | os.PathLike) and (Path(model).expanduser() / "config.json").is_file():
+        from transformers import AutoConfig
+
+        try:
+            model = AutoConfig.from_pretrained(os.fspath(Path(model).expanduser()))
+        except (OSError, ValueError):  # loading the model reports it, as before
+            return
+    elif not isinstance(model, nn.Module):
+        if images:
+            msg = (
+                f"image calibration data ({describe(settings.dataset)}) needs a local model directory or a loaded "
+                f"model (model=, --model); {os.fspath(model)!r} is a known text model or a Hub ID"
+            )
+            raise ValueError(msg)
+        return
+    check_calibration_data(model, images=images, source=settings.dataset)
 
 
 def _claim_on_rank_0(settings: OneshotSettings) -> WorkDir | None:
@@ -261,7 +316,7 @@ def _fingerprint(run: Run) -> dict[str, Any]:
             run.settings,
             recipe=run.recipe,
             modifiers=[m for s in run.sessions for m in s.modifiers],
-            text=run.cal_text,
+            text=run.cal_text if run.cal_images is None else f"images {run.cal_images.digest()}",
             hash_files=run.needs_data,  # a data-free job keeps no per-layer progress: no 0.5 GB read to hash
         )
 
@@ -293,6 +348,7 @@ def load(run: Run) -> None:
         if isinstance(settings.model, nn.Module):
             run.model = settings.model
             check_calibrates_from_text(run.model)
+            _load_processor(run)
             run.model_name = type(run.model).__name__
             if any(p.is_meta for p in run.model.parameters()):
                 msg = (
@@ -311,9 +367,13 @@ def load(run: Run) -> None:
 
         run.model_name = os.fspath(settings.model)
         dtype = "auto" if settings.dtype == "auto" else torch_dtype_of(settings.dtype)  # auto: from_pretrained's own
-        loaded, tokenizer = load_model(settings.model, torch_dtype=dtype)
+        if run.cal_images is not None and run.needs_data:  # the class with the vision tower, and its processor
+            loaded, tokenizer = load_image_text_model(settings.model, torch_dtype=dtype), None
+        else:
+            loaded, tokenizer = load_model(settings.model, torch_dtype=dtype)
         run.model = loaded
         check_calibrates_from_text(run.model)
+        _load_processor(run)
         run.tokenizer = run.tokenizer if run.tokenizer is not None else tokenizer
         if run.tokenizer is None and needs_text:
             msg = (
@@ -323,6 +383,17 @@ def load(run: Run) -> None:
             )
             raise ValueError(msg)
         run.disk_before = weights_disk_bytes(Path(run.model_name), loaded)
+
+
+def _load_processor(run: Run) -> None:
+    """With image calibration data that a modifier uses: the model's processor in ``run.processor`` and the
+    processor's tokenizer in ``run.tokenizer`` (unless one was given)."""
+    if run.cal_images is None or not run.needs_data:
+        return
+    check_calibration_data(run.model, images=True, source=run.settings.dataset)  # a config AutoConfig did not read
+    run.processor = load_processor(run.settings.tokenizer, run.settings.model)
+    if run.tokenizer is None or run.tokenizer is run.processor:
+        run.tokenizer = run.processor.tokenizer
 
 
 # --------------------------------------------------------------------------- data
@@ -348,7 +419,7 @@ def data(run: Run) -> None:
 def keep_windows(run: Run) -> None:
     """Save the calibration windows in the work directory for a resumed run (nothing without one or without
     calibration data)."""
-    if run.work is not None and run.windows.shape[0] > 0:
+    if run.work is not None and is_tensor(run.windows) and run.windows.shape[0] > 0:
         save_windows(run.work.path, run.windows)
 
 
@@ -461,7 +532,8 @@ def save(run: Run) -> None:
         report.finish(run.t_start)
     else:
         run.work.staging.mkdir()
-        write_output(run.work.staging, run.model, run.tokenizer, run.recipe, report, run.disk_before)
+        tokenizer = run.processor if run.processor is not None else run.tokenizer  # a processor writes both
+        write_output(run.work.staging, run.model, tokenizer, run.recipe, report, run.disk_before)
         report.output_dir = str(run.out_path)
         report.finish(run.t_start)
         (run.work.staging / "report.json").write_text(report.to_json() + "\n", encoding="utf-8")

@@ -1,0 +1,251 @@
+"""Image-caption calibration data, for models whose decoder layers read images (Mllama's cross-attention layers).
+
+The local format is the one Hugging Face's ``ImageFolder`` reads (``datasets.load_dataset("imagefolder",
+data_dir=DIR)``): a directory holding a ``metadata.jsonl`` file, one JSON object per non-blank line with
+
+* ``"file_name"``: the image file, relative to the directory (any format PIL opens; converted to RGB);
+* ``"text"``: the text that goes with it (a caption, a prompt and its answer...).
+
+A directory with that file is what ``dataset=`` / ``--dataset`` recognises as image calibration data (a directory
+without it stays an error, as before). The first ``num_calibration_samples`` records are used, in file order. Each
+text gets the processor's image token (``<|image|>`` for Mllama) in front unless it already holds one; the
+processor (``AutoProcessor`` of the model directory) tokenizes it (truncated to ``max_seq_length`` tokens) and
+lays out the image as the model takes it: for Mllama ``pixel_values [B, 1, tiles, C, H, W]``,
+``aspect_ratio_ids [B, 1]``, ``aspect_ratio_mask [B, 1, tiles]``, ``cross_attention_mask [B, L, 1, tiles]``,
+``input_ids`` and ``attention_mask [B, L]`` (rows padded to the longest of their batch, as llm-compressor's
+multimodal examples feed ``processor(text=..., images=...)``).
+
+Source of the layout: transformers' ``MllamaProcessor``; llm-compressor's ``examples/multimodal_vision``
+(flickr30k captions through the model's processor).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import attrs
+import torch
+
+from llmc_fsm.data.text_files import jsonl_records, read_utf8
+
+__all__ = [
+    "METADATA",
+    "ImageBatches",
+    "ImageCaptions",
+    "check_calibration_data",
+    "cross_attention_layers",
+    "image_batches",
+    "is_image_dataset",
+    "load_image_text_model",
+    "load_processor",
+    "read_image_captions",
+]
+
+#: The file that makes a directory an image-caption dataset (Hugging Face ImageFolder's metadata file).
+METADATA = "metadata.jsonl"
+
+#: What to give for images, quoted by every refusal.
+IMAGE_DATA_HINT = (
+    f'a directory with {METADATA}, one {{"file_name": image, "text": caption}} per line (dataset=, --dataset; '
+    'docs/architectures.md, "Mllama")'
+)
+
+
+@attrs.frozen
+class ImageCaptions:
+    """The records of an image-caption directory: ``(file_name, text)`` pairs, image files checked to exist."""
+
+    directory: Path
+    records: tuple[tuple[str, str], ...]
+
+    def digest(self) -> str:
+        """sha256 over every record and its image file's bytes (what a resumed run compares)."""
+        h = hashlib.sha256()
+        for name, text in self.records:
+            h.update(json.dumps([name, text]).encode())
+            h.update((self.directory / name).read_bytes())
+        return h.hexdigest()
+
+
+class ImageBatches(list):
+    """Calibration batches of model inputs (dicts of tensors, ``model(**batch)``) made from images and text.
+
+    A ``list`` of the batch dicts, plus what the one-shot job reads of a windows tensor: :attr:`shape`
+    ``(samples, longest row in tokens)`` and :meth:`numel` (tokens that are not padding). A slice is again an
+    :class:`ImageBatches` (of whole batches).
+    """
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """``(number of samples, tokens of the longest row)``."""
+        rows = sum(int(b["input_ids"].shape[0]) for b in self)
+        return rows, max((int(b["input_ids"].shape[1]) for b in self), default=0)
+
+    def numel(self) -> int:
+        """Tokens that are not padding (the sum of the attention masks)."""
+        return sum(int(b["attention_mask"].sum()) if "attention_mask" in b else b["input_ids"].numel() for b in self)
+
+    def __getitem__(self, index: Any) -> Any:
+        item = super().__getitem__(index)
+        return ImageBatches(item) if isinstance(index, slice) else item
+
+
+def is_image_dataset(source: Any) -> bool:
+    """Whether ``source`` (a ``dataset=`` value) is a directory holding :data:`METADATA`."""
+    return isinstance(source, str | os.PathLike) and (Path(source).expanduser() / METADATA).is_file()
+
+
+def read_image_captions(source: str | os.PathLike[str], num_samples: int) -> ImageCaptions:
+    """The first ``num_samples`` records of the image-caption directory ``source``.
+
+    Raises:
+        ValueError: a line that is not valid UTF-8 / JSON, or not an object with string ``"file_name"`` and
+            ``"text"`` (``{path}:{line}: ...``); fewer records than ``num_samples`` (both counts, and what to lower).
+        FileNotFoundError: a record's image file does not exist (file and line named).
+    """
+    directory = Path(source).expanduser()
+    path = directory / METADATA
+    records: list[tuple[str, str]] = []
+    for number, record in jsonl_records(path, read_utf8(path)):
+        if len(records) == num_samples:
+            break
+        if not isinstance(record, dict) or not all(isinstance(record.get(k), str) for k in ("file_name", "text")):
+            msg = f'{path}:{number}: expected a JSON object with string "file_name" and "text" fields'
+            raise ValueError(msg)
+        if not (directory / record["file_name"]).is_file():
+            msg = f"{path}:{number}: image file not found: {directory / record['file_name']}"
+            raise FileNotFoundError(msg)
+        records.append((record["file_name"], record["text"]))
+    if len(records) < num_samples:
+        msg = (
+            f"the image dataset {os.fspath(source)} has {len(records)} records but {num_samples} calibration samples "
+            f"were asked for; lower --num-samples / num_calibration_samples to at most {len(records)} or add records"
+        )
+        raise ValueError(msg)
+    return ImageCaptions(directory=directory, records=tuple(records))
+
+
+def cross_attention_layers(config: Any) -> list[int]:
+    """The decoder layers that read image states (``cross_attention_layers`` of the text config: Mllama); ``[]``
+    for every other model."""
+    text = getattr(config, "text_config", None) or config
+    layers = getattr(text, "cross_attention_layers", None)
+    return list(layers) if isinstance(layers, list | tuple) else []
+
+
+def _family(model: Any) -> tuple[Any, str]:
+    """``(config, "Class (model_type 'x')")`` of a model (its class) or a config (its ``architectures``), named as
+    the other refusals name a model."""
+    config = model if not isinstance(model, torch.nn.Module) else getattr(model, "config", None)
+    if isinstance(model, torch.nn.Module):
+        name = type(model).__name__
+    else:
+        name = (getattr(config, "architectures", None) or [type(config).__name__])[0]
+    model_type = getattr(config, "model_type", None)
+    return config, f"{name} (model_type {model_type!r})" if model_type else name
+
+
+def check_calibration_data(model: Any, *, images: bool, source: Any) -> None:
+    """Refuse, before any work, calibration data of the wrong kind for ``model`` (an ``nn.Module`` or the
+    ``config`` of a model directory).
+
+    ``images``: the data is an image-caption directory (``source``); else token ids / text.
+
+    Raises:
+        ValueError: a model with cross-attention layers (Mllama) given text, or a model without them given images;
+            one line naming the model and what to give.
+    """
+    config, family = _family(model)
+    layers = cross_attention_layers(config)
+    if layers and not images:
+        msg = (
+            f"{family} has cross-attention decoder layers {layers} that read the vision tower's output, which text "
+            f"calibration data (token ids) does not run: give image calibration data, {IMAGE_DATA_HINT}"
+        )
+        raise ValueError(msg)
+    if images and not layers:
+        msg = (
+            f"{family} calibrates on text: the image dataset {os.fspath(source)} is for models whose decoder layers "
+            "read images (Mllama's cross-attention layers); give a text/JSONL file, a Hugging Face dataset name or "
+            "a LongTensor [N, L] of token ids"
+        )
+        raise ValueError(msg)
+
+
+def load_processor(tokenizer: Any, model: Any) -> Any:
+    """The processor that turns images and text into model inputs: ``tokenizer`` when it is one (has an
+    ``image_processor``), else ``AutoProcessor.from_pretrained`` of ``tokenizer`` (a directory) or of ``model`` (a
+    directory).
+
+    Raises:
+        ValueError: neither gives a processor (an in-memory model without one); the message says what to pass.
+    """
+    if hasattr(tokenizer, "image_processor"):
+        return tokenizer
+    from transformers import AutoProcessor
+
+    for where in (tokenizer, model):
+        if isinstance(where, str | os.PathLike) and Path(where).expanduser().is_dir():
+            processor = AutoProcessor.from_pretrained(os.fspath(Path(where).expanduser()))
+            if hasattr(processor, "image_processor"):
+                return processor
+    msg = (
+        "image calibration data needs the model's processor (images and text to model inputs): pass "
+        "tokenizer=AutoProcessor.from_pretrained(<model directory>) or the model directory (model=, --model)"
+    )
+    raise ValueError(msg)
+
+
+def load_image_text_model(directory: str | os.PathLike[str], *, torch_dtype: Any = torch.float32) -> Any:
+    """``AutoModelForImageTextToText.from_pretrained(directory)`` in eval mode on CPU (the class that has the
+    vision tower; ``AutoModelForCausalLM`` gives Mllama's text model alone, which cannot take images).
+
+    Raises:
+        ValueError: the directory cannot be loaded (the message names it and the first line of the cause).
+        RuntimeError: the config ties the embeddings but they are not one tensor (``check_tied``).
+    """
+    from transformers import AutoModelForImageTextToText
+
+    from llmc_fsm.models.hf_io import check_tied, dtype_kwargs
+
+    try:
+        model = AutoModelForImageTextToText.from_pretrained(os.fspath(directory), **dtype_kwargs(torch_dtype))
+    except (OSError, ValueError) as err:
+        msg = f"could not load the model in {os.fspath(directory)}: {str(err).splitlines()[0] if str(err) else err}"
+        raise ValueError(msg) from err
+    check_tied(model, f"loading {os.fspath(directory)}")
+    return model.eval()
+
+
+def image_batches(processor: Any, captions: ImageCaptions, *, batch_size: int, max_seq_length: int) -> ImageBatches:
+    """The records of ``captions`` as model inputs, ``batch_size`` records per batch (the last may hold fewer).
+
+    Each text gets ``processor.image_token`` in front unless it holds it; ``processor(text=..., images=[[image]]
+    per row, padding=True, truncation=True, max_length=max_seq_length, return_tensors="pt")`` makes the batch
+    (for Mllama: the six tensors of the module docstring).
+    """
+    from PIL import Image
+
+    token = getattr(processor, "image_token", None)
+    out = ImageBatches()
+    for start in range(0, len(captions.records), batch_size):
+        chunk = captions.records[start : start + batch_size]
+        texts = [text if token is None or token in text else f"{token}{text}" for _, text in chunk]
+        images = []
+        for name, _ in chunk:
+            with Image.open(captions.directory / name) as image:
+                images.append([image.convert("RGB")])
+        batch = processor(
+            text=texts,
+            images=images,
+            padding=True,
+            truncation=True,
+            max_length=max_seq_length,
+            return_tensors="pt",
+        )
+        out.append({k: v for k, v in batch.items() if isinstance(v, torch.Tensor)})
+    return out
