@@ -261,9 +261,9 @@ def test_text_model_with_images_is_refused(dirs):
     with pytest.raises(ValueError) as info:
         llmc_fsm.oneshot(model=model, dataset=str(image_dir), num_calibration_samples=4, progress=False)
     assert str(info.value) == (
-        f"LlamaForCausalLM (model_type 'llama') calibrates on text: the image dataset {image_dir} is for models whose "
-        "decoder layers read images (Mllama's cross-attention layers); give a text/JSONL file, a Hugging Face "
-        "dataset name or a LongTensor [N, L] of token ids"
+        f"LlamaForCausalLM (model_type 'llama') calibrates on text: the image dataset {image_dir} is for "
+        "vision-language models (Mllama ('mllama'), LLaVA ('llava'), Gemma 3 ('gemma3')); give a text/JSONL file, a "
+        "Hugging Face dataset name or a LongTensor [N, L] of token ids"
     )
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 

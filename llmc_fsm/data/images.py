@@ -1,4 +1,5 @@
-"""Image-caption calibration data, for models whose decoder layers read images (Mllama's cross-attention layers).
+"""Image-caption calibration data, for vision-language models: Mllama (whose cross-attention decoder layers need
+images), LLaVA and Gemma 3 (whose decoder layers get the image features merged into the token embeddings).
 
 The local format is the one Hugging Face's ``ImageFolder`` reads (``datasets.load_dataset("imagefolder",
 data_dir=DIR)``): a directory holding a ``metadata.jsonl`` file, one JSON object per non-blank line with
@@ -7,16 +8,20 @@ data_dir=DIR)``): a directory holding a ``metadata.jsonl`` file, one JSON object
 * ``"text"``: the text that goes with it (a caption, a prompt and its answer...).
 
 A directory with that file is what ``dataset=`` / ``--dataset`` recognises as image calibration data (a directory
-without it stays an error, as before). The first ``num_calibration_samples`` records are used, in file order. Each
-text gets the processor's image token (``<|image|>`` for Mllama) in front unless it already holds one; the
-processor (``AutoProcessor`` of the model directory) tokenizes it (truncated to ``max_seq_length`` tokens) and
-lays out the image as the model takes it: for Mllama ``pixel_values [B, 1, tiles, C, H, W]``,
-``aspect_ratio_ids [B, 1]``, ``aspect_ratio_mask [B, 1, tiles]``, ``cross_attention_mask [B, L, 1, tiles]``,
-``input_ids`` and ``attention_mask [B, L]`` (rows padded to the longest of their batch, as llm-compressor's
-multimodal examples feed ``processor(text=..., images=...)``).
+without it stays an error, as before). The first ``num_calibration_samples`` records are used, in file order. A text
+that does not hold the processor's image placeholder (``processor.image_token``: ``<|image|>`` Mllama, ``<image>``
+LLaVA, ``<start_of_image>`` Gemma 3) is made a prompt with one: through the processor's chat template when it has
+one (a user turn holding the image then the text, as llm-compressor's multimodal examples build theirs), else with
+the placeholder in front. The processor (``AutoProcessor`` of the model directory) tokenizes it (truncated to
+``max_seq_length`` tokens), expands the placeholder into the model's image tokens and lays out the image as the
+model takes it: for Mllama ``pixel_values [B, 1, tiles, C, H, W]``, ``aspect_ratio_ids [B, 1]``,
+``aspect_ratio_mask [B, 1, tiles]``, ``cross_attention_mask [B, L, 1, tiles]``; for LLaVA and Gemma 3
+``pixel_values [B, C, H, W]`` (Gemma 3 also ``token_type_ids [B, L]``, 1 on image tokens); always ``input_ids``
+and ``attention_mask [B, L]`` (rows padded to the longest of their batch, as llm-compressor's multimodal examples
+feed ``processor(text=..., images=...)``).
 
-Source of the layout: transformers' ``MllamaProcessor``; llm-compressor's ``examples/multimodal_vision``
-(flickr30k captions through the model's processor).
+Source of the layout: transformers' ``MllamaProcessor``, ``LlavaProcessor``, ``Gemma3Processor``; llm-compressor's
+``examples/multimodal_vision`` (flickr30k captions through the model's processor).
 """
 
 from __future__ import annotations
@@ -33,14 +38,15 @@ import torch
 from llmc_fsm.data.text_files import jsonl_records, read_utf8
 
 __all__ = [
+    "IMAGE_FAMILIES",
     "METADATA",
     "ImageBatches",
     "ImageCaptions",
     "check_calibration_data",
     "cross_attention_layers",
     "image_batches",
+    "image_prompt",
     "is_image_dataset",
-    "load_image_text_model",
     "load_processor",
     "read_image_captions",
 ]
@@ -53,6 +59,23 @@ IMAGE_DATA_HINT = (
     f'a directory with {METADATA}, one {{"file_name": image, "text": caption}} per line (dataset=, --dataset; '
     'docs/architectures.md, "Mllama")'
 )
+
+#: The ``model_type`` of the vision-language models that calibrate on images (each tested on a tiny random model
+#: with its processor built offline, tests/test_multimodal_calibration.py and tests/test_multimodal_families.py).
+IMAGE_FAMILIES = {"mllama": "Mllama", "llava": "LLaVA", "gemma3": "Gemma 3"}
+
+#: Vision-language models refused image data, and why (measured with transformers 5.24).
+_NO_IMAGES = {
+    "qwen2_vl": "its processor (Qwen2VLProcessor) needs torchvision for its video processor, which llmc-fsm does not "
+    "install, so its image path was not built or tested",
+    "qwen2_5_vl": "its processor (Qwen2_5_VLProcessor) needs torchvision for its video processor, which llmc-fsm "
+    "does not install, so its image path was not built or tested",
+    "mistral3": "its processor (PixtralProcessor) needs torchvision, which llmc-fsm does not install, so its image "
+    "path was not built or tested",
+}
+
+#: What to give a model that calibrates on text, quoted by the refusals of image data.
+TEXT_DATA_HINT = "give a text/JSONL file, a Hugging Face dataset name or a LongTensor [N, L] of token ids"
 
 
 @attrs.frozen
@@ -156,9 +179,12 @@ def check_calibration_data(model: Any, *, images: bool, source: Any) -> None:
     ``images``: the data is an image-caption directory (``source``); else token ids / text.
 
     Raises:
-        ValueError: a model with cross-attention layers (Mllama) given text, or a model without them given images;
-            one line naming the model and what to give.
+        ValueError: one line naming the model and what to give: a model with cross-attention layers (Mllama) given
+            text; images for a model that is not one of :data:`IMAGE_FAMILIES` (a text model; Qwen2-VL,
+            Qwen2.5-VL and Mistral 3 with why; another vision-language model, untested).
     """
+    from llmc_fsm.models.hf_io import is_vision_language
+
     config, family = _family(model)
     layers = cross_attention_layers(config)
     if layers and not images:
@@ -167,13 +193,26 @@ def check_calibration_data(model: Any, *, images: bool, source: Any) -> None:
             f"calibration data (token ids) does not run: give image calibration data, {IMAGE_DATA_HINT}"
         )
         raise ValueError(msg)
-    if images and not layers:
+    model_type = getattr(config, "model_type", None)
+    if not images or model_type in IMAGE_FAMILIES:
+        return
+    tested = ", ".join(f"{name} ({key!r})" for key, name in IMAGE_FAMILIES.items())
+    if model_type in _NO_IMAGES:
         msg = (
-            f"{family} calibrates on text: the image dataset {os.fspath(source)} is for models whose decoder layers "
-            "read images (Mllama's cross-attention layers); give a text/JSONL file, a Hugging Face dataset name or "
-            "a LongTensor [N, L] of token ids"
+            f"{family} cannot calibrate on images: {_NO_IMAGES[model_type]}; calibrate its language model on text: "
+            f"{TEXT_DATA_HINT}"
         )
-        raise ValueError(msg)
+    elif is_vision_language(config):
+        msg = (
+            f"{family} is a vision-language model whose image calibration is not tested (image data is for {tested}); "
+            f"calibrate its language model on text: {TEXT_DATA_HINT}"
+        )
+    else:
+        msg = (
+            f"{family} calibrates on text: the image dataset {os.fspath(source)} is for vision-language models "
+            f"({tested}); {TEXT_DATA_HINT}"
+        )
+    raise ValueError(msg)
 
 
 def load_processor(tokenizer: Any, model: Any) -> Any:
@@ -182,7 +221,9 @@ def load_processor(tokenizer: Any, model: Any) -> Any:
     directory).
 
     Raises:
-        ValueError: neither gives a processor (an in-memory model without one); the message says what to pass.
+        ValueError: neither gives a processor (an in-memory model without one); the message says what to pass. A
+            directory whose processor cannot be loaded (e.g. an ``ImportError``: a library it needs is missing):
+            one line naming the directory and the cause's first line.
     """
     if hasattr(tokenizer, "image_processor"):
         return tokenizer
@@ -190,7 +231,17 @@ def load_processor(tokenizer: Any, model: Any) -> Any:
 
     for where in (tokenizer, model):
         if isinstance(where, str | os.PathLike) and Path(where).expanduser().is_dir():
-            processor = AutoProcessor.from_pretrained(os.fspath(Path(where).expanduser()))
+            directory = os.fspath(Path(where).expanduser())
+            try:
+                processor = AutoProcessor.from_pretrained(directory)
+            except (ImportError, OSError, ValueError, TypeError, AttributeError) as err:
+                cause = next((line.strip() for line in str(err).splitlines() if line.strip()), "")
+                cause = cause.split(". ")[0].rstrip(".")  # the first sentence
+                msg = (
+                    f"the processor of {directory} could not be loaded ({type(err).__name__}: {cause}); image "
+                    "calibration data needs it (images and text to model inputs)"
+                )
+                raise ValueError(msg) from err
             if hasattr(processor, "image_processor"):
                 return processor
     msg = (
@@ -200,41 +251,33 @@ def load_processor(tokenizer: Any, model: Any) -> Any:
     raise ValueError(msg)
 
 
-def load_image_text_model(directory: str | os.PathLike[str], *, torch_dtype: Any = torch.float32) -> Any:
-    """``AutoModelForImageTextToText.from_pretrained(directory)`` in eval mode on CPU (the class that has the
-    vision tower; ``AutoModelForCausalLM`` gives Mllama's text model alone, which cannot take images).
-
-    Raises:
-        ValueError: the directory cannot be loaded (the message names it and the first line of the cause).
-        RuntimeError: the config ties the embeddings but they are not one tensor (``check_tied``).
-    """
-    from transformers import AutoModelForImageTextToText
-
-    from llmc_fsm.models.hf_io import check_tied, dtype_kwargs
-
-    try:
-        model = AutoModelForImageTextToText.from_pretrained(os.fspath(directory), **dtype_kwargs(torch_dtype))
-    except (OSError, ValueError) as err:
-        msg = f"could not load the model in {os.fspath(directory)}: {str(err).splitlines()[0] if str(err) else err}"
-        raise ValueError(msg) from err
-    check_tied(model, f"loading {os.fspath(directory)}")
-    return model.eval()
+def image_prompt(processor: Any, text: str) -> str:
+    """``text`` as a prompt holding one image: unchanged when it holds ``processor.image_token`` (the placeholder
+    the processor expands); else the processor's chat template applied to one user turn ``[image, text]``
+    (``add_generation_prompt=False``), as llm-compressor's multimodal examples build theirs; else the placeholder in
+    front of the text (a processor without a chat template)."""
+    token = getattr(processor, "image_token", None)
+    if token is None or token in text:
+        return text
+    if getattr(processor, "chat_template", None):
+        turn = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": text}]}]
+        return processor.apply_chat_template(turn, tokenize=False, add_generation_prompt=False)
+    return f"{token}{text}"
 
 
 def image_batches(processor: Any, captions: ImageCaptions, *, batch_size: int, max_seq_length: int) -> ImageBatches:
     """The records of ``captions`` as model inputs, ``batch_size`` records per batch (the last may hold fewer).
 
-    Each text gets ``processor.image_token`` in front unless it holds it; ``processor(text=..., images=[[image]]
+    Each text is made a prompt holding the image (:func:`image_prompt`); ``processor(text=..., images=[[image]]
     per row, padding=True, truncation=True, max_length=max_seq_length, return_tensors="pt")`` makes the batch
-    (for Mllama: the six tensors of the module docstring).
+    (the tensors of the module docstring).
     """
     from PIL import Image
 
-    token = getattr(processor, "image_token", None)
     out = ImageBatches()
     for start in range(0, len(captions.records), batch_size):
         chunk = captions.records[start : start + batch_size]
-        texts = [text if token is None or token in text else f"{token}{text}" for _, text in chunk]
+        texts = [image_prompt(processor, text) for _, text in chunk]
         images = []
         for name, _ in chunk:
             with Image.open(captions.directory / name) as image:

@@ -8,6 +8,9 @@
   Face cache; failures name the ID, ``HF_HUB_OFFLINE`` and the cache searched. When the Hub cannot be reached
   (:func:`hub_unreachable`, one TCP connection, 3 s at most), a cached model loads from the cache and an
   uncached one fails at once instead of after ``from_pretrained``'s retries.
+* :func:`model_class` picks the class: ``AutoModelForImageTextToText`` for a vision-language model's config
+  (:func:`is_vision_language`: Mllama, LLaVA, Qwen2-VL, Gemma 3, Mistral 3...), so the vision tower and projector
+  are loaded, kept and saved whatever the recipe; ``AutoModelForCausalLM`` for every other config.
 * :func:`fix_safetensors_permissions` undoes the ``0600`` mode safetensors >= 0.8
   gives the files it writes.
 """
@@ -35,9 +38,11 @@ __all__ = [
     "dtype_kwargs",
     "fix_safetensors_permissions",
     "hub_unreachable",
+    "is_vision_language",
     "load_hf_dir",
     "load_hub",
     "looks_like_hub_id",
+    "model_class",
 ]
 
 logger = logging.getLogger(__name__)
@@ -126,6 +131,26 @@ def check_tied(model: PreTrainedModel, where: str) -> None:
         raise RuntimeError(msg)
 
 
+def is_vision_language(config: Any) -> bool:
+    """Whether ``config`` is a vision-language model's: it has a ``vision_config`` and its ``model_type`` is one
+    ``AutoModelForImageTextToText`` loads (transformers' ``MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES``)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+    return (
+        getattr(config, "vision_config", None) is not None
+        and getattr(config, "model_type", None) in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+    )
+
+
+def model_class(config: Any) -> Any:
+    """The Auto class that loads ``config``'s model with every part of the checkpoint:
+    ``AutoModelForImageTextToText`` for a vision-language model (:func:`is_vision_language`; ``AutoModelForCausalLM``
+    gives Mllama's text model alone and refuses LLaVA's config), else ``AutoModelForCausalLM``."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText if is_vision_language(config) else AutoModelForCausalLM
+
+
 def _first_line(err: BaseException) -> str:
     text = str(err).strip().splitlines()
     return f"{type(err).__name__}: {text[0] if text else ''}".rstrip(": ")
@@ -191,8 +216,9 @@ def load_hf_dir(path: Path, torch_dtype: torch.dtype) -> tuple[PreTrainedModel, 
     """Load a local Hugging Face model directory after checking its files.
 
     Returns:
-        ``(model, tokenizer)`` in eval mode on CPU, parameters in ``torch_dtype``;
-        ``tokenizer`` is ``None`` when the directory has no tokenizer files.
+        ``(model, tokenizer)`` in eval mode on CPU, parameters in ``torch_dtype``, of :func:`model_class` (a
+        vision-language model with its vision tower); ``tokenizer`` is ``None`` when the directory has no
+        tokenizer files.
 
     Raises:
         ValueError: ``config.json`` or the weights are missing, a safetensors
@@ -201,12 +227,13 @@ def load_hf_dir(path: Path, torch_dtype: torch.dtype) -> tuple[PreTrainedModel, 
         RuntimeError: tied embeddings are declared but not tied after loading.
     """
     from safetensors import SafetensorError
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig
 
     _check_model_dir(path)
     with _LOAD_LOCK:
         try:
-            model = AutoModelForCausalLM.from_pretrained(str(path), **dtype_kwargs(torch_dtype))
+            config = AutoConfig.from_pretrained(str(path))
+            model = model_class(config).from_pretrained(str(path), config=config, **dtype_kwargs(torch_dtype))
         except (OSError, ValueError, SafetensorError) as err:
             msg = f"could not load the model in {path}: {_first_line(err)}"
             raise ValueError(msg) from err
@@ -227,7 +254,9 @@ def hub_unreachable(endpoint: str, timeout_s: float = 3.0) -> str | None:
     ``None`` without trying when a proxy is configured (``HTTPS_PROXY``, ``HTTP_PROXY``, ``ALL_PROXY``, any case):
     the Hub is then reached through it, and ``from_pretrained`` reports what fails.
     """
-    if any(os.environ.get(k) for k in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")):
+    if any(
+        os.environ.get(k) for k in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")
+    ):
         return None
     parts = urllib.parse.urlsplit(endpoint)
     if not parts.hostname:
@@ -248,7 +277,7 @@ def load_hub(model_id: str, torch_dtype: torch.dtype) -> tuple[PreTrainedModel, 
     Remote code is never run (``trust_remote_code`` stays off).
 
     Returns:
-        ``(model, tokenizer)`` in eval mode on CPU; ``tokenizer`` is ``None`` (with
+        ``(model, tokenizer)`` in eval mode on CPU, of :func:`model_class`; ``tokenizer`` is ``None`` (with
         a warning) when the repository has no loadable tokenizer.
 
     Raises:
@@ -257,7 +286,7 @@ def load_hub(model_id: str, torch_dtype: torch.dtype) -> tuple[PreTrainedModel, 
     """
     from huggingface_hub import constants, try_to_load_from_cache
     from safetensors import SafetensorError
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
 
     offline = bool(constants.HF_HUB_OFFLINE)
     where = f"HF_HUB_OFFLINE={int(offline)}, Hugging Face cache searched: {constants.HF_HUB_CACHE}"
@@ -274,12 +303,14 @@ def load_hub(model_id: str, torch_dtype: torch.dtype) -> tuple[PreTrainedModel, 
                 )
                 raise RuntimeError(msg)
             local_only = True
-            logger.warning("the Hugging Face Hub cannot be reached (%s): loading %s from the cache", unreachable, model_id)
-    try:
-        with _LOAD_LOCK:
-            model = AutoModelForCausalLM.from_pretrained(
-                model_id, **dtype_kwargs(torch_dtype), **({"local_files_only": True} if local_only else {})
+            logger.warning(
+                "the Hugging Face Hub cannot be reached (%s): loading %s from the cache", unreachable, model_id
             )
+    try:
+        only = {"local_files_only": True} if local_only else {}
+        with _LOAD_LOCK:
+            config = AutoConfig.from_pretrained(model_id, **only)  # the class follows it (model_class)
+            model = model_class(config).from_pretrained(model_id, config=config, **dtype_kwargs(torch_dtype), **only)
     except (OSError, ValueError, SafetensorError) as err:
         cached = isinstance(try_to_load_from_cache(model_id, "config.json"), str)
         if offline and not cached:

@@ -45,7 +45,7 @@ import attrs
 import torch
 from torch import nn
 
-from llmc_fsm.models.hf_io import _check_model_dir, _load_tokenizer, check_tied, dtype_kwargs
+from llmc_fsm.models.hf_io import _check_model_dir, _load_tokenizer, check_tied, dtype_kwargs, is_vision_language
 from llmc_fsm.models.layers import find_decoder_layers
 
 if TYPE_CHECKING:
@@ -328,8 +328,9 @@ def load_lazy(
 
     Raises:
         ValueError: a file is missing or corrupt, the weights are not safetensors,
-            the checkpoint's tensors do not match the config (named), or the model
-            has no decoder-layer list.
+            the checkpoint's tensors do not match the config (named), the model
+            has no decoder-layer list, or the config is a vision-language model's
+            (:func:`llmc_fsm.models.hf_io.is_vision_language`: its tower would be dropped).
     """
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -338,6 +339,12 @@ def load_lazy(
     _check_model_dir(directory)
     files = _checkpoint_files(directory)
     config = AutoConfig.from_pretrained(str(directory))
+    if is_vision_language(config):  # AutoModelForCausalLM would build the text model alone: the tower dropped
+        msg = (
+            f"{directory} holds a vision-language model (model_type {config.model_type!r}): the streamed path "
+            "builds the text model alone, which would drop the vision tower from the output; run it in memory"
+        )
+        raise ValueError(msg)
     with init_empty_weights():  # parameters on meta; buffers (rotary inv_freq) computed as usual
         model = AutoModelForCausalLM.from_config(config, **dtype_kwargs(torch_dtype))
     model.tie_weights()

@@ -26,7 +26,6 @@ from llmc_fsm.data.images import (
     check_calibration_data,
     image_batches,
     is_image_dataset,
-    load_image_text_model,
     load_processor,
     read_image_captions,
 )
@@ -232,13 +231,15 @@ def prepare(settings: OneshotSettings) -> Run:
 
 
 def _check_data_kind(run: Run) -> None:
-    """Before the weights are read: image calibration data for a model whose decoder layers read images (Mllama),
-    text for the others (:func:`llmc_fsm.data.images.check_calibration_data`), from the config of an in-memory model
-    or a model directory (a known name is a text model; a Hub ID's text is not checked); image data needs a local
-    model directory or a loaded model, and one process.
+    """Before the weights are read: the kind of calibration data the model takes
+    (:func:`llmc_fsm.data.images.check_calibration_data`: images for Mllama, images or text for LLaVA and Gemma 3,
+    text for the others), from the config of an in-memory model, a model directory or a Hub ID (its ``config.json``
+    read from the Hugging Face cache, or fetched when the Hub can be reached; not checked otherwise: loading then
+    reports what fails); a known name is a text model. Image data needs a local model directory (its processor is
+    loaded here, before the weights) or a loaded model, and one process.
 
     Raises:
-        ValueError: one line, naming the model and what to give.
+        ValueError: one line, naming the model and what to give (or why its processor cannot be loaded).
     """
     from torch import nn
 
@@ -249,22 +250,49 @@ def _check_data_kind(run: Run) -> None:
         msg = "image calibration data runs in one process (torch.distributed is not supported with it)"
         raise ValueError(msg)
     model = settings.model
-    if isinstance(model, str | os.PathLike) and (Path(model).expanduser() / "config.json").is_file():
+    if isinstance(model, nn.Module):
+        check_calibration_data(model, images=images, source=settings.dataset)
+        return
+    if (Path(model).expanduser() / "config.json").is_file():
         from transformers import AutoConfig
 
         try:
-            model = AutoConfig.from_pretrained(os.fspath(Path(model).expanduser()))
+            config = AutoConfig.from_pretrained(os.fspath(Path(model).expanduser()))
         except (OSError, ValueError):  # loading the model reports it, as before
             return
-    elif not isinstance(model, nn.Module):
-        if images:
-            msg = (
-                f"image calibration data ({describe(settings.dataset)}) needs a local model directory or a loaded "
-                f"model (model=, --model); {os.fspath(model)!r} is a known text model or a Hub ID"
-            )
-            raise ValueError(msg)
+        check_calibration_data(config, images=images, source=settings.dataset)
+        if images:  # before the weights: a processor that cannot be loaded stops the job here
+            run.processor = load_processor(settings.tokenizer, Path(model).expanduser())
         return
-    check_calibration_data(model, images=images, source=settings.dataset)
+    if images:
+        msg = (
+            f"image calibration data ({describe(settings.dataset)}) needs a local model directory or a loaded "
+            f"model (model=, --model); {os.fspath(model)!r} is a known text model or a Hub ID"
+        )
+        raise ValueError(msg)
+    config = _hub_config(os.fspath(model))
+    if config is not None:
+        check_calibration_data(config, images=False, source=settings.dataset)
+
+
+def _hub_config(key: str) -> Any:
+    """The config of the Hub model ID ``key`` without its weights: from the Hugging Face cache, else fetched when
+    ``HF_HUB_OFFLINE`` is off and the Hub can be reached (:func:`llmc_fsm.models.hf_io.hub_unreachable`, 3 s at
+    most); ``None`` for a known name, a path, or a config that cannot be had (loading then reports why)."""
+    from llmc_fsm.models.hf_io import hub_unreachable, looks_like_hub_id
+
+    if key in KNOWN_MODELS or Path(key).expanduser().exists() or not looks_like_hub_id(key):
+        return None
+    from huggingface_hub import constants, try_to_load_from_cache
+    from transformers import AutoConfig
+
+    cached = isinstance(try_to_load_from_cache(key, "config.json"), str)
+    if not cached and (constants.HF_HUB_OFFLINE or hub_unreachable(constants.ENDPOINT) is not None):
+        return None
+    try:
+        return AutoConfig.from_pretrained(key, **({"local_files_only": True} if cached else {}))
+    except (OSError, ValueError):
+        return None
 
 
 def _claim_on_rank_0(settings: OneshotSettings) -> WorkDir | None:
@@ -367,13 +395,11 @@ def load(run: Run) -> None:
 
         run.model_name = os.fspath(settings.model)
         dtype = "auto" if settings.dtype == "auto" else torch_dtype_of(settings.dtype)  # auto: from_pretrained's own
-        if run.cal_images is not None and run.needs_data:  # the class with the vision tower, and its processor
-            loaded, tokenizer = load_image_text_model(settings.model, torch_dtype=dtype), None
-        else:
-            loaded, tokenizer = load_model(settings.model, torch_dtype=dtype)
+        loaded, tokenizer = load_model(settings.model, torch_dtype=dtype)  # a vision-language model with its tower
         run.model = loaded
         check_calibrates_from_text(run.model)
         _load_processor(run)
+        _keep_processor(run)
         run.tokenizer = run.tokenizer if run.tokenizer is not None else tokenizer
         if run.tokenizer is None and needs_text:
             msg = (
@@ -386,14 +412,37 @@ def load(run: Run) -> None:
 
 
 def _load_processor(run: Run) -> None:
-    """With image calibration data that a modifier uses: the model's processor in ``run.processor`` and the
-    processor's tokenizer in ``run.tokenizer`` (unless one was given)."""
+    """With image calibration data that a modifier uses: the model's processor in ``run.processor`` (a model
+    directory's was loaded by :func:`_check_data_kind`) and the processor's tokenizer in ``run.tokenizer`` (unless
+    one was given)."""
     if run.cal_images is None or not run.needs_data:
         return
     check_calibration_data(run.model, images=True, source=run.settings.dataset)  # a config AutoConfig did not read
-    run.processor = load_processor(run.settings.tokenizer, run.settings.model)
+    if run.processor is None:
+        run.processor = load_processor(run.settings.tokenizer, run.settings.model)
     if run.tokenizer is None or run.tokenizer is run.processor:
         run.tokenizer = run.processor.tokenizer
+
+
+def _keep_processor(run: Run) -> None:
+    """A vision-language model directory's processor in ``run.processor`` whatever the data, so that the output
+    directory gets its files (``preprocessor_config.json``, ``processor_config.json``...) next to the tokenizer's
+    and reloads with ``AutoProcessor``. A processor that cannot be loaded (e.g. one that needs torchvision) is
+    logged, and the output then holds the tokenizer's files only."""
+    from llmc_fsm.models.hf_io import is_vision_language
+
+    directory = Path(os.fspath(run.settings.model)).expanduser()
+    if run.processor is not None or not is_vision_language(run.model.config) or not directory.is_dir():
+        return
+    from transformers import AutoProcessor
+
+    try:
+        processor = AutoProcessor.from_pretrained(os.fspath(directory))
+    except (ImportError, OSError, ValueError, TypeError, AttributeError) as err:  # the tokenizer is saved
+        logger.warning("%s: the processor is not saved with the output (%s)", directory, str(err).strip()[:200])
+        return
+    if hasattr(processor, "image_processor"):
+        run.processor = processor
 
 
 # --------------------------------------------------------------------------- data
