@@ -59,8 +59,8 @@ def _model_dir(root: Path) -> Path:
     return directory
 
 
-def _image_dir(root: Path, num: int = 6) -> Path:
-    """``num`` random RGB PNGs (heights 10..35, widths 12..42 pixels) with captions of 4..9 words."""
+def _image_dir(root: Path, num: int = 6, words: list[str] = WORDS) -> Path:
+    """``num`` random RGB PNGs (heights 10..35, widths 12..42 pixels) with captions of 4..9 of ``words``."""
     from PIL import Image
 
     directory = root / "images"
@@ -70,7 +70,7 @@ def _image_dir(root: Path, num: int = 6) -> Path:
     for i in range(num):
         pixels = rng.integers(0, 256, (10 + 5 * i, 42 - 6 * i, 3), dtype=np.uint8)
         Image.fromarray(pixels).save(directory / "img" / f"{i}.png")
-        caption = " ".join(rng.choice(WORDS, size=4 + i))
+        caption = " ".join(rng.choice(words, size=4 + i))
         lines.append(json.dumps({"file_name": f"img/{i}.png", "text": caption}))
     (directory / "metadata.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
     return directory
@@ -80,6 +80,21 @@ def _image_dir(root: Path, num: int = 6) -> Path:
 def dirs(tmp_path_factory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("mm")
     return _model_dir(root), _image_dir(root)
+
+
+def assert_w4_g16(weight: torch.Tensor, dense: torch.Tensor, name: str) -> None:
+    """4-bit groups of 16 inputs: at most 16 values per group, not the dense weight."""
+    groups = weight.detach().reshape(weight.shape[0], -1, 16)
+    assert max(len(torch.unique(g)) for row in groups for g in row) <= 16, name
+    assert not torch.equal(weight, dense), name
+
+
+def assert_outside_language_layers_unchanged(model, before: dict, tower: str) -> None:
+    """Every tensor outside the language-model layers (``tower``, the projector, embeddings, norms) bit-equal."""
+    state = model.state_dict()
+    rest = [k for k in before if ".language_model.layers." not in k]
+    assert any(tower in k for k in rest) and any("multi_modal_projector" in k for k in rest)
+    assert [k for k in rest if not torch.equal(before[k], state[k])] == []
 
 
 def _text_linears(model) -> list[str]:
@@ -142,14 +157,9 @@ def test_oneshot_on_images_compresses_every_text_linear_and_reloads(tmp_path, di
         weight = model.get_submodule(name).weight
         if method == "sparsegpt":
             assert int((weight == 0).sum()) == weight.numel() // 2, name
-        else:  # 4-bit groups of 16 inputs: at most 16 values per group, not the dense weight
-            groups = weight.detach().reshape(weight.shape[0], -1, 16)
-            assert max(len(torch.unique(g)) for row in groups for g in row) <= 16, name
-            assert not torch.equal(weight, before[name + ".weight"]), name
-    state = model.state_dict()
-    rest = [k for k in before if ".language_model.layers." not in k]
-    assert any("vision_model" in k for k in rest) and any("multi_modal_projector" in k for k in rest)
-    assert [k for k in rest if not torch.equal(before[k], state[k])] == []
+        else:
+            assert_w4_g16(weight, before[name + ".weight"], name)
+    assert_outside_language_layers_unchanged(model, before, "vision_model")
     assert model.llmc_fsm_report.calibration["num_samples"] == 6
 
     # the same pipeline by hand, on the processor's batches: the same weights

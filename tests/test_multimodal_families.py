@@ -24,10 +24,16 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 import transformers
+from test_multimodal_calibration import (
+    MLLAMA_NEEDS_IMAGES,
+    _image_dir,
+    assert_outside_language_layers_unchanged,
+    assert_w4_g16,
+)
+from test_multimodal_calibration import _model_dir as mllama_dir
 from tiny_families import VOCAB, build
 
 import llmc_fsm
@@ -92,26 +98,10 @@ def _model_dir(root: Path, family: str, processor: bool = True) -> Path:
     return directory
 
 
-def _image_dir(root: Path, words: list[str], num: int = 6) -> Path:
-    """``num`` random RGB PNGs (heights 10..35, widths 12..42 pixels) with captions of 4..9 words."""
-    from PIL import Image
-
-    directory = root / "images"
-    (directory / "img").mkdir(parents=True)
-    rng = np.random.default_rng(0)
-    lines = []
-    for i in range(num):
-        pixels = rng.integers(0, 256, (10 + 5 * i, 42 - 6 * i, 3), dtype=np.uint8)
-        Image.fromarray(pixels).save(directory / "img" / f"{i}.png")
-        lines.append(json.dumps({"file_name": f"img/{i}.png", "text": " ".join(rng.choice(words[:100], size=4 + i))}))
-    (directory / "metadata.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
-    return directory
-
-
 @pytest.fixture(scope="module")
 def root(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("vlm")
-    _image_dir(root, [f"w{i}" for i in range(100)])
+    _image_dir(root, words=[f"w{i}" for i in range(100)])  # words every tiny tokenizer here holds
     return root
 
 
@@ -169,14 +159,8 @@ def test_gptq_on_images_compresses_the_language_model_and_reloads(tmp_path, root
     linears = _language_linears(model)
     assert len(linears) == 28
     for name in linears:
-        weight = model.get_submodule(name).weight.detach()
-        groups = weight.reshape(weight.shape[0], -1, 16)
-        assert max(len(torch.unique(g)) for row in groups for g in row) <= 16, name
-        assert not torch.equal(weight, before[name + ".weight"]), name
-    state = model.state_dict()
-    rest = [k for k in before if ".language_model.layers." not in k]
-    assert any("vision_tower" in k for k in rest) and any("multi_modal_projector" in k for k in rest)
-    assert [k for k in rest if not torch.equal(before[k], state[k])] == []
+        assert_w4_g16(model.get_submodule(name).weight, before[name + ".weight"], name)
+    assert_outside_language_layers_unchanged(model, before, "vision_tower")
 
     ref = cls.from_pretrained(model_dir).eval()
     session = Session([GPTQModifier(**W4A16["s"]["GPTQModifier"])])
@@ -187,6 +171,30 @@ def test_gptq_on_images_compresses_the_language_model_and_reloads(tmp_path, root
 
     _reload_and_compare(out, model, batches[1])
     assert type(transformers.AutoProcessor.from_pretrained(out)) is type(processor)
+
+
+@pytest.mark.parametrize("family", ["llava", "gemma3"])
+def test_the_first_decoder_layer_gets_the_image_features_merged(tmp_path, root, family):
+    """The pipeline's capture of decoder layer 0's hidden states on an image batch equals what the model's own
+    forward gives that layer (``hidden_states[0]``, bit for bit), and differs from the text-only embedding of the
+    same token ids exactly at the image tokens (the vision tower's features merged in)."""
+    from llmc_fsm.models.layers import find_decoder_layers
+    from llmc_fsm.pipeline.forward import capture_layer_inputs
+
+    model = build(FAMILIES[family])
+    processor = _processor(family)
+    batch = image_batches(processor, read_image_captions(root / "images", 2), batch_size=2, max_seq_length=64)[0]
+    _, layers = find_decoder_layers(model)
+    with torch.no_grad():
+        ((args, kwargs),) = capture_layer_inputs(model, layers[0], [batch])
+        captured = args[0] if args else kwargs["hidden_states"]
+        own = model(**batch, output_hidden_states=True).hidden_states[0]
+        text_only = model(input_ids=batch["input_ids"], output_hidden_states=True).hidden_states[0]
+    assert torch.equal(captured, own)
+    image = batch["input_ids"] == model.config.image_token_id
+    assert int(image.sum()) == 8
+    differs = (captured != text_only).any(-1)
+    assert torch.equal(differs, image)
 
 
 def test_gemma3_prompt_comes_from_the_chat_template(tmp_path, root):
@@ -282,8 +290,6 @@ def test_data_free_w8a8_on_a_vision_language_directory_keeps_the_vision_tower(tm
     ...ForConditionalGeneration (AutoModelForImageTextToText), the tower and projector dense and bit-equal, every
     language-model Linear quantized; the output (with the processor's files) reloads as the same class with no
     missing/unexpected key and logits on an image batch equal the in-memory model's."""
-    from test_multimodal_calibration import _model_dir as mllama_dir
-
     recipe = {"s": {"QuantizationModifier": {"scheme": "W8A8", "ignore": IGNORE}}}
     for family, directory in (("mllama", mllama_dir(tmp_path)), ("llava", _model_dir(tmp_path, "llava"))):
         out = tmp_path / f"out-{family}"
@@ -306,7 +312,6 @@ def test_cli_data_free_on_mllama_keeps_the_vision_tower(tmp_path):
     """``llmc-fsm oneshot`` with a data-free recipe (the CLI streams such jobs by default when it can): the output
     is the MllamaForConditionalGeneration with its vision tower."""
     from safetensors import safe_open
-    from test_multimodal_calibration import _model_dir as mllama_dir
 
     directory = mllama_dir(tmp_path)
     recipe = tmp_path / "recipe.yaml"
@@ -343,9 +348,6 @@ def test_a_hub_id_given_text_for_a_model_that_needs_images_is_refused_before_loa
     """A Mllama Hub ID in the Hugging Face cache (HF_HUB_OFFLINE=1) with a text file: the config is read from the
     cache and the job refused with the Mllama line before any weight is read."""
     import shutil
-
-    from test_multimodal_calibration import MLLAMA_NEEDS_IMAGES
-    from test_multimodal_calibration import _model_dir as mllama_dir
 
     hub = tmp_path / "hub"
     commit = "0123456789abcdef0123456789abcdef01234567"

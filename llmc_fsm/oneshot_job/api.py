@@ -94,7 +94,8 @@ def oneshot(
         recipe: anything :class:`~llmc_fsm.Session` accepts; default :func:`default_recipe` (SparseGPT, 50%).
         dataset: a text/JSONL file, a Hugging Face dataset name or a ``LongTensor[N, L]``; default: model-made text.
             A directory with ``metadata.jsonl`` (images and captions, :mod:`llmc_fsm.data.images`) is image
-            calibration data, for Mllama (whose cross-attention layers need images; ``tokenizer``: its processor).
+            calibration data, for Mllama (whose cross-attention layers need images), LLaVA and Gemma 3
+            (``tokenizer``: its processor).
         num_calibration_samples, max_seq_length: calibration windows of tokens, from the end of the text.
         output_dir, overwrite, resume: where the model, tokenizer, recipe.yaml and report.json are written.
         eval_text, num_eval_windows, eval_seq_length: perplexity before and after, on the head of this text.

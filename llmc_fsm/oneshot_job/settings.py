@@ -241,8 +241,8 @@ class OneshotSettings:
     )
     dataset: Any = _setting(
         None,
-        "calibration text/JSONL file, HF dataset name, or image-caption directory with metadata.jsonl (Mllama) "
-        "(default: model-generated text)",
+        "calibration text/JSONL file, HF dataset name, or image-caption directory with metadata.jsonl "
+        "(Mllama, LLaVA, Gemma 3) (default: model-generated text)",
         flag="--dataset",
         fingerprint=("calibration data",),
         by_content=True,
