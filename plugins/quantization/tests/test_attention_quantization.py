@@ -205,3 +205,59 @@ def test_unsupported_attention_quantization_is_refused_before_any_work(recipe, m
     assert message in str(info.value)
     after = model.state_dict()
     assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
+
+
+def test_attention_quantization_with_a_weight_group_reloads_with_the_in_memory_logits(tmp_path) -> None:
+    # GPTQ on the Linear weights and attention quantization in one modifier: two config groups in the checkpoint
+    from transformers import AutoModelForCausalLM
+
+    weights = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "channel"}
+    recipe = _attention_recipe("tensor")
+    recipe = {
+        "q": {
+            "GPTQModifier": {
+                "config_groups": {
+                    "w": {"targets": ["Linear"], "weights": weights},
+                    **recipe["q"]["QuantizationModifier"]["config_groups"],
+                }
+            }
+        }
+    }
+    model, out = tiny_llama(), tmp_path / "out"
+    llmc_fsm.oneshot(model=model, recipe=recipe, dataset=_data(), batch_size=2, output_dir=out, progress=False)
+    groups = json.loads((out / "config.json").read_text())["quantization_config"]["config_groups"]
+    assert [(g["targets"], g["weights"] is None, g["format"]) for g in groups.values()] == [
+        (["Linear"], False, "pack-quantized"),
+        (["LlamaAttention"], True, "dense"),
+    ]
+    reloaded = AutoModelForCausalLM.from_pretrained(out).eval()
+    x = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert load_kv_cache_scales(reloaded, out) == 2
+        assert torch.equal(reloaded(x).logits, model(x).logits)
+
+
+def test_an_interrupted_attention_quantization_run_resumes_bitwise(tmp_path, monkeypatch) -> None:
+    from llmc_fsm.oneshot_job.resume import LayerProgress
+
+    kw = {"recipe": _attention_recipe("attn_head"), "dataset": _data(), "batch_size": 2, "progress": False}
+    ref = llmc_fsm.oneshot(model=tiny_llama(3), **kw)
+    original = LayerProgress.save
+
+    def save(self, index, module):  # stop the run after layer 0 is saved
+        original(self, index, module)
+        if index == 0:
+            raise KeyboardInterrupt
+
+    with monkeypatch.context() as m:
+        m.setattr(LayerProgress, "save", save)
+        with pytest.raises(KeyboardInterrupt):
+            llmc_fsm.oneshot(model=tiny_llama(3), output_dir=tmp_path / "o", **kw)
+    out = llmc_fsm.oneshot(model=tiny_llama(3), output_dir=tmp_path / "o", resume=True, **kw)
+    ref_state, out_state = ref.state_dict(), out.state_dict()
+    assert ref_state.keys() == out_state.keys()
+    assert "model.layers.2.self_attn.q_scale" in out_state
+    assert [k for k in ref_state if not torch.equal(ref_state[k], out_state[k])] == []
+    x = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(out(x).logits, ref(x).logits)
