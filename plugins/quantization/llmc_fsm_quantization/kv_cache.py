@@ -18,6 +18,12 @@ computes with the FP8 KV cache; the sequential pipeline's calibration forwards t
 calibrates on full-precision activations (:func:`llmc_fsm.pipeline.layer.activation_quantization_off`). A layer
 restored from saved progress (a resumed run) gets its scales from its state dict and quantizes at once.
 
+Attention quantization (llm-compressor's config group targeting the attention with input activations only) also
+quantizes the queries after the rotary embedding, ``[batch, heads, seq, head_dim]``, with the same arguments:
+:func:`install_query` adds ``q_scale`` (``[1]`` or ``[num_heads, 1, 1]``) and a compressed-tensors query hook that
+observes and fake-quantizes them as :class:`CacheTap` does keys and values; the checkpoint holds
+``<attention>.q_scale`` next to ``k_scale`` / ``v_scale`` and the config group.
+
 Scale of each observer (per tensor, or per KV head over batch, positions and head dimension), with
 ``range = max(|min|, |max|)`` and the FP8 (e4m3) maximum 448 (compressed-tensors' ``calculate_qparams``):
 
