@@ -505,6 +505,8 @@ class QuantizingModifier(CalibratedModifier):
 
     #: Whether this modifier calibrates a ``kv_cache_scheme`` (its lifecycle is this class's).
     supports_kv_cache = False
+    #: Whether this modifier runs ``imatrix_mse`` on NVFP4 weights (round-to-nearest's searched ranges).
+    imatrix_on_nvfp4 = False
 
     def __attrs_post_init__(self) -> None:
         self._ignore_defaulted = isinstance(self.ignore, _DefaultIgnore)
@@ -603,6 +605,12 @@ class QuantizingModifier(CalibratedModifier):
                 raise ValueError(msg)
             if w is not None and is_scaled_format(w):
                 check_scaled_observer(w.observer, w)  # refused when read, before any calibration
+                if w.observer in IMPORTANCE_OBSERVERS and not self.imatrix_on_nvfp4:
+                    msg = (
+                        f"observer imatrix_mse on NVFP4 weights is implemented for QuantizationModifier (round-to-"
+                        f"nearest) only, not {type(self).__name__}; use minmax or nvfp4_expanded_mse"
+                    )
+                    raise ValueError(msg)
         observers = {s.weights.observer for s in groups.values() if s.weights is not None}
         if self.observer is None and len(observers) == 1:
             (self.observer,) = observers
