@@ -164,18 +164,18 @@ def attention_modules(model: nn.Module) -> dict[str, nn.Module]:
 def kv_heads(module: nn.Module) -> int | None:
     """Number of key/value heads of attention ``module``: ``k_proj``'s output width / ``head_dim`` (``None``
     when the attention has no ``head_dim`` attribute or it does not divide the width)."""
-    head_dim = getattr(module, "head_dim", None)
-    width = getattr(module.k_proj, "out_features", None)
-    if not isinstance(head_dim, int) or not isinstance(width, int) or head_dim <= 0 or width % head_dim:
-        return None
-    return width // head_dim
+    return _heads(module, "k_proj")
 
 
 def query_heads(module: nn.Module) -> int | None:
     """Number of query heads of attention ``module``: ``q_proj``'s output width / ``head_dim`` (``None`` when
     unknown)."""
+    return _heads(module, "q_proj")
+
+
+def _heads(module: nn.Module, projection: str) -> int | None:
     head_dim = getattr(module, "head_dim", None)
-    width = getattr(getattr(module, "q_proj", None), "out_features", None)
+    width = getattr(getattr(module, projection, None), "out_features", None)
     if not isinstance(head_dim, int) or not isinstance(width, int) or head_dim <= 0 or width % head_dim:
         return None
     return width // head_dim
@@ -292,18 +292,27 @@ def install(attention: nn.Module, args: QuantizationArgs) -> None:
         ValueError: per-head scales for an attention whose number of key/value heads is unknown.
     """
     if getattr(attention, SCHEME_ATTR, None) is None:
-        shape: tuple[int, ...] = (1,)
-        if args.strategy == QuantizationStrategy.ATTN_HEAD:
-            heads = kv_heads(attention)
-            if heads is None:
-                msg = f"{type(attention).__name__}: per-head KV scales need its head_dim; use strategy: tensor"
-                raise ValueError(msg)
-            shape = (heads, 1, 1)
+        shape = _scale_shape(attention, args, kv_heads, "KV")
         for base in ("k", "v"):
             _register_scale(attention, base, shape)
         setattr(attention, SCHEME_ATTR, args.model_copy(deep=True))
         attention.register_forward_pre_hook(_swap_cache, with_kwargs=True)
     _start_recording(attention, args)
+
+
+def _scale_shape(attention: nn.Module, args: QuantizationArgs, heads_of: Any, what: str) -> tuple[int, ...]:
+    """``[1]`` per tensor, ``[heads, 1, 1]`` per head (``heads_of(attention)``).
+
+    Raises:
+        ValueError: per-head scales and ``heads_of`` gives ``None`` (no ``head_dim``).
+    """
+    if args.strategy != QuantizationStrategy.ATTN_HEAD:
+        return (1,)
+    heads = heads_of(attention)
+    if heads is None:
+        msg = f"{type(attention).__name__}: per-head {what} scales need its head_dim; use strategy: tensor"
+        raise ValueError(msg)
+    return (heads, 1, 1)
 
 
 def _register_scale(attention: nn.Module, base: str, shape: tuple[int, ...]) -> None:
@@ -340,14 +349,7 @@ def install_query(model: nn.Module, attention: nn.Module, scheme: QuantizationSc
 
     args = getattr(attention, SCHEME_ATTR)
     if getattr(attention, "q_scale", None) is None:
-        shape: tuple[int, ...] = (1,)
-        if args.strategy == QuantizationStrategy.ATTN_HEAD:
-            heads = query_heads(attention)
-            if heads is None:
-                msg = f"{type(attention).__name__}: per-head query scales need its head_dim; use strategy: tensor"
-                raise ValueError(msg)
-            shape = (heads, 1, 1)
-        _register_scale(attention, "q", shape)
+        _register_scale(attention, "q", _scale_shape(attention, args, query_heads, "query"))
         saved = scheme.model_copy(deep=True)
         saved.format = CompressionFormat.dense  # what compressed-tensors writes for it (no weight to compress)
         setattr(attention, ATTENTION_SCHEME_ATTR, saved)

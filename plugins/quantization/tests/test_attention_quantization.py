@@ -13,7 +13,7 @@ import pytest
 import torch
 from llmc_fsm_quantization import load_kv_cache_scales
 from safetensors import safe_open
-from test_kv_cache import KV, _data, _expected_scale, _reference_ranges
+from test_kv_cache import KV, _data, _expected_scale, _reference_ranges, logits_with_and_without, resumed_after_layer_0
 from tiny_quant_models import tiny_llama
 
 import llmc_fsm
@@ -66,17 +66,6 @@ def _scale_checks(model, original, data, observer, per_head, bases):
             torch.testing.assert_close(getattr(layer.self_attn, f"{base}_scale").double(), expected, rtol=1e-5, atol=0)
 
 
-def _logits_with_and_without(model, x):
-    with torch.no_grad():
-        quantized = model(x).logits
-        for layer in model.model.layers:
-            layer.self_attn.quantization_enabled = False
-        off = model(x).logits
-        for layer in model.model.layers:
-            del layer.self_attn.quantization_enabled
-    return quantized, off
-
-
 @pytest.mark.parametrize("strategy", ["tensor", "attn_head"])
 def test_kv_cache_scheme_alone_calibrates_the_kv_scales_and_touches_no_weight(tmp_path, strategy) -> None:
     from transformers import AutoModelForCausalLM
@@ -106,7 +95,7 @@ def test_kv_cache_scheme_alone_calibrates_the_kv_scales_and_touches_no_weight(tm
     assert reloaded_state.keys() == before.keys()
     assert all(torch.equal(reloaded_state[k], before[k]) for k in before)  # the weights reload exactly
     x = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(1))
-    quantized, off = _logits_with_and_without(model, x)
+    quantized, off = logits_with_and_without(model, x)
     with torch.no_grad():
         assert torch.equal(off, original(x).logits)
         assert not torch.equal(quantized, off)
@@ -144,7 +133,7 @@ def test_attention_quantization_calibrates_query_key_and_value_scales(tmp_path, 
                 key = f"model.layers.{i}.self_attn.{base}_scale"
                 assert torch.equal(fh.get_tensor(key), state[key])
     x = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(1))
-    quantized, off = _logits_with_and_without(model, x)
+    quantized, off = logits_with_and_without(model, x)
     # the queries are quantized too: the same k/v scales without q quantization (kv_cache_scheme alone) differ
     kv_only = tiny_llama()
     kv = {**KV, "strategy": strategy, "observer": used}
@@ -238,26 +227,8 @@ def test_attention_quantization_with_a_weight_group_reloads_with_the_in_memory_l
 
 
 def test_an_interrupted_attention_quantization_run_resumes_bitwise(tmp_path, monkeypatch) -> None:
-    from llmc_fsm.oneshot_job.resume import LayerProgress
-
-    kw = {"recipe": _attention_recipe("attn_head"), "dataset": _data(), "batch_size": 2, "progress": False}
-    ref = llmc_fsm.oneshot(model=tiny_llama(3), **kw)
-    original = LayerProgress.save
-
-    def save(self, index, module):  # stop the run after layer 0 is saved
-        original(self, index, module)
-        if index == 0:
-            raise KeyboardInterrupt
-
-    with monkeypatch.context() as m:
-        m.setattr(LayerProgress, "save", save)
-        with pytest.raises(KeyboardInterrupt):
-            llmc_fsm.oneshot(model=tiny_llama(3), output_dir=tmp_path / "o", **kw)
-    out = llmc_fsm.oneshot(model=tiny_llama(3), output_dir=tmp_path / "o", resume=True, **kw)
-    ref_state, out_state = ref.state_dict(), out.state_dict()
-    assert ref_state.keys() == out_state.keys()
-    assert "model.layers.2.self_attn.q_scale" in out_state
-    assert [k for k in ref_state if not torch.equal(ref_state[k], out_state[k])] == []
+    ref, out = resumed_after_layer_0(tmp_path, monkeypatch, _attention_recipe("attn_head"))
+    assert "model.layers.2.self_attn.q_scale" in out.state_dict()
     x = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         assert torch.equal(out(x).logits, ref(x).logits)

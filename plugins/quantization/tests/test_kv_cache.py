@@ -89,6 +89,18 @@ def _expected_scale(states: list[torch.Tensor], observer: str, per_head: bool) -
     return torch.maximum(lo.clamp(max=0).abs(), hi.clamp(min=0)) / FP8_MAX
 
 
+def logits_with_and_without(model, x):
+    """(logits of ``model`` on ``x``, logits with every attention's ``quantization_enabled`` off)."""
+    with torch.no_grad():
+        quantized = model(x).logits
+        for layer in model.model.layers:
+            layer.self_attn.quantization_enabled = False
+        off = model(x).logits
+        for layer in model.model.layers:
+            del layer.self_attn.quantization_enabled
+    return quantized, off
+
+
 @pytest.mark.parametrize("modifier", ["QuantizationModifier", "GPTQModifier"])
 @pytest.mark.parametrize(
     ("strategy", "observer"), [("tensor", "static_minmax"), ("attn_head", "static_minmax"), ("attn_head", None)]
@@ -145,13 +157,8 @@ def test_the_in_memory_model_quantizes_its_kv_cache_and_a_transformers_reload_ge
     llmc_fsm.oneshot(model=model, recipe=recipe, dataset=data, batch_size=2, output_dir=out, progress=False)
     x = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(1))
     reloaded = AutoModelForCausalLM.from_pretrained(out).eval()
+    quantized_kv, full_kv = logits_with_and_without(model, x)
     with torch.no_grad():
-        quantized_kv = model(x).logits
-        for layer in model.model.layers:
-            layer.self_attn.quantization_enabled = False
-        full_kv = model(x).logits
-        for layer in model.model.layers:
-            del layer.self_attn.quantization_enabled
         # transformers 5.24 + compressed-tensors 0.20 load the weights but not the KV scales (see kv_cache's docs)
         assert not hasattr(reloaded.model.layers[0].self_attn, "k_scale")
         assert torch.equal(reloaded(x).logits, full_kv)
@@ -221,10 +228,11 @@ def test_kv_cache_quantization_needs_calibration_data_even_for_round_to_nearest(
     assert "calibration_data" not in QuantizationModifier(scheme="W8A8").required_keys()
 
 
-def test_an_interrupted_run_resumes_with_the_kv_scales_bitwise(tmp_path, monkeypatch) -> None:
+def resumed_after_layer_0(tmp_path, monkeypatch, recipe):
+    """(uninterrupted model, model of a run stopped after layer 0 was saved and resumed) for ``recipe`` on a 3-layer
+    tiny Llama; asserts their state dicts are equal bitwise."""
     from llmc_fsm.oneshot_job.resume import LayerProgress
 
-    recipe = {"q": {"GPTQModifier": {"scheme": "W8A8", "kv_cache_scheme": {**KV, "strategy": "attn_head"}}}}
     kw = {"recipe": recipe, "dataset": _data(), "batch_size": 2, "progress": False}
     ref = llmc_fsm.oneshot(model=tiny_llama(3), **kw)
     original = LayerProgress.save
@@ -241,8 +249,14 @@ def test_an_interrupted_run_resumes_with_the_kv_scales_bitwise(tmp_path, monkeyp
     out = llmc_fsm.oneshot(model=tiny_llama(3), output_dir=tmp_path / "o", resume=True, **kw)
     ref_state, out_state = ref.state_dict(), out.state_dict()
     assert ref_state.keys() == out_state.keys()
-    assert "model.layers.2.self_attn.k_scale" in out_state
     assert [k for k in ref_state if not torch.equal(ref_state[k], out_state[k])] == []
+    return ref, out
+
+
+def test_an_interrupted_run_resumes_with_the_kv_scales_bitwise(tmp_path, monkeypatch) -> None:
+    recipe = {"q": {"GPTQModifier": {"scheme": "W8A8", "kv_cache_scheme": {**KV, "strategy": "attn_head"}}}}
+    _, out = resumed_after_layer_0(tmp_path, monkeypatch, recipe)
+    assert "model.layers.2.self_attn.k_scale" in out.state_dict()
 
 
 def test_kv_cache_quantization_with_low_memory_is_refused_before_any_work(tmp_path) -> None:
