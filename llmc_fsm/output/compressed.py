@@ -15,6 +15,7 @@ from typing import Any
 from torch import nn
 
 __all__ = [
+    "attention_scheme",
     "ignore_for_reload",
     "kv_cache_scheme",
     "leaf_targets",
@@ -25,6 +26,9 @@ __all__ = [
 #: Attribute of an attention module whose KV cache is quantized: its compressed-tensors ``QuantizationArgs``
 #: (set by the quantization plugin, next to its ``k_scale`` / ``v_scale`` parameters).
 KV_CACHE_SCHEME_ATTR = "kv_cache_scheme"
+#: Attribute of an attention module whose queries are quantized too (attention quantization): the config group's
+#: ``QuantizationScheme`` (input activations only; set by the quantization plugin, next to ``q_scale``).
+ATTENTION_SCHEME_ATTR = "attention_quantization_scheme"
 
 
 def unpacked_zero_points(modules: dict[str, nn.Module]) -> None:
@@ -148,3 +152,16 @@ def kv_cache_scheme(model: nn.Module) -> Any:
         first, second = list(schemes.values())[:2]
         raise ValueError(f"{first} and {second} quantize their KV cache with different schemes; one is written")
     return next(iter(found.values()), None)
+
+
+def attention_scheme(model: nn.Module) -> Any:
+    """The config group of attention quantization to write in ``quantization_config``: the ``QuantizationScheme``
+    (input activations only, targets as the recipe gave them) ``model``'s attention modules carry, or ``None``.
+
+    compressed-tensors 0.20 writes it only for attention modules it hooked itself (recognised by a
+    ``past_key_values`` argument, which transformers 5.24's attention no longer has); so it is read here from the
+    modules the quantization plugin calibrated.
+    """
+    return next(
+        (scheme for sub in model.modules() if (scheme := getattr(sub, ATTENTION_SCHEME_ATTR, None)) is not None), None
+    )

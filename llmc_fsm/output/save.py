@@ -32,6 +32,7 @@ from torch import nn
 
 from llmc_fsm.models.known import fix_safetensors_permissions
 from llmc_fsm.output.compressed import (
+    attention_scheme,
     ignore_for_reload,
     kv_cache_scheme,
     leaf_targets,
@@ -222,6 +223,8 @@ def save_model(
 def _save_weights(model: nn.Module, directory: Path, sparsity_structure: str | None, sparsity: float) -> None:
     if not quantized_modules(model) and not quantized_views(model):
         model.save_pretrained(directory, safe_serialization=True)
+        if kv_cache_scheme(model) is not None:  # KV-cache scales only (kv_cache_scheme alone): weights untouched
+            write_quantization_config(model, directory, sparsity=sparsity, sparsity_structure=sparsity_structure)
         return
     model.save_pretrained(directory, state_dict=compressed_state_dict(model), safe_serialization=True)
     write_quantization_config(model, directory, sparsity=sparsity, sparsity_structure=sparsity_structure)
@@ -296,18 +299,22 @@ def write_quantization_config(
     :func:`pruned_sparsity`) is >= 5%.
     """
     from compressed_tensors.compressors import ModelCompressor
-    from compressed_tensors.quantization import QuantizationStatus
+    from compressed_tensors.quantization import QuantizationConfig, QuantizationStatus
 
     views = quantized_views(model)
     with leaf_targets(quantized_modules(model)):  # what was quantized, not recipe patterns (the config holds the
         if quantized_modules(model):  # modules' scheme objects: written inside)
             compressor = ModelCompressor.from_pretrained_model(model)
-        else:  # only fused experts quantized
+        elif views:  # only fused experts quantized
             compressor = ModelCompressor(quantization_config=_experts_only_config(model, views))
+        else:  # only KV-cache scales: compressed-tensors' config of a KV-only model (no group, dense format)
+            compressor = ModelCompressor(quantization_config=QuantizationConfig(config_groups={}, format="dense"))
         compressor.quantization_config.quantization_status = QuantizationStatus.COMPRESSED  # what the tensors are
         config = compressor.quantization_config  # every unquantized module a class target would match on reload
         config.ignore = ignore_for_reload(model, quantized_modules(model), list(config.ignore or []))
         config.kv_cache_scheme = kv_cache_scheme(model) or config.kv_cache_scheme  # the plugin's calibrated KV scales
+        if (attention := attention_scheme(model)) is not None:  # attention quantization: q/k/v scales
+            config.config_groups[f"group_{len(config.config_groups)}"] = attention.model_copy(deep=True)
         compressor.update_config(str(directory))
     if sparsity >= 0.05:
         targets = sorted(quantized_modules(model))

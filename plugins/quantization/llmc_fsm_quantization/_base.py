@@ -62,7 +62,13 @@ from llmc_fsm_quantization.observers import (
     is_scaled_format,
 )
 from llmc_fsm_quantization.rounding import FP4_PACKED_FORMATS, fp4_positive_zeros
-from llmc_fsm_quantization.schemes import LOCAL_INPUT_OBSERVERS, resolve_config_groups, resolve_scheme, weight_args
+from llmc_fsm_quantization.schemes import (
+    LOCAL_INPUT_OBSERVERS,
+    is_attention_scheme,
+    resolve_config_groups,
+    resolve_scheme,
+    weight_args,
+)
 
 __all__ = ["DEFAULT_SCHEME", "CalibrationStatistics", "QuantizedWeight", "QuantizingModifier", "attach_qparams"]
 
@@ -465,8 +471,10 @@ class QuantizingModifier(CalibratedModifier):
             ``minmax`` (default), ``static_minmax`` or ``memoryless_minmax``). Every attention module of
             the model gets ``k_scale`` / ``v_scale`` calibrated from the keys and values of the calibration
             tokens, and its keys and values are fake-quantized from then on (see
-            :mod:`llmc_fsm_quantization.kv_cache`). Needs calibration data and a weight scheme too; only
-            the modifiers with :attr:`supports_kv_cache` (GPTQ, round-to-nearest) take it.
+            :mod:`llmc_fsm_quantization.kv_cache`). Needs calibration data; only the modifiers with
+            :attr:`supports_kv_cache` (GPTQ, round-to-nearest) take it. Given without ``scheme`` and
+            ``config_groups`` (:attr:`kv_only`), only the KV-cache scales are calibrated and no weight is touched,
+            as in llm-compressor.
         calibrate_all_experts: mixture-of-experts layers with fused experts (transformers 5's ``MixtralExperts``
             ...): ``False`` (default) gives each expert matrix (``<experts>.<e>.gate_proj`` / ``up_proj`` /
             ``down_proj``, views of the fused parameters: :mod:`llmc_fsm.toolkit.views`) the tokens the router sent
@@ -497,6 +505,8 @@ class QuantizingModifier(CalibratedModifier):
 
     #: Whether this modifier calibrates a ``kv_cache_scheme`` (its lifecycle is this class's).
     supports_kv_cache = False
+    #: Whether this modifier runs ``imatrix_mse`` on NVFP4 weights (round-to-nearest's searched ranges).
+    imatrix_on_nvfp4 = False
 
     def __attrs_post_init__(self) -> None:
         self._ignore_defaulted = isinstance(self.ignore, _DefaultIgnore)
@@ -528,32 +538,35 @@ class QuantizingModifier(CalibratedModifier):
                 name = type(self).__name__
                 msg = f"kv_cache_scheme is not implemented for {name}; use GPTQModifier or QuantizationModifier"
                 raise ValueError(msg)
-            if self.scheme is None and self.config_groups is None:
-                msg = (
-                    "kv_cache_scheme without a weight scheme (KV cache only) is not supported: give scheme or "
-                    "config_groups too (e.g. scheme: FP8_DYNAMIC)"
-                )
-                raise ValueError(msg)
             fields = ("num_bits", "type", "symmetric", "strategy", "dynamic", "observer")
             values = {f: getattr(self._kv_args, f) for f in fields}
             self.kv_cache_scheme = {f: getattr(v, "value", v) for f, v in values.items()}  # what recipe.yaml records
-        if self.config_groups is not None:
+        kv_alone = self._kv_args is not None and self.scheme is None and self.config_groups is None
+        if kv_alone:
+            groups: dict[str, QuantizationScheme] = {}
+        elif self.config_groups is not None:
             if self.scheme is not None:
                 msg = "give either scheme or config_groups, not both (as in llm-compressor)"
                 raise ValueError(msg)
             groups = resolve_config_groups(self.config_groups)
             union = list(dict.fromkeys(t for scheme in groups.values() for t in scheme.targets))
-            if list(self.targets) not in (union, list(DEFAULT_TARGETS)):
+            weights = [t for s in groups.values() if not is_attention_scheme(s) for t in s.targets]
+            weights = list(dict.fromkeys(weights))
+            if list(self.targets) not in (union, weights, list(DEFAULT_TARGETS)):
                 msg = (
                     f"the modifier's targets {list(self.targets)} differ from its config_groups' targets {union}: "
                     "leave targets out (each config group names its own)"
                 )
                 raise ValueError(msg)
-            self.targets = union
+            self.targets = weights or union
         else:
             if self.scheme is None:
                 self.scheme = DEFAULT_SCHEME
             groups = {"group_0": resolve_scheme(self.scheme, self.targets)}
+        groups = self._split_attention(groups)
+        #: No weight scheme (``kv_cache_scheme`` alone, or attention quantization alone): as in llm-compressor, only
+        #: the KV-cache (and query) scales are calibrated; no weight is touched (no targets, no config group).
+        self.kv_only = not groups
         actorder = getattr(self, "actorder", None)
         static = [s.input_activations for s in groups.values() if s.input_activations is not None]
         static = [a for a in static if not a.dynamic or is_local(a)]
@@ -592,17 +605,70 @@ class QuantizingModifier(CalibratedModifier):
                 raise ValueError(msg)
             if w is not None and is_scaled_format(w):
                 check_scaled_observer(w.observer, w)  # refused when read, before any calibration
+                if w.observer in IMPORTANCE_OBSERVERS and not self.imatrix_on_nvfp4:
+                    msg = (
+                        f"observer imatrix_mse on NVFP4 weights is implemented for QuantizationModifier (round-to-"
+                        f"nearest) only, not {type(self).__name__}; use minmax or nvfp4_expanded_mse"
+                    )
+                    raise ValueError(msg)
         observers = {s.weights.observer for s in groups.values() if s.weights is not None}
         if self.observer is None and len(observers) == 1:
             (self.observer,) = observers
         self._groups: dict[str, QuantizationScheme] = groups
         self._group_of: dict[str, str] = {}
 
+    def _split_attention(self, groups: dict[str, QuantizationScheme]) -> dict[str, QuantizationScheme]:
+        """``groups`` without the attention-quantization group (input activations only), which sets
+        :attr:`attention_scheme` and the KV-cache arguments (llm-compressor's attention quantization quantizes the
+        queries, keys and values of the attention modules it targets with the same FP8 arguments).
+
+        Raises:
+            ValueError: several such groups, one together with ``kv_cache_scheme``, arguments that are not an FP8 KV
+                scheme (:func:`llmc_fsm_quantization.kv_cache.resolve_kv_cache_scheme`), or a modifier without
+                :attr:`supports_kv_cache`.
+        """
+        #: The attention-quantization config group's scheme (``None`` without one).
+        self.attention_scheme: QuantizationScheme | None = None
+        attention = {name: scheme for name, scheme in groups.items() if is_attention_scheme(scheme)}
+        if not attention:
+            return groups
+        where = f"config_groups entry {next(iter(attention))!r}" if self.config_groups is not None else "scheme"
+        if len(attention) > 1:
+            msg = f"config_groups {', '.join(map(repr, attention))} each quantize attention: give one such group"
+            raise ValueError(msg)
+        if self._kv_args is not None:
+            msg = (
+                f"{where} quantizes the attention (queries, keys and values), which quantizes the KV cache with the "
+                "same arguments: leave kv_cache_scheme out"
+            )
+            raise ValueError(msg)
+        if not self.supports_kv_cache:
+            msg = (
+                f"attention quantization ({where}) is not implemented for {type(self).__name__}; use GPTQModifier or "
+                "QuantizationModifier"
+            )
+            raise ValueError(msg)
+        scheme = next(iter(attention.values())).model_copy(deep=True)
+        try:
+            args = kv_cache.resolve_kv_cache_scheme(scheme.input_activations)
+        except ValueError as exc:
+            reason = str(exc).removeprefix("kv_cache_scheme: ")  # its arguments are a KV-cache scheme's
+            raise ValueError(f"{where}: attention quantization: {reason}") from None
+        scheme.input_activations = args
+        self.attention_scheme, self._kv_args = scheme, args
+        return {name: s for name, s in groups.items() if name not in attention}
+
     @property
     def quantization_scheme(self) -> QuantizationScheme:
         """The resolved ``compressed_tensors`` scheme (a copy); with several config groups, the first group's
         (:attr:`quantization_schemes` has them all)."""
-        return next(iter(self._groups.values())).model_copy(deep=True)
+        return self._first_group().model_copy(deep=True)
+
+    def _first_group(self) -> QuantizationScheme:
+        if not self._groups:
+            msg = f"{type(self).__name__}: kv_cache_scheme alone quantizes no weights: there is no weight scheme"
+            raise ValueError(msg)
+        return next(iter(self._groups.values()))
 
     @property
     def quantization_schemes(self) -> dict[str, QuantizationScheme]:
@@ -612,7 +678,7 @@ class QuantizingModifier(CalibratedModifier):
     @property
     def weight_args(self) -> QuantizationArgs:
         """The (first config group's) scheme's weight ``QuantizationArgs``."""
-        return weight_args(next(iter(self._groups.values())))
+        return weight_args(self._first_group())
 
     def _group(self, name: str) -> str:
         return self._group_of.get(name, next(iter(self._groups)))
@@ -693,6 +759,10 @@ class QuantizingModifier(CalibratedModifier):
                 with several config groups, a group that selects nothing, or a module two groups select (both
                 groups and the module named).
         """
+        if self.kv_only:  # KV-cache scales only: no weight target
+            self._group_of, self._expert_names, self._fused = {}, {}, {}
+            self._kv_attention = self._check_kv_cache(model)
+            return {}
         if self._ignore_defaulted and not self._ignore_logged:
             self._ignore_logged = True
             logger.info(
@@ -860,6 +930,8 @@ class QuantizingModifier(CalibratedModifier):
         """
         name = type(self).__name__
         attention = kv_cache.attention_modules(model)
+        if self.attention_scheme is not None:  # attention quantization: the modules its config group targets
+            attention = self._attention_targets(model, attention)
         if not attention:
             msg = (
                 f"{name}: kv_cache_scheme: the model has no attention module with k_proj, v_proj and a cache "
@@ -884,6 +956,28 @@ class QuantizingModifier(CalibratedModifier):
             )
             raise ValueError(msg)
         return attention
+
+    def _attention_targets(self, model: nn.Module, attention: dict[str, nn.Module]) -> dict[str, nn.Module]:
+        """The attention modules (of ``attention``) the attention-quantization group targets.
+
+        Raises:
+            ValueError: its targets select a module that is not an attention with ``k_proj``, ``v_proj`` and a cache
+                argument, or none at all.
+        """
+        from compressed_tensors.utils.match import match_named_modules
+
+        targets = list(self.attention_scheme.targets)
+        selected = dict(match_named_modules(model, targets, self.ignore))
+        others = [n for n in selected if n not in attention]
+        if others or not selected:
+            found = f"selects {compact_names(others)}, which" if others else "selects no module, and"
+            msg = (
+                f"{type(self).__name__}: attention quantization targets {targets} {found} is not an attention module "
+                f"with k_proj, v_proj and a cache argument ({', '.join(kv_cache.CACHE_ARGUMENTS)}); target the "
+                f"attention class, e.g. {next((type(m).__name__ for m in attention.values()), 'LlamaAttention')}"
+            )
+            raise ValueError(msg)
+        return selected
 
     # ---- fused experts: each expert matrix from its routed tokens --------------------------
     def _clear(self) -> None:
@@ -959,6 +1053,8 @@ class QuantizingModifier(CalibratedModifier):
                 self.register_hook(module, _observed_whole, kind="forward")
         for module in self._kv_attention.values():
             kv_cache.install(module, self._kv_args)
+            if self.attention_scheme is not None:
+                kv_cache.install_query(state.model, module, self.attention_scheme)
 
     def on_sequential_epoch_end(self, state: Any, modules: Any) -> None:
         super().on_sequential_epoch_end(state, modules)
@@ -974,6 +1070,16 @@ class QuantizingModifier(CalibratedModifier):
         self._record_routed()
         if self._kv_args is not None:
             self._set_kv_scales(self._kv_attention, final=True)
+            per = "per key/value head" if self._kv_args.strategy == QuantizationStrategy.ATTN_HEAD else "per tensor"
+            logger.info(
+                "%s: calibrated FP8 %s (%s, observer %s) of %d attention modules%s",
+                type(self).__name__,
+                "q_scale / k_scale / v_scale" if self.attention_scheme is not None else "k_scale / v_scale",
+                per,
+                self._kv_args.observer,
+                len(self._kv_attention),
+                "; no weight scheme: no weight quantized" if self.kv_only else "",
+            )
 
     def _set_kv_scales(self, attention: dict[str, nn.Module], *, final: bool) -> None:
         """Calibrate ``attention``'s KV scales from what they observed (those that observed nothing wait, unless

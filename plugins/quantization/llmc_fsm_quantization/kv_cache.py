@@ -18,6 +18,12 @@ computes with the FP8 KV cache; the sequential pipeline's calibration forwards t
 calibrates on full-precision activations (:func:`llmc_fsm.pipeline.layer.activation_quantization_off`). A layer
 restored from saved progress (a resumed run) gets its scales from its state dict and quantizes at once.
 
+Attention quantization (llm-compressor's config group targeting the attention with input activations only) also
+quantizes the queries after the rotary embedding, ``[batch, heads, seq, head_dim]``, with the same arguments:
+:func:`install_query` adds ``q_scale`` (``[1]`` or ``[num_heads, 1, 1]``) and a compressed-tensors query hook that
+observes and fake-quantizes them as :class:`CacheTap` does keys and values; the checkpoint holds
+``<attention>.q_scale`` next to ``k_scale`` / ``v_scale`` and the config group.
+
 Scale of each observer (per tensor, or per KV head over batch, positions and head dimension), with
 ``range = max(|min|, |max|)`` and the FP8 (e4m3) maximum 448 (compressed-tensors' ``calculate_qparams``):
 
@@ -49,7 +55,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from compressed_tensors.quantization import QuantizationArgs, QuantizationStrategy
+from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme, QuantizationStrategy
 from compressed_tensors.quantization.lifecycle.forward import fake_quantize
 from compressed_tensors.quantization.utils import calculate_qparams
 from pydantic import ValidationError
@@ -63,8 +69,10 @@ __all__ = [
     "KVRange",
     "attention_modules",
     "install",
+    "install_query",
     "kv_heads",
     "load_kv_cache_scales",
+    "query_heads",
     "resolve_kv_cache_scheme",
     "set_scales",
 ]
@@ -79,7 +87,10 @@ KV_CACHE_OBSERVERS = ("minmax", "static_minmax", "memoryless_minmax")
 DEFAULT_KV_OBSERVER = "minmax"
 #: Attribute of a calibrated attention module holding its ``QuantizationArgs`` (read when saving the config).
 SCHEME_ATTR = "kv_cache_scheme"
-_STATE_ATTR = "_kv_cache_ranges"  # {"k": KVRange, "v": KVRange} while the scales are being observed
+#: Attribute of an attention module whose queries are quantized too (attention quantization): the config group's
+#: ``QuantizationScheme`` (``input_activations`` only), written as a config group of ``quantization_config``.
+ATTENTION_SCHEME_ATTR = "attention_quantization_scheme"
+_STATE_ATTR = "_kv_cache_ranges"  # {"k": KVRange, "v": KVRange[, "q": KVRange]} while the scales are being observed
 
 
 def resolve_kv_cache_scheme(value: Any) -> QuantizationArgs | None:
@@ -153,8 +164,18 @@ def attention_modules(model: nn.Module) -> dict[str, nn.Module]:
 def kv_heads(module: nn.Module) -> int | None:
     """Number of key/value heads of attention ``module``: ``k_proj``'s output width / ``head_dim`` (``None``
     when the attention has no ``head_dim`` attribute or it does not divide the width)."""
+    return _heads(module, "k_proj")
+
+
+def query_heads(module: nn.Module) -> int | None:
+    """Number of query heads of attention ``module``: ``q_proj``'s output width / ``head_dim`` (``None`` when
+    unknown)."""
+    return _heads(module, "q_proj")
+
+
+def _heads(module: nn.Module, projection: str) -> int | None:
     head_dim = getattr(module, "head_dim", None)
-    width = getattr(module.k_proj, "out_features", None)
+    width = getattr(getattr(module, projection, None), "out_features", None)
     if not isinstance(head_dim, int) or not isinstance(width, int) or head_dim <= 0 or width % head_dim:
         return None
     return width // head_dim
@@ -236,7 +257,14 @@ class CacheTap:
 def calibrated(attention: nn.Module) -> bool:
     """Whether ``attention``'s ``k_scale`` and ``v_scale`` hold calibrated values (not NaN)."""
     k, v = getattr(attention, "k_scale", None), getattr(attention, "v_scale", None)
-    return k is not None and v is not None and bool(torch.isfinite(k).all()) and bool(torch.isfinite(v).all())
+    q = getattr(attention, "q_scale", None)
+    return (
+        k is not None
+        and v is not None
+        and bool(torch.isfinite(k).all())
+        and bool(torch.isfinite(v).all())
+        and (q is None or bool(torch.isfinite(q).all()))
+    )
 
 
 def _swap_cache(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple, dict]:
@@ -264,39 +292,102 @@ def install(attention: nn.Module, args: QuantizationArgs) -> None:
         ValueError: per-head scales for an attention whose number of key/value heads is unknown.
     """
     if getattr(attention, SCHEME_ATTR, None) is None:
-        shape: tuple[int, ...] = (1,)
-        if args.strategy == QuantizationStrategy.ATTN_HEAD:
-            heads = kv_heads(attention)
-            if heads is None:
-                msg = f"{type(attention).__name__}: per-head KV scales need its head_dim; use strategy: tensor"
-                raise ValueError(msg)
-            shape = (heads, 1, 1)
-        dtype = next(attention.parameters()).dtype
-        dtype = dtype if dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64) else torch.float16
-        device = next(attention.parameters()).device
+        shape = _scale_shape(attention, args, kv_heads, "KV")
         for base in ("k", "v"):
-            scale = torch.full(shape, math.nan, dtype=dtype, device=device)
-            attention.register_parameter(f"{base}_scale", nn.Parameter(scale, requires_grad=False))
+            _register_scale(attention, base, shape)
         setattr(attention, SCHEME_ATTR, args.model_copy(deep=True))
         attention.register_forward_pre_hook(_swap_cache, with_kwargs=True)
+    _start_recording(attention, args)
+
+
+def _scale_shape(attention: nn.Module, args: QuantizationArgs, heads_of: Any, what: str) -> tuple[int, ...]:
+    """``[1]`` per tensor, ``[heads, 1, 1]`` per head (``heads_of(attention)``).
+
+    Raises:
+        ValueError: per-head scales and ``heads_of`` gives ``None`` (no ``head_dim``).
+    """
+    if args.strategy != QuantizationStrategy.ATTN_HEAD:
+        return (1,)
+    heads = heads_of(attention)
+    if heads is None:
+        msg = f"{type(attention).__name__}: per-head {what} scales need its head_dim; use strategy: tensor"
+        raise ValueError(msg)
+    return (heads, 1, 1)
+
+
+def _register_scale(attention: nn.Module, base: str, shape: tuple[int, ...]) -> None:
+    """A NaN (not calibrated) ``<base>_scale`` parameter of ``shape``, in the attention's parameter dtype."""
+    dtype = next(attention.parameters()).dtype
+    dtype = dtype if dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64) else torch.float16
+    scale = torch.full(shape, math.nan, dtype=dtype, device=next(attention.parameters()).device)
+    attention.register_parameter(f"{base}_scale", nn.Parameter(scale, requires_grad=False))
+
+
+def _start_recording(attention: nn.Module, args: QuantizationArgs) -> None:
     if not calibrated(attention):
         per_head = args.strategy == QuantizationStrategy.ATTN_HEAD
-        attention.__dict__[_STATE_ATTR] = {"k": KVRange(per_head), "v": KVRange(per_head)}
+        bases = ("q", "k", "v") if getattr(attention, "q_scale", None) is not None else ("k", "v")
+        attention.__dict__[_STATE_ATTR] = {base: KVRange(per_head) for base in bases}
+
+
+def install_query(model: nn.Module, attention: nn.Module, scheme: QuantizationScheme) -> None:
+    """Quantize ``attention``'s queries too (attention quantization): FP8 ``q_scale`` from calibration.
+
+    Call after :func:`install` with ``scheme.input_activations``. Registers ``q_scale`` (NaN: not calibrated;
+    ``[1]`` per tensor, ``[num_heads, 1, 1]`` per head) and, through compressed-tensors' hooked attention
+    (``initialize_hooked_attention``: the model's attention implementation becomes ``ct_hooked_attention``, which
+    calls the original one) a query hook (``register_query_hook``: the queries after the rotary embedding, ``[batch,
+    heads, seq, head_dim]``) that records their range while the scales are not calibrated, and afterwards
+    fake-quantizes them with ``q_scale`` unless the attention's ``quantization_enabled`` is off. ``scheme`` (targets
+    as given) is kept on the module for the saved config.
+
+    Raises:
+        ValueError: per-head scales for an attention whose number of query heads is unknown.
+    """
+    from compressed_tensors.config import CompressionFormat
+    from compressed_tensors.modeling.attention import initialize_hooked_attention, register_query_hook
+
+    args = getattr(attention, SCHEME_ATTR)
+    if getattr(attention, "q_scale", None) is None:
+        _register_scale(attention, "q", _scale_shape(attention, args, query_heads, "query"))
+        saved = scheme.model_copy(deep=True)
+        saved.format = CompressionFormat.dense  # what compressed-tensors writes for it (no weight to compress)
+        setattr(attention, ATTENTION_SCHEME_ATTR, saved)
+        initialize_hooked_attention(model, attention)
+        register_query_hook(attention, _query_hook)
+    _start_recording(attention, args)
+
+
+def _query_hook(attention: nn.Module, query: torch.Tensor) -> torch.Tensor | None:
+    """compressed-tensors' query hook: record the post-RoPE queries' range, or fake-quantize them (see
+    :func:`install_query`)."""
+    if not calibrated(attention):
+        ranges = attention.__dict__.get(_STATE_ATTR)
+        if ranges is not None and "q" in ranges:
+            ranges["q"].add(query)
+        return None
+    if not getattr(attention, "quantization_enabled", True):
+        return None
+    return fake_quantize(query, attention.q_scale, None, getattr(attention, SCHEME_ATTR))
 
 
 def set_scales(attention: nn.Module) -> bool:
-    """Compute ``attention``'s ``k_scale`` / ``v_scale`` from the recorded ranges and stop recording.
+    """Compute ``attention``'s ``k_scale`` / ``v_scale`` (and ``q_scale``, :func:`install_query`) from the recorded
+    ranges and stop recording.
 
     Returns:
-        ``True`` when the scales are calibrated (now or before); ``False`` when no key/value states were seen.
+        ``True`` when the scales are calibrated (now or before); ``False`` when no key/value (or query) states were
+        seen (recording goes on).
     """
-    ranges = attention.__dict__.pop(_STATE_ATTR, None)
     if calibrated(attention):
+        attention.__dict__.pop(_STATE_ATTR, None)
         return True
-    if ranges is None or not ranges["k"].calls:
+    ranges = attention.__dict__.get(_STATE_ATTR)
+    if ranges is None or not all(r.calls for r in ranges.values()):
         return False
+    del attention.__dict__[_STATE_ATTR]
     args = getattr(attention, SCHEME_ATTR)
-    for base in ("k", "v"):
+    for base in ranges:
         lo, hi = ranges[base].ranges[args.observer].to(ranges[base].dtype)  # in the states' dtype, as observed
         scale, _ = calculate_qparams(lo, hi, args)
         param = getattr(attention, f"{base}_scale")
@@ -310,6 +401,9 @@ def load_kv_cache_scales(model: nn.Module, directory: str | Path) -> int:
     Reads ``quantization_config.kv_cache_scheme`` of ``directory/config.json`` and the ``<attention>.k_scale`` /
     ``<attention>.v_scale`` tensors of its ``*.safetensors`` files, and sets them on the attention modules of
     ``model`` (:func:`install`), which then fake-quantize their keys and values as the model that was saved did.
+    A config group quantizing the attention's input activations only (attention quantization) also gives the
+    attention modules it targets their ``<attention>.q_scale`` (:func:`install_query`); the KV cache is then
+    quantized on those modules only.
 
     Returns:
         The number of attention modules given scales (0 when the checkpoint has no ``kv_cache_scheme``).
@@ -317,6 +411,7 @@ def load_kv_cache_scales(model: nn.Module, directory: str | Path) -> int:
     Raises:
         ValueError: an attention module of ``model`` has no scales in the checkpoint, or a scale's shape differs.
     """
+    from compressed_tensors.utils.match import is_match
     from safetensors import safe_open
 
     directory = Path(directory)
@@ -327,11 +422,21 @@ def load_kv_cache_scales(model: nn.Module, directory: str | Path) -> int:
     scales: dict[str, torch.Tensor] = {}
     for path in sorted(directory.glob("*.safetensors")):
         with safe_open(str(path), "pt") as fh:
-            scales.update({key: fh.get_tensor(key) for key in fh.keys() if key.endswith((".k_scale", ".v_scale"))})
+            keys = [key for key in fh.keys() if key.endswith((".q_scale", ".k_scale", ".v_scale"))]
+            scales.update({key: fh.get_tensor(key) for key in keys})
+    groups = [
+        QuantizationScheme.model_validate(group)
+        for group in (config.get("config_groups") or {}).values()
+        if group.get("weights") is None and group.get("input_activations") is not None
+    ]
     attention = attention_modules(model)
+    if groups:
+        attention = {n: m for n, m in attention.items() if is_match(n, m, groups[0].targets, config.get("ignore"))}
     for name, module in attention.items():
         install(module, args)
-        for base in ("k", "v"):
+        if groups:
+            install_query(model, module, groups[0])
+        for base in ("q", "k", "v") if groups else ("k", "v"):
             value = scales.get(f"{name}.{base}_scale")
             param = getattr(module, f"{base}_scale")
             if value is None or value.shape != param.shape:

@@ -20,7 +20,11 @@ which is observed once:
   that improve no group. ``E[x_j^2]`` is half the diagonal of the Hessian
   ``H = (2/n) X^T X`` that :class:`llmc_fsm.toolkit.obs.HessianAccumulator` gathers, so it
   needs calibration data. Unlike llm-compressor (which then falls back to plain
-  MSE) it also weights per-tensor scales.
+  MSE) it also weights per-tensor scales. On NVFP4 weights (round-to-nearest only) the search is
+  llm-compressor 0.14's (its ``_grid_search``): each 16-value group's range ``p * [lo, hi]`` (in the weight's
+  dtype) is tried with an unrounded float32 group scale ``max|range| / 6`` and no global scale, the error
+  ``sum_j imp_j |w_ij - q(w_ij)|^3``; the chosen ranges then give the global scale (``448 * 6`` over their largest
+  magnitude, jointly over the modules vLLM fuses) and the FP8 group scales (:func:`imatrix_nvfp4_ranges`).
 
 * ``nvfp4_expanded_mse`` (NVFP4 weights only): each 16-value group's range is searched from 1.8x the
   observed range down to 0.8x: ``p = 1.8 (1 - i / 200)`` for ``i = 0 .. 111`` (llm-compressor's defaults:
@@ -62,6 +66,7 @@ __all__ = [
     "check_observer",
     "check_scaled_observer",
     "fused_global_scale",
+    "imatrix_nvfp4_ranges",
     "importance_from_hessian",
     "input_range_mse",
     "is_local",
@@ -70,6 +75,7 @@ __all__ = [
     "observe",
     "observe_scaled_format",
     "quantize_rows",
+    "ranges_global_scale",
     "row_qparams",
     "storable",
 ]
@@ -360,6 +366,17 @@ def fused_global_scale(weights: list[torch.Tensor]) -> torch.Tensor:
 
 
 @torch.no_grad()
+def ranges_global_scale(ranges: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """The NVFP4 global scale ``[1]`` float32 of searched group ranges (each ``(lo, hi)``; several: the modules vLLM
+    fuses): ``448 * 6`` over their largest magnitude (compressed-tensors' ``generate_gparam``), as llm-compressor
+    0.14 takes it from its observers' (searched) statistics."""
+    from compressed_tensors.quantization.utils import generate_gparam
+
+    absmax = torch.stack([torch.maximum(-lo.amin(), hi.amax()).to(ranges[0][0].device) for lo, hi in ranges]).amax()
+    return generate_gparam(-absmax.reshape(1), absmax.reshape(1))
+
+
+@torch.no_grad()
 def check_scaled_observer(observer: str, args: QuantizationArgs) -> None:
     """Whether :func:`observe_scaled_format` has ``observer`` for the NVFP4 / MX / FP8-block ``args``.
 
@@ -367,13 +384,59 @@ def check_scaled_observer(observer: str, args: QuantizationArgs) -> None:
         ValueError: (one line) ``observer NAME is not implemented for FORMAT weights; use minmax ...``: only the
             minmax observers, and ``nvfp4_expanded_mse`` for NVFP4, are.
     """
-    if observer not in _MINMAX and not (observer in NVFP4_OBSERVERS and is_nvfp4(args)):
+    nvfp4 = is_nvfp4(args)
+    if observer not in _MINMAX and not (nvfp4 and (observer in NVFP4_OBSERVERS or observer in IMPORTANCE_OBSERVERS)):
         msg = (
             f"observer {observer} is not implemented for {_format_name(args)} weights; use minmax (or "
             "static_minmax / memoryless_minmax, the same for a weight)"
-            + ("; nvfp4_expanded_mse for NVFP4" if args.strategy == QuantizationStrategy.TENSOR_GROUP else "")
+            + ("; nvfp4_expanded_mse or imatrix_mse for NVFP4" if nvfp4 else "")
         )
         raise ValueError(msg)
+
+
+@torch.no_grad()
+def imatrix_nvfp4_ranges(
+    weight: torch.Tensor, args: QuantizationArgs, importance: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``imatrix_mse``'s ranges of NVFP4 ``weight`` ``[rows, cols]``: per 16-value group the minimum and maximum
+    ``p * [lo, hi]`` (``p = 1 - i / 20``, ``i = 0 .. 19``, stopping after 5 steps that improve no group) whose FP4
+    values under the unrounded group scale ``max(|p lo|, |p hi|) / 6`` (float32, no global scale) have the smallest
+    ``sum_j imp_j |w_j - q(w_j)|^3``, ``imp`` = ``importance`` ``[cols]`` / its mean (llm-compressor 0.14's
+    ``imatrix_mse`` on ``tensor_group`` weights). Ranges ``[rows, cols // 16]`` in the weight's dtype.
+
+    Raises:
+        ValueError: ``importance`` of another size, or a group size that does not divide ``cols``.
+    """
+    rows, cols = weight.shape
+    gs = int(args.group_size)
+    if cols % gs:
+        raise ValueError(f"in_features {cols} is not a multiple of group_size {gs}")
+    if importance.shape != (cols,):
+        raise ValueError(f"imatrix_mse: importance has shape {tuple(importance.shape)}, expected ({cols},)")
+    from compressed_tensors.quantization.lifecycle.forward import fake_quantize as library_fake_quantize
+
+    search = _SEARCHES["imatrix_mse"]
+    plain = args.model_copy(update={"scale_dtype": None})  # unrounded group scales, as llm-compressor searches
+    per_group = plain.model_copy(update={"strategy": QuantizationStrategy.TOKEN})  # one scale per group row
+    groups = weight.detach().reshape(rows, cols // gs, gs)  # in the weight's dtype, as llm-compressor observes it
+    lo, hi = groups.amin(dim=2), groups.amax(dim=2)
+    imp = importance.to(device=groups.device, dtype=torch.float32).reshape(cols // gs, gs)
+    best = torch.full(lo.shape, float("inf"), dtype=torch.float32, device=groups.device)
+    best_lo, best_hi = lo.clone(), hi.clone()
+    stale = 0
+    for i in range(int(search.max_shrink * search.grid) + 1):
+        p = 1.0 - i / search.grid
+        lo_p, hi_p = lo * p, hi * p
+        scale, zp = calculate_qparams(lo_p, hi_p, plain)
+        q = library_fake_quantize(groups, scale.unsqueeze(-1), zp.unsqueeze(-1), per_group).to(torch.float32)
+        err = (q - groups.to(torch.float32)).abs_().pow_(search.norm).mul_(imp).sum(dim=2)
+        better = err < best
+        best = torch.where(better, err, best)
+        best_lo, best_hi = torch.where(better, lo_p, best_lo), torch.where(better, hi_p, best_hi)
+        stale = 0 if bool(better.any()) else stale + 1
+        if stale >= search.patience:
+            break
+    return best_lo, best_hi
 
 
 def observe_scaled_format(
@@ -382,6 +445,7 @@ def observe_scaled_format(
     observer: str = "minmax",
     *,
     global_scale: torch.Tensor | None = None,
+    ranges: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Scale, zero point and global scale of ``weight`` for NVFP4, MX or FP8-block ``args`` (minmax observers).
 
@@ -396,10 +460,13 @@ def observe_scaled_format(
         ``(scale, zero_point, global_scale)``: ``[rows, cols // group_size]`` or ``[rows / r, cols / c]``
         (float32), the same shape in ``args.zp_dtype``, and ``[1]`` float32 for ``tensor_group`` else ``None``.
 
+    ``ranges``: NVFP4 with ``imatrix_mse``: the groups' searched ``(lo, hi)`` (:func:`imatrix_nvfp4_ranges`), from
+    which the scales (and, without ``global_scale``, the global scale) are computed.
+
     Raises:
         ValueError: an observer other than the minmax ones (the range-searching observers are not implemented
-            for these formats), a group / block that does not divide the weight, or ``global_scale`` given for a
-            format without one (not ``tensor_group``).
+            for these formats), a group / block that does not divide the weight, ``global_scale`` given for a
+            format without one (not ``tensor_group``), or ``imatrix_mse`` without ``ranges``.
     """
     if global_scale is not None and args.strategy != QuantizationStrategy.TENSOR_GROUP:
         msg = f"a global scale was given for {_format_name(args)} weights, which have none (NVFP4 only)"
@@ -421,6 +488,14 @@ def observe_scaled_format(
             raise ValueError(msg)
         groups = w.reshape(rows, cols // gs, gs)
         lo, hi = groups.amin(dim=2), groups.amax(dim=2)
+    if observer in IMPORTANCE_OBSERVERS:
+        if ranges is None:
+            raise ValueError("imatrix_mse on NVFP4 weights needs the searched ranges (imatrix_nvfp4_ranges)")
+        lo, hi = ranges
+        if global_scale is None:
+            global_scale = ranges_global_scale([ranges])
+        scale, zp = calculate_qparams(lo, hi, args, global_scale=global_scale.to(device=w.device).reshape(1))
+        return scale.to(torch.float32), zp, global_scale
     if args.strategy == QuantizationStrategy.TENSOR_GROUP and global_scale is None:
         global_scale = fused_global_scale([weight])
     elif global_scale is not None:

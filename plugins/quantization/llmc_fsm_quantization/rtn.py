@@ -11,10 +11,13 @@ from llmc_fsm.toolkit import HessianAccumulator
 from llmc_fsm_quantization._base import QuantizedWeight, QuantizingModifier
 from llmc_fsm_quantization.observers import (
     IMPORTANCE_OBSERVERS,
+    imatrix_nvfp4_ranges,
     importance_from_hessian,
+    is_nvfp4,
     is_scaled_format,
     observe,
     observe_scaled_format,
+    ranges_global_scale,
     storable,
 )
 from llmc_fsm_quantization.rounding import fake_quantize
@@ -31,6 +34,7 @@ def rtn_quantize(
     importance: torch.Tensor | None = None,
     global_scale: torch.Tensor | None = None,
     rounded: bool = True,
+    ranges: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> QuantizedWeight:
     """Round every weight to the nearest point of its group's grid.
 
@@ -50,13 +54,22 @@ def rtn_quantize(
         rounded: ``False``: an NVFP4, MX or FP8-block weight is returned unrounded (its scales computed), for
             :func:`~llmc_fsm_quantization._base.attach_qparams` to round it once, with the checkpoint's compressor
             (the values are the same: the compressor rounds the original weight as ``fake_quantize`` does).
+        ranges: NVFP4 with ``imatrix_mse``: the searched group ranges
+            (:func:`~llmc_fsm_quantization.observers.imatrix_nvfp4_ranges`; computed from ``importance`` when not
+            given).
 
     Raises:
         ValueError: as :func:`~llmc_fsm_quantization.observers.observe`.
     """
     w = weight.detach().to(torch.float32)
     if is_scaled_format(args):  # NVFP4, MX, FP8 block: compressed-tensors' own scales
-        scale, zp, global_scale = observe_scaled_format(weight, args, observer, global_scale=global_scale)
+        if observer in IMPORTANCE_OBSERVERS and ranges is None:
+            if importance is None:
+                raise ValueError("imatrix_mse weights the error by the calibration inputs' importance: it needs them")
+            ranges = imatrix_nvfp4_ranges(weight, args, importance)
+        scale, zp, global_scale = observe_scaled_format(
+            weight, args, observer, global_scale=global_scale, ranges=ranges
+        )
         if args.scale_dtype is None:
             scale = storable(scale, weight.dtype)
         q = weight.detach()
@@ -94,6 +107,7 @@ class QuantizationModifier(QuantizingModifier):
     optional_state = frozenset({"calibration_data"})
     needs_inputs = False
     supports_kv_cache = True
+    imatrix_on_nvfp4 = True
     compresses_views = True  # each expert matrix of fused experts (QuantizingModifier._check_views)
     defers_weight_update = True  # later layers calibrate on the full-precision weights, as in llm-compressor
 
@@ -114,7 +128,30 @@ class QuantizationModifier(QuantizingModifier):
         importance = None
         if args.observer in IMPORTANCE_OBSERVERS and accumulator is not None:
             importance = importance_from_hessian(accumulator.hessian)
+        if importance is not None and is_nvfp4(args):  # the searched ranges give the (shared) global scales
+            ranges = [imatrix_nvfp4_ranges(m.weight, args, importance) for m in modules]
+            scales = self._ranges_global_scales(modules, ranges)
+            return [
+                rtn_quantize(m.weight, args, args.observer, global_scale=g, rounded=False, ranges=r)
+                for m, g, r in zip(modules, scales, ranges, strict=True)
+            ]
         return [
             rtn_quantize(m.weight, args, args.observer, importance=importance, global_scale=g, rounded=False)
             for m, g in zip(modules, self.global_scales(modules), strict=True)
         ]
+
+    def _ranges_global_scales(
+        self, modules: list[nn.Module], ranges: list[tuple[torch.Tensor, torch.Tensor]]
+    ) -> list[torch.Tensor]:
+        """NVFP4 ``imatrix_mse``: each module's global scale from the searched ranges
+        (:func:`~llmc_fsm_quantization.observers.ranges_global_scale`), one shared by the modules vLLM fuses (as
+        llm-compressor 0.14 takes it from the fused observers' statistics). Fused modules share their inputs, so
+        they arrive in one call; a fused sibling outside it is not searched again (its share is then from this
+        call's members only)."""
+        names = [self._names_by_id.get(id(m), "") for m in modules]
+        by_name = dict(zip(names, ranges, strict=True))
+        out = []
+        for name, r in zip(names, ranges, strict=True):
+            members = [by_name[n] for n in self._fused.get(name, (name,)) if n in by_name]
+            out.append(ranges_global_scale(members or [r]))
+        return out

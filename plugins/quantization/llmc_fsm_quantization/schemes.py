@@ -38,6 +38,7 @@ LOCAL_INPUT_OBSERVERS = ("minmax", "static_minmax", "memoryless_minmax")
 __all__ = [
     "LOCAL_INPUT_OBSERVERS",
     "STATIC_INPUT_OBSERVERS",
+    "is_attention_scheme",
     "preset_names",
     "resolve_config_groups",
     "resolve_scheme",
@@ -297,11 +298,8 @@ def _problem(scheme: QuantizationScheme) -> str | None:
     if problem is not None:
         return problem
     w = scheme.weights
-    if w is None and scheme.input_activations is not None:
-        return (
-            "the scheme quantizes input activations only (llm-compressor's attention quantization of queries, keys "
-            "and values), which is not implemented; for FP8 keys and values give kv_cache_scheme with a weight scheme"
-        )
+    if is_attention_scheme(scheme):  # attention quantization: checked by the modifier (FP8 q/k/v scales)
+        return None
     if w is None:
         return "the scheme quantizes no weights; weight-only (W4A16, W8A16) and dynamic (W8A8, FP8_DYNAMIC) ones work"
     strategy = getattr(w.strategy, "value", w.strategy)
@@ -364,6 +362,13 @@ def _too_few_bits(role: str, bits: int) -> str:
         "{-1, 0} times a scale of 2 max|x|) and asymmetric ones keep only 0 and each group's extreme (the range "
         f"always contains 0), which loses about as much as setting them all to 0; use num_bits 2 or more ({hint})"
     )
+
+
+def is_attention_scheme(scheme: QuantizationScheme) -> bool:
+    """Whether ``scheme`` quantizes input activations only: llm-compressor's attention quantization (a config group
+    targeting attention modules: their queries, keys and values; see
+    :func:`llmc_fsm_quantization.kv_cache.install_query`)."""
+    return scheme.weights is None and scheme.input_activations is not None and scheme.output_activations is None
 
 
 def weight_args(scheme: QuantizationScheme) -> QuantizationArgs:

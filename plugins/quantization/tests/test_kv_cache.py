@@ -35,7 +35,8 @@ def _rope(x: torch.Tensor, theta: float) -> torch.Tensor:
 
 
 def _reference_ranges(propagated, original, data, batch_size):
-    """Per layer and batch of ``batch_size``: (keys, values) ``[batch, kv_heads, seq, head_dim]`` float64, from inputs
+    """Per layer and batch of ``batch_size``: (keys, values, queries) ``[batch, heads, seq, head_dim]`` float64 (keys
+    and queries after the rotary embedding), from inputs
     each layer's k_proj / v_proj receive in ``propagated`` with every fake quantization off (what the calibration of
     that layer saw: llm-compressor's calibration, activations in full precision) and the *original* projection
     weights (the calibration ran before the layer was quantized)."""
@@ -57,19 +58,21 @@ def _reference_ranges(propagated, original, data, batch_size):
     out = {}
     for i, layer in enumerate(original.model.layers):
         a = layer.self_attn
-        wk, wv = a.k_proj.weight.double(), a.v_proj.weight.double()
+        wq, wk, wv = a.q_proj.weight.double(), a.k_proj.weight.double(), a.v_proj.weight.double()
         per_batch = []
         for x in inputs[i]:
             shape = (*x.shape[:-1], -1, a.head_dim)
             k = _rope((x @ wk.T).view(shape).transpose(1, 2), theta)
             v = (x @ wv.T).view(shape).transpose(1, 2)
-            per_batch.append((k, v))
+            q = _rope((x @ wq.T).view(shape).transpose(1, 2), theta)
+            per_batch.append((k, v, q))
         out[i] = per_batch
     return out
 
 
 def _expected_scale(states: list[torch.Tensor], observer: str, per_head: bool) -> torch.Tensor:
     """max(|min|, |max|) / 448 by observer, per tensor ``[1]`` or per head ``[heads, 1, 1]``."""
+
     def lo_hi(x):
         if per_head:
             return x.amin(dim=(0, 2, 3)).reshape(-1, 1, 1), x.amax(dim=(0, 2, 3)).reshape(-1, 1, 1)
@@ -86,9 +89,22 @@ def _expected_scale(states: list[torch.Tensor], observer: str, per_head: bool) -
     return torch.maximum(lo.clamp(max=0).abs(), hi.clamp(min=0)) / FP8_MAX
 
 
+def logits_with_and_without(model, x):
+    """(logits of ``model`` on ``x``, logits with every attention's ``quantization_enabled`` off)."""
+    with torch.no_grad():
+        quantized = model(x).logits
+        for layer in model.model.layers:
+            layer.self_attn.quantization_enabled = False
+        off = model(x).logits
+        for layer in model.model.layers:
+            del layer.self_attn.quantization_enabled
+    return quantized, off
+
+
 @pytest.mark.parametrize("modifier", ["QuantizationModifier", "GPTQModifier"])
-@pytest.mark.parametrize(("strategy", "observer"), [("tensor", "static_minmax"), ("attn_head", "static_minmax"),
-                                                    ("attn_head", None)])
+@pytest.mark.parametrize(
+    ("strategy", "observer"), [("tensor", "static_minmax"), ("attn_head", "static_minmax"), ("attn_head", None)]
+)
 def test_kv_scales_are_the_range_of_the_keys_and_values_over_the_calibration_tokens(
     tmp_path, modifier, strategy, observer
 ) -> None:
@@ -116,8 +132,15 @@ def test_kv_scales_are_the_range_of_the_keys_and_values_over_the_calibration_tok
     if strategy == "attn_head":  # per head means per head: the two KV heads' key ranges differ here
         assert not torch.equal(model.model.layers[0].self_attn.k_scale[0], model.model.layers[0].self_attn.k_scale[1])
     config = json.loads((out / "config.json").read_text())["quantization_config"]
-    assert config["kv_cache_scheme"] == {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False,
-                                         "strategy": strategy, "group_size": None, "observer": used}
+    assert config["kv_cache_scheme"] == {
+        "num_bits": 8,
+        "type": "float",
+        "symmetric": True,
+        "dynamic": False,
+        "strategy": strategy,
+        "group_size": None,
+        "observer": used,
+    }
     with safe_open(str(out / "model.safetensors"), "pt") as fh:  # vLLM's names: <attention>.k_scale / .v_scale
         for i, layer in enumerate(model.model.layers):
             for base in ("k", "v"):
@@ -134,13 +157,8 @@ def test_the_in_memory_model_quantizes_its_kv_cache_and_a_transformers_reload_ge
     llmc_fsm.oneshot(model=model, recipe=recipe, dataset=data, batch_size=2, output_dir=out, progress=False)
     x = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(1))
     reloaded = AutoModelForCausalLM.from_pretrained(out).eval()
+    quantized_kv, full_kv = logits_with_and_without(model, x)
     with torch.no_grad():
-        quantized_kv = model(x).logits
-        for layer in model.model.layers:
-            layer.self_attn.quantization_enabled = False
-        full_kv = model(x).logits
-        for layer in model.model.layers:
-            del layer.self_attn.quantization_enabled
         # transformers 5.24 + compressed-tensors 0.20 load the weights but not the KV scales (see kv_cache's docs)
         assert not hasattr(reloaded.model.layers[0].self_attn, "k_scale")
         assert torch.equal(reloaded(x).logits, full_kv)
@@ -159,24 +177,39 @@ def test_a_bare_gptq_modifier_takes_the_kv_cache_scheme_of_the_quantization_modi
     assert torch.isfinite(model.model.layers[1].self_attn.v_scale).all()
 
 
-@pytest.mark.parametrize(("modifier", "args", "message"), [
-    ("GPTQModifier", {"scheme": "W8A8", "kv_cache_scheme": {**KV, "type": "int"}},
-     "kv_cache_scheme: only an FP8 KV cache is supported (num_bits 8, type float; vLLM's KV-cache format), got "
-     "num_bits 8, type int; use {num_bits: 8, type: float, symmetric: true, dynamic: false, strategy: tensor (or "
-     "attn_head)}"),
-    ("GPTQModifier", {"scheme": "W8A8", "kv_cache_scheme": {**KV, "strategy": "channel"}},
-     "kv_cache_scheme: strategy channel is not supported; use tensor (one scale) or attn_head (per head)"),
-    ("GPTQModifier", {"scheme": "W8A8", "kv_cache_scheme": {**KV, "dynamic": True}},
-     "kv_cache_scheme: the KV-cache scales are static and symmetric (calibrated once); use {num_bits: 8, type: "
-     "float, symmetric: true, dynamic: false, strategy: tensor (or attn_head)}"),
-    ("QuantizationModifier", {"scheme": "W8A8", "kv_cache_scheme": {**KV, "observer": "mse"}},
-     "kv_cache_scheme: observer 'mse' is not supported; use one of minmax, static_minmax, memoryless_minmax"),
-    ("QuantizationModifier", {"kv_cache_scheme": KV},
-     "kv_cache_scheme without a weight scheme (KV cache only) is not supported: give scheme or config_groups too "
-     "(e.g. scheme: FP8_DYNAMIC)"),
-    ("AutoRoundModifier", {"scheme": "W8A8", "kv_cache_scheme": KV},
-     "kv_cache_scheme is not implemented for AutoRoundModifier; use GPTQModifier or QuantizationModifier"),
-])
+@pytest.mark.parametrize(
+    ("modifier", "args", "message"),
+    [
+        (
+            "GPTQModifier",
+            {"scheme": "W8A8", "kv_cache_scheme": {**KV, "type": "int"}},
+            "kv_cache_scheme: only an FP8 KV cache is supported (num_bits 8, type float; vLLM's KV-cache format), "
+            "got num_bits 8, type int; use {num_bits: 8, type: float, symmetric: true, dynamic: false, strategy: "
+            "tensor (or attn_head)}",
+        ),
+        (
+            "GPTQModifier",
+            {"scheme": "W8A8", "kv_cache_scheme": {**KV, "strategy": "channel"}},
+            "kv_cache_scheme: strategy channel is not supported; use tensor (one scale) or attn_head (per head)",
+        ),
+        (
+            "GPTQModifier",
+            {"scheme": "W8A8", "kv_cache_scheme": {**KV, "dynamic": True}},
+            "kv_cache_scheme: the KV-cache scales are static and symmetric (calibrated once); use {num_bits: 8, type: "
+            "float, symmetric: true, dynamic: false, strategy: tensor (or attn_head)}",
+        ),
+        (
+            "QuantizationModifier",
+            {"scheme": "W8A8", "kv_cache_scheme": {**KV, "observer": "mse"}},
+            "kv_cache_scheme: observer 'mse' is not supported; use one of minmax, static_minmax, memoryless_minmax",
+        ),
+        (
+            "AutoRoundModifier",
+            {"scheme": "W8A8", "kv_cache_scheme": KV},
+            "kv_cache_scheme is not implemented for AutoRoundModifier; use GPTQModifier or QuantizationModifier",
+        ),
+    ],
+)
 def test_unsupported_kv_cache_schemes_are_refused_before_any_work(modifier, args, message) -> None:
     model = tiny_llama()
     before = {k: v.clone() for k, v in model.state_dict().items()}
@@ -195,10 +228,11 @@ def test_kv_cache_quantization_needs_calibration_data_even_for_round_to_nearest(
     assert "calibration_data" not in QuantizationModifier(scheme="W8A8").required_keys()
 
 
-def test_an_interrupted_run_resumes_with_the_kv_scales_bitwise(tmp_path, monkeypatch) -> None:
+def resumed_after_layer_0(tmp_path, monkeypatch, recipe):
+    """(uninterrupted model, model of a run stopped after layer 0 was saved and resumed) for ``recipe`` on a 3-layer
+    tiny Llama; asserts their state dicts are equal bitwise."""
     from llmc_fsm.oneshot_job.resume import LayerProgress
 
-    recipe = {"q": {"GPTQModifier": {"scheme": "W8A8", "kv_cache_scheme": {**KV, "strategy": "attn_head"}}}}
     kw = {"recipe": recipe, "dataset": _data(), "batch_size": 2, "progress": False}
     ref = llmc_fsm.oneshot(model=tiny_llama(3), **kw)
     original = LayerProgress.save
@@ -215,22 +249,14 @@ def test_an_interrupted_run_resumes_with_the_kv_scales_bitwise(tmp_path, monkeyp
     out = llmc_fsm.oneshot(model=tiny_llama(3), output_dir=tmp_path / "o", resume=True, **kw)
     ref_state, out_state = ref.state_dict(), out.state_dict()
     assert ref_state.keys() == out_state.keys()
-    assert "model.layers.2.self_attn.k_scale" in out_state
     assert [k for k in ref_state if not torch.equal(ref_state[k], out_state[k])] == []
+    return ref, out
 
 
-def test_attention_quantization_of_queries_keys_and_values_is_refused_with_what_to_use() -> None:
-    # llm-compressor's attention quantization: a config group with input activations only, targeting the attention
-    fp8 = {**KV, "strategy": "attn_head"}
-    recipe = {"q": {"QuantizationModifier": {"config_groups": {
-        "attention": {"targets": ["LlamaAttention"], "input_activations": fp8}}}}}
-    with pytest.raises(ValueError) as info:
-        llmc_fsm.oneshot(model=tiny_llama(), recipe=recipe, dataset=_data(), progress=False)
-    assert (
-        "config_groups entry 'attention': the scheme quantizes input activations only (llm-compressor's attention "
-        "quantization of queries, keys and values), which is not implemented; for FP8 keys and values give "
-        "kv_cache_scheme with a weight scheme"
-    ) in str(info.value)
+def test_an_interrupted_run_resumes_with_the_kv_scales_bitwise(tmp_path, monkeypatch) -> None:
+    recipe = {"q": {"GPTQModifier": {"scheme": "W8A8", "kv_cache_scheme": {**KV, "strategy": "attn_head"}}}}
+    _, out = resumed_after_layer_0(tmp_path, monkeypatch, recipe)
+    assert "model.layers.2.self_attn.k_scale" in out.state_dict()
 
 
 def test_kv_cache_quantization_with_low_memory_is_refused_before_any_work(tmp_path) -> None:
@@ -239,8 +265,14 @@ def test_kv_cache_quantization_with_low_memory_is_refused_before_any_work(tmp_pa
     before = sorted(p.name for p in source.iterdir())
     recipe = {"q": {"GPTQModifier": {"scheme": "W8A8", "kv_cache_scheme": KV}}}
     with pytest.raises(ValueError) as info:
-        llmc_fsm.oneshot(model=str(source), recipe=recipe, dataset=_data(), output_dir=tmp_path / "out",
-                         low_memory=True, progress=False)
+        llmc_fsm.oneshot(
+            model=str(source),
+            recipe=recipe,
+            dataset=_data(),
+            output_dir=tmp_path / "out",
+            low_memory=True,
+            progress=False,
+        )
     assert (
         "GPTQModifier: kv_cache_scheme with low_memory (--low-memory: layers streamed from the checkpoint) is not "
         "implemented; run without low_memory"

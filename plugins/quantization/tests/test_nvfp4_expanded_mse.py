@@ -104,8 +104,7 @@ def test_nvfp4_expanded_mse_off_nvfp4_is_refused_when_the_recipe_is_read(bf16_di
     assert not hasattr(model.model.layers[0].mlp.up_proj, "quantization_scheme")
 
 
-@pytest.mark.parametrize(("scheme", "observer", "fmt"), [("NVFP4A16", "imatrix_mse", "NVFP4 (tensor_group)"),
-                                                          ("NVFP4A16", "mse", "NVFP4 (tensor_group)"),
+@pytest.mark.parametrize(("scheme", "observer", "fmt"), [("NVFP4A16", "mse", "NVFP4 (tensor_group)"),
                                                           ("MXFP4A16", "imatrix_mse", "MX (power-of-two scales)")])
 def test_a_range_searching_observer_on_scaled_formats_is_refused_before_calibration(
     bf16_dir, monkeypatch, scheme, observer, fmt
