@@ -135,6 +135,32 @@ def test_a_job_that_cannot_stream_runs_in_memory_silently(tiny_model_dir, tmp_pa
                                          "MagnitudePruningModifier acts on the whole model") for r in caplog.records)
 
 
+def test_a_kv_cache_job_runs_in_memory_by_default_and_saves_its_scales(tiny_model_dir, tmp_path, capsys, caplog):
+    model_dir, text = tiny_model_dir
+    out = tmp_path / "o"
+    recipe = tmp_path / "kv.yaml"  # kv_cache_scheme alone: observed through the whole model's attention forward
+    recipe.write_text(
+        "q:\n  QuantizationModifier:\n    kv_cache_scheme: {num_bits: 8, type: float, strategy: tensor, "
+        "dynamic: false, symmetric: true}\n"
+    )
+    argv = tiny_llama.oneshot_argv(model_dir, text, out, "--num-samples", "4", "--recipe", str(recipe))
+    argv.remove("--no-progress")
+    with caplog.at_level("INFO", logger="llmc_fsm.oneshot_job.streaming"):
+        status, err = _run(argv, capsys)
+    assert status == 0, err
+    assert STREAMING_NOTE not in err
+    assert any(r.getMessage() == "in memory: QuantizationModifier: kv_cache_scheme observes the attention's keys and "
+               "values in the whole model's forward; run without low_memory" for r in caplog.records)
+    saved = _tensors(out)
+    assert sorted(n for n in saved if n.endswith(("k_scale", "v_scale"))) == sorted(
+        f"model.layers.{i}.self_attn.{k}" for i in range(4) for k in ("k_scale", "v_scale"))
+    report = json.loads((out / "report.json").read_text())
+    [(label, scales)] = report["kv_cache"].items()
+    assert label == "QuantizationModifier (q)"
+    assert scales == {f"model.layers.{i}.self_attn": {k: saved[f"model.layers.{i}.self_attn.{k}"].flatten().tolist()
+                                                     for k in ("k_scale", "v_scale")} for i in range(4)}
+
+
 def test_in_memory_and_low_memory_together_are_refused_before_any_work(tiny_model_dir, tmp_path, capsys):
     model_dir, text = tiny_model_dir
     out = tmp_path / "o"

@@ -322,7 +322,8 @@ def _chunked_nll(head: torch.nn.Module, hidden: torch.Tensor, batch: torch.Tenso
 
 
 def _full_nll(logits: torch.Tensor, batch: torch.Tensor) -> float:
-    """Summed next-token NLL of ``batch`` (``[B, L]``) from the model's logits ``[B, L, vocab]``, one window at a time."""
+    """Summed next-token NLL of ``batch`` (``[B, L]``) from the model's logits ``[B, L, vocab]``, one window at
+    a time."""
     total = 0.0
     for row in range(batch.shape[0]):  # per window: no [B*L, vocab] reshape copy
         nll = torch.nn.functional.cross_entropy(logits[row, :-1, :].float(), batch[row, 1:], reduction="sum")

@@ -203,7 +203,9 @@ def _layers_return_tuples(lazy: LazyModel, windows: torch.Tensor, device: torch.
     (:func:`llmc_fsm.pipeline.true_sequential.plan_groups` runs the plain order for a layer with forward hooks)."""
     with torch.no_grad():
         with lazy.materialized(lazy.outer_names()), onloaded(lazy.model, device, skip=[lazy.layers]):
-            inputs = capture_layer_inputs(lazy.model, lazy.layers[0], [{"input_ids": windows[:1].long()}], device=device)
+            inputs = capture_layer_inputs(
+                lazy.model, lazy.layers[0], [{"input_ids": windows[:1].long()}], device=device
+            )
         layer = lazy.layers[0]
         with lazy.materialized(lazy.layer_names(0), layer), onloaded(layer, device):
             ((args, kwargs),) = inputs

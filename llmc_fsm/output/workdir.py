@@ -362,7 +362,8 @@ def _owner_record() -> dict[str, Any]:
     }
 
 
-#: The per-layer progress layout file under ``progress/`` (written by :class:`llmc_fsm.oneshot_job.resume.LayerProgress`).
+#: The per-layer progress layout file under ``progress/``
+#: (written by :class:`llmc_fsm.oneshot_job.resume.LayerProgress`).
 LAYOUT = "layout.json"
 
 

@@ -158,7 +158,8 @@ def check_targets_in_layers(session: Session, layers: nn.ModuleList, layers_name
 
 
 class LayerCheckpoint(Protocol):
-    """Per-layer progress that :func:`run_sequential` can save and resume from (see :mod:`llmc_fsm.oneshot_job.resume`)."""
+    """Per-layer progress that :func:`run_sequential` can save and resume from
+    (see :mod:`llmc_fsm.oneshot_job.resume`)."""
 
     def layers_done(self, num_layers: int) -> int:
         """How many leading decoder layers are already compressed and saved (0 for a fresh run)."""

@@ -101,7 +101,8 @@ def check_streamable(session: Session) -> None:
     """Raise before any work if a modifier of ``session`` cannot compress one decoder layer at a time.
 
     Raises:
-        ValueError: naming the modifiers that act on the whole model (e.g. magnitude pruning at its start).
+        ValueError: naming the modifiers that act on the whole model (e.g. magnitude pruning at its start), or the
+            first one whose :meth:`~llmc_fsm.toolkit.calibrated.CalibratedModifier.streaming_refusal` gives a reason.
     """
 
     whole = [  # a prepare_layer method works on one layer at a time too (smoothing, see compress_layer)
@@ -116,6 +117,13 @@ def check_streamable(session: Session) -> None:
             "rtn) or run without low_memory"
         )
         raise ValueError(msg)
+    for m in session.modifiers:
+        reason = m.streaming_refusal() if isinstance(m, CalibratedModifier) else None
+        if reason is not None:
+            msg = (
+                f"low_memory (--low-memory) cannot run this job: {m.modifier_name()}: {reason}; run without low_memory"
+            )
+            raise ValueError(msg)
 
 
 def _window_batches(windows: torch.Tensor) -> list[dict[str, Any]]:

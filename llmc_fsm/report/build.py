@@ -127,6 +127,10 @@ class OneshotReport:
     #: where the job computed (:func:`llmc_fsm.oneshot_job.phases.execution_summary`): ``device`` (name, total
     #: memory), ``activations`` (mode ``device`` or ``cpu-offloaded``), peak device memory, per-rank work.
     execution: dict[str, Any] | None = None
+    #: modifier label -> attention module -> its calibrated FP8 scales (``k_scale``, ``v_scale``, with attention
+    #: quantization ``q_scale``; each a list of floats: one per tensor, one per key/value head per head), from a
+    #: quantizing modifier's ``kv_cache_results``. Empty: no KV cache scheme ran.
+    kv_cache: dict[str, dict[str, dict[str, list[float]]]] = attrs.field(factory=dict)
 
     def finish(self, t_start: float) -> None:
         """Set the total wall time (since ``t_start``, a ``time.perf_counter()`` value) and the peak RSS."""
@@ -221,6 +225,7 @@ class OneshotReport:
             },
             **({"smoothing": self.smoothing} if self.smoothing else {}),
             **({"execution": self.execution} if self.execution else {}),
+            **({"kv_cache": self.kv_cache} if self.kv_cache else {}),
             "disk": self.disk,
             "seconds": self.seconds,
             "max_rss_bytes": self.max_rss_bytes,
@@ -267,6 +272,7 @@ class OneshotReport:
             targeted=[m["name"] for m in entries if m.get("targeted")],
             smoothing=data.get("smoothing") or {},
             execution=data.get("execution"),
+            kv_cache=data.get("kv_cache") or {},
         )
 
     def format_table(self) -> str:
@@ -298,6 +304,7 @@ class OneshotReport:
         lines.extend(self._stacked_errors_note())
         lines.extend(self._routed_tokens_note())
         lines.extend(_smoothing_line(label, results) for label, results in self.smoothing.items())
+        lines.extend(_kv_cache_line(label, scales) for label, scales in self.kv_cache.items())
         untouched = [m for m in self.modules if m.name not in set(self.targeted)]
         total_numel = sum(m.numel for m in self._targeted())
         lines.append(f"{'total':>7}  {total_numel:>10,}  {self.total_sparsity:>8.2%}   (targeted Linear weights)")
@@ -399,6 +406,16 @@ def _smoothing_line(label: str, results: dict[str, dict[str, Any]]) -> str:
     return text
 
 
+def _kv_cache_line(label: str, scales: dict[str, dict[str, list[float]]]) -> str:
+    """One line summing up a modifier's calibrated KV-cache (and query) scales (see :attr:`OneshotReport.kv_cache`)."""
+    kinds = [k for k in ("q_scale", "k_scale", "v_scale") if any(k in v for v in scales.values())]
+    ranges = []
+    for kind in kinds:
+        values = [x for v in scales.values() for x in v.get(kind, [])]
+        ranges.append(f"{kind} {min(values):.3g} to {max(values):.3g}")
+    return f"{label}: FP8 scales calibrated on {len(scales)} attention modules: {'; '.join(ranges)}"
+
+
 def _mean_by_modifier(modules: list[ModuleSparsity]) -> str:
     by: dict[str, list[float | None]] = {}
     for m in modules:
@@ -459,12 +476,15 @@ def build_report(
     by_name = {m.name: m for m in modules}
     stage_of = {id(m): stage.name for stage in getattr(recipe, "stages", []) for m in stage.modifiers}
     smoothing: dict[str, dict[str, dict[str, Any]]] = {}
+    kv_scales: dict[str, dict[str, dict[str, list[float]]]] = {}
     for modifier in modifiers:
         label = type(modifier).__name__ + (f" ({stage_of[id(modifier)]})" if id(modifier) in stage_of else "")
         if getattr(modifier, "smoothing_results", None):
             smoothing[label] = dict(modifier.smoothing_results)
         if getattr(modifier, "clipping_results", None):  # AWQ's apply_clip: per Linear
             smoothing[f"{label} clipping"] = dict(modifier.clipping_results)
+        if getattr(modifier, "kv_cache_results", None):
+            kv_scales[label] = dict(modifier.kv_cache_results)
         for name, result in (getattr(modifier, "results", None) or {}).items():
             entry = by_name.get(name)
             if entry is None:
@@ -490,4 +510,5 @@ def build_report(
         targeted=targeted,
         smoothing=smoothing,
         execution=execution,
+        kv_cache=kv_scales,
     )

@@ -176,7 +176,8 @@ class SessionCheckpoints(SessionEvents):
         raise LifecycleError(msg, lifecycle=self.lifecycle, call=call, allowed=self.allowed_calls) from None
 
     def save(self, path: str | Path) -> Path:
-        """Write :meth:`state_dict` to the directory ``path`` (:func:`~llmc_fsm.session.checkpoint_io.write_checkpoint`).
+        """Write :meth:`state_dict` to the directory ``path``
+        (:func:`~llmc_fsm.session.checkpoint_io.write_checkpoint`).
 
         Raises:
             LifecycleError: as :meth:`state_dict`.

@@ -194,6 +194,13 @@ class CalibratedModifier(Modifier):
     #: the compressed weights (GPTQ, SparseGPT: the weights they updated).
     defers_weight_update = False
 
+    def streaming_refusal(self) -> str | None:
+        """Why this modifier cannot run on layers streamed from the checkpoint one at a time (``low_memory``, the
+        CLI's default path), or ``None`` when it can. :func:`llmc_fsm.pipeline.streaming.check_streamable` refuses
+        the streamed path with this reason (the CLI's default then runs in memory). Override it for work that needs
+        the whole model at once (e.g. observing every attention's keys and values through the model's forward)."""
+        return None
+
     targets: list[str] = attrs.field(factory=lambda: list(DEFAULT_TARGETS), converter=patterns, validator=_non_empty)
     ignore: list[str] = attrs.field(factory=lambda: list(DEFAULT_IGNORE), converter=patterns)
 

@@ -267,9 +267,7 @@ def _is_conv1d(module: nn.Module) -> bool:
 def _is_fused_experts(module: nn.Module) -> bool:
     """A mixture-of-experts module holding its experts' weights itself (transformers 5's fused 3-D ``gate_up_proj`` /
     ``down_proj``, DBRX's 2-D ``w1`` / ``v1`` / ``w2``), not as one ``nn.Linear`` per expert."""
-    return "expert" in type(module).__name__.lower() and any(
-        p.dim() >= 2 for p in module.parameters(recurse=False)
-    )
+    return "expert" in type(module).__name__.lower() and any(p.dim() >= 2 for p in module.parameters(recurse=False))
 
 
 def _selected_unsupported(
@@ -297,9 +295,7 @@ def _family(model: nn.Module) -> str:
     return f"{type(model).__name__} (model_type {model_type!r})" if model_type else type(model).__name__
 
 
-def _experts_error(
-    model: nn.Module, targets: tuple[str, ...], names: list[str], named, *, views: bool
-) -> ValueError:
+def _experts_error(model: nn.Module, targets: tuple[str, ...], names: list[str], named, *, views: bool) -> ValueError:
     modules = dict(named)
     weights = sorted({p for n in names for p, t in modules[n].named_parameters(recurse=False) if t.dim() >= 2})
     head = (

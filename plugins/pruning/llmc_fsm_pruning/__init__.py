@@ -38,4 +38,10 @@ __all__ = [
 @llmc_fsm.hookimpl
 def llmc_fsm_register_modifiers() -> list[type[llmc_fsm.Modifier]]:
     """Register the pruning modifiers."""
-    return [SparseGPTModifier, WandaPruningModifier, MagnitudePruningModifier, ConstantPruningModifier, REAPPruningModifier]
+    return [
+        SparseGPTModifier,
+        WandaPruningModifier,
+        MagnitudePruningModifier,
+        ConstantPruningModifier,
+        REAPPruningModifier,
+    ]

@@ -100,7 +100,8 @@ class MaskSet:
         self.masks.clear()
 
     def packed(self) -> dict[str, torch.Tensor]:
-        """``{name: bit-packed keep-mask}`` for a checkpoint (:func:`llmc_fsm.toolkit.masks.pack_mask`: 1 bit/weight)."""
+        """``{name: bit-packed keep-mask}`` for a checkpoint
+        (:func:`llmc_fsm.toolkit.masks.pack_mask`: 1 bit/weight)."""
         return {name: pack_mask(mask != 0) for name, mask in zip(self.names, self.masks, strict=True)}
 
     def load_packed(self, packed: Mapping[str, torch.Tensor], modules: Mapping[str, torch.nn.Module]) -> None:

@@ -714,6 +714,30 @@ class QuantizingModifier(CalibratedModifier):
         """Whether some group's weight observer weights the error by the calibration inputs (``imatrix_mse``)."""
         return any(s.weights is not None and s.weights.observer in IMPORTANCE_OBSERVERS for s in self._groups.values())
 
+    def streaming_refusal(self) -> str | None:
+        """A KV-cache scheme or attention quantization observes keys and values (and queries) through the model's
+        own attention forward, which streamed layers do not give: those jobs run in memory."""
+        if self._kv_args is None:
+            return None
+        what = "attention quantization" if self.attention_scheme is not None else "kv_cache_scheme"
+        return f"{what} observes the attention's keys and values in the whole model's forward"
+
+    @property
+    def kv_cache_results(self) -> dict[str, dict[str, list[float]]]:
+        """``{attention name: {"k_scale": [...], "v_scale": [...]}}`` (and ``"q_scale"`` with attention
+        quantization): the calibrated FP8 scales as floats (one per tensor, or one per key/value head), for the
+        report. Empty before calibration or without ``kv_cache_scheme``."""
+        results: dict[str, dict[str, list[float]]] = {}
+        for name, module in self._kv_attention.items():
+            found = {
+                kind: getattr(module, kind).detach().float().flatten().tolist()
+                for kind in ("q_scale", "k_scale", "v_scale")
+                if isinstance(getattr(module, kind, None), torch.Tensor) and not getattr(module, kind).is_meta
+            }
+            if found and not any(math.isnan(x) for v in found.values() for x in v):
+                results[name] = found
+        return results
+
     @property
     def kv_cache_args(self) -> QuantizationArgs | None:
         """The resolved ``kv_cache_scheme`` (``None`` without one)."""
@@ -925,8 +949,8 @@ class QuantizingModifier(CalibratedModifier):
             ValueError: no attention module with a cache argument
                 (:func:`llmc_fsm_quantization.kv_cache.attention_modules`),
                 per-head scales and an attention without ``head_dim``, or a ``torch.distributed`` run (the key and
-                value ranges are not combined over ranks), or a model on the ``meta`` device (``low_memory``: its
-                layers are streamed, and the KV scales are not).
+                value ranges are not combined over ranks). (``low_memory`` is refused before, see
+                :meth:`streaming_refusal`.)
         """
         name = type(self).__name__
         attention = kv_cache.attention_modules(model)
@@ -948,12 +972,6 @@ class QuantizingModifier(CalibratedModifier):
                 raise ValueError(msg)
         if is_distributed():
             msg = f"{name}: kv_cache_scheme under torch.distributed is not implemented; run it on one process"
-            raise ValueError(msg)
-        if any(p.is_meta for m in attention.values() for p in m.parameters()):
-            msg = (
-                f"{name}: kv_cache_scheme with low_memory (--low-memory: layers streamed from the checkpoint) is not "
-                "implemented; run without low_memory"
-            )
             raise ValueError(msg)
         return attention
 

@@ -304,7 +304,8 @@ class AutoRoundModifier(QuantizingModifier):
         super().__attrs_post_init__()
         if len(self.quantization_schemes) > 1:
             msg = (
-                f"AutoRoundModifier tunes one scheme per modifier; config_groups gives {len(self.quantization_schemes)} "
+                "AutoRoundModifier tunes one scheme per modifier; config_groups gives "
+                f"{len(self.quantization_schemes)} "
                 f"({', '.join(self.quantization_schemes)}): split them into one AutoRoundModifier per group"
             )
             raise ValueError(msg)

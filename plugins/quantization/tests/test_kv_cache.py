@@ -273,8 +273,9 @@ def test_kv_cache_quantization_with_low_memory_is_refused_before_any_work(tmp_pa
             low_memory=True,
             progress=False,
         )
-    assert (
-        "GPTQModifier: kv_cache_scheme with low_memory (--low-memory: layers streamed from the checkpoint) is not "
-        "implemented; run without low_memory"
-    ) in str(info.value)
+    assert str(info.value) == (
+        "low_memory (--low-memory) cannot run this job: GPTQModifier: kv_cache_scheme observes the attention's keys "
+        "and values in the whole model's forward; run without low_memory"
+    )
     assert sorted(p.name for p in source.iterdir()) == before
+    assert not (tmp_path / "out").exists()
