@@ -47,6 +47,7 @@ __all__ = [
     "image_batches",
     "image_prompt",
     "is_image_dataset",
+    "is_vision_language",
     "load_processor",
     "read_image_captions",
 ]
@@ -152,6 +153,17 @@ def read_image_captions(source: str | os.PathLike[str], num_samples: int) -> Ima
     return ImageCaptions(directory=directory, records=tuple(records))
 
 
+def is_vision_language(config: Any) -> bool:
+    """Whether ``config`` is a vision-language model's: it has a ``vision_config`` and its ``model_type`` is one
+    ``AutoModelForImageTextToText`` loads (transformers' ``MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES``)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+    return (
+        getattr(config, "vision_config", None) is not None
+        and getattr(config, "model_type", None) in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+    )
+
+
 def cross_attention_layers(config: Any) -> list[int]:
     """The decoder layers that read image states (``cross_attention_layers`` of the text config: Mllama); ``[]``
     for every other model."""
@@ -183,8 +195,6 @@ def check_calibration_data(model: Any, *, images: bool, source: Any) -> None:
             text; images for a model that is not one of :data:`IMAGE_FAMILIES` (a text model; Qwen2-VL,
             Qwen2.5-VL and Mistral 3 with why; another vision-language model, untested).
     """
-    from llmc_fsm.models.hf_io import is_vision_language
-
     config, family = _family(model)
     layers = cross_attention_layers(config)
     if layers and not images:

@@ -29,6 +29,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from llmc_fsm.data.images import is_vision_language
+
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
@@ -129,17 +131,6 @@ def check_tied(model: PreTrainedModel, where: str) -> None:
     if out is None or out.weight is not inp.weight:
         msg = f"{where}: config says tie_word_embeddings=True but lm_head.weight is not the embedding weight"
         raise RuntimeError(msg)
-
-
-def is_vision_language(config: Any) -> bool:
-    """Whether ``config`` is a vision-language model's: it has a ``vision_config`` and its ``model_type`` is one
-    ``AutoModelForImageTextToText`` loads (transformers' ``MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES``)."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
-
-    return (
-        getattr(config, "vision_config", None) is not None
-        and getattr(config, "model_type", None) in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
-    )
 
 
 def model_class(config: Any) -> Any:

@@ -45,7 +45,8 @@ import attrs
 import torch
 from torch import nn
 
-from llmc_fsm.models.hf_io import _check_model_dir, _load_tokenizer, check_tied, dtype_kwargs, is_vision_language
+from llmc_fsm.data.images import is_vision_language
+from llmc_fsm.models.hf_io import _check_model_dir, _load_tokenizer, check_tied, dtype_kwargs
 from llmc_fsm.models.layers import find_decoder_layers
 
 if TYPE_CHECKING:
@@ -330,7 +331,7 @@ def load_lazy(
         ValueError: a file is missing or corrupt, the weights are not safetensors,
             the checkpoint's tensors do not match the config (named), the model
             has no decoder-layer list, or the config is a vision-language model's
-            (:func:`llmc_fsm.models.hf_io.is_vision_language`: its tower would be dropped).
+            (:func:`llmc_fsm.data.images.is_vision_language`: its tower would be dropped).
     """
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM

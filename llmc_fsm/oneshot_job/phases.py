@@ -26,10 +26,12 @@ from llmc_fsm.data.images import (
     check_calibration_data,
     image_batches,
     is_image_dataset,
+    is_vision_language,
     load_processor,
     read_image_captions,
 )
 from llmc_fsm.data.protocol import PerplexityCache, perplexity, token_windows
+from llmc_fsm.models.hf_io import hub_unreachable, looks_like_hub_id
 from llmc_fsm.models.known import KNOWN_MODELS, known_model_dir, load_model
 from llmc_fsm.models.layers import check_calibrates_from_text
 from llmc_fsm.oneshot_job.data import (
@@ -279,7 +281,6 @@ def _hub_config(key: str) -> Any:
     """The config of the Hub model ID ``key`` without its weights: from the Hugging Face cache, else fetched when
     ``HF_HUB_OFFLINE`` is off and the Hub can be reached (:func:`llmc_fsm.models.hf_io.hub_unreachable`, 3 s at
     most); ``None`` for a known name, a path, or a config that cannot be had (loading then reports why)."""
-    from llmc_fsm.models.hf_io import hub_unreachable, looks_like_hub_id
 
     if key in KNOWN_MODELS or Path(key).expanduser().exists() or not looks_like_hub_id(key):
         return None
@@ -429,7 +430,6 @@ def _keep_processor(run: Run) -> None:
     directory gets its files (``preprocessor_config.json``, ``processor_config.json``...) next to the tokenizer's
     and reloads with ``AutoProcessor``. A processor that cannot be loaded (e.g. one that needs torchvision) is
     logged, and the output then holds the tokenizer's files only."""
-    from llmc_fsm.models.hf_io import is_vision_language
 
     directory = Path(os.fspath(run.settings.model)).expanduser()
     if run.processor is not None or not is_vision_language(run.model.config) or not directory.is_dir():

@@ -277,7 +277,10 @@ class CalibratedModifier(Modifier):
     )
 
     def _fix_hint(self, targets: dict[str, nn.Module], problems: dict[str, list[str]]) -> str:
-        """What to do about ``problems`` (reason -> module names), one sentence."""
+        """What to do about ``problems`` (reason -> module names), one sentence; empty when every target has a
+        problem (leaving them all out would compress nothing: the reasons say what to change)."""
+        if sum(len(names) for names in problems.values()) == len(targets):
+            return ""
         return "Narrow targets or add these modules to ignore."
 
     # ---- checks ----------------------------------------------------------------
@@ -323,9 +326,8 @@ class CalibratedModifier(Modifier):
         if problems:
             count = sum(len(names) for names in problems.values())
             shown = "; ".join(f"{reason}: {compact_names(names)}" for reason, names in problems.items())
-            msg = (
-                f"{type(self).__name__} cannot compress {count} of its {len(targets)} targets — {shown}. "
-                + self._fix_hint(targets, problems)
+            msg = f"{type(self).__name__} cannot compress {count} of its {len(targets)} targets — {shown}." + (
+                f" {hint}" if (hint := self._fix_hint(targets, problems)) else ""
             )
             raise ValueError(msg)
         return targets

@@ -532,4 +532,13 @@ def already_quantized(model: nn.Module) -> str | None:
         return None
     method = config_q.get("quant_method") if isinstance(config_q, dict) else getattr(config_q, "quant_method", None)
     method = getattr(method, "value", method)  # transformers' QuantizationMethod enum
+    inner = config_q.get("quantization_config", config_q) if isinstance(config_q, dict) else config_q
+    inner = getattr(inner, "quantization_config", None) or inner  # transformers' CompressedTensorsConfig wraps it
+    get = inner.get if isinstance(inner, dict) else lambda key: getattr(inner, key, None)
+    if get("kv_cache_scheme") is not None and not get("config_groups"):  # KV-cache scales only, weights as loaded
+        return (
+            f"its config carries a quantization_config (quant_method {method!r}) with a kv_cache_scheme and no "
+            "weight scheme: its KV-cache scales, which transformers does not load, would be lost; put the "
+            "kv_cache_scheme in the recipe that compresses the full-precision model"
+        )
     return f"its config carries a quantization_config (quant_method {method!r})"

@@ -1199,7 +1199,8 @@ class QuantizingModifier(CalibratedModifier):
             return (
                 f"{module.weight.dtype} weight: NVFP4 / MX checkpoints decompress to bfloat16 on load (compressed-"
                 "tensors 0.20), and transformers then cannot run the reloaded model (bfloat16 weights against "
-                f"{module.weight.dtype} inputs); load the model in bfloat16 (dtype: bfloat16)"
+                f"{module.weight.dtype} inputs); load the model in bfloat16 (CLI: --dtype bfloat16; Python: "
+                "dtype='bfloat16')"
             )
         if args.strategy == QuantizationStrategy.BLOCK:
             r, c = (int(v) for v in args.block_structure)

@@ -242,10 +242,13 @@ def test_nvfp4_and_mx_on_a_float32_model_are_refused_before_any_work() -> None:
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(ValueError) as info:
         llmc_fsm.oneshot(model=model, recipe={"q": {"QuantizationModifier": {"scheme": "NVFP4A16"}}}, progress=False)
-    assert str(info.value).startswith(
+    assert str(info.value) == (  # every target fails: no "add these modules to ignore" advice
         "QuantizationModifier cannot compress 14 of its 14 targets — torch.float32 weight: NVFP4 / MX checkpoints "
         "decompress to bfloat16 on load (compressed-tensors 0.20), and transformers then cannot run the reloaded "
-        "model (bfloat16 weights against torch.float32 inputs); load the model in bfloat16 (dtype: bfloat16)"
+        "model (bfloat16 weights against torch.float32 inputs); load the model in bfloat16 (CLI: --dtype bfloat16; "
+        "Python: dtype='bfloat16'): model.layers.{0..1}.self_attn.q_proj, model.layers.{0..1}.self_attn.k_proj, "
+        "model.layers.{0..1}.self_attn.v_proj, model.layers.{0..1}.self_attn.o_proj, "
+        "model.layers.{0..1}.mlp.gate_proj, model.layers.{0..1}.mlp.up_proj, model.layers.{0..1}.mlp.down_proj."
     )
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 

@@ -279,3 +279,24 @@ def test_kv_cache_quantization_with_low_memory_is_refused_before_any_work(tmp_pa
     )
     assert sorted(p.name for p in source.iterdir()) == before
     assert not (tmp_path / "out").exists()
+
+
+def test_a_kv_cache_only_checkpoint_is_not_pruned_further(tmp_path) -> None:
+    # its k/v scales are not loaded by transformers: pruning it again would save a kv_cache_scheme without scales
+    source = tmp_path / "model"
+    tiny_llama().save_pretrained(source)
+    first = tmp_path / "kv"
+    llmc_fsm.oneshot(model=str(source), recipe={"q": {"QuantizationModifier": {"kv_cache_scheme": KV}}},
+                     dataset=_data(), output_dir=first, progress=False)
+    before = {p.name: p.read_bytes() for p in first.iterdir() if p.is_file()}
+    with pytest.raises(ValueError) as info:
+        llmc_fsm.oneshot(model=str(first), recipe={"p": {"MagnitudePruningModifier": {"sparsity": 0.5}}},
+                         output_dir=tmp_path / "pruned", progress=False)
+    assert str(info.value) == (
+        "MagnitudePruningModifier: the model is already quantized (its config carries a quantization_config "
+        "(quant_method 'compressed-tensors') with a kv_cache_scheme and no weight scheme: its KV-cache scales, which "
+        "transformers does not load, would be lost; put the kv_cache_scheme in the recipe that compresses the "
+        "full-precision model); compress the original full-precision model instead"
+    )
+    assert not (tmp_path / "pruned").exists()
+    assert {p.name: p.read_bytes() for p in first.iterdir() if p.is_file()} == before

@@ -516,8 +516,9 @@ def test_a_finished_quantized_output_is_not_offered_as_a_model_to_compress_furth
         llmc_fsm.oneshot(model=tiny_llama(), recipe=recipe, output_dir=out, resume=True, progress=False)
     assert str(info.value) == (
         f"output directory {str(out)!r} exists and is not empty; pass overwrite=True (--overwrite) to replace it. "
-        "It holds a finished run (report.json), so there is nothing to resume (its model is quantized, and a "
-        "quantized model is not compressed further: start from the full-precision one)"
+        "It holds a finished run (report.json), so there is nothing to resume (its model is quantized — its "
+        "config.json has a quantization_config, for its weights or its KV cache — and a quantized model is not "
+        "compressed further: start from the full-precision one)"
     )
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
 
