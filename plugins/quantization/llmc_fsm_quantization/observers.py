@@ -78,6 +78,7 @@ __all__ = [
     "ranges_global_scale",
     "row_qparams",
     "storable",
+    "unknown_observer",
 ]
 
 #: Observer names the modifiers accept (llm-compressor's weight observers).
@@ -183,9 +184,17 @@ def check_observer(name: object) -> str:
         ValueError: ``unknown observer 'NAME'; choose one of minmax, static_minmax, ...`` (one line).
     """
     if not isinstance(name, str) or name not in OBSERVERS:
-        msg = f"unknown observer {name!r}; choose one of {', '.join(OBSERVERS)}"
-        raise ValueError(msg)
+        raise ValueError(unknown_observer(name))
     return name
+
+
+def unknown_observer(name: object) -> str:
+    """``unknown observer 'NAME'; choose one of ...`` and, for a near miss (``difflib``), ``Did you mean 'X'?``."""
+    import difflib
+
+    close = difflib.get_close_matches(name, OBSERVERS, n=1) if isinstance(name, str) else []
+    hint = f". Did you mean {close[0]!r}?" if close else ""
+    return f"unknown observer {name!r}; choose one of {', '.join(OBSERVERS)}{hint}"
 
 
 def importance_from_hessian(hessian: torch.Tensor) -> torch.Tensor:

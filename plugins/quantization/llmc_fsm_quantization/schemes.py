@@ -26,7 +26,14 @@ from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 from compressed_tensors.quantization.quant_scheme import PRESET_SCHEMES, preset_name_to_scheme
 from pydantic import ValidationError
 
-from llmc_fsm_quantization.observers import IMPORTANCE_OBSERVERS, OBSERVERS, is_local, is_nvfp4, is_scaled_format
+from llmc_fsm_quantization.observers import (
+    IMPORTANCE_OBSERVERS,
+    OBSERVERS,
+    is_local,
+    is_nvfp4,
+    is_scaled_format,
+    unknown_observer,
+)
 
 #: Observers of static (calibrated) per-tensor input scales
 #: (see :class:`llmc_fsm_quantization._base.CalibrationStatistics`).
@@ -207,7 +214,7 @@ def _check_observers(scheme: QuantizationScheme) -> str | None:
         if args is None:
             continue
         if args.observer is not None and args.observer not in OBSERVERS:
-            return f"{role}: unknown observer {args.observer!r}; choose one of {', '.join(OBSERVERS)}"
+            return f"{role}: {unknown_observer(args.observer)}"
         if role != "weights" and args.observer in IMPORTANCE_OBSERVERS:
             return f"{role}: observer {args.observer} weighs weight errors by input importance; it is for weights only"
         if args.observer_kwargs:

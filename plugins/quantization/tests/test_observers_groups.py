@@ -147,6 +147,8 @@ def test_rtn_imatrix_mse_uses_the_calibration_inputs_of_each_module() -> None:
     [
         ("modifier", {"observer": "percentile"},
          f"argument 'observer': unknown observer 'percentile'; choose one of {CHOICES}"),
+        ("modifier, a near miss", {"observer": "minmaxx"},
+         f"argument 'observer': unknown observer 'minmaxx'; choose one of {CHOICES}. Did you mean 'minmax'?"),
         ("config group weights", {"config_groups": {"g": {"targets": ["Linear"], "weights": {
             "num_bits": 4, "strategy": "group", "group_size": 16, "observer": "fouroversix"}}}},
          "argument 'config_groups': config_groups entry 'g': weights: unknown observer 'fouroversix'; "
