@@ -51,12 +51,15 @@ def for_eval(model, copy: bool = True):
     """The model to measure perplexity on (both sides of ``recipes_vs_llmcompressor.py``): a bfloat16 model is
     evaluated in float32 (its values are exact in float32; bfloat16 matrix products on a CPU without bf16
     instructions take ~10 min per 40 windows of 256 tokens). ``copy``: cast a deep copy, leaving the model to be saved
-    in its own dtype. Cast tensor by tensor: transformers refuses ``.float()`` on a model it reloaded as quantized."""
+    in its own dtype. Cast tensor by tensor: transformers refuses ``.float()`` on a model it reloaded as quantized.
+    A model with only some bfloat16 tensors (llm-compressor 0.14's AutoRound on a float32 model returns the tuned
+    layers' weights in bfloat16, so the model's own forward stops at the first float32/bfloat16 product) is cast
+    the same way."""
     import copy as _copy
 
     import torch  # only the torch processes call this
 
-    if next(model.parameters()).dtype != torch.bfloat16:
+    if all(tensor.dtype != torch.bfloat16 for tensor in model.parameters()):
         return model
     model = _copy.deepcopy(model) if copy else model
     for tensor in [*model.parameters(), *model.buffers()]:

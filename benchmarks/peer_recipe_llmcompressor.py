@@ -85,19 +85,23 @@ def run(args: argparse.Namespace) -> dict:
     row["peak_rss_bytes"] = status_kib("VmHWM") * 1024
     evalw = data.token_windows(tokenizer, text, num_windows=args.eval_windows, seq_len=args.seq_len) \
         if args.eval_windows else None
+    dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in model.parameters() if t.is_floating_point()})
+    if len(dtypes) > 1:
+        row["param_dtypes"] = dtypes  # e.g. AutoRound's tuned layers in bfloat16 on a float32 model
+    evaluated = for_eval(model)
     if evalw is not None:
-        row["ppl"] = data.perplexity(for_eval(model), evalw, progress=False)
+        row["ppl"] = data.perplexity(evaluated, evalw, progress=False)
     probe = torch.tensor(kwargs["dataset"]["input_ids"][:1]) if kwargs else \
         data.token_windows(tokenizer, text, num_windows=1, seq_len=args.seq_len, from_end=True)
     with torch.no_grad():
-        logits = model(probe).logits
+        logits = evaluated(probe).logits
     try:
         t_save = time.perf_counter()
         model.save_pretrained(args.out, save_compressed=True)
         row["save_s"] = time.perf_counter() - t_save
         tokenizer.save_pretrained(args.out)
         row["weights_on_disk_bytes"] = sum(p.stat().st_size for p in Path(args.out).glob("*.safetensors"))
-        del model
+        del model, evaluated
         reloaded = AutoModelForCausalLM.from_pretrained(args.out).eval()
         with torch.no_grad():
             row["reload_max_abs_logit_diff"] = float((reloaded(probe).logits - logits).abs().max())

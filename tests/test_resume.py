@@ -427,6 +427,34 @@ def test_a_streamed_run_interrupted_after_layer_k_resumes_bitwise(streamed, tmp_
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "ref"]
 
 
+AUTOROUND = {"q": {"AutoRoundModifier": {"scheme": {"preset": "W4A16", "weights": {"group_size": 16}}, "iters": 10,
+                                         "batch_size": 4}}}  # fmt: skip
+
+
+@pytest.mark.parametrize("low_memory", [False, True], ids=["in-memory", "streamed"])
+def test_an_interrupted_autoround_run_resumes_to_the_uninterrupted_checkpoint(streamed, tmp_path, monkeypatch,
+                                                                               low_memory):  # fmt: skip
+    """AutoRound tunes each layer toward the float model's output, carried from layer to layer: the resumed run
+    runs the restored layers as loaded to get its first layer's float inputs (``resume_float_inputs``); without
+    them that layer would be tuned toward another target and the checkpoint would differ."""
+    from llmc_fsm_quantization.autoround import AutoRoundModifier
+
+    streamed(tmp_path / "ref", recipe=AUTOROUND, low_memory=low_memory)
+    for out in ("out", "without"):
+        with monkeypatch.context() as m:
+            _interrupt_after(m, layer=1)
+            with pytest.raises(KeyboardInterrupt):
+                streamed(tmp_path / out, recipe=AUTOROUND, low_memory=low_memory)
+    streamed(tmp_path / "out", recipe=AUTOROUND, low_memory=low_memory, resume=True)
+    ref, out = _files(tmp_path / "ref"), _files(tmp_path / "out")
+    assert sorted(out) == sorted(ref) and [name for name in ref if out[name] != ref[name]] == []
+    assert _report(tmp_path / "out") == _report(tmp_path / "ref")
+    monkeypatch.setattr(AutoRoundModifier, "resume_float_inputs", lambda self, inputs: None)
+    streamed(tmp_path / "without", recipe=AUTOROUND, low_memory=low_memory, resume=True)
+    without = _files(tmp_path / "without")
+    assert [name for name in ref if without[name] != ref[name]] != []
+
+
 @pytest.mark.parametrize("first", ["in memory", "streamed"])
 def test_progress_resumes_bitwise_on_the_other_path(streamed, tmp_path, monkeypatch, first):
     """In-memory progress resumed by a streamed run, and streamed progress by an in-memory run: the same files (one

@@ -65,15 +65,23 @@ IMAGE_DATA_HINT = (
 #: with its processor built offline, tests/test_multimodal_calibration.py and tests/test_multimodal_families.py).
 IMAGE_FAMILIES = {"mllama": "Mllama", "llava": "LLaVA", "gemma3": "Gemma 3"}
 
-#: Vision-language models refused image data, and why (measured with transformers 5.24).
+#: Vision-language models refused image data: the processor class transformers 5.24 gives them, and what of it needs
+#: torchvision (the torchvision for torch 2.13 on the package index is a CUDA build, whose operators do not load
+#: beside the CPU torch: docs/architectures.md, measured).
 _NO_IMAGES = {
-    "qwen2_vl": "its processor (Qwen2VLProcessor) needs torchvision for its video processor, which llmc-fsm does not "
-    "install, so its image path was not built or tested",
-    "qwen2_5_vl": "its processor (Qwen2_5_VLProcessor) needs torchvision for its video processor, which llmc-fsm "
-    "does not install, so its image path was not built or tested",
-    "mistral3": "its processor (PixtralProcessor) needs torchvision, which llmc-fsm does not install, so its image "
-    "path was not built or tested",
+    "qwen2_vl": ("Qwen2VLProcessor", " for its video processor"),
+    "qwen2_5_vl": ("Qwen2_5_VLProcessor", " for its video processor"),
+    "mistral3": ("PixtralProcessor", ""),
 }
+
+
+def _no_images_reason(model_type: str) -> str:
+    processor, part = _NO_IMAGES[model_type]
+    return (
+        f"its processor ({processor}) needs torchvision{part}, which llmc-fsm does not install, so its image path "
+        "was not built or tested"
+    )
+
 
 #: What to give a model that calibrates on text, quoted by the refusals of image data.
 TEXT_DATA_HINT = "give a text/JSONL file, a Hugging Face dataset name or a LongTensor [N, L] of token ids"
@@ -209,8 +217,8 @@ def check_calibration_data(model: Any, *, images: bool, source: Any) -> None:
     tested = ", ".join(f"{name} ({key!r})" for key, name in IMAGE_FAMILIES.items())
     if model_type in _NO_IMAGES:
         msg = (
-            f"{family} cannot calibrate on images: {_NO_IMAGES[model_type]}; calibrate its language model on text: "
-            f"{TEXT_DATA_HINT}"
+            f"{family} cannot calibrate on images: {_no_images_reason(model_type)}; calibrate its language model on "
+            f"text: {TEXT_DATA_HINT}"
         )
     elif is_vision_language(config):
         msg = (

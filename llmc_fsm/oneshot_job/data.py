@@ -20,7 +20,7 @@ from llmc_fsm.core.errors import MissingStateError
 from llmc_fsm.data.protocol import load_text, token_windows
 from llmc_fsm.session.session import Session
 from llmc_fsm.toolkit.obs import HessianAccumulator
-from llmc_fsm.toolkit.targets import already_quantized, select_targets
+from llmc_fsm.toolkit.targets import check_not_quantized, select_targets
 
 if TYPE_CHECKING:
     import torch
@@ -206,12 +206,10 @@ def check_modifiers(sessions: list[Session], model: Any, calibration_data: Any =
                 _warn_few_tokens(modifier, targets, int(calibration_data.numel()))
             if not isinstance(targets, dict):
                 targets = _declared_targets(modifier, model)
-                if targets and (already := already_quantized(model)) is not None:  # e.g. magnitude pruning
-                    msg = (
-                        f"{type(modifier).__name__}: the model is already quantized ({already}); compress the "
-                        "original full-precision model instead"
+                if targets:  # e.g. magnitude pruning
+                    check_not_quantized(
+                        model, type(modifier).__name__, "compress the original full-precision model instead"
                     )
-                    raise ValueError(msg)
             if targets:
                 _check_quantized_once(modifier, session, targets, quantized_by)
 

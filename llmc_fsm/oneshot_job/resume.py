@@ -32,7 +32,11 @@ names what differs. A modifier that keeps per-layer state of its own (overrides
 when it has ``progress_state(layer) -> dict`` (JSON values: its state for the modules
 inside ``layer``, saved in the layer's metadata) and
 ``restore_progress_state(layer, state)`` (the smoothing modifiers have them); a run with
-one that has not keeps no per-layer progress (:func:`resumable`).
+one that has not keeps no per-layer progress (:func:`resumable`). A modifier that carries
+the float model's hidden states from layer to layer (AutoRound's targets) has
+``resume_float_inputs(inputs)``: the resumed run also runs its calibration inputs through
+each restored layer as loaded, before restoring it, and hands the result over
+(:func:`llmc_fsm.pipeline.layer.float_followers`).
 """
 
 from __future__ import annotations

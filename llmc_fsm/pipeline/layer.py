@@ -90,6 +90,13 @@ def defers_weights(modifiers: Sequence[Any]) -> bool:
     return bool(modifiers) and all(getattr(m, "defers_weight_update", False) is True for m in modifiers)
 
 
+def float_followers(modifiers: Sequence[Any]) -> list[Any]:
+    """The modifiers that carry the float model's hidden states from layer to layer (AutoRound's targets): they
+    have ``resume_float_inputs(inputs)``, which a resumed run calls before its first layer with that layer's
+    calibration inputs as the float model computes them (the restored layers run as loaded, before restoring)."""
+    return [m for m in modifiers if callable(getattr(m, "resume_float_inputs", None))]
+
+
 def _has_hooks(module: nn.Module, *, post_only: bool = False) -> bool:
     return hook_count(module, ("forward",) if post_only else ("forward", "forward_pre")) > 0
 

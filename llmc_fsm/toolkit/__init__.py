@@ -27,8 +27,8 @@ The public names, by concern:
   (``||W X - W_hat X|| / ||W X||`` from ``H``), :func:`sweep_relative_errors` (the same from an OBS sweep's terms);
 * **targets** (:mod:`~llmc_fsm.toolkit.targets`): :func:`select_targets` returning :class:`TargetSelection`,
   :func:`resolve_targets` (the same, with warnings), :func:`matches`, :func:`is_linear_like`, :func:`compact_names`,
-  :data:`DEFAULT_TARGETS` (``("Linear",)``), :data:`DEFAULT_IGNORE` (``("lm_head",)``), :func:`already_quantized` (why a
-  model counts as quantized, or ``None``);
+  :data:`DEFAULT_TARGETS` (``("Linear",)``), :data:`DEFAULT_IGNORE` (``("lm_head",)``),
+  :func:`check_not_quantized` (refuses a model whose config says it is quantized);
 * **views** (:mod:`~llmc_fsm.toolkit.views`): :class:`LinearView` (one matrix of a fused mixture-of-experts
   parameter, or a ``Conv1D`` weight, seen as a Linear weight sharing its storage), :func:`weight_views` (a module's
   views), :func:`observe_inputs` (feed the views the inputs their matrices receive: per expert, its routed tokens;
@@ -79,7 +79,7 @@ from llmc_fsm.toolkit.targets import (
     DEFAULT_IGNORE,
     DEFAULT_TARGETS,
     TargetSelection,
-    already_quantized,
+    check_not_quantized,
     compact_names,
     is_linear_like,
     matches,
@@ -115,8 +115,8 @@ __all__ = [
     "all_gather_ints",
     "all_reduce_accumulator",
     "all_reduce_tensor",
-    "already_quantized",
     "check_dampening_frac",
+    "check_not_quantized",
     "check_same_values",
     "clear_weight_views",
     "compact_names",

@@ -67,7 +67,7 @@ from llmc_fsm.toolkit.layer_error import relative_output_error
 from llmc_fsm.toolkit.targets import (
     DEFAULT_IGNORE,
     DEFAULT_TARGETS,
-    already_quantized,
+    check_not_quantized,
     compact_names,
     is_linear_like,
     resolve_targets,
@@ -299,10 +299,7 @@ class CalibratedModifier(Modifier):
                 :func:`~llmc_fsm.toolkit.targets.resolve_targets`), or some targets cannot be
                 compressed — every such module named, grouped by reason, with what to do.
         """
-        already = already_quantized(model)
-        if already is not None:
-            msg = f"{type(self).__name__}: the model is already quantized ({already}); {self.quantized_model_hint}"
-            raise ValueError(msg)
+        check_not_quantized(model, type(self).__name__, self.quantized_model_hint)
         targets = resolve_targets(
             model,
             self.targets,

@@ -49,7 +49,7 @@ __all__ = [
     "DEFAULT_IGNORE",
     "DEFAULT_TARGETS",
     "TargetSelection",
-    "already_quantized",
+    "check_not_quantized",
     "compact_names",
     "is_linear_like",
     "matches",
@@ -521,24 +521,34 @@ def resolve_targets(
     return selection.selected
 
 
-def already_quantized(model: nn.Module) -> str | None:
-    """Why ``model`` counts as quantized (its config's ``quantization_config``), or ``None`` when it is not.
+def check_not_quantized(model: nn.Module, owner: str, hint: str) -> None:
+    """Refuse a model whose config says it is quantized (a ``quantization_config``), before any work.
 
     Modules quantized in memory (an earlier stage of the same run) are checked per modifier, on its own targets
     (:meth:`llmc_fsm.toolkit.calibrated.CalibratedModifier.check_model`).
+
+    Args:
+        model: the model to compress (any device, ``meta`` included; only its config is read).
+        owner: who refuses, the message's first word (a modifier's class name).
+        hint: what to do instead, the message's last clause.
+
+    Raises:
+        ValueError: ``"<owner>: the model is already quantized (<why>); <hint>"``; ``why`` names the config's
+            ``quant_method``, and for a KV-cache-only config (``kv_cache_scheme`` without weight groups) says that
+            its KV-cache scales would be lost.
     """
     config_q = getattr(getattr(model, "config", None), "quantization_config", None)
     if config_q is None:
-        return None
+        return
     method = config_q.get("quant_method") if isinstance(config_q, dict) else getattr(config_q, "quant_method", None)
     method = getattr(method, "value", method)  # transformers' QuantizationMethod enum
     inner = config_q.get("quantization_config", config_q) if isinstance(config_q, dict) else config_q
     inner = getattr(inner, "quantization_config", None) or inner  # transformers' CompressedTensorsConfig wraps it
     get = inner.get if isinstance(inner, dict) else lambda key: getattr(inner, key, None)
+    why = f"its config carries a quantization_config (quant_method {method!r})"
     if get("kv_cache_scheme") is not None and not get("config_groups"):  # KV-cache scales only, weights as loaded
-        return (
-            f"its config carries a quantization_config (quant_method {method!r}) with a kv_cache_scheme and no "
-            "weight scheme: its KV-cache scales, which transformers does not load, would be lost; put the "
-            "kv_cache_scheme in the recipe that compresses the full-precision model"
+        why += (
+            " with a kv_cache_scheme and no weight scheme: its KV-cache scales, which transformers does not load, "
+            "would be lost; put the kv_cache_scheme in the recipe that compresses the full-precision model"
         )
-    return f"its config carries a quantization_config (quant_method {method!r})"
+    raise ValueError(f"{owner}: the model is already quantized ({why}); {hint}")

@@ -8,8 +8,14 @@ decoder layer, with ``s``/``z`` the scale and zero point of a weight group:
   rounding offsets ``V`` (same shape as ``W``) lie in ``[-0.5, 0.5]``;
 * ``s, z`` come from the group's range clipped by learnable factors,
   ``[beta * min(W), alpha * max(W)]`` with ``alpha, beta`` in ``[0.5, 1]`` (one each
-  per group), through compressed-tensors' ``calculate_qparams`` (so the checkpoint's
-  packer reproduces the integers exactly);
+  per group). Asymmetric schemes take them from compressed-tensors' ``calculate_qparams``.
+  Symmetric schemes use the whole integer range as auto-round does (its ``int_sym``,
+  from llama.cpp): the side of larger magnitude maps exactly onto ``q_min = -2^(b-1)``,
+  so ``s = -alpha * max(W) / 2^(b-1)`` (a negative scale) when the maximum is larger and
+  ``s = -beta * min(W) / 2^(b-1)`` otherwise, ``z = 0``. compressed-tensors' own symmetric
+  scale, ``max|W| / 7.5`` for 4 bits, leaves the grid's ``-8`` unused on one side and
+  rounds the maximum to ``7``. The checkpoint's packer reproduces the integers exactly
+  either way (``round(W_hat / s)``), and transformers dequantizes ``q * s``;
 * ``V, alpha, beta`` start at ``0, 1, 1`` (round-to-nearest with the min/max range)
   and take ``iters`` steps of signed gradient descent,
   ``p <- p - lr_t * sign(dL/dp)``, ``lr_t`` decaying linearly from ``lr`` to 0,
@@ -21,9 +27,15 @@ decoder layer, with ``s``/``z`` the scale and zero point of a weight group:
   is kept (:attr:`AutoRoundModifier.layer_errors` says which).
 
 The layer's inputs are those the sequential pipeline propagates (through the
-layers already quantized, as GPTQ sees them), and its float output on them is the
-target. Only the sequential pipeline's plain order runs (the modifier hooks the
-whole decoder layer). The ``auto-round`` package is not used: it would install
+layers already quantized, as GPTQ sees them); the target is the float model's own
+output of the layer, i.e. the float layer on the float model's inputs, which the
+modifier carries from layer to layer (auto-round's ``enable_quanted_input``, its
+default: each layer learns to correct the error the quantized layers before it
+left). On SmolLM2-135M with 10 iterations, targets computed on the propagated
+inputs instead gave perplexity 55.98 (docs/rotations_autoround.md). A resumed run
+gets the float model's inputs to its first layer from the pipeline, which runs the
+restored layers as loaded (``resume_float_inputs``). Only the sequential pipeline's
+plain order runs (the modifier hooks the whole decoder layer). The ``auto-round`` package is not used: it would install
 beside torch 2.13 (pip's dry run adds datasets, pandas, pyarrow) but quantizes
 through its own wrappers and formats; this is the paper's algorithm on the
 compressed-tensors scheme, written here.
@@ -58,14 +70,17 @@ logger = logging.getLogger(__name__)
 CLIP_RANGE = (0.5, 1.0)
 #: Seed of the random choice of calibration samples per step (auto-round's default seed).
 SEED = 42
+#: Smallest magnitude of a symmetric scale (auto-round's ``q_scale_thresh``).
+SCALE_FLOOR = 1e-5
 
 
 @attrs.frozen
 class LayerErrors:
-    """Mean squared error of a decoder layer's output against its float output, on all calibration samples.
+    """Mean squared error of a decoder layer's output against the float model's output of that layer, on all
+    calibration samples (so it includes the error the quantized layers before it pass on).
 
     Attributes:
-        rtn: with round-to-nearest (``V = 0``, ``alpha = beta = 1``).
+        rtn: with round-to-nearest on the same grid (``V = 0``, ``alpha = beta = 1``).
         tuned: with the best tuned parameters.
         kept: ``"autoround"`` or ``"rtn"`` (when tuning did not lower the error).
     """
@@ -107,7 +122,19 @@ class _Tuned:
         return [self.v, self.alpha, self.beta]
 
     def qparams(self, *, final: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """Scale and zero point ``[rows, groups]`` from the clipped range (differentiable in the scale)."""
+        """Scale and zero point ``[rows, groups]`` from the clipped range (differentiable in the scale).
+
+        Symmetric: the whole range, the side of larger magnitude on ``q_min`` (signed scale, see the module
+        docstring; ``|s| >= 1e-5`` as auto-round); asymmetric: compressed-tensors' ``calculate_qparams``.
+        """
+        if self.row_args.symmetric:
+            hi = self.hi.clamp(min=0) * self.alpha
+            neg = -(self.lo.clamp(max=0) * self.beta)  # magnitude of the clipped minimum
+            scale = torch.where(hi < neg, neg, -hi) / -self.q_min
+            scale = torch.where(scale < 0, scale.clamp(max=-SCALE_FLOOR), scale.clamp(min=SCALE_FLOOR))
+            if final:
+                scale = storable(scale.detach(), self.dtype)
+            return scale, torch.zeros(self.shape[:2], dtype=self.row_args.zp_dtype, device=scale.device)
         lo = (self.lo * self.beta).reshape(-1, 1)
         hi = (self.hi * self.alpha).reshape(-1, 1)
         scale, zp = calculate_qparams(lo, hi, self.row_args)
@@ -173,7 +200,7 @@ def signround_layer(
         layer: the decoder layer (its weights are not modified here).
         targets: ``{name relative to layer: Linear}`` to quantize.
         inputs: per calibration batch, the layer's ``(args, kwargs)``; ``args[0]`` is ``[B, L, hidden]``.
-        outputs: per batch, the float layer's output hidden states on those inputs.
+        outputs: per batch, the target hidden states (the modifier gives the float model's output of the layer).
         args: the weights' ``QuantizationArgs`` (integer, channel or group strategy).
         iters: signed-gradient steps (>= 1).
         lr: step size of ``V``, ``alpha`` and ``beta``; default ``1 / iters`` (auto-round's).
@@ -283,8 +310,9 @@ class AutoRoundModifier(QuantizingModifier):
     The scheme must quantize weights only, as integers with channel or group
     strategy (``W4A16``, ``W8A16``, ...); ``observer`` must be ``minmax`` (AutoRound
     tunes the range itself). Requires state ``model`` and ``calibration_data``; runs
-    in one process. Memory: the current layer's inputs and float outputs for every
-    calibration sample, and three tensors per weight (``V``, and per group ``alpha``, ``beta``).
+    in one process. Memory: the current layer's inputs, its output on them and the float
+    model's hidden states before and after it, for every calibration sample, and three
+    tensors per weight (``V``, and per group ``alpha``, ``beta``).
     After the run :attr:`layer_errors` holds each layer's :class:`LayerErrors`.
 
     Raises (at construction): ``ValueError`` for an unsupported scheme or argument.
@@ -333,6 +361,9 @@ class AutoRoundModifier(QuantizingModifier):
         self._captured: dict[int, tuple[Inputs, list[torch.Tensor]]] = {}
         self._tuning = False  # the tuning loop's own forwards are not captured
         self._done: set[int] = set()  # layers tuned: the pipeline's propagation through them is not captured
+        #: per calibration batch, the float model's hidden states entering the next layer (``None``: the same as
+        #: the pipeline's, before the first layer)
+        self._float_hidden: list[torch.Tensor] | None = None
 
     # ---- hooks --------------------------------------------------------------------------------
     def on_initialize(self, state: Any) -> None:
@@ -347,16 +378,14 @@ class AutoRoundModifier(QuantizingModifier):
             )
             raise ValueError(msg)
         self.layer_errors = {}
-        self._layers = {
-            id(layer): (f"{name}.{i}", layer)
-            for i, layer in enumerate(layers)
-            if any(id(x) in self._names_by_id for x in layer.modules())
-        }
+        # every decoder layer, also one without targets: the float model's hidden states go through each
+        self._layers = {id(layer): (f"{name}.{i}", layer) for i, layer in enumerate(layers)}
 
     def on_calibration_start(self, state: Any) -> None:
         if is_distributed():
             msg = "AutoRoundModifier runs in one process: start it without torchrun (or with one process)"
             raise ValueError(msg)
+        self._float_hidden = None
         for key, (_, layer) in self._layers.items():
             self.register_hook(layer, self._capture_input(key), kind="forward_pre", with_kwargs=True)
             self.register_hook(layer, self._capture_output(key), kind="forward")
@@ -391,11 +420,19 @@ class AutoRoundModifier(QuantizingModifier):
     def on_calibration_end(self, state: Any) -> None:
         self._captured.clear()
         self._done.clear()
+        self._float_hidden = None
         super().on_calibration_end(state)
 
     def on_finalize(self, state: Any) -> None:
         self._captured.clear()
+        self._float_hidden = None
         super().on_finalize(state)
+
+    def resume_float_inputs(self, inputs: Sequence[tuple[tuple[Any, ...], dict[str, Any]]]) -> None:
+        """On a resumed run, before the first layer to compress: its calibration inputs as the float model computes
+        them (the pipeline ran the restored layers as loaded, before restoring them), per batch ``(args,
+        kwargs)`` with the hidden states ``[B, L, hidden]`` first."""
+        self._float_hidden = [args[0].detach() for args, _ in inputs]
 
     # ---- work ---------------------------------------------------------------------------------
     def _tune(self, layer_name: str, layer: nn.Module, key: int) -> None:
@@ -404,6 +441,7 @@ class AutoRoundModifier(QuantizingModifier):
         if len(inputs) != len(outputs):  # a forward stopped early: no float output for every batch
             msg = f"AutoRoundModifier: {layer_name} ran {len(inputs)} times but returned {len(outputs)} outputs"
             raise RuntimeError(msg)
+        outputs = self._float_outputs(layer, inputs, outputs)
         ids = {id(m) for m in self._targets.values()}
         rel = {n: m for n, m in layer.named_modules() if id(m) in ids and self._names_by_id[id(m)] not in self.results}
         if not rel:
@@ -438,6 +476,29 @@ class AutoRoundModifier(QuantizingModifier):
         for name in pending:
             self._acc[name] = acc
         self._compress_all(pending)
+
+    def _float_outputs(self, layer: nn.Module, inputs: Inputs, outputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The float model's output of ``layer`` per batch (its weights not yet quantized), kept as the next layer's
+        float inputs: ``outputs`` (the layer on the pipeline's inputs) while those are the float model's, else the
+        layer run on the float hidden states carried from the layer before, with each batch's other arguments."""
+        if self._float_hidden is not None:
+            if len(self._float_hidden) != len(inputs):
+                msg = (
+                    f"AutoRoundModifier: {len(inputs)} calibration batches reached this layer, but the float model's "
+                    f"hidden states were carried for {len(self._float_hidden)}"
+                )
+                raise RuntimeError(msg)
+            self._tuning = True  # these forwards are not captured
+            try:
+                with torch.no_grad():
+                    outputs = [
+                        first_output(layer(hidden, *args[1:], **kwargs)).detach()
+                        for hidden, (args, kwargs) in zip(self._float_hidden, inputs, strict=True)
+                    ]
+            finally:
+                self._tuning = False
+        self._float_hidden = outputs
+        return outputs
 
     def _new_accumulator(self, module: nn.Module) -> Any:
         return None  # no per-module statistics: the layer's inputs are captured whole

@@ -282,11 +282,14 @@ def storable(scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``scale`` (float32) rounded to the values a ``dtype`` parameter holds, still float32.
 
     compressed-tensors stores ``weight_scale`` in the weight's dtype; a bfloat16 / float16 model whose weights
-    were rounded with the float32 scale would reload (from the rounded scale) as a different model.
+    were rounded with the float32 scale would reload (from the rounded scale) as a different model. The sign is
+    kept (AutoRound's symmetric scales may be negative); a magnitude below the dtype's smallest normal becomes it.
     """
     if not dtype.is_floating_point or torch.finfo(dtype).bits >= torch.finfo(scale.dtype).bits:
         return scale
-    return scale.to(dtype).to(scale.dtype).clamp_min_(torch.finfo(dtype).tiny)
+    rounded = scale.to(dtype).to(scale.dtype)
+    tiny = torch.finfo(dtype).tiny
+    return torch.where(rounded < 0, rounded.clamp(max=-tiny), rounded.clamp(min=tiny))
 
 
 @torch.no_grad()

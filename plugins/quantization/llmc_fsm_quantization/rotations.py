@@ -43,7 +43,7 @@ import torch
 from torch import nn
 
 import llmc_fsm
-from llmc_fsm.toolkit import already_quantized
+from llmc_fsm.toolkit import check_not_quantized
 
 __all__ = [
     "FUSED_ROTATIONS",
@@ -532,10 +532,7 @@ class SpinQuantModifier(llmc_fsm.Modifier):
             ValueError: an already quantized model, a model that is not Llama-style, or a size with no
                 Hadamard matrix (``transform_block_size`` not dividing ``hidden_size``...).
         """
-        already = already_quantized(model)
-        if already is not None:
-            msg = f"SpinQuantModifier: the model is already quantized ({already}); rotate the full-precision model"
-            raise ValueError(msg)
+        check_not_quantized(model, "SpinQuantModifier", "rotate the full-precision model")
         quantized = [n for n, m in model.named_modules() if hasattr(m, "quantization_scheme")]
         if quantized:
             msg = (

@@ -39,7 +39,7 @@ from llmc_fsm import Modifier
 from llmc_fsm.toolkit import (
     LinearView,
     all_reduce_tensor,
-    already_quantized,
+    check_not_quantized,
     observe_inputs,
     patterns,
     weight_views,
@@ -207,13 +207,9 @@ class SmoothingModifier(Modifier):
             ValueError: as :meth:`resolve`, or the model is already quantized (smoothing a quantized
                 weight would move it off its grid).
         """
-        already = already_quantized(model)
-        if already is not None:
-            msg = (
-                f"{type(self).__name__}: the model is already quantized ({already}); smooth the original "
-                "full-precision model, before quantizing it"
-            )
-            raise ValueError(msg)
+        check_not_quantized(
+            model, type(self).__name__, "smooth the original full-precision model, before quantizing it"
+        )
         modules = _modules_of(self.resolve(model))
         quantized = [name for name, module in modules.items() if hasattr(module, "quantization_scheme")]
         if quantized:

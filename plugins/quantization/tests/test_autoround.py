@@ -36,6 +36,27 @@ def _output_mse(layer, weights: dict, inputs, targets) -> float:
     return se / sum(t.numel() for t in targets)
 
 
+def _full_range_rtn(w: torch.Tensor, args) -> torch.Tensor:
+    """Round-to-nearest on AutoRound's grid, computed group by group in float64: symmetric, the side of larger
+    magnitude on -2^(b-1) (auto-round's int_sym); asymmetric, compressed-tensors' grid."""
+    if not args.symmetric:
+        return rtn_quantize(w, args).weight
+    rows, cols = w.shape
+    size = args.group_size or cols
+    half = 2 ** (args.num_bits - 1)
+    out = torch.empty_like(w)
+    for r in range(rows):
+        for g0 in range(0, cols, size):
+            group = w[r, g0 : g0 + size].detach().double()
+            top, bottom = max(float(group.max()), 0.0), -min(float(group.min()), 0.0)
+            scale = bottom / half if top < bottom else -top / half
+            scale = scale if abs(scale) >= 1e-5 else (1e-5 if scale >= 0 else -1e-5)
+            scale = float(torch.tensor(scale, dtype=torch.float32))  # the stored scale
+            q = torch.clamp(torch.round(group / scale), -half, half - 1)
+            out[r, g0 : g0 + size] = (q * scale).to(w.dtype)
+    return out
+
+
 W8_CHANNEL = {"weights": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"}}
 
 
@@ -53,10 +74,11 @@ def test_autoround_lowers_each_layers_output_error_against_rtn(scheme) -> None:
         linears = {name: layer.get_submodule(name) for name in LINEARS}
         quantized, errors = signround_layer(layer, linears, inputs, targets, args=args, iters=40, batch_size=4)
         rtn = _output_mse(layer, {n: rtn_quantize(m.weight, args).weight for n, m in linears.items()}, inputs, targets)
+        own_rtn = _output_mse(layer, {n: _full_range_rtn(m.weight, args) for n, m in linears.items()}, inputs, targets)
         tuned = _output_mse(layer, {n: q.weight for n, q in quantized.items()}, inputs, targets)
-        assert tuned < rtn, (index, tuned, rtn)
+        assert tuned < rtn and tuned < own_rtn, (index, tuned, rtn, own_rtn)
         assert errors.kept == "autoround"
-        assert errors.rtn == pytest.approx(rtn, rel=1e-4) and errors.tuned == pytest.approx(tuned, rel=1e-4)
+        assert errors.rtn == pytest.approx(own_rtn, rel=1e-4) and errors.tuned == pytest.approx(tuned, rel=1e-4)
         for name, q in quantized.items():  # on the grid its scale / zero point define: the packer finds the same
             w = linears[name].weight
             assert q.scale.shape == q.zero_point.shape
@@ -78,8 +100,55 @@ def test_autoround_keeps_round_to_nearest_when_tuning_does_not_help() -> None:
     # a step so large that every offset jumps to the end of its range: worse than round-to-nearest
     quantized, errors = signround_layer(layer, linears, inputs, targets, args=args, iters=1, lr=10.0, batch_size=4)
     assert errors.kept == "rtn" and errors.tuned >= errors.rtn
-    for name, q in quantized.items():
-        assert torch.equal(q.weight, rtn_quantize(linears[name].weight, args).weight)
+    for name, q in quantized.items():  # round-to-nearest on AutoRound's own (whole-range) grid
+        assert torch.equal(q.weight, _full_range_rtn(linears[name].weight, args))
+
+
+def test_the_symmetric_grid_puts_the_larger_side_on_minus_two_to_the_bits_minus_one() -> None:
+    """auto-round's int_sym, by hand: group [-1.0, 0.5, 0.25, 0.0] has the larger magnitude below zero, so its
+    scale is 1/8 and -1.0 is code -8; group [2.0, -0.5, 1.0, 0.3] has it above, so the scale is -2/8 and 2.0 is
+    code -8 too; clipping factors scale the side they clip (alpha: the maximum)."""
+    from compressed_tensors.quantization import QuantizationArgs
+    from llmc_fsm_quantization.autoround import _Tuned
+
+    args = QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group", group_size=4)
+    w = torch.tensor([[-1.0, 0.5, 0.25, 0.0, 2.0, -0.5, 1.0, 0.3]])
+    tuned = _Tuned(w, args)
+    scale, zero_point = tuned.qparams(final=True)
+    assert scale.tolist() == [[0.125, -0.25]] and zero_point.tolist() == [[0, 0]]
+    assert tuned.quantized(final=True).tolist() == [[-1.0, 0.5, 0.25, 0.0, 2.0, -0.5, 1.0, 0.25]]
+    codes = torch.round(w.reshape(2, 4) / scale.reshape(2, 1))
+    assert codes.tolist() == [[-8.0, 4.0, 2.0, 0.0], [-8.0, 2.0, -4.0, -1.0]]
+    with torch.no_grad():
+        tuned.alpha.fill_(0.75)  # the maximum clipped to 1.5 in group 2; group 1's maximum 0.5 < 1.0 stays below
+    assert tuned.qparams(final=True)[0].tolist() == [[0.125, -0.1875]]
+
+
+def test_each_layer_is_tuned_toward_the_float_models_own_output(monkeypatch) -> None:
+    """The target of layer k is the float model's hidden states after layer k (its own forward), not the float
+    layer on the inputs the quantized layers before it produce; those inputs are what the layer is tuned on."""
+    import llmc_fsm_quantization.autoround as autoround
+
+    model = llama(layers=3, hidden=64, heads=4, kv_heads=2)
+    data = torch.randint(0, 128, (8, 24), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        hidden = model(data, output_hidden_states=True).hidden_states  # [input of layer 0, ..., after the norm]
+    seen: list[tuple[torch.Tensor, torch.Tensor]] = []
+    real = autoround.signround_layer
+
+    def spy(layer, targets, inputs, outputs, **kwargs):
+        seen.append((torch.cat([a[0] for a, _ in inputs]), torch.cat(outputs)))
+        return real(layer, targets, inputs, outputs, **kwargs)
+
+    monkeypatch.setattr(autoround, "signround_layer", spy)
+    recipe = {"q": {"AutoRoundModifier": {"scheme": W4G16, "iters": 4, "batch_size": 4}}}
+    llmc_fsm.oneshot(model=model, recipe=recipe, dataset=data, batch_size=4, progress=False)
+    assert len(seen) == 3
+    for k, (inputs, targets) in enumerate(seen[:2]):  # the last layer's output is normed in hidden_states
+        torch.testing.assert_close(targets, hidden[k + 1], rtol=1e-5, atol=1e-5)
+    assert torch.equal(seen[0][0], hidden[0])
+    for k, (inputs, _) in enumerate(seen[1:], start=1):  # through quantized layers: not the float model's
+        assert not torch.allclose(inputs, hidden[k], rtol=1e-3, atol=1e-3)
 
 
 def test_autoround_one_shot_saves_and_reloads_with_equal_logits(tmp_path) -> None:
