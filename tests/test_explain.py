@@ -323,6 +323,10 @@ NO_SCHEME = (
     "recipe and its GPTQModifier only uses a config an earlier modifier attached; give scheme: W4A16 for the same run "
     "there"
 )
+NO_SCHEME_AUTOROUND = (
+    "llm-compressor has no default scheme: without scheme or config_groups its AutoRoundModifier has none to tune and "
+    "stops ('AutoRoundModifier requires at least one quantization scheme'); give scheme: W4A16 for the same run there"
+)
 GPTQ_REST = (
     "kv_cache_scheme=None (default), calibrate_all_experts=False (default), block_size=128 (default), "
     "dampening_frac=0.01 (default), actorder='static' (default)"
@@ -400,3 +404,15 @@ def test_explain_names_where_llm_compressor_pruning_defaults_differ(registry: Mo
         "ignore=['lm_head'] (default; llm-compressor has no ignore: every module its targets match is pruned there, "
         "lm_head included)"
     )
+
+
+def test_explain_names_llmcompressors_autoround_defaults(registry: ModifierRegistry) -> None:
+    """AutoRound's note is its own (llm-compressor's AutoRoundModifier stops without a scheme), not GPTQ's."""
+    from llmc_fsm_quantization.autoround import AutoRoundModifier
+
+    registry.register(AutoRoundModifier)
+    line = _arguments_line("s: {AutoRoundModifier: {}}")
+    assert line.startswith(
+        f"targets=['Linear'] (default), scheme='W4A16' (default; {NO_SCHEME_AUTOROUND}), config_groups=None (default)"
+    )
+    assert f"ignore=['lm_head'] (default; {LM_HEAD})" in line and "GPTQModifier" not in line

@@ -286,6 +286,11 @@ _NO_DEFAULT_SCHEME = (
     "there"
 )
 
+_NO_DEFAULT_SCHEME_AUTOROUND = (
+    "llm-compressor has no default scheme: without scheme or config_groups its AutoRoundModifier has none to tune and "
+    "stops ('AutoRoundModifier requires at least one quantization scheme'); give scheme: W4A16 for the same run there"
+)
+
 _LM_HEAD_PRUNED = (
     "llm-compressor's default ignore is empty, which prunes lm_head too (with a warning): give ignore: [] for that"
 )
@@ -301,8 +306,9 @@ _LM_HEAD_PRUNED = (
 DEFAULT_DIFFERENCES: dict[str, dict[str, str]] = {
     **{
         name: {"ignore": _LM_HEAD_DENSE, "scheme": _NO_DEFAULT_SCHEME}
-        for name in ("GPTQModifier", "QuantizationModifier", "AutoRoundModifier")
+        for name in ("GPTQModifier", "QuantizationModifier")
     },
+    "AutoRoundModifier": {"ignore": _LM_HEAD_DENSE, "scheme": _NO_DEFAULT_SCHEME_AUTOROUND},
     **{
         name: {
             "ignore": _LM_HEAD_PRUNED,
