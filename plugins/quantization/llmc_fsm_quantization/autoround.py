@@ -403,7 +403,8 @@ class AutoRoundModifier(QuantizingModifier):
 
     def _capture_output(self, key: int) -> Any:
         def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-            if not self._tuning and key not in self._done:
+            # past the first layer the target is the float model's output (:meth:`_float_outputs`), not this one
+            if not self._tuning and key not in self._done and self._float_hidden is None:
                 self._captured.setdefault(key, ([], []))[1].append(first_output(output).detach())
 
         return hook
@@ -438,7 +439,7 @@ class AutoRoundModifier(QuantizingModifier):
     def _tune(self, layer_name: str, layer: nn.Module, key: int) -> None:
         inputs, outputs = self._captured.pop(key)
         self._done.add(key)
-        if len(inputs) != len(outputs):  # a forward stopped early: no float output for every batch
+        if self._float_hidden is None and len(inputs) != len(outputs):  # a forward stopped early
             msg = f"AutoRoundModifier: {layer_name} ran {len(inputs)} times but returned {len(outputs)} outputs"
             raise RuntimeError(msg)
         outputs = self._float_outputs(layer, inputs, outputs)
