@@ -36,7 +36,7 @@ one that has not keeps no per-layer progress (:func:`resumable`). A modifier tha
 the float model's hidden states from layer to layer (AutoRound's targets) has
 ``resume_float_inputs(inputs)``: the resumed run also runs its calibration inputs through
 each restored layer as loaded, before restoring it, and hands the result over
-(:func:`llmc_fsm.pipeline.layer.float_followers`).
+(:class:`llmc_fsm.pipeline.layer.RestoredLayers`).
 """
 
 from __future__ import annotations

@@ -36,6 +36,7 @@ from llmc_fsm.pipeline.forward import Calls, Inputs, StopForward, call_order, fi
 from llmc_fsm.pipeline.true_sequential import plan_groups, run_grouped
 
 __all__ = [
+    "RestoredLayers",
     "activation_quantization_off",
     "calibrate_layer",
     "compress_layer",
@@ -90,11 +91,60 @@ def defers_weights(modifiers: Sequence[Any]) -> bool:
     return bool(modifiers) and all(getattr(m, "defers_weight_update", False) is True for m in modifiers)
 
 
-def float_followers(modifiers: Sequence[Any]) -> list[Any]:
-    """The modifiers that carry the float model's hidden states from layer to layer (AutoRound's targets): they
-    have ``resume_float_inputs(inputs)``, which a resumed run calls before its first layer with that layer's
-    calibration inputs as the float model computes them (the restored layers run as loaded, before restoring)."""
-    return [m for m in modifiers if callable(getattr(m, "resume_float_inputs", None))]
+class RestoredLayers:
+    """The calibration inputs a resumed run carries through the decoder layers it restores from saved progress, as
+    the interrupted run computed them, and the float model's inputs for the modifiers that follow it.
+
+    Through each restored layer (:meth:`through`): when every modifier defers its weight update
+    (:func:`defers_weights`), the inputs go through the layer as loaded, before it is restored (the interrupted run
+    propagated each layer's output before compressing it); otherwise through the restored layer. Modifiers with
+    ``resume_float_inputs(inputs)`` carry the float model's hidden states from layer to layer (AutoRound's targets,
+    each layer's float output): for them the float inputs also go through each layer as loaded, and
+    :meth:`hand_over` gives them the first compressed layer's (the restored layers' own inputs when deferred: the
+    same values).
+
+    Args:
+        modifiers: the session's modifiers.
+        inputs: the first decoder layer's calibration inputs, per batch ``(args, kwargs)``.
+        resuming: some but not all layers are restored (nothing needs propagating when every layer is).
+    """
+
+    def __init__(self, modifiers: Sequence[Any], inputs: Inputs, *, resuming: bool) -> None:
+        self.deferred = defers_weights(modifiers)
+        self.followers = [m for m in modifiers if callable(getattr(m, "resume_float_inputs", None))]
+        self.resuming = resuming
+        self.inputs = inputs
+        self.floats: Inputs | None = inputs if self.followers and resuming and not self.deferred else None
+
+    def through(
+        self,
+        layer: nn.Module,
+        restore: Callable[[], None],
+        *,
+        onload: Callable[[nn.Module], contextlib.AbstractContextManager[Any]],
+        hold: Callable[[Inputs], Inputs],
+        need_outputs: bool = True,
+    ) -> None:
+        """Restore ``layer`` (``restore()``: its saved compressed state into it) and, while resuming and
+        ``need_outputs``, replace :attr:`inputs` (and :attr:`floats`) by its outputs, each forward inside
+        ``onload(layer)`` (where the layer computes) and each result kept by ``hold`` (where activations live)."""
+        propagating = self.resuming and need_outputs
+        if propagating and (self.deferred or self.floats is not None):
+            with onload(layer):  # the layer as loaded: the float model's
+                if self.deferred:
+                    self.inputs = hold(propagate(layer, self.inputs, calibration=True))
+                else:
+                    self.floats = hold(propagate(layer, self.floats, calibration=True))  # type: ignore[arg-type]
+        restore()
+        if propagating and not self.deferred:
+            with onload(layer):
+                self.inputs = hold(propagate(layer, self.inputs, calibration=True))
+
+    def hand_over(self) -> None:
+        """Give each float-following modifier the float model's inputs of the first layer to compress."""
+        if self.resuming:
+            for modifier in self.followers:
+                modifier.resume_float_inputs(self.inputs if self.deferred else self.floats)
 
 
 def _has_hooks(module: nn.Module, *, post_only: bool = False) -> bool:

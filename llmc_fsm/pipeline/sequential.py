@@ -45,7 +45,7 @@ from llmc_fsm.core.errors import LifecycleError
 from llmc_fsm.models.layers import check_calibrates_from_text, find_decoder_layers
 from llmc_fsm.pipeline.device import ActivationStore, activation_store, describe_device, onloaded, resolve_device
 from llmc_fsm.pipeline.forward import Inputs, capture_layer_inputs, record_calls_per_class
-from llmc_fsm.pipeline.layer import compress_layer, defers_weights, float_followers, propagate
+from llmc_fsm.pipeline.layer import RestoredLayers, compress_layer
 from llmc_fsm.session.session import Session
 from llmc_fsm.toolkit.calibrated import CalibratedModifier
 from llmc_fsm.toolkit.heap import trim_heap
@@ -363,9 +363,7 @@ def _run_layers(
     wanted = (early_exit or true_sequential) and len(inputs) > 0
     calls = record_calls_per_class(layers, inputs[0], device=runner.device) if wanted else {}
     session.calibration_start()
-    start, inputs = _resume(
-        layers, inputs, checkpoint, runner, defers_weights(session.modifiers), float_followers(session.modifiers)
-    )
+    start, inputs = _resume(layers, inputs, checkpoint, runner, session.modifiers)
     layer_seconds: list[float] = []
     bar = tqdm(
         range(start, len(layers)),
@@ -412,31 +410,22 @@ def _resume(
     inputs: Inputs,
     checkpoint: LayerCheckpoint | None,
     runner: _LayerRunner,
-    deferred: bool,
-    followers: list[Any],
+    modifiers: list[Any],
 ) -> tuple[int, Inputs]:
     """Restore the layers ``checkpoint`` holds and run the calibration inputs through them (each onloaded), as the
-    interrupted run computed them: through the restored layer, or, when the modifiers defer their weight update
-    (:func:`llmc_fsm.pipeline.layer.defers_weights`), through the layer as loaded, before it is restored.
-    ``followers`` (:func:`llmc_fsm.pipeline.layer.float_followers`) get the inputs as the float model computes them:
-    through each layer as loaded."""
+    interrupted run computed them (:class:`llmc_fsm.pipeline.layer.RestoredLayers`); the modifiers that follow the
+    float model get its inputs to the first layer compressed now."""
     start = checkpoint.layers_done(len(layers)) if checkpoint is not None else 0
-    resuming = 0 < start < len(layers)
-    floats = inputs if followers and resuming and not deferred else None
+    restored = RestoredLayers(modifiers, inputs, resuming=0 < start < len(layers))
     for index in range(start):
-        if resuming and (deferred or floats is not None):
-            with runner.onload(layers[index]):  # the layer as loaded: the float model's
-                if deferred:
-                    inputs = runner.store.hold(propagate(layers[index], inputs, calibration=True))
-                else:
-                    floats = runner.store.hold(propagate(layers[index], floats, calibration=True))
-        checkpoint.restore(index, layers[index])  # type: ignore[union-attr]
-        if not deferred and resuming:
-            with runner.onload(layers[index]):
-                inputs = runner.store.hold(propagate(layers[index], inputs, calibration=True))
-    if followers and resuming:
-        for modifier in followers:
-            modifier.resume_float_inputs(inputs if deferred else floats)
+        restored.through(
+            layers[index],
+            lambda index=index: checkpoint.restore(index, layers[index]),  # type: ignore[union-attr]
+            onload=runner.onload,
+            hold=runner.store.hold,
+        )
+    restored.hand_over()
+    inputs = restored.inputs
     if start:
         logger.info("resumed: %d of %d decoder layers restored from saved progress", start, len(layers))
     return start, inputs

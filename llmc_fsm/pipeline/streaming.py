@@ -54,7 +54,7 @@ from llmc_fsm.models.lazy import LazyModel, ShardWriter
 from llmc_fsm.output.save import compressed_state_dict, quantized_modules
 from llmc_fsm.pipeline.device import ActivationStore, activation_store, onloaded
 from llmc_fsm.pipeline.forward import Calls, Inputs, capture_layer_inputs, record_calls
-from llmc_fsm.pipeline.layer import compress_layer, defers_weights, float_followers, propagate
+from llmc_fsm.pipeline.layer import RestoredLayers, compress_layer, propagate
 from llmc_fsm.pipeline.sequential import (
     LayerCheckpoint,
     activation_bytes,
@@ -370,15 +370,11 @@ def compress_streaming(
         start = 0
         if checkpoint is not None:
             start = checkpoint.layers_done(len(lazy.layers))
-            deferred, followers = defers_weights(session.modifiers), float_followers(session.modifiers)
-            floats = inputs if followers and not deferred and 0 < start < len(lazy.layers) else None
+            restored = RestoredLayers(session.modifiers, inputs, resuming=0 < start < len(lazy.layers))
             for index in range(start):
-                inputs, floats = _restore_layer(
-                    checkpoint, lazy, writer, index, inputs, floats, result, device, store, deferred
-                )
-            if followers and 0 < start < len(lazy.layers):
-                for modifier in followers:  # the float model's inputs to the first layer compressed now
-                    modifier.resume_float_inputs(inputs if deferred else floats)
+                _restore_layer(checkpoint, lazy, writer, index, restored, result, device, store)
+            restored.hand_over()
+            inputs = restored.inputs
         if start:
             logger.info("resumed: %d of %d decoder layers restored from saved progress", start, len(lazy.layers))
         for index in _bar(len(lazy.layers), "compressing layers", progress, start):
@@ -432,35 +428,27 @@ def _restore_layer(
     lazy: LazyModel,
     writer: ShardWriter,
     index: int,
-    inputs: Inputs,
-    floats: Inputs | None,
+    restored: RestoredLayers,
     result: StreamedCompression,
     device: torch.device,
     store: ActivationStore,
-    deferred: bool,
-) -> tuple[Inputs, Inputs | None]:
-    """Read decoder layer ``index``, load its saved compressed state, run the calibration inputs (as the
-    interrupted run did: :func:`~llmc_fsm.pipeline.sequential._resume`) and the evaluation windows through it,
-    measure and write it; return the next layer's inputs, and ``floats`` (the float model's calibration inputs,
-    for :func:`~llmc_fsm.pipeline.layer.float_followers`; ``None``: not carried) run through the layer as read."""
+) -> None:
+    """Read decoder layer ``index``, load its saved compressed state, carry the calibration inputs through it (as
+    the interrupted run did: :class:`~llmc_fsm.pipeline.layer.RestoredLayers`) and the evaluation windows, measure
+    and write it."""
     layer = lazy.layers[index]
-    need_outputs = index + 1 < len(lazy.layers) and bool(inputs)
     with lazy.materialized(lazy.layer_names(index), layer):
-        outputs = None
-        if need_outputs and (deferred or floats is not None):  # the layer as read, before its compressed state
+        restored.through(
+            layer,
+            lambda: checkpoint.restore(index, layer),
+            onload=lambda module: onloaded(module, device),
+            hold=store.hold,
+            need_outputs=index + 1 < len(lazy.layers) and bool(restored.inputs),
+        )
+        if result.eval_states is not None:
             with onloaded(layer, device):
-                if deferred:  # as the interrupted run computed them
-                    outputs = propagate(layer, inputs, calibration=True)
-                else:
-                    floats = store.hold(propagate(layer, floats, calibration=True))
-        checkpoint.restore(index, layer)
-        with onloaded(layer, device):
-            if not deferred and need_outputs:
-                outputs = propagate(layer, inputs, calibration=True)
-            if result.eval_states is not None:
                 result.eval_states = store.hold(propagate(layer, result.eval_states))
         _write_layer(lazy, writer, index, result)
-    return (store.hold(outputs) if outputs is not None else []), floats
 
 
 def _write_layer(lazy: LazyModel, writer: ShardWriter, index: int, result: StreamedCompression) -> None:
