@@ -64,6 +64,7 @@ from llmc_fsm.pipeline.sequential import (
 from llmc_fsm.report.build import ModuleSparsity, measure_sparsity
 from llmc_fsm.session.session import Session
 from llmc_fsm.toolkit.calibrated import CalibratedModifier
+from llmc_fsm.toolkit.heap import trim_heap
 from llmc_fsm.toolkit.views import weight_views
 
 __all__ = [
@@ -379,6 +380,7 @@ def compress_streaming(
             logger.info("resumed: %d of %d decoder layers restored from saved progress", start, len(lazy.layers))
         for index in _bar(len(lazy.layers), "compressing layers", progress, start):
             inputs = _compress_layer(session, lazy, writer, index, inputs, calls, result, device, store, checkpoint)
+            trim_heap()  # the layer's freed weights and activations go back to the system
         del inputs
         session.calibration_end()
     result.activations = store.report()
