@@ -455,6 +455,25 @@ def test_an_interrupted_autoround_run_resumes_to_the_uninterrupted_checkpoint(st
     assert [name for name in ref if without[name] != ref[name]] != []
 
 
+@pytest.mark.parametrize("low_memory", [False, True], ids=["in-memory", "streamed"])
+def test_a_resumed_autoround_run_reports_every_layers_tuning(streamed, tmp_path, monkeypatch, low_memory):
+    """AutoRound's per-layer tuning errors (report.json ``tuning``) of the layers restored from progress come from
+    the saved layers (``progress_state``): the resumed run's report has every layer's, equal to the uninterrupted
+    run's."""
+    streamed(tmp_path / "ref", recipe=AUTOROUND, low_memory=low_memory)
+    with monkeypatch.context() as m:
+        _interrupt_after(m, layer=1)
+        with pytest.raises(KeyboardInterrupt):
+            streamed(tmp_path / "out", recipe=AUTOROUND, low_memory=low_memory)
+    compressed = _count_compressed_layers(monkeypatch)
+    streamed(tmp_path / "out", recipe=AUTOROUND, low_memory=low_memory, resume=True)
+    assert len(compressed) == 2  # layers 0 and 1 restored, not tuned again
+    ref, out = (json.loads((tmp_path / d / "report.json").read_text())["tuning"] for d in ("ref", "out"))
+    assert list(out) == list(ref) == ["AutoRoundModifier (q)"]
+    assert sorted(out["AutoRoundModifier (q)"]) == [f"model.layers.{k}" for k in range(4)]
+    assert out == ref
+
+
 @pytest.mark.parametrize("first", ["in memory", "streamed"])
 def test_progress_resumes_bitwise_on_the_other_path(streamed, tmp_path, monkeypatch, first):
     """In-memory progress resumed by a streamed run, and streamed progress by an in-memory run: the same files (one

@@ -32,7 +32,8 @@ names what differs. A modifier that keeps per-layer state of its own (overrides
 when it has ``progress_state(layer) -> dict`` (JSON values: its state for the modules
 inside ``layer``, saved in the layer's metadata) and
 ``restore_progress_state(layer, state)`` (the smoothing modifiers have them); a run with
-one that has not keeps no per-layer progress (:func:`resumable`). A modifier that carries
+one that has not keeps no per-layer progress (:func:`resumable`). A ``CalibratedModifier``
+with these methods keeps that state beside its results (AutoRound: each layer's tuning errors). A modifier that carries
 the float model's hidden states from layer to layer (AutoRound's targets) has
 ``resume_float_inputs(inputs)``: the resumed run also runs its calibration inputs through
 each restored layer as loaded, before restoring it, and hands the result over
@@ -278,6 +279,7 @@ class LayerProgress:
             modifier = self.modifiers[label]
             if "state" in saved:  # a modifier with its own per-layer state (see the module docstring)
                 modifier.restore_progress_state(layer, saved["state"])
+            if "results" not in saved:
                 continue
             modifier.results.update({name: ModuleResult(**fields) for name, fields in saved["results"].items()})
             modifier.skipped.extend(n for n in saved["skipped"] if n not in modifier.skipped)
@@ -300,6 +302,8 @@ class LayerProgress:
                     n: c for n, c in (getattr(modifier, "routed_tokens", None) or {}).items() if n in names
                 },
             }
+            if callable(getattr(modifier, "progress_state", None)):  # and state of its own (AutoRound's errors)
+                out[label]["state"] = modifier.progress_state(layer)
         return out
 
 

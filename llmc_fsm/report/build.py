@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import resource
+import statistics
 import sys
 import time
 from collections.abc import Iterable
@@ -131,6 +132,10 @@ class OneshotReport:
     #: quantization ``q_scale``; each a list of floats: one per tensor, one per key/value head per head), from a
     #: quantizing modifier's ``kv_cache_results``. Empty: no KV cache scheme ran.
     kv_cache: dict[str, dict[str, dict[str, list[float]]]] = attrs.field(factory=dict)
+    #: modifier label -> decoder layer -> what a tuning modifier (AutoRound) measured there (its ``tuning_results``):
+    #: ``rtn_mse`` and ``tuned_mse``, the mean squared error of the layer's output against the float model's with
+    #: round-to-nearest and with the tuned rounding, and ``kept`` (``"autoround"`` or ``"rtn"``). Empty: none ran.
+    tuning: dict[str, dict[str, dict[str, Any]]] = attrs.field(factory=dict)
 
     def finish(self, t_start: float) -> None:
         """Set the total wall time (since ``t_start``, a ``time.perf_counter()`` value) and the peak RSS."""
@@ -226,6 +231,7 @@ class OneshotReport:
             **({"smoothing": self.smoothing} if self.smoothing else {}),
             **({"execution": self.execution} if self.execution else {}),
             **({"kv_cache": self.kv_cache} if self.kv_cache else {}),
+            **({"tuning": self.tuning} if self.tuning else {}),
             "disk": self.disk,
             "seconds": self.seconds,
             "max_rss_bytes": self.max_rss_bytes,
@@ -273,6 +279,7 @@ class OneshotReport:
             smoothing=data.get("smoothing") or {},
             execution=data.get("execution"),
             kv_cache=data.get("kv_cache") or {},
+            tuning=data.get("tuning") or {},
         )
 
     def format_table(self) -> str:
@@ -305,6 +312,7 @@ class OneshotReport:
         lines.extend(self._routed_tokens_note())
         lines.extend(_smoothing_line(label, results) for label, results in self.smoothing.items())
         lines.extend(_kv_cache_line(label, scales) for label, scales in self.kv_cache.items())
+        lines.extend(_tuning_line(label, results) for label, results in self.tuning.items())
         untouched = [m for m in self.modules if m.name not in set(self.targeted)]
         total_numel = sum(m.numel for m in self._targeted())
         lines.append(f"{'total':>7}  {total_numel:>10,}  {self.total_sparsity:>8.2%}   (targeted Linear weights)")
@@ -416,6 +424,19 @@ def _kv_cache_line(label: str, scales: dict[str, dict[str, list[float]]]) -> str
     return f"{label}: FP8 scales calibrated on {len(scales)} attention modules: {'; '.join(ranges)}"
 
 
+def _tuning_line(label: str, results: dict[str, dict[str, Any]]) -> str:
+    """One line summing up a tuning modifier's ``tuning_results`` (see :attr:`OneshotReport.tuning`): per layer the
+    ratio of the kept weights' output MSE to round-to-nearest's (``tuned_mse / rtn_mse`` where the tuning was kept,
+    1 where round-to-nearest was), its median and range, and the layers that kept round-to-nearest."""
+    ratios = [r["tuned_mse"] / r["rtn_mse"] if r["kept"] != "rtn" else 1.0 for r in results.values()]
+    rtn = [name for name, r in results.items() if r["kept"] == "rtn"]
+    kept = f"round-to-nearest kept on {len(rtn)}: {compact_names(rtn)}" if rtn else "tuning kept on every layer"
+    return (
+        f"{label}: {len(results)} layers tuned; output MSE vs round-to-nearest: median ratio "
+        f"{statistics.median(ratios):.3f} ({min(ratios):.3f}-{max(ratios):.3f}); {kept}"
+    )
+
+
 def _mean_by_modifier(modules: list[ModuleSparsity]) -> str:
     by: dict[str, list[float | None]] = {}
     for m in modules:
@@ -477,6 +498,7 @@ def build_report(
     stage_of = {id(m): stage.name for stage in getattr(recipe, "stages", []) for m in stage.modifiers}
     smoothing: dict[str, dict[str, dict[str, Any]]] = {}
     kv_scales: dict[str, dict[str, dict[str, list[float]]]] = {}
+    tuning: dict[str, dict[str, dict[str, Any]]] = {}
     for modifier in modifiers:
         label = type(modifier).__name__ + (f" ({stage_of[id(modifier)]})" if id(modifier) in stage_of else "")
         if getattr(modifier, "smoothing_results", None):
@@ -485,6 +507,8 @@ def build_report(
             smoothing[f"{label} clipping"] = dict(modifier.clipping_results)
         if getattr(modifier, "kv_cache_results", None):
             kv_scales[label] = dict(modifier.kv_cache_results)
+        if getattr(modifier, "tuning_results", None):  # AutoRound: per decoder layer
+            tuning[label] = dict(modifier.tuning_results)
         for name, result in (getattr(modifier, "results", None) or {}).items():
             entry = by_name.get(name)
             if entry is None:
@@ -511,4 +535,5 @@ def build_report(
         smoothing=smoothing,
         execution=execution,
         kv_cache=kv_scales,
+        tuning=tuning,
     )

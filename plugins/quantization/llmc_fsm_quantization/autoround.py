@@ -89,6 +89,20 @@ class LayerErrors:
     tuned: float
     kept: str
 
+    def as_dict(self) -> dict[str, Any]:
+        """``{"rtn_mse", "tuned_mse", "kept"}`` (JSON values: floats and a str), as the report and a resumed run's
+        saved progress hold it."""
+        return {"rtn_mse": float(self.rtn), "tuned_mse": float(self.tuned), "kept": str(self.kept)}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> LayerErrors:
+        """The :class:`LayerErrors` that :meth:`as_dict` returned ``data`` for.
+
+        Raises:
+            KeyError: ``data`` lacks ``rtn_mse``, ``tuned_mse`` or ``kept``.
+        """
+        return cls(rtn=float(data["rtn_mse"]), tuned=float(data["tuned_mse"]), kept=str(data["kept"]))
+
 
 def _round_ste(x: torch.Tensor) -> torch.Tensor:
     """``round(x)`` whose gradient is the identity (straight-through estimator)."""
@@ -313,7 +327,8 @@ class AutoRoundModifier(QuantizingModifier):
     in one process. Memory: the current layer's inputs, its output on them and the float
     model's hidden states before and after it, for every calibration sample, and three
     tensors per weight (``V``, and per group ``alpha``, ``beta``).
-    After the run :attr:`layer_errors` holds each layer's :class:`LayerErrors`.
+    After the run :attr:`layer_errors` holds each layer's :class:`LayerErrors` (the one-shot report's ``tuning``
+    section, :attr:`tuning_results`; kept across ``--resume`` by :meth:`progress_state`).
 
     Raises (at construction): ``ValueError`` for an unsupported scheme or argument.
     """
@@ -434,6 +449,37 @@ class AutoRoundModifier(QuantizingModifier):
         them (the pipeline ran the restored layers as loaded, before restoring them), per batch ``(args,
         kwargs)`` with the hidden states ``[B, L, hidden]`` first."""
         self._float_hidden = [args[0].detach() for args, _ in inputs]
+
+    # ---- report and resume ------------------------------------------------------------------------
+    @property
+    def tuning_results(self) -> dict[str, dict[str, Any]]:
+        """:attr:`layer_errors` as JSON values for the one-shot report (its ``tuning`` section,
+        :class:`llmc_fsm.report.build.OneshotReport`): decoder layer name -> ``{"rtn_mse", "tuned_mse", "kept"}``
+        (:meth:`LayerErrors.as_dict`), in the order the layers were tuned."""
+        return {name: errors.as_dict() for name, errors in self.layer_errors.items()}
+
+    def progress_state(self, layer: nn.Module) -> dict[str, Any]:
+        """What tuning decoder ``layer`` measured, as JSON values, for a one-shot run's per-layer progress
+        (:mod:`llmc_fsm.oneshot_job.resume`; the layer's weights are saved with it): ``{"layer_errors": {name:
+        LayerErrors.as_dict()}}``, empty when the layer was not tuned (no target in it)."""
+        name = self._layers.get(id(layer), (None,))[0]
+        errors = self.layer_errors.get(name) if name is not None else None
+        return {"layer_errors": {name: errors.as_dict()} if errors is not None else {}}
+
+    def restore_progress_state(self, layer: nn.Module, state: dict[str, Any]) -> None:
+        """Take back :meth:`progress_state` of decoder ``layer`` into :attr:`layer_errors`, so that a resumed run
+        reports the restored layers' tuning too.
+
+        Raises:
+            ValueError: the state names another decoder layer than ``layer`` (progress of another model).
+        """
+        name = self._layers.get(id(layer), (None,))[0]
+        saved = state.get("layer_errors", {})
+        other = [n for n in saved if n != name]
+        if other:
+            msg = f"AutoRoundModifier: saved progress names {other[0]}, not this decoder layer ({name})"
+            raise ValueError(msg)
+        self.layer_errors.update({n: LayerErrors.from_dict(e) for n, e in saved.items()})
 
     # ---- work ---------------------------------------------------------------------------------
     def _tune(self, layer_name: str, layer: nn.Module, key: int) -> None:

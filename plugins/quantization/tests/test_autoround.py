@@ -171,6 +171,49 @@ def test_autoround_one_shot_saves_and_reloads_with_equal_logits(tmp_path) -> Non
     assert {m["bits"] for m in quantized.values()} == {4} and {m["group_size"] for m in quantized.values()} == {16}
 
 
+def test_the_report_holds_each_layers_tuning_errors_in_report_json_and_one_line(tmp_path, capsys) -> None:
+    """report.json's ``tuning`` is the modifier's ``layer_errors``, every layer, exactly; the table sums it up in one
+    line (median and range of the kept weights' output MSE over round-to-nearest's, the layers that kept
+    round-to-nearest), which ``llmc-fsm report`` re-prints from report.json."""
+    from llmc_fsm.cli import main
+    from llmc_fsm.report.build import OneshotReport
+
+    model = llama(layers=3, hidden=64, heads=4, kv_heads=2)
+    # a large step (lr 0.5): on this model and data layers 0 and 1 keep round-to-nearest, layer 2 the tuning
+    modifier = AutoRoundModifier(scheme=W4G16, iters=10, lr=0.5, batch_size=4)
+    data = torch.randint(0, 128, (8, 24), generator=torch.Generator().manual_seed(6))
+    out = tmp_path / "out"
+    llmc_fsm.oneshot(model=model, recipe=[modifier], dataset=data, batch_size=4, output_dir=out, progress=False)
+    errors = modifier.layer_errors
+    assert list(errors) == ["model.layers.0", "model.layers.1", "model.layers.2"]
+    assert [e.kept for e in errors.values()] == ["rtn", "rtn", "autoround"]
+    saved = json.loads((out / "report.json").read_text())
+    (label,) = saved["tuning"]
+    assert label.startswith("AutoRoundModifier")
+    assert saved["tuning"] == {
+        label: {name: {"rtn_mse": e.rtn, "tuned_mse": e.tuned, "kept": e.kept} for name, e in errors.items()}
+    }
+    assert model.llmc_fsm_report.to_dict()["tuning"] == saved["tuning"]
+    ratio = errors["model.layers.2"].tuned / errors["model.layers.2"].rtn
+    assert ratio < 1.0
+    line = (
+        f"{label}: 3 layers tuned; output MSE vs round-to-nearest: median ratio 1.000 ({ratio:.3f}-1.000); "
+        "round-to-nearest kept on 2: model.layers.{0..1}"
+    )
+    table = model.llmc_fsm_report.format_table()
+    assert [x for x in table.splitlines() if x.startswith("AutoRoundModifier")] == [line]
+    restored = OneshotReport.from_dict(saved)
+    assert restored.tuning == saved["tuning"] and restored.to_dict()["tuning"] == saved["tuning"]
+    assert main(["report", str(out)]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    assert [x for x in printed if x.startswith("AutoRoundModifier")] == [line]
+    with pytest.raises(ValueError) as info:  # progress saved for another layer
+        modifier.restore_progress_state(model.model.layers[1], modifier.progress_state(model.model.layers[0]))
+    assert str(info.value) == (
+        "AutoRoundModifier: saved progress names model.layers.0, not this decoder layer (model.layers.1)"
+    )
+
+
 def test_llmcompressor_recipe_with_config_groups_is_read() -> None:
     text = (
         "quant_stage:\n  quant_modifiers:\n    AutoRoundModifier:\n      iters: 10\n      ignore: [lm_head]\n"
