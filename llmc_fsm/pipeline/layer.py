@@ -156,10 +156,12 @@ def early_exit_module(layer: nn.Module, order: Mapping[str, int]) -> nn.Module |
 
     That is the hooked submodule called last (by ``order``, the call order of
     an earlier layer of the same class), provided it has only forward
-    pre-hooks: nothing after its input is observed. ``None`` (run the whole
-    layer) when nothing in the layer is hooked, the layer itself or a module
-    with forward hooks is hooked last, a hooked module was never called in the
-    recorded forward, or global module hooks are installed.
+    pre-hooks: nothing after its input is observed; or ``layer`` itself when
+    only its own forward pre-hooks are registered (AutoRound past the first
+    layer: the layer's inputs are all it captures). ``None`` (run the whole
+    layer) when nothing in the layer is hooked, the layer itself has forward
+    hooks, a module with forward hooks is hooked last, a hooked module was
+    never called in the recorded forward, or global module hooks are installed.
     """
     if global_forward_hooks_installed():
         return None
@@ -174,7 +176,9 @@ def early_exit_module(layer: nn.Module, order: Mapping[str, int]) -> nn.Module |
             return None
         if pos > last_pos:
             last, last_pos = sub, pos
-    if last is None or _has_hooks(last, post_only=True):
+    if last is None:  # only the layer's own pre-hooks observe anything: its input
+        return layer if _has_hooks(layer) else None
+    if _has_hooks(last, post_only=True):
         return None
     return last
 

@@ -379,6 +379,7 @@ class AutoRoundModifier(QuantizingModifier):
         #: per calibration batch, the float model's hidden states entering the next layer (``None``: the same as
         #: the pipeline's, before the first layer)
         self._float_hidden: list[torch.Tensor] | None = None
+        self._output_hooks: list[Any] = []  # torch handles of the layers' output hooks, while outputs are captured
 
     # ---- hooks --------------------------------------------------------------------------------
     def on_initialize(self, state: Any) -> None:
@@ -401,9 +402,10 @@ class AutoRoundModifier(QuantizingModifier):
             msg = "AutoRoundModifier runs in one process: start it without torchrun (or with one process)"
             raise ValueError(msg)
         self._float_hidden = None
+        self._output_hooks = []
         for key, (_, layer) in self._layers.items():
             self.register_hook(layer, self._capture_input(key), kind="forward_pre", with_kwargs=True)
-            self.register_hook(layer, self._capture_output(key), kind="forward")
+            self._output_hooks.append(self.register_hook(layer, self._capture_output(key), kind="forward"))
 
     def _capture_input(self, key: int) -> Any:
         def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -448,7 +450,7 @@ class AutoRoundModifier(QuantizingModifier):
         """On a resumed run, before the first layer to compress: its calibration inputs as the float model computes
         them (the pipeline ran the restored layers as loaded, before restoring them), per batch ``(args,
         kwargs)`` with the hidden states ``[B, L, hidden]`` first."""
-        self._float_hidden = [args[0].detach() for args, _ in inputs]
+        self._carry_float_hidden([args[0].detach() for args, _ in inputs])
 
     # ---- report and resume ------------------------------------------------------------------------
     @property
@@ -544,8 +546,17 @@ class AutoRoundModifier(QuantizingModifier):
                     ]
             finally:
                 self._tuning = False
-        self._float_hidden = outputs
+        self._carry_float_hidden(outputs)
         return outputs
+
+    def _carry_float_hidden(self, hidden: list[torch.Tensor]) -> None:
+        """From now on the float model's hidden states are carried from layer to layer: no layer's output is
+        captured again, so the output hooks go (the pipeline's calibration pass of a later layer then stops at the
+        layer's input, :func:`llmc_fsm.pipeline.layer.early_exit_module`: only its inputs are needed)."""
+        self._float_hidden = hidden
+        for handle in self._output_hooks:
+            handle.remove()
+        self._output_hooks = []
 
     def _new_accumulator(self, module: nn.Module) -> Any:
         return None  # no per-module statistics: the layer's inputs are captured whole

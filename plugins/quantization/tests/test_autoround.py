@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -149,6 +150,48 @@ def test_each_layer_is_tuned_toward_the_float_models_own_output(monkeypatch) -> 
     assert torch.equal(seen[0][0], hidden[0])
     for k, (inputs, _) in enumerate(seen[1:], start=1):  # through quantized layers: not the float model's
         assert not torch.allclose(inputs, hidden[k], rtol=1e-3, atol=1e-3)
+
+
+def test_past_the_first_layer_the_calibration_pass_stops_at_the_layers_input(monkeypatch) -> None:
+    """Past the first layer AutoRound needs only the layer's inputs (its target is the carried float output): the
+    pipeline's calibration pass stops at the layer's input, so when layer k >= 1 is tuned only the float model's
+    forwards of its batches (its targets) have run it; layer 0 ran whole (the recorded call order on one batch, then
+    both calibration batches, whose outputs are its targets). The weights equal those of a run whose calibration passes run whole."""
+    import llmc_fsm_quantization.autoround as autoround
+
+    def run(early_exit: bool) -> tuple[dict[int, int], dict[str, torch.Tensor]]:
+        model = llama(layers=3, hidden=64, heads=4, kv_heads=2)
+        calls: dict[int, int] = {}
+        for i, layer in enumerate(model.model.layers):  # counted without a hook (a hook changes what may stop)
+
+            def counted(self, *args, _i=i, **kwargs):
+                calls[_i] = calls.get(_i, 0) + 1
+                return torch.nn.Linear.forward(self, *args, **kwargs)
+
+            layer.mlp.down_proj.forward = types.MethodType(counted, layer.mlp.down_proj)
+        at_tuning: dict[int, int] = {}
+        real = autoround.signround_layer
+
+        def spy(layer, targets, inputs, outputs, **kwargs):
+            index = next(i for i, m in enumerate(model.model.layers) if m is layer)
+            at_tuning[index] = calls.get(index, 0)
+            return real(layer, targets, inputs, outputs, **kwargs)
+
+        monkeypatch.setattr(autoround, "signround_layer", spy)
+        if not early_exit:  # whole calibration passes, as before the layers' output hooks were removed
+            monkeypatch.setattr("llmc_fsm.pipeline.layer.early_exit_module", lambda layer, order: None)
+        recipe = {"q": {"AutoRoundModifier": {"scheme": W4G16, "iters": 3, "batch_size": 4}}}
+        data = torch.randint(0, 128, (8, 24), generator=torch.Generator().manual_seed(6))
+        llmc_fsm.oneshot(model=model, recipe=recipe, dataset=data, batch_size=4, progress=False)
+        monkeypatch.undo()
+        return at_tuning, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    at_tuning, weights = run(early_exit=True)
+    assert at_tuning == {0: 1 + 2, 1: 2, 2: 2}  # layer k >= 1: only the float model's forwards of its 2 batches
+    whole, whole_weights = run(early_exit=False)
+    assert whole == {0: 1 + 2, 1: 2 + 2, 2: 2 + 2}
+    for name, value in weights.items():
+        assert torch.equal(value, whole_weights[name]), name
 
 
 def test_autoround_one_shot_saves_and_reloads_with_equal_logits(tmp_path) -> None:
