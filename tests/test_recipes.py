@@ -390,8 +390,8 @@ def test_to_yaml_marks_stages_applied_and_round_trips() -> None:
     text = recipe.to_yaml(applied=["prune"])
     assert text == (
         "prune:\n  modifiers:\n  - Prune:\n      sparsity: 0.25\n      targets:\n      - Linear\n      - Conv1d\n"
-        "  applied: true\nquant:\n  modifiers:\n  - Quant:\n      start: 1.0\n      bits: 8\n  applied: false\n"
-        "  start: 1.0\n"
+        "  applied: true\nquant:\n  modifiers:\n  - Quant:\n      start: 1.0\n      bits: 8\n      extra: null\n"
+        "  applied: false\n  start: 1.0\n"
     )
     again = resolve_recipe(text)
     assert [s.applied for s in again.stages] == [True, False]

@@ -26,11 +26,14 @@ import yaml
 from llmc_fsm.core.errors import RecipeError
 from llmc_fsm.core.modifier import Modifier
 
-__all__ = ["STAGE_KEYS", "Recipe", "Stage"]
+__all__ = ["SCHEDULE_FIELDS", "STAGE_KEYS", "Recipe", "Stage"]
 
 #: Keys of a stage's long form ``{modifiers: ..., applied: ..., start: ..., end: ..., run_type: ...}``
 #: (besides llm-compressor's ``<group>_modifiers`` keys).
 STAGE_KEYS: tuple[str, ...] = ("modifiers", "applied", "start", "end", "run_type")
+
+#: The schedule fields every modifier has (epochs; ``None``: from the first event, until finalize, never).
+SCHEDULE_FIELDS: tuple[str, ...] = ("start", "end", "update")
 
 
 @attrs.define(eq=False)
@@ -165,9 +168,10 @@ class Recipe:
                 every stage applied; a collection of stage names marks those
                 (stages already applied stay applied).
 
-        Modifier arguments are all the modifier's attrs init fields (defaults
-        included, so a saved recipe shows every setting used) except those that
-        are ``None`` by default and still ``None``; tuples and sets become lists,
+        Modifier arguments are all the modifier's attrs init fields, defaults and
+        ``None`` values included (a saved recipe records every value used, and reads
+        back to equal arguments), except the schedule fields ``start``, ``end`` and
+        ``update`` while ``None``; tuples and sets become lists,
         pydantic models (a compressed-tensors ``QuantizationScheme`` given as
         ``scheme``, the ``QuantizationArgs`` in one) the mapping of their given fields.
 
@@ -227,15 +231,15 @@ def _plain(value: Any, where: str) -> Any:
 
 
 def _modifier_args(m: Modifier, stage: str) -> dict[str, Any]:
+    """Every argument ``m`` runs with (its attrs init fields, by recipe name), ``None`` values included, so that a
+    saved recipe records each value used; the schedule fields only when set (unset: from the first event until
+    finalize, what ``explain`` shows as the schedule)."""
     args: dict[str, Any] = {}
     for field in attrs.fields(type(m)):
         if not field.init:
             continue
         value = getattr(m, field.name)
-        default = field.default
-        if isinstance(default, attrs.Factory):  # type: ignore[arg-type]
-            default = default.factory(m) if default.takes_self else default.factory()
-        if value is None and default is None:  # unset schedule fields and the like
+        if value is None and field.name in SCHEDULE_FIELDS:  # unset schedule: shown by explain as the schedule
             continue
         where = f"stage {stage!r}, modifier {_label(m)}, argument {field.alias!r}"
         args[field.alias] = _plain(value, where)
