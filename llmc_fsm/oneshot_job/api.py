@@ -5,7 +5,7 @@ pipeline (:mod:`llmc_fsm.pipeline.sequential`), in named phases (:mod:`llmc_fsm.
 that read top to bottom::
 
     settings = OneshotSettings(...)  # every argument checked (sizes, dtype, paths...): frozen from here on
-    run = prepare(settings)          # output directory, recipe -> sessions, text files, work directory: no model yet
+    run = prepare(settings)          # output checked, recipe -> sessions, config, text; then the work directory
     load(run)                        # model and tokenizer
     data(run)                        # token windows; required state checked; perplexity before
     compress(run)                    # per session: initialize, run_sequential (each layer saved), finalize
@@ -13,8 +13,9 @@ that read top to bottom::
     save(run)                        # report; model (compressed-tensors when quantized), recipe.yaml, report.json
 
 Every check that does not need the model runs before the model is loaded
-(docs/oneshot.md, "Which checks need the model"), including creating the hidden work directory next to ``output_dir``
-(:mod:`llmc_fsm.output.workdir`), so an output path that cannot be written fails at
+(docs/oneshot.md, "Which checks need the model"), a quantized checkpoint refused from its config; only then is the
+hidden work directory next to ``output_dir`` created (:mod:`llmc_fsm.output.workdir`), still before the model is
+loaded, so a call refused by a check leaves the disk as it was and an output path that cannot be written fails at
 once. Checks that need the model or tokenizer (sequence length, a dataset too
 short, group sizes, targets) run right after loading, before any compression
 work. The work directory keeps each compressed decoder layer, so a run that was

@@ -1,7 +1,8 @@
 """The phases of :func:`llmc_fsm.oneshot`, in the order they run (each takes the :class:`Run` the others fill).
 
-* :func:`prepare` — output and work directory, recipe -> sessions, text files (no model yet; the settings,
-  :class:`~llmc_fsm.oneshot_job.settings.OneshotSettings`, were checked when they were built);
+* :func:`prepare` — output directory, recipe -> sessions, the model's config (a quantized checkpoint refused), text
+  files, then the work directory (no model yet; the settings, :class:`~llmc_fsm.oneshot_job.settings.OneshotSettings`,
+  were checked when they were built);
 * :func:`load` — model and tokenizer;
 * :func:`data` — token windows; required state checked; perplexity before; generated calibration data;
 * :func:`compress` — per session: initialize, run_sequential (each layer saved to the work directory), finalize;
@@ -31,7 +32,7 @@ from llmc_fsm.data.images import (
     read_image_captions,
 )
 from llmc_fsm.data.protocol import PerplexityCache, perplexity, token_windows
-from llmc_fsm.models.hf_io import hub_unreachable, looks_like_hub_id
+from llmc_fsm.models.hf_io import hub_unreachable, looks_like_hub_id, model_class
 from llmc_fsm.models.known import KNOWN_MODELS, known_model_dir, load_model
 from llmc_fsm.models.layers import check_calibrates_from_text
 from llmc_fsm.oneshot_job.data import (
@@ -67,6 +68,7 @@ from llmc_fsm.recipes.model import Recipe
 from llmc_fsm.report.build import build_report
 from llmc_fsm.session.session import Session
 from llmc_fsm.toolkit.distributed import is_distributed, is_main_process, rank_work, shard
+from llmc_fsm.toolkit.targets import config_quantization
 
 __all__ = [
     "Run",
@@ -98,6 +100,7 @@ class Run:
     recipe: Recipe  # the recipe resolved, merged with a saved model's applied stages
     sessions: list[Session]
     needs_data: bool  # a modifier requires calibration data
+    model_config: Any = None  # the model's config, read before any weight (None: a known name, or unreadable)
     work: WorkDir | None = None
     model: Any = None  # the model being compressed, once loaded
     tokenizer: Any = None
@@ -198,47 +201,107 @@ def token_data(run: Run) -> None:
 
 # --------------------------------------------------------------------------- prepare
 def prepare(settings: OneshotSettings) -> Run:
-    """What needs no model and was not checked by :class:`OneshotSettings` itself: the output and work directory,
-    the recipe resolved into sessions, the text files read, the resume fingerprint.
+    """What needs no model and was not checked by :class:`OneshotSettings` itself, every check first: the output
+    directory checked, the recipe resolved into sessions, the model's config read (a quantized checkpoint refused,
+    :func:`_refuse_quantized`), the text files read, the kind of calibration data checked; only then is the work
+    directory created (:meth:`~llmc_fsm.output.workdir.WorkDir.claim`) and settled with the resume fingerprint, so a
+    call that fails a check leaves the disk as it was.
 
     Raises:
         ValueError / RecipeError / FileExistsError / OSError: as :func:`llmc_fsm.oneshot`, before any model work.
     """
-    work = _claim_on_rank_0(settings)
-    try:
-        merged, sessions = _sessions(settings.model, settings.recipe, settings.fuse_stages)
-        run = Run(
-            settings=settings,
-            recipe=merged,
-            sessions=sessions,
-            needs_data=any("calibration_data" in m.required_keys() for s in sessions for m in s.modifiers),
-            work=work,
-        )
-        with run.timed("read_data"), quiet_progress(not settings.progress):
-            if is_image_dataset(settings.dataset):
-                used = settings.num_calibration_samples if run.needs_data else 0  # a data-free recipe reads none
-                run.cal_images = read_image_captions(settings.dataset, used)
-            elif settings.dataset is not None and not is_tensor(settings.dataset):
-                run.cal_text = read_text("dataset (--dataset)", settings.dataset)
-            if settings.eval_text is not None:
-                run.ev_text = read_text("eval_text (--eval-text)", settings.eval_text)
-        _check_data_kind(run)
-        if work is not None:
-            work.settle(_fingerprint(run), resume=settings.resume)
-    except BaseException:
-        if work is not None:
-            work.release()
-        raise
+    _check_output(settings)
+    merged, sessions = _sessions(settings.model, settings.recipe, settings.fuse_stages)
+    run = Run(
+        settings=settings,
+        recipe=merged,
+        sessions=sessions,
+        needs_data=any("calibration_data" in m.required_keys() for s in sessions for m in s.modifiers),
+        model_config=_model_config(settings.model),
+    )
+    _refuse_quantized(run)
+    with run.timed("read_data"), quiet_progress(not settings.progress):
+        if is_image_dataset(settings.dataset):
+            used = settings.num_calibration_samples if run.needs_data else 0  # a data-free recipe reads none
+            run.cal_images = read_image_captions(settings.dataset, used)
+        elif settings.dataset is not None and not is_tensor(settings.dataset):
+            run.cal_text = read_text("dataset (--dataset)", settings.dataset)
+        if settings.eval_text is not None:
+            run.ev_text = read_text("eval_text (--eval-text)", settings.eval_text)
+    _check_data_kind(run)
+    run.work = _claim_on_rank_0(settings)
+    if run.work is not None:
+        try:
+            run.work.settle(_fingerprint(run), resume=settings.resume)
+        except BaseException:
+            run.work.release()
+            raise
     return run
+
+
+def _model_config(model: Any) -> Any:
+    """The model's config, read once before any weight (:func:`_refuse_quantized` and :func:`_check_data_kind` use
+    it): an ``nn.Module``'s own, a model directory's ``config.json`` (``AutoConfig``), a Hub ID's
+    (:func:`_hub_config`); ``None`` for a known name or a config that cannot be read (loading then reports why)."""
+    from torch import nn
+
+    if isinstance(model, nn.Module):
+        return getattr(model, "config", None)
+    directory = Path(model).expanduser()
+    if not (directory / "config.json").is_file():
+        return _hub_config(os.fspath(model))
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(os.fspath(directory))
+    except (OSError, ValueError):  # loading the model reports it, as before
+        return None
+
+
+def _refuse_quantized(run: Run) -> None:
+    """Before any weight is read: a model directory or Hub ID whose config says its checkpoint is quantized
+    (:func:`~llmc_fsm.toolkit.targets.config_quantization`) gets the refusal the job gives once the model is
+    loaded, from the same checks (:func:`~llmc_fsm.oneshot_job.data.check_modifiers`: the first modifier that
+    refuses a quantized model, with its own message and hint), run on the model the config describes, built on the
+    ``meta`` device (no weight read). A config the model classes cannot build, and an ``nn.Module`` (nothing to
+    load), are checked after loading, as before.
+
+    Raises:
+        ValueError: one line, ``"<modifier>: the model is already quantized (...); <what to do>"`` (or another
+            check of :func:`~llmc_fsm.oneshot_job.data.check_modifiers` that fails first).
+        MissingStateError: as :func:`~llmc_fsm.oneshot_job.data.check_modifiers`.
+    """
+    from torch import nn
+
+    if isinstance(run.settings.model, nn.Module) or config_quantization(run.model_config) is None:
+        return
+    skeleton = _meta_model(run.model_config)
+    if skeleton is not None:
+        check_modifiers(run.sessions, skeleton, True)
+
+
+def _meta_model(config: Any) -> Any:
+    """The model ``config`` describes (:func:`llmc_fsm.models.hf_io.model_class`), on the ``meta`` device with tied
+    weights tied, as the streamed path builds it; ``None`` when the class cannot be built from it."""
+    from accelerate import init_empty_weights
+
+    try:
+        with init_empty_weights():
+            model = model_class(config).from_config(config)
+    except Exception as err:  # any config transformers cannot build: loading reports it, as before
+        logger.debug("the model of this config cannot be built on meta (%s): checked after loading", err)
+        return None
+    model.tie_weights()
+    return model.eval()
 
 
 def _check_data_kind(run: Run) -> None:
     """Before the weights are read: the kind of calibration data the model takes
     (:func:`llmc_fsm.data.images.check_calibration_data`: images for Mllama, images or text for LLaVA and Gemma 3,
-    text for the others), from the config of an in-memory model, a model directory or a Hub ID (its ``config.json``
-    read from the Hugging Face cache, or fetched when the Hub can be reached; not checked otherwise: loading then
-    reports what fails); a known name is a text model. Image data needs a local model directory (its processor is
-    loaded here, before the weights) or a loaded model, and one process.
+    text for the others), from the config (:func:`_model_config`) of an in-memory model, a model directory or a Hub
+    ID (its ``config.json`` read from the Hugging Face cache, or fetched when the Hub can be reached; not checked
+    otherwise: loading then reports what fails); a known name is a text model. Image data needs a local model
+    directory (its processor is loaded here, before the weights) or a loaded model, and one process.
 
     Raises:
         ValueError: one line, naming the model and what to give (or why its processor cannot be loaded).
@@ -251,16 +314,12 @@ def _check_data_kind(run: Run) -> None:
     if images and is_distributed():
         msg = "image calibration data runs in one process (torch.distributed is not supported with it)"
         raise ValueError(msg)
-    model = settings.model
+    model, config = settings.model, run.model_config
     if isinstance(model, nn.Module):
         check_calibration_data(model, images=images, source=settings.dataset)
         return
     if (Path(model).expanduser() / "config.json").is_file():
-        from transformers import AutoConfig
-
-        try:
-            config = AutoConfig.from_pretrained(os.fspath(Path(model).expanduser()))
-        except (OSError, ValueError):  # loading the model reports it, as before
+        if config is None:  # loading the model reports it, as before
             return
         check_calibration_data(config, images=images, source=settings.dataset)
         if images:  # before the weights: a processor that cannot be loaded stops the job here
@@ -272,7 +331,6 @@ def _check_data_kind(run: Run) -> None:
             f"model (model=, --model); {os.fspath(model)!r} is a known text model or a Hub ID"
         )
         raise ValueError(msg)
-    config = _hub_config(os.fspath(model))
     if config is not None:
         check_calibration_data(config, images=False, source=settings.dataset)
 
@@ -296,19 +354,28 @@ def _hub_config(key: str) -> Any:
         return None
 
 
-def _claim_on_rank_0(settings: OneshotSettings) -> WorkDir | None:
-    """:func:`_claim` in one process or on rank 0; other ranks of a torch.distributed group only check the output."""
+def _check_output(settings: OneshotSettings) -> None:
+    """The output directory (:func:`~llmc_fsm.output.directory.check_output_dir`, on every rank) and ``resume``
+    checked, nothing created.
 
+    Raises:
+        ValueError: ``resume`` with several processes; as :func:`~llmc_fsm.output.directory.check_output_dir`.
+        FileExistsError / NotADirectoryError / PermissionError: as
+            :func:`~llmc_fsm.output.directory.check_output_dir`.
+    """
     if settings.resume and is_distributed():
         msg = (
             "resume (--resume) is not supported with several processes (torch.distributed): resume the run in one "
             "process, or start it again without --resume"
         )
         raise ValueError(msg)
-    if is_main_process():
-        return _claim(settings.output_dir, settings.overwrite)
     check_output_dir(settings.output_dir, settings.overwrite)  # the same errors on every rank; only rank 0 writes
-    return None
+
+
+def _claim_on_rank_0(settings: OneshotSettings) -> WorkDir | None:
+    """:func:`_claim` in one process or on rank 0 (``None`` on the other ranks of a torch.distributed group)."""
+
+    return _claim(settings.output_dir, settings.overwrite) if is_main_process() else None
 
 
 def _claim(output_dir: Any, overwrite: bool) -> WorkDir | None:

@@ -37,6 +37,7 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import attrs
 import torch
@@ -48,9 +49,11 @@ __all__ = [
     "ALL_MODULES",
     "DEFAULT_IGNORE",
     "DEFAULT_TARGETS",
+    "QUANTIZED_CONFIG_KEYS",
     "TargetSelection",
     "check_not_quantized",
     "compact_names",
+    "config_quantization",
     "is_linear_like",
     "matches",
     "resolve_targets",
@@ -521,11 +524,28 @@ def resolve_targets(
     return selection.selected
 
 
+#: The keys of a model's config (``config.json``) that say its checkpoint is quantized: transformers'
+#: ``quantization_config``, and the ``compression_config`` that older compressed-tensors versions wrote.
+QUANTIZED_CONFIG_KEYS = ("quantization_config", "compression_config")
+
+
+def config_quantization(config: Any) -> tuple[str, Any] | None:
+    """``(key, value)`` of the first of :data:`QUANTIZED_CONFIG_KEYS` that ``config`` carries (not ``None``), else
+    ``None``. ``config``: a transformers config (attributes), a ``config.json`` mapping, or ``None``."""
+    for key in QUANTIZED_CONFIG_KEYS:
+        value = config.get(key) if isinstance(config, dict) else getattr(config, key, None)
+        if value is not None:
+            return key, value
+    return None
+
+
 def check_not_quantized(model: nn.Module, owner: str, hint: str) -> None:
-    """Refuse a model whose config says it is quantized (a ``quantization_config``), before any work.
+    """Refuse a model whose config says it is quantized (a ``quantization_config`` or an older
+    ``compression_config``, :func:`config_quantization`), before any work.
 
     Modules quantized in memory (an earlier stage of the same run) are checked per modifier, on its own targets
-    (:meth:`llmc_fsm.toolkit.calibrated.CalibratedModifier.check_model`).
+    (:meth:`llmc_fsm.toolkit.calibrated.CalibratedModifier.check_model`). One-shot runs the same check on a model
+    directory's ``config.json`` before its weights are read (:func:`llmc_fsm.oneshot_job.phases.prepare`).
 
     Args:
         model: the model to compress (any device, ``meta`` included; only its config is read).
@@ -533,19 +553,20 @@ def check_not_quantized(model: nn.Module, owner: str, hint: str) -> None:
         hint: what to do instead, the message's last clause.
 
     Raises:
-        ValueError: ``"<owner>: the model is already quantized (<why>); <hint>"``; ``why`` names the config's
-            ``quant_method``, and for a KV-cache-only config (``kv_cache_scheme`` without weight groups) says that
-            its KV-cache scales would be lost.
+        ValueError: ``"<owner>: the model is already quantized (<why>); <hint>"``; ``why`` names the config key and
+            its ``quant_method`` (when it has one), and for a KV-cache-only config (``kv_cache_scheme`` without
+            weight groups) says that its KV-cache scales would be lost.
     """
-    config_q = getattr(getattr(model, "config", None), "quantization_config", None)
-    if config_q is None:
+    found = config_quantization(getattr(model, "config", None))
+    if found is None:
         return
+    key, config_q = found
     method = config_q.get("quant_method") if isinstance(config_q, dict) else getattr(config_q, "quant_method", None)
     method = getattr(method, "value", method)  # transformers' QuantizationMethod enum
     inner = config_q.get("quantization_config", config_q) if isinstance(config_q, dict) else config_q
     inner = getattr(inner, "quantization_config", None) or inner  # transformers' CompressedTensorsConfig wraps it
-    get = inner.get if isinstance(inner, dict) else lambda key: getattr(inner, key, None)
-    why = f"its config carries a quantization_config (quant_method {method!r})"
+    get = inner.get if isinstance(inner, dict) else lambda name: getattr(inner, name, None)
+    why = f"its config carries a {key}" + ("" if method is None else f" (quant_method {method!r})")
     if get("kv_cache_scheme") is not None and not get("config_groups"):  # KV-cache scales only, weights as loaded
         why += (
             " with a kv_cache_scheme and no weight scheme: its KV-cache scales, which transformers does not load, "
