@@ -128,8 +128,11 @@ KV_SCHEME = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": Fa
             "gptq",
             _already_quantized("GPTQModifier", QUANTIZE_HINT, "compression_config (quant_method 'compressed-tensors')"),
         ),
-        ({"compression_config": {"format": "dense"}}, "sparsegpt", _already_quantized("SparseGPTModifier", PRUNE_HINT,
-                                                                                      "compression_config")),
+        (  # a bitmask-compressed sparse checkpoint (transformers 5 does not read a compression_config at all)
+            {"compression_config": {"sparsity_config": {"format": "sparse-bitmask"}}},
+            "sparsegpt",
+            _already_quantized("SparseGPTModifier", PRUNE_HINT, "compression_config"),
+        ),
         (
             {"quantization_config": {"quant_method": "compressed-tensors", "config_groups": {},
                                      "kv_cache_scheme": KV_SCHEME}},
