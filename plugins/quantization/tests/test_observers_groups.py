@@ -189,7 +189,7 @@ def test_observer_inside_config_groups_weights_is_honoured_and_saved(tmp_path) -
     config = json.loads((out / "config.json").read_text())["quantization_config"]
     assert [g["weights"]["observer"] for g in config["config_groups"].values()] == ["mse"]
     saved = yaml.safe_load((out / "recipe.yaml").read_text())["q"]["modifiers"][0]["GPTQModifier"]
-    assert saved["observer"] == "mse" and "scheme" not in saved
+    assert saved["observer"] == "mse" and saved["scheme"] is None  # config_groups carries the scheme
 
 
 # --------------------------------------------------------------------------- several config groups
