@@ -13,11 +13,11 @@ Linear but ``lm_head``; calibrated jobs: 32 x 256 tokens from the tail of ``wiki
   --output OUT`` (its ``main()`` called in the fresh process: whatever path the CLI takes by default);
 * ``sparsegpt`` — SparseGPT 50% unstructured (the default recipe) through ``llmc_fsm.oneshot`` (in-memory path);
   ``sparsegpt-cli``: ``llmc-fsm oneshot --dataset wiki.test.raw --output OUT``, the command's default path (it
-  streams a calibrated job one decoder layer at a time, with glibc's mmap threshold fixed); ``sparsegpt-cli-heap``:
-  the same with ``MALLOC_MMAP_THRESHOLD_=33554432`` in the environment (the threshold left at glibc's own maximum:
-  fewer page faults, more memory); ``sparsegpt-inmem``: the command with ``--in-memory``;
+  streams a calibrated job one decoder layer at a time, glibc's free heap given back after each layer);
+  ``sparsegpt-cli-lowmem``: the same with ``--low-memory`` (glibc's mmap threshold fixed at 128 KiB: a flatter
+  peak, a page fault per page of every large tensor); ``sparsegpt-inmem``: the command with ``--in-memory``;
 * ``gptq`` — GPTQ W4A16 group 64 (``actorder: static``) through ``llmc_fsm.oneshot`` (in-memory path);
-  ``gptq-cli``, ``gptq-cli-heap``, ``gptq-inmem``: ``llmc-fsm oneshot --recipe <the same recipe> --dataset
+  ``gptq-cli``, ``gptq-cli-lowmem``, ``gptq-inmem``: ``llmc-fsm oneshot --recipe <the same recipe> --dataset
   wiki.test.raw --output OUT`` as for SparseGPT.
 
 Each side runs in its own fresh process and measures the same things in the same order
@@ -64,8 +64,6 @@ DATA = REPO_ROOT.parent / "shared" / "data" / "wikitext-2-raw" / "wiki.test.raw"
 QUIET = 1.5
 GPTQ = {"GPTQModifier": {"scheme": {"preset": "W4A16", "weights": {"group_size": 64}}, "actorder": "static"}}
 RTN = {"quantization_stage": {"QuantizationModifier": {"scheme": "W8A8"}}}
-#: glibc's mmap threshold fixed at its own dynamic maximum (32 MiB): ``limit_heap_growth`` then leaves it.
-HEAP32 = {"MALLOC_MMAP_THRESHOLD_": "33554432"}
 #: job -> how our side runs it: ``recipe`` (None: the default recipe), ``data`` (calibration text), ``path``
 #: (``api``: ``llmc_fsm.oneshot`` in memory; ``streamed``: ``low_memory=True``; ``cli``: ``llmc-fsm oneshot``).
 JOBS: dict[str, dict[str, Any]] = {
@@ -74,11 +72,11 @@ JOBS: dict[str, dict[str, Any]] = {
     "rtn-cli": {"recipe": RTN, "data": False, "path": "cli", "flags": ["--method", "rtn", "--scheme", "W8A8"]},
     "sparsegpt": {"recipe": None, "data": True, "path": "api"},
     "sparsegpt-cli": {"recipe": None, "data": True, "path": "cli", "flags": []},
-    "sparsegpt-cli-heap": {"recipe": None, "data": True, "path": "cli", "flags": [], "env": HEAP32},
+    "sparsegpt-cli-lowmem": {"recipe": None, "data": True, "path": "cli", "flags": ["--low-memory"]},
     "sparsegpt-inmem": {"recipe": None, "data": True, "path": "cli", "flags": ["--in-memory"]},
     "gptq": {"recipe": {"quantization_stage": GPTQ}, "data": True, "path": "api"},
     "gptq-cli": {"recipe": {"quantization_stage": GPTQ}, "data": True, "path": "cli"},
-    "gptq-cli-heap": {"recipe": {"quantization_stage": GPTQ}, "data": True, "path": "cli", "env": HEAP32},
+    "gptq-cli-lowmem": {"recipe": {"quantization_stage": GPTQ}, "data": True, "path": "cli", "extra": ["--low-memory"]},
     "gptq-inmem": {"recipe": {"quantization_stage": GPTQ}, "data": True, "path": "cli", "extra": ["--in-memory"]},
 }
 DEFAULT_JOBS = "rtn,rtn-cli,sparsegpt,sparsegpt-cli,gptq,gptq-cli"

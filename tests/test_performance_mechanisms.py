@@ -391,17 +391,19 @@ def test_rtn_on_a_loaded_checkpoint_unmaps_the_replaced_weights(tmp_path):
     assert all(torch.equal(loaded[n], originals[n]) for n in weights)
 
 
+@pytest.mark.parametrize("method", [["--method", "rtn", "--scheme", "W8A8"], ["--method", "sparsegpt", "--num-samples", "4"]])
 @pytest.mark.parametrize(("flags", "fixed"), [([], 0), (["--low-memory"], 1)])
-def test_only_low_memory_fixes_the_heap_threshold(tiny_model_dir, tmp_path, monkeypatch, flags, fixed):
-    """``--low-memory`` fixes glibc's memory-map threshold (flat peak); the command's default streaming of a data-free
-    job does not (its page faults cost SmolLM2 RTN more than a third of the compression, docs/benchmarks.md)."""
+def test_only_low_memory_fixes_the_heap_threshold(tiny_model_dir, tmp_path, monkeypatch, flags, fixed, method):
+    """``--low-memory`` fixes glibc's memory-map threshold (flat peak); the command's default streaming does not,
+    data-free or calibrated (its page faults cost SmolLM2 RTN more than a third of the compression and SparseGPT
+    about 10% of its CPU time; the default gives the freed heap back after each layer instead, docs/memory.md)."""
     from llmc_fsm.cli import main
 
     calls = []
     monkeypatch.setattr("llmc_fsm.oneshot_job.streaming.limit_heap_growth", lambda: calls.append(1) or False)
     monkeypatch.setenv("LLMC_FSM_PERPLEXITY_CACHE", "off")
     model_dir, text = tiny_model_dir
-    argv = tiny_llama.oneshot_argv(model_dir, text, tmp_path / "out", "--method", "rtn", "--scheme", "W8A8", *flags)
+    argv = tiny_llama.oneshot_argv(model_dir, text, tmp_path / "out", *method, *flags)
     assert main(argv) == 0
     assert len(calls) == fixed
     assert len(list((tmp_path / "out").glob("*.safetensors"))) > 1  # streamed: a shard per decoder layer

@@ -185,9 +185,9 @@ def _run_phases(run: Run, *, stream_when_possible: bool = False) -> nn.Module:
                 return run_streaming(run)
             lazy = stream_by_default(run) if stream_when_possible else None
             if lazy is not None:
-                # a calibrated job fixes glibc's threshold as --low-memory does (its peak, not the page faults,
-                # dominates); a data-free one leaves it alone (the page faults would: llmc_fsm.oneshot_job.streaming)
-                return run_streaming(run, lazy, bounded_heap=run.needs_data)
+                # glibc's own mmap threshold, the freed heap given back after each layer: --low-memory's fixed
+                # threshold flattens the peak further at a page fault per page (docs/memory.md)
+                return run_streaming(run, lazy, bounded_heap=False)
             phase.load(run)
             phase.data(run)
             phase.compress(run)
