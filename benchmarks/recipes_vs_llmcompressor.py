@@ -233,7 +233,7 @@ def cli_worker(args: argparse.Namespace) -> dict[str, Any]:
         row["to_saved_s"] = time.perf_counter() - T_START
         row["peak_rss_bytes"] = status_kib("VmHWM") * 1024
         row["weights_on_disk_bytes"] = sum(p.stat().st_size for p in out.glob("*.safetensors"))
-        if args.eval_windows:
+        if args.eval_windows and JOBS[base_job(args.worker)]["dtype"] == "float32":  # as worker(): bf16 not reloaded
             tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
             evalw = token_windows(tokenizer, load_text(DATA), num_windows=args.eval_windows, seq_len=SEQ_LEN)
             reloaded = AutoModelForCausalLM.from_pretrained(out).eval()
