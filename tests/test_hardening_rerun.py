@@ -96,3 +96,33 @@ def test_an_in_memory_model_follows_the_same_rule(caplog):
         "(change a setting or the method to compress further)"
     )
     assert all(torch.equal(weights[k], v) for k, v in model.state_dict().items())  # untouched
+
+
+def test_a_saved_recipe_on_the_base_model_says_its_own_stages_are_marked_applied(
+    pruned, tiny_model_dir, tmp_path, monkeypatch, capsys
+):
+    """A run's recipe.yaml marks its stages ``applied: true``; given back with the base model (which has no saved
+    recipe) the error names the recipe's own marks and how to run them again, before the model loads; with
+    ``applied: false`` the same file runs."""
+    model_dir, text = tiny_model_dir
+    saved = (pruned / "recipe.yaml").read_text()
+    assert "applied: true" in saved
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(saved)
+
+    def no_model(*a, **k):
+        raise AssertionError("the model was loaded")
+
+    with monkeypatch.context() as patch:
+        patch.setattr("llmc_fsm.oneshot_job.phases.load_model", no_model)
+        capsys.readouterr()
+        status = main(tiny_llama.oneshot_argv(model_dir, text, tmp_path / "again", "--recipe", str(recipe)))
+    assert status == 1
+    assert capsys.readouterr().err == (
+        "llmc-fsm oneshot: error: the recipe has no modifier to run: it marks every stage 'applied: true' (a "
+        "recipe.yaml saved by a run records the stages it applied); to run them again, set 'applied: false' on each "
+        "stage (or remove the line)\n"
+    )
+    assert not (tmp_path / "again").exists()
+    recipe.write_text(saved.replace("applied: true", "applied: false"))
+    assert main(tiny_llama.oneshot_argv(model_dir, text, tmp_path / "again", "--recipe", str(recipe))) == 0

@@ -393,6 +393,13 @@ def _sessions(model: Any, recipe: Any, fuse_stages: bool) -> tuple[Recipe, list[
     recipe = without_training_stages(recipe)
     merged = merge_saved_recipe(recipe, model)
     fresh = [stage for stage in merged.stages if not stage.applied]
+    if not fresh and recipe.stages and all(stage.applied for stage in recipe.stages):
+        msg = (
+            "the recipe has no modifier to run: it marks every stage 'applied: true' (a recipe.yaml saved by a run "
+            "records the stages it applied); to run them again, set 'applied: false' on each stage (or remove the "
+            "line)"
+        )
+        raise ValueError(msg)
     if not fresh:
         msg = (
             "the recipe has no modifier to run: every stage is already applied"

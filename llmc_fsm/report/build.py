@@ -430,10 +430,15 @@ def _tuning_line(label: str, results: dict[str, dict[str, Any]]) -> str:
     1 where round-to-nearest was), its median and range, and the layers that kept round-to-nearest."""
     ratios = [r["tuned_mse"] / r["rtn_mse"] if r["kept"] != "rtn" else 1.0 for r in results.values()]
     rtn = [name for name, r in results.items() if r["kept"] == "rtn"]
-    kept = f"round-to-nearest kept on {len(rtn)}: {compact_names(rtn)}" if rtn else "tuning kept on every layer"
+    kept = (
+        f"the tuning kept on {len(results) - len(rtn)}, round-to-nearest on {len(rtn)} (tuning did not lower its "
+        f"output error): {compact_names(rtn)}"
+        if rtn
+        else "the tuning kept on every layer"
+    )
     return (
-        f"{label}: {len(results)} layers tuned; output MSE vs round-to-nearest: median ratio "
-        f"{statistics.median(ratios):.3f} ({min(ratios):.3f}-{max(ratios):.3f}); {kept}"
+        f"{label}: {len(results)} layers tuned; {kept}; output MSE vs round-to-nearest: median ratio "
+        f"{statistics.median(ratios):.3f} ({min(ratios):.3f}-{max(ratios):.3f})"
     )
 
 
