@@ -140,6 +140,13 @@ def _run_explain(args: argparse.Namespace) -> int:
     if args.model is not None:
         session.update_state(model=_meta_model(args.model))
     print(explain(session), end="")
+    given_by_oneshot = {"model", "calibration_data"}
+    missing = {key for keys in session.missing_state().values() for key in keys}
+    if missing and missing <= given_by_oneshot:
+        print(
+            f"(Expected here: `llmc-fsm oneshot` gives {' and '.join(sorted(missing))}; `explain RECIPE --model DIR` "
+            "shows how the recipe fits a model, e.g. its mappings and targets.)"
+        )
     return 0
 
 
