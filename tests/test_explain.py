@@ -420,3 +420,16 @@ def test_explain_names_llmcompressors_autoround_defaults(registry: ModifierRegis
         f"targets=['Linear'] (default), scheme='W4A16' (default; {NO_SCHEME_AUTOROUND}), config_groups=None (default)"
     )
     assert f"ignore=['lm_head'] (default; {LM_HEAD})" in line and "GPTQModifier" not in line
+
+
+def test_explain_says_what_awqs_default_scheme_stands_for(registry: ModifierRegistry) -> None:
+    """llm-compressor's current AWQ form leaves the scheme to the QuantizationModifier after it: explain says so
+    instead of a bare ``scheme=None (default)``; a scheme the recipe gives is shown as given."""
+    from llmc_fsm_quantization.awq import AWQModifier
+
+    registry.register(AWQModifier)
+    line = _arguments_line("s: {AWQModifier: {}}")
+    assert "scheme=None (default: the quantizing modifier in the same stage carries the scheme)" in line
+    assert "config_groups=None (default)," in line
+    given = _arguments_line("s: {AWQModifier: {scheme: W4A16}}")
+    assert "scheme='W4A16'," in given and "the quantizing modifier" not in given

@@ -59,7 +59,8 @@ def _schedule(m: Modifier) -> str:
 
 def _arguments(m: Modifier) -> str:
     """``name=value`` of every argument; ``(default)`` after each the recipe did not give (for a modifier not
-    built from recipe data: each equal to its default), with how llm-compressor's default differs, if it does."""
+    built from recipe data: each equal to its default), with how llm-compressor's default differs, if it does, or
+    what the default stands for (the field's ``default_means`` metadata, e.g. AWQ's ``scheme=None``)."""
     given = given_arguments(m)
     parts = []
     for field in attrs.fields(type(m)):
@@ -74,7 +75,14 @@ def _arguments(m: Modifier) -> str:
         else:
             defaulted = field.alias not in given
         differs = default_difference(m.modifier_name(), field.alias, value) if defaulted else None
-        mark = f" (default; {differs})" if differs else " (default)" if defaulted else ""
+        means = field.metadata.get("default_means") if defaulted else None  # what the default stands for
+        mark = ""
+        if differs:
+            mark = f" (default; {differs})"
+        elif means:
+            mark = f" (default: {means})"
+        elif defaulted:
+            mark = " (default)"
         parts.append(f"{field.alias}={value!r}{mark}")
     return ", ".join(parts) or "-"
 

@@ -344,7 +344,9 @@ class AWQModifier(SmoothingModifier):
     duo_scaling: Any = attrs.field(default=True, validator=_duo)
     n_grid: int = attrs.field(default=20, validator=_grid)
     ignore: list[str] = attrs.field(factory=lambda: list(DEFAULT_IGNORE), converter=patterns)
-    scheme: Any = None
+    scheme: Any = attrs.field(
+        default=None, metadata={"default_means": "the quantizing modifier in the same stage carries the scheme"}
+    )
     config_groups: Any = None
     targets: list[str] = attrs.field(factory=lambda: list(DEFAULT_TARGETS), converter=patterns)
     observer: str = "minmax"
