@@ -183,7 +183,7 @@ def test_a_config_the_model_classes_cannot_build_is_checked_after_loading(quanti
     def load_model(*args, **kwargs):
         raise Loaded
 
-    monkeypatch.setattr("llmc_fsm.oneshot_job.phases.model_class", cannot_build)
+    monkeypatch.setattr("llmc_fsm.models.hf_io.model_class", cannot_build)
     monkeypatch.setattr("llmc_fsm.oneshot_job.phases.load_model", load_model)
     with pytest.raises(Loaded):
         llmc_fsm.oneshot(model=str(out), recipe=METHODS[0][1], dataset=text, max_seq_length=32, progress=False)

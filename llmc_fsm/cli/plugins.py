@@ -18,10 +18,10 @@ import os
 from typing import Any
 
 import attrs
-import torch
 
 from llmc_fsm.core.errors import RecipeError
 from llmc_fsm.core.registry import DISABLE_ENV, get_registry
+from llmc_fsm.models.hf_io import meta_model
 from llmc_fsm.recipes.llmcompressor import unimplemented_note
 from llmc_fsm.session.explain import explain
 from llmc_fsm.session.session import Session
@@ -164,13 +164,12 @@ def _meta_model(directory: str) -> Any:
         ValueError: no ``config.json`` there.
     """
 
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     if not os.path.isfile(os.path.join(directory, "config.json")):
         msg = f"--model {directory}: no config.json there; give a Hugging Face model directory"
         raise ValueError(msg)
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(directory))
+    return meta_model(AutoConfig.from_pretrained(directory))  # the model oneshot loads (a VLM's tower included)
 
 
 def add_cli(sub: argparse._SubParsersAction) -> None:

@@ -44,6 +44,7 @@ __all__ = [
     "load_hf_dir",
     "load_hub",
     "looks_like_hub_id",
+    "meta_model",
     "model_class",
 ]
 
@@ -140,6 +141,21 @@ def model_class(config: Any) -> Any:
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     return AutoModelForImageTextToText if is_vision_language(config) else AutoModelForCausalLM
+
+
+def meta_model(config: Any) -> Any:
+    """The model ``config`` describes, built by :func:`model_class` with every parameter on the ``meta`` device (no
+    memory, no weight read; buffers such as rotary tables computed as usual), tied weights tied, in eval mode.
+
+    Raises:
+        whatever transformers raises for a config it cannot build (``ValueError``, ``KeyError``, ...).
+    """
+    from accelerate import init_empty_weights
+
+    with init_empty_weights():
+        model = model_class(config).from_config(config)
+    model.tie_weights()
+    return model.eval()
 
 
 def _first_line(err: BaseException) -> str:

@@ -32,7 +32,7 @@ from llmc_fsm.data.images import (
     read_image_captions,
 )
 from llmc_fsm.data.protocol import PerplexityCache, perplexity, token_windows
-from llmc_fsm.models.hf_io import hub_unreachable, looks_like_hub_id, model_class
+from llmc_fsm.models.hf_io import hub_unreachable, looks_like_hub_id, meta_model
 from llmc_fsm.models.known import KNOWN_MODELS, known_model_dir, load_model
 from llmc_fsm.models.layers import check_calibrates_from_text
 from llmc_fsm.oneshot_job.data import (
@@ -275,24 +275,12 @@ def _refuse_quantized(run: Run) -> None:
 
     if isinstance(run.settings.model, nn.Module) or config_quantization(run.model_config) is None:
         return
-    skeleton = _meta_model(run.model_config)
-    if skeleton is not None:
-        check_modifiers(run.sessions, skeleton, True)
-
-
-def _meta_model(config: Any) -> Any:
-    """The model ``config`` describes (:func:`llmc_fsm.models.hf_io.model_class`), on the ``meta`` device with tied
-    weights tied, as the streamed path builds it; ``None`` when the class cannot be built from it."""
-    from accelerate import init_empty_weights
-
     try:
-        with init_empty_weights():
-            model = model_class(config).from_config(config)
+        skeleton = meta_model(run.model_config)
     except Exception as err:  # any config transformers cannot build: loading reports it, as before
         logger.debug("the model of this config cannot be built on meta (%s): checked after loading", err)
-        return None
-    model.tie_weights()
-    return model.eval()
+        return
+    check_modifiers(run.sessions, skeleton, True)
 
 
 def _check_data_kind(run: Run) -> None:
