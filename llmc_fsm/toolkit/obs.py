@@ -36,6 +36,7 @@ __all__ = [
     "HessianAccumulator",
     "HessianNotPositiveDefiniteError",
     "InverseHessianFactor",
+    "MaskRule",
     "check_dampening_frac",
     "inverse_hessian_cholesky",
     "obs_sweep",
@@ -349,8 +350,29 @@ class ColumnRule(Protocol):
         """Write into ``out`` (and return it) the final value of column ``j = c0 + i`` (row ``i`` of ``W1``)."""
 
 
+class MaskRule(Protocol):
+    """A :class:`ColumnRule` whose columns are masked (SparseGPT): column ``j`` ends as ``w_j * keep_j``.
+
+    ``keep_j`` is fixed by the time column ``j`` is reached, so its error is
+    ``e_j = w_j * (1 - keep_j) / U_jj`` (one product per column): :func:`obs_sweep` then skips
+    :meth:`ColumnRule.column` and masks each block once at its end. Set ``masked = True``.
+    """
+
+    sub_block: int
+    masked: bool
+
+    def begin_block(self, c0: int, c1: int, W1: torch.Tensor, d1: torch.Tensor) -> None:
+        """As :meth:`ColumnRule.begin_block`."""
+
+    def error_factor(self, j: int, W1: torch.Tensor, i: int) -> torch.Tensor:
+        """float32 ``[rows]``: ``(1 - keep_j) / U_jj`` for column ``j = c0 + i`` (row ``i`` of ``W1``)."""
+
+    def block_keep(self) -> torch.Tensor:
+        """bool ``[c1 - c0, rows]``: the block's mask, complete once its last column's factor was given."""
+
+
 @torch.no_grad()
-def obs_sweep(WT: torch.Tensor, U: torch.Tensor, rule: ColumnRule, *, block_size: int = 128) -> torch.Tensor:
+def obs_sweep(WT: torch.Tensor, U: torch.Tensor, rule: ColumnRule | MaskRule, *, block_size: int = 128) -> torch.Tensor:
     """Sweep the columns of ``WT`` left to right, in place: OBS error compensation with lazy batch updates.
 
     For each column ``j`` the rule gives its final value ``q_j``; the error
@@ -365,7 +387,9 @@ def obs_sweep(WT: torch.Tensor, U: torch.Tensor, rule: ColumnRule, *, block_size
             weights sharing one Hessian may sit side by side (rows concatenated).
         U: float32 ``[in_features, in_features]`` upper Cholesky factor of the
             damped inverse Hessian (:func:`inverse_hessian_cholesky`).
-        rule: a :class:`ColumnRule`.
+        rule: a :class:`ColumnRule`, or a :class:`MaskRule` (``masked`` true): the same
+            sweep with each column's error one product (bitwise the same values as the
+            column rule ``w_j * keep_j``, up to the sign of zeros).
         block_size: columns per lazy-update block, > 0.
 
     Returns:
@@ -385,29 +409,38 @@ def obs_sweep(WT: torch.Tensor, U: torch.Tensor, rule: ColumnRule, *, block_size
     u_diag = torch.diagonal(U)
     sub = max(1, int(rule.sub_block))
     loss = torch.zeros(rows, dtype=torch.float32, device=WT.device)
-    column, subtract = rule.column, torch.sub  # looked up once: the loop below runs once per column
+    masked = bool(getattr(rule, "masked", False))
+    column, subtract, multiply = rule.column if not masked else None, torch.sub, torch.mul  # type: ignore[union-attr]
+    factor = rule.error_factor if masked else None  # type: ignore[union-attr]
     for c0 in range(0, cols, block_size):
         c1 = min(c0 + block_size, cols)
         width = c1 - c0
         W1 = WT[c0:c1]  # view: updated in place
         d1 = u_diag[c0:c1]
         Hinv1 = U[c0:c1, c0:c1]
-        Q1 = torch.empty((width, rows), dtype=torch.float32, device=WT.device)
         Err1 = torch.empty((width, rows), dtype=torch.float32, device=WT.device)
-        inv_d = d1.reciprocal().tolist()
         rule.begin_block(c0, c1, W1, d1)
         # Row views made once per block: each costs a dispatch when taken per column.
-        w_rows, q_rows, err_rows, hinv_rows = W1.unbind(0), Q1.unbind(0), Err1.unbind(0), Hinv1.unbind(0)
+        w_rows, err_rows, hinv_rows = W1.unbind(0), Err1.unbind(0), Hinv1.unbind(0)
+        if not masked:
+            Q1 = torch.empty((width, rows), dtype=torch.float32, device=WT.device)
+            q_rows, inv_d = Q1.unbind(0), d1.reciprocal().tolist()
         for s0 in range(0, width, sub):
             s1 = min(s0 + sub, width)
-            for i in range(s0, s1 - 1):
-                err = subtract(w_rows[i], column(c0 + i, W1, i, q_rows[i]), out=err_rows[i]).mul_(inv_d[i])
-                W1[i + 1 : s1].addr_(hinv_rows[i][i + 1 : s1], err, alpha=-1.0)
-            last = s1 - 1  # nothing after it in the sub-block
-            subtract(w_rows[last], column(c0 + last, W1, last, q_rows[last]), out=err_rows[last]).mul_(inv_d[last])
+            for i in range(s0, s1):
+                if masked:  # e_j = w_j (1 - keep_j) / U_jj: one product
+                    err = multiply(w_rows[i], factor(c0 + i, W1, i), out=err_rows[i])  # type: ignore[misc]
+                else:
+                    q = column(c0 + i, W1, i, q_rows[i])  # type: ignore[misc]
+                    err = subtract(w_rows[i], q, out=err_rows[i]).mul_(inv_d[i])
+                if i + 1 < s1:
+                    W1[i + 1 : s1].addr_(hinv_rows[i][i + 1 : s1], err, alpha=-1.0)
             if s1 < width:
                 W1[s1:].addmm_(Hinv1[s0:s1, s1:].T, Err1[s0:s1], alpha=-1.0)
-        W1.copy_(Q1)
+        if masked:  # each row of W1 holds its column's value when it was reached: masked, its final value
+            W1.mul_(rule.block_keep())  # type: ignore[union-attr]
+        else:
+            W1.copy_(Q1)
         loss.add_(Err1.square().sum(0))
         if c1 < cols:
             WT[c1:].addmm_(U[c0:c1, c1:].T, Err1, alpha=-1.0)

@@ -299,8 +299,11 @@ class _PruneRule:
     Mask selection (saliency ``w_j^2 / U_jj^2``; dead inputs get -1, pruned first;
     preserved existing zeros (``fixed``) -inf, always pruned): unstructured, at each
     block start over the whole block and each weight's own rows; N:M, at each group
-    of ``M`` columns, per row.
+    of ``M`` columns, per row. A :class:`llmc_fsm.toolkit.obs.MaskRule`: each column's
+    error is ``w_j * (1 - keep_j) / U_jj``.
     """
+
+    masked = True
 
     def __init__(
         self,
@@ -336,7 +339,10 @@ class _PruneRule:
     def begin_block(self, c0: int, c1: int, W1: torch.Tensor, d1: torch.Tensor) -> None:
         self._c0 = c0
         self._d1 = d1.unsqueeze(1)
+        self._inv_d1 = d1.reciprocal().unsqueeze(1)
         self._keep1 = self.keepT[c0:c1]
+        self._factor1 = torch.empty(W1.shape, dtype=torch.float32, device=W1.device)
+        self._factor_rows = self._factor1.unbind(0)
         if self.nm is not None:
             return
         score = (W1.square() / self._d1.square()).masked_fill_(self.dead[c0:c1].unsqueeze(1), -1.0)
@@ -355,6 +361,7 @@ class _PruneRule:
                 flat = flat.masked_fill(self.fixed[c0:c1, r0:r1].reshape(-1), float("-inf"))
             seg.view(-1)[torch.topk(flat, k_block, largest=False, sorted=False).indices] = False
             self._keep1[:, r0:r1] = seg
+        torch.logical_not(self._keep1, out=self._factor1).mul_(self._inv_d1)  # (1 - keep) / U_jj
 
     def _preserving_count(self, index: int, c0: int, c1: int) -> int:
         """Weights block ``[c0, c1)`` prunes in weight ``index`` when its existing zeros stay pruned: the
@@ -368,8 +375,8 @@ class _PruneRule:
         self._pruned[index] = done + k
         return k
 
-    def column(self, j: int, W1: torch.Tensor, i: int, out: torch.Tensor) -> torch.Tensor:
-        if self.nm is not None and i % self.nm[1] == 0:
+    def error_factor(self, j: int, W1: torch.Tensor, i: int) -> torch.Tensor:
+        if self.nm is not None and i % self.nm[1] == 0:  # the group's mask, from its columns as they are now
             grp = slice(i, i + self.nm[1])
             d = self._d1[grp]  # type: ignore[index]
             score = (W1[grp].square() / d.square()).masked_fill_(self.dead[j : j + self.nm[1]].unsqueeze(1), -1.0)
@@ -378,7 +385,11 @@ class _PruneRule:
             else:  # existing zeros first (all of them, even more than M - N), then the lowest saliencies
                 fixed = self.fixed[j : j + self.nm[1]]
                 self._keep1[grp] = nm_keep(score.masked_fill_(fixed, float("-inf")).T, self.nm).T & ~fixed
-        return torch.mul(W1[i], self._keep1[i], out=out)
+            torch.logical_not(self._keep1[grp], out=self._factor1[grp]).mul_(self._inv_d1[grp])
+        return self._factor_rows[i]
+
+    def block_keep(self) -> torch.Tensor:
+        return self._keep1
 
 
 def _positive_int(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
