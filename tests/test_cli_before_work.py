@@ -109,6 +109,21 @@ def test_a_quantized_checkpoint_is_refused_from_its_config_before_any_weight_is_
     assert _snapshot(parent) == {} and parent.stat().st_mtime_ns == 10**18
 
 
+def test_a_modifier_that_only_keeps_zeros_is_refused_a_quantized_checkpoint_too(quantized, tmp_path, capsys,
+                                                                                  monkeypatch) -> None:
+    # ConstantPruningModifier makes no zeros (so it may follow a quantizing modifier of the same recipe), but a
+    # packed checkpoint holds no weights to keep: it used to fail after loading, blaming ignore ['lm_head']
+    _, text, out = quantized
+    _refuse_loading(monkeypatch)
+    recipe = tmp_path / "hold.yaml"
+    recipe.write_text("stage:\n  pruning_modifiers:\n    ConstantPruningModifier: {}\n")
+    argv = ["oneshot", "--model", str(out), "--dataset", str(text), "--seq-len", "32", "--recipe", str(recipe)]
+    assert main([*argv, "--output", str(tmp_path / "out"), "--no-progress"]) == 1
+    message = _already_quantized("ConstantPruningModifier", MAGNITUDE_HINT)
+    assert capsys.readouterr().err == f"llmc-fsm oneshot: error: {message}\n"
+    assert not (tmp_path / "out").exists() and not (tmp_path / ".out.work").exists()
+
+
 def _float_dir_with(config_extra: dict, source: Path, target: Path) -> Path:
     """A copy of the float model directory ``source`` whose config.json also holds ``config_extra``."""
     shutil.copytree(source, target)

@@ -206,21 +206,22 @@ def check_modifiers(sessions: list[Session], model: Any, calibration_data: Any =
                 _warn_few_tokens(modifier, targets, int(calibration_data.numel()))
             if not isinstance(targets, dict):
                 targets = _declared_targets(modifier, model)
-                if targets:  # e.g. magnitude pruning
+                if targets:  # e.g. magnitude pruning; ConstantPruning: a quantized checkpoint holds no weights
                     check_not_quantized(
                         model, type(modifier).__name__, "compress the original full-precision model instead"
                     )
+                if not getattr(modifier, "adds_zeros", True):  # keeps existing zeros and makes none: not refused
+                    targets = {}  # after a quantizing modifier of the same recipe
             if targets:
                 _check_quantized_once(modifier, session, targets, quantized_by)
 
 
 def _declared_targets(modifier: Any, model: Any) -> dict[str, Any]:
     """The modules a modifier whose ``check_model`` returns none would compress, from its ``targets`` / ``ignore``
-    (``{}`` when it has none, they match nothing — the modifier reports that itself — or its class says
-    ``adds_zeros = False``: it only keeps existing zeros, as ``ConstantPruningModifier``)."""
+    (``{}`` when it has none or they match nothing — the modifier reports that itself)."""
 
     patterns, ignore = getattr(modifier, "targets", None), getattr(modifier, "ignore", None)
-    if not isinstance(patterns, list) or not isinstance(ignore, list) or not getattr(modifier, "adds_zeros", True):
+    if not isinstance(patterns, list) or not isinstance(ignore, list):
         return {}
     try:
         return select_targets(model, patterns, ignore).selected  # no warnings: the modifier's own checks give them
