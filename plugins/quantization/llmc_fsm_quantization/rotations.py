@@ -50,11 +50,13 @@ __all__ = [
     "TRANSFORM_TYPES",
     "RotationPlan",
     "SpinQuantModifier",
+    "block_hadamard",
+    "blocks_t_times",
     "find_rotation_plan",
-    "fuse_norms",
+    "fold_and_rotate",
     "hadamard_matrix",
     "rotate_heads",
-    "rotate_residual",
+    "times_blocks",
 ]
 
 logger = logging.getLogger(__name__)
@@ -123,20 +125,45 @@ def hadamard_matrix(
     return h.div_(math.sqrt(size)).to(dtype)
 
 
-def _block_diagonal(size: int, block: int, transform_type: str, dtype: torch.dtype) -> torch.Tensor:
-    """``[size, size]`` block-diagonal orthogonal matrix of ``size // block`` Hadamard blocks."""
+def block_hadamard(size: int, block: int, transform_type: str, dtype: torch.dtype) -> torch.Tensor:
+    """The diagonal blocks ``[size // block, block, block]`` of a block-diagonal orthogonal ``[size, size]`` matrix
+    (:func:`hadamard_matrix` blocks; ``"random-hadamard"``: fresh random signs per block, from one generator).
+
+    For ``"hadamard"`` every block is the same matrix (a broadcast view of one block). Applied by
+    :func:`times_blocks` / :func:`blocks_t_times` without forming the whole matrix (``block / size`` of its
+    multiply-adds).
+    """
     if block == size:
-        return hadamard_matrix(size, transform_type=transform_type, dtype=dtype)
+        return hadamard_matrix(size, transform_type=transform_type, dtype=dtype).unsqueeze(0)
     gen = torch.Generator()
-    blocks = [hadamard_matrix(block, transform_type=transform_type, dtype=dtype, generator=gen)]
-    if transform_type == "random-hadamard":  # fresh random signs per block
-        blocks += [
-            hadamard_matrix(block, transform_type=transform_type, dtype=dtype, generator=gen)
-            for _ in range(size // block - 1)
-        ]
-    else:
-        blocks *= size // block
-    return torch.block_diag(*blocks)
+    first = hadamard_matrix(block, transform_type=transform_type, dtype=dtype, generator=gen)
+    if transform_type != "random-hadamard":
+        return first.expand(size // block, block, block)
+    rest = [
+        hadamard_matrix(block, transform_type=transform_type, dtype=dtype, generator=gen)
+        for _ in range(1, size // block)
+    ]
+    return torch.stack([first, *rest])
+
+
+def _same_blocks(blocks: torch.Tensor) -> bool:
+    return blocks.shape[0] == 1 or blocks.stride(0) == 0  # one block, or one block broadcast (hadamard)
+
+
+def times_blocks(w: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """``w Q`` for ``w`` ``[rows, n * b]`` and ``Q`` the block-diagonal matrix of ``blocks`` ``[n, b, b]``."""
+    rows, (n, b, _) = w.shape[0], blocks.shape
+    if _same_blocks(blocks):
+        return (w.reshape(rows * n, b) @ blocks[0]).reshape(rows, n * b)
+    return torch.einsum("rnb,nbc->rnc", w.reshape(rows, n, b), blocks).reshape(rows, n * b)
+
+
+def blocks_t_times(w: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """``Q^T w`` for ``w`` ``[n * b, cols]`` (or ``[n * b]``) and ``Q`` the block-diagonal matrix of ``blocks``."""
+    n, b, _ = blocks.shape
+    stacked = w.reshape(n, b, -1)
+    out = blocks[0].T @ stacked if _same_blocks(blocks) else blocks.transpose(1, 2) @ stacked
+    return out.reshape(w.shape)
 
 
 # --------------------------------------------------------------------------- the model's structure
@@ -353,12 +380,17 @@ def untie(model: nn.Module, plan: RotationPlan) -> RotationPlan:
 
 
 @torch.no_grad()
-def fuse_norms(plan: RotationPlan, precision: torch.dtype = torch.float64) -> None:
-    """Fold each RMSNorm's scale into the linears that read it (``W <- W diag(g)``) and set the scale to 1.
+def fold_and_rotate(plan: RotationPlan, precision: torch.dtype, r1: torch.Tensor | None) -> None:
+    """Fold each RMSNorm's scale into the linears that read it and, given ``r1``, rotate the residual stream.
 
-    QuaRot Sec. 4: a rotation commutes with ``x / rms(x)`` but not with the scale ``g``.
-    The head must be untied first (:func:`untie`).
+    Norms (QuaRot Sec. 4: a rotation commutes with ``x / rms(x)`` but not with the scale ``g``): q/k/v after
+    ``input_layernorm``, gate/up after ``post_attention_layernorm``, ``lm_head`` after the final norm take
+    ``W <- W diag(g)``, and ``g`` becomes 1. R1 (``r1``: the diagonal blocks ``[n, b, b]`` of the orthogonal
+    ``Q``, :func:`block_hadamard`): those readers take ``W <- W diag(g) Q`` in the same pass (computed in
+    ``precision``, stored once in the weight's dtype), the embedding ``E <- E Q``, the writers (o, down)
+    ``W <- Q^T W`` and ``b <- Q^T b``. The head must be untied first (:func:`untie`).
     """
+    rotate = (lambda w: times_blocks(w, r1)) if r1 is not None else (lambda w: w)
     pairs: list[tuple[nn.Module, list[nn.Module]]] = [
         (pair[0], pair[1])
         for layer in plan.layers
@@ -368,25 +400,15 @@ def fuse_norms(plan: RotationPlan, precision: torch.dtype = torch.float64) -> No
     for norm, linears in pairs:
         g = norm.weight.to(precision)
         for linear in linears:
-            _update_rows(linear.weight, lambda w, g=g: w * g, precision)
+            _update_rows(linear.weight, lambda w, g=g: rotate(w * g), precision)
         norm.weight.fill_(1.0)
-
-
-@torch.no_grad()
-def rotate_residual(plan: RotationPlan, q: torch.Tensor) -> None:
-    """R1: rotate the residual stream by ``q`` ``[hidden, hidden]`` (orthogonal, the working precision).
-
-    Readers (q/k/v, gate/up, head) ``W <- W Q``; writers (o, down) ``W <- Q^T W``, ``b <- Q^T b``; embedding
-    ``E <- E Q``. The norms must have unit scale (:func:`fuse_norms`).
-    """
-    p = q.dtype
-    readers = [m for layer in plan.layers for m in (layer.q, layer.k, layer.v, layer.gate, layer.up)] + [plan.head]
-    for weight in [plan.embedding.weight, *(m.weight for m in readers)]:
-        _update_rows(weight, lambda w: w @ q, p)
+    if r1 is None:
+        return
+    _update_rows(plan.embedding.weight, rotate, precision)
     for m in (x for layer in plan.layers for x in (layer.o, layer.down)):
-        _set(m.weight, q.T @ m.weight.to(p))
+        _set(m.weight, blocks_t_times(m.weight.to(precision), r1))
         if getattr(m, "bias", None) is not None:
-            _set(m.bias, q.T @ m.bias.to(p))
+            _set(m.bias, blocks_t_times(m.bias.to(precision), r1))
 
 
 @torch.no_grad()
@@ -592,11 +614,12 @@ class SpinQuantModifier(llmc_fsm.Modifier):
         precision = PRECISIONS[self.precision]
         self.summary.update(rotations=list(self.rotations), tied=plan.tied, transform_type=self.transform_type)
         plan = untie(model, plan)
-        fuse_norms(plan, precision)
+        r1 = None
         if "R1" in self.rotations:
             block = self.transform_block_size or plan.hidden_size
-            rotate_residual(plan, _block_diagonal(plan.hidden_size, block, self.transform_type, precision))
+            r1 = block_hadamard(plan.hidden_size, block, self.transform_type, precision)
             self.summary["r1_block_size"] = block
+        fold_and_rotate(plan, precision, r1)
         if "R2" in self.rotations:
             rotate_heads(plan, hadamard_matrix(plan.head_dim, transform_type=self.transform_type, dtype=precision))
             self.summary["r2_size"] = plan.head_dim

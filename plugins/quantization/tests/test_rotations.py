@@ -137,6 +137,25 @@ def test_rotations_are_the_hadamard_products_computed_independently() -> None:
     assert torch.allclose(layer.self_attn.o_proj.weight, o_ref, atol=1e-12)
 
 
+@pytest.mark.parametrize("kind", ["hadamard", "random-hadamard"])
+def test_block_diagonal_r1_equals_the_dense_block_matrix_product(kind: str) -> None:
+    # R1 with transform_block_size is applied block by block (never forming the [hidden, hidden] matrix): it must
+    # equal the product with the dense block-diagonal matrix of the same blocks, built here with torch.block_diag
+    model = _model(tied=False)
+    layer = model.model.layers[0]
+    g_in = layer.input_layernorm.weight.detach().clone()
+    e, k, o = (t.detach().clone() for t in (model.model.embed_tokens.weight, layer.self_attn.k_proj.weight,
+                                            layer.self_attn.o_proj.weight))
+    SpinQuantModifier(rotations=["R1"], transform_type=kind, transform_block_size=16).on_initialize(_State(model))
+    gen = torch.Generator()  # one generator for the 4 blocks in order, as the modifier draws them
+    blocks = [hadamard_matrix(16, transform_type=kind, generator=gen) for _ in range(4)]
+    assert all(torch.equal(b, blocks[0]) for b in blocks) == (kind == "hadamard")
+    r1 = torch.block_diag(*blocks)
+    assert torch.allclose(model.model.embed_tokens.weight, e @ r1, atol=1e-12)
+    assert torch.allclose(layer.self_attn.k_proj.weight, (k * g_in) @ r1, atol=1e-12)
+    assert torch.allclose(layer.self_attn.o_proj.weight, r1.T @ o, atol=1e-12)
+
+
 def test_r1_flattens_outlier_channels_of_the_embedding() -> None:
     model = _model()
     e = model.model.embed_tokens.weight.detach().clone()
