@@ -255,18 +255,18 @@ def test_awq_then_per_expert_quantization_saves_a_checkpoint_transformers_reload
 
 # --------------------------------------------------------------------------- refusals
 #: Jamba and Nemotron-H are smoothed (tests/test_architectures_awq_hybrid.py; test_awq_nemotron_h.py in the plugin)
+#: The message's start; it ends with why no quantizer can take those experts either (the quantizers' own refusal).
 REFUSALS = {
     "gpt_oss": (
         "AWQModifier: GptOssForCausalLM (model_type 'gpt_oss') keeps fused experts in "
         "model.layers.{0..3}.mlp.experts that no smoothing mapping reaches (GptOssExperts adds biases to its "
-        "projections), so they would be quantized unsmoothed: use GPTQModifier or QuantizationModifier, which "
-        "quantize each expert matrix"
+        "projections), and no modifier can quantize them so that they reload: "
     ),
     "dbrx": (
         "AWQModifier: DbrxForCausalLM (model_type 'dbrx') keeps fused experts in "
         "transformer.blocks.{0..1}.ffn.experts that no smoothing mapping reaches (DbrxExperts is not a transformers "
-        "fused-experts class with layout flags (has_gate, is_concatenated, ...)), so they would be quantized "
-        "unsmoothed: use GPTQModifier or QuantizationModifier, which quantize each expert matrix"
+        "fused-experts class with layout flags (has_gate, is_concatenated, ...)), and no modifier can quantize them "
+        "so that they reload: "
     ),
 }
 
@@ -277,7 +277,13 @@ def test_experts_no_mapping_reaches_are_refused_before_any_work(tmp_path, family
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(ValueError) as info:
         _run(model, QuantizationModifier(scheme=SCHEME), awq=AWQModifier(), output_dir=tmp_path / "o")
-    assert str(info.value) == REFUSALS[family]
+    message = str(info.value)
+    assert message.startswith(REFUSALS[family])
+    # its advice is not the other quantizers (it used to send the user to them): they refuse these experts, why
+    with pytest.raises(ValueError) as alone:
+        _run(build(family), QuantizationModifier(scheme=SCHEME), output_dir=tmp_path / "q")
+    why = str(alone.value).split(" cannot be quantized: ", 1)[1]
+    assert message == REFUSALS[family] + why
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert not (tmp_path / "o").exists()
 

@@ -66,7 +66,7 @@ def test_patterns_that_select_nothing_are_named_with_the_reason(caplog: pytest.L
         selected = resolve_targets(model, ["re:.*q_proj$", "LlamaRMSNorm", "re:.*nothing"], ["lm_head"])
     assert list(selected) == ["model.layers.0.self_attn.q_proj", "model.layers.1.self_attn.q_proj"]
     assert [r.getMessage() for r in caplog.records] == [
-        "target pattern 'LlamaRMSNorm' selects nothing: it matches only modules without a Linear-like 2-D weight: "
+        "target pattern 'LlamaRMSNorm' selects nothing: it matches only modules that are not Linear-like (no 2-D weight with in_features): "
         "model.layers.0.input_layernorm (LlamaRMSNorm), model.layers.0.post_attention_layernorm (LlamaRMSNorm), "
         "model.layers.1.input_layernorm (LlamaRMSNorm), model.layers.1.post_attention_layernorm (LlamaRMSNorm) "
         "and 1 more",
@@ -79,8 +79,8 @@ def test_targets_that_all_select_nothing_are_an_error():
         select_targets(llama(), ["Embedding", "re:.*norm$"], [])
     assert str(info.value) == (
         "targets ['Embedding', 're:.*norm$'] select no module with a Linear-like weight in LlamaForCausalLM "
-        "('Embedding': it matches only modules without a Linear-like 2-D weight: model.embed_tokens (Embedding); "
-        "'re:.*norm$': it matches only modules without a Linear-like 2-D weight: model.layers.0.input_layernorm "
+        "('Embedding': it matches only modules that are not Linear-like (no 2-D weight with in_features): model.embed_tokens (Embedding); "
+        "'re:.*norm$': it matches only modules that are not Linear-like (no 2-D weight with in_features): model.layers.0.input_layernorm "
         "(LlamaRMSNorm), model.layers.0.post_attention_layernorm (LlamaRMSNorm), model.layers.1.input_layernorm "
         "(LlamaRMSNorm), model.layers.1.post_attention_layernorm (LlamaRMSNorm) and 1 more). Patterns are class "
         "names ('Linear'), full module names or 're:<regex>' (re.match on full names). Linear-like modules: "

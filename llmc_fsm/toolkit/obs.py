@@ -85,23 +85,36 @@ class HessianAccumulator:
     The per-input-channel squared norms needed by Wanda come for free from the
     diagonal, ``||X_j||_2^2 = (n / 2) * H_jj`` (:attr:`input_sq_norm`).
 
+    With ``diagonal_only`` only ``diag(H)`` is kept (float32 ``[in_features]``, ``C`` multiply-adds per token
+    instead of ``C^2 / 2``): for a modifier that needs the inputs' mean squares (``imatrix_mse``) but no Hessian
+    (round-to-nearest); :attr:`hessian` then raises ``AttributeError`` (``getattr(acc, "hessian", None)`` is
+    ``None``).
+
     Args:
         in_features: ``C``, the size of the input's last dimension.
         device: where to keep ``H``; default: the device of the first batch.
+        diagonal_only: keep ``diag(H)`` only.
 
     Raises:
         ValueError: ``in_features`` is not a positive int.
     """
 
-    def __init__(self, in_features: int, device: torch.device | str | None = None) -> None:
+    def __init__(
+        self, in_features: int, device: torch.device | str | None = None, *, diagonal_only: bool = False
+    ) -> None:
         if isinstance(in_features, bool) or not isinstance(in_features, int) or in_features <= 0:
             raise ValueError(f"in_features must be a positive int, got {in_features!r}")
         self.in_features = in_features
+        self.diagonal_only = bool(diagonal_only)
         self._num_samples = 0
         self._mirrored = True  # False while only the upper block triangle is current
-        self._hessian: torch.Tensor | None = None
+        self._hessian: torch.Tensor | None = None  # [C, C], or [C] (the diagonal) with diagonal_only
         if device is not None:
-            self._hessian = torch.zeros(in_features, in_features, dtype=torch.float32, device=device)
+            self._hessian = torch.zeros(self._shape, dtype=torch.float32, device=device)
+
+    @property
+    def _shape(self) -> tuple[int, ...]:
+        return (self.in_features,) if self.diagonal_only else (self.in_features, self.in_features)
 
     @torch.no_grad()
     def add_batch(self, x: torch.Tensor) -> None:
@@ -119,13 +132,15 @@ class HessianAccumulator:
         if tokens == 0:
             return
         if self._hessian is None:
-            self._hessian = torch.zeros(self.in_features, self.in_features, dtype=torch.float32, device=x.device)
+            self._hessian = torch.zeros(self._shape, dtype=torch.float32, device=x.device)
         x = x.to(device=self._hessian.device, dtype=torch.float32)
         total = self._num_samples + tokens
         H = self._hessian
         H.mul_(self._num_samples / total)
         cols = self.in_features
-        if cols < _SYMMETRIC_MIN_FEATURES:
+        if self.diagonal_only:
+            H.add_(x.square().sum(0), alpha=2.0 / total)
+        elif cols < _SYMMETRIC_MIN_FEATURES:
             H.addmm_(x.T, x, alpha=2.0 / total)
         else:
             # H is symmetric: compute only the block-upper triangle (6 row blocks:
@@ -142,7 +157,12 @@ class HessianAccumulator:
         """``H``, float32 ``[in_features, in_features]`` (zeros before any batch).
 
         This is the live buffer, not a copy; clone it before modifying.
+
+        Raises:
+            AttributeError: the accumulator keeps the diagonal only (``diagonal_only``).
         """
+        if self.diagonal_only:
+            raise AttributeError("this HessianAccumulator keeps diag(H) only (diagonal_only=True): no hessian")
         if self._hessian is None:
             return torch.zeros(self.in_features, self.in_features, dtype=torch.float32)
         if not self._mirrored:
@@ -152,9 +172,16 @@ class HessianAccumulator:
         return self._hessian
 
     @property
+    def diagonal(self) -> torch.Tensor:
+        """``diag(H)``, float32 ``[in_features]`` (zeros before any batch); with ``diagonal_only`` the live buffer."""
+        if self.diagonal_only:
+            return self._hessian if self._hessian is not None else torch.zeros(self.in_features)
+        return torch.diagonal(self.hessian)
+
+    @property
     def input_sq_norm(self) -> torch.Tensor:
         """``||X_j||_2^2`` summed over all tokens, float32 ``[in_features]``."""
-        return torch.diagonal(self.hessian) * (self._num_samples / 2.0)
+        return self.diagonal * (self._num_samples / 2.0)
 
     @property
     def num_samples(self) -> int:
@@ -185,8 +212,8 @@ class HessianAccumulator:
 
         if not is_distributed():
             return
-        H = self.hessian if self._hessian is not None else None
-        flat = torch.zeros(self.in_features * self.in_features + 1, dtype=torch.float64)
+        H = None if self._hessian is None else self.diagonal if self.diagonal_only else self.hessian
+        flat = torch.zeros(math.prod(self._shape) + 1, dtype=torch.float64)
         if H is not None:
             flat = flat.to(H.device)
             flat[:-1].copy_(H.reshape(-1)).mul_(self._num_samples)
@@ -194,9 +221,9 @@ class HessianAccumulator:
         all_reduce_tensor(flat, what="all_reduce (Hessian)")
         total = round(float(flat[-1]))
         if self._hessian is None:
-            self._hessian = torch.zeros(self.in_features, self.in_features, dtype=torch.float32, device=flat.device)
+            self._hessian = torch.zeros(self._shape, dtype=torch.float32, device=flat.device)
         if total > 0:
-            self._hessian.copy_(flat[:-1].reshape(self.in_features, self.in_features).div_(total))
+            self._hessian.copy_(flat[:-1].reshape(self._shape).div_(total))
         self._num_samples = total
         self._mirrored = True
 

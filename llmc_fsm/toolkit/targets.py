@@ -247,7 +247,7 @@ def _unmatched_reason(named, pattern: str) -> str:
     direct = [f"{n or '<model>'} ({type(m).__name__})" for n, m in named if matches(n, m, pattern)]
     if not direct:
         return "it matches no module"
-    return f"it matches only modules without a Linear-like 2-D weight: {_shown(direct)}"
+    return f"it matches only modules that are not Linear-like (no 2-D weight with in_features): {_shown(direct)}"
 
 
 def _nothing_selected(

@@ -226,8 +226,10 @@ class CalibrationStatistics(HessianAccumulator):
         device: torch.device | str | None = None,
         mse_args: QuantizationArgs | None = None,
         group_size: int | None = None,
+        *,
+        diagonal_only: bool = False,
     ) -> None:
-        super().__init__(in_features, device)
+        super().__init__(in_features, device, diagonal_only=diagonal_only)
         self.ranges: dict[str, torch.Tensor] = {}  # observer -> float64 tensor [min, max] (or [2, groups])
         self.mse_args = mse_args
         self.group_size = group_size
@@ -697,8 +699,11 @@ class QuantizingModifier(CalibratedModifier):
         )
 
     def _new_accumulator(self, module: nn.Module) -> HessianAccumulator:
-        """The Hessian of the target's inputs; with calibrated input scales also their ranges
+        """The Hessian of the target's inputs (only its diagonal unless the modifier measures its output error
+        from it, as GPTQ: round-to-nearest needs the inputs' mean squares for ``imatrix_mse`` at most, and a full
+        Hessian would cost ``in^2 / 2`` multiply-adds per token); with calibrated input scales also their ranges
         (:class:`CalibrationStatistics`, per group of 16 for NVFP4's inputs)."""
+        diagonal_only = not self.measures_output_error
         if self.calibrated_inputs:
             inputs = self._groups[self._group(self._names_by_id.get(id(module), ""))].input_activations
             searched = inputs is not None and not inputs.dynamic and inputs.observer in INPUT_MSE_OBSERVERS
@@ -706,8 +711,9 @@ class QuantizingModifier(CalibratedModifier):
                 module.weight.shape[1],
                 mse_args=inputs if searched else None,
                 group_size=int(inputs.group_size) if is_local(inputs) else None,
+                diagonal_only=diagonal_only,
             )
-        return HessianAccumulator(module.weight.shape[1])
+        return HessianAccumulator(module.weight.shape[1], diagonal_only=diagonal_only)
 
     @property
     def needs_importance(self) -> bool:

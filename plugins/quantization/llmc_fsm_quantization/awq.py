@@ -98,6 +98,7 @@ from llmc_fsm.toolkit import (
     all_gather_ints,
     all_reduce_tensor,
     compact_names,
+    expert_checkpoint_names,
     get_rank,
     is_distributed,
     patterns,
@@ -447,10 +448,17 @@ class AWQModifier(SmoothingModifier):
                     "'re:.*mlp.experts.*.gate_proj$', 're:.*mlp.experts.*.up_proj$' and 're:.*up_proj$' -> "
                     "'re:.*down_proj$'"
                 )
+                try:  # can another quantizer take them (GPT-OSS, DBRX: no layout transformers reloads)?
+                    expert_checkpoint_names(model, name, left[name])
+                    advice = (
+                        "so they would be quantized unsmoothed: use GPTQModifier or QuantizationModifier, which "
+                        "quantize each expert matrix"
+                    )
+                except ValueError as exc:
+                    advice = f"and no modifier can quantize them so that they reload: {exc}"
                 msg = (
                     f"AWQModifier: {family} keeps fused experts in {compact_names(left)} that no smoothing mapping "
-                    f"reaches ({why}), so they would be quantized unsmoothed: use GPTQModifier or "
-                    "QuantizationModifier, which quantize each expert matrix"
+                    f"reaches ({why}), {advice}"
                 )
                 raise ValueError(msg)
         if fused and is_distributed():

@@ -67,6 +67,7 @@ __all__ = [
     "check_scaled_observer",
     "fused_global_scale",
     "imatrix_nvfp4_ranges",
+    "importance_from_diagonal",
     "importance_from_hessian",
     "input_range_mse",
     "is_local",
@@ -198,13 +199,23 @@ def unknown_observer(name: object) -> str:
 
 
 def importance_from_hessian(hessian: torch.Tensor) -> torch.Tensor:
-    """Per-input-column importance ``E[x_j^2]`` ``[in]`` float32 from ``H = (2/n) X^T X`` ``[in, in]``
-    (half its diagonal), divided by its mean as ``imatrix_mse`` uses it (all zeros stay zeros).
+    """Per-input-column importance ``E[x_j^2]`` ``[in]`` float32 from ``H = (2/n) X^T X`` ``[in, in]``:
+    :func:`importance_from_diagonal` of its diagonal.
 
     Raises:
         ValueError: ``H``'s diagonal holds a negative or non-finite value.
     """
-    imp = torch.diagonal(hessian).to(torch.float32) / 2
+    return importance_from_diagonal(torch.diagonal(hessian))
+
+
+def importance_from_diagonal(diagonal: torch.Tensor) -> torch.Tensor:
+    """Per-input-column importance ``E[x_j^2]`` ``[in]`` float32 from ``diag(H)`` ``[in]`` of ``H = (2/n) X^T X``
+    (half of it), divided by its mean as ``imatrix_mse`` uses it (all zeros stay zeros).
+
+    Raises:
+        ValueError: the diagonal holds a negative or non-finite value.
+    """
+    imp = diagonal.to(torch.float32) / 2
     if not bool(torch.isfinite(imp).all()) or bool((imp < 0).any()):
         msg = "imatrix_mse: the calibration inputs' mean squares are not finite and non-negative"
         raise ValueError(msg)

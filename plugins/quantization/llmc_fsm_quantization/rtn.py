@@ -12,7 +12,7 @@ from llmc_fsm_quantization._base import QuantizedWeight, QuantizingModifier
 from llmc_fsm_quantization.observers import (
     IMPORTANCE_OBSERVERS,
     imatrix_nvfp4_ranges,
-    importance_from_hessian,
+    importance_from_diagonal,
     is_nvfp4,
     is_scaled_format,
     observe,
@@ -48,7 +48,7 @@ def rtn_quantize(
         args: the weight ``QuantizationArgs``.
         observer: one of :data:`~llmc_fsm_quantization.observers.OBSERVERS`.
         importance: ``[in]`` per-input-column importance for ``imatrix_mse``
-            (:func:`~llmc_fsm_quantization.observers.importance_from_hessian`).
+            (:func:`~llmc_fsm_quantization.observers.importance_from_diagonal`).
         global_scale: NVFP4 only: ``[1]`` float32 global scale to use instead of the weight's own (one shared by
             the modules a serving engine fuses: :func:`~llmc_fsm_quantization.observers.fused_global_scale`).
         rounded: ``False``: an NVFP4, MX or FP8-block weight is returned unrounded (its scales computed), for
@@ -127,7 +127,7 @@ class QuantizationModifier(QuantizingModifier):
     ) -> list[QuantizedWeight]:
         importance = None
         if args.observer in IMPORTANCE_OBSERVERS and accumulator is not None:
-            importance = importance_from_hessian(accumulator.hessian)
+            importance = importance_from_diagonal(accumulator.diagonal)
         if importance is not None and is_nvfp4(args):  # the searched ranges give the (shared) global scales
             ranges = [imatrix_nvfp4_ranges(m.weight, args, importance) for m in modules]
             scales = self._ranges_global_scales(modules, ranges)
