@@ -42,3 +42,27 @@ def test_factor_leaves_the_hessian_unchanged_and_sets_dead_inputs_to_one():
     kept = live.clone()
     inverse_hessian_cholesky(live, dampening_frac=0.01)
     assert torch.equal(live, kept)
+
+
+def test_a_diagonal_only_accumulator_keeps_the_mean_squares_and_has_no_hessian():
+    import pytest
+
+    from llmc_fsm.toolkit.obs import HessianAccumulator
+
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.randn(3, 5, 600, generator=g, dtype=torch.float64) for _ in range(3)]  # 600: blocked path
+    full, diag = HessianAccumulator(600), HessianAccumulator(600, diagonal_only=True)
+    for x in batches:
+        full.add_batch(x.to(torch.float32))
+        diag.add_batch(x.to(torch.float32))
+    x = torch.cat([b.reshape(-1, 600) for b in batches])
+    expected = 2.0 * x.square().sum(0) / x.shape[0]  # diag(H) = (2/n) sum_t x_tj^2, float64 reference
+    assert diag.diagonal.shape == (600,) and diag.num_samples == 45
+    torch.testing.assert_close(diag.diagonal.to(torch.float64), expected, rtol=1e-5, atol=0)
+    torch.testing.assert_close(full.diagonal.to(torch.float64), expected, rtol=1e-5, atol=0)
+    torch.testing.assert_close(diag.input_sq_norm.to(torch.float64), x.square().sum(0), rtol=1e-5, atol=0)
+    with pytest.raises(AttributeError, match=r"keeps diag\(H\) only"):
+        diag.hessian  # noqa: B018
+    assert getattr(diag, "hessian", None) is None  # how the report's error step finds none to measure with
+    diag.all_reduce()  # one process: nothing to combine, nothing changed
+    torch.testing.assert_close(diag.diagonal.to(torch.float64), expected, rtol=1e-5, atol=0)
