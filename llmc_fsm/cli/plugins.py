@@ -158,7 +158,8 @@ def _plan(recipe: Any, state: list[str]) -> str:
 
 
 def _meta_model(directory: str) -> Any:
-    """The model a Hugging Face directory's ``config.json`` describes, on the meta device (no weights read).
+    """The model a Hugging Face directory's ``config.json`` (or a known model name's, as ``oneshot --model`` takes
+    it: ``smollm2-135m``, its cached directory) describes, on the meta device (no weights read).
 
     Raises:
         ValueError: no ``config.json`` there.
@@ -166,6 +167,10 @@ def _meta_model(directory: str) -> Any:
 
     from transformers import AutoConfig
 
+    from llmc_fsm.models.known import KNOWN_MODELS, known_model_dir
+
+    if directory in KNOWN_MODELS and not os.path.isdir(directory):
+        directory = os.fspath(known_model_dir(directory))
     if not os.path.isfile(os.path.join(directory, "config.json")):
         msg = f"--model {directory}: no config.json there; give a Hugging Face model directory"
         raise ValueError(msg)
@@ -204,7 +209,8 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
         "--model",
         metavar="DIR",
         default=None,
-        help="a Hugging Face model directory: its architecture (config.json, on the meta device, no weights) is the "
-        "state's model, and modifiers that resolve modules on it show them (e.g. AWQ's smoothing mappings)",
+        help="a Hugging Face model directory or a known model name (smollm2-135m): its architecture (config.json, "
+        "on the meta device, no weights) is the state's model, and modifiers that resolve modules on it show them "
+        "(e.g. AWQ's smoothing mappings)",
     )
     parser.set_defaults(func=_run_explain)

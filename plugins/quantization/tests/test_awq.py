@@ -261,6 +261,25 @@ def test_explain_shows_the_mappings_resolved_on_the_model(tmp_path, capsys) -> N
     ) in capsys.readouterr().out.splitlines()
 
 
+def test_explain_takes_a_known_model_name_as_oneshot_does(tmp_path, capsys, monkeypatch) -> None:
+    # `--model smollm2-135m` used to fail with "no config.json there"; it reads the known model's cached directory
+    from llmc_fsm.cli import main
+
+    tiny(kv_heads=2).save_pretrained(tmp_path / "cached")
+    asked = []
+    monkeypatch.setattr("llmc_fsm.models.known.known_model_dir", lambda name: asked.append(name) or tmp_path / "cached")
+    monkeypatch.chdir(tmp_path)  # no directory called smollm2-135m here
+    (tmp_path / "r.yaml").write_text("q:\n  AWQModifier: {}\n  QuantizationModifier: {scheme: W4A16}\n")
+    assert main(["explain", "r.yaml", "--model", "smollm2-135m"]) == 0
+    assert asked == ["smollm2-135m"]
+    out = capsys.readouterr().out
+    assert "mapping input_layernorm -> q_proj, k_proj, v_proj (2x: model.layers.{0..1}.input_layernorm)" in out
+    assert main(["explain", "r.yaml", "--model", "no-such-model"]) == 1
+    assert capsys.readouterr().err == (
+        "llmc-fsm explain: error: --model no-such-model: no config.json there; give a Hugging Face model directory\n"
+    )
+
+
 def test_awq_then_gptq_in_one_stage_quantizes_the_smoothed_layer_with_its_smoothed_hessian() -> None:
     from llmc_fsm_quantization import GPTQModifier, gptq_quantize
 
