@@ -22,6 +22,7 @@ import attrs
 from llmc_fsm.core.errors import RecipeError
 from llmc_fsm.core.registry import DISABLE_ENV, get_registry
 from llmc_fsm.models.hf_io import meta_model
+from llmc_fsm.models.known import KNOWN_MODELS, known_model_dir
 from llmc_fsm.recipes.llmcompressor import unimplemented_note
 from llmc_fsm.session.explain import explain
 from llmc_fsm.session.session import Session
@@ -166,8 +167,6 @@ def _meta_model(directory: str) -> Any:
     """
 
     from transformers import AutoConfig
-
-    from llmc_fsm.models.known import KNOWN_MODELS, known_model_dir
 
     if directory in KNOWN_MODELS and not os.path.isdir(directory):
         directory = os.fspath(known_model_dir(directory))

@@ -267,7 +267,7 @@ def test_explain_takes_a_known_model_name_as_oneshot_does(tmp_path, capsys, monk
 
     tiny(kv_heads=2).save_pretrained(tmp_path / "cached")
     asked = []
-    monkeypatch.setattr("llmc_fsm.models.known.known_model_dir", lambda name: asked.append(name) or tmp_path / "cached")
+    monkeypatch.setattr("llmc_fsm.cli.plugins.known_model_dir", lambda name: asked.append(name) or tmp_path / "cached")
     monkeypatch.chdir(tmp_path)  # no directory called smollm2-135m here
     (tmp_path / "r.yaml").write_text("q:\n  AWQModifier: {}\n  QuantizationModifier: {scheme: W4A16}\n")
     assert main(["explain", "r.yaml", "--model", "smollm2-135m"]) == 0
