@@ -96,7 +96,7 @@ def test_unknown_targets_error_lists_module_names():
 
 
 def test_non_linear_target_is_refused():
-    msg = r"'Embedding': it matches only modules that are not Linear-like (no 2-D weight with in_features): embed \(Embedding\)"
+    msg = r"'Embedding': it matches only modules that are not Linear-like \(no 2-D weight with in_features\): embed \(Embedding\)"
     with pytest.raises(ModifierError, match=msg):
         Session([WandaPruningModifier(targets=["Embedding"], ignore=[])]).initialize(
             model=toy(), calibration_data=DATA
