@@ -20,7 +20,8 @@ The public names, by concern:
 * **optimal brain surgeon** (:mod:`~llmc_fsm.toolkit.obs`; GPTQ arXiv 2210.17323 Sec. 3-4, SparseGPT arXiv
   2301.00774 Sec. 3): :class:`HessianAccumulator` (``H = 2/n X^T X``), :func:`inverse_hessian_cholesky`
   (damping and the Cholesky factor of ``H^-1``) returning :class:`InverseHessianFactor`, :func:`obs_sweep` (the
-  column sweep with lazy batch updates) driven by a :class:`ColumnRule`, :func:`check_dampening_frac` and
+  column sweep with lazy batch updates) driven by a :class:`ColumnRule` (or a :class:`MaskRule`, one product per
+  column where a column's mask is fixed when the sweep reaches it), :func:`check_dampening_frac` and
   :data:`MAX_DAMPENING_FRAC`, :data:`SUB_BLOCK` (the sweep's default inner block, 32 columns),
   :class:`HessianNotPositiveDefiniteError`;
 * **layer error** (:mod:`~llmc_fsm.toolkit.layer_error`): :func:`relative_output_error`
@@ -70,6 +71,7 @@ from llmc_fsm.toolkit.obs import (
     HessianAccumulator,
     HessianNotPositiveDefiniteError,
     InverseHessianFactor,
+    MaskRule,
     check_dampening_frac,
     inverse_hessian_cholesky,
     obs_sweep,
@@ -110,6 +112,7 @@ __all__ = [
     "HessianNotPositiveDefiniteError",
     "InverseHessianFactor",
     "LinearView",
+    "MaskRule",
     "ModuleResult",
     "TargetSelection",
     "all_gather_ints",
