@@ -221,6 +221,10 @@ def test_resume_reuses_generated_calibration_and_perplexity_before(tiny_model_di
     monkeypatch.setattr(phases, "perplexity", lambda *a, **k: measured.append(1) or perplexity(*a, **k))
     out = llmc_fsm.oneshot(model=str(model_dir), output_dir=tmp_path / "o", resume=True, **kw)
     assert measured == [1]  # only after compression: the value before is the first run's
+    # the interrupted run had reused the dense-perplexity cache the reference run filled: the resumed report keeps
+    # its note (it used to drop it), as an uninterrupted run's report would say
+    assert out.llmc_fsm_report.to_dict()["eval"]["before"].startswith("reused: measured 20")
+    assert "before" not in ref.llmc_fsm_report.to_dict()["eval"]  # the reference measured it itself
     assert out.llmc_fsm_report.calibration == ref.llmc_fsm_report.calibration
     assert (out.llmc_fsm_report.ppl_before, out.llmc_fsm_report.ppl_after) == (
         ref.llmc_fsm_report.ppl_before,

@@ -545,8 +545,8 @@ def evaluate_before(run: Run, measure: Callable[[], float] | None = None) -> Non
     if run.eval_windows is None:
         return
     saved = load_eval_before(run.work.path, run.eval_windows) if run.work is not None and run.work.resumed else None
-    if saved is not None:
-        run.ppl["eval_before"] = saved
+    if saved is not None:  # with the interrupted run's note (the dense-perplexity cache's): its report, unchanged
+        run.ppl["eval_before"], run.ppl_before_reused = saved
         return
     cache = PerplexityCache.default()
     key = _dense_cache_key(run, cache)
@@ -561,7 +561,7 @@ def evaluate_before(run: Run, measure: Callable[[], float] | None = None) -> Non
                 run.ppl["eval_before"] = measure()
         cache.put(key, run.ppl["eval_before"], model=run.model_name, dtype=run.settings.dtype)
     if run.work is not None:
-        save_eval_before(run.work.path, run.eval_windows, run.ppl["eval_before"])
+        save_eval_before(run.work.path, run.eval_windows, run.ppl["eval_before"], run.ppl_before_reused)
 
 
 def _dense_cache_key(run: Run, cache: PerplexityCache) -> str | None:

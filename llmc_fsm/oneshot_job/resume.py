@@ -423,17 +423,21 @@ def _eval_key(windows: torch.Tensor) -> str:
     return _digest([_tensor_bytes(windows)])
 
 
-def save_eval_before(work: Path, windows: torch.Tensor, ppl: float) -> None:
-    """Keep the perplexity measured before compression on ``windows`` (``LongTensor[N, L]``)."""
+def save_eval_before(work: Path, windows: torch.Tensor, ppl: float, note: str | None = None) -> None:
+    """Keep the perplexity measured before compression on ``windows`` (``LongTensor[N, L]``), and the report's note
+    on where it came from (``"reused: measured <time>"`` when the dense-perplexity cache gave it)."""
     tmp = work / (_EVAL_BEFORE + ".partial")
-    tmp.write_text(json.dumps({"windows_sha256": _eval_key(windows), "ppl": ppl}) + "\n", encoding="utf-8")
+    record = {"windows_sha256": _eval_key(windows), "ppl": ppl, "note": note}
+    tmp.write_text(json.dumps(record) + "\n", encoding="utf-8")
     os.replace(tmp, work / _EVAL_BEFORE)
 
 
-def load_eval_before(work: Path, windows: torch.Tensor) -> float | None:
-    """The perplexity a run saved in ``work`` for the same evaluation ``windows``, or ``None``."""
+def load_eval_before(work: Path, windows: torch.Tensor) -> tuple[float, str | None] | None:
+    """``(perplexity, note)`` a run saved in ``work`` for the same evaluation ``windows``, or ``None``."""
     try:
         saved = json.loads((work / _EVAL_BEFORE).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
-    return float(saved["ppl"]) if saved.get("windows_sha256") == _eval_key(windows) else None
+    if saved.get("windows_sha256") != _eval_key(windows):
+        return None
+    return float(saved["ppl"]), saved.get("note")
