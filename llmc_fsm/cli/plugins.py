@@ -171,7 +171,10 @@ def _meta_model(directory: str) -> Any:
     if directory in KNOWN_MODELS and not os.path.isdir(directory):
         directory = os.fspath(known_model_dir(directory))
     if not os.path.isfile(os.path.join(directory, "config.json")):
-        msg = f"--model {directory}: no config.json there; give a Hugging Face model directory"
+        msg = (
+            f"--model {directory}: no config.json there; give a Hugging Face model directory or a known model name "
+            f"({', '.join(sorted(KNOWN_MODELS))})"
+        )
         raise ValueError(msg)
     return meta_model(AutoConfig.from_pretrained(directory))  # the model oneshot loads (a VLM's tower included)
 

@@ -276,7 +276,8 @@ def test_explain_takes_a_known_model_name_as_oneshot_does(tmp_path, capsys, monk
     assert "mapping input_layernorm -> q_proj, k_proj, v_proj (2x: model.layers.{0..1}.input_layernorm)" in out
     assert main(["explain", "r.yaml", "--model", "no-such-model"]) == 1
     assert capsys.readouterr().err == (
-        "llmc-fsm explain: error: --model no-such-model: no config.json there; give a Hugging Face model directory\n"
+        "llmc-fsm explain: error: --model no-such-model: no config.json there; give a Hugging Face model directory or "
+        "a known model name (smollm2-135m)\n"
     )
 
 
