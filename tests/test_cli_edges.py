@@ -42,21 +42,35 @@ def saved_run(tmp_path_factory):
 
 
 def test_an_unknown_option_is_named_by_the_subcommand_with_the_option_meant(capsys, tmp_path, monkeypatch):
-    """A misspelt option of a subcommand: exit status 2 before any work, the subcommand's own usage line, the
-    unknown arguments and the closest option; nothing written."""
+    """A misspelt option of a subcommand: exit status 2 before any work, one line naming the subcommand, the
+    unknown arguments and the closest option, and pointing at the subcommand's --help; nothing written."""
     monkeypatch.chdir(tmp_path)
     with pytest.raises(SystemExit) as info:
         main(["oneshot", "--methd", "gptq", "--output", "out"])
     assert info.value.code == 2
-    err = capsys.readouterr().err
-    assert err.startswith("usage: llmc-fsm oneshot ")
-    assert err.endswith("llmc-fsm oneshot: error: unrecognized arguments: --methd gptq (did you mean --method?)\n")
+    assert capsys.readouterr().err == (
+        "llmc-fsm oneshot: error: unrecognized arguments: --methd gptq (did you mean --method?); "
+        "see 'llmc-fsm oneshot --help'\n"
+    )
     assert list(tmp_path.iterdir()) == []
     with pytest.raises(SystemExit) as info:
         main(["modifiers", "extra"])
     assert info.value.code == 2
     assert capsys.readouterr().err == (
-        "usage: llmc-fsm modifiers [-h]\nllmc-fsm modifiers: error: unrecognized arguments: extra\n"
+        "llmc-fsm modifiers: error: unrecognized arguments: extra; see 'llmc-fsm modifiers --help'\n"
+    )
+    with pytest.raises(SystemExit) as info:
+        main(["oneshot", "--method", "sparsegtp"])
+    assert info.value.code == 2
+    assert capsys.readouterr().err == (
+        "llmc-fsm oneshot: error: argument --method: invalid choice: 'sparsegtp' (choose from 'sparsegpt', 'wanda', "
+        "'magnitude', 'gptq', 'rtn'); see 'llmc-fsm oneshot --help'\n"
+    )
+    with pytest.raises(SystemExit) as info:
+        main([])
+    assert info.value.code == 2
+    assert capsys.readouterr().err == (
+        "llmc-fsm: error: the following arguments are required: COMMAND; see 'llmc-fsm --help'\n"
     )
 
 

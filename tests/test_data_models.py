@@ -205,6 +205,18 @@ def test_load_text_dataset_name_without_datasets(monkeypatch):
         load_text("wikitext:wikitext-2-raw-v1:test")
 
 
+def test_load_text_org_slash_name_is_a_dataset_name_unless_org_is_a_folder(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "datasets", None)  # import fails
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=r"^'some-org/no-such-dataset' is not an existing file; treating it as a "):
+        load_text("some-org/no-such-dataset")
+    (tmp_path / "some-org").mkdir()
+    with pytest.raises(FileNotFoundError, match=r"^text file not found: some-org/no-such-dataset$"):
+        load_text("some-org/no-such-dataset")
+    with pytest.raises(FileNotFoundError, match=r"^text file not found: other-org/data\.txt$"):
+        load_text("other-org/data.txt")
+
+
 # ---------------------------------------------------------------- token_windows
 
 

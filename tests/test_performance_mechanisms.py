@@ -117,6 +117,42 @@ def test_perplexity_rejects_bad_loss_chunk():
         perplexity(_big_vocab_llama(), _windows(), loss_chunk=0, progress=False)
 
 
+class _UseCacheSpy(torch.nn.Module):
+    """A tiny Llama whose forward records the ``use_cache`` it is given."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner, self.seen = inner, []
+
+    def get_output_embeddings(self) -> torch.nn.Module:
+        return self.inner.get_output_embeddings()
+
+    def forward(self, input_ids: torch.Tensor, use_cache: bool | None = None) -> SimpleNamespace:
+        self.seen.append(use_cache)
+        return self.inner(input_ids=input_ids, use_cache=use_cache)
+
+
+def test_perplexity_builds_no_kv_cache():
+    model = _UseCacheSpy(_big_vocab_llama())
+    perplexity(model, _windows(n=3), batch_size=2, progress=False)
+    assert model.seen == [False, False]
+
+
+def test_perplexity_of_a_nemotron_h_whose_first_layer_caches_nothing():
+    """transformers 5.25's NemotronH forward fails building a cache when layer 0 is an MoE block
+    (``'DummyLayer' object has no attribute 'get_seq_length'``); the perplexity asks for no cache."""
+    import tiny_families
+    import transformers
+
+    cfg = tiny_families.config("nemotron_h", layers_block_type=["moe", "mamba", "attention", "mlp"])
+    assert cfg.use_cache  # the model's own default: a cache
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    windows = _windows(n=2, length=16, vocab=cfg.vocab_size)
+    ref = _reference_ppl(lambda ids: model(input_ids=ids, use_cache=False).logits, windows)
+    assert perplexity(model, windows, progress=False) == pytest.approx(ref, rel=1e-6)
+
+
 @pytest.mark.slow
 def test_perplexity_equals_full_logit_reference_on_smollm2(smollm2, shared_data):
     model, tokenizer = smollm2
@@ -421,3 +457,9 @@ def test_the_printed_per_layer_error_is_the_size_weighted_mean_the_plot_draws():
     report = OneshotReport(model="m", recipe={}, calibration={}, modules=modules, targeted=["a", "b"])
     assert report.layer_quantization() == {0: ("4b/g64", pytest.approx(0.2, rel=1e-12))}
     assert "0.2000" in report.format_table()
+    lines = report.format_table().splitlines()
+    total = next(i for i, line in enumerate(lines) if line.startswith("  total "))
+    assert lines[total + 1] == (
+        "(a quantized weight's sparsity counts the zeros it held before quantization; "
+        "values that round to zero are not counted)"
+    )

@@ -7,7 +7,8 @@ Subcommands:
     oneshot     compress a model in one shot and report perplexity before/after
     report      re-print a saved one-shot report (``--plot``: draw per-layer sparsity)
 
-``llmc-fsm --version`` prints the package version. An error is one line on stderr (exit status 1; a recipe with
+``llmc-fsm --version`` prints the package version. An error is one line on stderr (exit status 1, or 2 for a
+command line argparse rejects, with a pointer to ``--help`` instead of the usage block; a recipe with
 several problems: a heading line, then one line per problem, all found before any work); under
 ``torchrun`` only rank 0 prints it (every rank exits with 1; ``-v`` shows each rank's traceback).
 
@@ -23,6 +24,7 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 from llmc_fsm.cli import lifecycle, oneshot, plugins, report
 from llmc_fsm.core.version import __version__
@@ -35,8 +37,15 @@ __all__ = ["main"]
 _SUBCOMMANDS = (lifecycle, plugins, oneshot, report)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (the command's usage block is what ``--help`` is for)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}; see '{self.prog} --help'\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="llmc-fsm",
         description="Compress LLMs through a session with a guarded lifecycle and plugin modifiers.",
     )

@@ -22,10 +22,12 @@ from __future__ import annotations
 import hashlib
 import importlib
 import importlib.util
+import inspect
 import json
 import logging
 import math
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -81,7 +83,8 @@ def load_text(source: str | os.PathLike[str]) -> str:
 
     Raises:
         FileNotFoundError: ``source`` looks like a file path (has a path
-            separator or a known text suffix) but does not exist.
+            separator or a known text suffix) but does not exist; ``org/name``
+            whose ``org`` is no folder here is taken as a dataset name.
         ValueError: the file is not valid UTF-8 (the message gives file, byte
             offset, line and column); a JSON/JSONL file is not valid JSON, is not
             an array/lines of objects with a string ``"text"`` or has no record
@@ -99,7 +102,14 @@ def load_text(source: str | os.PathLike[str]) -> str:
             return files.read_json(path)
         return files.read_utf8(path)
     text_source = os.fspath(source)
-    looks_like_path = (
+    # "org/name[:config[:split]]", a Hugging Face dataset id, when "org" is not a folder here
+    hub_id = (
+        not isinstance(source, os.PathLike)
+        and re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+(:[\w.-]*){0,2}", text_source) is not None
+        and not Path(text_source.split("/", 1)[0]).exists()
+        and path.suffix.lower() not in files.TEXT_SUFFIXES | files.JSONL_SUFFIXES | {".json"}
+    )
+    looks_like_path = not hub_id and (
         isinstance(source, os.PathLike)
         or os.sep in text_source
         or (os.altsep is not None and os.altsep in text_source)
@@ -331,6 +341,14 @@ def _full_nll(logits: torch.Tensor, batch: torch.Tensor) -> float:
     return total
 
 
+def _takes_use_cache(model: Any) -> bool:
+    """Whether ``model``'s ``forward`` has a ``use_cache`` parameter (transformers' causal LMs do)."""
+    try:
+        return "use_cache" in inspect.signature(model.forward).parameters
+    except (AttributeError, TypeError, ValueError):
+        return False
+
+
 def perplexity(
     model: torch.nn.Module,
     windows: torch.Tensor,
@@ -356,7 +374,8 @@ def perplexity(
     one window of them at a time, as is a model without an output projection.
 
     Args:
-        model: a causal LM; called as ``model(input_ids=LongTensor[B, L])`` and
+        model: a causal LM; called as ``model(input_ids=LongTensor[B, L])`` (with ``use_cache=False`` when its
+            ``forward`` takes ``use_cache``, as transformers' models do) and
             must return ``.logits`` (or a tuple whose first item is the logits)
             of shape ``[B, L, vocab]``.  Runs on the device of its first
             parameter; its train/eval mode is left unchanged (use eval mode).
@@ -395,6 +414,9 @@ def perplexity(
     except StopIteration:
         device = torch.device("cpu")
     head = _output_projection(model)
+    # no KV cache: nothing is generated, and a cache holds every layer's keys and values of the batch
+    # (transformers' NemotronH in 5.25 even fails building one when its first layer has nothing to cache)
+    extra = {"use_cache": False} if _takes_use_cache(model) else {}
     hook = _HeadInput()
     handle = head.register_forward_pre_hook(hook) if head is not None else None
     total_nll = 0.0
@@ -404,7 +426,7 @@ def perplexity(
             for start in tqdm(range(0, n, batch_size), desc="perplexity", unit="batch", disable=not progress):
                 batch = windows[start : start + batch_size].to(device=device, dtype=torch.long)
                 hook.hidden, hook.keep = None, (_CHECK_POSITIONS if start == 0 else 0)
-                out = model(input_ids=batch)
+                out = model(input_ids=batch, **extra)
                 logits = out.logits if hasattr(out, "logits") else out[0]
                 hidden, hook.hidden = hook.hidden, None
                 if handle is not None and (hidden is None or tuple(hidden.shape[:2]) != tuple(batch.shape)):
@@ -419,7 +441,7 @@ def perplexity(
                     logger.debug("perplexity: %s's logits are not its output projection; full logits", type(model))
                     handle.remove()
                     handle = None
-                    out = model(input_ids=batch)
+                    out = model(input_ids=batch, **extra)
                     logits = out.logits if hasattr(out, "logits") else out[0]
                 if handle is not None:
                     hook.active = False

@@ -316,6 +316,11 @@ class OneshotReport:
         untouched = [m for m in self.modules if m.name not in set(self.targeted)]
         total_numel = sum(m.numel for m in self._targeted())
         lines.append(f"{'total':>7}  {total_numel:>10,}  {self.total_sparsity:>8.2%}   (targeted Linear weights)")
+        if quant:
+            lines.append(
+                "(a quantized weight's sparsity counts the zeros it held before quantization; "
+                "values that round to zero are not counted)"
+            )
         if len(untouched) > 8:  # e.g. ignored fused experts: one line per expert matrix would flood the table
             numel, zeros = sum(m.numel for m in untouched), sum(m.zeros for m in untouched)
             share = zeros / numel if numel else 0.0

@@ -50,6 +50,10 @@ def _config(**extra) -> transformers.NemotronHConfig:
         "pad_token_id": 0,
         "bos_token_id": 1,
         "eos_token_id": 2,
+        # transformers 5.25's NemotronH forward builds a cache whose layer 0 is a placeholder (this model's layer 0
+        # is an MoE block, with nothing to cache) and asks it for its length: AttributeError. No cache is needed
+        # here (the library's own forwards and perplexity pass use_cache=False).
+        "use_cache": False,
         **extra,
     }
     return transformers.NemotronHConfig(**cfg)
