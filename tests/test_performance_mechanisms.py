@@ -10,6 +10,10 @@
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -463,3 +467,59 @@ def test_the_printed_per_layer_error_is_the_size_weighted_mean_the_plot_draws():
         "(a quantized weight's sparsity counts the zeros it held before quantization; "
         "values that round to zero are not counted)"
     )
+
+
+def test_the_command_asks_torch_for_huge_pages_unless_the_user_set_it(monkeypatch, capsys):
+    """``llmc-fsm`` sets ``THP_MEM_ALLOC_ENABLE=1`` before anything else (torch reads it at its first allocation);
+    a value the user set stays."""
+    from llmc_fsm.cli import main
+
+    monkeypatch.delenv("THP_MEM_ALLOC_ENABLE", raising=False)
+    assert main(["lifecycle"]) == 0
+    assert os.environ["THP_MEM_ALLOC_ENABLE"] == "1"
+    monkeypatch.setenv("THP_MEM_ALLOC_ENABLE", "0")
+    assert main(["lifecycle"]) == 0
+    assert os.environ["THP_MEM_ALLOC_ENABLE"] == "0"
+    capsys.readouterr()
+
+
+def test_low_memory_does_not_ask_for_huge_pages(monkeypatch, tmp_path, tiny_model_dir):
+    """``--low-memory`` maps every large tensor afresh (a 128 KiB mmap threshold): whole huge pages would be zeroed
+    for each, so the command leaves torch's allocator as it is there."""
+    from llmc_fsm.cli import main
+
+    monkeypatch.delenv("THP_MEM_ALLOC_ENABLE", raising=False)
+    monkeypatch.setattr("llmc_fsm.oneshot_job.streaming.limit_heap_growth", lambda: False)
+    monkeypatch.setenv("LLMC_FSM_PERPLEXITY_CACHE", "off")
+    model_dir, text = tiny_model_dir
+    argv = tiny_llama.oneshot_argv(model_dir, text, tmp_path / "out", "--method", "rtn", "--scheme", "W8A8")
+    assert main([*argv, "--low-memory"]) == 0
+    assert "THP_MEM_ALLOC_ENABLE" not in os.environ
+
+
+_THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+@pytest.mark.skipif(
+    not _THP_MODE.exists() or "[madvise]" not in _THP_MODE.read_text(),
+    reason="needs transparent huge pages in 'madvise' mode (/sys/kernel/mm/transparent_hugepage/enabled): with "
+    "'never' there are none, with 'always' every process gets them whatever torch asks",
+)
+@pytest.mark.parametrize(("user", "huge"), [(None, True), ("0", False)])
+def test_a_command_process_gets_huge_pages_for_its_large_tensors(user, huge):
+    """In a fresh process that runs the command first, a 64 MiB tensor lies on huge pages (``AnonHugePages`` of
+    ``/proc/self/smaps_rollup``); with ``THP_MEM_ALLOC_ENABLE=0`` from the user it does not."""
+    script = (
+        "from llmc_fsm.cli import main\n"
+        "assert main(['lifecycle']) == 0\n"
+        "import torch\n"
+        "x = torch.ones(16 * 1024 * 1024)\n"
+        "kb = [int(l.split()[1]) for l in open('/proc/self/smaps_rollup') if l.startswith('AnonHugePages:')][0]\n"
+        "print(kb)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
+    if user is not None:
+        env["THP_MEM_ALLOC_ENABLE"] = user
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
+    huge_kib = int(out.stdout.strip().splitlines()[-1])
+    assert (huge_kib >= 32 * 1024) if huge else (huge_kib == 0), huge_kib

@@ -28,6 +28,7 @@ from typing import NoReturn
 
 from llmc_fsm.cli import lifecycle, oneshot, plugins, report
 from llmc_fsm.core.version import __version__
+from llmc_fsm.toolkit.heap import use_huge_pages
 from llmc_fsm.toolkit.distributed import process_group_from_env
 
 __all__ = ["main"]
@@ -74,6 +75,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the process exit status (0 ok, 1 error, 2 usage)."""
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
+    if not getattr(args, "low_memory", False):  # --low-memory maps each large tensor afresh: whole huge pages cost
+        use_huge_pages()  # before the first tensor (the plugins' imports make some): torch reads it once
     if extra:
         _reject_unknown(args, extra)
     logging.basicConfig(
