@@ -28,8 +28,8 @@ from typing import NoReturn
 
 from llmc_fsm.cli import lifecycle, oneshot, plugins, report
 from llmc_fsm.core.version import __version__
-from llmc_fsm.toolkit.heap import use_huge_pages
 from llmc_fsm.toolkit.distributed import process_group_from_env
+from llmc_fsm.toolkit.heap import use_huge_pages
 
 __all__ = ["main"]
 
