@@ -203,7 +203,7 @@ def token_data(run: Run) -> None:
 def prepare(settings: OneshotSettings) -> Run:
     """What needs no model and was not checked by :class:`OneshotSettings` itself, every check first: the output
     directory checked, the recipe resolved into sessions, the model's config read (a quantized checkpoint refused,
-    :func:`_refuse_quantized`), the text files read, the kind of calibration data checked; only then is the work
+    :func:`_check_on_meta`), the text files read, the kind of calibration data checked; only then is the work
     directory created (:meth:`~llmc_fsm.output.workdir.WorkDir.claim`) and settled with the resume fingerprint, so a
     call that fails a check leaves the disk as it was.
 
@@ -219,7 +219,7 @@ def prepare(settings: OneshotSettings) -> Run:
         needs_data=any("calibration_data" in m.required_keys() for s in sessions for m in s.modifiers),
         model_config=_model_config(settings.model),
     )
-    _refuse_quantized(run)
+    _check_on_meta(run)
     with run.timed("read_data"), quiet_progress(not settings.progress):
         if is_image_dataset(settings.dataset):
             used = settings.num_calibration_samples if run.needs_data else 0  # a data-free recipe reads none
@@ -258,29 +258,55 @@ def _model_config(model: Any) -> Any:
         return None
 
 
-def _refuse_quantized(run: Run) -> None:
-    """Before any weight is read: a model directory or Hub ID whose config says its checkpoint is quantized
-    (:func:`~llmc_fsm.toolkit.targets.config_quantization`) gets the refusal the job gives once the model is
-    loaded, from the same checks (:func:`~llmc_fsm.oneshot_job.data.check_modifiers`: the first modifier that
-    refuses a quantized model, with its own message and hint), run on the model the config describes, built on the
-    ``meta`` device (no weight read). A config the model classes cannot build, and an ``nn.Module`` (nothing to
-    load), are checked after loading, as before.
+def _check_on_meta(run: Run) -> None:
+    """Before any weight is read: the modifiers' checks of the model
+    (:func:`~llmc_fsm.oneshot_job.data.check_modifiers`: group sizes against the targets' widths, targets that
+    match nothing, a checkpoint that is already quantized, ...) run on the model its config describes, built on the
+    ``meta`` device (:func:`~llmc_fsm.models.hf_io.meta_model`; no weight read), so such a refusal comes before the
+    load, with the message the loaded model would get. A model directory, a Hub ID whose config could be read, and a
+    known name whose converted directory is cached are checked here; a config the model classes cannot build, and
+    an ``nn.Module`` (nothing to load), are checked after loading, as before. A check that fails on the ``meta``
+    model with anything but a refusal (``ValueError``) is left for the loaded model.
 
     Raises:
-        ValueError: one line, ``"<modifier>: the model is already quantized (...); <what to do>"`` (or another
-            check of :func:`~llmc_fsm.oneshot_job.data.check_modifiers` that fails first).
+        ValueError: one line, the first modifier check that fails, e.g. ``"<modifier>: the model is already
+            quantized (...); <what to do>"`` or a group size that divides no target's width.
         MissingStateError: as :func:`~llmc_fsm.oneshot_job.data.check_modifiers`.
     """
     from torch import nn
 
-    if isinstance(run.settings.model, nn.Module) or config_quantization(run.model_config) is None:
+    if isinstance(run.settings.model, nn.Module):
+        return
+    config = run.model_config if run.model_config is not None else _cached_known_config(run.settings.model)
+    if config is None:
         return
     try:
-        skeleton = meta_model(run.model_config)
+        skeleton = meta_model(config)
     except Exception as err:  # any config transformers cannot build: loading reports it, as before
         logger.debug("the model of this config cannot be built on meta (%s): checked after loading", err)
         return
-    check_modifiers(run.sessions, skeleton, True)
+    try:
+        check_modifiers(run.sessions, skeleton, True)
+    except ValueError:  # MissingStateError included: a refusal, before any weight is read
+        raise
+    except Exception as err:  # a check that needs real weights: it runs again on the loaded model
+        logger.debug("a modifier check failed on the meta-device model (%r): checked after loading", err)
+
+
+def _cached_known_config(model: Any) -> Any:
+    """The config of a known model name (:data:`~llmc_fsm.models.known.KNOWN_MODELS`) whose converted directory is
+    in the cache already; ``None`` otherwise (the first run converts it, then checks the loaded model)."""
+    if not isinstance(model, str) or model not in KNOWN_MODELS:
+        return None
+    directory = known_model_dir(model)
+    if not (directory / "config.json").is_file():
+        return None
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(os.fspath(directory))
+    except (OSError, ValueError):
+        return None
 
 
 def _check_data_kind(run: Run) -> None:
