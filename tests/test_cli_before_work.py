@@ -256,3 +256,31 @@ def test_a_refused_call_creates_nothing_not_even_for_a_moment(
     assert capsys.readouterr().err == f"llmc-fsm oneshot: error: {message.format(root=root)}\n"
     assert _snapshot(parent) == before
     assert parent.stat().st_mtime_ns == 10**18
+
+
+def test_a_group_size_no_target_width_allows_is_refused_before_any_weight_is_read(
+    quantized, tmp_path, capsys, monkeypatch
+) -> None:
+    """A staged recipe (prune, then GPTQ W4A16 with the preset's group size 128; the tiny model's widths are 32,
+    64...) runs in memory, not streamed: its group-size refusal still comes from the ``meta``-device model built from
+    the config, before any weight is read, with the message the loaded model gets."""
+    from transformers import AutoModelForCausalLM
+
+    model_dir, text, _ = quantized
+    recipe = {
+        "prune_stage": {"SparseGPTModifier": {"sparsity": 0.5, "ignore": ["lm_head"]}},
+        "quant_stage": {"GPTQModifier": {"ignore": ["lm_head"], "scheme": "W4A16"}},
+    }
+    with pytest.raises(ValueError) as loaded:  # the check on the loaded model
+        llmc_fsm.oneshot(model=AutoModelForCausalLM.from_pretrained(model_dir), recipe=recipe,
+                         dataset=torch.randint(0, 96, (4, 32)), progress=False)
+    assert str(loaded.value).startswith("GPTQModifier cannot compress ")
+    assert "is not a multiple of group_size 128" in str(loaded.value)
+    capsys.readouterr()  # from_pretrained's progress bar
+    _refuse_loading(monkeypatch)
+    (tmp_path / "recipe.json").write_text(json.dumps(recipe))
+    argv = ["oneshot", "--model", str(model_dir), "--dataset", str(text), "--seq-len", "32"]
+    assert main([*argv, "--recipe", str(tmp_path / "recipe.json"), "--output", str(tmp_path / "out")]) == 1
+    captured = capsys.readouterr()
+    assert (captured.out, captured.err) == ("", f"llmc-fsm oneshot: error: {loaded.value}\n")
+    assert not (tmp_path / "out").exists()

@@ -23,6 +23,7 @@ from typing import Any
 import attrs
 import torch
 
+from llmc_fsm.core.errors import MissingStateError
 from llmc_fsm.data.images import (
     check_calibration_data,
     image_batches,
@@ -68,7 +69,6 @@ from llmc_fsm.recipes.model import Recipe
 from llmc_fsm.report.build import build_report
 from llmc_fsm.session.session import Session
 from llmc_fsm.toolkit.distributed import is_distributed, is_main_process, rank_work, shard
-from llmc_fsm.toolkit.targets import config_quantization
 
 __all__ = [
     "Run",
@@ -266,7 +266,7 @@ def _check_on_meta(run: Run) -> None:
     load, with the message the loaded model would get. A model directory, a Hub ID whose config could be read, and a
     known name whose converted directory is cached are checked here; a config the model classes cannot build, and
     an ``nn.Module`` (nothing to load), are checked after loading, as before. A check that fails on the ``meta``
-    model with anything but a refusal (``ValueError``) is left for the loaded model.
+    model with anything but a refusal (``ValueError``, ``MissingStateError``) is left for the loaded model.
 
     Raises:
         ValueError: one line, the first modifier check that fails, e.g. ``"<modifier>: the model is already
@@ -287,7 +287,7 @@ def _check_on_meta(run: Run) -> None:
         return
     try:
         check_modifiers(run.sessions, skeleton, True)
-    except ValueError:  # MissingStateError included: a refusal, before any weight is read
+    except (ValueError, MissingStateError):  # a refusal, before any weight is read
         raise
     except Exception as err:  # a check that needs real weights: it runs again on the loaded model
         logger.debug("a modifier check failed on the meta-device model (%r): checked after loading", err)
