@@ -284,3 +284,27 @@ def test_a_group_size_no_target_width_allows_is_refused_before_any_weight_is_rea
     captured = capsys.readouterr()
     assert (captured.out, captured.err) == ("", f"llmc-fsm oneshot: error: {loaded.value}\n")
     assert not (tmp_path / "out").exists()
+
+
+def test_explain_with_a_model_reports_the_refusal_oneshot_would_give(quantized, tmp_path, capsys, monkeypatch) -> None:
+    """``explain RECIPE --model DIR`` prints the plan, then runs the checks oneshot runs on the same ``meta``-device
+    model: a group size that divides no target's width is an error (exit 1) with oneshot's message; a recipe that
+    fits exits 0. No weight is read."""
+    model_dir, _, _ = quantized
+    _refuse_loading(monkeypatch)
+    bad = tmp_path / "g128.json"
+    bad.write_text(json.dumps({"quant_stage": {"GPTQModifier": {"ignore": ["lm_head"], "scheme": "W4A16"}}}))
+    assert main(["explain", str(bad), "--model", str(model_dir)]) == 1
+    captured = capsys.readouterr()
+    assert captured.out.startswith(f"Recipe {bad}: 1 stage(s), 1 modifier(s) to run\n")
+    assert "Session lifecycle: staging; state present: model\n" in captured.out
+    assert captured.err.startswith(
+        f"llmc-fsm explain: error: oneshot would refuse this recipe on --model {model_dir}: GPTQModifier cannot "
+        "compress 24 of its 28 targets — in_features 64 is not a multiple of group_size 128: "
+    )
+    assert captured.err.count("\n") == 1
+    good = tmp_path / "g32.json"
+    scheme = {"preset": "W4A16", "weights": {"group_size": 32}}
+    good.write_text(json.dumps({"quant_stage": {"GPTQModifier": {"ignore": ["lm_head"], "scheme": scheme}}}))
+    assert main(["explain", str(good), "--model", str(model_dir)]) == 0
+    assert capsys.readouterr().err == ""

@@ -19,10 +19,11 @@ from typing import Any
 
 import attrs
 
-from llmc_fsm.core.errors import RecipeError
+from llmc_fsm.core.errors import MissingStateError, RecipeError
 from llmc_fsm.core.registry import DISABLE_ENV, get_registry
 from llmc_fsm.models.hf_io import meta_model
 from llmc_fsm.models.known import KNOWN_MODELS, known_model_dir
+from llmc_fsm.oneshot_job.data import check_modifiers
 from llmc_fsm.recipes.llmcompressor import unimplemented_note
 from llmc_fsm.session.explain import explain
 from llmc_fsm.session.session import Session
@@ -138,9 +139,17 @@ def _run_explain(args: argparse.Namespace) -> int:
     session = Session(recipe)
     if args.state:
         session.update_state(**dict.fromkeys(args.state, True))
-    if args.model is not None:
-        session.update_state(model=_meta_model(args.model))
+    model = _meta_model(args.model) if args.model is not None else None
+    if model is not None:
+        session.update_state(model=model)
     print(explain(session), end="")
+    if model is not None:
+        try:  # the checks oneshot runs on the same meta-device model before any weight (group sizes, targets...)
+            check_modifiers([session], model, True)
+        except MissingStateError:  # a training recipe: the plan above lists what it needs
+            pass
+        except ValueError as exc:
+            raise ValueError(f"oneshot would refuse this recipe on --model {args.model}: {exc}") from None
     given_by_oneshot = {"model", "calibration_data"}
     missing = {key for keys in session.missing_state().values() for key in keys}
     if missing and missing <= given_by_oneshot:
