@@ -253,12 +253,18 @@ def test_explain_shows_the_mappings_resolved_on_the_model(tmp_path, capsys) -> N
     ]
     tiny().save_pretrained(tmp_path / "m")
     (tmp_path / "r.yaml").write_text("s:\n  SmoothQuantModifier: {mappings: [[['re:.*q_proj'], 're:.*ln_1$']]}\n")
-    assert main(["explain", str(tmp_path / "r.yaml"), "--model", str(tmp_path / "m")]) == 0
-    assert (
-        "       on model:  does not fit this model: SmoothQuantModifier: mapping {'smooth_layer': 're:.*ln_1$', "
-        "'balance_layers': ['re:.*q_proj']} fits no module of LlamaForCausalLM (llama): the smooth layer pattern "
-        "'re:.*ln_1$' matches no module"
-    ) in capsys.readouterr().out.splitlines()
+    capsys.readouterr()  # save_pretrained's progress bar
+    # the plan says where the recipe does not fit, then the command fails with the refusal oneshot would give
+    assert main(["explain", str(tmp_path / "r.yaml"), "--model", str(tmp_path / "m")]) == 1
+    refusal = (
+        "SmoothQuantModifier: mapping {'smooth_layer': 're:.*ln_1$', 'balance_layers': ['re:.*q_proj']} fits no "
+        "module of LlamaForCausalLM (llama): the smooth layer pattern 're:.*ln_1$' matches no module"
+    )
+    captured = capsys.readouterr()
+    assert f"       on model:  does not fit this model: {refusal}" in captured.out.splitlines()
+    assert captured.err == (
+        f"llmc-fsm explain: error: oneshot would refuse this recipe on --model {tmp_path / 'm'}: {refusal}\n"
+    )
 
 
 def test_explain_takes_a_known_model_name_as_oneshot_does(tmp_path, capsys, monkeypatch) -> None:
@@ -269,7 +275,8 @@ def test_explain_takes_a_known_model_name_as_oneshot_does(tmp_path, capsys, monk
     asked = []
     monkeypatch.setattr("llmc_fsm.cli.plugins.known_model_dir", lambda name: asked.append(name) or tmp_path / "cached")
     monkeypatch.chdir(tmp_path)  # no directory called smollm2-135m here
-    (tmp_path / "r.yaml").write_text("q:\n  AWQModifier: {}\n  QuantizationModifier: {scheme: W4A16}\n")
+    scheme = "{preset: W4A16, weights: {group_size: 16}}"  # the preset's 128 divides no width of this model
+    (tmp_path / "r.yaml").write_text(f"q:\n  AWQModifier: {{}}\n  QuantizationModifier: {{scheme: {scheme}}}\n")
     assert main(["explain", "r.yaml", "--model", "smollm2-135m"]) == 0
     assert asked == ["smollm2-135m"]
     out = capsys.readouterr().out
