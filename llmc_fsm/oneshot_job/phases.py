@@ -299,14 +299,7 @@ def _cached_known_config(model: Any) -> Any:
     if not isinstance(model, str) or model not in KNOWN_MODELS:
         return None
     directory = known_model_dir(model)
-    if not (directory / "config.json").is_file():
-        return None
-    from transformers import AutoConfig
-
-    try:
-        return AutoConfig.from_pretrained(os.fspath(directory))
-    except (OSError, ValueError):
-        return None
+    return _model_config(directory) if (directory / "config.json").is_file() else None
 
 
 def _check_data_kind(run: Run) -> None:
