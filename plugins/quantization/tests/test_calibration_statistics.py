@@ -42,6 +42,44 @@ def test_the_ranges_are_observed_per_sample_whatever_the_batch_split() -> None:
     assert flat.ranges["minmax"].tolist() == [-8.0, 10.0]
 
 
+def test_statistics_without_the_hessian_keep_the_same_ranges_and_count_and_refuse_the_hessian() -> None:
+    x = _rows()
+    full, ranges_only = CalibrationStatistics(2), CalibrationStatistics(2, keep_hessian=False)
+    for stats in (full, ranges_only):
+        stats.add_batch(x[:3])
+        stats.add_batch(x[3:])
+    assert {k: v.tolist() for k, v in ranges_only.ranges.items()} == {k: v.tolist() for k, v in full.ranges.items()}
+    assert ranges_only.num_samples == full.num_samples == 8
+    # sum of squares per feature over the 8 tokens, times 2 / 8, by hand
+    assert full.diagonal.tolist() == pytest.approx([(1 + 0.25 + 64 + 1 + 0.0625 + 1 + 16 + 0) / 4,
+                                                    (4 + 9 + 0 + 4 + 0.25 + 100 + 0.25 + 1) / 4])
+    for attribute in ("hessian", "diagonal"):
+        with pytest.raises(AttributeError, match=r"keep the input ranges only \(keep_hessian=False\)"):
+            getattr(ranges_only, attribute)
+    with pytest.raises(ValueError, match=r"expected input with last dimension 2, got shape \(4, 3\)"):
+        ranges_only.add_batch(torch.zeros(4, 3))
+
+
+@pytest.mark.parametrize(("observer", "kept"), [("minmax", None), ("imatrix_mse", "diagonal")])
+def test_static_input_statistics_keep_the_diagonal_only_for_an_importance_weighted_observer(observer, kept) -> None:
+    from llmc_fsm_quantization import QuantizationModifier
+
+    scheme = {"weights": {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "channel",
+                          "observer": observer},
+              "input_activations": {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False,
+                                    "strategy": "tensor"}}
+    modifier = QuantizationModifier(config_groups={"group_0": {"targets": ["Linear"], **scheme}})
+    linear = torch.nn.Linear(4, 3)
+    modifier._names_by_id = {id(linear): "linear"}
+    stats = modifier._new_accumulator(linear)
+    stats.add_batch(torch.ones(1, 2, 4))
+    assert isinstance(stats, CalibrationStatistics) and stats.ranges["static_minmax"].tolist() == [1.0, 1.0]
+    if kept is None:
+        assert getattr(stats, "diagonal", None) is None and getattr(stats, "hessian", None) is None
+    else:
+        assert stats.diagonal.tolist() == [2.0] * 4 and getattr(stats, "hessian", None) is None
+
+
 def test_a_static_fp8_input_scale_is_the_moving_average_of_the_samples_over_448() -> None:
     stats = CalibrationStatistics(2)
     stats.add_batch(_rows())  # one batch of four samples
