@@ -308,3 +308,32 @@ def test_explain_with_a_model_reports_the_refusal_oneshot_would_give(quantized, 
     good.write_text(json.dumps({"quant_stage": {"GPTQModifier": {"ignore": ["lm_head"], "scheme": scheme}}}))
     assert main(["explain", str(good), "--model", str(model_dir)]) == 0
     assert capsys.readouterr().err == ""
+
+
+def test_the_check_before_loading_builds_the_model_in_the_dtype_given(quantized, tmp_path, capsys, monkeypatch) -> None:
+    """NVFP4A16 needs the model loaded in bfloat16 (its checkpoint decompresses to bfloat16). On a float32 directory
+    with ``--dtype bfloat16`` the ``meta``-device model of the check is built in bfloat16, as the load then takes it,
+    and the job runs; without ``--dtype`` oneshot refuses before any weight is read, and ``explain --model`` says
+    the same unless given the same ``--dtype``."""
+    model_dir, _, _ = quantized
+    recipe = tmp_path / "nvfp4a16.yaml"
+    recipe.write_text("quant_stage:\n  QuantizationModifier: {targets: [Linear], scheme: NVFP4A16, ignore: [lm_head]}\n")
+    argv = ["oneshot", "--model", str(model_dir), "--recipe", str(recipe), "--no-progress"]
+    assert main([*argv, "--dtype", "bfloat16", "--output", str(tmp_path / "bf16")]) == 0
+    config = json.loads((tmp_path / "bf16" / "config.json").read_text())
+    assert config["quantization_config"]["config_groups"]["group_0"]["format"] == "nvfp4-pack-quantized"
+    capsys.readouterr()
+    with monkeypatch.context() as patched:
+        _refuse_loading(patched)
+        assert main([*argv, "--output", str(tmp_path / "fp32")]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith("llmc-fsm oneshot: error: QuantizationModifier cannot compress 28 of its 28 targets — "
+                              "torch.float32 weight: NVFP4 / MX checkpoints decompress to bfloat16 on load")
+        assert "load the model in bfloat16 (CLI: --dtype bfloat16; Python: dtype='bfloat16')" in err
+        assert not (tmp_path / "fp32").exists()
+        assert main(["explain", str(recipe), "--model", str(model_dir)]) == 1
+        assert capsys.readouterr().err.startswith(
+            f"llmc-fsm explain: error: oneshot would refuse this recipe on --model {model_dir}: QuantizationModifier "
+            "cannot compress 28 of its 28 targets — torch.float32 weight: ")
+        assert main(["explain", str(recipe), "--model", str(model_dir), "--dtype", "bfloat16"]) == 0
+        assert capsys.readouterr().err == ""

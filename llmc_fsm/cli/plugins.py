@@ -23,7 +23,8 @@ from llmc_fsm.core.errors import MissingStateError, RecipeError
 from llmc_fsm.core.registry import DISABLE_ENV, get_registry
 from llmc_fsm.models.hf_io import meta_model
 from llmc_fsm.models.known import KNOWN_MODELS, known_model_dir
-from llmc_fsm.oneshot_job.data import check_modifiers
+from llmc_fsm.oneshot_job.data import check_modifiers, torch_dtype_of
+from llmc_fsm.oneshot_job.settings import DTYPES
 from llmc_fsm.recipes.llmcompressor import unimplemented_note
 from llmc_fsm.session.explain import explain
 from llmc_fsm.session.session import Session
@@ -139,7 +140,7 @@ def _run_explain(args: argparse.Namespace) -> int:
     session = Session(recipe)
     if args.state:
         session.update_state(**dict.fromkeys(args.state, True))
-    model = _meta_model(args.model) if args.model is not None else None
+    model = _meta_model(args.model, args.dtype) if args.model is not None else None
     if model is not None:
         session.update_state(model=model)
     print(explain(session), end="")
@@ -149,7 +150,8 @@ def _run_explain(args: argparse.Namespace) -> int:
         except MissingStateError:  # a training recipe: the plan above lists what it needs
             pass
         except ValueError as exc:
-            raise ValueError(f"oneshot would refuse this recipe on --model {args.model}: {exc}") from None
+            on = f"--model {args.model}" + (f" --dtype {args.dtype}" if args.dtype != "float32" else "")
+            raise ValueError(f"oneshot would refuse this recipe on {on}: {exc}") from None
     given_by_oneshot = {"model", "calibration_data"}
     missing = {key for keys in session.missing_state().values() for key in keys}
     if missing and missing <= given_by_oneshot:
@@ -167,9 +169,10 @@ def _plan(recipe: Any, state: list[str]) -> str:
     return explain(session)
 
 
-def _meta_model(directory: str) -> Any:
+def _meta_model(directory: str, dtype: str = "float32") -> Any:
     """The model a Hugging Face directory's ``config.json`` (or a known model name's, as ``oneshot --model`` takes
-    it: ``smollm2-135m``, its cached directory) describes, on the meta device (no weights read).
+    it: ``smollm2-135m``, its cached directory) describes, on the meta device (no weights read), its parameters in
+    ``dtype`` (a ``--dtype`` name; ``auto``: the config's) as ``oneshot --dtype`` loads them.
 
     Raises:
         ValueError: no ``config.json`` there.
@@ -185,7 +188,9 @@ def _meta_model(directory: str) -> Any:
             f"({', '.join(sorted(KNOWN_MODELS))})"
         )
         raise ValueError(msg)
-    return meta_model(AutoConfig.from_pretrained(directory))  # the model oneshot loads (a VLM's tower included)
+    config = AutoConfig.from_pretrained(directory)
+    torch_dtype = torch_dtype_of(dtype, getattr(config, "dtype", None) or getattr(config, "torch_dtype", None))
+    return meta_model(config, torch_dtype)  # the model oneshot loads (a VLM's tower included)
 
 
 def add_cli(sub: argparse._SubParsersAction) -> None:
@@ -223,5 +228,12 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
         help="a Hugging Face model directory or a known model name (smollm2-135m): its architecture (config.json, "
         "on the meta device, no weights) is the state's model, and modifiers that resolve modules on it show them "
         "(e.g. AWQ's smoothing mappings)",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        default="float32",
+        help="with --model: the dtype oneshot would load it in (as oneshot --dtype; default float32); NVFP4 and MX "
+        "schemes need bfloat16",
     )
     parser.set_defaults(func=_run_explain)

@@ -143,9 +143,11 @@ def model_class(config: Any) -> Any:
     return AutoModelForImageTextToText if is_vision_language(config) else AutoModelForCausalLM
 
 
-def meta_model(config: Any) -> Any:
+def meta_model(config: Any, dtype: Any = None) -> Any:
     """The model ``config`` describes, built by :func:`model_class` with every parameter on the ``meta`` device (no
-    memory, no weight read; buffers such as rotary tables computed as usual), tied weights tied, in eval mode.
+    memory, no weight read; buffers such as rotary tables computed as usual), tied weights tied, in eval mode;
+    its parameters in ``dtype`` (a ``torch.dtype``; ``None``: torch's default dtype, as ``from_config``), the dtype
+    the model will be loaded in, which some checks read (NVFP4 / MX need bfloat16).
 
     Raises:
         whatever transformers raises for a config it cannot build (``ValueError``, ``KeyError``, ...).
@@ -153,7 +155,7 @@ def meta_model(config: Any) -> Any:
     from accelerate import init_empty_weights
 
     with init_empty_weights():
-        model = model_class(config).from_config(config)
+        model = model_class(config).from_config(config, **({"dtype": dtype} if dtype is not None else {}))
     model.tie_weights()
     return model.eval()
 

@@ -280,8 +280,9 @@ def _check_on_meta(run: Run) -> None:
     config = run.model_config if run.model_config is not None else _cached_known_config(run.settings.model)
     if config is None:
         return
+    dtype = torch_dtype_of(run.settings.dtype, getattr(config, "dtype", None) or getattr(config, "torch_dtype", None))
     try:
-        skeleton = meta_model(config)
+        skeleton = meta_model(config, dtype)  # in the dtype the load takes (--dtype): NVFP4 / MX checks read it
     except Exception as err:  # any config transformers cannot build: loading reports it, as before
         logger.debug("the model of this config cannot be built on meta (%s): checked after loading", err)
         return
