@@ -38,6 +38,10 @@ Each recipe is run, unchanged, in a forked process with a time limit (``--timeou
 (c) the saved directory reloaded with transformers (``from_pretrained``) and its logits compared with the
     in-memory model's on one window (``torch.equal``, else the largest absolute difference).
 
+``--from-directory``: (b) saves the tiny model with ``save_pretrained`` first and gives ``oneshot`` that directory
+(``dtype`` the same), the path a user's checkpoint takes: its config read and every modifier check run on the
+``meta``-device model before any weight is read; (c) compares with the model ``oneshot`` returns.
+
 Classes: ``reload equal`` / ``reload differs`` (ran, but the reloaded logits differ, or the reload failed) /
 ``refused`` (an llmc-fsm error raised by llmc-fsm's own code: ``ValueError`` and its subclasses such as
 ``RecipeError``, ``ModifierError``, ``MissingStateError``, ``NotImplementedError``; grouped by the first line of the
@@ -559,6 +563,10 @@ def recipe_diff(asked: Any, saved_text: str) -> list[str]:
     return out
 
 
+#: ``--from-directory``: oneshot is given the tiny model saved as a directory (set by :func:`main`).
+FROM_DIRECTORY = False
+
+
 def run_entry(entry: Entry, workdir: Path) -> dict[str, Any]:
     """(a) explain, (b) oneshot on a tiny model, (c) reload and compare logits; in this (forked) process."""
     import logging
@@ -587,11 +595,17 @@ def run_entry(entry: Entry, workdir: Path) -> dict[str, Any]:
     result["family_note"] += widened
     data = calibration()
     out = workdir / "out"
+    given: Any = model
+    if FROM_DIRECTORY:
+        given = workdir / "model"
+        model.save_pretrained(given)
     try:
-        oneshot(
-            model=model, recipe=str(path), dataset=data, num_calibration_samples=NUM_WINDOWS,
-            max_seq_length=WINDOW, output_dir=str(out), progress=False, threads=1, device="cpu", batch_size=4,
+        returned = oneshot(
+            model=given if given is model else str(given), recipe=str(path), dataset=data,
+            num_calibration_samples=NUM_WINDOWS, max_seq_length=WINDOW, output_dir=str(out), progress=False, threads=1,
+            device="cpu", batch_size=4, **({} if given is model else {"dtype": str(dtype).removeprefix("torch.")}),
         )
+        model = returned if given is not model else model
     except Exception as exc:
         result["oneshot"] = _failure("oneshot", exc)
         return result
@@ -743,10 +757,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--start", type=int, default=0, help="run from this index of the corpus order (0-based)")
     parser.add_argument("--stop", type=int, default=None, help="run up to (excluding) this index")
     parser.add_argument("--report", action="store_true", help="print the summary of the --out results, run nothing")
+    parser.add_argument("--from-directory", action="store_true",
+                        help="give oneshot the tiny model as a saved directory (the meta-device checks' path)")
     parser.add_argument("--rerun", type=Path, default=None,
                         help="a results file: run only its recipes not recorded as 'reload equal' or 'not run', and "
                         "write it to --out with their rows replaced")
     args = parser.parse_args(argv)
+    global FROM_DIRECTORY
+    FROM_DIRECTORY = args.from_directory  # read by run_entry in the forked processes
     if args.report:
         saved = json.loads(args.out.read_text())
         other = [Entry(**e) for e in saved["other"]]

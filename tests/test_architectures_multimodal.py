@@ -201,3 +201,81 @@ def test_mllama_compressed_on_image_batches_reloads(tmp_path, method):
     assert (info["missing_keys"], info["unexpected_keys"], info["mismatched_keys"]) == (set(), set(), set())
     with torch.no_grad():
         torch.testing.assert_close(reloaded.eval()(**data[0]).logits, model(**data[0]).logits, rtol=0, atol=1e-5)
+
+
+# ------------------------------------------------------------------ model directories: the class their config names
+def test_the_loader_class_keeps_every_part_the_checkpoint_holds(tmp_path):
+    """The config of a saved checkpoint: decoder-only: ``AutoModelForCausalLM``; Whisper (encoder-decoder): its
+    ``architectures`` class, not the ``WhisperForCausalLM`` (decoder alone) that ``AutoModelForCausalLM`` maps;
+    Qwen2-Audio (no causal-LM Auto mapping): its ``architectures`` class."""
+    from llmc_fsm.models.hf_io import model_class
+
+    def saved_config(family):
+        build(family).save_pretrained(tmp_path / family)  # writes the config with its architectures
+        return transformers.AutoConfig.from_pretrained(tmp_path / family)
+
+    assert model_class(saved_config("llama")) is transformers.AutoModelForCausalLM
+    assert model_class(saved_config("whisper")) is transformers.WhisperForConditionalGeneration
+    assert model_class(saved_config("qwen2_audio")) is transformers.Qwen2AudioForConditionalGeneration
+
+
+def test_a_whisper_directory_is_refused_before_its_weights_are_read_not_cut_to_its_decoder(tmp_path, capsys,
+                                                                                            monkeypatch):
+    """A data-free job on a Whisper checkpoint directory (the CLI streams such jobs by default): refused from the
+    ``meta``-device model, with the in-memory model's message, nothing written. Before, ``AutoModelForCausalLM``
+    built ``WhisperForCausalLM`` and the output silently held the decoder alone."""
+    from llmc_fsm.cli import main
+
+    build("whisper").save_pretrained(tmp_path / "whisper")
+    capsys.readouterr()  # save_pretrained's progress bar
+    recipe = tmp_path / "w8a8.yaml"
+    recipe.write_text("s:\n  QuantizationModifier: {targets: [Linear], scheme: W8A8, ignore: [proj_out]}\n")
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model's weights were read before the refusal")
+
+    monkeypatch.setattr("llmc_fsm.oneshot_job.phases.load_model", refuse)
+    monkeypatch.setattr("llmc_fsm.oneshot_job.streaming.load_lazy", refuse)
+    argv = ["oneshot", "--model", str(tmp_path / "whisper"), "--recipe", str(recipe), "--no-progress"]
+    assert main([*argv, "--output", str(tmp_path / "out")]) == 1
+    assert capsys.readouterr().err == (
+        "llmc-fsm oneshot: error: WhisperForConditionalGeneration (model_type 'whisper') is an encoder-decoder "
+        "model: its decoder layers (model.decoder.layers) attend to the encoder's output, which the sequential "
+        "pipeline's calibration (token ids as the model's input_ids) does not produce; it calibrates decoder-only "
+        "language models (multimodal ones on text, through their language model): not supported\n"
+    )
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_qwen2_audio_directory_runs_in_memory_with_its_audio_tower(tmp_path, capsys):
+    """Qwen2-Audio from a directory (no ``AutoModelForCausalLM`` mapping: before, the load failed): the streamed path
+    declines it (it would drop the tower), the job runs in memory, and the output holds the whole model: the
+    language model's Linears quantized, the tower as it was, reloaded by its class with the in-memory logits."""
+    from llmc_fsm.cli import main
+    from llmc_fsm.models.lazy import load_lazy
+
+    model = build("qwen2_audio")
+    model.save_pretrained(tmp_path / "qwen2_audio")
+    with pytest.raises(ValueError, match=r"holds a model AutoModelForCausalLM does not build whole "
+                                         r"\(Qwen2AudioForConditionalGeneration, model_type 'qwen2_audio'\): the "
+                                         r"streamed path would drop its other parts from the output; run it in memory"):
+        load_lazy(tmp_path / "qwen2_audio", torch.float32)
+    recipe = tmp_path / "w8a8.yaml"
+    ignore = ["lm_head", *TOWERS["qwen2_audio"]]
+    recipe.write_text(f"s:\n  QuantizationModifier: {{targets: [Linear], scheme: W8A8, ignore: {ignore}}}\n")
+    out = tmp_path / "out"
+    argv = ["oneshot", "--model", str(tmp_path / "qwen2_audio"), "--recipe", str(recipe), "--no-progress"]
+    assert main([*argv, "--output", str(out)]) == 0
+    capsys.readouterr()
+    reloaded, info = transformers.Qwen2AudioForConditionalGeneration.from_pretrained(out, output_loading_info=True)
+    reloaded.eval()
+    assert reloaded.config.architectures == ["Qwen2AudioForConditionalGeneration"]
+    quantized = {n for n, m in reloaded.named_modules() if hasattr(m, "quantization_scheme")}
+    layers_name, _ = find_decoder_layers(reloaded)
+    assert quantized == set(_linears(reloaded, layers_name))
+    tower = {n: p.detach().clone() for n, p in model.named_parameters() if _is_tower("qwen2_audio", n)}
+    got_tower = dict(reloaded.named_parameters())
+    assert tower and all(torch.equal(got_tower[n], p) for n, p in tower.items())
+    in_memory = llmc_fsm.oneshot(model=model, recipe=str(recipe), dataset=DATA, progress=False)
+    with torch.no_grad():
+        _assert_reloads(info, in_memory(DATA[:2]).logits, reloaded(DATA[:2]).logits)

@@ -135,12 +135,26 @@ def check_tied(model: PreTrainedModel, where: str) -> None:
 
 
 def model_class(config: Any) -> Any:
-    """The Auto class that loads ``config``'s model with every part of the checkpoint:
-    ``AutoModelForImageTextToText`` for a vision-language model (:func:`is_vision_language`; ``AutoModelForCausalLM``
-    gives Mllama's text model alone and refuses LLaVA's config), else ``AutoModelForCausalLM``."""
+    """The class that loads ``config``'s model with every part of the checkpoint: ``AutoModelForImageTextToText``
+    for a vision-language model (:func:`is_vision_language`; ``AutoModelForCausalLM`` gives Mllama's text model
+    alone and refuses LLaVA's config); ``AutoModelForCausalLM`` for a decoder-only config it maps; else the first
+    class of the config's ``architectures`` that transformers has: an audio-text model no Auto class for causal
+    LMs maps (Qwen2-Audio: ``Qwen2AudioForConditionalGeneration``), an encoder-decoder model (Whisper:
+    ``WhisperForConditionalGeneration``, where ``AutoModelForCausalLM`` builds ``WhisperForCausalLM``, the decoder
+    alone: the encoder would be dropped from the output); else ``AutoModelForCausalLM`` (its error names the
+    config)."""
+    import transformers
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-    return AutoModelForImageTextToText if is_vision_language(config) else AutoModelForCausalLM
+    if is_vision_language(config):
+        return AutoModelForImageTextToText
+    if type(config) in AutoModelForCausalLM._model_mapping and not getattr(config, "is_encoder_decoder", False):
+        return AutoModelForCausalLM
+    for name in getattr(config, "architectures", None) or ():
+        cls = getattr(transformers, name, None) if isinstance(name, str) else None
+        if isinstance(cls, type) and hasattr(cls, "from_pretrained"):
+            return cls
+    return AutoModelForCausalLM
 
 
 def meta_model(config: Any, dtype: Any = None) -> Any:
@@ -155,7 +169,9 @@ def meta_model(config: Any, dtype: Any = None) -> Any:
     from accelerate import init_empty_weights
 
     with init_empty_weights():
-        model = model_class(config).from_config(config, **({"dtype": dtype} if dtype is not None else {}))
+        cls = model_class(config)
+        build = getattr(cls, "from_config", None) or cls._from_config  # an Auto class's, or a model class's own
+        model = build(config, **({"dtype": dtype} if dtype is not None else {}))
     model.tie_weights()
     return model.eval()
 

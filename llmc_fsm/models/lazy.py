@@ -46,7 +46,7 @@ import torch
 from torch import nn
 
 from llmc_fsm.data.images import is_vision_language
-from llmc_fsm.models.hf_io import _check_model_dir, _load_tokenizer, check_tied, dtype_kwargs
+from llmc_fsm.models.hf_io import _check_model_dir, _load_tokenizer, check_tied, dtype_kwargs, model_class
 from llmc_fsm.models.layers import find_decoder_layers
 
 if TYPE_CHECKING:
@@ -344,6 +344,13 @@ def load_lazy(
         msg = (
             f"{directory} holds a vision-language model (model_type {config.model_type!r}): the streamed path "
             "builds the text model alone, which would drop the vision tower from the output; run it in memory"
+        )
+        raise ValueError(msg)
+    if model_class(config) is not AutoModelForCausalLM:  # an encoder-decoder or audio-text model: parts dropped
+        msg = (
+            f"{directory} holds a model AutoModelForCausalLM does not build whole ({model_class(config).__name__}, "
+            f"model_type {config.model_type!r}): the streamed path would drop its other parts from the output; "
+            "run it in memory"
         )
         raise ValueError(msg)
     with init_empty_weights():  # parameters on meta; buffers (rotary inv_freq) computed as usual

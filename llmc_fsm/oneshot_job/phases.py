@@ -262,13 +262,16 @@ def _check_on_meta(run: Run) -> None:
     """Before any weight is read: the modifiers' checks of the model
     (:func:`~llmc_fsm.oneshot_job.data.check_modifiers`: group sizes against the targets' widths, targets that
     match nothing, a checkpoint that is already quantized, ...) run on the model its config describes, built on the
-    ``meta`` device (:func:`~llmc_fsm.models.hf_io.meta_model`; no weight read), so such a refusal comes before the
-    load, with the message the loaded model would get. A model directory, a Hub ID whose config could be read, and a
-    known name whose converted directory is cached are checked here; a config the model classes cannot build, and
-    an ``nn.Module`` (nothing to load), are checked after loading, as before. A check that fails on the ``meta``
-    model with anything but a refusal (``ValueError``, ``MissingStateError``) is left for the loaded model.
+    ``meta`` device (:func:`~llmc_fsm.models.hf_io.meta_model`; no weight read), after
+    :func:`~llmc_fsm.models.layers.check_calibrates_from_text` (an encoder-decoder model), so such a refusal comes
+    before the load, with the message the loaded model would get. A model directory, a Hub ID whose config could
+    be read, and a known name whose converted directory is cached are checked here; a config the model classes
+    cannot build, and an ``nn.Module`` (nothing to load), are checked after loading, as before. A check that fails
+    on the ``meta`` model with anything but a refusal (``ValueError``, ``MissingStateError``) is left for the loaded
+    model.
 
     Raises:
+        UnsupportedArchitectureError: (a ``ValueError``) an encoder-decoder model (Whisper, T5...).
         ValueError: one line, the first modifier check that fails, e.g. ``"<modifier>: the model is already
             quantized (...); <what to do>"`` or a group size that divides no target's width.
         MissingStateError: as :func:`~llmc_fsm.oneshot_job.data.check_modifiers`.
@@ -286,6 +289,7 @@ def _check_on_meta(run: Run) -> None:
     except Exception as err:  # any config transformers cannot build: loading reports it, as before
         logger.debug("the model of this config cannot be built on meta (%s): checked after loading", err)
         return
+    check_calibrates_from_text(skeleton)  # an encoder-decoder model: refused as the loaded one would be
     try:
         check_modifiers(run.sessions, skeleton, True)
     except (ValueError, MissingStateError):  # a refusal, before any weight is read
