@@ -298,6 +298,8 @@ def test_explain_with_a_model_reports_the_refusal_oneshot_would_give(quantized, 
     captured = capsys.readouterr()
     assert captured.out.startswith(f"Recipe {bad}: 1 stage(s), 1 modifier(s) to run\n")
     assert "Session lifecycle: staging; state present: model\n" in captured.out
+    assert captured.out.endswith("Not ready: a modifier refuses the model (below).\n")
+    assert "Ready to initialize" not in captured.out
     assert captured.err.startswith(
         f"llmc-fsm explain: error: oneshot would refuse this recipe on --model {model_dir}: GPTQModifier cannot "
         "compress 24 of its 28 targets — in_features 64 is not a multiple of group_size 128: "
@@ -307,7 +309,11 @@ def test_explain_with_a_model_reports_the_refusal_oneshot_would_give(quantized, 
     scheme = {"preset": "W4A16", "weights": {"group_size": 32}}
     good.write_text(json.dumps({"quant_stage": {"GPTQModifier": {"ignore": ["lm_head"], "scheme": scheme}}}))
     assert main(["explain", str(good), "--model", str(model_dir)]) == 0
-    assert capsys.readouterr().err == ""
+    captured = capsys.readouterr()
+    assert captured.err == ""
+    assert captured.out.endswith(
+        f"(Expected here: `llmc-fsm oneshot` gives calibration_data; oneshot's checks of --model {model_dir} pass.)\n"
+    )
 
 
 def test_the_check_before_loading_builds_the_model_in_the_dtype_given(quantized, tmp_path, capsys, monkeypatch) -> None:

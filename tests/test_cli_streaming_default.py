@@ -164,11 +164,12 @@ def test_a_kv_cache_job_runs_in_memory_by_default_and_saves_its_scales(tiny_mode
 def test_in_memory_and_low_memory_together_are_refused_before_any_work(tiny_model_dir, tmp_path, capsys):
     model_dir, text = tiny_model_dir
     out = tmp_path / "o"
-    status, err = _run(tiny_llama.oneshot_argv(model_dir, text, out, "--in-memory", "--low-memory"), capsys)
-    assert status == 1
-    assert err == (
+    with pytest.raises(SystemExit) as info:  # a usage error, as argparse's own
+        main(tiny_llama.oneshot_argv(model_dir, text, out, "--in-memory", "--low-memory"))
+    assert info.value.code == 2
+    assert capsys.readouterr().err == (
         "llmc-fsm oneshot: error: --in-memory and --low-memory contradict each other: pass one of them (or neither: "
-        "stream when possible)\n"
+        "stream when possible); see 'llmc-fsm oneshot --help'\n"
     )
     assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == []
 

@@ -131,8 +131,9 @@ def test_cli_explain(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None
     out = capsys.readouterr().out
     assert "requires:  calibration_data (MISSING), model (MISSING), steps_per_epoch (present)" in out
     assert out.endswith(
-        "(Expected here: `llmc-fsm oneshot` gives calibration_data and model; `explain RECIPE --model DIR` shows how "
-        "the recipe fits a model, e.g. its mappings and targets.)\n"
+        "(Expected here: `llmc-fsm oneshot` gives calibration_data and model; `explain RECIPE --model DIR` runs "
+        "oneshot's checks of a model and shows, where a modifier resolves modules (AWQ, SmoothQuant), how they map "
+        "on it.)\n"
     )
     bad = tmp_path / "bad.yaml"
     bad.write_text("s:\n  Hold: {ends: 3}\n")

@@ -22,6 +22,7 @@ import argparse
 import difflib
 import logging
 import os
+import re
 import sys
 from collections.abc import Sequence
 from typing import NoReturn
@@ -42,7 +43,18 @@ class _Parser(argparse.ArgumentParser):
     """argparse, but a usage error is one line (the command's usage block is what ``--help`` is for)."""
 
     def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message}; see '{self.prog} --help'\n")
+        self.exit(2, f"{self.prog}: error: {message}{_did_you_mean(message)}; see '{self.prog} --help'\n")
+
+
+def _did_you_mean(message: str) -> str:
+    """`` (did you mean 'oneshot'?)`` for argparse's ``invalid choice: 'onesht' (choose from ...)`` when a choice is
+    close to the value given (a misspelt subcommand or ``--method``); ``""`` otherwise."""
+    found = re.search(r"invalid choice: '?(.*?)'? \(choose from (.*)\)$", message)
+    if found is None:
+        return ""
+    choices = [c.strip().strip("'\"") for c in found.group(2).split(",")]
+    close = difflib.get_close_matches(found.group(1), choices, 1)
+    return f" (did you mean '{close[0]}'?)" if close else ""
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -78,9 +78,9 @@ def add_cli(sub: Any) -> None:
 
 
 def _run_cli(args: argparse.Namespace) -> int:
-    if args.in_memory and args.low_memory:
+    if args.in_memory and args.low_memory:  # a usage error: one line, exit status 2, as argparse's own
         msg = "--in-memory and --low-memory contradict each other: pass one of them (or neither: stream when possible)"
-        raise ValueError(msg)
+        args._commands[args.command].error(msg)
     settings = settings_from_flags(args)  # every check that needs no model, the generated recipe built
     try:
         with sigterm_as_interrupt():

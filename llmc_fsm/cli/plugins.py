@@ -141,24 +141,29 @@ def _run_explain(args: argparse.Namespace) -> int:
     if args.state:
         session.update_state(**dict.fromkeys(args.state, True))
     model = _meta_model(args.model, args.dtype) if args.model is not None else None
+    refusal = None
     if model is not None:
         session.update_state(model=model)
-    print(explain(session), end="")
-    if model is not None:
         try:  # the checks oneshot runs on the same meta-device model before any weight (group sizes, targets...)
             check_modifiers([session], model, True)
-        except MissingStateError:  # a training recipe: the plan above lists what it needs
+        except MissingStateError:  # a training recipe: the plan lists what it needs
             pass
         except ValueError as exc:
             on = f"--model {args.model}" + (f" --dtype {args.dtype}" if args.dtype != "float32" else "")
-            raise ValueError(f"oneshot would refuse this recipe on {on}: {exc}") from None
+            refusal = ValueError(f"oneshot would refuse this recipe on {on}: {exc}")
+    print(explain(session, model_refused=refusal is not None), end="")
+    if refusal is not None:
+        raise refusal
     given_by_oneshot = {"model", "calibration_data"}
     missing = {key for keys in session.missing_state().values() for key in keys}
     if missing and missing <= given_by_oneshot:
-        print(
-            f"(Expected here: `llmc-fsm oneshot` gives {' and '.join(sorted(missing))}; `explain RECIPE --model DIR` "
-            "shows how the recipe fits a model, e.g. its mappings and targets.)"
+        fit = (
+            f"oneshot's checks of --model {args.model} pass"
+            if model is not None
+            else "`explain RECIPE --model DIR` runs oneshot's checks of a model and shows, where a modifier resolves "
+            "modules (AWQ, SmoothQuant), how they map on it"
         )
+        print(f"(Expected here: `llmc-fsm oneshot` gives {' and '.join(sorted(missing))}; {fit}.)")
     return 0
 
 

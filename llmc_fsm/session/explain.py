@@ -122,8 +122,11 @@ def _on_model(m: Modifier, model: Any) -> list[str]:
     return [f"       {'on model:' if i == 0 else '':<10} {line}" for i, line in enumerate(found)]
 
 
-def explain(session: Session) -> str:
+def explain(session: Session, *, model_refused: bool = False) -> str:
     """Return ``session``'s plan as text, touching no model (see the module docstring).
+
+    ``model_refused``: the state's model was checked and a modifier refuses it (``llmc-fsm explain --model``, which
+    prints the refusal itself): the last line then says so (instead of "Ready to initialize").
 
     Raises:
         TypeError: ``session`` is not a :class:`~llmc_fsm.Session`.
@@ -178,6 +181,8 @@ def explain(session: Session) -> str:
         if missing:
             lines.append("Missing before initialize():")
             lines.extend(f"  - {label}: {', '.join(sorted(keys))}" for label, keys in missing.items())
-        else:
+        elif not model_refused:
             lines.append("Ready to initialize: every required state key is present.")
+        if model_refused:
+            lines.append("Not ready: a modifier refuses the model (below).")
     return "\n".join(lines) + "\n"
