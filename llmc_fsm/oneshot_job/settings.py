@@ -233,7 +233,8 @@ class OneshotSettings:
     )
     recipe: Any = _setting(
         None,
-        "recipe file (YAML/JSON); default: --method/--sparsity/--mask-structure",
+        "recipe file (YAML/JSON); default: the recipe generated from --method and its flags (--sparsity, "
+        "--mask-structure; --scheme, --group-size, --block-size, --observer)",
         flag="--recipe",
         fingerprint=("recipe",),
         by_content=True,
@@ -330,7 +331,8 @@ class OneshotSettings:
     )
     low_memory: bool = _setting(
         False,
-        "read, compress and write one decoder layer at a time (needs --output and --dataset; same result)",
+        "read, compress and write one decoder layer at a time (needs --output, and --dataset when the job calibrates; "
+        "same result)",
         flag="--low-memory",
         cli={"action": "store_true"},
         validator=_bool,
