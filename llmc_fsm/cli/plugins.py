@@ -194,8 +194,7 @@ def _meta_model(directory: str, dtype: str = "float32") -> Any:
         )
         raise ValueError(msg)
     config = AutoConfig.from_pretrained(directory)
-    torch_dtype = torch_dtype_of(dtype, getattr(config, "dtype", None) or getattr(config, "torch_dtype", None))
-    return meta_model(config, torch_dtype)  # the model oneshot loads (a VLM's tower included)
+    return meta_model(config, torch_dtype_of(dtype, config))  # the model oneshot loads (a VLM's tower included)
 
 
 def add_cli(sub: argparse._SubParsersAction) -> None:

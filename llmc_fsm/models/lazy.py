@@ -346,9 +346,10 @@ def load_lazy(
             "builds the text model alone, which would drop the vision tower from the output; run it in memory"
         )
         raise ValueError(msg)
-    if model_class(config) is not AutoModelForCausalLM:  # an encoder-decoder or audio-text model: parts dropped
+    whole = model_class(config)
+    if whole is not AutoModelForCausalLM:  # an encoder-decoder or audio-text model: parts dropped
         msg = (
-            f"{directory} holds a model AutoModelForCausalLM does not build whole ({model_class(config).__name__}, "
+            f"{directory} holds a model AutoModelForCausalLM does not build whole ({whole.__name__}, "
             f"model_type {config.model_type!r}): the streamed path would drop its other parts from the output; "
             "run it in memory"
         )

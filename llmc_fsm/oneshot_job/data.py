@@ -54,12 +54,13 @@ DEFAULT_PROMPTS: tuple[str, ...] = (
 )
 
 
-def torch_dtype_of(name: str, config_dtype: Any = None) -> Any:
-    """The torch dtype of a ``dtype`` setting (:data:`llmc_fsm.oneshot_job.settings.DTYPES`); ``auto``:
-    ``config_dtype`` (a config's ``dtype``), fp32 if unset."""
+def torch_dtype_of(name: str, config: Any = None) -> Any:
+    """The torch dtype of a ``dtype`` setting (:data:`llmc_fsm.oneshot_job.settings.DTYPES`); ``auto``: the one
+    ``config`` (a model's config) names (``dtype``, or transformers 4's ``torch_dtype``), fp32 if none."""
 
     if name == "auto":
-        name = str(config_dtype or "float32").removeprefix("torch.")
+        named = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+        name = str(named or "float32").removeprefix("torch.")
     return getattr(torch, name)
 
 

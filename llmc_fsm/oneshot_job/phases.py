@@ -283,9 +283,8 @@ def _check_on_meta(run: Run) -> None:
     config = run.model_config if run.model_config is not None else _cached_known_config(run.settings.model)
     if config is None:
         return
-    dtype = torch_dtype_of(run.settings.dtype, getattr(config, "dtype", None) or getattr(config, "torch_dtype", None))
-    try:
-        skeleton = meta_model(config, dtype)  # in the dtype the load takes (--dtype): NVFP4 / MX checks read it
+    try:  # in the dtype the load takes (--dtype): the NVFP4 / MX checks read it
+        skeleton = meta_model(config, torch_dtype_of(run.settings.dtype, config))
     except Exception as err:  # any config transformers cannot build: loading reports it, as before
         logger.debug("the model of this config cannot be built on meta (%s): checked after loading", err)
         return

@@ -320,7 +320,7 @@ def _dtype(name: str, directory: Path) -> Any:
     if name != "auto":
         return torch_dtype_of(name)
     config = AutoConfig.from_pretrained(str(directory))
-    return torch_dtype_of(name, getattr(config, "dtype", None) or getattr(config, "torch_dtype", None))
+    return torch_dtype_of(name, config)
 
 
 def _load(run: Run) -> LazyModel:
