@@ -144,6 +144,18 @@ def attach_qparams(module: nn.Module, scheme: QuantizationScheme, quantized: Qua
         quantized.weight = module.weight.data
 
 
+def mark_quantized(model: nn.Module) -> None:
+    """Set ``config._is_quantized`` on ``model`` and each of its sub-models, as transformers does for a model it
+    loads quantized (``HfQuantizer.preprocess_model``; not saved with the config), so that the in-memory model takes
+    the forward path the reloaded one takes. Jamba's and FalconMamba's mixers call ``dt_proj`` as a module only
+    when it is set (``dt_proj.weight @ x`` otherwise, which skips its input quantization): measured, Jamba FP8_DYNAMIC
+    reloaded with logits 0.0079 apart from the in-memory model before, equal after."""
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if config is not None and hasattr(config, "to_json_string"):  # a transformers config
+            config._is_quantized = True
+
+
 def _take_weight(weight: nn.Parameter, new: torch.Tensor) -> None:
     """Make ``weight`` hold ``new``'s values: by taking ``new``'s storage when ``new`` is a whole, contiguous tensor
     of the same shape, dtype and device and the old storage is not private memory yet (no copy, and no write into
@@ -393,11 +405,30 @@ CONV1D_REFUSAL = (
 )
 
 
+def _transformers_version() -> str:
+    from importlib.metadata import version
+
+    return version("transformers")
+
+
+def _reloads_fp8_experts() -> bool:
+    """Whether the installed transformers reloads FP8 expert weights: from 5.25 on its experts loader
+    (``CompressedTensorsDequantize``) folds each expert's fp8 ``weight`` with its ``weight_scale`` (per channel or per
+    tensor, by broadcasting) into the fused parameters; 5.24 read packed int weights only."""
+    from packaging.version import Version  # a dependency of transformers
+
+    return Version(_transformers_version()) >= Version("5.25")
+
+
 def _expert_scheme_problem(scheme: QuantizationScheme) -> str | None:
-    """Why fused experts cannot be quantized with ``scheme`` so that transformers 5.24 reloads them, or ``None``.
+    """Why fused experts cannot be quantized with ``scheme`` so that transformers reloads them, or ``None``.
 
     Its experts loader (``CompressedTensorsDequantize``) rebuilds each expert from ``weight_packed``,
-    ``weight_scale`` and ``weight_shape`` alone, and the reloaded experts run dense (no input quantization).
+    ``weight_scale`` and ``weight_shape`` (symmetric int, ``pack-quantized``), or, from transformers 5.25 on, from an
+    fp8 ``weight`` times its ``weight_scale`` (per channel or per tensor); the reloaded experts run dense, with no
+    input quantization. So FP8 experts may have dynamic input activations (nothing of them is in the checkpoint:
+    a serving engine quantizes them, see :func:`_expert_activations_note`), but not static ones (each expert would need
+    its own ``input_scale``, which the loader has no place for).
     """
     from compressed_tensors.compressors.format import infer_module_format
     from compressed_tensors.config import CompressionFormat
@@ -405,19 +436,61 @@ def _expert_scheme_problem(scheme: QuantizationScheme) -> str | None:
     w = scheme.weights
     if w is None:
         return "the scheme quantizes no weights"
-    if scheme.input_activations is not None or scheme.output_activations is not None:
+    if scheme.output_activations is not None:
+        return "output activations cannot be quantized on fused experts (transformers runs them dense)"
+    inputs = scheme.input_activations
+    fp8 = (
+        str(w.type) == "float"
+        and w.num_bits == 8
+        and w.strategy in (QuantizationStrategy.CHANNEL, QuantizationStrategy.TENSOR)
+        and not is_scaled_format(w)
+    )
+    if fp8:
+        if not _reloads_fp8_experts():
+            return (
+                f"FP8 expert weights reload from transformers 5.25 on (installed: {_transformers_version()}, whose "
+                "experts loader reads packed int weights only): upgrade transformers, or use W4A16 / W8A16"
+            )
+        if inputs is not None and inputs.dynamic is not True:
+            return (
+                "static input scales (input_activations not dynamic, e.g. the FP8 preset) on fused experts: the "
+                "experts run without input quantization here and when transformers reloads them, and no per-expert "
+                "input_scale would be written; use FP8_DYNAMIC (dynamic per-token inputs)"
+            )
+        return None
+    if inputs is not None:
         return (
-            "weight-only schemes only (e.g. W4A16, W8A16): transformers 5.24 reloads fused experts dequantized into "
-            "their fused parameters, which run without activation quantization"
+            "input activations are quantized on fused experts only with FP8 weights per channel or tensor "
+            "(FP8_DYNAMIC): transformers reloads other experts from packed weight-only int formats alone "
+            "(pack-quantized: W4A16, W8A16)"
         )
     packed = (scheme.format or infer_module_format(nn.Linear, scheme)) == CompressionFormat.pack_quantized
     if str(w.type) != "int" or not w.symmetric or not packed or is_scaled_format(w):
         return (
-            "symmetric int weights that compressed-tensors packs (pack-quantized: W4A16, W8A16) only: transformers "
-            "5.24 rebuilds a checkpoint's experts from their packed weights, scales and shapes alone (no zero point, "
-            "no other format)"
+            "symmetric int weights that compressed-tensors packs (pack-quantized: W4A16, W8A16) or FP8 weights per "
+            "channel or tensor (FP8_DYNAMIC) only: transformers rebuilds a checkpoint's experts from their packed "
+            "weights, scales and shapes (no zero point) or from fp8 weights times their scales, no other format"
         )
     return None
+
+
+def _expert_activations_note(scheme: QuantizationScheme) -> str | None:
+    """The warning of a run whose fused experts' scheme quantizes input activations dynamically, or ``None``.
+
+    Fused experts are not Linear modules, so compressed-tensors puts no input quantization on them: in this run and
+    after transformers reloads the checkpoint they run with FP8 weights and unquantized inputs; the saved config
+    asks the engine that serves the checkpoint (vLLM) to quantize their inputs per token, as llm-compressor's
+    checkpoints of the same recipe do.
+    """
+    inputs = scheme.input_activations
+    if inputs is None:
+        return None
+    return (
+        f"the fused experts' input activations (per {inputs.strategy}, dynamic) are not quantized in this run nor "
+        "when transformers reloads the checkpoint (fused experts are not Linear modules; transformers runs them "
+        "dense): their weights are, and the saved config asks the serving engine (vLLM) to quantize their inputs; "
+        "the perplexity measured here does not include that"
+    )
 
 
 @torch.no_grad()
@@ -901,8 +974,9 @@ class QuantizingModifier(CalibratedModifier):
 
         Fused experts are quantized per expert matrix and saved in compressed-tensors' per-expert layout under the
         checkpoint names transformers 5 reads back (:func:`~llmc_fsm.toolkit.views.expert_checkpoint_names`); on
-        reload, transformers 5.24 decompresses each expert's packed weight and fuses them again (its
-        ``CompressedTensorsDequantize``: packed weights, scales and shapes only). Hence what is refused.
+        reload, transformers decompresses each expert's weight and fuses them again (its
+        ``CompressedTensorsDequantize``: packed int weights, scales and shapes; from 5.25 on also fp8 weights times
+        their scales). Hence what is refused.
 
         Returns:
             ``{expert view name: checkpoint module name}`` of every expert matrix targeted.
@@ -911,9 +985,10 @@ class QuantizingModifier(CalibratedModifier):
             ValueError: one line naming the family and why, for: a ``Conv1D`` target (see
                 :data:`CONV1D_REFUSAL`); fused experts of a family whose checkpoint keeps them fused (GPT-OSS, DBRX);
                 fused experts left dense while other modules are quantized (transformers 5.24 then drops them on
-                reload), or only some matrices of an experts module targeted; an experts scheme that is not
+                reload), or only some matrices of an experts module targeted; an experts scheme that is neither
                 weight-only symmetric int packed by compressed-tensors (``pack-quantized``: W4A16, W8A16, any group
-                size) or several config groups; fused experts under ``torch.distributed``.
+                size), nor FP8 weights per channel or tensor with no or dynamic input activations (see
+                :func:`_expert_scheme_problem`), or several config groups; fused experts under ``torch.distributed``.
         """
         name = type(self).__name__
         family = f"{type(model).__name__} (model_type {getattr(getattr(model, 'config', None), 'model_type', None)!r})"
@@ -962,10 +1037,13 @@ class QuantizingModifier(CalibratedModifier):
                 "with one group's scheme (the first one's); quantize with one scheme"
             )
             raise ValueError(msg)
-        problem = _expert_scheme_problem(next(iter(self._groups.values())))
+        scheme = next(iter(self._groups.values()))
+        problem = _expert_scheme_problem(scheme)
         if problem is not None:
             msg = f"{name}: {family}: fused experts {compact_names(list(sources))}: {problem}"
             raise ValueError(msg)
+        if (note := _expert_activations_note(scheme)) is not None:  # warned once, at initialize
+            self._experts_warning = f"{name}: {family}: fused experts {compact_names(list(sources))}: {note}"
         names: dict[str, str] = {}
         for source_name, source in sources.items():
             try:
@@ -1085,7 +1163,17 @@ class QuantizingModifier(CalibratedModifier):
     # ---- KV cache: calibrated alongside the weights ---------------------------------------
     def on_initialize(self, state: Any) -> None:
         self._kv_attention = {}
+        self._experts_warning: str | None = None
         super().on_initialize(state)
+        if self._experts_warning is not None:
+            logger.warning("%s", self._experts_warning)
+
+    def on_finalize(self, state: Any) -> None:
+        """:meth:`CalibratedModifier.on_finalize`; a model with quantized modules is then marked quantized as
+        transformers marks one it loads quantized (:func:`mark_quantized`)."""
+        super().on_finalize(state)
+        if self.results:
+            mark_quantized(state.model)
 
     def on_calibration_start(self, state: Any) -> None:
         """Hook the targets (:class:`CalibratedModifier`); with ``kv_cache_scheme`` also prepare every attention
