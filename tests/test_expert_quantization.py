@@ -332,16 +332,17 @@ REFUSALS = {
         {"scheme": "W8A8"},
         "GPTQModifier: MixtralForCausalLM (model_type 'mixtral'): fused experts model.layers.{0..3}.mlp.experts: "
         "input activations are quantized on fused experts only with FP8 weights per channel or tensor "
-        "(FP8_DYNAMIC): transformers reloads other experts from packed weight-only int formats alone "
-        "(pack-quantized: W4A16, W8A16)",
+        "(FP8_DYNAMIC): transformers reloads other experts from packed weight-only formats alone (W4A16, W8A16, "
+        "MXFP4A16)",
     ),
     "asymmetric": (
         "mixtral",
         {"scheme": {"preset": "W4A16_ASYM", "weights": {"group_size": 16}}},
         "GPTQModifier: MixtralForCausalLM (model_type 'mixtral'): fused experts model.layers.{0..3}.mlp.experts: "
-        "symmetric int weights that compressed-tensors packs (pack-quantized: W4A16, W8A16) or FP8 weights per "
-        "channel or tensor (FP8_DYNAMIC) only: transformers rebuilds a checkpoint's experts from their packed "
-        "weights, scales and shapes (no zero point) or from fp8 weights times their scales, no other format",
+        "symmetric int weights that compressed-tensors packs (pack-quantized: W4A16, W8A16), MXFP4 / MXFP6 weights "
+        "(MXFP4A16, MXFP6A16) or FP8 weights per channel or tensor (FP8_DYNAMIC) only: transformers rebuilds a "
+        "checkpoint's experts from their packed weights, scales and shapes (no zero point) or from fp8 weights times "
+        "their scales, no other format",
     ),
     "fp8_static_inputs": (  # llm-compressor's FP8 preset (examples/quantizing_moe/mixtral_example.py)
         "mixtral",
@@ -356,9 +357,10 @@ REFUSALS = {
         {"config_groups": {"g": {"targets": ["Linear"], "weights": {
             "num_bits": 8, "type": "float", "symmetric": True, "strategy": "block", "block_structure": [16, 16]}}}},
         "GPTQModifier: MixtralForCausalLM (model_type 'mixtral'): fused experts model.layers.{0..3}.mlp.experts: "
-        "symmetric int weights that compressed-tensors packs (pack-quantized: W4A16, W8A16) or FP8 weights per "
-        "channel or tensor (FP8_DYNAMIC) only: transformers rebuilds a checkpoint's experts from their packed "
-        "weights, scales and shapes (no zero point) or from fp8 weights times their scales, no other format",
+        "symmetric int weights that compressed-tensors packs (pack-quantized: W4A16, W8A16), MXFP4 / MXFP6 weights "
+        "(MXFP4A16, MXFP6A16) or FP8 weights per channel or tensor (FP8_DYNAMIC) only: transformers rebuilds a "
+        "checkpoint's experts from their packed weights, scales and shapes (no zero point) or from fp8 weights times "
+        "their scales, no other format",
     ),
 }
 
@@ -381,8 +383,11 @@ def test_what_transformers_cannot_reload_is_refused_before_any_work(tmp_path, ca
     ("preset", "why"),
     [
         ("NVFP4", "input activations are quantized on fused experts only with FP8 weights per channel or tensor"),
-        ("NVFP4A16", "symmetric int weights that compressed-tensors packs (pack-quantized: W4A16, W8A16) or FP8 "
-                     "weights per channel or tensor (FP8_DYNAMIC) only"),
+        ("NVFP4A16", "NVFP4 weights: transformers' experts loader decompresses each expert from weight_packed, "
+                     "weight_scale and weight_shape alone, without its weight_global_scale, so the experts would "
+                     "reload with wrong values (MXFP4A16 has no global scale and reloads)"),
+        ("MXFP8A16", "symmetric int weights that compressed-tensors packs (pack-quantized: W4A16, W8A16), MXFP4 / "
+                     "MXFP6 weights (MXFP4A16, MXFP6A16) or FP8 weights per channel or tensor (FP8_DYNAMIC) only"),
     ],
 )
 def test_nvfp4_on_fused_experts_is_refused_before_the_shared_global_scales_are_looked_up(tmp_path, preset, why):
@@ -616,5 +621,42 @@ def test_a_quantized_jamba_calls_dt_proj_as_the_reloaded_one_does(tmp_path):
     assert "_is_quantized" not in (tmp_path / "o" / "config.json").read_text()
     reloaded, info = _reload(tmp_path / "o", "jamba")
     assert (sorted(info["missing_keys"]), sorted(info["unexpected_keys"])) == ([], [])
+    with torch.no_grad():
+        assert torch.equal(reloaded(DATA[:2]).logits, model(DATA[:2]).logits)
+
+
+@pytest.mark.parametrize("modifier", ["QuantizationModifier", "GPTQModifier"])
+@pytest.mark.parametrize(("family", "preset"), [("qwen3_moe", "MXFP4A16"), ("mixtral", "MXFP6A16")])
+def test_mx_weights_on_fused_experts_hold_what_the_checkpoint_decompresses_to_and_reload(
+    tmp_path, family, preset, modifier
+):
+    """MXFP4A16 / MXFP6A16 on fused experts (llm-compressor's examples/quantization_w4a16_fp4/mxfp4/qwen3_example.py),
+    a bfloat16 model loaded from its directory: each expert matrix in memory is what compressed-tensors' compressor
+    decompresses its saved tensors to (before: up to 0.015 apart, the fake-quantized values unrounded in bfloat16),
+    every scale a power of two; the reload has no missing or unexpected key, the experts and the logits equal."""
+    from compressed_tensors.compressors import BaseCompressor
+
+    build(family).to(torch.bfloat16).save_pretrained(tmp_path / "src")
+    cls = getattr(transformers, FAMILIES[family][2] or "AutoModelForCausalLM")
+    model = cls.from_pretrained(tmp_path / "src", dtype=torch.bfloat16).eval()
+    experts = _experts_modules(model)
+    recipe = {"s": {modifier: {"scheme": preset, "ignore": ["lm_head", "re:.*mlp.gate$"]}}}
+    llmc_fsm.oneshot(model=model, recipe=recipe, dataset=DATA, output_dir=tmp_path / "o", progress=False)
+    config = transformers.AutoConfig.from_pretrained(tmp_path / "o").quantization_config
+    fmt = config["format"]
+    assert fmt == f"mxfp{preset[4]}-pack-quantized"
+    compressor = BaseCompressor.get_value_from_registry(fmt)
+    with safe_open(str(sorted((tmp_path / "o").glob("*.safetensors"))[0]), "pt") as f:
+        for name, module in experts.items():
+            for view in weight_views(module).values():
+                saved = {k: f.get_tensor(f"{view.checkpoint_name}.{k}") for k in ("weight_packed", "weight_scale")}
+                assert saved["weight_scale"].dtype == torch.uint8  # E8M0 exponents: powers of two
+                restored = compressor.decompress(dict(saved), view.quantization_scheme)["weight"]
+                assert torch.equal(restored, view.weight), view.checkpoint_name
+    reloaded, info = _reload(tmp_path / "o", family)
+    assert (sorted(info["missing_keys"]), sorted(info["unexpected_keys"])) == ([], [])
+    for name, module in experts.items():
+        again = reloaded.get_submodule(name)
+        assert torch.equal(again.gate_up_proj, module.gate_up_proj) and torch.equal(again.down_proj, module.down_proj)
     with torch.no_grad():
         assert torch.equal(reloaded(DATA[:2]).logits, model(DATA[:2]).logits)

@@ -282,7 +282,9 @@ def _expert_tensors(module: nn.Module, prefix: str, state: dict[str, Any]) -> di
         scheme = view.quantization_scheme
         scheme.format = scheme.format or infer_module_format(nn.Linear, scheme)
         local = {"weight": view.weight.detach().contiguous(), **view.quantized_params}
-        packed = BaseCompressor.get_value_from_registry(scheme.format.value).compress(local, scheme)
+        packed = kept_packed(view, scheme.format.value, local)  # packed when it was quantized (MX)
+        if packed is None:
+            packed = BaseCompressor.get_value_from_registry(scheme.format.value).compress(local, scheme)
         out.update(
             {f"{view.checkpoint_name}.{key}": value.contiguous() for key, value in packed.items() if value is not None}
         )
