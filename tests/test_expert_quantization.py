@@ -357,10 +357,10 @@ REFUSALS = {
         {"config_groups": {"g": {"targets": ["Linear"], "weights": {
             "num_bits": 8, "type": "float", "symmetric": True, "strategy": "block", "block_structure": [16, 16]}}}},
         "GPTQModifier: MixtralForCausalLM (model_type 'mixtral'): fused experts model.layers.{0..3}.mlp.experts: "
-        "symmetric int weights that compressed-tensors packs (pack-quantized: W4A16, W8A16), MXFP4 / MXFP6 weights "
-        "(MXFP4A16, MXFP6A16) or FP8 weights per channel or tensor (FP8_DYNAMIC) only: transformers rebuilds a "
-        "checkpoint's experts from their packed weights, scales and shapes (no zero point) or from fp8 weights times "
-        "their scales, no other format",
+        "FP8 block weights (FP8_BLOCK): transformers' experts loader multiplies each expert's fp8 weight by its "
+        "weight_scale by broadcasting, which a scale per block does not (measured, transformers 5.25: "
+        "'RuntimeError: The size of tensor a (32) must match the size of tensor b (2)'); FP8 per channel "
+        "(FP8_DYNAMIC) reloads",
     ),
 }
 
@@ -382,7 +382,8 @@ def test_what_transformers_cannot_reload_is_refused_before_any_work(tmp_path, ca
 @pytest.mark.parametrize(
     ("preset", "why"),
     [
-        ("NVFP4", "input activations are quantized on fused experts only with FP8 weights per channel or tensor"),
+        ("NVFP4", "NVFP4 weights: transformers' experts loader decompresses each expert from weight_packed, "
+                  "weight_scale and weight_shape alone, without its weight_global_scale"),
         ("NVFP4A16", "NVFP4 weights: transformers' experts loader decompresses each expert from weight_packed, "
                      "weight_scale and weight_shape alone, without its weight_global_scale, so the experts would "
                      "reload with wrong values (MXFP4A16 has no global scale and reloads)"),

@@ -440,6 +440,20 @@ def _expert_scheme_problem(scheme: QuantizationScheme) -> str | None:
     if scheme.output_activations is not None:
         return "output activations cannot be quantized on fused experts (transformers runs them dense)"
     inputs = scheme.input_activations
+    fmt = scheme.format or infer_module_format(nn.Linear, scheme)
+    if fmt == CompressionFormat.nvfp4_pack_quantized:
+        return (
+            "NVFP4 weights: transformers' experts loader decompresses each expert from weight_packed, weight_scale "
+            "and weight_shape alone, without its weight_global_scale, so the experts would reload with wrong values "
+            "(MXFP4A16 has no global scale and reloads)"
+        )
+    if str(w.type) == "float" and w.num_bits == 8 and w.strategy == QuantizationStrategy.BLOCK:
+        return (
+            "FP8 block weights (FP8_BLOCK): transformers' experts loader multiplies each expert's fp8 weight by its "
+            "weight_scale by broadcasting, which a scale per block does not (measured, transformers 5.25: "
+            "'RuntimeError: The size of tensor a (32) must match the size of tensor b (2)'); FP8 per channel "
+            "(FP8_DYNAMIC) reloads"
+        )
     fp8 = (
         str(w.type) == "float"
         and w.num_bits == 8
@@ -465,15 +479,8 @@ def _expert_scheme_problem(scheme: QuantizationScheme) -> str | None:
             "(FP8_DYNAMIC): transformers reloads other experts from packed weight-only formats alone (W4A16, "
             "W8A16, MXFP4A16)"
         )
-    fmt = scheme.format or infer_module_format(nn.Linear, scheme)
     if fmt in (CompressionFormat.mxfp4_pack_quantized, CompressionFormat.mxfp6_pack_quantized):
         return None  # packed like int weights, decompressed by the loader per expert (tested: MXFP4A16, MXFP6A16)
-    if fmt == CompressionFormat.nvfp4_pack_quantized:
-        return (
-            "NVFP4 weights: transformers' experts loader decompresses each expert from weight_packed, weight_scale "
-            "and weight_shape alone, without its weight_global_scale, so the experts would reload with wrong values "
-            "(MXFP4A16 has no global scale and reloads)"
-        )
     if str(w.type) != "int" or not w.symmetric or fmt != CompressionFormat.pack_quantized:
         return (
             "symmetric int weights that compressed-tensors packs (pack-quantized: W4A16, W8A16), MXFP4 / MXFP6 "
