@@ -1024,10 +1024,11 @@ class QuantizingModifier(CalibratedModifier):
             ValueError: one line naming the family and why, for: a ``Conv1D`` target (see
                 :data:`CONV1D_REFUSAL`); fused experts of a family whose checkpoint keeps them fused (GPT-OSS, DBRX);
                 fused experts left dense while other modules are quantized (transformers 5.24 then drops them on
-                reload), or only some matrices of an experts module targeted; an experts scheme that is neither
-                weight-only symmetric int packed by compressed-tensors (``pack-quantized``: W4A16, W8A16, any group
-                size), nor FP8 weights per channel or tensor with no or dynamic input activations (see
-                :func:`_expert_scheme_problem`), or several config groups; fused experts under ``torch.distributed``.
+                reload), or only some matrices of an experts module targeted; an experts scheme transformers does
+                not reload into them (:func:`_expert_scheme_problem`: they take weight-only symmetric int packed by
+                compressed-tensors, ``pack-quantized``, any group size; MXFP4 / MXFP6 weight-only; FP8 weights per
+                channel or tensor with no or dynamic input activations) or several config groups; fused experts
+                under ``torch.distributed``.
         """
         name = type(self).__name__
         family = f"{type(model).__name__} (model_type {getattr(getattr(model, 'config', None), 'model_type', None)!r})"
