@@ -1051,9 +1051,10 @@ class QuantizingModifier(CalibratedModifier):
                     else f"{name} does not quantize fused experts (GPTQModifier, QuantizationModifier do, per expert)"
                 )
                 msg = (
-                    f"{name}: {family}: the fused experts {compact_names(dense)} are ignored, and transformers 5.24 "
-                    "does not reload dense fused experts from a compressed-tensors checkpoint (its experts loader "
-                    f"decompresses packed weights only and drops the rest: missing keys; measured on Mixtral): {fix}"
+                    f"{name}: {family}: the fused experts {compact_names(dense)} are ignored, and transformers does "
+                    "not reload dense fused experts from a compressed-tensors checkpoint (its experts loader "
+                    "decompresses quantized weights only: the experts missing in 5.24, 'torch.cat(): expected a "
+                    f"non-empty list of Tensors' in 5.25; measured on Mixtral): {fix}"
                 )
                 raise ValueError(msg)
             return {}
