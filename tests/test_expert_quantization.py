@@ -661,3 +661,48 @@ def test_mx_weights_on_fused_experts_hold_what_the_checkpoint_decompresses_to_an
         assert torch.equal(again.gate_up_proj, module.gate_up_proj) and torch.equal(again.down_proj, module.down_proj)
     with torch.no_grad():
         assert torch.equal(reloaded(DATA[:2]).logits, model(DATA[:2]).logits)
+
+
+def test_explain_with_a_moe_directory_gives_the_experts_warning_once_as_oneshot_does(tmp_path, caplog):
+    """``explain RECIPE --model DIR`` runs oneshot's checks, which give the FP8_DYNAMIC experts warning: once (the
+    newcomer of session 15 saw it from oneshot only); oneshot gives it once too (its checks, then initialize)."""
+    import json
+
+    from llmc_fsm.cli import main
+
+    build("qwen3_moe").save_pretrained(tmp_path / "moe")
+    recipe = tmp_path / "fp8.json"
+    stage = {"QuantizationModifier": {"scheme": "FP8_DYNAMIC", "ignore": ["lm_head", "re:.*mlp.gate$"]}}
+    recipe.write_text(json.dumps({"s": stage}))
+
+    def warned() -> list[str]:
+        return [r.getMessage() for r in caplog.records if "fused experts' input activations" in r.getMessage()]
+
+    with caplog.at_level(logging.WARNING, logger="llmc_fsm_quantization"):
+        assert main(["explain", str(recipe), "--model", str(tmp_path / "moe")]) == 0
+        assert len(warned()) == 1 and warned()[0].startswith(
+            "QuantizationModifier: Qwen3MoeForCausalLM (model_type 'qwen3_moe'): fused experts "
+            "model.layers.{0..3}.mlp.experts: the fused experts' input activations (per token, dynamic) are not "
+            "quantized in this run"
+        )
+        caplog.clear()
+        llmc_fsm.oneshot(
+            model=str(tmp_path / "moe"), recipe=str(recipe), dataset=DATA, output_dir=tmp_path / "o", progress=False
+        )
+        assert len(warned()) == 1
+
+
+def test_a_scheme_the_experts_cannot_take_is_refused_before_the_model_s_dtype(tmp_path):
+    """NVFP4A16 on a float32 MoE model: the experts' refusal comes first (a bfloat16 load would not make it run; the
+    newcomer of session 15 got the dtype refusal, then this one)."""
+    model = build("qwen3_moe")
+    recipe = {"s": {"QuantizationModifier": {"scheme": "NVFP4A16", "ignore": ["lm_head", "re:.*mlp.gate$"]}}}
+    with pytest.raises(ValueError) as info:
+        llmc_fsm.oneshot(model=model, recipe=recipe, dataset=DATA, output_dir=tmp_path / "o", progress=False)
+    assert str(info.value) == (
+        "QuantizationModifier: Qwen3MoeForCausalLM (model_type 'qwen3_moe'): fused experts "
+        "model.layers.{0..3}.mlp.experts: NVFP4 weights: transformers' experts loader decompresses each expert from "
+        "weight_packed, weight_scale and weight_shape alone, without its weight_global_scale, so the experts would "
+        "reload with wrong values (MXFP4A16 has no global scale and reloads)"
+    )
+    assert not (tmp_path / "o").exists()

@@ -651,6 +651,7 @@ class QuantizingModifier(CalibratedModifier):
     def __attrs_post_init__(self) -> None:
         self._ignore_defaulted = isinstance(self.ignore, _DefaultIgnore)
         self._ignore_logged = False
+        self._experts_warned = False  # the fused experts' input-activation warning given (once per modifier)
         self.ignore = list(self.ignore)
         self._kv_attention: dict[str, nn.Module] = {}  # attention name -> module (kv_cache_scheme)
         #: no quantization config at all (llm-compressor's "has_config" false): a GPTQModifier so written takes the
@@ -941,7 +942,13 @@ class QuantizingModifier(CalibratedModifier):
                 type(self).__name__,
             )
         self._group_of = self._memberships(model)
-        targets = super().check_model(model)
+        try:
+            targets = super().check_model(model)
+        except ValueError:  # a scheme the model's fused experts cannot take is the refusal to give first (no fix of
+            refusal = self._experts_scheme_refusal(model)  # the other one, e.g. a dtype, would make the recipe run)
+            if refusal is not None:
+                raise ValueError(refusal) from None
+            raise
         self._expert_names = self._check_views(model, targets)  # refuses what fused experts cannot take first
         self._fused = self._fused_siblings(model, targets)
         if self._kv_args is not None:
@@ -1083,8 +1090,10 @@ class QuantizingModifier(CalibratedModifier):
         if problem is not None:
             msg = f"{name}: {family}: fused experts {compact_names(list(sources))}: {problem}"
             raise ValueError(msg)
-        if (note := _expert_activations_note(scheme)) is not None:  # warned once, at initialize
-            self._experts_warning = f"{name}: {family}: fused experts {compact_names(list(sources))}: {note}"
+        note = _expert_activations_note(scheme)
+        if note is not None and not self._experts_warned:  # once: oneshot's and explain's checks, or initialize
+            self._experts_warned = True
+            logger.warning("%s: %s: fused experts %s: %s", name, family, compact_names(list(sources)), note)
         names: dict[str, str] = {}
         for source_name, source in sources.items():
             try:
@@ -1094,6 +1103,18 @@ class QuantizingModifier(CalibratedModifier):
                 raise ValueError(msg) from None
             names.update({f"{source_name}.{s}": n for s, n in per_expert.items()})
         return names
+
+    def _experts_scheme_refusal(self, model: nn.Module) -> str | None:
+        """:meth:`_check_views`' refusal of the scheme for ``model``'s fused experts (all of them), if it has any and
+        one config group whose scheme they cannot take; else ``None``."""
+        fused = [n for n, m in model.named_modules() if weight_views(m) and next(iter(weight_views(m))) != ""]
+        if not fused or len(self._groups) != 1:
+            return None
+        problem = _expert_scheme_problem(next(iter(self._groups.values())))
+        if problem is None:
+            return None
+        family = f"{type(model).__name__} (model_type {getattr(getattr(model, 'config', None), 'model_type', None)!r})"
+        return f"{type(self).__name__}: {family}: fused experts {compact_names(fused)}: {problem}"
 
     def _check_kv_cache(self, model: nn.Module) -> dict[str, nn.Module]:
         """The attention modules whose KV cache ``kv_cache_scheme`` quantizes.
@@ -1204,10 +1225,7 @@ class QuantizingModifier(CalibratedModifier):
     # ---- KV cache: calibrated alongside the weights ---------------------------------------
     def on_initialize(self, state: Any) -> None:
         self._kv_attention = {}
-        self._experts_warning: str | None = None
         super().on_initialize(state)
-        if self._experts_warning is not None:
-            logger.warning("%s", self._experts_warning)
 
     def on_finalize(self, state: Any) -> None:
         """:meth:`CalibratedModifier.on_finalize`; a model with quantized modules is then marked quantized as

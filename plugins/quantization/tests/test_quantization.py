@@ -757,7 +757,8 @@ def test_a_second_oneshot_on_the_returned_model_records_the_first_ones_stages(tm
 
 def test_a_mixture_of_experts_model_whose_experts_would_stay_dense_is_refused_before_any_work() -> None:
     """GPTQ quantizes fused experts per expert (tests/test_expert_quantization.py); with them ignored the checkpoint
-    would not reload (transformers 5.24 rebuilds fused experts from packed weights only): refused, naming why."""
+    would not reload (transformers 5.24 and 5.25 rebuild fused experts from quantized weights only): refused, naming
+    why."""
     from transformers import MixtralConfig, MixtralForCausalLM
 
     torch.manual_seed(0)
@@ -772,9 +773,9 @@ def test_a_mixture_of_experts_model_whose_experts_would_stay_dense_is_refused_be
         llmc_fsm.oneshot(model=model, recipe=ignored, dataset=data, progress=False)
     assert str(info.value) == (
         "GPTQModifier: MixtralForCausalLM (model_type 'mixtral'): the fused experts model.layers.{0..1}.mlp.experts "
-        "are ignored, and transformers 5.24 does not reload dense fused experts from a compressed-tensors checkpoint "
-        "(its experts loader decompresses packed weights only and drops the rest: missing keys; measured on "
-        "Mixtral): quantize them too (leave them out of ignore)"
+        "are ignored, and transformers does not reload dense fused experts from a compressed-tensors checkpoint "
+        "(its experts loader decompresses quantized weights only: the experts missing in 5.24, 'torch.cat(): expected "
+        "a non-empty list of Tensors' in 5.25; measured on Mixtral): quantize them too (leave them out of ignore)"
     )
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert not any(hasattr(m, "quantization_scheme") for m in model.modules())
