@@ -109,6 +109,18 @@ def _reload(path, family):
     return reloaded.eval(), info
 
 
+def _assert_reloads_as_in_memory(path, family, model, experts) -> None:
+    """``path`` reloads with no missing or unexpected key, every fused experts module and the logits equal to
+    ``model``'s."""
+    reloaded, info = _reload(path, family)
+    assert (sorted(info["missing_keys"]), sorted(info["unexpected_keys"])) == ([], [])
+    for name, module in experts.items():
+        again = reloaded.get_submodule(name)
+        assert torch.equal(again.gate_up_proj, module.gate_up_proj) and torch.equal(again.down_proj, module.down_proj)
+    with torch.no_grad():
+        assert torch.equal(reloaded(DATA[:2]).logits, model(DATA[:2]).logits)
+
+
 def test_gptq_quantizes_each_expert_from_its_routed_tokens_and_the_checkpoint_holds_its_bits(tmp_path):
     """Mixtral, every layer: each expert matrix equals a float64 GPTQ of its original weight with the Hessian of its
     own routed tokens (down_proj: of act(gate) x up of them); the report counts every expert matrix (4 bits, group
@@ -145,13 +157,7 @@ def test_gptq_quantizes_each_expert_from_its_routed_tokens_and_the_checkpoint_ho
                 entry = by_name[f"{name}.{e}.{matrix}"]
                 assert (entry.bits, entry.group_size, entry.routed_tokens) == (4, 16, tokens) and tokens > 0
     assert "every expert got tokens" in report.format_table()
-    reloaded, info = _reload(tmp_path / "o", "mixtral")
-    assert (sorted(info["missing_keys"]), sorted(info["unexpected_keys"])) == ([], [])
-    for name, module in experts.items():
-        again = reloaded.get_submodule(name)
-        assert torch.equal(again.gate_up_proj, module.gate_up_proj) and torch.equal(again.down_proj, module.down_proj)
-    with torch.no_grad():
-        assert torch.equal(reloaded(DATA[:2]).logits, model(DATA[:2]).logits)
+    _assert_reloads_as_in_memory(tmp_path / "o", "mixtral", model, experts)
     files = sorted((tmp_path / "o").glob("*.safetensors"))
     with safe_open(str(files[0]), "pt") as f:
         keys = set(f.keys())
@@ -581,13 +587,20 @@ def test_fp8_dynamic_rounds_each_expert_matrix_by_hand_saves_it_per_expert_and_r
     assert fp8.dtype == torch.float8_e4m3fn and torch.equal(scale, view.quantized_params["weight_scale"])
     assert torch.equal(fp8.float() * scale, view.weight)
     assert not any(k.endswith("input_scale") for k in keys)
-    reloaded, info = _reload(tmp_path / "o", family)
-    assert (sorted(info["missing_keys"]), sorted(info["unexpected_keys"])) == ([], [])
-    for name, module in experts.items():
-        again = reloaded.get_submodule(name)
-        assert torch.equal(again.gate_up_proj, module.gate_up_proj) and torch.equal(again.down_proj, module.down_proj)
-    with torch.no_grad():
-        assert torch.equal(reloaded(DATA[:2]).logits, model(DATA[:2]).logits)
+    _assert_reloads_as_in_memory(tmp_path / "o", family, model, experts)
+
+
+def _qwen3_moe_refusal(tmp_path, preset: str) -> str:
+    """The message of QuantizationModifier ``preset`` refused on the tiny float32 Qwen3-MoE; the weights are
+    unchanged and nothing is written."""
+    model = build("qwen3_moe")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    recipe = {"s": {"QuantizationModifier": {"scheme": preset, "ignore": ["lm_head", "re:.*mlp.gate$"]}}}
+    with pytest.raises(ValueError) as info:
+        llmc_fsm.oneshot(model=model, recipe=recipe, dataset=DATA, output_dir=tmp_path / "o", progress=False)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert not (tmp_path / "o").exists()
+    return str(info.value)
 
 
 def test_fp8_experts_are_refused_before_any_work_where_transformers_reads_packed_int_experts_only(
@@ -597,18 +610,11 @@ def test_fp8_experts_are_refused_before_any_work_where_transformers_reads_packed
     import llmc_fsm_quantization._base as base
 
     monkeypatch.setattr(base, "_transformers_version", lambda: "5.24.0")
-    model = build("qwen3_moe")
-    before = {k: v.clone() for k, v in model.state_dict().items()}
-    recipe = {"s": {"QuantizationModifier": {"scheme": "FP8_DYNAMIC", "ignore": ["lm_head", "re:.*mlp.gate$"]}}}
-    with pytest.raises(ValueError) as info:
-        llmc_fsm.oneshot(model=model, recipe=recipe, dataset=DATA, output_dir=tmp_path / "o", progress=False)
-    assert str(info.value) == (
+    assert _qwen3_moe_refusal(tmp_path, "FP8_DYNAMIC") == (
         "QuantizationModifier: Qwen3MoeForCausalLM (model_type 'qwen3_moe'): fused experts "
         "model.layers.{0..3}.mlp.experts: FP8 expert weights reload from transformers 5.25 on (installed: 5.24.0, "
         "whose experts loader reads packed int weights only): upgrade transformers, or use W4A16 / W8A16"
     )
-    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
-    assert not (tmp_path / "o").exists()
 
 
 def test_a_quantized_jamba_calls_dt_proj_as_the_reloaded_one_does(tmp_path):
@@ -654,13 +660,7 @@ def test_mx_weights_on_fused_experts_hold_what_the_checkpoint_decompresses_to_an
                 assert saved["weight_scale"].dtype == torch.uint8  # E8M0 exponents: powers of two
                 restored = compressor.decompress(dict(saved), view.quantization_scheme)["weight"]
                 assert torch.equal(restored, view.weight), view.checkpoint_name
-    reloaded, info = _reload(tmp_path / "o", family)
-    assert (sorted(info["missing_keys"]), sorted(info["unexpected_keys"])) == ([], [])
-    for name, module in experts.items():
-        again = reloaded.get_submodule(name)
-        assert torch.equal(again.gate_up_proj, module.gate_up_proj) and torch.equal(again.down_proj, module.down_proj)
-    with torch.no_grad():
-        assert torch.equal(reloaded(DATA[:2]).logits, model(DATA[:2]).logits)
+    _assert_reloads_as_in_memory(tmp_path / "o", family, model, experts)
 
 
 def test_explain_with_a_moe_directory_gives_the_experts_warning_once_as_oneshot_does(tmp_path, caplog):
@@ -695,14 +695,9 @@ def test_explain_with_a_moe_directory_gives_the_experts_warning_once_as_oneshot_
 def test_a_scheme_the_experts_cannot_take_is_refused_before_the_model_s_dtype(tmp_path):
     """NVFP4A16 on a float32 MoE model: the experts' refusal comes first (a bfloat16 load would not make it run; the
     newcomer of session 15 got the dtype refusal, then this one)."""
-    model = build("qwen3_moe")
-    recipe = {"s": {"QuantizationModifier": {"scheme": "NVFP4A16", "ignore": ["lm_head", "re:.*mlp.gate$"]}}}
-    with pytest.raises(ValueError) as info:
-        llmc_fsm.oneshot(model=model, recipe=recipe, dataset=DATA, output_dir=tmp_path / "o", progress=False)
-    assert str(info.value) == (
+    assert _qwen3_moe_refusal(tmp_path, "NVFP4A16") == (
         "QuantizationModifier: Qwen3MoeForCausalLM (model_type 'qwen3_moe'): fused experts "
         "model.layers.{0..3}.mlp.experts: NVFP4 weights: transformers' experts loader decompresses each expert from "
         "weight_packed, weight_scale and weight_shape alone, without its weight_global_scale, so the experts would "
         "reload with wrong values (MXFP4A16 has no global scale and reloads)"
     )
-    assert not (tmp_path / "o").exists()
