@@ -253,6 +253,31 @@ def test_awq_then_per_expert_quantization_saves_a_checkpoint_transformers_reload
     assert len(awq.smoothing_results) == 4 * (2 + 4)  # per layer: two norms and four experts' up -> down
 
 
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_next"])
+def test_a_router_in_ignore_still_absorbs_the_smoothing_and_stays_dense(tmp_path, family) -> None:
+    """llm-compressor's MoE recipes ignore the router (``re:.*mlp.gate$``, e.g. examples/awq/qwen3_next_example.py,
+    which was refused: 'keeps fused experts ... that no smoothing mapping reaches'). An ignored balance layer stays in
+    its mapping: the router absorbs the scale in its float weights and is not quantized. Qwen3-MoE: the run equals
+    the one without the router in ignore (routers are not quantization targets by default), tensor for tensor;
+    both: every expert smoothed and quantized, the router dense, the checkpoint reloads with the in-memory logits."""
+    ignore = ["lm_head", "re:.*mlp.gate$", "re:.*mlp.shared_expert_gate$"]
+    model = _outliers(family)
+    awq = AWQModifier(scheme=SCHEME, ignore=ignore)
+    llmc_fsm.oneshot(model=model, recipe=[awq], dataset=DATA, progress=False, output_dir=tmp_path / "o")
+    router = model.model.layers[0].mlp.gate
+    assert not hasattr(router, "weight_scale")
+    assert awq.smoothing_results[L0 + "post_attention_layernorm"]["exponent"] is not None
+    assert all(f"{L0}mlp.experts.{e}.down_proj" in awq.results for e in range(4))
+    if family == "qwen3_moe":
+        plain = _outliers(family)
+        llmc_fsm.oneshot(model=plain, recipe=[AWQModifier(scheme=SCHEME)], dataset=DATA, progress=False)
+        assert all(torch.equal(v, plain.state_dict()[k]) for k, v in model.state_dict().items())
+    reloaded, info = _reload(tmp_path / "o", family)
+    assert (sorted(info["missing_keys"]), sorted(info["unexpected_keys"])) == ([], [])
+    with torch.no_grad():
+        assert torch.equal(reloaded(DATA[:2]).logits, model(DATA[:2]).logits)
+
+
 # --------------------------------------------------------------------------- refusals
 #: Jamba and Nemotron-H are smoothed (tests/test_architectures_awq_hybrid.py; test_awq_nemotron_h.py in the plugin)
 #: The message's start; it ends with why no quantizer can take those experts either (the quantizers' own refusal).

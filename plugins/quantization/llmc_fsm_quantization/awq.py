@@ -315,7 +315,9 @@ class AWQModifier(SmoothingModifier):
             :mod:`llmc_fsm_quantization.mappings`).
         duo_scaling: ``true`` (default), ``false`` or ``"both"`` (see the module docstring).
         n_grid: exponent grid points (default 20, as llm-compressor).
-        ignore: module patterns not smoothed (nor quantized, with a scheme); default ``["lm_head"]``.
+        ignore: module patterns not quantized (with a scheme); a mapping whose smooth layer or every balance layer
+            is ignored is not smoothed, an ignored balance layer of another mapping (a router) absorbs the scale in
+            its float weights (:func:`~llmc_fsm_quantization.mappings.resolve_mappings`); default ``["lm_head"]``.
         scheme / config_groups: the older form: AWQ quantizes ``targets`` itself by round-to-nearest with this
             scheme (``config_groups``: one group, llm-compressor's form; its ``targets`` become ``targets``).
             Without them a quantizing modifier of the same stage must quantize the balance layers.

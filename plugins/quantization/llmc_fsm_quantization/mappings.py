@@ -680,9 +680,8 @@ def _resolve_spec(
         if ambiguous:  # one module per balance pattern, in the innermost module holding them all
             misfits.append(ambiguous)
             continue
-        if any(matches(n, chosen[n], p) for n in chosen for p in ignore):
-            # a scaled smooth layer needs every reader compensated: an ignored balance layer skips the mapping
-            logger.info("mapping %s -> %s skipped: a balance layer is ignored", smooth_name, ", ".join(chosen))
+        if _ignored_mapping(smooth_name, smooth, chosen, ignore):
+            logger.info("mapping %s -> %s skipped: ignored", smooth_name, ", ".join(chosen))
             continue
         # the model's order, views after the modules (the default mappings' order: the router, then the experts)
         names = sorted(chosen, key=lambda n: (isinstance(chosen[n], LinearView), index[n]))
@@ -765,6 +764,20 @@ def _expert_problem(mapping: ResolvedMapping, named: list[tuple[str, nn.Module]]
     return None
 
 
+def _ignored_mapping(smooth_name: str, smooth: nn.Module, balances: dict[str, nn.Module], ignore: list[str]) -> bool:
+    """Whether ``ignore`` leaves a mapping out: its smooth layer or every one of its balance layers is ignored.
+
+    An ignored balance layer of a mapping that is kept stays in it: it absorbs the inverse scale in its float weights
+    (so the model computes what it did) and is not quantized -- e.g. a mixture-of-experts router in ``ignore``, as
+    llm-compressor's MoE recipes write it (``re:.*mlp.gate$``), while the experts reading the same norm are smoothed.
+    llm-compressor 0.14's AWQ resolves its mappings regardless of ``ignore`` and skips those whose layers none is
+    quantized; its SmoothQuant skips those whose smooth layer is ignored.
+    """
+    if any(matches(smooth_name, smooth, p) for p in ignore):
+        return True
+    return all(any(matches(n, b, p) for p in ignore) for n, b in balances.items())
+
+
 def resolve_mappings(
     model: nn.Module,
     specs: list[MappingSpec] | None,
@@ -780,8 +793,9 @@ def resolve_mappings(
     Args:
         specs: ``None`` for :func:`default_mappings`.
         owner: the modifier's name, for messages.
-        ignore: module patterns (full names, class names, ``re:``); a mapping with an ignored balance layer is
-            skipped (the smooth layer's scale must be compensated in every layer reading it).
+        ignore: module patterns (full names, class names, ``re:``); a mapping whose smooth layer or every balance
+            layer is ignored is skipped; an ignored balance layer of another mapping stays in it (its float weights
+            absorb the scale, so every reader of the smooth layer is compensated; see :func:`_ignored_mapping`).
         include_linear: see :func:`default_mappings`.
 
     Returns:
@@ -798,7 +812,9 @@ def resolve_mappings(
         mappings = [
             m
             for m in default_mappings(model, include_linear=include_linear)
-            if not any(matches(n, b, p) for n, b in zip(m.balance_names, m.balances, strict=True) for p in ignore)
+            if not _ignored_mapping(
+                m.smooth_name, m.smooth, dict(zip(m.balance_names, m.balances, strict=True)), ignore
+            )
         ]
         if not mappings:
             raise ValueError(_no_default_message(model, owner))

@@ -163,7 +163,8 @@ class SmoothingModifier(Modifier):
     Args:
         mappings: llm-compressor's ``mappings`` (either form, :func:`~llmc_fsm_quantization.mappings.parse_mappings`);
             default: derived from the model's decoder layers.
-        ignore: module patterns; a mapping whose balance layers are all ignored is not smoothed.
+        ignore: module patterns; a mapping whose smooth layer or every balance layer is ignored is not smoothed
+            (an ignored balance layer of another mapping absorbs the scale in its float weights).
 
     Subclasses implement :meth:`_smooth_layer_mappings`. After the run, :attr:`smoothing_results` holds, per smooth
     layer name, the statistics of what was folded.

@@ -294,11 +294,21 @@ def test_recipe_mappings_that_do_not_fit_some_layers_are_skipped_there_and_fail_
     assert any("'re:.*q_proj$' matches 2 Linears around model.norm" in m for m in caplog.messages)
 
 
-def test_a_mapping_with_an_ignored_balance_layer_is_skipped_whole() -> None:
+def test_a_mapping_is_skipped_only_when_its_smooth_layer_or_every_balance_layer_is_ignored() -> None:
+    """An ignored balance layer stays in its mapping (its float weights absorb the scale; it is not quantized), as
+    llm-compressor 0.14 resolves mappings regardless of ``ignore`` -- its MoE recipes ignore the router, which reads
+    the same norm as the experts; a mapping whose smooth layer, or every balance layer, is ignored is skipped."""
     mappings = [[["re:.*q_proj", "re:.*k_proj", "re:.*v_proj"], "re:.*input_layernorm"]]
     found = resolve_mappings(tiny(), parse_mappings(mappings), owner="t", ignore=["model.layers.0.self_attn.k_proj"])
+    assert [(m.smooth_name, m.balance_names) for m in found] == [
+        (f"model.layers.{i}.input_layernorm", tuple(f"model.layers.{i}.self_attn.{p}_proj" for p in "qkv")) for i in (0, 1)
+    ]
+    every = ["re:model\\.layers\\.0\\.self_attn\\.[qkv]_proj"]
+    found = resolve_mappings(tiny(), parse_mappings(mappings), owner="t", ignore=every)
     assert [m.smooth_name for m in found] == ["model.layers.1.input_layernorm"]
-    found = resolve_mappings(tiny(), None, owner="t", ignore=["model.layers.0.self_attn.k_proj"], include_linear=False)
+    found = resolve_mappings(tiny(), parse_mappings(mappings), owner="t", ignore=["model.layers.1.input_layernorm"])
+    assert [m.smooth_name for m in found] == ["model.layers.0.input_layernorm"]
+    found = resolve_mappings(tiny(), None, owner="t", ignore=every, include_linear=False)
     assert [m.smooth_name for m in found] == [
         "model.layers.0.post_attention_layernorm",
         "model.layers.1.input_layernorm",
