@@ -346,9 +346,19 @@ REFUSALS = {
         {"scheme": {"preset": "W4A16_ASYM", "weights": {"group_size": 16}}},
         "GPTQModifier: MixtralForCausalLM (model_type 'mixtral'): fused experts model.layers.{0..3}.mlp.experts: "
         "symmetric int weights that compressed-tensors packs (pack-quantized: W4A16, W8A16), MXFP4 / MXFP6 weights "
-        "(MXFP4A16, MXFP6A16) or FP8 weights per channel or tensor (FP8_DYNAMIC) only: transformers rebuilds a "
-        "checkpoint's experts from their packed weights, scales and shapes (no zero point) or from fp8 weights times "
-        "their scales, no other format",
+        "(MXFP4A16, MXFP6A16) or symmetric FP8 weights per channel or tensor (FP8_DYNAMIC) only: transformers "
+        "rebuilds a checkpoint's experts from their packed weights, scales and shapes (no zero point) or from fp8 "
+        "weights times their scales, no other format",
+    ),
+    "fp8_asymmetric": (  # found by a tester: it ran, and the FP8 zero points made the checkpoint fail to reload
+        "mixtral",
+        {"config_groups": {"g": {"targets": ["Linear"], "weights": {
+            "num_bits": 8, "type": "float", "symmetric": False, "strategy": "channel"}}}},
+        "GPTQModifier: MixtralForCausalLM (model_type 'mixtral'): fused experts model.layers.{0..3}.mlp.experts: "
+        "symmetric int weights that compressed-tensors packs (pack-quantized: W4A16, W8A16), MXFP4 / MXFP6 weights "
+        "(MXFP4A16, MXFP6A16) or symmetric FP8 weights per channel or tensor (FP8_DYNAMIC) only: transformers "
+        "rebuilds a checkpoint's experts from their packed weights, scales and shapes (no zero point) or from fp8 "
+        "weights times their scales, no other format",
     ),
     "fp8_static_inputs": (  # llm-compressor's FP8 preset (examples/quantizing_moe/mixtral_example.py)
         "mixtral",
@@ -394,7 +404,8 @@ def test_what_transformers_cannot_reload_is_refused_before_any_work(tmp_path, ca
                      "weight_scale and weight_shape alone, without its weight_global_scale, so the experts would "
                      "reload with wrong values (MXFP4A16 has no global scale and reloads)"),
         ("MXFP8A16", "symmetric int weights that compressed-tensors packs (pack-quantized: W4A16, W8A16), MXFP4 / "
-                     "MXFP6 weights (MXFP4A16, MXFP6A16) or FP8 weights per channel or tensor (FP8_DYNAMIC) only"),
+                     "MXFP6 weights (MXFP4A16, MXFP6A16) or symmetric FP8 weights per channel or tensor "
+                     "(FP8_DYNAMIC) only"),
     ],
 )
 def test_nvfp4_on_fused_experts_is_refused_before_the_shared_global_scales_are_looked_up(tmp_path, preset, why):

@@ -457,6 +457,7 @@ def _expert_scheme_problem(scheme: QuantizationScheme) -> str | None:
     fp8 = (
         str(w.type) == "float"
         and w.num_bits == 8
+        and w.symmetric  # the loader multiplies by the scale alone: an FP8 zero point is an unknown key on reload
         and w.strategy in (QuantizationStrategy.CHANNEL, QuantizationStrategy.TENSOR)
         and not is_scaled_format(w)
     )
@@ -484,9 +485,9 @@ def _expert_scheme_problem(scheme: QuantizationScheme) -> str | None:
     if str(w.type) != "int" or not w.symmetric or fmt != CompressionFormat.pack_quantized:
         return (
             "symmetric int weights that compressed-tensors packs (pack-quantized: W4A16, W8A16), MXFP4 / MXFP6 "
-            "weights (MXFP4A16, MXFP6A16) or FP8 weights per channel or tensor (FP8_DYNAMIC) only: transformers "
-            "rebuilds a checkpoint's experts from their packed weights, scales and shapes (no zero point) or from "
-            "fp8 weights times their scales, no other format"
+            "weights (MXFP4A16, MXFP6A16) or symmetric FP8 weights per channel or tensor (FP8_DYNAMIC) only: "
+            "transformers rebuilds a checkpoint's experts from their packed weights, scales and shapes (no zero "
+            "point) or from fp8 weights times their scales, no other format"
         )
     return None
 
@@ -900,6 +901,8 @@ class QuantizingModifier(CalibratedModifier):
         args = weight_args(self.scheme_of(first))
         if args.strategy != QuantizationStrategy.GROUP or not all("group_size" in r for r in problems):
             return super()._fix_hint(targets, problems)
+        if is_scaled_format(args):  # MX: groups of 32 by the format's definition, no other size to suggest
+            return "The format's groups are 32 values wide by definition: add these modules to ignore."
         width = math.gcd(*(int(m.weight.shape[1]) for m in targets.values()))
         group = min(width & -width, int(args.group_size))
         name = self.scheme if isinstance(self.scheme, str) else None
@@ -1081,8 +1084,9 @@ class QuantizingModifier(CalibratedModifier):
             raise ValueError(msg)
         if len(self._groups) > 1:
             msg = (
-                f"{name}: {family}: several config groups with fused experts: transformers 5.24 reloads every expert "
-                "with one group's scheme (the first one's); quantize with one scheme"
+                f"{name}: {family}: several config groups with fused experts: transformers reloads every expert "
+                "with one group's scheme (5.24: the first one's; 5.25: the one whose re: targets name the experts), "
+                "which llmc-fsm does not write yet; quantize with one scheme"
             )
             raise ValueError(msg)
         scheme = next(iter(self._groups.values()))

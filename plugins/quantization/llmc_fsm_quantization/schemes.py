@@ -22,6 +22,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+import torch
 from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme, QuantizationStrategy
 from compressed_tensors.quantization.quant_scheme import PRESET_SCHEMES, preset_name_to_scheme
 from pydantic import ValidationError
@@ -328,6 +329,17 @@ def _problem(scheme: QuantizationScheme) -> str | None:
             return _too_few_bits(role, args.num_bits)
     if w.type == "float" and w.num_bits != 8 and not (w.scale_dtype is not None and is_scaled_format(w)):
         return _float_weights(w.num_bits)  # compressed-tensors packs fp4/fp6 only as NVFP4 and MX
+    if w.type == "float" and w.num_bits in (4, 6) and not w.symmetric:
+        return (
+            f"asymmetric FP{w.num_bits} weights (symmetric: false) are not supported: compressed-tensors quantizes "
+            "NVFP4 and MX symmetric only ('Asymmetric Quantization is not supported for FP4 and FP6'); use "
+            "symmetric: true"
+        )
+    if w.scale_dtype == torch.uint8 and w.strategy == QuantizationStrategy.GROUP and w.group_size != 32:
+        return (
+            f"MX weights (scale_dtype uint8) with group_size {w.group_size}: an MX format's groups are 32 values wide "
+            "(OCP Microscaling); keep group_size 32, or use NVFP4A16 (groups of 16)"
+        )
     a = scheme.input_activations
     if a is not None and is_local(a):
         if not (is_nvfp4(a) and a.group_size == 16 and is_nvfp4(w)):

@@ -280,3 +280,45 @@ def test_a_preset_name_in_another_case_is_recorded_in_its_canonical_case(tmp_pat
     saved = yaml.safe_load((out / "recipe.yaml").read_text())
     assert saved["q"]["modifiers"][0]["QuantizationModifier"]["scheme"] == "W8A8"
     assert saved["r"]["modifiers"][0]["GPTQModifier"]["scheme"]["preset"] == "W4A16"
+
+
+@pytest.mark.parametrize(
+    ("scheme", "message"),
+    [
+        (
+            {"preset": "MXFP4A16", "weights": {"symmetric": False}},
+            "asymmetric FP4 weights (symmetric: false) are not supported: compressed-tensors quantizes NVFP4 and MX "
+            "symmetric only ('Asymmetric Quantization is not supported for FP4 and FP6'); use symmetric: true",
+        ),
+        (
+            {"preset": "NVFP4A16", "weights": {"symmetric": False}},
+            "asymmetric FP4 weights (symmetric: false) are not supported: compressed-tensors quantizes NVFP4 and MX "
+            "symmetric only ('Asymmetric Quantization is not supported for FP4 and FP6'); use symmetric: true",
+        ),
+        (
+            {"preset": "MXFP4A16", "weights": {"group_size": 16}},
+            "MX weights (scale_dtype uint8) with group_size 16: an MX format's groups are 32 values wide (OCP "
+            "Microscaling); keep group_size 32, or use NVFP4A16 (groups of 16)",
+        ),
+    ],
+)
+def test_fp4_schemes_compressed_tensors_cannot_run_are_refused_when_the_recipe_is_read(scheme, message) -> None:
+    """Found by a tester: an asymmetric MXFP4 override was refused only at calibration end (compressed-tensors'
+    NotImplementedError), and MXFP4A16 at group size 16 (the hint the group-size check gave on a narrow model) was
+    then refused as 'NVFP4 weights'."""
+    text = yaml.safe_dump({"q": {"QuantizationModifier": {"scheme": scheme}}})
+    with pytest.raises(RecipeError) as info:
+        resolve_recipe(text)
+    assert str(info.value) == f"recipe <text>, line 2, stage 'q', modifier QuantizationModifier: {message}"
+
+
+def test_an_mx_group_size_misfit_suggests_ignore_not_another_group_size(tmp_path) -> None:
+    """MX groups are 32 wide by definition, so the group-size check's hint names ignore only (it suggested
+    group_size 16, which MX does not have)."""
+    model = tiny_llama(hidden=48).to(torch.bfloat16)  # in_features 48: no whole number of 32-wide groups
+    with pytest.raises(ValueError) as info:
+        llmc_fsm.oneshot(model=model, recipe={"q": {"QuantizationModifier": {"scheme": "MXFP4A16"}}},
+                         output_dir=tmp_path / "o", progress=False)  # fmt: skip
+    assert str(info.value).endswith(
+        "The format's groups are 32 values wide by definition: add these modules to ignore."
+    ), str(info.value)
