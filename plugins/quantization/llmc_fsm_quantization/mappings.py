@@ -527,7 +527,8 @@ def default_mappings(model: nn.Module, *, include_linear: bool = True) -> list[R
     left = unsmoothed_mixers(model, mappings)
     if mappings and left and not _WARNED.get(model):
         logger.warning(
-            "default smoothing mappings: no mapping reaches %s (%s): their Linears are quantized without smoothing",
+            "default smoothing mappings: no mapping reaches %s (%s): their Linears are not smoothed (a quantizer "
+            "quantizes them as they are)",
             compact_names(list(left)),
             ", ".join(sorted({type(m).__name__ for m in left.values()})),
         )
