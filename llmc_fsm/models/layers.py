@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from torch import nn
 
+from llmc_fsm.toolkit.targets import model_family
+
 __all__ = ["UnsupportedArchitectureError", "check_calibrates_from_text", "find_decoder_layers"]
 
 #: Attribute names under which a decoder keeps its layer list, most common first.
@@ -19,12 +21,6 @@ LAYER_LIST_NAMES = ("layers", "h", "blocks", "layer", "decoder_layers")
 
 class UnsupportedArchitectureError(ValueError):
     """A model whose decoder layers cannot be found from its structure (raised before any work)."""
-
-
-def _family(model: nn.Module) -> str:
-    config = getattr(model, "config", None)
-    model_type = getattr(config, "model_type", None)
-    return f"{type(model).__name__} (model_type {model_type!r})" if model_type else type(model).__name__
 
 
 def _num_layers(model: nn.Module) -> int | None:
@@ -97,7 +93,7 @@ def find_decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
         return found
     if callable(getattr(model, "get_decoder", None)):
         msg = (
-            f"cannot find the decoder layers of {_family(model)}: its decoder (get_decoder()) holds no "
+            f"cannot find the decoder layers of {model_family(model)}: its decoder (get_decoder()) holds no "
             f"nn.ModuleList named {', '.join(LAYER_LIST_NAMES)}; the sequential pipeline needs one"
         )
         raise UnsupportedArchitectureError(msg)
@@ -137,7 +133,7 @@ def check_calibrates_from_text(model: nn.Module) -> None:
     except UnsupportedArchitectureError:
         where = ""
     msg = (
-        f"{_family(model)} is an encoder-decoder model: its decoder layers{where} attend to the encoder's output, "
+        f"{model_family(model)} is an encoder-decoder model: its decoder layers{where} attend to the encoder's output, "
         "which the sequential pipeline's calibration (token ids as the model's input_ids) does not produce; it "
         "calibrates decoder-only language models (multimodal ones on text, through their language model): not "
         "supported"

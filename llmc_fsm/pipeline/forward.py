@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from llmc_fsm.pipeline.device import OffloadedInputs, onloaded
+from llmc_fsm.toolkit.targets import model_family
 
 __all__ = [
     "Calls",
@@ -104,11 +105,6 @@ def _layer_list(model: nn.Module, layer: nn.Module) -> list[nn.Module]:
     return [layer]
 
 
-def _family(model: nn.Module) -> str:
-    model_type = getattr(getattr(model, "config", None), "model_type", None)
-    return f"{type(model).__name__} (model_type {model_type!r})" if model_type else type(model).__name__
-
-
 def capture_layer_inputs(
     model: nn.Module,
     layer: nn.Module,
@@ -146,7 +142,7 @@ def capture_layer_inputs(
         def forward(*args: Any, **kwargs: Any) -> Any:
             args, kwargs = _no_cache(args, kwargs)
             if calls[position] is not None:
-                msg = f"the forward of {_family(model)} calls decoder layer {position} twice"
+                msg = f"the forward of {model_family(model)} calls decoder layer {position} twice"
                 raise RuntimeError(msg)
             calls[position] = (args, kwargs)
             if position + 1 == len(layers):
@@ -183,7 +179,7 @@ def capture_layer_inputs(
             skipped = [i for i, call in enumerate(calls) if call is None]
             if skipped:
                 msg = (
-                    f"the forward of {_family(model)} skips decoder layers {skipped} (counted from the first "
+                    f"the forward of {model_family(model)} skips decoder layers {skipped} (counted from the first "
                     "captured) on these calibration inputs; the sequential pipeline cannot calibrate a layer the "
                     "model does not run (e.g. cross-attention layers without their image inputs)"
                 )

@@ -29,7 +29,8 @@ The public names, by concern:
 * **targets** (:mod:`~llmc_fsm.toolkit.targets`): :func:`select_targets` returning :class:`TargetSelection`,
   :func:`resolve_targets` (the same, with warnings), :func:`matches`, :func:`is_linear_like`, :func:`compact_names`,
   :data:`DEFAULT_TARGETS` (``("Linear",)``), :data:`DEFAULT_IGNORE` (``("lm_head",)``),
-  :func:`check_not_quantized` (refuses a model whose config says it is quantized);
+  :func:`check_not_quantized` (refuses a model whose config says it is quantized), :func:`model_family` (a
+  model's class and ``model_type`` for messages);
 * **views** (:mod:`~llmc_fsm.toolkit.views`): :class:`LinearView` (one matrix of a fused mixture-of-experts
   parameter, or a ``Conv1D`` weight, seen as a Linear weight sharing its storage), :func:`weight_views` (a module's
   views), :func:`observe_inputs` (feed the views the inputs their matrices receive: per expert, its routed tokens;
@@ -85,6 +86,7 @@ from llmc_fsm.toolkit.targets import (
     compact_names,
     is_linear_like,
     matches,
+    model_family,
     resolve_targets,
     select_targets,
 )
@@ -133,6 +135,7 @@ __all__ = [
     "is_main_process",
     "keep_packed",
     "matches",
+    "model_family",
     "obs_sweep",
     "observe_inputs",
     "observe_view_inputs",

@@ -293,7 +293,9 @@ def _selected_unsupported(
     return [name for name, _ in named if name in hit and ignored_by[name] is None]
 
 
-def _family(model: nn.Module) -> str:
+def model_family(model: nn.Module) -> str:
+    """``model``'s class and ``model_type`` for messages, e.g. ``"Qwen3MoeForCausalLM (model_type 'qwen3_moe')"``
+    (the class name alone when its config has no ``model_type``)."""
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     return f"{type(model).__name__} (model_type {model_type!r})" if model_type else type(model).__name__
 
@@ -302,8 +304,8 @@ def _experts_error(model: nn.Module, targets: tuple[str, ...], names: list[str],
     modules = dict(named)
     weights = sorted({p for n in names for p, t in modules[n].named_parameters(recurse=False) if t.dim() >= 2})
     head = (
-        f"{_family(model)} keeps its experts fused in {compact_names(names)} ({', '.join(weights)}: every expert's "
-        f"weights in one tensor, not one Linear per expert), which targets {list(targets)} select; "
+        f"{model_family(model)} keeps its experts fused in {compact_names(names)} ({', '.join(weights)}: every "
+        f"expert's weights in one tensor, not one Linear per expert), which targets {list(targets)} select; "
     )
     if views:
         reasons = sorted({fused_experts_reason(modules[n]) or f"layout of {type(modules[n]).__name__}" for n in names})
@@ -322,7 +324,7 @@ def _experts_error(model: nn.Module, targets: tuple[str, ...], names: list[str],
 
 def _conv1d_error(model: nn.Module, targets: tuple[str, ...], names: list[str]) -> ValueError:
     msg = (
-        f"{_family(model)} keeps {compact_names(names)} as transformers Conv1D (a Linear whose weight is stored "
+        f"{model_family(model)} keeps {compact_names(names)} as transformers Conv1D (a Linear whose weight is stored "
         f"[in, out]), which targets {list(targets)} select; this modifier compresses Linear modules only: the "
         "pruning modifiers (SparseGPT, Wanda, magnitude) prune Conv1D; quantizing it is not implemented (the "
         "quantizers quantize and save nn.Linear modules, compressed-tensors' layout): add them to ignore to "

@@ -40,6 +40,7 @@ from llmc_fsm.toolkit import (
     is_distributed,
     is_linear_like,
     keep_packed,
+    model_family,
     observe_view_inputs,
     patterns,
     private_pages,
@@ -183,20 +184,31 @@ def _as_reloaded(module: nn.Module, scheme: QuantizationScheme) -> None:
     the weight, as for a reloaded module). The packed tensors are kept on the module for the save
     (:func:`llmc_fsm.toolkit.keep_packed`), which then does not round the weight again.
     """
-    from compressed_tensors.compressors import BaseCompressor
     from compressed_tensors.compressors.format import infer_module_format
     from compressed_tensors.utils.module import get_direct_state_dict
 
     fmt = scheme.format or infer_module_format(type(module), scheme)
-    compressor = BaseCompressor.get_value_from_registry(getattr(fmt, "value", fmt))
-    # the weight as it is (compress does not write into it), its small parameters copied (packed may hold them)
+    fmt = getattr(fmt, "value", fmt)
     state = {k: v.detach() for k, v in get_direct_state_dict(module).items() if v is not None}
-    packed = compressor.compress({k: v if k == "weight" else v.clone() for k, v in state.items()}, scheme)
-    if getattr(fmt, "value", fmt) in FP4_PACKED_FORMATS:  # zeros as the twice-rounded weight had them
-        packed["weight_packed"] = fp4_positive_zeros(packed["weight_packed"])
-    _take_weight(module.weight, compressor.decompress(packed, scheme)["weight"].to(module.weight.dtype))
+    packed, weight = _packed_and_reloaded(state, scheme, fmt)
+    _take_weight(module.weight, weight.to(module.weight.dtype))
     module.quantization_status = QuantizationStatus.DECOMPRESSED
-    keep_packed(module, getattr(fmt, "value", fmt), packed)
+    keep_packed(module, fmt, packed)
+
+
+def _packed_and_reloaded(
+    state: dict[str, torch.Tensor], scheme: QuantizationScheme, fmt: str
+) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """What compressed-tensors' compressor of format ``fmt`` packs ``state`` (``weight`` and its scales) to, and
+    the weight it decompresses that to. ``state`` is not changed: the weight as it is (compress does not write into
+    it), its small tensors copied (packed may hold them)."""
+    from compressed_tensors.compressors import BaseCompressor
+
+    compressor = BaseCompressor.get_value_from_registry(fmt)
+    packed = compressor.compress({k: v if k == "weight" else v.clone() for k, v in state.items()}, scheme)
+    if fmt in FP4_PACKED_FORMATS:  # zeros as the twice-rounded weight had them
+        packed["weight_packed"] = fp4_positive_zeros(packed["weight_packed"])
+    return packed, compressor.decompress(packed, scheme)["weight"]
 
 
 class CalibrationStatistics(HessianAccumulator):
@@ -405,6 +417,11 @@ CONV1D_REFUSAL = (
 )
 
 
+def _fused_experts(model: nn.Module) -> dict[str, nn.Module]:
+    """``{name: module}`` of ``model``'s fused experts modules (Linear views per expert, not a Conv1D's one view)."""
+    return {n: m for n, m in model.named_modules() if weight_views(m) and next(iter(weight_views(m))) != ""}
+
+
 def _transformers_version() -> str:
     from importlib.metadata import version
 
@@ -538,16 +555,11 @@ def _view_as_reloaded(view: LinearView, scheme: QuantizationScheme) -> None:
     same compressor per expert); the packed tensors are kept on the view for the save (:func:`keep_packed`).
     Measured on a bfloat16 tiny Qwen3-MoE, MXFP4A16: without it the reloaded experts were up to 0.015 apart from
     the in-memory ones (the fake-quantized values are not rounded in bfloat16 as the decompression is)."""
-    from compressed_tensors.compressors import BaseCompressor
     from compressed_tensors.compressors.format import infer_module_format
 
     fmt = (scheme.format or infer_module_format(nn.Linear, scheme)).value
-    compressor = BaseCompressor.get_value_from_registry(fmt)
-    local = {"weight": view.weight.detach(), **{k: v.clone() for k, v in view.quantized_params.items()}}
-    packed = compressor.compress(local, scheme)
-    if fmt in FP4_PACKED_FORMATS:  # zeros as the twice-rounded weight had them
-        packed["weight_packed"] = fp4_positive_zeros(packed["weight_packed"])
-    view.weight.copy_(compressor.decompress(packed, scheme)["weight"].to(view.weight.dtype))
+    packed, weight = _packed_and_reloaded({"weight": view.weight.detach(), **view.quantized_params}, scheme, fmt)
+    view.weight.copy_(weight.to(view.weight.dtype))
     keep_packed(view, fmt, packed)
 
 
@@ -1041,7 +1053,7 @@ class QuantizingModifier(CalibratedModifier):
                 under ``torch.distributed``.
         """
         name = type(self).__name__
-        family = f"{type(model).__name__} (model_type {getattr(getattr(model, 'config', None), 'model_type', None)!r})"
+        family = model_family(model)
         views = {n: m for n, m in targets.items() if isinstance(m, LinearView)}
         conv1d = [n for n, v in views.items() if v.expert is None]
         if conv1d:
@@ -1051,7 +1063,7 @@ class QuantizingModifier(CalibratedModifier):
         sources: dict[str, nn.Module] = {}
         for view in views.values():
             sources.setdefault(module_names[id(view.source)], view.source)
-        fused = {n: m for n, m in model.named_modules() if weight_views(m) and next(iter(weight_views(m))) != ""}
+        fused = _fused_experts(model)
         dense = [n for n in fused if n not in sources]
         if not sources:
             if dense:  # experts ignored: the quantized checkpoint would not reload them
@@ -1111,13 +1123,13 @@ class QuantizingModifier(CalibratedModifier):
     def _experts_scheme_refusal(self, model: nn.Module) -> str | None:
         """:meth:`_check_views`' refusal of the scheme for ``model``'s fused experts (all of them), if it has any and
         one config group whose scheme they cannot take; else ``None``."""
-        fused = [n for n, m in model.named_modules() if weight_views(m) and next(iter(weight_views(m))) != ""]
+        fused = list(_fused_experts(model))
         if not fused or len(self._groups) != 1:
             return None
         problem = _expert_scheme_problem(next(iter(self._groups.values())))
         if problem is None:
             return None
-        family = f"{type(model).__name__} (model_type {getattr(getattr(model, 'config', None), 'model_type', None)!r})"
+        family = model_family(model)
         return f"{type(self).__name__}: {family}: fused experts {compact_names(fused)}: {problem}"
 
     def _check_kv_cache(self, model: nn.Module) -> dict[str, nn.Module]:

@@ -101,6 +101,7 @@ from llmc_fsm.toolkit import (
     expert_checkpoint_names,
     get_rank,
     is_distributed,
+    model_family,
     patterns,
     weight_views,
 )
@@ -435,8 +436,7 @@ class AWQModifier(SmoothingModifier):
                 reached = set()
             left = {n: m for n, m in fused.items() if not all(id(v) in reached for v in weight_views(m).values())}
             if left:
-                model_type = getattr(getattr(model, "config", None), "model_type", None)
-                family = f"{type(model).__name__} (model_type {model_type!r})"
+                family = model_family(model)
                 name = next(iter(left))
                 block, _, leaf = name.rpartition(".")
                 parent = model.get_submodule(block)
