@@ -103,6 +103,15 @@ quant_stage:
           targets: [Linear]
           weights: {{num_bits: 4, type: int, symmetric: true, strategy: group, group_size: 16}}
 """,
+    # llm-compressor's examples/quantizing_moe/mixtral_example.py: FP8 weights and static FP8 inputs, per tensor
+    "fp8": """
+quant_stage:
+  quant_modifiers:
+    QuantizationModifier:
+      ignore: {ignore}
+      targets: [Linear]
+      scheme: FP8
+""",
 }
 
 ROWS, LENGTH, LOGIT_ROWS = 4, 32, 2
@@ -285,7 +294,7 @@ def render(rows: list[dict[str, Any]], families: list[str], peer_side: str) -> s
         "|---|---|---|---|",
     ]
     for family in families:
-        for method, label in (("sparsegpt", "SparseGPT 50%"), ("gptq", "GPTQ W4A16 g16")):
+        for method, label in (("sparsegpt", "SparseGPT 50%"), ("gptq", "GPTQ W4A16 g16"), ("fp8", "FP8 (static inputs)")):
             if (family, method, "ours") not in index and (family, method, "peer") not in index:
                 continue
             misfit = MISFIT.get(family, {}).get(method)

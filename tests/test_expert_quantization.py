@@ -360,13 +360,14 @@ REFUSALS = {
         "rebuilds a checkpoint's experts from their packed weights, scales and shapes (no zero point) or from fp8 "
         "weights times their scales, no other format",
     ),
-    "fp8_static_inputs": (  # llm-compressor's FP8 preset (examples/quantizing_moe/mixtral_example.py)
+    "static_int8_inputs": (  # FP8 weights with static int8 inputs: one FP8 input_scale per expert matrix only
         "mixtral",
-        {"scheme": "FP8"},
+        {"config_groups": {"g": {"targets": ["Linear"], "weights": {
+            "num_bits": 8, "type": "float", "symmetric": True, "strategy": "channel"}, "input_activations": {
+            "num_bits": 8, "type": "int", "symmetric": True, "strategy": "tensor", "dynamic": False}}}},
         "GPTQModifier: MixtralForCausalLM (model_type 'mixtral'): fused experts model.layers.{0..3}.mlp.experts: "
-        "static input scales (input_activations not dynamic, e.g. the FP8 preset) on fused experts: the experts run "
-        "without input quantization here and when transformers reloads them, and no per-expert input_scale would "
-        "be written; use FP8_DYNAMIC (dynamic per-token inputs)",
+        "static input activations on fused experts are 8-bit float, symmetric, per tensor only (one input_scale [1] "
+        "per expert matrix, as the FP8 preset writes them); use the FP8 preset or FP8_DYNAMIC",
     ),
     "fp8_block": (  # transformers folds an FP8 expert's scale by broadcasting: one per row or one per matrix
         "mixtral",
@@ -599,6 +600,129 @@ def test_fp8_dynamic_rounds_each_expert_matrix_by_hand_saves_it_per_expert_and_r
     assert torch.equal(fp8.float() * scale, view.weight)
     assert not any(k.endswith("input_scale") for k in keys)
     _assert_reloads_as_in_memory(tmp_path / "o", family, model, experts)
+
+
+def _fp8_tensor(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``w`` rounded to FP8 (e4m3) per tensor by hand: ``scale = max|w| / 448`` ``[1]``, ``fp8(w / scale) * scale``."""
+    scale = (w.float().abs().amax() / 448.0).reshape(1)
+    q = (w.float() / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    return q.float() * scale, scale
+
+
+def _routed_input_maxima(experts_module):
+    """Hooks recording, per expert matrix suffix (``"2.gate_proj"``), the largest |input| over the tokens routed to
+    its expert in the calibration calls the modifier counted (the routed counts grew), before that matrix was
+    quantized: ``gate_proj`` / ``up_proj`` see the routed hidden states, ``down_proj`` their ``act(gate) * up`` with
+    the fused ``gate_up_proj`` as it was at that call."""
+    views = weight_views(experts_module)
+    maxima, pending = {}, []
+
+    def pre(module, args, kwargs):
+        pending.clear()
+        hidden, index = args[0].reshape(-1, args[0].shape[-1]), args[1]
+        index = index.reshape(hidden.shape[0], -1)
+        seen = {}
+        for e in range(module.num_experts):
+            x = hidden[(index == e).any(dim=-1)]
+            if x.shape[0] == 0:
+                continue
+            w = module.gate_up_proj[e]
+            h = module._apply_gate(F.linear(x, w.T if module.is_transposed else w))
+            for proj, value in (("gate_proj", x), ("up_proj", x), ("down_proj", h)):
+                if getattr(views[f"{e}.{proj}"], "quantization_scheme", None) is None:
+                    seen[f"{e}.{proj}"] = float(value.detach().abs().max())
+        pending.append((seen, sum(v.routed_tokens for v in views.values())))
+
+    def post(module, args, output):
+        if pending and sum(v.routed_tokens for v in views.values()) != pending[0][1]:
+            for key, value in pending[0][0].items():
+                maxima[key] = max(maxima.get(key, 0.0), value)
+
+    handles = [experts_module.register_forward_pre_hook(pre, with_kwargs=True), experts_module.register_forward_hook(post)]
+    return maxima, handles
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_fp8_static_calibrates_each_expert_s_input_scale_on_its_routed_tokens_and_saves_it(tmp_path, family, caplog):
+    """The FP8 preset on fused experts (llm-compressor's examples/quantizing_moe/mixtral_example.py, qwen_example.py):
+    every expert matrix is its original rounded to FP8 per tensor by hand; its static input scale is the largest
+    |input| over the tokens routed to its expert, divided by 448 (observer static_minmax), saved under its per-expert
+    name (``experts.<e>.gate_proj.input_scale``: what llm-compressor 0.14 writes for the same recipe, measured by
+    benchmarks/families_vs_llmcompressor.py --methods fp8); one warning says the experts' inputs are not quantized
+    here nor on reload; the reload reports exactly those input scales as unexpected keys, and its experts and logits
+    equal the in-memory model's."""
+    model = build(family)
+    experts = _experts_modules(model)
+    originals = {f"{n}.{s}": v.weight.detach().clone() for n, m in experts.items() for s, v in weight_views(m).items()}
+    captured = {name: _routed_input_maxima(module) for name, module in experts.items()}
+    recipe = {"s": {"QuantizationModifier": {"scheme": "FP8", "ignore": ["lm_head", "re:.*mlp.gate$"]}}}
+    with caplog.at_level(logging.WARNING, logger="llmc_fsm_quantization"):
+        llmc_fsm.oneshot(model=model, recipe=recipe, dataset=DATA, output_dir=tmp_path / "o", progress=False)
+    for _, handles in captured.values():
+        for handle in handles:
+            handle.remove()
+    warned = [r.getMessage() for r in caplog.records if "fused experts' input activations" in r.getMessage()]
+    assert warned == [
+        f"QuantizationModifier: {type(model).__name__} (model_type {family!r}): fused experts "
+        "model.layers.{0..3}.mlp.experts: the fused experts' input activations (per tensor, static: each expert's "
+        "input_scale is calibrated on the tokens routed to it and saved, and transformers reports those as unexpected "
+        "keys on reload) are not quantized in this run nor when transformers reloads the checkpoint (fused experts "
+        "are not Linear modules; transformers runs them dense): their weights are, and the saved config asks the "
+        "serving engine (vLLM) to quantize their inputs; the perplexity measured here does not include that"
+    ]
+    expected_unexpected = []
+    for name, module in experts.items():
+        maxima = captured[name][0]
+        assert len(maxima) == len(weight_views(module)), name  # every expert got tokens (no fallback here)
+        for suffix, view in weight_views(module).items():
+            want, scale = _fp8_tensor(originals[f"{name}.{suffix}"])
+            assert torch.equal(view.weight, want), f"{name}.{suffix}"
+            assert torch.equal(view.quantized_params["weight_scale"], scale), f"{name}.{suffix}"
+            input_scale = view.quantized_params["input_scale"]
+            assert input_scale.dtype == torch.float32 and input_scale.shape == (1,)
+            assert torch.equal(input_scale, torch.tensor([maxima[suffix]]) / 448.0), f"{name}.{suffix}"
+            expected_unexpected.append(f"{view.checkpoint_name}.input_scale")
+    view = weight_views(model.model.layers[1].mlp.experts)["2.down_proj"]
+    prefix = view.checkpoint_name + "."
+    with safe_open(str(sorted((tmp_path / "o").glob("*.safetensors"))[0]), "pt") as f:
+        keys = set(f.keys())
+        assert {k.removeprefix(prefix) for k in keys if k.startswith(prefix)} == {"weight", "weight_scale", "input_scale"}
+        assert torch.equal(f.get_tensor(prefix + "input_scale"), view.quantized_params["input_scale"])
+    reloaded, info = _reload(tmp_path / "o", family)
+    renamed = [k.replace(".block_sparse_moe.", ".mlp.") for k in expected_unexpected]  # Mixtral's checkpoint names
+    assert (sorted(info["missing_keys"]), sorted(info["unexpected_keys"])) == ([], sorted(renamed))
+    for name, module in experts.items():
+        again = reloaded.get_submodule(name)
+        assert torch.equal(again.gate_up_proj, module.gate_up_proj) and torch.equal(again.down_proj, module.down_proj)
+    with torch.no_grad():
+        assert torch.equal(reloaded(DATA[:2]).logits, model(DATA[:2]).logits)
+
+
+def test_fp8_static_gives_an_expert_without_routed_tokens_the_largest_scale_of_its_projection(tmp_path, caplog):
+    """DeepSeek-V3 with expert 3 never routed, the FP8 preset: expert 3's matrices are rounded to nearest and each
+    takes, as its static input scale, the largest calibrated one of the same projection in its layer (the one value
+    vLLM applies to all experts of a fused projection); the warning says so; the reload's logits equal the in-memory
+    model's."""
+    model = build("deepseek_v3")
+    _never_route_expert_3(model)
+    experts = _experts_modules(model)
+    recipe = {"s": {"GPTQModifier": {"scheme": "FP8", "ignore": ["lm_head", "re:.*mlp.gate$"]}}}
+    with caplog.at_level(logging.WARNING):
+        llmc_fsm.oneshot(model=model, recipe=recipe, dataset=DATA, output_dir=tmp_path / "o", progress=False)
+    assert (
+        "nearest (no input statistics; set calibrate_all_experts: true to calibrate them on every token); their "
+        "static input scale: the largest of the same projection's calibrated experts" in caplog.text
+    )
+    for name, module in experts.items():
+        views = weight_views(module)
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            others = [v.quantized_params["input_scale"] for s, v in views.items() if s.endswith(proj) and s[0] != "3"]
+            assert views[f"3.{proj}"].routed_tokens == 0
+            assert torch.equal(views[f"3.{proj}"].quantized_params["input_scale"], max(others)), (name, proj)
+            assert len({float(t) for t in others}) > 1  # the calibrated experts differ: the maximum is a choice
+    reloaded, _ = _reload(tmp_path / "o", "deepseek_v3")
+    with torch.no_grad():
+        assert torch.equal(reloaded(DATA[:2]).logits, model(DATA[:2]).logits)
 
 
 def _qwen3_moe_refusal(tmp_path, preset: str) -> str:

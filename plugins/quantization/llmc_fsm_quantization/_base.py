@@ -445,8 +445,9 @@ def _expert_scheme_problem(scheme: QuantizationScheme) -> str | None:
     MXFP6; not NVFP4, whose ``weight_global_scale`` it does not read), or, from transformers 5.25 on, from an
     fp8 ``weight`` times its ``weight_scale`` (per channel or per tensor); the reloaded experts run dense, with no
     input quantization. So FP8 experts may have dynamic input activations (nothing of them is in the checkpoint:
-    a serving engine quantizes them, see :func:`_expert_activations_note`), but not static ones (each expert would need
-    its own ``input_scale``, which the loader has no place for).
+    a serving engine quantizes them, see :func:`_expert_activations_note`) or static FP8 ones per tensor (each
+    expert's ``input_scale`` is calibrated on its routed tokens and saved under its per-expert name, which vLLM
+    reads; transformers' loader has no place for it and leaves it out).
     """
     from compressed_tensors.compressors.format import infer_module_format
     from compressed_tensors.config import CompressionFormat
@@ -484,11 +485,16 @@ def _expert_scheme_problem(scheme: QuantizationScheme) -> str | None:
                 f"FP8 expert weights reload from transformers 5.25 on (installed: {_transformers_version()}, whose "
                 "experts loader reads packed int weights only): upgrade transformers, or use W4A16 / W8A16"
             )
-        if inputs is not None and inputs.dynamic is not True:
+        static = inputs is not None and inputs.dynamic is False
+        if static and not (
+            str(inputs.type) == "float"
+            and inputs.num_bits == 8
+            and inputs.symmetric
+            and inputs.strategy == QuantizationStrategy.TENSOR
+        ):
             return (
-                "static input scales (input_activations not dynamic, e.g. the FP8 preset) on fused experts: the "
-                "experts run without input quantization here and when transformers reloads them, and no per-expert "
-                "input_scale would be written; use FP8_DYNAMIC (dynamic per-token inputs)"
+                "static input activations on fused experts are 8-bit float, symmetric, per tensor only (one "
+                "input_scale [1] per expert matrix, as the FP8 preset writes them); use the FP8 preset or FP8_DYNAMIC"
             )
         return None
     if inputs is not None:
@@ -510,18 +516,26 @@ def _expert_scheme_problem(scheme: QuantizationScheme) -> str | None:
 
 
 def _expert_activations_note(scheme: QuantizationScheme) -> str | None:
-    """The warning of a run whose fused experts' scheme quantizes input activations dynamically, or ``None``.
+    """The warning of a run whose fused experts' scheme quantizes input activations, or ``None``.
 
     Fused experts are not Linear modules, so compressed-tensors puts no input quantization on them: in this run and
     after transformers reloads the checkpoint they run with FP8 weights and unquantized inputs; the saved config
-    asks the engine that serves the checkpoint (vLLM) to quantize their inputs per token, as llm-compressor's
-    checkpoints of the same recipe do.
+    asks the engine that serves the checkpoint (vLLM) to quantize their inputs (dynamic: per token; static: with
+    each expert's calibrated ``input_scale``, saved per expert), as llm-compressor's checkpoints of the same recipe
+    do. transformers' experts loader has no place for the static scales: it reports them as unexpected keys.
     """
     inputs = scheme.input_activations
     if inputs is None:
         return None
+    if inputs.dynamic is False:
+        how = (
+            "per tensor, static: each expert's input_scale is calibrated on the tokens routed to it and saved, and "
+            "transformers reports those as unexpected keys on reload"
+        )
+    else:
+        how = f"per {inputs.strategy}, dynamic"
     return (
-        f"the fused experts' input activations (per {inputs.strategy}, dynamic) are not quantized in this run nor "
+        f"the fused experts' input activations ({how}) are not quantized in this run nor "
         "when transformers reloads the checkpoint (fused experts are not Linear modules; transformers runs them "
         "dense): their weights are, and the saved config asks the serving engine (vLLM) to quantize their inputs; "
         "the perplexity measured here does not include that"
@@ -544,6 +558,8 @@ def _attach_view_qparams(view: LinearView, scheme: QuantizationScheme, quantized
         "weight_scale": quantized.scale.detach().to(view.weight.dtype).clone(),
         "weight_zero_point": quantized.zero_point.detach().to(args.zp_dtype or torch.int8).clone(),
     }
+    if quantized.input_scale is not None:  # static FP8 inputs: float32 [1], as a Linear module's input_scale
+        view.quantized_params["input_scale"] = quantized.input_scale.detach().to(torch.float32).clone()
     if is_scaled_format(args):  # MX: the values its checkpoint decompresses to, as a module's (_as_reloaded)
         _view_as_reloaded(view, scheme)
         quantized.weight = view.weight.detach()
@@ -1049,7 +1065,8 @@ class QuantizingModifier(CalibratedModifier):
                 reload), or only some matrices of an experts module targeted; an experts scheme transformers does
                 not reload into them (:func:`_expert_scheme_problem`: they take weight-only symmetric int packed by
                 compressed-tensors, ``pack-quantized``, any group size; MXFP4 / MXFP6 weight-only; FP8 weights per
-                channel or tensor with no or dynamic input activations) or several config groups; fused experts
+                channel or tensor with no, dynamic or static FP8 per-tensor input activations) or several config
+                groups; fused experts
                 under ``torch.distributed``.
         """
         name = type(self).__name__
@@ -1214,7 +1231,8 @@ class QuantizingModifier(CalibratedModifier):
         """:meth:`CalibratedModifier._compress_all`; an expert matrix that received no calibration input (the router
         sent its expert no token, without ``calibrate_all_experts``) is quantized by round-to-nearest with the
         scheme's observer (``minmax`` for ``imatrix_mse``): a layer's experts are reloaded from packed weights only,
-        so none is left dense. Named in a warning and in :attr:`round_to_nearest_fallback`."""
+        so none is left dense; a static input scale it takes from its calibrated siblings (:meth:`_idle_input_scales`).
+        Named in a warning and in :attr:`round_to_nearest_fallback`."""
         if self.needs_inputs:
             idle = {
                 name: module
@@ -1226,17 +1244,53 @@ class QuantizingModifier(CalibratedModifier):
             if idle:
                 for name in idle:
                     self._acc.pop(name, None)
+                static = any(
+                    (a := self.scheme_of(name).input_activations) is not None and a.dynamic is False for name in idle
+                )
                 logger.warning(
                     "%s: the router sent no calibration token to %d expert matrices: %s; quantized by round-to-"
-                    "nearest (no input statistics; set calibrate_all_experts: true to calibrate them on every token)",
+                    "nearest (no input statistics; set calibrate_all_experts: true to calibrate them on every token)%s",
                     type(self).__name__,
                     len(idle),
                     compact_names(list(idle)),
+                    "; their static input scale: the largest of the same projection's calibrated experts"
+                    if static
+                    else "",
                 )
                 self._compress_members(None, list(idle.items()))
                 self.round_to_nearest_fallback.extend(idle)
                 modules = {name: module for name, module in modules.items() if name not in idle}
+                super()._compress_all(modules, trim=trim)
+                self._idle_input_scales(idle)
+                return
         super()._compress_all(modules, trim=trim)
+
+    def _idle_input_scales(self, idle: dict[str, LinearView]) -> None:
+        """Static input scales of expert matrices the router sent no calibration token: each takes the largest
+        ``input_scale`` of its experts module's calibrated matrices of the same projection (``gate_proj``,
+        ``up_proj`` or ``down_proj``), the value vLLM applies to every expert of the layer anyway (it keeps one input
+        scale per fused projection, the maximum over the experts).
+
+        Raises:
+            ValueError: no matrix of that projection in the experts module has a calibrated scale.
+        """
+        for name, view in idle.items():
+            if self.scheme_of(name).input_activations is None or self.scheme_of(name).input_activations.dynamic:
+                continue
+            kind = name.rsplit(".", 1)[1]
+            scales = [
+                sibling.quantized_params["input_scale"]
+                for suffix, sibling in weight_views(view.source).items()
+                if suffix.rsplit(".", 1)[1] == kind and "input_scale" in getattr(sibling, "quantized_params", {})
+            ]
+            if not scales:
+                msg = (
+                    f"{type(self).__name__}: no expert of {name.rsplit('.', 2)[0]} received a calibration token, so "
+                    f"no static input scale of {kind} can be calibrated; give more calibration data or set "
+                    "calibrate_all_experts: true"
+                )
+                raise ValueError(msg)
+            view.quantized_params["input_scale"] = torch.stack(scales).amax(dim=0)
 
     # ---- KV cache: calibrated alongside the weights ---------------------------------------
     def on_initialize(self, state: Any) -> None:
@@ -1427,7 +1481,8 @@ class QuantizingModifier(CalibratedModifier):
             results = self._quantize([modules[i] for i in members], accumulator, args)
             for i, q in zip(members, results, strict=True):
                 if scheme.input_activations is not None and not scheme.input_activations.dynamic:
-                    q.input_scale, q.input_zero_point = _input_qparams(scheme, accumulator)
+                    if accumulator is not None:  # else an expert without routed tokens: see _compress_all
+                        q.input_scale, q.input_zero_point = _input_qparams(scheme, accumulator)
                 elif is_local(scheme.input_activations):
                     q.input_global_scale = _input_global_scale(scheme, accumulator)
                 quantized[i] = q
