@@ -213,8 +213,9 @@ MOE = {
 
 @pytest.mark.parametrize("family", sorted(MOE))
 def test_fused_experts_are_refused_for_quantizers_and_viewed_per_expert_for_pruning(family):
-    """SparseGPT used to skip fused experts silently and report 50%. Without views (AWQ, AutoRound) they are refused
-    before any work, naming the family; with views (pruning) every expert matrix of every such module is selected."""
+    """SparseGPT used to skip fused experts silently and report 50%. Without views (a modifier that compresses Linear
+    modules only) they are refused before any work, naming the family; with views (pruning) every expert matrix of
+    every such module is selected."""
     from llmc_fsm.toolkit.targets import select_targets
     from llmc_fsm.toolkit.views import LinearView
 
@@ -226,8 +227,8 @@ def test_fused_experts_are_refused_for_quantizers_and_viewed_per_expert_for_prun
     assert str(info.value) == (
         f"{type(model).__name__} (model_type {model_type!r}) keeps its experts fused in {names} ({weights}: every "
         "expert's weights in one tensor, not one Linear per expert), which targets ['Linear'] select; this modifier "
-        "compresses Linear modules only (SparseGPT, Wanda, magnitude, GPTQ and QuantizationModifier compress fused "
-        "experts per expert): add 're:.*\\.experts' to ignore to compress the other modules"
+        "compresses Linear modules only (SparseGPT, Wanda, magnitude, GPTQ, QuantizationModifier and AutoRound "
+        "compress fused experts per expert): add 're:.*\\.experts' to ignore to compress the other modules"
     )
     selection = select_targets(model, ["Linear"], ["lm_head", "re:.*\\.experts"])
     assert selection.selected and not any(".experts" in name for name in selection.selected)

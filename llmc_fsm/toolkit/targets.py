@@ -315,9 +315,9 @@ def _experts_error(model: nn.Module, targets: tuple[str, ...], names: list[str],
         )
     else:
         tail = (
-            "this modifier compresses Linear modules only (SparseGPT, Wanda, magnitude, GPTQ and "
-            "QuantizationModifier compress fused experts per expert): add 're:.*\\.experts' to ignore to compress "
-            "the other modules"
+            "this modifier compresses Linear modules only (SparseGPT, Wanda, magnitude, GPTQ, QuantizationModifier "
+            "and AutoRound compress fused experts per expert): add 're:.*\\.experts' to ignore to compress the "
+            "other modules"
         )
     return ValueError(head + tail)
 

@@ -55,7 +55,7 @@ from compressed_tensors.quantization.utils import calculate_qparams, calculate_r
 from torch import nn
 
 from llmc_fsm import find_decoder_layers, first_output
-from llmc_fsm.toolkit import is_distributed
+from llmc_fsm.toolkit import LinearView, is_distributed, weight_views
 from llmc_fsm_quantization._base import QuantizedWeight, QuantizingModifier
 from llmc_fsm_quantization.observers import as_row_args, storable
 
@@ -212,7 +212,9 @@ def signround_layer(
 
     Args:
         layer: the decoder layer (its weights are not modified here).
-        targets: ``{name relative to layer: Linear}`` to quantize.
+        targets: ``{name relative to layer: Linear}`` to quantize; a fused experts module's matrices as
+            :class:`~llmc_fsm.toolkit.LinearView` s (``mlp.experts.3.gate_proj``), all of its parameter's matrices:
+            the layer then runs with that parameter rebuilt from their quantized matrices at every step.
         inputs: per calibration batch, the layer's ``(args, kwargs)``; ``args[0]`` is ``[B, L, hidden]``.
         outputs: per batch, the target hidden states (the modifier gives the float model's output of the layer).
         args: the weights' ``QuantizationArgs`` (integer, channel or group strategy).
@@ -231,8 +233,25 @@ def signround_layer(
     samples = [(b, r) for b, (a, _) in enumerate(inputs) for r in range(a[0].shape[0])]
     gen = torch.Generator().manual_seed(seed)
 
+    owners = {id(m): n for n, m in layer.named_modules()}
+
+    def quantized_weights(final: bool) -> dict[str, torch.Tensor]:
+        """The layer's parameters to call it with: each target's quantized weight; a fused experts parameter
+        rebuilt from its matrices' (every matrix of it is a target: the copy's values are all replaced)."""
+        weights: dict[str, torch.Tensor] = {}
+        for name, t in tuned.items():
+            module, w = targets[name], t.quantized(final=final).to(t.dtype)
+            if not isinstance(module, LinearView):
+                weights[f"{name}.weight"] = w
+                continue
+            key = f"{owners[id(module.owner)]}.{module.param_name}"
+            if key not in weights:
+                weights[key] = getattr(module.owner, module.param_name).detach().clone()
+            module.matrix_of(weights[key]).copy_(w)
+        return weights
+
     def forward_error(chosen: Sequence[tuple[int, int]], *, final: bool = False) -> tuple[torch.Tensor, int]:
-        weights = {f"{name}.weight": t.quantized(final=final).to(t.dtype) for name, t in tuned.items()}
+        weights = quantized_weights(final)
         total = torch.zeros((), dtype=torch.float64)
         count = 0
         by_batch: dict[int, list[int]] = {}
@@ -335,6 +354,8 @@ class AutoRoundModifier(QuantizingModifier):
 
     #: Under torch.distributed every rank tunes every module (its per-layer tuning state is not handed over).
     shares_work_across_ranks = False
+    #: Fused experts: each expert matrix tuned with the layer's other targets (:func:`signround_layer`).
+    compresses_views = True
 
     iters: int = attrs.field(default=200, validator=_positive_int)
     lr: float | None = attrs.field(default=None, validator=_lr)
@@ -385,7 +406,7 @@ class AutoRoundModifier(QuantizingModifier):
     def on_initialize(self, state: Any) -> None:
         super().on_initialize(state)
         name, layers = find_decoder_layers(state.model)
-        inside = {id(m) for m in layers.modules()}
+        inside = {id(v) for m in layers.modules() for v in (m, *weight_views(m).values())}  # fused experts' views
         outside = [n for n, m in self._targets.items() if id(m) not in inside]
         if outside:
             msg = (
@@ -492,7 +513,12 @@ class AutoRoundModifier(QuantizingModifier):
             raise RuntimeError(msg)
         outputs = self._float_outputs(layer, inputs, outputs)
         ids = {id(m) for m in self._targets.values()}
-        rel = {n: m for n, m in layer.named_modules() if id(m) in ids and self._names_by_id[id(m)] not in self.results}
+        rel = {
+            f"{n}.{suffix}" if suffix else n: sub
+            for n, m in layer.named_modules()
+            for suffix, sub in ((None, m), *weight_views(m).items())
+            if id(sub) in ids and self._names_by_id[id(sub)] not in self.results
+        }
         if not rel:
             return
         t0 = time.perf_counter()
@@ -560,6 +586,10 @@ class AutoRoundModifier(QuantizingModifier):
 
     def _new_accumulator(self, module: nn.Module) -> Any:
         return None  # no per-module statistics: the layer's inputs are captured whole
+
+    def _record_routed(self) -> None:
+        """Nothing: the experts' matrices are tuned on the decoder layer's output error, whatever tokens each
+        expert was routed (no per-expert statistics are observed, so there are no routed counts to report)."""
 
     def _quantize(self, modules: list[nn.Module], accumulator: Any, args: Any) -> list[QuantizedWeight]:
         return [accumulator.quantized[id(m)] for m in modules]

@@ -214,6 +214,76 @@ def test_autoround_one_shot_saves_and_reloads_with_equal_logits(tmp_path) -> Non
     assert {m["bits"] for m in quantized.values()} == {4} and {m["group_size"] for m in quantized.values()} == {16}
 
 
+def test_autoround_tunes_each_fused_expert_matrix_on_the_layers_output_error() -> None:
+    """Fused experts (transformers 5's Qwen3MoeExperts): each expert matrix is a target beside the attention's
+    Linears, tuned on the decoder layer's output; the layer's output error with the tuned weights, measured here
+    on a copy of the layer whose fused parameters take them through its own views, is below round-to-nearest's on
+    AutoRound's grid and equals the one :func:`signround_layer` reports; every tuned matrix is on its grid and some
+    differ from round-to-nearest."""
+    from llmc_fsm.toolkit import clear_weight_views, weight_views
+    from tiny_families import build
+
+    model = build("qwen3_moe")
+    layer = model.model.layers[0]
+    args = resolve_scheme(W4G16, ["Linear"]).weights
+    ids = torch.randint(3, 128, (8, 16), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        inputs = capture_layer_inputs(model, layer, [{"input_ids": chunk} for chunk in ids.split(4)])
+        targets = [first_output(layer(*a, **kw)) for a, kw in inputs]
+    views = {f"mlp.experts.{s}": v for s, v in weight_views(layer.mlp.experts).items()}
+    linears = {f"self_attn.{p}": layer.get_submodule(f"self_attn.{p}") for p in ("q_proj", "k_proj", "v_proj", "o_proj")}
+    originals = {n: m.weight.detach().clone() for n, m in {**linears, **views}.items()}
+    quantized, errors = signround_layer(layer, {**linears, **views}, inputs, targets, args=args, iters=30, batch_size=4)
+    assert all(torch.equal(m.weight, originals[n]) for n, m in {**linears, **views}.items())  # layer not modified
+
+    def output_mse(weights: dict[str, torch.Tensor]) -> float:
+        copied = copy.deepcopy(layer)
+        clear_weight_views(copied.mlp.experts)
+        own = weight_views(copied.mlp.experts)
+        with torch.no_grad():
+            for name, w in weights.items():
+                target = own[name.removeprefix("mlp.experts.")] if name.startswith("mlp.experts.") else None
+                (target or copied.get_submodule(name)).weight.copy_(w)
+            se = sum(
+                float((first_output(copied(*a, **kw)).double() - t.double()).pow(2).sum())
+                for (a, kw), t in zip(inputs, targets, strict=True)
+            )
+        return se / sum(t.numel() for t in targets)
+
+    rtn = output_mse({n: _full_range_rtn(w, args) for n, w in originals.items()})
+    tuned = output_mse({n: q.weight for n, q in quantized.items()})
+    assert sorted(quantized) == sorted([*linears, *views]) and len(views) == 12  # 4 experts x gate, up, down
+    assert tuned < rtn and errors.kept == "autoround"
+    assert errors.rtn == pytest.approx(rtn, rel=1e-4) and errors.tuned == pytest.approx(tuned, rel=1e-4)
+    for name in views:
+        q = quantized[name]
+        assert torch.equal(fake_quantize(q.weight, q.scale, q.zero_point, args), q.weight), name
+    assert any(not torch.equal(quantized[n].weight, _full_range_rtn(originals[n], args)) for n in views)
+
+
+def test_autoround_one_shot_on_fused_experts_saves_per_expert_and_reloads(tmp_path) -> None:
+    """llm-compressor's examples/autoround/ddp/ddp_qwen3_moe_example.py form (W4A16, router ignored) on a tiny
+    Qwen3-MoE: every expert matrix quantized (4 bits, group 16, in the report), saved packed per expert, reloaded by
+    transformers with no missing or unexpected key and the in-memory logits."""
+    from transformers import AutoModelForCausalLM
+
+    from tiny_families import build
+
+    model = build("qwen3_moe")
+    recipe = {"q": {"AutoRoundModifier": {"scheme": W4G16, "iters": 10, "ignore": ["lm_head", "re:.*mlp.gate$"]}}}
+    out = tmp_path / "out"
+    data = torch.randint(3, 128, (8, 16), generator=torch.Generator().manual_seed(2))
+    llmc_fsm.oneshot(model=model, recipe=recipe, dataset=data, output_dir=out, progress=False)
+    report = json.loads((out / "report.json").read_text())["sparsity"]["modules"]
+    experts = {m["name"]: m for m in report if ".mlp.experts." in m["name"]}
+    assert len(experts) == 4 * 4 * 3 and {(m["bits"], m["group_size"]) for m in experts.values()} == {(4, 16)}
+    reloaded, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert (sorted(info["missing_keys"]), sorted(info["unexpected_keys"])) == ([], [])
+    with torch.no_grad():
+        assert torch.equal(reloaded.eval()(data[:2]).logits, model(data[:2]).logits)
+        assert torch.equal(reloaded.model.layers[2].mlp.experts.gate_up_proj, model.model.layers[2].mlp.experts.gate_up_proj)
+
+
 def test_the_report_holds_each_layers_tuning_errors_in_report_json_and_one_line(tmp_path, capsys) -> None:
     """report.json's ``tuning`` is the modifier's ``layer_errors``, every layer, exactly; the table sums it up in one
     line (median and range of the kept weights' output MSE over round-to-nearest's, the layers that kept
