@@ -609,11 +609,12 @@ def _fp8_tensor(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.float() * scale, scale
 
 
-def _routed_input_maxima(experts_module):
+def _routed_input_maxima(experts_module, seq_len=DATA.shape[1]):
     """Hooks recording, per expert matrix suffix (``"2.gate_proj"``), the largest |input| over the tokens routed to
     its expert in the calibration calls the modifier counted (the routed counts grew), before that matrix was
     quantized: ``gate_proj`` / ``up_proj`` see the routed hidden states, ``down_proj`` their ``act(gate) * up`` with
-    the fused ``gate_up_proj`` as it was at that call."""
+    the fused ``gate_up_proj`` as it was at that call, computed one calibration sample (``seq_len`` tokens) at a
+    time, as the modifier observes them."""
     views = weight_views(experts_module)
     maxima, pending = {}, []
 
@@ -622,15 +623,18 @@ def _routed_input_maxima(experts_module):
         hidden, index = args[0].reshape(-1, args[0].shape[-1]), args[1]
         index = index.reshape(hidden.shape[0], -1)
         seen = {}
-        for e in range(module.num_experts):
-            x = hidden[(index == e).any(dim=-1)]
-            if x.shape[0] == 0:
-                continue
-            w = module.gate_up_proj[e]
-            h = module._apply_gate(F.linear(x, w.T if module.is_transposed else w))
-            for proj, value in (("gate_proj", x), ("up_proj", x), ("down_proj", h)):
-                if getattr(views[f"{e}.{proj}"], "quantization_scheme", None) is None:
-                    seen[f"{e}.{proj}"] = float(value.detach().abs().max())
+        samples = hidden.shape[0] // seq_len
+        for part, part_index in zip(hidden.chunk(samples), index.chunk(samples), strict=True):
+            for e in range(module.num_experts):
+                x = part[(part_index == e).any(dim=-1)]
+                if x.shape[0] == 0:
+                    continue
+                w = module.gate_up_proj[e]
+                h = module._apply_gate(F.linear(x, w.T if module.is_transposed else w))
+                for proj, value in (("gate_proj", x), ("up_proj", x), ("down_proj", h)):
+                    if getattr(views[f"{e}.{proj}"], "quantization_scheme", None) is None:
+                        key = f"{e}.{proj}"
+                        seen[key] = max(seen.get(key, 0.0), float(value.detach().abs().max()))
         pending.append((seen, sum(v.routed_tokens for v in views.values())))
 
     def post(module, args, output):
@@ -694,6 +698,85 @@ def test_fp8_static_calibrates_each_expert_s_input_scale_on_its_routed_tokens_an
     for name, module in experts.items():
         again = reloaded.get_submodule(name)
         assert torch.equal(again.gate_up_proj, module.gate_up_proj) and torch.equal(again.down_proj, module.down_proj)
+    with torch.no_grad():
+        assert torch.equal(reloaded(DATA[:2]).logits, model(DATA[:2]).logits)
+
+
+@pytest.mark.parametrize("observer", ["minmax", "memoryless_minmax"])
+def test_static_expert_input_scales_do_not_depend_on_the_batch_size(tmp_path, observer):
+    """Found by a tester: with an observer that keeps a moving average or the last observation, each expert's input
+    scale changed with batch_size (an expert matrix was observed once per batch, a Linear once per sample). Each
+    expert matrix now sees one sample's routed tokens at a time: batch sizes 1, 3 and 8 give the same gate_proj
+    scales of layer 0 (its inputs are the embeddings: no float difference), equal to a hand computation of the
+    observer over the samples in order (each sample's [min, max] of the tokens routed to the expert; minmax: the
+    moving average v <- 0.99 v + 0.01 v_sample of both, memoryless: the last sample's; scale = max(|min|, max) / 448)."""
+    data = torch.randint(3, 128, (8, 16), generator=torch.Generator().manual_seed(7))
+    scales = []
+    for batch_size in (1, 3, 8):
+        model = build("qwen3_moe")
+        experts = model.model.layers[0].mlp.experts
+        views = weight_views(experts)
+        ranges, pending = {}, []  # expert -> [(min, max) of each sample that routed tokens to it], in order
+
+        def pre(module, args, kwargs, pending=pending, views=views):
+            pending.clear()
+            if getattr(views["0.gate_proj"], "quantization_scheme", None) is not None:
+                return
+            hidden, index = args[0], args[1].reshape(args[0].shape[0], -1)
+            seen = {}
+            for part, part_index in zip(hidden.chunk(hidden.shape[0] // 16), index.chunk(hidden.shape[0] // 16)):
+                for e in range(module.num_experts):
+                    x = part[(part_index == e).any(dim=-1)]
+                    if x.shape[0]:
+                        seen.setdefault(e, []).append((float(x.min()), float(x.max())))
+            pending.append((seen, sum(v.routed_tokens for v in views.values())))
+
+        def post(module, args, output, pending=pending, views=views, ranges=ranges):
+            if pending and sum(v.routed_tokens for v in views.values()) != pending[0][1]:  # a call it counted
+                for e, values in pending[0][0].items():
+                    ranges.setdefault(e, []).extend(values)
+
+        handles = [experts.register_forward_pre_hook(pre, with_kwargs=True), experts.register_forward_hook(post)]
+        recipe = {"s": {"QuantizationModifier": {
+            "scheme": "FP8", "input_observer": observer, "ignore": ["lm_head", "re:.*mlp.gate$"]}}}  # fmt: skip
+        llmc_fsm.oneshot(model=model, recipe=recipe, dataset=data, batch_size=batch_size, progress=False)
+        for handle in handles:
+            handle.remove()
+        scales.append({e: float(views[f"{e}.gate_proj"].quantized_params["input_scale"]) for e in ranges})
+        assert sorted(ranges) == [0, 1, 2, 3] and sum(len(v) for v in ranges.values()) > 8  # several per expert
+        for e, observed in ranges.items():
+            lo, hi = observed[0] if observer == "minmax" else observed[-1]
+            if observer == "minmax":
+                for sample_lo, sample_hi in observed[1:]:
+                    lo, hi = lo * 0.99 + sample_lo * 0.01, hi * 0.99 + sample_hi * 0.01
+            assert scales[-1][e] == pytest.approx(max(-lo, hi) / 448.0, rel=1e-6), (batch_size, e)
+    assert scales[0] == scales[1] == scales[2]
+
+
+def test_fp8_static_with_calibrate_all_experts_on_bfloat16(tmp_path, caplog):
+    """Found by a tester: a bfloat16 model's expert input scales were saved float32 (a Linear's are bfloat16), and
+    the warning said 'routed' with calibrate_all_experts. Now each expert's input_scale has the weight's dtype, as the
+    dense Linears' do; with every token through every expert, the gate_proj scales of a layer are equal (the same
+    inputs) and the warning says so; the reload gives the in-memory logits."""
+    build("qwen3_moe").to(torch.bfloat16).save_pretrained(tmp_path / "src")
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "src", dtype=torch.bfloat16).eval()
+    recipe = {"s": {"QuantizationModifier": {
+        "scheme": "FP8", "calibrate_all_experts": True, "ignore": ["lm_head", "re:.*mlp.gate$"]}}}  # fmt: skip
+    with caplog.at_level(logging.WARNING, logger="llmc_fsm_quantization"):
+        llmc_fsm.oneshot(model=model, recipe=recipe, dataset=DATA, output_dir=tmp_path / "o", progress=False)
+    assert "each expert's input_scale is calibrated on every calibration token (calibrate_all_experts) and" in (
+        caplog.text
+    )
+    dense = model.model.layers[0].self_attn.q_proj.input_scale
+    assert dense.dtype == torch.bfloat16
+    for name, module in _experts_modules(model).items():
+        views = weight_views(module)
+        assert {v.quantized_params["input_scale"].dtype for v in views.values()} == {torch.bfloat16}
+        gates = {float(views[f"{e}.gate_proj"].quantized_params["input_scale"]) for e in range(4)}
+        assert len(gates) == 1, name
+    with safe_open(str(sorted((tmp_path / "o").glob("*.safetensors"))[0]), "pt") as f:
+        assert f.get_tensor("model.layers.0.mlp.experts.1.up_proj.input_scale").dtype == torch.bfloat16
+    reloaded, _ = _reload(tmp_path / "o", "qwen3_moe")
     with torch.no_grad():
         assert torch.equal(reloaded(DATA[:2]).logits, model(DATA[:2]).logits)
 

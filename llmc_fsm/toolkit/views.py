@@ -265,7 +265,9 @@ def _routing_args(
 
 
 @torch.no_grad()
-def observe_inputs(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], *, all_experts: bool) -> None:
+def observe_inputs(
+    module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], *, all_experts: bool, samples: int | None = None
+) -> None:
     """Call each view of ``module`` on the input its matrix receives in ``module(*args, **kwargs)``.
 
     A forward pre-hook body (``with_kwargs=True``); the module's own forward then computes its output unchanged.
@@ -275,6 +277,12 @@ def observe_inputs(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, A
     every token goes through every expert (for statistics only; the output still uses the router's choice).
     ``routed_tokens`` of the expert's views grows by the routed count either way. An expert that gets no token is
     not called.
+
+    ``samples``: the calibration samples (rows of the batch) the module's tokens come from, sample-major (a
+    mixture-of-experts block flattens ``[batch, seq, hidden]`` to ``[batch * seq, hidden]`` before its experts);
+    given, and dividing the token count, each expert's views are called once per sample with that sample's routed
+    tokens, so that statistics kept per observation (input ranges: one observation per sample, as a Linear's
+    ``[batch, seq, in]`` input gives them) do not depend on how the samples were batched.
     """
     views = weight_views(module)
     if not views:
@@ -285,34 +293,53 @@ def observe_inputs(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, A
     hidden, index = _routing_args(module, args, kwargs)
     hidden = hidden.reshape(-1, hidden.shape[-1])
     index = index.reshape(hidden.shape[0], -1)
+    chunks = [(hidden, index)]
+    if samples is not None and samples > 1 and hidden.shape[0] % samples == 0:
+        chunks = list(zip(hidden.chunk(samples), index.chunk(samples), strict=True))
     for e in range(module.num_experts):
-        routed = (index == e).any(dim=-1)
-        count = int(routed.sum())
         names = [n for n in views if n.split(".")[-2] == str(e)]
-        for n in names:
-            views[n].routed_tokens += count
-        x = hidden if all_experts else hidden[routed]
-        if x.shape[0] == 0:
-            continue
-        if _is_dbrx(module):
-            mlp, pre = module.mlp, f"mlp.{e}."
-            views[pre + "w1"](x)
-            views[pre + "v1"](x)
-            h = mlp.activation_fn(F.linear(x, views[pre + "w1"].weight)) * F.linear(x, views[pre + "v1"].weight)
-            views[pre + "w2"](h)
-            continue
-        first = "gate_up_proj" if module.has_gate else "up_proj"
-        w = getattr(module, first)[e]
-        bias = getattr(module, f"{first}_bias")[e] if module.has_bias else None
-        out = F.linear(x, w.T if module.is_transposed else w, bias)
-        if module.has_gate:
-            views[f"{e}.gate_proj"](x)
-            views[f"{e}.up_proj"](x)
-            h = module._apply_gate(out)
-        else:
-            views[f"{e}.up_proj"](x)
-            h = module.act_fn(out)
-        views[f"{e}.down_proj"](h)
+        for part, part_index in chunks:
+            _observe_expert(module, views, names, e, part, part_index, all_experts=all_experts)
+
+
+def _observe_expert(
+    module: nn.Module,
+    views: dict[str, LinearView],
+    names: list[str],
+    e: int,
+    hidden: torch.Tensor,
+    index: torch.Tensor,
+    *,
+    all_experts: bool,
+) -> None:
+    """:func:`observe_inputs` for expert ``e`` (views ``names``) on tokens ``hidden`` ``[n, hidden]`` routed by
+    ``index`` ``[n, k]``."""
+    routed = (index == e).any(dim=-1)
+    count = int(routed.sum())
+    for n in names:
+        views[n].routed_tokens += count
+    x = hidden if all_experts else hidden[routed]
+    if x.shape[0] == 0:
+        return
+    if _is_dbrx(module):
+        mlp, pre = module.mlp, f"mlp.{e}."
+        views[pre + "w1"](x)
+        views[pre + "v1"](x)
+        h = mlp.activation_fn(F.linear(x, views[pre + "w1"].weight)) * F.linear(x, views[pre + "v1"].weight)
+        views[pre + "w2"](h)
+        return
+    first = "gate_up_proj" if module.has_gate else "up_proj"
+    w = getattr(module, first)[e]
+    bias = getattr(module, f"{first}_bias")[e] if module.has_bias else None
+    out = F.linear(x, w.T if module.is_transposed else w, bias)
+    if module.has_gate:
+        views[f"{e}.gate_proj"](x)
+        views[f"{e}.up_proj"](x)
+        h = module._apply_gate(out)
+    else:
+        views[f"{e}.up_proj"](x)
+        h = module.act_fn(out)
+    views[f"{e}.down_proj"](h)
 
 
 def observe_view_inputs(
@@ -321,6 +348,7 @@ def observe_view_inputs(
     done: Container[str] = (),
     *,
     all_experts: bool,
+    model: nn.Module | None = None,
 ) -> list[nn.Module]:
     """Hook every module whose views are among ``targets`` so that each view sees its own inputs.
 
@@ -336,6 +364,9 @@ def observe_view_inputs(
         targets: ``{name: module}``, the modifier's resolved targets (modules that are not views are passed over).
         done: names of targets whose views need no more inputs.
         all_experts: every calibration token through every expert, for statistics only (:func:`observe_inputs`).
+        model: the model holding the targets; given, each experts module's parent (the mixture-of-experts block,
+            called with ``[batch, seq, hidden]``) also gets a forward pre-hook that records its batch's rows, and the
+            experts' views are called once per sample (``samples`` of :func:`observe_inputs`).
 
     Returns:
         The hooked modules, in the order of their first view in ``targets``.
@@ -344,12 +375,37 @@ def observe_view_inputs(
     for name, view in targets.items():
         if isinstance(view, LinearView) and name not in done:
             sources.setdefault(id(view.source), view.source)
-    hook = functools.partial(observe_inputs, all_experts=all_experts)
+    rows: dict[int, int] = {}  # id(experts module) -> rows of the batch its parent was last called with
+    if model is not None:
+        names = {id(m): n for n, m in model.named_modules()}
+        for source in sources.values():
+            name = names.get(id(source))
+            if name and not _is_conv1d(source):
+                parent = model.get_submodule(name.rpartition(".")[0])
+                record = functools.partial(_record_rows, rows, id(source))
+                register_hook(parent, record, kind="forward_pre", with_kwargs=True)
     for source in sources.values():
         for view in weight_views(source).values():
             view.routed_tokens = 0
+        hook = functools.partial(_observe_source, rows, all_experts=all_experts)
         register_hook(source, hook, kind="forward_pre", with_kwargs=True)
     return list(sources.values())
+
+
+def _record_rows(rows: dict[int, int], key: int, module: nn.Module, args: tuple[Any, ...], kwargs: dict) -> None:
+    """Forward pre-hook of a mixture-of-experts block: the rows of its ``[batch, seq, hidden]`` input, for the
+    experts module ``key`` it calls (:func:`observe_view_inputs`)."""
+    hidden = args[0] if args else kwargs.get("hidden_states")
+    if isinstance(hidden, torch.Tensor) and hidden.dim() == 3:
+        rows[key] = int(hidden.shape[0])
+
+
+def _observe_source(
+    rows: dict[int, int], module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], *, all_experts: bool
+) -> None:
+    """Forward pre-hook of a module with views: :func:`observe_inputs`, per sample when its block's rows were
+    recorded for this call."""
+    observe_inputs(module, args, kwargs, all_experts=all_experts, samples=rows.pop(id(module), None))
 
 
 def _marker(view: LinearView, param: torch.Tensor, start: int = 0) -> torch.Tensor:

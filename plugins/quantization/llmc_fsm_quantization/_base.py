@@ -214,9 +214,10 @@ def _packed_and_reloaded(
 class CalibrationStatistics(HessianAccumulator):
     """:class:`~llmc_fsm.toolkit.obs.HessianAccumulator` of a target's inputs, plus their range for static input scales.
 
-    One observation is one calibration sample (a row of the batch ``[batch, seq, in_features]``; a 2-D input, e.g.
-    an expert's routed tokens, is one observation), taken in order, so the ranges do not depend on how the samples
-    are batched: llm-compressor 0.14 observes each forward call, and its ``oneshot`` calls the model once per
+    One observation is one calibration sample (a row of the batch ``[batch, seq, in_features]``; a 2-D input is one
+    observation: an expert matrix is given one sample's routed tokens at a time, see
+    :meth:`QuantizingModifier._observe_views`), taken in order, so the ranges do not depend on how the samples are
+    batched: llm-compressor 0.14 observes each forward call, and its ``oneshot`` calls the model once per
     sample (``batch_size`` 1, its default). Each observation gives the minimum and maximum over its input values
     (per tensor), kept three ways, one per activation observer of llm-compressor 0.14:
 
@@ -515,7 +516,7 @@ def _expert_scheme_problem(scheme: QuantizationScheme) -> str | None:
     return None
 
 
-def _expert_activations_note(scheme: QuantizationScheme) -> str | None:
+def _expert_activations_note(scheme: QuantizationScheme, *, all_experts: bool = False) -> str | None:
     """The warning of a run whose fused experts' scheme quantizes input activations, or ``None``.
 
     Fused experts are not Linear modules, so compressed-tensors puts no input quantization on them: in this run and
@@ -528,9 +529,10 @@ def _expert_activations_note(scheme: QuantizationScheme) -> str | None:
     if inputs is None:
         return None
     if inputs.dynamic is False:
+        tokens = "every calibration token (calibrate_all_experts)" if all_experts else "the tokens routed to it"
         how = (
-            "per tensor, static: each expert's input_scale is calibrated on the tokens routed to it and saved, and "
-            "transformers reports those as unexpected keys on reload"
+            f"per tensor, static: each expert's input_scale is calibrated on {tokens} and saved, and transformers "
+            "reports those as unexpected keys on reload"
         )
     else:
         how = f"per {inputs.strategy}, dynamic"
@@ -558,8 +560,8 @@ def _attach_view_qparams(view: LinearView, scheme: QuantizationScheme, quantized
         "weight_scale": quantized.scale.detach().to(view.weight.dtype).clone(),
         "weight_zero_point": quantized.zero_point.detach().to(args.zp_dtype or torch.int8).clone(),
     }
-    if quantized.input_scale is not None:  # static FP8 inputs: float32 [1], as a Linear module's input_scale
-        view.quantized_params["input_scale"] = quantized.input_scale.detach().to(torch.float32).clone()
+    if quantized.input_scale is not None:  # static FP8 inputs: [1] in the weight's dtype, as a Linear's input_scale
+        view.quantized_params["input_scale"] = quantized.input_scale.detach().to(view.weight.dtype).clone()
     if is_scaled_format(args):  # MX: the values its checkpoint decompresses to, as a module's (_as_reloaded)
         _view_as_reloaded(view, scheme)
         quantized.weight = view.weight.detach()
@@ -1123,7 +1125,7 @@ class QuantizingModifier(CalibratedModifier):
         if problem is not None:
             msg = f"{name}: {family}: fused experts {compact_names(list(sources))}: {problem}"
             raise ValueError(msg)
-        note = _expert_activations_note(scheme)
+        note = _expert_activations_note(scheme, all_experts=self.calibrate_all_experts)
         if note is not None and not self._experts_warned:  # once: oneshot's and explain's checks, or initialize
             self._experts_warned = True
             logger.warning("%s: %s: fused experts %s: %s", name, family, compact_names(list(sources)), note)
@@ -1217,8 +1219,17 @@ class QuantizingModifier(CalibratedModifier):
         #: input statistics), in order.
         self.round_to_nearest_fallback: list[str] = []
 
-    def _observe_views(self) -> None:
-        observe_view_inputs(self.register_hook, self._targets, self.results, all_experts=self.calibrate_all_experts)
+    def _observe_views(self, model: nn.Module) -> None:
+        """Feed every targeted expert matrix its inputs (:func:`~llmc_fsm.toolkit.views.observe_view_inputs`); with
+        calibrated input scales one observation per calibration sample (the experts module sees the batch's tokens
+        flattened), so that the ranges do not depend on the batch size, as a Linear's do not."""
+        observe_view_inputs(
+            self.register_hook,
+            self._targets,
+            self.results,
+            all_experts=self.calibrate_all_experts,
+            model=model if self.calibrated_inputs else None,
+        )
 
     def _record_routed(self) -> None:
         """Copy the routed-token counts of the expert matrices quantized since the last call."""
@@ -1312,7 +1323,7 @@ class QuantizingModifier(CalibratedModifier):
         experts targeted: a forward pre-hook on each experts module feeds every expert matrix its routed tokens
         (:func:`~llmc_fsm.toolkit.views.observe_inputs`; every token with ``calibrate_all_experts``)."""
         super().on_calibration_start(state)
-        self._observe_views()
+        self._observe_views(state.model)
         if self._kv_args is None:
             return
         names = dict.fromkeys(n.rpartition(".")[0] for n in self._kv_attention)
