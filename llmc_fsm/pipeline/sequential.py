@@ -133,11 +133,15 @@ def calibration_batches(data: Any, *, batch_size: int = 8) -> list[dict[str, Any
     return batches
 
 
-def check_targets_in_layers(session: Session, layers: nn.ModuleList, layers_name: str) -> None:
+def check_targets_in_layers(
+    session: Session, layers: nn.ModuleList, layers_name: str, *, streamed: bool = False
+) -> None:
     """Raise before any work if a modifier targets a module the pipeline never calibrates.
 
     Modifiers that expose ``resolved_targets`` (``{name: module}``, e.g. the
-    pruning plugin's) are checked; others are trusted.
+    pruning plugin's) are checked; others are trusted. A target the modifier compresses without calibration inputs
+    (its ``targets_without_inputs``, e.g. a quantizer's ``nn.Embedding``) may lie outside the layers, except in the
+    streamed pipeline (``streamed``), which writes the tensors outside the layers before it compresses anything.
 
     Raises:
         ValueError: naming the modifier, the modules outside the layers and the fix.
@@ -147,12 +151,19 @@ def check_targets_in_layers(session: Session, layers: nn.ModuleList, layers_name
         targets = getattr(modifier, "resolved_targets", None)
         if not isinstance(targets, Mapping):
             continue
-        outside = [name for name, module in targets.items() if id(module) not in inside]
+        free = frozenset() if streamed else getattr(modifier, "targets_without_inputs", frozenset())
+        outside = [name for name, module in targets.items() if id(module) not in inside and name not in free]
         if outside:
             shown = ", ".join(outside[:5]) + (f" and {len(outside) - 5} more" if len(outside) > 5 else "")
+            fix = "Add them to the modifier's ignore list."
+            if streamed and set(outside) <= getattr(modifier, "targets_without_inputs", frozenset()):
+                fix = (
+                    "low_memory (--low-memory) writes the tensors outside the layers before compressing any: run "
+                    "without it, or add them to the modifier's ignore list."
+                )
             msg = (
                 f"{modifier.modifier_name()} targets {shown}, outside the decoder layers ({layers_name}); the "
-                "sequential pipeline calibrates only the decoder layers. Add them to the modifier's ignore list."
+                f"sequential pipeline calibrates only the decoder layers. {fix}"
             )
             raise ValueError(msg)
 

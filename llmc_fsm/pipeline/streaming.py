@@ -348,7 +348,7 @@ def compress_streaming(
         msg = f"activation_budget must be a number of bytes >= 0 or None, got {activation_budget!r}"
         raise ValueError(msg)
     check_streamable(session)
-    check_targets_in_layers(session, lazy.layers, lazy.layers_name)
+    check_targets_in_layers(session, lazy.layers, lazy.layers_name, streamed=True)
     batches = calibration_batches(windows, batch_size=batch_size) if windows.shape[0] else []
     eval_batches = _window_batches(eval_windows) if eval_windows is not None else []
     device = torch.device("cpu") if device is None else device

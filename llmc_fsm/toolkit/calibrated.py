@@ -230,6 +230,13 @@ class CalibratedModifier(Modifier):
         """``{full name: module}`` selected at initialize (empty before)."""
         return dict(self._targets)
 
+    @property
+    def targets_without_inputs(self) -> frozenset[str]:
+        """Names of targets compressed without calibration inputs, at ``calibration_end`` (none here; a quantizer's
+        ``nn.Embedding``). The in-memory sequential pipeline accepts them outside the decoder layers
+        (:func:`llmc_fsm.pipeline.sequential.check_targets_in_layers`)."""
+        return frozenset()
+
     # ---- subclass API ----------------------------------------------------------
     def _new_accumulator(self, module: nn.Module) -> Any:
         """A fresh statistics accumulator for ``module`` (``add_batch(x)``, ``num_samples``, ``in_features``).

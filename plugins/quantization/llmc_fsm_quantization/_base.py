@@ -1243,7 +1243,14 @@ class QuantizingModifier(CalibratedModifier):
         sent its expert no token, without ``calibrate_all_experts``) is quantized by round-to-nearest with the
         scheme's observer (``minmax`` for ``imatrix_mse``): a layer's experts are reloaded from packed weights only,
         so none is left dense; a static input scale it takes from its calibrated siblings (:meth:`_idle_input_scales`).
-        Named in a warning and in :attr:`round_to_nearest_fallback`."""
+        Named in a warning and in :attr:`round_to_nearest_fallback`. An ``nn.Embedding`` target is quantized without
+        inputs (:attr:`targets_without_inputs`)."""
+        embeddings = [(n, m) for n, m in modules.items() if isinstance(m, nn.Embedding)]
+        if embeddings and self.needs_inputs:
+            for name, _ in embeddings:
+                self._acc.pop(name, None)
+            self._compress_members(None, embeddings)
+            modules = {name: module for name, module in modules.items() if not isinstance(module, nn.Embedding)}
         if self.needs_inputs:
             idle = {
                 name: module
@@ -1413,26 +1420,25 @@ class QuantizingModifier(CalibratedModifier):
         An embedding's weight ``[vocab, hidden]`` is quantized data-free by round-to-nearest, weight only, with an
         int scheme (saved ``int-quantized``: transformers 5.24 cannot reload a packed embedding, see
         :func:`llmc_fsm.output.compressed.unpacked_embeddings`) or FP8 per channel / tensor; its inputs are token
-        ids, so nothing that needs calibration inputs applies to it.
+        ids, so nothing that needs calibration inputs applies to it. In a modifier that calibrates its other
+        targets it is quantized at ``calibration_end`` (:meth:`_compress_all`), so the decoder layers calibrate on
+        the float embedding's output; GPTQ then rounds it to nearest too, as llm-compressor's GPTQ leaves an
+        Embedding to its observer (the Hessian of one-hot inputs is diagonal: GPTQ's error feedback would have
+        nothing to act on).
         """
         scheme = self.scheme_of(name)
         args = weight_args(scheme)
-        if self.measures_output_error:  # GPTQ: the Hessian of a Linear's inputs
-            return (
-                "an Embedding has no inputs to take a Hessian of (GPTQ): quantize embeddings with a separate "
-                "QuantizationModifier (round-to-nearest, weight only)"
-            )
-        if self.needs_inputs:
-            return (
-                "an Embedding is quantized data-free, and this modifier needs calibration inputs (imatrix_mse, static "
-                "input activations or kv_cache_scheme): quantize embeddings with a separate QuantizationModifier"
-            )
         if scheme.input_activations is not None or scheme.output_activations is not None:
             return "an Embedding's inputs are token ids: quantize its weight only (e.g. W8A16, W4A16)"
         kind = str(getattr(args.type, "value", args.type))
         if is_scaled_format(args) or not (kind == "int" or (kind == "float" and args.num_bits == 8)):
             return "an Embedding is quantized with int weights or FP8 per channel / tensor only (not NVFP4, MX, block)"
         return None
+
+    @property
+    def targets_without_inputs(self) -> frozenset[str]:
+        """The ``nn.Embedding`` targets: quantized data-free at ``calibration_end`` (:meth:`_embedding_problem`)."""
+        return frozenset(n for n, m in self._targets.items() if isinstance(m, nn.Embedding))
 
     def _make_hook(self, name: str) -> Any:
         """:meth:`CalibratedModifier._make_hook`; an ``nn.Embedding`` target (its inputs are token ids) collects

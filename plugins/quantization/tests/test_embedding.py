@@ -11,6 +11,7 @@ import torch
 from tiny_quant_models import tiny_llama
 
 import llmc_fsm
+from llmc_fsm_quantization import load_kv_cache_scales
 
 W4_G32 = {"preset": "W4A16", "weights": {"group_size": 32}}
 W4_ASYM_G32 = {"preset": "W4A16_ASYM", "weights": {"group_size": 32}}
@@ -93,16 +94,90 @@ def test_a_packed_embedding_checkpoint_is_what_transformers_cannot_reload(tmp_pa
         AutoModelForCausalLM.from_pretrained(out)
 
 
+INT8_TENSOR = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "tensor"}
+#: llm-compressor's tests/llmcompressor/transformers/compression/recipes/new_quant_simple.yaml: static int8 inputs
+#: on the Linears (calibrated), the Embedding weight-only
+SIMPLE = {"QuantizationModifier": {"ignore": ["lm_head"], "config_groups": {
+    "group_0": {"weights": INT8_TENSOR, "targets": ["Linear"], "input_activations": {
+        "num_bits": 8, "type": "int", "symmetric": False, "strategy": "tensor"}},
+    "group_1": {"weights": INT8_TENSOR, "targets": ["Embedding"]}}}}
+#: new_quant_weight.yaml: a QuantizationModifier config over Linear and Embedding, then a bare GPTQModifier taking it
+WEIGHT = {"QuantizationModifier": {"ignore": ["lm_head", "model.layers.0.mlp.down_proj"], "config_groups": {
+    "group_0": {"weights": INT8_TENSOR, "targets": ["Linear", "Embedding"]}}}, "GPTQModifier": {"block_size": 128}}
+KV = {"QuantizationModifier": {"scheme": W4_G32, "targets": ["Embedding", "Linear"], "kv_cache_scheme": {
+    "num_bits": 8, "type": "float", "symmetric": True, "dynamic": False, "strategy": "tensor"}}}
+
+
+@pytest.mark.parametrize(("stage", "bits", "group"), [(SIMPLE, 8, None), (WEIGHT, 8, None), (KV, 4, 32)])
+def test_an_embedding_in_a_calibrated_modifier_is_rounded_to_nearest_after_the_layers(tmp_path, stage, bits, group):
+    """llm-compressor's recipes that quantize the Embedding beside calibrated Linears (static input scales, GPTQ,
+    a KV-cache scheme; before, refused): the embedding is rounded to nearest, its scale equal to the hand
+    computation and its values on the stored scale's grid, within one step of the float64 hand rounding (GPTQ has
+    no Hessian to act on for one-hot inputs); it is quantized at calibration end, so the decoder layers calibrate on
+    the float embedding: every other weight equals that of the same recipe without the Embedding target; the
+    checkpoint reloads with the in-memory logits."""
+    from transformers import AutoModelForCausalLM
+
+    data = torch.randint(0, 128, (8, 16), generator=torch.Generator().manual_seed(0))
+    model = tiny_llama()
+    original = model.model.embed_tokens.weight.detach().clone()
+    out = tmp_path / "out"
+    llmc_fsm.oneshot(model=model, recipe={"q": stage}, dataset=data, output_dir=out, progress=False)
+    emb = model.model.embed_tokens
+    expected, scale = _hand(original, bits, group, True)  # per group of a row
+    if group is None:  # per tensor: one scale over the whole matrix
+        scale = (original.abs().max().double() / ((2**bits - 1) / 2)).reshape(1)
+        expected = torch.clamp(torch.round(original.double() / scale), -(2 ** (bits - 1)), 2 ** (bits - 1) - 1) * scale
+    torch.testing.assert_close(emb.weight_scale.double().flatten(), scale.flatten(), rtol=1e-6, atol=0)
+    s = emb.weight_scale.float().reshape(-1, 1) if group is None else emb.weight_scale.float().unsqueeze(-1)
+    g = original.reshape(1, -1) if group is None else original.reshape(original.shape[0], -1, group)
+    q = torch.clamp(torch.round(g / s), -(2 ** (bits - 1)), 2 ** (bits - 1) - 1)
+    assert torch.equal(emb.weight, (q * s).reshape(original.shape))  # on the grid of the stored scale
+    torch.testing.assert_close(emb.weight.double(), expected, rtol=0, atol=float(scale.max()) * 1.0001)  # <= 1 step
+    without = tiny_llama()
+    dense = json.loads(json.dumps(stage))  # the same recipe without the Embedding target
+    for spec in dense.values():
+        if "targets" in spec:
+            spec["targets"] = [t for t in spec["targets"] if t != "Embedding"]
+        groups = spec.get("config_groups", {})
+        for name, group in list(groups.items()):
+            group["targets"] = [t for t in group["targets"] if t != "Embedding"]
+            if not group["targets"]:
+                del groups[name]
+    llmc_fsm.oneshot(model=without, recipe={"q": dense}, dataset=data, progress=False)
+    assert not hasattr(without.model.embed_tokens, "weight_scale")
+    for name, param in without.named_parameters():
+        assert torch.equal(param, model.get_parameter(name)) or name == "model.embed_tokens.weight", name
+    x = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(1))
+    reloaded = AutoModelForCausalLM.from_pretrained(out).eval()
+    if "kv_cache_scheme" in stage["QuantizationModifier"]:  # transformers does not apply the KV-cache scales itself
+        assert load_kv_cache_scales(reloaded, out) == 2
+    with torch.no_grad():
+        assert torch.equal(reloaded(x).logits, model(x).logits)
+
+
+def test_an_embedding_in_a_calibrated_modifier_is_refused_with_low_memory(tmp_path) -> None:
+    """The streamed path writes the tensors outside the layers before compressing any: an Embedding target of a
+    calibrating modifier is refused there before any work, saying so."""
+    directory = tmp_path / "model"
+    tiny_llama().save_pretrained(directory)
+    data = torch.randint(0, 128, (8, 16), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError) as info:
+        llmc_fsm.oneshot(
+            model=str(directory), recipe={"q": SIMPLE}, dataset=data, output_dir=tmp_path / "o", low_memory=True,
+            progress=False,
+        )  # fmt: skip
+    assert str(info.value) == (
+        "QuantizationModifier targets model.embed_tokens, outside the decoder layers (model.layers); the sequential "
+        "pipeline calibrates only the decoder layers. low_memory (--low-memory) writes the tensors outside the "
+        "layers before compressing any: run without it, or add them to the modifier's ignore list."
+    )
+    assert not (tmp_path / "o").exists()
+
+
 @pytest.mark.parametrize(("modifier", "args", "message"), [
-    ("GPTQModifier", {"scheme": W4_G32, "targets": ["Embedding"]},
-     "an Embedding has no inputs to take a Hessian of (GPTQ): quantize embeddings with a separate "
-     "QuantizationModifier (round-to-nearest, weight only): model.embed_tokens"),
     ("QuantizationModifier", {"scheme": "FP8_DYNAMIC", "targets": ["Embedding"]},
      "an Embedding's inputs are token ids: quantize its weight only (e.g. W8A16, W4A16): model.embed_tokens"),
-    ("QuantizationModifier", {"scheme": W4_G32, "targets": ["Embedding", "Linear"], "kv_cache_scheme": {
-        "num_bits": 8, "type": "float", "symmetric": True, "dynamic": False, "strategy": "tensor"}},
-     "an Embedding is quantized data-free, and this modifier needs calibration inputs (imatrix_mse, static input "
-     "activations or kv_cache_scheme): quantize embeddings with a separate QuantizationModifier: model.embed_tokens"),
     ("QuantizationModifier", {"scheme": "NVFP4A16", "targets": ["Embedding"]},
      "an Embedding is quantized with int weights or FP8 per channel / tensor only (not NVFP4, MX, block): "
      "model.embed_tokens"),
