@@ -581,9 +581,9 @@ def test_fp8_dynamic_rounds_each_expert_matrix_by_hand_saves_it_per_expert_and_r
     assert warned == [
         f"QuantizationModifier: {type(model).__name__} (model_type {family!r}): fused experts "
         "model.layers.{0..3}.mlp.experts: the fused experts' input activations (per token, dynamic) are not "
-        "quantized in this run nor when transformers reloads the checkpoint (fused experts are not Linear modules; "
+        "quantized in memory nor when transformers reloads the checkpoint (fused experts are not Linear modules; "
         "transformers runs them dense): their weights are, and the saved config asks the serving engine (vLLM) to "
-        "quantize their inputs; the perplexity measured here does not include that"
+        "quantize their inputs; a perplexity llmc-fsm measures does not include that"
     ]
     for name, module in experts.items():
         for suffix, view in weight_views(module).items():
@@ -670,9 +670,9 @@ def test_fp8_static_calibrates_each_expert_s_input_scale_on_its_routed_tokens_an
         f"QuantizationModifier: {type(model).__name__} (model_type {family!r}): fused experts "
         "model.layers.{0..3}.mlp.experts: the fused experts' input activations (per tensor, static: each expert's "
         "input_scale is calibrated on the tokens routed to it and saved, and transformers reports those as unexpected "
-        "keys on reload) are not quantized in this run nor when transformers reloads the checkpoint (fused experts "
+        "keys on reload) are not quantized in memory nor when transformers reloads the checkpoint (fused experts "
         "are not Linear modules; transformers runs them dense): their weights are, and the saved config asks the "
-        "serving engine (vLLM) to quantize their inputs; the perplexity measured here does not include that"
+        "serving engine (vLLM) to quantize their inputs; a perplexity llmc-fsm measures does not include that"
     ]
     expected_unexpected = []
     for name, module in experts.items():
@@ -901,7 +901,7 @@ def test_explain_with_a_moe_directory_gives_the_experts_warning_once_as_oneshot_
         assert len(warned()) == 1 and warned()[0].startswith(
             "QuantizationModifier: Qwen3MoeForCausalLM (model_type 'qwen3_moe'): fused experts "
             "model.layers.{0..3}.mlp.experts: the fused experts' input activations (per token, dynamic) are not "
-            "quantized in this run"
+            "quantized in memory"
         )
         caplog.clear()
         llmc_fsm.oneshot(

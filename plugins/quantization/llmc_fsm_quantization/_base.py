@@ -519,7 +519,7 @@ def _expert_scheme_problem(scheme: QuantizationScheme) -> str | None:
 def _expert_activations_note(scheme: QuantizationScheme, *, all_experts: bool = False) -> str | None:
     """The warning of a run whose fused experts' scheme quantizes input activations, or ``None``.
 
-    Fused experts are not Linear modules, so compressed-tensors puts no input quantization on them: in this run and
+    Fused experts are not Linear modules, so compressed-tensors puts no input quantization on them: in memory and
     after transformers reloads the checkpoint they run with FP8 weights and unquantized inputs; the saved config
     asks the engine that serves the checkpoint (vLLM) to quantize their inputs (dynamic: per token; static: with
     each expert's calibrated ``input_scale``, saved per expert), as llm-compressor's checkpoints of the same recipe
@@ -537,10 +537,10 @@ def _expert_activations_note(scheme: QuantizationScheme, *, all_experts: bool = 
     else:
         how = f"per {inputs.strategy}, dynamic"
     return (
-        f"the fused experts' input activations ({how}) are not quantized in this run nor "
+        f"the fused experts' input activations ({how}) are not quantized in memory nor "
         "when transformers reloads the checkpoint (fused experts are not Linear modules; transformers runs them "
         "dense): their weights are, and the saved config asks the serving engine (vLLM) to quantize their inputs; "
-        "the perplexity measured here does not include that"
+        "a perplexity llmc-fsm measures does not include that"
     )
 
 
