@@ -232,7 +232,7 @@ def test_sequential_pruned_through_the_api_reports_its_targets():
         "calibration: none (no modifier needs calibration data)",
         "      0          64    50.00%",
         "      2          32    50.00%",
-        "  total          96    50.00%   (targeted Linear weights)",
+        "  total          96    50.00%   (targeted weights)",
         "",
         "perplexity: not measured (pass --eval-text FILE)",
     ]

@@ -66,7 +66,8 @@ def measure_sparsity(model: nn.Module, layers: nn.ModuleList | None = None) -> l
     """The exact zeros of every ``nn.Linear`` weight of ``model`` (tied weights counted once), in module order.
 
     Weights seen through a :class:`~llmc_fsm.toolkit.views.LinearView` count too: each expert matrix of fused
-    mixture-of-experts weights (``<experts>.<e>.gate_proj`` ...) and each ``Conv1D`` (under its own name).
+    mixture-of-experts weights (``<experts>.<e>.gate_proj`` ...) and each ``Conv1D`` (under its own name); and a
+    quantized ``nn.Embedding`` (one that carries a compressed-tensors ``quantization_scheme``).
     ``layers``: the decoder layers, to record each module's layer index (``None`` outside them).
     """
     layer_of: dict[int, int] = {}
@@ -82,7 +83,8 @@ def measure_sparsity(model: nn.Module, layers: nn.ModuleList | None = None) -> l
             full = f"{name}.{suffix}" if suffix and name else (suffix or name)
             zeros = w.numel() - int(torch.count_nonzero(w))
             out.append(ModuleSparsity(name=full, layer=layer_of.get(id(module)), zeros=zeros, numel=w.numel()))
-        if not isinstance(module, nn.Linear) or id(module.weight) in seen:
+        quantized_embedding = isinstance(module, nn.Embedding) and hasattr(module, "quantization_scheme")
+        if not (isinstance(module, nn.Linear) or quantized_embedding) or id(module.weight) in seen:
             continue
         seen.add(id(module.weight))
         w = module.weight
@@ -297,17 +299,21 @@ class OneshotReport:
             lines.append(f"calibration: {cal.get('source')}")
         rows = self.layer_sparsity()
         quant = self.layer_quantization()
+        outside = [m for m in self._targeted() if m.layer is None]
+        bits_columns = bool(quant) or any(m.bits is not None for m in outside)
         if rows:
             lines.append("")
-            extra = f"  {'quantized':>9}  {'rel. output error':>16}" if quant else ""
+            extra = f"  {'quantized':>9}  {'rel. output error':>16}" if bits_columns else ""
             lines.append(f"{'layer':>7}  {'weights':>10}  {'sparsity':>8}{extra}")
             for i, s, n in rows:
                 label, err = quant.get(i, ("-", None))
-                extra = f"  {label:>9}  {'-' if err is None else f'{err:.4f}':>16}" if quant else ""
+                extra = f"  {label:>9}  {'-' if err is None else f'{err:.4f}':>16}" if bits_columns else ""
                 lines.append(f"{i:>7}  {n:>10,}  {s:>8.2%}{extra}")
-        outside = [m for m in self._targeted() if m.layer is None]
-        for m in outside:
-            lines.append(f"{m.name:>7}  {m.numel:>10,}  {m.sparsity:>8.2%}")
+        for m in outside:  # lm_head, a quantized embedding
+            label = f"{m.bits}b" + (f"/g{m.group_size}" if m.group_size else "") if m.bits is not None else "-"
+            err = m.rel_output_error
+            extra = f"  {label:>9}  {'-' if err is None else f'{err:.4f}':>16}" if bits_columns else ""
+            lines.append(f"{m.name:>7}  {m.numel:>10,}  {m.sparsity:>8.2%}{extra}")
         lines.extend(self._stacked_errors_note())
         lines.extend(self._routed_tokens_note())
         lines.extend(_smoothing_line(label, results) for label, results in self.smoothing.items())
@@ -315,8 +321,8 @@ class OneshotReport:
         lines.extend(_tuning_line(label, results) for label, results in self.tuning.items())
         untouched = [m for m in self.modules if m.name not in set(self.targeted)]
         total_numel = sum(m.numel for m in self._targeted())
-        lines.append(f"{'total':>7}  {total_numel:>10,}  {self.total_sparsity:>8.2%}   (targeted Linear weights)")
-        if quant:
+        lines.append(f"{'total':>7}  {total_numel:>10,}  {self.total_sparsity:>8.2%}   (targeted weights)")
+        if bits_columns:
             lines.append(
                 "(a quantized weight's sparsity counts the zeros it held before quantization; "
                 "values that round to zero are not counted)"
