@@ -35,6 +35,15 @@ def _hand(weight: torch.Tensor, bits: int, group: int | None, symmetric: bool) -
     return ((q - zero) * scale).reshape(rows, cols), scale.squeeze(-1)
 
 
+def _assert_reported(model, bits: int, group: int | None) -> None:
+    """The one-shot report lists the quantized embedding outside the layers, with its bits and group size."""
+    report = model.llmc_fsm_report
+    (row,) = [m for m in report.modules if m.name == "model.embed_tokens"]
+    assert (row.layer, row.bits, row.group_size, row.numel) == (None, bits, group, 128 * 64)
+    label = f"{bits}b" + (f"/g{group}" if group else "")
+    assert f"model.embed_tokens       8,192     0.00%  {label:>9}                 -" in report.format_table()
+
+
 @pytest.mark.parametrize(("scheme", "bits", "group", "symmetric"), [
     (W4_G32, 4, 32, True), (W4_ASYM_G32, 4, 32, False), (INT8_CHANNEL, 8, None, True),
 ])
@@ -57,11 +66,7 @@ def test_an_embedding_is_quantized_by_round_to_nearest_and_reloads(tmp_path, sch
     q = (g / s.unsqueeze(-1) + z.unsqueeze(-1)).round().clamp(-(2 ** (bits - 1)), 2 ** (bits - 1) - 1)
     assert torch.equal(emb.weight, ((q - z.unsqueeze(-1)) * s.unsqueeze(-1)).reshape(rows, cols))
     torch.testing.assert_close(emb.weight.double(), expected, rtol=0, atol=float(scale.max()) * 1.0001)  # <= 1 step
-    report = model.llmc_fsm_report
-    (row,) = [m for m in report.modules if m.name == "model.embed_tokens"]
-    assert (row.layer, row.bits, row.group_size, row.numel) == (None, bits, group, 128 * 64)
-    label = f"{bits}b" + (f"/g{group}" if group else "")
-    assert f"model.embed_tokens       8,192     0.00%  {label:>9}                 -" in report.format_table()
+    _assert_reported(model, bits, group)
     per_group = emb.weight.reshape(emb.weight.shape[0], -1, group or emb.weight.shape[1])
     assert max(len(torch.unique(row)) for rows in per_group for row in rows) <= 2**bits
     config = json.loads((out / "config.json").read_text())["quantization_config"]
@@ -139,11 +144,7 @@ def test_an_embedding_in_a_calibrated_modifier_is_rounded_to_nearest_after_the_l
     q = torch.clamp(torch.round(g / s), -(2 ** (bits - 1)), 2 ** (bits - 1) - 1)
     assert torch.equal(emb.weight, (q * s).reshape(original.shape))  # on the grid of the stored scale
     torch.testing.assert_close(emb.weight.double(), expected, rtol=0, atol=float(scale.max()) * 1.0001)  # <= 1 step
-    report = model.llmc_fsm_report
-    (row,) = [m for m in report.modules if m.name == "model.embed_tokens"]
-    assert (row.layer, row.bits, row.group_size, row.numel) == (None, bits, group, 128 * 64)
-    label = f"{bits}b" + (f"/g{group}" if group else "")
-    assert f"model.embed_tokens       8,192     0.00%  {label:>9}                 -" in report.format_table()
+    _assert_reported(model, bits, group)
     without = tiny_llama()
     dense = json.loads(json.dumps(stage))  # the same recipe without the Embedding target
     for spec in dense.values():
