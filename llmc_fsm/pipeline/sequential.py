@@ -158,8 +158,9 @@ def check_targets_in_layers(
             fix = "Add them to the modifier's ignore list."
             if streamed and set(outside) <= getattr(modifier, "targets_without_inputs", frozenset()):
                 fix = (
-                    "low_memory (--low-memory) writes the tensors outside the layers before compressing any: run "
-                    "without it, or add them to the modifier's ignore list."
+                    "The streamed path (low_memory; the command's default when the job allows it) writes the tensors "
+                    "outside the layers before compressing any: run in memory (--in-memory; Python: low_memory="
+                    "False), or add them to the modifier's ignore list."
                 )
             msg = (
                 f"{modifier.modifier_name()} targets {shown}, outside the decoder layers ({layers_name}); the "

@@ -894,11 +894,19 @@ class QuantizingModifier(CalibratedModifier):
 
     def streaming_refusal(self) -> str | None:
         """A KV-cache scheme or attention quantization observes keys and values (and queries) through the model's
-        own attention forward, which streamed layers do not give: those jobs run in memory."""
-        if self._kv_args is None:
-            return None
-        what = "attention quantization" if self.attention_scheme is not None else "kv_cache_scheme"
-        return f"{what} observes the attention's keys and values in the whole model's forward"
+        own attention forward, which streamed layers do not give; an ``Embedding`` target of a modifier that
+        calibrates is quantized at calibration end, after the streamed path wrote the tensors outside the layers:
+        those jobs run in memory. (An embedding selected by name or ``re:`` is refused once the targets are known,
+        :func:`llmc_fsm.pipeline.sequential.check_targets_in_layers`.)"""
+        if self._kv_args is not None:
+            what = "attention quantization" if self.attention_scheme is not None else "kv_cache_scheme"
+            return f"{what} observes the attention's keys and values in the whole model's forward"
+        if self.needs_inputs and any("Embedding" in (s.targets or ()) for s in self._groups.values()):
+            return (
+                "an Embedding target is quantized when the calibration ends, after the streamed path wrote the "
+                "tensors outside the decoder layers"
+            )
+        return None
 
     @property
     def kv_cache_results(self) -> dict[str, dict[str, list[float]]]:

@@ -179,11 +179,52 @@ def test_an_embedding_in_a_calibrated_modifier_is_refused_with_low_memory(tmp_pa
             progress=False,
         )  # fmt: skip
     assert str(info.value) == (
-        "QuantizationModifier targets model.embed_tokens, outside the decoder layers (model.layers); the sequential "
-        "pipeline calibrates only the decoder layers. low_memory (--low-memory) writes the tensors outside the "
-        "layers before compressing any: run without it, or add them to the modifier's ignore list."
+        "low_memory (--low-memory) cannot run this job: QuantizationModifier: an Embedding target is quantized when "
+        "the calibration ends, after the streamed path wrote the tensors outside the decoder layers; run without "
+        "low_memory"
     )
     assert not (tmp_path / "o").exists()
+    by_name = {"q": {"QuantizationModifier": {**SIMPLE["QuantizationModifier"], "config_groups": {
+        "group_0": SIMPLE["QuantizationModifier"]["config_groups"]["group_0"],
+        "group_1": {"weights": INT8_TENSOR, "targets": ["re:.*embed_tokens$"]}}}}}  # fmt: skip
+    with pytest.raises(ValueError) as info:  # selected by name: refused once the targets are known
+        llmc_fsm.oneshot(
+            model=str(directory), recipe=by_name, dataset=data, output_dir=tmp_path / "o", low_memory=True,
+            progress=False,
+        )  # fmt: skip
+    assert str(info.value) == (
+        "QuantizationModifier targets model.embed_tokens, outside the decoder layers (model.layers); the sequential "
+        "pipeline calibrates only the decoder layers. The streamed path (low_memory; the command's default when the "
+        "job allows it) writes the tensors outside the layers before compressing any: run in memory (--in-memory; "
+        "Python: low_memory=False), or add them to the modifier's ignore list."
+    )
+    assert not (tmp_path / "o").exists()
+
+
+def test_the_command_runs_an_embedding_recipe_in_memory_by_default(tmp_path) -> None:
+    """``llmc-fsm oneshot`` streams a job by default when it can: an Embedding target of a calibrating modifier makes
+    it run in memory instead (found in this session: it streamed, then refused)."""
+    import sys
+    from pathlib import Path
+
+    import yaml
+    from transformers import AutoModelForCausalLM
+
+    from llmc_fsm.cli import main
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "tests"))
+    import tiny_llama as words  # a tiny Llama with a word-level tokenizer trained on its calibration text
+
+    directory, text = words.build_with_text(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(directory)  # untied, so that the embedding is not ignored with lm_head
+    model.config.tie_word_embeddings = False
+    model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
+    model.save_pretrained(directory)
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(yaml.safe_dump({"q": SIMPLE}))
+    assert main(words.oneshot_argv(directory, text, tmp_path / "o", "--recipe", str(recipe))) == 0
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "o")
+    assert hasattr(reloaded.model.embed_tokens, "weight_scale")  # quantized in the checkpoint
 
 
 @pytest.mark.parametrize(("modifier", "args", "message"), [
