@@ -808,6 +808,69 @@ def test_fp8_static_gives_an_expert_without_routed_tokens_the_largest_scale_of_i
         assert torch.equal(reloaded(DATA[:2]).logits, model(DATA[:2]).logits)
 
 
+#: Kimi-K2-style non-uniform quantization: FP8 (dynamic inputs) on attention, int4 g16 weight-only on the experts
+MIXED = {
+    "attention": {"targets": ["re:.*self_attn\\..*"], "weights": {
+        "num_bits": 8, "type": "float", "symmetric": True, "strategy": "channel"}, "input_activations": {
+        "num_bits": 8, "type": "float", "symmetric": True, "strategy": "token", "dynamic": True}},
+    "experts": {"targets": ["re:.*\\.experts\\..*"], "weights": {
+        "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 16}},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("modifier", ["QuantizationModifier", "GPTQModifier"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_config_groups_with_one_group_for_the_experts_reload(tmp_path, family, modifier):
+    """Several config groups, the experts in one of them (before: refused): the saved config gives the experts a
+    group of their scheme targeting their per-expert checkpoint names with a re: pattern, which is the group
+    transformers 5.25's experts loader takes for them (get_experts_scheme), the attention its group by name; format
+    mixed-precision. Round-to-nearest: every expert matrix equals int4 g16 rounding by hand; the attention Linears
+    carry FP8 scales; the reload has no missing or unexpected key and the in-memory experts and logits."""
+    from transformers.integrations.compressed_tensors import get_experts_scheme
+
+    model = build(family)
+    experts = _experts_modules(model)
+    originals = {f"{n}.{s}": v.weight.detach().clone() for n, m in experts.items() for s, v in weight_views(m).items()}
+    recipe = {"s": {modifier: {"config_groups": MIXED, "ignore": ["lm_head", "re:.*mlp.gate$"]}}}
+    llmc_fsm.oneshot(model=model, recipe=recipe, dataset=DATA, output_dir=tmp_path / "o", progress=False)
+    config = transformers.AutoConfig.from_pretrained(tmp_path / "o").quantization_config
+    assert config["format"] == "mixed-precision"
+    names = "w1|w2|w3" if family == "mixtral" else "down_proj|gate_proj|up_proj"
+    groups = {g["format"]: g["targets"] for g in config["config_groups"].values()}
+    assert groups["pack-quantized"] == [f"re:.*\\.experts\\.\\d+\\.({names})$"]
+    ct_config = transformers.utils.quantization_config.CompressedTensorsConfig.from_dict(config).quantization_config
+    assert get_experts_scheme(ct_config).weights.num_bits == 4  # the group transformers reloads the experts with
+    assert model.model.layers[0].self_attn.q_proj.weight_scale.shape == (model.config.num_attention_heads * 16, 1)
+    if modifier == "QuantizationModifier":
+        for name, module in experts.items():
+            for suffix, view in weight_views(module).items():
+                assert torch.equal(view.weight, _rtn(originals[f"{name}.{suffix}"])), f"{name}.{suffix}"
+    _assert_reloads_as_in_memory(tmp_path / "o", family, model, experts)
+
+
+def test_expert_matrices_in_groups_of_different_schemes_are_refused(tmp_path):
+    """transformers reloads every expert of the model with one scheme: expert 0 in a W4A16 group and the others in a
+    W8A16 group is refused before any work, naming both groups."""
+    groups = {
+        "first": {"targets": ["re:.*\\.experts\\.0\\..*"], "weights": {
+            "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 16}},
+        "rest": {"targets": ["re:.*\\.experts\\.[1-3]\\..*"], "weights": {
+            "num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"}},
+    }  # fmt: skip
+    model = build("qwen3_moe")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    recipe = {"s": {"QuantizationModifier": {"config_groups": groups, "ignore": ["lm_head", "re:.*mlp.gate$"]}}}
+    with pytest.raises(ValueError) as info:
+        llmc_fsm.oneshot(model=model, recipe=recipe, dataset=DATA, output_dir=tmp_path / "o", progress=False)
+    assert str(info.value) == (
+        "QuantizationModifier: Qwen3MoeForCausalLM (model_type 'qwen3_moe'): the fused experts' matrices are in "
+        "several config groups (first, rest): transformers reloads every expert of the model with one group's "
+        "scheme; put all expert matrices in one config group"
+    )
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert not (tmp_path / "o").exists()
+
+
 def _qwen3_moe_refusal(tmp_path, preset: str) -> str:
     """The message of QuantizationModifier ``preset`` refused on the tiny float32 Qwen3-MoE; the weights are
     unchanged and nothing is written."""

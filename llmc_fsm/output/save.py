@@ -317,10 +317,36 @@ def write_quantization_config(
         config.kv_cache_scheme = kv_cache_scheme(model) or config.kv_cache_scheme  # the plugin's calibrated KV scales
         if (attention := attention_scheme(model)) is not None:  # attention quantization: q/k/v scales
             config.config_groups[f"group_{len(config.config_groups)}"] = attention.model_copy(deep=True)
+        if views and quantized_modules(model):
+            _add_experts_group(config, views)
         compressor.update_config(str(directory))
     if sparsity >= 0.05:
         targets = sorted(quantized_modules(model))
         _write_sparsity_config(directory, sparsity, sparsity_structure or "unstructured", targets)
+
+
+def _add_experts_group(config: Any, views: dict[str, LinearView]) -> None:
+    r"""Give the fused experts' matrices their own config group when the config's groups do not cover them already.
+
+    transformers 5.25 reloads every fused expert with one group's scheme (``get_experts_scheme``): the first whose
+    ``re:`` targets mention ``experts``, else the first with a class-name target. One group of the experts' own
+    scheme targeting ``Linear`` covers them (the common case: one scheme for the whole model, nothing added).
+    Otherwise (several groups, or another scheme on the other Linears) a group of the experts' scheme is added,
+    targeting their per-expert checkpoint names (``re:.*\.experts\.\d+\.(down_proj|gate_proj|up_proj)$``): the
+    group transformers then picks for them; it matches no module of the reloaded model (its experts are fused), and
+    the other groups target their modules by name (:func:`llmc_fsm.output.compressed.leaf_targets`).
+    """
+    scheme = next(iter(views.values())).quantization_scheme.model_copy(deep=True)
+    groups = list(config.config_groups.values())
+    same = scheme.model_dump_json(exclude={"targets"})
+    if len(groups) == 1 and groups[0].model_dump_json(exclude={"targets"}) == same and "Linear" in groups[0].targets:
+        return
+    names = sorted({view.checkpoint_name.rsplit(".", 1)[1] for view in views.values()})
+    scheme.targets = [rf"re:.*\.experts\.\d+\.({'|'.join(names)})$"]
+    config.config_groups[f"group_{len(config.config_groups)}"] = scheme
+    formats = {getattr(g.format, "value", g.format) for g in config.config_groups.values() if g.format is not None}
+    if len(formats) > 1:  # as compressed-tensors writes a config whose groups have different formats
+        config.format = "mixed-precision"
 
 
 def _experts_only_config(model: nn.Module, views: dict[str, LinearView]) -> Any:

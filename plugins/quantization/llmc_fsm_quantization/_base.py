@@ -1075,8 +1075,8 @@ class QuantizingModifier(CalibratedModifier):
                 reload), or only some matrices of an experts module targeted; an experts scheme transformers does
                 not reload into them (:func:`_expert_scheme_problem`: they take weight-only symmetric int packed by
                 compressed-tensors, ``pack-quantized``, any group size; MXFP4 / MXFP6 weight-only; FP8 weights per
-                channel or tensor with no, dynamic or static FP8 per-tensor input activations) or several config
-                groups; fused experts
+                channel or tensor with no, dynamic or static FP8 per-tensor input activations), or expert matrices
+                in config groups of different schemes; fused experts
                 under ``torch.distributed``.
         """
         name = type(self).__name__
@@ -1121,14 +1121,15 @@ class QuantizingModifier(CalibratedModifier):
         if is_distributed():
             msg = f"{name}: quantizing fused experts under torch.distributed is not implemented; run it on one process"
             raise ValueError(msg)
-        if len(self._groups) > 1:
+        scheme = self._experts_scheme(views)
+        if scheme is None:
+            groups = sorted({self._group(n) for n in views})
             msg = (
-                f"{name}: {family}: several config groups with fused experts: transformers reloads every expert "
-                "with one group's scheme (5.24: the first one's; 5.25: the one whose re: targets name the experts), "
-                "which llmc-fsm does not write yet; quantize with one scheme"
+                f"{name}: {family}: the fused experts' matrices are in several config groups ({', '.join(groups)}): "
+                "transformers reloads every expert of the model with one group's scheme; put all expert matrices in "
+                "one config group"
             )
             raise ValueError(msg)
-        scheme = next(iter(self._groups.values()))
         problem = _expert_scheme_problem(scheme)
         if problem is not None:
             msg = f"{name}: {family}: fused experts {compact_names(list(sources))}: {problem}"
@@ -1147,17 +1148,31 @@ class QuantizingModifier(CalibratedModifier):
             names.update({f"{source_name}.{s}": n for s, n in per_expert.items()})
         return names
 
+    def _experts_scheme(self, views: Mapping[str, nn.Module]) -> QuantizationScheme | None:
+        """The one scheme of the expert matrices ``views`` (names of targets): their config group's, or ``None`` when
+        they fall in several groups of different schemes (transformers reloads every expert with one scheme)."""
+        schemes = {self._group(n): self._groups[self._group(n)] for n in views}
+        if len({s.model_dump_json(exclude={"targets"}) for s in schemes.values()}) > 1:
+            return None
+        return next(iter(schemes.values()))
+
     def _experts_scheme_refusal(self, model: nn.Module) -> str | None:
         """:meth:`_check_views`' refusal of the scheme for ``model``'s fused experts (all of them), if it has any and
-        one config group whose scheme they cannot take; else ``None``."""
-        fused = list(_fused_experts(model))
-        if not fused or len(self._groups) != 1:
+        their config group's scheme is one they cannot take; else ``None`` (also when the experts fall in several
+        groups: :meth:`_check_views` says so)."""
+        fused = _fused_experts(model)
+        if not fused:
             return None
-        problem = _expert_scheme_problem(next(iter(self._groups.values())))
+        views = {f"{n}.{s}": v for n, m in fused.items() for s, v in weight_views(m).items()}
+        in_groups = {n: v for n, v in views.items() if len(self._groups) == 1 or n in self._group_of}
+        scheme = self._experts_scheme(in_groups) if in_groups else None
+        if scheme is None:
+            return None
+        problem = _expert_scheme_problem(scheme)
         if problem is None:
             return None
         family = model_family(model)
-        return f"{type(self).__name__}: {family}: fused experts {compact_names(fused)}: {problem}"
+        return f"{type(self).__name__}: {family}: fused experts {compact_names(list(fused))}: {problem}"
 
     def _check_kv_cache(self, model: nn.Module) -> dict[str, nn.Module]:
         """The attention modules whose KV cache ``kv_cache_scheme`` quantizes.
