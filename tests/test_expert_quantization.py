@@ -848,6 +848,19 @@ def test_config_groups_with_one_group_for_the_experts_reload(tmp_path, family, m
     _assert_reloads_as_in_memory(tmp_path / "o", family, model, experts)
 
 
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_an_embedding_target_beside_fused_experts_reloads(tmp_path, family):
+    """Found by a tester: targets [Linear, Embedding] on a MoE model saved the embedding's group (int-quantized)
+    first, and transformers' experts loader took that group's format for the experts: the reload failed
+    (KeyError 'weight', the fused experts missing). The experts now get their own group; reload equal."""
+    model = build(family)
+    experts = _experts_modules(model)
+    recipe = {"s": {"QuantizationModifier": {"targets": ["Linear", "Embedding"], "scheme": SCHEME}}}
+    llmc_fsm.oneshot(model=model, recipe=recipe, dataset=DATA, output_dir=tmp_path / "o", progress=False)
+    assert hasattr(model.model.embed_tokens, "weight_scale")
+    _assert_reloads_as_in_memory(tmp_path / "o", family, model, experts)
+
+
 def test_expert_matrices_in_groups_of_different_schemes_are_refused(tmp_path):
     """transformers reloads every expert of the model with one scheme: expert 0 in a W4A16 group and the others in a
     W8A16 group is refused before any work, naming both groups."""

@@ -894,14 +894,14 @@ class QuantizingModifier(CalibratedModifier):
 
     def streaming_refusal(self) -> str | None:
         """A KV-cache scheme or attention quantization observes keys and values (and queries) through the model's
-        own attention forward, which streamed layers do not give; an ``Embedding`` target of a modifier that
-        calibrates is quantized at calibration end, after the streamed path wrote the tensors outside the layers:
-        those jobs run in memory. (An embedding selected by name or ``re:`` is refused once the targets are known,
+        own attention forward, which streamed layers do not give; an ``Embedding`` target is quantized at
+        calibration end, after the streamed path wrote the tensors outside the layers: those jobs run in memory.
+        (An embedding selected by name or ``re:`` is refused once the targets are known,
         :func:`llmc_fsm.pipeline.sequential.check_targets_in_layers`.)"""
         if self._kv_args is not None:
             what = "attention quantization" if self.attention_scheme is not None else "kv_cache_scheme"
             return f"{what} observes the attention's keys and values in the whole model's forward"
-        if self.needs_inputs and any("Embedding" in (s.targets or ()) for s in self._groups.values()):
+        if any("Embedding" in (s.targets or ()) for s in self._groups.values()):
             return (
                 "an Embedding target is quantized when the calibration ends, after the streamed path wrote the "
                 "tensors outside the decoder layers"
@@ -1519,6 +1519,16 @@ class QuantizingModifier(CalibratedModifier):
             if accumulator is None and args.observer in IMPORTANCE_OBSERVERS:  # an expert without routed tokens
                 args = args.model_copy(update={"observer": DEFAULT_OBSERVER})
             results = self._quantize([modules[i] for i in members], accumulator, args)
+            if args is not scheme.weights and all(isinstance(modules[i], nn.Embedding) for i in members):
+                logger.warning(
+                    "%s: %s: %s weights the error by the calibration inputs' importance, which an Embedding's "
+                    "token-id inputs do not give: rounded with %s (so recorded in the saved config)",
+                    type(self).__name__,
+                    compact_names([self._names_by_id.get(id(modules[i]), "") for i in members]),
+                    scheme.weights.observer,
+                    args.observer,
+                )
+                scheme = scheme.model_copy(update={"weights": args})  # the observer used, as the config records it
             for i, q in zip(members, results, strict=True):
                 if scheme.input_activations is not None and not scheme.input_activations.dynamic:
                     if accumulator is not None:  # else an expert without routed tokens: see _compress_all

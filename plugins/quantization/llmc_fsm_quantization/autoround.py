@@ -584,6 +584,14 @@ class AutoRoundModifier(QuantizingModifier):
             handle.remove()
         self._output_hooks = []
 
+    def _embedding_problem(self, name: str) -> str | None:
+        """AutoRound tunes the Linears of the decoder layers on their output: an Embedding target is refused with
+        the fix, before any work (it was refused in ``initialize``, as a target outside the layers)."""
+        return (
+            "AutoRound tunes the decoder layers' Linears on their output error: quantize the embedding with a "
+            "QuantizationModifier (round-to-nearest, weight only) in the same stage"
+        )
+
     def _new_accumulator(self, module: nn.Module) -> Any:
         return None  # no per-module statistics: the layer's inputs are captured whole
 

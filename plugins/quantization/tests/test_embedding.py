@@ -167,6 +167,33 @@ def test_an_embedding_in_a_calibrated_modifier_is_rounded_to_nearest_after_the_l
         assert torch.equal(reloaded(x).logits, model(x).logits)
 
 
+def test_imatrix_mse_on_an_embedding_rounds_with_minmax_and_says_so(tmp_path, caplog) -> None:
+    """Found by a tester: imatrix_mse (the inputs' importance) on an Embedding rounded with minmax (there is no
+    importance of token ids) while the saved config said imatrix_mse. Now a warning says so, the embedding's config
+    group records minmax, and its values are minmax round-to-nearest (equal to a minmax run's)."""
+    import logging
+
+    data = torch.randint(0, 128, (8, 16), generator=torch.Generator().manual_seed(0))
+    runs = {}
+    for observer in ("imatrix_mse", "minmax"):
+        model = tiny_llama()
+        stage = {"QuantizationModifier": {"scheme": W4_G32, "targets": ["Embedding", "Linear"], "observer": observer}}
+        with caplog.at_level(logging.WARNING):
+            llmc_fsm.oneshot(model=model, recipe={"q": stage}, dataset=data, output_dir=tmp_path / observer,
+                             progress=False)  # fmt: skip
+        runs[observer] = model.model.embed_tokens.weight.detach().clone()
+    assert (
+        "QuantizationModifier: model.embed_tokens: imatrix_mse weights the error by the calibration inputs' "
+        "importance, which an Embedding's token-id inputs do not give: rounded with minmax (so recorded in the saved "
+        "config)" in caplog.text
+    )
+    assert torch.equal(runs["imatrix_mse"], runs["minmax"])
+    config = json.loads((tmp_path / "imatrix_mse" / "config.json").read_text())["quantization_config"]
+    observers = {tuple(g["targets"]): g["weights"]["observer"] for g in config["config_groups"].values()}
+    assert observers[("model.embed_tokens",)] == "minmax"
+    assert set(observers.values()) == {"minmax", "imatrix_mse"}  # the Linears keep theirs
+
+
 def test_an_embedding_in_a_calibrated_modifier_is_refused_with_low_memory(tmp_path) -> None:
     """The streamed path writes the tensors outside the layers before compressing any: an Embedding target of a
     calibrating modifier is refused there before any work, saying so."""
@@ -201,9 +228,10 @@ def test_an_embedding_in_a_calibrated_modifier_is_refused_with_low_memory(tmp_pa
     assert not (tmp_path / "o").exists()
 
 
-def test_the_command_runs_an_embedding_recipe_in_memory_by_default(tmp_path) -> None:
-    """``llmc-fsm oneshot`` streams a job by default when it can: an Embedding target of a calibrating modifier makes
-    it run in memory instead (found in this session: it streamed, then refused)."""
+@pytest.mark.parametrize("stage", [SIMPLE, {"QuantizationModifier": {"scheme": W4_G32, "targets": ["Embedding", "Linear"]}}])
+def test_the_command_runs_an_embedding_recipe_in_memory_by_default(tmp_path, stage) -> None:
+    """``llmc-fsm oneshot`` streams a job by default when it can: an Embedding target (of a calibrating modifier, or
+    data-free) makes it run in memory instead (found by testers: it streamed, then refused, naming --low-memory)."""
     import sys
     from pathlib import Path
 
@@ -221,7 +249,7 @@ def test_the_command_runs_an_embedding_recipe_in_memory_by_default(tmp_path) -> 
     model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
     model.save_pretrained(directory)
     recipe = tmp_path / "r.yaml"
-    recipe.write_text(yaml.safe_dump({"q": SIMPLE}))
+    recipe.write_text(yaml.safe_dump({"q": stage}))
     assert main(words.oneshot_argv(directory, text, tmp_path / "o", "--recipe", str(recipe))) == 0
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "o")
     assert hasattr(reloaded.model.embed_tokens, "weight_scale")  # quantized in the checkpoint
@@ -233,6 +261,9 @@ def test_the_command_runs_an_embedding_recipe_in_memory_by_default(tmp_path) -> 
     ("QuantizationModifier", {"scheme": "NVFP4A16", "targets": ["Embedding"]},
      "an Embedding is quantized with int weights or FP8 per channel / tensor only (not NVFP4, MX, block): "
      "model.embed_tokens"),
+    ("AutoRoundModifier", {"scheme": W4_G32, "targets": ["Embedding", "Linear"]},  # found by a tester: refused late
+     "AutoRound tunes the decoder layers' Linears on their output error: quantize the embedding with a "
+     "QuantizationModifier (round-to-nearest, weight only) in the same stage: model.embed_tokens"),
 ])
 def test_what_does_not_apply_to_an_embedding_is_refused_before_any_work(modifier, args, message) -> None:
     model = tiny_llama()
