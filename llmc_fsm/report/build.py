@@ -12,6 +12,7 @@ import statistics
 import sys
 import time
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -357,7 +358,12 @@ class OneshotReport:
         lines.append(f"max RSS: {self.max_rss_bytes / 2**30:.2f} GiB")
         lines.extend(_execution_lines(self.execution))
         if self.output_dir:
-            lines.append(f"output: {self.output_dir} (model, tokenizer, recipe.yaml, report.json)")
+            out = Path(self.output_dir)
+            untokenized = out.is_dir() and not any(
+                (out / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")
+            )
+            written = "model, recipe.yaml, report.json" if untokenized else "model, tokenizer, recipe.yaml, report.json"
+            lines.append(f"output: {self.output_dir} ({written})")
         return "\n".join(lines)
 
 
