@@ -447,12 +447,15 @@ def _tuning_line(label: str, results: dict[str, dict[str, Any]]) -> str:
     1 where round-to-nearest was), its median and range, and the layers that kept round-to-nearest."""
     ratios = [r["tuned_mse"] / r["rtn_mse"] if r["kept"] != "rtn" else 1.0 for r in results.values()]
     rtn = [name for name, r in results.items() if r["kept"] == "rtn"]
-    kept = (
-        f"the tuning kept on {len(results) - len(rtn)}, round-to-nearest on {len(rtn)} (tuning did not lower its "
-        f"output error): {compact_names(rtn)}"
-        if rtn
-        else "the tuning kept on every layer"
-    )
+    if not rtn:
+        kept = "the tuning kept on every layer"
+    elif len(rtn) == len(results):  # (a newcomer read "the tuning kept on 0" oddly)
+        kept = f"round-to-nearest kept on every layer (tuning did not lower their output error): {compact_names(rtn)}"
+    else:
+        kept = (
+            f"the tuning kept on {len(results) - len(rtn)}, round-to-nearest on {len(rtn)} (tuning did not lower its "
+            f"output error): {compact_names(rtn)}"
+        )
     return (
         f"{label}: {len(results)} layers tuned; {kept}; output MSE vs round-to-nearest: median ratio "
         f"{statistics.median(ratios):.3f} ({min(ratios):.3f}-{max(ratios):.3f})"

@@ -327,6 +327,19 @@ def test_the_report_holds_each_layers_tuning_errors_in_report_json_and_one_line(
     )
 
 
+def test_the_tuning_line_when_no_layer_kept_the_tuning() -> None:
+    """A newcomer read "the tuning kept on 0, round-to-nearest on 2" oddly: it now says round-to-nearest was kept on
+    every layer."""
+    from llmc_fsm.report.build import _tuning_line
+
+    rtn = {"rtn_mse": 2.0, "tuned_mse": 2.0, "kept": "rtn"}
+    line = _tuning_line("AutoRoundModifier (q)", {"model.layers.0": rtn, "model.layers.1": rtn})
+    assert line == (
+        "AutoRoundModifier (q): 2 layers tuned; round-to-nearest kept on every layer (tuning did not lower their "
+        "output error): model.layers.{0..1}; output MSE vs round-to-nearest: median ratio 1.000 (1.000-1.000)"
+    )
+
+
 def test_llmcompressor_recipe_with_config_groups_is_read() -> None:
     text = (
         "quant_stage:\n  quant_modifiers:\n    AutoRoundModifier:\n      iters: 10\n      ignore: [lm_head]\n"
