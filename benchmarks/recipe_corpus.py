@@ -23,7 +23,8 @@ What counts as a recipe, as its users write it:
   ``recipe:`` names a recipe file only contributes its model stub to that file's entry;
 - each ``oneshot(..., recipe=EXPR)`` call of ``examples/**/*.py``: ``EXPR`` (or the last assignment to the name it
   is before the call) is read with :mod:`ast`; YAML text, an ``XModifier(kw=literal, ...)`` call or a list of
-  them become the equivalent recipe (a list: one stage in list form, in order). ``QuantizationScheme(...)`` /
+  them become the equivalent recipe (a list: one stage in list form, in order). ``QuantizationScheme(...)`` (with
+  ``**PRESET`` of a compressed-tensors preset: ``preset: PRESET``) /
   ``QuantizationArgs(...)`` / ``dict(...)`` calls become the mapping of their keyword arguments, and members of
   compressed-tensors' string enums (``QuantizationStrategy.GROUP``) their value (``"group"``). A recipe with any
   other expression is not run; it is counted as "not literal" with the expression named.
@@ -279,11 +280,28 @@ class _Literals:
         if isinstance(node, ast.Call):
             func = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", None)
             if func and (func.endswith("Modifier") or func in _MAPPING_CALLS):
-                if node.args or any(kw.arg is None for kw in node.keywords):
+                preset = self._preset_spread(func, node, line)
+                spread = [kw for kw in node.keywords if kw.arg is None]
+                if node.args or (spread and preset is None):
                     raise NotLiteral(ast.unparse(node).splitlines()[0][:120] + " (positional or ** arguments)")
-                kwargs = {kw.arg: self.value(kw.value, line) for kw in node.keywords}
+                kwargs = {kw.arg: self.value(kw.value, line) for kw in node.keywords if kw.arg is not None}
+                if preset is not None:  # QuantizationScheme(targets=[...], **FP8_BLOCK): the preset, by name
+                    kwargs["preset"] = preset
                 return {func: kwargs} if func.endswith("Modifier") else kwargs
         raise NotLiteral(ast.unparse(node).splitlines()[0][:120])
+
+    def _preset_spread(self, func: str, node: ast.Call, line: int) -> str | None:
+        """``NAME`` of a ``QuantizationScheme(..., **NAME)`` call whose one ``**`` argument is a compressed-tensors
+        preset imported as is (not assigned in the example), else ``None``."""
+        from compressed_tensors.quantization.quant_scheme import PRESET_SCHEMES
+
+        spread = [kw for kw in node.keywords if kw.arg is None]
+        if func != "QuantizationScheme" or len(spread) != 1 or not isinstance(spread[0].value, ast.Name):
+            return None
+        name = spread[0].value.id
+        if name not in PRESET_SCHEMES or any(ln < line for ln, _ in self.assigned.get(name, [])):
+            return None
+        return name
 
     def model_stub(self) -> str | None:
         for name, values in self.assigned.items():
