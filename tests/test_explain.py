@@ -370,6 +370,12 @@ def quantizers(registry: ModifierRegistry) -> None:
             "'weights': {'num_bits': 8}}}, observer='minmax' (default), input_observer=None (default), ignore=[], "
             + GPTQ_REST,
         ),
+        (  # targets set from config_groups: marked so, not "(default)" (a newcomer of session 16)
+            "s: {GPTQModifier: {ignore: [], config_groups: {g: {targets: ['re:.*self_attn.*'], weights: {num_bits: 8}}}}}",
+            "targets=['re:.*self_attn.*'] (from config_groups), scheme=None (default), config_groups={'g': {'targets': "
+            "['re:.*self_attn.*'], 'weights': {'num_bits': 8}}}, observer='minmax' (default), input_observer=None "
+            "(default), ignore=[], " + GPTQ_REST,
+        ),
         (  # a bare GPTQModifier takes the QuantizationModifier's config: those arguments count as given
             "s: {QuantizationModifier: {scheme: W8A16, ignore: [lm_head]}, GPTQModifier: {}}",
             "targets=['Linear'] (default), scheme='W8A16', config_groups=None (default), observer='minmax' (default), "

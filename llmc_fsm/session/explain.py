@@ -60,7 +60,9 @@ def _schedule(m: Modifier) -> str:
 def _arguments(m: Modifier) -> str:
     """``name=value`` of every argument; ``(default)`` after each the recipe did not give (for a modifier not
     built from recipe data: each equal to its default), with how llm-compressor's default differs, if it does, or
-    what the default stands for (the field's ``default_means`` metadata, e.g. AWQ's ``scheme=None``)."""
+    what the default stands for (the field's ``default_means`` metadata, e.g. AWQ's ``scheme=None``); ``(from X)``
+    after one the modifier set from other arguments (its ``derived_arguments``, e.g. a quantizer's ``targets`` from
+    its ``config_groups``)."""
     given = given_arguments(m)
     parts = []
     for field in attrs.fields(type(m)):
@@ -76,8 +78,11 @@ def _arguments(m: Modifier) -> str:
             defaulted = field.alias not in given
         differs = default_difference(m.modifier_name(), field.alias, value) if defaulted else None
         means = field.metadata.get("default_means") if defaulted else None  # what the default stands for
+        derived = getattr(m, "derived_arguments", {}).get(field.alias) if defaulted else None
         mark = ""
-        if differs:
+        if derived:  # not given, and not the default either: set from other arguments
+            mark = f" (from {derived})"
+        elif differs:
             mark = f" (default; {differs})"
         elif means:
             mark = f" (default: {means})"

@@ -860,6 +860,14 @@ class QuantizingModifier(CalibratedModifier):
         return self._groups[self._group(name)]
 
     @property
+    def derived_arguments(self) -> dict[str, str]:
+        """``{argument: what set it}`` for arguments the recipe did not give that this modifier set from others:
+        ``targets`` from ``config_groups`` (``explain`` marks them so rather than "(default)")."""
+        if self.config_groups is not None and list(self.targets) != list(DEFAULT_TARGETS):
+            return {"targets": "config_groups"}
+        return {}
+
+    @property
     def calibrated_inputs(self) -> bool:
         """Whether some group's input activations take a calibrated scale: static (``dynamic: false``) or NVFP4's
         input global scale (``dynamic: local``)."""
