@@ -438,6 +438,11 @@ def _reloads_fp8_experts() -> bool:
     return Version(_transformers_version()) >= Version("5.25")
 
 
+def _static_inputs(scheme: QuantizationScheme) -> bool:
+    """Whether ``scheme`` quantizes input activations with a calibrated (static, ``dynamic: false``) scale."""
+    return scheme.input_activations is not None and scheme.input_activations.dynamic is False
+
+
 def _expert_scheme_problem(scheme: QuantizationScheme) -> str | None:
     """Why fused experts cannot be quantized with ``scheme`` so that transformers reloads them, or ``None``.
 
@@ -486,8 +491,7 @@ def _expert_scheme_problem(scheme: QuantizationScheme) -> str | None:
                 f"FP8 expert weights reload from transformers 5.25 on (installed: {_transformers_version()}, whose "
                 "experts loader reads packed int weights only): upgrade transformers, or use W4A16 / W8A16"
             )
-        static = inputs is not None and inputs.dynamic is False
-        if static and not (
+        if _static_inputs(scheme) and not (
             str(inputs.type) == "float"
             and inputs.num_bits == 8
             and inputs.symmetric
@@ -1276,13 +1280,9 @@ class QuantizingModifier(CalibratedModifier):
         so none is left dense; a static input scale it takes from its calibrated siblings (:meth:`_idle_input_scales`).
         Named in a warning and in :attr:`round_to_nearest_fallback`. An ``nn.Embedding`` target is quantized without
         inputs (:attr:`targets_without_inputs`)."""
-        embeddings = [(n, m) for n, m in modules.items() if isinstance(m, nn.Embedding)]
-        if embeddings and self.needs_inputs:
-            for name, _ in embeddings:
-                self._acc.pop(name, None)
-            self._compress_members(None, embeddings)
-            modules = {name: module for name, module in modules.items() if not isinstance(module, nn.Embedding)}
+        idle: dict[str, nn.Module] = {}
         if self.needs_inputs:
+            embeddings = [(n, m) for n, m in modules.items() if isinstance(m, nn.Embedding)]
             idle = {
                 name: module
                 for name, module in modules.items()
@@ -1291,11 +1291,6 @@ class QuantizingModifier(CalibratedModifier):
                 and getattr(self._acc.get(name), "num_samples", 0) == 0
             }
             if idle:
-                for name in idle:
-                    self._acc.pop(name, None)
-                static = any(
-                    (a := self.scheme_of(name).input_activations) is not None and a.dynamic is False for name in idle
-                )
                 logger.warning(
                     "%s: the router sent no calibration token to %d expert matrices: %s; quantized by round-to-"
                     "nearest (no input statistics; set calibrate_all_experts: true to calibrate them on every token)%s",
@@ -1303,16 +1298,19 @@ class QuantizingModifier(CalibratedModifier):
                     len(idle),
                     compact_names(list(idle)),
                     "; their static input scale: the largest of the same projection's calibrated experts"
-                    if static
+                    if any(_static_inputs(self.scheme_of(name)) for name in idle)
                     else "",
                 )
-                self._compress_members(None, list(idle.items()))
-                self.round_to_nearest_fallback.extend(idle)
-                modules = {name: module for name, module in modules.items() if name not in idle}
-                super()._compress_all(modules, trim=trim)
-                self._idle_input_scales(idle)
-                return
+            for members in (embeddings, list(idle.items())):  # quantized without inputs
+                if members:
+                    for name, _ in members:
+                        self._acc.pop(name, None)
+                    self._compress_members(None, members)
+            self.round_to_nearest_fallback.extend(idle)
+            done = {name for name, _ in embeddings} | set(idle)
+            modules = {name: module for name, module in modules.items() if name not in done}
         super()._compress_all(modules, trim=trim)
+        self._idle_input_scales(idle)
 
     def _idle_input_scales(self, idle: dict[str, LinearView]) -> None:
         """Static input scales of expert matrices the router sent no calibration token: each takes the largest
@@ -1324,7 +1322,7 @@ class QuantizingModifier(CalibratedModifier):
             ValueError: no matrix of that projection in the experts module has a calibrated scale.
         """
         for name, view in idle.items():
-            if self.scheme_of(name).input_activations is None or self.scheme_of(name).input_activations.dynamic:
+            if not _static_inputs(self.scheme_of(name)):
                 continue
             kind = name.rsplit(".", 1)[1]
             scales = [
@@ -1538,7 +1536,7 @@ class QuantizingModifier(CalibratedModifier):
                 )
                 scheme = scheme.model_copy(update={"weights": args})  # the observer used, as the config records it
             for i, q in zip(members, results, strict=True):
-                if scheme.input_activations is not None and not scheme.input_activations.dynamic:
+                if _static_inputs(scheme):
                     if accumulator is not None:  # else an expert without routed tokens: see _compress_all
                         q.input_scale, q.input_zero_point = _input_qparams(scheme, accumulator)
                 elif is_local(scheme.input_activations):
