@@ -45,19 +45,42 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import attrs
 import torch
-from compressed_tensors.quantization import QuantizationArgs, QuantizationStrategy
-from compressed_tensors.quantization.utils import calculate_qparams, calculate_range
+from compressed_tensors.quantization import (
+    DynamicType,
+    QuantizationArgs,
+    QuantizationScheme,
+    QuantizationStrategy,
+    QuantizationType,
+    round_to_quantized_type_args,
+)
+from compressed_tensors.quantization.lifecycle.forward import fake_quantize as _library_fake_quantize
+from compressed_tensors.quantization.utils import calculate_qparams, calculate_range, compute_dynamic_scales_and_zp
 from torch import nn
 
 from llmc_fsm import find_decoder_layers, first_output
-from llmc_fsm.toolkit import LinearView, is_distributed, weight_views
-from llmc_fsm_quantization._base import QuantizedWeight, QuantizingModifier
-from llmc_fsm_quantization.observers import as_row_args, storable
+from llmc_fsm.toolkit import CalibratedModifier, LinearView, is_distributed, weight_views
+from llmc_fsm_quantization._base import (
+    QuantizedWeight,
+    QuantizingModifier,
+    _input_global_scale,
+    _input_qparams,
+    _static_inputs,
+    attach_qparams,
+)
+from llmc_fsm_quantization.observers import (
+    as_row_args,
+    fused_global_scale,
+    is_local,
+    is_nvfp4,
+    is_scaled_format,
+    storable,
+)
+from llmc_fsm_quantization.rounding import fake_quantize
 
 #: Per calibration batch: the (positional args, keyword args) a decoder layer is called with.
 Inputs = list[tuple[tuple[Any, ...], dict[str, Any]]]
@@ -109,25 +132,83 @@ def _round_ste(x: torch.Tensor) -> torch.Tensor:
     return x + (torch.round(x) - x).detach()
 
 
-class _Tuned:
-    """One Linear's learnable rounding offsets and clipping factors, and its quantized weight from them."""
+def _grouped(w: torch.Tensor, args: QuantizationArgs) -> torch.Tensor:
+    """``w`` ``[rows, cols]`` as ``[A, B, n]``: one row of ``n`` values per scale, the scales ``[A, B]`` shaped as
+    compressed-tensors stores them (tensor ``[1, 1]``, channel ``[rows, 1]``, group / tensor_group
+    ``[rows, cols // group_size]``, block ``[rows // r, cols // c]``; a block's ``r * c`` values row by row).
 
-    def __init__(self, weight: torch.Tensor, args: QuantizationArgs) -> None:
-        self.dtype = weight.dtype
-        w = weight.detach().to(torch.float32)
-        rows, cols = w.shape
-        gs = args.group_size if args.strategy == QuantizationStrategy.GROUP else cols
-        if cols % gs:
-            msg = f"in_features {cols} is not a multiple of group_size {gs}"
+    Raises:
+        ValueError: the columns are not a multiple of the group size, or the weight not of whole blocks.
+    """
+    rows, cols = w.shape
+    strategy = args.strategy
+    if strategy == QuantizationStrategy.TENSOR:
+        return w.reshape(1, 1, rows * cols)
+    if strategy == QuantizationStrategy.BLOCK:
+        r, c = (int(v) for v in args.block_structure)
+        if rows % r or cols % c:
+            msg = f"weight [{rows}, {cols}] is not a whole number of [{r}, {c}] blocks"
             raise ValueError(msg)
-        self.shape = (rows, cols // gs, gs)
-        self.w = w.reshape(self.shape)
+        return w.reshape(rows // r, r, cols // c, c).permute(0, 2, 1, 3).reshape(rows // r, cols // c, r * c)
+    gs = cols if strategy == QuantizationStrategy.CHANNEL else int(args.group_size)
+    if cols % gs:
+        msg = f"in_features {cols} is not a multiple of group_size {gs}"
+        raise ValueError(msg)
+    return w.reshape(rows, cols // gs, gs)
+
+
+def _ungrouped(g: torch.Tensor, args: QuantizationArgs, rows: int, cols: int) -> torch.Tensor:
+    """The inverse of :func:`_grouped`: ``[rows, cols]``."""
+    if args.strategy == QuantizationStrategy.BLOCK:
+        r, c = (int(v) for v in args.block_structure)
+        return g.reshape(rows // r, cols // c, r, c).permute(0, 2, 1, 3).reshape(rows, cols)
+    return g.reshape(rows, cols)
+
+
+class _Tuned:
+    """One Linear's learnable rounding offsets and clipping factors, and its quantized weight from them.
+
+    Integer weights: the grid of the module docstring. Float weights (FP8 per tensor, channel or block, NVFP4,
+    MXFP4 / MXFP8), as auto-round's ``fp8_sym`` / ``nv_fp`` / ``mx_fp`` data types: ``W_hat = s * fp(clamp(W / s
+    + V, -m, m))``, ``fp`` the rounding to the format's nearest value (compressed-tensors'
+    ``round_to_quantized_type_args``: FP8 E4M3, FP4 E2M1), ``m`` its largest value (448, 6) and ``s`` the scale
+    compressed-tensors computes from the clipped range ``[beta * min W, alpha * max W]`` of the group (NVFP4: an
+    FP8 group scale under the weight's global scale, ``s / global`` effective; MX: a power of two), exactly as
+    round-to-nearest computes it from the unclipped range; the gradient passes straight through the rounding of
+    ``W / s + V`` and of the scale (to the continuous ``max(alpha max W, -beta min W) / m``). At ``V = 0``,
+    ``alpha = beta = 1`` the result is :func:`~llmc_fsm_quantization.rtn.rtn_quantize`'s, bitwise.
+    """
+
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        args: QuantizationArgs,
+        *,
+        global_scale: torch.Tensor | None = None,
+        scheme: QuantizationScheme | None = None,
+    ) -> None:
+        self.dtype = weight.dtype
+        self.args = args
+        self.scheme = scheme
+        self.float = args.type == QuantizationType.FLOAT
+        self.scaled = is_scaled_format(args)
+        w = weight.detach().to(torch.float32)
+        self.rows, self.cols = w.shape
+        self.w = _grouped(w, args)
+        self.shape = tuple(self.w.shape)
         self.lo = self.w.amin(dim=-1)
         self.hi = self.w.amax(dim=-1)
         self.row_args = as_row_args(args)
         q_min, q_max = calculate_range(self.row_args, w.device)
         self.q_min, self.q_max = float(q_min), float(q_max)
-        self.v = torch.zeros_like(w).reshape(self.shape).requires_grad_()
+        self.global_scale = None
+        if args.strategy == QuantizationStrategy.TENSOR_GROUP:  # NVFP4: its own unless one is shared (fused)
+            self.global_scale = (
+                (global_scale if global_scale is not None else fused_global_scale([weight]))
+                .to(device=w.device, dtype=torch.float32)
+                .reshape(1)
+            )
+        self.v = torch.zeros_like(self.w).requires_grad_()
         self.alpha = torch.ones_like(self.hi).requires_grad_()
         self.beta = torch.ones_like(self.lo).requires_grad_()
 
@@ -136,11 +217,14 @@ class _Tuned:
         return [self.v, self.alpha, self.beta]
 
     def qparams(self, *, final: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """Scale and zero point ``[rows, groups]`` from the clipped range (differentiable in the scale).
+        """Scale and zero point ``[A, B]`` (:func:`_grouped`) from the clipped range (differentiable in the scale).
 
-        Symmetric: the whole range, the side of larger magnitude on ``q_min`` (signed scale, see the module
-        docstring; ``|s| >= 1e-5`` as auto-round); asymmetric: compressed-tensors' ``calculate_qparams``.
+        Integers, symmetric: the whole range, the side of larger magnitude on ``q_min`` (signed scale, see the module
+        docstring; ``|s| >= 1e-5`` as auto-round); asymmetric: compressed-tensors' ``calculate_qparams``. Floats: the
+        effective scale (NVFP4: divided by the global scale) while tuning, the stored one when ``final``.
         """
+        if self.float:
+            return self._float_qparams(final=final)
         if self.row_args.symmetric:
             hi = self.hi.clamp(min=0) * self.alpha
             neg = -(self.lo.clamp(max=0) * self.beta)  # magnitude of the clipped minimum
@@ -156,14 +240,57 @@ class _Tuned:
             scale = storable(scale.detach(), self.dtype)
         return scale.reshape(self.shape[:2]), zp.reshape(self.shape[:2])
 
+    def _float_qparams(self, *, final: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        lo, hi = self.lo * self.beta, self.hi * self.alpha
+        with torch.no_grad():  # as round-to-nearest computes them (observe_scaled_format / observe)
+            if self.scaled:
+                stored, zp = calculate_qparams(
+                    lo.detach().to(self.dtype), hi.detach().to(self.dtype), self.args, global_scale=self.global_scale
+                )
+                stored = stored.to(torch.float32)
+                if self.args.scale_dtype is None:
+                    stored = storable(stored, self.dtype)
+            else:
+                stored, zp = calculate_qparams(lo.detach(), hi.detach(), self.row_args)
+                stored = storable(stored, self.dtype)
+        if final:
+            return stored, zp
+        exact = stored / self.global_scale if self.global_scale is not None else stored
+        continuous = torch.maximum(hi, -lo) / self.q_max
+        return continuous + (exact - continuous).detach(), zp
+
     def quantized(self, *, final: bool = False) -> torch.Tensor:
-        """``W_hat`` ``[rows, cols]`` (float32; the integers are ``round(W / s + V) + z`` clamped)."""
+        """``W_hat`` ``[rows, cols]`` (float32; integers: ``round(W / s + V) + z`` clamped; floats: see the class)."""
+        if self.float:
+            return self._float_quantized(final=final)
         scale, zp = self.qparams(final=final)
         s, z = scale.unsqueeze(-1), zp.to(torch.float32).unsqueeze(-1)
         x = self.w / s + self.v
         q = (torch.round(x) if final else _round_ste(x)) + z
         q = q.clamp(self.q_min, self.q_max)
-        return ((q - z) * s).reshape(self.shape[0], -1)
+        return _ungrouped((q - z) * s, self.args, self.rows, self.cols)
+
+    def _float_quantized(self, *, final: bool) -> torch.Tensor:
+        if final:  # compressed-tensors' own rounding of W + V s (= W at V = 0: round-to-nearest, bitwise)
+            with torch.no_grad():
+                stored, zp = self.qparams(final=True)
+                s = (stored / self.global_scale if self.global_scale is not None else stored).unsqueeze(-1)
+                x = torch.where(self.v == 0, self.w, self.w + self.v * s)
+                scale = stored.reshape(1) if self.args.strategy == QuantizationStrategy.TENSOR else stored
+                return fake_quantize(
+                    _ungrouped(x, self.args, self.rows, self.cols),
+                    scale,
+                    zp.reshape(scale.shape),
+                    self.args,
+                    global_scale=self.global_scale,
+                ).to(torch.float32)
+        s, _ = self.qparams()
+        s = s.unsqueeze(-1)
+        x = (self.w / s + self.v).clamp(self.q_min, self.q_max)
+        with torch.no_grad():
+            bounds = torch.tensor(self.q_min), torch.tensor(self.q_max)
+            rounded = round_to_quantized_type_args(x.detach(), self.args, *bounds)
+        return _ungrouped((x + (rounded - x).detach()) * s, self.args, self.rows, self.cols)
 
     @torch.no_grad()
     def clamp_(self) -> None:
@@ -180,9 +307,29 @@ class _Tuned:
             p.copy_(value)
 
     @torch.no_grad()
+    def final_weight(self) -> torch.Tensor:
+        """The weight a checkpoint of it reloads to, in the weight's dtype: NVFP4 / MX / FP8-block weights as
+        :func:`~llmc_fsm_quantization._base.attach_qparams` leaves a module holding :meth:`result` (packed and
+        dequantized by compressed-tensors' compressor of the format; MX and NVFP4 dequantize in bfloat16), the
+        others as :meth:`quantized` gives them."""
+        quantized = self.result()
+        if not self.scaled or self.scheme is None:
+            return quantized.weight
+        module = torch.nn.utils.skip_init(
+            nn.Linear, self.cols, self.rows, bias=False, dtype=self.dtype, device=self.w.device
+        )
+        module.weight.data = quantized.weight.clone()
+        attach_qparams(module, self.scheme.model_copy(deep=True), quantized)
+        return module.weight.data
+
+    @torch.no_grad()
     def result(self) -> QuantizedWeight:
         scale, zp = self.qparams(final=True)
-        return QuantizedWeight(weight=self.quantized(final=True).to(self.dtype), scale=scale, zero_point=zp)
+        if self.args.strategy == QuantizationStrategy.TENSOR:
+            scale, zp = scale.reshape(1), zp.reshape(1)
+        return QuantizedWeight(
+            weight=self.quantized(final=True).to(self.dtype), scale=scale, zero_point=zp, global_scale=self.global_scale
+        )
 
 
 def _rows(value: Any, rows: int, index: torch.Tensor) -> Any:
@@ -196,17 +343,46 @@ def _rows(value: Any, rows: int, index: torch.Tensor) -> Any:
     return value
 
 
+def input_quantizer(
+    args: QuantizationArgs,
+    *,
+    scale: torch.Tensor | None = None,
+    zero_point: torch.Tensor | None = None,
+    global_scale: torch.Tensor | None = None,
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``x -> x`` quantized and dequantized as compressed-tensors' quantized forward does to a Linear's input
+    (``forward_quantize``): dynamic ``args`` (per token, per group, NVFP4's ``local``) take their scales from ``x``
+    (``compute_dynamic_scales_and_zp``, under ``global_scale`` for NVFP4), static ones the calibrated ``scale`` /
+    ``zero_point`` ``[1]``; in ``x``'s dtype, with the gradient passed straight through (so the layer is tuned with
+    its Linears' inputs as the quantized model computes them)."""
+
+    def quantize(x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            value = x.detach()
+            if args.dynamic in (True, DynamicType.LOCAL):
+                s, z = compute_dynamic_scales_and_zp(value, args, None, global_scale=global_scale)
+            else:
+                s, z = scale.to(value.dtype), zero_point
+            q = _library_fake_quantize(value, s, z, args, global_scale=global_scale).to(value.dtype)
+        return x + (q - x).detach()
+
+    return quantize
+
+
 def signround_layer(
     layer: nn.Module,
     targets: dict[str, nn.Module],
     inputs: Inputs,
     outputs: list[torch.Tensor],
     *,
-    args: QuantizationArgs,
+    args: QuantizationArgs | Mapping[str, QuantizationArgs],
     iters: int = 200,
     lr: float | None = None,
     batch_size: int = 8,
     seed: int = SEED,
+    global_scales: Mapping[str, torch.Tensor] | None = None,
+    schemes: Mapping[str, QuantizationScheme] | None = None,
+    input_quantizers: Mapping[str, Callable[[torch.Tensor], torch.Tensor]] | None = None,
 ) -> tuple[dict[str, QuantizedWeight], LayerErrors]:
     """Quantize ``targets`` of ``layer`` with SignRound on the layer's output error (see the module docstring).
 
@@ -217,18 +393,38 @@ def signround_layer(
             the layer then runs with that parameter rebuilt from their quantized matrices at every step.
         inputs: per calibration batch, the layer's ``(args, kwargs)``; ``args[0]`` is ``[B, L, hidden]``.
         outputs: per batch, the target hidden states (the modifier gives the float model's output of the layer).
-        args: the weights' ``QuantizationArgs`` (integer, channel or group strategy).
-        iters: signed-gradient steps (>= 1).
+        args: the weights' ``QuantizationArgs``, one for all targets or ``{name: args}``: integers (tensor,
+            channel or group strategy) or floats (FP8 per tensor, channel or block; NVFP4; MXFP4 / MXFP8).
+        iters: signed-gradient steps; ``0``: none (round-to-nearest on the same grid, auto-round's RTN mode).
         lr: step size of ``V``, ``alpha`` and ``beta``; default ``1 / iters`` (auto-round's).
         batch_size: calibration samples (rows of the batches) per step.
         seed: seed of the random choice of samples.
+        global_scales: NVFP4 targets: ``{name: [1] float32}`` the global scale shared with the modules a serving
+            engine fuses (default: each weight's own).
+        schemes: ``{name: QuantizationScheme}``; NVFP4 / MX / FP8-block targets named here are measured, in the
+            errors reported, with the weight their checkpoint reloads to (:meth:`_Tuned.final_weight`).
+        input_quantizers: ``{name: function}`` applied to a (Linear) target's input in every forward of the
+            layer here (:func:`input_quantizer`): the scheme's input activations.
 
     Returns:
-        ``{name: QuantizedWeight}`` (dequantized weight in the weight's dtype, scale, zero point) and the
-        layer's :class:`LayerErrors`.
+        ``{name: QuantizedWeight}`` (dequantized weight in the weight's dtype, scale, zero point, NVFP4's global
+        scale) and the layer's :class:`LayerErrors`.
+
+    Raises:
+        ValueError: a target's weight does not divide into the scheme's groups or blocks.
     """
-    lr = 1.0 / iters if lr is None else float(lr)
-    tuned = {name: _Tuned(m.weight, args) for name, m in targets.items()}
+    lr = (1.0 / iters if iters else 0.0) if lr is None else float(lr)
+    schemes = schemes or {}
+    global_scales = global_scales or {}
+    tuned = {
+        name: _Tuned(
+            m.weight,
+            args[name] if isinstance(args, Mapping) else args,
+            global_scale=global_scales.get(name),
+            scheme=schemes.get(name),
+        )
+        for name, m in targets.items()
+    }
     params = [p for t in tuned.values() for p in t.params]
     samples = [(b, r) for b, (a, _) in enumerate(inputs) for r in range(a[0].shape[0])]
     gen = torch.Generator().manual_seed(seed)
@@ -240,7 +436,7 @@ def signround_layer(
         rebuilt from its matrices' (every matrix of it is a target: the copy's values are all replaced)."""
         weights: dict[str, torch.Tensor] = {}
         for name, t in tuned.items():
-            module, w = targets[name], t.quantized(final=final).to(t.dtype)
+            module, w = targets[name], (t.final_weight() if final else t.quantized().to(t.dtype))
             if not isinstance(module, LinearView):
                 weights[f"{name}.weight"] = w
                 continue
@@ -273,26 +469,37 @@ def signround_layer(
             total, count = forward_error(samples, final=final)
         return float(total) / count
 
-    rtn = full_error(final=True)
-    best_loss, best = float("inf"), [t.snapshot() for t in tuned.values()]
-    with torch.enable_grad():
-        for step in range(iters):
-            pick = torch.randperm(len(samples), generator=gen)[: min(batch_size, len(samples))].tolist()
-            total, count = forward_error([samples[i] for i in sorted(pick)])
-            loss = total / count
-            if float(loss.detach()) < best_loss:
-                best_loss, best = float(loss.detach()), [t.snapshot() for t in tuned.values()]
-            grads = torch.autograd.grad(loss, params, allow_unused=True)
-            step_lr = lr * (1.0 - step / iters)
-            with torch.no_grad():
-                for p, g in zip(params, grads, strict=True):
-                    if g is not None:
-                        p.sub_(step_lr * torch.sign(g))
-            for t in tuned.values():
-                t.clamp_()
-    for t, values in zip(tuned.values(), best, strict=True):
-        t.load(values)
-    tuned_error = full_error(final=True)
+    handles = [
+        targets[name].register_forward_pre_hook(lambda module, a, _q=quantize: (_q(a[0]), *a[1:]))
+        for name, quantize in (input_quantizers or {}).items()
+        if not isinstance(targets[name], LinearView)
+    ]
+    try:
+        rtn = full_error(final=True)
+        if not iters:
+            return {name: t.result() for name, t in tuned.items()}, LayerErrors(rtn=rtn, tuned=rtn, kept="rtn")
+        best_loss, best = float("inf"), [t.snapshot() for t in tuned.values()]
+        with torch.enable_grad():
+            for step in range(iters):
+                pick = torch.randperm(len(samples), generator=gen)[: min(batch_size, len(samples))].tolist()
+                total, count = forward_error([samples[i] for i in sorted(pick)])
+                loss = total / count
+                if float(loss.detach()) < best_loss:
+                    best_loss, best = float(loss.detach()), [t.snapshot() for t in tuned.values()]
+                grads = torch.autograd.grad(loss, params, allow_unused=True)
+                step_lr = lr * (1.0 - step / iters)
+                with torch.no_grad():
+                    for p, g in zip(params, grads, strict=True):
+                        if g is not None:
+                            p.sub_(step_lr * torch.sign(g))
+                for t in tuned.values():
+                    t.clamp_()
+        for t, values in zip(tuned.values(), best, strict=True):
+            t.load(values)
+        tuned_error = full_error(final=True)
+    finally:
+        for handle in handles:
+            handle.remove()
     kept = "autoround"
     if not tuned_error < rtn:
         kept = "rtn"
@@ -304,9 +511,13 @@ def signround_layer(
 # --------------------------------------------------------------------------- the modifier
 def _positive_int(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        rtn_mode = value == 0 and attribute.name == "iters"
-        extra = "; iters: 0 is auto-round's round-to-nearest mode: use QuantizationModifier" if rtn_mode else ""
-        msg = f"{attribute.name} must be a positive int, got {value!r}{extra}"
+        msg = f"{attribute.name} must be a positive int, got {value!r}"
+        raise ValueError(msg)
+
+
+def _iters(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        msg = f"iters must be an int >= 0 (0: auto-round's round-to-nearest mode), got {value!r}"
         raise ValueError(msg)
 
 
@@ -328,21 +539,68 @@ def _device_ids(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
         raise ValueError(msg)
 
 
+#: Weight strategies SignRound tunes here (one scale per tensor, row, group, NVFP4 group or FP8 block).
+_TUNED_STRATEGIES = (
+    QuantizationStrategy.TENSOR,
+    QuantizationStrategy.CHANNEL,
+    QuantizationStrategy.GROUP,
+    QuantizationStrategy.TENSOR_GROUP,
+    QuantizationStrategy.BLOCK,
+)
+
+
+def _scheme_problem(scheme: QuantizationScheme) -> str | None:
+    """Why AutoRound does not tune ``scheme``, or ``None``: it needs weights, of a strategy in
+    :data:`_TUNED_STRATEGIES`, and no output activations (compressed-tensors' Linear forward quantizes those after
+    the product; auto-round has no such mode)."""
+    w = scheme.weights
+    if w is None:
+        return "the scheme quantizes no weights"
+    if scheme.output_activations is not None:
+        return "the scheme quantizes output activations, which AutoRound does not tune with"
+    if w.strategy not in _TUNED_STRATEGIES:
+        names = ", ".join(str(s.value) for s in _TUNED_STRATEGIES)
+        return f"weight strategy {getattr(w.strategy, 'value', w.strategy)} is not tuned ({names} are)"
+    return None
+
+
+def _optimized_rtn(args: QuantizationArgs) -> str | None:
+    """What auto-round's ``iters: 0`` mode rounds with its optimized round-to-nearest for ``args`` unless
+    ``disable_opt_rtn`` (it registers one for symmetric integers, ``opt_rtn_int_sym``, and NVFP4,
+    ``opt_rtn_nv_fp4``; intel/auto-round ``data_type/utils.py``, ``get_quant_func``), or ``None``: plain
+    round-to-nearest."""
+    if args.type == QuantizationType.INT and args.symmetric:
+        return "symmetric integer"
+    if is_nvfp4(args):
+        return "NVFP4"
+    return None
+
+
 @attrs.define(kw_only=True, slots=False, eq=False)
 class AutoRoundModifier(QuantizingModifier):
     """Quantize Linear weights with AutoRound (SignRound): rounding and clipping tuned per decoder layer.
 
-    Args (llm-compressor's names and defaults; besides ``scheme``, ``targets``, ``ignore``):
-        iters: signed-gradient steps per decoder layer (default 200).
+    Args (llm-compressor's names and defaults; besides ``scheme``, ``config_groups``, ``targets``, ``ignore``):
+        iters: signed-gradient steps per decoder layer (default 200); ``0`` is auto-round's round-to-nearest mode:
+            no tuning, each weight rounded to nearest on the grid above (floats: compressed-tensors' own
+            round-to-nearest), only where auto-round rounds plainly too (see ``disable_opt_rtn``).
         lr: step size (default ``null``: ``1 / iters``, as auto-round).
         batch_size: calibration samples per step (default 8).
         enable_torch_compile: accepted (default true) and has no effect: the tuning loop is not compiled.
-        disable_opt_rtn: accepted, no effect (it concerns auto-round's ``iters: 0`` mode, which is refused).
+        disable_opt_rtn: with ``iters: 0`` (default false, as llm-compressor): auto-round then rounds symmetric
+            integer and NVFP4 weights with its optimized round-to-nearest (a search of each group's scale), which is
+            not implemented here, so that combination is refused; ``true``, or any other scheme: plain
+            round-to-nearest. No effect with ``iters >= 1``.
         device_ids: only ``null``.
 
-    The scheme must quantize weights only, as integers with channel or group
-    strategy (``W4A16``, ``W8A16``, ...); ``observer`` must be ``minmax`` (AutoRound
-    tunes the range itself). Requires state ``model`` and ``calibration_data``; runs
+    Schemes (one per config group, each tuned on the layer's output error together): integer weights (tensor,
+    channel or group strategy, symmetric or not: ``W4A16``, ``W8A16``, ``W8A8``, ...) and float ones (``FP8``,
+    ``FP8_DYNAMIC``, ``FP8_BLOCK``, ``NVFP4``, ``NVFP4A16``, ``MXFP4``, ``MXFP8``, ...; :class:`_Tuned`). Input
+    activations are quantized while tuning as the quantized model quantizes them (:func:`input_quantizer`):
+    dynamic ones from each input, static ones (``FP8``) and NVFP4's input global scale from the ranges the
+    calibration pass observed on the layer's inputs before it is tuned (as every quantizing modifier observes
+    them; not on fused experts, whose inputs are not quantized in memory). ``observer`` must be ``minmax``
+    (AutoRound tunes the range itself). Requires state ``model`` and ``calibration_data``; runs
     in one process. Memory: the current layer's inputs, its output on them and the float
     model's hidden states before and after it, for every calibration sample, and three
     tensors per weight (``V``, and per group ``alpha``, ``beta``).
@@ -357,7 +615,7 @@ class AutoRoundModifier(QuantizingModifier):
     #: Fused experts: each expert matrix tuned with the layer's other targets (:func:`signround_layer`).
     compresses_views = True
 
-    iters: int = attrs.field(default=200, validator=_positive_int)
+    iters: int = attrs.field(default=200, validator=_iters)
     lr: float | None = attrs.field(default=None, validator=_lr)
     batch_size: int = attrs.field(default=8, validator=_positive_int)
     enable_torch_compile: bool = attrs.field(default=True, validator=_bool)
@@ -366,28 +624,21 @@ class AutoRoundModifier(QuantizingModifier):
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
-        if len(self.quantization_schemes) > 1:
-            msg = (
-                "AutoRoundModifier tunes one scheme per modifier; config_groups gives "
-                f"{len(self.quantization_schemes)} "
-                f"({', '.join(self.quantization_schemes)}): split them into one AutoRoundModifier per group"
-            )
-            raise ValueError(msg)
-        scheme = self.quantization_scheme
-        w = scheme.weights
-        problem = None
-        if scheme.input_activations is not None or scheme.output_activations is not None:
-            problem = "it quantizes activations"
-        elif w is None or str(getattr(w.type, "value", w.type)) != "int":
-            problem = "its weights are not integers"
-        elif w.strategy not in (QuantizationStrategy.CHANNEL, QuantizationStrategy.GROUP):
-            problem = f"its weight strategy is {getattr(w.strategy, 'value', w.strategy)}"
-        if problem is not None:
-            msg = (
-                f"AutoRoundModifier tunes integer weight-only schemes with channel or group strategy (W4A16, W8A16, "
-                f"...): the scheme given is not supported ({problem}); use GPTQModifier or QuantizationModifier for it"
-            )
-            raise ValueError(msg)
+        for group, scheme in self._groups.items():
+            problem = _scheme_problem(scheme)
+            if problem is not None:
+                where = f"config group {group!r}: " if self.config_groups is not None else ""
+                msg = f"AutoRoundModifier: {where}{problem}; use GPTQModifier or QuantizationModifier for that scheme"
+                raise ValueError(msg)
+        if self.iters == 0 and not self.disable_opt_rtn:
+            optimized = sorted({kind for s in self._groups.values() if (kind := _optimized_rtn(s.weights))})
+            if optimized:
+                msg = (
+                    f"iters: 0 with disable_opt_rtn: false is auto-round's optimized round-to-nearest for "
+                    f"{' and '.join(optimized)} weights (a search of each group's scale), which is not implemented; "
+                    "set disable_opt_rtn: true for plain round-to-nearest, or iters >= 1 to tune"
+                )
+                raise ValueError(msg)
         if self.observer != "minmax":
             msg = f"AutoRoundModifier tunes the weight range itself: observer must be minmax, got {self.observer!r}"
             raise ValueError(msg)
@@ -418,6 +669,28 @@ class AutoRoundModifier(QuantizingModifier):
         # every decoder layer, also one without targets: the float model's hidden states go through each
         self._layers = {id(layer): (f"{name}.{i}", layer) for i, layer in enumerate(layers)}
 
+    def check_model(self, model: nn.Module) -> dict[str, nn.Module]:
+        """:meth:`QuantizingModifier.check_model`; and fused expert matrices whose scheme calibrates input scales
+        are refused (one line, before any work): their inputs are observed per expert only by the other quantizers.
+
+        Raises:
+            ValueError: as the base class, or such expert matrices (the first named, the others counted).
+        """
+        targets = super().check_model(model)
+        calibrated = [
+            n
+            for n, m in targets.items()
+            if isinstance(m, LinearView) and (_static_inputs(s := self.scheme_of(n)) or is_local(s.input_activations))
+        ]
+        if calibrated:
+            msg = (
+                f"AutoRoundModifier: {calibrated[0]} (and {len(calibrated) - 1} more) are fused expert matrices whose "
+                "scheme calibrates input scales (static inputs or NVFP4's input global scale), which AutoRound does "
+                "not calibrate on experts: use QuantizationModifier or GPTQModifier for them"
+            )
+            raise ValueError(msg)
+        return targets
+
     def on_calibration_start(self, state: Any) -> None:
         if is_distributed():
             msg = "AutoRoundModifier runs in one process: start it without torchrun (or with one process)"
@@ -427,6 +700,19 @@ class AutoRoundModifier(QuantizingModifier):
         for key, (_, layer) in self._layers.items():
             self.register_hook(layer, self._capture_input(key), kind="forward_pre", with_kwargs=True)
             self._output_hooks.append(self.register_hook(layer, self._capture_output(key), kind="forward"))
+        if self.calibrated_inputs:  # the targets' input ranges, observed in the calibration pass (static scales)
+            CalibratedModifier.on_calibration_start(self, state)
+
+    def _make_hook(self, name: str) -> Any:
+        """:meth:`CalibratedModifier._make_hook`, idle during the tuning's own forwards (the ranges are those of the
+        calibration pass's inputs)."""
+        observe = super()._make_hook(name)
+
+        def hook(module: nn.Module, args: tuple[Any, ...]) -> None:
+            if not self._tuning:
+                observe(module, args)
+
+        return hook
 
     def _capture_input(self, key: int) -> Any:
         def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -519,8 +805,18 @@ class AutoRoundModifier(QuantizingModifier):
             for suffix, sub in ((None, m), *weight_views(m).items())
             if id(sub) in ids and self._names_by_id[id(sub)] not in self.results
         }
+        names = {n: self._names_by_id[id(m)] for n, m in rel.items()}
+        if self.calibrated_inputs:  # a Linear the calibration pass never reached has no input ranges: skipped
+            rel = {
+                n: m
+                for n, m in rel.items()
+                if isinstance(m, LinearView) or getattr(self._acc.get(names[n]), "num_samples", 0)
+            }
         if not rel:
             return
+        schemes = {n: self.scheme_of(names[n]) for n in rel}
+        nvfp4 = [n for n in rel if is_nvfp4(schemes[n].weights)]
+        shared = zip(nvfp4, self.global_scales([rel[n] for n in nvfp4]), strict=True)
         t0 = time.perf_counter()
         self._tuning = True
         try:
@@ -529,10 +825,13 @@ class AutoRoundModifier(QuantizingModifier):
                 rel,
                 inputs,
                 outputs,
-                args=self.weight_args,
+                args={n: scheme.weights for n, scheme in schemes.items()},
                 iters=self.iters,
                 lr=self.lr,
                 batch_size=self.batch_size,
+                global_scales={n: g for n, g in shared if g is not None},
+                schemes=schemes,
+                input_quantizers=self._input_quantizers(rel, names, schemes),
             )
         finally:
             self._tuning = False
@@ -546,11 +845,37 @@ class AutoRoundModifier(QuantizingModifier):
             time.perf_counter() - t0,
         )
         tokens = sum(int(a[0].shape[0] * a[0].shape[1]) for a, _ in inputs)
-        acc = _Tuning(quantized={id(rel[n]): q for n, q in quantized.items()}, num_samples=tokens)
-        pending = {self._names_by_id[id(m)]: m for m in rel.values()}
-        for name in pending:
-            self._acc[name] = acc
-        self._compress_all(pending)
+        results = {id(rel[n]): q for n, q in quantized.items()}
+        tunings: dict[int, _Tuning] = {}  # one per input statistics: the static input scales are computed from it
+        for n in rel:
+            stats = self._acc.get(names[n])
+            if id(stats) not in tunings:
+                ranges, dtype = getattr(stats, "ranges", None), getattr(stats, "dtype", None)
+                tunings[id(stats)] = _Tuning(quantized=results, num_samples=tokens, ranges=ranges, dtype=dtype)
+            self._acc[names[n]] = tunings[id(stats)]
+        self._compress_all({names[n]: m for n, m in rel.items()})
+
+    def _input_quantizers(
+        self, rel: dict[str, nn.Module], names: dict[str, str], schemes: dict[str, QuantizationScheme]
+    ) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
+        """For each Linear target whose scheme quantizes its input, the :func:`input_quantizer` the quantized model
+        applies: static scales and NVFP4's input global scale from the ranges the calibration pass observed
+        (computed as :meth:`QuantizingModifier._compress_group` then stores them)."""
+        quantizers = {}
+        for n, module in rel.items():
+            scheme = schemes[n]
+            args = scheme.input_activations
+            if args is None or isinstance(module, LinearView):
+                continue
+            stats = self._acc.get(names[n])
+            if _static_inputs(scheme):
+                scale, zero_point = _input_qparams(scheme, stats)
+                quantizers[n] = input_quantizer(args, scale=scale, zero_point=zero_point)
+            elif is_local(args):
+                quantizers[n] = input_quantizer(args, global_scale=_input_global_scale(scheme, stats))
+            else:
+                quantizers[n] = input_quantizer(args)
+        return quantizers
 
     def _float_outputs(self, layer: nn.Module, inputs: Inputs, outputs: list[torch.Tensor]) -> list[torch.Tensor]:
         """The float model's output of ``layer`` per batch (its weights not yet quantized), kept as the next layer's
@@ -593,7 +918,9 @@ class AutoRoundModifier(QuantizingModifier):
         )
 
     def _new_accumulator(self, module: nn.Module) -> Any:
-        return None  # no per-module statistics: the layer's inputs are captured whole
+        """With calibrated input scales, the targets' input ranges (:meth:`QuantizingModifier._new_accumulator`);
+        else none (the layer's inputs are captured whole, and no target is hooked)."""
+        return super()._new_accumulator(module) if self.calibrated_inputs else None
 
     def _record_routed(self) -> None:
         """Nothing: the experts' matrices are tuned on the decoder layer's output error, whatever tokens each
@@ -606,8 +933,11 @@ class AutoRoundModifier(QuantizingModifier):
 @attrs.define
 class _Tuning:
     """What a decoder layer's tuning produced, handed to :meth:`CalibratedModifier._compress_all` as the
-    targets' shared accumulator (one group: the layer's targets)."""
+    targets' accumulator (one per input statistics; ``ranges`` and ``dtype`` are those statistics', from which
+    :meth:`QuantizingModifier._compress_group` computes static input scales)."""
 
     quantized: dict[int, QuantizedWeight]
     num_samples: int
     in_features: int = 0
+    ranges: dict[str, torch.Tensor] | None = None
+    dtype: torch.dtype | None = None

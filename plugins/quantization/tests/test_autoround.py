@@ -362,25 +362,14 @@ def test_defaults_are_llmcompressors() -> None:
     ("args", "message"),
     [
         (
-            {"scheme": "W8A8"},
-            "AutoRoundModifier tunes integer weight-only schemes with channel or group strategy (W4A16, W8A16, ...): "
-            "the scheme given is not supported (it quantizes activations); use GPTQModifier or QuantizationModifier "
-            "for it",
-        ),
-        (
-            {"scheme": {"weights": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "tensor"}}},
-            "AutoRoundModifier tunes integer weight-only schemes with channel or group strategy (W4A16, W8A16, ...): "
-            "the scheme given is not supported (its weight strategy is tensor); use GPTQModifier or "
-            "QuantizationModifier for it",
-        ),
-        (
             {"observer": "mse"},
             "AutoRoundModifier tunes the weight range itself: observer must be minmax, got 'mse'",
         ),
         (
             {"iters": 0},
-            "iters must be a positive int, got 0; iters: 0 is auto-round's round-to-nearest mode: use "
-            "QuantizationModifier",
+            "iters: 0 with disable_opt_rtn: false is auto-round's optimized round-to-nearest for symmetric integer "
+            "weights (a search of each group's scale), which is not implemented; set disable_opt_rtn: true for plain "
+            "round-to-nearest, or iters >= 1 to tune",
         ),
         ({"batch_size": 0}, "batch_size must be a positive int, got 0"),
         ({"lr": -0.1}, "lr must be a positive number or null (1 / iters), got -0.1"),
