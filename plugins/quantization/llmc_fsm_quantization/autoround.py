@@ -534,8 +534,8 @@ def _bool(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
 
 
 def _device_ids(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
-    if value is not None:
-        msg = f"device_ids {value!r} is not supported: each decoder layer is tuned on the device it is on; remove it"
+    if value is not None and (isinstance(value, bool) or not isinstance(value, str | int)):
+        msg = f"device_ids must be a device string such as '0,1' (llm-compressor's device map) or null, got {value!r}"
         raise ValueError(msg)
 
 
@@ -591,7 +591,9 @@ class AutoRoundModifier(QuantizingModifier):
             integer and NVFP4 weights with its optimized round-to-nearest (a search of each group's scale), which is
             not implemented here, so that combination is refused; ``true``, or any other scheme: plain
             round-to-nearest. No effect with ``iters >= 1``.
-        device_ids: only ``null``.
+        device_ids: accepted (llm-compressor hands it to auto-round as the devices a layer's tuning is spread
+            over); a warning says it is not used: each decoder layer is tuned on the device it is on, with the same
+            result.
 
     Schemes (one per config group, each tuned on the layer's output error together): integer weights (tensor,
     channel or group strategy, symmetric or not: ``W4A16``, ``W8A16``, ``W8A8``, ...) and float ones (``FP8``,
@@ -642,6 +644,12 @@ class AutoRoundModifier(QuantizingModifier):
         if self.observer != "minmax":
             msg = f"AutoRoundModifier tunes the weight range itself: observer must be minmax, got {self.observer!r}"
             raise ValueError(msg)
+        if self.device_ids is not None:
+            logger.warning(
+                "AutoRoundModifier: device_ids %r is not used: each decoder layer is tuned on the device it is on "
+                "(the result is the same; only llm-compressor's spreading of a layer over several GPUs is not done)",
+                self.device_ids,
+            )
         #: decoder layer name -> :class:`LayerErrors`, in the order the layers were tuned.
         self.layer_errors: dict[str, LayerErrors] = {}
         self._layers: dict[int, tuple[str, nn.Module]] = {}

@@ -374,8 +374,8 @@ def test_defaults_are_llmcompressors() -> None:
         ({"batch_size": 0}, "batch_size must be a positive int, got 0"),
         ({"lr": -0.1}, "lr must be a positive number or null (1 / iters), got -0.1"),
         (
-            {"device_ids": "0,1"},
-            "device_ids '0,1' is not supported: each decoder layer is tuned on the device it is on; remove it",
+            {"device_ids": ["0", "1"]},
+            "device_ids must be a device string such as '0,1' (llm-compressor's device map) or null, got ['0', '1']",
         ),
     ],
 )
@@ -400,3 +400,14 @@ def test_low_memory_run_equals_the_in_memory_run(tmp_path) -> None:
     streamed = AutoModelForCausalLM.from_pretrained(out).eval()
     with torch.no_grad():
         assert torch.equal(streamed(x).logits, model(x).logits)
+
+
+def test_device_ids_is_accepted_with_a_warning_that_it_is_not_used(caplog) -> None:
+    """llm-compressor's examples/autoround/quantization_wNa16/qwen3_example.py gives device_ids '0,1,2,3'."""
+    with caplog.at_level("WARNING", logger="llmc_fsm_quantization.autoround"):
+        modifier = AutoRoundModifier(device_ids="0,1,2,3")
+    assert modifier.device_ids == "0,1,2,3"
+    assert [r.getMessage() for r in caplog.records] == [
+        "AutoRoundModifier: device_ids '0,1,2,3' is not used: each decoder layer is tuned on the device it is on (the "
+        "result is the same; only llm-compressor's spreading of a layer over several GPUs is not done)"
+    ]
