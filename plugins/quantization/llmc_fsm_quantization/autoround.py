@@ -69,6 +69,7 @@ from llmc_fsm_quantization._base import (
     QuantizingModifier,
     _input_global_scale,
     _input_qparams,
+    _observed_whole,
     _static_inputs,
     attach_qparams,
 )
@@ -665,26 +666,38 @@ class AutoRoundModifier(QuantizingModifier):
     def on_initialize(self, state: Any) -> None:
         super().on_initialize(state)
         name, layers = find_decoder_layers(state.model)
+        self.layer_errors = {}
+        # every decoder layer, also one without targets: the float model's hidden states go through each
+        self._layers = {id(layer): (f"{name}.{i}", layer) for i, layer in enumerate(layers)}
+
+    def check_model(self, model: nn.Module) -> dict[str, nn.Module]:
+        """:meth:`QuantizingModifier.check_model`; and targets outside the decoder layers are refused (AutoRound
+        tunes a decoder layer on its output), as are fused expert matrices whose scheme calibrates input scales
+        (:meth:`_check_views`): one line each, before any work.
+
+        Raises:
+            ValueError: as the base class, or such targets.
+        """
+        targets = super().check_model(model)
+        name, layers = find_decoder_layers(model)
         inside = {id(v) for m in layers.modules() for v in (m, *weight_views(m).values())}  # fused experts' views
-        outside = [n for n, m in self._targets.items() if id(m) not in inside]
+        outside = [n for n, m in targets.items() if id(m) not in inside]
         if outside:
             msg = (
                 f"AutoRoundModifier tunes decoder layers; {', '.join(outside[:5])} lie outside {name}: add them to "
                 "ignore"
             )
             raise ValueError(msg)
-        self.layer_errors = {}
-        # every decoder layer, also one without targets: the float model's hidden states go through each
-        self._layers = {id(layer): (f"{name}.{i}", layer) for i, layer in enumerate(layers)}
+        return targets
 
-    def check_model(self, model: nn.Module) -> dict[str, nn.Module]:
-        """:meth:`QuantizingModifier.check_model`; and fused expert matrices whose scheme calibrates input scales
-        are refused (one line, before any work): their inputs are observed per expert only by the other quantizers.
+    def _check_views(self, model: nn.Module, targets: dict[str, nn.Module]) -> dict[str, str]:
+        """Fused expert matrices whose scheme calibrates input scales (static inputs or NVFP4's input global scale)
+        are refused first: their inputs are observed per expert only by the other quantizers; then
+        :meth:`QuantizingModifier._check_views`.
 
         Raises:
-            ValueError: as the base class, or such expert matrices (the first named, the others counted).
+            ValueError: such expert matrices (the first named, the others counted), or as the base class.
         """
-        targets = super().check_model(model)
         calibrated = [
             n
             for n, m in targets.items()
@@ -697,9 +710,15 @@ class AutoRoundModifier(QuantizingModifier):
                 "not calibrate on experts: use QuantizationModifier or GPTQModifier for them"
             )
             raise ValueError(msg)
-        return targets
+        return super()._check_views(model, targets)
 
     def on_calibration_start(self, state: Any) -> None:
+        """Hook every decoder layer: its inputs (and, until the float model's hidden states are carried, its
+        outputs) are captured. With calibrated input scales the targets are hooked too (their input ranges), and
+        every layer keeps a forward hook that does nothing, so that the pipeline runs it in the plain order
+        (calibrate, compress, propagate through the compressed layer: :func:`llmc_fsm.pipeline.layer.compress_layer`)
+        past the first layer too, where the output hooks are gone: its grouped order would hand the next layer the
+        outputs of this one's untuned weights, since the tuning compresses the whole layer at once."""
         if is_distributed():
             msg = "AutoRoundModifier runs in one process: start it without torchrun (or with one process)"
             raise ValueError(msg)
@@ -710,6 +729,8 @@ class AutoRoundModifier(QuantizingModifier):
             self._output_hooks.append(self.register_hook(layer, self._capture_output(key), kind="forward"))
         if self.calibrated_inputs:  # the targets' input ranges, observed in the calibration pass (static scales)
             CalibratedModifier.on_calibration_start(self, state)
+            for _, layer in self._layers.values():  # the plain order, also past the first layer (see the docstring)
+                self.register_hook(layer, _observed_whole, kind="forward")
 
     def _make_hook(self, name: str) -> Any:
         """:meth:`CalibratedModifier._make_hook`, idle during the tuning's own forwards (the ranges are those of the

@@ -281,3 +281,31 @@ def test_static_input_scales_on_fused_experts_are_refused_before_calibration() -
         "scheme calibrates input scales (static inputs or NVFP4's input global scale), which AutoRound does not "
         "calibrate on experts: use QuantizationModifier or GPTQModifier for them"
     )
+
+
+def test_with_static_input_scales_each_layer_is_tuned_on_the_outputs_of_the_tuned_layers_before_it(model_dir) -> None:
+    """Hooking the targets (for their input ranges) must not change the pipeline's order: the inputs of layer 2
+    when it is calibrated are the outputs of tuned layers 0 and 1 (activation quantization off, as the pipeline
+    propagates), not of layer 1's untuned weights (the grouped order compresses layer by group; the tuning does the
+    whole layer at once)."""
+    from llmc_fsm.pipeline.layer import activation_quantization_off
+
+    model = _load(model_dir, torch.float32)
+    data = torch.randint(0, 128, (8, 32), generator=torch.Generator().manual_seed(2))
+    seen: list[torch.Tensor] = []
+    handle = model.model.layers[2].register_forward_pre_hook(
+        lambda m, a, kw: seen.append((a[0] if a else kw["hidden_states"]).detach().clone()), with_kwargs=True
+    )
+    recipe = {"q": {"AutoRoundModifier": {"scheme": "FP8", "iters": 5, "batch_size": 4, "ignore": ["lm_head"]}}}
+    llmc_fsm.oneshot(model=model, recipe=recipe, dataset=data, batch_size=4, progress=False)
+    handle.remove()
+    expected: list[torch.Tensor] = []
+    model.model.layers[2].register_forward_pre_hook(
+        lambda m, a, kw: expected.append((a[0] if a else kw["hidden_states"]).detach().clone()), with_kwargs=True
+    )
+    with activation_quantization_off(model.model.layers[0]), activation_quantization_off(model.model.layers[1]):
+        with torch.no_grad():
+            for chunk in data.split(4):
+                model(chunk)
+    calibration = seen[:2]  # layer 2's first calls: its calibration pass (then its float outputs and its tuning)
+    assert len(expected) == 2 and all(torch.equal(a, b) for a, b in zip(calibration, expected, strict=True))
