@@ -57,6 +57,7 @@ from llmc_fsm.oneshot_job.resume import layer_progress
 from llmc_fsm.output.save import pruned_sparsity, quantized_modules, sparsity_structure, write_quantization_config
 from llmc_fsm.pipeline.device import onloaded
 from llmc_fsm.pipeline.forward import capture_layer_inputs
+from llmc_fsm.pipeline.sequential import output_head
 from llmc_fsm.pipeline.streaming import (
     StreamedCompression,
     check_streamable,
@@ -64,6 +65,7 @@ from llmc_fsm.pipeline.streaming import (
     streamed_states,
     tail_perplexity,
 )
+from llmc_fsm.toolkit.calibrated import CalibratedModifier
 from llmc_fsm.toolkit.distributed import is_main_process
 from llmc_fsm.toolkit.heap import limit_heap_growth
 
@@ -183,6 +185,7 @@ def stream_by_default(run: Run) -> LazyModel | None:
     try:
         check_job(run)
         lazy = _load(run)
+        _check_head(run, lazy)
     except ValueError as exc:
         run.settings = settings
         run.model, run.tokenizer, run.model_name, run.disk_before = None, None, "", None
@@ -193,6 +196,31 @@ def stream_by_default(run: Run) -> LazyModel | None:
     if settings.progress and is_main_process():
         tqdm.write(STREAMING_NOTE, file=sys.stderr)
     return lazy
+
+
+def _check_head(run: Run, lazy: LazyModel) -> None:
+    """Raise when a modifier targets the output head as a module it calibrates: the streamed path writes the tensors
+    outside the layers before compressing any (the in-memory pipeline calibrates the head after the last layer).
+
+    Raises:
+        ValueError: ``low_memory (--low-memory) cannot run this job: ...``.
+    """
+    head = output_head(lazy.model)
+    if head is None:
+        return
+    for modifier in run.sessions[0].modifiers:
+        if not isinstance(modifier, CalibratedModifier):
+            continue
+        targets = modifier.check_model(lazy.model)
+        free = modifier.targets_without_inputs
+        named = [n for n, m in targets.items() if m is head and n not in free]
+        if named:
+            msg = (
+                f"low_memory (--low-memory) cannot run this job: {modifier.modifier_name()} compresses {named[0]}, "
+                "the output head (calibrated on the last layer's outputs), and the streamed path writes the tensors "
+                "outside the decoder layers first"
+            )
+            raise ValueError(msg)
 
 
 def _layers_return_tuples(lazy: LazyModel, windows: torch.Tensor, device: torch.device) -> bool:
@@ -234,6 +262,7 @@ def run_streaming(run: Run, lazy: LazyModel | None = None, *, bounded_heap: bool
     if lazy is None:
         check_job(run)
         lazy = _load(run)
+        _check_head(run, lazy)
     if bounded_heap:
         limit_heap_growth()  # freed layers go back to the system (glibc)
     token_data(run)  # on the meta-device model: lengths and the modifiers' checks, no forward

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import OrderedDict
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -23,6 +24,7 @@ __all__ = [
     "Calls",
     "Inputs",
     "LayerKwargs",
+    "OutputKind",
     "StopForward",
     "call_order",
     "capture_layer_inputs",
@@ -30,6 +32,7 @@ __all__ = [
     "inputs_of",
     "record_calls",
     "record_calls_per_class",
+    "replaying",
     "with_hidden",
 ]
 
@@ -302,3 +305,52 @@ def record_calls_per_class(
             with onloaded(layer, device) if device is not None else contextlib.nullcontext():
                 result[type(layer)] = record_calls(layer, args, kwargs)
     return result
+
+
+class OutputKind:
+    """A forward hook recording whether a decoder layer returns a tuple (or a tensor): its first forward tells.
+
+    Raises (from the hook):
+        TypeError: the layer returns neither.
+    """
+
+    def __init__(self) -> None:
+        self.as_tuple: bool | None = None
+
+    def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self.as_tuple is None:
+            self.as_tuple = isinstance(output, tuple | list)
+            if not self.as_tuple and not isinstance(output, torch.Tensor):
+                msg = f"cannot stream {type(module).__name__}: it returns {type(output).__name__}, not a tensor/tuple"
+                raise TypeError(msg)
+
+
+class _Replay(nn.Module):
+    """Stands in for the decoder layers: returns the next precomputed hidden state at each call."""
+
+    def __init__(self, states: Iterable[torch.Tensor], as_tuple: bool) -> None:
+        super().__init__()
+        self._states = iter(states)
+        self._as_tuple = as_tuple
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        hidden = next(self._states)
+        return (hidden,) if self._as_tuple else hidden
+
+
+@contextlib.contextmanager
+def replaying(
+    model: nn.Module, layers_name: str, layers: nn.ModuleList, states: Inputs, as_tuple: bool
+) -> Iterator[None]:
+    """Within the block, ``model``'s decoder layers (``layers``, the module list at ``layers_name``) are one stand-in
+    that returns, at its n-th call, the hidden states of ``states[n]`` (the inputs of the layer after the last:
+    ``(args, kwargs)`` per batch, hidden states first), as a 1-tuple when ``as_tuple`` (the layers' own output
+    form, :class:`OutputKind`): the model's own forward then runs what follows the layers (final norm, head) on
+    them. The layers are put back on exit."""
+    parent_name, _, attr = layers_name.rpartition(".")
+    parent = model.get_submodule(parent_name)
+    setattr(parent, attr, nn.ModuleList([_Replay((args[0] for args, _ in states), as_tuple)]))
+    try:
+        yield
+    finally:
+        setattr(parent, attr, layers)

@@ -25,9 +25,12 @@ Peak memory is the model plus one layer's activations for the calibration
 batches (and whatever statistics the modifiers keep for that layer), not the
 activations of the whole model. Everything runs under ``torch.no_grad``.
 
-Only the decoder layers are calibrated: the embedding, the final norm and the
-head see no calibration pass, so modifiers must not target modules outside
-the layers (checked before any work, see :func:`check_targets_in_layers`).
+Only the decoder layers and the output head (``lm_head``: the model's ``get_output_embeddings()``) are calibrated:
+when a modifier targets the head, after the last layer every batch runs the model's own forward from the last
+layer's outputs on (final norm, any scaling its forward applies) up to the head's input, which the modifiers'
+hooks observe, and ``session.sequential_epoch_end([head])`` compresses it (llm-compressor's pipeline calibrates
+``lm_head`` on the final hidden states likewise). No other module outside the layers may be a target that needs
+calibration inputs (checked before any work, see :func:`check_targets_in_layers`).
 """
 
 from __future__ import annotations
@@ -44,8 +47,15 @@ from torch import nn
 from llmc_fsm.core.errors import LifecycleError
 from llmc_fsm.models.layers import check_calibrates_from_text, find_decoder_layers
 from llmc_fsm.pipeline.device import ActivationStore, activation_store, describe_device, onloaded, resolve_device
-from llmc_fsm.pipeline.forward import Inputs, capture_layer_inputs, record_calls_per_class
-from llmc_fsm.pipeline.layer import RestoredLayers, compress_layer
+from llmc_fsm.pipeline.forward import (
+    Inputs,
+    OutputKind,
+    StopForward,
+    capture_layer_inputs,
+    record_calls_per_class,
+    replaying,
+)
+from llmc_fsm.pipeline.layer import RestoredLayers, _raise_stop, compress_layer
 from llmc_fsm.session.session import Session
 from llmc_fsm.toolkit.calibrated import CalibratedModifier
 from llmc_fsm.toolkit.heap import trim_heap
@@ -57,6 +67,7 @@ __all__ = [
     "activation_bytes",
     "calibration_batches",
     "check_targets_in_layers",
+    "output_head",
     "run_sequential",
 ]
 
@@ -133,20 +144,36 @@ def calibration_batches(data: Any, *, batch_size: int = 8) -> list[dict[str, Any
     return batches
 
 
+def output_head(model: nn.Module) -> nn.Module | None:
+    """``model``'s output head (``get_output_embeddings()``, e.g. ``lm_head``) when it is an ``nn.Linear``, else
+    ``None``: the one module outside the decoder layers the sequential pipeline calibrates, when targeted."""
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    return head if isinstance(head, nn.Linear) else None
+
+
 def check_targets_in_layers(
-    session: Session, layers: nn.ModuleList, layers_name: str, *, streamed: bool = False
+    session: Session,
+    layers: nn.ModuleList,
+    layers_name: str,
+    *,
+    streamed: bool = False,
+    head: nn.Module | None = None,
 ) -> None:
     """Raise before any work if a modifier targets a module the pipeline never calibrates.
 
     Modifiers that expose ``resolved_targets`` (``{name: module}``, e.g. the
     pruning plugin's) are checked; others are trusted. A target the modifier compresses without calibration inputs
-    (its ``targets_without_inputs``, e.g. a quantizer's ``nn.Embedding``) may lie outside the layers, except in the
-    streamed pipeline (``streamed``), which writes the tensors outside the layers before it compresses anything.
+    (its ``targets_without_inputs``, e.g. a quantizer's ``nn.Embedding``) may lie outside the layers, and so may the
+    output ``head`` (:func:`output_head`; calibrated after the last layer), except in the streamed pipeline
+    (``streamed``), which writes the tensors outside the layers before it compresses anything.
 
     Raises:
         ValueError: naming the modifier, the modules outside the layers and the fix.
     """
     inside = {id(v) for m in layers.modules() for v in (m, *weight_views(m).values())}  # with fused experts, Conv1D
+    if head is not None and not streamed:
+        inside.add(id(head))
     for modifier in session.modifiers:
         targets = getattr(modifier, "resolved_targets", None)
         if not isinstance(targets, Mapping):
@@ -156,7 +183,9 @@ def check_targets_in_layers(
         if outside:
             shown = ", ".join(outside[:5]) + (f" and {len(outside) - 5} more" if len(outside) > 5 else "")
             fix = "Add them to the modifier's ignore list."
-            if streamed and set(outside) <= getattr(modifier, "targets_without_inputs", frozenset()):
+            in_memory = set(getattr(modifier, "targets_without_inputs", frozenset()))
+            in_memory |= {name for name, module in targets.items() if head is not None and module is head}
+            if streamed and set(outside) <= in_memory:
                 fix = (
                     "The streamed path (low_memory; the command's default when the job allows it) writes the tensors "
                     "outside the layers before compressing any: run in memory (--in-memory; Python: low_memory="
@@ -164,9 +193,24 @@ def check_targets_in_layers(
                 )
             msg = (
                 f"{modifier.modifier_name()} targets {shown}, outside the decoder layers ({layers_name}); the "
-                f"sequential pipeline calibrates only the decoder layers. {fix}"
+                f"sequential pipeline calibrates only the decoder layers"
+                + (" and the output head" if head is not None and not streamed else "")
+                + f". {fix}"
             )
             raise ValueError(msg)
+
+
+def head_targeted(session: Session, head: nn.Module | None) -> bool:
+    """Whether a modifier of ``session`` targets ``head`` as a module it calibrates (not among its
+    ``targets_without_inputs``)."""
+    if head is None:
+        return False
+    for modifier in session.modifiers:
+        targets = getattr(modifier, "resolved_targets", None)
+        free = getattr(modifier, "targets_without_inputs", frozenset())
+        if isinstance(targets, Mapping) and any(m is head and n not in free for n, m in targets.items()):
+            return True
+    return False
 
 
 class LayerCheckpoint(Protocol):
@@ -252,7 +296,8 @@ def run_sequential(
         raise ValueError(msg)
     check_calibrates_from_text(model)
     layers_name, layers = find_decoder_layers(model)
-    check_targets_in_layers(session, layers, layers_name)
+    head = output_head(model)
+    check_targets_in_layers(session, layers, layers_name, head=head)
     was_training = model.training
     model.eval()
     cuda = execution.type == "cuda"
@@ -274,6 +319,7 @@ def run_sequential(
                 early_exit=early_exit,
                 true_sequential=true_sequential,
                 checkpoint=checkpoint,
+                head=_Head(head, layers_name) if head_targeted(session, head) else None,
             )
     finally:
         model.train(was_training)
@@ -362,8 +408,10 @@ def _run_layers(
     early_exit: bool,
     true_sequential: bool,
     checkpoint: LayerCheckpoint | None,
+    head: _Head | None = None,
 ) -> tuple[int, list[float]]:
-    """The calibration proper (under ``no_grad``): returns (layers restored, wall time per calibrated layer)."""
+    """The calibration proper (under ``no_grad``): returns (layers restored, wall time per calibrated layer); with
+    ``head``, the output head is calibrated and compressed after the last layer (:meth:`_Head.calibrate`)."""
     from tqdm.auto import tqdm
 
     # grouped calibration calls a group's later members' pre-hooks early; CalibratedModifier ignores the later call
@@ -374,6 +422,8 @@ def _run_layers(
     # which submodules are called in which order, on which inputs: before the modifiers hook anything
     wanted = (early_exit or true_sequential) and len(inputs) > 0
     calls = record_calls_per_class(layers, inputs[0], device=runner.device) if wanted else {}
+    if head is not None and inputs:  # before any hook: one forward of the last layer tells its output's form
+        head.probe(layers[-1], inputs[0], runner)
     session.calibration_start()
     start, inputs = _resume(layers, inputs, checkpoint, runner, session.modifiers)
     layer_seconds: list[float] = []
@@ -401,7 +451,7 @@ def _run_layers(
                 calls=calls.get(type(layer)),
                 true_sequential=true_sequential,
                 early_exit=early_exit,
-                need_outputs=not last,
+                need_outputs=not last or head is not None,
                 modifiers=session.modifiers,
             )
         if cuda:
@@ -412,9 +462,72 @@ def _run_layers(
         trim_heap()  # the forwards' freed activations go back to the system
         layer_seconds.append(time.perf_counter() - t0)
     bar.close()
+    if head is not None and inputs:
+        head.calibrate(session, model, layers, batches, inputs, runner)
     del inputs
     session.calibration_end()
     return start, layer_seconds
+
+
+@attrs.define(eq=False)
+class _Head:
+    """The output head a modifier targets (:func:`head_targeted`), calibrated after the last decoder layer."""
+
+    module: nn.Module
+    layers_name: str
+    as_tuple: bool = False
+
+    def probe(self, layer: nn.Module, inputs: tuple[tuple[Any, ...], dict[str, Any]], runner: _LayerRunner) -> None:
+        """Whether ``layer`` (the last decoder layer) returns a tuple: its forward on the first batch's inputs of
+        layer 0 with its own other arguments (the captured ones, :class:`~llmc_fsm.pipeline.forward.LayerKwargs`),
+        before anything is hooked."""
+        args, kwargs = inputs
+        at = getattr(kwargs, "at", None)
+        if at is not None:
+            rest, kwargs = at(len(kwargs.per_layer) - 1)
+            args = (args[0], *rest)
+        kind = OutputKind()
+        handle = layer.register_forward_hook(kind)
+        try:
+            with runner.onload(layer):
+                layer(*args, **kwargs)
+        finally:
+            handle.remove()
+        self.as_tuple = bool(kind.as_tuple)
+
+    def calibrate(
+        self,
+        session: Session,
+        model: nn.Module,
+        layers: nn.ModuleList,
+        batches: list[dict[str, Any]],
+        states: Inputs,
+        runner: _LayerRunner,
+    ) -> None:
+        """Every batch through the model's own forward from ``states`` (the last layer's outputs) to the head's
+        input, where the modifiers' pre-hooks observe it and the forward stops (a pre-hook registered after theirs);
+        then ``session.sequential_epoch_end([head])``.
+
+        Raises:
+            RuntimeError: the model's forward returned without calling its head.
+        """
+        logger.info("sequential pipeline: calibrating the output head on the last layer's outputs")
+        stop = self.module.register_forward_pre_hook(_raise_stop)
+        try:
+            with replaying(model, self.layers_name, layers, states, self.as_tuple), runner.onload(model, skip=[layers]):
+                for batch in batches:
+                    inputs = {k: (v.to(runner.device) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
+                    inputs.setdefault("use_cache", False)
+                    try:
+                        model(**inputs)
+                    except StopForward:
+                        continue
+                    msg = f"the forward of {type(model).__name__} returned without calling its output head"
+                    raise RuntimeError(msg)
+        finally:
+            stop.remove()
+        with runner.onload(self.module):
+            session.sequential_epoch_end([self.module])
 
 
 def _resume(

@@ -40,9 +40,8 @@ compress layer by layer at ``sequential_epoch_end`` can run this way
 
 from __future__ import annotations
 
-import contextlib
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import attrs
@@ -53,13 +52,14 @@ from llmc_fsm.data.protocol import perplexity
 from llmc_fsm.models.lazy import LazyModel, ShardWriter
 from llmc_fsm.output.save import compressed_state_dict, quantized_modules
 from llmc_fsm.pipeline.device import ActivationStore, activation_store, onloaded
-from llmc_fsm.pipeline.forward import Calls, Inputs, capture_layer_inputs, record_calls
+from llmc_fsm.pipeline.forward import Calls, Inputs, OutputKind, capture_layer_inputs, record_calls, replaying
 from llmc_fsm.pipeline.layer import RestoredLayers, compress_layer, propagate
 from llmc_fsm.pipeline.sequential import (
     LayerCheckpoint,
     activation_bytes,
     calibration_batches,
     check_targets_in_layers,
+    output_head,
 )
 from llmc_fsm.report.build import ModuleSparsity, measure_sparsity
 from llmc_fsm.session.session import Session
@@ -140,20 +140,6 @@ def _bar(total: int, desc: str, progress: bool, start: int = 0) -> Any:
     )
 
 
-class _OutputKind:
-    """Records whether a decoder layer returns a tensor or a tuple (its first forward tells)."""
-
-    def __init__(self) -> None:
-        self.as_tuple: bool | None = None
-
-    def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
-        if self.as_tuple is None:
-            self.as_tuple = isinstance(output, tuple | list)
-            if not self.as_tuple and not isinstance(output, torch.Tensor):
-                msg = f"cannot stream {type(module).__name__}: it returns {type(output).__name__}, not a tensor/tuple"
-                raise TypeError(msg)
-
-
 def streamed_states(
     lazy: LazyModel,
     windows: torch.Tensor,
@@ -175,7 +161,7 @@ def streamed_states(
         would get (hidden states ``[1, L, hidden]`` first), and whether the
         layers return tuples — what :func:`tail_perplexity` needs.
     """
-    kind = _OutputKind()
+    kind = OutputKind()
     device = torch.device("cpu") if device is None else device
     batches = _window_batches(windows)
     store = activation_store(device, activation_bytes(lazy.model, batches), activation_budget)
@@ -193,30 +179,6 @@ def streamed_states(
                 finally:
                     handle.remove()
     return states, bool(kind.as_tuple)
-
-
-class _Replay(nn.Module):
-    """Stands in for the decoder layers: returns the next precomputed hidden state at each call."""
-
-    def __init__(self, states: Iterable[torch.Tensor], as_tuple: bool) -> None:
-        super().__init__()
-        self._states = iter(states)
-        self._as_tuple = as_tuple
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        hidden = next(self._states)
-        return (hidden,) if self._as_tuple else hidden
-
-
-@contextlib.contextmanager
-def _replaying(lazy: LazyModel, states: Inputs, as_tuple: bool) -> Iterator[None]:
-    parent_name, _, attr = lazy.layers_name.rpartition(".")
-    parent = lazy.model.get_submodule(parent_name)
-    setattr(parent, attr, nn.ModuleList([_Replay((args[0] for args, _ in states), as_tuple)]))
-    try:
-        yield
-    finally:
-        setattr(parent, attr, lazy.layers)
 
 
 def tail_perplexity(
@@ -237,7 +199,7 @@ def tail_perplexity(
     """
 
     device = torch.device("cpu") if device is None else device
-    with lazy.materialized(lazy.outer_names()), _replaying(lazy, states, as_tuple):
+    with lazy.materialized(lazy.outer_names()), replaying(lazy.model, lazy.layers_name, lazy.layers, states, as_tuple):
         with onloaded(lazy.model, device, skip=[lazy.layers]):
             return perplexity(lazy.model, windows, progress=progress)
 
@@ -348,7 +310,7 @@ def compress_streaming(
         msg = f"activation_budget must be a number of bytes >= 0 or None, got {activation_budget!r}"
         raise ValueError(msg)
     check_streamable(session)
-    check_targets_in_layers(session, lazy.layers, lazy.layers_name, streamed=True)
+    check_targets_in_layers(session, lazy.layers, lazy.layers_name, streamed=True, head=output_head(lazy.model))
     batches = calibration_batches(windows, batch_size=batch_size) if windows.shape[0] else []
     eval_batches = _window_batches(eval_windows) if eval_windows is not None else []
     device = torch.device("cpu") if device is None else device

@@ -1,0 +1,113 @@
+"""The output head (``lm_head``) as a calibrated target: GPTQ on the final hidden states, as llm-compressor's
+``examples/quantization_w4a4_fp4/qwen3_8_gptq_awq_example.py`` targets it (``re:.*lm_head``)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from llmc_fsm_quantization import gptq_quantize, resolve_scheme
+
+import llmc_fsm
+from llmc_fsm.toolkit import HessianAccumulator
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "tests"))
+from tiny_llama import llama
+
+W4G16 = {"preset": "W4A16", "weights": {"group_size": 16}}
+
+
+@pytest.fixture(scope="module")
+def untied_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("untied") / "model"
+    llama(layers=2, hidden=64, heads=4, kv_heads=2, tied=False).save_pretrained(path)
+    return path
+
+
+def _load(path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path).eval()
+
+
+DATA = torch.randint(0, 128, (8, 32), generator=torch.Generator().manual_seed(2))
+
+
+def test_gptq_on_lm_head_uses_the_final_hidden_states_of_the_quantized_layers(tmp_path, untied_dir) -> None:
+    """lm_head's GPTQ weights equal :func:`gptq_quantize` of its float weight with the Hessian of its inputs as the
+    compressed model computes them (the final norm of the last quantized layer's output), accumulated batch by batch;
+    the saved checkpoint reloads with the in-memory logits."""
+    model = _load(untied_dir)
+    original = model.lm_head.weight.detach().clone()
+    recipe = {"q": {"GPTQModifier": {"scheme": W4G16, "targets": ["Linear"], "ignore": []}}}
+    llmc_fsm.oneshot(model=model, recipe=recipe, dataset=DATA, batch_size=4, output_dir=tmp_path / "out", progress=False)
+    seen: list[torch.Tensor] = []
+    handle = model.lm_head.register_forward_pre_hook(lambda m, a: seen.append(a[0].detach().clone()))
+    with torch.no_grad():
+        for chunk in DATA.split(4):
+            model(chunk)
+    handle.remove()
+    accumulator = HessianAccumulator(64)
+    for x in seen:
+        accumulator.add_batch(x)
+    args = resolve_scheme(W4G16, ["Linear"]).weights
+    (expected,) = gptq_quantize([original], accumulator.hessian, args=args)
+    assert torch.equal(model.lm_head.weight, expected.weight)
+    assert torch.equal(model.lm_head.weight_scale, expected.scale)
+    reloaded = _load(tmp_path / "out")
+    x = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert torch.equal(model(x).logits, reloaded(x).logits)
+    rows = {m["name"]: m for m in json.loads((tmp_path / "out" / "report.json").read_text())["sparsity"]["modules"]}
+    assert rows["lm_head"]["bits"] == 4 and rows["lm_head"]["rel_output_error"] > 0
+
+
+def test_static_input_scale_of_lm_head_is_the_range_of_its_inputs(untied_dir) -> None:
+    """FP8 with static inputs on lm_head (the QuantizationModifier observes the float model's inputs): its input
+    scale is max|x| / 448 of the float model's final normed hidden states (static_minmax)."""
+    model = _load(untied_dir)
+    scheme = {"preset": "FP8", "input_activations": {"observer": "static_minmax"}}
+    recipe = {"q": {"QuantizationModifier": {"scheme": scheme, "ignore": []}}}
+    reference = _load(untied_dir)
+    top: list[float] = []
+    reference.lm_head.register_forward_pre_hook(lambda m, a: top.append(float(a[0].abs().max())))
+    with torch.no_grad():
+        for chunk in DATA.split(4):
+            reference(chunk)
+    llmc_fsm.oneshot(model=model, recipe=recipe, dataset=DATA, batch_size=4, progress=False)
+    assert torch.equal(model.lm_head.input_scale.reshape(()), torch.tensor(max(top), dtype=torch.float32) / 448.0)
+
+
+def test_the_command_runs_an_lm_head_job_in_memory_and_low_memory_refuses_it(tmp_path) -> None:
+    """The command's default streams when the job allows it; a job that calibrates lm_head runs in memory (the
+    streamed path writes the tensors outside the layers first), and --low-memory refuses it in one line, before any
+    weight is read, writing nothing."""
+    from tiny_llama import build_with_text, oneshot_argv, run_cli
+    from transformers import AutoModelForCausalLM
+
+    model_dir, text = build_with_text(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    model.config.tie_word_embeddings = False  # an untied head, as Qwen3-8B's
+    model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
+    model.save_pretrained(model_dir)
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(
+        "q:\n  GPTQModifier:\n    targets: [Linear]\n    ignore: []\n    scheme: {preset: W4A16, weights: {group_size: 16}}\n"
+    )
+    done = run_cli(oneshot_argv(model_dir, text, tmp_path / "out", "--recipe", str(recipe), "--num-samples", "4"))
+    assert done.returncode == 0, done.stderr[-2000:]
+    config = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
+    assert "lm_head" not in config["ignore"]
+    refused = run_cli(
+        oneshot_argv(model_dir, text, tmp_path / "low", "--recipe", str(recipe), "--num-samples", "4", "--low-memory")
+    )
+    assert refused.returncode != 0
+    assert refused.stderr.strip().splitlines()[-1] == (
+        "llmc-fsm oneshot: error: low_memory (--low-memory) cannot run this job: GPTQModifier compresses lm_head, the "
+        "output head (calibrated on the last layer's outputs), and the streamed path writes the tensors outside the "
+        "decoder layers first"
+    )
+    assert not (tmp_path / "low").exists() or not any((tmp_path / "low").iterdir())
