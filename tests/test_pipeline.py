@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import copy
 
+import re
+
 import pytest
 import torch
 from llmc_fsm_pruning import sparsegpt_prune, wanda_mask
@@ -236,12 +238,18 @@ def test_targets_matching_nothing_name_targets_and_modules(data):
 
 
 def test_targets_outside_the_layers_are_refused_before_work(data):
+    """A module outside the decoder layers other than the output head (calibrated after the last layer when
+    targeted: plugins/quantization/tests/test_output_head.py) is refused, e.g. a multimodal projector."""
     model = llama()
-    model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())  # untied (a tied one is refused)
+    model.model.projector = torch.nn.Linear(64, 64)  # outside the decoder layers, never called by the forward
     before = model.model.layers[0].self_attn.q_proj.weight.clone()
-    session = Session(sparsegpt(ignore=[]))  # lm_head is now a target
+    session = Session(sparsegpt(ignore=["lm_head"]))  # model.projector is now a target
     session.initialize(model=model, calibration_data=data)
-    with pytest.raises(ValueError, match=r"lm_head.*outside the decoder layers"):
+    message = (
+        "SparseGPTModifier targets model.projector, outside the decoder layers (model.layers); the sequential pipeline "
+        "calibrates only the decoder layers and the output head. Add them to the modifier's ignore list."
+    )
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
         run_sequential(session, progress=False)
     assert torch.equal(model.model.layers[0].self_attn.q_proj.weight, before)
 
