@@ -215,10 +215,11 @@ def _check_head(run: Run, lazy: LazyModel) -> None:
         free = modifier.targets_without_inputs
         named = [n for n, m in targets.items() if m is head and n not in free]
         if named:
+            calibrated = " (calibrated on the last layer's outputs)" if modifier.needs_inputs else ""
             msg = (
                 f"low_memory (--low-memory) cannot run this job: {modifier.modifier_name()} compresses {named[0]}, "
-                "the output head (calibrated on the last layer's outputs), and the streamed path writes the tensors "
-                "outside the decoder layers first"
+                f"the output head{calibrated}, and the streamed path writes the tensors outside the decoder layers "
+                "first"
             )
             raise ValueError(msg)
 

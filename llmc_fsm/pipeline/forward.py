@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -326,15 +326,25 @@ class OutputKind:
 
 
 class _Replay(nn.Module):
-    """Stands in for the decoder layers: returns the next precomputed hidden state at each call."""
+    """Stands in for one decoder layer: returns the next precomputed hidden state at each call (the last layer's
+    stand-in) or its input (the others'), and reads any attribute it lacks from the layer it stands for (a model's
+    forward may read e.g. ``block_type`` or ``attention_type`` off its layers to pick a mask). The layer is not a
+    submodule: its weights are neither moved nor counted."""
 
-    def __init__(self, states: Iterable[torch.Tensor], as_tuple: bool) -> None:
+    def __init__(self, layer: nn.Module, states: Iterator[torch.Tensor] | None, as_tuple: bool) -> None:
         super().__init__()
-        self._states = iter(states)
+        object.__setattr__(self, "_layer", layer)
+        self._states = states
         self._as_tuple = as_tuple
 
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(object.__getattribute__(self, "_layer"), name)
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        hidden = next(self._states)
+        hidden = next(self._states) if self._states is not None else (args[0] if args else kwargs["hidden_states"])
         return (hidden,) if self._as_tuple else hidden
 
 
@@ -342,14 +352,17 @@ class _Replay(nn.Module):
 def replaying(
     model: nn.Module, layers_name: str, layers: nn.ModuleList, states: Inputs, as_tuple: bool
 ) -> Iterator[None]:
-    """Within the block, ``model``'s decoder layers (``layers``, the module list at ``layers_name``) are one stand-in
-    that returns, at its n-th call, the hidden states of ``states[n]`` (the inputs of the layer after the last:
-    ``(args, kwargs)`` per batch, hidden states first), as a 1-tuple when ``as_tuple`` (the layers' own output
-    form, :class:`OutputKind`): the model's own forward then runs what follows the layers (final norm, head) on
-    them. The layers are put back on exit."""
+    """Within the block, ``model``'s decoder layers (``layers``, the module list at ``layers_name``) are stand-ins
+    (:class:`_Replay`): the last returns, at its n-th call, the hidden states of ``states[n]`` (the inputs of the
+    layer after the last: ``(args, kwargs)`` per batch, hidden states first), as a 1-tuple when ``as_tuple`` (the
+    layers' own output form, :class:`OutputKind`), the others return their input: the model's own forward then runs
+    what follows the layers (final norm, head) on the states. The layers are put back on exit."""
     parent_name, _, attr = layers_name.rpartition(".")
     parent = model.get_submodule(parent_name)
-    setattr(parent, attr, nn.ModuleList([_Replay((args[0] for args, _ in states), as_tuple)]))
+    hidden = (args[0] for args, _ in states)  # one batch at a time (activations held off the device move per batch)
+    last = len(layers) - 1
+    stand_ins = [_Replay(layer, hidden if i == last else None, as_tuple) for i, layer in enumerate(layers)]
+    setattr(parent, attr, nn.ModuleList(stand_ins))
     try:
         yield
     finally:

@@ -425,7 +425,7 @@ def _run_layers(
     if head is not None and inputs:  # before any hook: one forward of the last layer tells its output's form
         head.probe(layers[-1], inputs[0], runner)
     session.calibration_start()
-    start, inputs = _resume(layers, inputs, checkpoint, runner, session.modifiers)
+    start, inputs = _resume(layers, inputs, checkpoint, runner, session.modifiers, head=head is not None)
     layer_seconds: list[float] = []
     bar = tqdm(
         range(start, len(layers)),
@@ -536,12 +536,16 @@ def _resume(
     checkpoint: LayerCheckpoint | None,
     runner: _LayerRunner,
     modifiers: list[Any],
+    *,
+    head: bool = False,
 ) -> tuple[int, Inputs]:
     """Restore the layers ``checkpoint`` holds and run the calibration inputs through them (each onloaded), as the
     interrupted run computed them (:class:`llmc_fsm.pipeline.layer.RestoredLayers`); the modifiers that follow the
-    float model get its inputs to the first layer compressed now."""
+    float model get its inputs to the first layer compressed now. With every layer restored the inputs go through
+    them only when the output ``head`` is still to be calibrated on the last layer's outputs."""
     start = checkpoint.layers_done(len(layers)) if checkpoint is not None else 0
-    restored = RestoredLayers(modifiers, inputs, resuming=0 < start < len(layers))
+    resuming = 0 < start < len(layers) or (head and start == len(layers) > 0)
+    restored = RestoredLayers(modifiers, inputs, resuming=resuming)
     for index in range(start):
         restored.through(
             layers[index],

@@ -971,7 +971,8 @@ class QuantizingModifier(CalibratedModifier):
             f"Use a group size that divides every target's input width, e.g. {group} (CLI: --group-size {group}; "
             f"recipe: scheme: {scheme}), or add these modules to ignore."
             if group >= 16
-            else "Add these modules to ignore or use a channel-wise scheme (e.g. W8A16)."
+            else "Add these modules to ignore or use a channel-wise scheme (e.g. W8A8, FP8_DYNAMIC, or weights with "
+            "strategy: channel)."
         )
         return fix
 

@@ -111,3 +111,76 @@ def test_the_command_runs_an_lm_head_job_in_memory_and_low_memory_refuses_it(tmp
         "decoder layers first"
     )
     assert not (tmp_path / "low").exists() or not any((tmp_path / "low").iterdir())
+
+
+def _untied_cli_model(root: Path) -> tuple[Path, Path]:
+    from tiny_llama import build_with_text
+    from transformers import AutoModelForCausalLM
+
+    model_dir, text = build_with_text(root)
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    model.config.tie_word_embeddings = False
+    model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
+    model.save_pretrained(model_dir)
+    return model_dir, text
+
+
+@pytest.mark.parametrize(
+    ("recipe", "signal"),
+    [
+        ("q:\n  GPTQModifier:\n    targets: [Linear]\n    ignore: []\n    scheme: {preset: W4A16, weights: {group_size: 16}}\n",
+         "layer:3:SIGKILL"),
+        ("q:\n  QuantizationModifier:\n    targets: [Linear]\n    ignore: []\n    scheme: {preset: FP8, input_activations: "
+         "{observer: static_minmax}}\n", "layer:3:SIGKILL"),
+    ],
+    ids=["gptq", "fp8-static"],
+)
+def test_a_run_killed_after_its_last_layer_resumes_to_the_same_head(tmp_path, recipe, signal) -> None:
+    """Killed right after the last of the 4 decoder layers is saved (the head not yet compressed), --resume runs the
+    restored layers to give the head its inputs: the checkpoint equals an uninterrupted run's, tensor for tensor (a
+    tester found the head calibrated on the embedding's output before)."""
+    from safetensors.torch import load_file
+    from tiny_llama import oneshot_argv, run_cli
+
+    model_dir, text = _untied_cli_model(tmp_path)
+    (tmp_path / "recipe.yaml").write_text(recipe)
+    options = ["--recipe", str(tmp_path / "recipe.yaml"), "--num-samples", "4"]
+    reference = run_cli(oneshot_argv(model_dir, text, tmp_path / "ref", *options))
+    assert reference.returncode == 0, reference.stderr[-2000:]
+    killed = run_cli(oneshot_argv(model_dir, text, tmp_path / "out", *options), signal_at=signal)
+    assert killed.returncode == -9
+    resumed = run_cli(oneshot_argv(model_dir, text, tmp_path / "out", *options, "--resume"))
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "(4 of 4 decoder layers done)" in resumed.stderr
+    ours = load_file(str(tmp_path / "out" / "model.safetensors"))
+    theirs = load_file(str(tmp_path / "ref" / "model.safetensors"))
+    assert sorted(ours) == sorted(theirs) and any(k.startswith("lm_head.") and k != "lm_head.weight" for k in ours)
+    assert [k for k in ours if not torch.equal(ours[k], theirs[k])] == []
+
+
+def test_the_head_of_a_model_whose_forward_reads_its_layers_attributes(tmp_path) -> None:
+    """Nemotron-H's forward reads each layer's ``block_type`` to pick its mask: the replayed layers give the real
+    layers' attributes (a tester found the run failing after every layer was compressed), and lm_head's GPTQ
+    weights equal gptq_quantize on its inputs in the compressed model."""
+    from tiny_families import build
+
+    model = build("nemotron_h")
+    model.config.tie_word_embeddings = False
+    model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
+    original = model.lm_head.weight.detach().clone()
+    scheme = {"weights": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"}}
+    recipe = {"q": {"GPTQModifier": {"scheme": scheme, "targets": ["Linear"], "ignore": []}}}  # experts too
+    data = torch.randint(3, 128, (4, 24), generator=torch.Generator().manual_seed(1))
+    llmc_fsm.oneshot(model=model, recipe=recipe, dataset=data, batch_size=2, progress=False)
+    seen: list[torch.Tensor] = []
+    handle = model.lm_head.register_forward_pre_hook(lambda m, a: seen.append(a[0].detach().clone()))
+    with torch.no_grad():
+        for chunk in data.split(2):
+            model(chunk)
+    handle.remove()
+    accumulator = HessianAccumulator(original.shape[1])
+    for x in seen:
+        accumulator.add_batch(x)
+    args = resolve_scheme(scheme, ["Linear"]).weights
+    (expected,) = gptq_quantize([original], accumulator.hessian, args=args)
+    assert torch.equal(model.lm_head.weight, expected.weight)
