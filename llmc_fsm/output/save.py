@@ -228,6 +228,29 @@ def _save_weights(model: nn.Module, directory: Path, sparsity_structure: str | N
         return
     model.save_pretrained(directory, state_dict=compressed_state_dict(model), safe_serialization=True)
     write_quantization_config(model, directory, sparsity=sparsity, sparsity_structure=sparsity_structure)
+    _untie_quantized_embedding(model, directory)
+
+
+def _untie_quantized_embedding(model: nn.Module, directory: Path) -> None:
+    """A tied model whose input embedding was quantized and whose head (sharing the weight, so ignored) was not:
+    the checkpoint holds both, the embedding compressed and the head in float, so its ``config.json`` gets
+    ``tie_word_embeddings: false`` (transformers otherwise warns that the config ties two different tensors, and
+    does not tie them; the reloaded logits are the in-memory ones either way)."""
+    config = getattr(model, "config", None)
+    get_in = getattr(model, "get_input_embeddings", None)
+    get_out = getattr(model, "get_output_embeddings", None)
+    if not getattr(config, "tie_word_embeddings", False) or not callable(get_in) or not callable(get_out):
+        return
+    embedding, head = get_in(), get_out()
+    if embedding is None or head is None or getattr(head, "weight", None) is not getattr(embedding, "weight", None):
+        return
+    if not hasattr(embedding, "quantization_scheme") or hasattr(head, "quantization_scheme"):
+        return
+    path = directory / "config.json"
+    saved = json.loads(path.read_text())
+    saved["tie_word_embeddings"] = False
+    path.write_text(json.dumps(saved, indent=2, sort_keys=True) + "\n")
+    logger.info("the quantized input embedding and the float head are saved apart: config tie_word_embeddings false")
 
 
 def compressed_state_dict(module: nn.Module, prefix: str = "") -> dict[str, Any]:

@@ -282,3 +282,22 @@ def test_a_tied_embedding_is_ignored_with_lm_head() -> None:
     llmc_fsm.oneshot(model=model, recipe=recipe, progress=False)
     assert not hasattr(model.model.embed_tokens, "quantization_scheme")  # tied to the ignored lm_head
     assert hasattr(model.model.layers[0].mlp.up_proj, "quantization_scheme")
+
+
+def test_a_tied_model_with_its_embedding_quantized_is_saved_untied(tmp_path) -> None:
+    """Tied Llama, targets Linear and Embedding, ignore []: the embedding is quantized and the head, sharing its
+    weight, is ignored ("tied to model.embed_tokens") and saved in float; the saved config unties them (transformers
+    otherwise warns that the config ties two different tensors), and the reload gives the in-memory logits."""
+    from transformers import AutoModelForCausalLM
+
+    model = tiny_llama(tied=True)
+    assert model.config.tie_word_embeddings
+    recipe = {"q": {"QuantizationModifier": {"scheme": W4_G32, "targets": ["Linear", "Embedding"], "ignore": []}}}
+    llmc_fsm.oneshot(model=model, recipe=recipe, output_dir=tmp_path / "out", progress=False)
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["tie_word_embeddings"] is False and config["quantization_config"]["ignore"] == ["lm_head"]
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert reloaded.lm_head.weight is not reloaded.model.embed_tokens.weight
+    x = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(model(x).logits, reloaded(x).logits)
