@@ -137,7 +137,7 @@ def test_targeting_a_head_tied_to_the_embedding_is_refused():
     assert str(info.value) == (
         "lm_head shares its weight with model.embed_tokens (tied embeddings); compressing it changes "
         "model.embed_tokens too. Untie first (model.config.tie_word_embeddings=False and clone the weight) "
-        "or add it to ignore"
+        "or add lm_head to ignore"
     )
     with pytest.raises(ValueError, match=r"^lm_head shares its weight with model\.embed_tokens"):
         select_targets(model, ["Linear"], [])  # every Linear, lm_head included

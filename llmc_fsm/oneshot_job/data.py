@@ -259,7 +259,8 @@ def _check_quantized_once(modifier: Any, session: Session, targets: dict[str, An
 
 
 def _warn_few_tokens(modifier: Any, targets: dict[str, Any], tokens: int) -> None:
-    """Warn when a Hessian-based modifier gets fewer calibration tokens than a target has inputs."""
+    """Warn when a Hessian-based modifier (one whose accumulator keeps the full Hessian) gets fewer calibration
+    tokens than a target has inputs."""
 
     new_accumulator = getattr(modifier, "_new_accumulator", None)
     if new_accumulator is None or not all(hasattr(m, "weight") for m in targets.values()):
@@ -268,7 +269,9 @@ def _warn_few_tokens(modifier: Any, targets: dict[str, Any], tokens: int) -> Non
     width = int(targets[widest].weight.shape[-1])
     if not tokens or tokens >= width:
         return
-    if isinstance(new_accumulator(targets[widest]), HessianAccumulator):
+    accumulator = new_accumulator(targets[widest])
+    full = not getattr(accumulator, "diagonal_only", True) and getattr(accumulator, "keep_hessian", True)
+    if isinstance(accumulator, HessianAccumulator) and full:  # a diagonal or input ranges alone are not rank-deficient
         logger.warning(
             "%s: %d calibration tokens for up to %d inputs (%s): the Hessians are rank-deficient and the result "
             "depends on float rounding (batch size, threads); give at least %d tokens (--num-samples x --seq-len)",

@@ -444,16 +444,31 @@ def _kv_cache_line(label: str, scales: dict[str, dict[str, list[float]]]) -> str
 def _tuning_line(label: str, results: dict[str, dict[str, Any]]) -> str:
     """One line summing up a tuning modifier's ``tuning_results`` (see :attr:`OneshotReport.tuning`): per layer the
     ratio of the kept weights' output MSE to round-to-nearest's (``tuned_mse / rtn_mse`` where the tuning was kept,
-    1 where round-to-nearest was), its median and range, and the layers that kept round-to-nearest."""
-    ratios = [r["tuned_mse"] / r["rtn_mse"] if r["kept"] != "rtn" else 1.0 for r in results.values()]
-    rtn = [name for name, r in results.items() if r["kept"] == "rtn"]
+    1 where round-to-nearest was), its median and range, and the layers of the smaller side (tuning kept, or
+    round-to-nearest kept). Layers rounded to nearest without tuning (``kept`` ``"rtn_mode"``: AutoRound's
+    ``iters: 0``) are counted apart, with their output MSE."""
+    mode = {name: r for name, r in results.items() if r["kept"] == "rtn_mode"}
+    if mode and len(mode) == len(results):
+        errors = [r["rtn_mse"] for r in mode.values()]
+        return (
+            f"{label}: {len(results)} layers rounded to nearest (iters: 0, no tuning); output MSE vs the float model's "
+            f"output of each layer: median {statistics.median(errors):.3g} ({min(errors):.3g}-{max(errors):.3g})"
+        )
+    ratios = [r["tuned_mse"] / r["rtn_mse"] if r["kept"] == "autoround" else 1.0 for r in results.values()]
+    rtn = [name for name, r in results.items() if r["kept"] != "autoround"]
+    tuned = [name for name, r in results.items() if r["kept"] == "autoround"]
     if not rtn:
         kept = "the tuning kept on every layer"
-    elif len(rtn) == len(results):  # (a newcomer read "the tuning kept on 0" oddly)
+    elif not tuned:  # (a newcomer read "the tuning kept on 0" oddly)
         kept = f"round-to-nearest kept on every layer (tuning did not lower their output error): {compact_names(rtn)}"
+    elif len(tuned) < len(rtn):  # the smaller side named (a newcomer read 29 names for the one layer tuned)
+        kept = (
+            f"the tuning kept on {len(tuned)}: {compact_names(tuned)}; round-to-nearest on the other {len(rtn)} "
+            "(tuning did not lower their output error)"
+        )
     else:
         kept = (
-            f"the tuning kept on {len(results) - len(rtn)}, round-to-nearest on {len(rtn)} (tuning did not lower its "
+            f"the tuning kept on {len(tuned)}, round-to-nearest on {len(rtn)} (tuning did not lower its "
             f"output error): {compact_names(rtn)}"
         )
     return (

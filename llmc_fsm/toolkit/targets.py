@@ -337,7 +337,7 @@ def _tied_error(name: str, other: str, other_module: nn.Module) -> ValueError:
     kind = "tied embeddings" if isinstance(other_module, nn.Embedding) else "tied weights"
     msg = (
         f"{name} shares its weight with {other} ({kind}); compressing it changes {other} too. Untie first "
-        "(model.config.tie_word_embeddings=False and clone the weight) or add it to ignore"
+        f"(model.config.tie_word_embeddings=False and clone the weight) or add {name} to ignore"
     )
     return ValueError(msg)
 

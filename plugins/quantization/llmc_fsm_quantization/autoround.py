@@ -106,7 +106,8 @@ class LayerErrors:
     Attributes:
         rtn: with round-to-nearest on the same grid (``V = 0``, ``alpha = beta = 1``).
         tuned: with the best tuned parameters.
-        kept: ``"autoround"`` or ``"rtn"`` (when tuning did not lower the error).
+        kept: ``"autoround"``, ``"rtn"`` (when tuning did not lower the error) or ``"rtn_mode"`` (``iters: 0``: no
+            tuning; both errors are round-to-nearest's).
     """
 
     rtn: float
@@ -478,7 +479,7 @@ def signround_layer(
     try:
         rtn = full_error(final=True)
         if not iters:
-            return {name: t.result() for name, t in tuned.items()}, LayerErrors(rtn=rtn, tuned=rtn, kept="rtn")
+            return {name: t.result() for name, t in tuned.items()}, LayerErrors(rtn=rtn, tuned=rtn, kept="rtn_mode")
         best_loss, best = float("inf"), [t.snapshot() for t in tuned.values()]
         with torch.enable_grad():
             for step in range(iters):

@@ -340,6 +340,38 @@ def test_the_tuning_line_when_no_layer_kept_the_tuning() -> None:
     )
 
 
+def test_the_tuning_line_names_the_smaller_side_and_says_when_nothing_was_tuned() -> None:
+    """A newcomer read 29 layer names for the one layer whose tuning was kept, and "30 layers tuned; round-to-nearest
+    kept on every layer (tuning did not lower their output error)" for iters: 0, where nothing is tuned."""
+    from llmc_fsm.report.build import _tuning_line
+
+    rtn = {"rtn_mse": 2.0, "tuned_mse": 2.0, "kept": "rtn"}
+    tuned = {"rtn_mse": 2.0, "tuned_mse": 1.0, "kept": "autoround"}
+    results = {f"model.layers.{i}": (tuned if i == 2 else rtn) for i in range(4)}
+    assert _tuning_line("AutoRoundModifier (q)", results) == (
+        "AutoRoundModifier (q): 4 layers tuned; the tuning kept on 1: model.layers.2; round-to-nearest on the other 3 "
+        "(tuning did not lower their output error); output MSE vs round-to-nearest: median ratio 1.000 (0.500-1.000)"
+    )
+    mode = {f"model.layers.{i}": {"rtn_mse": float(i + 1), "tuned_mse": float(i + 1), "kept": "rtn_mode"} for i in range(3)}
+    assert _tuning_line("AutoRoundModifier (q)", mode) == (
+        "AutoRoundModifier (q): 3 layers rounded to nearest (iters: 0, no tuning); output MSE vs the float model's "
+        "output of each layer: median 2 (1-3)"
+    )
+
+
+def test_iters_zero_reports_round_to_nearest_mode_and_no_hessian_warning(caplog) -> None:
+    """iters: 0 records each layer as "rtn_mode"; AutoRound keeps no Hessian (static input scales keep the inputs'
+    ranges only), so no "Hessians are rank-deficient" warning is given for few calibration tokens."""
+    model = llama(layers=2, hidden=64, heads=4, kv_heads=2)
+    recipe = {"q": {"AutoRoundModifier": {"scheme": "FP8", "iters": 0}}}
+    data = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(1))  # 16 tokens < 128 inputs
+    with caplog.at_level("WARNING"):
+        returned = llmc_fsm.oneshot(model=model, recipe=recipe, dataset=data, progress=False)
+    assert not [r for r in caplog.records if "rank-deficient" in r.getMessage()]
+    tuning = returned.llmc_fsm_report.tuning["AutoRoundModifier (q)"]
+    assert {r["kept"] for r in tuning.values()} == {"rtn_mode"} and len(tuning) == 2
+
+
 def test_llmcompressor_recipe_with_config_groups_is_read() -> None:
     text = (
         "quant_stage:\n  quant_modifiers:\n    AutoRoundModifier:\n      iters: 10\n      ignore: [lm_head]\n"
