@@ -89,6 +89,8 @@ from llmc_fsm.toolkit.targets import (
     model_family,
     resolve_targets,
     select_targets,
+    tied_head,
+    untie_head,
 )
 from llmc_fsm.toolkit.views import (
     LinearView,
@@ -148,7 +150,9 @@ __all__ = [
     "router_names",
     "select_targets",
     "sweep_relative_errors",
+    "tied_head",
     "trim_heap",
     "unpack_mask",
+    "untie_head",
     "weight_views",
 ]

@@ -194,6 +194,11 @@ class CalibratedModifier(Modifier):
     #: the compressed weights (GPTQ, SparseGPT: the weights they updated).
     defers_weight_update = False
 
+    #: Whether a target may be the output head tied to the input embedding: the modifier unties it before
+    #: compressing it (:func:`llmc_fsm.toolkit.targets.untie_head`, quantizers, as llm-compressor's); ``False``:
+    #: such a target is refused (compressing it would change the embedding too).
+    unties_head = False
+
     def streaming_refusal(self) -> str | None:
         """Why this modifier cannot run on layers streamed from the checkpoint one at a time (``low_memory``, the
         CLI's default path), or ``None`` when it can. :func:`llmc_fsm.pipeline.streaming.check_streamable` refuses
@@ -314,6 +319,7 @@ class CalibratedModifier(Modifier):
             warned=self._target_warnings,
             supported=self._selectable,
             views=self.compresses_views,
+            untie_head=self.unties_head,
         )
         quantized = [name for name, module in targets.items() if hasattr(module, "quantization_scheme")]
         if quantized:  # an earlier stage of this run quantized them; other modules may still be compressed

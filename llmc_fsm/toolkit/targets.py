@@ -58,6 +58,8 @@ __all__ = [
     "matches",
     "resolve_targets",
     "select_targets",
+    "tied_head",
+    "untie_head",
 ]
 
 #: Every ``nn.Linear`` (and subclass).
@@ -333,6 +335,31 @@ def _conv1d_error(model: nn.Module, targets: tuple[str, ...], names: list[str]) 
     return ValueError(msg)
 
 
+def tied_head(model: nn.Module) -> nn.Module | None:
+    """``model``'s output head (``get_output_embeddings()``) when its weight is its input embedding's, else ``None``."""
+    get_in, get_out = getattr(model, "get_input_embeddings", None), getattr(model, "get_output_embeddings", None)
+    if not callable(get_in) or not callable(get_out):
+        return None
+    embedding, head = get_in(), get_out()
+    weight = getattr(head, "weight", None)
+    return head if weight is not None and weight is getattr(embedding, "weight", None) else None
+
+
+def untie_head(model: nn.Module) -> bool:
+    """Give ``model``'s head (tied to its input embedding, :func:`tied_head`) a weight of its own, a copy of the same
+    values, and set ``config.tie_word_embeddings = False`` (so it is saved and reloaded apart), as llm-compressor's
+    ``untie_word_embeddings`` does before it quantizes a tied head; the embedding is not changed. Returns whether
+    the head was tied."""
+    head = tied_head(model)
+    if head is None:
+        return False
+    head.weight = nn.Parameter(head.weight.detach().clone(), requires_grad=head.weight.requires_grad)
+    for config in (getattr(model, "config", None), getattr(getattr(model, "config", None), "text_config", None)):
+        if config is not None and getattr(config, "tie_word_embeddings", False):
+            config.tie_word_embeddings = False
+    return True
+
+
 def _tied_error(name: str, other: str, other_module: nn.Module) -> ValueError:
     kind = "tied embeddings" if isinstance(other_module, nn.Embedding) else "tied weights"
     msg = (
@@ -342,8 +369,11 @@ def _tied_error(name: str, other: str, other_module: nn.Module) -> ValueError:
     return ValueError(msg)
 
 
-def _apply_ties(named, candidates: dict[str, nn.Module], ignored_names: set[str]) -> tuple[dict, dict]:
-    """Split ``candidates`` into selected and ``{name: "tied to X"}``; raise for a weight shared with the rest."""
+def _apply_ties(
+    named, candidates: dict[str, nn.Module], ignored_names: set[str], *, head: nn.Module | None = None
+) -> tuple[dict, dict]:
+    """Split ``candidates`` into selected and ``{name: "tied to X"}``; raise for a weight shared with the rest,
+    except ``head`` (the output head, :func:`tied_head`), selected: its modifier unties it before compressing it."""
     holders: dict[int, list[str]] = {}
     modules = dict(named)
     for name, module in named:
@@ -360,7 +390,7 @@ def _apply_ties(named, candidates: dict[str, nn.Module], ignored_names: set[str]
             tied[name] = f"tied to {ignored_partner if ignored_partner is not None else earlier}"
             continue
         outside = next((n for n in others if n not in candidates), None)
-        if outside is not None:
+        if outside is not None and module is not head:
             raise _tied_error(name, outside, modules[outside])
         selected[name] = module
     return selected, tied
@@ -373,6 +403,7 @@ def select_targets(
     *,
     supported: Callable[[nn.Module], bool] = is_linear_like,
     views: bool = False,
+    untie_head: bool = False,
 ) -> TargetSelection:
     """Select the modules of ``model`` that ``targets`` name and ``ignore`` does not (see the module docs).
 
@@ -393,6 +424,9 @@ def select_targets(
             (:func:`~llmc_fsm.toolkit.views.router_names`) are then ignored (``"router of a mixture-of-experts
             layer"``) unless a target names one exactly. For modifiers that write ``module.weight`` in place
             (pruning); ``False`` (quantizers) refuses them as below.
+        untie_head: select the output head (``get_output_embeddings()``) also when its weight is tied to the input
+            embedding, which is not selected (quantizers: they untie it first, :func:`untie_head`, as llm-compressor
+            does); otherwise that is refused as below.
 
     Returns:
         a :class:`TargetSelection`.
@@ -460,7 +494,7 @@ def select_targets(
             ignored[name] = pattern
         else:
             candidates[name] = substitute.get(name, module)
-    selected, tied = _apply_ties(named, candidates, ignored_names)
+    selected, tied = _apply_ties(named, candidates, ignored_names, head=tied_head(model) if untie_head else None)
     ignored.update(tied)
     if not selected:
         msg = (
@@ -504,6 +538,7 @@ def resolve_targets(
     warned: set[str] | None = None,
     supported: Callable[[nn.Module], bool] = is_linear_like,
     views: bool = False,
+    untie_head: bool = False,
 ) -> dict[str, nn.Module]:
     """Return ``{full name: module}`` to compress, in model order: :attr:`select_targets(...).selected`.
 
@@ -512,12 +547,12 @@ def resolve_targets(
     no module -- except the default ``lm_head`` on a model without one. ``warned``:
     the warnings already given (by an earlier call for the same modifier); not repeated, new ones added.
     ``supported``: which modules may be selected; ``views``: whether the Linear views of fused experts and Conv1D
-    are selectable (both as for :func:`select_targets`).
+    are selectable, ``untie_head`` whether a head tied to the input embedding is (as for :func:`select_targets`).
 
     Raises:
         ValueError: as :func:`select_targets`.
     """
-    selection = select_targets(model, targets, ignore, supported=supported, views=views)
+    selection = select_targets(model, targets, ignore, supported=supported, views=views, untie_head=untie_head)
     for line in selection.warnings(quiet_ignore=DEFAULT_IGNORE):
         if warned is None or line not in warned:
             logger.warning("%s", line)

@@ -46,6 +46,8 @@ from llmc_fsm.toolkit import (
     private_pages,
     release_file_pages,
     select_targets,
+    tied_head,
+    untie_head,
     weight_views,
 )
 from llmc_fsm_quantization import kv_cache
@@ -670,6 +672,8 @@ class QuantizingModifier(CalibratedModifier):
     or ``targets`` that differ from the config groups' targets.
     """
 
+    unties_head = True  # a head tied to the embedding is untied before it is quantized (_untie_head)
+
     scheme: Any = attrs.field(default=None, converter=_canonical_scheme)
     config_groups: Any = attrs.field(default=None)
     observer: str | None = attrs.field(default=None, validator=_observer)
@@ -1245,6 +1249,7 @@ class QuantizingModifier(CalibratedModifier):
     # ---- fused experts: each expert matrix from its routed tokens --------------------------
     def _clear(self) -> None:
         super()._clear()
+        self._tied_model: nn.Module | None = None
         self._expert_names: dict[str, str] = {}
         self._fused: dict[str, tuple[str, ...]] = {}
         #: ``{fused set: its NVFP4 global scale}``, computed when the first of the set is quantized.
@@ -1280,7 +1285,9 @@ class QuantizingModifier(CalibratedModifier):
         scheme's observer (``minmax`` for ``imatrix_mse``): a layer's experts are reloaded from packed weights only,
         so none is left dense; a static input scale it takes from its calibrated siblings (:meth:`_idle_input_scales`).
         Named in a warning and in :attr:`round_to_nearest_fallback`. An ``nn.Embedding`` target is quantized without
-        inputs (:attr:`targets_without_inputs`)."""
+        inputs (:attr:`targets_without_inputs`). A targeted head tied to the embedding is untied first
+        (:meth:`_untie_head`)."""
+        self._untie_head()
         idle: dict[str, nn.Module] = {}
         if self.needs_inputs:
             embeddings = [(n, m) for n, m in modules.items() if isinstance(m, nn.Embedding)]
@@ -1344,6 +1351,22 @@ class QuantizingModifier(CalibratedModifier):
     def on_initialize(self, state: Any) -> None:
         self._kv_attention = {}
         super().on_initialize(state)
+        head = tied_head(state.model)
+        #: the model whose tied head is a target: untied before anything is compressed (:meth:`_untie_head`)
+        self._tied_model = state.model if head is not None and any(m is head for m in self._targets.values()) else None
+
+    def _untie_head(self) -> None:
+        """Untie the targeted output head from the input embedding (:func:`llmc_fsm.toolkit.targets.untie_head`), once,
+        before its first hook or compression: the embedding keeps its weight, the head gets a copy to quantize, and
+        the saved config says ``tie_word_embeddings: false`` (llm-compressor's quantizers do the same)."""
+        model, self._tied_model = self._tied_model, None
+        if model is not None and untie_head(model):
+            logger.info(
+                "%s: the head %s is tied to the input embedding: untied (its own copy of the weight; config "
+                "tie_word_embeddings false) so that quantizing it leaves the embedding as it is (as llm-compressor)",
+                type(self).__name__,
+                compact_names([n for n, m in self._targets.items() if m is model.get_output_embeddings()]),
+            )
 
     def on_finalize(self, state: Any) -> None:
         """:meth:`CalibratedModifier.on_finalize`; a model with quantized modules is then marked quantized as
@@ -1353,12 +1376,14 @@ class QuantizingModifier(CalibratedModifier):
             mark_quantized(state.model)
 
     def on_calibration_start(self, state: Any) -> None:
-        """Hook the targets (:class:`CalibratedModifier`); with ``kv_cache_scheme`` also prepare every attention
+        """Untie a targeted head (:meth:`_untie_head`). Hook the targets (:class:`CalibratedModifier`); with
+        ``kv_cache_scheme`` also prepare every attention
         module (:func:`llmc_fsm_quantization.kv_cache.install`) and give each of its ancestors a forward hook that
         does nothing, so that the pipeline runs each layer whole (no early exit before the attention's cache
         update; its plain order: calibrate, compress, then propagate with the KV quantization off). Fused
         experts targeted: a forward pre-hook on each experts module feeds every expert matrix its routed tokens
         (:func:`~llmc_fsm.toolkit.views.observe_inputs`; every token with ``calibrate_all_experts``)."""
+        self._untie_head()
         super().on_calibration_start(state)
         self._observe_views(state.model)
         if self._kv_args is None:

@@ -184,3 +184,36 @@ def test_the_head_of_a_model_whose_forward_reads_its_layers_attributes(tmp_path)
     args = resolve_scheme(scheme, ["Linear"]).weights
     (expected,) = gptq_quantize([original], accumulator.hessian, args=args)
     assert torch.equal(model.lm_head.weight, expected.weight)
+
+
+@pytest.mark.parametrize(
+    "stage",
+    [
+        {"GPTQModifier": {"scheme": W4G16, "targets": ["Linear"], "ignore": []}},
+        {"QuantizationModifier": {"scheme": W4G16, "targets": ["Linear"], "ignore": []}},  # data-free
+    ],
+    ids=["gptq", "rtn"],
+)
+def test_a_head_tied_to_the_embedding_is_untied_and_quantized_leaving_the_embedding(tmp_path, stage, caplog) -> None:
+    """llm-compressor's quantizers untie a tied head they target (``untie_word_embeddings``): so do ours, saying so in
+    one line; the embedding keeps its float values, the head is quantized (GPTQ: on its inputs, as an untied model's
+    head), the saved config says ``tie_word_embeddings: false``, and the reload gives the in-memory logits."""
+    model = llama(layers=2, hidden=64, heads=4, kv_heads=2)  # tied, as SmolLM2
+    embedding = model.model.embed_tokens.weight.detach().clone()
+    with caplog.at_level("INFO", logger="llmc_fsm_quantization._base"):
+        llmc_fsm.oneshot(model=model, recipe={"q": stage}, dataset=DATA, batch_size=4, output_dir=tmp_path / "out",
+                         progress=False)  # fmt: skip
+    name = next(iter(stage))
+    assert [r.getMessage() for r in caplog.records if "untied" in r.getMessage()] == [
+        f"{name}: the head lm_head is tied to the input embedding: untied (its own copy of the weight; config "
+        "tie_word_embeddings false) so that quantizing it leaves the embedding as it is (as llm-compressor)"
+    ]
+    assert torch.equal(model.model.embed_tokens.weight, embedding)
+    assert model.lm_head.weight is not model.model.embed_tokens.weight and hasattr(model.lm_head, "weight_scale")
+    assert not torch.equal(model.lm_head.weight, embedding)
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["tie_word_embeddings"] is False and "lm_head" not in config["quantization_config"]["ignore"]
+    reloaded = _load(tmp_path / "out")
+    x = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert torch.equal(model(x).logits, reloaded(x).logits)
