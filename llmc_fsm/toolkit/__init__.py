@@ -30,7 +30,8 @@ The public names, by concern:
   :func:`resolve_targets` (the same, with warnings), :func:`matches`, :func:`is_linear_like`, :func:`compact_names`,
   :data:`DEFAULT_TARGETS` (``("Linear",)``), :data:`DEFAULT_IGNORE` (``("lm_head",)``),
   :func:`check_not_quantized` (refuses a model whose config says it is quantized), :func:`model_family` (a
-  model's class and ``model_type`` for messages);
+  model's class and ``model_type`` for messages), :func:`tied_head` / :func:`untie_head` (an output head tied to
+  the input embedding, and giving it a weight of its own);
 * **views** (:mod:`~llmc_fsm.toolkit.views`): :class:`LinearView` (one matrix of a fused mixture-of-experts
   parameter, or a ``Conv1D`` weight, seen as a Linear weight sharing its storage), :func:`weight_views` (a module's
   views), :func:`observe_inputs` (feed the views the inputs their matrices receive: per expert, its routed tokens;
