@@ -36,6 +36,18 @@ def _load(path):
 DATA = torch.randint(0, 128, (8, 32), generator=torch.Generator().manual_seed(2))
 
 
+def _head_hessian(model, data: torch.Tensor, batch_size: int) -> torch.Tensor:
+    """The Hessian of lm_head's inputs in ``model`` (as compressed) over ``data`` in batches, accumulated batch by batch
+    as the pipeline does (:class:`~llmc_fsm.toolkit.HessianAccumulator`)."""
+    accumulator = HessianAccumulator(model.lm_head.in_features)
+    handle = model.lm_head.register_forward_pre_hook(lambda m, a: accumulator.add_batch(a[0].detach()))
+    with torch.no_grad():
+        for chunk in data.split(batch_size):
+            model(chunk)
+    handle.remove()
+    return accumulator.hessian
+
+
 def test_gptq_on_lm_head_uses_the_final_hidden_states_of_the_quantized_layers(tmp_path, untied_dir) -> None:
     """lm_head's GPTQ weights equal :func:`gptq_quantize` of its float weight with the Hessian of its inputs as the
     compressed model computes them (the final norm of the last quantized layer's output), accumulated batch by batch;
@@ -44,17 +56,7 @@ def test_gptq_on_lm_head_uses_the_final_hidden_states_of_the_quantized_layers(tm
     original = model.lm_head.weight.detach().clone()
     recipe = {"q": {"GPTQModifier": {"scheme": W4G16, "targets": ["Linear"], "ignore": []}}}
     llmc_fsm.oneshot(model=model, recipe=recipe, dataset=DATA, batch_size=4, output_dir=tmp_path / "out", progress=False)
-    seen: list[torch.Tensor] = []
-    handle = model.lm_head.register_forward_pre_hook(lambda m, a: seen.append(a[0].detach().clone()))
-    with torch.no_grad():
-        for chunk in DATA.split(4):
-            model(chunk)
-    handle.remove()
-    accumulator = HessianAccumulator(64)
-    for x in seen:
-        accumulator.add_batch(x)
-    args = resolve_scheme(W4G16, ["Linear"]).weights
-    (expected,) = gptq_quantize([original], accumulator.hessian, args=args)
+    (expected,) = gptq_quantize([original], _head_hessian(model, DATA, 4), args=resolve_scheme(W4G16, ["Linear"]).weights)
     assert torch.equal(model.lm_head.weight, expected.weight)
     assert torch.equal(model.lm_head.weight_scale, expected.scale)
     reloaded = _load(tmp_path / "out")
@@ -172,17 +174,7 @@ def test_the_head_of_a_model_whose_forward_reads_its_layers_attributes(tmp_path)
     recipe = {"q": {"GPTQModifier": {"scheme": scheme, "targets": ["Linear"], "ignore": []}}}  # experts too
     data = torch.randint(3, 128, (4, 24), generator=torch.Generator().manual_seed(1))
     llmc_fsm.oneshot(model=model, recipe=recipe, dataset=data, batch_size=2, progress=False)
-    seen: list[torch.Tensor] = []
-    handle = model.lm_head.register_forward_pre_hook(lambda m, a: seen.append(a[0].detach().clone()))
-    with torch.no_grad():
-        for chunk in data.split(2):
-            model(chunk)
-    handle.remove()
-    accumulator = HessianAccumulator(original.shape[1])
-    for x in seen:
-        accumulator.add_batch(x)
-    args = resolve_scheme(scheme, ["Linear"]).weights
-    (expected,) = gptq_quantize([original], accumulator.hessian, args=args)
+    (expected,) = gptq_quantize([original], _head_hessian(model, data, 2), args=resolve_scheme(scheme, ["Linear"]).weights)
     assert torch.equal(model.lm_head.weight, expected.weight)
 
 
