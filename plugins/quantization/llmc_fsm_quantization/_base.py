@@ -1361,7 +1361,7 @@ class QuantizingModifier(CalibratedModifier):
         the saved config says ``tie_word_embeddings: false`` (llm-compressor's quantizers do the same)."""
         model, self._tied_model = self._tied_model, None
         if model is not None and untie_head(model):
-            logger.info(
+            logger.warning(  # shown by the command: the checkpoint then holds the head apart from the embedding
                 "%s: the head %s is tied to the input embedding: untied (its own copy of the weight; config "
                 "tie_word_embeddings false) so that quantizing it leaves the embedding as it is (as llm-compressor)",
                 type(self).__name__,
