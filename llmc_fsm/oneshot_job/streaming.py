@@ -57,7 +57,7 @@ from llmc_fsm.oneshot_job.resume import layer_progress
 from llmc_fsm.output.save import pruned_sparsity, quantized_modules, sparsity_structure, write_quantization_config
 from llmc_fsm.pipeline.device import onloaded
 from llmc_fsm.pipeline.forward import capture_layer_inputs
-from llmc_fsm.pipeline.sequential import output_head
+from llmc_fsm.pipeline.sequential import head_target, output_head
 from llmc_fsm.pipeline.streaming import (
     StreamedCompression,
     check_streamable,
@@ -211,13 +211,11 @@ def _check_head(run: Run, lazy: LazyModel) -> None:
     for modifier in run.sessions[0].modifiers:
         if not isinstance(modifier, CalibratedModifier):
             continue
-        targets = modifier.check_model(lazy.model)
-        free = modifier.targets_without_inputs
-        named = [n for n, m in targets.items() if m is head and n not in free]
-        if named:
+        name = head_target(modifier, modifier.check_model(lazy.model), head)
+        if name is not None:
             calibrated = " (calibrated on the last layer's outputs)" if modifier.needs_inputs else ""
             msg = (
-                f"low_memory (--low-memory) cannot run this job: {modifier.modifier_name()} compresses {named[0]}, "
+                f"low_memory (--low-memory) cannot run this job: {modifier.modifier_name()} compresses {name}, "
                 f"the output head{calibrated}, and the streamed path writes the tensors outside the decoder layers "
                 "first"
             )

@@ -41,6 +41,7 @@ from llmc_fsm.output.compressed import (
 )
 from llmc_fsm.recipes.model import Recipe
 from llmc_fsm.toolkit.packed import kept_packed
+from llmc_fsm.toolkit.targets import tied_head
 from llmc_fsm.toolkit.views import LinearView, weight_views
 
 logger = logging.getLogger(__name__)
@@ -236,15 +237,10 @@ def _untie_quantized_embedding(model: nn.Module, directory: Path) -> None:
     the checkpoint holds both, the embedding compressed and the head in float, so its ``config.json`` gets
     ``tie_word_embeddings: false`` (transformers otherwise warns that the config ties two different tensors, and
     does not tie them; the reloaded logits are the in-memory ones either way)."""
-    config = getattr(model, "config", None)
-    get_in = getattr(model, "get_input_embeddings", None)
-    get_out = getattr(model, "get_output_embeddings", None)
-    if not getattr(config, "tie_word_embeddings", False) or not callable(get_in) or not callable(get_out):
+    head = tied_head(model)
+    if not getattr(getattr(model, "config", None), "tie_word_embeddings", False) or head is None:
         return
-    embedding, head = get_in(), get_out()
-    if embedding is None or head is None or getattr(head, "weight", None) is not getattr(embedding, "weight", None):
-        return
-    if not hasattr(embedding, "quantization_scheme") or hasattr(head, "quantization_scheme"):
+    if not hasattr(model.get_input_embeddings(), "quantization_scheme") or hasattr(head, "quantization_scheme"):
         return
     path = directory / "config.json"
     saved = json.loads(path.read_text())

@@ -67,6 +67,7 @@ __all__ = [
     "activation_bytes",
     "calibration_batches",
     "check_targets_in_layers",
+    "head_target",
     "output_head",
     "run_sequential",
 ]
@@ -200,17 +201,20 @@ def check_targets_in_layers(
             raise ValueError(msg)
 
 
+def head_target(modifier: Any, targets: Mapping[str, nn.Module], head: nn.Module | None) -> str | None:
+    """The name under which ``modifier``'s ``targets`` hold ``head`` as a module it calibrates (not among its
+    ``targets_without_inputs``), or ``None``."""
+    free = getattr(modifier, "targets_without_inputs", frozenset())
+    return next((n for n, m in targets.items() if head is not None and m is head and n not in free), None)
+
+
 def head_targeted(session: Session, head: nn.Module | None) -> bool:
-    """Whether a modifier of ``session`` targets ``head`` as a module it calibrates (not among its
-    ``targets_without_inputs``)."""
-    if head is None:
-        return False
-    for modifier in session.modifiers:
-        targets = getattr(modifier, "resolved_targets", None)
-        free = getattr(modifier, "targets_without_inputs", frozenset())
-        if isinstance(targets, Mapping) and any(m is head and n not in free for n, m in targets.items()):
-            return True
-    return False
+    """Whether a modifier of ``session`` targets ``head`` (among its ``resolved_targets``) as a module it
+    calibrates (:func:`head_target`)."""
+    return any(
+        isinstance(targets := getattr(m, "resolved_targets", None), Mapping) and head_target(m, targets, head)
+        for m in session.modifiers
+    )
 
 
 class LayerCheckpoint(Protocol):
