@@ -482,6 +482,17 @@ def tiny_model(family: str, dtype: Any) -> tuple[Any, str]:
         for key, value in _WIDE.items():
             if getattr(part, key, None) is not None:
                 setattr(part, key, value)
+        if getattr(part, "qk_head_dim", None) is not None:  # derived in the config's __init__ (DeepSeek's MLA)
+            part.qk_head_dim = part.qk_nope_head_dim + part.qk_rope_head_dim
+            part.v_head_dim = part.qk_head_dim  # (torch 2.13's CPU attention fails on this one with a narrower v)
+        rope = getattr(part, "rope_parameters", None) or {}
+        if rope.get("mrope_section"):  # Qwen2-VL's sections of the rotary half, scaled to the wider head
+            section, half = rope["mrope_section"], part.head_dim // 2
+            rope["mrope_section"] = [half * v // sum(section) for v in section[:-1]]
+            rope["mrope_section"].append(half - sum(rope["mrope_section"]))
+    audio = getattr(cfg, "audio_config", None)
+    if audio is not None and getattr(audio, "d_model", None) is not None:  # an audio tower's Linears, as the text's
+        audio.d_model, audio.encoder_ffn_dim = _WIDE["hidden_size"], _WIDE["intermediate_size"]
     try:
         return make(cfg, True), ""
     except Exception as exc:

@@ -446,7 +446,16 @@ def _tuning_line(label: str, results: dict[str, dict[str, Any]]) -> str:
     ratio of the kept weights' output MSE to round-to-nearest's (``tuned_mse / rtn_mse`` where the tuning was kept,
     1 where round-to-nearest was), its median and range, and the layers of the smaller side (tuning kept, or
     round-to-nearest kept). Layers rounded to nearest without tuning (``kept`` ``"rtn_mode"``: AutoRound's
-    ``iters: 0``) are counted apart, with their output MSE."""
+    ``iters: 0``) are counted apart, with their output MSE; so are layers rounded with auto-round's optimized
+    round-to-nearest (``"opt_rtn_mode"``), with the ratio of their output MSE to plain round-to-nearest's."""
+    searched = {name: r for name, r in results.items() if r["kept"] == "opt_rtn_mode"}
+    if searched and len(searched) == len(results):
+        ratios = [r["tuned_mse"] / r["rtn_mse"] if r["rtn_mse"] else 1.0 for r in searched.values()]
+        return (
+            f"{label}: {len(results)} layers rounded to nearest with each group's range searched (iters: 0, "
+            f"auto-round's optimized round-to-nearest, no tuning); output MSE vs plain round-to-nearest: median ratio "
+            f"{statistics.median(ratios):.3f} ({min(ratios):.3f}-{max(ratios):.3f})"
+        )
     mode = {name: r for name, r in results.items() if r["kept"] == "rtn_mode"}
     if mode and len(mode) == len(results):
         errors = [r["rtn_mse"] for r in mode.values()]

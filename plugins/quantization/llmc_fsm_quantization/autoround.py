@@ -76,6 +76,7 @@ from llmc_fsm_quantization._base import (
 from llmc_fsm_quantization.observers import (
     as_row_args,
     fused_global_scale,
+    importance_from_diagonal,
     is_local,
     is_nvfp4,
     is_scaled_format,
@@ -106,8 +107,9 @@ class LayerErrors:
     Attributes:
         rtn: with round-to-nearest on the same grid (``V = 0``, ``alpha = beta = 1``).
         tuned: with the best tuned parameters.
-        kept: ``"autoround"``, ``"rtn"`` (when tuning did not lower the error) or ``"rtn_mode"`` (``iters: 0``: no
-            tuning; both errors are round-to-nearest's).
+        kept: ``"autoround"``, ``"rtn"`` (when tuning did not lower the error), ``"rtn_mode"`` (``iters: 0``: no
+            tuning; both errors are round-to-nearest's) or ``"opt_rtn_mode"`` (``iters: 0`` with auto-round's
+            optimized round-to-nearest: ``tuned`` is the error with the searched ranges).
     """
 
     rtn: float
@@ -300,6 +302,43 @@ class _Tuned:
         self.alpha.clamp_(*CLIP_RANGE)
         self.beta.clamp_(*CLIP_RANGE)
 
+    @torch.no_grad()
+    def search_range_(self, importance: torch.Tensor, multipliers: Sequence[float]) -> None:
+        """auto-round's optimized round-to-nearest: each group's range (``alpha = beta``) set to the multiplier of
+        ``multipliers`` (:func:`optimized_rtn_multipliers`) whose weight, as the checkpoint stores it
+        (:meth:`quantized` with ``final``), has the lowest ``sum_j imp_j (W_hat_j - W_j)^2`` over the group; the
+        first multiplier that reaches it on a tie (auto-round replaces only on a strictly lower error).
+
+        Args:
+            importance: ``[cols]`` float32, each input column's ``E[x^2]`` over the calibration tokens (any
+                positive multiple of it); zeros replaced per group by :func:`importance_without_zeros`.
+            multipliers: the candidates, in order.
+        """
+        imp = _grouped(importance.to(self.w.device, torch.float32).expand(self.rows, self.cols), self.args)
+        imp = importance_without_zeros(imp, self.w, int(self.args.num_bits))
+        best_loss, best = None, torch.ones_like(self.alpha)
+        buffer = torch.empty_like(self.w)
+        for m in multipliers:
+            self.alpha.fill_(m)
+            self.beta.fill_(m)
+            if self.float:
+                buffer = _grouped(self.quantized(final=True), self.args)
+            else:  # :meth:`quantized` at V = 0, in place: s * (clamp(round(W / s) + z) - z)
+                scale, zp = self.qparams(final=True)
+                s, z = scale.unsqueeze(-1), zp.to(torch.float32).unsqueeze(-1)
+                torch.div(self.w, s, out=buffer)
+                buffer.round_().add_(z).clamp_(self.q_min, self.q_max).sub_(z).mul_(s)
+            loss = buffer.sub_(self.w).square_().mul_(imp).sum(dim=-1)
+            if best_loss is None:
+                best_loss = loss
+                best.fill_(m)
+                continue
+            better = loss < best_loss
+            best_loss = torch.where(better, loss, best_loss)
+            best = torch.where(better, torch.full_like(best, m), best)
+        self.alpha.copy_(best)
+        self.beta.copy_(best)
+
     def snapshot(self) -> list[torch.Tensor]:
         return [p.detach().clone() for p in self.params]
 
@@ -385,6 +424,7 @@ def signround_layer(
     global_scales: Mapping[str, torch.Tensor] | None = None,
     schemes: Mapping[str, QuantizationScheme] | None = None,
     input_quantizers: Mapping[str, Callable[[torch.Tensor], torch.Tensor]] | None = None,
+    importance: Mapping[str, torch.Tensor] | None = None,
 ) -> tuple[dict[str, QuantizedWeight], LayerErrors]:
     """Quantize ``targets`` of ``layer`` with SignRound on the layer's output error (see the module docstring).
 
@@ -407,14 +447,23 @@ def signround_layer(
             errors reported, with the weight their checkpoint reloads to (:meth:`_Tuned.final_weight`).
         input_quantizers: ``{name: function}`` applied to a (Linear) target's input in every forward of the
             layer here (:func:`input_quantizer`): the scheme's input activations.
+        importance: with ``iters: 0``, auto-round's optimized round-to-nearest for the targets named: ``{name:
+            [in_features] float32}`` each input column's ``E[x^2]`` over the calibration tokens; each group's range
+            is searched (:meth:`_Tuned.search_range_` over :func:`optimized_rtn_multipliers`), and the errors are
+            round-to-nearest's (``rtn``) and the searched ranges' (``tuned``), ``kept`` ``"opt_rtn_mode"``.
 
     Returns:
         ``{name: QuantizedWeight}`` (dequantized weight in the weight's dtype, scale, zero point, NVFP4's global
         scale) and the layer's :class:`LayerErrors`.
 
     Raises:
-        ValueError: a target's weight does not divide into the scheme's groups or blocks.
+        ValueError: a target's weight does not divide into the scheme's groups or blocks; ``importance`` for a
+            target whose weights have no optimized round-to-nearest (:func:`optimized_rtn_multipliers`), or with
+            ``iters >= 1``.
     """
+    importance = importance or {}
+    if importance and iters:
+        raise ValueError("importance (optimized round-to-nearest) is for iters: 0 only")
     lr = (1.0 / iters if iters else 0.0) if lr is None else float(lr)
     schemes = schemes or {}
     global_scales = global_scales or {}
@@ -478,6 +527,16 @@ def signround_layer(
     ]
     try:
         rtn = full_error(final=True)
+        if not iters and importance:
+            for name, imp in importance.items():
+                multipliers = optimized_rtn_multipliers(tuned[name].args)
+                if multipliers is None:
+                    msg = f"{name}: its weights have no optimized round-to-nearest (asymmetric integers, FP8)"
+                    raise ValueError(msg)
+                tuned[name].search_range_(imp, multipliers)
+            searched = full_error(final=True)
+            results = {name: t.result() for name, t in tuned.items()}
+            return results, LayerErrors(rtn=rtn, tuned=searched, kept="opt_rtn_mode")
         if not iters:
             return {name: t.result() for name, t in tuned.items()}, LayerErrors(rtn=rtn, tuned=rtn, kept="rtn_mode")
         best_loss, best = float("inf"), [t.snapshot() for t in tuned.values()]
@@ -566,16 +625,57 @@ def _scheme_problem(scheme: QuantizationScheme) -> str | None:
     return None
 
 
-def _optimized_rtn(args: QuantizationArgs) -> str | None:
-    """What auto-round's ``iters: 0`` mode rounds with its optimized round-to-nearest for ``args`` unless
-    ``disable_opt_rtn`` (it registers one for symmetric integers, ``opt_rtn_int_sym``, and NVFP4,
-    ``opt_rtn_nv_fp4``; intel/auto-round ``data_type/utils.py``, ``get_quant_func``), or ``None``: plain
-    round-to-nearest."""
-    if args.type == QuantizationType.INT and args.symmetric:
-        return "symmetric integer"
+def optimized_rtn_multipliers(args: QuantizationArgs) -> list[float] | None:
+    """The range multipliers auto-round's optimized round-to-nearest tries for weights ``args`` (``iters: 0``
+    without ``disable_opt_rtn``), in its order, the first ``1`` (plain round-to-nearest); ``None`` where auto-round
+    rounds plainly (asymmetric integers, FP8). Each group's scale is that of its range times the multiplier that
+    gives the lowest importance-weighted squared error (:meth:`_Tuned.search_range_`).
+
+    * symmetric integers of ``b`` bits (``opt_rtn_int_sym``, its ``search_scales``; from llama.cpp): the value of
+      largest magnitude ``w_max`` maps to ``-(n - step * i)`` with ``n = 2^(b-1)``, i.e. the scale is
+      ``-w_max / (n - step * i)``, for ``i`` in ``-100..100`` and ``step = 0.0075 n`` (``0.75 n`` each side in
+      200 steps); 2 bits: ``i`` in ``-90..90``, ``step = 0.01``. Multiplier ``n / (n - step * i)``, from
+      ``4 / 7`` to ``4`` (1.75 n down to 0.25 n).
+    * NVFP4 (``opt_rtn_nv_fp4``, ``search_nvfp4_scale``): ``0.50, 0.51, ..., 1.51`` of each group's maximum.
+    * MXFP4 / MXFP8 (``opt_rtn_mx_fp``, ``search_mx_scale``): ``0.5`` and ``2``, i.e. each group's power-of-two
+      scale one step down or up.
+
+    Source: intel/auto-round 0.15.1, ``auto_round/data_type/int.py``, ``nvfp.py``, ``mxfp.py`` (the newest that
+    llm-compressor 0.14.0.1 installs, ``auto-round<=0.15.1``; 0.14.2 has the integer search only).
+    """
+    kind = str(getattr(args.type, "value", args.type))
+    if kind == "int" and args.symmetric:
+        n = 2.0 ** (int(args.num_bits) - 1)
+        step, reach = (0.01, 90) if int(args.num_bits) == 2 else (0.0075 * n, 100)
+        order = [0, *range(-reach, 0), *range(1, reach + 1)]
+        return [n / (n - step * i) for i in order]
     if is_nvfp4(args):
-        return "NVFP4"
+        return [1.0] + [v / 100 for v in range(50, 152) if v != 100]
+    if kind == "float" and args.strategy == QuantizationStrategy.GROUP and args.scale_dtype is not None:  # MX
+        return [1.0, 0.5, 2.0]
     return None
+
+
+def importance_without_zeros(importance: torch.Tensor, w: torch.Tensor, num_bits: int) -> torch.Tensor:
+    """``importance`` ``[..., n]`` (per group of ``n`` weights ``w``, same shape) with its zeros replaced as
+    auto-round's ``_imatrix_handle_zero`` (from llama.cpp) does before its search: a group whose inputs were zero
+    (at most ``1e-30``) on more than half its columns takes ``|w|`` (``num_bits <= 3``) or
+    ``|w| + sqrt(sum(w^2) / 32)`` instead; one with fewer such columns fills its exact zeros with the mean of the
+    group's other values. (auto-round counts half of the group size, and of ``-1`` for a channel: every row of a
+    channel-wise weight then takes the fallback as soon as one input is zero; here half of each group's columns.)
+    """
+    none = importance <= 1e-30
+    zeros = none.sum(dim=-1, keepdim=True)
+    if not bool(zeros.any()):
+        return importance
+    n = importance.shape[-1]
+    if num_bits <= 3:
+        fallback = w.abs()
+    else:
+        fallback = w.abs() + (w.pow(2).sum(dim=-1, keepdim=True) / 32).sqrt()
+    mean = importance.sum(dim=-1, keepdim=True) / (n - zeros).clamp(min=1)
+    filled = torch.where((importance == 0) & (zeros > 0), mean, importance)
+    return torch.where(zeros > n // 2, fallback, filled)
 
 
 @attrs.define(kw_only=True, slots=False, eq=False)
@@ -585,14 +685,16 @@ class AutoRoundModifier(QuantizingModifier):
     Args (llm-compressor's names and defaults; besides ``scheme``, ``config_groups``, ``targets``, ``ignore``):
         iters: signed-gradient steps per decoder layer (default 200); ``0`` is auto-round's round-to-nearest mode:
             no tuning, each weight rounded to nearest on the grid above (floats: compressed-tensors' own
-            round-to-nearest), only where auto-round rounds plainly too (see ``disable_opt_rtn``).
+            round-to-nearest), with each group's range searched where auto-round searches it (see
+            ``disable_opt_rtn``).
         lr: step size (default ``null``: ``1 / iters``, as auto-round).
         batch_size: calibration samples per step (default 8).
         enable_torch_compile: accepted (default true) and has no effect: the tuning loop is not compiled.
-        disable_opt_rtn: with ``iters: 0`` (default false, as llm-compressor): auto-round then rounds symmetric
-            integer and NVFP4 weights with its optimized round-to-nearest (a search of each group's scale), which is
-            not implemented here, so that combination is refused; ``true``, or any other scheme: plain
-            round-to-nearest. No effect with ``iters >= 1``.
+        disable_opt_rtn: with ``iters: 0`` (default false, as llm-compressor): auto-round's optimized
+            round-to-nearest for symmetric integer, NVFP4 and MX weights: each group's range multiplied by the
+            candidate of :func:`optimized_rtn_multipliers` with the lowest squared error weighted by each input
+            column's ``E[x^2]`` over the calibration tokens (observed in the calibration pass); refused on fused
+            experts. ``true``, or any other scheme: plain round-to-nearest. No effect with ``iters >= 1``.
         device_ids: accepted (llm-compressor hands it to auto-round as the devices a layer's tuning is spread
             over); a warning says it is not used: each decoder layer is tuned on the device it is on, with the same
             result.
@@ -634,15 +736,6 @@ class AutoRoundModifier(QuantizingModifier):
                 where = f"config group {group!r}: " if self.config_groups is not None else ""
                 msg = f"AutoRoundModifier: {where}{problem}; use GPTQModifier or QuantizationModifier for that scheme"
                 raise ValueError(msg)
-        if self.iters == 0 and not self.disable_opt_rtn:
-            optimized = sorted({kind for s in self._groups.values() if (kind := _optimized_rtn(s.weights))})
-            if optimized:
-                msg = (
-                    f"iters: 0 with disable_opt_rtn: false is auto-round's optimized round-to-nearest for "
-                    f"{' and '.join(optimized)} weights (a search of each group's scale), which is not implemented; "
-                    "set disable_opt_rtn: true for plain round-to-nearest, or iters >= 1 to tune"
-                )
-                raise ValueError(msg)
         if self.observer != "minmax":
             msg = f"AutoRoundModifier tunes the weight range itself: observer must be minmax, got {self.observer!r}"
             raise ValueError(msg)
@@ -662,6 +755,28 @@ class AutoRoundModifier(QuantizingModifier):
         #: the pipeline's, before the first layer)
         self._float_hidden: list[torch.Tensor] | None = None
         self._output_hooks: list[Any] = []  # torch handles of the layers' output hooks, while outputs are captured
+
+    @property
+    def optimized_rtn(self) -> bool:
+        """Whether the weights are rounded with auto-round's optimized round-to-nearest: ``iters: 0`` without
+        ``disable_opt_rtn``, on a scheme that has one (:func:`optimized_rtn_multipliers`); the targets' inputs
+        are then observed in the calibration pass (their ``E[x^2]`` per column)."""
+        return (
+            self.iters == 0
+            and not self.disable_opt_rtn
+            and any(optimized_rtn_multipliers(s.weights) is not None for s in self._groups.values())
+        )
+
+    @property
+    def needs_importance(self) -> bool:
+        """:attr:`QuantizingModifier.needs_importance`, or :attr:`optimized_rtn`."""
+        return super().needs_importance or self.optimized_rtn
+
+    @property
+    def _observes_targets(self) -> bool:
+        """Whether the targets are hooked in the calibration pass: calibrated input scales, or the importance of
+        :attr:`optimized_rtn`."""
+        return self.calibrated_inputs or self.optimized_rtn
 
     # ---- hooks --------------------------------------------------------------------------------
     def on_initialize(self, state: Any) -> None:
@@ -704,6 +819,19 @@ class AutoRoundModifier(QuantizingModifier):
             for n, m in targets.items()
             if isinstance(m, LinearView) and (_static_inputs(s := self.scheme_of(n)) or is_local(s.input_activations))
         ]
+        searched = [
+            n
+            for n, m in targets.items()
+            if isinstance(m, LinearView) and self.optimized_rtn and optimized_rtn_multipliers(self.scheme_of(n).weights)
+        ]
+        if searched:
+            msg = (
+                f"AutoRoundModifier: {searched[0]} (and {len(searched) - 1} more) are fused expert matrices, and "
+                "iters: 0 with disable_opt_rtn: false weights each group's range search by the inputs of each "
+                "expert, which AutoRound does not observe on experts: set disable_opt_rtn: true (plain "
+                "round-to-nearest), or iters >= 1"
+            )
+            raise ValueError(msg)
         if calibrated:
             msg = (
                 f"AutoRoundModifier: {calibrated[0]} (and {len(calibrated) - 1} more) are fused expert matrices whose "
@@ -728,7 +856,7 @@ class AutoRoundModifier(QuantizingModifier):
         for key, (_, layer) in self._layers.items():
             self.register_hook(layer, self._capture_input(key), kind="forward_pre", with_kwargs=True)
             self._output_hooks.append(self.register_hook(layer, self._capture_output(key), kind="forward"))
-        if self.calibrated_inputs:  # the targets' input ranges, observed in the calibration pass (static scales)
+        if self._observes_targets:  # the targets' inputs observed in the calibration pass (static scales, E[x^2])
             CalibratedModifier.on_calibration_start(self, state)
             for _, layer in self._layers.values():  # the plain order, also past the first layer (see the docstring)
                 self.register_hook(layer, _observed_whole, kind="forward")
@@ -836,7 +964,7 @@ class AutoRoundModifier(QuantizingModifier):
             if id(sub) in ids and self._names_by_id[id(sub)] not in self.results
         }
         names = {n: self._names_by_id[id(m)] for n, m in rel.items()}
-        if self.calibrated_inputs:  # a Linear the calibration pass never reached has no input ranges: skipped
+        if self._observes_targets:  # a Linear the calibration pass never reached has no input statistics: skipped
             rel = {
                 n: m
                 for n, m in rel.items()
@@ -862,6 +990,11 @@ class AutoRoundModifier(QuantizingModifier):
                 global_scales={n: g for n, g in shared if g is not None},
                 schemes=schemes,
                 input_quantizers=self._input_quantizers(rel, names, schemes),
+                importance={
+                    n: importance_from_diagonal(self._acc[names[n]].diagonal)
+                    for n in rel
+                    if self.optimized_rtn and optimized_rtn_multipliers(schemes[n].weights) is not None
+                },
             )
         finally:
             self._tuning = False
@@ -948,9 +1081,10 @@ class AutoRoundModifier(QuantizingModifier):
         )
 
     def _new_accumulator(self, module: nn.Module) -> Any:
-        """With calibrated input scales, the targets' input ranges (:meth:`QuantizingModifier._new_accumulator`);
-        else none (the layer's inputs are captured whole, and no target is hooked)."""
-        return super()._new_accumulator(module) if self.calibrated_inputs else None
+        """With calibrated input scales or :attr:`optimized_rtn`, the targets' input ranges and the diagonal of
+        their Hessian (:meth:`QuantizingModifier._new_accumulator`); else none (the layer's inputs are captured
+        whole, and no target is hooked)."""
+        return super()._new_accumulator(module) if self._observes_targets else None
 
     def _record_routed(self) -> None:
         """Nothing: the experts' matrices are tuned on the decoder layer's output error, whatever tokens each

@@ -397,12 +397,6 @@ def test_defaults_are_llmcompressors() -> None:
             {"observer": "mse"},
             "AutoRoundModifier tunes the weight range itself: observer must be minmax, got 'mse'",
         ),
-        (
-            {"iters": 0},
-            "iters: 0 with disable_opt_rtn: false is auto-round's optimized round-to-nearest for symmetric integer "
-            "weights (a search of each group's scale), which is not implemented; set disable_opt_rtn: true for plain "
-            "round-to-nearest, or iters >= 1 to tune",
-        ),
         ({"batch_size": 0}, "batch_size must be a positive int, got 0"),
         ({"lr": -0.1}, "lr must be a positive number or null (1 / iters), got -0.1"),
         (

@@ -237,35 +237,31 @@ def test_two_config_groups_are_tuned_together_each_on_its_grid(tmp_path, model_d
         assert distinct <= (4 if "self_attn" in name else 16), name
 
 
-@pytest.mark.parametrize(
-    ("args", "message"),
-    [
-        (
-            {"scheme": "W4A16", "iters": 0},
-            "iters: 0 with disable_opt_rtn: false is auto-round's optimized round-to-nearest for symmetric integer "
-            "weights (a search of each group's scale), which is not implemented; set disable_opt_rtn: true for plain "
-            "round-to-nearest, or iters >= 1 to tune",
-        ),
-        (
-            {"scheme": "NVFP4", "iters": 0},
-            "iters: 0 with disable_opt_rtn: false is auto-round's optimized round-to-nearest for NVFP4 weights (a "
-            "search of each group's scale), which is not implemented; set disable_opt_rtn: true for plain "
-            "round-to-nearest, or iters >= 1 to tune",
-        ),
-        ({"iters": -1}, "iters must be an int >= 0 (0: auto-round's round-to-nearest mode), got -1"),
-    ],
-    ids=["opt-rtn-int", "opt-rtn-nvfp4", "negative-iters"],
-)
-def test_what_autoround_does_not_do_is_refused_when_the_recipe_is_read(args: dict, message: str) -> None:
+def test_negative_iters_are_refused_when_the_recipe_is_read() -> None:
     with pytest.raises(ValueError) as info:
-        AutoRoundModifier(**args)
-    assert str(info.value) == message
+        AutoRoundModifier(iters=-1)
+    assert str(info.value) == "iters must be an int >= 0 (0: auto-round's round-to-nearest mode), got -1"
 
 
-def test_iters_zero_runs_where_auto_round_rounds_plainly() -> None:
-    for args in ({"scheme": "FP8", "iters": 0}, {"scheme": "W4A16_ASYM", "iters": 0}, {"iters": 0,
-                                                                                     "disable_opt_rtn": True}):
-        assert AutoRoundModifier(**args).iters == 0
+def test_iters_zero_searches_the_ranges_only_where_auto_round_does() -> None:
+    """auto-round 0.15.1's optimized round-to-nearest: symmetric integers, NVFP4 and MX; not FP8 nor asymmetric
+    integers, and not with disable_opt_rtn or iters >= 1."""
+    searched = {
+        name: AutoRoundModifier(**args).optimized_rtn
+        for name, args in {
+            "W4A16": {"scheme": "W4A16", "iters": 0},
+            "NVFP4A16": {"scheme": "NVFP4A16", "iters": 0},
+            "MXFP4A16": {"scheme": "MXFP4A16", "iters": 0},
+            "FP8": {"scheme": "FP8", "iters": 0},
+            "W4A16_ASYM": {"scheme": "W4A16_ASYM", "iters": 0},
+            "disabled": {"scheme": "W4A16", "iters": 0, "disable_opt_rtn": True},
+            "tuned": {"scheme": "W4A16", "iters": 1},
+        }.items()
+    }
+    assert searched == {
+        "W4A16": True, "NVFP4A16": True, "MXFP4A16": True, "FP8": False, "W4A16_ASYM": False, "disabled": False,
+        "tuned": False,
+    }
 
 
 def test_static_input_scales_on_fused_experts_are_refused_before_calibration() -> None:
