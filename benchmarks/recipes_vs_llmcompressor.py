@@ -33,6 +33,8 @@ venv, through ``benchmarks/_peer.py``). Jobs (:data:`JOBS`):
   layer, so this job dominates a full run: the issue asks for the fewest iterations that beat GPTQ, i.e. several
   runs with ``--jobs autoround --autoround-iters N``); the peer goes through the ``auto-round`` package (0.15.1 in
   the peer venv);
+* ``autoround-nvfp4`` — ``AutoRoundModifier`` scheme ``NVFP4A16``, ``iters`` as above, bfloat16 (as ``nvfp4a16``);
+  with ``--autoround-iters 0`` both sides run auto-round's optimized round-to-nearest (its range search);
 * ``spinquant`` — ``SpinQuantModifier`` ``rotations: [R1, R2]``, ``transform_type: hadamard``, then
   ``QuantizationModifier`` W4A16 group 64 (RTN; llm-compressor's spinquant example), with
   ``transform_block_size: 64``: llm-compressor 0.14 builds the deterministic ``hadamard`` only for powers of two
@@ -174,6 +176,14 @@ quant_stage:
       iters: {iters}
       ignore: [lm_head]
       {w4g64}
+"""},
+    "autoround-nvfp4": {"data": True, "dtype": "bfloat16", "recipe": """
+quant_stage:
+  quant_modifiers:
+    AutoRoundModifier:
+      iters: {iters}
+      ignore: [lm_head]
+      scheme: NVFP4A16
 """},
     "spinquant": {"data": True, "dtype": "float32", "recipe": """
 quant_stage:

@@ -321,8 +321,14 @@ class _Tuned:
         for m in multipliers:
             self.alpha.fill_(m)
             self.beta.fill_(m)
-            if self.float:
-                buffer = _grouped(self.quantized(final=True), self.args)
+            if self.float:  # :meth:`quantized` at V = 0: compressed-tensors' rounding of W
+                stored, zp = self.qparams(final=True)
+                scale = stored.reshape(1) if self.args.strategy == QuantizationStrategy.TENSOR else stored
+                w = _ungrouped(self.w, self.args, self.rows, self.cols)
+                buffer = _grouped(
+                    fake_quantize(w, scale, zp.reshape(scale.shape), self.args, global_scale=self.global_scale),
+                    self.args,
+                ).to(torch.float32)
             else:  # :meth:`quantized` at V = 0, in place: s * (clamp(round(W / s) + z) - z)
                 scale, zp = self.qparams(final=True)
                 s, z = scale.unsqueeze(-1), zp.to(torch.float32).unsqueeze(-1)

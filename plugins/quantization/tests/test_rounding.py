@@ -67,3 +67,38 @@ def test_group_columns_not_a_multiple_fail_like_compressed_tensors():
     scale, zero_point = torch.ones(4, 2), torch.zeros(4, 2, dtype=torch.int8)
     with pytest.raises(ValueError, match="^tensor column shape must be divisble by the given group_size 32 but got 48$"):
         fake_quantize(w, scale, zero_point, args)
+
+
+def test_fp4_rounding_equals_compressed_tensors_cast_including_its_ties():
+    """Each E2M1 interval's ends (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5), the floats beside them, both signs and the
+    clamp, in float32, bfloat16 and float16: the same values and signs of zero as compressed-tensors' cast_to_fp4."""
+    from compressed_tensors.quantization.quant_args import FP4_E2M1_DATA
+
+    from llmc_fsm_quantization.rounding import _fp4_nearest
+
+    ends = torch.tensor([0.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, 7.0])
+    edges = torch.cat([ends, torch.nextafter(ends, ends + 1), torch.nextafter(ends, ends - 1), 8 * torch.rand(4000) - 4])
+    values = torch.cat([edges, -edges])
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        x = values.to(dtype)
+        got, expected = _fp4_nearest(x), FP4_E2M1_DATA.cast_to_fp4(x.clone())
+        assert got.dtype == expected.dtype
+        assert torch.equal(got.view(torch.uint8), expected.view(torch.uint8)), dtype
+
+
+@pytest.mark.parametrize("preset", ["NVFP4A16", "NVFP4", "MXFP4A16"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp4_groups_equal_compressed_tensors_bitwise(preset, dtype):
+    from llmc_fsm_quantization import resolve_scheme
+    from llmc_fsm_quantization.observers import observe_scaled_format
+
+    torch.manual_seed(3)
+    args = resolve_scheme(preset, ["Linear"]).weights
+    w = torch.randn(32, 128).to(dtype)
+    w[0, :16] = 0.0
+    scale, zero_point, *global_scale = observe_scaled_format(w, args)
+    global_scale = global_scale[0] if global_scale else None
+    expected = library_fake_quantize(w, scale, zero_point, args, global_scale=global_scale)
+    got = fake_quantize(w, scale, zero_point, args, global_scale=global_scale)
+    assert got.dtype == expected.dtype and got.shape == expected.shape
+    assert torch.equal(got.view(torch.uint8), expected.view(torch.uint8))
