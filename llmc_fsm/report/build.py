@@ -137,7 +137,8 @@ class OneshotReport:
     kv_cache: dict[str, dict[str, dict[str, list[float]]]] = attrs.field(factory=dict)
     #: modifier label -> decoder layer -> what a tuning modifier (AutoRound) measured there (its ``tuning_results``):
     #: ``rtn_mse`` and ``tuned_mse``, the mean squared error of the layer's output against the float model's with
-    #: round-to-nearest and with the tuned rounding, and ``kept`` (``"autoround"`` or ``"rtn"``). Empty: none ran.
+    #: round-to-nearest and with the tuned rounding, and ``kept`` (``"autoround"`` or ``"rtn"``; with ``iters: 0``
+    #: ``"rtn_mode"`` or ``"opt_rtn_mode"`` and both errors ``None``: nothing tuned, nothing measured). Empty: none ran.
     tuning: dict[str, dict[str, dict[str, Any]]] = attrs.field(factory=dict)
 
     def finish(self, t_start: float) -> None:
@@ -446,22 +447,31 @@ def _tuning_line(label: str, results: dict[str, dict[str, Any]]) -> str:
     ratio of the kept weights' output MSE to round-to-nearest's (``tuned_mse / rtn_mse`` where the tuning was kept,
     1 where round-to-nearest was), its median and range, and the layers of the smaller side (tuning kept, or
     round-to-nearest kept). Layers rounded to nearest without tuning (``kept`` ``"rtn_mode"``: AutoRound's
-    ``iters: 0``) are counted apart, with their output MSE; so are layers rounded with auto-round's optimized
-    round-to-nearest (``"opt_rtn_mode"``), with the ratio of their output MSE to plain round-to-nearest's."""
+    ``iters: 0``) are counted apart, with their output MSE where it was measured (``None`` from AutoRound, which runs
+    no forward of its own then); so are layers rounded with auto-round's optimized round-to-nearest
+    (``"opt_rtn_mode"``), with the ratio of their output MSE to plain round-to-nearest's where measured."""
     searched = {name: r for name, r in results.items() if r["kept"] == "opt_rtn_mode"}
     if searched and len(searched) == len(results):
+        line = (
+            f"{label}: {len(results)} layers rounded to nearest with each group's range searched on the calibration "
+            "inputs' mean squares (iters: 0, auto-round's optimized round-to-nearest, no tuning)"
+        )
+        if any(r["rtn_mse"] is None or r["tuned_mse"] is None for r in searched.values()):
+            return line
         ratios = [r["tuned_mse"] / r["rtn_mse"] if r["rtn_mse"] else 1.0 for r in searched.values()]
         return (
-            f"{label}: {len(results)} layers rounded to nearest with each group's range searched (iters: 0, "
-            f"auto-round's optimized round-to-nearest, no tuning); output MSE vs plain round-to-nearest: median ratio "
-            f"{statistics.median(ratios):.3f} ({min(ratios):.3f}-{max(ratios):.3f})"
+            f"{line}; output MSE vs plain round-to-nearest: median ratio {statistics.median(ratios):.3f} "
+            f"({min(ratios):.3f}-{max(ratios):.3f})"
         )
     mode = {name: r for name, r in results.items() if r["kept"] == "rtn_mode"}
     if mode and len(mode) == len(results):
+        line = f"{label}: {len(results)} layers rounded to nearest (iters: 0, no tuning)"
         errors = [r["rtn_mse"] for r in mode.values()]
+        if any(e is None for e in errors):
+            return line
         return (
-            f"{label}: {len(results)} layers rounded to nearest (iters: 0, no tuning); output MSE vs the float model's "
-            f"output of each layer: median {statistics.median(errors):.3g} ({min(errors):.3g}-{max(errors):.3g})"
+            f"{line}; output MSE vs the float model's output of each layer: median {statistics.median(errors):.3g} "
+            f"({min(errors):.3g}-{max(errors):.3g})"
         )
     ratios = [r["tuned_mse"] / r["rtn_mse"] if r["kept"] == "autoround" else 1.0 for r in results.values()]
     rtn = [name for name, r in results.items() if r["kept"] != "autoround"]

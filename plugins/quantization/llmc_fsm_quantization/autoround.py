@@ -105,21 +105,22 @@ class LayerErrors:
     calibration samples (so it includes the error the quantized layers before it pass on).
 
     Attributes:
-        rtn: with round-to-nearest on the same grid (``V = 0``, ``alpha = beta = 1``).
-        tuned: with the best tuned parameters.
+        rtn: with round-to-nearest on the same grid (``V = 0``, ``alpha = beta = 1``); ``None`` with ``iters: 0``
+            (nothing is tuned, so no error is measured: the modifier then runs no forward of its own).
+        tuned: with the best tuned parameters; ``None`` with ``iters: 0``.
         kept: ``"autoround"``, ``"rtn"`` (when tuning did not lower the error), ``"rtn_mode"`` (``iters: 0``: no
             tuning; both errors are round-to-nearest's) or ``"opt_rtn_mode"`` (``iters: 0`` with auto-round's
             optimized round-to-nearest: ``tuned`` is the error with the searched ranges).
     """
 
-    rtn: float
-    tuned: float
+    rtn: float | None
+    tuned: float | None
     kept: str
 
     def as_dict(self) -> dict[str, Any]:
-        """``{"rtn_mse", "tuned_mse", "kept"}`` (JSON values: floats and a str), as the report and a resumed run's
-        saved progress hold it."""
-        return {"rtn_mse": float(self.rtn), "tuned_mse": float(self.tuned), "kept": str(self.kept)}
+        """``{"rtn_mse", "tuned_mse", "kept"}`` (JSON values: floats or null, and a str), as the report and a resumed
+        run's saved progress hold it."""
+        return {"rtn_mse": _or_none(self.rtn), "tuned_mse": _or_none(self.tuned), "kept": str(self.kept)}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> LayerErrors:
@@ -128,7 +129,11 @@ class LayerErrors:
         Raises:
             KeyError: ``data`` lacks ``rtn_mse``, ``tuned_mse`` or ``kept``.
         """
-        return cls(rtn=float(data["rtn_mse"]), tuned=float(data["tuned_mse"]), kept=str(data["kept"]))
+        return cls(rtn=_or_none(data["rtn_mse"]), tuned=_or_none(data["tuned_mse"]), kept=str(data["kept"]))
+
+
+def _or_none(value: Any) -> float | None:
+    return None if value is None else float(value)
 
 
 def _round_ste(x: torch.Tensor) -> torch.Tensor:
@@ -390,6 +395,19 @@ def _rows(value: Any, rows: int, index: torch.Tensor) -> Any:
     return value
 
 
+def _multipliers(name: str, args: QuantizationArgs) -> list[float]:
+    """:func:`optimized_rtn_multipliers` of target ``name``'s weights.
+
+    Raises:
+        ValueError: its weights have none.
+    """
+    multipliers = optimized_rtn_multipliers(args)
+    if multipliers is None:
+        msg = f"{name}: its weights have no optimized round-to-nearest (asymmetric integers, FP8)"
+        raise ValueError(msg)
+    return multipliers
+
+
 def input_quantizer(
     args: QuantizationArgs,
     *,
@@ -431,6 +449,7 @@ def signround_layer(
     schemes: Mapping[str, QuantizationScheme] | None = None,
     input_quantizers: Mapping[str, Callable[[torch.Tensor], torch.Tensor]] | None = None,
     importance: Mapping[str, torch.Tensor] | None = None,
+    measure: bool = True,
 ) -> tuple[dict[str, QuantizedWeight], LayerErrors]:
     """Quantize ``targets`` of ``layer`` with SignRound on the layer's output error (see the module docstring).
 
@@ -457,6 +476,9 @@ def signround_layer(
             [in_features] float32}`` each input column's ``E[x^2]`` over the calibration tokens; each group's range
             is searched (:meth:`_Tuned.search_range_` over :func:`optimized_rtn_multipliers`), and the errors are
             round-to-nearest's (``rtn``) and the searched ranges' (``tuned``), ``kept`` ``"opt_rtn_mode"``.
+        measure: with ``iters: 0``, whether the layer's output errors are measured (two forwards of the layer over
+            every calibration sample); ``False``: :class:`LayerErrors` with ``None`` errors, and ``inputs`` /
+            ``outputs`` are not read (they may be empty).
 
     Returns:
         ``{name: QuantizedWeight}`` (dequantized weight in the weight's dtype, scale, zero point, NVFP4's global
@@ -532,14 +554,15 @@ def signround_layer(
         if not isinstance(targets[name], LinearView)
     ]
     try:
+        if not iters and not measure:
+            for name, imp in importance.items():
+                tuned[name].search_range_(imp, _multipliers(name, tuned[name].args))
+            kept = "opt_rtn_mode" if importance else "rtn_mode"
+            return {name: t.result() for name, t in tuned.items()}, LayerErrors(rtn=None, tuned=None, kept=kept)
         rtn = full_error(final=True)
         if not iters and importance:
             for name, imp in importance.items():
-                multipliers = optimized_rtn_multipliers(tuned[name].args)
-                if multipliers is None:
-                    msg = f"{name}: its weights have no optimized round-to-nearest (asymmetric integers, FP8)"
-                    raise ValueError(msg)
-                tuned[name].search_range_(imp, multipliers)
+                tuned[name].search_range_(imp, _multipliers(name, tuned[name].args))
             searched = full_error(final=True)
             results = {name: t.result() for name, t in tuned.items()}
             return results, LayerErrors(rtn=rtn, tuned=searched, kept="opt_rtn_mode")
@@ -761,6 +784,7 @@ class AutoRoundModifier(QuantizingModifier):
         #: the pipeline's, before the first layer)
         self._float_hidden: list[torch.Tensor] | None = None
         self._output_hooks: list[Any] = []  # torch handles of the layers' output hooks, while outputs are captured
+        self._tokens: dict[int, int] = {}  # iters: 0: calibration tokens per layer key (nothing else is captured)
 
     @property
     def optimized_rtn(self) -> bool:
@@ -859,11 +883,16 @@ class AutoRoundModifier(QuantizingModifier):
             raise ValueError(msg)
         self._float_hidden = None
         self._output_hooks = []
+        self._tokens = {}
         for key, (_, layer) in self._layers.items():
-            self.register_hook(layer, self._capture_input(key), kind="forward_pre", with_kwargs=True)
-            self._output_hooks.append(self.register_hook(layer, self._capture_output(key), kind="forward"))
+            if self.iters:  # the tuning's inputs and targets
+                self.register_hook(layer, self._capture_input(key), kind="forward_pre", with_kwargs=True)
+                self._output_hooks.append(self.register_hook(layer, self._capture_output(key), kind="forward"))
+            else:  # nothing is tuned: only the calibration tokens are counted
+                self.register_hook(layer, self._count_tokens(key), kind="forward_pre", with_kwargs=True)
         if self._observes_targets:  # the targets' inputs observed in the calibration pass (static scales, E[x^2])
             CalibratedModifier.on_calibration_start(self, state)
+        if self._observes_targets or not self.iters:
             for _, layer in self._layers.values():  # the plain order, also past the first layer (see the docstring)
                 self.register_hook(layer, _observed_whole, kind="forward")
 
@@ -889,6 +918,14 @@ class AutoRoundModifier(QuantizingModifier):
 
         return hook
 
+    def _count_tokens(self, key: int) -> Any:
+        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            if key not in self._done:
+                hidden = args[0] if args else kwargs["hidden_states"]
+                self._tokens[key] = self._tokens.get(key, 0) + int(hidden.shape[0] * hidden.shape[1])
+
+        return hook
+
     def _capture_output(self, key: int) -> Any:
         def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
             # past the first layer the target is the float model's output (:meth:`_float_outputs`), not this one
@@ -901,13 +938,14 @@ class AutoRoundModifier(QuantizingModifier):
         roots = [modules] if isinstance(modules, nn.Module) else list(modules)
         layers = [sub for root in roots for sub in root.modules() if id(sub) in self._layers]
         for layer in layers:
-            if id(layer) in self._captured:
+            if id(layer) in self._captured or id(layer) in self._tokens:
                 self._tune(*self._layers[id(layer)], id(layer))
         if layers:  # targets of these layers that saw no calibration input: listed in skipped
             super().on_sequential_epoch_end(state, layers)
 
     def on_calibration_end(self, state: Any) -> None:
         self._captured.clear()
+        self._tokens.clear()
         self._done.clear()
         self._float_hidden = None
         super().on_calibration_end(state)
@@ -920,8 +958,10 @@ class AutoRoundModifier(QuantizingModifier):
     def resume_float_inputs(self, inputs: Sequence[tuple[tuple[Any, ...], dict[str, Any]]]) -> None:
         """On a resumed run, before the first layer to compress: its calibration inputs as the float model computes
         them (the pipeline ran the restored layers as loaded, before restoring them), per batch ``(args,
-        kwargs)`` with the hidden states ``[B, L, hidden]`` first."""
-        self._carry_float_hidden([args[0].detach() for args, _ in inputs])
+        kwargs)`` with the hidden states ``[B, L, hidden]`` first (kept for the tuning's targets; not with
+        ``iters: 0``)."""
+        if self.iters:
+            self._carry_float_hidden([args[0].detach() for args, _ in inputs])
 
     # ---- report and resume ------------------------------------------------------------------------
     @property
@@ -956,12 +996,20 @@ class AutoRoundModifier(QuantizingModifier):
 
     # ---- work ---------------------------------------------------------------------------------
     def _tune(self, layer_name: str, layer: nn.Module, key: int) -> None:
-        inputs, outputs = self._captured.pop(key)
+        """Quantize ``layer``'s targets: tuned on its captured inputs (``iters >= 1``), or rounded to nearest
+        (``iters: 0``: no input is kept and no forward is run here, only the calibration pass's token count and,
+        for the optimized round-to-nearest or static input scales, its statistics of the targets' inputs)."""
         self._done.add(key)
-        if self._float_hidden is None and len(inputs) != len(outputs):  # a forward stopped early
-            msg = f"AutoRoundModifier: {layer_name} ran {len(inputs)} times but returned {len(outputs)} outputs"
-            raise RuntimeError(msg)
-        outputs = self._float_outputs(layer, inputs, outputs)
+        tokens = self._tokens.pop(key, 0)
+        inputs: Inputs = []
+        outputs: list[torch.Tensor] = []
+        if self.iters:
+            inputs, outputs = self._captured.pop(key)
+            if self._float_hidden is None and len(inputs) != len(outputs):  # a forward stopped early
+                msg = f"AutoRoundModifier: {layer_name} ran {len(inputs)} times but returned {len(outputs)} outputs"
+                raise RuntimeError(msg)
+            outputs = self._float_outputs(layer, inputs, outputs)
+            tokens = sum(int(a[0].shape[0] * a[0].shape[1]) for a, _ in inputs)
         ids = {id(m) for m in self._targets.values()}
         rel = {
             f"{n}.{suffix}" if suffix else n: sub
@@ -1001,19 +1049,22 @@ class AutoRoundModifier(QuantizingModifier):
                     for n in rel
                     if self.optimized_rtn and optimized_rtn_multipliers(schemes[n].weights) is not None
                 },
+                measure=bool(self.iters),
             )
         finally:
             self._tuning = False
         self.layer_errors[layer_name] = errors
-        logger.info(
-            "AutoRoundModifier: %s output MSE %.4g (round-to-nearest %.4g), kept %s, %.1f s",
-            layer_name,
-            errors.tuned,
-            errors.rtn,
-            errors.kept,
-            time.perf_counter() - t0,
-        )
-        tokens = sum(int(a[0].shape[0] * a[0].shape[1]) for a, _ in inputs)
+        if errors.rtn is None:
+            logger.info("AutoRoundModifier: %s %s, %.1f s", layer_name, errors.kept, time.perf_counter() - t0)
+        else:
+            logger.info(
+                "AutoRoundModifier: %s output MSE %.4g (round-to-nearest %.4g), kept %s, %.1f s",
+                layer_name,
+                errors.tuned,
+                errors.rtn,
+                errors.kept,
+                time.perf_counter() - t0,
+            )
         results = {id(rel[n]): q for n, q in quantized.items()}
         tunings: dict[int, _Tuning] = {}  # one per input statistics: the static input scales are computed from it
         for n in rel:

@@ -182,12 +182,45 @@ def test_the_search_on_fused_experts_is_refused_before_calibration() -> None:
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
 
 
-def test_the_report_line_gives_the_searched_ranges_error_against_plain_round_to_nearest() -> None:
+def test_the_report_line_says_what_iters_zero_did() -> None:
+    """With iters: 0 nothing is tuned and AutoRound measures no error (None); a saved progress of errors measured
+    is still summed up."""
     from llmc_fsm.report.build import _tuning_line
 
-    results = {f"model.layers.{i}": {"rtn_mse": 2.0, "tuned_mse": 2.0 - i / 2, "kept": "opt_rtn_mode"} for i in range(3)}
-    assert _tuning_line("AutoRoundModifier (q)", results) == (
-        "AutoRoundModifier (q): 3 layers rounded to nearest with each group's range searched (iters: 0, auto-round's "
-        "optimized round-to-nearest, no tuning); output MSE vs plain round-to-nearest: median ratio 0.750 "
-        "(0.500-1.000)"
+    unmeasured = {f"model.layers.{i}": {"rtn_mse": None, "tuned_mse": None, "kept": "opt_rtn_mode"} for i in range(3)}
+    assert _tuning_line("AutoRoundModifier (q)", unmeasured) == (
+        "AutoRoundModifier (q): 3 layers rounded to nearest with each group's range searched on the calibration "
+        "inputs' mean squares (iters: 0, auto-round's optimized round-to-nearest, no tuning)"
     )
+    plain = {name: dict(r, kept="rtn_mode") for name, r in unmeasured.items()}
+    assert _tuning_line("AutoRoundModifier (q)", plain) == (
+        "AutoRoundModifier (q): 3 layers rounded to nearest (iters: 0, no tuning)"
+    )
+    measured = {f"model.layers.{i}": {"rtn_mse": 2.0, "tuned_mse": 2.0 - i / 2, "kept": "opt_rtn_mode"} for i in range(3)}
+    assert _tuning_line("AutoRoundModifier (q)", measured).endswith(
+        "(iters: 0, auto-round's optimized round-to-nearest, no tuning); output MSE vs plain round-to-nearest: median "
+        "ratio 0.750 (0.500-1.000)"
+    )
+
+
+@pytest.mark.parametrize("disable_opt_rtn", [False, True])
+def test_iters_zero_runs_no_forward_of_its_own_and_keeps_no_input(tiny, monkeypatch, disable_opt_rtn) -> None:
+    """Nothing is tuned, so AutoRound runs no forward of its own (the layer with quantized weights, or the float
+    layer for the next layer's targets) and keeps no layer input: no error is measured, and the report says so."""
+    from llmc_fsm_quantization.autoround import AutoRoundModifier
+
+    own = []
+    real = torch.func.functional_call
+    monkeypatch.setattr(torch.func, "functional_call", lambda *a, **kw: own.append(1) or real(*a, **kw))
+    monkeypatch.setattr(AutoRoundModifier, "_float_outputs", lambda *a: own.append(2))
+    captured = []
+    monkeypatch.setattr(AutoRoundModifier, "_capture_input", lambda self, key: captured.append(key))
+    recipe = {"q": {"AutoRoundModifier": {"scheme": {"preset": "W4A16", "weights": {"group_size": 32}}, "iters": 0,
+                                          "disable_opt_rtn": disable_opt_rtn, "ignore": ["lm_head"]}}}
+    data = torch.randint(0, 128, (8, 32), generator=torch.Generator().manual_seed(1))
+    returned = llmc_fsm.oneshot(model=tiny, recipe=recipe, dataset=data, batch_size=4, progress=False)
+    assert own == [] and captured == []
+    tuning = returned.llmc_fsm_report.tuning["AutoRoundModifier (q)"]
+    kept = "rtn_mode" if disable_opt_rtn else "opt_rtn_mode"
+    assert tuning == {f"model.layers.{i}": {"rtn_mse": None, "tuned_mse": None, "kept": kept} for i in range(2)}
+    assert sum(1 for m in returned.llmc_fsm_report.modules if m.bits == 4) == 2 * len(LINEARS)
