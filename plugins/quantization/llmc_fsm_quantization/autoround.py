@@ -220,6 +220,10 @@ class _Tuned:
         self.v = torch.zeros_like(self.w).requires_grad_()
         self.alpha = torch.ones_like(self.hi).requires_grad_()
         self.beta = torch.ones_like(self.lo).requires_grad_()
+        #: symmetric integers after :meth:`search_range_`: per group, whether its first value of largest magnitude
+        #: (in the group's order) is negative, i.e. maps to ``q_min`` (auto-round's ``search_scales``); ``None``:
+        #: the side of larger magnitude, the maximum on a tie (its ``int_sym``).
+        self.negative_first: torch.Tensor | None = None
 
     @property
     def params(self) -> list[torch.Tensor]:
@@ -237,7 +241,8 @@ class _Tuned:
         if self.row_args.symmetric:
             hi = self.hi.clamp(min=0) * self.alpha
             neg = -(self.lo.clamp(max=0) * self.beta)  # magnitude of the clipped minimum
-            scale = torch.where(hi < neg, neg, -hi) / -self.q_min
+            negative = hi < neg if self.negative_first is None else self.negative_first
+            scale = torch.where(negative, neg, -hi) / -self.q_min
             scale = torch.where(scale < 0, scale.clamp(max=-SCALE_FLOOR), scale.clamp(min=SCALE_FLOOR))
             if final:
                 scale = storable(scale.detach(), self.dtype)
@@ -312,7 +317,9 @@ class _Tuned:
         """auto-round's optimized round-to-nearest: each group's range (``alpha = beta``) set to the multiplier of
         ``multipliers`` (:func:`optimized_rtn_multipliers`) whose weight, as the checkpoint stores it
         (:meth:`quantized` with ``final``), has the lowest ``sum_j imp_j (W_hat_j - W_j)^2`` over the group; the
-        first multiplier that reaches it on a tie (auto-round replaces only on a strictly lower error).
+        first multiplier that reaches it on a tie (auto-round replaces only on a strictly lower error). Symmetric
+        integers: the value of largest magnitude that maps to ``q_min`` is the group's first one in its order when
+        ``+m`` and ``-m`` both occur (:attr:`negative_first`, as ``search_scales`` takes ``argmax |W|``).
 
         Args:
             importance: ``[cols]`` float32, each input column's ``E[x^2]`` over the calibration tokens (any
@@ -321,6 +328,9 @@ class _Tuned:
         """
         imp = _grouped(importance.to(self.w.device, torch.float32).expand(self.rows, self.cols), self.args)
         imp = importance_without_zeros(imp, self.w, int(self.args.num_bits))
+        if not self.float and self.row_args.symmetric:  # ties of the largest magnitude: the first value's side
+            first = torch.take_along_dim(self.w, self.w.abs().argmax(dim=-1, keepdim=True), dim=-1).squeeze(-1)
+            self.negative_first = first < 0
         best_loss, best = None, torch.ones_like(self.alpha)
         buffer = torch.empty_like(self.w)
         for m in multipliers:
@@ -687,16 +697,16 @@ def optimized_rtn_multipliers(args: QuantizationArgs) -> list[float] | None:
 
 def importance_without_zeros(importance: torch.Tensor, w: torch.Tensor, num_bits: int) -> torch.Tensor:
     """``importance`` ``[..., n]`` (per group of ``n`` weights ``w``, same shape) with its zeros replaced as
-    auto-round's ``_imatrix_handle_zero`` (from llama.cpp) does before its search: a group whose inputs were zero
-    (at most ``1e-30``) on more than half its columns takes ``|w|`` (``num_bits <= 3``) or
-    ``|w| + sqrt(sum(w^2) / 32)`` instead; one with fewer such columns fills its exact zeros with the mean of the
-    group's other values. (auto-round counts half of the group size, and of ``-1`` for a channel: every row of a
-    channel-wise weight then takes the fallback as soon as one input is zero; here half of each group's columns.)
+    auto-round's ``_imatrix_handle_zero`` (from llama.cpp) does before its search, when some entry is exactly
+    zero: a group whose inputs were zero (at most ``1e-30``) on more than half its columns takes ``|w|``
+    (``num_bits <= 3``) or ``|w| + sqrt(sum(w^2) / 32)`` instead; one with fewer such columns fills its exact zeros
+    with the mean of the group's other values. (auto-round counts half of the group size, and of ``-1`` for a
+    channel: every row of a channel-wise weight then takes the fallback as soon as one input is zero; here half of
+    each group's columns.)
     """
-    none = importance <= 1e-30
-    zeros = none.sum(dim=-1, keepdim=True)
-    if not bool(zeros.any()):
+    if not bool((importance == 0).any()):
         return importance
+    zeros = (importance <= 1e-30).sum(dim=-1, keepdim=True)
     n = importance.shape[-1]
     if num_bits <= 3:
         fallback = w.abs()

@@ -54,6 +54,8 @@ def _codes(weight: torch.Tensor, scale: torch.Tensor, group: int) -> torch.Tenso
 def test_the_integer_search_equals_a_float64_reference(bits: int, group: int) -> None:
     gen = torch.Generator().manual_seed(bits)
     w = torch.randn(16, 64, generator=gen)
+    w[0, 3], w[0, 9] = -4.0, 4.0  # a tie of the largest magnitude, the negative first: it maps to -2^(bits-1)
+    w[1, 3], w[1, 9] = 4.0, -4.0
     importance = torch.exp(torch.randn(64, generator=gen))  # positive, uneven across columns
     strategy = {"strategy": "channel"} if group == 64 else {"strategy": "group", "group_size": group}
     args = resolve_scheme({"weights": {"num_bits": bits, "type": "int", "symmetric": True, **strategy}}, ["Linear"]).weights
