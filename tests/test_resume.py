@@ -478,6 +478,31 @@ def test_a_resumed_autoround_run_reports_every_layers_tuning(streamed, tmp_path,
     assert out == ref
 
 
+AUTOROUND_RTN = {"q": {"AutoRoundModifier": {"scheme": {"preset": "W4A16", "weights": {"group_size": 16}}, "iters": 0}}}
+
+
+@pytest.mark.parametrize("low_memory", [False, True], ids=["in-memory", "streamed"])
+def test_an_interrupted_optimized_round_to_nearest_run_resumes_to_the_uninterrupted_checkpoint(
+    streamed, tmp_path, monkeypatch, low_memory
+):  # fmt: skip
+    """AutoRound's iters: 0 (auto-round's optimized round-to-nearest, each group's range searched on its inputs' mean
+    squares from the calibration pass): the resumed run computes the next layer's importance on the inputs through
+    the restored layers, and the streamed and in-memory paths give the same bits as an uninterrupted run."""
+    streamed(tmp_path / "ref", recipe=AUTOROUND_RTN, low_memory=low_memory)
+    with monkeypatch.context() as m:
+        _interrupt_after(m, layer=1)
+        with pytest.raises(KeyboardInterrupt):
+            streamed(tmp_path / "out", recipe=AUTOROUND_RTN, low_memory=low_memory)
+    compressed = _count_compressed_layers(monkeypatch)
+    streamed(tmp_path / "out", recipe=AUTOROUND_RTN, low_memory=low_memory, resume=True)
+    assert len(compressed) == 2  # layers 0 and 1 restored
+    ref, out = _files(tmp_path / "ref"), _files(tmp_path / "out")
+    assert sorted(out) == sorted(ref) and [name for name in ref if out[name] != ref[name]] == []
+    assert _report(tmp_path / "out") == _report(tmp_path / "ref")
+    tuning = json.loads((tmp_path / "out" / "report.json").read_text())["tuning"]["AutoRoundModifier (q)"]
+    assert tuning == {f"model.layers.{k}": {"rtn_mse": None, "tuned_mse": None, "kept": "opt_rtn_mode"} for k in range(4)}
+
+
 @pytest.mark.parametrize("first", ["in memory", "streamed"])
 def test_progress_resumes_bitwise_on_the_other_path(streamed, tmp_path, monkeypatch, first):
     """In-memory progress resumed by a streamed run, and streamed progress by an in-memory run: the same files (one

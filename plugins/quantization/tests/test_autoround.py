@@ -411,12 +411,13 @@ def test_unsupported_arguments_are_refused_when_the_recipe_is_read(args: dict, m
     assert str(info.value) == message
 
 
-def test_low_memory_run_equals_the_in_memory_run(tmp_path) -> None:
+@pytest.mark.parametrize("iters", [5, 0], ids=["tuned", "optimized-rtn"])
+def test_low_memory_run_equals_the_in_memory_run(tmp_path, iters) -> None:
     from tiny_llama import build, calibration_text
     from transformers import AutoModelForCausalLM
 
     directory = build(tmp_path / "model", calibration_text())
-    recipe = {"q": {"AutoRoundModifier": {"scheme": W4G16, "iters": 5, "batch_size": 4}}}
+    recipe = {"q": {"AutoRoundModifier": {"scheme": W4G16, "iters": iters, "batch_size": 4}}}
     data = torch.randint(0, 100, (8, 32), generator=torch.Generator().manual_seed(4))
     out = tmp_path / "out"
     llmc_fsm.oneshot(str(directory), recipe=recipe, dataset=data, low_memory=True, output_dir=out, progress=False)
