@@ -54,16 +54,7 @@ def fake_quantize(
     q_min, q_max = calculate_range(args, x.device)
     shape, dtype = x.shape, x.dtype
     if args.strategy == QuantizationStrategy.GROUP:
-        columns = shape[-1]
-        if columns % args.group_size:
-            msg = f"tensor column shape must be divisble by the given group_size {args.group_size} but got {columns}"
-            raise ValueError(msg)
-        while scale.ndim < 2:
-            scale = scale.unsqueeze(1)
-            zero_point = zero_point.unsqueeze(1) if zero_point is not None else None
-        x = x.unflatten(-1, (columns // args.group_size, args.group_size))
-        scale = scale.unsqueeze(-1)
-        zero_point = zero_point.unsqueeze(-1) if zero_point is not None else None
+        x, scale, zero_point = _as_groups(x, scale, zero_point, args.group_size)
     out = x / scale
     if zero_point is not None:
         out += zero_point.to(x.dtype)
@@ -76,6 +67,26 @@ def fake_quantize(
     if args.strategy == QuantizationStrategy.GROUP:  # compressed-tensors returns groups in x's dtype
         return out.reshape(shape).to(dtype)
     return out
+
+
+def _as_groups(
+    x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None, group_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``x`` ``[..., cols]`` as ``[..., cols // group_size, group_size]``, and the scale and zero point ``[rows,
+    groups]`` (or fewer dimensions) broadcast to it, as compressed-tensors' ``_process_group`` shapes them.
+
+    Raises:
+        ValueError: ``cols`` is not a multiple of ``group_size`` (compressed-tensors' message).
+    """
+    columns = x.shape[-1]
+    if columns % group_size:
+        msg = f"tensor column shape must be divisble by the given group_size {group_size} but got {columns}"
+        raise ValueError(msg)
+    while scale.ndim < 2:
+        scale = scale.unsqueeze(1)
+        zero_point = zero_point.unsqueeze(1) if zero_point is not None else None
+    x = x.unflatten(-1, (columns // group_size, group_size))
+    return x, scale.unsqueeze(-1), zero_point.unsqueeze(-1) if zero_point is not None else None
 
 
 def _fp4_groups(args: QuantizationArgs) -> bool:
@@ -108,16 +119,8 @@ def _fp4_fake_quantize(
     """compressed-tensors' ``fake_quantize`` of FP4 group weights (``_process_group``, ``_quantize_dequantize``), the
     same operations in the same dtypes, with :func:`_fp4_nearest` for its ``cast_to_fp4``."""
     q_min, q_max = calculate_range(args, x.device)
-    output_dtype, columns = x.dtype, x.shape[-1]
-    if columns % args.group_size:
-        msg = f"tensor column shape must be divisble by the given group_size {args.group_size} but got {columns}"
-        raise ValueError(msg)
-    while scale.ndim < 2:
-        scale = scale.unsqueeze(1)
-        zero_point = zero_point.unsqueeze(1) if zero_point is not None else None
-    x = x.unflatten(-1, (columns // args.group_size, args.group_size))
-    scale = scale.unsqueeze(-1)
-    zero_point = zero_point.unsqueeze(-1) if zero_point is not None else None
+    output_dtype = x.dtype
+    x, scale, zero_point = _as_groups(x, scale, zero_point, args.group_size)
     if global_scale is not None:
         scale = scale / global_scale
     scaled = x / scale
