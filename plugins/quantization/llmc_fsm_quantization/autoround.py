@@ -732,8 +732,10 @@ class AutoRoundModifier(QuantizingModifier):
         disable_opt_rtn: with ``iters: 0`` (default false, as llm-compressor): auto-round's optimized
             round-to-nearest for symmetric integer, NVFP4 and MX weights: each group's range multiplied by the
             candidate of :func:`optimized_rtn_multipliers` with the lowest squared error weighted by each input
-            column's ``E[x^2]`` over the calibration tokens (observed in the calibration pass); refused on fused
-            experts. ``true``, or any other scheme: plain round-to-nearest. No effect with ``iters >= 1``.
+            column's ``E[x^2]`` over the calibration tokens (observed in the calibration pass; a fused expert
+            matrix's over the tokens routed to its expert, all of them with ``calibrate_all_experts``, and the
+            unweighted error for an expert that got none). ``true``, or any other scheme: plain round-to-nearest.
+            No effect with ``iters >= 1``.
         device_ids: accepted (llm-compressor hands it to auto-round as the devices a layer's tuning is spread
             over); a warning says it is not used: each decoder layer is tuned on the device it is on, with the same
             result.
@@ -859,19 +861,6 @@ class AutoRoundModifier(QuantizingModifier):
             for n, m in targets.items()
             if isinstance(m, LinearView) and (_static_inputs(s := self.scheme_of(n)) or is_local(s.input_activations))
         ]
-        searched = [
-            n
-            for n, m in targets.items()
-            if isinstance(m, LinearView) and self.optimized_rtn and optimized_rtn_multipliers(self.scheme_of(n).weights)
-        ]
-        if searched:
-            msg = (
-                f"AutoRoundModifier: {searched[0]} (and {len(searched) - 1} more) are fused expert matrices, and "
-                "iters: 0 with disable_opt_rtn: false weights each group's range search by the inputs of each "
-                "expert, which AutoRound does not observe on experts: set disable_opt_rtn: true (plain "
-                "round-to-nearest), or iters >= 1"
-            )
-            raise ValueError(msg)
         if calibrated:
             msg = (
                 f"AutoRoundModifier: {calibrated[0]} (and {len(calibrated) - 1} more) are fused expert matrices whose "
@@ -902,6 +891,8 @@ class AutoRoundModifier(QuantizingModifier):
                 self.register_hook(layer, self._count_tokens(key), kind="forward_pre", with_kwargs=True)
         if self._observes_targets:  # the targets' inputs observed in the calibration pass (static scales, E[x^2])
             CalibratedModifier.on_calibration_start(self, state)
+        if self.optimized_rtn:  # each expert matrix's E[x^2] over its routed tokens (calibrate_all_experts: all)
+            self._observe_views(state.model)
         if self._observes_targets or not self.iters:
             for _, layer in self._layers.values():  # the plain order, also past the first layer (see the docstring)
                 self.register_hook(layer, _observed_whole, kind="forward")
@@ -1055,8 +1046,8 @@ class AutoRoundModifier(QuantizingModifier):
                 schemes=schemes,
                 input_quantizers=self._input_quantizers(rel, names, schemes),
                 importance={
-                    n: importance_from_diagonal(self._acc[names[n]].diagonal)
-                    for n in rel
+                    n: self._importance(names[n], m)
+                    for n, m in rel.items()
                     if self.optimized_rtn and optimized_rtn_multipliers(schemes[n].weights) is not None
                 },
                 measure=bool(self.iters),
@@ -1084,6 +1075,15 @@ class AutoRoundModifier(QuantizingModifier):
                 tunings[id(stats)] = _Tuning(quantized=results, num_samples=tokens, ranges=ranges, dtype=dtype)
             self._acc[names[n]] = tunings[id(stats)]
         self._compress_all({names[n]: m for n, m in rel.items()})
+
+    def _importance(self, name: str, module: nn.Module) -> torch.Tensor:
+        """Target ``name``'s per-column ``E[x^2]`` over its calibration inputs (``[in_features]``), for the optimized
+        round-to-nearest; an expert matrix the router sent no token has none and takes ones (auto-round, without
+        an imatrix, searches the unweighted error)."""
+        stats = self._acc.get(name)
+        if stats is None or not getattr(stats, "num_samples", 0):
+            return torch.ones(module.weight.shape[1])
+        return importance_from_diagonal(stats.diagonal)
 
     def _input_quantizers(
         self, rel: dict[str, nn.Module], names: dict[str, str], schemes: dict[str, QuantizationScheme]

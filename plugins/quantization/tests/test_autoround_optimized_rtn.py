@@ -166,22 +166,36 @@ def test_llmcompressors_iters_zero_recipe_runs_saves_and_reloads_with_equal_logi
     assert (out / "recipe.yaml").read_text().count("disable_opt_rtn: false") == 1
 
 
-def test_the_search_on_fused_experts_is_refused_before_calibration() -> None:
+def test_fused_experts_are_searched_on_their_inputs_mean_squares(tmp_path) -> None:
+    """With calibrate_all_experts every token reaches every expert, so each expert's gate_proj and up_proj are
+    searched on the mean square of the experts module's inputs: their scales equal the float64 reference's; the
+    checkpoint reloads with the in-memory logits."""
     from tiny_families import build
+    from transformers import AutoModelForCausalLM
+
+    from llmc_fsm.toolkit import weight_views
 
     model = build("qwen3_moe")
-    recipe = {"q": {"AutoRoundModifier": {"scheme": {"preset": "W4A16", "weights": {"group_size": 16}}, "iters": 0,
-                                          "ignore": ["lm_head", "re:.*mlp.gate$"]}}}
+    seen: list[torch.Tensor] = []
+    experts = model.model.layers[0].mlp.experts
+    handle = experts.register_forward_pre_hook(lambda m, a: seen.append(a[0].detach().reshape(-1, a[0].shape[-1])))
     data = torch.randint(3, 128, (8, 16), generator=torch.Generator().manual_seed(2))
-    before = {k: v.clone() for k, v in model.state_dict().items()}
-    with pytest.raises(ValueError) as info:
-        llmc_fsm.oneshot(model=model, recipe=recipe, dataset=data, progress=False)
-    assert str(info.value) == (
-        "AutoRoundModifier: model.layers.0.mlp.experts.0.gate_proj (and 47 more) are fused expert matrices, and "
-        "iters: 0 with disable_opt_rtn: false weights each group's range search by the inputs of each expert, which "
-        "AutoRound does not observe on experts: set disable_opt_rtn: true (plain round-to-nearest), or iters >= 1"
-    )
-    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    with torch.no_grad():
+        copy.deepcopy(model)(data)  # the float model: layer 0's experts see the float inputs in the pipeline too
+    handle.remove()
+    floats = {name: view.weight.detach().clone() for name, view in weight_views(experts).items()}
+    recipe = {"q": {"AutoRoundModifier": {"scheme": {"preset": "W4A16", "weights": {"group_size": 16}}, "iters": 0,
+                                          "calibrate_all_experts": True, "ignore": ["lm_head", "re:.*mlp.gate$"]}}}
+    llmc_fsm.oneshot(model=model, recipe=recipe, dataset=data, output_dir=tmp_path / "o", progress=False)
+    x = torch.randint(3, 128, (2, 12), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert torch.equal(model(x).logits, AutoModelForCausalLM.from_pretrained(tmp_path / "o")(x).logits)
+    importance = torch.cat(seen).double().pow(2).mean(dim=0)
+    views = weight_views(model.model.layers[0].mlp.experts)
+    for name in ("0.gate_proj", "0.up_proj", "3.gate_proj", "3.up_proj"):
+        expected = _reference_int_search(floats[name], importance, 4, 16)
+        torch.testing.assert_close(views[name].quantized_params["weight_scale"].double(), expected, rtol=1e-6, atol=0,
+                                   msg=name)
 
 
 def test_the_report_line_says_what_iters_zero_did() -> None:
