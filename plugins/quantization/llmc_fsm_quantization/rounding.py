@@ -7,8 +7,8 @@ operations in the same order on one copy, in place, so the result is bitwise equ
 against it over bits, strategies, symmetric and asymmetric zero points, and scale dtypes); every other scheme (FP8,
 MX, block scales, a global scale) is handed to compressed-tensors' ``fake_quantize`` unchanged, except FP4 (NVFP4,
 MXFP4) on the CPU: compressed-tensors' CPU rounding to E2M1 is eight masked assignments over the tensor (~11 ms
-for a 576 x 1536 weight, most of a search's time), done here as one ``bucketize`` with the same result, bitwise
-(tested against it).
+for a 576 x 1536 weight, most of a search's time), done here in a few elementwise operations with the same
+result, bitwise (tested against it).
 """
 
 from __future__ import annotations
