@@ -481,3 +481,22 @@ def test_a_torch_hook_failing_inside_an_event_hook_is_named_by_both_guards_and_l
     assert torch.equal(model.body.weight, before["body.weight"] + 1.0)
     assert torch.equal(model.lm_head.weight, before["lm_head.weight"])
     session.finalize()
+
+
+def test_own_forwards_skips_every_registered_hook_and_only_those():
+    """Inside ``own_forwards`` (a modifier's own forwards) a hook registered with ``register_hook`` does nothing, a
+    hook registered on the module directly still runs, and blocks nest; after them the registered hook runs again."""
+    from llmc_fsm.toolkit import own_forwards
+
+    model, seen = _LM(), []
+    modifier = Untargeted(mutate=False)
+    modifier.register_hook(model.body, lambda m, a: seen.append("registered"), kind="forward_pre")
+    model.body.register_forward_pre_hook(lambda m, a: seen.append("direct"))
+    x = torch.ones(1, 4)
+    with own_forwards():
+        with own_forwards():
+            model.body(x)
+        model.body(x)
+    assert seen == ["direct", "direct"]
+    model.body(x)
+    assert seen == ["direct", "direct", "registered", "direct"]

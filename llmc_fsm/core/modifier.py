@@ -27,6 +27,7 @@ A hook that raises reaches the caller as :class:`~llmc_fsm.ModifierError` (see :
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import weakref
 from collections.abc import Callable, Mapping
@@ -43,7 +44,16 @@ if TYPE_CHECKING:
     import torch
 
 
-__all__ = ["BATCH_EVENTS", "HOOKS", "SCHEDULE_HOOKS", "Event", "Modifier", "modifier_labels", "overrides"]
+__all__ = [
+    "BATCH_EVENTS",
+    "HOOKS",
+    "SCHEDULE_HOOKS",
+    "Event",
+    "Modifier",
+    "modifier_labels",
+    "overrides",
+    "own_forwards",
+]
 
 #: Every modifier hook, in lifecycle order.
 HOOKS: tuple[str, ...] = (
@@ -63,6 +73,25 @@ SCHEDULE_HOOKS: frozenset[str] = frozenset({"on_start", "on_update", "on_end"})
 
 #: torch hook kinds :meth:`Modifier.register_hook` accepts (``module.register_<kind>_hook``).
 HOOK_KINDS: frozenset[str] = frozenset(HOOK_DICTS)
+
+#: How many :func:`own_forwards` blocks are open: while any is, every hook registered with
+#: :meth:`Modifier.register_hook` does nothing.
+_OWN_FORWARDS = [0]
+
+
+@contextlib.contextmanager
+def own_forwards() -> Any:
+    """A block in which a modifier runs forwards of its own (a tuning loop, a search over candidate weights, the
+    float layer recomputed for a target): every hook any modifier registered with :meth:`Modifier.register_hook` is
+    skipped (returns ``None``, changing nothing), so that those forwards are not taken for calibration data, e.g. by
+    another modifier of the same pass (fused stages) accumulating its Hessians on the layer. Hooks registered on
+    torch modules directly (``module.register_forward_pre_hook``) still run: a modifier that needs one during its
+    own forwards (an input quantizer) registers it so. Blocks nest; single-threaded (as calibration is)."""
+    _OWN_FORWARDS[0] += 1
+    try:
+        yield
+    finally:
+        _OWN_FORWARDS[0] -= 1
 
 
 def overrides(modifier: Modifier | type[Modifier], hook: str) -> bool:
@@ -309,6 +338,8 @@ class Modifier:
 
         @functools.wraps(hook)
         def guarded(*args: Any, **kw: Any) -> Any:
+            if _OWN_FORWARDS[0]:  # a modifier's own forwards (:func:`own_forwards`)
+                return None
             guard = self._guard().for_hook(key, reuse_mode=False)
             token = guard.enter()
             try:

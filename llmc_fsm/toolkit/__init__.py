@@ -16,7 +16,8 @@ The public names, by concern:
 * **calibrated modifiers** (:mod:`~llmc_fsm.toolkit.calibrated`): :class:`CalibratedModifier` (the base class: target
   selection and checks, calibration hooks, compression per decoder layer, results, ``torch.distributed``),
   :class:`ModuleResult` (what compressing one module did), :class:`CompressedGroup` (new weights with their
-  measured output errors), :func:`patterns` (the attrs converter of ``targets`` / ``ignore`` fields);
+  measured output errors), :func:`patterns` (the attrs converter of ``targets`` / ``ignore`` fields),
+  :func:`own_forwards` (a block of a modifier's own forwards, which no registered hook takes for calibration);
 * **optimal brain surgeon** (:mod:`~llmc_fsm.toolkit.obs`; GPTQ arXiv 2210.17323 Sec. 3-4, SparseGPT arXiv
   2301.00774 Sec. 3): :class:`HessianAccumulator` (``H = 2/n X^T X``), :func:`inverse_hessian_cholesky`
   (damping and the Cholesky factor of ``H^-1``) returning :class:`InverseHessianFactor`, :func:`obs_sweep` (the
@@ -51,6 +52,7 @@ The public names, by concern:
 Imports only :mod:`llmc_fsm.core`.
 """
 
+from llmc_fsm.core.modifier import own_forwards
 from llmc_fsm.toolkit.calibrated import CalibratedModifier, CompressedGroup, ModuleResult, patterns
 from llmc_fsm.toolkit.distributed import (
     DistributedError,
@@ -142,6 +144,7 @@ __all__ = [
     "obs_sweep",
     "observe_inputs",
     "observe_view_inputs",
+    "own_forwards",
     "pack_mask",
     "patterns",
     "private_pages",

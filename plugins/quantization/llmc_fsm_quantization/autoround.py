@@ -63,7 +63,7 @@ from compressed_tensors.quantization.utils import calculate_qparams, calculate_r
 from torch import nn
 
 from llmc_fsm import find_decoder_layers, first_output
-from llmc_fsm.toolkit import CalibratedModifier, LinearView, is_distributed, weight_views
+from llmc_fsm.toolkit import CalibratedModifier, LinearView, is_distributed, own_forwards, weight_views
 from llmc_fsm_quantization._base import (
     QuantizedWeight,
     QuantizingModifier,
@@ -790,7 +790,6 @@ class AutoRoundModifier(QuantizingModifier):
         self.layer_errors: dict[str, LayerErrors] = {}
         self._layers: dict[int, tuple[str, nn.Module]] = {}
         self._captured: dict[int, tuple[Inputs, list[torch.Tensor]]] = {}
-        self._tuning = False  # the tuning loop's own forwards are not captured
         self._done: set[int] = set()  # layers tuned: the pipeline's propagation through them is not captured
         #: per calibration batch, the float model's hidden states entering the next layer (``None``: the same as
         #: the pipeline's, before the first layer)
@@ -897,20 +896,9 @@ class AutoRoundModifier(QuantizingModifier):
             for _, layer in self._layers.values():  # the plain order, also past the first layer (see the docstring)
                 self.register_hook(layer, _observed_whole, kind="forward")
 
-    def _make_hook(self, name: str) -> Any:
-        """:meth:`CalibratedModifier._make_hook`, idle during the tuning's own forwards (the ranges are those of the
-        calibration pass's inputs)."""
-        observe = super()._make_hook(name)
-
-        def hook(module: nn.Module, args: tuple[Any, ...]) -> None:
-            if not self._tuning:
-                observe(module, args)
-
-        return hook
-
     def _capture_input(self, key: int) -> Any:
         def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-            if self._tuning or key in self._done:
+            if key in self._done:
                 return
             if not args and "hidden_states" in kwargs:
                 kwargs = dict(kwargs)
@@ -930,7 +918,7 @@ class AutoRoundModifier(QuantizingModifier):
     def _capture_output(self, key: int) -> Any:
         def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
             # past the first layer the target is the float model's output (:meth:`_float_outputs`), not this one
-            if not self._tuning and key not in self._done and self._float_hidden is None:
+            if key not in self._done and self._float_hidden is None:
                 self._captured.setdefault(key, ([], []))[1].append(first_output(output).detach())
 
         return hook
@@ -1031,8 +1019,7 @@ class AutoRoundModifier(QuantizingModifier):
         nvfp4 = [n for n in rel if is_nvfp4(schemes[n].weights)]
         shared = zip(nvfp4, self.global_scales([rel[n] for n in nvfp4]), strict=True)
         t0 = time.perf_counter()
-        self._tuning = True
-        try:
+        with own_forwards():  # no hook (this modifier's or another's of the same pass) takes these for calibration
             quantized, errors = signround_layer(
                 layer,
                 rel,
@@ -1052,8 +1039,6 @@ class AutoRoundModifier(QuantizingModifier):
                 },
                 measure=bool(self.iters),
             )
-        finally:
-            self._tuning = False
         self.layer_errors[layer_name] = errors
         if errors.rtn is None:
             logger.info("AutoRoundModifier: %s %s, %.1f s", layer_name, errors.kept, time.perf_counter() - t0)
@@ -1118,15 +1103,11 @@ class AutoRoundModifier(QuantizingModifier):
                     f"hidden states were carried for {len(self._float_hidden)}"
                 )
                 raise RuntimeError(msg)
-            self._tuning = True  # these forwards are not captured
-            try:
-                with torch.no_grad():
-                    outputs = [
-                        first_output(layer(hidden, *args[1:], **kwargs)).detach()
-                        for hidden, (args, kwargs) in zip(self._float_hidden, inputs, strict=True)
-                    ]
-            finally:
-                self._tuning = False
+            with own_forwards(), torch.no_grad():  # these forwards are not taken for calibration by any hook
+                outputs = [
+                    first_output(layer(hidden, *args[1:], **kwargs)).detach()
+                    for hidden, (args, kwargs) in zip(self._float_hidden, inputs, strict=True)
+                ]
         self._carry_float_hidden(outputs)
         return outputs
 

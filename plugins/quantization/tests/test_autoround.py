@@ -438,3 +438,32 @@ def test_device_ids_is_accepted_with_a_warning_that_it_is_not_used(caplog) -> No
         "AutoRoundModifier: device_ids '0,1,2,3' is not used: each decoder layer is tuned on the device it is on (the "
         "result is the same; only llm-compressor's spreading of a layer over several GPUs is not done)"
     ]
+
+
+def test_fused_with_gptq_its_own_forwards_are_not_taken_for_gptqs_hessians(monkeypatch) -> None:
+    """AutoRound on the attention and GPTQ on the MLP in one pass (fused stages): AutoRound's tuning forwards of the
+    layer (with candidate weights) and of the float layer must not reach GPTQ's hooks (``own_forwards``): each of
+    GPTQ's Hessians sums exactly the 8 x 32 calibration tokens (before the fix: 1280 on layer 1)."""
+    import collections
+
+    from llmc_fsm.toolkit import HessianAccumulator
+
+    rows: collections.Counter = collections.Counter()
+    add_batch = HessianAccumulator.add_batch
+
+    def counting(self, x, *args, **kwargs):
+        rows[id(self)] += x.reshape(-1, x.shape[-1]).shape[0]
+        return add_batch(self, x, *args, **kwargs)
+
+    monkeypatch.setattr(HessianAccumulator, "add_batch", counting)
+    scheme = {"preset": "W4A16", "weights": {"group_size": 32}}
+    recipe = {
+        "a": {"AutoRoundModifier": {"scheme": scheme, "iters": 2, "targets": [r"re:.*self_attn.*_proj$"]}},
+        "b": {"GPTQModifier": {"scheme": scheme, "targets": [r"re:.*mlp.*_proj$"]}},
+    }
+    torch.manual_seed(0)
+    model = llama(layers=2, hidden=64, heads=4, kv_heads=2)
+    data = torch.randint(0, 128, (8, 32), generator=torch.Generator().manual_seed(1))
+    returned = llmc_fsm.oneshot(model=model, recipe=recipe, dataset=data, batch_size=2, fuse_stages=True, progress=False)
+    assert sorted(rows.values()) == [256] * 4  # per layer: gate/up (one input), down
+    assert list(returned.llmc_fsm_report.tuning["AutoRoundModifier (a)"]) == ["model.layers.0", "model.layers.1"]
