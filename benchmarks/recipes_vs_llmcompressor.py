@@ -35,6 +35,7 @@ venv, through ``benchmarks/_peer.py``). Jobs (:data:`JOBS`):
   the peer venv);
 * ``autoround-nvfp4`` — ``AutoRoundModifier`` scheme ``NVFP4A16``, ``iters`` as above, bfloat16 (as ``nvfp4a16``);
   with ``--autoround-iters 0`` both sides run auto-round's optimized round-to-nearest (its range search);
+* ``autoround-mxfp4`` — the same with ``MXFP4A16``;
 * ``spinquant`` — ``SpinQuantModifier`` ``rotations: [R1, R2]``, ``transform_type: hadamard``, then
   ``QuantizationModifier`` W4A16 group 64 (RTN; llm-compressor's spinquant example), with
   ``transform_block_size: 64``: llm-compressor 0.14 builds the deterministic ``hadamard`` only for powers of two
@@ -184,6 +185,14 @@ quant_stage:
       iters: {iters}
       ignore: [lm_head]
       scheme: NVFP4A16
+"""},
+    "autoround-mxfp4": {"data": True, "dtype": "bfloat16", "recipe": """
+quant_stage:
+  quant_modifiers:
+    AutoRoundModifier:
+      iters: {iters}
+      ignore: [lm_head]
+      scheme: MXFP4A16
 """},
     "spinquant": {"data": True, "dtype": "float32", "recipe": """
 quant_stage:
