@@ -564,20 +564,13 @@ def signround_layer(
         if not isinstance(targets[name], LinearView)
     ]
     try:
-        if not iters and not measure:
+        rtn = full_error(final=True) if iters or measure else None
+        if not iters:  # round-to-nearest mode: each group's range searched where importance is given
             for name, imp in importance.items():
                 tuned[name].search_range_(imp, _multipliers(name, tuned[name].args))
+            searched = full_error(final=True) if measure and importance else rtn
             kept = "opt_rtn_mode" if importance else "rtn_mode"
-            return {name: t.result() for name, t in tuned.items()}, LayerErrors(rtn=None, tuned=None, kept=kept)
-        rtn = full_error(final=True)
-        if not iters and importance:
-            for name, imp in importance.items():
-                tuned[name].search_range_(imp, _multipliers(name, tuned[name].args))
-            searched = full_error(final=True)
-            results = {name: t.result() for name, t in tuned.items()}
-            return results, LayerErrors(rtn=rtn, tuned=searched, kept="opt_rtn_mode")
-        if not iters:
-            return {name: t.result() for name, t in tuned.items()}, LayerErrors(rtn=rtn, tuned=rtn, kept="rtn_mode")
+            return {name: t.result() for name, t in tuned.items()}, LayerErrors(rtn=rtn, tuned=searched, kept=kept)
         best_loss, best = float("inf"), [t.snapshot() for t in tuned.values()]
         with torch.enable_grad():
             for step in range(iters):
