@@ -4,6 +4,7 @@
     python benchmarks/jobs_vs_llmcompressor.py --jobs gptq,gptq-cli --no-peer --eval-windows 0
     python benchmarks/jobs_vs_llmcompressor.py --code /path/to/other/checkout   # ours from another revision
     python benchmarks/jobs_vs_llmcompressor.py --json out.json
+    python benchmarks/jobs_vs_llmcompressor.py --jobs gptq-cli --eval-windows 0 --repeat 3   # medians of 3 rounds
 
 Jobs (SmolLM2-135M-Instruct fp32 directory, the ``smollm2-135m`` cache of :mod:`llmc_fsm.models.known`; every
 Linear but ``lm_head``; calibrated jobs: 32 x 256 tokens from the tail of ``wiki.test.raw``; output written):
@@ -49,6 +50,7 @@ import argparse
 import json
 import os
 import resource
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -191,16 +193,55 @@ def render(rows: list[dict[str, Any]]) -> str:
             f"{_fmt(r.get('cpu_s'), '.2f')} | {_fmt(_gb(r.get('peak_rss_bytes')), '.3f')} | "
             f"{_fmt(_gb(r.get('rss_after_imports_bytes')), '.3f')} | {_fmt(r.get('ppl'), '.2f')} | {r['load']} |"
         )
-    peers = {r["job"]: r for r in rows if not r.get("skipped") and r["side"] != "llmc-fsm"}
-    for o in rows:
-        if o.get("skipped") or o["side"] != "llmc-fsm" or peer_job(o["job"]) not in peers:
+    rounds = sorted({r.get("round", 1) for r in rows})
+    for n in rounds:
+        this = [r for r in rows if r.get("round", 1) == n]
+        peers = {r["job"]: r for r in this if not r.get("skipped") and r["side"] != "llmc-fsm"}
+        for o in this:
+            if o.get("skipped") or o["side"] != "llmc-fsm" or peer_job(o["job"]) not in peers:
+                continue
+            p = peers[peer_job(o["job"])]
+            where = "same run" if len(rounds) == 1 else f"round {n}"
+            parts = [f"{o['job']}: ours / llmcompressor ({p['job']}), {where}"]
+            for key, label in RATIOS:
+                if o.get(key) and p.get(key):
+                    parts.append(f"{label} {o[key] / p[key]:.2f}x")
+            lines.append("- " + ", ".join(parts))
+    if len(rounds) > 1:
+        lines.append(medians(rows))
+    return "\n".join(lines)
+
+
+RATIOS = (("e2e_s", "e2e wall"), ("call_s", "call wall"), ("cpu_s", "CPU"), ("peak_rss_bytes", "peak RSS"),
+          ("ppl", "perplexity"))
+
+
+def medians(rows: list[dict[str, Any]]) -> str:
+    """Per job and side, the median of each measure over the rounds, and ours / the peer's of those medians.
+
+    With ``--repeat N`` each round runs every job ours then the peer's, so both sides see the machine's drift
+    alike; the median of each side is what the run-to-run spread (docs/benchmarks.md: +-12% on the peer's calibrated
+    jobs over a day) leaves of a comparison.
+    """
+    def median(values: list[float]) -> float | None:
+        return statistics.median(values) if values else None
+
+    by: dict[tuple[str, str], dict[str, float | None]] = {}
+    for job, side in dict.fromkeys((r["job"], r["side"]) for r in rows if not r.get("skipped")):
+        runs = [r for r in rows if not r.get("skipped") and (r["job"], r["side"]) == (job, side)]
+        by[job, side] = {key: median([r[key] for r in runs if r.get(key)]) for key, _ in RATIOS}
+        by[job, side]["runs"] = len(runs)
+    lines = ["", "Medians over the rounds:", "",
+             "| job | side | runs | e2e s | call s | CPU s | peak RSS GB | perplexity |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for (job, side), m in by.items():
+        lines.append(f"| {job} | {side} | {m['runs']} | {_fmt(m['e2e_s'], '.2f')} | {_fmt(m['call_s'], '.2f')} | "
+                     f"{_fmt(m['cpu_s'], '.2f')} | {_fmt(_gb(m['peak_rss_bytes']), '.3f')} | {_fmt(m['ppl'], '.2f')} |")
+    for (job, side), o in by.items():
+        p = next((m for (j, s), m in by.items() if j == peer_job(job) and s != "llmc-fsm"), None)
+        if side != "llmc-fsm" or p is None:
             continue
-        p = peers[peer_job(o["job"])]
-        parts = [f"{o['job']}: ours / llmcompressor ({p['job']}), same run"]
-        for key, label in (("e2e_s", "e2e wall"), ("call_s", "call wall"), ("cpu_s", "CPU"),
-                           ("peak_rss_bytes", "peak RSS"), ("ppl", "perplexity")):
-            if o.get(key) and p.get(key):
-                parts.append(f"{label} {o[key] / p[key]:.2f}x")
+        parts = [f"{job}: ours / llmcompressor ({peer_job(job)}), medians"]
+        parts += [f"{label} {o[key] / p[key]:.2f}x" for key, label in RATIOS if o.get(key) and p.get(key)]
         lines.append("- " + ", ".join(parts))
     return "\n".join(lines)
 
@@ -213,6 +254,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--force-peer", action="store_true", help=f"run the peer even at load average >= {QUIET}")
     parser.add_argument("--code", help="run our side from this checkout (PYTHONPATH), e.g. an older revision")
     parser.add_argument("--json", help="also write the rows to this file")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="rounds: each runs every job, ours then the peer's; the table adds each side's medians")
     parser.add_argument("--worker", choices=sorted(JOBS), help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -227,24 +270,25 @@ def main(argv: list[str] | None = None) -> int:
 
     model_dir = str(known_model_dir("smollm2-135m"))
     rows: list[dict[str, Any]] = []
-    peer_done: set[str] = set()
-    for job in jobs:
-        load = loadavg()
-        row = _ours(job, model_dir, args.eval_windows, args.code)
-        rows.append({**row, "load": f"{load} -> {loadavg()}"})
-        print(f"[bench] {job} ours: {json.dumps(rows[-1])}", file=sys.stderr, flush=True)
-        peer = peer_job(job)
-        if args.no_peer or peer in peer_done:
-            continue
-        peer_done.add(peer)
-        load = loadavg()
-        if float(load) >= QUIET and not args.force_peer:
-            rows.append({"job": peer, "side": "llmcompressor", "load": load,
-                         "skipped": f"not run: load average {load} >= {QUIET}"})
-            continue
-        row = _peer(peer, model_dir, args.eval_windows)
-        rows.append({**row, "load": f"{load} -> {loadavg()}"})
-        print(f"[bench] {peer} peer: {json.dumps(rows[-1])}", file=sys.stderr, flush=True)
+    for n in range(1, args.repeat + 1):
+        peer_done: set[str] = set()
+        for job in jobs:
+            load = loadavg()
+            row = _ours(job, model_dir, args.eval_windows, args.code)
+            rows.append({**row, "load": f"{load} -> {loadavg()}", "round": n})
+            print(f"[bench] {job} ours: {json.dumps(rows[-1])}", file=sys.stderr, flush=True)
+            peer = peer_job(job)
+            if args.no_peer or peer in peer_done:
+                continue
+            peer_done.add(peer)
+            load = loadavg()
+            if float(load) >= QUIET and not args.force_peer:
+                rows.append({"job": peer, "side": "llmcompressor", "load": load, "round": n,
+                             "skipped": f"not run: load average {load} >= {QUIET}"})
+                continue
+            row = _peer(peer, model_dir, args.eval_windows)
+            rows.append({**row, "load": f"{load} -> {loadavg()}", "round": n})
+            print(f"[bench] {peer} peer: {json.dumps(rows[-1])}", file=sys.stderr, flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")
     print(render(rows))
