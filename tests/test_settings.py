@@ -76,7 +76,9 @@ def _cli_settings(*argv: str) -> OneshotSettings:
 # --------------------------------------------------------------------------- one object, written once
 def test_oneshot_takes_exactly_the_settings_fields_with_their_defaults():
     parameters = inspect.signature(llmc_fsm.oneshot).parameters.values()
-    assert [(p.name, p.default) for p in parameters] == [(f.name, f.default) for f in attrs.fields(OneshotSettings)]
+    *named, rest = parameters  # then llm-compressor's names, each taken or refused (test_llmcompressor_args.py)
+    assert (rest.name, rest.kind) == ("llmcompressor_args", inspect.Parameter.VAR_KEYWORD)
+    assert [(p.name, p.default) for p in named] == [(f.name, f.default) for f in attrs.fields(OneshotSettings)]
 
 
 def test_settings_are_frozen():
@@ -267,9 +269,9 @@ def test_api_only_values_are_refused_in_one_line(no_model_load):
             "dataset (--dataset) must hold token ids of shape [N, L] when it is a tensor, got torch.float32 (2, 8)",
         ),
         (
-            {"dataset": ["a text"]},
-            "dataset (--dataset) must be a text/JSONL file, a Hugging Face dataset name or a LongTensor [N, L] of "
-            "token ids, got ['a text']",
+            {"dataset": {"text": "a"}},
+            "dataset (--dataset) must be a text/JSONL file, a Hugging Face dataset name, a LongTensor [N, L] of "
+            "token ids, a list of texts (str) or a datasets.Dataset with an 'input_ids' or 'text' column, got a dict",
         ),
         ({"output_dir": 7}, "output_dir (--output) must be a path (str or os.PathLike) or None, got 7"),
     ]

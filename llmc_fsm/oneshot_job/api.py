@@ -35,16 +35,19 @@ import logging
 import os
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 from tqdm.auto import tqdm
 
 from llmc_fsm.oneshot_job import phases as phase
+from llmc_fsm.oneshot_job.llmcompressor_args import check_llmcompressor_args
 from llmc_fsm.oneshot_job.phases import Run, prepare
 from llmc_fsm.oneshot_job.progress import quiet_progress
 from llmc_fsm.oneshot_job.settings import DEFAULT_MODEL, OneshotSettings
 from llmc_fsm.oneshot_job.streaming import run_streaming, stream_by_default, stream_if_too_large
+from llmc_fsm.output.save import CompressedSavePretrained
 from llmc_fsm.pipeline.device import describe_device, device_label
 from llmc_fsm.recipes.history import APPLIED_RECIPE_ATTR
 from llmc_fsm.toolkit.distributed import is_main_process
@@ -67,8 +70,8 @@ def oneshot(
     recipe: Any = None,
     dataset: Any = None,
     *,
-    num_calibration_samples: int = 32,
-    max_seq_length: int = 256,
+    num_calibration_samples: int | None = None,
+    max_seq_length: int | None = None,
     output_dir: str | os.PathLike[str] | None = None,
     overwrite: bool = False,
     resume: bool = False,
@@ -85,6 +88,7 @@ def oneshot(
     threads: int | None = None,
     device: Any = "auto",
     activation_budget_mib: float | None = None,
+    **llmcompressor_args: Any,
 ) -> nn.Module:
     """Compress ``model`` in one shot with ``recipe``, calibrating layer by layer on ``dataset``.
 
@@ -94,10 +98,15 @@ def oneshot(
             and its tokenizer.
         recipe: anything :class:`~llmc_fsm.Session` accepts; default :func:`default_recipe` (SparseGPT, 50%).
         dataset: a text/JSONL file, a Hugging Face dataset name or a ``LongTensor[N, L]``; default: model-made text.
+            A list of texts (``str``) or a ``datasets.Dataset`` with an ``input_ids`` (token ids) or ``text`` column:
+            each text / row is one calibration sample (:mod:`llmc_fsm.data.rows`; a ``DatasetDict`` is refused: pass
+            one split).
             A directory with ``metadata.jsonl`` (images and captions, :mod:`llmc_fsm.data.images`) is image
             calibration data, for Mllama (whose cross-attention layers need images), LLaVA and Gemma 3
             (``tokenizer``: its processor).
-        num_calibration_samples, max_seq_length: calibration windows of tokens, from the end of the text.
+        num_calibration_samples, max_seq_length: calibration windows of tokens, from the end of the text (default
+            32 x 256); of a token tensor its first N rows and L columns, of a list of texts or a dataset its first N
+            samples cut to L tokens (not given: the whole tensor, every sample whole).
         output_dir, overwrite, resume: where the model, tokenizer, recipe.yaml and report.json are written.
         eval_text, num_eval_windows, eval_seq_length: perplexity before and after, on the head of this text.
         batch_size, seed, progress, fuse_stages, low_memory: how the job runs.
@@ -110,6 +119,10 @@ def oneshot(
             The weights stay where they were loaded; one decoder layer at a time is onloaded to the device.
         activation_budget_mib: MiB of device memory the hidden states between layers may take (default: half the
             free device memory); beyond it they live in CPU memory and move per batch (same result).
+        llmcompressor_args: llm-compressor's ``oneshot`` arguments that this function does not have
+            (``processor``, ``save_compressed``, ``pipeline``, ``splits``...): each is taken under its llmc-fsm
+            name, taken because it changes nothing here, or refused saying what to do
+            (:mod:`llmc_fsm.oneshot_job.llmcompressor_args`, docs/oneshot.md).
 
     Returns:
         The compressed model (the same object for an ``nn.Module``), in memory and usable, unless ``low_memory``
@@ -128,11 +141,19 @@ def oneshot(
             does not see, an unknown ``dtype`` or one with an ``nn.Module``, ``resume``
             without ``output_dir``...: one line naming the argument and its flag), ``resume`` with changed settings,
             an unknown model, a dataset too short, a sequence longer than the model's positions, targets matching
-            nothing, a group size that does not divide a width.
+            nothing, a group size that does not divide a width; a dataset of another kind (its type named), a
+            ``DatasetDict``, an llm-compressor registered dataset name (e.g. ``"open_platypus"``: its Hub id named),
+            ``num_calibration_samples`` / ``max_seq_length`` above a dataset tensor's rows / columns.
         MissingStateError / ModifierError: a modifier cannot be initialized.
+        TypeError: a keyword argument neither this function nor llm-compressor's ``oneshot`` has.
     """
 
-    return run_oneshot(OneshotSettings(**locals()))  # every argument above, by name
+    given = {k: v for k, v in locals().items() if k != "llmcompressor_args"}  # every argument above, by name
+    for name, value in check_llmcompressor_args(llmcompressor_args, list(given)).items():
+        if given[name] is not None:
+            raise ValueError(f"{name} is given twice (also under its llm-compressor name): give one")
+        given[name] = value
+    return run_oneshot(OneshotSettings(**given))
 
 
 def run_oneshot(settings: OneshotSettings, *, stream_when_possible: bool = False) -> nn.Module:
@@ -182,12 +203,12 @@ def _run_phases(run: Run, *, stream_when_possible: bool = False) -> nn.Module:
         _announce_device(run)
         with quiet_progress(not run.settings.progress):
             if run.settings.low_memory or stream_if_too_large(run):
-                return run_streaming(run)
+                return _streamed(run, run_streaming(run))
             lazy = stream_by_default(run) if stream_when_possible else None
             if lazy is not None:
                 # glibc's own mmap threshold, the freed heap given back after each layer: --low-memory's fixed
                 # threshold flattens the peak further at a page fault per page (docs/memory.md)
-                return run_streaming(run, lazy, bounded_heap=False)
+                return _streamed(run, run_streaming(run, lazy, bounded_heap=False))
             phase.load(run)
             phase.data(run)
             phase.compress(run)
@@ -199,4 +220,11 @@ def _run_phases(run: Run, *, stream_when_possible: bool = False) -> nn.Module:
         raise
 
     setattr(run.model, APPLIED_RECIPE_ATTR, run.recipe.to_yaml(applied=True))  # for a later oneshot on it
+    CompressedSavePretrained.attach(run.model, run.recipe)  # model.save_pretrained(dir) writes it compressed
     return run.model
+
+
+def _streamed(run: Run, model: nn.Module) -> nn.Module:
+    """A streamed run's returned model (on ``meta``): its ``save_pretrained`` names the output directory."""
+    CompressedSavePretrained.attach(model, run.recipe, streamed_to=Path(run.settings.output_dir).absolute())
+    return model

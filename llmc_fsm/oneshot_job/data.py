@@ -18,6 +18,7 @@ import torch
 
 from llmc_fsm.core.errors import MissingStateError
 from llmc_fsm.data.protocol import load_text, token_windows
+from llmc_fsm.data.rows import describe_rows, is_rows
 from llmc_fsm.session.session import Session
 from llmc_fsm.toolkit.obs import HessianAccumulator
 from llmc_fsm.toolkit.targets import check_not_quantized, select_targets
@@ -168,10 +169,12 @@ def read_text(role: str, source: Any) -> str:
 
 
 def describe(source: Any) -> str:
-    """A short name for a data source (a path, or ``<tensor (N, L)>``)."""
+    """A short name for a data source (a path, ``<tensor (N, L)>``, ``list of 3 str``, ``datasets.Dataset``)."""
     if type(source).__name__ == "Tensor":
         return f"<tensor {tuple(source.shape)}>"
-    return os.fspath(source) if isinstance(source, str | os.PathLike) else type(source).__name__
+    if isinstance(source, str | os.PathLike):
+        return os.fspath(source)
+    return describe_rows(source) if is_rows(source) else type(source).__name__
 
 
 def check_modifiers(sessions: list[Session], model: Any, calibration_data: Any = True) -> None:

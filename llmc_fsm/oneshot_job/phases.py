@@ -33,6 +33,7 @@ from llmc_fsm.data.images import (
     read_image_captions,
 )
 from llmc_fsm.data.protocol import PerplexityCache, perplexity, token_windows
+from llmc_fsm.data.rows import is_rows, read_rows, row_batches
 from llmc_fsm.models.hf_io import hub_unreachable, looks_like_hub_id, meta_model
 from llmc_fsm.models.known import KNOWN_MODELS, known_model_dir, load_model
 from llmc_fsm.models.layers import check_calibrates_from_text
@@ -106,6 +107,7 @@ class Run:
     tokenizer: Any = None
     cal_text: str | None = None
     cal_images: Any = None  # the image-caption records (llmc_fsm.data.images.ImageCaptions) of an image dataset
+    cal_rows: Any = None  # the samples (llmc_fsm.data.rows.CalibrationRows) of a list of texts or a datasets.Dataset
     processor: Any = None  # the model's processor, with image calibration data
     ev_text: str | None = None
     model_name: str = ""
@@ -137,14 +139,16 @@ class Run:
 
 
 def calibration_windows(run: Run) -> None:
-    """The calibration windows: a resumed run's saved ones, the given tensor, or the dataset text's tokens.
+    """The calibration windows: a resumed run's saved ones, the given tensor (its first ``num_calibration_samples``
+    rows and ``max_seq_length`` columns when given), the samples of a list of texts or a dataset
+    (:class:`~llmc_fsm.data.rows.TokenRows`, batches of samples of different lengths), or the dataset text's tokens.
 
     None (``[0, seq_len]``) when no modifier needs calibration data: a given dataset is then not used.
     """
 
     settings = run.settings
     if not run.needs_data:
-        run.windows = torch.zeros(0, settings.max_seq_length, dtype=torch.long)
+        run.windows = torch.zeros(0, settings.seq_len, dtype=torch.long)
         unused = "; the dataset given is not used" if settings.dataset is not None else ""
         run.cal_source = f"none (no modifier needs calibration data{unused})"
         return
@@ -152,20 +156,31 @@ def calibration_windows(run: Run) -> None:
     saved = load_windows(run.work.path) if run.work is not None and run.work.resumed else None
     if run.cal_images is not None:
         run.windows = image_batches(
-            run.processor, run.cal_images, batch_size=settings.batch_size, max_seq_length=settings.max_seq_length
+            run.processor, run.cal_images, batch_size=settings.batch_size, max_seq_length=settings.seq_len
         )
         run.cal_source = f"{describe(settings.dataset)} (images and text)"
     elif is_tensor(settings.dataset):
-        run.windows = settings.dataset.long()
-        run.cal_source = describe(settings.dataset)
+        run.windows = settings.dataset[: settings.num_calibration_samples, : settings.max_seq_length].long()
+        cut = tuple(run.windows.shape) != tuple(settings.dataset.shape)
+        run.cal_source = describe(settings.dataset) + (", its first {} rows x {} tokens" if cut else "").format(
+            *run.windows.shape
+        )
+    elif run.cal_rows is not None:
+        rows = run.cal_rows
+        run.windows = row_batches(rows, run.tokenizer, seq_len=settings.max_seq_length, batch_size=settings.batch_size)
+        lengths = run.windows.lengths()
+        span = f"{min(lengths)}-{max(lengths)}" if min(lengths) != max(lengths) else str(lengths[0])
+        what = "texts" if isinstance(settings.dataset, list | tuple) else f"rows of {rows.column!r}"
+        tokenized = "" if rows.tokenized else " tokenized"
+        run.cal_source = f"{rows.source}, {len(lengths)} {what}{tokenized} ({span} tokens)"
     elif run.cal_text is not None:
         run.windows = saved
         if saved is None:
             run.windows = token_windows(
                 run.tokenizer,
                 run.cal_text,
-                num_windows=settings.num_calibration_samples,
-                seq_len=settings.max_seq_length,
+                num_windows=settings.num_samples,
+                seq_len=settings.seq_len,
                 from_end=True,
             )
         run.cal_source = describe(settings.dataset)
@@ -188,15 +203,36 @@ def token_data(run: Run) -> None:
     """
     settings = run.settings
     used = [settings.eval_length] if run.ev_text is not None else []
-    if run.needs_data:  # a data-free recipe tokenizes no calibration text
-        used.append(int(settings.dataset.shape[1]) if is_tensor(settings.dataset) else settings.max_seq_length)
+    if run.needs_data and (run.cal_rows is None or settings.max_seq_length is not None):  # data-free: no text
+        tensor = is_tensor(settings.dataset) and settings.max_seq_length is None
+        used.append(int(settings.dataset.shape[1]) if tensor else settings.seq_len)
     if used:
         check_seq_len(run.model, max(used))
     with run.timed("data"):
         calibration_windows(run)
+        if run.cal_rows is not None and run.needs_data and settings.max_seq_length is None:
+            _check_rows_fit(run)
         if run.ev_text is not None:
             run.eval_windows = eval_windows(run.tokenizer, run.ev_text, settings.num_eval_windows, settings.eval_length)
     check_modifiers(run.sessions, run.model, run.windows if run.windows is not None else True)
+
+
+def _check_rows_fit(run: Run) -> None:
+    """Samples of a list of texts or a dataset, not cut (no ``max_seq_length``), that are longer than the model's
+    ``max_position_embeddings``: refused before any forward.
+
+    Raises:
+        ValueError: naming the first such sample, its length and the limit.
+    """
+    limit = getattr(getattr(run.model, "config", None), "max_position_embeddings", None)
+    lengths = run.windows.lengths()
+    too_long = next((i for i, n in enumerate(lengths) if isinstance(limit, int) and n > limit), None)
+    if too_long is not None:
+        msg = (
+            f"calibration sample {too_long} of the dataset has {lengths[too_long]} tokens, above the model's "
+            f"max_position_embeddings ({limit}): pass max_seq_length (--seq-len) of at most {limit} to cut the samples"
+        )
+        raise ValueError(msg)
 
 
 # --------------------------------------------------------------------------- prepare
@@ -222,8 +258,11 @@ def prepare(settings: OneshotSettings) -> Run:
     _check_on_meta(run)
     with run.timed("read_data"), quiet_progress(not settings.progress):
         if is_image_dataset(settings.dataset):
-            used = settings.num_calibration_samples if run.needs_data else 0  # a data-free recipe reads none
+            used = settings.num_samples if run.needs_data else 0  # a data-free recipe reads none
             run.cal_images = read_image_captions(settings.dataset, used)
+        elif is_rows(settings.dataset):
+            if run.needs_data:  # a data-free recipe reads none
+                run.cal_rows = read_rows(settings.dataset, settings.num_calibration_samples, settings.max_seq_length)
         elif settings.dataset is not None and not is_tensor(settings.dataset):
             run.cal_text = read_text("dataset (--dataset)", settings.dataset)
         if settings.eval_text is not None:
@@ -324,6 +363,13 @@ def _check_data_kind(run: Run) -> None:
         return
     if images and is_distributed():
         msg = "image calibration data runs in one process (torch.distributed is not supported with it)"
+        raise ValueError(msg)
+    if run.cal_rows is not None and is_distributed():
+        msg = (
+            "calibration samples of different lengths (a list of texts or a datasets.Dataset) run in one process "
+            "(torch.distributed is not supported with them); pass a LongTensor [N, L] of token ids to split it "
+            "between the ranks"
+        )
         raise ValueError(msg)
     model, config = settings.model, run.model_config
     if isinstance(model, nn.Module):
@@ -430,9 +476,19 @@ def _fingerprint(run: Run) -> dict[str, Any]:
             run.settings,
             recipe=run.recipe,
             modifiers=[m for s in run.sessions for m in s.modifiers],
-            text=run.cal_text if run.cal_images is None else f"images {run.cal_images.digest()}",
+            text=_data_digest(run),
             hash_files=run.needs_data,  # a data-free job keeps no per-layer progress: no 0.5 GB read to hash
         )
+
+
+def _data_digest(run: Run) -> str | None:
+    """What the resume fingerprint hashes of the calibration data read: the text, or a digest of the images or of
+    the samples of a list of texts / dataset (``None``: a tensor, hashed there, or generated data)."""
+    if run.cal_images is not None:
+        return f"images {run.cal_images.digest()}"
+    if run.cal_rows is not None:
+        return f"rows {run.cal_rows.digest()}"
+    return run.cal_text
 
 
 # --------------------------------------------------------------------------- load
@@ -456,7 +512,8 @@ def load(run: Run) -> None:
     from torch import nn
 
     settings = run.settings
-    needs_text = run.cal_text is not None or run.ev_text is not None or (settings.dataset is None and run.needs_data)
+    texts = run.cal_text is not None or (run.cal_rows is not None and not run.cal_rows.tokenized)
+    needs_text = texts or run.ev_text is not None or (settings.dataset is None and run.needs_data)
     with run.timed("load"):
         run.tokenizer = given_tokenizer(settings)
         if isinstance(settings.model, nn.Module):
@@ -542,8 +599,8 @@ def data(run: Run) -> None:
             run.windows = generate_calibration(
                 run.model,
                 run.tokenizer,
-                num_samples=settings.num_calibration_samples,
-                seq_len=settings.max_seq_length,
+                num_samples=settings.num_samples,
+                seq_len=settings.seq_len,
                 seed=settings.seed,
             )
         run.cal_source = _generated_source(settings)

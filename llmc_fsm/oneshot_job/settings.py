@@ -30,6 +30,7 @@ import attrs
 import torch
 from torch import nn
 
+from llmc_fsm.data.rows import dataset_object_error, is_rows, registered_name_error
 from llmc_fsm.output.directory import check_output_not_source
 from llmc_fsm.pipeline.device import DEVICE_CHOICES, resolve_device
 from llmc_fsm.recipes.building import build_recipe
@@ -63,6 +64,11 @@ METHODS = {
 
 #: ``--method`` values whose modifier takes ``block_size`` (``--block-size``).
 BLOCK_SIZE_METHODS = ("gptq", "sparsegpt")
+
+#: ``num_calibration_samples`` / ``max_seq_length`` when not given (text, images, generated data; a token tensor, a
+#: list of texts or a dataset is then used whole: :attr:`OneshotSettings.num_samples`, :attr:`OneshotSettings.seq_len`).
+DEFAULT_NUM_SAMPLES = 32
+DEFAULT_SEQ_LEN = 256
 
 #: The ``dtype`` (``--dtype``) values one-shot loads a model in (``auto``: the dtype its ``config.json`` names).
 DTYPES = ("float32", "bfloat16", "float16", "auto")
@@ -142,13 +148,19 @@ def _model(_: Any, field: attrs.Attribute, value: Any) -> None:
 
 
 def _dataset(_: Any, field: attrs.Attribute, value: Any) -> None:
+    """A path or name (not one of llm-compressor's registered names), ``[N, L]`` token ids, a list of texts or a
+    dataset (:mod:`llmc_fsm.data.rows`); refusals are one line naming the type, never the object's repr."""
     if isinstance(value, torch.Tensor):
         if value.dim() != 2 or value.is_floating_point():
             shape = f"{value.dtype} {tuple(value.shape)}"
             msg = f"{argument_name(field)} must hold token ids of shape [N, L] when it is a tensor, got {shape}"
             raise ValueError(msg)
-    elif value is not None and not isinstance(value, str | os.PathLike):
-        _fail(field, "a text/JSONL file, a Hugging Face dataset name or a LongTensor [N, L] of token ids", value)
+        return
+    if value is None or isinstance(value, os.PathLike):
+        return
+    why = registered_name_error(value) if isinstance(value, str) else dataset_object_error(value)
+    if why is not None:
+        raise ValueError(f"{argument_name(field)} {why}")
 
 
 def _dtype_name(value: Any) -> Any:
@@ -219,7 +231,10 @@ class OneshotSettings:
     Raises:
         ValueError: a value of the wrong type or out of range (one line naming the argument and its flag), an
             unknown ``dtype`` or one with an ``nn.Module``, ``resume`` without ``output_dir``, an ``output_dir``
-            that is or contains the model's directory, a dataset tensor that is not ``[N, L]`` token ids.
+            that is or contains the model's directory, a dataset tensor that is not ``[N, L]`` token ids, a dataset
+            of another kind (its type named), a ``DatasetDict`` (its splits named), one of llm-compressor's
+            registered dataset names (its Hub id named), a given ``num_calibration_samples`` / ``max_seq_length``
+            above a dataset tensor's rows / columns or a list of texts' / dataset's rows.
     """
 
     model: Any = _setting(
@@ -250,21 +265,23 @@ class OneshotSettings:
         validator=_dataset,
         eq=_by_identity,
     )
-    num_calibration_samples: int = _setting(
-        32,
-        "calibration windows",
+    num_calibration_samples: int | None = _setting(
+        None,
+        f"calibration windows (default {DEFAULT_NUM_SAMPLES}; of a token tensor, a list of texts or a dataset: its "
+        "first N rows, default all)",
         flag="--num-samples",
         cli={"type": int},
         fingerprint=("calibration data", "num_samples"),
-        validator=_positive_int,
+        validator=_positive_int_or_none,
     )
-    max_seq_length: int = _setting(
-        256,
-        "tokens per calibration window",
+    max_seq_length: int | None = _setting(
+        None,
+        f"tokens per calibration window (default {DEFAULT_SEQ_LEN}; of a token tensor: its first L columns, of a list "
+        "of texts or a dataset: each sample cut to L tokens; default whole)",
         flag="--seq-len",
         cli={"type": int},
         fingerprint=("calibration data", "seq_len"),
-        validator=_positive_int,
+        validator=_positive_int_or_none,
     )
     output_dir: str | os.PathLike[str] | None = _setting(
         None,
@@ -381,9 +398,45 @@ class OneshotSettings:
             )
             raise ValueError(msg)
         check_output_not_source(self.output_dir, self.model)
+        self._check_sizes_fit_dataset()
         if self.resume and self.output_dir is None:
             msg = "resume (--resume) needs output_dir (--output): the progress to resume is kept next to the output"
             raise ValueError(msg)
+
+    def _check_sizes_fit_dataset(self) -> None:
+        """A given ``num_calibration_samples`` / ``max_seq_length`` that a token tensor (rows, columns) or a list of
+        texts / a dataset (rows) does not have: refused, as llm-compressor would silently use less."""
+        data, samples, length = self.dataset, self.num_calibration_samples, self.max_seq_length
+        if isinstance(data, torch.Tensor):
+            rows, columns = (int(n) for n in data.shape)
+            if samples is not None and samples > rows:
+                msg = (
+                    f"num_calibration_samples (--num-samples) {samples} is more than the {rows} rows of the dataset "
+                    f"tensor {tuple(data.shape)}; pass at most {rows}, or leave it out to use them all"
+                )
+                raise ValueError(msg)
+            if length is not None and length > columns:
+                msg = (
+                    f"max_seq_length (--seq-len) {length} is more than the {columns} columns (tokens) of the dataset "
+                    f"tensor {tuple(data.shape)}; pass at most {columns}, or leave it out to use them all"
+                )
+                raise ValueError(msg)
+        elif is_rows(data) and samples is not None and samples > len(data):
+            msg = (
+                f"num_calibration_samples (--num-samples) {samples} is more than the {len(data)} rows of the dataset; "
+                f"pass at most {len(data)}, or leave it out to use them all"
+            )
+            raise ValueError(msg)
+
+    @property
+    def num_samples(self) -> int:
+        """``num_calibration_samples``, or :data:`DEFAULT_NUM_SAMPLES` when it is ``None`` (not given)."""
+        return DEFAULT_NUM_SAMPLES if self.num_calibration_samples is None else self.num_calibration_samples
+
+    @property
+    def seq_len(self) -> int:
+        """``max_seq_length``, or :data:`DEFAULT_SEQ_LEN` when it is ``None`` (not given)."""
+        return DEFAULT_SEQ_LEN if self.max_seq_length is None else self.max_seq_length
 
     @property
     def execution_device(self) -> torch.device:
@@ -397,15 +450,16 @@ class OneshotSettings:
 
     @property
     def eval_length(self) -> int:
-        """Tokens per evaluation window: ``eval_seq_length``, or ``max_seq_length`` when it is ``None``."""
-        return self.max_seq_length if self.eval_seq_length is None else self.eval_seq_length
+        """Tokens per evaluation window: ``eval_seq_length``, or :attr:`seq_len` when it is ``None``."""
+        return self.seq_len if self.eval_seq_length is None else self.eval_seq_length
 
     def fingerprint_values(self) -> dict[tuple[str, ...], Any]:
         """``{path in the resume fingerprint: value}`` of the fields the result depends on by value (``seed``,
         ``batch_size``...); ``model``, ``recipe`` and ``dataset`` enter it by content (digests, the resolved
         recipe), which :func:`llmc_fsm.oneshot_job.resume.fingerprint` computes."""
+        resolved = {"num_calibration_samples": self.num_samples, "max_seq_length": self.seq_len}
         return {
-            field.metadata["fingerprint"]: getattr(self, field.name)
+            field.metadata["fingerprint"]: resolved.get(field.name, getattr(self, field.name))
             for field in attrs.fields(type(self))
             if field.metadata["fingerprint"] is not None and not field.metadata["by_content"]
         }

@@ -333,6 +333,11 @@ def check_job(run: Run) -> None:
             run.cal_images is not None and run.needs_data,
             "it calibrates on token windows of text; image calibration data runs in memory (drop --low-memory)",
         ),
+        (
+            run.cal_rows is not None and run.needs_data,
+            "it calibrates on token windows ([N, L]); samples of different lengths (a list of texts or a "
+            "datasets.Dataset) run in memory (drop low_memory)",
+        ),
     ]
     why = next((text for failed, text in reasons if failed), None)
     if why is not None:

@@ -3,6 +3,9 @@
 Checked before any work by :mod:`llmc_fsm.output.directory`; written in a hidden work directory and renamed into
 place (:mod:`llmc_fsm.output.workdir`).
 
+* :class:`CompressedSavePretrained` — what ``oneshot`` puts in place of the returned model's ``save_pretrained``,
+  so that llm-compressor's ``model.save_pretrained(SAVE_DIR, save_compressed=True)`` writes the same compressed
+  checkpoint as ``output_dir``, not the dense weights with their scales beside them.
 * :func:`save_model` — the model in Hugging Face layout (safetensors). A model
   whose modules carry ``compressed-tensors`` quantization (the quantization
   plugin's GPTQ/RTN) is saved compressed through ``compressed-tensors``: packed
@@ -47,6 +50,7 @@ from llmc_fsm.toolkit.views import LinearView, weight_views
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "CompressedSavePretrained",
     "compressed_state_dict",
     "dir_size_bytes",
     "pruned_sparsity",
@@ -195,8 +199,92 @@ def quantized_weights_as_compressed(model: nn.Module) -> Iterator[None]:
         yield
 
 
+class CompressedSavePretrained:
+    """``model.save_pretrained`` of a model that ``oneshot`` compressed in memory (set by
+    :meth:`attach`): writes what ``oneshot(output_dir=...)`` writes there, without the tokenizer and report.json.
+
+    llm-compressor's scripts end with ``model.save_pretrained(SAVE_DIR, save_compressed=True)`` (its ``oneshot``
+    wraps the method the same way). transformers' own method would write the quantized weights dense, with the
+    compressed-tensors parameters (``weight_scale``...) as stray tensors and no ``quantization_config``: the
+    reloaded model would run without its activation quantization, silently. So:
+
+    * ``save_compressed=True`` (the default, as llm-compressor's): the model in Hugging Face layout through
+      :func:`save_model` (compressed-tensors where quantized, a ``sparsity_config`` for sparse quantized weights),
+      and ``recipe.yaml`` (the stages applied). Other keyword arguments (``max_shard_size``...) go to
+      transformers' ``save_pretrained``.
+    * ``save_compressed=False``: refused for a quantized model (``ValueError``, nothing written); a model that was
+      only pruned is saved as with ``True`` (its weights are dense either way).
+
+    The object holds the model, so ``copy.deepcopy(model)`` gets its own (saving the copy). transformers' method
+    stays reachable as ``type(model).save_pretrained(model, ...)``.
+    """
+
+    def __init__(
+        self, model: nn.Module, recipe_yaml: str, sparsity_structure: str | None, streamed_to: Path | None = None
+    ) -> None:
+        self.model = model
+        self.recipe_yaml = recipe_yaml
+        self.sparsity_structure = sparsity_structure
+        self.streamed_to = streamed_to
+
+    @classmethod
+    def attach(cls, model: nn.Module, recipe: Recipe, *, streamed_to: Path | None = None) -> None:
+        """Put the method on ``model`` (a transformers ``PreTrainedModel``; anything else is left alone).
+
+        ``streamed_to``: the output directory of a streamed run, whose returned model is on the ``meta`` device;
+        its ``save_pretrained`` then refuses, naming that directory.
+        """
+        if not callable(getattr(type(model), "save_pretrained", None)):
+            return
+        model.save_pretrained = cls(model, recipe.to_yaml(applied=True), sparsity_structure(recipe), streamed_to)
+
+    def __call__(self, save_directory: str | os.PathLike[str], save_compressed: bool = True, **kwargs: Any) -> None:
+        """Write the compressed model and ``recipe.yaml`` into ``save_directory`` (created if missing).
+
+        Raises:
+            ValueError: ``save_compressed=False`` for a quantized model; a ``state_dict`` given (the compressed
+                one is built here); ``save_directory`` is an existing file; a streamed run's model.
+            OSError: writing failed.
+        """
+        if self.streamed_to is not None:
+            msg = (
+                "save_pretrained: this model was compressed one decoder layer at a time (low_memory) and holds no "
+                f"weights (meta device); the compressed model is in {str(self.streamed_to)!r}: copy that directory"
+            )
+            raise ValueError(msg)
+        model = self.model
+        quantized = bool(quantized_modules(model) or quantized_views(model) or kv_cache_scheme(model) is not None)
+        if not isinstance(save_compressed, bool):
+            raise ValueError(f"save_compressed must be true or false, got {save_compressed!r}")
+        if not save_compressed and quantized:
+            msg = (
+                "save_pretrained(save_compressed=False): llmc-fsm writes a quantized model only compressed "
+                "(compressed-tensors); dense weights without their quantization config would reload without its "
+                "activation quantization. Call save_pretrained(save_directory) (save_compressed=True)"
+            )
+            raise ValueError(msg)
+        if "state_dict" in kwargs:
+            raise ValueError("save_pretrained(state_dict=...): the compressed state dict is built here; leave it out")
+        directory = Path(save_directory)
+        if directory.exists() and not directory.is_dir():
+            raise ValueError(f"save_pretrained: {str(directory)!r} is a file, not a directory")
+        directory.mkdir(parents=True, exist_ok=True)
+        report = getattr(model, "llmc_fsm_report", None)
+        sparsity = pruned_sparsity(report) if report is not None else 0.0
+        save_model(model, directory, sparsity_structure=self.sparsity_structure, sparsity=sparsity, **kwargs)
+        (directory / "recipe.yaml").write_text(self.recipe_yaml, encoding="utf-8")
+
+    def __repr__(self) -> str:
+        return f"<llmc-fsm compressed save_pretrained of {type(self.model).__name__}>"
+
+
 def save_model(
-    model: nn.Module, directory: Path, *, sparsity_structure: str | None = None, sparsity: float = 0.0
+    model: nn.Module,
+    directory: Path,
+    *,
+    sparsity_structure: str | None = None,
+    sparsity: float = 0.0,
+    **save_kwargs: Any,
 ) -> None:
     """Write ``model`` to ``directory`` in Hugging Face layout; compressed through compressed-tensors if quantized.
 
@@ -212,22 +300,28 @@ def save_model(
         sparsity: the fraction of the quantized weights that was pruned before quantization
             (:func:`pruned_sparsity`); from 5% on, a dense-format ``sparsity_config`` is written.
             Given, not measured: quantization rounds small values to exact zeros that are not sparsity.
+        save_kwargs: passed on to transformers' ``save_pretrained`` (e.g. ``max_shard_size``).
 
     Raises:
         OSError: writing failed.
     """
 
-    _save_weights(model, directory, sparsity_structure, sparsity)
+    _save_weights(model, directory, sparsity_structure, sparsity, save_kwargs)
     fix_safetensors_permissions(directory)  # safetensors writes 0600 files; follow the umask like the rest
 
 
-def _save_weights(model: nn.Module, directory: Path, sparsity_structure: str | None, sparsity: float) -> None:
+def _save_weights(
+    model: nn.Module, directory: Path, sparsity_structure: str | None, sparsity: float, save_kwargs: dict[str, Any]
+) -> None:
+    # transformers' own method: the model may carry CompressedSavePretrained, which calls this
+    hf_save = type(model).save_pretrained
+    save_kwargs = {"safe_serialization": True, **save_kwargs}
     if not quantized_modules(model) and not quantized_views(model):
-        model.save_pretrained(directory, safe_serialization=True)
+        hf_save(model, directory, **save_kwargs)
         if kv_cache_scheme(model) is not None:  # KV-cache scales only (kv_cache_scheme alone): weights untouched
             write_quantization_config(model, directory, sparsity=sparsity, sparsity_structure=sparsity_structure)
         return
-    model.save_pretrained(directory, state_dict=compressed_state_dict(model), safe_serialization=True)
+    hf_save(model, directory, state_dict=compressed_state_dict(model), **save_kwargs)
     write_quantization_config(model, directory, sparsity=sparsity, sparsity_structure=sparsity_structure)
     _untie_quantized_embedding(model, directory)
 

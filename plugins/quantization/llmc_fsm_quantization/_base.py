@@ -994,7 +994,7 @@ class QuantizingModifier(CalibratedModifier):
             return {}
         if self._ignore_defaulted and not self._ignore_logged:
             self._ignore_logged = True
-            logger.info(
+            logger.warning(
                 "%s: no ignore given: lm_head is kept dense (ignore: [lm_head]; llm-compressor's default ignore is "
                 "empty, which quantizes lm_head too: give ignore: [] for that)",
                 type(self).__name__,

@@ -288,8 +288,9 @@ def test_a_recipe_without_ignore_keeps_lm_head_dense_says_so_and_records_it(tmp_
     with caplog.at_level(logging.INFO, logger="llmc_fsm_quantization._base"):
         llmc_fsm.oneshot(model=tiny_llama(), recipe={"q": {"QuantizationModifier": {"scheme": "W8A8"}}}, output_dir=out,
                          progress=False)
-    lines = [r.getMessage() for r in caplog.records if r.name == "llmc_fsm_quantization._base"]
-    assert lines and set(lines) == {
+    lines = [(r.levelname, r.getMessage()) for r in caplog.records if r.name == "llmc_fsm_quantization._base"]
+    assert lines and {level for level, _ in lines} == {"WARNING"}  # shown without any logging set up
+    assert {text for _, text in lines} == {
         "QuantizationModifier: no ignore given: lm_head is kept dense (ignore: [lm_head]; llm-compressor's default "
         "ignore is empty, which quantizes lm_head too: give ignore: [] for that)"
     }

@@ -1,0 +1,290 @@
+"""Calibration samples of different lengths: a list of texts, or a Hugging Face ``datasets.Dataset``.
+
+What llm-compressor's calibrated examples pass as ``dataset=`` (``load_dataset(...)``, ``ds.map(...)`` to a ``text``
+column, then usually to ``input_ids`` with ``tokenizer(..., padding=False, truncation=True,
+add_special_tokens=False)``). The ``datasets`` package is not imported: a dataset is recognised by what it has
+(``column_names``, ``len()``, ``ds[i]`` -> a row dict), so ``datasets`` stays an optional dependency.
+
+* a ``list`` / ``tuple`` of ``str``: each text is one calibration sample, tokenized by the model's tokenizer;
+* a dataset with an ``input_ids`` column: each row is one calibration sample as it was tokenized (its
+  ``attention_mask`` is passed along when the dataset has that column);
+* a dataset with a ``text`` column (and no ``input_ids``): each row's text is tokenized by the model's tokenizer.
+
+The first ``num_calibration_samples`` rows are used (all of them when it is not given); each sample is cut to its
+first ``max_seq_length`` tokens (not cut when it is not given). Texts are tokenized as llm-compressor tokenizes a
+``text`` column (``tokenizer(text, padding=False, truncation=True, max_length=max_seq_length)``, the tokenizer's
+default ``add_special_tokens=True``: a BOS where the tokenizer adds one). Samples of different lengths cannot be
+one ``LongTensor[N, L]``: they become :class:`TokenRows`, a list of batches ``{"input_ids": LongTensor[B, L_i]}``
+(``attention_mask`` too when given), consecutive samples of the same length sharing a batch of at most
+``batch_size``; no padding.
+
+Differences from llm-compressor 0.14 (``datasets/utils.py``): it draws the ``num_calibration_samples`` rows at
+random by default (``shuffle_calibration_samples=True``) and warns when the dataset has fewer; here the first ones
+are taken, in order, and asking for more than there are is refused. A ``DatasetDict`` is refused (pass one split);
+llm-compressor's registered dataset names (:data:`LLMCOMPRESSOR_DATASETS`) are refused with the Hub id it loads.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+import torch
+
+__all__ = [
+    "ACCEPTED_DATASETS",
+    "LLMCOMPRESSOR_DATASETS",
+    "CalibrationRows",
+    "TokenRows",
+    "dataset_object_error",
+    "describe_rows",
+    "is_rows",
+    "read_rows",
+    "registered_name_error",
+    "row_batches",
+]
+
+#: llm-compressor's registered dataset names (``src/llmcompressor/transformers/data/*.py``) -> the Hugging Face id
+#: (``name[:config]``) its loader reads; its preprocessing (prompt templates, chat formatting) is not reproduced.
+LLMCOMPRESSOR_DATASETS = {
+    "c4": "allenai/c4",
+    "cnn_dailymail": "cnn_dailymail:3.0.0",
+    "evolcodealpaca": "theblackcat102/evol-codealpaca-v1",
+    "flickr": "lmms-lab/flickr30k",
+    "flickr30k": "lmms-lab/flickr30k",
+    "gsm8k": "openai/gsm8k",
+    "open_platypus": "garage-bAInd/Open-Platypus",
+    "peoples_speech": "MLCommons/peoples_speech:test",
+    "perfectblend": "mlabonne/open-perfectblend",
+    "ultrachat": "HuggingFaceH4/ultrachat_200k",
+    "ultrachat_200k": "HuggingFaceH4/ultrachat_200k",
+    "wikitext": "Salesforce/wikitext",
+}
+
+#: The kinds of ``dataset=`` one-shot takes, as the refusals name them.
+ACCEPTED_DATASETS = (
+    "a text/JSONL file, a Hugging Face dataset name, a LongTensor [N, L] of token ids, a list of texts (str) or a "
+    "datasets.Dataset with an 'input_ids' or 'text' column"
+)
+
+
+def _type_name(value: Any) -> str:
+    """``datasets.Dataset`` (top-level package and class), or the bare name of a builtin (``dict``)."""
+    module = type(value).__module__.split(".")[0]
+    return type(value).__qualname__ if module == "builtins" else f"{module}.{type(value).__qualname__}"
+
+
+def _is_dataset(value: Any) -> bool:
+    """A ``datasets.Dataset`` or alike: a list of ``column_names``, ``len()`` and ``ds[i]``, not a mapping."""
+    columns = getattr(value, "column_names", None)
+    return (
+        isinstance(columns, list | tuple)
+        and not isinstance(value, Mapping)
+        and hasattr(value, "__len__")
+        and hasattr(value, "__getitem__")
+    )
+
+
+def is_rows(value: Any) -> bool:
+    """Whether ``value`` is a list/tuple of texts or a dataset object (checked by :func:`dataset_object_error`)."""
+    return (isinstance(value, list | tuple) and not isinstance(value, str)) or _is_dataset(value)
+
+
+def registered_name_error(value: str) -> str | None:
+    """The refusal of one of llm-compressor's registered dataset names (:data:`LLMCOMPRESSOR_DATASETS`), after the
+    argument's name; ``None`` for any other string (a file named so in the working directory included)."""
+    from pathlib import Path
+
+    hub_id = LLMCOMPRESSOR_DATASETS.get(value)
+    if hub_id is None or Path(value).expanduser().exists():
+        return None
+    return (
+        f"{value!r} is a dataset name registered in llm-compressor, whose preprocessing of it (prompt template, "
+        f"columns) llmc-fsm does not reproduce: give the Hub id llm-compressor loads, {hub_id!r} "
+        "(name[:config[:split]]; its 'text' column is read), a local text/JSONL file, or a datasets.Dataset you "
+        "prepared (a 'text' or 'input_ids' column)"
+    )
+
+
+def dataset_object_error(value: Any) -> str | None:
+    """Why ``value`` (not a tensor, a path or ``None``) is no ``dataset=`` one-shot takes, after the argument's name;
+    ``None`` when it is a list of texts or a dataset with an ``input_ids`` or ``text`` column and at least one row."""
+    if isinstance(value, Mapping) and value and all(_is_dataset(v) for v in value.values()):
+        splits = ", ".join(repr(str(k)) for k in value)
+        first = next(iter(value))
+        return f"is a {_type_name(value)} of splits {splits}: pass one split, e.g. dataset=ds[{str(first)!r}]"
+    if isinstance(value, list | tuple):
+        bad = next((i for i, item in enumerate(value) if not isinstance(item, str)), None)
+        if bad is not None:
+            item = _type_name(value[bad])
+            return f"is a {_type_name(value)} whose item {bad} is a {item}: pass a list of texts (str)"
+        return None if value else f"is an empty {_type_name(value)}: pass at least one text"
+    if _is_dataset(value):
+        columns = list(value.column_names)
+        if "input_ids" not in columns and "text" not in columns:
+            return (
+                f"is a {_type_name(value)} with columns {', '.join(map(repr, columns)) or 'none'} but neither "
+                "'input_ids' (token ids) nor 'text': map it to one, e.g. ds.map(lambda s: {'text': ...})"
+            )
+        return None if len(value) else f"is a {_type_name(value)} with no rows: pass at least one"
+    return f"must be {ACCEPTED_DATASETS}, got a {_type_name(value)}"
+
+
+def describe_rows(value: Any) -> str:
+    """A short name for a list of texts (``list of 3 str``) or a dataset (``datasets.Dataset``)."""
+    if isinstance(value, list | tuple):
+        return f"{_type_name(value)} of {len(value)} str"
+    return _type_name(value)
+
+
+@attrs.frozen
+class CalibrationRows:
+    """The calibration samples read from a list of texts or a dataset, before any model work.
+
+    ``column``: ``"input_ids"`` (``rows`` hold token ids, already cut to ``max_seq_length``, and ``masks`` the
+    ``attention_mask`` rows or ``None``) or ``"text"`` (``rows`` hold the texts; ``masks`` is ``None``).
+    """
+
+    source: str  # describe_rows of the object
+    column: str
+    rows: tuple[Any, ...]
+    masks: tuple[tuple[int, ...], ...] | None = None
+
+    @property
+    def tokenized(self) -> bool:
+        """Whether the rows are token ids already (no tokenizer needed)."""
+        return self.column == "input_ids"
+
+    def digest(self) -> str:
+        """sha256 of the column name and every row (and mask): what a resumed run compares."""
+        h = hashlib.sha256(self.column.encode())
+        for index, row in enumerate(self.rows):
+            mask = None if self.masks is None else self.masks[index]
+            h.update(json.dumps([row, mask]).encode())
+        return h.hexdigest()
+
+
+def _ids(value: Any, where: str) -> tuple[int, ...]:
+    """One row of token ids (a list, or a tensor of shape [L] or [1, L]) as a tuple of ints.
+
+    Raises:
+        ValueError: not integers, or another shape.
+    """
+    tensor = value if isinstance(value, torch.Tensor) else None
+    if tensor is None:
+        try:
+            tensor = torch.as_tensor(value)
+        except (TypeError, ValueError, RuntimeError):
+            tensor = None
+    if tensor is not None and tensor.dim() == 2 and tensor.shape[0] == 1:
+        tensor = tensor[0]
+    if tensor is None or tensor.dim() != 1 or tensor.is_floating_point() or tensor.dtype == torch.bool:
+        msg = f"{where} must be a list of token ids (int), got a {_type_name(value)}"
+        raise ValueError(msg)
+    return tuple(int(i) for i in tensor.tolist())
+
+
+def read_rows(value: Any, num_samples: int | None, seq_len: int | None) -> CalibrationRows:
+    """The first ``num_samples`` rows (all of them for ``None``) of a list of texts or a dataset that
+    :func:`dataset_object_error` accepts; token ids cut to their first ``seq_len`` (``None``: whole).
+
+    Raises:
+        ValueError: ``num_samples`` above the number of rows; a row of ``input_ids`` that is not a list of ints or
+            holds none; a ``text`` that is not a str (one line each, naming the row).
+    """
+    count = len(value)
+    if num_samples is not None and num_samples > count:
+        msg = (
+            f"num_calibration_samples (--num-samples) {num_samples} is more than the {count} rows of the dataset "
+            f"({describe_rows(value)}); pass at most {count}, or leave it out to use them all"
+        )
+        raise ValueError(msg)
+    used = count if num_samples is None else num_samples
+    source = describe_rows(value)
+    if isinstance(value, list | tuple):
+        return CalibrationRows(source=source, column="text", rows=tuple(value[:used]))
+    column = "input_ids" if "input_ids" in value.column_names else "text"
+    with_mask = column == "input_ids" and "attention_mask" in value.column_names
+    rows, masks = [], []
+    for index in range(used):
+        row = value[index]
+        if column == "text":
+            if not isinstance(row["text"], str):
+                msg = f"dataset row {index}: 'text' must be a str, got a {_type_name(row['text'])}"
+                raise ValueError(msg)
+            rows.append(row["text"])
+            continue
+        ids = _ids(row["input_ids"], f"dataset row {index}: 'input_ids'")[:seq_len]
+        if not ids:
+            msg = f"dataset row {index}: 'input_ids' holds no token ids: drop empty rows (ds.filter(...))"
+            raise ValueError(msg)
+        rows.append(ids)
+        if with_mask:
+            mask = _ids(row["attention_mask"], f"dataset row {index}: 'attention_mask'")[:seq_len]
+            if len(mask) != len(ids):
+                msg = f"dataset row {index}: 'attention_mask' has {len(mask)} values for {len(ids)} token ids"
+                raise ValueError(msg)
+            masks.append(mask)
+    return CalibrationRows(source=source, column=column, rows=tuple(rows), masks=tuple(masks) if with_mask else None)
+
+
+class TokenRows(list):
+    """Calibration batches of samples of different lengths: a ``list`` of ``{"input_ids": LongTensor[B, L],
+    "attention_mask": LongTensor[B, L]}`` (the mask only when the dataset gave one), plus what the one-shot job
+    reads of a windows tensor: :attr:`shape` ``(samples, longest sample in tokens)`` and :meth:`numel` (tokens).
+    A slice is again a :class:`TokenRows` (of whole batches)."""
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """``(number of samples, tokens of the longest sample)``."""
+        rows = sum(int(b["input_ids"].shape[0]) for b in self)
+        return rows, max((int(b["input_ids"].shape[1]) for b in self), default=0)
+
+    def numel(self) -> int:
+        """Tokens of all samples (none is padding)."""
+        return sum(int(b["input_ids"].numel()) for b in self)
+
+    def lengths(self) -> list[int]:
+        """Each sample's length in tokens, in order."""
+        return [int(b["input_ids"].shape[1]) for b in self for _ in range(int(b["input_ids"].shape[0]))]
+
+    def __getitem__(self, index: Any) -> Any:
+        item = super().__getitem__(index)
+        return TokenRows(item) if isinstance(index, slice) else item
+
+
+def row_batches(rows: CalibrationRows, tokenizer: Any, *, seq_len: int | None, batch_size: int) -> TokenRows:
+    """``rows`` as model inputs: texts tokenized (``tokenizer(text, padding=False, truncation=seq_len is not None,
+    max_length=seq_len)``, special tokens as the tokenizer adds them, as llm-compressor), consecutive samples of the
+    same length stacked into batches of at most ``batch_size`` (``LongTensor[B, L]``).
+
+    Raises:
+        ValueError: texts but no tokenizer; a text that gives no token.
+    """
+    if rows.tokenized:
+        ids: list[tuple[int, ...]] = list(rows.rows)
+    else:
+        if tokenizer is None:
+            msg = "a list of texts or a 'text' column needs a tokenizer: pass tokenizer= (or token ids)"
+            raise ValueError(msg)
+        cut = {"truncation": True, "max_length": seq_len} if seq_len is not None else {"truncation": False}
+        ids = [tuple(tokenizer(text, padding=False, **cut)["input_ids"]) for text in rows.rows]
+        empty = next((i for i, row in enumerate(ids) if not row), None)
+        if empty is not None:
+            msg = f"calibration text {empty} gives no token: drop empty texts"
+            raise ValueError(msg)
+    out = TokenRows()
+    start = 0
+    while start < len(ids):
+        end = start + 1
+        while end < len(ids) and end - start < batch_size and len(ids[end]) == len(ids[start]):
+            end += 1
+        batch = {"input_ids": torch.tensor(ids[start:end], dtype=torch.long)}
+        if rows.masks is not None:
+            batch["attention_mask"] = torch.tensor(rows.masks[start:end], dtype=torch.long)
+        out.append(batch)
+        start = end
+    return out

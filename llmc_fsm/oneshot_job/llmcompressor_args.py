@@ -1,0 +1,136 @@
+"""llm-compressor's ``oneshot`` keyword arguments that :func:`llmc_fsm.oneshot` does not have.
+
+Scripts written for llm-compressor 0.14 pass more than ``model``, ``recipe``, ``dataset``, ``num_calibration_samples``
+and ``max_seq_length`` (the arguments both share): counted over its 124 example scripts, ``shuffle_calibration_samples``
+(20), ``data_collator`` (19), ``sequential_targets`` (15), ``splits`` (13), ``processor`` (11),
+``moe_calibrate_all_experts`` (11), ``pipeline``, ``save_compressed``, ``propagate_error``,
+``preprocessing_num_workers``, ``dataloader_num_workers``, ``trust_remote_code_model``... Python would refuse each
+with a bare ``TypeError``; :func:`check_llmcompressor_args` says instead, for every one given, what llmc-fsm does
+with it: the same thing under another name (``processor`` is the tokenizer), nothing that changes the result (the
+worker counts; the values that are llmc-fsm's behaviour anyway, e.g. ``pipeline="sequential"``), or a refusal
+naming what to do. :data:`LLMCOMPRESSOR_ARGS` is the table; docs/oneshot.md "Arguments from llm-compressor scripts"
+carries it for readers.
+"""
+
+from __future__ import annotations
+
+import difflib
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import attrs
+
+__all__ = ["LLMCOMPRESSOR_ARGS", "LlmcompressorArg", "check_llmcompressor_args"]
+
+logger = logging.getLogger(__name__)
+
+
+@attrs.frozen
+class LlmcompressorArg:
+    """What llmc-fsm does with one llm-compressor ``oneshot`` argument.
+
+    Attributes:
+        accept: the values taken (``None``: any value, ``()``: none); another value is refused with ``note``.
+        note: why, and what to do instead (shown when refused, logged when taken).
+        rename: the llmc-fsm argument that receives the value, or ``None`` (taken with no effect on the result).
+    """
+
+    accept: tuple[Any, ...] | None
+    note: str
+    rename: str | None = None
+
+
+#: llm-compressor ``oneshot`` argument -> what llmc-fsm does with it.
+LLMCOMPRESSOR_ARGS: dict[str, LlmcompressorArg] = {
+    "processor": LlmcompressorArg(None, "the tokenizer (or a multimodal model's processor)", rename="tokenizer"),
+    "save_compressed": LlmcompressorArg(
+        (True,), "llmc-fsm writes a quantized model compressed (compressed-tensors) only; leave it out"
+    ),
+    "pipeline": LlmcompressorArg(
+        ("sequential", "independent"),
+        "llmc-fsm calibrates layer by layer (llm-compressor's 'sequential'; data-free recipes read no data), and has "
+        "no 'basic', 'layer_sequential' or 'datafree' pipeline: leave it out",
+    ),
+    "shuffle_calibration_samples": LlmcompressorArg(
+        (False,),
+        "llmc-fsm takes the rows in their order (text: the windows at its end); shuffle them yourself first (e.g. "
+        "ds = ds.shuffle(seed=42)) and pass shuffle_calibration_samples=False or leave it out",
+    ),
+    "splits": LlmcompressorArg(
+        (),
+        "pass the split's rows themselves: a text/JSONL file, a datasets.Dataset (load_dataset(...)[split]) or "
+        "token ids",
+    ),
+    "data_collator": LlmcompressorArg(
+        (),
+        "llmc-fsm batches calibration rows itself; image calibration data is a directory with metadata.jsonl "
+        "(docs/oneshot.md)",
+    ),
+    "sequential_targets": LlmcompressorArg(
+        (),
+        "llmc-fsm finds the decoder layers itself (docs/architectures.md); leave it out",
+    ),
+    "moe_calibrate_all_experts": LlmcompressorArg(
+        (False,),
+        "set calibrate_all_experts: true on the modifier instead (GPTQ, SparseGPT, Wanda, AutoRound...; "
+        "docs/architectures.md): llmc-fsm routes each token to its own experts by default, where llm-compressor's "
+        "default sends every token through every expert",
+    ),
+    "propagate_error": LlmcompressorArg(
+        (True,),
+        "llmc-fsm always passes each layer's outputs on as the next layer's inputs; leave it out",
+    ),
+    "preprocessing_num_workers": LlmcompressorArg(None, "a worker count: it changes no result here"),
+    "dataloader_num_workers": LlmcompressorArg(None, "a worker count: it changes no result here"),
+    "trust_remote_code_model": LlmcompressorArg(
+        (False,), "llmc-fsm loads transformers' own model classes only (no code from a model repository)"
+    ),
+}
+
+
+def check_llmcompressor_args(given: Mapping[str, Any], parameters: Sequence[str]) -> dict[str, Any]:
+    """Check ``given`` keyword arguments that ``llmc_fsm.oneshot`` does not have (``parameters``: the ones it has).
+
+    Returns:
+        The llmc-fsm arguments they set, e.g. ``{"tokenizer": processor}``; taken ones that set nothing are logged.
+
+    Raises:
+        TypeError: a name neither llmc-fsm nor llm-compressor's ``oneshot`` knows (with the closest llmc-fsm name).
+        ValueError: llm-compressor arguments whose value llmc-fsm does not take: every one in one message, each
+            with what to do.
+    """
+    unknown = [name for name in given if name not in LLMCOMPRESSOR_ARGS]
+    if unknown:
+        hints = []
+        for name in unknown:
+            close = difflib.get_close_matches(name, [*parameters, *LLMCOMPRESSOR_ARGS], n=1, cutoff=0.6)
+            hints.append(f"{name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+        raise TypeError(f"oneshot() got unexpected keyword arguments: {', '.join(hints)}")
+    refused, out = [], {}
+    for name, value in given.items():
+        rule = LLMCOMPRESSOR_ARGS[name]
+        if rule.accept is not None and not any(_same(value, v) for v in rule.accept):
+            taken = f" (taken: {' or '.join(repr(v) for v in rule.accept)})" if rule.accept else ""
+            refused.append(f"{name}={_short(value)}{taken}: {rule.note}")
+        elif rule.rename is not None:
+            out[rule.rename] = value
+        else:
+            logger.info("llm-compressor argument %s=%s taken: %s", name, _short(value), rule.note)
+    if len(refused) == 1:
+        raise ValueError(f"llm-compressor oneshot argument {refused[0]}")
+    if refused:
+        lines = "\n".join(f"  - {line}" for line in refused)
+        raise ValueError(f"llm-compressor oneshot arguments llmc-fsm does not take as given:\n{lines}")
+    return out
+
+
+def _same(value: Any, accepted: Any) -> bool:
+    """``value`` is ``accepted`` (``True`` is not ``1``, ``"sequential"`` is ``"sequential"``)."""
+    return type(value) is type(accepted) and value == accepted
+
+
+def _short(value: Any) -> str:
+    """``repr(value)`` on one line, at most 60 characters (a dataset or collator object is named by its type)."""
+    text = repr(value) if isinstance(value, str | bool | int | float | type(None)) else f"<{type(value).__name__}>"
+    return text if len(text) <= 60 else text[:57] + "..."

@@ -1,0 +1,227 @@
+"""``dataset=`` as llm-compressor's examples pass it: a list of texts, a ``datasets.Dataset`` (duck-typed: a fake
+one here, ``datasets`` is not a dependency) with an ``input_ids`` or ``text`` column; a ``DatasetDict``, another
+object and llm-compressor's registered names refused in one line; ``num_calibration_samples`` / ``max_seq_length``
+acting on a token tensor when given."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+import llmc_fsm
+from llmc_fsm.data.rows import TokenRows, read_rows, row_batches
+from llmc_fsm.oneshot_job.data import describe
+
+RECIPE = {"s": {"SparseGPTModifier": {"sparsity": 0.5, "targets": ["Linear"], "ignore": ["lm_head"]}}}
+
+
+class FakeDataset:
+    """What one-shot reads of a ``datasets.Dataset``: ``column_names``, ``len()``, ``ds[i]`` -> row dict."""
+
+    def __init__(self, **columns):
+        self.columns = columns
+        self.column_names = list(columns)
+
+    def __len__(self):
+        return len(next(iter(self.columns.values())))
+
+    def __getitem__(self, index):
+        return {name: values[index] for name, values in self.columns.items()}
+
+
+class DatasetDict(dict):
+    pass
+
+
+class RecordingTokenizer:
+    """Tokenizes ``"a b c"`` to ``[len(word) for word]`` and records the keyword arguments of each call."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, text, **kw):
+        self.calls.append(kw)
+        ids = [len(word) for word in text.split()]
+        return {"input_ids": ids[: kw["max_length"]] if kw.get("truncation") else ids}
+
+
+def _ids(batches):
+    return [(b["input_ids"].tolist(), b["attention_mask"].tolist() if "attention_mask" in b else None) for b in batches]
+
+
+# --------------------------------------------------------------------------- rows -> batches
+def test_input_ids_rows_are_cut_and_batched_by_equal_length():
+    ds = FakeDataset(input_ids=[[1, 2, 3], [4, 5, 6], [7, 8, 9, 10, 11], [12, 13], [14]], other=list("abcde"))
+    rows = read_rows(ds, None, None)
+    assert (rows.column, rows.rows, rows.masks) == ("input_ids", ((1, 2, 3), (4, 5, 6), (7, 8, 9, 10, 11), (12, 13), (14,)), None)
+    batches = row_batches(rows, None, seq_len=None, batch_size=2)
+    assert isinstance(batches, TokenRows)
+    assert _ids(batches) == [([[1, 2, 3], [4, 5, 6]], None), ([[7, 8, 9, 10, 11]], None), ([[12, 13]], None), ([[14]], None)]
+    assert (batches.shape, batches.numel(), batches.lengths()) == ((5, 5), 14, [3, 3, 5, 2, 1])
+    assert isinstance(batches[:1], TokenRows) and batches[:0].shape == (0, 0)
+    # the first 3 rows, each cut to 4 tokens; batch size 1
+    cut = row_batches(read_rows(ds, 3, 4), None, seq_len=4, batch_size=1)
+    assert _ids(cut) == [([[1, 2, 3]], None), ([[4, 5, 6]], None), ([[7, 8, 9, 10]], None)]
+
+
+def test_attention_mask_is_passed_along_cut_with_its_row():
+    ds = FakeDataset(input_ids=[torch.tensor([[5, 6, 7]]), [8, 9]], attention_mask=[[1, 1, 0], [1, 1]])
+    batches = row_batches(read_rows(ds, None, 2), None, seq_len=2, batch_size=8)
+    assert _ids(batches) == [([[5, 6], [8, 9]], [[1, 1], [1, 1]])]
+
+
+def test_texts_are_tokenized_as_llmcompressor_tokenizes_a_text_column():
+    tok = RecordingTokenizer()
+    batches = row_batches(read_rows(["aa b ccc", "dddd"], None, None), tok, seq_len=2, batch_size=4)
+    assert _ids(batches) == [([[2, 1]], None), ([[4]], None)]
+    # llm-compressor: processor(text, padding=False, max_length=max_seq_length, truncation=True), add_special_tokens
+    # left to the tokenizer (True)
+    assert tok.calls == [{"padding": False, "truncation": True, "max_length": 2}] * 2
+    whole = row_batches(read_rows(FakeDataset(text=["a bb ccc"]), None, None), tok, seq_len=None, batch_size=4)
+    assert _ids(whole) == [([[1, 2, 3]], None)] and tok.calls[-1] == {"padding": False, "truncation": False}
+
+
+def test_describe_names_the_kind_in_one_line():
+    assert describe(["a", "b"]) == "list of 2 str"
+    assert describe(FakeDataset(text=["a"])) == "test_dataset_objects.FakeDataset"
+    assert describe(torch.zeros(2, 3, dtype=torch.long)) == "<tensor (2, 3)>"
+
+
+# --------------------------------------------------------------------------- refusals, before any work
+@pytest.mark.parametrize(
+    ("kw", "message"),
+    [
+        (
+            {"dataset": DatasetDict(train=FakeDataset(text=["a"]), test=FakeDataset(text=["b"]))},
+            "dataset (--dataset) is a test_dataset_objects.DatasetDict of splits 'train', 'test': pass one split, "
+            "e.g. dataset=ds['train']",
+        ),
+        (
+            {"dataset": {"text": "a\nb"}},
+            "dataset (--dataset) must be a text/JSONL file, a Hugging Face dataset name, a LongTensor [N, L] of token "
+            "ids, a list of texts (str) or a datasets.Dataset with an 'input_ids' or 'text' column, got a dict",
+        ),
+        ({"dataset": ["a", 3]}, "dataset (--dataset) is a list whose item 1 is a int: pass a list of texts (str)"),
+        ({"dataset": []}, "dataset (--dataset) is an empty list: pass at least one text"),
+        (
+            {"dataset": FakeDataset(messages=[[]], prompt=["p"])},
+            "dataset (--dataset) is a test_dataset_objects.FakeDataset with columns 'messages', 'prompt' but neither "
+            "'input_ids' (token ids) nor 'text': map it to one, e.g. ds.map(lambda s: {'text': ...})",
+        ),
+        (
+            {"dataset": "open_platypus"},
+            "dataset (--dataset) 'open_platypus' is a dataset name registered in llm-compressor, whose preprocessing "
+            "of it (prompt template, columns) llmc-fsm does not reproduce: give the Hub id llm-compressor loads, "
+            "'garage-bAInd/Open-Platypus' (name[:config[:split]]; its 'text' column is read), a local text/JSONL "
+            "file, or a datasets.Dataset you prepared (a 'text' or 'input_ids' column)",
+        ),
+        (
+            {"dataset": torch.zeros(8, 16, dtype=torch.long), "num_calibration_samples": 9},
+            "num_calibration_samples (--num-samples) 9 is more than the 8 rows of the dataset tensor (8, 16); pass at "
+            "most 8, or leave it out to use them all",
+        ),
+        (
+            {"dataset": torch.zeros(8, 16, dtype=torch.long), "max_seq_length": 10000},
+            "max_seq_length (--seq-len) 10000 is more than the 16 columns (tokens) of the dataset tensor (8, 16); "
+            "pass at most 16, or leave it out to use them all",
+        ),
+        (
+            {"dataset": FakeDataset(input_ids=[[1], [2]]), "num_calibration_samples": 3},
+            "num_calibration_samples (--num-samples) 3 is more than the 2 rows of the dataset; pass at most 2, or "
+            "leave it out to use them all",
+        ),
+    ],
+)
+def test_bad_datasets_are_refused_in_one_line_before_any_work(tmp_path, monkeypatch, kw, message):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError) as info:
+        llmc_fsm.oneshot(model=str(tmp_path / "no-model"), output_dir=tmp_path / "out", progress=False, **kw)
+    assert str(info.value) == message
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_rows_are_refused_the_streamed_path(tiny_model_dir, tmp_path):
+    model_dir, _ = tiny_model_dir
+    with pytest.raises(ValueError, match=r"^low_memory \(--low-memory\) cannot run this job: it calibrates on token "
+                       r"windows \(\[N, L\]\); samples of different lengths \(a list of texts or a datasets.Dataset\) "
+                       r"run in memory \(drop low_memory\)$"):  # fmt: skip
+        llmc_fsm.oneshot(model=str(model_dir), recipe=RECIPE, dataset=["w001 w002"], low_memory=True,
+                         output_dir=tmp_path / "o", progress=False)  # fmt: skip
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_sample_longer_than_the_models_positions_is_refused(tiny_model_dir):
+    model_dir, _ = tiny_model_dir  # max_position_embeddings 128
+    long = " ".join(["w001"] * 130)
+    with pytest.raises(ValueError, match=r"^calibration sample 1 of the dataset has 130 tokens, above the model's "
+                       r"max_position_embeddings \(128\): pass max_seq_length \(--seq-len\) of at most 128 to cut"):  # fmt: skip
+        llmc_fsm.oneshot(model=str(model_dir), recipe=RECIPE, dataset=["w002", long], progress=False)
+    with pytest.raises(ValueError, match=r"^sequence length 200 \(--seq-len / eval\) is above the model's "):
+        llmc_fsm.oneshot(model=str(model_dir), recipe=RECIPE, dataset=torch.ones(2, 300, dtype=torch.long),
+                         max_seq_length=200, progress=False)  # fmt: skip
+
+
+# --------------------------------------------------------------------------- end to end on a tiny model
+def _weights(model):
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def _same(a, b):
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_list_of_texts_calibrates_as_its_token_ids_do(tiny_model_dir):
+    model_dir, _ = tiny_model_dir
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    texts = ["w001 w002 w003 w004 w005 w006", "w007 w008 w009", "w010 w011 w012 w013 w014 w015 w016 w017", "w018"]
+    ids = [tok(t)["input_ids"] for t in texts]
+    assert [len(i) for i in ids] == [6, 3, 8, 1]  # this tokenizer adds no special token
+    run = llmc_fsm.oneshot(model=str(model_dir), recipe=RECIPE, dataset=texts, num_calibration_samples=3,
+                           max_seq_length=7, progress=False)  # fmt: skip
+    calibration = run.llmc_fsm_report.calibration
+    assert calibration == {
+        "source": "list of 4 str, 3 texts tokenized (3-7 tokens)",
+        "num_samples": 3,
+        "seq_len": 7,
+        "num_tokens": 6 + 3 + 7,
+    }
+    same = llmc_fsm.oneshot(model=str(model_dir), recipe=RECIPE, dataset=FakeDataset(input_ids=[i[:7] for i in ids[:3]]),
+                            progress=False)  # fmt: skip
+    assert same.llmc_fsm_report.calibration["source"] == "test_dataset_objects.FakeDataset, 3 rows of 'input_ids' (3-7 tokens)"
+    assert _same(_weights(run), _weights(same))
+    fewer = llmc_fsm.oneshot(model=str(model_dir), recipe=RECIPE, dataset=texts[:2], max_seq_length=7, progress=False)
+    assert not _same(_weights(run), _weights(fewer))
+
+
+def test_input_ids_rows_of_different_lengths_calibrate_every_token(tiny_model_dir):
+    model_dir, _ = tiny_model_dir
+    rows = [list(range(3, 3 + n)) for n in (20, 12, 20, 5)]
+    ds = FakeDataset(input_ids=rows, attention_mask=[[1] * len(r) for r in rows])
+    run = llmc_fsm.oneshot(model=str(model_dir), recipe=RECIPE, dataset=ds, progress=False)
+    assert run.llmc_fsm_report.calibration == {
+        "source": "test_dataset_objects.FakeDataset, 4 rows of 'input_ids' (5-20 tokens)",
+        "num_samples": 4,
+        "seq_len": 20,
+        "num_tokens": 57,
+    }
+    first = llmc_fsm.oneshot(model=str(model_dir), recipe=RECIPE, dataset=ds, num_calibration_samples=1, progress=False)
+    assert first.llmc_fsm_report.calibration["num_tokens"] == 20
+    assert not _same(_weights(run), _weights(first))
+
+
+def test_a_tensor_is_cut_to_the_given_sizes_and_used_whole_otherwise(tiny_model_dir):
+    model_dir, _ = tiny_model_dir
+    tensor = torch.randint(3, 100, (8, 32), generator=torch.Generator().manual_seed(0))
+    whole = llmc_fsm.oneshot(model=str(model_dir), recipe=RECIPE, dataset=tensor, progress=False)
+    assert whole.llmc_fsm_report.calibration == {
+        "source": "<tensor (8, 32)>", "num_samples": 8, "seq_len": 32, "num_tokens": 256,
+    }  # fmt: skip
+    cut = llmc_fsm.oneshot(model=str(model_dir), recipe=RECIPE, dataset=tensor, num_calibration_samples=2,
+                           max_seq_length=10, progress=False)  # fmt: skip
+    assert cut.llmc_fsm_report.calibration == {
+        "source": "<tensor (8, 32)>, its first 2 rows x 10 tokens", "num_samples": 2, "seq_len": 10, "num_tokens": 20,
+    }  # fmt: skip
+    given = llmc_fsm.oneshot(model=str(model_dir), recipe=RECIPE, dataset=tensor[:2, :10].clone(), progress=False)
+    assert _same(_weights(cut), _weights(given))
+    assert not _same(_weights(cut), _weights(whole))

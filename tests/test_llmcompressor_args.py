@@ -1,0 +1,70 @@
+"""llm-compressor's ``oneshot`` arguments given to ``llmc_fsm.oneshot`` (llmc_fsm.oneshot_job.llmcompressor_args):
+each taken under its llmc-fsm name, taken because it changes nothing, or refused saying what to do — before any
+work, nothing on disk. Python used to refuse every one with a bare TypeError."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+import llmc_fsm
+from llmc_fsm.oneshot_job.llmcompressor_args import LLMCOMPRESSOR_ARGS, check_llmcompressor_args
+
+RTN = {"quant": {"QuantizationModifier": {"scheme": "W8A8", "targets": ["Linear"], "ignore": ["lm_head"]}}}
+
+
+def test_processor_is_the_tokenizer_and_worker_counts_change_nothing(caplog):
+    with caplog.at_level(logging.INFO, logger="llmc_fsm.oneshot_job.llmcompressor_args"):
+        out = check_llmcompressor_args(
+            {"processor": "tok", "preprocessing_num_workers": 8, "pipeline": "sequential", "save_compressed": True},
+            ["model", "tokenizer"],
+        )
+    assert out == {"tokenizer": "tok"}
+    assert [r.getMessage() for r in caplog.records] == [
+        "llm-compressor argument preprocessing_num_workers=8 taken: a worker count: it changes no result here",
+        "llm-compressor argument pipeline='sequential' taken: llmc-fsm calibrates layer by layer (llm-compressor's "
+        "'sequential'; data-free recipes read no data), and has no 'basic', 'layer_sequential' or 'datafree' "
+        "pipeline: leave it out",
+        "llm-compressor argument save_compressed=True taken: llmc-fsm writes a quantized model compressed "
+        "(compressed-tensors) only; leave it out",
+    ]
+
+
+def test_one_refusal_is_one_line_and_several_are_listed_together():
+    with pytest.raises(ValueError) as one:
+        check_llmcompressor_args({"splits": {"calibration": "train[:5%]"}}, ["model"])
+    assert str(one.value) == (
+        "llm-compressor oneshot argument splits=<dict>: pass the split's rows themselves: a text/JSONL file, a "
+        "datasets.Dataset (load_dataset(...)[split]) or token ids"
+    )
+    with pytest.raises(ValueError) as several:
+        check_llmcompressor_args({"pipeline": "basic", "save_compressed": 1, "moe_calibrate_all_experts": True}, [])
+    assert str(several.value).splitlines() == [
+        "llm-compressor oneshot arguments llmc-fsm does not take as given:",
+        "  - pipeline='basic' (taken: 'sequential' or 'independent'): llmc-fsm calibrates layer by layer "
+        "(llm-compressor's 'sequential'; data-free recipes read no data), and has no 'basic', 'layer_sequential' or "
+        "'datafree' pipeline: leave it out",
+        "  - save_compressed=1 (taken: True): llmc-fsm writes a quantized model compressed (compressed-tensors) only; "
+        "leave it out",
+        "  - moe_calibrate_all_experts=True (taken: False): " + LLMCOMPRESSOR_ARGS["moe_calibrate_all_experts"].note,
+    ]
+
+
+def test_unknown_names_are_a_type_error_with_the_closest_name(tmp_path):
+    with pytest.raises(TypeError, match=r"^oneshot\(\) got unexpected keyword arguments: 'num_calibration_sample' "
+                       r"\(did you mean 'num_calibration_samples'\?\), 'frobnicate'$"):
+        llmc_fsm.oneshot("smollm2-135m", RTN, num_calibration_sample=4, frobnicate=1, output_dir=tmp_path / "o")
+    assert not (tmp_path / "o").exists()
+
+
+def test_through_oneshot_refused_before_any_work_and_processor_taken(tiny_model_dir, tmp_path):
+    model_dir, _ = tiny_model_dir
+    with pytest.raises(ValueError, match=r"^llm-compressor oneshot argument shuffle_calibration_samples=True"):
+        llmc_fsm.oneshot(str(model_dir), RTN, output_dir=tmp_path / "o", shuffle_calibration_samples=True)
+    assert not (tmp_path / "o").exists()
+    with pytest.raises(ValueError, match=r"^tokenizer is given twice \(also under its llm-compressor name\)"):
+        llmc_fsm.oneshot(str(model_dir), RTN, tokenizer=str(model_dir), processor=str(model_dir))
+    model = llmc_fsm.oneshot(str(model_dir), RTN, processor=str(model_dir), pipeline="sequential", progress=False,
+                             output_dir=tmp_path / "p")
+    assert (tmp_path / "p" / "tokenizer.json").exists() and model.llmc_fsm_report is not None

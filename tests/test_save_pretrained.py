@@ -1,0 +1,91 @@
+"""``model.save_pretrained`` of a model ``oneshot`` returned (llmc_fsm.output.save.CompressedSavePretrained).
+
+llm-compressor's scripts end with ``model.save_pretrained(SAVE_DIR, save_compressed=True)``; transformers' own method
+wrote the quantized weights dense with their scales beside them and no ``quantization_config`` (the reload then ran
+without activation quantization). These tests fail on that code: they compare with what ``output_dir`` writes.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+import llmc_fsm
+
+W8A8 = {"quant": {"QuantizationModifier": {"scheme": "W8A8", "targets": ["Linear"], "ignore": ["lm_head"]}}}
+PRUNE = {"prune": {"MagnitudePruningModifier": {"sparsity": 0.5}}}
+
+
+def _tensors(directory):
+    out = {}
+    for path in sorted(directory.glob("*.safetensors")):
+        out.update(load_file(str(path)))
+    return out
+
+
+def _run(model_dir, recipe, **kw):
+    return llmc_fsm.oneshot(str(model_dir), recipe=recipe, progress=False, **kw)
+
+
+def test_save_pretrained_writes_what_output_dir_writes(tiny_model_dir, tmp_path):
+    model_dir, _ = tiny_model_dir
+    model = _run(model_dir, W8A8)
+    model.save_pretrained(tmp_path / "saved", save_compressed=True)
+    _run(model_dir, W8A8, output_dir=tmp_path / "out")
+
+    saved, out = _tensors(tmp_path / "saved"), _tensors(tmp_path / "out")
+    assert sorted(saved) == sorted(out)
+    assert all(torch.equal(saved[k], out[k]) for k in saved)
+    q_proj = "model.layers.0.self_attn.q_proj"
+    assert saved[f"{q_proj}.weight"].dtype == torch.int8 and f"{q_proj}.weight_scale" in saved
+    config = json.loads((tmp_path / "saved" / "config.json").read_text())
+    expected = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["quantization_config"] == expected["quantization_config"]
+    assert config["quantization_config"]["format"] == "int-quantized"
+    assert (tmp_path / "saved" / "recipe.yaml").read_text() == (tmp_path / "out" / "recipe.yaml").read_text()
+    assert not (tmp_path / "saved" / "report.json").exists()  # the tokenizer and report are output_dir's
+
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "saved")
+    ids = torch.arange(1, 33).unsqueeze(0)
+    with torch.no_grad():
+        assert torch.equal(reloaded(ids).logits, model(ids).logits)  # activation quantization included
+
+
+def test_save_compressed_false_is_refused_for_a_quantized_model(tiny_model_dir, tmp_path):
+    model_dir, _ = tiny_model_dir
+    model = _run(model_dir, W8A8)
+    match = r"^save_pretrained\(save_compressed=False\): llmc-fsm writes a quantized model only compressed"
+    with pytest.raises(ValueError, match=match):
+        model.save_pretrained(tmp_path / "dense", save_compressed=False)
+    assert not (tmp_path / "dense").exists()
+    with pytest.raises(ValueError, match=r"state_dict=\.\.\.\): the compressed state dict is built here"):
+        model.save_pretrained(tmp_path / "sd", state_dict={})
+    assert not (tmp_path / "sd").exists()
+
+
+def test_a_pruned_model_saves_dense_either_way_and_a_copy_saves_itself(tiny_model_dir, tmp_path):
+    model_dir, _ = tiny_model_dir
+    model = _run(model_dir, PRUNE)
+    model.save_pretrained(tmp_path / "a", save_compressed=False)
+    clone = copy.deepcopy(model)
+    with torch.no_grad():
+        clone.model.layers[0].mlp.down_proj.weight.zero_()
+    clone.save_pretrained(tmp_path / "b")
+    a, b = _tensors(tmp_path / "a"), _tensors(tmp_path / "b")
+    down = "model.layers.0.mlp.down_proj.weight"
+    assert torch.equal(a[down], model.model.layers[0].mlp.down_proj.weight)
+    assert bool(a[down].ne(0).any()) and not bool(b[down].ne(0).any())  # the copy's own weights
+    assert "quantization_config" not in json.loads((tmp_path / "a" / "config.json").read_text())
+
+
+def test_a_streamed_run_model_names_its_output_directory(tiny_model_dir, tmp_path):
+    model_dir, _ = tiny_model_dir
+    model = _run(model_dir, W8A8, output_dir=tmp_path / "out", low_memory=True)
+    with pytest.raises(ValueError, match=r"holds no weights \(meta device\); the compressed model is in '.*out'"):
+        model.save_pretrained(tmp_path / "again")
+    assert not (tmp_path / "again").exists()
