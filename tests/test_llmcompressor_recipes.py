@@ -419,6 +419,33 @@ def test_older_llm_compressor_argument_names_and_run_types_are_read() -> None:
     assert gptq.dampening_frac == 0.05 and rtn.targets == ["lm_head"]
 
 
+def test_modifier_objects_take_llmcompressor_names_as_recipe_text_does(caplog):
+    # the same translation as the recipe text above, for a modifier built in Python (llm-compressor's scripts)
+    from llmc_fsm_quantization import GPTQModifier, QuantizationModifier
+
+    text = resolve_recipe("s:\n  GPTQModifier: {percdamp: 0.05, offload_hessians: true, scheme: {W8A16: [Linear]}}\n")
+    with caplog.at_level("INFO", logger="llmc_fsm.recipes.llmcompressor"):
+        gptq = GPTQModifier(percdamp=0.05, offload_hessians=True, scheme={"W8A16": ["Linear"]})
+    expected = text.stages[0].modifiers[0]
+    assert (gptq.dampening_frac, gptq.scheme, list(gptq.targets)) == (0.05, "W8A16", ["Linear"])
+    assert (gptq.dampening_frac, gptq.scheme, list(gptq.targets)) == (
+        expected.dampening_frac, expected.scheme, list(expected.targets)
+    )
+    assert [r.getMessage() for r in caplog.records] == [
+        "GPTQModifier: llm-compressor argument 'offload_hessians'=True accepted and ignored: memory placement only; "
+        "llmc-fsm keeps only the current layer's statistics"
+    ]
+    assert QuantizationModifier(scheme="W4A16", observer={"weights": "mse"}).observer == "mse"
+    assert QuantizationModifier(scheme="W4A16", weight_observer="mse").observer == "mse"
+    with pytest.raises(ValueError, match=r"^GPTQModifier: argument 'percdamp' sets 'dampening_frac' to 0.05, but "):
+        GPTQModifier(scheme="W4A16", percdamp=0.05, dampening_frac=0.1)
+    with pytest.raises(ValueError, match=r"^GPTQModifier: argument 'sequential_targets': llm-compressor argument "
+                       r"not supported: the pipeline finds the decoder layers from the model; remove it$"):
+        GPTQModifier(scheme="W4A16", sequential_targets=["LlamaDecoderLayer"])
+    with pytest.raises(TypeError, match="unexpected keyword argument 'percdam'"):  # a typo stays a typo
+        GPTQModifier(scheme="W4A16", percdam=0.1)
+
+
 THREE_PROBLEMS = """\
 prune_stage:
   pruning_modifiers:

@@ -121,6 +121,23 @@ def test_gptq_w4a16_streamed_equals_in_memory_and_loads_with_from_pretrained(sha
     assert {m.bits for m in model.llmc_fsm_report.modules if m.layer is not None} == {4}
 
 
+def test_smoothquant_then_gptq_streamed_equals_in_memory(sharded_dir, text_file, tmp_path):
+    # a stage with a modifier that is no CalibratedModifier (smoothing) calibrates each layer in the plain order on
+    # both paths: the streamed one used the grouped order and gave other GPTQ weights (410 of 482 tensors on SmolLM2)
+    recipe = {
+        "quant_stage": {
+            "quant_modifiers": {
+                "SmoothQuantModifier": {"smoothing_strength": 0.8},
+                "GPTQModifier": {"targets": "Linear", "scheme": "W8A8", "ignore": ["lm_head"]},
+            }
+        }
+    }
+    mem, low, _ = _both(sharded_dir, tmp_path, recipe, dataset=text_file, **SIZES)
+    a, b = _tensors(mem), _tensors(low)
+    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+    assert a["model.layers.1.self_attn.q_proj.weight"].dtype == torch.int8
+
+
 def test_data_free_rtn_and_a_bf16_checkpoint_stream_like_in_memory(text_file, tmp_path):
     src = _build(tmp_path / "bf16", text_file, dtype=torch.bfloat16)
     recipe = {"q": {"QuantizationModifier": {"scheme": "W8A8"}}}

@@ -23,10 +23,15 @@ Hooks (all optional; the session only calls the ones a class overrides):
 :meth:`Modifier.check_model` checks a model before any work (one-shot). Checkpoints:
 :meth:`Modifier.state_dict` / :meth:`Modifier.load_state_dict` (default: nothing).
 A hook that raises reaches the caller as :class:`~llmc_fsm.ModifierError` (see :mod:`llmc_fsm.core.guard`).
+
+Keyword arguments pass through :data:`ARGUMENT_TRANSLATORS` before ``__init__`` (the metaclass
+:class:`ModifierType`): :mod:`llmc_fsm.recipes.llmcompressor` registers the one that reads llm-compressor's argument
+names and forms, so ``GPTQModifier(percdamp=0.01)`` in Python reads as the same recipe text does.
 """
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import functools
 import weakref
@@ -45,11 +50,13 @@ if TYPE_CHECKING:
 
 
 __all__ = [
+    "ARGUMENT_TRANSLATORS",
     "BATCH_EVENTS",
     "HOOKS",
     "SCHEDULE_HOOKS",
     "Event",
     "Modifier",
+    "ModifierType",
     "modifier_labels",
     "overrides",
     "own_forwards",
@@ -171,8 +178,25 @@ def _check_schedule(instance: Modifier, attribute: attrs.Attribute, value: float
         raise ValueError(msg)
 
 
+#: Functions ``translate(cls, kwargs) -> kwargs`` that rewrite a modifier's keyword arguments before its
+#: ``__init__``, in order (a translator raises ``ValueError`` to refuse an argument). Registered by the modules that
+#: own a dialect (:mod:`llmc_fsm.recipes.llmcompressor`); the recipe builder's arguments pass through them too, so
+#: a translator must leave arguments already in llmc-fsm's form unchanged.
+ARGUMENT_TRANSLATORS: list[Callable[[type, dict[str, Any]], dict[str, Any]]] = []
+
+
+class ModifierType(abc.ABCMeta):
+    """The metaclass of :class:`Modifier`: ``SomeModifier(**kwargs)`` builds the modifier from the keyword arguments
+    :data:`ARGUMENT_TRANSLATORS` give (an ``ABCMeta``, so a subclass may also derive from ``abc.ABC``)."""
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        for translate in ARGUMENT_TRANSLATORS:
+            kwargs = translate(cls, kwargs)
+        return super().__call__(*args, **kwargs)
+
+
 @attrs.define(kw_only=True, slots=False, eq=False)
-class Modifier:
+class Modifier(metaclass=ModifierType):
     """Base class for compression modifiers (pruning, quantization, distillation, schedules).
 
     Subclass it with ``@attrs.define(kw_only=True, slots=False, eq=False)`` and

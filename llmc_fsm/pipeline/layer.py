@@ -34,6 +34,7 @@ from llmc_fsm.core.torch_hooks import global_forward_hooks_installed, hook_count
 from llmc_fsm.output.save import quantized_weights_as_compressed
 from llmc_fsm.pipeline.forward import Calls, Inputs, StopForward, call_order, first_output, with_hidden
 from llmc_fsm.pipeline.true_sequential import plan_groups, run_grouped
+from llmc_fsm.toolkit.calibrated import CalibratedModifier
 
 __all__ = [
     "RestoredLayers",
@@ -223,7 +224,9 @@ def compress_layer(
     scales into the layer from its own pass over ``inputs``, its hooks only). Then, with activation quantization off
     throughout (:func:`activation_quantization_off`), one of three orders:
 
-    * ``true_sequential`` and a layer :func:`llmc_fsm.pipeline.true_sequential.plan_groups` accepts (by ``calls``):
+    * ``true_sequential``, every one of ``modifiers`` a :class:`~llmc_fsm.toolkit.calibrated.CalibratedModifier`
+      (grouped calibration calls a group's later members' pre-hooks early, which only those ignore), and a layer
+      :func:`llmc_fsm.pipeline.true_sequential.plan_groups` accepts (by ``calls``):
       every batch runs the layer once and each group of targets is compressed (``compress(group)``) before any batch
       runs it, the batches running a compressed group with the weights it now holds;
     * ``modifiers`` all defer their weight update (:func:`defers_weights`) and ``need_outputs``: every batch runs
@@ -240,8 +243,9 @@ def compress_layer(
         if prepare is not None and inputs:
             prepare(layer, inputs)
     deferred = defers_weights(modifiers)
+    grouped = true_sequential and all(isinstance(m, CalibratedModifier) for m in modifiers)
     with activation_quantization_off(layer) as off:
-        groups = plan_groups(layer, calls) if true_sequential and inputs and not deferred else None
+        groups = plan_groups(layer, calls) if grouped and inputs and not deferred else None
         if groups is not None:
 
             def compress_group(group: list[nn.Module]) -> None:

@@ -418,7 +418,7 @@ def _run_layers(
     ``head``, the output head is calibrated and compressed after the last layer (:meth:`_Head.calibrate`)."""
     from tqdm.auto import tqdm
 
-    # grouped calibration calls a group's later members' pre-hooks early; CalibratedModifier ignores the later call
+    # grouped only for CalibratedModifiers (compress_layer decides; the early exit's calls are recorded either way)
     true_sequential = true_sequential and all(isinstance(m, CalibratedModifier) for m in session.modifiers)
     store = runner.store
     with runner.onload(model, skip=[layers]):  # embeddings, rotary tables (the layers' forwards are stubbed)

@@ -19,7 +19,9 @@ what is specific to it:
   forms of arguments the modifiers do have (``scheme: {PRESET: targets}``,
   ``observer: {weights: NAME}``).
 
-``docs/recipes.md`` carries the same table for readers (a test compares them).
+``docs/recipes.md`` carries the same table for readers (a test compares them). The same rules apply to modifiers
+built in Python (``GPTQModifier(percdamp=0.01)``): :func:`translate_arguments` is registered in
+:data:`llmc_fsm.core.modifier.ARGUMENT_TRANSLATORS`.
 
 :data:`DEFAULT_DIFFERENCES` says where an llmc-fsm default differs from llm-compressor's for the same
 recipe (``llmc-fsm explain`` shows it next to the value; the run logs it and the saved recipe.yaml records
@@ -38,6 +40,7 @@ from typing import Any
 import attrs
 
 from llmc_fsm.core.errors import RecipeError
+from llmc_fsm.core.modifier import ARGUMENT_TRANSLATORS
 from llmc_fsm.recipes.loading import MarkedDict, line_of
 
 __all__ = [
@@ -51,6 +54,7 @@ __all__ = [
     "is_group_key",
     "top_level_stages",
     "translate_argument",
+    "translate_arguments",
     "unimplemented_note",
 ]
 
@@ -335,3 +339,43 @@ def default_difference(modifier: str, argument: str, value: Any) -> str | None:
 
 def _accepted(value: Any, accept: tuple[Any, ...]) -> bool:
     return any(value is v if v is None or isinstance(v, bool) else value == v for v in accept)
+
+
+def translate_arguments(cls: type, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``kwargs`` of ``cls(**kwargs)`` with llm-compressor's argument names and value forms rewritten by
+    :data:`ARGUMENT_RULES` (for a class whose :meth:`~llmc_fsm.Modifier.modifier_name` has rules; others as given).
+
+    What the recipe builder does for recipe text, for a modifier built in Python: ``GPTQModifier(percdamp=0.01)``
+    is ``GPTQModifier(dampening_frac=0.01)``, ``QuantizationModifier(scheme={"W4A16": ["Linear"]})`` is
+    ``scheme="W4A16", targets=["Linear"]``; an argument accepted and ignored is logged and dropped. Arguments in
+    llmc-fsm's form are left as they are (the builder's translated arguments pass through here again).
+
+    Raises:
+        ValueError: an argument llmc-fsm refuses (with llm-compressor's reason), one that maps to an argument the
+            class does not have, or one that sets an argument also given with another value.
+    """
+    name_of = getattr(cls, "modifier_name", None)
+    name = name_of() if callable(name_of) else cls.__name__
+    if name not in ARGUMENT_RULES or not attrs.has(cls):
+        return kwargs
+    accepted = {a.alias or a.name for a in attrs.fields(cls) if a.init}
+    out: dict[str, Any] = {}
+    for key, value in kwargs.items():
+        try:
+            translated = translate_argument(name, key, value, kwargs, is_field=key in accepted)
+        except ValueError as exc:
+            raise ValueError(f"{name}: argument {key!r}: {exc}") from None
+        if translated is None:
+            out[key] = value
+            continue
+        for target, new in translated.items():
+            if target not in accepted:
+                raise ValueError(f"{name}: argument {key!r} maps to {target!r}, which {name} does not accept")
+            if target != key and target in kwargs and kwargs[target] != new:
+                raise ValueError(f"{name}: argument {key!r} sets {target!r} to {new!r}, but {target!r} is also given")
+            out[target] = new
+    return out
+
+
+if translate_arguments not in ARGUMENT_TRANSLATORS:
+    ARGUMENT_TRANSLATORS.append(translate_arguments)
