@@ -343,3 +343,22 @@ def test_the_check_before_loading_builds_the_model_in_the_dtype_given(quantized,
             "cannot compress 28 of its 28 targets — torch.float32 weight: ")
         assert main(["explain", str(recipe), "--model", str(model_dir), "--dtype", "bfloat16"]) == 0
         assert capsys.readouterr().err == ""
+
+
+def test_a_sequence_longer_than_the_model_takes_is_refused_before_any_weight_is_read(
+    quantized, tmp_path, capsys, monkeypatch
+) -> None:
+    """``--seq-len`` above ``max_position_embeddings``: the one line of the error, from the config's ``meta`` model
+    (it used to come after the device and streaming lines, once the model was indexed)."""
+    model_dir, text, _ = quantized
+    limit = json.loads((model_dir / "config.json").read_text())["max_position_embeddings"]
+    _refuse_loading(monkeypatch)
+    argv = ["oneshot", "--model", str(model_dir), "--dataset", str(text), "--seq-len", str(limit + 1)]
+    assert main([*argv, "--output", str(tmp_path / "out")]) == 1
+    captured = capsys.readouterr()
+    message = (
+        f"sequence length {limit + 1} (--seq-len / eval) is above the model's max_position_embeddings ({limit}); "
+        f"use at most {limit}"
+    )
+    assert (captured.out, captured.err) == ("", f"llmc-fsm oneshot: error: {message}\n")
+    assert not (tmp_path / "out").exists()

@@ -242,7 +242,8 @@ def test_stage_window_start_end() -> None:
         ("s: []\n", "recipe <text>, line 1, stage 's': the stage has no modifiers"),
         ("s: {}\n", "recipe <text>, line 1, stage 's': the stage has no modifiers"),
         ("s:\n  modifiers:\n", "recipe <text>, line 2, stage 's': the stage has no modifiers"),
-        ("- Prune\n", "the top level must map stage names to modifiers, got a list"),
+        ("- Prune\n", "the top level must map stage names to modifiers, got a list; put it under a stage name"),
+        ("- 1\n- 2\n", "got a list; a stage maps modifier names to arguments"),  # not modifier entries: no such hint
         ("just text\n", "the top level must map stage names to modifiers, got str"),
         ("1:\n  Prune: {}\n", "recipe <text>, line 1: stage names must be strings, got 1"),
         ("s:\n  Prune: 0.5\n", "recipe <text>, line 2, stage 's', modifier Prune: arguments must be a mapping"),

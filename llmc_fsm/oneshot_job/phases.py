@@ -202,12 +202,7 @@ def token_data(run: Run) -> None:
         MissingStateError: a modifier needs state one-shot does not give.
     """
     settings = run.settings
-    used = [settings.eval_length] if run.ev_text is not None else []
-    if run.needs_data and (run.cal_rows is None or settings.max_seq_length is not None):  # data-free: no text
-        tensor = is_tensor(settings.dataset) and settings.max_seq_length is None
-        used.append(int(settings.dataset.shape[1]) if tensor else settings.seq_len)
-    if used:
-        check_seq_len(run.model, max(used))
+    _check_lengths(run, run.model)
     with run.timed("data"):
         calibration_windows(run)
         if run.cal_rows is not None and run.needs_data and settings.max_seq_length is None:
@@ -215,6 +210,23 @@ def token_data(run: Run) -> None:
         if run.ev_text is not None:
             run.eval_windows = eval_windows(run.tokenizer, run.ev_text, settings.num_eval_windows, settings.eval_length)
     check_modifiers(run.sessions, run.model, run.windows if run.windows is not None else True)
+
+
+def _check_lengths(run: Run, model: Any) -> None:
+    """The sequence lengths the job will feed ``model`` (the calibration windows', unless the job is data-free or
+    its samples of different lengths are used whole; the evaluation windows') against its positions: before any
+    weight is read (:func:`_check_on_meta`, on the ``meta`` model) and again on the loaded model.
+
+    Raises:
+        ValueError: a length above the model's ``max_position_embeddings``, naming it (:func:`check_seq_len`).
+    """
+    settings = run.settings
+    used = [settings.eval_length] if settings.eval_text is not None else []
+    if run.needs_data and (not is_rows(settings.dataset) or settings.max_seq_length is not None):
+        tensor = is_tensor(settings.dataset) and settings.max_seq_length is None
+        used.append(int(settings.dataset.shape[1]) if tensor else settings.seq_len)
+    if used:
+        check_seq_len(model, max(used))
 
 
 def _check_rows_fit(run: Run) -> None:
@@ -328,6 +340,7 @@ def _check_on_meta(run: Run) -> None:
         logger.debug("the model of this config cannot be built on meta (%s): checked after loading", err)
         return
     check_calibrates_from_text(skeleton)  # an encoder-decoder model: refused as the loaded one would be
+    _check_lengths(run, skeleton)  # --seq-len above the model's positions: before the device line, any weight
     try:
         check_modifiers(run.sessions, skeleton, True)
     except (ValueError, MissingStateError):  # a refusal, before any weight is read

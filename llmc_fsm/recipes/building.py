@@ -127,9 +127,11 @@ def build_recipe(data: Any, source: str) -> Recipe:
         )
         raise RecipeError(msg)
     if isinstance(data, list):
+        entries = all(isinstance(item, str | Mapping) for item in data)  # modifier entries ("- Name: {...}")
+        hint = "put it under a stage name, e.g. `default:` followed by the list" if entries else _SHAPE
         msg = (
             f"recipe {source}, line {line_of(data) or 1}: the top level must map stage names to modifiers, "
-            "got a list; put it under a stage name, e.g. `default:` followed by the list"
+            f"got a list; {hint}"
         )
         raise RecipeError(msg)
     if not isinstance(data, Mapping):
