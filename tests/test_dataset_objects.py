@@ -5,6 +5,9 @@ acting on a token tensor when given."""
 
 from __future__ import annotations
 
+import json
+import re
+
 import pytest
 import torch
 from transformers import AutoTokenizer
@@ -54,7 +57,7 @@ def _ids(batches):
 def test_input_ids_rows_are_cut_and_batched_by_equal_length():
     ds = FakeDataset(input_ids=[[1, 2, 3], [4, 5, 6], [7, 8, 9, 10, 11], [12, 13], [14]], other=list("abcde"))
     rows = read_rows(ds, None, None)
-    assert (rows.column, rows.rows, rows.masks) == ("input_ids", ((1, 2, 3), (4, 5, 6), (7, 8, 9, 10, 11), (12, 13), (14,)), None)
+    assert (rows.column, rows.rows) == ("input_ids", ((1, 2, 3), (4, 5, 6), (7, 8, 9, 10, 11), (12, 13), (14,)))
     batches = row_batches(rows, None, seq_len=None, batch_size=2)
     assert isinstance(batches, TokenRows)
     assert _ids(batches) == [([[1, 2, 3], [4, 5, 6]], None), ([[7, 8, 9, 10, 11]], None), ([[12, 13]], None), ([[14]], None)]
@@ -65,10 +68,22 @@ def test_input_ids_rows_are_cut_and_batched_by_equal_length():
     assert _ids(cut) == [([[1, 2, 3]], None), ([[4, 5, 6]], None), ([[7, 8, 9, 10]], None)]
 
 
-def test_attention_mask_is_passed_along_cut_with_its_row():
-    ds = FakeDataset(input_ids=[torch.tensor([[5, 6, 7]]), [8, 9]], attention_mask=[[1, 1, 0], [1, 1]])
+def test_padding_under_attention_mask_zeros_is_left_out_before_the_cut():
+    # right and left padding: only the tokens under 1s are samples (padding never enters the statistics)
+    ds = FakeDataset(input_ids=[torch.tensor([[5, 6, 7, 0]]), [0, 0, 8, 9, 4]], attention_mask=[[1, 1, 1, 0], [0, 0, 1, 1, 1]])
+    assert read_rows(ds, None, None).rows == ((5, 6, 7), (8, 9, 4))
     batches = row_batches(read_rows(ds, None, 2), None, seq_len=2, batch_size=8)
-    assert _ids(batches) == [([[5, 6], [8, 9]], [[1, 1], [1, 1]])]
+    assert _ids(batches) == [([[5, 6], [8, 9]], None)]
+    for mask, message in (
+        ([[1, 0, 1, 1], [1, 1, 1, 1, 1]], "dataset row 0: 'attention_mask' has zeros between ones (padding inside the row)"),
+        ([[1, 1, 1, 1], [0, 0, 0, 0, 0]], "dataset row 1: 'attention_mask' is all zeros: the row holds no token"),
+        ([[1, 1, 1, 2], [1, 1, 1, 1, 1]], "dataset row 0: 'attention_mask' must hold 0 and 1 only, got [2]"),
+        ([[1, 1, 1], [1, 1, 1, 1, 1]], "dataset row 0: 'attention_mask' has 3 values for 4 token ids"),
+    ):
+        with pytest.raises(ValueError, match="^" + re.escape(message)):
+            read_rows(FakeDataset(input_ids=[[5, 6, 7, 0], [0, 0, 8, 9, 4]], attention_mask=mask), None, None)
+    with pytest.raises(ValueError, match="^dataset row 0: 'input_ids' holds no token ids: drop empty rows"):
+        read_rows(FakeDataset(input_ids=[[]]), None, None)
 
 
 def test_texts_are_tokenized_as_llmcompressor_tokenizes_a_text_column():
@@ -208,6 +223,12 @@ def test_input_ids_rows_of_different_lengths_calibrate_every_token(tiny_model_di
     first = llmc_fsm.oneshot(model=str(model_dir), recipe=RECIPE, dataset=ds, num_calibration_samples=1, progress=False)
     assert first.llmc_fsm_report.calibration["num_tokens"] == 20
     assert not _same(_weights(run), _weights(first))
+    # the same rows padded to 20 at the right under attention_mask zeros: the same samples, weights and report
+    padded = FakeDataset(input_ids=[r + [0] * (20 - len(r)) for r in rows],
+                         attention_mask=[[1] * len(r) + [0] * (20 - len(r)) for r in rows])
+    again = llmc_fsm.oneshot(model=str(model_dir), recipe=RECIPE, dataset=padded, progress=False)
+    assert again.llmc_fsm_report.calibration == run.llmc_fsm_report.calibration
+    assert _same(_weights(run), _weights(again))
 
 
 def test_a_tensor_is_cut_to_the_given_sizes_and_used_whole_otherwise(tiny_model_dir):
@@ -225,3 +246,19 @@ def test_a_tensor_is_cut_to_the_given_sizes_and_used_whole_otherwise(tiny_model_
     given = llmc_fsm.oneshot(model=str(model_dir), recipe=RECIPE, dataset=tensor[:2, :10].clone(), progress=False)
     assert _same(_weights(cut), _weights(given))
     assert not _same(_weights(cut), _weights(whole))
+
+
+def test_token_ids_the_embedding_has_no_row_for_are_refused_before_any_forward(tiny_model_dir, tmp_path):
+    model_dir, _ = tiny_model_dir
+    rows = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    for data, low, high in (
+        (torch.full((2, 8), rows, dtype=torch.long), rows, rows),  # a tensor of another tokenizer's ids
+        (FakeDataset(input_ids=[[5, 6, -100], [7, 8]]), -100, 8),  # a label pad id left in the rows
+    ):
+        message = (
+            f"calibration token ids must lie in [0, {rows}) (the rows of the model's input embedding), got ids from "
+            f"{low} to {high}: were they made by this model's tokenizer (no -100 or other padding marks)?"
+        )
+        with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
+            llmc_fsm.oneshot(model=str(model_dir), recipe=RECIPE, dataset=data, output_dir=tmp_path / "o", progress=False)
+        assert not (tmp_path / "o").exists()

@@ -440,7 +440,7 @@ def test_weights_too_large_for_cpu_memory_take_the_streamed_path(monkeypatch, ti
     )
     assert f"llmc-fsm oneshot: {what}: streaming one decoder layer at a time (--low-memory)" in capsys.readouterr().err
     with pytest.raises(ValueError) as info:
-        llmc_fsm.oneshot(model=str(model_dir), dataset=str(text), progress=False, device="cpu")
+        llmc_fsm.oneshot(model=str(model_dir), dataset=str(text), max_seq_length=16, progress=False, device="cpu")
     assert str(info.value) == (
         f"{what}, and the streamed path (--low-memory) cannot run this job: it writes the compressed model layer by "
         "layer and keeps none of it in memory: pass output_dir (--output)"

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 
 import pytest
+import torch
 
 import llmc_fsm
 from llmc_fsm.oneshot_job.llmcompressor_args import LLMCOMPRESSOR_ARGS, check_llmcompressor_args
@@ -35,7 +36,7 @@ def test_one_refusal_is_one_line_and_several_are_listed_together():
     with pytest.raises(ValueError) as one:
         check_llmcompressor_args({"splits": {"calibration": "train[:5%]"}}, ["model"])
     assert str(one.value) == (
-        "llm-compressor oneshot argument splits=<dict>: pass the split's rows themselves: a text/JSONL file, a "
+        "llm-compressor oneshot argument splits=<dict> (taken: None): pass the split's rows themselves: a text/JSONL file, a "
         "datasets.Dataset (load_dataset(...)[split]) or token ids"
     )
     with pytest.raises(ValueError) as several:
@@ -66,5 +67,8 @@ def test_through_oneshot_refused_before_any_work_and_processor_taken(tiny_model_
     with pytest.raises(ValueError, match=r"^tokenizer is given twice \(also under its llm-compressor name\)"):
         llmc_fsm.oneshot(str(model_dir), RTN, tokenizer=str(model_dir), processor=str(model_dir))
     model = llmc_fsm.oneshot(str(model_dir), RTN, processor=str(model_dir), pipeline="sequential", progress=False,
-                             output_dir=tmp_path / "p")
+                             output_dir=tmp_path / "p", precision="bfloat16", splits=None)
     assert (tmp_path / "p" / "tokenizer.json").exists() and model.llmc_fsm_report is not None
+    assert model.dtype == torch.bfloat16  # precision is the dtype
+    with pytest.raises(ValueError, match=r"^dtype is given twice \(also under its llm-compressor name\)"):
+        llmc_fsm.oneshot(str(model_dir), RTN, dtype="float16", precision="bfloat16")

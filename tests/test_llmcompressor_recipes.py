@@ -444,6 +444,15 @@ def test_modifier_objects_take_llmcompressor_names_as_recipe_text_does(caplog):
         GPTQModifier(scheme="W4A16", sequential_targets=["LlamaDecoderLayer"])
     with pytest.raises(TypeError, match="unexpected keyword argument 'percdam'"):  # a typo stays a typo
         GPTQModifier(scheme="W4A16", percdam=0.1)
+    # llm-compressor's str targets beside the {PRESET: targets} form; a plugin's subclass keeps its base's rules
+    assert list(GPTQModifier(scheme={"W4A16": "Linear"}, targets="Linear").targets) == ["Linear"]
+    import attrs
+
+    @attrs.define(kw_only=True, slots=False, eq=False)
+    class PluginGPTQ(GPTQModifier):
+        extra: int = 1
+
+    assert PluginGPTQ(scheme="W4A16", percdamp=0.03).dampening_frac == 0.03
 
 
 THREE_PROBLEMS = """\

@@ -127,7 +127,7 @@ def test_bad_directory_is_one_line_from_the_cli(tiny_dir, tmp_path, capsys):
     d = _copy(tiny_dir, tmp_path, ["config.json"])
     text = tmp_path / "cal.txt"
     text.write_text("w1 w2 w3 " * 50, encoding="utf-8")
-    assert main(["oneshot", "--model", str(d), "--dataset", str(text), "--no-progress"]) == 1
+    assert main(["oneshot", "--model", str(d), "--dataset", str(text), "--seq-len", "16", "--no-progress"]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1
     assert err.startswith(f"llmc-fsm oneshot: error: {d}: no model weights: none of model.safetensors,")

@@ -196,7 +196,7 @@ def test_jobs_low_memory_cannot_run_fail_before_reading_weights(sharded_dir, tex
     kw = {"dataset": text_file, **kw}
     out = tmp_path / "o" if kw.pop("output", False) else None
     with pytest.raises(ValueError, match=r"^low_memory \(--low-memory\) cannot run this job: ") as err:
-        llmc_fsm.oneshot(str(sharded_dir), output_dir=out, progress=False, low_memory=True, **kw)
+        llmc_fsm.oneshot(str(sharded_dir), output_dir=out, progress=False, low_memory=True, max_seq_length=32, **kw)
     assert message in str(err.value)
     assert list(tmp_path.iterdir()) == []
 

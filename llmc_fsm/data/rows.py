@@ -6,17 +6,17 @@ add_special_tokens=False)``). The ``datasets`` package is not imported: a datase
 (``column_names``, ``len()``, ``ds[i]`` -> a row dict), so ``datasets`` stays an optional dependency.
 
 * a ``list`` / ``tuple`` of ``str``: each text is one calibration sample, tokenized by the model's tokenizer;
-* a dataset with an ``input_ids`` column: each row is one calibration sample as it was tokenized (its
-  ``attention_mask`` is passed along when the dataset has that column);
+* a dataset with an ``input_ids`` column: each row is one calibration sample as it was tokenized (with an
+  ``attention_mask`` column, only its tokens under 1s: padding at either end is left out, so it never enters the
+  statistics);
 * a dataset with a ``text`` column (and no ``input_ids``): each row's text is tokenized by the model's tokenizer.
 
 The first ``num_calibration_samples`` rows are used (all of them when it is not given); each sample is cut to its
 first ``max_seq_length`` tokens (not cut when it is not given). Texts are tokenized as llm-compressor tokenizes a
 ``text`` column (``tokenizer(text, padding=False, truncation=True, max_length=max_seq_length)``, the tokenizer's
 default ``add_special_tokens=True``: a BOS where the tokenizer adds one). Samples of different lengths cannot be
-one ``LongTensor[N, L]``: they become :class:`TokenRows`, a list of batches ``{"input_ids": LongTensor[B, L_i]}``
-(``attention_mask`` too when given), consecutive samples of the same length sharing a batch of at most
-``batch_size``; no padding.
+one ``LongTensor[N, L]``: they become :class:`TokenRows`, a list of batches ``{"input_ids": LongTensor[B, L_i]}``,
+consecutive samples of the same length sharing a batch of at most ``batch_size``; no padding.
 
 Differences from llm-compressor 0.14 (``datasets/utils.py``): it draws the ``num_calibration_samples`` rows at
 random by default (``shuffle_calibration_samples=True``) and warns when the dataset has fewer; here the first ones
@@ -144,14 +144,13 @@ def describe_rows(value: Any) -> str:
 class CalibrationRows:
     """The calibration samples read from a list of texts or a dataset, before any model work.
 
-    ``column``: ``"input_ids"`` (``rows`` hold token ids, already cut to ``max_seq_length``, and ``masks`` the
-    ``attention_mask`` rows or ``None``) or ``"text"`` (``rows`` hold the texts; ``masks`` is ``None``).
+    ``column``: ``"input_ids"`` (``rows`` hold token ids, padding left out, already cut to ``max_seq_length``) or
+    ``"text"`` (``rows`` hold the texts).
     """
 
     source: str  # describe_rows of the object
     column: str
     rows: tuple[Any, ...]
-    masks: tuple[tuple[int, ...], ...] | None = None
 
     @property
     def tokenized(self) -> bool:
@@ -159,11 +158,10 @@ class CalibrationRows:
         return self.column == "input_ids"
 
     def digest(self) -> str:
-        """sha256 of the column name and every row (and mask): what a resumed run compares."""
+        """sha256 of the column name and every row: what a resumed run compares."""
         h = hashlib.sha256(self.column.encode())
-        for index, row in enumerate(self.rows):
-            mask = None if self.masks is None else self.masks[index]
-            h.update(json.dumps([row, mask]).encode())
+        for row in self.rows:
+            h.update(json.dumps(row).encode())
         return h.hexdigest()
 
 
@@ -173,6 +171,8 @@ def _ids(value: Any, where: str) -> tuple[int, ...]:
     Raises:
         ValueError: not integers, or another shape.
     """
+    if isinstance(value, list | tuple) and not value:
+        return ()
     tensor = value if isinstance(value, torch.Tensor) else None
     if tensor is None:
         try:
@@ -208,7 +208,7 @@ def read_rows(value: Any, num_samples: int | None, seq_len: int | None) -> Calib
         return CalibrationRows(source=source, column="text", rows=tuple(value[:used]))
     column = "input_ids" if "input_ids" in value.column_names else "text"
     with_mask = column == "input_ids" and "attention_mask" in value.column_names
-    rows, masks = [], []
+    rows = []
     for index in range(used):
         row = value[index]
         if column == "text":
@@ -217,23 +217,41 @@ def read_rows(value: Any, num_samples: int | None, seq_len: int | None) -> Calib
                 raise ValueError(msg)
             rows.append(row["text"])
             continue
-        ids = _ids(row["input_ids"], f"dataset row {index}: 'input_ids'")[:seq_len]
+        ids = _ids(row["input_ids"], f"dataset row {index}: 'input_ids'")
+        if with_mask:
+            ids = _unpadded(ids, _ids(row["attention_mask"], f"dataset row {index}: 'attention_mask'"), index)
+        ids = ids[:seq_len]
         if not ids:
             msg = f"dataset row {index}: 'input_ids' holds no token ids: drop empty rows (ds.filter(...))"
             raise ValueError(msg)
         rows.append(ids)
-        if with_mask:
-            mask = _ids(row["attention_mask"], f"dataset row {index}: 'attention_mask'")[:seq_len]
-            if len(mask) != len(ids):
-                msg = f"dataset row {index}: 'attention_mask' has {len(mask)} values for {len(ids)} token ids"
-                raise ValueError(msg)
-            masks.append(mask)
-    return CalibrationRows(source=source, column=column, rows=tuple(rows), masks=tuple(masks) if with_mask else None)
+    return CalibrationRows(source=source, column=column, rows=tuple(rows))
+
+
+def _unpadded(ids: tuple[int, ...], mask: tuple[int, ...], index: int) -> tuple[int, ...]:
+    """The tokens of a row whose ``attention_mask`` is 1 (padding, 0 at either end, left out: as the row before it
+    was padded, so padding never enters the statistics).
+
+    Raises:
+        ValueError: a mask of another length, of values other than 0/1, all zeros, or with zeros between ones.
+    """
+    where = f"dataset row {index}: 'attention_mask'"
+    if len(mask) != len(ids):
+        raise ValueError(f"{where} has {len(mask)} values for {len(ids)} token ids")
+    if set(mask) - {0, 1}:
+        raise ValueError(f"{where} must hold 0 and 1 only, got {sorted(set(mask) - {0, 1})[:3]}")
+    ones = [i for i, m in enumerate(mask) if m == 1]
+    if not ones:
+        raise ValueError(f"{where} is all zeros: the row holds no token; drop it (ds.filter(...))")
+    first, last = ones[0], ones[-1]
+    if last - first + 1 != len(ones):
+        raise ValueError(f"{where} has zeros between ones (padding inside the row): pass rows padded at one end or not")
+    return ids[first : last + 1]
 
 
 class TokenRows(list):
-    """Calibration batches of samples of different lengths: a ``list`` of ``{"input_ids": LongTensor[B, L],
-    "attention_mask": LongTensor[B, L]}`` (the mask only when the dataset gave one), plus what the one-shot job
+    """Calibration batches of samples of different lengths: a ``list`` of ``{"input_ids": LongTensor[B, L]}``,
+    plus what the one-shot job
     reads of a windows tensor: :attr:`shape` ``(samples, longest sample in tokens)`` and :meth:`numel` (tokens).
     A slice is again a :class:`TokenRows` (of whole batches)."""
 
@@ -282,9 +300,6 @@ def row_batches(rows: CalibrationRows, tokenizer: Any, *, seq_len: int | None, b
         end = start + 1
         while end < len(ids) and end - start < batch_size and len(ids[end]) == len(ids[start]):
             end += 1
-        batch = {"input_ids": torch.tensor(ids[start:end], dtype=torch.long)}
-        if rows.masks is not None:
-            batch["attention_mask"] = torch.tensor(rows.masks[start:end], dtype=torch.long)
-        out.append(batch)
+        out.append({"input_ids": torch.tensor(ids[start:end], dtype=torch.long)})
         start = end
     return out

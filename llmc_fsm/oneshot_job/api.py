@@ -38,6 +38,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import attrs
 import torch
 from tqdm.auto import tqdm
 
@@ -150,7 +151,7 @@ def oneshot(
 
     given = {k: v for k, v in locals().items() if k != "llmcompressor_args"}  # every argument above, by name
     for name, value in check_llmcompressor_args(llmcompressor_args, list(given)).items():
-        if given[name] is not None:
+        if given[name] is not attrs.fields_dict(OneshotSettings)[name].default:  # also given by its own name
             raise ValueError(f"{name} is given twice (also under its llm-compressor name): give one")
         given[name] = value
     return run_oneshot(OneshotSettings(**given))

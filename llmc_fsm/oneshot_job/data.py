@@ -72,12 +72,12 @@ def is_tensor(value: Any) -> bool:
 
 
 def check_seq_len(model: Any, seq_len: int) -> None:
-    """Refuse a sequence length above the model's ``max_position_embeddings``.
+    """Refuse a sequence length above the ``max_position_embeddings`` of ``model`` (a model, or its config).
 
     Raises:
         ValueError: naming the limit.
     """
-    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    limit = getattr(getattr(model, "config", model), "max_position_embeddings", None)  # a model or its config
     if isinstance(limit, int) and seq_len > limit:
         msg = (
             f"sequence length {seq_len} (--seq-len / eval) is above the model's max_position_embeddings "

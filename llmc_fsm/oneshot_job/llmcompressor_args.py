@@ -31,7 +31,7 @@ class LlmcompressorArg:
     """What llmc-fsm does with one llm-compressor ``oneshot`` argument.
 
     Attributes:
-        accept: the values taken (``None``: any value, ``()``: none); another value is refused with ``note``.
+        accept: the values taken (``None``: any value); another value is refused with ``note``.
         note: why, and what to do instead (shown when refused, logged when taken).
         rename: the llmc-fsm argument that receives the value, or ``None`` (taken with no effect on the result).
     """
@@ -58,17 +58,17 @@ LLMCOMPRESSOR_ARGS: dict[str, LlmcompressorArg] = {
         "ds = ds.shuffle(seed=42)) and pass shuffle_calibration_samples=False or leave it out",
     ),
     "splits": LlmcompressorArg(
-        (),
+        (None,),
         "pass the split's rows themselves: a text/JSONL file, a datasets.Dataset (load_dataset(...)[split]) or "
         "token ids",
     ),
     "data_collator": LlmcompressorArg(
-        (),
+        (None,),
         "llmc-fsm batches calibration rows itself; image calibration data is a directory with metadata.jsonl "
         "(docs/oneshot.md)",
     ),
     "sequential_targets": LlmcompressorArg(
-        (),
+        (None,),
         "llmc-fsm finds the decoder layers itself (docs/architectures.md); leave it out",
     ),
     "moe_calibrate_all_experts": LlmcompressorArg(
@@ -86,6 +86,45 @@ LLMCOMPRESSOR_ARGS: dict[str, LlmcompressorArg] = {
     "trust_remote_code_model": LlmcompressorArg(
         (False,), "llmc-fsm loads transformers' own model classes only (no code from a model repository)"
     ),
+    "precision": LlmcompressorArg(None, "the dtype the model is loaded in ('auto', 'float32'...)", rename="dtype"),
+    "oneshot_device": LlmcompressorArg(None, "where the layers are calibrated", rename="device"),
+    "dataset_config_name": LlmcompressorArg((None,), "give a Hub dataset with its config as dataset='name:config'"),
+    "dataset_path": LlmcompressorArg((None,), "give the file itself as dataset"),
+    "dvc_data_repository": LlmcompressorArg((None,), "give the file itself as dataset"),
+    "text_column": LlmcompressorArg(
+        ("text",), "llmc-fsm reads a dataset's 'text' (or 'input_ids') column: rename yours (ds.rename_column)"
+    ),
+    "concatenate_data": LlmcompressorArg(
+        (False,), "a dataset's rows are samples of their own; a text file is cut into windows of max_seq_length"
+    ),
+    "pad_to_max_length": LlmcompressorArg(
+        (False,), "llmc-fsm does not pad calibration samples (padding would enter the statistics); leave it out"
+    ),
+    "streaming": LlmcompressorArg((False,), "a dataset is read whole; pass the rows you want"),
+    "remove_columns": LlmcompressorArg((None,), "llmc-fsm reads only the 'input_ids' or 'text' column"),
+    "preprocessing_func": LlmcompressorArg((None,), "map the dataset yourself (ds.map) and pass the result"),
+    "model_revision": LlmcompressorArg(("main",), "llmc-fsm loads a local directory or known name"),
+    "config_name": LlmcompressorArg((None,), "llmc-fsm reads the model directory's own config.json"),
+    "tie_word_embeddings": LlmcompressorArg(
+        (True,), "llmc-fsm keeps the model's own tying (a quantized tied embedding is saved apart from its head)"
+    ),
+    "recipe_args": LlmcompressorArg((None,), "llmc-fsm has no expression language: write the values in the recipe"),
+    "stage": LlmcompressorArg((None,), "llmc-fsm runs every stage of the recipe: pass a recipe of that stage"),
+    "sequential_targets_per_subgraph": LlmcompressorArg((1,), "llmc-fsm calibrates one decoder layer at a time"),
+    "use_loss_mask": LlmcompressorArg((False,), "llmc-fsm calibrates on every token of a sample"),
+    "enable_compile": LlmcompressorArg((False,), "llmc-fsm does not torch.compile its functions"),
+    "overwrite_cache": LlmcompressorArg(None, "a datasets cache setting: it changes no result here"),
+    "min_tokens_per_module": LlmcompressorArg(
+        None, "a warning threshold for experts: llmc-fsm warns of experts few tokens reach itself"
+    ),
+    "tracing_ignore": LlmcompressorArg(None, "llmc-fsm traces no graph: it changes no result here"),
+    "sequential_offload_device": LlmcompressorArg(
+        None, "memory placement of the hidden states (llmc-fsm: activation_budget_mib); it changes no result"
+    ),
+    "sequential_prefetch": LlmcompressorArg(None, "a prefetch setting: it changes no result here"),
+    "quantization_aware_calibration": LlmcompressorArg(None, "deprecated in llm-compressor, where it has no effect"),
+    "clear_sparse_session": LlmcompressorArg(None, "each oneshot call has its own session here"),
+    "log_dir": LlmcompressorArg(None, "llmc-fsm logs through Python's logging; it changes no result here"),
 }
 
 

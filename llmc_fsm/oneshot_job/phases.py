@@ -33,7 +33,7 @@ from llmc_fsm.data.images import (
     read_image_captions,
 )
 from llmc_fsm.data.protocol import PerplexityCache, perplexity, token_windows
-from llmc_fsm.data.rows import is_rows, read_rows, row_batches
+from llmc_fsm.data.rows import TokenRows, is_rows, read_rows, row_batches
 from llmc_fsm.models.hf_io import hub_unreachable, looks_like_hub_id, meta_model
 from llmc_fsm.models.known import KNOWN_MODELS, known_model_dir, load_model
 from llmc_fsm.models.layers import check_calibrates_from_text
@@ -207,15 +207,16 @@ def token_data(run: Run) -> None:
         calibration_windows(run)
         if run.cal_rows is not None and run.needs_data and settings.max_seq_length is None:
             _check_rows_fit(run)
+        _check_token_ids(run)
         if run.ev_text is not None:
             run.eval_windows = eval_windows(run.tokenizer, run.ev_text, settings.num_eval_windows, settings.eval_length)
     check_modifiers(run.sessions, run.model, run.windows if run.windows is not None else True)
 
 
 def _check_lengths(run: Run, model: Any) -> None:
-    """The sequence lengths the job will feed ``model`` (the calibration windows', unless the job is data-free or
-    its samples of different lengths are used whole; the evaluation windows') against its positions: before any
-    weight is read (:func:`_check_on_meta`, on the ``meta`` model) and again on the loaded model.
+    """The sequence lengths the job will feed ``model`` (a model or its config: the calibration windows', unless the
+    job is data-free or its samples of different lengths are used whole; the evaluation windows') against its
+    positions: before any weight is read (:func:`prepare`, on the config) and again on the loaded model.
 
     Raises:
         ValueError: a length above the model's ``max_position_embeddings``, naming it (:func:`check_seq_len`).
@@ -227,6 +228,35 @@ def _check_lengths(run: Run, model: Any) -> None:
         used.append(int(settings.dataset.shape[1]) if tensor else settings.seq_len)
     if used:
         check_seq_len(model, max(used))
+
+
+def _check_token_ids(run: Run) -> None:
+    """Calibration token ids given as a tensor or a dataset's rows that the model's input embedding has no row for
+    (another tokenizer's ids, a pad id of -100...): refused before any forward, which would fail with an
+    ``IndexError`` in the embedding.
+
+    Raises:
+        ValueError: ids below 0 or at least the embedding's row count, naming both.
+    """
+    windows = run.windows
+    if isinstance(windows, TokenRows):
+        ids = [batch["input_ids"] for batch in windows]
+    elif is_tensor(windows) and is_tensor(run.settings.dataset):
+        ids = [windows]
+    else:  # tokenized here (text, images, generated): the model's own tokenizer
+        return
+    embedding = run.model.get_input_embeddings() if hasattr(run.model, "get_input_embeddings") else None
+    rows = getattr(embedding, "num_embeddings", None)
+    ids = [t for t in ids if t.numel()]
+    if not isinstance(rows, int) or not ids:
+        return
+    low, high = min(int(t.min()) for t in ids), max(int(t.max()) for t in ids)
+    if low < 0 or high >= rows:
+        msg = (
+            f"calibration token ids must lie in [0, {rows}) (the rows of the model's input embedding), got ids from "
+            f"{low} to {high}: were they made by this model's tokenizer (no -100 or other padding marks)?"
+        )
+        raise ValueError(msg)
 
 
 def _check_rows_fit(run: Run) -> None:
@@ -280,6 +310,9 @@ def prepare(settings: OneshotSettings) -> Run:
         if settings.eval_text is not None:
             run.ev_text = read_text("eval_text (--eval-text)", settings.eval_text)
     _check_data_kind(run)
+    config = run.model_config if run.model_config is not None else _cached_known_config(settings.model)
+    if config is not None:  # --seq-len above the model's positions: one line, before the device line and any weight
+        _check_lengths(run, config)
     run.work = _claim_on_rank_0(settings)
     if run.work is not None:
         try:
@@ -340,7 +373,6 @@ def _check_on_meta(run: Run) -> None:
         logger.debug("the model of this config cannot be built on meta (%s): checked after loading", err)
         return
     check_calibrates_from_text(skeleton)  # an encoder-decoder model: refused as the loaded one would be
-    _check_lengths(run, skeleton)  # --seq-len above the model's positions: before the device line, any weight
     try:
         check_modifiers(run.sessions, skeleton, True)
     except (ValueError, MissingStateError):  # a refusal, before any weight is read

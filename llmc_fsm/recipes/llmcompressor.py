@@ -180,7 +180,8 @@ def _preset_targets(value: Any, args: Mapping[str, Any]) -> dict[str, Any] | Non
         raise ValueError(f"one preset per modifier, got {', '.join(map(str, value))}; split into modifiers")
     ((preset, targets),) = value.items()
     targets = [targets] if isinstance(targets, str) else targets
-    if "targets" in args and list(args["targets"]) != list(targets):
+    given = args.get("targets")
+    if given is not None and ([given] if isinstance(given, str) else list(given)) != list(targets):
         raise ValueError(f"its targets {targets!r} differ from the modifier's targets {args['targets']!r}")
     return {"scheme": preset, "targets": targets}
 
@@ -229,7 +230,10 @@ _QUANT_BASE: dict[str, ArgumentRule] = {
 #: modifier name -> llm-compressor argument name -> rule (only for names the class does not have).
 ARGUMENT_RULES: dict[str, dict[str, ArgumentRule]] = {
     "SparseGPTModifier": dict(_SPARSITY_BASE),
-    "WandaPruningModifier": dict(_SPARSITY_BASE),
+    "WandaPruningModifier": {
+        **_SPARSITY_BASE,
+        "percdamp": ArgumentRule("refuse", "Wanda inverts no Hessian, so it has no damping; remove it"),
+    },
     "MagnitudePruningModifier": {
         **_COMMON,
         "leave_enabled": ArgumentRule("ignore", "deprecated in llm-compressor, which ignores it too"),
@@ -343,7 +347,8 @@ def _accepted(value: Any, accept: tuple[Any, ...]) -> bool:
 
 def translate_arguments(cls: type, kwargs: dict[str, Any]) -> dict[str, Any]:
     """``kwargs`` of ``cls(**kwargs)`` with llm-compressor's argument names and value forms rewritten by
-    :data:`ARGUMENT_RULES` (for a class whose :meth:`~llmc_fsm.Modifier.modifier_name` has rules; others as given).
+    :data:`ARGUMENT_RULES` (for a class whose :meth:`~llmc_fsm.Modifier.modifier_name`, or a base class's, has rules;
+    others as given).
 
     What the recipe builder does for recipe text, for a modifier built in Python: ``GPTQModifier(percdamp=0.01)``
     is ``GPTQModifier(dampening_frac=0.01)``, ``QuantizationModifier(scheme={"W4A16": ["Linear"]})`` is
@@ -354,9 +359,11 @@ def translate_arguments(cls: type, kwargs: dict[str, Any]) -> dict[str, Any]:
         ValueError: an argument llmc-fsm refuses (with llm-compressor's reason), one that maps to an argument the
             class does not have, or one that sets an argument also given with another value.
     """
-    name_of = getattr(cls, "modifier_name", None)
-    name = name_of() if callable(name_of) else cls.__name__
-    if name not in ARGUMENT_RULES or not attrs.has(cls):
+    # a subclass (a plugin's GPTQModifier with more arguments) takes the rules of the first class it derives from
+    # that has them
+    names = [getattr(k, "modifier_name", lambda k=k: k.__name__)() for k in cls.__mro__ if isinstance(k, type)]
+    name = next((n for n in names if n in ARGUMENT_RULES), None)
+    if name is None or not attrs.has(cls):
         return kwargs
     accepted = {a.alias or a.name for a in attrs.fields(cls) if a.init}
     out: dict[str, Any] = {}
@@ -371,7 +378,7 @@ def translate_arguments(cls: type, kwargs: dict[str, Any]) -> dict[str, Any]:
         for target, new in translated.items():
             if target not in accepted:
                 raise ValueError(f"{name}: argument {key!r} maps to {target!r}, which {name} does not accept")
-            if target != key and target in kwargs and kwargs[target] != new:
+            if target != key and target in kwargs and _as_list(kwargs[target]) != _as_list(new):
                 raise ValueError(f"{name}: argument {key!r} sets {target!r} to {new!r}, but {target!r} is also given")
             out[target] = new
     return out
@@ -379,3 +386,8 @@ def translate_arguments(cls: type, kwargs: dict[str, Any]) -> dict[str, Any]:
 
 if translate_arguments not in ARGUMENT_TRANSLATORS:
     ARGUMENT_TRANSLATORS.append(translate_arguments)
+
+
+def _as_list(value: Any) -> Any:
+    """``"Linear"`` as ``["Linear"]``, a tuple as a list (a targets-like value compared either way); others as given."""
+    return [value] if isinstance(value, str) else list(value) if isinstance(value, tuple) else value
