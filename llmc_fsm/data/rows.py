@@ -29,6 +29,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -96,8 +97,6 @@ def is_rows(value: Any) -> bool:
 def registered_name_error(value: str) -> str | None:
     """The refusal of one of llm-compressor's registered dataset names (:data:`LLMCOMPRESSOR_DATASETS`), after the
     argument's name; ``None`` for any other string (a file named so in the working directory included)."""
-    from pathlib import Path
-
     hub_id = LLMCOMPRESSOR_DATASETS.get(value)
     if hub_id is None or Path(value).expanduser().exists():
         return None
