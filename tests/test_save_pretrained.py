@@ -89,3 +89,28 @@ def test_a_streamed_run_model_names_its_output_directory(tiny_model_dir, tmp_pat
     with pytest.raises(ValueError, match=r"holds no weights \(meta device\); the compressed model is in '.*out'"):
         model.save_pretrained(tmp_path / "again")
     assert not (tmp_path / "again").exists()
+
+
+def test_a_session_of_ones_own_saves_the_model_it_quantized_compressed(tiny_model_dir, tmp_path):
+    # the lifecycle without oneshot (docs/oneshot.md, "Under the hood"): finalize gives the model the same method
+    from llmc_fsm.pipeline.sequential import run_sequential
+
+    model_dir, _ = tiny_model_dir
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    windows = torch.randint(0, 96, (4, 16), generator=torch.Generator().manual_seed(0))
+    session = llmc_fsm.Session(W8A8)
+    session.initialize(model=model, calibration_data=windows)
+    run_sequential(session, progress=False)
+    session.finalize()
+    model.save_pretrained(tmp_path / "saved")
+    config = json.loads((tmp_path / "saved" / "config.json").read_text())
+    assert config["quantization_config"]["format"] == "int-quantized"
+    assert _tensors(tmp_path / "saved")["model.layers.0.mlp.up_proj.weight"].dtype == torch.int8
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "saved")
+    with torch.no_grad():
+        assert torch.equal(reloaded(windows[:1]).logits, model(windows[:1]).logits)
+    pruned = AutoModelForCausalLM.from_pretrained(model_dir)
+    session = llmc_fsm.Session(PRUNE)
+    session.initialize(model=pruned)
+    session.finalize()
+    assert "save_pretrained" not in vars(pruned)  # nothing quantized: transformers' own method

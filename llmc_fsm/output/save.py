@@ -53,6 +53,7 @@ __all__ = [
     "CompressedSavePretrained",
     "compressed_state_dict",
     "dir_size_bytes",
+    "is_quantized",
     "pruned_sparsity",
     "quantized_modules",
     "quantized_views",
@@ -253,7 +254,7 @@ class CompressedSavePretrained:
             )
             raise ValueError(msg)
         model = self.model
-        quantized = bool(quantized_modules(model) or quantized_views(model) or kv_cache_scheme(model) is not None)
+        quantized = is_quantized(model)
         if not isinstance(save_compressed, bool):
             raise ValueError(f"save_compressed must be true or false, got {save_compressed!r}")
         if not save_compressed and quantized:
@@ -276,6 +277,12 @@ class CompressedSavePretrained:
 
     def __repr__(self) -> str:
         return f"<llmc-fsm compressed save_pretrained of {type(self.model).__name__}>"
+
+
+def is_quantized(model: nn.Module) -> bool:
+    """Whether ``model`` carries compressed-tensors quantization: a scheme on a module, on a fused experts' matrix
+    (:func:`quantized_views`) or a KV-cache scheme."""
+    return bool(quantized_modules(model) or quantized_views(model) or kv_cache_scheme(model) is not None)
 
 
 def save_model(
