@@ -12,6 +12,7 @@ import torch
 import llmc_fsm
 from llmc_fsm.oneshot_job.llmcompressor_args import LLMCOMPRESSOR_ARGS, check_llmcompressor_args
 
+PRUNE = {"prune": {"SparseGPTModifier": {"sparsity": 0.5, "targets": ["Linear"], "ignore": ["lm_head"]}}}
 RTN = {"quant": {"QuantizationModifier": {"scheme": "W8A8", "targets": ["Linear"], "ignore": ["lm_head"]}}}
 
 
@@ -72,3 +73,24 @@ def test_through_oneshot_refused_before_any_work_and_processor_taken(tiny_model_
     assert model.dtype == torch.bfloat16  # precision is the dtype
     with pytest.raises(ValueError, match=r"^dtype is given twice \(also under its llm-compressor name\)"):
         llmc_fsm.oneshot(str(model_dir), RTN, dtype="float16", precision="bfloat16")
+
+
+def test_an_in_memory_model_finds_its_tokenizer_from_where_it_was_loaded(tiny_model_dir, tmp_path):
+    # llm-compressor's scripts load the model themselves and pass no tokenizer: oneshot takes the model's own, from
+    # its name_or_path, as llm-compressor does; a model built in memory has none and is refused as before
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model_dir, text = tiny_model_dir
+    texts = [text.read_text()[:2000], text.read_text()[2000:4000]]
+    found = llmc_fsm.oneshot(AutoModelForCausalLM.from_pretrained(model_dir), PRUNE, dataset=texts,
+                             max_seq_length=32, progress=False)
+    given = llmc_fsm.oneshot(AutoModelForCausalLM.from_pretrained(model_dir), PRUNE, dataset=texts,
+                             max_seq_length=32, tokenizer=AutoTokenizer.from_pretrained(model_dir), progress=False)
+    assert found.llmc_fsm_report.calibration == given.llmc_fsm_report.calibration
+    assert torch.equal(found.model.layers[0].mlp.up_proj.weight, given.model.layers[0].mlp.up_proj.weight)
+    built = AutoModelForCausalLM.from_config(AutoModelForCausalLM.from_pretrained(model_dir).config)
+    built.name_or_path = built.config._name_or_path = ""  # from_config copies the loaded config's path
+    with pytest.raises(ValueError, match=r"^an in-memory model needs tokenizer= to tokenize text \(or pass dataset as a "
+                       r"LongTensor of token ids\); its name_or_path has no tokenizer files here$"):
+        llmc_fsm.oneshot(built, PRUNE, dataset=texts, max_seq_length=32, output_dir=tmp_path / "o", progress=False)
+    assert not (tmp_path / "o").exists()

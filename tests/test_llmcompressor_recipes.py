@@ -442,8 +442,9 @@ def test_modifier_objects_take_llmcompressor_names_as_recipe_text_does(caplog):
     with pytest.raises(ValueError, match=r"^GPTQModifier: argument 'sequential_targets': llm-compressor argument "
                        r"not supported: the pipeline finds the decoder layers from the model; remove it$"):
         GPTQModifier(scheme="W4A16", sequential_targets=["LlamaDecoderLayer"])
-    with pytest.raises(TypeError, match="unexpected keyword argument 'percdam'"):  # a typo stays a typo
-        GPTQModifier(scheme="W4A16", percdam=0.1)
+    with pytest.raises(TypeError, match=r"^GPTQModifier\(\) got an unexpected keyword argument 'dampening_fraction' "
+                       r"\(did you mean 'dampening_frac'\?\)$"):  # a typo stays a typo, with the closest name
+        GPTQModifier(scheme="W4A16", dampening_fraction=0.1)
     # llm-compressor's str targets beside the {PRESET: targets} form; a plugin's subclass keeps its base's rules
     assert list(GPTQModifier(scheme={"W4A16": "Linear"}, targets="Linear").targets) == ["Linear"]
     import attrs

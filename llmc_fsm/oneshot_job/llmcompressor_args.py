@@ -125,6 +125,11 @@ LLMCOMPRESSOR_ARGS: dict[str, LlmcompressorArg] = {
     "quantization_aware_calibration": LlmcompressorArg(None, "deprecated in llm-compressor, where it has no effect"),
     "clear_sparse_session": LlmcompressorArg(None, "each oneshot call has its own session here"),
     "log_dir": LlmcompressorArg(None, "llmc-fsm logs through Python's logging; it changes no result here"),
+    "cache_dir": LlmcompressorArg(None, "where Hugging Face downloads go: it changes no result here"),
+    "use_auth_token": LlmcompressorArg(None, "Hugging Face authentication: it changes no result here"),
+    "distill_teacher": LlmcompressorArg(
+        (None,), "distillation runs in a training job here (OutputDistillationModifier, docs/training.md)"
+    ),
 }
 
 

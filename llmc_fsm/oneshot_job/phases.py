@@ -547,6 +547,23 @@ def given_tokenizer(settings: OneshotSettings) -> Any:
     return settings.tokenizer
 
 
+def _tokenizer_of(model: Any) -> Any:
+    """The tokenizer of an in-memory transformers model, as llm-compressor's ``oneshot`` finds it: from the model's
+    ``name_or_path`` (the directory or Hub id it was loaded from; a Hub id only from the local Hugging Face cache),
+    said in a log line; ``None`` where there is none."""
+    name = getattr(model, "name_or_path", None) or getattr(getattr(model, "config", None), "_name_or_path", None)
+    if not isinstance(name, str) or not name:
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name, local_files_only=True)
+    except (OSError, ValueError):
+        return None
+    logger.info("tokenizer: loaded from the model's name_or_path %r (none given)", name)
+    return tokenizer
+
+
 def load(run: Run) -> None:
     """The model and tokenizer (an ``nn.Module`` is used as it is).
 
@@ -573,9 +590,11 @@ def load(run: Run) -> None:
                 )
                 raise ValueError(msg)
             if run.tokenizer is None and needs_text:
+                run.tokenizer = _tokenizer_of(run.model)
+            if run.tokenizer is None and needs_text:
                 msg = (
                     "an in-memory model needs tokenizer= to tokenize text (or pass dataset as a LongTensor of "
-                    "token ids)"
+                    "token ids); its name_or_path has no tokenizer files here"
                 )
                 raise ValueError(msg)
             run.disk_before = sum(p.numel() * p.element_size() for p in run.model.parameters())

@@ -33,6 +33,7 @@ implement, so that the unknown-modifier error says so (:func:`unimplemented_note
 
 from __future__ import annotations
 
+import difflib
 import logging
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -356,16 +357,25 @@ def translate_arguments(cls: type, kwargs: dict[str, Any]) -> dict[str, Any]:
     llmc-fsm's form are left as they are (the builder's translated arguments pass through here again).
 
     Raises:
+        TypeError: an argument neither the class nor llm-compressor's rules know (a typo), with the closest name.
         ValueError: an argument llmc-fsm refuses (with llm-compressor's reason), one that maps to an argument the
             class does not have, or one that sets an argument also given with another value.
     """
     # a subclass (a plugin's GPTQModifier with more arguments) takes the rules of the first class it derives from
     # that has them
+    if not attrs.has(cls):
+        return kwargs
     names = [getattr(k, "modifier_name", lambda k=k: k.__name__)() for k in cls.__mro__ if isinstance(k, type)]
     name = next((n for n in names if n in ARGUMENT_RULES), None)
-    if name is None or not attrs.has(cls):
-        return kwargs
     accepted = {a.alias or a.name for a in attrs.fields(cls) if a.init}
+    rules = ARGUMENT_RULES.get(name, {}) if name is not None else {}
+    for key in kwargs:
+        if key not in accepted and key not in rules:  # a typo: Python's TypeError, with the closest name
+            close = difflib.get_close_matches(str(key), sorted(accepted), n=1, cutoff=0.6)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise TypeError(f"{cls.__name__}() got an unexpected keyword argument {key!r}{hint}")
+    if name is None:
+        return kwargs
     out: dict[str, Any] = {}
     for key, value in kwargs.items():
         try:
