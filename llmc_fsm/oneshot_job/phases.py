@@ -245,7 +245,10 @@ def _check_token_ids(run: Run) -> None:
         ids = [windows]
     else:  # tokenized here (text, images, generated): the model's own tokenizer
         return
-    embedding = run.model.get_input_embeddings() if hasattr(run.model, "get_input_embeddings") else None
+    try:
+        embedding = run.model.get_input_embeddings()
+    except (AttributeError, NotImplementedError):  # a module without one: its forward says what it takes
+        return
     rows = getattr(embedding, "num_embeddings", None)
     ids = [t for t in ids if t.numel()]
     if not isinstance(rows, int) or not ids:
