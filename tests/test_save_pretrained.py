@@ -92,7 +92,7 @@ def test_a_streamed_run_model_names_its_output_directory(tiny_model_dir, tmp_pat
 
 
 def test_a_session_of_ones_own_saves_the_model_it_quantized_compressed(tiny_model_dir, tmp_path):
-    # the lifecycle without oneshot (docs/oneshot.md, "Under the hood"): finalize gives the model the same method
+    # the lifecycle without oneshot (docs/oneshot.md, "Under the hood"): run_sequential gives the model the same method
     from llmc_fsm.pipeline.sequential import run_sequential
 
     model_dir, _ = tiny_model_dir

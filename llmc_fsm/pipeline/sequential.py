@@ -46,6 +46,7 @@ from torch import nn
 
 from llmc_fsm.core.errors import LifecycleError
 from llmc_fsm.models.layers import check_calibrates_from_text, find_decoder_layers
+from llmc_fsm.output.save import CompressedSavePretrained, is_quantized
 from llmc_fsm.pipeline.device import ActivationStore, activation_store, describe_device, onloaded, resolve_device
 from llmc_fsm.pipeline.forward import (
     Inputs,
@@ -283,7 +284,9 @@ def run_sequential(
             (no limit on the CPU). Results are bit-identical either way.
 
     Returns:
-        A :class:`PipelineResult`.
+        A :class:`PipelineResult`. A model it quantized (compressed-tensors schemes on its modules) gets
+        :class:`~llmc_fsm.output.save.CompressedSavePretrained` as its ``save_pretrained``, so that
+        ``model.save_pretrained(dir)`` writes it compressed (transformers' own would write it dense).
 
     Raises:
         LifecycleError: the session is not initialized (or finalized).
@@ -341,6 +344,8 @@ def run_sequential(
         peak_device_bytes=int(torch.cuda.max_memory_allocated(execution)) if cuda else None,
     )
     logger.info("sequential pipeline: %d layers, %d batches in %.2f s", len(layers), len(batches), result.seconds)
+    if is_quantized(model):  # model.save_pretrained(dir) writes it compressed (oneshot's own output aside)
+        CompressedSavePretrained.attach(model, session.recipe)
     return result
 
 

@@ -32,7 +32,6 @@ from llmc_fsm.core.guard import changed, failure, module_parameters
 from llmc_fsm.core.lifecycle import CALLS_ALLOWED, make_machine
 from llmc_fsm.core.modifier import Event, Modifier
 from llmc_fsm.core.state import State, missing_state_message
-from llmc_fsm.output.save import CompressedSavePretrained, is_quantized
 from llmc_fsm.recipes.building import resolve_recipe
 from llmc_fsm.recipes.fingerprint import recipe_fingerprint
 from llmc_fsm.recipes.model import Recipe
@@ -243,9 +242,6 @@ class Session(SessionCheckpoints):
         raises; the session is then ``finalized`` and the first error is raised as
         :class:`ModifierError` with the original chained. After a failed hook
         modified the model, ``on_end`` is skipped (only ``on_finalize`` releases).
-        A quantized ``model`` (compressed-tensors schemes on its modules) gets
-        :class:`~llmc_fsm.output.save.CompressedSavePretrained` as its
-        ``save_pretrained``, so ``model.save_pretrained(dir)`` writes it compressed.
 
         Raises:
             LifecycleError: not initialized, or already finalized.
@@ -259,9 +255,6 @@ class Session(SessionCheckpoints):
             self._fire("finalize")
             if errors:
                 raise errors[0]
-            model = self._state.get("model")
-            if model is not None and is_quantized(model):  # model.save_pretrained(dir) writes it compressed
-                CompressedSavePretrained.attach(model, self._recipe)
 
     def _finalize_modifiers(self) -> list[ModifierError]:
         errors: list[ModifierError] = []
