@@ -122,8 +122,8 @@ def test_gptq_w4a16_streamed_equals_in_memory_and_loads_with_from_pretrained(sha
 
 
 def test_smoothquant_then_gptq_streamed_equals_in_memory(sharded_dir, text_file, tmp_path):
-    # a stage with a modifier that is no CalibratedModifier (smoothing) calibrates each layer in the plain order on
-    # both paths: the streamed one used the grouped order and gave other GPTQ weights (410 of 482 tensors on SmolLM2)
+    # a stage of smoothing and CalibratedModifiers calibrates each layer in the grouped order on both paths: the
+    # in-memory one used the plain order and gave other GPTQ weights (410 of 482 tensors on SmolLM2)
     recipe = {
         "quant_stage": {
             "quant_modifiers": {

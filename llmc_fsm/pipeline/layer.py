@@ -207,6 +207,12 @@ def calibrate_layer(layer: nn.Module, inputs: Inputs, order: Mapping[str, int] |
             handle.remove()
 
 
+def _takes_grouped(modifier: Any) -> bool:
+    """Whether ``modifier`` calibrates correctly in the grouped order: a :class:`CalibratedModifier`, or a smoothing
+    modifier, which has no hook in the layer's calibration forwards (``prepare_layer`` runs its own pass first)."""
+    return isinstance(modifier, CalibratedModifier) or callable(getattr(modifier, "prepare_layer", None))
+
+
 def compress_layer(
     layer: nn.Module,
     inputs: Inputs,
@@ -225,7 +231,8 @@ def compress_layer(
     throughout (:func:`activation_quantization_off`), one of three orders:
 
     * ``true_sequential``, every one of ``modifiers`` a :class:`~llmc_fsm.toolkit.calibrated.CalibratedModifier`
-      (grouped calibration calls a group's later members' pre-hooks early, which only those ignore), and a layer
+      (grouped calibration calls a group's later members' pre-hooks early, which only those ignore) or a smoothing
+      modifier (``prepare_layer``: its hooks act in its own pass only), and a layer
       :func:`llmc_fsm.pipeline.true_sequential.plan_groups` accepts (by ``calls``):
       every batch runs the layer once and each group of targets is compressed (``compress(group)``) before any batch
       runs it, the batches running a compressed group with the weights it now holds;
@@ -243,7 +250,7 @@ def compress_layer(
         if prepare is not None and inputs:
             prepare(layer, inputs)
     deferred = defers_weights(modifiers)
-    grouped = true_sequential and all(isinstance(m, CalibratedModifier) for m in modifiers)
+    grouped = true_sequential and all(_takes_grouped(m) for m in modifiers)
     with activation_quantization_off(layer) as off:
         groups = plan_groups(layer, calls) if grouped and inputs and not deferred else None
         if groups is not None:

@@ -58,7 +58,6 @@ from llmc_fsm.pipeline.forward import (
 )
 from llmc_fsm.pipeline.layer import RestoredLayers, _raise_stop, compress_layer
 from llmc_fsm.session.session import Session
-from llmc_fsm.toolkit.calibrated import CalibratedModifier
 from llmc_fsm.toolkit.heap import trim_heap
 from llmc_fsm.toolkit.views import weight_views
 
@@ -423,8 +422,7 @@ def _run_layers(
     ``head``, the output head is calibrated and compressed after the last layer (:meth:`_Head.calibrate`)."""
     from tqdm.auto import tqdm
 
-    # grouped only for CalibratedModifiers (compress_layer decides; the early exit's calls are recorded either way)
-    true_sequential = true_sequential and all(isinstance(m, CalibratedModifier) for m in session.modifiers)
+    # compress_layer decides which modifiers take the grouped order; the calls are recorded either way
     store = runner.store
     with runner.onload(model, skip=[layers]):  # embeddings, rotary tables (the layers' forwards are stubbed)
         inputs = store.wrap(capture_layer_inputs(model, layers[0], batches, device=runner.device, keep=store.keep))
