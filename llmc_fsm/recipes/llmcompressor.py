@@ -180,9 +180,9 @@ def _preset_targets(value: Any, args: Mapping[str, Any]) -> dict[str, Any] | Non
     if len(value) != 1:
         raise ValueError(f"one preset per modifier, got {', '.join(map(str, value))}; split into modifiers")
     ((preset, targets),) = value.items()
-    targets = [targets] if isinstance(targets, str) else targets
+    targets = _as_list(targets)
     given = args.get("targets")
-    if given is not None and ([given] if isinstance(given, str) else list(given)) != list(targets):
+    if given is not None and _as_list(given) != list(targets):
         raise ValueError(f"its targets {targets!r} differ from the modifier's targets {args['targets']!r}")
     return {"scheme": preset, "targets": targets}
 
