@@ -361,20 +361,21 @@ def test_every_fingerprinted_field_changes_the_fingerprint_and_no_other_does(tin
         "threads": {"threads": 3},
         "device": {"device": "cpu"},
         "activation_budget_mib": {"activation_budget_mib": 8.0},
+        "quantization_format": {"quantization_format": "pack-quantized", "output_dir": str(tmp_path / "o")},
     }
     fields = {f.name: f for f in attrs.fields(OneshotSettings)}
     assert sorted(changes) == sorted(fields)  # a new field must be classified here
     reference = _fingerprint_of(base)
     for name, changed in changes.items():
         after = _fingerprint_of(attrs.evolve(base, **changed))
-        differ = sorted(item for item in reference if reference[item] != after[item])
+        differ = sorted(item for item in {*reference, *after} if reference.get(item) != after.get(item))
         path = fields[name].metadata["fingerprint"]
         assert differ == ([] if path is None else [path[0]]), name
         if path is not None and len(path) > 1:  # the value itself is recorded where the metadata says
             assert after[path[0]][path[1]] == getattr(attrs.evolve(base, **changed), name)
     assert {n for n, f in fields.items() if f.metadata["fingerprint"]} == {
         "model", "recipe", "dataset", "num_calibration_samples", "max_seq_length", "batch_size", "seed",
-        "fuse_stages", "dtype",
+        "fuse_stages", "dtype", "quantization_format",
     }  # fmt: skip
 
 

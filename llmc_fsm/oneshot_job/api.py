@@ -88,6 +88,7 @@ def oneshot(
     dtype: Any = "float32",
     threads: int | None = None,
     device: Any = "auto",
+    quantization_format: str | None = None,
     activation_budget_mib: float | None = None,
     **llmcompressor_args: Any,
 ) -> nn.Module:
@@ -120,6 +121,10 @@ def oneshot(
             The weights stay where they were loaded; one decoder layer at a time is onloaded to the device.
         activation_budget_mib: MiB of device memory the hidden states between layers may take (default: half the
             free device memory); beyond it they live in CPU memory and move per batch (same result).
+        quantization_format: the compressed-tensors format of every quantized weight written to ``output_dir``
+            (``"pack-quantized"``, ``"int-quantized"``, ...; default: each scheme's, see
+            :func:`llmc_fsm.output.save.choose_formats`), e.g. ``"pack-quantized"`` for asymmetric int weights that
+            vLLM is to serve, as llm-compressor saves them (transformers 5.25 cannot reload those).
         llmcompressor_args: llm-compressor's ``oneshot`` arguments that this function does not have
             (``processor``, ``save_compressed``, ``pipeline``, ``splits``...): each is taken under its llmc-fsm
             name, taken because it changes nothing here, or refused saying what to do

@@ -22,6 +22,7 @@ from typing import Any
 
 import attrs
 import torch
+from torch import nn
 
 from llmc_fsm.core.errors import MissingStateError
 from llmc_fsm.data.images import (
@@ -70,6 +71,7 @@ from llmc_fsm.recipes.model import Recipe
 from llmc_fsm.report.build import build_report
 from llmc_fsm.session.session import Session
 from llmc_fsm.toolkit.distributed import is_distributed, is_main_process, rank_work, shard
+from llmc_fsm.toolkit.packed import format_problem
 
 __all__ = [
     "Run",
@@ -301,6 +303,7 @@ def prepare(settings: OneshotSettings) -> Run:
         model_config=_model_config(settings.model),
     )
     _check_on_meta(run)
+    _check_quantization_format(run)
     with run.timed("read_data"), quiet_progress(not settings.progress):
         if is_image_dataset(settings.dataset):
             used = settings.num_samples if run.needs_data else 0  # a data-free recipe reads none
@@ -324,6 +327,36 @@ def prepare(settings: OneshotSettings) -> Run:
             run.work.release()
             raise
     return run
+
+
+def _check_quantization_format(run: Run) -> None:
+    """``quantization_format`` against the recipe, before any work: every weight scheme of its quantizing modifiers
+    (their ``quantization_schemes``) must allow it (:func:`~llmc_fsm.toolkit.packed.format_problem`), and there must
+    be one. Each quantized module is checked again, with its own class, when it is saved.
+
+    Raises:
+        ValueError: the recipe quantizes no weights, or a scheme that cannot be saved in the format (named).
+    """
+    fmt = run.settings.quantization_format
+    if fmt is None:
+        return
+    schemes = {
+        f"{type(modifier).__name__} {group}": scheme
+        for session in run.sessions
+        for modifier in session.modifiers
+        for group, scheme in (getattr(modifier, "quantization_schemes", None) or {}).items()
+        if scheme.weights is not None
+    }
+    if not schemes:
+        msg = (
+            f"quantization_format (--quantization-format) {fmt!r} is the format quantized weights are saved in, and "
+            "the recipe quantizes no weights: leave it out"
+        )
+        raise ValueError(msg)
+    problems = [f"{name}: {p}" for name, s in schemes.items() if (p := format_problem(nn.Linear, s, fmt)) is not None]
+    if problems:
+        msg = f"quantization_format (--quantization-format) {fmt!r} does not fit the recipe: {'; '.join(problems)}"
+        raise ValueError(msg)
 
 
 def _model_config(model: Any) -> Any:
@@ -791,7 +824,15 @@ def save(run: Run) -> None:
     else:
         run.work.staging.mkdir()
         tokenizer = run.processor if run.processor is not None else run.tokenizer  # a processor writes both
-        write_output(run.work.staging, run.model, tokenizer, run.recipe, report, run.disk_before)
+        write_output(
+            run.work.staging,
+            run.model,
+            tokenizer,
+            run.recipe,
+            report,
+            run.disk_before,
+            run.settings.quantization_format,
+        )
         report.output_dir = str(run.out_path)
         report.finish(run.t_start)
         (run.work.staging / "report.json").write_text(report.to_json() + "\n", encoding="utf-8")

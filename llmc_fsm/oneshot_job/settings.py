@@ -32,6 +32,7 @@ from torch import nn
 
 from llmc_fsm.data.rows import dataset_object_error, is_rows, registered_name_error
 from llmc_fsm.output.directory import check_output_not_source
+from llmc_fsm.output.save import QUANTIZATION_FORMATS
 from llmc_fsm.pipeline.device import DEVICE_CHOICES, resolve_device
 from llmc_fsm.recipes.building import build_recipe
 from llmc_fsm.recipes.model import Recipe
@@ -174,6 +175,17 @@ def _dtype(_: Any, field: attrs.Attribute, value: Any) -> None:
     if value not in DTYPES:
         msg = f"{argument_name(field)} must be one of {', '.join(DTYPES)}, got {value!r}"
         raise ValueError(msg)
+
+
+def _quantization_format(_: Any, field: attrs.Attribute, value: Any) -> None:
+    if value == "dense":
+        msg = (
+            f"{argument_name(field)} 'dense': quantized weights are saved compressed (dense weights without their "
+            "quantization config would reload without its activation quantization); leave it out"
+        )
+        raise ValueError(msg)
+    if value is not None and value not in QUANTIZATION_FORMATS:
+        _fail(field, f"one of compressed-tensors' formats {', '.join(QUANTIZATION_FORMATS)}", value)
 
 
 def _device(_: Any, field: attrs.Attribute, value: Any) -> None:
@@ -380,6 +392,16 @@ class OneshotSettings:
         converter=lambda value: str(value) if isinstance(value, torch.device) else value,
         validator=_device,
     )
+    quantization_format: str | None = _setting(
+        None,
+        "compressed-tensors format of every quantized weight in --output, e.g. pack-quantized: asymmetric int "
+        "weights as llm-compressor saves them, which vLLM serves and transformers 5.25 cannot reload (default: "
+        "each scheme's; asymmetric int weights int-quantized, which transformers reloads and vLLM does not serve)",
+        flag="--quantization-format",
+        cli={"metavar": "FORMAT"},  # checked by the field's validator: one line, as for the API
+        fingerprint=("output", "quantization_format"),
+        validator=_quantization_format,
+    )
     activation_budget_mib: float | None = _setting(
         None,
         "MiB of device memory the hidden states between decoder layers may take; beyond it they live in CPU memory "
@@ -401,6 +423,13 @@ class OneshotSettings:
         self._check_sizes_fit_dataset()
         if self.resume and self.output_dir is None:
             msg = "resume (--resume) needs output_dir (--output): the progress to resume is kept next to the output"
+            raise ValueError(msg)
+        if self.quantization_format is not None and self.output_dir is None:
+            msg = (
+                "quantization_format (--quantization-format) is the format of the checkpoint written to output_dir "
+                "(--output), and none is given; for model.save_pretrained(...) give it there: "
+                "model.save_pretrained(SAVE_DIR, quantization_format=...)"
+            )
             raise ValueError(msg)
 
     def _check_sizes_fit_dataset(self) -> None:
@@ -455,14 +484,16 @@ class OneshotSettings:
 
     def fingerprint_values(self) -> dict[tuple[str, ...], Any]:
         """``{path in the resume fingerprint: value}`` of the fields the result depends on by value (``seed``,
-        ``batch_size``...); ``model``, ``recipe`` and ``dataset`` enter it by content (digests, the resolved
-        recipe), which :func:`llmc_fsm.oneshot_job.resume.fingerprint` computes."""
+        ``batch_size``..., ``quantization_format`` when given); ``model``, ``recipe`` and ``dataset`` enter it by
+        content (digests, the resolved recipe), which :func:`llmc_fsm.oneshot_job.resume.fingerprint` computes."""
         resolved = {"num_calibration_samples": self.num_samples, "max_seq_length": self.seq_len}
-        return {
+        values = {
             field.metadata["fingerprint"]: resolved.get(field.name, getattr(self, field.name))
             for field in attrs.fields(type(self))
             if field.metadata["fingerprint"] is not None and not field.metadata["by_content"]
         }
+        # not given (None: quantization_format) is not recorded, so a run of the version before it resumes
+        return {path: value for path, value in values.items() if value is not None}
 
 
 # --------------------------------------------------------------------------- the generated recipe

@@ -414,6 +414,7 @@ def _compress(run: Run, lazy: LazyModel, writer: ShardWriter) -> StreamedCompres
                 activation_budget=run.settings.activation_budget_bytes,
                 # a data-free job keeps no per-layer progress (as in memory, where it runs no sequential pipeline)
                 checkpoint=layer_progress(run.work, 0, 1, session) if windows.shape[0] else None,
+                quantization_format=run.settings.quantization_format,
             )
         except BaseException:
             with contextlib.suppress(Exception):

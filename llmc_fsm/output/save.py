@@ -43,14 +43,17 @@ from llmc_fsm.output.compressed import (
     unpacked_zero_points,
 )
 from llmc_fsm.recipes.model import Recipe
-from llmc_fsm.toolkit.packed import kept_packed
+from llmc_fsm.toolkit.packed import format_problem, kept_packed
 from llmc_fsm.toolkit.targets import tied_head
 from llmc_fsm.toolkit.views import LinearView, weight_views
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "QUANTIZATION_FORMATS",
     "CompressedSavePretrained",
+    "check_quantization_format",
+    "choose_formats",
     "compressed_state_dict",
     "dir_size_bytes",
     "is_quantized",
@@ -80,7 +83,13 @@ def sparsity_structure(recipe: Recipe) -> str | None:
 
 
 def write_output(
-    directory: Path, model: nn.Module, tokenizer: Any, recipe: Recipe, report: Any, disk_before: int | None
+    directory: Path,
+    model: nn.Module,
+    tokenizer: Any,
+    recipe: Recipe,
+    report: Any,
+    disk_before: int | None,
+    quantization_format: str | None = None,
 ) -> None:
     """Write the model (:func:`save_model`), its tokenizer and ``recipe.yaml`` (stages applied) into ``directory``.
 
@@ -92,7 +101,13 @@ def write_output(
     """
 
     t0 = time.perf_counter()
-    save_model(model, directory, sparsity_structure=sparsity_structure(recipe), sparsity=pruned_sparsity(report))
+    save_model(
+        model,
+        directory,
+        sparsity_structure=sparsity_structure(recipe),
+        sparsity=pruned_sparsity(report),
+        quantization_format=quantization_format,
+    )
     if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
         tokenizer.save_pretrained(directory)
     (directory / "recipe.yaml").write_text(recipe.to_yaml(applied=True), encoding="utf-8")
@@ -239,11 +254,18 @@ class CompressedSavePretrained:
             return
         model.save_pretrained = cls(model, recipe.to_yaml(applied=True), sparsity_structure(recipe), streamed_to)
 
-    def __call__(self, save_directory: str | os.PathLike[str], save_compressed: bool = True, **kwargs: Any) -> None:
+    def __call__(
+        self,
+        save_directory: str | os.PathLike[str],
+        save_compressed: bool = True,
+        quantization_format: str | None = None,
+        **kwargs: Any,
+    ) -> None:
         """Write the compressed model and ``recipe.yaml`` into ``save_directory`` (created if missing).
 
         Raises:
-            ValueError: ``save_compressed=False`` for a quantized model; a ``state_dict`` given (the compressed
+            ValueError: ``save_compressed=False`` for a quantized model; a ``quantization_format`` its weights
+                cannot be saved in (:func:`check_quantization_format`); a ``state_dict`` given (the compressed
                 one is built here); ``save_directory`` is an existing file; a streamed run's model.
             OSError: writing failed.
         """
@@ -264,6 +286,8 @@ class CompressedSavePretrained:
                 "activation quantization. Call save_pretrained(save_directory) (save_compressed=True)"
             )
             raise ValueError(msg)
+        if quantization_format is not None:
+            check_quantization_format(model, quantization_format)
         if "state_dict" in kwargs:
             raise ValueError("save_pretrained(state_dict=...): the compressed state dict is built here; leave it out")
         directory = Path(save_directory)
@@ -272,7 +296,14 @@ class CompressedSavePretrained:
         directory.mkdir(parents=True, exist_ok=True)
         report = getattr(model, "llmc_fsm_report", None)
         sparsity = pruned_sparsity(report) if report is not None else 0.0
-        save_model(model, directory, sparsity_structure=self.sparsity_structure, sparsity=sparsity, **kwargs)
+        save_model(
+            model,
+            directory,
+            sparsity_structure=self.sparsity_structure,
+            sparsity=sparsity,
+            quantization_format=quantization_format,
+            **kwargs,
+        )
         (directory / "recipe.yaml").write_text(self.recipe_yaml, encoding="utf-8")
 
     def __repr__(self) -> str:
@@ -291,6 +322,7 @@ def save_model(
     *,
     sparsity_structure: str | None = None,
     sparsity: float = 0.0,
+    quantization_format: str | None = None,
     **save_kwargs: Any,
 ) -> None:
     """Write ``model`` to ``directory`` in Hugging Face layout; compressed through compressed-tensors if quantized.
@@ -307,18 +339,27 @@ def save_model(
         sparsity: the fraction of the quantized weights that was pruned before quantization
             (:func:`pruned_sparsity`); from 5% on, a dense-format ``sparsity_config`` is written.
             Given, not measured: quantization rounds small values to exact zeros that are not sparsity.
+        quantization_format: the compressed-tensors format of every quantized weight (:func:`choose_formats`);
+            ``None``: each its recipe's or the default.
         save_kwargs: passed on to transformers' ``save_pretrained`` (e.g. ``max_shard_size``).
 
     Raises:
+        ValueError: a format a quantized weight cannot be saved in (:func:`check_quantization_format`), before
+            anything is written.
         OSError: writing failed.
     """
 
-    _save_weights(model, directory, sparsity_structure, sparsity, save_kwargs)
+    _save_weights(model, directory, sparsity_structure, sparsity, quantization_format, save_kwargs)
     fix_safetensors_permissions(directory)  # safetensors writes 0600 files; follow the umask like the rest
 
 
 def _save_weights(
-    model: nn.Module, directory: Path, sparsity_structure: str | None, sparsity: float, save_kwargs: dict[str, Any]
+    model: nn.Module,
+    directory: Path,
+    sparsity_structure: str | None,
+    sparsity: float,
+    quantization_format: str | None,
+    save_kwargs: dict[str, Any],
 ) -> None:
     # transformers' own method: the model may carry CompressedSavePretrained, which calls this
     hf_save = type(model).save_pretrained
@@ -328,7 +369,8 @@ def _save_weights(
         if kv_cache_scheme(model) is not None:  # KV-cache scales only (kv_cache_scheme alone): weights untouched
             write_quantization_config(model, directory, sparsity=sparsity, sparsity_structure=sparsity_structure)
         return
-    hf_save(model, directory, state_dict=compressed_state_dict(model), **save_kwargs)
+    state_dict = compressed_state_dict(model, quantization_format=quantization_format)
+    hf_save(model, directory, state_dict=state_dict, **save_kwargs)
     write_quantization_config(model, directory, sparsity=sparsity, sparsity_structure=sparsity_structure)
     _untie_quantized_embedding(model, directory)
 
@@ -350,23 +392,28 @@ def _untie_quantized_embedding(model: nn.Module, directory: Path) -> None:
     logger.info("the quantized input embedding and the float head are saved apart: config tie_word_embeddings false")
 
 
-def compressed_state_dict(module: nn.Module, prefix: str = "") -> dict[str, Any]:
+def compressed_state_dict(
+    module: nn.Module, prefix: str = "", *, quantization_format: str | None = None
+) -> dict[str, Any]:
     """``module``'s state dict, keys prefixed, with each quantized submodule's tensors compressed.
 
-    Each quantized submodule's compressed-tensors format is inferred (and set on its scheme) and its
-    tensors replaced by what that format's compressor (``BaseCompressor.compress``) gives, e.g.
-    ``weight_packed`` int32 + ``weight_shape`` for ``pack-quantized``. ``module`` is not changed.
+    Each quantized submodule's compressed-tensors format is chosen (:func:`choose_formats`; set on its scheme) and
+    its tensors replaced by what that format's compressor (``BaseCompressor.compress``) gives, e.g.
+    ``weight_packed`` int32 + ``weight_shape`` for ``pack-quantized``. ``module``'s tensors are not changed.
+
+    Raises:
+        ValueError: ``quantization_format`` (or a recipe's config-group ``format``) that a quantized module's weights
+            cannot be saved in (nothing is compressed).
     """
     from compressed_tensors.compressors import BaseCompressor
-    from compressed_tensors.compressors.format import infer_model_format
     from compressed_tensors.utils.module import get_direct_state_dict
 
-    unpacked_zero_points(quantized_modules(module))
-    unpacked_embeddings(quantized_modules(module))
-    _unpacked_where_init_reads_weight(module, quantized_modules(module))
-    infer_model_format(module)  # sets each quantized module's scheme.format
+    if quantization_format is not None:
+        check_quantization_format(module, quantization_format)
+    modules = quantized_modules(module)
+    choose_formats(module, modules, quantization_format)
     state = {prefix + key: value for key, value in module.state_dict().items()}
-    for name, sub in quantized_modules(module).items():
+    for name, sub in modules.items():
         scheme = sub.quantization_scheme
         local = get_direct_state_dict(sub)
         packed = kept_packed(sub, scheme.format.value, local)  # packed when it was quantized (NVFP4, MX, FP8 block)
@@ -376,11 +423,168 @@ def compressed_state_dict(module: nn.Module, prefix: str = "") -> dict[str, Any]
         for key in local:
             state.pop(sub_prefix + key, None)
         state.update({sub_prefix + key: value.contiguous() for key, value in packed.items() if value is not None})
-    state.update(_expert_tensors(module, prefix, state))
+    state.update(_expert_tensors(module, prefix, state, quantization_format))
     return state
 
 
-def _expert_tensors(module: nn.Module, prefix: str, state: dict[str, Any]) -> dict[str, Any]:
+#: The compressed-tensors formats ``quantization_format`` may name (which of them a weight allows:
+#: :func:`~llmc_fsm.toolkit.packed.weight_formats`).
+QUANTIZATION_FORMATS = (
+    "pack-quantized",
+    "int-quantized",
+    "float-quantized",
+    "nvfp4-pack-quantized",
+    "mxfp4-pack-quantized",
+    "mxfp6-pack-quantized",
+    "mxfp8-quantized",
+)
+
+
+def check_quantization_format(model: nn.Module, quantization_format: Any) -> None:
+    """Refuse a ``quantization_format`` (llm-compressor's ``save_pretrained`` argument: the compressed-tensors format
+    every quantized weight is saved in) that is not one of :data:`QUANTIZATION_FORMATS` or that a quantized weight of
+    ``model`` cannot be saved in.
+
+    Raises:
+        ValueError: an unknown format (the known ones listed), ``dense`` (quantized weights are saved compressed),
+            a model without quantized weights, or a weight whose scheme does not allow it (each named, with the
+            formats it allows).
+    """
+    if quantization_format == "dense":
+        msg = (
+            "quantization_format 'dense': llmc-fsm saves quantized weights only compressed (dense weights without "
+            "their quantization config would reload without its activation quantization); leave it out"
+        )
+        raise ValueError(msg)
+    if quantization_format not in QUANTIZATION_FORMATS:
+        msg = (
+            f"quantization_format must be one of compressed-tensors' formats {', '.join(QUANTIZATION_FORMATS)}, "
+            f"got {quantization_format!r}"
+        )
+        raise ValueError(msg)
+    schemes = {name: (type(sub), sub.quantization_scheme) for name, sub in quantized_modules(model).items()}
+    schemes.update({name: (nn.Linear, view.quantization_scheme) for name, view in quantized_views(model).items()})
+    if not schemes:
+        msg = (
+            f"quantization_format {quantization_format!r} is the format quantized weights are saved in, and the "
+            "model has no quantized weights: leave it out"
+        )
+        raise ValueError(msg)
+    _check_formats(schemes, quantization_format)
+
+
+#: Attribute of a quantized module: the compressed-tensors ``format`` its recipe's scheme named (``None``: not
+#: named), kept by :func:`choose_formats` before it first sets the scheme's format for a save.
+RECIPE_FORMAT_ATTR = "recipe_quantization_format"
+
+
+def choose_formats(model: nn.Module, modules: dict[str, nn.Module], quantization_format: str | None = None) -> None:
+    """Set the compressed-tensors format each of ``modules`` (quantized modules of ``model``) is saved in, as its
+    scheme's ``format``: ``quantization_format`` when given (llm-compressor's ``save_pretrained`` argument), else the
+    ``format`` its recipe's scheme named, else the default.
+
+    The default is the format compressed-tensors infers, except where transformers 5.25 could not reload it, where
+    it is ``int-quantized`` (the same integers and scales, one int8 per value): asymmetric int weights
+    (:func:`~llmc_fsm.output.compressed.unpacked_zero_points`), embeddings
+    (:func:`~llmc_fsm.output.compressed.unpacked_embeddings`) and classes whose weight initialisation reads
+    ``weight`` (:func:`_unpacked_where_init_reads_weight`). A format asked for is written as asked, with a warning
+    where transformers cannot reload it; the default's asymmetric ``int-quantized`` weights get a warning that vLLM
+    does not serve them.
+
+    Raises:
+        ValueError: a format one of ``modules`` cannot be saved in (:func:`~llmc_fsm.toolkit.packed.format_problem`;
+            every such module named, no scheme changed).
+    """
+    from compressed_tensors.compressors.format import infer_model_format
+    from compressed_tensors.config import CompressionFormat
+
+    for sub in modules.values():
+        if not hasattr(sub, RECIPE_FORMAT_ATTR):
+            fmt = sub.quantization_scheme.format
+            setattr(sub, RECIPE_FORMAT_ATTR, getattr(fmt, "value", fmt))
+    asked = {
+        name: quantization_format or getattr(sub, RECIPE_FORMAT_ATTR)
+        for name, sub in modules.items()
+        if (quantization_format or getattr(sub, RECIPE_FORMAT_ATTR)) is not None
+    }
+    _check_formats({name: (type(modules[name]), modules[name].quantization_scheme) for name in asked}, asked)
+    default = {name: sub for name, sub in modules.items() if name not in asked}
+    for name, fmt in asked.items():
+        modules[name].quantization_scheme.format = CompressionFormat(fmt)
+    for sub in default.values():
+        sub.quantization_scheme.format = None
+    unpacked_zero_points(default)
+    unpacked_embeddings(default)
+    _unpacked_where_init_reads_weight(model, default)
+    infer_model_format(model)  # sets the format of every quantized module whose scheme has none yet
+    _warn_formats(model, modules, asked)
+
+
+def _check_formats(schemes: dict[str, tuple[type, Any]], formats: str | dict[str, str]) -> None:
+    """Refuse (``ValueError``, every module named) formats that ``{name: (module class, scheme)}`` cannot be saved in;
+    ``formats``: one for all, or per name."""
+    problems: dict[str, list[str]] = {}
+    for name, (module_type, scheme) in schemes.items():
+        fmt = formats if isinstance(formats, str) else formats[name]
+        problem = format_problem(module_type, scheme, fmt)
+        if problem is not None:
+            problems.setdefault(problem, []).append(name)
+    if problems:
+        parts = "; ".join(
+            f"{', '.join(names[:3])}{' ...' if len(names) > 3 else ''}: {p}" for p, names in problems.items()
+        )
+        msg = (
+            f"quantized weights cannot be saved in the compressed-tensors format asked for ({parts}); give a format "
+            "their weights allow, or none (the default)"
+        )
+        raise ValueError(msg)
+
+
+def _warn_formats(model: nn.Module, modules: dict[str, nn.Module], asked: dict[str, str]) -> None:
+    """One warning per kind of saved format that one of the two readers (transformers, vLLM) does not read."""
+    asym_default, asym_packed, packed_unloadable = [], [], []
+    for name, sub in modules.items():
+        scheme = sub.quantization_scheme
+        fmt = getattr(scheme.format, "value", scheme.format)
+        weights = scheme.weights
+        asymmetric_int = weights is not None and str(weights.type) == "int" and not weights.symmetric
+        if name not in asked:
+            if asymmetric_int and fmt == "int-quantized" and scheme.input_activations is None:
+                asym_default.append(name)
+        elif fmt == "pack-quantized":
+            if asymmetric_int:
+                asym_packed.append(name)
+            elif isinstance(sub, nn.Embedding) or _init_reads_weight(model, sub):
+                packed_unloadable.append(name)
+    if asym_default:
+        logger.warning(
+            "%d modules with asymmetric int weights (e.g. %s) are saved int-quantized (one int8 per value): "
+            "transformers reloads them, vLLM has no kernel for weight-only int-quantized weights. For vLLM save them "
+            "pack-quantized, as llm-compressor does: quantization_format='pack-quantized' (--quantization-format; "
+            "transformers 5.25 cannot reload that, its compressed-tensors loader allocates unpacked zero points)",
+            len(asym_default),
+            asym_default[0],
+        )
+    if asym_packed:
+        logger.warning(
+            "%d modules with asymmetric int weights (e.g. %s) are saved pack-quantized as asked: vLLM serves them, "
+            "transformers 5.25 cannot reload them (its compressed-tensors loader allocates unpacked zero points: size "
+            "mismatch); int-quantized (the default) reloads in transformers",
+            len(asym_packed),
+            asym_packed[0],
+        )
+    if packed_unloadable:
+        logger.warning(
+            "%d modules (e.g. %s) are saved pack-quantized as asked: transformers 5.25 cannot reload them (its weight "
+            "initialisation reads their weight, which a packed module has not); int-quantized (the default) reloads",
+            len(packed_unloadable),
+            packed_unloadable[0],
+        )
+
+
+def _expert_tensors(
+    module: nn.Module, prefix: str, state: dict[str, Any], quantization_format: str | None = None
+) -> dict[str, Any]:
     """The compressed tensors of ``module``'s quantized expert matrices (:func:`quantized_views`), under their
     per-expert checkpoint names; the fused parameters they were read from are removed from ``state``.
 
@@ -390,6 +594,7 @@ def _expert_tensors(module: nn.Module, prefix: str, state: dict[str, Any]) -> di
     """
     from compressed_tensors.compressors import BaseCompressor
     from compressed_tensors.compressors.format import infer_module_format
+    from compressed_tensors.config import CompressionFormat
 
     views = quantized_views(module)
     if not views:
@@ -400,7 +605,10 @@ def _expert_tensors(module: nn.Module, prefix: str, state: dict[str, Any]) -> di
         owner = owners[id(view.owner)]
         state.pop(f"{prefix}{owner}.{view.param_name}" if owner else prefix + view.param_name, None)
         scheme = view.quantization_scheme
-        scheme.format = scheme.format or infer_module_format(nn.Linear, scheme)
+        if not hasattr(view, RECIPE_FORMAT_ATTR):
+            setattr(view, RECIPE_FORMAT_ATTR, getattr(scheme.format, "value", scheme.format))
+        fmt = quantization_format or getattr(view, RECIPE_FORMAT_ATTR)  # quantization_format: checked by the caller
+        scheme.format = CompressionFormat(fmt) if fmt is not None else infer_module_format(nn.Linear, scheme)
         local = {"weight": view.weight.detach().contiguous(), **view.quantized_params}
         packed = kept_packed(view, scheme.format.value, local)  # packed when it was quantized (MX)
         if packed is None:

@@ -248,11 +248,11 @@ def _saved_names(lazy: LazyModel, tensors: dict[str, torch.Tensor]) -> dict[str,
     return {k: v if id(v) in given else v.contiguous().clone() for k, v in saved.items()}
 
 
-def _layer_output(layer: nn.Module, prefix: str) -> dict[str, torch.Tensor]:
+def _layer_output(layer: nn.Module, prefix: str, quantization_format: str | None) -> dict[str, torch.Tensor]:
     """The tensors to write for a compressed layer (compressed-tensors format when quantized)."""
 
     if quantized_modules(layer):
-        return compressed_state_dict(layer, prefix)
+        return compressed_state_dict(layer, prefix, quantization_format=quantization_format)
     return {prefix + key: value for key, value in layer.state_dict().items()}
 
 
@@ -268,6 +268,7 @@ def compress_streaming(
     device: torch.device | None = None,
     activation_budget: int | None = None,
     checkpoint: LayerCheckpoint | None = None,
+    quantization_format: str | None = None,
 ) -> StreamedCompression:
     """Calibrate, compress and write ``lazy``'s model one decoder layer at a time through ``session``.
 
@@ -299,6 +300,8 @@ def compress_streaming(
             compressed, before it is written; the first ``checkpoint.layers_done()`` layers are read, restored
             (after ``calibration_start``), run on the calibration inputs and evaluation windows, and written, instead
             of calibrated — so a resumed run writes what an uninterrupted one writes, bit for bit.
+        quantization_format: the compressed-tensors format of every quantized weight written
+            (:func:`llmc_fsm.output.save.choose_formats`); ``None``: each its recipe's or the default.
 
     Raises:
         ValueError: a modifier acts on the whole model (:func:`check_streamable`), targets a module outside
@@ -335,13 +338,15 @@ def compress_streaming(
             start = checkpoint.layers_done(len(lazy.layers))
             restored = RestoredLayers(session.modifiers, inputs, resuming=0 < start < len(lazy.layers))
             for index in range(start):
-                _restore_layer(checkpoint, lazy, writer, index, restored, result, device, store)
+                _restore_layer(checkpoint, lazy, writer, index, restored, result, device, store, quantization_format)
             restored.hand_over()
             inputs = restored.inputs
         if start:
             logger.info("resumed: %d of %d decoder layers restored from saved progress", start, len(lazy.layers))
         for index in _bar(len(lazy.layers), "compressing layers", progress, start):
-            inputs = _compress_layer(session, lazy, writer, index, inputs, calls, result, device, store, checkpoint)
+            inputs = _compress_layer(
+                session, lazy, writer, index, inputs, calls, result, device, store, checkpoint, quantization_format
+            )
             trim_heap()  # the layer's freed weights and activations go back to the system
         del inputs
         session.calibration_end()
@@ -362,6 +367,7 @@ def _compress_layer(
     device: torch.device,
     store: ActivationStore,
     checkpoint: LayerCheckpoint | None,
+    quantization_format: str | None,
 ) -> Inputs:
     """Read, calibrate, compress, save (``checkpoint``), measure and write decoder layer ``index``; return the next
     layer's inputs."""
@@ -383,7 +389,7 @@ def _compress_layer(
                 result.eval_states = store.hold(propagate(layer, result.eval_states))
         if checkpoint is not None:
             checkpoint.save(index, layer)  # from CPU memory, as the in-memory pipeline saves it
-        _write_layer(lazy, writer, index, result)
+        _write_layer(lazy, writer, index, result, quantization_format)
     return store.hold(outputs) if outputs is not None else []
 
 
@@ -396,6 +402,7 @@ def _restore_layer(
     result: StreamedCompression,
     device: torch.device,
     store: ActivationStore,
+    quantization_format: str | None,
 ) -> None:
     """Read decoder layer ``index``, load its saved compressed state, carry the calibration inputs through it (as
     the interrupted run did: :class:`~llmc_fsm.pipeline.layer.RestoredLayers`) and the evaluation windows, measure
@@ -412,12 +419,14 @@ def _restore_layer(
         if result.eval_states is not None:
             with onloaded(layer, device):
                 result.eval_states = store.hold(propagate(layer, result.eval_states))
-        _write_layer(lazy, writer, index, result)
+        _write_layer(lazy, writer, index, result, quantization_format)
 
 
-def _write_layer(lazy: LazyModel, writer: ShardWriter, index: int, result: StreamedCompression) -> None:
+def _write_layer(
+    lazy: LazyModel, writer: ShardWriter, index: int, result: StreamedCompression, quantization_format: str | None
+) -> None:
     """Measure the zeros of decoder layer ``index`` (read) into ``result`` and write it to shard ``index + 2``."""
     layer = lazy.layers[index]
     prefix = f"{lazy.layers_name}.{index}."
     result.modules += [attrs.evolve(m, name=prefix + m.name, layer=index) for m in measure_sparsity(layer) if m.name]
-    writer.write(index + 2, _saved_names(lazy, _layer_output(layer, prefix)))
+    writer.write(index + 2, _saved_names(lazy, _layer_output(layer, prefix, quantization_format)))

@@ -47,7 +47,8 @@ The public names, by concern:
   :func:`private_pages` (whether a weight's storage is private memory already: write into it rather than replace it),
   :func:`release_file_pages` (unmap a replaced weight's unwritten pages of a memory-mapped checkpoint);
 * **checkpoint** (:mod:`~llmc_fsm.toolkit.packed`): :func:`keep_packed` (keep the tensors compressed-tensors
-  packed when a module was quantized, for the save to write instead of rounding again).
+  packed when a module was quantized, for the save to write instead of rounding again), :func:`weight_formats` /
+  :func:`format_problem` (the compressed-tensors formats a scheme's weights can be saved in).
 
 Imports only :mod:`llmc_fsm.core`.
 """
@@ -80,7 +81,7 @@ from llmc_fsm.toolkit.obs import (
     inverse_hessian_cholesky,
     obs_sweep,
 )
-from llmc_fsm.toolkit.packed import keep_packed
+from llmc_fsm.toolkit.packed import format_problem, keep_packed, weight_formats
 from llmc_fsm.toolkit.targets import (
     DEFAULT_IGNORE,
     DEFAULT_TARGETS,
@@ -131,6 +132,7 @@ __all__ = [
     "clear_weight_views",
     "compact_names",
     "expert_checkpoint_names",
+    "format_problem",
     "fused_experts_reason",
     "get_rank",
     "get_world_size",
@@ -158,5 +160,6 @@ __all__ = [
     "trim_heap",
     "unpack_mask",
     "untie_head",
+    "weight_formats",
     "weight_views",
 ]

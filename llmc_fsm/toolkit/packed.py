@@ -1,7 +1,12 @@
-"""Packed tensors kept on a quantized module for its checkpoint: a quantizer that already had compressed-tensors'
-compressor pack a module (NVFP4 / MX / FP8-block weights are packed when they are quantized, so the module holds
-exactly the values its checkpoint reloads to) keeps them with :func:`keep_packed`; the save writes them after
-:func:`kept_packed` checks they still describe the module, instead of rounding the weight again."""
+"""A quantized module's tensors in its checkpoint: which compressed-tensors formats its weights can be written in,
+and packed tensors kept for the save.
+
+* :func:`weight_formats` / :func:`format_problem` — the formats a scheme's weights can be saved in (a recipe's
+  config group ``format``, ``quantization_format`` of the save), checked before anything is quantized or written.
+* :func:`keep_packed` / :func:`kept_packed` — a quantizer that already had compressed-tensors' compressor pack a
+  module (NVFP4 / MX / FP8-block weights are packed when they are quantized, so the module holds exactly the values
+  its checkpoint reloads to) keeps them with :func:`keep_packed`; the save writes them after :func:`kept_packed`
+  checks they still describe the module, instead of rounding the weight again."""
 
 from __future__ import annotations
 
@@ -10,12 +15,50 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["PACKED_ATTR", "keep_packed", "kept_packed"]
+__all__ = ["PACKED_ATTR", "format_problem", "keep_packed", "kept_packed", "weight_formats"]
 
 
 #: Attribute of a quantized module holding the tensors its compressor packed when it was quantized
 #: (:func:`keep_packed`).
 PACKED_ATTR = "packed_for_checkpoint"
+
+
+def weight_formats(module_type: type, scheme: Any) -> list[str]:
+    """The compressed-tensors formats the weights of a ``module_type`` module quantized with ``scheme`` can be saved
+    in, the one compressed-tensors infers first (``infer_module_format``, the scheme's own ``format`` left out).
+
+    Integer weights: also ``pack-quantized`` (several values per int32; when compressed-tensors' packer takes the
+    scheme: not with float input activations) and ``int-quantized`` (one int8 per value; the two hold the same
+    integers and scales). Float, NVFP4 and MX weights: only the inferred format (``float-quantized``,
+    ``nvfp4-pack-quantized``, the MX formats). ``dense`` (weights left unquantized on disk) and ``naive-quantized``
+    are not offered.
+
+    Args:
+        module_type: the quantized module's class (``nn.Linear``; ``nn.Linear`` for a fused expert's matrix).
+        scheme: its compressed-tensors ``QuantizationScheme``.
+    """
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.compressors.format import infer_module_format
+
+    bare = scheme.model_copy(update={"format": None})
+    formats = [infer_module_format(module_type, bare).value]
+    if scheme.weights is not None and str(scheme.weights.type) == "int":
+        if BaseCompressor.get_value_from_registry("pack-quantized").can_compress(module_type, bare):
+            formats.append("pack-quantized")
+        formats.append("int-quantized")
+    return list(dict.fromkeys(formats))
+
+
+def format_problem(module_type: type, scheme: Any, fmt: Any) -> str | None:
+    """Why the weights of a ``module_type`` module quantized with ``scheme`` cannot be saved in compressed-tensors
+    format ``fmt`` (a ``CompressionFormat`` or its value), or ``None`` when they can (:func:`weight_formats`)."""
+    fmt = getattr(fmt, "value", fmt)
+    formats = weight_formats(module_type, scheme)
+    if fmt in formats:
+        return None
+    weights = scheme.weights
+    what = f"{weights.num_bits}-bit {weights.type} weights" if weights is not None else "no weights"
+    return f"{what} are saved {' or '.join(formats)}, not {fmt}"
 
 
 def keep_packed(module: nn.Module, fmt: str, packed: dict[str, Any]) -> None:

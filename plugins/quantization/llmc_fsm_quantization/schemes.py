@@ -26,7 +26,9 @@ import torch
 from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme, QuantizationStrategy
 from compressed_tensors.quantization.quant_scheme import PRESET_SCHEMES, preset_name_to_scheme
 from pydantic import ValidationError
+from torch import nn
 
+from llmc_fsm.toolkit import format_problem
 from llmc_fsm_quantization.observers import (
     IMPORTANCE_OBSERVERS,
     OBSERVERS,
@@ -369,6 +371,8 @@ def _problem(scheme: QuantizationScheme) -> str | None:
         return "static output_activations (dynamic: false) are not supported: output activations are not quantized"
     if scheme.output_activations is not None:
         return "output activation quantization is not supported"
+    if scheme.format is not None and (problem := format_problem(nn.Linear, scheme, scheme.format)) is not None:
+        return f"format {getattr(scheme.format, 'value', scheme.format)}: {problem}"
     return None
 
 
