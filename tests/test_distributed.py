@@ -441,3 +441,31 @@ def test_torchrun_cli_checks_the_expected_world_size_on_every_rank():
     )
     assert proc.stderr.count(line) == 1, proc.stderr  # both ranks fail (exit 1); only rank 0 prints the line
     assert "created" not in proc.stdout  # the command itself never ran
+
+
+def test_a_compiled_model_is_unwrapped_at_initialize_and_its_checkpoint_loads_into_the_plain_model():
+    recipe = {"s": {"MagnitudePruningModifier": {"sparsity": 0.5}, "OutputDistillationModifier": {}}}
+    model = llama().train()  # the distillation hook captures training forwards
+    compiled = torch.compile(model, backend="eager")
+    assert unwrap_model(torch.nn.DataParallel(compiled)) is model  # in any nesting
+    session = Session(recipe)
+    session.initialize(model=compiled, teacher=torch.compile(llama(seed=1), backend="eager"))
+    assert session.state.model is model
+    assert type(session.state.teacher).__name__ == "LlamaForCausalLM"
+    targets = session.modifiers[0].resolved_targets
+    assert len(targets) == 14 and "lm_head" not in targets  # the default ignore: [lm_head] matches
+    assert not any(name.startswith("_orig_mod.") for name in targets)
+    ids = windows(2, 16)
+    session.batch_start(batch={"input_ids": ids})
+    loss = session.loss_calculated(compiled(input_ids=ids, labels=ids).loss)  # the hook ran in the compiled forward
+    assert session.modifiers[1].last_distill_loss is not None
+    loss.backward()
+    session.batch_end()
+    assert not (model.lm_head.weight == 0).any()
+    saved = session.state_dict()
+    session.finalize()
+    plain = Session(recipe)
+    plain.initialize(model=llama(), teacher=llama(seed=1))
+    plain.load_state_dict(saved)  # masks named as the model's own modules
+    assert plain.modifiers[0].resolved_targets.keys() == targets.keys()
+    plain.finalize()

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import copy
+import pickle
 import subprocess
 import sys
 import threading
@@ -619,3 +621,19 @@ def test_docs_and_cli_list_the_allowed_calls_per_state_and_position():
     assert "              after optim_pre_step(): optim_post_step" in out.splitlines()
     doc = (REPO / "docs" / "lifecycle.md").read_text(encoding="utf-8")
     assert f"```text\n{out}```" in doc, "docs/lifecycle.md is out of date: paste `llmc-fsm lifecycle`"
+
+
+@pytest.mark.parametrize("copy_it", [pickle.dumps, copy.copy, copy.deepcopy], ids=["pickle", "copy", "deepcopy"])
+def test_a_session_refuses_pickle_and_copy_and_names_what_to_use(copy_it):
+    session = Session([Recorder()])
+    session.update_state(model=torch.nn.Linear(2, 2))
+    with pytest.raises(LifecycleError) as info:
+        copy_it(session)
+    assert str(info.value) == (
+        "a Session cannot be pickled or copied (it holds a lock, the modifiers' torch hooks and weak references bound "
+        "to this run); save its progress with session.state_dict() or session.save(path) and resume it with "
+        "load_state_dict() / Session.load(path, recipe, model=...)"
+    )
+    assert (info.value.lifecycle, info.value.call) == ("staging", "pickle")
+    assert info.value.allowed == tuple(sorted(session.allowed_calls))
+    assert session.lifecycle == "staging"  # nothing changed

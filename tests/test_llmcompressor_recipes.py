@@ -145,7 +145,7 @@ pruning_stage:
             }
         }
     }
-    theirs = train(recipe, copy.deepcopy(model), steps=4)  # 2 epochs: until end (the masks are released at end)
+    theirs = train(recipe, copy.deepcopy(model), steps=4)  # 2 epochs: until end
     ours = train(native, model, steps=4)
     same_weights(theirs, ours)
     for name, module in layer_linears(theirs).items():

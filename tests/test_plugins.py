@@ -225,6 +225,103 @@ def test_hook_that_raises_or_returns_garbage_is_reported(site: Site) -> None:
     assert "<class 'int'> is not a subclass of llmc_fsm.Modifier" in str(err)
 
 
+def test_system_exit_at_import_is_reported_and_keyboard_interrupt_still_propagates(site: Site) -> None:
+    site.add("llmc-fsm-exits", "1.0", {"exits": "exits_plugin"}, {"exits_plugin": "raise SystemExit('bye')\n"})
+    site.add_sample()
+    registry = get_registry()
+    (err,) = ours(registry, "llmc-fsm-exits")
+    assert str(err) == (
+        "plugin llmc-fsm-exits 1.0 (entry point 'exits'): failed to import 'exits_plugin': SystemExit: bye"
+    )
+    assert isinstance(err.__cause__, SystemExit)
+    assert "SampleMagnitudeMask" in registry
+    site.add("llmc-fsm-ctrlc", "1.0", {"c": "ctrlc_plugin"}, {"ctrlc_plugin": "raise KeyboardInterrupt\n"})
+    with pytest.raises(KeyboardInterrupt):
+        get_registry(reload=True)
+
+
+NO_HOOK_PLUGIN = """
+import attrs
+import pluggy
+from llmc_fsm import Modifier
+
+@attrs.define(kw_only=True, slots=False, eq=False)
+class {cls}(Modifier):
+    '''never registered'''
+
+{marker}
+def llmc_fsm_register_modifiers():
+    return [{cls}]
+"""
+
+
+def test_plugin_without_a_hook_implementation_is_reported(site: Site) -> None:
+    unmarked = NO_HOOK_PLUGIN.format(cls="NoHookModifier", marker="")
+    other_project = NO_HOOK_PLUGIN.format(cls="OtherMarkModifier", marker="@pluggy.HookimplMarker('llmc-fsm')")
+    site.add("llmc-fsm-nohook", "0.2", {"nohook": "nohook_plugin"}, {"nohook_plugin": unmarked})
+    site.add("llmc-fsm-othermark", "0.2", {"other": "othermark_plugin"}, {"othermark_plugin": other_project})
+    site.add("llmc-fsm-empty", "0.2", {"empty": "empty_plugin"}, {"empty_plugin": "X = 1\n"})
+    registry = get_registry()
+    unmarked_text = "implements no llmc_fsm hook (missing @hookimpl?): llmc_fsm_register_modifiers is not marked with "
+    assert [str(e) for e in ours(registry, "llmc-fsm-nohook", "llmc-fsm-othermark", "llmc-fsm-empty")] == [
+        "plugin llmc-fsm-empty 0.2 (entry point 'empty'): implements no llmc_fsm hook (missing @hookimpl?): define "
+        "llmc_fsm_register_modifiers marked with @llmc_fsm.hookimpl",
+        f"plugin llmc-fsm-nohook 0.2 (entry point 'nohook'): {unmarked_text}@llmc_fsm.hookimpl",
+        f"plugin llmc-fsm-othermark 0.2 (entry point 'other'): {unmarked_text}@llmc_fsm.hookimpl",
+    ]
+    assert registry.manager.get_plugin("llmc-fsm-nohook:nohook") is None
+    with pytest.raises(RecipeError, match=r"failed to load .*llmc-fsm-nohook 0\.2 \(entry point 'nohook'\)"):
+        Session({"s": {"NoHookModifier": {}}})
+
+
+def test_first_party_distribution_keeps_its_names_against_a_third_party_that_sorts_first(site: Site) -> None:
+    site.add_ok("aaa-clash", "ClashModifier")  # sorts before llmc-fsm-training
+    site.add_ok("llmc-fsm-training", "ClashModifier", version="0.9", module="first_party_training")  # shadows the real
+    registry = get_registry()
+    info = registry.info("ClashModifier")
+    assert (info.distribution, info.cls.__module__) == ("llmc-fsm-training", "first_party_training")
+    assert ours(registry, "llmc-fsm-training") == []
+    (err,) = ours(registry, "aaa-clash")
+    assert str(err) == (
+        "plugin aaa-clash 1.0 (entry point 'main'): modifier name 'ClashModifier' from aaa-clash 1.0 (entry point "
+        "'main') (aaa_clash.ClashModifier) is already registered by llmc-fsm-training 0.9 (entry point 'main') "
+        "(first_party_training.ClashModifier); the later one is not registered. Rename one of the classes (override "
+        "modifier_name()) or disable one distribution with LLMC_FSM_DISABLE_PLUGINS."
+    )
+    assert plugins_mod.FIRST_PARTY == frozenset({"llmc-fsm-pruning", "llmc-fsm-quantization", "llmc-fsm-training"})
+
+
+def test_a_modifier_class_not_decorated_with_attrs_is_refused(site: Site) -> None:
+    source = """
+    from llmc_fsm import Modifier, hookimpl
+
+    class PlainModifier(Modifier):
+        def __init__(self, alpha=1.0):
+            self.alpha = alpha
+
+    @hookimpl
+    def llmc_fsm_register_modifiers():
+        return [PlainModifier]
+    """
+    site.add("llmc-fsm-plain", "1.0", {"plain": "plain_plugin"}, {"plain_plugin": source})
+    registry = get_registry()
+    assert "PlainModifier" not in registry
+    (err,) = ours(registry, "llmc-fsm-plain")
+    assert str(err) == (
+        "plugin llmc-fsm-plain 1.0 (entry point 'plain'): plain_plugin.PlainModifier is not an attrs class; decorate "
+        "it with @attrs.define(kw_only=True, slots=False, eq=False) (or attrs.frozen), as docs/plugins.md shows"
+    )
+    class Undecorated(LocalPruning):  # an attrs base is not enough: the class itself must be decorated
+        pass
+
+    with pytest.raises(PluginError) as info:
+        ModifierRegistry().register(Undecorated)
+    assert str(info.value).startswith(
+        "test_plugins.test_a_modifier_class_not_decorated_with_attrs_is_refused.<locals>.Undecorated is not an attrs "
+        "class; decorate it with @attrs.define("
+    )
+
+
 def test_disable_env_blocks_plugins_before_import(site: Site, monkeypatch: pytest.MonkeyPatch) -> None:
     site.add("llmc-fsm-broken", "2.1", {"broken": "broken2_plugin"}, {"broken2_plugin": "raise SystemError\n"})
     site.add_sample()

@@ -153,6 +153,52 @@ def test_magnitude_gradual_follows_cubic_schedule_and_finalize_reaches_final():
     assert mod.measured_sparsity == pytest.approx(math.floor(0.8 * 64 + 0.5) / 64)
 
 
+def _gradual_run(**kwargs):
+    """init 0.1 -> final 0.5 over epochs [0, 1] (update 0.25, 4 steps an epoch), trained 2 epochs with AdamW: the
+    sparsity of fc1 + fc2 after every optimizer step, and the modifier."""
+    model = TinyLM()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
+    mod = MagnitudePruningModifier(init_sparsity=0.1, final_sparsity=0.5, start=0, end=1, update=0.25, **kwargs)
+    session = Session([mod])
+    initialize(session, model=model, optimizer=optimizer, steps_per_epoch=4)
+    after_step = []
+    for batch in _batches(8):
+        session.batch_start(batch=batch)
+        session.loss_calculated(model(**batch).loss).backward()
+        optimizer_step(session, optimizer)
+        after_step.append(sum(int((m.weight == 0).sum()) for m in (model.fc1, model.fc2)) / 128)
+        session.batch_end()
+    ended = mod.measured_sparsity  # measured at end (the batch of epoch 1.0)
+    session.finalize()
+    return model, mod, after_step, ended
+
+
+def test_magnitude_gradual_holds_the_masks_from_end_until_finalize():
+    model, mod, after_step, ended = _gradual_run()
+    assert mod.leave_enabled is True
+    assert mod.history[-1] == (1.0, 0.5)
+    # steps 4..7 (epochs 1.0 to 1.75) come after end: the 0.5 reached at end is held exactly by the masks
+    assert after_step[4:] == [0.5, 0.5, 0.5, 0.5]
+    assert ended == 0.5
+    assert mod.measured_sparsity == 0.5  # measured again at finalize, on the weights
+    assert sum(int((m.weight == 0).sum()) for m in (model.fc1, model.fc2)) == 64
+
+
+def test_magnitude_leave_enabled_false_drops_the_masks_at_end_and_finalize_measures_what_is_left():
+    _, mod, after_step, ended = _gradual_run(leave_enabled=False)
+    assert ended == 0.5  # at end (the batch of epoch 1.0) the weights are at final_sparsity
+    # AdamW regrows the pruned weights at the next step, all but the 6 whose gradient is 0 (inputs of dead ReLUs)
+    assert after_step[4:] == [6 / 128] * 4
+    assert mod.measured_sparsity == 6 / 128  # finalize measures the weights: no claim of the sparsity that is gone
+    assert sum(mod.module_sparsity.values()) * 64 == 6
+
+
+def test_magnitude_leave_enabled_must_be_a_bool():
+    with pytest.raises(TypeError) as info:
+        MagnitudePruningModifier(sparsity=0.5, leave_enabled="no")
+    assert str(info.value) == "leave_enabled must be true or false, got 'no'"
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
@@ -326,6 +372,27 @@ def test_distillation_loss_equals_hand_computed_value():
     session.batch_end()
     session.finalize()
     assert mod.num_hooks == 0 and not student._forward_hooks
+
+
+def test_distillation_gives_the_teacher_back_its_training_modes_at_finalize():
+    student, teacher = TinyLM(seed=0), TinyLM(seed=1)
+    teacher.train()
+    teacher.fc2.eval()  # a mixed teacher: each module gets its own mode back
+    session = Session([OutputDistillationModifier()])
+    initialize(session, model=student, teacher=teacher)
+    assert not any(m.training for m in teacher.modules())  # eval while the session runs
+    batch = _batches(1)[0]
+    session.batch_start(batch=batch)
+    session.loss_calculated(student(**batch).loss).backward()
+    session.batch_end()
+    session.finalize()
+    assert [(name, m.training) for name, m in teacher.named_modules()] == [
+        ("", True),
+        ("embed", True),
+        ("fc1", True),
+        ("fc2", False),
+        ("lm_head", True),
+    ]
 
 
 def test_distillation_kl_is_zero_for_identical_logits():

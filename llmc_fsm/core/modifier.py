@@ -14,6 +14,7 @@ Hooks (all optional; the session only calls the ones a class overrides):
 ``on_update(state, event)``     every ``update`` epochs between start and end
 ``on_end(state, event)``        when the schedule reaches ``end`` (or at finalize)
 ``on_event(state, event)``      for each batch event in ``events`` while active
+                                (and in ``events_after_end`` after ``on_end``, until finalize)
 ``on_calibration_start(state)`` one-shot calibration begins
 ``on_sequential_epoch_end(state, modules)``  a group of layers has been calibrated
 ``on_calibration_end(state)``   one-shot calibration ends
@@ -34,6 +35,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import functools
+import sys
 import weakref
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -208,6 +210,9 @@ class Modifier(metaclass=ModifierType):
     - ``events``: the batch events :meth:`on_event` handles (default: none).
       Declaring them lets the session skip this modifier on every other event.
     - ``runs_after``: names of modifiers this one must follow within an event.
+    - ``events_after_end``: the events of ``events`` that :meth:`on_event` still
+      handles after :meth:`on_end`, until finalize (default: none), e.g. pruning
+      masks held after the schedule ends.
 
     Recipe fields shared by every modifier (all in epochs, ``float``):
 
@@ -226,6 +231,7 @@ class Modifier(metaclass=ModifierType):
     optional_state: ClassVar[frozenset[str]] = frozenset()
     events: ClassVar[frozenset[str]] = frozenset()
     runs_after: ClassVar[frozenset[str]] = frozenset()
+    events_after_end: ClassVar[frozenset[str]] = frozenset()
 
     start: float | None = attrs.field(default=None, converter=_optional_epoch, validator=_check_schedule)
     end: float | None = attrs.field(default=None, converter=_optional_epoch, validator=_check_schedule)
@@ -339,7 +345,8 @@ class Modifier(metaclass=ModifierType):
         If it changed parameters in place before raising (of
         :attr:`resolved_targets` or, in a session, of any module in the state),
         the error names them and the modifier's session refuses further events
-        (see :mod:`llmc_fsm.core.guard`).
+        (see :mod:`llmc_fsm.core.guard`). In a model compiled with ``torch.compile``
+        the hook runs eagerly (``torch._dynamo.disable``), not traced into the graph.
 
         Args:
             module: the ``torch.nn.Module`` to hook.
@@ -377,6 +384,9 @@ class Modifier(metaclass=ModifierType):
             guard.leave(token)
             return result
 
+        dynamo = sys.modules.get("torch._dynamo")  # loaded by torch.compile (and transformers); not imported here
+        if dynamo is not None:  # in a torch.compile'd model the hook runs eagerly: it keeps Python state
+            guarded = dynamo.disable(guarded)
         handle = getattr(module, f"register_{kind}_hook")(guarded, **kwargs)
         self.__dict__.setdefault("_llmc_fsm_hooks", []).append(handle)
         return handle

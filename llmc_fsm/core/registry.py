@@ -1,12 +1,16 @@
 """Modifier registry: recipe name -> Modifier class, filled from plugins.
 
 Plugins are found through the ``llmc_fsm`` entry-point group of the installed
-distributions (``importlib.metadata``) and loaded **one at a time**: a plugin
-that fails to import, whose hook implementation does not match its
-specification, whose hook raises, or that registers a modifier name already
-taken, is recorded as a :class:`~llmc_fsm.PluginError` (naming the
-distribution, the entry point and the cause) in :attr:`ModifierRegistry.errors`,
-and the other plugins still load.
+distributions (``importlib.metadata``) and loaded **one at a time**, the
+first-party distributions (:data:`FIRST_PARTY`) first, so their modifier names
+cannot be taken by a third-party plugin. A plugin that fails to import (an
+exception or ``SystemExit``; ``KeyboardInterrupt`` still propagates), that
+implements no ``llmc_fsm`` hook (a missing ``@hookimpl``), whose hook
+implementation does not match its specification, whose hook raises, that returns
+a class not decorated with ``attrs.define`` / ``attrs.frozen``, or that
+registers a modifier name already taken, is recorded as a
+:class:`~llmc_fsm.PluginError` (naming the distribution, the entry point and the
+cause) in :attr:`ModifierRegistry.errors`, and the other plugins still load.
 
 ``LLMC_FSM_DISABLE_PLUGINS`` (comma-separated distribution names, compared
 case-insensitively with ``-``/``_``/``.`` treated alike) blocks plugins: their
@@ -38,6 +42,7 @@ from llmc_fsm.core.modifier import Modifier
 __all__ = [
     "DISABLE_ENV",
     "ENTRY_POINT_GROUP",
+    "FIRST_PARTY",
     "DisabledPlugin",
     "ModifierInfo",
     "ModifierRegistry",
@@ -50,6 +55,9 @@ logger = logging.getLogger(__name__)
 ENTRY_POINT_GROUP = hookspecs.PROJECT_NAME
 #: Environment variable: comma-separated distribution names whose plugins are not loaded.
 DISABLE_ENV = "LLMC_FSM_DISABLE_PLUGINS"
+#: The first-party plugin distributions (``plugins/`` of this repository), loaded before any other: a third-party
+#: plugin registering one of their modifier names is the one reported (normalized names, see :func:`_normalize`).
+FIRST_PARTY: frozenset[str] = frozenset({"llmc-fsm-pruning", "llmc-fsm-quantization", "llmc-fsm-training"})
 
 
 def _normalize(name: str) -> str:
@@ -148,11 +156,19 @@ class ModifierRegistry:
         the same class twice is a no-op.
 
         Raises:
-            PluginError: not a Modifier subclass, or the name is already taken by
-                another class (the message names the owner).
+            PluginError: not a Modifier subclass, a subclass not decorated with
+                ``attrs.define`` / ``attrs.frozen`` itself (its arguments would not be
+                attrs fields), or the name is already taken by another class (the
+                message names the owner).
         """
         if not (isinstance(cls, type) and issubclass(cls, Modifier)):
             msg = f"{cls!r} is not a subclass of llmc_fsm.Modifier"
+            raise PluginError(msg, distribution=distribution, entry_point=entry_point)
+        if "__attrs_attrs__" not in cls.__dict__:  # inherited from Modifier when the class is not decorated
+            msg = (
+                f"{cls.__module__}.{cls.__qualname__} is not an attrs class; decorate it with "
+                "@attrs.define(kw_only=True, slots=False, eq=False) (or attrs.frozen), as docs/plugins.md shows"
+            )
             raise PluginError(msg, distribution=distribution, entry_point=entry_point)
         name = cls.modifier_name()
         old = self._infos.get(name)
@@ -211,6 +227,11 @@ class ModifierRegistry:
         except ValueError as exc:  # pragma: no cover - guarded by the check above
             return fail(str(exc))
         callers = self.manager.get_hookcallers(plugin) or []
+        if not callers:
+            self.manager.unregister(plugin)
+            unmarked = sorted(n for n in dir(plugin) if n.startswith("llmc_fsm_") and callable(getattr(plugin, n)))
+            what = f"{', '.join(unmarked)} is not marked" if unmarked else "define llmc_fsm_register_modifiers marked"
+            return fail(f"implements no llmc_fsm hook (missing @hookimpl?): {what} with @llmc_fsm.hookimpl")
         unknown = sorted(caller.name for caller in callers if not caller.has_spec())
         if unknown:
             self.manager.unregister(plugin)
@@ -220,7 +241,7 @@ class ModifierRegistry:
         call = self.manager.subset_hook_caller("llmc_fsm_register_modifiers", remove_plugins=others)
         try:
             results = call()
-        except Exception as exc:
+        except (Exception, SystemExit) as exc:
             self.manager.unregister(plugin)
             return fail(f"llmc_fsm_register_modifiers() raised {type(exc).__name__}: {exc}", exc)
         for result in results:
@@ -253,7 +274,7 @@ class ModifierRegistry:
         found: list[PluginError] = []
         eps = sorted(
             importlib.metadata.entry_points(group=ENTRY_POINT_GROUP),
-            key=lambda ep: (_dist_name(ep) or "", ep.name),
+            key=lambda ep: (_normalize(_dist_name(ep) or "") not in FIRST_PARTY, _dist_name(ep) or "", ep.name),
         )
         for ep in eps:
             dist = _dist_name(ep)
@@ -263,7 +284,7 @@ class ModifierRegistry:
                 continue
             try:
                 plugin = ep.load()
-            except Exception as exc:
+            except (Exception, SystemExit) as exc:  # a plugin calling sys.exit() must not end the host
                 label = _describe(dist, version, ep.name)
                 err = PluginError(
                     f"plugin {label}: failed to import {ep.value!r}: {type(exc).__name__}: {exc}",

@@ -86,7 +86,8 @@ class State(Mapping[str, Any]):
     model = _Key(
         "The model being compressed (``torch.nn.Module``), or ``None``.\n\n"
         "After ``Session.initialize`` it is the module inside a ``DistributedDataParallel`` /\n"
-        "``DataParallel`` wrapper if one was given (see :func:`llmc_fsm.session.ranks.unwrap_model`)."
+        "``DataParallel`` / ``torch.compile`` wrapper if one was given (see\n"
+        ":func:`llmc_fsm.session.ranks.unwrap_model`)."
     )
     teacher = _Key("The teacher model for distillation (``torch.nn.Module``), or ``None``.")
     optimizer = _Key("The training optimizer (``torch.optim.Optimizer``), or ``None``.")

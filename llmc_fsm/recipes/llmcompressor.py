@@ -237,7 +237,6 @@ ARGUMENT_RULES: dict[str, dict[str, ArgumentRule]] = {
     },
     "MagnitudePruningModifier": {
         **_COMMON,
-        "leave_enabled": ArgumentRule("ignore", "deprecated in llm-compressor, which ignores it too"),
         "update_scheduler": ArgumentRule("ignore", "only 'cubic', the schedule llmc-fsm uses", accept=("cubic",)),
         "scheduler_args": ArgumentRule("ignore", "the cubic schedule takes none", accept=(None, {})),
         "apply_globally": ArgumentRule("ignore", "only false: sparsity is per layer", accept=(False,)),

@@ -5,8 +5,9 @@
   given (state key ``world_size``); any disagreement raises the same
   ``ValueError`` on every rank before a modifier is initialized;
 * :func:`unwrap_model` / :func:`unwrap_state` — a ``DistributedDataParallel`` /
-  ``DataParallel`` model is replaced by the module inside it, whose parameters
-  are the live ones the wrapper trains.
+  ``DataParallel`` model, or one compiled by ``torch.compile`` (an ``OptimizedModule``),
+  is replaced by the module inside it, whose parameters are the live ones the
+  wrapper trains (so module names carry no ``module.`` / ``_orig_mod.`` prefix).
 
 See :mod:`llmc_fsm.toolkit.distributed` for the collectives and ``docs/distributed.md``.
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from typing import Any
 
 from torch import nn
@@ -106,10 +108,12 @@ def check_ranks_agree(fingerprint: list[dict], state: State) -> None:
 
 # --------------------------------------------------------------------------- wrappers
 def unwrap_model(model: Any) -> Any:
-    """The module inside ``DistributedDataParallel`` / ``DataParallel`` wrappers (``model`` itself otherwise).
+    """The module inside ``DistributedDataParallel`` / ``DataParallel`` / ``torch.compile`` wrappers, in any nesting
+    (``model`` itself otherwise).
 
     The wrapped module's parameters are the ones the wrapper trains, so
-    modifiers that change them in place act on the live model.
+    modifiers that change them in place act on the live model, under the
+    model's own module names (``lm_head``, not ``_orig_mod.lm_head``).
 
     Raises:
         ValueError: a ``FullyShardedDataParallel`` model (its parameters are
@@ -119,6 +123,9 @@ def unwrap_model(model: Any) -> Any:
         if isinstance(model, nn.parallel.DistributedDataParallel | nn.DataParallel):
             model = model.module
             continue
+        if _is_compiled(model):
+            model = model._orig_mod
+            continue
         if type(model).__name__ == "FullyShardedDataParallel":
             msg = (
                 "FullyShardedDataParallel shards the parameters across ranks, so a modifier cannot see whole "
@@ -126,6 +133,13 @@ def unwrap_model(model: Any) -> Any:
             )
             raise ValueError(msg)
         return model
+
+
+def _is_compiled(model: Any) -> bool:
+    """Whether ``model`` is ``torch.compile``'s ``OptimizedModule`` (torch._dynamo is imported once anything is
+    compiled, so it is not imported here for a model that is not)."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    return eval_frame is not None and isinstance(model, eval_frame.OptimizedModule)
 
 
 def unwrap_state(state: State) -> State:

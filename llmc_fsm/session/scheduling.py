@@ -64,7 +64,8 @@ class Schedule:
     Attributes:
         slots: one :class:`Slot` per modifier, in execution order.
         pending: slots the next opening event may start, update or end.
-        handlers: event -> the active slots that handle it, in execution order.
+        handlers: event -> the active slots that handle it, in execution order (an ended slot too, for the events
+            of its modifier's ``events_after_end``).
         dispatch: batch event -> ``(slot, bound on_event, its guard for that event)`` of those slots
             (the hot path unpacks one tuple per modifier).
     """
@@ -89,8 +90,14 @@ class Schedule:
     def rebuild(self) -> None:
         """Recompute ``pending`` and ``handlers`` from the slots."""
         self.pending = [slot for slot in self.slots if slot.has_schedule_work]
-        active = [slot for slot in self.slots if slot.started and not slot.ended]
-        self.handlers = {event: tuple(s for s in active if s.handles(event)) for event in EVENTS}
+        self.handlers = {
+            event: tuple(
+                s
+                for s in self.slots
+                if s.started and (not s.ended or event in s.modifier.events_after_end) and s.handles(event)
+            )
+            for event in EVENTS
+        }
         self.dispatch = {
             event: tuple((s, s.modifier.on_event, s.guard.for_hook(event)) for s in self.handlers[event])
             for event in BATCH_EVENTS

@@ -158,8 +158,9 @@ class Session(SessionCheckpoints):
         refuses ``initialize`` until :meth:`reset`.
 
         A ``model`` (or ``teacher``) wrapped in ``DistributedDataParallel`` /
-        ``DataParallel`` is unwrapped: modifiers and ``state.model`` see the
-        module inside, whose parameters the wrapper trains. Under
+        ``DataParallel`` or compiled by ``torch.compile`` is unwrapped: modifiers
+        and ``state.model`` see the module inside, whose parameters the wrapper
+        trains, under its own module names. Under
         ``torch.distributed`` (more than one rank) this is a collective: every
         rank must call it; see :func:`llmc_fsm.session.ranks.check_ranks_agree`.
 
@@ -318,6 +319,19 @@ class Session(SessionCheckpoints):
     def __repr__(self) -> str:
         names = ", ".join(self.labels) or "no modifiers"
         return f"<Session {self.lifecycle} [{names}]>"
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        """Refuse ``pickle.dumps`` / ``copy.copy`` / ``copy.deepcopy`` (they all ask for this first).
+
+        Raises:
+            LifecycleError: always (``call="pickle"``); nothing is changed.
+        """
+        msg = (
+            "a Session cannot be pickled or copied (it holds a lock, the modifiers' torch hooks and weak references "
+            "bound to this run); save its progress with session.state_dict() or session.save(path) and resume it "
+            "with load_state_dict() / Session.load(path, recipe, model=...)"
+        )
+        raise LifecycleError(msg, lifecycle=self.lifecycle, call="pickle", allowed=self.allowed_calls)
 
 
 _ACTIVE: ContextVar[Session | None] = ContextVar("llmc_fsm_active_session", default=None)

@@ -3,8 +3,7 @@
 One-shot mode (``sparsity``): at ``on_start`` - ``calibration_start`` in the one-shot
 job, the first batch in training - every targeted weight is pruned to ``sparsity``
 by magnitude (:func:`llmc_fsm_pruning.masks.magnitude_mask`). During training
-the masks are then held (re-applied after every optimizer step) until ``end`` or
-finalize.
+the masks are then held (re-applied after every optimizer step) until finalize.
 
 Gradual mode (``init_sparsity``, ``final_sparsity``, ``end``, ``update``): the
 target sparsity follows the cubic schedule of Zhu & Gupta, "To prune, or not to
@@ -18,6 +17,12 @@ are pruned to ``s(e)`` at start and every ``update`` epochs, and to ``s_f`` at
 ``end``; between updates the masks are re-applied after every optimizer step. A
 weight pruned once stays pruned (the new mask is AND-ed with the old one). If
 training stops before ``end``, finalize still prunes to ``final_sparsity``.
+
+After ``end`` the masks stay applied after every optimizer step until finalize
+(llm-compressor's default ``leave_enabled: true``); ``leave_enabled=False`` drops
+them at ``end``, so training may regrow the pruned weights. Either way
+:attr:`MagnitudePruningModifier.measured_sparsity` is measured on the weights at
+``end`` and again at finalize.
 """
 
 from __future__ import annotations
@@ -53,6 +58,12 @@ def cubic_sparsity(epoch: float, init_sparsity: float, final_sparsity: float, st
 _optional_sparsity = attrs.validators.optional(sparsity_validator)
 
 
+def _bool(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if not isinstance(value, bool):
+        msg = f"{attribute.name} must be true or false, got {value!r}"
+        raise TypeError(msg)
+
+
 def _optional_float(value: Any) -> Any:
     if isinstance(value, numbers.Real) and not isinstance(value, bool):
         return float(value)
@@ -78,20 +89,23 @@ class MagnitudePruningModifier(Modifier):
     - ``targets`` (default ``["Linear"]``), ``ignore`` (default ``["lm_head"]``): which
       modules to prune (class name, full name or ``"re:<regex>"``; tied weights of an
       ignored module are left alone).
+    - ``leave_enabled`` (default ``True``, as llm-compressor): hold the masks (re-applied after
+      every optimizer step) from ``end`` until finalize; ``False``: drop them at ``end``.
 
-    Requires state ``model`` (and ``steps_per_epoch`` when scheduled). After it ends,
+    Requires state ``model`` (and ``steps_per_epoch`` when scheduled). After it ends, and again after finalize,
     :attr:`measured_sparsity` / :attr:`module_sparsity` (``{module name: fraction}``) hold the zeros
-    measured on the weights (not the requested value).
+    measured on the weights then (not the requested value).
 
     Raises:
         ValueError: a sparsity outside ``[0, 1)``, a bad ``mask_structure``, both or neither of the one-shot and
             gradual arguments, gradual mode without ``end``/``update`` or with an N:M structure,
             ``init_sparsity > final_sparsity``, or a ``sparsity`` that contradicts the N:M structure.
-        TypeError: ``targets``/``ignore`` are not patterns.
+        TypeError: ``targets``/``ignore`` are not patterns, or ``leave_enabled`` is not a bool.
     """
 
     required_state = frozenset({"model"})
     events = frozenset({"optim_post_step"})
+    events_after_end = frozenset({"optim_post_step"})  # the masks held from end until finalize (leave_enabled)
 
     sparsity: float | None = attrs.field(default=None, converter=_optional_float, validator=_optional_sparsity)
     init_sparsity: float | None = attrs.field(default=None, converter=_optional_float, validator=_optional_sparsity)
@@ -99,6 +113,7 @@ class MagnitudePruningModifier(Modifier):
     mask_structure: str = attrs.field(default="unstructured", validator=mask_structure_validator)
     targets: list[str] = attrs.field(factory=lambda: list(DEFAULT_TARGETS), converter=patterns)
     ignore: list[str] = attrs.field(factory=lambda: list(DEFAULT_IGNORE), converter=patterns)
+    leave_enabled: bool = attrs.field(default=True, validator=_bool)
 
     measured_sparsity: float | None = attrs.field(default=None, init=False)
     module_sparsity: dict[str, float] = attrs.field(factory=dict, init=False)
@@ -193,13 +208,16 @@ class MagnitudePruningModifier(Modifier):
             self._prune(self.final_sparsity, event.epoch)  # type: ignore[arg-type]
         self._final_applied = True
         self._report()
-        self._masks.clear()
+        if not self.leave_enabled:
+            self._masks.clear()
 
     def _report(self) -> None:
         self.measured_sparsity, self.module_sparsity = weight_sparsity({n: m.weight for n, m in self._modules.items()})
         logger.info("MagnitudePruningModifier: measured sparsity %.4f", self.measured_sparsity)
 
     def on_finalize(self, state: State) -> None:
+        if self.history:  # measured again: training after end changes the weights (and regrows them without masks)
+            self._report()
         self._masks.clear()
         self._modules = {}
 

@@ -165,7 +165,8 @@ class OutputDistillationModifier(Modifier):
     - ``start`` / ``end`` (epochs): when distillation is active (default: always).
 
     Requires state ``model`` (the student) and ``teacher``. The teacher is put in
-    eval mode and run under ``torch.no_grad()`` on the student's last inputs.
+    eval mode at initialize and run under ``torch.no_grad()`` on the student's last inputs;
+    finalize gives each of its modules back the training mode it had before initialize.
     After each loss, :attr:`last_student_loss` and :attr:`last_distill_loss` hold
     the two terms (detached).
 
@@ -184,9 +185,11 @@ class OutputDistillationModifier(Modifier):
     _captured: tuple[Any, Any, torch.Tensor] | None = attrs.field(default=None, init=False, repr=False)
     _teacher: Any = attrs.field(default=None, init=False, repr=False)
     _student: Any = attrs.field(default=None, init=False, repr=False)
+    _teacher_modes: list[tuple[torch.nn.Module, bool]] = attrs.field(factory=list, init=False, repr=False)
 
     def on_initialize(self, state: State) -> None:
-        """Put the teacher in eval mode and hook the student's forward to capture its inputs and logits.
+        """Put the teacher in eval mode (its modules' modes kept for finalize) and hook the student's forward to
+        capture its inputs and logits.
 
         Raises:
             ValueError: the teacher is the student model itself.
@@ -196,6 +199,7 @@ class OutputDistillationModifier(Modifier):
             raise ValueError(msg)
         self._teacher = state.teacher
         self._student = state.model
+        self._teacher_modes = [(module, module.training) for module in self._teacher.modules()]
         self._teacher.eval()
         self.register_hook(state.model, self._capture, kind="forward", with_kwargs=True)
 
@@ -230,6 +234,9 @@ class OutputDistillationModifier(Modifier):
         return (1.0 - self.alpha) * loss + self.alpha * kd.to(loss.dtype)
 
     def on_finalize(self, state: State) -> None:
+        for module, training in self._teacher_modes:  # the teacher's modes as the caller gave them
+            module.training = training
+        self._teacher_modes = []
         self._captured = None
         self._teacher = None
         self._student = None
