@@ -332,7 +332,7 @@ def _default_specs_for_layer(layer: nn.Module, *, include_linear: bool) -> list[
     norm_name = "input_layernorm" if only is None else only
     norm = _child(layer, norm_name)
     if norm is not None and _is_norm(norm) and q and k and v:
-        out.append((norm_name, (q[0], k[0], v[0])))
+        out.append((norm_name, (q[0], k[0], v[0], *_parallel_mlp_inputs(layer, children, norms))))
     if include_linear and v and o and v[1].weight.shape[0] == o[1].weight.shape[1]:
         out.append((v[0], (o[0],)))
     gate = _linear_named(layer, "gate_proj")
@@ -372,6 +372,24 @@ def _default_specs_for_layer(layer: nn.Module, *, include_linear: bool) -> list[
         ups = (v for v in expert_views if v.endswith(".up_proj"))
         out.extend((v, (v.removesuffix("up_proj") + "down_proj",)) for v in ups)
     return out
+
+
+def _parallel_mlp_inputs(layer: nn.Module, children: dict[str, nn.Module], norms: list[str]) -> tuple[str, ...]:
+    """The MLP's input Linears of a parallel decoder layer, whose one norm (``input_layernorm``) feeds attention and
+    MLP alike (Cohere, Cohere2: ``gate_proj``, ``up_proj``; Phi: ``fc1``), else ``()``: they are balance layers of that
+    norm with ``q/k/v`` (llm-compressor's Cohere mappings), or folding its scales would change the MLP's input.
+
+    A layer is taken as parallel when ``input_layernorm`` is its only norm, next to an ``mlp`` child without fused
+    experts; whether the fold keeps the function is measured before smoothing (:func:`~llmc_fsm_quantization.
+    smoothquant.fold_change`).
+    """
+    mlp = children.get("mlp")
+    if norms != ["input_layernorm"] or mlp is None or _fused_experts(mlp):
+        return ()
+    names = [leaf for leaf in ("gate_proj", "up_proj") if is_linear_like(_child(mlp, leaf))] or (
+        ["fc1"] if is_linear_like(_child(mlp, "fc1")) else []
+    )
+    return tuple(f"mlp.{leaf}" for leaf in names)
 
 
 def _gateless_mlps(layer: nn.Module) -> list[tuple[str, str, int | None]]:

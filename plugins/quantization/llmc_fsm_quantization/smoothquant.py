@@ -40,6 +40,7 @@ from llmc_fsm.toolkit import (
     LinearView,
     all_reduce_tensor,
     check_not_quantized,
+    compact_names,
     observe_inputs,
     patterns,
     weight_views,
@@ -54,9 +55,11 @@ from llmc_fsm_quantization.mappings import (
 )
 
 __all__ = [
+    "FOLD_TOLERANCE",
     "LogarithmicEqualizationModifier",
     "SmoothQuantModifier",
     "SmoothingModifier",
+    "fold_change",
     "logarithmic_scales",
     "smoothquant_scales",
 ]
@@ -181,6 +184,7 @@ class SmoothingModifier(Modifier):
         super().__attrs_post_init__()
         self._mappings: list[ResolvedMapping] = []
         self._done: set[str] = set()
+        self._fold_checked: set[type] = set()  # decoder layer classes whose folds were checked (fold_change)
         #: smooth layer name -> statistics of the scales folded into it (see the subclasses).
         self.smoothing_results: dict[str, dict[str, Any]] = {}
         #: smooth layer name -> the ``[C]`` float32 scales folded into it (none where nothing was folded).
@@ -248,6 +252,7 @@ class SmoothingModifier(Modifier):
         self.check_model(state.model)
         self._mappings = self.resolve(state.model)
         self._done = set()
+        self._fold_checked = set()
         self.smoothing_results = {}
         self.smoothing_scales = {}
         for line in self.describe_mappings():
@@ -317,19 +322,99 @@ class SmoothingModifier(Modifier):
 
         Raises:
             ValueError: a norm mapping's balance layers do not read the norm's output in this layer's forward
-                (the default mappings' names did not describe the data flow); checked before anything changes.
+                (the default mappings' names did not describe the data flow), or, in the first layer of each class,
+                folding test scales into the mappings changes what the layer computes (:func:`fold_change`: the
+                smooth layer's output is also read by something that is not a balance layer, e.g. a parallel MLP or
+                the residual); checked before anything changes.
         """
         inside = members(layer)
         todo = [m for m in self._mappings if id(m.smooth) in inside and m.smooth_name not in self._done]
         if not todo or not inputs:
             return
+        if type(layer) not in self._fold_checked:  # the first layer of each class, before anything changes
+            self._check_folds(layer, inputs[0], todo)
+            self._fold_checked.add(type(layer))
         self._smooth_layer_mappings(layer, inputs, todo)
         self._done.update(m.smooth_name for m in todo)
+
+    def _check_folds(
+        self, layer: nn.Module, batch: tuple[tuple[Any, ...], dict[str, Any]], todo: list[ResolvedMapping]
+    ) -> None:
+        """Refuse mappings whose fold would change the float model (:func:`fold_change` above
+        :data:`FOLD_TOLERANCE`): all of ``todo`` at once, then, if that changes the layer, each alone to name them."""
+        if fold_change(layer, batch, todo) <= FOLD_TOLERANCE:
+            return
+        changes = {m.smooth_name: fold_change(layer, batch, [m]) for m in todo}
+        bad = [m for m in todo if changes[m.smooth_name] > FOLD_TOLERANCE] or todo
+        listed = "; ".join(
+            f"{m.smooth_name} -> {_some(m.balance_names)} (relative change {changes[m.smooth_name]:.2g})" for m in bad
+        )
+        msg = (
+            f"{type(self).__name__}: folding smoothing scales into {listed} changes what "
+            f"{type(layer).__name__} computes: the smooth layer's output is also read by something that is not one "
+            "of its balance layers (a parallel MLP, the residual); give mappings whose balance layers are every "
+            "module reading it, or leave that layer out of the mappings. Nothing was changed"
+        )
+        raise ValueError(msg)
 
     def _smooth_layer_mappings(
         self, layer: nn.Module, inputs: list[tuple[tuple[Any, ...], dict[str, Any]]], todo: list[ResolvedMapping]
     ) -> None:
         raise NotImplementedError
+
+
+#: :func:`fold_change` above which folding scales is taken to change the float function: an exact fold changes a
+#: float32 layer's update by ~1e-6 relative and a bfloat16 one's by ~1e-3 (its weights rounded again); a fold whose
+#: smooth layer's output is read elsewhere (a parallel MLP, the residual) by ~0.1-1 with the test scales.
+FOLD_TOLERANCE = 0.02
+
+
+@torch.no_grad()
+def fold_change(
+    layer: nn.Module, batch: tuple[tuple[Any, ...], dict[str, Any]], mappings: list[ResolvedMapping]
+) -> float:
+    """How much folding test scales into ``mappings`` changes what decoder ``layer`` computes on one calibration
+    ``batch``: ``||y' - y|| / ||y - x||``, ``x`` the layer's input hidden states, ``y`` its output, ``y'`` its output
+    with scales ``exp(u)``, ``u`` uniform in ``[-1, 1]`` (seeded), folded by
+    :func:`~llmc_fsm_quantization.mappings.fold_scales`. Smoothing (SmoothQuant, arXiv 2211.10438 Sec. 4; AWQ, arXiv
+    2306.00978 Sec. 3.2) must leave the float function unchanged; this measures it. The layer's weights are put back
+    bit for bit, and no forward hook sees the two forwards.
+
+    Args:
+        batch: the layer's ``(args, kwargs)`` for one batch, hidden states ``[B, T, H]`` first.
+
+    Returns:
+        The relative change (float; ``0.0`` when the layer computes nothing from its input).
+    """
+    args, kwargs = batch
+    tensors: dict[tuple[int, str], tuple[nn.Module, str, torch.Tensor]] = {}
+    for m in mappings:
+        for module, attr in [(m.smooth, "weight"), (m.smooth, "bias"), *((b, "weight") for b in m.balances)]:
+            value = getattr(module, attr, None)
+            if isinstance(value, torch.Tensor):
+                tensors.setdefault((id(module), attr), (module, attr, value.detach().clone()))
+    generator = torch.Generator().manual_seed(0)
+    with suspended_forward_hooks(layer):
+        before = _hidden(layer(*args, **kwargs))
+        try:
+            for m in mappings:
+                fold_scales(m, torch.empty(m.channels).uniform_(-1.0, 1.0, generator=generator).exp())
+            after = _hidden(layer(*args, **kwargs))
+        finally:
+            for module, attr, value in tensors.values():
+                getattr(module, attr).copy_(value)
+    update = (before.to(torch.float32) - args[0].to(torch.float32)).norm()
+    change = (after.to(torch.float32) - before.to(torch.float32)).norm()
+    return float(change / update) if float(update) > 0 else 0.0
+
+
+def _some(names: tuple[str, ...]) -> str:
+    shown = compact_names(names[:4])
+    return shown if len(names) <= 4 else f"{shown} ... ({len(names)} balance layers)"
+
+
+def _hidden(output: Any) -> torch.Tensor:
+    return output[0] if isinstance(output, tuple | list) else output
 
 
 def _modules_of(mappings: list[ResolvedMapping]) -> dict[str, nn.Module]:
