@@ -14,8 +14,8 @@ import pytest
 import torch
 import transformers
 from llmc_fsm_quantization import AWQModifier, GPTQModifier
-from llmc_fsm_quantization.mappings import default_mappings, fold_scales, unsmoothed_mixers
-from tiny_families import build, config
+from llmc_fsm_quantization.mappings import default_mappings, unsmoothed_mixers
+from tiny_families import build, config, logits_before_and_after_random_folds
 
 import llmc_fsm
 
@@ -69,16 +69,10 @@ def test_default_mappings_of_hybrid_layers_keep_the_float_model(family):
     """Every default mapping, folded with random scales in [0.5, 2], leaves the logits equal (float32 rounding:
     atol 1e-5 on logits of size ~0.1-1); the mamba mixers are reached by none and named."""
     model = MODELS[family]()
-    with torch.no_grad():
-        before = model(DATA).logits
     mappings = default_mappings(model)
     assert [_described(m) for m in mappings] == EXPECTED[family]
     assert list(unsmoothed_mixers(model, mappings)) == UNSMOOTHED[family]
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for mapping in mappings:
-            fold_scales(mapping, 0.5 + 1.5 * torch.rand(mapping.channels, generator=gen))
-        after = model(DATA).logits
+    before, after = logits_before_and_after_random_folds(model, mappings, DATA)
     assert before.abs().max() > 0.05
     torch.testing.assert_close(after, before, rtol=0, atol=1e-5)
 

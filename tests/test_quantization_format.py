@@ -144,8 +144,8 @@ def test_a_format_the_weights_do_not_allow_is_refused_before_anything_is_written
     with pytest.raises(ValueError) as err:
         model.save_pretrained(tmp_path / "saved", quantization_format="float-quantized")
     assert str(err.value) == (
-        "quantized weights cannot be saved in the compressed-tensors format asked for (model.layers.0.self_attn.q_proj, "
-        "model.layers.0.self_attn.k_proj, model.layers.0.self_attn.v_proj ...: 4-bit int weights are saved "
+        "quantized weights cannot be saved in the compressed-tensors format asked for ("
+        "model.layers.0.self_attn.q_proj, model.layers.0.self_attn.k_proj, model.layers.0.self_attn.v_proj ...: 4-bit int weights are saved "
         "pack-quantized or int-quantized, not float-quantized); give a format their weights allow, or none (the "
         "default)"
     )

@@ -13,9 +13,9 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-from llmc_fsm_quantization.mappings import default_mappings, fold_scales
+from llmc_fsm_quantization.mappings import default_mappings
 from llmc_fsm_quantization.smoothquant import FOLD_TOLERANCE, fold_change
-from tiny_families import build
+from tiny_families import build, logits_before_and_after_random_folds
 
 import llmc_fsm
 
@@ -40,29 +40,27 @@ def _model(family: str) -> torch.nn.Module:
 
 def _described(mapping) -> str:
     layer = ".".join(mapping.smooth_name.split(".")[:3]) + "."
-    return f"{mapping.smooth_name.removeprefix(layer)} -> {', '.join(n.removeprefix(layer) for n in mapping.balance_names)}"
+    balances = ", ".join(n.removeprefix(layer) for n in mapping.balance_names)
+    return f"{mapping.smooth_name.removeprefix(layer)} -> {balances}"
+
+
+QKV = "input_layernorm -> self_attn.q_proj, self_attn.k_proj, self_attn.v_proj"
 
 
 @pytest.mark.parametrize(
     ("family", "norm_mapping"),
     [
-        ("cohere", "input_layernorm -> self_attn.q_proj, self_attn.k_proj, self_attn.v_proj, mlp.gate_proj, mlp.up_proj"),
-        ("cohere2", "input_layernorm -> self_attn.q_proj, self_attn.k_proj, self_attn.v_proj, mlp.gate_proj, mlp.up_proj"),
-        ("phi", "input_layernorm -> self_attn.q_proj, self_attn.k_proj, self_attn.v_proj, mlp.fc1"),
+        ("cohere", f"{QKV}, mlp.gate_proj, mlp.up_proj"),
+        ("cohere2", f"{QKV}, mlp.gate_proj, mlp.up_proj"),
+        ("phi", f"{QKV}, mlp.fc1"),
     ],
 )
 def test_a_parallel_layers_norm_mapping_takes_the_mlp_inputs_and_keeps_the_float_model(family, norm_mapping):
     model = _model(family)
-    with torch.no_grad():
-        before = model(DATA).logits
     mappings = default_mappings(model)
     norms = [_described(m) for m in mappings if m.smooth_name.endswith("input_layernorm")]
     assert norms == [norm_mapping] * model.config.num_hidden_layers
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for mapping in mappings:
-            fold_scales(mapping, 0.5 + 1.5 * torch.rand(mapping.channels, generator=gen))
-        after = model(DATA).logits
+    before, after = logits_before_and_after_random_folds(model, mappings, DATA)
     assert before.abs().max() > 0.05
     torch.testing.assert_close(after, before, rtol=0, atol=1e-5)
 
@@ -112,8 +110,9 @@ def test_a_norm_whose_output_is_the_residual_is_refused_before_anything_changes(
 
 def test_awq_on_a_parallel_layer_runs_and_reloads(tmp_path):
     model = _model("cohere")
+    scheme = {"preset": "W4A16", "weights": {"group_size": 16}}
     recipe = {"s": {"AWQModifier": {"ignore": ["lm_head"]},
-                    "QuantizationModifier": {"ignore": ["lm_head"], "scheme": {"preset": "W4A16", "weights": {"group_size": 16}}}}}  # fmt: skip
+                    "QuantizationModifier": {"ignore": ["lm_head"], "scheme": scheme}}}  # fmt: skip
     llmc_fsm.oneshot(model=model, recipe=recipe, dataset=DATA, output_dir=tmp_path / "out", progress=False)
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
     with torch.no_grad():

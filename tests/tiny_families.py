@@ -314,3 +314,16 @@ def batches(num: int = 2, rows: int = 2, length: int = 24, seed: int = 0) -> lis
     """``num`` calibration batches of ``rows`` random token windows of ``length`` tokens."""
     gen = torch.Generator().manual_seed(seed)
     return [{"input_ids": torch.randint(3, VOCAB, (rows, length), generator=gen)} for _ in range(num)]
+
+
+def logits_before_and_after_random_folds(model: torch.nn.Module, mappings: list, data: torch.Tensor, seed: int = 1):
+    """``(logits before, logits after)`` of ``model`` on ``data`` when random scales in ``[0.5, 2]`` are folded into
+    every one of ``mappings`` (``fold_scales``): equal up to float rounding when the mappings keep the function."""
+    from llmc_fsm_quantization.mappings import fold_scales
+
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        before = model(data).logits
+        for mapping in mappings:
+            fold_scales(mapping, 0.5 + 1.5 * torch.rand(mapping.channels, generator=gen))
+        return before, model(data).logits
