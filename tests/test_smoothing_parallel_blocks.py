@@ -28,6 +28,8 @@ def _model(family: str) -> torch.nn.Module:
     if family == "cohere2":
         return build("cohere2")
     extra = {"num_local_experts": 4, "num_experts_per_tok": 2} if family == "minimax" else {}
+    if family == "phi3":  # its config's default token ids lie outside a 128-token vocabulary
+        extra = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
     config = transformers.AutoConfig.for_model(family, **SIZES, **extra)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
@@ -69,6 +71,19 @@ def test_a_parallel_layers_norm_mapping_takes_the_mlp_inputs_and_keeps_the_float
                      progress=False)  # fmt: skip
     with torch.no_grad():
         torch.testing.assert_close(model(DATA).logits, before, rtol=0, atol=1e-5)
+
+
+def test_phi3s_fused_projections_are_smoothed_from_their_norms():
+    """Phi-3 fuses q/k/v into ``qkv_proj`` and gate/up into ``gate_up_proj``: the two norm mappings of
+    llm-compressor's ``_phi_mappings`` (its ``qkv_proj -> o_proj`` and ``gate_up_proj -> down_proj`` scale only the
+    v / up rows of a fused output, which is not done here: not default mappings)."""
+    model = _model("phi3")
+    mappings = default_mappings(model, include_linear=True)
+    assert [_described(m) for m in mappings] == [
+        "input_layernorm -> self_attn.qkv_proj", "post_attention_layernorm -> mlp.gate_up_proj"
+    ] * 2  # fmt: skip
+    before, after = logits_before_and_after_random_folds(model, mappings, DATA)
+    torch.testing.assert_close(after, before, rtol=0, atol=1e-5)
 
 
 def test_fold_change_is_float_rounding_for_an_exact_fold_and_large_for_a_norm_read_elsewhere():

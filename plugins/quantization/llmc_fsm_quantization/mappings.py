@@ -331,8 +331,11 @@ def _default_specs_for_layer(layer: nn.Module, *, include_linear: bool) -> list[
     only = norms[0] if len(norms) == 1 and len(children) == 2 and "input_layernorm" not in children else None
     norm_name = "input_layernorm" if only is None else only
     norm = _child(layer, norm_name)
+    qkv = None if (q or k or v) else _linear_named(layer, "qkv_proj")  # Phi-3's fused q/k/v
     if norm is not None and _is_norm(norm) and q and k and v:
         out.append((norm_name, (q[0], k[0], v[0], *_parallel_mlp_inputs(layer, children, norms))))
+    elif norm is not None and _is_norm(norm) and qkv:
+        out.append((norm_name, (qkv[0], *_parallel_mlp_inputs(layer, children, norms))))
     if include_linear and v and o and v[1].weight.shape[0] == o[1].weight.shape[1]:
         out.append((v[0], (o[0],)))
     gate = _linear_named(layer, "gate_proj")
@@ -361,6 +364,8 @@ def _default_specs_for_layer(layer: nn.Module, *, include_linear: bool) -> list[
                 out.append((mlp_norm_name, (router, *readers, *gate_up)))
     elif norm_fits and up:
         out.append((mlp_norm_name, (gate[0], up[0]) if gate else (up[0],)))
+    elif norm_fits and not gate and (gate_up := _linear_named(layer, "gate_up_proj")):  # Phi-3's fused gate/up
+        out.append((mlp_norm_name, (gate_up[0],)))
     # up -> down is exact for down(act(gate) * up), and without a gate for a positively homogeneous act (Nemotron's
     # relu2(up): up's rows take s ** (1 / 2), :func:`homogeneity_degree`); another gateless act is left out (warned)
     gated = gate is not None and up is not None and gate[0].rpartition(".")[0] == up[0].rpartition(".")[0]
