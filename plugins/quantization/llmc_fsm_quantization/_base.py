@@ -1207,8 +1207,8 @@ class QuantizingModifier(CalibratedModifier):
             attention = self._attention_targets(model, attention)
         if not attention:
             msg = (
-                f"{name}: kv_cache_scheme: the model has no attention module with k_proj, v_proj and a cache "
-                f"argument ({', '.join(kv_cache.CACHE_ARGUMENTS)}) whose keys and values could be observed"
+                f"{name}: kv_cache_scheme: the model has no attention module with k_proj and v_proj (or qkv_proj) "
+                f"and a cache argument ({', '.join(kv_cache.CACHE_ARGUMENTS)}) whose keys and values could be observed"
             )
             raise ValueError(msg)
         if self._kv_args.strategy == QuantizationStrategy.ATTN_HEAD:
@@ -1216,7 +1216,8 @@ class QuantizingModifier(CalibratedModifier):
             if unknown:
                 msg = (
                     f"{name}: kv_cache_scheme strategy attn_head: the number of key/value heads of {unknown[0]} is "
-                    "unknown (no head_dim dividing k_proj's width); use strategy: tensor"
+                    "unknown (no head_dim dividing k_proj's width, or a fused qkv_proj that does not fit its config); "
+                    "use strategy: tensor"
                 )
                 raise ValueError(msg)
         if is_distributed():

@@ -150,33 +150,49 @@ def _cache_argument(module: nn.Module) -> str | None:
 
 def attention_modules(model: nn.Module) -> dict[str, nn.Module]:
     """``{name: module}`` of the attention modules with a KV cache: class name containing ``attention``,
-    ``k_proj`` and ``v_proj`` children, and a cache argument (:data:`CACHE_ARGUMENTS`) in ``forward``."""
+    ``k_proj`` and ``v_proj`` children or one fused ``qkv_proj`` (Phi-3), and a cache argument
+    (:data:`CACHE_ARGUMENTS`) in ``forward``."""
     return {
         name: module
         for name, module in model.named_modules()
         if "attention" in type(module).__name__.lower()
-        and isinstance(getattr(module, "k_proj", None), nn.Module)
-        and isinstance(getattr(module, "v_proj", None), nn.Module)
+        and (
+            (
+                isinstance(getattr(module, "k_proj", None), nn.Module)
+                and isinstance(getattr(module, "v_proj", None), nn.Module)
+            )
+            or isinstance(getattr(module, "qkv_proj", None), nn.Module)
+        )
         and _cache_argument(module) is not None
     }
 
 
 def kv_heads(module: nn.Module) -> int | None:
-    """Number of key/value heads of attention ``module``: ``k_proj``'s output width / ``head_dim`` (``None``
-    when the attention has no ``head_dim`` attribute or it does not divide the width)."""
-    return _heads(module, "k_proj")
+    """Number of key/value heads of attention ``module``: ``k_proj``'s output width / ``head_dim``; with a fused
+    ``qkv_proj``, its config's ``num_key_value_heads`` when the fused width is ``(heads + 2 * kv heads) * head_dim``
+    (``None`` when unknown)."""
+    return _heads(module, "k_proj", "num_key_value_heads")
 
 
 def query_heads(module: nn.Module) -> int | None:
-    """Number of query heads of attention ``module``: ``q_proj``'s output width / ``head_dim`` (``None`` when
-    unknown)."""
-    return _heads(module, "q_proj")
+    """Number of query heads of attention ``module``: ``q_proj``'s output width / ``head_dim``, or as
+    :func:`kv_heads` from a fused ``qkv_proj`` (``None`` when unknown)."""
+    return _heads(module, "q_proj", "num_attention_heads")
 
 
-def _heads(module: nn.Module, projection: str) -> int | None:
+def _heads(module: nn.Module, projection: str, config_field: str) -> int | None:
     head_dim = getattr(module, "head_dim", None)
+    if not isinstance(head_dim, int) or head_dim <= 0:
+        return None
+    fused = getattr(getattr(module, "qkv_proj", None), "out_features", None)
+    if getattr(module, projection, None) is None and isinstance(fused, int):
+        config = getattr(module, "config", None)
+        heads, kv = getattr(config, "num_attention_heads", None), getattr(config, "num_key_value_heads", None)
+        if isinstance(heads, int) and isinstance(kv, int) and fused == (heads + 2 * kv) * head_dim:
+            return heads if config_field == "num_attention_heads" else kv
+        return None
     width = getattr(getattr(module, projection, None), "out_features", None)
-    if not isinstance(head_dim, int) or not isinstance(width, int) or head_dim <= 0 or width % head_dim:
+    if not isinstance(width, int) or width % head_dim:
         return None
     return width // head_dim
 

@@ -300,3 +300,46 @@ def test_a_kv_cache_only_checkpoint_is_not_pruned_further(tmp_path) -> None:
     )
     assert not (tmp_path / "pruned").exists()
     assert {p.name: p.read_bytes() for p in first.iterdir() if p.is_file()} == before
+
+
+def test_a_fused_qkv_projection_phi3_gets_kv_scales_per_head_and_reloads(tmp_path) -> None:
+    """Phi-3 computes q, k and v with one ``qkv_proj`` (rows: 4 query heads, then 2 key heads, then 2 value heads of
+    16): its attention is found, its KV heads read from its config, and the per-head scales equal the float64 range of
+    the keys (after the rotary embedding) and values its ``qkv_proj`` rows give. Before, a fused projection was
+    refused ("no attention module with k_proj, v_proj")."""
+    import transformers
+
+    config = transformers.AutoConfig.for_model(
+        "phi3", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=128, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    original, data = copy.deepcopy(model), _data()
+    inputs: dict[int, list[torch.Tensor]] = {0: [], 1: []}
+    handles = [
+        layer.self_attn.qkv_proj.register_forward_pre_hook(lambda m, a, i=i: inputs[i].append(a[0].double()))
+        for i, layer in enumerate(original.model.layers)
+    ]
+    with torch.no_grad():
+        original(data, use_cache=False)  # round-to-nearest calibrates every layer on the original weights
+    for h in handles:
+        h.remove()
+    kv = {**KV, "strategy": "attn_head", "observer": "static_minmax"}
+    recipe = {"q": {"QuantizationModifier": {"scheme": "W8A8", "ignore": ["lm_head"], "kv_cache_scheme": kv}}}
+    out = tmp_path / "out"
+    llmc_fsm.oneshot(model=model, recipe=recipe, dataset=data, output_dir=out, progress=False)
+    theta = float(config.rope_parameters["rope_theta"])
+    for i, layer in enumerate(original.model.layers):
+        w = layer.self_attn.qkv_proj.weight.double()
+        x = inputs[i][0]
+        shape = (*x.shape[:-1], -1, 16)
+        k = _rope((x @ w[64:96].T).view(shape).transpose(1, 2), theta)
+        v = (x @ w[96:128].T).view(shape).transpose(1, 2)
+        attention = model.model.layers[i].self_attn
+        torch.testing.assert_close(attention.k_scale.double(), _expected_scale([k], "static_minmax", True), rtol=1e-5, atol=0)
+        torch.testing.assert_close(attention.v_scale.double(), _expected_scale([v], "static_minmax", True), rtol=1e-5, atol=0)
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    load_kv_cache_scales(reloaded, out)
+    with torch.no_grad():
+        assert torch.equal(reloaded(data).logits, model(data).logits)
