@@ -160,7 +160,7 @@ def check_llmcompressor_args(given: Mapping[str, Any], parameters: Sequence[str]
         elif rule.rename is not None:
             out[rule.rename] = value
         else:
-            logger.info("llm-compressor argument %s=%s taken: %s", name, _short(value), rule.note)
+            logger.warning("llm-compressor argument %s=%s taken: %s", name, _short(value), rule.note)
     if len(refused) == 1:
         raise ValueError(f"llm-compressor oneshot argument {refused[0]}")
     if refused:

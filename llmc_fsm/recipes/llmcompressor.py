@@ -279,7 +279,7 @@ def translate_argument(
         if rule.accept and not _accepted(value, rule.accept):
             shown = " or ".join(repr(v) for v in rule.accept)
             raise ValueError(f"llm-compressor argument accepted only as {shown}, got {value!r}: {rule.note}")
-        logger.info("%s: llm-compressor argument %r=%r accepted and ignored: %s", modifier, key, value, rule.note)
+        logger.warning("%s: llm-compressor argument %r=%r accepted and ignored: %s", modifier, key, value, rule.note)
         return {}
     if rule.convert is not None:
         return rule.convert(value, args)
