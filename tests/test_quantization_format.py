@@ -106,14 +106,20 @@ def test_pack_quantized_writes_llmcompressors_layout_from_save_pretrained_onesho
 
     model.save_pretrained(tmp_path / "again")  # the format asked for once is not kept for the next save
     assert _format(tmp_path / "again") == ("int-quantized", "int-quantized")
+    model.save_pretrained(tmp_path / "positional", "pack-quantized")  # llm-compressor's order: the format second
+    assert _format(tmp_path / "positional") == ("pack-quantized", "pack-quantized")
 
 
-def test_streamed_run_writes_the_format_asked_for_as_in_memory(tiny_model_dir, tmp_path):
+def test_streamed_run_writes_the_format_asked_for_as_in_memory(tiny_model_dir, tmp_path, caplog):
     model_dir, text = tiny_model_dir
     kw = {"dataset": str(text), "num_calibration_samples": 4, "max_seq_length": 16}
     gptq = {"quant": {"GPTQModifier": {"config_groups": {"g": {"targets": ["Linear"], "weights": ASYM}}}}}
     _run(model_dir, gptq, output_dir=tmp_path / "mem", quantization_format="pack-quantized", **kw)
+    in_memory = [r.getMessage() for r in caplog.records if r.name == "llmc_fsm.output.save"]
+    caplog.clear()
     _run(model_dir, gptq, output_dir=tmp_path / "low", quantization_format="pack-quantized", low_memory=True, **kw)
+    streamed = [r.getMessage() for r in caplog.records if r.name == "llmc_fsm.output.save"]
+    assert len(in_memory) == 1 and streamed == in_memory  # one line for the model, not one per decoder layer
     mem, low = _tensors(tmp_path / "mem"), _tensors(tmp_path / "low")
     assert f"{Q}.weight_packed" in low and sorted(mem) == sorted(low)
     assert all(torch.equal(mem[k], low[k]) for k in mem)
@@ -145,9 +151,9 @@ def test_a_format_the_weights_do_not_allow_is_refused_before_anything_is_written
         model.save_pretrained(tmp_path / "saved", quantization_format="float-quantized")
     assert str(err.value) == (
         "quantized weights cannot be saved in the compressed-tensors format asked for ("
-        "model.layers.0.self_attn.q_proj, model.layers.0.self_attn.k_proj, model.layers.0.self_attn.v_proj ...: 4-bit int weights are saved "
-        "pack-quantized or int-quantized, not float-quantized); give a format their weights allow, or none (the "
-        "default)"
+        "model.layers.0.self_attn.q_proj, model.layers.0.self_attn.k_proj, model.layers.0.self_attn.v_proj ...: "
+        "4-bit int weights are saved pack-quantized or int-quantized, not float-quantized); give a format their "
+        "weights allow, or none (the default)"
     )
     with pytest.raises(ValueError, match=r"^quantization_format 'dense': llmc-fsm saves quantized weights only "):
         model.save_pretrained(tmp_path / "saved", quantization_format="dense")
@@ -172,8 +178,9 @@ def test_oneshot_refuses_a_format_that_does_not_fit_the_recipe_before_any_work(t
         _run(model_dir, {"q": {"QuantizationModifier": {"scheme": "FP8_DYNAMIC"}}}, output_dir=out,
              quantization_format="pack-quantized")  # fmt: skip
     assert str(err.value) == (
-        "quantization_format (--quantization-format) 'pack-quantized' does not fit the recipe: QuantizationModifier "
-        "group_0: 8-bit float weights are saved float-quantized, not pack-quantized"
+        "quantization_format (--quantization-format) 'pack-quantized' does not fit the recipe: "
+        "model.layers.0.self_attn.q_proj, model.layers.0.self_attn.k_proj, model.layers.0.self_attn.v_proj ... "
+        "(28 targets): 8-bit float weights are saved float-quantized, not pack-quantized"
     )
     with pytest.raises(ValueError) as err:
         _run(model_dir, {"p": {"MagnitudePruningModifier": {"sparsity": 0.5}}}, output_dir=out,
@@ -188,3 +195,33 @@ def test_oneshot_refuses_a_format_that_does_not_fit_the_recipe_before_any_work(t
         "quantization_format (--quantization-format) is the format of the checkpoint written to output_dir (--output)"
     )
     assert not out.exists()
+
+
+def test_fused_experts_are_saved_in_the_one_format_transformers_reads_them_in(tmp_path):
+    from tiny_families import build
+
+    build("qwen3_moe").save_pretrained(tmp_path / "moe")
+    int4 = {"group_size": 16, "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group"}
+    recipe = {"q": {"QuantizationModifier": {"config_groups": {"g": {"targets": ["Linear"], "weights": int4}},
+                                             "ignore": ["lm_head", "re:.*mlp.gate$"]}}}  # fmt: skip
+    with pytest.raises(ValueError) as err:
+        _run(tmp_path / "moe", recipe, output_dir=tmp_path / "out", quantization_format="int-quantized")
+    assert str(err.value).startswith(
+        "quantization_format (--quantization-format) 'int-quantized' does not fit the recipe: "
+        "model.layers.0.mlp.experts.0.gate_proj, model.layers.0.mlp.experts.0.up_proj, "
+        "model.layers.0.mlp.experts.0.down_proj ... ("
+    )
+    assert str(err.value).endswith(
+        "fused experts' 4-bit int weights (transformers' experts loader reads no other format) are saved "
+        "pack-quantized, not int-quantized"
+    )
+    assert not (tmp_path / "out").exists()
+
+
+def test_resuming_without_the_format_asked_for_is_refused():
+    from llmc_fsm.output.workdir import fingerprint_changes
+
+    given = {"seed": 0, "output": {"quantization_format": "pack-quantized"}}
+    assert fingerprint_changes(given, {"seed": 0}) == ["output ({'quantization_format': 'pack-quantized'} -> None)"]
+    assert fingerprint_changes({"seed": 0}, given) == ["output (None -> {'quantization_format': 'pack-quantized'})"]
+    assert fingerprint_changes(given, dict(given)) == []

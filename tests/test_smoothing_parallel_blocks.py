@@ -24,13 +24,13 @@ SIZES = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "n
          "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 128}  # fmt: skip
 
 
-def _model(family: str) -> torch.nn.Module:
+def _model(family: str, **overrides) -> torch.nn.Module:
     if family == "cohere2":
         return build("cohere2")
     extra = {"num_local_experts": 4, "num_experts_per_tok": 2} if family == "minimax" else {}
     if family == "phi3":  # its config's default token ids lie outside a 128-token vocabulary
         extra = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
-    config = transformers.AutoConfig.for_model(family, **SIZES, **extra)
+    config = transformers.AutoConfig.for_model(family, **{**SIZES, **overrides}, **extra)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():  # norms that are not all ones, so a scale folded into them shows
@@ -73,17 +73,42 @@ def test_a_parallel_layers_norm_mapping_takes_the_mlp_inputs_and_keeps_the_float
         torch.testing.assert_close(model(DATA).logits, before, rtol=0, atol=1e-5)
 
 
-def test_phi3s_fused_projections_are_smoothed_from_their_norms():
-    """Phi-3 fuses q/k/v into ``qkv_proj`` and gate/up into ``gate_up_proj``: the two norm mappings of
-    llm-compressor's ``_phi_mappings`` (its ``qkv_proj -> o_proj`` and ``gate_up_proj -> down_proj`` scale only the
-    v / up rows of a fused output, which is not done here: not default mappings)."""
-    model = _model("phi3")
+PHI3_MAPPINGS = [  # llm-compressor's _phi_mappings, as its recipes write them
+    {"smooth_layer": "re:.*input_layernorm$", "balance_layers": ["re:.*qkv_proj$"]},
+    {"smooth_layer": "re:.*qkv_proj$", "balance_layers": ["re:.*o_proj$"]},
+    {"smooth_layer": "re:.*post_attention_layernorm$", "balance_layers": ["re:.*gate_up_proj$"]},
+    {"smooth_layer": "re:.*gate_up_proj$", "balance_layers": ["re:.*down_proj$"]},
+]
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_phi3s_fused_projections_are_smoothed_as_llmcompressors_phi_mappings(kv_heads, tmp_path):
+    """Phi-3 fuses q/k/v into ``qkv_proj`` and gate/up into ``gate_up_proj``: their norms smooth them, and, as
+    llm-compressor's ``_phi_mappings`` do, ``qkv_proj -> o_proj`` and ``gate_up_proj -> down_proj`` scale the fused
+    output's last rows (v, up). ``qkv_proj -> o_proj`` only without grouped-query attention (4 KV heads of 4): with 2,
+    ``o_proj`` reads 64 channels and v is 32 rows, so no scale folds there (the defaults leave it out; the recipe's
+    mapping is skipped with a warning, as llm-compressor skips a misfit)."""
+    model = _model("phi3", num_key_value_heads=kv_heads)
     mappings = default_mappings(model, include_linear=True)
+    qkv_o = ["self_attn.qkv_proj -> self_attn.o_proj"] if kv_heads == 4 else []
     assert [_described(m) for m in mappings] == [
-        "input_layernorm -> self_attn.qkv_proj", "post_attention_layernorm -> mlp.gate_up_proj"
+        "input_layernorm -> self_attn.qkv_proj", *qkv_o, "post_attention_layernorm -> mlp.gate_up_proj",
+        "mlp.gate_up_proj -> mlp.down_proj",
     ] * 2  # fmt: skip
     before, after = logits_before_and_after_random_folds(model, mappings, DATA)
     torch.testing.assert_close(after, before, rtol=0, atol=1e-5)
+
+    model = _model("phi3", num_key_value_heads=kv_heads)
+    scheme = {"preset": "W4A16", "weights": {"group_size": 16}}
+    recipe = {"s": {"AWQModifier": {"ignore": ["lm_head"], "mappings": PHI3_MAPPINGS},
+                    "QuantizationModifier": {"ignore": ["lm_head"], "scheme": scheme}}}  # fmt: skip
+    llmc_fsm.oneshot(model=model, recipe=recipe, dataset=DATA, output_dir=tmp_path / "out", progress=False)
+    awq = next(m for s in model.llmc_fsm_report.to_dict()["smoothing"].values() for m in [s])
+    assert ("model.layers.0.self_attn.qkv_proj" in awq) == (kv_heads == 4)
+    assert "model.layers.0.mlp.gate_up_proj" in awq
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    with torch.no_grad():
+        assert torch.equal(reloaded(DATA).logits, model(DATA).logits)
 
 
 def test_fold_change_is_float_rounding_for_an_exact_fold_and_large_for_a_norm_read_elsewhere():
@@ -118,7 +143,7 @@ def test_a_norm_whose_output_is_the_residual_is_refused_before_anything_changes(
     assert message.endswith(
         "changes what MiniMaxDecoderLayer computes: the smooth layer's output is also read by something that is not "
         "one of its balance layers (a parallel MLP, the residual); give mappings whose balance layers are every "
-        "module reading it, or leave that layer out of the mappings. Nothing was changed"
+        "module reading it, or leave that layer out of the mappings. Nothing was changed in this layer"
     )
     assert all(torch.equal(p, weights[name]) for name, p in model.named_parameters())
 
@@ -132,3 +157,49 @@ def test_awq_on_a_parallel_layer_runs_and_reloads(tmp_path):
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
     with torch.no_grad():
         assert torch.equal(reloaded(DATA).logits, model(DATA).logits)
+
+
+def test_a_layer_whose_mappings_differ_is_checked_too_and_says_what_was_smoothed_before():
+    """The check runs on the first layer of each class *and set of mappings*: a recipe whose mapping leaves out
+    ``v_proj`` on layer 1 only (layer 0's is whole) is refused at layer 1, saying that layer 0 was smoothed already.
+    Before, only the first layer of each class was measured and the float logits moved by 55% (a breaker's case)."""
+    model = build("llama")
+    layer = r"re:.*layers\.{}\.{}$"
+    mappings = [
+        [[layer.format(0, f"self_attn.{p}_proj") for p in "qkv"], layer.format(0, "input_layernorm")],
+        [[layer.format(1, f"self_attn.{p}_proj") for p in "qk"], layer.format(1, "input_layernorm")],
+    ]
+    recipe = {"s": {"SmoothQuantModifier": {"smoothing_strength": 0.8, "mappings": mappings}}}
+    with pytest.raises(ValueError) as err:
+        llmc_fsm.oneshot(model=model, recipe=recipe, dataset=DATA, progress=False)
+    assert str(err.value).startswith(
+        "SmoothQuantModifier: folding smoothing scales into model.layers.1.input_layernorm -> "
+        "model.layers.1.self_attn.q_proj, model.layers.1.self_attn.k_proj (relative change "
+    )
+    assert str(err.value).endswith(
+        "Nothing was changed in this layer (the decoder layers before it were smoothed already: start again from "
+        "the original model)"
+    )
+
+
+def test_a_bfloat16_layer_is_measured_in_float32_so_its_own_rounding_is_no_change():
+    """A bfloat16 Llama whose residual stream is ten times its layers' updates (embeddings scaled by 10): measured in
+    bfloat16, an exact fold changed ``||y' - y|| / ||y - x||`` by up to 0.019 and the run was refused (a breaker's
+    case); measured in float32 it is float32 rounding."""
+    model = build("llama")
+    with torch.no_grad():
+        model.get_input_embeddings().weight.mul_(10.0)
+    model = model.to(torch.bfloat16)
+    layer = model.model.layers[0]
+    hidden = model.get_input_embeddings()(DATA)
+    position = torch.arange(DATA.shape[1]).unsqueeze(0).expand(DATA.shape[0], -1)
+    batch = ((hidden,), {"position_embeddings": model.model.rotary_emb(hidden, position)})
+    mappings = [m for m in default_mappings(model) if m.smooth_name.startswith("model.layers.0.")]
+    weights = {name: p for name, p in layer.named_parameters()}
+    saved = {name: p.detach().clone() for name, p in weights.items()}
+    assert fold_change(layer, batch, mappings) < 1e-5
+    assert all(p is weights[n] and p.dtype == torch.bfloat16 and torch.equal(p, saved[n])
+               for n, p in layer.named_parameters())  # fmt: skip  (the same tensors, untouched)
+    llmc_fsm.oneshot(model=model, recipe={"s": {"SmoothQuantModifier": {"smoothing_strength": 0.8}},
+                     "q": {"QuantizationModifier": {"scheme": "W8A8", "ignore": ["lm_head"]}}}, dataset=DATA,
+                     progress=False)  # fmt: skip

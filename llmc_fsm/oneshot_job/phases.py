@@ -72,6 +72,7 @@ from llmc_fsm.report.build import build_report
 from llmc_fsm.session.session import Session
 from llmc_fsm.toolkit.distributed import is_distributed, is_main_process, rank_work, shard
 from llmc_fsm.toolkit.packed import format_problem
+from llmc_fsm.toolkit.targets import compact_names
 
 __all__ = [
     "Run",
@@ -411,10 +412,39 @@ def _check_on_meta(run: Run) -> None:
     check_calibrates_from_text(skeleton)  # an encoder-decoder model: refused as the loaded one would be
     try:
         check_modifiers(run.sessions, skeleton, True)
+        _check_format_of_targets(run, skeleton)
     except (ValueError, MissingStateError):  # a refusal, before any weight is read
         raise
     except Exception as err:  # a check that needs real weights: it runs again on the loaded model
         logger.debug("a modifier check failed on the meta-device model (%r): checked after loading", err)
+
+
+def _check_format_of_targets(run: Run, model: Any) -> None:
+    """``quantization_format`` against every target of the quantizing modifiers (those with ``scheme_of``), by its
+    own class: a fused expert's matrix allows fewer formats than a Linear (:func:`~llmc_fsm.toolkit.packed.
+    weight_formats`). ``model``: the ``meta``-device skeleton.
+
+    Raises:
+        ValueError: targets that cannot be saved in the format (named, with the formats they allow).
+    """
+    fmt = run.settings.quantization_format
+    if fmt is None:
+        return
+    problems: dict[str, list[str]] = {}
+    for modifier in (m for session in run.sessions for m in session.modifiers):
+        scheme_of = getattr(modifier, "scheme_of", None)
+        if scheme_of is None:
+            continue
+        for name, module in modifier.check_model(model).items():
+            problem = format_problem(type(module), scheme_of(name), fmt)
+            if problem is not None:
+                problems.setdefault(problem, []).append(name)
+    if problems:
+        parts = "; ".join(
+            f"{compact_names(names[:3])}{f' ... ({len(names)} targets)' if len(names) > 3 else ''}: {problem}"
+            for problem, names in problems.items()
+        )
+        raise ValueError(f"quantization_format (--quantization-format) {fmt!r} does not fit the recipe: {parts}")
 
 
 def _cached_known_config(model: Any) -> Any:

@@ -54,7 +54,13 @@ from llmc_fsm.models.lazy import LazyModel, ShardWriter, load_lazy, save_config
 from llmc_fsm.oneshot_job.data import calibration_inputs, torch_dtype_of
 from llmc_fsm.oneshot_job.phases import Run, evaluate_before, given_tokenizer, keep_windows, run_report, token_data
 from llmc_fsm.oneshot_job.resume import layer_progress
-from llmc_fsm.output.save import pruned_sparsity, quantized_modules, sparsity_structure, write_quantization_config
+from llmc_fsm.output.save import (
+    pruned_sparsity,
+    quantized_modules,
+    sparsity_structure,
+    warn_formats,
+    write_quantization_config,
+)
 from llmc_fsm.pipeline.device import onloaded
 from llmc_fsm.pipeline.forward import capture_layer_inputs
 from llmc_fsm.pipeline.sequential import head_target, output_head
@@ -435,6 +441,7 @@ def _save(run: Run, lazy: LazyModel, writer: ShardWriter, result: StreamedCompre
     if report.execution is not None and result.activations:
         report.execution["activations"] = result.activations  # the streamed pipeline's, as the in-memory one's
     if quantized_modules(lazy.model):
+        warn_formats(lazy.model)  # once for the model (each layer's formats were chosen as it was written)
         write_quantization_config(
             lazy.model, staging, sparsity=pruned_sparsity(report), sparsity_structure=sparsity_structure(run.recipe)
         )

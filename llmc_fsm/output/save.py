@@ -63,6 +63,7 @@ __all__ = [
     "quantized_weights_as_compressed",
     "save_model",
     "sparsity_structure",
+    "warn_formats",
     "weights_disk_bytes",
     "weights_on_grid",
     "write_output",
@@ -257,11 +258,12 @@ class CompressedSavePretrained:
     def __call__(
         self,
         save_directory: str | os.PathLike[str],
-        save_compressed: bool = True,
         quantization_format: str | None = None,
+        save_compressed: bool = True,
         **kwargs: Any,
     ) -> None:
-        """Write the compressed model and ``recipe.yaml`` into ``save_directory`` (created if missing).
+        """Write the compressed model and ``recipe.yaml`` into ``save_directory`` (created if missing). The arguments
+        in llm-compressor's order (``save_pretrained(save_directory, quantization_format, save_compressed)``).
 
         Raises:
             ValueError: ``save_compressed=False`` for a quantized model; a ``quantization_format`` its weights
@@ -370,6 +372,7 @@ def _save_weights(
             write_quantization_config(model, directory, sparsity=sparsity, sparsity_structure=sparsity_structure)
         return
     state_dict = compressed_state_dict(model, quantization_format=quantization_format)
+    warn_formats(model)
     hf_save(model, directory, state_dict=state_dict, **save_kwargs)
     write_quantization_config(model, directory, sparsity=sparsity, sparsity_structure=sparsity_structure)
     _untie_quantized_embedding(model, directory)
@@ -463,7 +466,7 @@ def check_quantization_format(model: nn.Module, quantization_format: Any) -> Non
         )
         raise ValueError(msg)
     schemes = {name: (type(sub), sub.quantization_scheme) for name, sub in quantized_modules(model).items()}
-    schemes.update({name: (nn.Linear, view.quantization_scheme) for name, view in quantized_views(model).items()})
+    schemes.update({name: (LinearView, view.quantization_scheme) for name, view in quantized_views(model).items()})
     if not schemes:
         msg = (
             f"quantization_format {quantization_format!r} is the format quantized weights are saved in, and the "
@@ -481,7 +484,8 @@ RECIPE_FORMAT_ATTR = "recipe_quantization_format"
 def choose_formats(model: nn.Module, modules: dict[str, nn.Module], quantization_format: str | None = None) -> None:
     """Set the compressed-tensors format each of ``modules`` (quantized modules of ``model``) is saved in, as its
     scheme's ``format``: ``quantization_format`` when given (llm-compressor's ``save_pretrained`` argument), else the
-    ``format`` its recipe's scheme named, else the default.
+    ``format`` its recipe's scheme named, else the default. :func:`warn_formats` then says which reader cannot
+    read what was chosen.
 
     The default is the format compressed-tensors infers, except where transformers 5.25 could not reload it, where
     it is ``int-quantized`` (the same integers and scales, one int8 per value): asymmetric int weights
@@ -517,6 +521,21 @@ def choose_formats(model: nn.Module, modules: dict[str, nn.Module], quantization
     unpacked_embeddings(default)
     _unpacked_where_init_reads_weight(model, default)
     infer_model_format(model)  # sets the format of every quantized module whose scheme has none yet
+    for name, sub in modules.items():
+        setattr(sub, FORMAT_ASKED_ATTR, name in asked)
+
+
+#: Attribute of a quantized module: whether its saved format was asked for (:func:`choose_formats`), read by
+#: :func:`warn_formats`.
+FORMAT_ASKED_ATTR = "quantization_format_asked"
+
+
+def warn_formats(model: nn.Module) -> None:
+    """After the quantized modules of ``model`` were saved (:func:`choose_formats` ran on each, in one call or one
+    decoder layer at a time): one warning per kind of saved format one of the two readers does not read (the
+    default ``int-quantized`` asymmetric int weights: vLLM; ``pack-quantized`` ones asked for: transformers 5.25)."""
+    modules = quantized_modules(model)
+    asked = {name for name, sub in modules.items() if getattr(sub, FORMAT_ASKED_ATTR, False)}
     _warn_formats(model, modules, asked)
 
 

@@ -368,12 +368,13 @@ LAYOUT = "layout.json"
 
 
 def fingerprint_changes(saved: Mapping[str, Any] | None, current: Mapping[str, Any]) -> list[str]:
-    """``"item (what changed)"`` for every item of ``current`` that differs from ``saved`` (empty: same run)."""
+    """``"item (what changed)"`` for every item of ``current`` or ``saved`` that differs (empty: same run); an item
+    only one of them has (e.g. ``output``: ``quantization_format`` given one time only) differs."""
     if not isinstance(saved, Mapping):
         return ["the saved fingerprint (fingerprint.json is missing or unreadable)"]
     changes = []
-    for key, new in current.items():
-        old = saved.get(key)
+    for key in dict.fromkeys([*current, *saved]):
+        old, new = saved.get(key), current.get(key)
         if old == new:
             continue
         if key == "model" and isinstance(old, Mapping) and "files" in old and "files" in new:

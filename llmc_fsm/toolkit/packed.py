@@ -15,6 +15,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from llmc_fsm.toolkit.views import LinearView
+
 __all__ = ["PACKED_ATTR", "format_problem", "keep_packed", "kept_packed", "weight_formats"]
 
 
@@ -29,18 +31,21 @@ def weight_formats(module_type: type, scheme: Any) -> list[str]:
 
     Integer weights: also ``pack-quantized`` (several values per int32; when compressed-tensors' packer takes the
     scheme: not with float input activations) and ``int-quantized`` (one int8 per value; the two hold the same
-    integers and scales). Float, NVFP4 and MX weights: only the inferred format (``float-quantized``,
-    ``nvfp4-pack-quantized``, the MX formats). ``dense`` (weights left unquantized on disk) and ``naive-quantized``
-    are not offered.
+    integers and scales). Float, NVFP4 and MX weights, and a fused expert's matrix (a
+    :class:`~llmc_fsm.toolkit.views.LinearView`: transformers' experts loader reads packed int weights only): only the
+    inferred format (``float-quantized``, ``nvfp4-pack-quantized``, the MX formats, ``pack-quantized``). ``dense``
+    (weights left unquantized on disk) and ``naive-quantized`` are not offered.
 
     Args:
-        module_type: the quantized module's class (``nn.Linear``; ``nn.Linear`` for a fused expert's matrix).
+        module_type: the quantized module's class (``nn.Linear``; ``LinearView`` for a fused expert's matrix).
         scheme: its compressed-tensors ``QuantizationScheme``.
     """
     from compressed_tensors.compressors import BaseCompressor
     from compressed_tensors.compressors.format import infer_module_format
 
     bare = scheme.model_copy(update={"format": None})
+    if issubclass(module_type, LinearView):  # a fused expert's matrix: transformers' experts loader reads one format
+        return [infer_module_format(nn.Linear, bare).value]
     formats = [infer_module_format(module_type, bare).value]
     if scheme.weights is not None and str(scheme.weights.type) == "int":
         if BaseCompressor.get_value_from_registry("pack-quantized").can_compress(module_type, bare):
@@ -58,6 +63,8 @@ def format_problem(module_type: type, scheme: Any, fmt: Any) -> str | None:
         return None
     weights = scheme.weights
     what = f"{weights.num_bits}-bit {weights.type} weights" if weights is not None else "no weights"
+    if issubclass(module_type, LinearView):
+        what = f"fused experts' {what} (transformers' experts loader reads no other format)"
     return f"{what} are saved {' or '.join(formats)}, not {fmt}"
 
 

@@ -95,6 +95,7 @@ __all__ = [
     "default_mappings",
     "describe_mappings",
     "fold_scales",
+    "fused_tail",
     "homogeneity_degree",
     "mappings_to_recipe",
     "moe_mapping_problem",
@@ -163,8 +164,9 @@ class ResolvedMapping:
 
     @property
     def channels(self) -> int:
-        """``C``: the smooth layer's output channels."""
-        return smooth_channels(self.smooth)
+        """``C``: the channels between smooth and balance layers (the balance layers' input features): the smooth
+        layer's output channels, or the last ``C`` of them for a fused projection (:func:`fused_tail`)."""
+        return int(self.balances[0].weight.shape[1]) if self.balances else smooth_channels(self.smooth)
 
     def describe(self) -> str:
         """``smooth -> balance, balance`` with names relative to the smooth layer's parent scope."""
@@ -297,6 +299,20 @@ def smooth_channels(module: nn.Module) -> int:
     return int(module.weight.shape[0])
 
 
+def fused_tail(name: str, module: nn.Module, channels: int) -> bool:
+    """Whether the last ``channels`` output rows of Linear ``module`` are what a balance layer of ``channels`` input
+    features reads: Phi-3's fused ``qkv_proj`` (rows ``[q; k; v]``) before ``o_proj`` when there are as many
+    key/value heads as query heads (``3 * channels`` rows: ``v`` is the last third), and its fused ``gate_up_proj``
+    (rows ``[gate; up]``, ``2 * channels``) before ``down_proj`` (``act(gate) * up`` is linear in ``up``), as
+    llm-compressor's ``_phi_mappings`` smooth them (scaling the last rows). Whether the fold keeps the function is
+    measured before smoothing (:func:`~llmc_fsm_quantization.smoothquant.fold_change`)."""
+    if not is_linear_like(module) or module.weight.dim() != 2:
+        return False
+    rows = int(module.weight.shape[0])
+    leaf = name.rsplit(".", 1)[-1]
+    return (leaf == "qkv_proj" and rows == 3 * channels) or (leaf == "gate_up_proj" and rows == 2 * channels)
+
+
 def _find_layers(model: nn.Module) -> tuple[str, nn.ModuleList] | None:
     try:
         return find_decoder_layers(model)
@@ -338,6 +354,8 @@ def _default_specs_for_layer(layer: nn.Module, *, include_linear: bool) -> list[
         out.append((norm_name, (qkv[0], *_parallel_mlp_inputs(layer, children, norms))))
     if include_linear and v and o and v[1].weight.shape[0] == o[1].weight.shape[1]:
         out.append((v[0], (o[0],)))
+    if include_linear and qkv and o and fused_tail(qkv[0], qkv[1], int(o[1].weight.shape[1])):
+        out.append((qkv[0], (o[0],)))
     gate = _linear_named(layer, "gate_proj")
     up = _linear_named(layer, "up_proj")
     down = _linear_named(layer, "down_proj")
@@ -364,8 +382,11 @@ def _default_specs_for_layer(layer: nn.Module, *, include_linear: bool) -> list[
                 out.append((mlp_norm_name, (router, *readers, *gate_up)))
     elif norm_fits and up:
         out.append((mlp_norm_name, (gate[0], up[0]) if gate else (up[0],)))
-    elif norm_fits and not gate and (gate_up := _linear_named(layer, "gate_up_proj")):  # Phi-3's fused gate/up
-        out.append((mlp_norm_name, (gate_up[0],)))
+    fused = None if (gate or up) else _linear_named(layer, "gate_up_proj")  # Phi-3's fused gate/up
+    if norm_fits and fused and moe is None:
+        out.append((mlp_norm_name, (fused[0],)))
+    if include_linear and fused and down and fused_tail(fused[0], fused[1], int(down[1].weight.shape[1])):
+        out.append((fused[0], (down[0],)))
     # up -> down is exact for down(act(gate) * up), and without a gate for a positively homogeneous act (Nemotron's
     # relu2(up): up's rows take s ** (1 / 2), :func:`homogeneity_degree`); another gateless act is left out (warned)
     gated = gate is not None and up is not None and gate[0].rpartition(".")[0] == up[0].rpartition(".")[0]
@@ -649,6 +670,8 @@ def _fit_problem(mapping: ResolvedMapping) -> str | None:
             "invariant to a fold only for a positively homogeneous act (transformers' relu2)"
         )
     channels = smooth_channels(smooth)
+    if mapping.balances and fused_tail(mapping.smooth_name, smooth, int(mapping.balances[0].weight.shape[1])):
+        channels = int(mapping.balances[0].weight.shape[1])
     for name, balance in zip(mapping.balance_names, mapping.balances, strict=True):
         router = (
             mapping.experts is not None
@@ -925,10 +948,11 @@ def fold_scales(mapping: ResolvedMapping, scales: torch.Tensor) -> None:
     ``scales[j]``, every balance layer's input column ``j`` multiplied by it (the float function is unchanged).
 
     Norm: ``weight /= s`` (and ``bias``); a norm scaling by ``1 + weight`` (:func:`scales_by_one_plus_weight`):
-    ``weight = (1 + weight) / s - 1``. Linear smooth layer: row ``j`` of ``weight`` (and ``bias[j]``)
-    ``/= s_j ** (1 / k)``, ``k`` = :attr:`ResolvedMapping.degree` (``1`` but for a gateless ``up -> down`` through
-    relu2, ``k = 2``: ``relu2((W_j x + b_j) / sqrt(s_j)) = relu2(W_j x + b_j) / s_j``, which the balance layer's
-    column ``j`` times ``s_j`` restores). Computed in float32 and written back in each parameter's dtype.
+    ``weight = (1 + weight) / s - 1``. Linear smooth layer: row ``j`` of ``weight`` (and ``bias[j]``; of a fused
+    projection, :func:`fused_tail`, its ``j``-th of the last ``C`` rows) ``/= s_j ** (1 / k)``,
+    ``k`` = :attr:`ResolvedMapping.degree` (``1`` but for a gateless ``up -> down`` through relu2, ``k = 2``:
+    ``relu2((W_j x + b_j) / sqrt(s_j)) = relu2(W_j x + b_j) / s_j``, which the balance layer's column ``j`` times
+    ``s_j`` restores). Computed in float32 and written back in each parameter's dtype.
 
     Args:
         scales: ``[C]`` positive floats (``C`` = :attr:`ResolvedMapping.channels`).
@@ -953,11 +977,12 @@ def fold_scales(mapping: ResolvedMapping, scales: torch.Tensor) -> None:
         w.copy_(((1.0 + w.to(torch.float32)) / s.to(w.device) - 1.0).to(w.dtype))
     elif w.dim() == 1:
         w.copy_((w.to(torch.float32) / s.to(w.device)).to(w.dtype))
-    else:
-        w.copy_((w.to(torch.float32) / rows.to(w.device)[:, None]).to(w.dtype))
+    else:  # a fused projection's last C rows (fused_tail); all of them otherwise
+        w[-channels:].copy_((w[-channels:].to(torch.float32) / rows.to(w.device)[:, None]).to(w.dtype))
     bias = getattr(smooth, "bias", None)
     if isinstance(bias, torch.Tensor):
-        bias.copy_((bias.to(torch.float32) / rows.to(bias.device)).to(bias.dtype))
+        tail = bias[-channels:] if w.dim() == 2 else bias
+        tail.copy_((tail.to(torch.float32) / rows.to(bias.device)).to(bias.dtype))
     for balance in mapping.balances:
         bw = balance.weight
         bw.copy_((bw.to(torch.float32) * s.to(bw.device)[None, :]).to(bw.dtype))

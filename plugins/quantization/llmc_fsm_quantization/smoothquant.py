@@ -184,7 +184,7 @@ class SmoothingModifier(Modifier):
         super().__attrs_post_init__()
         self._mappings: list[ResolvedMapping] = []
         self._done: set[str] = set()
-        self._fold_checked: set[type] = set()  # decoder layer classes whose folds were checked (fold_change)
+        self._fold_checked: set[tuple[Any, ...]] = set()  # layer classes and mappings whose folds were checked
         #: smooth layer name -> statistics of the scales folded into it (see the subclasses).
         self.smoothing_results: dict[str, dict[str, Any]] = {}
         #: smooth layer name -> the ``[C]`` float32 scales folded into it (none where nothing was folded).
@@ -322,8 +322,9 @@ class SmoothingModifier(Modifier):
 
         Raises:
             ValueError: a norm mapping's balance layers do not read the norm's output in this layer's forward
-                (the default mappings' names did not describe the data flow), or, in the first layer of each class,
-                folding test scales into the mappings changes what the layer computes (:func:`fold_change`: the
+                (the default mappings' names did not describe the data flow), or, in the first layer of each class
+                with each set of mappings (names within the layer), folding test scales into the mappings changes
+                what the layer computes (:func:`fold_change`: the
                 smooth layer's output is also read by something that is not a balance layer, e.g. a parallel MLP or
                 the residual); checked before anything changes.
         """
@@ -331,9 +332,10 @@ class SmoothingModifier(Modifier):
         todo = [m for m in self._mappings if id(m.smooth) in inside and m.smooth_name not in self._done]
         if not todo or not inputs:
             return
-        if type(layer) not in self._fold_checked:  # the first layer of each class, before anything changes
+        shape = _mapping_shape(layer, todo)
+        if shape not in self._fold_checked:  # the first layer of each class and set of mappings, before any change
             self._check_folds(layer, inputs[0], todo)
-            self._fold_checked.add(type(layer))
+            self._fold_checked.add(shape)
         self._smooth_layer_mappings(layer, inputs, todo)
         self._done.update(m.smooth_name for m in todo)
 
@@ -345,15 +347,22 @@ class SmoothingModifier(Modifier):
         if fold_change(layer, batch, todo) <= FOLD_TOLERANCE:
             return
         changes = {m.smooth_name: fold_change(layer, batch, [m]) for m in todo}
-        bad = [m for m in todo if changes[m.smooth_name] > FOLD_TOLERANCE] or todo
+        bad = [m for m in todo if changes[m.smooth_name] > FOLD_TOLERANCE]
         listed = "; ".join(
-            f"{m.smooth_name} -> {_some(m.balance_names)} (relative change {changes[m.smooth_name]:.2g})" for m in bad
+            f"{m.smooth_name} -> {_some(m.balance_names)} (relative change {changes[m.smooth_name]:.2g})"
+            for m in (bad or todo)
+        )
+        together = "" if bad else " (each alone keeps it; together they do not)"
+        before = (
+            " (the decoder layers before it were smoothed already: start again from the original model)"
+            if self._done
+            else ""
         )
         msg = (
-            f"{type(self).__name__}: folding smoothing scales into {listed} changes what "
+            f"{type(self).__name__}: folding smoothing scales into {listed}{together} changes what "
             f"{type(layer).__name__} computes: the smooth layer's output is also read by something that is not one "
             "of its balance layers (a parallel MLP, the residual); give mappings whose balance layers are every "
-            "module reading it, or leave that layer out of the mappings. Nothing was changed"
+            f"module reading it, or leave that layer out of the mappings. Nothing was changed in this layer{before}"
         )
         raise ValueError(msg)
 
@@ -377,8 +386,12 @@ def fold_change(
     ``batch``: ``||y' - y|| / ||y - x||``, ``x`` the layer's input hidden states, ``y`` its output, ``y'`` its output
     with scales ``exp(u)``, ``u`` uniform in ``[-1, 1]`` (seeded), folded by
     :func:`~llmc_fsm_quantization.mappings.fold_scales`. Smoothing (SmoothQuant, arXiv 2211.10438 Sec. 4; AWQ, arXiv
-    2306.00978 Sec. 3.2) must leave the float function unchanged; this measures it. The layer's weights are put back
-    bit for bit, and no forward hook sees the two forwards.
+    2306.00978 Sec. 3.2) must leave the float function unchanged; this measures it.
+
+    Computed in float32 whatever the model's dtype (a bfloat16 layer's own rounding would otherwise be measured:
+    ~1e-2 of ``||y - x||`` where the residual is large), on float32 copies of the layer's parameters and buffers:
+    the layer's own tensors are not written, and are put back in place afterwards (the same storage). No forward
+    hook sees the two forwards.
 
     Args:
         batch: the layer's ``(args, kwargs)`` for one batch, hidden states ``[B, T, H]`` first.
@@ -386,26 +399,63 @@ def fold_change(
     Returns:
         The relative change (float; ``0.0`` when the layer computes nothing from its input).
     """
-    args, kwargs = batch
-    tensors: dict[tuple[int, str], tuple[nn.Module, str, torch.Tensor]] = {}
-    for m in mappings:
-        for module, attr in [(m.smooth, "weight"), (m.smooth, "bias"), *((b, "weight") for b in m.balances)]:
-            value = getattr(module, attr, None)
-            if isinstance(value, torch.Tensor):
-                tensors.setdefault((id(module), attr), (module, attr, value.detach().clone()))
+    args, kwargs = _float32(batch[0]), _float32(batch[1])
+    swapped: list[tuple[dict[str, Any], str, Any]] = []
     generator = torch.Generator().manual_seed(0)
     with suspended_forward_hooks(layer):
-        before = _hidden(layer(*args, **kwargs))
         try:
+            for module in layer.modules():
+                for table in (module._parameters, module._buffers):
+                    for name, tensor in table.items():
+                        if isinstance(tensor, torch.Tensor) and tensor.is_floating_point():
+                            swapped.append((table, name, tensor))
+                            copy = tensor.detach().to(torch.float32, copy=True)
+                            table[name] = (
+                                nn.Parameter(copy, requires_grad=False) if table is module._parameters else copy
+                            )
+            before = _hidden(layer(*args, **kwargs))
             for m in mappings:
                 fold_scales(m, torch.empty(m.channels).uniform_(-1.0, 1.0, generator=generator).exp())
             after = _hidden(layer(*args, **kwargs))
         finally:
-            for module, attr, value in tensors.values():
-                getattr(module, attr).copy_(value)
-    update = (before.to(torch.float32) - args[0].to(torch.float32)).norm()
-    change = (after.to(torch.float32) - before.to(torch.float32)).norm()
+            for table, name, tensor in reversed(swapped):
+                table[name] = tensor
+    update = (before - args[0]).norm()
+    change = (after - before).norm()
     return float(change / update) if float(update) > 0 else 0.0
+
+
+def _float32(value: Any) -> Any:
+    """``value`` with its floating tensors in float32 (tuples, lists and dicts of them too)."""
+    if isinstance(value, torch.Tensor):
+        return value.to(torch.float32) if value.is_floating_point() else value
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a named tuple
+        return type(value)(*(_float32(v) for v in value))
+    if isinstance(value, tuple | list):
+        return type(value)(_float32(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _float32(v) for k, v in value.items()}
+    return value
+
+
+def _mapping_shape(layer: nn.Module, mappings: list[ResolvedMapping]) -> tuple[Any, ...]:
+    """``layer``'s class and its mappings by names within the layer: equal for layers whose folds are alike."""
+    names = {id(module): name for name, module in layer.named_modules()}
+    views = {id(v): f"{names.get(id(m), '?')}.{n}" for m in layer.modules() for n, v in weight_views(m).items()}
+
+    def local(module: nn.Module, full: str) -> str:
+        return names.get(id(module)) or views.get(id(module)) or full
+
+    return (
+        type(layer),
+        tuple(
+            (
+                local(m.smooth, m.smooth_name),
+                tuple(local(b, n) for b, n in zip(m.balances, m.balance_names, strict=True)),
+            )
+            for m in mappings
+        ),
+    )
 
 
 def _some(names: tuple[str, ...]) -> str:
