@@ -216,6 +216,13 @@ def test_fused_experts_are_saved_in_the_one_format_transformers_reads_them_in(tm
         "pack-quantized, not int-quantized"
     )
     assert not (tmp_path / "out").exists()
+    model = build("qwen3_moe")  # an in-memory model: refused before any work too, its weights untouched
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with pytest.raises(ValueError, match=r"^quantization_format \(--quantization-format\) 'int-quantized' does not "):
+        llmc_fsm.oneshot(model=model, recipe=recipe, output_dir=tmp_path / "out", quantization_format="int-quantized",
+                         progress=False)  # fmt: skip
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    assert not (tmp_path / "out").exists()
 
 
 def test_resuming_without_the_format_asked_for_is_refused():

@@ -399,7 +399,8 @@ def _check_on_meta(run: Run) -> None:
     """
     from torch import nn
 
-    if isinstance(run.settings.model, nn.Module):
+    if isinstance(run.settings.model, nn.Module):  # the modifiers check it after loading; the format here (pure)
+        _check_format_of_targets(run, run.settings.model)
         return
     config = run.model_config if run.model_config is not None else _cached_known_config(run.settings.model)
     if config is None:
