@@ -232,3 +232,34 @@ def test_resuming_without_the_format_asked_for_is_refused():
     assert fingerprint_changes(given, {"seed": 0}) == ["output ({'quantization_format': 'pack-quantized'} -> None)"]
     assert fingerprint_changes({"seed": 0}, given) == ["output (None -> {'quantization_format': 'pack-quantized'})"]
     assert fingerprint_changes(given, dict(given)) == []
+
+
+def test_a_quantized_embedding_is_saved_int_quantized_only(tmp_path):
+    """transformers 5.25 cannot reload a packed embedding ('Embedding' object has no attribute 'weight'), and nothing
+    else reads one: ``pack-quantized`` for an Embedding target is refused before any work, asked for by
+    ``quantization_format`` or by the config group's ``format`` (a breaker's case: it was written with a warning)."""
+    from tiny_families import VOCAB, build
+
+    data = torch.randint(3, VOCAB, (4, 16), generator=torch.Generator().manual_seed(0))
+    int8 = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "group", "group_size": 16}
+    group = {"targets": ["Linear", "Embedding"], "weights": int8}
+    recipe = {"q": {"GPTQModifier": {"config_groups": {"g": group}, "ignore": ["lm_head"]}}}
+    model = build("llama")
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with pytest.raises(ValueError) as err:
+        llmc_fsm.oneshot(model=model, recipe=recipe, dataset=data, output_dir=tmp_path / "out",
+                         quantization_format="pack-quantized", progress=False)  # fmt: skip
+    assert str(err.value) == (
+        "quantization_format (--quantization-format) 'pack-quantized' does not fit the recipe: model.embed_tokens: "
+        "8-bit int weights are saved int-quantized, not pack-quantized"
+    )
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    group["format"] = "pack-quantized"
+    with pytest.raises(ValueError) as err:
+        llmc_fsm.oneshot(model=model, recipe=recipe, dataset=data, output_dir=tmp_path / "out", progress=False)
+    assert str(err.value) == (
+        "a config group's format does not fit its targets: model.embed_tokens: format pack-quantized: 8-bit int "
+        "weights are saved int-quantized, not pack-quantized"
+    )
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    assert not (tmp_path / "out").exists()

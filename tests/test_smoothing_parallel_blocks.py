@@ -143,7 +143,7 @@ def test_a_norm_whose_output_is_the_residual_is_refused_before_anything_changes(
     assert message.endswith(
         "changes what MiniMaxDecoderLayer computes: the smooth layer's output is also read by something that is not "
         "one of its balance layers (a parallel MLP, the residual); give mappings whose balance layers are every "
-        "module reading it, or leave that layer out of the mappings. Nothing was changed in this layer"
+        "module reading it, or leave that layer out of the mappings. Nothing was changed"
     )
     assert all(torch.equal(p, weights[name]) for name, p in model.named_parameters())
 
@@ -159,10 +159,12 @@ def test_awq_on_a_parallel_layer_runs_and_reloads(tmp_path):
         assert torch.equal(reloaded(DATA).logits, model(DATA).logits)
 
 
-def test_a_layer_whose_mappings_differ_is_checked_too_and_says_what_was_smoothed_before():
+def test_a_layer_whose_mappings_differ_is_checked_too_and_says_what_was_smoothed_before(tmp_path):
     """The check runs on the first layer of each class *and set of mappings*: a recipe whose mapping leaves out
-    ``v_proj`` on layer 1 only (layer 0's is whole) is refused at layer 1, saying that layer 0 was smoothed already.
-    Before, only the first layer of each class was measured and the float logits moved by 55% (a breaker's case)."""
+    ``v_proj`` on layer 1 only (layer 0's is whole) is refused. In memory every layer is checked before the first
+    change (on layer 0's inputs: nothing changes); streamed, layer 1 is read only after layer 0 was smoothed and
+    written to the hidden work directory, and the message says so. Before, only the first layer of each class was
+    measured and the float logits moved by 55% (a breaker's case)."""
     model = build("llama")
     layer = r"re:.*layers\.{}\.{}$"
     mappings = [
@@ -170,16 +172,23 @@ def test_a_layer_whose_mappings_differ_is_checked_too_and_says_what_was_smoothed
         [[layer.format(1, f"self_attn.{p}_proj") for p in "qk"], layer.format(1, "input_layernorm")],
     ]
     recipe = {"s": {"SmoothQuantModifier": {"smoothing_strength": 0.8, "mappings": mappings}}}
+    start = "SmoothQuantModifier: folding smoothing scales into model.layers.1.input_layernorm -> "
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
     with pytest.raises(ValueError) as err:
         llmc_fsm.oneshot(model=model, recipe=recipe, dataset=DATA, progress=False)
-    assert str(err.value).startswith(
-        "SmoothQuantModifier: folding smoothing scales into model.layers.1.input_layernorm -> "
-        "model.layers.1.self_attn.q_proj, model.layers.1.self_attn.k_proj (relative change "
-    )
+    assert str(err.value).startswith(start) and str(err.value).endswith("Nothing was changed")
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+
+    model.save_pretrained(tmp_path / "model")
+    with pytest.raises(ValueError) as err:
+        llmc_fsm.oneshot(str(tmp_path / "model"), recipe=recipe, dataset=DATA, tokenizer=None, low_memory=True,
+                         output_dir=tmp_path / "out", progress=False)  # fmt: skip
+    assert str(err.value).startswith(start)
     assert str(err.value).endswith(
         "Nothing was changed in this layer (the decoder layers before it were smoothed already: start again from "
         "the original model)"
     )
+    assert not (tmp_path / "out").exists()
 
 
 def test_a_bfloat16_layer_is_measured_in_float32_so_its_own_rounding_is_no_change():
@@ -203,3 +212,24 @@ def test_a_bfloat16_layer_is_measured_in_float32_so_its_own_rounding_is_no_chang
     llmc_fsm.oneshot(model=model, recipe={"s": {"SmoothQuantModifier": {"smoothing_strength": 0.8}},
                      "q": {"QuantizationModifier": {"scheme": "W8A8", "ignore": ["lm_head"]}}}, dataset=DATA,
                      progress=False)  # fmt: skip
+
+
+def test_ergos_wrong_default_mapping_is_refused_before_any_change():
+    """Ergo (transformers 5.25): its layer 1 (same class as the dense layer 0) offers
+    ``pre_feedforward_layernorm -> shared_experts.up_proj``, which leaves out the router and experts reading that
+    norm: the fold check of every layer of the class before the first change refuses it, nothing changed (before,
+    layer 0 was smoothed first and the refusal came at layer 1, a breaker's case)."""
+    config = transformers.AutoConfig.for_model("ergo", **{**SIZES, "num_key_value_heads": 4}, pad_token_id=0,
+                                               bos_token_id=1, eos_token_id=2)  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with pytest.raises(ValueError) as err:
+        llmc_fsm.oneshot(model=model, recipe={"s": {"SmoothQuantModifier": {"smoothing_strength": 0.8}}},
+                         dataset=DATA, progress=False)  # fmt: skip
+    assert str(err.value).startswith(
+        "SmoothQuantModifier: folding smoothing scales into model.layers.1.pre_feedforward_layernorm -> "
+        "model.layers.1.mlp.shared_experts.up_proj (relative change "
+    )
+    assert str(err.value).endswith("Nothing was changed")
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())

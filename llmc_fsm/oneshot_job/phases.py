@@ -421,31 +421,40 @@ def _check_on_meta(run: Run) -> None:
 
 
 def _check_format_of_targets(run: Run, model: Any) -> None:
-    """``quantization_format`` against every target of the quantizing modifiers (those with ``scheme_of``), by its
-    own class: a fused expert's matrix allows fewer formats than a Linear (:func:`~llmc_fsm.toolkit.packed.
-    weight_formats`). ``model``: the ``meta``-device skeleton.
+    """``quantization_format`` (else a recipe config group's ``format``) against every target of the quantizing
+    modifiers (those with ``scheme_of``), by its own class: a fused expert's matrix and an ``nn.Embedding`` allow
+    fewer formats than a Linear (:func:`~llmc_fsm.toolkit.packed.weight_formats`). ``model``: the ``meta``-device
+    skeleton, or the in-memory model.
 
     Raises:
         ValueError: targets that cannot be saved in the format (named, with the formats they allow).
     """
-    fmt = run.settings.quantization_format
-    if fmt is None:
+    given = run.settings.quantization_format
+    modifiers = [m for session in run.sessions for m in session.modifiers]
+    named = [s.format for m in modifiers for s in (getattr(m, "quantization_schemes", None) or {}).values()]
+    if given is None and not any(named):  # no format asked for: the default suits every target
         return
     problems: dict[str, list[str]] = {}
-    for modifier in (m for session in run.sessions for m in session.modifiers):
+    for modifier in modifiers:
         scheme_of = getattr(modifier, "scheme_of", None)
         if scheme_of is None:
             continue
         for name, module in modifier.check_model(model).items():
-            problem = format_problem(type(module), scheme_of(name), fmt)
+            scheme = scheme_of(name)
+            fmt = given or getattr(scheme.format, "value", scheme.format)  # else the recipe's config group's format
+            problem = None if fmt is None else format_problem(type(module), scheme, fmt)
             if problem is not None:
-                problems.setdefault(problem, []).append(name)
+                problems.setdefault(problem if given else f"format {fmt}: {problem}", []).append(name)
     if problems:
         parts = "; ".join(
             f"{compact_names(names[:3])}{f' ... ({len(names)} targets)' if len(names) > 3 else ''}: {problem}"
             for problem, names in problems.items()
         )
-        raise ValueError(f"quantization_format (--quantization-format) {fmt!r} does not fit the recipe: {parts}")
+        if given:
+            msg = f"quantization_format (--quantization-format) {given!r} does not fit the recipe: {parts}"
+        else:
+            msg = f"a config group's format does not fit its targets: {parts}"
+        raise ValueError(msg)
 
 
 def _cached_known_config(model: Any) -> Any:

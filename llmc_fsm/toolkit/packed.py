@@ -31,7 +31,8 @@ def weight_formats(module_type: type, scheme: Any) -> list[str]:
 
     Integer weights: also ``pack-quantized`` (several values per int32; when compressed-tensors' packer takes the
     scheme: not with float input activations) and ``int-quantized`` (one int8 per value; the two hold the same
-    integers and scales). Float, NVFP4 and MX weights, and a fused expert's matrix (a
+    integers and scales), except an ``nn.Embedding``'s: ``int-quantized`` only (transformers 5.25 cannot reload a
+    packed embedding). Float, NVFP4 and MX weights, and a fused expert's matrix (a
     :class:`~llmc_fsm.toolkit.views.LinearView`: transformers' experts loader reads packed int weights only): only the
     inferred format (``float-quantized``, ``nvfp4-pack-quantized``, the MX formats, ``pack-quantized``). ``dense``
     (weights left unquantized on disk) and ``naive-quantized`` are not offered.
@@ -46,6 +47,8 @@ def weight_formats(module_type: type, scheme: Any) -> list[str]:
     bare = scheme.model_copy(update={"format": None})
     if issubclass(module_type, LinearView):  # a fused expert's matrix: transformers' experts loader reads one format
         return [infer_module_format(nn.Linear, bare).value]
+    if issubclass(module_type, nn.Embedding) and scheme.weights is not None and str(scheme.weights.type) == "int":
+        return ["int-quantized"]  # packed, transformers 5.25 cannot reload it ('Embedding' has no 'weight')
     formats = [infer_module_format(module_type, bare).value]
     if scheme.weights is not None and str(scheme.weights.type) == "int":
         if BaseCompressor.get_value_from_registry("pack-quantized").can_compress(module_type, bare):

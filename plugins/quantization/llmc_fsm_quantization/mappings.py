@@ -487,7 +487,11 @@ def moe_mapping_problem(block: nn.Module, experts: str, router: str) -> str | No
     if module.has_gate and getattr(type(module)._apply_gate, "__name__", "") != "_default_apply_gate":
         return f"{kind} gates by its own _apply_gate, not act(gate) * up"
     others = _other_children(block, experts, router)
-    hidden = int(block.get_submodule(router.rpartition(".")[2]).weight.shape[1])
+    router_module = block.get_submodule(router.rpartition(".")[2])
+    router_weight = getattr(router_module, "weight", None)
+    if not isinstance(router_weight, torch.Tensor) or router_weight.dim() != 2:
+        return f"its router {router} ({type(router_module).__name__}) holds no [experts, hidden] weight of its own"
+    hidden = int(router_weight.shape[1])
     odd = [n for n, m in others.items() if _shared_reader_names(m, hidden) is None]
     if odd:
         return (
@@ -533,7 +537,11 @@ def shared_expert_readers(block: nn.Module, experts: str, router: str) -> list[s
     ``shared_experts``, Qwen3-Next's ``shared_expert``; ``up_proj`` alone without a gate, Nemotron-H's) and the
     shared expert's gate (Qwen3-Next's ``shared_expert_gate``), in the block's order; ``[]`` without a shared
     expert."""
-    hidden = int(block.get_submodule(router.rpartition(".")[2]).weight.shape[1])
+    router_module = block.get_submodule(router.rpartition(".")[2])
+    router_weight = getattr(router_module, "weight", None)
+    if not isinstance(router_weight, torch.Tensor) or router_weight.dim() != 2:
+        return f"its router {router} ({type(router_module).__name__}) holds no [experts, hidden] weight of its own"
+    hidden = int(router_weight.shape[1])
     found = []
     for name, module in _other_children(block, experts, router).items():
         found += [f"{name}.{leaf}" if leaf else name for leaf in _shared_reader_names(module, hidden) or []]

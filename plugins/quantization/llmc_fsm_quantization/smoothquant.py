@@ -35,7 +35,7 @@ import attrs
 import torch
 from torch import nn
 
-from llmc_fsm import Modifier
+from llmc_fsm import Modifier, find_decoder_layers
 from llmc_fsm.toolkit import (
     LinearView,
     all_reduce_tensor,
@@ -185,6 +185,7 @@ class SmoothingModifier(Modifier):
         self._mappings: list[ResolvedMapping] = []
         self._done: set[str] = set()
         self._fold_checked: set[tuple[Any, ...]] = set()  # layer classes and mappings whose folds were checked
+        self._layers: list[nn.Module] = []  # the model's decoder layers (initialize)
         #: smooth layer name -> statistics of the scales folded into it (see the subclasses).
         self.smoothing_results: dict[str, dict[str, Any]] = {}
         #: smooth layer name -> the ``[C]`` float32 scales folded into it (none where nothing was folded).
@@ -253,6 +254,8 @@ class SmoothingModifier(Modifier):
         self._mappings = self.resolve(state.model)
         self._done = set()
         self._fold_checked = set()
+        found = _decoder_layers(state.model)
+        self._layers = list(found) if found is not None else []
         self.smoothing_results = {}
         self.smoothing_scales = {}
         for line in self.describe_mappings():
@@ -332,12 +335,25 @@ class SmoothingModifier(Modifier):
         todo = [m for m in self._mappings if id(m.smooth) in inside and m.smooth_name not in self._done]
         if not todo or not inputs:
             return
-        shape = _mapping_shape(layer, todo)
-        if shape not in self._fold_checked:  # the first layer of each class and set of mappings, before any change
-            self._check_folds(layer, inputs[0], todo)
-            self._fold_checked.add(shape)
+        first = not self._fold_checked
+        self._check_layer_folds(layer, inputs[0])
+        if first:  # before the first change: every other layer of this class in memory too, on these inputs
+            device = inputs[0][0][0].device
+            for other in self._layers:
+                if type(other) is type(layer) and other is not layer and _held_on(other, device):
+                    self._check_layer_folds(other, inputs[0])
         self._smooth_layer_mappings(layer, inputs, todo)
         self._done.update(m.smooth_name for m in todo)
+
+    def _check_layer_folds(self, layer: nn.Module, batch: tuple[tuple[Any, ...], dict[str, Any]]) -> None:
+        """:meth:`_check_folds` on ``layer``'s mappings not smoothed yet, once per layer class and set of mappings
+        (by names within the layer)."""
+        inside = members(layer)
+        todo = [m for m in self._mappings if id(m.smooth) in inside and m.smooth_name not in self._done]
+        shape = _mapping_shape(layer, todo)
+        if todo and shape not in self._fold_checked:
+            self._check_folds(layer, batch, todo)
+            self._fold_checked.add(shape)
 
     def _check_folds(
         self, layer: nn.Module, batch: tuple[tuple[Any, ...], dict[str, Any]], todo: list[ResolvedMapping]
@@ -353,16 +369,17 @@ class SmoothingModifier(Modifier):
             for m in (bad or todo)
         )
         together = "" if bad else " (each alone keeps it; together they do not)"
-        before = (
-            " (the decoder layers before it were smoothed already: start again from the original model)"
+        changed = (
+            "Nothing was changed in this layer (the decoder layers before it were smoothed already: start again from "
+            "the original model)"
             if self._done
-            else ""
+            else "Nothing was changed"
         )
         msg = (
             f"{type(self).__name__}: folding smoothing scales into {listed}{together} changes what "
             f"{type(layer).__name__} computes: the smooth layer's output is also read by something that is not one "
             "of its balance layers (a parallel MLP, the residual); give mappings whose balance layers are every "
-            f"module reading it, or leave that layer out of the mappings. Nothing was changed in this layer{before}"
+            f"module reading it, or leave that layer out of the mappings. {changed}"
         )
         raise ValueError(msg)
 
@@ -436,6 +453,19 @@ def _float32(value: Any) -> Any:
     if isinstance(value, dict):
         return {k: _float32(v) for k, v in value.items()}
     return value
+
+
+def _decoder_layers(model: nn.Module) -> nn.ModuleList | None:
+    try:
+        return find_decoder_layers(model)[1]
+    except ValueError:
+        return None
+
+
+def _held_on(module: nn.Module, device: torch.device) -> bool:
+    """Whether every parameter of ``module`` is on ``device`` (not a streamed run's layer on ``meta``, not a layer
+    left in CPU memory while the current one is onloaded to a GPU)."""
+    return all(p.device == device for p in module.parameters())
 
 
 def _mapping_shape(layer: nn.Module, mappings: list[ResolvedMapping]) -> tuple[Any, ...]:
