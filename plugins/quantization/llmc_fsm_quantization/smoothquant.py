@@ -331,25 +331,28 @@ class SmoothingModifier(Modifier):
                 smooth layer's output is also read by something that is not a balance layer, e.g. a parallel MLP or
                 the residual); checked before anything changes.
         """
-        inside = members(layer)
-        todo = [m for m in self._mappings if id(m.smooth) in inside and m.smooth_name not in self._done]
+        todo = self._todo_in(layer)
         if not todo or not inputs:
             return
         first = not self._fold_checked
-        self._check_layer_folds(layer, inputs[0])
+        self._check_layer_folds(layer, inputs[0], todo)
         if first:  # before the first change: every other layer of this class in memory too, on these inputs
             device = inputs[0][0][0].device
             for other in self._layers:
                 if type(other) is type(layer) and other is not layer and _held_on(other, device):
-                    self._check_layer_folds(other, inputs[0])
+                    self._check_layer_folds(other, inputs[0], self._todo_in(other))
         self._smooth_layer_mappings(layer, inputs, todo)
         self._done.update(m.smooth_name for m in todo)
 
-    def _check_layer_folds(self, layer: nn.Module, batch: tuple[tuple[Any, ...], dict[str, Any]]) -> None:
-        """:meth:`_check_folds` on ``layer``'s mappings not smoothed yet, once per layer class and set of mappings
-        (by names within the layer)."""
-        inside = members(layer)
-        todo = [m for m in self._mappings if id(m.smooth) in inside and m.smooth_name not in self._done]
+    def _todo_in(self, layer: nn.Module) -> list[ResolvedMapping]:
+        """The mappings inside ``layer`` not smoothed yet."""
+        return [m for m in self._mappings_in(layer) if m.smooth_name not in self._done]
+
+    def _check_layer_folds(
+        self, layer: nn.Module, batch: tuple[tuple[Any, ...], dict[str, Any]], todo: list[ResolvedMapping]
+    ) -> None:
+        """:meth:`_check_folds` on ``todo`` (``layer``'s mappings not smoothed yet), once per layer class and set of
+        mappings (by names within the layer)."""
         shape = _mapping_shape(layer, todo)
         if todo and shape not in self._fold_checked:
             self._check_folds(layer, batch, todo)
