@@ -82,7 +82,7 @@ PHI3_MAPPINGS = [  # llm-compressor's _phi_mappings, as its recipes write them
 
 
 @pytest.mark.parametrize("kv_heads", [4, 2])
-def test_phi3s_fused_projections_are_smoothed_as_llmcompressors_phi_mappings(kv_heads, tmp_path):
+def test_phi3s_fused_projections_are_smoothed_as_llmcompressors_phi_mappings(kv_heads, tmp_path, caplog):
     """Phi-3 fuses q/k/v into ``qkv_proj`` and gate/up into ``gate_up_proj``: their norms smooth them, and, as
     llm-compressor's ``_phi_mappings`` do, ``qkv_proj -> o_proj`` and ``gate_up_proj -> down_proj`` scale the fused
     output's last rows (v, up). ``qkv_proj -> o_proj`` only without grouped-query attention (4 KV heads of 4): with 2,
@@ -102,7 +102,14 @@ def test_phi3s_fused_projections_are_smoothed_as_llmcompressors_phi_mappings(kv_
     scheme = {"preset": "W4A16", "weights": {"group_size": 16}}
     recipe = {"s": {"AWQModifier": {"ignore": ["lm_head"], "mappings": PHI3_MAPPINGS},
                     "QuantizationModifier": {"ignore": ["lm_head"], "scheme": scheme}}}  # fmt: skip
-    llmc_fsm.oneshot(model=model, recipe=recipe, dataset=DATA, output_dir=tmp_path / "out", progress=False)
+    with caplog.at_level("WARNING", logger="llmc_fsm_quantization.mappings"):
+        llmc_fsm.oneshot(model=model, recipe=recipe, dataset=DATA, output_dir=tmp_path / "out", progress=False)
+    skips = [r.getMessage() for r in caplog.records if "skipped at" in r.getMessage()]
+    assert skips == ([] if kv_heads == 4 else [  # once a run, though each check and initialize resolve the mappings
+        f"AWQModifier: mapping {PHI3_MAPPINGS[1]} skipped at 2 of 2 smooth layers: model.layers.0.self_attn.qkv_proj "
+        "has 128 output channels but model.layers.0.self_attn.o_proj reads 64 (a fused projection is smoothed through "
+        "its last rows only when they are exactly what the balance layer reads: 3 x its input for qkv_proj, i.e. as "
+        "many key/value heads as query heads; 2 x for gate_up_proj)"])  # fmt: skip
     awq = next(m for s in model.llmc_fsm_report.to_dict()["smoothing"].values() for m in [s])
     assert ("model.layers.0.self_attn.qkv_proj" in awq) == (kv_heads == 4)
     assert "model.layers.0.mlp.gate_up_proj" in awq

@@ -689,7 +689,17 @@ def _fit_problem(mapping: ResolvedMapping) -> str | None:
         if not is_linear_like(balance) and not router:
             return f"{name} ({type(balance).__name__}) is not a Linear"
         if int(balance.weight.shape[1]) != channels:
-            return f"{mapping.smooth_name} has {channels} output channels but {name} reads {balance.weight.shape[1]}"
+            fused = mapping.smooth_name.rsplit(".", 1)[-1] in ("qkv_proj", "gate_up_proj")
+            why = (
+                " (a fused projection is smoothed through its last rows only when they are exactly what the balance "
+                "layer reads: 3 x its input for qkv_proj, i.e. as many key/value heads as query heads; 2 x for "
+                "gate_up_proj)"
+                if fused
+                else ""
+            )
+            return (
+                f"{mapping.smooth_name} has {channels} output channels but {name} reads {balance.weight.shape[1]}{why}"
+            )
     return None
 
 
@@ -840,6 +850,7 @@ def resolve_mappings(
     owner: str,
     ignore: list[str] | None = None,
     include_linear: bool = True,
+    warned: set[str] | None = None,
 ) -> list[ResolvedMapping]:
     """The mappings of ``model``: ``specs`` (a recipe's ``mappings``) or the defaults; checked, pure.
 
@@ -852,6 +863,8 @@ def resolve_mappings(
             layer is ignored is skipped; an ignored balance layer of another mapping stays in it (its float weights
             absorb the scale, so every reader of the smooth layer is compensated; see :func:`_ignored_mapping`).
         include_linear: see :func:`default_mappings`.
+        warned: the skip warnings given already (a modifier's own set: its mappings are resolved by each check and at
+            initialize); a warning in it is not logged again, a new one is added.
 
     Returns:
         The mappings in the order of their first balance layer in the model, each smooth layer once.
@@ -886,14 +899,14 @@ def resolve_mappings(
                 )
                 raise ValueError(msg)
             if misfits:
-                logger.warning(
-                    "%s: mapping %s skipped at %d of %d smooth layers: %s",
-                    owner,
-                    spec.to_recipe(),
-                    len(misfits),
-                    len(misfits) + len(found),
-                    misfits[0],
+                warning = (
+                    f"{owner}: mapping {spec.to_recipe()} skipped at {len(misfits)} of {len(misfits) + len(found)} "
+                    f"smooth layers: {misfits[0]}"
                 )
+                if warned is None or warning not in warned:
+                    logger.warning("%s", warning)
+                if warned is not None:
+                    warned.add(warning)
                 misfit.append((spec, misfits))
             mappings.extend(found)
         if not mappings:

@@ -185,6 +185,7 @@ class SmoothingModifier(Modifier):
         self._mappings: list[ResolvedMapping] = []
         self._done: set[str] = set()
         self._fold_checked: set[tuple[Any, ...]] = set()  # layer classes and mappings whose folds were checked
+        self._warned: set[str] = set()  # mapping skip warnings given (each check and initialize resolves again)
         self._layers: list[nn.Module] = []  # the model's decoder layers (initialize)
         #: smooth layer name -> statistics of the scales folded into it (see the subclasses).
         self.smoothing_results: dict[str, dict[str, Any]] = {}
@@ -204,6 +205,7 @@ class SmoothingModifier(Modifier):
             owner=type(self).__name__,
             ignore=self.ignore,
             include_linear=self.include_linear_mappings,
+            warned=self._warned,
         )
 
     def check_model(self, model: nn.Module) -> dict[str, nn.Module]:
