@@ -570,6 +570,10 @@ def _same(asked: Any, saved: Any) -> bool:
     return isinstance(asked, str) and str(saved).lower() == asked.lower()
 
 
+#: llm-compressor argument names the saved recipe.yaml records under llmc-fsm's name (docs/recipes.md, "renamed").
+SAVED_AS = {"weight_observer": "observer"}
+
+
 def recipe_diff(asked: Any, saved_text: str) -> list[str]:
     """Each argument the recipe gives that the saved recipe.yaml records with another value or not at all."""
     if isinstance(asked, str):
@@ -585,6 +589,8 @@ def recipe_diff(asked: Any, saved_text: str) -> list[str]:
         pool.remove(match)
         got = _flatten(match[1])
         for key, value in _flatten(args).items():
+            if key not in got and key in SAVED_AS and SAVED_AS[key] in got:  # a documented renaming (docs/recipes.md)
+                key = SAVED_AS[key]
             if key not in got:
                 out.append(f"{name}.{key}={value!r}: not recorded")
             elif got[key] != value and not _same(value, got[key]):

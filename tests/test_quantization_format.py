@@ -142,8 +142,8 @@ def test_a_format_the_weights_do_not_allow_is_refused_before_anything_is_written
     with pytest.raises(llmc_fsm.RecipeError) as err:
         llmc_fsm.Session(_recipe("float-quantized"))
     assert str(err.value).endswith(
-        "config_groups entry 'group_0': format float-quantized: 4-bit int weights are saved pack-quantized or "
-        "int-quantized, not float-quantized"
+        "config_groups entry 'group_0': format float-quantized: 4-bit int weights are saved pack-quantized, "
+        "int-quantized or naive-quantized, not float-quantized"
     )
 
     model = _run(model_dir, _recipe())
@@ -152,8 +152,8 @@ def test_a_format_the_weights_do_not_allow_is_refused_before_anything_is_written
     assert str(err.value) == (
         "quantized weights cannot be saved in the compressed-tensors format asked for ("
         "model.layers.0.self_attn.q_proj, model.layers.0.self_attn.k_proj, model.layers.0.self_attn.v_proj ...: "
-        "4-bit int weights are saved pack-quantized or int-quantized, not float-quantized); give a format their "
-        "weights allow, or none (the default)"
+        "4-bit int weights are saved pack-quantized, int-quantized or naive-quantized, not float-quantized); give a "
+        "format their weights allow, or none (the default)"
     )
     with pytest.raises(ValueError, match=r"^quantization_format 'dense': llmc-fsm saves quantized weights only "):
         model.save_pretrained(tmp_path / "saved", quantization_format="dense")
@@ -180,7 +180,7 @@ def test_oneshot_refuses_a_format_that_does_not_fit_the_recipe_before_any_work(t
     assert str(err.value) == (
         "quantization_format (--quantization-format) 'pack-quantized' does not fit the recipe: "
         "model.layers.0.self_attn.q_proj, model.layers.0.self_attn.k_proj, model.layers.0.self_attn.v_proj ... "
-        "(28 targets): 8-bit float weights are saved float-quantized, not pack-quantized"
+        "(28 targets): 8-bit float weights are saved float-quantized or naive-quantized, not pack-quantized"
     )
     with pytest.raises(ValueError) as err:
         _run(model_dir, {"p": {"MagnitudePruningModifier": {"sparsity": 0.5}}}, output_dir=out,
@@ -263,3 +263,75 @@ def test_a_quantized_embedding_is_saved_int_quantized_only(tmp_path):
     )
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
     assert not (tmp_path / "out").exists()
+
+
+W4AFP8 = {"weights": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 32},
+          "input_activations": {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "token",
+                                "dynamic": True}}  # fmt: skip  (compressed-tensors' W4AFP8 preset, group size 32)
+
+
+def test_int_weights_with_float_activations_are_saved_packed_when_asked_as_llmcompressors_w4a8_fp8_examples(
+    tiny_model_dir, tmp_path, caplog
+):
+    """llm-compressor's ``quantization_w4a8_fp8`` and ``awq/w4a8_fp8`` examples save W4A8-FP8 ``pack-quantized`` "for
+    vLLM compatibility" (vLLM's W4A8-FP8 scheme reads ``weight_packed``). compressed-tensors *infers*
+    ``int-quantized`` for int weights with float activations; it packs them exactly. A breaker found the packed format
+    refused as if the packer could not take them."""
+    model_dir, _ = tiny_model_dir
+    group = {"targets": ["Linear"], **W4AFP8}
+    recipe = {"q": {"QuantizationModifier": {"config_groups": {"group_0": group}, "ignore": ["lm_head"]}}}
+    with caplog.at_level(logging.WARNING, logger="llmc_fsm.output.save"):
+        model = _run(model_dir, recipe, output_dir=tmp_path / "default")
+    assert _format(tmp_path / "default") == ("int-quantized", "int-quantized")
+    assert [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING] == [
+        "28 modules with int weights and float input activations (e.g. model.layers.0.self_attn.q_proj, W4A8-FP8) "
+        "are saved int-quantized (one int8 per value, compressed-tensors' inferred format): transformers reloads "
+        "them, vLLM's W4A8-FP8 scheme reads packed weights. For vLLM save them pack-quantized, as llm-compressor's "
+        "W4A8-FP8 examples do: quantization_format='pack-quantized' (--quantization-format; transformers reloads "
+        "that too)"
+    ]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="llmc_fsm.output.save"):
+        model.save_pretrained(tmp_path / "packed", quantization_format="pack-quantized")
+    assert not [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert _format(tmp_path / "packed") == ("pack-quantized", "pack-quantized")
+    q_proj = model.get_submodule(Q)
+    codes = torch.round(q_proj.weight.detach() / q_proj.weight_scale.repeat_interleave(32, 1)).clamp(-8, 7)
+    assert torch.equal(_tensors(tmp_path / "packed")[f"{Q}.weight_packed"], pack_to_int32(codes.to(torch.int8), 4))
+    ids = torch.arange(1, 33).unsqueeze(0)
+    with torch.no_grad():
+        expected = model(ids).logits
+        for name in ("default", "packed"):
+            assert torch.equal(AutoModelForCausalLM.from_pretrained(tmp_path / name)(ids).logits, expected)
+
+
+def test_fp8_weights_are_saved_float_quantized_or_naive_quantized_the_same_tensors(tiny_model_dir, tmp_path):
+    """compressed-tensors infers ``naive-quantized`` for weight-only FP8 (llm-compressor's
+    ``recipe_fp8_weight_only_channel.yaml``) and ``float-quantized`` with activations; its float compressor is its
+    naive one, so either name writes the same tensors. A breaker found ``float-quantized`` refused for weight-only FP8
+    and ``naive-quantized`` refused as an unknown format."""
+    model_dir, _ = tiny_model_dir
+    fp8 = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "channel", "dynamic": False}
+    model = _run(model_dir, _recipe(weights=fp8))
+    for fmt in ("naive-quantized", "float-quantized"):
+        model.save_pretrained(tmp_path / fmt, quantization_format=fmt)
+        assert _format(tmp_path / fmt) == (fmt, fmt)
+    model.save_pretrained(tmp_path / "default")
+    assert _format(tmp_path / "default") == ("naive-quantized", "naive-quantized")
+    naive, floated = _tensors(tmp_path / "naive-quantized"), _tensors(tmp_path / "float-quantized")
+    assert sorted(naive) == sorted(floated) and all(torch.equal(naive[k], floated[k]) for k in naive)
+    assert naive[f"{Q}.weight"].dtype == torch.float8_e4m3fn
+    ids = torch.arange(1, 33).unsqueeze(0)
+    with torch.no_grad():
+        expected = model(ids).logits
+        for fmt in ("naive-quantized", "float-quantized"):
+            assert torch.equal(AutoModelForCausalLM.from_pretrained(tmp_path / fmt)(ids).logits, expected)
+    with pytest.raises(ValueError) as err:
+        model.save_pretrained(tmp_path / "int", quantization_format="int-quantized")
+    assert str(err.value) == (
+        "quantized weights cannot be saved in the compressed-tensors format asked for ("
+        "model.layers.0.self_attn.q_proj, model.layers.0.self_attn.k_proj, model.layers.0.self_attn.v_proj ...: "
+        "8-bit float weights are saved naive-quantized or float-quantized, not int-quantized); give a format their "
+        "weights allow, or none (the default)"
+    )
+    assert not (tmp_path / "int").exists()

@@ -436,6 +436,7 @@ QUANTIZATION_FORMATS = (
     "pack-quantized",
     "int-quantized",
     "float-quantized",
+    "naive-quantized",
     "nvfp4-pack-quantized",
     "mxfp4-pack-quantized",
     "mxfp6-pack-quantized",
@@ -561,15 +562,25 @@ def _check_formats(schemes: dict[str, tuple[type, Any]], formats: str | dict[str
 
 def _warn_formats(model: nn.Module, modules: dict[str, nn.Module], asked: dict[str, str]) -> None:
     """One warning per kind of saved format that one of the two readers (transformers, vLLM) does not read."""
-    asym_default, asym_packed, packed_unloadable = [], [], []
+    asym_default, float_inputs_default, asym_packed, packed_unloadable = [], [], [], []
     for name, sub in modules.items():
         scheme = sub.quantization_scheme
         fmt = getattr(scheme.format, "value", scheme.format)
-        weights = scheme.weights
+        weights, inputs = scheme.weights, scheme.input_activations
         asymmetric_int = weights is not None and str(weights.type) == "int" and not weights.symmetric
         if name not in asked:
-            if asymmetric_int and fmt == "int-quantized" and scheme.input_activations is None:
+            if asymmetric_int and fmt == "int-quantized" and inputs is None:
                 asym_default.append(name)
+            elif (
+                weights is not None
+                and str(weights.type) == "int"
+                and weights.symmetric
+                and inputs is not None
+                and str(inputs.type) == "float"
+                and fmt == "int-quantized"
+                and not isinstance(sub, nn.Embedding)
+            ):
+                float_inputs_default.append(name)
         elif fmt == "pack-quantized":
             if asymmetric_int:
                 asym_packed.append(name)
@@ -583,6 +594,15 @@ def _warn_formats(model: nn.Module, modules: dict[str, nn.Module], asked: dict[s
             "transformers 5.25 cannot reload that, its compressed-tensors loader allocates unpacked zero points)",
             len(asym_default),
             asym_default[0],
+        )
+    if float_inputs_default:
+        logger.warning(
+            "%d modules with int weights and float input activations (e.g. %s, W4A8-FP8) are saved int-quantized "
+            "(one int8 per value, compressed-tensors' inferred format): transformers reloads them, vLLM's W4A8-FP8 "
+            "scheme reads packed weights. For vLLM save them pack-quantized, as llm-compressor's W4A8-FP8 examples "
+            "do: quantization_format='pack-quantized' (--quantization-format; transformers reloads that too)",
+            len(float_inputs_default),
+            float_inputs_default[0],
         )
     if asym_packed:
         logger.warning(

@@ -29,19 +29,21 @@ def weight_formats(module_type: type, scheme: Any) -> list[str]:
     """The compressed-tensors formats the weights of a ``module_type`` module quantized with ``scheme`` can be saved
     in, the one compressed-tensors infers first (``infer_module_format``, the scheme's own ``format`` left out).
 
-    Integer weights: also ``pack-quantized`` (several values per int32; when compressed-tensors' packer takes the
-    scheme: not with float input activations) and ``int-quantized`` (one int8 per value; the two hold the same
+    Integer weights of 1 to 8 bits: also ``pack-quantized`` (several values per int32; compressed-tensors' packer
+    packs and unpacks any such weights exactly, whatever the input activations: its ``can_compress`` leaves float
+    activations out only when it *infers* a format, and llm-compressor's W4A8-FP8 examples save them packed, the layout
+    vLLM's W4A8-FP8 scheme reads), ``int-quantized`` and ``naive-quantized`` (one int8 per value; the two hold the same
     integers and scales), except an ``nn.Embedding``'s: ``int-quantized`` only (transformers 5.25 cannot reload a
-    packed embedding). Float, NVFP4 and MX weights, and a fused expert's matrix (a
-    :class:`~llmc_fsm.toolkit.views.LinearView`: transformers' experts loader reads packed int weights only): only the
-    inferred format (``float-quantized``, ``nvfp4-pack-quantized``, the MX formats, ``pack-quantized``). ``dense``
-    (weights left unquantized on disk) and ``naive-quantized`` are not offered.
+    packed embedding). 8-bit float weights (FP8, FP8 block): ``float-quantized`` or ``naive-quantized`` (the same
+    tensors: compressed-tensors' float compressor is its naive one; it infers ``naive-quantized`` for weight-only FP8).
+    NVFP4 and MX weights, and a fused expert's matrix (a :class:`~llmc_fsm.toolkit.views.LinearView`: transformers'
+    experts loader reads packed int weights only): only the inferred format (``nvfp4-pack-quantized``, the MX formats,
+    ``pack-quantized``). ``dense`` (weights left unquantized on disk) is not offered.
 
     Args:
         module_type: the quantized module's class (``nn.Linear``; ``LinearView`` for a fused expert's matrix).
         scheme: its compressed-tensors ``QuantizationScheme``.
     """
-    from compressed_tensors.compressors import BaseCompressor
     from compressed_tensors.compressors.format import infer_module_format
 
     bare = scheme.model_copy(update={"format": None})
@@ -50,10 +52,13 @@ def weight_formats(module_type: type, scheme: Any) -> list[str]:
     if issubclass(module_type, nn.Embedding) and scheme.weights is not None and str(scheme.weights.type) == "int":
         return ["int-quantized"]  # packed, transformers 5.25 cannot reload it ('Embedding' has no 'weight')
     formats = [infer_module_format(module_type, bare).value]
-    if scheme.weights is not None and str(scheme.weights.type) == "int":
-        if BaseCompressor.get_value_from_registry("pack-quantized").can_compress(module_type, bare):
+    weights = scheme.weights
+    if weights is not None and str(weights.type) == "int":
+        if 1 <= weights.num_bits <= 8:
             formats.append("pack-quantized")
-        formats.append("int-quantized")
+        formats += ["int-quantized", "naive-quantized"]
+    elif formats[0] in ("float-quantized", "naive-quantized"):  # 8-bit float weights (not NVFP4 / MX)
+        formats += ["float-quantized", "naive-quantized"]
     return list(dict.fromkeys(formats))
 
 
@@ -68,7 +73,8 @@ def format_problem(module_type: type, scheme: Any, fmt: Any) -> str | None:
     what = f"{weights.num_bits}-bit {weights.type} weights" if weights is not None else "no weights"
     if issubclass(module_type, LinearView):
         what = f"fused experts' {what} (transformers' experts loader reads no other format)"
-    return f"{what} are saved {' or '.join(formats)}, not {fmt}"
+    allowed = formats[0] if len(formats) == 1 else f"{', '.join(formats[:-1])} or {formats[-1]}"
+    return f"{what} are saved {allowed}, not {fmt}"
 
 
 def keep_packed(module: nn.Module, fmt: str, packed: dict[str, Any]) -> None:
