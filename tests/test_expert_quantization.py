@@ -329,9 +329,9 @@ REFUSALS = {
         "mixtral",
         {"scheme": SCHEME, "ignore": ["lm_head", "re:.*experts\\.0\\.down_proj"]},
         "GPTQModifier: MixtralForCausalLM (model_type 'mixtral'): model.layers.{0..3}.mlp.experts.0.down_proj would "
-        "stay dense while other expert matrices are quantized; transformers 5.24 reloads a layer's fused experts "
-        "from packed weights only (the dense ones would be missing): quantize every expert matrix (no ignore pattern "
-        "inside the experts) or none of the model",
+        "stay dense while other expert matrices are quantized; transformers' experts loader rebuilds a layer's fused "
+        "experts from packed weights only (measured on 5.24: the dense ones were missing): quantize every expert "
+        "matrix (no ignore pattern inside the experts) or none of the model",
     ),
     "activations": (
         "mixtral",
@@ -838,6 +838,9 @@ def test_config_groups_with_one_group_for_the_experts_reload(tmp_path, family, m
     names = "w1|w2|w3" if family == "mixtral" else "down_proj|gate_proj|up_proj"
     groups = {g["format"]: g["targets"] for g in config["config_groups"].values()}
     assert groups["pack-quantized"] == [f"re:.*\\.experts\\.\\d+\\.({names})$"]
+    attention = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and ".self_attn." in n]
+    assert groups["float-quantized"] == sorted(attention)  # by name: a class target ("Linear") would also name
+    # every expert's matrix, two groups for one module (a breaker's case: llmc-fsm itself refused the saved config)
     ct_config = transformers.utils.quantization_config.CompressedTensorsConfig.from_dict(config).quantization_config
     assert get_experts_scheme(ct_config).weights.num_bits == 4  # the group transformers reloads the experts with
     assert model.model.layers[0].self_attn.q_proj.weight_scale.shape == (model.config.num_attention_heads * 16, 1)
@@ -924,6 +927,39 @@ def test_a_quantized_jamba_calls_dt_proj_as_the_reloaded_one_does(tmp_path):
     assert (sorted(info["missing_keys"]), sorted(info["unexpected_keys"])) == ([], [])
     with torch.no_grad():
         assert torch.equal(reloaded(DATA[:2]).logits, model(DATA[:2]).logits)
+
+
+def test_jambas_dt_proj_is_quantized_with_a_kv_cache_as_without_and_the_report_marks_what_gptq_left(tmp_path):
+    """Jamba's mixer reads ``dt_proj.weight @ x`` until the model is quantized, so calibration never reaches it. A
+    breaker found round-to-nearest FP8_DYNAMIC quantizing it data-free but leaving it float32 once a KV-cache scheme
+    made the run calibrate (llm-compressor quantizes it either way), and GPTQ's report labelling the layer "8b/g8"
+    over the dt_proj weights it left as they were. Now a target whose scheme needs no input statistics is rounded
+    without them, and a layer with targeted weights left unquantized is marked with a footnote."""
+    from llmc_fsm_quantization import load_kv_cache_scales
+
+    kv = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}
+    weights = {}
+    for name, extra in (("data_free", {}), ("kv", {"kv_cache_scheme": kv})):
+        model = build("jamba")
+        recipe = {"s": {"QuantizationModifier": {"scheme": "FP8_DYNAMIC", "ignore": ["lm_head"], **extra}}}
+        llmc_fsm.oneshot(model=model, recipe=recipe, dataset=DATA, output_dir=tmp_path / name, progress=False)
+        weights[name] = model.model.layers[0].mamba.dt_proj.weight.detach().clone()
+        with safe_open(str(sorted((tmp_path / name).glob("*.safetensors"))[0]), "pt") as f:
+            assert f.get_tensor("model.layers.0.mamba.dt_proj.weight").dtype == torch.float8_e4m3fn
+        reloaded, _ = _reload(tmp_path / name, "jamba")
+        load_kv_cache_scales(reloaded, tmp_path / name)
+        with torch.no_grad():
+            assert torch.equal(reloaded(DATA[:2]).logits, model(DATA[:2]).logits)
+    assert torch.equal(weights["kv"], weights["data_free"])
+
+    model = build("jamba")
+    scheme = {"preset": "W8A16", "weights": {"group_size": 8}}
+    recipe = {"s": {"GPTQModifier": {"scheme": scheme, "ignore": ["lm_head", "re:.*router.*"]}}}
+    table = llmc_fsm.oneshot(model=model, recipe=recipe, dataset=DATA, progress=False).llmc_fsm_report.format_table()
+    rows = {line.split()[0]: line.split()[3] for line in table.splitlines() if line.split()[:1] in (["0"], ["1"])}
+    assert rows == {"0": "8b/g8*", "1": "8b/g8"}  # layer 0: mamba (dt_proj left), layer 1: attention
+    assert "*: targeted weights of the layer left unquantized: 2 modules, 2,048 weights " in table
+    assert "model.layers.{0,2}.mamba.dt_proj" in table
 
 
 @pytest.mark.parametrize("modifier", ["QuantizationModifier", "GPTQModifier"])

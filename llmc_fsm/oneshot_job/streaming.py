@@ -55,8 +55,8 @@ from llmc_fsm.oneshot_job.data import calibration_inputs, torch_dtype_of
 from llmc_fsm.oneshot_job.phases import Run, evaluate_before, given_tokenizer, keep_windows, run_report, token_data
 from llmc_fsm.oneshot_job.resume import layer_progress
 from llmc_fsm.output.save import (
-    pruned_sparsity,
     quantized_modules,
+    sparsity_metadata,
     sparsity_structure,
     warn_formats,
     write_quantization_config,
@@ -443,7 +443,7 @@ def _save(run: Run, lazy: LazyModel, writer: ShardWriter, result: StreamedCompre
     if quantized_modules(lazy.model):
         warn_formats(lazy.model)  # once for the model (each layer's formats were chosen as it was written)
         write_quantization_config(
-            lazy.model, staging, sparsity=pruned_sparsity(report), sparsity_structure=sparsity_structure(run.recipe)
+            lazy.model, staging, sparsity=sparsity_metadata(lazy.model, report, sparsity_structure(run.recipe))
         )
     fix_safetensors_permissions(staging)
     if run.tokenizer is not None and hasattr(run.tokenizer, "save_pretrained"):

@@ -74,20 +74,21 @@ def unpacked_embeddings(modules: dict[str, nn.Module]) -> None:
 
 
 @contextlib.contextmanager
-def leaf_targets(modules: dict[str, nn.Module]) -> Iterator[None]:
+def leaf_targets(modules: dict[str, nn.Module], *, by_name: bool = False) -> Iterator[None]:
     """While inside, each quantized module's scheme targets the modules actually quantized with it.
 
     A modifier's ``targets`` may name containers (``LlamaMLP``, ``model.layers.0``, ``re:model.layers.\\d*$``,
     ``__ALL__``); copied into ``config_groups`` as they are, transformers applies them to the containers on
     reload and the checkpoint fails to load or loads with re-initialised weights. One scheme: its targets
     become the quantized modules' class names (``["Linear"]``), and compressed-tensors lists every other module
-    of those classes under ``ignore``. Several schemes: each targets the exact names of its modules.
+    of those classes under ``ignore``. Several schemes, or ``by_name`` (another group covers fused experts, whose
+    per-expert matrices a class target would also name): each targets the exact names of its modules.
     """
     saved = {name: list(sub.quantization_scheme.targets) for name, sub in modules.items()}
     groups: dict[str, list[str]] = {}
     for name, sub in modules.items():
         groups.setdefault(sub.quantization_scheme.model_dump_json(exclude={"targets"}), []).append(name)
-    if len(groups) == 1:
+    if len(groups) == 1 and not by_name:
         classes = sorted({type(sub).__name__ for sub in modules.values()})
         targets = {name: classes for name in modules}
     else:

@@ -13,7 +13,7 @@ place (:mod:`llmc_fsm.output.workdir`).
   (``float-quantized``) for FP8, with ``quantization_config``
   (``quant_method: compressed-tensors``) in ``config.json`` and, when the
   quantized weights are sparse, a dense-format ``sparsity_config`` recording
-  the measured sparsity and its structure. ``transformers`` loads it with
+  the sparse modules, their sparsity and structure (:func:`sparsity_metadata`). ``transformers`` loads it with
   ``compressed-tensors`` installed, vLLM serves it. Expert matrices of fused
   mixture-of-experts weights quantized per expert (:func:`quantized_views`) are
   packed the same way and written under the per-expert names transformers 5
@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+import attrs
 from torch import nn
 
 from llmc_fsm.models.known import fix_safetensors_permissions
@@ -43,6 +44,7 @@ from llmc_fsm.output.compressed import (
     unpacked_zero_points,
 )
 from llmc_fsm.recipes.model import Recipe
+from llmc_fsm.toolkit.masks import SPARSE_FROM
 from llmc_fsm.toolkit.packed import format_problem, kept_packed
 from llmc_fsm.toolkit.targets import tied_head
 from llmc_fsm.toolkit.views import LinearView, weight_views
@@ -52,6 +54,7 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "QUANTIZATION_FORMATS",
     "CompressedSavePretrained",
+    "SparsityMetadata",
     "check_quantization_format",
     "choose_formats",
     "compressed_state_dict",
@@ -62,6 +65,7 @@ __all__ = [
     "quantized_views",
     "quantized_weights_as_compressed",
     "save_model",
+    "sparsity_metadata",
     "sparsity_structure",
     "warn_formats",
     "weights_disk_bytes",
@@ -105,8 +109,7 @@ def write_output(
     save_model(
         model,
         directory,
-        sparsity_structure=sparsity_structure(recipe),
-        sparsity=pruned_sparsity(report),
+        sparsity=sparsity_metadata(model, report, sparsity_structure(recipe)),
         quantization_format=quantization_format,
     )
     if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
@@ -157,6 +160,46 @@ def quantized_views(model: nn.Module) -> dict[str, LinearView]:
         for suffix, view in weight_views(module).items()
         if getattr(view, "quantization_scheme", None) is not None
     }
+
+
+@attrs.frozen
+class SparsityMetadata:
+    """What a saved ``sparsity_config`` (compressed-tensors' dense format: the zeros are stored as zeros) records.
+
+    Attributes:
+        global_sparsity: the pruned fraction of the quantized weights (:func:`pruned_sparsity`), in ``[0, 1]``.
+        structure: ``"N:M"`` when every target follows it, else ``"unstructured"``.
+        targets: the modules whose weights are sparse (at least 5% pruned zeros), by name.
+    """
+
+    global_sparsity: float
+    structure: str
+    targets: list[str]
+
+
+def sparsity_metadata(model: nn.Module, report: Any, structure: str | None) -> SparsityMetadata | None:
+    """The ``sparsity_config`` of ``model`` after a run with ``report`` (a one-shot report, or ``None``), whose recipe
+    asked for ``structure`` (:func:`sparsity_structure`), or ``None`` when no module is sparse.
+
+    Targets are the modules of ``model`` whose weights have at least 5% pruned zeros in the report (a quantized
+    module's count only the zeros it had before quantization), as llm-compressor 0.14 lists the sparse modules
+    (``infer_sparse_targets_and_ignores``), not every quantized one: vLLM takes its 2:4 sparse kernels for the
+    targets of a ``2:4`` config. The structure is the recipe's only where each target's weight follows it (at least N
+    zeros in every group of M inputs, measured: :attr:`~llmc_fsm.report.build.ModuleSparsity.fewest_zeros`).
+    Fused experts' matrices are not listed (not modules).
+    """
+    if report is None:
+        return None
+    names = {name for name, _ in model.named_modules()}
+    sparse = [m for m in report.modules if m.sparsity >= SPARSE_FROM and m.name in names]
+    if not sparse:
+        return None
+    follows = structure is not None and all(m.follows(structure) for m in sparse)
+    return SparsityMetadata(
+        global_sparsity=pruned_sparsity(report),
+        structure=structure if follows else "unstructured",
+        targets=sorted(m.name for m in sparse),
+    )
 
 
 def pruned_sparsity(report: Any) -> float:
@@ -238,7 +281,7 @@ class CompressedSavePretrained:
 
     def __init__(
         self, model: nn.Module, recipe_yaml: str, sparsity_structure: str | None, streamed_to: Path | None = None
-    ) -> None:
+    ) -> None:  # sparsity_structure: the recipe's (:func:`sparsity_structure`)
         self.model = model
         self.recipe_yaml = recipe_yaml
         self.sparsity_structure = sparsity_structure
@@ -297,12 +340,10 @@ class CompressedSavePretrained:
             raise ValueError(f"save_pretrained: {str(directory)!r} is a file, not a directory")
         directory.mkdir(parents=True, exist_ok=True)
         report = getattr(model, "llmc_fsm_report", None)
-        sparsity = pruned_sparsity(report) if report is not None else 0.0
         save_model(
             model,
             directory,
-            sparsity_structure=self.sparsity_structure,
-            sparsity=sparsity,
+            sparsity=sparsity_metadata(model, report, self.sparsity_structure),
             quantization_format=quantization_format,
             **kwargs,
         )
@@ -322,8 +363,7 @@ def save_model(
     model: nn.Module,
     directory: Path,
     *,
-    sparsity_structure: str | None = None,
-    sparsity: float = 0.0,
+    sparsity: SparsityMetadata | None = None,
     quantization_format: str | None = None,
     **save_kwargs: Any,
 ) -> None:
@@ -336,11 +376,9 @@ def save_model(
     Args:
         model: a ``transformers`` ``PreTrainedModel``.
         directory: an existing, empty directory.
-        sparsity_structure: written to ``sparsity_config`` when the quantized weights are sparse
-            (e.g. ``"2:4"``; default ``"unstructured"``).
-        sparsity: the fraction of the quantized weights that was pruned before quantization
-            (:func:`pruned_sparsity`); from 5% on, a dense-format ``sparsity_config`` is written.
-            Given, not measured: quantization rounds small values to exact zeros that are not sparsity.
+        sparsity: written as a dense-format ``sparsity_config`` when the model is quantized
+            (:func:`sparsity_metadata`); ``None``: none. Given, not measured here: quantization rounds small values
+            to exact zeros that are not sparsity.
         quantization_format: the compressed-tensors format of every quantized weight (:func:`choose_formats`);
             ``None``: each its recipe's or the default.
         save_kwargs: passed on to transformers' ``save_pretrained`` (e.g. ``max_shard_size``).
@@ -351,15 +389,14 @@ def save_model(
         OSError: writing failed.
     """
 
-    _save_weights(model, directory, sparsity_structure, sparsity, quantization_format, save_kwargs)
+    _save_weights(model, directory, sparsity, quantization_format, save_kwargs)
     fix_safetensors_permissions(directory)  # safetensors writes 0600 files; follow the umask like the rest
 
 
 def _save_weights(
     model: nn.Module,
     directory: Path,
-    sparsity_structure: str | None,
-    sparsity: float,
+    sparsity: SparsityMetadata | None,
     quantization_format: str | None,
     save_kwargs: dict[str, Any],
 ) -> None:
@@ -369,12 +406,12 @@ def _save_weights(
     if not quantized_modules(model) and not quantized_views(model):
         hf_save(model, directory, **save_kwargs)
         if kv_cache_scheme(model) is not None:  # KV-cache scales only (kv_cache_scheme alone): weights untouched
-            write_quantization_config(model, directory, sparsity=sparsity, sparsity_structure=sparsity_structure)
+            write_quantization_config(model, directory, sparsity=sparsity)
         return
     state_dict = compressed_state_dict(model, quantization_format=quantization_format)
     warn_formats(model)
     hf_save(model, directory, state_dict=state_dict, **save_kwargs)
-    write_quantization_config(model, directory, sparsity=sparsity, sparsity_structure=sparsity_structure)
+    write_quantization_config(model, directory, sparsity=sparsity)
     _untie_quantized_embedding(model, directory)
 
 
@@ -658,21 +695,20 @@ def _expert_tensors(
     return out
 
 
-def write_quantization_config(
-    model: nn.Module, directory: Path, *, sparsity: float, sparsity_structure: str | None
-) -> None:
+def write_quantization_config(model: nn.Module, directory: Path, *, sparsity: SparsityMetadata | None) -> None:
     """Add ``quantization_config`` (status compressed) to ``directory/config.json`` from ``model``'s schemes.
 
     Reads only the schemes on ``model``'s modules, so its weights may be on the ``meta`` device. A
-    dense-format ``sparsity_config`` is added when ``sparsity`` (pruned fraction of the quantized weights,
-    :func:`pruned_sparsity`) is >= 5%.
+    dense-format ``sparsity_config`` is added from ``sparsity`` (:func:`sparsity_metadata`) when given.
     """
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import QuantizationConfig, QuantizationStatus
 
     views = quantized_views(model)
-    with leaf_targets(quantized_modules(model)):  # what was quantized, not recipe patterns (the config holds the
-        if quantized_modules(model):  # modules' scheme objects: written inside)
+    modules = quantized_modules(model)
+    experts_group = bool(views and modules) and _experts_need_group(modules, views)
+    with leaf_targets(modules, by_name=experts_group):  # what was quantized, not recipe patterns (the config holds
+        if modules:  # the modules' scheme objects: written inside)
             compressor = ModelCompressor.from_pretrained_model(model)
         elif views:  # only fused experts quantized
             compressor = ModelCompressor(quantization_config=_experts_only_config(model, views))
@@ -684,30 +720,31 @@ def write_quantization_config(
         config.kv_cache_scheme = kv_cache_scheme(model) or config.kv_cache_scheme  # the plugin's calibrated KV scales
         if (attention := attention_scheme(model)) is not None:  # attention quantization: q/k/v scales
             config.config_groups[f"group_{len(config.config_groups)}"] = attention.model_copy(deep=True)
-        if views and quantized_modules(model):
+        if experts_group:
             _add_experts_group(config, views)
         compressor.update_config(str(directory))
-    if sparsity >= 0.05:
-        targets = sorted(quantized_modules(model))
-        _write_sparsity_config(directory, sparsity, sparsity_structure or "unstructured", targets)
+    if sparsity is not None:
+        _write_sparsity_config(directory, sparsity)
+
+
+def _experts_need_group(modules: dict[str, nn.Module], views: dict[str, LinearView]) -> bool:
+    """Whether the fused experts' matrices need a config group of their own beside the quantized Linear modules':
+    unless every one of those has the experts' scheme (one group targeting ``Linear`` then covers all)."""
+    same = next(iter(views.values())).quantization_scheme.model_dump_json(exclude={"targets"})
+    return any(sub.quantization_scheme.model_dump_json(exclude={"targets"}) != same for sub in modules.values())
 
 
 def _add_experts_group(config: Any, views: dict[str, LinearView]) -> None:
-    r"""Give the fused experts' matrices their own config group when the config's groups do not cover them already.
+    r"""Give the fused experts' matrices their own config group (:func:`_experts_need_group`).
 
     transformers 5.25 reloads every fused expert with one group's scheme (``get_experts_scheme``): the first whose
-    ``re:`` targets mention ``experts``, else the first with a class-name target. One group of the experts' own
-    scheme targeting ``Linear`` covers them (the common case: one scheme for the whole model, nothing added).
-    Otherwise (several groups, or another scheme on the other Linears) a group of the experts' scheme is added,
-    targeting their per-expert checkpoint names (``re:.*\.experts\.\d+\.(down_proj|gate_proj|up_proj)$``): the
+    ``re:`` targets mention ``experts``, else the first with a class-name target. A group of the experts' scheme
+    targeting their per-expert checkpoint names (``re:.*\.experts\.\d+\.(down_proj|gate_proj|up_proj)$``) is the
     group transformers then picks for them; it matches no module of the reloaded model (its experts are fused), and
-    the other groups target their modules by name (:func:`llmc_fsm.output.compressed.leaf_targets`).
+    the other groups target their modules by name (:func:`llmc_fsm.output.compressed.leaf_targets`), so that no
+    module, an expert's matrix included, is named by two groups.
     """
     scheme = next(iter(views.values())).quantization_scheme.model_copy(deep=True)
-    groups = list(config.config_groups.values())
-    same = scheme.model_dump_json(exclude={"targets"})
-    if len(groups) == 1 and groups[0].model_dump_json(exclude={"targets"}) == same and "Linear" in groups[0].targets:
-        return
     names = sorted({view.checkpoint_name.rsplit(".", 1)[1] for view in views.values()})
     scheme.targets = [rf"re:.*\.experts\.\d+\.({'|'.join(names)})$"]
     config.config_groups[f"group_{len(config.config_groups)}"] = scheme
@@ -734,12 +771,14 @@ def _experts_only_config(model: nn.Module, views: dict[str, LinearView]) -> Any:
     )
 
 
-def _write_sparsity_config(directory: Path, sparsity: float, structure: str, targets: list[str]) -> None:
+def _write_sparsity_config(directory: Path, sparsity: SparsityMetadata) -> None:
     from compressed_tensors.config import DenseSparsityConfig
 
     config_path = directory / "config.json"
     config: dict[str, Any] = json.loads(config_path.read_text(encoding="utf-8"))
-    sparsity_config = DenseSparsityConfig(global_sparsity=sparsity, sparsity_structure=structure, targets=targets)
+    sparsity_config = DenseSparsityConfig(
+        global_sparsity=sparsity.global_sparsity, sparsity_structure=sparsity.structure, targets=sparsity.targets
+    )
     config["quantization_config"]["sparsity_config"] = sparsity_config.model_dump()
     config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from llmc_fsm.models.layers import find_decoder_layers
+from llmc_fsm.toolkit.masks import fewest_zeros, follows_structure
 from llmc_fsm.toolkit.targets import compact_names
 from llmc_fsm.toolkit.views import weight_views
 
@@ -46,6 +47,8 @@ class ModuleSparsity:
     compressed it, in the order they ran, when there were several (2:4 pruning,
     then GPTQ); the errors do not add up. ``routed_tokens``: for one expert's matrix of fused
     mixture-of-experts weights, the calibration tokens the router sent to that expert (``None`` otherwise).
+    ``fewest_zeros``: :func:`~llmc_fsm.toolkit.masks.fewest_zeros` of the weight when it was measured (the N:M
+    structures its zeros follow; empty below 5% zeros); not written to ``report.json``.
     """
 
     name: str
@@ -57,10 +60,15 @@ class ModuleSparsity:
     rel_output_error: float | None = None
     rel_output_errors: list[tuple[str, float | None]] = attrs.Factory(list)
     routed_tokens: int | None = None
+    fewest_zeros: dict[int, int] = attrs.Factory(dict)
 
     @property
     def sparsity(self) -> float:
         return self.zeros / self.numel if self.numel else 0.0
+
+    def follows(self, structure: str) -> bool:
+        """Whether the weight, as measured, follows ``structure`` (``"N:M"``; :func:`follows_structure`)."""
+        return follows_structure(self.fewest_zeros, structure)
 
 
 def measure_sparsity(model: nn.Module, layers: nn.ModuleList | None = None) -> list[ModuleSparsity]:
@@ -83,14 +91,24 @@ def measure_sparsity(model: nn.Module, layers: nn.ModuleList | None = None) -> l
             w = view.weight
             full = f"{name}.{suffix}" if suffix and name else (suffix or name)
             zeros = w.numel() - int(torch.count_nonzero(w))
-            out.append(ModuleSparsity(name=full, layer=layer_of.get(id(module)), zeros=zeros, numel=w.numel()))
+            out.append(
+                ModuleSparsity(
+                    name=full, layer=layer_of.get(id(module)), zeros=zeros, numel=w.numel(),
+                    fewest_zeros=fewest_zeros(w, zeros),
+                )
+            )  # fmt: skip
         quantized_embedding = isinstance(module, nn.Embedding) and hasattr(module, "quantization_scheme")
         if not (isinstance(module, nn.Linear) or quantized_embedding) or id(module.weight) in seen:
             continue
         seen.add(id(module.weight))
         w = module.weight
         zeros = w.numel() - int(torch.count_nonzero(w))  # no [numel] temporary, unlike (w == 0).sum()
-        out.append(ModuleSparsity(name=name, layer=layer_of.get(id(module)), zeros=zeros, numel=w.numel()))
+        out.append(
+            ModuleSparsity(
+                name=name, layer=layer_of.get(id(module)), zeros=zeros, numel=w.numel(),
+                fewest_zeros=fewest_zeros(w, zeros),
+            )
+        )  # fmt: skip
     return out
 
 
@@ -169,19 +187,39 @@ class OneshotReport:
 
     def layer_quantization(self) -> dict[int, tuple[str, float | None]]:
         """``{layer index: (bits/group label, relative output error or None)}`` of quantized targeted modules: the
-        mean of the modules' errors weighted by their numbers of weights (as ``llmc-fsm report --plot`` draws it)."""
+        mean of the modules' errors weighted by their numbers of weights (as ``llmc-fsm report --plot`` draws it).
+        The label ends in ``*`` when targeted weights of the layer were left unquantized (:meth:`_unquantized`)."""
         agg: dict[int, list[ModuleSparsity]] = {}
         for m in self._targeted():
             if m.layer is not None and m.bits is not None:
                 agg.setdefault(m.layer, []).append(m)
+        partial = {m.layer for m in self._unquantized()}
         out: dict[int, tuple[str, float | None]] = {}
         for i, mods in agg.items():
             labels = sorted({f"{m.bits}b" + (f"/g{m.group_size}" if m.group_size else "") for m in mods})
             measured = [m for m in mods if m.rel_output_error is not None]
             size = sum(m.numel for m in measured)
             error = sum(m.numel * m.rel_output_error for m in measured) / size if size else None
-            out[i] = (",".join(labels), error)
+            out[i] = (",".join(labels) + ("*" if i in partial else ""), error)
         return out
+
+    def _unquantized(self) -> list[ModuleSparsity]:
+        """Targeted modules left unquantized in decoder layers where other targeted modules were quantized (e.g. a
+        Linear no calibration input reached, left as it was; a module one modifier prunes and the quantizer
+        ignores)."""
+        targeted = self._targeted()
+        quantized_layers = {m.layer for m in targeted if m.layer is not None and m.bits is not None}
+        return [m for m in targeted if m.layer in quantized_layers and m.bits is None]
+
+    def _unquantized_note(self) -> list[str]:
+        """The ``*`` line under the table (:meth:`layer_quantization`)."""
+        left = self._unquantized()
+        if not left:
+            return []
+        return [
+            f"*: targeted weights of the layer left unquantized: {len(left)} modules, "
+            f"{sum(m.numel for m in left):,} weights ({compact_names(m.name for m in left)})"
+        ]
 
     def _stacked_errors_note(self) -> list[str]:
         """A line under the table when modules were compressed by several error-measuring modifiers."""
@@ -316,6 +354,7 @@ class OneshotReport:
             err = m.rel_output_error
             extra = f"  {label:>9}  {'-' if err is None else f'{err:.4f}':>16}" if bits_columns else ""
             lines.append(f"{m.name:>7}  {m.numel:>10,}  {m.sparsity:>8.2%}{extra}")
+        lines.extend(self._unquantized_note())
         lines.extend(self._stacked_errors_note())
         lines.extend(self._routed_tokens_note())
         lines.extend(_smoothing_line(label, results) for label, results in self.smoothing.items())

@@ -1,4 +1,5 @@
-"""Bit-packed boolean masks: a pruning mask stored in an eighth of a ``uint8`` tensor (checkpoints, resume)."""
+"""Bit-packed boolean masks: a pruning mask stored in an eighth of a ``uint8`` tensor (checkpoints, resume); the N:M
+structure a weight's zeros follow (:func:`fewest_zeros`, :func:`follows_structure`: a saved ``sparsity_config``)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,11 @@ import math
 import numpy as np
 import torch
 
-__all__ = ["pack_mask", "unpack_mask"]
+__all__ = ["SPARSE_FROM", "fewest_zeros", "follows_structure", "pack_mask", "unpack_mask"]
+
+#: Zeros from which a weight counts as sparse (5%): its N:M groups are measured (:func:`fewest_zeros`), and a saved
+#: ``sparsity_config`` lists it.
+SPARSE_FROM = 0.05
 
 
 def pack_mask(keep: torch.Tensor) -> torch.Tensor:
@@ -40,3 +45,23 @@ def unpack_mask(packed: torch.Tensor, shape: tuple[int, ...] | torch.Size) -> to
         raise ValueError(msg)
     bits = np.unpackbits(packed.detach().cpu().numpy(), count=numel)
     return torch.from_numpy(bits.astype(bool)).reshape(tuple(shape))
+
+
+def fewest_zeros(weight: torch.Tensor, zeros: int) -> dict[int, int]:
+    """For a ``[out, in]`` weight with ``zeros`` exact zeros, at least :data:`SPARSE_FROM` of it: ``{M: the fewest
+    exact zeros in any group of M consecutive inputs of a row}`` for M = 4, 8, 16 dividing ``in``; else ``{}``.
+
+    The weight follows N:M sparsity (at least N zeros in every group of M, llm-compressor's
+    ``tensor_follows_mask_structure``) when that count is at least N (:func:`follows_structure`).
+    """
+    if weight.dim() != 2 or zeros < SPARSE_FROM * weight.numel():
+        return {}
+    rows, cols = weight.shape
+    return {m: int((weight.reshape(rows, cols // m, m) == 0).sum(dim=2).min()) for m in (4, 8, 16) if cols % m == 0}
+
+
+def follows_structure(fewest: dict[int, int], structure: str) -> bool:
+    """Whether a weight whose :func:`fewest_zeros` are ``fewest`` follows ``structure`` (``"N:M"``); ``False`` for a
+    structure that was not measured (another M) or is not ``N:M``."""
+    n, _, m = structure.partition(":")
+    return n.isdigit() and m.isdigit() and int(m) in fewest and fewest[int(m)] >= int(n)

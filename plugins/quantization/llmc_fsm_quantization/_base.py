@@ -1130,8 +1130,9 @@ class QuantizingModifier(CalibratedModifier):
         if dense or partial:
             left = compact_names(dense or partial)
             msg = (
-                f"{name}: {family}: {left} would stay dense while other expert matrices are quantized; transformers "
-                "5.24 reloads a layer's fused experts from packed weights only (the dense ones would be missing): "
+                f"{name}: {family}: {left} would stay dense while other expert matrices are quantized; transformers' "
+                "experts loader rebuilds a layer's fused experts from packed weights only (measured on 5.24: the dense "
+                "ones were missing): "
                 "quantize every expert matrix (no ignore pattern inside the experts) or none of the model"
             )
             raise ValueError(msg)
@@ -1523,8 +1524,8 @@ class QuantizingModifier(CalibratedModifier):
             return (
                 f"{module.weight.dtype} weight: NVFP4 / MX checkpoints decompress to bfloat16 on load (compressed-"
                 "tensors 0.20), and transformers then cannot run the reloaded model (bfloat16 weights against "
-                f"{module.weight.dtype} inputs); load the model in bfloat16 (CLI: --dtype bfloat16; Python: "
-                "dtype='bfloat16')"
+                f"{module.weight.dtype} inputs); load the model in bfloat16 (CLI: --dtype bfloat16; "
+                "oneshot(MODEL_DIR, dtype='bfloat16'); a model you loaded: model.to(torch.bfloat16))"
             )
         if args.strategy == QuantizationStrategy.BLOCK:
             r, c = (int(v) for v in args.block_structure)

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import logging
+
 import attrs
 import torch
 from compressed_tensors.quantization import QuantizationArgs
 from torch import nn
 
-from llmc_fsm.toolkit import HessianAccumulator
+from llmc_fsm.toolkit import HessianAccumulator, compact_names
 from llmc_fsm_quantization._base import QuantizedWeight, QuantizingModifier
 from llmc_fsm_quantization.observers import (
     IMPORTANCE_OBSERVERS,
@@ -21,6 +23,8 @@ from llmc_fsm_quantization.observers import (
     storable,
 )
 from llmc_fsm_quantization.rounding import fake_quantize
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["QuantizationModifier", "rtn_quantize"]
 
@@ -121,6 +125,44 @@ class QuantizationModifier(QuantizingModifier):
         input activations have static (calibrated) scales, or a ``kv_cache_scheme`` is given."""
         keys = super().required_keys()
         return keys | {"calibration_data"} if self.needs_inputs else keys
+
+    def _needs_statistics(self, name: str) -> bool:
+        """Whether target ``name``'s own quantization needs its inputs: an ``imatrix_mse`` weight observer, or input
+        activations with a calibrated scale (static, or NVFP4's input global scale)."""
+        scheme = self.scheme_of(name)
+        inputs = scheme.input_activations
+        return (scheme.weights is not None and scheme.weights.observer in IMPORTANCE_OBSERVERS) or (
+            inputs is not None and (not inputs.dynamic or inputs.dynamic == "local")
+        )
+
+    def _compress_all(self, modules: dict[str, nn.Module], *, trim: bool = False) -> None:
+        """:meth:`QuantizingModifier._compress_all`; a Linear the calibration forward did not reach (e.g. Jamba's
+        ``mamba.dt_proj``, which its mixer reads as ``dt_proj.weight @ x`` before the model is quantized), whose scheme
+        needs no input statistics (weights and dynamic inputs: the calibration runs for a KV cache or another
+        group's static scales), is quantized by round-to-nearest without them, as a data-free run quantizes it (and
+        llm-compressor, which rounds the weights at the end of calibration), named in one warning. A target whose
+        scheme needs its inputs is left as it was (warned, in :attr:`skipped`)."""
+        if self.needs_inputs:
+            unreached = {
+                name: module
+                for name, module in modules.items()
+                if not isinstance(module, nn.Embedding)
+                and getattr(module, "expert", None) is None
+                and getattr(self._acc.get(name), "num_samples", 0) == 0
+                and not self._needs_statistics(name)
+            }
+            if unreached:
+                logger.warning(
+                    "%s: %s received no calibration input; its scheme needs none: quantized by round-to-nearest "
+                    "without it",
+                    type(self).__name__,
+                    compact_names(list(unreached)),
+                )
+                for name in unreached:
+                    self._acc.pop(name, None)
+                self._compress_members(None, list(unreached.items()))
+                modules = {name: module for name, module in modules.items() if name not in unreached}
+        super()._compress_all(modules, trim=trim)
 
     def _quantize(
         self, modules: list[nn.Module], accumulator: HessianAccumulator | None, args: QuantizationArgs

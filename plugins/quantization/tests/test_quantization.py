@@ -838,3 +838,45 @@ def test_the_group_size_hint_of_a_scheme_without_preset_spells_out_every_weight_
     followed = {"q": {"GPTQModifier": {"scheme": yaml.safe_load(hint.split("scheme: ")[1].split("; in an")[0])}}}
     model = llmc_fsm.oneshot(model=tiny_llama(), recipe=followed, dataset=data, progress=False)
     assert model.model.layers[0].self_attn.q_proj.quantization_scheme.weights.num_bits == 4
+
+
+@pytest.mark.parametrize("low_memory", [False, True])
+def test_the_sparsity_config_lists_the_pruned_modules_and_claims_a_structure_only_they_all_follow(tmp_path, low_memory):
+    """A breaker found the saved ``sparsity_config`` listing every quantized module as 2:4 when only the MLP was
+    pruned (vLLM takes its 2:4 sparse kernels for the targets of a 2:4 config), and leaving out a pruned module that
+    was not quantized. Now its targets are the modules with pruned zeros, as llm-compressor lists them, and the
+    structure is the recipe's only where every target's weight follows it."""
+    data = torch.randint(0, 128, (8, 32), generator=torch.Generator().manual_seed(0))
+    model = tiny_llama()
+    model.save_pretrained(tmp_path / "dense")
+    mlp = r"re:.*mlp\..*_proj$"
+    quant = {"GPTQModifier": {"targets": ["Linear"], "ignore": ["lm_head", r"re:.*k_proj$"], "scheme": W4G16}}
+
+    def sparsity_config(name, prune):
+        out = tmp_path / name
+        llmc_fsm.oneshot(tmp_path / "dense", recipe={"p": prune, "q": quant}, dataset=data, output_dir=out,
+                         low_memory=low_memory, fuse_stages=low_memory, progress=False)  # fmt: skip
+        return json.loads((out / "config.json").read_text())["quantization_config"]["sparsity_config"]
+
+    layers = range(model.config.num_hidden_layers)
+    mlp_names = [f"model.layers.{i}.mlp.{p}_proj" for i in layers for p in ("down", "gate", "up")]
+    two_four_mlp = {"SparseGPTModifier": {"sparsity": 0.5, "mask_structure": "2:4", "targets": [mlp]}}
+    config = sparsity_config("mlp", two_four_mlp)
+    assert (config["sparsity_structure"], config["targets"]) == ("2:4", mlp_names)  # attention: dense, not listed
+    assert config["global_sparsity"] == pytest.approx(0.5 * sum(  # the pruned fraction of the quantized weights
+        model.get_submodule(n).weight.numel() for n in mlp_names) / sum(
+        p.weight.numel() for n, p in model.named_modules() if isinstance(p, torch.nn.Linear)
+        and n != "lm_head" and not n.endswith("k_proj")), abs=1e-12)  # fmt: skip
+
+    everything = {"SparseGPTModifier": {"sparsity": 0.5, "mask_structure": "2:4", "ignore": ["lm_head"]}}
+    config = sparsity_config("all", everything)  # k_proj: pruned, left unquantized by GPTQ's ignore: listed
+    assert config["sparsity_structure"] == "2:4"
+    assert config["targets"] == sorted(n for n, m in model.named_modules()
+                                       if isinstance(m, torch.nn.Linear) and n != "lm_head")  # fmt: skip
+
+    mixed = {"SparseGPTModifier": {"sparsity": 0.5, "mask_structure": "2:4", "targets": [mlp]},
+             "WandaPruningModifier": {"sparsity": 0.5, "targets": [r"re:.*self_attn\.[qvo]_proj$"]}}  # fmt: skip
+    config = sparsity_config("mixed", mixed)  # unstructured attention zeros: 2:4 is not true of every target
+    assert config["sparsity_structure"] == "unstructured"
+    assert config["targets"] == sorted([*mlp_names, *(f"model.layers.{i}.self_attn.{p}_proj" for i in layers
+                                                      for p in ("o", "q", "v"))])  # fmt: skip
