@@ -6,7 +6,7 @@ Usage::
         [--timeout 120] [--only SUBSTRING] [--list]
     OMP_NUM_THREADS=1 python benchmarks/recipe_corpus.py LLMC_CHECKOUT --rerun OLD.json --out NEW.json
         # only the recipes OLD.json did not record as "reload equal" (or "not run"); NEW.json = OLD.json with them
-        # replaced
+        # replaced (with --refamily: only those whose tiny family is not the one OLD.json recorded)
 
 ``LLMC_CHECKOUT`` is a source checkout of llm-compressor: a working tree, or a git directory (bare or a mirror;
 its files are read with ``git show REV:path`` at ``--rev``). Nothing of it is copied into this repository: the
@@ -409,7 +409,12 @@ _FAMILY_PATTERNS = [
     (r"nemotron-h|nemotron-3", "nemotron_h"),
     (r"jamba", "jamba"),
     (r"dbrx", "dbrx"),
-    (r"command-a|c4ai|cohere", "cohere2"),
+    (r"command-a|command-r7b", "cohere2"),
+    (r"command-r", "cohere"),  # Command R (v01, plus): parallel attention and MLP, no sliding window
+    (r"c4ai|cohere", "cohere2"),
+    (r"phi-?3", "phi3"),
+    (r"qwen3", "qwen3"),
+    (r"qwen2|qwq", "qwen2"),
     (r"exaone-4", "exaone4"),
     (r"olmo-3", "olmo3"),
     (r"gpt2", "gpt2"),
@@ -797,6 +802,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rerun", type=Path, default=None,
                         help="a results file: run only its recipes not recorded as 'reload equal' or 'not run', and "
                         "write it to --out with their rows replaced")
+    parser.add_argument("--refamily", action="store_true",
+                        help="with --rerun: run instead the recipes whose tiny family differs from the one recorded "
+                        "(after families were added to tests/tiny_families.py)")
     args = parser.parse_args(argv)
     global FROM_DIRECTORY
     FROM_DIRECTORY = args.from_directory  # read by run_entry in the forked processes
@@ -811,7 +819,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.only:
         entries = [e for e in entries if args.only in e.source]
     previous = json.loads(args.rerun.read_text())["rows"] if args.rerun else None
-    if previous is not None:
+    if previous is not None and args.refamily:
+        recorded = {r["source"]: r["result"].get("family") for r in previous if r["class"] != "not run"}
+        entries = [e for e in entries if e.source in recorded and family_of(e.models)[0] != recorded[e.source]]
+    elif previous is not None:
         again = {r["source"] for r in previous if r["class"] not in ("reload equal", "not run")}
         entries = [e for e in entries if e.source in again]
     entries.sort(key=lambda e: "AutoRoundModifier" in e.modifiers)  # the slow ones last (stable otherwise)

@@ -335,7 +335,7 @@ def test_the_check_before_loading_builds_the_model_in_the_dtype_given(quantized,
         err = capsys.readouterr().err
         assert err.startswith("llmc-fsm oneshot: error: QuantizationModifier cannot compress 28 of its 28 targets — "
                               "torch.float32 weight: NVFP4 / MX checkpoints decompress to bfloat16 on load")
-        assert "load the model in bfloat16 (CLI: --dtype bfloat16; Python: dtype='bfloat16')" in err
+        assert "load the model in bfloat16 (CLI: --dtype bfloat16; oneshot(MODEL_DIR, dtype='bfloat16')" in err
         assert not (tmp_path / "fp32").exists()
         assert main(["explain", str(recipe), "--model", str(model_dir)]) == 1
         assert capsys.readouterr().err.startswith(

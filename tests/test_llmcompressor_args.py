@@ -53,6 +53,21 @@ def test_one_refusal_is_one_line_and_several_are_listed_together():
     ]
 
 
+def test_llmcompressors_default_data_collator_is_taken_and_padding_refused(caplog):
+    """``data_collator="truncation"`` is llm-compressor 0.14's default (``DatasetArguments``); a script passing it was
+    refused as if it asked for something else (a breaker's case)."""
+    with caplog.at_level(logging.WARNING, logger="llmc_fsm.oneshot_job.llmcompressor_args"):
+        assert check_llmcompressor_args({"data_collator": "truncation"}, ["model"]) == {}
+    note = LLMCOMPRESSOR_ARGS["data_collator"].note
+    messages = [r.getMessage() for r in caplog.records]
+    assert messages == [f"llm-compressor argument data_collator='truncation' taken: {note}"]
+    assert "no token cut" in note and "batch_size 1" in note
+    with pytest.raises(ValueError) as err:
+        check_llmcompressor_args({"data_collator": "padding"}, ["model"])
+    refused = "llm-compressor oneshot argument data_collator='padding' (taken: None or 'truncation'): "
+    assert str(err.value) == refused + note
+
+
 def test_unknown_names_are_a_type_error_with_the_closest_name(tmp_path):
     with pytest.raises(TypeError, match=r"^oneshot\(\) got unexpected keyword arguments: 'num_calibration_sample' "
                        r"\(did you mean 'num_calibration_samples'\?\), 'frobnicate'$"):

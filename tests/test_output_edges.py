@@ -24,7 +24,7 @@ from torch import nn
 
 import llmc_fsm
 from llmc_fsm.cli import main
-from llmc_fsm.oneshot_job.progress import CT_TQDM_MODULES, quiet_progress
+from llmc_fsm.oneshot_job.progress import TQDM_MODULES, quiet_progress
 
 pytest.importorskip("transformers")
 pytest.importorskip("llmc_fsm_pruning")
@@ -262,12 +262,12 @@ def test_no_progress_silences_library_bars_and_restores_the_callers_settings(tmp
     assert capfd.readouterr().err == ""
     # the caller's settings come back as they were, whichever they were
     assert hf_logging.is_progress_bar_enabled() and not are_progress_bars_disabled()
-    modules = [sys.modules[name] for name in CT_TQDM_MODULES]
+    modules = [sys.modules[name] for name in TQDM_MODULES]
     originals = [m.tqdm for m in modules]
     hf_logging.disable_progress_bar()
     try:
         with quiet_progress():
-            assert [m.tqdm(range(2)).disable for m in modules] == [True, True]
+            assert [m.tqdm(range(2)).disable for m in modules] == [True] * 3
         assert not hf_logging.is_progress_bar_enabled() and are_progress_bars_disabled()
     finally:
         hf_logging.enable_progress_bar()

@@ -48,6 +48,10 @@ FAMILIES: dict[str, tuple[str, dict[str, Any], str | None]] = {
     "cohere2": ("cohere2", {"layer_types": _MIXED, "sliding_window": 8}, None),
     "exaone4": ("exaone4", {"layer_types": _MIXED, "sliding_window": 8}, None),
     "olmo3": ("olmo3", {"layer_types": _MIXED, "sliding_window": 8}, None),
+    "qwen2": ("qwen2", {}, None),
+    "qwen3": ("qwen3", {}, None),
+    "phi3": ("phi3", {"num_key_value_heads": 4}, None),  # fused qkv_proj / gate_up_proj; Phi-3.5-mini has no GQA
+    "cohere": ("cohere", {}, None),  # parallel attention and MLP on one norm
     "gpt_oss": (
         "gpt_oss",
         {"layer_types": _MIXED, "sliding_window": 8, "num_local_experts": 4, "num_experts_per_tok": 2},

@@ -55,7 +55,16 @@ from llmc_fsm.models.hf_io import (
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-__all__ = ["KNOWN_MODELS", "KnownModel", "cache_root", "fix_safetensors_permissions", "known_model_dir", "load_model"]
+__all__ = [
+    "KNOWN_MODELS",
+    "KnownModel",
+    "cache_root",
+    "check_model_name",
+    "fix_safetensors_permissions",
+    "known_model_cached",
+    "known_model_dir",
+    "load_model",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -294,30 +303,53 @@ def load_model(
             return load_hf_dir(path, torch_dtype)
         if not path.exists() and looks_like_hub_id(key):
             return load_hub(key, torch_dtype)
-        known = ", ".join(sorted(KNOWN_MODELS))
-        if path.exists():
-            msg = (
-                f"{key!r} is a file, not a model directory; pass a known model name ({known}) "
-                "or a local Hugging Face model directory"
-            )
-        elif key.startswith(("/", "./", "../", "~")):  # a path, not a name or a Hub ID
-            msg = (
-                f"model directory {key!r} does not exist; pass an existing local Hugging Face model directory "
-                f"(config.json + weights + tokenizer) or a known model name ({known})"
-            )
-        else:
-            msg = (
-                f"unknown model {key!r}: known model names are {known}; "
-                "or pass a local Hugging Face model directory (config.json + weights + tokenizer) "
-                "or a Hugging Face Hub model ID (org/name)"
-            )
-        raise ValueError(msg)
+        check_model_name(key)
 
     target = known_model_dir(key, cache_dir=cache_dir)
     t0 = time.perf_counter()
     model, tokenizer = load_hf_dir(target, torch_dtype)
     logger.info("loaded %s from cache %s in %.2f s", key, target, time.perf_counter() - t0)
     return model, tokenizer
+
+
+def check_model_name(name_or_path: str | os.PathLike[str]) -> None:
+    """Refuse a model :func:`load_model` cannot load by its name alone, before anything is read: not a known name,
+    not an existing directory and not shaped like a Hub ID (an existing file, a path that does not exist, an unknown
+    name).
+
+    Raises:
+        ValueError: naming what was given and the known names.
+    """
+    key = os.fspath(name_or_path)
+    path = Path(key).expanduser()
+    if key in KNOWN_MODELS or path.is_dir() or (not path.exists() and looks_like_hub_id(key)):
+        return
+    known = ", ".join(sorted(KNOWN_MODELS))
+    if path.exists():
+        msg = (
+            f"{key!r} is a file, not a model directory; pass a known model name ({known}) "
+            "or a local Hugging Face model directory"
+        )
+    elif key.startswith(("/", "./", "../", "~")):  # a path, not a name or a Hub ID
+        msg = (
+            f"model directory {key!r} does not exist; pass an existing local Hugging Face model directory "
+            f"(config.json + weights + tokenizer) or a known model name ({known})"
+        )
+    else:
+        msg = (
+            f"unknown model {key!r}: known model names are {known}; "
+            "or pass a local Hugging Face model directory (config.json + weights + tokenizer) "
+            "or a Hugging Face Hub model ID (org/name)"
+        )
+    raise ValueError(msg)
+
+
+def known_model_cached(name: str, *, cache_dir: str | os.PathLike[str] | None = None) -> bool:
+    """Whether the known model ``name`` is converted in the cache already (:func:`known_model_dir` then reads it
+    without converting). Raises ``KeyError`` for a name not in :data:`KNOWN_MODELS`."""
+    KNOWN_MODELS[name]
+    root = Path(cache_dir).expanduser() if cache_dir is not None else cache_root()
+    return _cache_is_valid(root / "models" / name)
 
 
 def known_model_dir(name: str, *, cache_dir: str | os.PathLike[str] | None = None) -> Path:

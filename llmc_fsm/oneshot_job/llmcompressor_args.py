@@ -63,9 +63,10 @@ LLMCOMPRESSOR_ARGS: dict[str, LlmcompressorArg] = {
         "token ids",
     ),
     "data_collator": LlmcompressorArg(
-        (None,),
-        "llmc-fsm batches calibration rows itself; image calibration data is a directory with metadata.jsonl "
-        "(docs/oneshot.md)",
+        (None, "truncation"),
+        "llmc-fsm batches calibration rows itself, only rows of the same length together (no padding, no token cut; "
+        "llm-compressor's default 'truncation' cuts each batch to its shortest row, which changes nothing at its "
+        "default batch_size 1); image calibration data is a directory with metadata.jsonl (docs/oneshot.md)",
     ),
     "sequential_targets": LlmcompressorArg(
         (None,),

@@ -36,7 +36,13 @@ from llmc_fsm.data.images import (
 from llmc_fsm.data.protocol import PerplexityCache, perplexity, token_windows
 from llmc_fsm.data.rows import TokenRows, is_rows, read_rows, row_batches
 from llmc_fsm.models.hf_io import hub_unreachable, looks_like_hub_id, meta_model
-from llmc_fsm.models.known import KNOWN_MODELS, known_model_dir, load_model
+from llmc_fsm.models.known import (
+    KNOWN_MODELS,
+    check_model_name,
+    known_model_cached,
+    known_model_dir,
+    load_model,
+)
 from llmc_fsm.models.layers import check_calibrates_from_text
 from llmc_fsm.oneshot_job.data import (
     DEFAULT_PROMPTS,
@@ -303,6 +309,10 @@ def prepare(settings: OneshotSettings) -> Run:
         needs_data=any("calibration_data" in m.required_keys() for s in sessions for m in s.modifiers),
         model_config=_model_config(settings.model),
     )
+    if isinstance(settings.model, str) and settings.model in KNOWN_MODELS and not known_model_cached(settings.model):
+        # the first run converts the known model's GGUF into the cache (~20 s), before the checks on its config
+        with run.timed("convert"), quiet_progress(not settings.progress):
+            known_model_dir(settings.model)
     _check_on_meta(run)
     _check_quantization_format(run)
     with run.timed("read_data"), quiet_progress(not settings.progress):
@@ -316,6 +326,8 @@ def prepare(settings: OneshotSettings) -> Run:
             run.cal_text = read_text("dataset (--dataset)", settings.dataset)
         if settings.eval_text is not None:
             run.ev_text = read_text("eval_text (--eval-text)", settings.eval_text)
+    if isinstance(settings.model, str | os.PathLike):  # an unknown name or a file: one line, before the device line
+        check_model_name(settings.model)
     _check_data_kind(run)
     config = run.model_config if run.model_config is not None else _cached_known_config(settings.model)
     if config is not None:  # --seq-len above the model's positions: one line, before the device line and any weight

@@ -20,12 +20,14 @@ import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
-__all__ = ["CT_TQDM_MODULES", "quiet_progress"]
+__all__ = ["TQDM_MODULES", "quiet_progress"]
 
-#: compressed-tensors modules whose module-level ``tqdm`` draws bars during loading or saving.
-CT_TQDM_MODULES = (
+#: Modules whose module-level ``tqdm`` draws bars outside transformers' progress switch: compressed-tensors' (loading,
+#: saving) and transformers' GGUF reader (a known model's first-run conversion).
+TQDM_MODULES = (
     "compressed_tensors.quantization.lifecycle.apply",
     "compressed_tensors.compressors.model_compressors.model_compressor",
+    "transformers.modeling_gguf_pytorch_utils",
 )
 
 
@@ -83,7 +85,7 @@ def quiet_progress(quiet: bool = True) -> Iterator[None]:
         yield
         return
     patched = []
-    for name in CT_TQDM_MODULES:
+    for name in TQDM_MODULES:
         try:
             module = importlib.import_module(name)
         except ImportError:

@@ -449,9 +449,12 @@ def test_fused_with_gptq_its_own_forwards_are_not_taken_for_gptqs_hessians(monke
     from llmc_fsm.toolkit import HessianAccumulator
 
     rows: collections.Counter = collections.Counter()
+    alive: list = []  # each accumulator kept, so that a freed one's id is not reused by the next (a flaky count)
     add_batch = HessianAccumulator.add_batch
 
     def counting(self, x, *args, **kwargs):
+        if id(self) not in rows:
+            alive.append(self)
         rows[id(self)] += x.reshape(-1, x.shape[-1]).shape[0]
         return add_batch(self, x, *args, **kwargs)
 

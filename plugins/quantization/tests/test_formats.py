@@ -246,7 +246,8 @@ def test_nvfp4_and_mx_on_a_float32_model_are_refused_before_any_work() -> None:
         "QuantizationModifier cannot compress 14 of its 14 targets — torch.float32 weight: NVFP4 / MX checkpoints "
         "decompress to bfloat16 on load (compressed-tensors 0.20), and transformers then cannot run the reloaded "
         "model (bfloat16 weights against torch.float32 inputs); load the model in bfloat16 (CLI: --dtype bfloat16; "
-        "Python: dtype='bfloat16'): model.layers.{0..1}.self_attn.q_proj, model.layers.{0..1}.self_attn.k_proj, "
+        "oneshot(MODEL_DIR, dtype='bfloat16'); a model you loaded: model.to(torch.bfloat16)): "
+        "model.layers.{0..1}.self_attn.q_proj, model.layers.{0..1}.self_attn.k_proj, "
         "model.layers.{0..1}.self_attn.v_proj, model.layers.{0..1}.self_attn.o_proj, "
         "model.layers.{0..1}.mlp.gate_proj, model.layers.{0..1}.mlp.up_proj, model.layers.{0..1}.mlp.down_proj."
     )
