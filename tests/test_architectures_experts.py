@@ -354,3 +354,25 @@ def test_low_memory_prunes_conv1d_like_in_memory_and_refuses_a_checkpoint_withou
         "model.layers.0.mlp.experts.gate_up_proj [3, 256, 64] (the config gives [4, 256, 64])"
     )
     assert not (tmp_path / "c").exists()
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_a_pattern_naming_one_fused_parameter_selects_only_that_parameters_expert_matrices(family):
+    """``re:.*\\.down_proj$`` matched the fused experts module through its ``down_proj`` parameter, and the whole
+    module was selected: every expert's gate and up matrices were pruned / quantized too (a breaker's case). Now a
+    pattern that matches the module only through a parameter's name selects that parameter's views, as target and as
+    ignore; one naming the module itself (``re:.*experts$``) still selects all of them."""
+    from llmc_fsm.toolkit.targets import select_targets
+
+    model = build(family)
+
+    def kinds(selection):
+        return sorted({name.rsplit(".", 1)[1] for name in selection.selected if ".experts." in name})
+
+    down = select_targets(model, [r"re:.*\.down_proj$"], ["lm_head"], views=True)
+    assert kinds(down) == ["down_proj"]
+    assert len([n for n in down.selected if ".experts." in n]) == 4 * model.config.num_local_experts
+    rest = select_targets(model, ["Linear"], ["lm_head", r"re:.*\.down_proj$"], views=True)
+    assert kinds(rest) == ["gate_proj", "up_proj"]
+    whole = select_targets(model, [r"re:.*mlp\.experts$"], [], views=True)
+    assert kinds(whole) == ["down_proj", "gate_proj", "up_proj"]

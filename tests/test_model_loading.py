@@ -355,3 +355,21 @@ def test_a_path_that_does_not_exist_is_named_as_a_missing_directory(key):
         f"model directory {key!r} does not exist; pass an existing local Hugging Face model directory "
         "(config.json + weights + tokenizer) or a known model name (smollm2-135m)"
     )
+
+
+def test_an_unknown_or_empty_model_is_refused_in_one_line_before_the_device_line(capsys, tmp_path):
+    """A newcomer saw the device line printed before 'unknown model' (two lines); a breaker saw --model '' named as
+    '.'. Now both are refused with the data files read and before anything about the device or the model is said."""
+    from llmc_fsm.cli import main
+
+    for model, line in [
+        ("smollm2-135", "unknown model 'smollm2-135': known model names are smollm2-135m; or pass a local Hugging "
+                        "Face model directory (config.json + weights + tokenizer) or a Hugging Face Hub model ID "
+                        "(org/name)"),
+        ("", "the model is empty: pass a known model name (smollm2-135m) or a local Hugging Face model directory"),
+    ]:  # fmt: skip
+        code = main(["oneshot", "--model", model, "--method", "rtn", "--scheme", "W8A8", "--output",
+                     str(tmp_path / "o"), "--no-progress"])  # fmt: skip
+        err = capsys.readouterr().err
+        assert code == 1 and err == f"llmc-fsm oneshot: error: {line}\n"
+    assert not (tmp_path / "o").exists()

@@ -284,7 +284,7 @@ def test_int_weights_with_float_activations_are_saved_packed_when_asked_as_llmco
         model = _run(model_dir, recipe, output_dir=tmp_path / "default")
     assert _format(tmp_path / "default") == ("int-quantized", "int-quantized")
     assert [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING] == [
-        "28 modules with int weights and float input activations (e.g. model.layers.0.self_attn.q_proj, W4A8-FP8) "
+        "28 modules with int4 weights and float input activations (e.g. model.layers.0.self_attn.q_proj, W4A8-FP8) "
         "are saved int-quantized (one int8 per value, compressed-tensors' inferred format): transformers reloads "
         "them, vLLM's W4A8-FP8 scheme reads packed weights. For vLLM save them pack-quantized, as llm-compressor's "
         "W4A8-FP8 examples do: quantization_format='pack-quantized' (--quantization-format; transformers reloads "
@@ -335,3 +335,20 @@ def test_fp8_weights_are_saved_float_quantized_or_naive_quantized_the_same_tenso
         "weights allow, or none (the default)"
     )
     assert not (tmp_path / "int").exists()
+
+
+def test_fused_fp8_experts_may_be_saved_under_either_name_of_the_float_layout():
+    """A breaker relabelled a weight-only FP8 Qwen3-MoE checkpoint from naive- to float-quantized: it reloads with
+    the same logits (one layout, two names), yet float-quantized was refused for the fused experts."""
+    from compressed_tensors.quantization import QuantizationScheme
+
+    from llmc_fsm.toolkit import format_problem
+    from llmc_fsm.toolkit.views import LinearView
+
+    fp8 = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "channel", "dynamic": False}
+    scheme = QuantizationScheme(targets=["Linear"], weights=fp8)
+    assert [format_problem(LinearView, scheme, f) for f in ("naive-quantized", "float-quantized")] == [None, None]
+    assert format_problem(LinearView, scheme, "pack-quantized") == (
+        "fused experts' 8-bit float weights (transformers' experts loader reads no other format) are saved "
+        "naive-quantized or float-quantized, not pack-quantized"
+    )

@@ -321,10 +321,14 @@ def check_model_name(name_or_path: str | os.PathLike[str]) -> None:
         ValueError: naming what was given and the known names.
     """
     key = os.fspath(name_or_path)
+    known = ", ".join(sorted(KNOWN_MODELS))
+    if not key.strip():
+        raise ValueError(
+            f"the model is empty: pass a known model name ({known}) or a local Hugging Face model directory"
+        )
     path = Path(key).expanduser()
     if key in KNOWN_MODELS or path.is_dir() or (not path.exists() and looks_like_hub_id(key)):
         return
-    known = ", ".join(sorted(KNOWN_MODELS))
     if path.exists():
         msg = (
             f"{key!r} is a file, not a model directory; pass a known model name ({known}) "

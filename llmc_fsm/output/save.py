@@ -168,7 +168,8 @@ class SparsityMetadata:
 
     Attributes:
         global_sparsity: the pruned fraction of the quantized weights (:func:`pruned_sparsity`), in ``[0, 1]``.
-        structure: ``"N:M"`` when every target follows it, else ``"unstructured"``.
+        structure: ``"N:M"`` (N zeros in every M inputs, as compressed-tensors and vLLM read it) when every target
+            follows it, else ``"unstructured"``.
         targets: the modules whose weights are sparse (at least 5% pruned zeros), by name.
     """
 
@@ -182,11 +183,14 @@ def sparsity_metadata(model: nn.Module, report: Any, structure: str | None) -> S
     asked for ``structure`` (:func:`sparsity_structure`), or ``None`` when no module is sparse.
 
     Targets are the modules of ``model`` whose weights have at least 5% pruned zeros in the report (a quantized
-    module's count only the zeros it had before quantization), as llm-compressor 0.14 lists the sparse modules
-    (``infer_sparse_targets_and_ignores``), not every quantized one: vLLM takes its 2:4 sparse kernels for the
-    targets of a ``2:4`` config. The structure is the recipe's only where each target's weight follows it (at least N
-    zeros in every group of M inputs, measured: :attr:`~llmc_fsm.report.build.ModuleSparsity.fewest_zeros`).
-    Fused experts' matrices are not listed (not modules).
+    module's count only the zeros it had before quantization), not every quantized one: vLLM takes its 2:4 sparse
+    kernels for the targets of a ``2:4`` config. (llm-compressor 0.14 writes no ``sparsity_config``; this follows its
+    older ``infer_sparse_targets_and_ignores`` rule, sparse weights that follow the structure, by module name.) The
+    structure is written as compressed-tensors and vLLM read it, ``N`` zeros in every ``M`` inputs, which for the
+    recipe's ``N:M`` (N kept of every M, NVIDIA's reading, as the first-party pruning modifiers take it) is
+    ``(M - N):M`` (the same for ``2:4``); only where each target's weight follows it (measured:
+    :attr:`~llmc_fsm.report.build.ModuleSparsity.fewest_zeros`), else ``"unstructured"``. Fused experts' matrices
+    are not listed (not modules).
     """
     if report is None:
         return None
@@ -194,10 +198,14 @@ def sparsity_metadata(model: nn.Module, report: Any, structure: str | None) -> S
     sparse = [m for m in report.modules if m.sparsity >= SPARSE_FROM and m.name in names]
     if not sparse:
         return None
-    follows = structure is not None and all(m.follows(structure) for m in sparse)
+    zeros_structure = None
+    if structure is not None and structure.count(":") == 1 and all(p.isdigit() for p in structure.split(":")):
+        kept, group = (int(p) for p in structure.split(":"))
+        zeros_structure = f"{group - kept}:{group}"
+    follows = zeros_structure is not None and all(m.follows(zeros_structure) for m in sparse)
     return SparsityMetadata(
         global_sparsity=pruned_sparsity(report),
-        structure=structure if follows else "unstructured",
+        structure=zeros_structure if follows else "unstructured",
         targets=sorted(m.name for m in sparse),
     )
 
@@ -606,11 +614,12 @@ def _warn_formats(model: nn.Module, modules: dict[str, nn.Module], asked: dict[s
         weights, inputs = scheme.weights, scheme.input_activations
         asymmetric_int = weights is not None and str(weights.type) == "int" and not weights.symmetric
         if name not in asked:
-            if asymmetric_int and fmt == "int-quantized" and inputs is None:
+            if asymmetric_int and fmt == "int-quantized" and inputs is None and not isinstance(sub, nn.Embedding):
                 asym_default.append(name)
             elif (
                 weights is not None
                 and str(weights.type) == "int"
+                and weights.num_bits == 4
                 and weights.symmetric
                 and inputs is not None
                 and str(inputs.type) == "float"
@@ -623,6 +632,13 @@ def _warn_formats(model: nn.Module, modules: dict[str, nn.Module], asked: dict[s
                 asym_packed.append(name)
             elif isinstance(sub, nn.Embedding) or _init_reads_weight(model, sub):
                 packed_unloadable.append(name)
+    embedding = any(isinstance(sub, nn.Embedding) for sub in modules.values())
+    per_group = (
+        " (a quantized Embedding is saved int-quantized only: give the other modules' config group format: "
+        "pack-quantized instead)"
+        if embedding
+        else ""
+    )
     if asym_default:
         logger.warning(
             "%d modules with asymmetric int weights (e.g. %s) are saved int-quantized (one int8 per value): "
@@ -634,12 +650,13 @@ def _warn_formats(model: nn.Module, modules: dict[str, nn.Module], asked: dict[s
         )
     if float_inputs_default:
         logger.warning(
-            "%d modules with int weights and float input activations (e.g. %s, W4A8-FP8) are saved int-quantized "
+            "%d modules with int4 weights and float input activations (e.g. %s, W4A8-FP8) are saved int-quantized "
             "(one int8 per value, compressed-tensors' inferred format): transformers reloads them, vLLM's W4A8-FP8 "
             "scheme reads packed weights. For vLLM save them pack-quantized, as llm-compressor's W4A8-FP8 examples "
-            "do: quantization_format='pack-quantized' (--quantization-format; transformers reloads that too)",
+            "do: quantization_format='pack-quantized' (--quantization-format; transformers reloads that too)%s",
             len(float_inputs_default),
             float_inputs_default[0],
+            per_group,
         )
     if asym_packed:
         logger.warning(

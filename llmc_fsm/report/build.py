@@ -217,7 +217,8 @@ class OneshotReport:
         if not left:
             return []
         return [
-            f"*: targeted weights of the layer left unquantized: {len(left)} modules, "
+            f"*: weights of the layer a modifier targeted, left unquantized (not quantized by the recipe, or no "
+            f"calibration input reached them): {len(left)} modules, "
             f"{sum(m.numel for m in left):,} weights ({compact_names(m.name for m in left)})"
         ]
 

@@ -48,7 +48,9 @@ def weight_formats(module_type: type, scheme: Any) -> list[str]:
 
     bare = scheme.model_copy(update={"format": None})
     if issubclass(module_type, LinearView):  # a fused expert's matrix: transformers' experts loader reads one format
-        return [infer_module_format(nn.Linear, bare).value]
+        inferred = infer_module_format(nn.Linear, bare).value  # (FP8: under either name of the one float layout)
+        floats = ["float-quantized", "naive-quantized"]
+        return list(dict.fromkeys([inferred, *(floats if inferred in floats else [])]))
     if issubclass(module_type, nn.Embedding) and scheme.weights is not None and str(scheme.weights.type) == "int":
         return ["int-quantized"]  # packed, transformers 5.25 cannot reload it ('Embedding' has no 'weight')
     formats = [infer_module_format(module_type, bare).value]

@@ -183,25 +183,62 @@ def _ancestors(name: str) -> Iterable[str]:
         parent = _parent(parent)
 
 
+def _through_parameters(name: str, module: nn.Module, pattern: str) -> set[str] | None:
+    """For a fused mixture-of-experts module that ``pattern`` matches only through the names of its fused parameters
+    (``re:.*\\.down_proj$`` against ``mlp.experts.down_proj``): those parameters' names, whose expert views the
+    pattern selects (not the module's other matrices); ``None`` otherwise (the pattern names the module itself, by
+    name or class, or the module has no expert views)."""
+    views = weight_views(module)
+    if not views or "" in views or not matches(name, module, pattern):
+        return None
+    if pattern in ALL_MODULES or any(cls.__name__ == pattern for cls in type(module).__mro__):
+        return None
+    regex = re.compile(pattern[3:]) if pattern.startswith("re:") else None
+    if (regex.match(name) is not None) if regex is not None else pattern == name:
+        return None
+    full = {p: f"{name}.{p}" if name else p for p, _ in module.named_parameters(recurse=False)}
+    return {p for p, n in full.items() if (regex.match(n) is not None if regex is not None else pattern == n)}
+
+
 def _first_match(named: list[tuple[str, nn.Module]], patterns: tuple[str, ...]) -> dict[str, str | None]:
-    """Per module name: the first pattern matching it, else its nearest container's, else ``None``."""
+    """Per module name: the first pattern matching it, else its nearest container's, else ``None``. A fused experts
+    module matched through a parameter's name passes the pattern on to that parameter's views only."""
     found: dict[str, str | None] = {}
+    partial: dict[str, dict[str, set[str]]] = {}  # module -> pattern -> parameters it matched through
     for name, module in named:
-        own = next((p for p in patterns if matches(name, module, p)), None)
+        own = None
+        for p in patterns:
+            params = _through_parameters(name, module, p)
+            if params is not None:
+                partial.setdefault(name, {})[p] = params
+            elif matches(name, module, p):
+                own = p
+                break
         parent = next((a for a in _ancestors(name) if a in found), None)
+        if own is None and parent in partial and isinstance(module, LinearView):
+            own = next((p for p, params in partial[parent].items() if module.param_name in params), None)
         found[name] = own or (found[parent] if parent is not None else None)
     return found
 
 
 def _patterns_selecting(named, supported_names: set[str], targets: tuple[str, ...]) -> dict[str, set[str]]:
-    """target pattern -> supported module names it selects (directly or through a container)."""
+    """target pattern -> supported module names it selects (directly or through a container; a fused experts module
+    matched through a parameter's name: that parameter's views only)."""
     result: dict[str, set[str]] = {p: set() for p in targets}
     names = {name for name, _ in named}
     for pattern in targets:
         hit: set[str] = set()
+        partial: dict[str, set[str]] = {}
         for name, module in named:
             parent = next((a for a in _ancestors(name) if a in names), None)
-            if (parent is not None and parent in hit) or matches(name, module, pattern):
+            if parent is not None and parent in partial:
+                if isinstance(module, LinearView) and module.param_name in partial[parent]:
+                    hit.add(name)
+                continue
+            params = _through_parameters(name, module, pattern)
+            if params is not None:
+                partial[name] = params
+            elif (parent is not None and parent in hit) or matches(name, module, pattern):
                 hit.add(name)
         result[pattern] = hit & supported_names
     return result

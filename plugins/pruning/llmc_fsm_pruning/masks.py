@@ -35,12 +35,15 @@ i.e. ``sparsity * n`` rounded to the nearest integer, halves rounded up
 
 from __future__ import annotations
 
+import logging
 import math
 import numbers
 import re
 from typing import Any
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "MaskStructure",
@@ -181,10 +184,21 @@ def sparsity_validator(instance: Any, attribute: Any, value: Any) -> None:
 def mask_structure_validator(instance: Any, attribute: Any, value: Any) -> None:
     """attrs validator of a modifier's ``mask_structure`` argument (:func:`parse_mask_structure`).
 
+    An ``N:M`` other than half of ``M`` kept is taken with a warning line: llm-compressor 0.14's pruners read ``N`` as
+    the weights *pruned* of every ``M`` (its ``"3:4"`` leaves 75% zeros, ours 25%); the two agree for ``2:4``,
+    ``4:8``, ``8:16``.
+
     Raises:
         ValueError: not ``"unstructured"`` or ``"N:M"``; the message lists what is accepted.
     """
-    parse_mask_structure(value)
+    nm = parse_mask_structure(value)
+    if nm is not None and 2 * nm[0] != nm[1]:
+        n, m = nm
+        logger.warning(
+            "%s: mask_structure %r keeps %d of every %d weights (NVIDIA's N:M: %.0f%% sparsity); llm-compressor 0.14 "
+            "prunes %d of every %d for the same text (its '%d:%d' is this '%d:%d')",
+            type(instance).__name__, value, n, m, 100 * (m - n) / m, n, m, n, m, m - n, m,
+        )  # fmt: skip
 
 
 def check_mask_args(

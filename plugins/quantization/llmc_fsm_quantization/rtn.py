@@ -140,8 +140,8 @@ class QuantizationModifier(QuantizingModifier):
         ``mamba.dt_proj``, which its mixer reads as ``dt_proj.weight @ x`` before the model is quantized), whose scheme
         needs no input statistics (weights and dynamic inputs: the calibration runs for a KV cache or another
         group's static scales), is quantized by round-to-nearest without them, as a data-free run quantizes it (and
-        llm-compressor, which rounds the weights at the end of calibration), named in one warning. A target whose
-        scheme needs its inputs is left as it was (warned, in :attr:`skipped`)."""
+        llm-compressor, which rounds the weights at the end of calibration), named in a warning line per layer. A
+        target whose scheme needs its inputs is left as it was (warned, in :attr:`skipped`)."""
         if self.needs_inputs:
             unreached = {
                 name: module

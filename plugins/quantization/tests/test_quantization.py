@@ -876,6 +876,10 @@ def test_the_sparsity_config_lists_the_pruned_modules_and_claims_a_structure_onl
 
     mixed = {"SparseGPTModifier": {"sparsity": 0.5, "mask_structure": "2:4", "targets": [mlp]},
              "WandaPruningModifier": {"sparsity": 0.5, "targets": [r"re:.*self_attn\.[qvo]_proj$"]}}  # fmt: skip
+    one_four = {"SparseGPTModifier": {"sparsity": 0.75, "mask_structure": "1:4", "targets": [mlp]}}
+    config = sparsity_config("one_four", one_four)  # 1 kept of every 4 (NVIDIA's N:M): 3 zeros in every 4, as
+    assert (config["sparsity_structure"], config["targets"]) == ("3:4", mlp_names)  # compressed-tensors reads N:M
+
     config = sparsity_config("mixed", mixed)  # unstructured attention zeros: 2:4 is not true of every target
     assert config["sparsity_structure"] == "unstructured"
     assert config["targets"] == sorted([*mlp_names, *(f"model.layers.{i}.self_attn.{p}_proj" for i in layers
