@@ -188,8 +188,10 @@ def _through_parameters(name: str, module: nn.Module, pattern: str) -> set[str] 
     (``re:.*\\.down_proj$`` against ``mlp.experts.down_proj``): those parameters' names, whose expert views the
     pattern selects (not the module's other matrices); ``None`` otherwise (the pattern names the module itself, by
     name or class, or the module has no expert views)."""
+    if not matches(name, module, pattern):
+        return None
     views = weight_views(module)
-    if not views or "" in views or not matches(name, module, pattern):
+    if not views or "" in views:
         return None
     if pattern in ALL_MODULES or any(cls.__name__ == pattern for cls in type(module).__mro__):
         return None
