@@ -217,6 +217,22 @@ def test_perplexity_cache_key_follows_files_dtype_and_windows(tmp_path):
         assert PerplexityCache.default().directory is None
 
 
+def test_the_perplexity_cache_follows_the_cache_root_the_converted_models_use(tmp_path, monkeypatch):
+    """README: the dense perplexity is cached beside the converted model, under ``$LLMC_FSM_CACHE`` when set; a
+    newcomer's run with ``LLMC_FSM_CACHE`` set still wrote into the shared ``~/.cache/llmc_fsm/perplexity``."""
+    from llmc_fsm.models.known import cache_root
+
+    monkeypatch.delenv("LLMC_FSM_PERPLEXITY_CACHE", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.setenv("LLMC_FSM_CACHE", str(tmp_path / "root"))
+    assert PerplexityCache.default().directory == cache_root() / "perplexity" == tmp_path / "root" / "perplexity"
+    monkeypatch.delenv("LLMC_FSM_CACHE")
+    xdg = tmp_path / "xdg" / "llmc_fsm" / "perplexity"
+    assert PerplexityCache.default().directory == cache_root() / "perplexity" == xdg
+    monkeypatch.setenv("LLMC_FSM_PERPLEXITY_CACHE", str(tmp_path / "own"))
+    assert PerplexityCache.default().directory == tmp_path / "own"
+
+
 # ---------------------------------------------------------------- calibrated modifiers' memory
 @pytest.mark.parametrize(
     "recipe",

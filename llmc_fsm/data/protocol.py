@@ -487,13 +487,18 @@ class PerplexityCache:
 
     @classmethod
     def default(cls) -> PerplexityCache:
-        """``$LLMC_FSM_PERPLEXITY_CACHE``, else ``$XDG_CACHE_HOME/llmc_fsm/perplexity``, else
-        ``~/.cache/llmc_fsm/perplexity``; ``LLMC_FSM_PERPLEXITY_CACHE=off`` (or empty) turns it off."""
+        """``$LLMC_FSM_PERPLEXITY_CACHE``, else ``perplexity`` under the cache root the converted models use
+        (``$LLMC_FSM_CACHE``, else ``$XDG_CACHE_HOME/llmc_fsm``, else ``~/.cache/llmc_fsm``);
+        ``LLMC_FSM_PERPLEXITY_CACHE=off`` (or empty) turns it off. (Until 2026-12-05 ``LLMC_FSM_CACHE`` did not move
+        it, though README said so: a newcomer's run wrote into the shared ``~/.cache``.)"""
         env = os.environ.get(cls.ENV)
         if env is not None:
             return cls(None if env.strip() in ("", "off") else env)
-        xdg = os.environ.get("XDG_CACHE_HOME")
-        root = Path(xdg).expanduser() / "llmc_fsm" if xdg else Path.home() / ".cache" / "llmc_fsm"
+        root_env, xdg = os.environ.get("LLMC_FSM_CACHE"), os.environ.get("XDG_CACHE_HOME")
+        if root_env:
+            root = Path(root_env).expanduser()
+        else:
+            root = Path(xdg).expanduser() / "llmc_fsm" if xdg else Path.home() / ".cache" / "llmc_fsm"
         return cls(root / "perplexity")
 
     def key(self, model_dir: str | os.PathLike[str], dtype: str, windows: torch.Tensor) -> str | None:
