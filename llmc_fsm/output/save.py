@@ -44,7 +44,7 @@ from llmc_fsm.output.compressed import (
     unpacked_zero_points,
 )
 from llmc_fsm.recipes.model import Recipe
-from llmc_fsm.toolkit.masks import SPARSE_FROM
+from llmc_fsm.toolkit.masks import SPARSE_FROM, zeros_structure
 from llmc_fsm.toolkit.packed import format_problem, kept_packed
 from llmc_fsm.toolkit.targets import tied_head
 from llmc_fsm.toolkit.views import LinearView, weight_views
@@ -198,14 +198,11 @@ def sparsity_metadata(model: nn.Module, report: Any, structure: str | None) -> S
     sparse = [m for m in report.modules if m.sparsity >= SPARSE_FROM and m.name in names]
     if not sparse:
         return None
-    zeros_structure = None
-    if structure is not None and structure.count(":") == 1 and all(p.isdigit() for p in structure.split(":")):
-        kept, group = (int(p) for p in structure.split(":"))
-        zeros_structure = f"{group - kept}:{group}"
-    follows = zeros_structure is not None and all(m.follows(zeros_structure) for m in sparse)
+    zeros = zeros_structure(structure) if structure is not None else None
+    follows = zeros is not None and all(m.follows(zeros) for m in sparse)
     return SparsityMetadata(
         global_sparsity=pruned_sparsity(report),
-        structure=zeros_structure if follows else "unstructured",
+        structure=zeros if follows else "unstructured",
         targets=sorted(m.name for m in sparse),
     )
 

@@ -8,7 +8,7 @@ import math
 import numpy as np
 import torch
 
-__all__ = ["SPARSE_FROM", "fewest_zeros", "follows_structure", "pack_mask", "unpack_mask"]
+__all__ = ["SPARSE_FROM", "fewest_zeros", "follows_structure", "pack_mask", "unpack_mask", "zeros_structure"]
 
 #: Zeros from which a weight counts as sparse (5%): its N:M groups are measured (:func:`fewest_zeros`), and a saved
 #: ``sparsity_config`` lists it.
@@ -62,8 +62,22 @@ def fewest_zeros(weight: torch.Tensor, zeros: int) -> dict[int, int]:
     return {m: int(zero.reshape(rows, cols // m, m).sum(dim=2, dtype=torch.int32).min()) for m in widths}
 
 
-def follows_structure(fewest: dict[int, int], structure: str) -> bool:
-    """Whether a weight whose :func:`fewest_zeros` are ``fewest`` follows ``structure`` (``"N:M"``); ``False`` for a
-    structure that was not measured (another M) or is not ``N:M``."""
+def _n_m(structure: str) -> tuple[int, int] | None:
+    """``(N, M)`` of ``"N:M"``, else ``None``."""
     n, _, m = structure.partition(":")
-    return n.isdigit() and m.isdigit() and int(m) in fewest and fewest[int(m)] >= int(n)
+    return (int(n), int(m)) if n.isdigit() and m.isdigit() else None
+
+
+def follows_structure(fewest: dict[int, int], structure: str) -> bool:
+    """Whether a weight whose :func:`fewest_zeros` are ``fewest`` follows ``structure`` (``"N:M"``: at least N zeros in
+    every M); ``False`` for a structure that was not measured (another M) or is not ``N:M``."""
+    nm = _n_m(structure)
+    return nm is not None and nm[1] in fewest and fewest[nm[1]] >= nm[0]
+
+
+def zeros_structure(kept: str) -> str | None:
+    """The ``"N:M"`` of N zeros in every M (compressed-tensors' and vLLM's reading) of a pruning ``mask_structure``
+    read as N *kept* of every M (NVIDIA's, the first-party pruners'): ``"1:4"`` -> ``"3:4"``; ``None`` when not
+    ``N:M``."""
+    nm = _n_m(kept)
+    return None if nm is None else f"{nm[1] - nm[0]}:{nm[1]}"
