@@ -655,14 +655,14 @@ def run_entry(entry: Entry, workdir: Path) -> dict[str, Any]:
     config = json.loads((out / "config.json").read_text()) if (out / "config.json").exists() else {}
     result["quantization_config"] = config.get("quantization_config")
     result["recipe_diff"] = recipe_diff(entry.recipe, result["saved_recipe"]) if result["saved_recipe"] else []
-    window = data[:1]
+    window = _model_inputs(model, data[:1])
     try:
         with torch.no_grad():
-            ref = model(input_ids=window).logits.float()
+            ref = model(**window).logits.float()
         cls = getattr(transformers, FAMILIES[family][2] or "AutoModelForCausalLM")
         reloaded = cls.from_pretrained(str(out), dtype=dtype).eval()
         with torch.no_grad():
-            got = reloaded(input_ids=window).logits.float()
+            got = reloaded(**window).logits.float()
         result["reload_max_abs_logit_diff"] = float((got - ref).abs().max())
         result["reload_equal"] = bool(torch.equal(got, ref))
         if not result["reload_equal"] and (result["quantization_config"] or {}).get("kv_cache_scheme"):
@@ -671,11 +671,25 @@ def run_entry(entry: Entry, workdir: Path) -> dict[str, Any]:
 
             load_kv_cache_scales(reloaded, out)
             with torch.no_grad():
-                got = reloaded(input_ids=window).logits.float()
+                got = reloaded(**window).logits.float()
             result["reload_equal_with_kv_scales"] = bool(torch.equal(got, ref))
     except Exception as exc:
         result["reload"] = _failure("reload", exc)
     return result
+
+
+def _model_inputs(model: Any, window: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The logits' inputs: the token ids; an encoder-decoder model (Whisper) reads them as its decoder's and random
+    audio features (seed 0) as its encoder's."""
+    import torch
+
+    config = model.config
+    if not getattr(config, "is_encoder_decoder", False):
+        return {"input_ids": window}
+    gen = torch.Generator().manual_seed(0)
+    shape = (window.shape[0], config.num_mel_bins, 2 * config.max_source_positions)
+    features = torch.randn(shape, generator=gen).to(next(model.parameters()).dtype)
+    return {"input_features": features, "decoder_input_ids": window}
 
 
 def _child(entry: Entry, workdir: str, queue: Any) -> None:

@@ -102,6 +102,15 @@ def test_gptq_quantizes_the_language_model_only_and_the_output_reloads(tmp_path,
         assert torch.equal(param, before[name]), name
 
 
+WHISPER_CALIBRATED = (
+    "WhisperForConditionalGeneration (model_type 'whisper') is an encoder-decoder model: its decoder layers "
+    "(model.decoder.layers) attend to the encoder's output, which the sequential pipeline's calibration (token ids as "
+    "the model's input_ids) does not produce; it calibrates and evaluates decoder-only language models (multimodal "
+    "ones on text, through their language model): not supported; a recipe that needs no calibration data (e.g. "
+    "FP8_DYNAMIC or W8A8 round-to-nearest) runs on it"
+)
+
+
 def test_whisper_is_refused_before_any_work_naming_the_family_and_why():
     """Whisper's decoder attends to encoder states computed from audio features: text tokens cannot calibrate it."""
     model = build("whisper")
@@ -109,12 +118,7 @@ def test_whisper_is_refused_before_any_work_naming_the_family_and_why():
     with pytest.raises(UnsupportedArchitectureError) as info:
         llmc_fsm.oneshot(model=model, recipe={"s": {"SparseGPTModifier": {"sparsity": 0.5}}}, dataset=DATA,
                          progress=False)  # fmt: skip
-    assert str(info.value) == (
-        "WhisperForConditionalGeneration (model_type 'whisper') is an encoder-decoder model: its decoder layers "
-        "(model.decoder.layers) attend to the encoder's output, which the sequential pipeline's calibration (token "
-        "ids as the model's input_ids) does not produce; it calibrates decoder-only language models (multimodal "
-        "ones on text, through their language model): not supported"
-    )
+    assert str(info.value) == WHISPER_CALIBRATED
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
 
 
@@ -221,15 +225,15 @@ def test_the_loader_class_keeps_every_part_the_checkpoint_holds(tmp_path):
 
 def test_a_whisper_directory_is_refused_before_its_weights_are_read_not_cut_to_its_decoder(tmp_path, capsys,
                                                                                             monkeypatch):
-    """A data-free job on a Whisper checkpoint directory (the CLI streams such jobs by default): refused from the
-    ``meta``-device model, with the in-memory model's message, nothing written. Before, ``AutoModelForCausalLM``
-    built ``WhisperForCausalLM`` and the output silently held the decoder alone."""
+    """A calibrated job on a Whisper checkpoint directory: refused from the ``meta``-device model, with the in-memory
+    model's message, nothing written. Before, ``AutoModelForCausalLM`` built ``WhisperForCausalLM`` and the output
+    silently held the decoder alone."""
     from llmc_fsm.cli import main
 
     build("whisper").save_pretrained(tmp_path / "whisper")
     capsys.readouterr()  # save_pretrained's progress bar
-    recipe = tmp_path / "w8a8.yaml"
-    recipe.write_text("s:\n  QuantizationModifier: {targets: [Linear], scheme: W8A8, ignore: [proj_out]}\n")
+    recipe = tmp_path / "gptq.yaml"
+    recipe.write_text("s:\n  GPTQModifier: {targets: [Linear], scheme: W8A8, ignore: [proj_out]}\n")
 
     def refuse(*args, **kwargs):
         raise AssertionError("the model's weights were read before the refusal")
@@ -238,13 +242,83 @@ def test_a_whisper_directory_is_refused_before_its_weights_are_read_not_cut_to_i
     monkeypatch.setattr("llmc_fsm.oneshot_job.streaming.load_lazy", refuse)
     argv = ["oneshot", "--model", str(tmp_path / "whisper"), "--recipe", str(recipe), "--no-progress"]
     assert main([*argv, "--output", str(tmp_path / "out")]) == 1
+    assert capsys.readouterr().err == f"llmc-fsm oneshot: error: {WHISPER_CALIBRATED}\n"
+    assert not (tmp_path / "out").exists()
+
+
+def _whisper_inputs(model):
+    gen = torch.Generator().manual_seed(3)
+    config = model.config
+    features = torch.randn(2, config.num_mel_bins, 2 * config.max_source_positions, generator=gen)
+    return {"input_features": features, "decoder_input_ids": torch.randint(3, config.vocab_size, (2, 10), generator=gen)}
+
+
+def test_a_data_free_job_quantizes_every_linear_of_whispers_encoder_and_decoder(tmp_path, capsys, caplog):
+    """llm-compressor's Whisper FP8 example is data-free (``oneshot(model=model, recipe=recipe)``, no dataset): the CLI
+    runs such a recipe on a Whisper directory in memory (the streamed path would drop the encoder), every Linear of
+    encoder and decoder but the ignored ``proj_out`` is quantized, the output reloads with its class and the in-memory
+    logits, and the report gives one row per encoder layer. Before, every Whisper job was refused."""
+    from llmc_fsm.cli import main
+
+    model = build("whisper")
+    model.save_pretrained(tmp_path / "whisper")
+    recipe = tmp_path / "w8a8.yaml"
+    recipe.write_text("s:\n  QuantizationModifier: {targets: [Linear], scheme: W8A8, ignore: [proj_out]}\n")
+    capsys.readouterr()
+    assert main(["oneshot", "--model", str(tmp_path / "whisper"), "--recipe", str(recipe), "--no-progress",
+                 "--output", str(tmp_path / "out")]) == 0  # fmt: skip
+    report = capsys.readouterr().out
+    in_memory = llmc_fsm.oneshot(model=build("whisper"), recipe=str(recipe), progress=False)
+    reloaded, info = transformers.WhisperForConditionalGeneration.from_pretrained(tmp_path / "out",
+                                                                                 output_loading_info=True)
+    assert (info["missing_keys"], info["unexpected_keys"], info["mismatched_keys"]) == (set(), set(), set())
+    linears = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    quantized = {n for n, m in reloaded.named_modules() if hasattr(m, "quantization_scheme")}
+    assert quantized == linears - {"proj_out"}
+    assert {n.split(".")[1] for n in quantized} == {"encoder", "decoder"}
+    inputs = _whisper_inputs(model)
+    with torch.no_grad():
+        expected = in_memory.eval()(**inputs).logits
+        torch.testing.assert_close(reloaded.eval()(**inputs).logits, expected, rtol=0, atol=0)
+        assert not torch.equal(expected, model(**inputs).logits)
+    rows = [line.split() for line in report.splitlines() if line.lstrip().startswith("model.encoder.layers.")]
+    assert rows == [[f"model.encoder.layers.{i}", "32,768", "0.00%", "8b", "-"] for i in range(6)]
+
+
+def test_a_data_free_whisper_job_with_an_evaluation_text_is_refused_before_any_work(tmp_path, capsys):
+    """Perplexity evaluation feeds token ids as ``input_ids``, which Whisper's forward does not take: refused in one
+    line before the weights are read, naming what to leave out; nothing written."""
+    from llmc_fsm.cli import main
+
+    build("whisper").save_pretrained(tmp_path / "whisper")
+    (tmp_path / "eval.txt").write_text("some text to evaluate on\n" * 200)
+    capsys.readouterr()
+    argv = ["oneshot", "--model", str(tmp_path / "whisper"), "--scheme", "W8A8", "--method", "rtn", "--no-progress",
+            "--eval-text", str(tmp_path / "eval.txt"), "--output", str(tmp_path / "out")]  # fmt: skip
+    assert main(argv) == 1
     assert capsys.readouterr().err == (
         "llmc-fsm oneshot: error: WhisperForConditionalGeneration (model_type 'whisper') is an encoder-decoder "
-        "model: its decoder layers (model.decoder.layers) attend to the encoder's output, which the sequential "
-        "pipeline's calibration (token ids as the model's input_ids) does not produce; it calibrates decoder-only "
-        "language models (multimodal ones on text, through their language model): not supported\n"
+        "model: its decoder layers (model.decoder.layers) attend to the encoder's output, which perplexity "
+        "evaluation (token ids as the model's input_ids, --eval-text / eval_text) does not give; it calibrates and "
+        "evaluates decoder-only language models (multimodal ones on text, through their language model): not "
+        "supported; leave out the evaluation text\n"
     )
     assert not (tmp_path / "out").exists()
+
+
+def test_whispers_head_is_named_when_the_default_ignore_names_no_module(caplog):
+    """A recipe without ``ignore``: the default ``[lm_head]`` names no module of Whisper, whose head is ``proj_out``;
+    the line says the head is quantized (it was: llm-compressor's empty default does the same) instead of claiming
+    ``lm_head`` is kept dense."""
+    model = build("whisper")
+    with caplog.at_level("WARNING"):
+        out = llmc_fsm.oneshot(model=model, recipe={"s": {"QuantizationModifier": {"scheme": "W8A8"}}}, progress=False)
+    assert hasattr(out.proj_out, "quantization_scheme")
+    assert [r.getMessage() for r in caplog.records if "no ignore given" in r.getMessage()] == [
+        "QuantizationModifier: no ignore given: the default ignore [lm_head] names no module of "
+        "WhisperForConditionalGeneration (model_type 'whisper'), so its output head proj_out is quantized like any "
+        "target (as llm-compressor's empty default does); give ignore: [proj_out] to keep it dense"
+    ]
 
 
 def test_a_qwen2_audio_directory_runs_in_memory_with_its_audio_tower(tmp_path, capsys):
@@ -279,3 +353,21 @@ def test_a_qwen2_audio_directory_runs_in_memory_with_its_audio_tower(tmp_path, c
     in_memory = llmc_fsm.oneshot(model=model, recipe=str(recipe), dataset=DATA, progress=False)
     with torch.no_grad():
         _assert_reloads(info, in_memory(DATA[:2]).logits, reloaded(DATA[:2]).logits)
+
+
+def test_explain_with_a_whisper_directory_refuses_a_calibrated_recipe_as_oneshot_does(tmp_path, capsys):
+    """``explain RECIPE --model DIR`` runs oneshot's checks: a GPTQ recipe on a Whisper directory gets oneshot's
+    refusal (before, explain said "oneshot's checks of --model ... pass"); a data-free one is ready."""
+    from llmc_fsm.cli import main
+
+    build("whisper").save_pretrained(tmp_path / "whisper")
+    (tmp_path / "gptq.yaml").write_text("s:\n  GPTQModifier: {targets: [Linear], scheme: W8A8, ignore: [proj_out]}\n")
+    (tmp_path / "rtn.yaml").write_text("s:\n  QuantizationModifier: {targets: [Linear], scheme: W8A8}\n")
+    capsys.readouterr()
+    assert main(["explain", str(tmp_path / "gptq.yaml"), "--model", str(tmp_path / "whisper")]) == 1
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"llmc-fsm explain: error: oneshot would refuse this recipe on --model {tmp_path / 'whisper'}: "
+        f"{WHISPER_CALIBRATED}"
+    )
+    assert main(["explain", str(tmp_path / "rtn.yaml"), "--model", str(tmp_path / "whisper")]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == "Ready to initialize: every required state key is present."

@@ -23,6 +23,7 @@ from llmc_fsm.core.errors import MissingStateError, RecipeError
 from llmc_fsm.core.registry import DISABLE_ENV, get_registry
 from llmc_fsm.models.hf_io import meta_model
 from llmc_fsm.models.known import KNOWN_MODELS, known_model_dir
+from llmc_fsm.models.layers import check_calibrates_from_text
 from llmc_fsm.oneshot_job.data import check_modifiers, torch_dtype_of
 from llmc_fsm.oneshot_job.settings import DTYPES
 from llmc_fsm.recipes.llmcompressor import unimplemented_note
@@ -145,6 +146,8 @@ def _run_explain(args: argparse.Namespace) -> int:
     if model is not None:
         session.update_state(model=model)
         try:  # the checks oneshot runs on the same meta-device model before any weight (group sizes, targets...)
+            if any("calibration_data" in m.required_keys() for m in session.modifiers):
+                check_calibrates_from_text(model)  # an encoder-decoder model (Whisper) calibrates on no token ids
             check_modifiers([session], model, True)
         except MissingStateError:  # a training recipe: the plan lists what it needs
             pass

@@ -112,18 +112,21 @@ def find_decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
     return best
 
 
-def check_calibrates_from_text(model: nn.Module) -> None:
-    """Refuse, before any work, a model whose decoder layers token ids alone cannot calibrate.
+def check_calibrates_from_text(model: nn.Module, *, evaluates: bool = False) -> None:
+    """Refuse, before any work, a model whose decoder layers token ids alone cannot run.
 
     An encoder-decoder model (``config.is_encoder_decoder``: Whisper, T5, BART...) runs its decoder layers on the
-    encoder's output, and the sequential pipeline's calibration data are token ids given as ``input_ids`` to the
-    model's forward: Whisper's encoder reads audio features, not text, and its forward takes no ``input_ids``.
-    Decoder-only models, and multimodal models whose language model runs on text alone (LLaVA, Qwen2-VL,
-    Qwen2-Audio...), pass.
+    encoder's output, and the sequential pipeline's calibration data (and the perplexity evaluation's windows,
+    ``evaluates=True``) are token ids given as ``input_ids`` to the model's forward: Whisper's encoder reads audio
+    features, not text, and its forward takes no ``input_ids``. Decoder-only models, and multimodal models whose
+    language model runs on text alone (LLaVA, Qwen2-VL, Qwen2-Audio...), pass. A one-shot job that neither
+    calibrates nor evaluates (round-to-nearest of the weights, activations dynamic or not quantized: e.g.
+    llm-compressor's Whisper ``FP8_DYNAMIC`` example) does not call this: it runs on every Linear of encoder and
+    decoder.
 
     Raises:
         UnsupportedArchitectureError: (a ``ValueError``) an encoder-decoder model; one line naming the family,
-            its decoder layers and why.
+            its decoder layers, why, and what does run.
     """
     config = getattr(model, "config", None)
     if not getattr(config, "is_encoder_decoder", False):
@@ -132,10 +135,15 @@ def check_calibrates_from_text(model: nn.Module) -> None:
         where = f" ({find_decoder_layers(model)[0]})"
     except UnsupportedArchitectureError:
         where = ""
+    if evaluates:
+        what = "which perplexity evaluation (token ids as the model's input_ids, --eval-text / eval_text) does not give"
+        remedy = "leave out the evaluation text"
+    else:
+        what = "which the sequential pipeline's calibration (token ids as the model's input_ids) does not produce"
+        remedy = "a recipe that needs no calibration data (e.g. FP8_DYNAMIC or W8A8 round-to-nearest) runs on it"
     msg = (
         f"{model_family(model)} is an encoder-decoder model: its decoder layers{where} attend to the encoder's output, "
-        "which the sequential pipeline's calibration (token ids as the model's input_ids) does not produce; it "
-        "calibrates decoder-only language models (multimodal ones on text, through their language model): not "
-        "supported"
+        f"{what}; it calibrates and evaluates decoder-only language models (multimodal ones on text, through their "
+        f"language model): not supported; {remedy}"
     )
     raise UnsupportedArchitectureError(msg)

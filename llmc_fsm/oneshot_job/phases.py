@@ -396,7 +396,7 @@ def _check_on_meta(run: Run) -> None:
     (:func:`~llmc_fsm.oneshot_job.data.check_modifiers`: group sizes against the targets' widths, targets that
     match nothing, a checkpoint that is already quantized, ...) run on the model its config describes, built on the
     ``meta`` device (:func:`~llmc_fsm.models.hf_io.meta_model`; no weight read), after
-    :func:`~llmc_fsm.models.layers.check_calibrates_from_text` (an encoder-decoder model), so such a refusal comes
+    :func:`_check_runs_on_text` (an encoder-decoder model calibrated or evaluated), so such a refusal comes
     before the load, with the message the loaded model would get. A model directory, a Hub ID whose config could
     be read, and a known name whose converted directory is cached are checked here; a config the model classes
     cannot build, and an ``nn.Module`` (nothing to load), are checked after loading, as before. A check that fails
@@ -404,7 +404,8 @@ def _check_on_meta(run: Run) -> None:
     model.
 
     Raises:
-        UnsupportedArchitectureError: (a ``ValueError``) an encoder-decoder model (Whisper, T5...).
+        UnsupportedArchitectureError: (a ``ValueError``) an encoder-decoder model (Whisper, T5...) the job would
+            calibrate or evaluate on token ids.
         ValueError: one line, the first modifier check that fails, e.g. ``"<modifier>: the model is already
             quantized (...); <what to do>"`` or a group size that divides no target's width.
         MissingStateError: as :func:`~llmc_fsm.oneshot_job.data.check_modifiers`.
@@ -422,7 +423,7 @@ def _check_on_meta(run: Run) -> None:
     except Exception as err:  # any config transformers cannot build: loading reports it, as before
         logger.debug("the model of this config cannot be built on meta (%s): checked after loading", err)
         return
-    check_calibrates_from_text(skeleton)  # an encoder-decoder model: refused as the loaded one would be
+    _check_runs_on_text(run, skeleton)  # an encoder-decoder model: refused as the loaded one would be
     try:
         check_modifiers(run.sessions, skeleton, True)
         _check_format_of_targets(run, skeleton)
@@ -430,6 +431,19 @@ def _check_on_meta(run: Run) -> None:
         raise
     except Exception as err:  # a check that needs real weights: it runs again on the loaded model
         logger.debug("a modifier check failed on the meta-device model (%r): checked after loading", err)
+
+
+def _check_runs_on_text(run: Run, model: Any) -> None:
+    """An encoder-decoder model (Whisper) is refused only where the job runs it on token ids: a recipe that needs
+    calibration data, or a perplexity evaluation; a data-free job quantizes its encoder's and decoder's Linears.
+
+    Raises:
+        UnsupportedArchitectureError: as :func:`~llmc_fsm.models.layers.check_calibrates_from_text`.
+    """
+    if run.needs_data:
+        check_calibrates_from_text(model)
+    elif run.settings.eval_text is not None:
+        check_calibrates_from_text(model, evaluates=True)
 
 
 def _check_format_of_targets(run: Run, model: Any) -> None:
@@ -668,7 +682,7 @@ def load(run: Run) -> None:
         run.tokenizer = given_tokenizer(settings)
         if isinstance(settings.model, nn.Module):
             run.model = settings.model
-            check_calibrates_from_text(run.model)
+            _check_runs_on_text(run, run.model)
             _load_processor(run)
             run.model_name = type(run.model).__name__
             if any(p.is_meta for p in run.model.parameters()):
@@ -692,7 +706,7 @@ def load(run: Run) -> None:
         dtype = "auto" if settings.dtype == "auto" else torch_dtype_of(settings.dtype)  # auto: from_pretrained's own
         loaded, tokenizer = load_model(settings.model, torch_dtype=dtype)  # a vision-language model with its tower
         run.model = loaded
-        check_calibrates_from_text(run.model)
+        _check_runs_on_text(run, run.model)
         _load_processor(run)
         _keep_processor(run)
         run.tokenizer = run.tokenizer if run.tokenizer is not None else tokenizer

@@ -7,6 +7,7 @@ taken from what the modifiers intended.
 from __future__ import annotations
 
 import json
+import re
 import resource
 import statistics
 import sys
@@ -342,19 +343,24 @@ class OneshotReport:
         quant = self.layer_quantization()
         outside = [m for m in self._targeted() if m.layer is None]
         bits_columns = bool(quant) or any(m.bits is not None for m in outside)
+        blocks = _outside_blocks(outside)
+        width = max([7, *(len(name) for name in blocks)])
         if rows:
             lines.append("")
             extra = f"  {'quantized':>9}  {'rel. output error':>16}" if bits_columns else ""
-            lines.append(f"{'layer':>7}  {'weights':>10}  {'sparsity':>8}{extra}")
+            lines.append(f"{'layer':>{width}}  {'weights':>10}  {'sparsity':>8}{extra}")
             for i, s, n in rows:
                 label, err = quant.get(i, ("-", None))
                 extra = f"  {label:>9}  {'-' if err is None else f'{err:.4f}':>16}" if bits_columns else ""
-                lines.append(f"{i:>7}  {n:>10,}  {s:>8.2%}{extra}")
-        for m in outside:  # lm_head, a quantized embedding
-            label = f"{m.bits}b" + (f"/g{m.group_size}" if m.group_size else "") if m.bits is not None else "-"
-            err = m.rel_output_error
+                lines.append(f"{i:>{width}}  {n:>10,}  {s:>8.2%}{extra}")
+        for name, mods in blocks.items():  # lm_head, a quantized embedding, an encoder's layers
+            labels = sorted({f"{m.bits}b" + (f"/g{m.group_size}" if m.group_size else "") for m in mods if m.bits})
+            label = ",".join(labels) + ("*" if labels and any(m.bits is None for m in mods) else "") or "-"
+            measured = [m for m in mods if m.rel_output_error is not None]
+            size, numel, zeros = sum(m.numel for m in measured), sum(m.numel for m in mods), sum(m.zeros for m in mods)
+            err = sum(m.numel * m.rel_output_error for m in measured) / size if size else None
             extra = f"  {label:>9}  {'-' if err is None else f'{err:.4f}':>16}" if bits_columns else ""
-            lines.append(f"{m.name:>7}  {m.numel:>10,}  {m.sparsity:>8.2%}{extra}")
+            lines.append(f"{name:>{width}}  {numel:>10,}  {zeros / numel if numel else 0.0:>8.2%}{extra}")
         lines.extend(self._unquantized_note())
         lines.extend(self._stacked_errors_note())
         lines.extend(self._routed_tokens_note())
@@ -363,7 +369,7 @@ class OneshotReport:
         lines.extend(_tuning_line(label, results) for label, results in self.tuning.items())
         untouched = [m for m in self.modules if m.name not in set(self.targeted)]
         total_numel = sum(m.numel for m in self._targeted())
-        lines.append(f"{'total':>7}  {total_numel:>10,}  {self.total_sparsity:>8.2%}   (targeted weights)")
+        lines.append(f"{'total':>{width}}  {total_numel:>10,}  {self.total_sparsity:>8.2%}   (targeted weights)")
         if bits_columns:
             lines.append(
                 "(a quantized weight's sparsity counts the zeros it held before quantization; "
@@ -480,6 +486,17 @@ def _kv_cache_line(label: str, scales: dict[str, dict[str, list[float]]]) -> str
         values = [x for v in scales.values() for x in v.get(kind, [])]
         ranges.append(f"{kind} {min(values):.3g} to {max(values):.3g}")
     return f"{label}: FP8 scales calibrated on {len(scales)} attention modules: {'; '.join(ranges)}"
+
+
+def _outside_blocks(modules: list[ModuleSparsity]) -> dict[str, list[ModuleSparsity]]:
+    """The report's rows for targeted modules outside the decoder layers: one per numbered block they sit in
+    (Whisper's ``model.encoder.layers.3`` for its six Linears), one per module elsewhere (``lm_head``), in order.
+    A block's label ends in ``*`` when some of its targeted weights were left unquantized."""
+    blocks: dict[str, list[ModuleSparsity]] = {}
+    for m in modules:
+        found = re.match(r"(.*\.\d+)\.", m.name)
+        blocks.setdefault(found.group(1) if found else m.name, []).append(m)
+    return blocks
 
 
 def _tuning_line(label: str, results: dict[str, dict[str, Any]]) -> str:

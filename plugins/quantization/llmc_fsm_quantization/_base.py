@@ -994,11 +994,7 @@ class QuantizingModifier(CalibratedModifier):
             return {}
         if self._ignore_defaulted and not self._ignore_logged:
             self._ignore_logged = True
-            logger.warning(
-                "%s: no ignore given: lm_head is kept dense (ignore: [lm_head]; llm-compressor's default ignore is "
-                "empty, which quantizes lm_head too: give ignore: [] for that)",
-                type(self).__name__,
-            )
+            self._warn_default_ignore(model)
         self._group_of = self._memberships(model)
         try:
             targets = super().check_model(model)
@@ -1012,6 +1008,29 @@ class QuantizingModifier(CalibratedModifier):
         if self._kv_args is not None:
             self._kv_attention = self._check_kv_cache(model)
         return targets
+
+    def _warn_default_ignore(self, model: nn.Module) -> None:
+        """One line on the ``ignore`` a recipe did not give: ``[lm_head]`` keeps the output head dense where it is
+        named ``lm_head``; a head of another name (Whisper's ``proj_out``) is a target like any Linear, and the line
+        says so instead of claiming a dense head."""
+        get_head = getattr(model, "get_output_embeddings", None)
+        head = get_head() if callable(get_head) else None
+        name = next((n for n, m in model.named_modules() if m is head), None) if head is not None else None
+        if name is None or name.rsplit(".", 1)[-1] == "lm_head":
+            logger.warning(
+                "%s: no ignore given: lm_head is kept dense (ignore: [lm_head]; llm-compressor's default ignore is "
+                "empty, which quantizes lm_head too: give ignore: [] for that)",
+                type(self).__name__,
+            )
+            return
+        logger.warning(
+            "%s: no ignore given: the default ignore [lm_head] names no module of %s, so its output head %s is "
+            "quantized like any target (as llm-compressor's empty default does); give ignore: [%s] to keep it dense",
+            type(self).__name__,
+            model_family(model),
+            name,
+            name,
+        )
 
     def _fused_siblings(self, model: nn.Module, targets: dict[str, nn.Module]) -> dict[str, tuple[str, ...]]:
         """``{target name: names of the modules it is fused with, itself included}`` for every NVFP4 target that
