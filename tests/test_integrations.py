@@ -247,6 +247,53 @@ def test_trainer_resume_from_a_checkpoint_without_the_session_is_refused(tmp_pat
     assert resumed.session.lifecycle == "staging"
 
 
+def test_trainer_resume_into_another_recipe_is_refused_before_the_trainer_loads_and_train_runs_again(tmp_path):
+    """Another recipe: refused in ``train()`` before the Trainer reads the checkpoint's weights; the session stays
+    ``staging`` with its state, so ``train()`` without the checkpoint runs (before, it was reset, its model and
+    teacher dropped, and the second ``train()`` failed with a MissingStateError)."""
+    reference, _ = _trainer(tmp_path / "a", _pruned_llama())
+    reference.train()
+    recipe = _resume_recipe()
+    recipe[1] = MagnitudePruningModifier(targets=[r"re:model\.layers\.1\..*"], init_sparsity=0.2,
+                                         final_sparsity=0.5, end=1.25, update=0.25)  # fmt: skip
+    model = _llama(5)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    other = SessionTrainer(model=model, args=_args(tmp_path / "b", max_steps=2), train_dataset=_Data(8),
+                           recipe=recipe, teacher=_llama(1))  # fmt: skip
+    with pytest.raises(CheckpointError) as info:
+        other.train(resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-3"))
+    assert info.value.differences == (
+        "modifier MagnitudePruningModifier: argument 'init_sparsity' is 0.1 in the checkpoint, 0.2 now",
+    )
+    assert other.session.lifecycle == "staging" and sorted(other.session.state) == ["model", "teacher"]
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())  # the Trainer loaded nothing
+    other.train()
+    assert other.session.lifecycle == "finalized" and other.session.global_step == 2
+
+
+def test_load_best_model_at_end_says_the_model_holds_an_earlier_steps_weights(tmp_path, caplog):
+    """The Trainer loads the best checkpoint before ``on_train_end``: a sparsity schedule's later updates are not in
+    the model the session is finalized on; one warning line says so (before: nothing)."""
+    layer1 = r"re:model\.layers\.1\..*"
+    trainer = SessionTrainer(
+        model=_llama(),
+        args=_args(tmp_path, max_steps=4, save_strategy="steps", save_steps=1, eval_strategy="steps", eval_steps=1,
+                   load_best_model_at_end=True, metric_for_best_model="loss", greater_is_better=True),  # fmt: skip
+        train_dataset=_Data(8),
+        eval_dataset=_Data(2),
+        recipe=[MagnitudePruningModifier(targets=[layer1], init_sparsity=0.1, final_sparsity=0.5, end=1.0, update=0.25)],
+    )
+    with caplog.at_level("WARNING", logger="llmc_fsm.integrations.transformers"):
+        trainer.train()
+    best = trainer.state.best_model_checkpoint
+    assert best == str(tmp_path / "checkpoint-1")  # the highest eval loss: the first step's
+    assert [r.getMessage() for r in caplog.records if r.name == "llmc_fsm.integrations.transformers"] == [
+        f"load_best_model_at_end: the Trainer loaded {best} (step 1) after the last step (4), so the model holds "
+        "step 1's weights: what the recipe's modifiers did after it (e.g. a sparsity schedule's later updates) is "
+        "not in them; the session is finalized on that model"
+    ]
+
+
 # --- the examples on the real model (CI-sized) -------------------------------------------
 
 

@@ -253,3 +253,102 @@ def test_a_calibration_hook_failing_inside_the_pipeline_is_a_modifier_error_nami
     assert _torch_hooks(model) == 0 and session.failed is not None
     with pytest.raises(LifecycleError, match="reload it"):
         session.calibration_end()
+
+
+# ------------------------------------------------------------------ a breaker's cases (2026-12-06)
+@attrs.define(kw_only=True, slots=False, eq=False)
+class Recorder(Modifier):
+    """Records its hooks; ``act(session, hook)`` runs inside the hooks named in ``act_in``."""
+
+    required_state = frozenset({"model"})
+    events: frozenset = attrs.field(default=frozenset(BATCH_EVENTS), init=True)
+    act_in: tuple = ()
+    act: object = None
+    end_raises: bool = False
+    calls: list = attrs.field(factory=list, init=False)
+
+    def _hook(self, name, state):
+        self.calls.append(name)
+        if name in self.act_in:
+            self.act(name)
+
+    def on_initialize(self, state):
+        self._hook("on_initialize", state)
+
+    def on_event(self, state, event):
+        self._hook(event.type, state)
+
+    def on_start(self, state, event):
+        self._hook("on_start", state)
+
+    def on_update(self, state, event):
+        self._hook("on_update", state)
+
+    def on_end(self, state, event):
+        self._hook("on_end", state)
+        if self.end_raises:
+            raise RuntimeError("on_end failed")
+
+    def on_finalize(self, state):
+        self._hook("on_finalize", state)
+
+
+def test_an_update_due_at_a_float_sum_fires_at_its_step_not_one_later():
+    """``update: 0.1`` with 10 steps per epoch: the updates fall at epochs 0.1, 0.2, ... 1.0, each at its own step
+    (before, the points were a running sum: 0.1 + 0.1 + 0.1 > 3 / 10, and the update of epoch 0.3 never fired)."""
+    rec = Recorder(start=0.0, end=1.0, update=0.1, events=frozenset())
+    session = Session([rec])
+    session.initialize(model=nn.Sequential(nn.Linear(2, 2)), steps_per_epoch=10)
+    fired = []
+    for _ in range(12):
+        before = len(rec.calls)
+        session.batch_start()
+        fired.append([c for c in rec.calls[before:] if c != "batch_start"])
+        for event in BATCH_EVENTS[1:]:
+            getattr(session, event)(*([1.0] if event == "loss_calculated" else []))
+    assert fired == [["on_start"]] + [["on_update"]] * 9 + [["on_end"], []]
+
+
+def test_on_end_raising_at_finalize_still_finalizes_that_modifier():
+    """The error says "All modifiers were still finalized": the failing modifier's own on_finalize runs too (before,
+    it shared one try with on_end and was skipped)."""
+    failing, other = Recorder(end_raises=True), Recorder()
+    session = Session([failing, other])
+    session.initialize(model=nn.Sequential(nn.Linear(2, 2)))
+    session.batch_start()
+    with pytest.raises(ModifierError) as info:
+        session.finalize()
+    assert str(info.value) == ("Recorder#1.on_end() raised RuntimeError: on_end failed (during finalize()). All "
+                               "modifiers were still finalized and their hooks removed.")  # fmt: skip
+    assert failing.calls[-2:] == ["on_end", "on_finalize"] and other.calls[-2:] == ["on_end", "on_finalize"]
+    assert session.lifecycle == "finalized"
+
+
+@pytest.mark.parametrize("inside", ["batch_start", "on_end", "on_initialize"])
+@pytest.mark.parametrize("call", ["finalize", "reset", "batch_end", "update_state", "state_dict"])
+def test_a_hook_calling_its_own_session_is_refused_and_the_event_reaches_the_others_in_order(inside, call):
+    """Before, a hook's ``finalize()`` ran every ``on_finalize`` while the event was still being dispatched (the next
+    modifier then saw ``finalize`` as its ``batch_start``), a hook's ``batch_end()`` made later modifiers see
+    ``batch_end`` twice, and ``finalize()`` from ``on_end`` finalized every modifier twice."""
+    session = Session()
+    errors = []
+
+    def act(hook):
+        try:
+            getattr(session, call)(**({"x": 1} if call == "update_state" else {}))
+        except LifecycleError as exc:
+            errors.append(str(exc))
+
+    first, second = Recorder(act_in=(inside,), act=act), Recorder()
+    session.reset([first, second])
+    session.initialize(model=nn.Sequential(nn.Linear(2, 2)))
+    session.batch_start()
+    session.finalize()
+    during = {"batch_start": "batch_start()", "on_end": "finalize()", "on_initialize": "initialize()"}[inside]
+    assert errors == [
+        f"{call}() refused: called from a modifier's hook while the session runs {during}; a hook must not drive its "
+        f"own session (the other modifiers would see the events out of order): make the call from your code after "
+        f"{during} returns. Nothing was changed."
+    ]
+    expected = ["on_initialize", "on_start", "batch_start", "on_end", "on_finalize"]
+    assert first.calls == expected and second.calls == expected

@@ -574,7 +574,10 @@ def test_interrupted_and_resumed_run_is_identical_to_an_uninterrupted_one(tmp_pa
         assert torch.equal(p, ref_weights[name]), name
 
 
-def test_resume_into_another_recipe_is_refused_and_releases_the_session(tmp_path):
+def test_resume_into_another_recipe_is_refused_and_leaves_the_session_as_it_was(tmp_path):
+    """Refused before ``initialize`` (the recipe differs): the session stays ``staging`` with its state, nothing
+    initialized, so ``initialize`` may be called again (before, it was reset to ``created``, its state dropped, while
+    the message said "Nothing was loaded")."""
     model, optimizer, session = _fresh_run()
     initialize(session)
     _train(session, model, optimizer, _batches(6), epochs=1, accumulation=2, save_at=2, directory=tmp_path)
@@ -586,7 +589,32 @@ def test_resume_into_another_recipe_is_refused_and_releases_the_session(tmp_path
     assert info.value.differences == (
         "modifier OutputDistillationModifier: argument 'temperature' is 2.0 in the checkpoint, 4.0 now",
     )
-    assert other.lifecycle == "created" and len(model._forward_hooks) == 0
+    assert other.lifecycle == "staging" and len(model._forward_hooks) == 0
+    assert sorted(other.state) == ["model", "optimizer", "steps_per_epoch", "teacher"]
+    assert all(m._binding is None for m in other.modifiers)  # never initialized
+    initialize(other)  # the same session, without the checkpoint
+    assert other.lifecycle == "initialized"
+    other.finalize()
+
+
+def test_a_checkpoint_a_modifier_refuses_after_initialize_puts_the_session_back_as_it_was(tmp_path, monkeypatch):
+    """What only a modifier can refuse shows after ``initialize``: the session is reset and given its state back
+    (``staging``, hooks removed), not left ``created`` with nothing."""
+    model, optimizer, session = _fresh_run()
+    initialize(session)
+    _train(session, model, optimizer, _batches(6), epochs=1, accumulation=2, save_at=2, directory=tmp_path)
+    session.finalize()
+    model, optimizer, session = _fresh_run()
+    staged = dict(session.state.values)
+
+    def refuse(self, state):
+        raise ValueError("not mine")
+
+    monkeypatch.setattr(OutputDistillationModifier, "load_state_dict", refuse)
+    with pytest.raises(CheckpointError, match=r"OutputDistillationModifier.load_state_dict\(\) refused its part"):
+        initialize(session, checkpoint=tmp_path / "session")
+    assert session.lifecycle == "staging" and dict(session.state.values) == staged
+    assert len(model._forward_hooks) == 0
 
 
 def test_resume_position_arithmetic():
@@ -764,5 +792,42 @@ def test_the_teacher_computes_on_its_own_device_and_its_logits_come_back_to_the_
     expected = (torch.full_like(log_q_s, 1 / 11) * (math.log(1 / 11) - log_q_s)).sum(-1).mean()  # KL(uniform||q_s)
     assert loss.device == torch.device("cpu")
     assert float(loss.detach()) == pytest.approx(float(expected), rel=1e-5)
+    session.batch_end()
+    session.finalize()
+
+
+def test_a_calibration_only_modifier_in_a_training_loop_is_named_at_the_first_batch(caplog):
+    """Round-to-nearest quantization acts on calibration events only: in training batches it does nothing (no
+    quantization-aware training). One warning line at the run's first batch names it (before: nothing, and the
+    finalized model was silently float)."""
+    from llmc_fsm_quantization import QuantizationModifier
+
+    model = TinyLM()
+    session = Session([QuantizationModifier(scheme="W8A8", ignore=["lm_head"]), LearningRateModifier(init_lr=0.1)])
+    session.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), steps_per_epoch=2)
+    with caplog.at_level("WARNING", logger="llmc_fsm.session.events"):
+        for batch in _batches(2):
+            session.batch_start(batch)
+            session.loss_calculated(model(**batch).loss)
+            session.batch_end()
+    assert [r.getMessage() for r in caplog.records if r.name == "llmc_fsm.session.events"] == [
+        "QuantizationModifier compresses on calibration events only (calibration_start ... calibration_end): in "
+        "training batches it does nothing (quantization-aware training is not implemented); compress after "
+        "training, e.g. llmc_fsm.oneshot(model, recipe), or send the calibration events"
+    ]
+    session.finalize()
+
+
+def test_distillation_takes_a_number_as_the_loss():
+    """``loss_calculated`` takes "a tensor, or a number": with distillation a float loss gave an AttributeError."""
+    model, teacher = TinyLM(), TinyLM(seed=7)
+    session = Session([OutputDistillationModifier(temperature=2.0, alpha=0.5)])
+    session.initialize(model=model, teacher=teacher)
+    batch = _batches(1)[0]
+    session.batch_start(batch)
+    out = model(**batch)
+    loss = session.loss_calculated(out.loss.item())
+    kd = distillation_kl(out.logits, teacher(**batch).logits, 2.0, batch["attention_mask"])
+    torch.testing.assert_close(loss, 0.5 * torch.tensor(out.loss.item()) + 0.5 * kd, rtol=1e-6, atol=1e-6)
     session.batch_end()
     session.finalize()

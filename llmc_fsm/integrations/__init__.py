@@ -30,7 +30,7 @@ from torch import nn
 from llmc_fsm.core.errors import MissingStateError
 from llmc_fsm.pipeline.device import resolve_device
 
-__all__ = ["check_teacher", "place_teacher", "resolve_teacher_device", "with_integration_hints"]
+__all__ = ["check_teacher", "place_teacher", "resolve_teacher_device", "restage", "with_integration_hints"]
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +57,16 @@ def with_integration_hints(
             lines.append(f"  - {key}: {text}")
     new = MissingStateError("\n".join(lines), lifecycle=exc.lifecycle, missing=exc.missing, allowed=exc.allowed)
     return new
+
+
+def restage(session: Any, staged: Mapping[str, Any]) -> None:
+    """After a call failed past ``session.initialize()`` (the teacher not placed, a checkpoint refused): reset the
+    session (the modifiers finalized, their hooks removed) and give it back the state gathered before, ``staged``
+    (``dict(session.state.values)`` read before ``initialize``), so it is as it was before the call — ``staging``
+    with the same state (``created`` if there was none) — and the call can be made again."""
+    session.reset()
+    if staged:
+        session.update_state(**staged)
 
 
 def resolve_teacher_device(spec: Any, argument: str = "teacher_device") -> torch.device | None:

@@ -66,6 +66,7 @@ directory, or one written for another recipe, raises
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from typing import Any
@@ -74,11 +75,13 @@ from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
 from llmc_fsm.core.errors import CheckpointError, MissingStateError
-from llmc_fsm.integrations import check_teacher, place_teacher, resolve_teacher_device, with_integration_hints
-from llmc_fsm.session.checkpoint import read_checkpoint
+from llmc_fsm.integrations import check_teacher, place_teacher, resolve_teacher_device, restage, with_integration_hints
+from llmc_fsm.session.checkpoint import check_checkpoint, read_checkpoint
 from llmc_fsm.session.session import Session
 
 __all__ = ["HINTS", "SESSION_DIR", "SessionCallback", "SessionTrainer", "SessionTrainerMixin"]
+
+logger = logging.getLogger(__name__)
 
 #: The session's directory inside each ``checkpoint-N/``.
 SESSION_DIR = "llmc_fsm_session"
@@ -134,8 +137,27 @@ class SessionCallback(TrainerCallback):
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         session = self.trainer.session
+        best = getattr(state, "best_model_checkpoint", None) if args.load_best_model_at_end else None
+        step = _checkpoint_step(best) if best else None
+        if step is not None and step != state.global_step:  # the Trainer loaded it before this callback
+            logger.warning(
+                "load_best_model_at_end: the Trainer loaded %s (step %d) after the last step (%d), so the model "
+                "holds step %d's weights: what the recipe's modifiers did after it (e.g. a sparsity schedule's "
+                "later updates) is not in them; the session is finalized on that model",
+                best,
+                step,
+                state.global_step,
+                step,
+            )
         if session.lifecycle in ("initialized", "running"):
             session.finalize()
+
+
+def _checkpoint_step(path: str) -> int | None:
+    """The step of a Trainer checkpoint directory ``.../checkpoint-N``, else ``None``."""
+    name = os.path.basename(os.path.normpath(path))
+    prefix = f"{PREFIX_CHECKPOINT_DIR}-"
+    return int(name[len(prefix) :]) if name.startswith(prefix) and name[len(prefix) :].isdigit() else None
 
 
 class SessionTrainerMixin:
@@ -183,6 +205,7 @@ class SessionTrainerMixin:
         check_teacher(self.session, given, self._llmc_teacher_device)
         self._llmc_loss_pending = False
         self._llmc_resume: str | None = None
+        self._llmc_saved: dict[str, Any] | None = None  # the session checkpoint train() was asked to resume
         super().__init__(*args, **kwargs)
         state: dict[str, Any] = {"model": self.model}
         if teacher is not None:
@@ -218,28 +241,36 @@ class SessionTrainerMixin:
 
     def _initialize_session(self) -> None:
         """Initialize the session (called at ``on_train_begin``, before the first step); resume it if asked."""
-        saved = self._read_session_checkpoint()
+        saved = self._llmc_saved
         extra = {}
         optimizer = self.optimizer  # type: ignore[attr-defined]
         if optimizer is not None and self.session.state.get("optimizer") is not optimizer:
             extra["optimizer"] = optimizer  # the accelerate-prepared wrapper, same param_groups
         check_teacher(self.session, self.session.state.get("teacher"), self._llmc_teacher_device)
+        if saved is not None:  # steps_per_epoch is staged now (the dataloader): before initialize
+            self._check_session_checkpoint(saved, **extra)
+        staged = dict(self.session.state.values)
         try:
             self.session.initialize(**extra)
         except MissingStateError as exc:
             raise with_integration_hints(exc, "SessionTrainer", _hint) from exc
         try:
             place_teacher(self.session, self._llmc_teacher_device)  # the model is where the Trainer put it
-        except BaseException:
-            self.session.reset()
-            raise
-        if saved is not None:
-            try:
+            if saved is not None:
                 self.session.load_state_dict(saved)
-            except CheckpointError as exc:
-                self.session.reset()  # release the modifiers' hooks; the run cannot start
+        except BaseException as exc:
+            restage(self.session, staged)  # as before train(): staged, same state; train() may be called again
+            if isinstance(exc, CheckpointError):
                 msg = f"resume_from_checkpoint={self._llmc_resume}: {exc}"
                 raise CheckpointError(msg, differences=exc.differences) from exc
+            raise
+
+    def _check_session_checkpoint(self, saved: dict[str, Any], **given: Any) -> None:
+        try:
+            check_checkpoint(saved, self.session, **given)
+        except CheckpointError as exc:
+            msg = f"resume_from_checkpoint={self._llmc_resume}: {exc}"
+            raise CheckpointError(msg, differences=exc.differences) from exc
 
     def _read_session_checkpoint(self) -> dict[str, Any] | None:
         if self._llmc_resume is None:
@@ -260,7 +291,9 @@ class SessionTrainerMixin:
 
         Raises:
             ValueError: ``resume_from_checkpoint=True`` and ``output_dir`` holds no checkpoint.
-            CheckpointError: the session checkpoint does not match the session (when it is read).
+            CheckpointError: the session checkpoint does not match the session: another recipe is refused before
+                the Trainer loads anything; whatever fails after the session is initialized puts it back as it
+                was (staged, same state), so train() may be called again.
         """
         if resume_from_checkpoint is True:
             resume_from_checkpoint = get_last_checkpoint(self.args.output_dir)  # type: ignore[attr-defined]
@@ -268,6 +301,9 @@ class SessionTrainerMixin:
                 msg = f"No valid checkpoint found in output directory ({self.args.output_dir})"  # type: ignore[attr-defined]
                 raise ValueError(msg)
         self._llmc_resume = str(resume_from_checkpoint) if resume_from_checkpoint else None
+        self._llmc_saved = self._read_session_checkpoint()
+        if self._llmc_saved is not None and self.session.lifecycle in ("created", "staging"):
+            self._check_session_checkpoint(self._llmc_saved)  # another recipe: before the Trainer loads the weights
         return super().train(resume_from_checkpoint or None, *args, **kwargs)  # type: ignore[misc]
 
     def _save_checkpoint(self, model: Any, trial: Any) -> None:

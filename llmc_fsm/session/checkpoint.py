@@ -37,6 +37,7 @@ __all__ = [
     "MANIFEST",
     "VERSION",
     "SessionCheckpoints",
+    "check_checkpoint",
     "read_checkpoint",
     "write_checkpoint",
 ]
@@ -80,16 +81,33 @@ def _recipe_problems(state: Any, session: Any) -> list[str]:
     return differences(state["recipe"], current)
 
 
-def _problems(state: Any, session: Any) -> list[str]:
+def _problems(state: Any, session: Any, given: Mapping[str, Any] | None = None) -> list[str]:
+    """Every difference; ``given``: the state ``initialize`` will get (before it: ``steps_per_epoch`` is compared
+    only where it is known, in ``given`` or in the staged state)."""
     if _format_problem(state) is not None:
         return _recipe_problems(state, session)
     out = _recipe_problems(state, session)
-    spe_old, spe_new = state.get("steps_per_epoch"), session.state.get("steps_per_epoch")
-    if spe_old != spe_new:
+    known = {**session.state.values, **(given or {})}
+    spe_old, spe_new = state.get("steps_per_epoch"), known.get("steps_per_epoch")
+    if (given is None or "steps_per_epoch" in known) and spe_old != spe_new:
         out.append(f"state steps_per_epoch is {spe_old!r} in the checkpoint, {spe_new!r} now")
     if state["lifecycle"] not in ("initialized", "running"):
         out.append(f"lifecycle {state['lifecycle']!r} in the checkpoint (expected 'initialized' or 'running')")
     return out
+
+
+def check_checkpoint(state: Any, session: Any, **given: Any) -> None:
+    """Before ``session.initialize(**given)``: what :meth:`~SessionCheckpoints.load_state_dict` would refuse in the
+    checkpoint ``state`` (:func:`read_checkpoint`'s dict) that shows already — its format, another recipe, another
+    ``steps_per_epoch`` (where it is staged or in ``given``), a lifecycle it cannot resume from — so that a resume
+    that cannot work is refused before anything is initialized.
+
+    Raises:
+        CheckpointError: every difference found, in one message; nothing is changed.
+    """
+    problems = _problems(state, session, given)
+    if problems:
+        raise _mismatch(problems)
 
 
 def _mismatch(problems: list[str]) -> CheckpointError:
@@ -140,9 +158,13 @@ class SessionCheckpoints(SessionEvents):
             LifecycleError: not initialized/running, inside a batch or calibration,
                 or a failed hook modified the model.
         """
+        return self._state_dict("state_dict")
+
+    def _state_dict(self, call: str) -> dict[str, Any]:
         with self._lock:
+            self._refuse_from_hook(call)
             if self.lifecycle not in _LIVE or self._position != "idle" or self._broken is not None:
-                self._refuse_checkpoint("state_dict")
+                self._refuse_checkpoint(call)
             return session_state(self, self._schedule, self._step)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -158,6 +180,7 @@ class SessionCheckpoints(SessionEvents):
                 ``steps_per_epoch``) or a modifier refused its part.
         """
         with self._lock:
+            self._refuse_from_hook("load_state_dict")
             if self.lifecycle != "initialized" or self._broken is not None:
                 self._refuse_checkpoint("load_state_dict")
             self._step = restore(self, self._schedule, state)
@@ -183,7 +206,7 @@ class SessionCheckpoints(SessionEvents):
             LifecycleError: as :meth:`state_dict`.
             OSError: the directory cannot be written (the previous checkpoint there stays loadable).
         """
-        return write_checkpoint(self.state_dict(), path)
+        return write_checkpoint(self._state_dict("save"), path)
 
     @classmethod
     def load(cls, path: str | Path, recipe: Any, **state: Any) -> Any:
@@ -191,15 +214,13 @@ class SessionCheckpoints(SessionEvents):
 
         Raises:
             CheckpointError: no readable checkpoint at ``path``, or it does not match
-                ``recipe`` (checked before anything is initialized where possible;
-                otherwise the new session is reset, releasing its hooks).
+                ``recipe`` (checked before anything is initialized where possible,
+                :func:`check_checkpoint`; otherwise the new session is reset, releasing its hooks).
             MissingStateError, ModifierError: as :meth:`initialize`.
         """
         saved = read_checkpoint(path)
         session = cls(recipe)
-        problems = _recipe_problems(saved, session)
-        if problems:
-            raise _mismatch(problems)
+        check_checkpoint(saved, session, **state)
         session.initialize(**state)
         try:
             session.load_state_dict(saved)

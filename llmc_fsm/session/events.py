@@ -15,6 +15,7 @@ no-op) pays the push and pop of a torch-function mode, not one read per paramete
 
 from __future__ import annotations
 
+import logging
 from contextlib import AbstractContextManager
 from typing import Any, NoReturn
 
@@ -29,6 +30,8 @@ from llmc_fsm.session.scheduling import Schedule, Slot
 
 __all__ = ["SessionEvents"]
 
+logger = logging.getLogger(__name__)
+
 
 class SessionEvents:
     """Events, refusals and hook failures of a session (mixed into :class:`~llmc_fsm.Session`)."""
@@ -41,6 +44,8 @@ class SessionEvents:
     _schedule: Schedule
     _event: Event
     _broken: str | None
+    _in_hook: str | None  # the call whose modifier hooks are running now (a hook calling the session is refused)
+    _trained: bool  # a training batch began in this run
 
     @property
     def lifecycle(self) -> str:
@@ -62,6 +67,19 @@ class SessionEvents:
             raise LifecycleError(msg, lifecycle=lifecycle, call=call, allowed=allowed) from None
         msg = refusal(call, lifecycle, self._position)
         raise LifecycleError(msg, lifecycle=lifecycle, call=call, allowed=allowed) from None
+
+    def _refuse_from_hook(self, call: str) -> None:
+        """Refuse ``call`` made from inside a modifier's hook of this session (the lock is re-entrant, so the same
+        thread gets here): the event being dispatched would reach the other modifiers out of order, a finalize
+        would finalize a modifier whose hook is still running."""
+        if self._in_hook is None:
+            return
+        msg = (
+            f"{call}() refused: called from a modifier's hook while the session runs {self._in_hook}; a hook must "
+            f"not drive its own session (the other modifiers would see the events out of order): make the call from "
+            f"your code after {self._in_hook} returns. Nothing was changed."
+        )
+        raise LifecycleError(msg, lifecycle=self.lifecycle, call=call, allowed=frozenset())
 
     def _refuse_event(self, event: str) -> NoReturn:
         if self._position == "closed":
@@ -117,6 +135,7 @@ class SessionEvents:
     def _guarded(self, slot: Slot, guard: Guard, hook: str, fn: Any, *args: Any) -> Any:
         """Call ``fn(state, *args)`` (``slot``'s ``hook``) inside ``guard`` (lazy or eager)."""
         token = guard.enter()
+        outer, self._in_hook = self._in_hook, f"{self._event.type}()"
         try:
             result = fn(self._state, *args)
         except Exception as exc:
@@ -124,6 +143,8 @@ class SessionEvents:
         except BaseException:
             guard.leave(token)
             raise
+        finally:
+            self._in_hook = outer
         guard.leave(token)
         return result
 
@@ -148,26 +169,30 @@ class SessionEvents:
     def _dispatch(self, event: str, ev: Event) -> None:
         """Run ``on_event`` of the modifiers handling ``event``; for ``loss_calculated`` a result replaces the loss."""
         state = self._state
-        for slot, handler, guard in self._schedule.dispatch[event]:
-            if guard.eager:  # Guard.enter() inlined: read the counters (if any); nothing to leave
-                tensors = guard.tensors
-                token = [t._version for t in tensors] if tensors else None
-                try:
-                    result = handler(state, ev)
-                except Exception as exc:
-                    self._event_failed(slot, "on_event", exc, token, guard)
-            else:  # lazy: the rest of the model is read at the hook's first torch call (not through _guarded: hot)
-                token = guard.enter()
-                try:
-                    result = handler(state, ev)
-                except Exception as exc:
-                    self._event_failed(slot, "on_event", exc, token, guard)
-                except BaseException:
+        self._in_hook = event + "()"
+        try:
+            for slot, handler, guard in self._schedule.dispatch[event]:
+                if guard.eager:  # Guard.enter() inlined: read the counters (if any); nothing to leave
+                    tensors = guard.tensors
+                    token = [t._version for t in tensors] if tensors else None
+                    try:
+                        result = handler(state, ev)
+                    except Exception as exc:
+                        self._event_failed(slot, "on_event", exc, token, guard)
+                else:  # lazy: the rest of the model is read at the hook's first torch call (not _guarded: hot)
+                    token = guard.enter()
+                    try:
+                        result = handler(state, ev)
+                    except Exception as exc:
+                        self._event_failed(slot, "on_event", exc, token, guard)
+                    except BaseException:
+                        guard.leave(token)
+                        raise
                     guard.leave(token)
-                    raise
-                guard.leave(token)
-            if result is not None and event == "loss_calculated":
-                ev.loss = result
+                if result is not None and event == "loss_calculated":
+                    ev.loss = result
+        finally:
+            self._in_hook = None
 
     def _calibration(self, event: str, *args: Any) -> None:
         for slot in self._schedule.handlers[event]:
@@ -194,12 +219,30 @@ class SessionEvents:
             msg = f"global_step must be a non-negative int, got {global_step!r}"
             raise ValueError(msg)
         with self._lock:
+            self._refuse_from_hook("batch_start")
             ev = self._enter("batch_start", global_step)
+            if not self._trained:
+                self._trained = True
+                self._warn_calibration_only()
             ev.batch = batch
             ev.loss = None
             if self._schedule.pending:
                 self._schedule.advance(ev.epoch, self._call_with_event)
             self._dispatch("batch_start", ev)
+
+    def _warn_calibration_only(self) -> None:
+        """At the run's first training batch: one line naming the modifiers that act on calibration events only
+        (in a training loop they do nothing; quantization-aware training is not implemented)."""
+        idle = [slot.label for slot in self._schedule.slots if slot.calibrates_only]
+        if idle:
+            logger.warning(
+                "%s %s on calibration events only (calibration_start ... calibration_end): in training batches %s "
+                "nothing (quantization-aware training is not implemented); compress after training, e.g. "
+                "llmc_fsm.oneshot(model, recipe), or send the calibration events",
+                ", ".join(idle),
+                "compresses" if len(idle) == 1 else "compress",
+                "it does" if len(idle) == 1 else "they do",
+            )
 
     def _call_with_event(self, slot: Slot, hook: str) -> None:
         self._call(slot, hook, self._event)
@@ -223,6 +266,7 @@ class SessionEvents:
             )
             raise ValueError(msg)
         with self._lock:
+            self._refuse_from_hook("loss_calculated")
             ev = self._enter("loss_calculated")
             ev.loss = loss
             self._dispatch("loss_calculated", ev)
@@ -237,6 +281,7 @@ class SessionEvents:
             ModifierError: a modifier hook raised.
         """
         with self._lock:
+            self._refuse_from_hook("optim_pre_step")
             self._dispatch("optim_pre_step", self._enter("optim_pre_step"))
 
     def optim_post_step(self) -> None:
@@ -248,6 +293,7 @@ class SessionEvents:
             ModifierError: a modifier hook raised.
         """
         with self._lock:
+            self._refuse_from_hook("optim_post_step")
             self._dispatch("optim_post_step", self._enter("optim_post_step", self._step + 1))
 
     def batch_end(self) -> None:
@@ -259,6 +305,7 @@ class SessionEvents:
             ModifierError: a modifier hook raised.
         """
         with self._lock:
+            self._refuse_from_hook("batch_end")
             ev = self._enter("batch_end")
             try:
                 self._dispatch("batch_end", ev)
@@ -275,6 +322,7 @@ class SessionEvents:
             ModifierError: a modifier hook raised.
         """
         with self._lock:
+            self._refuse_from_hook("calibration_start")
             ev = self._enter("calibration_start")
             if self._schedule.pending:
                 self._schedule.advance(ev.epoch, self._call_with_event)
@@ -289,6 +337,7 @@ class SessionEvents:
             ModifierError: a modifier hook raised.
         """
         with self._lock:
+            self._refuse_from_hook("sequential_epoch_end")
             self._enter("sequential_epoch_end")
             self._calibration("sequential_epoch_end", modules)
 
@@ -301,5 +350,6 @@ class SessionEvents:
             ModifierError: a modifier hook raised.
         """
         with self._lock:
+            self._refuse_from_hook("calibration_end")
             self._enter("calibration_end")
             self._calibration("calibration_end")

@@ -9,12 +9,13 @@ ends, so dispatching an event is one dictionary lookup and a loop.
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from llmc_fsm.core.guard import Guard, module_parameters, watched_parameters, without
-from llmc_fsm.core.lifecycle import BATCH_EVENTS, EVENTS
+from llmc_fsm.core.lifecycle import BATCH_EVENTS, CALIBRATION_EVENTS, EVENTS
 from llmc_fsm.core.modifier import Modifier, _Binding, modifier_labels, overrides
 
 __all__ = ["Schedule", "Slot"]
@@ -22,6 +23,11 @@ __all__ = ["Schedule", "Slot"]
 #: Serializes binding modifiers to sessions (two sessions initializing one modifier object at once).
 _BINDING_LOCK = threading.Lock()
 _LIVE = ("initialized", "running")
+#: Epochs: a schedule point (start, end, start + k * update) within this of the session's epoch is reached. The
+#: epoch is step / steps_per_epoch and the points are sums of recipe floats: 3 / 10 < 0.1 + 0.2 in binary floats,
+#: and without it the update due at epoch 0.3 of a 10-step epoch (update 0.1) would not fire: the next step's
+#: would, one update fewer.
+EPOCH_TOLERANCE = 1e-9
 
 
 class Slot:
@@ -50,6 +56,17 @@ class Slot:
         """Whether a later opening event may still start, update or end it."""
         m = self.modifier
         return not self.ended and (not self.started or m.end is not None or self.next_update is not None)
+
+    @property
+    def calibrates_only(self) -> bool:
+        """Whether its modifier acts on calibration events and on nothing a training loop sends (no batch event, no
+        ``on_start`` / ``on_update`` / ``on_end``): GPTQ, round-to-nearest, SparseGPT, AWQ."""
+        m = self.modifier
+        return (
+            any(self.handles(e) for e in CALIBRATION_EVENTS)
+            and not any(self.handles(e) for e in BATCH_EVENTS)
+            and not any(overrides(m, hook) for hook in ("on_start", "on_update", "on_end"))
+        )
 
     def handles(self, event: str) -> bool:
         """Whether its modifier has a hook for ``event`` (``on_event`` + ``events``, or ``on_<calibration event>``)."""
@@ -114,18 +131,18 @@ class Schedule:
             for slot in self.pending:
                 m = slot.modifier
                 if not slot.started:
-                    if m.start is not None and (epoch is None or epoch < m.start):
+                    if m.start is not None and (epoch is None or epoch < m.start - EPOCH_TOLERANCE):
                         continue
                     slot.started = changed = True
                     if m.update is not None:
                         slot.next_update = (m.start or 0.0) + m.update
                     call(slot, "on_start")
-                ending = m.end is not None and epoch is not None and epoch >= m.end
+                ending = m.end is not None and epoch is not None and epoch >= m.end - EPOCH_TOLERANCE
                 due = slot.next_update
-                if not ending and due is not None and epoch is not None and epoch >= due:
-                    while due <= epoch:
-                        due += m.update  # type: ignore[operator]
-                    slot.next_update = due
+                if not ending and due is not None and epoch is not None and epoch >= due - EPOCH_TOLERANCE:
+                    # the first point start + k * update after epoch, by multiplication: a running sum drifts
+                    base, every = m.start or 0.0, m.update
+                    slot.next_update = base + (math.floor((epoch - base) / every + EPOCH_TOLERANCE) + 1) * every
                     call(slot, "on_update")
                 if ending:
                     slot.ended = changed = True

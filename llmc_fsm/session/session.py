@@ -77,6 +77,7 @@ class Session(SessionCheckpoints):
         make_machine(self._fsm)
         self._lock = threading.RLock()
         self._event = Event()
+        self._in_hook: str | None = None
         self._clear_run()
 
     def _clear_run(self) -> None:
@@ -85,6 +86,7 @@ class Session(SessionCheckpoints):
         self._step = 0
         self._schedule = Schedule(self._recipe.modifiers)
         self._broken: str | None = None
+        self._trained = False
 
     # --- read-only views ------------------------------------------------------
     @property
@@ -128,6 +130,7 @@ class Session(SessionCheckpoints):
             LifecycleError: the session is already initialized, running or finalized.
         """
         with self._lock:
+            self._refuse_from_hook("update_state")
             if "update_state" not in CALLS_ALLOWED[self.lifecycle]:
                 self._refuse("update_state")
             self._state = self._state.merged(state)
@@ -174,6 +177,7 @@ class Session(SessionCheckpoints):
                 the model or the expected ``world_size`` (same message on every rank).
         """
         with self._lock:
+            self._refuse_from_hook("initialize")
             lifecycle = self.lifecycle
             if "initialize" not in CALLS_ALLOWED[lifecycle] or self._broken is not None:
                 self._refuse("initialize")
@@ -189,16 +193,20 @@ class Session(SessionCheckpoints):
             watched = module_parameters(full)
             before = [t._version for t in watched[1]]
             done: list[Slot] = []
-            for slot in self._schedule.slots:
-                try:
-                    slot.modifier.on_initialize(full)
-                except BaseException as exc:
-                    slot.modifier.remove_hooks()
-                    self._roll_back(done, full)
-                    if not isinstance(exc, Exception):
-                        raise
-                    raise self._initialize_failed(slot, exc, len(done), changed(watched, before)) from exc
-                done.append(slot)
+            self._in_hook = "initialize()"
+            try:
+                for slot in self._schedule.slots:
+                    try:
+                        slot.modifier.on_initialize(full)
+                    except BaseException as exc:
+                        slot.modifier.remove_hooks()
+                        self._roll_back(done, full)
+                        if not isinstance(exc, Exception):
+                            raise
+                        raise self._initialize_failed(slot, exc, len(done), changed(watched, before)) from exc
+                    done.append(slot)
+            finally:
+                self._in_hook = None
             self._schedule.watch(full)
             self._state = full
             self._position = "idle"
@@ -249,15 +257,23 @@ class Session(SessionCheckpoints):
             ModifierError: a modifier's ``on_end``/``on_finalize`` raised.
         """
         with self._lock:
+            self._refuse_from_hook("finalize")
             if "finalize" not in CALLS_ALLOWED[self.lifecycle]:
                 self._refuse("finalize")
-            errors = self._finalize_modifiers()
+            errors = self._finalize_modifiers("finalize()")
             self._position = "closed"
             self._fire("finalize")
             if errors:
                 raise errors[0]
 
-    def _finalize_modifiers(self) -> list[ModifierError]:
+    def _finalize_modifiers(self, call: str) -> list[ModifierError]:
+        self._in_hook = call
+        try:
+            return self._end_and_finalize()
+        finally:
+            self._in_hook = None
+
+    def _end_and_finalize(self) -> list[ModifierError]:
         errors: list[ModifierError] = []
         ev = self._event
         ev.type = "finalize"
@@ -266,29 +282,28 @@ class Session(SessionCheckpoints):
             hook = "on_end"
             guard = slot.guard
             before = [t._version for t in guard.tensors]  # once per modifier: every counter, read eagerly
+            ending = slot.started and not slot.ended and self._broken is None
+            slot.ended = slot.ended or slot.started
             try:
-                if slot.started and not slot.ended:
-                    slot.ended = True
-                    if self._broken is None:
-                        m.on_end(self._state, ev)
-                hook = "on_finalize"
-                m.on_finalize(self._state)
-            except Exception as exc:
-                then = "All modifiers were still finalized and their hooks removed."
-                modified = changed((guard.names, guard.tensors), before)
-                error = failure(
-                    slot.label,
-                    hook,
-                    exc,
-                    during="finalize()",
-                    modified=modified,
-                    outside=guard.outside(modified),
-                    then=then,
-                )
-                error.__cause__ = exc
-                if errors:
-                    logger.error("%s", error)
-                errors.append(error)
+                for hook in ("on_end", "on_finalize") if ending else ("on_finalize",):  # on_finalize even if
+                    try:  # on_end raised: it releases what the modifier holds (a teacher's modes, its hooks)
+                        m.on_end(self._state, ev) if hook == "on_end" else m.on_finalize(self._state)
+                    except Exception as exc:
+                        then = "All modifiers were still finalized and their hooks removed."
+                        modified = changed((guard.names, guard.tensors), before)
+                        error = failure(
+                            slot.label,
+                            hook,
+                            exc,
+                            during="finalize()",
+                            modified=modified,
+                            outside=guard.outside(modified),
+                            then=then,
+                        )
+                        error.__cause__ = exc
+                        if errors:
+                            logger.error("%s", error)
+                        errors.append(error)
             finally:
                 m.remove_hooks()
         self._schedule.clear()
@@ -308,8 +323,9 @@ class Session(SessionCheckpoints):
         """
         new_recipe = resolve_recipe(recipe) if recipe is not None else self._recipe
         with self._lock:
+            self._refuse_from_hook("reset")
             if self.lifecycle in _LIVE:
-                for error in self._finalize_modifiers():
+                for error in self._finalize_modifiers("reset()"):
                     logger.error("during reset: %s", error)
             self._schedule.unbind(self)
             self._recipe = new_recipe

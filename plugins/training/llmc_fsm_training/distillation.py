@@ -229,6 +229,8 @@ class OutputDistillationModifier(Modifier):
             teacher_logits = logits_of(self._teacher(*args, **teacher_kwargs))
         kd = distillation_kl(student_logits, teacher_logits, self.temperature, kwargs.get("attention_mask"))
         loss = event.loss
+        if not isinstance(loss, torch.Tensor):  # a number is a loss too (loss_calculated takes one)
+            loss = torch.tensor(float(loss), dtype=kd.dtype, device=kd.device)
         self.last_student_loss = loss.detach()
         self.last_distill_loss = kd.detach()
         return (1.0 - self.alpha) * loss + self.alpha * kd.to(loss.dtype)
