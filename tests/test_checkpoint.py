@@ -302,6 +302,8 @@ def test_checkpoint_calls_are_refused_where_they_cannot_be_exact():
     session.batch_start()
     with pytest.raises(LifecycleError, match=r"position 'batch_start'"):
         session.state_dict()
+    with pytest.raises(LifecycleError, match=r"^save\(\) refused: a checkpoint is taken between batches"):
+        session.save("unused")  # named as the call made (it said state_dict())
     with pytest.raises(
         LifecycleError,
         match=r"load_state_dict\(\) refused: load a checkpoint right after "
