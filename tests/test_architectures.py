@@ -112,7 +112,7 @@ MIXED = ["gemma2", "gemma3", "gemma3_vlm", "cohere2", "exaone4", "olmo3", "gpt_o
 #: hybrid stacks and mixture-of-experts: layers of several kinds
 OTHERS = ["llama", "gpt2", "gpt_neox", "falcon", "jamba", "nemotron_h", "falcon_h1", "qwen3_next", "mixtral",
           "qwen3_moe", "deepseek_v3", "dbrx", "qwen2_vl", "llava", "mistral3", "llava_pixtral", "idefics3",
-          "qwen2_audio"]  # fmt: skip
+          "qwen2_audio", "bamba", "bloom", "gpt_bigcode", "mamba2"]  # fmt: skip
 
 
 @pytest.mark.parametrize("family", MIXED + OTHERS)
@@ -156,6 +156,100 @@ def test_a_layer_the_models_forward_skips_is_refused_before_any_work():
         "does not run (e.g. cross-attention layers without their image inputs)"
     )
     assert all("forward" not in layer.__dict__ for layer in layers)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3])
+def test_a_model_unpacking_its_layers_outputs_is_captured_at_any_batch_size(rows):
+    """Bamba's forward unpacks each layer's ``(hidden_states, attn_weights)``: the capture's stub returns as many items
+    as the layer's annotation says (before, a bare tensor: unpacked along the batch, an error at 1 or 3 rows, a
+    silently wrong split at 2)."""
+    model = build("bamba")
+    _, layers = find_decoder_layers(model)
+    data = batches(rows=rows, length=16)
+    with torch.no_grad():
+        expected = _model_last_layer_outputs(model, layers, data)
+        got = _layer_by_layer(layers, capture_layer_inputs(model, layers[0], data))
+    for out, ref in zip(got, expected, strict=True):
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_a_layer_given_an_earlier_layers_other_output_is_refused_before_any_work():
+    """GLM-5 (``glm_moe_dsa``) passes each layer's ``topk_indices`` to the next as ``prev_topk_indices``: the
+    pipeline carries hidden states only, so it is refused in one line, naming the argument (before: the capture
+    crashed unpacking a tensor)."""
+    model = build("glm_moe_dsa")
+    _, layers = find_decoder_layers(model)
+    with pytest.raises(RuntimeError) as info, torch.no_grad():
+        capture_layer_inputs(model, layers[0], batches(num=1, rows=3))
+    assert str(info.value) == (
+        "the forward of GlmMoeDsaForCausalLM (model_type 'glm_moe_dsa') passes decoder layer 1 (counted from the first "
+        "captured) output 1 of layer 0 as its argument 'prev_topk_indices'; the sequential pipeline carries only "
+        "hidden states from one layer to the next: not supported"
+    )
+    assert all("forward" not in layer.__dict__ for layer in layers)
+
+
+@pytest.mark.parametrize("family", ["gpt_bigcode", "mamba2"])
+@pytest.mark.parametrize("streamed", [False, True])
+def test_packed_weights_whose_parents_init_reads_them_are_saved_unpacked_and_reload(tmp_path, family, streamed):
+    """transformers' weight initialisation reads ``c_proj.weight`` from GPTBigCode's attention and MLP, and
+    ``out_proj.weight`` from Mamba-2's mixer, unguarded: a packed checkpoint (no ``weight``) failed to reload
+    (``'Linear' object has no attribute 'weight'``). Measured on the meta-device model: those Linears are saved
+    int-quantized (same integers), the others packed; the output reloads with the in-memory logits."""
+    import json
+
+    from tiny_families import FAMILIES
+
+    import llmc_fsm
+
+    model = build(family)
+    model.save_pretrained(tmp_path / "model")
+    data = torch.randint(3, 128, (4, 16), generator=torch.Generator().manual_seed(0))
+    recipe = {"s": {"GPTQModifier": {"scheme": {"preset": "W4A16", "weights": {"group_size": 16}}}}}
+    out = tmp_path / "out"
+    returned = llmc_fsm.oneshot(model=str(tmp_path / "model"), recipe=recipe, dataset=data, output_dir=out,
+                                progress=False, low_memory=streamed)  # fmt: skip
+    groups = json.loads((out / "config.json").read_text())["quantization_config"]["config_groups"]
+    layers = len(find_decoder_layers(model)[1])
+    unpacked = sorted({"gpt_bigcode": [f"transformer.h.{i}.{m}.c_proj" for i in range(layers) for m in ("attn", "mlp")],
+                       "mamba2": [f"backbone.layers.{i}.mixer.out_proj" for i in range(layers)]}[family])  # fmt: skip
+    assert sorted(t for g in groups.values() if g["format"] == "int-quantized" for t in g["targets"]) == unpacked
+    assert any(g["format"] == "pack-quantized" for g in groups.values())
+    cls = getattr(transformers, FAMILIES[family][2] or "AutoModelForCausalLM")
+    reloaded, info = cls.from_pretrained(out, output_loading_info=True)
+    assert (info["missing_keys"], info["unexpected_keys"]) == (set(), set())
+    if not streamed:
+        with torch.no_grad():
+            torch.testing.assert_close(reloaded.eval()(data[:2]).logits, returned(data[:2]).logits, rtol=0, atol=1e-5)
+
+
+def test_bloom_gets_llmcompressors_smoothing_mappings_by_default():
+    """Bloom's fused ``query_key_value`` and ``dense_h_to_4h`` (before: "no smoothing mapping fits"): the default
+    mappings are llm-compressor's registry entry for ``BloomForCausalLM``, and the smoothed model computes what the
+    float one does."""
+    from llmc_fsm_quantization.mappings import default_mappings
+
+    model = build("bloom")
+    assert [(m.smooth_name, m.balance_names) for m in default_mappings(model)] == [
+        (f"transformer.h.{i}.{norm}", (f"transformer.h.{i}.{balance}",))
+        for i in range(2)
+        for norm, balance in [("input_layernorm", "self_attention.query_key_value"),
+                              ("post_attention_layernorm", "mlp.dense_h_to_4h")]  # fmt: skip
+    ]
+
+
+def test_a_smooth_layer_without_a_weight_is_refused_naming_the_mapping():
+    """llm-compressor's Bloom AWQ mapping ``gelu_impl -> dense_4h_to_h``: an activation has no weight to fold the
+    scales into; one line naming the mapping (before: an AttributeError from the fold)."""
+    from llmc_fsm_quantization.mappings import MappingSpec, resolve_mappings
+
+    model = build("bloom")
+    with pytest.raises(ValueError) as info:
+        resolve_mappings(model, [MappingSpec("re:.*gelu_impl$", ("re:.*dense_4h_to_h$",))], owner="AWQModifier")
+    assert str(info.value) == (
+        "smoothing mapping transformer.h.0.mlp.gelu_impl -> transformer.h.0.mlp.dense_4h_to_h: the smooth layer "
+        "(BloomGelu) has no weight to fold the scales into; a smooth layer is a norm or a Linear: leave the mapping out"
+    )
 
 
 def _reload_compare(tmp_path, family, recipe):

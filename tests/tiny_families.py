@@ -286,6 +286,20 @@ FAMILIES: dict[str, tuple[str, dict[str, Any], str | None]] = {
         "WhisperForConditionalGeneration",
     ),
     "gpt2": ("gpt2", {"n_embd": 64, "n_layer": 4, "n_head": 4, "n_positions": 256}, None),
+    # a breaker's families (2026-12-06): parent init reading a child's weight, tuple outputs, Bloom's names
+    "gpt_bigcode": ("gpt_bigcode", {"n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 256, "multi_query": True},
+                    None),  # fmt: skip
+    "mamba2": ("mamba2", {"_raw": True, "hidden_size": 64, "num_hidden_layers": 2, "num_heads": 8, "head_dim": 16,
+                          "state_size": 8, "n_groups": 1, "expand": 2, "use_mamba_kernels": False}, None),  # fmt: skip
+    "bamba": ("bamba", {"num_hidden_layers": 2, "attn_layer_indices": [1], "mamba_n_heads": 8, "mamba_d_head": 16,
+                        "mamba_d_state": 8, "mamba_n_groups": 1, "mamba_expand": 2}, None),  # fmt: skip
+    "bloom": ("bloom", {"_raw": True, "hidden_size": 64, "n_layer": 2, "n_head": 4}, None),
+    "glm_moe_dsa": ("glm_moe_dsa", {
+        "num_hidden_layers": 2, "head_dim": 8, "index_head_dim": 16, "index_n_heads": 2, "index_topk": 8,
+        "kv_lora_rank": 16, "q_lora_rank": 32, "qk_head_dim": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 8,
+        "v_head_dim": 16, "num_key_value_heads": 4, "n_routed_experts": 4, "n_shared_experts": 1,
+        "num_experts_per_tok": 2, "moe_intermediate_size": 32, "first_k_dense_replace": 1, "n_group": 1,
+        "topk_group": 1, "mlp_layer_types": ["dense", "sparse"], "indexer_types": ["full", "full"]}, None),  # fmt: skip
 }
 
 

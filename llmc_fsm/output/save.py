@@ -26,7 +26,9 @@ import contextlib
 import json
 import logging
 import os
+import re
 import time
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -34,6 +36,7 @@ from typing import Any
 import attrs
 from torch import nn
 
+from llmc_fsm.models.hf_io import meta_model
 from llmc_fsm.models.known import fix_safetensors_permissions
 from llmc_fsm.output.compressed import (
     attention_scheme,
@@ -438,9 +441,11 @@ def _untie_quantized_embedding(model: nn.Module, directory: Path) -> None:
 
 
 def compressed_state_dict(
-    module: nn.Module, prefix: str = "", *, quantization_format: str | None = None
+    module: nn.Module, prefix: str = "", *, quantization_format: str | None = None, root: nn.Module | None = None
 ) -> dict[str, Any]:
-    """``module``'s state dict, keys prefixed, with each quantized submodule's tensors compressed.
+    """``module``'s state dict, keys prefixed, with each quantized submodule's tensors compressed. ``root``: the model
+    ``module`` is the submodule ``prefix`` of (one decoder layer when streamed), whose weight initialisation decides
+    which modules may be packed (:func:`_init_reads_weight`); ``None``: ``module`` is the model.
 
     Each quantized submodule's compressed-tensors format is chosen (:func:`choose_formats`; set on its scheme) and
     its tensors replaced by what that format's compressor (``BaseCompressor.compress``) gives, e.g.
@@ -456,7 +461,7 @@ def compressed_state_dict(
     if quantization_format is not None:
         check_quantization_format(module, quantization_format)
     modules = quantized_modules(module)
-    choose_formats(module, modules, quantization_format)
+    choose_formats(module, modules, quantization_format, root=root, prefix=prefix)
     state = {prefix + key: value for key, value in module.state_dict().items()}
     for name, sub in modules.items():
         scheme = sub.quantization_scheme
@@ -524,7 +529,14 @@ def check_quantization_format(model: nn.Module, quantization_format: Any) -> Non
 RECIPE_FORMAT_ATTR = "recipe_quantization_format"
 
 
-def choose_formats(model: nn.Module, modules: dict[str, nn.Module], quantization_format: str | None = None) -> None:
+def choose_formats(
+    model: nn.Module,
+    modules: dict[str, nn.Module],
+    quantization_format: str | None = None,
+    *,
+    root: nn.Module | None = None,
+    prefix: str = "",
+) -> None:
     """Set the compressed-tensors format each of ``modules`` (quantized modules of ``model``) is saved in, as its
     scheme's ``format``: ``quantization_format`` when given (llm-compressor's ``save_pretrained`` argument), else the
     ``format`` its recipe's scheme named, else the default. :func:`warn_formats` then says which reader cannot
@@ -562,7 +574,7 @@ def choose_formats(model: nn.Module, modules: dict[str, nn.Module], quantization
         sub.quantization_scheme.format = None
     unpacked_zero_points(default)
     unpacked_embeddings(default)
-    _unpacked_where_init_reads_weight(model, default)
+    _unpacked_where_init_reads_weight(model if root is None else root, {prefix + n: m for n, m in default.items()})
     infer_model_format(model)  # sets the format of every quantized module whose scheme has none yet
     for name, sub in modules.items():
         setattr(sub, FORMAT_ASKED_ATTR, name in asked)
@@ -627,7 +639,7 @@ def _warn_formats(model: nn.Module, modules: dict[str, nn.Module], asked: dict[s
         elif fmt == "pack-quantized":
             if asymmetric_int:
                 asym_packed.append(name)
-            elif isinstance(sub, nn.Embedding) or _init_reads_weight(model, sub):
+            elif isinstance(sub, nn.Embedding) or _init_reads_weight(model, name, sub):
                 packed_unloadable.append(name)
     embedding = any(isinstance(sub, nn.Embedding) for sub in modules.values())
     per_group = (
@@ -797,27 +809,92 @@ def _write_sparsity_config(directory: Path, sparsity: SparsityMetadata) -> None:
     config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
-def _init_reads_weight(model: nn.Module, module: nn.Module) -> bool:
-    """Whether ``model``'s own weight initialisation (transformers' ``_init_weights``, which runs on every module
-    when a checkpoint is loaded) fails on a module of ``module``'s class that has no ``weight``, as a module of a
-    packed checkpoint has none on reload (``weight_packed`` instead).
+def _init_reads_weight(model: nn.Module, name: str, module: nn.Module) -> bool:
+    """Whether reloading ``model``'s checkpoint fails when the Linear ``name`` (``module``) has no ``weight``, as a
+    module of a packed checkpoint has none (``weight_packed`` instead): transformers' weight initialisation
+    (``_init_weights``, run on the modules of the loaded model) reads ``weight`` unguarded in some families — of the
+    module itself (Falcon's ``FalconLinear``: ``'FalconLinear' object has no attribute 'weight'``, transformers
+    5.24), or of a child from its parent (GPTBigCode's attention reads ``c_proj.weight``, Mamba's and Mamba-2's
+    mixers ``out_proj.weight``, transformers 5.25; a breaker's case).
 
-    Measured by calling it on such a module (no parameter: nothing is initialised). Falcon's ``_init_weights``
-    reads ``FalconLinear.weight`` unguarded (transformers 5.24): ``AttributeError: 'FalconLinear' object has no
-    attribute 'weight'``; the generic one skips a Linear without weight.
+    Measured, not listed: on the model its config describes, built on the ``meta`` device once per model
+    (:class:`_InitProbe`), the module's ``weight`` is removed and ``_init_weights`` is called on it and on each of
+    its ancestors up to the root (on ``meta`` nothing is initialised); an ``AttributeError`` naming ``weight`` means
+    the reload would fail. A model without a config, or whose names its config's model does not have, is probed on
+    the module's class alone (the module itself).
     """
-    init = getattr(model, "_init_weights", None)
-    if init is None or type(module) is nn.Linear or not isinstance(module, nn.Linear):
+    if not isinstance(module, nn.Linear) or getattr(model, "_init_weights", None) is None:
+        return False
+    probe = _INIT_PROBES.get(model)
+    if probe is None:
+        probe = _INIT_PROBES[model] = _InitProbe(model)
+    return probe.reads_weight(name, module)
+
+
+class _InitProbe:
+    """The ``meta``-device model of ``model``'s config, and per module name (layer indices left out) and chain of
+    module classes (the module, its parent, ... the root) whether ``_init_weights`` on that chain reads the module's
+    ``weight`` (:func:`_init_reads_weight`)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.skeleton: nn.Module | bool | None = False  # False: not built yet; None: cannot be built
+        self.found: dict[tuple[Any, ...], bool] = {}
+
+    def _built(self) -> nn.Module | None:
+        if self.skeleton is False:
+            config = getattr(self.model, "config", None)
+            try:
+                self.skeleton = meta_model(config) if config is not None else None
+            except Exception as err:  # a config transformers cannot build alone: the class probe
+                logger.debug("no meta-device model to probe the weight initialisation on (%s)", err)
+                self.skeleton = None
+        return self.skeleton  # type: ignore[return-value]
+
+    def reads_weight(self, name: str, module: nn.Module) -> bool:
+        skeleton = self._built()
+        parts = name.split(".")
+        prefixes = [".".join(parts[:i]) for i in range(len(parts), -1, -1)]  # the module, its parent, ..., root
+        try:
+            chain = [skeleton.get_submodule(p) for p in prefixes] if skeleton is not None else None
+        except AttributeError:  # its names are not the model's (an in-memory model of another class)
+            chain = None
+        if chain is None or not isinstance(chain[0], nn.Linear):
+            return _class_init_reads_weight(self.model, module)
+        key = (re.sub(r"\.\d+(?=\.|$)", ".#", name), *(type(m) for m in chain))  # the same in every layer
+        if key not in self.found:
+            target = chain[0]
+            weight = target._parameters.pop("weight", None)
+            try:
+                self.found[key] = any(_init_raises_on_weight(skeleton._init_weights, m) for m in chain)  # type: ignore[union-attr]
+            finally:
+                target._parameters["weight"] = weight
+        return self.found[key]
+
+
+#: model -> its :class:`_InitProbe` (while the model lives: choose_formats runs once per decoder layer when streamed).
+_INIT_PROBES: weakref.WeakKeyDictionary[nn.Module, _InitProbe] = weakref.WeakKeyDictionary()
+
+
+def _init_raises_on_weight(init: Callable[[nn.Module], Any], module: nn.Module) -> bool:
+    try:
+        init(module)
+    except AttributeError as exc:
+        return "weight" in str(exc)
+    except Exception as exc:  # an init that fails on meta for another reason: not this
+        logger.debug("_init_weights(%s) on the meta-device model raised %r", type(module).__name__, exc)
+    return False
+
+
+def _class_init_reads_weight(model: nn.Module, module: nn.Module) -> bool:
+    """The class probe: ``_init_weights`` on a bare module of ``module``'s class without ``weight``."""
+    if type(module) is nn.Linear:
         return False
     probe = nn.Module.__new__(type(module))
     nn.Module.__init__(probe)
     probe.register_parameter("bias", None)
     probe.in_features, probe.out_features = module.in_features, module.out_features
-    try:
-        init(probe)
-    except AttributeError as exc:
-        return "weight" in str(exc)
-    return False
+    return _init_raises_on_weight(model._init_weights, probe)  # type: ignore[operator]
 
 
 def _unpacked_where_init_reads_weight(model: nn.Module, modules: dict[str, nn.Module]) -> None:
@@ -829,14 +906,11 @@ def _unpacked_where_init_reads_weight(model: nn.Module, modules: dict[str, nn.Mo
     from compressed_tensors.compressors.format import infer_module_format
     from compressed_tensors.config import CompressionFormat
 
-    reads: dict[type, bool] = {}
-    for sub in modules.values():
+    for name, sub in modules.items():
         scheme = sub.quantization_scheme
         if scheme.format not in (None, CompressionFormat.pack_quantized):
             continue
-        if type(sub) not in reads:
-            reads[type(sub)] = _init_reads_weight(model, sub)
-        if reads[type(sub)]:
+        if _init_reads_weight(model, name, sub):
             scheme.format = None
             if infer_module_format(type(sub), scheme) == CompressionFormat.pack_quantized:
                 scheme.format = CompressionFormat.int_quantized

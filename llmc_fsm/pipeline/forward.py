@@ -10,6 +10,8 @@
 from __future__ import annotations
 
 import contextlib
+import inspect
+import typing
 from collections import OrderedDict
 from collections.abc import Iterator
 from typing import Any
@@ -142,6 +144,8 @@ def capture_layer_inputs(
     calls: list[tuple[tuple[Any, ...], dict[str, Any]] | None] = []
 
     def stub(position: int) -> Any:
+        extras = _extra_outputs(layers[position])
+
         def forward(*args: Any, **kwargs: Any) -> Any:
             args, kwargs = _no_cache(args, kwargs)
             if calls[position] is not None:
@@ -150,7 +154,7 @@ def capture_layer_inputs(
             calls[position] = (args, kwargs)
             if position + 1 == len(layers):
                 raise StopForward
-            return args[0]
+            return (args[0], *(_NotComputed(position, i + 1) for i in range(extras))) if extras else args[0]
 
         return forward
 
@@ -187,6 +191,7 @@ def capture_layer_inputs(
                     "model does not run (e.g. cross-attention layers without their image inputs)"
                 )
                 raise RuntimeError(msg)
+            _check_carried(model, calls)  # type: ignore[arg-type]
             per_layer = [(args[1:], kwargs) for args, kwargs in calls]  # type: ignore[misc]
             first_args = calls[0][0]  # type: ignore[index]
             hidden = first_args[0] if keep is None else keep(first_args[0])
@@ -200,6 +205,50 @@ def capture_layer_inputs(
             for key, value in hooks.items():
                 setattr(module, key, value)
     return captured
+
+
+class _NotComputed:
+    """What a capture stub returns for a decoder layer's outputs after its hidden states (it computes nothing)."""
+
+    __slots__ = ("index", "layer")
+
+    def __init__(self, layer: int, index: int) -> None:
+        self.layer, self.index = layer, index
+
+
+def _extra_outputs(layer: nn.Module) -> int:
+    """How many outputs ``layer``'s forward returns after its hidden states, by its return annotation: a
+    ``tuple[...]`` of ``n`` items gives ``n - 1`` (Bamba's ``(hidden_states, attn_weights)``, GLM-5's
+    ``(hidden_states, topk_indices)``: the model unpacks them, so the stub must return as many); anything else 0."""
+    forward = type(layer).forward
+    try:
+        annotation = typing.get_type_hints(forward).get("return")
+    except Exception:  # an annotation that does not resolve: read as written
+        annotation = inspect.signature(forward).return_annotation
+    if typing.get_origin(annotation) is tuple:
+        items = typing.get_args(annotation)
+        return len(items) - 1 if items and items[-1] is not Ellipsis else 0
+    return 0
+
+
+def _check_carried(model: nn.Module, calls: list[tuple[tuple[Any, ...], dict[str, Any]]]) -> None:
+    """Refuse a model whose forward passes a decoder layer another output of an earlier layer than its hidden
+    states (GLM-5's ``topk_indices``, given to the next layer as ``prev_topk_indices``): the pipeline runs each
+    layer on the previous one's hidden states and the other arguments captured here, where that output was not
+    computed. (The hidden states the capture gives a later layer are not used: the pipeline computes them.)
+
+    Raises:
+        RuntimeError: one line naming the family, the layer and the argument; before any work.
+    """
+    for position, (args, kwargs) in enumerate(calls):
+        for key, value in [*enumerate(args[1:], 1), *kwargs.items()]:
+            if isinstance(value, _NotComputed):
+                msg = (
+                    f"the forward of {model_family(model)} passes decoder layer {position} (counted from the first "
+                    f"captured) output {value.index} of layer {value.layer} as its argument {key!r}; the sequential "
+                    "pipeline carries only hidden states from one layer to the next: not supported"
+                )
+                raise RuntimeError(msg)
 
 
 def first_output(output: Any) -> torch.Tensor:

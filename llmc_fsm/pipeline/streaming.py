@@ -248,11 +248,13 @@ def _saved_names(lazy: LazyModel, tensors: dict[str, torch.Tensor]) -> dict[str,
     return {k: v if id(v) in given else v.contiguous().clone() for k, v in saved.items()}
 
 
-def _layer_output(layer: nn.Module, prefix: str, quantization_format: str | None) -> dict[str, torch.Tensor]:
+def _layer_output(
+    lazy: LazyModel, layer: nn.Module, prefix: str, quantization_format: str | None
+) -> dict[str, torch.Tensor]:
     """The tensors to write for a compressed layer (compressed-tensors format when quantized)."""
 
     if quantized_modules(layer):
-        return compressed_state_dict(layer, prefix, quantization_format=quantization_format)
+        return compressed_state_dict(layer, prefix, quantization_format=quantization_format, root=lazy.model)
     return {prefix + key: value for key, value in layer.state_dict().items()}
 
 
@@ -429,4 +431,4 @@ def _write_layer(
     layer = lazy.layers[index]
     prefix = f"{lazy.layers_name}.{index}."
     result.modules += [attrs.evolve(m, name=prefix + m.name, layer=index) for m in measure_sparsity(layer) if m.name]
-    writer.write(index + 2, _saved_names(lazy, _layer_output(layer, prefix, quantization_format)))
+    writer.write(index + 2, _saved_names(lazy, _layer_output(lazy, layer, prefix, quantization_format)))

@@ -347,7 +347,8 @@ def _default_specs_for_layer(layer: nn.Module, *, include_linear: bool) -> list[
     only = norms[0] if len(norms) == 1 and len(children) == 2 and "input_layernorm" not in children else None
     norm_name = "input_layernorm" if only is None else only
     norm = _child(layer, norm_name)
-    qkv = None if (q or k or v) else _linear_named(layer, "qkv_proj")  # Phi-3's fused q/k/v
+    # Phi-3's fused q/k/v; Bloom's, GPT-NeoX's, Falcon's query_key_value (llm-compressor's Bloom mappings)
+    qkv = None if (q or k or v) else (_linear_named(layer, "qkv_proj") or _linear_named(layer, "query_key_value"))
     if norm is not None and _is_norm(norm) and q and k and v:
         out.append((norm_name, (q[0], k[0], v[0], *_parallel_mlp_inputs(layer, children, norms))))
     elif norm is not None and _is_norm(norm) and qkv:
@@ -357,7 +358,7 @@ def _default_specs_for_layer(layer: nn.Module, *, include_linear: bool) -> list[
     if include_linear and qkv and o and fused_tail(qkv[0], qkv[1], int(o[1].weight.shape[1])):
         out.append((qkv[0], (o[0],)))
     gate = _linear_named(layer, "gate_proj")
-    up = _linear_named(layer, "up_proj")
+    up = _linear_named(layer, "up_proj") or (None if gate else _linear_named(layer, "dense_h_to_4h"))  # Bloom, NeoX
     down = _linear_named(layer, "down_proj")
     if post_norms:
         mlp_norm_name = "pre_feedforward_layernorm"
@@ -632,6 +633,13 @@ def _resolved(
         parent = _common_prefix(balance_names).rstrip(".")
     views = [modules[n] for n in (smooth, *balance_names) if isinstance(modules.get(n), LinearView)]
     smooth_module = _lookup(root, modules, smooth)
+    if not isinstance(getattr(smooth_module, "weight", None), torch.Tensor):
+        msg = (
+            f"smoothing mapping {prefix + smooth} -> {', '.join(prefix + n for n in balance_names)}: the smooth layer "
+            f"({type(smooth_module).__name__}) has no weight to fold the scales into; a smooth layer is a norm or a "
+            "Linear: leave the mapping out"
+        )
+        raise ValueError(msg)
     return ResolvedMapping(
         smooth_name=prefix + smooth,
         smooth=smooth_module,
