@@ -305,9 +305,11 @@ def test_event_order_is_validated(calls, where):
     for name in ok:
         getattr(session, name)(*(["loss"] if name == "loss_calculated" else []))
     before = list(rec.calls)
-    with pytest.raises(EventOrderError, match=rf"{bad}\(\) out of order: {where}"):
+    with pytest.raises(EventOrderError, match=rf"{bad}\(\) out of order: {where}") as info:
         getattr(session, bad)(*(["loss"] if bad == "loss_calculated" else []))
     assert rec.calls == before
+    assert info.value.allowed == tuple(sorted(session.allowed_calls))  # finalize, reset too (they were left out)
+    assert {"finalize", "reset"} <= set(info.value.allowed)
 
 
 def test_gradient_accumulation_batches_without_optimizer_step_are_valid_and_step_counts_optimizer_steps():

@@ -88,6 +88,11 @@ def test_through_oneshot_refused_before_any_work_and_processor_taken(tiny_model_
     assert model.dtype == torch.bfloat16  # precision is the dtype
     with pytest.raises(ValueError, match=r"^dtype is given twice \(also under its llm-compressor name\)"):
         llmc_fsm.oneshot(str(model_dir), RTN, dtype="float16", precision="bfloat16")
+    # the default's own value given explicitly is given too (before, precision silently won over dtype="float32")
+    with pytest.raises(ValueError, match=r"^dtype is given twice \(also under its llm-compressor name\)"):
+        llmc_fsm.oneshot(str(model_dir), RTN, dtype="float32", precision="bfloat16")
+    with pytest.raises(ValueError, match=r"^device is given twice \(also under its llm-compressor name\)"):
+        llmc_fsm.oneshot(str(model_dir), RTN, device="auto", oneshot_device="cpu")
 
 
 def test_an_in_memory_model_finds_its_tokenizer_from_where_it_was_loaded(tiny_model_dir, tmp_path):

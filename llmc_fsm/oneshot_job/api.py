@@ -66,6 +66,16 @@ logger = logging.getLogger(__name__)
 
 
 # --------------------------------------------------------------------------- oneshot
+class _Default(str):
+    """The default of an argument that llm-compressor also names otherwise (``dtype``: ``precision``, ``device``:
+    ``oneshot_device``): ``value is`` it tells the default left alone from the same value given explicitly, so
+    ``dtype="float32", precision="bfloat16"`` is refused as given twice."""
+
+
+_FLOAT32, _AUTO = _Default("float32"), _Default("auto")
+_DEFAULTS = {"dtype": _FLOAT32, "device": _AUTO}
+
+
 def oneshot(
     model: Any = DEFAULT_MODEL,
     recipe: Any = None,
@@ -85,9 +95,9 @@ def oneshot(
     progress: bool = True,
     fuse_stages: bool = False,
     low_memory: bool = False,
-    dtype: Any = "float32",
+    dtype: Any = _FLOAT32,
     threads: int | None = None,
-    device: Any = "auto",
+    device: Any = _AUTO,
     quantization_format: str | None = None,
     activation_budget_mib: float | None = None,
     **llmcompressor_args: Any,
@@ -156,9 +166,10 @@ def oneshot(
 
     given = {k: v for k, v in locals().items() if k != "llmcompressor_args"}  # every argument above, by name
     for name, value in check_llmcompressor_args(llmcompressor_args, list(given)).items():
-        if given[name] is not attrs.fields_dict(OneshotSettings)[name].default:  # also given by its own name
+        if given[name] is not _DEFAULTS.get(name, attrs.fields_dict(OneshotSettings)[name].default):  # given too
             raise ValueError(f"{name} is given twice (also under its llm-compressor name): give one")
         given[name] = value
+    given.update({k: str(v) for k, v in given.items() if isinstance(v, _Default)})
     return run_oneshot(OneshotSettings(**given))
 
 

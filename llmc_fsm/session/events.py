@@ -84,9 +84,8 @@ class SessionEvents:
     def _refuse_event(self, event: str) -> NoReturn:
         if self._position == "closed":
             self._refuse(event)
-        expected = EVENT_ORDER[self._position]
-        msg = order_refusal(event, self._position)
-        raise EventOrderError(msg, lifecycle=self.lifecycle, call=event, allowed=expected) from None
+        msg = order_refusal(event, self._position)  # every call accepted now, finalize and reset too (as the docs say)
+        raise EventOrderError(msg, lifecycle=self.lifecycle, call=event, allowed=self.allowed_calls) from None
 
     def _fire(self, trigger: str) -> None:
         """Fire a ``transitions`` trigger; the session checked it first, so a MachineError is a bug here."""

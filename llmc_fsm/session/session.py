@@ -222,8 +222,8 @@ class Session(SessionCheckpoints):
             )
         then = (
             f"Rolled back: {done} modifier(s) already initialized were finalized and their hooks removed; "
-            f"the session is still {self.lifecycle!r} and nothing passed to initialize() was stored. "
-            + ("" if modified else "Fix the cause and call initialize() again with all its arguments.")
+            f"the session is still {self.lifecycle!r} and nothing passed to initialize() was stored."
+            + ("" if modified else " Fix the cause and call initialize() again with all its arguments.")
         )
         return failure(slot.label, "on_initialize", exc, during="initialize()", modified=modified, then=then)
 
