@@ -165,6 +165,7 @@ def test_hookimpl_signature_mismatch_is_reported(site: Site) -> None:
     assert "llmc-fsm-badsig 0.1 (entry point 'bad')" in text
     assert "does not match its specification" in text
     assert "config" in text
+    assert "\n" not in text  # pluggy's message spans three lines: one here
     assert isinstance(err.__cause__, pluggy.PluginValidationError)
     assert registry.manager.get_plugin("llmc-fsm-badsig:bad") is None
     assert "ZzModifier" in registry
@@ -356,6 +357,46 @@ def test_register_in_process() -> None:
         registry.register(other)
     with pytest.raises(PluginError, match=r"is not a subclass of llmc_fsm\.Modifier"):
         registry.register(dict)  # type: ignore[arg-type]
+
+
+def test_a_hook_without_return_is_reported(site: Site) -> None:
+    """pluggy drops a ``None`` result: a hook that forgets ``return`` registered nothing and said nothing."""
+    source = """
+    from llmc_fsm import hookimpl
+
+    @hookimpl
+    def llmc_fsm_register_modifiers():
+        pass
+    """
+    site.add("llmc-fsm-noreturn", "1.0", {"n": "noreturn_plugin"}, {"noreturn_plugin": source})
+    (err,) = ours(get_registry(), "llmc-fsm-noreturn")
+    assert str(err) == (
+        "plugin llmc-fsm-noreturn 1.0 (entry point 'n'): llmc_fsm_register_modifiers() returned None (a missing "
+        "return?): return a list of Modifier subclasses"
+    )
+
+
+@pytest.mark.parametrize(
+    ("declaration", "problem"),
+    [
+        ("required_state = 'model'", "required_state must be a set of strings (e.g. frozenset({'model'})), got 'model'"),
+        ("required_state = None", "required_state must be a set of strings (e.g. frozenset({'model'})), got None"),
+        ("optional_state = frozenset({1})", "optional_state must hold non-empty strings, got 1"),
+        ("events = frozenset({'batch_strat'})",
+         "events ['batch_strat'] are not batch events; on_event receives batch_start, loss_calculated, "
+         "optim_pre_step, optim_post_step, batch_end"),
+        ("events_after_end = frozenset({'batch_end'})", "events_after_end ['batch_end'] are not in its events []"),
+    ],
+)
+def test_a_class_declaration_that_would_fail_silently_is_refused_at_registration(declaration, problem) -> None:
+    """A string ``required_state`` was read as its characters (``requires d, e, l, m, o``), a misspelt event was
+    never delivered: each is refused when the class is registered, naming the class."""
+    namespace: dict = {}
+    exec(f"class Declared(Modifier):\n    {declaration}\n", {"Modifier": Modifier}, namespace)  # noqa: S102
+    cls = attrs.define(kw_only=True, slots=False, eq=False)(namespace["Declared"])
+    with pytest.raises(PluginError) as info:
+        ModifierRegistry().register(cls)
+    assert str(info.value) == f"{cls.__module__}.Declared: {problem}"
 
 
 def test_register_plugin_object_validates_hooks() -> None:

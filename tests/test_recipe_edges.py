@@ -165,3 +165,28 @@ def test_block_size_flag_reaches_sparsegpt() -> None:
     assert recipe.source == GENERATED
     (modifier,) = recipe.modifiers
     assert (type(modifier).__name__, modifier.block_size, modifier.mask_structure) == ("SparseGPTModifier", 64, "2:4")
+
+
+@pytest.mark.parametrize("suffix", [".json", ".yaml"])
+def test_a_key_twice_in_a_json_recipe_is_refused_as_in_yaml(tmp_path, suffix) -> None:
+    """JSON text (a .json file, or JSON in a .yaml file) fell back to json.loads after YAML refused the duplicate:
+    the last value won silently (``sparsity`` 0.7 over 0.5; a stage dropped)."""
+    path = tmp_path / f"dup{suffix}"
+    path.write_text('{"prune": {"SparseGPTModifier": {"sparsity": 0.5, "sparsity": 0.7}}}\n')
+    with pytest.raises(RecipeError) as info:
+        resolve_recipe(str(path))
+    assert str(info.value) == (
+        f"recipe {path}: found duplicate key 'sparsity' in a JSON object; every key must be unique"
+    )
+
+
+def test_a_plain_text_file_given_as_recipe_is_named_as_such(tmp_path) -> None:
+    """A data file given as the recipe: the line quoted the whole file and said the file did not exist."""
+    path = tmp_path / "cal.txt"
+    path.write_text("w1 w2 w3 " * 5000)
+    with pytest.raises(RecipeError) as info:
+        resolve_recipe(str(path))
+    assert str(info.value) == (
+        f"recipe {path}: the top level must map stage names to modifiers, got str (the file holds plain text, not a "
+        "YAML or JSON mapping of stages)"
+    )

@@ -37,6 +37,7 @@ import pluggy
 
 from llmc_fsm.core import hookspecs as hookspecs
 from llmc_fsm.core.errors import PluginError, RecipeError
+from llmc_fsm.core.lifecycle import BATCH_EVENTS
 from llmc_fsm.core.modifier import Modifier
 
 __all__ = [
@@ -96,6 +97,27 @@ class DisabledPlugin:
     distribution: str
     version: str | None
     entry_point: str
+
+
+def _declaration_problem(cls: type[Modifier]) -> str | None:
+    """What is wrong with ``cls``'s class-level declarations (``required_state``, ``optional_state``, ``events``,
+    ``events_after_end``, ``runs_after``), or ``None``: each a set of strings (a bare string would be read as its
+    characters), ``events`` among the batch events (a misspelt one would never be delivered, silently),
+    ``events_after_end`` among ``events``."""
+    for attr in ("required_state", "optional_state", "events", "events_after_end", "runs_after"):
+        value = getattr(cls, attr, None)
+        if isinstance(value, str) or not isinstance(value, frozenset | set | tuple | list):
+            return f"{attr} must be a set of strings (e.g. frozenset({{'model'}})), got {value!r}"
+        wrong = sorted(repr(v) for v in value if not isinstance(v, str) or not v)
+        if wrong:
+            return f"{attr} must hold non-empty strings, got {', '.join(wrong)}"
+    unknown = sorted(set(cls.events) - set(BATCH_EVENTS))
+    if unknown:
+        return f"events {unknown} are not batch events; on_event receives {', '.join(BATCH_EVENTS)}"
+    stray = sorted(set(cls.events_after_end) - set(cls.events))
+    if stray:
+        return f"events_after_end {stray} are not in its events {sorted(cls.events)}"
+    return None
 
 
 class ModifierRegistry:
@@ -170,6 +192,10 @@ class ModifierRegistry:
                 "@attrs.define(kw_only=True, slots=False, eq=False) (or attrs.frozen), as docs/plugins.md shows"
             )
             raise PluginError(msg, distribution=distribution, entry_point=entry_point)
+        problem = _declaration_problem(cls)
+        if problem is not None:
+            msg = f"{cls.__module__}.{cls.__qualname__}: {problem}"
+            raise PluginError(msg, distribution=distribution, entry_point=entry_point)
         name = cls.modifier_name()
         old = self._infos.get(name)
         if old is not None:
@@ -222,8 +248,9 @@ class ModifierRegistry:
             return found  # the same module exposed twice: already loaded
         try:
             self.manager.register(plugin, name=name)
-        except pluggy.PluginValidationError as exc:
-            return fail(f"hook implementation does not match its specification: {exc}", exc)
+        except pluggy.PluginValidationError as exc:  # pluggy's message spans lines: one line here
+            text = "; ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+            return fail(f"hook implementation does not match its specification: {text}", exc)
         except ValueError as exc:  # pragma: no cover - guarded by the check above
             return fail(str(exc))
         callers = self.manager.get_hookcallers(plugin) or []
@@ -244,9 +271,10 @@ class ModifierRegistry:
         except (Exception, SystemExit) as exc:
             self.manager.unregister(plugin)
             return fail(f"llmc_fsm_register_modifiers() raised {type(exc).__name__}: {exc}", exc)
+        if not results:  # pluggy drops a None result: a hook without return
+            return fail("llmc_fsm_register_modifiers() returned None (a missing return?): return a list of Modifier "
+                        "subclasses")  # fmt: skip
         for result in results:
-            if result is None:
-                continue
             if isinstance(result, type) or not isinstance(result, list | tuple):
                 fail(
                     "llmc_fsm_register_modifiers() must return a list of Modifier subclasses, "

@@ -136,8 +136,11 @@ def build_recipe(data: Any, source: str) -> Recipe:
         raise RecipeError(msg)
     if not isinstance(data, Mapping):
         msg = f"recipe {source}: the top level must map stage names to modifiers, got {type(data).__name__}"
-        if isinstance(data, str) and "\n" not in data:
-            msg += f" (if {data!r} is meant to be a file, it does not exist)"
+        if isinstance(data, str) and not source.startswith("<"):  # a file of plain text (a data file given?)
+            msg += " (the file holds plain text, not a YAML or JSON mapping of stages)"
+        elif isinstance(data, str) and "\n" not in data:
+            shown = data if len(data) <= 80 else data[:77] + "..."
+            msg += f" (if {shown!r} is meant to be a file, it does not exist)"
         raise RecipeError(msg)
     builder = _Builder(source)
     try:

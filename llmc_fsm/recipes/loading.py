@@ -114,7 +114,7 @@ def load_recipe_data(text: str, source: str = "<text>") -> Any:
     read (tabs, for example) is read with :func:`json.loads` (plain dicts, no lines).
 
     Raises:
-        RecipeError: not valid YAML/JSON (with the line), or several YAML documents.
+        RecipeError: not valid YAML/JSON (with the line), a key given twice in one mapping, or several YAML documents.
     """
     try:
         return _load_yaml(text, source)
@@ -123,10 +123,26 @@ def load_recipe_data(text: str, source: str = "<text>") -> Any:
         if not (source.endswith(".json") or text.lstrip().startswith(("{", "["))):
             raise error from None
     try:
-        return json.loads(text)
+        return json.loads(text, object_pairs_hook=_unique_keys)
     except json.JSONDecodeError as exc:
         msg = f"recipe {source}, line {exc.lineno}, column {exc.colno}: not valid JSON: {exc.msg}"
         raise RecipeError(msg) from None
+    except _DuplicateKey as exc:  # as YAML refuses them (JSON's own reading keeps the last value, silently)
+        msg = f"recipe {source}: found duplicate key {exc.args[0]!r} in a JSON object; every key must be unique"
+        raise RecipeError(msg) from None
+
+
+class _DuplicateKey(Exception):
+    """A JSON object with a key twice (:func:`_unique_keys`)."""
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateKey(key)
+        out[key] = value
+    return out
 
 
 def looks_like_path(recipe: Any) -> bool:
