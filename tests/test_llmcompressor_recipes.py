@@ -461,7 +461,7 @@ THREE_PROBLEMS = """\
 prune_stage:
   pruning_modifiers:
     SparseGPTModifier:
-      sparsity: "0.5"
+      sparsity: "half"
       mask_structure: "2:4"
 quant_stage:
   quantization_modifiers:
@@ -476,7 +476,7 @@ def three_problems(source: str) -> str:
     return (
         f"recipe {source} has 3 problems; fix them all, then run it again:\n"
         "  - line 4, stage 'prune_stage', modifier SparseGPTModifier, argument 'sparsity': sparsity must be a number "
-        "in [0, 1) (fraction of weights set to zero), got '0.5'\n"
+        "in [0, 1) (fraction of weights set to zero), got 'half'\n"
         "  - line 10, stage 'quant_stage', modifier GPTQModifier: unknown argument 'dampening'. Did you mean "
         "'dampening_frac'? GPTQModifier accepts: start, end, update, targets, scheme, config_groups, observer, "
         "input_observer, ignore, kv_cache_scheme, calibrate_all_experts, block_size, dampening_frac, actorder\n"

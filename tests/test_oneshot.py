@@ -342,6 +342,22 @@ def test_output_that_is_a_mount_point_is_refused_before_any_work(tmp_path, monke
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
+def test_a_bind_mount_on_the_same_filesystem_is_a_mount_point_too(tmp_path):
+    """``mount --bind`` (or ``docker -v`` of a directory on the same disk): device and parent agree, so
+    ``os.path.ismount`` says no, and the run failed at its end (``EBUSY`` renaming it), ``--resume`` the same way
+    each time. /proc/self/mountinfo lists it (its octal escapes decoded)."""
+    from llmc_fsm.output.directory import _is_mount_point
+
+    out = tmp_path / "my out"
+    out.mkdir()
+    info = tmp_path / "mountinfo"
+    escaped = str(out).replace(" ", "\\040")
+    info.write_text(f"36 35 98:0 / / rw - ext4 /dev/root rw\n99 36 98:0 /x {escaped} rw - ext4 /dev/root rw\n")
+    assert not os.path.ismount(out)
+    assert _is_mount_point(out, str(info)) and not _is_mount_point(tmp_path, str(info))
+    assert not _is_mount_point(out, str(tmp_path / "no-such-file"))
+
+
 def test_a_meta_device_model_is_refused_and_a_tokenizer_may_be_a_directory(tmp_path):
     from transformers import AutoModelForCausalLM
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,21 @@ __all__ = ["check_output_dir", "check_output_not_source"]
 
 #: A non-empty directory holding one of these may be replaced with overwrite=True.
 _MODEL_DIR_MARKERS = ("config.json", "recipe.yaml", "report.json", "model.safetensors")
+
+
+def _is_mount_point(path: Path, mountinfo: str = "/proc/self/mountinfo") -> bool:
+    """Whether ``path`` is a mount point: ``os.path.ismount`` (another device than its parent), or listed in
+    ``/proc/self/mountinfo`` (Linux), which also shows a bind mount within one filesystem (``docker -v`` of a host
+    directory on the same disk, ``mount --bind``), where device and parent agree. Renaming it fails with ``EBUSY``."""
+    if os.path.ismount(path):
+        return True
+    try:
+        with open(mountinfo, encoding="utf-8") as mounts:
+            points = {line.split()[4] for line in mounts if len(line.split()) > 4}
+    except OSError:
+        return False
+    decoded = {re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), p) for p in points}  # "\040": a space
+    return str(path) in decoded
 
 
 def check_output_dir(output_dir: str | os.PathLike[str] | None, overwrite: bool) -> Path | None:
@@ -49,7 +65,7 @@ def check_output_dir(output_dir: str | os.PathLike[str] | None, overwrite: bool)
             "whole directory; choose a new directory (e.g. --output out/my-model)"
         )
         raise ValueError(msg)
-    if path.is_dir() and os.path.ismount(path):
+    if path.is_dir() and _is_mount_point(path):
         msg = (
             f"output directory {str(path)!r} is a mount point, which the output cannot replace (it is written "
             f"beside the directory and then renamed into place); pass a directory inside it, e.g. "

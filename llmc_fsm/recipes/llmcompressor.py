@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import difflib
 import logging
+import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -393,8 +394,34 @@ def translate_arguments(cls: type, kwargs: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-if translate_arguments not in ARGUMENT_TRANSLATORS:
-    ARGUMENT_TRANSLATORS.append(translate_arguments)
+#: Declared field types that take a number (attrs keeps them as written: strings under ``from __future__``).
+_NUMBER_TYPES = {"float": float, "int": int, "float | None": float, "int | None": int, float: float, int: int}
+_NUMBER = re.compile(r"[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+)?")
+
+
+def numbers_from_strings(cls: type, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """A number written as a string for an argument declared ``float`` or ``int`` (``sparsity: "0.5"``, and YAML's
+    ``5e-1``, which YAML 1.1 reads as a string), read as the number, as llm-compressor's pydantic arguments do; an
+    ``int`` only from an integral string (``"128"``). Anything else is left for the field's own validator."""
+    if not attrs.has(cls):
+        return kwargs
+    types = {a.alias or a.name: _NUMBER_TYPES.get(a.type) for a in attrs.fields(cls) if a.init}  # type: ignore[call-overload]
+    out = dict(kwargs)
+    for key, value in kwargs.items():
+        kind = types.get(key)
+        if kind is None or not isinstance(value, str) or not _NUMBER.fullmatch(value.strip()):
+            continue
+        number = float(value)
+        if kind is float:
+            out[key] = number
+        elif number.is_integer() and re.fullmatch(r"[+-]?\d+", value.strip()):
+            out[key] = int(value)
+    return out
+
+
+for _translator in (numbers_from_strings, translate_arguments):
+    if _translator not in ARGUMENT_TRANSLATORS:
+        ARGUMENT_TRANSLATORS.append(_translator)
 
 
 def _as_list(value: Any) -> Any:
