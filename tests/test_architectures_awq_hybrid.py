@@ -103,15 +103,17 @@ def test_awq_gptq_on_hybrid_stacks_runs_names_the_mamba_mixers_and_reloads(tmp_p
     the output reloads with no missing or unexpected key and the in-memory model's logits."""
     model = MODELS[family]()
     source = {k: v.clone() for k, v in model.state_dict().items()}
+    model.save_pretrained(tmp_path / "model")  # from a directory: the checks run on the meta model first
     ignore = ["lm_head", "re:.*mamba\\.dt_proj$"] if family == "jamba" else ["lm_head"]
     awq = AWQModifier(ignore=ignore)
     with caplog.at_level(logging.WARNING):
-        llmc_fsm.oneshot(
-            model=model, recipe=[awq, GPTQModifier(scheme=SCHEME, ignore=ignore)], dataset=DATA,
+        model = llmc_fsm.oneshot(
+            model=str(tmp_path / "model"), recipe=[awq, GPTQModifier(scheme=SCHEME, ignore=ignore)], dataset=DATA,
             output_dir=tmp_path / "o", progress=False,
         )  # fmt: skip
     names = "model.layers.{0,2}.mamba" if family == "jamba" else "model.layers.0.mixer"
     warned = [r.getMessage() for r in caplog.records if r.getMessage().startswith("default smoothing mappings")]
+    # once (from a directory it was logged twice: the meta model's check, then the loaded model's)
     assert [w.split(" (")[0] for w in warned] == [f"default smoothing mappings: no mapping reaches {names}"]
     assert set(awq.smoothing_results) == {e.split(" -> ")[0] for e in EXPECTED[family]}
     if family == "jamba":  # every expert matrix quantized (changed)

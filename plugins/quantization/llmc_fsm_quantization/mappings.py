@@ -549,13 +549,18 @@ def shared_expert_readers(block: nn.Module, experts: str, router: str) -> list[s
     return found
 
 
-def default_mappings(model: nn.Module, *, include_linear: bool = True) -> list[ResolvedMapping]:
+def default_mappings(
+    model: nn.Module, *, include_linear: bool = True, warned: set[str] | None = None
+) -> list[ResolvedMapping]:
     """The default mappings of ``model`` (table in the module docstring), decoder layer by decoder layer.
 
     Args:
         include_linear: also the Linear-to-Linear mappings (``v_proj -> o_proj``, ``up_proj -> down_proj``;
             AWQ's defaults); ``False``: the norm mappings only (SmoothQuant's defaults, the inputs of the
             attention and MLP input projections, paper Sec. 4).
+
+        warned: the warnings given already (a modifier's own set, which also spans the ``meta``-device model its
+            checks run on first); ``None``: once per model object.
 
     Returns:
         ``[]`` when no decoder layer has a mapping that fits (the caller raises, see :func:`resolve_mappings`).
@@ -577,13 +582,19 @@ def default_mappings(model: nn.Module, *, include_linear: bool = True) -> list[R
             mapping = _resolved(layer, prefix, smooth, list(balances), named)
             if _fit_problem(mapping) is None:
                 mappings.append(mapping)
+    given = warned if warned is not None else ({"*"} if _WARNED.get(model) else set())
+
+    def warn(text: str) -> None:
+        if text not in given and "*" not in given:
+            logger.warning("%s", text)
+        given.add(text)
+
     left = unsmoothed_mixers(model, mappings)
-    if mappings and left and not _WARNED.get(model):
-        logger.warning(
-            "default smoothing mappings: no mapping reaches %s (%s): their Linears are not smoothed (a quantizer "
-            "quantizes them as they are)",
-            compact_names(list(left)),
-            ", ".join(sorted({type(m).__name__ for m in left.values()})),
+    if mappings and left:
+        warn(
+            f"default smoothing mappings: no mapping reaches {compact_names(list(left))} "
+            f"({', '.join(sorted({type(m).__name__ for m in left.values()}))}): their Linears are not smoothed (a "
+            "quantizer quantizes them as they are)"
         )
     gateless: dict[str, str] = {}  # a gateless MLP's up_proj -> its act's class, where no exact fold is known
     for index, layer in enumerate(layers if include_linear else []):
@@ -591,13 +602,11 @@ def default_mappings(model: nn.Module, *, include_linear: bool = True) -> list[R
             if degree is None:
                 act = layer.get_submodule(up.removesuffix("up_proj") + "act_fn")
                 gateless[f"{layers_name}.{index}.{up}"] = type(act).__name__
-    if mappings and gateless and not _WARNED.get(model):
-        logger.warning(
-            "default smoothing mappings: %s -> down_proj left out: without a gate, down(%s(up x)) is invariant to a "
-            "fold only for a positively homogeneous act (transformers' relu2); their down_proj is quantized without "
-            "smoothing",
-            compact_names(list(gateless)),
-            ", ".join(sorted(set(gateless.values()))),
+    if mappings and gateless:
+        warn(
+            f"default smoothing mappings: {compact_names(list(gateless))} -> down_proj left out: without a gate, "
+            f"down({', '.join(sorted(set(gateless.values())))}(up x)) is invariant to a fold only for a positively "
+            "homogeneous act (transformers' relu2); their down_proj is quantized without smoothing"
         )
     if mappings:
         _WARNED[model] = True  # once per model: the modifiers resolve the mappings at each stage of their lifecycle
@@ -887,7 +896,7 @@ def resolve_mappings(
     if specs is None:
         mappings = [
             m
-            for m in default_mappings(model, include_linear=include_linear)
+            for m in default_mappings(model, include_linear=include_linear, warned=warned)
             if not _ignored_mapping(
                 m.smooth_name, m.smooth, dict(zip(m.balance_names, m.balances, strict=True)), ignore
             )
