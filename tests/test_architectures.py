@@ -252,6 +252,22 @@ def test_a_smooth_layer_without_a_weight_is_refused_naming_the_mapping():
     )
 
 
+def test_awq_on_experts_whose_router_is_not_a_linear_child_names_the_block_children():
+    """HunYuan-MoE's router is ``mlp.gate`` holding the Linear ``wg``: AWQ cannot smooth its experts and says so;
+    the reason read "its router  (HunYuanMoEV1Moe) holds no ..." (an empty name, the block's class)."""
+    import llmc_fsm
+
+    with pytest.raises(ValueError) as info:
+        llmc_fsm.oneshot(model=build("hunyuan_v1_moe"), recipe={"s": {"AWQModifier": {"ignore": ["lm_head"]}}},
+                         dataset=torch.randint(3, 128, (2, 16)), progress=False)  # fmt: skip
+    assert str(info.value).startswith(
+        "AWQModifier: HunYuanMoEV1ForCausalLM (model_type 'hunyuan_v1_moe') keeps fused experts in "
+        "model.layers.{0..1}.mlp.experts that no smoothing mapping reaches (no child of the block is a router with an "
+        "[experts, hidden] weight of its own (children: gate, experts, shared_mlp)), so they would be quantized "
+        "unsmoothed"
+    )
+
+
 def _reload_compare(tmp_path, family, recipe):
     """Compress ``family`` through ``llmc_fsm.oneshot``, reload the output with transformers; logits and keys."""
     from tiny_families import FAMILIES

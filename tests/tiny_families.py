@@ -300,6 +300,8 @@ FAMILIES: dict[str, tuple[str, dict[str, Any], str | None]] = {
         "v_head_dim": 16, "num_key_value_heads": 4, "n_routed_experts": 4, "n_shared_experts": 1,
         "num_experts_per_tok": 2, "moe_intermediate_size": 32, "first_k_dense_replace": 1, "n_group": 1,
         "topk_group": 1, "mlp_layer_types": ["dense", "sparse"], "indexer_types": ["full", "full"]}, None),  # fmt: skip
+    "hunyuan_v1_moe": ("hunyuan_v1_moe", {"num_hidden_layers": 2, "num_experts": 4, "moe_topk": 2,
+                                          "num_shared_expert": 1, "moe_intermediate_size": 32}, None),  # fmt: skip
 }
 
 

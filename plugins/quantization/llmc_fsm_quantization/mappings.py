@@ -487,6 +487,9 @@ def moe_mapping_problem(block: nn.Module, experts: str, router: str) -> str | No
         return f"{kind} adds biases to its projections"
     if module.has_gate and getattr(type(module)._apply_gate, "__name__", "") != "_default_apply_gate":
         return f"{kind} gates by its own _apply_gate, not act(gate) * up"
+    if not router:  # HunYuan's router is a module holding its Linear (mlp.gate.wg)
+        children = ", ".join(n for n, _ in block.named_children())
+        return f"no child of the block is a router with an [experts, hidden] weight of its own (children: {children})"
     others = _other_children(block, experts, router)
     router_module = block.get_submodule(router.rpartition(".")[2])
     router_weight = getattr(router_module, "weight", None)
@@ -538,11 +541,7 @@ def shared_expert_readers(block: nn.Module, experts: str, router: str) -> list[s
     ``shared_experts``, Qwen3-Next's ``shared_expert``; ``up_proj`` alone without a gate, Nemotron-H's) and the
     shared expert's gate (Qwen3-Next's ``shared_expert_gate``), in the block's order; ``[]`` without a shared
     expert."""
-    router_module = block.get_submodule(router.rpartition(".")[2])
-    router_weight = getattr(router_module, "weight", None)
-    if not isinstance(router_weight, torch.Tensor) or router_weight.dim() != 2:
-        return f"its router {router} ({type(router_module).__name__}) holds no [experts, hidden] weight of its own"
-    hidden = int(router_weight.shape[1])
+    hidden = int(block.get_submodule(router.rpartition(".")[2]).weight.shape[1])  # checked by moe_mapping_problem
     found = []
     for name, module in _other_children(block, experts, router).items():
         found += [f"{name}.{leaf}" if leaf else name for leaf in _shared_reader_names(module, hidden) or []]
