@@ -478,7 +478,13 @@ def expert_checkpoint_names(model: nn.Module, name: str, module: nn.Module) -> d
             if tuple(tensor.shape) == (v.out_features, 1) and torch.equal(tensor, v.matrix_of(markers[v.param_name]))
         ]  # fmt: skip
         if len(found) != 1 or not key.endswith(".weight"):
-            msg = f"the checkpoint key {key} is not one expert matrix stored as a Linear weight [out, in]"
+            msg = (
+                f"the checkpoint key {key} is not one expert matrix stored as a Linear weight [out, in]: "
+                "transformers writes these experts in a layout of its own (e.g. Granite-MoE's "
+                "input_linear / output_linear, every expert in one tensor) and reads compressed-tensors packed "
+                "weights into fused experts only through one [out, in] key per expert, so no quantized experts can "
+                "be written that it reloads"
+            )
             raise ValueError(msg)
         names[found[0]] = key.removesuffix(".weight")
     missing = [s for s in views if s not in names]
