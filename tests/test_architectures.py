@@ -268,6 +268,27 @@ def test_awq_on_experts_whose_router_is_not_a_linear_child_names_the_block_child
     )
 
 
+def test_deepseeks_latent_attention_gets_llmcompressors_mappings_and_the_float_model_is_unchanged():
+    """DeepSeek-V3's multi-head latent attention (no q/k/v_proj) was left unsmoothed (warned); its mappings are now
+    llm-compressor's DeepSeek entry: input_layernorm -> q_a_proj, kv_a_proj_with_mqa; q_a_layernorm -> q_b_proj;
+    kv_a_layernorm -> kv_b_proj. Random scales folded through them leave the logits as they were."""
+    from tiny_families import logits_before_and_after_random_folds
+
+    from llmc_fsm_quantization.mappings import default_mappings
+
+    model = build("deepseek_v3")
+    mappings = default_mappings(model)
+    attention = [(m.smooth_name, m.balance_names) for m in mappings if m.smooth_name.startswith("model.layers.0.")][:3]
+    layer = "model.layers.0."
+    assert attention == [
+        (layer + "input_layernorm", (layer + "self_attn.q_a_proj", layer + "self_attn.kv_a_proj_with_mqa")),
+        (layer + "self_attn.q_a_layernorm", (layer + "self_attn.q_b_proj",)),
+        (layer + "self_attn.kv_a_layernorm", (layer + "self_attn.kv_b_proj",)),
+    ]
+    before, after = logits_before_and_after_random_folds(model, mappings, torch.randint(3, 128, (2, 16)))
+    torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-5)
+
+
 def _reload_compare(tmp_path, family, recipe):
     """Compress ``family`` through ``llmc_fsm.oneshot``, reload the output with transformers; logits and keys."""
     from tiny_families import FAMILIES

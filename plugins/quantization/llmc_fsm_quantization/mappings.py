@@ -353,6 +353,15 @@ def _default_specs_for_layer(layer: nn.Module, *, include_linear: bool) -> list[
         out.append((norm_name, (q[0], k[0], v[0], *_parallel_mlp_inputs(layer, children, norms))))
     elif norm is not None and _is_norm(norm) and qkv:
         out.append((norm_name, (qkv[0], *_parallel_mlp_inputs(layer, children, norms))))
+    kv_a = _linear_named(layer, "kv_a_proj_with_mqa")  # DeepSeek-V2/V3's multi-head latent attention
+    if kv_a and not (k or v or qkv) and norm is not None and _is_norm(norm):  # llm-compressor's DeepSeek mappings
+        q_in = _linear_named(layer, "q_a_proj") or q  # q_proj without a q LoRA rank
+        out.append((norm_name, tuple(x[0] for x in (q_in, kv_a) if x)))
+        for latent_norm, reader in (("q_a_layernorm", "q_b_proj"), ("kv_a_layernorm", "kv_b_proj")):
+            found_norm = next((n for n, m in layer.named_modules() if n.rsplit(".", 1)[-1] == latent_norm), None)
+            found_reader = _linear_named(layer, reader)
+            if found_norm and found_reader and _is_norm(layer.get_submodule(found_norm)):
+                out.append((found_norm, (found_reader[0],)))
     if include_linear and v and o and v[1].weight.shape[0] == o[1].weight.shape[1]:
         out.append((v[0], (o[0],)))
     if include_linear and qkv and o and fused_tail(qkv[0], qkv[1], int(o[1].weight.shape[1])):

@@ -564,7 +564,7 @@ class ActivationObserver:
     def _input_hook(self, m: ResolvedMapping) -> Any:
         def hook(module: nn.Module, args: tuple[Any, ...]) -> None:
             x = args[0]
-            if m.smooth.weight.dim() == 1 and x is not self._last_out.get(id(m.smooth)):
+            if m.smooth.weight.dim() == 1 and not _same_values(x, self._last_out.get(id(m.smooth))):
                 reader = m.parent_name if m.reader is m.parent else m.balance_names[0]
                 self.problems.append(f"{reader} does not read the output of {m.smooth_name}")
                 return
@@ -702,3 +702,19 @@ class LogarithmicEqualizationModifier(SmoothQuantModifier):
 
     def _scales(self, act_max: torch.Tensor, mapping: ResolvedMapping) -> torch.Tensor:
         return logarithmic_scales(act_max)
+
+
+def _same_values(x: Any, out: Any) -> bool:
+    """Whether the reader's input ``x`` is the norm's output ``out``: the same tensor, or a view of it that keeps
+    its channels as the last dimension (DeepSeek-V3's ``kv_b_proj`` reads ``kv_a_layernorm``'s output viewed as
+    ``[batch, 1, seq, rank]``): same memory, as many values, the same last dimension and stride."""
+    if x is out:
+        return True
+    return (
+        isinstance(x, torch.Tensor)
+        and isinstance(out, torch.Tensor)
+        and x.data_ptr() == out.data_ptr()
+        and x.numel() == out.numel()
+        and x.shape[-1] == out.shape[-1]
+        and x.stride(-1) == out.stride(-1)
+    )
