@@ -388,3 +388,26 @@ def test_moe_with_experts_ignored_compresses_the_rest_and_reports_only_those(tmp
     assert sorted(info["missing_keys"]) == []
     with torch.no_grad():
         torch.testing.assert_close(reloaded.eval()(data[:2]).logits, model(data[:2]).logits, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["gpt_neox", "falcon", "bloom"])
+def test_query_key_value_families_get_default_mappings_that_keep_the_float_model(family):
+    """GPT-NeoX, Falcon and Bloom share the fused ``query_key_value`` / ``dense_h_to_4h`` names: their default
+    mappings (Falcon's one norm feeds attention and MLP alike, so both are its balance layers) keep the logits
+    under random folds."""
+    from tiny_families import logits_before_and_after_random_folds
+
+    from llmc_fsm_quantization.mappings import default_mappings
+
+    model = build(family)
+    mappings = default_mappings(model)
+    first = [(m.smooth_name.split(".")[-1], m.balance_names) for m in mappings if ".0." in m.smooth_name]
+    prefix = {"gpt_neox": "gpt_neox.layers.0.", "falcon": "transformer.h.0.", "bloom": "transformer.h.0."}[family]
+    attention = "attention" if family == "gpt_neox" else "self_attention"
+    expected = {
+        "falcon": [("input_layernorm", (f"{prefix}{attention}.query_key_value", f"{prefix}mlp.dense_h_to_4h"))],
+    }.get(family, [("input_layernorm", (f"{prefix}{attention}.query_key_value",)),
+                   ("post_attention_layernorm", (f"{prefix}mlp.dense_h_to_4h",))])  # fmt: skip
+    assert first == expected
+    before, after = logits_before_and_after_random_folds(model, mappings, torch.randint(3, 128, (2, 16)))
+    torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-5)

@@ -412,8 +412,9 @@ def _default_specs_for_layer(layer: nn.Module, *, include_linear: bool) -> list[
 
 def _parallel_mlp_inputs(layer: nn.Module, children: dict[str, nn.Module], norms: list[str]) -> tuple[str, ...]:
     """The MLP's input Linears of a parallel decoder layer, whose one norm (``input_layernorm``) feeds attention and
-    MLP alike (Cohere, Cohere2: ``gate_proj``, ``up_proj``; Phi: ``fc1``), else ``()``: they are balance layers of that
-    norm with ``q/k/v`` (llm-compressor's Cohere mappings), or folding its scales would change the MLP's input.
+    MLP alike (Cohere, Cohere2: ``gate_proj``, ``up_proj``; Phi: ``fc1``; Falcon: ``dense_h_to_4h``), else ``()``:
+    they are balance layers of that norm with ``q/k/v`` (llm-compressor's Cohere mappings), or folding its scales
+    would change the MLP's input.
 
     A layer is taken as parallel when ``input_layernorm`` is its only norm, next to an ``mlp`` child without fused
     experts; whether the fold keeps the function is measured before smoothing (:func:`~llmc_fsm_quantization.
@@ -422,8 +423,13 @@ def _parallel_mlp_inputs(layer: nn.Module, children: dict[str, nn.Module], norms
     mlp = children.get("mlp")
     if norms != ["input_layernorm"] or mlp is None or _fused_experts(mlp):
         return ()
-    names = [leaf for leaf in ("gate_proj", "up_proj") if is_linear_like(_child(mlp, leaf))] or (
-        ["fc1"] if is_linear_like(_child(mlp, "fc1")) else []
+    names = (
+        [leaf for leaf in ("gate_proj", "up_proj") if is_linear_like(_child(mlp, leaf))]
+        or [
+            leaf
+            for leaf in ("fc1", "dense_h_to_4h")
+            if is_linear_like(_child(mlp, leaf))  # Phi; Falcon
+        ][:1]
     )
     return tuple(f"mlp.{leaf}" for leaf in names)
 
