@@ -114,3 +114,21 @@ def test_an_in_memory_model_finds_its_tokenizer_from_where_it_was_loaded(tiny_mo
                        r"LongTensor of token ids\); its name_or_path has no tokenizer files here$"):
         llmc_fsm.oneshot(built, PRUNE, dataset=texts, max_seq_length=32, output_dir=tmp_path / "o", progress=False)
     assert not (tmp_path / "o").exists()
+
+
+def test_an_evaluation_window_longer_than_the_model_names_where_its_length_comes_from(tiny_model_dir):
+    """A tensor dataset and no max_seq_length: the calibration takes the tensor's columns, the evaluation windows
+    the default 256; the refusal named --seq-len, which the caller never gave (a docs breaker's case)."""
+    import json
+
+    model_dir, text = tiny_model_dir
+    limit = json.loads((model_dir / "config.json").read_text())["max_position_embeddings"]
+    data = torch.randint(3, 100, (4, 16))
+    with pytest.raises(ValueError) as info:
+        llmc_fsm.oneshot(str(model_dir), PRUNE, dataset=data, eval_text=str(text), progress=False)
+    assert str(info.value) == (
+        "evaluation window length 256 (the default: set eval_seq_length, or max_seq_length / --seq-len) is above "
+        f"the model's max_position_embeddings ({limit}); use at most {limit}"
+    )
+    with pytest.raises(ValueError, match=r"^the dataset tensor's length 300 \(its columns; max_seq_length, --seq-len, "):
+        llmc_fsm.oneshot(str(model_dir), PRUNE, dataset=torch.randint(3, 100, (4, 300)), progress=False)

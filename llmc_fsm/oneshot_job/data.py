@@ -71,18 +71,16 @@ def is_tensor(value: Any) -> bool:
     return isinstance(value, torch.Tensor)
 
 
-def check_seq_len(model: Any, seq_len: int) -> None:
-    """Refuse a sequence length above the ``max_position_embeddings`` of ``model`` (a model, or its config).
+def check_seq_len(model: Any, seq_len: int, what: str = "sequence length {n} (--seq-len / eval)") -> None:
+    """Refuse a sequence length above the ``max_position_embeddings`` of ``model`` (a model, or its config);
+    ``what``: the length named in the message, ``{n}`` its value.
 
     Raises:
-        ValueError: naming the limit.
+        ValueError: naming the length, where it comes from and the limit.
     """
     limit = getattr(getattr(model, "config", model), "max_position_embeddings", None)  # a model or its config
     if isinstance(limit, int) and seq_len > limit:
-        msg = (
-            f"sequence length {seq_len} (--seq-len / eval) is above the model's max_position_embeddings "
-            f"({limit}); use at most {limit}"
-        )
+        msg = f"{what.format(n=seq_len)} is above the model's max_position_embeddings ({limit}); use at most {limit}"
         raise ValueError(msg)
 
 

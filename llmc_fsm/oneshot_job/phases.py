@@ -236,12 +236,20 @@ def _check_lengths(run: Run, model: Any) -> None:
         ValueError: a length above the model's ``max_position_embeddings``, naming it (:func:`check_seq_len`).
     """
     settings = run.settings
-    used = [settings.eval_length] if settings.eval_text is not None else []
     if run.needs_data and (not is_rows(settings.dataset) or settings.max_seq_length is not None):
-        tensor = is_tensor(settings.dataset) and settings.max_seq_length is None
-        used.append(int(settings.dataset.shape[1]) if tensor else settings.seq_len)
-    if used:
-        check_seq_len(model, max(used))
+        if is_tensor(settings.dataset) and settings.max_seq_length is None:
+            what = "the dataset tensor's length {n} (its columns; max_seq_length, --seq-len, cuts it)"
+            check_seq_len(model, int(settings.dataset.shape[1]), what)
+        else:
+            check_seq_len(model, settings.seq_len, "sequence length {n} (--seq-len / eval)")
+    if settings.eval_text is not None:  # named apart: its length need not be the one the caller gave
+        if settings.eval_seq_length is not None:
+            given = "eval_seq_length"
+        elif settings.max_seq_length is not None:
+            given = "max_seq_length, --seq-len"
+        else:
+            given = "the default: set eval_seq_length, or max_seq_length / --seq-len"
+        check_seq_len(model, settings.eval_length, f"evaluation window length {{n}} ({given})")
 
 
 def _check_token_ids(run: Run) -> None:
