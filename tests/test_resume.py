@@ -547,3 +547,28 @@ def test_a_resumed_run_that_fails_keeps_the_progress_it_resumed(leftover, monkey
     assert f"progress kept in {str(work)!r} (2 of " in "\n".join(info.value.__notes__)
     _resume(model, text, out)  # and it still resumes
     assert (out / "report.json").exists() and not work.exists()
+
+
+def test_an_interrupted_overwrite_is_named_when_resumed_without_overwrite(leftover, monkeypatch):
+    """An earlier output being replaced (--overwrite) stays until the new one is complete; resumed without
+    --overwrite, the refusal said "It holds a finished run (report.json), so there is nothing to resume" while the
+    interrupted run's progress waited beside it."""
+    from llmc_fsm.output.workdir import work_dir_path
+
+    model, text, out = leftover
+    shutil.rmtree(work_dir_path(out))
+    _resume(model, text, out, resume=False)  # a finished output
+    with monkeypatch.context() as m:
+        _interrupt_after(m, layer=1)
+        with pytest.raises(KeyboardInterrupt):
+            _resume(model, text, out, resume=False, overwrite=True)
+    assert (out / "report.json").is_file() and (work_dir_path(out) / "fingerprint.json").is_file()
+    with pytest.raises(FileExistsError) as info:
+        _resume(model, text, out)
+    assert str(info.value) == (
+        f"output directory {str(out)!r} exists and is not empty; pass overwrite=True (--overwrite) to replace it. A "
+        f"run replacing it (interrupted, or still running) keeps its progress in {str(work_dir_path(out))!r}: to "
+        "continue an interrupted one, run the same command with --overwrite --resume (overwrite=True, resume=True)"
+    )
+    _resume(model, text, out, overwrite=True)  # and that continues it
+    assert not work_dir_path(out).exists()

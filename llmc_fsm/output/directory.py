@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from llmc_fsm.models.known import KNOWN_MODELS, cache_root
+from llmc_fsm.output.workdir import work_dir_path
 
 __all__ = ["check_output_dir", "check_output_not_source"]
 
@@ -78,7 +79,13 @@ def check_output_dir(output_dir: str | os.PathLike[str] | None, overwrite: bool)
                 f"output directory {str(path)!r} exists and is not empty; pass overwrite=True (--overwrite) to "
                 "replace it"
             )
-            if (path / "report.json").is_file():
+            if (work_dir_path(path) / "fingerprint.json").is_file():  # the old output stays until the new is done
+                msg += (
+                    f". A run replacing it (interrupted, or still running) keeps its progress in "
+                    f"{str(work_dir_path(path))!r}: to continue an interrupted one, run the same command with "
+                    "--overwrite --resume (overwrite=True, resume=True)"
+                )
+            elif (path / "report.json").is_file():
                 msg += ". It holds a finished run (report.json), so there is nothing to resume"
                 msg += (
                     " (its model is quantized — its config.json has a quantization_config, for its weights or its "
