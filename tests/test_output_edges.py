@@ -161,6 +161,18 @@ def test_ctrl_c_mid_run_is_one_line_with_exit_130(tiny_model_dir, tmp_path, star
     )
 
 
+@pytest.mark.parametrize("signal_name", ["SIGINT", "SIGTERM"])
+def test_a_second_interrupt_during_the_clean_up_changes_nothing(tiny_model_dir, tmp_path, signal_name):
+    """A double Ctrl-C (2 ms apart): the second cut the clean-up, which then said "nothing written" over the kept
+    progress, or printed a traceback from an atexit callback. The first interrupt now ignores further ones."""
+    run = tiny_llama.run_cli(_cli_args(tiny_model_dir, tmp_path / "out"), signal_at=f"layer:0:{signal_name}x2")
+    what = "Ctrl-C" if signal_name == "SIGINT" else "SIGTERM"
+    assert (run.returncode, run.stderr) == (130 if signal_name == "SIGINT" else 143, (
+        f"llmc-fsm oneshot: interrupted ({what}); progress kept in {str(tmp_path / '.out.work')!r} (1 of 4 decoder "
+        "layers done): run the same command with --resume (resume=True) to continue, or remove that directory\n"
+    ))  # fmt: skip
+
+
 def _dead_pid() -> int:
     proc = subprocess.run(
         [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True

@@ -118,11 +118,16 @@ spec = os.environ.get("LLMC_FSM_TEST_SIGNAL")
 sent = []
 if spec:
     where, *rest = spec.split(":")
-    if rest[-1] == "SIGINT":
+    sig_name, _, twice = rest[-1].partition("x")  # "SIGINTx2": a second one 2 ms later, during the clean-up
+    if sig_name == "SIGINT":
         signal.signal(signal.SIGINT, signal.default_int_handler)
     def send():
         sent.append(rest[-1])
-        os.kill(os.getpid(), getattr(signal, rest[-1]))
+        if twice:
+            import threading, time
+            threading.Thread(target=lambda: (time.sleep(0.002), os.kill(os.getpid(), getattr(signal, sig_name))),
+                             daemon=True).start()
+        os.kill(os.getpid(), getattr(signal, sig_name))
     if where == "layer":
         import llmc_fsm.oneshot_job.resume as module
         original = module.LayerProgress.save
