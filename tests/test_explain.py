@@ -440,3 +440,4 @@ def test_explain_says_what_awqs_default_scheme_stands_for(registry: ModifierRegi
     assert "config_groups=None (default)," in line
     given = _arguments_line("s: {AWQModifier: {scheme: W4A16}}")
     assert "scheme='W4A16'," in given and "the quantizing modifier" not in given
+

@@ -523,3 +523,19 @@ def test_bad_stage_keys_are_listed_with_the_modifiers_problems() -> None:
         "  - line 5, stage 's', modifier WandaPruningModifier, argument 'sparsity': sparsity must be a number in "
         "[0, 1) (fraction of weights set to zero), got 2",
     ]
+
+
+def test_a_modifier_object_at_its_defaults_is_explained_as_the_same_recipe_text() -> None:
+    """``GPTQModifier()``'s scheme, observer and ignore are filled in by its converters: compared with the raw
+    attrs defaults (``None``) they were shown without "(default)" and without llm-compressor's notes."""
+    from llmc_fsm_quantization import GPTQModifier
+
+    from llmc_fsm import Session
+    from llmc_fsm.session.explain import explain
+
+    def arguments(session) -> str:
+        return next(line for line in explain(session).splitlines() if line.strip().startswith("arguments:"))
+
+    assert arguments(Session([GPTQModifier()])) == arguments(Session("s:\n  GPTQModifier: {}\n"))
+    assert "scheme='W4A16' (default; llm-compressor has no default scheme" in arguments(Session([GPTQModifier()]))
+    assert "scheme='W8A8'," in arguments(Session([GPTQModifier(scheme="W8A8")]))  # a value given: no mark

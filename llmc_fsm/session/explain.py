@@ -64,13 +64,16 @@ def _arguments(m: Modifier) -> str:
     after one the modifier set from other arguments (its ``derived_arguments``, e.g. a quantizer's ``targets`` from
     its ``config_groups``)."""
     given = given_arguments(m)
+    fresh = _built_with_defaults(type(m)) if given is None else None  # defaults as the converters make them
     parts = []
     for field in attrs.fields(type(m)):
         if not field.init or field.name in ("start", "end", "update"):
             continue
         value = getattr(m, field.name)
         default = field.default
-        if isinstance(default, attrs.Factory):  # type: ignore[arg-type]
+        if fresh is not None:  # GPTQModifier's scheme=None stands for 'W4A16' once built: compare what is built
+            default = getattr(fresh, field.name)
+        elif isinstance(default, attrs.Factory):  # type: ignore[arg-type]
             default = default.factory(m) if default.takes_self else default.factory()
         if given is None:
             defaulted = default is not attrs.NOTHING and value == default
@@ -90,6 +93,15 @@ def _arguments(m: Modifier) -> str:
             mark = " (default)"
         parts.append(f"{field.alias}={value!r}{mark}")
     return ", ".join(parts) or "-"
+
+
+def _built_with_defaults(cls: type) -> Any:
+    """``cls()`` (every argument at its default, converted as the class converts it), or ``None`` where it needs
+    arguments or its defaults alone are refused."""
+    try:
+        return cls()
+    except Exception:
+        return None
 
 
 def _keys(keys: Any, state: State, absent: str) -> str:
