@@ -381,6 +381,8 @@ def test_a_hook_without_return_is_reported(site: Site) -> None:
     [
         ("required_state = 'model'", "required_state must be a set of strings (e.g. frozenset({'model'})), got 'model'"),
         ("required_state = None", "required_state must be a set of strings (e.g. frozenset({'model'})), got None"),
+        ("required_state = ['model']",
+         "required_state must be a set of strings (e.g. frozenset({'model'})), got ['model']"),
         ("optional_state = frozenset({1})", "optional_state must hold non-empty strings, got 1"),
         ("events = frozenset({'batch_strat'})",
          "events ['batch_strat'] are not batch events; on_event receives batch_start, loss_calculated, "

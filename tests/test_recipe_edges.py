@@ -194,12 +194,13 @@ def test_a_plain_text_file_given_as_recipe_is_named_as_such(tmp_path) -> None:
 
 def test_numbers_written_as_strings_are_read_as_llm_compressor_reads_them() -> None:
     """YAML 1.1 reads ``5e-1`` as a string, and recipes quote numbers: llm-compressor's pydantic arguments take
-    them as numbers; they were refused ("sparsity must be a number ..., got '5e-1'"). A non-integral string for an
-    int argument, and a word, are still refused."""
+    them as numbers; they were refused ("sparsity must be a number ..., got '5e-1'"). A string of a non-integral value
+    for an int argument, and a word, are still refused."""
     recipe = resolve_recipe("s:\n  SparseGPTModifier: {sparsity: 5e-1, block_size: '128', dampening_frac: '1e-2'}\n")
     modifier = recipe.modifiers[0]
     assert (modifier.sparsity, modifier.block_size, modifier.dampening_frac) == (0.5, 128, 0.01)
     assert type(modifier.block_size) is int
+    assert resolve_recipe("s:\n  SparseGPTModifier: {sparsity: 0.5, block_size: '64.0'}\n").modifiers[0].block_size == 64
     with pytest.raises(RecipeError, match=r"block_size must be a positive int, got '12\.7'"):
         resolve_recipe("s:\n  SparseGPTModifier: {sparsity: 0.5, block_size: '12.7'}\n")
     with pytest.raises(RecipeError, match=r"sparsity must be a number in \[0, 1\).*got 'half'"):

@@ -816,6 +816,18 @@ def test_a_calibration_only_modifier_in_a_training_loop_is_named_at_the_first_ba
         "training, e.g. llmc_fsm.oneshot(model, recipe), or send the calibration events"
     ]
     session.finalize()
+    caplog.clear()  # calibrated first: it has compressed, nothing to say
+    model = TinyLM()
+    session = Session([QuantizationModifier(scheme="W8A8", ignore=["lm_head"])])
+    session.initialize(model=model)
+    session.calibration_start()
+    session.calibration_end()
+    with caplog.at_level("WARNING", logger="llmc_fsm.session.events"):
+        session.batch_start()
+        session.batch_end()
+    assert [r for r in caplog.records if r.name == "llmc_fsm.session.events"] == []
+    assert hasattr(model.fc1, "quantization_scheme")
+    session.finalize()
 
 
 def test_distillation_takes_a_number_as_the_loss():

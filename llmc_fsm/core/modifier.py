@@ -260,8 +260,8 @@ class Modifier(metaclass=ModifierType):
         ``required_state`` plus ``steps_per_epoch`` when the schedule is numeric.
         """
         if self.is_scheduled:
-            return self.required_state | {"steps_per_epoch"}
-        return self.required_state
+            return frozenset(self.required_state) | {"steps_per_epoch"}
+        return frozenset(self.required_state)
 
     @property
     def is_scheduled(self) -> bool:

@@ -102,11 +102,12 @@ class DisabledPlugin:
 def _declaration_problem(cls: type[Modifier]) -> str | None:
     """What is wrong with ``cls``'s class-level declarations (``required_state``, ``optional_state``, ``events``,
     ``events_after_end``, ``runs_after``), or ``None``: each a set of strings (a bare string would be read as its
-    characters), ``events`` among the batch events (a misspelt one would never be delivered, silently),
-    ``events_after_end`` among ``events``."""
+    characters, a list fails the session's set algebra: ``required_state | {"steps_per_epoch"}``), ``events``
+    among the batch events (a misspelt one would never be delivered, silently), ``events_after_end`` among
+    ``events``."""
     for attr in ("required_state", "optional_state", "events", "events_after_end", "runs_after"):
         value = getattr(cls, attr, None)
-        if isinstance(value, str) or not isinstance(value, frozenset | set | tuple | list):
+        if not isinstance(value, frozenset | set):  # a string reads as its characters; a list fails set algebra
             return f"{attr} must be a set of strings (e.g. frozenset({{'model'}})), got {value!r}"
         wrong = sorted(repr(v) for v in value if not isinstance(v, str) or not v)
         if wrong:

@@ -36,6 +36,8 @@ from __future__ import annotations
 import difflib
 import logging
 import re
+import types
+import typing
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -394,28 +396,43 @@ def translate_arguments(cls: type, kwargs: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-#: Declared field types that take a number (attrs keeps them as written: strings under ``from __future__``).
-_NUMBER_TYPES = {"float": float, "int": int, "float | None": float, "int | None": int, float: float, int: int}
+#: Declared field types that take a number, as attrs keeps them under ``from __future__ import annotations``.
+_NUMBER_TYPES = {"float": float, "int": int, "float | None": float, "int | None": int, "Optional[float]": float,
+                 "Optional[int]": int}  # fmt: skip
 _NUMBER = re.compile(r"[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+)?")
+
+
+def _number_kind(declared: Any) -> type | None:
+    """``float`` or ``int`` for a field declared so (or optional: ``float | None``, ``Optional[int]``; as a string
+    or as the type itself), else ``None``."""
+    if isinstance(declared, str):
+        return _NUMBER_TYPES.get(declared.replace(" ", "").replace("|", " | "))
+    if declared in (float, int):
+        return declared
+    if typing.get_origin(declared) in (typing.Union, types.UnionType):
+        kinds = [a for a in typing.get_args(declared) if a is not type(None)]
+        return kinds[0] if len(kinds) == 1 and kinds[0] in (float, int) else None
+    return None
 
 
 def numbers_from_strings(cls: type, kwargs: dict[str, Any]) -> dict[str, Any]:
     """A number written as a string for an argument declared ``float`` or ``int`` (``sparsity: "0.5"``, and YAML's
     ``5e-1``, which YAML 1.1 reads as a string), read as the number, as llm-compressor's pydantic arguments do; an
-    ``int`` only from an integral string (``"128"``). Anything else is left for the field's own validator."""
+    ``int`` only from a string of an integral value (``"128"``, ``"128.0"``). Anything else is left for the field's
+    own validator."""
     if not attrs.has(cls):
         return kwargs
-    types = {a.alias or a.name: _NUMBER_TYPES.get(a.type) for a in attrs.fields(cls) if a.init}  # type: ignore[call-overload]
+    kinds = {a.alias or a.name: _number_kind(a.type) for a in attrs.fields(cls) if a.init}
     out = dict(kwargs)
     for key, value in kwargs.items():
-        kind = types.get(key)
+        kind = kinds.get(key)
         if kind is None or not isinstance(value, str) or not _NUMBER.fullmatch(value.strip()):
             continue
         number = float(value)
         if kind is float:
             out[key] = number
-        elif number.is_integer() and re.fullmatch(r"[+-]?\d+", value.strip()):
-            out[key] = int(value)
+        elif number.is_integer():  # "128", "128.0", "1.28e2" (pydantic's lax int)
+            out[key] = int(number)
     return out
 
 

@@ -46,6 +46,7 @@ class SessionEvents:
     _broken: str | None
     _in_hook: str | None  # the call whose modifier hooks are running now (a hook calling the session is refused)
     _trained: bool  # a training batch began in this run
+    _calibrated: bool  # a calibration ended in this run
 
     @property
     def lifecycle(self) -> str:
@@ -232,6 +233,8 @@ class SessionEvents:
     def _warn_calibration_only(self) -> None:
         """At the run's first training batch: one line naming the modifiers that act on calibration events only
         (in a training loop they do nothing; quantization-aware training is not implemented)."""
+        if self._calibrated:  # they compressed in this run's calibration already
+            return
         idle = [slot.label for slot in self._schedule.slots if slot.calibrates_only]
         if idle:
             logger.warning(
@@ -351,4 +354,5 @@ class SessionEvents:
         with self._lock:
             self._refuse_from_hook("calibration_end")
             self._enter("calibration_end")
+            self._calibrated = True
             self._calibration("calibration_end")

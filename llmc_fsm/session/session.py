@@ -87,6 +87,7 @@ class Session(SessionCheckpoints):
         self._schedule = Schedule(self._recipe.modifiers)
         self._broken: str | None = None
         self._trained = False
+        self._calibrated = False
 
     # --- read-only views ------------------------------------------------------
     @property
