@@ -819,7 +819,8 @@ def _init_reads_weight(model: nn.Module, name: str, module: nn.Module) -> bool:
 
     Measured, not listed: on the model its config describes, built on the ``meta`` device once per model
     (:class:`_InitProbe`), the module's ``weight`` is removed and ``_init_weights`` is called on it and on each of
-    its ancestors up to the root (on ``meta`` nothing is initialised); an ``AttributeError`` naming ``weight`` means
+    its ancestors up to its decoder layer (on ``meta`` nothing is initialised; not the model's root, whose own
+    initialisation may build a ``[positions, positions]`` mask in memory); an ``AttributeError`` naming ``weight`` means
     the reload would fail. A model without a config, or whose names its config's model does not have, is probed on
     the module's class alone (the module itself).
     """
@@ -859,6 +860,9 @@ class _InitProbe:
             chain = [skeleton.get_submodule(p) for p in prefixes] if skeleton is not None else None
         except AttributeError:  # its names are not the model's (an in-memory model of another class)
             chain = None
+        if chain is not None:  # up to its decoder layer: the root's own init may build [positions, positions] masks
+            lists = [i for i, m in enumerate(chain) if isinstance(m, nn.ModuleList)]
+            chain = chain[: lists[0]] if lists else chain[:1]
         if chain is None or not isinstance(chain[0], nn.Linear):
             return _class_init_reads_weight(self.model, module)
         key = (re.sub(r"\.\d+(?=\.|$)", ".#", name), *(type(m) for m in chain))  # the same in every layer
