@@ -29,8 +29,9 @@ from torch import nn
 
 from llmc_fsm.core.errors import MissingStateError
 from llmc_fsm.pipeline.device import resolve_device
+from llmc_fsm.session.checkpoint import check_checkpoint
 
-__all__ = ["check_teacher", "place_teacher", "resolve_teacher_device", "restage", "with_integration_hints"]
+__all__ = ["check_teacher", "place_teacher", "resolve_teacher_device", "start_session", "with_integration_hints"]
 
 logger = logging.getLogger(__name__)
 
@@ -59,14 +60,45 @@ def with_integration_hints(
     return new
 
 
-def restage(session: Any, staged: Mapping[str, Any]) -> None:
-    """After a call failed past ``session.initialize()`` (the teacher not placed, a checkpoint refused): reset the
-    session (the modifiers finalized, their hooks removed) and give it back the state gathered before, ``staged``
-    (``dict(session.state.values)`` read before ``initialize``), so it is as it was before the call — ``staging``
-    with the same state (``created`` if there was none) — and the call can be made again."""
-    session.reset()
-    if staged:
-        session.update_state(**staged)
+def start_session(
+    session: Any,
+    saved: Mapping[str, Any] | None,
+    device: torch.device | None,
+    hints: tuple[str, Callable[[str], str] | Mapping[str, str]],
+    **state: Any,
+) -> None:
+    """The start of a training run, for both integrations: ``session.initialize(**state)``, the teacher placed on
+    ``device`` (:func:`place_teacher`), then the session checkpoint ``saved`` (``read_checkpoint``'s dict, or
+    ``None``) loaded. What the checkpoint shows by itself (another recipe, ``steps_per_epoch``, format) is refused
+    before ``initialize`` (``check_checkpoint``); whatever fails after it (the teacher not placed, a modifier
+    refusing its part) puts the session back as it was before the call — reset, then given back the state gathered
+    before (``staging``; ``created`` if there was none) — so the call can be made again.
+
+    Args:
+        hints: ``(integration name, key -> sentence)`` for a ``MissingStateError`` (:func:`with_integration_hints`).
+
+    Raises:
+        CheckpointError: as above, the session as it was.
+        MissingStateError: as ``Session.initialize``, the message extended by ``hints``.
+        ValueError: from :func:`place_teacher`, the session as it was.
+        LifecycleError, ModifierError: as ``Session.initialize``.
+    """
+    if saved is not None:
+        check_checkpoint(saved, session, **state)
+    staged = dict(session.state.values)
+    try:
+        session.initialize(**state)
+    except MissingStateError as exc:
+        raise with_integration_hints(exc, *hints) from exc
+    try:
+        place_teacher(session, device)
+        if saved is not None:
+            session.load_state_dict(saved)
+    except BaseException:
+        session.reset()
+        if staged:
+            session.update_state(**staged)
+        raise
 
 
 def resolve_teacher_device(spec: Any, argument: str = "teacher_device") -> torch.device | None:

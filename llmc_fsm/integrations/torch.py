@@ -78,9 +78,8 @@ import math
 from pathlib import Path
 from typing import Any
 
-from llmc_fsm.core.errors import MissingStateError
-from llmc_fsm.integrations import check_teacher, place_teacher, resolve_teacher_device, restage, with_integration_hints
-from llmc_fsm.session.checkpoint import check_checkpoint, read_checkpoint
+from llmc_fsm.integrations import check_teacher, resolve_teacher_device, start_session
+from llmc_fsm.session.checkpoint import read_checkpoint
 from llmc_fsm.session.session import Session
 
 __all__ = ["HINTS", "initialize", "is_step", "optimizer_step", "resume_position", "steps_per_epoch"]
@@ -178,26 +177,13 @@ def initialize(
             message extended by how to supply each key in a plain loop.
         CheckpointError: ``checkpoint`` is unreadable or was written for another
             recipe or ``steps_per_epoch`` (refused before ``initialize``), or a modifier refused its part (the
-            session is then put back as it was before the call: :func:`~llmc_fsm.integrations.restage`).
+            session is then put back as it was before the call: :func:`~llmc_fsm.integrations.start_session`).
         LifecycleError, ModifierError: as from ``Session.initialize``.
     """
     device = resolve_teacher_device(teacher_device)
     check_teacher(session, state.get("teacher", session.state.get("teacher")), device)
     saved = read_checkpoint(checkpoint) if checkpoint is not None else None
-    if saved is not None:  # another recipe, steps_per_epoch or format: refused before anything is initialized
-        check_checkpoint(saved, session, **state)
-    staged = dict(session.state.values)
-    try:
-        session.initialize(**state)
-    except MissingStateError as exc:
-        raise with_integration_hints(exc, "a plain PyTorch loop", _hint) from exc
-    try:
-        place_teacher(session, device)
-        if saved is not None:
-            session.load_state_dict(saved)
-    except BaseException:
-        restage(session, staged)  # as before the call: staged, same state
-        raise
+    start_session(session, saved, device, ("a plain PyTorch loop", _hint), **state)
 
 
 def resume_position(session: Session, batches_per_epoch: int, gradient_accumulation_steps: int = 1) -> tuple[int, int]:

@@ -74,8 +74,8 @@ from typing import Any
 from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
-from llmc_fsm.core.errors import CheckpointError, MissingStateError
-from llmc_fsm.integrations import check_teacher, place_teacher, resolve_teacher_device, restage, with_integration_hints
+from llmc_fsm.core.errors import CheckpointError
+from llmc_fsm.integrations import check_teacher, resolve_teacher_device, start_session
 from llmc_fsm.session.checkpoint import check_checkpoint, read_checkpoint
 from llmc_fsm.session.session import Session
 
@@ -247,30 +247,14 @@ class SessionTrainerMixin:
         if optimizer is not None and self.session.state.get("optimizer") is not optimizer:
             extra["optimizer"] = optimizer  # the accelerate-prepared wrapper, same param_groups
         check_teacher(self.session, self.session.state.get("teacher"), self._llmc_teacher_device)
-        if saved is not None:  # steps_per_epoch is staged now (the dataloader): before initialize
-            self._check_session_checkpoint(saved, **extra)
-        staged = dict(self.session.state.values)
-        try:
-            self.session.initialize(**extra)
-        except MissingStateError as exc:
-            raise with_integration_hints(exc, "SessionTrainer", _hint) from exc
-        try:
-            place_teacher(self.session, self._llmc_teacher_device)  # the model is where the Trainer put it
-            if saved is not None:
-                self.session.load_state_dict(saved)
-        except BaseException as exc:
-            restage(self.session, staged)  # as before train(): staged, same state; train() may be called again
-            if isinstance(exc, CheckpointError):
-                msg = f"resume_from_checkpoint={self._llmc_resume}: {exc}"
-                raise CheckpointError(msg, differences=exc.differences) from exc
-            raise
+        try:  # the teacher placed where the Trainer put the model; steps_per_epoch is staged now (the dataloader)
+            start_session(self.session, saved, self._llmc_teacher_device, ("SessionTrainer", _hint), **extra)
+        except CheckpointError as exc:  # the session as before train(): train() may be called again
+            raise self._named(exc) from exc
 
-    def _check_session_checkpoint(self, saved: dict[str, Any], **given: Any) -> None:
-        try:
-            check_checkpoint(saved, self.session, **given)
-        except CheckpointError as exc:
-            msg = f"resume_from_checkpoint={self._llmc_resume}: {exc}"
-            raise CheckpointError(msg, differences=exc.differences) from exc
+    def _named(self, exc: CheckpointError) -> CheckpointError:
+        """``exc`` with the checkpoint it was read from first."""
+        return CheckpointError(f"resume_from_checkpoint={self._llmc_resume}: {exc}", differences=exc.differences)
 
     def _read_session_checkpoint(self) -> dict[str, Any] | None:
         if self._llmc_resume is None:
@@ -303,7 +287,10 @@ class SessionTrainerMixin:
         self._llmc_resume = str(resume_from_checkpoint) if resume_from_checkpoint else None
         self._llmc_saved = self._read_session_checkpoint()
         if self._llmc_saved is not None and self.session.lifecycle in ("created", "staging"):
-            self._check_session_checkpoint(self._llmc_saved)  # another recipe: before the Trainer loads the weights
+            try:  # another recipe: refused before the Trainer loads the checkpoint's weights
+                check_checkpoint(self._llmc_saved, self.session)
+            except CheckpointError as exc:
+                raise self._named(exc) from exc
         return super().train(resume_from_checkpoint or None, *args, **kwargs)  # type: ignore[misc]
 
     def _save_checkpoint(self, model: Any, trial: Any) -> None:

@@ -192,17 +192,9 @@ class OneshotReport:
         The label ends in ``*`` when targeted weights of the layer were left unquantized (:meth:`_unquantized`)."""
         agg: dict[int, list[ModuleSparsity]] = {}
         for m in self._targeted():
-            if m.layer is not None and m.bits is not None:
+            if m.layer is not None:
                 agg.setdefault(m.layer, []).append(m)
-        partial = {m.layer for m in self._unquantized()}
-        out: dict[int, tuple[str, float | None]] = {}
-        for i, mods in agg.items():
-            labels = sorted({f"{m.bits}b" + (f"/g{m.group_size}" if m.group_size else "") for m in mods})
-            measured = [m for m in mods if m.rel_output_error is not None]
-            size = sum(m.numel for m in measured)
-            error = sum(m.numel * m.rel_output_error for m in measured) / size if size else None
-            out[i] = (",".join(labels) + ("*" if i in partial else ""), error)
-        return out
+        return {i: _bits_label(mods) for i, mods in agg.items() if any(m.bits is not None for m in mods)}
 
     def _unquantized(self) -> list[ModuleSparsity]:
         """Targeted modules left unquantized in decoder layers where other targeted modules were quantized (e.g. a
@@ -354,11 +346,8 @@ class OneshotReport:
                 extra = f"  {label:>9}  {'-' if err is None else f'{err:.4f}':>16}" if bits_columns else ""
                 lines.append(f"{i:>{width}}  {n:>10,}  {s:>8.2%}{extra}")
         for name, mods in blocks.items():  # lm_head, a quantized embedding, an encoder's layers
-            labels = sorted({f"{m.bits}b" + (f"/g{m.group_size}" if m.group_size else "") for m in mods if m.bits})
-            label = ",".join(labels) + ("*" if labels and any(m.bits is None for m in mods) else "") or "-"
-            measured = [m for m in mods if m.rel_output_error is not None]
-            size, numel, zeros = sum(m.numel for m in measured), sum(m.numel for m in mods), sum(m.zeros for m in mods)
-            err = sum(m.numel * m.rel_output_error for m in measured) / size if size else None
+            label, err = _bits_label(mods)
+            numel, zeros = sum(m.numel for m in mods), sum(m.zeros for m in mods)
             extra = f"  {label:>9}  {'-' if err is None else f'{err:.4f}':>16}" if bits_columns else ""
             lines.append(f"{name:>{width}}  {numel:>10,}  {zeros / numel if numel else 0.0:>8.2%}{extra}")
         lines.extend(self._unquantized_note())
@@ -486,6 +475,19 @@ def _kv_cache_line(label: str, scales: dict[str, dict[str, list[float]]]) -> str
         values = [x for v in scales.values() for x in v.get(kind, [])]
         ranges.append(f"{kind} {min(values):.3g} to {max(values):.3g}")
     return f"{label}: FP8 scales calibrated on {len(scales)} attention modules: {'; '.join(ranges)}"
+
+
+def _bits_label(mods: list[ModuleSparsity]) -> tuple[str, float | None]:
+    """The report's ``quantized`` label of targeted modules shown in one row (a decoder layer, an outside block):
+    their bits/group sizes (``-`` if none is quantized), ending in ``*`` when some are quantized and some not; and
+    their relative output error, the mean of the measured ones weighted by their numbers of weights (of the quantized
+    ones where some are: a pruned module's error is not a quantizer's)."""
+    labels = sorted({f"{m.bits}b" + (f"/g{m.group_size}" if m.group_size else "") for m in mods if m.bits is not None})
+    partial = bool(labels) and any(m.bits is None for m in mods)
+    measured = [m for m in mods if m.rel_output_error is not None and (m.bits is not None or not labels)]
+    size = sum(m.numel for m in measured)
+    error = sum(m.numel * m.rel_output_error for m in measured) / size if size else None
+    return (",".join(labels) + ("*" if partial else "") or "-"), error
 
 
 def _outside_blocks(modules: list[ModuleSparsity]) -> dict[str, list[ModuleSparsity]]:

@@ -150,7 +150,10 @@ class SessionEvents:
 
     # --- events (hot path: no transitions trigger, one dict lookup) ------------
     def _enter(self, event: str, step: int | None = None) -> Event:
-        """Check the event order (one lookup), then set the global step (if given) and the shared Event."""
+        """Check the event order (one lookup), then set the global step (if given) and the shared Event. An event
+        sent from inside a modifier's hook is refused first (:meth:`_refuse_from_hook`)."""
+        if self._in_hook is not None:
+            self._refuse_from_hook(event)
         position = EVENT_ORDER[self._position].get(event)
         if position is None:
             self._refuse_event(event)
@@ -219,7 +222,6 @@ class SessionEvents:
             msg = f"global_step must be a non-negative int, got {global_step!r}"
             raise ValueError(msg)
         with self._lock:
-            self._refuse_from_hook("batch_start")
             ev = self._enter("batch_start", global_step)
             if not self._trained:
                 self._trained = True
@@ -268,7 +270,6 @@ class SessionEvents:
             )
             raise ValueError(msg)
         with self._lock:
-            self._refuse_from_hook("loss_calculated")
             ev = self._enter("loss_calculated")
             ev.loss = loss
             self._dispatch("loss_calculated", ev)
@@ -283,7 +284,6 @@ class SessionEvents:
             ModifierError: a modifier hook raised.
         """
         with self._lock:
-            self._refuse_from_hook("optim_pre_step")
             self._dispatch("optim_pre_step", self._enter("optim_pre_step"))
 
     def optim_post_step(self) -> None:
@@ -295,7 +295,6 @@ class SessionEvents:
             ModifierError: a modifier hook raised.
         """
         with self._lock:
-            self._refuse_from_hook("optim_post_step")
             self._dispatch("optim_post_step", self._enter("optim_post_step", self._step + 1))
 
     def batch_end(self) -> None:
@@ -307,7 +306,6 @@ class SessionEvents:
             ModifierError: a modifier hook raised.
         """
         with self._lock:
-            self._refuse_from_hook("batch_end")
             ev = self._enter("batch_end")
             try:
                 self._dispatch("batch_end", ev)
@@ -324,7 +322,6 @@ class SessionEvents:
             ModifierError: a modifier hook raised.
         """
         with self._lock:
-            self._refuse_from_hook("calibration_start")
             ev = self._enter("calibration_start")
             if self._schedule.pending:
                 self._schedule.advance(ev.epoch, self._call_with_event)
@@ -339,7 +336,6 @@ class SessionEvents:
             ModifierError: a modifier hook raised.
         """
         with self._lock:
-            self._refuse_from_hook("sequential_epoch_end")
             self._enter("sequential_epoch_end")
             self._calibration("sequential_epoch_end", modules)
 
@@ -352,7 +348,6 @@ class SessionEvents:
             ModifierError: a modifier hook raised.
         """
         with self._lock:
-            self._refuse_from_hook("calibration_end")
             self._enter("calibration_end")
             self._calibrated = True
             self._calibration("calibration_end")
