@@ -19,6 +19,7 @@ from llmc_fsm.core.state import State
 from llmc_fsm.core.version import __version__ as __version__
 from llmc_fsm.models.layers import find_decoder_layers
 from llmc_fsm.oneshot_job.api import oneshot
+from llmc_fsm.oneshot_job.model_free import model_free_ptq
 from llmc_fsm.pipeline.forward import first_output
 from llmc_fsm.recipes.model import Recipe, Stage
 from llmc_fsm.session.session import Session, active_session, create_session
@@ -43,5 +44,6 @@ __all__ = [
     "first_output",
     "hookimpl",
     "hookspec",
+    "model_free_ptq",
     "oneshot",
 ]

@@ -904,9 +904,9 @@ def test_fp8_experts_are_refused_before_any_work_where_transformers_reads_packed
     tmp_path, monkeypatch
 ):
     """transformers 5.24's experts loader read packed int weights only (its FP8 path came in 5.25)."""
-    import llmc_fsm_quantization._base as base
+    import llmc_fsm.toolkit.packed as packed
 
-    monkeypatch.setattr(base, "_transformers_version", lambda: "5.24.0")
+    monkeypatch.setattr(packed, "_transformers_version", lambda: "5.24.0")
     assert _qwen3_moe_refusal(tmp_path, "FP8_DYNAMIC") == (
         "QuantizationModifier: Qwen3MoeForCausalLM (model_type 'qwen3_moe'): fused experts "
         "model.layers.{0..3}.mlp.experts: FP8 expert weights reload from transformers 5.25 on (installed: 5.24.0, "

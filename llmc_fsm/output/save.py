@@ -574,7 +574,8 @@ def choose_formats(
         sub.quantization_scheme.format = None
     unpacked_zero_points(default)
     unpacked_embeddings(default)
-    _unpacked_where_init_reads_weight(model if root is None else root, {prefix + n: m for n, m in default.items()})
+    named = {f"{prefix}{n}" if n else prefix.removesuffix("."): m for n, m in default.items()}  # n == "": the module
+    _unpacked_where_init_reads_weight(model if root is None else root, named)
     infer_model_format(model)  # sets the format of every quantized module whose scheme has none yet
     for name, sub in modules.items():
         setattr(sub, FORMAT_ASKED_ATTR, name in asked)
@@ -585,13 +586,16 @@ def choose_formats(
 FORMAT_ASKED_ATTR = "quantization_format_asked"
 
 
-def warn_formats(model: nn.Module) -> None:
+def warn_formats(model: nn.Module, *, root: nn.Module | None = None) -> None:
     """After the quantized modules of ``model`` were saved (:func:`choose_formats` ran on each, in one call or one
     decoder layer at a time): one warning per kind of saved format one of the two readers does not read (the
-    default ``int-quantized`` asymmetric int weights: vLLM; ``pack-quantized`` ones asked for: transformers 5.25)."""
+    default ``int-quantized`` asymmetric int weights: vLLM; ``pack-quantized`` ones asked for and packed FP4 of a
+    class whose initialisation reads its weight: transformers 5.25). ``root``: the model whose weight
+    initialisation is probed, when ``model`` holds the quantized modules under the same names but is not it
+    (``model_free_ptq``'s tree of Linears)."""
     modules = quantized_modules(model)
     asked = {name for name, sub in modules.items() if getattr(sub, FORMAT_ASKED_ATTR, False)}
-    _warn_formats(model, modules, asked)
+    _warn_formats(model if root is None else root, modules, asked)
 
 
 def _check_formats(schemes: dict[str, tuple[type, Any]], formats: str | dict[str, str]) -> None:
@@ -614,15 +618,21 @@ def _check_formats(schemes: dict[str, tuple[type, Any]], formats: str | dict[str
         raise ValueError(msg)
 
 
+#: The packed float formats (weight_packed, no weight): no unpacked format holds their values.
+_PACKED_FLOAT_FORMATS = ("nvfp4-pack-quantized", "mxfp4-pack-quantized", "mxfp6-pack-quantized")
+
+
 def _warn_formats(model: nn.Module, modules: dict[str, nn.Module], asked: dict[str, str]) -> None:
     """One warning per kind of saved format that one of the two readers (transformers, vLLM) does not read."""
-    asym_default, float_inputs_default, asym_packed, packed_unloadable = [], [], [], []
+    asym_default, float_inputs_default, asym_packed, packed_unloadable, fp_unloadable = [], [], [], [], []
     for name, sub in modules.items():
         scheme = sub.quantization_scheme
         fmt = getattr(scheme.format, "value", scheme.format)
         weights, inputs = scheme.weights, scheme.input_activations
         asymmetric_int = weights is not None and str(weights.type) == "int" and not weights.symmetric
-        if name not in asked:
+        if fmt in _PACKED_FLOAT_FORMATS and _init_reads_weight(model, name, sub):
+            fp_unloadable.append(name)
+        elif name not in asked:
             if asymmetric_int and fmt == "int-quantized" and inputs is None and not isinstance(sub, nn.Embedding):
                 asym_default.append(name)
             elif (
@@ -674,6 +684,14 @@ def _warn_formats(model: nn.Module, modules: dict[str, nn.Module], asked: dict[s
             "mismatch); int-quantized (the default) reloads in transformers",
             len(asym_packed),
             asym_packed[0],
+        )
+    if fp_unloadable:
+        logger.warning(
+            "%d modules (e.g. %s) are saved in a packed FP4/FP6 format (no other format holds those values): "
+            "transformers 5.25 cannot reload them (this architecture's weight initialisation reads their weight, "
+            "which a packed module has not); vLLM reads them",
+            len(fp_unloadable),
+            fp_unloadable[0],
         )
     if packed_unloadable:
         logger.warning(

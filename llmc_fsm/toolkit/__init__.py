@@ -48,7 +48,8 @@ The public names, by concern:
   :func:`release_file_pages` (unmap a replaced weight's unwritten pages of a memory-mapped checkpoint);
 * **checkpoint** (:mod:`~llmc_fsm.toolkit.packed`): :func:`keep_packed` (keep the tensors compressed-tensors
   packed when a module was quantized, for the save to write instead of rounding again), :func:`weight_formats` /
-  :func:`format_problem` (the compressed-tensors formats a scheme's weights can be saved in).
+  :func:`format_problem` (the compressed-tensors formats a scheme's weights can be saved in),
+  :func:`expert_reload_problem` (why transformers would not reload fused experts quantized with a scheme).
 
 Imports only :mod:`llmc_fsm.core`.
 """
@@ -81,7 +82,7 @@ from llmc_fsm.toolkit.obs import (
     inverse_hessian_cholesky,
     obs_sweep,
 )
-from llmc_fsm.toolkit.packed import format_problem, keep_packed, weight_formats
+from llmc_fsm.toolkit.packed import expert_reload_problem, format_problem, keep_packed, weight_formats
 from llmc_fsm.toolkit.targets import (
     DEFAULT_IGNORE,
     DEFAULT_TARGETS,
@@ -132,6 +133,7 @@ __all__ = [
     "clear_weight_views",
     "compact_names",
     "expert_checkpoint_names",
+    "expert_reload_problem",
     "format_problem",
     "fused_experts_reason",
     "get_rank",

@@ -17,7 +17,7 @@ from torch import nn
 
 from llmc_fsm.toolkit.views import LinearView
 
-__all__ = ["PACKED_ATTR", "format_problem", "keep_packed", "kept_packed", "weight_formats"]
+__all__ = ["PACKED_ATTR", "expert_reload_problem", "format_problem", "keep_packed", "kept_packed", "weight_formats"]
 
 
 #: Attribute of a quantized module holding the tensors its compressor packed when it was quantized
@@ -110,3 +110,98 @@ def kept_packed(module: nn.Module, fmt: str, local: dict[str, Any]) -> dict[str,
         if value.shape != local[key].shape or not torch.equal(value.to(local[key].dtype), local[key]):
             return None
     return packed
+
+
+def _transformers_version() -> str:
+    from importlib.metadata import version
+
+    return version("transformers")
+
+
+def _reloads_fp8_experts() -> bool:
+    """Whether the installed transformers reloads FP8 expert weights: from 5.25 on its experts loader
+    (``CompressedTensorsDequantize``) folds each expert's fp8 ``weight`` with its ``weight_scale`` (per channel or per
+    tensor, by broadcasting) into the fused parameters; 5.24 read packed int weights only."""
+    from packaging.version import Version  # a dependency of transformers
+
+    return Version(_transformers_version()) >= Version("5.25")
+
+
+def expert_reload_problem(scheme: Any) -> str | None:
+    """Why the expert matrices of fused experts quantized with ``scheme`` (a compressed-tensors
+    ``QuantizationScheme``) would not reload into transformers' fused experts parameters, or ``None``.
+
+    Its experts loader (``CompressedTensorsDequantize``) rebuilds each expert from ``weight_packed``,
+    ``weight_scale`` and ``weight_shape`` with the format's compressor (symmetric int ``pack-quantized``, MXFP4 /
+    MXFP6; not NVFP4, whose ``weight_global_scale`` it does not read), or, from transformers 5.25 on, from an
+    fp8 ``weight`` times its ``weight_scale`` (per channel or per tensor); the reloaded experts run dense, with no
+    input quantization. So FP8 experts may have dynamic input activations (nothing of them is in the checkpoint:
+    a serving engine quantizes them) or static FP8 ones per tensor (each
+    expert's ``input_scale`` is calibrated on its routed tokens and saved under its per-expert name, which vLLM
+    reads; transformers' loader has no place for it and leaves it out).
+    """
+    from compressed_tensors.compressors.format import infer_module_format
+    from compressed_tensors.config import CompressionFormat
+    from compressed_tensors.quantization import QuantizationStrategy
+
+    w = scheme.weights
+    if w is None:
+        return "the scheme quantizes no weights"
+    if scheme.output_activations is not None:
+        return "output activations cannot be quantized on fused experts (transformers runs them dense)"
+    inputs = scheme.input_activations
+    fmt = scheme.format or infer_module_format(nn.Linear, scheme)
+    if fmt == CompressionFormat.nvfp4_pack_quantized:
+        return (
+            "NVFP4 weights: transformers' experts loader decompresses each expert from weight_packed, weight_scale "
+            "and weight_shape alone, without its weight_global_scale, so the experts would reload with wrong values "
+            "(MXFP4A16 has no global scale and reloads)"
+        )
+    if str(w.type) == "float" and w.num_bits == 8 and w.strategy == QuantizationStrategy.BLOCK:
+        return (
+            "FP8 block weights (FP8_BLOCK): transformers' experts loader multiplies each expert's fp8 weight by its "
+            "weight_scale by broadcasting, which a scale per block does not (measured, transformers 5.25: "
+            "'RuntimeError: The size of tensor a (32) must match the size of tensor b (2)'); FP8 per channel "
+            "(FP8_DYNAMIC) reloads"
+        )
+    fp8 = (
+        str(w.type) == "float"
+        and w.num_bits == 8
+        and w.symmetric  # the loader multiplies by the scale alone: an FP8 zero point is an unknown key on reload
+        and w.strategy in (QuantizationStrategy.CHANNEL, QuantizationStrategy.TENSOR)
+        and w.strategy not in (QuantizationStrategy.TENSOR_GROUP, QuantizationStrategy.BLOCK)
+        and w.scale_dtype is None
+    )
+    if fp8:
+        if not _reloads_fp8_experts():
+            return (
+                f"FP8 expert weights reload from transformers 5.25 on (installed: {_transformers_version()}, whose "
+                "experts loader reads packed int weights only): upgrade transformers, or use W4A16 / W8A16"
+            )
+        if inputs is not None and inputs.dynamic is False and not (
+            str(inputs.type) == "float"
+            and inputs.num_bits == 8
+            and inputs.symmetric
+            and inputs.strategy == QuantizationStrategy.TENSOR
+        ):
+            return (
+                "static input activations on fused experts are 8-bit float, symmetric, per tensor only (one "
+                "input_scale [1] per expert matrix, as the FP8 preset writes them); use the FP8 preset or FP8_DYNAMIC"
+            )
+        return None
+    if inputs is not None:
+        return (
+            "input activations are quantized on fused experts only with FP8 weights per channel or tensor "
+            "(FP8_DYNAMIC): transformers reloads other experts from packed weight-only formats alone (W4A16, "
+            "W8A16, MXFP4A16)"
+        )
+    if fmt in (CompressionFormat.mxfp4_pack_quantized, CompressionFormat.mxfp6_pack_quantized):
+        return None  # packed like int weights, decompressed by the loader per expert (tested: MXFP4A16, MXFP6A16)
+    if str(w.type) != "int" or not w.symmetric or fmt != CompressionFormat.pack_quantized:
+        return (
+            "symmetric int weights that compressed-tensors packs (pack-quantized: W4A16, W8A16), MXFP4 / MXFP6 "
+            "weights (MXFP4A16, MXFP6A16) or symmetric FP8 weights per channel or tensor (FP8_DYNAMIC) only: "
+            "transformers rebuilds a checkpoint's experts from their packed weights, scales and shapes (no zero "
+            "point) or from fp8 weights times their scales, no other format"
+        )
+    return None

@@ -37,6 +37,7 @@ from llmc_fsm.toolkit import (
     all_reduce_tensor,
     compact_names,
     expert_checkpoint_names,
+    expert_reload_problem,
     is_distributed,
     is_linear_like,
     keep_packed,
@@ -425,101 +426,9 @@ def _fused_experts(model: nn.Module) -> dict[str, nn.Module]:
     return {n: m for n, m in model.named_modules() if weight_views(m) and next(iter(weight_views(m))) != ""}
 
 
-def _transformers_version() -> str:
-    from importlib.metadata import version
-
-    return version("transformers")
-
-
-def _reloads_fp8_experts() -> bool:
-    """Whether the installed transformers reloads FP8 expert weights: from 5.25 on its experts loader
-    (``CompressedTensorsDequantize``) folds each expert's fp8 ``weight`` with its ``weight_scale`` (per channel or per
-    tensor, by broadcasting) into the fused parameters; 5.24 read packed int weights only."""
-    from packaging.version import Version  # a dependency of transformers
-
-    return Version(_transformers_version()) >= Version("5.25")
-
-
 def _static_inputs(scheme: QuantizationScheme) -> bool:
     """Whether ``scheme`` quantizes input activations with a calibrated (static, ``dynamic: false``) scale."""
     return scheme.input_activations is not None and scheme.input_activations.dynamic is False
-
-
-def _expert_scheme_problem(scheme: QuantizationScheme) -> str | None:
-    """Why fused experts cannot be quantized with ``scheme`` so that transformers reloads them, or ``None``.
-
-    Its experts loader (``CompressedTensorsDequantize``) rebuilds each expert from ``weight_packed``,
-    ``weight_scale`` and ``weight_shape`` with the format's compressor (symmetric int ``pack-quantized``, MXFP4 /
-    MXFP6; not NVFP4, whose ``weight_global_scale`` it does not read), or, from transformers 5.25 on, from an
-    fp8 ``weight`` times its ``weight_scale`` (per channel or per tensor); the reloaded experts run dense, with no
-    input quantization. So FP8 experts may have dynamic input activations (nothing of them is in the checkpoint:
-    a serving engine quantizes them, see :func:`_expert_activations_note`) or static FP8 ones per tensor (each
-    expert's ``input_scale`` is calibrated on its routed tokens and saved under its per-expert name, which vLLM
-    reads; transformers' loader has no place for it and leaves it out).
-    """
-    from compressed_tensors.compressors.format import infer_module_format
-    from compressed_tensors.config import CompressionFormat
-
-    w = scheme.weights
-    if w is None:
-        return "the scheme quantizes no weights"
-    if scheme.output_activations is not None:
-        return "output activations cannot be quantized on fused experts (transformers runs them dense)"
-    inputs = scheme.input_activations
-    fmt = scheme.format or infer_module_format(nn.Linear, scheme)
-    if fmt == CompressionFormat.nvfp4_pack_quantized:
-        return (
-            "NVFP4 weights: transformers' experts loader decompresses each expert from weight_packed, weight_scale "
-            "and weight_shape alone, without its weight_global_scale, so the experts would reload with wrong values "
-            "(MXFP4A16 has no global scale and reloads)"
-        )
-    if str(w.type) == "float" and w.num_bits == 8 and w.strategy == QuantizationStrategy.BLOCK:
-        return (
-            "FP8 block weights (FP8_BLOCK): transformers' experts loader multiplies each expert's fp8 weight by its "
-            "weight_scale by broadcasting, which a scale per block does not (measured, transformers 5.25: "
-            "'RuntimeError: The size of tensor a (32) must match the size of tensor b (2)'); FP8 per channel "
-            "(FP8_DYNAMIC) reloads"
-        )
-    fp8 = (
-        str(w.type) == "float"
-        and w.num_bits == 8
-        and w.symmetric  # the loader multiplies by the scale alone: an FP8 zero point is an unknown key on reload
-        and w.strategy in (QuantizationStrategy.CHANNEL, QuantizationStrategy.TENSOR)
-        and not is_scaled_format(w)
-    )
-    if fp8:
-        if not _reloads_fp8_experts():
-            return (
-                f"FP8 expert weights reload from transformers 5.25 on (installed: {_transformers_version()}, whose "
-                "experts loader reads packed int weights only): upgrade transformers, or use W4A16 / W8A16"
-            )
-        if _static_inputs(scheme) and not (
-            str(inputs.type) == "float"
-            and inputs.num_bits == 8
-            and inputs.symmetric
-            and inputs.strategy == QuantizationStrategy.TENSOR
-        ):
-            return (
-                "static input activations on fused experts are 8-bit float, symmetric, per tensor only (one "
-                "input_scale [1] per expert matrix, as the FP8 preset writes them); use the FP8 preset or FP8_DYNAMIC"
-            )
-        return None
-    if inputs is not None:
-        return (
-            "input activations are quantized on fused experts only with FP8 weights per channel or tensor "
-            "(FP8_DYNAMIC): transformers reloads other experts from packed weight-only formats alone (W4A16, "
-            "W8A16, MXFP4A16)"
-        )
-    if fmt in (CompressionFormat.mxfp4_pack_quantized, CompressionFormat.mxfp6_pack_quantized):
-        return None  # packed like int weights, decompressed by the loader per expert (tested: MXFP4A16, MXFP6A16)
-    if str(w.type) != "int" or not w.symmetric or fmt != CompressionFormat.pack_quantized:
-        return (
-            "symmetric int weights that compressed-tensors packs (pack-quantized: W4A16, W8A16), MXFP4 / MXFP6 "
-            "weights (MXFP4A16, MXFP6A16) or symmetric FP8 weights per channel or tensor (FP8_DYNAMIC) only: "
-            "transformers rebuilds a checkpoint's experts from their packed weights, scales and shapes (no zero "
-            "point) or from fp8 weights times their scales, no other format"
-        )
-    return None
 
 
 def _expert_activations_note(scheme: QuantizationScheme, *, all_experts: bool = False) -> str | None:
@@ -1109,7 +1018,7 @@ class QuantizingModifier(CalibratedModifier):
                 :data:`CONV1D_REFUSAL`); fused experts of a family whose checkpoint keeps them fused (GPT-OSS, DBRX);
                 fused experts left dense while other modules are quantized (transformers 5.24 then drops them on
                 reload), or only some matrices of an experts module targeted; an experts scheme transformers does
-                not reload into them (:func:`_expert_scheme_problem`: they take weight-only symmetric int packed by
+                not reload into them (:func:`~llmc_fsm.toolkit.expert_reload_problem`: they take weight-only symmetric int packed by
                 compressed-tensors, ``pack-quantized``, any group size; MXFP4 / MXFP6 weight-only; FP8 weights per
                 channel or tensor with no, dynamic or static FP8 per-tensor input activations), or expert matrices
                 in config groups of different schemes; fused experts
@@ -1167,7 +1076,7 @@ class QuantizingModifier(CalibratedModifier):
                 "one config group"
             )
             raise ValueError(msg)
-        problem = _expert_scheme_problem(scheme)
+        problem = expert_reload_problem(scheme)
         if problem is not None:
             msg = f"{name}: {family}: fused experts {compact_names(list(sources))}: {problem}"
             raise ValueError(msg)
@@ -1205,7 +1114,7 @@ class QuantizingModifier(CalibratedModifier):
         scheme = self._experts_scheme(in_groups) if in_groups else None
         if scheme is None:
             return None
-        problem = _expert_scheme_problem(scheme)
+        problem = expert_reload_problem(scheme)
         if problem is None:
             return None
         family = model_family(model)

@@ -1,0 +1,656 @@
+"""``llmc_fsm.model_free_ptq``: data-free quantization of a safetensors checkpoint without loading the model.
+
+llm-compressor's ``model_free_ptq`` (``llmcompressor.entrypoints.model_free``), with its arguments: the weights are
+read from the checkpoint's safetensors files one shard at a time, each Linear weight is quantized with the scheme,
+and the shard is written again in compressed-tensors format; nothing builds or runs the model, so it works for an
+architecture transformers does not know and for checkpoints larger than memory (one shard at a time). Only
+data-free schemes: weight quantization and dynamic activations (``W8A8``, ``FP8_DYNAMIC``, ``FP8_BLOCK``,
+``W4A16``, ``NVFP4A16``, ``MXFP4A16``, ...); anything that needs calibration data is refused before any work.
+
+How it runs, in the project's own terms:
+
+* the scheme (a preset name, a ``QuantizationScheme``) or the ``QuantizationConfig`` becomes a one-stage recipe
+  with one :class:`QuantizationModifier` (the quantization plugin's), run through a :class:`~llmc_fsm.Session` like
+  every other job: ``initialize`` on a ``meta``-device model of ``nn.Linear`` modules named as the checkpoint names
+  them (:func:`linear_tree`) resolves the targets and runs every check of the scheme (group sizes, block shapes,
+  dtypes) before any weight is read; ``calibration_start``; one ``sequential_epoch_end`` per shard with that shard's
+  weights read in (the modifier quantizes them); ``calibration_end``; ``finalize``;
+* which tensors are Linear weights: a ``<module>.weight`` of two dimensions, as llm-compressor's
+  ``match_quantizable_tensors`` decides, except that where transformers can build the architecture from
+  ``config.json`` (on the ``meta`` device, nothing read), a module the model defines as anything but
+  ``nn.Linear`` (an ``Embedding``, GPT-2's ``Conv1D``, a norm) is not one: transformers would not reload it
+  quantized (llm-compressor quantizes it when the ``ignore`` list does not name it). Modules named ``*norm`` are
+  never targets. A tensor of three dimensions matched by the targets (fused mixture-of-experts weights such as
+  ``experts.gate_up_proj``) is refused: :func:`llmc_fsm.oneshot` quantizes those per expert;
+* NVFP4 weights that vLLM fuses (``q/k/v_proj``, ``gate/up_proj``, ...) share one global scale, as in
+  :func:`llmc_fsm.oneshot`: the weights of one parent module are read together (from whichever shards hold them)
+  and written into the shard of the first one (the index says where each tensor is);
+* ``converter``: a compressed-tensors converter (``compressed_tensors.entrypoints.convert``, e.g.
+  ``FP8BlockDequantizer``, ``ModelOptNvfp4Converter``) applied to each shard's tensors first, as llm-compressor
+  does; the tensors it needs together are read together (its ``get_dependencies``);
+* the output is written in a hidden work directory and renamed into place (:mod:`llmc_fsm.output.workdir`): a
+  failed or interrupted call leaves no output; every file of the checkpoint directory that is not a safetensors
+  shard (config, tokenizer, ...) is copied, ``config.json`` gains ``quantization_config`` (every Linear left
+  unquantized listed under ``ignore``) and ``recipe.yaml`` records the recipe run.
+
+Differences from llm-compressor 0.14, each said in a log line where it applies: the default ``ignore`` keeps
+``lm_head`` dense (as every llmc-fsm recipe); shards are processed one at a time (``max_workers`` is accepted and
+has no effect: torch's threads do the work within a shard); one device (a list of several is refused).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import time
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from llmc_fsm.models.hf_io import meta_model
+from llmc_fsm.models.known import KNOWN_MODELS, known_model_dir
+from llmc_fsm.output.directory import check_output_dir, check_output_not_source
+from llmc_fsm.output.save import compressed_state_dict, warn_formats, write_quantization_config
+from llmc_fsm.output.workdir import WorkDir, recover_previous
+from llmc_fsm.session.session import Session
+from llmc_fsm.toolkit.packed import expert_reload_problem
+
+__all__ = ["checkpoint_classes", "linear_tree", "model_free_ptq"]
+
+logger = logging.getLogger(__name__)
+
+_INDEX = "model.safetensors.index.json"
+
+
+def model_free_ptq(
+    model_stub: str | os.PathLike[str],
+    save_directory: str | os.PathLike[str],
+    scheme: Any = None,
+    config: Any = None,
+    ignore: Iterable[str] | None = None,
+    max_workers: int = 1,
+    device: str | torch.device | list[Any] | None = None,
+    converter: Any = None,
+    *,
+    overwrite: bool = False,
+    progress: bool = True,
+) -> Path:
+    """Quantize the Linear weights of a safetensors checkpoint with a data-free scheme, shard by shard.
+
+    Args:
+        model_stub: a checkpoint directory (``*.safetensors`` files, with ``model.safetensors.index.json`` when
+            sharded), a known model name (``smollm2-135m``), or a Hugging Face Hub id (downloaded through
+            compressed-tensors' ``get_checkpoint_files``).
+        save_directory: the output directory (created; an existing non-empty one only with ``overwrite``).
+        scheme: a compressed-tensors preset name (``"FP8_BLOCK"``, ``"W4A16"``, ``"NVFP4A16"``, ...), a
+            ``QuantizationScheme`` (its ``targets``; none: every Linear) or its mapping. Exactly one of ``scheme`` and
+            ``config``.
+        config: a compressed-tensors ``QuantizationConfig`` (or its mapping): its ``config_groups``, each with its
+            targets, and its ``ignore`` (added to ``ignore``); a ``kv_cache_scheme`` needs calibration: refused.
+        ignore: module names or ``re:`` patterns left unquantized. ``None`` (not given): ``lm_head``, as every
+            llmc-fsm recipe's default, said in a log line (llm-compressor's default is empty); ``[]``: nothing.
+        max_workers: accepted for llm-compressor's scripts; shards are processed one at a time.
+        device: where the weights are rounded: ``None`` / ``"cpu"``, or one CUDA device (``"cuda:0"``); the
+            output is the same on either (up to the device's float arithmetic).
+        converter: a compressed-tensors ``Converter`` applied to each shard's tensors before quantization (e.g.
+            ``FP8BlockDequantizer`` for a checkpoint stored in block FP8); its ``update_config`` gives the
+            checkpoint's quantization config that ours is merged into.
+        overwrite: replace an existing output directory that holds a model.
+        progress: a tqdm bar over the shards.
+
+    Returns:
+        The output directory (resolved).
+
+    Raises:
+        ValueError: both or neither of ``scheme`` / ``config``; a scheme that needs calibration data (static
+            activation scales, ``kv_cache_scheme``, an ``imatrix_mse`` observer); a targeted tensor of three
+            dimensions; several devices — before the output is created.
+        ModifierError: what the quantization modifier refuses at ``initialize`` on the checkpoint's names, shapes
+            and dtypes (targets matching nothing, a group size or block shape that does not fit), from its
+            ``ValueError`` — before the output is created.
+        FileNotFoundError: ``model_stub`` holds no safetensors checkpoint.
+        RuntimeError: ``device`` names a CUDA device and torch sees none.
+        FileExistsError / PermissionError / NotADirectoryError: as :func:`llmc_fsm.output.directory.check_output_dir`.
+        OSError: reading or writing a file failed (the output is not created).
+    """
+    started = time.perf_counter()
+    run_device = _device(device)
+    if max_workers != 1:
+        logger.info("model_free_ptq: shards are processed one at a time (max_workers=%s has no effect)", max_workers)
+    recipe = _recipe(scheme, config, ignore)
+    session = Session(recipe)
+    _check_data_free(session)
+    files = _checkpoint_files(model_stub)
+    weight_map = _weight_map(files)
+    converters = [converter] if converter is not None else []
+    jobs = _jobs(weight_map, files, converters)
+    shapes = {name: t for job in jobs.values() for name, t in _converted(job, converters, meta=True).items()}
+    skeleton = _meta_model(files)
+    classes = None if skeleton is None else checkpoint_classes(skeleton, shapes)
+    tree = linear_tree(shapes, classes)
+    _check_fused_experts(shapes, session)
+    if not any(_is_linear(m) for m in tree.modules()):
+        others = [n for n, t in shapes.items() if n.endswith(".weight") and t.dim() == 2]
+        msg = (
+            "model_free_ptq: the checkpoint holds no Linear weight (a 2-D '<module>.weight' of an nn.Linear module); "
+            f"its 2-D weights ({', '.join(others[:3]) or 'none'}{' ...' if len(others) > 3 else ''}) belong to other "
+            "module classes (GPT-2's Conv1D stores its weight transposed): run llmc_fsm.oneshot on the directory"
+        )
+        raise ValueError(msg)
+    session.initialize(model=tree)
+    targets = {n for m in session.modifiers for n in m.resolved_targets}
+    if classes is not None:
+        _warn_expert_reload(session, sorted(t for t in targets if t in classes and classes[t] is None))
+    output = _claim(save_directory, model_stub, overwrite)
+    try:
+        output.settle({"model_free_ptq": True}, resume=False)
+        quantized = _quantize_shards(
+            session,
+            tree,
+            jobs,
+            converters,
+            output.staging,
+            run_device,
+            progress=progress,
+            targets=targets,
+            root=skeleton,
+        )
+        session.finalize()
+        _write_metadata(output.staging, files, tree, quantized, converter, session, skeleton)
+        if skeleton is not None:
+            _ignore_unquantized_linears(output.staging / "config.json", skeleton, classes or {}, targets)
+        output.publish()
+    except BaseException as exc:
+        output.abort(exc)
+        raise
+    dense = {name for name, module in tree.named_modules() if _is_linear(module)} - targets
+    logger.info(
+        "model_free_ptq: %d Linear weights quantized, %d left as they were, in %d shards: %s (%.1f s)",
+        len(targets),
+        len(dense),
+        len(jobs),
+        output.output,
+        time.perf_counter() - started,
+    )
+    return output.output
+
+
+# --------------------------------------------------------------------------- arguments
+def _device(device: Any) -> torch.device:
+    """The one device the weights are rounded on."""
+    if isinstance(device, list | tuple):
+        if len(device) != 1:
+            msg = (
+                f"model_free_ptq: device={device!r}: several devices (llm-compressor's multi-GPU shard scheduling) "
+                "are not supported; give one device"
+            )
+            raise ValueError(msg)
+        device = device[0]
+    run = torch.device("cpu" if device is None else device)
+    if run.type == "cuda" and not torch.cuda.is_available():
+        msg = f"model_free_ptq: device {str(run)!r}: torch sees no CUDA device; leave device out to run on the CPU"
+        raise RuntimeError(msg)
+    return run
+
+
+def _plain_scheme(scheme: Any) -> Any:
+    """A scheme or config object as the mapping a recipe holds."""
+    dump = getattr(scheme, "model_dump", None)
+    return dump(exclude_none=True, mode="json") if dump is not None else scheme
+
+
+def _recipe(scheme: Any, config: Any, ignore: Iterable[str] | None) -> dict[str, Any]:
+    """The one-stage recipe ``model_free_ptq`` runs: one ``QuantizationModifier``."""
+    if (scheme is None) == (config is None):
+        msg = "model_free_ptq: give exactly one of scheme and config"
+        raise ValueError(msg)
+    given = ignore is not None
+    ignore = [ignore] if isinstance(ignore, str) else list(ignore or [])
+    args: dict[str, Any]
+    if isinstance(scheme, str):
+        args = {"targets": ["Linear"], "scheme": scheme}
+    elif scheme is not None:
+        group = dict(_plain_scheme(scheme))
+        group["targets"] = list(group.get("targets") or ["Linear"])
+        args = {"config_groups": {"config_group_0": group}}
+    else:
+        plain = dict(_plain_scheme(config))
+        if plain.get("kv_cache_scheme") is not None:
+            msg = (
+                "model_free_ptq: kv_cache_scheme needs the key and value activations of calibration data; "
+                "run llmc_fsm.oneshot with a dataset"
+            )
+            raise ValueError(msg)
+        given = given or plain.get("ignore") is not None
+        ignore = [*(plain.get("ignore") or []), *ignore]
+        groups = plain.get("config_groups") or {}
+        args = {"config_groups": {k: {**v, "targets": list(v.get("targets") or ["Linear"])} for k, v in groups.items()}}
+    if given:
+        args["ignore"] = ignore
+    return {"model_free_stage": {"quantization_modifiers": {"QuantizationModifier": args}}}
+
+
+def _check_data_free(session: Session) -> None:
+    """Refuse a recipe whose modifier needs calibration data (static input scales, KV cache, ``imatrix_mse``)."""
+    for label, modifier in zip(session.labels, session.modifiers, strict=True):
+        if "calibration_data" in modifier.required_keys():
+            msg = (
+                f"model_free_ptq runs no calibration: {label} needs calibration data for this scheme (static "
+                "activation scales, a kv_cache_scheme or an imatrix_mse observer); use a scheme with dynamic "
+                "activations, or run llmc_fsm.oneshot with a dataset"
+            )
+            raise ValueError(msg)
+
+
+# --------------------------------------------------------------------------- the checkpoint
+def _checkpoint_files(model_stub: Any) -> dict[str, str]:
+    """``{relative file name: local path}`` of the checkpoint's files (a directory, a known model, a Hub id)."""
+    stub = str(model_stub)
+    if stub in KNOWN_MODELS:
+        directory = known_model_dir(stub)
+    elif Path(stub).expanduser().exists():
+        directory = Path(stub).expanduser().resolve()
+    else:
+        from compressed_tensors.utils.safetensors_load import get_checkpoint_files
+
+        try:
+            return dict(get_checkpoint_files(stub))
+        except Exception as err:
+            msg = (
+                f"model_free_ptq: {stub!r} is not a directory here, a known model ({', '.join(KNOWN_MODELS)}) or a "
+                f"Hugging Face Hub id that could be read ({_first_line(err)})"
+            )
+            raise FileNotFoundError(msg) from None
+    if not directory.is_dir():
+        msg = f"model_free_ptq: {str(directory)!r} is not a directory of a safetensors checkpoint"
+        raise FileNotFoundError(msg)
+    return {
+        str(p.relative_to(directory)): str(p)
+        for p in sorted(directory.rglob("*"))
+        if p.is_file() and not any(part.startswith(".") for part in p.relative_to(directory).parts)
+    }
+
+
+def _weight_map(files: Mapping[str, str]) -> dict[str, str]:
+    """``{tensor name: shard file name}`` from the index, or from the one safetensors file."""
+    from safetensors import safe_open
+
+    if _INDEX in files:
+        with open(files[_INDEX], encoding="utf-8") as f:
+            weight_map = dict(json.load(f)["weight_map"])
+        missing = sorted({s for s in weight_map.values() if s not in files})
+        if missing:
+            msg = f"model_free_ptq: {_INDEX} names shards that are not in the checkpoint: {', '.join(missing)}"
+            raise FileNotFoundError(msg)
+        return weight_map
+    shards = [name for name in files if name.endswith(".safetensors") and "/" not in name]
+    if len(shards) != 1:
+        found = ", ".join(shards) if shards else "none"
+        msg = (
+            f"model_free_ptq: the checkpoint needs {_INDEX} or exactly one .safetensors file at its top level "
+            f"(found: {found})"
+        )
+        raise FileNotFoundError(msg)
+    with safe_open(files[shards[0]], framework="pt") as f:
+        return dict.fromkeys(f.keys(), shards[0])
+
+
+class _ParentSiblings:
+    """Dependencies for compressed-tensors' ``build_inverse_weight_maps``: the first 2-D ``.weight`` of a parent
+    module (in name order) needs the others, so that a parent's Linear weights are read (and written) together."""
+
+    def __init__(self, weight_map: Mapping[str, str]) -> None:
+        by_parent: dict[str, list[str]] = {}
+        for name in sorted(weight_map):
+            module, _, param = name.rpartition(".")
+            if param == "weight" and "." in module:
+                by_parent.setdefault(module.rpartition(".")[0], []).append(name)
+        self._deps = {names[0]: set(names[1:]) for names in by_parent.values() if len(names) > 1}
+
+    def get_dependencies(self, weight_name: str) -> set[str]:
+        return set(self._deps.get(weight_name, ()))
+
+
+def _jobs(
+    weight_map: Mapping[str, str], files: Mapping[str, str], converters: list[Any]
+) -> dict[str, dict[str, list[str]]]:
+    """``{output shard name: {source file path: tensor names}}``: each tensor in exactly one job (compressed-tensors'
+    ``build_inverse_weight_maps`` with the converters' dependencies, and a parent module's weights together: NVFP4
+    siblings share a global scale), shards in name order."""
+    from compressed_tensors.entrypoints.convert.converters import build_inverse_weight_maps
+
+    try:
+        maps = build_inverse_weight_maps(dict(weight_map), dict(files), [*converters, _ParentSiblings(weight_map)])
+    except ValueError as err:
+        msg = f"model_free_ptq: {err}"
+        raise ValueError(msg) from None
+    return {shard: maps[shard] for shard in sorted(maps)}
+
+
+def _converted(job: Mapping[str, list[str]], converters: list[Any], *, meta: bool) -> dict[str, torch.Tensor]:
+    """The job's tensors (on ``meta`` or read to the CPU), through the converters."""
+    from compressed_tensors.utils.safetensors_load import load_tensors_from_inverse_weight_map
+
+    tensors = load_tensors_from_inverse_weight_map(dict(job), torch.device("meta" if meta else "cpu"))
+    for converter in converters:
+        tensors = converter.validate(tensors) if meta else converter.process(tensors)
+    return tensors
+
+
+def _meta_model(files: Mapping[str, str]) -> nn.Module | None:
+    """The model ``config.json`` describes, built on ``meta`` (``None``: transformers cannot build it; the tensor
+    names alone decide then, as in llm-compressor). Its module classes say which weights are Linear; the save probes
+    its weight initialisation (classes that read ``weight`` are not packed, as in ``oneshot``)."""
+    if "config.json" not in files:
+        return None
+    from transformers import AutoConfig
+
+    try:
+        model = meta_model(AutoConfig.from_pretrained(str(Path(files["config.json"]).parent)))
+    except Exception as err:  # an architecture transformers does not know, or a config it cannot build
+        logger.warning(
+            "model_free_ptq: transformers cannot build this model (%s): every 2-D '<module>.weight' outside *norm "
+            "modules is taken for a Linear weight (llm-compressor's rule); ignore embeddings and other 2-D weights "
+            "that are not Linear",
+            _first_line(err),
+        )
+        return None
+    return model
+
+
+def checkpoint_classes(model: nn.Module, tensors: Iterable[str]) -> dict[str, tuple[str, type] | None]:
+    """``{checkpoint module name: (name, class) of the module of model it loads into}`` for each ``<module>.weight``
+    of ``tensors`` that ``model`` (built from the checkpoint's config) reads, renamed as ``from_pretrained`` renames
+    it (transformers' ``rename_source_key`` with the model's ``get_model_conversion_mapping``: Mixtral's
+    ``block_sparse_moe.gate`` is the router ``mlp.gate``); ``None`` for one a conversion collects into a fused
+    tensor (an expert matrix of fused experts: a Linear weight, as ``oneshot`` quantizes it per expert)."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+
+    state = model.state_dict(keep_vars=True)
+    modules = dict(model.named_modules())
+    mapping = get_model_conversion_mapping(model) if hasattr(model, "base_model_prefix") else []
+    renamings = [t for t in mapping if isinstance(t, WeightRenaming)]
+    converters = [t for t in mapping if isinstance(t, WeightConverter)]
+    prefix = getattr(model, "base_model_prefix", None)
+    classes: dict[str, tuple[str, type] | None] = {}
+    for key in tensors:
+        module, _, param = key.rpartition(".")
+        if param != "weight":
+            continue
+        name, pattern = rename_source_key(key, renamings, converters, prefix, state)
+        if name not in state and key in state:  # from_pretrained's fallback: the key as stored
+            name, pattern = key, None
+        if pattern is not None:
+            classes[module] = None
+        elif name in state and name.rpartition(".")[0] in modules:
+            loaded = name.rpartition(".")[0]
+            classes[module] = (loaded, type(modules[loaded]))
+    return classes
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0]}" if text else type(err).__name__
+
+
+def _is_linear(module: nn.Module) -> bool:
+    return isinstance(module, nn.Linear)
+
+
+class CheckpointLinears(nn.Module):
+    """The root of :func:`linear_tree`: the checkpoint's Linear weights as modules, nothing else (no forward)."""
+
+
+def linear_tree(
+    tensors: Mapping[str, torch.Tensor], classes: Mapping[str, tuple[str, type] | None] | None = None
+) -> nn.Module:
+    """A ``meta``-device model with one ``nn.Linear`` per Linear weight of ``tensors``, named as the checkpoint
+    names it (``model.layers.0.self_attn.q_proj``), and the containers on the way as plain modules.
+
+    A Linear weight is ``<module>.weight`` with two dimensions, ``<module>`` not ending in ``norm`` and, where
+    ``classes`` (:func:`checkpoint_classes`) gives its class, of class ``nn.Linear`` (a subclass too).
+    ``<module>.bias`` (one dimension) becomes its bias. Shapes and dtypes are the tensors'; no memory is used.
+
+    Args:
+        tensors: ``{checkpoint name: tensor}`` (any device; only shapes and dtypes are read).
+        classes: ``{checkpoint module name: class}`` (:func:`checkpoint_classes`; ``None``, or a name it lacks or
+            maps to ``None``: names and shapes alone decide).
+    """
+    root = CheckpointLinears()
+    linears = {}
+    for name, tensor in tensors.items():
+        module, _, param = name.rpartition(".")
+        if param != "weight" or tensor.dim() != 2 or not module or module.endswith("norm"):
+            continue
+        loaded = classes.get(module) if classes is not None else None
+        if loaded is not None and not issubclass(loaded[1], nn.Linear):
+            continue
+        linears[module] = tensor
+    for module in sorted(linears, key=lambda n: n.count(".")):
+        weight = linears[module]
+        bias = tensors.get(f"{module}.bias")
+        has_bias = bias is not None and bias.dim() == 1 and bias.shape[0] == weight.shape[0]
+        linear = nn.Linear(
+            weight.shape[1], weight.shape[0], bias=has_bias, device="meta", dtype=weight.dtype
+        ).requires_grad_(False)
+        parent_name, _, leaf = module.rpartition(".")
+        parent = root
+        for part in parent_name.split(".") if parent_name else []:
+            child = parent._modules.get(part)
+            if child is None:
+                child = nn.Module()
+                parent.add_module(part, child)
+            parent = child
+        existing = parent._modules.get(leaf)
+        if existing is not None:  # a container created for a deeper name first: keep its children
+            for child_name, child in existing.named_children():
+                linear.add_module(child_name, child)
+        parent.add_module(leaf, linear)
+    return root
+
+
+def _check_fused_experts(tensors: Mapping[str, torch.Tensor], session: Session) -> None:
+    """Refuse three-dimensional tensors (fused experts) that the recipe's targets match and its ignore does not."""
+    from compressed_tensors.utils.match import match_name
+
+    fused = []
+    for modifier in session.modifiers:
+        groups = getattr(modifier, "config_groups", None) or {}
+        targets = [t for g in groups.values() for t in (g.get("targets") if isinstance(g, dict) else g.targets) or []]
+        if not groups:
+            targets = [t for t in getattr(modifier, "targets", None) or [] if isinstance(t, str)]
+        ignore = list(getattr(modifier, "ignore", None) or [])
+        for name, tensor in tensors.items():
+            module, _, param = name.rpartition(".")
+            if (
+                tensor.dim() != 3
+                or param == "weight"
+                or any(match_name(module, i) or match_name(name, i) for i in ignore)
+            ):
+                continue  # a 3-D "<module>.weight" is a convolution's: not a Linear weight, left as stored
+            if "Linear" in targets or any(match_name(module, t) or match_name(name, t) for t in targets):
+                fused.append(f"{name} {list(tensor.shape)}")
+    if fused:
+        shown = ", ".join(fused[:4]) + (f" and {len(fused) - 4} more" if len(fused) > 4 else "")
+        msg = (
+            f"model_free_ptq quantizes 2-D Linear weights; these targeted tensors are fused experts of three "
+            f"dimensions: {shown}; add their modules to ignore, or run llmc_fsm.oneshot on the directory (it "
+            "quantizes fused experts per expert)"
+        )
+        raise ValueError(msg)
+
+
+def _warn_expert_reload(session: Session, experts: list[str]) -> None:
+    """One warning line when expert matrices of the architecture's fused experts (per-expert checkpoint weights
+    that transformers collects into one fused parameter) get a scheme transformers would not reload into it
+    (:func:`~llmc_fsm.toolkit.packed.expert_reload_problem`; ``oneshot`` refuses those): the checkpoint is then
+    for vLLM, which reads experts per expert."""
+    from transformers import __version__ as transformers_version
+
+    problems: dict[str, list[str]] = {}
+    for modifier in session.modifiers:
+        scheme_of = getattr(modifier, "scheme_of", None)
+        for name in experts:
+            if scheme_of is not None and name in modifier.resolved_targets:
+                problem = expert_reload_problem(scheme_of(name))
+                if problem is not None:
+                    problems.setdefault(problem, []).append(name)
+    for problem, names in problems.items():
+        logger.warning(
+            "model_free_ptq: %d expert matrices of fused experts (e.g. %s) are quantized per expert, as vLLM reads "
+            "them; transformers %s will not reload this checkpoint into its fused experts: %s",
+            len(names),
+            names[0],
+            transformers_version,
+            problem,
+        )
+
+
+def _claim(save_directory: Any, model_stub: Any, overwrite: bool) -> WorkDir:
+    """The output directory checked (not the source) and its work directory claimed."""
+    path = check_output_dir(save_directory, overwrite)
+    if path is None:
+        msg = "model_free_ptq: save_directory is required"
+        raise ValueError(msg)
+    check_output_not_source(path, str(model_stub))
+    if recover_previous(path):
+        path = check_output_dir(save_directory, overwrite)
+    return WorkDir.claim(path)
+
+
+# --------------------------------------------------------------------------- the work
+def _swap(target: torch.Tensor, value: torch.Tensor) -> None:
+    """Give the parameter ``target`` ``value``'s data, keeping the Python object (the modifier holds the module)."""
+    torch.utils.swap_tensors(target, nn.Parameter(value, requires_grad=False))
+
+
+def _quantize_shards(
+    session: Session,
+    tree: nn.Module,
+    jobs: Mapping[str, Mapping[str, list[str]]],
+    converters: list[Any],
+    staging: Path,
+    device: torch.device,
+    *,
+    progress: bool,
+    targets: set[str],
+    root: nn.Module | None,
+) -> dict[str, str]:
+    """Read, quantize and write each job's shard; ``{tensor name: shard}`` of what was written."""
+    from safetensors.torch import save_file
+
+    staging.mkdir(parents=True, exist_ok=True)
+    modules = dict(tree.named_modules())
+    written: dict[str, str] = {}
+    session.calibration_start()
+    bar = tqdm(jobs.items(), total=len(jobs), desc="quantizing shards", unit="shard", disable=not progress)
+    for shard, job in bar:
+        tensors = _converted(job, converters, meta=False)
+        here = {}
+        for name in list(tensors):
+            module_name, _, param = name.rpartition(".")
+            module = modules.get(module_name)
+            if _is_linear(module) and param in ("weight", "bias") and getattr(module, param, None) is not None:
+                _swap(getattr(module, param), tensors[name].to(device))
+                here[module_name] = module
+        session.sequential_epoch_end(list(here.values()))
+        out = dict(tensors)
+        for module_name, module in here.items():
+            if module_name not in targets:
+                continue
+            for key in (f"{module_name}.weight", f"{module_name}.bias"):
+                out.pop(key, None)
+            packed = compressed_state_dict(module, f"{module_name}.", root=root)
+            out.update({key: value.detach().to("cpu").contiguous() for key, value in packed.items()})
+        path = staging / shard
+        path.parent.mkdir(parents=True, exist_ok=True)
+        save_file(out, str(path), metadata={"format": "pt"})
+        written.update(dict.fromkeys(out, shard))
+        for module in here.values():  # back to meta: the next shard's memory only
+            for param in list(module._parameters.values()):
+                if param is not None:
+                    _swap(param, torch.empty_like(param, device="meta"))
+        del tensors, out
+    session.calibration_end()
+    return written
+
+
+def _write_metadata(
+    staging: Path,
+    files: Mapping[str, str],
+    tree: nn.Module,
+    written: Mapping[str, str],
+    converter: Any,
+    session: Session,
+    root: nn.Module | None,
+) -> None:
+    """Copy the checkpoint's other files; write the index, ``quantization_config`` and ``recipe.yaml``."""
+    for name, path in files.items():
+        if name.endswith(".safetensors") or name == _INDEX:
+            continue
+        target = staging / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(path, target)
+    shards = sorted(set(written.values()))
+    if _INDEX in files or len(shards) > 1:
+        size = sum((staging / s).stat().st_size for s in shards)
+        index = {"metadata": {"total_size": size}, "weight_map": dict(sorted(written.items()))}
+        (staging / _INDEX).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
+    config_path = staging / "config.json"
+    if config_path.exists():
+        data = json.loads(config_path.read_text(encoding="utf-8"))
+        existing = data.pop("quantization_config", None)  # a converter's input format: rebuilt below
+        config_path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        write_quantization_config(tree, staging, sparsity=None)
+        if converter is not None:
+            _merge_converter_config(config_path, converter, existing)
+    else:
+        logger.warning("model_free_ptq: the checkpoint has no config.json: no quantization_config written")
+    warn_formats(tree, root=root)
+    (staging / "recipe.yaml").write_text(session.recipe.to_yaml(applied=True), encoding="utf-8")
+
+
+def _merge_converter_config(config_path: Path, converter: Any, existing: Any) -> None:
+    """Merge ours into ``converter.update_config(the checkpoint's config)`` (compressed-tensors'
+    ``QuantizationConfig.merge``: its groups first); ``None`` from the converter (it dequantized): ours alone."""
+    from compressed_tensors.quantization import QuantizationConfig
+
+    try:
+        parsed = QuantizationConfig.model_validate(existing) if existing is not None else None
+    except ValueError:  # another tool's format (ModelOpt's): the converter builds its config from nothing
+        parsed = None
+    base = converter.update_config(parsed)
+    if base is None:
+        return
+    data = json.loads(config_path.read_text(encoding="utf-8"))
+    base.merge(QuantizationConfig.model_validate(data["quantization_config"]))
+    data["quantization_config"] = {**data["quantization_config"], **base.model_dump(mode="json", exclude_none=True)}
+    config_path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
+def _ignore_unquantized_linears(
+    config_path: Path, model: nn.Module, classes: Mapping[str, tuple[str, type] | None], targets: set[str]
+) -> None:
+    """Add to ``quantization_config.ignore`` every Linear module of ``model`` (the architecture's, built on ``meta``)
+    that no quantized checkpoint weight loads into, where a config group targets the class ``Linear``: on reload
+    transformers would quantize it (a tied ``lm_head``, whose weight the checkpoint does not hold; a module named
+    otherwise in the checkpoint), as :func:`llmc_fsm.output.compressed.ignore_for_reload` does for ``oneshot``."""
+    if not config_path.exists():
+        return
+    data = json.loads(config_path.read_text(encoding="utf-8"))
+    config = data.get("quantization_config") or {}
+    if not any("Linear" in (g.get("targets") or []) for g in (config.get("config_groups") or {}).values()):
+        return
+    loaded = {classes[t][0] for t in targets if classes.get(t) is not None} | set(targets)
+    listed = set(config.get("ignore") or [])
+    extra = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n not in loaded and n not in listed]
+    if extra:
+        config["ignore"] = [*(config.get("ignore") or []), *extra]
+        config_path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")

@@ -1,0 +1,358 @@
+"""``llmc_fsm.model_free_ptq`` (llm-compressor's ``model_free_ptq``): data-free quantization shard by shard.
+
+The reference for what it writes is ``llmc_fsm.oneshot`` with the equivalent data-free recipe on the same
+directory: the same tensors, key for key and bit for bit, and the same reloaded logits.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from llmc_fsm import ModifierError, model_free_ptq, oneshot
+from tiny_llama import llama
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+def _tensors(directory: Path) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for file in sorted(directory.glob("*.safetensors")):
+        out.update(load_file(file))
+    return out
+
+
+def _checkpoint(directory: Path, *, hidden: int = 64, shard: str | None = "60KB", tied: bool = False) -> Path:
+    model = llama(hidden=hidden, tied=tied, kv_heads=4).to(torch.bfloat16)
+    if shard is None:
+        model.save_pretrained(directory)
+    else:
+        model.save_pretrained(directory, max_shard_size=shard)
+    return directory
+
+
+def _reloaded_logits(directory: Path) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(directory).eval()
+    with torch.no_grad():
+        return model(torch.arange(24).unsqueeze(0)).logits
+
+
+@pytest.mark.parametrize(
+    ("scheme", "hidden"),
+    [("W8A8", 64), ("FP8_DYNAMIC", 64), ("NVFP4A16", 64), ("MXFP4A16", 64), ("FP8_BLOCK", 128), ("W4A16", 128)],
+)
+def test_each_shard_is_written_as_oneshot_writes_the_model(tmp_path, scheme, hidden):
+    source = _checkpoint(tmp_path / "src", hidden=hidden, shard=f"{hidden - 4}KB")
+    assert len(list(source.glob("*.safetensors"))) > 2  # the layers' weights lie in several shards
+    model_free_ptq(source, tmp_path / "free", scheme=scheme, ignore=["lm_head"], progress=False)
+    recipe = {"stage": {"QuantizationModifier": {"targets": ["Linear"], "scheme": scheme, "ignore": ["lm_head"]}}}
+    oneshot(model=str(source), recipe=recipe, output_dir=str(tmp_path / "oneshot"), dtype=torch.bfloat16)
+
+    free, reference = _tensors(tmp_path / "free"), _tensors(tmp_path / "oneshot")
+    assert sorted(free) == sorted(reference)
+    assert all(torch.equal(free[k], reference[k]) for k in free)
+    assert any(k.endswith(("weight_packed", "weight_scale")) for k in free)
+    config = json.loads((tmp_path / "free" / "config.json").read_text())["quantization_config"]
+    expected = json.loads((tmp_path / "oneshot" / "config.json").read_text())["quantization_config"]
+    assert config == expected
+    assert torch.equal(_reloaded_logits(tmp_path / "free"), _reloaded_logits(tmp_path / "oneshot"))
+    index = json.loads((tmp_path / "free" / "model.safetensors.index.json").read_text())["weight_map"]
+    assert sorted(index) == sorted(free)
+    assert (tmp_path / "free" / "recipe.yaml").read_text().startswith("model_free_stage:")
+
+
+def test_nvfp4_siblings_in_other_shards_share_one_global_scale(tmp_path):
+    source = _checkpoint(tmp_path / "src", shard="10KB")
+    source_map = json.loads((source / "model.safetensors.index.json").read_text())["weight_map"]
+    split = {source_map[f"model.layers.0.self_attn.{p}_proj.weight"] for p in "qkv"}
+    assert len(split) > 1  # the siblings were saved in different shards
+    model_free_ptq(source, tmp_path / "free", scheme="NVFP4A16", ignore=["lm_head"], progress=False)
+    index = json.loads((tmp_path / "free" / "model.safetensors.index.json").read_text())["weight_map"]
+    tensors = _tensors(tmp_path / "free")
+    for parent, names in (("self_attn", "qkv"), ("mlp", ("gate", "up"))):
+        keys = [f"model.layers.0.{parent}.{n}_proj.weight_global_scale" for n in names]
+        assert len({index[k] for k in keys}) == 1  # read and written together
+        weights = [load_file(source / source_map[k.replace("_global_scale", "")])[k.replace("_global_scale", "")] for k in keys]
+        amax = max(w.abs().max() for w in weights)  # bfloat16, the weights' dtype
+        expected = (448.0 * 6.0) / amax  # FP8 E4M3 max x FP4 E2M1 max over the set's max |w|, in bfloat16
+        for key in keys:  # (compressed-tensors' generate_gparam computes in the weights' dtype), stored float32
+            assert tensors[key].dtype == torch.float32
+            assert torch.equal(tensors[key], expected.reshape(1).float())
+
+
+def test_without_ignore_lm_head_stays_dense_and_an_embedding_is_never_a_linear(tmp_path, caplog):
+    source = _checkpoint(tmp_path / "src", shard=None)
+    with caplog.at_level(logging.INFO):
+        model_free_ptq(source, tmp_path / "free", scheme="W8A8", progress=False)
+    tensors = _tensors(tmp_path / "free")
+    assert "lm_head.weight" in tensors and "lm_head.weight_scale" not in tensors
+    assert tensors["model.embed_tokens.weight"].dtype == torch.bfloat16
+    assert "model.embed_tokens.weight_scale" not in tensors
+    assert "14 Linear weights quantized, 1 left as they were, in 1 shards" in caplog.text
+    config = json.loads((tmp_path / "free" / "config.json").read_text())["quantization_config"]
+    assert config["ignore"] == ["lm_head"]
+
+
+def _made_up_checkpoint(directory: Path) -> dict[str, torch.Tensor]:
+    directory.mkdir()
+    torch.manual_seed(0)
+    tensors = {
+        "model.embed_tokens.weight": torch.randn(32, 16),
+        "model.blocks.0.proj.weight": torch.randn(8, 16),
+        "model.blocks.0.proj.bias": torch.randn(8),
+        "model.blocks.0.norm.weight": torch.randn(16),
+        "model.final_norm.weight": torch.randn(16),
+    }
+    save_file(tensors, str(directory / "model.safetensors"))
+    config = {"model_type": "made_up_arch", "architectures": ["MadeUpForCausalLM"], "hidden_size": 16}
+    (directory / "config.json").write_text(json.dumps(config))
+    (directory / "tokenizer.json").write_text("{}")
+    return tensors
+
+
+def test_an_architecture_transformers_does_not_know_is_quantized_by_tensor_names(tmp_path, caplog):
+    original = _made_up_checkpoint(tmp_path / "src")
+    with caplog.at_level(logging.WARNING):
+        model_free_ptq(tmp_path / "src", tmp_path / "free", scheme="W8A8", ignore=["model.embed_tokens"], progress=False)
+    assert "transformers cannot build this model" in caplog.text
+    out = _tensors(tmp_path / "free")
+    assert sorted(out) == [
+        "model.blocks.0.norm.weight",
+        "model.blocks.0.proj.bias",
+        "model.blocks.0.proj.weight",
+        "model.blocks.0.proj.weight_scale",
+        "model.embed_tokens.weight",
+        "model.final_norm.weight",
+    ]
+    w = original["model.blocks.0.proj.weight"]
+    scale = w.abs().amax(dim=1, keepdim=True) / 127.5  # int8 per output channel, symmetric: range 255 / 2
+    assert torch.equal(out["model.blocks.0.proj.weight_scale"], scale)
+    assert torch.equal(out["model.blocks.0.proj.weight"], torch.clamp(torch.round(w / scale), -128, 127).to(torch.int8))
+    for key in ("model.embed_tokens.weight", "model.blocks.0.norm.weight", "model.blocks.0.proj.bias"):
+        assert torch.equal(out[key], original[key])
+    assert (tmp_path / "free" / "tokenizer.json").read_text() == "{}"
+
+
+def test_a_checkpoint_stored_in_block_fp8_is_dequantized_by_the_converter_first(tmp_path):
+    from compressed_tensors.entrypoints.convert import FP8BlockDequantizer
+
+    source = _checkpoint(tmp_path / "src", hidden=128, shard=None)
+    dense = load_file(source / "model.safetensors")
+    stored, dequantized = {}, {}
+    for key, value in dense.items():
+        if key.endswith("_proj.weight"):  # DeepSeek's block FP8: fp8 weight, float32 scale per 128 x 128 block
+            blocks = value.float().reshape(value.shape[0] // 128, 128, value.shape[1] // 128, 128)
+            scale_inv = blocks.abs().amax(dim=(1, 3)) / 448.0
+            fp8 = (blocks / scale_inv[:, None, :, None]).reshape(value.shape).to(torch.float8_e4m3fn)
+            stored[key], stored[key + "_scale_inv"] = fp8, scale_inv
+            expanded = scale_inv.repeat_interleave(128, 0).repeat_interleave(128, 1)
+            dequantized[key] = (fp8.float() * expanded).to(torch.bfloat16)
+        else:
+            stored[key] = dequantized[key] = value
+    fp8_dir = tmp_path / "fp8"
+    fp8_dir.mkdir()
+    save_file(stored, str(fp8_dir / "model.safetensors"))
+    config = json.loads((source / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128], "fmt": "e4m3"}
+    (fp8_dir / "config.json").write_text(json.dumps(config))
+    plain_dir = tmp_path / "plain"
+    plain_dir.mkdir()
+    save_file(dequantized, str(plain_dir / "model.safetensors"))
+    (plain_dir / "config.json").write_text((source / "config.json").read_text())
+
+    converter = FP8BlockDequantizer(targets=[r"re:.*_proj$"])
+    model_free_ptq(fp8_dir, tmp_path / "free", scheme="W8A8", ignore=["lm_head"], converter=converter, progress=False)
+    model_free_ptq(plain_dir, tmp_path / "reference", scheme="W8A8", ignore=["lm_head"], progress=False)
+    free, reference = _tensors(tmp_path / "free"), _tensors(tmp_path / "reference")
+    assert sorted(free) == sorted(reference)
+    assert all(torch.equal(free[k], reference[k]) for k in free)
+    config = json.loads((tmp_path / "free" / "config.json").read_text())["quantization_config"]
+    assert config["quant_method"] == "compressed-tensors" and "weight_block_size" not in config
+    assert torch.equal(_reloaded_logits(tmp_path / "free"), _reloaded_logits(tmp_path / "reference"))
+
+
+def _refused(tmp_path, error, message, **kwargs):
+    source = kwargs.pop("source", None) or _checkpoint(tmp_path / "src", shard=None)
+    before = sorted(p.name for p in tmp_path.iterdir())
+    with pytest.raises(error) as info:
+        model_free_ptq(source, tmp_path / "out", progress=False, **kwargs)
+    assert str(info.value) == message
+    assert sorted(p.name for p in tmp_path.iterdir()) == before  # no output, no work directory
+
+
+def test_scheme_and_config_together_or_neither_are_refused(tmp_path):
+    message = "model_free_ptq: give exactly one of scheme and config"
+    _refused(tmp_path, ValueError, message, scheme="W8A8", config={"config_groups": {}})
+    _refused(tmp_path, ValueError, message)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"scheme": "FP8"},
+        {"scheme": {"weights": {"num_bits": 4, "observer": "imatrix_mse", "strategy": "group", "group_size": 32}}},
+    ],
+)
+def test_a_scheme_that_needs_calibration_data_is_refused(tmp_path, kwargs):
+    message = (
+        "model_free_ptq runs no calibration: QuantizationModifier needs calibration data for this scheme (static "
+        "activation scales, a kv_cache_scheme or an imatrix_mse observer); use a scheme with dynamic activations, "
+        "or run llmc_fsm.oneshot with a dataset"
+    )
+    _refused(tmp_path, ValueError, message, **kwargs)
+
+
+def test_a_kv_cache_scheme_is_refused(tmp_path):
+    config = {
+        "config_groups": {"g": {"targets": ["Linear"], "weights": {"num_bits": 8}}},
+        "kv_cache_scheme": {"num_bits": 8, "type": "float", "strategy": "tensor"},
+    }
+    message = (
+        "model_free_ptq: kv_cache_scheme needs the key and value activations of calibration data; run "
+        "llmc_fsm.oneshot with a dataset"
+    )
+    _refused(tmp_path, ValueError, message, config=config)
+
+
+def test_a_group_size_that_does_not_divide_is_refused_before_any_output(tmp_path):
+    with pytest.raises(ModifierError, match=r"in_features 64 is not a multiple of group_size 128"):
+        model_free_ptq(_checkpoint(tmp_path / "src"), tmp_path / "out", scheme="W4A16", progress=False)
+    assert not (tmp_path / "out").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+def test_targets_that_match_nothing_are_refused_by_the_modifier_on_the_checkpoint_names(tmp_path):
+    scheme = {"targets": ["re:.*does_not_exist$"], "weights": {"num_bits": 8}}
+    with pytest.raises(ModifierError, match=r"select no module with a Linear-like weight in CheckpointLinears"):
+        model_free_ptq(_checkpoint(tmp_path / "src", shard=None), tmp_path / "out", scheme=scheme, progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+def test_targeted_fused_experts_of_three_dimensions_are_refused(tmp_path):
+    source = tmp_path / "src"
+    _made_up_checkpoint(source)
+    tensors = load_file(source / "model.safetensors")
+    tensors["model.blocks.0.experts.gate_up_proj"] = torch.zeros(4, 16, 32)
+    save_file(tensors, str(source / "model.safetensors"))
+    message = (
+        "model_free_ptq quantizes 2-D Linear weights; these targeted tensors are fused experts of three dimensions: "
+        "model.blocks.0.experts.gate_up_proj [4, 16, 32]; add their modules to ignore, or run llmc_fsm.oneshot on "
+        "the directory (it quantizes fused experts per expert)"
+    )
+    _refused(tmp_path, ValueError, message, source=source, scheme="W8A8", ignore=["model.embed_tokens"])
+    scheme = {"targets": [r"re:.*\.proj$"], "weights": {"num_bits": 8, "strategy": "channel"}}  # not the experts
+    model_free_ptq(source, tmp_path / "out", scheme=scheme, progress=False)
+    out = _tensors(tmp_path / "out")
+    assert torch.equal(out["model.blocks.0.experts.gate_up_proj"], tensors["model.blocks.0.experts.gate_up_proj"])
+    assert "model.blocks.0.proj.weight_scale" in out
+
+
+def test_several_devices_are_refused(tmp_path):
+    message = (
+        "model_free_ptq: device=['cpu', 'cpu']: several devices (llm-compressor's multi-GPU shard scheduling) are not "
+        "supported; give one device"
+    )
+    _refused(tmp_path, ValueError, message, scheme="W8A8", device=["cpu", "cpu"])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA; this one has it")
+def test_a_cuda_device_without_cuda_is_refused(tmp_path):
+    message = "model_free_ptq: device 'cuda:0': torch sees no CUDA device; leave device out to run on the CPU"
+    _refused(tmp_path, RuntimeError, message, scheme="W8A8", device="cuda:0")
+
+
+def test_an_existing_output_is_kept_without_overwrite(tmp_path):
+    source = _checkpoint(tmp_path / "src", shard=None)
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "notes.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match="is not empty"):
+        model_free_ptq(source, tmp_path / "out", scheme="W8A8", progress=False)
+    assert [p.name for p in (tmp_path / "out").iterdir()] == ["notes.txt"]
+
+
+def test_a_failure_while_writing_leaves_no_output(tmp_path, monkeypatch):
+    import llmc_fsm.oneshot_job.model_free as model_free
+
+    source = _checkpoint(tmp_path / "src", shard="60KB")
+    calls = []
+
+    def failing_save(tensors, path, metadata=None):
+        calls.append(path)
+        if len(calls) == 2:
+            raise OSError(28, "No space left on device")
+        save_file(tensors, path, metadata=metadata)
+
+    monkeypatch.setattr("safetensors.torch.save_file", failing_save)
+    with pytest.raises(OSError, match="No space left on device"):
+        model_free.model_free_ptq(source, tmp_path / "out", scheme="W8A8", progress=False)
+    assert len(calls) == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+_W4A16_G16 = {"targets": ["Linear"], "weights": {"num_bits": 4, "strategy": "group", "group_size": 16, "type": "int"}}
+
+
+@pytest.mark.parametrize(
+    ("family", "scheme"),
+    [
+        ("mixtral", _W4A16_G16),  # the router block_sparse_moe.gate loads into mlp.gate, not a Linear: kept
+        ("qwen3_moe", _W4A16_G16),  # per-expert checkpoint weights of fused experts: quantized per expert
+        ("gpt_bigcode", _W4A16_G16),  # attn.c_proj's init reads its weight: int-quantized, not packed
+        ("falcon", "W8A8"),  # tied lm_head (not in the checkpoint): listed under ignore for the reload
+        ("mamba2", "W8A8"),  # conv1d.weight has three dimensions: a convolution, left as stored
+    ],
+)
+def test_families_are_written_as_oneshot_writes_them(tmp_path, family, scheme):
+    import tiny_families
+
+    tiny_families.build(family).to(torch.bfloat16).save_pretrained(tmp_path / "src")
+    model_free_ptq(tmp_path / "src", tmp_path / "free", scheme=scheme, ignore=["lm_head"], progress=False)
+    group = {"targets": ["Linear"], "scheme": scheme} if isinstance(scheme, str) else {"config_groups": {"g": scheme}}
+    recipe = {"stage": {"QuantizationModifier": {**group, "ignore": ["lm_head"]}}}
+    oneshot(model=str(tmp_path / "src"), recipe=recipe, output_dir=str(tmp_path / "oneshot"), dtype=torch.bfloat16)
+    free, reference = _tensors(tmp_path / "free"), _tensors(tmp_path / "oneshot")
+    assert sorted(free) == sorted(reference)
+    assert all(torch.equal(free[k], reference[k]) for k in free)
+    assert torch.equal(_reloaded_logits(tmp_path / "free"), _reloaded_logits(tmp_path / "oneshot"))
+
+
+def test_a_scheme_transformers_cannot_reload_into_fused_experts_is_written_for_vllm_with_a_warning(tmp_path, caplog):
+    import tiny_families
+
+    tiny_families.build("qwen3_moe").to(torch.bfloat16).save_pretrained(tmp_path / "src")
+    with caplog.at_level(logging.WARNING):
+        model_free_ptq(tmp_path / "src", tmp_path / "free", scheme="NVFP4A16", ignore=["lm_head"], progress=False)
+    assert (
+        "model_free_ptq: 48 expert matrices of fused experts (e.g. model.layers.0.mlp.experts.0.down_proj) are "
+        "quantized per expert, as vLLM reads them; transformers "
+    ) in caplog.text
+    assert "will not reload this checkpoint into its fused experts: NVFP4 weights:" in caplog.text
+    tensors = _tensors(tmp_path / "free")
+    assert "model.layers.0.mlp.experts.3.up_proj.weight_global_scale" in tensors
+
+
+def test_a_checkpoint_of_conv1d_weights_only_is_refused(tmp_path):
+    import tiny_families
+
+    tiny_families.build("gpt2").to(torch.bfloat16).save_pretrained(tmp_path / "src")
+    message = (
+        "model_free_ptq: the checkpoint holds no Linear weight (a 2-D '<module>.weight' of an nn.Linear module); its "
+        "2-D weights (transformer.h.0.attn.c_attn.weight, transformer.h.0.attn.c_proj.weight, "
+        "transformer.h.0.mlp.c_fc.weight ...) belong to other module classes (GPT-2's Conv1D stores its weight "
+        "transposed): run llmc_fsm.oneshot on the directory"
+    )
+    _refused(tmp_path, ValueError, message, source=tmp_path / "src", scheme="W8A8")
+
+
+def test_ignore_given_empty_quantizes_lm_head_as_llm_compressor_does(tmp_path):
+    model_free_ptq(_checkpoint(tmp_path / "src", shard=None), tmp_path / "free", scheme="W8A8", ignore=[], progress=False)
+    tensors = _tensors(tmp_path / "free")
+    assert "lm_head.weight_scale" in tensors
+    assert json.loads((tmp_path / "free" / "config.json").read_text())["quantization_config"]["ignore"] == []
