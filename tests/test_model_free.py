@@ -356,3 +356,28 @@ def test_ignore_given_empty_quantizes_lm_head_as_llm_compressor_does(tmp_path):
     tensors = _tensors(tmp_path / "free")
     assert "lm_head.weight_scale" in tensors
     assert json.loads((tmp_path / "free" / "config.json").read_text())["quantization_config"]["ignore"] == []
+
+
+def test_packed_fp4_of_a_class_whose_init_reads_its_weight_is_warned_by_both_jobs(tmp_path, caplog):
+    """Falcon's FalconLinear: transformers' _init_weights reads weight, which a packed NVFP4 module has not; no
+    unpacked format holds FP4 values, so both jobs write it (vLLM reads it) and say transformers cannot reload it."""
+    import tiny_families
+
+    tiny_families.build("falcon").to(torch.bfloat16).save_pretrained(tmp_path / "src")
+    recipe = {"stage": {"QuantizationModifier": {"targets": ["Linear"], "scheme": "NVFP4A16", "ignore": ["lm_head"]}}}
+    tail = (
+        ") are saved in a packed FP4/FP6 format (no other format holds those values): transformers 5.25 cannot "
+        "reload them (this architecture's weight initialisation reads their weight, which a packed module has not); "
+        "vLLM reads them"
+    )
+    for job in ("oneshot", "model_free"):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            if job == "oneshot":
+                oneshot(model=str(tmp_path / "src"), recipe=recipe, output_dir=str(tmp_path / job), dtype=torch.bfloat16)
+            else:
+                model_free_ptq(tmp_path / "src", tmp_path / job, scheme="NVFP4A16", ignore=["lm_head"], progress=False)
+        lines = [r.getMessage() for r in caplog.records if tail in r.getMessage()]
+        assert len(lines) == 1 and lines[0].startswith("16 modules (e.g. transformer.h.0."), job
+    with pytest.raises(AttributeError, match="has no attribute 'weight'"):
+        _reloaded_logits(tmp_path / "model_free")
