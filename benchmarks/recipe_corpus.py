@@ -43,6 +43,14 @@ Each recipe is run, unchanged, in a forked process with a time limit (``--timeou
 (``dtype`` the same), the path a user's checkpoint takes: its config read and every modifier check run on the
 ``meta``-device model before any weight is read; (c) compares with the model ``oneshot`` returns.
 
+Each ``model_free_ptq(...)`` call of ``examples/**/*.py`` is an entry too (kind ``python model_free_ptq``), its
+keyword arguments read as ``recipe=`` values are: run on the tiny model of its family saved as a directory, ``device``
+left out (the scripts name ``cuda:0``; this machine's CPU instead), the output reloaded with transformers and its
+logits compared with those of ``oneshot``'s output for the same scheme and ignore on the same directory (class
+``for vLLM (oneshot refuses the scheme: ...)`` where ``oneshot`` refuses that recipe: a scheme transformers'
+fused-experts loader cannot read right, which ``model_free_ptq`` writes per expert with a warning line); a
+``converter`` (a checkpoint stored in another format) is not literal.
+
 Classes: ``reload equal`` / ``reload differs`` (ran, but the reloaded logits differ, or the reload failed) /
 ``refused`` (an llmc-fsm error raised by llmc-fsm's own code: ``ValueError`` and its subclasses such as
 ``RecipeError``, ``ModifierError``, ``MissingStateError``, ``NotImplementedError``; grouped by the first line of the
@@ -350,8 +358,13 @@ def python_entries(checkout: Checkout, names: list[str]) -> tuple[list[Entry], l
                 func = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", None)
                 if func == "oneshot":
                     calls.append(node)
-                elif func in ("model_free_ptq", "train", "reap", "convert_checkpoint"):
+                elif func == "model_free_ptq":
+                    entries.append(_model_free_entry(name, node, literals, stub))
                     entrypoints.add(func)
+                elif func in ("train", "reap", "convert_checkpoint"):
+                    entrypoints.add(func)
+        if "model_free_ptq" in entrypoints and not calls:
+            continue
         if not calls:
             why = f"no oneshot call (calls {', '.join(sorted(entrypoints))})" if entrypoints else "no oneshot call"
             other.append(Entry(name, "python", note=why, models=[stub] if stub else []))
@@ -372,6 +385,35 @@ def python_entries(checkout: Checkout, names: list[str]) -> tuple[list[Entry], l
             recipe, note = _as_recipe(value)
             entries.append(Entry(source, "python example", recipe, modifier_names(recipe), models, note))
     return entries, other
+
+
+#: ``model_free_ptq`` arguments of llm-compressor's scripts that the harness does not pass on: where the model is
+#: read and written (the tiny model's directory and a temporary output instead), and the device (this machine's
+#: CPU: the scripts name ``cuda:0``; the output is the same on either).
+_MODEL_FREE_PLACES = ("model_stub", "save_directory", "device")
+
+
+def _model_free_entry(name: str, call: ast.Call, literals: _Literals, stub: str | None) -> Entry:
+    """A ``model_free_ptq(...)`` call of a Python example as an entry: its literal keyword arguments (kind
+    ``python model_free_ptq``, ``recipe`` = ``{"model_free_ptq": {argument: value}}``)."""
+    source = f"{name}:{call.lineno}"
+    models = [stub] if stub else []
+    args: dict[str, Any] = {}
+    for keyword in call.keywords:
+        if keyword.arg is None:
+            return Entry(source, "python model_free_ptq", models=models, note="not literal: model_free_ptq(**...)")
+        if keyword.arg in _MODEL_FREE_PLACES:
+            continue
+        try:
+            args[keyword.arg] = literals.value(keyword.value, call.lineno)
+        except NotLiteral as err:
+            why = err.args[0]
+            if keyword.arg == "converter":
+                why = f"converter: reads a checkpoint stored in another format ({why})"
+            return Entry(source, "python model_free_ptq", models=models, note=f"not literal: {why}")
+    scheme = args.get("scheme")
+    modifiers = ["model_free_ptq"] + ([str(scheme)] if isinstance(scheme, str) else [])
+    return Entry(source, "python model_free_ptq", {"model_free_ptq": args}, modifiers, models)
 
 
 def corpus(checkout: Checkout) -> tuple[list[Entry], list[Entry]]:
@@ -620,6 +662,8 @@ def run_entry(entry: Entry, workdir: Path) -> dict[str, Any]:
 
     logging.disable(logging.WARNING)
     torch.set_num_threads(1)
+    if entry.kind == "python model_free_ptq":
+        return run_model_free(entry, workdir)
     result: dict[str, Any] = {}
     path = workdir / "recipe.yaml"
     path.write_text(entry.recipe if isinstance(entry.recipe, str) else yaml.safe_dump(entry.recipe, sort_keys=False))
@@ -675,6 +719,63 @@ def run_entry(entry: Entry, workdir: Path) -> dict[str, Any]:
             result["reload_equal_with_kv_scales"] = bool(torch.equal(got, ref))
     except Exception as exc:
         result["reload"] = _failure("reload", exc)
+    return result
+
+
+def run_model_free(entry: Entry, workdir: Path) -> dict[str, Any]:
+    """A ``model_free_ptq`` call: (b) on the tiny model of its family saved as a directory (bfloat16), its arguments
+    as written (``device`` left out: the CPU); (c) the output reloaded with transformers, its logits compared with
+    those of ``oneshot``'s output for the same scheme and ignore (a one-stage ``QuantizationModifier`` recipe) on the
+    same directory, reloaded too; where ``oneshot`` refuses the recipe, whether the output reloads at all."""
+    import torch
+    import transformers
+    from tiny_families import FAMILIES
+
+    from llmc_fsm import model_free_ptq, oneshot
+
+    args = dict(entry.recipe["model_free_ptq"])
+    result: dict[str, Any] = {"explain": "not applicable (no recipe)"}
+    family, why = family_of(entry.models)
+    result["family"], result["family_note"] = family, why
+    dtype = getattr(torch, os.environ.get("RECIPE_CORPUS_DTYPE", "bfloat16"))
+    model, widened = tiny_model(family, dtype)
+    result["family_note"] += widened
+    source = workdir / "model"
+    model.save_pretrained(source)
+    try:
+        model_free_ptq(source, workdir / "out", progress=False, **args)
+    except Exception as exc:
+        result["oneshot"] = _failure("model_free_ptq", exc)
+        return result
+    result["oneshot"] = "ok"
+    config = json.loads((workdir / "out" / "config.json").read_text())
+    result["quantization_config"] = config.get("quantization_config")
+    result["model_free_recipe"] = (workdir / "out" / "recipe.yaml").read_text()
+    window = _model_inputs(model, calibration()[:1])
+    cls = getattr(transformers, FAMILIES[family][2] or "AutoModelForCausalLM")
+    scheme = args.get("scheme")
+    group = {"targets": ["Linear"], "scheme": scheme} if isinstance(scheme, str) else {"config_groups": {"g": scheme}}
+    if args.get("config") is not None:
+        group = {"config_groups": args["config"].get("config_groups")}
+    ignore = [*((args.get("config") or {}).get("ignore") or []), *(args.get("ignore") or [])]
+    recipe = {"stage": {"QuantizationModifier": {**group, **({"ignore": ignore} if "ignore" in args else {})}}}
+    try:
+        oneshot(model=str(source), recipe=recipe, output_dir=str(workdir / "ref"), progress=False, threads=1,
+                device="cpu", dtype=str(dtype).removeprefix("torch."))  # fmt: skip
+        with torch.no_grad():
+            ref = cls.from_pretrained(str(workdir / "ref"), dtype=dtype).eval()(**window).logits.float()
+    except Exception as exc:
+        result["reference"] = _failure("oneshot reference", exc)
+        ref = None
+    try:
+        with torch.no_grad():
+            got = cls.from_pretrained(str(workdir / "out"), dtype=dtype).eval()(**window).logits.float()
+    except Exception as exc:
+        result["reload"] = _failure("reload", exc)
+        return result
+    if ref is not None:
+        result["reload_max_abs_logit_diff"] = float((got - ref).abs().max())
+        result["reload_equal"] = bool(torch.equal(got, ref))
     return result
 
 
@@ -736,6 +837,8 @@ def classify(result: dict[str, Any]) -> str:
         return "refused" if one["refused"] else "crashed"
     if result.get("reload_equal"):
         return "reload equal"
+    if isinstance(result.get("reference"), dict):
+        return "for vLLM (oneshot refuses the scheme: transformers does not reload it right)"
     return "reload differs"
 
 
@@ -786,6 +889,8 @@ def markdown(rows: list[dict[str, Any]], other: list[Entry], revision: str) -> s
     lines += ["", "explain (no model) and oneshot (on the tiny model) disagree:", ""]
     for r in rows:
         res = r["result"]
+        if r.get("kind") == "python model_free_ptq":  # no recipe to explain
+            continue
         if "explain" in res and (res["explain"] == "ok") != (res.get("oneshot") == "ok"):
             e = res["explain"] if res["explain"] != "ok" else "ok"
             o = res["oneshot"] if res.get("oneshot") == "ok" else res["oneshot"]["message"]
