@@ -104,6 +104,31 @@ def test_report_reprints_the_saved_report(saved_run, capsys):
     assert capsys.readouterr().out == report.format_table() + "\n"
 
 
+def test_report_into_a_pipe_nobody_reads_exits_quietly(saved_run):
+    """`llmc-fsm report OUT | head -1`: the reader stops; no error line (it said "[Errno 32] Broken pipe", exit 1)."""
+    import subprocess
+
+    _, out = saved_run
+    code = (
+        "import os, sys\n"
+        "read, write = os.pipe(); os.close(read); os.dup2(write, 1)  # stdout: a pipe whose reader is gone\n"
+        "from llmc_fsm.cli import main\n"
+        f"sys.exit(main(['report', {str(out)!r}]))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert (done.returncode, done.stderr) == (0, "")
+
+
+def test_output_dash_is_refused_before_any_work(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(["oneshot", "--method", "rtn", "--output", "-"]) == 1
+    assert capsys.readouterr().err == (
+        "llmc-fsm oneshot: error: output '-': the output is a model directory, which cannot go to standard output; "
+        "give a directory (e.g. --output out/my-model)\n"
+    )
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_report_plot_png(saved_run, tmp_path, capsys):
     from matplotlib.image import imread
 

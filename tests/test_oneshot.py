@@ -124,7 +124,10 @@ def test_output_reloads_with_same_logits(sparsegpt_run, shared_data):
 
 # --------------------------------------------------------------------------- bad input (CLI)
 def _cli(args, capsys):
-    rc = main(["oneshot", "--no-progress", *args])
+    try:
+        rc = main(["oneshot", "--no-progress", *args])
+    except SystemExit as exc:  # a usage error (argparse's, or flags that do not go together): status 2
+        rc = exc.code
     return rc, capsys.readouterr().err
 
 
@@ -197,8 +200,9 @@ def test_generated_quantization_recipe_carries_group_size_and_observer(tmp_path,
     assert recipe.modifiers[0].observer == "minmax"
     rc, err = _cli(["--observer", "mse", "--output", str(tmp_path / "out")], capsys)  # pruning (the default method)
     assert (rc, err) == (
-        1,
-        "llmc-fsm oneshot: error: --scheme/--group-size/--observer apply to --method gptq or rtn only\n",
+        2,
+        "llmc-fsm oneshot: error: --scheme/--group-size/--observer apply to --method gptq or rtn only; see "
+        "'llmc-fsm oneshot --help'\n",
     )
     assert _no_stray_files(tmp_path) == []
 

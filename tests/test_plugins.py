@@ -337,6 +337,24 @@ def test_disable_env_blocks_plugins_before_import(site: Site, monkeypatch: pytes
     }
 
 
+def test_a_disabled_name_no_distribution_has_is_warned(
+    site: Site, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    site.add_sample()
+    monkeypatch.setenv(DISABLE_ENV, "llmc-fsm-sampel,llmc-fsm-sample")
+    with caplog.at_level("WARNING", logger="llmc_fsm.core.registry"):
+        registry = get_registry()
+    assert "SampleMagnitudeMask" not in registry
+    lines = [r.getMessage() for r in caplog.records if DISABLE_ENV in r.getMessage()]
+    assert len(lines) == 1
+    assert lines[0].startswith(
+        "LLMC_FSM_DISABLE_PLUGINS names llmc-fsm-sampel, which no installed llmc_fsm plugin distribution is called "
+        "(installed: "
+    )
+    assert lines[0].endswith("); nothing was disabled for it")
+    assert "llmc-fsm-sample" in lines[0]
+
+
 # --- in-process registration and lookup -----------------------------------------------------
 
 

@@ -97,7 +97,10 @@ def test_other_unknown_modifiers_keep_the_suggestion() -> None:
 
 # --------------------------------------------------------------------------- oneshot --block-size
 def _cli(capsys, *args: str) -> tuple[int, str]:
-    rc = main(["oneshot", "--no-progress", *args])
+    try:
+        rc = main(["oneshot", "--no-progress", *args])
+    except SystemExit as exc:  # a usage error (argparse's, or flags that do not go together): status 2
+        rc = exc.code
     return rc, capsys.readouterr().err
 
 
@@ -133,28 +136,34 @@ def test_group_size_that_does_not_fit_the_block_names_the_flag(tiny_model_dir, t
     assert list(tmp_path.iterdir()) == []
 
 
+_USAGE = "; see 'llmc-fsm oneshot --help'"  # flags that do not go together: a usage error (status 2)
+
+
 @pytest.mark.parametrize(
-    ("args", "message"),
+    ("args", "status", "message"),
     [
         (
             ["--method", "rtn", "--block-size", "64"],
-            "--block-size applies to --method gptq or sparsegpt only (--method rtn has no block size)",
+            2,
+            "--block-size applies to --method gptq or sparsegpt only (--method rtn has no block size)" + _USAGE,
         ),
         (
             ["--method", "wanda", "--block-size", "64"],
-            "--block-size applies to --method gptq or sparsegpt only (--method wanda has no block size)",
+            2,
+            "--block-size applies to --method gptq or sparsegpt only (--method wanda has no block size)" + _USAGE,
         ),
-        (["--method", "gptq", "--block-size", "0"], "--block-size must be a positive int, got 0"),
+        (["--method", "gptq", "--block-size", "0"], 1, "--block-size must be a positive int, got 0"),
         (
             ["--recipe", "r.yaml", "--block-size", "64"],
+            2,
             "--recipe cannot be combined with --method/--sparsity/"
-            "--mask-structure/--scheme/--group-size/--block-size/--observer; put them in the recipe",
+            "--mask-structure/--scheme/--group-size/--block-size/--observer; put them in the recipe" + _USAGE,
         ),
     ],
 )
-def test_block_size_refusals(tmp_path, capsys, args: list[str], message: str) -> None:
+def test_block_size_refusals(tmp_path, capsys, args: list[str], status: int, message: str) -> None:
     rc, err = _cli(capsys, *args, "--output", str(tmp_path / "out"))
-    assert (rc, err) == (1, f"llmc-fsm oneshot: error: {message}\n")
+    assert (rc, err) == (status, f"llmc-fsm oneshot: error: {message}\n")
     assert list(tmp_path.iterdir()) == []
 
 

@@ -247,6 +247,13 @@ def test_recipe_flag_errors_come_before_the_model_loads(tiny_model_dir, tmp_path
                                                         message):  # fmt: skip
     model, text = tiny_model_dir
     argv = ["oneshot", "--model", str(model), "--dataset", str(text), "--output", str(tmp_path / "o"), *flags]
+    if "contradicts" in message:  # flags that do not go together: a usage error, status 2
+        with pytest.raises(SystemExit) as info:
+            main(argv)
+        assert info.value.code == 2
+        assert capsys.readouterr().err == f"llmc-fsm oneshot: error: {message}; see 'llmc-fsm oneshot --help'\n"
+        assert list(tmp_path.iterdir()) == []
+        return
     assert main(argv) == 1
     err = capsys.readouterr().err
     if message.endswith("presets: ..."):

@@ -26,7 +26,14 @@ from collections.abc import Iterator
 from typing import Any
 
 from llmc_fsm.oneshot_job.api import run_oneshot
-from llmc_fsm.oneshot_job.settings import DEFAULT_MODEL, OneshotSettings, RecipeFlags, add_flags, settings_from_flags
+from llmc_fsm.oneshot_job.settings import (
+    DEFAULT_MODEL,
+    FlagConflictError,
+    OneshotSettings,
+    RecipeFlags,
+    add_flags,
+    settings_from_flags,
+)
 from llmc_fsm.toolkit.distributed import is_main_process
 
 
@@ -91,7 +98,10 @@ def _run_cli(args: argparse.Namespace) -> int:
     if args.in_memory and args.low_memory:  # a usage error: one line, exit status 2, as argparse's own
         msg = "--in-memory and --low-memory contradict each other: pass one of them (or neither: stream when possible)"
         args._commands[args.command].error(msg)
-    settings = settings_from_flags(args)  # every check that needs no model, the generated recipe built
+    try:
+        settings = settings_from_flags(args)  # every check that needs no model, the generated recipe built
+    except FlagConflictError as exc:  # flags that do not go together: a usage error, as argparse's own
+        args._commands[args.command].error(str(exc))
     try:
         with signals_as_interrupt():
             model = run_oneshot(settings, stream_when_possible=not args.in_memory)

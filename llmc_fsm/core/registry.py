@@ -326,6 +326,16 @@ class ModifierRegistry:
                 logger.warning("%s", err)
                 continue
             found.extend(self.register_plugin(plugin, distribution=dist, version=version, entry_point=ep.name))
+        unknown = sorted(blocked - {_normalize(_dist_name(ep) or "") for ep in eps})
+        if unknown:
+            logger.warning(
+                "%s names %s, which no installed llmc_fsm plugin distribution is called (installed: %s); "
+                "nothing was disabled for %s",
+                DISABLE_ENV if disabled is None else "disabled",
+                ", ".join(unknown),
+                ", ".join(sorted({_dist_name(ep) or "?" for ep in eps})) or "none",
+                "it" if len(unknown) == 1 else "them",
+            )
         return found
 
     # --- lookup -------------------------------------------------------------------

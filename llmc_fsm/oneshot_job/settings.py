@@ -42,6 +42,7 @@ __all__ = [
     "DTYPES",
     "GENERATED",
     "METHODS",
+    "FlagConflictError",
     "OneshotSettings",
     "RecipeFlags",
     "add_flags",
@@ -559,6 +560,11 @@ def _nm(mask_structure: str | None) -> tuple[int, int] | None:
     return (n, m) if 0 < n < m else None
 
 
+class FlagConflictError(ValueError):
+    """Command-line flags that contradict each other or do not apply together (a usage error: the command exits
+    with status 2, as for argparse's own)."""
+
+
 @attrs.frozen(kw_only=True)
 class RecipeFlags:
     """The ``llmc-fsm oneshot`` flags that generate a recipe when ``--recipe`` is not given (``None``: not given).
@@ -620,14 +626,14 @@ class RecipeFlags:
         method = self.method or "sparsegpt"
         if self.block_size is not None and method not in BLOCK_SIZE_METHODS:
             msg = f"--block-size applies to --method gptq or sparsegpt only (--method {method} has no block size)"
-            raise ValueError(msg)
+            raise FlagConflictError(msg)
         quantizing = method in ("gptq", "rtn")
         if quantizing and (self.sparsity is not None or self.mask_structure):
             msg = f"--method {method} quantizes: --sparsity/--mask-structure apply to pruning methods only"
-            raise ValueError(msg)
+            raise FlagConflictError(msg)
         if not quantizing and (self.scheme is not None or self.group_size is not None or self.observer is not None):
             msg = "--scheme/--group-size/--observer apply to --method gptq or rtn only"
-            raise ValueError(msg)
+            raise FlagConflictError(msg)
         if self.scheme is not None and not self.scheme.strip():
             msg = "--scheme is empty: give a preset name, e.g. --scheme W4A16"
             raise ValueError(msg)
@@ -642,7 +648,7 @@ class RecipeFlags:
                 f"which fixes the sparsity at (M - N) / M = {(m - n) / m:g}; leave --sparsity out, or use "
                 "--mask-structure unstructured for another sparsity"
             )
-            raise ValueError(msg)
+            raise FlagConflictError(msg)
 
     def recipe(self) -> Recipe:
         """The generated recipe (:func:`default_recipe` plus ``--block-size``), its modifiers built and so checked.
@@ -680,15 +686,15 @@ def settings_from_flags(args: argparse.Namespace) -> OneshotSettings:
     (its modifiers check their arguments): all before the model is loaded.
 
     Raises:
-        ValueError / RecipeError: as :class:`RecipeFlags`, :class:`OneshotSettings` and :meth:`RecipeFlags.recipe`;
-            ``--recipe`` with a recipe flag.
+        FlagConflictError: flags that do not go together (``--recipe`` with a recipe flag; as :class:`RecipeFlags`).
+        ValueError / RecipeError: as :class:`RecipeFlags`, :class:`OneshotSettings` and :meth:`RecipeFlags.recipe`.
     """
     if args.recipe is not None and any(getattr(args, f.name) is not None for f in attrs.fields(RecipeFlags)):
         msg = (
             "--recipe cannot be combined with --method/--sparsity/--mask-structure/--scheme/--group-size/"
             "--block-size/--observer; put them in the recipe"
         )
-        raise ValueError(msg)
+        raise FlagConflictError(msg)
     flags = _from_namespace(RecipeFlags, args)
     settings = _from_namespace(OneshotSettings, args)
     return settings if args.recipe is not None else attrs.evolve(settings, recipe=flags.recipe())

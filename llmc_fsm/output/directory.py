@@ -43,7 +43,7 @@ def check_output_dir(output_dir: str | os.PathLike[str] | None, overwrite: bool)
     Raises:
         FileExistsError: it exists and is a file, or is non-empty without ``overwrite``, or ``overwrite`` would
             replace a directory that is not a model output.
-        ValueError: it is the working directory or contains it, or a mount point.
+        ValueError: it is the working directory or contains it, a mount point, or ``-``.
         NotADirectoryError: its first existing parent is a file (``README.md/sub``).
         PermissionError: its first existing parent is not writable.
 
@@ -52,6 +52,12 @@ def check_output_dir(output_dir: str | os.PathLike[str] | None, overwrite: bool)
     """
     if output_dir is None:
         return None
+    if str(output_dir) == "-":
+        msg = (
+            "output '-': the output is a model directory, which cannot go to standard output; give a directory "
+            "(e.g. --output out/my-model)"
+        )
+        raise ValueError(msg)
     path = Path(output_dir).expanduser().resolve()
     if path.exists() and not path.is_dir():
         msg = (

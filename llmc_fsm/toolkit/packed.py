@@ -178,11 +178,15 @@ def expert_reload_problem(scheme: Any) -> str | None:
                 f"FP8 expert weights reload from transformers 5.25 on (installed: {_transformers_version()}, whose "
                 "experts loader reads packed int weights only): upgrade transformers, or use W4A16 / W8A16"
             )
-        if inputs is not None and inputs.dynamic is False and not (
-            str(inputs.type) == "float"
-            and inputs.num_bits == 8
-            and inputs.symmetric
-            and inputs.strategy == QuantizationStrategy.TENSOR
+        if (
+            inputs is not None
+            and inputs.dynamic is False
+            and not (
+                str(inputs.type) == "float"
+                and inputs.num_bits == 8
+                and inputs.symmetric
+                and inputs.strategy == QuantizationStrategy.TENSOR
+            )
         ):
             return (
                 "static input activations on fused experts are 8-bit float, symmetric, per tensor only (one "
