@@ -1018,8 +1018,9 @@ class QuantizingModifier(CalibratedModifier):
                 :data:`CONV1D_REFUSAL`); fused experts of a family whose checkpoint keeps them fused (GPT-OSS, DBRX);
                 fused experts left dense while other modules are quantized (transformers 5.24 then drops them on
                 reload), or only some matrices of an experts module targeted; an experts scheme transformers does
-                not reload into them (:func:`~llmc_fsm.toolkit.expert_reload_problem`: they take weight-only symmetric int packed by
-                compressed-tensors, ``pack-quantized``, any group size; MXFP4 / MXFP6 weight-only; FP8 weights per
+                not reload into them (:func:`~llmc_fsm.toolkit.expert_reload_problem`: they take weight-only
+                symmetric int packed by compressed-tensors, ``pack-quantized``, any group size; MXFP4 / MXFP6
+                weight-only; FP8 weights per
                 channel or tensor with no, dynamic or static FP8 per-tensor input activations), or expert matrices
                 in config groups of different schemes; fused experts
                 under ``torch.distributed``.
