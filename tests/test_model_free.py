@@ -381,3 +381,108 @@ def test_packed_fp4_of_a_class_whose_init_reads_its_weight_is_warned_by_both_job
         assert len(lines) == 1 and lines[0].startswith("16 modules (e.g. transformer.h.0."), job
     with pytest.raises(AttributeError, match="has no attribute 'weight'"):
         _reloaded_logits(tmp_path / "model_free")
+
+
+def _as_modelopt_nvfp4(source: Path, directory: Path) -> None:
+    """``source`` (compressed-tensors NVFP4A16 on the MLP) rewritten in ModelOpt's NVFP4 layout, as
+    nvidia/DeepSeek-R1-NVFP4 stores it: ``weight`` (uint8, two FP4 values a byte), ``weight_scale`` (FP8 per 16),
+    ``weight_scale_2`` (1 / the global scale), ``input_scale``; ``quant_method: modelopt`` in config.json."""
+    directory.mkdir()
+    tensors = _tensors(source)
+    stored = {}
+    for key, value in tensors.items():
+        module, _, param = key.rpartition(".")
+        if param == "weight_packed":
+            stored[f"{module}.weight"] = value
+            stored[f"{module}.input_scale"] = torch.ones(1)
+        elif param == "weight_global_scale":
+            stored[f"{module}.weight_scale_2"] = 1 / value
+        else:
+            stored[key] = value
+    save_file(stored, str(directory / "model.safetensors"))
+    config = json.loads((source / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "modelopt", "quant_algo": "NVFP4"}
+    (directory / "config.json").write_text(json.dumps(config))
+
+
+def test_a_modelopt_nvfp4_checkpoint_is_converted_and_its_attention_quantized_as_deepseek_r1_example(tmp_path):
+    """examples/model_free_ptq/deepseek_r1_nvfp4_fp8_block.py: ModelOptNvfp4Converter turns the MLP's ModelOpt NVFP4
+    into compressed-tensors' NVFP4 (and its config group), FP8_BLOCK quantizes the attention; the config keeps both."""
+    from compressed_tensors.entrypoints.convert import ModelOptNvfp4Converter
+
+    source = _checkpoint(tmp_path / "src", hidden=128, shard=None)
+    mlp_ignored = ["lm_head", r"re:.*self_attn\..*"]
+    model_free_ptq(source, tmp_path / "nvfp4", scheme="NVFP4A16", ignore=mlp_ignored, progress=False)
+    _as_modelopt_nvfp4(tmp_path / "nvfp4", tmp_path / "modelopt")
+
+    mlp = r"re:.*mlp\.(gate|up|down)_proj$"
+    converter = ModelOptNvfp4Converter(targets=[mlp])
+    scheme = {"targets": [r"re:.*self_attn\.(q|k|v|o)_proj$"], "weights": {"num_bits": 8, "type": "float",
+              "strategy": "block", "block_structure": [128, 128], "symmetric": True, "dynamic": False},
+              "input_activations": {"num_bits": 8, "type": "float", "strategy": "group", "group_size": 128,
+                                    "symmetric": True, "dynamic": True}}  # fmt: skip
+    model_free_ptq(tmp_path / "modelopt", tmp_path / "out", scheme=scheme, converter=converter, progress=False)
+
+    out = _tensors(tmp_path / "out")
+    converted = ModelOptNvfp4Converter(targets=[mlp]).process(load_file(tmp_path / "modelopt" / "model.safetensors"))
+    for key, value in converted.items():
+        if ".mlp." in key:
+            assert torch.equal(out[key], value), key  # the converter's tensors, written as they are
+    assert out["model.layers.0.self_attn.q_proj.weight"].dtype == torch.float8_e4m3fn
+    config = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
+    groups = list(config["config_groups"].values())
+    assert [g["targets"] for g in groups] == [[mlp], ["Linear"]]
+    assert groups[0]["weights"]["strategy"] == "tensor_group" and groups[1]["weights"]["strategy"] == "block"
+    assert config["ignore"] == ["lm_head"]
+    logits = _reloaded_logits(tmp_path / "out")
+    assert torch.isfinite(logits).all()
+
+
+def test_a_checkpoint_quantized_by_another_method_needs_a_converter(tmp_path):
+    source = _checkpoint(tmp_path / "src", shard=None)
+    config = json.loads((source / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    (source / "config.json").write_text(json.dumps(config))
+    message = (
+        "model_free_ptq: the checkpoint is quantized already (its config.json has a quantization_config, quant_method "
+        "'fp8'); give a converter that reads that format (compressed_tensors.entrypoints.convert: FP8BlockDequantizer, "
+        "ModelOptNvfp4Converter, ...), or start from the unquantized checkpoint"
+    )
+    _refused(tmp_path, ValueError, message, source=source, scheme="W8A8")
+
+
+def test_the_rest_of_a_compressed_tensors_checkpoint_is_quantized_and_the_configs_merged(tmp_path):
+    """A checkpoint whose MLP is NVFP4A16 already (compressed-tensors): its modules are left as stored (an FP8
+    ``weight`` beside its scale too), the attention gets W8A8, the config keeps both groups, and the attention
+    modules the first config ignored are no longer ignored."""
+    source = _checkpoint(tmp_path / "src", hidden=128, shard=None)
+    model_free_ptq(source, tmp_path / "half", scheme="NVFP4A16", ignore=["lm_head", r"re:.*self_attn\..*"],
+                   progress=False)  # fmt: skip
+    half = _tensors(tmp_path / "half")
+    model_free_ptq(tmp_path / "half", tmp_path / "out", scheme="W8A8", ignore=["lm_head"], progress=False)
+    out = _tensors(tmp_path / "out")
+    for key, value in half.items():
+        if ".mlp." in key:
+            assert torch.equal(out[key], value), key
+    assert out["model.layers.0.self_attn.q_proj.weight"].dtype == torch.int8
+    config = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
+    assert [g["weights"]["strategy"] for g in config["config_groups"].values()] == ["tensor_group", "channel"]
+    assert config["ignore"] == ["lm_head"]  # the first run's ignore named the attention modules: quantized now
+
+
+def test_targets_the_checkpoint_config_ignores_by_pattern_are_refused_before_any_work(tmp_path):
+    source = _checkpoint(tmp_path / "src", hidden=128, shard=None)
+    model_free_ptq(source, tmp_path / "half", scheme="NVFP4A16", ignore=["lm_head", r"re:.*self_attn\..*"],
+                   progress=False)  # fmt: skip
+    config = json.loads((tmp_path / "half" / "config.json").read_text())
+    config["quantization_config"]["ignore"] = ["lm_head", r"re:.*self_attn\..*"]  # as a recipe may have written it
+    (tmp_path / "half" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError) as info:
+        model_free_ptq(tmp_path / "half", tmp_path / "out", scheme="W8A8", ignore=["lm_head"], progress=False)
+    assert str(info.value) == (
+        "model_free_ptq: the checkpoint's quantization config ignores model.layers.0.self_attn.k_proj, "
+        "model.layers.0.self_attn.o_proj, model.layers.0.self_attn.q_proj and 5 more by a pattern "
+        "(re:.*self_attn\\..*), which this scheme quantizes: the merged config would leave them unquantized on "
+        "reload; add them to ignore, or dequantize the checkpoint first"
+    )
+    assert not (tmp_path / "out").exists()

@@ -61,7 +61,7 @@ from llmc_fsm.output.workdir import WorkDir, recover_previous
 from llmc_fsm.session.session import Session
 from llmc_fsm.toolkit.packed import expert_reload_problem
 
-__all__ = ["checkpoint_classes", "linear_tree", "model_free_ptq"]
+__all__ = ["QUANTIZATION_PARAMS", "already_quantized", "checkpoint_classes", "linear_tree", "model_free_ptq"]
 
 logger = logging.getLogger(__name__)
 
@@ -127,6 +127,7 @@ def model_free_ptq(
     session = Session(recipe)
     _check_data_free(session)
     files = _checkpoint_files(model_stub)
+    existing = _existing_config(files, converter)
     weight_map = _weight_map(files)
     converters = [converter] if converter is not None else []
     jobs = _jobs(weight_map, files, converters)
@@ -145,6 +146,8 @@ def model_free_ptq(
         raise ValueError(msg)
     session.initialize(model=tree)
     targets = {n for m in session.modifiers for n in m.resolved_targets}
+    base = converter.update_config(existing) if converter is not None else existing
+    _check_ignored_by_pattern(base, targets)
     if classes is not None:
         _warn_expert_reload(session, sorted(t for t in targets if t in classes and classes[t] is None))
     output = _claim(save_directory, model_stub, overwrite)
@@ -162,9 +165,11 @@ def model_free_ptq(
             root=skeleton,
         )
         session.finalize()
-        _write_metadata(output.staging, files, tree, quantized, converter, session, skeleton)
+        _write_metadata(output.staging, files, tree, quantized, session, skeleton)
+        _merge_config(output.staging / "config.json", base, targets)
         if skeleton is not None:
-            _ignore_unquantized_linears(output.staging / "config.json", skeleton, classes or {}, targets)
+            before = already_quantized(quantized)
+            _ignore_unquantized_linears(output.staging / "config.json", skeleton, classes or {}, targets | before)
         output.publish()
     except BaseException as exc:
         output.abort(exc)
@@ -275,6 +280,36 @@ def _checkpoint_files(model_stub: Any) -> dict[str, str]:
         for p in sorted(directory.rglob("*"))
         if p.is_file() and not any(part.startswith(".") for part in p.relative_to(directory).parts)
     }
+
+
+def _existing_config(files: Mapping[str, str], converter: Any) -> Any:
+    """The checkpoint's own ``quantization_config`` as a compressed-tensors ``QuantizationConfig`` (``None``:
+    none, or another tool's that ``converter`` reads); ours is merged into it.
+
+    Raises:
+        ValueError: a quantization config of another method (``fp8``, ``modelopt``, ...) and no converter.
+    """
+    from compressed_tensors.quantization import QuantizationConfig
+
+    if "config.json" not in files:
+        return None
+    with open(files["config.json"], encoding="utf-8") as f:
+        existing = json.load(f).get("quantization_config")
+    if existing is None:
+        return None
+    method = existing.get("quant_method") if isinstance(existing, dict) else None
+    if method == "compressed-tensors":
+        plain = {k: v for k, v in existing.items() if k not in ("quant_method", "version", "transform_config")}
+        return QuantizationConfig.model_validate(plain)
+    if converter is None:
+        msg = (
+            f"model_free_ptq: the checkpoint is quantized already (its config.json has a quantization_config, "
+            f"quant_method {method!r}); give a converter that reads that format "
+            "(compressed_tensors.entrypoints.convert: FP8BlockDequantizer, ModelOptNvfp4Converter, ...), or start "
+            "from the unquantized checkpoint"
+        )
+        raise ValueError(msg)
+    return None
 
 
 def _weight_map(files: Mapping[str, str]) -> dict[str, str]:
@@ -404,6 +439,31 @@ def _is_linear(module: nn.Module) -> bool:
     return isinstance(module, nn.Linear)
 
 
+#: Tensor names (the part after the module's name) of quantization parameters: a module with one of them in the
+#: checkpoint is quantized already (compressed-tensors' names, DeepSeek's block-FP8 ``weight_scale_inv``, ModelOpt's
+#: ``weight_scale_2``).
+QUANTIZATION_PARAMS = frozenset(
+    {
+        "weight_packed",
+        "weight_scale",
+        "weight_zero_point",
+        "weight_global_scale",
+        "weight_g_idx",
+        "weight_shape",
+        "weight_scale_inv",
+        "weight_scale_2",
+        "input_scale",
+        "input_global_scale",
+    }
+)
+
+
+def already_quantized(tensors: Iterable[str]) -> set[str]:
+    """The module names of ``tensors`` (checkpoint names) that hold a quantization parameter
+    (:data:`QUANTIZATION_PARAMS`): quantized already, left as stored."""
+    return {name.rpartition(".")[0] for name in tensors if name.rpartition(".")[2] in QUANTIZATION_PARAMS}
+
+
 class CheckpointLinears(nn.Module):
     """The root of :func:`linear_tree`: the checkpoint's Linear weights as modules, nothing else (no forward)."""
 
@@ -414,7 +474,8 @@ def linear_tree(
     """A ``meta``-device model with one ``nn.Linear`` per Linear weight of ``tensors``, named as the checkpoint
     names it (``model.layers.0.self_attn.q_proj``), and the containers on the way as plain modules.
 
-    A Linear weight is ``<module>.weight`` with two dimensions, ``<module>`` not ending in ``norm`` and, where
+    A Linear weight is ``<module>.weight`` with two dimensions, ``<module>`` not ending in ``norm``, not quantized
+    already (:func:`already_quantized`: an FP8 checkpoint's ``weight`` beside its ``weight_scale``) and, where
     ``classes`` (:func:`checkpoint_classes`) gives its class, of class ``nn.Linear`` (a subclass too).
     ``<module>.bias`` (one dimension) becomes its bias. Shapes and dtypes are the tensors'; no memory is used.
 
@@ -425,9 +486,10 @@ def linear_tree(
     """
     root = CheckpointLinears()
     linears = {}
+    quantized = already_quantized(tensors)
     for name, tensor in tensors.items():
         module, _, param = name.rpartition(".")
-        if param != "weight" or tensor.dim() != 2 or not module or module.endswith("norm"):
+        if param != "weight" or tensor.dim() != 2 or not module or module.endswith("norm") or module in quantized:
             continue
         loaded = classes.get(module) if classes is not None else None
         if loaded is not None and not issubclass(loaded[1], nn.Linear):
@@ -587,7 +649,6 @@ def _write_metadata(
     files: Mapping[str, str],
     tree: nn.Module,
     written: Mapping[str, str],
-    converter: Any,
     session: Session,
     root: nn.Module | None,
 ) -> None:
@@ -606,33 +667,49 @@ def _write_metadata(
     config_path = staging / "config.json"
     if config_path.exists():
         data = json.loads(config_path.read_text(encoding="utf-8"))
-        existing = data.pop("quantization_config", None)  # a converter's input format: rebuilt below
+        data.pop("quantization_config", None)  # the checkpoint's own: merged back by _merge_config
         config_path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
         write_quantization_config(tree, staging, sparsity=None)
-        if converter is not None:
-            _merge_converter_config(config_path, converter, existing)
     else:
         logger.warning("model_free_ptq: the checkpoint has no config.json: no quantization_config written")
     warn_formats(tree, root=root)
     (staging / "recipe.yaml").write_text(session.recipe.to_yaml(applied=True), encoding="utf-8")
 
 
-def _merge_converter_config(config_path: Path, converter: Any, existing: Any) -> None:
-    """Merge ours into ``converter.update_config(the checkpoint's config)`` (compressed-tensors'
-    ``QuantizationConfig.merge``: its groups first); ``None`` from the converter (it dequantized): ours alone."""
+def _merge_config(config_path: Path, base: Any, targets: set[str]) -> None:
+    """Merge ours into ``base``: the checkpoint's own quantization config (compressed-tensors'), or what the
+    converter's ``update_config`` gave for its format (``None``: nothing to merge, e.g. a dequantizer) — its groups
+    first, ours after (compressed-tensors' ``QuantizationConfig.merge``); ``ignore``: the checkpoint's, less the
+    modules quantized now (``targets``), then ours (``merge`` keeps only the first)."""
     from compressed_tensors.quantization import QuantizationConfig
 
-    try:
-        parsed = QuantizationConfig.model_validate(existing) if existing is not None else None
-    except ValueError:  # another tool's format (ModelOpt's): the converter builds its config from nothing
-        parsed = None
-    base = converter.update_config(parsed)
-    if base is None:
+    if base is None or not config_path.exists():
         return
     data = json.loads(config_path.read_text(encoding="utf-8"))
-    base.merge(QuantizationConfig.model_validate(data["quantization_config"]))
+    ours = QuantizationConfig.model_validate(data["quantization_config"])
+    base = base.model_copy(deep=True)
+    base.ignore = [name for name in base.ignore or [] if name not in targets]
+    base.merge(ours)
+    base.ignore = [*base.ignore, *(name for name in ours.ignore or [] if name not in base.ignore)]
     data["quantization_config"] = {**data["quantization_config"], **base.model_dump(mode="json", exclude_none=True)}
     config_path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
+def _check_ignored_by_pattern(base: Any, targets: set[str]) -> None:
+    """Refuse, before any work, targets that the checkpoint's (or converter's) quantization config ignores by a
+    ``re:`` pattern: the merged config would keep ignoring them on reload."""
+    from compressed_tensors.utils.match import match_name
+
+    patterns = [name for name in (base.ignore if base is not None else None) or [] if name.startswith("re:")]
+    clashes = sorted(t for t in targets if any(match_name(t, p) for p in patterns))
+    if clashes:
+        shown = ", ".join(clashes[:3]) + (f" and {len(clashes) - 3} more" if len(clashes) > 3 else "")
+        msg = (
+            f"model_free_ptq: the checkpoint's quantization config ignores {shown} by a pattern "
+            f"({', '.join(patterns)}), which this scheme quantizes: the merged config would leave them unquantized on "
+            "reload; add them to ignore, or dequantize the checkpoint first"
+        )
+        raise ValueError(msg)
 
 
 def _ignore_unquantized_linears(
