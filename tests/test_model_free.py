@@ -79,7 +79,8 @@ def test_nvfp4_siblings_in_other_shards_share_one_global_scale(tmp_path):
     for parent, names in (("self_attn", "qkv"), ("mlp", ("gate", "up"))):
         keys = [f"model.layers.0.{parent}.{n}_proj.weight_global_scale" for n in names]
         assert len({index[k] for k in keys}) == 1  # read and written together
-        weights = [load_file(source / source_map[k.replace("_global_scale", "")])[k.replace("_global_scale", "")] for k in keys]
+        names = [k.removesuffix("_global_scale") for k in keys]
+        weights = [load_file(source / source_map[n])[n] for n in names]
         amax = max(w.abs().max() for w in weights)  # bfloat16, the weights' dtype
         expected = (448.0 * 6.0) / amax  # FP8 E4M3 max x FP4 E2M1 max over the set's max |w|, in bfloat16
         for key in keys:  # (compressed-tensors' generate_gparam computes in the weights' dtype), stored float32
@@ -120,7 +121,9 @@ def _made_up_checkpoint(directory: Path) -> dict[str, torch.Tensor]:
 def test_an_architecture_transformers_does_not_know_is_quantized_by_tensor_names(tmp_path, caplog):
     original = _made_up_checkpoint(tmp_path / "src")
     with caplog.at_level(logging.WARNING):
-        model_free_ptq(tmp_path / "src", tmp_path / "free", scheme="W8A8", ignore=["model.embed_tokens"], progress=False)
+        model_free_ptq(
+            tmp_path / "src", tmp_path / "free", scheme="W8A8", ignore=["model.embed_tokens"], progress=False
+        )
     assert "transformers cannot build this model" in caplog.text
     out = _tensors(tmp_path / "free")
     assert sorted(out) == [
@@ -352,7 +355,8 @@ def test_a_checkpoint_of_conv1d_weights_only_is_refused(tmp_path):
 
 
 def test_ignore_given_empty_quantizes_lm_head_as_llm_compressor_does(tmp_path):
-    model_free_ptq(_checkpoint(tmp_path / "src", shard=None), tmp_path / "free", scheme="W8A8", ignore=[], progress=False)
+    source = _checkpoint(tmp_path / "src", shard=None)
+    model_free_ptq(source, tmp_path / "free", scheme="W8A8", ignore=[], progress=False)
     tensors = _tensors(tmp_path / "free")
     assert "lm_head.weight_scale" in tensors
     assert json.loads((tmp_path / "free" / "config.json").read_text())["quantization_config"]["ignore"] == []
@@ -374,7 +378,9 @@ def test_packed_fp4_of_a_class_whose_init_reads_its_weight_is_warned_by_both_job
         caplog.clear()
         with caplog.at_level(logging.WARNING):
             if job == "oneshot":
-                oneshot(model=str(tmp_path / "src"), recipe=recipe, output_dir=str(tmp_path / job), dtype=torch.bfloat16)
+                oneshot(
+                    model=str(tmp_path / "src"), recipe=recipe, output_dir=str(tmp_path / job), dtype=torch.bfloat16
+                )
             else:
                 model_free_ptq(tmp_path / "src", tmp_path / job, scheme="NVFP4A16", ignore=["lm_head"], progress=False)
         lines = [r.getMessage() for r in caplog.records if tail in r.getMessage()]
@@ -480,8 +486,9 @@ def test_targets_the_checkpoint_config_ignores_by_pattern_are_refused_before_any
     with pytest.raises(ValueError) as info:
         model_free_ptq(tmp_path / "half", tmp_path / "out", scheme="W8A8", ignore=["lm_head"], progress=False)
     assert str(info.value) == (
-        "model_free_ptq: the checkpoint's quantization config ignores model.layers.0.self_attn.k_proj, "
-        "model.layers.0.self_attn.o_proj, model.layers.0.self_attn.q_proj and 5 more by a pattern "
+        "model_free_ptq: the checkpoint's quantization config ignores model.layers.{0..1}.self_attn.k_proj, "
+        "model.layers.{0..1}.self_attn.o_proj, model.layers.{0..1}.self_attn.q_proj, "
+        "model.layers.{0..1}.self_attn.v_proj by a pattern "
         "(re:.*self_attn\\..*), which this scheme quantizes: the merged config would leave them unquantized on "
         "reload; add them to ignore, or dequantize the checkpoint first"
     )

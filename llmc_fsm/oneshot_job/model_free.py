@@ -60,6 +60,7 @@ from llmc_fsm.output.save import compressed_state_dict, warn_formats, write_quan
 from llmc_fsm.output.workdir import WorkDir, recover_previous
 from llmc_fsm.session.session import Session
 from llmc_fsm.toolkit.packed import expert_reload_problem
+from llmc_fsm.toolkit.targets import compact_names
 
 __all__ = ["QUANTIZATION_PARAMS", "already_quantized", "checkpoint_classes", "linear_tree", "model_free_ptq"]
 
@@ -540,11 +541,10 @@ def _check_fused_experts(tensors: Mapping[str, torch.Tensor], session: Session) 
             if "Linear" in targets or any(match_name(module, t) or match_name(name, t) for t in targets):
                 fused.append(f"{name} {list(tensor.shape)}")
     if fused:
-        shown = ", ".join(fused[:4]) + (f" and {len(fused) - 4} more" if len(fused) > 4 else "")
         msg = (
             f"model_free_ptq quantizes 2-D Linear weights; these targeted tensors are fused experts of three "
-            f"dimensions: {shown}; add their modules to ignore, or run llmc_fsm.oneshot on the directory (it "
-            "quantizes fused experts per expert)"
+            f"dimensions: {compact_names(fused)}; add their modules to ignore, or run llmc_fsm.oneshot on the "
+            "directory (it quantizes fused experts per expert)"
         )
         raise ValueError(msg)
 
@@ -703,9 +703,8 @@ def _check_ignored_by_pattern(base: Any, targets: set[str]) -> None:
     patterns = [name for name in (base.ignore if base is not None else None) or [] if name.startswith("re:")]
     clashes = sorted(t for t in targets if any(match_name(t, p) for p in patterns))
     if clashes:
-        shown = ", ".join(clashes[:3]) + (f" and {len(clashes) - 3} more" if len(clashes) > 3 else "")
         msg = (
-            f"model_free_ptq: the checkpoint's quantization config ignores {shown} by a pattern "
+            f"model_free_ptq: the checkpoint's quantization config ignores {compact_names(clashes)} by a pattern "
             f"({', '.join(patterns)}), which this scheme quantizes: the merged config would leave them unquantized on "
             "reload; add them to ignore, or dequantize the checkpoint first"
         )
