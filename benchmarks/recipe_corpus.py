@@ -700,9 +700,14 @@ def run_entry(entry: Entry, workdir: Path) -> dict[str, Any]:
     result["quantization_config"] = config.get("quantization_config")
     result["recipe_diff"] = recipe_diff(entry.recipe, result["saved_recipe"]) if result["saved_recipe"] else []
     window = _model_inputs(model, data[:1])
-    try:
+    try:  # the model oneshot returned must still run (a failure here is llmc-fsm's: classed crashed)
         with torch.no_grad():
             ref = model(**window).logits.float()
+    except Exception as exc:
+        result["oneshot"] = _failure("the returned model's forward", exc)
+        result["oneshot"]["refused"] = False
+        return result
+    try:
         cls = getattr(transformers, FAMILIES[family][2] or "AutoModelForCausalLM")
         reloaded = cls.from_pretrained(str(out), dtype=dtype).eval()
         with torch.no_grad():

@@ -7,6 +7,7 @@ test reloads the saved model with transformers and compares its keys and logits 
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -371,3 +372,20 @@ def test_explain_with_a_whisper_directory_refuses_a_calibrated_recipe_as_oneshot
     )
     assert main(["explain", str(tmp_path / "rtn.yaml"), "--model", str(tmp_path / "whisper")]) == 0
     assert capsys.readouterr().out.splitlines()[-1] == "Ready to initialize: every required state key is present."
+
+
+def test_saving_an_in_memory_whisper_leaves_its_config_an_encoder_decoders(tmp_path):
+    """A Whisper built in memory (``from_config``: no ``architectures``) saved by ``oneshot(output_dir=...)``: the
+    save's weight-initialisation probe built the model of its config with the causal-LM fallback,
+    ``WhisperForCausalLM``, whose ``__init__`` sets ``config.is_encoder_decoder = False`` — on the live config: the
+    returned model's ``generate`` failed (KeyError 'input_ids') and the saved config.json said the same."""
+    model = build("whisper")
+    assert model.config.architectures is None and model.config.is_encoder_decoder
+    recipe = {"s": {"QuantizationModifier": {"targets": ["Linear"], "scheme": "W8A8", "ignore": ["proj_out"]}}}
+    returned = llmc_fsm.oneshot(model=model, recipe=recipe, output_dir=str(tmp_path / "out"), progress=False)
+    assert returned.config.is_encoder_decoder is True
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["is_encoder_decoder"] is True
+    inputs = _whisper_inputs(model)
+    with torch.no_grad():
+        generated = returned.generate(input_features=inputs["input_features"], max_new_tokens=2)
+    assert generated.shape[0] == inputs["input_features"].shape[0]

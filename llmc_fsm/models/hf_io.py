@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import os
@@ -163,11 +164,17 @@ def meta_model(config: Any, dtype: Any = None) -> Any:
     its parameters in ``dtype`` (a ``torch.dtype``; ``None``: torch's default dtype, as ``from_config``), the dtype
     the model will be loaded in, which some checks read (NVFP4 / MX need bfloat16).
 
+    ``config`` itself is not changed: the model is built from a copy (a model class may set fields of the config it
+    is given: Whisper's ``WhisperForCausalLM``, which the causal-LM fallback builds for a config without
+    ``architectures``, sets ``is_encoder_decoder = False``; on a live model's config that broke its ``generate`` and
+    its saved ``config.json``).
+
     Raises:
         whatever transformers raises for a config it cannot build (``ValueError``, ``KeyError``, ...).
     """
     from accelerate import init_empty_weights
 
+    config = copy.deepcopy(config)
     with init_empty_weights():
         cls = model_class(config)
         build = getattr(cls, "from_config", None) or cls._from_config  # an Auto class's, or a model class's own
