@@ -71,14 +71,14 @@ def test_an_unknown_option_is_named_by_the_subcommand_with_the_option_meant(caps
     assert info.value.code == 2
     assert capsys.readouterr().err == (
         "llmc-fsm: error: argument COMMAND: invalid choice: 'onesht' (choose from 'lifecycle', 'modifiers', 'explain', "
-        "'oneshot', 'report') (did you mean 'oneshot'?); see 'llmc-fsm --help'\n"
+        "'oneshot', 'model-free', 'report') (did you mean 'oneshot'?); see 'llmc-fsm --help'\n"
     )
     with pytest.raises(SystemExit) as info:
         main(["compress"])  # no choice close to it: no guess
     assert info.value.code == 2
     assert capsys.readouterr().err == (
         "llmc-fsm: error: argument COMMAND: invalid choice: 'compress' (choose from 'lifecycle', 'modifiers', "
-        "'explain', 'oneshot', 'report'); see 'llmc-fsm --help'\n"
+        "'explain', 'oneshot', 'model-free', 'report'); see 'llmc-fsm --help'\n"
     )
     with pytest.raises(SystemExit) as info:
         main([])

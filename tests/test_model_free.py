@@ -493,3 +493,26 @@ def test_targets_the_checkpoint_config_ignores_by_pattern_are_refused_before_any
         "reload; add them to ignore, or dequantize the checkpoint first"
     )
     assert not (tmp_path / "out").exists()
+
+
+def test_the_command_writes_what_the_function_writes(tmp_path, capsys):
+    from llmc_fsm.cli import main
+
+    source = _checkpoint(tmp_path / "src", shard="60KB")
+    assert main(["model-free", str(source), "--scheme", "W8A8", "--output", str(tmp_path / "cli"), "--no-progress"]) == 0
+    assert capsys.readouterr().out == f"output: {tmp_path / 'cli'}\n"
+    model_free_ptq(source, tmp_path / "api", scheme="W8A8", progress=False)
+    cli, api = _tensors(tmp_path / "cli"), _tensors(tmp_path / "api")
+    assert sorted(cli) == sorted(api) and all(torch.equal(cli[k], api[k]) for k in cli)
+    assert "lm_head.weight_scale" not in cli  # no --ignore: lm_head kept dense
+    argv = ["model-free", str(source), "--scheme", "W8A8", "--ignore", "--output", str(tmp_path / "all"), "--no-progress"]
+    assert main(argv) == 0  # --ignore with no name: nothing ignored, lm_head quantized too
+    assert "lm_head.weight_scale" in _tensors(tmp_path / "all")
+    capsys.readouterr()
+    assert main(["model-free", str(source), "--scheme", "FP8", "--output", str(tmp_path / "fp8")]) == 1
+    assert capsys.readouterr().err == (
+        "llmc-fsm model-free: error: model_free_ptq runs no calibration: QuantizationModifier needs calibration data "
+        "for this scheme (static activation scales, a kv_cache_scheme or an imatrix_mse observer); use a scheme with "
+        "dynamic activations, or run llmc_fsm.oneshot with a dataset\n"
+    )
+    assert not (tmp_path / "fp8").exists()

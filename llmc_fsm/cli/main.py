@@ -5,6 +5,7 @@ Subcommands:
     modifiers   list every discovered modifier plugin
     explain     print a recipe's plan without touching a model
     oneshot     compress a model in one shot and report perplexity before/after
+    model-free  quantize a safetensors checkpoint shard by shard with a data-free scheme (no model built)
     report      re-print a saved one-shot report (``--plot``: draw per-layer sparsity)
 
 ``llmc-fsm --version`` prints the package version. An error is one line on stderr (exit status 1, or 2 for a
@@ -27,7 +28,7 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
-from llmc_fsm.cli import lifecycle, oneshot, plugins, report
+from llmc_fsm.cli import lifecycle, model_free, oneshot, plugins, report
 from llmc_fsm.core.version import __version__
 from llmc_fsm.toolkit.distributed import process_group_from_env
 from llmc_fsm.toolkit.heap import use_huge_pages
@@ -36,7 +37,7 @@ __all__ = ["main"]
 
 #: Modules that contribute subcommands through ``add_cli(subparsers)``.
 #: The subcommands, in the order ``--help`` lists them; each module has ``add_cli(subparsers)``.
-_SUBCOMMANDS = (lifecycle, plugins, oneshot, report)
+_SUBCOMMANDS = (lifecycle, plugins, oneshot, model_free, report)
 
 
 class _Parser(argparse.ArgumentParser):

@@ -1,0 +1,66 @@
+"""``llmc-fsm model-free MODEL --scheme PRESET --output DIR``: :func:`llmc_fsm.model_free_ptq` from the command line.
+
+A data-free scheme applied to a safetensors checkpoint one shard at a time, without building the model
+(docs/oneshot.md, "Model-free quantization"). Errors are one line (exit status 1); Ctrl-C / SIGTERM leave no output
+(exit status 130 / 143).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Any
+
+from llmc_fsm.cli.oneshot import Terminated, signals_as_interrupt
+from llmc_fsm.oneshot_job.model_free import model_free_ptq
+
+__all__ = ["add_cli"]
+
+_HELP = "quantize a safetensors checkpoint shard by shard with a data-free scheme, without building the model"
+_DESCRIPTION = (
+    "llm-compressor's model_free_ptq: the Linear weights of the checkpoint in MODEL (a directory, a known model "
+    "name or a Hugging Face Hub id) quantized with a data-free compressed-tensors scheme (FP8_BLOCK, FP8_DYNAMIC, "
+    "W8A8, W4A16, NVFP4A16, MXFP4A16, ...), one shard at a time, and written to OUTPUT in compressed-tensors format; "
+    "works for architectures transformers does not know and for checkpoints larger than memory. Schemes that need "
+    "calibration data (static activation scales, a KV cache scheme) are refused: use `llmc-fsm oneshot`."
+)
+
+
+def add_cli(sub: Any) -> None:
+    """Add the ``model-free`` subcommand to the ``llmc-fsm`` parser."""
+    p = sub.add_parser("model-free", help=_HELP, description=_DESCRIPTION)
+    p.add_argument("model", metavar="MODEL", help="checkpoint directory, known model name, or Hub id")
+    p.add_argument("--scheme", required=True, help="compressed-tensors preset, e.g. FP8_BLOCK, W8A8, NVFP4A16")
+    p.add_argument(
+        "--ignore",
+        nargs="*",
+        metavar="NAME",
+        help="module names or re: patterns left unquantized (default: lm_head; --ignore with no name: none)",
+    )
+    p.add_argument("--output", required=True, metavar="DIR", help="output directory (created)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output directory holding a model")
+    p.add_argument("--device", default=None, help="where the weights are rounded: cpu (default) or cuda:N")
+    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    p.set_defaults(func=_run_cli)
+
+
+def _run_cli(args: argparse.Namespace) -> int:
+    logging.getLogger("llmc_fsm.oneshot_job.model_free").setLevel(logging.INFO)  # its closing summary line
+    try:
+        with signals_as_interrupt():
+            out = model_free_ptq(
+                args.model,
+                args.output,
+                scheme=args.scheme,
+                ignore=args.ignore,
+                device=args.device,
+                overwrite=args.overwrite,
+                progress=args.progress,
+            )
+    except KeyboardInterrupt as exc:
+        what = "SIGTERM" if isinstance(exc, Terminated) else "Ctrl-C"
+        print(f"llmc-fsm model-free: interrupted ({what}); nothing written", file=sys.stderr)
+        return 143 if isinstance(exc, Terminated) else 130
+    print(f"output: {out}")
+    return 0
