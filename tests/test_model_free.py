@@ -516,3 +516,22 @@ def test_the_command_writes_what_the_function_writes(tmp_path, capsys):
         "dynamic activations, or run llmc_fsm.oneshot with a dataset\n"
     )
     assert not (tmp_path / "fp8").exists()
+
+
+def test_a_bias_in_another_shard_than_its_weight_is_read_and_written_with_it(tmp_path):
+    source = tmp_path / "src"
+    original = _made_up_checkpoint(source)
+    (source / "model.safetensors").unlink()
+    first = {k: v for k, v in original.items() if k != "model.blocks.0.proj.bias"}
+    save_file(first, str(source / "model-00001-of-00002.safetensors"))
+    save_file({"model.blocks.0.proj.bias": original["model.blocks.0.proj.bias"]},
+              str(source / "model-00002-of-00002.safetensors"))  # fmt: skip
+    index = {k: "model-00001-of-00002.safetensors" for k in first}
+    index["model.blocks.0.proj.bias"] = "model-00002-of-00002.safetensors"
+    (source / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}))
+    model_free_ptq(source, tmp_path / "free", scheme="W8A8", ignore=["model.embed_tokens"], progress=False)
+    out = _tensors(tmp_path / "free")
+    assert torch.equal(out["model.blocks.0.proj.bias"], original["model.blocks.0.proj.bias"])
+    written = json.loads((tmp_path / "free" / "model.safetensors.index.json").read_text())["weight_map"]
+    assert written["model.blocks.0.proj.bias"] == written["model.blocks.0.proj.weight"]
+    assert sorted(written) == sorted(out)

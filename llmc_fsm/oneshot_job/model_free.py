@@ -338,8 +338,9 @@ def _weight_map(files: Mapping[str, str]) -> dict[str, str]:
 
 
 class _ParentSiblings:
-    """Dependencies for compressed-tensors' ``build_inverse_weight_maps``: the first 2-D ``.weight`` of a parent
-    module (in name order) needs the others, so that a parent's Linear weights are read (and written) together."""
+    """Dependencies for compressed-tensors' ``build_inverse_weight_maps``: the first ``.weight`` of a parent module
+    (in name order) needs the others, so that a parent's Linear weights are read (and written) together; a
+    ``.weight`` needs its module's ``.bias`` (a shard may end between them)."""
 
     def __init__(self, weight_map: Mapping[str, str]) -> None:
         by_parent: dict[str, list[str]] = {}
@@ -348,9 +349,15 @@ class _ParentSiblings:
             if param == "weight" and "." in module:
                 by_parent.setdefault(module.rpartition(".")[0], []).append(name)
         self._deps = {names[0]: set(names[1:]) for names in by_parent.values() if len(names) > 1}
+        self._bias = {
+            f"{m}.weight": f"{m}.bias" for m in (n.rpartition(".")[0] for n in weight_map if n.endswith(".bias"))
+        }
 
     def get_dependencies(self, weight_name: str) -> set[str]:
-        return set(self._deps.get(weight_name, ()))
+        deps = set(self._deps.get(weight_name, ()))
+        if weight_name in self._bias:
+            deps.add(self._bias[weight_name])
+        return deps
 
 
 def _jobs(
