@@ -535,3 +535,18 @@ def test_a_bias_in_another_shard_than_its_weight_is_read_and_written_with_it(tmp
     written = json.loads((tmp_path / "free" / "model.safetensors.index.json").read_text())["weight_map"]
     assert written["model.blocks.0.proj.bias"] == written["model.blocks.0.proj.weight"]
     assert sorted(written) == sorted(out)
+
+
+def test_weights_of_other_formats_are_not_copied_and_the_index_counts_tensor_bytes(tmp_path, caplog):
+    source = _checkpoint(tmp_path / "src", shard="60KB")
+    (source / "pytorch_model.bin").write_bytes(b"old pickle")
+    with caplog.at_level(logging.WARNING):
+        model_free_ptq(source, tmp_path / "free", scheme="W8A8", ignore=["lm_head"], progress=False)
+    assert not (tmp_path / "free" / "pytorch_model.bin").exists()
+    assert (
+        "model_free_ptq: weights in other formats are not copied to the output (the safetensors ones are what was "
+        "quantized): pytorch_model.bin"
+    ) in caplog.text
+    index = json.loads((tmp_path / "free" / "model.safetensors.index.json").read_text())
+    tensors = _tensors(tmp_path / "free")
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in tensors.values())

@@ -67,6 +67,8 @@ __all__ = ["QUANTIZATION_PARAMS", "already_quantized", "checkpoint_classes", "li
 logger = logging.getLogger(__name__)
 
 _INDEX = "model.safetensors.index.json"
+#: Weight files of other formats beside the safetensors checkpoint (PyTorch pickles, GGUF): not copied.
+_OTHER_WEIGHTS = (".bin", ".pt", ".pth", ".ckpt", ".gguf")
 
 
 def model_free_ptq(
@@ -154,7 +156,7 @@ def model_free_ptq(
     output = _claim(save_directory, model_stub, overwrite)
     try:
         output.settle({"model_free_ptq": True}, resume=False)
-        quantized = _quantize_shards(
+        quantized, size = _quantize_shards(
             session,
             tree,
             jobs,
@@ -166,7 +168,7 @@ def model_free_ptq(
             root=skeleton,
         )
         session.finalize()
-        _write_metadata(output.staging, files, tree, quantized, session, skeleton)
+        _write_metadata(output.staging, files, tree, quantized, size, session, skeleton)
         _merge_config(output.staging / "config.json", base, targets)
         if skeleton is not None:
             before = already_quantized(quantized)
@@ -611,13 +613,14 @@ def _quantize_shards(
     progress: bool,
     targets: set[str],
     root: nn.Module | None,
-) -> dict[str, str]:
-    """Read, quantize and write each job's shard; ``{tensor name: shard}`` of what was written."""
+) -> tuple[dict[str, str], int]:
+    """Read, quantize and write each job's shard; ``{tensor name: shard}`` of what was written and its bytes."""
     from safetensors.torch import save_file
 
     staging.mkdir(parents=True, exist_ok=True)
     modules = dict(tree.named_modules())
     written: dict[str, str] = {}
+    total = 0
     session.calibration_start()
     bar = tqdm(jobs.items(), total=len(jobs), desc="quantizing shards", unit="shard", disable=not progress)
     for shard, job in bar:
@@ -642,13 +645,14 @@ def _quantize_shards(
         path.parent.mkdir(parents=True, exist_ok=True)
         save_file(out, str(path), metadata={"format": "pt"})
         written.update(dict.fromkeys(out, shard))
+        total += sum(t.numel() * t.element_size() for t in out.values())
         for module in here.values():  # back to meta: the next shard's memory only
             for param in list(module._parameters.values()):
                 if param is not None:
                     _swap(param, torch.empty_like(param, device="meta"))
         del tensors, out
     session.calibration_end()
-    return written
+    return written, total
 
 
 def _write_metadata(
@@ -656,19 +660,30 @@ def _write_metadata(
     files: Mapping[str, str],
     tree: nn.Module,
     written: Mapping[str, str],
+    size: int,
     session: Session,
     root: nn.Module | None,
 ) -> None:
-    """Copy the checkpoint's other files; write the index, ``quantization_config`` and ``recipe.yaml``."""
+    """Copy the checkpoint's other files (not weights of other formats); write the index (``total_size``: ``size``,
+    the bytes of the tensors, as Hugging Face's), ``quantization_config`` and ``recipe.yaml``."""
+    skipped = []
     for name, path in files.items():
         if name.endswith(".safetensors") or name == _INDEX:
+            continue
+        if name.endswith(_OTHER_WEIGHTS):
+            skipped.append(name)
             continue
         target = staging / name
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(path, target)
+    if skipped:
+        logger.warning(
+            "model_free_ptq: weights in other formats are not copied to the output (the safetensors ones are what "
+            "was quantized): %s",
+            ", ".join(skipped),
+        )
     shards = sorted(set(written.values()))
     if _INDEX in files or len(shards) > 1:
-        size = sum((staging / s).stat().st_size for s in shards)
         index = {"metadata": {"total_size": size}, "weight_map": dict(sorted(written.items()))}
         (staging / _INDEX).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
     config_path = staging / "config.json"
