@@ -36,10 +36,13 @@ def _checkpoint(directory: Path, *, hidden: int = 64, shard: str | None = "60KB"
     return directory
 
 
-def _reloaded_logits(directory: Path) -> torch.Tensor:
-    from transformers import AutoModelForCausalLM
+def _reloaded_logits(directory: Path, family: str | None = None) -> torch.Tensor:
+    import transformers
 
-    model = AutoModelForCausalLM.from_pretrained(directory).eval()
+    import tiny_families
+
+    name = (tiny_families.FAMILIES[family][2] if family else None) or "AutoModelForCausalLM"
+    model = getattr(transformers, name).from_pretrained(directory).eval()
     with torch.no_grad():
         return model(torch.arange(24).unsqueeze(0)).logits
 
@@ -585,3 +588,25 @@ def test_each_saved_code_is_the_nearest_to_the_bfloat16_weight_over_its_scale(tm
         assert torch.equal(got.float(), codes), module
         checked += 1
     assert checked == 14
+
+
+@pytest.mark.parametrize("family", ["llava", "gpt_neox"])
+def test_the_output_head_is_kept_dense_as_oneshot_keeps_it(tmp_path, family, caplog):
+    """LLaVA's checkpoint names its head language_model.lm_head (transformers 5: lm_head): the default ignore
+    [lm_head] keeps it dense, as in oneshot; GPT-NeoX's embed_out tied to embed_in is no Linear to quantize (a
+    tester found both quantized: ignore [lm_head] matched the checkpoint's names only)."""
+    import tiny_families
+
+    tiny_families.build(family).to(torch.bfloat16).save_pretrained(tmp_path / "src")
+    with caplog.at_level(logging.WARNING):
+        model_free_ptq(tmp_path / "src", tmp_path / "free", scheme="W8A8", progress=False)
+    recipe = {"stage": {"QuantizationModifier": {"targets": ["Linear"], "scheme": "W8A8"}}}
+    oneshot(model=str(tmp_path / "src"), recipe=recipe, output_dir=str(tmp_path / "oneshot"), dtype=torch.bfloat16)
+    free, reference = _tensors(tmp_path / "free"), _tensors(tmp_path / "oneshot")
+    head = "language_model.lm_head" if family == "llava" else "embed_out"
+    assert f"{head}.weight_scale" not in free
+    scales = sorted(k for k in free if k.endswith("weight_scale"))
+    assert scales == sorted(k for k in reference if k.endswith("weight_scale"))
+    assert torch.equal(_reloaded_logits(tmp_path / "free", family), _reloaded_logits(tmp_path / "oneshot", family))
+    if family == "llava":
+        assert "no ignore given: lm_head is kept dense (the checkpoint names it language_model.lm_head;" in caplog.text

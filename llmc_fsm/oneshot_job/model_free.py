@@ -60,7 +60,7 @@ from llmc_fsm.output.save import compressed_state_dict, warn_formats, write_quan
 from llmc_fsm.output.workdir import WorkDir, recover_previous
 from llmc_fsm.session.session import Session
 from llmc_fsm.toolkit.packed import expert_reload_problem
-from llmc_fsm.toolkit.targets import compact_names
+from llmc_fsm.toolkit.targets import compact_names, tied_head
 
 __all__ = ["QUANTIZATION_PARAMS", "already_quantized", "checkpoint_classes", "linear_tree", "model_free_ptq"]
 
@@ -138,6 +138,8 @@ def model_free_ptq(
     skeleton = _meta_model(files)
     classes = None if skeleton is None else checkpoint_classes(skeleton, shapes)
     tree = linear_tree(shapes, classes)
+    if classes is not None:
+        session = _ignore_checkpoint_names(session, classes, scheme, config, ignore)
     _check_fused_experts(shapes, session)
     if not any(_is_linear(m) for m in tree.modules()):
         others = [n for n, t in shapes.items() if n.endswith(".weight") and t.dim() == 2]
@@ -242,6 +244,36 @@ def _recipe(scheme: Any, config: Any, ignore: Iterable[str] | None) -> dict[str,
     if given:
         args["ignore"] = ignore
     return {"model_free_stage": {"quantization_modifiers": {"QuantizationModifier": args}}}
+
+
+def _ignore_checkpoint_names(
+    session: Session,
+    classes: Mapping[str, tuple[str, type] | None],
+    scheme: Any,
+    config: Any,
+    ignore: Iterable[str] | None,
+) -> Session:
+    """The session again with the checkpoint's names added to ``ignore`` where an exact name in it (the default
+    ``lm_head`` too) is the model's name of a module the checkpoint names otherwise (LLaVA's ``lm_head`` is
+    ``language_model.lm_head`` in its checkpoint): an ``ignore`` written for ``oneshot`` (the model's names) keeps
+    the same modules dense here; names as the checkpoint has them match as in llm-compressor's model_free_ptq."""
+    aliases: dict[str, list[str]] = {}
+    for checkpoint_name, loaded in classes.items():
+        if loaded is not None and loaded[0] != checkpoint_name:
+            aliases.setdefault(loaded[0], []).append(checkpoint_name)
+    current = [name for m in session.modifiers for name in getattr(m, "ignore", None) or []]
+    extra = [c for name in current if not name.startswith("re:") for c in aliases.get(name, []) if c not in current]
+    if not extra:
+        return session
+    if ignore is None:
+        logger.warning(
+            "model_free_ptq: no ignore given: lm_head is kept dense (the checkpoint names it %s; llm-compressor's "
+            "default ignore is empty, which quantizes it too: give ignore=[] for that)",
+            ", ".join(extra),
+        )
+    recipe = _recipe(scheme, config, ignore)
+    recipe["model_free_stage"]["quantization_modifiers"]["QuantizationModifier"]["ignore"] = [*current, *extra]
+    return Session(recipe)
 
 
 def _check_data_free(session: Session) -> None:
@@ -414,7 +446,9 @@ def checkpoint_classes(model: nn.Module, tensors: Iterable[str]) -> dict[str, tu
     of ``tensors`` that ``model`` (built from the checkpoint's config) reads, renamed as ``from_pretrained`` renames
     it (transformers' ``rename_source_key`` with the model's ``get_model_conversion_mapping``: Mixtral's
     ``block_sparse_moe.gate`` is the router ``mlp.gate``); ``None`` for one a conversion collects into a fused
-    tensor (an expert matrix of fused experts: a Linear weight, as ``oneshot`` quantizes it per expert)."""
+    tensor (an expert matrix of fused experts: a Linear weight, as ``oneshot`` quantizes it per expert). An output
+    head tied to the input embedding counts as an ``nn.Embedding`` (a checkpoint may hold its weight too; the model
+    reloads the embedding's there, and ``oneshot`` leaves a tied head alone)."""
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
 
@@ -437,6 +471,12 @@ def checkpoint_classes(model: nn.Module, tensors: Iterable[str]) -> dict[str, tu
         elif name in state and name.rpartition(".")[0] in modules:
             loaded = name.rpartition(".")[0]
             classes[module] = (loaded, type(modules[loaded]))
+    head = tied_head(model)  # tied to the input embedding: transformers reloads the embedding there, not a Linear
+    if head is not None:
+        head_name = next(n for n, m in modules.items() if m is head)
+        for module, loaded in classes.items():
+            if loaded is not None and loaded[0] == head_name:
+                classes[module] = (head_name, nn.Embedding)
     return classes
 
 
