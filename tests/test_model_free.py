@@ -610,3 +610,30 @@ def test_the_output_head_is_kept_dense_as_oneshot_keeps_it(tmp_path, family, cap
     assert torch.equal(_reloaded_logits(tmp_path / "free", family), _reloaded_logits(tmp_path / "oneshot", family))
     if family == "llava":
         assert "no ignore given: lm_head is kept dense (the checkpoint names it language_model.lm_head;" in caplog.text
+
+
+def test_a_checkpoint_quantized_already_with_nothing_left_is_refused_in_one_line(tmp_path):
+    source = _checkpoint(tmp_path / "src", shard=None)
+    model_free_ptq(source, tmp_path / "w8a8", scheme="W8A8", progress=False)
+    with pytest.raises(ValueError) as info:
+        model_free_ptq(tmp_path / "w8a8", tmp_path / "again", scheme="W8A8", progress=False)
+    assert str(info.value) == (
+        "model_free_ptq: the checkpoint is quantized already (model.layers.{0..1}.mlp.down_proj, "
+        "model.layers.{0..1}.mlp.gate_proj, model.layers.{0..1}.mlp.up_proj, model.layers.{0..1}.self_attn.k_proj, "
+        "model.layers.{0..1}.self_attn.o_proj, model.layers.{0..1}.self_attn.q_proj, "
+        "model.layers.{0..1}.self_attn.v_proj hold quantization parameters beside their weights) and no other Linear "
+        "weight is left to quantize; start from the unquantized checkpoint, or give a converter that dequantizes it "
+        "(compressed_tensors.entrypoints.convert: CompressedTensorsDequantizer, FP8BlockDequantizer)"
+    )
+    assert not (tmp_path / "again").exists()
+
+
+def test_without_config_json_the_names_alone_decide_and_say_so(tmp_path, caplog):
+    original = _made_up_checkpoint(tmp_path / "src")
+    (tmp_path / "src" / "config.json").unlink()
+    with caplog.at_level(logging.WARNING):
+        model_free_ptq(tmp_path / "src", tmp_path / "free", scheme="W8A8", ignore=["model.embed_tokens"],
+                       progress=False)  # fmt: skip
+    assert "model_free_ptq: the checkpoint has no config.json: every 2-D '<module>.weight' outside *norm" in caplog.text
+    assert "model_free_ptq: the checkpoint has no config.json: no quantization_config written" in caplog.text
+    assert torch.equal(_tensors(tmp_path / "free")["model.embed_tokens.weight"], original["model.embed_tokens.weight"])

@@ -149,6 +149,7 @@ def model_free_ptq(
             "module classes (GPT-2's Conv1D stores its weight transposed): run llmc_fsm.oneshot on the directory"
         )
         raise ValueError(msg)
+    _check_left_to_quantize(session, tree, shapes)
     session.initialize(model=tree)
     targets = {n for m in session.modifiers for n in m.resolved_targets}
     base = converter.update_config(existing) if converter is not None else existing
@@ -274,6 +275,26 @@ def _ignore_checkpoint_names(
     recipe = _recipe(scheme, config, ignore)
     recipe["model_free_stage"]["quantization_modifiers"]["QuantizationModifier"]["ignore"] = [*current, *extra]
     return Session(recipe)
+
+
+def _check_left_to_quantize(session: Session, tree: nn.Module, tensors: Mapping[str, torch.Tensor]) -> None:
+    """Refuse a checkpoint quantized already whose every Linear weight left is ignored: nothing to do (the
+    modifier's own error would only say that ignore excludes every target)."""
+    from compressed_tensors.utils.match import match_name
+
+    quantized = already_quantized(tensors)
+    if not quantized:
+        return
+    ignore = [name for m in session.modifiers for name in getattr(m, "ignore", None) or []]
+    left = [n for n, m in tree.named_modules() if _is_linear(m) and not any(match_name(n, i) for i in ignore)]
+    if not left:
+        msg = (
+            f"model_free_ptq: the checkpoint is quantized already ({compact_names(sorted(quantized))} hold "
+            "quantization parameters beside their weights) and no other Linear weight is left to quantize; start "
+            "from the unquantized checkpoint, or give a converter that dequantizes it (compressed_tensors."
+            "entrypoints.convert: CompressedTensorsDequantizer, FP8BlockDequantizer)"
+        )
+        raise ValueError(msg)
 
 
 def _check_data_free(session: Session) -> None:
@@ -425,6 +446,11 @@ def _meta_model(files: Mapping[str, str]) -> nn.Module | None:
     names alone decide then, as in llm-compressor). Its module classes say which weights are Linear; the save probes
     its weight initialisation (classes that read ``weight`` are not packed, as in ``oneshot``)."""
     if "config.json" not in files:
+        logger.warning(
+            "model_free_ptq: the checkpoint has no config.json: every 2-D '<module>.weight' outside *norm modules is "
+            "taken for a Linear weight (llm-compressor's rule); ignore embeddings and other 2-D weights that are not "
+            "Linear"
+        )
         return None
     from transformers import AutoConfig
 

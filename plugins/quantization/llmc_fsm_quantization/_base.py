@@ -1456,10 +1456,6 @@ class QuantizingModifier(CalibratedModifier):
                 f"{module.weight.dtype} inputs); load the model in bfloat16 (CLI: --dtype bfloat16; "
                 "oneshot(MODEL_DIR, dtype='bfloat16'); a model you loaded: model.to(torch.bfloat16))"
             )
-        if args.strategy == QuantizationStrategy.BLOCK:
-            r, c = (int(v) for v in args.block_structure)
-            if module.weight.shape[0] % r or module.weight.shape[1] % c:
-                return f"weight {list(module.weight.shape)} is not a whole number of {[r, c]} blocks"
         if args.strategy in (QuantizationStrategy.GROUP, QuantizationStrategy.TENSOR_GROUP) and (
             module.weight.shape[1] % args.group_size
         ):

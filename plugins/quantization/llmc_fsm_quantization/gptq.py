@@ -294,10 +294,13 @@ class _QuantRule:
             )
         ]
         effective, zps = [], []
-        for s, z, g in self._per_weight_scaled:
-            if args.strategy == QuantizationStrategy.BLOCK:
-                rows_per_block = int(args.block_structure[0])
-                s, z = s.repeat_interleave(rows_per_block, dim=0), z.repeat_interleave(rows_per_block, dim=0)
+        for (s, z, g), w in zip(self._per_weight_scaled, originals, strict=True):
+            if args.strategy == QuantizationStrategy.BLOCK:  # each row its block's scale (a partial last block too)
+                rows_per_block, rows = int(args.block_structure[0]), w.shape[0]
+                s, z = (
+                    s.repeat_interleave(rows_per_block, dim=0)[:rows],
+                    z.repeat_interleave(rows_per_block, dim=0)[:rows],
+                )
             effective.append(s / g if g is not None else s)
             zps.append(z.to(torch.float32))
         self.scale = torch.cat(effective, dim=0)

@@ -480,15 +480,16 @@ def observe_scaled_format(
     two per group (E8M0 exponent); FP8 block ``max|w_b| / 448``.
 
     Returns:
-        ``(scale, zero_point, global_scale)``: ``[rows, cols // group_size]`` or ``[rows / r, cols / c]``
-        (float32), the same shape in ``args.zp_dtype``, and ``[1]`` float32 for ``tensor_group`` else ``None``.
+        ``(scale, zero_point, global_scale)``: ``[rows, cols // group_size]`` or
+        ``[ceil(rows / r), ceil(cols / c)]`` (float32; a partial block's scale from its values alone), the same
+        shape in ``args.zp_dtype``, and ``[1]`` float32 for ``tensor_group`` else ``None``.
 
     ``ranges``: NVFP4 with ``imatrix_mse``: the groups' searched ``(lo, hi)`` (:func:`imatrix_nvfp4_ranges`), from
     which the scales (and, without ``global_scale``, the global scale) are computed.
 
     Raises:
         ValueError: an observer other than the minmax ones (the range-searching observers are not implemented
-            for these formats), a group / block that does not divide the weight, ``global_scale`` given for a
+            for these formats), a group that does not divide the weight's input width, ``global_scale`` given for a
             format without one (not ``tensor_group``), or ``imatrix_mse`` without ``ranges``.
     """
     if global_scale is not None and args.strategy != QuantizationStrategy.TENSOR_GROUP:
@@ -497,12 +498,10 @@ def observe_scaled_format(
     check_scaled_observer(observer, args)
     rows, cols = weight.shape
     w = weight.detach().to(torch.float32)
-    if args.strategy == QuantizationStrategy.BLOCK:
-        r, c = (int(v) for v in args.block_structure)
-        if rows % r or cols % c:
-            msg = f"weight [{rows}, {cols}] is not a whole number of [{r}, {c}] blocks"
-            raise ValueError(msg)
-        tiles = w.reshape(rows // r, r, cols // c, c)
+    if args.strategy == QuantizationStrategy.BLOCK:  # a partial last block of rows / columns is padded with zeros,
+        r, c = (int(v) for v in args.block_structure)  # which leave its max |w| as it is (llm-compressor's ceil)
+        padded = torch.nn.functional.pad(w, (0, -cols % c, 0, -rows % r))
+        tiles = padded.reshape(padded.shape[0] // r, r, padded.shape[1] // c, c)
         lo, hi = tiles.amin(dim=(1, 3)), tiles.amax(dim=(1, 3))
     else:
         gs = int(args.group_size)

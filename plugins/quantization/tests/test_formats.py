@@ -237,6 +237,27 @@ def test_fp8_block_scales_equal_a_hand_computation_and_reload_in_float32(tmp_pat
     _reload_equal(model, tmp_path / "out")
 
 
+@pytest.mark.parametrize("modifier", ["QuantizationModifier", "GPTQModifier"])
+def test_fp8_blocks_that_do_not_divide_the_rows_take_the_scale_of_their_rows(tmp_path, modifier) -> None:
+    """A weight whose rows are not a whole number of blocks (DeepSeek's kv_a_proj_with_mqa: 576 rows in blocks of
+    128): its last block is partial, its scale the max |w| of its rows / 448, as llm-compressor's (ceil) — it was
+    refused. down_proj [64, 128] in blocks of [48, 32]: 2 x 4 scales, the second row of blocks 16 rows high."""
+    model = tiny_llama()
+    down = model.model.layers[1].mlp.down_proj
+    original = down.weight.detach().clone()
+    scheme = {"preset": "FP8_BLOCK", "weights": {"block_structure": [48, 32]}, "input_activations": {"group_size": 32}}
+    recipe = {"q": {modifier: {"scheme": scheme, "ignore": ["lm_head"]}}}
+    calibrated = modifier == "GPTQModifier"
+    data = {"dataset": torch.randint(0, 128, (4, 16)), "max_seq_length": 16} if calibrated else {}
+    llmc_fsm.oneshot(model=model, recipe=recipe, output_dir=tmp_path / "out", progress=False, **data)
+    assert down.weight_scale.shape == (2, 4)
+    if not calibrated:  # GPTQ's scales are the same; its weights move within the blocks
+        amax = torch.stack([original[:48].reshape(48, 4, 32).abs().amax(dim=(0, 2)),
+                            original[48:].reshape(16, 4, 32).abs().amax(dim=(0, 2))])  # fmt: skip
+        assert torch.allclose(down.weight_scale, amax / FP8_MAX, rtol=1e-6, atol=0)
+    _reload_equal(model, tmp_path / "out")
+
+
 def test_nvfp4_and_mx_on_a_float32_model_are_refused_before_any_work() -> None:
     model = tiny_llama()
     before = {k: v.clone() for k, v in model.state_dict().items()}
