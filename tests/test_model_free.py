@@ -6,6 +6,7 @@ directory: the same tensors, key for key and bit for bit, and the same reloaded 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 from pathlib import Path
@@ -34,6 +35,14 @@ def _checkpoint(directory: Path, *, hidden: int = 64, shard: str | None = "60KB"
     else:
         model.save_pretrained(directory, max_shard_size=shard)
     return directory
+
+
+@contextlib.contextmanager
+def safe_open_tensors(directory: Path):
+    """The tensors of ``directory/model.safetensors`` as a dict to change; written back (index too) on exit."""
+    tensors = load_file(directory / "model.safetensors")
+    yield tensors
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
 
 
 def _reloaded_logits(directory: Path, family: str | None = None) -> torch.Tensor:
@@ -637,3 +646,21 @@ def test_without_config_json_the_names_alone_decide_and_say_so(tmp_path, caplog)
     assert "model_free_ptq: the checkpoint has no config.json: every 2-D '<module>.weight' outside *norm" in caplog.text
     assert "model_free_ptq: the checkpoint has no config.json: no quantization_config written" in caplog.text
     assert torch.equal(_tensors(tmp_path / "free")["model.embed_tokens.weight"], original["model.embed_tokens.weight"])
+
+
+def test_llm_compressor_example_ignore_lists_name_modules_without_a_spelling_warning(tmp_path, caplog):
+    """Kimi-K2's example ignores model.embed_tokens and re:.*mlp.gate$ (modules with no Linear weight): they match
+    modules of the checkpoint, so no "matches no module (check the spelling...)" line; a 3-D parameter that is no
+    fused experts' (a vision head's probe) is left as stored, not refused as one."""
+    import tiny_families
+
+    tiny_families.build("qwen3_moe").to(torch.bfloat16).save_pretrained(tmp_path / "src")
+    with safe_open_tensors(tmp_path / "src") as add:
+        add["model.vision_head.probe"] = torch.ones(1, 1, 8)
+    ignore = ["re:.*gate$", "lm_head", "model.embed_tokens"]
+    with caplog.at_level(logging.WARNING):
+        model_free_ptq(tmp_path / "src", tmp_path / "free", scheme=_W4A16_G16, ignore=ignore, progress=False)
+    assert "matches no module" not in caplog.text
+    out = _tensors(tmp_path / "free")
+    assert torch.equal(out["model.vision_head.probe"], torch.ones(1, 1, 8, dtype=out["model.vision_head.probe"].dtype))
+    assert "model.layers.0.mlp.gate.weight" in out and "model.layers.0.mlp.gate.weight_scale" not in out

@@ -548,7 +548,8 @@ def linear_tree(
     tensors: Mapping[str, torch.Tensor], classes: Mapping[str, tuple[str, type] | None] | None = None
 ) -> nn.Module:
     """A ``meta``-device model with one ``nn.Linear`` per Linear weight of ``tensors``, named as the checkpoint
-    names it (``model.layers.0.self_attn.q_proj``), and the containers on the way as plain modules.
+    names it (``model.layers.0.self_attn.q_proj``), and every other module of the checkpoint (``embed_tokens``, a
+    norm, the containers on the way) as a plain module without parameters (an ``ignore`` naming it matches it).
 
     A Linear weight is ``<module>.weight`` with two dimensions, ``<module>`` not ending in ``norm``, not quantized
     already (:func:`already_quantized`: an FP8 checkpoint's ``weight`` beside its ``weight_scale``) and, where
@@ -571,6 +572,14 @@ def linear_tree(
         if loaded is not None and not issubclass(loaded[1], nn.Linear):
             continue
         linears[module] = tensor
+    for name in tensors:  # every other module of the checkpoint as a plain module, so that ignore names match
+        parent = root
+        for part in name.rpartition(".")[0].split(".") if "." in name else []:
+            if part not in parent._modules:
+                if hasattr(parent, part):  # a name nn.Module uses itself ("type", "forward"): no placeholder
+                    break
+                parent.add_module(part, nn.Module())
+            parent = parent._modules[part]
     for module in sorted(linears, key=lambda n: n.count(".")):
         weight = linears[module]
         bias = tensors.get(f"{module}.bias")
@@ -609,10 +618,11 @@ def _check_fused_experts(tensors: Mapping[str, torch.Tensor], session: Session) 
             module, _, param = name.rpartition(".")
             if (
                 tensor.dim() != 3
-                or param == "weight"
+                or param == "weight"  # a convolution's: not a Linear weight, left as stored
+                or module.rpartition(".")[2] != "experts"  # another 3-D parameter (a vision head's probe): as stored
                 or any(match_name(module, i) or match_name(name, i) for i in ignore)
             ):
-                continue  # a 3-D "<module>.weight" is a convolution's: not a Linear weight, left as stored
+                continue
             if "Linear" in targets or any(match_name(module, t) or match_name(name, t) for t in targets):
                 fused.append(f"{name} {list(tensor.shape)}")
     if fused:
