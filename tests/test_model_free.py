@@ -15,6 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+import llmc_fsm
 from llmc_fsm import ModifierError, model_free_ptq, oneshot
 from tiny_llama import llama
 
@@ -511,14 +512,14 @@ def test_the_command_writes_what_the_function_writes(tmp_path, capsys):
     from llmc_fsm.cli import main
 
     source = _checkpoint(tmp_path / "src", shard="60KB")
-    assert main(["model-free", str(source), "--scheme", "W8A8", "--output", str(tmp_path / "cli"), "--no-progress"]) == 0
+    base = ["model-free", str(source), "--scheme", "W8A8", "--no-progress"]
+    assert main([*base, "--output", str(tmp_path / "cli")]) == 0
     assert capsys.readouterr().out == f"output: {tmp_path / 'cli'}\n"
     model_free_ptq(source, tmp_path / "api", scheme="W8A8", progress=False)
     cli, api = _tensors(tmp_path / "cli"), _tensors(tmp_path / "api")
     assert sorted(cli) == sorted(api) and all(torch.equal(cli[k], api[k]) for k in cli)
     assert "lm_head.weight_scale" not in cli  # no --ignore: lm_head kept dense
-    argv = ["model-free", str(source), "--scheme", "W8A8", "--ignore", "--output", str(tmp_path / "all"), "--no-progress"]
-    assert main(argv) == 0  # --ignore with no name: nothing ignored, lm_head quantized too
+    assert main([*base, "--ignore", "--output", str(tmp_path / "all")]) == 0  # --ignore with no name: nothing ignored, lm_head quantized too
     assert "lm_head.weight_scale" in _tensors(tmp_path / "all")
     capsys.readouterr()
     assert main(["model-free", str(source), "--scheme", "FP8", "--output", str(tmp_path / "fp8")]) == 1
@@ -664,3 +665,13 @@ def test_llm_compressor_example_ignore_lists_name_modules_without_a_spelling_war
     out = _tensors(tmp_path / "free")
     assert torch.equal(out["model.vision_head.probe"], torch.ones(1, 1, 8, dtype=out["model.vision_head.probe"].dtype))
     assert "model.layers.0.mlp.gate.weight" in out and "model.layers.0.mlp.gate.weight_scale" not in out
+
+
+def test_session_requires_names_what_a_modifier_needs_with_its_arguments():
+    def session(scheme: str) -> llmc_fsm.Session:
+        return llmc_fsm.Session({"s": {"QuantizationModifier": {"targets": ["Linear"], "scheme": scheme}}})
+
+    assert (session("W8A8").requires("model"), session("W8A8").requires("calibration_data")) == (True, False)
+    assert session("FP8").requires("calibration_data") is True  # static input scales: from calibration inputs
+    assert llmc_fsm.Session({"s": {"SparseGPTModifier": {"sparsity": 0.5}}}).requires("calibration_data") is True
+    assert llmc_fsm.Session({"s": {"SparseGPTModifier": {"sparsity": 0.5}}}).requires("teacher") is False

@@ -146,7 +146,7 @@ def _run_explain(args: argparse.Namespace) -> int:
     if model is not None:
         session.update_state(model=model)
         try:  # the checks oneshot runs on the same meta-device model before any weight (group sizes, targets...)
-            if any("calibration_data" in m.required_keys() for m in session.modifiers):
+            if session.requires("calibration_data"):
                 check_calibrates_from_text(model)  # an encoder-decoder model (Whisper) calibrates on no token ids
             check_modifiers([session], model, True)
         except MissingStateError:  # a training recipe: the plan lists what it needs

@@ -290,5 +290,4 @@ def calibration_inputs(session: Session, windows: Any) -> Any:
     A session of data-free modifiers (round-to-nearest quantization) then compresses every
     target at once, with no calibration forwards, even when a dataset was given for other stages.
     """
-    needs = any("calibration_data" in m.required_keys() for m in session.modifiers)
-    return windows if needs else windows[:0]
+    return windows if session.requires("calibration_data") else windows[:0]

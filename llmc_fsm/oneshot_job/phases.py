@@ -319,7 +319,7 @@ def prepare(settings: OneshotSettings) -> Run:
         settings=settings,
         recipe=merged,
         sessions=sessions,
-        needs_data=any("calibration_data" in m.required_keys() for s in sessions for m in s.modifiers),
+        needs_data=any(s.requires("calibration_data") for s in sessions),
         model_config=_model_config(settings.model),
     )
     if isinstance(settings.model, str) and settings.model in KNOWN_MODELS and not known_model_cached(settings.model):

@@ -137,6 +137,11 @@ class Session(SessionCheckpoints):
             self._state = self._state.merged(state)
             self._fire("update_state")
 
+    def requires(self, key: str) -> bool:
+        """Whether a modifier of the recipe requires state ``key`` (its ``required_keys()``, which may depend on its
+        arguments: ``calibration_data`` for a ``QuantizationModifier`` with static input scales, not for W8A8)."""
+        return any(key in slot.modifier.required_keys() for slot in self._schedule.slots)
+
     def missing_state(self, **extra: Any) -> dict[str, frozenset[str]]:
         """Return modifier label -> required keys not yet supplied (``extra`` counted as supplied)."""
         state = self._state.merged(extra) if extra else self._state
