@@ -49,6 +49,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+import attrs
 import torch
 from torch import nn
 from tqdm.auto import tqdm
@@ -123,17 +124,71 @@ def model_free_ptq(
         OSError: reading or writing a file failed (the output is not created).
     """
     started = time.perf_counter()
-    run_device = _device(device)
+    plan = _plan(model_stub, scheme, config, ignore, device, converter)  # every check: nothing written yet
     if max_workers != 1:
         logger.info("model_free_ptq: shards are processed one at a time (max_workers=%s has no effect)", max_workers)
-    recipe = _recipe(scheme, config, ignore)
-    session = Session(recipe)
+    output = _claim(save_directory, model_stub, overwrite)
+    try:
+        output.settle({"model_free_ptq": True}, resume=False)
+        _write(plan, output.staging, progress=progress)
+        output.publish()
+    except BaseException as exc:
+        output.abort(exc)
+        raise
+    dense = {name for name, module in plan.tree.named_modules() if _is_linear(module)} - plan.targets
+    logger.info(
+        "model_free_ptq: %d Linear weights quantized, %d left as they were, in %d shards: %s (%.1f s)",
+        len(plan.targets),
+        len(dense),
+        len(plan.jobs),
+        output.output,
+        time.perf_counter() - started,
+    )
+    return output.output
+
+
+@attrs.define(eq=False)
+class _Plan:
+    """What :func:`model_free_ptq` found before writing anything.
+
+    Attributes:
+        session: initialized on :attr:`tree`; its modifier quantizes each shard's Linears.
+        tree: the checkpoint's Linear weights as ``meta`` modules (:func:`linear_tree`).
+        targets: the tree's module names the modifier quantizes.
+        files: ``{relative name: local path}`` of the checkpoint's files.
+        jobs: ``{output shard: {source file: tensor names}}`` (:func:`_jobs`).
+        converters: the converter, if any, in a list.
+        skeleton: the architecture's model on ``meta`` (``None``: transformers cannot build it).
+        classes: :func:`checkpoint_classes` of :attr:`skeleton` (``None`` without it).
+        base: the quantization config ours is merged into (the checkpoint's or the converter's; ``None``).
+        device: where the weights are rounded.
+    """
+
+    session: Session
+    tree: nn.Module
+    targets: set[str]
+    files: dict[str, str]
+    jobs: dict[str, dict[str, list[str]]]
+    converters: list[Any]
+    skeleton: nn.Module | None
+    classes: dict[str, tuple[str, type] | None] | None
+    base: Any
+    device: torch.device
+
+
+def _plan(model_stub: Any, scheme: Any, config: Any, ignore: Any, device: Any, converter: Any) -> _Plan:
+    """Every check of :func:`model_free_ptq` (arguments, checkpoint, scheme on the real shapes), nothing written.
+
+    Raises:
+        as :func:`model_free_ptq`.
+    """
+    run_device = _device(device)
+    session = Session(_recipe(scheme, config, ignore))
     _check_data_free(session)
     files = _checkpoint_files(model_stub)
     existing = _existing_config(files, converter)
-    weight_map = _weight_map(files)
     converters = [converter] if converter is not None else []
-    jobs = _jobs(weight_map, files, converters)
+    jobs = _jobs(_weight_map(files), files, converters)
     shapes = {name: t for job in jobs.values() for name, t in _converted(job, converters, meta=True).items()}
     skeleton = _meta_model(files)
     classes = None if skeleton is None else checkpoint_classes(skeleton, shapes)
@@ -141,14 +196,7 @@ def model_free_ptq(
     if classes is not None:
         session = _ignore_checkpoint_names(session, classes, scheme, config, ignore)
     _check_fused_experts(shapes, session)
-    if not any(_is_linear(m) for m in tree.modules()):
-        others = [n for n, t in shapes.items() if n.endswith(".weight") and t.dim() == 2]
-        msg = (
-            "model_free_ptq: the checkpoint holds no Linear weight (a 2-D '<module>.weight' of an nn.Linear module); "
-            f"its 2-D weights ({', '.join(others[:3]) or 'none'}{' ...' if len(others) > 3 else ''}) belong to other "
-            "module classes (GPT-2's Conv1D stores its weight transposed): run llmc_fsm.oneshot on the directory"
-        )
-        raise ValueError(msg)
+    _check_some_linear(tree, shapes)
     _check_left_to_quantize(session, tree, shapes)
     session.initialize(model=tree)
     targets = {n for m in session.modifiers for n in m.resolved_targets}
@@ -156,40 +204,31 @@ def model_free_ptq(
     _check_ignored_by_pattern(base, targets)
     if classes is not None:
         _warn_expert_reload(session, sorted(t for t in targets if t in classes and classes[t] is None))
-    output = _claim(save_directory, model_stub, overwrite)
-    try:
-        output.settle({"model_free_ptq": True}, resume=False)
-        quantized, size = _quantize_shards(
-            session,
-            tree,
-            jobs,
-            converters,
-            output.staging,
-            run_device,
-            progress=progress,
-            targets=targets,
-            root=skeleton,
-        )
-        session.finalize()
-        _write_metadata(output.staging, files, tree, quantized, size, session, skeleton)
-        _merge_config(output.staging / "config.json", base, targets)
-        if skeleton is not None:
-            before = already_quantized(quantized)
-            _ignore_unquantized_linears(output.staging / "config.json", skeleton, classes or {}, targets | before)
-        output.publish()
-    except BaseException as exc:
-        output.abort(exc)
-        raise
-    dense = {name for name, module in tree.named_modules() if _is_linear(module)} - targets
-    logger.info(
-        "model_free_ptq: %d Linear weights quantized, %d left as they were, in %d shards: %s (%.1f s)",
-        len(targets),
-        len(dense),
-        len(jobs),
-        output.output,
-        time.perf_counter() - started,
+    return _Plan(session, tree, targets, files, jobs, converters, skeleton, classes, base, run_device)
+
+
+def _write(plan: _Plan, staging: Path, *, progress: bool) -> None:
+    """Quantize and write every shard into ``staging``, then the checkpoint's other files and the configs."""
+    written, size = _quantize_shards(plan, staging, progress=progress)
+    plan.session.finalize()
+    _write_metadata(staging, plan.files, plan.tree, written, size, plan.session, plan.skeleton)
+    _merge_config(staging / "config.json", plan.base, plan.targets)
+    if plan.skeleton is not None:
+        quantized = plan.targets | already_quantized(written)
+        _ignore_unquantized_linears(staging / "config.json", plan.skeleton, plan.classes or {}, quantized)
+
+
+def _check_some_linear(tree: nn.Module, shapes: Mapping[str, torch.Tensor]) -> None:
+    """Refuse a checkpoint with no Linear weight at all (GPT-2's ``Conv1D`` weights only)."""
+    if any(_is_linear(m) for m in tree.modules()):
+        return
+    others = [n for n, t in shapes.items() if n.endswith(".weight") and t.dim() == 2]
+    msg = (
+        "model_free_ptq: the checkpoint holds no Linear weight (a 2-D '<module>.weight' of an nn.Linear module); "
+        f"its 2-D weights ({', '.join(others[:3]) or 'none'}{' ...' if len(others) > 3 else ''}) belong to other "
+        "module classes (GPT-2's Conv1D stores its weight transposed): run llmc_fsm.oneshot on the directory"
     )
-    return output.output
+    raise ValueError(msg)
 
 
 # --------------------------------------------------------------------------- arguments
@@ -678,29 +717,19 @@ def _swap(target: torch.Tensor, value: torch.Tensor) -> None:
     torch.utils.swap_tensors(target, nn.Parameter(value, requires_grad=False))
 
 
-def _quantize_shards(
-    session: Session,
-    tree: nn.Module,
-    jobs: Mapping[str, Mapping[str, list[str]]],
-    converters: list[Any],
-    staging: Path,
-    device: torch.device,
-    *,
-    progress: bool,
-    targets: set[str],
-    root: nn.Module | None,
-) -> tuple[dict[str, str], int]:
+def _quantize_shards(plan: _Plan, staging: Path, *, progress: bool) -> tuple[dict[str, str], int]:
     """Read, quantize and write each job's shard; ``{tensor name: shard}`` of what was written and its bytes."""
     from safetensors.torch import save_file
 
+    session, targets, device = plan.session, plan.targets, plan.device
     staging.mkdir(parents=True, exist_ok=True)
-    modules = dict(tree.named_modules())
+    modules = dict(plan.tree.named_modules())
     written: dict[str, str] = {}
     total = 0
     session.calibration_start()
-    bar = tqdm(jobs.items(), total=len(jobs), desc="quantizing shards", unit="shard", disable=not progress)
+    bar = tqdm(plan.jobs.items(), total=len(plan.jobs), desc="quantizing shards", unit="shard", disable=not progress)
     for shard, job in bar:
-        tensors = _converted(job, converters, meta=False)
+        tensors = _converted(job, plan.converters, meta=False)
         here = {}
         for name in list(tensors):
             module_name, _, param = name.rpartition(".")
@@ -715,7 +744,7 @@ def _quantize_shards(
                 continue
             for key in (f"{module_name}.weight", f"{module_name}.bias"):
                 out.pop(key, None)
-            packed = compressed_state_dict(module, f"{module_name}.", root=root)
+            packed = compressed_state_dict(module, f"{module_name}.", root=plan.skeleton)
             out.update({key: value.detach().to("cpu").contiguous() for key, value in packed.items()})
         path = staging / shard
         path.parent.mkdir(parents=True, exist_ok=True)
