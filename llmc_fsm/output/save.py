@@ -34,7 +34,6 @@ from pathlib import Path
 from typing import Any
 
 import attrs
-import torch
 from torch import nn
 
 from llmc_fsm.models.hf_io import meta_model
@@ -469,27 +468,13 @@ def compressed_state_dict(
         local = get_direct_state_dict(sub)
         packed = kept_packed(sub, scheme.format.value, local)  # packed when it was quantized (NVFP4, MX, FP8 block)
         if packed is None:
-            compressor = BaseCompressor.get_value_from_registry(scheme.format.value)
-            packed = compressor.compress(_in_float32(local), scheme)
+            packed = BaseCompressor.get_value_from_registry(scheme.format.value).compress(local, scheme)
         sub_prefix = f"{prefix}{name}." if name else prefix
         for key in local:
             state.pop(sub_prefix + key, None)
         state.update({sub_prefix + key: value.contiguous() for key, value in packed.items() if value is not None})
     state.update(_expert_tensors(module, prefix, state, quantization_format))
     return state
-
-
-def _in_float32(local: dict[str, Any]) -> dict[str, Any]:
-    """``local`` with a half-precision ``weight`` in float32, for the compressor to find each value's code by
-    dividing by the scale in float32. The weight holds ``q * scale`` rounded to bfloat16 / float16, which divided in
-    that dtype may round to the next code: of a bfloat16 SmolLM-sized model's W8A8 weights ~0.8% of the int8 codes were
-    one off (up to 1.49 steps from ``w / scale``), which vLLM's int8 kernels would use as they are; in float32
-    ``q * scale * (1 + d) / scale`` with ``|d| <= 2^-9`` is within ``127 * 2^-9 < 1/2`` of ``q``: the code back.
-    """
-    weight = local.get("weight")
-    if weight is None or weight.dtype not in (torch.bfloat16, torch.float16):
-        return local
-    return {**local, "weight": weight.float()}
 
 
 #: The compressed-tensors formats ``quantization_format`` may name (which of them a weight allows:
