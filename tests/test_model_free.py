@@ -270,6 +270,11 @@ def test_targeted_fused_experts_of_three_dimensions_are_refused(tmp_path):
     assert "model.blocks.0.proj.weight_scale" in out
 
 
+def test_a_device_torch_does_not_know_is_refused(tmp_path):
+    message = "model_free_ptq: device 'nope' is not a torch device; give 'cpu' or 'cuda:N' (or leave it out)"
+    _refused(tmp_path, ValueError, message, scheme="W8A8", device="nope")
+
+
 def test_several_devices_are_refused(tmp_path):
     message = (
         "model_free_ptq: device=['cpu', 'cpu']: several devices (llm-compressor's multi-GPU shard scheduling) are not "

@@ -201,8 +201,14 @@ def test_generated_quantization_recipe_carries_group_size_and_observer(tmp_path,
     rc, err = _cli(["--observer", "mse", "--output", str(tmp_path / "out")], capsys)  # pruning (the default method)
     assert (rc, err) == (
         2,
-        "llmc-fsm oneshot: error: --scheme/--group-size/--observer apply to --method gptq or rtn only; see "
-        "'llmc-fsm oneshot --help'\n",
+        "llmc-fsm oneshot: error: --scheme/--group-size/--observer apply to --method gptq or rtn only (--method "
+        "sparsegpt, the default); see 'llmc-fsm oneshot --help'\n",
+    )
+    rc, err = _cli(["--method", "wanda", "--scheme", "W8A8", "--output", str(tmp_path / "out")], capsys)
+    assert (rc, err) == (
+        2,
+        "llmc-fsm oneshot: error: --scheme/--group-size/--observer apply to --method gptq or rtn only (--method "
+        "wanda); see 'llmc-fsm oneshot --help'\n",
     )
     assert _no_stray_files(tmp_path) == []
 

@@ -124,6 +124,7 @@ def model_free_ptq(
         OSError: reading or writing a file failed (the output is not created).
     """
     started = time.perf_counter()
+    check_output_dir(save_directory, overwrite)  # first: the cheapest refusal (claimed after the checks below)
     plan = _plan(model_stub, scheme, config, ignore, device, converter)  # every check: nothing written yet
     if max_workers != 1:
         logger.info("model_free_ptq: shards are processed one at a time (max_workers=%s has no effect)", max_workers)
@@ -242,7 +243,11 @@ def _device(device: Any) -> torch.device:
             )
             raise ValueError(msg)
         device = device[0]
-    run = torch.device("cpu" if device is None else device)
+    try:
+        run = torch.device("cpu" if device is None else device)
+    except (RuntimeError, TypeError):
+        msg = f"model_free_ptq: device {device!r} is not a torch device; give 'cpu' or 'cuda:N' (or leave it out)"
+        raise ValueError(msg) from None
     if run.type == "cuda" and not torch.cuda.is_available():
         msg = f"model_free_ptq: device {str(run)!r}: torch sees no CUDA device; leave device out to run on the CPU"
         raise RuntimeError(msg)

@@ -632,7 +632,9 @@ class RecipeFlags:
             msg = f"--method {method} quantizes: --sparsity/--mask-structure apply to pruning methods only"
             raise FlagConflictError(msg)
         if not quantizing and (self.scheme is not None or self.group_size is not None or self.observer is not None):
-            msg = "--scheme/--group-size/--observer apply to --method gptq or rtn only"
+            msg = f"--scheme/--group-size/--observer apply to --method gptq or rtn only (--method {method}" + (
+                ")" if self.method else ", the default)"
+            )
             raise FlagConflictError(msg)
         if self.scheme is not None and not self.scheme.strip():
             msg = "--scheme is empty: give a preset name, e.g. --scheme W4A16"
