@@ -455,7 +455,8 @@ def test_a_modelopt_nvfp4_checkpoint_is_converted_and_its_attention_quantized_as
     assert out["model.layers.0.self_attn.q_proj.weight"].dtype == torch.float8_e4m3fn
     config = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
     groups = list(config["config_groups"].values())
-    assert [g["targets"] for g in groups] == [[mlp], ["Linear"]]
+    attention = sorted(f"model.layers.{i}.self_attn.{p}_proj" for i in range(2) for p in "qkvo")
+    assert [g["targets"] for g in groups] == [[mlp], attention]  # ours by name: no class target claims the MLP
     assert groups[0]["weights"]["strategy"] == "tensor_group" and groups[1]["weights"]["strategy"] == "block"
     assert config["ignore"] == ["lm_head"]
     logits = _reloaded_logits(tmp_path / "out")
@@ -491,6 +492,11 @@ def test_the_rest_of_a_compressed_tensors_checkpoint_is_quantized_and_the_config
     assert out["model.layers.0.self_attn.q_proj.weight"].dtype == torch.int8
     config = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
     assert [g["weights"]["strategy"] for g in config["config_groups"].values()] == ["tensor_group", "channel"]
+    reloaded = _reloaded_logits(tmp_path / "out")  # each module reloads into its own group (both targeted Linear)
+    attention_only = tmp_path / "attention"
+    model_free_ptq(source, attention_only, scheme="W8A8", ignore=["lm_head", r"re:.*mlp\..*"], progress=False)
+    mlp_only = _reloaded_logits(tmp_path / "half")
+    assert torch.isfinite(reloaded).all() and not torch.equal(reloaded, mlp_only)
     assert config["ignore"] == ["lm_head"]  # the first run's ignore named the attention modules: quantized now
 
 
@@ -608,8 +614,9 @@ def test_the_output_head_is_kept_dense_as_oneshot_keeps_it(tmp_path, family, cap
         assert "no ignore given: lm_head is kept dense (the checkpoint names it language_model.lm_head;" in caplog.text
 
 
-def test_a_checkpoint_quantized_already_with_nothing_left_is_refused_in_one_line(tmp_path):
-    source = _checkpoint(tmp_path / "src", shard=None)
+@pytest.mark.parametrize("tied", [False, True])  # tied: no Linear at all is left (the head is the embedding)
+def test_a_checkpoint_quantized_already_with_nothing_left_is_refused_in_one_line(tmp_path, tied):
+    source = _checkpoint(tmp_path / "src", shard=None, tied=tied)
     model_free_ptq(source, tmp_path / "w8a8", scheme="W8A8", progress=False)
     with pytest.raises(ValueError) as info:
         model_free_ptq(tmp_path / "w8a8", tmp_path / "again", scheme="W8A8", progress=False)
@@ -661,3 +668,20 @@ def test_session_requires_names_what_a_modifier_needs_with_its_arguments():
     assert session("FP8").requires("calibration_data") is True  # static input scales: from calibration inputs
     assert llmc_fsm.Session({"s": {"SparseGPTModifier": {"sparsity": 0.5}}}).requires("calibration_data") is True
     assert llmc_fsm.Session({"s": {"SparseGPTModifier": {"sparsity": 0.5}}}).requires("teacher") is False
+
+
+def test_both_groups_target_linear_and_each_module_reloads_into_its_own(tmp_path):
+    """A checkpoint whose down_proj is FP8 block already (its config: a group targeting Linear), the rest quantized
+    W8A8: our group names its modules, so transformers gives each module its own group's layout (with a second
+    Linear-class group, down_proj's block scales [2, 2] met the channel layout [128, 1]: size mismatch on reload)."""
+    source = _checkpoint(tmp_path / "src", hidden=128, shard=None)
+    others = ["lm_head", r"re:.*(q|k|v|o|gate|up)_proj$"]
+    model_free_ptq(source, tmp_path / "block", scheme="FP8_BLOCK", ignore=others, progress=False)
+    model_free_ptq(tmp_path / "block", tmp_path / "out", scheme="W8A8", ignore=["lm_head"], progress=False)
+    from transformers import AutoModelForCausalLM
+
+    reloaded, info = AutoModelForCausalLM.from_pretrained(tmp_path / "out", output_loading_info=True)
+    assert (info["missing_keys"], info["unexpected_keys"], info["mismatched_keys"]) == (set(), set(), set())
+    schemes = {n: m.quantization_scheme.weights.strategy for n, m in reloaded.named_modules() if n.endswith("_proj")}
+    assert {schemes[f"model.layers.{i}.mlp.down_proj"] for i in range(2)} == {"block"}
+    assert {s for n, s in schemes.items() if "down_proj" not in n} == {"channel"}

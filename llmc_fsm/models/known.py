@@ -56,6 +56,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 __all__ = [
+    "CACHE_MARKER",
     "KNOWN_MODELS",
     "KnownModel",
     "cache_root",
@@ -68,7 +69,8 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-_CACHE_MARKER = "llmc_fsm_cache.json"
+#: The file that marks a converted known model's cache directory (not part of the model).
+CACHE_MARKER = "llmc_fsm_cache.json"
 _CACHE_FORMAT = 1
 #: Seconds to wait for another process converting the same model before giving up.
 _LOCK_TIMEOUT_S = 900.0
@@ -157,7 +159,7 @@ def _find_gguf(spec: KnownModel) -> Path:
 
 
 def _cache_is_valid(path: Path) -> bool:
-    marker = path / _CACHE_MARKER
+    marker = path / CACHE_MARKER
     if not (path / "config.json").is_file() or not marker.is_file():
         return False
     try:
@@ -197,7 +199,7 @@ def _build_cache(name: str, spec: KnownModel, target: Path) -> None:
         plain.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         fix_safetensors_permissions(tmp)
-        (tmp / _CACHE_MARKER).write_text(
+        (tmp / CACHE_MARKER).write_text(
             json.dumps(
                 {"format": _CACHE_FORMAT, "name": name, "source": str(gguf), "distribution": spec.distribution},
                 indent=2,

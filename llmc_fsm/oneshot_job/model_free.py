@@ -55,7 +55,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from llmc_fsm.models.hf_io import meta_model
-from llmc_fsm.models.known import KNOWN_MODELS, known_model_dir
+from llmc_fsm.models.known import CACHE_MARKER, KNOWN_MODELS, known_model_dir
 from llmc_fsm.output.directory import check_output_dir, check_output_not_source
 from llmc_fsm.output.save import compressed_state_dict, warn_formats, write_quantization_config
 from llmc_fsm.output.workdir import WorkDir, recover_previous
@@ -197,8 +197,8 @@ def _plan(model_stub: Any, scheme: Any, config: Any, ignore: Any, device: Any, c
     if classes is not None:
         session = _ignore_checkpoint_names(session, classes, scheme, config, ignore)
     _check_fused_experts(shapes, session)
+    _check_left_to_quantize(session, tree, shapes)  # first: a checkpoint quantized already has no Linear left
     _check_some_linear(tree, shapes)
-    _check_left_to_quantize(session, tree, shapes)
     session.initialize(model=tree)
     targets = {n for m in session.modifiers for n in m.resolved_targets}
     base = converter.update_config(existing) if converter is not None else existing
@@ -778,7 +778,7 @@ def _write_metadata(
     the bytes of the tensors, as Hugging Face's), ``quantization_config`` and ``recipe.yaml``."""
     skipped = []
     for name, path in files.items():
-        if name.endswith(".safetensors") or name == _INDEX:
+        if name.endswith(".safetensors") or name in (_INDEX, CACHE_MARKER):  # the marker: llmc-fsm's cache's
             continue
         if name.endswith(_OTHER_WEIGHTS):
             skipped.append(name)
@@ -819,6 +819,9 @@ def _merge_config(config_path: Path, base: Any, targets: set[str]) -> None:
         return
     data = json.loads(config_path.read_text(encoding="utf-8"))
     ours = QuantizationConfig.model_validate(data["quantization_config"])
+    for group in ours.config_groups.values():  # a class target would also claim the checkpoint's own quantized
+        if any(not t.startswith("re:") and "." not in t for t in group.targets):  # modules: name ours
+            group.targets = sorted(targets)
     base = base.model_copy(deep=True)
     base.ignore = [name for name in base.ignore or [] if name not in targets]
     base.merge(ours)
