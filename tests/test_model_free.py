@@ -685,3 +685,24 @@ def test_both_groups_target_linear_and_each_module_reloads_into_its_own(tmp_path
     schemes = {n: m.quantization_scheme.weights.strategy for n, m in reloaded.named_modules() if n.endswith("_proj")}
     assert {schemes[f"model.layers.{i}.mlp.down_proj"] for i in range(2)} == {"block"}
     assert {s for n, s in schemes.items() if "down_proj" not in n} == {"channel"}
+
+
+def test_dtype_reads_a_float32_checkpoint_in_bfloat16_as_oneshots_dtype_does(tmp_path):
+    """NVFP4 needs bfloat16 weights; a float32 checkpoint (the known SmolLM2 is one) with dtype="bfloat16" gives
+    what oneshot(dtype="bfloat16") writes; the CLI's --dtype the same (the refusal's hint names it)."""
+    from llmc_fsm.cli import main
+
+    llama(hidden=64, tied=False).save_pretrained(tmp_path / "src")  # float32
+    with pytest.raises(ModifierError, match=r"load the model in bfloat16 \(CLI: --dtype bfloat16"):
+        model_free_ptq(tmp_path / "src", tmp_path / "refused", scheme="NVFP4A16", progress=False)
+    model_free_ptq(tmp_path / "src", tmp_path / "free", scheme="NVFP4A16", dtype="bfloat16", progress=False)
+    recipe = {"stage": {"QuantizationModifier": {"targets": ["Linear"], "scheme": "NVFP4A16"}}}
+    oneshot(model=str(tmp_path / "src"), recipe=recipe, output_dir=str(tmp_path / "oneshot"), dtype=torch.bfloat16)
+    free, reference = _tensors(tmp_path / "free"), _tensors(tmp_path / "oneshot")
+    assert sorted(free) == sorted(reference) and all(torch.equal(free[k], reference[k]) for k in free)
+    assert json.loads((tmp_path / "free" / "config.json").read_text())["dtype"] == "bfloat16"
+    assert torch.equal(_reloaded_logits(tmp_path / "free"), _reloaded_logits(tmp_path / "oneshot"))
+    argv = ["model-free", str(tmp_path / "src"), "--scheme", "NVFP4A16", "--dtype", "bfloat16", "--no-progress"]
+    assert main([*argv, "--output", str(tmp_path / "cli")]) == 0
+    cli = _tensors(tmp_path / "cli")
+    assert all(torch.equal(cli[k], free[k]) for k in free)

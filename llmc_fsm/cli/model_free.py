@@ -36,11 +36,18 @@ def add_cli(sub: Any) -> None:
         "--ignore",
         nargs="*",
         metavar="NAME",
-        help="module names or re: patterns left unquantized (default: lm_head; --ignore with no name: none)",
+        help="module names or re: patterns left unquantized (default: lm_head; --ignore with no name: none); "
+        "give MODEL before it",
     )
     p.add_argument("--output", required=True, metavar="DIR", help="output directory (created)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output directory holding a model")
     p.add_argument("--device", default=None, help="where the weights are rounded: cpu (default) or cuda:N")
+    p.add_argument(
+        "--dtype",
+        choices=("bfloat16", "float16", "float32"),
+        default=None,
+        help="read and write the float tensors in this dtype (default: as stored; NVFP4 / MX need bfloat16)",
+    )
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     p.set_defaults(func=_run_cli)
 
@@ -55,6 +62,7 @@ def _run_cli(args: argparse.Namespace) -> int:
                 scheme=args.scheme,
                 ignore=args.ignore,
                 device=args.device,
+                dtype=args.dtype,
                 overwrite=args.overwrite,
                 progress=args.progress,
             )

@@ -54,6 +54,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from llmc_fsm.core.errors import ModifierError
 from llmc_fsm.models.hf_io import meta_model
 from llmc_fsm.models.known import CACHE_MARKER, KNOWN_MODELS, known_model_dir
 from llmc_fsm.output.directory import check_output_dir, check_output_not_source
@@ -84,6 +85,7 @@ def model_free_ptq(
     *,
     overwrite: bool = False,
     progress: bool = True,
+    dtype: str | torch.dtype | None = None,
 ) -> Path:
     """Quantize the Linear weights of a safetensors checkpoint with a data-free scheme, shard by shard.
 
@@ -107,6 +109,10 @@ def model_free_ptq(
             checkpoint's quantization config that ours is merged into.
         overwrite: replace an existing output directory that holds a model.
         progress: a tqdm bar over the shards.
+        dtype: ``"bfloat16"`` / ``"float16"`` / ``"float32"`` (or the ``torch.dtype``): the checkpoint's float
+            tensors (not the quantization parameters of modules quantized already) are read in it and the output
+            written in it, ``config.json`` saying so — NVFP4 and MX need bfloat16 (llmc-fsm's argument, as
+            ``oneshot``'s ``dtype``; ``None``: as stored).
 
     Returns:
         The output directory (resolved).
@@ -125,7 +131,7 @@ def model_free_ptq(
     """
     started = time.perf_counter()
     check_output_dir(save_directory, overwrite)  # first: the cheapest refusal (claimed after the checks below)
-    plan = _plan(model_stub, scheme, config, ignore, device, converter)  # every check: nothing written yet
+    plan = _plan(model_stub, scheme, config, ignore, device, converter, dtype)  # every check: nothing written yet
     if max_workers != 1:
         logger.info("model_free_ptq: shards are processed one at a time (max_workers=%s has no effect)", max_workers)
     output = _claim(save_directory, model_stub, overwrite)
@@ -163,6 +169,7 @@ class _Plan:
         classes: :func:`checkpoint_classes` of :attr:`skeleton` (``None`` without it).
         base: the quantization config ours is merged into (the checkpoint's or the converter's; ``None``).
         device: where the weights are rounded.
+        dtype: the float tensors' dtype (``None``: as stored).
     """
 
     session: Session
@@ -175,22 +182,24 @@ class _Plan:
     classes: dict[str, tuple[str, type] | None] | None
     base: Any
     device: torch.device
+    dtype: torch.dtype | None
 
 
-def _plan(model_stub: Any, scheme: Any, config: Any, ignore: Any, device: Any, converter: Any) -> _Plan:
+def _plan(model_stub: Any, scheme: Any, config: Any, ignore: Any, device: Any, converter: Any, dtype: Any) -> _Plan:
     """Every check of :func:`model_free_ptq` (arguments, checkpoint, scheme on the real shapes), nothing written.
 
     Raises:
         as :func:`model_free_ptq`.
     """
     run_device = _device(device)
+    cast = _dtype(dtype)
     session = Session(_recipe(scheme, config, ignore))
     _check_data_free(session)
     files = _checkpoint_files(model_stub)
     existing = _existing_config(files, converter)
     converters = [converter] if converter is not None else []
     jobs = _jobs(_weight_map(files), files, converters)
-    shapes = {name: t for job in jobs.values() for name, t in _converted(job, converters, meta=True).items()}
+    shapes = {name: t for job in jobs.values() for name, t in _converted(job, converters, cast, meta=True).items()}
     skeleton = _meta_model(files)
     classes = None if skeleton is None else checkpoint_classes(skeleton, shapes)
     tree = linear_tree(shapes, classes)
@@ -199,13 +208,18 @@ def _plan(model_stub: Any, scheme: Any, config: Any, ignore: Any, device: Any, c
     _check_fused_experts(shapes, session)
     _check_left_to_quantize(session, tree, shapes)  # first: a checkpoint quantized already has no Linear left
     _check_some_linear(tree, shapes)
-    session.initialize(model=tree)
+    try:
+        session.initialize(model=tree)
+    except ModifierError as exc:  # the modifier's own refusal, without the session's advice to its API callers
+        cause = exc.__cause__ if exc.__cause__ is not None else exc
+        msg = f"model_free_ptq: {exc.modifier} refuses this checkpoint: {cause}"
+        raise ModifierError(msg, modifier=exc.modifier, hook=exc.hook) from cause
     targets = {n for m in session.modifiers for n in m.resolved_targets}
     base = converter.update_config(existing) if converter is not None else existing
     _check_ignored_by_pattern(base, targets)
     if classes is not None:
         _warn_expert_reload(session, sorted(t for t in targets if t in classes and classes[t] is None))
-    return _Plan(session, tree, targets, files, jobs, converters, skeleton, classes, base, run_device)
+    return _Plan(session, tree, targets, files, jobs, converters, skeleton, classes, base, run_device, cast)
 
 
 def _write(plan: _Plan, staging: Path, *, progress: bool) -> None:
@@ -213,6 +227,12 @@ def _write(plan: _Plan, staging: Path, *, progress: bool) -> None:
     written, size = _quantize_shards(plan, staging, progress=progress)
     plan.session.finalize()
     _write_metadata(staging, plan.files, plan.tree, written, size, plan.session, plan.skeleton)
+    if plan.dtype is not None and (staging / "config.json").exists():  # the dtype the tensors are written in
+        data = json.loads((staging / "config.json").read_text(encoding="utf-8"))
+        for key in ("torch_dtype", "dtype"):
+            if key in data or key == "dtype":
+                data[key] = str(plan.dtype).removeprefix("torch.")
+        (staging / "config.json").write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     _merge_config(staging / "config.json", plan.base, plan.targets)
     if plan.skeleton is not None:
         quantized = plan.targets | already_quantized(written)
@@ -233,6 +253,21 @@ def _check_some_linear(tree: nn.Module, shapes: Mapping[str, torch.Tensor]) -> N
 
 
 # --------------------------------------------------------------------------- arguments
+#: The float dtypes ``dtype`` converts (not FP8 / FP4 values of quantized tensors).
+_FLOATS = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def _dtype(dtype: Any) -> torch.dtype | None:
+    """``dtype`` as a ``torch.dtype`` (``None`` stays ``None``)."""
+    if dtype is None or dtype in _FLOATS.values():
+        return dtype
+    name = str(dtype).removeprefix("torch.")
+    if name not in _FLOATS:
+        msg = f"model_free_ptq: dtype {dtype!r}: give one of {', '.join(_FLOATS)} (or leave it out: as stored)"
+        raise ValueError(msg)
+    return _FLOATS[name]
+
+
 def _device(device: Any) -> torch.device:
     """The one device the weights are rounded on."""
     if isinstance(device, list | tuple):
@@ -475,13 +510,20 @@ def _jobs(
     return {shard: maps[shard] for shard in sorted(maps)}
 
 
-def _converted(job: Mapping[str, list[str]], converters: list[Any], *, meta: bool) -> dict[str, torch.Tensor]:
-    """The job's tensors (on ``meta`` or read to the CPU), through the converters."""
+def _converted(
+    job: Mapping[str, list[str]], converters: list[Any], dtype: torch.dtype | None, *, meta: bool
+) -> dict[str, torch.Tensor]:
+    """The job's tensors (on ``meta`` or read to the CPU), through the converters, float ones in ``dtype``."""
     from compressed_tensors.utils.safetensors_load import load_tensors_from_inverse_weight_map
 
     tensors = load_tensors_from_inverse_weight_map(dict(job), torch.device("meta" if meta else "cpu"))
     for converter in converters:
         tensors = converter.validate(tensors) if meta else converter.process(tensors)
+    if dtype is not None:
+        quantized = already_quantized(tensors)  # their weights and scales stay as stored
+        for name, tensor in tensors.items():
+            if tensor.dtype in _FLOATS.values() and tensor.dtype != dtype and name.rpartition(".")[0] not in quantized:
+                tensors[name] = tensor.to(dtype)
     return tensors
 
 
@@ -734,7 +776,7 @@ def _quantize_shards(plan: _Plan, staging: Path, *, progress: bool) -> tuple[dic
     session.calibration_start()
     bar = tqdm(plan.jobs.items(), total=len(plan.jobs), desc="quantizing shards", unit="shard", disable=not progress)
     for shard, job in bar:
-        tensors = _converted(job, plan.converters, meta=False)
+        tensors = _converted(job, plan.converters, plan.dtype, meta=False)
         here = {}
         for name in list(tensors):
             module_name, _, param = name.rpartition(".")
