@@ -336,7 +336,8 @@ class OneshotReport:
         outside = [m for m in self._targeted() if m.layer is None]
         bits_columns = bool(quant) or any(m.bits is not None for m in outside)
         blocks = _outside_blocks(outside)
-        width = max([7, *(len(name) for name in blocks)])
+        named = _named_layers(self._targeted()) if any(re.search(r"\.\d+$", b) for b in blocks) else {}
+        width = max([7, *(len(name) for name in blocks), *(len(name) for name in named.values())])
         if rows:
             lines.append("")
             extra = f"  {'quantized':>9}  {'rel. output error':>16}" if bits_columns else ""
@@ -344,7 +345,7 @@ class OneshotReport:
             for i, s, n in rows:
                 label, err = quant.get(i, ("-", None))
                 extra = f"  {label:>9}  {'-' if err is None else f'{err:.4f}':>16}" if bits_columns else ""
-                lines.append(f"{i:>{width}}  {n:>10,}  {s:>8.2%}{extra}")
+                lines.append(f"{named.get(i, i):>{width}}  {n:>10,}  {s:>8.2%}{extra}")
         for name, mods in blocks.items():  # lm_head, a quantized embedding, an encoder's layers
             label, err = _bits_label(mods)
             numel, zeros = sum(m.numel for m in mods), sum(m.zeros for m in mods)
@@ -488,6 +489,17 @@ def _bits_label(mods: list[ModuleSparsity]) -> tuple[str, float | None]:
     size = sum(m.numel for m in measured)
     error = sum(m.numel * m.rel_output_error for m in measured) / size if size else None
     return (",".join(labels) + ("*" if partial else "") or "-"), error
+
+
+def _named_layers(modules: list[ModuleSparsity]) -> dict[int, str]:
+    """``{decoder layer index: its full name}`` (``model.decoder.layers.3``), for a report whose rows outside the
+    decoder layers are numbered blocks too (Whisper's encoder layers): both kinds of row then read alike."""
+    named: dict[int, str] = {}
+    for m in modules:
+        found = re.match(rf"(.*\.{m.layer})\.", m.name) if m.layer is not None else None
+        if found is not None:
+            named.setdefault(m.layer, found.group(1))
+    return named
 
 
 def _outside_blocks(modules: list[ModuleSparsity]) -> dict[str, list[ModuleSparsity]]:
