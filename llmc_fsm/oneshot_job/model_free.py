@@ -40,12 +40,13 @@ has no effect: torch's threads do the work within a shard); one device (a list o
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import shutil
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -519,8 +520,14 @@ def _converted(
     tensors = load_tensors_from_inverse_weight_map(dict(job), torch.device("meta" if meta else "cpu"))
     for converter in converters:
         tensors = converter.validate(tensors) if meta else converter.process(tensors)
+    return _cast(tensors, dtype)
+
+
+def _cast(tensors: dict[str, torch.Tensor], dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+    """``tensors`` with their float ones in ``dtype`` (``None``: as they are), not those of modules quantized
+    already (:func:`already_quantized`: their weights and scales stay as stored)."""
     if dtype is not None:
-        quantized = already_quantized(tensors)  # their weights and scales stay as stored
+        quantized = already_quantized(tensors)
         for name, tensor in tensors.items():
             if tensor.dtype in _FLOATS.values() and tensor.dtype != dtype and name.rpartition(".")[0] not in quantized:
                 tensors[name] = tensor.to(dtype)
@@ -765,46 +772,86 @@ def _swap(target: torch.Tensor, value: torch.Tensor) -> None:
 
 
 def _quantize_shards(plan: _Plan, staging: Path, *, progress: bool) -> tuple[dict[str, str], int]:
-    """Read, quantize and write each job's shard; ``{tensor name: shard}`` of what was written and its bytes."""
+    """Read, quantize and write each job's shard; ``{tensor name: shard}`` of what was written and its bytes.
+
+    Without a converter a shard is read one parent module's Linear weights at a time (the rest last), so the
+    memory held is the shard's output (its quantized weights, smaller, and the tensors copied as they are) and one
+    parent's full-precision weights, not the whole shard as read; a converter gets the whole shard at once."""
     from safetensors.torch import save_file
 
-    session, targets, device = plan.session, plan.targets, plan.device
     staging.mkdir(parents=True, exist_ok=True)
     modules = dict(plan.tree.named_modules())
     written: dict[str, str] = {}
     total = 0
-    session.calibration_start()
+    plan.session.calibration_start()
     bar = tqdm(plan.jobs.items(), total=len(plan.jobs), desc="quantizing shards", unit="shard", disable=not progress)
     for shard, job in bar:
-        tensors = _converted(job, plan.converters, plan.dtype, meta=False)
-        here = {}
-        for name in list(tensors):
-            module_name, _, param = name.rpartition(".")
-            module = modules.get(module_name)
-            if _is_linear(module) and param in ("weight", "bias") and getattr(module, param, None) is not None:
-                _swap(getattr(module, param), tensors[name].to(device))
-                here[module_name] = module
-        session.sequential_epoch_end(list(here.values()))
-        out = dict(tensors)
-        for module_name, module in here.items():
-            if module_name not in targets:
-                continue
-            for key in (f"{module_name}.weight", f"{module_name}.bias"):
-                out.pop(key, None)
-            packed = compressed_state_dict(module, f"{module_name}.", root=plan.skeleton)
-            out.update({key: value.detach().to("cpu").contiguous() for key, value in packed.items()})
+        out: dict[str, torch.Tensor] = {}
+        for tensors in _units(job, plan, modules):
+            out.update(_quantize_unit(tensors, plan, modules))
         path = staging / shard
         path.parent.mkdir(parents=True, exist_ok=True)
         save_file(out, str(path), metadata={"format": "pt"})
         written.update(dict.fromkeys(out, shard))
         total += sum(t.numel() * t.element_size() for t in out.values())
-        for module in here.values():  # back to meta: the next shard's memory only
-            for param in list(module._parameters.values()):
-                if param is not None:
-                    _swap(param, torch.empty_like(param, device="meta"))
-        del tensors, out
-    session.calibration_end()
+        del out
+    plan.session.calibration_end()
     return written, total
+
+
+def _units(
+    job: Mapping[str, list[str]], plan: _Plan, modules: Mapping[str, nn.Module]
+) -> Iterator[dict[str, torch.Tensor]]:
+    """The job's tensors in the pieces :func:`_quantize_shards` reads them in (on the CPU, in ``plan.dtype``)."""
+    from safetensors import safe_open
+
+    if plan.converters:
+        yield _converted(job, plan.converters, plan.dtype, meta=False)
+        return
+    where = {name: file for file, names in job.items() for name in names}
+    parents: dict[str, list[str]] = {}
+    rest: list[str] = []
+    for name in where:
+        module_name, _, param = name.rpartition(".")
+        if _is_linear(modules.get(module_name)) and param in ("weight", "bias"):
+            parents.setdefault(module_name.rpartition(".")[0], []).append(name)
+        else:
+            rest.append(name)
+    with contextlib.ExitStack() as stack:
+        handles = {file: stack.enter_context(safe_open(file, framework="pt")) for file in job}
+        for names in [*parents.values(), rest]:
+            if names:
+                yield _cast({name: handles[where[name]].get_tensor(name) for name in names}, plan.dtype)
+
+
+def _quantize_unit(
+    tensors: dict[str, torch.Tensor], plan: _Plan, modules: Mapping[str, nn.Module]
+) -> dict[str, torch.Tensor]:
+    """Swap the Linear weights of ``tensors`` into the tree, have the session's modifier quantize them
+    (``sequential_epoch_end``), and return ``tensors`` with each quantized module's weight replaced by its
+    compressed tensors; the modules go back to ``meta``."""
+    here = {}
+    for name in list(tensors):
+        module_name, _, param = name.rpartition(".")
+        module = modules.get(module_name)
+        if _is_linear(module) and param in ("weight", "bias") and getattr(module, param, None) is not None:
+            _swap(getattr(module, param), tensors[name].to(plan.device))
+            here[module_name] = module
+    if here:
+        plan.session.sequential_epoch_end(list(here.values()))
+    out = dict(tensors)
+    for module_name, module in here.items():
+        if module_name not in plan.targets:
+            continue
+        for key in (f"{module_name}.weight", f"{module_name}.bias"):
+            out.pop(key, None)
+        packed = compressed_state_dict(module, f"{module_name}.", root=plan.skeleton)
+        out.update({key: value.detach().to("cpu").contiguous() for key, value in packed.items()})
+    for module in here.values():  # back to meta: the next piece's memory only
+        for param in list(module._parameters.values()):
+            if param is not None:
+                _swap(param, torch.empty_like(param, device="meta"))
+    return out
 
 
 def _write_metadata(
