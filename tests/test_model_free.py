@@ -706,3 +706,16 @@ def test_dtype_reads_a_float32_checkpoint_in_bfloat16_as_oneshots_dtype_does(tmp
     assert main([*argv, "--output", str(tmp_path / "cli")]) == 0
     cli = _tensors(tmp_path / "cli")
     assert all(torch.equal(cli[k], free[k]) for k in free)
+
+
+def test_a_corrupt_shard_or_index_is_named_in_one_line(tmp_path):
+    source = _checkpoint(tmp_path / "src", shard=None)
+    (source / "model.safetensors").write_bytes(b"\x00" * 100)  # a header length far beyond the file
+    with pytest.raises(ValueError, match=r"model.safetensors: not a valid safetensors file \(SafetensorError: "):
+        model_free_ptq(source, tmp_path / "out", scheme="W8A8", progress=False)
+    index = tmp_path / "idx"
+    _checkpoint(index, shard="60KB")
+    (index / "model.safetensors.index.json").write_bytes(b"\xff\xfe{")
+    with pytest.raises(ValueError, match=r'model.safetensors.index.json: not a valid safetensors index \(needs a "'):
+        model_free_ptq(index, tmp_path / "out", scheme="W8A8", progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["idx", "src"]

@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import argparse
 import logging
-import sys
 from typing import Any
 
-from llmc_fsm.cli.oneshot import Terminated, signals_as_interrupt
+from llmc_fsm.cli.oneshot import interrupted, signals_as_interrupt
 from llmc_fsm.oneshot_job.model_free import model_free_ptq
 
 __all__ = ["add_cli"]
@@ -67,8 +66,6 @@ def _run_cli(args: argparse.Namespace) -> int:
                 progress=args.progress,
             )
     except KeyboardInterrupt as exc:
-        what = "SIGTERM" if isinstance(exc, Terminated) else "Ctrl-C"
-        print(f"llmc-fsm model-free: interrupted ({what}); nothing written", file=sys.stderr)
-        return 143 if isinstance(exc, Terminated) else 130
+        return interrupted("model-free", exc)
     print(f"output: {out}")
     return 0

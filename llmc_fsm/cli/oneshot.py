@@ -41,6 +41,15 @@ class Terminated(KeyboardInterrupt):
     """SIGTERM, raised in the main thread so that the run unwinds exactly like Ctrl-C."""
 
 
+def interrupted(command: str, exc: KeyboardInterrupt) -> int:
+    """Print ``llmc-fsm COMMAND: interrupted (Ctrl-C | SIGTERM); <what was kept, or nothing written>`` and return the
+    exit status (130, or 143 for SIGTERM), for a command run under :func:`signals_as_interrupt`."""
+    what = "SIGTERM" if isinstance(exc, Terminated) else "Ctrl-C"
+    notes = getattr(exc, "__notes__", None)
+    print(f"llmc-fsm {command}: interrupted ({what}); {notes[-1] if notes else 'nothing written'}", file=sys.stderr)
+    return 143 if isinstance(exc, Terminated) else 130
+
+
 @contextlib.contextmanager
 def signals_as_interrupt() -> Iterator[None]:
     """Inside the block, SIGTERM raises :class:`Terminated` and Ctrl-C (SIGINT) ``KeyboardInterrupt``, once: the
@@ -106,10 +115,7 @@ def _run_cli(args: argparse.Namespace) -> int:
         with signals_as_interrupt():
             model = run_oneshot(settings, stream_when_possible=not args.in_memory)
     except KeyboardInterrupt as exc:
-        what = "SIGTERM" if isinstance(exc, Terminated) else "Ctrl-C"
-        notes = getattr(exc, "__notes__", None)
-        print(f"llmc-fsm oneshot: interrupted ({what}); {notes[-1] if notes else 'nothing written'}", file=sys.stderr)
-        return 143 if isinstance(exc, Terminated) else 130
+        return interrupted("oneshot", exc)
     except OSError as exc:
         notes = getattr(exc, "__notes__", None)
         if not notes or getattr(args, "verbose", False):

@@ -36,9 +36,11 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 __all__ = [
+    "check_safetensors",
     "check_tied",
     "current_umask",
     "dtype_kwargs",
+    "first_line",
     "fix_safetensors_permissions",
     "hub_unreachable",
     "is_vision_language",
@@ -47,6 +49,7 @@ __all__ = [
     "looks_like_hub_id",
     "meta_model",
     "model_class",
+    "safetensors_index",
 ]
 
 logger = logging.getLogger(__name__)
@@ -183,9 +186,39 @@ def meta_model(config: Any, dtype: Any = None) -> Any:
     return model.eval()
 
 
+def first_line(err: BaseException) -> str:
+    """``"<ErrorType>: <first line of its message>"``, for one-line error messages."""
+    return _first_line(err)
+
+
 def _first_line(err: BaseException) -> str:
     text = str(err).strip().splitlines()
     return f"{type(err).__name__}: {text[0] if text else ''}".rstrip(": ")
+
+
+def safetensors_index(index: Path) -> dict[str, str]:
+    """The ``weight_map`` (``{tensor name: shard file name}``) of a ``model.safetensors.index.json``.
+
+    Raises:
+        ValueError: the file is not UTF-8 JSON with a ``weight_map`` object (one line naming the file).
+    """
+    try:
+        weight_map = json.loads(index.read_bytes().decode("utf-8"))["weight_map"]
+        if not isinstance(weight_map, dict):
+            raise TypeError(f"weight_map is a {type(weight_map).__name__}")
+    except (ValueError, KeyError, TypeError, AttributeError) as err:  # UnicodeDecodeError is a ValueError
+        msg = f'{index}: not a valid safetensors index (needs a "weight_map" object): {_first_line(err)}'
+        raise ValueError(msg) from None
+    return dict(weight_map)
+
+
+def check_safetensors(file: Path) -> None:
+    """Fail with one line naming ``file`` when its safetensors header cannot be read.
+
+    Raises:
+        ValueError: truncated or corrupt (or not a safetensors file).
+    """
+    _check_safetensors(file)
 
 
 def _check_safetensors(file: Path) -> None:
@@ -219,11 +252,7 @@ def _check_model_dir(path: Path) -> None:
         _check_safetensors(path / "model.safetensors")
     elif present[0] == "model.safetensors.index.json":
         index = path / "model.safetensors.index.json"
-        try:
-            shards = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
-        except (ValueError, KeyError, TypeError, AttributeError) as err:
-            msg = f'{index}: not a valid safetensors index (needs a "weight_map" object): {_first_line(err)}'
-            raise ValueError(msg) from None
+        shards = sorted(set(safetensors_index(index).values()))
         for shard in shards:
             if not (path / shard).is_file():
                 msg = f"{path / shard}: missing (listed in {index.name}); copy all weight shards"

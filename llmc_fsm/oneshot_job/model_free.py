@@ -56,7 +56,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from llmc_fsm.core.errors import ModifierError
-from llmc_fsm.models.hf_io import meta_model
+from llmc_fsm.models.hf_io import check_safetensors, first_line, meta_model, safetensors_index
 from llmc_fsm.models.known import CACHE_MARKER, KNOWN_MODELS, known_model_dir
 from llmc_fsm.output.directory import check_output_dir, check_output_not_source
 from llmc_fsm.output.save import compressed_state_dict, warn_formats, write_quantization_config
@@ -405,7 +405,7 @@ def _checkpoint_files(model_stub: Any) -> dict[str, str]:
         except Exception as err:
             msg = (
                 f"model_free_ptq: {stub!r} is not a directory here, a known model ({', '.join(KNOWN_MODELS)}) or a "
-                f"Hugging Face Hub id that could be read ({_first_line(err)})"
+                f"Hugging Face Hub id that could be read ({first_line(err)})"
             )
             raise FileNotFoundError(msg) from None
     if not directory.is_dir():
@@ -453,12 +453,13 @@ def _weight_map(files: Mapping[str, str]) -> dict[str, str]:
     from safetensors import safe_open
 
     if _INDEX in files:
-        with open(files[_INDEX], encoding="utf-8") as f:
-            weight_map = dict(json.load(f)["weight_map"])
+        weight_map = safetensors_index(Path(files[_INDEX]))
         missing = sorted({s for s in weight_map.values() if s not in files})
         if missing:
             msg = f"model_free_ptq: {_INDEX} names shards that are not in the checkpoint: {', '.join(missing)}"
             raise FileNotFoundError(msg)
+        for shard in sorted(set(weight_map.values())):
+            check_safetensors(Path(files[shard]))
         return weight_map
     shards = [name for name in files if name.endswith(".safetensors") and "/" not in name]
     if len(shards) != 1:
@@ -468,6 +469,7 @@ def _weight_map(files: Mapping[str, str]) -> dict[str, str]:
             f"(found: {found})"
         )
         raise FileNotFoundError(msg)
+    check_safetensors(Path(files[shards[0]]))
     with safe_open(files[shards[0]], framework="pt") as f:
         return dict.fromkeys(f.keys(), shards[0])
 
@@ -554,7 +556,7 @@ def _meta_model(files: Mapping[str, str]) -> nn.Module | None:
             "model_free_ptq: transformers cannot build this model (%s): every 2-D '<module>.weight' outside *norm "
             "modules is taken for a Linear weight (llm-compressor's rule); ignore embeddings and other 2-D weights "
             "that are not Linear",
-            _first_line(err),
+            first_line(err),
         )
         return None
     return model
@@ -597,11 +599,6 @@ def checkpoint_classes(model: nn.Module, tensors: Iterable[str]) -> dict[str, tu
             if loaded is not None and loaded[0] == head_name:
                 classes[module] = (head_name, nn.Embedding)
     return classes
-
-
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip().splitlines()
-    return f"{type(err).__name__}: {text[0]}" if text else type(err).__name__
 
 
 def _is_linear(module: nn.Module) -> bool:
