@@ -707,6 +707,9 @@ def run_entry(entry: Entry, workdir: Path) -> dict[str, Any]:
         result["oneshot"] = _failure("the returned model's forward", exc)
         result["oneshot"]["refused"] = False
         return result
+    experts = _experts_for_vllm(model, out, result["quantization_config"])
+    if experts is not None:
+        result["experts_for_vllm_equal"] = experts
     try:
         cls = getattr(transformers, FAMILIES[family][2] or "AutoModelForCausalLM")
         reloaded = cls.from_pretrained(str(out), dtype=dtype).eval()
@@ -725,6 +728,45 @@ def run_entry(entry: Entry, workdir: Path) -> dict[str, Any]:
     except Exception as exc:
         result["reload"] = _failure("reload", exc)
     return result
+
+
+def _experts_for_vllm(model: Any, out: Path, config: dict[str, Any] | None) -> bool | None:
+    """Where ``model``'s fused experts were saved with a scheme transformers does not reload into them but vLLM
+    reads per expert (``llmc_fsm.toolkit.experts_for_vllm``: NVFP4, FP8 block), whether every saved expert matrix
+    decompresses (compressed-tensors' compressor of its config group's format) to the in-memory one exactly;
+    ``None`` where there is no such expert."""
+    import torch
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationScheme
+    from compressed_tensors.utils.match import match_name
+    from safetensors.torch import load_file
+
+    from llmc_fsm.toolkit import expert_checkpoint_names, expert_reload_problem, experts_for_vllm, weight_views
+
+    groups = (config or {}).get("config_groups") or {}
+    saved: dict[str, Any] | None = None
+    equal: bool | None = None
+    for name, module in model.named_modules():
+        views = weight_views(module)
+        if not views or next(iter(views.values())).expert is None:
+            continue
+        names = expert_checkpoint_names(model, name, module)
+        for suffix, view in views.items():
+            ckpt = names[suffix]
+            matched = (g for g in groups.values() if any(t == "Linear" or match_name(ckpt, t) for t in g["targets"]))
+            group = next(matched, None)
+            if group is None:
+                continue
+            scheme = QuantizationScheme.model_validate(group)
+            if not experts_for_vllm(scheme) or expert_reload_problem(scheme) is None:
+                continue
+            if saved is None:
+                saved = {k: v for file in sorted(out.glob("*.safetensors")) for k, v in load_file(file).items()}
+            tensors = {k.removeprefix(ckpt + "."): v for k, v in saved.items() if k.startswith(ckpt + ".")}
+            weight = BaseCompressor.get_value_from_registry(group["format"]).decompress(tensors, scheme)["weight"]
+            same = bool(torch.equal(weight.to(view.weight.dtype), view.weight))
+            equal = same if equal is None else equal and same
+    return equal
 
 
 def run_model_free(entry: Entry, workdir: Path) -> dict[str, Any]:
@@ -765,8 +807,17 @@ def run_model_free(entry: Entry, workdir: Path) -> dict[str, Any]:
     ignore = [*((args.get("config") or {}).get("ignore") or []), *(args.get("ignore") or [])]
     recipe = {"stage": {"QuantizationModifier": {**group, **({"ignore": ignore} if "ignore" in args else {})}}}
     try:
-        oneshot(model=str(source), recipe=recipe, output_dir=str(workdir / "ref"), progress=False, threads=1,
-                device="cpu", dtype=str(dtype).removeprefix("torch."))  # fmt: skip
+        returned = oneshot(model=str(source), recipe=recipe, output_dir=str(workdir / "ref"), progress=False,
+                           threads=1, device="cpu", dtype=str(dtype).removeprefix("torch."))  # fmt: skip
+        ref_config = json.loads((workdir / "ref" / "config.json").read_text()).get("quantization_config")
+        experts = _experts_for_vllm(returned, workdir / "ref", ref_config)
+        if experts is not None:  # oneshot's experts are for vLLM too: the two outputs compared tensor for tensor
+            from safetensors.torch import load_file
+            ours = {k: v for f in sorted((workdir / "out").glob("*.safetensors")) for k, v in load_file(f).items()}
+            theirs = {k: v for f in sorted((workdir / "ref").glob("*.safetensors")) for k, v in load_file(f).items()}
+            result["model_free_equal_oneshot"] = experts and sorted(ours) == sorted(theirs) and all(
+                torch.equal(ours[k], theirs[k]) for k in ours
+            )
         with torch.no_grad():
             ref = cls.from_pretrained(str(workdir / "ref"), dtype=dtype).eval()(**window).logits.float()
     except Exception as exc:
@@ -840,6 +891,14 @@ def classify(result: dict[str, Any]) -> str:
     one = result.get("oneshot")
     if isinstance(one, dict):
         return "refused" if one["refused"] else "crashed"
+    # before "reload equal": transformers reloads these experts wrong (equally wrong for two outputs)
+    if result.get("experts_for_vllm_equal"):
+        return "for vLLM (every saved expert decompresses to the in-memory one; transformers does not reload them)"
+    if result.get("model_free_equal_oneshot"):
+        return (
+            "for vLLM (equal to oneshot's output tensor for tensor, its experts checked; transformers does not "
+            "reload them)"
+        )
     if result.get("reload_equal"):
         return "reload equal"
     if isinstance(result.get("reference"), dict):

@@ -8,6 +8,7 @@ checkpoint is read with safetensors and its packed integers unpacked with compre
 
 from __future__ import annotations
 
+import json
 import logging
 
 import pytest
@@ -369,16 +370,6 @@ REFUSALS = {
         "static input activations on fused experts are 8-bit float, symmetric, per tensor only (one input_scale [1] "
         "per expert matrix, as the FP8 preset writes them); use the FP8 preset or FP8_DYNAMIC",
     ),
-    "fp8_block": (  # transformers folds an FP8 expert's scale by broadcasting: one per row or one per matrix
-        "mixtral",
-        {"config_groups": {"g": {"targets": ["Linear"], "weights": {
-            "num_bits": 8, "type": "float", "symmetric": True, "strategy": "block", "block_structure": [16, 16]}}}},
-        "GPTQModifier: MixtralForCausalLM (model_type 'mixtral'): fused experts model.layers.{0..3}.mlp.experts: "
-        "FP8 block weights (FP8_BLOCK): transformers' experts loader multiplies each expert's fp8 weight by its "
-        "weight_scale by broadcasting, which a scale per block does not (measured, transformers 5.25: "
-        "'RuntimeError: The size of tensor a (32) must match the size of tensor b (2)'); FP8 per channel "
-        "(FP8_DYNAMIC) reloads",
-    ),
 }
 
 
@@ -396,32 +387,113 @@ def test_what_transformers_cannot_reload_is_refused_before_any_work(tmp_path, ca
     assert not (tmp_path / "o").exists()
 
 
-@pytest.mark.parametrize(
-    ("preset", "why"),
-    [
-        ("NVFP4", "NVFP4 weights: transformers' experts loader decompresses each expert from weight_packed, "
-                  "weight_scale and weight_shape alone, without its weight_global_scale"),
-        ("NVFP4A16", "NVFP4 weights: transformers' experts loader decompresses each expert from weight_packed, "
-                     "weight_scale and weight_shape alone, without its weight_global_scale, so the experts would "
-                     "reload with wrong values (MXFP4A16 has no global scale and reloads)"),
-        ("MXFP8A16", "symmetric int weights that compressed-tensors packs (pack-quantized: W4A16, W8A16), MXFP4 / "
-                     "MXFP6 weights (MXFP4A16, MXFP6A16) or symmetric FP8 weights per channel or tensor "
-                     "(FP8_DYNAMIC) only"),
-    ],
-)
-def test_nvfp4_on_fused_experts_is_refused_before_the_shared_global_scales_are_looked_up(tmp_path, preset, why):
+def test_mxfp8_on_fused_experts_is_refused_before_the_shared_global_scales_are_looked_up(tmp_path):
     """Found by llm-compressor's recipe corpus (tests/e2e/moe_configs/nvfp4_moe.yaml): the lookup of the modules
     that share an NVFP4 global scale ran before the experts' refusal and raised AttributeError on an expert view."""
     model = build("qwen3_moe").to(torch.bfloat16)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    recipe = {"s": {"QuantizationModifier": {"scheme": preset, "ignore": ["lm_head", "re:.*mlp.gate$"]}}}
+    recipe = {"s": {"QuantizationModifier": {"scheme": "MXFP8A16", "ignore": ["lm_head", "re:.*mlp.gate$"]}}}
     with pytest.raises(ValueError) as info:
         llmc_fsm.oneshot(model=model, recipe=recipe, dataset=DATA, output_dir=tmp_path / "o", progress=False)
-    prefix = "QuantizationModifier: Qwen3MoeForCausalLM (model_type 'qwen3_moe'): fused experts "
-    assert str(info.value).startswith(prefix)
-    assert why in str(info.value)
+    assert str(info.value) == (
+        "QuantizationModifier: Qwen3MoeForCausalLM (model_type 'qwen3_moe'): fused experts "
+        "model.layers.{0..3}.mlp.experts: symmetric int weights that compressed-tensors packs (pack-quantized: W4A16, "
+        "W8A16), MXFP4 / MXFP6 weights (MXFP4A16, MXFP6A16) or symmetric FP8 weights per channel or tensor "
+        "(FP8_DYNAMIC) only: transformers rebuilds a checkpoint's experts from their packed weights, scales and shapes "
+        "(no zero point) or from fp8 weights times their scales, no other format"
+    )
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert not (tmp_path / "o").exists()
+
+
+#: FP8 block weights (blocks of 16 x 16: the tiny widths) with dynamic FP8 inputs per group of 16, as FP8_BLOCK
+_FP8_BLOCK_16 = {"weights": {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "block",
+                             "block_structure": [16, 16]},
+                 "input_activations": {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "group",
+                                       "group_size": 16, "dynamic": True}}  # fmt: skip
+_FOR_VLLM = {
+    "qwen3_moe-NVFP4A16": ("qwen3_moe", "NVFP4A16", "NVFP4 weights: transformers' experts loader decompresses each "
+                           "expert from weight_packed, weight_scale and weight_shape alone, without its "
+                           "weight_global_scale"),
+    "mixtral-NVFP4A16": ("mixtral", "NVFP4A16", "NVFP4 weights:"),
+    "qwen3_moe-NVFP4": ("qwen3_moe", "NVFP4", "NVFP4 weights:"),  # also input global scales, per expert
+    "mixtral-FP8_BLOCK": ("mixtral", _FP8_BLOCK_16, "FP8 block weights (FP8_BLOCK): transformers' experts loader "
+                          "multiplies each expert's fp8 weight by its weight_scale by broadcasting"),
+    "GPTQ-qwen3_moe-NVFP4A16": ("qwen3_moe", "NVFP4A16", "NVFP4 weights:"),  # GPTQ's sweep with the shared scales
+    "GPTQ-mixtral-FP8_BLOCK": ("mixtral", _FP8_BLOCK_16, "FP8 block weights (FP8_BLOCK):"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", sorted(_FOR_VLLM))
+def test_nvfp4_and_fp8_block_experts_are_written_per_expert_for_vllm(tmp_path, caplog, case):
+    """NVFP4 and FP8 block on fused experts (llm-compressor's Qwen3-30B-A3B NVFP4 and FP8_BLOCK examples; refused
+    before, since transformers does not reload them): each expert matrix is saved per expert as vLLM reads it,
+    one warning line says why transformers will not reload it, every saved expert decompresses (compressed-tensors'
+    own compressor) to the in-memory fused matrix exactly, an expert's gate and up share one NVFP4 global scale,
+    and the data-free schemes' checkpoint equals model_free_ptq's of the same float checkpoint, tensor for tensor
+    (round-to-nearest; GPTQ's are checked against the in-memory model only)."""
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationScheme
+
+    from llmc_fsm.toolkit import expert_checkpoint_names, weight_views
+
+    family, scheme, why = _FOR_VLLM[case]
+    model = build(family).to(torch.bfloat16)
+    model.save_pretrained(tmp_path / "src")
+    router = "re:.*block_sparse_moe.gate$" if family == "mixtral" else "re:.*mlp.gate$"
+    group = {"scheme": scheme}
+    if isinstance(scheme, dict):
+        group = {"config_groups": {"g": {"targets": ["Linear"], **scheme}}}
+    modifier = "GPTQModifier" if case.startswith("GPTQ") else "QuantizationModifier"
+    recipe = {"s": {modifier: {**group, "ignore": ["lm_head", router]}}}
+    with caplog.at_level(logging.WARNING):
+        llmc_fsm.oneshot(model=model, recipe=recipe, dataset=MORE, output_dir=tmp_path / "o", progress=False)
+    lines = [r.getMessage() for r in caplog.records if "saved per expert" in r.getMessage()]
+    assert len(lines) == 1
+    assert lines[0].startswith(
+        f"{modifier}: {type(model).__name__} (model_type '{family}'): fused experts "
+        "model.layers.{0..3}.mlp.experts: their expert matrices are quantized and saved per expert, in the layout "
+        f"vLLM reads; transformers {transformers.__version__} will not reload this checkpoint into its fused "
+        f"experts: {why}"
+    )
+    saved = {}
+    for file in (tmp_path / "o").glob("*.safetensors"):
+        with safe_open(file, "pt") as f:
+            saved.update({k: f.get_tensor(k) for k in f.keys()})  # noqa: SIM118 (safe_open has no iterator)
+    config = json.loads((tmp_path / "o" / "config.json").read_text())["quantization_config"]
+    (entry,) = config["config_groups"].values()
+    fmt = entry["format"]
+    compressor = BaseCompressor.get_value_from_registry(fmt)
+    group_scheme = QuantizationScheme.model_validate(entry)
+    checked = 0
+    for name, module in model.named_modules():
+        if not name.endswith("mlp.experts"):
+            continue
+        names = expert_checkpoint_names(model, name, module)
+        for suffix, view in weight_views(module).items():
+            prefix = names[suffix] + "."
+            tensors = {k.removeprefix(prefix): v for k, v in saved.items() if k.startswith(prefix)}
+            assert f"{names[suffix]}.weight" not in saved or fmt != "nvfp4-pack-quantized"
+            weight = compressor.decompress(tensors, group_scheme)["weight"]
+            assert torch.equal(weight.to(view.weight.dtype), view.weight)
+            checked += 1
+    assert checked == 4 * 4 * 3
+    if fmt == "nvfp4-pack-quantized":
+        gate, up = ("w1", "w3") if family == "mixtral" else ("gate_proj", "up_proj")
+        experts = "block_sparse_moe.experts" if family == "mixtral" else "mlp.experts"
+        for layer in range(4):
+            for e in range(4):
+                p = f"model.layers.{layer}.{experts}.{e}."
+                assert torch.equal(saved[p + gate + ".weight_global_scale"], saved[p + up + ".weight_global_scale"])
+        assert ("input_global_scale" in " ".join(saved)) == (scheme == "NVFP4")
+    if scheme != "NVFP4" and modifier == "QuantizationModifier":  # data-free: model_free_ptq writes the same
+        llmc_fsm.model_free_ptq(tmp_path / "src", tmp_path / "free", scheme, ignore=["lm_head", router], progress=False)
+        free = {}
+        for file in (tmp_path / "free").glob("*.safetensors"):
+            with safe_open(file, "pt") as f:
+                free.update({k: f.get_tensor(k) for k in f.keys()})  # noqa: SIM118
+        assert sorted(free) == sorted(saved)
+        assert all(torch.equal(free[k], saved[k]) for k in free)
 
 
 def _write_packed_experts(model, directory, layout):
@@ -1024,11 +1096,12 @@ def test_explain_with_a_moe_directory_gives_the_experts_warning_once_as_oneshot_
 
 
 def test_a_scheme_the_experts_cannot_take_is_refused_before_the_model_s_dtype(tmp_path):
-    """NVFP4A16 on a float32 MoE model: the experts' refusal comes first (a bfloat16 load would not make it run; the
-    newcomer of session 15 got the dtype refusal, then this one)."""
-    assert _qwen3_moe_refusal(tmp_path, "NVFP4A16") == (
+    """MXFP8A16 on a float32 MoE model: the experts' refusal comes first (a bfloat16 load would not make it run; the
+    newcomer of session 15 got the dtype refusal, then this one, with NVFP4A16, which the experts now take)."""
+    assert _qwen3_moe_refusal(tmp_path, "MXFP8A16") == (
         "QuantizationModifier: Qwen3MoeForCausalLM (model_type 'qwen3_moe'): fused experts "
-        "model.layers.{0..3}.mlp.experts: NVFP4 weights: transformers' experts loader decompresses each expert from "
-        "weight_packed, weight_scale and weight_shape alone, without its weight_global_scale, so the experts would "
-        "reload with wrong values (MXFP4A16 has no global scale and reloads)"
+        "model.layers.{0..3}.mlp.experts: symmetric int weights that compressed-tensors packs (pack-quantized: W4A16, "
+        "W8A16), MXFP4 / MXFP6 weights (MXFP4A16, MXFP6A16) or symmetric FP8 weights per channel or tensor "
+        "(FP8_DYNAMIC) only: transformers rebuilds a checkpoint's experts from their packed weights, scales and shapes "
+        "(no zero point) or from fp8 weights times their scales, no other format"
     )

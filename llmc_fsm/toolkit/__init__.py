@@ -49,7 +49,8 @@ The public names, by concern:
 * **checkpoint** (:mod:`~llmc_fsm.toolkit.packed`): :func:`keep_packed` (keep the tensors compressed-tensors
   packed when a module was quantized, for the save to write instead of rounding again), :func:`weight_formats` /
   :func:`format_problem` (the compressed-tensors formats a scheme's weights can be saved in),
-  :func:`expert_reload_problem` (why transformers would not reload fused experts quantized with a scheme).
+  :func:`expert_reload_problem` (why transformers would not reload fused experts quantized with a scheme),
+  :func:`experts_for_vllm` (whether such experts are still written per expert as vLLM reads them: NVFP4, FP8 block).
 
 Imports only :mod:`llmc_fsm.core`.
 """
@@ -82,7 +83,13 @@ from llmc_fsm.toolkit.obs import (
     inverse_hessian_cholesky,
     obs_sweep,
 )
-from llmc_fsm.toolkit.packed import expert_reload_problem, format_problem, keep_packed, weight_formats
+from llmc_fsm.toolkit.packed import (
+    expert_reload_problem,
+    experts_for_vllm,
+    format_problem,
+    keep_packed,
+    weight_formats,
+)
 from llmc_fsm.toolkit.targets import (
     DEFAULT_IGNORE,
     DEFAULT_TARGETS,
@@ -134,6 +141,7 @@ __all__ = [
     "compact_names",
     "expert_checkpoint_names",
     "expert_reload_problem",
+    "experts_for_vllm",
     "format_problem",
     "fused_experts_reason",
     "get_rank",

@@ -17,7 +17,15 @@ from torch import nn
 
 from llmc_fsm.toolkit.views import LinearView
 
-__all__ = ["PACKED_ATTR", "expert_reload_problem", "format_problem", "keep_packed", "kept_packed", "weight_formats"]
+__all__ = [
+    "PACKED_ATTR",
+    "expert_reload_problem",
+    "experts_for_vllm",
+    "format_problem",
+    "keep_packed",
+    "kept_packed",
+    "weight_formats",
+]
 
 
 #: Attribute of a quantized module holding the tensors its compressor packed when it was quantized
@@ -125,6 +133,25 @@ def _reloads_fp8_experts() -> bool:
     from packaging.version import Version  # a dependency of transformers
 
     return Version(_transformers_version()) >= Version("5.25")
+
+
+def experts_for_vllm(scheme: Any) -> bool:
+    """Whether fused experts quantized with ``scheme`` (a compressed-tensors ``QuantizationScheme``), which
+    transformers does not reload into its fused experts (:func:`expert_reload_problem`), are still written per
+    expert in the layout vLLM's fused-MoE kernels read: NVFP4 weights (NVFP4, NVFP4A16: each expert matrix its
+    ``weight_packed``, ``weight_scale`` and ``weight_global_scale``, one global scale shared by an expert's
+    gate and up matrices, as vLLM fuses them) or FP8 block weights (FP8_BLOCK: a ``weight_scale`` per block), with
+    no output activations. llm-compressor 0.14 writes these schemes per expert in the same layout."""
+    from compressed_tensors.compressors.format import infer_module_format
+    from compressed_tensors.config import CompressionFormat
+    from compressed_tensors.quantization import QuantizationStrategy
+
+    w = scheme.weights
+    if w is None or scheme.output_activations is not None:
+        return False
+    fmt = scheme.format or infer_module_format(nn.Linear, scheme)
+    fp8_block = str(w.type) == "float" and w.num_bits == 8 and w.strategy == QuantizationStrategy.BLOCK
+    return fmt == CompressionFormat.nvfp4_pack_quantized or fp8_block
 
 
 def expert_reload_problem(scheme: Any) -> str | None:

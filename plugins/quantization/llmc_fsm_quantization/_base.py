@@ -38,6 +38,7 @@ from llmc_fsm.toolkit import (
     compact_names,
     expert_checkpoint_names,
     expert_reload_problem,
+    experts_for_vllm,
     is_distributed,
     is_linear_like,
     keep_packed,
@@ -477,6 +478,10 @@ def _attach_view_qparams(view: LinearView, scheme: QuantizationScheme, quantized
     }
     if quantized.input_scale is not None:  # static FP8 inputs: [1] in the weight's dtype, as a Linear's input_scale
         view.quantized_params["input_scale"] = quantized.input_scale.detach().to(view.weight.dtype).clone()
+    for key in ("weight_global_scale", "input_global_scale"):  # NVFP4: [1] float32 each, as a Linear's
+        value = quantized.global_scale if key == "weight_global_scale" else quantized.input_global_scale
+        if value is not None:
+            view.quantized_params[key] = value.detach().to(torch.float32).clone()
     if is_scaled_format(args):  # MX: the values its checkpoint decompresses to, as a module's (_as_reloaded)
         _view_as_reloaded(view, scheme)
         quantized.weight = view.weight.detach()
@@ -952,10 +957,10 @@ class QuantizingModifier(CalibratedModifier):
                 NVFP4 weights (ignored, not selected, or another scheme): its one global scale could not be shared
                 (llm-compressor 0.14 refuses this too, with an assertion). All such sets named.
         """
-        fused: dict[str, tuple[str, ...]] = {}
+        fused: dict[str, tuple[str, ...]] = self._fused_expert_siblings(targets)
         problems: dict[str, None] = {}
         for name, module in targets.items():
-            if not self._nvfp4(name) or name in fused or isinstance(module, LinearView):  # an expert matrix: no parent
+            if not self._nvfp4(name) or name in fused or isinstance(module, LinearView):  # an expert matrix: above
                 continue
             parent_name, _, attribute = name.rpartition(".")
             parent = model.get_submodule(parent_name)
@@ -977,6 +982,25 @@ class QuantizingModifier(CalibratedModifier):
                 "all modules of a set with NVFP4 (tensor_group) or none (as llm-compressor, which refuses this too)"
             )
             raise ValueError(msg)
+        return fused
+
+    def _fused_expert_siblings(self, targets: dict[str, nn.Module]) -> dict[str, tuple[str, ...]]:
+        """:meth:`_fused_siblings` of the NVFP4 expert matrices (views of fused experts): those of one expert whose
+        checkpoint names (:meth:`_check_views`) are one of :data:`FUSED_SIBLINGS`' sets under one parent, e.g.
+        ``experts.3.gate_proj`` and ``experts.3.up_proj`` (Mixtral's ``experts.3.w1`` / ``w3``), which vLLM loads as
+        one ``w13`` matrix with one global scale (llm-compressor 0.14 shares it the same way). Every matrix of an
+        experts module is a target here (:meth:`_check_views` refuses fewer)."""
+        by_parent: dict[str, dict[str, str]] = {}
+        for name, module in targets.items():
+            if isinstance(module, LinearView) and name in self._expert_names and self._nvfp4(name):
+                parent, _, attribute = self._expert_names[name].rpartition(".")
+                by_parent.setdefault(parent, {})[attribute] = name
+        fused: dict[str, tuple[str, ...]] = {}
+        for attributes in by_parent.values():
+            for siblings in FUSED_SIBLINGS:
+                if all(s in attributes for s in siblings):
+                    members = tuple(attributes[s] for s in siblings)
+                    fused.update(dict.fromkeys(members, members))
         return fused
 
     def _nvfp4(self, name: str) -> bool:
@@ -1078,10 +1102,18 @@ class QuantizingModifier(CalibratedModifier):
             )
             raise ValueError(msg)
         problem = expert_reload_problem(scheme)
-        if problem is not None:
+        if problem is not None and not experts_for_vllm(scheme):
             msg = f"{name}: {family}: fused experts {compact_names(list(sources))}: {problem}"
             raise ValueError(msg)
         note = _expert_activations_note(scheme, all_experts=self.calibrate_all_experts)
+        if problem is not None:  # written per expert as vLLM reads them, and said so
+            from transformers import __version__ as transformers_version  # optional third-party: transformers
+
+            vllm = (
+                f"their expert matrices are quantized and saved per expert, in the layout vLLM reads; transformers "
+                f"{transformers_version} will not reload this checkpoint into its fused experts: {problem}"
+            )
+            note = vllm if note is None else f"{vllm}; {note}"
         if note is not None and not self._experts_warned:  # once: oneshot's and explain's checks, or initialize
             self._experts_warned = True
             logger.warning("%s: %s: fused experts %s: %s", name, family, compact_names(list(sources)), note)
@@ -1116,7 +1148,7 @@ class QuantizingModifier(CalibratedModifier):
         if scheme is None:
             return None
         problem = expert_reload_problem(scheme)
-        if problem is None:
+        if problem is None or experts_for_vllm(scheme):
             return None
         family = model_family(model)
         return f"{type(self).__name__}: {family}: fused experts {compact_names(list(fused))}: {problem}"
