@@ -51,6 +51,12 @@ logits compared with those of ``oneshot``'s output for the same scheme and ignor
 fused-experts loader cannot read right, which ``model_free_ptq`` writes per expert with a warning line); a
 ``converter`` (a checkpoint stored in another format) is not literal.
 
+Fused experts saved with a scheme that transformers does not reload into them but vLLM reads per expert (NVFP4,
+FP8 block: ``llmc_fsm.toolkit.experts_for_vllm``) are checked instead of reloaded: every saved expert matrix
+decompressed with compressed-tensors' compressor must equal the in-memory one (class ``for vLLM (every saved expert
+decompresses to the in-memory one ...)``); a ``model_free_ptq`` entry's output must then also equal ``oneshot``'s
+tensor for tensor (``for vLLM (equal to oneshot's output ...)``).
+
 Classes: ``reload equal`` / ``reload differs`` (ran, but the reloaded logits differ, or the reload failed) /
 ``refused`` (an llmc-fsm error raised by llmc-fsm's own code: ``ValueError`` and its subclasses such as
 ``RecipeError``, ``ModifierError``, ``MissingStateError``, ``NotImplementedError``; grouped by the first line of the

@@ -727,8 +727,9 @@ def _check_fused_experts(tensors: Mapping[str, torch.Tensor], session: Session) 
 def _warn_expert_reload(session: Session, experts: list[str]) -> None:
     """One warning line when expert matrices of the architecture's fused experts (per-expert checkpoint weights
     that transformers collects into one fused parameter) get a scheme transformers would not reload into it
-    (:func:`~llmc_fsm.toolkit.packed.expert_reload_problem`; ``oneshot`` refuses those): the checkpoint is then
-    for vLLM, which reads experts per expert."""
+    (:func:`~llmc_fsm.toolkit.packed.expert_reload_problem`): the checkpoint is then for vLLM, which reads experts
+    per expert. ``oneshot`` writes NVFP4 and FP8 block experts the same way, with the same warning
+    (:func:`~llmc_fsm.toolkit.packed.experts_for_vllm`), and refuses the other schemes."""
     from transformers import __version__ as transformers_version
 
     problems: dict[str, list[str]] = {}
