@@ -126,3 +126,22 @@ def test_a_saved_recipe_on_the_base_model_says_its_own_stages_are_marked_applied
     assert not (tmp_path / "again").exists()
     recipe.write_text(saved.replace("applied: true", "applied: false"))
     assert main(tiny_llama.oneshot_argv(model_dir, text, tmp_path / "again", "--recipe", str(recipe))) == 0
+
+
+def test_a_refused_rerun_does_not_first_say_that_its_stage_runs(tiny_model_dir, tmp_path, caplog):
+    """Found in session 22: quantizing a quantized output again printed "stage 'q_2' runs on top of it" and then
+    refused the model as quantized already; the history line now comes only once the modifiers' checks passed."""
+    scheme = {"preset": "W8A16", "weights": {"group_size": 16}}
+    quantized = tmp_path / "q"
+    llmc_fsm.oneshot(model=str(tiny_model_dir[0]), recipe={"q": {"QuantizationModifier": {"scheme": scheme}}},
+                     output_dir=quantized, progress=False)  # fmt: skip
+    again = {"q": {"QuantizationModifier": {"scheme": {**scheme, "preset": "W4A16"}, "ignore": ["lm_head"]}}}
+    caplog.clear()
+    with caplog.at_level(logging.WARNING), pytest.raises(ValueError) as info:
+        llmc_fsm.oneshot(model=str(quantized), recipe=again, output_dir=tmp_path / "again", progress=False)
+    assert str(info.value) == (
+        "QuantizationModifier: the model is already quantized (its config carries a quantization_config "
+        "(quant_method 'compressed-tensors')); quantize the original full-precision model instead"
+    )
+    assert [r.getMessage() for r in caplog.records] == []
+    assert not (tmp_path / "again").exists()

@@ -132,6 +132,8 @@ class Run:
     targeted: list[str] = attrs.field(factory=list)
     per_rank: list[int] = attrs.field(factory=list)
     pipelines: list[Any] = attrs.field(factory=list)  # the PipelineResult of each session's sequential pass
+    #: the "runs on top of it" lines of the model's history (merge_saved_recipe), said once the checks passed
+    history_notes: list[str] = attrs.field(factory=list)
 
     @property
     def out_path(self) -> Path | None:
@@ -225,6 +227,15 @@ def token_data(run: Run) -> None:
         if run.ev_text is not None:
             run.eval_windows = eval_windows(run.tokenizer, run.ev_text, settings.num_eval_windows, settings.eval_length)
     check_modifiers(run.sessions, run.model, run.windows if run.windows is not None else True)
+    say_history(run)
+
+
+def say_history(run: Run) -> None:
+    """Log the model history's "runs on top of it" lines (:attr:`Run.history_notes`), once: after the modifiers'
+    checks of the model passed (on the ``meta`` model, or the loaded one)."""
+    for line in run.history_notes:
+        logger.warning("%s", line)
+    run.history_notes.clear()
 
 
 def _check_lengths(run: Run, model: Any) -> None:
@@ -314,13 +325,15 @@ def prepare(settings: OneshotSettings) -> Run:
         ValueError / RecipeError / FileExistsError / OSError: as :func:`llmc_fsm.oneshot`, before any model work.
     """
     _check_output(settings)
-    merged, sessions = _sessions(settings.model, settings.recipe, settings.fuse_stages)
+    notes: list[str] = []
+    merged, sessions = _sessions(settings.model, settings.recipe, settings.fuse_stages, notes)
     run = Run(
         settings=settings,
         recipe=merged,
         sessions=sessions,
         needs_data=any(s.requires("calibration_data") for s in sessions),
         model_config=_model_config(settings.model),
+        history_notes=notes,
     )
     if isinstance(settings.model, str) and settings.model in KNOWN_MODELS and not known_model_cached(settings.model):
         # the first run converts the known model's GGUF into the cache (~20 s), before the checks on its config
@@ -444,6 +457,8 @@ def _check_on_meta(run: Run) -> None:
         raise
     except Exception as err:  # a check that needs real weights: it runs again on the loaded model
         logger.debug("a modifier check failed on the meta-device model (%r): checked after loading", err)
+        return
+    say_history(run)
 
 
 def _check_runs_on_text(run: Run, model: Any) -> None:
@@ -604,11 +619,12 @@ def _claim(output_dir: Any, overwrite: bool) -> WorkDir | None:
     return None if out_path is None else WorkDir.claim(out_path)
 
 
-def _sessions(model: Any, recipe: Any, fuse_stages: bool) -> tuple[Recipe, list[Session]]:
-
+def _sessions(model: Any, recipe: Any, fuse_stages: bool, notes: list[str]) -> tuple[Recipe, list[Session]]:
+    """The recipe resolved and merged with the model's history (its "runs on top of it" lines into ``notes``), and
+    its sessions."""
     recipe = generated_recipe() if recipe is None else resolve_recipe(recipe)
     recipe = without_training_stages(recipe)
-    merged = merge_saved_recipe(recipe, model)
+    merged = merge_saved_recipe(recipe, model, notes=notes)
     fresh = [stage for stage in merged.stages if not stage.applied]
     if not fresh and recipe.stages and all(stage.applied for stage in recipe.stages):
         msg = (

@@ -30,7 +30,7 @@ logger = logging.getLogger(__name__)
 APPLIED_RECIPE_ATTR = "llmc_fsm_applied_recipe"
 
 
-def merge_saved_recipe(recipe: Recipe, model: Any) -> Recipe:
+def merge_saved_recipe(recipe: Recipe, model: Any, *, notes: list[str] | None = None) -> Recipe:
     """Put the stages already applied to ``model`` first; skip new stages applied before with the same settings.
 
     The history: a model written by ``oneshot(output_dir=...)`` carries ``recipe.yaml`` with its
@@ -47,7 +47,9 @@ def merge_saved_recipe(recipe: Recipe, model: Any) -> Recipe:
       **skipped**, with a one-line warning naming the applied stage;
     * otherwise it **runs**; when its name was applied it runs under a fresh one
       (``sparsity_stage_2``, ...), and when a stage of the same modifier(s) was applied with other
-      settings a one-line warning says what was applied before and what differs.
+      settings a one-line warning says what was applied before and what differs (appended to ``notes`` instead
+      where given: :func:`llmc_fsm.oneshot` says it once the modifiers' checks of the model passed, so that a
+      refusal, e.g. of a model quantized already, is not preceded by a line saying the stage runs).
     """
 
     history = getattr(model, APPLIED_RECIPE_ATTR, None)
@@ -94,14 +96,14 @@ def merge_saved_recipe(recipe: Recipe, model: Any) -> Recipe:
         ]
         if similar:
             old_name, old = similar[-1]
-            logger.warning(
-                "%s already had stage %r (%s) applied; stage %r runs on top of it (%s)",
-                where,
-                old_name,
-                _modifier_names(old),
-                name,
-                settings_diff(old, settings) or "other settings",
+            line = (
+                f"{where} already had stage {old_name!r} ({_modifier_names(old)}) applied; stage {name!r} runs on top "
+                f"of it ({settings_diff(old, settings) or 'other settings'})"
             )
+            if notes is None:
+                logger.warning("%s", line)
+            else:
+                notes.append(line)
     return Recipe([*saved.stages, *fresh], recipe.source)
 
 
