@@ -880,6 +880,40 @@ def test_fp8_static_gives_an_expert_without_routed_tokens_the_largest_scale_of_i
         assert torch.equal(reloaded(DATA[:2]).logits, model(DATA[:2]).logits)
 
 
+def test_nvfp4_gives_an_expert_without_routed_tokens_the_smallest_input_global_scale_of_its_projection(
+    tmp_path, caplog
+):
+    """Found by a tester on DeepSeek-V4 (a hash router left experts idle): NVFP4 on fused experts raised
+    AttributeError when an expert got no calibration token. DeepSeek-V3 in bfloat16 with expert 3 never routed:
+    expert 3's matrices take the smallest calibrated NVFP4 input global scale of the same projection in their layer
+    (448 * 6 / max|x|: the largest input range, as FP8's largest input scale), the warning says so, and it is
+    saved under expert 3's names."""
+    model = build("deepseek_v3").to(torch.bfloat16)
+    _never_route_expert_3(model)
+    experts = _experts_modules(model)
+    recipe = {"s": {"QuantizationModifier": {"scheme": "NVFP4", "ignore": ["lm_head", "re:.*mlp.gate$"]}}}
+    with caplog.at_level(logging.WARNING):
+        llmc_fsm.oneshot(model=model, recipe=recipe, dataset=DATA, output_dir=tmp_path / "o", progress=False)
+    assert (
+        "nearest (no input statistics; set calibrate_all_experts: true to calibrate them on every token); their "
+        "NVFP4 input global scale: the smallest of the same projection's calibrated experts" in caplog.text
+    )
+    saved = {}
+    for file in (tmp_path / "o").glob("*.safetensors"):
+        with safe_open(file, "pt") as f:
+            saved.update({k: f.get_tensor(k) for k in f.keys()})  # noqa: SIM118 (safe_open has no iterator)
+    for name, module in experts.items():
+        views = weight_views(module)
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            others = [v.quantized_params["input_global_scale"] for s, v in views.items()
+                      if s.endswith(proj) and s[0] != "3"]  # fmt: skip
+            idle = views[f"3.{proj}"].quantized_params["input_global_scale"]
+            assert views[f"3.{proj}"].routed_tokens == 0
+            assert torch.equal(idle, min(others)), (name, proj)
+            assert len({float(t) for t in others}) > 1  # the calibrated experts differ: the minimum is a choice
+            assert torch.equal(saved[f"{name}.3.{proj}.input_global_scale"], idle)
+
+
 #: Kimi-K2-style non-uniform quantization: FP8 (dynamic inputs) on attention, int4 g16 weight-only on the experts
 MIXED = {
     "attention": {"targets": ["re:.*self_attn\\..*"], "weights": {

@@ -1270,6 +1270,8 @@ class QuantizingModifier(CalibratedModifier):
                     compact_names(list(idle)),
                     "; their static input scale: the largest of the same projection's calibrated experts"
                     if any(_static_inputs(self.scheme_of(name)) for name in idle)
+                    else "; their NVFP4 input global scale: the smallest of the same projection's calibrated experts"
+                    if any(is_local(self.scheme_of(name).input_activations) for name in idle)
                     else "",
                 )
             for members in (embeddings, list(idle.items())):  # quantized without inputs
@@ -1284,31 +1286,40 @@ class QuantizingModifier(CalibratedModifier):
         self._idle_input_scales(idle)
 
     def _idle_input_scales(self, idle: dict[str, LinearView]) -> None:
-        """Static input scales of expert matrices the router sent no calibration token: each takes the largest
-        ``input_scale`` of its experts module's calibrated matrices of the same projection (``gate_proj``,
-        ``up_proj`` or ``down_proj``), the value vLLM applies to every expert of the layer anyway (it keeps one input
-        scale per fused projection, the maximum over the experts).
+        """Input scales of expert matrices the router sent no calibration token: a static ``input_scale`` is the
+        largest of its experts module's calibrated matrices of the same projection (``gate_proj``, ``up_proj`` or
+        ``down_proj``), the value vLLM applies to every expert of the layer anyway (it keeps one input scale per
+        fused projection, the maximum over the experts); an NVFP4 ``input_global_scale`` (``448 * 6 / max|x|``) is
+        the smallest of theirs, the same largest input range (found by a tester: it raised AttributeError).
 
         Raises:
             ValueError: no matrix of that projection in the experts module has a calibrated scale.
         """
         for name, view in idle.items():
-            if not _static_inputs(self.scheme_of(name)):
+            scheme = self.scheme_of(name)
+            if _static_inputs(scheme):
+                key, pick = "input_scale", torch.amax
+            elif is_local(scheme.input_activations):
+                key, pick = "input_global_scale", torch.amin
+            else:
                 continue
             kind = name.rsplit(".", 1)[1]
             scales = [
-                sibling.quantized_params["input_scale"]
+                sibling.quantized_params[key]
                 for suffix, sibling in weight_views(view.source).items()
-                if suffix.rsplit(".", 1)[1] == kind and "input_scale" in getattr(sibling, "quantized_params", {})
+                if suffix.rsplit(".", 1)[1] == kind and key in getattr(sibling, "quantized_params", {})
             ]
             if not scales:
+                what = "static input scale" if key == "input_scale" else "NVFP4 input global scale"
                 msg = (
                     f"{type(self).__name__}: no expert of {name.rsplit('.', 2)[0]} received a calibration token, so "
-                    f"no static input scale of {kind} can be calibrated; give more calibration data or set "
+                    f"no {what} of {kind} can be calibrated; give more calibration data or set "
                     "calibrate_all_experts: true"
                 )
                 raise ValueError(msg)
-            view.quantized_params["input_scale"] = torch.stack(scales).amax(dim=0)
+            view.quantized_params[key] = pick(torch.stack(scales), dim=0)
+            if is_scaled_format(scheme.weights):  # packed when quantized (NVFP4): packed again with the scale
+                _view_as_reloaded(view, scheme)
 
     # ---- KV cache: calibrated alongside the weights ---------------------------------------
     def on_initialize(self, state: Any) -> None:
@@ -1524,7 +1535,7 @@ class QuantizingModifier(CalibratedModifier):
                 if _static_inputs(scheme):
                     if accumulator is not None:  # else an expert without routed tokens: see _compress_all
                         q.input_scale, q.input_zero_point = _input_qparams(scheme, accumulator)
-                elif is_local(scheme.input_activations):
+                elif is_local(scheme.input_activations) and accumulator is not None:  # else: see _compress_all
                     q.input_global_scale = _input_global_scale(scheme, accumulator)
                 quantized[i] = q
                 if isinstance(modules[i], LinearView):
