@@ -446,9 +446,12 @@ _FAMILY_PATTERNS = [
     (r"whisper", "whisper"),
     (r"qwen2-vl", "qwen2_vl"),
     (r"qwen3-next", "qwen3_next"),
+    (r"qwen3\.[5-9]-[\d.]+b-a[\d.]+b", "qwen3_5_moe"),  # Qwen3.5 / 3.6 / 3.8 MoE (Qwen3.8-1.0B-A0.6B)
     (r"qwen3-\d+b-a\d+b|qwen3-coder-30b|qwen3_moe|qwen1\.5-moe", "qwen3_moe"),
     (r"mixtral", "mixtral"),
+    (r"deepseek-v4", "deepseek_v4"),
     (r"deepseek-v3|deepseek-r1|moonlight|kimi-k2", "deepseek_v3"),
+    (r"glm-5(?!\.[3-9])", "glm5"),  # GLM-5, 5.1, 5.2: glm_moe_dsa (GLM-5.3-Flash is glm5_next, a VLM)
     (r"gpt-oss", "gpt_oss"),
     (r"gemma-2", "gemma2"),
     (r"gemma-3-\d+b-it|medgemma", "gemma3_vlm"),
@@ -506,6 +509,8 @@ _WIDE = {
     "mamba_d_head": 64,
     "mamba_head_dim": 64,
     "mamba_d_ssm": 512,
+    "index_head_dim": 128,  # DSA / Lightning indexer heads (GLM-5, DeepSeek-V4): wider than their rotary part
+    "o_lora_rank": 64,  # DeepSeek-V4's grouped output projection: o_b_proj reads o_groups x o_lora_rank
 }
 
 
@@ -523,6 +528,12 @@ def tiny_model(family: str, dtype: Any) -> tuple[Any, str]:
         torch.manual_seed(0)
         model = cls.from_config(cfg, dtype=dtype) if hasattr(cls, "from_config") else cls(cfg).to(dtype)
         model.eval()
+        for module in model.modules():  # DeepSeek-V4's hash routers: transformers inits tid2eid to zeros (every token
+            table = getattr(module, "tid2eid", None)  # to expert 0); a checkpoint has a hash of token ids
+            if isinstance(table, torch.Tensor):
+                gen = torch.Generator().manual_seed(0)
+                table.copy_(torch.stack([torch.randperm(module.num_experts, generator=gen)[: table.shape[1]]
+                                         for _ in range(table.shape[0])]))
         if check:  # the widened fields fit together
             with torch.no_grad():
                 model(input_ids=torch.randint(3, 128, (1, 8)))
@@ -538,6 +549,8 @@ def tiny_model(family: str, dtype: Any) -> tuple[Any, str]:
         if getattr(part, "qk_head_dim", None) is not None:  # derived in the config's __init__ (DeepSeek's MLA)
             part.qk_head_dim = part.qk_nope_head_dim + part.qk_rope_head_dim
             part.v_head_dim = part.qk_head_dim  # (torch 2.13's CPU attention fails on this one with a narrower v)
+        elif getattr(part, "partial_rotary_factor", None) and getattr(part, "qk_rope_head_dim", None) is not None:
+            part.qk_rope_head_dim = int(part.head_dim * part.partial_rotary_factor)  # derived (DeepSeek-V4)
         rope = getattr(part, "rope_parameters", None) or {}
         if rope.get("mrope_section"):  # Qwen2-VL's sections of the rotary half, scaled to the wider head
             section, half = rope["mrope_section"], part.head_dim // 2

@@ -302,6 +302,31 @@ FAMILIES: dict[str, tuple[str, dict[str, Any], str | None]] = {
         "topk_group": 1, "mlp_layer_types": ["dense", "sparse"], "indexer_types": ["full", "full"]}, None),  # fmt: skip
     "hunyuan_v1_moe": ("hunyuan_v1_moe", {"num_hidden_layers": 2, "num_experts": 4, "moe_topk": 2,
                                           "num_shared_expert": 1, "moe_intermediate_size": 32}, None),  # fmt: skip
+    # DeepSeek-V4 (Flash / Pro): MLA-like single-KV attention with grouped output projection, sliding / CSA / HCA
+    # compressors with a Lightning indexer, mHC hyper-connections (hc_mult residual streams), hash-routed and top-k
+    # routed fused experts
+    "deepseek_v4": ("deepseek_v4", {
+        "num_key_value_heads": 1, "partial_rotary_factor": 0.5, "q_lora_rank": 32, "o_groups": 2, "o_lora_rank": 16,
+        "n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1, "moe_intermediate_size": 32,
+        "index_n_heads": 2, "index_head_dim": 16, "index_topk": 4, "sliding_window": 8, "hc_mult": 4,
+        "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
+        "layer_types": ["heavily_compressed_attention", "sliding_attention", "compressed_sparse_attention",
+                        "heavily_compressed_attention"],
+        "mlp_layer_types": ["hash_moe", "moe", "moe", "moe"]}, None),  # fmt: skip
+    # GLM-5.x as its checkpoints are laid out: the first 3 layers dense, the rest MoE (glm_moe_dsa has 2 layers)
+    "glm5": ("glm_moe_dsa", {
+        "head_dim": 8, "index_head_dim": 16, "index_n_heads": 2, "index_topk": 8,
+        "kv_lora_rank": 16, "q_lora_rank": 32, "qk_head_dim": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 8,
+        "v_head_dim": 16, "num_key_value_heads": 4, "n_routed_experts": 4, "n_shared_experts": 1,
+        "num_experts_per_tok": 2, "moe_intermediate_size": 32, "first_k_dense_replace": 3, "n_group": 1,
+        "topk_group": 1}, None),  # fmt: skip
+    # Qwen3.5 / 3.6 / 3.8 MoE (text): Gated DeltaNet (linear_attn.in_proj_qkv / in_proj_z / in_proj_b / in_proj_a) +
+    # full attention, fused experts, shared expert with a sigmoid gate
+    "qwen3_5_moe": ("qwen3_5_moe_text", {
+        "layer_types": ["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+        "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32,
+        "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16}, None),  # fmt: skip
 }
 
 
@@ -318,12 +343,13 @@ def config(name: str, **extra: Any) -> Any:
     return AutoConfig.for_model(model_type, **{**base, **overrides})
 
 
-def build(name: str, *, seed: int = 0) -> torch.nn.Module:
-    """A tiny random model of family ``name`` in eval mode, weights drawn after ``torch.manual_seed(seed)``."""
+def build(name: str, *, seed: int = 0, **extra: Any) -> torch.nn.Module:
+    """A tiny random model of family ``name`` in eval mode, weights drawn after ``torch.manual_seed(seed)``
+    (``extra``: config fields set on top of the family's, as :func:`config`)."""
     import transformers
 
     _, _, cls_name = FAMILIES[name]
-    cfg = config(name)
+    cfg = config(name, **extra)
     torch.manual_seed(seed)
     cls = getattr(transformers, cls_name or "AutoModelForCausalLM")
     model = cls.from_config(cfg) if hasattr(cls, "from_config") else cls(cfg)  # an Auto class, or the class itself

@@ -232,23 +232,48 @@ def _extra_outputs(layer: nn.Module) -> int:
 
 
 def _check_carried(model: nn.Module, calls: list[tuple[tuple[Any, ...], dict[str, Any]]]) -> None:
-    """Refuse a model whose forward passes a decoder layer another output of an earlier layer than its hidden
-    states (GLM-5's ``topk_indices``, given to the next layer as ``prev_topk_indices``): the pipeline runs each
-    layer on the previous one's hidden states and the other arguments captured here, where that output was not
-    computed. (The hidden states the capture gives a later layer are not used: the pipeline computes them.)
+    """Refuse a model whose forward passes a decoder layer another output than the hidden states of a layer that is
+    not the one just before it: the pipeline carries a layer's other outputs (GLM-5's ``topk_indices``, given to
+    the next layer as ``prev_topk_indices``) to the next layer only (:func:`with_hidden`); the capture left a
+    :class:`_NotComputed` where each is passed. (The hidden states the capture gives a later layer are not used:
+    the pipeline computes them.)
 
     Raises:
-        RuntimeError: one line naming the family, the layer and the argument; before any work.
+        NotImplementedError: one line naming the family, the layer and the argument; before any work.
     """
     for position, (args, kwargs) in enumerate(calls):
         for key, value in [*enumerate(args[1:], 1), *kwargs.items()]:
-            if isinstance(value, _NotComputed):
+            if isinstance(value, _NotComputed) and value.layer != position - 1:
                 msg = (
                     f"the forward of {model_family(model)} passes decoder layer {position} (counted from the first "
                     f"captured) output {value.index} of layer {value.layer} as its argument {key!r}; the sequential "
-                    "pipeline carries only hidden states from one layer to the next: not supported"
+                    "pipeline carries a layer's other outputs to the next layer only: not supported"
                 )
-                raise RuntimeError(msg)
+                raise NotImplementedError(msg)
+
+
+def _carried(rest: tuple[Any, ...], kwargs: LayerKwargs, output: Any) -> tuple[tuple[Any, ...], LayerKwargs]:
+    """The next layer's arguments with each :class:`_NotComputed` the capture left (an output of this layer after
+    its hidden states that the model's forward passes on, e.g. GLM-5's ``topk_indices``) replaced by that output of
+    ``output``, this layer's return value on the batch.
+
+    Raises:
+        TypeError: ``output`` is not a tuple (or list) holding that output.
+    """
+
+    def value(item: Any) -> Any:
+        if not isinstance(item, _NotComputed):
+            return item
+        if not isinstance(output, tuple | list) or len(output) <= item.index:
+            msg = f"decoder layer {item.layer} returned no output {item.index}, which the next layer is given"
+            raise TypeError(msg)
+        return output[item.index]
+
+    if not any(isinstance(v, _NotComputed) for v in (*rest, *kwargs.values())):
+        return rest, kwargs
+    kwargs = LayerKwargs(kwargs.per_layer, kwargs.index)  # a fresh dict: the captured arguments stay as they were
+    kwargs.update({key: value(item) for key, item in kwargs.items()})
+    return tuple(value(item) for item in rest), kwargs
 
 
 def first_output(output: Any) -> torch.Tensor:
@@ -307,20 +332,23 @@ def call_order(calls: Calls) -> dict[str, int]:
     return {name: position for position, (name, _) in enumerate(calls)}
 
 
-def with_hidden(inputs: Inputs, hidden: list[torch.Tensor]) -> Inputs:
-    """The next decoder layer's inputs: each batch's hidden states (first positional argument) replaced by ``hidden``.
+def with_hidden(inputs: Inputs, outputs: list[Any]) -> Inputs:
+    """The next decoder layer's inputs: each batch's hidden states (first positional argument) replaced by those of
+    ``outputs``, the layer's return values on the batches (:func:`first_output` of each: a tensor, or a tuple).
 
     Where the keyword arguments are :class:`LayerKwargs` (captured per layer by :func:`capture_layer_inputs`),
-    the other arguments are the next layer's own; otherwise they are kept as they are.
+    the other arguments are the next layer's own, with this layer's other outputs where the model's forward passes
+    them on (:func:`_carried`); otherwise they are kept as they are.
     """
     result: Inputs = []
     held = inputs.raw() if isinstance(inputs, OffloadedInputs) else inputs  # no batch moved just to be replaced
-    for out, (args, kwargs) in zip(hidden, held, strict=True):
+    for out, (args, kwargs) in zip(outputs, held, strict=True):
+        hidden = first_output(out)
         if isinstance(kwargs, LayerKwargs) and kwargs.index + 1 < len(kwargs.per_layer):
-            rest, kwargs = kwargs.at(kwargs.index + 1)
-            result.append(((out, *rest), kwargs))
+            rest, kwargs = _carried(*kwargs.at(kwargs.index + 1), out)
+            result.append(((hidden, *rest), kwargs))
         else:
-            result.append(((out, *args[1:]), kwargs))
+            result.append(((hidden, *args[1:]), kwargs))
     return result
 
 
@@ -385,6 +413,9 @@ class _Replay(nn.Module):
         object.__setattr__(self, "_layer", layer)
         self._states = states
         self._as_tuple = as_tuple
+        #: ``None`` for each output after the hidden states the layer's annotation names (the model's forward
+        #: unpacks them: GLM-5's ``(hidden_states, topk_indices)``; no stand-in after it reads them)
+        self._extras = (None,) * _extra_outputs(layer)
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -394,7 +425,7 @@ class _Replay(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         hidden = next(self._states) if self._states is not None else (args[0] if args else kwargs["hidden_states"])
-        return (hidden,) if self._as_tuple else hidden
+        return (hidden, *self._extras) if self._as_tuple or self._extras else hidden
 
 
 @contextlib.contextmanager

@@ -42,12 +42,11 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-import torch
 from greenlet import greenlet
 from torch import nn
 
 from llmc_fsm.core.torch_hooks import global_forward_hooks_installed, hook_count
-from llmc_fsm.pipeline.forward import Calls, Inputs, StopForward, first_output
+from llmc_fsm.pipeline.forward import Calls, Inputs, StopForward
 
 __all__ = ["plan_groups", "run_grouped"]
 
@@ -92,7 +91,7 @@ def run_grouped(
     inputs: Inputs,
     groups: list[list[nn.Module]],
     compress: Callable[[list[nn.Module]], None],
-) -> list[torch.Tensor]:
+) -> list[Any]:
     """Run every batch once through ``layer``, calling ``compress(group)`` when all batches reached a group.
 
     Args:
@@ -105,7 +104,8 @@ def run_grouped(
             (:func:`llmc_fsm.pipeline.layer.activation_quantization_off`), so the compressed module computes that too.
 
     Returns:
-        Per batch, the layer's output hidden states (computed with every group compressed).
+        Per batch, the layer's output (its hidden states, or the tuple it returns; computed with every group
+        compressed).
 
     Raises:
         Whatever a batch's forward or ``compress`` raised (the other batches' forwards are unwound first);
@@ -135,7 +135,7 @@ def run_grouped(
 
     def batch(index: int) -> Any:
         args, kwargs = inputs[index]
-        return first_output(layer(*args, **kwargs))
+        return layer(*args, **kwargs)  # its whole output: the next layer may be given more than the hidden states
 
     batches = [greenlet(functools.partial(batch, index)) for index in range(len(inputs))]
     try:
@@ -150,7 +150,7 @@ def run_grouped(
             compress(group)
         outputs = [let.switch() for let in batches]  # the rest of each forward, through compressed modules
         for number, out in enumerate(outputs):
-            if not isinstance(out, torch.Tensor) or not batches[number].dead:
+            if isinstance(out, int) or not batches[number].dead:  # paused at a group again, not returned
                 _out_of_step(number, len(groups), len(groups))
         return outputs
     finally:
