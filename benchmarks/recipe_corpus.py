@@ -588,6 +588,11 @@ def _failure(step: str, exc: BaseException) -> dict[str, Any]:
     refusal = isinstance(exc, (ValueError, NotImplementedError)) or type(exc).__name__ in (
         "ModifierError", "MissingStateError", "PluginError",
     )
+    cause = exc.__cause__
+    if type(exc).__name__ == "ModifierError" and cause is not None and not isinstance(
+        cause, (ValueError, NotImplementedError)
+    ):  # a modifier hook's own bug (AttributeError, ...) wrapped: a crash, not a refusal
+        refusal = False
     where = f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "?"
     ours = [f for f in frames if str(ROOT) in f.filename]
     return {
