@@ -446,7 +446,9 @@ _FAMILY_PATTERNS = [
     (r"whisper", "whisper"),
     (r"qwen2-vl", "qwen2_vl"),
     (r"qwen3-next", "qwen3_next"),
-    (r"qwen3\.[5-9]-[\d.]+b-a[\d.]+b", "qwen3_5_moe"),  # Qwen3.5 / 3.6 / 3.8 MoE (Qwen3.8-1.0B-A0.6B)
+    (r"qwen3\.[56]-[\d.]+b-a[\d.]+b", "qwen3_5_moe_vlm"),  # Qwen3.5 / 3.6 MoE: their examples load the VLM class
+    (r"qwen3\.[5-9]-[\d.]+b-a[\d.]+b", "qwen3_5_moe"),  # Qwen3.8-1.0B-A0.6B: its examples load AutoModelForCausalLM
+    (r"qwen3\.[5-9]-[\d.]+b", "qwen3_5_vlm"),  # Qwen3.5-27B, Qwen3.8-27B: Qwen3_5ForConditionalGeneration
     (r"qwen3-\d+b-a\d+b|qwen3-coder-30b|qwen3_moe|qwen1\.5-moe", "qwen3_moe"),
     (r"mixtral", "mixtral"),
     (r"deepseek-v4", "deepseek_v4"),

@@ -125,3 +125,56 @@ def test_awq_gptq_on_hybrid_stacks_runs_names_the_mamba_mixers_and_reloads(tmp_p
     reloaded = _reload(tmp_path / "o")
     with torch.no_grad():
         torch.testing.assert_close(reloaded(DATA).logits, model(DATA).logits, rtol=0, atol=1e-5)
+
+
+#: Gated DeltaNet layers (linear attention) and the projections their input norm feeds (the models' own names)
+LINEAR_ATTENTION = {
+    "qwen3_next": ("model.layers", ["in_proj_qkvz", "in_proj_ba"]),
+    "qwen3_5_moe": ("model.layers", ["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"]),
+    "qwen3_5_vlm": ("model.language_model.layers", ["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"]),
+}
+
+
+@pytest.mark.parametrize("family", sorted(LINEAR_ATTENTION))
+def test_linear_attention_layers_get_llm_compressors_hybrid_mapping_and_keep_the_float_model(family):
+    """Qwen3-Next's and Qwen3.5's linear-attention layers: their input norm -> every ``linear_attn.in_proj_*``
+    (llm-compressor's dynamic hybrid-attention mappings; before, these layers were left unsmoothed, warned); the
+    full-attention layer keeps ``input_layernorm -> q/k/v``; no mixer is left unreached; random folds into every
+    default mapping leave the logits equal."""
+    model = build(family)
+    layers, projections = LINEAR_ATTENTION[family]
+    mappings = default_mappings(model)
+    described = {m.smooth_name: m.balance_names for m in mappings}
+    kinds = model.config.get_text_config().layer_types
+    assert set(kinds) == {"linear_attention", "full_attention"}
+    for i, kind in enumerate(kinds):
+        prefix = f"{layers}.{i}."
+        if kind == "linear_attention":
+            assert described[prefix + "input_layernorm"] == tuple(prefix + "linear_attn." + p for p in projections)
+        else:
+            assert described[prefix + "input_layernorm"] == tuple(prefix + f"self_attn.{p}_proj" for p in "qkv")
+    assert list(unsmoothed_mixers(model, mappings)) == []
+    before, after = logits_before_and_after_random_folds(model, mappings, DATA)
+    assert before.abs().max() > 0.05
+    torch.testing.assert_close(after, before, rtol=0, atol=1e-5)
+
+
+def test_awq_smooths_qwen3_5s_linear_attention_and_the_output_reloads(tmp_path):
+    """AWQ + W4A16 g16 on the tiny Qwen3.5 (its checkpoints' class, Qwen3_5ForConditionalGeneration; llm-compressor's
+    Qwen3.8 GPTQ + AWQ example's ignore): every linear-attention layer's norm -> in_proj_* mapping is smoothed and
+    lowers its block's error, and the reload's logits equal the in-memory model's."""
+    model = build("qwen3_5_vlm").to(torch.bfloat16)
+    model.save_pretrained(tmp_path / "model")
+    ignore = ["re:model.visual.*", "re:.*lm_head", "re:.*embed_tokens$", "re:.*linear_attn\\.in_proj_a$",
+              "re:.*linear_attn\\.in_proj_b$"]  # fmt: skip
+    awq = AWQModifier(ignore=ignore)
+    model = llmc_fsm.oneshot(
+        model=str(tmp_path / "model"), dtype="bfloat16", recipe=[awq, GPTQModifier(scheme=SCHEME, ignore=ignore)],
+        dataset=DATA, output_dir=tmp_path / "o", progress=False,
+    )  # fmt: skip
+    for i in range(3):
+        result = awq.smoothing_results[f"model.language_model.layers.{i}.input_layernorm"]
+        assert result["error"] <= result["error_unsmoothed"]
+    reloaded = transformers.AutoModelForImageTextToText.from_pretrained(tmp_path / "o", dtype=torch.bfloat16).eval()
+    with torch.no_grad():
+        assert torch.equal(reloaded(input_ids=DATA).logits, model(input_ids=DATA).logits)

@@ -506,8 +506,12 @@ def test_a_shared_experts_norm_mapping_balances_every_reader_of_the_norm_over_th
     assert up.balance_names == (f"{layer}mlp.{shared}.down_proj",)
     # the norm, the shared expert's and 4 experts' up -> down; DeepSeek-V3's multi-head latent attention: its input
     # norm -> q_a_proj, kv_a_proj_with_mqa and its two latent norms -> q_b_proj, kv_b_proj (llm-compressor's DeepSeek
-    # mappings); Qwen3-Next's linear attention: none
-    assert len(found) == 2 + 4 + (3 if family == "deepseek_v3" else 0)
+    # mappings); Qwen3-Next's linear attention: its input norm -> in_proj_qkvz, in_proj_ba (llm-compressor's hybrid
+    # attention mappings)
+    assert len(found) == 2 + 4 + (3 if family == "deepseek_v3" else 1)
+    if family == "qwen3_next":
+        assert found[layer + "input_layernorm"].balance_names == (
+            layer + "linear_attn.in_proj_qkvz", layer + "linear_attn.in_proj_ba")
 
 
 def _block_input_of(model: torch.nn.Module, index: int) -> torch.Tensor:

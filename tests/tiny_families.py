@@ -40,6 +40,15 @@ _VISION = {
 }
 _VLM = "AutoModelForImageTextToText"
 
+#: Qwen3.5 / 3.6 / 3.8 MoE's text model: Gated DeltaNet (linear_attn.in_proj_qkv / in_proj_z / in_proj_b / in_proj_a) +
+#: full attention, fused experts, a shared expert with a sigmoid gate
+_QWEN3_5_LINEAR = {
+    "layer_types": ["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+    "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
+}  # fmt: skip
+_QWEN3_5_MOE = {**_QWEN3_5_LINEAR, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                "shared_expert_intermediate_size": 32}  # fmt: skip
+
 #: family -> (model_type, config overrides, model class name or None for AutoModelForCausalLM)
 FAMILIES: dict[str, tuple[str, dict[str, Any], str | None]] = {
     "llama": ("llama", {}, None),
@@ -320,13 +329,15 @@ FAMILIES: dict[str, tuple[str, dict[str, Any], str | None]] = {
         "v_head_dim": 16, "num_key_value_heads": 4, "n_routed_experts": 4, "n_shared_experts": 1,
         "num_experts_per_tok": 2, "moe_intermediate_size": 32, "first_k_dense_replace": 3, "n_group": 1,
         "topk_group": 1}, None),  # fmt: skip
-    # Qwen3.5 / 3.6 / 3.8 MoE (text): Gated DeltaNet (linear_attn.in_proj_qkv / in_proj_z / in_proj_b / in_proj_a) +
-    # full attention, fused experts, shared expert with a sigmoid gate
-    "qwen3_5_moe": ("qwen3_5_moe_text", {
-        "layer_types": ["linear_attention", "linear_attention", "linear_attention", "full_attention"],
-        "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32,
-        "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
-        "linear_value_head_dim": 16}, None),  # fmt: skip
+    "qwen3_5_moe": ("qwen3_5_moe_text", _QWEN3_5_MOE, None),  # Qwen3.5 / 3.6 / 3.8 MoE's text model
+    # Qwen3.5 / 3.8 dense (Qwen3.5-27B: Qwen3_5ForConditionalGeneration), Gated DeltaNet + full attention
+    "qwen3_5_vlm": ("qwen3_5", {"_raw": True, "text_config": {**_TEXT, **_QWEN3_5_LINEAR}, "vision_config": {
+        "depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64,
+        "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2}}, _VLM),  # fmt: skip
+    # the checkpoints' class (Qwen3_5MoeForConditionalGeneration: llm-compressor's examples load it), a vision tower
+    "qwen3_5_moe_vlm": ("qwen3_5_moe", {"_raw": True, "text_config": {**_TEXT, **_QWEN3_5_MOE}, "vision_config": {
+        "depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64,
+        "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2}}, _VLM),  # fmt: skip
 }
 
 

@@ -353,6 +353,15 @@ def _default_specs_for_layer(layer: nn.Module, *, include_linear: bool) -> list[
         out.append((norm_name, (q[0], k[0], v[0], *_parallel_mlp_inputs(layer, children, norms))))
     elif norm is not None and _is_norm(norm) and qkv:
         out.append((norm_name, (qkv[0], *_parallel_mlp_inputs(layer, children, norms))))
+    linear_attn = _child(layer, "linear_attn")  # Qwen3-Next's / Qwen3.5's Gated DeltaNet: the norm feeds its in_proj_*
+    if linear_attn is not None and not (q or k or v or qkv) and norm is not None and _is_norm(norm):
+        projections = [
+            f"linear_attn.{n}"
+            for n, m in linear_attn.named_children()
+            if n.startswith("in_proj_") and is_linear_like(m)
+        ]  # llm-compressor's hybrid-attention mappings (in_proj_qkvz, in_proj_ba; in_proj_qkv, _z, _b, _a)
+        if projections:
+            out.append((norm_name, tuple(projections)))
     kv_a = _linear_named(layer, "kv_a_proj_with_mqa")  # DeepSeek-V2/V3's multi-head latent attention
     if kv_a and not (k or v or qkv) and norm is not None and _is_norm(norm):  # llm-compressor's DeepSeek mappings
         q_in = _linear_named(layer, "q_a_proj") or q  # q_proj without a q LoRA rank
