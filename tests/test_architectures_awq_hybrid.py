@@ -18,6 +18,7 @@ from llmc_fsm_quantization.mappings import default_mappings, unsmoothed_mixers
 from tiny_families import build, config, logits_before_and_after_random_folds
 
 import llmc_fsm
+from llmc_fsm import find_decoder_layers
 
 DATA = torch.randint(3, 128, (4, 16), generator=torch.Generator().manual_seed(0))
 SCHEME = {"preset": "W4A16", "weights": {"group_size": 16}}
@@ -178,3 +179,52 @@ def test_awq_smooths_qwen3_5s_linear_attention_and_the_output_reloads(tmp_path):
     reloaded = transformers.AutoModelForImageTextToText.from_pretrained(tmp_path / "o", dtype=torch.bfloat16).eval()
     with torch.no_grad():
         assert torch.equal(reloaded(input_ids=DATA).logits, model(input_ids=DATA).logits)
+
+
+#: a layer's default mappings (smooth layer -> balance layers, relative to the layer) on families a tester compared
+#: with llm-compressor 0.14's registry: AFMoE's and MuseGlimmer's attention output gate ``self_attn.gate_proj`` was
+#: taken for the MLP's gate (their norm -> MLP mapping changed the model), GLM-5's indexer read the norms' outputs
+#: unbalanced, AFMoE's and Llama-4's MoE norms were mapped to their shared expert alone and Cohere2-MoE's parallel
+#: norm to q/k/v alone (their router and experts read it too: not resolved, so not smoothed)
+GATED = {
+    "afmoe": (1, [
+        "input_layernorm -> self_attn.q_proj, self_attn.k_proj, self_attn.v_proj, self_attn.gate_proj",
+        "mlp.shared_experts.up_proj -> mlp.shared_experts.down_proj",
+    ]),
+    "muse_glimmer": (1, [
+        "input_layernorm -> self_attn.q_proj, self_attn.k_proj, self_attn.v_proj, self_attn.gate_proj",
+        "pre_feedforward_layernorm -> mlp.gate_proj, mlp.up_proj",
+        "mlp.up_proj -> mlp.down_proj",
+    ]),
+    "llama4": (1, [  # its MoE norm feeds the router and Llama4TextExperts too, not resolved: not smoothed
+        "input_layernorm -> self_attn.q_proj, self_attn.k_proj, self_attn.v_proj",
+        "feed_forward.shared_expert.up_proj -> feed_forward.shared_expert.down_proj",
+    ]),
+    "cohere2_moe": (1, []),  # a parallel block: its one norm feeds attention, router and experts; not resolved
+    "glm_moe_dsa": (0, [
+        "input_layernorm -> self_attn.q_a_proj, self_attn.kv_a_proj_with_mqa, self_attn.indexer.wk, "
+        "self_attn.indexer.weights_proj",
+        "self_attn.q_a_layernorm -> self_attn.q_b_proj, self_attn.indexer.wq_b",
+        "self_attn.kv_a_layernorm -> self_attn.kv_b_proj",
+        "post_attention_layernorm -> mlp.gate_proj, mlp.up_proj",
+        "mlp.up_proj -> mlp.down_proj",
+    ]),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("family", sorted(GATED))
+def test_gated_attention_and_indexer_families_get_mappings_that_keep_the_float_model(family):
+    model = build(family)
+    index, expected = GATED[family]
+    _, layers = find_decoder_layers(model)
+    prefix = next(n for n, m in model.named_modules() if m is layers[index]) + "."
+    mappings = default_mappings(model)
+    got = [
+        f"{m.smooth_name.removeprefix(prefix)} -> {', '.join(n.removeprefix(prefix) for n in m.balance_names)}"
+        for m in mappings
+        if m.smooth_name.startswith(prefix)
+    ]
+    assert got == expected
+    before, after = logits_before_and_after_random_folds(model, mappings, DATA)
+    assert before.abs().max() > 0.05
+    torch.testing.assert_close(after, before, rtol=0, atol=1e-5)

@@ -329,6 +329,25 @@ FAMILIES: dict[str, tuple[str, dict[str, Any], str | None]] = {
         "v_head_dim": 16, "num_key_value_heads": 4, "n_routed_experts": 4, "n_shared_experts": 1,
         "num_experts_per_tok": 2, "moe_intermediate_size": 32, "first_k_dense_replace": 3, "n_group": 1,
         "topk_group": 1}, None),  # fmt: skip
+    # AFMoE (Arcee Trinity): gated attention (self_attn.gate_proj), pre_mlp_layernorm, a router module (mlp.router.gate)
+    "afmoe": ("afmoe", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "num_dense_layers": 1,
+                        "num_shared_experts": 1, "layer_types": ["sliding_attention", "full_attention"] * 2,
+                        "sliding_window": 8, "global_attn_every_n_layers": 2}, None),  # fmt: skip
+    # MuseGlimmer: gated attention (self_attn.gate_proj) and Gemma-style pre/post feed-forward norms, a vision tower
+    "muse_glimmer": ("muse_glimmer", {"_raw": True, "text_config": dict(_TEXT), "vision_config": {
+        "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2, "image_size": 16,
+        "patch_size": 8}, "image_token_id": 5, "projector_hidden_size": 64}, _VLM),  # fmt: skip
+    # Cohere2-MoE: a parallel block (one norm feeds attention and the MoE), a dense first layer
+    "cohere2_moe": ("cohere2_moe", {"num_experts": 4, "num_experts_per_tok": 2, "num_shared_experts": 0,
+                                    "first_k_dense_replace": 1, "sliding_window": 8, "moe_intermediate_size": 128,
+                                    "layer_types": ["sliding_attention", "full_attention"] * 2}, None),  # fmt: skip
+    # Llama-4 (vision-language): MoE every second layer (Llama4TextExperts, a shared expert), chunked attention
+    "llama4": ("llama4", {"_raw": True, "text_config": {**_TEXT, "num_local_experts": 4, "num_experts_per_tok": 1,
+        "intermediate_size": 32, "intermediate_size_mlp": 128, "interleave_moe_layer_step": 2,
+        "no_rope_layers": [1, 1, 1, 1], "attention_chunk_size": 8}, "vision_config": {"hidden_size": 32,
+        "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2, "image_size": 16, "patch_size": 8,
+        "vision_output_dim": 64, "projector_input_dim": 64, "projector_output_dim": 64, "pixel_shuffle_ratio": 0.5},
+        "image_token_index": 5}, _VLM),  # fmt: skip
     "qwen3_5_moe": ("qwen3_5_moe_text", _QWEN3_5_MOE, None),  # Qwen3.5 / 3.6 / 3.8 MoE's text model
     # Qwen3.5 / 3.8 dense (Qwen3.5-27B: Qwen3_5ForConditionalGeneration), Gated DeltaNet + full attention
     "qwen3_5_vlm": ("qwen3_5", {"_raw": True, "text_config": {**_TEXT, **_QWEN3_5_LINEAR}, "vision_config": {

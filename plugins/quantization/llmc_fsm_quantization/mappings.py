@@ -324,8 +324,12 @@ def _child(module: nn.Module, name: str) -> nn.Module | None:
     return module._modules.get(name)
 
 
-def _linear_named(block: nn.Module, leaf: str) -> tuple[str, nn.Module] | None:
+def _linear_named(block: nn.Module, leaf: str, *, outside: str | None = None) -> tuple[str, nn.Module] | None:
+    """The first Linear-like module of ``block`` whose name ends in ``leaf`` (``outside``: not under this child,
+    e.g. the attention, whose output gate AFMoE and MuseGlimmer call ``gate_proj``, as an MLP calls its gate)."""
     for name, sub in block.named_modules():
+        if outside is not None and name.startswith(outside + "."):
+            continue
         if name.rsplit(".", 1)[-1] == leaf and is_linear_like(sub):
             return name, sub
     return None
@@ -349,8 +353,14 @@ def _default_specs_for_layer(layer: nn.Module, *, include_linear: bool) -> list[
     norm = _child(layer, norm_name)
     # Phi-3's fused q/k/v; Bloom's, GPT-NeoX's, Falcon's query_key_value (llm-compressor's Bloom mappings)
     qkv = None if (q or k or v) else (_linear_named(layer, "qkv_proj") or _linear_named(layer, "query_key_value"))
-    if norm is not None and _is_norm(norm) and q and k and v:
-        out.append((norm_name, (q[0], k[0], v[0], *_parallel_mlp_inputs(layer, children, norms))))
+    attention = q[0].rpartition(".")[0] if q and "." in q[0] else None
+    # a gated attention's output gate reads the norm's output too (AFMoE's, MuseGlimmer's self_attn.gate_proj)
+    attention_gate = _linear_named(layer.get_submodule(attention), "gate_proj") if attention else None
+    # a parallel layer whose MLP holds routed experts (Cohere2-MoE): its one norm feeds them too; not resolved here
+    parallel_moe = norms == ["input_layernorm"] and "mlp" in children and bool(_experts_modules(children["mlp"]))
+    if norm is not None and _is_norm(norm) and q and k and v and not parallel_moe:
+        gated = (f"{attention}.{attention_gate[0]}",) if attention_gate else ()
+        out.append((norm_name, (q[0], k[0], v[0], *gated, *_parallel_mlp_inputs(layer, children, norms))))
     elif norm is not None and _is_norm(norm) and qkv:
         out.append((norm_name, (qkv[0], *_parallel_mlp_inputs(layer, children, norms))))
     linear_attn = _child(layer, "linear_attn")  # Qwen3-Next's / Qwen3.5's Gated DeltaNet: the norm feeds its in_proj_*
@@ -365,21 +375,34 @@ def _default_specs_for_layer(layer: nn.Module, *, include_linear: bool) -> list[
     kv_a = _linear_named(layer, "kv_a_proj_with_mqa")  # DeepSeek-V2/V3's multi-head latent attention
     if kv_a and not (k or v or qkv) and norm is not None and _is_norm(norm):  # llm-compressor's DeepSeek mappings
         q_in = _linear_named(layer, "q_a_proj") or q  # q_proj without a q LoRA rank
-        out.append((norm_name, tuple(x[0] for x in (q_in, kv_a) if x)))
+        # DeepSeek-V3.2's / GLM-5's sparse-attention indexer reads the layer's normed input (wk, weights_proj) and the
+        # q LoRA's normed latent (wq_b): beside the projections, or a fold would change its top-k
+        indexer = {
+            leaf: found[0]
+            for leaf in ("wk", "weights_proj", "wq_b")
+            if (found := _linear_named(layer, leaf)) is not None and found[0].rpartition(".")[0].endswith("indexer")
+        }
+        index_in = tuple(indexer[leaf] for leaf in ("wk", "weights_proj") if leaf in indexer)
+        out.append((norm_name, (*(x[0] for x in (q_in, kv_a) if x), *index_in)))
         for latent_norm, reader in (("q_a_layernorm", "q_b_proj"), ("kv_a_layernorm", "kv_b_proj")):
             found_norm = next((n for n, m in layer.named_modules() if n.rsplit(".", 1)[-1] == latent_norm), None)
             found_reader = _linear_named(layer, reader)
             if found_norm and found_reader and _is_norm(layer.get_submodule(found_norm)):
-                out.append((found_norm, (found_reader[0],)))
+                extra = (indexer["wq_b"],) if latent_norm == "q_a_layernorm" and "wq_b" in indexer else ()
+                out.append((found_norm, (found_reader[0], *extra)))
     if include_linear and v and o and v[1].weight.shape[0] == o[1].weight.shape[1]:
         out.append((v[0], (o[0],)))
     if include_linear and qkv and o and fused_tail(qkv[0], qkv[1], int(o[1].weight.shape[1])):
         out.append((qkv[0], (o[0],)))
-    gate = _linear_named(layer, "gate_proj")
-    up = _linear_named(layer, "up_proj") or (None if gate else _linear_named(layer, "dense_h_to_4h"))  # Bloom, NeoX
-    down = _linear_named(layer, "down_proj")
+    gate = _linear_named(layer, "gate_proj", outside=attention)
+    up = _linear_named(layer, "up_proj", outside=attention) or (
+        None if gate else _linear_named(layer, "dense_h_to_4h")
+    )  # Bloom, NeoX
+    down = _linear_named(layer, "down_proj", outside=attention)
     if post_norms:
         mlp_norm_name = "pre_feedforward_layernorm"
+    elif "pre_mlp_layernorm" in children:  # AFMoE: post_attention_layernorm normalises the attention's output
+        mlp_norm_name = "pre_mlp_layernorm"
     elif only is not None and not (q and k and v):
         mlp_norm_name = only
     else:  # Llama-style; Jamba's pre_ff_layernorm
@@ -399,7 +422,7 @@ def _default_specs_for_layer(layer: nn.Module, *, include_linear: bool) -> list[
             if norm_fits:
                 gate_up = (v for v in expert_views if not v.endswith(".down_proj"))
                 out.append((mlp_norm_name, (router, *readers, *gate_up)))
-    elif norm_fits and up:
+    elif norm_fits and up and not _beside_unknown_experts(layer, up[0]):
         out.append((mlp_norm_name, (gate[0], up[0]) if gate else (up[0],)))
     fused = None if (gate or up) else _linear_named(layer, "gate_up_proj")  # Phi-3's fused gate/up
     if norm_fits and fused and moe is None:
@@ -471,6 +494,26 @@ _MLP_NORMS = ("post_attention_layernorm", "pre_ff_layernorm")
 def _fused_experts(layer: nn.Module) -> list[tuple[str, nn.Module]]:
     """``(name, module)`` of the fused experts modules in ``layer`` (:func:`~llmc_fsm.toolkit.views.weight_views`)."""
     return [(n, m) for n, m in layer.named_modules() if n and weight_views(m) and "" not in weight_views(m)]
+
+
+def _beside_unknown_experts(layer: nn.Module, name: str) -> bool:
+    """Whether ``name`` (a shared expert's ``up_proj``, say) is in the block of fused experts :func:`_moe_block`
+    does not resolve (AFMoE's router is ``mlp.router.gate``, inside a module of its own): the block's norm feeds the
+    router and the experts too, so a mapping of the norm to the shared expert alone would change the model."""
+    if _moe_block(layer) is not None:
+        return False
+    blocks = [n.rpartition(".")[0] for n in _experts_modules(layer)]
+    return any(name.startswith(block + ".") if block else True for block in blocks)
+
+
+def _experts_modules(layer: nn.Module) -> list[str]:
+    """Names in ``layer`` of its routed experts: fused experts with views, or any module called ``experts`` holding
+    parameters (Llama-4's ``Llama4TextExperts``)."""
+    named = {n for n, _ in _fused_experts(layer)}
+    named.update(
+        n for n, m in layer.named_modules() if n.rsplit(".", 1)[-1] == "experts" and any(True for _ in m.parameters())
+    )
+    return sorted(named)
 
 
 def _moe_block(layer: nn.Module) -> tuple[str, str, str] | None:
