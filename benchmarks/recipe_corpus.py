@@ -436,7 +436,7 @@ def corpus(checkout: Checkout) -> tuple[list[Entry], list[Entry]]:
 
 #: (pattern in the lower-cased model stub, tiny family) in order; first match wins.
 _FAMILY_PATTERNS = [
-    (r"llama-?4", None),
+    (r"llama-?4", "llama4"),  # Llama-4 Scout / Maverick: the vision-language class its examples load
     (r"llama-3\.2-\d+b-vision|mllama", "mllama"),
     (r"llava", "llava"),
     (r"pixtral", "llava_pixtral"),
