@@ -23,6 +23,8 @@ import llmc_fsm
 from llmc_fsm.toolkit import weight_views
 
 DATA = torch.randint(3, 128, (4, 16), generator=torch.Generator().manual_seed(0))
+#: the end of every refusal of a scheme on fused experts
+FOR_VLLM = " (NVFP4, NVFP4A16 and FP8_BLOCK experts are written per expert for vLLM instead)"
 #: 512 tokens: each expert of the tiny Mixtral gets more routed tokens than its widest input (128)
 MORE = torch.randint(3, 128, (16, 32), generator=torch.Generator().manual_seed(0))
 SCHEME = {"preset": "W4A16", "weights": {"group_size": 16}}
@@ -340,7 +342,7 @@ REFUSALS = {
         "GPTQModifier: MixtralForCausalLM (model_type 'mixtral'): fused experts model.layers.{0..3}.mlp.experts: "
         "input activations are quantized on fused experts only with FP8 weights per channel or tensor "
         "(FP8_DYNAMIC): transformers reloads other experts from packed weight-only formats alone (W4A16, W8A16, "
-        "MXFP4A16)",
+        "MXFP4A16)" + FOR_VLLM,
     ),
     "asymmetric": (
         "mixtral",
@@ -349,7 +351,7 @@ REFUSALS = {
         "symmetric int weights that compressed-tensors packs (pack-quantized: W4A16, W8A16), MXFP4 / MXFP6 weights "
         "(MXFP4A16, MXFP6A16) or symmetric FP8 weights per channel or tensor (FP8_DYNAMIC) only: transformers "
         "rebuilds a checkpoint's experts from their packed weights, scales and shapes (no zero point) or from fp8 "
-        "weights times their scales, no other format",
+        "weights times their scales, no other format" + FOR_VLLM,
     ),
     "fp8_asymmetric": (  # found by a tester: it ran, and the FP8 zero points made the checkpoint fail to reload
         "mixtral",
@@ -359,7 +361,7 @@ REFUSALS = {
         "symmetric int weights that compressed-tensors packs (pack-quantized: W4A16, W8A16), MXFP4 / MXFP6 weights "
         "(MXFP4A16, MXFP6A16) or symmetric FP8 weights per channel or tensor (FP8_DYNAMIC) only: transformers "
         "rebuilds a checkpoint's experts from their packed weights, scales and shapes (no zero point) or from fp8 "
-        "weights times their scales, no other format",
+        "weights times their scales, no other format" + FOR_VLLM,
     ),
     "static_int8_inputs": (  # FP8 weights with static int8 inputs: one FP8 input_scale per expert matrix only
         "mixtral",
@@ -368,7 +370,7 @@ REFUSALS = {
             "num_bits": 8, "type": "int", "symmetric": True, "strategy": "tensor", "dynamic": False}}}},
         "GPTQModifier: MixtralForCausalLM (model_type 'mixtral'): fused experts model.layers.{0..3}.mlp.experts: "
         "static input activations on fused experts are 8-bit float, symmetric, per tensor only (one input_scale [1] "
-        "per expert matrix, as the FP8 preset writes them); use the FP8 preset or FP8_DYNAMIC",
+        "per expert matrix, as the FP8 preset writes them); use the FP8 preset or FP8_DYNAMIC" + FOR_VLLM,
     ),
 }
 
@@ -400,7 +402,7 @@ def test_mxfp8_on_fused_experts_is_refused_before_the_shared_global_scales_are_l
         "model.layers.{0..3}.mlp.experts: symmetric int weights that compressed-tensors packs (pack-quantized: W4A16, "
         "W8A16), MXFP4 / MXFP6 weights (MXFP4A16, MXFP6A16) or symmetric FP8 weights per channel or tensor "
         "(FP8_DYNAMIC) only: transformers rebuilds a checkpoint's experts from their packed weights, scales and shapes "
-        "(no zero point) or from fp8 weights times their scales, no other format"
+        "(no zero point) or from fp8 weights times their scales, no other format" + FOR_VLLM
     )
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert not (tmp_path / "o").exists()
@@ -1016,7 +1018,7 @@ def test_fp8_experts_are_refused_before_any_work_where_transformers_reads_packed
     assert _qwen3_moe_refusal(tmp_path, "FP8_DYNAMIC") == (
         "QuantizationModifier: Qwen3MoeForCausalLM (model_type 'qwen3_moe'): fused experts "
         "model.layers.{0..3}.mlp.experts: FP8 expert weights reload from transformers 5.25 on (installed: 5.24.0, "
-        "whose experts loader reads packed int weights only): upgrade transformers, or use W4A16 / W8A16"
+        "whose experts loader reads packed int weights only): upgrade transformers, or use W4A16 / W8A16" + FOR_VLLM
     )
 
 
@@ -1137,5 +1139,5 @@ def test_a_scheme_the_experts_cannot_take_is_refused_before_the_model_s_dtype(tm
         "model.layers.{0..3}.mlp.experts: symmetric int weights that compressed-tensors packs (pack-quantized: W4A16, "
         "W8A16), MXFP4 / MXFP6 weights (MXFP4A16, MXFP6A16) or symmetric FP8 weights per channel or tensor "
         "(FP8_DYNAMIC) only: transformers rebuilds a checkpoint's experts from their packed weights, scales and shapes "
-        "(no zero point) or from fp8 weights times their scales, no other format"
+        "(no zero point) or from fp8 weights times their scales, no other format" + FOR_VLLM
     )

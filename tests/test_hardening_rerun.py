@@ -145,3 +145,20 @@ def test_a_refused_rerun_does_not_first_say_that_its_stage_runs(tiny_model_dir, 
     )
     assert [r.getMessage() for r in caplog.records] == []
     assert not (tmp_path / "again").exists()
+
+
+def test_a_rerun_refused_for_its_data_does_not_first_say_that_its_stage_runs(pruned, tiny_model_dir, tmp_path, caplog):
+    """A breaker's case after the fix above: SparseGPT 0.5 -> 0.75 on the pruned output, refused for a sequence
+    length above the model's positions, printed the history line first (it came after the modifiers' checks, before
+    the data's)."""
+    caplog.clear()
+    with caplog.at_level(logging.WARNING), pytest.raises(ValueError) as info:
+        llmc_fsm.oneshot(
+            model=str(pruned),
+            recipe={"sparsity_stage": {"SparseGPTModifier": {"sparsity": 0.75, "ignore": ["lm_head"]}}},
+            dataset=str(tiny_model_dir[1]), num_calibration_samples=8, max_seq_length=4096, output_dir=tmp_path / "o",
+            progress=False,
+        )  # fmt: skip
+    assert "max_position_embeddings" in str(info.value)
+    assert [r.getMessage() for r in caplog.records if "runs on top of it" in r.getMessage()] == []
+    assert not (tmp_path / "o").exists()

@@ -115,11 +115,25 @@ class LazyModel:
         try:
             self._load(names)
             yield
-        finally:
-            extra = list(module.parameters()) if module is not None else []
-            for tensor in [*(self._tensors[n] for n in names), *extra]:
-                if tensor.device.type != "meta":
+        except BaseException:  # an error or an interruption (SIGTERM, Ctrl-C) on its way out: it is what is raised
+            self._release(names, module, unwinding=True)
+            raise
+        self._release(names, module, unwinding=False)
+
+    def _release(self, names: list[str], module: nn.Module | None, *, unwinding: bool) -> None:
+        """Put ``names`` (and ``module``'s parameters) back on ``meta``. ``unwinding``: an exception is on its way
+        out, whose traceback may still hold one of these tensors (then ``swap_tensors`` refuses it: "Expected
+        use_count ... but got 2"); such a tensor keeps its values rather than replace the exception (a breaker's
+        case: SIGTERM inside GPTQ's sweep of fused experts became that RuntimeError, and the run's kept progress was
+        deleted as for a failure)."""
+        extra = list(module.parameters()) if module is not None else []
+        for tensor in [*(self._tensors[n] for n in names), *extra]:
+            if tensor.device.type != "meta":
+                try:
                     _swap(tensor, torch.empty_like(tensor, device="meta"))
+                except RuntimeError:
+                    if not unwinding:
+                        raise
 
     def _load(self, names: list[str]) -> None:
         from safetensors import safe_open

@@ -231,10 +231,11 @@ def token_data(run: Run) -> None:
 
 
 def say_history(run: Run) -> None:
-    """Log the model history's "runs on top of it" lines (:attr:`Run.history_notes`), once: after the modifiers'
-    checks of the model passed (on the ``meta`` model, or the loaded one)."""
+    """Log the model history's "runs on top of it" lines (:attr:`Run.history_notes`) under the history module's
+    logger, once: after every check of the model, the data and the modifiers passed (:func:`token_data`)."""
+    history = logging.getLogger(merge_saved_recipe.__module__)
     for line in run.history_notes:
-        logger.warning("%s", line)
+        history.warning("%s", line)
     run.history_notes.clear()
 
 
@@ -457,8 +458,6 @@ def _check_on_meta(run: Run) -> None:
         raise
     except Exception as err:  # a check that needs real weights: it runs again on the loaded model
         logger.debug("a modifier check failed on the meta-device model (%r): checked after loading", err)
-        return
-    say_history(run)
 
 
 def _check_runs_on_text(run: Run, model: Any) -> None:

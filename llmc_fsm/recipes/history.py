@@ -48,8 +48,9 @@ def merge_saved_recipe(recipe: Recipe, model: Any, *, notes: list[str] | None = 
     * otherwise it **runs**; when its name was applied it runs under a fresh one
       (``sparsity_stage_2``, ...), and when a stage of the same modifier(s) was applied with other
       settings a one-line warning says what was applied before and what differs (appended to ``notes`` instead
-      where given: :func:`llmc_fsm.oneshot` says it once the modifiers' checks of the model passed, so that a
-      refusal, e.g. of a model quantized already, is not preceded by a line saying the stage runs).
+      where given: :func:`llmc_fsm.oneshot` says it once every check of the model, the data and the modifiers
+      passed, so that a refusal, e.g. of a model quantized already, is not preceded by a line saying the stage
+      runs).
     """
 
     history = getattr(model, APPLIED_RECIPE_ATTR, None)

@@ -460,6 +460,10 @@ def _expert_activations_note(scheme: QuantizationScheme, *, all_experts: bool = 
     )
 
 
+#: the end of a refusal of a scheme on fused experts: what runs besides the schemes transformers reloads
+_FOR_VLLM = " (NVFP4, NVFP4A16 and FP8_BLOCK experts are written per expert for vLLM instead)"
+
+
 @torch.no_grad()
 def _attach_view_qparams(view: LinearView, scheme: QuantizationScheme, quantized: QuantizedWeight) -> None:
     """Write ``quantized.weight`` into the fused parameter through ``view`` and keep its quantization on the view.
@@ -1103,7 +1107,7 @@ class QuantizingModifier(CalibratedModifier):
             raise ValueError(msg)
         problem = expert_reload_problem(scheme)
         if problem is not None and not experts_for_vllm(scheme):
-            msg = f"{name}: {family}: fused experts {compact_names(list(sources))}: {problem}"
+            msg = f"{name}: {family}: fused experts {compact_names(list(sources))}: {problem}{_FOR_VLLM}"
             raise ValueError(msg)
         note = _expert_activations_note(scheme, all_experts=self.calibrate_all_experts)
         if problem is not None:  # written per expert as vLLM reads them, and said so
@@ -1151,7 +1155,7 @@ class QuantizingModifier(CalibratedModifier):
         if problem is None or experts_for_vllm(scheme):
             return None
         family = model_family(model)
-        return f"{type(self).__name__}: {family}: fused experts {compact_names(list(fused))}: {problem}"
+        return f"{type(self).__name__}: {family}: fused experts {compact_names(list(fused))}: {problem}{_FOR_VLLM}"
 
     def _check_kv_cache(self, model: nn.Module) -> dict[str, nn.Module]:
         """The attention modules whose KV cache ``kv_cache_scheme`` quantizes.
