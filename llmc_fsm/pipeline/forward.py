@@ -32,6 +32,7 @@ __all__ = [
     "capture_layer_inputs",
     "first_output",
     "inputs_of",
+    "layer_output",
     "record_calls",
     "record_calls_per_class",
     "replaying",
@@ -274,6 +275,18 @@ def _carried(rest: tuple[Any, ...], kwargs: LayerKwargs, output: Any) -> tuple[t
     kwargs = LayerKwargs(kwargs.per_layer, kwargs.index)  # a fresh dict: the captured arguments stay as they were
     kwargs.update({key: value(item) for key, item in kwargs.items()})
     return tuple(value(item) for item in rest), kwargs
+
+
+def layer_output(output: Any, kwargs: Any) -> Any:
+    """What of a decoder layer's return value ``output`` (on one batch whose keyword arguments are ``kwargs``) the
+    next layer needs: the whole tuple where the model's forward passes the next layer one of its other outputs
+    (:func:`_carried`), else the hidden states alone (:func:`first_output`), so that no other output (e.g. attention
+    weights) is held for every batch."""
+    if isinstance(kwargs, LayerKwargs) and kwargs.index + 1 < len(kwargs.per_layer):
+        rest, following = kwargs.per_layer[kwargs.index + 1]
+        if any(isinstance(v, _NotComputed) for v in (*rest, *following.values())):
+            return output
+    return first_output(output)
 
 
 def first_output(output: Any) -> torch.Tensor:

@@ -32,7 +32,7 @@ from torch import nn
 
 from llmc_fsm.core.torch_hooks import global_forward_hooks_installed, hook_count
 from llmc_fsm.output.save import quantized_weights_as_compressed
-from llmc_fsm.pipeline.forward import Calls, Inputs, StopForward, call_order, with_hidden
+from llmc_fsm.pipeline.forward import Calls, Inputs, StopForward, call_order, layer_output, with_hidden
 from llmc_fsm.pipeline.true_sequential import plan_groups, run_grouped
 from llmc_fsm.toolkit.calibrated import CalibratedModifier
 
@@ -263,7 +263,7 @@ def compress_layer(
             compress([layer])
             return with_hidden(inputs, hidden) if need_outputs else None
         if deferred and need_outputs and inputs:  # the layer's output before compression: one forward per batch
-            hidden = [layer(*args, **kwargs) for args, kwargs in inputs]
+            hidden = [layer_output(layer(*args, **kwargs), kwargs) for args, kwargs in inputs]
             compress([layer])
             return with_hidden(inputs, hidden)
         if inputs:
@@ -285,4 +285,4 @@ def propagate(layer: nn.Module, inputs: Inputs, *, calibration: bool = False) ->
         stack.enter_context(quantized_weights_as_compressed(layer))
         if calibration:
             stack.enter_context(activation_quantization_off(layer))
-        return with_hidden(inputs, [layer(*args, **kwargs) for args, kwargs in inputs])
+        return with_hidden(inputs, [layer_output(layer(*args, **kwargs), kwargs) for args, kwargs in inputs])

@@ -46,7 +46,7 @@ from greenlet import greenlet
 from torch import nn
 
 from llmc_fsm.core.torch_hooks import global_forward_hooks_installed, hook_count
-from llmc_fsm.pipeline.forward import Calls, Inputs, StopForward
+from llmc_fsm.pipeline.forward import Calls, Inputs, StopForward, layer_output
 
 __all__ = ["plan_groups", "run_grouped"]
 
@@ -104,8 +104,8 @@ def run_grouped(
             (:func:`llmc_fsm.pipeline.layer.activation_quantization_off`), so the compressed module computes that too.
 
     Returns:
-        Per batch, the layer's output (its hidden states, or the tuple it returns; computed with every group
-        compressed).
+        Per batch, the layer's output as the next layer needs it (:func:`~llmc_fsm.pipeline.forward.layer_output`;
+        computed with every group compressed).
 
     Raises:
         Whatever a batch's forward or ``compress`` raised (the other batches' forwards are unwound first);
@@ -135,7 +135,7 @@ def run_grouped(
 
     def batch(index: int) -> Any:
         args, kwargs = inputs[index]
-        return layer(*args, **kwargs)  # its whole output: the next layer may be given more than the hidden states
+        return layer_output(layer(*args, **kwargs), kwargs)  # what the next layer needs of it
 
     batches = [greenlet(functools.partial(batch, index)) for index in range(len(inputs))]
     try:
