@@ -1049,9 +1049,10 @@ class QuantizingModifier(CalibratedModifier):
                 not reload into them (:func:`~llmc_fsm.toolkit.expert_reload_problem`: they take weight-only
                 symmetric int packed by compressed-tensors, ``pack-quantized``, any group size; MXFP4 / MXFP6
                 weight-only; FP8 weights per
-                channel or tensor with no, dynamic or static FP8 per-tensor input activations), or expert matrices
-                in config groups of different schemes; fused experts
-                under ``torch.distributed``.
+                channel or tensor with no, dynamic or static FP8 per-tensor input activations) and vLLM does not
+                read per expert either (NVFP4 and FP8 block experts are written per expert for vLLM, with one warning
+                line: :func:`~llmc_fsm.toolkit.experts_for_vllm`), or expert matrices in config groups of different
+                schemes; fused experts under ``torch.distributed``.
         """
         name = type(self).__name__
         family = model_family(model)
