@@ -114,6 +114,27 @@ def test_an_unreachable_hub_fails_at_once_for_an_uncached_model(tmp_path, monkey
     assert list(tmp_path.iterdir()) == []
 
 
+def test_an_unreachable_uncached_hub_model_is_one_line_before_the_device_line(tmp_path, monkeypatch, capsys):
+    """A newcomer's case: ``--model out/nonexistent`` (shaped like a Hub ID) printed the device line, then the
+    error; the command now refuses it with the same one line before any other, nothing written."""
+    from huggingface_hub import constants
+
+    for key in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")  # the discard port: nothing listens
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "cache"))
+    capsys.readouterr()
+    assert main(["oneshot", "--model", "out/nonexistent", "--output", str(tmp_path / "o")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(
+        "llmc-fsm oneshot: error: model 'out/nonexistent' is not a known name or a local directory, and as a Hugging "
+        "Face Hub model ID it is not in the cache"
+    )
+    assert err.count("\n") == 1
+    assert not (tmp_path / "o").exists()
+
+
 # --------------------------------------------------------------------------- torchrun: one error line
 @pytest.mark.parametrize(("rank", "printed"), [("0", True), ("1", False)])
 def test_under_torchrun_only_rank_0_prints_the_error_line(monkeypatch, capsys, rank, printed):

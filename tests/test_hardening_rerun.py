@@ -162,3 +162,16 @@ def test_a_rerun_refused_for_its_data_does_not_first_say_that_its_stage_runs(pru
     assert "max_position_embeddings" in str(info.value)
     assert [r.getMessage() for r in caplog.records if "runs on top of it" in r.getMessage()] == []
     assert not (tmp_path / "o").exists()
+
+
+def test_an_empty_list_of_modifiers_is_refused_as_empty_not_as_applied():
+    """A newcomer's case: ``oneshot(recipe=[])`` on a fresh model said "every stage is already applied ... with the
+    same settings", which was false."""
+    model = tiny_llama.llama(vocab=96, hidden=32, layers=2)
+    data = torch.randint(0, 96, (4, 16), generator=torch.Generator().manual_seed(1))
+    with pytest.raises(ValueError) as info:
+        llmc_fsm.oneshot(model=model, recipe=[], dataset=data, progress=False)
+    assert str(info.value) == (
+        "the recipe has no modifier to run: [] is empty; give at least one modifier, or leave recipe out (None) for "
+        "the recipe of method= (--method; default sparsegpt)"
+    )

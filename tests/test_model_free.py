@@ -519,7 +519,7 @@ def test_targets_the_checkpoint_config_ignores_by_pattern_are_refused_before_any
     assert not (tmp_path / "out").exists()
 
 
-def test_the_command_writes_what_the_function_writes(tmp_path, capsys):
+def test_the_command_writes_what_the_function_writes(tmp_path, capsys, caplog):
     from llmc_fsm.cli import main
 
     source = _checkpoint(tmp_path / "src", shard="60KB")
@@ -540,6 +540,15 @@ def test_the_command_writes_what_the_function_writes(tmp_path, capsys):
         "dynamic activations, or run llmc_fsm.oneshot with a dataset\n"
     )
     assert not (tmp_path / "fp8").exists()
+    # a newcomer's case: the refusal of a scheme on these widths came after the default-ignore warning line
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        assert main(["model-free", str(source), "--scheme", "FP8_BLOCK", "--output", str(tmp_path / "block")]) == 1
+    assert [r.getMessage() for r in caplog.records if "no ignore given" in r.getMessage()] == []
+    err = capsys.readouterr().err
+    assert err.startswith("llmc-fsm model-free: error: model_free_ptq: QuantizationModifier refuses this checkpoint: ")
+    assert err.count("\n") == 1
+    assert not (tmp_path / "block").exists()
 
 
 def test_a_bias_in_another_shard_than_its_weight_is_read_and_written_with_it(tmp_path):

@@ -42,6 +42,7 @@ __all__ = [
     "dtype_kwargs",
     "first_line",
     "fix_safetensors_permissions",
+    "hub_model_unavailable",
     "hub_unreachable",
     "is_vision_language",
     "load_hf_dir",
@@ -330,6 +331,29 @@ def hub_unreachable(endpoint: str, timeout_s: float = 3.0) -> str | None:
         return f"{parts.hostname}:{port}: {err.strerror or err}"
 
 
+def hub_model_unavailable(model_id: str) -> str | None:
+    """Why the Hub model ID ``model_id`` cannot be loaded, known before anything is downloaded: its config is not
+    in the Hugging Face cache and the Hub cannot be reached (:func:`hub_unreachable`, 3 s at most) — the message
+    :func:`load_hub` raises; ``None`` otherwise (``HF_HUB_OFFLINE=1`` is :func:`load_hub`'s own case)."""
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    if constants.HF_HUB_OFFLINE or isinstance(try_to_load_from_cache(model_id, "config.json"), str):
+        return None
+    unreachable = hub_unreachable(constants.ENDPOINT)
+    return None if unreachable is None else _not_in_cache_nor_reachable(model_id, unreachable)
+
+
+def _not_in_cache_nor_reachable(model_id: str, unreachable: str) -> str:
+    from huggingface_hub import constants
+
+    where = f"HF_HUB_OFFLINE=0, Hugging Face cache searched: {constants.HF_HUB_CACHE}"
+    return (
+        f"model {model_id!r} is not a known name or a local directory, and as a Hugging Face Hub model ID it is not "
+        f"in the cache ({where}) and the Hub cannot be reached ({unreachable}): connect to the network, point "
+        "HF_HUB_CACHE at a cache that holds it, or pass a local model directory"
+    )
+
+
 def load_hub(model_id: str, torch_dtype: torch.dtype) -> tuple[PreTrainedModel, PreTrainedTokenizerBase | None]:
     """Load ``model_id`` (``org/name``) with ``from_pretrained`` through the Hugging Face cache.
 
@@ -357,12 +381,7 @@ def load_hub(model_id: str, torch_dtype: torch.dtype) -> tuple[PreTrainedModel, 
         unreachable = hub_unreachable(constants.ENDPOINT)
         if unreachable is not None:  # without a network, from_pretrained retries for ~25 s, warning twice a try
             if not isinstance(try_to_load_from_cache(model_id, "config.json"), str):
-                msg = (
-                    f"model {model_id!r} is not a known name or a local directory, and as a Hugging Face Hub model "
-                    f"ID it is not in the cache ({where}) and the Hub cannot be reached ({unreachable}): connect to "
-                    "the network, point HF_HUB_CACHE at a cache that holds it, or pass a local model directory"
-                )
-                raise RuntimeError(msg)
+                raise RuntimeError(_not_in_cache_nor_reachable(model_id, unreachable))
             local_only = True
             logger.warning(
                 "the Hugging Face Hub cannot be reached (%s): loading %s from the cache", unreachable, model_id

@@ -36,7 +36,7 @@ from llmc_fsm.data.images import (
 )
 from llmc_fsm.data.protocol import PerplexityCache, perplexity, token_windows
 from llmc_fsm.data.rows import TokenRows, is_rows, read_rows, row_batches
-from llmc_fsm.models.hf_io import hub_unreachable, looks_like_hub_id, meta_model
+from llmc_fsm.models.hf_io import hub_model_unavailable, hub_unreachable, looks_like_hub_id, meta_model
 from llmc_fsm.models.known import (
     KNOWN_MODELS,
     check_model_name,
@@ -355,6 +355,10 @@ def prepare(settings: OneshotSettings) -> Run:
             run.ev_text = read_text("eval_text (--eval-text)", settings.eval_text)
     if isinstance(settings.model, str | os.PathLike):  # an unknown name or a file: one line, before the device line
         check_model_name(settings.model)
+        if run.model_config is None and looks_like_hub_id(os.fspath(settings.model)):  # config not had: why, if known
+            missing = hub_model_unavailable(os.fspath(settings.model))
+            if missing is not None:
+                raise RuntimeError(missing)
     _check_data_kind(run)
     config = run.model_config if run.model_config is not None else _cached_known_config(settings.model)
     if config is not None:  # --seq-len above the model's positions: one line, before the device line and any weight
@@ -621,7 +625,14 @@ def _claim(output_dir: Any, overwrite: bool) -> WorkDir | None:
 def _sessions(model: Any, recipe: Any, fuse_stages: bool, notes: list[str]) -> tuple[Recipe, list[Session]]:
     """The recipe resolved and merged with the model's history (its "runs on top of it" lines into ``notes``), and
     its sessions."""
+    given = recipe
     recipe = generated_recipe() if recipe is None else resolve_recipe(recipe)
+    if not recipe.stages:  # an empty list of modifiers (a Session takes it; one-shot has nothing to run)
+        msg = (
+            f"the recipe has no modifier to run: {given!r} is empty; give at least one modifier, or leave recipe out "
+            "(None) for the recipe of method= (--method; default sparsegpt)"
+        )
+        raise ValueError(msg)
     recipe = without_training_stages(recipe)
     merged = merge_saved_recipe(recipe, model, notes=notes)
     fresh = [stage for stage in merged.stages if not stage.applied]

@@ -123,7 +123,7 @@ def build_recipe(data: Any, source: str) -> Recipe:
     if data is None or (isinstance(data, Mapping | list) and not data):
         msg = (
             f"recipe {source} is empty: give at least one stage with a modifier "
-            "(for a session without modifiers, pass recipe=None)"
+            "(for a Session without modifiers, pass Session(recipe=None))"
         )
         raise RecipeError(msg)
     if isinstance(data, list):

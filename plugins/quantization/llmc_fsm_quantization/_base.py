@@ -910,9 +910,6 @@ class QuantizingModifier(CalibratedModifier):
             self._group_of, self._expert_names, self._fused = {}, {}, {}
             self._kv_attention = self._check_kv_cache(model)
             return {}
-        if self._ignore_defaulted and not self._ignore_logged:
-            self._ignore_logged = True
-            self._warn_default_ignore(model)
         self._group_of = self._memberships(model)
         try:
             targets = super().check_model(model)
@@ -925,6 +922,9 @@ class QuantizingModifier(CalibratedModifier):
         self._fused = self._fused_siblings(model, targets)
         if self._kv_args is not None:
             self._kv_attention = self._check_kv_cache(model)
+        if self._ignore_defaulted and not self._ignore_logged:  # once the checks passed: no line before a refusal
+            self._ignore_logged = True
+            self._warn_default_ignore(model)
         return targets
 
     def _warn_default_ignore(self, model: nn.Module) -> None:
