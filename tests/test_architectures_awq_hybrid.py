@@ -185,7 +185,8 @@ def test_awq_smooths_qwen3_5s_linear_attention_and_the_output_reloads(tmp_path):
 #: with llm-compressor 0.14's registry: AFMoE's and MuseGlimmer's attention output gate ``self_attn.gate_proj`` was
 #: taken for the MLP's gate (their norm -> MLP mapping changed the model), GLM-5's indexer read the norms' outputs
 #: unbalanced, AFMoE's and Llama-4's MoE norms were mapped to their shared expert alone and Cohere2-MoE's parallel
-#: norm to q/k/v alone (their router and experts read it too: not resolved, so not smoothed)
+#: norm to q/k/v alone (their router and experts read it too: not resolved, so not smoothed; Llama 4's experts have
+#: views since session 25, so its whole MoE block is smoothed)
 GATED = {
     "afmoe": (1, [
         "input_layernorm -> self_attn.q_proj, self_attn.k_proj, self_attn.v_proj, self_attn.gate_proj",
@@ -196,9 +197,13 @@ GATED = {
         "pre_feedforward_layernorm -> mlp.gate_proj, mlp.up_proj",
         "mlp.up_proj -> mlp.down_proj",
     ]),
-    "llama4": (1, [  # its MoE norm feeds the router and Llama4TextExperts too, not resolved: not smoothed
+    "llama4": (1, [  # its MoE norm feeds the router, the shared expert and Llama4TextExperts (views since session 25)
         "input_layernorm -> self_attn.q_proj, self_attn.k_proj, self_attn.v_proj",
+        "post_attention_layernorm -> feed_forward.router, feed_forward.shared_expert.gate_proj, "
+        "feed_forward.shared_expert.up_proj, "
+        + ", ".join(f"feed_forward.experts.{e}.{m}" for e in range(4) for m in ("gate_proj", "up_proj")),
         "feed_forward.shared_expert.up_proj -> feed_forward.shared_expert.down_proj",
+        *(f"feed_forward.experts.{e}.up_proj -> feed_forward.experts.{e}.down_proj" for e in range(4)),
     ]),
     "cohere2_moe": (1, []),  # a parallel block: its one norm feeds attention, router and experts; not resolved
     "glm_moe_dsa": (0, [

@@ -289,9 +289,9 @@ REFUSALS = {
     ),
     "dbrx": (
         "AWQModifier: DbrxForCausalLM (model_type 'dbrx') keeps fused experts in "
-        "transformer.blocks.{0..1}.ffn.experts that no smoothing mapping reaches (DbrxExperts is not a transformers "
-        "fused-experts class with layout flags (has_gate, is_concatenated, ...)), and no modifier can quantize them "
-        "so that they reload: "
+        "transformer.blocks.{0..1}.ffn.experts that no smoothing mapping reaches (DbrxExperts is neither a "
+        "transformers fused-experts class with layout flags (has_gate, is_concatenated, ...) nor Llama 4's experts), "
+        "and no modifier can quantize them so that they reload: "
     ),
 }
 

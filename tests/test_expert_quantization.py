@@ -69,9 +69,10 @@ def _gptq_reference(w: torch.Tensor, hessian: torch.Tensor, damp: float = 0.01):
     return out, ratio, perm
 
 
-def _assert_gptq_equal(got: torch.Tensor, w: torch.Tensor, hessian: torch.Tensor, name: str) -> None:
-    """``got`` is the float64 GPTQ of ``w``: equal integers, except that a row (at most 5% of them) may part from the
-    reference from a column whose value before rounding was within 1e-4 of a rounding boundary (float32 vs float64)."""
+def _assert_gptq_equal(got: torch.Tensor, w: torch.Tensor, hessian: torch.Tensor, name: str, share: int = 20) -> None:
+    """``got`` is the float64 GPTQ of ``w``: equal integers, except that a row (at most 1 in ``share`` of them) may
+    part from the reference from a column whose value before rounding was within 1e-4 of a rounding boundary (float32
+    vs float64: e.g. a group's largest weight, at exactly +-7.5 scales before the error of earlier columns moves it)."""
     ref, ratio, perm = _gptq_reference(w, hessian)
     s = _scales(w).double().repeat_interleave(GROUP, dim=1)
     q_got, q_ref = torch.round(got.double() / s), torch.round(ref / s)
@@ -81,7 +82,7 @@ def _assert_gptq_equal(got: torch.Tensor, w: torch.Tensor, hessian: torch.Tensor
         first = next(int(c) for c in perm if q_got[r, c] != q_ref[r, c])
         assert abs(abs(ratio[r, first] - torch.floor(ratio[r, first])) - 0.5) < 1e-4, (name, r, first)
         parted += 1
-    assert parted <= got.shape[0] // 20, (name, parted)  # at most 5% of the rows
+    assert parted <= got.shape[0] // share, (name, parted)
 
 
 def _capture(experts):
@@ -1141,3 +1142,37 @@ def test_a_scheme_the_experts_cannot_take_is_refused_before_the_model_s_dtype(tm
         "(FP8_DYNAMIC) only: transformers rebuilds a checkpoint's experts from their packed weights, scales and shapes "
         "(no zero point) or from fp8 weights times their scales, no other format" + FOR_VLLM
     )
+
+
+@pytest.mark.parametrize("modifier", ["QuantizationModifier", "GPTQModifier"])
+def test_int8_per_channel_experts_in_bfloat16_hold_what_the_checkpoint_decompresses_to_and_reload(tmp_path, modifier):
+    """Found on Llama 4's experts: int8 weights per channel rounded with a float32 scale, then saved with the scale in
+    bfloat16, left expert entries one bfloat16 ulp off what the checkpoint decompresses to (the reloaded logits
+    differed by 0.004). Each expert matrix now holds (q - zero point) * its saved scale: equal to compressed-tensors'
+    decompression of the saved tensors, and the reloaded logits equal the in-memory ones."""
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationScheme
+
+    from llmc_fsm.toolkit import expert_checkpoint_names
+
+    build("qwen3_moe").save_pretrained(tmp_path / "src")
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "src", dtype=torch.bfloat16).eval()
+    group = {"targets": ["Linear"], "weights": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"}}
+    recipe = {"s": {modifier: {"config_groups": {"g": group}, "ignore": ["lm_head", "re:.*mlp.gate$"]}}}
+    llmc_fsm.oneshot(model=model, recipe=recipe, dataset=MORE, output_dir=tmp_path / "o", progress=False)
+    saved = {}
+    for file in (tmp_path / "o").glob("*.safetensors"):
+        with safe_open(str(file), "pt") as f:
+            saved.update({k: f.get_tensor(k) for k in f.keys()})  # noqa: SIM118 (safe_open has no iterator)
+    (entry,) = json.loads((tmp_path / "o" / "config.json").read_text())["quantization_config"]["config_groups"].values()
+    compressor = BaseCompressor.get_value_from_registry(entry["format"])
+    scheme = QuantizationScheme.model_validate(entry)
+    for name, module in _experts_modules(model).items():
+        names = expert_checkpoint_names(model, name, module)
+        for suffix, view in weight_views(module).items():
+            prefix = names[suffix] + "."
+            tensors = {k.removeprefix(prefix): v for k, v in saved.items() if k.startswith(prefix)}
+            assert torch.equal(compressor.decompress(tensors, scheme)["weight"], view.weight), f"{name}.{suffix}"
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "o", dtype=torch.bfloat16).eval()
+    with torch.no_grad():
+        assert torch.equal(reloaded(DATA[:2]).logits, model(DATA[:2]).logits)

@@ -729,6 +729,9 @@ def _expert_tensors(
             setattr(view, RECIPE_FORMAT_ATTR, getattr(scheme.format, "value", scheme.format))
         fmt = quantization_format or getattr(view, RECIPE_FORMAT_ATTR)  # quantization_format: checked by the caller
         scheme.format = CompressionFormat(fmt) if fmt is not None else infer_module_format(nn.Linear, scheme)
+        asymmetric_int = scheme.weights is not None and not scheme.weights.symmetric and scheme.weights.type == "int"
+        if fmt is None and asymmetric_int and scheme.format == CompressionFormat.pack_quantized:
+            scheme.format = CompressionFormat.int_quantized  # as a Linear's default (unpacked_zero_points): reloads
         local = {"weight": view.weight.detach().contiguous(), **view.quantized_params}
         packed = kept_packed(view, scheme.format.value, local)  # packed when it was quantized (MX)
         if packed is None:

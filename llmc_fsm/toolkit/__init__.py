@@ -37,8 +37,10 @@ The public names, by concern:
   parameter, or a ``Conv1D`` weight, seen as a Linear weight sharing its storage), :func:`weight_views` (a module's
   views), :func:`observe_inputs` (feed the views the inputs their matrices receive: per expert, its routed tokens;
   :func:`observe_view_inputs` registers it on every module whose views a modifier targets),
-  :func:`router_names`, :func:`fused_experts_reason`, :func:`clear_weight_views` (after a module's
-  parameters changed shape), :func:`expert_checkpoint_names` (the per-expert checkpoint names of fused experts);
+  :func:`router_names`, :func:`fused_experts_reason`, :func:`experts_layout` (:class:`ExpertsLayout`: how fused
+  experts keep their matrices), :func:`clear_weight_views` (after a module's
+  parameters changed shape), :func:`expert_checkpoint_names` (the per-expert checkpoint names of fused experts),
+  :func:`linear_expert_names` (those of experts transformers reloads as one Linear per expert matrix: Llama 4);
 * **masks** (:mod:`~llmc_fsm.toolkit.masks`): :func:`pack_mask` / :func:`unpack_mask` (bool <-> bit-packed uint8);
 * **ranks** (:mod:`~llmc_fsm.toolkit.distributed`): :func:`is_distributed`, :func:`get_rank`,
   :func:`get_world_size`, :func:`is_main_process`, :func:`all_reduce_tensor`, :func:`all_gather_ints`,
@@ -105,10 +107,13 @@ from llmc_fsm.toolkit.targets import (
     untie_head,
 )
 from llmc_fsm.toolkit.views import (
+    ExpertsLayout,
     LinearView,
     clear_weight_views,
     expert_checkpoint_names,
+    experts_layout,
     fused_experts_reason,
+    linear_expert_names,
     observe_inputs,
     observe_view_inputs,
     router_names,
@@ -124,6 +129,7 @@ __all__ = [
     "ColumnRule",
     "CompressedGroup",
     "DistributedError",
+    "ExpertsLayout",
     "HessianAccumulator",
     "HessianNotPositiveDefiniteError",
     "InverseHessianFactor",
@@ -142,6 +148,7 @@ __all__ = [
     "expert_checkpoint_names",
     "expert_reload_problem",
     "experts_for_vllm",
+    "experts_layout",
     "format_problem",
     "fused_experts_reason",
     "get_rank",
@@ -151,6 +158,7 @@ __all__ = [
     "is_linear_like",
     "is_main_process",
     "keep_packed",
+    "linear_expert_names",
     "matches",
     "model_family",
     "obs_sweep",

@@ -28,17 +28,20 @@ import functools
 import inspect
 import math
 from collections.abc import Callable, Container, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
 __all__ = [
+    "ExpertsLayout",
     "LinearView",
     "clear_weight_views",
     "expert_checkpoint_names",
+    "experts_layout",
     "fused_experts_reason",
+    "linear_expert_names",
     "observe_inputs",
     "observe_view_inputs",
     "router_names",
@@ -126,6 +129,50 @@ def _is_hf_experts(module: nn.Module) -> bool:
     )
 
 
+def _is_llama4(module: nn.Module) -> bool:
+    """Llama 4's ``Llama4TextExperts`` (no layout flags): ``gate_up_proj`` ``[experts, hidden, 2 * expert_dim]`` and
+    ``down_proj`` ``[experts, expert_dim, hidden]``, stored ``[in, out]`` (transposed), gate columns then up columns
+    (``act(gate) * up``, no biases). Its forward takes ``[experts * tokens, hidden]``: every token once per expert,
+    already multiplied by that expert's router score (zero where the router did not choose the expert)."""
+    return (
+        type(module).__name__ == "Llama4TextExperts"
+        and all(isinstance(getattr(module, p, None), torch.Tensor) for p in ("gate_up_proj", "down_proj"))
+        and hasattr(module, "num_experts")
+        and hasattr(module, "act_fn")
+    )
+
+
+class ExpertsLayout(NamedTuple):
+    """How fused experts keep their matrices, in transformers' layout flags (:func:`experts_layout`).
+
+    Attributes:
+        first: the parameter of the input projections, ``"gate_up_proj"`` (gated) or ``"up_proj"``.
+        has_gate: gate rows beside the up rows, combined as ``act(gate) * up``.
+        has_bias: ``<first>_bias`` and ``down_proj_bias`` parameters.
+        is_transposed: matrices stored ``[in, out]`` (``[experts, hidden, 2 * inter]``), not ``[out, in]``.
+        is_concatenated: the gate rows are the first half and the up rows the second (else interleaved).
+    """
+
+    first: str
+    has_gate: bool
+    has_bias: bool
+    is_transposed: bool
+    is_concatenated: bool
+
+
+def experts_layout(module: nn.Module) -> ExpertsLayout | None:
+    """The layout of fused experts ``module``: read from a transformers ``use_experts_implementation`` class's flags
+    (``has_gate``, ``has_bias``, ``is_transposed``, ``is_concatenated``), Llama 4's ``Llama4TextExperts``'
+    (transposed, gate then up columns, no bias: fixed by its forward), or ``None`` for any other module."""
+    if _is_hf_experts(module):
+        first = "gate_up_proj" if module.has_gate else "up_proj"
+        flags = (module.has_gate, module.has_bias, module.is_transposed, module.is_concatenated)
+        return ExpertsLayout(first, *(bool(f) for f in flags))
+    if _is_llama4(module):
+        return ExpertsLayout("gate_up_proj", True, False, True, True)
+    return None
+
+
 def _is_dbrx(module: nn.Module) -> bool:
     mlp = getattr(module, "mlp", None)
     return (
@@ -137,22 +184,24 @@ def _is_dbrx(module: nn.Module) -> bool:
 
 
 def fused_experts_reason(module: nn.Module) -> str | None:
-    """Why the fused experts ``module`` (a transformers ``use_experts_implementation`` class) has no views, or ``None``.
+    """Why the fused experts ``module`` (a transformers ``use_experts_implementation`` class, or Llama 4's
+    ``Llama4TextExperts``) has no views, or ``None``.
 
-    Checked: the parameter shapes agree with the class's layout flags, and the module is not expert-parallel.
+    Checked: the parameter shapes agree with the class's layout (flags), and the module is not expert-parallel.
     """
-    if not _is_hf_experts(module):
+    layout = experts_layout(module)
+    if layout is None:
         return None
     if getattr(module, "_is_expert_parallel", False):
         return "expert-parallel experts (each rank holds a share of the experts)"
-    first = "gate_up_proj" if module.has_gate else "up_proj"
+    first, has_gate, _, transposed, _ = layout
     up, down = getattr(module, first, None), getattr(module, "down_proj", None)
     if not isinstance(up, torch.Tensor) or not isinstance(down, torch.Tensor) or up.dim() != 3 or down.dim() != 3:
         return f"no 3-D {first} and down_proj parameters"
     n = module.num_experts
-    out_up = up.shape[2] if module.is_transposed else up.shape[1]
-    in_down = down.shape[1] if module.is_transposed else down.shape[2]
-    if up.shape[0] != n or down.shape[0] != n or out_up != (2 * in_down if module.has_gate else in_down):
+    out_up = up.shape[2] if transposed else up.shape[1]
+    in_down = down.shape[1] if transposed else down.shape[2]
+    if up.shape[0] != n or down.shape[0] != n or out_up != (2 * in_down if has_gate else in_down):
         return f"{first} {list(up.shape)} and down_proj {list(down.shape)} do not match {n} experts"
     return None
 
@@ -164,19 +213,15 @@ def _build_views(module: nn.Module) -> dict[str, LinearView]:
         views[""] = LinearView(
             module, "weight", expert=None, transposed=True, in_features=w.shape[0], out_features=w.shape[1]
         )
-    elif _is_hf_experts(module) and fused_experts_reason(module) is None:
-        t = bool(module.is_transposed)
-        first = "gate_up_proj" if module.has_gate else "up_proj"
+    elif (layout := experts_layout(module)) is not None and fused_experts_reason(module) is None:
+        first, has_gate, _, t, concatenated = layout
         up, down = getattr(module, first), module.down_proj
         hidden = up.shape[1] if t else up.shape[2]
         inter = down.shape[1] if t else down.shape[2]
         for e in range(module.num_experts):
-            if module.has_gate:
-                gate_rows, up_rows = (
-                    (slice(0, inter), slice(inter, 2 * inter))
-                    if module.is_concatenated
-                    else (slice(0, None, 2), slice(1, None, 2))
-                )
+            if has_gate:
+                halves = (slice(0, inter), slice(inter, 2 * inter))  # concatenated; else interleaved (GPT-OSS)
+                gate_rows, up_rows = halves if concatenated else (slice(0, None, 2), slice(1, None, 2))
                 views[f"{e}.gate_proj"] = LinearView(
                     module, first, expert=e, transposed=t, rows=gate_rows, in_features=hidden,
                     out_features=inter,
@@ -212,6 +257,7 @@ def weight_views(module: nn.Module) -> dict[str, LinearView]:
     * a transformers fused-experts module (built with ``use_experts_implementation``, layout read from its
       ``has_gate`` / ``is_transposed`` / ``is_concatenated`` flags): per expert ``e``, ``"e.gate_proj"`` and
       ``"e.up_proj"`` (rows of ``gate_up_proj[e]``; only ``"e.up_proj"`` without a gate) and ``"e.down_proj"``;
+      Llama 4's ``Llama4TextExperts`` the same (its layout fixed: transposed, gate then up columns);
     * DBRX's ``DbrxExperts``: ``"mlp.e.w1"``, ``"mlp.e.v1"`` (rows ``e * ffn ... (e+1) * ffn`` of
       ``mlp.w1`` / ``mlp.v1``) and ``"mlp.e.w2"`` (those rows of ``mlp.w2``, transposed).
 
@@ -276,7 +322,11 @@ def observe_inputs(
     ``act(gate) * up`` (the module's own ``_apply_gate``, bias included) to ``down_proj``; with ``all_experts``,
     every token goes through every expert (for statistics only; the output still uses the router's choice).
     ``routed_tokens`` of the expert's views grows by the routed count either way. An expert that gets no token is
-    not called.
+    not called. Llama 4's experts are called with every token once per expert, already multiplied by that expert's
+    router score (the input its matrices compute on): expert ``e``'s routed tokens are the nonzero rows of its block
+    (as scaled), and ``all_experts`` gives it every nonzero row of every block (each routed token as scaled for its
+    own expert: llm-compressor 0.14's calibration of all experts on Llama 4 passes them the same rows, and the zero
+    rows besides).
 
     ``samples``: the calibration samples (rows of the batch) the module's tokens come from, sample-major (a
     mixture-of-experts block flattens ``[batch, seq, hidden]`` to ``[batch * seq, hidden]`` before its experts);
@@ -290,16 +340,30 @@ def observe_inputs(
     if _is_conv1d(module):
         views[""](args[0])
         return
+    per_sample = samples is not None and samples > 1
+    if _is_llama4(module):  # [experts * tokens, hidden], scaled by the router: a zero row is a token not routed
+        hidden = args[0] if args else kwargs["hidden_states"]
+        blocks = hidden.reshape(module.num_experts, -1, hidden.shape[-1])
+        parts = list(blocks.chunk(samples, dim=1)) if per_sample and blocks.shape[1] % samples == 0 else [blocks]
+        for e in range(module.num_experts):
+            names = [n for n in views if n.split(".")[-2] == str(e)]
+            for part in parts:
+                routed = (part[e] != 0).any(dim=-1)
+                every = part.reshape(-1, part.shape[-1])
+                every = every[(every != 0).any(dim=-1)] if all_experts else every
+                _observe_expert(module, views, names, e, part[e], routed, every, all_experts=all_experts)
+        return
     hidden, index = _routing_args(module, args, kwargs)
     hidden = hidden.reshape(-1, hidden.shape[-1])
     index = index.reshape(hidden.shape[0], -1)
     chunks = [(hidden, index)]
-    if samples is not None and samples > 1 and hidden.shape[0] % samples == 0:
+    if per_sample and hidden.shape[0] % samples == 0:
         chunks = list(zip(hidden.chunk(samples), index.chunk(samples), strict=True))
     for e in range(module.num_experts):
         names = [n for n in views if n.split(".")[-2] == str(e)]
         for part, part_index in chunks:
-            _observe_expert(module, views, names, e, part, part_index, all_experts=all_experts)
+            routed = (part_index == e).any(dim=-1)
+            _observe_expert(module, views, names, e, part, routed, part, all_experts=all_experts)
 
 
 def _observe_expert(
@@ -307,18 +371,18 @@ def _observe_expert(
     views: dict[str, LinearView],
     names: list[str],
     e: int,
-    hidden: torch.Tensor,
-    index: torch.Tensor,
+    tokens: torch.Tensor,
+    routed: torch.Tensor,
+    every: torch.Tensor,
     *,
     all_experts: bool,
 ) -> None:
-    """:func:`observe_inputs` for expert ``e`` (views ``names``) on tokens ``hidden`` ``[n, hidden]`` routed by
-    ``index`` ``[n, k]``."""
-    routed = (index == e).any(dim=-1)
+    """:func:`observe_inputs` for expert ``e`` (views ``names``): ``tokens`` ``[n, hidden]`` of which the router
+    sent ``routed`` (bool ``[n]``) to it, or ``every`` ``[m, hidden]`` token with ``all_experts``."""
     count = int(routed.sum())
     for n in names:
         views[n].routed_tokens += count
-    x = hidden if all_experts else hidden[routed]
+    x = every if all_experts else tokens[routed]
     if x.shape[0] == 0:
         return
     if _is_dbrx(module):
@@ -328,14 +392,18 @@ def _observe_expert(
         h = mlp.activation_fn(F.linear(x, views[pre + "w1"].weight)) * F.linear(x, views[pre + "v1"].weight)
         views[pre + "w2"](h)
         return
-    first = "gate_up_proj" if module.has_gate else "up_proj"
+    first, has_gate, has_bias, transposed, _ = experts_layout(module)
     w = getattr(module, first)[e]
-    bias = getattr(module, f"{first}_bias")[e] if module.has_bias else None
-    out = F.linear(x, w.T if module.is_transposed else w, bias)
-    if module.has_gate:
+    bias = getattr(module, f"{first}_bias")[e] if has_bias else None
+    out = F.linear(x, w.T if transposed else w, bias)
+    if has_gate:
         views[f"{e}.gate_proj"](x)
         views[f"{e}.up_proj"](x)
-        h = module._apply_gate(out)
+        if hasattr(module, "_apply_gate"):
+            h = module._apply_gate(out)
+        else:  # Llama 4: gate columns, then up columns
+            gate, up = out.chunk(2, dim=-1)
+            h = module.act_fn(gate) * up
     else:
         views[f"{e}.up_proj"](x)
         h = module.act_fn(out)
@@ -495,4 +563,60 @@ def expert_checkpoint_names(model: nn.Module, name: str, module: nn.Module) -> d
     if renamed:
         msg = f"saving would rename the per-expert key {sorted(probe)[0]} (to e.g. {renamed[0]})"
         raise ValueError(msg)
+    return names
+
+
+def linear_expert_names(model: nn.Module, name: str, module: nn.Module) -> dict[str, str] | None:
+    """Per-expert checkpoint names of fused experts that transformers replaces by one Linear module per expert
+    matrix when it loads a compressed-tensors checkpoint, or ``None`` for other experts.
+
+    Llama 4: transformers saves ``Llama4TextExperts`` fused (``feed_forward.experts.gate_up_proj`` / ``down_proj``,
+    no per-expert key: :func:`expert_checkpoint_names` raises), and its quantizers put a module of its
+    ``MODULES_TO_PATCH_FOR_QUANTIZATION`` table in their place before loading a quantized checkpoint
+    (``SequentialLlama4TextExperts``: per expert ``e`` a ``Llama4TextMLP`` with ``gate_proj`` / ``up_proj`` /
+    ``down_proj`` Linears, which compressed-tensors then quantizes like any Linear). The names are read from that
+    module, built on the ``meta`` device from the model's text config as transformers builds it, and must be the
+    view suffixes, each Linear of its view's shape; vLLM's Llama 4 loader reads the same per-expert names, and
+    llm-compressor 0.14 writes a quantized Llama 4 so.
+
+    Args:
+        model: a transformers ``PreTrainedModel`` holding ``module``.
+        name: ``module``'s full name in ``model``.
+        module: a fused experts module with views (:func:`weight_views`).
+
+    Returns:
+        ``{view suffix: checkpoint module name}`` (``"0.gate_proj"`` ->
+        ``"language_model.model.layers.1.feed_forward.experts.0.gate_proj"``), or ``None`` (the installed
+        transformers patches no such class for compressed-tensors checkpoints).
+
+    Raises:
+        ValueError: (one line) the patched module's Linears are not the views (names or shapes), or saving would
+            rename the per-expert keys.
+    """
+    from transformers.core_model_loading import revert_weight_conversion  # optional third-party: transformers
+    from transformers.quantizers.base import MODULES_TO_PATCH_FOR_QUANTIZATION
+    from transformers.utils.quantization_config import QuantizationMethod
+
+    entry = MODULES_TO_PATCH_FOR_QUANTIZATION.get(type(module).__name__)
+    views = weight_views(module)
+    if not views or entry is None or QuantizationMethod.COMPRESSED_TENSORS not in entry["quantization_methods"]:
+        return None
+    with torch.device("meta"):
+        patched = entry["module_name"](model.config.get_text_config())
+    linears = {n: tuple(m.weight.shape) for n, m in patched.named_modules() if isinstance(m, nn.Linear)}
+    shapes = {s: (v.out_features, v.in_features) for s, v in views.items()}
+    if linears != shapes:
+        msg = (
+            f"transformers reloads {type(module).__name__} as {type(patched).__name__}, whose Linear modules "
+            f"({', '.join(sorted(linears)[:3])} ...) are not its expert matrices ({', '.join(sorted(shapes)[:3])} ...)"
+        )
+        raise ValueError(msg)
+    prefix = name + "." if name else ""
+    fused = next(iter(revert_weight_conversion(model, {prefix + "down_proj": torch.zeros(1)})))
+    saved = fused.removesuffix("down_proj")
+    names = {suffix: saved + suffix for suffix in views}
+    probe = {n + ".weight_packed": torch.zeros(1) for n in names.values()}
+    renamed = sorted(set(revert_weight_conversion(model, probe)) - set(probe))
+    if renamed:
+        raise ValueError(f"saving would rename the per-expert key {sorted(probe)[0]} (to e.g. {renamed[0]})")
     return names

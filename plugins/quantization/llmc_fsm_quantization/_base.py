@@ -24,6 +24,7 @@ from compressed_tensors.quantization import (
     QuantizationStatus,
     QuantizationStrategy,
 )
+from compressed_tensors.quantization.lifecycle.forward import fake_quantize as _library_fake_quantize
 from compressed_tensors.quantization.lifecycle.initialize import initialize_module_for_quantization
 from torch import nn
 
@@ -42,6 +43,7 @@ from llmc_fsm.toolkit import (
     is_distributed,
     is_linear_like,
     keep_packed,
+    linear_expert_names,
     model_family,
     observe_view_inputs,
     patterns,
@@ -432,18 +434,36 @@ def _static_inputs(scheme: QuantizationScheme) -> bool:
     return scheme.input_activations is not None and scheme.input_activations.dynamic is False
 
 
-def _expert_activations_note(scheme: QuantizationScheme, *, all_experts: bool = False) -> str | None:
+def _expert_activations_note(
+    scheme: QuantizationScheme, *, all_experts: bool = False, as_linears: bool = False
+) -> str | None:
     """The warning of a run whose fused experts' scheme quantizes input activations, or ``None``.
 
-    Fused experts are not Linear modules, so compressed-tensors puts no input quantization on them: in memory and
-    after transformers reloads the checkpoint they run with FP8 weights and unquantized inputs; the saved config
-    asks the engine that serves the checkpoint (vLLM) to quantize their inputs (dynamic: per token; static: with
-    each expert's calibrated ``input_scale``, saved per expert), as llm-compressor's checkpoints of the same recipe
-    do. transformers' experts loader has no place for the static scales: it reports them as unexpected keys.
+    Fused experts are not Linear modules, so compressed-tensors puts no input quantization on them: in memory they
+    run with quantized weights and unquantized inputs; the saved config asks the engine that serves the checkpoint
+    (vLLM) to quantize their inputs (dynamic: per token; static: with each expert's calibrated ``input_scale``,
+    saved per expert), as llm-compressor's checkpoints of the same recipe do. transformers reloads them so too, its
+    experts loader having no place for the static scales (unexpected keys) -- except experts it reloads as one
+    Linear module per expert matrix (``as_linears``: Llama 4), which compressed-tensors quantizes like any Linear,
+    inputs included: the reloaded model then differs from the one in memory.
     """
     inputs = scheme.input_activations
     if inputs is None:
         return None
+    if as_linears:
+        how = (
+            f"per tensor, static: each expert's input_scale is calibrated on "
+            f"{'every calibration token (calibrate_all_experts)' if all_experts else 'the tokens routed to it'} and "
+            "saved"
+            if inputs.dynamic is False
+            else f"per {inputs.strategy}, dynamic"
+        )
+        return (
+            f"the fused experts' input activations ({how}) are not quantized in memory (fused experts are not Linear "
+            "modules), while transformers reloads these experts as one Linear module per expert matrix and vLLM "
+            "serves them, both quantizing their inputs: the reloaded model's outputs differ from the in-memory "
+            "model's, and a perplexity llmc-fsm measures does not include the experts' input quantization"
+        )
     if inputs.dynamic is False:
         tokens = "every calibration token (calibrate_all_experts)" if all_experts else "the tokens routed to it"
         how = (
@@ -464,6 +484,21 @@ def _expert_activations_note(scheme: QuantizationScheme, *, all_experts: bool = 
 _FOR_VLLM = " (NVFP4, NVFP4A16 and FP8_BLOCK experts are written per expert for vLLM instead)"
 
 
+def _reloads_as_linears(model: nn.Module, name: str, module: nn.Module) -> bool:
+    """Whether transformers reloads the fused experts ``module`` (``name`` in ``model``) of a compressed-tensors
+    checkpoint as one Linear module per expert matrix: its checkpoint keeps them fused
+    (:func:`~llmc_fsm.toolkit.expert_checkpoint_names` raises) and its quantizers replace them before loading
+    (:func:`~llmc_fsm.toolkit.linear_expert_names`: Llama 4)."""
+    try:
+        expert_checkpoint_names(model, name, module)
+    except ValueError:
+        try:
+            return linear_expert_names(model, name, module) is not None
+        except ValueError:
+            return False
+    return False
+
+
 @torch.no_grad()
 def _attach_view_qparams(view: LinearView, scheme: QuantizationScheme, quantized: QuantizedWeight) -> None:
     """Write ``quantized.weight`` into the fused parameter through ``view`` and keep its quantization on the view.
@@ -473,13 +508,19 @@ def _attach_view_qparams(view: LinearView, scheme: QuantizationScheme, quantized
     dtype), which :func:`llmc_fsm.output.save.compressed_state_dict` packs with compressed-tensors' compressor.
     """
     args = scheme.weights
+    scale = quantized.scale.detach().to(view.weight.dtype).clone()
+    zero_point = quantized.zero_point.detach().to(args.zp_dtype or torch.int8).clone()
+    if scale.dtype != quantized.scale.dtype and not is_scaled_format(args) and quantized.g_idx is None:
+        # the values its checkpoint decompresses to, ``(q - zero_point) * scale`` with the scale as saved (a
+        # Linear's forward fake-quantizes with it so): re-rounding onto that grid gives each q back (the scales
+        # differ by less than 2**-8 relative), the product is the saved scale's (measured: int8 per channel from a
+        # float32 scale was off by one bf16 ulp on some entries, and the reloaded model differed)
+        weight = _library_fake_quantize(quantized.weight, scale, zero_point, args)
+        quantized.weight = weight.to(view.weight.dtype)
     view.weight.copy_(quantized.weight)
     view.quantization_scheme = scheme
     view.quantization_status = QuantizationStatus.FROZEN
-    view.quantized_params = {
-        "weight_scale": quantized.scale.detach().to(view.weight.dtype).clone(),
-        "weight_zero_point": quantized.zero_point.detach().to(args.zp_dtype or torch.int8).clone(),
-    }
+    view.quantized_params = {"weight_scale": scale, "weight_zero_point": zero_point}
     if quantized.input_scale is not None:  # static FP8 inputs: [1] in the weight's dtype, as a Linear's input_scale
         view.quantized_params["input_scale"] = quantized.input_scale.detach().to(view.weight.dtype).clone()
     for key in ("weight_global_scale", "input_global_scale"):  # NVFP4: [1] float32 each, as a Linear's
@@ -1043,7 +1084,9 @@ class QuantizingModifier(CalibratedModifier):
 
         Raises:
             ValueError: one line naming the family and why, for: a ``Conv1D`` target (see
-                :data:`CONV1D_REFUSAL`); fused experts of a family whose checkpoint keeps them fused (GPT-OSS, DBRX);
+                :data:`CONV1D_REFUSAL`); fused experts of a family whose checkpoint keeps them fused (GPT-OSS, DBRX;
+                not Llama 4, whose experts transformers reloads as Linear modules: any scheme, saved per expert under
+                :func:`~llmc_fsm.toolkit.linear_expert_names`);
                 fused experts left dense while other modules are quantized (transformers 5.24 then drops them on
                 reload), or only some matrices of an experts module targeted; an experts scheme transformers does
                 not reload into them (:func:`~llmc_fsm.toolkit.expert_reload_problem`: they take weight-only
@@ -1106,11 +1149,27 @@ class QuantizingModifier(CalibratedModifier):
                 "one config group"
             )
             raise ValueError(msg)
-        problem = expert_reload_problem(scheme)
+        names: dict[str, str] = {}
+        as_linears: list[str] = []  # experts transformers reloads as one Linear per expert matrix (Llama 4)
+        for source_name, source in sources.items():
+            try:
+                per_expert = expert_checkpoint_names(model, source_name, source)
+            except ValueError as exc:
+                reason = str(exc)
+                try:
+                    per_expert = linear_expert_names(model, source_name, source)
+                except ValueError as mismatch:
+                    reason, per_expert = str(mismatch), None
+                if per_expert is None:
+                    msg = f"{name}: {family}: fused experts {source_name} cannot be quantized: {reason}"
+                    raise ValueError(msg) from None
+                as_linears.append(source_name)
+            names.update({f"{source_name}.{s}": n for s, n in per_expert.items()})
+        problem = None if as_linears else expert_reload_problem(scheme)
         if problem is not None and not experts_for_vllm(scheme):
             msg = f"{name}: {family}: fused experts {compact_names(list(sources))}: {problem}{_FOR_VLLM}"
             raise ValueError(msg)
-        note = _expert_activations_note(scheme, all_experts=self.calibrate_all_experts)
+        note = _expert_activations_note(scheme, all_experts=self.calibrate_all_experts, as_linears=bool(as_linears))
         if problem is not None:  # written per expert as vLLM reads them, and said so
             from transformers import __version__ as transformers_version  # optional third-party: transformers
 
@@ -1122,14 +1181,6 @@ class QuantizingModifier(CalibratedModifier):
         if note is not None and not self._experts_warned:  # once: oneshot's and explain's checks, or initialize
             self._experts_warned = True
             logger.warning("%s: %s: fused experts %s: %s", name, family, compact_names(list(sources)), note)
-        names: dict[str, str] = {}
-        for source_name, source in sources.items():
-            try:
-                per_expert = expert_checkpoint_names(model, source_name, source)
-            except ValueError as exc:
-                msg = f"{name}: {family}: fused experts {source_name} cannot be quantized: {exc}"
-                raise ValueError(msg) from None
-            names.update({f"{source_name}.{s}": n for s, n in per_expert.items()})
         return names
 
     def _experts_scheme(self, views: Mapping[str, nn.Module]) -> QuantizationScheme | None:
@@ -1151,6 +1202,8 @@ class QuantizingModifier(CalibratedModifier):
         in_groups = {n: v for n, v in views.items() if len(self._groups) == 1 or n in self._group_of}
         scheme = self._experts_scheme(in_groups) if in_groups else None
         if scheme is None:
+            return None
+        if any(_reloads_as_linears(model, n, m) for n, m in fused.items()):
             return None
         problem = expert_reload_problem(scheme)
         if problem is None or experts_for_vllm(scheme):

@@ -101,6 +101,7 @@ from llmc_fsm.toolkit import (
     expert_checkpoint_names,
     get_rank,
     is_distributed,
+    linear_expert_names,
     model_family,
     patterns,
     weight_views,
@@ -451,7 +452,8 @@ class AWQModifier(SmoothingModifier):
                     "'re:.*down_proj$'"
                 )
                 try:  # can another quantizer take them (GPT-OSS, DBRX: no layout transformers reloads)?
-                    expert_checkpoint_names(model, name, left[name])
+                    if linear_expert_names(model, name, left[name]) is None:  # Llama 4: reloaded as Linears
+                        expert_checkpoint_names(model, name, left[name])
                     advice = (
                         "so they would be quantized unsmoothed: use GPTQModifier or QuantizationModifier, which "
                         "quantize each expert matrix"

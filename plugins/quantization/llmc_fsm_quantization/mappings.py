@@ -40,8 +40,8 @@ mappings. A shared expert (DeepSeek-V3's ``shared_experts``, Qwen3-Next's ``shar
 (Qwen3-Next's ``shared_expert_gate``) read the block's input too: they are balance layers of the same norm mapping
 (:func:`shared_expert_readers`), whose parent is the whole block (routed plus shared output), and the shared expert's
 ``up_proj -> down_proj`` is a mapping like a dense MLP's. The block must hold nothing else, the experts a gate without
-biases and transformers' own ``act(gate) * up`` (not GPT-OSS's clamped gate), in transformers' layout class (not
-DBRX's): :func:`moe_mapping_problem` says why a block does not fit.
+biases and transformers' own ``act(gate) * up`` (not GPT-OSS's clamped gate), in transformers' layout class or Llama
+4's (not DBRX's): :func:`moe_mapping_problem` says why a block does not fit.
 
 ``v_proj -> o_proj`` needs one value channel per ``o_proj`` input (no grouped-query attention: with
 GQA a value channel feeds several heads' outputs); ``post_attention_layernorm`` is skipped when the
@@ -86,7 +86,15 @@ import torch
 from torch import nn
 
 from llmc_fsm import find_decoder_layers
-from llmc_fsm.toolkit import LinearView, compact_names, is_linear_like, matches, router_names, weight_views
+from llmc_fsm.toolkit import (
+    LinearView,
+    compact_names,
+    experts_layout,
+    is_linear_like,
+    matches,
+    router_names,
+    weight_views,
+)
 
 __all__ = [
     "MappingSpec",
@@ -542,17 +550,22 @@ def moe_mapping_problem(block: nn.Module, experts: str, router: str) -> str | No
     as a Linear) and shared experts (:func:`shared_expert_readers`)."""
     module = block.get_submodule(experts.rpartition(".")[2])
     kind = type(module).__name__
-    if not all(hasattr(module, a) for a in ("has_gate", "has_bias", "is_transposed", "is_concatenated")):
-        return f"{kind} is not a transformers fused-experts class with layout flags (has_gate, is_concatenated, ...)"
-    if not module.has_gate and homogeneity_degree(getattr(module, "act_fn", None)) is None:
+    layout = experts_layout(module)
+    if layout is None:
+        return (
+            f"{kind} is neither a transformers fused-experts class with layout flags (has_gate, is_concatenated, ...) "
+            "nor Llama 4's experts"
+        )
+    if not layout.has_gate and homogeneity_degree(getattr(module, "act_fn", None)) is None:
         act = type(getattr(module, "act_fn", None)).__name__
         return (
             f"{kind} has no gate rows and its act_fn {act} is not transformers' ReLUSquaredActivation (relu2): "
             "down(act(up x)) has no exact fold of an up -> down scale"
         )
-    if module.has_bias:
+    if layout.has_bias:
         return f"{kind} adds biases to its projections"
-    if module.has_gate and getattr(type(module)._apply_gate, "__name__", "") != "_default_apply_gate":
+    apply_gate = getattr(type(module), "_apply_gate", None)  # Llama 4 has none: act(gate) * up in its forward
+    if layout.has_gate and apply_gate is not None and getattr(apply_gate, "__name__", "") != "_default_apply_gate":
         return f"{kind} gates by its own _apply_gate, not act(gate) * up"
     if not router:  # HunYuan's router is a module holding its Linear (mlp.gate.wg)
         children = ", ".join(n for n, _ in block.named_children())

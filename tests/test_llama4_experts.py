@@ -1,0 +1,232 @@
+"""Llama 4's fused experts (``Llama4TextExperts``) quantized per expert matrix, as llm-compressor's Llama 4 examples do.
+
+Llama 4 keeps every expert in ``gate_up_proj`` ``[experts, hidden, 2 * inter]`` and ``down_proj`` ``[experts, inter,
+hidden]`` (stored ``[in, out]``) and calls them with every token once per expert, already multiplied by that expert's
+router score; its checkpoint keeps them fused, and transformers reloads a compressed-tensors checkpoint's experts as
+one Linear per expert matrix (``SequentialLlama4TextExperts``). References are computed here: the tokens each expert
+was routed (from the experts module's own input), a float64 GPTQ (``test_expert_quantization._gptq_reference``), and
+compressed-tensors' own compressors to read the checkpoint back.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+import transformers
+from safetensors import safe_open
+from test_expert_quantization import _assert_gptq_equal
+from tiny_families import build
+from torch.nn import functional as F
+
+import llmc_fsm
+from llmc_fsm.toolkit import linear_expert_names, observe_inputs, weight_views
+
+#: llm-compressor's examples/quantization_w4a4_fp4/llama4_example.py ignore list (also its W4A16 and FP8_BLOCK ones)
+IGNORE = ["re:.*lm_head", "re:.*self_attn", "re:.*router", "re:.*vision_model.*", "re:.*multi_modal_projector.*",
+          "Llama4TextAttention"]  # fmt: skip
+DATA = torch.randint(3, 128, (8, 32), generator=torch.Generator().manual_seed(0))
+#: 512 tokens: each expert of the tiny Llama 4 gets more routed tokens than its widest input (64)
+MORE = torch.randint(3, 128, (16, 32), generator=torch.Generator().manual_seed(0))
+EXPERTS = [f"language_model.model.layers.{i}.feed_forward.experts" for i in (1, 3)]  # the MoE layers of the tiny one
+
+
+def _saved(directory) -> dict[str, torch.Tensor]:
+    tensors = {}
+    for file in directory.glob("*.safetensors"):
+        with safe_open(str(file), "pt") as f:
+            tensors.update({k: f.get_tensor(k) for k in f.keys()})  # noqa: SIM118 (safe_open has no iterator)
+    return tensors
+
+
+def _reload(directory):
+    reloaded, info = transformers.AutoModelForImageTextToText.from_pretrained(directory, output_loading_info=True)
+    return reloaded.eval(), info
+
+
+def test_views_of_llama4_experts_see_each_expert_s_routed_tokens_as_scaled_and_recompute_the_block():
+    """Each expert's gate and up views are called with exactly the tokens the router chose for it, multiplied by its
+    score (the rows of its block that are not zero), ``routed_tokens`` counts them, and the block's output recomputed
+    from the views' matrices (shared expert + sum over experts of down(silu(gate x) * up x)) is the block's own."""
+    model = build("llama4")
+    block = model.get_submodule(EXPERTS[0].rsplit(".", 1)[0])
+    experts = block.experts
+    views = weight_views(experts)
+    assert sorted(views) == sorted(f"{e}.{m}" for e in range(4) for m in ("gate_proj", "up_proj", "down_proj"))
+    seen: dict[str, list[torch.Tensor]] = {}
+    handles = [v.register_forward_pre_hook(lambda mod, a, n=n: seen.setdefault(n, []).append(a[0]))
+               for n, v in views.items()]  # fmt: skip
+    handles.append(experts.register_forward_pre_hook(
+        lambda mod, a, k: observe_inputs(mod, a, k, all_experts=False), with_kwargs=True))  # fmt: skip
+    x = torch.randn(2, 5, block.hidden_dim, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        out, _ = block(x)
+        for handle in handles:
+            handle.remove()
+        tokens = x.reshape(-1, block.hidden_dim)
+        scores, _ = block.router(tokens)
+        recomputed = block.shared_expert(tokens)
+        for e in range(4):
+            scaled = tokens * scores[:, e : e + 1]
+            routed = scores[:, e] != 0
+            assert views[f"{e}.gate_proj"].routed_tokens == int(routed.sum())
+            if routed.any():
+                assert torch.equal(seen[f"{e}.gate_proj"][0], scaled[routed])
+                assert torch.equal(seen[f"{e}.up_proj"][0], scaled[routed])
+            h = F.silu(F.linear(scaled, views[f"{e}.gate_proj"].weight)) * F.linear(scaled, views[f"{e}.up_proj"].weight)
+            recomputed = recomputed + F.linear(h, views[f"{e}.down_proj"].weight)
+    assert sum(v.routed_tokens for n, v in views.items() if n.endswith("gate_proj")) == tokens.shape[0]  # top-1
+    torch.testing.assert_close(recomputed, out.reshape(-1, block.hidden_dim), rtol=0, atol=1e-6)  # bmm vs linear
+
+
+def test_gptq_on_llama4_experts_equals_a_float64_reference_and_reloads_as_linear_experts(tmp_path, caplog):
+    """llm-compressor's Llama 4 W4A16 example (group 16: the tiny widths): every expert matrix equals a float64 GPTQ
+    of its original weight with the Hessian of its own routed tokens as the experts receive them (scaled by the
+    router score; down_proj: silu(gate x) * up x of them); no warning about the experts; the checkpoint holds
+    every expert matrix under ``experts.<e>.gate_proj`` ... and no fused expert tensor, and transformers reloads it
+    with no missing or unexpected key, the experts as Linear modules, logits equal to the in-memory model's."""
+    model = build("llama4")
+    inter = model.config.text_config.intermediate_size
+    calls: dict[str, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {n: [] for n in EXPERTS}
+
+    def capture(name):
+        def pre(module, args):
+            if getattr(weight_views(module)["0.gate_proj"], "quantization_scheme", None) is None:
+                calls[name].append((args[0].detach().clone(), module.gate_up_proj.detach().clone(),
+                                    module.down_proj.detach().clone()))  # fmt: skip
+
+        return pre
+
+    handles = [model.get_submodule(n).register_forward_pre_hook(capture(n)) for n in EXPERTS]
+    scheme = {"preset": "W4A16", "weights": {"group_size": 16}}
+    recipe = {"s": {"GPTQModifier": {"targets": "Linear", "scheme": scheme, "ignore": IGNORE}}}
+    with caplog.at_level(logging.WARNING):
+        llmc_fsm.oneshot(model=model, recipe=recipe, dataset=MORE, output_dir=tmp_path / "o", progress=False)
+    for handle in handles:
+        handle.remove()
+    assert not [r for r in caplog.records if "fused experts" in r.getMessage()]
+    for name in EXPERTS:
+        experts = model.get_submodule(name)
+        views = weight_views(experts)
+        distinct = []  # the calibration calls, each once (a layer may be called again on the same inputs)
+        for call in calls[name]:
+            if not any(torch.equal(call[0], d[0]) for d in distinct):
+                distinct.append(call)
+        gate_up, down = distinct[0][1], distinct[0][2]
+        for e in range(4):
+            xs = [x.reshape(4, -1, x.shape[-1])[e].double() for x, _, _ in distinct]
+            xs = [x[(x != 0).any(dim=-1)] for x in xs]
+            assert sum(x.shape[0] for x in xs) > 64
+            hs = [F.silu(x @ gate_up[e, :, :inter].double()) * (x @ gate_up[e, :, inter:].double()) for x in xs]
+            h_in, h_down = sum(x.T @ x for x in xs), sum(h.T @ h for h in hs)
+            _assert_gptq_equal(views[f"{e}.gate_proj"].weight, gate_up[e, :, :inter].T, h_in, f"{name}.{e}.gate", 10)
+            _assert_gptq_equal(views[f"{e}.up_proj"].weight, gate_up[e, :, inter:].T, h_in, f"{name}.{e}.up", 10)
+            _assert_gptq_equal(views[f"{e}.down_proj"].weight, down[e].T, h_down, f"{name}.{e}.down", 10)
+    saved = _saved(tmp_path / "o")
+    assert not [k for k in saved if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]
+    for name in EXPERTS:
+        assert linear_expert_names(model, name, model.get_submodule(name)) == {
+            f"{e}.{m}": f"{name}.{e}.{m}" for e in range(4) for m in ("gate_proj", "up_proj", "down_proj")
+        }
+        for e in range(4):
+            for m in ("gate_proj", "up_proj", "down_proj"):
+                assert {f"{name}.{e}.{m}.{k}" for k in ("weight_packed", "weight_scale", "weight_shape")} <= set(saved)
+    reloaded, info = _reload(tmp_path / "o")
+    assert (sorted(info["missing_keys"]), sorted(info["unexpected_keys"])) == ([], [])
+    assert type(reloaded.get_submodule(EXPERTS[0])).__name__ == "SequentialLlama4TextExperts"
+    with torch.no_grad():
+        assert torch.equal(reloaded(DATA[:2]).logits, model(DATA[:2]).logits)
+
+
+@pytest.mark.parametrize("scheme", ["NVFP4", "FP8_BLOCK"])
+def test_llama4_experts_with_input_activations_decompress_to_the_in_memory_weights_and_say_what_differs(
+    tmp_path, caplog, scheme
+):
+    """llm-compressor's Llama 4 NVFP4 and FP8_BLOCK examples (FP8 blocks of 16: the tiny widths): every saved expert
+    matrix decompresses (compressed-tensors' compressor of the saved config group) to the in-memory one exactly; an
+    expert's gate and up share one NVFP4 global scale (vLLM fuses them); one warning line says the experts' inputs
+    are quantized only by transformers' reloaded Linear experts and vLLM, not in memory; the checkpoint reloads with
+    no missing or unexpected key."""
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationScheme
+
+    build("llama4").save_pretrained(tmp_path / "src")  # in bfloat16 as loaded (.to() casts the complex rotary)
+    model = transformers.AutoModelForImageTextToText.from_pretrained(tmp_path / "src", dtype=torch.bfloat16).eval()
+    args = scheme
+    if scheme == "FP8_BLOCK":
+        args = {"preset": scheme, "weights": {"block_structure": [16, 16]}, "input_activations": {"group_size": 16}}
+    recipe = {"s": {"QuantizationModifier": {"targets": "Linear", "scheme": args, "ignore": IGNORE}}}
+    with caplog.at_level(logging.WARNING):
+        llmc_fsm.oneshot(model=model, recipe=recipe, dataset=DATA, output_dir=tmp_path / "o", progress=False)
+    lines = [r.getMessage() for r in caplog.records if "fused experts" in r.getMessage()]
+    how = "per tensor_group, dynamic" if scheme == "NVFP4" else "per group, dynamic"
+    assert lines == [
+        "QuantizationModifier: Llama4ForConditionalGeneration (model_type 'llama4'): fused experts "
+        "language_model.model.layers.{1,3}.feed_forward.experts: the fused experts' input activations "
+        f"({how}) are not quantized in memory (fused experts are not Linear modules), while transformers reloads "
+        "these experts as one Linear module per expert matrix and vLLM serves them, both quantizing their inputs: "
+        "the reloaded model's outputs differ from the in-memory model's, and a perplexity llmc-fsm measures does "
+        "not include the experts' input quantization"
+    ]
+    saved = _saved(tmp_path / "o")
+    (entry,) = json.loads((tmp_path / "o" / "config.json").read_text())["quantization_config"]["config_groups"].values()
+    compressor = BaseCompressor.get_value_from_registry(entry["format"])
+    group = QuantizationScheme.model_validate(entry)
+    for name in EXPERTS:
+        for suffix, view in weight_views(model.get_submodule(name)).items():
+            prefix = f"{name}.{suffix}."
+            tensors = {k.removeprefix(prefix): v for k, v in saved.items() if k.startswith(prefix)}
+            assert torch.equal(compressor.decompress(tensors, group)["weight"].to(torch.bfloat16), view.weight)
+        if scheme == "NVFP4":
+            for e in range(4):
+                gate, up = (saved[f"{name}.{e}.{m}.weight_global_scale"] for m in ("gate_proj", "up_proj"))
+                assert torch.equal(gate, up)
+    _, info = _reload(tmp_path / "o")
+    assert (sorted(info["missing_keys"]), sorted(info["unexpected_keys"])) == ([], [])
+
+
+def test_llama4_moe_blocks_get_smoothing_mappings_that_keep_the_float_model():
+    """The MLP norm of a Llama 4 MoE layer feeds its router, shared expert and every expert's gate and up (AWQ and
+    SmoothQuant left these blocks unsmoothed before: Llama4TextExperts has no layout flags); each expert's up feeds
+    its down. Random scales folded through every default mapping leave the logits as they were."""
+    from tiny_families import logits_before_and_after_random_folds
+
+    from llmc_fsm_quantization.mappings import default_mappings
+
+    model = build("llama4")
+    mappings = default_mappings(model)
+    block = "language_model.model.layers.1.feed_forward."
+    by_smooth = {m.smooth_name: m.balance_names for m in mappings}
+    assert by_smooth["language_model.model.layers.1.post_attention_layernorm"] == (
+        block + "router", block + "shared_expert.gate_proj", block + "shared_expert.up_proj",
+        *(f"{block}experts.{e}.{m}" for e in range(4) for m in ("gate_proj", "up_proj")),
+    )  # fmt: skip
+    assert all(by_smooth[f"{block}experts.{e}.up_proj"] == (f"{block}experts.{e}.down_proj",) for e in range(4))
+    before, after = logits_before_and_after_random_folds(model, mappings, torch.randint(3, 128, (2, 16)))
+    torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-5)
+
+
+def test_awq_on_llama4_smooths_the_experts_and_the_output_reloads_as_in_memory(tmp_path):
+    """AWQ W4A16 (group 16) on a tiny Llama 4, routers and vision tower ignored: every expert matrix is quantized
+    (16 integers at most per group of 16) and the checkpoint reloads in transformers with logits equal to the
+    in-memory model's."""
+    model = build("llama4")
+    router = "language_model.model.layers.1.feed_forward.router"
+    before = model.get_submodule(router).weight.detach().clone()
+    scheme = {"preset": "W4A16", "weights": {"group_size": 16}}
+    ignore = ["re:.*lm_head", "re:.*router", "re:.*vision_model.*", "re:.*multi_modal_projector.*"]
+    recipe = {"s": {"AWQModifier": {"scheme": scheme, "ignore": ignore}}}
+    llmc_fsm.oneshot(model=model, recipe=recipe, dataset=DATA, output_dir=tmp_path / "o", progress=False)
+    for name in EXPERTS:
+        for suffix, view in weight_views(model.get_submodule(name)).items():
+            groups = view.weight.reshape(view.out_features, -1, 16)
+            distinct = max(len(torch.unique(g)) for row in groups for g in row)
+            assert distinct <= 16 and getattr(view, "quantization_scheme", None) is not None, f"{name}.{suffix}"
+    after = model.get_submodule(router).weight  # ignored by the quantizer, its columns took the norm's scales
+    assert not torch.equal(after, before) and torch.equal(torch.sign(after), torch.sign(before))
+    reloaded, info = _reload(tmp_path / "o")
+    assert (sorted(info["missing_keys"]), sorted(info["unexpected_keys"])) == ([], [])
+    with torch.no_grad():
+        assert torch.equal(reloaded(DATA[:2]).logits, model(DATA[:2]).logits)
