@@ -338,19 +338,48 @@ def test_a_smooth_layer_without_a_weight_is_refused_naming_the_mapping():
     )
 
 
-def test_awq_on_experts_whose_router_is_not_a_linear_child_names_the_block_children():
-    """HunYuan-MoE's router is ``mlp.gate`` holding the Linear ``wg``: AWQ cannot smooth its experts and says so;
-    the reason read "its router  (HunYuanMoEV1Moe) holds no ..." (an empty name, the block's class)."""
+@pytest.mark.parametrize(("family", "norm"), [("hunyuan_v1_moe", "post_attention_layernorm"),
+                                            ("afmoe", "pre_mlp_layernorm"), ("cohere2_moe", "input_layernorm")])
+def test_awq_smooths_moe_blocks_whose_router_is_nested_or_whose_norm_is_parallel_and_reloads(tmp_path, family, norm):
+    """HunYuan-MoE's router Linear is ``mlp.gate.wg`` and AFMoE's ``mlp.router.gate`` (inside a router module holding
+    nothing else), Cohere2-MoE's one norm feeds attention and its MoE block alike: refused or left unsmoothed before
+    session 25, their MoE norm mapping is now searched (its error no worse than unsmoothed), and AWQ + W4A16 reloads
+    with no missing or unexpected key and the in-memory logits."""
+    import transformers
+    from tiny_families import FAMILIES
+
+    import llmc_fsm
+    from llmc_fsm_quantization import AWQModifier
+
+    model = build(family)
+    data = torch.randint(3, 128, (8, 32), generator=torch.Generator().manual_seed(0))
+    awq = AWQModifier(scheme={"preset": "W4A16", "weights": {"group_size": 16}}, ignore=["lm_head"])
+    llmc_fsm.oneshot(model=model, recipe=[awq], dataset=data, output_dir=tmp_path / "o", progress=False)
+    result = awq.smoothing_results[f"model.layers.1.{norm}"]
+    assert result["error"] <= result["error_unsmoothed"]
+    cls = getattr(transformers, FAMILIES[family][2] or "AutoModelForCausalLM")
+    reloaded, info = cls.from_pretrained(tmp_path / "o", output_loading_info=True)
+    assert (sorted(info["missing_keys"]), sorted(info["unexpected_keys"])) == ([], [])
+    with torch.no_grad():
+        assert torch.equal(reloaded.eval()(data[:2]).logits, model(data[:2]).logits)
+
+
+def test_awq_on_experts_without_one_router_names_the_block_children():
+    """A router module that holds more than its Linear (here HunYuan-MoE's ``mlp.gate`` given a parameter of its own)
+    is not taken for a router: AWQ cannot smooth the experts and says so, naming the block's children."""
     import llmc_fsm
 
+    model = build("hunyuan_v1_moe")
+    for layer in model.model.layers:
+        layer.mlp.gate.register_parameter("temperature", torch.nn.Parameter(torch.ones(1)))
     with pytest.raises(ValueError) as info:
-        llmc_fsm.oneshot(model=build("hunyuan_v1_moe"), recipe={"s": {"AWQModifier": {"ignore": ["lm_head"]}}},
+        llmc_fsm.oneshot(model=model, recipe={"s": {"AWQModifier": {"ignore": ["lm_head"]}}},
                          dataset=torch.randint(3, 128, (2, 16)), progress=False)  # fmt: skip
     assert str(info.value).startswith(
         "AWQModifier: HunYuanMoEV1ForCausalLM (model_type 'hunyuan_v1_moe') keeps fused experts in "
-        "model.layers.{0..1}.mlp.experts that no smoothing mapping reaches (no child of the block is a router with an "
-        "[experts, hidden] weight of its own (children: gate, experts, shared_mlp)), so they would be quantized "
-        "unsmoothed"
+        "model.layers.{0..1}.mlp.experts that no smoothing mapping reaches (no child of the block is one router with "
+        "an [experts, hidden] weight, or holds one and nothing else (children: gate, experts, shared_mlp)), so they "
+        "would be quantized unsmoothed"
     )
 
 

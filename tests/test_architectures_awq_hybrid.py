@@ -185,12 +185,16 @@ def test_awq_smooths_qwen3_5s_linear_attention_and_the_output_reloads(tmp_path):
 #: with llm-compressor 0.14's registry: AFMoE's and MuseGlimmer's attention output gate ``self_attn.gate_proj`` was
 #: taken for the MLP's gate (their norm -> MLP mapping changed the model), GLM-5's indexer read the norms' outputs
 #: unbalanced, AFMoE's and Llama-4's MoE norms were mapped to their shared expert alone and Cohere2-MoE's parallel
-#: norm to q/k/v alone (their router and experts read it too: not resolved, so not smoothed; Llama 4's experts have
-#: views since session 25, so its whole MoE block is smoothed)
+#: norm to q/k/v alone (their router and experts read it too: not resolved, so not smoothed, in session 24); since
+#: session 25 the whole block is: Llama 4's experts have views, AFMoE's nested router (mlp.router.gate) is found,
+#: and Cohere2-MoE's one norm maps to q/k/v, the router and every expert's gate / up
 GATED = {
-    "afmoe": (1, [
+    "afmoe": (1, [  # its router Linear is mlp.router.gate, inside a router module (resolved since session 25)
         "input_layernorm -> self_attn.q_proj, self_attn.k_proj, self_attn.v_proj, self_attn.gate_proj",
+        "pre_mlp_layernorm -> mlp.router.gate, mlp.shared_experts.gate_proj, mlp.shared_experts.up_proj, "
+        + ", ".join(f"mlp.experts.{e}.{m}" for e in range(4) for m in ("gate_proj", "up_proj")),
         "mlp.shared_experts.up_proj -> mlp.shared_experts.down_proj",
+        *(f"mlp.experts.{e}.up_proj -> mlp.experts.{e}.down_proj" for e in range(4)),
     ]),
     "muse_glimmer": (1, [
         "input_layernorm -> self_attn.q_proj, self_attn.k_proj, self_attn.v_proj, self_attn.gate_proj",
@@ -205,7 +209,11 @@ GATED = {
         "feed_forward.shared_expert.up_proj -> feed_forward.shared_expert.down_proj",
         *(f"feed_forward.experts.{e}.up_proj -> feed_forward.experts.{e}.down_proj" for e in range(4)),
     ]),
-    "cohere2_moe": (1, []),  # a parallel block: its one norm feeds attention, router and experts; not resolved
+    "cohere2_moe": (1, [  # a parallel block: its one norm feeds attention, router and experts (since session 25)
+        "input_layernorm -> self_attn.q_proj, self_attn.k_proj, self_attn.v_proj, mlp.gate, "
+        + ", ".join(f"mlp.experts.{e}.{m}" for e in range(4) for m in ("gate_proj", "up_proj")),
+        *(f"mlp.experts.{e}.up_proj -> mlp.experts.{e}.down_proj" for e in range(4)),
+    ]),
     "glm_moe_dsa": (0, [
         "input_layernorm -> self_attn.q_a_proj, self_attn.kv_a_proj_with_mqa, self_attn.indexer.wk, "
         "self_attn.indexer.weights_proj",

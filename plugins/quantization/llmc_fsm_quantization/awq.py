@@ -106,7 +106,7 @@ from llmc_fsm.toolkit import (
     patterns,
     weight_views,
 )
-from llmc_fsm_quantization.mappings import ResolvedMapping, fold_scales, moe_mapping_problem
+from llmc_fsm_quantization.mappings import ResolvedMapping, fold_scales, moe_mapping_problem, moe_router
 from llmc_fsm_quantization.observers import is_scaled_format
 from llmc_fsm_quantization.rtn import QuantizationModifier, rtn_quantize
 from llmc_fsm_quantization.smoothquant import (
@@ -441,11 +441,7 @@ class AWQModifier(SmoothingModifier):
                 name = next(iter(left))
                 block, _, leaf = name.rpartition(".")
                 parent = model.get_submodule(block)
-                routers = [
-                    n for n, m in parent.named_children()
-                    if n != leaf and getattr(getattr(m, "weight", None), "dim", lambda: 0)() == 2
-                ]  # fmt: skip
-                why = moe_mapping_problem(parent, leaf, routers[0] if routers else "") or (
+                why = moe_mapping_problem(parent, leaf, moe_router(parent, leaf)) or (
                     "the default mappings smooth a block read from post_attention_layernorm; recipe mappings must "
                     "list every expert matrix, e.g. post_attention_layernorm -> 're:.*mlp.gate$', "
                     "'re:.*mlp.experts.*.gate_proj$', 're:.*mlp.experts.*.up_proj$' and 're:.*up_proj$' -> "

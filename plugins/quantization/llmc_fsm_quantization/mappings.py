@@ -107,6 +107,7 @@ __all__ = [
     "homogeneity_degree",
     "mappings_to_recipe",
     "moe_mapping_problem",
+    "moe_router",
     "parse_mappings",
     "resolve_mappings",
     "scales_by_one_plus_weight",
@@ -165,9 +166,12 @@ class ResolvedMapping:
     @property
     def reader(self) -> nn.Module:
         """The module whose first input is the smooth layer's output (its statistics are taken there): the
-        mixture-of-experts block for a norm mapping onto the router and experts, else the first balance layer."""
+        mixture-of-experts block for a norm mapping onto the router and experts (the parent, holding the experts),
+        else the first balance layer (also when a parallel layer's norm feeds attention and experts alike: its
+        ``q_proj``, Cohere2-MoE)."""
         if self.experts is not None and self.smooth.weight.dim() == 1:
-            return self.parent
+            if any(child is self.experts for child in self.parent.children()):
+                return self.parent
         return self.balances[0]
 
     @property
@@ -364,13 +368,19 @@ def _default_specs_for_layer(layer: nn.Module, *, include_linear: bool) -> list[
     attention = q[0].rpartition(".")[0] if q and "." in q[0] else None
     # a gated attention's output gate reads the norm's output too (AFMoE's, MuseGlimmer's self_attn.gate_proj)
     attention_gate = _linear_named(layer.get_submodule(attention), "gate_proj") if attention else None
-    # a parallel layer whose MLP holds routed experts (Cohere2-MoE): its one norm feeds them too; not resolved here
-    parallel_moe = norms == ["input_layernorm"] and "mlp" in children and bool(_experts_modules(children["mlp"]))
+    # a parallel layer whose MLP holds routed experts (Cohere2-MoE): its one norm feeds them too (their router,
+    # shared expert and every expert's gate / up are balance layers beside q/k/v), unless the block is not resolved
+    parallel = _parallel_mlp_inputs(layer, children, norms)
+    experts_in_mlp = "mlp" in children and bool(_experts_modules(children["mlp"]))
+    parallel_moe = norms == ["input_layernorm"] and experts_in_mlp and not parallel
     if norm is not None and _is_norm(norm) and q and k and v and not parallel_moe:
         gated = (f"{attention}.{attention_gate[0]}",) if attention_gate else ()
-        out.append((norm_name, (q[0], k[0], v[0], *gated, *_parallel_mlp_inputs(layer, children, norms))))
-    elif norm is not None and _is_norm(norm) and qkv:
-        out.append((norm_name, (qkv[0], *_parallel_mlp_inputs(layer, children, norms))))
+        out.append((norm_name, (q[0], k[0], v[0], *gated, *parallel)))
+    elif norm is not None and _is_norm(norm) and qkv and not parallel_moe:
+        out.append((norm_name, (qkv[0], *parallel)))
+    if include_linear and parallel and experts_in_mlp and norm is not None and _is_norm(norm):
+        ups = (n for n in parallel if n.endswith(".up_proj") and n.count(".") > 2)  # mlp.experts.<e>.up_proj
+        out.extend((n, (n.removesuffix("up_proj") + "down_proj",)) for n in ups if _is_expert_view(layer, n))
     linear_attn = _child(layer, "linear_attn")  # Qwen3-Next's / Qwen3.5's Gated DeltaNet: the norm feeds its in_proj_*
     if linear_attn is not None and not (q or k or v or qkv) and norm is not None and _is_norm(norm):
         projections = [
@@ -423,10 +433,11 @@ def _default_specs_for_layer(layer: nn.Module, *, include_linear: bool) -> list[
     expert_views: list[str] = []
     if moe is not None and (not up or shared):
         block, experts, router = moe
-        if moe_mapping_problem(layer.get_submodule(block), experts, router) is None:
+        scope = f"{block}." if block else ""
+        in_block = router.removeprefix(scope)
+        if moe_mapping_problem(layer.get_submodule(block), experts, in_block) is None:
             expert_views = [f"{experts}.{suffix}" for suffix in weight_views(layer.get_submodule(experts))]
-            scope = f"{block}." if block else ""
-            readers = [scope + n for n in shared_expert_readers(layer.get_submodule(block), experts, router)]
+            readers = [scope + n for n in shared_expert_readers(layer.get_submodule(block), experts, in_block)]
             if norm_fits:
                 gate_up = (v for v in expert_views if not v.endswith(".down_proj"))
                 out.append((mlp_norm_name, (router, *readers, *gate_up)))
@@ -456,13 +467,26 @@ def _parallel_mlp_inputs(layer: nn.Module, children: dict[str, nn.Module], norms
     they are balance layers of that norm with ``q/k/v`` (llm-compressor's Cohere mappings), or folding its scales
     would change the MLP's input.
 
-    A layer is taken as parallel when ``input_layernorm`` is its only norm, next to an ``mlp`` child without fused
-    experts; whether the fold keeps the function is measured before smoothing (:func:`~llmc_fsm_quantization.
-    smoothquant.fold_change`).
+    A layer is taken as parallel when ``input_layernorm`` is its only norm, next to an ``mlp`` child; whether the
+    fold keeps the function is measured before smoothing (:func:`~llmc_fsm_quantization.smoothquant.fold_change`).
+    An ``mlp`` holding fused experts (Cohere2-MoE) gives its router, shared expert readers and every expert's
+    ``gate_proj`` / ``up_proj`` view (a block :func:`moe_mapping_problem` accepts; else ``()``, and the layer's norm
+    is left unsmoothed).
     """
     mlp = children.get("mlp")
-    if norms != ["input_layernorm"] or mlp is None or _fused_experts(mlp):
+    if norms != ["input_layernorm"] or mlp is None:
         return ()
+    if _experts_modules(mlp):  # Cohere2-MoE: the router, shared expert and every expert's gate / up read it too
+        moe = _moe_block(layer)
+        if moe is None or moe[0] != "mlp":
+            return ()
+        block, experts, router = moe
+        in_block = router.removeprefix(f"{block}.")
+        if moe_mapping_problem(mlp, experts, in_block) is not None:
+            return ()
+        readers = [f"{block}.{n}" for n in shared_expert_readers(mlp, experts, in_block)]
+        gate_up = [f"{experts}.{s}" for s in weight_views(layer.get_submodule(experts)) if not s.endswith("down_proj")]
+        return (router, *readers, *gate_up)
     names = (
         [leaf for leaf in ("gate_proj", "up_proj") if is_linear_like(_child(mlp, leaf))]
         or [
@@ -472,6 +496,17 @@ def _parallel_mlp_inputs(layer: nn.Module, children: dict[str, nn.Module], norms
         ][:1]
     )
     return tuple(f"mlp.{leaf}" for leaf in names)
+
+
+def _is_expert_view(layer: nn.Module, name: str) -> bool:
+    """Whether ``name`` in ``layer`` is an expert matrix of fused experts (``<experts>.<e>.<matrix>``)."""
+    experts, _, suffix = name.rpartition(".")
+    experts, _, index = experts.rpartition(".")
+    try:
+        module = layer.get_submodule(experts)
+    except AttributeError:
+        return False
+    return f"{index}.{suffix}" in weight_views(module)
 
 
 def _gateless_mlps(layer: nn.Module) -> list[tuple[str, str, int | None]]:
@@ -526,19 +561,39 @@ def _experts_modules(layer: nn.Module) -> list[str]:
 
 def _moe_block(layer: nn.Module) -> tuple[str, str, str] | None:
     """``(block, experts, router)`` names in ``layer`` of its one mixture-of-experts block with fused experts (the
-    experts module's parent) and its one router (a child of the block with a ``[num_experts, hidden]`` weight)."""
+    experts module's parent) and its one router (:func:`moe_router`)."""
     found = _fused_experts(layer)
     if len(found) != 1:
         return None
-    experts_name, experts = found[0]
+    experts_name = found[0][0]
     block = experts_name.rpartition(".")[0]
-    count = getattr(experts, "num_experts", None)
-    routers = [
-        f"{block}.{n}" if block else n
-        for n, m in layer.get_submodule(block).named_children()
-        if isinstance(getattr(m, "weight", None), torch.Tensor) and m.weight.dim() == 2 and m.weight.shape[0] == count
-    ]
-    return (block, experts_name, routers[0]) if len(routers) == 1 else None
+    router = moe_router(layer.get_submodule(block), experts_name.rpartition(".")[2])
+    if not router:
+        return None
+    return block, experts_name, f"{block}.{router}" if block else router
+
+
+def moe_router(block: nn.Module, experts: str) -> str:
+    """The path in the mixture-of-experts ``block`` of its one router, or ``""`` (none, or several): a child with a
+    2-D ``[num_experts, hidden]`` weight applied as a Linear (Mixtral's ``gate``, Llama 4's ``router``), else the one
+    such Linear inside a child that holds no other parameter (AFMoE's ``router.gate``, HunYuan's ``gate.wg``: a
+    router module computing its scores from that Linear's output). ``experts``: the name of the experts child."""
+    count = getattr(block.get_submodule(experts), "num_experts", None)
+
+    def fits(module: nn.Module) -> bool:
+        weight = getattr(module, "weight", None)
+        return isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.shape[0] == count
+
+    children = [(n, m) for n, m in block.named_children() if n != experts]
+    direct = [n for n, m in children if fits(m)]
+    if direct:
+        return direct[0] if len(direct) == 1 else ""
+    nested = []
+    for name, module in children:
+        inner = [(n, m) for n, m in module.named_children() if fits(m)]
+        if len(inner) == 1 and {id(p) for p in module.parameters()} == {id(p) for p in inner[0][1].parameters()}:
+            nested.append(f"{name}.{inner[0][0]}")
+    return nested[0] if len(nested) == 1 else ""
 
 
 def moe_mapping_problem(block: nn.Module, experts: str, router: str) -> str | None:
@@ -546,8 +601,8 @@ def moe_mapping_problem(block: nn.Module, experts: str, router: str) -> str | No
     ``None``: its ``experts`` (a fused experts module, the name of a child of ``block``) must be transformers'
     layout class without biases, either with a gate and transformers' own ``act(gate) * up`` or without a gate and a
     positively homogeneous ``act_fn`` (``down(relu2(up x))``, Nemotron-H: :func:`homogeneity_degree`), and ``block``
-    must hold nothing else that reads the input but the ``router`` child (a ``[num_experts, hidden]`` weight applied
-    as a Linear) and shared experts (:func:`shared_expert_readers`)."""
+    must hold nothing else that reads the input but the ``router`` (its path in ``block``, :func:`moe_router`: a
+    ``[num_experts, hidden]`` weight applied as a Linear) and shared experts (:func:`shared_expert_readers`)."""
     module = block.get_submodule(experts.rpartition(".")[2])
     kind = type(module).__name__
     layout = experts_layout(module)
@@ -567,11 +622,14 @@ def moe_mapping_problem(block: nn.Module, experts: str, router: str) -> str | No
     apply_gate = getattr(type(module), "_apply_gate", None)  # Llama 4 has none: act(gate) * up in its forward
     if layout.has_gate and apply_gate is not None and getattr(apply_gate, "__name__", "") != "_default_apply_gate":
         return f"{kind} gates by its own _apply_gate, not act(gate) * up"
-    if not router:  # HunYuan's router is a module holding its Linear (mlp.gate.wg)
+    if not router:
         children = ", ".join(n for n, _ in block.named_children())
-        return f"no child of the block is a router with an [experts, hidden] weight of its own (children: {children})"
+        return (
+            "no child of the block is one router with an [experts, hidden] weight, or holds one and nothing else "
+            f"(children: {children})"
+        )
     others = _other_children(block, experts, router)
-    router_module = block.get_submodule(router.rpartition(".")[2])
+    router_module = block.get_submodule(router)
     router_weight = getattr(router_module, "weight", None)
     if not isinstance(router_weight, torch.Tensor) or router_weight.dim() != 2:
         return f"its router {router} ({type(router_module).__name__}) holds no [experts, hidden] weight of its own"
@@ -588,8 +646,9 @@ def moe_mapping_problem(block: nn.Module, experts: str, router: str) -> str | No
 
 
 def _other_children(block: nn.Module, experts: str, router: str) -> dict[str, nn.Module]:
-    """``block``'s children with parameters other than its ``experts`` and ``router``."""
-    leaves = {experts.rpartition(".")[2], router.rpartition(".")[2]}
+    """``block``'s children with parameters other than its ``experts`` and the one holding its ``router`` (a path in
+    ``block``)."""
+    leaves = {experts.rpartition(".")[2], router.partition(".")[0]}
     return {n: m for n, m in block.named_children() if n not in leaves and any(True for _ in m.parameters())}
 
 
@@ -616,12 +675,13 @@ def _shared_reader_names(module: nn.Module, hidden: int) -> list[str] | None:
 
 
 def shared_expert_readers(block: nn.Module, experts: str, router: str) -> list[str]:
-    """Names in ``block`` (a block :func:`moe_mapping_problem` accepts) of the shared expert modules that read its
+    """Names in ``block`` (a block :func:`moe_mapping_problem` accepts, ``router`` its router's path in it) of the
+    shared expert modules that read its
     input beside the router and the routed experts: a shared expert's ``gate_proj`` and ``up_proj`` (DeepSeek-V3's
     ``shared_experts``, Qwen3-Next's ``shared_expert``; ``up_proj`` alone without a gate, Nemotron-H's) and the
     shared expert's gate (Qwen3-Next's ``shared_expert_gate``), in the block's order; ``[]`` without a shared
     expert."""
-    hidden = int(block.get_submodule(router.rpartition(".")[2]).weight.shape[1])  # checked by moe_mapping_problem
+    hidden = int(block.get_submodule(router).weight.shape[1])  # checked by moe_mapping_problem
     found = []
     for name, module in _other_children(block, experts, router).items():
         found += [f"{name}.{leaf}" if leaf else name for leaf in _shared_reader_names(module, hidden) or []]
@@ -892,19 +952,19 @@ def _expert_problem(mapping: ResolvedMapping, named: list[tuple[str, nn.Module]]
     experts_name = names[id(mapping.experts)]
     block_name = experts_name.rpartition(".")[0]
     block = next(m for n, m in named if n == block_name)
-    routers = [n for n in router_names(named) if n.rpartition(".")[0] == block_name]
-    if len(routers) != 1:
+    leaf = experts_name.rpartition(".")[2]
+    router = moe_router(block, leaf)
+    if not router:
+        routers = [n for n in router_names(named) if n.startswith(block_name + ".")]
         return f"{experts_name}: its block {block_name} has {len(routers)} routers, not one"
-    problem = moe_mapping_problem(block, experts_name.rpartition(".")[2], routers[0])
+    problem = moe_mapping_problem(block, leaf, router)
     if problem is not None:
         return f"{experts_name}: {problem}"
     views = {f"{experts_name}.{suffix}": v for suffix, v in weight_views(mapping.experts).items()}
     balances = set(mapping.balance_names)
     if mapping.smooth.weight.dim() == 1:  # a norm: the router and every expert's gate and up rows read its output
-        shared = [
-            f"{block_name}.{n}" for n in shared_expert_readers(block, experts_name.rpartition(".")[2], routers[0])
-        ]
-        readers = {routers[0], *shared, *(n for n in views if not n.endswith(".down_proj"))}
+        shared = [f"{block_name}.{n}" for n in shared_expert_readers(block, leaf, router)]
+        readers = {f"{block_name}.{router}", *shared, *(n for n in views if not n.endswith(".down_proj"))}
         missing = sorted(readers - balances)
         wrong = sorted(balances - readers)
         if missing:
