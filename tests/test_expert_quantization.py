@@ -721,9 +721,14 @@ def _routed_input_maxima(experts_module, seq_len=DATA.shape[1]):
     return maxima, handles
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
-def test_fp8_static_calibrates_each_expert_s_input_scale_on_its_routed_tokens_and_saves_it(tmp_path, family, caplog):
-    """The FP8 preset on fused experts (llm-compressor's examples/quantizing_moe/mixtral_example.py, qwen_example.py):
+@pytest.mark.parametrize(("family", "modifier"), [("qwen3_moe", "QuantizationModifier"),
+                                                ("mixtral", "QuantizationModifier"), ("mixtral", "AutoRoundModifier")])
+def test_fp8_static_calibrates_each_expert_s_input_scale_on_its_routed_tokens_and_saves_it(
+    tmp_path, family, modifier, caplog
+):
+    """The FP8 preset on fused experts (llm-compressor's examples/quantizing_moe/mixtral_example.py, qwen_example.py;
+    AutoRound with ``iters: 0``, its examples/autoround/quantization_w8a8_fp8/llama4_static_quant_example.py, refused
+    on experts before session 25):
     every expert matrix is its original rounded to FP8 per tensor by hand; its static input scale is the largest
     |input| over the tokens routed to its expert, divided by 448 (observer static_minmax), saved under its per-expert
     name (``experts.<e>.gate_proj.input_scale``: what llm-compressor 0.14 writes for the same recipe, measured by
@@ -734,7 +739,8 @@ def test_fp8_static_calibrates_each_expert_s_input_scale_on_its_routed_tokens_an
     experts = _experts_modules(model)
     originals = {f"{n}.{s}": v.weight.detach().clone() for n, m in experts.items() for s, v in weight_views(m).items()}
     captured = {name: _routed_input_maxima(module) for name, module in experts.items()}
-    recipe = {"s": {"QuantizationModifier": {"scheme": "FP8", "ignore": ["lm_head", "re:.*mlp.gate$"]}}}
+    args = {"scheme": "FP8", "ignore": ["lm_head", "re:.*mlp.gate$"]}
+    recipe = {"s": {modifier: {**args, "iters": 0} if modifier == "AutoRoundModifier" else args}}
     with caplog.at_level(logging.WARNING, logger="llmc_fsm_quantization"):
         llmc_fsm.oneshot(model=model, recipe=recipe, dataset=DATA, output_dir=tmp_path / "o", progress=False)
     for _, handles in captured.values():
@@ -742,7 +748,7 @@ def test_fp8_static_calibrates_each_expert_s_input_scale_on_its_routed_tokens_an
             handle.remove()
     warned = [r.getMessage() for r in caplog.records if "fused experts' input activations" in r.getMessage()]
     assert warned == [
-        f"QuantizationModifier: {type(model).__name__} (model_type {family!r}): fused experts "
+        f"{modifier}: {type(model).__name__} (model_type {family!r}): fused experts "
         "model.layers.{0..3}.mlp.experts: the fused experts' input activations (per tensor, static: each expert's "
         "input_scale is calibrated on the tokens routed to it and saved, and transformers reports those as unexpected "
         "keys on reload) are not quantized in memory nor when transformers reloads the checkpoint (fused experts "

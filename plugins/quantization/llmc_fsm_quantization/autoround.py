@@ -822,8 +822,7 @@ class AutoRoundModifier(QuantizingModifier):
 
     def check_model(self, model: nn.Module) -> dict[str, nn.Module]:
         """:meth:`QuantizingModifier.check_model`; and targets outside the decoder layers are refused (AutoRound
-        tunes a decoder layer on its output), as are fused expert matrices whose scheme calibrates input scales
-        (:meth:`_check_views`): one line each, before any work.
+        tunes a decoder layer on its output): one line, before any work.
 
         Raises:
             ValueError: as the base class, or such targets.
@@ -839,28 +838,6 @@ class AutoRoundModifier(QuantizingModifier):
             )
             raise ValueError(msg)
         return targets
-
-    def _check_views(self, model: nn.Module, targets: dict[str, nn.Module]) -> dict[str, str]:
-        """Fused expert matrices whose scheme calibrates input scales (static inputs or NVFP4's input global scale)
-        are refused first: their inputs are observed per expert only by the other quantizers; then
-        :meth:`QuantizingModifier._check_views`.
-
-        Raises:
-            ValueError: such expert matrices (the first named, the others counted), or as the base class.
-        """
-        calibrated = [
-            n
-            for n, m in targets.items()
-            if isinstance(m, LinearView) and (_static_inputs(s := self.scheme_of(n)) or is_local(s.input_activations))
-        ]
-        if calibrated:
-            msg = (
-                f"AutoRoundModifier: {calibrated[0]} (and {len(calibrated) - 1} more) are fused expert matrices whose "
-                "scheme calibrates input scales (static inputs or NVFP4's input global scale), which AutoRound does "
-                "not calibrate on experts: use QuantizationModifier or GPTQModifier for them"
-            )
-            raise ValueError(msg)
-        return super()._check_views(model, targets)
 
     def on_calibration_start(self, state: Any) -> None:
         """Hook every decoder layer: its inputs (and, until the float model's hidden states are carried, its
@@ -883,8 +860,8 @@ class AutoRoundModifier(QuantizingModifier):
                 self.register_hook(layer, self._count_tokens(key), kind="forward_pre", with_kwargs=True)
         if self._observes_targets:  # the targets' inputs observed in the calibration pass (static scales, E[x^2])
             CalibratedModifier.on_calibration_start(self, state)
-        if self.optimized_rtn:  # each expert matrix's E[x^2] over its routed tokens (calibrate_all_experts: all)
-            self._observe_views(state.model)
+        if self._observes_targets:  # each expert matrix's inputs: its routed tokens (calibrate_all_experts: all),
+            self._observe_views(state.model)  # for E[x^2] and static input ranges
         if self._observes_targets or not self.iters:
             for _, layer in self._layers.values():  # the plain order, also past the first layer (see the docstring)
                 self.register_hook(layer, _observed_whole, kind="forward")
