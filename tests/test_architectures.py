@@ -203,40 +203,22 @@ def test_glm5_with_a_shared_indexer_layer_is_compressed_alike_on_every_path_and_
     directory (the default) and ``low_memory`` give the same checkpoint tensor for tensor and the same perplexity
     before and after (the streamed evaluation's layer stand-ins return the ``(hidden_states, topk_indices)`` pair the
     model unpacks: it raised "not enough values to unpack"); the reload's logits equal the in-memory model's."""
-    import json
-
-    from safetensors.torch import load_file
-    from tiny_llama import calibration_text
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-
-    import llmc_fsm
+    from tiny_llama import calibration_text, compress_on_every_path, word_tokenizer
 
     text = calibration_text()
     (tmp_path / "cal.txt").write_text(text)
-    words = Tokenizer(models.WordLevel(unk_token="[UNK]"))
-    words.pre_tokenizer = pre_tokenizers.Whitespace()
-    words.train_from_iterator(text.splitlines(), trainers.WordLevelTrainer(special_tokens=["[UNK]"], vocab_size=128))
-    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=words, unk_token="[UNK]")
+    tokenizer = word_tokenizer(text)
     build("glm_moe_dsa", indexer_types=["full", "shared"]).save_pretrained(tmp_path / "src")
     tokenizer.save_pretrained(tmp_path / "src")
     recipe = {"s": {"GPTQModifier": {"scheme": {"preset": "W4A16", "weights": {"group_size": 16}},
                                      "ignore": ["lm_head", "re:.*mlp.gate$"]}}}  # fmt: skip
-    tensors, ppl = {}, {}
-    for path in ("memory", "streamed", "low_memory"):
-        given = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "src") if path == "memory" else None
-        model = llmc_fsm.oneshot(
-            model=given if given is not None else str(tmp_path / "src"), tokenizer=tokenizer if given else None,
-            recipe=recipe, dataset=str(tmp_path / "cal.txt"), max_seq_length=32, num_calibration_samples=8,
-            eval_text=str(tmp_path / "cal.txt"), num_eval_windows=4, output_dir=tmp_path / path, progress=False,
-            low_memory=path == "low_memory",
-        )  # fmt: skip
-        tensors[path] = {k: v for f in (tmp_path / path).glob("*.safetensors") for k, v in load_file(f).items()}
-        ppl[path] = json.loads((tmp_path / path / "report.json").read_text())["perplexity"]
-        if path == "memory":
-            reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / path).eval()
-            window = torch.randint(3, 128, (2, 24), generator=torch.Generator().manual_seed(0))
-            with torch.no_grad():
-                assert torch.equal(reloaded(window).logits, model(window).logits)
+    runs = compress_on_every_path(tmp_path, recipe, tokenizer)
+    tensors = {path: run[1] for path, run in runs.items()}
+    ppl = {path: run[2] for path, run in runs.items()}
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "memory").eval()
+    window = torch.randint(3, 128, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(reloaded(window).logits, runs["memory"][0](window).logits)
     for path in ("streamed", "low_memory"):
         assert sorted(tensors[path]) == sorted(tensors["memory"])
         assert all(torch.equal(tensors[path][k], v) for k, v in tensors["memory"].items())
@@ -495,9 +477,9 @@ def test_moe_with_experts_ignored_compresses_the_rest_and_reports_only_those(tmp
     llmc_fsm.oneshot(model=model, recipe=recipe, dataset=data, output_dir=tmp_path / "o", progress=False)
     report = model.llmc_fsm_report
     assert all(".experts" not in name for name in report.targeted)
-    assert "not targeted: 49 modules, 401,408 weights, sparsity 0.00%: model.layers.{0..3}.mlp.experts.0.gate_proj, " in (
-        report.format_table()
-    )  # 48 expert matrices of 128 x 64 (4 layers x 4 experts x 3) and lm_head (8,192), folded into one line
+    untouched = "not targeted: 49 modules, 401,408 weights, sparsity 0.00%: "
+    # 48 expert matrices of 128 x 64 (4 layers x 4 experts x 3) and lm_head (8,192), folded into one line
+    assert f"{untouched}model.layers.{{0..3}}.mlp.experts.0.gate_proj, " in report.format_table()
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in experts.items())
     reloaded, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "o", output_loading_info=True)
     assert sorted(info["missing_keys"]) == []

@@ -155,3 +155,36 @@ def test_each_module_is_compressed_by_exactly_one_rank_with_the_weights_of_one_p
     table = ranks[0]["meta"]["result"]["table"]
     for r, w in enumerate(work):
         assert f"rank {r}: compressed {w['modules']} modules (sweep cost " in table
+
+
+def _experts_worker(rank: int, tmp: Path, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from tiny_families import build
+
+    from llmc_fsm.toolkit import weight_views
+
+    model = build("qwen3_moe")
+    recipe = {"s": {"SparseGPTModifier": {"sparsity": 0.5, "ignore": ["lm_head", "re:.*mlp.gate$"]}}}
+    llmc_fsm.oneshot(model=model, recipe=recipe, dataset=windows(), batch_size=2, progress=False)
+    for i, layer in enumerate(model.model.layers):
+        for suffix, view in weight_views(layer.mlp.experts).items():
+            tensors[f"{i}.{suffix}"] = view.weight.detach().clone()
+    return {}
+
+
+@pytest.mark.distributed
+def test_pruned_fused_experts_reach_every_rank(tmp_path, one_thread):
+    """Found by a tester: SparseGPT on fused experts under torch.distributed broadcast nothing for an expert matrix
+    (a view of the fused parameter holds no parameter of its own), so only its owner pruned it and the ranks failed
+    their checksum ("ranks computed different weights ... their arithmetic differs"). Now each expert matrix is
+    broadcast from the rank that pruned it: every rank holds the same experts, each matrix 50% zeros."""
+    ranks = run_ranks(_experts_worker, tmp_path, world_size=2, timeout_s=90.0, join_s=240.0)
+    for rank in ranks:
+        assert "error" not in rank["meta"], rank["meta"]
+    first, second = ranks[0]["tensors"], ranks[1]["tensors"]
+    assert sorted(first) == sorted(second) and len(first) == 4 * 4 * 3
+    for key, weight in first.items():
+        assert torch.equal(weight, second[key]), key
+        assert int((weight == 0).sum()) == weight.numel() // 2, key

@@ -325,9 +325,10 @@ REFUSALS = {
         "mixtral",
         {"scheme": SCHEME, "ignore": ["lm_head", "re:.*\\.experts"]},
         "GPTQModifier: MixtralForCausalLM (model_type 'mixtral'): the fused experts model.layers.{0..3}.mlp.experts "
-        "are ignored, and transformers does not reload dense fused experts from a compressed-tensors checkpoint "
+        "are not quantized, and transformers does not reload dense fused experts from a compressed-tensors checkpoint "
         "(its experts loader decompresses quantized weights only: the experts missing in 5.24, 'torch.cat(): expected "
-        "a non-empty list of Tensors' in 5.25; measured on Mixtral): quantize them too (leave them out of ignore)",
+        "a non-empty list of Tensors' in 5.25; measured on Mixtral): quantize them too (target them; leave them out of "
+        "ignore)",
     ),
     "partial": (
         "mixtral",

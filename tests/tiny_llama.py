@@ -12,12 +12,12 @@ import random
 import subprocess
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 if TYPE_CHECKING:
-    from transformers import LlamaForCausalLM
+    from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
 NUM_LAYERS = 4
 
@@ -74,6 +74,45 @@ def llama(
     )
     torch.manual_seed(seed)
     return LlamaForCausalLM(config).eval()
+
+
+def word_tokenizer(text: str, vocab_size: int = 128) -> "PreTrainedTokenizerFast":
+    """A word-level tokenizer (whitespace split, ``[UNK]``) trained on ``text``, at most ``vocab_size`` words: ids that
+    fit the tiny models' vocabulary."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    words = Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    trainer = trainers.WordLevelTrainer(special_tokens=["[UNK]"], vocab_size=vocab_size)
+    words.train_from_iterator(text.splitlines(), trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=words, unk_token="[UNK]")
+
+
+def compress_on_every_path(root: Path, recipe: dict, tokenizer: Any) -> dict[str, tuple[Any, dict, dict]]:
+    """``llmc_fsm.oneshot`` of the model directory ``root/src`` with ``recipe`` (calibration and evaluation on
+    ``root/cal.txt``: 8 and 4 windows of 32 tokens) in memory (loaded with transformers, ``tokenizer`` given),
+    streamed from the directory (the default) and with ``low_memory``, each to ``root/<path>``. Returns ``{path:
+    (the model oneshot returned, the saved tensors, report.json's perplexity)}``."""
+    import json
+
+    import transformers
+    from safetensors.torch import load_file
+
+    import llmc_fsm
+
+    out = {}
+    for path in ("memory", "streamed", "low_memory"):
+        given = transformers.AutoModelForCausalLM.from_pretrained(root / "src") if path == "memory" else None
+        model = llmc_fsm.oneshot(
+            model=given if given is not None else str(root / "src"), tokenizer=tokenizer if given else None,
+            recipe=recipe, dataset=str(root / "cal.txt"), max_seq_length=32, num_calibration_samples=8,
+            eval_text=str(root / "cal.txt"), num_eval_windows=4, output_dir=root / path, progress=False,
+            low_memory=path == "low_memory",
+        )  # fmt: skip
+        tensors = {k: v for f in (root / path).glob("*.safetensors") for k, v in load_file(f).items()}
+        out[path] = (model, tensors, json.loads((root / path / "report.json").read_text())["perplexity"])
+    return out
 
 
 def build(directory: Path, text: str) -> Path:

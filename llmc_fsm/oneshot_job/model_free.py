@@ -63,7 +63,8 @@ from llmc_fsm.output.save import compressed_state_dict, warn_formats, write_quan
 from llmc_fsm.output.workdir import WorkDir, recover_previous
 from llmc_fsm.session.session import Session
 from llmc_fsm.toolkit.packed import expert_reload_problem
-from llmc_fsm.toolkit.targets import compact_names, tied_head
+from llmc_fsm.toolkit.targets import compact_names, model_family, tied_head
+from llmc_fsm.toolkit.views import linear_expert_names
 
 __all__ = ["QUANTIZATION_PARAMS", "already_quantized", "checkpoint_classes", "linear_tree", "model_free_ptq"]
 
@@ -206,7 +207,7 @@ def _plan(model_stub: Any, scheme: Any, config: Any, ignore: Any, device: Any, c
     tree = linear_tree(shapes, classes)
     if classes is not None:
         session = _ignore_checkpoint_names(session, classes, scheme, config, ignore)
-    _check_fused_experts(shapes, session)
+    _check_fused_experts(shapes, session, skeleton)
     _check_left_to_quantize(session, tree, shapes)  # first: a checkpoint quantized already has no Linear left
     _check_some_linear(tree, shapes)
     try:
@@ -693,10 +694,26 @@ def linear_tree(
     return root
 
 
-def _check_fused_experts(tensors: Mapping[str, torch.Tensor], session: Session) -> None:
-    """Refuse three-dimensional tensors (fused experts) that the recipe's targets match and its ignore does not."""
+def _check_fused_experts(tensors: Mapping[str, torch.Tensor], session: Session, skeleton: nn.Module | None) -> None:
+    """Refuse three-dimensional tensors (fused experts) that the recipe's targets match and its ignore does not; and
+    fused experts left dense where transformers reloads a compressed-tensors checkpoint's experts as one Linear per
+    expert matrix (Llama 4, :func:`~llmc_fsm.toolkit.linear_expert_names`: found by a tester, the output did not
+    load, ``NotImplementedError: "normal_kernel_cpu" not implemented for 'Float8_e4m3fn'``)."""
     from compressed_tensors.utils.match import match_name
 
+    as_linears = sorted(
+        {name.rpartition(".")[0] for name, tensor in tensors.items() if tensor.dim() == 3}
+        & ({n for n, m in skeleton.named_modules() if _reloads_as_linears(skeleton, n, m)} if skeleton else set())
+    )
+    if as_linears:
+        family = model_family(skeleton)
+        msg = (
+            f"model_free_ptq: {family} keeps its experts fused ({compact_names(as_linears)}), and transformers "
+            "replaces them by one Linear per expert matrix when it loads a compressed-tensors checkpoint, so a "
+            "checkpoint with them fused (dense or not) would not reload; run llmc_fsm.oneshot on the directory (it "
+            "writes them per expert, quantized)"
+        )
+        raise ValueError(msg)
     fused = []
     for modifier in session.modifiers:
         groups = getattr(modifier, "config_groups", None) or {}
@@ -952,3 +969,12 @@ def _ignore_unquantized_linears(
     if extra:
         config["ignore"] = [*(config.get("ignore") or []), *extra]
         config_path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
+def _reloads_as_linears(model: nn.Module, name: str, module: nn.Module) -> bool:
+    """Whether transformers reloads the fused experts ``module`` of a compressed-tensors checkpoint as one Linear per
+    expert matrix (:func:`~llmc_fsm.toolkit.linear_expert_names` gives their names)."""
+    try:
+        return linear_expert_names(model, name, module) is not None
+    except ValueError:
+        return True  # patched on reload, though not into the views' Linears: no fused checkpoint reloads either

@@ -72,7 +72,7 @@ from llmc_fsm.toolkit.targets import (
     is_linear_like,
     resolve_targets,
 )
-from llmc_fsm.toolkit.views import weight_views
+from llmc_fsm.toolkit.views import LinearView, weight_views
 
 __all__ = ["CalibratedModifier", "CompressedGroup", "ModuleResult"]
 
@@ -563,7 +563,12 @@ class CalibratedModifier(Modifier):
 
 
 def _module_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """A module's parameters and buffers (its own and its submodules'), by name, as the tensors to broadcast into."""
+    """A module's parameters and buffers (its own and its submodules'), by name, as the tensors to broadcast into;
+    a :class:`~llmc_fsm.toolkit.views.LinearView` (no parameter of its own): its matrix, a view of the fused
+    parameter (found by a tester: pruning fused experts under torch.distributed broadcast nothing for them, and the
+    ranks' weights differed)."""
+    if isinstance(module, LinearView):
+        return [("weight", module.weight)]
     found = [(n, p.data) for n, p in module.named_parameters()] + list(module.named_buffers())
     return sorted(found, key=lambda item: item[0])
 

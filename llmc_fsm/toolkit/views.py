@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
 import math
 from collections.abc import Callable, Container, Mapping
 from typing import Any, NamedTuple
@@ -49,6 +50,7 @@ __all__ = [
 ]
 
 _CACHE = "_llmc_fsm_weight_views"
+logger = logging.getLogger(__name__)
 
 
 class LinearView(nn.Module):
@@ -417,6 +419,7 @@ def observe_view_inputs(
     *,
     all_experts: bool,
     model: nn.Module | None = None,
+    owner: str | None = None,
 ) -> list[nn.Module]:
     """Hook every module whose views are among ``targets`` so that each view sees its own inputs.
 
@@ -435,6 +438,10 @@ def observe_view_inputs(
         model: the model holding the targets; given, each experts module's parent (the mixture-of-experts block,
             called with ``[batch, seq, hidden]``) also gets a forward pre-hook that records its batch's rows, and the
             experts' views are called once per sample (``samples`` of :func:`observe_inputs`).
+        owner: the modifier's name; given, a modifier whose expert matrices' statistics come from their inputs
+            says in one warning line, when ``all_experts`` is false and experts are hooked, that each expert is
+            calibrated on its routed tokens where llm-compressor 0.14 by default calibrates every expert on every
+            token (its ``moe_calibrate_all_experts=True``), and how to get that.
 
     Returns:
         The hooked modules, in the order of their first view in ``targets``.
@@ -457,6 +464,13 @@ def observe_view_inputs(
             view.routed_tokens = 0
         hook = functools.partial(_observe_source, rows, all_experts=all_experts)
         register_hook(source, hook, kind="forward_pre", with_kwargs=True)
+    if owner is not None and not all_experts and any(not _is_conv1d(s) for s in sources.values()):
+        logger.warning(
+            "%s: each fused expert matrix is calibrated on the tokens the router sent its expert "
+            "(calibrate_all_experts: false); llm-compressor 0.14 calibrates every expert on every token by default "
+            "(moe_calibrate_all_experts=True): set calibrate_all_experts: true on the modifier to calibrate as it does",
+            owner,
+        )
     return list(sources.values())
 
 

@@ -67,7 +67,13 @@ class CalibratedPruningModifier(CalibratedModifier):
 
     def on_calibration_start(self, state: Any) -> None:
         super().on_calibration_start(state)
-        observe_view_inputs(self.register_hook, self._targets, self.results, all_experts=self.calibrate_all_experts)
+        observe_view_inputs(
+            self.register_hook,
+            self._targets,
+            self.results,
+            all_experts=self.calibrate_all_experts,
+            owner=type(self).__name__ if self.needs_inputs else None,
+        )
 
     def on_sequential_epoch_end(self, state: Any, modules: Any) -> None:
         super().on_sequential_epoch_end(state, modules)

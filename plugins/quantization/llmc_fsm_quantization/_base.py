@@ -456,7 +456,7 @@ def _expert_activations_note(
             f"{'every calibration token (calibrate_all_experts)' if all_experts else 'the tokens routed to it'} and "
             "saved"
             if inputs.dynamic is False
-            else f"per {inputs.strategy}, dynamic"
+            else _dynamic_inputs(inputs)
         )
         return (
             f"the fused experts' input activations ({how}) are not quantized in memory (fused experts are not Linear "
@@ -471,13 +471,21 @@ def _expert_activations_note(
             "reports those as unexpected keys on reload"
         )
     else:
-        how = f"per {inputs.strategy}, dynamic"
+        how = _dynamic_inputs(inputs)
     return (
         f"the fused experts' input activations ({how}) are not quantized in memory nor "
         "when transformers reloads the checkpoint (fused experts are not Linear modules; transformers runs them "
         "dense): their weights are, and the saved config asks the serving engine (vLLM) to quantize their inputs; "
         "a perplexity llmc-fsm measures does not include that"
     )
+
+
+def _dynamic_inputs(inputs: Any) -> str:
+    """How dynamic input activations ``inputs`` are quantized, for the experts' warning: per token or group, or,
+    NVFP4's (``dynamic: local``), per group under each expert matrix's calibrated ``input_global_scale``."""
+    if is_local(inputs):
+        return f"per {inputs.strategy}, dynamic under each expert matrix's calibrated input_global_scale, saved"
+    return f"per {inputs.strategy}, dynamic"
 
 
 #: the end of a refusal of a scheme on fused experts: what runs besides the schemes transformers reloads
@@ -1110,19 +1118,26 @@ class QuantizingModifier(CalibratedModifier):
             sources.setdefault(module_names[id(view.source)], view.source)
         fused = _fused_experts(model)
         dense = [n for n in fused if n not in sources]
+        # Llama 4's: transformers reloads them as one Linear per expert matrix, so its fused loader's limits do not
+        # apply; what is refused for them is what is not implemented here
+        linears = any(_reloads_as_linears(model, n, m) for n, m in fused.items())
         if not sources:
-            if dense:  # experts ignored: the quantized checkpoint would not reload them
+            if dense:  # experts not quantized: the quantized checkpoint would not reload them
                 fix = (
-                    "quantize them too (leave them out of ignore)"
+                    "quantize them too (target them; leave them out of ignore)"
                     if self.compresses_views
                     else f"{name} does not quantize fused experts (GPTQModifier, QuantizationModifier do, per expert)"
                 )
-                msg = (
-                    f"{name}: {family}: the fused experts {compact_names(dense)} are ignored, and transformers does "
-                    "not reload dense fused experts from a compressed-tensors checkpoint (its experts loader "
-                    "decompresses quantized weights only: the experts missing in 5.24, 'torch.cat(): expected a "
-                    f"non-empty list of Tensors' in 5.25; measured on Mixtral): {fix}"
+                why = (
+                    "transformers replaces them by one Linear per expert matrix when it loads a compressed-tensors "
+                    "checkpoint, so dense fused experts would not reload (measured on Llama 4, transformers 5.25: "
+                    "the experts' Linears missing, randomly initialised)"
+                    if linears
+                    else "transformers does not reload dense fused experts from a compressed-tensors checkpoint (its "
+                    "experts loader decompresses quantized weights only: the experts missing in 5.24, 'torch.cat(): "
+                    "expected a non-empty list of Tensors' in 5.25; measured on Mixtral)"
                 )
+                msg = f"{name}: {family}: the fused experts {compact_names(dense)} are not quantized, and {why}: {fix}"
                 raise ValueError(msg)
             return {}
         partial = [
@@ -1130,10 +1145,15 @@ class QuantizingModifier(CalibratedModifier):
         ]  # fmt: skip
         if dense or partial:
             left = compact_names(dense or partial)
+            why = (
+                "writing such expert matrices dense, per expert, beside quantized ones is not implemented for "
+                "experts transformers reloads as Linear modules"
+                if linears
+                else "transformers' experts loader rebuilds a layer's fused experts from packed weights only "
+                "(measured on 5.24: the dense ones were missing)"
+            )
             msg = (
-                f"{name}: {family}: {left} would stay dense while other expert matrices are quantized; transformers' "
-                "experts loader rebuilds a layer's fused experts from packed weights only (measured on 5.24: the dense "
-                "ones were missing): "
+                f"{name}: {family}: {left} would stay dense while other expert matrices are quantized; {why}: "
                 "quantize every expert matrix (no ignore pattern inside the experts) or none of the model"
             )
             raise ValueError(msg)
@@ -1143,10 +1163,15 @@ class QuantizingModifier(CalibratedModifier):
         scheme = self._experts_scheme(views)
         if scheme is None:
             groups = sorted({self._group(n) for n in views})
+            why = (
+                "saving expert matrices of several schemes is not implemented for experts transformers reloads as "
+                "Linear modules"
+                if linears
+                else "transformers reloads every expert of the model with one group's scheme"
+            )
             msg = (
                 f"{name}: {family}: the fused experts' matrices are in several config groups ({', '.join(groups)}): "
-                "transformers reloads every expert of the model with one group's scheme; put all expert matrices in "
-                "one config group"
+                f"{why}; put all expert matrices in one config group"
             )
             raise ValueError(msg)
         names: dict[str, str] = {}
@@ -1281,6 +1306,13 @@ class QuantizingModifier(CalibratedModifier):
         #: input statistics), in order.
         self.round_to_nearest_fallback: list[str] = []
 
+    @property
+    def _experts_from_data(self) -> bool:
+        """Whether the expert matrices' quantization depends on their calibration inputs: GPTQ's Hessians, an
+        importance (imatrix, optimized round-to-nearest), calibrated input scales (not: weight-only round-to-nearest,
+        whose data only calibrates a KV cache)."""
+        return type(self).needs_inputs or self.needs_importance or self.calibrated_inputs
+
     def _observe_views(self, model: nn.Module) -> None:
         """Feed every targeted expert matrix its inputs (:func:`~llmc_fsm.toolkit.views.observe_view_inputs`); with
         calibrated input scales one observation per calibration sample (the experts module sees the batch's tokens
@@ -1291,6 +1323,7 @@ class QuantizingModifier(CalibratedModifier):
             self.results,
             all_experts=self.calibrate_all_experts,
             model=model if self.calibrated_inputs else None,
+            owner=type(self).__name__ if self._experts_from_data else None,
         )
 
     def _record_routed(self) -> None:
