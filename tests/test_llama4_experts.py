@@ -352,3 +352,44 @@ def test_model_free_ptq_refuses_llama4_whose_experts_it_cannot_write_per_expert(
         "would not reload; run llmc_fsm.oneshot on the directory (it writes them per expert, quantized)"
     )
     assert not (tmp_path / "o").exists()
+
+
+KV_FP8 = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}
+
+
+def test_llama4_kv_cache_is_the_language_models_and_reloads_with_its_scales(tmp_path):
+    """Found by a tester: the vision tower's ``Llama4VisionAttention`` takes a cache argument it never uses and was
+    taken for a KV-cached attention, which text calibration never reached (the run failed at its end). The KV cache
+    is the language model's attention's only: W4A16 experts + FP8 KV cache run and reload, with
+    ``load_kv_cache_scales``, to the in-memory logits."""
+    from llmc_fsm_quantization import load_kv_cache_scales
+
+    model = build("llama4")
+    scheme = {"preset": "W4A16", "weights": {"group_size": 16}}
+    ignore = ["re:.*lm_head", "re:.*router", "re:.*vision_model.*", "re:.*multi_modal_projector.*"]
+    recipe = {"s": {"QuantizationModifier": {"scheme": scheme, "ignore": ignore, "kv_cache_scheme": KV_FP8}}}
+    llmc_fsm.oneshot(model=model, recipe=recipe, dataset=DATA, output_dir=tmp_path / "o", progress=False)
+    scales = {n for n, _ in model.named_parameters() if n.endswith(("k_scale", "v_scale"))}
+    layers = "language_model.model.layers"
+    assert scales == {f"{layers}.{i}.self_attn.{k}" for i in range(4) for k in ("k_scale", "v_scale")}
+    reloaded, _ = _reload(tmp_path / "o")
+    load_kv_cache_scales(reloaded, tmp_path / "o")
+    with torch.no_grad():
+        assert torch.equal(reloaded(DATA[:2]).logits, model(DATA[:2]).logits)
+
+
+def test_kv_cache_alone_on_llama4_is_refused_its_experts_would_not_reload(tmp_path):
+    """A KV-cache-only checkpoint of Llama 4 leaves its fused experts dense, and transformers replaces them by
+    per-expert Linears when it loads any compressed-tensors checkpoint (found by a tester: they reloaded missing,
+    randomly initialised): refused before any work, nothing written."""
+    model = build("llama4")
+    recipe = {"s": {"QuantizationModifier": {"kv_cache_scheme": KV_FP8}}}
+    with pytest.raises(ValueError) as info:
+        llmc_fsm.oneshot(model=model, recipe=recipe, dataset=DATA, output_dir=tmp_path / "o", progress=False)
+    assert str(info.value) == (
+        "QuantizationModifier: Llama4ForConditionalGeneration (model_type 'llama4'): kv_cache_scheme alone leaves the "
+        "fused experts language_model.model.layers.{1,3}.feed_forward.experts dense, and transformers replaces them by "
+        "one Linear per expert matrix when it loads any compressed-tensors checkpoint, so they would not reload "
+        "(randomly initialised): quantize their weights in the same run (a scheme for Linear targets)"
+    )
+    assert not (tmp_path / "o").exists()

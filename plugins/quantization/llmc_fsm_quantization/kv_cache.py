@@ -61,6 +61,8 @@ from compressed_tensors.quantization.utils import calculate_qparams
 from pydantic import ValidationError
 from torch import nn
 
+from llmc_fsm import find_decoder_layers
+
 __all__ = [
     "CACHE_ARGUMENTS",
     "KV_CACHE_OBSERVERS",
@@ -151,11 +153,20 @@ def _cache_argument(module: nn.Module) -> str | None:
 def attention_modules(model: nn.Module) -> dict[str, nn.Module]:
     """``{name: module}`` of the attention modules with a KV cache: class name containing ``attention``,
     ``k_proj`` and ``v_proj`` children or one fused ``qkv_proj`` (Phi-3), and a cache argument
-    (:data:`CACHE_ARGUMENTS`) in ``forward``."""
+    (:data:`CACHE_ARGUMENTS`) in ``forward``; inside the model's decoder layers
+    (:func:`llmc_fsm.find_decoder_layers`: the language model's) where it has them, so that a vision tower's
+    attention whose forward takes a cache argument it never uses (Llama 4's ``Llama4VisionAttention``; found by a
+    tester: text calibration never handed it keys and values, and the run failed at its end) is not one."""
+    try:
+        layers_name, _ = find_decoder_layers(model)
+    except ValueError:
+        layers_name = ""
+    prefix = f"{layers_name}." if layers_name else ""
     return {
         name: module
         for name, module in model.named_modules()
-        if "attention" in type(module).__name__.lower()
+        if name.startswith(prefix)
+        and "attention" in type(module).__name__.lower()
         and (
             (
                 isinstance(getattr(module, "k_proj", None), nn.Module)
