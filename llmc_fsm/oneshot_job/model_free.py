@@ -64,7 +64,7 @@ from llmc_fsm.output.workdir import WorkDir, recover_previous
 from llmc_fsm.session.session import Session
 from llmc_fsm.toolkit.packed import expert_reload_problem
 from llmc_fsm.toolkit.targets import compact_names, model_family, tied_head
-from llmc_fsm.toolkit.views import linear_expert_names
+from llmc_fsm.toolkit.views import reloads_as_linears
 
 __all__ = ["QUANTIZATION_PARAMS", "already_quantized", "checkpoint_classes", "linear_tree", "model_free_ptq"]
 
@@ -697,13 +697,13 @@ def linear_tree(
 def _check_fused_experts(tensors: Mapping[str, torch.Tensor], session: Session, skeleton: nn.Module | None) -> None:
     """Refuse three-dimensional tensors (fused experts) that the recipe's targets match and its ignore does not; and
     fused experts left dense where transformers reloads a compressed-tensors checkpoint's experts as one Linear per
-    expert matrix (Llama 4, :func:`~llmc_fsm.toolkit.linear_expert_names`: found by a tester, the output did not
+    expert matrix (Llama 4, :func:`~llmc_fsm.toolkit.reloads_as_linears`: found by a tester, the output did not
     load, ``NotImplementedError: "normal_kernel_cpu" not implemented for 'Float8_e4m3fn'``)."""
     from compressed_tensors.utils.match import match_name
 
     as_linears = sorted(
         {name.rpartition(".")[0] for name, tensor in tensors.items() if tensor.dim() == 3}
-        & ({n for n, m in skeleton.named_modules() if _reloads_as_linears(skeleton, n, m)} if skeleton else set())
+        & ({n for n, m in skeleton.named_modules() if reloads_as_linears(m)} if skeleton else set())
     )
     if as_linears:
         family = model_family(skeleton)
@@ -969,12 +969,3 @@ def _ignore_unquantized_linears(
     if extra:
         config["ignore"] = [*(config.get("ignore") or []), *extra]
         config_path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-
-
-def _reloads_as_linears(model: nn.Module, name: str, module: nn.Module) -> bool:
-    """Whether transformers reloads the fused experts ``module`` of a compressed-tensors checkpoint as one Linear per
-    expert matrix (:func:`~llmc_fsm.toolkit.linear_expert_names` gives their names)."""
-    try:
-        return linear_expert_names(model, name, module) is not None
-    except ValueError:
-        return True  # patched on reload, though not into the views' Linears: no fused checkpoint reloads either

@@ -45,6 +45,7 @@ __all__ = [
     "linear_expert_names",
     "observe_inputs",
     "observe_view_inputs",
+    "reloads_as_linears",
     "router_names",
     "weight_views",
 ]
@@ -608,12 +609,10 @@ def linear_expert_names(model: nn.Module, name: str, module: nn.Module) -> dict[
             rename the per-expert keys.
     """
     from transformers.core_model_loading import revert_weight_conversion  # optional third-party: transformers
-    from transformers.quantizers.base import MODULES_TO_PATCH_FOR_QUANTIZATION
-    from transformers.utils.quantization_config import QuantizationMethod
 
-    entry = MODULES_TO_PATCH_FOR_QUANTIZATION.get(type(module).__name__)
+    entry = _patch_entry(module)
     views = weight_views(module)
-    if not views or entry is None or QuantizationMethod.COMPRESSED_TENSORS not in entry["quantization_methods"]:
+    if not views or entry is None:
         return None
     with torch.device("meta"):
         patched = entry["module_name"](model.config.get_text_config())
@@ -634,3 +633,24 @@ def linear_expert_names(model: nn.Module, name: str, module: nn.Module) -> dict[
     if renamed:
         raise ValueError(f"saving would rename the per-expert key {sorted(probe)[0]} (to e.g. {renamed[0]})")
     return names
+
+
+def reloads_as_linears(module: nn.Module) -> bool:
+    """Whether transformers replaces the experts module ``module`` by one Linear module per expert matrix when it
+    loads a compressed-tensors checkpoint (its quantizers' ``MODULES_TO_PATCH_FOR_QUANTIZATION`` table: Llama 4's
+    ``Llama4TextExperts``), so that a checkpoint keeping them fused does not reload them, quantized or not."""
+    return _patch_entry(module) is not None
+
+
+def _patch_entry(module: nn.Module) -> dict[str, Any] | None:
+    """transformers' ``MODULES_TO_PATCH_FOR_QUANTIZATION`` entry for ``module``'s class when it applies to
+    compressed-tensors checkpoints, else ``None`` (also when the installed transformers has no such table)."""
+    try:
+        from transformers.quantizers.base import MODULES_TO_PATCH_FOR_QUANTIZATION
+        from transformers.utils.quantization_config import QuantizationMethod
+    except ImportError:  # optional third-party: transformers (the table is its quantizers' own)
+        return None
+    entry = MODULES_TO_PATCH_FOR_QUANTIZATION.get(type(module).__name__)
+    if entry is None or QuantizationMethod.COMPRESSED_TENSORS not in entry["quantization_methods"]:
+        return None
+    return entry

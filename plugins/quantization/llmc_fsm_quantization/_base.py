@@ -49,6 +49,7 @@ from llmc_fsm.toolkit import (
     patterns,
     private_pages,
     release_file_pages,
+    reloads_as_linears,
     select_targets,
     tied_head,
     untie_head,
@@ -490,21 +491,6 @@ def _dynamic_inputs(inputs: Any) -> str:
 
 #: the end of a refusal of a scheme on fused experts: what runs besides the schemes transformers reloads
 _FOR_VLLM = " (NVFP4, NVFP4A16 and FP8_BLOCK experts are written per expert for vLLM instead)"
-
-
-def _reloads_as_linears(model: nn.Module, name: str, module: nn.Module) -> bool:
-    """Whether transformers reloads the fused experts ``module`` (``name`` in ``model``) of a compressed-tensors
-    checkpoint as one Linear module per expert matrix: its checkpoint keeps them fused
-    (:func:`~llmc_fsm.toolkit.expert_checkpoint_names` raises) and its quantizers replace them before loading
-    (:func:`~llmc_fsm.toolkit.linear_expert_names`: Llama 4)."""
-    try:
-        expert_checkpoint_names(model, name, module)
-    except ValueError:
-        try:
-            return linear_expert_names(model, name, module) is not None
-        except ValueError:
-            return False
-    return False
 
 
 @torch.no_grad()
@@ -958,7 +944,7 @@ class QuantizingModifier(CalibratedModifier):
         if self.kv_only:  # KV-cache scales only: no weight target
             self._group_of, self._expert_names, self._fused = {}, {}, {}
             self._kv_attention = self._check_kv_cache(model)
-            linears = [n for n, m in _fused_experts(model).items() if _reloads_as_linears(model, n, m)]
+            linears = [n for n, m in _fused_experts(model).items() if reloads_as_linears(m)]
             if linears:  # found by a tester: the KV-only checkpoint reloaded with Llama 4's experts missing
                 msg = (
                     f"{type(self).__name__}: {model_family(model)}: kv_cache_scheme alone leaves the fused experts "
@@ -1129,7 +1115,7 @@ class QuantizingModifier(CalibratedModifier):
         dense = [n for n in fused if n not in sources]
         # Llama 4's: transformers reloads them as one Linear per expert matrix, so its fused loader's limits do not
         # apply; what is refused for them is what is not implemented here
-        linears = any(_reloads_as_linears(model, n, m) for n, m in fused.items())
+        linears = any(reloads_as_linears(m) for m in fused.values())
         if not sources:
             if dense:  # experts not quantized: the quantized checkpoint would not reload them
                 fix = (
@@ -1237,7 +1223,7 @@ class QuantizingModifier(CalibratedModifier):
         scheme = self._experts_scheme(in_groups) if in_groups else None
         if scheme is None:
             return None
-        if any(_reloads_as_linears(model, n, m) for n, m in fused.items()):
+        if any(reloads_as_linears(m) for m in fused.values()):
             return None
         problem = expert_reload_problem(scheme)
         if problem is None or experts_for_vllm(scheme):
