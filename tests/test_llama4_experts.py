@@ -393,3 +393,23 @@ def test_kv_cache_alone_on_llama4_is_refused_its_experts_would_not_reload(tmp_pa
         "(randomly initialised): quantize their weights in the same run (a scheme for Linear targets)"
     )
     assert not (tmp_path / "o").exists()
+
+
+def test_llama4_experts_take_any_format_a_linear_takes_and_reload(tmp_path):
+    """Llama 4's expert matrices reload as Linear modules, so every format a Linear's weights can be saved in applies
+    to them (found by a tester: ``quantization_format="int-quantized"`` with symmetric int4 was refused, "transformers'
+    experts loader reads no other format", which Llama 4 does not use): written int-quantized (one int8 per value
+    under ``weight``), reloaded with no missing or unexpected key and the in-memory logits."""
+    model = build("llama4")
+    scheme = {"preset": "W4A16", "weights": {"group_size": 16}}
+    recipe = {"s": {"QuantizationModifier": {"scheme": scheme, "ignore": IGNORE}}}
+    llmc_fsm.oneshot(model=model, recipe=recipe, dataset=DATA, output_dir=tmp_path / "o", progress=False,
+                     quantization_format="int-quantized")  # fmt: skip
+    saved = _saved(tmp_path / "o")
+    prefix = f"{EXPERTS[0]}.0.gate_proj."
+    assert sorted(k.removeprefix(prefix) for k in saved if k.startswith(prefix)) == ["weight", "weight_scale"]
+    assert saved[prefix + "weight"].dtype == torch.int8
+    reloaded, info = _reload(tmp_path / "o")
+    assert (sorted(info["missing_keys"]), sorted(info["unexpected_keys"])) == ([], [])
+    with torch.no_grad():
+        assert torch.equal(reloaded(DATA[:2]).logits, model(DATA[:2]).logits)

@@ -78,7 +78,7 @@ from llmc_fsm.recipes.model import Recipe
 from llmc_fsm.report.build import build_report
 from llmc_fsm.session.session import Session
 from llmc_fsm.toolkit.distributed import is_distributed, is_main_process, rank_work, shard
-from llmc_fsm.toolkit.packed import format_problem
+from llmc_fsm.toolkit.packed import format_problem, saved_as
 from llmc_fsm.toolkit.targets import compact_names
 
 __all__ = [
@@ -499,7 +499,7 @@ def _check_format_of_targets(run: Run, model: Any) -> None:
         for name, module in modifier.check_model(model).items():
             scheme = scheme_of(name)
             fmt = given or getattr(scheme.format, "value", scheme.format)  # else the recipe's config group's format
-            problem = None if fmt is None else format_problem(type(module), scheme, fmt)
+            problem = None if fmt is None else format_problem(saved_as(module), scheme, fmt)
             if problem is not None:
                 problems.setdefault(problem if given else f"format {fmt}: {problem}", []).append(name)
     if problems:

@@ -48,7 +48,7 @@ from llmc_fsm.output.compressed import (
 )
 from llmc_fsm.recipes.model import Recipe
 from llmc_fsm.toolkit.masks import SPARSE_FROM, zeros_structure
-from llmc_fsm.toolkit.packed import format_problem, kept_packed
+from llmc_fsm.toolkit.packed import format_problem, kept_packed, saved_as
 from llmc_fsm.toolkit.targets import tied_head
 from llmc_fsm.toolkit.views import LinearView, weight_views
 
@@ -514,7 +514,7 @@ def check_quantization_format(model: nn.Module, quantization_format: Any) -> Non
         )
         raise ValueError(msg)
     schemes = {name: (type(sub), sub.quantization_scheme) for name, sub in quantized_modules(model).items()}
-    schemes.update({name: (LinearView, view.quantization_scheme) for name, view in quantized_views(model).items()})
+    schemes.update({name: (saved_as(view), view.quantization_scheme) for name, view in quantized_views(model).items()})
     if not schemes:
         msg = (
             f"quantization_format {quantization_format!r} is the format quantized weights are saved in, and the "

@@ -51,7 +51,8 @@ The public names, by concern:
   :func:`release_file_pages` (unmap a replaced weight's unwritten pages of a memory-mapped checkpoint);
 * **checkpoint** (:mod:`~llmc_fsm.toolkit.packed`): :func:`keep_packed` (keep the tensors compressed-tensors
   packed when a module was quantized, for the save to write instead of rounding again), :func:`weight_formats` /
-  :func:`format_problem` (the compressed-tensors formats a scheme's weights can be saved in),
+  :func:`format_problem` (the compressed-tensors formats a scheme's weights can be saved in; :func:`saved_as`: the
+  class whose formats a module takes),
   :func:`expert_reload_problem` (why transformers would not reload fused experts quantized with a scheme),
   :func:`experts_for_vllm` (whether such experts are still written per expert as vLLM reads them: NVFP4, FP8 block).
 
@@ -91,6 +92,7 @@ from llmc_fsm.toolkit.packed import (
     experts_for_vllm,
     format_problem,
     keep_packed,
+    saved_as,
     weight_formats,
 )
 from llmc_fsm.toolkit.targets import (
@@ -175,6 +177,7 @@ __all__ = [
     "reloads_as_linears",
     "resolve_targets",
     "router_names",
+    "saved_as",
     "select_targets",
     "sweep_relative_errors",
     "tied_head",

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from llmc_fsm.toolkit.views import LinearView
+from llmc_fsm.toolkit.views import LinearView, reloads_as_linears
 
 __all__ = [
     "PACKED_ATTR",
@@ -24,6 +24,7 @@ __all__ = [
     "format_problem",
     "keep_packed",
     "kept_packed",
+    "saved_as",
     "weight_formats",
 ]
 
@@ -70,6 +71,15 @@ def weight_formats(module_type: type, scheme: Any) -> list[str]:
     elif formats[0] in ("float-quantized", "naive-quantized"):  # 8-bit float weights (not NVFP4 / MX)
         formats += ["float-quantized", "naive-quantized"]
     return list(dict.fromkeys(formats))
+
+
+def saved_as(module: nn.Module) -> type:
+    """The class whose formats ``module``'s quantized weights can be saved in (:func:`weight_formats`): its own, but
+    ``nn.Linear`` for an expert matrix of experts transformers reloads as one Linear per expert matrix (Llama 4:
+    :func:`~llmc_fsm.toolkit.views.reloads_as_linears`; its fused loader's one format does not apply)."""
+    if isinstance(module, LinearView) and module.expert is not None and reloads_as_linears(module.source):
+        return nn.Linear
+    return type(module)
 
 
 def format_problem(module_type: type, scheme: Any, fmt: Any) -> str | None:
