@@ -50,7 +50,7 @@ from llmc_fsm.recipes.model import Recipe
 from llmc_fsm.toolkit.masks import SPARSE_FROM, zeros_structure
 from llmc_fsm.toolkit.packed import format_problem, kept_packed, saved_as
 from llmc_fsm.toolkit.targets import tied_head
-from llmc_fsm.toolkit.views import LinearView, weight_views
+from llmc_fsm.toolkit.views import LinearView, reloads_as_linears, weight_views
 
 logger = logging.getLogger(__name__)
 
@@ -716,11 +716,11 @@ def _expert_tensors(
     from compressed_tensors.compressors.format import infer_module_format
     from compressed_tensors.config import CompressionFormat
 
+    out = _dense_linear_experts(module, prefix, state)
     views = quantized_views(module)
     if not views:
-        return {}
+        return out
     owners = {id(sub): name for name, sub in module.named_modules()}
-    out: dict[str, Any] = {}
     for view in views.values():
         owner = owners[id(view.owner)]
         state.pop(f"{prefix}{owner}.{view.param_name}" if owner else prefix + view.param_name, None)
@@ -739,6 +739,35 @@ def _expert_tensors(
         out.update(
             {f"{view.checkpoint_name}.{key}": value.contiguous() for key, value in packed.items() if value is not None}
         )
+    return out
+
+
+def dense_linear_experts(model: nn.Module) -> dict[str, LinearView]:
+    """``{name: view}`` of the expert matrices left dense (not quantized) in fused experts that transformers reloads
+    as one Linear per expert matrix (:func:`~llmc_fsm.toolkit.views.reloads_as_linears`: Llama 4): a compressed
+    checkpoint holds them per expert, under these names (the module names transformers gives their Linears; checked
+    to be saved unrenamed by :func:`~llmc_fsm.toolkit.views.linear_expert_names`), and its config ignores them."""
+    return {
+        f"{name}.{suffix}" if name else suffix: view
+        for name, sub in model.named_modules()
+        if reloads_as_linears(sub)
+        for suffix, view in weight_views(sub).items()
+        if getattr(view, "quantization_scheme", None) is None
+    }
+
+
+def _dense_linear_experts(module: nn.Module, prefix: str, state: dict[str, Any]) -> dict[str, Any]:
+    """The dense expert matrices of ``module``'s experts that transformers reloads as Linears
+    (:func:`dense_linear_experts`), as per-expert ``<name>.weight`` tensors; the fused parameters they were read from
+    are removed from ``state`` (a quantized checkpoint of Llama 4 must hold no fused expert tensor: transformers loads
+    its experts as Linears, and vLLM reads either per-expert or fused names, not both)."""
+    views = dense_linear_experts(module)
+    owners = {id(sub): name for name, sub in module.named_modules()}
+    out: dict[str, Any] = {}
+    for name, view in views.items():
+        owner = owners[id(view.owner)]
+        state.pop(f"{prefix}{owner}.{view.param_name}" if owner else prefix + view.param_name, None)
+        out[f"{prefix}{name}.weight"] = view.weight.detach().contiguous()
     return out
 
 
@@ -764,6 +793,7 @@ def write_quantization_config(model: nn.Module, directory: Path, *, sparsity: Sp
         compressor.quantization_config.quantization_status = QuantizationStatus.COMPRESSED  # what the tensors are
         config = compressor.quantization_config  # every unquantized module a class target would match on reload
         config.ignore = ignore_for_reload(model, quantized_modules(model), list(config.ignore or []))
+        config.ignore += [n for n in dense_linear_experts(model) if n not in config.ignore]  # reloaded as Linears
         config.kv_cache_scheme = kv_cache_scheme(model) or config.kv_cache_scheme  # the plugin's calibrated KV scales
         if (attention := attention_scheme(model)) is not None:  # attention quantization: q/k/v scales
             config.config_groups[f"group_{len(config.config_groups)}"] = attention.model_copy(deep=True)

@@ -1089,7 +1089,7 @@ class QuantizingModifier(CalibratedModifier):
             ValueError: one line naming the family and why, for: a ``Conv1D`` target (see
                 :data:`CONV1D_REFUSAL`); fused experts of a family whose checkpoint keeps them fused (GPT-OSS, DBRX;
                 not Llama 4, whose experts transformers reloads as Linear modules: any scheme, saved per expert under
-                :func:`~llmc_fsm.toolkit.linear_expert_names`);
+                :func:`~llmc_fsm.toolkit.linear_expert_names`, its dense matrices too);
                 fused experts left dense while other modules are quantized (transformers 5.24 then drops them on
                 reload), or only some matrices of an experts module targeted; an experts scheme transformers does
                 not reload into them (:func:`~llmc_fsm.toolkit.expert_reload_problem`: they take weight-only
@@ -1114,21 +1114,17 @@ class QuantizingModifier(CalibratedModifier):
         fused = _fused_experts(model)
         dense = [n for n in fused if n not in sources]
         # Llama 4's: transformers reloads them as one Linear per expert matrix, so its fused loader's limits do not
-        # apply; what is refused for them is what is not implemented here
+        # apply: their dense matrices are saved per expert (output.save.dense_linear_experts)
         linears = any(reloads_as_linears(m) for m in fused.values())
         if not sources:
-            if dense:  # experts not quantized: the quantized checkpoint would not reload them
+            if dense and not linears:  # experts not quantized: the quantized checkpoint would not reload them
                 fix = (
                     "quantize them too (target them; leave them out of ignore)"
                     if self.compresses_views
                     else f"{name} does not quantize fused experts (GPTQModifier, QuantizationModifier do, per expert)"
                 )
                 why = (
-                    "transformers replaces them by one Linear per expert matrix when it loads a compressed-tensors "
-                    "checkpoint, so dense fused experts would not reload (measured on Llama 4, transformers 5.25: "
-                    "the experts' Linears missing, randomly initialised)"
-                    if linears
-                    else "transformers does not reload dense fused experts from a compressed-tensors checkpoint (its "
+                    "transformers does not reload dense fused experts from a compressed-tensors checkpoint (its "
                     "experts loader decompresses quantized weights only: the experts missing in 5.24, 'torch.cat(): "
                     "expected a non-empty list of Tensors' in 5.25; measured on Mixtral)"
                 )
@@ -1138,14 +1134,11 @@ class QuantizingModifier(CalibratedModifier):
         partial = [
             f"{n}.{s}" for n, m in sources.items() for s in weight_views(m) if f"{n}.{s}" not in views
         ]  # fmt: skip
-        if dense or partial:
+        if (dense or partial) and not linears:  # Llama 4's dense expert matrices are written per expert, as Linears
             left = compact_names(dense or partial)
             why = (
-                "writing such expert matrices dense, per expert, beside quantized ones is not implemented for "
-                "experts transformers reloads as Linear modules"
-                if linears
-                else "transformers' experts loader rebuilds a layer's fused experts from packed weights only "
-                "(measured on 5.24: the dense ones were missing)"
+                "transformers' experts loader rebuilds a layer's fused experts from packed weights only (measured on "
+                "5.24: the dense ones were missing)"
             )
             msg = (
                 f"{name}: {family}: {left} would stay dense while other expert matrices are quantized; {why}: "
