@@ -330,8 +330,10 @@ def test_llama4_experts_in_several_config_groups_are_refused_as_not_implemented(
     before = {k: v.clone() for k, v in model.state_dict().items()}
     ignore = ["re:.*lm_head", "re:.*router", "re:.*vision_model.*", "re:.*multi_modal_projector.*"]
     weights = {"type": "int", "symmetric": True, "strategy": "group", "group_size": 16}
-    groups = {"a": {"targets": ["re:.*down_proj$"], "weights": {**weights, "num_bits": 4}},
-              "b": {"targets": ["re:.*gate_proj$", "re:.*up_proj$"], "weights": {**weights, "num_bits": 8}}}  # fmt: skip
+    groups = {
+        "a": {"targets": ["re:.*down_proj$"], "weights": {**weights, "num_bits": 4}},
+        "b": {"targets": ["re:.*gate_proj$", "re:.*up_proj$"], "weights": {**weights, "num_bits": 8}},
+    }
     recipe = {"s": {"GPTQModifier": {"config_groups": groups, "ignore": ignore}}}
     with pytest.raises(ValueError) as info:
         llmc_fsm.oneshot(model=model, recipe=recipe, dataset=DATA, output_dir=tmp_path / "o", progress=False)
@@ -385,23 +387,25 @@ def test_llama4_kv_cache_is_the_language_models_and_reloads_with_its_scales(tmp_
         assert torch.equal(reloaded(DATA[:2]).logits, model(DATA[:2]).logits)
 
 
-def test_kv_cache_alone_on_llama4_is_refused_its_experts_would_not_reload(tmp_path):
-    """A KV-cache-only checkpoint of Llama 4 leaves its fused experts dense, and transformers replaces them by
+def test_kv_cache_alone_on_llama4_writes_the_experts_per_expert_and_reloads(tmp_path):
+    """A KV-cache-only checkpoint of Llama 4 (its weights untouched): transformers replaces the fused experts by
     per-expert Linears when it loads any compressed-tensors checkpoint (found by a tester: they reloaded missing,
-    randomly initialised): refused before any work, nothing written."""
+    randomly initialised), so they are written per expert, dense, under ``.weight``: the reload has no missing key
+    (its unexpected keys are the KV scales, which ``load_kv_cache_scales`` puts back) and the in-memory logits."""
+    from llmc_fsm_quantization import load_kv_cache_scales
+
     model = build("llama4")
     recipe = {"s": {"QuantizationModifier": {"kv_cache_scheme": KV_FP8}}}
-    with pytest.raises(ValueError) as info:
-        llmc_fsm.oneshot(model=model, recipe=recipe, dataset=DATA, output_dir=tmp_path / "o", progress=False)
-    assert str(info.value) == (
-        "QuantizationModifier: Llama4ForConditionalGeneration (model_type 'llama4'): kv_cache_scheme alone leaves the "
-        "fused experts language_model.model.layers.{1,3}.feed_forward.experts dense, and transformers replaces them by "
-        "one Linear per expert matrix when it loads any compressed-tensors checkpoint, so they would not reload "
-        "(randomly initialised): quantize their weights in the same run (a scheme for Linear targets)"
-    )
-    assert not (tmp_path / "o").exists()
-
-
+    llmc_fsm.oneshot(model=model, recipe=recipe, dataset=DATA, output_dir=tmp_path / "o", progress=False)
+    saved = _saved(tmp_path / "o")
+    assert not [k for k in saved if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]
+    assert f"{EXPERTS[0]}.3.down_proj.weight" in saved
+    reloaded, info = _reload(tmp_path / "o")  # transformers leaves the KV scales out (docs/quantization.md)
+    scales = sorted(f"language_model.model.layers.{i}.self_attn.{k}" for i in range(4) for k in ("k_scale", "v_scale"))
+    assert (sorted(info["missing_keys"]), sorted(info["unexpected_keys"])) == ([], scales)
+    load_kv_cache_scales(reloaded, tmp_path / "o")
+    with torch.no_grad():
+        assert torch.equal(reloaded(DATA[:2]).logits, model(DATA[:2]).logits)
 def test_llama4_experts_take_any_format_a_linear_takes_and_reload(tmp_path):
     """Llama 4's expert matrices reload as Linear modules, so every format a Linear's weights can be saved in applies
     to them (found by a tester: ``quantization_format="int-quantized"`` with symmetric int4 was refused, "transformers'

@@ -411,11 +411,13 @@ def _save_weights(
     # transformers' own method: the model may carry CompressedSavePretrained, which calls this
     hf_save = type(model).save_pretrained
     save_kwargs = {"safe_serialization": True, **save_kwargs}
-    if not quantized_modules(model) and not quantized_views(model):
+    kv_only = kv_cache_scheme(model) is not None
+    if not quantized_modules(model) and not quantized_views(model) and not (kv_only and dense_linear_experts(model)):
         hf_save(model, directory, **save_kwargs)
-        if kv_cache_scheme(model) is not None:  # KV-cache scales only (kv_cache_scheme alone): weights untouched
+        if kv_only:  # KV-cache scales only (kv_cache_scheme alone): weights untouched
             write_quantization_config(model, directory, sparsity=sparsity)
         return
+    # (KV-cache scales only on Llama 4: its fused experts are written per expert, as transformers reloads them)
     state_dict = compressed_state_dict(model, quantization_format=quantization_format)
     warn_formats(model)
     hf_save(model, directory, state_dict=state_dict, **save_kwargs)
