@@ -751,39 +751,9 @@ def run_entry(entry: Entry, workdir: Path) -> dict[str, Any]:
             with torch.no_grad():
                 got = reloaded(**window).logits.float()
             result["reload_equal_with_kv_scales"] = bool(torch.equal(got, ref))
-        if not result["reload_equal"] and _linear_experts_without_input_quantization(model, reloaded):
-            # Llama 4: transformers reloads the experts as Linear modules, which quantize their inputs; in memory
-            # the fused experts run them unquantized (said in the run's warning): compare without that
-            with torch.no_grad():
-                got = reloaded(**window).logits.float()
-            result["reload_equal_without_expert_inputs"] = bool(torch.equal(got, ref))
     except Exception as exc:
         result["reload"] = _failure("reload", exc)
     return result
-
-
-def _linear_experts_without_input_quantization(model: Any, reloaded: Any) -> bool:
-    """Where transformers reloaded ``model``'s fused experts as Linear modules (``llmc_fsm.toolkit.linear_expert_names``:
-    Llama 4) that quantize their inputs, stop that quantization in ``reloaded`` (their schemes' input activations
-    set to ``None``); whether any was stopped."""
-    from llmc_fsm.toolkit import linear_expert_names, weight_views
-
-    stopped = False
-    for name, module in model.named_modules():
-        views = weight_views(module)
-        if not views or next(iter(views.values())).expert is None:
-            continue
-        try:
-            names = linear_expert_names(model, name, module)
-        except ValueError:
-            names = None
-        for checkpoint_name in (names or {}).values():
-            linear = reloaded.get_submodule(checkpoint_name)
-            scheme = getattr(linear, "quantization_scheme", None)
-            if scheme is not None and scheme.input_activations is not None:
-                linear.quantization_scheme = scheme.model_copy(update={"input_activations": None})
-                stopped = True
-    return stopped
 
 
 def _experts_for_vllm(model: Any, out: Path, config: dict[str, Any] | None) -> bool | None:
@@ -960,8 +930,6 @@ def classify(result: dict[str, Any]) -> str:
         )
     if result.get("reload_equal"):
         return "reload equal"
-    if result.get("reload_equal_without_expert_inputs"):
-        return "reload equal but for the experts' input quantization (transformers' Linear experts quantize them)"
     if isinstance(result.get("reference"), dict):
         return "for vLLM (oneshot refuses the scheme: transformers does not reload it right)"
     return "reload differs"

@@ -141,15 +141,15 @@ def test_gptq_on_llama4_experts_equals_a_float64_reference_and_reloads_as_linear
         assert torch.equal(reloaded(DATA[:2]).logits, model(DATA[:2]).logits)
 
 
-@pytest.mark.parametrize("scheme", ["NVFP4", "FP8_BLOCK"])
-def test_llama4_experts_with_input_activations_decompress_to_the_in_memory_weights_and_say_what_differs(
-    tmp_path, caplog, scheme
-):
-    """llm-compressor's Llama 4 NVFP4 and FP8_BLOCK examples (FP8 blocks of 16: the tiny widths): every saved expert
-    matrix decompresses (compressed-tensors' compressor of the saved config group) to the in-memory one exactly; an
-    expert's gate and up share one NVFP4 global scale (vLLM fuses them); one warning line says the experts' inputs
-    are quantized only by transformers' reloaded Linear experts and vLLM, not in memory; the checkpoint reloads with
-    no missing or unexpected key."""
+@pytest.mark.parametrize("scheme", ["NVFP4", "FP8_BLOCK", "FP8", "W8A8"])
+def test_llama4_experts_with_input_activations_compute_in_memory_as_the_reloaded_linears(tmp_path, caplog, scheme):
+    """llm-compressor's Llama 4 NVFP4, FP8_BLOCK (blocks of 16: the tiny widths) and FP8 (static input scales)
+    examples, and W8A8: every saved expert matrix decompresses (compressed-tensors' compressor of the saved config
+    group) to the in-memory one exactly; an expert's gate and up share one NVFP4 global scale (vLLM fuses them); the
+    in-memory experts quantize each matrix's input as transformers' reloaded Linear experts do
+    (``toolkit.quantize_expert_inputs``; before, in memory they did not, and a warning said the outputs differ): the
+    reload, with no missing or unexpected key, gives the in-memory logits exactly, and no warning is given about
+    the experts' inputs."""
     from compressed_tensors.compressors import BaseCompressor
     from compressed_tensors.quantization import QuantizationScheme
 
@@ -161,18 +161,7 @@ def test_llama4_experts_with_input_activations_decompress_to_the_in_memory_weigh
     recipe = {"s": {"QuantizationModifier": {"targets": "Linear", "scheme": args, "ignore": IGNORE}}}
     with caplog.at_level(logging.WARNING):
         llmc_fsm.oneshot(model=model, recipe=recipe, dataset=DATA, output_dir=tmp_path / "o", progress=False)
-    lines = [r.getMessage() for r in caplog.records if "fused experts" in r.getMessage()]
-    how = "per group, dynamic"
-    if scheme == "NVFP4":
-        how = "per tensor_group, dynamic under each expert matrix's calibrated input_global_scale, saved"
-    assert lines == [
-        "QuantizationModifier: Llama4ForConditionalGeneration (model_type 'llama4'): fused experts "
-        "language_model.model.layers.{1,3}.feed_forward.experts: the fused experts' input activations "
-        f"({how}) are not quantized in memory (fused experts are not Linear modules), while transformers reloads "
-        "these experts as one Linear module per expert matrix and vLLM serves them, both quantizing their inputs: "
-        "the reloaded model's outputs differ from the in-memory model's, and a perplexity llmc-fsm measures does "
-        "not include the experts' input quantization"
-    ]
+    assert not [r for r in caplog.records if "fused experts' input activations" in r.getMessage()]
     saved = _saved(tmp_path / "o")
     (entry,) = json.loads((tmp_path / "o" / "config.json").read_text())["quantization_config"]["config_groups"].values()
     compressor = BaseCompressor.get_value_from_registry(entry["format"])
@@ -186,8 +175,30 @@ def test_llama4_experts_with_input_activations_decompress_to_the_in_memory_weigh
             for e in range(4):
                 gate, up = (saved[f"{name}.{e}.{m}.weight_global_scale"] for m in ("gate_proj", "up_proj"))
                 assert torch.equal(gate, up)
+    reloaded = transformers.AutoModelForImageTextToText.from_pretrained(tmp_path / "o", dtype=torch.bfloat16).eval()
     _, info = _reload(tmp_path / "o")
     assert (sorted(info["missing_keys"]), sorted(info["unexpected_keys"])) == ([], [])
+    with torch.no_grad():
+        assert torch.equal(reloaded(DATA[:2]).logits, model(DATA[:2]).logits)
+
+
+def test_the_experts_input_quantization_changes_the_in_memory_outputs_and_is_off_during_propagation():
+    """A control for the test above: the experts' forward with their inputs quantized differs from the class's own
+    on the same weights (the input quantization does something), and with compressed-tensors' switch
+    ``quantization_enabled`` off (the sequential pipeline's propagation) it is the class's own, bitwise."""
+    from llmc_fsm.pipeline.layer import activation_quantization_off
+
+    model = build("llama4")
+    llmc_fsm.oneshot(model=model, recipe={"s": {"QuantizationModifier": {"scheme": "FP8_DYNAMIC", "ignore": IGNORE}}},
+                     dataset=DATA[:2], progress=False)  # fmt: skip
+    experts = model.get_submodule(EXPERTS[0])
+    assert "forward" in experts.__dict__
+    x = torch.randn(4 * 6, 64, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        own = type(experts).forward(experts, x)
+        assert not torch.equal(experts(x), own)
+        with activation_quantization_off(experts):
+            assert torch.equal(experts(x), own)
 
 
 def test_llama4_moe_blocks_get_smoothing_mappings_that_keep_the_float_model():
@@ -266,12 +277,14 @@ def test_a_run_calibrating_experts_on_their_routed_tokens_says_llmcompressor_cal
     )
 
 
-def test_llama4_text_model_is_compressed_alike_in_memory_streamed_and_low_memory(tmp_path):
+@pytest.mark.parametrize("scheme", ["W4A16", "NVFP4"])
+def test_llama4_text_model_is_compressed_alike_in_memory_streamed_and_low_memory(tmp_path, scheme):
     """GPTQ W4A16 on a tiny ``Llama4ForCausalLM`` (the text model; its experts per expert matrix): in memory,
     streamed from the directory (the default) and ``low_memory`` give the same checkpoint tensor for tensor and the
     same perplexities. Found by a tester: the streamed evaluation's layer stand-ins returned ``(hidden, None)`` as
     ``Llama4TextDecoderLayer``'s return annotation promises, while the layer returns its hidden states alone, and
-    the final norm got a tuple (AttributeError after the model was compressed; nothing written)."""
+    the final norm got a tuple (AttributeError after the model was compressed; nothing written). NVFP4: the
+    experts' inputs quantized in memory (``toolkit.quantize_expert_inputs``) on every path alike."""
     from tiny_families import config
     from tiny_llama import calibration_text, compress_on_every_path, word_tokenizer
 
@@ -281,12 +294,14 @@ def test_llama4_text_model_is_compressed_alike_in_memory_streamed_and_low_memory
     torch.manual_seed(0)
     transformers.Llama4ForCausalLM(config("llama4").text_config).save_pretrained(tmp_path / "src")
     tokenizer.save_pretrained(tmp_path / "src")
-    scheme = {"preset": "W4A16", "weights": {"group_size": 16}}
-    recipe = {"s": {"GPTQModifier": {"scheme": scheme, "ignore": ["lm_head", "re:.*router"]}}}
-    runs = compress_on_every_path(tmp_path, recipe, tokenizer)
+    args = {"preset": "W4A16", "weights": {"group_size": 16}} if scheme == "W4A16" else scheme
+    recipe = {"s": {"GPTQModifier": {"scheme": args, "ignore": ["lm_head", "re:.*router"]}}}
+    runs = compress_on_every_path(tmp_path, recipe, tokenizer, dtype="bfloat16" if scheme == "NVFP4" else None)
     tensors = {path: run[1] for path, run in runs.items()}
     ppl = {path: run[2] for path, run in runs.items()}
     assert any(".feed_forward.experts.0.gate_proj.weight_packed" in k for k in tensors["memory"])
+    if scheme == "NVFP4":
+        assert "forward" in runs["memory"][0].model.layers[1].feed_forward.experts.__dict__
     for path in ("streamed", "low_memory"):
         assert sorted(tensors[path]) == sorted(tensors["memory"])
         assert all(torch.equal(tensors[path][k], v) for k, v in tensors["memory"].items())
@@ -424,3 +439,39 @@ def test_llama4_experts_take_any_format_a_linear_takes_and_reload(tmp_path):
     assert (sorted(info["missing_keys"]), sorted(info["unexpected_keys"])) == ([], [])
     with torch.no_grad():
         assert torch.equal(reloaded(DATA[:2]).logits, model(DATA[:2]).logits)
+
+
+def test_a_resumed_llama4_run_quantizes_the_restored_experts_inputs_as_the_first_run(tmp_path):
+    """SIGTERM after decoder layer 1 (a MoE layer), then ``--resume``: the restored layers' experts compute with
+    their inputs quantized again (``toolkit.quantize_expert_inputs`` on restore), so the resumed run's perplexity
+    after, and its checkpoint, equal an uninterrupted run's (NVFP4, the CLI, the Llama 4 VLM in memory)."""
+    from safetensors.torch import load_file
+    from tiny_llama import calibration_text, run_cli, word_tokenizer
+
+    text = calibration_text()
+    (tmp_path / "cal.txt").write_text(text)
+    build("llama4").save_pretrained(tmp_path / "src")
+    word_tokenizer(text).save_pretrained(tmp_path / "src")
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(
+        "s:\n  QuantizationModifier:\n    scheme: NVFP4\n    ignore: ['re:.*lm_head', 're:.*router', "
+        "'re:.*vision_model.*', 're:.*multi_modal_projector.*']\n"
+    )
+
+    def args(out):
+        return ["oneshot", "--model", str(tmp_path / "src"), "--dtype", "bfloat16", "--recipe", str(recipe),
+                "--dataset", str(tmp_path / "cal.txt"), "--num-samples", "8", "--seq-len", "32", "--eval-text",
+                str(tmp_path / "cal.txt"), "--eval-windows", "4", "--no-progress", "--output", str(out)]  # fmt: skip
+
+    whole = run_cli(args(tmp_path / "whole"))
+    assert whole.returncode == 0, whole.stderr[-2000:]
+    cut = run_cli(args(tmp_path / "cut"), signal_at="layer:1:SIGTERM")
+    assert cut.returncode == 143, cut.stderr[-2000:]
+    resumed = run_cli([*args(tmp_path / "cut"), "--resume"])
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    reports = [json.loads((tmp_path / d / "report.json").read_text())["perplexity"] for d in ("whole", "cut")]
+    assert reports[0] == reports[1] and reports[0]["before"] != reports[0]["after"]
+    tensors = [{k: v for f in (tmp_path / d).glob("*.safetensors") for k, v in load_file(f).items()}
+               for d in ("whole", "cut")]  # fmt: skip
+    assert sorted(tensors[0]) == sorted(tensors[1])
+    assert all(torch.equal(v, tensors[1][k]) for k, v in tensors[0].items())

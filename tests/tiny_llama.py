@@ -89,11 +89,14 @@ def word_tokenizer(text: str, vocab_size: int = 128) -> "PreTrainedTokenizerFast
     return PreTrainedTokenizerFast(tokenizer_object=words, unk_token="[UNK]")
 
 
-def compress_on_every_path(root: Path, recipe: dict, tokenizer: Any) -> dict[str, tuple[Any, dict, dict]]:
+def compress_on_every_path(
+    root: Path, recipe: dict, tokenizer: Any, dtype: str | None = None
+) -> dict[str, tuple[Any, dict, dict]]:
     """``llmc_fsm.oneshot`` of the model directory ``root/src`` with ``recipe`` (calibration and evaluation on
     ``root/cal.txt``: 8 and 4 windows of 32 tokens) in memory (loaded with transformers, ``tokenizer`` given),
-    streamed from the directory (the default) and with ``low_memory``, each to ``root/<path>``. Returns ``{path:
-    (the model oneshot returned, the saved tensors, report.json's perplexity)}``."""
+    streamed from the directory (the default) and with ``low_memory``, each to ``root/<path>``; ``dtype`` (e.g.
+    ``"bfloat16"``): the model loaded in it on every path. Returns ``{path: (the model oneshot returned, the saved
+    tensors, report.json's perplexity)}``."""
     import json
 
     import transformers
@@ -103,9 +106,12 @@ def compress_on_every_path(root: Path, recipe: dict, tokenizer: Any) -> dict[str
 
     out = {}
     for path in ("memory", "streamed", "low_memory"):
-        given = transformers.AutoModelForCausalLM.from_pretrained(root / "src") if path == "memory" else None
+        given = None
+        if path == "memory":
+            given = transformers.AutoModelForCausalLM.from_pretrained(root / "src", dtype=dtype or "float32")
         model = llmc_fsm.oneshot(
             model=given if given is not None else str(root / "src"), tokenizer=tokenizer if given else None,
+            **({"dtype": dtype} if dtype is not None and given is None else {}),
             recipe=recipe, dataset=str(root / "cal.txt"), max_seq_length=32, num_calibration_samples=8,
             eval_text=str(root / "cal.txt"), num_eval_windows=4, output_dir=root / path, progress=False,
             low_memory=path == "low_memory",

@@ -66,7 +66,7 @@ from llmc_fsm.output.workdir import LAYOUT, WorkDir
 from llmc_fsm.recipes.model import Recipe
 from llmc_fsm.session.session import Session
 from llmc_fsm.toolkit.calibrated import CalibratedModifier, ModuleResult
-from llmc_fsm.toolkit.views import weight_views
+from llmc_fsm.toolkit.views import quantize_expert_inputs, weight_views
 
 __all__ = [
     "LayerProgress",
@@ -392,6 +392,8 @@ def _restore_views(layer: nn.Module, info: Mapping[str, Any], tensors: Mapping[s
         view.checkpoint_name = entry["checkpoint_name"]
         prefix = f"{_VIEWS}{name}."
         view.quantized_params = {k.removeprefix(prefix): t for k, t in tensors.items() if k.startswith(prefix)}
+    for view in views.values():  # Llama 4's experts compute as transformers' reloaded Linear experts do
+        quantize_expert_inputs(view.source)
 
 
 def _set_status(layer: nn.Module, quantization: Mapping[str, Any]) -> None:

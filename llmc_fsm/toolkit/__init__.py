@@ -41,7 +41,8 @@ The public names, by concern:
   experts keep their matrices), :func:`clear_weight_views` (after a module's
   parameters changed shape), :func:`expert_checkpoint_names` (the per-expert checkpoint names of fused experts),
   :func:`linear_expert_names` (those of experts transformers reloads as one Linear per expert matrix: Llama 4),
-  :func:`reloads_as_linears` (whether it does so for a module);
+  :func:`reloads_as_linears` (whether it does so for a module), :func:`quantize_expert_inputs` (such experts then
+  compute as the reloaded Linears do, inputs quantized);
 * **masks** (:mod:`~llmc_fsm.toolkit.masks`): :func:`pack_mask` / :func:`unpack_mask` (bool <-> bit-packed uint8);
 * **ranks** (:mod:`~llmc_fsm.toolkit.distributed`): :func:`is_distributed`, :func:`get_rank`,
   :func:`get_world_size`, :func:`is_main_process`, :func:`all_reduce_tensor`, :func:`all_gather_ints`,
@@ -119,6 +120,7 @@ from llmc_fsm.toolkit.views import (
     linear_expert_names,
     observe_inputs,
     observe_view_inputs,
+    quantize_expert_inputs,
     reloads_as_linears,
     router_names,
     weight_views,
@@ -172,6 +174,7 @@ __all__ = [
     "pack_mask",
     "patterns",
     "private_pages",
+    "quantize_expert_inputs",
     "relative_output_error",
     "release_file_pages",
     "reloads_as_linears",

@@ -29,6 +29,7 @@ import inspect
 import logging
 import math
 from collections.abc import Callable, Container, Mapping
+from types import SimpleNamespace
 from typing import Any, NamedTuple
 
 import torch
@@ -45,6 +46,7 @@ __all__ = [
     "linear_expert_names",
     "observe_inputs",
     "observe_view_inputs",
+    "quantize_expert_inputs",
     "reloads_as_linears",
     "router_names",
     "weight_views",
@@ -654,3 +656,61 @@ def _patch_entry(module: nn.Module) -> dict[str, Any] | None:
     if entry is None or QuantizationMethod.COMPRESSED_TENSORS not in entry["quantization_methods"]:
         return None
     return entry
+
+
+def quantize_expert_inputs(module: nn.Module) -> bool:
+    """Make the experts ``module`` compute as transformers computes them after reloading its compressed checkpoint,
+    where it reloads them as one Linear per expert matrix (:func:`reloads_as_linears`: Llama 4) and some expert matrix
+    quantizes its input activations: returns whether it did.
+
+    transformers reloads each expert as a ``Llama4TextMLP`` whose Linears compressed-tensors quantizes, their inputs
+    included (``forward_quantize`` of each Linear's input: dynamic per token or group, NVFP4's groups under the saved
+    ``input_global_scale``, or static with the saved ``input_scale``). The module's ``forward`` becomes that: per
+    expert ``e``, ``down(act(gate(x_e)) * up(x_e))`` on its block of the input, each matrix's input quantized with its
+    view's ``quantization_scheme`` and ``quantized_params`` (an expert matrix left dense: not quantized), so the
+    in-memory model gives the reloaded one's outputs (tested equal). With compressed-tensors' switch
+    ``quantization_enabled`` off on the module (the sequential pipeline's propagation) the class's own forward runs.
+    Idempotent; call it again after the views' quantization changed (a resumed layer).
+    """
+    views = weight_views(module)
+    if not views or not _is_llama4(module) or not reloads_as_linears(module):
+        return False
+    if not any(getattr(getattr(v, "quantization_scheme", None), "input_activations", None) for v in views.values()):
+        return False
+    module.__dict__["forward"] = functools.partial(_forward_with_quantized_inputs, module)
+    return True
+
+
+def _forward_with_quantized_inputs(module: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+    """:func:`quantize_expert_inputs`' forward of Llama 4's experts (``[experts * tokens, hidden]`` in and out)."""
+    if module.__dict__.get("quantization_enabled", True) is False:
+        return type(module).forward(module, hidden_states)
+    views = weight_views(module)
+    hidden = hidden_states.reshape(module.num_experts, -1, hidden_states.shape[-1])
+    out = torch.zeros_like(hidden)
+    for e in range(module.num_experts):
+        x = hidden[e]
+        gate, up, down = (views[f"{e}.{m}"] for m in ("gate_proj", "up_proj", "down_proj"))
+        h = module.act_fn(_linear(gate, x)) * _linear(up, x)
+        out[e] = _linear(down, h)
+    return out.reshape(-1, hidden_states.shape[-1])
+
+
+def _linear(view: LinearView, x: torch.Tensor) -> torch.Tensor:
+    """``view``'s matrix applied to ``x`` as a compressed-tensors quantized Linear of a reloaded checkpoint applies
+    its weight: the input quantized first where the view's scheme says so."""
+    scheme = getattr(view, "quantization_scheme", None)
+    args = getattr(scheme, "input_activations", None)
+    if args is not None:
+        from compressed_tensors.quantization import QuantizationStatus
+        from compressed_tensors.quantization.lifecycle.forward import forward_quantize
+
+        params = view.quantized_params
+        shim = SimpleNamespace(
+            quantization_status=QuantizationStatus.COMPRESSED,
+            input_scale=params.get("input_scale"),
+            input_zero_point=params.get("input_zero_point"),
+            input_global_scale=params.get("input_global_scale"),
+        )
+        x = forward_quantize(shim, x, "input", args)
+    return F.linear(x, view.weight.contiguous())

@@ -48,6 +48,7 @@ from llmc_fsm.toolkit import (
     observe_view_inputs,
     patterns,
     private_pages,
+    quantize_expert_inputs,
     release_file_pages,
     reloads_as_linears,
     select_targets,
@@ -446,25 +447,14 @@ def _expert_activations_note(
     saved per expert), as llm-compressor's checkpoints of the same recipe do. transformers reloads them so too, its
     experts loader having no place for the static scales (unexpected keys) -- except experts it reloads as one
     Linear module per expert matrix (``as_linears``: Llama 4), which compressed-tensors quantizes like any Linear,
-    inputs included: the reloaded model then differs from the one in memory.
+    inputs included: those compute so in memory too (:func:`~llmc_fsm.toolkit.quantize_expert_inputs`), and no
+    warning is given.
     """
     inputs = scheme.input_activations
     if inputs is None:
         return None
-    if as_linears:
-        how = (
-            f"per tensor, static: each expert's input_scale is calibrated on "
-            f"{'every calibration token (calibrate_all_experts)' if all_experts else 'the tokens routed to it'} and "
-            "saved"
-            if inputs.dynamic is False
-            else _dynamic_inputs(inputs)
-        )
-        return (
-            f"the fused experts' input activations ({how}) are not quantized in memory (fused experts are not Linear "
-            "modules), while transformers reloads these experts as one Linear module per expert matrix and vLLM "
-            "serves them, both quantizing their inputs: the reloaded model's outputs differ from the in-memory "
-            "model's, and a perplexity llmc-fsm measures does not include the experts' input quantization"
-        )
+    if as_linears:  # computed in memory as the reloaded Linears compute them (toolkit.quantize_expert_inputs)
+        return None
     if inputs.dynamic is False:
         tokens = "every calibration token (calibrate_all_experts)" if all_experts else "the tokens routed to it"
         how = (
@@ -1354,6 +1344,9 @@ class QuantizingModifier(CalibratedModifier):
             modules = {name: module for name, module in modules.items() if name not in done}
         super()._compress_all(modules, trim=trim)
         self._idle_input_scales(idle)
+        sources = {id(m.source): m.source for m in [*modules.values(), *idle.values()] if isinstance(m, LinearView)}
+        for source in sources.values():  # Llama 4: compute as transformers' reloaded Linear experts do
+            quantize_expert_inputs(source)
 
     def _idle_input_scales(self, idle: dict[str, LinearView]) -> None:
         """Input scales of expert matrices the router sent no calibration token: a static ``input_scale`` is the
