@@ -24,6 +24,8 @@ pytest.importorskip("transformers")
 pytest.importorskip("llmc_fsm_pruning")
 
 FULL = 'Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space left on device" })'
+#: safetensors' other spelling (found by a newcomer with ``ulimit -f``: it was reported as "[Errno 5] writing failed")
+TOO_LARGE = 'Error while serializing: IoError(Custom { kind: Other, error: "File too large (os error 27)" })'
 
 
 def _tiny():
@@ -102,6 +104,8 @@ PARTIAL = "{work}/progress/pass-0/layer-00001.safetensors.partial"
 # (id, patch, what the writer raises, layers saved when it fails, expected str(error); {work} = the work directory)
 POINTS = [
     ("layer-safetensors", _fail_layer, lambda w: SafetensorError(FULL), 1, "[Errno 28] No space left on device: '{work}'"),
+    ("layer-too-large", _fail_layer, lambda w: SafetensorError(TOO_LARGE), 1,
+     "[Errno 27] File too large: '{work}'"),  # fmt: skip
     ("layer-oserror", _fail_layer, lambda w: _enospc(PARTIAL.format(work=w)), 1, f"[Errno 28] No space left on device: '{PARTIAL}'"),
     ("final-weights", _fail_weights, lambda w: SafetensorError(FULL), 3, "[Errno 28] No space left on device: '{work}'"),
     ("recipe.yaml", _fail_text("recipe.yaml"), None, 3, "[Errno 28] No space left on device: '{work}/output/recipe.yaml'"),

@@ -92,7 +92,8 @@ def _as_os_error(error: BaseException, path: Path) -> OSError:
     """``error`` (a write failure, see :func:`write_failure`) as an ``OSError`` with an errno, naming ``path``."""
     if isinstance(error, OSError):
         return error
-    found = re.search(r"code: (\d+)", str(error))  # safetensors: IoError(Os { code: 28, kind: StorageFull, ... })
+    # safetensors: IoError(Os { code: 28, kind: StorageFull, ... }), or "File too large (os error 27)"
+    found = re.search(r"code: (\d+)", str(error)) or re.search(r"\(os error (\d+)\)", str(error))
     if found:
         return OSError(int(found.group(1)), os.strerror(int(found.group(1))), str(path))
     return OSError(errno.EIO, f"writing failed (safetensors: {error})", str(path))
