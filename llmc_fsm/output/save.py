@@ -784,10 +784,14 @@ def write_quantization_config(model: nn.Module, directory: Path, *, sparsity: Sp
 
     views = quantized_views(model)
     modules = quantized_modules(model)
-    experts_group = bool(views and modules) and _experts_need_group(modules, views)
+    several = len({v.quantization_scheme.model_dump_json(exclude={"targets"}) for v in views.values()}) > 1
+    experts_group = bool(views and modules) and (several or _experts_need_group(modules, views))
     with leaf_targets(modules, by_name=experts_group):  # what was quantized, not recipe patterns (the config holds
         if modules:  # the modules' scheme objects: written inside)
             compressor = ModelCompressor.from_pretrained_model(model)
+        elif views and several:  # only Llama 4's experts, of several schemes: a group of each, by name
+            compressor = ModelCompressor(quantization_config=QuantizationConfig(config_groups={}))
+            _add_expert_groups_by_name(compressor.quantization_config, views)
         elif views:  # only fused experts quantized
             compressor = ModelCompressor(quantization_config=_experts_only_config(model, views))
         else:  # only KV-cache scales: compressed-tensors' config of a KV-only model (no group, dense format)
@@ -799,7 +803,9 @@ def write_quantization_config(model: nn.Module, directory: Path, *, sparsity: Sp
         config.kv_cache_scheme = kv_cache_scheme(model) or config.kv_cache_scheme  # the plugin's calibrated KV scales
         if (attention := attention_scheme(model)) is not None:  # attention quantization: q/k/v scales
             config.config_groups[f"group_{len(config.config_groups)}"] = attention.model_copy(deep=True)
-        if experts_group:
+        if experts_group and several:
+            _add_expert_groups_by_name(config, views)
+        elif experts_group:
             _add_experts_group(config, views)
         compressor.update_config(str(directory))
     if sparsity is not None:
@@ -830,6 +836,22 @@ def _add_experts_group(config: Any, views: dict[str, LinearView]) -> None:
     formats = {getattr(g.format, "value", g.format) for g in config.config_groups.values() if g.format is not None}
     if len(formats) > 1:  # as compressed-tensors writes a config whose groups have different formats
         config.format = "mixed-precision"
+
+
+def _add_expert_groups_by_name(config: Any, views: dict[str, LinearView]) -> None:
+    """Expert matrices of several schemes (only for experts transformers reloads as one Linear per expert matrix:
+    Llama 4; the plugin refuses others): one config group per scheme, targeting its matrices' checkpoint names (the
+    names of the reloaded Linears), beside the other groups, which target their modules by name
+    (:func:`~llmc_fsm.output.compressed.leaf_targets`)."""
+    by_scheme: dict[str, list[LinearView]] = {}
+    for view in views.values():
+        by_scheme.setdefault(view.quantization_scheme.model_dump_json(exclude={"targets"}), []).append(view)
+    for members in by_scheme.values():
+        scheme = members[0].quantization_scheme.model_copy(deep=True)
+        scheme.targets = sorted(view.checkpoint_name for view in members)
+        config.config_groups[f"group_{len(config.config_groups)}"] = scheme
+    formats = {getattr(g.format, "value", g.format) for g in config.config_groups.values() if g.format is not None}
+    config.format = "mixed-precision" if len(formats) > 1 else next(iter(formats), config.format)
 
 
 def _experts_only_config(model: nn.Module, views: dict[str, LinearView]) -> Any:

@@ -1130,19 +1130,15 @@ class QuantizingModifier(CalibratedModifier):
             msg = f"{name}: quantizing fused experts under torch.distributed is not implemented; run it on one process"
             raise ValueError(msg)
         scheme = self._experts_scheme(views)
-        if scheme is None:
+        if scheme is None and not linears:  # Llama 4's: one config group per scheme, by name (output.save)
             groups = sorted({self._group(n) for n in views})
-            why = (
-                "saving expert matrices of several schemes is not implemented for experts transformers reloads as "
-                "Linear modules"
-                if linears
-                else "transformers reloads every expert of the model with one group's scheme"
-            )
             msg = (
                 f"{name}: {family}: the fused experts' matrices are in several config groups ({', '.join(groups)}): "
-                f"{why}; put all expert matrices in one config group"
+                "transformers reloads every expert of the model with one group's scheme; put all expert matrices in "
+                "one config group"
             )
             raise ValueError(msg)
+        scheme = scheme or self.scheme_of(next(iter(views)))
         names: dict[str, str] = {}
         as_linears: list[str] = []  # experts transformers reloads as one Linear per expert matrix (Llama 4)
         for source_name, source in sources.items():
