@@ -1183,3 +1183,28 @@ def test_int8_per_channel_experts_in_bfloat16_hold_what_the_checkpoint_decompres
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "o", dtype=torch.bfloat16).eval()
     with torch.no_grad():
         assert torch.equal(reloaded(DATA[:2]).logits, model(DATA[:2]).logits)
+
+
+def test_low_memory_writes_a_checkpoint_whose_only_quantized_weights_are_experts(tmp_path):
+    """Found by a tester: with only fused experts' matrices quantized (targets ``re:.*experts.*``), ``low_memory``
+    wrote each layer dense and no ``quantization_config`` (its layer writer and its config step looked at quantized
+    modules only), exiting 0. Now in memory, streamed and ``low_memory`` write the same checkpoint tensor for
+    tensor, with the experts' weight scales and a quantization_config, and perplexities."""
+    from tiny_llama import calibration_text, compress_on_every_path, word_tokenizer
+
+    text = calibration_text()
+    (tmp_path / "cal.txt").write_text(text)
+    tokenizer = word_tokenizer(text)
+    build("mixtral").save_pretrained(tmp_path / "src")
+    tokenizer.save_pretrained(tmp_path / "src")
+    recipe = {"s": {"QuantizationModifier": {"targets": ["re:.*experts.*"], "scheme": "FP8_DYNAMIC",
+                                             "ignore": ["lm_head", "re:.*gate$"]}}}  # fmt: skip
+    runs = compress_on_every_path(tmp_path, recipe, tokenizer)
+    memory = runs["memory"][1]
+    assert sum(k.endswith("weight_scale") for k in memory) == 4 * 4 * 3
+    for path in ("streamed", "low_memory"):
+        tensors = runs[path][1]
+        assert sorted(tensors) == sorted(memory)
+        assert all(torch.equal(tensors[k], v) for k, v in memory.items()), path
+        assert runs[path][2] == runs["memory"][2]
+        assert "quantization_config" in json.loads((tmp_path / path / "config.json").read_text())

@@ -479,3 +479,18 @@ def test_a_resumed_llama4_run_quantizes_the_restored_experts_inputs_as_the_first
                for d in ("whole", "cut")]  # fmt: skip
     assert sorted(tensors[0]) == sorted(tensors[1])
     assert all(torch.equal(v, tensors[1][k]) for k, v in tensors[0].items())
+
+
+def test_llama4_experts_with_static_input_scales_run_after_the_model_is_cast(tmp_path):
+    """Found by a tester: the experts' saved input scales live on their views, out of ``model.to(...)``'s reach, and
+    after ``model.to(torch.float32)`` a bfloat16 scale met float32 inputs (RuntimeError). They now follow the
+    inputs' device and the weights' dtype: the cast model runs, its logits within 1e-3 of the float32 reload's
+    (its expert matrices hold their bfloat16 values; the reload recomputes them in float32)."""
+    build("llama4").save_pretrained(tmp_path / "src")
+    model = transformers.AutoModelForImageTextToText.from_pretrained(tmp_path / "src", dtype=torch.bfloat16).eval()
+    recipe = {"s": {"QuantizationModifier": {"scheme": "FP8", "ignore": IGNORE}}}
+    llmc_fsm.oneshot(model=model, recipe=recipe, dataset=DATA, output_dir=tmp_path / "o", progress=False)
+    model.to(torch.float32)
+    reloaded = transformers.AutoModelForImageTextToText.from_pretrained(tmp_path / "o", dtype=torch.float32).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(model(DATA[:2]).logits, reloaded(DATA[:2]).logits, rtol=0, atol=1e-3)

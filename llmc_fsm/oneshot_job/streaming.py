@@ -56,6 +56,7 @@ from llmc_fsm.oneshot_job.phases import Run, evaluate_before, given_tokenizer, k
 from llmc_fsm.oneshot_job.resume import layer_progress
 from llmc_fsm.output.save import (
     quantized_modules,
+    quantized_views,
     sparsity_metadata,
     sparsity_structure,
     warn_formats,
@@ -440,7 +441,7 @@ def _save(run: Run, lazy: LazyModel, writer: ShardWriter, result: StreamedCompre
     report = run_report(run, modules=result.modules)
     if report.execution is not None and result.activations:
         report.execution["activations"] = result.activations  # the streamed pipeline's, as the in-memory one's
-    if quantized_modules(lazy.model):
+    if quantized_modules(lazy.model) or quantized_views(lazy.model):  # (fused experts' matrices alone, too)
         warn_formats(lazy.model)  # once for the model (each layer's formats were chosen as it was written)
         write_quantization_config(
             lazy.model, staging, sparsity=sparsity_metadata(lazy.model, report, sparsity_structure(run.recipe))

@@ -840,15 +840,20 @@ def _add_experts_group(config: Any, views: dict[str, LinearView]) -> None:
 
 def _add_expert_groups_by_name(config: Any, views: dict[str, LinearView]) -> None:
     """Expert matrices of several schemes (only for experts transformers reloads as one Linear per expert matrix:
-    Llama 4; the plugin refuses others): one config group per scheme, targeting its matrices' checkpoint names (the
-    names of the reloaded Linears), beside the other groups, which target their modules by name
-    (:func:`~llmc_fsm.output.compressed.leaf_targets`)."""
+    Llama 4; the plugin refuses others): their checkpoint names (the names of the reloaded Linears) join the config
+    group of the same scheme, whose targets name its modules (:func:`~llmc_fsm.output.compressed.leaf_targets`), or a
+    group of their own."""
     by_scheme: dict[str, list[LinearView]] = {}
     for view in views.values():
         by_scheme.setdefault(view.quantization_scheme.model_dump_json(exclude={"targets"}), []).append(view)
-    for members in by_scheme.values():
+    for key, members in by_scheme.items():
+        names = sorted(view.checkpoint_name for view in members)
+        same = [g for g in config.config_groups.values() if g.model_dump_json(exclude={"targets"}) == key]
+        if same and "Linear" not in same[0].targets:  # a group of the same scheme naming its modules: theirs too
+            same[0].targets = [*same[0].targets, *names]
+            continue
         scheme = members[0].quantization_scheme.model_copy(deep=True)
-        scheme.targets = sorted(view.checkpoint_name for view in members)
+        scheme.targets = names
         config.config_groups[f"group_{len(config.config_groups)}"] = scheme
     formats = {getattr(g.format, "value", g.format) for g in config.config_groups.values() if g.format is not None}
     config.format = "mixed-precision" if len(formats) > 1 else next(iter(formats), config.format)

@@ -50,7 +50,7 @@ from torch import nn
 
 from llmc_fsm.data.protocol import perplexity
 from llmc_fsm.models.lazy import LazyModel, ShardWriter
-from llmc_fsm.output.save import compressed_state_dict, quantized_modules
+from llmc_fsm.output.save import compressed_state_dict, quantized_modules, quantized_views
 from llmc_fsm.pipeline.device import ActivationStore, activation_store, onloaded
 from llmc_fsm.pipeline.forward import Calls, Inputs, OutputKind, capture_layer_inputs, record_calls, replaying
 from llmc_fsm.pipeline.layer import RestoredLayers, compress_layer, propagate
@@ -253,7 +253,7 @@ def _layer_output(
 ) -> dict[str, torch.Tensor]:
     """The tensors to write for a compressed layer (compressed-tensors format when quantized)."""
 
-    if quantized_modules(layer):
+    if quantized_modules(layer) or quantized_views(layer):  # a layer whose only quantized weights are experts' too
         return compressed_state_dict(layer, prefix, quantization_format=quantization_format, root=lazy.model)
     return {prefix + key: value for key, value in layer.state_dict().items()}
 

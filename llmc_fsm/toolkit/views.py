@@ -705,10 +705,13 @@ def _linear(view: LinearView, x: torch.Tensor) -> torch.Tensor:
         from compressed_tensors.quantization import QuantizationStatus
         from compressed_tensors.quantization.lifecycle.forward import forward_quantize
 
-        params = view.quantized_params
+        # the view's parameters follow the model's device and, as a Linear's ``input_scale`` does, its dtype
+        # (``model.to(...)`` does not reach them: found by a tester, ``model.to(torch.float32)`` then raised)
+        params = {k: v.to(x.device) for k, v in view.quantized_params.items()}
+        scale = params.get("input_scale")
         shim = SimpleNamespace(
             quantization_status=QuantizationStatus.COMPRESSED,
-            input_scale=params.get("input_scale"),
+            input_scale=scale.to(view.weight.dtype) if scale is not None else None,
             input_zero_point=params.get("input_zero_point"),
             input_global_scale=params.get("input_global_scale"),
         )
