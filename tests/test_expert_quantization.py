@@ -31,6 +31,15 @@ SCHEME = {"preset": "W4A16", "weights": {"group_size": 16}}
 GROUP, Q_MIN, Q_MAX = 16, -8, 7
 
 
+def _saved(directory) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint in ``directory`` (all its shards), by key."""
+    tensors = {}
+    for file in directory.glob("*.safetensors"):
+        with safe_open(str(file), "pt") as f:
+            tensors.update({k: f.get_tensor(k) for k in f.keys()})  # noqa: SIM118 (safe_open has no iterator)
+    return tensors
+
+
 def _experts_modules(model):
     return {n: m for n, m in model.named_modules() if weight_views(m) and "" not in weight_views(m)}
 
@@ -460,10 +469,7 @@ def test_nvfp4_and_fp8_block_experts_are_written_per_expert_for_vllm(tmp_path, c
         f"vLLM reads; transformers {transformers.__version__} will not reload this checkpoint into its fused "
         f"experts: {why}"
     )
-    saved = {}
-    for file in (tmp_path / "o").glob("*.safetensors"):
-        with safe_open(file, "pt") as f:
-            saved.update({k: f.get_tensor(k) for k in f.keys()})  # noqa: SIM118 (safe_open has no iterator)
+    saved = _saved(tmp_path / "o")
     config = json.loads((tmp_path / "o" / "config.json").read_text())["quantization_config"]
     (entry,) = config["config_groups"].values()
     fmt = entry["format"]
@@ -908,10 +914,7 @@ def test_nvfp4_gives_an_expert_without_routed_tokens_the_smallest_input_global_s
         "nearest (no input statistics; set calibrate_all_experts: true to calibrate them on every token); their "
         "NVFP4 input global scale: the smallest of the same projection's calibrated experts" in caplog.text
     )
-    saved = {}
-    for file in (tmp_path / "o").glob("*.safetensors"):
-        with safe_open(file, "pt") as f:
-            saved.update({k: f.get_tensor(k) for k in f.keys()})  # noqa: SIM118 (safe_open has no iterator)
+    saved = _saved(tmp_path / "o")
     for name, module in experts.items():
         views = weight_views(module)
         for proj in ("gate_proj", "up_proj", "down_proj"):
@@ -1167,10 +1170,7 @@ def test_int8_per_channel_experts_in_bfloat16_hold_what_the_checkpoint_decompres
     group = {"targets": ["Linear"], "weights": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"}}
     recipe = {"s": {modifier: {"config_groups": {"g": group}, "ignore": ["lm_head", "re:.*mlp.gate$"]}}}
     llmc_fsm.oneshot(model=model, recipe=recipe, dataset=MORE, output_dir=tmp_path / "o", progress=False)
-    saved = {}
-    for file in (tmp_path / "o").glob("*.safetensors"):
-        with safe_open(str(file), "pt") as f:
-            saved.update({k: f.get_tensor(k) for k in f.keys()})  # noqa: SIM118 (safe_open has no iterator)
+    saved = _saved(tmp_path / "o")
     (entry,) = json.loads((tmp_path / "o" / "config.json").read_text())["quantization_config"]["config_groups"].values()
     compressor = BaseCompressor.get_value_from_registry(entry["format"])
     scheme = QuantizationScheme.model_validate(entry)

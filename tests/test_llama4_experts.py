@@ -16,8 +16,7 @@ import logging
 import pytest
 import torch
 import transformers
-from safetensors import safe_open
-from test_expert_quantization import _assert_gptq_equal
+from test_expert_quantization import _assert_gptq_equal, _saved
 from tiny_families import build
 from torch.nn import functional as F
 
@@ -31,14 +30,6 @@ DATA = torch.randint(3, 128, (8, 32), generator=torch.Generator().manual_seed(0)
 #: 512 tokens: each expert of the tiny Llama 4 gets more routed tokens than its widest input (64)
 MORE = torch.randint(3, 128, (16, 32), generator=torch.Generator().manual_seed(0))
 EXPERTS = [f"language_model.model.layers.{i}.feed_forward.experts" for i in (1, 3)]  # the MoE layers of the tiny one
-
-
-def _saved(directory) -> dict[str, torch.Tensor]:
-    tensors = {}
-    for file in directory.glob("*.safetensors"):
-        with safe_open(str(file), "pt") as f:
-            tensors.update({k: f.get_tensor(k) for k in f.keys()})  # noqa: SIM118 (safe_open has no iterator)
-    return tensors
 
 
 def _reload(directory):
