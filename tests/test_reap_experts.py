@@ -13,12 +13,24 @@ import json
 import pytest
 import torch
 from llmc_fsm_pruning import REAPPruningModifier
+from test_expert_quantization import (
+    MORE,
+    SCHEME,
+    _assert_gptq_equal,
+    _assert_reloads_as_in_memory,
+    _capture,
+    _experts_modules,
+    _fp8_tensor,
+    _reload,
+    _routed_input_maxima,
+)
 from tiny_families import build
 from torch.nn import functional as F
 
 import llmc_fsm
 from llmc_fsm import Session
 from llmc_fsm.pipeline.sequential import run_sequential
+from llmc_fsm.toolkit import weight_views
 
 DATA = torch.randint(3, 128, (4, 16), generator=torch.Generator().manual_seed(0))
 CONFIG_KEY = {
@@ -73,9 +85,9 @@ def _prune_by_hand(block, keep):
     experts.num_experts = block.gate.num_experts = len(keep)
 
 
-def _run(model, **kwargs):
+def _run(model, data=DATA, **kwargs):
     session = Session([REAPPruningModifier(**kwargs)])
-    session.initialize(model=model, calibration_data=DATA)
+    session.initialize(model=model, calibration_data=data)
     run_sequential(session, batch_size=4, progress=False)
     modifier = session.modifiers[0]
     session.finalize()
@@ -249,29 +261,188 @@ def test_gpt_oss_scores_use_its_transposed_biased_experts_and_its_router_bias_is
     assert torch.equal(pruned.experts.down_proj_bias, experts.down_proj_bias[keep])
 
 
-def test_another_modifier_on_the_experts_in_the_same_stage_is_refused_and_a_later_stage_works(tmp_path):
-    """SparseGPT selects per-expert views at initialize: in REAP's stage it is refused before any weight changes;
-    in a later stage it prunes the 2 experts kept, and the output reloads."""
+@pytest.mark.parametrize("same_stage", [True, False], ids=["one-stage", "two-stages"])
+def test_sparsegpt_prunes_the_kept_experts_in_reap_s_stage_or_after_it(tmp_path, same_stage):
+    """SparseGPT selects per-expert views at initialize; in REAP's stage (after it; refused before session 26) it
+    follows the experts REAP keeps, in a later stage it selects the kept ones: either way every kept expert matrix is
+    50% zeros, the report names each kept matrix once under its new index, and the output reloads."""
     model = build("mixtral")
-    before = {k: v.clone() for k, v in model.state_dict().items()}
-    same = {"a": {"REAPPruningModifier": {"sparsity": 0.5}, "SparseGPTModifier": {"sparsity": 0.5}}}
-    with pytest.raises(llmc_fsm.ModifierError) as info:
-        llmc_fsm.oneshot(model=model, recipe=same, dataset=DATA, output_dir=tmp_path / "a", progress=False)
-    assert (
-        "REAPPruningModifier: SparseGPTModifier in the same stage targets 48 modules of the MoE blocks whose experts "
-        "REAP drops (e.g. model.layers.0.mlp.experts.0.down_proj); put REAPPruningModifier in its own stage before it"
-    ) in str(info.value)
-    after = model.state_dict()
-    assert sorted(after) == sorted(before) and all(torch.equal(after[k], before[k]) for k in before)
-    staged = {"a": {"REAPPruningModifier": {"sparsity": 0.5}}, "b": {"SparseGPTModifier": {"sparsity": 0.5}}}
-    model = build("mixtral")
-    llmc_fsm.oneshot(model=model, recipe=staged, dataset=DATA, output_dir=tmp_path / "b", progress=False)
-    experts = model.model.layers[0].mlp.experts
-    assert (
-        experts.gate_up_proj.shape[0] == 2
-        and int((experts.gate_up_proj == 0).sum()) == experts.gate_up_proj.numel() // 2
+    sparse = {"SparseGPTModifier": {"sparsity": 0.5, "ignore": IGNORE_ROUTERS}}
+    stages = {"a": {"REAPPruningModifier": {"sparsity": 0.5}, **sparse}} if same_stage else {
+        "a": {"REAPPruningModifier": {"sparsity": 0.5}}, "b": sparse}  # fmt: skip
+    llmc_fsm.oneshot(model=model, recipe=stages, dataset=DATA, output_dir=tmp_path / "b", progress=False)
+    names = [m.name for m in model.llmc_fsm_report.modules if ".experts." in m.name]
+    assert sorted(names) == sorted(
+        f"model.layers.{i}.mlp.experts.{j}.{m}"
+        for i in range(4)
+        for j in range(2)
+        for m in ("gate_proj", "up_proj", "down_proj")
     )
+    for layer in model.model.layers:
+        for view in weight_views(layer.mlp.experts).values():
+            assert int((view.weight == 0).sum()) == view.weight.numel() // 2
     reloaded, loading = type(model).from_pretrained(tmp_path / "b", output_loading_info=True)
     assert (sorted(loading["missing_keys"]), sorted(loading["unexpected_keys"])) == ([], [])
     with torch.no_grad():
         assert torch.equal(reloaded.eval()(DATA[:2]).logits, model(DATA[:2]).logits)
+
+
+IGNORE_ROUTERS = ["lm_head", "re:.*mlp.gate$"]
+
+
+def _in_reap_stage(tmp_path, model, quantizer, data):
+    """``oneshot`` of REAP (sparsity 0.5) then ``quantizer`` (``{name: arguments}``) in one stage; the experts kept
+    per block (REAP's report)."""
+    recipe = {"s": {"REAPPruningModifier": {"sparsity": 0.5, "report_path": str(tmp_path / "kept.json")}, **quantizer}}
+    llmc_fsm.oneshot(model=model, recipe=recipe, dataset=data, output_dir=tmp_path / "o", progress=False)
+    return json.loads((tmp_path / "kept.json").read_text())
+
+
+def test_gptq_in_reap_s_stage_quantizes_each_kept_expert_from_the_tokens_routed_to_it_before_the_drop(tmp_path):
+    """llm-compressor's examples/reap_expert_pruning/qwen38_example.py form (REAP, then a quantizer, in one stage;
+    refused before session 26): each layer calibrates once with its 4 experts; layer 0 keeps the experts REAP alone
+    keeps on the same inputs; kept expert j (formerly ``kept[j]``) is the float64 GPTQ of its original matrices with
+    the Hessian of the tokens the unpruned router sent to it, reported under its new name with that token count, and
+    no result is left under a dropped or former name; the checkpoint reloads with 2 experts per layer, the experts
+    and the logits equal to the in-memory model's."""
+    model = build("mixtral")
+    alone = _run(copy.deepcopy(model), data=MORE, sparsity=0.5)
+    experts = _experts_modules(model)
+    originals = {n: (m.gate_up_proj.detach().clone(), m.down_proj.detach().clone()) for n, m in experts.items()}
+    captures = {n: _capture(m) for n, m in experts.items()}
+    kept = _in_reap_stage(tmp_path, model, {"GPTQModifier": {"scheme": SCHEME, "ignore": IGNORE_ROUTERS}}, MORE)
+    for _, handles in captures.values():
+        for handle in handles:
+            handle.remove()
+    assert kept["model.layers.0.mlp"] == alone.retained["model.layers.0.mlp"]
+    assert model.config.num_local_experts == 2
+    report = model.llmc_fsm_report
+    assert {b: r["kept"] for b, r in report.expert_pruning["REAPPruningModifier (s)"].items()} == kept
+    assert (
+        "REAPPruningModifier (s): dropped 2 of 4 experts in each of 4 mixture-of-experts blocks (the experts kept, "
+        "their scores and routed tokens per block: report.json expert_pruning)"
+    ) in report.format_table()
+    saved = json.loads((tmp_path / "o" / "report.json").read_text())["expert_pruning"]["REAPPruningModifier (s)"]
+    assert saved["model.layers.0.mlp"]["kept"] == kept["model.layers.0.mlp"]
+    assert saved["model.layers.0.mlp"]["routed_tokens"] == alone.expert_tokens["model.layers.0.mlp"]
+    by_name = {m.name: m for m in model.llmc_fsm_report.modules}
+    inter = model.config.intermediate_size
+    for name, module in experts.items():
+        calls = captures[name][0]
+        assert calls and all(gu.shape[0] == 4 for _, _, gu in calls)  # calibrated before the drop
+        gate_up, down = originals[name]
+        keep = kept[name.removesuffix(".experts")]
+        assert module.num_experts == 2 and len(keep) == 2
+        views = weight_views(module)
+        for j, e in enumerate(keep):
+            xs = [x[(index == e).any(-1)].double() for x, index, _ in calls]
+            hs = [F.silu(x @ gate_up[e, :inter].double().T) * (x @ gate_up[e, inter:].double().T) for x in xs]
+            h_in, h_down = sum(x.T @ x for x in xs), sum(h.T @ h for h in hs)
+            tokens = sum(x.shape[0] for x in xs)
+            _assert_gptq_equal(views[f"{j}.gate_proj"].weight, gate_up[e, :inter], h_in, f"{name}.{j}.gate_proj")
+            _assert_gptq_equal(views[f"{j}.up_proj"].weight, gate_up[e, inter:], h_in, f"{name}.{j}.up_proj")
+            _assert_gptq_equal(views[f"{j}.down_proj"].weight, down[e], h_down, f"{name}.{j}.down_proj")
+            for matrix in ("gate_proj", "up_proj", "down_proj"):
+                entry = by_name[f"{name}.{j}.{matrix}"]
+                assert (entry.bits, entry.routed_tokens) == (4, tokens) and tokens > 0
+    assert sorted(n for n in by_name if ".experts." in n) == sorted(
+        f"{name}.{j}.{matrix}" for name in experts for j in range(2) for matrix in ("gate_proj", "up_proj", "down_proj")
+    )
+    _assert_reloads_as_in_memory(tmp_path / "o", "mixtral", model, experts)
+
+
+def test_static_input_scales_in_reap_s_stage_follow_each_kept_expert_to_its_new_index(tmp_path):
+    """QuantizationModifier FP8 (static per-tensor input scales) after REAP in one stage, Qwen3-MoE: kept expert j
+    holds its former expert's matrices rounded to FP8 by hand and the input scale of the tokens routed to that
+    former expert (largest |input| / 448), saved under expert j's checkpoint name; the reload reports exactly those
+    input scales as unexpected (transformers runs fused experts dense), experts and logits equal."""
+    model = build("qwen3_moe")
+    experts = _experts_modules(model)
+    originals = {f"{n}.{s}": v.weight.detach().clone() for n, m in experts.items() for s, v in weight_views(m).items()}
+    captured = {name: _routed_input_maxima(module) for name, module in experts.items()}
+    kept = _in_reap_stage(tmp_path, model, {"QuantizationModifier": {"scheme": "FP8", "ignore": IGNORE_ROUTERS}}, DATA)
+    for _, handles in captured.values():
+        for handle in handles:
+            handle.remove()
+    unexpected = []
+    for name, module in experts.items():
+        maxima = captured[name][0]
+        keep = kept[name.removesuffix(".experts")]
+        for j, e in enumerate(keep):
+            for matrix in ("gate_proj", "up_proj", "down_proj"):
+                view = weight_views(module)[f"{j}.{matrix}"]
+                want, scale = _fp8_tensor(originals[f"{name}.{e}.{matrix}"])
+                assert torch.equal(view.weight, want) and torch.equal(view.quantized_params["weight_scale"], scale)
+                got = view.quantized_params["input_scale"]
+                assert torch.equal(got, torch.tensor([maxima[f"{e}.{matrix}"]]) / 448.0), f"{name}.{j}.{matrix}"
+                assert view.checkpoint_name == f"{name}.{j}.{matrix}"
+                unexpected.append(f"{view.checkpoint_name}.input_scale")
+    reloaded, info = _reload(tmp_path / "o", "qwen3_moe")
+    assert (sorted(info["missing_keys"]), sorted(info["unexpected_keys"])) == ([], sorted(unexpected))
+    assert reloaded.config.num_experts == 2
+    with torch.no_grad():
+        assert torch.equal(reloaded(DATA[:2]).logits, model(DATA[:2]).logits)
+
+
+@pytest.mark.parametrize(
+    ("stage", "message"),
+    [
+        (
+            {"GPTQModifier": {"scheme": SCHEME, "ignore": IGNORE_ROUTERS}, "REAPPruningModifier": {"sparsity": 0.5}},
+            "REAPPruningModifier: GPTQModifier comes before it in the same stage and targets 48 modules of the MoE "
+            "blocks whose experts REAP drops (e.g. model.layers.0.mlp.experts.0.down_proj); put REAPPruningModifier "
+            "before GPTQModifier (REAP drops a layer's experts at its end, before the layer is compressed)",
+        ),
+        (
+            {"REAPPruningModifier": {"sparsity": 0.5},
+             "AutoRoundModifier": {"scheme": SCHEME, "iters": 0, "ignore": IGNORE_ROUTERS}},
+            "REAPPruningModifier: AutoRoundModifier in the same stage targets 48 modules of the MoE blocks whose "
+            "experts REAP drops (e.g. model.layers.0.mlp.experts.0.down_proj) and cannot follow the experts' "
+            "renumbering; put REAPPruningModifier in its own stage before it",
+        ),
+    ],
+    ids=["quantizer-first", "autoround"],
+)
+def test_what_cannot_follow_the_dropped_experts_in_reap_s_stage_is_refused_before_any_weight_changes(
+    tmp_path, stage, message
+):
+    model = build("mixtral")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(llmc_fsm.ModifierError) as info:
+        llmc_fsm.oneshot(model=model, recipe={"s": stage}, dataset=DATA, output_dir=tmp_path / "o", progress=False)
+    assert message in str(info.value)
+    after = model.state_dict()
+    assert sorted(after) == sorted(before) and all(torch.equal(after[k], before[k]) for k in before)
+    assert not (tmp_path / "o").exists() or not any((tmp_path / "o").iterdir())
+
+
+def test_reap_and_gptq_in_one_stage_write_the_same_checkpoint_from_memory_and_a_directory_and_refuse_low_memory(
+    tmp_path,
+):
+    """From a model directory (the command's default path: REAP does not stream, so it runs in memory) the job writes
+    the checkpoint of the in-memory run tensor for tensor (2 experts per layer, packed), its expert count and
+    perplexity; ``low_memory`` is refused before any work, saying why (it was said to act "on the whole model")."""
+    from tiny_llama import calibration_text, compress_on_every_path, word_tokenizer
+
+    text = calibration_text()
+    (tmp_path / "cal.txt").write_text(text)
+    tokenizer = word_tokenizer(text)
+    build("qwen3_moe").save_pretrained(tmp_path / "src")
+    tokenizer.save_pretrained(tmp_path / "src")
+    recipe = {"s": {"REAPPruningModifier": {"sparsity": 0.5},
+                    "GPTQModifier": {"scheme": SCHEME, "ignore": IGNORE_ROUTERS}}}  # fmt: skip
+    runs = compress_on_every_path(tmp_path, recipe, tokenizer, paths=("memory", "streamed"))
+    memory, streamed = runs["memory"][1], runs["streamed"][1]
+    assert sum(".mlp.experts." in k and k.endswith("weight_packed") for k in memory) == 4 * 2 * 3
+    assert sorted(streamed) == sorted(memory) and all(torch.equal(streamed[k], v) for k, v in memory.items())
+    assert runs["streamed"][2] == runs["memory"][2]
+    for path in ("memory", "streamed"):
+        assert json.loads((tmp_path / path / "config.json").read_text())["num_local_experts"] == 2
+    with pytest.raises(ValueError) as info:
+        compress_on_every_path(tmp_path, recipe, tokenizer, paths=("low_memory",))
+    assert str(info.value) == (
+        "low_memory (--low-memory) cannot run this job: REAPPruningModifier: it drops experts, which changes the "
+        "shapes of the experts' parameters and the config's expert count; the layer-by-layer writer keeps the "
+        "checkpoint's shapes (not implemented); run without low_memory"
+    )
+    assert not (tmp_path / "low_memory").exists()

@@ -89,14 +89,19 @@ def word_tokenizer(text: str, vocab_size: int = 128) -> "PreTrainedTokenizerFast
     return PreTrainedTokenizerFast(tokenizer_object=words, unk_token="[UNK]")
 
 
+#: the ways ``llmc_fsm.oneshot`` runs a job: a model given in memory, a directory (streamed when the job allows it,
+#: else loaded; the command's default) and ``low_memory``.
+PATHS = ("memory", "streamed", "low_memory")
+
+
 def compress_on_every_path(
-    root: Path, recipe: dict, tokenizer: Any, dtype: str | None = None
+    root: Path, recipe: dict, tokenizer: Any, dtype: str | None = None, paths: tuple[str, ...] = PATHS
 ) -> dict[str, tuple[Any, dict, dict]]:
     """``llmc_fsm.oneshot`` of the model directory ``root/src`` with ``recipe`` (calibration and evaluation on
     ``root/cal.txt``: 8 and 4 windows of 32 tokens) in memory (loaded with transformers, ``tokenizer`` given),
     streamed from the directory (the default) and with ``low_memory``, each to ``root/<path>``; ``dtype`` (e.g.
-    ``"bfloat16"``): the model loaded in it on every path. Returns ``{path: (the model oneshot returned, the saved
-    tensors, report.json's perplexity)}``."""
+    ``"bfloat16"``): the model loaded in it on every path; ``paths``: some of them. Returns ``{path: (the model
+    oneshot returned, the saved tensors, report.json's perplexity)}``."""
     import json
 
     import transformers
@@ -105,7 +110,7 @@ def compress_on_every_path(
     import llmc_fsm
 
     out = {}
-    for path in ("memory", "streamed", "low_memory"):
+    for path in paths:
         given = None
         if path == "memory":
             given = transformers.AutoModelForCausalLM.from_pretrained(root / "src", dtype=dtype or "float32")

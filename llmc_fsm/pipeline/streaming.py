@@ -103,13 +103,16 @@ def check_streamable(session: Session) -> None:
 
     Raises:
         ValueError: naming the modifiers that act on the whole model (e.g. magnitude pruning at its start), or the
-            first one whose :meth:`~llmc_fsm.toolkit.calibrated.CalibratedModifier.streaming_refusal` gives a reason.
+            first one whose ``streaming_refusal()`` gives a reason
+            (:meth:`~llmc_fsm.toolkit.calibrated.CalibratedModifier.streaming_refusal`; any modifier may have one).
     """
 
     whole = [  # a prepare_layer method works on one layer at a time too (smoothing, see compress_layer)
         m.modifier_name()
         for m in session.modifiers
-        if not isinstance(m, CalibratedModifier) and not callable(getattr(m, "prepare_layer", None))
+        if not isinstance(m, CalibratedModifier)
+        and not callable(getattr(m, "prepare_layer", None))
+        and not callable(getattr(m, "streaming_refusal", None))
     ]
     if whole:
         msg = (
@@ -119,7 +122,8 @@ def check_streamable(session: Session) -> None:
         )
         raise ValueError(msg)
     for m in session.modifiers:
-        reason = m.streaming_refusal() if isinstance(m, CalibratedModifier) else None
+        refusal = getattr(m, "streaming_refusal", None)
+        reason = refusal() if callable(refusal) else None
         if reason is not None:
             msg = (
                 f"low_memory (--low-memory) cannot run this job: {m.modifier_name()}: {reason}; run without low_memory"

@@ -159,6 +159,10 @@ class OneshotReport:
     #: round-to-nearest and with the tuned rounding, and ``kept`` (``"autoround"`` or ``"rtn"``; with ``iters: 0``
     #: ``"rtn_mode"`` or ``"opt_rtn_mode"`` and both errors ``None``: nothing tuned, nothing measured). Empty: none ran.
     tuning: dict[str, dict[str, dict[str, Any]]] = attrs.field(factory=dict)
+    #: modifier label -> mixture-of-experts block -> what an expert-pruning modifier (REAP) did there (its
+    #: ``expert_pruning_results``): ``kept`` (the former indices of the experts kept, in their new order), ``scores``
+    #: and ``routed_tokens`` (per former expert). Empty: none ran.
+    expert_pruning: dict[str, dict[str, dict[str, Any]]] = attrs.field(factory=dict)
 
     def finish(self, t_start: float) -> None:
         """Set the total wall time (since ``t_start``, a ``time.perf_counter()`` value) and the peak RSS."""
@@ -268,6 +272,7 @@ class OneshotReport:
             **({"execution": self.execution} if self.execution else {}),
             **({"kv_cache": self.kv_cache} if self.kv_cache else {}),
             **({"tuning": self.tuning} if self.tuning else {}),
+            **({"expert_pruning": self.expert_pruning} if self.expert_pruning else {}),
             "disk": self.disk,
             "seconds": self.seconds,
             "max_rss_bytes": self.max_rss_bytes,
@@ -316,6 +321,7 @@ class OneshotReport:
             execution=data.get("execution"),
             kv_cache=data.get("kv_cache") or {},
             tuning=data.get("tuning") or {},
+            expert_pruning=data.get("expert_pruning") or {},
         )
 
     def format_table(self) -> str:
@@ -357,6 +363,7 @@ class OneshotReport:
         lines.extend(_smoothing_line(label, results) for label, results in self.smoothing.items())
         lines.extend(_kv_cache_line(label, scales) for label, scales in self.kv_cache.items())
         lines.extend(_tuning_line(label, results) for label, results in self.tuning.items())
+        lines.extend(_expert_pruning_line(label, blocks) for label, blocks in self.expert_pruning.items())
         untouched = [m for m in self.modules if m.name not in set(self.targeted)]
         total_numel = sum(m.numel for m in self._targeted())
         lines.append(f"{'total':>{width}}  {total_numel:>10,}  {self.total_sparsity:>8.2%}   (targeted weights)")
@@ -513,6 +520,16 @@ def _outside_blocks(modules: list[ModuleSparsity]) -> dict[str, list[ModuleSpars
     return blocks
 
 
+def _expert_pruning_line(label: str, blocks: dict[str, dict[str, Any]]) -> str:
+    """One line summing up an expert-pruning modifier's results (see :attr:`OneshotReport.expert_pruning`)."""
+    shapes = sorted({(len(b["scores"]) - len(b["kept"]), len(b["scores"])) for b in blocks.values()})
+    dropped = ", ".join(f"{d} of {n}" for d, n in shapes)
+    return (
+        f"{label}: dropped {dropped} experts in each of {len(blocks)} mixture-of-experts blocks "
+        "(the experts kept, their scores and routed tokens per block: report.json expert_pruning)"
+    )
+
+
 def _tuning_line(label: str, results: dict[str, dict[str, Any]]) -> str:
     """One line summing up a tuning modifier's ``tuning_results`` (see :attr:`OneshotReport.tuning`): per layer the
     ratio of the kept weights' output MSE to round-to-nearest's (``tuned_mse / rtn_mse`` where the tuning was kept,
@@ -629,6 +646,7 @@ def build_report(
     smoothing: dict[str, dict[str, dict[str, Any]]] = {}
     kv_scales: dict[str, dict[str, dict[str, list[float]]]] = {}
     tuning: dict[str, dict[str, dict[str, Any]]] = {}
+    expert_pruning: dict[str, dict[str, dict[str, Any]]] = {}
     for modifier in modifiers:
         label = type(modifier).__name__ + (f" ({stage_of[id(modifier)]})" if id(modifier) in stage_of else "")
         if getattr(modifier, "smoothing_results", None):
@@ -639,6 +657,8 @@ def build_report(
             kv_scales[label] = dict(modifier.kv_cache_results)
         if getattr(modifier, "tuning_results", None):  # AutoRound: per decoder layer
             tuning[label] = dict(modifier.tuning_results)
+        if getattr(modifier, "expert_pruning_results", None):  # REAP: per mixture-of-experts block
+            expert_pruning[label] = dict(modifier.expert_pruning_results)
         for name, result in (getattr(modifier, "results", None) or {}).items():
             entry = by_name.get(name)
             if entry is None:
@@ -666,4 +686,5 @@ def build_report(
         execution=execution,
         kv_cache=kv_scales,
         tuning=tuning,
+        expert_pruning=expert_pruning,
     )

@@ -390,6 +390,67 @@ class CalibratedModifier(Modifier):
         self._last_input = None
         self._last_acc = None
 
+    #: Whether :meth:`follow_expert_drop` keeps this modifier's state right when a modifier before it in the same
+    #: stage (REAP) drops experts of a fused experts module whose views it targets; ``False``: such a stage is
+    #: refused before any work (e.g. AutoRound, whose per-layer state holds more than the base class's).
+    follows_expert_drop = True
+
+    def follow_expert_drop(self, model: nn.Module, name: str, kept: list[int]) -> dict[str, str | None]:
+        """Follow the fused experts module ``name`` of ``model`` now holding only the experts ``kept`` (their
+        former indices in their new order: former expert ``kept[j]`` is expert ``j``), dropped at a layer's end by a
+        modifier before this one in the same stage (``REAPPruningModifier``), before this one compresses the layer.
+
+        The targets that were views of dropped experts are forgotten with their statistics; those of kept experts
+        are renamed to their new index (``experts.5.down_proj`` -> ``experts.2.down_proj``) and take the rebuilt
+        views (:func:`~llmc_fsm.toolkit.views.weight_views`), their statistics and routed-token counts carried
+        over, so the layer is compressed as if the experts kept had been the only ones while it calibrated (what
+        llm-compressor does: its scheme and observers sit on the expert modules, which are renumbered). A subclass
+        with more per-target state extends it (calls it and applies the returned renames).
+
+        Returns:
+            ``{former target name: new name, or None for a dropped expert's}``.
+
+        Raises:
+            ValueError: a view of this module was compressed already (the other modifier must come first).
+        """
+        experts = model.get_submodule(name)
+        prefix = name + "."
+        renames: dict[str, str | None] = {}
+        for target, module in self._targets.items():
+            if isinstance(module, LinearView) and module.expert is not None and module.source is experts:
+                parts = target.removeprefix(prefix).split(".")
+                index = parts.index(str(module.expert))
+                if module.expert in kept:
+                    parts[index] = str(kept.index(module.expert))
+                    renames[target] = prefix + ".".join(parts)
+                else:
+                    renames[target] = None
+        done = [target for target in renames if target in self.results]
+        if done:
+            msg = (
+                f"{type(self).__name__}: {done[0]} was compressed before the experts of {name} were dropped; the "
+                "modifier dropping experts must come before it in the stage"
+            )
+            raise ValueError(msg)
+        views = weight_views(experts)
+        targets: dict[str, nn.Module] = {}
+        for target, module in self._targets.items():
+            new = renames.get(target, target)
+            if new is None:
+                continue
+            if target in renames:
+                view = views[new.removeprefix(prefix)]
+                view.routed_tokens = module.routed_tokens
+                self.register_hook(view, self._make_hook(new), kind="forward_pre")
+                module = view
+            targets[new] = module
+        self._targets = targets
+        self._names_by_id = {id(m): n for n, m in targets.items()}
+        self._acc = {renames.get(n, n): acc for n, acc in self._acc.items() if renames.get(n, n) is not None}
+        self._last_input = None
+        self._last_acc = None
+        return renames
+
     def on_calibration_end(self, state: Any) -> None:
         self._compress_all({name: m for name, m in self._targets.items() if name not in self.results}, trim=True)
         self._last_input = None

@@ -237,8 +237,19 @@ class REAPPruningModifier(Modifier):
     Raises (``check_model`` / ``initialize``, before any work): ``ValueError`` for a model without supported
     fused experts (naming the block and why), group-limited routing, a sparsity dropping no expert or keeping
     fewer than top-k, no config key for the expert count, or a ``torch.distributed`` run; at ``calibration_start``,
-    before any weight changes: another modifier of the same session targeting modules of the blocks (put REAP in
-    its own stage, before it).
+    before any weight changes: another modifier of the same stage targeting modules of the blocks that cannot follow
+    the experts' renumbering, or that comes before REAP (put REAP in its own stage before it, or first).
+
+    In one stage with a calibrated modifier after it (``GPTQModifier``, ``QuantizationModifier``, SparseGPT, Wanda:
+    llm-compressor's ``examples/reap_expert_pruning/qwen38_example.py`` quantizes in REAP's stage), each layer
+    calibrates once with all its experts: REAP's scores and the other modifier's statistics come from that same
+    forward (the experts' inputs routed by the unpruned router). At the layer's end REAP drops its experts first, the
+    other modifier renumbers its targets and statistics to the experts kept
+    (:meth:`llmc_fsm.toolkit.CalibratedModifier.follow_expert_drop`) and compresses them, and the next layer
+    calibrates on the pruned and compressed layer's output, as llm-compressor's sequential pipeline does for GPTQ.
+    (Round-to-nearest: llm-compressor rounds the weights only when it saves, so its next layers calibrate on the
+    pruned layer's full-precision weights; here on its rounded ones, as for any modifier that changes the layer's
+    structure: REAP's pruning must reach the next layer's inputs.)
     """
 
     required_state = frozenset({"model", "calibration_data"})
@@ -257,6 +268,7 @@ class REAPPruningModifier(Modifier):
     _num_drop: int = attrs.field(default=0, init=False, repr=False)
     _config_key: str | None = attrs.field(default=None, init=False, repr=False)
     _model: Any = attrs.field(default=None, init=False, repr=False)
+    _followers: list[Any] = attrs.field(factory=list, init=False, repr=False)
 
     @property
     def resolved_targets(self) -> dict[str, nn.Module]:
@@ -266,6 +278,15 @@ class REAPPruningModifier(Modifier):
             out[f"{b.name}.experts"] = b.experts
             out[f"{b.name}.{b.router_attr}"] = b.router
         return out
+
+    @property
+    def expert_pruning_results(self) -> dict[str, dict[str, Any]]:
+        """``{block: {"kept": former indices of the experts kept, in their new order, "scores": [S_j], "routed_tokens":
+        [n_j]}}`` per pruned block (the one-shot report's ``expert_pruning``)."""
+        return {
+            name: {"kept": kept, "scores": self.scores[name], "routed_tokens": self.expert_tokens[name]}
+            for name, kept in self.retained.items()
+        }
 
     def _plan(self, model: nn.Module) -> tuple[list[MoeBlock], int, int, str]:
         """Blocks, experts per block, experts to drop, config key; ``ValueError`` naming what is not supported."""
@@ -321,6 +342,14 @@ class REAPPruningModifier(Modifier):
             raise ValueError(msg)
         return blocks, count, num_drop, key
 
+    def streaming_refusal(self) -> str:
+        """Why REAP does not run on layers streamed from the checkpoint (``low_memory``; the command's default path
+        then runs in memory)."""
+        return (
+            "it drops experts, which changes the shapes of the experts' parameters and the config's expert count; "
+            "the layer-by-layer writer keeps the checkpoint's shapes (not implemented)"
+        )
+
     def check_model(self, model: nn.Module) -> None:
         """Refuse, before any work, a model REAP cannot prune (see :meth:`_plan`)."""
         self._plan(model)
@@ -341,35 +370,57 @@ class REAPPruningModifier(Modifier):
             self._num_experts,
         )
 
-    def _check_alone(self) -> None:
-        """Refuse other modifiers of this session that target modules of the blocks REAP prunes.
+    def _check_stage(self) -> None:
+        """Check the other modifiers of this session (stage) that target modules of the blocks REAP prunes.
 
-        They selected their targets (per-expert views among them) before any expert is dropped, so they would
-        index experts that no longer exist. Run REAP in its own stage instead (stages run one after the other).
+        They selected their targets (per-expert views among them) before any expert is dropped. A calibrated
+        modifier after REAP that follows dropped experts (``follows_expert_drop``: GPTQ, round-to-nearest,
+        SparseGPT, Wanda) is told at each layer's end which experts were kept and renumbers its targets and
+        statistics (llm-compressor's REAP example quantizes in REAP's stage); any other, or one before REAP, is
+        refused, before any weight changes. (No modifier can target a router of the blocks REAP prunes: transformers
+        5's routers are not Linear-like.)
         """
         binding = self._binding
         session = binding.session() if binding is not None else None
+        self._followers = []
         if session is None:
             return
         owned = {id(m) for b in self._blocks for m in b.block.modules()}
+        before = True
         for other in session.modifiers:
             if other is self:
+                before = False
                 continue
+            targets = other.resolved_targets
             hit = sorted(
                 name
-                for name, module in other.resolved_targets.items()
+                for name, module in targets.items()
                 if id(module) in owned or id(getattr(module, "source", None)) in owned
             )
-            if hit:
+            if not hit:
+                continue
+            follows = getattr(other, "follows_expert_drop", False) is True and callable(
+                getattr(other, "follow_expert_drop", None)
+            )
+            if not follows:
                 msg = (
                     f"REAPPruningModifier: {other.modifier_name()} in the same stage targets {len(hit)} modules of "
-                    f"the MoE blocks whose experts REAP drops (e.g. {hit[0]}); put REAPPruningModifier in its own "
-                    "stage before it"
+                    f"the MoE blocks whose experts REAP drops (e.g. {hit[0]}) and cannot follow the experts' "
+                    "renumbering; put REAPPruningModifier in its own stage before it"
                 )
                 raise ValueError(msg)
+            if before:
+                msg = (
+                    f"REAPPruningModifier: {other.modifier_name()} comes before it in the same stage and targets "
+                    f"{len(hit)} modules of the MoE blocks whose experts REAP drops (e.g. {hit[0]}); put "
+                    f"REAPPruningModifier before {other.modifier_name()} (REAP drops a layer's experts at its end, "
+                    "before the layer is compressed)"
+                )
+                raise ValueError(msg)
+            self._followers.append(other)
 
     def on_calibration_start(self, state: Any) -> None:
-        self._check_alone()
+        self._check_stage()
         self._sums, self._counts = {}, {}
         for b in self._blocks:
             if b.name in self.retained:
@@ -435,6 +486,8 @@ class REAPPruningModifier(Modifier):
         for module in (b.experts, b.router, b.block):
             _set_count(module, len(keep_list))
         clear_weight_views(b.experts)
+        for other in self._followers:
+            other.follow_expert_drop(self._model, f"{b.name}.experts", keep_list)
         self.scores[b.name] = scores.tolist()
         self.expert_tokens[b.name] = counts.tolist()
         self.retained[b.name] = keep_list

@@ -1291,6 +1291,27 @@ class QuantizingModifier(CalibratedModifier):
             owner=type(self).__name__ if self._experts_from_data else None,
         )
 
+    def follow_expert_drop(self, model: nn.Module, name: str, kept: list[int]) -> dict[str, str | None]:
+        """:meth:`CalibratedModifier.follow_expert_drop`; the renamed expert matrices keep their config group and
+        NVFP4 fused siblings, and take the checkpoint names of their new index (read again from the pruned module:
+        :func:`~llmc_fsm.toolkit.expert_checkpoint_names`)."""
+        renames = super().follow_expert_drop(model, name, kept)
+
+        def kept_names(names: Mapping[str, Any]) -> dict[str, Any]:
+            return {renames.get(n, n): v for n, v in names.items() if renames.get(n, n) is not None}
+
+        self._group_of = kept_names(self._group_of)
+        self._fused = {n: tuple(renames.get(m, m) for m in members) for n, members in kept_names(self._fused).items()}
+        if any(n in renames for n in self._expert_names):
+            experts = model.get_submodule(name)
+            try:
+                per_expert = expert_checkpoint_names(model, name, experts)
+            except ValueError:
+                per_expert = linear_expert_names(model, name, experts) or {}
+            self._expert_names = {n: c for n, c in self._expert_names.items() if not n.startswith(name + ".")}
+            self._expert_names.update({f"{name}.{s}": c for s, c in per_expert.items()})
+        return renames
+
     def _record_routed(self) -> None:
         """Copy the routed-token counts of the expert matrices quantized since the last call."""
         for name, view in self._targets.items():

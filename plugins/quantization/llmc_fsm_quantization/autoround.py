@@ -754,6 +754,9 @@ class AutoRoundModifier(QuantizingModifier):
     shares_work_across_ranks = False
     #: Fused experts: each expert matrix tuned with the layer's other targets (:func:`signround_layer`).
     compresses_views = True
+    #: Its layer tuning keeps the layer's inputs and float outputs as the experts were: experts dropped by REAP in
+    #: the same stage are refused (REAP in a stage before it works).
+    follows_expert_drop = False
 
     iters: int = attrs.field(default=200, validator=_iters)
     lr: float | None = attrs.field(default=None, validator=_lr)
