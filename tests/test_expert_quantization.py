@@ -352,8 +352,8 @@ REFUSALS = {
         {"scheme": "W8A8"},
         "GPTQModifier: MixtralForCausalLM (model_type 'mixtral'): fused experts model.layers.{0..3}.mlp.experts: "
         "input activations are quantized on fused experts only with FP8 weights per channel or tensor "
-        "(FP8_DYNAMIC): transformers reloads other experts from packed weight-only formats alone (W4A16, W8A16, "
-        "MXFP4A16)" + FOR_VLLM,
+        "(FP8_DYNAMIC) or MXFP4 weights with dynamic inputs (MXFP4): transformers reloads other experts from packed "
+        "weight-only formats alone (W4A16, W8A16, MXFP4A16)" + FOR_VLLM,
     ),
     "asymmetric": (
         "mixtral",
@@ -1083,14 +1083,18 @@ def test_jambas_dt_proj_is_quantized_with_a_kv_cache_as_without_and_the_report_m
 
 
 @pytest.mark.parametrize("modifier", ["QuantizationModifier", "GPTQModifier"])
-@pytest.mark.parametrize(("family", "preset"), [("qwen3_moe", "MXFP4A16"), ("mixtral", "MXFP6A16")])
+@pytest.mark.parametrize(
+    ("family", "preset"), [("qwen3_moe", "MXFP4A16"), ("mixtral", "MXFP6A16"), ("qwen3_moe", "MXFP4")]
+)
 def test_mx_weights_on_fused_experts_hold_what_the_checkpoint_decompresses_to_and_reload(
     tmp_path, family, preset, modifier
 ):
     """MXFP4A16 / MXFP6A16 on fused experts (llm-compressor's examples/quantization_w4a16_fp4/mxfp4/qwen3_example.py),
     a bfloat16 model loaded from its directory: each expert matrix in memory is what compressed-tensors' compressor
     decompresses its saved tensors to (before: up to 0.015 apart, the fake-quantized values unrounded in bfloat16),
-    every scale a power of two; the reload has no missing or unexpected key, the experts and the logits equal."""
+    every scale a power of two; the reload has no missing or unexpected key, the experts and the logits equal.
+    MXFP4 (dynamic MX inputs; refused on experts before session 26, DeepSeek-V4's mixed example): the same, the
+    attention's inputs quantized in memory and on reload, the experts' by neither (transformers runs them dense)."""
     from compressed_tensors.compressors import BaseCompressor
 
     build(family).to(torch.bfloat16).save_pretrained(tmp_path / "src")

@@ -175,7 +175,9 @@ def expert_reload_problem(scheme: Any) -> str | None:
     input quantization. So FP8 experts may have dynamic input activations (nothing of them is in the checkpoint:
     a serving engine quantizes them) or static FP8 ones per tensor (each
     expert's ``input_scale`` is calibrated on its routed tokens and saved under its per-expert name, which vLLM
-    reads; transformers' loader has no place for it and leaves it out).
+    reads; transformers' loader has no place for it and leaves it out). MXFP4 experts may have dynamic inputs too
+    (the MXFP4 preset: its packed weights reload as MXFP4A16's; vLLM's compressed-tensors MoE loader takes MXFP4
+    weights whatever their inputs).
     """
     from compressed_tensors.compressors.format import infer_module_format
     from compressed_tensors.config import CompressionFormat
@@ -230,11 +232,11 @@ def expert_reload_problem(scheme: Any) -> str | None:
                 "input_scale [1] per expert matrix, as the FP8 preset writes them); use the FP8 preset or FP8_DYNAMIC"
             )
         return None
-    if inputs is not None:
+    if inputs is not None and not (fmt == CompressionFormat.mxfp4_pack_quantized and inputs.dynamic is True):
         return (
             "input activations are quantized on fused experts only with FP8 weights per channel or tensor "
-            "(FP8_DYNAMIC): transformers reloads other experts from packed weight-only formats alone (W4A16, "
-            "W8A16, MXFP4A16)"
+            "(FP8_DYNAMIC) or MXFP4 weights with dynamic inputs (MXFP4): transformers reloads other experts from "
+            "packed weight-only formats alone (W4A16, W8A16, MXFP4A16)"
         )
     if fmt in (CompressionFormat.mxfp4_pack_quantized, CompressionFormat.mxfp6_pack_quantized):
         return None  # packed like int weights, decompressed by the loader per expert (tested: MXFP4A16, MXFP6A16)
