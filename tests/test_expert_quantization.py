@@ -347,9 +347,12 @@ REFUSALS = {
         "experts from packed weights only (measured on 5.24: the dense ones were missing): quantize every expert "
         "matrix (no ignore pattern inside the experts) or none of the model",
     ),
-    "activations": (
+    "activations": (  # W4A8 (int4 weights, dynamic int8 inputs; W8A8 is written for vLLM since session 26)
         "mixtral",
-        {"scheme": "W8A8"},
+        {"config_groups": {"g": {"targets": ["Linear"], "weights": {
+            "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 16},
+            "input_activations": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token",
+                                  "dynamic": True}}}},
         "GPTQModifier: MixtralForCausalLM (model_type 'mixtral'): fused experts model.layers.{0..3}.mlp.experts: "
         "input activations are quantized on fused experts only with FP8 weights per channel or tensor "
         "(FP8_DYNAMIC) or MXFP4 weights with dynamic inputs (MXFP4): transformers reloads other experts from packed "
@@ -434,13 +437,16 @@ _FOR_VLLM = {
                           "multiplies each expert's fp8 weight by its weight_scale by broadcasting"),
     "GPTQ-qwen3_moe-NVFP4A16": ("qwen3_moe", "NVFP4A16", "NVFP4 weights:"),  # GPTQ's sweep with the shared scales
     "GPTQ-mixtral-FP8_BLOCK": ("mixtral", _FP8_BLOCK_16, "FP8 block weights (FP8_BLOCK):"),
+    # int8 weights per channel, dynamic int8 inputs per token (llm-compressor's qwen3.5_int8.py; session 26)
+    "qwen3_moe-W8A8": ("qwen3_moe", "W8A8", "input activations are quantized on fused experts only with FP8 weights"),
+    "GPTQ-mixtral-W8A8": ("mixtral", "W8A8", "input activations are quantized on fused experts only"),
 }  # fmt: skip
 
 
 @pytest.mark.parametrize("case", sorted(_FOR_VLLM))
 def test_nvfp4_and_fp8_block_experts_are_written_per_expert_for_vllm(tmp_path, caplog, case):
-    """NVFP4 and FP8 block on fused experts (llm-compressor's Qwen3-30B-A3B NVFP4 and FP8_BLOCK examples; refused
-    before, since transformers does not reload them): each expert matrix is saved per expert as vLLM reads it,
+    """NVFP4, FP8 block and W8A8 int8 on fused experts (llm-compressor's Qwen3-30B-A3B NVFP4 and FP8_BLOCK examples;
+    refused before, since transformers does not reload them): each expert matrix is saved per expert as vLLM reads it,
     one warning line says why transformers will not reload it, every saved expert decompresses (compressed-tensors'
     own compressor) to the in-memory fused matrix exactly, an expert's gate and up share one NVFP4 global scale,
     and the data-free schemes' checkpoint equals model_free_ptq's of the same float checkpoint, tensor for tensor

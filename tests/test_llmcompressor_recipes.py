@@ -231,6 +231,68 @@ quantization_stage:
         assert max(len(torch.unique(g)) for row in groups for g in row) <= 16, name
 
 
+#: llm-compressor 0.14.0.1's saved recipe.yaml (what ``oneshot`` writes next to the model, yaml.dump of its modifiers:
+#: ``default_stage``, every argument with its value, ``requires_calibration_data``, compressed-tensors'
+#: ActivationOrdering as a Python object tag), the form found in published checkpoints; widths made to fit the tiny
+#: Llama (group 8).
+LLMCOMPRESSOR_SAVED = """default_stage:
+  default_modifiers:
+    GPTQModifier:
+      config_groups:
+        g:
+          targets: [Linear]
+          weights:
+            num_bits: 4
+            type: int
+            symmetric: true
+            group_size: 8
+            strategy: group
+            block_structure: null
+            dynamic: false
+            actorder: !!python/object/apply:compressed_tensors.quantization.quant_args.ActivationOrdering [
+              static]
+            scale_dtype: null
+            zp_dtype: null
+            observer: memoryless_minmax
+            observer_kwargs: {}
+          input_activations: null
+          output_activations: null
+          format: null
+      targets: [Linear]
+      ignore: [lm_head]
+      bypass_divisibility_checks: false
+      requires_calibration_data: true
+      block_size: 128
+      dampening_frac: 0.01
+      actorder: static
+      batched_quantization: auto
+"""
+
+
+def test_llmcompressor_s_saved_recipe_yaml_runs_as_the_recipe_it_records(caplog):
+    """Found by a tester (session 26): llm-compressor's own saved recipe.yaml was refused (a Python object tag for
+    actorder, ``requires_calibration_data``, ``batched_quantization``). It now reads (the tag as its string value,
+    nothing imported; the two arguments accepted and ignored, each said in one line) and quantizes bit for bit as the
+    native recipe of the same GPTQ W4 group 8 with static activation order; any other Python object tag is still
+    refused as not valid YAML."""
+    pytest.importorskip("llmc_fsm_quantization", reason="the llmc-fsm-quantization plugin is not installed")
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="llmc_fsm.recipes.llmcompressor"):
+        (mod,) = resolve_recipe(LLMCOMPRESSOR_SAVED).modifiers
+    assert mod.config_groups["g"]["weights"]["actorder"] == "static" and mod.actorder == "static"
+    lines = [r.getMessage() for r in caplog.records if "accepted and ignored" in r.getMessage()]
+    ignored = sorted(line.split("'")[1] for line in lines)
+    assert ignored == ["batched_quantization", "bypass_divisibility_checks", "requires_calibration_data"]
+    weights = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 8}
+    native = {"q": {"GPTQModifier": {"scheme": {"weights": weights}, "actorder": "static"}}}
+    model = llama(tied=True)
+    same_weights(oneshot(LLMCOMPRESSOR_SAVED, copy.deepcopy(model)), oneshot(native, model))
+    evil = LLMCOMPRESSOR_SAVED.replace("compressed_tensors.quantization.quant_args.ActivationOrdering", "os.system")
+    with pytest.raises(RecipeError, match="could not determine a constructor for the tag"):
+        resolve_recipe(evil)
+
+
 def test_quantization_modifier_recipe_with_weight_observer():
     pytest.importorskip("llmc_fsm_quantization", reason="the llmc-fsm-quantization plugin is not installed")
     recipe = """

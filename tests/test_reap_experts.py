@@ -446,3 +446,21 @@ def test_reap_and_gptq_in_one_stage_write_the_same_checkpoint_from_memory_and_a_
         "checkpoint's shapes (not implemented); run without low_memory"
     )
     assert not (tmp_path / "low_memory").exists()
+
+
+def test_a_report_path_inside_the_output_directory_is_refused_before_any_work(tmp_path):
+    """Found by a tester: REAP wrote its report into the output directory, which the run then replaced with the
+    output it wrote elsewhere: the file was gone, nothing said. Now refused before any work, nothing on disk."""
+    model = build("mixtral")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    out = tmp_path / "o"
+    recipe = {"s": {"REAPPruningModifier": {"sparsity": 0.5, "report_path": str(out / "reap.json")}}}
+    with pytest.raises(ValueError) as info:
+        llmc_fsm.oneshot(model=model, recipe=recipe, dataset=DATA, output_dir=out, progress=False)
+    assert str(info.value) == (
+        f"REAPPruningModifier: report_path {str(out / 'reap.json')!r} is inside the output directory {str(out)!r}, "
+        "which the run writes elsewhere and moves into place when it finishes, replacing what is there; give a "
+        "report_path outside it (REAP's kept experts are in the output's report.json too: expert_pruning)"
+    )
+    assert not out.exists() and sorted(tmp_path.iterdir()) == []
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())

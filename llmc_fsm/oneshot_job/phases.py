@@ -328,6 +328,7 @@ def prepare(settings: OneshotSettings) -> Run:
     _check_output(settings)
     notes: list[str] = []
     merged, sessions = _sessions(settings.model, settings.recipe, settings.fuse_stages, notes)
+    _check_report_paths(sessions, settings.output_dir)
     run = Run(
         settings=settings,
         recipe=merged,
@@ -605,6 +606,30 @@ def _check_output(settings: OneshotSettings) -> None:
         )
         raise ValueError(msg)
     check_output_dir(settings.output_dir, settings.overwrite)  # the same errors on every rank; only rank 0 writes
+
+
+def _check_report_paths(sessions: list[Session], output_dir: Any) -> None:
+    """Refuse a modifier's own report file (a ``report_path`` argument: REAP's) inside the output directory: the run
+    writes its output elsewhere and renames it into place at the end, replacing that directory (found by a tester:
+    the file was silently deleted).
+
+    Raises:
+        ValueError: naming the modifier, the path and where its content is in the output anyway.
+    """
+    if output_dir is None:
+        return
+    out = Path(output_dir).resolve()
+    for session in sessions:
+        for modifier in session.modifiers:
+            path = getattr(modifier, "report_path", None)
+            if isinstance(path, str | Path) and out in Path(path).resolve().parents:
+                msg = (
+                    f"{modifier.modifier_name()}: report_path {str(path)!r} is inside the output directory "
+                    f"{str(output_dir)!r}, which the run writes elsewhere and moves into place when it finishes, "
+                    "replacing what is there; give a report_path outside it (REAP's kept experts are in the "
+                    "output's report.json too: expert_pruning)"
+                )
+                raise ValueError(msg)
 
 
 def _claim_on_rank_0(settings: OneshotSettings) -> WorkDir | None:

@@ -208,7 +208,14 @@ _SEQ_TARGETS = "the pipeline finds the decoder layers from the model; remove it"
 _OWL = "OWL layer-wise sparsity is not implemented; give one sparsity for every layer"
 
 _PERCDAMP = ArgumentRule("rename", "llm-compressor's older name of dampening_frac", target="dampening_frac")
-_COMMON: dict[str, ArgumentRule] = {"group": ArgumentRule("ignore", _GROUP)}
+_REQUIRES_DATA = (
+    "llm-compressor records in its saved recipe.yaml whether its modifier needs calibration data; llmc-fsm derives "
+    "that from the modifier and its scheme"
+)
+_COMMON: dict[str, ArgumentRule] = {
+    "group": ArgumentRule("ignore", _GROUP),
+    "requires_calibration_data": ArgumentRule("ignore", _REQUIRES_DATA, accept=(True, False)),
+}
 _SPARSITY_BASE: dict[str, ArgumentRule] = {
     **_COMMON,
     "sequential_update": ArgumentRule("ignore", _LAYERWISE, accept=(True, False)),
@@ -250,6 +257,9 @@ ARGUMENT_RULES: dict[str, dict[str, ArgumentRule]] = {
         "sequential_targets": ArgumentRule("refuse", _SEQ_TARGETS),
         "percdamp": _PERCDAMP,
         "offload_hessians": ArgumentRule("ignore", _OFFLOAD, accept=(True, False)),
+        "batched_quantization": ArgumentRule(
+            "ignore", "how many same-shape modules llm-compressor sweeps at once on a GPU (speed and memory only)"
+        ),
     },
     "QuantizationModifier": dict(_QUANT_BASE),
     "AutoRoundModifier": dict(_QUANT_BASE),

@@ -78,6 +78,25 @@ def _construct_mapping(loader: _RecipeLoader, node: yaml.MappingNode) -> Iterabl
 
 _RecipeLoader.add_constructor("tag:yaml.org,2002:map", _construct_mapping)
 
+#: The Python object tag llm-compressor's saved recipe.yaml gives compressed-tensors' string enums (it dumps them
+#: with ``yaml.dump``): ``actorder: !!python/object/apply:compressed_tensors.quantization.quant_args.ActivationOrdering
+#: [static]``.
+_ENUM_TAG = "tag:yaml.org,2002:python/object/apply:compressed_tensors."
+
+
+def _construct_enum(loader: _RecipeLoader, suffix: str, node: yaml.Node) -> str:
+    """A compressed-tensors string enum as llm-compressor saves it, read as its value (``"static"``); nothing is
+    imported or called. Any other Python object tag stays refused (``safe_load``)."""
+    values = loader.construct_sequence(node) if isinstance(node, yaml.SequenceNode) else None
+    if not values or len(values) != 1 or not isinstance(values[0], str):
+        raise yaml.constructor.ConstructorError(
+            None, None, f"the tag {_ENUM_TAG}{suffix} is read only as a string enum's value ([value])", node.start_mark
+        )
+    return values[0]
+
+
+_RecipeLoader.add_multi_constructor(_ENUM_TAG, _construct_enum)
+
 
 def _yaml_error(exc: yaml.YAMLError, source: str) -> RecipeError:
     mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)

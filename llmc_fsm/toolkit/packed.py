@@ -150,8 +150,11 @@ def experts_for_vllm(scheme: Any) -> bool:
     transformers does not reload into its fused experts (:func:`expert_reload_problem`), are still written per
     expert in the layout vLLM's fused-MoE kernels read: NVFP4 weights (NVFP4, NVFP4A16: each expert matrix its
     ``weight_packed``, ``weight_scale`` and ``weight_global_scale``, one global scale shared by an expert's
-    gate and up matrices, as vLLM fuses them) or FP8 block weights (FP8_BLOCK: a ``weight_scale`` per block), with
-    no output activations. llm-compressor 0.14 writes these schemes per expert in the same layout."""
+    gate and up matrices, as vLLM fuses them), FP8 block weights (FP8_BLOCK: a ``weight_scale`` per block) or
+    symmetric int8 weights per channel or tensor with dynamic int8 inputs per token (W8A8 / INT8: each expert
+    matrix's int8 ``weight`` and ``weight_scale``, read by vLLM's ``CompressedTensorsW8A8Int8MoEMethod``, its
+    ``_is_dynamic_token_w8a8`` scheme), with no output activations. llm-compressor 0.14 writes these schemes per
+    expert in the same layout."""
     from compressed_tensors.compressors.format import infer_module_format
     from compressed_tensors.config import CompressionFormat
     from compressed_tensors.quantization import QuantizationStrategy
@@ -161,7 +164,20 @@ def experts_for_vllm(scheme: Any) -> bool:
         return False
     fmt = scheme.format or infer_module_format(nn.Linear, scheme)
     fp8_block = str(w.type) == "float" and w.num_bits == 8 and w.strategy == QuantizationStrategy.BLOCK
-    return fmt == CompressionFormat.nvfp4_pack_quantized or fp8_block
+    inputs = scheme.input_activations
+    int8_token = (
+        str(w.type) == "int"
+        and w.num_bits == 8
+        and w.symmetric
+        and w.strategy in (QuantizationStrategy.CHANNEL, QuantizationStrategy.TENSOR)
+        and inputs is not None
+        and str(inputs.type) == "int"
+        and inputs.num_bits == 8
+        and inputs.strategy == QuantizationStrategy.TOKEN
+        and inputs.dynamic is True
+        and fmt == CompressionFormat.int_quantized
+    )
+    return fmt == CompressionFormat.nvfp4_pack_quantized or fp8_block or int8_token
 
 
 def expert_reload_problem(scheme: Any) -> str | None:
