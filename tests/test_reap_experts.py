@@ -288,6 +288,7 @@ def test_sparsegpt_prunes_the_kept_experts_in_reap_s_stage_or_after_it(tmp_path,
 
 
 IGNORE_ROUTERS = ["lm_head", "re:.*mlp.gate$"]
+GPTQ = {"scheme": SCHEME, "ignore": IGNORE_ROUTERS}
 
 
 def _in_reap_stage(tmp_path, model, quantizer, data):
@@ -385,35 +386,63 @@ def test_static_input_scales_in_reap_s_stage_follow_each_kept_expert_to_its_new_
 
 
 @pytest.mark.parametrize(
-    ("stage", "message"),
+    ("stages", "message"),
     [
         (
-            {"GPTQModifier": {"scheme": SCHEME, "ignore": IGNORE_ROUTERS}, "REAPPruningModifier": {"sparsity": 0.5}},
-            "REAPPruningModifier: GPTQModifier comes before it in the same stage and targets 48 modules of the MoE "
-            "blocks whose experts REAP drops (e.g. model.layers.0.mlp.experts.0.down_proj); put REAPPruningModifier "
-            "before GPTQModifier (REAP drops a layer's experts at its end, before the layer is compressed)",
+            {"s": {"GPTQModifier": GPTQ, "REAPPruningModifier": {"sparsity": 0.5}}},
+            "REAPPruningModifier of stage 's' would compress 48 modules that GPTQModifier of stage 's' quantizes "
+            "before it, e.g. model.layers.0.mlp.experts.0.down_proj; prune first, then quantize: put the sparsity "
+            "stage (or modifier) before the quantization one in the recipe",
+        ),
+        (  # found by a tester: the experts were written dense under a quantized config, exit 0
+            {"a": {"GPTQModifier": GPTQ}, "b": {"REAPPruningModifier": {"sparsity": 0.5}}},
+            "REAPPruningModifier of stage 'b' would compress 48 modules that GPTQModifier of stage 'a' quantizes "
+            "before it, e.g. model.layers.0.mlp.experts.0.down_proj; prune first, then quantize: put the sparsity "
+            "stage (or modifier) before the quantization one in the recipe",
         ),
         (
-            {"REAPPruningModifier": {"sparsity": 0.5},
-             "AutoRoundModifier": {"scheme": SCHEME, "iters": 0, "ignore": IGNORE_ROUTERS}},
+            {"s": {"SparseGPTModifier": {"sparsity": 0.5, "ignore": IGNORE_ROUTERS},
+                   "REAPPruningModifier": {"sparsity": 0.5}}},
+            "REAPPruningModifier: SparseGPTModifier comes before it in the same stage and targets 48 modules of the "
+            "MoE blocks whose experts REAP drops (e.g. model.layers.0.mlp.experts.0.down_proj); put "
+            "REAPPruningModifier before SparseGPTModifier (REAP drops a layer's experts at its end, before the layer "
+            "is compressed)",
+        ),
+        (
+            {"s": {"REAPPruningModifier": {"sparsity": 0.5},
+                   "AutoRoundModifier": {"scheme": SCHEME, "iters": 0, "ignore": IGNORE_ROUTERS}}},
             "REAPPruningModifier: AutoRoundModifier in the same stage targets 48 modules of the MoE blocks whose "
             "experts REAP drops (e.g. model.layers.0.mlp.experts.0.down_proj) and cannot follow the experts' "
             "renumbering; put REAPPruningModifier in its own stage before it",
         ),
     ],
-    ids=["quantizer-first", "autoround"],
+    ids=["quantizer-first", "quantizer-stage-first", "sparsegpt-first", "autoround"],
 )
-def test_what_cannot_follow_the_dropped_experts_in_reap_s_stage_is_refused_before_any_weight_changes(
-    tmp_path, stage, message
-):
+def test_what_cannot_follow_the_dropped_experts_is_refused_before_any_work(tmp_path, stages, message):
+    """One line before any work (one-shot's checks; they ran at calibration start before, after earlier stages and
+    with the Python API's advice); the weights as they were, nothing on disk."""
     model = build("mixtral")
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    with pytest.raises(llmc_fsm.ModifierError) as info:
-        llmc_fsm.oneshot(model=model, recipe={"s": stage}, dataset=DATA, output_dir=tmp_path / "o", progress=False)
-    assert message in str(info.value)
+    with pytest.raises(ValueError) as info:
+        llmc_fsm.oneshot(model=model, recipe=stages, dataset=DATA, output_dir=tmp_path / "o", progress=False)
+    assert str(info.value) == message
     after = model.state_dict()
     assert sorted(after) == sorted(before) and all(torch.equal(after[k], before[k]) for k in before)
-    assert not (tmp_path / "o").exists() or not any((tmp_path / "o").iterdir())
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_session_driven_by_hand_refuses_a_modifier_before_reap_at_calibration_start():
+    """Without one-shot's checks, the session checks the same at calibration start, before any weight changes."""
+    from llmc_fsm_pruning import SparseGPTModifier
+
+    model = build("mixtral")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    session = Session([SparseGPTModifier(sparsity=0.5, ignore=IGNORE_ROUTERS), REAPPruningModifier(sparsity=0.5)])
+    session.initialize(model=model, calibration_data=DATA)
+    with pytest.raises(llmc_fsm.ModifierError) as info:
+        session.calibration_start()
+    assert "REAPPruningModifier: SparseGPTModifier comes before it in the same stage" in str(info.value)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
 def test_reap_and_gptq_in_one_stage_write_the_same_checkpoint_from_memory_and_a_directory_and_refuse_low_memory(
@@ -464,3 +493,69 @@ def test_a_report_path_inside_the_output_directory_is_refused_before_any_work(tm
     )
     assert not out.exists() and sorted(tmp_path.iterdir()) == []
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_torch_distributed_is_refused_before_an_earlier_stage_runs(tmp_path, monkeypatch):
+    """Found by a tester (2 gloo ranks): REAP refused torch.distributed at its initialize, after an earlier stage had
+    pruned the attention in memory. Now refused by its checks, before any work (REAP told it runs under
+    torch.distributed: the refusal does not depend on the ranks)."""
+    from llmc_fsm_pruning import reap as reap_module
+
+    monkeypatch.setattr(reap_module, "is_distributed", lambda: True)
+    model = build("mixtral")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    stages = {"a": {"SparseGPTModifier": {"sparsity": 0.5, "targets": ["re:.*self_attn.*"]}},
+              "b": {"REAPPruningModifier": {"sparsity": 0.5}}}  # fmt: skip
+    with pytest.raises(ValueError) as info:
+        llmc_fsm.oneshot(model=model, recipe=stages, dataset=DATA, output_dir=tmp_path / "o", progress=False)
+    assert str(info.value) == (
+        "REAPPruningModifier: torch.distributed runs are not implemented (scores are not reduced); run on one process"
+    )
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert not (tmp_path / "o").exists()
+
+
+def test_reap_in_the_stage_leaves_the_dense_layers_compressed_as_without_it(tmp_path):
+    """Found by a tester: REAP in a stage made every layer take the pipeline's plain order, dense ones included
+    (DeepSeek-V3's first layer: GPTQ's weights changed with REAP added). Now a layer holding no MoE block keeps the
+    grouped order: its GPTQ weights equal those of GPTQ alone, bit for bit."""
+    alone, with_reap = build("deepseek_v3"), build("deepseek_v3")
+    assert not hasattr(alone.model.layers[0].mlp, "experts")  # the dense first layer
+    llmc_fsm.oneshot(model=alone, recipe={"s": {"GPTQModifier": GPTQ}}, dataset=MORE, output_dir=tmp_path / "a",
+                     progress=False)  # fmt: skip
+    stage = {"s": {"REAPPruningModifier": {"sparsity": 0.5}, "GPTQModifier": GPTQ}}
+    llmc_fsm.oneshot(model=with_reap, recipe=stage, dataset=MORE, output_dir=tmp_path / "b", progress=False)
+    dense = {k: v for k, v in alone.model.layers[0].state_dict().items() if k.endswith("weight")}
+    again = with_reap.model.layers[0].state_dict()
+    assert len(dense) >= 6 and all(torch.equal(again[k], v) for k, v in dense.items())
+
+
+def test_the_report_calls_targeted_what_the_follower_compressed_under_its_new_name(tmp_path):
+    """Found by a tester: with a follower targeting some experts only (SparseGPT on experts 0 and 1), the report
+    listed its targets under the names they had before the drop, so a kept expert it never touched was "targeted"
+    (0% sparse, dragging the targeted sparsity down). The targeted expert matrices are now exactly the 50% sparse
+    ones, under their new names."""
+    model = build("mixtral")
+    sparse = {"sparsity": 0.5, "targets": [r"re:.*experts\.[01]\.(gate|up|down)_proj$"]}
+    kept = _in_reap_stage(tmp_path, model, {"SparseGPTModifier": sparse}, DATA)
+    report = model.llmc_fsm_report
+    targeted = {n for n in report.targeted if ".experts." in n}
+    sparse_now = {m.name for m in report.modules if ".experts." in m.name and m.zeros * 2 == m.numel}
+    assert targeted == sparse_now and targeted
+    assert any(keep != [0, 1] for keep in kept.values())  # some kept expert moved to index 0 or 1: the case here
+    assert report.total_sparsity == pytest.approx(0.5)
+
+
+def test_low_memory_names_reap_first_in_a_recipe_of_several_stages(tmp_path):
+    """Found by a tester: with two stages, low_memory first asked for fuse_stages, then (with it) refused REAP; the
+    modifier no flag makes stream is now said first, before any work."""
+    build("mixtral").save_pretrained(tmp_path / "src")
+    stages = {"a": {"SparseGPTModifier": {"sparsity": 0.5, "targets": ["re:.*self_attn.*"]}},
+              "b": {"REAPPruningModifier": {"sparsity": 0.5}}}  # fmt: skip
+    with pytest.raises(ValueError) as info:
+        llmc_fsm.oneshot(model=str(tmp_path / "src"), recipe=stages, dataset=DATA, output_dir=tmp_path / "o",
+                         low_memory=True, progress=False)  # fmt: skip
+    assert str(info.value).startswith(
+        "low_memory (--low-memory) cannot run this job: REAPPruningModifier: it drops experts"
+    )
+    assert not (tmp_path / "o").exists()

@@ -177,7 +177,9 @@ def describe(source: Any) -> str:
 
 def check_modifiers(sessions: list[Session], model: Any, calibration_data: Any = True) -> None:
     """Before any measuring or compression: every session's required state, then every modifier's
-    :meth:`~llmc_fsm.Modifier.check_model` (group sizes, targets, an already quantized model).
+    :meth:`~llmc_fsm.Modifier.check_model` (group sizes, targets, an already quantized model), and the
+    ``check_stage(modifiers, model)`` of a modifier that has one (what it needs of the other modifiers of its stage:
+    REAP's, that they follow the experts it drops).
 
     Raises:
         MissingStateError: a modifier needs state one-shot does not give (``steps_per_epoch``...), named.
@@ -216,6 +218,10 @@ def check_modifiers(sessions: list[Session], model: Any, calibration_data: Any =
                     targets = {}  # after a quantizing modifier of the same recipe
             if targets:
                 _check_quantized_once(modifier, session, targets, quantized_by)
+        for modifier in session.modifiers:  # what a modifier needs of the others in its stage (REAP's followers)
+            check_stage = getattr(modifier, "check_stage", None)
+            if callable(check_stage):
+                check_stage(list(session.modifiers), model)
 
 
 def _declared_targets(modifier: Any, model: Any) -> dict[str, Any]:

@@ -140,6 +140,12 @@ class Run:
         """The output directory (absolute), ``None`` without one or on a rank that does not write."""
         return None if self.work is None else self.work.output
 
+    def add_targeted(self, session: Session) -> None:
+        """Add the modules ``session``'s modifiers targeted, once its work is done (before its finalize): their names
+        then, after a modifier of the stage renamed others' targets (REAP's dropped experts: found by a tester, the
+        report called a kept expert targeted under a former expert's name)."""
+        self.targeted.extend(n for m in session.modifiers for n in m.resolved_targets if n not in self.targeted)
+
     @contextlib.contextmanager
     def timed(self, phase: str) -> Iterator[None]:
         """Add the wall time of the block to ``seconds[phase]``."""
@@ -890,7 +896,6 @@ def compress(run: Run) -> None:
         windows, run.per_rank = shard(run.windows)  # this rank's share under torch.distributed
         for index, session in enumerate(run.sessions):
             session.initialize(model=run.model, calibration_data=run.windows)
-            run.targeted.extend(n for m in session.modifiers for n in m.resolved_targets if n not in run.targeted)
             try:
                 if calibration_inputs(session, windows).shape[0] > 0:
                     result = run_sequential(
@@ -911,6 +916,7 @@ def compress(run: Run) -> None:
                 with contextlib.suppress(Exception):
                     session.finalize()
                 raise
+            run.add_targeted(session)
             session.finalize()
 
 

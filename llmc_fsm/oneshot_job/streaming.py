@@ -346,11 +346,12 @@ def check_job(run: Run) -> None:
             "datasets.Dataset) run in memory (drop low_memory)",
         ),
     ]
+    for session in run.sessions:  # a modifier that cannot stream first: no flag below would make the job run
+        check_streamable(session)
     why = next((text for failed, text in reasons if failed), None)
     if why is not None:
         msg = f"low_memory (--low-memory) cannot run this job: {why}"
         raise ValueError(msg)
-    check_streamable(run.sessions[0])
 
 
 def _dtype(name: str, directory: Path) -> Any:
@@ -406,7 +407,6 @@ def _compress(run: Run, lazy: LazyModel, writer: ShardWriter) -> StreamedCompres
     session = run.sessions[0]
     with run.timed("compress"):
         session.initialize(model=lazy.model, calibration_data=run.windows)
-        run.targeted.extend(n for m in session.modifiers for n in m.resolved_targets if n not in run.targeted)
         windows = calibration_inputs(session, run.windows)
         try:
             result = compress_streaming(
@@ -427,6 +427,7 @@ def _compress(run: Run, lazy: LazyModel, writer: ShardWriter) -> StreamedCompres
             with contextlib.suppress(Exception):
                 session.finalize()
             raise
+        run.add_targeted(session)
         session.finalize()
     return result
 

@@ -207,10 +207,16 @@ def calibrate_layer(layer: nn.Module, inputs: Inputs, order: Mapping[str, int] |
             handle.remove()
 
 
-def _takes_grouped(modifier: Any) -> bool:
-    """Whether ``modifier`` calibrates correctly in the grouped order: a :class:`CalibratedModifier`, or a smoothing
-    modifier, which has no hook in the layer's calibration forwards (``prepare_layer`` runs its own pass first)."""
-    return isinstance(modifier, CalibratedModifier) or callable(getattr(modifier, "prepare_layer", None))
+def _takes_grouped(modifier: Any, layer: nn.Module) -> bool:
+    """Whether ``modifier`` calibrates correctly in the grouped order in ``layer``: a :class:`CalibratedModifier`, a
+    smoothing modifier, which has no hook in the layer's calibration forwards (``prepare_layer`` runs its own pass
+    first), or one whose ``takes_grouped_order(layer)`` says so (REAP, in a layer without experts it drops)."""
+    takes = getattr(modifier, "takes_grouped_order", None)
+    return (
+        isinstance(modifier, CalibratedModifier)
+        or callable(getattr(modifier, "prepare_layer", None))
+        or (callable(takes) and takes(layer) is True)
+    )
 
 
 def compress_layer(
@@ -250,7 +256,7 @@ def compress_layer(
         if prepare is not None and inputs:
             prepare(layer, inputs)
     deferred = defers_weights(modifiers)
-    grouped = true_sequential and all(_takes_grouped(m) for m in modifiers)
+    grouped = true_sequential and all(_takes_grouped(m, layer) for m in modifiers)
     with activation_quantization_off(layer) as off:
         groups = plan_groups(layer, calls) if grouped and inputs and not deferred else None
         if groups is not None:

@@ -30,7 +30,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from llmc_fsm import Modifier
-from llmc_fsm.toolkit import clear_weight_views, fused_experts_reason, is_distributed, is_main_process
+from llmc_fsm.toolkit import clear_weight_views, fused_experts_reason, is_distributed, is_main_process, weight_views
 
 __all__ = ["MoeBlock", "REAPPruningModifier", "expert_outputs", "find_moe_blocks", "retained_experts"]
 
@@ -211,6 +211,25 @@ def _ignore_list(value: Any) -> list[str]:
     return list(value)
 
 
+def _refuse_distributed() -> None:
+    if is_distributed():
+        msg = (
+            "REAPPruningModifier: torch.distributed runs are not implemented (scores are not reduced); "
+            "run on one process"
+        )
+        raise ValueError(msg)
+
+
+def _selected_targets(modifier: Any, model: nn.Module) -> dict[str, Any]:
+    """What ``modifier``'s own ``check_model(model)`` selects (``{}`` when it selects none or refuses: it reports its
+    own problems when one-shot checks it)."""
+    try:
+        targets = modifier.check_model(model)
+    except ValueError:
+        return {}
+    return targets if isinstance(targets, dict) else {}
+
+
 @attrs.define(kw_only=True, slots=False, eq=False)
 class REAPPruningModifier(Modifier):
     """Drop the lowest-REAP-scoring experts of every mixture-of-experts layer (arXiv 2510.13999).
@@ -350,17 +369,23 @@ class REAPPruningModifier(Modifier):
             "the layer-by-layer writer keeps the checkpoint's shapes (not implemented)"
         )
 
-    def check_model(self, model: nn.Module) -> None:
-        """Refuse, before any work, a model REAP cannot prune (see :meth:`_plan`)."""
-        self._plan(model)
+    def check_model(self, model: nn.Module) -> dict[str, nn.Module]:
+        """Refuse, before any work, a model or run REAP cannot prune (:meth:`_plan`; ``torch.distributed``).
+
+        Returns:
+            ``{name: view}`` of every expert matrix of the blocks it prunes (:func:`~llmc_fsm.toolkit.weight_views`):
+            one-shot refuses, before any work, a recipe that quantizes them before REAP (an earlier stage, or earlier
+            in its stage: prune first, then quantize).
+
+        Raises:
+            ValueError: as :meth:`_plan`, a ``torch.distributed`` run.
+        """
+        _refuse_distributed()
+        blocks, *_ = self._plan(model)
+        return {f"{b.name}.experts.{s}": view for b in blocks for s, view in weight_views(b.experts).items()}
 
     def on_initialize(self, state: Any) -> None:
-        if is_distributed():
-            msg = (
-                "REAPPruningModifier: torch.distributed runs are not implemented (scores are not reduced); "
-                "run on one process"
-            )
-            raise ValueError(msg)
+        _refuse_distributed()
         self._blocks, self._num_experts, self._num_drop, self._config_key = self._plan(state.model)
         self._model = state.model
         logger.info(
@@ -370,8 +395,21 @@ class REAPPruningModifier(Modifier):
             self._num_experts,
         )
 
-    def _check_stage(self) -> None:
-        """Check the other modifiers of this session (stage) that target modules of the blocks REAP prunes.
+    def check_stage(self, modifiers: list[Any], model: nn.Module) -> None:
+        """Refuse, before any work, a modifier of REAP's stage (``modifiers``, in recipe order) that cannot follow the
+        experts it drops in ``model`` (:meth:`_check_stage`, on what their own ``check_model`` selects). One-shot
+        calls it with every stage's modifiers (``explain --model`` too); a session checks the same at
+        ``calibration_start``.
+
+        Raises:
+            ValueError: as :meth:`_check_stage`.
+        """
+        blocks, *_ = self._plan(model)
+        self._check_stage(modifiers, blocks, lambda other: _selected_targets(other, model))
+
+    def _check_stage(self, modifiers: list[Any], blocks: list[MoeBlock], targets_of: Any) -> list[Any]:
+        """The other ``modifiers`` of REAP's stage that target modules of the ``blocks`` REAP prunes (their targets
+        by ``targets_of(modifier)``), checked; returns them.
 
         They selected their targets (per-expert views among them) before any expert is dropped. A calibrated
         modifier after REAP that follows dropped experts (``follows_expert_drop``: GPTQ, round-to-nearest,
@@ -379,22 +417,19 @@ class REAPPruningModifier(Modifier):
         statistics (llm-compressor's REAP example quantizes in REAP's stage); any other, or one before REAP, is
         refused, before any weight changes. (No modifier can target a router of the blocks REAP prunes: transformers
         5's routers are not Linear-like.)
+
+        Raises:
+            ValueError: naming the modifier, what it targets and what to do.
         """
-        binding = self._binding
-        session = binding.session() if binding is not None else None
-        self._followers = []
-        if session is None:
-            return
-        owned = {id(m) for b in self._blocks for m in b.block.modules()}
-        before = True
-        for other in session.modifiers:
+        owned = {id(m) for b in blocks for m in b.block.modules()}
+        before, followers = True, []
+        for other in modifiers:
             if other is self:
                 before = False
                 continue
-            targets = other.resolved_targets
             hit = sorted(
                 name
-                for name, module in targets.items()
+                for name, module in targets_of(other).items()
                 if id(module) in owned or id(getattr(module, "source", None)) in owned
             )
             if not hit:
@@ -417,10 +452,22 @@ class REAPPruningModifier(Modifier):
                     "before the layer is compressed)"
                 )
                 raise ValueError(msg)
-            self._followers.append(other)
+            followers.append(other)
+        return followers
+
+    def takes_grouped_order(self, layer: nn.Module) -> bool:
+        """Whether the pipeline may run ``layer`` in its grouped order (one forward, each group of targets compressed
+        before the batches run it): in a layer holding no block REAP prunes (its hooks and its pruning are in the
+        MoE layers only), so adding REAP to a stage does not change how its dense layers are compressed (found by a
+        tester: DeepSeek-V3's dense first layer took the plain order)."""
+        inside = {id(m) for m in layer.modules()}
+        return not any(id(b.block) in inside for b in self._blocks)
 
     def on_calibration_start(self, state: Any) -> None:
-        self._check_stage()
+        binding = self._binding
+        session = binding.session() if binding is not None else None
+        modifiers = session.modifiers if session is not None else [self]
+        self._followers = self._check_stage(modifiers, self._blocks, lambda other: other.resolved_targets)
         self._sums, self._counts = {}, {}
         for b in self._blocks:
             if b.name in self.retained:
