@@ -72,8 +72,10 @@ class LinearView(nn.Module):
         in_features / out_features: the matrix as a Linear (ints).
         transposed / rows / block: how the matrix is read: ``param[expert]`` (or, with ``block``, rows
             ``expert * block ... (expert + 1) * block`` of a 2-D ``param``: DBRX), transposed, then ``rows`` of it.
-        routed_tokens: tokens the router sent to this expert during calibration (:func:`observe_inputs`; ``0``
-            before, always ``0`` for Conv1D).
+        routed_tokens: tokens the router sent to this expert in the calls :func:`observe_inputs` observed (``0``
+            before, always ``0`` for Conv1D): while a modifier's hooks are on, that includes the pipeline's pass that
+            propagates the compressed layer (the plain order); the modifiers' ``routed_tokens`` and the report's,
+            copied when the matrix is compressed, count the calibration tokens only.
     """
 
     def __init__(
