@@ -23,6 +23,7 @@ from test_expert_quantization import (
     _fp8_tensor,
     _reload,
     _routed_input_maxima,
+    _saved,
 )
 from tiny_families import build
 from torch.nn import functional as F
@@ -559,3 +560,47 @@ def test_low_memory_names_reap_first_in_a_recipe_of_several_stages(tmp_path):
         "low_memory (--low-memory) cannot run this job: REAPPruningModifier: it drops experts"
     )
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize(
+    "follower",
+    [{"GPTQModifier": GPTQ}, {"QuantizationModifier": {"scheme": "FP8", "ignore": IGNORE_ROUTERS}}, {}],
+    ids=["gptq", "fp8-static", "alone"],
+)
+def test_a_run_killed_after_two_layers_resumes_them_pruned_and_writes_the_same_checkpoint(
+    tmp_path, monkeypatch, follower
+):
+    """REAP (alone or with a follower in its stage) keeps per-layer progress (it kept none: a resumed run started
+    again from the first layer): a run killed after layer 1 is saved restores layers 0 and 1 with their experts
+    dropped as the interrupted run dropped them (the followers' targets renamed the same way) and writes the
+    uninterrupted run's checkpoint tensor for tensor, with the same experts kept per block."""
+    from llmc_fsm.oneshot_job.resume import LayerProgress
+
+    recipe = {"s": {"REAPPruningModifier": {"sparsity": 0.5}, **follower}}
+    kw = {"recipe": recipe, "dataset": MORE, "progress": False}
+    ref = llmc_fsm.oneshot(model=build("mixtral"), output_dir=tmp_path / "ref", **kw)
+    original_save, original_restore = LayerProgress.save, LayerProgress.restore
+    restored = []
+
+    def save(self, index, module):
+        original_save(self, index, module)
+        if index == 1:
+            raise KeyboardInterrupt
+
+    def restore(self, index, module):
+        restored.append(index)
+        original_restore(self, index, module)
+
+    with monkeypatch.context() as m:
+        m.setattr(LayerProgress, "save", save)
+        with pytest.raises(KeyboardInterrupt):
+            llmc_fsm.oneshot(model=build("mixtral"), output_dir=tmp_path / "o", **kw)
+    monkeypatch.setattr(LayerProgress, "restore", restore)
+    out = llmc_fsm.oneshot(model=build("mixtral"), output_dir=tmp_path / "o", resume=True, **kw)
+    assert restored == [0, 1]
+    a, b = _saved(tmp_path / "ref"), _saved(tmp_path / "o")
+    assert sorted(a) == sorted(b) and [k for k in a if not torch.equal(a[k], b[k])] == []
+    assert out.llmc_fsm_report.expert_pruning == ref.llmc_fsm_report.expert_pruning
+    assert out.config.num_local_experts == 2
+    names = {m.name for m in out.llmc_fsm_report.modules if m.bits is not None or m.zeros}
+    assert names == {m.name for m in ref.llmc_fsm_report.modules if m.bits is not None or m.zeros}

@@ -31,7 +31,8 @@ names what differs. A modifier that keeps per-layer state of its own (overrides
 ``on_sequential_epoch_end`` without deriving from ``CalibratedModifier``) is restored
 when it has ``progress_state(layer) -> dict`` (JSON values: its state for the modules
 inside ``layer``, saved in the layer's metadata) and
-``restore_progress_state(layer, state)`` (the smoothing modifiers have them); a run with
+``restore_progress_state(layer, state)`` (the smoothing modifiers have them; one that changes the layer's shapes
+also ``restore_layer_structure(layer, state)``, called before the saved tensors are loaded: REAP); a run with
 one that has not keeps no per-layer progress (:func:`resumable`). A ``CalibratedModifier``
 with these methods keeps that state beside its results (AutoRound: each layer's tuning errors). A modifier that carries
 the float model's hidden states from layer to layer (AutoRound's targets) has
@@ -267,6 +268,11 @@ class LayerProgress:
         tensors = load_file(str(path))
         view_tensors = {k: tensors.pop(k) for k in [k for k in tensors if k.startswith(_VIEWS)]}
         quantization = json.loads(metadata.get("quantization", "{}"))
+        saved_results = json.loads(metadata.get("results", "{}"))
+        for label, saved in saved_results.items():  # the layer's structure first (REAP: its experts dropped)
+            structure = getattr(self.modifiers[label], "restore_layer_structure", None)
+            if "state" in saved and callable(structure):
+                structure(layer, saved["state"])
         try:
             _init_quantization(layer, quantization)
             layer.load_state_dict(tensors, strict=True)
@@ -275,7 +281,7 @@ class LayerProgress:
             raise ValueError(msg) from err
         _set_status(layer, quantization)
         _restore_views(layer, json.loads(metadata.get("views", "{}")), view_tensors)
-        for label, saved in json.loads(metadata.get("results", "{}")).items():
+        for label, saved in saved_results.items():
             modifier = self.modifiers[label]
             if "state" in saved:  # a modifier with its own per-layer state (see the module docstring)
                 modifier.restore_progress_state(layer, saved["state"])

@@ -520,6 +520,11 @@ class REAPPruningModifier(Modifier):
         sums, counts = self._sums.pop(b.name), self._counts.pop(b.name)
         scores = sums / counts.clamp(min=1).double()
         keep_list = retained_experts(scores, self._num_drop)
+        self._drop(b, keep_list, scores.tolist(), counts.tolist())
+        logger.info("REAPPruningModifier: %s keeps experts %s (scores %s)", b.name, keep_list, scores.tolist())
+
+    def _drop(self, b: MoeBlock, keep_list: list[int], scores: list[float], counts: list[int]) -> None:
+        """Cut block ``b`` down to the experts ``keep_list`` (former indices, in order) and tell the followers."""
         keep = torch.tensor(keep_list, dtype=torch.long)
         count = self._num_experts
         with torch.no_grad():
@@ -535,10 +540,38 @@ class REAPPruningModifier(Modifier):
         clear_weight_views(b.experts)
         for other in self._followers:
             other.follow_expert_drop(self._model, f"{b.name}.experts", keep_list)
-        self.scores[b.name] = scores.tolist()
-        self.expert_tokens[b.name] = counts.tolist()
+        self.scores[b.name] = scores
+        self.expert_tokens[b.name] = counts
         self.retained[b.name] = keep_list
-        logger.info("REAPPruningModifier: %s keeps experts %s (scores %s)", b.name, keep_list, scores.tolist())
+
+    # ---- resume (llmc_fsm.oneshot_job.resume) -----------------------------------------------------------------------
+    def progress_state(self, layer: nn.Module) -> dict[str, Any]:
+        """What REAP did in ``layer`` (JSON, saved with the layer's progress): per pruned block its ``kept`` experts
+        (former indices, in order), ``scores`` and ``routed_tokens``."""
+        inside = {id(m) for m in layer.modules()}
+        return {
+            b.name: {
+                "kept": self.retained[b.name],
+                "scores": self.scores[b.name],
+                "routed_tokens": self.expert_tokens[b.name],
+            }
+            for b in self._blocks
+            if id(b.block) in inside and b.name in self.retained
+        }
+
+    def restore_layer_structure(self, layer: nn.Module, state: dict[str, Any]) -> None:
+        """Before a resumed run loads ``layer``'s saved tensors: drop the experts the interrupted run dropped
+        (``state`` from :meth:`progress_state`), so the layer has the saved shapes, and tell the followers (their
+        targets renamed as in the interrupted run); the block's scores are not computed again."""
+        for b in self._blocks:
+            if b.name in state:
+                self._sums.pop(b.name, None)
+                self._counts.pop(b.name, None)
+                saved = state[b.name]
+                self._drop(b, list(saved["kept"]), list(saved["scores"]), list(saved["routed_tokens"]))
+
+    def restore_progress_state(self, layer: nn.Module, state: dict[str, Any]) -> None:
+        """After the layer's tensors are loaded: nothing left (:meth:`restore_layer_structure` restored it all)."""
 
     def on_finalize(self, state: Any) -> None:
         self.remove_hooks()
