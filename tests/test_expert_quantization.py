@@ -337,7 +337,8 @@ REFUSALS = {
         "are not quantized, and transformers does not reload dense fused experts from a compressed-tensors checkpoint "
         "(its experts loader decompresses quantized weights only: the experts missing in 5.24, 'torch.cat(): expected "
         "a non-empty list of Tensors' in 5.25; measured on Mixtral): quantize them too (target them; leave them out of "
-        "ignore)",
+        "ignore; schemes for them and for the other modules go in one modifier's config_groups: each modifier is "
+        "checked alone)",
     ),
     "partial": (
         "mixtral",

@@ -1100,7 +1100,8 @@ class QuantizingModifier(CalibratedModifier):
         if not sources:
             if dense and not linears:  # experts not quantized: the quantized checkpoint would not reload them
                 fix = (
-                    "quantize them too (target them; leave them out of ignore)"
+                    "quantize them too (target them; leave them out of ignore; schemes for them and for the other "
+                    "modules go in one modifier's config_groups: each modifier is checked alone)"
                     if self.compresses_views
                     else f"{name} does not quantize fused experts (GPTQModifier, QuantizationModifier do, per expert)"
                 )
