@@ -664,3 +664,33 @@ def test_norms_that_scale_by_one_plus_weight_take_the_scales_so_the_float_model_
         assert torch.allclose(model(DATA).logits, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
     first = "model.layers.0.input_layernorm"
     assert not torch.equal(model.get_submodule(first).weight, original.get_submodule(first).weight)
+
+
+def test_smoothquant_s_default_mappings_on_an_moe_model_say_where_llm_compressor_s_differ(caplog):
+    """Found by a tester (session 26): on Qwen3-MoE our default SmoothQuant mappings also smooth the MoE block's
+    input (post_attention_layernorm -> router and experts), llm-compressor 0.14's Qwen-MoE / Mixtral / DeepSeek
+    defaults do not (one scale across all experts): the same recipe then gave other weights than its saved recipe.
+    One line says so, once; not with the mappings given, not on a family whose llm-compressor default smooths the
+    MLP too (Llama)."""
+    import logging
+
+    from llmc_fsm_quantization import SmoothQuantModifier
+
+    def warned(modifier, model):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="llmc_fsm_quantization"):
+            modifier.check_model(model)
+            modifier.check_model(model)
+        return [r.getMessage() for r in caplog.records if "default mappings" in r.getMessage()]
+
+    moe = build("qwen3_moe")
+    assert warned(SmoothQuantModifier(), moe) == [
+        "SmoothQuantModifier: its default mappings also smooth into the readers of post_attention_layernorm; "
+        "llm-compressor 0.14's default mappings for Qwen3MoeForCausalLM smooth input_layernorm -> the attention's "
+        "input projections only (it leaves the MoE blocks out: one scale across all experts): give mappings with that "
+        "entry alone to smooth as it does"
+    ]
+    only_qkv = [{"smooth_layer": "re:.*input_layernorm$", "balance_layers": ["re:.*q_proj$", "re:.*k_proj$",
+                                                                          "re:.*v_proj$"]}]  # fmt: skip
+    assert warned(SmoothQuantModifier(mappings=only_qkv), moe) == []
+    assert warned(SmoothQuantModifier(), build("llama")) == []

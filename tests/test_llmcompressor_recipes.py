@@ -293,6 +293,86 @@ def test_llmcompressor_s_saved_recipe_yaml_runs_as_the_recipe_it_records(caplog)
         resolve_recipe(evil)
 
 
+#: llm-compressor 0.14.0.1's saved SmoothQuant recipe (its inferred mappings as Python tuples, ``algorithm``).
+LLMCOMPRESSOR_SAVED_SMOOTHQUANT = """default_stage:
+  default_modifiers:
+    SmoothQuantModifier:
+      requires_calibration_data: true
+      smoothing_strength: 0.5
+      mappings:
+      - !!python/tuple
+        - ['re:.*q_proj', 're:.*k_proj', 're:.*v_proj']
+        - re:.*input_layernorm
+      - !!python/tuple
+        - ['re:.*gate_proj', 're:.*up_proj']
+        - re:.*post_attention_layernorm
+      ignore: []
+      algorithm: ALGORITHM
+    QuantizationModifier:
+      targets: [Linear]
+      ignore: [lm_head]
+      scheme: W8A8
+      bypass_divisibility_checks: false
+      requires_calibration_data: false
+"""
+
+
+def test_llmcompressor_s_saved_smoothing_recipes_run_as_the_recipes_they_record():
+    """Found by a tester (session 26): every saved SmoothQuant recipe was refused (``!!python/tuple`` mappings,
+    ``algorithm``). The tuples read as lists (its own mappings, the same as ours by default here: the same weights
+    as the native recipe); ``algorithm: log_equalization`` (llm-compressor's replacement for
+    LogarithmicEqualizationModifier) gives that modifier's weights; LogarithmicEqualizationModifier refuses another
+    algorithm."""
+    pytest.importorskip("llmc_fsm_quantization", reason="the llmc-fsm-quantization plugin is not installed")
+    model = llama(tied=True)
+    native = {"s": {"SmoothQuantModifier": {"smoothing_strength": 0.5},
+                    "QuantizationModifier": {"scheme": "W8A8", "ignore": ["lm_head"]}}}  # fmt: skip
+    saved = LLMCOMPRESSOR_SAVED_SMOOTHQUANT.replace("ALGORITHM", "smoothquant")
+    same_weights(oneshot(saved, copy.deepcopy(model)), oneshot(native, copy.deepcopy(model)))
+    logeq = {"s": {"LogarithmicEqualizationModifier": {},
+                   "QuantizationModifier": {"scheme": "W8A8", "ignore": ["lm_head"]}}}  # fmt: skip
+    saved = LLMCOMPRESSOR_SAVED_SMOOTHQUANT.replace("ALGORITHM", "log_equalization")
+    with_log = oneshot(saved, copy.deepcopy(model))
+    same_weights(with_log, oneshot(logeq, copy.deepcopy(model)))
+    q_proj = [m.model.layers[0].self_attn.q_proj.weight for m in (with_log, model)]
+    assert not torch.equal(*q_proj)
+    with pytest.raises(RecipeError, match="LogarithmicEqualizationModifier is algorithm log_equalization, got"):
+        resolve_recipe({"s": {"LogarithmicEqualizationModifier": {"algorithm": "smoothquant"}}})
+
+
+def test_llmcompressor_s_saved_spinquant_and_moe_awq_arguments_are_read():
+    """Found by a tester (session 26): a saved SpinQuant recipe (``precision: torch.float64``, the resolved
+    ``transform_config``) and a saved MoE AWQ recipe (``offload_device: !!python/object/apply:torch.device [cpu]``)
+    were refused. The torch.device tag reads as its string; the transform_config llm-compressor resolves from the
+    other arguments is accepted, one that says something else is refused; other Python object tags stay refused."""
+    pytest.importorskip("llmc_fsm_quantization", reason="the llmc-fsm-quantization plugin is not installed")
+    r1 = ("{type: hadamard, randomize: false, requires_grad: false, head_dim: null, precision: torch.float64, apply: ["
+          "{targets: ['re:.*embed_tokens$', 're:.*o_proj$', 're:.*down_proj$'], location: weight_output, "
+          "inverse: false, ignore: []}, {targets: ['re:.*q_proj$', 're:.*k_proj$', 're:.*v_proj$', 're:.*up_proj$', "
+          "'re:.*gate_proj$', lm_head], location: weight_input, inverse: true, ignore: []}]}")  # fmt: skip
+    spin = f"""s_stage:
+  quant_modifiers:
+    SpinQuantModifier:
+      requires_calibration_data: false
+      rotations: [R1]
+      transform_type: hadamard
+      randomize: false
+      learnable: false
+      precision: torch.float64
+      transform_config: {{config_groups: {{R1: {r1}}}}}
+"""
+    (mod,) = resolve_recipe(spin).modifiers
+    assert (mod.precision, mod.rotations) == ("float64", ("R1",))
+    with pytest.raises(RecipeError, match="transform_config is not supported .group R1 is not what llm-compressor"):
+        resolve_recipe(spin.replace("location: weight_output", "location: weight_input"))
+    awq = "s_stage:\n  quant_modifiers:\n    AWQModifier:\n      offload_device: "
+    awq += "!!python/object/apply:torch.device [cpu]\n"
+    (mod,) = resolve_recipe(awq).modifiers
+    assert mod.offload_device == "cpu"
+    with pytest.raises(RecipeError, match="could not determine a constructor for the tag"):
+        resolve_recipe(awq.replace("torch.device", "compressed_tensors.utils.helpers.anything"))
+
+
 def test_quantization_modifier_recipe_with_weight_observer():
     pytest.importorskip("llmc_fsm_quantization", reason="the llmc-fsm-quantization plugin is not installed")
     recipe = """

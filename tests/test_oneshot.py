@@ -547,3 +547,34 @@ def test_pruning_with_evaluation_needs_no_compressed_tensors(tiny_model_dir, mon
     report = model.llmc_fsm_report
     assert report.total_sparsity == 0.5
     assert report.ppl_before is not None and report.ppl_after is not None
+
+
+def test_a_bfloat16_checkpoint_loaded_in_float32_is_said_once_the_checks_passed(tmp_path, caplog):
+    """Found by a README-only newcomer: a bfloat16 checkpoint run with the default dtype (float32) was saved at
+    twice the bytes of its dense weights, nothing said (the README tells to give --dtype auto). One line says so;
+    none with --dtype auto, none for a float32 checkpoint."""
+    import logging
+
+    text = tiny_llama.calibration_text()
+    (tmp_path / "cal.txt").write_text(text)
+    tokenizer = tiny_llama.word_tokenizer(text)
+    for dtype in (torch.bfloat16, torch.float32):
+        tiny_llama.llama(vocab=128).to(dtype).save_pretrained(tmp_path / str(dtype))
+        tokenizer.save_pretrained(tmp_path / str(dtype))
+
+    def said(directory, **kw):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="llmc_fsm.oneshot_job.phases"):
+            recipe = {"s": {"QuantizationModifier": {"scheme": "INT8"}}}
+            llmc_fsm.oneshot(model=str(tmp_path / directory), recipe=recipe,
+                             dataset=str(tmp_path / "cal.txt"), max_seq_length=32, num_calibration_samples=4,
+                             output_dir=tmp_path / "out", overwrite=True, progress=False, **kw)  # fmt: skip
+        return [r.getMessage() for r in caplog.records if "twice its bytes" in r.getMessage()]
+
+    assert said(str(torch.bfloat16)) == [
+        "the checkpoint's weights are bfloat16 (its config.json) and this run loads, compresses and saves them in "
+        "float32 (dtype, --dtype: default float32): what stays dense is saved at twice its bytes; give --dtype auto "
+        "to keep bfloat16"
+    ]
+    assert said(str(torch.bfloat16), dtype="auto") == []
+    assert said(str(torch.float32)) == []

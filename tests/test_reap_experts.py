@@ -604,3 +604,36 @@ def test_a_run_killed_after_two_layers_resumes_them_pruned_and_writes_the_same_c
     assert out.config.num_local_experts == 2
     names = {m.name for m in out.llmc_fsm_report.modules if m.bits is not None or m.zeros}
     assert names == {m.name for m in ref.llmc_fsm_report.modules if m.bits is not None or m.zeros}
+
+
+def test_overwrite_refuses_to_replace_an_output_directory_holding_the_run_s_own_input_files(tmp_path, capsys):
+    """Found by a README-only newcomer: with --overwrite, a recipe and a dataset file kept inside the output
+    directory were deleted when the run replaced that directory (exit 0, nothing said). Refused before any work,
+    each file named; the files and the earlier output stay."""
+    from llmc_fsm.cli import main
+    from tiny_llama import calibration_text
+
+    out = tmp_path / "o"
+    out.mkdir()
+    (out / "keep.txt").write_text("an earlier output")
+    recipe, data = out / "recipe.yaml", out / "data.txt"
+    recipe.write_text("s:\n  modifiers:\n    - REAPPruningModifier: {sparsity: 0.5}\n")
+    data.write_text(calibration_text())
+    build("mixtral").save_pretrained(tmp_path / "src")
+    with pytest.raises(ValueError) as info:
+        llmc_fsm.oneshot(model=str(tmp_path / "src"), recipe=str(recipe), dataset=str(tmp_path / "src" / "none"),
+                         output_dir=out, overwrite=True, progress=False)  # fmt: skip
+    assert str(info.value) == (
+        f"the recipe file {str(recipe)!r} is inside the output directory {str(out)!r}, which overwrite (--overwrite) "
+        "replaces when the run finishes, deleting it: move it out of that directory first"
+    )
+    outside = tmp_path / "recipe.yaml"
+    outside.write_text(recipe.read_text())
+    args = ["oneshot", "--model", str(tmp_path / "src"), "--recipe", str(outside), "--dataset", str(data),
+            "--output", str(out), "--overwrite", "--no-progress"]  # fmt: skip
+    assert main(args) == 1
+    assert capsys.readouterr().err.strip().endswith(
+        f"the dataset file {str(data)!r} is inside the output directory {str(out)!r}, which overwrite (--overwrite) "
+        "replaces when the run finishes, deleting it: move it out of that directory first"
+    )
+    assert sorted(p.name for p in out.iterdir()) == ["data.txt", "keep.txt", "recipe.yaml"]

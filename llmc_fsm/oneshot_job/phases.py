@@ -234,6 +234,7 @@ def token_data(run: Run) -> None:
             run.eval_windows = eval_windows(run.tokenizer, run.ev_text, settings.num_eval_windows, settings.eval_length)
     check_modifiers(run.sessions, run.model, run.windows if run.windows is not None else True)
     say_history(run)
+    _say_upcast(run)
 
 
 def say_history(run: Run) -> None:
@@ -243,6 +244,24 @@ def say_history(run: Run) -> None:
     for line in run.history_notes:
         history.warning("%s", line)
     run.history_notes.clear()
+
+
+def _say_upcast(run: Run) -> None:
+    """One line when a half-precision checkpoint (its config's dtype) is loaded in float32 (``dtype``, default
+    float32), after every check passed: its dense weights are then saved in float32, twice their bytes (found by a
+    README-only newcomer: a bfloat16 MoE model's W4A16 output was 1.9x its input, nothing said)."""
+    config = run.model_config
+    stored = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    stored = str(stored).removeprefix("torch.") if stored is not None else None
+    loaded_here = not isinstance(run.settings.model, nn.Module)  # a given model keeps its own dtype
+    if loaded_here and run.settings.dtype == "float32" and stored in ("bfloat16", "float16"):
+        logger.warning(
+            "the checkpoint's weights are %s (its config.json) and this run loads, compresses and saves them in "
+            "float32 (dtype, --dtype: default float32): what stays dense is saved at twice its bytes; give --dtype "
+            "auto to keep %s",
+            stored,
+            stored,
+        )
 
 
 def _check_lengths(run: Run, model: Any) -> None:
@@ -334,7 +353,7 @@ def prepare(settings: OneshotSettings) -> Run:
     _check_output(settings)
     notes: list[str] = []
     merged, sessions = _sessions(settings.model, settings.recipe, settings.fuse_stages, notes)
-    _check_report_paths(sessions, settings.output_dir)
+    _check_paths_outside_output(settings, sessions)
     run = Run(
         settings=settings,
         recipe=merged,
@@ -614,28 +633,52 @@ def _check_output(settings: OneshotSettings) -> None:
     check_output_dir(settings.output_dir, settings.overwrite)  # the same errors on every rank; only rank 0 writes
 
 
-def _check_report_paths(sessions: list[Session], output_dir: Any) -> None:
-    """Refuse a modifier's own report file (a ``report_path`` argument: REAP's) inside the output directory: the run
-    writes its output elsewhere and renames it into place at the end, replacing that directory (found by a tester:
-    the file was silently deleted).
+def _check_paths_outside_output(settings: OneshotSettings, sessions: list[Session]) -> None:
+    """Refuse files of the run inside the output directory, which the run writes elsewhere and moves into place when
+    it finishes, replacing that directory: a modifier's own report file (a ``report_path`` argument: REAP's), and,
+    where ``overwrite`` lets the run replace an existing output, the recipe, dataset and evaluation text files
+    (found by testers: each was silently deleted).
 
     Raises:
-        ValueError: naming the modifier, the path and where its content is in the output anyway.
+        ValueError: naming the file, the output directory and what to do.
     """
-    if output_dir is None:
+    if settings.output_dir is None:
         return
-    out = Path(output_dir).resolve()
+    out = Path(settings.output_dir).resolve()
+
+    def inside(path: Any) -> bool:
+        return isinstance(path, str | os.PathLike) and out in Path(path).resolve().parents
+
     for session in sessions:
         for modifier in session.modifiers:
             path = getattr(modifier, "report_path", None)
-            if isinstance(path, str | Path) and out in Path(path).resolve().parents:
+            if inside(path):
                 msg = (
                     f"{modifier.modifier_name()}: report_path {str(path)!r} is inside the output directory "
-                    f"{str(output_dir)!r}, which the run writes elsewhere and moves into place when it finishes, "
-                    "replacing what is there; give a report_path outside it (REAP's kept experts are in the "
-                    "output's report.json too: expert_pruning)"
+                    f"{str(settings.output_dir)!r}, which the run writes elsewhere and moves into place when it "
+                    "finishes, replacing what is there; give a report_path outside it (REAP's kept experts are in "
+                    "the output's report.json too: expert_pruning)"
                 )
                 raise ValueError(msg)
+    inputs = {"recipe": settings.recipe, "dataset": settings.dataset, "eval_text": settings.eval_text}
+    for what, path in inputs.items():
+        if out.exists() and _is_file(path) and inside(path):
+            msg = (
+                f"the {what} file {str(path)!r} is inside the output directory {str(settings.output_dir)!r}, which "
+                "overwrite (--overwrite) replaces when the run finishes, deleting it: move it out of that directory "
+                "first"
+            )
+            raise ValueError(msg)
+
+
+def _is_file(value: Any) -> bool:
+    """Whether ``value`` names an existing file (a recipe given as YAML text, a tensor, a list: no)."""
+    if not isinstance(value, str | os.PathLike) or "\n" in str(value):
+        return False
+    try:
+        return Path(value).is_file()
+    except OSError:  # e.g. a name too long to be a path
+        return False
 
 
 def _claim_on_rank_0(settings: OneshotSettings) -> WorkDir | None:

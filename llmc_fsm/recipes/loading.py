@@ -78,24 +78,46 @@ def _construct_mapping(loader: _RecipeLoader, node: yaml.MappingNode) -> Iterabl
 
 _RecipeLoader.add_constructor("tag:yaml.org,2002:map", _construct_mapping)
 
-#: The Python object tag llm-compressor's saved recipe.yaml gives compressed-tensors' string enums (it dumps them
-#: with ``yaml.dump``): ``actorder: !!python/object/apply:compressed_tensors.quantization.quant_args.ActivationOrdering
-#: [static]``.
-_ENUM_TAG = "tag:yaml.org,2002:python/object/apply:compressed_tensors."
+#: Python object tags llm-compressor's saved recipe.yaml holds (it dumps its modifiers with ``yaml.dump``), read as
+#: the plain value they wrap; nothing is imported or called, and any other Python object tag stays refused
+#: (``safe_load``): compressed-tensors' string enums (``actorder:
+#: !!python/object/apply:compressed_tensors.quantization.quant_args.ActivationOrdering [static]``) and
+#: ``torch.device`` (AWQ's ``offload_device: !!python/object/apply:torch.device [cpu]``) as their string.
+_APPLY = "tag:yaml.org,2002:python/object/apply:"
+_STRING_OBJECTS = frozenset(
+    {
+        "compressed_tensors.quantization.quant_args.ActivationOrdering",
+        "compressed_tensors.quantization.quant_args.QuantizationStrategy",
+        "compressed_tensors.quantization.quant_args.QuantizationType",
+        "compressed_tensors.quantization.quant_args.DynamicType",
+        "compressed_tensors.config.base.CompressionFormat",
+        "compressed_tensors.quantization.quant_config.QuantizationStatus",
+        "torch.device",
+    }
+)
 
 
-def _construct_enum(loader: _RecipeLoader, suffix: str, node: yaml.Node) -> str:
-    """A compressed-tensors string enum as llm-compressor saves it, read as its value (``"static"``); nothing is
-    imported or called. Any other Python object tag stays refused (``safe_load``)."""
+def _construct_apply(loader: _RecipeLoader, suffix: str, node: yaml.Node) -> str:
+    """One of :data:`_STRING_OBJECTS` as llm-compressor saves it, read as its string (``"static"``, ``"cpu"``)."""
     values = loader.construct_sequence(node) if isinstance(node, yaml.SequenceNode) else None
-    if not values or len(values) != 1 or not isinstance(values[0], str):
+    if suffix not in _STRING_OBJECTS or not values or len(values) != 1 or not isinstance(values[0], str):
         raise yaml.constructor.ConstructorError(
-            None, None, f"the tag {_ENUM_TAG}{suffix} is read only as a string enum's value ([value])", node.start_mark
+            None,
+            None,
+            f"could not determine a constructor for the tag {_APPLY}{suffix} (read: the string enums of "
+            f"compressed-tensors and torch.device, as [value])",
+            node.start_mark,
         )
     return values[0]
 
 
-_RecipeLoader.add_multi_constructor(_ENUM_TAG, _construct_enum)
+def _construct_tuple(loader: _RecipeLoader, node: yaml.Node) -> list[Any]:
+    """``!!python/tuple`` (llm-compressor saves SmoothQuant's inferred mappings so) as a list: plain data."""
+    return loader.construct_sequence(node, deep=True)
+
+
+_RecipeLoader.add_multi_constructor(_APPLY, _construct_apply)
+_RecipeLoader.add_constructor("tag:yaml.org,2002:python/tuple", _construct_tuple)
 
 
 def _yaml_error(exc: yaml.YAMLError, source: str) -> RecipeError:

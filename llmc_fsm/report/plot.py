@@ -8,6 +8,7 @@ directly, so no pyplot state or GUI backend is involved.
 from __future__ import annotations
 
 import os
+import re
 import textwrap
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -58,8 +59,10 @@ def check_plot_path(path: str | os.PathLike[str]) -> Path:
 
 
 def _suffix(entry: Mapping[str, Any]) -> str:
-    """``self_attn.q_proj`` for ``model.layers.3.self_attn.q_proj`` (the part after the layer index)."""
-    return entry["name"].split(f".{entry['layer']}.", 1)[-1]
+    """``self_attn.q_proj`` for ``model.layers.3.self_attn.q_proj`` (the part after the layer index); the expert
+    matrices of a mixture-of-experts block as one kind, ``mlp.experts.*.gate_proj`` (one legend entry for all the
+    experts, not one per expert: found by a README-only newcomer, the legend ran off the figure)."""
+    return re.sub(r"\.experts\.\d+\.", ".experts.*.", entry["name"].split(f".{entry['layer']}.", 1)[-1])
 
 
 def _by_kind(entries: Sequence[Mapping[str, Any]]) -> dict[str, list[Mapping[str, Any]]]:
@@ -100,6 +103,7 @@ def _sparsity_panel(
         ax.bar([i for i, _, _ in rows], [s for _, s, _ in rows], color="0.85", label="layer (all targeted)")
         _kind_markers(ax, _by_kind(targeted), colors, "sparsity")
         ax.set_xlabel("decoder layer")
+        ax.locator_params(axis="x", integer=True)
         outside = [f"{e['name']} {e['sparsity']:.1%}" for e in targeted if e["layer"] is None]
         if outside:
             ax.text(0.01, 0.02, "outside the layers: " + ", ".join(outside), transform=ax.transAxes, fontsize=8)
@@ -158,6 +162,7 @@ def _error_panel(ax: Any, entries: Sequence[Mapping[str, Any]], colors: dict[str
         ax.plot(layers, [by_layer[i][0] / by_layer[i][1] for i in layers], "-", color="0.3", label="layer mean")
         _kind_markers(ax, kinds, colors, "rel_output_error")
         ax.set_xlabel("decoder layer")
+        ax.locator_params(axis="x", integer=True)
         _legend_outside(ax)
     else:
         _names_axis(ax, quant, "rel_output_error")

@@ -480,11 +480,73 @@ def _only_none(why: str) -> Any:
 
 def _precision(value: Any) -> str:
     if isinstance(value, torch.dtype):
-        value = str(value).removeprefix("torch.")
+        value = str(value)
+    if isinstance(value, str):  # llm-compressor's saved recipe.yaml writes torch.float64
+        value = value.removeprefix("torch.")
     if value not in PRECISIONS:
         msg = f"precision must be float64 or float32, got {value!r}"
         raise ValueError(msg)
     return value
+
+
+#: Where llm-compressor 0.14's resolved ``transform_config`` applies each rotation of a Llama-style model (what its
+#: saved recipe.yaml records for ``rotations`` / ``transform_type`` / ``transform_block_size``): per rotation, the
+#: ``(location, inverse, targets)`` of its ``apply`` entries.
+_LLMCOMPRESSOR_APPLY = {
+    "R1": {
+        ("weight_output", False, frozenset({"re:.*embed_tokens$", "re:.*o_proj$", "re:.*down_proj$"})),
+        (
+            "weight_input",
+            True,
+            frozenset({"re:.*q_proj$", "re:.*k_proj$", "re:.*v_proj$", "re:.*up_proj$", "re:.*gate_proj$", "lm_head"}),
+        ),
+    },
+    "R2": {("weight_output", False, frozenset({"re:.*v_proj$"})), ("weight_input", True, frozenset({"re:.*o_proj$"}))},
+}
+
+
+def _transform_config_problem(instance: Any, value: Any) -> str | None:
+    """Why ``value`` is not the ``transform_config`` llm-compressor 0.14 resolves from the modifier's ``rotations``,
+    ``transform_type``, ``transform_block_size`` and ``precision`` (its saved recipe.yaml writes that one), or
+    ``None``."""
+    groups = value.get("config_groups") if isinstance(value, dict) and set(value) == {"config_groups"} else None
+    if not isinstance(groups, dict) or set(groups) != set(instance.rotations):
+        return f"its config_groups are not one per rotation of {list(instance.rotations)}"
+    for name, group in groups.items():
+        if not isinstance(group, dict) or not isinstance(group.get("apply"), list):
+            return f"group {name} has no apply list"
+        applied = {
+            (a.get("location"), a.get("inverse"), frozenset(a.get("targets") or ()))
+            for a in group["apply"]
+            if isinstance(a, dict) and not a.get("ignore")
+        }
+        head_dim = instance.transform_block_size if name == "R1" else group.get("head_dim")
+        if (
+            group.get("type") != instance.transform_type
+            or group.get("randomize", False) is not False
+            or group.get("requires_grad", False) is not False
+            or str(group.get("precision", instance.precision)).removeprefix("torch.") != instance.precision
+            or group.get("head_dim") != head_dim
+            or len(applied) != len(group["apply"])
+            or applied != _LLMCOMPRESSOR_APPLY[name]
+        ):
+            return f"group {name} is not what llm-compressor resolves from the other arguments"
+    return None
+
+
+def _transform_config(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    """``transform_config``: ``null``, or exactly the one llm-compressor 0.14 resolves from the other arguments and
+    writes into its saved recipe.yaml (accepted: it says nothing they do not; R2's ``head_dim`` is checked against
+    the model's in ``check_model``)."""
+    if value is None:
+        return
+    problem = _transform_config_problem(instance, value)
+    if problem is not None:
+        msg = (
+            f"transform_config is not supported ({problem}); give rotations, transform_type and "
+            "transform_block_size instead"
+        )
+        raise ValueError(msg)
 
 
 def _block_size(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
@@ -514,8 +576,10 @@ class SpinQuantModifier(llmc_fsm.Modifier):
             transformed in (they are stored back in their own dtype).
         randomize, learnable: only ``false`` (a distinct matrix per module, and
             SpinQuant's learned Cayley-optimized rotations, are not implemented).
-        mappings, norm_mappings, transform_config: only ``null``: the modules come
-            from the model's structure (:func:`find_rotation_plan`).
+        mappings, norm_mappings: only ``null``: the modules come from the model's structure
+            (:func:`find_rotation_plan`).
+        transform_config: ``null``, or the one llm-compressor resolves from the arguments above and writes into its
+            saved recipe.yaml (checked to say exactly that; any other is refused).
 
     Requires state ``model``. Refuses (``ValueError``, before changing anything) a
     quantized model, a model that is not Llama-style, a norm that is not an RMSNorm,
@@ -538,9 +602,7 @@ class SpinQuantModifier(llmc_fsm.Modifier):
     norm_mappings: Any = attrs.field(
         default=None, validator=_only_none("the norms are found from the model's Llama-style structure")
     )
-    transform_config: Any = attrs.field(
-        default=None, validator=_only_none("give rotations, transform_type and transform_block_size instead")
-    )
+    transform_config: Any = attrs.field(default=None, validator=_transform_config)
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
@@ -577,6 +639,13 @@ class SpinQuantModifier(llmc_fsm.Modifier):
                 raise ValueError(msg)
         if "R2" in self.rotations and not _known_hadamard(plan.head_dim):
             msg = f"SpinQuantModifier: no Hadamard matrix of order head_dim {plan.head_dim} (R2) is known"
+            raise ValueError(msg)
+        given = (self.transform_config or {}).get("config_groups", {}).get("R2", {}).get("head_dim", plan.head_dim)
+        if "R2" in self.rotations and given != plan.head_dim:
+            msg = (
+                f"SpinQuantModifier: transform_config's R2 head_dim {given} is not the model's head_dim "
+                f"{plan.head_dim} (llm-compressor's saved transform_config is the model's it was made for)"
+            )
             raise ValueError(msg)
         return plan
 

@@ -150,6 +150,35 @@ def _mappings_field(value: Any) -> list[dict[str, Any]] | None:
     return mappings_to_recipe(parse_mappings(value))
 
 
+#: Model classes whose llm-compressor 0.14 default SmoothQuant mappings smooth ``input_layernorm`` -> the attention's
+#: input projections only (its Mixtral, Qwen-MoE and DeepSeek-V2 entries: MoE families, MLP smoothing left out).
+LLMCOMPRESSOR_ATTENTION_ONLY = frozenset(
+    {
+        "DeepseekV2ForCausalLM",
+        "DeepseekV3ForCausalLM",
+        "Ernie4_5_MoeForCausalLM",
+        "Glm4MoeLiteForCausalLM",
+        "GlmMoeDsaForCausalLM",
+        "MixtralForCausalLM",
+        "Qwen2MoeForCausalLM",
+        "Qwen3MoeForCausalLM",
+    }
+)
+
+#: llm-compressor's ``SmoothQuantModifier(algorithm=...)`` values: its replacement for LogarithmicEqualizationModifier
+#: (which it deprecates) and what its saved recipe.yaml records.
+ALGORITHMS = ("smoothquant", "log_equalization")
+
+
+def _algorithm(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if value not in ALGORITHMS:
+        msg = f"algorithm must be smoothquant or log_equalization (llm-compressor's values), got {value!r}"
+        raise ValueError(msg)
+    if isinstance(instance, LogarithmicEqualizationModifier) and value != "log_equalization":
+        msg = f"LogarithmicEqualizationModifier is algorithm log_equalization, got {value!r}; use SmoothQuantModifier"
+        raise ValueError(msg)
+
+
 def _steps(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
     if value is not None:
         msg = (
@@ -657,6 +686,9 @@ class SmoothQuantModifier(SmoothingModifier):
             0.75-0.85 for some); larger moves more of the range into the weights.
         mappings, ignore: see :class:`SmoothingModifier` (default mappings: the attention and MLP input norms).
         num_calibration_steps: llm-compressor's; only null (every calibration sample is used).
+        algorithm: ``smoothquant`` (default) or ``log_equalization``: the scales of
+            :class:`LogarithmicEqualizationModifier` (llm-compressor 0.14's replacement for that modifier, and what its
+            saved recipe.yaml records).
 
     Put a quantizing modifier after it, in the same stage or a later one (``GPTQModifier``/``QuantizationModifier``
     with ``W8A8``). Requires state ``model`` and ``calibration_data``; runs in the sequential pipeline.
@@ -666,8 +698,32 @@ class SmoothQuantModifier(SmoothingModifier):
 
     smoothing_strength: float = attrs.field(default=0.5, validator=_strength)
     num_calibration_steps: Any = attrs.field(default=None, validator=_steps)
+    algorithm: str = attrs.field(default="smoothquant", validator=_algorithm)
+
+    def check_model(self, model: nn.Module) -> dict[str, nn.Module]:
+        """:meth:`SmoothingModifier.check_model`; with the default mappings on a model whose llm-compressor 0.14
+        default smooths the attention input only (:data:`LLMCOMPRESSOR_ATTENTION_ONLY`), one line saying so (found
+        by a tester: the same recipe gave other weights than llm-compressor's saved recipe, which records its
+        mappings)."""
+        modules = super().check_model(model)
+        family = type(model).__name__
+        more = sorted({m.smooth_name.rsplit(".", 1)[-1] for m in self.resolve(model)} - {"input_layernorm"})
+        if self.mappings is None and family in LLMCOMPRESSOR_ATTENTION_ONLY and more and family not in self._warned:
+            self._warned.add(family)
+            logger.warning(
+                "%s: its default mappings also smooth into the readers of %s; llm-compressor 0.14's default "
+                "mappings for %s smooth input_layernorm -> the attention's input projections only (it leaves the "
+                "MoE blocks out: one scale across all experts): give mappings with that entry alone to smooth as "
+                "it does",
+                type(self).__name__,
+                ", ".join(more),
+                family,
+            )
+        return modules
 
     def _scales(self, act_max: torch.Tensor, mapping: ResolvedMapping) -> torch.Tensor:
+        if self.algorithm == "log_equalization":
+            return logarithmic_scales(act_max)
         return smoothquant_scales(act_max, _weight_max(mapping), float(self.smoothing_strength))
 
     def _smooth_layer_mappings(
@@ -697,11 +753,11 @@ class LogarithmicEqualizationModifier(SmoothQuantModifier):
     """Logarithmic activation equalization: SmoothQuant with ``s_j = max|X_j| / log2(2 + max|X_j|)``.
 
     The scales depend on the activations only (``smoothing_strength`` is accepted, as in llm-compressor, and
-    not used). Arguments and results otherwise as :class:`SmoothQuantModifier`.
+    not used). Arguments and results otherwise as :class:`SmoothQuantModifier` (whose ``algorithm:
+    log_equalization`` is the same).
     """
 
-    def _scales(self, act_max: torch.Tensor, mapping: ResolvedMapping) -> torch.Tensor:
-        return logarithmic_scales(act_max)
+    algorithm: str = attrs.field(default="log_equalization", validator=_algorithm)
 
 
 def _same_values(x: Any, out: Any) -> bool:

@@ -189,8 +189,8 @@ def test_r1_flattens_outlier_channels_of_the_embedding() -> None:
         ),
         (
             {"transform_config": {"config_groups": {}}},
-            "transform_config is not supported (give rotations, transform_type and transform_block_size instead); "
-            "remove it",
+            "transform_config is not supported (its config_groups are not one per rotation of ['R1', 'R2']); give "
+            "rotations, transform_type and transform_block_size instead",
         ),
         ({"precision": "bfloat16"}, "precision must be float64 or float32, got 'bfloat16'"),
     ],
