@@ -1305,10 +1305,10 @@ class QuantizingModifier(CalibratedModifier):
         self._fused = {n: tuple(renames.get(m, m) for m in members) for n, members in kept_names(self._fused).items()}
         if any(n in renames for n in self._expert_names):
             experts = model.get_submodule(name)
-            try:
-                per_expert = expert_checkpoint_names(model, name, experts)
-            except ValueError:
+            if reloads_as_linears(experts):  # Llama 4's (transformers reloads them as one Linear per matrix)
                 per_expert = linear_expert_names(model, name, experts) or {}
+            else:
+                per_expert = expert_checkpoint_names(model, name, experts)
             self._expert_names = {n: c for n, c in self._expert_names.items() if not n.startswith(name + ".")}
             self._expert_names.update({f"{name}.{s}": c for s, c in per_expert.items()})
         return renames
