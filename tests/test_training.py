@@ -215,7 +215,12 @@ def test_magnitude_leave_enabled_must_be_a_bool():
         ),
         (
             {"init_sparsity": 0.1, "final_sparsity": 0.5},  # no end/update
-            "gradual mode needs end and update (epochs): the cubic schedule runs from start to end",
+            "gradual mode needs end and update (epochs; end and update not given): the cubic schedule runs from start "
+            "to end",
+        ),
+        (  # a tester: with end given the message did not say update was the one missing
+            {"init_sparsity": 0.1, "final_sparsity": 0.5, "end": 1},
+            "gradual mode needs end and update (epochs; update not given): the cubic schedule runs from start to end",
         ),
         (
             {"init_sparsity": 0.6, "final_sparsity": 0.5, "end": 1, "update": 0.5},

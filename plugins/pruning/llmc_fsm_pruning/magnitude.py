@@ -142,8 +142,12 @@ class MagnitudePruningModifier(Modifier):
             if self.init_sparsity > self.final_sparsity:
                 msg = f"init_sparsity ({self.init_sparsity}) must be <= final_sparsity ({self.final_sparsity})"
                 raise ValueError(msg)
-            if self.end is None or self.update is None:
-                msg = "gradual mode needs end and update (epochs): the cubic schedule runs from start to end"
+            missing = [name for name in ("end", "update") if getattr(self, name) is None]
+            if missing:
+                msg = (
+                    f"gradual mode needs end and update (epochs; {' and '.join(missing)} not given): the cubic "
+                    "schedule runs from start to end"
+                )
                 raise ValueError(msg)
             if nm is not None:
                 msg = f"mask_structure {self.mask_structure!r} fixes the sparsity; use it with one-shot mode only"
