@@ -369,6 +369,8 @@ def test_llmcompressor_s_saved_spinquant_and_moe_awq_arguments_are_read():
     awq += "!!python/object/apply:torch.device [cpu]\n"
     (mod,) = resolve_recipe(awq).modifiers
     assert mod.offload_device == "cpu"
+    (mod,) = resolve_recipe(awq.replace("!!python/object/apply:torch.device [cpu]", "cuda:0")).modifiers
+    assert mod.offload_device == "cuda:0"  # a device index, as llm-compressor takes it (refused before)
     with pytest.raises(RecipeError, match="could not determine a constructor for the tag"):
         resolve_recipe(awq.replace("torch.device", "compressed_tensors.utils.helpers.anything"))
 

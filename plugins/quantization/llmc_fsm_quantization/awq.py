@@ -82,6 +82,7 @@ Two recipe forms (both as llm-compressor reads them): ``AWQModifier`` followed b
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -290,8 +291,8 @@ def _flag(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
 
 
 def _offload(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
-    if value is not None and str(value) not in ("cpu", "cuda", "meta"):
-        raise ValueError(f"offload_device must be null, 'cpu' or 'cuda', got {value!r}")
+    if value is not None and not re.fullmatch(r"cpu|meta|cuda(:\d+)?", str(value)):
+        raise ValueError(f"offload_device must be null, 'cpu' or 'cuda' ('cuda:N'), got {value!r}")
 
 
 def _config_groups(value: Any) -> tuple[dict[str, Any], list[str] | None]:
