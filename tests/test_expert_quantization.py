@@ -336,9 +336,8 @@ REFUSALS = {
         "GPTQModifier: MixtralForCausalLM (model_type 'mixtral'): the fused experts model.layers.{0..3}.mlp.experts "
         "are not quantized, and transformers does not reload dense fused experts from a compressed-tensors checkpoint "
         "(its experts loader decompresses quantized weights only: the experts missing in 5.24, 'torch.cat(): expected "
-        "a non-empty list of Tensors' in 5.25; measured on Mixtral): quantize them too (target them; leave them out of "
-        "ignore; schemes for them and for the other modules go in one modifier's config_groups: each modifier is "
-        "checked alone)",
+        "a non-empty list of Tensors' in 5.25; measured on Mixtral): quantize them too (target them, in this modifier "
+        "or another of the recipe; leave them out of ignore)",
     ),
     "partial": (
         "mixtral",
@@ -1219,3 +1218,31 @@ def test_low_memory_writes_a_checkpoint_whose_only_quantized_weights_are_experts
         assert all(torch.equal(tensors[k], v) for k, v in memory.items()), path
         assert runs[path][2] == runs["memory"][2]
         assert "quantization_config" in json.loads((tmp_path / path / "config.json").read_text())
+
+
+@pytest.mark.parametrize("stages", ["one", "two"])
+def test_one_modifier_for_the_attention_and_another_for_the_experts_runs_and_reloads(tmp_path, stages):
+    """Found by a tester (session 26): FP8_DYNAMIC on the attention in one modifier and GPTQ W4A16 on the experts in
+    another (one stage or two) was refused: the first modifier, checked alone, saw the experts left dense. The recipe
+    is now checked whole: it runs and reloads with the in-memory logits; two modifiers that both leave the experts
+    dense are still refused, with the first one's message, before any work."""
+    ignore = ["lm_head", "re:.*mlp.gate$"]
+    attention = {"QuantizationModifier": {"scheme": "FP8_DYNAMIC", "targets": ["re:.*self_attn.*"], "ignore": ignore}}
+    experts = {"GPTQModifier": {"scheme": SCHEME, "targets": ["re:.*experts.*"], "ignore": ignore}}
+    recipe = {"s": {**attention, **experts}} if stages == "one" else {"a": attention, "b": experts}
+    model = build("qwen3_moe")
+    llmc_fsm.oneshot(model=model, recipe=recipe, dataset=MORE, output_dir=tmp_path / "o", progress=False)
+    _assert_reloads_as_in_memory(tmp_path / "o", "qwen3_moe", model, _experts_modules(model))
+    qkv = {"QuantizationModifier": {"scheme": "FP8_DYNAMIC", "targets": [r"re:.*self_attn\.[qkv]_proj$"]}}
+    out = {"GPTQModifier": {"scheme": SCHEME, "targets": ["re:.*self_attn.o_proj$"]}}
+    twice = {"s": {**qkv, **out}} if stages == "one" else {"a": qkv, "b": out}
+    model = build("qwen3_moe")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError) as info:
+        llmc_fsm.oneshot(model=model, recipe=twice, dataset=MORE, output_dir=tmp_path / "r", progress=False)
+    assert str(info.value).startswith(
+        "QuantizationModifier: Qwen3MoeForCausalLM (model_type 'qwen3_moe'): the fused experts "
+        "model.layers.{0..3}.mlp.experts are not quantized"
+    )
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert not (tmp_path / "r").exists()

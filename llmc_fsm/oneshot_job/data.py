@@ -22,6 +22,7 @@ from llmc_fsm.data.rows import describe_rows, is_rows
 from llmc_fsm.session.session import Session
 from llmc_fsm.toolkit.obs import HessianAccumulator
 from llmc_fsm.toolkit.targets import check_not_quantized, select_targets
+from llmc_fsm.toolkit.views import weight_views
 
 if TYPE_CHECKING:
     import torch
@@ -197,6 +198,9 @@ def check_modifiers(sessions: list[Session], model: Any, calibration_data: Any =
             )
             raise MissingStateError(msg, lifecycle=session.lifecycle, missing=missing)
     quantized_by: dict[str, str] = {}  # module -> the quantizing modifier (and stage) that targets it
+    quantizers = [m for s in sessions for m in s.modifiers if hasattr(m, "experts_checked_by_run")]
+    for modifier in quantizers:  # several: fused experts left dense are a question for the whole recipe (below)
+        modifier.experts_checked_by_run = len(quantizers) > 1
     for session in sessions:
         for modifier in session.modifiers:
             try:
@@ -222,6 +226,20 @@ def check_modifiers(sessions: list[Session], model: Any, calibration_data: Any =
             check_stage = getattr(modifier, "check_stage", None)
             if callable(check_stage):
                 check_stage(list(session.modifiers), model)
+    _check_experts_quantized(model, quantizers, quantized_by)
+
+
+def _check_experts_quantized(model: Any, quantizers: list[Any], quantized_by: dict[str, str]) -> None:
+    """With several quantizing modifiers (each told so: ``experts_checked_by_run``): refuse, with the first one's
+    ``dense_experts_refusal``, fused experts that no modifier of the recipe quantizes (transformers would not reload
+    them from the quantized checkpoint). One modifier quantizing the attention and another the experts runs (found
+    by a tester: each was checked alone, and the first refused)."""
+    refusals = [m.dense_experts_refusal for m in quantizers if m.experts_checked_by_run and m.dense_experts_refusal]
+    if not refusals:
+        return
+    experts = [n for n, m in model.named_modules() if weight_views(m) and "" not in weight_views(m)]
+    if any(not any(q.startswith(f"{n}.") for q in quantized_by) for n in experts):
+        raise ValueError(refusals[0])
 
 
 def _declared_targets(modifier: Any, model: Any) -> dict[str, Any]:

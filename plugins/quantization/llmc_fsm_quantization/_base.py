@@ -634,6 +634,11 @@ class QuantizingModifier(CalibratedModifier):
         self._ignore_defaulted = isinstance(self.ignore, _DefaultIgnore)
         self._ignore_logged = False
         self._experts_warned = False  # the fused experts' input-activation warning given (once per modifier)
+        #: set by one-shot when a recipe has several quantizing modifiers: whether the model's fused experts are left
+        #: dense is then checked for the whole recipe (another modifier may quantize them), and
+        #: :attr:`dense_experts_refusal` holds this modifier's refusal instead of raising it.
+        self.experts_checked_by_run = False
+        self.dense_experts_refusal: str | None = None
         self.ignore = list(self.ignore)
         self._kv_attention: dict[str, nn.Module] = {}  # attention name -> module (kv_cache_scheme)
         #: no quantization config at all (llm-compressor's "has_config" false): a GPTQModifier so written takes the
@@ -931,6 +936,7 @@ class QuantizingModifier(CalibratedModifier):
                 with several config groups, a group that selects nothing, or a module two groups select (both
                 groups and the module named).
         """
+        self.dense_experts_refusal = None
         if self.kv_only:  # KV-cache scales only: no weight target
             self._group_of, self._expert_names, self._fused = {}, {}, {}
             self._kv_attention = self._check_kv_cache(model)
@@ -1100,8 +1106,8 @@ class QuantizingModifier(CalibratedModifier):
         if not sources:
             if dense and not linears:  # experts not quantized: the quantized checkpoint would not reload them
                 fix = (
-                    "quantize them too (target them; leave them out of ignore; schemes for them and for the other "
-                    "modules go in one modifier's config_groups: each modifier is checked alone)"
+                    "quantize them too (target them, in this modifier or another of the recipe; leave them out of "
+                    "ignore)"
                     if self.compresses_views
                     else f"{name} does not quantize fused experts (GPTQModifier, QuantizationModifier do, per expert)"
                 )
@@ -1111,7 +1117,9 @@ class QuantizingModifier(CalibratedModifier):
                     "expected a non-empty list of Tensors' in 5.25; measured on Mixtral)"
                 )
                 msg = f"{name}: {family}: the fused experts {compact_names(dense)} are not quantized, and {why}: {fix}"
-                raise ValueError(msg)
+                self.dense_experts_refusal = msg
+                if not self.experts_checked_by_run:
+                    raise ValueError(msg)
             return {}
         partial = [
             f"{n}.{s}" for n, m in sources.items() for s in weight_views(m) if f"{n}.{s}" not in views

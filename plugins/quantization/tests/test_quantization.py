@@ -775,9 +775,8 @@ def test_a_mixture_of_experts_model_whose_experts_would_stay_dense_is_refused_be
         "GPTQModifier: MixtralForCausalLM (model_type 'mixtral'): the fused experts model.layers.{0..1}.mlp.experts "
         "are not quantized, and transformers does not reload dense fused experts from a compressed-tensors checkpoint "
         "(its experts loader decompresses quantized weights only: the experts missing in 5.24, 'torch.cat(): expected "
-        "a non-empty list of Tensors' in 5.25; measured on Mixtral): quantize them too (target them; leave them out of "
-        "ignore; schemes for them and for the other modules go in one modifier's config_groups: each modifier is "
-        "checked alone)"
+        "a non-empty list of Tensors' in 5.25; measured on Mixtral): quantize them too (target them, in this modifier "
+        "or another of the recipe; leave them out of ignore)"
     )
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert not any(hasattr(m, "quantization_scheme") for m in model.modules())
