@@ -179,7 +179,8 @@ def describe(source: Any) -> str:
 def check_modifiers(sessions: list[Session], model: Any, calibration_data: Any = True) -> None:
     """Before any measuring or compression: every session's required state, then every modifier's
     :meth:`~llmc_fsm.Modifier.check_model` (group sizes, targets, an already quantized model), and the
-    ``check_stage(modifiers, model)`` of a modifier that has one (what it needs of the other modifiers of its stage:
+    ``check_stage(model, selected)`` of a modifier that has one (``selected``: ``(modifier, modules its check_model
+    selected)`` for each modifier of its stage, in recipe order) (what it needs of the other modifiers of its stage:
     REAP's, that they follow the experts it drops).
 
     Raises:
@@ -202,6 +203,7 @@ def check_modifiers(sessions: list[Session], model: Any, calibration_data: Any =
     for modifier in quantizers:  # several: fused experts left dense are a question for the whole recipe (below)
         modifier.experts_checked_by_run = len(quantizers) > 1
     for session in sessions:
+        selected: list[tuple[Any, dict[str, Any]]] = []  # (modifier, what it would change), in recipe order
         for modifier in session.modifiers:
             try:
                 targets = modifier.check_model(model)
@@ -212,20 +214,22 @@ def check_modifiers(sessions: list[Session], model: Any, calibration_data: Any =
                 raise ValueError(f"{name}: {exc}") from exc
             if is_tensor(calibration_data) and isinstance(targets, dict) and targets:
                 _warn_few_tokens(modifier, targets, int(calibration_data.numel()))
-            if not isinstance(targets, dict):
+            declared = not isinstance(targets, dict)
+            if declared:
                 targets = _declared_targets(modifier, model)
                 if targets:  # e.g. magnitude pruning; ConstantPruning: a quantized checkpoint holds no weights
                     check_not_quantized(
                         model, type(modifier).__name__, "compress the original full-precision model instead"
                     )
-                if not getattr(modifier, "adds_zeros", True):  # keeps existing zeros and makes none: not refused
-                    targets = {}  # after a quantizing modifier of the same recipe
+            selected.append((modifier, targets))
+            if declared and not getattr(modifier, "adds_zeros", True):  # keeps existing zeros, makes none: not
+                targets = {}  # refused after a quantizing modifier of the same recipe
             if targets:
                 _check_quantized_once(modifier, session, targets, quantized_by)
         for modifier in session.modifiers:  # what a modifier needs of the others in its stage (REAP's followers)
             check_stage = getattr(modifier, "check_stage", None)
             if callable(check_stage):
-                check_stage(list(session.modifiers), model)
+                check_stage(model, selected)
     _check_experts_quantized(model, quantizers, quantized_by)
 
 

@@ -220,16 +220,6 @@ def _refuse_distributed() -> None:
         raise ValueError(msg)
 
 
-def _selected_targets(modifier: Any, model: nn.Module) -> dict[str, Any]:
-    """What ``modifier``'s own ``check_model(model)`` selects (``{}`` when it selects none or refuses: it reports its
-    own problems when one-shot checks it)."""
-    try:
-        targets = modifier.check_model(model)
-    except ValueError:
-        return {}
-    return targets if isinstance(targets, dict) else {}
-
-
 @attrs.define(kw_only=True, slots=False, eq=False)
 class REAPPruningModifier(Modifier):
     """Drop the lowest-REAP-scoring experts of every mixture-of-experts layer (arXiv 2510.13999).
@@ -395,17 +385,18 @@ class REAPPruningModifier(Modifier):
             self._num_experts,
         )
 
-    def check_stage(self, modifiers: list[Any], model: nn.Module) -> None:
-        """Refuse, before any work, a modifier of REAP's stage (``modifiers``, in recipe order) that cannot follow the
-        experts it drops in ``model`` (:meth:`_check_stage`, on what their own ``check_model`` selects). One-shot
-        calls it with every stage's modifiers (``explain --model`` too); a session checks the same at
-        ``calibration_start``.
+    def check_stage(self, model: nn.Module, selected: list[tuple[Any, dict[str, Any]]]) -> None:
+        """Refuse, before any work, a modifier of REAP's stage that cannot follow the experts it drops in ``model``
+        (:meth:`_check_stage`). ``selected``: ``(modifier, modules its check_model selected)`` for each modifier of
+        the stage, in recipe order (one-shot passes what its checks computed; ``explain --model`` too); a session
+        checks the same at ``calibration_start``.
 
         Raises:
             ValueError: as :meth:`_check_stage`.
         """
         blocks, *_ = self._plan(model)
-        self._check_stage(modifiers, blocks, lambda other: _selected_targets(other, model))
+        targets = {id(modifier): modules for modifier, modules in selected}
+        self._check_stage([modifier for modifier, _ in selected], blocks, lambda other: targets[id(other)])
 
     def _check_stage(self, modifiers: list[Any], blocks: list[MoeBlock], targets_of: Any) -> list[Any]:
         """The other ``modifiers`` of REAP's stage that target modules of the ``blocks`` REAP prunes (their targets
