@@ -373,3 +373,43 @@ def test_an_unknown_or_empty_model_is_refused_in_one_line_before_the_device_line
         err = capsys.readouterr().err
         assert code == 1 and err == f"llmc-fsm oneshot: error: {line}\n"
     assert not (tmp_path / "o").exists()
+
+
+def test_meta_models_are_built_without_weight_initialisation_and_with_the_same_buffers(monkeypatch):
+    """``meta_model`` skips transformers' weight initialisation (a pass over every module that computes nothing on
+    ``meta``): ``init_weights`` is not called, and every family of ``tests/tiny_families.py`` gets the buffers
+    (rotary tables, ...) a build with the initialisation gives, bit for bit, and the same parameter names, shapes
+    and dtypes."""
+    import copy
+
+    import transformers
+    from accelerate import init_empty_weights
+    from tiny_families import FAMILIES, config
+
+    calls = []
+    original = transformers.PreTrainedModel.init_weights
+    monkeypatch.setattr(transformers.PreTrainedModel, "init_weights", lambda self: calls.append(type(self).__name__))
+    model_io.meta_model(config("llama"))
+    assert calls == []
+    monkeypatch.setattr(transformers.PreTrainedModel, "init_weights", original)
+    built = 0
+    for family in FAMILIES:
+        cfg = config(family)
+        cls = model_io.model_class(cfg)
+        try:
+            with init_empty_weights():
+                initialised = (getattr(cls, "from_config", None) or cls._from_config)(copy.deepcopy(cfg))
+        except ValueError:  # qwen2_audio: no causal-LM class builds its config alone
+            continue
+        initialised.tie_weights()  # as meta_model ties them
+        fast = model_io.meta_model(cfg)
+        ours, theirs = dict(fast.named_buffers()), dict(initialised.named_buffers())
+        assert ours.keys() == theirs.keys(), family
+        for name, buffer in theirs.items():
+            assert (ours[name].device, ours[name].dtype) == (buffer.device, buffer.dtype), (family, name)
+            if buffer.device.type != "meta":
+                assert torch.equal(ours[name], buffer), (family, name)
+        shapes = {n: (p.shape, p.dtype) for n, p in fast.named_parameters()}
+        assert shapes == {n: (p.shape, p.dtype) for n, p in initialised.named_parameters()}, family
+        built += 1
+    assert built == len(FAMILIES) - 1

@@ -46,7 +46,7 @@ import torch
 from torch import nn
 
 from llmc_fsm.data.images import is_vision_language
-from llmc_fsm.models.hf_io import _check_model_dir, _load_tokenizer, check_tied, dtype_kwargs, model_class
+from llmc_fsm.models.hf_io import _check_model_dir, _empty_model, _load_tokenizer, check_tied, dtype_kwargs, model_class
 from llmc_fsm.models.layers import find_decoder_layers
 
 if TYPE_CHECKING:
@@ -347,7 +347,6 @@ def load_lazy(
             has no decoder-layer list, or the config is a vision-language model's
             (:func:`llmc_fsm.data.images.is_vision_language`: its tower would be dropped).
     """
-    from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
 
     directory = Path(path).expanduser()
@@ -368,7 +367,7 @@ def load_lazy(
             "run it in memory"
         )
         raise ValueError(msg)
-    with init_empty_weights():  # parameters on meta; buffers (rotary inv_freq) computed as usual
+    with _empty_model():  # parameters on meta, not initialised; buffers (rotary inv_freq) computed as usual
         model = AutoModelForCausalLM.from_config(config, **dtype_kwargs(torch_dtype))
     model.tie_weights()
     model.eval()
