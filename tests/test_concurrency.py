@@ -193,6 +193,28 @@ def test_a_modifier_bound_to_a_live_session_is_refused_by_another():
     assert holder.model is model_b
 
 
+@pytest.mark.parametrize("how", ["copy", "deepcopy", "pickle"])
+def test_a_copy_of_a_bound_modifier_is_a_new_unbound_object(how):
+    """The binding is the object's own: a copy of a modifier bound to a live session was refused by another session
+    as "this object is bound to another live session", and pickling it failed on the weak reference (found by a
+    tester). The original stays bound."""
+    import copy
+    import pickle
+
+    holder = Holder()
+    first = Session([holder])
+    first.initialize(model=torch.nn.Linear(1, 1))
+    twin = {"copy": copy.copy, "deepcopy": copy.deepcopy, "pickle": lambda m: pickle.loads(pickle.dumps(m))}[how](holder)
+    model = torch.nn.Linear(1, 1)
+    second = Session([twin])
+    second.initialize(model=model)
+    assert twin.model is model and second.lifecycle == "initialized"
+    with pytest.raises(LifecycleError, match=r"modifier Holder \(this object\) is bound to another live session"):
+        Session([holder]).initialize(model=torch.nn.Linear(1, 1))
+    first.finalize()
+    second.finalize()
+
+
 def test_a_dropped_session_releases_its_modifiers():
     holder = Holder()
     first = Session([holder])

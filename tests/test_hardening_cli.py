@@ -24,7 +24,7 @@ def test_explain_magnitude_pruning_lists_its_arguments_and_its_example_is_accept
     assert out == (
         "MagnitudePruningModifier: arguments (default):\n  sparsity = None\n  init_sparsity = None\n"
         "  final_sparsity = None\n  mask_structure = 'unstructured'\n  targets = ['Linear']\n  ignore = ['lm_head']\n"
-        "  leave_enabled = True\n"
+        "  leave_enabled = False\n"
         "No plan with the defaults alone: give sparsity (one-shot) or init_sparsity + final_sparsity (gradual). See "
         "its plan with a recipe that sets what it needs, e.g. llmc-fsm explain "
         "'s: {MagnitudePruningModifier: {sparsity: VALUE}}'\n"

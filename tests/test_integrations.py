@@ -151,10 +151,61 @@ def test_trainer_missing_teacher_reported_before_first_step(tmp_path):
     with pytest.raises(MissingStateError) as info:
         trainer.train()
     assert info.value.missing == {"OutputDistillationModifier": frozenset({"teacher"})}
-    assert "SessionTrainer(..., teacher=teacher_model)" in str(info.value)
-    assert "OutputDistillationModifier" in str(info.value)
+    # only this integration's advice: the session's own ("Pass again what you gave this call (optimizer)") named
+    # what SessionTrainer passed, not the user (found by a tester)
+    assert str(info.value).splitlines() == [
+        "initialize() refused: 1 modifier(s) are missing required state; no modifier was initialized and nothing "
+        "was stored (the session is still 'staging'):",
+        "  - OutputDistillationModifier requires 'teacher'",
+        "How to pass them with SessionTrainer:",
+        "  - teacher: SessionTrainer(..., teacher=teacher_model)",
+    ]
     assert steps == []
     assert trainer.session.lifecycle == "staging"
+
+
+def test_a_second_train_is_refused_until_the_session_is_reset_then_runs_with_the_model_and_teacher_again(tmp_path):
+    """A second ``train()`` on a finalized session said "Call session.reset()", but ``reset()`` drops the model and
+    teacher SessionTrainer stages only at construction, so that advice failed (found by a tester). Now the refusal
+    is SessionTrainer's own, and ``train()`` after ``reset()`` stages them again and runs the recipe from step 0; the
+    same after a ``train()`` stopped by an error."""
+    from llmc_fsm import LifecycleError
+
+    teacher = _llama(1)
+    trainer = SessionTrainer(model=_llama(), args=_args(tmp_path, max_steps=2), train_dataset=_Data(4),
+                             recipe=[OutputDistillationModifier(), ConstantPruningModifier()], teacher=teacher)  # fmt: skip
+    trainer.train()
+    with pytest.raises(LifecycleError) as info:
+        trainer.train()
+    assert str(info.value) == (
+        "SessionTrainer.train() refused: its session is 'finalized' (an earlier train() finished); call "
+        "trainer.session.reset() first to run the recipe again from step 0 on the model as that run left it (this "
+        "trainer stages its model and teacher again), or build a new SessionTrainer"
+    )
+    assert (info.value.lifecycle, info.value.call, info.value.allowed) == ("finalized", "train", ("reset",))
+    trainer.session.reset()
+    trainer.train()
+    assert trainer.session.lifecycle == "finalized" and trainer.session.global_step == 2
+    assert trainer.session.state.teacher is teacher and trainer.session.state.model is trainer.model
+
+    class Failing(SessionTrainer):
+        fail = True
+
+        def training_step(self, *a, **k):
+            if self.fail:
+                raise RuntimeError("out of memory")
+            return super().training_step(*a, **k)
+
+    failing = Failing(model=_llama(), args=_args(tmp_path / "f", max_steps=2), train_dataset=_Data(4),
+                      recipe=[ConstantPruningModifier()])  # fmt: skip
+    with pytest.raises(RuntimeError, match="out of memory"):
+        failing.train()
+    with pytest.raises(LifecycleError, match=r"its session is 'initialized' \(an earlier train\(\) stopped midway\)"):
+        failing.train()
+    failing.session.reset()
+    failing.fail = False
+    failing.train()
+    assert failing.session.lifecycle == "finalized" and failing.session.global_step == 2
 
 
 # --- checkpoint and resume (issue 10) ---------------------------------------------------

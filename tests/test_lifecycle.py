@@ -175,6 +175,19 @@ def test_missing_state_names_every_modifier_and_key_and_initializes_nothing():
     assert rec.names() == ["on_initialize"] and data.initialized == 1
 
 
+def test_missing_state_names_a_staged_key_that_looks_like_a_misspelling_of_a_missing_one():
+    """``update_state(optimiser=...)`` is stored (the state is open-ended); the error for the missing ``optimizer``
+    now points at it (found by a tester: nothing did)."""
+    session = Session([NeedsData()])
+    session.update_state(calibration_dta=[1], model="m")
+    with pytest.raises(MissingStateError) as info:
+        session.initialize()
+    assert str(info.value).splitlines()[1:3] == [
+        "  - NeedsData requires 'calibration_data'",
+        "The state holds 'calibration_dta': a misspelling of 'calibration_data'?",
+    ]
+
+
 def test_missing_state_does_not_store_initialize_arguments():
     session = Session([NeedsData()])
     with pytest.raises(MissingStateError, match="Pass again what you gave this call \\(model\\)"):
@@ -377,6 +390,11 @@ def test_global_step_from_caller_overrides_count():
     with pytest.raises(ValueError, match="global_step must be a non-negative int"):
         session.batch_start(global_step=-1)
     assert session.global_step == 25
+    import numpy as np
+
+    session.batch_start(global_step=np.int64(30))  # a step counter kept in an array (refused before)
+    assert rec.calls[-1] == ("batch_start", 30, 3.0) and type(session.global_step) is int
+    session.batch_end()
 
 
 def test_loss_calculated_returns_the_loss_replaced_by_modifiers():

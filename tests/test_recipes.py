@@ -229,6 +229,24 @@ def test_stage_window_start_end() -> None:
         resolve_recipe("s:\n  start: -1\n  modifiers: {Prune: {}}\n")
 
 
+@pytest.mark.parametrize("value", [".nan", ".inf"])
+@pytest.mark.parametrize("key", ["start", "end", "update"])
+def test_schedule_epochs_must_be_finite_in_a_stage_and_a_modifier(key, value):
+    """``nan`` passed every check (``nan < 0`` is false) and failed at the first batch; ``inf`` never came (found by
+    a tester). Refused when the recipe is read, for a stage's and a modifier's schedule."""
+    got = {".nan": "nan", ".inf": "inf"}[value]
+    if key != "update":
+        with pytest.raises(RecipeError) as info:
+            resolve_recipe(f"s:\n  {key}: {value}\n  modifiers: {{Prune: {{}}}}\n")
+        where = "recipe <text>, line 2, stage 's'"
+        assert str(info.value) == f"{where}: {key} must be a finite number of epochs or null, got {got}"
+    with pytest.raises(RecipeError) as info:
+        resolve_recipe(f"s:\n  modifiers:\n    Prune: {{{key}: {value}}}\n")
+    assert str(info.value).endswith(f"must be a finite number of epochs or null, got {got}")
+    with pytest.raises(ValueError, match=f"^must be a finite number of epochs or null, got {got}$"):
+        Prune(**{key: float(got)})
+
+
 # --- structure ----------------------------------------------------------------------------------
 
 

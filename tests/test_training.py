@@ -153,13 +153,13 @@ def test_magnitude_gradual_follows_cubic_schedule_and_finalize_reaches_final():
     assert mod.measured_sparsity == pytest.approx(math.floor(0.8 * 64 + 0.5) / 64)
 
 
-def _gradual_run(**kwargs):
-    """init 0.1 -> final 0.5 over epochs [0, 1] (update 0.25, 4 steps an epoch), trained 2 epochs with AdamW: the
-    sparsity of fc1 + fc2 after every optimizer step, and the modifier."""
+def _gradual_run(after=(), **kwargs):
+    """init 0.1 -> final 0.5 over epochs [0, 1] (update 0.25, 4 steps an epoch), then the modifiers ``after``,
+    trained 2 epochs with AdamW: the sparsity of fc1 + fc2 after every optimizer step, and the modifier."""
     model = TinyLM()
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
     mod = MagnitudePruningModifier(init_sparsity=0.1, final_sparsity=0.5, start=0, end=1, update=0.25, **kwargs)
-    session = Session([mod])
+    session = Session([mod, *after])
     initialize(session, model=model, optimizer=optimizer, steps_per_epoch=4)
     after_step = []
     for batch in _batches(8):
@@ -173,9 +173,13 @@ def _gradual_run(**kwargs):
     return model, mod, after_step, ended
 
 
-def test_magnitude_gradual_holds_the_masks_from_end_until_finalize():
-    model, mod, after_step, ended = _gradual_run()
-    assert mod.leave_enabled is True
+def test_magnitude_gradual_with_leave_enabled_holds_the_masks_from_end_until_finalize(caplog):
+    with caplog.at_level("WARNING", logger="llmc_fsm_pruning.magnitude"):
+        model, mod, after_step, ended = _gradual_run(leave_enabled=True)
+    assert [r.getMessage() for r in caplog.records] == [
+        "MagnitudePruningModifier: leave_enabled: true holds the masks from end (epoch 1.0) until finalize; "
+        "llm-compressor 0.14 ignores it (deprecated, always false: its masks are dropped at end)"
+    ]
     assert mod.history[-1] == (1.0, 0.5)
     # steps 4..7 (epochs 1.0 to 1.75) come after end: the 0.5 reached at end is held exactly by the masks
     assert after_step[4:] == [0.5, 0.5, 0.5, 0.5]
@@ -184,13 +188,64 @@ def test_magnitude_gradual_holds_the_masks_from_end_until_finalize():
     assert sum(int((m.weight == 0).sum()) for m in (model.fc1, model.fc2)) == 64
 
 
-def test_magnitude_leave_enabled_false_drops_the_masks_at_end_and_finalize_measures_what_is_left():
-    _, mod, after_step, ended = _gradual_run(leave_enabled=False)
+def test_magnitude_leave_enabled_is_false_by_default_as_in_llmcompressor_and_drops_the_masks_at_end(caplog):
+    """llm-compressor 0.14 forces ``leave_enabled`` to false (its ``on_end`` disables the masks); ours defaulted to
+    true and the docs called that llm-compressor's default (found by a tester)."""
+    assert MagnitudePruningModifier(sparsity=0.5).leave_enabled is False
+    with caplog.at_level("WARNING", logger="llmc_fsm_pruning.magnitude"):
+        _, mod, after_step, ended = _gradual_run()
+    assert caplog.records == []
     assert ended == 0.5  # at end (the batch of epoch 1.0) the weights are at final_sparsity
     # AdamW regrows the pruned weights at the next step, all but the 6 whose gradient is 0 (inputs of dead ReLUs)
     assert after_step[4:] == [6 / 128] * 4
     assert mod.measured_sparsity == 6 / 128  # finalize measures the weights: no claim of the sparsity that is gone
     assert sum(mod.module_sparsity.values()) * 64 == 6
+
+
+def _stopped_after_one_step(stop: str) -> tuple[float, str]:
+    """A gradual run (0.1 -> 0.9 over 10 epochs) stopped after its first step by ``stop``: the sparsity of fc1 + fc2
+    left, and the session's lifecycle."""
+    import llmc_fsm
+
+    model = TinyLM()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    recipe = [MagnitudePruningModifier(init_sparsity=0.1, final_sparsity=0.9, start=0, end=10, update=1)]
+    batch = _batches(1)[0]
+
+    def one_step(session: Session) -> None:
+        initialize(session, model=model, optimizer=optimizer, steps_per_epoch=4)
+        session.batch_start(batch=batch)
+        session.loss_calculated(model(**batch).loss).backward()
+        optimizer_step(session, optimizer)
+        session.batch_end()
+
+    if stop == "create_session error":
+        with pytest.raises(RuntimeError, match="out of memory"), llmc_fsm.create_session(recipe) as session:
+            one_step(session)
+            raise RuntimeError("out of memory")
+    else:
+        session = Session(recipe)
+        one_step(session)
+        session.reset() if stop == "reset" else session.finalize()
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+    return sum(int((m.weight == 0).sum()) for m in (model.fc1, model.fc2)) / 128, session.lifecycle
+
+
+def test_reset_and_an_error_in_create_session_release_a_gradual_run_without_pruning_to_its_final_sparsity():
+    """``reset()`` and leaving ``create_session`` by an exception give the modifiers ``on_finalize`` only: the model
+    keeps the sparsity of the last step (found by a tester: both ran ``on_end``, which pruned to ``final_sparsity``,
+    0.1 -> 0.9, after a crash); ``finalize()`` ends the run and prunes to it, as documented."""
+    first, final = 2 * 6 / 128, 2 * 58 / 128  # per 64-weight module: round(0.1 * 64) = 6, round(0.9 * 64) = 58
+    assert _stopped_after_one_step("reset") == (first, "created")
+    assert _stopped_after_one_step("create_session error") == (first, "finalized")
+    assert _stopped_after_one_step("finalize") == (final, "finalized")
+
+
+def test_a_constant_pruning_modifier_from_end_holds_what_a_gradual_run_reached():
+    """The docs' way to keep the sparsity after ``end`` with the default ``leave_enabled: false``: a
+    ``ConstantPruningModifier`` starting at ``end``, after the magnitude modifier in the recipe."""
+    _, _, after_step, _ = _gradual_run(after=[ConstantPruningModifier(start=1)])
+    assert after_step[3:] == [0.5] * 5  # epochs 0.75 (s = 0.49375: 32 of 64 per module) to 1.75
 
 
 def test_magnitude_leave_enabled_must_be_a_bool():
@@ -398,6 +453,42 @@ def test_distillation_gives_the_teacher_back_its_training_modes_at_finalize():
         ("fc2", False),
         ("lm_head", True),
     ]
+
+
+def test_distillation_ignores_the_forward_of_a_deep_copy_of_the_student():
+    """A deep copy of the student made after initialize (an EMA / ``AveragedModel`` copy) carries the capture hook in
+    its copied ``_forward_hooks``; its forward after the student's must not replace the student's logits (found by a
+    tester: the distillation term was computed on the copy's logits, and the student got no gradient from it)."""
+    import copy
+
+    def run(copy_forward: bool) -> tuple[float, torch.Tensor]:
+        student, teacher = TinyLM(seed=0), TinyLM(seed=1)
+        session = Session([OutputDistillationModifier(alpha=1.0)])
+        initialize(session, model=student, teacher=teacher)
+        ema = copy.deepcopy(student)
+        with torch.no_grad():  # the copy computes other logits
+            ema.lm_head.weight.mul_(3.0)
+        batch = _batches(1)[0]
+        session.batch_start(batch=batch)
+        out = student(**batch)
+        if copy_forward:
+            ema(**batch)
+        loss = session.loss_calculated(out.loss)
+        loss.backward()
+        session.batch_end()
+        session.finalize()
+        return float(loss), student.lm_head.weight.grad.clone()
+
+    alone, with_copy = run(False), run(True)
+    assert with_copy[0] == alone[0]
+    assert torch.equal(with_copy[1], alone[1]) and float(alone[1].abs().sum()) > 0
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("nan"), 0.0])
+def test_distillation_temperature_must_be_finite_and_positive(value):
+    with pytest.raises(ValueError) as info:
+        OutputDistillationModifier(temperature=value)
+    assert str(info.value) == f"temperature must be a finite number > 0, got {value!r}"
 
 
 def test_distillation_kl_is_zero_for_identical_logits():

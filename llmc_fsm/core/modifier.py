@@ -35,6 +35,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import functools
+import math
 import sys
 import weakref
 from collections.abc import Callable, Mapping
@@ -121,14 +122,22 @@ def modifier_labels(modifiers: list[Modifier]) -> list[str]:
 
 
 class _Binding:
-    """The live session a modifier belongs to (a weak reference), its label there and the guard of its hooks."""
+    """The live session a modifier object belongs to (a weak reference), its label there and the guard of its hooks.
 
-    __slots__ = ("guard", "label", "session")
+    It binds that object only (``owner``: its ``id``): a copy of a bound modifier (``copy.copy``, ``copy.deepcopy``,
+    ``pickle``) is a new, unbound object (found by a tester: a deep copy was refused as "bound to another live
+    session", and pickling failed on the weak reference)."""
 
-    def __init__(self, session: Any, label: str) -> None:  # a llmc_fsm.Session (a higher layer: not imported)
+    __slots__ = ("guard", "label", "owner", "session")
+
+    def __init__(self, session: Any, label: str, modifier: Any) -> None:  # session: a llmc_fsm.Session (not imported)
         self.session = weakref.ref(session)
         self.label = label
+        self.owner = id(modifier)
         self.guard: Guard | None = None
+
+    def __reduce__(self) -> tuple[Any, tuple[()]]:
+        return type(None), ()  # copied or pickled: no binding (None)
 
 
 class Event:
@@ -166,6 +175,9 @@ def _optional_epoch(value: Any) -> float | None:
     if isinstance(value, bool) or not isinstance(value, int | float):
         msg = f"must be a number of epochs or null, got {value!r}"
         raise TypeError(msg)
+    if not math.isfinite(value):  # nan passed every comparison unchecked; inf never comes (found by a tester)
+        msg = f"must be a finite number of epochs or null, got {value!r}"
+        raise ValueError(msg)
     return float(value)
 
 
@@ -320,7 +332,8 @@ class Modifier(metaclass=ModifierType):
     # --- the live session this modifier belongs to ----------------------------
     @property
     def _binding(self) -> _Binding | None:
-        return self.__dict__.get("_llmc_fsm_binding")
+        binding = self.__dict__.get("_llmc_fsm_binding")
+        return binding if binding is not None and binding.owner == id(self) else None
 
     def _guard(self) -> Guard:
         binding = self._binding

@@ -8,7 +8,8 @@ replaces it on every ``update_state``; nobody mutates it.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+import difflib
+from collections.abc import Iterable, Iterator, Mapping
 from types import MappingProxyType
 from typing import Any
 
@@ -104,20 +105,36 @@ class State(Mapping[str, Any]):
 WELL_KNOWN_KEYS: tuple[str, ...] = tuple(name for name, value in vars(State).items() if isinstance(value, _Key))
 
 
-def missing_state_message(missing: Mapping[str, frozenset[str]], lifecycle: str, passed: frozenset[str]) -> str:
-    """The message of the :class:`~llmc_fsm.MissingStateError` ``initialize`` raises (``missing``: label -> keys)."""
+def missing_state_message(
+    missing: Mapping[str, frozenset[str]],
+    lifecycle: str,
+    passed: frozenset[str],
+    *,
+    session_advice: bool = True,
+    given: Iterable[str] = (),
+) -> str:
+    """The message of the :class:`~llmc_fsm.MissingStateError` ``initialize`` raises (``missing``: label -> keys);
+    ``session_advice=False``: without the lines on how to pass them to the session's own calls (an integration that
+    makes those calls gives its own, :func:`llmc_fsm.integrations.with_integration_hints`). ``given``: the keys the
+    state holds; one close to a missing key is named as a possible misspelling (``optimiser`` for ``optimizer``)."""
     lines = [
         f"initialize() refused: {len(missing)} modifier(s) are missing required state; "
         f"no modifier was initialized and nothing was stored (the session is still {lifecycle!r}):"
     ]
     lines.extend(f"  - {label} requires {', '.join(repr(k) for k in sorted(keys))}" for label, keys in missing.items())
     all_keys = sorted(set().union(*missing.values()))
+    unused = sorted(set(given) - set(all_keys))
+    for key in all_keys:
+        close = difflib.get_close_matches(key, unused, n=1, cutoff=0.8)
+        if close:
+            lines.append(f"The state holds {close[0]!r}: a misspelling of {key!r}?")
     example = ", ".join(f"{k}=..." for k in all_keys)
-    lines.append(
-        f"Supply them where they are created with session.update_state({example}), or pass them to "
-        f"session.initialize({example})."
-    )
-    if passed:
+    if session_advice:
+        lines.append(
+            f"Supply them where they are created with session.update_state({example}), or pass them to "
+            f"session.initialize({example})."
+        )
+    if passed and session_advice:
         lines.append(f"Pass again what you gave this call ({', '.join(sorted(passed))}): it was not stored.")
     if "steps_per_epoch" in all_keys:
         lines.append(

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from llmc_fsm.core.errors import MissingStateError
+from llmc_fsm.core.state import missing_state_message
 from llmc_fsm.pipeline.device import resolve_device
 from llmc_fsm.session.checkpoint import check_checkpoint
 
@@ -51,7 +52,10 @@ def with_integration_hints(
     """
     get = hint.get if isinstance(hint, Mapping) else hint
     keys = sorted(set().union(*exc.missing.values())) if exc.missing else []
-    lines = [str(exc), f"How to pass them with {integration}:"]
+    # the session's own advice left out: the integration makes those calls (its "pass again what you gave this
+    # call (optimizer)" named what the integration passed, found by a tester)
+    text = missing_state_message(exc.missing, exc.lifecycle, frozenset(), session_advice=False) if keys else str(exc)
+    lines = [text, f"How to pass them with {integration}:"]
     for key in keys:
         text = get(key)
         if text:

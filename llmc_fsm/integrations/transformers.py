@@ -74,7 +74,7 @@ from typing import Any
 from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
-from llmc_fsm.core.errors import CheckpointError
+from llmc_fsm.core.errors import CheckpointError, LifecycleError
 from llmc_fsm.integrations import check_teacher, resolve_teacher_device, start_session
 from llmc_fsm.session.checkpoint import check_checkpoint, read_checkpoint
 from llmc_fsm.session.session import Session
@@ -214,6 +214,7 @@ class SessionTrainerMixin:
             state["optimizer"] = self.optimizer
         state.update(session_state or {})
         self.session.update_state(**state)
+        self._llmc_staged = dict(state)  # staged again by train() after a session.reset() dropped it
         if any("loss_calculated" in m.events for m in self.session.modifiers):
             self.model_accepts_loss_kwargs = False
         self.add_callback(SessionCallback(self))
@@ -273,12 +274,29 @@ class SessionTrainerMixin:
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
         """``Trainer.train``; with ``resume_from_checkpoint`` the session is restored from that checkpoint too.
 
+        A session ``reset()`` after an earlier ``train()`` (finished, or stopped by an error) gets back what this
+        trainer staged at construction (model, teacher, ``session_state``): the recipe runs again from step 0 on
+        the model as the earlier run left it.
+
         Raises:
             ValueError: ``resume_from_checkpoint=True`` and ``output_dir`` holds no checkpoint.
+            LifecycleError: the session is not ``created`` / ``staging`` (an earlier ``train()`` finished or stopped
+                midway, and the session was not reset).
             CheckpointError: the session checkpoint does not match the session: another recipe is refused before
                 the Trainer loads anything; whatever fails after the session is initialized puts it back as it
                 was (staged, same state), so train() may be called again.
         """
+        lifecycle = self.session.lifecycle
+        if lifecycle not in ("created", "staging"):
+            earlier = "finished" if lifecycle == "finalized" else "stopped midway"
+            msg = (
+                f"SessionTrainer.train() refused: its session is {lifecycle!r} (an earlier train() {earlier}); call "
+                "trainer.session.reset() first to run the recipe again from step 0 on the model as that run left it "
+                "(this trainer stages its model and teacher again), or build a new SessionTrainer"
+            )
+            raise LifecycleError(msg, lifecycle=lifecycle, call="train", allowed=self.session.allowed_calls)
+        if lifecycle == "created" and not self.session.state:  # reset() dropped what __init__ staged
+            self.session.update_state(**self._llmc_staged)
         if resume_from_checkpoint is True:
             resume_from_checkpoint = get_last_checkpoint(self.args.output_dir)  # type: ignore[attr-defined]
             if resume_from_checkpoint is None:

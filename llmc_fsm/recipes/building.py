@@ -10,6 +10,7 @@ translated by :mod:`llmc_fsm.recipes.llmcompressor`.
 from __future__ import annotations
 
 import difflib
+import math
 import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -165,6 +166,9 @@ def _epoch(value: Any, at: str, key: str) -> float | None:
         return None
     if isinstance(value, bool) or not isinstance(value, int | float):
         msg = f"{at}: {key} must be a number of epochs or null, got {value!r}"
+        raise RecipeError(msg)
+    if not math.isfinite(value):
+        msg = f"{at}: {key} must be a finite number of epochs or null, got {value!r}"
         raise RecipeError(msg)
     if value < 0:
         msg = f"{at}: {key} must be >= 0 epochs, got {value}"

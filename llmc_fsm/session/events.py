@@ -16,6 +16,7 @@ no-op) pays the push and pop of a torch-function mode, not one read per paramete
 from __future__ import annotations
 
 import logging
+import numbers
 from contextlib import AbstractContextManager
 from typing import Any, NoReturn
 
@@ -217,10 +218,12 @@ class SessionEvents:
             ModifierError: a modifier hook raised.
         """
         if global_step is not None and (
-            isinstance(global_step, bool) or not isinstance(global_step, int) or global_step < 0
+            isinstance(global_step, bool) or not isinstance(global_step, numbers.Integral) or global_step < 0
         ):
             msg = f"global_step must be a non-negative int, got {global_step!r}"
             raise ValueError(msg)
+        if global_step is not None:
+            global_step = int(global_step)  # a numpy integer too (a step counter kept in an array)
         with self._lock:
             ev = self._enter("batch_start", global_step)
             if not self._trained:

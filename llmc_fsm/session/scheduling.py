@@ -179,7 +179,7 @@ class Schedule:
                         "objects (e.g. build the recipe again)."
                     )
             for slot in self.slots:
-                slot.modifier.__dict__["_llmc_fsm_binding"] = _Binding(owner, slot.label)
+                slot.modifier.__dict__["_llmc_fsm_binding"] = _Binding(owner, slot.label, slot.modifier)
         return None
 
     def watch(self, state: Mapping[str, Any]) -> None:

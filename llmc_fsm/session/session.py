@@ -193,7 +193,7 @@ class Session(SessionCheckpoints):
             )  # under torch.distributed: same recipe/model on every rank, else raise
             missing = self.missing_state(**state)
             if missing:
-                msg = missing_state_message(missing, lifecycle, passed=frozenset(state))
+                msg = missing_state_message(missing, lifecycle, passed=frozenset(state), given=full.keys())
                 raise MissingStateError(msg, lifecycle=lifecycle, missing=missing, allowed=CALLS_ALLOWED[lifecycle])
             self._bind()
             watched = module_parameters(full)
@@ -262,24 +262,31 @@ class Session(SessionCheckpoints):
             LifecycleError: not initialized, or already finalized.
             ModifierError: a modifier's ``on_end``/``on_finalize`` raised.
         """
+        self._finalize(end=True)
+
+    def _finalize(self, *, end: bool) -> None:
+        """:meth:`finalize`; ``end=False``: ``on_finalize`` only (no ``on_end``: a run left by an error is not ended,
+        e.g. a gradual pruning modifier does not prune to its final sparsity)."""
         with self._lock:
             self._refuse_from_hook("finalize")
             if "finalize" not in CALLS_ALLOWED[self.lifecycle]:
                 self._refuse("finalize")
-            errors = self._finalize_modifiers("finalize()")
+            errors = self._finalize_modifiers("finalize()", end=end)
             self._position = "closed"
             self._fire("finalize")
             if errors:
                 raise errors[0]
 
-    def _finalize_modifiers(self, call: str) -> list[ModifierError]:
+    def _finalize_modifiers(self, call: str, *, end: bool = True) -> list[ModifierError]:
         self._in_hook = call
         try:
-            return self._end_and_finalize()
+            return self._end_and_finalize(end)
         finally:
             self._in_hook = None
 
-    def _end_and_finalize(self) -> list[ModifierError]:
+    def _end_and_finalize(self, end: bool) -> list[ModifierError]:
+        """``on_end`` (when ``end``, for each modifier started and not ended) then ``on_finalize`` of every modifier,
+        every hook removed; the errors raised, in order."""
         errors: list[ModifierError] = []
         ev = self._event
         ev.type = "finalize"
@@ -288,7 +295,7 @@ class Session(SessionCheckpoints):
             hook = "on_end"
             guard = slot.guard
             before = [t._version for t in guard.tensors]  # once per modifier: every counter, read eagerly
-            ending = slot.started and not slot.ended and self._broken is None
+            ending = end and slot.started and not slot.ended and self._broken is None
             slot.ended = slot.ended or slot.started
             try:
                 for hook in ("on_end", "on_finalize") if ending else ("on_finalize",):  # on_finalize even if
@@ -321,8 +328,11 @@ class Session(SessionCheckpoints):
 
         A new recipe is resolved first; if it is invalid, :class:`RecipeError`
         is raised and the session is left exactly as it was. Live modifiers
-        (initialized or running) are finalized and their hooks removed; the
-        stored state is dropped (and with it a failed hook's refusal).
+        (initialized or running) are finalized (``on_finalize`` only: no
+        ``on_end``, so the model is left as the last step made it, e.g. not
+        pruned to a gradual modifier's final sparsity, as llm-compressor's
+        reset) and their hooks removed; the stored state is dropped (and with
+        it a failed hook's refusal).
 
         Raises:
             RecipeError: ``recipe`` is invalid.
@@ -331,7 +341,7 @@ class Session(SessionCheckpoints):
         with self._lock:
             self._refuse_from_hook("reset")
             if self.lifecycle in _LIVE:
-                for error in self._finalize_modifiers("reset()"):
+                for error in self._finalize_modifiers("reset()", end=False):
                     logger.error("during reset: %s", error)
             self._schedule.unbind(self)
             self._recipe = new_recipe
@@ -365,8 +375,10 @@ def create_session(recipe: Any = None) -> Iterator[Session]:
 
     Use as ``with create_session(recipe) as session: ...``. On exit the previous
     active session (usually none) is restored, and a session left initialized or
-    running is finalized so no hook outlives the block (if the block raised,
-    its exception propagates and finalize errors are only logged).
+    running is finalized so no hook outlives the block. If the block raised,
+    its exception propagates, the modifiers get ``on_finalize`` only (no
+    ``on_end``: a run stopped by an error is not ended, e.g. not pruned to its
+    final sparsity) and finalize errors are only logged.
 
     Raises:
         RecipeError: the recipe is invalid.
@@ -385,7 +397,7 @@ def create_session(recipe: Any = None) -> Iterator[Session]:
                 session.finalize()
             else:
                 try:
-                    session.finalize()
+                    session._finalize(end=False)
                 except Exception:
                     logger.exception("finalize() failed while leaving create_session() after an error")
 

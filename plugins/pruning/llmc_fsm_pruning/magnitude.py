@@ -16,11 +16,14 @@ schedule fires), ``e_0 = start`` (0 when omitted) and ``e_1 = end``. The weights
 are pruned to ``s(e)`` at start and every ``update`` epochs, and to ``s_f`` at
 ``end``; between updates the masks are re-applied after every optimizer step. A
 weight pruned once stays pruned (the new mask is AND-ed with the old one). If
-training stops before ``end``, finalize still prunes to ``final_sparsity``.
+training stops before ``end``, finalize still prunes to ``final_sparsity``
+(``reset()`` does not: no ``on_end``).
 
-After ``end`` the masks stay applied after every optimizer step until finalize
-(llm-compressor's default ``leave_enabled: true``); ``leave_enabled=False`` drops
-them at ``end``, so training may regrow the pruned weights. Either way
+At ``end`` the masks are dropped (``leave_enabled=False``, the default, as
+llm-compressor 0.14, which forces it): training after ``end`` may regrow the
+pruned weights (hold them with a ``ConstantPruningModifier`` from ``end``).
+``leave_enabled=True`` keeps them applied after every optimizer step until
+finalize (llm-compressor 0.14 ignores it: one warning line says so). Either way
 :attr:`MagnitudePruningModifier.measured_sparsity` is measured on the weights at
 ``end`` and again at finalize.
 """
@@ -89,8 +92,9 @@ class MagnitudePruningModifier(Modifier):
     - ``targets`` (default ``["Linear"]``), ``ignore`` (default ``["lm_head"]``): which
       modules to prune (class name, full name or ``"re:<regex>"``; tied weights of an
       ignored module are left alone).
-    - ``leave_enabled`` (default ``True``, as llm-compressor): hold the masks (re-applied after
-      every optimizer step) from ``end`` until finalize; ``False``: drop them at ``end``.
+    - ``leave_enabled`` (default ``False``, as llm-compressor 0.14, which forces it): drop the masks at
+      ``end``; ``True``: hold them (re-applied after every optimizer step) from ``end`` until finalize,
+      with one warning line when ``end`` is given (llm-compressor would drop them).
 
     Requires state ``model`` (and ``steps_per_epoch`` when scheduled). After it ends, and again after finalize,
     :attr:`measured_sparsity` / :attr:`module_sparsity` (``{module name: fraction}``) hold the zeros
@@ -113,7 +117,7 @@ class MagnitudePruningModifier(Modifier):
     mask_structure: str = attrs.field(default="unstructured", validator=mask_structure_validator)
     targets: list[str] = attrs.field(factory=lambda: list(DEFAULT_TARGETS), converter=patterns)
     ignore: list[str] = attrs.field(factory=lambda: list(DEFAULT_IGNORE), converter=patterns)
-    leave_enabled: bool = attrs.field(default=True, validator=_bool)
+    leave_enabled: bool = attrs.field(default=False, validator=_bool)
 
     measured_sparsity: float | None = attrs.field(default=None, init=False)
     module_sparsity: dict[str, float] = attrs.field(factory=dict, init=False)
@@ -160,6 +164,12 @@ class MagnitudePruningModifier(Modifier):
         elif self.sparsity is None:
             msg = "give sparsity (one-shot) or init_sparsity + final_sparsity (gradual)"
             raise ValueError(msg)
+        if self.leave_enabled and self.end is not None:
+            logger.warning(
+                "MagnitudePruningModifier: leave_enabled: true holds the masks from end (epoch %s) until finalize; "
+                "llm-compressor 0.14 ignores it (deprecated, always false: its masks are dropped at end)",
+                self.end,
+            )
 
     @property
     def gradual(self) -> bool:

@@ -41,6 +41,7 @@ last loss terms, also when loaded from a checkpoint) live on the student's devic
 from __future__ import annotations
 
 import logging
+import math
 import numbers
 import warnings
 from collections.abc import Mapping
@@ -140,8 +141,8 @@ def distillation_kl(
 
 
 def _temperature(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not float(value) > 0:
-        msg = f"temperature must be a number > 0, got {value!r}"
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.inf > float(value) > 0:
+        msg = f"temperature must be a finite number > 0, got {value!r}"
         raise ValueError(msg)
 
 
@@ -204,7 +205,10 @@ class OutputDistillationModifier(Modifier):
         self.register_hook(state.model, self._capture, kind="forward", with_kwargs=True)
 
     def _capture(self, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
-        if module.training and torch.is_grad_enabled():
+        # ``module is self._student``: a deep copy of the student (an EMA or ``AveragedModel`` copy) carries this
+        # hook in its copied ``_forward_hooks``; its forwards must not replace the student's logits (found by a
+        # tester: the distillation term was computed on the copy's logits and its gradient went to the copy).
+        if module is self._student and module.training and torch.is_grad_enabled():
             self._captured = (args, kwargs, logits_of(output))
 
     def on_event(self, state: State, event: Event) -> torch.Tensor | None:
