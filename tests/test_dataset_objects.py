@@ -127,9 +127,17 @@ def test_describe_names_the_kind_in_one_line():
         (
             {"dataset": "open_platypus"},
             "dataset (--dataset) 'open_platypus' is a dataset name registered in llm-compressor, whose preprocessing "
-            "of it (prompt template, columns) llmc-fsm does not reproduce: give the Hub id llm-compressor loads, "
-            "'garage-bAInd/Open-Platypus' (name[:config[:split]]; its 'text' column is read), a local text/JSONL "
-            "file, or a datasets.Dataset you prepared (a 'text' or 'input_ids' column)",
+            "of it (prompt template, columns) llmc-fsm does not reproduce: load the Hub dataset llm-compressor "
+            "loads, 'garage-bAInd/Open-Platypus', and give it as a datasets.Dataset with its columns mapped to a "
+            "'text' or 'input_ids' column (the Hub id itself is read only when it has a 'text' column), or a local "
+            "text/JSONL file",
+        ),
+        (
+            {"dataset": FakeDataset(input_ids=[[1, 2]], attention_mask=[[1, 1]], pixel_values=[[[0.5]]])},
+            "dataset (--dataset) is a test_dataset_objects.FakeDataset with image / audio inputs ('pixel_values'), "
+            "which llmc-fsm does not pass to the model (it reads 'input_ids' or 'text'): calibrating on the tokens "
+            "alone would skip them; give the images as a directory with processor= (docs/oneshot.md), or remove the "
+            "columns to calibrate on the text",
         ),
         (
             {"dataset": torch.zeros(8, 16, dtype=torch.long), "num_calibration_samples": 9},
@@ -159,8 +167,8 @@ def test_bad_datasets_are_refused_in_one_line_before_any_work(tmp_path, monkeypa
 def test_rows_are_refused_the_streamed_path(tiny_model_dir, tmp_path):
     model_dir, _ = tiny_model_dir
     with pytest.raises(ValueError, match=r"^low_memory \(--low-memory\) cannot run this job: it calibrates on token "
-                       r"windows \(\[N, L\]\); samples of different lengths \(a list of texts or a datasets.Dataset\) "
-                       r"run in memory \(drop low_memory\)$"):  # fmt: skip
+                       r"windows \(\[N, L\]\); calibration data given as a list of texts or a datasets.Dataset runs "
+                       r"in memory \(drop low_memory, or pass a LongTensor \[N, L\] of token ids\)$"):  # fmt: skip
         llmc_fsm.oneshot(model=str(model_dir), recipe=RECIPE, dataset=["w001 w002"], low_memory=True,
                          output_dir=tmp_path / "o", progress=False)  # fmt: skip
     assert not (tmp_path / "o").exists()

@@ -413,3 +413,35 @@ def test_meta_models_are_built_without_weight_initialisation_and_with_the_same_b
         assert shapes == {n: (p.shape, p.dtype) for n, p in initialised.named_parameters()}, family
         built += 1
     assert built == len(FAMILIES) - 1
+
+
+def test_a_model_offloaded_to_disk_by_compressed_tensors_is_refused_before_any_work(tmp_path):
+    """compressed-tensors' disk offloading (llm-compressor's ``load_context`` / ``device_map='auto_offload'``) hands
+    out a new onloaded copy at each access: the run was refused as "tied weights" between unrelated modules (the
+    copies' ids reused), and with that fixed its compressed weights would have been lost. Refused in one line, the
+    weights unchanged; a Session driven by hand refuses the same when its modifier selects targets. CPU offloading
+    onloaded to the CPU gives the stored tensors themselves and runs."""
+    from compressed_tensors.offload import offload_module
+
+    import llmc_fsm
+    from llmc_fsm_quantization import QuantizationModifier
+
+    model = tiny_llama.llama(seed=0)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    (tmp_path / "offload").mkdir()
+    for module in model.model.layers[0].modules():
+        offload_module(module, "cpu", "disk", offload_dir=str(tmp_path / "offload"))
+    expected = (
+        "the model is offloaded by compressed-tensors to disk (load_offloaded_model, device_map='auto_offload', "
+        "llm-compressor's load_context): each access to a weight reads a new copy, so weights compressed in place "
+        "would be lost; give its directory instead with low_memory=True (model=DIR: streamed one decoder layer at a "
+        "time; --model DIR --low-memory)"
+    )
+    with pytest.raises(ValueError) as info:
+        llmc_fsm.oneshot(model=model, recipe={"s": {"QuantizationModifier": {"scheme": "W8A8"}}}, progress=False)
+    assert str(info.value) == expected
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    session = llmc_fsm.Session([QuantizationModifier(scheme="W8A8")])
+    with pytest.raises(llmc_fsm.ModifierError) as info:
+        session.initialize(model=model)
+    assert str(info.value.__cause__) == expected

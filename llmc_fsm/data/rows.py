@@ -72,6 +72,31 @@ ACCEPTED_DATASETS = (
 )
 
 
+#: Processor outputs of image / audio models (transformers' names) that a ``datasets.Dataset`` of calibration rows
+#: may carry beside ``input_ids``: llm-compressor passes every column to the model; llmc-fsm reads only the tokens, so
+#: such a dataset is refused (found by a tester: Qwen2-Audio's and LLaVA's were calibrated on their tokens alone).
+MODALITY_COLUMNS: frozenset[str] = frozenset(
+    {
+        "pixel_values",
+        "pixel_attention_mask",
+        "pixel_values_videos",
+        "image_grid_thw",
+        "video_grid_thw",
+        "image_sizes",
+        "image_attention_mask",
+        "aspect_ratio_ids",
+        "aspect_ratio_mask",
+        "cross_attention_mask",
+        "input_features",
+        "feature_attention_mask",
+        "input_values",
+        "audio_values",
+        "input_audio_embeds",
+        "audio_attention_mask",
+    }
+)
+
+
 def _type_name(value: Any) -> str:
     """``datasets.Dataset`` (top-level package and class), or the bare name of a builtin (``dict``)."""
     module = type(value).__module__.split(".")[0]
@@ -102,9 +127,9 @@ def registered_name_error(value: str) -> str | None:
         return None
     return (
         f"{value!r} is a dataset name registered in llm-compressor, whose preprocessing of it (prompt template, "
-        f"columns) llmc-fsm does not reproduce: give the Hub id llm-compressor loads, {hub_id!r} "
-        "(name[:config[:split]]; its 'text' column is read), a local text/JSONL file, or a datasets.Dataset you "
-        "prepared (a 'text' or 'input_ids' column)"
+        f"columns) llmc-fsm does not reproduce: load the Hub dataset llm-compressor loads, {hub_id!r}, and give "
+        "it as a datasets.Dataset with its columns mapped to a 'text' or 'input_ids' column (the Hub id itself is "
+        "read only when it has a 'text' column), or a local text/JSONL file"
     )
 
 
@@ -123,6 +148,14 @@ def dataset_object_error(value: Any) -> str | None:
         return None if value else f"is an empty {_type_name(value)}: pass at least one text"
     if _is_dataset(value):
         columns = list(value.column_names)
+        modal = [c for c in columns if c in MODALITY_COLUMNS]
+        if modal:
+            return (
+                f"is a {_type_name(value)} with image / audio inputs ({', '.join(map(repr, modal))}), which "
+                "llmc-fsm does not pass to the model (it reads 'input_ids' or 'text'): calibrating on the tokens "
+                "alone would skip them; give the images as a directory with processor= (docs/oneshot.md), or remove "
+                "the columns to calibrate on the text"
+            )
         if "input_ids" not in columns and "text" not in columns:
             return (
                 f"is a {_type_name(value)} with columns {', '.join(map(repr, columns)) or 'none'} but neither "

@@ -79,7 +79,7 @@ from llmc_fsm.report.build import build_report
 from llmc_fsm.session.session import Session
 from llmc_fsm.toolkit.distributed import is_distributed, is_main_process, rank_work, shard
 from llmc_fsm.toolkit.packed import format_problem, saved_as
-from llmc_fsm.toolkit.targets import compact_names
+from llmc_fsm.toolkit.targets import OFFLOAD_REFUSAL, compact_names, offloaded_to
 
 __all__ = [
     "Run",
@@ -570,9 +570,9 @@ def _check_data_kind(run: Run) -> None:
         raise ValueError(msg)
     if run.cal_rows is not None and is_distributed():
         msg = (
-            "calibration samples of different lengths (a list of texts or a datasets.Dataset) run in one process "
-            "(torch.distributed is not supported with them); pass a LongTensor [N, L] of token ids to split it "
-            "between the ranks"
+            "calibration data given as a list of texts or a datasets.Dataset runs in one process (torch.distributed "
+            "is not supported with it, whatever its samples' lengths); pass a LongTensor [N, L] of token ids to "
+            "split it between the ranks"
         )
         raise ValueError(msg)
     model, config = settings.model, run.model_config
@@ -798,10 +798,14 @@ def load(run: Run) -> None:
             _check_runs_on_text(run, run.model)
             _load_processor(run)
             run.model_name = type(run.model).__name__
+            offloaded = offloaded_to(run.model)
+            if offloaded is not None:
+                raise ValueError(OFFLOAD_REFUSAL.format(where=offloaded))
             if any(p.is_meta for p in run.model.parameters()):
                 msg = (
-                    "the model's parameters are on the meta device (a low_memory run returns its model so): give "
-                    "the directory its output was written to as the model instead (model=DIR, --model DIR)"
+                    "the model's parameters are on the meta device (accelerate's device_map offloading, or a "
+                    "low_memory run's returned model): give the directory it was loaded from or written to as the "
+                    "model instead, with low_memory=True to bound the memory (model=DIR; --model DIR --low-memory)"
                 )
                 raise ValueError(msg)
             if run.tokenizer is None and needs_text:

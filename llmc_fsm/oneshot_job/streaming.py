@@ -342,8 +342,8 @@ def check_job(run: Run) -> None:
         ),
         (
             run.cal_rows is not None and run.needs_data,
-            "it calibrates on token windows ([N, L]); samples of different lengths (a list of texts or a "
-            "datasets.Dataset) run in memory (drop low_memory)",
+            "it calibrates on token windows ([N, L]); calibration data given as a list of texts or a "
+            "datasets.Dataset runs in memory (drop low_memory, or pass a LongTensor [N, L] of token ids)",
         ),
     ]
     for session in run.sessions:  # a modifier that cannot stream first: no flag below would make the job run

@@ -408,6 +408,31 @@ def _tied_error(name: str, other: str, other_module: nn.Module) -> ValueError:
     return ValueError(msg)
 
 
+def offloaded_to(model: nn.Module) -> str | None:
+    """Where compressed-tensors offloads ``model``'s weights when its onloading copies them (disk, or a device other
+    than the one it onloads to: its ``OffloadCache`` then gives a new tensor at each access, and a weight compressed
+    in place is lost), else ``None`` (CPU onloaded to CPU gives the stored tensor itself). Found by a tester: a
+    disk-offloaded Qwen3 was refused as having tied weights (the onloaded copies' ids were reused once freed)."""
+    for module in model.modules():
+        cache = module._parameters
+        offload, onload = getattr(cache, "offload_device", None), getattr(cache, "onload_device", None)
+        if (
+            offload is not None
+            and onload is not None
+            and (offload == "disk" or torch.device(offload) != torch.device(onload))
+        ):
+            return str(offload)
+    return None
+
+
+OFFLOAD_REFUSAL = (
+    "the model is offloaded by compressed-tensors to {where} (load_offloaded_model, device_map='auto_offload', "
+    "llm-compressor's load_context): each access to a weight reads a new copy, so weights compressed in place would "
+    "be lost; give its directory instead with low_memory=True (model=DIR: streamed one decoder layer at a time; "
+    "--model DIR --low-memory)"
+)
+
+
 def _apply_ties(
     named, candidates: dict[str, nn.Module], ignored_names: set[str], *, head: nn.Module | None = None
 ) -> tuple[dict, dict]:
@@ -533,6 +558,8 @@ def select_targets(
             ignored[name] = pattern
         else:
             candidates[name] = substitute.get(name, module)
+    if (where := offloaded_to(model)) is not None:
+        raise ValueError(OFFLOAD_REFUSAL.format(where=where))
     selected, tied = _apply_ties(named, candidates, ignored_names, head=tied_head(model) if untie_head else None)
     ignored.update(tied)
     if not selected:

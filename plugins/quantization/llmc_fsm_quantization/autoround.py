@@ -91,6 +91,9 @@ __all__ = ["AutoRoundModifier", "LayerErrors", "signround_layer"]
 
 logger = logging.getLogger(__name__)
 
+#: The refusal under torch.distributed (each rank would tune every layer on its share of the calibration data).
+ONE_PROCESS = "AutoRoundModifier runs in one process: start it without torchrun (or with one process)"
+
 #: Range of the clipping factors alpha (of the maximum) and beta (of the minimum), Sec. 3 of the paper.
 CLIP_RANGE = (0.5, 1.0)
 #: Seed of the random choice of calibration samples per step (auto-round's default seed).
@@ -825,11 +828,14 @@ class AutoRoundModifier(QuantizingModifier):
 
     def check_model(self, model: nn.Module) -> dict[str, nn.Module]:
         """:meth:`QuantizingModifier.check_model`; and targets outside the decoder layers are refused (AutoRound
-        tunes a decoder layer on its output): one line, before any work.
+        tunes a decoder layer on its output), and torch.distributed (it runs in one process): one line, before any
+        work (the latter was refused at calibration start, after loading and data preparation: found by a tester).
 
         Raises:
-            ValueError: as the base class, or such targets.
+            ValueError: as the base class, such targets, or several processes.
         """
+        if is_distributed():
+            raise ValueError(ONE_PROCESS)
         targets = super().check_model(model)
         name, layers = find_decoder_layers(model)
         inside = {id(v) for m in layers.modules() for v in (m, *weight_views(m).values())}  # fused experts' views
@@ -849,9 +855,8 @@ class AutoRoundModifier(QuantizingModifier):
         (calibrate, compress, propagate through the compressed layer: :func:`llmc_fsm.pipeline.layer.compress_layer`)
         past the first layer too, where the output hooks are gone: its grouped order would hand the next layer the
         outputs of this one's untuned weights, since the tuning compresses the whole layer at once."""
-        if is_distributed():
-            msg = "AutoRoundModifier runs in one process: start it without torchrun (or with one process)"
-            raise ValueError(msg)
+        if is_distributed():  # a session driven by hand (one-shot refuses it in check_model)
+            raise ValueError(ONE_PROCESS)
         self._float_hidden = None
         self._output_hooks = []
         self._tokens = {}

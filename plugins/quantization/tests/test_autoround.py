@@ -214,6 +214,26 @@ def test_autoround_one_shot_saves_and_reloads_with_equal_logits(tmp_path) -> Non
     assert {m["bits"] for m in quantized.values()} == {4} and {m["group_size"] for m in quantized.values()} == {16}
 
 
+def test_several_processes_are_refused_before_any_work(tmp_path, monkeypatch) -> None:
+    """Under torch.distributed AutoRound was refused at calibration start, after the load and the data's
+    preparation (found by a tester); one-shot's model checks refuse it now, nothing written (``is_distributed``
+    stands in for torchrun here: the refusal is AutoRound's own, whatever the ranks)."""
+    import llmc_fsm_quantization.autoround as autoround
+
+    monkeypatch.setattr(autoround, "is_distributed", lambda: True)
+    model = llama(layers=2, hidden=64, heads=4, kv_heads=2)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    calls = []
+    monkeypatch.setattr(AutoRoundModifier, "on_initialize", lambda self, state: calls.append("on_initialize"))
+    recipe = {"q": {"AutoRoundModifier": {"scheme": W4G16, "iters": 2}}}
+    data = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(2))
+    with pytest.raises(ValueError) as info:
+        llmc_fsm.oneshot(model=model, recipe=recipe, dataset=data, output_dir=tmp_path / "out", progress=False)
+    assert str(info.value) == autoround.ONE_PROCESS
+    assert calls == [] and not (tmp_path / "out").exists()
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+
+
 def test_autoround_tunes_each_fused_expert_matrix_on_the_layers_output_error() -> None:
     """Fused experts (transformers 5's Qwen3MoeExperts): each expert matrix is a target beside the attention's
     Linears, tuned on the decoder layer's output; the layer's output error with the tuned weights, measured here
