@@ -25,12 +25,28 @@ def test_processor_is_the_tokenizer_and_worker_counts_change_nothing(caplog):
     assert out == {"tokenizer": "tok"}
     assert [r.getMessage() for r in caplog.records] == [
         "llm-compressor argument preprocessing_num_workers=8 taken: a worker count: it changes no result here",
-        "llm-compressor argument pipeline='sequential' taken: llmc-fsm calibrates layer by layer (llm-compressor's "
-        "'sequential'; data-free recipes read no data), and has no 'basic', 'layer_sequential' or 'datafree' "
-        "pipeline: leave it out",
+        "llm-compressor argument pipeline='sequential' taken: llmc-fsm calibrates layer by layer, as "
+        "llm-compressor's 'sequential' (data-free recipes read no data)",
         "llm-compressor argument save_compressed=True taken: llmc-fsm writes a quantized model compressed "
-        "(compressed-tensors) only; leave it out",
+        "(compressed-tensors)",
     ]
+
+
+def test_a_taken_value_is_not_told_to_do_what_it_did_and_a_list_is_shown(caplog):
+    """``shuffle_calibration_samples=False`` was told to "pass shuffle_calibration_samples=False or leave it out",
+    and a refused ``sequential_targets`` list was shown as ``<list>`` (found by a tester)."""
+    with caplog.at_level(logging.WARNING, logger="llmc_fsm.oneshot_job.llmcompressor_args"):
+        check_llmcompressor_args({"shuffle_calibration_samples": False}, ["model"])
+    assert [r.getMessage() for r in caplog.records] == [
+        "llm-compressor argument shuffle_calibration_samples=False taken: llmc-fsm takes the rows in their order, as "
+        "llm-compressor does with False"
+    ]
+    with pytest.raises(ValueError) as info:
+        check_llmcompressor_args({"sequential_targets": ["LlamaDecoderLayer"]}, ["model"])
+    assert str(info.value) == (
+        "llm-compressor oneshot argument sequential_targets=['LlamaDecoderLayer'] (taken: None): llmc-fsm finds the "
+        "decoder layers itself (docs/architectures.md); leave it out"
+    )
 
 
 def test_one_refusal_is_one_line_and_several_are_listed_together():

@@ -34,28 +34,34 @@ class LlmcompressorArg:
         accept: the values taken (``None``: any value); another value is refused with ``note``.
         note: why, and what to do instead (shown when refused, logged when taken).
         rename: the llmc-fsm argument that receives the value, or ``None`` (taken with no effect on the result).
+        taken: what the warning line says when an accepted value is given, where ``note`` speaks to a refused one.
     """
 
     accept: tuple[Any, ...] | None
     note: str
     rename: str | None = None
+    taken: str | None = None  # the line logged when an accepted value is given (default: ``note``)
 
 
 #: llm-compressor ``oneshot`` argument -> what llmc-fsm does with it.
 LLMCOMPRESSOR_ARGS: dict[str, LlmcompressorArg] = {
     "processor": LlmcompressorArg(None, "the tokenizer (or a multimodal model's processor)", rename="tokenizer"),
     "save_compressed": LlmcompressorArg(
-        (True,), "llmc-fsm writes a quantized model compressed (compressed-tensors) only; leave it out"
+        (True,),
+        "llmc-fsm writes a quantized model compressed (compressed-tensors) only; leave it out",
+        taken="llmc-fsm writes a quantized model compressed (compressed-tensors)",
     ),
     "pipeline": LlmcompressorArg(
         ("sequential", "independent"),
         "llmc-fsm calibrates layer by layer (llm-compressor's 'sequential'; data-free recipes read no data), and has "
         "no 'basic', 'layer_sequential' or 'datafree' pipeline: leave it out",
+        taken="llmc-fsm calibrates layer by layer, as llm-compressor's 'sequential' (data-free recipes read no data)",
     ),
     "shuffle_calibration_samples": LlmcompressorArg(
         (False,),
         "llmc-fsm takes the rows in their order (text: the windows at its end); shuffle them yourself first (e.g. "
         "ds = ds.shuffle(seed=42)) and pass shuffle_calibration_samples=False or leave it out",
+        taken="llmc-fsm takes the rows in their order, as llm-compressor does with False",
     ),
     "splits": LlmcompressorArg(
         (None,),
@@ -161,7 +167,7 @@ def check_llmcompressor_args(given: Mapping[str, Any], parameters: Sequence[str]
         elif rule.rename is not None:
             out[rule.rename] = value
         else:
-            logger.warning("llm-compressor argument %s=%s taken: %s", name, _short(value), rule.note)
+            logger.warning("llm-compressor argument %s=%s taken: %s", name, _short(value), rule.taken or rule.note)
     if len(refused) == 1:
         raise ValueError(f"llm-compressor oneshot argument {refused[0]}")
     if refused:
@@ -177,5 +183,8 @@ def _same(value: Any, accepted: Any) -> bool:
 
 def _short(value: Any) -> str:
     """``repr(value)`` on one line, at most 60 characters (a dataset or collator object is named by its type)."""
-    text = repr(value) if isinstance(value, str | bool | int | float | type(None)) else f"<{type(value).__name__}>"
+    plain = isinstance(value, str | bool | int | float | type(None)) or (
+        isinstance(value, list | tuple) and all(isinstance(v, str | int | float) for v in value)
+    )  # a list of class names (sequential_targets) was shown as <list> (found by a tester)
+    text = repr(value) if plain else f"<{type(value).__name__}>"
     return text if len(text) <= 60 else text[:57] + "..."
