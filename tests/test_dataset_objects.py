@@ -180,6 +180,13 @@ def test_a_sample_longer_than_the_models_positions_is_refused(tiny_model_dir):
     with pytest.raises(ValueError, match=r"^calibration sample 1 of the dataset has 130 tokens, above the model's "
                        r"max_position_embeddings \(128\): pass max_seq_length \(--seq-len\) of at most 128 to cut"):  # fmt: skip
         llmc_fsm.oneshot(model=str(model_dir), recipe=RECIPE, dataset=["w002", long], progress=False)
+    # max_seq_length caps the samples: above the positions, refused only where a sample is longer than them (before,
+    # any cap above 128 was, whatever the samples: found by a tester)
+    with pytest.raises(ValueError, match=r"^calibration sample 1 of the dataset has 130 tokens"):
+        llmc_fsm.oneshot(model=str(model_dir), recipe=RECIPE, dataset=["w002", long], max_seq_length=8192,
+                         progress=False)  # fmt: skip
+    llmc_fsm.oneshot(model=str(model_dir), recipe=RECIPE, dataset=["w002", "w003 w004"], max_seq_length=8192,
+                     progress=False)  # fmt: skip
     with pytest.raises(ValueError, match=r"^sequence length 200 \(--seq-len / eval\) is above the model's "):
         llmc_fsm.oneshot(model=str(model_dir), recipe=RECIPE, dataset=torch.ones(2, 300, dtype=torch.long),
                          max_seq_length=200, progress=False)  # fmt: skip

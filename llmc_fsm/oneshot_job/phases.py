@@ -227,7 +227,7 @@ def token_data(run: Run) -> None:
     _check_lengths(run, run.model)
     with run.timed("data"):
         calibration_windows(run)
-        if run.cal_rows is not None and run.needs_data and settings.max_seq_length is None:
+        if run.cal_rows is not None and run.needs_data:
             _check_rows_fit(run)
         _check_token_ids(run)
         if run.ev_text is not None:
@@ -273,7 +273,9 @@ def _check_lengths(run: Run, model: Any) -> None:
         ValueError: a length above the model's ``max_position_embeddings``, naming it (:func:`check_seq_len`).
     """
     settings = run.settings
-    if run.needs_data and (not is_rows(settings.dataset) or settings.max_seq_length is not None):
+    # a list of texts or a dataset: max_seq_length only caps its samples, whose own lengths are checked
+    # (_check_rows_fit; found by a tester: a cap of 8192 on 173-token samples was refused for a 256-position model)
+    if run.needs_data and not is_rows(settings.dataset):
         if is_tensor(settings.dataset) and settings.max_seq_length is None:
             what = "the dataset tensor's length {n} (its columns; max_seq_length, --seq-len, cuts it)"
             check_seq_len(model, int(settings.dataset.shape[1]), what)
@@ -322,8 +324,8 @@ def _check_token_ids(run: Run) -> None:
 
 
 def _check_rows_fit(run: Run) -> None:
-    """Samples of a list of texts or a dataset, not cut (no ``max_seq_length``), that are longer than the model's
-    ``max_position_embeddings``: refused before any forward.
+    """Samples of a list of texts or a dataset (after the ``max_seq_length`` cut, if any) that are longer than the
+    model's ``max_position_embeddings``: refused before any forward.
 
     Raises:
         ValueError: naming the first such sample, its length and the limit.
