@@ -173,5 +173,5 @@ def test_an_empty_list_of_modifiers_is_refused_as_empty_not_as_applied():
         llmc_fsm.oneshot(model=model, recipe=[], dataset=data, progress=False)
     assert str(info.value) == (
         "the recipe has no modifier to run: [] is empty; give at least one modifier, or leave recipe out (None) for "
-        "the recipe of method= (--method; default sparsegpt)"
+        "the default recipe (SparseGPT 50%; on the command line, that of --method)"
     )

@@ -114,6 +114,17 @@ def test_without_ignore_lm_head_stays_dense_and_an_embedding_is_never_a_linear(t
     assert config["ignore"] == ["lm_head"]
 
 
+def test_max_workers_is_taken_with_a_warning_line(tmp_path, caplog):
+    """llm-compressor's ``max_workers``: taken, said in a warning line (an INFO line before, invisible by default,
+    where docs/oneshot.md promises a line; found by a tester)."""
+    source = _checkpoint(tmp_path / "src", shard=None)
+    with caplog.at_level(logging.WARNING, logger="llmc_fsm.oneshot_job.model_free"):
+        model_free_ptq(source, tmp_path / "free", scheme="W8A8", ignore=["lm_head"], max_workers=4, progress=False)
+    assert [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING] == [
+        "model_free_ptq: shards are processed one at a time (max_workers=4 has no effect)"
+    ]
+
+
 def _made_up_checkpoint(directory: Path) -> dict[str, torch.Tensor]:
     directory.mkdir()
     torch.manual_seed(0)
@@ -260,7 +271,8 @@ def test_targeted_fused_experts_of_three_dimensions_are_refused(tmp_path):
     message = (
         "model_free_ptq quantizes 2-D Linear weights; these targeted tensors are fused experts of three dimensions: "
         "model.blocks.0.experts.gate_up_proj [4, 16, 32]; add their modules to ignore, or run llmc_fsm.oneshot on "
-        "the directory (it quantizes fused experts per expert)"
+        "the directory, which quantizes the fused experts of the families docs/architectures.md lists per expert "
+        "(not GPT-OSS's nor DBRX's)"
     )
     _refused(tmp_path, ValueError, message, source=source, scheme="W8A8", ignore=["model.embed_tokens"])
     scheme = {"targets": [r"re:.*\.proj$"], "weights": {"num_bits": 8, "strategy": "channel"}}  # not the experts

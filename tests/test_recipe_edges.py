@@ -201,6 +201,22 @@ def test_a_plain_text_file_given_as_recipe_is_named_as_such(tmp_path) -> None:
     )
 
 
+def test_integral_floats_for_int_arguments_are_read_as_llm_compressor_reads_them() -> None:
+    """``block_size: 128.0`` / ``iters: 200.0`` / ``n_grid: 20.0``: llm-compressor's pydantic arguments take them as
+    ints; they were refused here ("block_size must be a positive int, got 128.0"; found by a tester). A float with a
+    fraction is still refused."""
+    text = (
+        "s:\n  GPTQModifier: {scheme: W4A16, block_size: 128.0}\n"
+        "t:\n  AWQModifier: {n_grid: 20.0}\n  QuantizationModifier: {scheme: W4A16}\n"
+        "u:\n  AutoRoundModifier: {scheme: W4A16, iters: 200.0}\n"
+    )
+    gptq, awq, _, autoround = resolve_recipe(text).modifiers
+    assert (gptq.block_size, awq.n_grid, autoround.iters) == (128, 20, 200)
+    assert {type(gptq.block_size), type(awq.n_grid), type(autoround.iters)} == {int}
+    with pytest.raises(RecipeError, match=r"block_size must be a positive int, got 128\.5"):
+        resolve_recipe("s:\n  GPTQModifier: {scheme: W4A16, block_size: 128.5}\n")
+
+
 def test_numbers_written_as_strings_are_read_as_llm_compressor_reads_them() -> None:
     """YAML 1.1 reads ``5e-1`` as a string, and recipes quote numbers: llm-compressor's pydantic arguments take
     them as numbers; they were refused ("sparsity must be a number ..., got '5e-1'"). A string of a non-integral value

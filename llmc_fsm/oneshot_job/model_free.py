@@ -135,7 +135,7 @@ def model_free_ptq(
     check_output_dir(save_directory, overwrite)  # first: the cheapest refusal (claimed after the checks below)
     plan = _plan(model_stub, scheme, config, ignore, device, converter, dtype)  # every check: nothing written yet
     if max_workers != 1:
-        logger.info("model_free_ptq: shards are processed one at a time (max_workers=%s has no effect)", max_workers)
+        logger.warning("model_free_ptq: shards are processed one at a time (max_workers=%s has no effect)", max_workers)
     output = _claim(save_directory, model_stub, overwrite)
     try:
         output.settle({"model_free_ptq": True}, resume=False)
@@ -736,7 +736,8 @@ def _check_fused_experts(tensors: Mapping[str, torch.Tensor], session: Session, 
         msg = (
             f"model_free_ptq quantizes 2-D Linear weights; these targeted tensors are fused experts of three "
             f"dimensions: {compact_names(fused)}; add their modules to ignore, or run llmc_fsm.oneshot on the "
-            "directory (it quantizes fused experts per expert)"
+            "directory, which quantizes the fused experts of the families docs/architectures.md lists per expert "
+            "(not GPT-OSS's nor DBRX's)"
         )
         raise ValueError(msg)
 

@@ -706,7 +706,7 @@ def _sessions(model: Any, recipe: Any, fuse_stages: bool, notes: list[str]) -> t
     if not recipe.stages:  # an empty list of modifiers (a Session takes it; one-shot has nothing to run)
         msg = (
             f"the recipe has no modifier to run: {given!r} is empty; give at least one modifier, or leave recipe out "
-            "(None) for the recipe of method= (--method; default sparsegpt)"
+            "(None) for the default recipe (SparseGPT 50%; on the command line, that of --method)"
         )
         raise ValueError(msg)
     recipe = without_training_stages(recipe)

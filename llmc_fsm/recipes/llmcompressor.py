@@ -428,14 +428,18 @@ def _number_kind(declared: Any) -> type | None:
 def numbers_from_strings(cls: type, kwargs: dict[str, Any]) -> dict[str, Any]:
     """A number written as a string for an argument declared ``float`` or ``int`` (``sparsity: "0.5"``, and YAML's
     ``5e-1``, which YAML 1.1 reads as a string), read as the number, as llm-compressor's pydantic arguments do; an
-    ``int`` only from a string of an integral value (``"128"``, ``"128.0"``). Anything else is left for the field's
-    own validator."""
+    ``int`` only from a string of an integral value (``"128"``, ``"128.0"``); and an integral float for an ``int``
+    (``block_size: 128.0``, ``iters: 200.0``), as pydantic's lax mode reads it (found by a tester: refused here,
+    taken by llm-compressor). Anything else is left for the field's own validator."""
     if not attrs.has(cls):
         return kwargs
     kinds = {a.alias or a.name: _number_kind(a.type) for a in attrs.fields(cls) if a.init}
     out = dict(kwargs)
     for key, value in kwargs.items():
         kind = kinds.get(key)
+        if kind is int and isinstance(value, float) and value.is_integer():
+            out[key] = int(value)
+            continue
         if kind is None or not isinstance(value, str) or not _NUMBER.fullmatch(value.strip()):
             continue
         number = float(value)
