@@ -34,7 +34,7 @@ def test_processor_is_the_tokenizer_and_worker_counts_change_nothing(caplog):
 
 def test_a_taken_value_is_not_told_to_do_what_it_did_and_a_list_is_shown(caplog):
     """``shuffle_calibration_samples=False`` was told to "pass shuffle_calibration_samples=False or leave it out",
-    and a refused ``sequential_targets`` list was shown as ``<list>`` (found by a tester)."""
+    and a refused list was shown as ``<list>`` (found by a tester, with ``sequential_targets``)."""
     with caplog.at_level(logging.WARNING, logger="llmc_fsm.oneshot_job.llmcompressor_args"):
         check_llmcompressor_args({"shuffle_calibration_samples": False}, ["model"])
     assert [r.getMessage() for r in caplog.records] == [
@@ -42,11 +42,8 @@ def test_a_taken_value_is_not_told_to_do_what_it_did_and_a_list_is_shown(caplog)
         "llm-compressor does with False"
     ]
     with pytest.raises(ValueError) as info:
-        check_llmcompressor_args({"sequential_targets": ["LlamaDecoderLayer"]}, ["model"])
-    assert str(info.value) == (
-        "llm-compressor oneshot argument sequential_targets=['LlamaDecoderLayer'] (taken: None): llmc-fsm finds the "
-        "decoder layers itself (docs/architectures.md); leave it out"
-    )
+        check_llmcompressor_args({"splits": ["train", "test"]}, ["model"])
+    assert str(info.value).startswith("llm-compressor oneshot argument splits=['train', 'test'] (taken: None): ")
 
 
 def test_one_refusal_is_one_line_and_several_are_listed_together():
@@ -109,6 +106,34 @@ def test_through_oneshot_refused_before_any_work_and_processor_taken(tiny_model_
         llmc_fsm.oneshot(str(model_dir), RTN, dtype="float32", precision="bfloat16")
     with pytest.raises(ValueError, match=r"^device is given twice \(also under its llm-compressor name\)"):
         llmc_fsm.oneshot(str(model_dir), RTN, device="auto", oneshot_device="cpu")
+
+
+def test_sequential_targets_naming_the_decoder_layers_is_taken_and_another_unit_refused(tiny_model_dir, tmp_path,
+                                                                                         caplog):
+    """15 of llm-compressor's example scripts pass ``sequential_targets=["LlamaDecoderLayer"]`` (or their family's
+    layer class): what llmc-fsm calibrates anyway, taken with one line (it was refused: "leave it out"). Another unit
+    (attention and MLP blocks apart) is refused before any work, for a directory (on its config) and a model."""
+    from transformers import AutoModelForCausalLM
+
+    model_dir, text = tiny_model_dir
+    refusal = (
+        "sequential_targets=['LlamaAttention', 'LlamaMLP'] (llm-compressor's unit of sequential calibration): "
+        "llmc-fsm calibrates the model's decoder layers (model.layers: LlamaDecoderLayer) one at a time and no other "
+        "unit; pass sequential_targets=['LlamaDecoderLayer'] or leave it out"
+    )
+    in_memory = AutoModelForCausalLM.from_pretrained(model_dir)
+    for model in (str(model_dir), in_memory):
+        with pytest.raises(ValueError) as info:
+            llmc_fsm.oneshot(model, RTN, output_dir=tmp_path / "o", sequential_targets=["LlamaAttention", "LlamaMLP"],
+                             progress=False)  # fmt: skip
+        assert str(info.value) == refusal
+        assert not (tmp_path / "o").exists()
+    with caplog.at_level(logging.WARNING, logger="llmc_fsm.oneshot_job.phases"):
+        llmc_fsm.oneshot(str(model_dir), RTN, sequential_targets=["LlamaDecoderLayer"], progress=False)
+    assert [r.getMessage() for r in caplog.records if "sequential_targets" in r.getMessage()] == [
+        "sequential_targets=['LlamaDecoderLayer'] taken: the decoder layers (model.layers) are what llmc-fsm "
+        "calibrates one at a time"
+    ]
 
 
 def test_an_in_memory_model_finds_its_tokenizer_from_where_it_was_loaded(tiny_model_dir, tmp_path):

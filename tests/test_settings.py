@@ -379,6 +379,7 @@ def test_every_fingerprinted_field_changes_the_fingerprint_and_no_other_does(tin
         "device": {"device": "cpu"},
         "activation_budget_mib": {"activation_budget_mib": 8.0},
         "quantization_format": {"quantization_format": "pack-quantized", "output_dir": str(tmp_path / "o")},
+        "sequential_targets": {"sequential_targets": ["LlamaDecoderLayer"]},
     }
     fields = {f.name: f for f in attrs.fields(OneshotSettings)}
     assert sorted(changes) == sorted(fields)  # a new field must be classified here

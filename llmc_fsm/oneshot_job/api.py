@@ -100,6 +100,7 @@ def oneshot(
     device: Any = _AUTO,
     quantization_format: str | None = None,
     activation_budget_mib: float | None = None,
+    sequential_targets: Any = None,
     **llmcompressor_args: Any,
 ) -> nn.Module:
     """Compress ``model`` in one shot with ``recipe``, calibrating layer by layer on ``dataset``.
@@ -135,6 +136,9 @@ def oneshot(
             (``"pack-quantized"``, ``"int-quantized"``, ...; default: each scheme's, see
             :func:`llmc_fsm.output.save.choose_formats`), e.g. ``"pack-quantized"`` for asymmetric int weights that
             vLLM is to serve, as llm-compressor saves them (transformers 5.25 cannot reload those).
+        sequential_targets: llm-compressor's unit of sequential calibration (class names): taken when it names
+            exactly the classes of the model's decoder layers, which llmc-fsm calibrates one at a time (its
+            examples' ``["LlamaDecoderLayer"]``, ...); anything else (attention or MLP blocks) is refused.
         llmcompressor_args: llm-compressor's ``oneshot`` arguments that this function does not have
             (``processor``, ``save_compressed``, ``pipeline``, ``splits``...): each is taken under its llmc-fsm
             name, taken because it changes nothing here, or refused saying what to do

@@ -74,10 +74,6 @@ LLMCOMPRESSOR_ARGS: dict[str, LlmcompressorArg] = {
         "llm-compressor's default 'truncation' cuts each batch to its shortest row, which changes nothing at its "
         "default batch_size 1); image calibration data is a directory with metadata.jsonl (docs/oneshot.md)",
     ),
-    "sequential_targets": LlmcompressorArg(
-        (None,),
-        "llmc-fsm finds the decoder layers itself (docs/architectures.md); leave it out",
-    ),
     "moe_calibrate_all_experts": LlmcompressorArg(
         (False,),
         "set calibrate_all_experts: true on the modifier instead (GPTQ, SparseGPT, Wanda, AutoRound...; "

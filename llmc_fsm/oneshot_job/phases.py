@@ -44,7 +44,7 @@ from llmc_fsm.models.known import (
     known_model_dir,
     load_model,
 )
-from llmc_fsm.models.layers import check_calibrates_from_text
+from llmc_fsm.models.layers import check_calibrates_from_text, find_decoder_layers
 from llmc_fsm.oneshot_job.data import (
     DEFAULT_PROMPTS,
     calibration_inputs,
@@ -224,6 +224,7 @@ def token_data(run: Run) -> None:
         MissingStateError: a modifier needs state one-shot does not give.
     """
     settings = run.settings
+    _check_sequential_targets(run, run.model, say=True)  # again: a config the meta-device build could not take
     _check_lengths(run, run.model)
     with run.timed("data"):
         calibration_windows(run)
@@ -472,6 +473,7 @@ def _check_on_meta(run: Run) -> None:
     from torch import nn
 
     if isinstance(run.settings.model, nn.Module):  # the modifiers check it after loading; the format here (pure)
+        _check_sequential_targets(run, run.settings.model)
         _check_format_of_targets(run, run.settings.model)
         return
     config = run.model_config if run.model_config is not None else _cached_known_config(run.settings.model)
@@ -483,6 +485,7 @@ def _check_on_meta(run: Run) -> None:
         logger.debug("the model of this config cannot be built on meta (%s): checked after loading", err)
         return
     _check_runs_on_text(run, skeleton)  # an encoder-decoder model: refused as the loaded one would be
+    _check_sequential_targets(run, skeleton)
     try:
         check_modifiers(run.sessions, skeleton, True)
         _check_format_of_targets(run, skeleton)
@@ -490,6 +493,36 @@ def _check_on_meta(run: Run) -> None:
         raise
     except Exception as err:  # a check that needs real weights: it runs again on the loaded model
         logger.debug("a modifier check failed on the meta-device model (%r): checked after loading", err)
+
+
+def _check_sequential_targets(run: Run, model: Any, *, say: bool = False) -> None:
+    """llm-compressor's ``sequential_targets`` (class names of its unit of sequential calibration) against the classes
+    of ``model``'s decoder layers, which llmc-fsm calibrates one at a time: the same set is taken (``say``: one
+    warning line, from the check on the loaded model), any other refused (llm-compressor would calibrate another
+    unit: attention and MLP blocks apart, a vision tower's layers...).
+
+    Raises:
+        ValueError: other class names (named, with the decoder layers' classes).
+    """
+    names = run.settings.sequential_targets
+    if names is None:
+        return
+    layers_name, layers = find_decoder_layers(model)
+    classes = sorted({type(layer).__name__ for layer in layers})
+    if sorted(set(names)) != classes:
+        msg = (
+            f"sequential_targets={list(names)!r} (llm-compressor's unit of sequential calibration): llmc-fsm "
+            f"calibrates the model's decoder layers ({layers_name}: {', '.join(classes)}) one at a time and no other "
+            "unit; "
+            f"pass sequential_targets={classes!r} or leave it out"
+        )
+        raise ValueError(msg)
+    if say:
+        logger.warning(
+            "sequential_targets=%r taken: the decoder layers (%s) are what llmc-fsm calibrates one at a time",
+            list(names),
+            layers_name,
+        )
 
 
 def _check_runs_on_text(run: Run, model: Any) -> None:

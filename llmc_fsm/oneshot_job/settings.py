@@ -114,6 +114,19 @@ def _setting(
     return attrs.field(default=default, validator=validator, converter=converter, eq=eq, metadata=metadata)
 
 
+def _tuple_of_names(value: Any) -> Any:
+    """A class name or a list of them as a tuple (``"LlamaDecoderLayer"`` -> ``("LlamaDecoderLayer",)``); others as
+    given, for the validator to name."""
+    if isinstance(value, str):
+        return (value,)
+    return tuple(value) if isinstance(value, list | tuple) else value
+
+
+def _class_names(instance: Any, field: attrs.Attribute, value: Any) -> None:
+    if value is not None and (not value or not all(isinstance(v, str) and v for v in value)):
+        _fail(field, "None or class names (e.g. ['LlamaDecoderLayer'])", value)
+
+
 def _fail(field: attrs.Attribute, what: str, value: Any) -> None:
     msg = f"{argument_name(field)} must be {what}, got {value!r}"
     raise ValueError(msg)
@@ -410,6 +423,14 @@ class OneshotSettings:
         flag="--activation-budget-mib",
         cli={"type": float},
         validator=_budget,
+    )
+
+    sequential_targets: tuple[str, ...] | None = _setting(
+        None,
+        "llm-compressor's unit of sequential calibration, by class name: taken when it names exactly the classes of "
+        "the model's decoder layers (what llmc-fsm calibrates one at a time), else refused",
+        validator=_class_names,
+        converter=_tuple_of_names,
     )
 
     def __attrs_post_init__(self) -> None:
