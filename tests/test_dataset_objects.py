@@ -136,8 +136,8 @@ def test_describe_names_the_kind_in_one_line():
             {"dataset": FakeDataset(input_ids=[[1, 2]], attention_mask=[[1, 1]], pixel_values=[[[0.5]]])},
             "dataset (--dataset) is a test_dataset_objects.FakeDataset with image / audio inputs ('pixel_values'), "
             "which llmc-fsm does not pass to the model (it reads 'input_ids' or 'text'): calibrating on the tokens "
-            "alone would skip them; give the images as a directory with processor= (docs/oneshot.md), or remove the "
-            "columns to calibrate on the text",
+            "alone would skip them; give images as a directory with processor= (docs/oneshot.md; audio calibration "
+            "data is not supported), or remove the columns to calibrate on the text",
         ),
         (
             {"dataset": torch.zeros(8, 16, dtype=torch.long), "num_calibration_samples": 9},
@@ -277,3 +277,13 @@ def test_token_ids_the_embedding_has_no_row_for_are_refused_before_any_forward(t
         with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
             llmc_fsm.oneshot(model=str(model_dir), recipe=RECIPE, dataset=data, output_dir=tmp_path / "o", progress=False)
         assert not (tmp_path / "o").exists()
+
+
+def test_a_text_column_named_like_a_processor_output_is_not_refused():
+    """Only image / audio processor outputs are refused (a tester's case: a column of texts named ``input_values``)."""
+    from llmc_fsm.data.rows import dataset_object_error
+
+    assert dataset_object_error(FakeDataset(text=["w001 w002"], input_values=["some words"])) is None
+    assert dataset_object_error(FakeDataset(text=["w001 w002"], input_values=[[0.1, 0.2]])).startswith(
+        "is a test_dataset_objects.FakeDataset with image / audio inputs ('input_values')"
+    )

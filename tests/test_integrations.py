@@ -184,6 +184,7 @@ def test_a_second_train_is_refused_until_the_session_is_reset_then_runs_with_the
     )
     assert (info.value.lifecycle, info.value.call, info.value.allowed) == ("finalized", "train", ("reset",))
     trainer.session.reset()
+    trainer.session.update_state(extra_key=1)  # staged since the reset: the model and teacher are still staged again
     trainer.train()
     assert trainer.session.lifecycle == "finalized" and trainer.session.global_step == 2
     assert trainer.session.state.teacher is teacher and trainer.session.state.model is trainer.model

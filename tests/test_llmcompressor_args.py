@@ -43,26 +43,26 @@ def test_a_taken_value_is_not_told_to_do_what_it_did_and_a_list_is_shown(caplog)
     ]
     with pytest.raises(ValueError) as info:
         check_llmcompressor_args({"splits": ["train", "test"]}, ["model"])
-    assert str(info.value).startswith("llm-compressor oneshot argument splits=['train', 'test'] (taken: None): ")
+    assert str(info.value).startswith("llm-compressor oneshot argument splits=['train', 'test'] (accepted: None): ")
 
 
 def test_one_refusal_is_one_line_and_several_are_listed_together():
     with pytest.raises(ValueError) as one:
         check_llmcompressor_args({"splits": {"calibration": "train[:5%]"}}, ["model"])
     assert str(one.value) == (
-        "llm-compressor oneshot argument splits=<dict> (taken: None): pass the split's rows themselves: a text/JSONL file, a "
+        "llm-compressor oneshot argument splits=<dict> (accepted: None): pass the split's rows themselves: a text/JSONL file, a "
         "datasets.Dataset (load_dataset(...)[split]) or token ids"
     )
     with pytest.raises(ValueError) as several:
         check_llmcompressor_args({"pipeline": "basic", "save_compressed": 1, "moe_calibrate_all_experts": True}, [])
     assert str(several.value).splitlines() == [
         "llm-compressor oneshot arguments llmc-fsm does not take as given:",
-        "  - pipeline='basic' (taken: 'sequential' or 'independent'): llmc-fsm calibrates layer by layer "
+        "  - pipeline='basic' (accepted: 'sequential' or 'independent'): llmc-fsm calibrates layer by layer "
         "(llm-compressor's 'sequential'; data-free recipes read no data), and has no 'basic', 'layer_sequential' or "
         "'datafree' pipeline: leave it out",
-        "  - save_compressed=1 (taken: True): llmc-fsm writes a quantized model compressed (compressed-tensors) only; "
+        "  - save_compressed=1 (accepted: True): llmc-fsm writes a quantized model compressed (compressed-tensors) only; "
         "leave it out",
-        "  - moe_calibrate_all_experts=True (taken: False): " + LLMCOMPRESSOR_ARGS["moe_calibrate_all_experts"].note,
+        "  - moe_calibrate_all_experts=True (accepted: False): " + LLMCOMPRESSOR_ARGS["moe_calibrate_all_experts"].note,
     ]
 
 
@@ -77,7 +77,7 @@ def test_llmcompressors_default_data_collator_is_taken_and_padding_refused(caplo
     assert "no token cut" in note and "batch_size 1" in note
     with pytest.raises(ValueError) as err:
         check_llmcompressor_args({"data_collator": "padding"}, ["model"])
-    refused = "llm-compressor oneshot argument data_collator='padding' (taken: None or 'truncation'): "
+    refused = "llm-compressor oneshot argument data_collator='padding' (accepted: None or 'truncation'): "
     assert str(err.value) == refused + note
 
 

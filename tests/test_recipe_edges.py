@@ -215,6 +215,22 @@ def test_integral_floats_for_int_arguments_are_read_as_llm_compressor_reads_them
     assert {type(gptq.block_size), type(awq.n_grid), type(autoround.iters)} == {int}
     with pytest.raises(RecipeError, match=r"block_size must be a positive int, got 128\.5"):
         resolve_recipe("s:\n  GPTQModifier: {scheme: W4A16, block_size: 128.5}\n")
+    with pytest.raises(RecipeError, match=r"block_size must be a positive int, got 1e\+300"):  # not a 301-digit int
+        resolve_recipe("s:\n  GPTQModifier: {scheme: W4A16, block_size: 1.0e+300}\n")
+
+
+def test_numpy_numbers_are_read_as_the_python_ones() -> None:
+    """A script's ``np.int64(128)`` / ``np.float32(0.01)`` (llm-compressor's pydantic takes them; refused here before,
+    found by a tester), and numpy epochs."""
+    import numpy as np
+
+    from llmc_fsm_pruning import MagnitudePruningModifier
+    from llmc_fsm_quantization import GPTQModifier
+
+    gptq = GPTQModifier(scheme="W4A16", block_size=np.int64(128), dampening_frac=np.float32(0.25))
+    assert (gptq.block_size, gptq.dampening_frac) == (128, 0.25)
+    assert (type(gptq.block_size), type(gptq.dampening_frac)) == (int, float)
+    assert MagnitudePruningModifier(sparsity=0.5, start=np.int64(2)).start == 2.0
 
 
 def test_numbers_written_as_strings_are_read_as_llm_compressor_reads_them() -> None:

@@ -248,6 +248,26 @@ def test_a_constant_pruning_modifier_from_end_holds_what_a_gradual_run_reached()
     assert after_step[3:] == [0.5] * 5  # epochs 0.75 (s = 0.49375: 32 of 64 per module) to 1.75
 
 
+def test_a_gradual_run_again_after_reset_prunes_as_the_first_did():
+    """The same modifier object after ``session.reset()`` runs the schedule anew (found by a tester: the last run's
+    ``_final_applied`` and ``history`` survived, and the second run never pruned to ``final_sparsity``)."""
+    mod = MagnitudePruningModifier(init_sparsity=0.1, final_sparsity=0.5, start=0, end=1, update=0.25)
+    session = Session([mod])
+    runs = []
+    for _ in range(2):
+        model = TinyLM()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
+        initialize(session, model=model, optimizer=optimizer, steps_per_epoch=4)
+        for batch in _batches(6):
+            session.batch_start(batch=batch)
+            session.loss_calculated(model(**batch).loss).backward()
+            optimizer_step(session, optimizer)
+            session.batch_end()
+        runs.append((list(mod.history), mod.measured_sparsity))
+        session.reset()
+    assert runs[0] == runs[1] and runs[0][0][-1] == (1.0, 0.5) and runs[0][1] == 0.5
+
+
 def test_magnitude_leave_enabled_must_be_a_bool():
     with pytest.raises(TypeError) as info:
         MagnitudePruningModifier(sparsity=0.5, leave_enabled="no")
@@ -374,8 +394,15 @@ def test_lr_validation():
         LearningRateModifier(schedule="step", init_lr=0.1)
     with pytest.raises(ValueError, match=r"^unknown schedule 'exp'; use one of constant, linear, cosine, step$"):
         LearningRateModifier(schedule="exp", init_lr=0.1)
-    with pytest.raises(ValueError, match=r"^init_lr must be a number > 0, got 0\.0$"):
+    with pytest.raises(ValueError, match=r"^init_lr must be a finite number > 0, got 0\.0$"):
         LearningRateModifier(init_lr=0)
+    # inf was taken and written into the optimizer (found by a tester)
+    with pytest.raises(ValueError, match=r"^init_lr must be a finite number > 0, got inf$"):
+        LearningRateModifier(init_lr=float("inf"))
+    with pytest.raises(ValueError, match=r"^final_lr must be a finite number >= 0, got inf$"):
+        LearningRateModifier(schedule="linear", init_lr=0.1, final_lr=float("inf"), end=1)
+    with pytest.raises(ValueError, match=r"^gamma must be a finite number > 0, got inf$"):
+        LearningRateModifier(schedule="step", init_lr=0.1, step_size=1, gamma=float("inf"))
 
 
 @pytest.mark.parametrize(
@@ -489,6 +516,15 @@ def test_distillation_temperature_must_be_finite_and_positive(value):
     with pytest.raises(ValueError) as info:
         OutputDistillationModifier(temperature=value)
     assert str(info.value) == f"temperature must be a finite number > 0, got {value!r}"
+
+
+def test_an_integrations_missing_state_error_names_a_misspelled_key_too():
+    """The integrations rebuild the message with their own advice; the "misspelling?" line was lost there (found by
+    a tester)."""
+    session = Session([OutputDistillationModifier()])
+    with pytest.raises(MissingStateError) as info:
+        initialize(session, model=TinyLM(), teachr=TinyLM(seed=1))
+    assert "The state holds 'teachr': a misspelling of 'teacher'?" in str(info.value).splitlines()
 
 
 def test_distillation_kl_is_zero_for_identical_logits():

@@ -36,6 +36,7 @@ import abc
 import contextlib
 import functools
 import math
+import numbers
 import sys
 import weakref
 from collections.abc import Callable, Mapping
@@ -122,22 +123,18 @@ def modifier_labels(modifiers: list[Modifier]) -> list[str]:
 
 
 class _Binding:
-    """The live session a modifier object belongs to (a weak reference), its label there and the guard of its hooks.
+    """The live session a modifier belongs to (a weak reference), its label there and the guard of its hooks.
 
-    It binds that object only (``owner``: its ``id``): a copy of a bound modifier (``copy.copy``, ``copy.deepcopy``,
-    ``pickle``) is a new, unbound object (found by a tester: a deep copy was refused as "bound to another live
-    session", and pickling failed on the weak reference)."""
+    A copy of a bound modifier (``copy.copy``, ``copy.deepcopy``) shares it, and is refused by another session while
+    that one is live: the copy holds the original's per-run state (its masks, or hook handles that would remove the
+    original's hooks: measured by a tester, a shallow copy run in a second session cleared the first one's masks)."""
 
-    __slots__ = ("guard", "label", "owner", "session")
+    __slots__ = ("guard", "label", "session")
 
-    def __init__(self, session: Any, label: str, modifier: Any) -> None:  # session: a llmc_fsm.Session (not imported)
+    def __init__(self, session: Any, label: str) -> None:  # a llmc_fsm.Session (a higher layer: not imported)
         self.session = weakref.ref(session)
         self.label = label
-        self.owner = id(modifier)
         self.guard: Guard | None = None
-
-    def __reduce__(self) -> tuple[Any, tuple[()]]:
-        return type(None), ()  # copied or pickled: no binding (None)
 
 
 class Event:
@@ -172,7 +169,7 @@ class Event:
 def _optional_epoch(value: Any) -> float | None:
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int | float):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):  # numpy numbers too
         msg = f"must be a number of epochs or null, got {value!r}"
         raise TypeError(msg)
     if not math.isfinite(value):  # nan passed every comparison unchecked; inf never comes (found by a tester)
@@ -332,8 +329,7 @@ class Modifier(metaclass=ModifierType):
     # --- the live session this modifier belongs to ----------------------------
     @property
     def _binding(self) -> _Binding | None:
-        binding = self.__dict__.get("_llmc_fsm_binding")
-        return binding if binding is not None and binding.owner == id(self) else None
+        return self.__dict__.get("_llmc_fsm_binding")
 
     def _guard(self) -> Guard:
         binding = self._binding

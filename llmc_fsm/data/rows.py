@@ -148,13 +148,14 @@ def dataset_object_error(value: Any) -> str | None:
         return None if value else f"is an empty {_type_name(value)}: pass at least one text"
     if _is_dataset(value):
         columns = list(value.column_names)
-        modal = [c for c in columns if c in MODALITY_COLUMNS]
+        first = value[0] if len(value) else {}
+        modal = [c for c in columns if c in MODALITY_COLUMNS and not isinstance(first.get(c), str)]  # not a text
         if modal:
             return (
                 f"is a {_type_name(value)} with image / audio inputs ({', '.join(map(repr, modal))}), which "
                 "llmc-fsm does not pass to the model (it reads 'input_ids' or 'text'): calibrating on the tokens "
-                "alone would skip them; give the images as a directory with processor= (docs/oneshot.md), or remove "
-                "the columns to calibrate on the text"
+                "alone would skip them; give images as a directory with processor= (docs/oneshot.md; audio "
+                "calibration data is not supported), or remove the columns to calibrate on the text"
             )
         if "input_ids" not in columns and "text" not in columns:
             return (

@@ -21,7 +21,7 @@ default onto the student's device, or onto ``teacher_device`` — ``"auto" |
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -38,7 +38,10 @@ logger = logging.getLogger(__name__)
 
 
 def with_integration_hints(
-    exc: MissingStateError, integration: str, hint: Callable[[str], str] | Mapping[str, str]
+    exc: MissingStateError,
+    integration: str,
+    hint: Callable[[str], str] | Mapping[str, str],
+    given: Iterable[str] = (),
 ) -> MissingStateError:
     """Return a new :class:`MissingStateError` whose message adds, per missing key, how to pass it in ``integration``.
 
@@ -46,6 +49,7 @@ def with_integration_hints(
         exc: the error raised by ``Session.initialize``.
         integration: a name for the message, e.g. ``"SessionTrainer"``.
         hint: key -> sentence (a mapping, or a function of the key).
+        given: the keys the state held (one close to a missing key is named as a possible misspelling).
 
     The new error keeps ``missing``, ``lifecycle`` and ``allowed``; raise it
     ``from exc``.
@@ -54,7 +58,11 @@ def with_integration_hints(
     keys = sorted(set().union(*exc.missing.values())) if exc.missing else []
     # the session's own advice left out: the integration makes those calls (its "pass again what you gave this
     # call (optimizer)" named what the integration passed, found by a tester)
-    text = missing_state_message(exc.missing, exc.lifecycle, frozenset(), session_advice=False) if keys else str(exc)
+    text = (
+        missing_state_message(exc.missing, exc.lifecycle, frozenset(), session_advice=False, given=given)
+        if keys
+        else str(exc)
+    )
     lines = [text, f"How to pass them with {integration}:"]
     for key in keys:
         text = get(key)
@@ -93,7 +101,7 @@ def start_session(
     try:
         session.initialize(**state)
     except MissingStateError as exc:
-        raise with_integration_hints(exc, *hints) from exc
+        raise with_integration_hints(exc, *hints, given=[*session.state, *state]) from exc
     try:
         place_teacher(session, device)
         if saved is not None:

@@ -295,8 +295,9 @@ class SessionTrainerMixin:
                 "(this trainer stages its model and teacher again), or build a new SessionTrainer"
             )
             raise LifecycleError(msg, lifecycle=lifecycle, call="train", allowed=self.session.allowed_calls)
-        if lifecycle == "created" and not self.session.state:  # reset() dropped what __init__ staged
-            self.session.update_state(**self._llmc_staged)
+        dropped = {k: v for k, v in self._llmc_staged.items() if k not in self.session.state}
+        if dropped:  # reset() dropped what __init__ staged (whatever was staged since)
+            self.session.update_state(**dropped)
         if resume_from_checkpoint is True:
             resume_from_checkpoint = get_last_checkpoint(self.args.output_dir)  # type: ignore[attr-defined]
             if resume_from_checkpoint is None:

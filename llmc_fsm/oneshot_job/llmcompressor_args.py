@@ -158,7 +158,7 @@ def check_llmcompressor_args(given: Mapping[str, Any], parameters: Sequence[str]
     for name, value in given.items():
         rule = LLMCOMPRESSOR_ARGS[name]
         if rule.accept is not None and not any(_same(value, v) for v in rule.accept):
-            taken = f" (taken: {' or '.join(repr(v) for v in rule.accept)})" if rule.accept else ""
+            taken = f" (accepted: {' or '.join(repr(v) for v in rule.accept)})" if rule.accept else ""
             refused.append(f"{name}={_short(value)}{taken}: {rule.note}")
         elif rule.rename is not None:
             out[rule.rename] = value

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import difflib
 import logging
+import numbers
 import re
 import types
 import typing
@@ -430,16 +431,21 @@ def numbers_from_strings(cls: type, kwargs: dict[str, Any]) -> dict[str, Any]:
     ``5e-1``, which YAML 1.1 reads as a string), read as the number, as llm-compressor's pydantic arguments do; an
     ``int`` only from a string of an integral value (``"128"``, ``"128.0"``); and an integral float for an ``int``
     (``block_size: 128.0``, ``iters: 200.0``), as pydantic's lax mode reads it (found by a tester: refused here,
-    taken by llm-compressor). Anything else is left for the field's own validator."""
+    taken by llm-compressor); a numpy number as the Python one. Anything else is left for the field's own
+    validator."""
     if not attrs.has(cls):
         return kwargs
     kinds = {a.alias or a.name: _number_kind(a.type) for a in attrs.fields(cls) if a.init}
     out = dict(kwargs)
     for key, value in kwargs.items():
         kind = kinds.get(key)
-        if kind is int and isinstance(value, float) and value.is_integer():
-            out[key] = int(value)
+        if kind is int and isinstance(value, float) and value.is_integer() and abs(value) <= 2**53:
+            out[key] = int(value)  # (a float past 2**53, e.g. 1e300, is left for the validator to refuse)
             continue
+        if kind is not None and isinstance(value, numbers.Real) and not isinstance(value, bool | int | float):
+            if kind is float or isinstance(value, numbers.Integral):  # numpy's np.float32(0.01), np.int64(128)
+                out[key] = kind(value)
+                continue
         if kind is None or not isinstance(value, str) or not _NUMBER.fullmatch(value.strip()):
             continue
         number = float(value)

@@ -173,13 +173,13 @@ class Schedule:
                 other = binding.session() if binding is not None else None
                 if other is not None and other is not owner and other.lifecycle in _LIVE:
                     return (
-                        f"modifier {slot.label} (this object) is bound to another live session {other!r}; "
-                        "initializing it here would undo that session's work (its targets, masks, schedule and "
-                        "hooks). Finalize or reset that session first, or give this session its own modifier "
-                        "objects (e.g. build the recipe again)."
+                        f"modifier {slot.label} (this object, or a copy of it: a copy shares its run state) is bound "
+                        f"to another live session {other!r}; initializing it here would undo that session's work "
+                        "(its targets, masks, schedule and hooks). Finalize or reset that session first, or give "
+                        "this session its own modifier objects (e.g. build the recipe again)."
                     )
             for slot in self.slots:
-                slot.modifier.__dict__["_llmc_fsm_binding"] = _Binding(owner, slot.label, slot.modifier)
+                slot.modifier.__dict__["_llmc_fsm_binding"] = _Binding(owner, slot.label)
         return None
 
     def watch(self, state: Mapping[str, Any]) -> None:

@@ -31,7 +31,7 @@ What is checked:
    - a refused call (``LifecycleError``) runs no hook at all;
    - hooks run only inside the session calls that own them (``on_event`` only
      for the events in ``events``, calibration hooks only in their calibration
-     call, ``on_start``/``on_update``/``on_end`` only at events, finalize or reset);
+     call, ``on_start``/``on_update`` only at events, ``on_end`` at events or finalize, not at reset);
    - after ``finalize``/``reset`` (and a refused ``initialize``),
      ``modifier.num_hooks == 0`` and, when the state holds a ``torch.nn.Module``
      as ``model``, the model carries exactly the torch hooks it had before.

@@ -24,7 +24,7 @@ def _allowed_hooks() -> dict[str, frozenset[str]]:
         "update_state": frozenset(),
         "initialize": frozenset({"on_initialize", "on_finalize"}),  # on_finalize: roll-back only
         "finalize": frozenset({"on_end", "on_finalize"}),
-        "reset": frozenset({"on_end", "on_finalize"}),
+        "reset": frozenset({"on_finalize"}),  # no on_end: a reset run is not ended (2026-12-06)
     }
     for event in EVENTS:
         own = frozenset({"on_event"} if event in BATCH_EVENTS else {f"on_{event}"})

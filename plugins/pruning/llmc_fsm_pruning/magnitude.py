@@ -187,6 +187,10 @@ class MagnitudePruningModifier(Modifier):
 
     # --- lifecycle ------------------------------------------------------------
     def on_initialize(self, state: State) -> None:
+        # a new run (the same object after a session reset()): the last run's schedule state is not this one's
+        # (found by a tester: the final prune was skipped, its history and _final_applied kept)
+        self._final_applied, self.history, self._masks = False, [], MaskSet()
+        self.measured_sparsity, self.module_sparsity = None, {}
         self._modules = resolve_targets(state.model, self.targets, self.ignore, views=True)
         if parse_mask_structure(self.mask_structure) is not None:
             for module in self._modules.values():  # fail at initialize, not mid-run

@@ -83,14 +83,14 @@ def scheduled_lr(
 def _positive(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
     if value is None:
         return
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not float(value) > 0:
-        msg = f"{attribute.name} must be a number > 0, got {value!r}"
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.inf > float(value) > 0:
+        msg = f"{attribute.name} must be a finite number > 0, got {value!r}"  # inf was taken (found by a tester)
         raise ValueError(msg)
 
 
 def _non_negative(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not float(value) >= 0:
-        msg = f"{attribute.name} must be a number >= 0, got {value!r}"
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.inf > float(value) >= 0:
+        msg = f"{attribute.name} must be a finite number >= 0, got {value!r}"
         raise ValueError(msg)
 
 
