@@ -265,7 +265,7 @@ class OneshotSettings:
 
     model: Any = _setting(
         DEFAULT_MODEL,
-        "known model name or local HF directory",
+        "known model name, local HF directory, or Hub ID (ORG/NAME)",
         flag="--model",
         fingerprint=("model",),
         by_content=True,
