@@ -53,6 +53,16 @@ def test_an_unknown_option_is_named_by_the_subcommand_with_the_option_meant(caps
         "see 'llmc-fsm oneshot --help'\n"
     )
     assert list(tmp_path.iterdir()) == []
+    # a prefix of an option is not taken as the option (argparse's default took --num-sample as --num-samples and
+    # ran the job: found by a README-only newcomer)
+    with pytest.raises(SystemExit) as info:
+        main(["oneshot", "--num-sample", "8", "--output", "out"])
+    assert info.value.code == 2
+    assert capsys.readouterr().err == (
+        "llmc-fsm oneshot: error: unrecognized arguments: --num-sample 8 (did you mean --num-samples?); "
+        "see 'llmc-fsm oneshot --help'\n"
+    )
+    assert list(tmp_path.iterdir()) == []
     with pytest.raises(SystemExit) as info:
         main(["modifiers", "extra"])
     assert info.value.code == 2
@@ -296,3 +306,23 @@ def test_fewer_calibration_tokens_than_hessian_inputs_warn_once_before_the_work(
         "are rank-deficient and the result depends on float rounding (batch size, threads); give at least 32 tokens "
         "(--num-samples x --seq-len)"
     ]
+
+
+def test_a_busy_machine_is_said_when_threads_are_not_given(tmp_path, monkeypatch, caplog):
+    """A README-only newcomer measured the same GPTQ job 15x slower with torch's 2 threads than with --threads 1
+    under a load of ~4-6 on 2 cores; one line says so when the load is at least torch's thread count and --threads
+    is not given (the default stays: the thread count moves float rounding)."""
+    import llmc_fsm.cli.oneshot as cli_oneshot
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(cli_oneshot.os, "getloadavg", lambda: (4.5, 4.0, 3.0))
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    for extra, said in (([], True), (["--threads", "1"], False)):
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="llmc_fsm.cli.oneshot"):
+            assert main(["oneshot", "--model", str(tmp_path / "missing"), "--no-progress", *extra]) == 1
+        lines = [r.getMessage() for r in caplog.records if r.name == "llmc_fsm.cli.oneshot"]
+        assert lines == (
+            ["the machine is busy (1-minute load 4.5 for torch's 2 threads): multi-threaded compression can then be "
+             "many times slower (measured up to 15x on 2 cores); --threads 1 may finish sooner"] if said else []
+        )  # fmt: skip

@@ -376,8 +376,9 @@ def test_a_meta_device_model_is_refused_and_a_tokenizer_may_be_a_directory(tmp_p
     with pytest.raises(ValueError) as info:
         llmc_fsm.oneshot(model=meta, progress=False)
     assert str(info.value) == (
-        "the model's parameters are on the meta device (a low_memory run returns its model so): give the directory "
-        "its output was written to as the model instead (model=DIR, --model DIR)"
+        "the model's parameters are on the meta device (accelerate's device_map offloading, or a low_memory run's "
+        "returned model): give the directory it was loaded from or written to as the model instead, with "
+        "low_memory=True to bound the memory (model=DIR; --model DIR --low-memory)"
     )
     model_dir, text = tiny_llama.build_with_text(tmp_path)
     model = AutoModelForCausalLM.from_pretrained(model_dir)

@@ -26,7 +26,7 @@ import os
 import re
 import sys
 from collections.abc import Sequence
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from llmc_fsm.cli import lifecycle, model_free, oneshot, plugins, report
 from llmc_fsm.core.version import __version__
@@ -41,7 +41,13 @@ _SUBCOMMANDS = (lifecycle, plugins, oneshot, model_free, report)
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse, but a usage error is one line (the command's usage block is what ``--help`` is for)."""
+    """argparse, but a usage error is one line (the command's usage block is what ``--help`` is for), and an option
+    is spelled out: argparse's prefix matching ran ``--num-sample 8`` as ``--num-samples 8`` (found by a README-only
+    newcomer), where a misspelt option is a mistake to name (``did you mean --num-samples?``)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)  # the subcommands' parsers are made by this class too
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message}{_did_you_mean(message)}; see '{self.prog} --help'\n")
