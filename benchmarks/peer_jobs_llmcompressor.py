@@ -3,7 +3,7 @@
 Runs INSIDE the peer venv (see ``benchmarks/_peer.py``), never in ours, one job per fresh process::
 
     python benchmarks/_peer.py benchmarks/peer_jobs_llmcompressor.py --job gptq \\
-        --model ~/.cache/llmc_fsm/models/known/smollm2-135m --data ../shared/data/wikitext-2-raw/wiki.test.raw \\
+        --model ~/.cache/llmc_fsm/models/smollm2-135m --data ../shared/data/wikitext-2-raw/wiki.test.raw \\
         --out /tmp/peer-gptq
 
 What a user of llm-compressor writes for the job, in this order, measured as our side is measured

@@ -3,7 +3,7 @@
 Runs INSIDE the peer venv (see ``benchmarks/_peer.py``), never in ours::
 
     python benchmarks/_peer.py benchmarks/peer_oneshot_llmcompressor.py \\
-        --model ~/.cache/llmc_fsm/models/known/smollm2-135m \\
+        --model ~/.cache/llmc_fsm/models/smollm2-135m \\
         --data ../shared/data/wikitext-2-raw/wiki.test.raw
 
 Protocol (identical to ours, because the windows and the perplexity come from

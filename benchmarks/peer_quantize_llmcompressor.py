@@ -3,7 +3,7 @@
 Runs INSIDE the peer venv (see ``benchmarks/_peer.py``), never in ours::
 
     python benchmarks/_peer.py benchmarks/peer_quantize_llmcompressor.py \\
-        --model ~/.cache/llmc_fsm/models/known/smollm2-135m --data ../shared/data/wikitext-2-raw/wiki.test.raw \\
+        --model ~/.cache/llmc_fsm/models/smollm2-135m --data ../shared/data/wikitext-2-raw/wiki.test.raw \\
         --method gptq --group-size 64 --out /tmp/peer-gptq
 
 Same protocol as ``benchmarks/quantize_vs_llmcompressor.py``'s own side: windows

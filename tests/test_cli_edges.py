@@ -308,7 +308,7 @@ def test_fewer_calibration_tokens_than_hessian_inputs_warn_once_before_the_work(
     ]
 
 
-def test_a_busy_machine_is_said_when_threads_are_not_given(tmp_path, monkeypatch, caplog):
+def test_a_busy_machine_is_said_when_threads_are_not_given(tmp_path, monkeypatch, caplog, capsys):
     """A README-only newcomer measured the same GPTQ job 15x slower with torch's 2 threads than with --threads 1
     under a load of ~4-6 on 2 cores; one line says so when the load is at least torch's thread count and --threads
     is not given (the default stays: the thread count moves float rounding)."""
@@ -326,3 +326,12 @@ def test_a_busy_machine_is_said_when_threads_are_not_given(tmp_path, monkeypatch
             ["the machine is busy (1-minute load 4.5 for torch's 2 threads): multi-threaded compression can then be "
              "many times slower (measured up to 15x on 2 cores); --threads 1 may finish sooner"] if said else []
         )  # fmt: skip
+
+    def unobtainable():
+        raise OSError("Load averages are unobtainable")
+
+    monkeypatch.setattr(cli_oneshot.os, "getloadavg", unobtainable)  # a line only said never stops the run
+    capsys.readouterr()
+    assert main(["oneshot", "--model", str(tmp_path / "missing"), "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert "unobtainable" not in err and str(tmp_path / "missing") in err  # the run went on to the model's error

@@ -194,24 +194,48 @@ def test_a_modifier_bound_to_a_live_session_is_refused_by_another():
 
 
 @pytest.mark.parametrize("how", ["copy", "deepcopy"])
-def test_a_copy_of_a_bound_modifier_is_refused_while_that_session_lives(how):
+def test_a_copy_of_a_bound_modifier_is_refused_while_its_original_is_bound(how):
     """A copy holds the original's run state (a shallow copy its very masks and hook list; a deep copy hook handles
     that remove the original's hooks): run in a second session it cleared the first one's masks (measured by a
-    tester when copies were taken as unbound for a while on 2026-12-06). Refused as the original is, with a message
-    that says so; free once the first session is finalized."""
+    tester when copies were taken as unbound for a while on 2026-12-06). Refused, with a message that says so, while
+    the original is bound; free once the original's session is reset (found by a tester: the copy stayed refused
+    after a reset that re-initialized that session with other modifiers), refused again when the original is bound
+    again."""
     import copy
 
     holder = Holder()
     first = Session([holder])
     first.initialize(model=torch.nn.Linear(1, 1))
     twin = {"copy": copy.copy, "deepcopy": copy.deepcopy}[how](holder)
+    refusal = r"modifier Holder \(this object, or a copy of it: a copy shares its run state\) is bound"
+    with pytest.raises(LifecycleError, match=refusal):
+        Session([twin]).initialize(model=torch.nn.Linear(1, 1))
+    first.reset(recipe=[holder])
+    first.initialize(model=torch.nn.Linear(1, 1))  # the original bound again
+    with pytest.raises(LifecycleError, match=refusal):
+        Session([twin]).initialize(model=torch.nn.Linear(1, 1))
+    first.reset(recipe=[Holder()])
+    first.initialize(model=torch.nn.Linear(1, 1))  # live again, with another modifier: the original is free
     second = Session([twin])
-    with pytest.raises(LifecycleError, match=r"modifier Holder \(this object, or a copy of it: a copy shares its run "):
-        second.initialize(model=torch.nn.Linear(1, 1))
-    assert second.lifecycle == "created"
-    first.finalize()
     second.initialize(model=torch.nn.Linear(1, 1))
     second.finalize()
+    first.finalize()
+
+
+def test_pickling_a_bound_modifier_is_refused_in_one_line_and_an_unbound_one_pickles():
+    import pickle
+
+    holder = Holder()
+    session = Session([holder])
+    session.initialize(model=torch.nn.Linear(1, 1))
+    with pytest.raises(TypeError) as info:
+        pickle.dumps(holder)
+    assert str(info.value) == (
+        "modifier Holder is bound to a live session: it cannot be pickled while its run holds hooks and state; "
+        "pickle it before initialize, or after the session's finalize() or reset()"
+    )
+    session.reset()
+    assert isinstance(pickle.loads(pickle.dumps(holder)), Holder)
 
 
 def test_a_dropped_session_releases_its_modifiers():

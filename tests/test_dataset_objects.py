@@ -287,3 +287,11 @@ def test_a_text_column_named_like_a_processor_output_is_not_refused():
     assert dataset_object_error(FakeDataset(text=["w001 w002"], input_values=[[0.1, 0.2]])).startswith(
         "is a test_dataset_objects.FakeDataset with image / audio inputs ('input_values')"
     )
+
+
+def test_a_processor_output_column_is_judged_by_its_first_value():
+    """A first row of ``None`` was taken for an image (a tester's case); the first value decides."""
+    from llmc_fsm.data.rows import dataset_object_error
+
+    assert dataset_object_error(FakeDataset(text=["a", "b"], input_values=[None, "some words"])) is None
+    assert dataset_object_error(FakeDataset(text=["a", "b"], pixel_values=[None, [[0.5]]])) is not None

@@ -184,7 +184,7 @@ def test_missing_state_names_a_staged_key_that_looks_like_a_misspelling_of_a_mis
         session.initialize()
     assert str(info.value).splitlines()[1:3] == [
         "  - NeedsData requires 'calibration_data'",
-        "The state holds 'calibration_dta': a misspelling of 'calibration_data'?",
+        "'calibration_dta' was given: a misspelling of 'calibration_data'?",
     ]
 
 

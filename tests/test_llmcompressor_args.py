@@ -132,8 +132,20 @@ def test_sequential_targets_naming_the_decoder_layers_is_taken_and_another_unit_
         llmc_fsm.oneshot(str(model_dir), RTN, sequential_targets=["LlamaDecoderLayer"], progress=False)
     assert [r.getMessage() for r in caplog.records if "sequential_targets" in r.getMessage()] == [
         "sequential_targets=['LlamaDecoderLayer'] taken: the decoder layers (model.layers) are what llmc-fsm "
-        "calibrates one at a time"
+        "calibrates one at a time (this recipe calibrates nothing)"  # RTN W8A8: data-free
     ]
+
+
+def test_an_encoder_decoder_model_is_refused_as_such_before_its_sequential_targets():
+    """In memory, the sequential_targets refusal came first and its advice ("pass ['WhisperDecoderLayer']") led
+    straight into the encoder-decoder refusal (a tester's case); as for a directory, that one comes first now."""
+    from tiny_families import build
+
+    data = torch.randint(3, 100, (2, 8), generator=torch.Generator().manual_seed(0))
+    gptq = {"s": {"GPTQModifier": {"scheme": "W8A16", "targets": ["Linear"], "ignore": ["proj_out"]}}}
+    with pytest.raises(ValueError, match=r"encoder-decoder"):
+        llmc_fsm.oneshot(build("whisper"), gptq, data, progress=False,
+                         sequential_targets=["WhisperEncoderLayer", "WhisperDecoderLayer"])  # fmt: skip
 
 
 def test_an_in_memory_model_finds_its_tokenizer_from_where_it_was_loaded(tiny_model_dir, tmp_path):

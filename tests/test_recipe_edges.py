@@ -231,6 +231,10 @@ def test_numpy_numbers_are_read_as_the_python_ones() -> None:
     assert (gptq.block_size, gptq.dampening_frac) == (128, 0.25)
     assert (type(gptq.block_size), type(gptq.dampening_frac)) == (int, float)
     assert MagnitudePruningModifier(sparsity=0.5, start=np.int64(2)).start == 2.0
+    # np.float64 is a float subclass YAML cannot write: it was kept, and the run crashed saving its recipe.yaml
+    gptq = GPTQModifier(scheme="W4A16", block_size=np.float32(128.0), dampening_frac=np.float64(0.5))
+    assert (type(gptq.block_size), type(gptq.dampening_frac)) == (int, float)
+    assert "dampening_frac: 0.5" in resolve_recipe([gptq]).to_yaml()
 
 
 def test_numbers_written_as_strings_are_read_as_llm_compressor_reads_them() -> None:

@@ -114,9 +114,13 @@ def _say_busy(threads: int | None) -> None:
     said: the default stays (the thread count moves float rounding, so results would follow the load)."""
     import torch
 
-    if threads is not None or not hasattr(os, "getloadavg"):
+    if threads is not None:
         return
-    load, cores = os.getloadavg()[0], torch.get_num_threads()
+    try:
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):  # no load average here (Windows; "unobtainable"): nothing to say
+        return
+    cores = torch.get_num_threads()
     if cores > 1 and load >= cores:
         logger.warning(
             "the machine is busy (1-minute load %.1f for torch's %d threads): multi-threaded compression can then be "

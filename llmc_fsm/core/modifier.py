@@ -123,18 +123,39 @@ def modifier_labels(modifiers: list[Modifier]) -> list[str]:
 
 
 class _Binding:
-    """The live session a modifier belongs to (a weak reference), its label there and the guard of its hooks.
+    """The live session a modifier belongs to (a weak reference), the modifier bound (a weak reference), its label
+    there and the guard of its hooks.
 
     A copy of a bound modifier (``copy.copy``, ``copy.deepcopy``) shares it, and is refused by another session while
-    that one is live: the copy holds the original's per-run state (its masks, or hook handles that would remove the
-    original's hooks: measured by a tester, a shallow copy run in a second session cleared the first one's masks)."""
+    the original is bound: the copy holds the original's per-run state (its masks, or hook handles that would remove
+    the original's hooks: measured by a tester, a shallow copy run in a second session cleared the first one's
+    masks): :meth:`origin_session` is the session the original is bound to now, if any (none once its session is
+    finalized or reset; the one it is bound to again after that). Pickling a bound modifier is refused (a
+    ``TypeError`` saying so; it failed on the weak reference before)."""
 
-    __slots__ = ("guard", "label", "session")
+    __slots__ = ("guard", "label", "modifier", "session")
 
-    def __init__(self, session: Any, label: str) -> None:  # a llmc_fsm.Session (a higher layer: not imported)
+    def __init__(self, session: Any, label: str, modifier: Any) -> None:  # session: a llmc_fsm.Session (not imported)
         self.session = weakref.ref(session)
+        self.modifier = weakref.ref(modifier)
         self.label = label
         self.guard: Guard | None = None
+
+    def origin_session(self) -> Any:
+        """The session the modifier this binding was made for is bound to now, or ``None``."""
+        origin = self.modifier()
+        now = origin.__dict__.get("_llmc_fsm_binding") if origin is not None else None
+        return now.session() if now is not None else None
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _Binding:
+        return self  # a deep copy shares the original's run state: refused while the original is bound
+
+    def __reduce__(self) -> Any:
+        msg = (
+            f"modifier {self.label} is bound to a live session: it cannot be pickled while its run holds hooks and "
+            "state; pickle it before initialize, or after the session's finalize() or reset()"
+        )
+        raise TypeError(msg)
 
 
 class Event:

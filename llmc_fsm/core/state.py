@@ -116,7 +116,8 @@ def missing_state_message(
     """The message of the :class:`~llmc_fsm.MissingStateError` ``initialize`` raises (``missing``: label -> keys);
     ``session_advice=False``: without the lines on how to pass them to the session's own calls (an integration that
     makes those calls gives its own, :func:`llmc_fsm.integrations.with_integration_hints`). ``given``: the keys the
-    state holds; one close to a missing key is named as a possible misspelling (``optimiser`` for ``optimizer``)."""
+    state holds or this call gave; one close to a missing key is named as a possible misspelling (``optimiser`` for
+    ``optimizer``)."""
     lines = [
         f"initialize() refused: {len(missing)} modifier(s) are missing required state; "
         f"no modifier was initialized and nothing was stored (the session is still {lifecycle!r}):"
@@ -127,7 +128,7 @@ def missing_state_message(
     for key in all_keys:
         close = difflib.get_close_matches(key, unused, n=1, cutoff=0.8)
         if close:
-            lines.append(f"The state holds {close[0]!r}: a misspelling of {key!r}?")
+            lines.append(f"{close[0]!r} was given: a misspelling of {key!r}?")
     example = ", ".join(f"{k}=..." for k in all_keys)
     if session_advice:
         lines.append(

@@ -58,6 +58,7 @@ from tqdm.auto import tqdm
 from llmc_fsm.core.errors import ModifierError
 from llmc_fsm.models.hf_io import check_safetensors, first_line, meta_model, safetensors_index
 from llmc_fsm.models.known import CACHE_MARKER, KNOWN_MODELS, known_model_dir
+from llmc_fsm.oneshot_job.settings import _dtype_name
 from llmc_fsm.output.directory import check_output_dir, check_output_not_source
 from llmc_fsm.output.save import compressed_state_dict, warn_formats, write_quantization_config
 from llmc_fsm.output.workdir import WorkDir, recover_previous
@@ -263,7 +264,7 @@ def _dtype(dtype: Any) -> torch.dtype | None:
     """``dtype`` as a ``torch.dtype`` (``None`` stays ``None``)."""
     if dtype is None or dtype in _FLOATS.values():
         return dtype
-    name = str(dtype).removeprefix("torch.")
+    name = _dtype_name(str(dtype).removeprefix("torch."))  # oneshot's spellings too (bf16, fp16, half, ...)
     if name not in _FLOATS:
         msg = f"model_free_ptq: dtype {dtype!r}: give one of {', '.join(_FLOATS)} (or leave it out: as stored)"
         raise ValueError(msg)

@@ -473,6 +473,7 @@ def _check_on_meta(run: Run) -> None:
     from torch import nn
 
     if isinstance(run.settings.model, nn.Module):  # the modifiers check it after loading; the format here (pure)
+        _check_runs_on_text(run, run.settings.model)  # first, as for a directory (its advice would lead there)
         _check_sequential_targets(run, run.settings.model)
         _check_format_of_targets(run, run.settings.model)
         return
@@ -519,9 +520,10 @@ def _check_sequential_targets(run: Run, model: Any, *, say: bool = False) -> Non
         raise ValueError(msg)
     if say:
         logger.warning(
-            "sequential_targets=%r taken: the decoder layers (%s) are what llmc-fsm calibrates one at a time",
+            "sequential_targets=%r taken: the decoder layers (%s) are what llmc-fsm calibrates one at a time%s",
             list(names),
             layers_name,
+            "" if run.needs_data else " (this recipe calibrates nothing)",
         )
 
 

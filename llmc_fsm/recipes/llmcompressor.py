@@ -426,6 +426,20 @@ def _number_kind(declared: Any) -> type | None:
     return None
 
 
+def _plain_number(value: numbers.Real, kind: type) -> int | float | None:
+    """``value`` (a number, not a bool) as the Python ``kind`` an argument is declared (``float`` or ``int``) where
+    pydantic's lax mode takes it so: a numpy number (``np.float64(0.5)``, a ``float`` subclass that YAML cannot
+    write: found by a tester, a run crashed when saving its recipe; ``np.float32(0.01)``, ``np.int64(128)``), an
+    integral float for an int (``128.0``, ``np.float32(128.0)``; only up to 2**53: ``1e300`` is left for the
+    validator to refuse); ``None`` when it is to be left as it is."""
+    if kind is float:
+        return None if type(value) is float or type(value) is int else float(value)
+    if isinstance(value, numbers.Integral):
+        return None if type(value) is int else int(value)
+    number = float(value)
+    return int(number) if number.is_integer() and abs(number) <= 2**53 else None
+
+
 def numbers_from_strings(cls: type, kwargs: dict[str, Any]) -> dict[str, Any]:
     """A number written as a string for an argument declared ``float`` or ``int`` (``sparsity: "0.5"``, and YAML's
     ``5e-1``, which YAML 1.1 reads as a string), read as the number, as llm-compressor's pydantic arguments do; an
@@ -439,12 +453,10 @@ def numbers_from_strings(cls: type, kwargs: dict[str, Any]) -> dict[str, Any]:
     out = dict(kwargs)
     for key, value in kwargs.items():
         kind = kinds.get(key)
-        if kind is int and isinstance(value, float) and value.is_integer() and abs(value) <= 2**53:
-            out[key] = int(value)  # (a float past 2**53, e.g. 1e300, is left for the validator to refuse)
-            continue
-        if kind is not None and isinstance(value, numbers.Real) and not isinstance(value, bool | int | float):
-            if kind is float or isinstance(value, numbers.Integral):  # numpy's np.float32(0.01), np.int64(128)
-                out[key] = kind(value)
+        if kind is not None and isinstance(value, numbers.Real) and not isinstance(value, bool):
+            number = _plain_number(value, kind)
+            if number is not None:
+                out[key] = number
                 continue
         if kind is None or not isinstance(value, str) or not _NUMBER.fullmatch(value.strip()):
             continue

@@ -170,7 +170,7 @@ class Schedule:
                     )
                 seen[id(m)] = slot.label
                 binding = m._binding
-                other = binding.session() if binding is not None else None
+                other = binding.origin_session() if binding is not None else None  # a copy: its original's
                 if other is not None and other is not owner and other.lifecycle in _LIVE:
                     return (
                         f"modifier {slot.label} (this object, or a copy of it: a copy shares its run state) is bound "
@@ -179,7 +179,7 @@ class Schedule:
                         "this session its own modifier objects (e.g. build the recipe again)."
                     )
             for slot in self.slots:
-                slot.modifier.__dict__["_llmc_fsm_binding"] = _Binding(owner, slot.label)
+                slot.modifier.__dict__["_llmc_fsm_binding"] = _Binding(owner, slot.label, slot.modifier)
         return None
 
     def watch(self, state: Mapping[str, Any]) -> None:

@@ -80,16 +80,24 @@ def scheduled_lr(
     return final_lr + (init_lr - final_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))  # cosine
 
 
+def _as_float(value: numbers.Real) -> float:
+    """``float(value)``; an int too large for a float (``10**400``) as ``inf``, refused as such."""
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf
+
+
 def _positive(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
     if value is None:
         return
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.inf > float(value) > 0:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.inf > _as_float(value) > 0:
         msg = f"{attribute.name} must be a finite number > 0, got {value!r}"  # inf was taken (found by a tester)
         raise ValueError(msg)
 
 
 def _non_negative(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.inf > float(value) >= 0:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.inf > _as_float(value) >= 0:
         msg = f"{attribute.name} must be a finite number >= 0, got {value!r}"
         raise ValueError(msg)
 
@@ -101,7 +109,7 @@ def _opt_float(value: Any) -> Any:
             return float(value)
         except ValueError:
             return value
-    return float(value) if isinstance(value, numbers.Real) and not isinstance(value, bool) else value
+    return _as_float(value) if isinstance(value, numbers.Real) and not isinstance(value, bool) else value
 
 
 @attrs.define(kw_only=True, slots=False, eq=False)
