@@ -222,6 +222,40 @@ def test_a_copy_of_a_bound_modifier_is_refused_while_its_original_is_bound(how):
     first.finalize()
 
 
+@attrs.define(kw_only=True, slots=False, eq=False)
+class Hooker(Modifier):
+    """Registers one forward hook on the model at initialize."""
+
+    required_state = frozenset({"model"})
+
+    def on_initialize(self, state):
+        self.register_hook(state.model, lambda module, args, output: None, kind="forward")
+
+
+def test_two_copies_run_in_two_sessions_remove_only_their_own_hooks():
+    """Shallow copies share their original's hook list: two copies run in two sessions after the original's reset,
+    and the second session's finalize removed the first one's hooks (found by a tester). Each bound modifier now
+    starts its own list; a copy taken while its original was bound pickles once that session is finalized (it was
+    refused: "bound to a live session")."""
+    import copy
+    import pickle
+
+    original = Hooker()
+    first = Session([original])
+    first.initialize(model=torch.nn.Linear(1, 1))
+    one, two = copy.copy(original), copy.copy(original)
+    first.reset()
+    assert isinstance(pickle.loads(pickle.dumps(one)), Hooker)  # the original's session is not live any more
+    model_a, model_b = torch.nn.Linear(1, 1), torch.nn.Linear(1, 1)
+    session_a, session_b = Session([one]), Session([two])
+    session_a.initialize(model=model_a)
+    session_b.initialize(model=model_b)
+    session_b.finalize()
+    assert (len(model_a._forward_hooks), len(model_b._forward_hooks), one.num_hooks, two.num_hooks) == (1, 0, 1, 0)
+    session_a.finalize()
+    assert len(model_a._forward_hooks) == 0
+
+
 def test_pickling_a_bound_modifier_is_refused_in_one_line_and_an_unbound_one_pickles():
     import pickle
 

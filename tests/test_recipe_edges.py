@@ -235,6 +235,24 @@ def test_numpy_numbers_are_read_as_the_python_ones() -> None:
     gptq = GPTQModifier(scheme="W4A16", block_size=np.float32(128.0), dampening_frac=np.float64(0.5))
     assert (type(gptq.block_size), type(gptq.dampening_frac)) == (int, float)
     assert "dampening_frac: 0.5" in resolve_recipe([gptq]).to_yaml()
+    from llmc_fsm_pruning import SparseGPTModifier
+
+    # an int no float holds, for a float argument: refused as inf (it was a bare OverflowError; a tester's case)
+    with pytest.raises(ValueError, match=r"sparsity must be a number in \[0, 1\) .*got inf$"):
+        SparseGPTModifier(sparsity=10**400)
+    with pytest.raises(ValueError, match=r"^must be a finite number of epochs or null, got inf$"):
+        MagnitudePruningModifier(sparsity=0.5, start=10**400)
+
+
+def test_the_dtype_flags_take_oneshots_spellings() -> None:
+    """``model-free --dtype bf16`` and ``explain --dtype bf16`` were refused where ``oneshot --dtype bf16`` runs."""
+    from llmc_fsm.cli.main import build_parser
+
+    parser = build_parser()
+    assert parser.parse_args(["model-free", "m", "--scheme", "W8A8", "--output", "o", "--dtype", "bf16"]).dtype == (
+        "bfloat16"
+    )
+    assert parser.parse_args(["explain", "r.yaml", "--dtype", "fp16"]).dtype == "float16"
 
 
 def test_numbers_written_as_strings_are_read_as_llm_compressor_reads_them() -> None:

@@ -13,6 +13,7 @@ from typing import Any
 
 from llmc_fsm.cli.oneshot import interrupted, signals_as_interrupt
 from llmc_fsm.oneshot_job.model_free import model_free_ptq
+from llmc_fsm.oneshot_job.settings import _dtype_name
 
 __all__ = ["add_cli"]
 
@@ -43,6 +44,7 @@ def add_cli(sub: Any) -> None:
     p.add_argument("--device", default=None, help="where the weights are rounded: cpu (default) or cuda:N")
     p.add_argument(
         "--dtype",
+        type=_dtype_name,  # oneshot's spellings too (bf16, fp16, half, fp32, float)
         choices=("bfloat16", "float16", "float32"),
         default=None,
         help="read and write the float tensors in this dtype (default: as stored; NVFP4 / MX need bfloat16)",

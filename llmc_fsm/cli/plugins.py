@@ -25,7 +25,7 @@ from llmc_fsm.models.hf_io import meta_model
 from llmc_fsm.models.known import KNOWN_MODELS, known_model_dir
 from llmc_fsm.models.layers import check_calibrates_from_text
 from llmc_fsm.oneshot_job.data import check_modifiers, torch_dtype_of
-from llmc_fsm.oneshot_job.settings import DTYPES
+from llmc_fsm.oneshot_job.settings import DTYPES, _dtype_name
 from llmc_fsm.recipes.llmcompressor import unimplemented_note
 from llmc_fsm.session.explain import explain
 from llmc_fsm.session.session import Session
@@ -238,6 +238,7 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--dtype",
+        type=_dtype_name,  # as oneshot's --dtype: bf16, fp16, half, fp32, float too
         choices=DTYPES,
         default="float32",
         help="with --model: the dtype oneshot would load it in (as oneshot --dtype; default float32); NVFP4 and MX "

@@ -151,6 +151,8 @@ class _Binding:
         return self  # a deep copy shares the original's run state: refused while the original is bound
 
     def __reduce__(self) -> Any:
+        if self.origin_session() is None:  # stale (the original's session finalized or reset): no binding
+            return type(None), ()
         msg = (
             f"modifier {self.label} is bound to a live session: it cannot be pickled while its run holds hooks and "
             "state; pickle it before initialize, or after the session's finalize() or reset()"
@@ -461,6 +463,15 @@ class Modifier(metaclass=ModifierType):
         elif modified:
             self.remove_hooks()
         return error
+
+    def __getstate__(self) -> dict[str, Any]:
+        """What a copy or a pickle takes: everything but the torch hook handles of a run (:meth:`register_hook`),
+        which belong to the object that registered them (a copy holding them removed the original's hooks, and a
+        pickle of finished handles could not be loaded back: found by testers). The session binding is kept (a copy
+        of a bound modifier is refused while its original is bound; pickling one is refused)."""
+        state = dict(self.__dict__)
+        state.pop("_llmc_fsm_hooks", None)
+        return state
 
     def remove_hooks(self) -> int:
         """Remove every hook registered with :meth:`register_hook`; return how many."""

@@ -35,8 +35,10 @@ from __future__ import annotations
 
 import difflib
 import logging
+import math
 import numbers
 import re
+import sys
 import types
 import typing
 from collections.abc import Callable, Mapping
@@ -433,7 +435,9 @@ def _plain_number(value: numbers.Real, kind: type) -> int | float | None:
     integral float for an int (``128.0``, ``np.float32(128.0)``; only up to 2**53: ``1e300`` is left for the
     validator to refuse); ``None`` when it is to be left as it is."""
     if kind is float:
-        return None if type(value) is float or type(value) is int else float(value)
+        if type(value) is int:  # as written, unless no float holds it (10**400: refused as inf, not an OverflowError)
+            return None if abs(value) <= sys.float_info.max else (math.inf if value > 0 else -math.inf)
+        return None if type(value) is float else float(value)
     if isinstance(value, numbers.Integral):
         return None if type(value) is int else int(value)
     number = float(value)

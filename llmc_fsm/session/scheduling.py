@@ -180,6 +180,9 @@ class Schedule:
                     )
             for slot in self.slots:
                 slot.modifier.__dict__["_llmc_fsm_binding"] = _Binding(owner, slot.label, slot.modifier)
+                # its own hook list from here: a shallow copy shares its original's list, and two copies run in two
+                # sessions removed each other's hooks at finalize (found by a tester)
+                slot.modifier.__dict__.pop("_llmc_fsm_hooks", None)
         return None
 
     def watch(self, state: Mapping[str, Any]) -> None:

@@ -44,6 +44,7 @@ compressed-tensors scheme, written here.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -618,8 +619,9 @@ def _iters(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
 
 
 def _lr(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int | float) or not value > 0):
-        msg = f"lr must be a positive number or null (1 / iters), got {value!r}"
+    number = isinstance(value, int | float) and not isinstance(value, bool)
+    if value is not None and (not number or not math.inf > value > 0):
+        msg = f"lr must be a finite positive number or null (1 / iters), got {value!r}"
         raise ValueError(msg)
 
 

@@ -418,7 +418,8 @@ def test_defaults_are_llmcompressors() -> None:
             "AutoRoundModifier tunes the weight range itself: observer must be minmax, got 'mse'",
         ),
         ({"batch_size": 0}, "batch_size must be a positive int, got 0"),
-        ({"lr": -0.1}, "lr must be a positive number or null (1 / iters), got -0.1"),
+        ({"lr": -0.1}, "lr must be a finite positive number or null (1 / iters), got -0.1"),
+        ({"lr": 10**400}, "lr must be a finite positive number or null (1 / iters), got inf"),  # (a tester's case)
         (
             {"device_ids": ["0", "1"]},
             "device_ids must be a device string such as '0,1' (llm-compressor's device map) or null, got ['0', '1']",
