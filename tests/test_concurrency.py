@@ -256,6 +256,19 @@ def test_two_copies_run_in_two_sessions_remove_only_their_own_hooks():
     assert len(model_a._forward_hooks) == 0
 
 
+def test_hooks_registered_before_initialize_are_still_removed_at_finalize():
+    """Giving each bound modifier its own hook list must keep the live handles (a tester's case: binding dropped
+    them, and a hook registered before initialize stayed on the model after finalize)."""
+    model = torch.nn.Linear(1, 1)
+    modifier = Hooker()
+    modifier.register_hook(model, lambda module, args, output: None, kind="forward")
+    session = Session([modifier])
+    session.initialize(model=model)
+    assert (len(model._forward_hooks), modifier.num_hooks) == (2, 2)
+    session.finalize()
+    assert (len(model._forward_hooks), modifier.num_hooks) == (0, 0)
+
+
 def test_pickling_a_bound_modifier_is_refused_in_one_line_and_an_unbound_one_pickles():
     import pickle
 

@@ -242,6 +242,10 @@ def test_numpy_numbers_are_read_as_the_python_ones() -> None:
         SparseGPTModifier(sparsity=10**400)
     with pytest.raises(ValueError, match=r"^must be a finite number of epochs or null, got inf$"):
         MagnitudePruningModifier(sparsity=0.5, start=10**400)
+    from fractions import Fraction
+
+    with pytest.raises(ValueError, match=r"sparsity must be a number in \[0, 1\) .*got inf$"):
+        SparseGPTModifier(sparsity=Fraction(10**400, 1))
 
 
 def test_the_dtype_flags_take_oneshots_spellings() -> None:

@@ -47,7 +47,8 @@ def add_cli(sub: Any) -> None:
         type=_dtype_name,  # oneshot's spellings too (bf16, fp16, half, fp32, float)
         choices=("bfloat16", "float16", "float32"),
         default=None,
-        help="read and write the float tensors in this dtype (default: as stored; NVFP4 / MX need bfloat16)",
+        help="read and write the float tensors in this dtype (also bf16, fp16, half, fp32, float; default: as "
+        "stored; NVFP4 / MX need bfloat16)",
     )
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     p.set_defaults(func=_run_cli)

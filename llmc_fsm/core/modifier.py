@@ -468,7 +468,8 @@ class Modifier(metaclass=ModifierType):
         """What a copy or a pickle takes: everything but the torch hook handles of a run (:meth:`register_hook`),
         which belong to the object that registered them (a copy holding them removed the original's hooks, and a
         pickle of finished handles could not be loaded back: found by testers). The session binding is kept (a copy
-        of a bound modifier is refused while its original is bound; pickling one is refused)."""
+        of a bound modifier is refused while its original is bound; pickling one is refused). A ``slots=True`` attrs
+        subclass has attrs' own ``__getstate__`` instead (modifiers are ``slots=False``: docs/plugins.md)."""
         state = dict(self.__dict__)
         state.pop("_llmc_fsm_hooks", None)
         return state

@@ -428,6 +428,14 @@ def _number_kind(declared: Any) -> type | None:
     return None
 
 
+def _float(value: numbers.Real) -> float:
+    """``float(value)``, or a signed ``inf`` where no float holds it (``Fraction(10**400)``)."""
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf if value > 0 else -math.inf
+
+
 def _plain_number(value: numbers.Real, kind: type) -> int | float | None:
     """``value`` (a number, not a bool) as the Python ``kind`` an argument is declared (``float`` or ``int``) where
     pydantic's lax mode takes it so: a numpy number (``np.float64(0.5)``, a ``float`` subclass that YAML cannot
@@ -437,10 +445,10 @@ def _plain_number(value: numbers.Real, kind: type) -> int | float | None:
     if kind is float:
         if type(value) is int:  # as written, unless no float holds it (10**400: refused as inf, not an OverflowError)
             return None if abs(value) <= sys.float_info.max else (math.inf if value > 0 else -math.inf)
-        return None if type(value) is float else float(value)
+        return None if type(value) is float else _float(value)
     if isinstance(value, numbers.Integral):
         return None if type(value) is int else int(value)
-    number = float(value)
+    number = _float(value)
     return int(number) if number.is_integer() and abs(number) <= 2**53 else None
 
 

@@ -180,9 +180,12 @@ class Schedule:
                     )
             for slot in self.slots:
                 slot.modifier.__dict__["_llmc_fsm_binding"] = _Binding(owner, slot.label, slot.modifier)
-                # its own hook list from here: a shallow copy shares its original's list, and two copies run in two
-                # sessions removed each other's hooks at finalize (found by a tester)
-                slot.modifier.__dict__.pop("_llmc_fsm_hooks", None)
+                # its own hook list from here (the live handles kept, for finalize to remove): a copy made by a
+                # __getstate__ of its own may share its original's list, and two copies run in two sessions removed
+                # each other's hooks at finalize (found by a tester)
+                hooks = slot.modifier.__dict__.get("_llmc_fsm_hooks")
+                if hooks is not None:
+                    slot.modifier.__dict__["_llmc_fsm_hooks"] = list(hooks)
         return None
 
     def watch(self, state: Mapping[str, Any]) -> None:
