@@ -27,6 +27,8 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
+import torch
+
 from llmc_fsm.oneshot_job.api import run_oneshot
 from llmc_fsm.oneshot_job.settings import (
     DEFAULT_MODEL,
@@ -112,8 +114,6 @@ def _say_busy(threads: int | None) -> None:
     number of cores torch uses): torch's threads then wait on one another, and a README-only newcomer measured the
     same GPTQ job 15x slower with torch's 2 threads than with ``--threads 1`` under a load of ~4-6 on 2 cores. Only
     said: the default stays (the thread count moves float rounding, so results would follow the load)."""
-    import torch
-
     if threads is not None:
         return
     try:
