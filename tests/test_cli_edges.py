@@ -91,6 +91,49 @@ def test_an_unknown_option_is_named_by_the_subcommand_with_the_option_meant(caps
     )
 
 
+def test_a_misspelt_required_option_is_named_with_the_missing_one(capsys, tmp_path, monkeypatch):
+    """argparse reports a missing required option before unknown ones: ``--outpu DIR`` said only that --output was
+    missing. The misspelt option given is named with the one meant; a token after ``--`` is not an option."""
+    monkeypatch.chdir(tmp_path)
+    cases = (
+        (["model-free", "m", "--scheme", "W8A8", "--outpu", "o"], "model-free", "--output (--outpu was given: did "
+         "you mean --output?)"),
+        (["model-free", "m", "--scheme", "W8A8", "--outpu=o", "--ignor", "x"], "model-free", "--output (--outpu was "
+         "given: did you mean --output?; --ignor was given: did you mean --ignore?)"),
+        (["model-free", "m", "--scheme", "W8A8", "--", "--outpu"], "model-free", "--output"),
+        (["--verison"], "", "COMMAND (--verison was given: did you mean --version?)"),
+    )
+    for argv, command, missing in cases:
+        with pytest.raises(SystemExit) as info:
+            main(argv)
+        assert info.value.code == 2
+        prog = f"llmc-fsm {command}".strip()
+        assert capsys.readouterr().err == (
+            f"{prog}: error: the following arguments are required: {missing}; see '{prog} --help'\n"
+        )
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_verbose_is_taken_before_or_after_the_subcommand(capsys, tmp_path, monkeypatch):
+    """``llmc-fsm oneshot -v ...`` was refused with "did you mean --overwrite?": -v / --verbose is the top level's
+    option, taken after any subcommand too (and a misspelling of it is named)."""
+    monkeypatch.chdir(tmp_path)
+    for argv in (["-v", "oneshot", "--model", "nope"], ["oneshot", "--model", "nope", "-v"], ["oneshot", "--verbose",
+                 "--model", "nope"]):
+        with pytest.raises(ValueError, match="unknown model 'nope'"):  # -v: the error is raised, not printed
+            main(argv)
+    assert main(["oneshot", "--model", "nope"]) == 1
+    assert capsys.readouterr().err.startswith("llmc-fsm oneshot: error: unknown model 'nope'")
+    with pytest.raises(SystemExit) as info:
+        main(["oneshot", "--verbos", "--model", "nope"])
+    assert info.value.code == 2
+    assert capsys.readouterr().err == (
+        "llmc-fsm oneshot: error: unrecognized arguments: --verbos (did you mean --verbose?); "
+        "see 'llmc-fsm oneshot --help'\n"
+    )
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_report_from_dict_round_trips(saved_run):
     report, out = saved_run
     saved = json.loads((out / "report.json").read_text())

@@ -8,7 +8,8 @@ Subcommands:
     model-free  quantize a safetensors checkpoint shard by shard with a data-free scheme (no model built)
     report      re-print a saved one-shot report (``--plot``: draw per-layer sparsity)
 
-``llmc-fsm --version`` prints the package version. An error is one line on stderr (exit status 1, or 2 for a
+``llmc-fsm --version`` prints the package version; ``-v`` / ``--verbose`` (before or after the subcommand) logs
+debug messages and lets an error raise with its traceback. An error is one line on stderr (exit status 1, or 2 for a
 command line argparse rejects, with a pointer to ``--help`` instead of the usage block; a recipe with
 several problems: a heading line, then one line per problem, all found before any work); under
 ``torchrun`` only rank 0 prints it (every rank exits with 1; ``-v`` shows each rank's traceback).
@@ -49,8 +50,31 @@ class _Parser(argparse.ArgumentParser):
         kwargs.setdefault("allow_abbrev", False)  # the subcommands' parsers are made by this class too
         super().__init__(*args, **kwargs)
 
+    def parse_known_args(self, args: Sequence[str] | None = None, namespace: Any = None) -> Any:
+        self._tokens = list(sys.argv[1:] if args is None else args)  # for error(): the options this parser was given
+        return super().parse_known_args(args, namespace)
+
     def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message}{_did_you_mean(message)}; see '{self.prog} --help'\n")
+        hint = _did_you_mean(message)
+        if message.startswith("the following arguments are required"):
+            hint += self._misspelt_options()
+        self.exit(2, f"{self.prog}: error: {message}{hint}; see '{self.prog} --help'\n")
+
+    def _misspelt_options(self) -> str:
+        """`` (--outpu was given: did you mean --output?)`` for the options given that this parser does not know
+        and that are close to one it does: argparse reports a missing required option before the unknown ones, so
+        ``--outpu DIR`` said only that ``--output`` was missing; ``""`` when there is none."""
+        tokens = getattr(self, "_tokens", [])
+        given = tokens[: tokens.index("--")] if "--" in tokens else tokens
+        known = list(self._option_string_actions)  # argparse's table of option strings
+        hints = [
+            f"{option} was given: did you mean {close[0]}?"
+            for option in dict.fromkeys(t.split("=")[0] for t in given if t.startswith("--") and len(t) > 2)
+            if option not in known
+            for close in [difflib.get_close_matches(option, known, 1)]
+            if close
+        ]
+        return f" ({'; '.join(hints)})" if hints else ""
 
 
 def _did_you_mean(message: str) -> str:
@@ -74,6 +98,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for module in _SUBCOMMANDS:
         module.add_cli(sub)
+    for command in sub.choices.values():  # ``llmc-fsm oneshot -v ...`` as well as ``llmc-fsm -v oneshot ...``
+        command.add_argument(
+            "-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help="log debug messages"
+        )
     parser.set_defaults(_commands=sub.choices)
     return parser
 
