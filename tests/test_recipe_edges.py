@@ -248,6 +248,31 @@ def test_numpy_numbers_are_read_as_the_python_ones() -> None:
         SparseGPTModifier(sparsity=Fraction(10**400, 1))
 
 
+def test_numpy_values_inside_arguments_are_written_as_the_python_ones(with_model) -> None:
+    """``np.str_("Linear")`` in ``targets`` / ``ignore`` (a str subclass) and numpy numbers inside a mapping
+    (``config_groups``): YAML's safe writer refused them when recipe.yaml was saved, after the work (a
+    RepresenterError; a tester's case), or the recipe was refused ("a int64 cannot be written")."""
+    import enum
+
+    import numpy as np
+
+    class Strategy(str, enum.Enum):
+        GROUP = "group"
+
+    spec = {"targets": [np.str_("Linear")], "bits": np.int64(4), "on": np.bool_(True), "frac": np.float32(0.5),
+            "strategy": Strategy.GROUP, "ratio": np.float64(0.25), "nested": {"k": np.array(3)}}
+    recipe = Recipe([Stage("s", [WithModel(spec=spec)])])
+    written = recipe.to_dict()["s"]["modifiers"][0]["WithModel"]["spec"]
+    assert written == {"targets": ["Linear"], "bits": 4, "on": True, "frac": 0.5, "strategy": "group", "ratio": 0.25,
+                       "nested": {"k": 3}}
+    assert [type(v) for v in (written["targets"][0], written["bits"], written["on"], written["frac"],
+                              written["strategy"], written["ratio"], written["nested"]["k"])] == (
+        [str, int, bool, float, str, float, int]
+    )
+    (read_back,) = resolve_recipe(recipe.to_yaml()).modifiers
+    assert read_back.spec == written
+
+
 def test_the_dtype_flags_take_oneshots_spellings() -> None:
     """``model-free --dtype bf16`` and ``explain --dtype bf16`` were refused where ``oneshot --dtype bf16`` runs."""
     from llmc_fsm.cli.main import build_parser

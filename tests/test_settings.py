@@ -298,6 +298,24 @@ def test_api_only_values_are_refused_in_one_line(no_model_load):
         assert str(info.value) == message
 
 
+def test_numpy_numbers_are_taken_as_the_python_ones():
+    """A script's ``np.int64(8)`` (a sweep over ``np.arange``) was refused as "must be a positive int, got
+    np.int64(8)"; llm-compressor's pydantic arguments take it. Kept as the Python number; a numpy bool is not a
+    number."""
+    import numpy as np
+
+    settings = OneshotSettings(num_calibration_samples=np.int64(8), max_seq_length=np.int32(64), batch_size=np.uint8(2),
+                               seed=np.int64(-3), threads=np.int16(1), activation_budget_mib=np.float32(2.5))
+    values = (settings.num_calibration_samples, settings.max_seq_length, settings.batch_size, settings.seed,
+              settings.threads, settings.activation_budget_mib)
+    assert values == (8, 64, 2, -3, 1, 2.5)
+    assert [type(v) for v in values] == [int, int, int, int, int, float]
+    with pytest.raises(ValueError, match=r"^batch_size \(--batch-size\) must be a positive int, got np.True_$"):
+        OneshotSettings(batch_size=np.bool_(True))
+    with pytest.raises(ValueError, match=r"^num_calibration_samples \(--num-samples\) must be a positive int, got 0$"):
+        OneshotSettings(num_calibration_samples=np.int64(0))
+
+
 # --------------------------------------------------------------------------- the resume fingerprint
 def _sha16(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()[:16]

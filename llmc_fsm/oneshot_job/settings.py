@@ -21,6 +21,7 @@ model loaded is listed in docs/oneshot.md, "Which checks need the model".
 from __future__ import annotations
 
 import argparse
+import numbers
 import os
 import re
 from collections.abc import Callable
@@ -111,6 +112,8 @@ def _setting(
         "by_content": by_content,
         "cli_only": cli_only,
     }
+    if converter is None:  # a number field takes numpy's numbers too (np.int64(8) from a sweep's arange)
+        converter = _NUMBER_CONVERTERS.get(validator)
     return attrs.field(default=default, validator=validator, converter=converter, eq=eq, metadata=metadata)
 
 
@@ -145,6 +148,18 @@ def _positive_int_or_none(instance: Any, field: attrs.Attribute, value: Any) -> 
 def _int(_: Any, field: attrs.Attribute, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         _fail(field, "an int", value)
+
+
+def _plain_int(value: Any) -> Any:
+    """An integral number that is not a Python int or bool (``np.int64(8)``) as the int; others as given, for the
+    validator (they were refused as "must be a positive int, got np.int64(8)"; pydantic, llm-compressor's, takes
+    them)."""
+    return int(value) if isinstance(value, numbers.Integral) and not isinstance(value, int) else value
+
+
+def _plain_real(value: Any) -> Any:
+    """A real number that is not a Python int, float or bool (``np.float32(512.0)``) as the float; others as given."""
+    return float(value) if isinstance(value, numbers.Real) and not isinstance(value, int | float) else value
 
 
 def _bool(_: Any, field: attrs.Attribute, value: Any) -> None:
@@ -216,6 +231,15 @@ def _budget(_: Any, field: attrs.Attribute, value: Any) -> None:
         return
     if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0 or value == float("inf"):
         _fail(field, "a number of MiB >= 0, or None for half the device's free memory", value)
+
+
+#: The converter a number field gets by its validator (:func:`_setting`).
+_NUMBER_CONVERTERS: dict[Any, Callable[[Any], Any]] = {
+    _positive_int: _plain_int,
+    _positive_int_or_none: _plain_int,
+    _int: _plain_int,
+    _budget: _plain_real,
+}
 
 
 def _by_identity(value: Any) -> Any:

@@ -15,6 +15,7 @@ execution order, writing back to YAML); reading text lives in
 
 from __future__ import annotations
 
+import enum
 import heapq
 import sys
 from collections.abc import Iterable, Mapping
@@ -210,9 +211,18 @@ class Recipe:
 
 def _plain(value: Any, where: str) -> Any:
     """``value`` as YAML-safe data; a pydantic model (e.g. a compressed-tensors ``QuantizationScheme``) becomes
-    the mapping of the fields that were given, in JSON form (unset and ``None`` fields left out)."""
-    if value is None or isinstance(value, bool | int | float | str):
+    the mapping of the fields that were given, in JSON form (unset and ``None`` fields left out); a numpy scalar
+    (``np.str_("Linear")``, ``np.int64(8)``: YAML's safe writer refused them when the recipe was saved, after the
+    work), an enum and a subclass of a plain type become the plain value."""
+    if type(value).__module__ == "numpy" and getattr(value, "ndim", None) == 0:
+        value = value.item()  # a numpy scalar (or a 0-d array) as the Python value
+    if isinstance(value, enum.Enum):
+        value = value.value
+    if value is None or type(value) in (bool, int, float, str):
         return value
+    for plain in (bool, int, float, str):  # a subclass: np.float64, an IntEnum's value
+        if isinstance(value, plain):
+            return plain(value)
     pydantic = sys.modules.get("pydantic")  # no pydantic model can exist unless pydantic was imported
     if pydantic is not None and isinstance(value, pydantic.BaseModel):
         try:
