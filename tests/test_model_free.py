@@ -564,6 +564,36 @@ def test_the_command_writes_what_the_function_writes(tmp_path, capsys, caplog):
     assert not (tmp_path / "block").exists()
 
 
+def test_the_command_runs_with_the_threads_given(tmp_path, monkeypatch):
+    """``--threads N`` as oneshot's: torch's CPU threads for the run (the output the same); 0 is refused."""
+    import llmc_fsm.cli.model_free as command
+    from llmc_fsm.cli import main
+
+    source = _checkpoint(tmp_path / "src", shard="60KB")
+    seen = []
+
+    def run(*args, **kwargs):
+        seen.append(torch.get_num_threads())
+        return model_free_ptq(*args, **kwargs)
+
+    monkeypatch.setattr(command, "model_free_ptq", run)
+    before = torch.get_num_threads()
+    try:
+        want = 1 if before != 1 else 2
+        base = ["model-free", str(source), "--scheme", "W8A8", "--no-progress"]
+        assert main([*base, "--threads", str(want), "--output", str(tmp_path / "t")]) == 0
+        assert seen == [want]
+    finally:
+        torch.set_num_threads(before)
+    model_free_ptq(source, tmp_path / "api", scheme="W8A8", progress=False)
+    cli, api = _tensors(tmp_path / "t"), _tensors(tmp_path / "api")
+    assert sorted(cli) == sorted(api) and all(torch.equal(cli[k], api[k]) for k in cli)
+    with pytest.raises(SystemExit) as info:
+        main([*base, "--threads", "0", "--output", str(tmp_path / "z")])
+    assert info.value.code == 2
+    assert not (tmp_path / "z").exists()
+
+
 def test_a_bias_in_another_shard_than_its_weight_is_read_and_written_with_it(tmp_path):
     source = tmp_path / "src"
     original = _made_up_checkpoint(source)

@@ -11,6 +11,8 @@ import argparse
 import logging
 from typing import Any
 
+import torch
+
 from llmc_fsm.cli.oneshot import interrupted, signals_as_interrupt
 from llmc_fsm.oneshot_job.model_free import model_free_ptq
 from llmc_fsm.oneshot_job.settings import _dtype_name
@@ -50,12 +52,29 @@ def add_cli(sub: Any) -> None:
         help="read and write the float tensors in this dtype (also bf16, fp16, half, fp32, float; default: as "
         "stored; NVFP4 / MX need bfloat16)",
     )
+    p.add_argument(
+        "--threads", type=_positive_int, default=None, help="torch CPU threads for the run (default: torch's choice)"
+    )
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     p.set_defaults(func=_run_cli)
 
 
+def _positive_int(text: str) -> int:
+    """``--threads``'s value: an int >= 1 (argparse's one-line error otherwise)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        msg = f"must be a positive int, got {text!r}"
+        raise argparse.ArgumentTypeError(msg)
+    return value
+
+
 def _run_cli(args: argparse.Namespace) -> int:
     logging.getLogger("llmc_fsm.oneshot_job.model_free").setLevel(logging.INFO)  # its closing summary line
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     try:
         with signals_as_interrupt():
             out = model_free_ptq(
