@@ -208,7 +208,27 @@ def _ddp_worker(rank: int, tmp: Path, tensors: dict[str, torch.Tensor]) -> dict[
     return info
 
 
+def _fsdp2_worker(rank: int, tmp: Path, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """FSDP2's ``fully_shard`` (DTensor parameters): refused at initialize like FSDP1, the session left as it was
+    (it passed initialize and failed at the first batch inside a pruning hook: found by a tester)."""
+    from torch.distributed.fsdp import fully_shard
+
+    from llmc_fsm_pruning import MagnitudePruningModifier
+
+    model = llama()
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    session = Session([MagnitudePruningModifier(sparsity=0.5)])
+    try:
+        session.initialize(model=model)
+    except ValueError as exc:
+        return {"error_type": type(exc).__name__, "message": str(exc), "lifecycle": session.lifecycle}
+    return {"error_type": None}
+
+
 WORKERS = {
+    "fsdp2": _fsdp2_worker,
     "oneshot": _oneshot_worker,
     "mismatch": _mismatch_worker,
     "dying": _dying_worker,
@@ -271,6 +291,17 @@ def test_a_wrapped_model_is_unwrapped_at_initialize():
     assert "model.layers.0.self_attn.q_proj" in targets
     assert not any(name.startswith("module.") for name in targets)
     session.finalize()
+
+
+def test_fsdp2_parameters_are_refused_at_initialize(tmp_path, one_thread):
+    (rank,) = run_ranks(WORKERS["fsdp2"], tmp_path, world_size=1, timeout_s=60.0, join_s=180.0)
+    assert rank["exitcode"] == 0
+    assert rank["meta"]["result"] == {
+        "error_type": "ValueError",
+        "message": "the model's parameters are DTensors (FSDP2's fully_shard or tensor parallelism): they are sharded "
+        "across ranks, so a modifier cannot see whole weights; wrap the model in DistributedDataParallel instead",
+        "lifecycle": "created",
+    }
 
 
 def _fingerprint(session: Session) -> list[dict]:

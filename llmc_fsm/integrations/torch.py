@@ -142,10 +142,19 @@ def optimizer_step(session: Session, optimizer: Any, *, scheduler: Any = None, z
     Gradient clipping and similar go before this call (gradients are final at
     ``optim_pre_step``). ``scheduler.step()`` runs after ``optim_post_step``;
     a LearningRateModifier sets the rate at ``optim_pre_step`` and so wins.
+
+    An ``accelerate`` optimizer (``Accelerator.prepare``) called on every micro-batch inside
+    ``accelerator.accumulate(...)``, accelerate's gradient-accumulation idiom: its ``step()`` does nothing while
+    gradients accumulate (``gradient_state.sync_gradients`` false), and neither do the session's step events, so the
+    session counts the optimizer steps taken (it counted every micro-batch: the schedules ran at the accumulation
+    factor's speed, found by a tester).
     """
-    session.optim_pre_step()
+    steps = getattr(getattr(optimizer, "gradient_state", None), "sync_gradients", True) is not False
+    if steps:
+        session.optim_pre_step()
     optimizer.step()
-    session.optim_post_step()
+    if steps:
+        session.optim_post_step()
     if scheduler is not None:
         scheduler.step()
     if zero_grad:

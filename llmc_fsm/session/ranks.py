@@ -5,9 +5,9 @@
   given (state key ``world_size``); any disagreement raises the same
   ``ValueError`` on every rank before a modifier is initialized;
 * :func:`unwrap_model` / :func:`unwrap_state` — a ``DistributedDataParallel`` /
-  ``DataParallel`` model, or one compiled by ``torch.compile`` (an ``OptimizedModule``),
-  is replaced by the module inside it, whose parameters are the live ones the
-  wrapper trains (so module names carry no ``module.`` / ``_orig_mod.`` prefix).
+  ``DataParallel`` model, one compiled by ``torch.compile`` (an ``OptimizedModule``) or a
+  peft ``PeftModel`` is replaced by the module inside it, whose parameters are the live ones the
+  wrapper trains (so module names carry no ``module.`` / ``_orig_mod.`` / ``base_model.model.`` prefix).
 
 See :mod:`llmc_fsm.toolkit.distributed` for the collectives and ``docs/distributed.md``.
 """
@@ -19,6 +19,7 @@ import re
 import sys
 from typing import Any
 
+import torch
 from torch import nn
 
 from llmc_fsm.core.state import State
@@ -108,16 +109,17 @@ def check_ranks_agree(fingerprint: list[dict], state: State) -> None:
 
 # --------------------------------------------------------------------------- wrappers
 def unwrap_model(model: Any) -> Any:
-    """The module inside ``DistributedDataParallel`` / ``DataParallel`` / ``torch.compile`` wrappers, in any nesting
-    (``model`` itself otherwise).
+    """The module inside ``DistributedDataParallel`` / ``DataParallel`` / ``torch.compile`` / peft ``PeftModel``
+    wrappers, in any nesting (``model`` itself otherwise).
 
     The wrapped module's parameters are the ones the wrapper trains, so
     modifiers that change them in place act on the live model, under the
-    model's own module names (``lm_head``, not ``_orig_mod.lm_head``).
+    model's own module names (``lm_head``, not ``_orig_mod.lm_head`` or ``base_model.model.lm_head``; a peft model's
+    base model still holds its adapter layers, which targets never select: :func:`llmc_fsm.toolkit.select_targets`).
 
     Raises:
-        ValueError: a ``FullyShardedDataParallel`` model (its parameters are
-            sharded across ranks; not supported).
+        ValueError: a ``FullyShardedDataParallel`` model or one whose parameters are ``DTensor`` s (FSDP2's
+            ``fully_shard``, tensor parallelism): sharded across ranks, not supported.
     """
     while True:
         if isinstance(model, nn.parallel.DistributedDataParallel | nn.DataParallel):
@@ -126,13 +128,29 @@ def unwrap_model(model: Any) -> Any:
         if _is_compiled(model):
             model = model._orig_mod
             continue
+        if _is_peft(model):
+            model = model.get_base_model()
+            continue
         if type(model).__name__ == "FullyShardedDataParallel":
             msg = (
                 "FullyShardedDataParallel shards the parameters across ranks, so a modifier cannot see whole "
                 "weights; wrap the model in DistributedDataParallel instead"
             )
             raise ValueError(msg)
+        if isinstance(model, nn.Module) and any(type(p).__name__ == "DTensor" for p in model.parameters()):
+            msg = (
+                "the model's parameters are DTensors (FSDP2's fully_shard or tensor parallelism): they are sharded "
+                "across ranks, so a modifier cannot see whole weights; wrap the model in DistributedDataParallel "
+                "instead"
+            )
+            raise ValueError(msg)
         return model
+
+
+def _is_peft(model: Any) -> bool:
+    """Whether ``model`` is peft's ``PeftModel`` (duck-typed: its ``peft_config`` and ``get_base_model``; peft is not
+    imported here)."""
+    return "peft" in sys.modules and hasattr(model, "peft_config") and callable(getattr(model, "get_base_model", None))
 
 
 def _is_compiled(model: Any) -> bool:
@@ -143,11 +161,25 @@ def _is_compiled(model: Any) -> bool:
 
 
 def unwrap_state(state: State) -> State:
-    """``state`` with ``model`` and ``teacher`` unwrapped (:func:`unwrap_model`); ``state`` if none is wrapped."""
+    """``state`` with ``model`` and ``teacher`` unwrapped (:func:`unwrap_model`); ``state`` if none is wrapped.
+
+    Raises:
+        ValueError: as :func:`unwrap_model`; a ``model`` that is an ``AveragedModel`` (an EMA / SWA copy, whose
+            weights are averaged from the trained model's: the session pruned the copy while the trained model
+            stayed dense, found by a tester; as a ``teacher`` it is taken).
+    """
     updates = {}
     for key in ("model", "teacher"):
         value = state.get(key)
         inner = unwrap_model(value) if value is not None else None
+        if key == "model" and isinstance(inner, torch.optim.swa_utils.AveragedModel):
+            msg = (
+                "the model is an AveragedModel (an EMA / SWA copy): its weights are averaged from the trained "
+                "model's, not trained, so the modifiers would change the copy and not the model the optimizer "
+                "trains; give the session that model (to compress the averaged weights themselves, give the "
+                "copy's .module)"
+            )
+            raise ValueError(msg)
         if inner is not value:
             updates[key] = inner
     return state.merged(updates) if updates else state

@@ -98,6 +98,9 @@ def matches(name: str, module: nn.Module, pattern: str) -> bool:
     names = [name, *(f"{name}.{p}" if name else p for p, _ in module.named_parameters(recurse=False))]
     if isinstance(module, LinearView):
         names.append(f"{name}.weight")
+    if name.endswith(".base_layer"):  # peft's base layer: its weight also by the name of the layer around it
+        outer = name.removesuffix(".base_layer")  # (q_proj.weight, as before the adapters and after merging them)
+        names += [f"{outer}.{p}" for p, _ in module.named_parameters(recurse=False)]
     if pattern.startswith("re:"):
         regex = re.compile(pattern[3:])
         return any(regex.match(n) is not None for n in names)
@@ -134,21 +137,32 @@ class TargetSelection:
     unmatched_targets: dict[str, str]
     unmatched_ignore: tuple[str, ...]
 
-    def warnings(self, *, quiet_ignore: Iterable[str] = ()) -> list[str]:
+    def warnings(self, *, quiet_ignore: Iterable[str] = (), module_names: Iterable[str] = ()) -> list[str]:
         """One line per unmatched target and per unmatched ignore pattern (empty when all matched).
 
         Args:
             quiet_ignore: ignore patterns not to warn about when they match nothing
-                (:func:`resolve_targets` passes the default ``lm_head``).
+                (:func:`resolve_targets` passes the default ``lm_head`` on a model without a head of that name).
+            module_names: the model's module names: an exact-name ignore pattern that matches nothing while modules
+                end with it (``lm_head`` against a wrapper's ``model.lm_head``) names them.
         """
         quiet = set(quiet_ignore)
+        names = list(module_names)
         lines = [f"target pattern {p!r} selects nothing: {why}" for p, why in self.unmatched_targets.items()]
-        lines += [
-            f"ignore pattern {p!r} matches no module (check the spelling; 're:' patterns use re.match on full "
-            "module names, e.g. 're:.*lm_head')"
-            for p in self.unmatched_ignore
-            if p not in quiet
-        ]
+        for p in self.unmatched_ignore:
+            if p in quiet:
+                continue
+            ending = [n for n in names if n.endswith(f".{p}")] if not p.startswith("re:") else []
+            if ending:
+                lines.append(
+                    f"ignore pattern {p!r} matches no module, so {_shown(ending)} is compressed: names are full "
+                    f"module names; 're:.*{re.escape(p)}$' would match it"
+                )
+            else:
+                lines.append(
+                    f"ignore pattern {p!r} matches no module (check the spelling; 're:' patterns use re.match on "
+                    "full module names, e.g. 're:.*lm_head')"
+                )
         return lines
 
 
@@ -284,10 +298,15 @@ def compact_names(names: Iterable[str]) -> str:
     return ", ".join(shown)
 
 
-def _unmatched_reason(named, pattern: str) -> str:
+def _unmatched_reason(named, pattern: str, adapters: set[str]) -> str:
     direct = [f"{n or '<model>'} ({type(m).__name__})" for n, m in named if matches(n, m, pattern)]
     if not direct:
         return "it matches no module"
+    if all(n in adapters for n, m in named if matches(n, m, pattern)):
+        return (
+            "it matches only peft adapter layers (LoRA's A / B and the layers around a base_layer), which are never "
+            f"compressed: {_shown(direct)}; the base layers are (e.g. 're:.*base_layer$')"
+        )
     return f"it matches only modules that are not Linear-like (no 2-D weight with in_features): {_shown(direct)}"
 
 
@@ -301,6 +320,24 @@ def _nothing_selected(
         f"full names). Linear-like modules: {_shown(supported_names) or 'none'}"
     )
     return ValueError(msg)
+
+
+def _peft_adapters(named: Iterable[tuple[str, nn.Module]]) -> set[str]:
+    """The names of peft's tuner layers (a LoRA ``Linear`` around its ``base_layer``, duck-typed on peft's
+    ``BaseTunerLayer``: a ``base_layer`` module and ``adapter_layer_names``) and of the adapter modules under them
+    (``lora_A``, ``lora_B``, ...). They are never selected: the weight a pruning or quantization modifier compresses
+    is the base layer's (the tuner layer's ``weight`` is that same tensor), and the adapters are what training
+    changes (a mask on LoRA's zero-initialised B froze it: found by a tester)."""
+    named = list(named)
+    wrappers: set[str] = set()
+    adapters: set[str] = set()
+    for name, module in named:
+        attributes = getattr(module, "adapter_layer_names", None)
+        if name and isinstance(getattr(module, "base_layer", None), nn.Module) and attributes:
+            wrappers.add(name)
+            adapters.update(f"{name}.{a}" for a in attributes)
+    under = tuple(f"{a}." for a in adapters)
+    return wrappers | {n for n, _ in named if n in adapters or n.startswith(under)}
 
 
 def _is_conv1d(module: nn.Module) -> bool:
@@ -534,9 +571,10 @@ def select_targets(
         experts = _selected_unsupported(named, targets, ignore, _is_fused_experts, None)
     if experts:
         raise _experts_error(model, targets, experts, named, views=views)
-    supported_names = {name for name, module in named if supported(module)}
+    adapters = _peft_adapters(named)
+    supported_names = {name for name, module in named if supported(module) and name not in adapters}
     by_pattern = _patterns_selecting(named, supported_names, targets)
-    unmatched = {p: _unmatched_reason(named, p) for p, hit in by_pattern.items() if not hit}
+    unmatched = {p: _unmatched_reason(named, p, adapters) for p, hit in by_pattern.items() if not hit}
     if len(unmatched) == len(targets):
         raise _nothing_selected(model, targets, unmatched, [n for n, _ in named if n in supported_names])
     ignored_by = _first_match(named, ignore)
@@ -610,7 +648,8 @@ def resolve_targets(
 
     Logs a warning (logger ``llmc_fsm.toolkit.targets``) for each target pattern that
     selects nothing while others do, and for each ``ignore`` pattern that matches
-    no module -- except the default ``lm_head`` on a model without one. ``warned``:
+    no module -- except the default ``lm_head`` on a model without a module of that name (a wrapper's
+    ``model.lm_head`` is warned about: it is compressed). ``warned``:
     the warnings already given (by an earlier call for the same modifier); not repeated, new ones added.
     ``supported``: which modules may be selected; ``views``: whether the Linear views of fused experts and Conv1D
     are selectable, ``untie_head`` whether a head tied to the input embedding is (as for :func:`select_targets`).
@@ -619,7 +658,9 @@ def resolve_targets(
         ValueError: as :func:`select_targets`.
     """
     selection = select_targets(model, targets, ignore, supported=supported, views=views, untie_head=untie_head)
-    for line in selection.warnings(quiet_ignore=DEFAULT_IGNORE):
+    names = [name for name, _ in model.named_modules()]
+    heads = [n for n in names if n.rsplit(".", 1)[-1] in DEFAULT_IGNORE]  # a wrapper's model.lm_head: not quiet
+    for line in selection.warnings(quiet_ignore=() if heads else DEFAULT_IGNORE, module_names=names):
         if warned is None or line not in warned:
             logger.warning("%s", line)
         if warned is not None:

@@ -140,12 +140,16 @@ def masks_state(modifier: Any) -> dict[str, Any]:
 
 
 def load_masks_state(modifier: Any, state: Mapping[str, Any]) -> None:
-    """Restore :func:`masks_state` into ``modifier`` (after initialize: masks for its ``resolved_targets``).
+    """Restore :func:`masks_state` into ``modifier`` (after initialize: masks for its ``resolved_targets``) and apply
+    the masks to the weights at once: the first step after a resume computes on masked weights also when the model's
+    own checkpoint left the pruned weights out (a peft adapter checkpoint holds no base weights: the resumed run
+    differed from the uninterrupted one, found by a tester); on weights saved with the masks, nothing changes.
 
     Raises:
         ValueError: a mask for a module the modifier does not target, or of the wrong size.
     """
     modifier._masks.load_packed(state.get("masks", {}), modifier.resolved_targets)
+    modifier._masks.apply()
     modifier.measured_sparsity = state.get("measured_sparsity")
     modifier.module_sparsity = dict(state.get("module_sparsity", {}))
 

@@ -52,6 +52,7 @@ import torch
 import torch.nn.functional as F
 
 from llmc_fsm import Modifier
+from llmc_fsm.toolkit import compact_names
 
 if TYPE_CHECKING:
     from llmc_fsm import Event, State
@@ -193,10 +194,25 @@ class OutputDistillationModifier(Modifier):
         capture its inputs and logits.
 
         Raises:
-            ValueError: the teacher is the student model itself.
+            ValueError: the teacher is the student model itself, or shares modules with it (a peft model's
+                ``get_base_model()`` as the teacher of the peft model: the distillation loss was 0 and putting the
+                teacher in eval mode turned the student's dropout off, found by a tester).
         """
         if state.teacher is state.model:
-            msg = "the teacher is the student model itself; pass a separate (e.g. dense, frozen) copy as teacher"
+            msg = (
+                "the teacher is the student model itself (a peft model's get_base_model() is the model its adapters "
+                "are in); pass a separate (e.g. dense, frozen) copy as teacher"
+            )
+            raise ValueError(msg)
+        student = {id(m): n for n, m in state.model.named_modules() if any(True for _ in m.parameters(recurse=False))}
+        shared = [student[id(m)] for m in state.teacher.modules() if id(m) in student]
+        if shared:
+            msg = (
+                f"the teacher shares {len(shared)} modules with the student ({compact_names(shared)}): "
+                "its logits would follow the student's weights and putting it in eval mode would change the "
+                "student's; pass a separate copy as teacher (e.g. copy.deepcopy of the model before adding adapters, "
+                "or the checkpoint loaded again)"
+            )
             raise ValueError(msg)
         self._teacher = state.teacher
         self._student = state.model
