@@ -250,3 +250,21 @@ def test_accelerates_accumulation_idiom_counts_the_optimizer_steps_taken():
     assert steps == [0, 1, 1, 2, 2, 3, 3, 4]
     assert epochs == [0.0, 0.0, 0.25, 0.25, 0.5, 0.5, 0.75, 0.75]  # one pruning step per optimizer step
     session.finalize()
+
+
+def test_oneshot_refuses_a_peft_model_before_any_work(tmp_path):
+    """One-shot on a peft model ran with the wrapper's names and failed on its tied head (``base_model.model.lm_head
+    shares its weight ...``); a compressed checkpoint has no place for adapters: refused in one line."""
+    import llmc_fsm
+
+    peft_model = _lora(_llama())
+    before = {k: v.clone() for k, v in peft_model.state_dict().items()}
+    with pytest.raises(ValueError) as info:
+        llmc_fsm.oneshot(model=peft_model, dataset=torch.randint(0, VOCAB, (4, 16)), output_dir=tmp_path / "out")
+    assert str(info.value) == (
+        "model (--model) is a peft model (its adapters beside the base weights; a compressed checkpoint has no place "
+        "for them): merge them first (model = model.merge_and_unload()), or compress the base model before adding "
+        "adapters"
+    )
+    assert all(torch.equal(v, before[k]) for k, v in peft_model.state_dict().items())
+    assert list(tmp_path.iterdir()) == []

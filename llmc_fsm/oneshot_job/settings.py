@@ -24,6 +24,7 @@ import argparse
 import numbers
 import os
 import re
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -175,6 +176,13 @@ def _path_or_none(_: Any, field: attrs.Attribute, value: Any) -> None:
 def _model(_: Any, field: attrs.Attribute, value: Any) -> None:
     if not isinstance(value, str | os.PathLike | nn.Module):
         _fail(field, "a known model name, a model directory or an nn.Module", value)
+    if "peft" in sys.modules and hasattr(value, "peft_config") and callable(getattr(value, "get_base_model", None)):
+        msg = (
+            f"{argument_name(field)} is a peft model (its adapters beside the base weights; a compressed checkpoint "
+            "has no place for them): merge them first (model = model.merge_and_unload()), or compress the base "
+            "model before adding adapters"
+        )
+        raise ValueError(msg)
 
 
 def _dataset(_: Any, field: attrs.Attribute, value: Any) -> None:
