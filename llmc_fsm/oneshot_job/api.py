@@ -52,6 +52,7 @@ from llmc_fsm.output.save import CompressedSavePretrained
 from llmc_fsm.pipeline.device import describe_device, device_label
 from llmc_fsm.recipes.history import APPLIED_RECIPE_ATTR
 from llmc_fsm.toolkit.distributed import is_main_process
+from llmc_fsm.toolkit.targets import compact_names
 
 if TYPE_CHECKING:
     from torch import nn
@@ -238,11 +239,27 @@ def _run_phases(run: Run, *, stream_when_possible: bool = False) -> nn.Module:
     except BaseException as exc:
         if run.work is not None:
             run.work.abort(exc)
+        _note_changed_in_place(run, exc)
         raise
 
     setattr(run.model, APPLIED_RECIPE_ATTR, run.recipe.to_yaml(applied=True))  # for a later oneshot on it
     CompressedSavePretrained.attach(run.model, run.recipe)  # model.save_pretrained(dir) writes it compressed
     return run.model
+
+
+def _note_changed_in_place(run: Run, exc: BaseException) -> None:
+    """A model given in memory that a failed run already changed (the modules compressed before the failure, in an
+    earlier layer or group: the session's own "No parameter of the model was changed" speaks of the failing hook
+    only, and its advice to continue or reset is for a session you drive): a note on ``exc`` naming them, shown with
+    its traceback."""
+    if not isinstance(run.settings.model, torch.nn.Module):
+        return  # loaded from disk by this call: nothing of the caller's changed
+    done = [n for session in run.sessions for m in session.modifiers for n in getattr(m, "results", {})]
+    if done:
+        exc.add_note(
+            f"oneshot: the model you passed was changed in place before this error ({len(done)} modules compressed: "
+            f"{compact_names(done)}); reload it before another run."
+        )
 
 
 def _streamed(run: Run, model: nn.Module) -> nn.Module:

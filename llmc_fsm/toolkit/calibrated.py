@@ -64,6 +64,7 @@ from llmc_fsm.toolkit.distributed import (
 )
 from llmc_fsm.toolkit.heap import trim_heap
 from llmc_fsm.toolkit.layer_error import relative_output_error
+from llmc_fsm.toolkit.obs import all_finite
 from llmc_fsm.toolkit.targets import (
     DEFAULT_IGNORE,
     DEFAULT_TARGETS,
@@ -593,6 +594,14 @@ class CalibratedModifier(Modifier):
     def _compress_members(self, acc: Any, members: list[tuple[str, nn.Module]]) -> None:
         t0 = time.perf_counter()
         hessian = getattr(acc, "hessian", None) if acc is not None else None
+        if hessian is not None and not all_finite(hessian):  # before any of these modules changes
+            msg = (
+                f"{type(self).__name__}: the calibration inputs of {compact_names(n for n, _ in members)} hold NaN or "
+                "Inf values (their Hessian is not finite), so they cannot be compressed: the activations overflowed "
+                "before them (a float16 model: load it in float32, --dtype float32) or a weight before them holds "
+                "NaN or Inf"
+            )
+            raise ValueError(msg)
         copy = hessian is not None and not self.measures_output_error
         with torch.no_grad():
             olds = [module.weight.detach().clone() if copy else None for _, module in members]

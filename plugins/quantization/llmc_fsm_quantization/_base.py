@@ -146,6 +146,7 @@ def attach_qparams(module: nn.Module, scheme: QuantizationScheme, quantized: Qua
             msg = f"{name}: compressed-tensors expects shape {tuple(param.shape)}, got {tuple(value.shape)}"
             raise ValueError(msg)
         param.data.copy_(value.to(param.dtype))
+        torch.autograd.graph.increment_version(param)  # a write through .data: the session's guard reads versions
     _take_weight(module.weight, quantized.weight)
     module.quantization_status = QuantizationStatus.FROZEN
     if is_scaled_format(scheme.weights):
@@ -179,6 +180,9 @@ def _take_weight(weight: nn.Parameter, new: torch.Tensor) -> None:
         release_file_pages(old)  # the checkpoint's pages of the replaced weight: unmapped, not kept resident
     else:
         weight.data.copy_(new)
+    # Neither write moves the parameter's version counter, which the session's guard reads to tell whether a failed
+    # hook changed the model (it said "No parameter of the model was changed" after a GPTQ layer failed midway).
+    torch.autograd.graph.increment_version(weight)
 
 
 def _as_reloaded(module: nn.Module, scheme: QuantizationScheme) -> None:
