@@ -445,3 +445,41 @@ def test_a_model_offloaded_to_disk_by_compressed_tensors_is_refused_before_any_w
     with pytest.raises(llmc_fsm.ModifierError) as info:
         session.initialize(model=model)
     assert str(info.value.__cause__) == expected
+
+
+def test_a_repository_whose_model_is_its_own_code_is_refused_without_running_it(tiny_dir, tmp_path):
+    """``auto_map`` to a repository's own classes: transformers asked "Do you wish to run the custom code? [y/N]" on
+    the terminal, and a ``y`` ran the repository's files (found by a tester). Refused in one line, nothing run, even
+    with ``y`` on stdin; nothing written."""
+    model = tmp_path / "remote"
+    shutil.copytree(tiny_dir, model)
+    marker = tmp_path / "CODE_RAN"
+    config = json.loads((model / "config.json").read_text())
+    config.update(model_type="tinycustom", auto_map={"AutoConfig": "configuration_tiny.TinyCustomConfig",
+                                                     "AutoModelForCausalLM": "modeling_tiny.TinyCustomForCausalLM"})
+    (model / "config.json").write_text(json.dumps(config))
+    code = f"open({str(marker)!r}, 'a').write('ran')\nfrom transformers import LlamaConfig, LlamaForCausalLM\n"
+    body = "class TinyCustomConfig(LlamaConfig):\n    model_type = 'tinycustom'\n"
+    (model / "configuration_tiny.py").write_text(code + body)
+    (model / "modeling_tiny.py").write_text(code + "class TinyCustomForCausalLM(LlamaForCausalLM):\n    pass\n")
+    out = tmp_path / "out"
+    command = [sys.executable, "-m", "llmc_fsm", "oneshot", "--model", str(model), "--method", "rtn", "--scheme",
+               "W8A8", "--output", str(out), "--no-progress", "--eval-windows", "1"]
+    proc = subprocess.run(command, input="y\ny\ny\ny\n", capture_output=True, text=True, timeout=300, check=False,
+                          env=os.environ | {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 1
+    assert proc.stderr.splitlines()[-1] == (
+        f"llmc-fsm oneshot: error: model {str(model)!r} needs the Python code in its repository (config.json's "
+        "auto_map names classes transformers does not have): llmc-fsm loads transformers' own model classes only "
+        "and never runs a repository's code (as llm-compressor with trust_remote_code_model=False)"
+    )
+    assert "custom code" not in proc.stdout + proc.stderr.replace("Python code", "")  # transformers' prompt: never
+    assert not marker.exists() and not out.exists()
+    loader = (  # the loader itself, past the one-shot's first check, answering y too
+        "import pathlib, sys, torch\nfrom llmc_fsm.models.hf_io import load_hf_dir\n"
+        "try:\n    load_hf_dir(pathlib.Path(sys.argv[1]), torch.float32)\nexcept ValueError as e:\n    print(e)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", loader, str(model)], input="y\ny\ny\n", capture_output=True,
+                          text=True, timeout=300, check=False, env=os.environ | {"OMP_NUM_THREADS": "1"})
+    assert proc.stdout.startswith(f"model {str(model)!r} needs the Python code in its repository"), proc.stdout
+    assert not marker.exists()

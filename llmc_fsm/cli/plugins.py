@@ -196,7 +196,7 @@ def _meta_model(directory: str, dtype: str = "float32") -> Any:
             f"({', '.join(sorted(KNOWN_MODELS))})"
         )
         raise ValueError(msg)
-    config = AutoConfig.from_pretrained(directory)
+    config = AutoConfig.from_pretrained(directory, trust_remote_code=False)
     return meta_model(config, torch_dtype_of(dtype, config))  # the model oneshot loads (a VLM's tower included)
 
 

@@ -251,7 +251,7 @@ def load_processor(tokenizer: Any, model: Any) -> Any:
         if isinstance(where, str | os.PathLike) and Path(where).expanduser().is_dir():
             directory = os.fspath(Path(where).expanduser())
             try:
-                processor = AutoProcessor.from_pretrained(directory)
+                processor = AutoProcessor.from_pretrained(directory, trust_remote_code=False)
             except (ImportError, OSError, ValueError, TypeError, AttributeError) as err:
                 cause = next((line.strip() for line in str(err).splitlines() if line.strip()), "")
                 cause = cause.split(". ")[0].rstrip(".")  # the first sentence

@@ -285,10 +285,25 @@ def _load_tokenizer(path: Path) -> PreTrainedTokenizerBase | None:
         logger.info("%s has no tokenizer files; only token-id data can be used with this model", path)
         return None
     try:
-        return AutoTokenizer.from_pretrained(str(path))
+        return AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
     except (OSError, ValueError) as err:
         msg = f"{path}: the tokenizer files could not be loaded ({_first_line(err)})"
         raise ValueError(msg) from err
+
+
+def remote_code_refusal(model: str, err: BaseException) -> str | None:
+    """One line for transformers' refusal to load a repository whose classes are its own code (``auto_map`` in
+    ``config.json``, no model of its type in transformers), else ``None``. llmc-fsm passes ``trust_remote_code=False``
+    everywhere: transformers asked "Do you wish to run the custom code? [y/N]" on the terminal, and a ``y`` ran the
+    repository's Python files (found by a tester)."""
+    text = str(err)
+    if "custom code" not in text and "trust_remote_code" not in text:
+        return None
+    return (
+        f"model {model!r} needs the Python code in its repository (config.json's auto_map names classes transformers "
+        "does not have): llmc-fsm loads transformers' own model classes only and never runs a repository's code "
+        "(as llm-compressor with trust_remote_code_model=False)"
+    )
 
 
 def load_hf_dir(path: Path, torch_dtype: torch.dtype) -> tuple[PreTrainedModel, PreTrainedTokenizerBase | None]:
@@ -311,10 +326,12 @@ def load_hf_dir(path: Path, torch_dtype: torch.dtype) -> tuple[PreTrainedModel, 
     _check_model_dir(path)
     with _LOAD_LOCK:
         try:
-            config = AutoConfig.from_pretrained(str(path))
-            model = model_class(config).from_pretrained(str(path), config=config, **dtype_kwargs(torch_dtype))
+            config = AutoConfig.from_pretrained(str(path), trust_remote_code=False)
+            model = model_class(config).from_pretrained(
+                str(path), config=config, **dtype_kwargs(torch_dtype), trust_remote_code=False
+            )
         except (OSError, ValueError, SafetensorError) as err:
-            msg = f"could not load the model in {path}: {_first_line(err)}"
+            msg = remote_code_refusal(str(path), err) or f"could not load the model in {path}: {_first_line(err)}"
             raise ValueError(msg) from err
         tokenizer = _load_tokenizer(path)
     model.eval()
@@ -406,10 +423,15 @@ def load_hub(model_id: str, torch_dtype: torch.dtype) -> tuple[PreTrainedModel, 
     try:
         only = {"local_files_only": True} if local_only else {}
         with _LOAD_LOCK:
-            config = AutoConfig.from_pretrained(model_id, **only)  # the class follows it (model_class)
-            model = model_class(config).from_pretrained(model_id, config=config, **dtype_kwargs(torch_dtype), **only)
+            # the class follows the config (model_class); a repository's own code is never run
+            config = AutoConfig.from_pretrained(model_id, **only, trust_remote_code=False)
+            model = model_class(config).from_pretrained(
+                model_id, config=config, **dtype_kwargs(torch_dtype), **only, trust_remote_code=False
+            )
     except (OSError, ValueError, SafetensorError) as err:
         cached = isinstance(try_to_load_from_cache(model_id, "config.json"), str)
+        if (refusal := remote_code_refusal(model_id, err)) is not None:
+            raise RuntimeError(refusal) from err
         if offline and not cached:
             msg = (
                 f"model {model_id!r} is not a known name or a local directory, and as a Hugging Face Hub model ID "
@@ -423,7 +445,8 @@ def load_hub(model_id: str, torch_dtype: torch.dtype) -> tuple[PreTrainedModel, 
             )
         raise RuntimeError(msg) from err
     try:
-        tokenizer = AutoTokenizer.from_pretrained(model_id, **({"local_files_only": True} if local_only else {}))
+        only = {"local_files_only": True} if local_only else {}
+        tokenizer = AutoTokenizer.from_pretrained(model_id, **only, trust_remote_code=False)
     except (OSError, ValueError) as err:
         logger.warning("%s: no tokenizer loaded (%s); only token-id data can be used", model_id, _first_line(err))
         tokenizer = None

@@ -352,7 +352,7 @@ def load_lazy(
     directory = Path(path).expanduser()
     _check_model_dir(directory)
     files = _checkpoint_files(directory)
-    config = AutoConfig.from_pretrained(str(directory))
+    config = AutoConfig.from_pretrained(str(directory), trust_remote_code=False)
     if is_vision_language(config):  # AutoModelForCausalLM would build the text model alone: the tower dropped
         msg = (
             f"{directory} holds a vision-language model (model_type {config.model_type!r}): the streamed path "

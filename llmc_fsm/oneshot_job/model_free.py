@@ -552,7 +552,7 @@ def _meta_model(files: Mapping[str, str]) -> nn.Module | None:
     from transformers import AutoConfig
 
     try:
-        model = meta_model(AutoConfig.from_pretrained(str(Path(files["config.json"]).parent)))
+        model = meta_model(AutoConfig.from_pretrained(str(Path(files["config.json"]).parent), trust_remote_code=False))
     except Exception as err:  # an architecture transformers does not know, or a config it cannot build
         logger.warning(
             "model_free_ptq: transformers cannot build this model (%s): every 2-D '<module>.weight' outside *norm "

@@ -36,7 +36,13 @@ from llmc_fsm.data.images import (
 )
 from llmc_fsm.data.protocol import PerplexityCache, perplexity, token_windows
 from llmc_fsm.data.rows import TokenRows, is_rows, read_rows, row_batches
-from llmc_fsm.models.hf_io import hub_model_unavailable, hub_unreachable, looks_like_hub_id, meta_model
+from llmc_fsm.models.hf_io import (
+    hub_model_unavailable,
+    hub_unreachable,
+    looks_like_hub_id,
+    meta_model,
+    remote_code_refusal,
+)
 from llmc_fsm.models.known import (
     KNOWN_MODELS,
     check_model_name,
@@ -446,8 +452,10 @@ def _model_config(model: Any) -> Any:
     from transformers import AutoConfig
 
     try:
-        return AutoConfig.from_pretrained(os.fspath(directory))
-    except (OSError, ValueError):  # loading the model reports it, as before
+        return AutoConfig.from_pretrained(os.fspath(directory), trust_remote_code=False)
+    except (OSError, ValueError) as err:  # loading the model reports it, as before
+        if (refusal := remote_code_refusal(os.fspath(model), err)) is not None:
+            raise ValueError(refusal) from None
         return None
 
 
@@ -647,8 +655,11 @@ def _hub_config(key: str) -> Any:
     if not cached and (constants.HF_HUB_OFFLINE or hub_unreachable(constants.ENDPOINT) is not None):
         return None
     try:
-        return AutoConfig.from_pretrained(key, **({"local_files_only": True} if cached else {}))
-    except (OSError, ValueError):
+        only = {"local_files_only": True} if cached else {}
+        return AutoConfig.from_pretrained(key, trust_remote_code=False, **only)
+    except (OSError, ValueError) as err:
+        if (refusal := remote_code_refusal(key, err)) is not None:
+            raise ValueError(refusal) from None
         return None
 
 
@@ -795,7 +806,7 @@ def given_tokenizer(settings: OneshotSettings) -> Any:
     if isinstance(settings.tokenizer, str | os.PathLike):
         from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(os.fspath(settings.tokenizer))
+        return AutoTokenizer.from_pretrained(os.fspath(settings.tokenizer), trust_remote_code=False)
     return settings.tokenizer
 
 
@@ -809,7 +820,7 @@ def _tokenizer_of(model: Any) -> Any:
     from transformers import AutoTokenizer
 
     try:
-        tokenizer = AutoTokenizer.from_pretrained(name, local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(name, local_files_only=True, trust_remote_code=False)
     except (OSError, ValueError):
         return None
     logger.info("tokenizer: loaded from the model's name_or_path %r (none given)", name)
@@ -899,7 +910,7 @@ def _keep_processor(run: Run) -> None:
     from transformers import AutoProcessor
 
     try:
-        processor = AutoProcessor.from_pretrained(os.fspath(directory))
+        processor = AutoProcessor.from_pretrained(os.fspath(directory), trust_remote_code=False)
     except (ImportError, OSError, ValueError, TypeError, AttributeError) as err:  # the tokenizer is saved
         logger.warning("%s: the processor is not saved with the output (%s)", directory, str(err).strip()[:200])
         return

@@ -360,7 +360,7 @@ def _dtype(name: str, directory: Path) -> Any:
 
     if name != "auto":
         return torch_dtype_of(name)
-    config = AutoConfig.from_pretrained(str(directory))
+    config = AutoConfig.from_pretrained(str(directory), trust_remote_code=False)
     return torch_dtype_of(name, config)
 
 
