@@ -335,6 +335,29 @@ def test_output_that_is_a_known_models_cache_directory_is_refused(tmp_path, monk
     assert list(tmp_path.iterdir()) == []
 
 
+def test_output_in_a_hub_models_cache_folder_is_refused(tmp_path, monkeypatch):
+    """A Hub ID's snapshot as the output (with --overwrite) replaced its links with the compressed model, and the next
+    run read that as the model (found by a tester): the repository's cache folder is the source, as a directory."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    folder = tmp_path / "hub" / "models--acme--tiny"
+    snapshot = folder / "snapshots" / ("0" * 40)
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text("{}")
+    for out, relation in ((snapshot, "inside"), (folder, "is"), (tmp_path / "hub", "contains")):
+        with pytest.raises(ValueError) as info:
+            llmc_fsm.oneshot(model="acme/tiny", output_dir=out, overwrite=True, progress=False)
+        where = f"({str(folder)!r})"
+        assert str(info.value).startswith(
+            f"output directory {str(out)!r} is inside the directory the model is read from {where}"
+            if relation == "inside"
+            else f"output directory {str(out)!r} {relation} the directory the model is read from {where}"
+        )
+        assert str(info.value).endswith("choose a new directory (e.g. 'tiny-compressed')")
+    assert [p.name for p in snapshot.iterdir()] == ["config.json"]
+
+
 def test_output_that_is_a_mount_point_is_refused_before_any_work(tmp_path, monkeypatch):
     out = tmp_path / "mnt"
     out.mkdir()

@@ -12,6 +12,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from llmc_fsm.models.hf_io import looks_like_hub_id
 from llmc_fsm.models.known import KNOWN_MODELS, cache_root
 from llmc_fsm.output.workdir import work_dir_path
 
@@ -126,8 +127,8 @@ def check_output_dir(output_dir: str | os.PathLike[str] | None, overwrite: bool)
 def check_output_not_source(output_dir: Any, model: Any) -> None:
     """Refuse an output directory that is, contains, or is inside the directory the model is read from.
 
-    ``model`` is a directory path, a known model name (its cache directory) or a loaded transformers model (its
-    ``name_or_path``). The output replaces its
+    ``model`` is a directory path, a known model name (its cache directory), a Hugging Face Hub model ID (its folder
+    in the Hugging Face cache) or a loaded transformers model (its ``name_or_path``). The output replaces its
     whole directory when it is written, so even with ``overwrite`` the source model would be lost.
 
     Raises:
@@ -145,9 +146,13 @@ def check_output_not_source(output_dir: Any, model: Any) -> None:
         known = isinstance(candidate, str) and candidate in KNOWN_MODELS and not source.is_dir()
         if known:  # read from its cache directory, which need not exist yet
             source = (cache_root() / "models" / candidate).resolve()
-        if not (known or source.is_dir()):
+        hub = not known and not source.is_dir() and isinstance(candidate, str) and looks_like_hub_id(candidate)
+        if hub:
+            source = _hub_repo_folder(candidate)  # its snapshots and blobs in the Hugging Face cache
+        if not (known or hub or source.is_dir()):
             continue
-        suggestion = f"choose a new directory (e.g. {str(source) + '-compressed'!r})"
+        example = f"{os.fspath(candidate).rsplit('/', 1)[-1]}-compressed" if hub else str(source) + "-compressed"
+        suggestion = f"choose a new directory (e.g. {example!r})"
         if out == source or out in source.parents:
             relation = "is" if out == source else "contains"
             msg = (
@@ -161,6 +166,15 @@ def check_output_not_source(output_dir: Any, model: Any) -> None:
                 f"the output and its work directory would be mixed into the model's files: {suggestion}"
             )
             raise ValueError(msg)
+
+
+def _hub_repo_folder(repo_id: str) -> Path:
+    """The Hugging Face cache's folder of the model ``repo_id`` (``HF_HUB_CACHE/models--org--name``: its snapshots,
+    whose files link into its blobs), which need not exist yet. An output there replaced a snapshot's links with the
+    compressed model, and the next run read that as the model (found by a tester)."""
+    from huggingface_hub import constants
+
+    return (Path(constants.HF_HUB_CACHE) / ("models--" + repo_id.replace("/", "--"))).resolve()
 
 
 def _is_quantized_dir(path: Path) -> bool:
