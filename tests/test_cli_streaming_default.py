@@ -207,3 +207,41 @@ def test_the_python_api_keeps_the_in_memory_path(tiny_model_dir, tmp_path):
                              output_dir=tmp_path / "o", progress=False)
     assert not any(p.is_meta for p in model.parameters())
     assert [p.name for p in (tmp_path / "o").glob("*.safetensors")] == ["model.safetensors"]
+
+
+def test_the_streamed_output_keeps_the_generation_config_and_the_stored_dtype(tiny_model_dir, tmp_path, capsys):
+    """Found by a tester on the streamed path (the command's default): the source's generation_config.json was
+    replaced by one derived from config.json (sampling settings and a second EOS id lost), and a bf16 checkpoint whose
+    config names no dtype was written float32 under --dtype auto. Both paths now write the same files' contents."""
+    import shutil
+
+    model_dir, text = tiny_model_dir
+    source = tmp_path / "source"
+    shutil.copytree(model_dir, source)
+    from transformers import AutoModelForCausalLM
+
+    bf16 = AutoModelForCausalLM.from_pretrained(source, dtype=torch.bfloat16)
+    bf16.save_pretrained(source)
+    config = json.loads((source / "config.json").read_text())
+    config.pop("dtype", None)
+    config.pop("torch_dtype", None)
+    (source / "config.json").write_text(json.dumps(config))
+    generation = {"bos_token_id": 1, "eos_token_id": [2, 9], "do_sample": True, "temperature": 0.6, "top_p": 0.9}
+    (source / "generation_config.json").write_text(json.dumps(generation))
+    outputs = {}
+    for name, extra in (("streamed", []), ("in-memory", ["--in-memory"])):
+        out = tmp_path / name
+        status, _ = _run(tiny_llama.oneshot_argv(source, text, out, *RTN, "--dtype", "auto", *extra), capsys)
+        assert status == 0
+        outputs[name] = out
+    kept = json.loads((outputs["streamed"] / "generation_config.json").read_text())
+    assert {k: kept[k] for k in generation} == generation
+    assert (outputs["streamed"] / "generation_config.json").read_text() == (
+        outputs["in-memory"] / "generation_config.json"
+    ).read_text()
+    dtypes = [json.loads((outputs[n] / "config.json").read_text())["dtype"] for n in ("streamed", "in-memory")]
+    assert dtypes == ["bfloat16", "bfloat16"]
+    streamed, in_memory = _tensors(outputs["streamed"]), _tensors(outputs["in-memory"])
+    assert sorted(streamed) == sorted(in_memory)
+    assert all(torch.equal(streamed[k], in_memory[k]) for k in streamed)
+    assert streamed["model.embed_tokens.weight"].dtype == torch.bfloat16

@@ -347,7 +347,7 @@ def load_lazy(
             has no decoder-layer list, or the config is a vision-language model's
             (:func:`llmc_fsm.data.images.is_vision_language`: its tower would be dropped).
     """
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
     directory = Path(path).expanduser()
     _check_model_dir(directory)
@@ -372,6 +372,8 @@ def load_lazy(
     model.tie_weights()
     model.eval()
     check_tied(model, f"loading {directory}")
+    if model.can_generate() and (directory / "generation_config.json").is_file():  # as from_pretrained reads it
+        model.generation_config = GenerationConfig.from_pretrained(str(directory))
     sources, converted = _match_sources(model, directory, files)
     layers_name, layers = find_decoder_layers(model)
     return LazyModel(model, directory, sources, layers_name, layers, converted), _load_tokenizer(directory)

@@ -355,13 +355,37 @@ def check_job(run: Run) -> None:
 
 
 def _dtype(name: str, directory: Path) -> Any:
-    """The torch dtype of ``dtype`` (``--dtype``); ``auto``: the one ``directory/config.json`` names."""
+    """The torch dtype of ``dtype`` (``--dtype``); ``auto``: the one ``directory/config.json`` names, else (as
+    ``from_pretrained(dtype="auto")``) that of the checkpoint's first floating-point tensor: a bf16 checkpoint whose
+    config names no dtype was written float32 here and bf16 by the in-memory path (found by a tester)."""
     from transformers import AutoConfig
 
     if name != "auto":
         return torch_dtype_of(name)
     config = AutoConfig.from_pretrained(str(directory), trust_remote_code=False)
+    if getattr(config, "dtype", None) is None and getattr(config, "torch_dtype", None) is None:
+        stored = _stored_float_dtype(directory)
+        if stored is not None:
+            return stored
     return torch_dtype_of(name, config)
+
+
+def _stored_float_dtype(directory: Path) -> Any:
+    """The dtype of the first floating-point tensor of the first safetensors file in ``directory`` (by name), from
+    its header; ``None`` when there is none."""
+    from safetensors import safe_open
+
+    for file in sorted(directory.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as handle:
+            for key in handle.keys():
+                dtype = _SAFETENSORS_DTYPES.get(handle.get_slice(key).get_dtype())
+                if dtype is not None:
+                    return dtype
+    return None
+
+
+#: safetensors' names of the floating-point dtypes a checkpoint's weights come in.
+_SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}
 
 
 def _load(run: Run) -> LazyModel:
