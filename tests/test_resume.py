@@ -572,3 +572,24 @@ def test_an_interrupted_overwrite_is_named_when_resumed_without_overwrite(leftov
     )
     _resume(model, text, out, overwrite=True)  # and that continues it
     assert not work_dir_path(out).exists()
+
+
+def test_a_hub_models_fingerprint_holds_the_commit_it_reads(tmp_path, monkeypatch):
+    """A resumed run of a Hub ID whose ``main`` moved to another commit (a Hub update) mixed two models' layers: the ID
+    alone was compared (found by a tester). The fingerprint holds the cached snapshot's commit; offline and not
+    cached, none is known."""
+    from huggingface_hub import constants
+
+    from llmc_fsm.oneshot_job.resume import _model_item
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    folder = tmp_path / "hub" / "models--acme--tiny"
+    assert _model_item("acme/tiny") == {"hub id": "acme/tiny", "revision": None}
+    for commit in ("a" * 40, "b" * 40):
+        (folder / "snapshots" / commit).mkdir(parents=True)
+        (folder / "snapshots" / commit / "config.json").write_text("{}")
+        (folder / "refs").mkdir(exist_ok=True)
+        (folder / "refs" / "main").write_text(commit)
+        assert _model_item("acme/tiny") == {"hub id": "acme/tiny", "revision": commit}
+    assert _model_item("not-a/hub/id") == {"hub id": "not-a/hub/id"}

@@ -60,6 +60,7 @@ from torch import nn
 from llmc_fsm.core import version
 from llmc_fsm.core.modifier import Modifier, overrides
 from llmc_fsm.core.registry import get_registry
+from llmc_fsm.models.hf_io import hub_unreachable, looks_like_hub_id
 from llmc_fsm.models.known import KNOWN_MODELS
 from llmc_fsm.oneshot_job.data import DEFAULT_PROMPTS, describe
 from llmc_fsm.oneshot_job.settings import OneshotSettings
@@ -131,7 +132,24 @@ def _model_item(model: Any, hash_files: bool = True) -> dict[str, Any]:
         if not hash_files:
             return {"directory": str(path.resolve()), "files": {p.name: _file_stat(p) for p in files}}
         return {"directory": str(path.resolve()), "files": {p.name: _file_digest(p) for p in files}}
-    return {"hub id": key}
+    return {"hub id": key, "revision": _hub_revision(key)} if looks_like_hub_id(key) else {"hub id": key}
+
+
+def _hub_revision(repo_id: str) -> str | None:
+    """The commit of the Hub model ``repo_id`` a load reads: its cached ``main`` snapshot, else (not cached, the Hub
+    reachable) ``main``'s commit on the Hub; ``None`` when neither is known. A resumed run whose model moved to
+    another commit (a Hub update) mixed two models' layers: the ID alone was compared (found by a tester)."""
+    from huggingface_hub import HfApi, constants, try_to_load_from_cache
+
+    cached = try_to_load_from_cache(repo_id, "config.json")
+    if isinstance(cached, str):
+        return Path(cached).parent.name  # snapshots/<commit>/config.json
+    if constants.HF_HUB_OFFLINE or hub_unreachable(constants.ENDPOINT) is not None:
+        return None
+    try:
+        return HfApi().model_info(repo_id, timeout=10).sha
+    except Exception:  # any failure: the commit is unknown, the load reports what fails
+        return None
 
 
 def _versions(modifiers: Iterable[Modifier]) -> dict[str, str | None]:
@@ -160,7 +178,7 @@ def fingerprint(
     """What a one-shot result depends on, as JSON values (compared item by item on resume).
 
     Items: ``model`` (sha256 of an in-memory model's tensors; of each file of a
-    model directory; a known model's name and package version), ``recipe``
+    model directory; a known model's name and package version; a Hub ID and its commit), ``recipe``
     (every setting of ``recipe``, the resolved one), ``calibration data`` (source and sha256 of its text
     (``text``, the dataset read) or token tensor; windows, length), ``pipeline`` (batch size, stages fused,
     the load ``dtype``, the calibration order within a layer: :mod:`llmc_fsm.pipeline.true_sequential`),
