@@ -155,3 +155,40 @@ def test_the_cli_says_it_in_one_line(tiny_model_dir, tmp_path, monkeypatch, caps
         "layer-00000.safetensors",
         "layer-00001.safetensors",
     ]
+
+
+def test_a_corrupt_input_file_is_not_reported_as_a_write_failure(tiny_model_dir, tmp_path, capsys):
+    """A truncated model.safetensors, with an output: the error chain holds safetensors' header error, which was
+    taken for a failed write ("[Errno 5] writing failed (safetensors: ... incomplete metadata ...)" on the output's
+    work directory; found by a tester). It is the input's one line, as without an output."""
+    import shutil
+
+    from llmc_fsm.output.workdir import write_failure
+
+    model_dir, text = tiny_model_dir
+    source = tmp_path / "trunc"
+    shutil.copytree(model_dir, source)
+    with open(source / "model.safetensors", "r+b") as handle:
+        handle.truncate(5000)
+    lines = []
+    for extra in ([], ["--in-memory"]):
+        argv = tiny_llama.oneshot_argv(source, text, tmp_path / "out", "--method", "gptq", "--group-size", "32", *extra)
+        assert main(argv) == 1
+        lines.append(capsys.readouterr().err.strip().splitlines()[-1])
+    expected = (
+        f"llmc-fsm oneshot: error: {source / 'model.safetensors'}: not a valid safetensors file (SafetensorError: "
+        "Error while deserializing header: incomplete metadata, file not fully covered); it is probably truncated or "
+        "corrupt: copy or save the model again"
+    )
+    assert lines == [expected, expected]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["trunc"]
+    assert write_failure(ValueError("x")) is None
+    assert isinstance(write_failure(SafetensorError(FULL)), SafetensorError)
+    assert write_failure(SafetensorError("Error while deserializing header: incomplete metadata")) is None  # a read
+    try:
+        try:
+            raise SafetensorError(FULL)
+        except SafetensorError:
+            raise ValueError("another error, raised from None") from None
+    except ValueError as exc:
+        assert write_failure(exc) is None  # a suppressed context is not followed

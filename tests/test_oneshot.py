@@ -280,9 +280,13 @@ def test_interrupted_save_leaves_no_output(tmp_path, monkeypatch):
         "layer-00000.safetensors",
         "layer-00001.safetensors",
     ]
-    assert info.value.__notes__ == [
+    assert info.value.__notes__ == [  # the model passed was compressed in place: reload it, then resume
+        "oneshot: the model you passed was changed in place before this error (14 modules compressed: "
+        "model.layers.{0..1}.self_attn.q_proj, model.layers.{0..1}.self_attn.k_proj, model.layers.{0..1}.self_attn."
+        "v_proj, model.layers.{0..1}.self_attn.o_proj, model.layers.{0..1}.mlp.gate_proj, model.layers.{0..1}.mlp."
+        "up_proj, model.layers.{0..1}.mlp.down_proj); reload it before another run.",
         f"progress kept in {str(tmp_path / '.o.work')!r} (2 of 2 decoder layers done): run the same command with "
-        "--resume (resume=True) to continue, or remove that directory"
+        "--resume (resume=True) to continue, or remove that directory",
     ]
     # an interruption before any layer is done leaves nothing at all
     monkeypatch.setattr("llmc_fsm.pipeline.sequential._run_layers", boom)

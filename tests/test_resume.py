@@ -160,7 +160,8 @@ def test_second_pass_interrupted_resumes_bitwise(tmp_path, monkeypatch):
         _interrupt_after(m, layer=0, pass_index=1)
         with pytest.raises(KeyboardInterrupt) as info:
             llmc_fsm.oneshot(model=_tiny_module(), output_dir=tmp_path / "o", **kw)
-    assert info.value.__notes__[0].endswith(
+    assert info.value.__notes__[0].startswith("oneshot: the model you passed was changed in place before this error")
+    assert info.value.__notes__[-1].endswith(
         "(4 of 6 layer passes done (2 passes over 3 decoder layers)): run the same command with --resume "
         "(resume=True) to continue, or remove that directory"
     )

@@ -237,9 +237,9 @@ def _run_phases(run: Run, *, stream_when_possible: bool = False) -> nn.Module:
             phase.evaluate(run, "eval_after")
             phase.save(run)
     except BaseException as exc:
-        if run.work is not None:
-            run.work.abort(exc)
         _note_changed_in_place(run, exc)
+        if run.work is not None:
+            run.work.abort(exc)  # its note (progress kept: --resume) last
         raise
 
     setattr(run.model, APPLIED_RECIPE_ATTR, run.recipe.to_yaml(applied=True))  # for a later oneshot on it

@@ -76,26 +76,34 @@ def write_failure(exc: BaseException) -> BaseException | None:
     """The write error behind ``exc`` — ``exc`` itself or one it was raised from or during — or ``None``.
 
     A write error is an ``OSError`` (``ENOSPC``, a vanished directory, ...) or safetensors'
-    ``SafetensorError`` (what ``safetensors.torch.save_file`` and ``save_pretrained`` raise on a full disk).
+    ``SafetensorError`` carrying an OS error (what ``safetensors.torch.save_file`` and ``save_pretrained`` raise on a
+    full disk); a ``SafetensorError`` about a file's contents (a truncated input checkpoint: "incomplete metadata") is
+    a read error, and a context suppressed (``raise ... from None``) is not followed: a corrupt model file was
+    reported as "writing failed" on the output (found by a tester).
     """
     seen: set[int] = set()
     current: BaseException | None = exc
     while current is not None and id(current) not in seen:
-        if isinstance(current, OSError | SafetensorError):
+        if isinstance(current, OSError) or (isinstance(current, SafetensorError) and _os_error_code(current)):
             return current
         seen.add(id(current))
-        current = current.__cause__ or current.__context__
+        current = current.__cause__ or (None if current.__suppress_context__ else current.__context__)
     return None
+
+
+def _os_error_code(error: BaseException) -> int | None:
+    """The errno a safetensors error carries (``IoError(Os { code: 28, ... })``, ``(os error 27)``), else ``None``."""
+    found = re.search(r"code: (\d+)", str(error)) or re.search(r"\(os error (\d+)\)", str(error))
+    return int(found.group(1)) if found else None
 
 
 def _as_os_error(error: BaseException, path: Path) -> OSError:
     """``error`` (a write failure, see :func:`write_failure`) as an ``OSError`` with an errno, naming ``path``."""
     if isinstance(error, OSError):
         return error
-    # safetensors: IoError(Os { code: 28, kind: StorageFull, ... }), or "File too large (os error 27)"
-    found = re.search(r"code: (\d+)", str(error)) or re.search(r"\(os error (\d+)\)", str(error))
-    if found:
-        return OSError(int(found.group(1)), os.strerror(int(found.group(1))), str(path))
+    code = _os_error_code(error)  # IoError(Os { code: 28, kind: StorageFull, ... }), "File too large (os error 27)"
+    if code is not None:
+        return OSError(code, os.strerror(code), str(path))
     return OSError(errno.EIO, f"writing failed (safetensors: {error})", str(path))
 
 
