@@ -483,3 +483,23 @@ def test_a_repository_whose_model_is_its_own_code_is_refused_without_running_it(
                           text=True, timeout=300, check=False, env=os.environ | {"OMP_NUM_THREADS": "1"})
     assert proc.stdout.startswith(f"model {str(model)!r} needs the Python code in its repository"), proc.stdout
     assert not marker.exists()
+
+
+def test_a_local_directory_shaped_like_a_hub_id_is_reported_as_the_directory(tiny_dir, tmp_path, monkeypatch):
+    """``models/newarch`` whose config transformers cannot read was reported as a Hub ID missing from the cache
+    (found by a tester); ``./models/newarch`` got the directory's own error. Both get it now."""
+    from huggingface_hub import constants
+
+    import llmc_fsm
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)  # the tester's case: online, the Hub unreachable
+    monkeypatch.setattr(model_io, "hub_unreachable", lambda *a, **k: "no network in this test")
+    monkeypatch.chdir(tmp_path)
+    model = tmp_path / "models" / "newarch"
+    shutil.copytree(tiny_dir, model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps(config | {"model_type": "llama9"}))
+    for key in ("models/newarch", "./models/newarch"):
+        with pytest.raises(ValueError, match=rf"^could not load the model in {key.removeprefix('./')}: ValueError: "
+                                             r"The checkpoint you are trying to load has model type `llama9`"):
+            llmc_fsm.oneshot(model=key, dataset=torch.randint(0, 64, (2, 8)), progress=False)

@@ -390,7 +390,8 @@ def prepare(settings: OneshotSettings) -> Run:
             run.ev_text = read_text("eval_text (--eval-text)", settings.eval_text)
     if isinstance(settings.model, str | os.PathLike):  # an unknown name or a file: one line, before the device line
         check_model_name(settings.model)
-        if run.model_config is None and looks_like_hub_id(os.fspath(settings.model)):  # config not had: why, if known
+        local = Path(settings.model).expanduser().is_dir()  # models/newarch: a directory, not the Hub ID it looks like
+        if run.model_config is None and not local and looks_like_hub_id(os.fspath(settings.model)):  # why, if known
             missing = hub_model_unavailable(os.fspath(settings.model))
             if missing is not None:
                 raise RuntimeError(missing)
