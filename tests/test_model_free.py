@@ -771,3 +771,18 @@ def test_a_corrupt_shard_or_index_is_named_in_one_line(tmp_path):
     with pytest.raises(ValueError, match=r'model.safetensors.index.json: not a valid safetensors index \(needs a "'):
         model_free_ptq(index, tmp_path / "out", scheme="W8A8", progress=False)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["idx", "src"]
+
+
+def test_the_written_weights_follow_the_umask(tmp_path):
+    """safetensors writes its files 0600; oneshot's outputs follow the umask and model-free's did not (a server
+    running as another user could not read the weights; found by a tester)."""
+    import os
+
+    source = _checkpoint(tmp_path / "src", shard="60KB")
+    old = os.umask(0o022)
+    try:
+        out = model_free_ptq(source, tmp_path / "out", scheme="W8A8", progress=False)
+    finally:
+        os.umask(old)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in out.glob("*.safetensors")}
+    assert len(modes) > 1 and set(modes.values()) == {0o644}

@@ -56,7 +56,13 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from llmc_fsm.core.errors import ModifierError
-from llmc_fsm.models.hf_io import check_safetensors, first_line, meta_model, safetensors_index
+from llmc_fsm.models.hf_io import (
+    check_safetensors,
+    first_line,
+    fix_safetensors_permissions,
+    meta_model,
+    safetensors_index,
+)
 from llmc_fsm.models.known import CACHE_MARKER, KNOWN_MODELS, known_model_dir
 from llmc_fsm.oneshot_job.settings import _dtype_name
 from llmc_fsm.output.directory import check_output_dir, check_output_not_source
@@ -228,6 +234,7 @@ def _plan(model_stub: Any, scheme: Any, config: Any, ignore: Any, device: Any, c
 def _write(plan: _Plan, staging: Path, *, progress: bool) -> None:
     """Quantize and write every shard into ``staging``, then the checkpoint's other files and the configs."""
     written, size = _quantize_shards(plan, staging, progress=progress)
+    fix_safetensors_permissions(staging)  # safetensors writes 0600: a server of another user could not read them
     plan.session.finalize()
     _write_metadata(staging, plan.files, plan.tree, written, size, plan.session, plan.skeleton)
     if plan.dtype is not None and (staging / "config.json").exists():  # the dtype the tensors are written in
