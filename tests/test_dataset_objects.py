@@ -97,6 +97,33 @@ def test_texts_are_tokenized_as_llmcompressor_tokenizes_a_text_column():
     assert _ids(whole) == [([[1, 2, 3]], None)] and tok.calls[-1] == {"padding": False, "truncation": False}
 
 
+def test_shuffle_calibration_samples_false_takes_llmcompressors_order():
+    """llm-compressor 0.14 with ``shuffle_calibration_samples=False`` (its ``LengthAwareSampler``) calibrates on the N
+    longest rows, longest first; here the first N were taken in their order (found by a tester: static input scales
+    and KV scales up to 63% apart; equal to 5e-7 once in its order). The tester's measurement with llm-compressor
+    0.14.0.1: rows of 20/32/7/32/1/15 tokens, N=3 -> it calibrated on the rows of 32, 32 and 20 tokens; 32 rows of
+    one length come in torch.argsort's order there (16, 31, 30, 29, ... on torch 2.13, CPU)."""
+    lengths = [20, 32, 7, 32, 1, 15]
+    ds = FakeDataset(input_ids=[[i] * n for i, n in enumerate(lengths)])
+    rows = read_rows(ds, 3, None, longest=True)
+    assert [row[0] for row in rows.rows] in ([1, 3, 0], [3, 1, 0])  # the two of 32 in argsort's order, then 20
+    assert [len(row) for row in rows.rows] == [32, 32, 20]
+    assert [row[0] for row in read_rows(ds, 3, None).rows] == [0, 1, 2]  # without it: the first ones, in order
+    same = FakeDataset(input_ids=[[i] * 4 for i in range(32)])
+    assert [row[0] for row in read_rows(same, None, None, longest=True).rows][:4] == [16, 31, 30, 29]
+    # padding counts in the length as llm-compressor's sampler reads it; the tokens under the mask are the sample
+    padded = FakeDataset(input_ids=[[1, 2, 0, 0, 0], [3, 4, 5]], attention_mask=[[1, 1, 0, 0, 0], [1, 1, 1]])
+    assert read_rows(padded, 1, None, longest=True).rows == ((1, 2),)
+    # texts: ordered by their token counts once tokenized (cut to max_seq_length, as llm-compressor tokenizes them)
+    texts = ["a", "a b c d", "a b", "a b c"]
+    batches = row_batches(read_rows(texts, 2, 3, longest=True), RecordingTokenizer(), seq_len=3, batch_size=1)
+    assert [b["input_ids"].shape[1] for b in batches] == [3, 3]  # "a b c d" (cut to 3) and "a b c", not "a", "a b c d"
+    with pytest.raises(ValueError, match=r"^shuffle_calibration_samples=True \(llm-compressor's default"):
+        llmc_fsm.oneshot(dataset=ds, shuffle_calibration_samples=True)
+    with pytest.raises(ValueError, match=r"^shuffle_calibration_samples must be False or None, got 0$"):
+        llmc_fsm.oneshot(dataset=ds, shuffle_calibration_samples=0)
+
+
 def test_describe_names_the_kind_in_one_line():
     assert describe(["a", "b"]) == "list of 2 str"
     assert describe(FakeDataset(text=["a"])) == "test_dataset_objects.FakeDataset"

@@ -33,13 +33,13 @@ def test_processor_is_the_tokenizer_and_worker_counts_change_nothing(caplog):
 
 
 def test_a_taken_value_is_not_told_to_do_what_it_did_and_a_list_is_shown(caplog):
-    """``shuffle_calibration_samples=False`` was told to "pass shuffle_calibration_samples=False or leave it out",
-    and a refused list was shown as ``<list>`` (found by a tester, with ``sequential_targets``)."""
+    """A taken value's line says what llmc-fsm does with it, not to pass it; a refused list was shown as ``<list>``
+    (found by a tester, with ``sequential_targets``)."""
     with caplog.at_level(logging.WARNING, logger="llmc_fsm.oneshot_job.llmcompressor_args"):
-        check_llmcompressor_args({"shuffle_calibration_samples": False}, ["model"])
+        check_llmcompressor_args({"pipeline": "sequential"}, ["model"])
     assert [r.getMessage() for r in caplog.records] == [
-        "llm-compressor argument shuffle_calibration_samples=False taken: llmc-fsm takes the rows in their order, as "
-        "llm-compressor does with False"
+        "llm-compressor argument pipeline='sequential' taken: llmc-fsm calibrates layer by layer, as "
+        "llm-compressor's 'sequential' (data-free recipes read no data)"
     ]
     with pytest.raises(ValueError) as info:
         check_llmcompressor_args({"splits": ["train", "test"]}, ["model"])
@@ -90,7 +90,7 @@ def test_unknown_names_are_a_type_error_with_the_closest_name(tmp_path):
 
 def test_through_oneshot_refused_before_any_work_and_processor_taken(tiny_model_dir, tmp_path):
     model_dir, _ = tiny_model_dir
-    with pytest.raises(ValueError, match=r"^llm-compressor oneshot argument shuffle_calibration_samples=True"):
+    with pytest.raises(ValueError, match=r"^shuffle_calibration_samples=True \(llm-compressor's default: rows drawn at "):
         llmc_fsm.oneshot(str(model_dir), RTN, output_dir=tmp_path / "o", shuffle_calibration_samples=True)
     assert not (tmp_path / "o").exists()
     with pytest.raises(ValueError, match=r"^tokenizer is given twice \(also under its llm-compressor name\)"):

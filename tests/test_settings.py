@@ -398,6 +398,7 @@ def test_every_fingerprinted_field_changes_the_fingerprint_and_no_other_does(tin
         "activation_budget_mib": {"activation_budget_mib": 8.0},
         "quantization_format": {"quantization_format": "pack-quantized", "output_dir": str(tmp_path / "o")},
         "sequential_targets": {"sequential_targets": ["LlamaDecoderLayer"]},
+        "shuffle_calibration_samples": {"shuffle_calibration_samples": False},
     }
     fields = {f.name: f for f in attrs.fields(OneshotSettings)}
     assert sorted(changes) == sorted(fields)  # a new field must be classified here
@@ -411,7 +412,7 @@ def test_every_fingerprinted_field_changes_the_fingerprint_and_no_other_does(tin
             assert after[path[0]][path[1]] == getattr(attrs.evolve(base, **changed), name)
     assert {n for n, f in fields.items() if f.metadata["fingerprint"]} == {
         "model", "recipe", "dataset", "num_calibration_samples", "max_seq_length", "batch_size", "seed",
-        "fuse_stages", "dtype", "quantization_format",
+        "fuse_stages", "dtype", "quantization_format", "shuffle_calibration_samples",
     }  # fmt: skip
 
 

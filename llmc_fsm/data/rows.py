@@ -20,7 +20,8 @@ consecutive samples of the same length sharing a batch of at most ``batch_size``
 
 Differences from llm-compressor 0.14 (``datasets/utils.py``): it draws the ``num_calibration_samples`` rows at
 random by default (``shuffle_calibration_samples=True``) and warns when the dataset has fewer; here the first ones
-are taken, in order, and asking for more than there are is refused. A ``DatasetDict`` is refused (pass one split);
+are taken, in order, and asking for more than there are is refused. With ``shuffle_calibration_samples=False``
+both take its order (:func:`longest_first`). A ``DatasetDict`` is refused (pass one split);
 llm-compressor's registered dataset names (:data:`LLMCOMPRESSOR_DATASETS`) are refused with the Hub id it loads.
 """
 
@@ -43,6 +44,7 @@ __all__ = [
     "dataset_object_error",
     "describe_rows",
     "is_rows",
+    "longest_first",
     "read_rows",
     "registered_name_error",
     "row_batches",
@@ -193,6 +195,8 @@ class CalibrationRows:
     source: str  # describe_rows of the object
     column: str
     rows: tuple[Any, ...]
+    #: texts to be ordered longest first once tokenized, and how many of them to take (``None``: ``rows`` as they are)
+    take_longest: int | None = None
 
     @property
     def tokenized(self) -> bool:
@@ -229,9 +233,22 @@ def _ids(value: Any, where: str) -> tuple[int, ...]:
     return tuple(int(i) for i in tensor.tolist())
 
 
-def read_rows(value: Any, num_samples: int | None, seq_len: int | None) -> CalibrationRows:
+def longest_first(lengths: list[int]) -> list[int]:
+    """The indices of samples of ``lengths`` tokens, longest first, as llm-compressor 0.14's ``LengthAwareSampler``
+    orders a dataset with ``shuffle_calibration_samples=False`` (``datasets/utils.py``): ``torch.argsort`` of the
+    lengths, descending, which is not stable, so samples of equal length come in the order it gives (the same for the
+    same torch), e.g. 32 rows of 256 tokens as ``[16, 31, 30, ...]``."""
+    return torch.argsort(torch.tensor(lengths, dtype=torch.int64), descending=True).tolist()
+
+
+def read_rows(value: Any, num_samples: int | None, seq_len: int | None, *, longest: bool = False) -> CalibrationRows:
     """The first ``num_samples`` rows (all of them for ``None``) of a list of texts or a dataset that
     :func:`dataset_object_error` accepts; token ids cut to their first ``seq_len`` (``None``: whole).
+
+    ``longest`` (llm-compressor's ``shuffle_calibration_samples=False``): the ``num_samples`` longest rows instead,
+    longest first (:func:`longest_first`): token ids by their length as stored (padding included, before the cut, as
+    llm-compressor's sampler reads them); texts are all kept (:attr:`CalibrationRows.take_longest`) and ordered by
+    :func:`row_batches` once tokenized.
 
     Raises:
         ValueError: ``num_samples`` above the number of rows; a row of ``input_ids`` that is not a list of ints or
@@ -246,12 +263,18 @@ def read_rows(value: Any, num_samples: int | None, seq_len: int | None) -> Calib
         raise ValueError(msg)
     used = count if num_samples is None else num_samples
     source = describe_rows(value)
+    take = used if longest else None
     if isinstance(value, list | tuple):
-        return CalibrationRows(source=source, column="text", rows=tuple(value[:used]))
+        return CalibrationRows(source=source, column="text", rows=tuple(value[: count if longest else used]),
+                               take_longest=take)  # fmt: skip
     column = "input_ids" if "input_ids" in value.column_names else "text"
     with_mask = column == "input_ids" and "attention_mask" in value.column_names
+    indices: list[int] | range = range(count if longest else used)
+    if longest and column == "input_ids":
+        lengths = [len(_ids(value[i]["input_ids"], f"dataset row {i}: 'input_ids'")) for i in range(count)]
+        indices, take = longest_first(lengths)[:used], None
     rows = []
-    for index in range(used):
+    for index in indices:
         row = value[index]
         if column == "text":
             if not isinstance(row["text"], str):
@@ -267,7 +290,7 @@ def read_rows(value: Any, num_samples: int | None, seq_len: int | None) -> Calib
             msg = f"dataset row {index}: 'input_ids' holds no token ids: drop empty rows (ds.filter(...))"
             raise ValueError(msg)
         rows.append(ids)
-    return CalibrationRows(source=source, column=column, rows=tuple(rows))
+    return CalibrationRows(source=source, column=column, rows=tuple(rows), take_longest=take)
 
 
 def _unpadded(ids: tuple[int, ...], mask: tuple[int, ...], index: int) -> tuple[int, ...]:
@@ -332,7 +355,11 @@ def row_batches(rows: CalibrationRows, tokenizer: Any, *, seq_len: int | None, b
             raise ValueError(msg)
         cut = {"truncation": True, "max_length": seq_len} if seq_len is not None else {"truncation": False}
         ids = [tuple(tokenizer(text, padding=False, **cut)["input_ids"]) for text in rows.rows]
-        empty = next((i for i, row in enumerate(ids) if not row), None)
+        chosen = list(range(len(ids)))
+        if rows.take_longest is not None:  # llm-compressor's order of the tokenized texts (its lengths: cut ones)
+            chosen = longest_first([len(row) for row in ids])[: rows.take_longest]
+            ids = [ids[i] for i in chosen]
+        empty = next((chosen[i] for i, row in enumerate(ids) if not row), None)
         if empty is not None:
             msg = f"calibration text {empty} gives no token: drop empty texts"
             raise ValueError(msg)

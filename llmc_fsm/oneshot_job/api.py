@@ -84,6 +84,7 @@ def oneshot(
     *,
     num_calibration_samples: int | None = None,
     max_seq_length: int | None = None,
+    shuffle_calibration_samples: bool | None = None,
     output_dir: str | os.PathLike[str] | None = None,
     overwrite: bool = False,
     resume: bool = False,
@@ -121,6 +122,10 @@ def oneshot(
         num_calibration_samples, max_seq_length: calibration windows of tokens, from the end of the text (default
             32 x 256); of a token tensor its first N rows and L columns, of a list of texts or a dataset its first N
             samples cut to L tokens (not given: the whole tensor, every sample whole).
+        shuffle_calibration_samples: llm-compressor's argument. ``False``: a dataset's or list's samples in
+            llm-compressor's order (its ``LengthAwareSampler``): the ``num_calibration_samples`` longest, longest
+            first (equal lengths in the order ``torch.argsort(..., descending=True)`` gives); ``None`` (default): the
+            first ones in their order; ``True`` (llm-compressor's default, random rows) is refused.
         output_dir, overwrite, resume: where the model, tokenizer, recipe.yaml and report.json are written.
         eval_text, num_eval_windows, eval_seq_length: perplexity before and after, on the head of this text.
         batch_size, seed, progress, fuse_stages, low_memory: how the job runs.

@@ -57,12 +57,6 @@ LLMCOMPRESSOR_ARGS: dict[str, LlmcompressorArg] = {
         "no 'basic', 'layer_sequential' or 'datafree' pipeline: leave it out",
         taken="llmc-fsm calibrates layer by layer, as llm-compressor's 'sequential' (data-free recipes read no data)",
     ),
-    "shuffle_calibration_samples": LlmcompressorArg(
-        (False,),
-        "llmc-fsm takes the rows in their order (text: the windows at its end); shuffle them yourself first (e.g. "
-        "ds = ds.shuffle(seed=42)) and pass shuffle_calibration_samples=False or leave it out",
-        taken="llmc-fsm takes the rows in their order, as llm-compressor does with False",
-    ),
     "splits": LlmcompressorArg(
         (None,),
         "pass the split's rows themselves: a text/JSONL file, a datasets.Dataset (load_dataset(...)[split]) or "

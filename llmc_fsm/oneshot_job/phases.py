@@ -383,11 +383,19 @@ def prepare(settings: OneshotSettings) -> Run:
             run.cal_images = read_image_captions(settings.dataset, used)
         elif is_rows(settings.dataset):
             if run.needs_data:  # a data-free recipe reads none
-                run.cal_rows = read_rows(settings.dataset, settings.num_calibration_samples, settings.max_seq_length)
+                longest = settings.shuffle_calibration_samples is False  # llm-compressor's order
+                run.cal_rows = read_rows(
+                    settings.dataset, settings.num_calibration_samples, settings.max_seq_length, longest=longest
+                )
         elif settings.dataset is not None and not is_tensor(settings.dataset):
             run.cal_text = read_text("dataset (--dataset)", settings.dataset)
         if settings.eval_text is not None:
             run.ev_text = read_text("eval_text (--eval-text)", settings.eval_text)
+    if settings.shuffle_calibration_samples is False and run.needs_data and not is_rows(settings.dataset):
+        logger.warning(
+            "shuffle_calibration_samples=False orders the samples of a datasets.Dataset or a list of texts (as "
+            "llm-compressor orders a dataset); the calibration windows of this dataset are taken in their order"
+        )
     if isinstance(settings.model, str | os.PathLike):  # an unknown name or a file: one line, before the device line
         check_model_name(settings.model)
         local = Path(settings.model).expanduser().is_dir()  # models/newarch: a directory, not the Hub ID it looks like

@@ -168,6 +168,18 @@ def _bool(_: Any, field: attrs.Attribute, value: Any) -> None:
         _fail(field, "True or False", value)
 
 
+def _no_shuffle(_: Any, field: attrs.Attribute, value: Any) -> None:
+    if value is True:
+        msg = (
+            f"{argument_name(field)}=True (llm-compressor's default: rows drawn at random) is not taken: shuffle the "
+            "rows yourself first (e.g. ds = ds.shuffle(seed=42)), then pass False for llm-compressor's order (the "
+            "longest rows first) or leave it out for the rows' own order"
+        )
+        raise ValueError(msg)
+    if value is not None and value is not False:
+        _fail(field, "False or None", value)
+
+
 def _path_or_none(_: Any, field: attrs.Attribute, value: Any) -> None:
     if value is not None and not isinstance(value, str | os.PathLike):
         _fail(field, "a path (str or os.PathLike) or None", value)
@@ -340,6 +352,13 @@ class OneshotSettings:
         cli={"type": int},
         fingerprint=("calibration data", "seq_len"),
         validator=_positive_int_or_none,
+    )
+    shuffle_calibration_samples: bool | None = _setting(
+        None,
+        "llm-compressor's argument: False takes the dataset's rows in its order (its LengthAwareSampler): the N "
+        "longest, longest first; True (its default: random rows) is refused; None: the first N rows in their order",
+        fingerprint=("calibration data", "order"),
+        validator=_no_shuffle,
     )
     output_dir: str | os.PathLike[str] | None = _setting(
         None,
