@@ -20,14 +20,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import logging
-import os
 import signal
 import sys
 from collections.abc import Iterator
 from typing import Any
-
-import torch
 
 from llmc_fsm.oneshot_job.api import run_oneshot
 from llmc_fsm.oneshot_job.settings import (
@@ -39,8 +35,6 @@ from llmc_fsm.oneshot_job.settings import (
     settings_from_flags,
 )
 from llmc_fsm.toolkit.distributed import is_main_process
-
-logger = logging.getLogger(__name__)
 
 
 class Terminated(KeyboardInterrupt):
@@ -109,27 +103,6 @@ def add_cli(sub: Any) -> None:
     p.set_defaults(func=_run_cli)
 
 
-def _say_busy(threads: int | None) -> None:
-    """One line when ``--threads`` is not given and the machine is busy (the 1-minute load average at least the
-    number of cores torch uses): torch's threads then wait on one another, and a README-only newcomer measured the
-    same GPTQ job 15x slower with torch's 2 threads than with ``--threads 1`` under a load of ~4-6 on 2 cores. Only
-    said: the default stays (the thread count moves float rounding, so results would follow the load)."""
-    if threads is not None:
-        return
-    try:
-        load = os.getloadavg()[0]
-    except (AttributeError, OSError):  # no load average here (Windows; "unobtainable"): nothing to say
-        return
-    cores = torch.get_num_threads()
-    if cores > 1 and load >= cores:
-        logger.warning(
-            "the machine is busy (1-minute load %.1f for torch's %d threads): multi-threaded compression can then be "
-            "many times slower (measured up to 15x on 2 cores); --threads 1 may finish sooner",
-            load,
-            cores,
-        )
-
-
 def _run_cli(args: argparse.Namespace) -> int:
     if args.in_memory and args.low_memory:  # a usage error: one line, exit status 2, as argparse's own
         msg = "--in-memory and --low-memory contradict each other: pass one of them (or neither: stream when possible)"
@@ -138,7 +111,6 @@ def _run_cli(args: argparse.Namespace) -> int:
         settings = settings_from_flags(args)  # every check that needs no model, the generated recipe built
     except FlagConflictError as exc:  # flags that do not go together: a usage error, as argparse's own
         args._commands[args.command].error(str(exc))
-    _say_busy(settings.threads)
     try:
         with signals_as_interrupt():
             model = run_oneshot(settings, stream_when_possible=not args.in_memory)

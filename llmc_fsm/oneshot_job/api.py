@@ -215,11 +215,35 @@ def _torch_threads(threads: int | None) -> Iterator[None]:
 
 def _announce_device(run: Run) -> None:
     """The first progress line (stderr, rank 0, with progress on) and a log line: the execution device, its name and
-    total memory."""
+    total memory; then, on a busy machine, :func:`_say_busy`. After every check before the work, so a refusal stays
+    one line."""
     label = device_label(describe_device(run.settings.execution_device))
     logger.info("execution device: %s", label)
     if run.settings.progress and is_main_process():
         tqdm.write(f"llmc-fsm oneshot: device {label}", file=sys.stderr)
+        _say_busy(run.settings.threads)
+
+
+def _say_busy(threads: int | None) -> None:
+    """One line when ``threads`` (``--threads``) is not given and the machine is busy (the 1-minute load average at
+    least the number of cores torch uses): torch's threads then wait on one another, and a README-only newcomer
+    measured the same GPTQ job 15x slower with torch's 2 threads than with ``--threads 1`` under a load of ~4-6 on 2
+    cores. Only said, with progress shown (a test reading every warning line failed on a busy machine): the default
+    stays (the thread count moves float rounding, so results would follow the load)."""
+    if threads is not None:
+        return
+    try:
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):  # no load average here (Windows; "unobtainable"): nothing to say
+        return
+    cores = torch.get_num_threads()
+    if cores > 1 and load >= cores:
+        logger.warning(
+            "the machine is busy (1-minute load %.1f for torch's %d threads): multi-threaded compression can then be "
+            "many times slower (measured up to 15x on 2 cores); --threads 1 (threads=1) may finish sooner",
+            load,
+            cores,
+        )
 
 
 def _run_phases(run: Run, *, stream_when_possible: bool = False) -> nn.Module:
