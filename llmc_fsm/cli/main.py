@@ -36,6 +36,8 @@ from llmc_fsm.toolkit.heap import use_huge_pages
 
 __all__ = ["main"]
 
+_VERBOSE = "log debug messages, and show an error with its traceback instead of one line"
+
 #: Modules that contribute subcommands through ``add_cli(subparsers)``.
 #: The subcommands, in the order ``--help`` lists them; each module has ``add_cli(subparsers)``.
 _SUBCOMMANDS = (lifecycle, plugins, oneshot, model_free, report)
@@ -93,15 +95,13 @@ def build_parser() -> argparse.ArgumentParser:
         prog="llmc-fsm",
         description="Compress LLMs through a session with a guarded lifecycle and plugin modifiers.",
     )
-    parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
+    parser.add_argument("-v", "--verbose", action="store_true", help=_VERBOSE)
     parser.add_argument("--version", action="version", version=f"llmc-fsm {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for module in _SUBCOMMANDS:
         module.add_cli(sub)
     for command in sub.choices.values():  # ``llmc-fsm oneshot -v ...`` as well as ``llmc-fsm -v oneshot ...``
-        command.add_argument(
-            "-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help="log debug messages"
-        )
+        command.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help=_VERBOSE)
     parser.set_defaults(_commands=sub.choices)
     return parser
 

@@ -434,7 +434,7 @@ class OneshotSettings:
     dtype: str = _setting(
         "float32",
         "dtype the model is loaded, compressed and saved in: float32, bfloat16, float16 or auto (the one its "
-        "config.json names, e.g. bfloat16 to save a bf16 checkpoint)",
+        "config.json names, e.g. bfloat16 to save a bf16 checkpoint); also fp32, bf16, fp16, half, float",
         flag="--dtype",
         cli={"metavar": "{" + ",".join(DTYPES) + "}"},  # checked by the field's validator: one line, as for the API
         fingerprint=("pipeline", "dtype"),
