@@ -137,6 +137,16 @@ def test_missing_file(tmp_path: Path) -> None:
         resolve_recipe(str(tmp_path / "nope.yaml"))
 
 
+def test_a_recipe_path_with_a_tilde_is_the_home_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--recipe ~/r.yaml`` quoted by the shell: "recipe file '~/r.yaml' does not exist", where the model, dataset
+    and output paths expand ``~`` (a tester's case)."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    write(tmp_path, "s:\n  Prune: {sparsity: 0.25}\n", name="r.yaml")
+    assert resolve_recipe("~/r.yaml").modifiers[0].sparsity == 0.25
+    with pytest.raises(RecipeError, match=r"^recipe file '~/nope.yaml' does not exist$"):
+        resolve_recipe("~/nope.yaml")
+
+
 # --- errors with location ---------------------------------------------------------------------
 
 

@@ -196,18 +196,19 @@ def looks_like_path(recipe: Any) -> bool:
         return True
     if not isinstance(recipe, str) or "\n" in recipe or not recipe.strip():
         return False
-    return recipe.strip().endswith(RECIPE_SUFFIXES) or os.path.exists(recipe)
+    return recipe.strip().endswith(RECIPE_SUFFIXES) or os.path.exists(os.path.expanduser(recipe))
 
 
 def read_recipe_file(path: str | os.PathLike[str]) -> tuple[str, str]:
-    """Read a recipe file; return ``(text, source)`` where ``source`` is the path as given.
+    """Read a recipe file (``~`` expanded, as for the model, dataset and output paths); return ``(text, source)``
+    where ``source`` is the path as given.
 
     Raises:
         RecipeError: the path does not exist, is a directory (or anything but a
             file), or cannot be read / is not UTF-8.
     """
-    file = Path(path)
-    source = str(file)
+    source = str(Path(path))
+    file = Path(path).expanduser()
     if file.is_dir():
         msg = (
             f"recipe {source!r} is a directory; expected a recipe file ({', '.join(RECIPE_SUFFIXES)}), "
