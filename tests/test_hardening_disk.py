@@ -192,3 +192,31 @@ def test_a_corrupt_input_file_is_not_reported_as_a_write_failure(tiny_model_dir,
             raise ValueError("another error, raised from None") from None
     except ValueError as exc:
         assert write_failure(exc) is None  # a suppressed context is not followed
+
+
+def test_ctrl_c_right_after_the_old_output_is_moved_aside_puts_it_back(tmp_path, monkeypatch):
+    """``publish`` moves an earlier output to ``previous`` and the new one into place; a Ctrl-C landing right after
+    the first rename (outside its ``try``) left the old output only in ``previous`` (a tester's case)."""
+    import llmc_fsm.output.workdir as workdir
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "old.txt").write_text("old")
+    work = workdir.WorkDir.claim(out)
+    work.staging.mkdir()
+    (work.staging / "new.txt").write_text("new")
+    real = os.rename
+    calls = []
+
+    def rename_then_interrupt(src, dst):
+        real(src, dst)
+        calls.append((Path(src).name, Path(dst).name))
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(workdir.os, "rename", rename_then_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        work.publish()
+    assert calls == [("out", "previous"), ("previous", "out")]
+    assert sorted(p.name for p in out.iterdir()) == ["old.txt"]
+    work.release()

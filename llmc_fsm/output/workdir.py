@@ -282,12 +282,12 @@ class WorkDir:
     def publish(self) -> None:
         """Move the complete :attr:`staging` output into place (replacing an earlier one) and remove the rest."""
         previous = self.path / "previous"
-        if self.output.exists():
-            os.rename(self.output, previous)
-        try:
+        try:  # both renames inside: Ctrl-C right after the first one left the old output in `previous` (a tester)
+            if self.output.exists():
+                os.rename(self.output, previous)
             os.rename(self.staging, self.output)
         except BaseException:
-            if previous.exists():
+            if previous.exists() and not self.output.exists():
                 os.rename(previous, self.output)
             raise
         self._published = True
