@@ -129,6 +129,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
     )
+    _compressed_tensors_logs_once()
     try:
         with process_group_from_env():  # under torchrun (WORLD_SIZE > 1): one rank of a torch.distributed group
             return int(args.func(args) or 0)
@@ -145,6 +146,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         if _launch_rank() == 0:  # under torchrun every rank fails alike: one line, from rank 0 (all exit 1)
             print(f"llmc-fsm {args.command}: error: {exc}", file=sys.stderr)
         return 1
+
+
+def _compressed_tensors_logs_once() -> None:
+    """compressed-tensors logs through loguru and marks the warnings it repeats per module ``log_once`` (e.g. a block
+    size that does not divide a width), which only a handler with its ``support_log_once`` filter honours: loguru's
+    default handler printed one of them 180 times for SmolLM2 (found by a tester). The command owns its process, so
+    it gives loguru's default stderr handler that filter (compressed-tensors is imported only when a record comes,
+    by then it is); the library itself leaves loguru alone."""
+    try:
+        from loguru import logger as loguru_logger
+    except ImportError:  # no compressed-tensors installed: no loguru records either
+        return
+
+    def once(record: Any) -> bool:
+        from compressed_tensors.logger import support_log_once
+
+        return support_log_once(record)
+
+    loguru_logger.remove()  # the default handler (stderr, every level), as compressed-tensors' own configuration does
+    loguru_logger.add(lambda message: sys.stderr.write(message), filter=once)  # the stderr of the moment
 
 
 def _launch_rank() -> int:

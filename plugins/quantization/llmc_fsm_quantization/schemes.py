@@ -255,7 +255,9 @@ def _bits(n: Any) -> str:
 def _float_weights(bits: Any) -> str:
     return (
         f"float weights of {_bits(bits)} cannot be saved (fp8, or fp4 / fp6 with the scales of NVFP4 or the MX "
-        "formats: presets NVFP4A16, MXFP4A16, MXFP6A16); use num_bits: 8 or type: int"
+        "formats: presets NVFP4A16, MXFP4A16, MXFP6A16, or in config_groups NVFP4's strategy: tensor_group, "
+        "group_size: 16, scale_dtype: float8_e4m3fn and MX's strategy: group, group_size: 32, scale_dtype: uint8); "
+        "use num_bits: 8 or type: int"
     )
 
 

@@ -209,9 +209,12 @@ def test_float_weights_other_than_fp8_are_refused_when_the_recipe_is_read() -> N
     with pytest.raises(llmc_fsm.RecipeError) as info:
         llmc_fsm.Session({"q": {"GPTQModifier": {"scheme": {"weights": {"num_bits": 4, "type": "float",
                                                                         "strategy": "channel"}}}}})
-    assert str(info.value).endswith("float weights of 4 bits cannot be saved (fp8, or fp4 / fp6 with the scales of "
-                                    "NVFP4 or the MX formats: presets NVFP4A16, MXFP4A16, MXFP6A16); use num_bits: 8 "
-                                    "or type: int")
+    assert str(info.value).endswith(
+        "float weights of 4 bits cannot be saved (fp8, or fp4 / fp6 with the scales of NVFP4 or the MX formats: "
+        "presets NVFP4A16, MXFP4A16, MXFP6A16, or in config_groups NVFP4's strategy: tensor_group, group_size: 16, "
+        "scale_dtype: float8_e4m3fn and MX's strategy: group, group_size: 32, scale_dtype: uint8); use num_bits: 8 or "
+        "type: int"
+    )
 
 
 @pytest.mark.parametrize(

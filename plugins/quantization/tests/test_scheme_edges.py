@@ -157,8 +157,9 @@ def test_float_weights_other_than_8_bits_are_refused_when_the_recipe_is_read(mod
         resolve_recipe(text)
     assert str(info.value) == (
         f"recipe <text>, line 2, stage 'q', modifier {modifier}: float weights of {width} cannot be saved (fp8, "
-        "or fp4 / fp6 with the scales of NVFP4 or the MX formats: presets NVFP4A16, MXFP4A16, MXFP6A16); use "
-        "num_bits: 8 or type: int"
+        "or fp4 / fp6 with the scales of NVFP4 or the MX formats: presets NVFP4A16, MXFP4A16, MXFP6A16, or in "
+        "config_groups NVFP4's strategy: tensor_group, group_size: 16, scale_dtype: float8_e4m3fn and MX's strategy: "
+        "group, group_size: 32, scale_dtype: uint8); use num_bits: 8 or type: int"
     )
 
 
