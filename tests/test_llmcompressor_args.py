@@ -185,3 +185,14 @@ def test_an_evaluation_window_longer_than_the_model_names_where_its_length_comes
     )
     with pytest.raises(ValueError, match=r"^the dataset tensor's length 300 \(its columns; max_seq_length, --seq-len, "):
         llmc_fsm.oneshot(str(model_dir), PRUNE, dataset=torch.randint(3, 100, (4, 300)), progress=False)
+
+
+def test_another_model_revision_is_refused_naming_the_snapshot_way():
+    """It said "llmc-fsm loads a local directory or known name", where Hub IDs load too (a tester's case)."""
+    with pytest.raises(ValueError) as info:
+        check_llmcompressor_args({"model_revision": "abc123"}, ["model"])
+    assert str(info.value) == (
+        "llm-compressor oneshot argument model_revision='abc123' (accepted: 'main'): llmc-fsm loads a Hub ID at its "
+        "main revision (or a local directory, or a known name): pass that revision's snapshot directory as the model "
+        "instead (huggingface_hub.snapshot_download(ID, revision=...) gives it)"
+    )

@@ -100,7 +100,12 @@ LLMCOMPRESSOR_ARGS: dict[str, LlmcompressorArg] = {
     "streaming": LlmcompressorArg((False,), "a dataset is read whole; pass the rows you want"),
     "remove_columns": LlmcompressorArg((None,), "llmc-fsm reads only the 'input_ids' or 'text' column"),
     "preprocessing_func": LlmcompressorArg((None,), "map the dataset yourself (ds.map) and pass the result"),
-    "model_revision": LlmcompressorArg(("main",), "llmc-fsm loads a local directory or known name"),
+    "model_revision": LlmcompressorArg(
+        ("main",),
+        "llmc-fsm loads a Hub ID at its main revision (or a local directory, or a known name): pass that revision's "
+        "snapshot directory as the model instead (huggingface_hub.snapshot_download(ID, revision=...) gives it)",
+        taken="llmc-fsm loads a Hub ID at its main revision",
+    ),
     "config_name": LlmcompressorArg((None,), "llmc-fsm reads the model directory's own config.json"),
     "tie_word_embeddings": LlmcompressorArg(
         (True,), "llmc-fsm keeps the model's own tying (a quantized tied embedding is saved apart from its head)"
