@@ -503,3 +503,20 @@ def test_a_local_directory_shaped_like_a_hub_id_is_reported_as_the_directory(tin
         with pytest.raises(ValueError, match=rf"^could not load the model in {key.removeprefix('./')}: ValueError: "
                                              r"The checkpoint you are trying to load has model type `llama9`"):
             llmc_fsm.oneshot(model=key, dataset=torch.randint(0, 64, (2, 8)), progress=False)
+
+
+def test_text_for_a_model_without_tokenizer_files_is_refused_saying_what_the_command_can_do(tiny_dir, tmp_path,
+                                                                                            capsys):
+    """The line said "pass dataset as a LongTensor of token ids", which the command line cannot (a tester's case)."""
+    d = _copy(tiny_dir, tmp_path, ["config.json", "model.safetensors"])
+    text = tmp_path / "cal.txt"
+    text.write_text("w1 w2 w3 " * 400)
+    for extra in ([], ["--in-memory"]):
+        argv = ["oneshot", "--model", str(d), "--dataset", str(text), "--seq-len", "8", "--num-samples", "2",
+                "--method", "magnitude", "--no-progress", "--output", str(tmp_path / "out"), *extra]
+        assert main(argv) == 1
+        line = capsys.readouterr().err.strip().splitlines()[-1]
+        assert line.startswith(f"llmc-fsm oneshot: error: model {str(d)!r} has no tokenizer files, so ")
+        assert line.endswith("cannot be tokenized; add the tokenizer files to its directory (from Python also: "
+                             "tokenizer=..., or dataset= a LongTensor of token ids)")
+    assert not (tmp_path / "out").exists()

@@ -887,8 +887,8 @@ def load(run: Run) -> None:
         if run.tokenizer is None and needs_text:
             msg = (
                 f"model {run.model_name!r} has no tokenizer files, so text (--dataset, --eval-text or the default "
-                "generated calibration) cannot be tokenized; add the tokenizer files or pass dataset as a LongTensor "
-                "of token ids"
+                "generated calibration) cannot be tokenized; add the tokenizer files to its directory (from Python "
+                "also: tokenizer=..., or dataset= a LongTensor of token ids)"
             )
             raise ValueError(msg)
         run.disk_before = weights_disk_bytes(Path(run.model_name), loaded)

@@ -411,7 +411,7 @@ def _load(run: Run) -> LazyModel:
     if run.tokenizer is None and (run.cal_text is not None or run.ev_text is not None):
         msg = (
             f"model {key!r} has no tokenizer files, so --dataset / --eval-text cannot be tokenized; add the "
-            "tokenizer files or pass dataset as a LongTensor of token ids"
+            "tokenizer files to its directory (from Python also: tokenizer=..., or dataset= a LongTensor of token ids)"
         )
         raise ValueError(msg)
     run.disk_before = sum(p.stat().st_size for p in directory.glob("*.safetensors"))
