@@ -258,13 +258,15 @@ def test_oneshot_refuses_a_peft_model_before_any_work(tmp_path):
     import llmc_fsm
 
     peft_model = _lora(_llama())
-    before = {k: v.clone() for k, v in peft_model.state_dict().items()}
-    with pytest.raises(ValueError) as info:
-        llmc_fsm.oneshot(model=peft_model, dataset=torch.randint(0, VOCAB, (4, 16)), output_dir=tmp_path / "out")
-    assert str(info.value) == (
-        "model (--model) is a peft model (its adapters beside the base weights; a compressed checkpoint has no place "
-        "for them): merge them first (model = model.merge_and_unload()), or compress the base model before adding "
-        "adapters"
-    )
-    assert all(torch.equal(v, before[k]) for k, v in peft_model.state_dict().items())
-    assert list(tmp_path.iterdir()) == []
+    injected = peft.inject_adapter_in_model(peft.LoraConfig(r=4, target_modules=["q_proj"]), _llama())
+    for model in (peft_model, peft_model.base_model, injected):  # PeftModel, its LoraModel, injected adapters
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        with pytest.raises(ValueError) as info:
+            llmc_fsm.oneshot(model=model, dataset=torch.randint(0, VOCAB, (4, 16)), output_dir=tmp_path / "out")
+        assert str(info.value) == (
+            "model (--model) holds peft adapters (a PeftModel, its LoraModel or adapters injected into the model: "
+            "beside the base weights, and a compressed checkpoint has no place for them): merge them first (model = "
+            "model.merge_and_unload()), or compress the base model before adding adapters"
+        )
+        assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+        assert list(tmp_path.iterdir()) == []

@@ -38,6 +38,7 @@ from llmc_fsm.output.save import QUANTIZATION_FORMATS
 from llmc_fsm.pipeline.device import DEVICE_CHOICES, resolve_device
 from llmc_fsm.recipes.building import build_recipe
 from llmc_fsm.recipes.model import Recipe
+from llmc_fsm.toolkit.targets import is_peft_tuner_layer
 
 __all__ = [
     "DEFAULT_MODEL",
@@ -188,13 +189,21 @@ def _path_or_none(_: Any, field: attrs.Attribute, value: Any) -> None:
 def _model(_: Any, field: attrs.Attribute, value: Any) -> None:
     if not isinstance(value, str | os.PathLike | nn.Module):
         _fail(field, "a known model name, a model directory or an nn.Module", value)
-    if "peft" in sys.modules and hasattr(value, "peft_config") and callable(getattr(value, "get_base_model", None)):
+    if "peft" in sys.modules and isinstance(value, nn.Module) and _holds_adapters(value):
         msg = (
-            f"{argument_name(field)} is a peft model (its adapters beside the base weights; a compressed checkpoint "
-            "has no place for them): merge them first (model = model.merge_and_unload()), or compress the base "
-            "model before adding adapters"
+            f"{argument_name(field)} holds peft adapters (a PeftModel, its LoraModel or adapters injected into the "
+            "model: beside the base weights, and a compressed checkpoint has no place for them): merge them first "
+            "(model = model.merge_and_unload()), or compress the base model before adding adapters"
         )
         raise ValueError(msg)
+
+
+def _holds_adapters(model: nn.Module) -> bool:
+    """Whether ``model`` holds a peft tuner layer (:func:`~llmc_fsm.toolkit.targets.is_peft_tuner_layer`): a
+    ``PeftModel``, its ``LoraModel`` (``peft_model.base_model``) or a model that ``inject_adapter_in_model`` changed
+    (a tester's cases: the first two failed after the work, the third wrote a checkpoint transformers cannot
+    reload)."""
+    return any(is_peft_tuner_layer(m) for m in model.modules())
 
 
 def _dataset(_: Any, field: attrs.Attribute, value: Any) -> None:

@@ -28,7 +28,8 @@ The public names, by concern:
 * **layer error** (:mod:`~llmc_fsm.toolkit.layer_error`): :func:`relative_output_error`
   (``||W X - W_hat X|| / ||W X||`` from ``H``), :func:`sweep_relative_errors` (the same from an OBS sweep's terms);
 * **targets** (:mod:`~llmc_fsm.toolkit.targets`): :func:`select_targets` returning :class:`TargetSelection`,
-  :func:`resolve_targets` (the same, with warnings), :func:`matches`, :func:`is_linear_like`, :func:`compact_names`,
+  :func:`resolve_targets` (the same, with warnings), :func:`matches`, :func:`is_linear_like`,
+  :func:`is_peft_tuner_layer`, :func:`compact_names`,
   :data:`DEFAULT_TARGETS` (``("Linear",)``), :data:`DEFAULT_IGNORE` (``("lm_head",)``),
   :func:`check_not_quantized` (refuses a model whose config says it is quantized), :func:`model_family` (a
   model's class and ``model_type`` for messages), :func:`tied_head` / :func:`untie_head` (an output head tied to
@@ -103,6 +104,7 @@ from llmc_fsm.toolkit.targets import (
     check_not_quantized,
     compact_names,
     is_linear_like,
+    is_peft_tuner_layer,
     matches,
     model_family,
     resolve_targets,
@@ -163,6 +165,7 @@ __all__ = [
     "is_distributed",
     "is_linear_like",
     "is_main_process",
+    "is_peft_tuner_layer",
     "keep_packed",
     "linear_expert_names",
     "matches",

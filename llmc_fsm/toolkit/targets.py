@@ -55,6 +55,7 @@ __all__ = [
     "compact_names",
     "config_quantization",
     "is_linear_like",
+    "is_peft_tuner_layer",
     "matches",
     "resolve_targets",
     "select_targets",
@@ -322,6 +323,14 @@ def _nothing_selected(
     return ValueError(msg)
 
 
+def is_peft_tuner_layer(module: nn.Module) -> bool:
+    """Whether ``module`` is one of peft's tuner layers (a LoRA ``Linear``...: duck-typed on peft's
+    ``BaseTunerLayer``, a ``base_layer`` module and its ``adapter_layer_names``; peft is not imported)."""
+    return isinstance(getattr(module, "base_layer", None), nn.Module) and bool(
+        getattr(module, "adapter_layer_names", None)
+    )
+
+
 def _peft_adapters(named: Iterable[tuple[str, nn.Module]]) -> set[str]:
     """The names of peft's tuner layers (a LoRA ``Linear`` around its ``base_layer``, duck-typed on peft's
     ``BaseTunerLayer``: a ``base_layer`` module and ``adapter_layer_names``) and of the adapter modules under them
@@ -332,10 +341,9 @@ def _peft_adapters(named: Iterable[tuple[str, nn.Module]]) -> set[str]:
     wrappers: set[str] = set()
     adapters: set[str] = set()
     for name, module in named:
-        attributes = getattr(module, "adapter_layer_names", None)
-        if name and isinstance(getattr(module, "base_layer", None), nn.Module) and attributes:
+        if name and is_peft_tuner_layer(module):
             wrappers.add(name)
-            adapters.update(f"{name}.{a}" for a in attributes)
+            adapters.update(f"{name}.{a}" for a in module.adapter_layer_names)
     under = tuple(f"{a}." for a in adapters)
     return wrappers | {n for n, _ in named if n in adapters or n.startswith(under)}
 
