@@ -281,7 +281,7 @@ def test_interrupted_save_leaves_no_output(tmp_path, monkeypatch):
         "layer-00001.safetensors",
     ]
     assert info.value.__notes__ == [  # the model passed was compressed in place: reload it, then resume
-        "oneshot: the model you passed was changed in place before this error (14 modules compressed: "
+        "oneshot: the model you passed was changed in place before this error (14 modules: "
         "model.layers.{0..1}.self_attn.q_proj, model.layers.{0..1}.self_attn.k_proj, model.layers.{0..1}.self_attn."
         "v_proj, model.layers.{0..1}.self_attn.o_proj, model.layers.{0..1}.mlp.gate_proj, model.layers.{0..1}.mlp."
         "up_proj, model.layers.{0..1}.mlp.down_proj); reload it before another run.",

@@ -250,6 +250,7 @@ def _run_phases(run: Run, *, stream_when_possible: bool = False) -> nn.Module:
     """Every phase after :func:`~llmc_fsm.oneshot_job.phases.prepare`; on any exception (Ctrl-C, SIGTERM included) the
     work directory is handed back (progress kept or removed, see :meth:`llmc_fsm.output.workdir.WorkDir.abort`)."""
 
+    before = _versions(run.settings)
     try:
         _announce_device(run)
         with quiet_progress(not run.settings.progress):
@@ -266,7 +267,7 @@ def _run_phases(run: Run, *, stream_when_possible: bool = False) -> nn.Module:
             phase.evaluate(run, "eval_after")
             phase.save(run)
     except BaseException as exc:
-        _note_changed_in_place(run, exc)
+        _note_changed_in_place(run, before, exc)
         if run.work is not None:
             run.work.abort(exc)  # its note (progress kept: --resume) last
         raise
@@ -276,18 +277,29 @@ def _run_phases(run: Run, *, stream_when_possible: bool = False) -> nn.Module:
     return run.model
 
 
-def _note_changed_in_place(run: Run, exc: BaseException) -> None:
-    """A model given in memory that a failed run already changed (the modules compressed before the failure, in an
-    earlier layer or group: the session's own "No parameter of the model was changed" speaks of the failing hook
-    only, and its advice to continue or reset is for a session you drive): a note on ``exc`` naming them, shown with
-    its traceback."""
-    if not isinstance(run.settings.model, torch.nn.Module):
+def _versions(settings: OneshotSettings) -> dict[str, int] | None:
+    """The version counter of each parameter of a model passed in memory (``None`` for one this call loads): every
+    in-place write moves it (the quantization plugin's writes through ``.data`` move it themselves)."""
+    if not isinstance(settings.model, torch.nn.Module):
+        return None
+    return {name: p._version for name, p in settings.model.named_parameters()}
+
+
+def _note_changed_in_place(run: Run, before: dict[str, int] | None, exc: BaseException) -> None:
+    """A model given in memory that a failed run already changed (the modules compressed, smoothed or rotated
+    before the failure: the session's own "No parameter of the model was changed" speaks of the failing hook only,
+    and its advice to continue or reset is for a session you drive): a note on ``exc`` naming them, shown with its
+    traceback. Judged from the parameters' version counters (a SmoothQuant fold was missed when only compression
+    results were counted: found by a tester)."""
+    if before is None:
         return  # loaded from disk by this call: nothing of the caller's changed
-    done = [n for session in run.sessions for m in session.modifiers for n in getattr(m, "results", {})]
-    if done:
+    model = run.settings.model
+    changed = [n for n, p in model.named_parameters() if n in before and p._version != before[n]]  # model order
+    modules = list(dict.fromkeys(name.rpartition(".")[0] or name for name in changed))
+    if modules:
         exc.add_note(
-            f"oneshot: the model you passed was changed in place before this error ({len(done)} modules compressed: "
-            f"{compact_names(done)}); reload it before another run."
+            f"oneshot: the model you passed was changed in place before this error ({len(modules)} modules: "
+            f"{compact_names(modules)}); reload it before another run."
         )
 
 

@@ -482,6 +482,13 @@ class CalibratedModifier(Modifier):
         Raises:
             DistributedError: a collective failed, or the ranks computed different weights.
         """
+        broken = [name for name, module in modules.items() if not all_finite(module.weight)]
+        if broken:  # before any of them changes: round-to-nearest wrote NaN scales silently, GPTQ compressed the
+            msg = (  # module and failed one group later (found by a tester)
+                f"{type(self).__name__}: the weights of {compact_names(broken)} hold NaN or Inf values, so they "
+                "cannot be compressed: the checkpoint (or an earlier change to the model) is broken there"
+            )
+            raise ValueError(msg)
         distributed = is_distributed()
         if distributed:
             reduce_statistics(self._acc, modules, self._new_accumulator, owner=type(self).__name__)
