@@ -245,3 +245,22 @@ def test_the_streamed_output_keeps_the_generation_config_and_the_stored_dtype(ti
     assert sorted(streamed) == sorted(in_memory)
     assert all(torch.equal(streamed[k], in_memory[k]) for k in streamed)
     assert streamed["model.embed_tokens.weight"].dtype == torch.bfloat16
+
+
+def test_an_unreadable_generation_config_is_left_for_the_derived_one_as_in_memory(tiny_model_dir, tmp_path, capsys):
+    """from_pretrained passes over a generation_config.json it cannot read; the streamed path refused the model
+    ("... is not a valid JSON file": a tester's case). Both paths now run and write one derived from config.json."""
+    import shutil
+
+    model_dir, text = tiny_model_dir
+    source = tmp_path / "source"
+    shutil.copytree(model_dir, source)
+    (source / "generation_config.json").write_text('{"eos_token_id": [2,')  # truncated
+    written = []
+    for name, extra in (("streamed", []), ("in-memory", ["--in-memory"])):
+        out = tmp_path / name
+        status, _ = _run(tiny_llama.oneshot_argv(source, text, out, *RTN, *extra), capsys)
+        assert status == 0
+        written.append(json.loads((out / "generation_config.json").read_text()))
+    config = json.loads((source / "config.json").read_text())
+    assert [w["eos_token_id"] for w in written] == [config["eos_token_id"]] * 2

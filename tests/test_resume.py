@@ -594,3 +594,13 @@ def test_a_hub_models_fingerprint_holds_the_commit_it_reads(tmp_path, monkeypatc
         (folder / "refs" / "main").write_text(commit)
         assert _model_item("acme/tiny") == {"hub id": "acme/tiny", "revision": commit}
     assert _model_item("not-a/hub/id") == {"hub id": "not-a/hub/id"}
+    # online the load fetches main's commit on the Hub, whatever the cache holds: that one is recorded
+    import huggingface_hub
+
+    import llmc_fsm.oneshot_job.resume as resume
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(resume, "hub_unreachable", lambda endpoint: None)
+    monkeypatch.setattr(huggingface_hub.HfApi, "model_info", lambda self, repo_id, timeout=None: type("I", (), {
+        "sha": "c" * 40})())  # fmt: skip
+    assert _model_item("acme/tiny") == {"hub id": "acme/tiny", "revision": "c" * 40}

@@ -235,6 +235,7 @@ def test_accelerates_accumulation_idiom_counts_the_optimizer_steps_taken():
     accelerator = accelerate.Accelerator(gradient_accumulation_steps=2, cpu=True)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
     model, optimizer = accelerator.prepare(model, optimizer)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer.optimizer, lambda step: 1.0 / (1 + step))  # not prepared
     session = Session([MagnitudePruningModifier(init_sparsity=0.1, final_sparsity=0.5, start=0, end=1, update=0.25)])
     initialize(session, model=model, optimizer=optimizer, steps_per_epoch=4)  # 8 micro-batches, 4 steps
     steps, epochs = [], []
@@ -243,11 +244,12 @@ def test_accelerates_accumulation_idiom_counts_the_optimizer_steps_taken():
             session.batch_start(batch=batch)
             loss = session.loss_calculated(model(**batch).loss)
             accelerator.backward(loss)
-            optimizer_step(session, optimizer)
+            optimizer_step(session, optimizer, scheduler=scheduler)
             session.batch_end()
         steps.append(session.global_step)
         epochs.append(session.modifiers[0].history[-1][0])
     assert steps == [0, 1, 1, 2, 2, 3, 3, 4]
+    assert scheduler.last_epoch == 4  # it stepped at every micro-batch (8) before
     assert epochs == [0.0, 0.0, 0.25, 0.25, 0.5, 0.5, 0.75, 0.75]  # one pruning step per optimizer step
     session.finalize()
 

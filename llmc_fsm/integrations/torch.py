@@ -145,9 +145,9 @@ def optimizer_step(session: Session, optimizer: Any, *, scheduler: Any = None, z
 
     An ``accelerate`` optimizer (``Accelerator.prepare``) called on every micro-batch inside
     ``accelerator.accumulate(...)``, accelerate's gradient-accumulation idiom: its ``step()`` does nothing while
-    gradients accumulate (``gradient_state.sync_gradients`` false), and neither do the session's step events, so the
-    session counts the optimizer steps taken (it counted every micro-batch: the schedules ran at the accumulation
-    factor's speed, found by a tester).
+    gradients accumulate (``gradient_state.sync_gradients`` false), and neither do the session's step events nor
+    ``scheduler.step()``, so the session and the scheduler count the optimizer steps taken (they counted every
+    micro-batch: the schedules ran at the accumulation factor's speed, found by testers).
     """
     steps = getattr(getattr(optimizer, "gradient_state", None), "sync_gradients", True) is not False
     if steps:
@@ -155,7 +155,7 @@ def optimizer_step(session: Session, optimizer: Any, *, scheduler: Any = None, z
     optimizer.step()
     if steps:
         session.optim_post_step()
-    if scheduler is not None:
+    if scheduler is not None and steps:  # a scheduler not prepared by accelerate would step every micro-batch
         scheduler.step()
     if zero_grad:
         optimizer.zero_grad(set_to_none=True)

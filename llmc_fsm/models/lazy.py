@@ -372,8 +372,9 @@ def load_lazy(
     model.tie_weights()
     model.eval()
     check_tied(model, f"loading {directory}")
-    if model.can_generate() and (directory / "generation_config.json").is_file():  # as from_pretrained reads it
-        model.generation_config = GenerationConfig.from_pretrained(str(directory))
+    if model.can_generate() and (directory / "generation_config.json").is_file():  # as from_pretrained reads it:
+        with contextlib.suppress(OSError):  # an unreadable one is left for the config-derived one, as there
+            model.generation_config = GenerationConfig.from_pretrained(str(directory))
     sources, converted = _match_sources(model, directory, files)
     layers_name, layers = find_decoder_layers(model)
     return LazyModel(model, directory, sources, layers_name, layers, converted), _load_tokenizer(directory)

@@ -136,20 +136,19 @@ def _model_item(model: Any, hash_files: bool = True) -> dict[str, Any]:
 
 
 def _hub_revision(repo_id: str) -> str | None:
-    """The commit of the Hub model ``repo_id`` a load reads: its cached ``main`` snapshot, else (not cached, the Hub
-    reachable) ``main``'s commit on the Hub; ``None`` when neither is known. A resumed run whose model moved to
-    another commit (a Hub update) mixed two models' layers: the ID alone was compared (found by a tester)."""
+    """The commit of the Hub model ``repo_id`` a load reads: online, ``main``'s commit on the Hub (what
+    ``from_pretrained`` fetches then); offline or unreachable, the cached ``main`` snapshot (what it reads then);
+    ``None`` when neither is known. A resumed run whose model moved to another commit (a Hub update) mixed two models'
+    layers: the ID alone was compared (found by a tester; the cached commit alone missed an update read online)."""
     from huggingface_hub import HfApi, constants, try_to_load_from_cache
 
+    if not constants.HF_HUB_OFFLINE and hub_unreachable(constants.ENDPOINT) is None:
+        try:
+            return HfApi().model_info(repo_id, timeout=10).sha
+        except Exception:  # the Hub did not answer for it: the load falls back to the cache too
+            pass
     cached = try_to_load_from_cache(repo_id, "config.json")
-    if isinstance(cached, str):
-        return Path(cached).parent.name  # snapshots/<commit>/config.json
-    if constants.HF_HUB_OFFLINE or hub_unreachable(constants.ENDPOINT) is not None:
-        return None
-    try:
-        return HfApi().model_info(repo_id, timeout=10).sha
-    except Exception:  # any failure: the commit is unknown, the load reports what fails
-        return None
+    return Path(cached).parent.name if isinstance(cached, str) else None  # snapshots/<commit>/config.json
 
 
 def _versions(modifiers: Iterable[Modifier]) -> dict[str, str | None]:
