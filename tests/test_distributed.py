@@ -223,8 +223,17 @@ def _fsdp2_worker(rank: int, tmp: Path, tensors: dict[str, torch.Tensor]) -> dic
     try:
         session.initialize(model=model)
     except ValueError as exc:
-        return {"error_type": type(exc).__name__, "message": str(exc), "lifecycle": session.lifecycle}
-    return {"error_type": None}
+        refused = {"error_type": type(exc).__name__, "message": str(exc), "lifecycle": session.lifecycle}
+    else:
+        refused = {"error_type": None}
+    # as a teacher, only run forward, it is taken
+    from llmc_fsm_training import OutputDistillationModifier
+
+    session = Session([OutputDistillationModifier()])
+    session.initialize(model=llama(seed=1), teacher=model)
+    refused["teacher_lifecycle"] = session.lifecycle
+    session.finalize()
+    return refused
 
 
 WORKERS = {
@@ -301,6 +310,7 @@ def test_fsdp2_parameters_are_refused_at_initialize(tmp_path, one_thread):
         "message": "the model's parameters are DTensors (FSDP2's fully_shard or tensor parallelism): they are sharded "
         "across ranks, so a modifier cannot see whole weights; wrap the model in DistributedDataParallel instead",
         "lifecycle": "created",
+        "teacher_lifecycle": "initialized",
     }
 
 

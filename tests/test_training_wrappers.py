@@ -217,13 +217,23 @@ def test_a_teacher_sharing_the_students_modules_is_refused():
          layer + "post_attention_layernorm", "model.norm"]
     )
     assert str(info.value).startswith(
-        f"OutputDistillationModifier.on_initialize() raised ValueError: the teacher shares 20 modules with the "
-        f"student ({shared}): its logits would follow the student's weights and putting it in eval mode would change "
-        "the student's; pass a separate copy as teacher (e.g. copy.deepcopy of the model before adding adapters, or "
-        "the checkpoint loaded again) (during initialize())"
+        f"OutputDistillationModifier.on_initialize() raised ValueError: the teacher shares the student's {shared} "
+        "(trained parameters, or a module whose forward depends on its training mode): its logits would follow the "
+        "student's training, or putting it in eval mode would change the student's; pass a separate copy as teacher "
+        "(e.g. copy.deepcopy of the model before adding adapters, or the checkpoint loaded again) (during "
+        "initialize())"
     )
     assert session.lifecycle == "created"
     assert all(m.training for m in student.modules())  # eval() was not put on the shared modules
+    # one shared trained parameter is enough (a tester's case); a frozen one, kept once to save memory, is taken
+    teacher = _llama(seed=1)
+    teacher.model.embed_tokens.weight = student.model.embed_tokens.weight
+    with pytest.raises(ModifierError, match=r"the teacher shares the student's model\.embed_tokens \(trained "):
+        Session([OutputDistillationModifier()]).initialize(model=student, teacher=teacher)
+    student.model.embed_tokens.weight.requires_grad_(False)
+    session = Session([OutputDistillationModifier()])
+    session.initialize(model=student, teacher=teacher)
+    session.finalize()
 
 
 # --------------------------------------------------------------------------- accelerate

@@ -118,8 +118,8 @@ def unwrap_model(model: Any) -> Any:
     base model still holds its adapter layers, which targets never select: :func:`llmc_fsm.toolkit.select_targets`).
 
     Raises:
-        ValueError: a ``FullyShardedDataParallel`` model or one whose parameters are ``DTensor`` s (FSDP2's
-            ``fully_shard``, tensor parallelism): sharded across ranks, not supported.
+        ValueError: a ``FullyShardedDataParallel`` model (its parameters are sharded across ranks; not
+            supported).
     """
     while True:
         if isinstance(model, nn.parallel.DistributedDataParallel | nn.DataParallel):
@@ -135,13 +135,6 @@ def unwrap_model(model: Any) -> Any:
             msg = (
                 "FullyShardedDataParallel shards the parameters across ranks, so a modifier cannot see whole "
                 "weights; wrap the model in DistributedDataParallel instead"
-            )
-            raise ValueError(msg)
-        if isinstance(model, nn.Module) and any(type(p).__name__ == "DTensor" for p in model.parameters()):
-            msg = (
-                "the model's parameters are DTensors (FSDP2's fully_shard or tensor parallelism): they are sharded "
-                "across ranks, so a modifier cannot see whole weights; wrap the model in DistributedDataParallel "
-                "instead"
             )
             raise ValueError(msg)
         return model
@@ -164,14 +157,26 @@ def unwrap_state(state: State) -> State:
     """``state`` with ``model`` and ``teacher`` unwrapped (:func:`unwrap_model`); ``state`` if none is wrapped.
 
     Raises:
-        ValueError: as :func:`unwrap_model`; a ``model`` that is an ``AveragedModel`` (an EMA / SWA copy, whose
-            weights are averaged from the trained model's: the session pruned the copy while the trained model
-            stayed dense, found by a tester; as a ``teacher`` it is taken).
+        ValueError: as :func:`unwrap_model`; a ``model`` whose parameters are ``DTensor`` s (FSDP2's ``fully_shard``,
+            tensor parallelism: sharded across ranks; a teacher, only run forward, is taken) or that is an
+            ``AveragedModel`` (an EMA / SWA copy, whose weights are averaged from the trained model's: the session
+            pruned the copy while the trained model stayed dense, found by a tester; as a ``teacher`` it is taken).
     """
     updates = {}
     for key in ("model", "teacher"):
         value = state.get(key)
         inner = unwrap_model(value) if value is not None else None
+        if (
+            key == "model"
+            and isinstance(inner, nn.Module)
+            and any(type(p).__name__ == "DTensor" for p in inner.parameters())
+        ):
+            msg = (
+                "the model's parameters are DTensors (FSDP2's fully_shard or tensor parallelism): they are sharded "
+                "across ranks, so a modifier cannot see whole weights; wrap the model in DistributedDataParallel "
+                "instead"
+            )
+            raise ValueError(msg)
         if key == "model" and isinstance(inner, torch.optim.swa_utils.AveragedModel):
             msg = (
                 "the model is an AveragedModel (an EMA / SWA copy): its weights are averaged from the trained "

@@ -153,6 +153,21 @@ def _alpha(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
         raise ValueError(msg)
 
 
+def _shared_with_student(student: torch.nn.Module, teacher: torch.nn.Module) -> list[str]:
+    """The student's names of what the teacher shares with it and must not: a parameter the student trains
+    (``requires_grad``: the teacher's logits would follow it, the distillation loss tending to 0, as with a peft
+    model's base model), or a module whose forward depends on its training mode (dropout, batch norm: the teacher's
+    eval mode would switch the student's). A frozen shared embedding, kept once to save memory, is neither."""
+    teacher_params = {id(p) for p in teacher.parameters()}
+    teacher_modules = {id(m) for m in teacher.modules()}
+    modal = (torch.nn.modules.dropout._DropoutNd, torch.nn.modules.batchnorm._BatchNorm)
+    names = [
+        n.rpartition(".")[0] or n for n, p in student.named_parameters() if p.requires_grad and id(p) in teacher_params
+    ]
+    names += [n for n, m in student.named_modules() if isinstance(m, modal) and id(m) in teacher_modules]
+    return list(dict.fromkeys(names))
+
+
 @attrs.define(kw_only=True, slots=False, eq=False)
 class OutputDistillationModifier(Modifier):
     """Add a KL term between temperature-scaled teacher and student logits to the loss (Hinton et al. 2015).
@@ -204,14 +219,13 @@ class OutputDistillationModifier(Modifier):
                 "are in); pass a separate (e.g. dense, frozen) copy as teacher"
             )
             raise ValueError(msg)
-        student = {id(m): n for n, m in state.model.named_modules() if any(True for _ in m.parameters(recurse=False))}
-        shared = [student[id(m)] for m in state.teacher.modules() if id(m) in student]
+        shared = _shared_with_student(state.model, state.teacher)
         if shared:
             msg = (
-                f"the teacher shares {len(shared)} modules with the student ({compact_names(shared)}): "
-                "its logits would follow the student's weights and putting it in eval mode would change the "
-                "student's; pass a separate copy as teacher (e.g. copy.deepcopy of the model before adding adapters, "
-                "or the checkpoint loaded again)"
+                f"the teacher shares the student's {compact_names(shared)} (trained parameters, or a module whose "
+                "forward depends on its training mode): its logits would follow the student's training, or putting "
+                "it in eval mode would change the student's; pass a separate copy as teacher (e.g. copy.deepcopy of "
+                "the model before adding adapters, or the checkpoint loaded again)"
             )
             raise ValueError(msg)
         self._teacher = state.teacher
