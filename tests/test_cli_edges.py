@@ -102,6 +102,11 @@ def test_a_misspelt_required_option_is_named_with_the_missing_one(capsys, tmp_pa
          "given: did you mean --output?; --ignor was given: did you mean --ignore?)"),
         (["model-free", "m", "--scheme", "W8A8", "--", "--outpu"], "model-free", "--output"),
         (["--verison"], "", "COMMAND (--verison was given: did you mean --version?)"),
+        # a positional given as an option (it was told "did you mean --help?"; a tester's case)
+        (["model-free", "--model", "m", "--output", "o"], "model-free", "--scheme (--model was given: MODEL is "
+         "positional, give it without --model)"),
+        (["model-free", "--mdoel", "m", "--scheme", "W8A8"], "model-free", "--output (--mdoel was given: MODEL is "
+         "positional, give it without --mdoel)"),
     )
     for argv, command, missing in cases:
         with pytest.raises(SystemExit) as info:
@@ -111,6 +116,12 @@ def test_a_misspelt_required_option_is_named_with_the_missing_one(capsys, tmp_pa
         assert capsys.readouterr().err == (
             f"{prog}: error: the following arguments are required: {missing}; see '{prog} --help'\n"
         )
+    with pytest.raises(SystemExit) as info:
+        main(["report", "--out", "x"])
+    assert capsys.readouterr().err == (
+        "llmc-fsm report: error: unrecognized arguments: --out (OUT is positional, give it without --out); see "
+        "'llmc-fsm report --help'\n"
+    )
     assert list(tmp_path.iterdir()) == []
 
 

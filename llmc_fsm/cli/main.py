@@ -62,20 +62,30 @@ class _Parser(argparse.ArgumentParser):
             hint += self._misspelt_options()
         self.exit(2, f"{self.prog}: error: {message}{hint}; see '{self.prog} --help'\n")
 
-    def _misspelt_options(self) -> str:
+    def _misspelt_options(self, tokens: Sequence[str] | None = None, *, named: bool = False) -> str:
         """`` (--outpu was given: did you mean --output?)`` for the options given that this parser does not know
         and that are close to one it does: argparse reports a missing required option before the unknown ones, so
         ``--outpu DIR`` said only that ``--output`` was missing; ``""`` when there is none."""
-        tokens = getattr(self, "_tokens", [])
+        tokens = list(getattr(self, "_tokens", []) if tokens is None else tokens)
         given = tokens[: tokens.index("--")] if "--" in tokens else tokens
-        known = list(self._option_string_actions)  # argparse's table of option strings
-        hints = [
-            f"{option} was given: did you mean {close[0]}?"
-            for option in dict.fromkeys(t.split("=")[0] for t in given if t.startswith("--") and len(t) > 2)
-            if option not in known
-            for close in [difflib.get_close_matches(option, known, 1)]
-            if close
-        ]
+        known = [o for o in self._option_string_actions if o not in ("-h", "--help")]  # argparse's option strings
+        positional = {  # MODEL given as --model: name it (it was told "did you mean --help?")
+            name: action.metavar or action.dest
+            for action in self._actions
+            if not action.option_strings
+            for name in {str(action.dest).lower(), str(action.metavar or "").lower()}
+            if name
+        }
+        hints = []
+        for option in dict.fromkeys(t.split("=")[0] for t in given if t.startswith("--") and len(t) > 2):
+            if option in known:
+                continue
+            given_as = "" if named else f"{option} was given: "  # the message names the unknown options already
+            close = difflib.get_close_matches(option[2:].lower(), list(positional), 1)
+            if close:
+                hints.append(f"{given_as}{positional[close[0]]} is positional, give it without {option}")
+            elif close := difflib.get_close_matches(option, known, 1):
+                hints.append(f"{given_as}did you mean {close[0]}?")
         return f" ({'; '.join(hints)})" if hints else ""
 
 
@@ -110,12 +120,7 @@ def _reject_unknown(args: argparse.Namespace, extra: list[str]) -> None:
     """Exit with status 2 through the subcommand's own parser (its usage line, not the top level's), naming the
     unknown arguments and, for a misspelt option, the option meant."""
     command = args._commands[args.command]
-    message = f"unrecognized arguments: {' '.join(extra)}"
-    options = list(command._option_string_actions)  # argparse's table of option strings
-    close = [m for e in extra if e.startswith("--") for m in difflib.get_close_matches(e.split("=")[0], options, 1)]
-    if close:
-        message += f" (did you mean {', '.join(close)}?)"
-    command.error(message)
+    command.error(f"unrecognized arguments: {' '.join(extra)}{command._misspelt_options(extra, named=True)}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
