@@ -245,6 +245,13 @@ def test_the_streamed_output_keeps_the_generation_config_and_the_stored_dtype(ti
     assert sorted(streamed) == sorted(in_memory)
     assert all(torch.equal(streamed[k], in_memory[k]) for k in streamed)
     assert streamed["model.embed_tokens.weight"].dtype == torch.bfloat16
+    # a stray file the checkpoint does not name (Mistral's consolidated.safetensors sorts first) is not asked
+    from safetensors.torch import save_file
+
+    from llmc_fsm.oneshot_job.streaming import _dtype
+
+    save_file({"x": torch.zeros(2, dtype=torch.float32)}, str(source / "consolidated.safetensors"))
+    assert _dtype("auto", source) == torch.bfloat16
 
 
 def test_an_unreadable_generation_config_is_left_for_the_derived_one_as_in_memory(tiny_model_dir, tmp_path, capsys):

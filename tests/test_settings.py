@@ -312,6 +312,9 @@ def test_numpy_numbers_are_taken_as_the_python_ones():
     assert [type(v) for v in values] == [int, int, int, int, int, float]
     with pytest.raises(ValueError, match=r"^batch_size \(--batch-size\) must be a positive int, got np.True_$"):
         OneshotSettings(batch_size=np.bool_(True))
+    flags = OneshotSettings(overwrite=np.True_, progress=np.False_, shuffle_calibration_samples=np.False_)
+    assert (flags.overwrite, flags.progress, flags.shuffle_calibration_samples) == (True, False, False)
+    assert [type(v) for v in (flags.overwrite, flags.progress, flags.shuffle_calibration_samples)] == [bool] * 3
     with pytest.raises(ValueError, match=r"^num_calibration_samples \(--num-samples\) must be a positive int, got 0$"):
         OneshotSettings(num_calibration_samples=np.int64(0))
 

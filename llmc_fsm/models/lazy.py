@@ -52,7 +52,7 @@ from llmc_fsm.models.layers import find_decoder_layers
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-__all__ = ["INDEX_NAME", "LazyModel", "ShardWriter", "load_lazy", "save_config"]
+__all__ = ["INDEX_NAME", "LazyModel", "ShardWriter", "checkpoint_files", "load_lazy", "save_config"]
 
 logger = logging.getLogger(__name__)
 
@@ -207,7 +207,7 @@ def _swap(target: torch.Tensor, value: torch.Tensor) -> None:
     torch.utils.swap_tensors(target, value)
 
 
-def _checkpoint_files(directory: Path) -> dict[str, str]:
+def checkpoint_files(directory: Path) -> dict[str, str]:
     """``{checkpoint key: file name}`` of the safetensors checkpoint in ``directory`` (one file or shards)."""
     from safetensors import safe_open
 
@@ -351,7 +351,7 @@ def load_lazy(
 
     directory = Path(path).expanduser()
     _check_model_dir(directory)
-    files = _checkpoint_files(directory)
+    files = checkpoint_files(directory)
     config = AutoConfig.from_pretrained(str(directory), trust_remote_code=False)
     if is_vision_language(config):  # AutoModelForCausalLM would build the text model alone: the tower dropped
         msg = (

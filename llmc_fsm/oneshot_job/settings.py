@@ -159,6 +159,11 @@ def _plain_int(value: Any) -> Any:
     return int(value) if isinstance(value, numbers.Integral) and not isinstance(value, int) else value
 
 
+def _plain_bool(value: Any) -> Any:
+    """A numpy bool (``np.False_``) as the Python bool; others as given, for the validator."""
+    return bool(value) if type(value).__module__ == "numpy" and type(value).__name__ == "bool" else value
+
+
 def _plain_real(value: Any) -> Any:
     """A real number that is not a Python int, float or bool (``np.float32(512.0)``) as the float; others as given."""
     return float(value) if isinstance(value, numbers.Real) and not isinstance(value, int | float) else value
@@ -262,12 +267,14 @@ def _budget(_: Any, field: attrs.Attribute, value: Any) -> None:
         _fail(field, "a number of MiB >= 0, or None for half the device's free memory", value)
 
 
-#: The converter a number field gets by its validator (:func:`_setting`).
+#: The converter a number or bool field gets by its validator (:func:`_setting`): numpy's own taken as Python's.
 _NUMBER_CONVERTERS: dict[Any, Callable[[Any], Any]] = {
     _positive_int: _plain_int,
     _positive_int_or_none: _plain_int,
     _int: _plain_int,
     _budget: _plain_real,
+    _bool: _plain_bool,
+    _no_shuffle: _plain_bool,
 }
 
 

@@ -50,7 +50,7 @@ import torch
 from tqdm.auto import tqdm
 
 from llmc_fsm.models.known import KNOWN_MODELS, fix_safetensors_permissions, known_model_dir
-from llmc_fsm.models.lazy import LazyModel, ShardWriter, load_lazy, save_config
+from llmc_fsm.models.lazy import LazyModel, ShardWriter, checkpoint_files, load_lazy, save_config
 from llmc_fsm.oneshot_job.data import calibration_inputs, torch_dtype_of
 from llmc_fsm.oneshot_job.phases import Run, evaluate_before, given_tokenizer, keep_windows, run_report, token_data
 from llmc_fsm.oneshot_job.resume import layer_progress
@@ -371,16 +371,18 @@ def _dtype(name: str, directory: Path) -> Any:
 
 
 def _stored_float_dtype(directory: Path) -> Any:
-    """The dtype of the first floating-point tensor of the first safetensors file in ``directory`` (by name), from
-    its header; ``None`` when there is none."""
+    """The dtype of the first floating-point tensor of the checkpoint's first file (``model.safetensors``, else the
+    index's first shard: the files the streamed path reads, not a stray ``consolidated.safetensors``), from its
+    header; ``None`` when there is none."""
     from safetensors import safe_open
 
-    for file in sorted(directory.glob("*.safetensors")):
-        with safe_open(str(file), framework="pt") as handle:
-            for key in handle.keys():
-                dtype = _SAFETENSORS_DTYPES.get(handle.get_slice(key).get_dtype())
-                if dtype is not None:
-                    return dtype
+    with contextlib.suppress(ValueError, OSError):  # no safetensors checkpoint: loading says so
+        for file in sorted(set(checkpoint_files(directory).values())):
+            with safe_open(str(directory / file), framework="pt") as handle:
+                for key in handle.keys():
+                    dtype = _SAFETENSORS_DTYPES.get(handle.get_slice(key).get_dtype())
+                    if dtype is not None:
+                        return dtype
     return None
 
 
