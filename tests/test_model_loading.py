@@ -470,7 +470,7 @@ def test_a_repository_whose_model_is_its_own_code_is_refused_without_running_it(
     assert proc.returncode == 1
     assert proc.stderr.splitlines()[-1] == (
         f"llmc-fsm oneshot: error: model {str(model)!r} needs the Python code in its repository (config.json's "
-        "auto_map names classes transformers does not have): llmc-fsm loads transformers' own model classes only "
+        "auto_map names classes transformers does not have): llmc-fsm loads transformers' own classes only "
         "and never runs a repository's code (as llm-compressor with trust_remote_code_model=False)"
     )
     assert "custom code" not in proc.stdout + proc.stderr.replace("Python code", "")  # transformers' prompt: never
@@ -520,3 +520,20 @@ def test_text_for_a_model_without_tokenizer_files_is_refused_saying_what_the_com
         assert line.endswith("cannot be tokenized; add the tokenizer files to its directory (from Python also: "
                              "tokenizer=..., or dataset= a LongTensor of token ids)")
     assert not (tmp_path / "out").exists()
+
+
+def test_a_tokenizer_that_is_its_repositorys_own_code_is_refused_in_one_line(tiny_dir, tmp_path):
+    """A tokenizer_config.json with auto_map to the repository's code got transformers' text (a tester's case)."""
+    model = tmp_path / "rc"
+    shutil.copytree(tiny_dir, model)
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    config.update(auto_map={"AutoTokenizer": ["tokenization_tiny.TinyTokenizer", None]},
+                  tokenizer_class="TinyTokenizer")
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError) as info:
+        model_io._load_tokenizer(model)
+    assert str(info.value) == (
+        f"the tokenizer of {str(model)!r} needs the Python code in its repository (its config's auto_map names "
+        "classes transformers does not have): llmc-fsm loads transformers' own classes only and never runs a "
+        "repository's code (as llm-compressor with trust_remote_code_model=False)"
+    )

@@ -287,11 +287,12 @@ def _load_tokenizer(path: Path) -> PreTrainedTokenizerBase | None:
     try:
         return AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
     except (OSError, ValueError) as err:
-        msg = f"{path}: the tokenizer files could not be loaded ({_first_line(err)})"
+        refusal = remote_code_refusal(str(path), err, what="the tokenizer of")
+        msg = refusal or f"{path}: the tokenizer files could not be loaded ({_first_line(err)})"
         raise ValueError(msg) from err
 
 
-def remote_code_refusal(model: str, err: BaseException) -> str | None:
+def remote_code_refusal(model: str, err: BaseException, what: str = "model") -> str | None:
     """One line for transformers' refusal to load a repository whose classes are its own code (``auto_map`` in
     ``config.json``, no model of its type in transformers), else ``None``. llmc-fsm passes ``trust_remote_code=False``
     everywhere: transformers asked "Do you wish to run the custom code? [y/N]" on the terminal, and a ``y`` ran the
@@ -299,9 +300,10 @@ def remote_code_refusal(model: str, err: BaseException) -> str | None:
     text = str(err)
     if "custom code" not in text and "trust_remote_code" not in text:
         return None
+    files = "config.json's" if what == "model" else "its config's"
     return (
-        f"model {model!r} needs the Python code in its repository (config.json's auto_map names classes transformers "
-        "does not have): llmc-fsm loads transformers' own model classes only and never runs a repository's code "
+        f"{what} {model!r} needs the Python code in its repository ({files} auto_map names classes transformers "
+        "does not have): llmc-fsm loads transformers' own classes only and never runs a repository's code "
         "(as llm-compressor with trust_remote_code_model=False)"
     )
 
