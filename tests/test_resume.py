@@ -604,3 +604,22 @@ def test_a_hub_models_fingerprint_holds_the_commit_it_reads(tmp_path, monkeypatc
     monkeypatch.setattr(huggingface_hub.HfApi, "model_info", lambda self, repo_id, timeout=None: type("I", (), {
         "sha": "c" * 40})())  # fmt: skip
     assert _model_item("acme/tiny") == {"hub id": "acme/tiny", "revision": "c" * 40}
+
+
+def test_the_same_calibration_file_named_from_another_directory_is_the_same_data():
+    """``--dataset cal.txt`` then, resuming from another directory, ``../run/cal.txt``: refused as "calibration data
+    (source 'cal.txt' -> '../run/cal.txt') — changed" (a tester's case). Its digest decides; another digest, or
+    another count or length, is a change."""
+    from llmc_fsm.output.workdir import fingerprint_changes
+
+    saved = {"calibration data": {"source": "cal.txt", "sha256": "ab", "num_samples": 8, "seq_len": 32}}
+    moved = {"calibration data": {"source": "../run/cal.txt", "sha256": "ab", "num_samples": 8, "seq_len": 32}}
+    assert fingerprint_changes(saved, moved) == []
+    other = {"calibration data": {**moved["calibration data"], "sha256": "cd"}}
+    assert fingerprint_changes(saved, other) == [
+        "calibration data (source 'cal.txt' -> '../run/cal.txt'; sha256 'ab' -> 'cd')"
+    ]
+    longer = {"calibration data": {**moved["calibration data"], "seq_len": 16}}
+    assert fingerprint_changes(saved, longer) == [
+        "calibration data (source 'cal.txt' -> '../run/cal.txt'; seq_len 32 -> 16)"
+    ]
