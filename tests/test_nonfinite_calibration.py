@@ -95,3 +95,15 @@ def test_the_note_names_what_smoothing_changed_too():
                                          "mlp.up_proj", "input_layernorm", "post_attention_layernorm"))
         + "); reload it before another run."
     ]
+
+
+def test_the_weight_check_reads_fp8_weights_and_passes_over_meta_and_integer_ones():
+    """fp8 tensors have no sum kernel on the CPU ("sum_cpu" not implemented): the check reads them in float32."""
+    from llmc_fsm.toolkit.calibrated import _finite_weight
+
+    fp8 = torch.ones(4, 4).to(torch.float8_e4m3fn)
+    assert _finite_weight(fp8)
+    fp8[0, 0] = float("nan")
+    assert not _finite_weight(fp8)
+    assert _finite_weight(torch.empty(4, 4, device="meta")) and _finite_weight(torch.ones(4, 4, dtype=torch.int8))
+    assert not _finite_weight(torch.tensor([1.0, float("inf")], dtype=torch.bfloat16))

@@ -482,7 +482,7 @@ class CalibratedModifier(Modifier):
         Raises:
             DistributedError: a collective failed, or the ranks computed different weights.
         """
-        broken = [name for name, module in modules.items() if not all_finite(module.weight)]
+        broken = [name for name, module in modules.items() if not _finite_weight(module.weight)]
         if broken:  # before any of them changes: round-to-nearest wrote NaN scales silently, GPTQ compressed the
             msg = (  # module and failed one group later (found by a tester)
                 f"{type(self).__name__}: the weights of {compact_names(broken)} hold NaN or Inf values, so they "
@@ -637,6 +637,14 @@ class CalibratedModifier(Modifier):
             if name in self.skipped:
                 self.skipped.remove(name)
             self.compressed_here.append(name)
+
+
+def _finite_weight(weight: torch.Tensor) -> bool:
+    """No NaN/Inf in ``weight``; ``True`` for one on ``meta`` (nothing to read) or of an integer dtype, and an fp8 one
+    is read in float32 (no sum kernel for it on the CPU)."""
+    if weight.is_meta or not weight.is_floating_point():
+        return True
+    return all_finite(weight.float() if weight.element_size() == 1 else weight)
 
 
 def _module_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
