@@ -107,3 +107,20 @@ def test_the_weight_check_reads_fp8_weights_and_passes_over_meta_and_integer_one
     assert not _finite_weight(fp8)
     assert _finite_weight(torch.empty(4, 4, device="meta")) and _finite_weight(torch.ones(4, 4, dtype=torch.int8))
     assert not _finite_weight(torch.tensor([1.0, float("inf")], dtype=torch.bfloat16))
+
+
+def test_static_input_scales_from_overflowed_activations_are_refused_naming_them():
+    """A float16 model whose activations overflow before gate/up: FP8 static input scales came out inf and were
+    written without a word (as llm-compressor does; a tester's case). Named, with the likely cause."""
+    model = tiny_llama.llama(hidden=64, vocab=128).half()
+    with torch.no_grad():
+        model.model.layers[1].post_attention_layernorm.weight[3] = 6e4  # float16's largest is 65504
+    recipe = {"s": {"QuantizationModifier": {"scheme": "FP8", "ignore": ["lm_head"]}}}
+    with pytest.raises(ModifierError) as info:
+        llmc_fsm.oneshot(model=model, recipe=recipe, dataset=torch.randint(0, 128, (4, 32)), progress=False)
+    assert str(info.value).startswith(
+        "QuantizationModifier.on_sequential_epoch_end() raised ValueError: QuantizationModifier: "
+        "model.layers.1.mlp.gate_proj.input_scale, model.layers.1.mlp.up_proj.input_scale came out NaN or Inf: the "
+        "calibration inputs overflowed before them (a float16 model: load it in float32, --dtype float32) or hold NaN "
+        "(during sequential_epoch_end()). It had already changed "
+    )

@@ -637,6 +637,18 @@ class CalibratedModifier(Modifier):
             if name in self.skipped:
                 self.skipped.remove(name)
             self.compressed_here.append(name)
+        scales = [  # static input scales from overflowed activations (a float16 model): written silently before
+            f"{name}.{param}"
+            for name, module in members
+            for param, tensor in module.named_parameters(recurse=False)
+            if param != "weight" and tensor.is_floating_point() and not _finite_weight(tensor)
+        ]
+        if scales:
+            msg = (
+                f"{type(self).__name__}: {compact_names(scales)} came out NaN or Inf: the calibration inputs "
+                "overflowed before them (a float16 model: load it in float32, --dtype float32) or hold NaN"
+            )
+            raise ValueError(msg)
 
 
 def _finite_weight(weight: torch.Tensor) -> bool:
