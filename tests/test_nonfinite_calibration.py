@@ -127,3 +127,21 @@ def test_static_input_scales_from_overflowed_activations_are_refused_naming_them
         "calibration inputs overflowed before them (a float16 model: load it in float32, --dtype float32) or hold NaN "
         "(during sequential_epoch_end()). It had already changed "
     )
+
+
+def test_the_note_names_a_tied_head_untied_before_the_error():
+    """Quantizing a tied head unties it (its own copy, config tie_word_embeddings false); the note read the version
+    counters of the parameters by their deduplicated names, so the untied head was missed (a tester's case)."""
+    model = tiny_llama.llama(hidden=64, vocab=128, tied=True)
+    with torch.no_grad():
+        model.model.layers[0].self_attn.q_proj.weight[0, 0] = float("nan")
+    weights = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"}
+    recipe = {"s": {"QuantizationModifier": {"config_groups": {"g": {"targets": ["Linear"], "weights": weights}},
+                                             "ignore": []}}}
+    info = _fails(model, recipe)
+    assert "the weights of model.layers.0.self_attn.q_proj hold NaN or Inf values" in str(info)
+    assert info.__notes__ == [
+        "oneshot: the model you passed was changed in place before this error (1 module: lm_head); reload it before "
+        "another run."
+    ]
+    assert model.lm_head.weight is not model.model.embed_tokens.weight

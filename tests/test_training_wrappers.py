@@ -271,7 +271,10 @@ def test_oneshot_refuses_a_peft_model_before_any_work(tmp_path):
 
     peft_model = _lora(_llama())
     injected = peft.inject_adapter_in_model(peft.LoraConfig(r=4, target_modules=["q_proj"]), _llama())
-    for model in (peft_model, peft_model.base_model, injected):  # PeftModel, its LoraModel, injected adapters
+    prompt = peft.get_peft_model(_llama(), peft.PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4))
+    # PeftModel, its LoraModel, injected adapters, and a PeftModel without tuner layers (its save wrote the prompt
+    # alone: a tester's case)
+    for model in (peft_model, peft_model.base_model, injected, prompt):
         before = {k: v.clone() for k, v in model.state_dict().items()}
         with pytest.raises(ValueError) as info:
             llmc_fsm.oneshot(model=model, dataset=torch.randint(0, VOCAB, (4, 16)), output_dir=tmp_path / "out")

@@ -277,28 +277,31 @@ def _run_phases(run: Run, *, stream_when_possible: bool = False) -> nn.Module:
     return run.model
 
 
-def _versions(settings: OneshotSettings) -> dict[str, int] | None:
-    """The version counter of each parameter of a model passed in memory (``None`` for one this call loads): every
-    in-place write moves it (the quantization plugin's writes through ``.data`` move it themselves)."""
+def _versions(settings: OneshotSettings) -> dict[str, tuple[int, int]] | None:
+    """Each parameter of a model passed in memory, by every name it has (a tied head under its own name too): the
+    parameter object and its version counter, which every in-place write moves (the quantization plugin's writes
+    through ``.data`` move it themselves); ``None`` for a model this call loads."""
     if not isinstance(settings.model, torch.nn.Module):
         return None
-    return {name: p._version for name, p in settings.model.named_parameters()}
+    return {name: (id(p), p._version) for name, p in settings.model.named_parameters(remove_duplicate=False)}
 
 
-def _note_changed_in_place(run: Run, before: dict[str, int] | None, exc: BaseException) -> None:
+def _note_changed_in_place(run: Run, before: dict[str, tuple[int, int]] | None, exc: BaseException) -> None:
     """A model given in memory that a failed run already changed (the modules compressed, smoothed or rotated
     before the failure: the session's own "No parameter of the model was changed" speaks of the failing hook only,
     and its advice to continue or reset is for a session you drive): a note on ``exc`` naming them, shown with its
-    traceback. Judged from the parameters' version counters (a SmoothQuant fold was missed when only compression
-    results were counted: found by a tester)."""
+    traceback. Judged from each parameter's object and version counter under every name (testers found missed: a
+    SmoothQuant fold when only compression results counted; REAP's experts dropped into new parameters; a tied
+    head untied)."""
     if before is None:
         return  # loaded from disk by this call: nothing of the caller's changed
-    model = run.settings.model
-    changed = [n for n, p in model.named_parameters() if n in before and p._version != before[n]]  # model order
+    now = {name: (id(p), p._version) for name, p in run.settings.model.named_parameters(remove_duplicate=False)}
+    changed = [name for name, was in before.items() if now.get(name) != was]  # model order
     modules = list(dict.fromkeys(name.rpartition(".")[0] or name for name in changed))
     if modules:
         exc.add_note(
-            f"oneshot: the model you passed was changed in place before this error ({len(modules)} modules: "
+            f"oneshot: the model you passed was changed in place before this error ({len(modules)} "
+            f"module{'s' if len(modules) != 1 else ''}: "
             f"{compact_names(modules)}); reload it before another run."
         )
 

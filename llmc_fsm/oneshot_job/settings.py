@@ -204,11 +204,11 @@ def _model(_: Any, field: attrs.Attribute, value: Any) -> None:
 
 
 def _holds_adapters(model: nn.Module) -> bool:
-    """Whether ``model`` holds a peft tuner layer (:func:`~llmc_fsm.toolkit.targets.is_peft_tuner_layer`): a
-    ``PeftModel``, its ``LoraModel`` (``peft_model.base_model``) or a model that ``inject_adapter_in_model`` changed
-    (a tester's cases: the first two failed after the work, the third wrote a checkpoint transformers cannot
-    reload)."""
-    return any(is_peft_tuner_layer(m) for m in model.modules())
+    """Whether ``model`` is a peft model (its ``peft_config``: a ``PeftModel`` of any kind, prompt tuning included,
+    whose save wrote the adapter alone, or its ``LoraModel``) or holds a peft tuner layer
+    (:func:`~llmc_fsm.toolkit.targets.is_peft_tuner_layer`: adapters ``inject_adapter_in_model`` put in, which wrote
+    a checkpoint transformers cannot reload). Found by testers."""
+    return hasattr(model, "peft_config") or any(is_peft_tuner_layer(m) for m in model.modules())
 
 
 def _dataset(_: Any, field: attrs.Attribute, value: Any) -> None:
