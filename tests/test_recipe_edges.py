@@ -246,6 +246,13 @@ def test_numpy_numbers_are_read_as_the_python_ones() -> None:
 
     with pytest.raises(ValueError, match=r"sparsity must be a number in \[0, 1\) .*got inf$"):
         SparseGPTModifier(sparsity=Fraction(10**400, 1))
+    # numpy bools for flags (llm-compressor's pydantic takes them; refused here before: a tester's case)
+    GPTQModifier(scheme="W4A16", offload_hessians=np.False_)  # an llm-compressor flag taken as True/False only
+    sparsegpt = SparseGPTModifier(sparsity=0.5, preserve_sparsity_mask=np.True_)
+    assert sparsegpt.preserve_sparsity_mask is True
+    from llmc_fsm.oneshot_job.llmcompressor_args import check_llmcompressor_args
+
+    assert check_llmcompressor_args({"save_compressed": np.True_, "trust_remote_code_model": np.False_}, []) == {}
 
 
 def test_numpy_values_inside_arguments_are_written_as_the_python_ones(with_model) -> None:

@@ -21,6 +21,8 @@ from typing import Any
 
 import attrs
 
+from llmc_fsm.recipes.llmcompressor import is_numpy_bool
+
 __all__ = ["LLMCOMPRESSOR_ARGS", "LlmcompressorArg", "check_llmcompressor_args"]
 
 logger = logging.getLogger(__name__)
@@ -172,7 +174,9 @@ def check_llmcompressor_args(given: Mapping[str, Any], parameters: Sequence[str]
 
 
 def _same(value: Any, accepted: Any) -> bool:
-    """``value`` is ``accepted`` (``True`` is not ``1``, ``"sequential"`` is ``"sequential"``)."""
+    """``value`` is ``accepted`` (``True`` is not ``1``, ``"sequential"`` is ``"sequential"``, ``np.True_`` is
+    ``True``)."""
+    value = bool(value) if is_numpy_bool(value) else value
     return type(value) is type(accepted) and value == accepted
 
 

@@ -37,6 +37,7 @@ from llmc_fsm.output.directory import check_output_not_source
 from llmc_fsm.output.save import QUANTIZATION_FORMATS
 from llmc_fsm.pipeline.device import DEVICE_CHOICES, resolve_device
 from llmc_fsm.recipes.building import build_recipe
+from llmc_fsm.recipes.llmcompressor import is_numpy_bool
 from llmc_fsm.recipes.model import Recipe
 from llmc_fsm.toolkit.targets import is_peft_tuner_layer
 
@@ -161,7 +162,7 @@ def _plain_int(value: Any) -> Any:
 
 def _plain_bool(value: Any) -> Any:
     """A numpy bool (``np.False_``) as the Python bool; others as given, for the validator."""
-    return bool(value) if type(value).__module__ == "numpy" and type(value).__name__ == "bool" else value
+    return bool(value) if is_numpy_bool(value) else value
 
 
 def _plain_real(value: Any) -> Any:

@@ -59,6 +59,7 @@ __all__ = [
     "ArgumentRule",
     "default_difference",
     "is_group_key",
+    "is_numpy_bool",
     "top_level_stages",
     "translate_argument",
     "translate_arguments",
@@ -428,6 +429,12 @@ def _number_kind(declared: Any) -> type | None:
     return None
 
 
+def is_numpy_bool(value: Any) -> bool:
+    """Whether ``value`` is a numpy bool (``np.True_``: ``numpy.bool`` in numpy 2, ``numpy.bool_`` in 1.x; numpy is
+    not imported here)."""
+    return type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_")
+
+
 def _float(value: numbers.Real) -> float:
     """``float(value)``, or a signed ``inf`` where no float holds it (``Fraction(10**400)``)."""
     try:
@@ -457,13 +464,16 @@ def numbers_from_strings(cls: type, kwargs: dict[str, Any]) -> dict[str, Any]:
     ``5e-1``, which YAML 1.1 reads as a string), read as the number, as llm-compressor's pydantic arguments do; an
     ``int`` only from a string of an integral value (``"128"``, ``"128.0"``); and an integral float for an ``int``
     (``block_size: 128.0``, ``iters: 200.0``), as pydantic's lax mode reads it (found by a tester: refused here,
-    taken by llm-compressor); a numpy number as the Python one. Anything else is left for the field's own
+    taken by llm-compressor); a numpy number or bool as the Python one. Anything else is left for the field's own
     validator."""
     if not attrs.has(cls):
         return kwargs
     kinds = {a.alias or a.name: _number_kind(a.type) for a in attrs.fields(cls) if a.init}
     out = dict(kwargs)
     for key, value in kwargs.items():
+        if is_numpy_bool(value):  # np.True_ for a flag: the Python bool, as pydantic takes it (a tester's case)
+            out[key] = bool(value)
+            continue
         kind = kinds.get(key)
         if kind is not None and isinstance(value, numbers.Real) and not isinstance(value, bool):
             number = _plain_number(value, kind)
