@@ -516,24 +516,44 @@ def test_text_for_a_model_without_tokenizer_files_is_refused_saying_what_the_com
                 "--method", "magnitude", "--no-progress", "--output", str(tmp_path / "out"), *extra]
         assert main(argv) == 1
         line = capsys.readouterr().err.strip().splitlines()[-1]
-        assert line.startswith(f"llmc-fsm oneshot: error: model {str(d)!r} has no tokenizer files, so ")
+        assert line.startswith(f"llmc-fsm oneshot: error: model {str(d)!r} has no tokenizer llmc-fsm can load (no "
+                               "tokenizer files, or one that is its repository's own code), so ")
         assert line.endswith("cannot be tokenized; add the tokenizer files to its directory (from Python also: "
                              "tokenizer=..., or dataset= a LongTensor of token ids)")
     assert not (tmp_path / "out").exists()
 
 
-def test_a_tokenizer_that_is_its_repositorys_own_code_is_refused_in_one_line(tiny_dir, tmp_path):
-    """A tokenizer_config.json with auto_map to the repository's code got transformers' text (a tester's case)."""
+def test_a_tokenizer_that_is_its_repositorys_own_code_is_never_run(tiny_dir, tmp_path, caplog):
+    """A tokenizer_config.json with auto_map to the repository's code got transformers' text (a tester's case). In
+    a model directory it is not loaded, said in one line (a tokenizer given, token ids or a data-free recipe still
+    run, as llm-compressor warns and goes on); given as the tokenizer, or needed for text, it is refused in one line."""
+    import llmc_fsm
+
     model = tmp_path / "rc"
     shutil.copytree(tiny_dir, model)
     config = json.loads((model / "tokenizer_config.json").read_text())
     config.update(auto_map={"AutoTokenizer": ["tokenization_tiny.TinyTokenizer", None]},
                   tokenizer_class="TinyTokenizer")
     (model / "tokenizer_config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError) as info:
-        model_io._load_tokenizer(model)
-    assert str(info.value) == (
-        f"the tokenizer of {str(model)!r} needs the Python code in its repository (its config's auto_map names "
-        "classes transformers does not have): llmc-fsm loads transformers' own classes only and never runs a "
-        "repository's code (as llm-compressor with trust_remote_code_model=False)"
+    refusal = (
+        "needs the Python code in its repository (tokenizer_config.json's auto_map names classes transformers does "
+        "not have): llmc-fsm loads transformers' own classes only and never runs a repository's code (as "
+        "llm-compressor with trust_remote_code_model=False)"
     )
+    with caplog.at_level("WARNING", logger="llmc_fsm.models.hf_io"):
+        assert model_io._load_tokenizer(model) is None
+    assert [r.getMessage() for r in caplog.records] == [
+        f"the tokenizer of {str(model)!r} {refusal}: it is not loaded; only token-id data (or a tokenizer given) can "
+        "be used"
+    ]
+    rtn = {"s": {"QuantizationModifier": {"scheme": "W8A8", "ignore": ["lm_head"]}}}
+    llmc_fsm.oneshot(model=str(model), recipe=rtn, progress=False)  # data-free: runs
+    text = tmp_path / "cal.txt"
+    text.write_text("w1 w2 w3 " * 400)
+    kw = {"recipe": rtn, "dataset": str(text), "max_seq_length": 8, "num_calibration_samples": 2, "progress": False}
+    llmc_fsm.oneshot(model=str(model), tokenizer=str(tiny_dir), **kw)  # a tokenizer given: runs
+    with pytest.raises(ValueError, match=r"^model '.*rc' has no tokenizer llmc-fsm can load \(no tokenizer files, or "):
+        llmc_fsm.oneshot(model=str(model), **{**kw, "recipe": {"s": {"GPTQModifier": {"scheme": "W8A8"}}}})
+    with pytest.raises(ValueError) as info:
+        llmc_fsm.oneshot(model=str(tiny_dir), tokenizer=str(model), **kw)
+    assert str(info.value) == f"the tokenizer {str(model)!r} {refusal}"

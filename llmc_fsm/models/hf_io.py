@@ -288,7 +288,10 @@ def _load_tokenizer(path: Path) -> PreTrainedTokenizerBase | None:
         return AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
     except (OSError, ValueError) as err:
         refusal = remote_code_refusal(str(path), err, what="the tokenizer of")
-        msg = refusal or f"{path}: the tokenizer files could not be loaded ({_first_line(err)})"
+        if refusal is not None:  # not fatal: a tokenizer may be given, or token ids; text needing it is refused
+            logger.warning("%s: it is not loaded; only token-id data (or a tokenizer given) can be used", refusal)
+            return None
+        msg = f"{path}: the tokenizer files could not be loaded ({_first_line(err)})"
         raise ValueError(msg) from err
 
 
@@ -300,7 +303,7 @@ def remote_code_refusal(model: str, err: BaseException, what: str = "model") -> 
     text = str(err)
     if "custom code" not in text and "trust_remote_code" not in text:
         return None
-    files = "config.json's" if what == "model" else "its config's"
+    files = "config.json's" if what == "model" else "tokenizer_config.json's"
     return (
         f"{what} {model!r} needs the Python code in its repository ({files} auto_map names classes transformers "
         "does not have): llmc-fsm loads transformers' own classes only and never runs a repository's code "

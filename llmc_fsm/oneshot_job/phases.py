@@ -815,7 +815,13 @@ def given_tokenizer(settings: OneshotSettings) -> Any:
     if isinstance(settings.tokenizer, str | os.PathLike):
         from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(os.fspath(settings.tokenizer), trust_remote_code=False)
+        try:
+            return AutoTokenizer.from_pretrained(os.fspath(settings.tokenizer), trust_remote_code=False)
+        except ValueError as err:  # one that is its repository's own code: one line (it was transformers' text)
+            refusal = remote_code_refusal(os.fspath(settings.tokenizer), err, what="the tokenizer")
+            if refusal is None:
+                raise
+            raise ValueError(refusal) from None
     return settings.tokenizer
 
 
@@ -886,7 +892,8 @@ def load(run: Run) -> None:
         run.tokenizer = run.tokenizer if run.tokenizer is not None else tokenizer
         if run.tokenizer is None and needs_text:
             msg = (
-                f"model {run.model_name!r} has no tokenizer files, so text (--dataset, --eval-text or the default "
+                f"model {run.model_name!r} has no tokenizer llmc-fsm can load (no tokenizer files, or one that is its "
+                "repository's own code), so text (--dataset, --eval-text or the default "
                 "generated calibration) cannot be tokenized; add the tokenizer files to its directory (from Python "
                 "also: tokenizer=..., or dataset= a LongTensor of token ids)"
             )

@@ -412,7 +412,8 @@ def _load(run: Run) -> LazyModel:
     run.tokenizer = given if given is not None else tokenizer
     if run.tokenizer is None and (run.cal_text is not None or run.ev_text is not None):
         msg = (
-            f"model {key!r} has no tokenizer files, so --dataset / --eval-text cannot be tokenized; add the "
+            f"model {key!r} has no tokenizer llmc-fsm can load (no tokenizer files, or one that is its repository's "
+            "own code), so --dataset / --eval-text cannot be tokenized; add the "
             "tokenizer files to its directory (from Python also: tokenizer=..., or dataset= a LongTensor of token ids)"
         )
         raise ValueError(msg)
