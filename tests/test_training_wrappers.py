@@ -285,3 +285,50 @@ def test_oneshot_refuses_a_peft_model_before_any_work(tmp_path):
         )
         assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
         assert list(tmp_path.iterdir()) == []
+
+
+class _Block(torch.nn.Module):
+    def __init__(self, *, attention_dropout: float = 0.0, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4)
+        self.drop = torch.nn.Dropout(dropout)
+        self.attention_dropout = attention_dropout  # as transformers' attention: applied when self.training
+
+
+class _Net(torch.nn.Module):
+    def __init__(self, block: torch.nn.Module | None = None) -> None:
+        super().__init__()
+        self.block = block if block is not None else _Block()
+        self.norm = torch.nn.BatchNorm1d(4)
+        self.head = torch.nn.Linear(4, 4)
+
+
+def test_the_teacher_sharing_rule_reads_storage_buffers_and_dropout_rates():
+    """Testers' cases: a teacher sharing the student's weights by storage (``load_state_dict(assign=True)``) or its
+    batch norm's running statistics was taken; a shared frozen attention block applying its dropout rate by
+    ``self.training`` was taken (its eval mode turned the student's dropout off); a frozen block with dropout 0 was
+    refused (nothing depends on the mode there)."""
+
+    def refused(student, teacher) -> str | None:
+        session = Session([OutputDistillationModifier()])
+        try:
+            session.initialize(model=student, teacher=teacher)
+        except ModifierError as exc:
+            return str(exc).split(" (trained parameters")[0].rpartition("the student's ")[2]
+        session.finalize()
+        return None
+
+    student = _Net()
+    by_storage = _Net()
+    by_storage.load_state_dict(student.state_dict(), assign=True)
+    assert refused(student, by_storage) == "block.proj, norm, head"
+    statistics = _Net()
+    statistics.norm.running_mean = student.norm.running_mean
+    assert refused(student, statistics) == "norm"
+    for rate, expected in ((0.5, "block"), (0.0, None)):
+        frozen = _Block(attention_dropout=rate)
+        frozen.requires_grad_(False)
+        assert refused(_Net(frozen), _Net(frozen)) == expected
+    frozen = _Block(dropout=0.1)
+    frozen.requires_grad_(False)
+    assert refused(_Net(frozen), _Net(frozen)) == "block.drop"

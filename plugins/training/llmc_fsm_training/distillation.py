@@ -155,17 +155,45 @@ def _alpha(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
 
 def _shared_with_student(student: torch.nn.Module, teacher: torch.nn.Module) -> list[str]:
     """The student's names of what the teacher shares with it and must not: a parameter the student trains
-    (``requires_grad``: the teacher's logits would follow it, the distillation loss tending to 0, as with a peft
-    model's base model), or a module whose forward depends on its training mode (dropout, batch norm: the teacher's
-    eval mode would switch the student's). A frozen shared embedding, kept once to save memory, is neither."""
+    (``requires_grad``; the same object or the same storage, as ``load_state_dict(..., assign=True)`` makes: the
+    teacher's logits would follow it, the distillation loss tending to 0, as with a peft model's base model), or a
+    module whose forward depends on its training mode (dropout with ``p > 0``, an attention or RNN module with a
+    ``*dropout`` rate above 0, batch norm, also by its running statistics' storage: the teacher's eval mode would
+    switch the student's, or the teacher would read the student's statistics). A frozen shared embedding, kept once
+    to save memory, is neither. Found by testers."""
     teacher_params = {id(p) for p in teacher.parameters()}
     teacher_modules = {id(m) for m in teacher.modules()}
-    modal = (torch.nn.modules.dropout._DropoutNd, torch.nn.modules.batchnorm._BatchNorm)
+    teacher_storage = {_storage(t) for t in (*teacher.parameters(), *teacher.buffers())} - {None}
     names = [
-        n.rpartition(".")[0] or n for n, p in student.named_parameters() if p.requires_grad and id(p) in teacher_params
+        n.rpartition(".")[0] or n
+        for n, p in student.named_parameters()
+        if p.requires_grad and (id(p) in teacher_params or _storage(p) in teacher_storage)
     ]
-    names += [n for n, m in student.named_modules() if isinstance(m, modal) and id(m) in teacher_modules]
+    for n, m in student.named_modules():
+        if not _training_mode_matters(m):
+            continue
+        buffers = [_storage(b) for b in m.buffers(recurse=False)]
+        if id(m) in teacher_modules or any(b is not None and b in teacher_storage for b in buffers):
+            names.append(n)
     return list(dict.fromkeys(names))
+
+
+def _storage(tensor: torch.Tensor) -> int | None:
+    """Where ``tensor``'s data lies (``None`` on ``meta`` or when empty: nothing shared)."""
+    if tensor.is_meta or tensor.numel() == 0:
+        return None
+    return tensor.untyped_storage().data_ptr()
+
+
+def _training_mode_matters(module: torch.nn.Module) -> bool:
+    """Whether ``module``'s own forward depends on its training mode: batch norm, dropout with ``p > 0``, or a
+    ``*dropout`` rate above 0 among its attributes (transformers' attention modules apply ``attention_dropout`` when
+    ``self.training``; ``nn.MultiheadAttention``, RNNs: ``dropout``)."""
+    if isinstance(module, torch.nn.modules.batchnorm._BatchNorm):
+        return True
+    if isinstance(module, torch.nn.modules.dropout._DropoutNd):
+        return module.p > 0
+    return any("dropout" in key and isinstance(value, float) and value > 0 for key, value in vars(module).items())
 
 
 @attrs.define(kw_only=True, slots=False, eq=False)
