@@ -619,6 +619,11 @@ def test_the_same_calibration_file_named_from_another_directory_is_the_same_data
     assert fingerprint_changes(saved, other) == [
         "calibration data (source 'cal.txt' -> '../run/cal.txt'; sha256 'ab' -> 'cd')"
     ]
+    copied = {"model": {"directory": "/b/m", "files": {"model.safetensors": "ab"}}}  # a copy of the same files
+    assert fingerprint_changes({"model": {"directory": "/a/m", "files": {"model.safetensors": "ab"}}}, copied) == []
+    assert fingerprint_changes({"model": {"directory": "/a/m", "files": {"model.safetensors": "cd"}}}, copied) == [
+        "model (directory '/a/m' -> '/b/m')"
+    ]
     longer = {"calibration data": {**moved["calibration data"], "seq_len": 16}}
     assert fingerprint_changes(saved, longer) == [
         "calibration data (source 'cal.txt' -> '../run/cal.txt'; seq_len 32 -> 16)"

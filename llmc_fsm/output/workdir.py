@@ -398,9 +398,14 @@ def fingerprint_changes(saved: Mapping[str, Any] | None, current: Mapping[str, A
 
 
 def _same_data(key: str, old: Any, new: Any) -> bool:
-    """The calibration data named differently but the same (its digest): a text file given by a relative path from
-    another directory (``cal.txt`` then ``../run/cal.txt``) was refused as changed (found by a tester)."""
-    if key != "calibration data" or not isinstance(old, Mapping) or not isinstance(new, Mapping):
+    """The calibration data or the model directory named differently but the same (its digest, its files): a text
+    file given by a relative path from another directory (``cal.txt`` then ``../run/cal.txt``), a model directory
+    copied elsewhere, were refused as changed (found by testers)."""
+    if not isinstance(old, Mapping) or not isinstance(new, Mapping):
+        return False
+    if key == "model":
+        return "files" in old and old.get("files") == new.get("files")
+    if key != "calibration data":
         return False
     return old.get("sha256") is not None and all(
         old.get(k) == new.get(k) for k in dict.fromkeys([*old, *new]) if k != "source"

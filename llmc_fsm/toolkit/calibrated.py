@@ -482,13 +482,6 @@ class CalibratedModifier(Modifier):
         Raises:
             DistributedError: a collective failed, or the ranks computed different weights.
         """
-        broken = [name for name, module in modules.items() if not _finite_weight(module.weight)]
-        if broken:  # before any of them changes: round-to-nearest wrote NaN scales silently, GPTQ compressed the
-            msg = (  # module and failed one group later (found by a tester)
-                f"{type(self).__name__}: the weights of {compact_names(broken)} hold NaN or Inf values, so they "
-                "cannot be compressed: the checkpoint (or an earlier change to the model) is broken there"
-            )
-            raise ValueError(msg)
         distributed = is_distributed()
         if distributed:
             reduce_statistics(self._acc, modules, self._new_accumulator, owner=type(self).__name__)
@@ -506,6 +499,13 @@ class CalibratedModifier(Modifier):
                 acc = None
             key = id(acc) if acc is not None else id(module)
             groups.setdefault(key, (acc, []))[1].append((name, module))
+        broken = [name for _, members in groups.values() for name, m in members if not _finite_weight(m.weight)]
+        if broken:  # before any of them changes (those left as they were are not read): round-to-nearest wrote NaN
+            msg = (  # scales silently, GPTQ compressed the module and failed one group later (found by a tester)
+                f"{type(self).__name__}: the weights of {compact_names(broken)} hold NaN or Inf values, so they "
+                "cannot be compressed: the checkpoint (or an earlier change to the model) is broken there"
+            )
+            raise ValueError(msg)
         if any(acc is self._last_acc for acc, _ in groups.values()):
             self._last_input = None  # the last batch's input and statistics are not needed past their group
             self._last_acc = None
