@@ -332,3 +332,13 @@ def test_the_teacher_sharing_rule_reads_storage_buffers_and_dropout_rates():
     frozen = _Block(dropout=0.1)
     frozen.requires_grad_(False)
     assert refused(_Net(frozen), _Net(frozen)) == "block.drop"
+    # a router's jitter applied only in training (Mixtral, PhiMoE), also as a numpy rate; RReLU; instance norm's
+    # running statistics (testers' cases)
+    import numpy as np
+
+    jitter = _Block()
+    jitter.router_jitter_noise = np.float32(0.1)
+    jitter.requires_grad_(False)
+    assert refused(_Net(jitter), _Net(jitter)) == "block"
+    for module in (torch.nn.RReLU(), torch.nn.InstanceNorm1d(4, track_running_stats=True)):
+        assert refused(_Net(module), _Net(module)) == "block"

@@ -179,21 +179,36 @@ def _shared_with_student(student: torch.nn.Module, teacher: torch.nn.Module) -> 
 
 
 def _storage(tensor: torch.Tensor) -> int | None:
-    """Where ``tensor``'s data lies (``None`` on ``meta`` or when empty: nothing shared)."""
+    """Where ``tensor``'s data lies (a ``DTensor``: its local shard's; ``None`` on ``meta``, when empty or unknown:
+    nothing shared)."""
     if tensor.is_meta or tensor.numel() == 0:
         return None
-    return tensor.untyped_storage().data_ptr()
+    local = tensor.to_local() if callable(getattr(tensor, "to_local", None)) else tensor
+    try:
+        return local.untyped_storage().data_ptr()
+    except RuntimeError:  # a storage torch does not expose (found with FSDP2's DTensor before to_local)
+        return None
 
 
 def _training_mode_matters(module: torch.nn.Module) -> bool:
-    """Whether ``module``'s own forward depends on its training mode: batch norm, dropout with ``p > 0``, or a
-    ``*dropout`` rate above 0 among its attributes (transformers' attention modules apply ``attention_dropout`` when
-    ``self.training``; ``nn.MultiheadAttention``, RNNs: ``dropout``)."""
-    if isinstance(module, torch.nn.modules.batchnorm._BatchNorm):
+    """Whether ``module``'s own forward depends on its training mode: a norm keeping running statistics (batch,
+    instance), dropout with ``p > 0``, ``RReLU``, or among its attributes a rate above 0 named ``*dropout*``,
+    ``*jitter*`` or ``*noise*`` (transformers' attention modules apply ``attention_dropout`` when ``self.training``,
+    mixture-of-experts routers their ``router_jitter_noise``; ``nn.MultiheadAttention``, RNNs: ``dropout``). A
+    heuristic, found by testers: a module applying another rule only in training is not seen."""
+    if isinstance(module, torch.nn.modules.batchnorm._NormBase) and module.track_running_stats:
         return True
     if isinstance(module, torch.nn.modules.dropout._DropoutNd):
         return module.p > 0
-    return any("dropout" in key and isinstance(value, float) and value > 0 for key, value in vars(module).items())
+    if isinstance(module, torch.nn.RReLU):
+        return True
+    return any(
+        any(word in key for word in ("dropout", "jitter", "noise"))
+        and isinstance(value, numbers.Real)
+        and not isinstance(value, bool)
+        and value > 0
+        for key, value in vars(module).items()
+    )
 
 
 @attrs.define(kw_only=True, slots=False, eq=False)
