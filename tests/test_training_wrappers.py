@@ -342,3 +342,22 @@ def test_the_teacher_sharing_rule_reads_storage_buffers_and_dropout_rates():
     assert refused(_Net(jitter), _Net(jitter)) == "block"
     for module in (torch.nn.RReLU(), torch.nn.InstanceNorm1d(4, track_running_stats=True)):
         assert refused(_Net(module), _Net(module)) == "block"
+
+
+def test_a_model_made_under_inference_mode_is_refused_in_one_line(tmp_path):
+    """Its parameters keep no version counter (the session's guard reads them) and cannot be changed outside that
+    mode: a bare RuntimeError before (a tester's case). One line, from oneshot and from a session."""
+    import llmc_fsm
+
+    with torch.inference_mode():
+        model = _llama()
+    line = ("the model's parameters were made under torch.inference_mode(), which keeps them from being changed or "
+            "watched outside it: load (or build) the model outside inference_mode")
+    with pytest.raises(ValueError) as info:
+        llmc_fsm.oneshot(model=model, dataset=torch.randint(0, VOCAB, (4, 16)), output_dir=tmp_path / "out")
+    assert str(info.value) == f"model (--model): {line}"
+    session = Session([MagnitudePruningModifier(sparsity=0.5)])
+    with pytest.raises(ValueError) as info:
+        session.initialize(model=model)
+    assert str(info.value) == line and session.lifecycle == "created"
+    assert list(tmp_path.iterdir()) == []

@@ -283,10 +283,7 @@ def _versions(settings: OneshotSettings) -> dict[str, tuple[int, int]] | None:
     through ``.data`` move it themselves); ``None`` for a model this call loads."""
     if not isinstance(settings.model, torch.nn.Module):
         return None
-    try:
-        return {name: (id(p), p._version) for name, p in settings.model.named_parameters(remove_duplicate=False)}
-    except RuntimeError:  # inference tensors keep no version counter: no note, the run says what it can
-        return None
+    return {name: (id(p), p._version) for name, p in settings.model.named_parameters(remove_duplicate=False)}
 
 
 def _note_changed_in_place(run: Run, before: dict[str, tuple[int, int]] | None, exc: BaseException) -> None:

@@ -39,6 +39,7 @@ from llmc_fsm.pipeline.device import DEVICE_CHOICES, resolve_device
 from llmc_fsm.recipes.building import build_recipe
 from llmc_fsm.recipes.llmcompressor import is_numpy_bool
 from llmc_fsm.recipes.model import Recipe
+from llmc_fsm.session.ranks import inference_tensors_refusal
 from llmc_fsm.toolkit.targets import is_peft_tuner_layer
 
 __all__ = [
@@ -195,6 +196,8 @@ def _path_or_none(_: Any, field: attrs.Attribute, value: Any) -> None:
 def _model(_: Any, field: attrs.Attribute, value: Any) -> None:
     if not isinstance(value, str | os.PathLike | nn.Module):
         _fail(field, "a known model name, a model directory or an nn.Module", value)
+    if (refusal := inference_tensors_refusal(value)) is not None:
+        raise ValueError(f"{argument_name(field)}: {refusal}")
     if "peft" in sys.modules and isinstance(value, nn.Module) and _holds_adapters(value):
         msg = (
             f"{argument_name(field)} holds peft adapters (a PeftModel, its LoraModel or adapters injected into the "

@@ -25,7 +25,7 @@ from torch import nn
 from llmc_fsm.core.state import State
 from llmc_fsm.toolkit.distributed import _digest, all_gather_ints, get_world_size, is_distributed
 
-__all__ = ["check_ranks_agree", "unwrap_model", "unwrap_state"]
+__all__ = ["check_ranks_agree", "inference_tensors_refusal", "unwrap_model", "unwrap_state"]
 
 
 def _recipe_digest(fingerprint: list[dict]) -> int:
@@ -153,6 +153,18 @@ def _is_compiled(model: Any) -> bool:
     return eval_frame is not None and isinstance(model, eval_frame.OptimizedModule)
 
 
+def inference_tensors_refusal(model: Any) -> str | None:
+    """One line when ``model`` holds parameters made under ``torch.inference_mode()`` (they keep no version counter,
+    which the session's guard reads, and cannot be changed in place outside that mode: it failed with a bare
+    RuntimeError, found by a tester), else ``None``."""
+    if isinstance(model, nn.Module) and any(p.is_inference() for p in model.parameters()):
+        return (
+            "the model's parameters were made under torch.inference_mode(), which keeps them from being changed or "
+            "watched outside it: load (or build) the model outside inference_mode"
+        )
+    return None
+
+
 def unwrap_state(state: State) -> State:
     """``state`` with ``model`` and ``teacher`` unwrapped (:func:`unwrap_model`); ``state`` if none is wrapped.
 
@@ -177,6 +189,8 @@ def unwrap_state(state: State) -> State:
                 "instead"
             )
             raise ValueError(msg)
+        if key == "model" and (refusal := inference_tensors_refusal(inner)) is not None:
+            raise ValueError(refusal)
         if key == "model" and isinstance(inner, torch.optim.swa_utils.AveragedModel):
             msg = (
                 "the model is an AveragedModel (an EMA / SWA copy): its weights are averaged from the trained "
