@@ -164,7 +164,8 @@ def test_an_in_memory_model_finds_its_tokenizer_from_where_it_was_loaded(tiny_mo
     built = AutoModelForCausalLM.from_config(AutoModelForCausalLM.from_pretrained(model_dir).config)
     built.name_or_path = built.config._name_or_path = ""  # from_config copies the loaded config's path
     with pytest.raises(ValueError, match=r"^an in-memory model needs tokenizer= to tokenize text \(or pass dataset as a "
-                       r"LongTensor of token ids\); its name_or_path has no tokenizer files here$"):
+                       r"LongTensor of token ids\); its name_or_path has no tokenizer llmc-fsm can load \(no "
+                       r"tokenizer files here, or one that is its repository's own code\)$"):
         llmc_fsm.oneshot(built, PRUNE, dataset=texts, max_seq_length=32, output_dir=tmp_path / "o", progress=False)
     assert not (tmp_path / "o").exists()
 

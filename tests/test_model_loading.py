@@ -526,7 +526,8 @@ def test_text_for_a_model_without_tokenizer_files_is_refused_saying_what_the_com
 def test_a_tokenizer_that_is_its_repositorys_own_code_is_never_run(tiny_dir, tmp_path, caplog):
     """A tokenizer_config.json with auto_map to the repository's code got transformers' text (a tester's case). In
     a model directory it is not loaded, said in one line (a tokenizer given, token ids or a data-free recipe still
-    run, as llm-compressor warns and goes on); given as the tokenizer, or needed for text, it is refused in one line."""
+    run; llm-compressor 0.14 stops with token ids and fails saving a data-free run there); given as the tokenizer,
+    or needed for text, it is refused in one line."""
     import llmc_fsm
 
     model = tmp_path / "rc"
@@ -557,3 +558,10 @@ def test_a_tokenizer_that_is_its_repositorys_own_code_is_never_run(tiny_dir, tmp
     with pytest.raises(ValueError) as info:
         llmc_fsm.oneshot(model=str(tiny_dir), tokenizer=str(model), **kw)
     assert str(info.value) == f"the tokenizer {str(model)!r} {refusal}"
+    # an in-memory model loaded from that directory: the same cause said, not "no tokenizer files here"
+    from transformers import AutoModelForCausalLM
+
+    caplog.clear()
+    with caplog.at_level("WARNING"), pytest.raises(ValueError, match=r"its name_or_path has no tokenizer llmc-fsm "):
+        llmc_fsm.oneshot(model=AutoModelForCausalLM.from_pretrained(model), **kw)
+    assert f"the tokenizer of {str(model)!r} {refusal}: it is not loaded" in [r.getMessage() for r in caplog.records]

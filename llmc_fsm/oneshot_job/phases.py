@@ -836,7 +836,10 @@ def _tokenizer_of(model: Any) -> Any:
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(name, local_files_only=True, trust_remote_code=False)
-    except (OSError, ValueError):
+    except (OSError, ValueError) as err:
+        refusal = remote_code_refusal(name, err, what="the tokenizer of")
+        if refusal is not None:  # there, but its repository's own code: said (it was "no tokenizer files here")
+            logger.warning("%s: it is not loaded", refusal)
         return None
     logger.info("tokenizer: loaded from the model's name_or_path %r (none given)", name)
     return tokenizer
@@ -876,7 +879,8 @@ def load(run: Run) -> None:
             if run.tokenizer is None and needs_text:
                 msg = (
                     "an in-memory model needs tokenizer= to tokenize text (or pass dataset as a LongTensor of "
-                    "token ids); its name_or_path has no tokenizer files here"
+                    "token ids); its name_or_path has no tokenizer llmc-fsm can load (no tokenizer files here, or "
+                    "one that is its repository's own code)"
                 )
                 raise ValueError(msg)
             run.disk_before = sum(p.numel() * p.element_size() for p in run.model.parameters())
