@@ -145,3 +145,22 @@ def test_the_note_names_a_tied_head_untied_before_the_error():
         "another run."
     ]
     assert model.lm_head.weight is not model.model.embed_tokens.weight
+
+
+def test_the_note_names_the_modules_parameters_were_added_to():
+    """A KV-cache scheme adds k_scale / v_scale to the attention modules; a failure after that left the note out (it
+    read only the parameters there before: a tester's case)."""
+    model = tiny_llama.llama(hidden=64, vocab=128)
+    kv = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "tensor", "dynamic": False}
+
+    def fail(*args):
+        raise RuntimeError("injected failure in decoder layer 1")
+
+    model.model.layers[1].register_forward_pre_hook(fail)
+    with pytest.raises(RuntimeError, match="injected failure") as info:
+        llmc_fsm.oneshot(model=model, recipe={"s": {"QuantizationModifier": {"kv_cache_scheme": kv}}},
+                         dataset=torch.randint(0, 128, (4, 32)), progress=False)
+    assert info.value.__notes__ == [
+        "oneshot: the model you passed was changed in place before this error (2 modules: "
+        "model.layers.{0..1}.self_attn); reload it before another run."
+    ]

@@ -290,13 +290,14 @@ def _note_changed_in_place(run: Run, before: dict[str, tuple[int, int]] | None, 
     """A model given in memory that a failed run already changed (the modules compressed, smoothed or rotated
     before the failure: the session's own "No parameter of the model was changed" speaks of the failing hook only,
     and its advice to continue or reset is for a session you drive): a note on ``exc`` naming them, shown with its
-    traceback. Judged from each parameter's object and version counter under every name (testers found missed: a
-    SmoothQuant fold when only compression results counted; REAP's experts dropped into new parameters; a tied
-    head untied)."""
+    traceback. Judged from each parameter's object and version counter under every name, and the parameters added
+    or removed (testers found missed: a SmoothQuant fold when only compression results counted; REAP's experts
+    dropped into new parameters; a tied head untied; KV-cache scales added to the attention modules)."""
     if before is None:
         return  # loaded from disk by this call: nothing of the caller's changed
     now = {name: (id(p), p._version) for name, p in run.settings.model.named_parameters(remove_duplicate=False)}
-    changed = [name for name, was in before.items() if now.get(name) != was]  # model order
+    changed = [name for name, is_now in now.items() if before.get(name) != is_now]  # changed or added, model order
+    changed += [name for name in before if name not in now]  # removed
     modules = list(dict.fromkeys(name.rpartition(".")[0] or name for name in changed))
     if modules:
         exc.add_note(
