@@ -253,6 +253,9 @@ def test_numpy_numbers_are_read_as_the_python_ones() -> None:
     from llmc_fsm.oneshot_job.llmcompressor_args import check_llmcompressor_args
 
     assert check_llmcompressor_args({"save_compressed": np.True_, "trust_remote_code_model": np.False_}, []) == {}
+    assert check_llmcompressor_args({"sequential_targets_per_subgraph": np.int64(1)}, []) == {}  # any numpy scalar
+    gptq = GPTQModifier(scheme="W4A16", actorder=np.str_("static"))  # kept as np.str_ before (llm-compressor: str)
+    assert type(gptq.actorder) is str and gptq.actorder == "static"
 
 
 def test_numpy_values_inside_arguments_are_written_as_the_python_ones(with_model) -> None:

@@ -21,7 +21,7 @@ from typing import Any
 
 import attrs
 
-from llmc_fsm.recipes.llmcompressor import is_numpy_bool
+from llmc_fsm.recipes.llmcompressor import is_numpy_scalar
 
 __all__ = ["LLMCOMPRESSOR_ARGS", "LlmcompressorArg", "check_llmcompressor_args"]
 
@@ -174,14 +174,16 @@ def check_llmcompressor_args(given: Mapping[str, Any], parameters: Sequence[str]
 
 
 def _same(value: Any, accepted: Any) -> bool:
-    """``value`` is ``accepted`` (``True`` is not ``1``, ``"sequential"`` is ``"sequential"``, ``np.True_`` is
-    ``True``)."""
-    value = bool(value) if is_numpy_bool(value) else value
+    """``value`` is ``accepted`` (``True`` is not ``1``, ``"sequential"`` is ``"sequential"``; a numpy scalar as its
+    Python value: ``np.True_`` is ``True``, ``np.int64(1)`` is ``1``)."""
+    value = value.item() if is_numpy_scalar(value) else value
     return type(value) is type(accepted) and value == accepted
 
 
 def _short(value: Any) -> str:
-    """``repr(value)`` on one line, at most 60 characters (a dataset or collator object is named by its type)."""
+    """``repr(value)`` on one line, at most 60 characters (a dataset or collator object is named by its type; a
+    numpy scalar as its Python value)."""
+    value = value.item() if is_numpy_scalar(value) else value
     plain = isinstance(value, str | bool | int | float | type(None)) or (
         isinstance(value, list | tuple) and all(isinstance(v, str | int | float) for v in value)
     )  # a list of class names (sequential_targets) was shown as <list> (found by a tester)

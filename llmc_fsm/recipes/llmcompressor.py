@@ -60,6 +60,7 @@ __all__ = [
     "default_difference",
     "is_group_key",
     "is_numpy_bool",
+    "is_numpy_scalar",
     "top_level_stages",
     "translate_argument",
     "translate_arguments",
@@ -429,6 +430,12 @@ def _number_kind(declared: Any) -> type | None:
     return None
 
 
+def is_numpy_scalar(value: Any) -> bool:
+    """Whether ``value`` is a numpy scalar (or a 0-d array): ``.item()`` gives the Python value (numpy is not
+    imported here)."""
+    return type(value).__module__ == "numpy" and getattr(value, "ndim", None) == 0
+
+
 def is_numpy_bool(value: Any) -> bool:
     """Whether ``value`` is a numpy bool (``np.True_``: ``numpy.bool`` in numpy 2, ``numpy.bool_`` in 1.x; numpy is
     not imported here)."""
@@ -471,9 +478,10 @@ def numbers_from_strings(cls: type, kwargs: dict[str, Any]) -> dict[str, Any]:
     kinds = {a.alias or a.name: _number_kind(a.type) for a in attrs.fields(cls) if a.init}
     out = dict(kwargs)
     for key, value in kwargs.items():
-        if is_numpy_bool(value):  # np.True_ for a flag: the Python bool, as pydantic takes it (a tester's case)
-            out[key] = bool(value)
-            continue
+        if is_numpy_scalar(value):  # np.True_, np.str_("static"): the Python value, as pydantic takes them
+            value = out[key] = value.item()  # (testers' cases: a numpy bool was refused, a numpy str kept)
+            if isinstance(value, bool | str):
+                continue
         kind = kinds.get(key)
         if kind is not None and isinstance(value, numbers.Real) and not isinstance(value, bool):
             number = _plain_number(value, kind)

@@ -26,6 +26,7 @@ import yaml
 
 from llmc_fsm.core.errors import RecipeError
 from llmc_fsm.core.modifier import Modifier
+from llmc_fsm.recipes.llmcompressor import is_numpy_scalar
 
 __all__ = ["SCHEDULE_FIELDS", "STAGE_KEYS", "Recipe", "Stage"]
 
@@ -214,7 +215,7 @@ def _plain(value: Any, where: str) -> Any:
     the mapping of the fields that were given, in JSON form (unset and ``None`` fields left out); a numpy scalar
     (``np.str_("Linear")``, ``np.int64(8)``: YAML's safe writer refused them when the recipe was saved, after the
     work), an enum and a subclass of a plain type become the plain value."""
-    if type(value).__module__ == "numpy" and getattr(value, "ndim", None) == 0:
+    if is_numpy_scalar(value):
         value = value.item()  # a numpy scalar (or a 0-d array) as the Python value
     if isinstance(value, enum.Enum):
         value = value.value
