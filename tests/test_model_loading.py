@@ -565,3 +565,18 @@ def test_a_tokenizer_that_is_its_repositorys_own_code_is_never_run(tiny_dir, tmp
     with caplog.at_level("WARNING"), pytest.raises(ValueError, match=r"its name_or_path has no tokenizer llmc-fsm "):
         llmc_fsm.oneshot(model=AutoModelForCausalLM.from_pretrained(model), **kw)
     assert f"the tokenizer of {str(model)!r} {refusal}: it is not loaded" in [r.getMessage() for r in caplog.records]
+
+
+def test_a_corrupt_tokenizer_beside_an_in_memory_model_is_named(tiny_dir, tmp_path):
+    """The model's name_or_path holds a broken tokenizer.json: "no tokenizer llmc-fsm can load (no tokenizer files
+    here, or one that is its repository's own code)" named neither (a tester's case); its own error now."""
+    import llmc_fsm
+    from transformers import AutoModelForCausalLM
+
+    model_dir = tmp_path / "m"
+    shutil.copytree(tiny_dir, model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    (model_dir / "tokenizer.json").write_text("{not json")
+    with pytest.raises(ValueError) as info:
+        llmc_fsm.oneshot(model=model, dataset=["w1 w2 w3 " * 20] * 2, max_seq_length=8, progress=False)
+    assert str(info.value).startswith(f"{model_dir}: the tokenizer files could not be loaded (JSONDecodeError: ")

@@ -157,10 +157,17 @@ def test_the_note_names_the_modules_parameters_were_added_to():
         raise RuntimeError("injected failure in decoder layer 1")
 
     model.model.layers[1].register_forward_pre_hook(fail)
+    note = ("oneshot: the model you passed was changed in place before this error (2 modules: "
+            "model.layers.{0..1}.self_attn); reload it before another run.")
     with pytest.raises(RuntimeError, match="injected failure") as info:
         llmc_fsm.oneshot(model=model, recipe={"s": {"QuantizationModifier": {"kv_cache_scheme": kv}}},
                          dataset=torch.randint(0, 128, (4, 32)), progress=False)
-    assert info.value.__notes__ == [
-        "oneshot: the model you passed was changed in place before this error (2 modules: "
-        "model.layers.{0..1}.self_attn); reload it before another run."
-    ]
+    assert info.value.__notes__ == [note]
+    # called inside torch.inference_mode(): the scales it adds keep no version counter; reading one raised over
+    # the run's own error (a tester's case)
+    model = tiny_llama.llama(hidden=64, vocab=128)
+    model.model.layers[1].register_forward_pre_hook(fail)
+    with torch.inference_mode(), pytest.raises(RuntimeError, match="injected failure") as info:
+        llmc_fsm.oneshot(model=model, recipe={"s": {"QuantizationModifier": {"kv_cache_scheme": kv}}},
+                         dataset=torch.randint(0, 128, (4, 32)), progress=False)
+    assert info.value.__notes__ == [note]

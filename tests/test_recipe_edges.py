@@ -256,6 +256,8 @@ def test_numpy_numbers_are_read_as_the_python_ones() -> None:
     assert check_llmcompressor_args({"sequential_targets_per_subgraph": np.int64(1)}, []) == {}  # any numpy scalar
     gptq = GPTQModifier(scheme="W4A16", actorder=np.str_("static"))  # kept as np.str_ before (llm-compressor: str)
     assert type(gptq.actorder) is str and gptq.actorder == "static"
+    gptq = GPTQModifier(scheme="W4A16", block_size=np.str_("128"), dampening_frac=np.array("0.05"))  # as "128" is
+    assert (gptq.block_size, gptq.dampening_frac) == (128, 0.05)
 
 
 def test_numpy_values_inside_arguments_are_written_as_the_python_ones(with_model) -> None:

@@ -342,6 +342,11 @@ def test_the_teacher_sharing_rule_reads_storage_buffers_and_dropout_rates():
     assert refused(_Net(jitter), _Net(jitter)) == "block"
     for module in (torch.nn.RReLU(), torch.nn.InstanceNorm1d(4, track_running_stats=True)):
         assert refused(_Net(module), _Net(module)) == "block"
+    layerdrop, counted = _Block(), _Block()
+    layerdrop.layerdrop, counted.num_noise_tokens = 0.5, 4  # a rate; a count is not one (testers' cases)
+    for block, expected in ((layerdrop, "block"), (counted, None)):
+        block.requires_grad_(False)
+        assert refused(_Net(block), _Net(block)) == expected
 
 
 def test_a_model_made_under_inference_mode_is_refused_in_one_line(tmp_path):
@@ -361,3 +366,7 @@ def test_a_model_made_under_inference_mode_is_refused_in_one_line(tmp_path):
         session.initialize(model=model)
     assert str(info.value) == line and session.lifecycle == "created"
     assert list(tmp_path.iterdir()) == []
+    session = Session([OutputDistillationModifier()])  # a teacher too: the session's guard reads its parameters
+    with pytest.raises(ValueError) as info:
+        session.initialize(model=_llama(), teacher=model)
+    assert str(info.value) == line.replace("model", "teacher") and session.lifecycle == "created"

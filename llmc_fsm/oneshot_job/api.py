@@ -283,7 +283,17 @@ def _versions(settings: OneshotSettings) -> dict[str, tuple[int, int]] | None:
     through ``.data`` move it themselves); ``None`` for a model this call loads."""
     if not isinstance(settings.model, torch.nn.Module):
         return None
-    return {name: (id(p), p._version) for name, p in settings.model.named_parameters(remove_duplicate=False)}
+    return _parameter_states(settings.model)
+
+
+def _parameter_states(model: torch.nn.Module) -> dict[str, tuple[int, int]]:
+    """``{name: (parameter object, version counter)}`` under every name; a parameter made under
+    ``torch.inference_mode()`` (scales a run called inside it adds) has no counter: -1 (reading it raised over the
+    run's own error: found by a tester)."""
+    return {
+        name: (id(p), -1 if p.is_inference() else p._version)
+        for name, p in model.named_parameters(remove_duplicate=False)
+    }
 
 
 def _note_changed_in_place(run: Run, before: dict[str, tuple[int, int]] | None, exc: BaseException) -> None:
@@ -295,7 +305,7 @@ def _note_changed_in_place(run: Run, before: dict[str, tuple[int, int]] | None, 
     dropped into new parameters; a tied head untied; KV-cache scales added to the attention modules)."""
     if before is None:
         return  # loaded from disk by this call: nothing of the caller's changed
-    now = {name: (id(p), p._version) for name, p in run.settings.model.named_parameters(remove_duplicate=False)}
+    now = _parameter_states(run.settings.model)
     changed = [name for name, is_now in now.items() if before.get(name) != is_now]  # changed or added, model order
     changed += [name for name in before if name not in now]  # removed
     modules = list(dict.fromkeys(name.rpartition(".")[0] or name for name in changed))

@@ -37,6 +37,7 @@ from llmc_fsm.data.images import (
 from llmc_fsm.data.protocol import PerplexityCache, perplexity, token_windows
 from llmc_fsm.data.rows import TokenRows, is_rows, read_rows, row_batches
 from llmc_fsm.models.hf_io import (
+    first_line,
     hub_model_unavailable,
     hub_unreachable,
     looks_like_hub_id,
@@ -836,10 +837,14 @@ def _tokenizer_of(model: Any) -> Any:
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(name, local_files_only=True, trust_remote_code=False)
-    except (OSError, ValueError) as err:
+    except OSError:  # none there (or a Hub id not in the local cache)
+        return None
+    except ValueError as err:
         refusal = remote_code_refusal(name, err, what="the tokenizer of")
-        if refusal is not None:  # there, but its repository's own code: said (it was "no tokenizer files here")
-            logger.warning("%s: it is not loaded", refusal)
+        if refusal is None:  # there but broken (a corrupt tokenizer.json): its own error, as llm-compressor's
+            msg = f"{name}: the tokenizer files could not be loaded ({first_line(err)})"
+            raise ValueError(msg) from err
+        logger.warning("%s: it is not loaded", refusal)  # its repository's own code (it said "no tokenizer files")
         return None
     logger.info("tokenizer: loaded from the model's name_or_path %r (none given)", name)
     return tokenizer

@@ -480,8 +480,8 @@ def numbers_from_strings(cls: type, kwargs: dict[str, Any]) -> dict[str, Any]:
     for key, value in kwargs.items():
         if is_numpy_scalar(value):  # np.True_, np.str_("static"): the Python value, as pydantic takes them
             value = out[key] = value.item()  # (testers' cases: a numpy bool was refused, a numpy str kept)
-            if isinstance(value, bool | str):
-                continue
+            if isinstance(value, bool):
+                continue  # a str goes on: np.str_("128") for an int is read as "128" is
         kind = kinds.get(key)
         if kind is not None and isinstance(value, numbers.Real) and not isinstance(value, bool):
             number = _plain_number(value, kind)

@@ -153,14 +153,14 @@ def _is_compiled(model: Any) -> bool:
     return eval_frame is not None and isinstance(model, eval_frame.OptimizedModule)
 
 
-def inference_tensors_refusal(model: Any) -> str | None:
+def inference_tensors_refusal(model: Any, what: str = "model") -> str | None:
     """One line when ``model`` holds parameters made under ``torch.inference_mode()`` (they keep no version counter,
     which the session's guard reads, and cannot be changed in place outside that mode: it failed with a bare
     RuntimeError, found by a tester), else ``None``."""
     if isinstance(model, nn.Module) and any(p.is_inference() for p in model.parameters()):
         return (
-            "the model's parameters were made under torch.inference_mode(), which keeps them from being changed or "
-            "watched outside it: load (or build) the model outside inference_mode"
+            f"the {what}'s parameters were made under torch.inference_mode(), which keeps them from being changed or "
+            f"watched outside it: load (or build) the {what} outside inference_mode"
         )
     return None
 
@@ -189,7 +189,7 @@ def unwrap_state(state: State) -> State:
                 "instead"
             )
             raise ValueError(msg)
-        if key == "model" and (refusal := inference_tensors_refusal(inner)) is not None:
+        if (refusal := inference_tensors_refusal(inner, key)) is not None:  # a teacher too: the guard reads it
             raise ValueError(refusal)
         if key == "model" and isinstance(inner, torch.optim.swa_utils.AveragedModel):
             msg = (

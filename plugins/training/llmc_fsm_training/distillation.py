@@ -192,7 +192,7 @@ def _storage(tensor: torch.Tensor) -> int | None:
 
 def _training_mode_matters(module: torch.nn.Module) -> bool:
     """Whether ``module``'s own forward depends on its training mode: a norm keeping running statistics (batch,
-    instance), dropout with ``p > 0``, ``RReLU``, or among its attributes a rate above 0 named ``*dropout*``,
+    instance), dropout with ``p > 0``, ``RReLU``, or among its attributes a rate (not an int) above 0 named ``*drop*``,
     ``*jitter*`` or ``*noise*`` (transformers' attention modules apply ``attention_dropout`` when ``self.training``,
     mixture-of-experts routers their ``router_jitter_noise``; ``nn.MultiheadAttention``, RNNs: ``dropout``). A
     heuristic, found by testers: a module applying another rule only in training is not seen."""
@@ -203,9 +203,9 @@ def _training_mode_matters(module: torch.nn.Module) -> bool:
     if isinstance(module, torch.nn.RReLU):
         return True
     return any(
-        any(word in key for word in ("dropout", "jitter", "noise"))
+        any(word in key for word in ("drop", "jitter", "noise"))  # dropout, drop_prob, layerdrop, router_jitter_noise
         and isinstance(value, numbers.Real)
-        and not isinstance(value, bool)
+        and not isinstance(value, numbers.Integral)  # a rate, not a count (num_noise_tokens) nor a flag
         and value > 0
         for key, value in vars(module).items()
     )
