@@ -310,8 +310,11 @@ def test_numpy_numbers_are_taken_as_the_python_ones():
               settings.threads, settings.activation_budget_mib)
     assert values == (8, 64, 2, -3, 1, 2.5)
     assert [type(v) for v in values] == [int, int, int, int, int, float]
-    with pytest.raises(ValueError, match=r"^batch_size \(--batch-size\) must be a positive int, got np.True_$"):
+    with pytest.raises(ValueError, match=r"^batch_size \(--batch-size\) must be a positive int, got True$"):
         OneshotSettings(batch_size=np.bool_(True))
+    zero_d = OneshotSettings(max_seq_length=np.array(32), activation_budget_mib=np.array(2.5))  # 0-d arrays too
+    assert (zero_d.max_seq_length, zero_d.activation_budget_mib) == (32, 2.5)
+    assert (type(zero_d.max_seq_length), type(zero_d.activation_budget_mib)) == (int, float)
     flags = OneshotSettings(overwrite=np.True_, progress=np.False_, shuffle_calibration_samples=np.False_)
     assert (flags.overwrite, flags.progress, flags.shuffle_calibration_samples) == (True, False, False)
     assert [type(v) for v in (flags.overwrite, flags.progress, flags.shuffle_calibration_samples)] == [bool] * 3

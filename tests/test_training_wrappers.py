@@ -342,9 +342,10 @@ def test_the_teacher_sharing_rule_reads_storage_buffers_and_dropout_rates():
     assert refused(_Net(jitter), _Net(jitter)) == "block"
     for module in (torch.nn.RReLU(), torch.nn.InstanceNorm1d(4, track_running_stats=True)):
         assert refused(_Net(module), _Net(module)) == "block"
-    layerdrop, counted = _Block(), _Block()
+    layerdrop, counted, in_tensor = _Block(), _Block(), _Block()
     layerdrop.layerdrop, counted.num_noise_tokens = 0.5, 4  # a rate; a count is not one (testers' cases)
-    for block, expected in ((layerdrop, "block"), (counted, None)):
+    in_tensor.attention_dropout = torch.tensor(0.3)  # a rate held in a 0-d tensor
+    for block, expected in ((layerdrop, "block"), (counted, None), (in_tensor, "block")):
         block.requires_grad_(False)
         assert refused(_Net(block), _Net(block)) == expected
 

@@ -37,7 +37,7 @@ from llmc_fsm.output.directory import check_output_not_source
 from llmc_fsm.output.save import QUANTIZATION_FORMATS
 from llmc_fsm.pipeline.device import DEVICE_CHOICES, resolve_device
 from llmc_fsm.recipes.building import build_recipe
-from llmc_fsm.recipes.llmcompressor import is_numpy_bool
+from llmc_fsm.recipes.llmcompressor import is_numpy_bool, is_numpy_scalar
 from llmc_fsm.recipes.model import Recipe
 from llmc_fsm.session.ranks import inference_tensors_refusal
 from llmc_fsm.toolkit.targets import is_peft_tuner_layer
@@ -155,9 +155,10 @@ def _int(_: Any, field: attrs.Attribute, value: Any) -> None:
 
 
 def _plain_int(value: Any) -> Any:
-    """An integral number that is not a Python int or bool (``np.int64(8)``) as the int; others as given, for the
-    validator (they were refused as "must be a positive int, got np.int64(8)"; pydantic, llm-compressor's, takes
-    them)."""
+    """An integral number that is not a Python int or bool (``np.int64(8)``, a 0-d ``np.array(8)``) as the int;
+    others as given, for the validator (they were refused as "must be a positive int, got np.int64(8)"; pydantic,
+    llm-compressor's, takes them)."""
+    value = value.item() if is_numpy_scalar(value) else value
     return int(value) if isinstance(value, numbers.Integral) and not isinstance(value, int) else value
 
 
@@ -167,7 +168,9 @@ def _plain_bool(value: Any) -> Any:
 
 
 def _plain_real(value: Any) -> Any:
-    """A real number that is not a Python int, float or bool (``np.float32(512.0)``) as the float; others as given."""
+    """A real number that is not a Python int, float or bool (``np.float32(512.0)``, a 0-d array) as the float;
+    others as given."""
+    value = value.item() if is_numpy_scalar(value) else value
     return float(value) if isinstance(value, numbers.Real) and not isinstance(value, int | float) else value
 
 

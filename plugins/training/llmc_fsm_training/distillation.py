@@ -204,11 +204,17 @@ def _training_mode_matters(module: torch.nn.Module) -> bool:
         return True
     return any(
         any(word in key for word in ("drop", "jitter", "noise"))  # dropout, drop_prob, layerdrop, router_jitter_noise
-        and isinstance(value, numbers.Real)
-        and not isinstance(value, numbers.Integral)  # a rate, not a count (num_noise_tokens) nor a flag
-        and value > 0
+        and isinstance(rate := _rate(value), numbers.Real)
+        and not isinstance(rate, numbers.Integral)  # a rate, not a count (num_noise_tokens) nor a flag
+        and rate > 0
         for key, value in vars(module).items()
     )
+
+
+def _rate(value: Any) -> Any:
+    """A 0-d tensor or array (``torch.tensor(0.3)``, ``np.array(0.3)``) as its number; others as given."""
+    is_scalar = isinstance(value, torch.Tensor) or type(value).__module__ == "numpy"
+    return value.item() if is_scalar and getattr(value, "ndim", None) == 0 else value
 
 
 @attrs.define(kw_only=True, slots=False, eq=False)
