@@ -452,8 +452,6 @@ def _model_config(model: Any) -> Any:
     """The model's config, read once before any weight (:func:`_refuse_quantized` and :func:`_check_data_kind` use
     it): an ``nn.Module``'s own, a model directory's ``config.json`` (``AutoConfig``), a Hub ID's
     (:func:`_hub_config`); ``None`` for a known name or a config that cannot be read (loading then reports why)."""
-    from torch import nn
-
     if isinstance(model, nn.Module):
         return getattr(model, "config", None)
     directory = Path(model).expanduser()
@@ -488,8 +486,6 @@ def _check_on_meta(run: Run) -> None:
             quantized (...); <what to do>"`` or a group size that divides no target's width.
         MissingStateError: as :func:`~llmc_fsm.oneshot_job.data.check_modifiers`.
     """
-    from torch import nn
-
     if isinstance(run.settings.model, nn.Module):  # the modifiers check it after loading; the format here (pure)
         _check_runs_on_text(run, run.settings.model)  # first, as for a directory (its advice would lead there)
         _check_sequential_targets(run, run.settings.model)
@@ -615,8 +611,6 @@ def _check_data_kind(run: Run) -> None:
     Raises:
         ValueError: one line, naming the model and what to give (or why its processor cannot be loaded).
     """
-    from torch import nn
-
     settings, images = run.settings, run.cal_images is not None
     if not run.needs_data:
         return
@@ -857,8 +851,6 @@ def load(run: Run) -> None:
         ValueError: text must be tokenized but there is no tokenizer; from :func:`llmc_fsm.models.known.load_model`.
         RuntimeError / OSError: from :func:`llmc_fsm.models.known.load_model`.
     """
-    from torch import nn
-
     settings = run.settings
     texts = run.cal_text is not None or (run.cal_rows is not None and not run.cal_rows.tokenized)
     needs_text = texts or run.ev_text is not None or (settings.dataset is None and run.needs_data)

@@ -46,6 +46,7 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 import json
+import logging
 import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -80,6 +81,8 @@ __all__ = [
     "save_eval_before",
     "save_windows",
 ]
+
+logger = logging.getLogger(__name__)
 
 _WINDOWS = "calibration.safetensors"
 _EVAL_BEFORE = "eval_before.json"
@@ -145,8 +148,8 @@ def _hub_revision(repo_id: str) -> str | None:
     if not constants.HF_HUB_OFFLINE and hub_unreachable(constants.ENDPOINT) is None:
         try:
             return HfApi().model_info(repo_id, timeout=10).sha
-        except Exception:  # the Hub did not answer for it: the load falls back to the cache too
-            pass
+        except Exception as err:  # the Hub did not answer for it: the load falls back to the cache, and so does this
+            logger.info("%s: main's commit not had from the Hub (%s); the cached one is recorded", repo_id, err)
     cached = try_to_load_from_cache(repo_id, "config.json")
     return Path(cached).parent.name if isinstance(cached, str) else None  # snapshots/<commit>/config.json
 
