@@ -125,6 +125,34 @@ def test_a_misspelt_required_option_is_named_with_the_missing_one(capsys, tmp_pa
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_subcommand_given_as_an_option_and_a_model_given_as_a_positional_are_named(capsys, tmp_path, monkeypatch):
+    """``llmc-fsm --oneshot`` was told only that COMMAND is required, and ``llmc-fsm oneshot smollm2-135m`` only that
+    the model name is unrecognized (session 28's left items): each names the form meant. The model hint is not given
+    when --model is there (the stray token is then something else)."""
+    monkeypatch.chdir(tmp_path)
+    cases = (
+        (["--oneshot"], "llmc-fsm: error: the following arguments are required: COMMAND (--oneshot was given: oneshot "
+         "is a subcommand, give it without --); see 'llmc-fsm --help'\n"),
+        (["--model-fre"], "llmc-fsm: error: the following arguments are required: COMMAND (--model-fre was given: "
+         "model-free is a subcommand, give it without --); see 'llmc-fsm --help'\n"),
+        (["oneshot", "smollm2-135m", "--num-samples", "4"], "llmc-fsm oneshot: error: unrecognized arguments: "
+         "smollm2-135m (give the model as --model smollm2-135m); see 'llmc-fsm oneshot --help'\n"),
+        (["oneshot", "--num-sample", "4", "smollm2-135m"], "llmc-fsm oneshot: error: unrecognized arguments: "
+         "--num-sample 4 smollm2-135m (did you mean --num-samples?; give the model as --model smollm2-135m); see "
+         "'llmc-fsm oneshot --help'\n"),
+        (["oneshot", "--model", "a", "b"], "llmc-fsm oneshot: error: unrecognized arguments: b; see 'llmc-fsm "
+         "oneshot --help'\n"),
+        (["oneshot", "--model=a", "b"], "llmc-fsm oneshot: error: unrecognized arguments: b; see 'llmc-fsm "
+         "oneshot --help'\n"),
+    )
+    for argv, expected in cases:
+        with pytest.raises(SystemExit) as info:
+            main(argv)
+        assert info.value.code == 2
+        assert capsys.readouterr().err == expected
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_verbose_is_taken_before_or_after_the_subcommand(capsys, tmp_path, monkeypatch):
     """``llmc-fsm oneshot -v ...`` was refused with "did you mean --overwrite?": -v / --verbose is the top level's
     option, taken after any subcommand too (and a misspelling of it is named)."""

@@ -567,6 +567,35 @@ def test_a_tokenizer_that_is_its_repositorys_own_code_is_never_run(tiny_dir, tmp
     assert f"the tokenizer of {str(model)!r} {refusal}: it is not loaded" in [r.getMessage() for r in caplog.records]
 
 
+def test_a_remote_code_tokenizer_is_said_once_by_the_command(tiny_dir, tmp_path, capsys, caplog):
+    """The command's default (streamed) path loaded the tokenizer, fell back to the in-memory path on the missing
+    tokenizer, loaded it again and said the warning twice (session 28's left item): once now, and the same refusal on
+    each path."""
+    model = tmp_path / "rc"
+    shutil.copytree(tiny_dir, model)
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    config.update(auto_map={"AutoTokenizer": ["tokenization_tiny.TinyTokenizer", None]},
+                  tokenizer_class="TinyTokenizer")
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    text = tmp_path / "cal.txt"
+    text.write_text("w1 w2 w3 " * 400)
+    for extra in ([], ["--in-memory"], ["--low-memory"]):
+        argv = ["oneshot", "--model", str(model), "--dataset", str(text), "--seq-len", "8", "--num-samples", "2",
+                "--method", "gptq", "--scheme", "W8A8", "--no-progress", "--output", str(tmp_path / "out"), *extra]
+        caplog.clear()
+        with caplog.at_level("WARNING"):
+            assert main(argv) == 1
+        warned = [r.getMessage() for r in caplog.records]
+        assert len(warned) == 1, warned
+        assert warned[0].startswith(f"the tokenizer of {str(model)!r} needs the Python code in its repository")
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1, lines
+        assert lines[0].startswith(f"llmc-fsm oneshot: error: model {str(model)!r} has no tokenizer llmc-fsm can "
+                                   "load (no tokenizer files, or one that is its repository's own code), so text "
+                                   "(--dataset, --eval-text or the default generated calibration) cannot be tokenized")
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_corrupt_tokenizer_beside_an_in_memory_model_is_named(tiny_dir, tmp_path):
     """The model's name_or_path holds a broken tokenizer.json: "no tokenizer llmc-fsm can load (no tokenizer files
     here, or one that is its repository's own code)" named neither (a tester's case); its own error now."""

@@ -19,6 +19,18 @@ def test_all_finite_decides_an_overflowing_float32_sum_in_float64():
     assert all_finite(torch.tensor([float("inf"), float("-inf")])) is False  # the float32 sum is NaN
 
 
+def test_all_finite_reads_a_parameter_without_a_warning():
+    """The NaN/Inf check on a model's weight (a Parameter that requires grad) printed torch's "Converting a tensor
+    with requires_grad=True to a scalar" warning in every in-memory CLI run (found this session)."""
+    import warnings
+
+    weight = torch.nn.Parameter(torch.tensor([1.0, 2.0]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert all_finite(weight) is True
+        assert all_finite(torch.nn.Parameter(torch.tensor([1.0, float("nan")]))) is False
+
+
 def test_factor_leaves_the_hessian_unchanged_and_sets_dead_inputs_to_one():
     torch.manual_seed(0)
     x = torch.randn(64, 6, dtype=torch.float64)

@@ -76,6 +76,9 @@ class _Parser(argparse.ArgumentParser):
             for name in {str(action.dest).lower(), str(action.metavar or "").lower()}
             if name
         }
+        subcommands = [  # ``llmc-fsm --oneshot``: the subcommand given as an option
+            str(choice) for action in self._actions if isinstance(action.choices, dict) for choice in action.choices
+        ]
         hints = []
         for option in dict.fromkeys(t.split("=")[0] for t in given if t.startswith("--") and len(t) > 2):
             if option in known:
@@ -84,8 +87,19 @@ class _Parser(argparse.ArgumentParser):
             close = difflib.get_close_matches(option[2:].lower(), list(positional), 1)
             if close:
                 hints.append(f"{given_as}{positional[close[0]]} is positional, give it without {option}")
+            elif close := difflib.get_close_matches(option[2:].lower(), subcommands, 1):
+                hints.append(f"{given_as}{close[0]} is a subcommand, give it without --")
             elif close := difflib.get_close_matches(option, known, 1):
                 hints.append(f"{given_as}did you mean {close[0]}?")
+        everything = getattr(self, "_tokens", given)  # ``given`` is only the unknown ones when ``named``
+        if "--model" in known and not any(t == "--model" or t.startswith("--model=") for t in everything):
+            bare = [  # ``oneshot smollm2-135m``: the model is an option (a value after an unknown option is its own)
+                t
+                for i, t in enumerate(given)
+                if not t.startswith("-") and not (i and given[i - 1].startswith("-") and "=" not in given[i - 1])
+            ]
+            if bare:
+                hints.append(f"{'' if named else bare[0] + ' was given: '}give the model as --model {bare[0]}")
         return f" ({'; '.join(hints)})" if hints else ""
 
 

@@ -852,8 +852,7 @@ def load(run: Run) -> None:
         RuntimeError / OSError: from :func:`llmc_fsm.models.known.load_model`.
     """
     settings = run.settings
-    texts = run.cal_text is not None or (run.cal_rows is not None and not run.cal_rows.tokenized)
-    needs_text = texts or run.ev_text is not None or (settings.dataset is None and run.needs_data)
+    needs_text = _needs_text(run)
     with run.timed("load"):
         run.tokenizer = given_tokenizer(settings)
         if isinstance(settings.model, nn.Module):
@@ -891,15 +890,31 @@ def load(run: Run) -> None:
         _load_processor(run)
         _keep_processor(run)
         run.tokenizer = run.tokenizer if run.tokenizer is not None else tokenizer
-        if run.tokenizer is None and needs_text:
-            msg = (
-                f"model {run.model_name!r} has no tokenizer llmc-fsm can load (no tokenizer files, or one that is its "
-                "repository's own code), so text (--dataset, --eval-text or the default "
-                "generated calibration) cannot be tokenized; add the tokenizer files to its directory (from Python "
-                "also: tokenizer=..., or dataset= a LongTensor of token ids)"
-            )
-            raise ValueError(msg)
+        refuse_without_tokenizer(run)
         run.disk_before = weights_disk_bytes(Path(run.model_name), loaded)
+
+
+def _needs_text(run: Run) -> bool:
+    """Whether the job tokenizes text: calibration text or rows of text, evaluation text, or the default generated
+    calibration."""
+    texts = run.cal_text is not None or (run.cal_rows is not None and not run.cal_rows.tokenized)
+    return texts or run.ev_text is not None or (run.settings.dataset is None and run.needs_data)
+
+
+def refuse_without_tokenizer(run: Run) -> None:
+    """Raise when the job tokenizes text (:func:`_needs_text`) and the model has no tokenizer (``run.tokenizer``).
+
+    Raises:
+        ValueError: ``model ... has no tokenizer llmc-fsm can load ...``.
+    """
+    if run.tokenizer is None and _needs_text(run):
+        msg = (
+            f"model {run.model_name!r} has no tokenizer llmc-fsm can load (no tokenizer files, or one that is its "
+            "repository's own code), so text (--dataset, --eval-text or the default "
+            "generated calibration) cannot be tokenized; add the tokenizer files to its directory (from Python "
+            "also: tokenizer=..., or dataset= a LongTensor of token ids)"
+        )
+        raise ValueError(msg)
 
 
 def _load_processor(run: Run) -> None:

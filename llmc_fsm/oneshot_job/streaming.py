@@ -52,7 +52,15 @@ from tqdm.auto import tqdm
 from llmc_fsm.models.known import KNOWN_MODELS, fix_safetensors_permissions, known_model_dir
 from llmc_fsm.models.lazy import LazyModel, ShardWriter, checkpoint_files, load_lazy, save_config
 from llmc_fsm.oneshot_job.data import calibration_inputs, torch_dtype_of
-from llmc_fsm.oneshot_job.phases import Run, evaluate_before, given_tokenizer, keep_windows, run_report, token_data
+from llmc_fsm.oneshot_job.phases import (
+    Run,
+    evaluate_before,
+    given_tokenizer,
+    keep_windows,
+    refuse_without_tokenizer,
+    run_report,
+    token_data,
+)
 from llmc_fsm.oneshot_job.resume import layer_progress
 from llmc_fsm.output.save import (
     quantized_modules,
@@ -191,7 +199,7 @@ def stream_by_default(run: Run) -> LazyModel | None:
     run.settings = attrs.evolve(settings, low_memory=True)
     try:
         check_job(run)
-        lazy = _load(run)
+        lazy = _load(run, check_tokenizer=False)
         _check_head(run, lazy)
     except ValueError as exc:
         run.settings = settings
@@ -199,6 +207,11 @@ def stream_by_default(run: Run) -> LazyModel | None:
         run.seconds.pop("load", None)
         logger.info("in memory: %s", str(exc).removeprefix("low_memory (--low-memory) cannot run this job: "))
         return None
+    try:  # after the fallback's checks: in memory it would be refused the same (its warning said twice)
+        refuse_without_tokenizer(run)
+    except ValueError:
+        run.settings = settings
+        raise
     logger.info("streaming one decoder layer at a time (the command's default when the job allows it)")
     if settings.progress and is_main_process():
         tqdm.write(STREAMING_NOTE, file=sys.stderr)
@@ -390,8 +403,9 @@ def _stored_float_dtype(directory: Path) -> Any:
 _SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}
 
 
-def _load(run: Run) -> LazyModel:
-    """The model on ``meta``, its checkpoint indexed, and the tokenizer."""
+def _load(run: Run, *, check_tokenizer: bool = True) -> LazyModel:
+    """The model on ``meta``, its checkpoint indexed, and the tokenizer (``check_tokenizer``: refused when text needs
+    one and there is none, see :func:`~llmc_fsm.oneshot_job.phases.refuse_without_tokenizer`)."""
 
     key = os.fspath(run.settings.model)
     with run.timed("load"):
@@ -410,13 +424,8 @@ def _load(run: Run) -> LazyModel:
     run.model_name = key
     run.model = lazy.model
     run.tokenizer = given if given is not None else tokenizer
-    if run.tokenizer is None and (run.cal_text is not None or run.ev_text is not None):
-        msg = (
-            f"model {key!r} has no tokenizer llmc-fsm can load (no tokenizer files, or one that is its repository's "
-            "own code), so --dataset / --eval-text cannot be tokenized; add the "
-            "tokenizer files to its directory (from Python also: tokenizer=..., or dataset= a LongTensor of token ids)"
-        )
-        raise ValueError(msg)
+    if check_tokenizer:
+        refuse_without_tokenizer(run)
     run.disk_before = sum(p.stat().st_size for p in directory.glob("*.safetensors"))
     return lazy
 

@@ -234,7 +234,9 @@ def all_finite(x: torch.Tensor) -> bool:
     A finite sum in ``x``'s own dtype proves it (a NaN or Inf makes any sum NaN or Inf); only when that sum is not
     finite — a NaN/Inf, or an overflow of finite values — one float64 sum decides (a sum of float32 values cannot
     overflow float64). The first sum is ~15x cheaper than the float64 one (1536 x 1536 float32: 0.4 vs 6.5 ms).
+    A parameter that requires grad is read detached (no autograd graph, and no warning from torch).
     """
+    x = x.detach()
     if math.isfinite(float(x.sum())):
         return True
     return math.isfinite(float(x.sum(dtype=torch.float64)))
