@@ -523,6 +523,17 @@ def test_text_for_a_model_without_tokenizer_files_is_refused_saying_what_the_com
     assert not (tmp_path / "out").exists()
 
 
+def _remote_code_tokenizer(tiny_dir, tmp_path):
+    """A copy of ``tiny_dir`` whose tokenizer_config.json names its repository's own tokenizer class (auto_map)."""
+    model = tmp_path / "rc"
+    shutil.copytree(tiny_dir, model)
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    config.update(auto_map={"AutoTokenizer": ["tokenization_tiny.TinyTokenizer", None]},
+                  tokenizer_class="TinyTokenizer")
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    return model
+
+
 def test_a_tokenizer_that_is_its_repositorys_own_code_is_never_run(tiny_dir, tmp_path, caplog):
     """A tokenizer_config.json with auto_map to the repository's code got transformers' text (a tester's case). In
     a model directory it is not loaded, said in one line (a tokenizer given, token ids or a data-free recipe still
@@ -530,12 +541,7 @@ def test_a_tokenizer_that_is_its_repositorys_own_code_is_never_run(tiny_dir, tmp
     or needed for text, it is refused in one line."""
     import llmc_fsm
 
-    model = tmp_path / "rc"
-    shutil.copytree(tiny_dir, model)
-    config = json.loads((model / "tokenizer_config.json").read_text())
-    config.update(auto_map={"AutoTokenizer": ["tokenization_tiny.TinyTokenizer", None]},
-                  tokenizer_class="TinyTokenizer")
-    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    model = _remote_code_tokenizer(tiny_dir, tmp_path)
     refusal = (
         "needs the Python code in its repository (tokenizer_config.json's auto_map names classes transformers does "
         "not have): llmc-fsm loads transformers' own classes only and never runs a repository's code (as "
@@ -571,12 +577,7 @@ def test_a_remote_code_tokenizer_is_said_once_by_the_command(tiny_dir, tmp_path,
     """The command's default (streamed) path loaded the tokenizer, fell back to the in-memory path on the missing
     tokenizer, loaded it again and said the warning twice (session 28's left item): once now, and the same refusal on
     each path."""
-    model = tmp_path / "rc"
-    shutil.copytree(tiny_dir, model)
-    config = json.loads((model / "tokenizer_config.json").read_text())
-    config.update(auto_map={"AutoTokenizer": ["tokenization_tiny.TinyTokenizer", None]},
-                  tokenizer_class="TinyTokenizer")
-    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    model = _remote_code_tokenizer(tiny_dir, tmp_path)
     text = tmp_path / "cal.txt"
     text.write_text("w1 w2 w3 " * 400)
     for extra in ([], ["--in-memory"], ["--low-memory"]):
