@@ -14,7 +14,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -50,12 +49,12 @@ def no_model_loading(monkeypatch):
 
 
 # --------------------------------------------------------------------------- case 4: unwritable outputs
-def _fails_fast(output: Path | str, error: type[Exception], message: str) -> None:
-    t0 = time.perf_counter()
+def _refused_before_loading(output: Path | str, error: type[Exception], message: str) -> None:
+    """``oneshot`` raises ``error`` with ``message`` (with the ``no_model_loading`` fixture: before loading the model;
+    it carried a wall-clock bound, which a busy machine broke: timings belong in benchmarks/)."""
     with pytest.raises(error) as info:
         llmc_fsm.oneshot(model="smollm2-135m", output_dir=output, progress=False)
     assert str(info.value) == message
-    assert time.perf_counter() - t0 < 1.0
 
 
 def test_output_under_a_regular_file(tmp_path, no_model_loading, capsys):
@@ -64,8 +63,8 @@ def test_output_under_a_regular_file(tmp_path, no_model_loading, capsys):
     message = (
         f"cannot create the output directory {str(out)!r}: {str(tmp_path / 'README.md')!r} is a file, not a directory"
     )
-    _fails_fast(out, NotADirectoryError, message)
-    _fails_fast(out / "deeper", NotADirectoryError, message.replace("/sub'", "/sub/deeper'"))
+    _refused_before_loading(out, NotADirectoryError, message)
+    _refused_before_loading(out / "deeper", NotADirectoryError, message.replace("/sub'", "/sub/deeper'"))
     assert main(["oneshot", "--no-progress", "--output", str(out)]) == 1
     assert capsys.readouterr().err == f"llmc-fsm oneshot: error: {message}\n"
     assert _names(tmp_path) == ["README.md"]
@@ -79,7 +78,7 @@ def test_output_that_is_a_regular_file(tmp_path, no_model_loading, capsys):
         f"output {str(out)!r} exists and is not a directory; choose a new directory for the output (e.g. "
         "--output out/my-model), or move the file away"
     )
-    _fails_fast(out, FileExistsError, message)
+    _refused_before_loading(out, FileExistsError, message)
     assert main(["oneshot", "--no-progress", "--output", str(out)]) == 1
     assert capsys.readouterr().err == f"llmc-fsm oneshot: error: {message}\n"
     assert _names(tmp_path) == ["model.txt"]
@@ -90,8 +89,8 @@ def test_output_that_is_a_regular_file(tmp_path, no_model_loading, capsys):
 def test_output_under_sys(no_model_loading):
     reason = "Operation not permitted" if os.geteuid() == 0 else "Permission denied"  # mkdir vs the access check
     message = f"cannot write the output directory '/sys/llmc-fsm-out': cannot create files in '/sys' ({reason})"
-    _fails_fast("/sys/llmc-fsm-out", PermissionError, message)
-    _fails_fast("/sys/a/b/out", PermissionError, message.replace("/sys/llmc-fsm-out", "/sys/a/b/out"))
+    _refused_before_loading("/sys/llmc-fsm-out", PermissionError, message)
+    _refused_before_loading("/sys/a/b/out", PermissionError, message.replace("/sys/llmc-fsm-out", "/sys/a/b/out"))
     assert not Path("/sys/llmc-fsm-out").exists() and not Path("/sys/a").exists()
 
 
@@ -106,10 +105,29 @@ def test_output_in_an_unwritable_parent(tmp_path, no_model_loading, monkeypatch)
         message = (
             f"cannot write the output directory {str(parent / 'a' / 'out')!r}: cannot create files in {str(parent)!r} "
         )
-        _fails_fast(parent / "a" / "out", PermissionError, message + "(Permission denied)")
+        _refused_before_loading(parent / "a" / "out", PermissionError, message + "(Permission denied)")
         assert _names(parent) == []
     finally:
         parent.chmod(0o755)
+
+
+def test_output_on_a_read_only_mount_says_so(tmp_path, no_model_loading, monkeypatch):
+    """A read-only mount was reported as "Permission denied" (session 28's left item): the mode was fine, the mount
+    is what to change. The mount is simulated as the kernel reports one (statvfs's ST_RDONLY, access() false)."""
+    parent = tmp_path / "mnt"
+    parent.mkdir()
+    real_access, real_statvfs = os.access, os.statvfs
+
+    class _ReadOnly:
+        def __init__(self, real):
+            self._real = real
+            self.f_flag = real.f_flag | os.ST_RDONLY
+
+    monkeypatch.setattr(os, "access", lambda p, mode: False if Path(p) == parent else real_access(p, mode))
+    monkeypatch.setattr(os, "statvfs", lambda p: _ReadOnly(real_statvfs(p)) if Path(p) == parent else real_statvfs(p))
+    message = f"cannot write the output directory {str(parent / 'out')!r}: cannot create files in {str(parent)!r} "
+    _refused_before_loading(parent / "out", PermissionError, message + "(Read-only file system)")
+    assert _names(parent) == []
 
 
 # --------------------------------------------------------------------------- case 7: SIGTERM, Ctrl-C, stale work dirs

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -118,10 +119,21 @@ def check_output_dir(output_dir: str | os.PathLike[str] | None, overwrite: bool)
     if not os.access(parent, os.W_OK):
         msg = (
             f"cannot write the output directory {str(path)!r}: cannot create files in {str(parent)!r} "
-            "(Permission denied)"
+            f"({_not_writable_because(parent)})"
         )
         raise PermissionError(msg)
     return path
+
+
+def _not_writable_because(directory: Path) -> str:
+    """Why ``os.access(directory, os.W_OK)`` is false: ``Read-only file system`` on a read-only mount (where a
+    writable mode says "Permission denied" wrongly: the mount, not the mode, is to change), else ``Permission
+    denied``."""
+    try:
+        read_only = bool(os.statvfs(directory).f_flag & os.ST_RDONLY)
+    except OSError:
+        read_only = False
+    return os.strerror(errno.EROFS) if read_only else os.strerror(errno.EACCES)
 
 
 def check_output_not_source(output_dir: Any, model: Any) -> None:
