@@ -101,6 +101,34 @@ def test_the_note_names_what_smoothing_changed_too():
     ]
 
 
+def test_a_nan_weight_is_refused_before_smoothing_changes_its_layer():
+    """AWQ smoothed layer 1 (its norms, q/k/v and up_proj folded) and only then its quantizer found the NaN in
+    down_proj, naming QuantizationModifier, a modifier the recipe did not hold (session 28's left item): the smoothing
+    modifier names the module before the layer changes; the note names layer 0 only."""
+    layer0 = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+              "mlp.up_proj", "mlp.down_proj", "input_layernorm", "post_attention_layernorm")
+    for recipe in (
+        {"s": {"AWQModifier": {"scheme": "W4A16", "ignore": ["lm_head"]}}},  # the older form: AWQ quantizes
+        {"s": {"AWQModifier": {}, "QuantizationModifier": {"scheme": "W4A16", "ignore": ["lm_head"]}}},
+    ):
+        model = tiny_llama.llama(hidden=128, vocab=128)
+        with torch.no_grad():
+            model.model.layers[1].mlp.down_proj.weight[0, 0] = float("nan")
+        layer1 = {k: v.clone() for k, v in model.model.layers[1].state_dict().items()}
+        with pytest.raises(ValueError) as info:
+            llmc_fsm.oneshot(model=model, recipe=recipe, dataset=torch.randint(0, 128, (4, 32)), progress=False)
+        assert str(info.value) == (
+            "AWQModifier: the weights of model.layers.1.mlp.down_proj hold NaN or Inf values, so they cannot be "
+            "smoothed: the checkpoint (or an earlier change to the model) is broken there"
+        )
+        (note,) = info.value.__notes__
+        named = note.split(" modules: ")[1].removesuffix("); reload it before another run.").split(", ")
+        assert note.startswith("oneshot: the model you passed was changed in place before this error (")
+        assert set(named) <= {f"model.layers.0.{n}" for n in layer0} and "model.layers.0.mlp.up_proj" in named
+        after = model.model.layers[1].state_dict()
+        assert all(torch.equal(layer1[k], after[k]) for k in layer1 if k != "mlp.down_proj.weight")
+
+
 def test_the_weight_check_reads_fp8_weights_and_passes_over_meta_and_integer_ones():
     """fp8 tensors have no sum kernel on the CPU ("sum_cpu" not implemented): the check reads them in float32."""
     from llmc_fsm.toolkit.calibrated import _finite_weight

@@ -17,6 +17,7 @@ The public names, by concern:
   selection and checks, calibration hooks, compression per decoder layer, results, ``torch.distributed``),
   :class:`ModuleResult` (what compressing one module did), :class:`CompressedGroup` (new weights with their
   measured output errors), :func:`patterns` (the attrs converter of ``targets`` / ``ignore`` fields),
+  :func:`nonfinite_weights` (the modules whose weight holds NaN/Inf, to refuse before changing anything),
   :func:`own_forwards` (a block of a modifier's own forwards, which no registered hook takes for calibration);
 * **optimal brain surgeon** (:mod:`~llmc_fsm.toolkit.obs`; GPTQ arXiv 2210.17323 Sec. 3-4, SparseGPT arXiv
   2301.00774 Sec. 3): :class:`HessianAccumulator` (``H = 2/n X^T X``), :func:`inverse_hessian_cholesky`
@@ -62,7 +63,7 @@ Imports only :mod:`llmc_fsm.core`.
 """
 
 from llmc_fsm.core.modifier import own_forwards
-from llmc_fsm.toolkit.calibrated import CalibratedModifier, CompressedGroup, ModuleResult, patterns
+from llmc_fsm.toolkit.calibrated import CalibratedModifier, CompressedGroup, ModuleResult, nonfinite_weights, patterns
 from llmc_fsm.toolkit.distributed import (
     DistributedError,
     all_gather_ints,
@@ -170,6 +171,7 @@ __all__ = [
     "linear_expert_names",
     "matches",
     "model_family",
+    "nonfinite_weights",
     "obs_sweep",
     "observe_inputs",
     "observe_view_inputs",

@@ -499,7 +499,7 @@ class CalibratedModifier(Modifier):
                 acc = None
             key = id(acc) if acc is not None else id(module)
             groups.setdefault(key, (acc, []))[1].append((name, module))
-        broken = [name for _, members in groups.values() for name, m in members if not _finite_weight(m.weight)]
+        broken = nonfinite_weights({name: m for _, members in groups.values() for name, m in members})
         if broken:  # before any of them changes (those left as they were are not read): round-to-nearest wrote NaN
             msg = (  # scales silently, GPTQ compressed the module and failed one group later (found by a tester)
                 f"{type(self).__name__}: the weights of {compact_names(broken)} hold NaN or Inf values, so they "
@@ -649,6 +649,20 @@ class CalibratedModifier(Modifier):
                 "overflowed before them (a float16 model: load it in float32, --dtype float32) or hold NaN"
             )
             raise ValueError(msg)
+
+
+def nonfinite_weights(modules: dict[str, nn.Module]) -> list[str]:
+    """The names of ``modules`` whose ``weight`` holds a NaN or an Inf, in ``modules``' order (a modifier refuses
+    them before it changes anything: compressed, they give NaN scales or fail mid-sweep).
+
+    Args:
+        modules: ``{name: module}``, each with a ``weight`` tensor (any dtype and device; ``meta``, integer dtypes:
+            nothing to read, taken as finite; fp8 read in float32).
+
+    Returns:
+        The names, ``[]`` when every weight is finite.
+    """
+    return [name for name, module in modules.items() if not _finite_weight(module.weight)]
 
 
 def _finite_weight(weight: torch.Tensor) -> bool:

@@ -41,6 +41,7 @@ from llmc_fsm.toolkit import (
     all_reduce_tensor,
     check_not_quantized,
     compact_names,
+    nonfinite_weights,
     observe_inputs,
     patterns,
     weight_views,
@@ -365,6 +366,13 @@ class SmoothingModifier(Modifier):
         todo = self._todo_in(layer)
         if not todo or not inputs:
             return
+        broken = nonfinite_weights(_modules_of(todo))
+        if broken:  # before this layer changes (the quantizer's own check came after the smoothing had folded)
+            msg = (
+                f"{type(self).__name__}: the weights of {compact_names(broken)} hold NaN or Inf values, so they "
+                "cannot be smoothed: the checkpoint (or an earlier change to the model) is broken there"
+            )
+            raise ValueError(msg)
         first = not self._fold_checked
         self._check_layer_folds(layer, inputs[0], todo)
         if first:  # before the first change: every other layer of this class in memory too, on these inputs
