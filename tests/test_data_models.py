@@ -122,6 +122,38 @@ def test_load_text_binary_file(tmp_path):
     )
 
 
+def test_load_text_refuses_utf16_text_and_tables_and_drops_a_byte_order_mark(tmp_path):
+    """A tester's cases: ASCII text saved as UTF-16-LE without a BOM is valid UTF-8 with a NUL after every character,
+    and was calibrated on as such; a .csv file's header, quotes and separators were tokenized; a UTF-8 BOM was kept as
+    a character of the text."""
+    p = tmp_path / "cal.txt"
+    p.write_bytes("ab\ncd".encode("utf-16-le"))
+    with pytest.raises(ValueError) as exc:
+        load_text(p)
+    assert str(exc.value) == (
+        f"{p}: not a text file: it holds NUL bytes (the first at byte offset 1, line 1, column 2): UTF-16 text or "
+        "binary data; pass a UTF-8 text file (e.g. `iconv -f utf-16 -t utf-8 FILE > FILE.utf8`), or a JSON/JSONL file "
+        'of {"text": ...} records'
+    )
+    p.write_bytes("é\nx\x00".encode())  # the column counts characters
+    with pytest.raises(ValueError, match=r"the first at byte offset 4, line 2, column 2\)"):
+        load_text(p)
+    p.write_bytes(b"\xef\xbb\xbfRobert\r\n")
+    assert load_text(p) == "Robert\n"
+    for suffix in (".csv", ".TSV", ".parquet"):
+        table = tmp_path / f"cal{suffix}"
+        table.write_text('text\n"His father died"\n')
+        with pytest.raises(ValueError) as exc:
+            load_text(table)
+        kind = suffix.lower()
+        assert str(exc.value) == (
+            f"{table}: a {kind} file is rows and columns, not calibration text (its header, quotes and separators "
+            f"would be tokenized): from Python pass its rows as a datasets.Dataset (load_dataset({kind[1:]!r}, "
+            "data_files=...)['train'], a 'text' or 'input_ids' column), or write its text column as JSONL, one "
+            '{"text": ...} per line'
+        )
+
+
 def test_load_text_jsonl_not_utf8(tmp_path):
     p = tmp_path / "d.jsonl"
     p.write_bytes(b'{"text": "ok"}\n{"text": "caf\xe9"}\n')

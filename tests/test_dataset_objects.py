@@ -251,6 +251,35 @@ def test_a_list_of_texts_calibrates_as_its_token_ids_do(tiny_model_dir):
     assert not _same(_weights(run), _weights(fewer))
 
 
+def test_texts_are_cut_at_the_tokenizers_model_max_length_and_its_settings_are_restored(tiny_model_dir, tmp_path,
+                                                                                         caplog):
+    """Two of a tester's cases against llm-compressor 0.14 (TextGenerationDataset): texts were cut at max_seq_length
+    above the tokenizer's model_max_length, and not cut at all without max_seq_length, where llm-compressor cuts at
+    model_max_length; and the call's truncation stayed set in the fast tokenizer, given or saved beside the model
+    (its tokenizer.json then cut every text to max_seq_length tokens)."""
+    model_dir, _ = tiny_model_dir
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    tok.model_max_length = 4
+    texts = ["w001 w002 w003 w004 w005 w006", "w007 w008 w009", "w010 w011 w012 w013 w014 w015 w016 w017"]
+    for given in ({"max_seq_length": 7}, {}):
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="llmc_fsm.data.rows"):
+            run = llmc_fsm.oneshot(model=str(model_dir), recipe=RECIPE, dataset=texts, tokenizer=tok, progress=False,
+                                   output_dir=tmp_path / str(len(given)), **given)  # fmt: skip
+        assert run.llmc_fsm_report.calibration["source"] == "list of 3 str, 3 texts tokenized (3-4 tokens)"
+        assert [r.getMessage() for r in caplog.records] == (
+            ["max_seq_length 7 is above the tokenizer's model_max_length 4: texts are cut to 4 tokens, as "
+             "llm-compressor cuts them"] if given else []
+        )
+        assert (tok.backend_tokenizer.truncation, tok.backend_tokenizer.padding) == (None, None)
+        saved = json.loads((tmp_path / str(len(given)) / "tokenizer.json").read_text())
+        assert (saved["truncation"], saved["padding"]) == (None, None)
+    tok.backend_tokenizer.enable_truncation(max_length=100)  # the caller's own setting is kept as it was
+    llmc_fsm.oneshot(model=str(model_dir), recipe=RECIPE, dataset=texts, tokenizer=tok, max_seq_length=3,
+                     progress=False)  # fmt: skip
+    assert tok.backend_tokenizer.truncation["max_length"] == 100
+
+
 def test_input_ids_rows_of_different_lengths_calibrate_every_token(tiny_model_dir):
     model_dir, _ = tiny_model_dir
     rows = [list(range(3, 3 + n)) for n in (20, 12, 20, 5)]

@@ -35,6 +35,7 @@ from typing import Any
 import attrs
 import torch
 
+from llmc_fsm.data.protocol import kept_tokenizer_state
 from llmc_fsm.data.text_files import jsonl_records, read_utf8
 
 __all__ = [
@@ -300,13 +301,14 @@ def image_batches(processor: Any, captions: ImageCaptions, *, batch_size: int, m
         for name, _ in chunk:
             with Image.open(captions.directory / name) as image:
                 images.append([image.convert("RGB")])
-        batch = processor(
-            text=texts,
-            images=images,
-            padding=True,
-            truncation=True,
-            max_length=max_seq_length,
-            return_tensors="pt",
-        )
+        with kept_tokenizer_state(getattr(processor, "tokenizer", processor)):  # saved beside the model after
+            batch = processor(
+                text=texts,
+                images=images,
+                padding=True,
+                truncation=True,
+                max_length=max_seq_length,
+                return_tensors="pt",
+            )
         out.append({k: v for k, v in batch.items() if isinstance(v, torch.Tensor)})
     return out

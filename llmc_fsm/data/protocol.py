@@ -30,6 +30,8 @@ import os
 import re
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -38,7 +40,7 @@ import torch
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
-__all__ = ["LOSS_CHUNK", "PerplexityCache", "load_text", "perplexity", "token_windows"]
+__all__ = ["LOSS_CHUNK", "PerplexityCache", "kept_tokenizer_state", "load_text", "perplexity", "token_windows"]
 
 logger = logging.getLogger(__name__)
 
@@ -69,8 +71,9 @@ def load_text(source: str | os.PathLike[str]) -> str:
         source: one of
 
             * a path to a plain-text file (any suffix except ``.json``,
-              ``.jsonl`` and ``.ndjson``), read as UTF-8 with universal
-              newlines (``"\\r\\n"`` and ``"\\r"`` become ``"\\n"``), otherwise unchanged;
+              ``.jsonl``, ``.ndjson`` and the tables of ``TABLE_SUFFIXES``), read as UTF-8 with universal
+              newlines (``"\\r\\n"`` and ``"\\r"`` become ``"\\n"``; a leading byte order mark dropped), otherwise
+              unchanged;
             * a path to a ``.jsonl`` / ``.ndjson`` file: the ``"text"`` field of
               every non-blank line, joined with a blank line (``"\\n\\n"``);
             * a path to a ``.json`` file: a JSON array of objects with a string
@@ -85,7 +88,8 @@ def load_text(source: str | os.PathLike[str]) -> str:
         FileNotFoundError: ``source`` looks like a file path (has a path
             separator or a known text suffix) but does not exist; ``org/name``
             whose ``org`` is no folder here is taken as a dataset name.
-        ValueError: the file is not valid UTF-8 (the message gives file, byte
+        ValueError: a table (``.csv``, ``.tsv``, ``.parquet``...); the file holds NUL bytes (UTF-16) or is not
+            valid UTF-8 (the message gives file, byte
             offset, line and column); a JSON/JSONL file is not valid JSON, is not
             an array/lines of objects with a string ``"text"`` or has no record
             (the message gives file and line or element); or ``datasets`` is not
@@ -100,6 +104,14 @@ def load_text(source: str | os.PathLike[str]) -> str:
             return files.read_jsonl(path)
         if suffix == ".json":
             return files.read_json(path)
+        if suffix in files.TABLE_SUFFIXES:  # its raw bytes were calibrated on (found by a tester)
+            msg = (
+                f"{path}: a {suffix} file is rows and columns, not calibration text (its header, quotes and "
+                f"separators would be tokenized): from Python pass its rows as a datasets.Dataset "
+                f"(load_dataset({suffix.lstrip('.')!r}, data_files=...)['train'], a 'text' or 'input_ids' column), or "
+                'write its text column as JSONL, one {"text": ...} per line'
+            )
+            raise ValueError(msg)
         return files.read_utf8(path)
     text_source = os.fspath(source)
     # "org/name[:config[:split]]", a Hugging Face dataset id, when "org" is not a folder here
@@ -195,10 +207,9 @@ def _tokenize(tokenizer: Any, text: str, need: int | None = None, *, from_end: b
     with ``need``, from the head (tail) in batches of 1, 2, 4... pieces until ``need`` ids are there: a piece's ids
     do not depend on the other pieces, so these are the whole text's first (last) ids.
     """
-    # Silence "Token indices sequence length is longer than the specified maximum".
-    old_max = getattr(tokenizer, "model_max_length", None)
-    try:
-        if old_max is not None:
+    with kept_tokenizer_state(tokenizer):
+        if getattr(tokenizer, "model_max_length", None) is not None:
+            # Silence "Token indices sequence length is longer than the specified maximum".
             tokenizer.model_max_length = int(1e30)
         if not text:
             return []
@@ -216,9 +227,36 @@ def _tokenize(tokenizer: Any, text: str, need: int | None = None, *, from_end: b
             count += len(parts[-1])
             done, batch = done + len(todo), 2 * batch
         return [i for part in (reversed(parts) if from_end else parts) for i in part]
+
+
+@contextmanager
+def kept_tokenizer_state(tokenizer: Any) -> Iterator[None]:
+    """Restore ``tokenizer``'s ``model_max_length`` and its fast backend's truncation and padding settings on exit.
+
+    A call ``tokenizer(text, truncation=True, max_length=N)`` leaves the backend truncating at ``N`` (``truncation=
+    False`` clears a setting the caller had): the tokenizer given, or the one saved beside the compressed model,
+    then cut every later text to ``N`` tokens when ``tokenizer.json`` was read directly (found by a tester;
+    llm-compressor 0.14 keeps the state as well). ``tokenizer`` may be ``None`` or a slow tokenizer (nothing kept
+    but ``model_max_length``).
+    """
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    old_max = getattr(tokenizer, "model_max_length", None)
+    truncation = getattr(backend, "truncation", None)
+    padding = getattr(backend, "padding", None)
+    try:
+        yield
     finally:
         if old_max is not None:
             tokenizer.model_max_length = old_max
+        if backend is not None:
+            if truncation is None:
+                backend.no_truncation()
+            else:
+                backend.enable_truncation(**truncation)
+            if padding is None:
+                backend.no_padding()
+            else:
+                backend.enable_padding(**padding)
 
 
 def token_windows(

@@ -12,9 +12,11 @@ add_special_tokens=False)``). The ``datasets`` package is not imported: a datase
 * a dataset with a ``text`` column (and no ``input_ids``): each row's text is tokenized by the model's tokenizer.
 
 The first ``num_calibration_samples`` rows are used (all of them when it is not given); each sample is cut to its
-first ``max_seq_length`` tokens (not cut when it is not given). Texts are tokenized as llm-compressor tokenizes a
-``text`` column (``tokenizer(text, padding=False, truncation=True, max_length=max_seq_length)``, the tokenizer's
-default ``add_special_tokens=True``: a BOS where the tokenizer adds one). Samples of different lengths cannot be
+first ``max_seq_length`` tokens (token rows: not cut when it is not given). Texts are tokenized as llm-compressor
+tokenizes a ``text`` column (``tokenizer(text, padding=False, truncation=True, max_length=max_seq_length)``, the
+tokenizer's default ``add_special_tokens=True``: a BOS where the tokenizer adds one; ``max_seq_length`` capped at the
+tokenizer's ``model_max_length``, which is used when it is not given), the tokenizer's truncation and padding
+settings restored afterwards. Samples of different lengths cannot be
 one ``LongTensor[N, L]``: they become :class:`TokenRows`, a list of batches ``{"input_ids": LongTensor[B, L_i]}``,
 consecutive samples of the same length sharing a batch of at most ``batch_size``; no padding.
 
@@ -29,12 +31,15 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import attrs
 import torch
+
+from llmc_fsm.data.protocol import kept_tokenizer_state
 
 __all__ = [
     "ACCEPTED_DATASETS",
@@ -49,6 +54,8 @@ __all__ = [
     "registered_name_error",
     "row_batches",
 ]
+
+logger = logging.getLogger(__name__)
 
 #: llm-compressor's registered dataset names (``src/llmcompressor/transformers/data/*.py``) -> the Hugging Face id
 #: (``name[:config]``) its loader reads; its preprocessing (prompt templates, chat formatting) is not reproduced.
@@ -339,6 +346,30 @@ class TokenRows(list):
         return TokenRows(item) if isinstance(index, slice) else item
 
 
+#: transformers' ``model_max_length`` of a tokenizer that states none (``VERY_LARGE_INTEGER``, 1e30): no limit.
+_NO_LIMIT = 10**29
+
+
+def _capped(seq_len: int | None, model_max_length: Any) -> int | None:
+    """The length texts are cut to, as llm-compressor 0.14 cuts a ``text`` column (``TextGenerationDataset``):
+    ``min(max_seq_length, tokenizer.model_max_length)``, with its warning when that caps it, or the tokenizer's
+    ``model_max_length`` when ``max_seq_length`` is not given; ``seq_len`` when the tokenizer states no limit."""
+    if not isinstance(model_max_length, int) or model_max_length >= _NO_LIMIT or model_max_length < 1:
+        return seq_len
+    if seq_len is None:
+        return model_max_length
+    if seq_len > model_max_length:
+        logger.warning(
+            "max_seq_length %d is above the tokenizer's model_max_length %d: texts are cut to %d tokens, as "
+            "llm-compressor cuts them",
+            seq_len,
+            model_max_length,
+            model_max_length,
+        )
+        return model_max_length
+    return seq_len
+
+
 def row_batches(rows: CalibrationRows, tokenizer: Any, *, seq_len: int | None, batch_size: int) -> TokenRows:
     """``rows`` as model inputs: texts tokenized (``tokenizer(text, padding=False, truncation=seq_len is not None,
     max_length=seq_len)``, special tokens as the tokenizer adds them, as llm-compressor), consecutive samples of the
@@ -353,8 +384,10 @@ def row_batches(rows: CalibrationRows, tokenizer: Any, *, seq_len: int | None, b
         if tokenizer is None:
             msg = "a list of texts or a 'text' column needs a tokenizer: pass tokenizer= (or token ids)"
             raise ValueError(msg)
+        seq_len = _capped(seq_len, getattr(tokenizer, "model_max_length", None))
         cut = {"truncation": True, "max_length": seq_len} if seq_len is not None else {"truncation": False}
-        ids = [tuple(tokenizer(text, padding=False, **cut)["input_ids"]) for text in rows.rows]
+        with kept_tokenizer_state(tokenizer):  # the truncation setting the call leaves is not the caller's
+            ids = [tuple(tokenizer(text, padding=False, **cut)["input_ids"]) for text in rows.rows]
         chosen = list(range(len(ids)))
         if rows.take_longest is not None:  # llm-compressor's order of the tokenized texts (its lengths: cut ones)
             chosen = longest_first([len(row) for row in ids])[: rows.take_longest]

@@ -14,6 +14,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "JSONL_SUFFIXES",
+    "TABLE_SUFFIXES",
     "TEXT_SUFFIXES",
     "jsonl_records",
     "load_hf_dataset",
@@ -25,14 +26,18 @@ __all__ = [
 _JSON_TYPES = {str: "string", int: "number", float: "number", bool: "boolean", type(None): "null"}
 TEXT_SUFFIXES = frozenset({".txt", ".raw", ".text", ".md"})
 JSONL_SUFFIXES = frozenset({".jsonl", ".ndjson"})
+#: Files of rows and columns, refused as calibration text (their header, quotes and separators would be tokenized).
+TABLE_SUFFIXES = frozenset({".csv", ".tsv", ".parquet", ".arrow", ".feather"})
 
 
 def read_utf8(path: Path) -> str:
-    """The text of ``path`` decoded as UTF-8, with universal newlines (as ``Path.read_text``).
+    """The text of ``path`` decoded as UTF-8, with universal newlines (as ``Path.read_text``); a leading UTF-8 byte
+    order mark is dropped (it would be tokenized as a character).
 
     Raises:
-        ValueError: the file is not valid UTF-8; the message gives the file, the
-            byte offset, line and column of the first bad byte, and what to do.
+        ValueError: the file is not valid UTF-8, or holds NUL bytes (a UTF-16 file of ASCII text decodes as UTF-8
+            with a NUL after every character: it was calibrated on as such, found by a tester); the message gives
+            the file, the byte offset, line and column of the first bad byte, and what to do.
     """
     raw = path.read_bytes()
     try:
@@ -41,9 +46,23 @@ def read_utf8(path: Path) -> str:
         # A plain ValueError (UnicodeDecodeError's constructor takes 5 arguments, so it cannot be re-raised
         # with a new message by callers that do ``type(err)(msg)``).
         raise ValueError(_decode_error_message(path, raw, err)) from None
+    if "\x00" in text:
+        raise ValueError(_nul_message(path, raw))
+    text = text.removeprefix("\ufeff")
     if "\r" in text:
         text = text.replace("\r\n", "\n").replace("\r", "\n")
     return text
+
+
+def _nul_message(path: Path, raw: bytes) -> str:
+    offset = raw.index(b"\x00")
+    line = raw.count(b"\n", 0, offset) + 1
+    column = len(raw[raw.rfind(b"\n", 0, offset) + 1 : offset].decode("utf-8")) + 1  # valid UTF-8 before it
+    return (
+        f"{path}: not a text file: it holds NUL bytes (the first at byte offset {offset}, line {line}, column "
+        f"{column}): UTF-16 text or binary data; pass a UTF-8 text file (e.g. `iconv -f utf-16 -t utf-8 FILE > "
+        'FILE.utf8`), or a JSON/JSONL file of {"text": ...} records'
+    )
 
 
 def _decode_error_message(path: Path, raw: bytes, err: UnicodeDecodeError) -> str:

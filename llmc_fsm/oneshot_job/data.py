@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from llmc_fsm.core.errors import MissingStateError
-from llmc_fsm.data.protocol import load_text, token_windows
+from llmc_fsm.data.protocol import kept_tokenizer_state, load_text, token_windows
 from llmc_fsm.data.rows import describe_rows, is_rows
 from llmc_fsm.session.session import Session
 from llmc_fsm.toolkit.obs import HessianAccumulator
@@ -95,7 +95,8 @@ def eval_windows(tokenizer: Any, text: str, num_windows: int, seq_len: int) -> A
     try:
         return token_windows(tokenizer, text, num_windows=num_windows, seq_len=seq_len)
     except ValueError:
-        n_ids = len(tokenizer(text, add_special_tokens=False)["input_ids"])
+        with kept_tokenizer_state(tokenizer):
+            n_ids = len(tokenizer(text, add_special_tokens=False)["input_ids"])
         fit = n_ids // seq_len
         if fit < 1:
             msg = (
@@ -132,7 +133,8 @@ def generate_calibration(
         for prompt in prompts:
             if len(rows) >= num_samples:
                 break
-            ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False)["input_ids"].to(device)
+            with kept_tokenizer_state(tokenizer):
+                ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False)["input_ids"].to(device)
             new = max(seq_len - ids.shape[1], 1)
             out = model.generate(
                 input_ids=ids,

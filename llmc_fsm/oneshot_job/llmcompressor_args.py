@@ -67,8 +67,9 @@ LLMCOMPRESSOR_ARGS: dict[str, LlmcompressorArg] = {
     "data_collator": LlmcompressorArg(
         (None, "truncation"),
         "llmc-fsm batches calibration rows itself, only rows of the same length together (no padding, no token cut; "
-        "llm-compressor's default 'truncation' cuts each batch to its shortest row, which changes nothing at its "
-        "default batch_size 1); image calibration data is a directory with metadata.jsonl (docs/oneshot.md)",
+        "llm-compressor's default 'truncation' cuts each batch to its shortest row: nothing at its default "
+        "batch_size 1, the tokens past each batch's shortest row at a larger one, which llmc-fsm keeps); image "
+        "calibration data is a directory with metadata.jsonl (docs/oneshot.md)",
     ),
     "moe_calibrate_all_experts": LlmcompressorArg(
         (False,),
