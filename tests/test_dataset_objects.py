@@ -176,6 +176,16 @@ def test_describe_names_the_kind_in_one_line():
             "max_seq_length (--seq-len) 10000 is more than the 16 columns (tokens) of the dataset tensor (8, 16); "
             "pass at most 16, or leave it out to use them all",
         ),
+        (  # a tester's case: the loader was named, what to pass instead was not
+            {"dataset": torch.utils.data.DataLoader([[1, 2]], batch_size=1)},
+            "dataset (--dataset) must be a text/JSONL file, a Hugging Face dataset name, a LongTensor [N, L] of token "
+            "ids, a list of texts (str) or a datasets.Dataset with an 'input_ids' or 'text' column, got a "
+            "torch.DataLoader: pass the rows it loads (its .dataset); llmc-fsm batches them itself (batch_size=)",
+        ),
+        (  # a tester's case: it said "got a list" of a list of floats
+            {"dataset": FakeDataset(input_ids=[[1.0, 2.0]])},
+            "dataset row 0: 'input_ids' must be a list of token ids (int), got a list of floating-point values",
+        ),
         (
             {"dataset": FakeDataset(input_ids=[[1], [2]]), "num_calibration_samples": 3},
             "num_calibration_samples (--num-samples) 3 is more than the 2 rows of the dataset; pass at most 2, or "

@@ -181,6 +181,12 @@ def dataset_object_error(value: Any) -> str | None:
                 "'input_ids' (token ids) nor 'text': map it to one, e.g. ds.map(lambda s: {'text': ...})"
             )
         return None if len(value) else f"is a {_type_name(value)} with no rows: pass at least one"
+    loader = getattr(value, "dataset", None)  # a torch DataLoader: llmc-fsm batches the rows itself
+    if loader is not None and hasattr(value, "batch_size") and hasattr(value, "collate_fn"):
+        return (
+            f"must be {ACCEPTED_DATASETS}, got a {_type_name(value)}: pass the rows it loads (its .dataset); "
+            "llmc-fsm batches them itself (batch_size=)"
+        )
     return f"must be {ACCEPTED_DATASETS}, got a {_type_name(value)}"
 
 
@@ -235,7 +241,12 @@ def _ids(value: Any, where: str) -> tuple[int, ...]:
     if tensor is not None and tensor.dim() == 2 and tensor.shape[0] == 1:
         tensor = tensor[0]
     if tensor is None or tensor.dim() != 1 or tensor.is_floating_point() or tensor.dtype == torch.bool:
-        msg = f"{where} must be a list of token ids (int), got a {_type_name(value)}"
+        held = ""
+        if tensor is not None and tensor.is_floating_point():
+            held = " of floating-point values"
+        elif tensor is not None and tensor.dtype == torch.bool:
+            held = " of booleans"
+        msg = f"{where} must be a list of token ids (int), got a {_type_name(value)}{held}"
         raise ValueError(msg)
     return tuple(int(i) for i in tensor.tolist())
 
