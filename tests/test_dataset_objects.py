@@ -361,3 +361,17 @@ def test_a_processor_output_column_is_judged_by_its_first_value():
 
     assert dataset_object_error(FakeDataset(text=["a", "b"], input_values=[None, "some words"])) is None
     assert dataset_object_error(FakeDataset(text=["a", "b"], pixel_values=[None, [[0.5]]])) is not None
+
+
+def test_all_rows_of_a_dataset_larger_than_llmcompressors_default_are_used_with_a_warning(caplog):
+    """llm-compressor takes 512 rows when num_calibration_samples is not given; llmc-fsm takes them all, as its docs
+    say: a script ported unchanged did 20x the work without a word (a tester's case). Said once, above 512 rows."""
+    with caplog.at_level("WARNING", logger="llmc_fsm.data.rows"):
+        assert len(read_rows(FakeDataset(input_ids=[[1]] * 512), None, None).rows) == 512
+        assert caplog.records == []
+        assert len(read_rows(FakeDataset(input_ids=[[1]] * 513), None, None).rows) == 513
+        assert len(read_rows(FakeDataset(input_ids=[[1]] * 513), 513, None).rows) == 513
+    assert [r.getMessage() for r in caplog.records] == [
+        "num_calibration_samples not given: all 513 rows of the dataset are used (llm-compressor's default takes 512); "
+        "pass num_calibration_samples to use fewer"
+    ]

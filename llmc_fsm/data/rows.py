@@ -280,6 +280,13 @@ def read_rows(value: Any, num_samples: int | None, seq_len: int | None, *, longe
         )
         raise ValueError(msg)
     used = count if num_samples is None else num_samples
+    if num_samples is None and count > LLMCOMPRESSOR_NUM_SAMPLES:  # 20x the work of the script's run there
+        logger.warning(
+            "num_calibration_samples not given: all %d rows of the dataset are used (llm-compressor's default takes "
+            "%d); pass num_calibration_samples to use fewer",
+            count,
+            LLMCOMPRESSOR_NUM_SAMPLES,
+        )
     source = describe_rows(value)
     take = used if longest else None
     if isinstance(value, list | tuple):
@@ -356,6 +363,9 @@ class TokenRows(list):
         item = super().__getitem__(index)
         return TokenRows(item) if isinstance(index, slice) else item
 
+
+#: llm-compressor 0.14's default ``num_calibration_samples`` (``DatasetArguments``).
+LLMCOMPRESSOR_NUM_SAMPLES = 512
 
 #: transformers' ``model_max_length`` of a tokenizer that states none (``VERY_LARGE_INTEGER``, 1e30): no limit.
 _NO_LIMIT = 10**29
