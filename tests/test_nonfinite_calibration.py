@@ -199,3 +199,16 @@ def test_the_note_names_the_modules_parameters_were_added_to():
         llmc_fsm.oneshot(model=model, recipe={"s": {"QuantizationModifier": {"kv_cache_scheme": kv}}},
                          dataset=torch.randint(0, 128, (4, 32)), progress=False)
     assert info.value.__notes__ == [note]
+
+
+def test_a_run_called_inside_inference_mode_makes_no_inference_tensors():
+    """Called inside torch.inference_mode(), a run made its scales inference tensors: the model could then not be
+    trained, and a second run refused it ("parameters were made under torch.inference_mode()"; session 28's left
+    item). The run is outside inference mode; the caller's mode is as it was after it."""
+    model = tiny_llama.llama(hidden=64, vocab=128)
+    recipe = {"s": {"QuantizationModifier": {"scheme": "FP8", "ignore": ["lm_head"]}}}
+    with torch.inference_mode():
+        llmc_fsm.oneshot(model=model, recipe=recipe, dataset=torch.randint(0, 128, (4, 32)), progress=False)
+        assert torch.is_inference_mode_enabled()
+    assert [n for n, p in model.named_parameters() if p.is_inference()] == []
+    assert model.model.layers[0].self_attn.q_proj.input_scale.shape == (1,)

@@ -194,7 +194,9 @@ def run_oneshot(settings: OneshotSettings, *, stream_when_possible: bool = False
     run in memory as without it. The returned model then has its parameters on ``meta`` (the CLI does not use it).
     """
 
-    with _torch_threads(settings.threads):
+    # a run called inside torch.inference_mode() made the quantization scales inference tensors, which no later
+    # run (or training) can change: the run is outside it
+    with _torch_threads(settings.threads), torch.inference_mode(False):
         run = prepare(settings)
         return _run_phases(run, stream_when_possible=stream_when_possible)
 
