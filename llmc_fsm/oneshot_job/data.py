@@ -201,6 +201,7 @@ def check_modifiers(sessions: list[Session], model: Any, calibration_data: Any =
             )
             raise MissingStateError(msg, lifecycle=session.lifecycle, missing=missing)
     quantized_by: dict[str, str] = {}  # module -> the quantizing modifier (and stage) that targets it
+    pruned_to: dict[str, tuple[str, float]] = {}  # module -> (pruning modifier, its unstructured sparsity)
     quantizers = [m for s in sessions for m in s.modifiers if hasattr(m, "experts_checked_by_run")]
     for modifier in quantizers:  # several: fused experts left dense are a question for the whole recipe (below)
         modifier.experts_checked_by_run = len(quantizers) > 1
@@ -228,6 +229,7 @@ def check_modifiers(sessions: list[Session], model: Any, calibration_data: Any =
                 targets = {}  # refused after a quantizing modifier of the same recipe
             if targets:
                 _check_quantized_once(modifier, session, targets, quantized_by)
+                _check_mask_kept(modifier, session, targets, pruned_to)
         for modifier in session.modifiers:  # what a modifier needs of the others in its stage (REAP's followers)
             check_stage = getattr(modifier, "check_stage", None)
             if callable(check_stage):
@@ -268,8 +270,7 @@ def _check_quantized_once(modifier: Any, session: Session, targets: dict[str, An
     off their grid (its zeros then missing from the checkpoint's ``sparsity_config``). Unchecked, both failed only
     after the first stage's work, or with ``fuse_stages`` not at all. ``seen``: module -> the quantizing modifier.
     """
-    stage = next((st.name for st in session.recipe.stages if any(m is modifier for m in st.modifiers)), None)
-    label = f"{type(modifier).__name__} of stage {stage!r}" if stage is not None else type(modifier).__name__
+    label = _label(modifier, session)
     twice = sorted(name for name in targets if name in seen)
     quantizes = hasattr(modifier, "quantization_scheme")
     if twice and quantizes:
@@ -287,6 +288,38 @@ def _check_quantized_once(modifier: Any, session: Session, targets: dict[str, An
         raise ValueError(msg)
     if quantizes:
         seen.update(dict.fromkeys(targets, label))
+
+
+def _label(modifier: Any, session: Session) -> str:
+    """``SparseGPTModifier of stage 'sparsity_stage'`` (the class name alone outside a stage)."""
+    stage = next((st.name for st in session.recipe.stages if any(m is modifier for m in st.modifiers)), None)
+    return f"{type(modifier).__name__} of stage {stage!r}" if stage is not None else type(modifier).__name__
+
+
+def _check_mask_kept(
+    modifier: Any, session: Session, targets: dict[str, Any], pruned_to: dict[str, tuple[str, float]]
+) -> None:
+    """Refuse, before any work, a pruning modifier with ``preserve_sparsity_mask`` whose unstructured sparsity is
+    below what an earlier pruning modifier of the recipe prunes in the same modules: it keeps every earlier zero, so
+    it could not reach its own sparsity (it failed after the earlier stage's work, as llm-compressor does: a
+    tester's case). ``pruned_to``: module -> (earlier modifier, its sparsity), updated here."""
+    sparsity = getattr(modifier, "sparsity", None)
+    if not isinstance(sparsity, float) or getattr(modifier, "mask_structure", "unstructured") not in (
+        "unstructured",
+        "0:0",
+    ):
+        return
+    if getattr(modifier, "preserve_sparsity_mask", False):
+        denser = sorted(name for name in targets if name in pruned_to and pruned_to[name][1] > sparsity)
+        if denser:
+            label, earlier = pruned_to[denser[0]]
+            msg = (
+                f"{_label(modifier, session)} keeps every zero with preserve_sparsity_mask, but {label} prunes "
+                f"{len(denser)} of its targets to sparsity {earlier} before it, above its own {sparsity} (e.g. "
+                f"{denser[0]}): give it a sparsity of at least {earlier}, or preserve_sparsity_mask: false"
+            )
+            raise ValueError(msg)
+    pruned_to.update(dict.fromkeys(targets, (_label(modifier, session), sparsity)))
 
 
 def _warn_few_tokens(modifier: Any, targets: dict[str, Any], tokens: int) -> None:

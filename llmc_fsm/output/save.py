@@ -63,7 +63,7 @@ __all__ = [
     "compressed_state_dict",
     "dir_size_bytes",
     "is_quantized",
-    "pruned_sparsity",
+    "model_sparsity",
     "quantized_modules",
     "quantized_views",
     "quantized_weights_as_compressed",
@@ -170,7 +170,8 @@ class SparsityMetadata:
     """What a saved ``sparsity_config`` (compressed-tensors' dense format: the zeros are stored as zeros) records.
 
     Attributes:
-        global_sparsity: the pruned fraction of the quantized weights (:func:`pruned_sparsity`), in ``[0, 1]``.
+        global_sparsity: the pruned fraction of the whole model's parameters (:func:`model_sparsity`), in
+            ``[0, 1]``.
         structure: ``"N:M"`` (N zeros in every M inputs, as compressed-tensors and vLLM read it) when every target
             follows it, else ``"unstructured"``.
         targets: the modules whose weights are sparse (at least 5% pruned zeros), by name.
@@ -192,8 +193,10 @@ def sparsity_metadata(model: nn.Module, report: Any, structure: str | None) -> S
     structure is written as compressed-tensors and vLLM read it, ``N`` zeros in every ``M`` inputs, which for the
     recipe's ``N:M`` (N kept of every M, NVIDIA's reading, as the first-party pruning modifiers take it) is
     ``(M - N):M`` (the same for ``2:4``); only where each target's weight follows it (measured:
-    :attr:`~llmc_fsm.report.build.ModuleSparsity.fewest_zeros`), else ``"unstructured"``. Fused experts' matrices
-    are not listed (not modules).
+    :attr:`~llmc_fsm.report.build.ModuleSparsity.fewest_zeros`); else, or when the recipe asks for no structure (a
+    model pruned elsewhere), ``"2:4"`` where every target's weight follows that, as llm-compressor's older
+    ``infer_sparsity_structure_from_model`` measured it (vLLM's 2:4 kernels); else ``"unstructured"``. Fused experts'
+    matrices are not listed (not modules).
     """
     if report is None:
         return None
@@ -201,25 +204,27 @@ def sparsity_metadata(model: nn.Module, report: Any, structure: str | None) -> S
     sparse = [m for m in report.modules if m.sparsity >= SPARSE_FROM and m.name in names]
     if not sparse:
         return None
-    zeros = zeros_structure(structure) if structure is not None else None
-    follows = zeros is not None and all(m.follows(zeros) for m in sparse)
+    asked = [zeros_structure(structure)] if structure is not None else []
+    followed = next((s for s in [*asked, "2:4"] if all(m.follows(s) for m in sparse)), "unstructured")
     return SparsityMetadata(
-        global_sparsity=pruned_sparsity(report),
-        structure=zeros if follows else "unstructured",
+        global_sparsity=model_sparsity(report, model),
+        structure=followed,
         targets=sorted(m.name for m in sparse),
     )
 
 
-def pruned_sparsity(report: Any) -> float:
-    """Fraction of the quantized weights in ``report`` that are pruned (zero before quantization, kept zero).
+def model_sparsity(report: Any, model: nn.Module) -> float:
+    """The pruned zeros of the weights in ``report`` over all of ``model``'s parameters (tied ones once): compressed-
+    tensors' ``global_sparsity``, "the average sparsity of the entire model" (llm-compressor's older
+    ``infer_global_sparsity`` counted the zeros of every parameter likewise).
 
-    A quantized module's ``zeros`` in the report count only those (see
-    :class:`llmc_fsm.toolkit.calibrated.ModuleResult`): values that quantization rounds
-    to zero are not sparsity. 0.0 without quantized modules.
+    A quantized module's ``zeros`` in the report count only the zeros it held before quantization (see
+    :class:`llmc_fsm.toolkit.calibrated.ModuleResult`): values that quantization rounds to zero are not sparsity.
+    Until 2026-12-06 the fraction was of the quantized weights only: 0.0 beside 2:4 targets when the pruned modules
+    were not quantized (a tester's case). 0.0 for a model without parameters.
     """
-    quantized = [m for m in report.modules if m.bits is not None]
-    numel = sum(m.numel for m in quantized)
-    return sum(m.zeros for m in quantized) / numel if numel else 0.0
+    numel = sum(p.numel() for p in model.parameters())
+    return sum(m.zeros for m in report.modules) / numel if numel else 0.0
 
 
 @contextlib.contextmanager

@@ -49,7 +49,7 @@ def unpack_mask(packed: torch.Tensor, shape: tuple[int, ...] | torch.Size) -> to
 
 def fewest_zeros(weight: torch.Tensor, zeros: int) -> dict[int, int]:
     """For a ``[out, in]`` weight with ``zeros`` exact zeros, at least :data:`SPARSE_FROM` of it: ``{M: the fewest
-    exact zeros in any group of M consecutive inputs of a row}`` for M = 4, 8, 16 dividing ``in``; else ``{}``.
+    exact zeros in any group of M consecutive inputs of a row}`` for M = 4, 8, 16, 32 dividing ``in``; else ``{}``.
 
     The weight follows N:M sparsity (at least N zeros in every group of M, llm-compressor's
     ``tensor_follows_mask_structure``) when that count is at least N (:func:`follows_structure`).
@@ -58,7 +58,7 @@ def fewest_zeros(weight: torch.Tensor, zeros: int) -> dict[int, int]:
         return {}
     rows, cols = weight.shape
     zero = (weight == 0).view(torch.uint8)  # one [out, in] temporary for the three widths
-    widths = [m for m in (4, 8, 16) if cols % m == 0]
+    widths = [m for m in (4, 8, 16, 32) if cols % m == 0]
     return {m: int(zero.reshape(rows, cols // m, m).sum(dim=2, dtype=torch.int32).min()) for m in widths}
 
 

@@ -315,3 +315,29 @@ def test_llm_compressors_recipe_argument_is_read() -> None:
     (modifier,) = recipe.modifiers
     assert isinstance(modifier, SparseGPTModifier) and modifier.preserve_sparsity_mask is True
     assert "preserve_sparsity_mask: true" in recipe.to_yaml(applied=True)
+
+
+def test_a_later_stage_keeping_a_sparser_mask_is_refused_before_the_first_stage_runs() -> None:
+    """Stage 1 prunes to 0.7, stage 2 keeps every zero with preserve_sparsity_mask at 0.5: it cannot reach 0.5, and
+    was refused only after stage 1 had pruned the model (as llm-compressor fails; a tester's case). Refused before
+    any work now; at an equal or higher sparsity it runs."""
+    import llmc_fsm
+
+    def recipe(later: float) -> dict:
+        first = {"SparseGPTModifier": {"sparsity": 0.7, "mask_structure": "0:0", "ignore": ["head"]}}
+        second = {"SparseGPTModifier": {"sparsity": later, "mask_structure": "0:0", "ignore": ["head"],
+                                        "preserve_sparsity_mask": True}}  # fmt: skip
+        return {"sparsity_stage": {"sparsity_modifiers": first}, "more_stage": {"sparsity_modifiers": second}}
+
+    torch.manual_seed(0)
+    model = _Toy().eval()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError) as info:
+        llmc_fsm.oneshot(model=model, recipe=recipe(0.5), dataset=DATA, progress=False)
+    assert str(info.value) == (
+        "SparseGPTModifier of stage 'more_stage' keeps every zero with preserve_sparsity_mask, but SparseGPTModifier "
+        "of stage 'sparsity_stage' prunes 4 of its targets to sparsity 0.7 before it, above its own 0.5 (e.g. "
+        "layers.0.a): give it a sparsity of at least 0.7, or preserve_sparsity_mask: false"
+    )
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    llmc_fsm.oneshot(model=model, recipe=recipe(0.7), dataset=DATA, progress=False)
