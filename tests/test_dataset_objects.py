@@ -345,6 +345,33 @@ def test_token_ids_the_embedding_has_no_row_for_are_refused_before_any_forward(t
         assert not (tmp_path / "o").exists()
 
 
+
+def test_a_tokenizer_of_a_larger_vocabulary_is_refused_before_any_forward(tiny_model_dir, tmp_path, capsys):
+    """A model directory holding another model's tokenizer (ids beyond its embedding): the command failed in the
+    embedding with a traceback (IndexError), streamed or in memory (a tester's case); evaluation text too."""
+    import shutil
+
+    import tiny_llama
+
+    from llmc_fsm.cli.main import main
+
+    model_dir, text = tiny_model_dir
+    small = tmp_path / "small"
+    shutil.copytree(model_dir, small)
+    tiny_llama.llama(vocab=8, layers=2, positions=128).save_pretrained(small)  # its tokenizer's ids reach past 8
+    capsys.readouterr()  # save_pretrained's progress bar
+    for extra in ([], ["--in-memory"], ["--method", "rtn", "--scheme", "W8A8", "--eval-text", str(text)]):
+        argv = ["oneshot", "--model", str(small), "--dataset", str(text), "--seq-len", "8", "--num-samples", "2",
+                "--method", "gptq", "--scheme", "W8A8", "--no-progress", "--output", str(tmp_path / "out"), *extra]
+        assert main(argv) == 1
+        err = capsys.readouterr().err
+        assert err.startswith("llmc-fsm oneshot: error: the tokenizer gives token ids up to ") and err.endswith(
+            ", but the model's input embedding has 8 rows: it is not this model's tokenizer (its vocabulary is "
+            "larger); give the model's own (tokenizer=, or its files in the model directory)\n"
+        ), err
+        assert not (tmp_path / "out").exists()
+
+
 def test_a_text_column_named_like_a_processor_output_is_not_refused():
     """Only image / audio processor outputs are refused (a tester's case: a column of texts named ``input_values``)."""
     from llmc_fsm.data.rows import dataset_object_error

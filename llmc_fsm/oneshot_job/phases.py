@@ -237,9 +237,9 @@ def token_data(run: Run) -> None:
         calibration_windows(run)
         if run.cal_rows is not None and run.needs_data:
             _check_rows_fit(run)
-        _check_token_ids(run)
         if run.ev_text is not None:
             run.eval_windows = eval_windows(run.tokenizer, run.ev_text, settings.num_eval_windows, settings.eval_length)
+        _check_token_ids(run)
     check_modifiers(run.sessions, run.model, run.windows if run.windows is not None else True)
     say_history(run)
     _say_upcast(run)
@@ -300,34 +300,44 @@ def _check_lengths(run: Run, model: Any) -> None:
 
 
 def _check_token_ids(run: Run) -> None:
-    """Calibration token ids given as a tensor or a dataset's rows that the model's input embedding has no row for
-    (another tokenizer's ids, a pad id of -100...): refused before any forward, which would fail with an
-    ``IndexError`` in the embedding.
+    """Calibration and evaluation token ids that the model's input embedding has no row for: refused before any
+    forward, which would fail with an ``IndexError`` in the embedding (a tester's case: a tokenizer of a larger
+    vocabulary than the model's, beside it in its directory or given).
 
     Raises:
-        ValueError: ids below 0 or at least the embedding's row count, naming both.
+        ValueError: ids below 0 or at least the embedding's row count, naming both and where the ids came from.
     """
     windows = run.windows
-    if isinstance(windows, TokenRows):
-        ids = [batch["input_ids"] for batch in windows]
-    elif is_tensor(windows) and is_tensor(run.settings.dataset):
-        ids = [windows]
-    else:  # tokenized here (text, images, generated): the model's own tokenizer
-        return
+    given = [batch["input_ids"] for batch in windows] if isinstance(windows, TokenRows) else []
+    if is_tensor(windows):
+        given = [windows]
+    tokenized = run.cal_text is not None or (run.cal_rows is not None and not run.cal_rows.tokenized)
+    made = [] if run.eval_windows is None or not is_tensor(run.eval_windows) else [run.eval_windows]
     try:
         embedding = run.model.get_input_embeddings()
     except (AttributeError, NotImplementedError):  # a module without one: its forward says what it takes
         return
     rows = getattr(embedding, "num_embeddings", None)
-    ids = [t for t in ids if t.numel()]
-    if not isinstance(rows, int) or not ids:
+    if not isinstance(rows, int):
         return
-    low, high = min(int(t.min()) for t in ids), max(int(t.max()) for t in ids)
-    if low < 0 or high >= rows:
-        msg = (
-            f"calibration token ids must lie in [0, {rows}) (the rows of the model's input embedding), got ids from "
-            f"{low} to {high}: were they made by this model's tokenizer (no -100 or other padding marks)?"
-        )
+    for ids, by_tokenizer in ((given, tokenized), (made, True)):
+        ids = [t for t in ids if t.numel()]
+        if not ids:
+            continue
+        low, high = min(int(t.min()) for t in ids), max(int(t.max()) for t in ids)
+        if 0 <= low and high < rows:
+            continue
+        if by_tokenizer:
+            msg = (
+                f"the tokenizer gives token ids up to {high}, but the model's input embedding has {rows} rows: it "
+                "is not this model's tokenizer (its vocabulary is larger); give the model's own (tokenizer=, or its "
+                "files in the model directory)"
+            )
+        else:
+            msg = (
+                f"calibration token ids must lie in [0, {rows}) (the rows of the model's input embedding), got ids "
+                f"from {low} to {high}: were they made by this model's tokenizer (no -100 or other padding marks)?"
+            )
         raise ValueError(msg)
 
 
