@@ -41,6 +41,7 @@ import numbers
 import re
 from typing import Any
 
+import attrs
 import torch
 
 logger = logging.getLogger(__name__)
@@ -192,6 +193,14 @@ def mask_structure_validator(instance: Any, attribute: Any, value: Any) -> None:
         ValueError: not ``"unstructured"`` or ``"N:M"``; the message lists what is accepted.
     """
     nm = parse_mask_structure(value)
+    sparsity = getattr(instance, "sparsity", None)
+    default = attrs.fields_dict(type(instance)).get("sparsity") if attrs.has(type(instance)) else None
+    given = isinstance(sparsity, float) and (default is None or sparsity != default.default)
+    if nm is not None and given and not math.isclose(sparsity, (nm[1] - nm[0]) / nm[1]):
+        logger.warning(  # on both sides (llm-compressor's pruners too): a recipe's number that does nothing
+            "%s: sparsity %s is not used: mask_structure %r fixes the sparsity (%.0f%% of each group of %d)",
+            type(instance).__name__, sparsity, value, 100 * (nm[1] - nm[0]) / nm[1], nm[1],
+        )  # fmt: skip
     if nm is not None and 2 * nm[0] != nm[1]:
         n, m = nm
         logger.warning(

@@ -150,3 +150,21 @@ def test_target_without_input_is_left_dense_and_reported():
 def test_nm_with_block_size_not_multiple_of_m():
     with pytest.raises(ValueError, match="multiple of M=4"):
         SparseGPTModifier(mask_structure="2:4", block_size=6)
+
+
+def test_a_sparsity_an_n_m_structure_overrides_is_said(caplog):
+    """With an N:M mask_structure the sparsity argument is not used (the structure fixes it), here as in
+    llm-compressor: a recipe's 0.7 with 2:4 pruned 50% without a word (a tester's case). One warning when the recipe
+    gives a sparsity the structure does not make; none for the default or an agreeing one."""
+    with caplog.at_level("WARNING", logger="llmc_fsm_pruning.masks"):
+        SparseGPTModifier(mask_structure="2:4")
+        SparseGPTModifier(sparsity=0.5, mask_structure="4:8")
+        SparseGPTModifier(sparsity=0.7)
+        assert caplog.records == []
+        SparseGPTModifier(sparsity=0.7, mask_structure="2:4")
+        WandaPruningModifier(sparsity="0.6", mask_structure="8:16")
+    assert [r.getMessage() for r in caplog.records] == [
+        "SparseGPTModifier: sparsity 0.7 is not used: mask_structure '2:4' fixes the sparsity (50% of each group of 4)",
+        "WandaPruningModifier: sparsity 0.6 is not used: mask_structure '8:16' fixes the sparsity (50% of each group "
+        "of 16)",
+    ]
