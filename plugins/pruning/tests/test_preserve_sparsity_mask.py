@@ -25,6 +25,7 @@ import torch
 from llmc_fsm_pruning import SparseGPTModifier, sparsegpt_prune, sparsegpt_prune_shared
 from torch import nn
 
+import llmc_fsm
 from llmc_fsm import Session
 from llmc_fsm.pipeline.sequential import run_sequential
 from llmc_fsm.recipes.building import resolve_recipe
@@ -321,8 +322,6 @@ def test_a_later_stage_keeping_a_sparser_mask_is_refused_before_the_first_stage_
     """Stage 1 prunes to 0.7, stage 2 keeps every zero with preserve_sparsity_mask at 0.5: it cannot reach 0.5, and
     was refused only after stage 1 had pruned the model (as llm-compressor fails; a tester's case). Refused before
     any work now; at an equal or higher sparsity it runs."""
-    import llmc_fsm
-
     def recipe(later: float) -> dict:
         first = {"SparseGPTModifier": {"sparsity": 0.7, "mask_structure": "0:0", "ignore": ["head"]}}
         second = {"SparseGPTModifier": {"sparsity": later, "mask_structure": "0:0", "ignore": ["head"],
