@@ -432,6 +432,10 @@ quant_modifiers:
             "GPTQModifier: {scheme: {W8A8: [Linear], W4A16: [Linear]}}",
             "argument 'scheme': one preset per modifier, got W8A8, W4A16; split into modifiers",
         ),
+        (  # with targets beside it a TypeError escaped as a traceback (a fuzzing tester's case)
+            "GPTQModifier: {scheme: {W4A16: null}, targets: [Linear]}",
+            "argument 'scheme': the targets of preset 'W4A16' must be a module pattern or a list of them, got None",
+        ),
         (
             "QuantizationModifier: {observer: {weights: mse, output: minmax}}",
             "argument 'observer': only the weight and input observers can be chosen ({weights: NAME, input: NAME}), "
@@ -683,3 +687,14 @@ def test_a_modifier_object_at_its_defaults_is_explained_as_the_same_recipe_text(
     assert arguments(Session([GPTQModifier()])) == arguments(Session("s:\n  GPTQModifier: {}\n"))
     assert "scheme='W4A16' (default; llm-compressor has no default scheme" in arguments(Session([GPTQModifier()]))
     assert "scheme='W8A8'," in arguments(Session([GPTQModifier(scheme="W8A8")]))  # a value given: no mark
+
+
+def test_two_stages_of_one_name_are_refused():
+    """A ``stages:`` mapping and a top-level stage of the same name both ran, and the saved recipe (a mapping by
+    stage name) kept one of them (a fuzzing tester's case); stage objects of one name likewise."""
+    with pytest.raises(RecipeError) as info:
+        resolve_recipe("stages:\n  prune_stage:\n    WandaPruningModifier: {sparsity: 0.5}\nprune_stage:\n"
+                       "  WandaPruningModifier: {sparsity: 0.3}\n")  # fmt: skip
+    assert str(info.value) == "recipe <text>: two stages are named 'prune_stage' (stage names are unique); rename one"
+    with pytest.raises(RecipeError, match=r"^recipe <dict>: two stages are named 'a' \(stage names are unique\)"):
+        resolve_recipe({"stages": {"a": {"WandaPruningModifier": {}}}, "a": {"ConstantPruningModifier": {}}})

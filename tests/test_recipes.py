@@ -563,3 +563,4 @@ def test_given_arguments_are_remembered_for_modifiers_built_from_recipe_data() -
     assert given_arguments(prune) == frozenset({"sparsity"})  # given even where it equals the default
     assert given_arguments(quant) == frozenset()
     assert given_arguments(Prune()) is None  # an object: not known
+

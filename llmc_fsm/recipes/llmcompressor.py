@@ -189,8 +189,11 @@ def _preset_targets(value: Any, args: Mapping[str, Any]) -> dict[str, Any] | Non
         raise ValueError(f"one preset per modifier, got {', '.join(map(str, value))}; split into modifiers")
     ((preset, targets),) = value.items()
     targets = _as_list(targets)
+    if not isinstance(targets, list):  # null, a number: a TypeError escaped here (found by a fuzzing tester)
+        msg = f"the targets of preset {preset!r} must be a module pattern or a list of them, got {targets!r}"
+        raise ValueError(msg)
     given = args.get("targets")
-    if given is not None and _as_list(given) != list(targets):
+    if given is not None and _as_list(given) != targets:
         raise ValueError(f"its targets {targets!r} differ from the modifier's targets {args['targets']!r}")
     return {"scheme": preset, "targets": targets}
 

@@ -127,13 +127,20 @@ class Recipe:
         source: where it came from (a path, ``"<text>"``, ``"<dict>"``, ``"<objects>"``...).
 
     Raises (at construction):
-        RecipeError: the modifiers' ``runs_after`` constraints cannot be met.
+        RecipeError: two stages of one name (a ``stages:`` mapping and a top-level stage of the same name: both ran,
+            and the saved recipe, a mapping by stage name, kept one; found by a fuzzing tester), or the modifiers'
+            ``runs_after`` constraints cannot be met.
     """
 
     stages: list[Stage] = attrs.field(factory=list)
     source: str = "<none>"
 
     def __attrs_post_init__(self) -> None:
+        names = [stage.name for stage in self.stages]
+        twice = next((name for name in names if names.count(name) > 1), None)
+        if twice is not None:
+            msg = f"recipe {self.source}: two stages are named {twice!r} (stage names are unique); rename one"
+            raise RecipeError(msg)
         self.plan()
 
     def plan(self) -> list[tuple[Stage, list[Modifier]]]:
