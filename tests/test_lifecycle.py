@@ -11,6 +11,7 @@ import threading
 from pathlib import Path
 
 import attrs
+import numpy as np
 import pytest
 import torch
 import transitions
@@ -28,6 +29,7 @@ from llmc_fsm import (
     create_session,
 )
 from llmc_fsm.core.lifecycle import EVENT_ORDER, STATES, TRANSITIONS, mermaid
+from llmc_fsm.integrations.torch import is_step, steps_per_epoch
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -657,3 +659,32 @@ def test_a_session_refuses_pickle_and_copy_and_names_what_to_use(copy_it):
     assert (info.value.lifecycle, info.value.call) == ("staging", "pickle")
     assert info.value.allowed == tuple(sorted(session.allowed_calls))
     assert session.lifecycle == "staging"  # nothing changed
+
+
+def test_a_steps_per_epoch_that_is_not_a_positive_int_is_refused_and_nothing_is_stored():
+    """A fuzzing tester's cases: steps_per_epoch="10" was stored, and the first event then raised a TypeError after
+    the session had moved to 'running'; 0 (an empty loader's length) turned every schedule off without a word."""
+    model = torch.nn.Linear(2, 2)
+    for bad, extra in (("10", ""), (0, " (an empty training loader?)"), (-1, ""), (2.5, ""), (True, "")):
+        message = (
+            f"steps_per_epoch must be a positive int (optimizer steps per epoch), got {bad!r}{extra}; e.g. "
+            "len(train_loader) // gradient_accumulation_steps"
+        )
+        session = Session([Recorder(start=0)])
+        with pytest.raises(ValueError) as info:
+            session.update_state(steps_per_epoch=bad)
+        assert str(info.value) == message
+        with pytest.raises(ValueError) as info:
+            session.initialize(model=model, optimizer=object(), teacher=model, steps_per_epoch=bad)
+        assert str(info.value) == message
+        assert (session.lifecycle, dict(session.state)) == ("created", {})
+    for good in (3, np.int64(3)):
+        session = Session([Recorder(start=0)])
+        session.initialize(model=model, optimizer=object(), teacher=model, steps_per_epoch=good)
+        session.batch_start()
+        assert session.lifecycle == "running"
+    for bad in (0, "2", 2.5):  # the helpers' own argument
+        with pytest.raises(ValueError, match=rf"^gradient_accumulation_steps must be an int >= 1, got {bad!r}$"):
+            steps_per_epoch([1, 2, 3], bad)
+        with pytest.raises(ValueError, match=rf"^gradient_accumulation_steps must be an int >= 1, got {bad!r}$"):
+            is_step(0, 3, bad)

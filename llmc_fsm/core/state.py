@@ -9,13 +9,14 @@ replaces it on every ``update_state``; nobody mutates it.
 from __future__ import annotations
 
 import difflib
+import operator
 from collections.abc import Iterable, Iterator, Mapping
 from types import MappingProxyType
 from typing import Any
 
 import attrs
 
-__all__ = ["WELL_KNOWN_KEYS", "State", "missing_state_message"]
+__all__ = ["WELL_KNOWN_KEYS", "State", "check_state_values", "missing_state_message"]
 
 
 def _freeze(values: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -103,6 +104,31 @@ class State(Mapping[str, Any]):
 
 #: Keys with attribute access on :class:`State`, in documentation order.
 WELL_KNOWN_KEYS: tuple[str, ...] = tuple(name for name, value in vars(State).items() if isinstance(value, _Key))
+
+
+def check_state_values(values: Mapping[str, Any]) -> None:
+    """Refuse a well-known key's value that cannot be what it names (before it is stored): ``steps_per_epoch``
+    must be a positive integer (a Python or numpy int). A string failed at the first event with a ``TypeError``
+    after the session had moved, and ``0`` (an empty loader's length) turned every schedule off without a word
+    (found by a fuzzing tester).
+
+    Raises:
+        ValueError: naming the key, the value and what to give.
+    """
+    spe = values.get("steps_per_epoch")
+    if spe is None:
+        return
+    try:
+        count = None if isinstance(spe, bool) else operator.index(spe)
+    except TypeError:
+        count = None
+    if count is None or count < 1:
+        msg = (
+            f"steps_per_epoch must be a positive int (optimizer steps per epoch), got {spe!r}"
+            + (" (an empty training loader?)" if count == 0 else "")
+            + "; e.g. len(train_loader) // gradient_accumulation_steps"
+        )
+        raise ValueError(msg)
 
 
 def missing_state_message(

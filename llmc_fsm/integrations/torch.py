@@ -75,6 +75,7 @@ of the student's inputs); see :mod:`llmc_fsm.integrations`.
 from __future__ import annotations
 
 import math
+import operator
 from pathlib import Path
 from typing import Any
 
@@ -113,11 +114,9 @@ def steps_per_epoch(loader: Any, gradient_accumulation_steps: int = 1) -> int:
     epoch counts as a step, as in the HF Trainer and :func:`is_step`.
 
     Raises:
-        ValueError: ``gradient_accumulation_steps`` < 1, or no length.
+        ValueError: ``gradient_accumulation_steps`` is not an int >= 1, or no length.
     """
-    if isinstance(gradient_accumulation_steps, bool) or gradient_accumulation_steps < 1:
-        msg = f"gradient_accumulation_steps must be an int >= 1, got {gradient_accumulation_steps!r}"
-        raise ValueError(msg)
+    _check_accumulation(gradient_accumulation_steps)
     try:
         batches = loader if isinstance(loader, int) else len(loader)
     except TypeError:
@@ -126,12 +125,28 @@ def steps_per_epoch(loader: Any, gradient_accumulation_steps: int = 1) -> int:
     return max(1, math.ceil(batches / gradient_accumulation_steps))
 
 
+def _check_accumulation(gradient_accumulation_steps: Any) -> None:
+    """Raise ``ValueError`` unless ``gradient_accumulation_steps`` is an int >= 1 (a numpy int too; a string, a float
+    or 0 gave a TypeError, a truncated count or a ZeroDivisionError: found by a fuzzing tester)."""
+    try:
+        count = None if isinstance(gradient_accumulation_steps, bool) else operator.index(gradient_accumulation_steps)
+    except TypeError:
+        count = None
+    if count is None or count < 1:
+        msg = f"gradient_accumulation_steps must be an int >= 1, got {gradient_accumulation_steps!r}"
+        raise ValueError(msg)
+
+
 def is_step(batch_index: int, batches_per_epoch: int | None, gradient_accumulation_steps: int = 1) -> bool:
     """Whether the batch at ``batch_index`` (0-based, within the epoch) ends an accumulation window.
 
     True every ``gradient_accumulation_steps`` batches and at the last batch of
     the epoch (``batches_per_epoch``, ``None`` when unknown).
+
+    Raises:
+        ValueError: ``gradient_accumulation_steps`` is not an int >= 1.
     """
+    _check_accumulation(gradient_accumulation_steps)
     last = batches_per_epoch is not None and batch_index + 1 == batches_per_epoch
     return (batch_index + 1) % gradient_accumulation_steps == 0 or last
 

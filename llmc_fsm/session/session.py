@@ -31,7 +31,7 @@ from llmc_fsm.core.errors import LifecycleError, MissingStateError, ModifierErro
 from llmc_fsm.core.guard import changed, failure, module_parameters
 from llmc_fsm.core.lifecycle import CALLS_ALLOWED, make_machine
 from llmc_fsm.core.modifier import Event, Modifier
-from llmc_fsm.core.state import State, missing_state_message
+from llmc_fsm.core.state import State, check_state_values, missing_state_message
 from llmc_fsm.recipes.building import resolve_recipe
 from llmc_fsm.recipes.fingerprint import recipe_fingerprint
 from llmc_fsm.recipes.model import Recipe
@@ -129,11 +129,14 @@ class Session(SessionCheckpoints):
 
         Raises:
             LifecycleError: the session is already initialized, running or finalized.
+            ValueError: a well-known key's value that cannot be what it names (``steps_per_epoch`` not a positive
+                int; :func:`~llmc_fsm.core.state.check_state_values`); nothing is stored.
         """
         with self._lock:
             self._refuse_from_hook("update_state")
             if "update_state" not in CALLS_ALLOWED[self.lifecycle]:
                 self._refuse("update_state")
+            check_state_values(state)
             self._state = self._state.merged(state)
             self._fire("update_state")
 
@@ -179,14 +182,15 @@ class Session(SessionCheckpoints):
                 the model before.
             MissingStateError: required state keys are missing.
             ModifierError: a modifier's ``on_initialize`` raised.
-            ValueError: under ``torch.distributed`` the ranks disagree on the recipe,
-                the model or the expected ``world_size`` (same message on every rank).
+            ValueError: ``steps_per_epoch`` not a positive int (nothing stored); under ``torch.distributed`` the
+                ranks disagree on the recipe, the model or the expected ``world_size`` (same message on every rank).
         """
         with self._lock:
             self._refuse_from_hook("initialize")
             lifecycle = self.lifecycle
             if "initialize" not in CALLS_ALLOWED[lifecycle] or self._broken is not None:
                 self._refuse("initialize")
+            check_state_values(state)
             full = unwrap_state(self._state.merged(state))  # DDP / DataParallel: the module inside
             check_ranks_agree(
                 recipe_fingerprint(self.labels, self.modifiers, self.recipe.plan()), full
