@@ -393,3 +393,44 @@ def test_the_mismatch_example_in_the_docs_is_the_real_message(tmp_path):
         Session.load(path, [magnitude(0.2)], model=model, optimizer=opt, steps_per_epoch=4)
     doc = (REPO / "docs" / "lifecycle.md").read_text(encoding="utf-8")
     assert f"```text\n{info.value}\n```" in doc
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "problem"),
+    [
+        ("global_step", "x", "global_step 'x' is not a step count"),
+        ("global_step", True, "global_step True is not a step count"),
+        ("recipe", None, "its recipe is a NoneType, not a list"),
+        ("recipe", [1, 2], "its recipe entries are not modifier records"),
+        ("schedule", {}, "it has no schedule entry for MagnitudePruningModifier"),
+        ("schedule", {"MagnitudePruningModifier": {"started": 1}}, "the schedule of MagnitudePruningModifier lacks "
+                                                                    "started / ended / next_update"),
+        ("modifiers", {}, "it has no modifiers entry for MagnitudePruningModifier"),
+        ("modifiers", [], "its modifiers is not a mapping of modifier labels to mappings"),
+    ],
+)
+def test_a_damaged_checkpoint_is_refused_before_anything_loads(tmp_path, key, value, problem):
+    """A fuzzing tester's cases: a hand-edited session.json raised a bare ValueError / KeyError / TypeError, one
+    (schedule emptied) after the modifier's masks were loaded, and 'modifiers: {}' loaded with no masks at all."""
+    recipe = {"s": {"MagnitudePruningModifier": {"init_sparsity": 0.1, "final_sparsity": 0.5, "start": 0, "end": 2,
+                                                 "update": 0.5}}}  # fmt: skip
+    model = _model()
+    state = {"model": model, "steps_per_epoch": 2, "optimizer": torch.optim.SGD(model.parameters(), lr=0.0)}
+    path = _saved(tmp_path, recipe, **state)
+    session_json = path / "session.json"
+    saved = json.loads(session_json.read_text())
+    saved["state"][key] = value
+    session_json.write_text(json.dumps(saved))
+    with pytest.raises(CheckpointError) as info:
+        Session.load(path, recipe, **state)
+    assert str(info.value) == (
+        f"the checkpoint is damaged: {problem}. Nothing was loaded: resume from an intact checkpoint (an earlier one, "
+        "or a new run)"
+    )
+    fresh = Session(recipe)
+    fresh.initialize(**state)
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(CheckpointError, match=r"^the checkpoint is damaged: "):
+        fresh.load_state_dict(read_checkpoint(path))
+    assert fresh.modifiers[0].state_dict() == Session(recipe).modifiers[0].state_dict()  # nothing loaded
+    assert all(torch.equal(weights[k], v) for k, v in model.state_dict().items())

@@ -72,13 +72,57 @@ def _format_problem(state: Any) -> str | None:
     return f"incomplete state dict: no {', '.join(missing)}" if missing else None
 
 
+def _damage(state: Mapping[str, Any]) -> str | None:
+    """What is malformed in a state dict of the right format (fields of the wrong type, a schedule entry without
+    its fields), else ``None``: a damaged ``session.json`` raised a bare ValueError / KeyError / TypeError, loaded
+    part of itself before failing, or loaded without any modifier's state (found by a fuzzing tester). Whether each
+    modifier of the recipe has its entries is checked against the session (:func:`_entries_missing`)."""
+    step = state["global_step"]
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        return f"global_step {step!r} is not a step count"
+    if not isinstance(state["recipe"], list):
+        return f"its recipe is a {type(state['recipe']).__name__}, not a list"
+    for key in ("schedule", "modifiers"):
+        if not isinstance(state[key], Mapping) or not all(isinstance(v, Mapping) for v in state[key].values()):
+            return f"its {key} is not a mapping of modifier labels to mappings"
+    for label, entry in state["schedule"].items():
+        fields = {"started", "ended", "next_update"}
+        if not fields <= set(entry) or not all(isinstance(entry[f], bool) for f in ("started", "ended")):
+            return f"the schedule of {label} lacks started / ended / next_update"
+        upcoming = entry["next_update"]
+        if upcoming is not None and (isinstance(upcoming, bool) or not isinstance(upcoming, int | float)):
+            return f"the schedule of {label} has next_update {upcoming!r}"
+    return None
+
+
+def _entry_missing(state: Mapping[str, Any], session: Any) -> str | None:
+    """The first modifier of ``session`` with no entry in the checkpoint's ``schedule`` or ``modifiers`` (a modifier
+    without state writes ``{}``: an entry missing is damage, not 'nothing to load'), else ``None``."""
+    return next(
+        (f"it has no {key} entry for {label}" for key in ("schedule", "modifiers") for label in session.labels
+         if label not in state[key]),
+        None,
+    )  # fmt: skip
+
+
+def _damaged(problem: str) -> CheckpointError:
+    msg = (
+        f"the checkpoint is damaged: {problem}. Nothing was loaded: resume from an intact checkpoint (an earlier "
+        "one, or a new run)"
+    )
+    return CheckpointError(msg, differences=[problem])
+
+
 def _recipe_problems(state: Any, session: Any) -> list[str]:
     """Format and recipe differences (usable before ``initialize``)."""
     problem = _format_problem(state)
     if problem is not None:
         return [problem]
     current = recipe_fingerprint(session.labels, session.modifiers, session.recipe.plan())
-    return differences(state["recipe"], current)
+    try:
+        return differences(state["recipe"], current)
+    except (TypeError, KeyError, AttributeError, ValueError):  # entries that are not what state_dict() writes
+        raise _damaged("its recipe entries are not modifier records") from None
 
 
 def _problems(state: Any, session: Any, given: Mapping[str, Any] | None = None) -> list[str]:
@@ -86,7 +130,13 @@ def _problems(state: Any, session: Any, given: Mapping[str, Any] | None = None) 
     only where it is known, in ``given`` or in the staged state)."""
     if _format_problem(state) is not None:
         return _recipe_problems(state, session)
+    damage = _damage(state)
+    if damage is not None:
+        raise _damaged(damage)
     out = _recipe_problems(state, session)
+    damage = None if out else _entry_missing(state, session)  # the same modifiers: each must have its entries
+    if damage is not None:
+        raise _damaged(damage)
     known = {**session.state.values, **(given or {})}
     spe_old, spe_new = state.get("steps_per_epoch"), known.get("steps_per_epoch")
     if (given is None or "steps_per_epoch" in known) and spe_old != spe_new:
@@ -123,8 +173,9 @@ def restore(session: Any, schedule: Schedule, state: Mapping[str, Any]) -> int:
     """Check ``state`` against ``session``, then load every modifier's part and the schedule; return the step.
 
     Raises:
-        CheckpointError: a difference (nothing loaded), or a modifier refused its
-            part (the modifiers loaded before it are restored to their state before).
+        CheckpointError: a difference or damage (a field of the wrong type, a modifier's entry missing; nothing
+            loaded), or a modifier refused its part (the modifiers loaded before it are restored to their state
+            before).
     """
     problems = _problems(state, session)
     if problems:
