@@ -20,6 +20,7 @@ from llmc_fsm.core.errors import MissingStateError
 from llmc_fsm.data.protocol import kept_tokenizer_state, load_text, token_windows
 from llmc_fsm.data.rows import describe_rows, is_rows
 from llmc_fsm.session.session import Session
+from llmc_fsm.toolkit.masks import zeros_structure
 from llmc_fsm.toolkit.obs import HessianAccumulator
 from llmc_fsm.toolkit.targets import check_not_quantized, select_targets
 from llmc_fsm.toolkit.views import weight_views
@@ -304,10 +305,13 @@ def _check_mask_kept(
     it could not reach its own sparsity (it failed after the earlier stage's work, as llm-compressor does: a
     tester's case). ``pruned_to``: module -> (earlier modifier, its sparsity), updated here."""
     sparsity = getattr(modifier, "sparsity", None)
-    if not isinstance(sparsity, float) or getattr(modifier, "mask_structure", "unstructured") not in (
-        "unstructured",
-        "0:0",
-    ):
+    structure = getattr(modifier, "mask_structure", None)
+    zeros = zeros_structure(structure) if isinstance(structure, str) else None
+    count, group = (int(part) for part in zeros.split(":")) if zeros is not None else (0, 0)
+    if group:  # N:M ("0:0" is unstructured): the structure's fraction is what it prunes, keeping no earlier mask
+        pruned_to.update(dict.fromkeys(targets, (_label(modifier, session), count / group)))
+        return
+    if not isinstance(sparsity, float):
         return
     if getattr(modifier, "preserve_sparsity_mask", False):
         denser = sorted(name for name in targets if name in pruned_to and pruned_to[name][1] > sparsity)

@@ -339,4 +339,10 @@ def test_a_later_stage_keeping_a_sparser_mask_is_refused_before_the_first_stage_
         "layers.0.a): give it a sparsity of at least 0.7, or preserve_sparsity_mask: false"
     )
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    two_four = recipe(0.3)  # an N:M first stage prunes its structure's fraction (missed at first: a tester's case)
+    two_four["sparsity_stage"]["sparsity_modifiers"]["SparseGPTModifier"]["mask_structure"] = "2:4"
+    with pytest.raises(ValueError, match=r"of stage 'sparsity_stage' prunes 4 of its targets to sparsity 0.5 before "
+                                         r"it, above its own 0.3 \(e.g. layers.0.a\)"):
+        llmc_fsm.oneshot(model=model, recipe=two_four, dataset=DATA, progress=False)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     llmc_fsm.oneshot(model=model, recipe=recipe(0.7), dataset=DATA, progress=False)
