@@ -7,14 +7,19 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 
 import pytest
+import tiny_llama
 import torch
-from transformers import AutoTokenizer
+from tokenizers import Tokenizer, pre_tokenizers
+from tokenizers.models import WordLevel
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 import llmc_fsm
+from llmc_fsm.cli.main import main
 from llmc_fsm.data.rows import TokenRows, read_rows, row_batches
-from llmc_fsm.oneshot_job.data import describe
+from llmc_fsm.oneshot_job.data import DEFAULT_PROMPTS, describe
 
 RECIPE = {"s": {"SparseGPTModifier": {"sparsity": 0.5, "targets": ["Linear"], "ignore": ["lm_head"]}}}
 
@@ -348,13 +353,8 @@ def test_token_ids_the_embedding_has_no_row_for_are_refused_before_any_forward(t
 
 def test_a_tokenizer_of_a_larger_vocabulary_is_refused_before_any_forward(tiny_model_dir, tmp_path, capsys):
     """A model directory holding another model's tokenizer (ids beyond its embedding): the command failed in the
-    embedding with a traceback (IndexError), streamed or in memory (a tester's case); evaluation text too."""
-    import shutil
-
-    import tiny_llama
-
-    from llmc_fsm.cli.main import main
-
+    embedding with a traceback (IndexError), streamed or in memory (a tester's case); evaluation text and the prompts
+    of the default generated calibration too (they failed in generate())."""
     model_dir, text = tiny_model_dir
     small = tmp_path / "small"
     shutil.copytree(model_dir, small)
@@ -370,6 +370,15 @@ def test_a_tokenizer_of_a_larger_vocabulary_is_refused_before_any_forward(tiny_m
             "larger); give the model's own (tokenizer=, or its files in the model directory)\n"
         ), err
         assert not (tmp_path / "out").exists()
+    # the default calibration is generated from prompts: a tokenizer giving them ids past the embedding (B4's case)
+    words = sorted({w for p in DEFAULT_PROMPTS for w in p.replace(".", " ").replace(",", " ").split()})
+    tok = Tokenizer(WordLevel({"[UNK]": 0, "</s>": 1} | {w: 100 + i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    prompts_tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", eos_token="</s>")
+    with pytest.raises(ValueError, match=r"^the tokenizer gives token ids up to 1\d\d, but the model's input "
+                                         r"embedding has 8 rows: it is not this model's tokenizer"):
+        llmc_fsm.oneshot(model=tiny_llama.llama(vocab=8, layers=2, positions=128), tokenizer=prompts_tokenizer,
+                         recipe=RECIPE, num_calibration_samples=2, max_seq_length=8, progress=False)  # fmt: skip
 
 
 def test_a_text_column_named_like_a_processor_output_is_not_refused():

@@ -34,7 +34,7 @@ from llmc_fsm.data.images import (
     load_processor,
     read_image_captions,
 )
-from llmc_fsm.data.protocol import PerplexityCache, perplexity, token_windows
+from llmc_fsm.data.protocol import PerplexityCache, kept_tokenizer_state, perplexity, token_windows
 from llmc_fsm.data.rows import TokenRows, is_rows, read_rows, row_batches
 from llmc_fsm.models.hf_io import (
     first_line,
@@ -313,6 +313,9 @@ def _check_token_ids(run: Run) -> None:
         given = [windows]
     tokenized = run.cal_text is not None or (run.cal_rows is not None and not run.cal_rows.tokenized)
     made = [] if run.eval_windows is None or not is_tensor(run.eval_windows) else [run.eval_windows]
+    if windows is None and run.needs_data and run.settings.dataset is None and run.tokenizer is not None:
+        with kept_tokenizer_state(run.tokenizer):  # the prompts the default calibration is generated from
+            made += [torch.tensor(run.tokenizer(p, add_special_tokens=False)["input_ids"]) for p in DEFAULT_PROMPTS]
     try:
         embedding = run.model.get_input_embeddings()
     except (AttributeError, NotImplementedError):  # a module without one: its forward says what it takes
