@@ -79,24 +79,43 @@ def test_a_nan_weight_is_refused_at_its_own_compression_by_round_to_nearest_too(
     assert getattr(info, "__notes__", None) is None
 
 
+def _poison(module, args, output):
+    """A forward hook making the first channel of ``module``'s output NaN (as an overflow or a NaN upstream)."""
+    output = output.clone()
+    output[..., 0] = float("nan")
+    return output
+
+
 def test_the_note_names_what_smoothing_changed_too():
     """The note counted compressed modules only: SmoothQuant's folds into layer 0 (norms and Linears) were missed
-    when GPTQ, told to ignore layer 0, failed in layer 1 (a tester's case). It reads the parameters' versions."""
-    model = tiny_llama.llama(hidden=64, vocab=128)
-    with torch.no_grad():
-        model.model.layers[0].mlp.down_proj.weight[0, 0] = float("nan")  # layer 1's inputs: NaN
+    when GPTQ, told to ignore layer 0, failed in layer 1 (a tester's case). It reads the parameters' versions. NaN
+    inputs of layer 1 (a NaN upstream, an overflow): GPTQ names the modules whose Hessian they made non-finite;
+    SmoothQuant refuses to smooth from them (it folded NaN scales into the layer silently)."""
     scheme = {"preset": "W4A16", "weights": {"group_size": 32}}
-    recipe = {"s": {"SmoothQuantModifier": {"smoothing_strength": 0.8},
-                    "GPTQModifier": {"scheme": scheme, "ignore": ["lm_head", "re:model\\.layers\\.0\\..*"]}}}
-    info = _fails(model, recipe)
-    assert "the calibration inputs of model.layers.1.self_attn.q_proj, model.layers.1.self_attn.k_proj, " in str(
-        info
+    gptq = {"GPTQModifier": {"scheme": scheme, "ignore": ["lm_head", "re:model\\.layers\\.0\\..*"]}}
+    model = tiny_llama.llama(hidden=64, vocab=128)
+    model.model.layers[0].mlp.down_proj.register_forward_hook(_poison)  # layer 1's inputs: NaN
+    info = _fails(model, {"s": gptq})
+    assert "GPTQModifier: the calibration inputs of model.layers.1.self_attn.q_proj, model.layers.1.self_attn.k_proj, " \
+        "model.layers.1.self_attn.v_proj hold NaN or Inf values (their Hessian is not finite)" in str(info)
+    assert getattr(info, "__notes__", None) is None  # layer 0: ignored, nothing changed
+    model = tiny_llama.llama(hidden=64, vocab=128)
+    model.model.layers[0].mlp.down_proj.register_forward_hook(_poison)
+    with pytest.raises(ValueError) as raised:
+        llmc_fsm.oneshot(model=model, recipe={"s": {"SmoothQuantModifier": {"smoothing_strength": 0.8}, **gptq}},
+                         dataset=torch.randint(0, 128, (4, 32)), progress=False)  # fmt: skip
+    layer1 = ", ".join(f"model.layers.1.{n}" for n in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                                                       "mlp.gate_proj", "mlp.up_proj"))  # fmt: skip
+    assert str(raised.value) == (
+        f"SmoothQuantModifier: the calibration inputs of {layer1} hold NaN or Inf values, so they cannot be smoothed: "
+        "the activations overflowed before them (a float16 model: load it in float32, --dtype float32) or a weight "
+        "before them holds NaN or Inf"
     )
-    layers = "model.layers.{0..1}."
-    assert info.__notes__ == [
-        "oneshot: the model you passed was changed in place before this error (14 modules: "
-        + ", ".join(layers + n for n in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj",
-                                         "mlp.up_proj", "input_layernorm", "post_attention_layernorm"))
+    assert raised.value.__notes__ == [
+        "oneshot: the model you passed was changed in place before this error (7 modules: "
+        + ", ".join("model.layers.0." + n for n in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                                                    "mlp.gate_proj", "mlp.up_proj", "input_layernorm",
+                                                    "post_attention_layernorm"))
         + "); reload it before another run."
     ]
 
@@ -107,26 +126,31 @@ def test_a_nan_weight_is_refused_before_smoothing_changes_its_layer():
     modifier names the module before the layer changes; the note names layer 0 only."""
     layer0 = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
               "mlp.up_proj", "mlp.down_proj", "input_layernorm", "post_attention_layernorm")
-    for recipe in (
-        {"s": {"AWQModifier": {"scheme": "W4A16", "ignore": ["lm_head"]}}},  # the older form: AWQ quantizes
-        {"s": {"AWQModifier": {}, "QuantizationModifier": {"scheme": "W4A16", "ignore": ["lm_head"]}}},
-    ):
+    cases = (  # o_proj: in no active mapping of this GQA model (v_proj -> o_proj is skipped; B4's case)
+        ({"s": {"AWQModifier": {"scheme": "W4A16", "ignore": ["lm_head"]}}}, "mlp.down_proj"),  # AWQ quantizes
+        ({"s": {"AWQModifier": {}, "QuantizationModifier": {"scheme": "W4A16", "ignore": ["lm_head"]}}},
+         "mlp.down_proj"),
+        ({"s": {"AWQModifier": {"scheme": "W4A16", "ignore": ["lm_head"]}}}, "self_attn.o_proj"),
+        ({"s": {"SmoothQuantModifier": {}, "GPTQModifier": {"scheme": "W8A8", "ignore": ["lm_head"]}}},
+         "self_attn.o_proj"),
+    )
+    for recipe, where in cases:
         model = tiny_llama.llama(hidden=128, vocab=128)
         with torch.no_grad():
-            model.model.layers[1].mlp.down_proj.weight[0, 0] = float("nan")
+            model.model.layers[1].get_submodule(where).weight[0, 0] = float("nan")
         layer1 = {k: v.clone() for k, v in model.model.layers[1].state_dict().items()}
         with pytest.raises(ValueError) as info:
             llmc_fsm.oneshot(model=model, recipe=recipe, dataset=torch.randint(0, 128, (4, 32)), progress=False)
         assert str(info.value) == (
-            "AWQModifier: the weights of model.layers.1.mlp.down_proj hold NaN or Inf values, so they cannot be "
-            "smoothed: the checkpoint (or an earlier change to the model) is broken there"
+            f"{next(iter(recipe['s']))}: the weights of model.layers.1.{where} hold NaN or Inf values, so their "
+            "layer cannot be smoothed: the checkpoint (or an earlier change to the model) is broken there"
         )
         (note,) = info.value.__notes__
         named = note.split(" modules: ")[1].removesuffix("); reload it before another run.").split(", ")
         assert note.startswith("oneshot: the model you passed was changed in place before this error (")
         assert set(named) <= {f"model.layers.0.{n}" for n in layer0} and "model.layers.0.mlp.up_proj" in named
         after = model.model.layers[1].state_dict()
-        assert all(torch.equal(layer1[k], after[k]) for k in layer1 if k != "mlp.down_proj.weight")
+        assert all(torch.equal(layer1[k], after[k]) for k in layer1 if k != f"{where}.weight")
 
 
 def test_the_weight_check_reads_fp8_weights_and_passes_over_meta_and_integer_ones():

@@ -217,6 +217,7 @@ class SmoothingModifier(Modifier):
         self._fold_checked: set[tuple[Any, ...]] = set()  # layer classes and mappings whose folds were checked
         self._warned: set[str] = set()  # mapping skip warnings given (each check and initialize resolves again)
         self._layers: list[nn.Module] = []  # the model's decoder layers (initialize)
+        self._layers_name = ""  # their ModuleList's name in the model
         #: smooth layer name -> statistics of the scales folded into it (see the subclasses).
         self.smoothing_results: dict[str, dict[str, Any]] = {}
         #: smooth layer name -> the ``[C]`` float32 scales folded into it (none where nothing was folded).
@@ -286,7 +287,7 @@ class SmoothingModifier(Modifier):
         self._mappings = self.resolve(state.model)
         self._done = set()
         self._fold_checked = set()
-        found = _decoder_layers(state.model)
+        self._layers_name, found = _decoder_layers(state.model)
         self._layers = list(found) if found is not None else []
         self.smoothing_results = {}
         self.smoothing_scales = {}
@@ -366,11 +367,11 @@ class SmoothingModifier(Modifier):
         todo = self._todo_in(layer)
         if not todo or not inputs:
             return
-        broken = nonfinite_weights(_modules_of(todo))
+        broken = nonfinite_weights({**_modules_of(todo), **self._linears_of(layer)})
         if broken:  # before this layer changes (the quantizer's own check came after the smoothing had folded)
             msg = (
-                f"{type(self).__name__}: the weights of {compact_names(broken)} hold NaN or Inf values, so they "
-                "cannot be smoothed: the checkpoint (or an earlier change to the model) is broken there"
+                f"{type(self).__name__}: the weights of {compact_names(broken)} hold NaN or Inf values, so their "
+                "layer cannot be smoothed: the checkpoint (or an earlier change to the model) is broken there"
             )
             raise ValueError(msg)
         first = not self._fold_checked
@@ -382,6 +383,13 @@ class SmoothingModifier(Modifier):
                     self._check_layer_folds(other, inputs[0], self._todo_in(other))
         self._smooth_layer_mappings(layer, inputs, todo)
         self._done.update(m.smooth_name for m in todo)
+
+    def _linears_of(self, layer: nn.Module) -> dict[str, nn.Module]:
+        """The Linears of decoder ``layer`` by full name: a NaN weight outside every mapping (an o_proj whose
+        mapping is skipped) was found by the quantizer only after the layer had been smoothed (a tester's case)."""
+        index = next((i for i, other in enumerate(self._layers) if other is layer), None)
+        prefix = f"{self._layers_name}.{index}." if index is not None and self._layers_name else ""
+        return {prefix + name: m for name, m in layer.named_modules() if isinstance(m, nn.Linear)}
 
     def _todo_in(self, layer: nn.Module) -> list[ResolvedMapping]:
         """The mappings inside ``layer`` not smoothed yet."""
@@ -497,11 +505,12 @@ def _float32(value: Any) -> Any:
     return value
 
 
-def _decoder_layers(model: nn.Module) -> nn.ModuleList | None:
+def _decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList | None]:
+    """``(its name, the decoder layers)`` of ``model``, ``("", None)`` where there are none."""
     try:
-        return find_decoder_layers(model)[1]
+        return find_decoder_layers(model)
     except ValueError:
-        return None
+        return "", None
 
 
 def _held_on(module: nn.Module, device: torch.device) -> bool:
@@ -649,7 +658,8 @@ class ActivationObserver:
                 self.tokens[name] = int(tokens)
 
     def check(self, owner: str) -> None:
-        """Raise if a norm mapping's data flow was not what its names said, or a balance layer saw no input.
+        """Raise if a norm mapping's data flow was not what its names said, a balance layer saw no input, or its
+        inputs hold NaN / Inf.
 
         A per-expert mapping (its reader the view of an expert matrix) whose expert received no routed token is not
         an error: it has no statistics, and is left unsmoothed by the caller.
@@ -670,6 +680,19 @@ class ActivationObserver:
         ]
         if missing:
             msg = f"{owner}: {missing[0]} received no calibration input in its decoder layer's forward"
+            raise ValueError(msg)
+        broken = [
+            name
+            for m in self.mappings
+            if m.smooth_name in self.act_max and not bool(torch.isfinite(self.act_max[m.smooth_name]).all())
+            for name in m.balance_names
+        ]
+        if broken:  # NaN scales were folded into the layer silently (found this session)
+            msg = (
+                f"{owner}: the calibration inputs of {compact_names(broken)} hold NaN or Inf values, so they cannot "
+                "be smoothed: the activations overflowed before them (a float16 model: load it in float32, --dtype "
+                "float32) or a weight before them holds NaN or Inf"
+            )
             raise ValueError(msg)
 
 
