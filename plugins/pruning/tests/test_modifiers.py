@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from llmc_fsm_pruning import SparseGPTModifier, WandaPruningModifier
+from llmc_fsm_pruning import MagnitudePruningModifier, SparseGPTModifier, WandaPruningModifier
 from torch import nn
 
 from llmc_fsm import MissingStateError, ModifierError, RecipeError, Session
@@ -168,3 +168,7 @@ def test_a_sparsity_an_n_m_structure_overrides_is_said(caplog):
         "WandaPruningModifier: sparsity 0.6 is not used: mask_structure '8:16' fixes the sparsity (50% of each group "
         "of 16)",
     ]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="llmc_fsm_pruning.masks"), pytest.raises(ValueError, match="contradicts"):
+        MagnitudePruningModifier(sparsity=0.7, mask_structure="2:4")  # refused, so no warning first (B4's case)
+    assert caplog.records == []
