@@ -140,6 +140,11 @@ def test_a_subcommand_given_as_an_option_and_a_model_given_as_a_positional_are_n
         (["oneshot", "--num-sample", "4", "smollm2-135m"], "llmc-fsm oneshot: error: unrecognized arguments: "
          "--num-sample 4 smollm2-135m (did you mean --num-samples?; give the model as --model smollm2-135m); see "
          "'llmc-fsm oneshot --help'\n"),
+        (["--oneshot", "--model", "x"], "llmc-fsm: error: argument COMMAND: invalid choice: 'x' (choose from "
+         "'lifecycle', 'modifiers', 'explain', 'oneshot', 'model-free', 'report') (--oneshot was given: oneshot is a "
+         "subcommand, give it without --); see 'llmc-fsm --help'\n"),  # B4's case; --model is not model-free
+        (["explain", "r.yaml", "stage2"], "llmc-fsm explain: error: unrecognized arguments: stage2; see 'llmc-fsm "
+         "explain --help'\n"),  # a stray token beside a positional need not be a model (B4's case)
         (["oneshot", "--model", "a", "b"], "llmc-fsm oneshot: error: unrecognized arguments: b; see 'llmc-fsm "
          "oneshot --help'\n"),
         (["oneshot", "--model=a", "b"], "llmc-fsm oneshot: error: unrecognized arguments: b; see 'llmc-fsm "

@@ -411,3 +411,14 @@ def test_all_rows_of_a_dataset_larger_than_llmcompressors_default_are_used_with_
         "num_calibration_samples not given: all 513 rows of the dataset are used (llm-compressor's default takes 512); "
         "pass num_calibration_samples to use fewer"
     ]
+
+
+def test_the_cap_reads_model_max_length_of_any_integral_number():
+    """A model_max_length of 2048.0 (a JSON config) or a numpy int was passed over (B4's case): llm-compressor's
+    min() caps with any number. A bool, a fractional number or transformers' 'no limit' (1e30) caps nothing."""
+    import numpy as np
+
+    from llmc_fsm.data.rows import _capped
+
+    assert (_capped(None, 2048.0), _capped(12, np.int64(16)), _capped(20, np.int64(16))) == (2048, 12, 16)
+    assert (_capped(None, True), _capped(8, 2048.5), _capped(None, int(1e30)), _capped(8, None)) == (None, 8, None, 8)

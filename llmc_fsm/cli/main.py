@@ -60,6 +60,8 @@ class _Parser(argparse.ArgumentParser):
         hint = _did_you_mean(message)
         if message.startswith("the following arguments are required"):
             hint += self._misspelt_options()
+        elif not hint and "invalid choice" in message:  # ``llmc-fsm --oneshot --model x``: 'x' taken as COMMAND
+            hint = self._misspelt_options()
         self.exit(2, f"{self.prog}: error: {message}{hint}; see '{self.prog} --help'\n")
 
     def _misspelt_options(self, tokens: Sequence[str] | None = None, *, named: bool = False) -> str:
@@ -87,12 +89,13 @@ class _Parser(argparse.ArgumentParser):
             close = difflib.get_close_matches(option[2:].lower(), list(positional), 1)
             if close:
                 hints.append(f"{given_as}{positional[close[0]]} is positional, give it without {option}")
-            elif close := difflib.get_close_matches(option[2:].lower(), subcommands, 1):
+            elif close := difflib.get_close_matches(option[2:].lower(), subcommands, 1, cutoff=0.8):
                 hints.append(f"{given_as}{close[0]} is a subcommand, give it without --")
             elif close := difflib.get_close_matches(option, known, 1):
                 hints.append(f"{given_as}did you mean {close[0]}?")
         everything = getattr(self, "_tokens", given)  # ``given`` is only the unknown ones when ``named``
-        if "--model" in known and not any(t == "--model" or t.startswith("--model=") for t in everything):
+        given_model = any(t == "--model" or t.startswith("--model=") for t in everything)
+        if "--model" in known and not positional and not given_model:  # ``explain R x``: x need not be a model
             bare = [  # ``oneshot smollm2-135m``: the model is an option (a value after an unknown option is its own)
                 t
                 for i, t in enumerate(given)

@@ -32,6 +32,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import operator
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -375,8 +376,15 @@ def _capped(seq_len: int | None, model_max_length: Any) -> int | None:
     """The length texts are cut to, as llm-compressor 0.14 cuts a ``text`` column (``TextGenerationDataset``):
     ``min(max_seq_length, tokenizer.model_max_length)``, with its warning when that caps it, or the tokenizer's
     ``model_max_length`` when ``max_seq_length`` is not given; ``seq_len`` when the tokenizer states no limit."""
-    if not isinstance(model_max_length, int) or model_max_length >= _NO_LIMIT or model_max_length < 1:
+    if isinstance(model_max_length, float) and model_max_length.is_integer():  # 2048.0 from a JSON config
+        model_max_length = int(model_max_length)
+    try:  # a numpy int too (llm-compressor's min() takes any number; a tester's case)
+        limit = None if isinstance(model_max_length, bool) else operator.index(model_max_length)
+    except TypeError:
+        limit = None
+    if limit is None or limit >= _NO_LIMIT or limit < 1:
         return seq_len
+    model_max_length = limit
     if seq_len is None:
         return model_max_length
     if seq_len > model_max_length:
