@@ -81,9 +81,10 @@ Two recipe forms (both as llm-compressor reads them): ``AWQModifier`` followed b
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import attrs
@@ -309,6 +310,22 @@ def _config_groups(value: Any) -> tuple[dict[str, Any], list[str] | None]:
     )
 
 
+@contextlib.contextmanager
+def _as_awq() -> Iterator[None]:
+    """Errors of the quantizer AWQ runs for its ``scheme`` (the older form) said as AWQ's: they named
+    ``QuantizationModifier``, a modifier the recipe did not hold (found by testers)."""
+    try:
+        yield
+    except ValueError as exc:
+        text = str(exc)
+        if not text.startswith(_INNER):
+            raise
+        raise ValueError(f"AWQModifier (quantizing with its scheme){text[len(_INNER) :]}") from exc
+
+
+_INNER = "QuantizationModifier"
+
+
 @attrs.define(kw_only=True, slots=False, eq=False)
 class AWQModifier(SmoothingModifier):
     """AWQ: scale weight channels by activation statistics before weight quantization (arXiv 2306.00978).
@@ -470,7 +487,8 @@ class AWQModifier(SmoothingModifier):
             raise ValueError(msg)
         targets = super().check_model(model)
         if self._quantizer is not None:
-            targets.update(self._quantizer.check_model(model))
+            with _as_awq():
+                targets.update(self._quantizer.check_model(model))
         return targets
 
     # ---- lifecycle ----------------------------------------------------------
@@ -563,7 +581,8 @@ class AWQModifier(SmoothingModifier):
 
     def on_sequential_epoch_end(self, state: Any, modules: Any) -> None:
         if self._quantizer is not None:
-            self._quantizer.on_sequential_epoch_end(state, modules)
+            with _as_awq():
+                self._quantizer.on_sequential_epoch_end(state, modules)
 
     def progress_state(self, layer: nn.Module) -> dict[str, Any]:
         """:meth:`SmoothingModifier.progress_state`, with the :attr:`clipping_results` of the layer's Linears and,
@@ -593,7 +612,8 @@ class AWQModifier(SmoothingModifier):
 
     def on_calibration_end(self, state: Any) -> None:
         if self._quantizer is not None:
-            self._quantizer.on_calibration_end(state)
+            with _as_awq():
+                self._quantizer.on_calibration_end(state)
         super().on_calibration_end(state)
 
     def on_finalize(self, state: Any) -> None:

@@ -505,3 +505,13 @@ def test_search_n_sample_token_is_opt_in_and_scores_every_kth_window() -> None:
         assert awq.smoothing_results[name]["error_unsmoothed"] != full.smoothing_results[name]["error_unsmoothed"]
     up_down = "model.layers.0.mlp.up_proj"  # a Linear block: every token (its Gram matrix)
     assert awq.smoothing_results[up_down]["error_unsmoothed"] == full.smoothing_results[up_down]["error_unsmoothed"]
+
+
+def test_the_older_forms_quantizer_speaks_as_awq():
+    """AWQ with a scheme quantizes through a QuantizationModifier of its own: its refusals named that modifier,
+    which the recipe did not hold ('AWQModifier: QuantizationModifier cannot compress ...'; testers' cases)."""
+    with pytest.raises(ValueError) as info:
+        llmc_fsm.oneshot(model=tiny(), recipe={"q": {"AWQModifier": {"scheme": "W4A16", "ignore": ["lm_head"]}}},
+                         dataset=DATA, progress=False)  # fmt: skip
+    assert str(info.value).startswith("AWQModifier (quantizing with its scheme) cannot compress ")
+    assert "QuantizationModifier" not in str(info.value)
