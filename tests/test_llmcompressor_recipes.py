@@ -698,3 +698,24 @@ def test_two_stages_of_one_name_are_refused():
     assert str(info.value) == "recipe <text>: two stages are named 'prune_stage' (stage names are unique); rename one"
     with pytest.raises(RecipeError, match=r"^recipe <dict>: two stages are named 'a' \(stage names are unique\)"):
         resolve_recipe({"stages": {"a": {"WandaPruningModifier": {}}}, "a": {"ConstantPruningModifier": {}}})
+
+
+def test_a_null_ignore_or_targets_is_refused_where_llm_compressor_refuses_it():
+    """A blank ``ignore:`` (an entry commented out) meant [] to the pruners (lm_head pruned) and the default
+    [lm_head] to the quantizers (a fuzzing tester's case); llm-compressor refuses null for both, except
+    SmoothQuant's ignore (``list | None``), taken as []."""
+    at = "recipe <text>, line 3, stage 's', modifier"
+    for name, key, what in (
+        ("WandaPruningModifier", "ignore", "give [] to compress every target (lm_head too), or leave ignore out for "
+                                           "the modifier's default"),
+        ("GPTQModifier", "ignore", "give [] to compress every target (lm_head too), or leave ignore out for the "
+                                   "modifier's default"),
+        ("GPTQModifier", "targets", "name the modules, or leave targets out for the modifier's default"),
+    ):  # fmt: skip
+        with pytest.raises(RecipeError) as info:
+            resolve_recipe(f"s:\n  {name}:\n    {key}:\n")
+        assert str(info.value) == (
+            f"{at} {name}, argument {key!r}: null is not a list of module patterns (llm-compressor refuses it): {what}"
+        )
+    (smoothing,) = resolve_recipe("s:\n  SmoothQuantModifier:\n    ignore: null\n").modifiers
+    assert smoothing.ignore == []

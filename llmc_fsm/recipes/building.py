@@ -62,6 +62,27 @@ def where(
     return ", ".join(parts)
 
 
+#: ``(argument, modifier)`` -> why ``null`` is refused: llm-compressor 0.14 refuses ``ignore: null`` / ``targets:
+#: null`` (its pydantic lists) except SmoothQuant's ``ignore`` (``list | None``: no module ignored, taken here as
+#: ``[]``); a blank ``ignore:`` meant ``[]`` (lm_head compressed) to some modifiers here and the default to others.
+_NULL_REFUSED: dict[tuple[str, str], str] = {
+    (key, name): (
+        "null is not a list of module patterns (llm-compressor refuses it): give [] to compress every target "
+        "(lm_head too), or leave ignore out for the modifier's default"
+        if key == "ignore"
+        else "null is not a list of module patterns (llm-compressor refuses it): name the modules, or leave "
+        "targets out for the modifier's default"
+    )
+    for key in ("ignore", "targets")
+    for name in (
+        "SparseGPTModifier", "WandaPruningModifier", "MagnitudePruningModifier", "ConstantPruningModifier",
+        "REAPPruningModifier", "QuantizationModifier", "GPTQModifier", "AutoRoundModifier", "AWQModifier",
+        "SmoothQuantModifier", "SpinQuantModifier",
+    )
+    if (key, name) != ("ignore", "SmoothQuantModifier")
+}  # fmt: skip
+
+
 class RecipeProblems(RecipeError):
     """Several problems in one recipe, reported together (one line each) so that one run finds them all.
 
@@ -442,6 +463,9 @@ class _Builder:
             key_line = line_of(args, key) or line
             at = where(self.source, key_line, stage.name, name)
             is_field = isinstance(key, str) and key in accepted
+            if value is None and (key, name) in _NULL_REFUSED:  # emptied or commented out (a tester's case)
+                self.problem(f"{at}, argument {key!r}: {_NULL_REFUSED[key, name]}", line=key_line)
+                continue
             try:
                 translated = (
                     None if not isinstance(key, str) else translate_argument(name, key, value, args, is_field=is_field)
