@@ -325,6 +325,11 @@ def test_event_order_is_validated(calls, where):
     assert rec.calls == before
     assert info.value.allowed == tuple(sorted(session.allowed_calls))  # finalize, reset too (they were left out)
     assert {"finalize", "reset"} <= set(info.value.allowed)
+    # the message names the lifecycle and every call allowed, finalize() and reset() too (a fuzzing tester's case)
+    assert str(info.value).endswith(
+        f"Lifecycle {session.lifecycle!r}; allowed now: {', '.join(f'{c}()' for c in sorted(session.allowed_calls))}."
+    )
+    assert "finalize(), " in str(info.value) and "reset()" in str(info.value)
 
 
 def test_gradient_accumulation_batches_without_optimizer_step_are_valid_and_step_counts_optimizer_steps():

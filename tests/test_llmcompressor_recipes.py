@@ -719,3 +719,20 @@ def test_a_null_ignore_or_targets_is_refused_where_llm_compressor_refuses_it():
         )
     (smoothing,) = resolve_recipe("s:\n  SmoothQuantModifier:\n    ignore: null\n").modifiers
     assert smoothing.ignore == []
+
+
+def test_a_stage_number_written_as_a_string_and_a_nul_in_a_recipe():
+    """A fuzzing tester's nits: a stage's ``start: 1e-1`` (YAML 1.1 reads it as a string) was refused where a
+    modifier's is read as 0.1; a NUL character gave PyYAML's two-line text naming "<unicode string>"."""
+    body = "  run_type: train\n  pruning_modifiers:\n    ConstantPruningModifier: {}\n"
+    (stage,) = resolve_recipe(f"s:\n  start: 1e-1\n  end: '2'\n{body}").stages
+    assert (stage.start, stage.end) == (0.1, 2.0)
+    with pytest.raises(RecipeError, match=r"^recipe <text>, line 2, stage 's': start must be a number of epochs or "
+                                          r"null, got 'abc'$"):
+        resolve_recipe(f"s:\n  start: abc\n{body}")
+    with pytest.raises(RecipeError) as info:
+        resolve_recipe("s:\n  GPTQModifier: {scheme: W4A16}\x00\n")
+    assert str(info.value) == (
+        "recipe <text>, line 2, column 32: not valid YAML/JSON: character U+0000 (special characters are not "
+        "allowed); save the recipe as plain UTF-8 text"
+    )

@@ -14,6 +14,8 @@ here from ``EVENTS``, ``EVENT_ORDER`` and ``TRANSITIONS``.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from transitions import Machine
 
 __all__ = [
@@ -136,7 +138,7 @@ def where(position: str) -> str:
     return f"after {position}()"
 
 
-def format_calls(calls: frozenset[str] | set[str]) -> str:
+def format_calls(calls: Iterable[str]) -> str:
     """``"a(), b()"`` for a set of call names, sorted; ``"none"`` when empty."""
     return ", ".join(f"{c}()" for c in sorted(calls)) or "none"
 
@@ -183,15 +185,18 @@ def refusal(call: str, lifecycle: str, position: str) -> str:
     return f"{call}() refused: {why}. Allowed now: {format_calls(allowed_now(lifecycle, position))}."
 
 
-def order_refusal(event: str, position: str) -> str:
-    """The message of the :class:`~llmc_fsm.EventOrderError` for ``event`` at ``position``."""
+def order_refusal(event: str, position: str, lifecycle: str, allowed: Iterable[str]) -> str:
+    """The message of the :class:`~llmc_fsm.EventOrderError` for ``event`` at ``position`` of a session in
+    ``lifecycle`` whose calls ``allowed`` now (finalize and reset too: the message named only the events, where a
+    refusal names the state, the call and every call allowed; a fuzzing tester's case)."""
     expected = frozenset(EVENT_ORDER[position])
     place = where(position)
     if position == "calibrating":
         place += " (calibration events never occur inside a batch)"
     return (
         f"{event}() out of order: {place} the next event must be one of {format_calls(expected)}; a batch is "
-        "batch_start -> [loss_calculated] -> [optim_pre_step -> optim_post_step] -> batch_end."
+        "batch_start -> [loss_calculated] -> [optim_pre_step -> optim_post_step] -> batch_end. Lifecycle "
+        f"{lifecycle!r}; allowed now: {format_calls(allowed)}."
     )
 
 

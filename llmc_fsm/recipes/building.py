@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import difflib
 import math
+import numbers
 import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -23,6 +24,7 @@ from llmc_fsm.core.registry import get_registry
 from llmc_fsm.recipes.llmcompressor import (
     RUN_TYPES,
     is_group_key,
+    number_from_string,
     top_level_stages,
     translate_argument,
     unimplemented_note,
@@ -185,7 +187,9 @@ def build_recipe(data: Any, source: str) -> Recipe:
 def _epoch(value: Any, at: str, key: str) -> float | None:
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int | float):
+    written = number_from_string(value)  # "1e-1": YAML 1.1 reads it as a string; a modifier's start takes it too
+    value = written if written is not None else value
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
         msg = f"{at}: {key} must be a number of epochs or null, got {value!r}"
         raise RecipeError(msg)
     if not math.isfinite(value):

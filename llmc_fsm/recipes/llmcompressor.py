@@ -61,6 +61,7 @@ __all__ = [
     "is_group_key",
     "is_numpy_bool",
     "is_numpy_scalar",
+    "number_from_string",
     "top_level_stages",
     "translate_argument",
     "translate_arguments",
@@ -467,6 +468,11 @@ def _plain_number(value: numbers.Real, kind: type) -> int | float | None:
         return None if type(value) is int else int(value)
     number = _float(value)
     return int(number) if number.is_integer() and abs(number) <= 2**53 else None
+
+
+def number_from_string(value: Any) -> float | None:
+    """The number a string writes (``"0.1"``, YAML 1.1's ``1e-1``), else ``None``."""
+    return float(value) if isinstance(value, str) and _NUMBER.fullmatch(value.strip()) else None
 
 
 def numbers_from_strings(cls: type, kwargs: dict[str, Any]) -> dict[str, Any]:

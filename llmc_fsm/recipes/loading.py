@@ -120,10 +120,14 @@ _RecipeLoader.add_multi_constructor(_APPLY, _construct_apply)
 _RecipeLoader.add_constructor("tag:yaml.org,2002:python/tuple", _construct_tuple)
 
 
-def _yaml_error(exc: yaml.YAMLError, source: str) -> RecipeError:
+def _yaml_error(exc: yaml.YAMLError, source: str, text: str) -> RecipeError:
     mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
     where = f", line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
     problem = getattr(exc, "problem", None) or str(exc)
+    if isinstance(exc, yaml.reader.ReaderError) and isinstance(exc.character, int):  # a NUL, a control character:
+        start = text.rfind("\n", 0, exc.position) + 1  # its two-line text named "<unicode string>" (a tester's case)
+        where = f", line {text.count(chr(10), 0, exc.position) + 1}, column {exc.position - start + 1}"
+        problem = f"character U+{exc.character:04X} ({exc.reason}); save the recipe as plain UTF-8 text"
     return RecipeError(f"recipe {source}{where}: not valid YAML/JSON: {problem}")
 
 
@@ -160,7 +164,7 @@ def load_recipe_data(text: str, source: str = "<text>") -> Any:
     try:
         return _load_yaml(text, source)
     except yaml.YAMLError as exc:
-        error = _yaml_error(exc, source)
+        error = _yaml_error(exc, source, text)
         if not (source.endswith(".json") or text.lstrip().startswith(("{", "["))):
             raise error from None
     try:

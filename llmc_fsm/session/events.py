@@ -86,7 +86,7 @@ class SessionEvents:
     def _refuse_event(self, event: str) -> NoReturn:
         if self._position == "closed":
             self._refuse(event)
-        msg = order_refusal(event, self._position)  # every call accepted now, finalize and reset too (as the docs say)
+        msg = order_refusal(event, self._position, self.lifecycle, self.allowed_calls)
         raise EventOrderError(msg, lifecycle=self.lifecycle, call=event, allowed=self.allowed_calls) from None
 
     def _fire(self, trigger: str) -> None:
