@@ -736,3 +736,21 @@ def test_a_stage_number_written_as_a_string_and_a_nul_in_a_recipe():
         "recipe <text>, line 2, column 32: not valid YAML/JSON: character U+0000 (special characters are not "
         "allowed); save the recipe as plain UTF-8 text"
     )
+
+
+def test_a_mapping_as_targets_a_torch_device_as_offload_device_and_a_number_as_sequential_targets():
+    """A fuzzing tester's nits: ``targets: {Linear: 1}`` was taken as its keys; AWQ's ``offload_device`` given as a
+    torch.device (llm-compressor's declared type) was refused when the recipe was saved; ``sequential_targets=5``
+    raised "'int' object is not iterable"."""
+    with pytest.raises(RecipeError, match=r"argument 'targets': TypeError: must be a module pattern or a list of them "
+                                          r"\(class name, full name or 're:<regex>'\), got \{'Linear': 1\}$"):
+        resolve_recipe("s:\n  GPTQModifier: {targets: {Linear: 1}}\n")
+    from llmc_fsm_quantization import AWQModifier
+
+    from llmc_fsm.oneshot_job.settings import OneshotSettings
+
+    recipe = Session([AWQModifier(offload_device=torch.device("cpu"))]).recipe
+    assert "offload_device: cpu" in recipe.to_yaml()
+    with pytest.raises(ValueError, match=r"^sequential_targets must be None or class names \(e.g. "
+                                         r"\['LlamaDecoderLayer'\]\), got 5$"):
+        OneshotSettings(sequential_targets=5)

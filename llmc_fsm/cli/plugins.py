@@ -140,7 +140,7 @@ def _run_explain(args: argparse.Namespace) -> int:
         return 0
     session = Session(recipe)
     if args.state:
-        session.update_state(**dict.fromkeys(args.state, True))
+        session.update_state(**_supplied(args.state))
     model = _meta_model(args.model, args.dtype) if args.model is not None else None
     refusal = None
     if model is not None:
@@ -149,8 +149,8 @@ def _run_explain(args: argparse.Namespace) -> int:
             if session.requires("calibration_data"):
                 check_calibrates_from_text(model)  # an encoder-decoder model (Whisper) calibrates on no token ids
             check_modifiers([session], model, True)
-        except MissingStateError:  # a training recipe: the plan lists what it needs
-            pass
+        except MissingStateError:
+            refusal = None  # a training recipe: the plan lists what it needs
         except ValueError as exc:
             on = f"--model {args.model}" + (f" --dtype {args.dtype}" if args.dtype != "float32" else "")
             refusal = ValueError(f"oneshot would refuse this recipe on {on}: {exc}")
@@ -170,10 +170,16 @@ def _run_explain(args: argparse.Namespace) -> int:
     return 0
 
 
+def _supplied(keys: list[str]) -> dict[str, Any]:
+    """Stand-ins for the state keys ``--state`` counts as supplied: ``True``, and ``1`` for ``steps_per_epoch``
+    (which must be a positive int)."""
+    return {key: 1 if key == "steps_per_epoch" else True for key in keys}
+
+
 def _plan(recipe: Any, state: list[str]) -> str:
     session = Session(recipe)
     if state:
-        session.update_state(**dict.fromkeys(state, True))
+        session.update_state(**_supplied(state))
     return explain(session)
 
 

@@ -130,7 +130,8 @@ def _tuple_of_names(value: Any) -> Any:
 
 
 def _class_names(instance: Any, field: attrs.Attribute, value: Any) -> None:
-    if value is not None and (not value or not all(isinstance(v, str) and v for v in value)):
+    names = isinstance(value, tuple) and value and all(isinstance(v, str) and v for v in value)
+    if value is not None and not names:  # a number: "'int' object is not iterable" escaped (a fuzzing tester's case)
         _fail(field, "None or class names (e.g. ['LlamaDecoderLayer'])", value)
 
 

@@ -41,7 +41,7 @@ import hashlib
 import logging
 import math
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import attrs
@@ -93,7 +93,8 @@ def patterns(value: Any) -> list[str]:
         return [value]
     if value is None:
         return []
-    items = list(value) if isinstance(value, Iterable) else None  # a generator is read once, here
+    # a generator is read once, here; a mapping is refused (its keys were taken: targets: {Linear: 1}, a tester's case)
+    items = list(value) if isinstance(value, Iterable) and not isinstance(value, Mapping) else None
     if items is None or not all(isinstance(v, str) for v in items):
         msg = f"must be a module pattern or a list of them (class name, full name or 're:<regex>'), got {value!r}"
         raise TypeError(msg)

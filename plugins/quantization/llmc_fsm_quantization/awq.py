@@ -291,6 +291,12 @@ def _flag(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
         raise ValueError(f"{attribute.name} must be true or false, got {value!r}")
 
 
+def _device_name(value: Any) -> Any:
+    """attrs converter: a ``torch.device`` (llm-compressor's declared type of ``offload_device``) as its name, which a
+    recipe can hold (it was refused when the recipe was saved; a fuzzing tester's case); others as given."""
+    return str(value) if isinstance(value, torch.device) else value
+
+
 def _offload(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
     if value is not None and not re.fullmatch(r"cpu|meta|cuda(:\d+)?", str(value)):
         raise ValueError(f"offload_device must be null, 'cpu' or 'cuda' ('cuda:N'), got {value!r}")
@@ -373,7 +379,7 @@ class AWQModifier(SmoothingModifier):
     config_groups: Any = None
     targets: list[str] = attrs.field(factory=lambda: list(DEFAULT_TARGETS), converter=patterns)
     observer: str = "minmax"
-    offload_device: Any = attrs.field(default=None, validator=_offload)
+    offload_device: Any = attrs.field(default=None, converter=_device_name, validator=_offload)
     apply_clip: bool = attrs.field(default=False, validator=_flag)
     clip_n_grid: int = attrs.field(default=20, validator=_clip_grid)
     clip_max_shrink: float = attrs.field(default=0.5, validator=_shrink)
