@@ -441,3 +441,11 @@ def test_explain_says_what_awqs_default_scheme_stands_for(registry: ModifierRegi
     given = _arguments_line("s: {AWQModifier: {scheme: W4A16}}")
     assert "scheme='W4A16'," in given and "the quantizing modifier" not in given
 
+
+
+def test_cli_explain_dash_is_not_read_as_recipe_text(capsys) -> None:
+    """``llmc-fsm explain -`` parsed '-' as the YAML text of a list ("got a list"; a fuzzing tester's nit)."""
+    assert main(["explain", "-"]) == 1
+    assert capsys.readouterr().err == (
+        "llmc-fsm explain: error: RECIPE '-' (standard input) is not read: give the recipe file's path\n"
+    )

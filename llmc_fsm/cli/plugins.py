@@ -135,6 +135,9 @@ def _default(default: object) -> str:
 def _run_explain(args: argparse.Namespace) -> int:
 
     recipe = args.recipe
+    if recipe == "-":  # the Unix convention (it was parsed as the YAML text "-", "got a list": a tester's case)
+        msg = "RECIPE '-' (standard input) is not read: give the recipe file's path"
+        raise ValueError(msg)
     if not os.path.exists(recipe) and recipe.isidentifier():
         print(_modifier_plan(recipe, args.state), end="")  # a modifier's name: its plan with the defaults
         return 0
