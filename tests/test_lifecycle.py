@@ -29,7 +29,7 @@ from llmc_fsm import (
     create_session,
 )
 from llmc_fsm.core.lifecycle import EVENT_ORDER, STATES, TRANSITIONS, mermaid
-from llmc_fsm.integrations.torch import is_step, steps_per_epoch
+from llmc_fsm.integrations.torch import is_step, resume_position, steps_per_epoch
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -673,7 +673,8 @@ def test_a_steps_per_epoch_that_is_not_a_positive_int_is_refused_and_nothing_is_
     for bad, extra in (("10", ""), (0, " (an empty training loader?)"), (-1, ""), (2.5, ""), (True, "")):
         message = (
             f"steps_per_epoch must be a positive int (optimizer steps per epoch), got {bad!r}{extra}; e.g. "
-            "len(train_loader) // gradient_accumulation_steps"
+            "llmc_fsm.integrations.torch.steps_per_epoch(train_loader, gradient_accumulation_steps), "
+            "ceil(len(train_loader) / gradient_accumulation_steps)"
         )
         session = Session([Recorder(start=0)])
         with pytest.raises(ValueError) as info:
@@ -683,11 +684,17 @@ def test_a_steps_per_epoch_that_is_not_a_positive_int_is_refused_and_nothing_is_
             session.initialize(model=model, optimizer=object(), teacher=model, steps_per_epoch=bad)
         assert str(info.value) == message
         assert (session.lifecycle, dict(session.state)) == ("created", {})
-    for good in (3, np.int64(3)):
-        session = Session([Recorder(start=0)])
+    for good in (3, np.int64(3), torch.tensor(3)):  # stored as the Python int (a tester's case: a numpy int made
+        recorder = Recorder(start=0)  # the epochs numpy floats, which a checkpoint could not write)
+        session = Session([recorder])
         session.initialize(model=model, optimizer=object(), teacher=model, steps_per_epoch=good)
+        assert type(session.state["steps_per_epoch"]) is int
         session.batch_start()
-        assert session.lifecycle == "running"
+        assert session.lifecycle == "running" and type(recorder.calls[-1][2]) is float
+    assert steps_per_epoch(np.int64(10), 2) == 5 and resume_position(Session([Recorder()]), np.int64(4)) == (0, 0)
+    for empty in ([], 0, -3):
+        with pytest.raises(ValueError, match=r"batches per epoch: give a training loader with at least one batch"):
+            steps_per_epoch(empty, 2)
     for bad in (0, "2", 2.5):  # the helpers' own argument
         with pytest.raises(ValueError, match=rf"^gradient_accumulation_steps must be an int >= 1, got {bad!r}$"):
             steps_per_epoch([1, 2, 3], bad)

@@ -106,18 +106,23 @@ class State(Mapping[str, Any]):
 WELL_KNOWN_KEYS: tuple[str, ...] = tuple(name for name, value in vars(State).items() if isinstance(value, _Key))
 
 
-def check_state_values(values: Mapping[str, Any]) -> None:
-    """Refuse a well-known key's value that cannot be what it names (before it is stored): ``steps_per_epoch``
-    must be a positive integer (a Python or numpy int). A string failed at the first event with a ``TypeError``
-    after the session had moved, and ``0`` (an empty loader's length) turned every schedule off without a word
-    (found by a fuzzing tester).
+def check_state_values(values: Mapping[str, Any]) -> dict[str, Any]:
+    """``values`` with each well-known key's value checked before it is stored: ``steps_per_epoch`` must be a
+    positive integer, and a numpy int (or a 0-d integer tensor) is stored as the Python int (kept as given, it made
+    epochs numpy floats that a checkpoint could not write, and a tensor learning rate: found by a tester). A string
+    failed at the first event with a ``TypeError`` after the session had moved, and ``0`` (an empty loader's
+    length) turned every schedule off without a word (found by a fuzzing tester).
+
+    Returns:
+        A new dict of ``values`` (``steps_per_epoch`` as an ``int``).
 
     Raises:
         ValueError: naming the key, the value and what to give.
     """
-    spe = values.get("steps_per_epoch")
+    out = dict(values)
+    spe = out.get("steps_per_epoch")
     if spe is None:
-        return
+        return out
     try:
         count = None if isinstance(spe, bool) else operator.index(spe)
     except TypeError:
@@ -126,9 +131,12 @@ def check_state_values(values: Mapping[str, Any]) -> None:
         msg = (
             f"steps_per_epoch must be a positive int (optimizer steps per epoch), got {spe!r}"
             + (" (an empty training loader?)" if count == 0 else "")
-            + "; e.g. len(train_loader) // gradient_accumulation_steps"
+            + "; e.g. llmc_fsm.integrations.torch.steps_per_epoch(train_loader, gradient_accumulation_steps), "
+            "ceil(len(train_loader) / gradient_accumulation_steps)"
         )
         raise ValueError(msg)
+    out["steps_per_epoch"] = count
+    return out
 
 
 def missing_state_message(

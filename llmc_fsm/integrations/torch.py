@@ -107,31 +107,42 @@ def _hint(key: str) -> str:
 
 
 def steps_per_epoch(loader: Any, gradient_accumulation_steps: int = 1) -> int:
-    """Optimizer steps per epoch: ``ceil(batches / gradient_accumulation_steps)`` (at least 1).
+    """Optimizer steps per epoch: ``ceil(batches / gradient_accumulation_steps)``.
 
     ``loader`` is anything with ``len()`` (a ``DataLoader``: its number of
-    batches) or that number itself. The last, partial accumulation window of an
+    batches) or that number itself (a numpy int too). The last, partial accumulation window of an
     epoch counts as a step, as in the HF Trainer and :func:`is_step`.
 
     Raises:
-        ValueError: ``gradient_accumulation_steps`` is not an int >= 1, or no length.
+        ValueError: ``gradient_accumulation_steps`` is not an int >= 1, no length, or no batch (an empty loader,
+            0: it gave 1 step, where the session refuses ``steps_per_epoch=0``; found by a tester).
     """
     _check_accumulation(gradient_accumulation_steps)
+    batches = _count(loader)
+    if batches is None:
+        try:
+            batches = len(loader)
+        except TypeError:
+            msg = f"{type(loader).__name__} has no len(); pass the number of batches per epoch instead"
+            raise ValueError(msg) from None
+    if batches < 1:
+        msg = f"{batches} batches per epoch: give a training loader with at least one batch (an empty one?)"
+        raise ValueError(msg)
+    return math.ceil(batches / gradient_accumulation_steps)
+
+
+def _count(value: Any) -> int | None:
+    """``value`` as an int when it is one (a numpy int too, not a bool), else ``None``."""
     try:
-        batches = loader if isinstance(loader, int) else len(loader)
+        return None if isinstance(value, bool) else operator.index(value)
     except TypeError:
-        msg = f"{type(loader).__name__} has no len(); pass the number of batches per epoch instead"
-        raise ValueError(msg) from None
-    return max(1, math.ceil(batches / gradient_accumulation_steps))
+        return None
 
 
 def _check_accumulation(gradient_accumulation_steps: Any) -> None:
     """Raise ``ValueError`` unless ``gradient_accumulation_steps`` is an int >= 1 (a numpy int too; a string, a float
     or 0 gave a TypeError, a truncated count or a ZeroDivisionError: found by a fuzzing tester)."""
-    try:
-        count = None if isinstance(gradient_accumulation_steps, bool) else operator.index(gradient_accumulation_steps)
-    except TypeError:
-        count = None
+    count = _count(gradient_accumulation_steps)
     if count is None or count < 1:
         msg = f"gradient_accumulation_steps must be an int >= 1, got {gradient_accumulation_steps!r}"
         raise ValueError(msg)
@@ -219,9 +230,11 @@ def resume_position(session: Session, batches_per_epoch: int, gradient_accumulat
     Raises:
         ValueError: ``batches_per_epoch`` < 1 or ``gradient_accumulation_steps`` < 1.
     """
-    if isinstance(batches_per_epoch, bool) or not isinstance(batches_per_epoch, int) or batches_per_epoch < 1:
+    count = _count(batches_per_epoch)
+    if count is None or count < 1:
         msg = f"batches_per_epoch must be an int >= 1, got {batches_per_epoch!r}"
         raise ValueError(msg)
+    batches_per_epoch = count
     per_epoch = steps_per_epoch(batches_per_epoch, gradient_accumulation_steps)
     epoch, steps_done = divmod(session.global_step, per_epoch)
     return epoch, steps_done * gradient_accumulation_steps

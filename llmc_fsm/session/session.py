@@ -136,8 +136,7 @@ class Session(SessionCheckpoints):
             self._refuse_from_hook("update_state")
             if "update_state" not in CALLS_ALLOWED[self.lifecycle]:
                 self._refuse("update_state")
-            check_state_values(state)
-            self._state = self._state.merged(state)
+            self._state = self._state.merged(check_state_values(state))
             self._fire("update_state")
 
     def requires(self, key: str) -> bool:
@@ -190,7 +189,7 @@ class Session(SessionCheckpoints):
             lifecycle = self.lifecycle
             if "initialize" not in CALLS_ALLOWED[lifecycle] or self._broken is not None:
                 self._refuse("initialize")
-            check_state_values(state)
+            state = check_state_values(state)
             full = unwrap_state(self._state.merged(state))  # DDP / DataParallel: the module inside
             check_ranks_agree(
                 recipe_fingerprint(self.labels, self.modifiers, self.recipe.plan()), full
