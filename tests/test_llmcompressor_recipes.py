@@ -754,3 +754,25 @@ def test_a_mapping_as_targets_a_torch_device_as_offload_device_and_a_number_as_s
     with pytest.raises(ValueError, match=r"^sequential_targets must be None or class names \(e.g. "
                                          r"\['LlamaDecoderLayer'\]\), got 5$"):
         OneshotSettings(sequential_targets=5)
+
+
+def test_b5s_cases_on_the_null_and_pattern_rules():
+    """B5's cases: ``ignore=None`` on a pruner object still pruned lm_head (only recipe text was refused); a set of
+    targets kept the order of the string hash seed; the null refusal advised arguments a modifier lacks; AWQ's
+    construction errors named QuantizationModifier."""
+    from llmc_fsm_pruning import SparseGPTModifier
+    from llmc_fsm_quantization import AWQModifier, SmoothQuantModifier
+
+    for cls in (SparseGPTModifier, AWQModifier):
+        with pytest.raises(TypeError, match=r"^must be a module pattern or a list of them, got None: give \[\] for "
+                                            r"none, or leave it out for the default$"):
+            cls(ignore=None)
+    assert SmoothQuantModifier(ignore=None).ignore == []  # llm-compressor's list | None
+    names = {f"re:.*layers\\.{i}\\..*" for i in (9, 3, 7, 1, 8, 2, 6, 0)}
+    assert SparseGPTModifier(ignore=names).ignore == sorted(names)
+    with pytest.raises(RecipeError, match=r"modifier SpinQuantModifier: unknown argument 'targets'\."):
+        resolve_recipe("s:\n  SpinQuantModifier:\n    targets:\n")
+    with pytest.raises(RecipeError) as info:
+        resolve_recipe("s:\n  AWQModifier: {scheme: {W4A16: [Linear], W8A16: [Linear]}}\n")
+    assert "AWQModifier (quantizing with its scheme): argument 'scheme': one preset per modifier" in str(info.value)
+    assert "QuantizationModifier" not in str(info.value)

@@ -153,6 +153,35 @@ def test_a_nan_weight_is_refused_before_smoothing_changes_its_layer():
         assert all(torch.equal(layer1[k], after[k]) for k in layer1 if k != f"{where}.weight")
 
 
+def test_the_smoothing_check_reads_what_the_stage_compresses_fused_experts_too():
+    """B5's cases: a NaN in a fused expert's down_proj (in no SmoothQuant mapping, compressed by the quantizer) was
+    found by the quantizer after the layer had been smoothed; a NaN in a module nobody compresses (down_proj in no
+    mapping, ignored by the quantizer) was refused by smoothing, where the quantizer alone runs."""
+    from tiny_families import build
+
+    sq = {"SmoothQuantModifier": {"smoothing_strength": 0.8}}
+    quantize = {"scheme": "W8A8", "ignore": ["lm_head", "re:.*mlp.gate$"]}
+    model = build("qwen3_moe")
+    with torch.no_grad():
+        model.get_parameter("model.layers.1.mlp.experts.down_proj").view(-1)[0] = float("nan")
+    layer1 = {k: v.clone() for k, v in model.model.layers[1].state_dict().items()}
+    with pytest.raises(ValueError) as info:
+        llmc_fsm.oneshot(model=model, recipe={"s": {**sq, "QuantizationModifier": quantize}},
+                         dataset=torch.randint(3, 128, (4, 16)), progress=False)  # fmt: skip
+    assert str(info.value).startswith(
+        "SmoothQuantModifier: the weights of model.layers.1.mlp.experts.0.down_proj hold NaN or Inf values, so their "
+        "layer cannot be smoothed"
+    )
+    after = model.model.layers[1].state_dict()
+    assert all(torch.equal(layer1[k].nan_to_num(), after[k].nan_to_num()) for k in layer1)
+    model = tiny_llama.llama(hidden=64, vocab=128)
+    with torch.no_grad():
+        model.model.layers[1].mlp.down_proj.weight[0, 0] = float("nan")
+    ignored = {"QuantizationModifier": {"scheme": "W8A8", "ignore": ["lm_head", "re:.*down_proj$"]}}
+    llmc_fsm.oneshot(model=model, recipe={"s": {**sq, **ignored}}, dataset=torch.randint(0, 128, (4, 32)),
+                     progress=False)  # fmt: skip  # runs, as the quantizer alone does
+
+
 def test_the_weight_check_reads_fp8_weights_and_passes_over_meta_and_integer_ones():
     """fp8 tensors have no sum kernel on the CPU ("sum_cpu" not implemented): the check reads them in float32."""
     from llmc_fsm.toolkit.calibrated import _finite_weight

@@ -467,7 +467,7 @@ class _Builder:
             key_line = line_of(args, key) or line
             at = where(self.source, key_line, stage.name, name)
             is_field = isinstance(key, str) and key in accepted
-            if value is None and (key, name) in _NULL_REFUSED:  # emptied or commented out (a tester's case)
+            if value is None and is_field and (key, name) in _NULL_REFUSED:  # a blank entry (a tester's case)
                 self.problem(f"{at}, argument {key!r}: {_NULL_REFUSED[key, name]}", line=key_line)
                 continue
             try:

@@ -84,15 +84,19 @@ TRIM_EVERY_BYTES = 32 * 1024 * 1024
 
 
 def patterns(value: Any) -> list[str]:
-    """attrs converter: one module pattern or a list of them -> ``list[str]``.
+    """attrs converter: one module pattern or a list of them -> ``list[str]`` (a set sorted).
 
     Raises:
-        TypeError: anything else.
+        TypeError: anything else; ``None`` too (``ignore=None`` meant ``[]`` to the pruners, pruning lm_head, and the
+            default to the quantizers; llm-compressor refuses it: a tester's case).
     """
     if isinstance(value, str):
         return [value]
     if value is None:
-        return []
+        msg = "must be a module pattern or a list of them, got None: give [] for none, or leave it out for the default"
+        raise TypeError(msg)
+    if isinstance(value, set | frozenset) and all(isinstance(v, str) for v in value):
+        return sorted(value)  # one order in every process (a set's follows the string hash seed: a tester's case)
     # a generator is read once, here; a mapping is refused (its keys were taken: targets: {Linear: 1}, a tester's case)
     items = list(value) if isinstance(value, Iterable) and not isinstance(value, Mapping) else None
     if items is None or not all(isinstance(v, str) for v in items):

@@ -399,9 +399,10 @@ class AWQModifier(SmoothingModifier):
             if group_targets is not None:
                 targets = group_targets
         if scheme is not None:
-            self._quantizer = QuantizationModifier(
-                scheme=scheme, targets=targets, ignore=self.ignore, observer=self.observer
-            )
+            with _as_awq():  # its argument errors too (they named QuantizationModifier: B5's case)
+                self._quantizer = QuantizationModifier(
+                    scheme=scheme, targets=targets, ignore=self.ignore, observer=self.observer
+                )
         self._quantizers: dict[int, Quantizer] = {}
         #: Linear name -> (module, quantizer) the clipping search serves (with ``apply_clip``, after calibration_start).
         self._clip_targets: dict[str, tuple[nn.Module, tuple[QuantizationArgs, str]]] = {}

@@ -141,6 +141,12 @@ def logarithmic_scales(act_max: torch.Tensor) -> torch.Tensor:
     return torch.where(act_max > 0, s, torch.ones_like(s))
 
 
+def _ignore_or_none(value: Any) -> list[str]:
+    """:func:`~llmc_fsm.toolkit.patterns`, ``None`` read as ``[]``: llm-compressor's SmoothQuant declares ``ignore:
+    list[str] | None = None`` (no module ignored)."""
+    return [] if value is None else patterns(value)
+
+
 def _strength(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int | float) or not 0.0 <= float(value) <= 1.0:
         msg = f"smoothing_strength must be a number in [0, 1] (SmoothQuant's alpha), got {value!r}"
@@ -208,7 +214,7 @@ class SmoothingModifier(Modifier):
     include_linear_mappings: ClassVar[bool] = False
 
     mappings: list[dict[str, Any]] | None = attrs.field(default=None, converter=_mappings_field)
-    ignore: list[str] = attrs.field(factory=list, converter=patterns)
+    ignore: list[str] = attrs.field(factory=list, converter=_ignore_or_none)
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
@@ -217,7 +223,7 @@ class SmoothingModifier(Modifier):
         self._fold_checked: set[tuple[Any, ...]] = set()  # layer classes and mappings whose folds were checked
         self._warned: set[str] = set()  # mapping skip warnings given (each check and initialize resolves again)
         self._layers: list[nn.Module] = []  # the model's decoder layers (initialize)
-        self._layers_name = ""  # their ModuleList's name in the model
+        self._compressed: dict[str, Any] = {}  # name -> module (or view) a modifier of the session compresses
         #: smooth layer name -> statistics of the scales folded into it (see the subclasses).
         self.smoothing_results: dict[str, dict[str, Any]] = {}
         #: smooth layer name -> the ``[C]`` float32 scales folded into it (none where nothing was folded).
@@ -287,7 +293,7 @@ class SmoothingModifier(Modifier):
         self._mappings = self.resolve(state.model)
         self._done = set()
         self._fold_checked = set()
-        self._layers_name, found = _decoder_layers(state.model)
+        _, found = _decoder_layers(state.model)
         self._layers = list(found) if found is not None else []
         self.smoothing_results = {}
         self.smoothing_scales = {}
@@ -295,8 +301,15 @@ class SmoothingModifier(Modifier):
             logger.info("%s mapping: %s", type(self).__name__, line)
 
     def on_calibration_start(self, state: Any) -> None:
-        """Nothing to prepare (under ``torch.distributed`` each rank smooths from the statistics of every rank's
-        calibration tokens, see :meth:`ActivationObserver.all_reduce`)."""
+        """Note the modules the session's modifiers compress (their ``resolved_targets``; AWQ's own quantizer's
+        too), whose weights :meth:`prepare_layer` checks with the mappings' (under ``torch.distributed`` each rank
+        smooths from the statistics of every rank's calibration tokens, see :meth:`ActivationObserver.all_reduce`)."""
+        binding = self._binding
+        session = binding.session() if binding is not None else None
+        modifiers = session.modifiers if session is not None else [self]
+        self._compressed = {
+            name: module for m in modifiers for name, module in getattr(m, "resolved_targets", {}).items()
+        }
 
     def on_sequential_epoch_end(self, state: Any, modules: Any) -> None:
         """Nothing: smoothing happened in :meth:`prepare_layer` (a one-shot ``--resume`` restores what it did
@@ -367,7 +380,7 @@ class SmoothingModifier(Modifier):
         todo = self._todo_in(layer)
         if not todo or not inputs:
             return
-        broken = nonfinite_weights({**_modules_of(todo), **self._linears_of(layer)})
+        broken = nonfinite_weights({**_modules_of(todo), **self._compressed_in(layer)})
         if broken:  # before this layer changes (the quantizer's own check came after the smoothing had folded)
             msg = (
                 f"{type(self).__name__}: the weights of {compact_names(broken)} hold NaN or Inf values, so their "
@@ -384,12 +397,13 @@ class SmoothingModifier(Modifier):
         self._smooth_layer_mappings(layer, inputs, todo)
         self._done.update(m.smooth_name for m in todo)
 
-    def _linears_of(self, layer: nn.Module) -> dict[str, nn.Module]:
-        """The Linears of decoder ``layer`` by full name: a NaN weight outside every mapping (an o_proj whose
-        mapping is skipped) was found by the quantizer only after the layer had been smoothed (a tester's case)."""
-        index = next((i for i, other in enumerate(self._layers) if other is layer), None)
-        prefix = f"{self._layers_name}.{index}." if index is not None and self._layers_name else ""
-        return {prefix + name: m for name, m in layer.named_modules() if isinstance(m, nn.Linear)}
+    def _compressed_in(self, layer: nn.Module) -> dict[str, nn.Module]:
+        """The modules (and fused experts' matrices) of decoder ``layer`` that a modifier of the session compresses,
+        by full name: a NaN weight outside every mapping (an o_proj whose mapping is skipped, an expert's down_proj)
+        was found by the quantizer only after the layer had been smoothed (testers' cases); one nobody compresses
+        is left to the model, as the quantizers leave it."""
+        inside = {id(m) for m in layer.modules()}
+        return {n: m for n, m in self._compressed.items() if id(getattr(m, "source", m)) in inside}
 
     def _todo_in(self, layer: nn.Module) -> list[ResolvedMapping]:
         """The mappings inside ``layer`` not smoothed yet."""
