@@ -293,7 +293,7 @@ class SmoothingModifier(Modifier):
         self._mappings = self.resolve(state.model)
         self._done = set()
         self._fold_checked = set()
-        _, found = _decoder_layers(state.model)
+        found = _decoder_layers(state.model)
         self._layers = list(found) if found is not None else []
         self.smoothing_results = {}
         self.smoothing_scales = {}
@@ -519,12 +519,11 @@ def _float32(value: Any) -> Any:
     return value
 
 
-def _decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList | None]:
-    """``(its name, the decoder layers)`` of ``model``, ``("", None)`` where there are none."""
+def _decoder_layers(model: nn.Module) -> nn.ModuleList | None:
     try:
-        return find_decoder_layers(model)
+        return find_decoder_layers(model)[1]
     except ValueError:
-        return "", None
+        return None
 
 
 def _held_on(module: nn.Module, device: torch.device) -> bool:
