@@ -17,6 +17,7 @@ to use instead; pydantic's validation errors are shortened to ``field: reason``.
 from __future__ import annotations
 
 import copy
+import difflib
 import logging
 import re
 from collections.abc import Mapping
@@ -76,7 +77,10 @@ def preset_names(*, supported_only: bool = False) -> list[str]:
 
 def _preset(name: str, targets: list[str]) -> QuantizationScheme:
     if not isinstance(name, str) or name.upper() not in PRESET_SCHEMES:
-        msg = f"unknown quantization scheme {name!r}; presets: {', '.join(sorted(preset_names(supported_only=True)))}"
+        runs = sorted(preset_names(supported_only=True))
+        close = difflib.get_close_matches(name.upper(), runs, 1) if isinstance(name, str) else []
+        hint = f" (did you mean {close[0]!r}?)" if close else ""  # --scheme W4A61 (a newcomer's case)
+        msg = f"unknown quantization scheme {name!r}{hint}; presets: {', '.join(runs)}"
         raise ValueError(msg)
     scheme = preset_name_to_scheme(name, targets)
     problem = _problem(scheme)

@@ -199,8 +199,11 @@ RUNNABLE = (
 
 def test_unknown_scheme_lists_the_presets_that_run() -> None:
     with pytest.raises(llmc_fsm.RecipeError) as info:
-        llmc_fsm.Session({"quant": {"GPTQModifier": {"scheme": "W5A5"}}})
-    assert str(info.value).endswith(f"unknown quantization scheme 'W5A5'; presets: {RUNNABLE}")
+        llmc_fsm.Session({"quant": {"GPTQModifier": {"scheme": "BOGUS"}}})
+    assert str(info.value).endswith(f"unknown quantization scheme 'BOGUS'; presets: {RUNNABLE}")
+    with pytest.raises(llmc_fsm.RecipeError) as info:  # a close one is named (a newcomer's --scheme W4A61)
+        llmc_fsm.Session({"quant": {"GPTQModifier": {"scheme": "W4A61"}}})
+    assert str(info.value).endswith(f"unknown quantization scheme 'W4A61' (did you mean 'W4A16'?); presets: {RUNNABLE}")
     assert preset_names(supported_only=True) == [n for n in preset_names() if n in RUNNABLE.split(", ")]
 
 
