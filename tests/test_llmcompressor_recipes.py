@@ -764,8 +764,8 @@ def test_b5s_cases_on_the_null_and_pattern_rules():
     from llmc_fsm_quantization import AWQModifier, SmoothQuantModifier
 
     for cls in (SparseGPTModifier, AWQModifier):
-        with pytest.raises(TypeError, match=r"^must be a module pattern or a list of them, got None: give \[\] for "
-                                            r"none, or leave it out for the default$"):
+        with pytest.raises(TypeError, match=r"^must be a module pattern or a list of them, got None: leave it out for "
+                                            r"the modifier's default \(an ignore of nothing is \[\]\)$"):
             cls(ignore=None)
     assert SmoothQuantModifier(ignore=None).ignore == []  # llm-compressor's list | None
     names = {f"re:.*layers\\.{i}\\..*" for i in (9, 3, 7, 1, 8, 2, 6, 0)}
@@ -776,3 +776,13 @@ def test_b5s_cases_on_the_null_and_pattern_rules():
         resolve_recipe("s:\n  AWQModifier: {scheme: {W4A16: [Linear], W8A16: [Linear]}}\n")
     assert "AWQModifier (quantizing with its scheme): argument 'scheme': one preset per modifier" in str(info.value)
     assert "QuantizationModifier" not in str(info.value)
+    # B6's cases: a scheme two bits away is not "close" (INT4 is not INT8); numpy accumulation steps give an int
+    with pytest.raises(RecipeError) as info:
+        resolve_recipe("s:\n  GPTQModifier: {scheme: INT4}\n")
+    assert "unknown quantization scheme 'INT4'; presets:" in str(info.value)
+    import numpy as np
+
+    from llmc_fsm.integrations.torch import resume_position
+
+    position = resume_position(Session([SparseGPTModifier()]), np.int64(6), np.int64(2))
+    assert position == (0, 0) and all(type(v) is int for v in position)

@@ -237,4 +237,4 @@ def resume_position(session: Session, batches_per_epoch: int, gradient_accumulat
     batches_per_epoch = count
     per_epoch = steps_per_epoch(batches_per_epoch, gradient_accumulation_steps)
     epoch, steps_done = divmod(session.global_step, per_epoch)
-    return epoch, steps_done * gradient_accumulation_steps
+    return epoch, steps_done * int(_count(gradient_accumulation_steps) or 1)

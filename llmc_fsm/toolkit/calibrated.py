@@ -93,7 +93,10 @@ def patterns(value: Any) -> list[str]:
     if isinstance(value, str):
         return [value]
     if value is None:
-        msg = "must be a module pattern or a list of them, got None: give [] for none, or leave it out for the default"
+        msg = (
+            "must be a module pattern or a list of them, got None: leave it out for the modifier's default (an "
+            "ignore of nothing is [])"
+        )
         raise TypeError(msg)
     if isinstance(value, set | frozenset) and all(isinstance(v, str) for v in value):
         return sorted(value)  # one order in every process (a set's follows the string hash seed: a tester's case)

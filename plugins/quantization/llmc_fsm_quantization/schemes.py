@@ -78,7 +78,7 @@ def preset_names(*, supported_only: bool = False) -> list[str]:
 def _preset(name: str, targets: list[str]) -> QuantizationScheme:
     if not isinstance(name, str) or name.upper() not in PRESET_SCHEMES:
         runs = sorted(preset_names(supported_only=True))
-        close = difflib.get_close_matches(name.upper(), runs, 1) if isinstance(name, str) else []
+        close = difflib.get_close_matches(name.upper(), runs, 1, cutoff=0.8) if isinstance(name, str) else []
         hint = f" (did you mean {close[0]!r}?)" if close else ""  # --scheme W4A61 (a newcomer's case)
         msg = f"unknown quantization scheme {name!r}{hint}; presets: {', '.join(runs)}"
         raise ValueError(msg)

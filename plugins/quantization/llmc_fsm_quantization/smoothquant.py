@@ -302,8 +302,10 @@ class SmoothingModifier(Modifier):
 
     def on_calibration_start(self, state: Any) -> None:
         """Note the modules the session's modifiers compress (their ``resolved_targets``; AWQ's own quantizer's
-        too), whose weights :meth:`prepare_layer` checks with the mappings' (under ``torch.distributed`` each rank
-        smooths from the statistics of every rank's calibration tokens, see :meth:`ActivationObserver.all_reduce`)."""
+        too; one-shot runs each stage as its own session, so a later stage's targets are not among them unless the
+        stages are fused), whose weights :meth:`prepare_layer` checks with the mappings' (under
+        ``torch.distributed`` each rank smooths from the statistics of every rank's calibration tokens, see
+        :meth:`ActivationObserver.all_reduce`)."""
         binding = self._binding
         session = binding.session() if binding is not None else None
         modifiers = session.modifiers if session is not None else [self]
