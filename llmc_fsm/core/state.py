@@ -16,7 +16,7 @@ from typing import Any
 
 import attrs
 
-__all__ = ["WELL_KNOWN_KEYS", "State", "check_state_values", "missing_state_message"]
+__all__ = ["WELL_KNOWN_KEYS", "State", "as_count", "check_state_values", "missing_state_message"]
 
 
 def _freeze(values: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -106,6 +106,15 @@ class State(Mapping[str, Any]):
 WELL_KNOWN_KEYS: tuple[str, ...] = tuple(name for name, value in vars(State).items() if isinstance(value, _Key))
 
 
+def as_count(value: Any) -> int | None:
+    """``value`` as a Python int when it is an integer (a numpy int, a 0-d integer tensor: anything with
+    ``__index__``), not a bool; else ``None``."""
+    try:
+        return None if isinstance(value, bool) else operator.index(value)
+    except TypeError:
+        return None
+
+
 def check_state_values(values: Mapping[str, Any]) -> dict[str, Any]:
     """``values`` with each well-known key's value checked before it is stored: ``steps_per_epoch`` must be a
     positive integer, and a numpy int (or a 0-d integer tensor) is stored as the Python int (kept as given, it made
@@ -123,10 +132,7 @@ def check_state_values(values: Mapping[str, Any]) -> dict[str, Any]:
     spe = out.get("steps_per_epoch")
     if spe is None:
         return out
-    try:
-        count = None if isinstance(spe, bool) else operator.index(spe)
-    except TypeError:
-        count = None
+    count = as_count(spe)
     if count is None or count < 1:
         msg = (
             f"steps_per_epoch must be a positive int (optimizer steps per epoch), got {spe!r}"

@@ -75,10 +75,10 @@ of the student's inputs); see :mod:`llmc_fsm.integrations`.
 from __future__ import annotations
 
 import math
-import operator
 from pathlib import Path
 from typing import Any
 
+from llmc_fsm.core.state import as_count
 from llmc_fsm.integrations import check_teacher, resolve_teacher_device, start_session
 from llmc_fsm.session.checkpoint import read_checkpoint
 from llmc_fsm.session.session import Session
@@ -118,7 +118,7 @@ def steps_per_epoch(loader: Any, gradient_accumulation_steps: int = 1) -> int:
             0: it gave 1 step, where the session refuses ``steps_per_epoch=0``; found by a tester).
     """
     _check_accumulation(gradient_accumulation_steps)
-    batches = _count(loader)
+    batches = as_count(loader)
     if batches is None:
         try:
             batches = len(loader)
@@ -131,18 +131,10 @@ def steps_per_epoch(loader: Any, gradient_accumulation_steps: int = 1) -> int:
     return math.ceil(batches / gradient_accumulation_steps)
 
 
-def _count(value: Any) -> int | None:
-    """``value`` as an int when it is one (a numpy int too, not a bool), else ``None``."""
-    try:
-        return None if isinstance(value, bool) else operator.index(value)
-    except TypeError:
-        return None
-
-
 def _check_accumulation(gradient_accumulation_steps: Any) -> None:
     """Raise ``ValueError`` unless ``gradient_accumulation_steps`` is an int >= 1 (a numpy int too; a string, a float
     or 0 gave a TypeError, a truncated count or a ZeroDivisionError: found by a fuzzing tester)."""
-    count = _count(gradient_accumulation_steps)
+    count = as_count(gradient_accumulation_steps)
     if count is None or count < 1:
         msg = f"gradient_accumulation_steps must be an int >= 1, got {gradient_accumulation_steps!r}"
         raise ValueError(msg)
@@ -230,11 +222,11 @@ def resume_position(session: Session, batches_per_epoch: int, gradient_accumulat
     Raises:
         ValueError: ``batches_per_epoch`` < 1 or ``gradient_accumulation_steps`` < 1.
     """
-    count = _count(batches_per_epoch)
+    count = as_count(batches_per_epoch)
     if count is None or count < 1:
         msg = f"batches_per_epoch must be an int >= 1, got {batches_per_epoch!r}"
         raise ValueError(msg)
     batches_per_epoch = count
     per_epoch = steps_per_epoch(batches_per_epoch, gradient_accumulation_steps)
     epoch, steps_done = divmod(session.global_step, per_epoch)
-    return epoch, steps_done * int(_count(gradient_accumulation_steps) or 1)
+    return epoch, steps_done * int(as_count(gradient_accumulation_steps) or 1)

@@ -199,7 +199,7 @@ def stream_by_default(run: Run) -> LazyModel | None:
     run.settings = attrs.evolve(settings, low_memory=True)
     try:
         check_job(run)
-        lazy = _load(run, check_tokenizer=False)
+        lazy = _load(run)
         _check_head(run, lazy)
     except ValueError as exc:
         run.settings = settings
@@ -281,6 +281,7 @@ def run_streaming(run: Run, lazy: LazyModel | None = None, *, bounded_heap: bool
     if lazy is None:
         check_job(run)
         lazy = _load(run)
+        refuse_without_tokenizer(run)
         _check_head(run, lazy)
     if bounded_heap:
         limit_heap_growth()  # freed layers go back to the system (glibc)
@@ -403,9 +404,9 @@ def _stored_float_dtype(directory: Path) -> Any:
 _SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}
 
 
-def _load(run: Run, *, check_tokenizer: bool = True) -> LazyModel:
-    """The model on ``meta``, its checkpoint indexed, and the tokenizer (``check_tokenizer``: refused when text needs
-    one and there is none, see :func:`~llmc_fsm.oneshot_job.phases.refuse_without_tokenizer`)."""
+def _load(run: Run) -> LazyModel:
+    """The model on ``meta``, its checkpoint indexed, and the tokenizer (whether text needs one it lacks is the
+    caller's to check: :func:`~llmc_fsm.oneshot_job.phases.refuse_without_tokenizer`)."""
 
     key = os.fspath(run.settings.model)
     with run.timed("load"):
@@ -424,8 +425,6 @@ def _load(run: Run, *, check_tokenizer: bool = True) -> LazyModel:
     run.model_name = key
     run.model = lazy.model
     run.tokenizer = given if given is not None else tokenizer
-    if check_tokenizer:
-        refuse_without_tokenizer(run)
     run.disk_before = sum(p.stat().st_size for p in directory.glob("*.safetensors"))
     return lazy
 
