@@ -13,6 +13,7 @@ pytest.importorskip("transformers")
 
 import llmc_fsm  # noqa: E402
 from llmc_fsm import ModifierError  # noqa: E402
+from llmc_fsm.pipeline.sequential import run_sequential  # noqa: E402
 
 
 def _fails(model: torch.nn.Module, recipe: dict) -> ModifierError:
@@ -23,29 +24,89 @@ def _fails(model: torch.nn.Module, recipe: dict) -> ModifierError:
 
 
 
-def test_a_nan_weight_stops_gptq_before_its_group_changes_and_the_note_names_what_had():
-    """GPTQ on a model with a NaN weight in down_proj: every group before it is compressed, that group is refused
-    naming the module (GPTQ compressed the NaN module and failed at the next group's Hessian, "hessian contains NaN or
-    Inf values"), and one-shot's note names what was changed in place (the session's "No parameter of the model was
-    changed" is about the failing hook only)."""
+def _pipeline_fails(model: torch.nn.Module, recipe: dict) -> ModifierError:
+    """The error of ``recipe`` run through a plain :class:`~llmc_fsm.Session` and the sequential pipeline (no one-shot
+    checks before it: each modifier's own checks) on 4 x 32 random tokens."""
+    session = llmc_fsm.Session(recipe)
+    session.initialize(model=model, calibration_data=torch.randint(0, 128, (4, 32)))
+    with pytest.raises((ModifierError, ValueError)) as info:
+        run_sequential(session, batch_size=4, progress=False)
+    return info.value
+
+
+def _weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def _unchanged(model: torch.nn.Module, before: dict[str, torch.Tensor]) -> bool:
+    after = model.state_dict()
+    return after.keys() == before.keys() and all(torch.equal(before[k].nan_to_num(), after[k].nan_to_num())
+                                                 for k in before)  # fmt: skip
+
+
+def test_a_nan_weight_is_refused_by_oneshot_before_any_stage_runs():
+    """A NaN weight that only a later stage compresses was found when that stage reached it, after the earlier
+    stages had pruned the model passed in memory (session 29's left item, B6's case): one-shot reads every weight any
+    stage changes before the first runs, naming the first modifier (in recipe order) that would compress it; the
+    model is unchanged and no note is added."""
+    model = tiny_llama.llama(hidden=64, vocab=128)
+    with torch.no_grad():
+        model.model.layers[1].mlp.down_proj.weight[0, 0] = float("nan")
+    before = _weights(model)
+    prune = {"SparseGPTModifier": {"sparsity": 0.5, "ignore": ["lm_head", "re:.*down_proj$"]}}
+    quantize = {"QuantizationModifier": {"scheme": "W8A8", "targets": ["re:.*down_proj$"]}}
+    for recipe, named in (
+        ({"prune": prune, "quantize": quantize}, "QuantizationModifier"),  # only the later stage compresses it
+        ({"prune": {"SparseGPTModifier": {"sparsity": 0.5, "ignore": ["lm_head"]}}, "quantize": quantize},
+         "SparseGPTModifier"),  # both do: the first names it
+        ({"s": {"GPTQModifier": {"scheme": "W8A8", "ignore": ["lm_head"]}}}, "GPTQModifier"),  # one stage too
+    ):
+        with pytest.raises(ValueError) as info:
+            llmc_fsm.oneshot(model=model, recipe=recipe, dataset=torch.randint(0, 128, (4, 32)), progress=False)
+        assert type(info.value) is ValueError and str(info.value) == (
+            f"{named}: the weights of model.layers.1.mlp.down_proj hold NaN or Inf values, so they cannot be "
+            "compressed: the checkpoint (or an earlier change to the model) is broken there"
+        )
+        assert getattr(info.value, "__notes__", None) is None and _unchanged(model, before)
+    # a NaN weight no stage changes is not read: the run goes on (the pruner and the quantizer leave down_proj)
+    llmc_fsm.oneshot(model=model, recipe={"prune": prune}, dataset=torch.randint(0, 128, (4, 32)), progress=False)
+    assert model.model.layers[1].mlp.down_proj.weight.isnan().sum() == 1
+    assert model.model.layers[1].mlp.up_proj.weight.eq(0).float().mean() == 0.5
+
+
+def test_a_nan_weight_stops_gptq_before_its_group_changes():
+    """GPTQ through a plain session on a model with a NaN weight in down_proj: every group before it is compressed,
+    that group is refused naming the module (GPTQ compressed the NaN module and failed at the next group's Hessian,
+    "hessian contains NaN or Inf values"); the group itself is untouched."""
     model = tiny_llama.llama(hidden=64, vocab=128)
     with torch.no_grad():
         model.model.layers[0].mlp.down_proj.weight[0, 0] = float("nan")
     scheme = {"preset": "W4A16", "weights": {"group_size": 32}}
-    recipe = {"s": {"GPTQModifier": {"scheme": scheme, "ignore": ["lm_head"]}}}
-    info = _fails(model, recipe)
-    assert str(info).startswith(
+    error = _pipeline_fails(model, {"s": {"GPTQModifier": {"scheme": scheme, "ignore": ["lm_head"]}}})
+    assert str(error).startswith(
         "GPTQModifier.on_sequential_epoch_end() raised ValueError: GPTQModifier: the weights of "
         "model.layers.0.mlp.down_proj hold NaN or Inf values, so they cannot be compressed: the checkpoint (or an "
         "earlier change to the model) is broken there (during sequential_epoch_end())."
     )
+    assert model.model.layers[0].mlp.down_proj.weight.dtype == torch.float32  # its group: untouched
+    assert model.model.layers[0].mlp.up_proj.weight_scale.shape == (128, 2)  # the group before it: compressed
+
+
+def test_the_note_names_what_gptq_had_compressed():
+    """One-shot on a model passed in memory adds a note naming what it had already compressed when a group fails
+    (the session's "No parameter of the model was changed" is about the failing hook only): NaN inputs of down_proj
+    (an overflow in up_proj's output) after q/k/v, o and gate/up were compressed."""
+    model = tiny_llama.llama(hidden=64, vocab=128)
+    model.model.layers[0].mlp.up_proj.register_forward_hook(_poison)
+    scheme = {"preset": "W4A16", "weights": {"group_size": 32}}
+    info = _fails(model, {"s": {"GPTQModifier": {"scheme": scheme, "ignore": ["lm_head"]}}})
+    assert "GPTQModifier: the calibration inputs of model.layers.0.mlp.down_proj hold NaN or Inf values" in str(info)
     done = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
             "mlp.up_proj")
     assert info.__notes__ == [
         "oneshot: the model you passed was changed in place before this error (6 modules: "
         + ", ".join(f"model.layers.0.{n}" for n in done) + "); reload it before another run."
     ]
-    assert model.model.layers[0].mlp.down_proj.weight.dtype == torch.float32  # its group: untouched
 
 
 def test_a_write_through_data_moves_the_version_counter_the_session_guard_reads():
@@ -68,15 +129,20 @@ def test_a_nan_weight_is_refused_at_its_own_compression_by_round_to_nearest_too(
     model = tiny_llama.llama(hidden=64, vocab=128)
     with torch.no_grad():
         model.model.layers[0].mlp.down_proj.weight[0, 0] = float("nan")
-    recipe = {"s": {"QuantizationModifier": {"scheme": "W8A8", "ignore": ["lm_head"]}}}
-    info = _fails(model, recipe)
-    assert str(info).startswith(  # data-free: every target at once, checked before any changes
+    before = _weights(model)
+    session = llmc_fsm.Session({"s": {"QuantizationModifier": {"scheme": "W8A8", "ignore": ["lm_head"]}}})
+    session.initialize(model=model)
+    session.calibration_start()
+    with pytest.raises(ModifierError) as info:
+        session.calibration_end()
+    assert str(info.value) == (  # data-free: every target at once, checked before any changes
         "QuantizationModifier.on_calibration_end() raised ValueError: QuantizationModifier: the weights of "
         "model.layers.0.mlp.down_proj hold NaN or Inf values, so they cannot be compressed: the checkpoint (or an "
         "earlier change to the model) is broken there (during calibration_end()). No parameter of the model was "
-        "changed."
+        "changed. The event counts as delivered; modifiers after this one did not see it. Continue, or "
+        "finalize()/reset() the session."
     )
-    assert getattr(info, "__notes__", None) is None
+    assert _unchanged(model, before)
 
 
 def _poison(module, args, output):
@@ -138,17 +204,22 @@ def test_a_nan_weight_is_refused_before_smoothing_changes_its_layer():
         model = tiny_llama.llama(hidden=128, vocab=128)
         with torch.no_grad():
             model.model.layers[1].get_submodule(where).weight[0, 0] = float("nan")
-        layer1 = {k: v.clone() for k, v in model.model.layers[1].state_dict().items()}
-        with pytest.raises(ValueError) as info:
+        before = _weights(model)
+        with pytest.raises(ValueError) as info:  # one-shot: before any work, naming the first modifier changing it
             llmc_fsm.oneshot(model=model, recipe=recipe, dataset=torch.randint(0, 128, (4, 32)), progress=False)
+        named = "GPTQModifier" if "GPTQModifier" in recipe["s"] else "AWQModifier"
         assert str(info.value) == (
+            f"{named}: the weights of model.layers.1.{where} hold NaN or Inf values, so they cannot be compressed: "
+            "the checkpoint (or an earlier change to the model) is broken there"
+        )
+        assert _unchanged(model, before)
+        layer1 = {k: v.clone() for k, v in model.model.layers[1].state_dict().items()}
+        error = _pipeline_fails(model, recipe)  # a plain session: the smoothing modifier's own check, layer 1
+        assert str(error) == (
             f"{next(iter(recipe['s']))}: the weights of model.layers.1.{where} hold NaN or Inf values, so their "
             "layer cannot be smoothed: the checkpoint (or an earlier change to the model) is broken there"
         )
-        (note,) = info.value.__notes__
-        named = note.split(" modules: ")[1].removesuffix("); reload it before another run.").split(", ")
-        assert note.startswith("oneshot: the model you passed was changed in place before this error (")
-        assert set(named) <= {f"model.layers.0.{n}" for n in layer0} and "model.layers.0.mlp.up_proj" in named
+        assert not torch.equal(model.model.layers[0].mlp.up_proj.weight, before["model.layers.0.mlp.up_proj.weight"])
         after = model.model.layers[1].state_dict()
         assert all(torch.equal(layer1[k], after[k]) for k in layer1 if k != f"{where}.weight")
 
@@ -165,9 +236,17 @@ def test_the_smoothing_check_reads_what_the_stage_compresses_fused_experts_too()
     with torch.no_grad():
         model.get_parameter("model.layers.1.mlp.experts.down_proj").view(-1)[0] = float("nan")
     layer1 = {k: v.clone() for k, v in model.model.layers[1].state_dict().items()}
-    with pytest.raises(ValueError) as info:
+    with pytest.raises(ValueError) as info:  # one-shot: before any work, naming the quantizer
         llmc_fsm.oneshot(model=model, recipe={"s": {**sq, "QuantizationModifier": quantize}},
                          dataset=torch.randint(3, 128, (4, 16)), progress=False)  # fmt: skip
+    assert str(info.value).startswith(
+        "QuantizationModifier: the weights of model.layers.1.mlp.experts.0.down_proj hold NaN or Inf values, so they "
+        "cannot be compressed"
+    )
+    session = llmc_fsm.Session({"s": {**sq, "QuantizationModifier": quantize}})
+    session.initialize(model=model, calibration_data=torch.randint(3, 128, (4, 16)))
+    with pytest.raises(ValueError) as info:  # a plain session: the smoothing modifier's own check, layer 1
+        run_sequential(session, batch_size=4, progress=False)
     assert str(info.value).startswith(
         "SmoothQuantModifier: the weights of model.layers.1.mlp.experts.0.down_proj hold NaN or Inf values, so their "
         "layer cannot be smoothed"
@@ -212,18 +291,24 @@ def test_static_input_scales_from_overflowed_activations_are_refused_naming_them
 
 def test_the_note_names_a_tied_head_untied_before_the_error():
     """Quantizing a tied head unties it (its own copy, config tie_word_embeddings false); the note read the version
-    counters of the parameters by their deduplicated names, so the untied head was missed (a tester's case)."""
+    counters of the parameters by their deduplicated names, so the untied head was missed (a tester's case). The
+    failure: a weight of layer 1 made NaN during the run (by a hook in layer 0, after one-shot's checks), found when
+    layer 1 is compressed, after layer 0's compression untied the head."""
     model = tiny_llama.llama(hidden=64, vocab=128, tied=True)
-    with torch.no_grad():
-        model.model.layers[0].self_attn.q_proj.weight[0, 0] = float("nan")
-    weights = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"}
-    recipe = {"s": {"QuantizationModifier": {"config_groups": {"g": {"targets": ["Linear"], "weights": weights}},
-                                             "ignore": []}}}
+
+    def spoil(*args):
+        with torch.no_grad():
+            model.model.layers[1].self_attn.q_proj.weight[0, 0] = float("nan")
+
+    model.model.layers[0].mlp.down_proj.register_forward_pre_hook(spoil)
+    recipe = {"s": {"QuantizationModifier": {"scheme": "FP8", "ignore": []}}}
     info = _fails(model, recipe)
-    assert "the weights of model.layers.0.self_attn.q_proj hold NaN or Inf values" in str(info)
+    assert "the weights of model.layers.1.self_attn.q_proj hold NaN or Inf values" in str(info)
+    layer0 = ", ".join(f"model.layers.0.{n}" for n in ("self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                                                       "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"))  # fmt: skip
     assert info.__notes__ == [
-        "oneshot: the model you passed was changed in place before this error (1 module: lm_head); reload it before "
-        "another run."
+        "oneshot: the model you passed was changed in place before this error (9 modules: "
+        f"model.layers.{{0..1}}.self_attn.q_proj, {layer0}, lm_head); reload it before another run."
     ]
     assert model.lm_head.weight is not model.model.embed_tokens.weight
 

@@ -20,9 +20,10 @@ from llmc_fsm.core.errors import MissingStateError
 from llmc_fsm.data.protocol import kept_tokenizer_state, load_text, token_windows
 from llmc_fsm.data.rows import describe_rows, is_rows
 from llmc_fsm.session.session import Session
+from llmc_fsm.toolkit.calibrated import nonfinite_weights
 from llmc_fsm.toolkit.masks import zeros_structure
 from llmc_fsm.toolkit.obs import HessianAccumulator
-from llmc_fsm.toolkit.targets import check_not_quantized, select_targets
+from llmc_fsm.toolkit.targets import check_not_quantized, compact_names, select_targets
 from llmc_fsm.toolkit.views import weight_views
 
 if TYPE_CHECKING:
@@ -203,6 +204,7 @@ def check_modifiers(sessions: list[Session], model: Any, calibration_data: Any =
             raise MissingStateError(msg, lifecycle=session.lifecycle, missing=missing)
     quantized_by: dict[str, str] = {}  # module -> the quantizing modifier (and stage) that targets it
     pruned_to: dict[str, tuple[str, float]] = {}  # module -> (pruning modifier, its unstructured sparsity)
+    changed: list[tuple[Any, dict[str, Any]]] = []  # (modifier, the modules it changes), every stage, recipe order
     quantizers = [m for s in sessions for m in s.modifiers if hasattr(m, "experts_checked_by_run")]
     for modifier in quantizers:  # several: fused experts left dense are a question for the whole recipe (below)
         modifier.experts_checked_by_run = len(quantizers) > 1
@@ -231,11 +233,41 @@ def check_modifiers(sessions: list[Session], model: Any, calibration_data: Any =
             if targets:
                 _check_quantized_once(modifier, session, targets, quantized_by)
                 _check_mask_kept(modifier, session, targets, pruned_to)
+                changed.append((modifier, targets))
         for modifier in session.modifiers:  # what a modifier needs of the others in its stage (REAP's followers)
             check_stage = getattr(modifier, "check_stage", None)
             if callable(check_stage):
                 check_stage(model, selected)
     _check_experts_quantized(model, quantizers, quantized_by)
+    _check_finite_weights(changed)
+
+
+def _check_finite_weights(changed: list[tuple[Any, dict[str, Any]]]) -> None:
+    """Refuse, before any stage runs, a NaN/Inf weight that a modifier of any stage would change, naming the first
+    such modifier in recipe order. Each modifier also checks the modules it compresses before changing them, but
+    one-shot runs the stages one after another: a NaN that only a later stage compresses was found after the
+    earlier stages had changed the model you passed (a tester's case). Weights on ``meta`` (a streamed run's
+    skeleton) pass: the modifiers check each layer as it is loaded.
+
+    Raises:
+        ValueError: ``"<Modifier>: the weights of <modules> hold NaN or Inf values, so they cannot be compressed:
+            ..."``, the modifier's own message.
+    """
+    seen: set[str] = set()
+    for modifier, targets in changed:
+        modules = {
+            name: module
+            for name, module in targets.items()
+            if name not in seen and isinstance(getattr(module, "weight", None), torch.Tensor)
+        }
+        seen.update(modules)
+        broken = nonfinite_weights(modules)
+        if broken:
+            msg = (
+                f"{type(modifier).__name__}: the weights of {compact_names(broken)} hold NaN or Inf values, so they "
+                "cannot be compressed: the checkpoint (or an earlier change to the model) is broken there"
+            )
+            raise ValueError(msg)
 
 
 def _check_experts_quantized(model: Any, quantizers: list[Any], quantized_by: dict[str, str]) -> None:
