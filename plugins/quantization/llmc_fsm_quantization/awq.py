@@ -84,6 +84,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import re
+import threading
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -318,18 +319,47 @@ def _config_groups(value: Any) -> tuple[dict[str, Any], list[str] | None]:
 
 @contextlib.contextmanager
 def _as_awq() -> Iterator[None]:
-    """Errors of the quantizer AWQ runs for its ``scheme`` (the older form) said as AWQ's: they named
-    ``QuantizationModifier``, a modifier the recipe did not hold (found by testers)."""
+    """Errors and log lines of the quantizer AWQ runs for its ``scheme`` (the older form) said as AWQ's: they named
+    ``QuantizationModifier``, a modifier the recipe did not hold (found by testers; the log lines, e.g. the fused
+    experts' warning, in B5's case). The lines are rewritten by a filter on this package's and llmc_fsm's loggers,
+    for records of this thread, while the block runs."""
+    rewrite = _AsAWQ()
+    loggers = [
+        each
+        for name, each in logging.Logger.manager.loggerDict.items()
+        if isinstance(each, logging.Logger) and name.startswith(("llmc_fsm.", "llmc_fsm_quantization"))
+    ]
+    for each in loggers:
+        each.addFilter(rewrite)
     try:
         yield
     except ValueError as exc:
         text = str(exc)
         if not text.startswith(_INNER):
             raise
-        raise ValueError(f"AWQModifier (quantizing with its scheme){text[len(_INNER) :]}") from exc
+        raise ValueError(_AWQ + text[len(_INNER) :]) from exc
+    finally:
+        for each in loggers:
+            each.removeFilter(rewrite)
 
 
 _INNER = "QuantizationModifier"
+_AWQ = "AWQModifier (quantizing with its scheme)"
+
+
+class _AsAWQ(logging.Filter):
+    """A log record of the thread that made it beginning with ``QuantizationModifier`` said as AWQ's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.thread = threading.get_ident()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.thread == self.thread:
+            text = record.getMessage()
+            if text.startswith(_INNER):
+                record.msg, record.args = _AWQ + text[len(_INNER) :], None
+        return True
 
 
 @attrs.define(kw_only=True, slots=False, eq=False)
@@ -502,7 +532,8 @@ class AWQModifier(SmoothingModifier):
     def on_initialize(self, state: Any) -> None:
         super().on_initialize(state)
         if self._quantizer is not None:
-            self._quantizer.on_initialize(state)
+            with _as_awq():
+                self._quantizer.on_initialize(state)
 
     def on_calibration_start(self, state: Any) -> None:
         """Find, per balance layer, the quantizer's arguments. A mapping none of whose balance layers is quantized
@@ -540,7 +571,8 @@ class AWQModifier(SmoothingModifier):
         self._clip_targets = self._find_clip_targets() if self.apply_clip else {}
         self.clipping_results = {}
         if self._quantizer is not None:
-            self._quantizer.on_calibration_start(state)
+            with _as_awq():
+                self._quantizer.on_calibration_start(state)
 
     def _quantizing_modifiers(self) -> list[tuple[Any, tuple[QuantizationArgs, str]]]:
         others: list[Any] = [self._quantizer] if self._quantizer is not None else []
@@ -625,7 +657,8 @@ class AWQModifier(SmoothingModifier):
 
     def on_finalize(self, state: Any) -> None:
         if self._quantizer is not None:
-            self._quantizer.on_finalize(state)
+            with _as_awq():
+                self._quantizer.on_finalize(state)
             self._quantizer.remove_hooks()
         super().on_finalize(state)
 
