@@ -174,8 +174,8 @@ def test_the_note_names_what_smoothing_changed_too():
                                                        "mlp.gate_proj", "mlp.up_proj"))  # fmt: skip
     assert str(raised.value) == (
         f"SmoothQuantModifier: the calibration inputs of {layer1} hold NaN or Inf values, so they cannot be smoothed: "
-        "the activations overflowed before them (a float16 model: load it in float32, --dtype float32) or a weight "
-        "before them holds NaN or Inf"
+        "the activations overflowed before them (a float16 model: load it in float32, --dtype float32 or model.float() "
+        "for a model in memory) or a weight before them holds NaN or Inf"
     )
     assert raised.value.__notes__ == [
         "oneshot: the model you passed was changed in place before this error (7 modules: "
@@ -284,8 +284,8 @@ def test_static_input_scales_from_overflowed_activations_are_refused_naming_them
     assert str(info).startswith(
         "QuantizationModifier.on_sequential_epoch_end() raised ValueError: QuantizationModifier: "
         "model.layers.1.mlp.gate_proj.input_scale, model.layers.1.mlp.up_proj.input_scale came out NaN or Inf: the "
-        "calibration inputs overflowed before them (a float16 model: load it in float32, --dtype float32) or hold NaN "
-        "(during sequential_epoch_end()). It had already changed "
+        "calibration inputs overflowed before them (a float16 model: load it in float32, --dtype float32 or "
+        "model.float() for a model in memory) or hold NaN (during sequential_epoch_end()). It had already changed "
     )
 
 

@@ -613,8 +613,8 @@ class CalibratedModifier(Modifier):
             msg = (
                 f"{type(self).__name__}: the calibration inputs of {compact_names(n for n, _ in members)} hold NaN or "
                 "Inf values (their Hessian is not finite), so they cannot be compressed: the activations overflowed "
-                "before them (a float16 model: load it in float32, --dtype float32) or a weight before them holds "
-                "NaN or Inf"
+                "before them (a float16 model: load it in float32, --dtype float32 or model.float() for a model in "
+                "memory) or a weight before them holds NaN or Inf"
             )
             raise ValueError(msg)
         copy = hessian is not None and not self.measures_output_error
@@ -654,7 +654,8 @@ class CalibratedModifier(Modifier):
         if scales:
             msg = (
                 f"{type(self).__name__}: {compact_names(scales)} came out NaN or Inf: the calibration inputs "
-                "overflowed before them (a float16 model: load it in float32, --dtype float32) or hold NaN"
+                "overflowed before them (a float16 model: load it in float32, --dtype float32 or model.float() for a "
+                "model in memory) or hold NaN"
             )
             raise ValueError(msg)
 

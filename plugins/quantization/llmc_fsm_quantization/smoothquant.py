@@ -706,7 +706,7 @@ class ActivationObserver:
             msg = (
                 f"{owner}: the calibration inputs of {compact_names(broken)} hold NaN or Inf values, so they cannot "
                 "be smoothed: the activations overflowed before them (a float16 model: load it in float32, --dtype "
-                "float32) or a weight before them holds NaN or Inf"
+                "float32 or model.float() for a model in memory) or a weight before them holds NaN or Inf"
             )
             raise ValueError(msg)
 
