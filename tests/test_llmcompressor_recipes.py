@@ -761,13 +761,17 @@ def test_b5s_cases_on_the_null_and_pattern_rules():
     targets kept the order of the string hash seed; the null refusal advised arguments a modifier lacks; AWQ's
     construction errors named QuantizationModifier."""
     from llmc_fsm_pruning import SparseGPTModifier
-    from llmc_fsm_quantization import AWQModifier, SmoothQuantModifier
+    from llmc_fsm_quantization import AWQModifier, GPTQModifier, QuantizationModifier, SmoothQuantModifier
 
-    for cls in (SparseGPTModifier, AWQModifier):
+    # the quantizers too (session 29's left item: their None meant the default [lm_head])
+    for cls in (SparseGPTModifier, AWQModifier, QuantizationModifier, GPTQModifier):
         with pytest.raises(TypeError, match=r"^must be a module pattern or a list of them, got None: leave it out for "
                                             r"the modifier's default \(an ignore of nothing is \[\]\)$"):
             cls(ignore=None)
     assert SmoothQuantModifier(ignore=None).ignore == []  # llm-compressor's list | None
+    for given, defaulted in (({}, True), ({"ignore": ["lm_head"]}, False), ({"ignore": []}, False)):
+        quantizer = GPTQModifier(scheme="W4A16", **given)
+        assert (quantizer.ignore, quantizer._ignore_defaulted) == (given.get("ignore", ["lm_head"]), defaulted)
     names = {f"re:.*layers\\.{i}\\..*" for i in (9, 3, 7, 1, 8, 2, 6, 0)}
     assert SparseGPTModifier(ignore=names).ignore == sorted(names)
     with pytest.raises(RecipeError, match=r"modifier SpinQuantModifier: unknown argument 'targets'\."):

@@ -539,8 +539,10 @@ class _DefaultIgnore(list):
 
 
 def _ignore(value: Any) -> list[str]:
-    """attrs converter of ``ignore``: ``None`` (not given) -> the default ``[lm_head]``, marked as defaulted."""
-    return _DefaultIgnore(DEFAULT_IGNORE) if value is None else patterns(value)
+    """attrs converter of ``ignore``: the default (not given) stays the marked ``[lm_head]``; anything else as
+    :func:`~llmc_fsm.toolkit.patterns` reads it (``None`` refused, as llm-compressor and the other modifiers refuse
+    it: it meant the default here, ``[]`` to the pruners; session 29's left item)."""
+    return value if isinstance(value, _DefaultIgnore) else patterns(value)
 
 
 def _canonical_scheme(scheme: Any) -> Any:
@@ -625,7 +627,7 @@ class QuantizingModifier(CalibratedModifier):
     config_groups: Any = attrs.field(default=None)
     observer: str | None = attrs.field(default=None, validator=_observer)
     input_observer: str | None = attrs.field(default=None, validator=_input_observer)
-    ignore: list[str] = attrs.field(default=None, converter=_ignore)
+    ignore: list[str] = attrs.field(factory=lambda: _DefaultIgnore(DEFAULT_IGNORE), converter=_ignore)
     kv_cache_scheme: Any = attrs.field(default=None)
     calibrate_all_experts: bool = attrs.field(default=False, validator=_bool)
 
