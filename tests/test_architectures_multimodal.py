@@ -283,7 +283,7 @@ def test_a_data_free_job_quantizes_every_linear_of_whispers_encoder_and_decoder(
         torch.testing.assert_close(reloaded.eval()(**inputs).logits, expected, rtol=0, atol=0)
         assert not torch.equal(expected, model(**inputs).logits)
     rows = [line.split() for line in report.splitlines() if line.lstrip().startswith("model.encoder.layers.")]
-    assert rows == [[f"model.encoder.layers.{i}", "32,768", "0.00%", "8b", "-"] for i in range(6)]
+    assert rows == [[f"model.encoder.layers.{i}", "32,768", "0.00%", "int8", "a:int8", "-"] for i in range(6)]
     decoder = [line.split()[0] for line in report.splitlines() if line.lstrip().startswith("model.decoder.layers.")]
     assert decoder == [f"model.decoder.layers.{i}" for i in range(model.config.decoder_layers)]  # not bare indices
     assert not [line for line in report.splitlines() if re.match(r"\s*\d+\s+[\d,]+\s", line)]

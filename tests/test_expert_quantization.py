@@ -1082,7 +1082,7 @@ def test_jambas_dt_proj_is_quantized_with_a_kv_cache_as_without_and_the_report_m
     recipe = {"s": {"GPTQModifier": {"scheme": scheme, "ignore": ["lm_head", "re:.*router.*"]}}}
     table = llmc_fsm.oneshot(model=model, recipe=recipe, dataset=DATA, progress=False).llmc_fsm_report.format_table()
     rows = {line.split()[0]: line.split()[3] for line in table.splitlines() if line.split()[:1] in (["0"], ["1"])}
-    assert rows == {"0": "8b/g8*", "1": "8b/g8"}  # layer 0: mamba (dt_proj left), layer 1: attention
+    assert rows == {"0": "int8/g8*", "1": "int8/g8"}  # layer 0: mamba (dt_proj left), layer 1: attention
     assert ("*: weights of the layer a modifier targeted, left unquantized (not quantized by the recipe, or no "
             "calibration input reached them): 2 modules, 2,048 weights ") in table
     assert "model.layers.{0,2}.mamba.dt_proj" in table

@@ -475,7 +475,7 @@ def test_the_printed_per_layer_error_is_the_size_weighted_mean_the_plot_draws():
         ModuleSparsity(name="b", layer=0, zeros=0, numel=100, bits=4, group_size=64, rel_output_error=0.5),
     ]
     report = OneshotReport(model="m", recipe={}, calibration={}, modules=modules, targeted=["a", "b"])
-    assert report.layer_quantization() == {0: ("4b/g64", pytest.approx(0.2, rel=1e-12))}
+    assert report.layer_quantization() == {0: ("4b/g64", pytest.approx(0.2, rel=1e-12))}  # no label given: bits
     assert "0.2000" in report.format_table()
     lines = report.format_table().splitlines()
     total = next(i for i, line in enumerate(lines) if line.startswith("  total "))

@@ -186,17 +186,18 @@ def sparsity_metadata(model: nn.Module, report: Any, structure: str | None) -> S
     """The ``sparsity_config`` of ``model`` after a run with ``report`` (a one-shot report, or ``None``), whose recipe
     asked for ``structure`` (:func:`sparsity_structure`), or ``None`` when no module is sparse.
 
-    Targets are the modules of ``model`` whose weights have at least 5% pruned zeros in the report (a quantized
-    module's count only the zeros it had before quantization), not every quantized one: vLLM takes its 2:4 sparse
-    kernels for the targets of a ``2:4`` config. (llm-compressor 0.14 writes no ``sparsity_config``; this follows its
-    older ``infer_sparse_targets_and_ignores`` rule, sparse weights that follow the structure, by module name.) The
-    structure is written as compressed-tensors and vLLM read it, ``N`` zeros in every ``M`` inputs, which for the
-    recipe's ``N:M`` (N kept of every M, NVIDIA's reading, as the first-party pruning modifiers take it) is
-    ``(M - N):M`` (the same for ``2:4``); only where each target's weight follows it (measured:
-    :attr:`~llmc_fsm.report.build.ModuleSparsity.fewest_zeros`); else, or when the recipe asks for no structure (a
-    model pruned elsewhere), ``"2:4"`` where every target's weight follows that, as llm-compressor's older
-    ``infer_sparsity_structure_from_model`` measured it (vLLM's 2:4 kernels); else ``"unstructured"``. Fused experts'
-    matrices are not listed (not modules).
+    The sparse modules are those of ``model`` whose weights have at least 5% pruned zeros in the report (a quantized
+    module's count only the zeros it had before quantization), not every quantized one. (llm-compressor 0.14 writes
+    no ``sparsity_config``; this follows its older ``infer_sparsity_structure_from_model`` and
+    ``infer_sparse_targets_and_ignores`` rules.) The structure is written as compressed-tensors and vLLM read it,
+    ``N`` zeros in every ``M`` inputs, which for the recipe's ``N:M`` (N kept of every M, NVIDIA's reading, as the
+    first-party pruning modifiers take it) is ``(M - N):M`` (the same for ``2:4``), where a sparse module's weight
+    follows it (measured: :attr:`~llmc_fsm.report.build.ModuleSparsity.fewest_zeros`); else, or when the recipe asks
+    for no structure (a model pruned elsewhere), ``"2:4"`` where more than 80% of the sparse modules follow it (vLLM's
+    2:4 kernels); else ``"unstructured"``. The targets are the sparse modules that follow the structure (vLLM takes
+    its 2:4 kernels for them): with a structure, a module whose zeros do not follow it (an ignored head with zero
+    rows of a padded vocabulary) is not a target and does not turn a 2:4 model unstructured (until 2026-12-06 it
+    did: a tester's case). Fused experts' matrices are not listed (not modules).
     """
     if report is None:
         return None
@@ -204,12 +205,17 @@ def sparsity_metadata(model: nn.Module, report: Any, structure: str | None) -> S
     sparse = [m for m in report.modules if m.sparsity >= SPARSE_FROM and m.name in names]
     if not sparse:
         return None
-    asked = [zeros_structure(structure)] if structure is not None else []
-    followed = next((s for s in [*asked, "2:4"] if all(m.follows(s) for m in sparse)), "unstructured")
+    asked = zeros_structure(structure) if structure is not None else None
+    if asked is not None and any(m.follows(asked) for m in sparse):
+        followed = asked
+    elif sum(m.follows("2:4") for m in sparse) > 0.8 * len(sparse):
+        followed = "2:4"
+    else:
+        followed = "unstructured"
     return SparsityMetadata(
         global_sparsity=model_sparsity(report, model),
         structure=followed,
-        targets=sorted(m.name for m in sparse),
+        targets=sorted(m.name for m in sparse if followed == "unstructured" or m.follows(followed)),
     )
 
 

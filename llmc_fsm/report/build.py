@@ -22,6 +22,7 @@ from torch import nn
 
 from llmc_fsm.models.layers import find_decoder_layers
 from llmc_fsm.toolkit.masks import fewest_zeros, follows_structure
+from llmc_fsm.toolkit.packed import scheme_label
 from llmc_fsm.toolkit.targets import compact_names
 from llmc_fsm.toolkit.views import weight_views
 
@@ -49,7 +50,9 @@ class ModuleSparsity:
     then GPTQ); the errors do not add up. ``routed_tokens``: for one expert's matrix of fused
     mixture-of-experts weights, the calibration tokens the router sent to that expert (``None`` otherwise).
     ``fewest_zeros``: :func:`~llmc_fsm.toolkit.masks.fewest_zeros` of the weight when it was measured (the N:M
-    structures its zeros follow; empty below 5% zeros); not written to ``report.json``.
+    structures its zeros follow; empty below 5% zeros); not written to ``report.json``. ``quantized``: the label of a
+    quantized module's scheme (:func:`~llmc_fsm.toolkit.packed.scheme_label`: ``int4/g64``, ``fp8 a:fp8``), the
+    report's ``quantized`` column.
     """
 
     name: str
@@ -58,6 +61,7 @@ class ModuleSparsity:
     numel: int
     bits: int | None = None
     group_size: int | None = None
+    quantized: str | None = None
     rel_output_error: float | None = None
     rel_output_errors: list[tuple[str, float | None]] = attrs.Factory(list)
     routed_tokens: int | None = None
@@ -303,6 +307,7 @@ class OneshotReport:
                     numel=m["numel"],
                     bits=m.get("bits"),
                     group_size=m.get("group_size"),
+                    quantized=m.get("quantized"),
                     rel_output_error=m.get("rel_output_error"),
                     rel_output_errors=[(e["modifier"], e["rel_output_error"]) for e in m.get("rel_output_errors", [])],
                     routed_tokens=m.get("routed_tokens"),
@@ -344,18 +349,20 @@ class OneshotReport:
         blocks = _outside_blocks(outside)
         named = _named_layers(self._targeted()) if any(re.search(r"\.\d+$", b) for b in blocks) else {}
         width = max([7, *(len(name) for name in blocks), *(len(name) for name in named.values())])
+        labels = {name: _bits_label(mods) for name, mods in blocks.items()}
+        q = max([9, *(len(label) for label, _ in [*quant.values(), *labels.values()])])  # the quantized column
         if rows:
             lines.append("")
-            extra = f"  {'quantized':>9}  {'rel. output error':>16}" if bits_columns else ""
+            extra = f"  {'quantized':>{q}}  {'rel. output error':>16}" if bits_columns else ""
             lines.append(f"{'layer':>{width}}  {'weights':>10}  {'sparsity':>8}{extra}")
             for i, s, n in rows:
                 label, err = quant.get(i, ("-", None))
-                extra = f"  {label:>9}  {'-' if err is None else f'{err:.4f}':>16}" if bits_columns else ""
+                extra = f"  {label:>{q}}  {'-' if err is None else f'{err:.4f}':>16}" if bits_columns else ""
                 lines.append(f"{named.get(i, i):>{width}}  {n:>10,}  {s:>8.2%}{extra}")
         for name, mods in blocks.items():  # lm_head, a quantized embedding, an encoder's layers
-            label, err = _bits_label(mods)
+            label, err = labels[name]
             numel, zeros = sum(m.numel for m in mods), sum(m.zeros for m in mods)
-            extra = f"  {label:>9}  {'-' if err is None else f'{err:.4f}':>16}" if bits_columns else ""
+            extra = f"  {label:>{q}}  {'-' if err is None else f'{err:.4f}':>16}" if bits_columns else ""
             lines.append(f"{name:>{width}}  {numel:>10,}  {zeros / numel if numel else 0.0:>8.2%}{extra}")
         lines.extend(self._unquantized_note())
         lines.extend(self._stacked_errors_note())
@@ -434,16 +441,27 @@ def _execution_lines(execution: dict[str, Any] | None) -> list[str]:
 
 
 def _bits_of_earlier_runs(model: nn.Module, by_name: dict[str, ModuleSparsity]) -> None:
-    """Bits and group size of modules quantized before this run (an in-memory model given to oneshot again),
-    from the compressed-tensors scheme they carry."""
+    """Bits, group size and label of modules quantized before this run (an in-memory model given to oneshot again),
+    from the compressed-tensors scheme they carry; and their zeros as sparsity only where they were pruned: the
+    earlier run's count (its report, ``model.llmc_fsm_report``: the zeros each held before it was quantized), else
+    (quantized elsewhere) the measured zeros only when they follow an N:M structure of at least half zeros (2:4, 8:16,
+    ...), which values rounded to zero do not (unstructured pruning cannot be told from rounding there: not counted).
+    Until 2026-12-06 every rounded zero counted, in the report and the saved ``global_sparsity`` (a tester's case)."""
+    earlier = getattr(model, "llmc_fsm_report", None)
+    counted = {m.name: m.zeros for m in getattr(earlier, "modules", [])}
     for name, module in model.named_modules():
         entry, scheme = by_name.get(name), getattr(module, "quantization_scheme", None)
         weights = getattr(scheme, "weights", None)
         if entry is None or entry.bits is not None or weights is None:
             continue
+        if name in counted:
+            entry.zeros = counted[name]
+        elif not any(2 * fewest >= m for m, fewest in entry.fewest_zeros.items()):  # not N:M with N >= M/2:
+            entry.zeros = 0  # not pruned as far as can be told (unstructured pruning is not told from rounding)
         entry.bits = int(weights.num_bits)
         strategy = getattr(weights.strategy, "value", weights.strategy)  # an enum, or its str value
-        entry.group_size = int(weights.group_size) if strategy == "group" else None
+        entry.group_size = int(weights.group_size) if strategy in ("group", "tensor_group") else None
+        entry.quantized = scheme_label(scheme)
 
 
 def _smoothing_line(label: str, results: dict[str, dict[str, Any]]) -> str:
@@ -490,12 +508,18 @@ def _bits_label(mods: list[ModuleSparsity]) -> tuple[str, float | None]:
     their bits/group sizes (``-`` if none is quantized), ending in ``*`` when some are quantized and some not; and
     their relative output error, the mean of the measured ones weighted by their numbers of weights (of the quantized
     ones where some are: a pruned module's error is not a quantizer's)."""
-    labels = sorted({f"{m.bits}b" + (f"/g{m.group_size}" if m.group_size else "") for m in mods if m.bits is not None})
+    labels = sorted({_label(m) for m in mods if m.bits is not None})
     partial = bool(labels) and any(m.bits is None for m in mods)
     measured = [m for m in mods if m.rel_output_error is not None and (m.bits is not None or not labels)]
     size = sum(m.numel for m in measured)
     error = sum(m.numel * m.rel_output_error for m in measured) / size if size else None
     return (",".join(labels) + ("*" if partial else "") or "-"), error
+
+
+def _label(m: ModuleSparsity) -> str:
+    """A quantized module's label: its scheme's (:attr:`ModuleSparsity.quantized`), else (a report written before
+    2026-12-06, a quantizer that gives no label) ``<bits>b`` and ``/g<group size>``."""
+    return m.quantized or f"{m.bits}b" + (f"/g{m.group_size}" if m.group_size else "")
 
 
 def _named_layers(modules: list[ModuleSparsity]) -> dict[int, str]:
@@ -601,6 +625,7 @@ def _quant_fields(m: ModuleSparsity) -> dict[str, Any]:
         for key, value in (
             ("bits", m.bits),
             ("group_size", m.group_size),
+            ("quantized", m.quantized),
             ("rel_output_error", m.rel_output_error),
             ("routed_tokens", m.routed_tokens),
         )
@@ -665,6 +690,7 @@ def build_report(
                 continue
             if getattr(result, "bits", None) is not None:  # zeros: the pruned ones only (see ModuleResult)
                 entry.bits, entry.group_size, entry.zeros = result.bits, result.group_size, result.zeros
+                entry.quantized = getattr(result, "label", None)
             # the last modifier's error, against the weights it received (None: it measured none)
             entry.rel_output_error = getattr(result, "rel_output_error", None)
             entry.rel_output_errors.append((label, entry.rel_output_error))

@@ -57,7 +57,8 @@ The public names, by concern:
   :func:`format_problem` (the compressed-tensors formats a scheme's weights can be saved in; :func:`saved_as`: the
   class whose formats a module takes),
   :func:`expert_reload_problem` (why transformers would not reload fused experts quantized with a scheme),
-  :func:`experts_for_vllm` (whether such experts are still written per expert as vLLM reads them: NVFP4, FP8 block).
+  :func:`experts_for_vllm` (whether such experts are still written per expert as vLLM reads them: NVFP4, FP8 block),
+  :func:`scheme_label` (the report's short label of a scheme: ``int4/g64``, ``fp8 a:fp8``).
 
 Imports only :mod:`llmc_fsm.core`.
 """
@@ -96,6 +97,7 @@ from llmc_fsm.toolkit.packed import (
     format_problem,
     keep_packed,
     saved_as,
+    scheme_label,
     weight_formats,
 )
 from llmc_fsm.toolkit.targets import (
@@ -186,6 +188,7 @@ __all__ = [
     "resolve_targets",
     "router_names",
     "saved_as",
+    "scheme_label",
     "select_targets",
     "sweep_relative_errors",
     "tied_head",

@@ -128,6 +128,8 @@ class ModuleResult:
         rel_output_error: ``||W X - W_hat X|| / ||W X||`` on the calibration inputs, or ``None``
             when the statistics hold no Hessian (Wanda, data-free RTN).
         bits / group_size: weight bits and group size for quantized modules, else ``None``.
+        label: the report's label of a quantized module's scheme (:func:`~llmc_fsm.toolkit.packed.scheme_label`:
+            ``int4/g64``, ``fp8 a:fp8``), else ``None`` (the report then labels it by ``bits`` and ``group_size``).
     """
 
     zeros: int
@@ -137,6 +139,7 @@ class ModuleResult:
     rel_output_error: float | None = None
     bits: int | None = None
     group_size: int | None = None
+    label: str | None = None
 
     @property
     def sparsity(self) -> float:

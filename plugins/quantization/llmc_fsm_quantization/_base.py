@@ -51,6 +51,7 @@ from llmc_fsm.toolkit import (
     quantize_expert_inputs,
     release_file_pages,
     reloads_as_linears,
+    scheme_label,
     select_targets,
     tied_head,
     untie_head,
@@ -1668,8 +1669,10 @@ class QuantizingModifier(CalibratedModifier):
             module.quantization_status = QuantizationStatus.FROZEN
 
     def _result_extras(self, module: nn.Module) -> dict[str, Any]:
-        args = weight_args(self.scheme_of(self._names_by_id.get(id(module), "")))
+        scheme = self.scheme_of(self._names_by_id.get(id(module), ""))
+        args = weight_args(scheme)
         return {
+            "label": scheme_label(scheme),
             "bits": int(args.num_bits),
             "group_size": (
                 int(args.group_size)

@@ -35,19 +35,23 @@ def _hand(weight: torch.Tensor, bits: int, group: int | None, symmetric: bool) -
     return ((q - zero) * scale).reshape(rows, cols), scale.squeeze(-1)
 
 
-def _assert_reported(model, bits: int, group: int | None) -> None:
-    """The one-shot report lists the quantized embedding outside the layers, with its bits and group size."""
+def _assert_reported(model, bits: int, group: int | None, label: str) -> None:
+    """The one-shot report lists the quantized embedding outside the layers, with its bits, group size and label."""
     report = model.llmc_fsm_report
     (row,) = [m for m in report.modules if m.name == "model.embed_tokens"]
-    assert (row.layer, row.bits, row.group_size, row.numel) == (None, bits, group, 128 * 64)
-    label = f"{bits}b" + (f"/g{group}" if group else "")
-    assert f"model.embed_tokens       8,192     0.00%  {label:>9}                 -" in report.format_table()
+    assert (row.layer, row.bits, row.group_size, row.numel, row.quantized) == (None, bits, group, 128 * 64, label)
+    rows = [line.split("  ") for line in report.format_table().splitlines() if line.startswith("model.embed_tokens")]
+    assert [[cell.strip() for cell in row if cell.strip()] for row in rows] == [
+        ["model.embed_tokens", "8,192", "0.00%", label, "-"]
+    ]
 
 
-@pytest.mark.parametrize(("scheme", "bits", "group", "symmetric"), [
-    (W4_G32, 4, 32, True), (W4_ASYM_G32, 4, 32, False), (INT8_CHANNEL, 8, None, True),
+@pytest.mark.parametrize(("scheme", "bits", "group", "symmetric", "label"), [
+    (W4_G32, 4, 32, True, "int4/g32"), (W4_ASYM_G32, 4, 32, False, "int4/g32 asym"),
+    (INT8_CHANNEL, 8, None, True, "int8"),
 ])
-def test_an_embedding_is_quantized_by_round_to_nearest_and_reloads(tmp_path, scheme, bits, group, symmetric) -> None:
+def test_an_embedding_is_quantized_by_round_to_nearest_and_reloads(tmp_path, scheme, bits, group, symmetric,
+                                                                   label) -> None:
     from transformers import AutoModelForCausalLM
 
     model = tiny_llama()
@@ -66,7 +70,7 @@ def test_an_embedding_is_quantized_by_round_to_nearest_and_reloads(tmp_path, sch
     q = (g / s.unsqueeze(-1) + z.unsqueeze(-1)).round().clamp(-(2 ** (bits - 1)), 2 ** (bits - 1) - 1)
     assert torch.equal(emb.weight, ((q - z.unsqueeze(-1)) * s.unsqueeze(-1)).reshape(rows, cols))
     torch.testing.assert_close(emb.weight.double(), expected, rtol=0, atol=float(scale.max()) * 1.0001)  # <= 1 step
-    _assert_reported(model, bits, group)
+    _assert_reported(model, bits, group, label)
     per_group = emb.weight.reshape(emb.weight.shape[0], -1, group or emb.weight.shape[1])
     assert max(len(torch.unique(row)) for rows in per_group for row in rows) <= 2**bits
     config = json.loads((out / "config.json").read_text())["quantization_config"]
@@ -118,8 +122,11 @@ KV = {"QuantizationModifier": {"scheme": W4_G32, "targets": ["Embedding", "Linea
     "num_bits": 8, "type": "float", "symmetric": True, "dynamic": False, "strategy": "tensor"}}}
 
 
-@pytest.mark.parametrize(("stage", "bits", "group"), [(SIMPLE, 8, None), (WEIGHT, 8, None), (KV, 4, 32)])
-def test_an_embedding_in_a_calibrated_modifier_is_rounded_to_nearest_after_the_layers(tmp_path, stage, bits, group):
+@pytest.mark.parametrize(("stage", "bits", "group", "label"), [
+    (SIMPLE, 8, None, "int8/tensor"), (WEIGHT, 8, None, "int8/tensor"), (KV, 4, 32, "int4/g32"),
+])
+def test_an_embedding_in_a_calibrated_modifier_is_rounded_to_nearest_after_the_layers(tmp_path, stage, bits, group,
+                                                                                       label):
     """llm-compressor's recipes that quantize the Embedding beside calibrated Linears (static input scales, GPTQ,
     a KV-cache scheme; before, refused): the embedding is rounded to nearest, its scale equal to the hand
     computation and its values on the stored scale's grid, within one step of the float64 hand rounding (GPTQ has
@@ -144,7 +151,7 @@ def test_an_embedding_in_a_calibrated_modifier_is_rounded_to_nearest_after_the_l
     q = torch.clamp(torch.round(g / s), -(2 ** (bits - 1)), 2 ** (bits - 1) - 1)
     assert torch.equal(emb.weight, (q * s).reshape(original.shape))  # on the grid of the stored scale
     torch.testing.assert_close(emb.weight.double(), expected, rtol=0, atol=float(scale.max()) * 1.0001)  # <= 1 step
-    _assert_reported(model, bits, group)
+    _assert_reported(model, bits, group, label)
     without = tiny_llama()
     dense = json.loads(json.dumps(stage))  # the same recipe without the Embedding target
     for spec in dense.values():

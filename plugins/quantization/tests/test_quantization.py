@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -894,10 +895,12 @@ def test_the_sparsity_config_lists_the_pruned_modules_and_claims_a_structure_onl
     config = sparsity_config("one_four", one_four)  # 1 kept of every 4 (NVIDIA's N:M): 3 zeros in every 4, as
     assert (config["sparsity_structure"], config["targets"]) == ("3:4", mlp_names)  # compressed-tensors reads N:M
 
-    config = sparsity_config("mixed", mixed)  # unstructured attention zeros: 2:4 is not true of every target
-    assert config["sparsity_structure"] == "unstructured"
-    assert config["targets"] == sorted([*mlp_names, *(f"model.layers.{i}.self_attn.{p}_proj" for i in layers
-                                                      for p in ("o", "q", "v"))])  # fmt: skip
+    config = sparsity_config("mixed", mixed)  # the recipe's 2:4, its targets those that follow it (llm-compressor's
+    assert (config["sparsity_structure"], config["targets"]) == ("2:4", mlp_names)  # older rule): not the attention
+    assert config["global_sparsity"] == pytest.approx(0.5 * sum(  # whose zeros count in the global sparsity
+        model.get_submodule(n).weight.numel() for n in mlp_names) / parameters["mixed"] + 0.5 * sum(
+        model.get_submodule(f"model.layers.{i}.self_attn.{p}_proj").weight.numel() for i in layers
+        for p in ("o", "q", "v")) / parameters["mixed"], abs=1e-12)  # fmt: skip
 
     # a tester's cases: a 2:4 model pruned elsewhere (its recipe not saved) and quantized here was labelled
     # unstructured (llm-compressor's older rule measured 2:4 from the weights); 16:32 was never measured
@@ -911,3 +914,89 @@ def test_the_sparsity_config_lists_the_pruned_modules_and_claims_a_structure_onl
     assert (config["sparsity_structure"], config["targets"]) == ("2:4", mlp_names)
     sixteen = {"SparseGPTModifier": {"sparsity": 0.5, "mask_structure": "16:32", "targets": [mlp]}}
     assert sparsity_config("sixteen", sixteen)["sparsity_structure"] == "16:32"
+
+    # B2's case (session 30): an ignored head whose rows of a padded vocabulary are zero made a 2:4 model
+    # "unstructured" and listed the head; it is neither pruned nor 2:4: not a target, the structure stays 2:4
+    padded = tiny_llama()
+    with torch.no_grad():
+        padded.lm_head.weight[-20:] = 0
+    padded.save_pretrained(tmp_path / "dense")  # the helper's base model from here on
+    config = sparsity_config("padded", everything)
+    assert config["sparsity_structure"] == "2:4" and "lm_head" not in config["targets"]
+    assert len(config["targets"]) == 7 * len(layers)
+
+
+def test_the_report_labels_each_scheme_by_its_types_grouping_and_activations() -> None:
+    """The report said ``8b`` for INT8 W8A8, FP8 dynamic, FP8 static, FP8 block and int8 per tensor alike, ``4b/g16``
+    for NVFP4 and int4 g16 (B2's case, session 30): each preset's label names its weight type, grouping, zero point
+    and quantized input activations; a layer with two schemes lists both."""
+    from compressed_tensors.quantization import preset_name_to_scheme
+
+    from llmc_fsm.toolkit import scheme_label
+
+    labels = {p: scheme_label(preset_name_to_scheme(p, ["Linear"])) for p in (
+        "W4A16", "W4A16_ASYM", "W8A8", "FP8", "FP8_DYNAMIC", "FP8_BLOCK", "NVFP4", "NVFP4A16", "MXFP4A16", "W4AFP8")}
+    assert labels == {
+        "W4A16": "int4/g128", "W4A16_ASYM": "int4/g128 asym", "W8A8": "int8 a:int8", "FP8": "fp8/tensor a:fp8 static",
+        "FP8_DYNAMIC": "fp8 a:fp8", "FP8_BLOCK": "fp8/b128x128 a:fp8", "NVFP4": "fp4/g16 a:fp4", "NVFP4A16": "fp4/g16",
+        "MXFP4A16": "fp4/g32", "W4AFP8": "int4/g128 a:fp8",
+    }
+    data = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(0))
+    weights = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "tensor"}
+    groups = {"attention": {"targets": [r"re:.*self_attn.*"], "weights": weights},
+              "mlp": {"targets": [r"re:.*mlp.*"], "weights": {**weights, "type": "float", "strategy": "channel"},
+                      "input_activations": {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True}}}
+    model = llmc_fsm.oneshot(model=tiny_llama(), dataset=data, progress=False,
+                             recipe={"s": {"QuantizationModifier": {"config_groups": groups}}})  # fmt: skip
+    report = model.llmc_fsm_report
+    assert {m.name.split(".", 3)[-1]: m.quantized for m in report.modules if m.layer == 0} == {
+        **{f"self_attn.{p}_proj": "int8/tensor" for p in "qkvo"},
+        **{f"mlp.{p}_proj": "fp8 a:fp8" for p in ("gate", "up", "down")},
+    }
+    assert report.layer_quantization()[0][0] == "fp8 a:fp8,int8/tensor"
+    rows = [re.split(r"\s{2,}", line.strip()) for line in report.format_table().splitlines()]
+    assert [row[3] for row in rows if row[0] == "0"] == ["fp8 a:fp8,int8/tensor"]
+    assert json.loads(report.to_json())["sparsity"]["modules"][0]["quantized"] == "int8/tensor"
+
+
+def test_a_second_in_memory_run_does_not_count_the_first_runs_rounded_zeros_as_sparsity(tmp_path) -> None:
+    """A second oneshot on the same in-memory model reported the zeros that the first run's quantization rounded
+    to as sparsity, in the report and in the saved sparsity_config (B2's case, session 30). Now a module quantized
+    before keeps the earlier run's count (the zeros it held before quantization), and one quantized elsewhere (no
+    earlier report) counts its zeros only when they follow an N:M structure."""
+    data = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(0))
+    attention, mlp = r"re:.*self_attn\..*_proj$", r"re:.*mlp\..*_proj$"
+
+    def gptq(targets):
+        return {"GPTQModifier": {"scheme": W4G16, "targets": [targets]}}
+
+    model = tiny_llama()
+    llmc_fsm.oneshot(model=model, recipe={"q": gptq(attention)}, dataset=data, progress=False)
+    rounded = {n: int((m.weight == 0).sum()) for n, m in model.named_modules() if n.endswith("self_attn.q_proj")}
+    assert all(rounded.values())  # int4 rounds some weights to zero
+    llmc_fsm.oneshot(model=model, recipe={"q2": gptq(mlp)}, dataset=data, output_dir=tmp_path / "out", progress=False)
+    entries = {m.name: m for m in model.llmc_fsm_report.modules}
+    assert [entries[n].zeros for n in rounded] == [0, 0] and entries["model.layers.0.self_attn.q_proj"].bits == 4
+    config = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
+    assert "sparsity_config" not in config or not config["sparsity_config"]
+
+    model = tiny_llama()  # pruned 50% then quantized in the first run: its count stands
+    prune = {"SparseGPTModifier": {"sparsity": 0.5, "targets": [attention]}}
+    llmc_fsm.oneshot(model=model, recipe={"p": prune, "q": gptq(attention)}, dataset=data, progress=False)
+    first = {m.name: m.zeros for m in model.llmc_fsm_report.modules}
+    llmc_fsm.oneshot(model=model, recipe={"q2": gptq(mlp)}, dataset=data, progress=False)
+    second = {m.name: m.zeros for m in model.llmc_fsm_report.modules}
+    assert [second[n] for n in rounded] == [first[n] for n in rounded] == [4096 // 2, 4096 // 2]
+
+    del model.llmc_fsm_report  # quantized elsewhere: unstructured zeros are not taken as sparsity, 2:4 ones are
+    head = {"GPTQModifier": {"scheme": W4G16, "targets": ["lm_head"], "ignore": []}}
+    llmc_fsm.oneshot(model=model, recipe={"q3": head}, dataset=data, progress=False)
+    assert [{m.name: m.zeros for m in model.llmc_fsm_report.modules}[n] for n in rounded] == [0, 0]
+    model = tiny_llama()
+    two_four = {"SparseGPTModifier": {"sparsity": 0.5, "mask_structure": "2:4", "targets": [attention]}}
+    llmc_fsm.oneshot(model=model, recipe={"p": two_four, "q": gptq(attention)}, dataset=data, progress=False)
+    del model.llmc_fsm_report
+    llmc_fsm.oneshot(model=model, recipe={"q2": gptq(mlp)}, dataset=data, progress=False)
+    zeros = {m.name: m.zeros for m in model.llmc_fsm_report.modules}
+    assert [zeros[n] for n in rounded] == [int((model.get_submodule(n).weight == 0).sum()) for n in rounded]
+    assert all(z >= 4096 // 2 for z in (zeros[n] for n in rounded))
