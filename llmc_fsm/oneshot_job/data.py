@@ -210,6 +210,7 @@ def check_modifiers(sessions: list[Session], model: Any, calibration_data: Any =
         modifier.experts_checked_by_run = len(quantizers) > 1
     for session in sessions:
         selected: list[tuple[Any, dict[str, Any]]] = []  # (modifier, what it would change), in recipe order
+        pruned_before = dict(pruned_to)  # by the earlier stages (a stage's rotation runs before its pruning)
         for modifier in session.modifiers:
             try:
                 targets = modifier.check_model(model)
@@ -228,6 +229,7 @@ def check_modifiers(sessions: list[Session], model: Any, calibration_data: Any =
                         model, type(modifier).__name__, "compress the original full-precision model instead"
                     )
             selected.append((modifier, targets))
+            _check_zeros_kept(modifier, session, pruned_before)
             if declared and not getattr(modifier, "adds_zeros", True):  # keeps existing zeros, makes none: not
                 targets = {}  # refused after a quantizing modifier of the same recipe
             if targets:
@@ -356,6 +358,22 @@ def _check_mask_kept(
             )
             raise ValueError(msg)
     pruned_to.update(dict.fromkeys(targets, (_label(modifier, session), sparsity)))
+
+
+def _check_zeros_kept(modifier: Any, session: Session, pruned_to: dict[str, tuple[str, float]]) -> None:
+    """Refuse, before any work, a modifier that fills the zeros of pruned weights (``keeps_zeros = False``: a
+    rotation) after a pruning modifier of an earlier stage (``pruned_to``, see :func:`_check_mask_kept`): the
+    pruning's work would be undone while the saved recipe marks it applied (a tester's case). In one stage the
+    rotation runs at initialize, before the pruning."""
+    if getattr(modifier, "keeps_zeros", True) or not pruned_to:
+        return
+    name, (label, _) = min(pruned_to.items())
+    msg = (
+        f"{_label(modifier, session)} mixes the weights' channels, which fills the zeros {label} prunes before it "
+        f"(e.g. in {name}): put the pruning after it (a stage after the rotation, before or with the quantization), "
+        "or leave one of them out"
+    )
+    raise ValueError(msg)
 
 
 def _warn_few_tokens(modifier: Any, targets: dict[str, Any], tokens: int) -> None:

@@ -583,10 +583,15 @@ class SpinQuantModifier(llmc_fsm.Modifier):
 
     Requires state ``model``. Refuses (``ValueError``, before changing anything) a
     quantized model, a model that is not Llama-style, a norm that is not an RMSNorm,
-    and sizes with no Hadamard matrix.
+    and sizes with no Hadamard matrix. One-shot refuses it after a pruning modifier of the
+    same recipe (:attr:`keeps_zeros`).
     """
 
     required_state = frozenset({"model"})
+    #: A rotation mixes every input (R1) or head (R2) channel: the zeros of a pruned weight are filled, so one-shot
+    #: refuses it after a pruning modifier of the same recipe (B2's case: 2:4 pruning, then SpinQuant, saved a dense
+    #: model whose recipe.yaml marked the pruning applied).
+    keeps_zeros = False
 
     rotations: tuple[str, ...] = attrs.field(default=("R1", "R2"), converter=_rotations)
     transform_type: str = attrs.field(default="hadamard", validator=_transform_type)

@@ -283,3 +283,30 @@ def test_rotated_and_quantized_model_reloads_with_equal_logits(tmp_path, staged:
     with torch.no_grad():
         assert torch.equal(model(x).logits, reloaded(x).logits)
     assert torch.equal(reloaded.model.norm.weight, torch.ones(64))
+
+
+def test_a_rotation_after_an_earlier_stages_pruning_is_refused_before_any_work() -> None:
+    """B2's case (session 30): 2:4 pruning, then SpinQuant and GPTQ in a later stage, saved a dense model (the
+    rotation fills every zero) while recipe.yaml marked the pruning applied. Refused before any work, naming both;
+    in one stage the rotation runs at initialize, before the pruning, and the 2:4 zeros stay."""
+    data = torch.randint(0, 128, (4, 32), generator=torch.Generator().manual_seed(0))
+    prune = {"SparseGPTModifier": {"sparsity": 0.5, "mask_structure": "2:4", "targets": [r"re:.*mlp\..*_proj$"]}}
+    gptq = {"GPTQModifier": {"scheme": {"preset": "W4A16", "weights": {"group_size": 32}}, "ignore": ["lm_head"]}}
+    model = llama(hidden=64, vocab=128)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError) as info:
+        llmc_fsm.oneshot(model=model, recipe={"prune": prune, "quantize": {"SpinQuantModifier": {}, **gptq}},
+                         dataset=data, progress=False)  # fmt: skip
+    assert str(info.value) == (
+        "SpinQuantModifier of stage 'quantize' mixes the weights' channels, which fills the zeros SparseGPTModifier "
+        "of stage 'prune' prunes before it (e.g. in model.layers.0.mlp.down_proj): put the pruning after it (a stage "
+        "after the rotation, before or with the quantization), or leave one of them out"
+    )
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    model = llama(hidden=64, vocab=128)  # one stage, the pruning listed first: rotated, then pruned
+    embedding = model.model.embed_tokens.weight.detach().clone()
+    llmc_fsm.oneshot(model=model, recipe={"s": {**prune, "SpinQuantModifier": {}}}, dataset=data, progress=False)
+    assert not torch.equal(model.model.embed_tokens.weight, embedding)  # R1 rotated it
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        weight = model.model.layers[0].mlp.get_submodule(name).weight
+        assert int((weight.reshape(-1, 4) == 0).sum(dim=1).min()) == 2
