@@ -171,7 +171,7 @@ def _experts_worker(rank: int, tmp: Path, tensors: dict[str, torch.Tensor]) -> d
     for i, layer in enumerate(model.model.layers):
         for suffix, view in weight_views(layer.mlp.experts).items():
             tensors[f"{i}.{suffix}"] = view.weight.detach().clone()
-    return {}
+    return {"routed": {m.name: m.routed_tokens for m in model.llmc_fsm_report.modules if m.routed_tokens is not None}}
 
 
 @pytest.mark.distributed
@@ -188,3 +188,52 @@ def test_pruned_fused_experts_reach_every_rank(tmp_path, one_thread):
     for key, weight in first.items():
         assert torch.equal(weight, second[key]), key
         assert int((weight == 0).sum()) == weight.numel() // 2, key
+    # the report's routed tokens are every rank's (B3, session 30: rank 0's only), as one process counts them
+    one: dict[str, torch.Tensor] = {}
+    routed = _experts_worker(0, tmp_path, one)["routed"]
+    assert len(routed) == 4 * 4 * 3 and sum(routed.values()) > 0
+    assert ranks[0]["meta"]["result"]["routed"] == ranks[1]["meta"]["result"]["routed"] == routed
+
+
+def _static_scales_worker(rank: int, tmp: Path, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+    import logging
+
+    lines: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(record.getMessage())
+
+    logging.getLogger("llmc_fsm_quantization").addHandler(Keep())
+    for observer in ("minmax", "static_minmax"):
+        model = llama(layers=LAYERS)
+        inputs = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "observer": observer}
+        scheme = {"preset": "FP8", "input_activations": inputs}
+        llmc_fsm.oneshot(model=model, recipe={"s": {"QuantizationModifier": {"scheme": scheme, "ignore": ["lm_head"]}}},
+                         dataset=windows(), batch_size=2, progress=False)  # fmt: skip
+        tensors.update({f"{observer}.{n}": p.detach().clone() for n, p in model.named_parameters()
+                        if n.endswith("input_scale")})  # fmt: skip
+    return {"warnings": [line for line in lines if "torch.distributed" in line]}
+
+
+@pytest.mark.distributed
+def test_static_input_scales_under_ranks_say_when_they_differ_from_one_process(tmp_path, one_thread):
+    """B3's case (session 30): FP8 static input scales with the default observer (minmax, a moving average) came out
+    up to 18% apart from one process's on 2 ranks, without a word: each rank's moving average over its own samples,
+    averaged over the ranks (as llm-compressor does). Now one line says so and names static_minmax, with which the
+    scales equal one process's."""
+    ranks = run_ranks(_static_scales_worker, tmp_path, world_size=2, timeout_s=90.0, join_s=240.0)
+    for rank in ranks:
+        assert "error" not in rank["meta"], rank["meta"]
+        assert rank["meta"]["result"]["warnings"] == [
+            "QuantizationModifier: under torch.distributed the input ranges of observer minmax are each rank's (a "
+            "moving average or the last observation, over that rank's samples), averaged over the ranks as "
+            "llm-compressor does: the static input scales differ from one process's; observer: static_minmax gives "
+            "one process's exactly"
+        ]
+    one: dict[str, torch.Tensor] = {}
+    assert _static_scales_worker(0, tmp_path, one) == {"warnings": []}
+    assert sorted(one) == sorted(ranks[0]["tensors"]) and len(one) == 2 * 7 * LAYERS
+    for name, scale in one.items():
+        assert torch.equal(ranks[0]["tensors"][name], ranks[1]["tensors"][name]), name
+        assert torch.equal(ranks[0]["tensors"][name], scale) == name.startswith("static_minmax."), name

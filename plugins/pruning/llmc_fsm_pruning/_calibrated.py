@@ -13,8 +13,9 @@ import logging
 from typing import Any
 
 import attrs
+import torch
 
-from llmc_fsm.toolkit import CalibratedModifier, LinearView, observe_view_inputs
+from llmc_fsm.toolkit import CalibratedModifier, LinearView, all_reduce_tensor, observe_view_inputs
 from llmc_fsm_pruning.masks import mask_structure_validator, sparsity_validator
 
 __all__ = ["CalibratedPruningModifier"]
@@ -84,15 +85,25 @@ class CalibratedPruningModifier(CalibratedModifier):
         self._record_routed()
 
     def _record_routed(self) -> None:
-        """Copy the routed-token counts of the expert matrices compressed (or skipped) since the last call."""
+        """Copy the routed-token counts of the expert matrices compressed (or skipped) since the last call, summed
+        over the ranks under ``torch.distributed`` (each rank's view counts its own tokens: the report gave rank 0's
+        and its warning named experts other ranks had sent tokens to, which were pruned: a tester's case)."""
+        new = [
+            (name, view)
+            for name, view in self._targets.items()
+            if isinstance(view, LinearView)
+            and view.expert is not None
+            and name not in self.routed_tokens
+            and (name in self.results or name in self.skipped)
+        ]
+        if not new:  # the same on every rank (the results are the ranks' shared ones): no collective
+            return
+        counts = torch.tensor([view.routed_tokens for _, view in new], dtype=torch.int64)
+        all_reduce_tensor(counts, what="all_reduce (routed tokens)")  # every rank: the same names, in one order
         idle = []
-        for name, view in self._targets.items():
-            if not isinstance(view, LinearView) or view.expert is None or name in self.routed_tokens:
-                continue
-            if name not in self.results and name not in self.skipped:
-                continue
-            self.routed_tokens[name] = view.routed_tokens
-            if view.routed_tokens == 0:
+        for (name, _), count in zip(new, counts.tolist(), strict=True):
+            self.routed_tokens[name] = count
+            if count == 0:
                 idle.append(name)
         if idle:
             what = (
