@@ -271,3 +271,35 @@ def test_an_unreadable_generation_config_is_left_for_the_derived_one_as_in_memor
         written.append(json.loads((out / "generation_config.json").read_text()))
     config = json.loads((source / "config.json").read_text())
     assert [w["eos_token_id"] for w in written] == [config["eos_token_id"]] * 2
+
+
+def test_a_data_free_job_quantizing_modules_outside_the_layers_runs_in_memory_by_default(tmp_path, capsys):
+    """B1's case (session 30): Gemma 3n's per-layer projections lie outside the decoder layers; a data-free FP8 job
+    on the default (streamed) path was refused mid-way, advising to ignore them, while in memory it quantizes them
+    (at calibration end) and reloads. The default now runs such a job in memory; --low-memory refuses it in one line
+    before any work."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from tiny_families import _TEXT
+
+    mixed = ["sliding_attention", "full_attention"] * 2
+    config = AutoConfig.for_model(
+        "gemma3n_text", **{**_TEXT, "intermediate_size": [128] * 4}, layer_types=mixed, sliding_window=8,
+        altup_num_inputs=2, laurel_rank=8, hidden_size_per_layer_input=8, num_kv_shared_layers=0,
+        activation_sparsity_pattern=[0.0] * 4, vocab_size_per_layer_input=128,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "gemma3n")
+    args = ["oneshot", "--model", str(tmp_path / "gemma3n"), "--method", "rtn", "--scheme", "FP8_DYNAMIC"]
+    assert main([*args, "--output", str(tmp_path / "out")]) == 0
+    assert STREAMING_NOTE not in capsys.readouterr().err
+    tensors = _tensors(tmp_path / "out")
+    assert tensors["model.per_layer_model_projection.weight"].dtype == torch.float8_e4m3fn
+    assert "model.altup_projections.0.weight_scale" in tensors
+    assert main([*args, "--low-memory", "--output", str(tmp_path / "low")]) == 1
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1] == (
+        "llmc-fsm oneshot: error: low_memory (--low-memory) cannot run this job: QuantizationModifier compresses "
+        "model.per_layer_model_projection, model.altup_projections.0, model.altup_unembed_projections.0 outside the "
+        "decoder layers, and the streamed path writes the tensors outside the decoder layers first"
+    )
+    assert not (tmp_path / "low").exists()

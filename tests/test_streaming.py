@@ -325,3 +325,22 @@ def test_an_interruption_inside_a_materialized_layer_is_what_is_raised(tmp_path,
     assert all(lazy.tensor(n).device.type == "meta" for n in names[1:])  # the others released
     with pytest.raises(RuntimeError, match="Expected use_count"), lazy.materialized(names):
         pass
+
+
+def test_a_hybrid_stacks_second_layer_class_is_compressed_in_its_own_order_when_streamed(tmp_path):
+    """B1's case (session 30): the streamed path recorded the call order of layer 0 only and gave it to every layer,
+    so OLMo-Hybrid's full-attention layer (after three linear-attention layers) was compressed in another order than
+    in memory: its o_proj and MLP weights differed (2-3% of the mask, logits 0.25 apart). Each class's first layer
+    is recorded, as in memory: the same tensors."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from tiny_families import _TEXT
+
+    config = AutoConfig.for_model("olmo_hybrid", **_TEXT, layer_types=["linear_attention"] * 3 + ["full_attention"])
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "olmo_hybrid")
+    data = torch.randint(3, 128, (8, 32), generator=torch.Generator().manual_seed(0))
+    recipe = {"s": {"SparseGPTModifier": {"sparsity": 0.5, "ignore": ["lm_head"]}}}
+    mem, low, _ = _both(tmp_path / "olmo_hybrid", tmp_path, recipe, dataset=data)
+    a, b = _tensors(mem), _tensors(low)
+    assert sorted(a) == sorted(b) and "model.layers.3.self_attn.o_proj.weight" in a
+    assert [key for key in a if not torch.equal(a[key], b[key])] == []

@@ -83,6 +83,8 @@ from llmc_fsm.pipeline.streaming import (
 from llmc_fsm.toolkit.calibrated import CalibratedModifier
 from llmc_fsm.toolkit.distributed import is_main_process
 from llmc_fsm.toolkit.heap import limit_heap_growth
+from llmc_fsm.toolkit.targets import compact_names
+from llmc_fsm.toolkit.views import weight_views
 
 if TYPE_CHECKING:
     from torch import nn
@@ -200,7 +202,7 @@ def stream_by_default(run: Run) -> LazyModel | None:
     try:
         check_job(run)
         lazy = _load(run)
-        _check_head(run, lazy)
+        _check_outside_layers(run, lazy)
     except ValueError as exc:
         run.settings = settings
         run.model, run.tokenizer, run.model_name, run.disk_before = None, None, "", None
@@ -218,26 +220,38 @@ def stream_by_default(run: Run) -> LazyModel | None:
     return lazy
 
 
-def _check_head(run: Run, lazy: LazyModel) -> None:
-    """Raise when a modifier targets the output head as a module it calibrates: the streamed path writes the tensors
-    outside the layers before compressing any (the in-memory pipeline calibrates the head after the last layer).
+def _check_outside_layers(run: Run, lazy: LazyModel) -> None:
+    """Raise when a modifier compresses a module outside the decoder layers: the streamed path writes the tensors
+    outside the layers before compressing any (the in-memory pipeline calibrates the output head after the last
+    layer, and a data-free modifier quantizes any module at calibration end). The command's default then runs the
+    job in memory (until 2026-12-06 only the head was checked here: a data-free FP8 job on Gemma 3n, whose per-layer
+    projections lie outside the layers, was refused mid-way with advice to ignore them; a tester's case).
 
     Raises:
         ValueError: ``low_memory (--low-memory) cannot run this job: ...``.
     """
     head = output_head(lazy.model)
-    if head is None:
-        return
+    inside = {id(v) for m in lazy.layers.modules() for v in (m, *weight_views(m).values())}
     for modifier in run.sessions[0].modifiers:
         if not isinstance(modifier, CalibratedModifier):
             continue
-        name = head_target(modifier, modifier.check_model(lazy.model), head)
+        targets = modifier.check_model(lazy.model)
+        name = head_target(modifier, targets, head)
         if name is not None:
             calibrated = " (calibrated on the last layer's outputs)" if modifier.needs_inputs else ""
             msg = (
                 f"low_memory (--low-memory) cannot run this job: {modifier.modifier_name()} compresses {name}, "
                 f"the output head{calibrated}, and the streamed path writes the tensors outside the decoder layers "
                 "first"
+            )
+            raise ValueError(msg)
+        free = getattr(modifier, "targets_without_inputs", frozenset())  # refused as they are (streaming_refusal)
+        outside = [n for n, m in targets.items() if id(m) not in inside and n not in free and m is not head]
+        if outside and not modifier.needs_inputs:  # quantized at calibration end in memory
+            msg = (
+                f"low_memory (--low-memory) cannot run this job: {modifier.modifier_name()} compresses "
+                f"{compact_names(outside)} outside the decoder layers, and the streamed path writes the tensors "
+                "outside the decoder layers first"
             )
             raise ValueError(msg)
 
@@ -282,7 +296,7 @@ def run_streaming(run: Run, lazy: LazyModel | None = None, *, bounded_heap: bool
         check_job(run)
         lazy = _load(run)
         refuse_without_tokenizer(run)
-        _check_head(run, lazy)
+        _check_outside_layers(run, lazy)
     if bounded_heap:
         limit_heap_growth()  # freed layers go back to the system (glibc)
     token_data(run)  # on the meta-device model: lengths and the modifiers' checks, no forward

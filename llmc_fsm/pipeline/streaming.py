@@ -52,7 +52,15 @@ from llmc_fsm.data.protocol import perplexity
 from llmc_fsm.models.lazy import LazyModel, ShardWriter
 from llmc_fsm.output.save import compressed_state_dict, quantized_modules, quantized_views
 from llmc_fsm.pipeline.device import ActivationStore, activation_store, onloaded
-from llmc_fsm.pipeline.forward import Calls, Inputs, OutputKind, capture_layer_inputs, record_calls, replaying
+from llmc_fsm.pipeline.forward import (
+    Calls,
+    Inputs,
+    OutputKind,
+    capture_layer_inputs,
+    inputs_of,
+    record_calls,
+    replaying,
+)
 from llmc_fsm.pipeline.layer import RestoredLayers, compress_layer, propagate
 from llmc_fsm.pipeline.sequential import (
     LayerCheckpoint,
@@ -334,10 +342,9 @@ def compress_streaming(
                 result.eval_states = store.wrap(
                     capture_layer_inputs(lazy.model, lazy.layers[0], eval_batches, device=device, keep=store.keep)
                 )
-        calls = None
+        calls: dict[type, Calls] = {}
         if inputs:  # which submodules are called in which order, on which inputs: before any hook
-            with lazy.materialized(lazy.layer_names(0), lazy.layers[0]), onloaded(lazy.layers[0], device):
-                calls = record_calls(lazy.layers[0], *inputs[0])
+            calls = _calls_per_class(lazy, inputs[0], device)
         session.calibration_start()
         start = 0
         if checkpoint is not None:
@@ -362,13 +369,30 @@ def compress_streaming(
     return result
 
 
+def _calls_per_class(
+    lazy: LazyModel, first: tuple[tuple[Any, ...], dict[str, Any]], device: torch.device
+) -> dict[type, Calls]:
+    """:func:`~llmc_fsm.pipeline.forward.record_calls` of the first layer of each class (each read from the
+    checkpoint for the call, on its own captured arguments), as the in-memory pipeline records them
+    (:func:`~llmc_fsm.pipeline.forward.record_calls_per_class`): until 2026-12-06 the first layer's were given to
+    every layer, so a hybrid stack's layers of another class (OLMo-Hybrid's full-attention layer) were compressed in
+    another order than in memory, with other weights (a tester's case)."""
+    calls: dict[type, Calls] = {}
+    for index, layer in enumerate(lazy.layers):
+        if type(layer) not in calls:
+            ((args, kwargs),) = inputs_of([first], index)
+            with lazy.materialized(lazy.layer_names(index), layer), onloaded(layer, device):
+                calls[type(layer)] = record_calls(layer, args, kwargs)
+    return calls
+
+
 def _compress_layer(
     session: Session,
     lazy: LazyModel,
     writer: ShardWriter,
     index: int,
     inputs: Inputs,
-    calls: Calls | None,
+    calls: dict[type, Calls],
     result: StreamedCompression,
     device: torch.device,
     store: ActivationStore,
@@ -385,7 +409,7 @@ def _compress_layer(
                 layer,
                 inputs,
                 session.sequential_epoch_end,
-                calls=calls,
+                calls=calls.get(type(layer)),
                 true_sequential=True,
                 early_exit=True,
                 need_outputs=need_outputs,
