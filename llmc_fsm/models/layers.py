@@ -13,7 +13,11 @@ from torch import nn
 
 from llmc_fsm.toolkit.targets import model_family
 
-__all__ = ["UnsupportedArchitectureError", "check_calibrates_from_text", "find_decoder_layers"]
+__all__ = [
+    "UnsupportedArchitectureError",
+    "check_calibrates_from_text",
+    "find_decoder_layers",
+]
 
 #: Attribute names under which a decoder keeps its layer list, most common first.
 LAYER_LIST_NAMES = ("layers", "h", "blocks", "layer", "decoder_layers")

@@ -83,7 +83,7 @@ from llmc_fsm.pipeline.streaming import (
 from llmc_fsm.toolkit.calibrated import CalibratedModifier
 from llmc_fsm.toolkit.distributed import is_main_process
 from llmc_fsm.toolkit.heap import limit_heap_growth
-from llmc_fsm.toolkit.targets import compact_names
+from llmc_fsm.toolkit.targets import compact_names, model_family, weights_shared_across_layers
 from llmc_fsm.toolkit.views import weight_views
 
 if TYPE_CHECKING:
@@ -202,6 +202,7 @@ def stream_by_default(run: Run) -> LazyModel | None:
     try:
         check_job(run)
         lazy = _load(run)
+        _check_no_shared_weights(lazy)
         _check_outside_layers(run, lazy)
     except ValueError as exc:
         run.settings = settings
@@ -218,6 +219,24 @@ def stream_by_default(run: Run) -> LazyModel | None:
     if settings.progress and is_main_process():
         tqdm.write(STREAMING_NOTE, file=sys.stderr)
     return lazy
+
+
+def _check_no_shared_weights(lazy: LazyModel) -> None:
+    """Raise when decoder layers share weights (Zamba's shared transformer block): the streamed path reads, compresses
+    and writes each layer on its own (it failed mid-run on Zamba and Zamba2, "Tensor on device cpu is not on the
+    expected device meta": a tester's case); the command's default then runs the job in memory.
+
+    Raises:
+        ValueError: ``low_memory (--low-memory) cannot run this job: ...``.
+    """
+    shared = weights_shared_across_layers(lazy.layers)
+    if shared:
+        msg = (
+            f"low_memory (--low-memory) cannot run this job: decoder layers of {model_family(lazy.model)} share "
+            f"{len(shared)} weights (e.g. {lazy.layers_name}.{shared[0][0]} is {lazy.layers_name}.{shared[0][1]}), "
+            "and the streamed path reads and writes each layer on its own"
+        )
+        raise ValueError(msg)
 
 
 def _check_outside_layers(run: Run, lazy: LazyModel) -> None:
@@ -296,6 +315,7 @@ def run_streaming(run: Run, lazy: LazyModel | None = None, *, bounded_heap: bool
         check_job(run)
         lazy = _load(run)
         refuse_without_tokenizer(run)
+        _check_no_shared_weights(lazy)
         _check_outside_layers(run, lazy)
     if bounded_heap:
         limit_heap_growth()  # freed layers go back to the system (glibc)

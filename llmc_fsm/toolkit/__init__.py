@@ -34,7 +34,8 @@ The public names, by concern:
   :data:`DEFAULT_TARGETS` (``("Linear",)``), :data:`DEFAULT_IGNORE` (``("lm_head",)``),
   :func:`check_not_quantized` (refuses a model whose config says it is quantized), :func:`model_family` (a
   model's class and ``model_type`` for messages), :func:`tied_head` / :func:`untie_head` (an output head tied to
-  the input embedding, and giving it a weight of its own);
+  the input embedding, and giving it a weight of its own), :func:`weights_shared_across_layers` (Zamba's shared
+  block: weights several decoder layers hold);
 * **views** (:mod:`~llmc_fsm.toolkit.views`): :class:`LinearView` (one matrix of a fused mixture-of-experts
   parameter, or a ``Conv1D`` weight, seen as a Linear weight sharing its storage), :func:`weight_views` (a module's
   views), :func:`observe_inputs` (feed the views the inputs their matrices receive: per expert, its routed tokens;
@@ -114,6 +115,7 @@ from llmc_fsm.toolkit.targets import (
     select_targets,
     tied_head,
     untie_head,
+    weights_shared_across_layers,
 )
 from llmc_fsm.toolkit.views import (
     ExpertsLayout,
@@ -197,4 +199,5 @@ __all__ = [
     "untie_head",
     "weight_formats",
     "weight_views",
+    "weights_shared_across_layers",
 ]

@@ -61,6 +61,7 @@ __all__ = [
     "select_targets",
     "tied_head",
     "untie_head",
+    "weights_shared_across_layers",
 ]
 
 #: Every ``nn.Linear`` (and subclass).
@@ -725,3 +726,14 @@ def check_not_quantized(model: nn.Module, owner: str, hint: str) -> None:
             "would be lost; put the kv_cache_scheme in the recipe that compresses the full-precision model"
         )
     raise ValueError(f"{owner}: the model is already quantized ({why}); {hint}")
+
+
+def weights_shared_across_layers(layers: nn.ModuleList) -> list[tuple[str, ...]]:
+    """The parameters that several decoder layers hold (one tensor under names in different layers: Zamba's shared
+    transformer block, whose weights each hybrid layer's own modules hold), each as its names relative to
+    ``layers`` (``("1.shared_transformer.self_attn.q_proj.weight", "3.shared_transformer...")``), in order; ``[]``
+    when no layer shares a weight with another. Works on ``meta`` (reads no value)."""
+    names: dict[int, list[str]] = {}
+    for name, parameter in layers.named_parameters(remove_duplicate=False):
+        names.setdefault(id(parameter), []).append(name)
+    return [tuple(found) for found in names.values() if len({n.split(".", 1)[0] for n in found}) > 1]

@@ -28,6 +28,7 @@ from compressed_tensors.quantization.lifecycle.forward import fake_quantize as _
 from compressed_tensors.quantization.lifecycle.initialize import initialize_module_for_quantization
 from torch import nn
 
+from llmc_fsm import find_decoder_layers
 from llmc_fsm.toolkit import (
     DEFAULT_IGNORE,
     DEFAULT_TARGETS,
@@ -56,6 +57,7 @@ from llmc_fsm.toolkit import (
     tied_head,
     untie_head,
     weight_views,
+    weights_shared_across_layers,
 )
 from llmc_fsm_quantization import kv_cache
 from llmc_fsm_quantization.observers import (
@@ -535,6 +537,17 @@ def _view_as_reloaded(view: LinearView, scheme: QuantizationScheme) -> None:
     keep_packed(view, fmt, packed)
 
 
+#: ``model_type`` -> why transformers does not reload the family's checkpoint with integer-quantized weights
+#: (pack- or int-quantized), measured on tiny models with transformers 5.25 and compressed-tensors 0.20
+#: (2026-12-06): its conversion mapping concatenates the q/k/v convolution weights, and with integer weights no
+#: source tensor reaches it. Float (FP8) checkpoints of the same families reload.
+INT_WEIGHTS_DO_NOT_RELOAD: dict[str, str] = {
+    family: "its conversion of the q/k/v conv1d weights finds none: 'Concatenate on tensors destined for "
+    f"{where}.conv1d.weight. Ckpt contains: 0'"
+    for family, where in (("kimi_linear", "self_attn"), ("olmo_hybrid", "linear_attn"))
+}
+
+
 class _DefaultIgnore(list):
     """The ``ignore`` a recipe did not give (``[lm_head]``): a list that remembers it was defaulted."""
 
@@ -957,6 +970,8 @@ class QuantizingModifier(CalibratedModifier):
                 raise ValueError(refusal) from None
             raise
         self._expert_names = self._check_views(model, targets)  # refuses what fused experts cannot take first
+        self._check_not_shared(model, targets)
+        self._check_int_reload(model)
         self._fused = self._fused_siblings(model, targets)
         if self._kv_args is not None:
             self._kv_attention = self._check_kv_cache(model)
@@ -964,6 +979,54 @@ class QuantizingModifier(CalibratedModifier):
             self._ignore_logged = True
             self._warn_default_ignore(model)
         return targets
+
+    def _check_int_reload(self, model: nn.Module) -> None:
+        """Refuse integer weights on a family whose integer-quantized checkpoint transformers does not reload
+        (:data:`INT_WEIGHTS_DO_NOT_RELOAD`; found by a tester: the run wrote it and exited 0).
+
+        Raises:
+            ValueError: naming the family, why, and what reloads.
+        """
+        model_type = getattr(getattr(model, "config", None), "model_type", None)
+        why = INT_WEIGHTS_DO_NOT_RELOAD.get(model_type)
+        kinds = {getattr(s.weights.type, "value", s.weights.type) for s in self._groups.values() if s.weights}
+        if why is not None and "int" in kinds:
+            from transformers import __version__ as transformers_version  # optional third-party: transformers
+
+            msg = (
+                f"{type(self).__name__}: {model_family(model)}: transformers {transformers_version} does not reload "
+                f"this family's checkpoint with integer-quantized weights ({why}); use a float scheme (FP8, "
+                "FP8_DYNAMIC), whose checkpoint reloads, or prune only"
+            )
+            raise ValueError(msg)
+
+    def _check_not_shared(self, model: nn.Module, targets: dict[str, nn.Module]) -> None:
+        """Refuse targets whose weights several decoder layers share (Zamba's shared transformer block, held by each
+        hybrid layer's own modules): the checkpoint holds them quantized under one layer's names and dense under the
+        others', which transformers does not reload ("Linear has no attribute 'weight'"; llm-compressor 0.14's
+        checkpoint fails the same way: a tester's case).
+
+        Raises:
+            ValueError: naming the modules, the family and the fix.
+        """
+        try:
+            layers_name, layers = find_decoder_layers(model)
+        except ValueError:  # no decoder layers found: nothing they could share
+            return
+        shared = {
+            f"{layers_name}.{name.rsplit('.', 1)[0]}"
+            for names in weights_shared_across_layers(layers)
+            for name in names
+            if name.endswith(".weight")
+        }
+        hit = [name for name in targets if name in shared]
+        if hit:
+            msg = (
+                f"{type(self).__name__}: {model_family(model)}: {compact_names(hit)} hold weights that several decoder "
+                "layers share, which transformers does not reload quantized (the checkpoint writes them under one "
+                "layer's names): add them to ignore (e.g. 're:.*shared_transformer.*')"
+            )
+            raise ValueError(msg)
 
     def _warn_default_ignore(self, model: nn.Module) -> None:
         """One line on the ``ignore`` a recipe did not give: ``[lm_head]`` keeps the output head dense where it is
