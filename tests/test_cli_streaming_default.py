@@ -303,3 +303,15 @@ def test_a_data_free_job_quantizing_modules_outside_the_layers_runs_in_memory_by
         "decoder layers, and the streamed path writes the tensors outside the decoder layers first"
     )
     assert not (tmp_path / "low").exists()
+    # explain --model said "oneshot's checks pass" for a calibrated recipe that oneshot refuses on these modules
+    recipe = tmp_path / "sparsegpt.yaml"
+    recipe.write_text("s:\n  SparseGPTModifier: {sparsity: 0.5, ignore: [lm_head]}\n")
+    assert main(["explain", str(recipe), "--model", str(tmp_path / "gemma3n")]) == 1
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"llmc-fsm explain: error: oneshot would refuse this recipe on --model {tmp_path / 'gemma3n'}: SparseGPTModifier "
+        "targets model.per_layer_model_projection, model.altup_projections.0, model.altup_unembed_projections.0, "
+        "outside the decoder layers (model.layers); the sequential pipeline calibrates only the decoder layers and "
+        "the output head. Add them to the modifier's ignore list."
+    )
+    recipe.write_text("s:\n  QuantizationModifier: {scheme: FP8_DYNAMIC, ignore: [lm_head]}\n")  # data-free: runs
+    assert main(["explain", str(recipe), "--model", str(tmp_path / "gemma3n")]) == 0

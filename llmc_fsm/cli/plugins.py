@@ -23,9 +23,10 @@ from llmc_fsm.core.errors import MissingStateError, RecipeError
 from llmc_fsm.core.registry import DISABLE_ENV, get_registry
 from llmc_fsm.models.hf_io import meta_model
 from llmc_fsm.models.known import KNOWN_MODELS, known_model_dir
-from llmc_fsm.models.layers import check_calibrates_from_text
+from llmc_fsm.models.layers import check_calibrates_from_text, find_decoder_layers
 from llmc_fsm.oneshot_job.data import check_modifiers, torch_dtype_of
 from llmc_fsm.oneshot_job.settings import DTYPES, _dtype_name
+from llmc_fsm.pipeline.sequential import check_modifier_targets_in_layers, output_head
 from llmc_fsm.recipes.llmcompressor import unimplemented_note
 from llmc_fsm.session.explain import explain
 from llmc_fsm.session.session import Session
@@ -152,6 +153,7 @@ def _run_explain(args: argparse.Namespace) -> int:
             if session.requires("calibration_data"):
                 check_calibrates_from_text(model)  # an encoder-decoder model (Whisper) calibrates on no token ids
             check_modifiers([session], model, True)
+            _check_in_layers(session, model)
         except MissingStateError:
             refusal = None  # a training recipe: the plan lists what it needs
         except ValueError as exc:
@@ -171,6 +173,22 @@ def _run_explain(args: argparse.Namespace) -> int:
         )
         print(f"(Expected here: `llmc-fsm oneshot` gives {' and '.join(sorted(missing))}; {fit}.)")
     return 0
+
+
+def _check_in_layers(session: Session, model: Any) -> None:
+    """The pipeline's check that each modifier compresses what it calibrates inside the decoder layers
+    (:func:`~llmc_fsm.pipeline.sequential.check_modifier_targets_in_layers`, in memory: the output head and a
+    data-free modifier's targets may lie outside), on the targets each modifier's ``check_model`` selects: explain
+    said "oneshot's checks pass" where oneshot then refused (a tester's case, Gemma 3n's per-layer projections)."""
+    try:
+        layers_name, layers = find_decoder_layers(model)
+    except ValueError:  # no decoder layers: oneshot refuses the model itself (not a check of the recipe)
+        return
+    head = output_head(model)
+    for modifier in session.modifiers:
+        targets = modifier.check_model(model)
+        if isinstance(targets, dict):
+            check_modifier_targets_in_layers(modifier, targets, layers, layers_name, head=head)
 
 
 def _supplied(keys: list[str]) -> dict[str, Any]:

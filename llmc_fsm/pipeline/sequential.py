@@ -172,33 +172,57 @@ def check_targets_in_layers(
     Raises:
         ValueError: naming the modifier, the modules outside the layers and the fix.
     """
+    for modifier in session.modifiers:
+        targets = getattr(modifier, "resolved_targets", None)
+        if isinstance(targets, Mapping):
+            check_modifier_targets_in_layers(modifier, targets, layers, layers_name, streamed=streamed, head=head)
+
+
+def check_modifier_targets_in_layers(
+    modifier: Any,
+    targets: Mapping[str, nn.Module],
+    layers: nn.ModuleList,
+    layers_name: str,
+    *,
+    streamed: bool = False,
+    head: nn.Module | None = None,
+) -> None:
+    """:func:`check_targets_in_layers` for one modifier and its ``targets`` (``{name: module}``: its
+    ``resolved_targets``, or what its ``check_model`` returns, as ``llmc-fsm explain --model`` checks them before
+    any session is initialized). In memory a data-free modifier (``needs_inputs`` false) compresses every target at
+    calibration end, wherever it lies.
+
+    Raises:
+        ValueError: naming the modifier, the modules outside the layers and the fix.
+    """
     inside = {id(v) for m in layers.modules() for v in (m, *weight_views(m).values())}  # with fused experts, Conv1D
     if head is not None and not streamed:
         inside.add(id(head))
-    for modifier in session.modifiers:
-        targets = getattr(modifier, "resolved_targets", None)
-        if not isinstance(targets, Mapping):
-            continue
-        free = frozenset() if streamed else getattr(modifier, "targets_without_inputs", frozenset())
-        outside = [name for name, module in targets.items() if id(module) not in inside and name not in free]
-        if outside:
-            shown = ", ".join(outside[:5]) + (f" and {len(outside) - 5} more" if len(outside) > 5 else "")
-            fix = "Add them to the modifier's ignore list."
-            in_memory = set(getattr(modifier, "targets_without_inputs", frozenset()))
-            in_memory |= {name for name, module in targets.items() if head is not None and module is head}
-            if streamed and set(outside) <= in_memory:
-                fix = (
-                    "The streamed path (low_memory; the command's default when the job allows it) writes the tensors "
-                    "outside the layers before compressing any: run in memory (--in-memory; Python: low_memory="
-                    "False), or add them to the modifier's ignore list."
-                )
-            msg = (
-                f"{modifier.modifier_name()} targets {shown}, outside the decoder layers ({layers_name}); the "
-                f"sequential pipeline calibrates only the decoder layers"
-                + (" and the output head" if head is not None and not streamed else "")
-                + f". {fix}"
+    if streamed:
+        free: Any = frozenset()
+    elif not getattr(modifier, "needs_inputs", True):
+        free = set(targets)
+    else:
+        free = getattr(modifier, "targets_without_inputs", frozenset())
+    outside = [name for name, module in targets.items() if id(module) not in inside and name not in free]
+    if outside:
+        shown = ", ".join(outside[:5]) + (f" and {len(outside) - 5} more" if len(outside) > 5 else "")
+        fix = "Add them to the modifier's ignore list."
+        in_memory = set(getattr(modifier, "targets_without_inputs", frozenset()))
+        in_memory |= {name for name, module in targets.items() if head is not None and module is head}
+        if streamed and set(outside) <= in_memory:
+            fix = (
+                "The streamed path (low_memory; the command's default when the job allows it) writes the tensors "
+                "outside the layers before compressing any: run in memory (--in-memory; Python: low_memory="
+                "False), or add them to the modifier's ignore list."
             )
-            raise ValueError(msg)
+        msg = (
+            f"{modifier.modifier_name()} targets {shown}, outside the decoder layers ({layers_name}); the "
+            f"sequential pipeline calibrates only the decoder layers"
+            + (" and the output head" if head is not None and not streamed else "")
+            + f". {fix}"
+        )
+        raise ValueError(msg)
 
 
 def head_target(modifier: Any, targets: Mapping[str, nn.Module], head: nn.Module | None) -> str | None:
