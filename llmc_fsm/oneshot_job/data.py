@@ -205,12 +205,12 @@ def check_modifiers(sessions: list[Session], model: Any, calibration_data: Any =
     quantized_by: dict[str, str] = {}  # module -> the quantizing modifier (and stage) that targets it
     pruned_to: dict[str, tuple[str, float]] = {}  # module -> (pruning modifier, its unstructured sparsity)
     changed: list[tuple[Any, dict[str, Any]]] = []  # (modifier, the modules it changes), every stage, recipe order
+    staged: dict[str, tuple[tuple[int, int], str, str]] = {}  # module -> (stage order, modifier, "prunes"/"quantizes")
     quantizers = [m for s in sessions for m in s.modifiers if hasattr(m, "experts_checked_by_run")]
     for modifier in quantizers:  # several: fused experts left dense are a question for the whole recipe (below)
         modifier.experts_checked_by_run = len(quantizers) > 1
-    for session in sessions:
+    for number, session in enumerate(sessions):
         selected: list[tuple[Any, dict[str, Any]]] = []  # (modifier, what it would change), in recipe order
-        pruned_before = dict(pruned_to)  # by the earlier stages (a stage's rotation runs before its pruning)
         for modifier in session.modifiers:
             try:
                 targets = modifier.check_model(model)
@@ -229,13 +229,18 @@ def check_modifiers(sessions: list[Session], model: Any, calibration_data: Any =
                         model, type(modifier).__name__, "compress the original full-precision model instead"
                     )
             selected.append((modifier, targets))
-            _check_zeros_kept(modifier, session, pruned_before)
+            order = (number, _stage_position(session, modifier))  # stages keep their order when fused
+            _check_rotation_order(modifier, session, order, staged)
+            modules_changed = getattr(modifier, "modules_changed", None)
+            if declared and callable(modules_changed):  # e.g. a rotation: its check_model returns its plan
+                changed.append((modifier, modules_changed(model)))
             if declared and not getattr(modifier, "adds_zeros", True):  # keeps existing zeros, makes none: not
                 targets = {}  # refused after a quantizing modifier of the same recipe
             if targets:
                 _check_quantized_once(modifier, session, targets, quantized_by)
                 _check_mask_kept(modifier, session, targets, pruned_to)
                 changed.append((modifier, targets))
+                _record_stage_change(modifier, session, order, targets, staged)
         for modifier in session.modifiers:  # what a modifier needs of the others in its stage (REAP's followers)
             check_stage = getattr(modifier, "check_stage", None)
             if callable(check_stage):
@@ -360,19 +365,58 @@ def _check_mask_kept(
     pruned_to.update(dict.fromkeys(targets, (_label(modifier, session), sparsity)))
 
 
-def _check_zeros_kept(modifier: Any, session: Session, pruned_to: dict[str, tuple[str, float]]) -> None:
-    """Refuse, before any work, a modifier that fills the zeros of pruned weights (``keeps_zeros = False``: a
-    rotation) after a pruning modifier of an earlier stage (``pruned_to``, see :func:`_check_mask_kept`): the
-    pruning's work would be undone while the saved recipe marks it applied (a tester's case). In one stage the
-    rotation runs at initialize, before the pruning."""
-    if getattr(modifier, "keeps_zeros", True) or not pruned_to:
+def _stage_position(session: Session, modifier: Any) -> int:
+    """The index of ``modifier``'s stage in ``session``'s recipe (a fused session holds every stage), 0 outside one."""
+    return next((i for i, st in enumerate(session.recipe.stages) if any(m is modifier for m in st.modifiers)), 0)
+
+
+def _record_stage_change(
+    modifier: Any,
+    session: Session,
+    order: tuple[int, int],
+    targets: dict[str, Any],
+    staged: dict[str, tuple[tuple[int, int], str, str]],
+) -> None:
+    """Note, for :func:`_check_rotation_order`, the modules a pruning or quantizing ``modifier`` of the stage at
+    ``order`` changes (the first such stage per module)."""
+    if hasattr(modifier, "quantization_scheme"):
+        verb = "quantizes"
+    elif getattr(modifier, "adds_zeros", True) and (
+        hasattr(modifier, "sparsity") or hasattr(modifier, "mask_structure")
+    ):
+        verb = "prunes"
+    else:
         return
-    name, (label, _) = min(pruned_to.items())
-    msg = (
-        f"{_label(modifier, session)} mixes the weights' channels, which fills the zeros {label} prunes before it "
-        f"(e.g. in {name}): put the pruning after it (a stage after the rotation, before or with the quantization), "
-        "or leave one of them out"
-    )
+    for name in targets:
+        staged.setdefault(name, (order, _label(modifier, session), verb))
+
+
+def _check_rotation_order(
+    modifier: Any, session: Session, order: tuple[int, int], staged: dict[str, tuple[tuple[int, int], str, str]]
+) -> None:
+    """Refuse, before any work, a modifier that mixes the weights' channels (``keeps_zeros = False``: a rotation)
+    after a stage that prunes or quantizes them (``staged``, see :func:`_record_stage_change`): it would fill the
+    pruned zeros while the saved recipe marks the pruning applied, or move quantized weights off their grid (refused
+    only at its initialize, after the earlier stage's work). In one stage the rotation runs at initialize, before the
+    stage's pruning or quantization; with ``fuse_stages`` the stages keep their recipe order for this check (found
+    by testers)."""
+    if getattr(modifier, "keeps_zeros", True):
+        return
+    earlier = sorted((name, label, verb) for name, (at, label, verb) in staged.items() if at[:2] < order)
+    if not earlier:
+        return
+    name, label, verb = earlier[0]
+    if verb == "prunes":
+        msg = (
+            f"{_label(modifier, session)} mixes the weights' channels, which fills the zeros {label} prunes before "
+            f"it (e.g. in {name}): put the pruning after it (a stage after the rotation, before or with the "
+            "quantization), or leave one of them out"
+        )
+    else:
+        msg = (
+            f"{_label(modifier, session)} mixes the weights' channels, which moves the weights {label} quantizes "
+            f"before it off their grid (e.g. {name}): rotations go before quantization: put it in the first stage"
+        )
     raise ValueError(msg)
 
 

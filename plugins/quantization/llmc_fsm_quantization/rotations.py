@@ -555,6 +555,25 @@ def _block_size(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
         raise ValueError(msg)
 
 
+def _check_not_pruned(plan: RotationPlan) -> None:
+    """Refuse a model whose decoder-layer Linears hold pruned zeros (at least 5% exact zeros; a weight on ``meta`` is
+    not read): the rotation fills them (pruned in an earlier run, an applied stage of the model's recipe.yaml, or
+    elsewhere: a tester's cases; an earlier stage of the same recipe is refused by one-shot from the recipe)."""
+    for layer in plan.layers:
+        for part in ("q", "k", "v", "o", "gate", "up", "down"):
+            weight = getattr(layer, part).weight
+            if weight.is_meta or not weight.numel():
+                continue
+            zeros = float((weight == 0).sum()) / weight.numel()
+            if zeros >= 0.05:
+                msg = (
+                    f"SpinQuantModifier: {layer.name}.{_LAYER_PARTS[part]} holds {zeros:.0%} zeros (pruned); the "
+                    "rotation mixes its channels and fills them: rotate the dense model first (a SpinQuant stage), "
+                    "then prune"
+                )
+                raise ValueError(msg)
+
+
 @attrs.define(kw_only=True, slots=False, eq=False)
 class SpinQuantModifier(llmc_fsm.Modifier):
     """Fuse SpinQuant's R1 (residual) and R2 (per-head) Hadamard rotations into the weights (float model unchanged).
@@ -652,7 +671,18 @@ class SpinQuantModifier(llmc_fsm.Modifier):
                 f"{plan.head_dim} (llm-compressor's saved transform_config is the model's it was made for)"
             )
             raise ValueError(msg)
+        _check_not_pruned(plan)
         return plan
+
+    def modules_changed(self, model: nn.Module) -> dict[str, nn.Module]:
+        """The modules whose weights the rotations (and the norm folding) change, by name: the embedding, the head,
+        every decoder layer's norms and Linears, the final norm (one-shot reads them for NaN/Inf before any stage
+        runs; a tester found a NaN rotated into 64 NaN of down_proj)."""
+        plan = find_rotation_plan(model)
+        names = {id(m): n for n, m in model.named_modules()}
+        parts = [plan.embedding, plan.final_norm, plan.head]
+        parts += [getattr(layer, part) for layer in plan.layers for part in _LAYER_PARTS]
+        return {names[id(m)]: m for m in parts if id(m) in names}
 
     def on_initialize(self, state: Any) -> None:
         model = state.model

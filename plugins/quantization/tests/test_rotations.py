@@ -235,10 +235,24 @@ def test_an_extra_parameterised_module_in_a_layer_is_refused() -> None:
 
 
 def test_rotating_after_quantization_is_refused() -> None:
+    """A later stage's rotation was refused at its initialize, after the quantizing stage had changed the model
+    (B4, session 30): refused before any work, in recipe order with fuse_stages too; a model quantized by an earlier
+    run is refused by the rotation's own check."""
     model = _model(dtype=torch.float32)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
     recipe = {"q": {"QuantizationModifier": {"scheme": "W8A8"}}, "r": {"SpinQuantModifier": {}}}
-    with pytest.raises(llmc_fsm.ModifierError) as info:
-        llmc_fsm.oneshot(model=model, recipe=recipe, progress=False)
+    for fuse in (False, True):
+        with pytest.raises(ValueError) as info:
+            llmc_fsm.oneshot(model=model, recipe=recipe, progress=False, fuse_stages=fuse)
+        assert str(info.value) == (
+            "SpinQuantModifier of stage 'r' mixes the weights' channels, which moves the weights QuantizationModifier "
+            "of stage 'q' quantizes before it off their grid (e.g. model.layers.0.mlp.down_proj): rotations go before "
+            "quantization: put it in the first stage"
+        )
+        assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    llmc_fsm.oneshot(model=model, recipe={"q": recipe["q"]}, progress=False)
+    with pytest.raises(ValueError) as info:
+        llmc_fsm.oneshot(model=model, recipe={"r": recipe["r"]}, progress=False)
     assert "SpinQuantModifier: 14 modules are already quantized (e.g. model.layers.0.self_attn.q_proj); rotations " \
         "go before quantization: put SpinQuantModifier in the first stage" in str(info.value)
 
@@ -303,6 +317,19 @@ def test_a_rotation_after_an_earlier_stages_pruning_is_refused_before_any_work()
         "after the rotation, before or with the quantization), or leave one of them out"
     )
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    with pytest.raises(ValueError) as info:  # fused: the stages keep their order (B4: the rotation ran first)
+        llmc_fsm.oneshot(model=model, recipe={"prune": prune, "quantize": {"SpinQuantModifier": {}, **gptq}},
+                         dataset=data, progress=False, fuse_stages=True)  # fmt: skip
+    assert str(info.value).startswith("SpinQuantModifier of stage 'quantize' mixes the weights' channels")
+    # pruned by an earlier run (or an applied stage, or elsewhere): the rotation's own check reads the zeros (B4)
+    llmc_fsm.oneshot(model=model, recipe={"prune": prune}, dataset=data, progress=False)
+    with pytest.raises(ValueError) as info:
+        llmc_fsm.oneshot(model=model, recipe={"quantize": {"SpinQuantModifier": {}, **gptq}}, dataset=data,
+                         progress=False)  # fmt: skip
+    assert str(info.value) == (
+        "SpinQuantModifier: model.layers.0.mlp.gate_proj holds 50% zeros (pruned); the rotation mixes its channels "
+        "and fills them: rotate the dense model first (a SpinQuant stage), then prune"
+    )
     model = llama(hidden=64, vocab=128)  # one stage, the pruning listed first: rotated, then pruned
     embedding = model.model.embed_tokens.weight.detach().clone()
     llmc_fsm.oneshot(model=model, recipe={"s": {**prune, "SpinQuantModifier": {}}}, dataset=data, progress=False)
@@ -310,3 +337,22 @@ def test_a_rotation_after_an_earlier_stages_pruning_is_refused_before_any_work()
     for name in ("gate_proj", "up_proj", "down_proj"):
         weight = model.model.layers[0].mlp.get_submodule(name).weight
         assert int((weight.reshape(-1, 4) == 0).sum(dim=1).min()) == 2
+
+
+def test_a_nan_weight_the_rotation_changes_is_refused_before_any_work() -> None:
+    """B4's case (session 30): the up-front NaN/Inf check did not read what SpinQuant rotates (its check_model gives
+    a plan, not modules): a NaN in down_proj was rotated into 64 NaN, and the run saved. Refused before any work."""
+    model = llama(hidden=64, vocab=128)
+    with torch.no_grad():
+        model.model.layers[1].mlp.down_proj.weight[0, 0] = float("nan")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError) as info:
+        llmc_fsm.oneshot(model=model, recipe={"s": {"SpinQuantModifier": {}}}, progress=False)
+    assert str(info.value) == (
+        "SpinQuantModifier: the weights of model.layers.1.mlp.down_proj hold NaN or Inf values, so they cannot be "
+        "compressed: the checkpoint (or an earlier change to the model) is broken there"
+    )
+    after = model.state_dict()
+    assert all(torch.equal(v.nan_to_num(), after[k].nan_to_num()) for k, v in before.items())
+    assert set(SpinQuantModifier().modules_changed(model)) >= {"model.embed_tokens", "lm_head", "model.norm",
+                                                              "model.layers.0.input_layernorm"}  # fmt: skip
