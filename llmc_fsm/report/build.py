@@ -449,6 +449,11 @@ def _bits_of_earlier_runs(model: nn.Module, by_name: dict[str, ModuleSparsity]) 
     Until 2026-12-06 every rounded zero counted, in the report and the saved ``global_sparsity`` (a tester's case)."""
     earlier = getattr(model, "llmc_fsm_report", None)
     counted = {m.name: m.zeros for m in getattr(earlier, "modules", [])}
+    for before in getattr(earlier, "modules", []):  # fused experts' matrices too (views, not modules: B4's case)
+        entry = by_name.get(before.name)
+        if entry is not None and entry.bits is None and before.bits is not None:
+            entry.zeros, entry.bits, entry.group_size = before.zeros, before.bits, before.group_size
+            entry.quantized = before.quantized
     for name, module in model.named_modules():
         entry, scheme = by_name.get(name), getattr(module, "quantization_scheme", None)
         weights = getattr(scheme, "weights", None)

@@ -1000,3 +1000,26 @@ def test_a_second_in_memory_run_does_not_count_the_first_runs_rounded_zeros_as_s
     zeros = {m.name: m.zeros for m in model.llmc_fsm_report.modules}
     assert [zeros[n] for n in rounded] == [int((model.get_submodule(n).weight == 0).sum()) for n in rounded]
     assert all(z >= 4096 // 2 for z in (zeros[n] for n in rounded))
+
+
+def test_a_second_in_memory_run_keeps_the_first_runs_count_and_label_of_fused_experts() -> None:
+    """B4's case (session 30): the earlier run's count reached modules only; fused experts' matrices (views) quantized
+    by a first run were reported by a second run with their rounded zeros as sparsity and no bits."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "tests"))
+    from tiny_families import build
+
+    data = torch.randint(3, 128, (4, 16), generator=torch.Generator().manual_seed(0))
+    model = build("qwen3_moe")
+    experts = {"GPTQModifier": {"scheme": {"preset": "W4A16", "weights": {"group_size": 16}},
+                                "targets": [r"re:.*mlp\.experts$"]}}  # fmt: skip
+    llmc_fsm.oneshot(model=model, recipe={"q": experts}, dataset=data, progress=False)
+    first = {m.name: m for m in model.llmc_fsm_report.modules if ".experts." in m.name}
+    assert len(first) == 4 * 4 * 3 and {(m.zeros, m.quantized) for m in first.values()} == {(0, "int4/g16")}
+    prune = {"SparseGPTModifier": {"sparsity": 0.5, "targets": [r"re:.*self_attn\..*_proj$"]}}
+    llmc_fsm.oneshot(model=model, recipe={"p": prune}, dataset=data, progress=False)
+    second = {m.name: m for m in model.llmc_fsm_report.modules if ".experts." in m.name}
+    assert {(m.zeros, m.bits, m.quantized) for m in second.values()} == {(0, 4, "int4/g16")}
+    assert any(int((view == 0).sum()) for view in (model.model.layers[0].mlp.experts.down_proj[0],))  # rounded zeros
