@@ -765,8 +765,9 @@ def test_b5s_cases_on_the_null_and_pattern_rules():
 
     # the quantizers too (session 29's left item: their None meant the default [lm_head])
     for cls in (SparseGPTModifier, AWQModifier, QuantizationModifier, GPTQModifier):
-        with pytest.raises(TypeError, match=r"^must be a module pattern or a list of them, got None: leave it out for "
-                                            r"the modifier's default \(an ignore of nothing is \[\]\)$"):
+        with pytest.raises(TypeError, match=r"^must be a module pattern or a list of them, got None: leave the "
+                                            r"argument out for the modifier's default \(ignore=\[\] ignores nothing; "
+                                            r"targets must name a module\)$"):
             cls(ignore=None)
     assert SmoothQuantModifier(ignore=None).ignore == []  # llm-compressor's list | None
     for given, defaulted in (({}, True), ({"ignore": ["lm_head"]}, False), ({"ignore": []}, False)):

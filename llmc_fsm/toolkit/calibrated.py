@@ -94,8 +94,8 @@ def patterns(value: Any) -> list[str]:
         return [value]
     if value is None:
         msg = (
-            "must be a module pattern or a list of them, got None: leave it out for the modifier's default (an "
-            "ignore of nothing is [])"
+            "must be a module pattern or a list of them, got None: leave the argument out for the modifier's default "
+            "(ignore=[] ignores nothing; targets must name a module)"
         )
         raise TypeError(msg)
     if isinstance(value, set | frozenset) and all(isinstance(v, str) for v in value):
