@@ -11,6 +11,7 @@ import torch
 from llmc_fsm_pruning import sparsegpt_prune, wanda_mask
 from tiny_llama import GROUPS, LINEARS, llama
 
+import llmc_fsm
 from llmc_fsm import MissingStateError, ModifierError, RecipeError, Session
 from llmc_fsm.models.layers import find_decoder_layers
 from llmc_fsm.pipeline.sequential import calibration_batches, run_sequential
@@ -375,3 +376,28 @@ def test_calibration_batches_forms():
         calibration_batches([])
     with pytest.raises(ValueError, match=r"^calibration tensor must be integer token ids of shape \[N, L\], got "):
         calibration_batches(torch.zeros(2, 3))
+
+
+@pytest.mark.parametrize("output_layers", [0, 1])
+def test_a_model_looping_over_its_decoder_layers_is_refused_before_any_work(output_layers):
+    """B1's case (session 30): Dory runs its recurrent layers n_recurrent_loops times. With a layer after the loop the
+    repeated call was refused ("calls decoder layer 1 twice"); a loop through the last layer went unseen (the capture
+    ends there), and the second pass was never calibrated. Both are refused from the config, before any work."""
+    transformers = pytest.importorskip("transformers")
+    from tiny_families import _TEXT
+
+    config = transformers.AutoConfig.for_model(
+        "dory", **_TEXT, n_input_layers=1, n_recurrent_layers=3 - output_layers, n_output_layers=output_layers,
+        n_recurrent_loops=2,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(RuntimeError) as info:
+        llmc_fsm.oneshot(model=model, dataset=torch.randint(3, 128, (4, 16)), progress=False)
+    assert str(info.value) == (
+        "the forward of DoryForCausalLM (model_type 'dory') runs its recurrent decoder layers 2 times "
+        "(n_recurrent_loops in its config); the sequential pipeline gives each layer the inputs of one call (until "
+        "2026-12-06 a loop through the last layer was calibrated on the first pass only: a tester's case)"
+    )
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())

@@ -135,9 +135,17 @@ def capture_layer_inputs(
 
     Raises:
         RuntimeError: the model's forward returned without calling ``layer``, or skipped or repeated a later
-            layer (e.g. Mllama's cross-attention layers without images): the pipeline cannot give such a
-            layer its inputs; raised before any work.
+            layer (e.g. Mllama's cross-attention layers without images), or its config loops over the layers
+            (Dory's ``n_recurrent_loops``): the pipeline cannot give such a layer its inputs; raised before any work.
     """
+    loops = getattr(getattr(model, "config", None), "n_recurrent_loops", 1)
+    if isinstance(loops, int) and loops > 1:  # the capture ends at the last layer: a loop through it goes unseen
+        msg = (
+            f"the forward of {model_family(model)} runs its recurrent decoder layers {loops} times (n_recurrent_loops "
+            "in its config); the sequential pipeline gives each layer the inputs of one call (until 2026-12-06 a loop "
+            "through the last layer was calibrated on the first pass only: a tester's case)"
+        )
+        raise RuntimeError(msg)
     layers = _layer_list(model, layer)
     captured: Inputs = []
     device = _device_of(model) if device is None else device
