@@ -185,11 +185,13 @@ def check_modifiers(sessions: list[Session], model: Any, calibration_data: Any =
     :meth:`~llmc_fsm.Modifier.check_model` (group sizes, targets, an already quantized model), and the
     ``check_stage(model, selected)`` of a modifier that has one (``selected``: ``(modifier, modules its check_model
     selected)`` for each modifier of its stage, in recipe order) (what it needs of the other modifiers of its stage:
-    REAP's, that they follow the experts it drops).
+    REAP's, that they follow the experts it drops); then the recipe as a whole: modules quantized twice or pruned
+    after quantization, a ``preserve_sparsity_mask`` below an earlier sparsity, a rotation after a stage that prunes
+    or quantizes, fused experts no quantizer covers, and a NaN/Inf in any weight a stage would change.
 
     Raises:
         MissingStateError: a modifier needs state one-shot does not give (``steps_per_epoch``...), named.
-        ValueError: from a modifier's ``check_model``; nothing was changed.
+        ValueError: from a modifier's ``check_model``, or one of the recipe's checks; nothing was changed.
     """
 
     for session in sessions:
@@ -402,7 +404,7 @@ def _check_rotation_order(
     by testers)."""
     if getattr(modifier, "keeps_zeros", True):
         return
-    earlier = sorted((name, label, verb) for name, (at, label, verb) in staged.items() if at[:2] < order)
+    earlier = sorted((name, label, verb) for name, (at, label, verb) in staged.items() if at < order)
     if not earlier:
         return
     name, label, verb = earlier[0]
