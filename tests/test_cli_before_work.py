@@ -314,6 +314,16 @@ def test_explain_with_a_model_reports_the_refusal_oneshot_would_give(quantized, 
     assert captured.out.endswith(
         f"(Expected here: `llmc-fsm oneshot` gives calibration_data; oneshot's checks of --model {model_dir} pass.)\n"
     )
+    # a run_type: train stage (one-shot skips it) needing steps_per_epoch made explain skip every check: the later
+    # stage's refusal went unsaid (a README-only newcomer's case, llm-compressor's 2:4 recipe of docs/recipes.md)
+    trained = tmp_path / "trained.yaml"
+    trained.write_text("ft:\n  run_type: train\n  modifiers: {ConstantPruningModifier: {start: 0}}\n"
+                       "s2:\n  GPTQModifier: {ignore: [lm_head], scheme: W4A16}\n")  # fmt: skip
+    assert main(["explain", str(trained), "--model", str(model_dir)]) == 1
+    assert capsys.readouterr().err.startswith(
+        f"llmc-fsm explain: error: oneshot would refuse this recipe on --model {model_dir}: GPTQModifier cannot "
+        "compress 24 of its 28 targets"
+    )
 
 
 def test_the_check_before_loading_builds_the_model_in_the_dtype_given(quantized, tmp_path, capsys, monkeypatch) -> None:

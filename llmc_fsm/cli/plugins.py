@@ -28,6 +28,7 @@ from llmc_fsm.oneshot_job.data import check_modifiers, torch_dtype_of
 from llmc_fsm.oneshot_job.settings import DTYPES, _dtype_name
 from llmc_fsm.pipeline.sequential import check_modifier_targets_in_layers, output_head
 from llmc_fsm.recipes.llmcompressor import unimplemented_note
+from llmc_fsm.recipes.model import Recipe
 from llmc_fsm.session.explain import explain
 from llmc_fsm.session.session import Session
 
@@ -150,10 +151,12 @@ def _run_explain(args: argparse.Namespace) -> int:
     if model is not None:
         session.update_state(model=model)
         try:  # the checks oneshot runs on the same meta-device model before any weight (group sizes, targets...)
-            if session.requires("calibration_data"):
-                check_calibrates_from_text(model)  # an encoder-decoder model (Whisper) calibrates on no token ids
-            check_modifiers([session], model, True)
-            _check_in_layers(session, model)
+            checked = _oneshot_part(session)
+            if checked is not None:
+                if checked.requires("calibration_data"):
+                    check_calibrates_from_text(model)  # an encoder-decoder model (Whisper) calibrates on no token ids
+                check_modifiers([checked], model, True)
+                _check_in_layers(checked, model)
         except MissingStateError:
             refusal = None  # a training recipe: the plan lists what it needs
         except ValueError as exc:
@@ -173,6 +176,16 @@ def _run_explain(args: argparse.Namespace) -> int:
         )
         print(f"(Expected here: `llmc-fsm oneshot` gives {' and '.join(sorted(missing))}; {fit}.)")
     return 0
+
+
+def _oneshot_part(session: Session) -> Session | None:
+    """A session of ``session``'s recipe without its ``run_type: train`` stages, which one-shot skips (``None`` when
+    every stage is one): their state keys (``steps_per_epoch``) made explain skip every check, so a later stage's
+    refusal went unsaid (a README-only newcomer's case: llm-compressor's 2:4 recipe of docs/recipes.md)."""
+    kept = [stage for stage in session.recipe.stages if stage.run_type != "train"]
+    if len(kept) == len(session.recipe.stages):
+        return session
+    return Session(Recipe(kept, session.recipe.source)) if kept else None
 
 
 def _check_in_layers(session: Session, model: Any) -> None:
