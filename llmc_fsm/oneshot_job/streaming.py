@@ -72,7 +72,7 @@ from llmc_fsm.output.save import (
 )
 from llmc_fsm.pipeline.device import onloaded
 from llmc_fsm.pipeline.forward import capture_layer_inputs
-from llmc_fsm.pipeline.sequential import head_target, output_head
+from llmc_fsm.pipeline.sequential import head_target, layer_members, output_head
 from llmc_fsm.pipeline.streaming import (
     StreamedCompression,
     check_streamable,
@@ -84,7 +84,6 @@ from llmc_fsm.toolkit.calibrated import CalibratedModifier
 from llmc_fsm.toolkit.distributed import is_main_process
 from llmc_fsm.toolkit.heap import limit_heap_growth
 from llmc_fsm.toolkit.targets import compact_names, model_family, weights_shared_across_layers
-from llmc_fsm.toolkit.views import weight_views
 
 if TYPE_CHECKING:
     from torch import nn
@@ -250,7 +249,7 @@ def _check_outside_layers(run: Run, lazy: LazyModel) -> None:
         ValueError: ``low_memory (--low-memory) cannot run this job: ...``.
     """
     head = output_head(lazy.model)
-    inside = {id(v) for m in lazy.layers.modules() for v in (m, *weight_views(m).values())}
+    inside = layer_members(lazy.layers)
     for modifier in run.sessions[0].modifiers:
         if not isinstance(modifier, CalibratedModifier):
             continue

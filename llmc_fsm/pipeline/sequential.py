@@ -178,6 +178,12 @@ def check_targets_in_layers(
             check_modifier_targets_in_layers(modifier, targets, layers, layers_name, streamed=streamed, head=head)
 
 
+def layer_members(layers: nn.ModuleList) -> set[int]:
+    """The ``id`` of every module inside ``layers`` and of every :class:`~llmc_fsm.toolkit.LinearView` of one (fused
+    experts' matrices, Conv1D): what a target must be to be calibrated with the decoder layers."""
+    return {id(v) for m in layers.modules() for v in (m, *weight_views(m).values())}
+
+
 def check_modifier_targets_in_layers(
     modifier: Any,
     targets: Mapping[str, nn.Module],
@@ -195,7 +201,7 @@ def check_modifier_targets_in_layers(
     Raises:
         ValueError: naming the modifier, the modules outside the layers and the fix.
     """
-    inside = {id(v) for m in layers.modules() for v in (m, *weight_views(m).values())}  # with fused experts, Conv1D
+    inside = layer_members(layers)
     if head is not None and not streamed:
         inside.add(id(head))
     if streamed:
