@@ -217,6 +217,29 @@ def test_sparsegpt_prunes_every_expert_and_conv1d_and_the_output_reloads(tmp_pat
         assert torch.equal(reloaded.eval()(DATA[:2]).logits, model(DATA[:2]).logits)
 
 
+def test_longcat_router_over_routed_and_zero_experts_is_ignored_and_the_rest_quantized(tmp_path):
+    """LongCat-Flash's router (mlp.router.classifier: 4 routed + 2 zero-compute experts = 6 rows) is kept dense as a
+    router; every expert matrix is quantized; the checkpoint names it in ignore and reloads with the in-memory logits."""
+    model = build("longcat_flash")
+    router = "model.layers.0.mlp.router.classifier"
+    assert model.get_submodule(router).weight.shape[0] == 6
+    selection = select_targets(model, ["Linear"], ["lm_head"], views=True)
+    assert selection.ignored[router] == "router of a mixture-of-experts layer"
+    before = {n: model.get_submodule(f"model.layers.{n}.mlp.router.classifier").weight.clone() for n in (0, 1)}
+    recipe = {"q": {"GPTQModifier": {"targets": ["Linear"], "ignore": ["lm_head"],
+                                     "scheme": {"preset": "W4A16", "weights": {"group_size": 16}}}}}  # fmt: skip
+    llmc_fsm.oneshot(model=model, recipe=recipe, dataset=DATA, output_dir=tmp_path / "o", progress=False)
+    for n, weight in before.items():
+        assert torch.equal(model.get_submodule(f"model.layers.{n}.mlp.router.classifier").weight, weight)
+    quantized = {m.name: m.bits for m in model.llmc_fsm_report.modules}
+    assert quantized["model.layers.1.mlp.experts.3.down_proj"] == 4 and quantized[router] is None
+    config = transformers.AutoConfig.from_pretrained(tmp_path / "o").quantization_config
+    assert {router, "model.layers.1.mlp.router.classifier"} <= set(config["ignore"])
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "o").eval()
+    with torch.no_grad():
+        assert torch.equal(reloaded(DATA[:2]).logits, model(DATA[:2]).logits)
+
+
 def test_magnitude_prunes_each_expert_matrix_on_its_own():
     model = build("qwen3_moe")
     experts, _ = _experts(model, "qwen3_moe")

@@ -107,6 +107,15 @@ FAMILIES: dict[str, tuple[str, dict[str, Any], str | None]] = {
         },
         None,
     ),
+    "longcat_flash": (  # zero-compute experts: the router chooses among n_routed_experts + zero_expert_num
+        "longcat_flash",
+        {
+            "num_layers": 2, "n_routed_experts": 4, "zero_expert_num": 2, "moe_topk": 2, "expert_ffn_hidden_size": 32,
+            "ffn_hidden_size": 64, "q_lora_rank": 32, "kv_lora_rank": 16, "qk_nope_head_dim": 8,
+            "qk_rope_head_dim": 8, "v_head_dim": 16, "head_dim": 8,
+        },
+        None,
+    ),  # fmt: skip
     "dbrx": (
         "dbrx",
         {

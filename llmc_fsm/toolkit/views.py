@@ -288,14 +288,18 @@ def clear_weight_views(module: nn.Module) -> None:
 def router_names(named: list[tuple[str, nn.Module]]) -> list[str]:
     """Names of the Linear-like routers (gates) of the mixture-of-experts layers that have views.
 
-    A router is a module with a 2-D weight of ``num_experts`` rows that is a sibling of a viewable experts module
-    (``mlp.gate`` next to ``mlp.experts``), or inside such a sibling (DBRX's ``ffn.router.layer``).
+    A router is a module with a 2-D weight of one row per expert the router chooses among that is a sibling of a
+    viewable experts module (``mlp.gate`` next to ``mlp.experts``), or inside such a sibling (DBRX's
+    ``ffn.router.layer``). The experts counted are ``num_experts`` plus the zero-compute (identity) experts the
+    router also chooses among where the block has them (LongCat-Flash: ``mlp.router.classifier`` has
+    ``n_routed_experts + zero_expert_num`` rows, the block's ``zero_expert_num``).
     """
     experts = {name: m for name, m in named if weight_views(m) and not _is_conv1d(m)}
+    modules = dict(named)
     found = []
     for exp_name, module in experts.items():
         parent = exp_name.rsplit(".", 1)[0] if "." in exp_name else ""
-        count = module.num_experts
+        count = module.num_experts + (getattr(modules.get(parent), "zero_expert_num", 0) or 0)
         for name, sub in named:
             if name == exp_name or name.startswith(exp_name + ".") or not name.startswith(parent + "."):
                 continue
