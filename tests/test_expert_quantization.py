@@ -1246,3 +1246,26 @@ def test_one_modifier_for_the_attention_and_another_for_the_experts_runs_and_rel
     )
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("modifiers", [["GPTQModifier"], ["GPTQModifier", "QuantizationModifier"]])
+def test_a_second_run_on_the_attention_keeps_the_experts_an_earlier_run_quantized(tmp_path, modifiers):
+    """Experts quantized W4 by a first in-memory run, the attention W8 by a second (one quantizer, or two over
+    disjoint modules): the second is not refused as leaving the experts dense; both schemes are saved and the
+    checkpoint reloads with the in-memory logits."""
+    model = build("qwen3_moe")
+    first = {"q": {"QuantizationModifier": {"targets": ["re:.*mlp.experts.*"], "scheme": SCHEME}}}
+    llmc_fsm.oneshot(model=model, recipe=first, dataset=DATA, output_dir=tmp_path / "a", progress=False)
+    experts = model.model.layers[0].mlp.experts.gate_up_proj.detach().clone()
+    eight = {"preset": "W8A16", "weights": {"group_size": 16}}
+    patterns = ["re:.*self_attn.(q|k)_proj$", "re:.*self_attn.(v|o)_proj$"][: len(modifiers)]
+    if len(modifiers) == 1:
+        patterns = ["re:.*self_attn.*"]
+    second = {"q": {m: {"targets": [p], "scheme": eight} for m, p in zip(modifiers, patterns, strict=True)}}
+    llmc_fsm.oneshot(model=model, recipe=second, dataset=DATA, output_dir=tmp_path / "b", progress=False)
+    assert torch.equal(model.model.layers[0].mlp.experts.gate_up_proj, experts)
+    groups = transformers.AutoConfig.from_pretrained(tmp_path / "b").quantization_config["config_groups"]
+    assert {g["weights"]["num_bits"] for g in groups.values()} == {4, 8}
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "b").eval()
+    with torch.no_grad():
+        assert torch.equal(reloaded(DATA[:2]).logits, model(DATA[:2]).logits)

@@ -438,6 +438,12 @@ def _fused_experts(model: nn.Module) -> dict[str, nn.Module]:
     return {n: m for n, m in model.named_modules() if weight_views(m) and next(iter(weight_views(m))) != ""}
 
 
+def _quantized_earlier(experts: nn.Module) -> bool:
+    """Whether every expert matrix of fused ``experts`` carries a ``quantization_scheme``: quantized in memory by an
+    earlier one-shot run on the same model, whose scheme the saved checkpoint keeps for them."""
+    return all(getattr(view, "quantization_scheme", None) is not None for view in weight_views(experts).values())
+
+
 def _static_inputs(scheme: QuantizationScheme) -> bool:
     """Whether ``scheme`` quantizes input activations with a calibrated (static, ``dynamic: false``) scale."""
     return scheme.input_activations is not None and scheme.input_activations.dynamic is False
@@ -1147,7 +1153,8 @@ class QuantizingModifier(CalibratedModifier):
                 :data:`CONV1D_REFUSAL`); fused experts of a family whose checkpoint keeps them fused (GPT-OSS, DBRX;
                 not Llama 4, whose experts transformers reloads as Linear modules: any scheme, saved per expert under
                 :func:`~llmc_fsm.toolkit.linear_expert_names`, its dense matrices too);
-                fused experts left dense while other modules are quantized (transformers 5.24 then drops them on
+                fused experts left dense (not quantized by this run nor an earlier one on the same in-memory model)
+                while other modules are quantized (transformers 5.24 then drops them on
                 reload), or only some matrices of an experts module targeted; an experts scheme transformers does
                 not reload into them (:func:`~llmc_fsm.toolkit.expert_reload_problem`: they take weight-only
                 symmetric int packed by compressed-tensors, ``pack-quantized``, any group size; MXFP4 / MXFP6
@@ -1169,7 +1176,7 @@ class QuantizingModifier(CalibratedModifier):
         for view in views.values():
             sources.setdefault(module_names[id(view.source)], view.source)
         fused = _fused_experts(model)
-        dense = [n for n in fused if n not in sources]
+        dense = [n for n in fused if n not in sources and not _quantized_earlier(fused[n])]
         # Llama 4's: transformers reloads them as one Linear per expert matrix, so its fused loader's limits do not
         # apply: their dense matrices are saved per expert (output.save.dense_linear_experts)
         linears = any(reloads_as_linears(m) for m in fused.values())
