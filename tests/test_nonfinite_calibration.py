@@ -56,10 +56,10 @@ def test_a_nan_weight_is_refused_by_oneshot_before_any_stage_runs():
     prune = {"SparseGPTModifier": {"sparsity": 0.5, "ignore": ["lm_head", "re:.*down_proj$"]}}
     quantize = {"QuantizationModifier": {"scheme": "W8A8", "targets": ["re:.*down_proj$"]}}
     for recipe, named in (
-        ({"prune": prune, "quantize": quantize}, "QuantizationModifier"),  # only the later stage compresses it
+        ({"prune": prune, "quantize": quantize}, "QuantizationModifier of stage 'quantize'"),  # only the later stage compresses it
         ({"prune": {"SparseGPTModifier": {"sparsity": 0.5, "ignore": ["lm_head"]}}, "quantize": quantize},
-         "SparseGPTModifier"),  # both do: the first names it
-        ({"s": {"GPTQModifier": {"scheme": "W8A8", "ignore": ["lm_head"]}}}, "GPTQModifier"),  # one stage too
+         "SparseGPTModifier of stage 'prune'"),  # both do: the first names it
+        ({"s": {"GPTQModifier": {"scheme": "W8A8", "ignore": ["lm_head"]}}}, "GPTQModifier of stage 's'"),  # one stage too
     ):
         with pytest.raises(ValueError) as info:
             llmc_fsm.oneshot(model=model, recipe=recipe, dataset=torch.randint(0, 128, (4, 32)), progress=False)
@@ -209,7 +209,8 @@ def test_a_nan_weight_is_refused_before_smoothing_changes_its_layer():
             llmc_fsm.oneshot(model=model, recipe=recipe, dataset=torch.randint(0, 128, (4, 32)), progress=False)
         named = "GPTQModifier" if "GPTQModifier" in recipe["s"] else "AWQModifier"
         assert str(info.value) == (
-            f"{named}: the weights of model.layers.1.{where} hold NaN or Inf values, so they cannot be compressed: "
+            f"{named} of stage 's': the weights of model.layers.1.{where} hold NaN or Inf values, so they cannot be "
+            "compressed: "
             "the checkpoint (or an earlier change to the model) is broken there"
         )
         assert _unchanged(model, before)
@@ -240,8 +241,8 @@ def test_the_smoothing_check_reads_what_the_stage_compresses_fused_experts_too()
         llmc_fsm.oneshot(model=model, recipe={"s": {**sq, "QuantizationModifier": quantize}},
                          dataset=torch.randint(3, 128, (4, 16)), progress=False)  # fmt: skip
     assert str(info.value).startswith(
-        "QuantizationModifier: the weights of model.layers.1.mlp.experts.0.down_proj hold NaN or Inf values, so they "
-        "cannot be compressed"
+        "QuantizationModifier of stage 's': the weights of model.layers.1.mlp.experts.0.down_proj hold NaN or Inf "
+        "values, so they cannot be compressed"
     )
     session = llmc_fsm.Session({"s": {**sq, "QuantizationModifier": quantize}})
     session.initialize(model=model, calibration_data=torch.randint(3, 128, (4, 16)))

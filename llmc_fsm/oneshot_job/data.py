@@ -206,7 +206,7 @@ def check_modifiers(sessions: list[Session], model: Any, calibration_data: Any =
             raise MissingStateError(msg, lifecycle=session.lifecycle, missing=missing)
     quantized_by: dict[str, str] = {}  # module -> the quantizing modifier (and stage) that targets it
     pruned_to: dict[str, tuple[str, float]] = {}  # module -> (pruning modifier, its unstructured sparsity)
-    changed: list[tuple[Any, dict[str, Any]]] = []  # (modifier, the modules it changes), every stage, recipe order
+    changed: list[tuple[str, dict[str, Any]]] = []  # (modifier's label, the modules it changes), recipe order
     staged: dict[str, tuple[tuple[int, int], str, str]] = {}  # module -> (stage order, modifier, "prunes"/"quantizes")
     quantizers = [m for s in sessions for m in s.modifiers if hasattr(m, "experts_checked_by_run")]
     for modifier in quantizers:  # several: fused experts left dense are a question for the whole recipe (below)
@@ -235,13 +235,13 @@ def check_modifiers(sessions: list[Session], model: Any, calibration_data: Any =
             _check_rotation_order(modifier, session, order, staged)
             modules_changed = getattr(modifier, "modules_changed", None)
             if declared and callable(modules_changed):  # e.g. a rotation: its check_model returns its plan
-                changed.append((modifier, modules_changed(model)))
+                changed.append((_label(modifier, session), modules_changed(model)))
             if declared and not getattr(modifier, "adds_zeros", True):  # keeps existing zeros, makes none: not
                 targets = {}  # refused after a quantizing modifier of the same recipe
             if targets:
                 _check_quantized_once(modifier, session, targets, quantized_by)
                 _check_mask_kept(modifier, session, targets, pruned_to)
-                changed.append((modifier, targets))
+                changed.append((_label(modifier, session), targets))
                 _record_stage_change(modifier, session, order, targets, staged)
         for modifier in session.modifiers:  # what a modifier needs of the others in its stage (REAP's followers)
             check_stage = getattr(modifier, "check_stage", None)
@@ -251,7 +251,7 @@ def check_modifiers(sessions: list[Session], model: Any, calibration_data: Any =
     _check_finite_weights(changed)
 
 
-def _check_finite_weights(changed: list[tuple[Any, dict[str, Any]]]) -> None:
+def _check_finite_weights(changed: list[tuple[str, dict[str, Any]]]) -> None:
     """Refuse, before any stage runs, a NaN/Inf weight that a modifier of any stage would change, naming the first
     such modifier in recipe order. Each modifier also checks the modules it compresses before changing them, but
     one-shot runs the stages one after another: a NaN that only a later stage compresses was found after the
@@ -259,11 +259,11 @@ def _check_finite_weights(changed: list[tuple[Any, dict[str, Any]]]) -> None:
     skeleton) pass: the modifiers check each layer as it is loaded.
 
     Raises:
-        ValueError: ``"<Modifier>: the weights of <modules> hold NaN or Inf values, so they cannot be compressed:
-            ..."``, the modifier's own message.
+        ValueError: ``"<Modifier> of stage '<stage>': the weights of <modules> hold NaN or Inf values, so they cannot
+            be compressed: ..."`` (the class name alone outside a stage), the modifier's own message.
     """
     seen: set[str] = set()
-    for modifier, targets in changed:
+    for label, targets in changed:
         modules = {
             name: module
             for name, module in targets.items()
@@ -273,7 +273,7 @@ def _check_finite_weights(changed: list[tuple[Any, dict[str, Any]]]) -> None:
         broken = nonfinite_weights(modules)
         if broken:
             msg = (
-                f"{type(modifier).__name__}: the weights of {compact_names(broken)} hold NaN or Inf values, so they "
+                f"{label}: the weights of {compact_names(broken)} hold NaN or Inf values, so they "
                 "cannot be compressed: the checkpoint (or an earlier change to the model) is broken there"
             )
             raise ValueError(msg)

@@ -349,8 +349,8 @@ def test_a_nan_weight_the_rotation_changes_is_refused_before_any_work() -> None:
     with pytest.raises(ValueError) as info:
         llmc_fsm.oneshot(model=model, recipe={"s": {"SpinQuantModifier": {}}}, progress=False)
     assert str(info.value) == (
-        "SpinQuantModifier: the weights of model.layers.1.mlp.down_proj hold NaN or Inf values, so they cannot be "
-        "compressed: the checkpoint (or an earlier change to the model) is broken there"
+        "SpinQuantModifier of stage 's': the weights of model.layers.1.mlp.down_proj hold NaN or Inf values, so they "
+        "cannot be compressed: the checkpoint (or an earlier change to the model) is broken there"
     )
     after = model.state_dict()
     assert all(torch.equal(v.nan_to_num(), after[k].nan_to_num()) for k, v in before.items())
