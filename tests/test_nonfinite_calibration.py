@@ -290,6 +290,22 @@ def test_static_input_scales_from_overflowed_activations_are_refused_naming_them
     )
 
 
+def test_kv_cache_scales_from_nan_keys_are_refused_naming_the_attention():
+    """A NaN in layer 1's k_proj under a KV-cache-only recipe: the keys' ranges came out NaN, and the run said
+    layer 1's attention "never handed keys and values" to its cache (a tester's case). Named as NaN keys."""
+    model = tiny_llama.llama(hidden=64, vocab=128)
+    with torch.no_grad():
+        model.model.layers[1].self_attn.k_proj.weight[0, 0] = float("nan")
+    kv = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}
+    info = _fails(model, {"s": {"QuantizationModifier": {"kv_cache_scheme": kv}}})
+    assert str(info).startswith(
+        "QuantizationModifier.on_sequential_epoch_end() raised ValueError: QuantizationModifier: kv_cache_scheme: "
+        "the keys of model.layers.1.self_attn hold NaN or Inf values on the calibration tokens, so their KV scales "
+        "cannot be calibrated: the checkpoint (or an earlier change to the model) is broken there or before (a "
+        "k_proj / v_proj weight, or an earlier layer) (during sequential_epoch_end())."
+    )
+
+
 def test_the_note_names_a_tied_head_untied_before_the_error():
     """Quantizing a tied head unties it (its own copy, config tie_word_embeddings false); the note read the version
     counters of the parameters by their deduplicated names, so the untied head was missed (a tester's case). The

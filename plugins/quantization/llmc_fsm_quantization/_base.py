@@ -1596,9 +1596,22 @@ class QuantizingModifier(CalibratedModifier):
         ``final``).
 
         Raises:
-            ValueError: (``final``) an attention never handed keys and values to its cache argument on the
-                calibration tokens, so its scales cannot be observed.
+            ValueError: an attention's keys, values (or queries) reached NaN or Inf on the calibration tokens (its
+                scales would be NaN); (``final``) an attention never handed keys and values to its cache argument on
+                the calibration tokens, so its scales cannot be observed.
         """
+        broken = {name: kv_cache.nonfinite_states(module) for name, module in attention.items()}
+        broken = {name: bases for name, bases in broken.items() if bases}
+        if broken:
+            states = {"k": "keys", "v": "values", "q": "queries"}
+            what = " and ".join(states[b] for b in states if any(b in bases for bases in broken.values()))
+            msg = (
+                f"{type(self).__name__}: kv_cache_scheme: the {what} of {compact_names(list(broken))} hold NaN or Inf "
+                "values on the calibration tokens, so their KV scales cannot be calibrated: the checkpoint (or an "
+                "earlier change to the model) is broken there or before (a k_proj / v_proj weight, or an earlier "
+                "layer)"
+            )
+            raise ValueError(msg)
         missing = [name for name, module in attention.items() if not kv_cache.set_scales(module)]
         if missing and final:
             msg = (

@@ -398,6 +398,15 @@ def _query_hook(attention: nn.Module, query: torch.Tensor) -> torch.Tensor | Non
     return fake_quantize(query, attention.q_scale, None, getattr(attention, SCHEME_ATTR))
 
 
+def nonfinite_states(attention: nn.Module) -> list[str]:
+    """Which of ``attention``'s recorded states (``"k"``, ``"v"``, ``"q"``) reached NaN or Inf on the calibration
+    tokens (their scales would be NaN); ``[]`` when none did or nothing is recorded."""
+    ranges = attention.__dict__.get(_STATE_ATTR) or {}
+    return [
+        base for base, state in ranges.items() if any(not bool(torch.isfinite(r).all()) for r in state.ranges.values())
+    ]
+
+
 def set_scales(attention: nn.Module) -> bool:
     """Compute ``attention``'s ``k_scale`` / ``v_scale`` (and ``q_scale``, :func:`install_query`) from the recorded
     ranges and stop recording.
