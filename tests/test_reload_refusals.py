@@ -19,16 +19,17 @@ from llmc_fsm.toolkit import weights_shared_across_layers
 transformers = pytest.importorskip("transformers")
 
 
-def _zamba2(directory):
+def _zamba2(directory, adapters=False):
     hybrid = ["linear_attention", "hybrid"] * 2
+    heads = {"num_key_value_heads": 4, "attention_head_dim": 32} if adapters else {"attention_head_dim": 16}
     config = transformers.AutoConfig.for_model(
-        "zamba2", **_TEXT, layers_block_type=hybrid, mamba_d_state=8, mamba_headdim=16, n_mamba_heads=8,
-        mamba_ngroups=1, num_mem_blocks=1, use_mem_rope=False, attention_head_dim=16,
-        use_shared_attention_adapter=False, adapter_rank=8,
+        "zamba2", **{**_TEXT, **heads}, layers_block_type=hybrid, mamba_d_state=8, mamba_headdim=16, n_mamba_heads=8,
+        mamba_ngroups=1, num_mem_blocks=1, use_mem_rope=False, use_shared_attention_adapter=adapters, adapter_rank=8,
     )  # fmt: skip
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
-    model.save_pretrained(directory)
+    if directory is not None:
+        model.save_pretrained(directory)
     return model
 
 
@@ -70,6 +71,25 @@ def test_weights_several_layers_share_are_found_refused_when_streamed_and_when_q
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "q")
     with torch.no_grad():
         assert torch.equal(reloaded(data[:1]).logits, model(data[:1]).logits)
+
+
+def test_a_shared_weight_whose_own_module_never_runs_is_named_with_the_module_that_does(caplog):
+    """Zamba2's per-layer adapters sit in the shared block of every hybrid layer (layer 1 runs adapter 0, layer 3
+    adapter 1; each layer's modules hold the same tensors). Pruned in memory, layer 1's adapter 1 (the target) gets
+    no input: the warning said only "received no calibration input" of a module that runs (as layer 3's)."""
+    model = _zamba2(None, adapters=True)
+    data = torch.randint(3, 128, (4, 32), generator=torch.Generator().manual_seed(0))
+    recipe = {"s": {"SparseGPTModifier": {"sparsity": 0.5, "ignore": ["lm_head"]}}}
+    with caplog.at_level("WARNING"):
+        llmc_fsm.oneshot(model=model, recipe=recipe, dataset=data, progress=False)
+    adapter = "shared_transformer.self_attn.linear_q_adapter_list.1.0"
+    assert (
+        f"SparseGPTModifier: model.layers.1.{adapter} received no calibration input (its weight is also "
+        f"model.layers.3.{adapter}'s: a weight several decoder layers share is calibrated where the first of its "
+        "modules runs only); left as it was"
+    ) in caplog.messages
+    sparsity = {m.name: m.zeros / m.numel for m in model.llmc_fsm_report.modules}
+    assert sparsity[f"model.layers.1.{adapter}"] == 0 and sparsity[f"model.layers.1.{adapter[:-3]}0.0"] == 0.5
 
 
 def test_integer_weights_are_refused_on_families_whose_integer_checkpoint_does_not_reload(tmp_path):

@@ -229,6 +229,9 @@ class CalibratedModifier(Modifier):
     def _clear(self) -> None:
         self._targets: dict[str, nn.Module] = {}
         self._names_by_id: dict[int, str] = {}
+        #: target -> the other modules holding its weight tensor (weights several decoder layers share, e.g. Zamba's
+        #: shared transformer block, held by each hybrid layer's own modules): calibrated as the target only
+        self._also_named: dict[str, list[str]] = {}
         self._acc: dict[str, Any] = {}
         self._last_input: torch.Tensor | None = None
         self._last_acc: Any = None
@@ -360,6 +363,11 @@ class CalibratedModifier(Modifier):
         targets = self.check_model(state.model)
         self._targets = targets
         self._names_by_id = {id(m): name for name, m in targets.items()}
+        by_weight = {id(getattr(m, "weight", None)): name for name, m in targets.items()}
+        for name, module in state.model.named_modules():
+            first = by_weight.get(id(getattr(module, "weight", None)))
+            if first is not None and name != first:
+                self._also_named.setdefault(first, []).append(name)
 
     def on_calibration_start(self, state: Any) -> None:
         for name, module in self._targets.items():
@@ -502,8 +510,15 @@ class CalibratedModifier(Modifier):
             if acc is None or acc.num_samples == 0:
                 if self.needs_inputs:
                     if name not in self.skipped:
+                        shared = self._also_named.get(name)
+                        where = (
+                            f" (its weight is also {compact_names(shared)}'s: a weight several decoder layers "
+                            "share is calibrated where the first of its modules runs only)"
+                            if shared
+                            else ""
+                        )
                         logger.warning(
-                            "%s: %s received no calibration input; left as it was", type(self).__name__, name
+                            "%s: %s received no calibration input%s; left as it was", type(self).__name__, name, where
                         )
                         self.skipped.append(name)
                     continue
