@@ -190,3 +190,29 @@ def _minimal_report() -> dict:
         progress=False,
     )
     return out.llmc_fsm_report.to_dict()
+
+
+@pytest.mark.parametrize("path", [[], ["--low-memory"]])
+def test_a_modifiers_refusal_mid_run_prints_its_own_line_without_the_sessions_advice(
+    tiny_model_dir, tmp_path, capsys, path
+):
+    """A NaN weight in layer 1 of a model directory, found when its layer is compressed (the streamed path reads it
+    only then): the command printed the library's ModifierError, "... The event counts as delivered; modifiers after
+    this one did not see it. Continue, or finalize()/reset() the session." The modifier's own line; exit 1."""
+    import shutil
+
+    import tiny_llama
+    from safetensors.torch import load_file, save_file
+
+    model_dir, text = tiny_model_dir
+    broken = tmp_path / "model"
+    shutil.copytree(model_dir, broken)
+    weights = load_file(broken / "model.safetensors")
+    weights["model.layers.1.mlp.down_proj.weight"][0, 0] = float("nan")
+    save_file(weights, broken / "model.safetensors", metadata={"format": "pt"})
+    assert main(tiny_llama.oneshot_argv(broken, text, tmp_path / "out", "--num-samples", "4", *path)) == 1
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "llmc-fsm oneshot: error: SparseGPTModifier: the weights of model.layers.1.mlp.down_proj hold NaN or Inf "
+        "values, so they cannot be compressed: the checkpoint (or an earlier change to the model) is broken there"
+    )
+    assert not (tmp_path / "out").exists()

@@ -30,6 +30,7 @@ from collections.abc import Sequence
 from typing import Any, NoReturn
 
 from llmc_fsm.cli import lifecycle, model_free, oneshot, plugins, report
+from llmc_fsm.core.errors import ModifierError
 from llmc_fsm.core.version import __version__
 from llmc_fsm.toolkit.distributed import process_group_from_env
 from llmc_fsm.toolkit.heap import use_huge_pages
@@ -166,8 +167,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.verbose:
             raise
         if _launch_rank() == 0:  # under torchrun every rank fails alike: one line, from rank 0 (all exit 1)
-            print(f"llmc-fsm {args.command}: error: {exc}", file=sys.stderr)
+            print(f"llmc-fsm {args.command}: error: {_one_line(exc)}", file=sys.stderr)
         return 1
+
+
+def _one_line(exc: BaseException) -> str:
+    """What the command prints for ``exc``. A modifier's failure (:class:`~llmc_fsm.ModifierError`) without the
+    session's advice to library callers ("Continue, or finalize()/reset() the session"): the command owns its session
+    and keeps nothing of the model it held. A modifier's own refusal (a ``ValueError``, which names the modifier) is
+    printed as it is; anything else with the hook that raised it."""
+    cause = exc.__cause__
+    if not isinstance(exc, ModifierError) or cause is None:
+        return str(exc)
+    if isinstance(cause, ValueError):
+        return str(cause)
+    where = f"{exc.modifier}'s {exc.hook} on {exc.module}" if exc.module else f"{exc.modifier}.{exc.hook}()"
+    return f"{where} raised {type(cause).__name__}: {cause}"
 
 
 def _compressed_tensors_logs_once() -> None:
