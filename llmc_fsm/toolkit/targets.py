@@ -483,7 +483,8 @@ def _apply_ties(
     named, candidates: dict[str, nn.Module], ignored_names: set[str], *, head: nn.Module | None = None
 ) -> tuple[dict, dict]:
     """Split ``candidates`` into selected and ``{name: "tied to X"}``; raise for a weight shared with the rest,
-    except ``head`` (the output head, :func:`tied_head`), selected: its modifier unties it before compressing it."""
+    except ``head`` (the output head, :func:`tied_head`), selected: its modifier unties it before compressing it
+    (with the input embedding when both are candidates, each then compressed on its own)."""
     holders: dict[int, list[str]] = {}
     modules = dict(named)
     for name, module in named:
@@ -496,6 +497,8 @@ def _apply_ties(
         others = [n for n in holders.get(id(weight), []) if n != name] if weight is not None else []
         ignored_partner = next((n for n in others if n in ignored_names), None)
         earlier = next((n for n in others if n in selected), None)
+        if earlier is not None and head is not None and head in (module, modules[earlier]):
+            earlier = None  # the head and the embedding both selected: the head is untied first, each compressed
         if ignored_partner is not None or earlier is not None:
             tied[name] = f"tied to {ignored_partner if ignored_partner is not None else earlier}"
             continue

@@ -1501,11 +1501,13 @@ class QuantizingModifier(CalibratedModifier):
         the saved config says ``tie_word_embeddings: false`` (llm-compressor's quantizers do the same)."""
         model, self._tied_model = self._tied_model, None
         if model is not None and untie_head(model):
+            both = any(m is model.get_input_embeddings() for m in self._targets.values())
             logger.warning(  # shown by the command: the checkpoint then holds the head apart from the embedding
                 "%s: the head %s is tied to the input embedding: untied (its own copy of the weight; config "
-                "tie_word_embeddings false) so that quantizing it leaves the embedding as it is (as llm-compressor)",
+                "tie_word_embeddings false) so that %s (as llm-compressor)",
                 type(self).__name__,
                 compact_names([n for n, m in self._targets.items() if m is model.get_output_embeddings()]),
+                "each of them is quantized on its own" if both else "quantizing it leaves the embedding as it is",
             )
 
     def on_finalize(self, state: Any) -> None:

@@ -291,20 +291,33 @@ def test_a_tied_embedding_is_ignored_with_lm_head() -> None:
     assert hasattr(model.model.layers[0].mlp.up_proj, "quantization_scheme")
 
 
-def test_a_tied_model_with_its_embedding_quantized_is_saved_untied(tmp_path) -> None:
-    """Tied Llama, targets Linear and Embedding, ignore []: the embedding is quantized and the head, sharing its
-    weight, is ignored ("tied to model.embed_tokens") and saved in float; the saved config unties them (transformers
-    otherwise warns that the config ties two different tensors), and the reload gives the in-memory logits."""
+def test_a_tied_model_with_its_embedding_and_head_targeted_quantizes_both_untied(tmp_path, caplog) -> None:
+    """Tied Llama, targets Linear and Embedding, ignore []: as llm-compressor 0.14 (``untie_word_embeddings`` when the
+    targets hold an embedding), the head is untied and both are quantized, each on its own weight. Until session 31
+    the head was left in float as "tied to model.embed_tokens" without a word. The saved config unties them and the
+    reload gives the in-memory logits."""
     from transformers import AutoModelForCausalLM
 
     model = tiny_llama(tied=True)
     assert model.config.tie_word_embeddings
+    embedding = model.model.embed_tokens.weight.detach().clone()
     recipe = {"q": {"QuantizationModifier": {"scheme": W4_G32, "targets": ["Linear", "Embedding"], "ignore": []}}}
-    llmc_fsm.oneshot(model=model, recipe=recipe, output_dir=tmp_path / "out", progress=False)
+    with caplog.at_level("WARNING"):
+        llmc_fsm.oneshot(model=model, recipe=recipe, output_dir=tmp_path / "out", progress=False)
+    assert (
+        "QuantizationModifier: the head lm_head is tied to the input embedding: untied (its own copy of the weight; "
+        "config tie_word_embeddings false) so that each of them is quantized on its own (as llm-compressor)"
+    ) in caplog.messages
+    bits = {m.name: m.bits for m in model.llmc_fsm_report.modules}
+    assert bits["model.embed_tokens"] == 4 and bits["lm_head"] == 4
+    _, scale = _hand(embedding, 4, 32, True)
+    for module in (model.model.embed_tokens, model.lm_head):  # each from the float weight, on the same grid
+        torch.testing.assert_close(module.weight_scale.double(), scale, rtol=1e-6, atol=0)
+    assert torch.equal(model.model.embed_tokens.weight, model.lm_head.weight)
+    assert model.lm_head.weight is not model.model.embed_tokens.weight
     config = json.loads((tmp_path / "out" / "config.json").read_text())
-    assert config["tie_word_embeddings"] is False and config["quantization_config"]["ignore"] == ["lm_head"]
+    assert config["tie_word_embeddings"] is False and config["quantization_config"]["ignore"] == []
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
-    assert reloaded.lm_head.weight is not reloaded.model.embed_tokens.weight
     x = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         assert torch.equal(model(x).logits, reloaded(x).logits)
