@@ -15,7 +15,7 @@ from llmc_fsm_pruning.magnitude import MagnitudePruningModifier  # noqa: E402
 from llmc_fsm_training import LearningRateModifier, OutputDistillationModifier  # noqa: E402
 from transformers import LlamaForCausalLM, TrainerCallback, TrainingArguments  # noqa: E402
 
-from llmc_fsm import CheckpointError, MissingStateError, Session  # noqa: E402
+from llmc_fsm import CheckpointError, LifecycleError, MissingStateError, Session  # noqa: E402
 from llmc_fsm.integrations.transformers import SESSION_DIR, SessionTrainer  # noqa: E402
 
 VOCAB = 64
@@ -403,3 +403,113 @@ def test_trainer_keeps_the_teacher_on_the_models_device_on_cpu(tmp_path):
     trainer.train()
     assert trainer.session.lifecycle == "finalized"
     assert [p.data_ptr() for p in teacher.parameters()] == params
+
+
+# --- refusals and fixes found by a tester (session 31) ------------------------------------------------
+
+
+def test_model_init_auto_find_batch_size_and_a_started_session_are_refused_at_construction(tmp_path):
+    """model_init: the Trainer trained a new model from it while the session pruned the one staged at construction
+    (the trained model came out dense, the report said 0.6). auto_find_batch_size: the retry failed with "initialize()
+    refused". An initialized session: refused with an update_state() error the caller never made."""
+    with pytest.raises(ValueError) as info:
+        SessionTrainer(model_init=_llama, args=_args(tmp_path), train_dataset=_Data(4),
+                       recipe=[ConstantPruningModifier()])  # fmt: skip
+    assert str(info.value) == (
+        "SessionTrainer does not take model_init: the Trainer calls it again in train() (and in hyperparameter_search) "
+        "and trains that new model, while the session compresses the model staged at construction; build the model "
+        "yourself and pass model="
+    )
+    with pytest.raises(ValueError) as info:
+        SessionTrainer(model=_llama(), args=_args(tmp_path, auto_find_batch_size=True), train_dataset=_Data(4),
+                       recipe=[ConstantPruningModifier()])  # fmt: skip
+    assert str(info.value).startswith("SessionTrainer does not take auto_find_batch_size: after an out-of-memory")
+    session = Session([ConstantPruningModifier()])
+    session.initialize(model=_llama())
+    with pytest.raises(LifecycleError) as info:
+        SessionTrainer(model=_llama(), args=_args(tmp_path), train_dataset=_Data(4), session=session)
+    assert str(info.value) == (
+        "SessionTrainer(session=...): the session is 'initialized'; the trainer stages its model and initializes the "
+        "session at on_train_begin, so give a session in 'created' or 'staging' (a new Session, or session.reset() "
+        "first)"
+    )
+
+
+def test_a_resume_with_other_steps_per_epoch_is_refused_before_the_trainer_loads_anything(tmp_path):
+    """Gradient accumulation 1 against a checkpoint written with 2: the refusal said "Nothing was loaded" after the
+    Trainer had loaded the checkpoint's weights and optimizer (the session's check ran at on_train_begin)."""
+    reference, _ = _trainer(tmp_path / "a", _pruned_llama())
+    reference.train()
+    model = _llama(5)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    other = SessionTrainer(model=model, args=_args(tmp_path / "b", max_steps=2, per_device_train_batch_size=1),
+                           train_dataset=_Data(8), recipe=_resume_recipe(), teacher=_llama(1))  # fmt: skip
+    with pytest.raises(CheckpointError) as info:
+        other.train(resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-3"))
+    assert info.value.differences == ("state steps_per_epoch is 4 in the checkpoint, 8 now",)
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())  # the Trainer loaded nothing
+    assert other.session.lifecycle == "staging"
+
+
+def test_older_checkpoints_are_rotated_only_after_the_session_is_written(tmp_path, monkeypatch, caplog):
+    """save_total_limit=1 and the process killed while the session of checkpoint-6 is written: the Trainer had
+    already deleted checkpoint-3, leaving nothing to resume from. checkpoint-3 now survives, and
+    resume_from_checkpoint=True takes it, saying why."""
+
+    class _Killed(Exception):
+        pass
+
+    save = Session.save
+
+    def dies_at_step_6(self, path):
+        if "checkpoint-6" in str(path):
+            raise _Killed
+        return save(self, path)
+
+    monkeypatch.setattr(Session, "save", dies_at_step_6)
+    trainer, _ = _trainer(tmp_path, _pruned_llama())
+    trainer.args.save_total_limit = 1
+    with pytest.raises(_Killed):
+        trainer.train()
+    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-3", "checkpoint-6"]
+    monkeypatch.setattr(Session, "save", save)
+    resumed, record = _trainer(tmp_path, _llama(5))
+    with caplog.at_level("WARNING"):
+        resumed.train(resume_from_checkpoint=True)
+    assert (
+        f"resume_from_checkpoint=True: {tmp_path / 'checkpoint-6'} holds no session ({SESSION_DIR}/ missing: the run "
+        f"stopped before writing it); resuming from {tmp_path / 'checkpoint-3'}, the last checkpoint that holds one"
+    ) in caplog.messages
+    assert sorted(record.seen) == [4, 5, 6] and resumed.session.lifecycle == "finalized"
+
+
+def test_distillation_under_accumulation_is_weighted_alike_with_a_compute_loss_func(tmp_path):
+    """compute_loss_func (the Trainer then divides the loss no further): the distillation term, a per-micro-batch mean,
+    was weighted 4x with 4 accumulation steps against one batch of 4 (a tester's case). The same update either way,
+    as with the Trainer's own loss; and after session.reset(recipe=...) adding distillation too (the model was still
+    given num_items_in_batch, its loss scaled for the window, the distillation term 4x again)."""
+
+    def loss_func(outputs, labels, num_items_in_batch=None):
+        logits = outputs.logits[:, :-1].reshape(-1, VOCAB)
+        summed = torch.nn.functional.cross_entropy(logits, labels[:, 1:].reshape(-1), reduction="sum")
+        return summed / num_items_in_batch
+
+    def update(batch: int, accumulation: int, reset: bool, func) -> torch.Tensor:
+        model = _llama()
+        before = model.model.layers[0].mlp.up_proj.weight.detach().clone()
+        distill = [OutputDistillationModifier(temperature=2.0, alpha=1.0)]
+        trainer = SessionTrainer(
+            model=model, args=_args(tmp_path / f"{batch}{accumulation}{reset}{func}", max_steps=1, optim="sgd",
+                                    per_device_train_batch_size=batch, gradient_accumulation_steps=accumulation),
+            train_dataset=_Data(4), recipe=[ConstantPruningModifier()] if reset else distill, teacher=_llama(1),
+            compute_loss_func=func,
+        )  # fmt: skip
+        if reset:
+            trainer.session.reset(recipe=distill)
+        trainer.train()
+        return model.model.layers[0].mlp.up_proj.weight.detach() - before
+
+    for reset, func in ((False, loss_func), (True, loss_func), (True, None)):  # None: the model's loss, kwargs
+        one, four = update(4, 1, reset, func), update(1, 4, reset, func)
+        assert one.abs().sum() > 0
+        torch.testing.assert_close(four, one, rtol=1e-4, atol=1e-7)

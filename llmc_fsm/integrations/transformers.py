@@ -40,7 +40,16 @@ backpropagates it), ``optim_pre_step``/``optim_post_step`` around
 When a recipe modifier handles ``loss_calculated`` (e.g. distillation), the
 trainer sets ``model_accepts_loss_kwargs = False``, so the loss the modifiers see
 is the per-micro-batch mean (not pre-divided across the accumulation window) and
-the Trainer divides the combined loss by the accumulation steps.
+the Trainer divides the combined loss by the accumulation steps. With a
+``compute_loss_func`` (its loss normalised over the accumulation window; the
+Trainer divides it no further) the modifiers get it multiplied by the
+accumulation steps and the combined loss is divided back, so a distillation
+term weighs the same with or without accumulation.
+
+Refused at construction, before the Trainer is built: ``model_init`` (the
+Trainer would train a new model, not the one the session compresses),
+``auto_find_batch_size`` (its retry runs inside the same ``train()``, where the
+session cannot start again) and a ``session=`` already initialized.
 
 If ``train()`` raises midway, the session stays ``running``: call
 ``trainer.session.finalize()`` (or ``reset()``) yourself.
@@ -54,14 +63,17 @@ refused at construction as the one-shot ``device``;
 
 Checkpoints: every checkpoint the Trainer writes (``save_strategy``) also holds
 the session, in ``checkpoint-N/llmc_fsm_session/`` (written after the Trainer's
-own files; see :mod:`llmc_fsm.session.checkpoint`). ``trainer.train(resume_from_checkpoint=
+own files and before its ``save_total_limit`` rotation deletes older checkpoints;
+see :mod:`llmc_fsm.session.checkpoint`); ``resume_from_checkpoint=True`` takes
+the last checkpoint that holds a session, with a warning when a later one does
+not. ``trainer.train(resume_from_checkpoint=
 path or True)`` restores it: the Trainer loads model, optimizer, scheduler, RNG
 state and skips the trained batches; at ``on_train_begin`` the session is
 initialized and then loaded from the checkpoint, so the next step continues
 exactly where the saved run stopped (same masks and schedule values; on CPU
 with fixed seeds, bitwise-identical weights). A checkpoint without the session
-directory, or one written for another recipe, raises
-:class:`~llmc_fsm.CheckpointError` before the first step.
+directory, or one written for another recipe or another ``steps_per_epoch``,
+raises :class:`~llmc_fsm.CheckpointError` before the Trainer loads anything.
 """
 
 from __future__ import annotations
@@ -72,7 +84,7 @@ import os
 from typing import Any
 
 from transformers import Trainer, TrainerCallback
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint, rotate_checkpoints
 
 from llmc_fsm.core.errors import CheckpointError, LifecycleError
 from llmc_fsm.integrations import check_teacher, resolve_teacher_device, start_session
@@ -160,6 +172,30 @@ def _checkpoint_step(path: str) -> int | None:
     return int(name[len(prefix) :]) if name.startswith(prefix) and name[len(prefix) :].isdigit() else None
 
 
+def _last_session_checkpoint(output_dir: str) -> str | None:
+    """``resume_from_checkpoint=True``: the Trainer's last checkpoint in ``output_dir``, or, when that one holds no
+    session (the process stopped between the Trainer's files and the session's), the last one that does, with a
+    warning; ``None`` when there is no checkpoint."""
+    last = get_last_checkpoint(output_dir)
+    if last is None or os.path.isdir(os.path.join(last, SESSION_DIR)):
+        return last
+    steps = sorted(
+        (step, os.path.join(output_dir, name))
+        for name in os.listdir(output_dir)
+        if (step := _checkpoint_step(name)) is not None and os.path.isdir(os.path.join(output_dir, name, SESSION_DIR))
+    )
+    if not steps:
+        return last  # refused with the session checkpoint's own error
+    logger.warning(
+        "resume_from_checkpoint=True: %s holds no session (%s/ missing: the run stopped before writing it); "
+        "resuming from %s, the last checkpoint that holds one",
+        last,
+        SESSION_DIR,
+        steps[-1][1],
+    )
+    return steps[-1][1]
+
+
 class SessionTrainerMixin:
     """Mix into a ``transformers.Trainer`` subclass (before it) to drive a :class:`~llmc_fsm.Session`.
 
@@ -198,6 +234,20 @@ class SessionTrainerMixin:
         if session is not None and recipe is not None:
             msg = "give recipe= or session=, not both (a session already holds its recipe)"
             raise ValueError(msg)
+        if kwargs.get("model_init") is not None:
+            msg = (
+                "SessionTrainer does not take model_init: the Trainer calls it again in train() (and in "
+                "hyperparameter_search) and trains that new model, while the session compresses the model staged at "
+                "construction; build the model yourself and pass model="
+            )
+            raise ValueError(msg)
+        if session is not None and session.lifecycle not in ("created", "staging"):
+            msg = (
+                f"SessionTrainer(session=...): the session is {session.lifecycle!r}; the trainer stages its model and "
+                "initializes the session at on_train_begin, so give a session in 'created' or 'staging' (a new "
+                "Session, or session.reset() first)"
+            )
+            raise LifecycleError(msg, lifecycle=session.lifecycle, call="SessionTrainer", allowed=session.allowed_calls)
         self._llmc_teacher_device = resolve_teacher_device(teacher_device)
         self.session: Session = session if session is not None else Session(recipe)
         given = teacher if teacher is not None else (session_state or {}).get("teacher")
@@ -207,6 +257,14 @@ class SessionTrainerMixin:
         self._llmc_resume: str | None = None
         self._llmc_saved: dict[str, Any] | None = None  # the session checkpoint train() was asked to resume
         super().__init__(*args, **kwargs)
+        if getattr(self.args, "auto_find_batch_size", False):  # type: ignore[attr-defined]
+            msg = (
+                "SessionTrainer does not take auto_find_batch_size: after an out-of-memory error the Trainer retries "
+                "with a smaller batch size inside the same train() call, and the session the first try initialized "
+                "(its steps_per_epoch from the first batch size) cannot start again; set "
+                "per_device_train_batch_size yourself"
+            )
+            raise ValueError(msg)
         state: dict[str, Any] = {"model": self.model}
         if teacher is not None:
             state["teacher"] = teacher
@@ -215,9 +273,16 @@ class SessionTrainerMixin:
         state.update(session_state or {})
         self.session.update_state(**state)
         self._llmc_staged = dict(state)  # staged again by train() after a session.reset() dropped it
-        if any("loss_calculated" in m.events for m in self.session.modifiers):
-            self.model_accepts_loss_kwargs = False
+        self._llmc_accepts_loss_kwargs = self.model_accepts_loss_kwargs  # the Trainer's own choice
+        self._llmc_loss_kwargs()
         self.add_callback(SessionCallback(self))
+
+    def _llmc_loss_kwargs(self) -> None:
+        """``model_accepts_loss_kwargs`` off while a recipe modifier reads the loss (``loss_calculated``), so that
+        it sees the per-micro-batch mean; the Trainer's own choice otherwise (again at each ``train()``: a
+        ``session.reset(recipe=...)`` may change the recipe)."""
+        reads = any("loss_calculated" in m.events for m in self.session.modifiers)
+        self.model_accepts_loss_kwargs = self._llmc_accepts_loss_kwargs and not reads
 
     # --- where the objects are born ---------------------------------------------
     def create_optimizer(self, *args: Any, **kwargs: Any) -> Any:
@@ -230,15 +295,20 @@ class SessionTrainerMixin:
         dataloader = super().get_train_dataloader()  # type: ignore[misc]
         if self.session.lifecycle in ("created", "staging"):
             state: dict[str, Any] = {"train_data": dataloader}
-            try:
-                batches = len(dataloader)
-            except TypeError:
-                batches = None
-            if batches:
-                accumulation = self.args.gradient_accumulation_steps  # type: ignore[attr-defined]
-                state["steps_per_epoch"] = max(1, math.ceil(batches / accumulation))
+            steps = self._llmc_steps_per_epoch(dataloader)
+            if steps is not None:
+                state["steps_per_epoch"] = steps
             self.session.update_state(**state)
         return dataloader
+
+    def _llmc_steps_per_epoch(self, dataloader: Any) -> int | None:
+        """The Trainer's optimizer steps per epoch over ``dataloader`` (``None`` without a length)."""
+        try:
+            batches = len(dataloader)
+        except TypeError:
+            return None
+        accumulation = self.args.gradient_accumulation_steps  # type: ignore[attr-defined]
+        return max(1, math.ceil(batches / accumulation)) if batches else None
 
     def _initialize_session(self) -> None:
         """Initialize the session (called at ``on_train_begin``, before the first step); resume it if asked."""
@@ -299,25 +369,45 @@ class SessionTrainerMixin:
         if dropped:  # reset() dropped what __init__ staged (whatever was staged since)
             self.session.update_state(**dropped)
         if resume_from_checkpoint is True:
-            resume_from_checkpoint = get_last_checkpoint(self.args.output_dir)  # type: ignore[attr-defined]
+            resume_from_checkpoint = _last_session_checkpoint(self.args.output_dir)  # type: ignore[attr-defined]
             if resume_from_checkpoint is None:
                 msg = f"No valid checkpoint found in output directory ({self.args.output_dir})"  # type: ignore[attr-defined]
                 raise ValueError(msg)
         self._llmc_resume = str(resume_from_checkpoint) if resume_from_checkpoint else None
         self._llmc_saved = self._read_session_checkpoint()
         if self._llmc_saved is not None and self.session.lifecycle in ("created", "staging"):
-            try:  # another recipe: refused before the Trainer loads the checkpoint's weights
-                check_checkpoint(self._llmc_saved, self.session)
+            given = {}
+            if "steps_per_epoch" not in self.session.state:  # staged by get_train_dataloader: known now already
+                steps = self._llmc_steps_per_epoch(super().get_train_dataloader())  # type: ignore[misc]
+                given = {"steps_per_epoch": steps} if steps is not None else {}
+            try:  # another recipe or steps_per_epoch: refused before the Trainer loads the checkpoint's weights
+                check_checkpoint(self._llmc_saved, self.session, **given)
             except CheckpointError as exc:
                 raise self._named(exc) from exc
+        self._llmc_loss_kwargs()
         return super().train(resume_from_checkpoint or None, *args, **kwargs)  # type: ignore[misc]
 
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
-        super()._save_checkpoint(model, trial)  # type: ignore[misc]
+        """The Trainer's checkpoint, then the session in it, then the Trainer's rotation (``save_total_limit``):
+        older checkpoints are deleted only once this one holds the session (a process killed in between left no
+        checkpoint to resume from: a tester's case)."""
+        args = self.args  # type: ignore[attr-defined]
+        limit, args.save_total_limit = args.save_total_limit, None
+        try:
+            super()._save_checkpoint(model, trial)  # type: ignore[misc]
+        finally:
+            args.save_total_limit = limit
         folder = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"  # type: ignore[attr-defined]
-        output_dir = os.path.join(self._get_output_dir(trial=trial), folder)  # type: ignore[attr-defined]
-        if self.args.should_save:  # type: ignore[attr-defined]
-            self.session.save(os.path.join(output_dir, SESSION_DIR))
+        run_dir = self._get_output_dir(trial=trial)  # type: ignore[attr-defined]
+        if args.should_save:
+            self.session.save(os.path.join(run_dir, folder, SESSION_DIR))
+            if limit:
+                rotate_checkpoints(
+                    output_dir=run_dir,
+                    save_total_limit=limit,
+                    best_model_checkpoint=self.state.best_model_checkpoint,  # type: ignore[attr-defined]
+                    use_mtime=True,
+                )
 
     # --- the Trainer's own step ---------------------------------------------------
     def training_step(self, model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
@@ -333,10 +423,23 @@ class SessionTrainerMixin:
         if not self._llmc_loss_pending:  # evaluation, or a second compute_loss in one step
             return result
         self._llmc_loss_pending = False
-        if return_outputs:
-            loss, outputs = result
-            return self.session.loss_calculated(loss), outputs
-        return self.session.loss_calculated(result)
+        loss, outputs = result if return_outputs else (result, None)
+        loss = self._llmc_loss_calculated(loss)
+        return (loss, outputs) if return_outputs else loss
+
+    def _llmc_loss_calculated(self, loss: Any) -> Any:
+        """``session.loss_calculated(loss)`` on the per-micro-batch scale. A loss already scaled for gradient
+        accumulation (a ``compute_loss_func``, normalised by ``num_items_in_batch`` over the accumulation window;
+        the Trainer then divides it no further) is multiplied by the accumulation steps for the modifiers and the
+        combined loss divided back: a distillation term (a per-micro-batch mean) is then weighted as with the
+        Trainer's own loss (it was weighted N times over with N accumulation steps: a tester's case)."""
+        scaled = getattr(self, "loss_is_scaled_for_ga", None)
+        if scaled is None:  # the Trainer's rule (model_accepts_loss_kwargs is off while a modifier reads the loss)
+            scaled = self.compute_loss_func is not None  # type: ignore[attr-defined]
+        steps = getattr(self, "current_gradient_accumulation_steps", 1) if scaled else 1
+        if steps == 1:
+            return self.session.loss_calculated(loss)
+        return self.session.loss_calculated(loss * steps) / steps
 
 
 class SessionTrainer(SessionTrainerMixin, Trainer):
