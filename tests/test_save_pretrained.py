@@ -114,3 +114,22 @@ def test_a_session_of_ones_own_saves_the_model_it_quantized_compressed(tiny_mode
     session.initialize(model=pruned)
     session.finalize()
     assert "save_pretrained" not in vars(pruned)  # nothing quantized: transformers' own method
+
+
+def test_llmcompressors_sparse_arguments_are_no_ops_and_a_misspelt_one_is_refused(tiny_model_dir, tmp_path):
+    """llm-compressor's save_pretrained(..., disable_sparse_compression=True) writes what the default writes (sparse
+    weights are dense either way); a misspelt argument went to transformers, which dropped it without a word."""
+    model = _run(tiny_model_dir[0], PRUNE)
+    model.save_pretrained(tmp_path / "a")
+    model.save_pretrained(tmp_path / "b", disable_sparse_compression=True, skip_sparsity_compression_stats=False)
+    a, b = _tensors(tmp_path / "a"), _tensors(tmp_path / "b")
+    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+    with pytest.raises(ValueError) as info:
+        model.save_pretrained(tmp_path / "c", save_compresed=True)
+    assert str(info.value) == (
+        "save_pretrained: unknown argument(s) save_compresed (did you mean save_compressed?); nothing was written. It "
+        "takes save_directory, quantization_format, save_compressed and transformers' save_pretrained arguments"
+    )
+    assert not (tmp_path / "c").exists()
+    with pytest.raises(ValueError, match=r"^save_pretrained\(disable_sparse_compression=...\): must be true or false"):
+        model.save_pretrained(tmp_path / "c", disable_sparse_compression="yes")

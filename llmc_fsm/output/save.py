@@ -23,6 +23,8 @@ place (:mod:`llmc_fsm.output.workdir`).
 from __future__ import annotations
 
 import contextlib
+import difflib
+import inspect
 import json
 import logging
 import os
@@ -298,7 +300,10 @@ class CompressedSavePretrained:
     * ``save_compressed=True`` (the default, as llm-compressor's): the model in Hugging Face layout through
       :func:`save_model` (compressed-tensors where quantized, a ``sparsity_config`` for sparse quantized weights),
       and ``recipe.yaml`` (the stages applied). Other keyword arguments (``max_shard_size``...) go to
-      transformers' ``save_pretrained``.
+      transformers' ``save_pretrained``; one it does not name is refused (transformers would drop a misspelt
+      ``save_compresed`` without a word), except with ``push_to_hub=True`` (the Hub's own arguments).
+      llm-compressor's ``disable_sparse_compression`` and ``skip_sparsity_compression_stats`` are taken as no-ops:
+      sparse weights are written dense either way (llm-compressor 0.14 no longer compresses them either).
     * ``save_compressed=False``: refused for a quantized model (``ValueError``, nothing written); a model that was
       only pruned is saved as with ``True`` (its weights are dense either way).
 
@@ -338,7 +343,9 @@ class CompressedSavePretrained:
         Raises:
             ValueError: ``save_compressed=False`` for a quantized model; a ``quantization_format`` its weights
                 cannot be saved in (:func:`check_quantization_format`); a ``state_dict`` given (the compressed
-                one is built here); ``save_directory`` is an existing file; a streamed run's model.
+                one is built here); a keyword argument neither transformers' ``save_pretrained`` nor
+                llm-compressor's names (without ``push_to_hub``); ``save_directory`` is an existing file; a streamed
+                run's model.
             OSError: writing failed.
         """
         if self.streamed_to is not None:
@@ -362,6 +369,7 @@ class CompressedSavePretrained:
             check_quantization_format(model, quantization_format)
         if "state_dict" in kwargs:
             raise ValueError("save_pretrained(state_dict=...): the compressed state dict is built here; leave it out")
+        kwargs = _transformers_save_kwargs(type(model).save_pretrained, kwargs)
         directory = Path(save_directory)
         if directory.exists() and not directory.is_dir():
             raise ValueError(f"save_pretrained: {str(directory)!r} is a file, not a directory")
@@ -378,6 +386,35 @@ class CompressedSavePretrained:
 
     def __repr__(self) -> str:
         return f"<llmc-fsm compressed save_pretrained of {type(self.model).__name__}>"
+
+
+#: llm-compressor's ``save_pretrained`` arguments for sparse compression, which it no longer does (0.14): no-ops here
+LLMCOMPRESSOR_SAVE_NOOPS = ("disable_sparse_compression", "skip_sparsity_compression_stats")
+
+
+def _transformers_save_kwargs(method: Callable[..., Any], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``kwargs`` for transformers' ``save_pretrained`` ``method``: llm-compressor's no-ops removed (each a bool);
+    one ``method`` does not name refused unless ``push_to_hub`` is set (then the Hub's arguments pass through).
+
+    Raises:
+        ValueError: an unknown argument (with the closest known names), or a no-op that is not a bool.
+    """
+    for name in LLMCOMPRESSOR_SAVE_NOOPS:
+        if name in kwargs and not isinstance(kwargs[name], bool):
+            raise ValueError(f"save_pretrained({name}=...): must be true or false, got {kwargs[name]!r}")
+    kwargs = {k: v for k, v in kwargs.items() if k not in LLMCOMPRESSOR_SAVE_NOOPS}
+    known = [n for n in inspect.signature(method).parameters if n not in ("self", "kwargs")]
+    unknown = [k for k in kwargs if k not in known]
+    if unknown and not kwargs.get("push_to_hub"):
+        names = ["quantization_format", "save_compressed", *known, *LLMCOMPRESSOR_SAVE_NOOPS]
+        close = sorted({c for k in unknown for c in difflib.get_close_matches(k, names, n=2)})
+        hint = f" (did you mean {', '.join(close)}?)" if close else ""
+        msg = (
+            f"save_pretrained: unknown argument(s) {', '.join(unknown)}{hint}; nothing was written. It takes "
+            "save_directory, quantization_format, save_compressed and transformers' save_pretrained arguments"
+        )
+        raise ValueError(msg)
+    return kwargs
 
 
 def is_quantized(model: nn.Module) -> bool:
