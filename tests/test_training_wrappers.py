@@ -241,6 +241,10 @@ def test_accelerates_accumulation_idiom_counts_the_optimizer_steps_taken():
     """``optimizer_step`` on every micro-batch inside ``accelerator.accumulate``: the session's step events follow
     the optimizer's real steps (it counted every micro-batch, so the schedules ran twice as fast)."""
     accelerate = pytest.importorskip("accelerate")
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)  # process-wide: a Trainer run earlier in the process
+    GradientState._reset_state()  # (its own accumulation settings) would otherwise stay in force here
     model = _llama()
     accelerator = accelerate.Accelerator(gradient_accumulation_steps=2, cpu=True)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)

@@ -38,16 +38,20 @@ RNG state are yours to save as usual, the session's progress goes next to them::
             session.batch_end()
             if is_step(i, len(loader), accumulation) and session.global_step % save_every == 0:
                 directory = f"ckpt/step-{session.global_step}"
-                save_file(model.state_dict(), f"{directory}/model.safetensors")  # safetensors.torch
+                save_model(model, f"{directory}/model.safetensors")  # safetensors.torch: tied weights too
                 torch.save(optimizer.state_dict(), f"{directory}/optimizer.pt")
                 session.save(f"{directory}/session")          # masks, schedule, modifier state
+
+(``save_file(model.state_dict(), ...)`` raises "Some tensors share memory" for a model with tied weights, such
+as SmolLM2's embedding and ``lm_head``; ``save_model`` stores a shared tensor once and ``load_model`` fills
+every name that shares it.)
 
 To resume, rebuild everything as for a fresh run, load model and optimizer
 state, then pass the session directory to :func:`initialize` — it initializes
 the session and loads the checkpoint before the first event — and skip the
 batches already trained (:func:`resume_position`)::
 
-    model.load_state_dict(load_file(f"{directory}/model.safetensors"))
+    load_model(model, f"{directory}/model.safetensors")  # safetensors.torch
     optimizer.load_state_dict(torch.load(f"{directory}/optimizer.pt", weights_only=True))
     initialize(session, checkpoint=f"{directory}/session")
     start_epoch, skip = resume_position(session, len(loader), accumulation)

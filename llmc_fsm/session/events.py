@@ -47,6 +47,7 @@ class SessionEvents:
     _broken: str | None
     _in_hook: str | None  # the call whose modifier hooks are running now (a hook calling the session is refused)
     _trained: bool  # a training batch began in this run
+    _stepped: bool  # an optim_post_step came in this run
     _calibrated: bool  # a calibration ended in this run
 
     @property
@@ -298,7 +299,9 @@ class SessionEvents:
             ModifierError: a modifier hook raised.
         """
         with self._lock:
-            self._dispatch("optim_post_step", self._enter("optim_post_step", self._step + 1))
+            ev = self._enter("optim_post_step", self._step + 1)
+            self._stepped = True
+            self._dispatch("optim_post_step", ev)
 
     def batch_end(self) -> None:
         """The batch is done (with or without an optimizer step).

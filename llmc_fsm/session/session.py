@@ -87,6 +87,7 @@ class Session(SessionCheckpoints):
         self._schedule = Schedule(self._recipe.modifiers)
         self._broken: str | None = None
         self._trained = False
+        self._stepped = False
         self._calibrated = False
 
     # --- read-only views ------------------------------------------------------
@@ -291,6 +292,8 @@ class Session(SessionCheckpoints):
         """``on_end`` (when ``end``, for each modifier started and not ended) then ``on_finalize`` of every modifier,
         every hook removed; the errors raised, in order."""
         errors: list[ModifierError] = []
+        if end and self._broken is None:
+            self._warn_unreached()
         ev = self._event
         ev.type = "finalize"
         for slot in self._schedule.slots:
@@ -325,6 +328,40 @@ class Session(SessionCheckpoints):
         self._schedule.clear()
         self._schedule.unbind(self)
         return errors
+
+    def _warn_unreached(self) -> None:
+        """At finalize: one warning line if training batches came without any optimizer step event, and one naming
+        the modifiers whose ``start`` the run never reached (they did nothing; both were silent, found by testers)."""
+        slots = self._schedule.slots
+        spe = self._state.values.get("steps_per_epoch")
+        epoch = f" (epoch {self._step / spe:.4g})" if spe else ""
+        if self._trained and not self._stepped:
+            stepping = [s.label for s in slots if s.handles("optim_pre_step") or s.handles("optim_post_step")]
+            scheduled = [s.label for s in slots if s.modifier.is_scheduled]
+            if stepping or scheduled:
+                logger.warning(
+                    "finalize(): training batches came without optim_pre_step()/optim_post_step() (never called in "
+                    "this run): global_step stayed %d, so %s; what the schedule had left (a gradual pruning's final "
+                    "sparsity) was done now, at once. Call optimizer_step(session, optimizer) "
+                    "(llmc_fsm.integrations.torch), or session.optim_pre_step() / optim_post_step() around "
+                    "optimizer.step()",
+                    self._step,
+                    "; ".join(
+                        ([f"the schedule of {', '.join(scheduled)} did not advance"] if scheduled else [])
+                        + ([f"{', '.join(stepping)} never acted at a step (masks not re-applied)"] if stepping else [])
+                    ),
+                )
+        never = [s for s in slots if not s.started and s.modifier.start is not None] if self._trained else []
+        if never:
+            logger.warning(
+                "finalize(): %s never started: the run ended at global step %d%s, before %s; %s nothing (the model "
+                "is as training left it)",
+                ", ".join(f"{s.label} (start {s.modifier.start:g})" for s in never),
+                self._step,
+                epoch,
+                "its start" if len(never) == 1 else "their starts",
+                "it did" if len(never) == 1 else "they did",
+            )
 
     def reset(self, recipe: Any = None) -> None:
         """Return to ``created`` from any state, keeping the recipe or taking a new one.

@@ -66,10 +66,13 @@ _NOT_INPUTS = frozenset({"labels", "num_items_in_batch", "return_loss"})
 
 
 def logits_of(output: Any) -> torch.Tensor:
-    """The logits in a model output: ``output.logits``, ``output["logits"]``, ``output[0]`` or the tensor itself.
+    """The logits in a model output: ``output.logits``, ``output["logits"]``, the tensor itself, or in a tuple (a
+    transformers model called with ``return_dict=False``) ``output[0]``, or ``output[1]`` when ``output[0]`` is a
+    0-dim tensor (the loss of a call with ``labels``: it was taken for the logits and refused, found by a tester).
 
     Raises:
-        TypeError: the output holds no logits tensor.
+        TypeError: the output holds no logits tensor (the message advises calling the model with
+            ``return_dict=True``).
     """
     if isinstance(output, torch.Tensor):
         return output
@@ -78,9 +81,15 @@ def logits_of(output: Any) -> torch.Tensor:
         logits = output.get("logits")
     if logits is None and isinstance(output, tuple | list) and output:
         first = output[0]
+        if isinstance(first, torch.Tensor) and first.dim() == 0 and len(output) > 1:  # (loss, logits, ...)
+            first = output[1]
         logits = first if isinstance(first, torch.Tensor) and first.dim() > 0 else None
     if not isinstance(logits, torch.Tensor):
-        msg = f"cannot find logits in a model output of type {type(output).__name__}"
+        msg = (
+            f"cannot find logits in a model output of type {type(output).__name__}: distillation reads "
+            "output.logits, output['logits'], or of a tuple the first element (the second after a 0-dim loss); "
+            "call the model with return_dict=True"
+        )
         raise TypeError(msg)
     return logits
 

@@ -12,8 +12,11 @@ e_0), 0, 1)``, the learning rate of every parameter group is::
 
 It is written just before each optimizer step (``optim_pre_step``), so it wins
 over any ``torch.optim.lr_scheduler`` (or the HF Trainer's scheduler) stepping
-after the optimizer. At ``end`` the value at ``end`` is written and left in place;
-before ``start`` the optimizer's own learning rate is untouched.
+after the optimizer. At ``end`` the value at ``end`` is written, and written again
+before every later optimizer step until finalize (``events_after_end``): a
+scheduler stepping after the optimizer does not take the rate back (it did, found
+by a tester: the HF Trainer's linear decay after ``end``). Before ``start`` the
+optimizer's own learning rate is untouched.
 """
 
 from __future__ import annotations
@@ -75,8 +78,8 @@ def scheduled_lr(
     if schedule == "step":
         return init_lr * gamma ** math.floor(max(epoch - start, 0.0) / cast(float, step_size) + 1e-9)
     progress = min(max((epoch - start) / (cast(float, end) - start), 0.0), 1.0)
-    if schedule == "linear":
-        return init_lr + (final_lr - init_lr) * progress
+    if schedule == "linear":  # weighted: exactly init_lr at start and final_lr from end (1e-2 + (1e-3 - 1e-2) is not)
+        return init_lr * (1.0 - progress) + final_lr * progress
     return final_lr + (init_lr - final_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))  # cosine
 
 
@@ -126,8 +129,9 @@ class LearningRateModifier(Modifier):
     - ``step_size`` (epochs, > 0; required for step), ``gamma`` (default 0.1): the
       step schedule multiplies the rate by ``gamma`` every ``step_size`` epochs.
 
-    Requires state ``optimizer`` and ``steps_per_epoch`` (the schedule is in epochs).
-    :attr:`last_lr` is the value written last.
+    Requires state ``optimizer`` and ``steps_per_epoch`` (the schedule is in epochs). From ``end`` until finalize
+    the value at ``end`` is written before every optimizer step. :attr:`last_lr` is the value written last (the
+    rate of the last optimizer step once started).
 
     Raises:
         ValueError: an unknown schedule, a learning rate, ``step_size`` or ``gamma`` out of range, ``linear``/``cosine``
@@ -136,6 +140,7 @@ class LearningRateModifier(Modifier):
 
     required_state = frozenset({"optimizer", "steps_per_epoch"})
     events = frozenset({"optim_pre_step"})
+    events_after_end = frozenset({"optim_pre_step"})  # the value at end kept until finalize, over any scheduler
 
     schedule: str = attrs.field(default="constant", validator=_check_schedule)
     init_lr: float = attrs.field(converter=_opt_float, validator=_positive)
@@ -185,7 +190,8 @@ class LearningRateModifier(Modifier):
         self._set(event.epoch or 0.0)
 
     def on_event(self, state: State, event: Event) -> None:
-        self._set(event.epoch)  # type: ignore[arg-type]  # steps_per_epoch is required
+        epoch = cast(float, event.epoch)  # steps_per_epoch is required
+        self._set(epoch if self.end is None else min(epoch, self.end))  # after end: the value at end
 
     def on_end(self, state: State, event: Event) -> None:
         if self.end is not None and event.type != "finalize":

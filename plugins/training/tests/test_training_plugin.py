@@ -3,9 +3,16 @@
 from __future__ import annotations
 
 import math
+import sys
+from pathlib import Path
 
 import pytest
-from llmc_fsm_training import LearningRateModifier, OutputDistillationModifier, scheduled_lr
+import torch
+from llmc_fsm_training import LearningRateModifier, OutputDistillationModifier, distillation_kl, scheduled_lr
+from llmc_fsm_training.distillation import logits_of
+
+from llmc_fsm import Session
+from llmc_fsm.integrations.torch import initialize
 
 
 def test_registered_through_entry_points():
@@ -36,3 +43,178 @@ def test_yaml_scientific_notation_is_accepted():
 def test_required_state_declared():
     assert OutputDistillationModifier.required_state == {"model", "teacher"}
     assert LearningRateModifier(init_lr=0.1).required_keys() == {"optimizer", "steps_per_epoch"}
+
+
+# --- found by a tester (2026-12-07) -------------------------------------------------------------------------------
+
+LINEAR_TO_END_1 = "t:\n  LearningRateModifier: {schedule: linear, init_lr: 1.0e-2, final_lr: 1.0e-3, end: 1.0}\n"
+
+
+def _tiny_llama(seed: int = 0):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "tests"))
+    from tiny_llama import llama
+
+    return llama(seed=seed, layers=1, hidden=32).train()  # tied: lm_head shares the embedding
+
+
+def _batches(n: int) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    ids = [torch.randint(0, 128, (2, 8), generator=g) for _ in range(n)]
+    return [{"input_ids": i, "attention_mask": torch.ones_like(i), "labels": i.clone()} for i in ids]
+
+
+def _lr_loop(session, optimizer, scheduler, steps: int, model=None, batches=None) -> list[float]:
+    """The documented plain loop; the rate each optimizer step used."""
+    used = []
+    for i in range(steps):
+        session.batch_start()
+        if model is None:
+            optimizer.param_groups[0]["params"][0].sum().backward()
+        else:
+            session.loss_calculated(model(**batches[i]).loss).backward()
+        session.optim_pre_step()
+        used.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        session.optim_post_step()
+        scheduler.step()
+        optimizer.zero_grad()
+        session.batch_end()
+    return used
+
+
+def test_learning_rate_at_end_is_kept_over_a_scheduler_stepping_after_the_optimizer():
+    """A LambdaLR stepped after every step wrote 0.5 back after end (the rate used: 0.01, 0.0055, 0.001, 0.5, 0.5)."""
+    weight = torch.nn.Parameter(torch.ones(3))
+    optimizer = torch.optim.SGD([weight], lr=0.5)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    session = Session(LINEAR_TO_END_1)
+    initialize(session, optimizer=optimizer, steps_per_epoch=2)
+    used = _lr_loop(session, optimizer, scheduler, 5)
+    assert used == [0.01, scheduled_lr("linear", 0.5, init_lr=0.01, final_lr=0.001, end=1.0), 0.001, 0.001, 0.001]
+    assert session.modifiers[0].last_lr == 0.001  # final_lr exactly (it was 0.0009999999999999992)
+    session.finalize()
+    assert optimizer.param_groups[0]["lr"] == 0.5  # after finalize the scheduler's again (nothing is written)
+
+
+def test_step_schedule_keeps_its_value_at_end():
+    """After end the value at end, not the step schedule continued: 0.1, 0.05, 0.025 (end), 0.025, 0.025."""
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.ones(3))], lr=0.5)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    session = Session([LearningRateModifier(schedule="step", init_lr=0.1, step_size=0.5, gamma=0.5, end=1.0)])
+    initialize(session, optimizer=optimizer, steps_per_epoch=2)
+    assert _lr_loop(session, optimizer, scheduler, 5) == [0.1, 0.05, 0.025, 0.025, 0.025]
+
+
+def test_learning_rate_at_end_is_kept_with_the_hf_trainer(tmp_path):
+    """HF Trainer, learning_rate=5e-2 (its linear decay), 3 epochs of 2 steps, end 1.0: the rates used were 0.01,
+    0.0055, 0.001, then the Trainer's 0.025, 0.0167, 0.0083."""
+    from torch.utils.data import Dataset
+    from transformers import TrainerCallback, TrainingArguments
+
+    from llmc_fsm.integrations.transformers import SessionTrainer
+
+    class Rows(Dataset):
+        def __init__(self) -> None:
+            self.rows = [{k: v[0] for k, v in b.items()} for b in _batches(4)]
+
+        def __len__(self) -> int:
+            return len(self.rows)
+
+        def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+            return self.rows[i]
+
+    used = []
+
+    class Rates(TrainerCallback):
+        def on_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
+            used.append(optimizer.param_groups[0]["lr"])
+
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=2,
+        num_train_epochs=3,
+        learning_rate=5e-2,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
+    )
+    model = _tiny_llama()
+    trainer = SessionTrainer(model=model, args=args, train_dataset=Rows(), recipe=LINEAR_TO_END_1, callbacks=[Rates()])
+    trainer.train()
+    assert used == [0.01, scheduled_lr("linear", 0.5, init_lr=0.01, final_lr=0.001, end=1.0), *[0.001] * 4]
+    assert trainer.session.modifiers[0].last_lr == 0.001
+
+
+def test_documented_plain_loop_checkpoint_of_a_tied_model_resumes_with_the_rate_at_end(tmp_path):
+    """docs/training.md's snippet: save_file(model.state_dict(), ...) raised "Some tensors share memory" for a tied
+    model (SmolLM2's); save_model/load_model resume it, and the rate at end is kept after the resume too."""
+    from safetensors.torch import load_model, save_file, save_model
+
+    def run(model, save_at=None, checkpoint=None):
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.5)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+        session = Session(LINEAR_TO_END_1)
+        if checkpoint is not None:
+            load_model(model, f"{checkpoint}/model.safetensors")
+            optimizer.load_state_dict(torch.load(f"{checkpoint}/optimizer.pt", weights_only=True))
+            scheduler.load_state_dict(torch.load(f"{checkpoint}/scheduler.pt", weights_only=True))
+            initialize(session, optimizer=optimizer, steps_per_epoch=2, checkpoint=f"{checkpoint}/session")
+        else:
+            initialize(session, optimizer=optimizer, steps_per_epoch=2)
+        done = session.global_step
+        used = _lr_loop(session, optimizer, scheduler, (save_at or 5) - done, model, _batches(5)[done:])
+        if save_at is not None:
+            with pytest.raises(RuntimeError, match="Some tensors share memory"):
+                save_file(model.state_dict(), str(tmp_path / "x.safetensors"))
+            save_model(model, f"{tmp_path}/model.safetensors")
+            torch.save(optimizer.state_dict(), f"{tmp_path}/optimizer.pt")
+            torch.save(scheduler.state_dict(), f"{tmp_path}/scheduler.pt")
+            session.save(f"{tmp_path}/session")
+        else:
+            session.finalize()
+        return used
+
+    reference_model = _tiny_llama()
+    reference = run(reference_model)
+    assert reference[2:] == [0.001] * 3
+    assert run(_tiny_llama(), save_at=3) == reference[:3]
+    resumed_model = _tiny_llama(seed=3)
+    assert run(resumed_model, checkpoint=tmp_path) == reference[3:]
+    assert resumed_model.lm_head.weight is resumed_model.model.embed_tokens.weight  # still tied
+    for (name, p), q in zip(resumed_model.named_parameters(), reference_model.parameters(), strict=True):
+        assert torch.equal(p, q), name  # bitwise-identical after 5 steps
+
+
+def test_logits_of_a_tuple_output_with_the_loss_first():
+    """return_dict=False with labels gives (loss, logits, ...): output[0], the loss, was taken and refused."""
+    loss, logits = torch.tensor(2.5), torch.randn(2, 3, 5)
+    assert logits_of((loss, logits, "past")) is logits
+    assert logits_of((logits,)) is logits
+    with pytest.raises(TypeError) as info:
+        logits_of((loss,))
+    assert str(info.value) == (
+        "cannot find logits in a model output of type tuple: distillation reads output.logits, output['logits'], "
+        "or of a tuple the first element (the second after a 0-dim loss); call the model with return_dict=True"
+    )
+
+
+def test_distillation_of_a_student_called_with_return_dict_false_and_labels():
+    """The loop's model(**batch, return_dict=False) with labels: the same loss as with return_dict=True (it raised
+    "cannot find logits in a model output of type tuple")."""
+    batch = _batches(1)[0]
+    combined = []
+    for return_dict in (True, False):
+        student, teacher = _tiny_llama(), _tiny_llama(seed=7)
+        session = Session("t:\n  OutputDistillationModifier: {temperature: 2.0, alpha: 0.5}\n")
+        initialize(session, model=student, teacher=teacher)
+        session.batch_start(batch=batch)
+        output = student(**batch, return_dict=return_dict)
+        combined.append(session.loss_calculated(output.loss if return_dict else output[0]))
+        distill = session.modifiers[0].last_distill_loss
+        with torch.no_grad():
+            expected = distillation_kl(student(**batch).logits, teacher(**batch).logits, 2.0, batch["attention_mask"])
+        assert torch.equal(distill, expected)
+        session.batch_end()
+        session.finalize()
+    assert torch.equal(combined[0], combined[1])
