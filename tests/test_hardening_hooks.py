@@ -500,3 +500,56 @@ def test_own_forwards_skips_every_registered_hook_and_only_those():
     assert seen == ["direct", "direct"]
     model.body(x)
     assert seen == ["direct", "direct", "registered", "direct"]
+
+
+def test_own_forwards_on_one_thread_leaves_another_threads_hooks_running():
+    """B4's case (session 31): one thread inside ``own_forwards`` (AutoRound tuning) made every registered hook of
+    another thread's run do nothing: its calibration saw no input and it "succeeded" leaving the weights dense."""
+    import threading
+
+    from llmc_fsm.toolkit import own_forwards
+
+    model, seen = _LM(), []
+    modifier = Untargeted(mutate=False)
+    modifier.register_hook(model.body, lambda m, a: seen.append(threading.current_thread().name), kind="forward_pre")
+    entered, release = threading.Event(), threading.Event()
+
+    def tuning() -> None:
+        with own_forwards():
+            entered.set()
+            model.body(torch.ones(1, 4))  # skipped: this thread's own forwards
+            release.wait(10)
+
+    tuner = threading.Thread(target=tuning, name="tuner")
+    tuner.start()
+    assert entered.wait(10)
+    model.body(torch.ones(1, 4))  # the main thread: not inside any block
+    release.set()
+    tuner.join(10)
+    assert seen == [threading.current_thread().name]
+
+
+def test_a_session_dropped_without_finalize_takes_its_hooks_with_it():
+    """B4's case (session 31): a notebook cell run again built a new session each time and dropped the last one
+    initialized: its calibration hooks stayed on the model (14, 28, 42 after three runs), feeding the dead runs'
+    Hessians on every later forward."""
+    import gc
+
+    import tiny_llama
+
+    import llmc_fsm
+
+    model = tiny_llama.llama(hidden=64, vocab=128)
+    data = torch.randint(0, 128, (2, 8))
+
+    def hooks() -> int:
+        return sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules())
+
+    for _ in range(3):
+        session = llmc_fsm.Session({"s": {"SparseGPTModifier": {"sparsity": 0.5}}})
+        session.initialize(model=model, calibration_data=data)
+        session.calibration_start()
+        assert hooks() == 14  # this run's: one per target
+        del session
+        gc.collect()
+        assert hooks() == 0

@@ -38,6 +38,7 @@ import functools
 import math
 import numbers
 import sys
+import threading
 import weakref
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -85,9 +86,9 @@ SCHEDULE_HOOKS: frozenset[str] = frozenset({"on_start", "on_update", "on_end"})
 #: torch hook kinds :meth:`Modifier.register_hook` accepts (``module.register_<kind>_hook``).
 HOOK_KINDS: frozenset[str] = frozenset(HOOK_DICTS)
 
-#: How many :func:`own_forwards` blocks are open: while any is, every hook registered with
+#: How many :func:`own_forwards` blocks are open on each thread: while any is, every hook registered with
 #: :meth:`Modifier.register_hook` does nothing.
-_OWN_FORWARDS = [0]
+_OWN_FORWARDS = threading.local()  # .depth
 
 
 @contextlib.contextmanager
@@ -97,12 +98,14 @@ def own_forwards() -> Any:
     skipped (returns ``None``, changing nothing), so that those forwards are not taken for calibration data, e.g. by
     another modifier of the same pass (fused stages) accumulating its Hessians on the layer. Hooks registered on
     torch modules directly (``module.register_forward_pre_hook``) still run: a modifier that needs one during its
-    own forwards (an input quantizer) registers it so. Blocks nest; single-threaded (as calibration is)."""
-    _OWN_FORWARDS[0] += 1
+    own forwards (an input quantizer) registers it so. Blocks nest; per thread: a block on one thread leaves the
+    hooks of forwards on another thread running (a process-wide count skipped another thread's calibration: found by
+    a tester)."""
+    _OWN_FORWARDS.depth = getattr(_OWN_FORWARDS, "depth", 0) + 1
     try:
         yield
     finally:
-        _OWN_FORWARDS[0] -= 1
+        _OWN_FORWARDS.depth -= 1
 
 
 def overrides(modifier: Modifier | type[Modifier], hook: str) -> bool:
@@ -401,7 +404,7 @@ class Modifier(metaclass=ModifierType):
 
         @functools.wraps(hook)
         def guarded(*args: Any, **kw: Any) -> Any:
-            if _OWN_FORWARDS[0]:  # a modifier's own forwards (:func:`own_forwards`)
+            if getattr(_OWN_FORWARDS, "depth", 0):  # a modifier's own forwards (:func:`own_forwards`)
                 return None
             guard = self._guard().for_hook(key, reuse_mode=False)
             token = guard.enter()

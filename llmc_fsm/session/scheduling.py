@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import threading
+import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -73,6 +74,19 @@ class Slot:
         if event in BATCH_EVENTS:
             return event in self.modifier.events
         return overrides(self.modifier, f"on_{event}")
+
+
+def _release(bound: list[tuple[weakref.ref, _Binding]]) -> None:
+    """A session garbage-collected while its modifiers were bound to it (dropped without ``finalize()`` or
+    ``reset()``, e.g. a notebook cell run again): remove the hooks those modifiers still hold on the model and
+    their binding. Each re-run added a set of hooks that went on feeding the dead run's statistics on every forward
+    (found by a tester). A modifier bound since to another session is left alone. Takes no lock: it runs inside the
+    garbage collector, at any point of any thread."""
+    for ref, binding in bound:
+        modifier = ref()
+        if modifier is not None and modifier.__dict__.get("_llmc_fsm_binding") is binding:
+            modifier.remove_hooks()
+            modifier.__dict__.pop("_llmc_fsm_binding", None)
 
 
 class Schedule:
@@ -178,14 +192,18 @@ class Schedule:
                         "(its targets, masks, schedule and hooks). Finalize or reset that session first, or give "
                         "this session its own modifier objects (e.g. build the recipe again)."
                     )
+            bound = []
             for slot in self.slots:
-                slot.modifier.__dict__["_llmc_fsm_binding"] = _Binding(owner, slot.label, slot.modifier)
+                binding = _Binding(owner, slot.label, slot.modifier)
+                slot.modifier.__dict__["_llmc_fsm_binding"] = binding
+                bound.append((weakref.ref(slot.modifier), binding))
                 # its own hook list from here (the live handles kept, for finalize to remove): a copy made by a
                 # __getstate__ of its own may share its original's list, and two copies run in two sessions removed
                 # each other's hooks at finalize (found by a tester)
                 hooks = slot.modifier.__dict__.get("_llmc_fsm_hooks")
                 if hooks is not None:
                     slot.modifier.__dict__["_llmc_fsm_hooks"] = list(hooks)
+            weakref.finalize(owner, _release, bound)
         return None
 
     def watch(self, state: Mapping[str, Any]) -> None:
