@@ -45,6 +45,7 @@ from llmc_fsm.toolkit import (
     is_linear_like,
     keep_packed,
     linear_expert_names,
+    matches,
     model_family,
     observe_view_inputs,
     patterns,
@@ -444,6 +445,29 @@ def _quantized_earlier(experts: nn.Module) -> bool:
     return all(getattr(view, "quantization_scheme", None) is not None for view in weight_views(experts).values())
 
 
+#: Weight strategies whose saved ``actorder`` records GPTQ's column order (llm-compressor 0.14 writes it for these).
+_ACTORDER_RECORDED = frozenset(
+    {
+        QuantizationStrategy.GROUP,
+        QuantizationStrategy.TENSOR_GROUP,
+        QuantizationStrategy.CHANNEL,
+        QuantizationStrategy.TENSOR,
+        QuantizationStrategy.BLOCK,
+    }
+)
+
+
+#: compressed-tensors' other names for the same orders (``ActivationOrdering``: ``weight`` is ``static``,
+#: ``dynamic`` is ``group``), so llm-compressor recipes that use them mean the same here.
+_ACTORDER_ALIASES = {"weight": "static", "dynamic": "group"}
+
+
+def actorder_value(value: Any) -> Any:
+    """``value`` (a string or an ``ActivationOrdering`` member) by its one name here: ``"static"``, ``"group"``."""
+    value = getattr(value, "value", value)
+    return _ACTORDER_ALIASES.get(value, value) if isinstance(value, str) else value
+
+
 def _static_inputs(scheme: QuantizationScheme) -> bool:
     """Whether ``scheme`` quantizes input activations with a calibrated (static, ``dynamic: false``) scale."""
     return scheme.input_activations is not None and scheme.input_activations.dynamic is False
@@ -674,7 +698,7 @@ class QuantizingModifier(CalibratedModifier):
             and self.config_groups is None
             and self.observer is None
             and list(self.targets) == list(DEFAULT_TARGETS)
-            and self._ignore_defaulted
+            and (self._ignore_defaulted or list(self.ignore) == [])  # llm-compressor's default, its saved recipe's
             and self.kv_cache_scheme is None
         )
         super().__attrs_post_init__()
@@ -749,7 +773,14 @@ class QuantizingModifier(CalibratedModifier):
                 w.observer = self.observer
             elif w.observer is None:
                 w.observer = DEFAULT_OBSERVER
-            if actorder is not None and w.strategy == QuantizationStrategy.GROUP:
+            written = getattr(w.actorder, "value", w.actorder)  # in the scheme / config group itself
+            if hasattr(self, "actorder") and written is not None and actorder_value(written) != actorder:
+                msg = (  # llm-compressor 0.14's GPTQModifier refuses this too (its resolve_actorder)
+                    f"actorder is {actorder or 'null'} on the modifier and {written} in the scheme's weights: give it "
+                    "in one place (leave actorder off the modifier, or remove it from the scheme / config groups)"
+                )
+                raise ValueError(msg)
+            if actorder is not None and w.strategy in _ACTORDER_RECORDED:  # the order GPTQ sweeps in, recorded
                 w.actorder = ActivationOrdering(actorder)
         for group, scheme in groups.items():
             w = scheme.weights
@@ -967,6 +998,7 @@ class QuantizingModifier(CalibratedModifier):
             self._group_of, self._expert_names, self._fused = {}, {}, {}
             self._kv_attention = self._check_kv_cache(model)
             return {}
+        self._check_weights_not_on_attention(model)
         self._group_of = self._memberships(model)
         try:
             targets = super().check_model(model)
@@ -1621,6 +1653,33 @@ class QuantizingModifier(CalibratedModifier):
                 "its cache argument (cache.update) on the calibration tokens; its KV scales cannot be calibrated"
             )
             raise ValueError(msg)
+
+    def _check_weights_not_on_attention(self, model: nn.Module) -> None:
+        """Refuse a config group with weights whose target names an attention module itself (its class, e.g.
+        ``LlamaAttention``, or its name): compressed-tensors 0.20 refuses weight quantization on an attention module
+        (llm-compressor 0.14 fails so), and selecting its Linear children instead quantized q/k/v/o_proj with the
+        group's scheme without a word (found by a tester). A group of input activations only on attention modules
+        is attention quantization (:meth:`_split_attention`).
+
+        Raises:
+            ValueError: naming the group, the pattern, the module and the two ways to write it.
+        """
+        attention = kv_cache.attention_modules(model)
+        for group, scheme in self._groups.items():
+            if scheme.weights is None:
+                continue
+            for pattern in scheme.targets:
+                hit = next((n for n, m in attention.items() if matches(n, m, pattern)), None)
+                if hit is not None:
+                    where = f"config group {group!r}" if self.config_groups is not None else "the scheme"
+                    msg = (
+                        f"{type(self).__name__}: {where} targets {pattern!r}, which names the attention module {hit} "
+                        "itself, with weights: compressed-tensors (and llm-compressor 0.14) cannot apply weight "
+                        "quantization to an attention module; target its projections (e.g. "
+                        "'re:.*self_attn.(q|k|v|o)_proj$'), or give the group input_activations only (attention "
+                        "quantization: queries, keys and values)"
+                    )
+                    raise ValueError(msg)
 
     def _memberships(self, model: nn.Module) -> dict[str, str]:
         """``{module name: config group}`` of every module a group selects (``{}`` with one group).

@@ -10,11 +10,13 @@ recipe modifier.
 Scales and zero points of :func:`gptq_quantize` (``observer`` over the group's values):
 
 * tensor / channel strategy: from the original weight, before the sweep;
-* group strategy, ``actorder`` ``None`` or ``"group"``: from the current
-  (already compensated) weights when the sweep reaches the group's first
-  column, as in the paper's reference code;
-* group strategy, ``actorder="static"``: from the original weight's groups,
-  before the sweep; columns are then swept in activation order.
+* group strategy, ``actorder`` ``None`` or ``"static"``: from the original weight's groups, before the sweep
+  (llm-compressor 0.14 observes the whole weight before its loop; with ``"static"`` the columns are then swept in
+  activation order). Until session 31 ``None`` took them as the paper's reference code does, from the current
+  (already compensated) weights when the sweep reached the group's first column: a recipe with ``actorder: null``
+  gave other scales than llm-compressor's (found by a tester: 25% of q_proj's groups equal);
+* group strategy, ``actorder="group"``: from the current weights when the sweep reaches the group's first column
+  (groups are formed in activation order, so no group exists before the sweep).
 
 ``actorder`` (activation order, descending ``diag H``): ``"static"`` sweeps
 in that order but keeps groups contiguous in the original order (each column
@@ -55,7 +57,7 @@ from llmc_fsm.toolkit import (
     obs_sweep,
     sweep_relative_errors,
 )
-from llmc_fsm_quantization._base import QuantizedWeight, QuantizingModifier
+from llmc_fsm_quantization._base import QuantizedWeight, QuantizingModifier, actorder_value
 from llmc_fsm_quantization.observers import (
     IMPORTANCE_OBSERVERS,
     as_row_args,
@@ -175,7 +177,7 @@ def gptq_quantize(
         algorithm="GPTQ",
     )
     originals = [w.detach().to(torch.float32) for w in weights]
-    upfront = not group or actorder == "static" or is_scaled_format(args)
+    upfront = not group or actorder != "group" or is_scaled_format(args)
     static_perm = perm if actorder == "static" else None
     rule = _QuantRule(
         args,
@@ -380,16 +382,6 @@ def _dampening(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
     check_dampening_frac(value)
 
 
-#: compressed-tensors' other names for the same orders (``ActivationOrdering``: ``weight`` is ``static``,
-#: ``dynamic`` is ``group``), so llm-compressor recipes that use them mean the same here.
-_ACTORDER_ALIASES = {"weight": "static", "dynamic": "group"}
-
-
-def _actorder_value(value: Any) -> Any:
-    value = getattr(value, "value", value)  # an ActivationOrdering member
-    return _ACTORDER_ALIASES.get(value, value) if isinstance(value, str) else value
-
-
 #: Why ``actorder: group`` is refused (see the module docstring).
 _ACTORDER_GROUP_REFUSAL = (
     "actorder: group needs a per-column group index (g_idx) in the checkpoint, which compressed-tensors 0.20 has "
@@ -431,7 +423,7 @@ class GPTQModifier(QuantizingModifier):
 
     block_size: int = attrs.field(default=128, validator=_positive_int)
     dampening_frac: float = attrs.field(default=0.01, validator=_dampening)
-    actorder: str | None = attrs.field(default="static", converter=_actorder_value, validator=_actorder)
+    actorder: str | None = attrs.field(default="static", converter=actorder_value, validator=_actorder)
 
     supports_kv_cache = True
     measures_output_error = True  # from the sweep (llmc_fsm.toolkit.layer_error.sweep_relative_errors)
@@ -458,8 +450,10 @@ class GPTQModifier(QuantizingModifier):
 
     def take_stage_config(self, earlier: list[Any], stage: str) -> list[Any]:
         """llm-compressor's idiom: a GPTQModifier without any quantization config (no ``scheme``,
-        ``config_groups``, ``targets``, ``ignore`` or ``observer``) after a ``QuantizationModifier`` of the same
-        stage runs GPTQ with that modifier's config, which then does not run by itself.
+        ``config_groups``, ``observer`` or ``kv_cache_scheme``; ``targets`` absent or ``[Linear]``, ``ignore``
+        absent or ``[]``: llm-compressor's ``has_config`` rule, which its own saved recipe.yaml relies on) after a
+        ``QuantizationModifier`` of the same stage runs GPTQ with that modifier's config, which then does not run by
+        itself.
 
         Args:
             earlier: the stage's modifiers before this one, in recipe order.
@@ -472,12 +466,22 @@ class GPTQModifier(QuantizingModifier):
             ``QuantizationModifier`` (then both run, and one-shot refuses a module the two would quantize).
 
         Raises:
-            ValueError: the taken config does not suit GPTQ (e.g. its group size and ``block_size``).
+            ValueError: the taken config does not suit GPTQ (e.g. its group size and ``block_size``); or several
+                ``QuantizationModifier`` configs before it (llm-compressor runs GPTQ with all of them; one
+                GPTQModifier here holds one config).
         """
         from llmc_fsm_quantization.rtn import QuantizationModifier
 
-        sources = [m for m in earlier if type(m) is QuantizationModifier]
-        if not self._bare or len(sources) != 1 or sources[0]._bare:
+        sources = [m for m in earlier if type(m) is QuantizationModifier and not m._bare]
+        if self._bare and len(sources) > 1:
+            msg = (
+                f"GPTQModifier has no quantization config of its own and stage {stage!r} has {len(sources)} "
+                "QuantizationModifiers before it: llm-compressor runs GPTQ with all their configs, llmc-fsm's "
+                "GPTQModifier takes one: put their schemes in one QuantizationModifier's config_groups (one group "
+                "each), or give the GPTQModifier those config_groups"
+            )
+            raise ValueError(msg)
+        if not self._bare or len(sources) != 1:
             return earlier
         (source,) = sources
         self.scheme, self.config_groups = source.scheme, copy.deepcopy(source.config_groups)

@@ -8,7 +8,7 @@ which is observed once:
   observations (a moving average, a running extreme, the last one); a weight is
   observed once, so all three give its minimum and maximum.
 * ``mse``, ``memoryless_mse``: the range shrunk by a factor ``p`` in ``1, 0.99,
-  ..., 0.8`` (``grid`` 100 steps, at most 20% shrink), keeping per group the ``p``
+  ..., 0.81`` (``grid`` 100, ``int(0.2 * 100)`` = 20 steps), keeping per group the ``p``
   whose fake-quantized values have the smallest ``sum |x - q(x)|^2.4`` (the search
   of GPTQ's reference code, arXiv 2210.17323, and llm-compressor's MSE observer;
   every step is tried, llm-compressor may stop after 5 steps that improve no group).
@@ -16,7 +16,7 @@ which is observed once:
   its input column, ``E[x_j^2]`` over the calibration tokens (the "importance
   matrix" of llama.cpp, llama.cpp PR 4861, as llm-compressor's ``imatrix_mse``):
   ``sum_j imp_j |w_ij - q(w_ij)|^3`` with ``imp`` divided by its mean, ``p`` in
-  ``1, 0.95, ..., 0.05`` (``grid`` 20, at most 95% shrink), stopping after 5 steps
+  ``1, 0.95, ..., 0.10`` (``grid`` 20, ``int(0.95 * 20)`` = 19 steps), stopping after 5 steps
   that improve no group. ``E[x_j^2]`` is half the diagonal of the Hessian
   ``H = (2/n) X^T X`` that :class:`llmc_fsm.toolkit.obs.HessianAccumulator` gathers, so it
   needs calibration data. Unlike llm-compressor (which then falls back to plain
@@ -27,7 +27,7 @@ which is observed once:
   magnitude, jointly over the modules vLLM fuses) and the FP8 group scales (:func:`imatrix_nvfp4_ranges`).
 
 * ``nvfp4_expanded_mse`` (NVFP4 weights only): each 16-value group's range is searched from 1.8x the
-  observed range down to 0.8x: ``p = 1.8 (1 - i / 200)`` for ``i = 0 .. 111`` (llm-compressor's defaults:
+  observed range down to 0.81x: ``p = 1.8 (1 - i / 200)`` for ``i = 0 .. 110`` (llm-compressor's defaults:
   ``expand`` 1.8, ``grid`` 200, ``maxshrink`` ``1 - 0.8 / 1.8``, every step tried), keeping per group the
   ``p`` whose NVFP4 values have the smallest ``sum |x - q(x)|^2.4``. The error is that of the format itself:
   the group scale rounded to FP8 under the weight's global scale (``448 * 6 / max|W|``, from the unexpanded
@@ -101,7 +101,7 @@ _MINMAX = frozenset({"minmax", "static_minmax", "memoryless_minmax"})
 
 @attrs.frozen
 class _Search:
-    """A range-shrinking search: ``p = 1 - i / grid`` for ``i = 0 .. int(max_shrink * grid)``, error
+    """A range-shrinking search: ``p = 1 - i / grid`` for ``i = 0 .. int(max_shrink * grid) - 1``, error
     ``sum (importance *) |x - q(x)|^norm`` per group; stop after ``patience`` steps improving no group (``None``:
     never)."""
 
@@ -118,7 +118,7 @@ _SEARCHES = {
 }
 
 
-#: ``nvfp4_expanded_mse``: ``p = EXPAND * (1 - i / grid)``, ``i = 0 .. int(max_shrink * grid)``.
+#: ``nvfp4_expanded_mse``: ``p = EXPAND * (1 - i / grid)``, ``i = 0 .. int(max_shrink * grid) - 1``.
 _NVFP4_EXPAND = 1.8
 _NVFP4_SEARCH = _Search(grid=200, max_shrink=1 - 0.8 / 1.8, norm=2.4, patience=None)
 
@@ -272,7 +272,7 @@ def row_qparams(
     weight = importance.to(torch.float32) if observer in IMPORTANCE_OBSERVERS else None  # type: ignore[union-attr]
     best = torch.full((x.shape[0], 1), float("inf"), dtype=torch.float32, device=x.device)
     stale = 0
-    for i in range(int(search.max_shrink * search.grid) + 1):
+    for i in range(int(search.max_shrink * search.grid)):  # p = 1 ... 1 - (steps - 1) / grid, as llm-compressor
         p = 1.0 - i / search.grid
         s, z = (scale, zp) if i == 0 else calculate_qparams(lo * p, hi * p, row_args)
         err = (quantize_rows(x, s, z, row_args) - x).abs_().pow_(search.norm)
@@ -422,7 +422,7 @@ def imatrix_nvfp4_ranges(
     weight: torch.Tensor, args: QuantizationArgs, importance: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``imatrix_mse``'s ranges of NVFP4 ``weight`` ``[rows, cols]``: per 16-value group the minimum and maximum
-    ``p * [lo, hi]`` (``p = 1 - i / 20``, ``i = 0 .. 19``, stopping after 5 steps that improve no group) whose FP4
+    ``p * [lo, hi]`` (``p = 1 - i / 20``, ``i = 0 .. 18``, stopping after 5 steps that improve no group) whose FP4
     values under the unrounded group scale ``max(|p lo|, |p hi|) / 6`` (float32, no global scale) have the smallest
     ``sum_j imp_j |w_j - q(w_j)|^3``, ``imp`` = ``importance`` ``[cols]`` / its mean (llm-compressor 0.14's
     ``imatrix_mse`` on ``tensor_group`` weights). Ranges ``[rows, cols // 16]`` in the weight's dtype.
@@ -447,7 +447,7 @@ def imatrix_nvfp4_ranges(
     best = torch.full(lo.shape, float("inf"), dtype=torch.float32, device=groups.device)
     best_lo, best_hi = lo.clone(), hi.clone()
     stale = 0
-    for i in range(int(search.max_shrink * search.grid) + 1):
+    for i in range(int(search.max_shrink * search.grid)):  # p = 1 ... 1 - (steps - 1) / grid, as llm-compressor
         p = 1.0 - i / search.grid
         lo_p, hi_p = lo * p, hi * p
         scale, zp = calculate_qparams(lo_p, hi_p, plain)
@@ -540,7 +540,7 @@ def _expanded_search(
     search = _NVFP4_SEARCH
     best = torch.full(lo.shape, float("inf"), dtype=torch.float32, device=w.device)
     scale = zp = None
-    for i in range(int(search.max_shrink * search.grid) + 1):
+    for i in range(int(search.max_shrink * search.grid)):  # p = 1 ... 1 - (steps - 1) / grid, as llm-compressor
         p = _NVFP4_EXPAND * (1.0 - i / search.grid)
         s, z = calculate_qparams(lo * p, hi * p, args, global_scale=global_scale)
         s = s.to(torch.float32)  # FP8 values, kept in float32 (as observe_scaled_format returns them)

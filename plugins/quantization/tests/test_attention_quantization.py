@@ -232,3 +232,23 @@ def test_an_interrupted_attention_quantization_run_resumes_bitwise(tmp_path, mon
     x = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         assert torch.equal(out(x).logits, ref(x).logits)
+
+
+def test_a_group_with_weights_on_the_attention_class_is_refused_before_any_work() -> None:
+    """B3's case (session 31): ``targets: [LlamaAttention]`` with FP8 weights and static inputs ran as Linear
+    quantization of q/k/v/o_proj without a word (no q/k/v scales); llm-compressor 0.14 refuses it."""
+    model = tiny_llama()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    fp8 = {"num_bits": 8, "type": "float", "symmetric": True}
+    group = {"targets": ["LlamaAttention"], "weights": {**fp8, "strategy": "channel"},
+             "input_activations": {**fp8, "strategy": "tensor", "dynamic": False}}  # fmt: skip
+    recipe = {"s": {"QuantizationModifier": {"ignore": ["lm_head"], "config_groups": {"attention": group}}}}
+    with pytest.raises(ValueError) as info:
+        llmc_fsm.oneshot(model=model, recipe=recipe, dataset=torch.randint(0, 128, (4, 16)), progress=False)
+    assert str(info.value) == (
+        "QuantizationModifier: config group 'attention' targets 'LlamaAttention', which names the attention module "
+        "model.layers.0.self_attn itself, with weights: compressed-tensors (and llm-compressor 0.14) cannot apply "
+        "weight quantization to an attention module; target its projections (e.g. 're:.*self_attn.(q|k|v|o)_proj$'), "
+        "or give the group input_activations only (attention quantization: queries, keys and values)"
+    )
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())

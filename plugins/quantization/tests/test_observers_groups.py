@@ -41,7 +41,7 @@ def _search_reference(w, imp, *, grid, max_shrink, norm, patience, qmin=-8, qmax
     best = torch.full((w.shape[0],), float("inf"), dtype=torch.float64)
     scale = torch.zeros(w.shape[0], dtype=torch.float64)
     stale = 0
-    for i in range(int(max_shrink * grid) + 1):
+    for i in range(int(max_shrink * grid)):  # p down to 1 - (steps - 1) / grid: llm-compressor's grid
         s = amax * (1 - i / grid) / ((qmax - qmin) / 2)
         q = torch.clamp(torch.round(w / s[:, None]), qmin, qmax) * s[:, None]
         err = (imp * (w - q).abs() ** norm).sum(dim=1)
@@ -359,3 +359,46 @@ def test_a_gptq_modifier_with_its_own_config_still_meets_the_quantization_modifi
         llmc_fsm.oneshot(model=tiny_llama(), recipe=recipe, dataset=_data(), progress=False)
     assert str(info.value).startswith("GPTQModifier of stage 'quant_stage' and QuantizationModifier of stage "
                                       "'quant_stage' both quantize 14 modules")
+
+
+def test_llm_compressors_saved_bare_gptq_with_linear_and_empty_ignore_takes_the_config_and_two_configs_are_refused():
+    """B3's cases (session 31): llm-compressor's own saved recipe.yaml writes the bare GPTQModifier with
+    ``targets: [Linear]`` and ``ignore: []`` (its ``has_config`` counts those as no config); it was read as a second
+    quantizer and refused. Two QuantizationModifiers before a bare GPTQModifier (llm-compressor runs GPTQ with both
+    configs) were refused as two quantizers of the same modules; now with the real cause and the fix."""
+    from llmc_fsm.recipes.building import resolve_recipe
+
+    saved = IDIOM.replace("      block_size: 32\n", "      block_size: 32\n      targets: [Linear]\n      ignore: []\n")
+    (mod,) = resolve_recipe(saved).modifiers
+    assert type(mod) is GPTQModifier and mod.ignore == ["lm_head"] and mod.observer == "mse"
+    two = """
+s:
+  a_modifiers:
+    QuantizationModifier: {scheme: W8A16, targets: ["re:.*self_attn.*"]}
+  b_modifiers:
+    QuantizationModifier: {scheme: W4A16, targets: ["re:.*mlp.*"]}
+  c_modifiers:
+    GPTQModifier: {block_size: 128}
+"""
+    with pytest.raises(llmc_fsm.RecipeError) as info:
+        resolve_recipe(two)
+    assert str(info.value).endswith(
+        "GPTQModifier has no quantization config of its own and stage 's' has 2 QuantizationModifiers before it: "
+        "llm-compressor runs GPTQ with all their configs, llmc-fsm's GPTQModifier takes one: put their schemes in one "
+        "QuantizationModifier's config_groups (one group each), or give the GPTQModifier those config_groups"
+    )
+
+
+def test_the_mse_search_stops_at_llm_compressors_last_step():
+    """``mse`` tries ``p = 1, 0.99, ..., 0.81`` (``int(0.2 * 100)`` = 20 steps) as llm-compressor 0.14 and the GPTQ
+    reference code do; it tried 0.80 too, and heavy-tailed rows took it (B3, session 31: 470 of SmolLM2's 576
+    down_proj rows). Rows whose error falls all the way take the last step, 0.81."""
+    from llmc_fsm_quantization.observers import as_row_args, row_qparams
+
+    torch.manual_seed(0)
+    w = torch.randn(64, 4096)  # Gaussian rows: 4-bit's best clip (~2.9 sigma) is below 0.81 of their max (~3.9)
+    args = as_row_args(_args({"weights": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "channel"}}))
+    scale, _ = row_qparams(w, args, "mse")
+    ratio = (scale.squeeze(1).double() * 7.5 / w.abs().amax(dim=1).double()).numpy()
+    steps = [round(1 - i / 100, 2) for i in range(20)]
+    assert set(ratio.round(4)) == {0.81} and 0.81 in steps and 0.8 not in steps

@@ -1023,3 +1023,37 @@ def test_a_second_in_memory_run_keeps_the_first_runs_count_and_label_of_fused_ex
     second = {m.name: m for m in model.llmc_fsm_report.modules if ".experts." in m.name}
     assert {(m.zeros, m.bits, m.quantized) for m in second.values()} == {(0, 4, "int4/g16")}
     assert any(int((view == 0).sum()) for view in (model.model.layers[0].mlp.experts.down_proj[0],))  # rounded zeros
+
+
+@pytest.mark.parametrize("actorder", [None, "static"])
+def test_gptq_group_scales_come_from_the_original_weights_up_front(actorder: str | None) -> None:
+    """With ``actorder`` null or static every group's scale is max |w| / 7.5 of the original weight's group, as
+    llm-compressor 0.14 takes it (its observer sees the weight before the loop). With null they came from the
+    compensated weights when the sweep reached the group (the paper's code): B3, session 31, 25% of q_proj's
+    group scales equal to llm-compressor's for the same recipe."""
+    torch.manual_seed(0)
+    w = torch.randn(24, 64)
+    (q,) = gptq_quantize([w], _hessian(_correlated_inputs(512, 64)), args=_args(W4G16), actorder=actorder,
+                         block_size=32)  # fmt: skip
+    expected = w.reshape(24, 4, 16).abs().amax(dim=2) / 7.5
+    torch.testing.assert_close(q.scale, expected, rtol=1e-6, atol=0)
+
+
+def test_an_actorder_on_the_modifier_and_another_in_the_scheme_is_refused_and_channel_order_is_recorded(tmp_path):
+    """B3's case (session 31): ``actorder: null`` on GPTQModifier with ``actorder: static`` in its config group ran
+    with the modifier's (null) order and saved "static": llm-compressor 0.14 refuses the conflict, and so do we. A
+    channel scheme swept in activation order records it (llm-compressor writes it; the config said nothing)."""
+    group = {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
+                                                "group_size": 16, "actorder": "static"}}  # fmt: skip
+    with pytest.raises(llmc_fsm.RecipeError) as info:
+        llmc_fsm.Session({"s": {"GPTQModifier": {"actorder": None, "config_groups": {"g0": group}}}})
+    assert str(info.value).endswith(
+        "argument 'actorder': actorder is null on the modifier and static in the scheme's weights: give it in one "
+        "place (leave actorder off the modifier, or remove it from the scheme / config groups)"
+    )
+    llmc_fsm.Session({"s": {"GPTQModifier": {"actorder": "weight", "config_groups": {"g0": group}}}})  # one order
+    model = tiny_llama()
+    llmc_fsm.oneshot(model=model, recipe={"s": {"GPTQModifier": {"scheme": "W8A8", "ignore": ["lm_head"]}}},
+                     dataset=torch.randint(0, 128, (4, 32)), output_dir=tmp_path / "o", progress=False)  # fmt: skip
+    config = json.loads((tmp_path / "o" / "config.json").read_text())["quantization_config"]
+    assert [g["weights"]["actorder"] for g in config["config_groups"].values()] == ["static"]
