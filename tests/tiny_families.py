@@ -107,6 +107,11 @@ FAMILIES: dict[str, tuple[str, dict[str, Any], str | None]] = {
         },
         None,
     ),
+    "ernie4_5_moe": (  # its router's score-correction bias is moe_statics.e_score_correction_bias [1, experts]
+        "ernie4_5_moe",
+        {"moe_num_experts": 4, "moe_k": 2, "moe_intermediate_size": 32, "moe_layer_start_index": 0},
+        None,
+    ),
     "longcat_flash": (  # zero-compute experts: the router chooses among n_routed_experts + zero_expert_num
         "longcat_flash",
         {

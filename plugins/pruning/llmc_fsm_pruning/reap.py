@@ -171,11 +171,17 @@ def retained_experts(scores: torch.Tensor, num_drop: int) -> list[int]:
 
 
 def _slice_rows(module: nn.Module, name: str, keep: torch.Tensor, count: int) -> None:
-    """Replace ``module.<name>`` (a parameter or buffer with ``count`` leading rows) by its rows ``keep``."""
+    """Replace ``module.<name>`` (a parameter or buffer with ``count`` leading rows, or ``[1, count]``: Ernie 4.5's
+    ``moe_statics.e_score_correction_bias``) by its rows (columns) ``keep``."""
     value = getattr(module, name, None)
-    if not isinstance(value, torch.Tensor) or value.dim() == 0 or value.shape[0] != count:
+    if not isinstance(value, torch.Tensor) or value.dim() == 0:
         return
-    rows = value.detach()[keep.to(value.device)].clone()
+    if value.dim() == 2 and value.shape == (1, count) and count != 1:
+        rows = value.detach()[:, keep.to(value.device)].clone()
+    elif value.shape[0] == count:
+        rows = value.detach()[keep.to(value.device)].clone()
+    else:
+        return
     if isinstance(value, nn.Parameter):
         setattr(module, name, nn.Parameter(rows, requires_grad=value.requires_grad))
     else:
@@ -525,7 +531,10 @@ class REAPPruningModifier(Modifier):
                 _slice_rows(b.experts, pname, keep, count)
             for pname in ("weight", "bias", "e_score_correction_bias"):
                 _slice_rows(b.router, pname, keep, count)
-            _slice_rows(b.block, "e_score_correction_bias", keep, count)
+            experts = {id(m) for m in b.experts.modules()}
+            for sub in b.block.modules():  # the block's own, or a statistics module's (Ernie 4.5's moe_statics)
+                if sub is not b.router and id(sub) not in experts:
+                    _slice_rows(sub, "e_score_correction_bias", keep, count)
         for module in (b.experts, b.router, b.block):
             _set_count(module, len(keep_list))
         clear_weight_views(b.experts)
