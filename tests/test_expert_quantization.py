@@ -1269,3 +1269,40 @@ def test_a_second_run_on_the_attention_keeps_the_experts_an_earlier_run_quantize
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "b").eval()
     with torch.no_grad():
         assert torch.equal(reloaded(DATA[:2]).logits, model(DATA[:2]).logits)
+
+
+@pytest.mark.parametrize("family", ["gpt_oss", "dbrx"])
+def test_experts_left_dense_run_where_the_checkpoint_keeps_them_fused(tmp_path, family):
+    """GPT-OSS and DBRX keep their experts fused in the checkpoint (no per-expert conversion): their experts cannot
+    be quantized, and leaving them out was refused too ("transformers does not reload dense fused experts", measured
+    on Mixtral, whose checkpoint holds them per expert): B2, session 31. Dense, they reload as they are."""
+    model = build(family)
+    experts = [n for n, m in model.named_modules() if weight_views(m)]
+    ignore = ["lm_head", "re:.*experts.*", "re:.*router.*"]
+    recipe = {"q": {"QuantizationModifier": {"scheme": "W8A8", "ignore": ignore}}}
+    llmc_fsm.oneshot(model=model, recipe=recipe, output_dir=tmp_path / "o", progress=False)
+    assert experts and all(not any(m.name.startswith(e) and m.bits for m in model.llmc_fsm_report.modules)
+                           for e in experts)  # fmt: skip
+    reloaded, info = type(model).from_pretrained(tmp_path / "o", output_loading_info=True)
+    assert (sorted(info["missing_keys"]), sorted(info["unexpected_keys"])) == ([], [])
+    with torch.no_grad():
+        assert torch.equal(reloaded.eval()(DATA[:2]).logits, model(DATA[:2]).logits)
+
+
+def test_a_kv_cache_scheme_alone_is_refused_where_dense_experts_would_not_reload():
+    """Mixtral (experts per expert in the checkpoint): kv_cache_scheme alone wrote a checkpoint transformers could
+    not load ("We encountered some issues during automatic conversion"), exit 0 (B2, session 31). Refused before
+    any work; GPT-OSS (experts kept fused) runs."""
+    kv = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False, "strategy": "tensor"}
+    recipe = {"q": {"QuantizationModifier": {"kv_cache_scheme": kv}}}
+    model = build("mixtral")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError) as info:
+        llmc_fsm.oneshot(model=model, recipe=recipe, dataset=DATA, progress=False)
+    assert str(info.value).startswith(
+        "QuantizationModifier: MixtralForCausalLM (model_type 'mixtral'): kv_cache_scheme alone leaves the fused "
+        "experts model.layers.{0..3}.mlp.experts dense, and transformers does not reload dense fused experts from a "
+        "compressed-tensors checkpoint"
+    )
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    llmc_fsm.oneshot(model=build("gpt_oss"), recipe=recipe, dataset=DATA, progress=False)

@@ -112,6 +112,12 @@ FAMILIES: dict[str, tuple[str, dict[str, Any], str | None]] = {
         {"moe_num_experts": 4, "moe_k": 2, "moe_intermediate_size": 32, "moe_layer_start_index": 0},
         None,
     ),
+    "minimax": (  # lightning (linear) attention layers between full-attention ones, Mixtral-like experts
+        "minimax",
+        {"num_local_experts": 4, "num_experts_per_tok": 2, "layer_types": ["linear_attention", "full_attention"] * 2,
+         "block_size": 8},
+        None,
+    ),  # fmt: skip
     "longcat_flash": (  # zero-compute experts: the router chooses among n_routed_experts + zero_expert_num
         "longcat_flash",
         {

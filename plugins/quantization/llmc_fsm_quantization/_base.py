@@ -26,6 +26,7 @@ from compressed_tensors.quantization import (
 )
 from compressed_tensors.quantization.lifecycle.forward import fake_quantize as _library_fake_quantize
 from compressed_tensors.quantization.lifecycle.initialize import initialize_module_for_quantization
+from compressed_tensors.utils.match import is_narrow_match
 from torch import nn
 
 from llmc_fsm import find_decoder_layers
@@ -45,7 +46,6 @@ from llmc_fsm.toolkit import (
     is_linear_like,
     keep_packed,
     linear_expert_names,
-    matches,
     model_family,
     observe_view_inputs,
     patterns,
@@ -437,6 +437,26 @@ CONV1D_REFUSAL = (
 def _fused_experts(model: nn.Module) -> dict[str, nn.Module]:
     """``{name: module}`` of ``model``'s fused experts modules (Linear views per expert, not a Conv1D's one view)."""
     return {n: m for n, m in model.named_modules() if weight_views(m) and next(iter(weight_views(m))) != ""}
+
+
+def dense_experts_not_reloaded(model: nn.Module, fused: dict[str, nn.Module]) -> list[str]:
+    """The fused experts of ``fused`` (``{name: module}``, left dense by this run) that transformers would not
+    reload from a compressed-tensors checkpoint: those of a family whose checkpoint holds them per expert (its
+    conversion mapping, :func:`~llmc_fsm.toolkit.expert_checkpoint_names`; Mixtral, Qwen3-MoE ...), which transformers
+    rebuilds through compressed-tensors' dequantization, finding no quantized tensor. Not: experts an earlier run on
+    the same in-memory model quantized (:func:`_quantized_earlier`), those transformers reloads as Linear modules
+    (Llama 4), and those of a family whose checkpoint keeps them fused (GPT-OSS, DBRX, Qwen3-VL-MoE: reloaded as
+    they are, measured by a tester on tiny models with the rest quantized)."""
+    left = []
+    for name, module in fused.items():
+        if _quantized_earlier(module) or reloads_as_linears(module):
+            continue
+        try:
+            expert_checkpoint_names(model, name, module)
+        except ValueError:  # kept fused in the checkpoint: reloaded dense as it is
+            continue
+        left.append(name)
+    return left
 
 
 def _quantized_earlier(experts: nn.Module) -> bool:
@@ -996,6 +1016,19 @@ class QuantizingModifier(CalibratedModifier):
         self.dense_experts_refusal = None
         if self.kv_only:  # KV-cache scales only: no weight target
             self._group_of, self._expert_names, self._fused = {}, {}, {}
+            dense = dense_experts_not_reloaded(model, _fused_experts(model))
+            if dense:
+                what = "kv_cache_scheme" if self.attention_scheme is None else "attention quantization"
+                msg = (
+                    f"{type(self).__name__}: {model_family(model)}: {what} alone leaves the fused experts "
+                    f"{compact_names(dense)} dense, and transformers does not reload dense fused experts from a "
+                    "compressed-tensors checkpoint (it decompresses them and finds no quantized tensor: 'We "
+                    "encountered some issues during automatic conversion of the weights', measured on Mixtral, "
+                    "Qwen3-MoE, PhiMoE, Qwen3-Next and Jamba with transformers 5.25): quantize the experts too (a "
+                    "weight scheme "
+                    "for them in the same recipe), or leave the KV cache in float"
+                )
+                raise ValueError(msg)
             self._kv_attention = self._check_kv_cache(model)
             return {}
         self._check_weights_not_on_attention(model)
@@ -1208,7 +1241,7 @@ class QuantizingModifier(CalibratedModifier):
         for view in views.values():
             sources.setdefault(module_names[id(view.source)], view.source)
         fused = _fused_experts(model)
-        dense = [n for n in fused if n not in sources and not _quantized_earlier(fused[n])]
+        dense = dense_experts_not_reloaded(model, {n: m for n, m in fused.items() if n not in sources})
         # Llama 4's: transformers reloads them as one Linear per expert matrix, so its fused loader's limits do not
         # apply: their dense matrices are saved per expert (output.save.dense_linear_experts)
         linears = any(reloads_as_linears(m) for m in fused.values())
@@ -1655,10 +1688,12 @@ class QuantizingModifier(CalibratedModifier):
             raise ValueError(msg)
 
     def _check_weights_not_on_attention(self, model: nn.Module) -> None:
-        """Refuse a config group with weights whose target names an attention module itself (its class, e.g.
-        ``LlamaAttention``, or its name): compressed-tensors 0.20 refuses weight quantization on an attention module
-        (llm-compressor 0.14 fails so), and selecting its Linear children instead quantized q/k/v/o_proj with the
-        group's scheme without a word (found by a tester). A group of input activations only on attention modules
+        """Refuse a config group with weights whose target names an attention module itself and none of its
+        children (its class, e.g. ``LlamaAttention``, or ``re:.*self_attn$``: compressed-tensors' ``is_narrow_match``,
+        by which it applies a scheme to the attention module): compressed-tensors 0.20 refuses weight quantization on
+        an attention module (llm-compressor 0.14 fails so), and selecting its Linear children instead quantized
+        q/k/v/o_proj with the group's scheme without a word (found by a tester). ``re:.*self_attn.*`` matches the
+        projections too: a Linear target as in llm-compressor. A group of input activations only on attention modules
         is attention quantization (:meth:`_split_attention`).
 
         Raises:
@@ -1669,7 +1704,7 @@ class QuantizingModifier(CalibratedModifier):
             if scheme.weights is None:
                 continue
             for pattern in scheme.targets:
-                hit = next((n for n, m in attention.items() if matches(n, m, pattern)), None)
+                hit = next((n for n, m in attention.items() if is_narrow_match(model, pattern, n, m)), None)
                 if hit is not None:
                     where = f"config group {group!r}" if self.config_groups is not None else "the scheme"
                     msg = (

@@ -156,16 +156,31 @@ def attention_modules(model: nn.Module) -> dict[str, nn.Module]:
     (:data:`CACHE_ARGUMENTS`) in ``forward``; inside the model's decoder layers
     (:func:`llmc_fsm.find_decoder_layers`: the language model's) where it has them, so that a vision tower's
     attention whose forward takes a cache argument it never uses (Llama 4's ``Llama4VisionAttention``; found by a
-    tester: text calibration never handed it keys and values, and the run failed at its end) is not one."""
+    tester: text calibration never handed it keys and values, and the run failed at its end) is not one. A linear
+    attention of a hybrid stack (its layer's ``layer_types`` entry, or its own ``layer_type``, says
+    ``linear_attention``: MiniMax's lightning attention, which reads a recurrent state from its cache argument, not
+    keys and values) is not one either: it failed on the cache stand-in (found by a tester)."""
     try:
         layers_name, _ = find_decoder_layers(model)
     except ValueError:
         layers_name = ""
     prefix = f"{layers_name}." if layers_name else ""
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if callable(getattr(config, "get_text_config", None)) else config
+    kinds = getattr(text, "layer_types", None)
+
+    def linear(name: str, module: nn.Module) -> bool:
+        kind = getattr(module, "layer_type", None)
+        index = name[len(prefix) :].split(".", 1)[0] if prefix else ""
+        if kind is None and isinstance(kinds, list | tuple) and index.isdigit() and int(index) < len(kinds):
+            kind = kinds[int(index)]
+        return isinstance(kind, str) and "linear" in kind
+
     return {
         name: module
         for name, module in model.named_modules()
         if name.startswith(prefix)
+        and not linear(name, module)
         and "attention" in type(module).__name__.lower()
         and (
             (

@@ -343,3 +343,24 @@ def test_a_fused_qkv_projection_phi3_gets_kv_scales_per_head_and_reloads(tmp_pat
     load_kv_cache_scales(reloaded, out)
     with torch.no_grad():
         assert torch.equal(reloaded(data).logits, model(data).logits)
+
+
+def test_linear_attention_layers_of_a_hybrid_stack_take_no_kv_scales(tmp_path) -> None:
+    """MiniMax's lightning attention reads a recurrent state from its cache argument: the KV-cache stand-in was put
+    there too and the run failed with "AttributeError: get_linear_cache" (B2, session 31). Its full-attention layers
+    get scales; its linear ones none (the experts are quantized too: they do not reload dense)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "tests"))
+    from tiny_families import build
+
+    from llmc_fsm_quantization.kv_cache import attention_modules
+
+    model = build("minimax")
+    assert sorted(attention_modules(model)) == ["model.layers.1.self_attn", "model.layers.3.self_attn"]
+    quantize = {"scheme": "W8A8", "ignore": ["lm_head", "re:.*gate$"], "kv_cache_scheme": KV}
+    recipe = {"q": {"QuantizationModifier": quantize}}
+    llmc_fsm.oneshot(model=model, recipe=recipe, dataset=torch.randint(3, 128, (4, 16)), progress=False)
+    scales = {n for n, _ in model.named_parameters() if n.endswith(("k_scale", "v_scale"))}
+    assert scales == {f"model.layers.{i}.self_attn.{k}_scale" for i in (1, 3) for k in "kv"}
