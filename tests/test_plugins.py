@@ -486,3 +486,35 @@ def test_sample_plugin_obeys_the_lifecycle_contract(site: Site) -> None:
         lambda: {"model": torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))},
         max_examples=200,
     )
+
+
+@pytest.mark.parametrize(
+    ("name", "problem"),
+    [
+        ("raise", "modifier_name() raised RuntimeError: exploded"),
+        (42, "modifier_name() returned 42: a modifier name is a non-empty string without spaces (the recipe key)"),
+        ("", "modifier_name() returned '': a modifier name is a non-empty string without spaces (the recipe key)"),
+    ],
+)
+def test_a_broken_modifier_name_is_one_plugin_error_and_the_disabled_are_named(name, problem, monkeypatch) -> None:
+    """B4's cases (session 31): a plugin class whose modifier_name() raised broke every command, even jobs not using
+    it (``error: exploded``, naming no distribution); one returning 42 made ``llmc-fsm modifiers`` fail with a
+    traceback. Now a PluginError of that class (the others register); an unknown name also says which
+    distributions LLMC_FSM_DISABLE_PLUGINS kept out."""
+
+    def modifier_name(cls):
+        if name == "raise":
+            raise RuntimeError("exploded")
+        return name
+
+    broken = attrs.make_class("Broken", {}, bases=(Modifier,), slots=False)
+    broken.modifier_name = classmethod(modifier_name)
+    registry = ModifierRegistry()
+    with pytest.raises(PluginError) as info:
+        registry.register(broken)
+    assert str(info.value).endswith(problem) and len(registry) == 0
+    registry.register(LocalPruning)
+    registry.disabled.append(plugins_mod.DisabledPlugin("llmc-fsm-pruning", "0.1.0", "pruning"))
+    with pytest.raises(RecipeError) as info:
+        registry.get("SparseGPTModifier")
+    assert str(info.value).endswith(f"Not loaded, disabled by {DISABLE_ENV}: llmc-fsm-pruning.")

@@ -17,6 +17,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import attrs
 import pytest
@@ -29,6 +30,7 @@ import llmc_fsm.testing
 import llmc_fsm.toolkit
 from llmc_fsm.core import registry as registry_module
 from llmc_fsm.core.registry import get_registry
+from llmc_fsm.pipeline.sequential import run_sequential
 from llmc_fsm.toolkit import CalibratedModifier
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -367,3 +369,40 @@ def test_clipped_rtn_obeys_the_lifecycle_contract(clip_rtn):
         return {"model": model, "calibration_data": torch.randn(4, 8)}
 
     check_modifier(lambda: ClippedRTNModifier(bits=4), state, max_examples=25, modules_factory=lambda s: [s["model"]])
+
+
+@attrs.define(kw_only=True, slots=False, eq=False)
+class _Broadcaster(CalibratedModifier):
+    """Returns ``returned(weight)`` from ``_compress_group`` (a plugin author's slip)."""
+
+    returned: Any = None
+
+    def _new_accumulator(self, module: nn.Module) -> _RawInputs:
+        return _RawInputs(module.weight.shape[1])
+
+    def _compress_group(self, modules: list[nn.Module], accumulator: _RawInputs) -> list[torch.Tensor]:
+        return [self.returned(module.weight) for module in modules]
+
+
+@pytest.mark.parametrize(
+    ("returned", "message"),
+    [
+        (lambda w: w[:1] * 0.5, "returned (1, 32) for model.layers.0.self_attn.q_proj, whose weight is (32, 32): it "
+                                "must return one tensor of each module's weight shape; none of them was changed"),
+        (lambda w: torch.tensor(0.0), "returned () for model.layers.0.self_attn.q_proj, whose weight is (32, 32)"),
+        (lambda w: w * float("nan"), "returned NaN or Inf values for model.layers.0.self_attn.q_proj; none of them "
+                                     "was changed"),
+    ],
+)
+def test_a_compress_group_returning_the_wrong_shape_or_nan_is_refused_before_the_copy(returned, message):
+    """B4's cases (session 31): a row or a scalar was broadcast into every row of every target by copy_ and the run
+    saved (exit 0); a NaN surfaced one group later as that group's NaN calibration inputs."""
+    model = tiny_llama.llama(vocab=96, hidden=32, heads=2, kv_heads=1, positions=64)
+    before = model.model.layers[0].self_attn.q_proj.weight.detach().clone()
+    session = llmc_fsm.Session([_Broadcaster(returned=returned)])
+    session.initialize(model=model, calibration_data=torch.randint(0, 96, (4, 16)))
+    with pytest.raises(llmc_fsm.ModifierError) as info:
+        run_sequential(session, batch_size=4, progress=False)
+    assert type(info.value.__cause__) is ValueError
+    assert str(info.value.__cause__).startswith(f"_Broadcaster._compress_group {message}")
+    assert torch.equal(model.model.layers[0].self_attn.q_proj.weight, before)

@@ -181,8 +181,9 @@ class ModifierRegistry:
         Raises:
             PluginError: not a Modifier subclass, a subclass not decorated with
                 ``attrs.define`` / ``attrs.frozen`` itself (its arguments would not be
-                attrs fields), or the name is already taken by another class (the
-                message names the owner).
+                attrs fields), ``modifier_name()`` raising or returning anything but a
+                non-empty string without spaces, or the name is already taken by another
+                class (the message names the owner).
         """
         if not (isinstance(cls, type) and issubclass(cls, Modifier)):
             msg = f"{cls!r} is not a subclass of llmc_fsm.Modifier"
@@ -197,7 +198,18 @@ class ModifierRegistry:
         if problem is not None:
             msg = f"{cls.__module__}.{cls.__qualname__}: {problem}"
             raise PluginError(msg, distribution=distribution, entry_point=entry_point)
-        name = cls.modifier_name()
+        where = f"{cls.__module__}.{cls.__qualname__}"
+        try:
+            name = cls.modifier_name()
+        except Exception as exc:  # one plugin's broken class must not stop the others (nor every command)
+            msg = f"{where}.modifier_name() raised {type(exc).__name__}: {exc}"
+            raise PluginError(msg, distribution=distribution, entry_point=entry_point) from exc
+        if not isinstance(name, str) or not name or name.split() != [name]:
+            msg = (
+                f"{where}.modifier_name() returned {name!r}: a modifier name is a non-empty string without spaces "
+                "(the recipe key)"
+            )
+            raise PluginError(msg, distribution=distribution, entry_point=entry_point)
         old = self._infos.get(name)
         if old is not None:
             if old.cls is cls:
@@ -344,7 +356,7 @@ class ModifierRegistry:
 
         Raises:
             RecipeError: unknown name, with "did you mean" suggestions, the known
-                names and the plugins that failed to load.
+                names, the plugins that failed to load and those disabled.
         """
         info = self._infos.get(name)
         if info is not None:
@@ -378,6 +390,9 @@ class ModifierRegistry:
             msg += f" {len(self.errors)} plugin(s) failed to load (run `llmc-fsm modifiers`): " + "; ".join(
                 str(e) for e in self.errors
             )
+        if self.disabled:
+            shown = ", ".join(sorted({d.distribution for d in self.disabled}))
+            msg += f" Not loaded, disabled by {DISABLE_ENV}: {shown}."
         return msg
 
 

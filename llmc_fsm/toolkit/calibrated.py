@@ -643,6 +643,7 @@ class CalibratedModifier(Modifier):
             weights, errors = (
                 (new.weights, new.rel_output_errors) if isinstance(new, CompressedGroup) else (new, [None] * len(new))
             )
+            _check_returned(type(self).__name__, members, weights)
             for (_, module), weight in zip(members, weights, strict=True):
                 if weight is not module.weight:  # a modifier that wrote the weight in place returns it
                     module.weight.copy_(weight)
@@ -675,6 +676,32 @@ class CalibratedModifier(Modifier):
                 "overflowed before them (a float16 model: load it in float32, --dtype float32 or model.float() for a "
                 "model in memory) or hold NaN"
             )
+            raise ValueError(msg)
+
+
+def _check_returned(owner: str, members: list[tuple[str, nn.Module]], weights: Any) -> None:
+    """Refuse what ``_compress_group`` returned for ``members`` unless it is one finite tensor of each module's weight
+    shape, before any is copied: a row ``[1, in]`` or a scalar was broadcast into every row by ``copy_`` and saved
+    (exit 0), a NaN surfaced one group later as that group's "calibration inputs hold NaN" (found by a tester).
+
+    Raises:
+        ValueError: naming the modifier, the module, the shape returned and the weight's.
+    """
+    if len(weights) != len(members):
+        msg = f"{owner}._compress_group returned {len(weights)} weights for {len(members)} modules; none was changed"
+        raise ValueError(msg)
+    for (name, module), weight in zip(members, weights, strict=True):
+        if weight is module.weight:
+            continue
+        if not isinstance(weight, torch.Tensor) or weight.shape != module.weight.shape:
+            got = tuple(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__
+            msg = (
+                f"{owner}._compress_group returned {got} for {name}, whose weight is {tuple(module.weight.shape)}: "
+                "it must return one tensor of each module's weight shape; none of them was changed"
+            )
+            raise ValueError(msg)
+        if not _finite_weight(weight):
+            msg = f"{owner}._compress_group returned NaN or Inf values for {name}; none of them was changed"
             raise ValueError(msg)
 
 
