@@ -352,3 +352,39 @@ def test_a_hook_calling_its_own_session_is_refused_and_the_event_reaches_the_oth
     ]
     expected = ["on_initialize", "on_start", "batch_start", "on_end", "on_finalize"]
     assert first.calls == expected and second.calls == expected
+
+
+def test_a_modifier_whose_resolved_targets_or_state_dict_has_the_wrong_type_is_named() -> None:
+    """B4's cases (session 31): ``resolved_targets`` giving ``{name: weight}`` (or a list, or None) raised a raw
+    AttributeError after every on_initialize had run, leaving their hooks on the model (one more set per retry); a
+    ``state_dict()`` returning None saved, and the checkpoint was then refused as "damaged"."""
+    @attrs.define(kw_only=True, slots=False, eq=False)
+    class Odd(Modifier):
+        targets_value: object = None
+        state_value: object = None
+
+        @property
+        def resolved_targets(self):
+            return self.targets_value
+
+        def on_initialize(self, state) -> None:
+            self.register_hook(state.model, lambda m, a: None, kind="forward_pre")
+
+        def state_dict(self):
+            return self.state_value
+
+    model = torch.nn.Linear(4, 4)
+    for value, shown in ((None, "NoneType"), ([model], "list"), ({"w": model.weight}, "a mapping of other values")):
+        session = Session([Odd(targets_value=value)])
+        with pytest.raises(ValueError) as info:
+            session.initialize(model=model)
+        assert str(info.value) == (
+            "Odd.resolved_targets must be a mapping of module names to nn.Module (the modules it changes, {} for "
+            f"none), got {shown}. Rolled back: the session is still 'created'"
+        )
+        assert not model._forward_pre_hooks and session.lifecycle == "created"
+    session = Session([Odd(targets_value={"": model})])
+    session.initialize(model=model)
+    with pytest.raises(TypeError, match=r"^Odd.state_dict\(\) returned NoneType, not a dict \(a missing return\?\)"):
+        session.state_dict()
+    session.finalize()

@@ -59,8 +59,24 @@ def session_state(session: Any, schedule: Schedule, step: int) -> dict[str, Any]
         "recipe": recipe_fingerprint(session.labels, session.modifiers, plan),
         "stages": schedule.progress([(stage.name, mods) for stage, mods in plan]),
         "schedule": schedule.state_dict(),
-        "modifiers": {slot.label: slot.modifier.state_dict() for slot in schedule.slots},
+        "modifiers": {slot.label: _modifier_state(slot) for slot in schedule.slots},
     }
+
+
+def _modifier_state(slot: Any) -> dict[str, Any]:
+    """``slot``'s modifier's ``state_dict()``, refused unless a dict (a forgotten ``return`` saved ``None``, and the
+    checkpoint was then refused at load as "damaged": found by a tester).
+
+    Raises:
+        TypeError: naming the modifier and what it returned.
+    """
+    state = slot.modifier.state_dict()
+    if not isinstance(state, dict):
+        msg = (
+            f"{slot.label}.state_dict() returned {type(state).__name__}, not a dict (a missing return?); nothing saved"
+        )
+        raise TypeError(msg)
+    return state
 
 
 def _format_problem(state: Any) -> str | None:

@@ -211,7 +211,22 @@ class Schedule:
 
         Its targeted parameters are read before each hook; every other parameter of the modules in ``state``
         lazily (see :mod:`llmc_fsm.core.guard`). The modifier's torch hooks use the same guard.
+
+        Raises:
+            ValueError: a modifier's ``resolved_targets`` is not a mapping of names to ``nn.Module`` (a raw
+                ``AttributeError`` deep in the guard before: found by a tester); nothing is built.
         """
+        for slot in self.slots:
+            targets = slot.modifier.resolved_targets
+            if not isinstance(targets, Mapping) or not all(
+                isinstance(k, str) and callable(getattr(v, "named_parameters", None)) for k, v in targets.items()
+            ):
+                shown = type(targets).__name__ if not isinstance(targets, Mapping) else "a mapping of other values"
+                msg = (
+                    f"{slot.label}.resolved_targets must be a mapping of module names to nn.Module (the modules it "
+                    f"changes, {{}} for none), got {shown}"
+                )
+                raise ValueError(msg)
         whole = module_parameters(state)
         for slot in self.slots:
             targets = watched_parameters(slot.modifier.resolved_targets)

@@ -182,6 +182,7 @@ class Session(SessionCheckpoints):
                 the model before.
             MissingStateError: required state keys are missing.
             ModifierError: a modifier's ``on_initialize`` raised.
+            ValueError: a modifier's ``resolved_targets`` is not a mapping of names to modules (rolled back).
             ValueError: ``steps_per_epoch`` not a positive int (nothing stored); under ``torch.distributed`` the
                 ranks disagree on the recipe, the model or the expected ``world_size`` (same message on every rank).
         """
@@ -217,7 +218,11 @@ class Session(SessionCheckpoints):
                     done.append(slot)
             finally:
                 self._in_hook = None
-            self._schedule.watch(full)
+            try:
+                self._schedule.watch(full)
+            except ValueError as exc:  # a modifier's resolved_targets of another type: roll back as for a failure
+                self._roll_back(done, full)
+                raise ValueError(f"{exc}. Rolled back: the session is still {self.lifecycle!r}") from None
             self._state = full
             self._position = "idle"
             self._schedule.begin()
