@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
-from llmc_fsm.toolkit.obs import all_finite, inverse_hessian_cholesky
+from llmc_fsm.pipeline.forward import first_output
+from llmc_fsm.toolkit.obs import all_finite, inverse_hessian_cholesky, obs_sweep
 
 
 def test_all_finite_decides_an_overflowing_float32_sum_in_float64():
@@ -78,3 +80,28 @@ def test_a_diagonal_only_accumulator_keeps_the_mean_squares_and_has_no_hessian()
     assert getattr(diag, "hessian", None) is None  # how the report's error step finds none to measure with
     diag.all_reduce()  # one process: nothing to combine, nothing changed
     torch.testing.assert_close(diag.diagonal.to(torch.float64), expected, rtol=1e-5, atol=0)
+
+
+def test_bad_inputs_to_the_sweep_and_the_factor_are_refused_in_one_line():
+    """B4's cases (session 31): a lower Cholesky factor (torch.linalg.cholesky's default) was swept as if upper,
+    giving other weights silently; ``max_dampening_retries=-1`` reported "(-1 retries)" on the identity; the layer
+    output reader raised IndexError on an empty tuple where its docstring says TypeError."""
+    class Round:  # each column rounded to an integer
+        sub_block = 1
+
+        def begin_block(self, c0: int, c1: int, W1: torch.Tensor, d1: torch.Tensor) -> None:
+            """Nothing to prepare per block."""
+
+        def column(self, j: int, W1: torch.Tensor, i: int, out: torch.Tensor) -> torch.Tensor:
+            return torch.round(W1[i], out=out)
+
+    h = torch.eye(4) * 2 + 0.5
+    upper = inverse_hessian_cholesky(h).U
+    weight_t = torch.randn(4, 3)
+    obs_sweep(weight_t.clone(), upper, Round())
+    with pytest.raises(ValueError, match=r"^U must be upper triangular \(inverse_hessian_cholesky's U\)"):
+        obs_sweep(weight_t.clone(), upper.T.contiguous(), Round())
+    with pytest.raises(ValueError, match=r"^max_dampening_retries must be an int >= 0, got -1$"):
+        inverse_hessian_cholesky(torch.eye(3), max_dampening_retries=-1)
+    with pytest.raises(TypeError, match=r"^cannot read the hidden states from a decoder layer output of type tuple$"):
+        first_output(())

@@ -305,7 +305,7 @@ def first_output(output: Any) -> torch.Tensor:
     """
     if isinstance(output, torch.Tensor):
         return output
-    if isinstance(output, tuple | list):
+    if isinstance(output, tuple | list) and output:
         return output[0]
     hidden = getattr(output, "hidden_states", None)
     if isinstance(hidden, torch.Tensor):

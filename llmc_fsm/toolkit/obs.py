@@ -310,9 +310,16 @@ def inverse_hessian_cholesky(
         triangular; ``dead`` bool ``[C]``; ``damping`` the ``lambda`` used.
 
     Raises:
-        ValueError: ``hessian`` is not square or holds NaN/Inf; bad ``dampening_frac``.
+        ValueError: ``hessian`` is not square or holds NaN/Inf; bad ``dampening_frac``; ``max_dampening_retries``
+            not an int >= 0.
         HessianNotPositiveDefiniteError: still not positive definite after all retries.
     """
+    if (
+        isinstance(max_dampening_retries, bool)
+        or not isinstance(max_dampening_retries, int)
+        or max_dampening_retries < 0
+    ):
+        raise ValueError(f"max_dampening_retries must be an int >= 0, got {max_dampening_retries!r}")
     if not isinstance(hessian, torch.Tensor) or hessian.dim() != 2 or hessian.shape[0] != hessian.shape[1]:
         shape = tuple(hessian.shape) if isinstance(hessian, torch.Tensor) else type(hessian)
         raise ValueError(f"hessian must be a square [C, C] tensor, got {shape}")
@@ -428,11 +435,18 @@ def obs_sweep(WT: torch.Tensor, U: torch.Tensor, rule: ColumnRule | MaskRule, *,
         damped metric (:func:`llmc_fsm.toolkit.layer_error.sweep_relative_errors`).
 
     Raises:
-        ValueError: shapes that do not fit, or a bad ``block_size``.
+        ValueError: shapes that do not fit, ``U`` not upper triangular (checked on its first column and last row), or
+            a bad ``block_size``.
     """
     cols, rows = WT.shape
     if U.shape != (cols, cols):
         raise ValueError(f"U must have shape ({cols}, {cols}), got {tuple(U.shape)}")
+    if cols > 1 and (bool(U[1:, 0].any()) or bool(U[-1, :-1].any())):  # O(cols): the first column, the last row
+        msg = (
+            "U must be upper triangular (inverse_hessian_cholesky's U); its first column or last row has entries "
+            "below the diagonal: a lower factor (torch.linalg.cholesky's default) gives other weights, silently"
+        )
+        raise ValueError(msg)
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
         raise ValueError(f"block_size must be a positive int, got {block_size!r}")
     u_diag = torch.diagonal(U)
