@@ -388,3 +388,38 @@ def test_a_modifier_whose_resolved_targets_or_state_dict_has_the_wrong_type_is_n
     with pytest.raises(TypeError, match=r"^Odd.state_dict\(\) returned NoneType, not a dict \(a missing return\?\)"):
         session.state_dict()
     session.finalize()
+
+
+@attrs.define(kw_only=True, slots=False, eq=False)
+class Interrupted(Faulty):
+    """``Faulty`` raising ``KeyboardInterrupt`` (Ctrl-C mid-hook, e.g. during an in-place rotation) instead."""
+
+    def _maybe_fail(self, hook: str) -> None:
+        if hook == self.fail_in:
+            if self.mutate:
+                with torch.no_grad():
+                    self._module.weight.mul_(2.0)
+            raise KeyboardInterrupt
+
+
+def test_an_interrupt_after_a_hook_changed_the_model_leaves_the_session_refusing_and_propagates_as_it_is() -> None:
+    """B4's case (session 31): a hook that doubled a weight and was then interrupted left the session accepting
+    the next call, which doubled it again (x4); with an Exception the session refuses until reset()."""
+    model = _model()
+    session = Session([Interrupted(fail_in="on_initialize")])
+    with pytest.raises(KeyboardInterrupt):
+        session.initialize(model=model)
+    with pytest.raises(LifecycleError, match=r"model modified by an interrupted hook; reload it"):
+        session.initialize(model=model)
+    session = Session([Interrupted(fail_in="on_calibration_start")])
+    session.initialize(model=_model())
+    with pytest.raises(KeyboardInterrupt):
+        session.calibration_start()
+    with pytest.raises(LifecycleError, match=r"failed after changing 1 parameter\(s\) in place"):
+        session.calibration_end()
+    session = Session([Interrupted(fail_in="on_calibration_start", mutate=False)])
+    session.initialize(model=_model())
+    with pytest.raises(KeyboardInterrupt):
+        session.calibration_start()
+    session.calibration_end()  # nothing changed: the session goes on
+    session.finalize()

@@ -142,8 +142,11 @@ class SessionEvents:
             result = fn(self._state, *args)
         except Exception as exc:
             self._event_failed(slot, hook, exc, token, guard)
-        except BaseException:
-            guard.leave(token)
+        except BaseException as exc:  # KeyboardInterrupt, SystemExit: propagated as they are, but a hook that had
+            modified = guard.failed(token)  # changed the model first leaves the session refusing events, as for an
+            if modified:  # Exception (it accepted the next event and a rotation ran twice: found by a tester)
+                during = f"{self._event.type}()"
+                self._hook_failed(failure(slot.label, hook, exc, during=during, modified=modified))
             raise
         finally:
             self._in_hook = outer

@@ -212,7 +212,13 @@ class Session(SessionCheckpoints):
                     except BaseException as exc:
                         slot.modifier.remove_hooks()
                         self._roll_back(done, full)
-                        if not isinstance(exc, Exception):
+                        if not isinstance(exc, Exception):  # KeyboardInterrupt, SystemExit: as they are, but a
+                            if changed(watched, before):  # model changed first refuses another initialize()
+                                self._broken = (
+                                    f"initialize() changed parameters of the model in place before "
+                                    f"{type(exc).__name__} stopped it (model modified by an interrupted hook; reload "
+                                    "it), then call session.reset() and gather the state again."
+                                )
                             raise
                         raise self._initialize_failed(slot, exc, len(done), changed(watched, before)) from exc
                     done.append(slot)
