@@ -188,7 +188,7 @@ def test_cli_explain_an_unknown_name_names_broken_and_disabled_plugins(registry,
     assert capsys.readouterr().err == (
         f"llmc-fsm explain: error: no recipe file or modifier named 'GPTQModifier'. {KNOWN} 1 plugin(s) failed to "
         "load (run `llmc-fsm modifiers`): plugin 'bad' (badpkg 1.0): ImportError: no "
-        "module x Disabled through LLMC_FSM_DISABLE_PLUGINS: llmc-fsm-quantization.\n"
+        "module x Not loaded, disabled by LLMC_FSM_DISABLE_PLUGINS: llmc-fsm-quantization.\n"
     )
 
 

@@ -88,10 +88,7 @@ def _modifier_info(name: str) -> Any:
     info = registry.info(name)
     if info is None:
         detail = registry.unknown_message(name, unimplemented_note(name)).removeprefix(f"unknown modifier {name!r}.")
-        msg = f"no recipe file or modifier named {name!r}.{detail}"
-        if registry.disabled:
-            msg += f" Disabled through {DISABLE_ENV}: {', '.join(sorted({d.distribution for d in registry.disabled}))}."
-        raise ValueError(msg)
+        raise ValueError(f"no recipe file or modifier named {name!r}.{detail}")
     return info
 
 

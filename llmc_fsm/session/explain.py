@@ -62,7 +62,8 @@ def _arguments(m: Modifier) -> str:
     built from recipe data: each equal to its default), with how llm-compressor's default differs, if it does, or
     what the default stands for (the field's ``default_means`` metadata, e.g. AWQ's ``scheme=None``); ``(from X)``
     after one the modifier set from other arguments (its ``derived_arguments``, e.g. a quantizer's ``targets`` from
-    its ``config_groups``)."""
+    its ``config_groups``); ``(not used: why)`` after one that does nothing as the modifier is written (its
+    ``unused_arguments``)."""
     given = given_arguments(m)
     fresh = _built_with_defaults(type(m)) if given is None else None  # defaults as the converters make them
     parts = []
@@ -82,8 +83,11 @@ def _arguments(m: Modifier) -> str:
         differs = default_difference(m.modifier_name(), field.alias, value) if defaulted else None
         means = field.metadata.get("default_means") if defaulted else None  # what the default stands for
         derived = getattr(m, "derived_arguments", {}).get(field.alias) if defaulted else None
+        unused = getattr(m, "unused_arguments", {}).get(field.alias)
         mark = ""
-        if derived:  # not given, and not the default either: set from other arguments
+        if unused:  # does nothing as the modifier is written (e.g. targets with a KV-cache scheme alone)
+            mark = f" (not used: {unused})"
+        elif derived:  # not given, and not the default either: set from other arguments
             mark = f" (from {derived})"
         elif differs:
             mark = f" (default; {differs})"

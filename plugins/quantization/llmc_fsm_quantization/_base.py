@@ -785,6 +785,7 @@ class QuantizingModifier(CalibratedModifier):
                     f"{', '.join(LOCAL_INPUT_OBSERVERS)}"
                 )
                 raise ValueError(msg)
+        written_observers = {s.weights.observer for s in groups.values() if s.weights is not None} - {None}
         for scheme in groups.values():
             w = scheme.weights
             if w is None:
@@ -817,6 +818,8 @@ class QuantizingModifier(CalibratedModifier):
                     )
                     raise ValueError(msg)
         observers = {s.weights.observer for s in groups.values() if s.weights is not None}
+        #: the observer was written in the scheme's weights, not on the modifier (explain: derived_arguments)
+        self._observer_from_scheme = self.observer is None and len(observers) == 1 and observers == written_observers
         if self.observer is None and len(observers) == 1:
             (self.observer,) = observers
         self._groups: dict[str, QuantizationScheme] = groups
@@ -895,10 +898,24 @@ class QuantizingModifier(CalibratedModifier):
     @property
     def derived_arguments(self) -> dict[str, str]:
         """``{argument: what set it}`` for arguments the recipe did not give that this modifier set from others:
-        ``targets`` from ``config_groups`` (``explain`` marks them so rather than "(default)")."""
+        ``targets`` from ``config_groups``, ``observer`` from the scheme's weights (``explain`` marks them so rather
+        than "(default)")."""
+        derived = {}
         if self.config_groups is not None and list(self.targets) != list(DEFAULT_TARGETS):
-            return {"targets": "config_groups"}
-        return {}
+            derived["targets"] = "config_groups"
+        if getattr(self, "_observer_from_scheme", False):
+            derived["observer"] = "the scheme's weights"
+        return derived
+
+    @property
+    def unused_arguments(self) -> dict[str, str]:
+        """``{argument: why}`` for arguments that do nothing in this modifier as written (``explain`` says so): with
+        ``kv_cache_scheme`` (or attention quantization) alone no weight is quantized, so ``targets`` and ``ignore``
+        select nothing (it printed the default ``targets`` and the lm_head note as for a weight scheme)."""
+        if not self.kv_only:
+            return {}
+        why = "no weight scheme: only the KV-cache (and query) scales are calibrated"
+        return {"targets": why, "ignore": why}
 
     @property
     def calibrated_inputs(self) -> bool:

@@ -1057,3 +1057,17 @@ def test_an_actorder_on_the_modifier_and_another_in_the_scheme_is_refused_and_ch
                      dataset=torch.randint(0, 128, (4, 32)), output_dir=tmp_path / "o", progress=False)  # fmt: skip
     config = json.loads((tmp_path / "o" / "config.json").read_text())["quantization_config"]
     assert [g["weights"]["actorder"] for g in config["config_groups"].values()] == ["static"]
+
+
+def test_explain_marks_arguments_a_kv_only_quantizer_does_not_use_and_an_observer_from_the_scheme() -> None:
+    """B3's cases (session 31): a KV-cache-only recipe showed ``targets=['Linear'] (default)`` and the lm_head note
+    (no weight is quantized); an observer written inside the scheme's weights showed as ``(default)``."""
+    from llmc_fsm.session.explain import explain
+
+    kv = "q:\n  QuantizationModifier:\n    kv_cache_scheme: {num_bits: 8, type: float}\n"
+    text = explain(llmc_fsm.Session(kv))
+    unused = "(not used: no weight scheme: only the KV-cache (and query) scales are calibrated)"
+    assert f"targets=['Linear'] {unused}" in text and f"ignore=['lm_head'] {unused}" in text
+    weights = "{num_bits: 4, type: int, symmetric: true, strategy: group, group_size: 64, observer: mse}"
+    text = explain(llmc_fsm.Session(f"q:\n  QuantizationModifier:\n    scheme: {{weights: {weights}}}\n"))
+    assert "observer='mse' (from the scheme's weights)" in text
