@@ -610,3 +610,21 @@ def test_a_corrupt_tokenizer_beside_an_in_memory_model_is_named(tiny_dir, tmp_pa
     with pytest.raises(ValueError) as info:
         llmc_fsm.oneshot(model=model, dataset=["w1 w2 w3 " * 20] * 2, max_seq_length=8, progress=False)
     assert str(info.value).startswith(f"{model_dir}: the tokenizer files could not be loaded (JSONDecodeError: ")
+
+
+def test_a_head_tied_to_the_decoders_embedding_passes_the_tie_check():
+    """T5Gemma ties its head to its decoder's embedding; ``get_input_embeddings()`` is the encoder's, so a data-free
+    recipe was refused with "config says tie_word_embeddings=True but lm_head.weight is not the embedding weight"
+    though transformers loads the checkpoint (B2, session 31). A head tied to no embedding is still refused."""
+    import transformers
+
+    sub = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+           "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 128}  # fmt: skip
+    config = transformers.T5GemmaConfig(encoder=sub, decoder=sub, vocab_size=128, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = transformers.T5GemmaForConditionalGeneration(config)
+    assert model.get_output_embeddings().weight is not model.get_input_embeddings().weight
+    model_io.check_tied(model, "t5gemma")
+    model.get_output_embeddings().weight = torch.nn.Parameter(model.get_output_embeddings().weight.clone())
+    with pytest.raises(RuntimeError, match=r"^t5gemma: config says tie_word_embeddings=True but lm_head\.weight is"):
+        model_io.check_tied(model, "t5gemma")

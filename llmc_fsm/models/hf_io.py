@@ -127,16 +127,19 @@ def dtype_kwargs(torch_dtype: torch.dtype) -> dict[str, Any]:
 
 
 def check_tied(model: PreTrainedModel, where: str) -> None:
-    """Check that embeddings the config ties (``tie_word_embeddings``) are one tensor.
+    """Check that embeddings the config ties (``tie_word_embeddings``) are one tensor: the output head's weight is
+    an embedding's (the input embedding, or in an encoder-decoder model the decoder's: T5Gemma's head is tied to its
+    decoder's embedding, and ``get_input_embeddings()`` is the encoder's, which refused a checkpoint transformers
+    loads: found by a tester).
 
     Raises:
-        RuntimeError: the config ties them but ``lm_head.weight`` is another tensor (message prefixed ``where``).
+        RuntimeError: the config ties them but ``lm_head.weight`` is no embedding's (message prefixed ``where``).
     """
     if not getattr(model.config, "tie_word_embeddings", False):
         return
     out = model.get_output_embeddings()
-    inp = model.get_input_embeddings()
-    if out is None or out.weight is not inp.weight:
+    embeddings = [m.weight for m in model.modules() if isinstance(m, torch.nn.Embedding)]
+    if out is None or not any(out.weight is w for w in embeddings):
         msg = f"{where}: config says tie_word_embeddings=True but lm_head.weight is not the embedding weight"
         raise RuntimeError(msg)
 
