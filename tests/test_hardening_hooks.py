@@ -91,8 +91,8 @@ def test_an_untargeted_modifier_that_failed_without_changing_anything_leaves_the
         _step(session)
     assert info.value.modified == ()
     assert str(info.value) == (
-        "Untargeted.on_event() raised RuntimeError: boom (during optim_post_step()). No parameter of the model was "
-        "changed. The event counts as delivered; modifiers after this one did not see it. Continue, or "
+        "Untargeted.on_event() raised RuntimeError: boom (during optim_post_step()). No in-place change to a parameter "
+        "of the model was seen. The event counts as delivered; modifiers after this one did not see it. Continue, or "
         "finalize()/reset() the session."
     )
     assert session.failed is None
@@ -297,7 +297,7 @@ def test_a_torch_hook_of_an_untargeted_modifier_that_changed_nothing_stays_regis
     assert info.value.modified == ()
     assert str(info.value) == (
         "HookedUntargeted's forward hook on lm_head raised RuntimeError: hook boom (during a forward/backward pass "
-        "of the model). No parameter of the model was changed; the hook stays registered."
+        "of the model). No in-place change to a parameter of the model was seen; the hook stays registered."
     )
     assert session.failed is None and session.modifiers[0].num_hooks == 1
     _step(session)  # still accepts events

@@ -138,8 +138,8 @@ def test_a_nan_weight_is_refused_at_its_own_compression_by_round_to_nearest_too(
     assert str(info.value) == (  # data-free: every target at once, checked before any changes
         "QuantizationModifier.on_calibration_end() raised ValueError: QuantizationModifier: the weights of "
         "model.layers.0.mlp.down_proj hold NaN or Inf values, so they cannot be compressed: the checkpoint (or an "
-        "earlier change to the model) is broken there (during calibration_end()). No parameter of the model was "
-        "changed. The event counts as delivered; modifiers after this one did not see it. Continue, or "
+        "earlier change to the model) is broken there (during calibration_end()). No in-place change to a parameter "
+        "of the model was seen. The event counts as delivered; modifiers after this one did not see it. Continue, or "
         "finalize()/reset() the session."
     )
     assert _unchanged(model, before)

@@ -446,7 +446,7 @@ class Modifier(metaclass=ModifierType):
         label = binding.label if binding is not None else self.modifier_name()
         if not modified:
             checked = "parameter of the model" if session is not None else "targeted parameter"
-            then = f"No {checked} was changed; the hook stays registered."
+            then = f"No in-place change to a {checked} was seen; the hook stays registered."
         elif session is not None:
             then = "The session refuses further events and removed every modifier's hooks."
         else:

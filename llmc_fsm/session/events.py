@@ -120,7 +120,11 @@ class SessionEvents:
         if modified:
             then = "The session refuses further events and removed every modifier's hooks."
         else:
-            checked = "No parameter of the model was changed." if guard.tensors else "The state holds no model."
+            checked = (
+                "No in-place change to a parameter of the model was seen."
+                if guard.tensors
+                else "The state holds no model."
+            )
             then = (
                 f"{checked} The event counts as delivered; modifiers after this one did "
                 "not see it. Continue, or finalize()/reset() the session."
