@@ -300,8 +300,9 @@ def _parameter_states(model: torch.nn.Module) -> dict[str, tuple[int, int]]:
 
 def _note_changed_in_place(run: Run, before: dict[str, tuple[int, int]] | None, exc: BaseException) -> None:
     """A model given in memory that a failed run already changed (the modules compressed, smoothed or rotated
-    before the failure: the session's own "No in-place change to a parameter of the model was seen" speaks of the failing hook only,
-    and its advice to continue or reset is for a session you drive): a note on ``exc`` naming them, shown with its
+    before the failure: the session's own "No in-place change to a parameter of the model was seen" speaks of the
+    failing hook only, and its advice to continue or reset is for a session you drive): a note on ``exc`` naming them,
+    shown with its
     traceback. Judged from each parameter's object and version counter under every name, and the parameters added
     or removed (testers found missed: a SmoothQuant fold when only compression results counted; REAP's experts
     dropped into new parameters; a tied head untied; KV-cache scales added to the attention modules)."""
