@@ -175,13 +175,16 @@ def _one_line(exc: BaseException) -> str:
     """What the command prints for ``exc``. A modifier's failure (:class:`~llmc_fsm.ModifierError`) without the
     session's advice to library callers ("Continue, or finalize()/reset() the session"): the command owns its session
     and keeps nothing of the model it held. A modifier's own refusal (a ``ValueError``, which names the modifier) is
-    printed as it is; anything else with the hook that raised it."""
+    printed as it is; anything else with the hook that raised it. A ``ModifierError`` with a message of its own (not
+    the session's "<modifier>.<hook>() raised ...") is printed as it is."""
     cause = exc.__cause__
     if not isinstance(exc, ModifierError) or cause is None:
         return str(exc)
+    where = f"{exc.modifier}'s {exc.hook} on {exc.module}" if exc.module else f"{exc.modifier}.{exc.hook}()"
+    if not str(exc).startswith(where):  # a message of its own (model_free_ptq's refusal): as it is
+        return str(exc)
     if isinstance(cause, ValueError):
         return str(cause)
-    where = f"{exc.modifier}'s {exc.hook} on {exc.module}" if exc.module else f"{exc.modifier}.{exc.hook}()"
     return f"{where} raised {type(cause).__name__}: {cause}"
 
 
