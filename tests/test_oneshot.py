@@ -19,6 +19,7 @@ import torch
 
 import llmc_fsm
 from llmc_fsm.cli import main
+from llmc_fsm.oneshot_job.data import calibration_overlap
 
 #: Perplexities on the 8 x 128 evaluation windows (SmolLM2-135M-Instruct Q4_1 dequantized,
 #: fp32, torch 2.13 CPU). Dense, Wanda and magnitude came out bit-identical in every run
@@ -136,10 +137,17 @@ def test_cli_refuses_non_empty_output_without_overwrite(tmp_path, capsys):
     out.mkdir()
     (out / "keep.txt").write_text("x")
     rc, err = _cli(["--output", str(out)], capsys)
-    assert rc == 1
-    assert "not empty" in err and "--overwrite" in err
+    assert rc == 1  # other files: --overwrite would be refused too, so it is not suggested (a newcomer's dead end)
+    assert err.strip().endswith(
+        f"output directory {str(out)!r} exists and holds other files (not a model directory: none of config.json, "
+        f"recipe.yaml, report.json, model.safetensors), which the output never replaces; choose a new directory, "
+        f"e.g. {str(out / 'my-model')!r}"
+    )
     assert _no_stray_files(out) == ["keep.txt"]
     assert _no_stray_files(tmp_path) == ["out"]
+    (out / "config.json").write_text("{}")  # an earlier output or a model directory: --overwrite replaces it
+    rc, err = _cli(["--output", str(out)], capsys)
+    assert rc == 1 and "exists and is not empty; pass overwrite=True (--overwrite) to replace it" in err
 
 
 def test_cli_unknown_model(tmp_path, capsys):
@@ -606,3 +614,31 @@ def test_a_bfloat16_checkpoint_loaded_in_float32_is_said_once_the_checks_passed(
     ]
     assert said(str(torch.bfloat16), dtype="auto") == []
     assert said(str(torch.float32)) == []
+
+
+def test_calibration_and_evaluation_sharing_a_short_text_is_warned(tiny_model_dir, caplog):
+    """A newcomer's case (session 31): one 15k-token file for --dataset and --eval-text with 32 + 40 windows of 256
+    tokens: calibration (its tail) reached 13 of the evaluation windows (its head), and the perplexity after was
+    measured partly on calibrated tokens without a word. One line names how many; a text long enough says nothing."""
+    from transformers import AutoTokenizer
+
+    model_dir, text = tiny_model_dir
+    ids = AutoTokenizer.from_pretrained(model_dir)(text.read_text(), add_special_tokens=False)["input_ids"]
+    seq = 16
+    fit = len(ids) // seq
+    args = {"model": str(model_dir), "dataset": str(text), "eval_text": str(text), "max_seq_length": seq,
+            "progress": False, "recipe": {"s": {"SparseGPTModifier": {"sparsity": 0.5}}}}  # fmt: skip
+    with caplog.at_level("WARNING"):
+        llmc_fsm.oneshot(**args, num_calibration_samples=fit // 2, num_eval_windows=fit // 2)
+    assert not [m for m in caplog.messages if "calibrated on" in m]
+    with caplog.at_level("WARNING"):
+        llmc_fsm.oneshot(**args, num_calibration_samples=fit // 2 + 3, num_eval_windows=fit // 2)
+    shared = (fit // 2) * seq - (len(ids) - (fit // 2 + 3) * seq)
+    assert (
+        f"calibration and evaluation read the same text, which is too short to keep them apart: {shared} of the "
+        f"{(fit // 2) * seq} evaluation tokens were calibrated on, so the perplexity after compression is optimistic; "
+        "use a longer text, fewer --num-samples / --eval-windows, or another --eval-text"
+    ) in caplog.messages
+    head = torch.arange(40)
+    assert calibration_overlap(head.view(4, 10), torch.arange(30, 50).view(2, 10)) == 10
+    assert calibration_overlap(head.view(4, 10), torch.arange(40, 60).view(2, 10)) == 0

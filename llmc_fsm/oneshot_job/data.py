@@ -110,6 +110,22 @@ def eval_windows(tokenizer: Any, text: str, num_windows: int, seq_len: int) -> A
         return token_windows(tokenizer, text, num_windows=fit, seq_len=seq_len)
 
 
+def calibration_overlap(evaluation: torch.Tensor, calibration: torch.Tensor) -> int:
+    """How many of the evaluation tokens the calibration windows also hold, when both were cut from one text: the
+    evaluation windows ``[E / L, L]`` from its head, the calibration windows ``[C / L', L']`` from its tail
+    (:func:`~llmc_fsm.data.protocol.token_windows`), so they share tokens exactly when the calibration's first token
+    sits at a position ``s < E`` of the evaluation tokens and the rest follows it there. ``0`` when they do not.
+    Reads ``O(E)`` values (the text's length is not known: only its head and tail were tokenized)."""
+    head, tail = evaluation.reshape(-1), calibration.reshape(-1)
+    if head.numel() == 0 or tail.numel() == 0:
+        return 0
+    for s in torch.nonzero(head == tail[0]).flatten().tolist():
+        n = min(head.numel() - s, tail.numel())
+        if torch.equal(head[s : s + n], tail[:n]):
+            return n
+    return 0
+
+
 def generate_calibration(
     model: nn.Module,
     tokenizer: Any,

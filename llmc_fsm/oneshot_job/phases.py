@@ -55,6 +55,7 @@ from llmc_fsm.models.layers import check_calibrates_from_text, find_decoder_laye
 from llmc_fsm.oneshot_job.data import (
     DEFAULT_PROMPTS,
     calibration_inputs,
+    calibration_overlap,
     check_modifiers,
     check_seq_len,
     describe,
@@ -239,10 +240,29 @@ def token_data(run: Run) -> None:
             _check_rows_fit(run)
         if run.ev_text is not None:
             run.eval_windows = eval_windows(run.tokenizer, run.ev_text, settings.num_eval_windows, settings.eval_length)
+            _warn_overlap(run)
         _check_token_ids(run)
     check_modifiers(run.sessions, run.model, run.windows if run.windows is not None else True)
     say_history(run)
     _say_upcast(run)
+
+
+def _warn_overlap(run: Run) -> None:
+    """One warning line when calibration and evaluation read the same text and it is too short for the calibration
+    (its tail) to miss the evaluation windows (its head): the perplexity after compression is then measured partly on
+    the tokens the compression was calibrated on (a newcomer's case: a 15k-token file given to both, 13 of 40
+    windows shared, 77.70 against 78.12 with disjoint texts, without a word)."""
+    if run.cal_text is None or run.cal_text != run.ev_text or not is_tensor(run.windows):
+        return
+    shared = calibration_overlap(run.eval_windows, run.windows)
+    if shared:
+        logger.warning(
+            "calibration and evaluation read the same text, which is too short to keep them apart: %d of the %d "
+            "evaluation tokens were calibrated on, so the perplexity after compression is optimistic; use a longer "
+            "text, fewer --num-samples / --eval-windows, or another --eval-text",
+            shared,
+            run.eval_windows.numel(),
+        )
 
 
 def say_history(run: Run) -> None:

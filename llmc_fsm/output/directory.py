@@ -82,6 +82,14 @@ def check_output_dir(output_dir: str | os.PathLike[str] | None, overwrite: bool)
         )
         raise ValueError(msg)
     if path.is_dir() and any(path.iterdir()):
+        replaceable = any((path / name).exists() for name in _MODEL_DIR_MARKERS)
+        if not overwrite and not replaceable:  # --overwrite would be refused too: do not suggest it (a newcomer's
+            msg = (  # case: the README's out/ holding other outputs, given as the output directory)
+                f"output directory {str(path)!r} exists and holds other files (not a model directory: none of "
+                f"{', '.join(_MODEL_DIR_MARKERS)}), which the output never replaces; choose a new directory, e.g. "
+                f"{str(path / 'my-model')!r}"
+            )
+            raise FileExistsError(msg)
         if not overwrite:
             msg = (
                 f"output directory {str(path)!r} exists and is not empty; pass overwrite=True (--overwrite) to "
@@ -103,7 +111,7 @@ def check_output_dir(output_dir: str | os.PathLike[str] | None, overwrite: bool)
                     "output directory"
                 )
             raise FileExistsError(msg)
-        if not any((path / name).exists() for name in _MODEL_DIR_MARKERS):
+        if not replaceable:
             msg = (
                 f"output directory {str(path)!r} does not look like a model directory (none of "
                 f"{', '.join(_MODEL_DIR_MARKERS)}); overwrite=True (--overwrite) only replaces an earlier output or a "
