@@ -46,10 +46,10 @@ Trainer divides it no further) the modifiers get it multiplied by the
 accumulation steps and the combined loss is divided back, so a distillation
 term weighs the same with or without accumulation.
 
-Refused at construction, before the Trainer is built: ``model_init`` (the
-Trainer would train a new model, not the one the session compresses),
-``auto_find_batch_size`` (its retry runs inside the same ``train()``, where the
-session cannot start again) and a ``session=`` already initialized.
+Refused at construction: ``model_init`` (the Trainer would train a new model,
+not the one the session compresses), ``auto_find_batch_size`` (its retry runs
+inside the same ``train()``, where the session cannot start again) and a
+``session=`` already initialized.
 
 If ``train()`` raises midway, the session stays ``running``: call
 ``trainer.session.finalize()`` (or ``reset()``) yourself.
@@ -215,10 +215,12 @@ class SessionTrainerMixin:
         session: the :class:`~llmc_fsm.Session`.
 
     Raises:
-        ValueError: both ``recipe`` and ``session`` given, ``teacher_device`` does
+        ValueError: both ``recipe`` and ``session`` given, ``model_init`` given, ``teacher_device`` does
             not resolve, or the teacher cannot be placed (weights on the meta
             device; ``teacher_device`` for a teacher spread over several devices)
-            — at construction, before the Trainer is built.
+            — at construction, before the Trainer is built; ``auto_find_batch_size`` set in the Trainer's
+            arguments (once they are read, in construction).
+        LifecycleError: ``session`` is not ``created`` / ``staging`` (before the Trainer is built).
     """
 
     def __init__(
