@@ -306,7 +306,7 @@ def test_an_existing_output_is_kept_without_overwrite(tmp_path):
     source = _checkpoint(tmp_path / "src", shard=None)
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "notes.txt").write_text("mine")
-    with pytest.raises(FileExistsError, match="is not empty"):
+    with pytest.raises(FileExistsError, match="exists and holds other files .not a model directory"):
         model_free_ptq(source, tmp_path / "out", scheme="W8A8", progress=False)
     assert [p.name for p in (tmp_path / "out").iterdir()] == ["notes.txt"]
 
