@@ -25,6 +25,23 @@ def _batches(n: int) -> list[dict[str, torch.Tensor]]:
     return [{"input_ids": i, "labels": i.clone()} for i in ids]
 
 
+def _two_documented_steps(recipe: str, caplog) -> Session:
+    """``recipe`` over two batches of a documented plain loop (``optimizer_step``), then ``finalize()`` with its
+    warnings in ``caplog``."""
+    model = llama(layers=1, hidden=32).train()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    session = Session(recipe)
+    initialize(session, model=model, optimizer=optimizer, steps_per_epoch=2)
+    for batch in _batches(2):
+        session.batch_start(batch=batch)
+        session.loss_calculated(model(**batch).loss).backward()
+        optimizer_step(session, optimizer)
+        session.batch_end()
+    with caplog.at_level(logging.WARNING, logger="llmc_fsm.session.session"):
+        session.finalize()
+    return session
+
+
 def test_a_loop_without_optimizer_step_events_is_warned_at_finalize_and_ends_at_final_sparsity(caplog):
     """batch_start/batch_end only, AdamW stepped by the loop: global_step stayed 0, the 0.1 mask was never re-applied
     (the weights regrew), the prune to 0.6 came at finalize AND-ed with the stale mask: 0.636, without a word."""
@@ -55,17 +72,7 @@ def test_a_loop_without_optimizer_step_events_is_warned_at_finalize_and_ends_at_
 
 
 def test_modifiers_never_started_are_named_at_finalize(caplog):
-    model = llama(layers=1, hidden=32).train()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    session = Session(NOT_REACHED)
-    initialize(session, model=model, optimizer=optimizer, steps_per_epoch=2)
-    for batch in _batches(2):
-        session.batch_start(batch=batch)
-        session.loss_calculated(model(**batch).loss).backward()
-        optimizer_step(session, optimizer)
-        session.batch_end()
-    with caplog.at_level(logging.WARNING, logger="llmc_fsm.session.session"):
-        session.finalize()
+    session = _two_documented_steps(NOT_REACHED, caplog)
     assert [r.getMessage() for r in caplog.records] == [
         "finalize(): MagnitudePruningModifier (start 2), ConstantPruningModifier (start 3) never started: the run "
         "ended at global step 2 (epoch 1), before their starts; they did nothing (the model is as training left it)"
@@ -74,15 +81,5 @@ def test_modifiers_never_started_are_named_at_finalize(caplog):
 
 
 def test_a_documented_run_is_not_warned(caplog):
-    model = llama(layers=1, hidden=32).train()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    session = Session(GRADUAL)
-    initialize(session, model=model, optimizer=optimizer, steps_per_epoch=2)
-    for batch in _batches(2):
-        session.batch_start(batch=batch)
-        session.loss_calculated(model(**batch).loss).backward()
-        optimizer_step(session, optimizer)
-        session.batch_end()
-    with caplog.at_level(logging.WARNING, logger="llmc_fsm.session.session"):
-        session.finalize()
+    _two_documented_steps(GRADUAL, caplog)
     assert caplog.records == []

@@ -903,7 +903,7 @@ class QuantizingModifier(CalibratedModifier):
         derived = {}
         if self.config_groups is not None and list(self.targets) != list(DEFAULT_TARGETS):
             derived["targets"] = "config_groups"
-        if getattr(self, "_observer_from_scheme", False):
+        if self._observer_from_scheme:
             derived["observer"] = "the scheme's weights"
         return derived
 
@@ -1042,8 +1042,7 @@ class QuantizingModifier(CalibratedModifier):
                     "compressed-tensors checkpoint (it decompresses them and finds no quantized tensor: 'We "
                     "encountered some issues during automatic conversion of the weights', measured on Mixtral, "
                     "Qwen3-MoE, PhiMoE, Qwen3-Next and Jamba with transformers 5.25): quantize the experts too (a "
-                    "weight scheme "
-                    "for them in the same recipe), or leave the KV cache in float"
+                    "weight scheme for them in the same recipe), or leave the KV cache in float"
                 )
                 raise ValueError(msg)
             self._kv_attention = self._check_kv_cache(model)
@@ -1684,8 +1683,7 @@ class QuantizingModifier(CalibratedModifier):
                 scales would be NaN); (``final``) an attention never handed keys and values to its cache argument on
                 the calibration tokens, so its scales cannot be observed.
         """
-        broken = {name: kv_cache.nonfinite_states(module) for name, module in attention.items()}
-        broken = {name: bases for name, bases in broken.items() if bases}
+        broken = {name: bases for name, m in attention.items() if (bases := kv_cache.nonfinite_states(m))}
         if broken:
             states = {"k": "keys", "v": "values", "q": "queries"}
             what = " and ".join(states[b] for b in states if any(b in bases for bases in broken.values()))
