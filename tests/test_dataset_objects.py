@@ -160,9 +160,10 @@ def test_describe_names_the_kind_in_one_line():
             {"dataset": "open_platypus"},
             "dataset (--dataset) 'open_platypus' is a dataset name registered in llm-compressor, whose preprocessing "
             "of it (prompt template, columns) llmc-fsm does not reproduce: load the Hub dataset llm-compressor "
-            "loads, 'garage-bAInd/Open-Platypus', and give it as a datasets.Dataset with its columns mapped to a "
-            "'text' or 'input_ids' column (the Hub id itself is read only when it has a 'text' column), or a local "
-            "text/JSONL file",
+            "loads, 'garage-bAInd/Open-Platypus', map its columns to a 'text' or 'input_ids' column and give it as "
+            "a datasets.Dataset (Python), or write it with a 'text' column to a JSONL file (ds.to_json('calibration.jsonl')) "
+            "and give that file (the CLI's --dataset); a local text file works too (the Hub id itself is read only when it "
+            "has a 'text' column)",
         ),
         (
             {"dataset": FakeDataset(input_ids=[[1, 2]], attention_mask=[[1, 1]], pixel_values=[[[0.5]]])},

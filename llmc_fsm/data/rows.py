@@ -137,9 +137,10 @@ def registered_name_error(value: str) -> str | None:
         return None
     return (
         f"{value!r} is a dataset name registered in llm-compressor, whose preprocessing of it (prompt template, "
-        f"columns) llmc-fsm does not reproduce: load the Hub dataset llm-compressor loads, {hub_id!r}, and give "
-        "it as a datasets.Dataset with its columns mapped to a 'text' or 'input_ids' column (the Hub id itself is "
-        "read only when it has a 'text' column), or a local text/JSONL file"
+        f"columns) llmc-fsm does not reproduce: load the Hub dataset llm-compressor loads, {hub_id!r}, map its "
+        "columns to a 'text' or 'input_ids' column and give it as a datasets.Dataset (Python), or write it with a "
+        "'text' column to a JSONL file (ds.to_json('calibration.jsonl')) and give that file (the CLI's "
+        "--dataset); a local text file works too (the Hub id itself is read only when it has a 'text' column)"
     )
 
 
