@@ -513,3 +513,47 @@ def test_distillation_under_accumulation_is_weighted_alike_with_a_compute_loss_f
         one, four = update(4, 1, reset, func), update(1, 4, reset, func)
         assert one.abs().sum() > 0
         torch.testing.assert_close(four, one, rtol=1e-4, atol=1e-7)
+
+
+def test_a_recipe_of_calibration_only_modifiers_is_refused_by_the_trainer(tmp_path):
+    """llm-compressor's three-stage recipe (docs/recipes.md): SessionTrainer asked for calibration_data it never
+    used, then warned that SparseGPT and GPTQ do nothing, and left the model dense. Refused at construction now,
+    and at train() after session.reset(recipe=...)."""
+    recipe = (
+        "sparsity_stage:\n  run_type: oneshot\n  sparsity_modifiers:\n    SparseGPTModifier: {sparsity: 0.5}\n"
+        "finetuning_stage:\n  run_type: train\n  finetuning_modifiers:\n    ConstantPruningModifier: {start: 0}\n"
+        "quantization_stage:\n  run_type: oneshot\n  quantization_modifiers:\n    GPTQModifier: {scheme: W4A16}\n"
+    )
+    with pytest.raises(ValueError) as info:
+        SessionTrainer(model=_llama(), args=_args(tmp_path), train_dataset=_Data(4), recipe=recipe)
+    assert str(info.value) == (
+        "SessionTrainer sends no calibration events, and SparseGPTModifier (stage 'sparsity_stage', run_type: "
+        "oneshot), GPTQModifier (stage 'quantization_stage', run_type: oneshot) compress on calibration events only "
+        "(quantization-aware training is not implemented): in training they would do nothing. Compress with "
+        "llmc_fsm.oneshot(model, recipe) before or after training (it skips run_type: train stages), and give "
+        "SessionTrainer a recipe of the training stages only"
+    )
+    trainer = SessionTrainer(model=_llama(), args=_args(tmp_path, max_steps=1), train_dataset=_Data(4),
+                             recipe=[ConstantPruningModifier()])
+    trainer.session.reset(recipe="s:\n  QuantizationModifier: {scheme: W8A8}\n")
+    with pytest.raises(ValueError, match=r"^SessionTrainer sends no calibration events, and QuantizationModifier "
+                       r"\(stage 's'\) compresses on calibration events only"):
+        trainer.train()
+    assert trainer.session.lifecycle == "staging"
+
+
+def test_a_user_callbacks_step_end_sees_the_batch_ended_and_may_save_the_session(tmp_path):
+    """The session's callback was added after the user's: session.save() from a user's on_step_end was refused
+    ("a checkpoint is taken between batches ... position 'optim_post_step'")."""
+    saved = []
+
+    class SaveSession(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            trainer.session.save(tmp_path / f"session-{state.global_step}")
+            saved.append(state.global_step)
+
+    trainer = SessionTrainer(model=_llama(), args=_args(tmp_path, max_steps=2), train_dataset=_Data(4),
+                             recipe=[ConstantPruningModifier()], callbacks=[SaveSession()])
+    trainer.train()
+    assert saved == [1, 2]
+    assert (tmp_path / "session-2" / "session.json").is_file()

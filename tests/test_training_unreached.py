@@ -74,8 +74,9 @@ def test_a_loop_without_optimizer_step_events_is_warned_at_finalize_and_ends_at_
 def test_modifiers_never_started_are_named_at_finalize(caplog):
     session = _two_documented_steps(NOT_REACHED, caplog)
     assert [r.getMessage() for r in caplog.records] == [
-        "finalize(): MagnitudePruningModifier (start 2), ConstantPruningModifier (start 3) never started: the run "
-        "ended at global step 2 (epoch 1), before their starts; they did nothing (the model is as training left it)"
+        "finalize(): MagnitudePruningModifier (start 2), ConstantPruningModifier (start 3) never started: no batch "
+        "came at or after their starts (the run ended at global step 2, epoch 1); they did nothing (the model is as "
+        "training left it)"
     ]
     assert session.modifiers[0].measured_sparsity is None
 
@@ -83,3 +84,45 @@ def test_modifiers_never_started_are_named_at_finalize(caplog):
 def test_a_documented_run_is_not_warned(caplog):
     _two_documented_steps(GRADUAL, caplog)
     assert caplog.records == []
+
+
+def test_a_batch_without_loss_calculated_while_distillation_is_active_is_named_once(caplog):
+    """A loop that forgets session.loss_calculated (or a Trainer subclass whose compute_loss does not call the
+    Trainer's): distillation did nothing and nothing said so. One warning line at the first such batch; none for
+    the batches before distillation starts (start 1.0, 2 steps per epoch) nor for later ones."""
+    from llmc_fsm_training import OutputDistillationModifier
+
+    model = llama(layers=1, hidden=32).train()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    session = Session([OutputDistillationModifier(start=1.0)])
+    initialize(session, model=model, teacher=llama(seed=7, layers=1, hidden=32), optimizer=optimizer, steps_per_epoch=2)
+    with caplog.at_level(logging.WARNING, logger="llmc_fsm.session.events"):
+        for batch in _batches(5):
+            session.batch_start(batch=batch)
+            model(**batch).loss.backward()
+            optimizer_step(session, optimizer)
+            session.batch_end()
+    assert [r.getMessage() for r in caplog.records] == [
+        "batch_end(): no loss_calculated(loss) came in this batch (ending at global step 3), so "
+        "OutputDistillationModifier, which changes the loss, did nothing in it: the model trained on its own loss. "
+        "Call loss = session.loss_calculated(loss) after the forward pass and backpropagate the loss it returns (a "
+        "SessionTrainer subclass overriding compute_loss: call super().compute_loss(...)); said once per run"
+    ]
+    session.finalize()
+
+
+def test_a_loop_with_loss_calculated_is_not_warned_for_it(caplog):
+    from llmc_fsm_training import OutputDistillationModifier
+
+    model = llama(layers=1, hidden=32).train()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    session = Session([OutputDistillationModifier()])
+    initialize(session, model=model, teacher=llama(seed=7, layers=1, hidden=32), optimizer=optimizer, steps_per_epoch=2)
+    with caplog.at_level(logging.WARNING, logger="llmc_fsm.session.events"):
+        for batch in _batches(3):
+            session.batch_start(batch=batch)
+            session.loss_calculated(model(**batch).loss).backward()
+            optimizer_step(session, optimizer)
+            session.batch_end()
+    assert caplog.records == []
+    session.finalize()

@@ -192,6 +192,36 @@ class Event:
         return f"Event(type={self.type!r}, global_step={self.global_step}, epoch={self.epoch})"
 
 
+class _ModifierHook:
+    """A modifier's torch hook as the module holds it (:meth:`Modifier.register_hook`). Pickling it (``torch.save``
+    of the whole model while the session runs) raises a ``TypeError`` naming the modifier: the hook function's
+    pickle by name failed with an unrelated ``PicklingError`` (found by a tester). A copy of the model
+    (``copy.deepcopy``, an EMA copy) holds the hook itself, as it held the function."""
+
+    __slots__ = ("call", "label")
+
+    def __init__(self, call: Callable[..., Any], label: str) -> None:
+        self.call = call
+        self.label = label
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.call(*args, **kwargs)
+
+    def __copy__(self) -> _ModifierHook:
+        return self
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _ModifierHook:
+        return self
+
+    def __reduce__(self) -> Any:
+        msg = (
+            f"the model holds a torch hook of {self.label}, a modifier of a session that has not been finalized, and "
+            "a hook cannot be pickled: save model.state_dict() (or save_pretrained), or pickle the model after "
+            "session.finalize() (or reset()) removed its hooks"
+        )
+        raise TypeError(msg)
+
+
 def _optional_epoch(value: Any) -> float | None:
     if value is None:
         return None
@@ -422,7 +452,9 @@ class Modifier(metaclass=ModifierType):
         dynamo = sys.modules.get("torch._dynamo")  # loaded by torch.compile (and transformers); not imported here
         if dynamo is not None:  # in a torch.compile'd model the hook runs eagerly: it keeps Python state
             guarded = dynamo.disable(guarded)
-        handle = getattr(module, f"register_{kind}_hook")(guarded, **kwargs)
+        binding = self._binding
+        label = binding.label if binding is not None else self.modifier_name()
+        handle = getattr(module, f"register_{kind}_hook")(_ModifierHook(guarded, label), **kwargs)
         self.__dict__.setdefault("_llmc_fsm_hooks", []).append(handle)
         return handle
 

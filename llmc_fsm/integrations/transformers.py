@@ -35,7 +35,10 @@ global_step=state.global_step)`` at the start of every micro-batch
 replace the loss; the Trainer then divides it for gradient accumulation and
 backpropagates it), ``optim_pre_step``/``optim_post_step`` around
 ``optimizer.step()`` (after gradient clipping), ``batch_end`` at
-``on_step_end``/``on_substep_end``, ``finalize`` at ``on_train_end``.
+``on_step_end``/``on_substep_end``, ``finalize`` at ``on_train_end``. The
+session's callback runs before every other callback: in a callback of yours,
+``on_step_end`` sees the batch ended (``trainer.session.save(...)`` works there)
+and ``on_train_begin`` the session initialized.
 
 When a recipe modifier handles ``loss_calculated`` (e.g. distillation), the
 trainer sets ``model_accepts_loss_kwargs = False``, so the loss the modifiers see
@@ -48,8 +51,10 @@ term weighs the same with or without accumulation.
 
 Refused at construction: ``model_init`` (the Trainer would train a new model,
 not the one the session compresses), ``auto_find_batch_size`` (its retry runs
-inside the same ``train()``, where the session cannot start again) and a
-``session=`` already initialized.
+inside the same ``train()``, where the session cannot start again), a
+``session=`` already initialized, and a recipe with modifiers that compress on
+calibration events only (GPTQ, SparseGPT, AWQ, ...: the Trainer sends none;
+also at ``train()``, after a ``session.reset(recipe=...)``).
 
 If ``train()`` raises midway, the session stays ``running``: call
 ``trainer.session.finalize()`` (or ``reset()``) yourself.
@@ -89,6 +94,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoin
 from llmc_fsm.core.errors import CheckpointError, LifecycleError
 from llmc_fsm.integrations import check_teacher, resolve_teacher_device, start_session
 from llmc_fsm.session.checkpoint import check_checkpoint, read_checkpoint
+from llmc_fsm.session.scheduling import calibrates_only
 from llmc_fsm.session.session import Session
 
 __all__ = ["HINTS", "SESSION_DIR", "SessionCallback", "SessionTrainer", "SessionTrainerMixin"]
@@ -165,6 +171,32 @@ class SessionCallback(TrainerCallback):
             session.finalize()
 
 
+def _refuse_calibration_only(session: Session) -> None:
+    """Refuse a recipe with modifiers that compress on calibration events only (GPTQ, SparseGPT, AWQ, ...): the
+    Trainer sends none, so they would do nothing (a tester's case: llm-compressor's three-stage recipe asked for
+    ``calibration_data`` the trainer never uses, then left the model dense).
+
+    Raises:
+        ValueError: naming them with their stages (and ``run_type``).
+    """
+    stages = {id(m): stage for stage in session.recipe.stages for m in stage.modifiers}
+    idle = []
+    for modifier, label in zip(session.modifiers, session.labels, strict=True):
+        if calibrates_only(modifier):
+            stage = stages.get(id(modifier))
+            run_type = f", run_type: {stage.run_type}" if stage is not None and stage.run_type else ""
+            idle.append(f"{label} (stage {stage.name!r}{run_type})" if stage is not None else label)
+    if idle:
+        msg = (
+            f"SessionTrainer sends no calibration events, and {', '.join(idle)} "
+            f"{'compresses' if len(idle) == 1 else 'compress'} on calibration events only (quantization-aware "
+            "training is not implemented): in training they would do nothing. Compress with "
+            "llmc_fsm.oneshot(model, recipe) before or after training (it skips run_type: train stages), and give "
+            "SessionTrainer a recipe of the training stages only"
+        )
+        raise ValueError(msg)
+
+
 def _checkpoint_step(path: str) -> int | None:
     """The step of a Trainer checkpoint directory ``.../checkpoint-N``, else ``None``."""
     name = os.path.basename(os.path.normpath(path))
@@ -215,7 +247,8 @@ class SessionTrainerMixin:
         session: the :class:`~llmc_fsm.Session`.
 
     Raises:
-        ValueError: both ``recipe`` and ``session`` given, ``model_init`` given, ``teacher_device`` does
+        ValueError: both ``recipe`` and ``session`` given, ``model_init`` given, a modifier of the recipe compresses
+            on calibration events only (the Trainer sends none), ``teacher_device`` does
             not resolve, or the teacher cannot be placed (weights on the meta
             device; ``teacher_device`` for a teacher spread over several devices)
             — at construction, before the Trainer is built; ``auto_find_batch_size`` set in the Trainer's
@@ -252,6 +285,7 @@ class SessionTrainerMixin:
             raise LifecycleError(msg, lifecycle=session.lifecycle, call="SessionTrainer", allowed=session.allowed_calls)
         self._llmc_teacher_device = resolve_teacher_device(teacher_device)
         self.session: Session = session if session is not None else Session(recipe)
+        _refuse_calibration_only(self.session)
         given = teacher if teacher is not None else (session_state or {}).get("teacher")
         given = given if given is not None else self.session.state.get("teacher")
         check_teacher(self.session, given, self._llmc_teacher_device)
@@ -277,7 +311,9 @@ class SessionTrainerMixin:
         self._llmc_staged = dict(state)  # staged again by train() after a session.reset() dropped it
         self._llmc_accepts_loss_kwargs = self.model_accepts_loss_kwargs  # the Trainer's own choice
         self._llmc_loss_kwargs()
-        self.add_callback(SessionCallback(self))
+        # first among the Trainer's callbacks: a user callback's on_step_end sees the batch ended (it may save the
+        # session; it was refused there, found by a tester), its on_train_begin the session initialized
+        self.callback_handler.callbacks.insert(0, SessionCallback(self))
 
     def _llmc_loss_kwargs(self) -> None:
         """``model_accepts_loss_kwargs`` off while a recipe modifier reads the loss (``loss_calculated``), so that
@@ -351,7 +387,8 @@ class SessionTrainerMixin:
         the model as the earlier run left it.
 
         Raises:
-            ValueError: ``resume_from_checkpoint=True`` and ``output_dir`` holds no checkpoint.
+            ValueError: ``resume_from_checkpoint=True`` and ``output_dir`` holds no checkpoint, or the recipe (after a
+                ``session.reset(recipe=...)``) has a modifier that compresses on calibration events only.
             LifecycleError: the session is not ``created`` / ``staging`` (an earlier ``train()`` finished or stopped
                 midway, and the session was not reset).
             CheckpointError: the session checkpoint does not match the session: another recipe is refused before
@@ -386,6 +423,7 @@ class SessionTrainerMixin:
                 check_checkpoint(self._llmc_saved, self.session, **given)
             except CheckpointError as exc:
                 raise self._named(exc) from exc
+        _refuse_calibration_only(self.session)  # a session.reset(recipe=...) may have changed the recipe
         self._llmc_loss_kwargs()
         return super().train(resume_from_checkpoint or None, *args, **kwargs)  # type: ignore[misc]
 

@@ -49,6 +49,8 @@ class SessionEvents:
     _trained: bool  # a training batch began in this run
     _stepped: bool  # an optim_post_step came in this run
     _calibrated: bool  # a calibration ended in this run
+    _loss_given: bool  # a loss_calculated came in the open batch
+    _loss_warned: bool  # a batch without loss_calculated was named in this run
 
     @property
     def lifecycle(self) -> str:
@@ -239,6 +241,7 @@ class SessionEvents:
                 self._warn_calibration_only()
             ev.batch = batch
             ev.loss = None
+            self._loss_given = False
             if self._schedule.pending:
                 self._schedule.advance(ev.epoch, self._call_with_event)
             self._dispatch("batch_start", ev)
@@ -283,6 +286,7 @@ class SessionEvents:
         with self._lock:
             ev = self._enter("loss_calculated")
             ev.loss = loss
+            self._loss_given = True
             self._dispatch("loss_calculated", ev)
             return ev.loss
 
@@ -325,6 +329,24 @@ class SessionEvents:
             finally:
                 ev.batch = None
                 ev.loss = None
+            if not self._loss_given and not self._loss_warned and self._schedule.dispatch["loss_calculated"]:
+                self._warn_no_loss()
+
+    def _warn_no_loss(self) -> None:
+        """At the first batch of the run that ended without ``loss_calculated`` while a modifier acting on the loss
+        was active: one warning line naming it (distillation did nothing and nothing said so: a custom
+        ``compute_loss`` that does not call the Trainer's, a loop that forgot the call; found by a tester)."""
+        self._loss_warned = True
+        labels = [slot.label for slot, _, _ in self._schedule.dispatch["loss_calculated"]]
+        logger.warning(
+            "batch_end(): no loss_calculated(loss) came in this batch (ending at global step %d), so %s, which %s the "
+            "loss, did nothing in it: the model trained on its own loss. Call loss = session.loss_calculated(loss) "
+            "after the forward pass and backpropagate the loss it returns (a SessionTrainer subclass overriding "
+            "compute_loss: call super().compute_loss(...)); said once per run",
+            self._step,
+            ", ".join(labels),
+            "changes" if len(labels) == 1 else "change",
+        )
 
     def calibration_start(self) -> None:
         """One-shot calibration begins (modifiers whose start has come are started first).

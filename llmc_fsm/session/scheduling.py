@@ -19,7 +19,7 @@ from llmc_fsm.core.guard import Guard, module_parameters, watched_parameters, wi
 from llmc_fsm.core.lifecycle import BATCH_EVENTS, CALIBRATION_EVENTS, EVENTS
 from llmc_fsm.core.modifier import Modifier, _Binding, modifier_labels, overrides
 
-__all__ = ["Schedule", "Slot"]
+__all__ = ["Schedule", "Slot", "calibrates_only", "handles"]
 
 #: Serializes binding modifiers to sessions (two sessions initializing one modifier object at once).
 _BINDING_LOCK = threading.Lock()
@@ -60,20 +60,29 @@ class Slot:
 
     @property
     def calibrates_only(self) -> bool:
-        """Whether its modifier acts on calibration events and on nothing a training loop sends (no batch event, no
-        ``on_start`` / ``on_update`` / ``on_end``): GPTQ, round-to-nearest, SparseGPT, AWQ."""
-        m = self.modifier
-        return (
-            any(self.handles(e) for e in CALIBRATION_EVENTS)
-            and not any(self.handles(e) for e in BATCH_EVENTS)
-            and not any(overrides(m, hook) for hook in ("on_start", "on_update", "on_end"))
-        )
+        """Whether its modifier acts on calibration events only (:func:`calibrates_only`)."""
+        return calibrates_only(self.modifier)
 
     def handles(self, event: str) -> bool:
-        """Whether its modifier has a hook for ``event`` (``on_event`` + ``events``, or ``on_<calibration event>``)."""
-        if event in BATCH_EVENTS:
-            return event in self.modifier.events
-        return overrides(self.modifier, f"on_{event}")
+        """Whether its modifier has a hook for ``event`` (:func:`handles`)."""
+        return handles(self.modifier, event)
+
+
+def handles(modifier: Modifier, event: str) -> bool:
+    """Whether ``modifier`` has a hook for ``event`` (``on_event`` + ``events``, or ``on_<calibration event>``)."""
+    if event in BATCH_EVENTS:
+        return event in modifier.events
+    return overrides(modifier, f"on_{event}")
+
+
+def calibrates_only(modifier: Modifier) -> bool:
+    """Whether ``modifier`` acts on calibration events and on nothing a training loop sends (no batch event, no
+    ``on_start`` / ``on_update`` / ``on_end``): GPTQ, round-to-nearest, SparseGPT, AWQ."""
+    return (
+        any(handles(modifier, e) for e in CALIBRATION_EVENTS)
+        and not any(handles(modifier, e) for e in BATCH_EVENTS)
+        and not any(overrides(modifier, hook) for hook in ("on_start", "on_update", "on_end"))
+    )
 
 
 def _release(bound: list[tuple[weakref.ref, _Binding]]) -> None:

@@ -89,6 +89,8 @@ class Session(SessionCheckpoints):
         self._trained = False
         self._stepped = False
         self._calibrated = False
+        self._loss_given = False
+        self._loss_warned = False
 
     # --- read-only views ------------------------------------------------------
     @property
@@ -345,7 +347,7 @@ class Session(SessionCheckpoints):
         the modifiers whose ``start`` the run never reached (they did nothing; both were silent, found by testers)."""
         slots = self._schedule.slots
         spe = self._state.values.get("steps_per_epoch")
-        epoch = f" (epoch {self._step / spe:.4g})" if spe else ""
+        epoch = f", epoch {self._step / spe:.4g}" if spe else ""
         if self._trained and not self._stepped:
             stepping = [s.label for s in slots if s.handles("optim_pre_step") or s.handles("optim_post_step")]
             scheduled = [s.label for s in slots if s.modifier.is_scheduled]
@@ -365,12 +367,12 @@ class Session(SessionCheckpoints):
         never = [s for s in slots if not s.started and s.modifier.start is not None] if self._trained else []
         if never:
             logger.warning(
-                "finalize(): %s never started: the run ended at global step %d%s, before %s; %s nothing (the model "
-                "is as training left it)",
+                "finalize(): %s never started: no batch came at or after %s (the run ended at global step %d%s); %s "
+                "nothing (the model is as training left it)",
                 ", ".join(f"{s.label} (start {s.modifier.start:g})" for s in never),
+                "its start" if len(never) == 1 else "their starts",
                 self._step,
                 epoch,
-                "its start" if len(never) == 1 else "their starts",
                 "it did" if len(never) == 1 else "they did",
             )
 

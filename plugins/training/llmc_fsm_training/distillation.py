@@ -18,8 +18,10 @@ only.
 How the modifier gets the logits and the teacher's input
 --------------------------------------------------------
 At initialize it registers a forward hook on the student (``state.model``) through
-:meth:`Modifier.register_hook` (removed at finalize). The hook keeps the student's
-latest output logits *and the inputs of that call*. At ``loss_calculated`` the
+:meth:`Modifier.register_hook` (removed at finalize). From each ``batch_start`` while
+the modifier is active to the batch's ``loss_calculated``, the hook keeps the
+student's latest output logits *and the inputs of that call* (nothing is held
+between batches, before ``start`` or after ``end``). At ``loss_calculated`` the
 teacher is run under ``torch.no_grad()`` on those same inputs (minus ``labels`` and
 loss-only keyword arguments), so the integration needs to pass nothing but the
 loss: any loop that calls ``model(...)`` and then ``session.loss_calculated(loss)``
@@ -258,6 +260,9 @@ class OutputDistillationModifier(Modifier):
     last_student_loss: torch.Tensor | None = attrs.field(default=None, init=False, repr=False)
     last_distill_loss: torch.Tensor | None = attrs.field(default=None, init=False, repr=False)
     _captured: tuple[Any, Any, torch.Tensor] | None = attrs.field(default=None, init=False, repr=False)
+    #: the hook captures only from an active batch_start to the loss_calculated that consumes the capture (the last
+    #: batch's logits and inputs were held before start and after end: vocab-sized, found by a tester)
+    _armed: bool = attrs.field(default=False, init=False, repr=False)
     _teacher: Any = attrs.field(default=None, init=False, repr=False)
     _student: Any = attrs.field(default=None, init=False, repr=False)
     _teacher_modes: list[tuple[torch.nn.Module, bool]] = attrs.field(factory=list, init=False, repr=False)
@@ -296,14 +301,15 @@ class OutputDistillationModifier(Modifier):
         # ``module is self._student``: a deep copy of the student (an EMA or ``AveragedModel`` copy) carries this
         # hook in its copied ``_forward_hooks``; its forwards must not replace the student's logits (found by a
         # tester: the distillation term was computed on the copy's logits and its gradient went to the copy).
-        if module is self._student and module.training and torch.is_grad_enabled():
+        if self._armed and module is self._student and module.training and torch.is_grad_enabled():
             self._captured = (args, kwargs, logits_of(output))
 
     def on_event(self, state: State, event: Event) -> torch.Tensor | None:
         if event.type == "batch_start":
             self._captured = None
+            self._armed = True
             return None
-        captured, self._captured = self._captured, None
+        captured, self._captured, self._armed = self._captured, None, False
         if captured is None:
             msg = (
                 "OutputDistillationModifier: loss_calculated() came without a training forward pass of the "
@@ -332,6 +338,7 @@ class OutputDistillationModifier(Modifier):
             module.training = training
         self._teacher_modes = []
         self._captured = None
+        self._armed = False
         self._teacher = None
         self._student = None
 

@@ -16,13 +16,17 @@ after the optimizer. At ``end`` the value at ``end`` is written, and written aga
 before every later optimizer step until finalize (``events_after_end``): a
 scheduler stepping after the optimizer does not take the rate back (it did, found
 by a tester: the HF Trainer's linear decay after ``end``). Before ``start`` the
-optimizer's own learning rate is untouched.
+optimizer's own learning rate is untouched. An ended modifier yields to another
+``LearningRateModifier`` of the same optimizer that starts at or after its ``end``
+(a warmup, then a decay): from that one's start on, the ended one writes nothing
+(it wrote its end value over the decay when listed after it, found by a tester).
 """
 
 from __future__ import annotations
 
 import math
 import numbers
+import weakref
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, cast
 
@@ -36,6 +40,10 @@ if TYPE_CHECKING:
 __all__ = ["SCHEDULES", "LearningRateModifier", "scheduled_lr"]
 
 SCHEDULES: tuple[str, ...] = ("constant", "linear", "cosine", "step")
+
+#: id(optimizer) -> the LearningRateModifiers initialized on it (an ended one yields to a later one); entries are
+#: checked against the optimizer itself (an id may be reused once an optimizer is gone)
+_ON_OPTIMIZER: dict[int, weakref.WeakSet[LearningRateModifier]] = {}
 
 
 def _check_schedule(instance: Any, attribute: Any, value: Any) -> None:
@@ -130,8 +138,9 @@ class LearningRateModifier(Modifier):
       step schedule multiplies the rate by ``gamma`` every ``step_size`` epochs.
 
     Requires state ``optimizer`` and ``steps_per_epoch`` (the schedule is in epochs). From ``end`` until finalize
-    the value at ``end`` is written before every optimizer step. :attr:`last_lr` is the value written last (the
-    rate of the last optimizer step once started).
+    the value at ``end`` is written before every optimizer step, unless another ``LearningRateModifier`` of the
+    same optimizer starting at or after ``end`` has started (then it sets the rate). :attr:`last_lr` is the value
+    this modifier wrote last (the rate of the last optimizer step while it sets the rate).
 
     Raises:
         ValueError: an unknown schedule, a learning rate, ``step_size`` or ``gamma`` out of range, ``linear``/``cosine``
@@ -168,6 +177,17 @@ class LearningRateModifier(Modifier):
             gamma=self.gamma,
         )
 
+    def _yielded(self, epoch: float) -> bool:
+        """Whether, ended, this modifier leaves the rate to another of its optimizer that started at or after its
+        ``end`` (a warmup followed by a decay, whatever their order in the recipe)."""
+        if self.end is None or epoch < self.end:
+            return False
+        peers = _ON_OPTIMIZER.get(id(self._optimizer), ())
+        return any(
+            other is not self and other._optimizer is self._optimizer and self.end <= (other.start or 0.0) <= epoch
+            for other in peers
+        )
+
     def _set(self, epoch: float) -> None:
         lr = self.lr_at(epoch)
         for group in self._optimizer.param_groups:
@@ -185,19 +205,29 @@ class LearningRateModifier(Modifier):
             msg = f"state 'optimizer' must be a torch.optim.Optimizer (with param_groups), got {type(optimizer)!r}"
             raise TypeError(msg)
         self._optimizer = optimizer
+        _ON_OPTIMIZER.setdefault(id(optimizer), weakref.WeakSet()).add(self)
 
     def on_start(self, state: State, event: Event) -> None:
         self._set(event.epoch or 0.0)
 
     def on_event(self, state: State, event: Event) -> None:
         epoch = cast(float, event.epoch)  # steps_per_epoch is required
-        self._set(epoch if self.end is None else min(epoch, self.end))  # after end: the value at end
+        if self.end is not None and epoch >= self.end:
+            if not self._yielded(epoch):
+                self._set(self.end)  # after end: the value at end
+            return
+        self._set(epoch)
 
     def on_end(self, state: State, event: Event) -> None:
-        if self.end is not None and event.type != "finalize":
+        if self.end is not None and event.type != "finalize" and not self._yielded(event.epoch or 0.0):
             self._set(self.end)
 
     def on_finalize(self, state: State) -> None:
+        peers = _ON_OPTIMIZER.get(id(self._optimizer))
+        if peers is not None:
+            peers.discard(self)
+            if not peers:
+                del _ON_OPTIMIZER[id(self._optimizer)]
         self._optimizer = None
 
     def state_dict(self) -> dict[str, Any]:

@@ -218,3 +218,90 @@ def test_distillation_of_a_student_called_with_return_dict_false_and_labels():
         session.batch_end()
         session.finalize()
     assert torch.equal(combined[0], combined[1])
+
+
+# --- found by a tester (2026-12-07, second round) -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("warmup_first", [True, False])
+def test_a_warmup_then_a_decay_give_the_same_rates_in_either_recipe_order(warmup_first):
+    """Warmup 0 -> 0.5 then cosine 0.5 -> 2 (4 steps per epoch): with the cosine listed first, the ended warmup wrote
+    its end value 0.01 over the cosine at every later step (0.01 from step 2 on)."""
+    warmup = LearningRateModifier(schedule="linear", init_lr=1e-4, final_lr=1e-2, start=0, end=0.5)
+    decay = LearningRateModifier(schedule="cosine", init_lr=1e-2, final_lr=1e-4, start=0.5, end=2.0)
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.ones(3))], lr=1.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    session = Session([warmup, decay] if warmup_first else [decay, warmup])
+    initialize(session, optimizer=optimizer, steps_per_epoch=4)
+    used = _lr_loop(session, optimizer, scheduler, 10)
+    expected = [warmup.lr_at(e / 4) if e < 2 else decay.lr_at(min(e / 4, 2.0)) for e in range(10)]
+    assert used == expected
+    assert used[2] == 1e-2 and used[8:] == [1e-4, 1e-4]
+    assert decay.last_lr == 1e-4
+    assert warmup.last_lr == warmup.lr_at(0.25)  # what it wrote last: from epoch 0.5 on the decay sets the rate
+    session.finalize()
+
+
+def test_an_ended_rate_without_a_later_schedule_is_still_kept():
+    """Two schedules on two optimizers: each keeps its own end value (one ended modifier does not yield to a
+    modifier of another optimizer)."""
+    first = torch.optim.SGD([torch.nn.Parameter(torch.ones(3))], lr=1.0)
+    second = torch.optim.SGD([torch.nn.Parameter(torch.ones(3))], lr=1.0)
+    a = LearningRateModifier(schedule="linear", init_lr=0.1, final_lr=0.01, end=0.5)
+    b = LearningRateModifier(schedule="constant", init_lr=0.3, start=0.5)
+    sa, sb = Session([a]), Session([b])
+    initialize(sa, optimizer=first, steps_per_epoch=2)
+    initialize(sb, optimizer=second, steps_per_epoch=2)
+    for session in (sa, sb):
+        for _ in range(3):
+            session.batch_start()
+            session.optim_pre_step()
+            session.optim_post_step()
+            session.batch_end()
+    assert first.param_groups[0]["lr"] == 0.01 and second.param_groups[0]["lr"] == 0.3
+    sa.finalize()
+    sb.finalize()
+
+
+def test_distillation_holds_no_logits_outside_its_active_batches():
+    """start 0.5, end 1.0, 2 steps per epoch: before start and after end the hook kept the last forward's logits
+    (with their graph) and inputs until the next forward; now nothing is held between batches or while inactive."""
+    student, teacher = _tiny_llama(), _tiny_llama(seed=7)
+    modifier = OutputDistillationModifier(start=0.5, end=1.0)
+    session = Session([modifier])
+    initialize(session, model=student, teacher=teacher, steps_per_epoch=2)
+    held = []
+    for batch in _batches(4):
+        session.batch_start(batch=batch)
+        loss = student(**batch).loss
+        held.append(modifier._captured is not None)
+        session.loss_calculated(loss).backward()
+        session.optim_pre_step()
+        session.optim_post_step()
+        session.batch_end()
+        held.append(modifier._captured is not None)
+    assert held == [False, False, True, False, False, False, False, False]
+    assert modifier.last_distill_loss is not None
+    session.finalize()
+
+
+def test_pickling_a_model_that_holds_a_running_sessions_hook_says_so(tmp_path):
+    """torch.save(model) in the middle of a distillation run raised "PicklingError: Can't pickle <function
+    OutputDistillationModifier._capture>: it's not the same object as ..."; a deep copy of the model still works."""
+    import copy
+    import pickle
+
+    student, teacher = _tiny_llama(), _tiny_llama(seed=7)
+    session = Session([OutputDistillationModifier()])
+    initialize(session, model=student, teacher=teacher)
+    with pytest.raises(TypeError) as info:
+        torch.save(student, tmp_path / "model.pt")
+    assert str(info.value) == (
+        "the model holds a torch hook of OutputDistillationModifier, a modifier of a session that has not been "
+        "finalized, and a hook cannot be pickled: save model.state_dict() (or save_pretrained), or pickle the model "
+        "after session.finalize() (or reset()) removed its hooks"
+    )
+    copied = copy.deepcopy(student)
+    assert list(copied._forward_hooks.values()) == list(student._forward_hooks.values())
+    session.finalize()
+    assert pickle.loads(pickle.dumps(student)) is not None  # no hook left
