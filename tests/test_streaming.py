@@ -344,3 +344,22 @@ def test_a_hybrid_stacks_second_layer_class_is_compressed_in_its_own_order_when_
     a, b = _tensors(mem), _tensors(low)
     assert sorted(a) == sorted(b) and "model.layers.3.self_attn.o_proj.weight" in a
     assert [key for key in a if not torch.equal(a[key], b[key])] == []
+
+
+@pytest.mark.parametrize(("family", "extra"), [("gemma2", {}), ("cohere", {}), ("llama", {})])
+def test_the_streamed_perplexity_of_logits_changed_after_the_head_equals_in_memory(tmp_path, family, extra):
+    """Gemma 2 soft-caps its logits, Cohere scales them: perplexity() saw they are not the head's projection and
+    called the model a second time, which in the streamed evaluation took the next window's replayed states (the
+    last window found none: a StopIteration traceback, the CLI's default path). Llama: the projection path."""
+    from tiny_families import build
+
+    from llmc_fsm.data.protocol import perplexity
+    from llmc_fsm.pipeline.streaming import streamed_states, tail_perplexity
+
+    model = build(family)
+    model.save_pretrained(tmp_path)
+    windows = torch.randint(3, 128, (3, 16), generator=torch.Generator().manual_seed(0))
+    expected = perplexity(model, windows)
+    lazy, _ = load_lazy(tmp_path)
+    states, as_tuple = streamed_states(lazy, windows)
+    assert tail_perplexity(lazy, windows, states, as_tuple) == expected

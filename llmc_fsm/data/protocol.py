@@ -406,10 +406,11 @@ def perplexity(
     (``get_output_embeddings()``, e.g. ``lm_head``) of the final hidden states: a pre-hook on the projection
     keeps the hidden states ``[B, L, hidden]`` and lets the model project only their first positions, and the
     loss is computed ``loss_chunk`` positions at a time from the hidden states (``[loss_chunk, vocab]``
-    logits at most, 25 MB at the default 128). On the first batch, the model's own logits of the first 4
-    positions are compared (bitwise) with the projection of their hidden states; a model that changes its
-    logits after the projection (scaling, soft-capping) fails the check and is scored from its full logits,
-    one window of them at a time, as is a model without an output projection.
+    logits at most, 25 MB at the default 128). The first batch's logits are made in full, and those of its first 4
+    positions compared (bitwise) with the projection of their hidden states; a model that changes its
+    logits after the projection (scaling, soft-capping: Gemma 2, Cohere, Granite) fails the check and is scored
+    from its full logits, one batch of them at a time (the first batch's from that same forward), as is a model
+    without an output projection.
 
     Args:
         model: a causal LM; called as ``model(input_ids=LongTensor[B, L])`` (with ``use_cache=False`` when its
@@ -463,7 +464,10 @@ def perplexity(
         with torch.inference_mode():
             for start in tqdm(range(0, n, batch_size), desc="perplexity", unit="batch", disable=not progress):
                 batch = windows[start : start + batch_size].to(device=device, dtype=torch.long)
-                hook.hidden, hook.keep = None, (_CHECK_POSITIONS if start == 0 else 0)
+                # the first batch's logits in full: scored from them when they are not the projection of the
+                # hidden states, without a second forward (a streamed model's replayed layers give each window's
+                # states once: a second call took the next window's, found by a tester)
+                hook.hidden, hook.keep = None, (length if start == 0 else 0)
                 out = model(input_ids=batch, **extra)
                 logits = out.logits if hasattr(out, "logits") else out[0]
                 hidden, hook.hidden = hook.hidden, None
@@ -473,14 +477,16 @@ def perplexity(
                     hook.active = False
                     mine = head(hidden[:, :_CHECK_POSITIONS])
                     hook.active = True
-                    if mine.shape != logits.shape or not torch.equal(mine.float(), logits.float()):
+                    first = logits[:, :_CHECK_POSITIONS]
+                    if mine.shape != first.shape or not torch.equal(mine.float(), first.float()):
                         hidden = None
                 if handle is not None and hidden is None:  # not the projection of the hidden states: full logits
                     logger.debug("perplexity: %s's logits are not its output projection; full logits", type(model))
                     handle.remove()
                     handle = None
-                    out = model(input_ids=batch, **extra)
-                    logits = out.logits if hasattr(out, "logits") else out[0]
+                    if start > 0:  # this batch's logits were cut to no position: its forward again, in full
+                        out = model(input_ids=batch, **extra)
+                        logits = out.logits if hasattr(out, "logits") else out[0]
                 if handle is not None:
                     hook.active = False
                     try:
