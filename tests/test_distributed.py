@@ -8,6 +8,7 @@ compares them with each other and with a single-process run in the test process.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import time
@@ -236,7 +237,36 @@ def _fsdp2_worker(rank: int, tmp: Path, tensors: dict[str, torch.Tensor]) -> dic
     return refused
 
 
+def _other_weights_worker(rank: int, tmp: Path, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+    from llmc_fsm.models.lazy import load_lazy
+
+    errors: dict[str, Any] = {}
+    model = llama(seed=rank)  # the same architecture, other weights on each rank
+    before = linears(model)
+    session = Session(default_recipe("sparsegpt", 0.5))
+    try:
+        session.initialize(model=model, calibration_data=windows())
+    except ValueError as exc:
+        errors["in_memory"] = str(exc)
+    errors["unchanged"] = all(torch.equal(w, before[n]) for n, w in linears(model).items())
+    errors["lifecycle_after"] = session.lifecycle
+    from safetensors.torch import save_file
+
+    directory = tmp / f"model-{rank}"  # written by hand: transformers' save_pretrained writes config.json on rank 0
+    directory.mkdir()
+    model.config.to_json_file(directory / "config.json")
+    state = {n: t.contiguous() for n, t in model.state_dict().items() if n != "lm_head.weight"}  # tied to the embedding
+    save_file(state, directory / "model.safetensors", metadata={"format": "pt"})
+    lazy, _ = load_lazy(directory)  # the streamed path: parameters on meta, read from the files later
+    try:
+        Session(default_recipe("sparsegpt", 0.5)).initialize(model=lazy.model, calibration_data=windows())
+    except ValueError as exc:
+        errors["streamed"] = str(exc)
+    return errors
+
+
 WORKERS = {
+    "other_weights": _other_weights_worker,
     "fsdp2": _fsdp2_worker,
     "oneshot": _oneshot_worker,
     "mismatch": _mismatch_worker,
@@ -398,6 +428,46 @@ def test_ranks_disagreeing_fail_on_every_rank_with_the_same_message(tmp_path, on
     assert results[0]["unchanged"] and results[1]["unchanged"]
 
 
+def _hex(data: bytes) -> str:
+    """The 8 hex digits the refusal shows for a digest of ``data``: the low 32 bits of sha256's first 8 bytes."""
+    return hashlib.sha256(data).hexdigest()[8:16]
+
+
+@pytest.mark.distributed
+def test_ranks_given_different_weights_of_one_architecture_are_refused_naming_the_first(tmp_path, one_thread):
+    """Found by a tester: ranks given different checkpoints of the same architecture (same names, shapes, dtypes)
+    passed the check at initialize, which digested only the structure, and the run mixed them silently (each module
+    broadcast by its owner). Now a digest of a sample of the values refuses it on every rank, before any work,
+    naming the first tensor that differs: the parameter in memory, the checkpoint's tensor on the streamed path."""
+    ranks = launch("other_weights", tmp_path)
+    assert all(rank["exitcode"] == 0 and "error" not in rank["meta"] for rank in ranks), [r["meta"] for r in ranks]
+    results = [rank["meta"]["result"] for rank in ranks]
+    embed = [llama(seed=r).model.embed_tokens.weight.detach() for r in range(WORLD)]
+    # in memory: every 2nd of the 128 x 64 values (a sample of at most 4096), its bytes with the dtype's name
+    sampled = [_hex(b"torch.float32" + e.reshape(-1)[::2].contiguous().numpy().tobytes()) for e in embed]
+    tail = (
+        "each rank must load the same checkpoint (a copy on another node that differs, or another checkpoint of the "
+        "same architecture, gives other weights). Every rank must run the same recipe on the same model; launch "
+        "them with the same arguments. No modifier was initialized."
+    )
+    head = "initialize() refused on every rank of the process group (2 ranks): the ranks loaded different weights"
+    expected = (
+        f"{head} (the first that differs is model.embed_tokens.weight, digest per rank — rank 0: {sampled[0]}; "
+        f"rank 1: {sampled[1]}): {tail}"
+    )
+    assert results[0]["in_memory"] == results[1]["in_memory"] == expected
+    assert results[0]["unchanged"] and results[1]["unchanged"]
+    assert results[0]["lifecycle_after"] == results[1]["lifecycle_after"] == "created"
+    # streamed: 16 pieces of 64 bytes at fixed offsets of the tensor's bytes in model.safetensors
+    raw = [e.numpy().tobytes() for e in embed]
+    pieces = [_hex(b"".join(b[len(b) * i // 16 : len(b) * i // 16 + 64] for i in range(16))) for b in raw]
+    expected = (
+        f"{head} (the first that differs is model.embed_tokens.weight (in model.safetensors), digest per rank — "
+        f"rank 0: {pieces[0]}; rank 1: {pieces[1]}): {tail}"
+    )
+    assert results[0]["streamed"] == results[1]["streamed"] == expected
+
+
 @pytest.mark.distributed
 def test_a_rank_dying_mid_run_is_reported_by_the_others(tmp_path, one_thread):
     ranks = launch("dying", tmp_path, timeout_s=30.0)
@@ -406,7 +476,7 @@ def test_a_rank_dying_mid_run_is_reported_by_the_others(tmp_path, one_thread):
     assert ranks[0]["exitcode"] == 0
     error = meta["error"]
     assert error["type"] == "ModifierError", error
-    assert "raised DistributedError: rank 0 of 2: torch.distributed all_reduce" in error["message"]
+    assert "raised PeerFailureError: rank 0 of 2: torch.distributed all_reduce" in error["message"]
     assert "another rank stopped (see its error) or did not reach this step within" in error["message"]
     assert meta["seconds"] < 30.0  # reported before the collective timeout, not a hang
 
@@ -419,7 +489,7 @@ def test_a_hanging_rank_is_reported_within_the_collective_timeout(tmp_path, one_
     on how loaded the machine is)."""
     ranks = launch("hanging", tmp_path, timeout_s=HANG_TIMEOUT_S)
     error = ranks[0]["meta"]["error"]
-    assert "raised DistributedError: rank 0 of 2: torch.distributed all_reduce" in error["message"]
+    assert "raised PeerFailureError: rank 0 of 2: torch.distributed all_reduce" in error["message"]
     assert f"Timed out waiting {int(HANG_TIMEOUT_S * 1000)}ms" in error["message"]
     stall = json.loads((tmp_path / "stall.json").read_text())
     assert stall["rank_0_reported_during_the_stall"]  # the timeout, not the stalled rank, ended the wait
@@ -446,6 +516,77 @@ def test_ddp_training_keeps_masks_identical_across_ranks(tmp_path, one_thread):
     # the state given before and after wrapping trains the same model
     for key in (k for k in t0 if k.startswith("before_wrapping")):
         assert torch.equal(t0[key], t0[key.replace("before_wrapping", "after_wrapping")]), key
+
+
+def _work_dir_with_one_layer(output: Path) -> Any:
+    from llmc_fsm.output.workdir import WorkDir
+
+    work = WorkDir.claim(output)
+    work.settle({"model": "tiny"}, resume=False)
+    (work.progress / "pass-0").mkdir(parents=True)
+    (work.progress / "pass-0" / "layer-0.safetensors").write_bytes(b"saved")
+    return work
+
+
+def test_another_ranks_failure_keeps_the_finished_layers_as_an_interruption_does(tmp_path):
+    """Found by a tester: when a peer rank died, rank 0's collective failed and it removed the finished-layer
+    progress (while torchrun was stopping it), so nothing was left to resume. Now another rank's failure (a
+    PeerFailureError, even inside a modifier's error) keeps it, with the line that says how to resume; an error of
+    the run itself still removes the work directory."""
+    from llmc_fsm.core.errors import ModifierError
+    from llmc_fsm.toolkit.distributed import DistributedError, PeerFailureError
+
+    work = _work_dir_with_one_layer(tmp_path / "out")
+    try:
+        try:
+            raise PeerFailureError("rank 0 of 2: torch.distributed all_reduce (Hessian) failed (...)")
+        except PeerFailureError as cause:
+            raise ModifierError("SparseGPTModifier.on_sequential_epoch_end() raised", modifier="m", hook="h") from cause
+    except ModifierError as exc:
+        error = exc
+    work.abort(error)
+    assert error.__notes__ == [
+        f"progress kept in {str(tmp_path / '.out.work')!r} (1 decoder layers done): run the same command with "
+        "--resume (resume=True) to continue, or remove that directory"
+    ]
+    assert (tmp_path / ".out.work" / "progress" / "pass-0" / "layer-0.safetensors").read_bytes() == b"saved"
+    work.release()
+    for exc in (ValueError("a recipe error"), DistributedError("ranks computed different weights")):
+        work = _work_dir_with_one_layer(tmp_path / "again")
+        work.abort(exc)
+        assert not hasattr(exc, "__notes__") and not (tmp_path / ".again.work").exists()
+
+
+def test_model_free_refuses_several_processes_before_any_work(tmp_path, monkeypatch):
+    """Found by a tester: ``llmc-fsm model-free`` under torchrun planned on every rank, every rank tried to claim
+    the output, and the ranks' check failed on the planning tree. Now it refuses at once, in one line."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError) as info:
+        llmc_fsm.model_free_ptq(tmp_path / "nothing-here", tmp_path / "out", scheme="W8A8")
+    assert str(info.value) == (
+        "model_free_ptq (llmc-fsm model-free) runs in one process, and this is one of 2 (torchrun / "
+        "torch.distributed): run it without torchrun"
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_an_expected_world_size_without_torchrun_is_refused(monkeypatch, capsys):
+    """Found by a tester: LLMC_FSM_WORLD_SIZE=3 in a process started without torchrun was ignored and the run went
+    on in one process. Now it is refused as the Python API's world_size= is; 1 is accepted."""
+    from llmc_fsm.cli.main import main
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setenv("LLMC_FSM_WORLD_SIZE", "3")
+    assert main(["lifecycle"]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == (
+        "llmc-fsm lifecycle: error: LLMC_FSM_WORLD_SIZE expects world size 3 but this process runs alone, without "
+        "torchrun (WORLD_SIZE unset): launch it with torchrun --nproc-per-node ... so that the ranks add up to 3, or "
+        "unset LLMC_FSM_WORLD_SIZE\n"
+    )
+    monkeypatch.setenv("LLMC_FSM_WORLD_SIZE", "1")
+    assert main(["lifecycle"]) == 0
 
 
 def test_python_dash_m_runs_the_cli():

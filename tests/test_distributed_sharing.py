@@ -237,3 +237,42 @@ def test_static_input_scales_under_ranks_say_when_they_differ_from_one_process(t
     for name, scale in one.items():
         assert torch.equal(ranks[0]["tensors"][name], ranks[1]["tensors"][name]), name
         assert torch.equal(ranks[0]["tensors"][name], scale) == name.startswith("static_minmax."), name
+
+
+FP8_RECIPES = {
+    "rtn": {"s": {"QuantizationModifier": {"scheme": "FP8_DYNAMIC", "ignore": ["lm_head"]}}},
+    "gptq": {"s": {"GPTQModifier": {"scheme": "FP8_DYNAMIC", "ignore": ["lm_head"]}}},
+}
+
+
+def _fp8_worker(rank: int, tmp: Path, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+    work = {}
+    for name, recipe in FP8_RECIPES.items():
+        model = llama(layers=LAYERS)
+        llmc_fsm.oneshot(model=model, recipe=recipe, dataset=windows(), batch_size=2, progress=False)
+        tensors.update({f"{name}/{n}": t.detach().clone() for n, t in model.state_dict().items()})
+        work[name] = [w["modules"] for w in model.llmc_fsm_report.execution.get("compress_per_rank", [])]
+    return work
+
+
+@pytest.mark.distributed
+def test_fp8_dynamic_shared_by_two_ranks_equals_one_process_bitwise(tmp_path, one_thread):
+    """Found by a tester: FP8_DYNAMIC (RTN or GPTQ) under torch.distributed always failed: the owner broadcast the
+    float8 weight_zero_point, which gloo has no type for ("Invalid scalar type"), and the message blamed another rank.
+    Now a dtype gloo lacks travels as the bytes of the tensor: the ranks share the work and every tensor, float8 ones
+    included, is bit for bit the one-process tensor."""
+    ranks = run_ranks(_fp8_worker, tmp_path, world_size=2, timeout_s=90.0, join_s=240.0)
+    for rank in ranks:
+        assert "error" not in rank["meta"], rank["meta"]
+    for name in FP8_RECIPES:  # the work was shared: each rank compressed some of the 14 targets
+        work = ranks[0]["meta"]["result"][name]
+        assert len(work) == 2 and sum(work) == len(TARGETS) and min(work) > 0, work
+    one: dict[str, torch.Tensor] = {}
+    _fp8_worker(0, tmp_path, one)
+    assert sorted(one) == sorted(ranks[0]["tensors"]) == sorted(ranks[1]["tensors"])
+    zero_points = [k for k in one if k.endswith("weight_zero_point")]
+    assert len(zero_points) == 2 * len(TARGETS) and {one[k].dtype for k in zero_points} == {torch.float8_e4m3fn}
+    for key, tensor in one.items():
+        for rank in ranks:
+            mine = rank["tensors"][key]
+            assert mine.dtype == tensor.dtype and torch.equal(mine.view(torch.uint8), tensor.view(torch.uint8)), key

@@ -12,7 +12,9 @@ Subcommands:
 debug messages and lets an error raise with its traceback. An error is one line on stderr (exit status 1, or 2 for a
 command line argparse rejects, with a pointer to ``--help`` instead of the usage block; a recipe with
 several problems: a heading line, then one line per problem, all found before any work); under
-``torchrun`` only rank 0 prints it (every rank exits with 1; ``-v`` shows each rank's traceback).
+``torchrun`` an error every rank raises alike is printed once, by rank 0, and a rank's own error (a file missing on
+its node, a crash) by that rank, prefixed ``rank N: `` (:func:`~llmc_fsm.toolkit.distributed.error_line_to_print`;
+every rank exits with 1; ``-v`` shows each rank's traceback).
 
 Each subcommand lives in the module that implements it and contributes an
 ``add_cli(subparsers)`` function; this module only wires them together.
@@ -32,7 +34,7 @@ from typing import Any, NoReturn
 from llmc_fsm.cli import lifecycle, model_free, oneshot, plugins, report
 from llmc_fsm.core.errors import ModifierError
 from llmc_fsm.core.version import __version__
-from llmc_fsm.toolkit.distributed import process_group_from_env
+from llmc_fsm.toolkit.distributed import error_line_to_print, peer_failure, process_group_from_env
 from llmc_fsm.toolkit.heap import use_huge_pages
 
 __all__ = ["main"]
@@ -155,7 +157,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     _compressed_tensors_logs_once()
     try:
         with process_group_from_env():  # under torchrun (WORLD_SIZE > 1): one rank of a torch.distributed group
-            return int(args.func(args) or 0)
+            try:
+                return int(args.func(args) or 0)
+            except BrokenPipeError:  # below: nothing to say
+                raise
+            except (ValueError, RuntimeError, OSError) as exc:  # said while the ranks can still compare lines
+                if args.verbose:
+                    raise
+                said = _one_line(exc)
+                notes = getattr(exc, "__notes__", None)
+                if notes and peer_failure(exc) is not None:  # the progress kept for --resume, as an interruption
+                    said = f"{said.rstrip('.')}; {notes[-1]}"
+                line = error_line_to_print(f"llmc-fsm {args.command}: error: {said}", exc)
+                if line is not None:
+                    print(line, file=sys.stderr)
+                return 1
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
@@ -166,7 +182,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, RuntimeError, OSError) as exc:  # OSError: FileNotFoundError, PermissionError, ...
         if args.verbose:
             raise
-        if _launch_rank() == 0:  # under torchrun every rank fails alike: one line, from rank 0 (all exit 1)
+        if _launch_rank() == 0:  # the process group's own checks fail alike on every rank: one line, from rank 0
             print(f"llmc-fsm {args.command}: error: {_one_line(exc)}", file=sys.stderr)
         return 1
 

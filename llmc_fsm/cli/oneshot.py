@@ -43,10 +43,13 @@ class Terminated(KeyboardInterrupt):
 
 def interrupted(command: str, exc: KeyboardInterrupt) -> int:
     """Print ``llmc-fsm COMMAND: interrupted (Ctrl-C | SIGTERM); <what was kept, or nothing written>`` and return the
-    exit status (130, or 143 for SIGTERM), for a command run under :func:`signals_as_interrupt`."""
+    exit status (130, or 143 for SIGTERM), for a command run under :func:`signals_as_interrupt`. Under torchrun only
+    rank 0 prints it (the one that writes: rank 1 said "nothing written" beside rank 0's "progress kept", found by a
+    tester)."""
     what = "SIGTERM" if isinstance(exc, Terminated) else "Ctrl-C"
     notes = getattr(exc, "__notes__", None)
-    print(f"llmc-fsm {command}: interrupted ({what}); {notes[-1] if notes else 'nothing written'}", file=sys.stderr)
+    if is_main_process():
+        print(f"llmc-fsm {command}: interrupted ({what}); {notes[-1] if notes else 'nothing written'}", file=sys.stderr)
     return 143 if isinstance(exc, Terminated) else 130
 
 

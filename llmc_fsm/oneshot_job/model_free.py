@@ -69,6 +69,7 @@ from llmc_fsm.output.directory import check_output_dir, check_output_not_source
 from llmc_fsm.output.save import compressed_state_dict, warn_formats, write_quantization_config
 from llmc_fsm.output.workdir import WorkDir, recover_previous
 from llmc_fsm.session.session import Session
+from llmc_fsm.toolkit.distributed import get_world_size
 from llmc_fsm.toolkit.packed import expert_reload_problem
 from llmc_fsm.toolkit.targets import compact_names, model_family, tied_head
 from llmc_fsm.toolkit.views import reloads_as_linears
@@ -127,9 +128,10 @@ def model_free_ptq(
         The output directory (resolved).
 
     Raises:
-        ValueError: both or neither of ``scheme`` / ``config``; a scheme that needs calibration data (static
-            activation scales, ``kv_cache_scheme``, an ``imatrix_mse`` observer); a targeted tensor of three
-            dimensions; several devices — before the output is created.
+        ValueError: several processes (``torchrun``, a ``torch.distributed`` group of more than one rank: it runs
+            in one), before anything else; both or neither of ``scheme`` / ``config``; a scheme that needs
+            calibration data (static activation scales, ``kv_cache_scheme``, an ``imatrix_mse`` observer); a
+            targeted tensor of three dimensions; several devices — before the output is created.
         ModifierError: what the quantization modifier refuses at ``initialize`` on the checkpoint's names, shapes
             and dtypes (targets matching nothing, a group size or block shape that does not fit), from its
             ``ValueError`` — before the output is created.
@@ -139,7 +141,8 @@ def model_free_ptq(
         OSError: reading or writing a file failed (the output is not created).
     """
     started = time.perf_counter()
-    check_output_dir(save_directory, overwrite)  # first: the cheapest refusal (claimed after the checks below)
+    _refuse_several_processes()
+    check_output_dir(save_directory, overwrite)  # the cheapest refusal (claimed after the checks below)
     plan = _plan(model_stub, scheme, config, ignore, device, converter, dtype)  # every check: nothing written yet
     if max_workers != 1:
         logger.warning("model_free_ptq: shards are processed one at a time (max_workers=%s has no effect)", max_workers)
@@ -161,6 +164,22 @@ def model_free_ptq(
         time.perf_counter() - started,
     )
     return output.output
+
+
+def _refuse_several_processes() -> None:
+    """Refuse to run as one of several processes: every rank planned and claimed the same output, and the ranks'
+    check at ``initialize`` failed on the planning tree (found by a tester); nothing here is split between ranks."""
+    try:
+        launched = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    except ValueError:
+        launched = 1
+    world = max(get_world_size(), launched)
+    if world > 1:
+        msg = (
+            f"model_free_ptq (llmc-fsm model-free) runs in one process, and this is one of {world} "
+            "(torchrun / torch.distributed): run it without torchrun"
+        )
+        raise ValueError(msg)
 
 
 @attrs.define(eq=False)

@@ -49,6 +49,7 @@ from safetensors import SafetensorError
 
 from llmc_fsm.output.save import dir_size_bytes
 from llmc_fsm.recipes.history import settings_diff
+from llmc_fsm.toolkit.distributed import is_distributed, peer_failure
 
 __all__ = [
     "LAYOUT",
@@ -294,9 +295,11 @@ class WorkDir:
         self._remove()
 
     def abort(self, exc: BaseException) -> None:
-        """Clean up after ``exc``: keep saved layers after an interruption or a write failure (:func:`write_failure`),
-        or when this run resumed them (an earlier run's progress is not this error's to discard); else remove
-        everything. The caller raises ``exc`` next.
+        """Clean up after ``exc``: keep saved layers after an interruption, another rank's failure under
+        ``torch.distributed`` (:func:`~llmc_fsm.toolkit.distributed.peer_failure`: a peer died or timed out; until
+        session 32 rank 0 removed them while torchrun was stopping it, found by a tester) or a write failure
+        (:func:`write_failure`), or when this run resumed them (an earlier run's progress is not this error's to
+        discard); else remove everything. The caller raises ``exc`` next.
 
         Raises:
             OSError: ``exc`` is (or was raised from) safetensors' ``SafetensorError``, which is not an ``OSError``:
@@ -319,9 +322,11 @@ class WorkDir:
         with contextlib.suppress(OSError):  # a vanished output folder: nothing to remove there
             shutil.rmtree(self.staging, ignore_errors=True)
         summary = progress_summary(self.progress)
-        if summary is not None and (isinstance(exc, KeyboardInterrupt) or written is not None or self.resumed):
+        stopped = isinstance(exc, KeyboardInterrupt) or peer_failure(exc) is not None  # not this run's mistake
+        if summary is not None and (stopped or written is not None or self.resumed):
+            how = " in one process (without torchrun)" if is_distributed() else ""  # ranks refuse --resume
             exc.add_note(
-                f"progress kept in {str(self.path)!r} ({summary}): run the same command with --resume "
+                f"progress kept in {str(self.path)!r} ({summary}): run the same command{how} with --resume "
                 "(resume=True) to continue, or remove that directory"
             )
             self._lock.release()

@@ -1,7 +1,7 @@
 """What ``Session.initialize`` does under ``torch.distributed``: ranks agree before any work; wrappers unwrapped.
 
-* :func:`check_ranks_agree` — every rank compares a digest of its recipe and of
-  its model's parameter names/shapes, and the expected world size when one was
+* :func:`check_ranks_agree` — every rank compares a digest of its recipe, of
+  its model's parameter names/shapes and of a sample of its weights, and the expected world size when one was
   given (state key ``world_size``); any disagreement raises the same
   ``ValueError`` on every rank before a modifier is initialized;
 * :func:`unwrap_model` / :func:`unwrap_state` — a ``DistributedDataParallel`` /
@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import re
 import sys
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -40,6 +41,59 @@ def _model_digest(model: Any) -> int:
     return _digest(repr(shapes).encode())
 
 
+#: Elements of a parameter read for its value digest: a fixed strided sample (every element of a smaller one).
+VALUE_SAMPLE = 4096
+#: Bytes read per checkpoint tensor for the digest of a model on ``meta`` (16 pieces at fixed offsets).
+_FILE_PIECES, _FILE_PIECE = 16, 64
+
+
+def _tensor_sample_digest(tensor: torch.Tensor) -> int:
+    """A digest of the bytes of a fixed strided sample of ``tensor`` (:data:`VALUE_SAMPLE` elements at most)."""
+    flat = tensor.detach().reshape(-1)
+    step = max(1, -(-flat.numel() // VALUE_SAMPLE))
+    sample = flat[::step].contiguous().cpu()
+    return _digest(str(sample.dtype).encode() + sample.view(torch.uint8).numpy().tobytes())
+
+
+def _checkpoint_digests(model: nn.Module) -> list[tuple[str, int]]:
+    """``(what, digest)`` per tensor of the safetensors checkpoint a ``meta`` model was built from (its
+    ``name_or_path`` directory), from :data:`_FILE_PIECES` pieces of its bytes; ``[]`` when there is none."""
+    directory = Path(str(getattr(model, "name_or_path", "") or ""))
+    if not str(directory) or not directory.is_dir():
+        return []
+    out = []
+    for path in sorted(directory.glob("*.safetensors")):
+        try:
+            with path.open("rb") as f:
+                size = int.from_bytes(f.read(8), "little")
+                header = json.loads(f.read(size))
+                for key in sorted(k for k in header if k != "__metadata__"):
+                    begin, end = header[key]["data_offsets"]
+                    pieces = []
+                    for i in range(_FILE_PIECES):
+                        f.seek(8 + size + begin + (end - begin) * i // _FILE_PIECES)
+                        pieces.append(f.read(min(_FILE_PIECE, end - begin)))
+                    out.append((f"{key} (in {path.name})", _digest(b"".join(pieces))))
+        except (OSError, ValueError, KeyError, TypeError):  # unreadable: its own error comes when it is read
+            out.append((path.name, 0))
+    return out
+
+
+def _value_digests(model: Any) -> list[tuple[str, int]]:
+    """``(parameter name, digest of a sample of its values)`` per parameter of ``model`` (tied ones once); for
+    parameters on ``meta`` (the streamed path reads each layer later) the checkpoint's tensors instead
+    (:func:`_checkpoint_digests`). Cheap: a few thousand elements per tensor."""
+    if not isinstance(model, nn.Module):
+        return []
+    out, on_meta = [], False
+    for name, p in model.named_parameters():
+        if p.is_meta:
+            on_meta = True
+        else:
+            out.append((name, _tensor_sample_digest(p)))
+    return out + (_checkpoint_digests(model) if on_meta else [])
+
+
 def _positive_int_or_none(name: str, value: Any) -> int | None:
     if value is None:
         return None
@@ -59,15 +113,19 @@ def _ranks(table: list[list[int]], column: int) -> str:
 
 
 def check_ranks_agree(fingerprint: list[dict], state: State) -> None:
-    """Raise the same error on every rank unless all ranks agree on recipe, model structure and world size.
+    """Raise the same error on every rank unless all ranks agree on recipe, model structure, weights and world size.
 
     Called by ``Session.initialize`` before any modifier is initialized. One
-    ``all_gather`` of three int64 per rank: a digest of the recipe's ``fingerprint`` (each
+    ``all_gather`` of five int64 per rank: a digest of the recipe's ``fingerprint`` (each
     modifier's label, class, stage and arguments:
     :func:`llmc_fsm.recipes.fingerprint.recipe_fingerprint`), a digest of the model's
-    parameter names, shapes and dtypes, and the expected world size (state key
-    ``world_size``, optional). With ``world_size`` given and no process group,
-    it must be 1.
+    parameter names, shapes and dtypes, the expected world size (state key
+    ``world_size``, optional), and digests of the weights' values and their names (without an optimizer in the
+    state: a fixed strided sample of :data:`VALUE_SAMPLE` elements per parameter, or for a model on ``meta``
+    pieces of each tensor of its safetensors checkpoint; ranks given different checkpoints of one architecture
+    were mixed silently, each module's owner broadcasting its own, found by a tester); when the values differ, a
+    second ``all_gather`` of one digest per tensor names the first that differs. With ``world_size`` given and no
+    process group, it must be 1.
 
     Raises:
         ValueError: ``world_size`` is not a positive int; the ranks disagree (on
@@ -85,13 +143,24 @@ def check_ranks_agree(fingerprint: list[dict], state: State) -> None:
             )
             raise ValueError(msg)
         return
-    row = [_recipe_digest(fingerprint), _model_digest(state.get("model")), -1 if expected is None else expected]
+    training = state.get("optimizer") is not None  # DistributedDataParallel makes the ranks' weights equal itself
+    values = [] if training else _value_digests(state.get("model"))
+    labels = [label for label, _ in values]
+    row = [
+        _recipe_digest(fingerprint),
+        _model_digest(state.get("model")),
+        -1 if expected is None else expected,
+        _digest(repr(values).encode()),
+        _digest(repr(labels).encode()),
+    ]
     table = all_gather_ints(row, what="all_gather (recipe check at initialize)")
     problems = []
     if len({r[0] for r in table}) > 1:
         problems.append(f"the recipe differs between ranks (digest per rank — {_ranks(table, 0)})")
     if len({r[1] for r in table}) > 1:
         problems.append(f"the model's parameter names/shapes differ between ranks ({_ranks(table, 1)})")
+    elif len({r[3] for r in table}) > 1:  # the same structure, other values: a different checkpoint (a tester)
+        problems.append(_differing_weights(table, values))
     wanted = sorted({r[2] for r in table if r[2] != -1})
     if len(wanted) > 1 or (wanted and len({r[2] for r in table}) > 1):
         given = ", ".join(f"rank {k}: {r[2] if r[2] != -1 else 'none'}" for k, r in enumerate(table))
@@ -105,6 +174,21 @@ def check_ranks_agree(fingerprint: list[dict], state: State) -> None:
             "No modifier was initialized."
         )
         raise ValueError(msg)
+
+
+def _differing_weights(table: list[list[int]], values: list[tuple[str, int]]) -> str:
+    """The problem with ranks whose weights differ, naming the first tensor that does (a second ``all_gather``, of
+    one digest per tensor; every rank calls it, having seen the same ``table``)."""
+    if len({r[4] for r in table}) > 1:  # e.g. the streamed path's checkpoint files differ in their tensors' names
+        where = f"the checkpoints hold different tensors ({_ranks(table, 4)})"
+    else:
+        digests = all_gather_ints([d for _, d in values], what="all_gather (weights check at initialize)")
+        first = next(i for i in range(len(values)) if len({r[i] for r in digests}) > 1)
+        where = f"the first that differs is {values[first][0]}, digest per rank — {_ranks(digests, first)}"
+    return (
+        f"the ranks loaded different weights ({where}): each rank must load the same checkpoint (a copy on another "
+        "node that differs, or another checkpoint of the same architecture, gives other weights)"
+    )
 
 
 # --------------------------------------------------------------------------- wrappers

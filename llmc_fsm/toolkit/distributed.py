@@ -24,10 +24,11 @@ library does under a process group:
 * at ``Session.initialize`` every rank compares digests of its recipe and
   model, and a ``DistributedDataParallel`` model is unwrapped
   (:mod:`llmc_fsm.session.ranks`);
-* :func:`process_group_from_env` — what the CLI does under ``torchrun``.
+* :func:`process_group_from_env` — what the CLI does under ``torchrun``; :func:`error_line_to_print` — which rank
+  prints an error, and how.
 
 A collective that fails (another rank stopped, or did not arrive within the
-process group's timeout) raises :class:`DistributedError` naming this rank
+process group's timeout) raises :class:`PeerFailureError` (a :class:`DistributedError`) naming this rank
 and the step, instead of hanging.
 """
 
@@ -37,6 +38,7 @@ import contextlib
 import hashlib
 import logging
 import os
+import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from datetime import timedelta
 from typing import Any
@@ -46,7 +48,9 @@ import torch.distributed as dist
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
+    "ERROR_WAIT_S",
     "DistributedError",
+    "PeerFailureError",
     "all_gather_ints",
     "all_reduce_accumulator",
     "all_reduce_tensor",
@@ -54,10 +58,12 @@ __all__ = [
     "broadcast_tensor",
     "broadcast_values",
     "check_same_values",
+    "error_line_to_print",
     "get_rank",
     "get_world_size",
     "is_distributed",
     "is_main_process",
+    "peer_failure",
     "process_group_from_env",
     "rank_work",
     "reduce_statistics",
@@ -76,10 +82,33 @@ TIMEOUT_ENV = "LLMC_FSM_DIST_TIMEOUT"
 WORLD_SIZE_ENV = "LLMC_FSM_WORLD_SIZE"
 
 _timeout_s: float | None = None  # set when process_group_from_env created the group
+#: Dtypes every backend broadcasts as they are (gloo has no float8, int16 or unsigned types beyond uint8); any other
+#: travels as the bytes of the tensor (``uint8``), which a broadcast copies exactly.
+_WIRE_DTYPES = frozenset(
+    {torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8, torch.int32, torch.int64}
+)
 
 
 class DistributedError(RuntimeError):
     """A ``torch.distributed`` collective failed: another rank stopped or timed out, or the ranks diverged."""
+
+
+class PeerFailureError(DistributedError):
+    """A collective failed because another rank stopped (it died or raised) or did not reach the same step within
+    the process group's timeout: the cause is elsewhere, this rank's own work is sound (its finished progress may be
+    kept, and a non-zero rank does not print it: :func:`peer_failure`)."""
+
+
+def peer_failure(exc: BaseException | None) -> PeerFailureError | None:
+    """The :class:`PeerFailureError` behind ``exc`` (``exc`` itself, or one it was raised from or while handling, at
+    any depth: a modifier's hook wraps it in a ``ModifierError``), or ``None``."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, PeerFailureError):
+            return exc
+        seen.add(id(exc))
+        exc = exc.__cause__ if exc.__cause__ is not None else exc.__context__
+    return None
 
 
 # --------------------------------------------------------------------------- who am I
@@ -126,7 +155,7 @@ def _collective(what: str) -> Iterator[None]:
             f"rank {get_rank()} of {get_world_size()}: torch.distributed {what} failed ({first}); another rank "
             f"stopped (see its error) or did not reach this step within {timeout}. This rank stops too."
         )
-        raise DistributedError(msg) from exc
+        raise PeerFailureError(msg) from exc
 
 
 def all_reduce_tensor(tensor: torch.Tensor, *, op: str = "sum", what: str = "all_reduce") -> torch.Tensor:
@@ -246,6 +275,9 @@ def broadcast_tensor(tensor: torch.Tensor, *, src: int, what: str = "broadcast")
     """``torch.distributed.broadcast`` of ``tensor`` from rank ``src``, in place (moved to the collective device and
     back when it lives elsewhere). Without a process group of more than one rank: unchanged.
 
+    Any dtype, bit for bit: one the backends lack (float8, int16, uint16/32/64: gloo raised "Invalid scalar type"
+    for FP8_DYNAMIC's float8 zero points, found by a tester) travels as the ``uint8`` bytes of the same storage.
+
     Returns:
         ``tensor`` (the same object, holding rank ``src``'s values).
 
@@ -256,8 +288,9 @@ def broadcast_tensor(tensor: torch.Tensor, *, src: int, what: str = "broadcast")
         return tensor
     device = _device()
     work = tensor if tensor.device == device and tensor.is_contiguous() else tensor.to(device).contiguous()
+    wire = work if work.dtype in _WIRE_DTYPES else work.reshape(-1).view(torch.uint8)  # the same bytes
     with _collective(what):
-        dist.broadcast(work, src=src)
+        dist.broadcast(wire, src=src)
     if work is not tensor:
         tensor.copy_(work)
     return tensor
@@ -429,6 +462,47 @@ def shard(windows: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
 
 
 # --------------------------------------------------------------------------- the CLI under torchrun
+#: Seconds a rank other than 0 waits for rank 0's error line (:func:`error_line_to_print`) before it prints its own.
+ERROR_WAIT_S = 10.0
+_ERROR_KEY = "llmc_fsm/error/rank0"
+
+
+def error_line_to_print(line: str, exc: BaseException, *, wait_s: float | None = None) -> str | None:
+    """What this rank prints for the error ``exc`` that stops it (``line``: the command's one line for it), so that
+    an error every rank raises alike is said once and one rank's own error is said at all.
+
+    Without a process group of more than one rank, and on rank 0: ``line`` (rank 0 also leaves it in the process
+    group's key-value store for the others). On another rank: ``None`` when ``exc`` comes from another rank's
+    failure (:func:`peer_failure`: rank 0 says it) or when rank 0 left the same line within ``wait_s`` seconds
+    (default :data:`ERROR_WAIT_S`; an error every rank raises alike: a recipe's, a refusal at ``initialize``), else
+    ``"rank N: " + line`` (its own: a model or data file missing on its node, a crash; until 2026-12-07 only rank 0
+    printed, so such an error was never shown, found by a tester). A store that cannot be reached counts as a
+    different line. Never raises.
+    """
+    if not is_distributed():
+        return line
+    rank = get_rank()
+    try:
+        store = dist.distributed_c10d._get_default_store()
+    except Exception:  # no store to share lines through: each rank says its own
+        store = None
+    if rank == 0:
+        if store is not None:
+            with contextlib.suppress(Exception):
+                store.set(_ERROR_KEY, line)
+        return line
+    if peer_failure(exc) is not None:
+        return None
+    if store is not None:
+        deadline = time.monotonic() + (ERROR_WAIT_S if wait_s is None else wait_s)
+        with contextlib.suppress(Exception):  # rank 0's store gone with it: say it here
+            while not store.check([_ERROR_KEY]) and time.monotonic() < deadline:  # store.wait logs its timeout
+                time.sleep(0.05)
+            if store.check([_ERROR_KEY]) and store.get(_ERROR_KEY).decode("utf-8") == line:
+                return None
+    return f"rank {rank}: {line}"
+
+
 def _env_number(name: str, cast: Any, default: Any) -> Any:
     raw = os.environ.get(name)
     if raw is None or raw == "":
@@ -454,22 +528,33 @@ def process_group_from_env() -> Iterator[bool]:
     :data:`DEFAULT_TIMEOUT_S`). If ``$LLMC_FSM_WORLD_SIZE`` is set, every rank
     checks it against the group's size right away (one ``all_gather``), before
     any work. Does nothing when a process group already exists or the
-    environment names a single process.
+    environment names a single process (where ``$LLMC_FSM_WORLD_SIZE``, if set, must be 1).
 
     Yields:
         Whether this context created a process group.
 
     Raises:
-        ValueError: a bad environment variable, or a world size other than the expected one.
+        ValueError: a bad environment variable, or a world size other than the expected one (also without
+            torchrun: ``$LLMC_FSM_WORLD_SIZE`` above 1 in a process started alone).
     """
 
     global _timeout_s
     world = int(os.environ.get("WORLD_SIZE", "1") or 1)
-    if world <= 1 or "RANK" not in os.environ or not dist.is_available() or dist.is_initialized():
+    expected = _env_number(WORLD_SIZE_ENV, int, None)
+    if dist.is_available() and dist.is_initialized():
+        yield False
+        return
+    if world <= 1 or "RANK" not in os.environ or not dist.is_available():
+        if expected is not None and expected != 1:  # it was ignored, and the run went on in one process (a tester)
+            msg = (
+                f"{WORLD_SIZE_ENV} expects world size {expected} but this process runs alone, without torchrun "
+                f"(WORLD_SIZE {os.environ.get('WORLD_SIZE') or 'unset'}): launch it with torchrun --nproc-per-node "
+                f"... so that the ranks add up to {expected}, or unset {WORLD_SIZE_ENV}"
+            )
+            raise ValueError(msg)
         yield False
         return
     timeout = float(_env_number(TIMEOUT_ENV, float, DEFAULT_TIMEOUT_S))
-    expected = _env_number(WORLD_SIZE_ENV, int, None)
     backend = "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
