@@ -170,9 +170,16 @@ def _reference_shared_search(model: torch.nn.Module):
     w_mean = torch.cat(rows).mean(dim=0)
 
     def error(s: torch.Tensor) -> float:
-        q = torch.stack([torch.cat([_q_int4_sym_g16(p * s) / s for p in (w[e, :inter], w[e, inter:])])
+        q = torch.stack([torch.cat([_q_int4_sym_g16(p.float() * s.float()) / s.float().double()
+                                    for p in (w[e, :inter], w[e, inter:])])
                          for e in range(w.shape[0])])  # fmt: skip
         return float((run(q) - reference).pow(2).mean())
+
+    balances = [router.float(), *(p.float() for e in range(w.shape[0]) for p in (w[e, :inter], w[e, inter:]))]
+    w_mean32 = awq_weight_mean(balances, [None] + [GROUP] * (len(balances) - 1))
+
+    def candidate32(r: float) -> torch.Tensor:
+        return awq_candidate_scales(x.float().abs().mean(dim=0), w_mean32, r).double()
 
     def candidate(r: float) -> torch.Tensor:
         s = (x_mean.pow(r) / (w_mean.pow(1 - r) + 1e-4)).clamp(min=1e-4)
@@ -180,10 +187,10 @@ def _reference_shared_search(model: torch.nn.Module):
 
     unsmoothed = error(torch.ones_like(x_mean))
     best: tuple[float, float | None] = (unsmoothed, None)
-    for i in range(N_GRID):
-        e = error(candidate(i / N_GRID))
+    for i in range(N_GRID - 1):
+        e = error(candidate32(i / (N_GRID - 2)))
         if e < best[0]:
-            best = (e, i / N_GRID)
+            best = (e, i / (N_GRID - 2))
     return best[1], unsmoothed, candidate, error
 
 
@@ -584,12 +591,12 @@ def _reference_block_search(model: torch.nn.Module, family: str):
 
     best: tuple[float, float | None] = (error(torch.ones_like(x_mean)), None)
     errors = []
-    for i in range(N_GRID):
-        scales = awq_candidate_scales(x_mean.float(), w_mean32, i / N_GRID).double()
-        assert torch.allclose(scales, candidate(i / N_GRID), rtol=1e-6, atol=0)
+    for i in range(N_GRID - 1):
+        scales = awq_candidate_scales(x_mean.float(), w_mean32, i / (N_GRID - 2)).double()
+        assert torch.allclose(scales, candidate(i / (N_GRID - 2)), rtol=1e-6, atol=0)
         errors.append(error(scales))
         if errors[-1] < best[0]:
-            best = (errors[-1], i / N_GRID)
+            best = (errors[-1], i / (N_GRID - 2))
     return best[1], candidate, error, errors
 
 

@@ -3,20 +3,23 @@
 For each mapping (a smooth layer and the Linears reading its output, :mod:`llmc_fsm_quantization.mappings`;
 defaults ``input_layernorm -> q/k/v``, ``v_proj -> o_proj`` without grouped-query attention,
 ``post_attention_layernorm -> gate/up``, ``up_proj -> down_proj``), with ``x_j`` the mean ``|X_j|`` of input
-channel ``j`` over the calibration tokens, the candidate scales for exponent ``r`` in ``0, 1/n, ..., (n-1)/n``
-(``n = n_grid``, default 20) are
+channel ``j`` over the calibration tokens, the candidate scales for an exponent ``r`` of llm-compressor 0.14's grid
+(:func:`awq_grid`, ``n = n_grid``, default 20: ``r`` from 0 to 1 inclusive) are
 
 * ``s_j = x_j ** r`` (the paper's search space, ``duo_scaling: false``), or
 * ``s_j = x_j ** r / (w_j ** (1 - r) + 1e-4)`` (``duo_scaling: true``, the default, as llm-compressor and
   AutoAWQ), ``w_j`` the mean over the balance layers' rows of ``|W_ij|`` divided by the maximum ``|W|`` of
   the quantization group holding it;
 
-clamped to at least ``1e-4`` and divided by ``sqrt(max s * min s)``. ``duo_scaling: both`` searches both
-families (``2 n`` candidates). Each candidate is scored by the mean squared difference between the block's
+clamped to at least ``1e-4`` and divided by ``sqrt(max s * min s)``. The grid's first candidate is ``r = 0`` without
+the weight term, ``s = 1`` (no smoothing); then ``duo_scaling: true`` tries ``r = i / (n - 2)``, ``i = 0 .. n - 2``,
+with it (``n`` candidates in all), ``false`` ``r = i / (n - 1)`` without it (``n``), ``"both"`` ``r = i / (m - 1)``,
+``m = n // 2``, without then with it (``2 m``): the same candidates, in the same order, as llm-compressor. Each
+candidate is scored by the mean squared difference between the block's
 float output and its output with every quantized balance layer's weight replaced by ``Q(W diag(s)) diag(s)^-1``
 (``Q``: round-to-nearest with the quantizing modifier's scheme and observer), on the layer's calibration
 inputs; the block is the innermost module holding the balance layers (``self_attn``, ``o_proj``, ``mlp``,
-``down_proj``). No smoothing (``s = 1``) is scored too and kept when no candidate beats it, so smoothing never
+``down_proj``). No smoothing (``s = 1``, the first candidate) is kept when no candidate beats it, so smoothing never
 raises a block's error on the calibration data. The errors are summed window by window in a fixed order, and the
 search is a branch and bound over the windows (taken in the order of the unsmoothed block's error per window,
 largest first): every candidate's first window is scored, then the candidates are
@@ -122,7 +125,16 @@ from llmc_fsm_quantization.smoothquant import (
     suspended_forward_hooks,
 )
 
-__all__ = ["NOT_CLIPPED", "AWQModifier", "awq_candidate_scales", "awq_clip_search", "awq_weight_mean", "clip_problem"]
+__all__ = [
+    "MIN_N_GRID",
+    "NOT_CLIPPED",
+    "AWQModifier",
+    "awq_candidate_scales",
+    "awq_clip_search",
+    "awq_grid",
+    "awq_weight_mean",
+    "clip_problem",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -162,6 +174,42 @@ def awq_candidate_scales(x_mean: torch.Tensor, w_mean: torch.Tensor | None, rati
         s = s / (w_mean.pow(1.0 - ratio) + 1e-4)
     s = s.clamp_min(1e-4)
     return s / (s.max() * s.min()).sqrt()
+
+
+#: smallest ``n_grid`` per ``duo_scaling`` (:func:`awq_grid`): llm-compressor 0.14's grid divides by ``n - 1``,
+#: ``n - 2`` and ``n // 2 - 1``.
+MIN_N_GRID = {False: 2, True: 3, "both": 4}
+
+
+def awq_grid(duo_scaling: bool | str, n_grid: int) -> list[tuple[float, bool]]:
+    """The exponent grid of the AWQ search: ``(ratio, duo)`` per candidate, in order, as llm-compressor 0.14's
+    ``AWQModifier._get_grid_search_params``.
+
+    * ``False``: ``(i / (n - 1), False)`` for ``i`` in ``0 .. n - 1`` (``n`` candidates, ratios 0 to 1);
+    * ``True``: ``(0, False)`` (no smoothing: ``x ** 0 = 1``), then ``(i / (n - 2), True)`` for ``i`` in
+      ``0 .. n - 2`` (``n`` candidates);
+    * ``"both"``: ``m = n // 2``; for ``i`` in ``0 .. m - 1``: ``(i / (m - 1), False)``, ``(i / (m - 1), True)``
+      (``2 m`` candidates).
+
+    The first candidate is ``(0.0, False)``, scales all 1, in every case.
+
+    Raises:
+        ValueError: ``n_grid`` below :data:`MIN_N_GRID` for ``duo_scaling`` (llm-compressor divides by zero there).
+    """
+    least = MIN_N_GRID[duo_scaling]
+    if n_grid < least:
+        msg = (
+            f"n_grid must be at least {least} with duo_scaling {duo_scaling!r} (the exponent grid runs from 0 to 1 in "
+            f"steps of 1/(n_grid - {1 if duo_scaling is False else 2}) as in llm-compressor, for 'both' 1/(n_grid // 2 "
+            f"- 1)), got {n_grid}"
+        )
+        raise ValueError(msg)
+    if duo_scaling == "both":
+        half = n_grid // 2
+        return [(i / (half - 1), duo) for i in range(half) for duo in (False, True)]
+    if duo_scaling is False:
+        return [(i / (n_grid - 1), False) for i in range(n_grid)]
+    return [(0.0, False)] + [(i / (n_grid - 2), True) for i in range(n_grid - 1)]
 
 
 #: leaf names of the projections the clipping search leaves alone (queries and keys, fused ones included).
@@ -370,7 +418,8 @@ class AWQModifier(SmoothingModifier):
         mappings: llm-compressor's ``mappings`` (either form); default: derived from the model (see
             :mod:`llmc_fsm_quantization.mappings`).
         duo_scaling: ``true`` (default), ``false`` or ``"both"`` (see the module docstring).
-        n_grid: exponent grid points (default 20, as llm-compressor).
+        n_grid: exponent grid points (default 20; :func:`awq_grid`, as llm-compressor); at least
+            :data:`MIN_N_GRID` of ``duo_scaling`` (2, 3, 4), else ``ValueError`` here.
         ignore: module patterns not quantized (with a scheme); a mapping whose smooth layer or every balance layer
             is ignored is not smoothed, an ignored balance layer of another mapping (a router) absorbs the scale in
             its float weights (:func:`~llmc_fsm_quantization.mappings.resolve_mappings`); default ``["lm_head"]``.
@@ -399,6 +448,7 @@ class AWQModifier(SmoothingModifier):
     """
 
     include_linear_mappings = True
+    skip_incompatible_mappings = True
 
     duo_scaling: Any = attrs.field(default=True, validator=_duo)
     n_grid: int = attrs.field(default=20, validator=_grid)
@@ -421,6 +471,7 @@ class AWQModifier(SmoothingModifier):
         self._quantizer: QuantizationModifier | None = None
         #: smooth layers of the mappings left unsmoothed because nothing quantizes their balance layers
         self.unsmoothed: list[str] = []
+        awq_grid(self.duo_scaling, self.n_grid)  # n_grid too small for the grid of duo_scaling: refused here
         if self.scheme is not None and self.config_groups is not None:
             raise ValueError("give scheme or config_groups, not both")
         scheme, targets = self.scheme, self.targets
@@ -736,8 +787,8 @@ class AWQModifier(SmoothingModifier):
         quantizers = [self._quantizers.get(id(b)) for b in mapping.balances]
         x_mean = (observer.abs_sum[name] / observer.tokens[name]).to(torch.float32)
         w_mean = awq_weight_mean([b.weight for b in mapping.balances], [_group_size(q) for q in quantizers])
-        families = {True: [True], False: [False], "both": [False, True]}[self.duo_scaling]
-        grid = [(i / self.n_grid, duo) for duo in families for i in range(self.n_grid)]
+        # llm-compressor's grid; its first candidate, (0.0, False), is s = 1: scored as no smoothing (None)
+        grid = awq_grid(self.duo_scaling, self.n_grid)[1:]
         evaluate: _BlockError | _GramError
         inputs = observer.parent_inputs[name]
         if (

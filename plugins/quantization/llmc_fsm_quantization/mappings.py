@@ -55,10 +55,13 @@ A recipe may give the mappings itself, as llm-compressor writes them (:func:`par
 names, class names or ``re:<regex>`` (``re.match`` on the full name, :func:`llmc_fsm.toolkit.targets.matches`).
 For each module the smooth pattern matches, every balance pattern is looked up in the innermost
 enclosing module where each of them matches (its decoder layer, or its attention block for
-``v_proj -> o_proj``); there each must match one Linear, else that smooth layer is skipped (e.g. a
-final norm whose nearest ``q_proj`` s are every layer's). The per-expert matrices of fused experts are matched by
-their view names (``<experts>.<e>.gate_proj``, ``.up_proj``, ``.down_proj``, :func:`~llmc_fsm.toolkit.weight_views`)
-and a balance pattern may match every expert of one experts module, as llm-compressor's MoE mappings write them::
+``v_proj -> o_proj``); every match there is a balance layer, as llm-compressor 0.14 takes them
+(``re:.*self_attn\\.(q|k|v)_proj$`` is ``q_proj``, ``k_proj``, ``v_proj``), but a pattern matching several Linears
+of several decoder layers is not (a final norm whose nearest ``q_proj`` s are every layer's: that smooth layer is
+skipped, with a warning). A recipe mapping that fits none of the smooth layers it matches is refused. The
+per-expert matrices of fused experts are matched by their view names (``<experts>.<e>.gate_proj``, ``.up_proj``,
+``.down_proj``, :func:`~llmc_fsm.toolkit.weight_views`) and a balance pattern may match every expert of one
+experts module, as llm-compressor's MoE mappings write them::
 
     - smooth_layer: "re:.*post_attention_layernorm$"
       balance_layers: ["re:.*mlp.gate$", "re:.*mlp.experts.*.gate_proj$", "re:.*mlp.experts.*.up_proj$"]
@@ -373,9 +376,12 @@ def _default_specs_for_layer(layer: nn.Module, *, include_linear: bool) -> list[
     parallel = _parallel_mlp_inputs(layer, children, norms)
     experts_in_mlp = "mlp" in children and bool(_experts_modules(children["mlp"]))
     parallel_moe = norms == ["input_layernorm"] and experts_in_mlp and not parallel
+    # Falcon-H1: attention and a mamba mixer side by side read the one pre-mixer norm (each times a scalar multiplier)
+    mamba = _child(layer, "mamba")
+    mamba_in = ("mamba.in_proj",) if mamba is not None and is_linear_like(_child(mamba, "in_proj")) else ()
     if norm is not None and _is_norm(norm) and q and k and v and not parallel_moe:
         gated = (f"{attention}.{attention_gate[0]}",) if attention_gate else ()
-        out.append((norm_name, (q[0], k[0], v[0], *gated, *parallel)))
+        out.append((norm_name, (q[0], k[0], v[0], *gated, *mamba_in, *parallel)))
     elif norm is not None and _is_norm(norm) and qkv and not parallel_moe:
         out.append((norm_name, (qkv[0], *parallel)))
     if include_linear and parallel and experts_in_mlp and norm is not None and _is_norm(norm):
@@ -779,6 +785,9 @@ def _resolved(
         parent = balance_names[0]
     else:
         parent = _common_prefix(balance_names).rstrip(".")
+    # not a ModuleList (several experts' Linears of a list of expert MLPs): it has no forward, its holder has
+    while parent and isinstance(_lookup(root, modules, parent), nn.ModuleList):
+        parent = parent.rpartition(".")[0]
     views = [modules[n] for n in (smooth, *balance_names) if isinstance(modules.get(n), LinearView)]
     smooth_module = _lookup(root, modules, smooth)
     if not isinstance(getattr(smooth_module, "weight", None), torch.Tensor):
@@ -866,18 +875,52 @@ def _scopes(name: str) -> list[str]:
     return [".".join(parts[:i]) for i in range(len(parts) - 1, -1, -1)]
 
 
+def _output_projection_misfit(mapping: ResolvedMapping) -> bool:
+    """Whether ``mapping`` is a misfit llm-compressor 0.14's AWQ skips itself (``_check_layers_are_compatible``): a
+    Linear ``v_proj`` whose output is not ``o_proj``'s input, or ``qkv_proj`` whose output is not 3 x it (grouped-query
+    attention; its default ``v_proj -> o_proj`` mapping, which its saved recipes record, meets them on most models)."""
+    smooth = mapping.smooth
+    if not isinstance(smooth, nn.Linear):
+        return False
+    for name, balance in zip(mapping.balance_names, mapping.balances, strict=True):
+        if not isinstance(balance, nn.Linear) or not name.endswith(".o_proj"):
+            continue
+        if mapping.smooth_name.endswith(".v_proj") and smooth.out_features != balance.in_features:
+            return True
+        if mapping.smooth_name.endswith(".qkv_proj") and smooth.out_features != 3 * balance.in_features:
+            return True
+    return False
+
+
+def _spans_layers(scope: str, layers_name: str | None) -> bool:
+    """Whether module ``scope`` holds the decoder layers' list (or is unknown to hold none: ``layers_name`` ``None``),
+    i.e. a balance pattern's matches under it may come from several decoder layers."""
+    return layers_name is None or not scope or layers_name == scope or layers_name.startswith(scope + ".")
+
+
 def _resolve_spec(
     model: nn.Module, named: list[tuple[str, nn.Module]], spec: MappingSpec, ignore: list[str]
-) -> tuple[list[ResolvedMapping], list[str], list[str]]:
-    """The resolutions of ``spec`` in ``model``, why patterns matched nothing, and why matched modules did not fit
-    (shapes: e.g. ``v_proj -> o_proj`` under grouped-query attention, skipped as llm-compressor does)."""
+) -> tuple[list[ResolvedMapping], list[str], list[str], int, int]:
+    """The resolutions of ``spec`` in ``model``, why patterns matched nothing, why matched modules did not fit
+    (shapes: e.g. ``v_proj -> o_proj`` under grouped-query attention), how many of those misfits llm-compressor's AWQ
+    skips itself (:func:`_output_projection_misfit`) and how many smooth layers ``ignore`` left out.
+
+    For each smooth layer, every balance pattern is looked up in the innermost module enclosing it where each pattern
+    matches; there every match of a pattern is a balance layer (llm-compressor 0.14's ``match_modules_set`` takes all
+    matches within the smooth layer's parent context: ``re:.*self_attn\\.(q|k|v)_proj$`` is ``q_proj``, ``k_proj``,
+    ``v_proj``), unless that module holds the decoder layers (a final norm's nearest ``q_proj`` are every layer's):
+    then a pattern matching several Linears (other than the experts of one fused experts module) is a misfit."""
     # a fused experts module matches through its parameters' names (gate_up_proj): its views stand for it
     smooth_matches = [(n, m) for n, m in named if n and matches(n, m, spec.smooth_layer) and not _fused(m)]
     resolved: list[ResolvedMapping] = []
     problems: list[str] = []
     misfits: list[str] = []
+    ignored = 0
+    incompatible = 0
     routers = set(router_names(named))
     index = {n: i for i, (n, _) in enumerate(named)}
+    found_layers = _find_layers(model)
+    layers_name = found_layers[0] if found_layers is not None else None
     for smooth_name, smooth in smooth_matches:
         chosen: dict[str, nn.Module] | None = None
         for scope in _scopes(smooth_name):
@@ -888,7 +931,12 @@ def _resolve_spec(
                 hits = [(n, m) for n, m in inside if matches(n, m, pattern) and (is_linear_like(m) or n in routers)]
                 if not hits:
                     break
-                if len(hits) > 1 and not ambiguous and not _one_experts_module([m for _, m in hits]):
+                if (
+                    len(hits) > 1
+                    and not ambiguous
+                    and _spans_layers(scope, layers_name)
+                    and not _one_experts_module([m for _, m in hits])
+                ):
                     shown = compact_names([n for n, _ in hits])
                     ambiguous = f"{pattern!r} matches {len(hits)} Linears around {smooth_name} ({shown})"
                 found.update(hits)
@@ -898,11 +946,12 @@ def _resolve_spec(
         if chosen is None:
             problems.append(f"{smooth_name}: no Linear matching {list(spec.balance_layers)} around it")
             continue
-        if ambiguous:  # one module per balance pattern, in the innermost module holding them all
+        if ambiguous:  # several decoder layers' modules for one pattern: not this smooth layer's readers
             misfits.append(ambiguous)
             continue
         if _ignored_mapping(smooth_name, smooth, chosen, ignore):
             logger.info("mapping %s -> %s skipped: ignored", smooth_name, ", ".join(chosen))
+            ignored += 1
             continue
         # the model's order, views after the modules (the default mappings' order: the router, then the experts)
         names = sorted(chosen, key=lambda n: (isinstance(chosen[n], LinearView), index[n]))
@@ -910,6 +959,7 @@ def _resolve_spec(
         problem = _fit_problem(mapping)
         if problem is not None:
             misfits.append(problem)
+            incompatible += _output_projection_misfit(mapping)
             continue
         problem = _expert_problem(mapping, named)
         if problem is not None:
@@ -918,7 +968,7 @@ def _resolve_spec(
         resolved.append(mapping)
     if not smooth_matches:
         problems.append(f"the smooth layer pattern {spec.smooth_layer!r} matches no module")
-    return resolved, problems, misfits
+    return resolved, problems, misfits, incompatible, ignored
 
 
 def _fused(module: nn.Module) -> bool:
@@ -1007,6 +1057,7 @@ def resolve_mappings(
     ignore: list[str] | None = None,
     include_linear: bool = True,
     warned: set[str] | None = None,
+    skip_incompatible: bool = False,
 ) -> list[ResolvedMapping]:
     """The mappings of ``model``: ``specs`` (a recipe's ``mappings``) or the defaults; checked, pure.
 
@@ -1021,15 +1072,21 @@ def resolve_mappings(
         include_linear: see :func:`default_mappings`.
         warned: the skip warnings given already (a modifier's own set: its mappings are resolved by each check and at
             initialize); a warning in it is not logged again, a new one is added.
+        skip_incompatible: AWQ's: a recipe mapping that fits no smooth layer only through the misfits
+            llm-compressor 0.14's AWQ skips itself (:func:`_output_projection_misfit`: ``v_proj -> o_proj`` under
+            grouped-query attention, from its default mappings, which its saved recipes record) is skipped with a
+            warning, not refused.
 
     Returns:
         The mappings in the order of their first balance layer in the model, each smooth layer once.
 
     Raises:
-        ValueError: no mapping fits the model (naming the architecture and the decoder layer's modules);
-            a recipe mapping whose smooth or balance patterns match no module (naming the pattern); no recipe
-            mapping whose shapes fit (a mapping that fits some layers only is skipped elsewhere, with a warning,
-            as ``v_proj -> o_proj`` under grouped-query attention); a smooth layer in two mappings.
+        ValueError: no default mapping fits the model (naming the architecture and the decoder layer's modules);
+            a recipe mapping whose smooth or balance patterns match no module (naming the pattern); a recipe mapping
+            that fits none of the smooth layers it matches (naming it and why, e.g. ``o_proj -> v_proj`` in
+            SmoothQuant's form under grouped-query attention; but see ``skip_incompatible``; one that fits some
+            layers only is skipped at the others, with a warning);
+            ``ignore`` leaving out every recipe mapping; a smooth layer in two mappings.
     """
     ignore = list(ignore or [])
     if specs is None:
@@ -1045,13 +1102,20 @@ def resolve_mappings(
     else:
         named = _named_with_views(model)
         mappings = []
-        misfit: list[tuple[MappingSpec, list[str]]] = []
+        skipped: list[str] = []  # the recipe's mappings skipped at every smooth layer, with why
         for spec in specs:
-            found, problems, misfits = _resolve_spec(model, named, spec, ignore)
+            found, problems, misfits, incompatible, ignored = _resolve_spec(model, named, spec, ignore)
             if problems:
                 msg = (
                     f"{owner}: mapping {spec.to_recipe()} fits no module of {architecture(model)}: "
                     f"{'; '.join(problems[:3])}{' ...' if len(problems) > 3 else ''}"
+                )
+                raise ValueError(msg)
+            tolerated = skip_incompatible and incompatible == len(misfits)
+            if misfits and not found and not ignored and not tolerated:  # it would smooth nothing: say so now
+                msg = (
+                    f"{owner}: mapping {spec.to_recipe()} fits none of the {len(misfits)} smooth layers it matches "
+                    f"in {architecture(model)}: {misfits[0]}; correct its patterns or leave it out of the mappings"
                 )
                 raise ValueError(msg)
             if misfits:
@@ -1063,11 +1127,17 @@ def resolve_mappings(
                     logger.warning("%s", warning)
                 if warned is not None:
                     warned.add(warning)
-                misfit.append((spec, misfits))
+                if not found:
+                    skipped.append(f"{spec.to_recipe()}: {misfits[0]}")
             mappings.extend(found)
+        if not mappings and skipped:
+            msg = f"{owner}: no mapping of the recipe fits {architecture(model)}: {skipped[0]}"
+            raise ValueError(msg)
         if not mappings:
-            spec, misfits = misfit[0]
-            msg = f"{owner}: no mapping of the recipe fits {architecture(model)}: {spec.to_recipe()}: {misfits[0]}"
+            msg = (
+                f"{owner}: ignore {ignore} leaves out every mapping of the recipe in {architecture(model)}, so "
+                "nothing would be smoothed; narrow ignore or leave the modifier out"
+            )
             raise ValueError(msg)
         order = {name: i for i, (name, _) in enumerate(named)}
         # a layer's balance layers are registered in call order (a router may come after its experts: Qwen3-MoE)

@@ -195,6 +195,15 @@ def _steps(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
         raise ValueError(msg)
 
 
+def _calibration_function(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if value is not None:
+        msg = (
+            f"calibration_function must be null, got {value!r}: a recipe cannot carry a callable, and smoothing runs "
+            "the decoder layers' own forward; leave it out"
+        )
+        raise ValueError(msg)
+
+
 @attrs.define(kw_only=True, slots=False, eq=False)
 class SmoothingModifier(Modifier):
     """Base of the smoothing modifiers (not registered itself): mappings, the per-layer pass, folding.
@@ -212,6 +221,9 @@ class SmoothingModifier(Modifier):
     required_state = frozenset({"model", "calibration_data"})
     #: whether the default mappings include ``v_proj -> o_proj`` and ``up_proj -> down_proj``.
     include_linear_mappings: ClassVar[bool] = False
+    #: whether a recipe mapping that fits no layer only as llm-compressor's AWQ skips it (``v_proj -> o_proj`` under
+    #: grouped-query attention) is skipped with a warning rather than refused (:func:`resolve_mappings`).
+    skip_incompatible_mappings: ClassVar[bool] = False
 
     mappings: list[dict[str, Any]] | None = attrs.field(default=None, converter=_mappings_field)
     ignore: list[str] = attrs.field(factory=list, converter=_ignore_or_none)
@@ -243,6 +255,7 @@ class SmoothingModifier(Modifier):
             ignore=self.ignore,
             include_linear=self.include_linear_mappings,
             warned=self._warned,
+            skip_incompatible=self.skip_incompatible_mappings,
         )
 
     def check_model(self, model: nn.Module) -> dict[str, nn.Module]:
@@ -627,7 +640,9 @@ class ActivationObserver:
             x = args[0]
             if m.smooth.weight.dim() == 1 and not _same_values(x, self._last_out.get(id(m.smooth))):
                 reader = m.parent_name if m.reader is m.parent else m.balance_names[0]
-                self.problems.append(f"{reader} does not read the output of {m.smooth_name}")
+                self.problems.append(
+                    f"{reader} does not read the output of {m.smooth_name} (nor that output times a factor per token)"
+                )
                 return
             flat = x.detach().reshape(-1, x.shape[-1]).to(torch.float32)
             mx = flat.abs().amax(dim=0)
@@ -685,7 +700,8 @@ class ActivationObserver:
         if self.problems:
             msg = (
                 f"{owner}: {self.problems[0]} in the forward pass, so scales folded into it would change the "
-                "model; give the recipe's mappings for this architecture"
+                "model; give mappings whose first balance layer reads its smooth layer's output (the recipe's "
+                "mappings: [{smooth_layer: ..., balance_layers: [...]}]), or leave that smooth layer out of them"
             )
             raise ValueError(msg)
         missing = [
@@ -732,6 +748,7 @@ class SmoothQuantModifier(SmoothingModifier):
             0.75-0.85 for some); larger moves more of the range into the weights.
         mappings, ignore: see :class:`SmoothingModifier` (default mappings: the attention and MLP input norms).
         num_calibration_steps: llm-compressor's; only null (every calibration sample is used).
+        calibration_function: llm-compressor's (a callable for its forward pass); only null.
         algorithm: ``smoothquant`` (default) or ``log_equalization``: the scales of
             :class:`LogarithmicEqualizationModifier` (llm-compressor 0.14's replacement for that modifier, and what its
             saved recipe.yaml records).
@@ -744,6 +761,7 @@ class SmoothQuantModifier(SmoothingModifier):
 
     smoothing_strength: float = attrs.field(default=0.5, validator=_strength)
     num_calibration_steps: Any = attrs.field(default=None, validator=_steps)
+    calibration_function: Any = attrs.field(default=None, validator=_calibration_function)
     algorithm: str = attrs.field(default="smoothquant", validator=_algorithm)
 
     def check_model(self, model: nn.Module) -> dict[str, nn.Module]:
@@ -807,16 +825,36 @@ class LogarithmicEqualizationModifier(SmoothQuantModifier):
 
 
 def _same_values(x: Any, out: Any) -> bool:
-    """Whether the reader's input ``x`` is the norm's output ``out``: the same tensor, or a view of it that keeps
-    its channels as the last dimension (DeepSeek-V3's ``kv_b_proj`` reads ``kv_a_layernorm``'s output viewed as
-    ``[batch, 1, seq, rank]``): same memory, as many values, the same last dimension and stride."""
+    """Whether the reader's input ``x`` is the norm's output ``out`` up to a factor per token, so that per-channel
+    scales folded into the norm reach the reader unchanged (``(c_t y_t) / s = c_t (y_t / s)``).
+
+    Taken as such: the same tensor; a view of it that keeps its channels as the last dimension (DeepSeek-V3's
+    ``kv_b_proj`` reads ``kv_a_layernorm``'s output viewed as ``[batch, 1, seq, rank]``): same memory, as many values,
+    the same last dimension and stride; or, as many values with the same last dimension, ``x_t = c_t y_t`` for each
+    token ``t`` (``c_t`` the least-squares factor ``<x_t, y_t> / <y_t, y_t>``) up to :data:`_FACTOR_TOLERANCE` of
+    ``||x||`` (float32): Falcon-H1's ``q_proj`` reads ``input_layernorm``'s output times ``attention_in_multiplier``,
+    its ``mamba.in_proj`` times ``ssm_in_multiplier`` and a padding mask. An input that is not (the residual stream,
+    another norm's output) differs by far more."""
     if x is out:
         return True
-    return (
+    if not (
         isinstance(x, torch.Tensor)
         and isinstance(out, torch.Tensor)
-        and x.data_ptr() == out.data_ptr()
         and x.numel() == out.numel()
+        and x.dim() > 0
+        and out.dim() > 0
         and x.shape[-1] == out.shape[-1]
-        and x.stride(-1) == out.stride(-1)
-    )
+    ):
+        return False
+    if x.data_ptr() == out.data_ptr() and x.stride(-1) == out.stride(-1):
+        return True
+    xs = x.detach().reshape(-1, x.shape[-1]).to(torch.float32)
+    ys = out.detach().reshape(-1, out.shape[-1]).to(torch.float32)
+    factor = (xs * ys).sum(dim=-1) / (ys * ys).sum(dim=-1).clamp_min(torch.finfo(torch.float32).tiny)
+    residual = (xs - factor[:, None] * ys).norm()
+    return bool(torch.isfinite(factor).all()) and float(residual) <= _FACTOR_TOLERANCE * float(xs.norm())
+
+
+#: :func:`_same_values`: the largest ``||x - c y|| / ||x||`` of a reader input taken as the norm's output ``y`` times a
+#: per-token factor ``c``: a bfloat16 product's rounding is about 2e-3 of it.
+_FACTOR_TOLERANCE = 1e-2

@@ -6,7 +6,7 @@ import copy
 
 import pytest
 import torch
-from llmc_fsm_quantization import LogarithmicEqualizationModifier, SmoothQuantModifier
+from llmc_fsm_quantization import AWQModifier, LogarithmicEqualizationModifier, SmoothQuantModifier
 from llmc_fsm_quantization.mappings import default_mappings, parse_mappings, resolve_mappings
 from tiny_quant_models import tiny_llama
 
@@ -268,12 +268,29 @@ def test_smoothing_refuses_an_already_quantized_model() -> None:
 
 
 def test_recipe_mappings_that_do_not_fit_some_layers_are_skipped_there_and_fail_when_they_fit_none(caplog) -> None:
+    """Found by a tester: a recipe mapping that fits no layer (SmoothQuant's v_proj -> o_proj under grouped-query
+    attention) was skipped with a warning whenever another mapping fitted, though the docs say such a mapping fails
+    before calibration; now it is refused, naming it and why, alone or beside mappings that fit. AWQ keeps skipping,
+    with a warning, the v_proj -> o_proj misfit llm-compressor's AWQ skips itself (its saved recipes hold it)."""
+    sq_llama = [
+        [["re:.*gate_proj", "re:.*up_proj"], "re:.*post_attention_layernorm"],
+        [["re:.*o_proj"], "re:.*v_proj"],
+    ]
+    gqa = tiny(kv_heads=2)  # v_proj: 32 outputs for o_proj's 64 inputs: v -> o fits no layer
+    refusal = (
+        "SmoothQuantModifier: mapping {'smooth_layer': 're:.*v_proj', 'balance_layers': ['re:.*o_proj']} fits none of "
+        "the 2 smooth layers it matches in LlamaForCausalLM (llama): model.layers.0.self_attn.v_proj has 32 output "
+        "channels but model.layers.0.self_attn.o_proj reads 64; correct its patterns or leave it out of the mappings"
+    )
+    for mappings in (sq_llama, sq_llama[1:]):
+        with pytest.raises(ValueError) as info:
+            resolve_mappings(gqa, parse_mappings(mappings), owner="SmoothQuantModifier")
+        assert str(info.value) == refusal
     awq_llama = [
         {"smooth_layer": "re:.*input_layernorm$", "balance_layers": ["re:.*q_proj$", "re:.*k_proj$", "re:.*v_proj$"]},
         {"smooth_layer": "re:.*v_proj$", "balance_layers": ["re:.*o_proj$"]},
     ]
-    gqa = tiny(kv_heads=2)  # v_proj: 32 outputs for o_proj's 64 inputs: v -> o is skipped, as llm-compressor does
-    found = resolve_mappings(gqa, parse_mappings(awq_llama), owner="AWQModifier")
+    found = resolve_mappings(gqa, parse_mappings(awq_llama), owner="AWQModifier", skip_incompatible=True)
     assert [m.smooth_name for m in found] == [f"model.layers.{i}.input_layernorm" for i in (0, 1)]
     assert (
         "AWQModifier: mapping {'smooth_layer': 're:.*v_proj$', 'balance_layers': ['re:.*o_proj$']} skipped at 2 of 2 "
@@ -281,13 +298,14 @@ def test_recipe_mappings_that_do_not_fit_some_layers_are_skipped_there_and_fail_
         "reads 64"
     ) in caplog.messages
     with pytest.raises(ValueError) as info:
-        resolve_mappings(gqa, parse_mappings(awq_llama[1:]), owner="AWQModifier")
+        resolve_mappings(gqa, parse_mappings(awq_llama[1:]), owner="AWQModifier", skip_incompatible=True)
     assert str(info.value) == (
         "AWQModifier: no mapping of the recipe fits LlamaForCausalLM (llama): {'smooth_layer': 're:.*v_proj$', "
         "'balance_layers': ['re:.*o_proj$']}: model.layers.0.self_attn.v_proj has 32 output channels but "
         "model.layers.0.self_attn.o_proj reads 64"
     )
-    # the final norm's nearest q_proj are every layer's: one per pattern is required, so it is skipped
+    assert AWQModifier.skip_incompatible_mappings and not SmoothQuantModifier.skip_incompatible_mappings
+    # the final norm's nearest q_proj are every layer's: not its readers, so it is skipped (the layers' norms fit)
     final = [[["re:.*q_proj$"], r"re:(.*input_layernorm|model\.norm)$"]]
     found = resolve_mappings(tiny(), parse_mappings(final), owner="SmoothQuantModifier")
     assert [m.smooth_name for m in found] == ["model.layers.0.input_layernorm", "model.layers.1.input_layernorm"]
