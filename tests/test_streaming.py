@@ -363,3 +363,12 @@ def test_the_streamed_perplexity_of_logits_changed_after_the_head_equals_in_memo
     lazy, _ = load_lazy(tmp_path)
     states, as_tuple = streamed_states(lazy, windows)
     assert tail_perplexity(lazy, windows, states, as_tuple) == expected
+
+
+def test_logits_are_projection_tells_the_models_that_change_their_logits_after_the_head():
+    from tiny_families import build
+
+    from llmc_fsm.data.protocol import logits_are_projection
+
+    ids = torch.randint(3, 128, (1, 16), generator=torch.Generator().manual_seed(0))
+    assert [logits_are_projection(build(f), ids) for f in ("llama", "gemma2", "cohere")] == [True, False, False]

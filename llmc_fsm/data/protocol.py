@@ -40,7 +40,15 @@ import torch
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
-__all__ = ["LOSS_CHUNK", "PerplexityCache", "kept_tokenizer_state", "load_text", "perplexity", "token_windows"]
+__all__ = [
+    "LOSS_CHUNK",
+    "PerplexityCache",
+    "kept_tokenizer_state",
+    "load_text",
+    "logits_are_projection",
+    "perplexity",
+    "token_windows",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -343,6 +351,50 @@ class _HeadInput:
         return (args[0][:, : self.keep], *args[1:])
 
 
+def _projects(head: torch.nn.Module, hidden: torch.Tensor, logits: torch.Tensor) -> bool:
+    """Whether ``logits`` (the model's, of the first :data:`_CHECK_POSITIONS` positions) equal ``head`` applied to
+    the first positions of ``hidden`` (the head's input ``[B, L, hidden]``), bitwise."""
+    mine = head(hidden[:, :_CHECK_POSITIONS])
+    return mine.shape == logits.shape and torch.equal(mine.float(), logits.float())
+
+
+def logits_are_projection(model: torch.nn.Module, input_ids: torch.Tensor) -> bool:
+    """Whether ``model``'s logits are its output projection (``get_output_embeddings()``) of its final hidden
+    states, as :func:`perplexity` checks on its first batch: one forward of ``input_ids`` (``LongTensor[B, L]``, moved
+    to the device of the model's first parameter) in which the projection makes the first 4 positions' logits only,
+    compared bitwise with the projection of their hidden states.
+
+    ``False`` for a model without an output projection, or one that changes its logits after it (Gemma 2's
+    soft-capping, Cohere's and Granite's scale): :func:`perplexity` then runs its first batch a second time, for its
+    full logits (the streamed evaluation, whose decoder layers replay one state per call, feeds that batch's states
+    twice: :func:`llmc_fsm.pipeline.streaming.tail_perplexity`).
+    """
+    head = _output_projection(model)
+    if head is None:
+        return False
+    try:
+        device = next(model.parameters()).device
+    except StopIteration:
+        device = torch.device("cpu")
+    extra = {"use_cache": False} if _takes_use_cache(model) else {}
+    hook = _HeadInput()
+    hook.keep = _CHECK_POSITIONS
+    handle = head.register_forward_pre_hook(hook)
+    try:
+        with torch.inference_mode():
+            out = model(input_ids=input_ids.to(device=device, dtype=torch.long), **extra)
+            logits = out.logits if hasattr(out, "logits") else out[0]
+            hidden = hook.hidden
+            hook.active = False
+            return (
+                hidden is not None
+                and tuple(hidden.shape[:2]) == tuple(input_ids.shape)
+                and _projects(head, hidden, logits)
+            )
+    finally:
+        handle.remove()
+
+
 def _output_projection(model: torch.nn.Module) -> torch.nn.Module | None:
     """``model.get_output_embeddings()`` when it is a module with a 2-D weight, else ``None``."""
     get = getattr(model, "get_output_embeddings", None)
@@ -406,11 +458,10 @@ def perplexity(
     (``get_output_embeddings()``, e.g. ``lm_head``) of the final hidden states: a pre-hook on the projection
     keeps the hidden states ``[B, L, hidden]`` and lets the model project only their first positions, and the
     loss is computed ``loss_chunk`` positions at a time from the hidden states (``[loss_chunk, vocab]``
-    logits at most, 25 MB at the default 128). The first batch's logits are made in full, and those of its first 4
-    positions compared (bitwise) with the projection of their hidden states; a model that changes its
-    logits after the projection (scaling, soft-capping: Gemma 2, Cohere, Granite) fails the check and is scored
-    from its full logits, one batch of them at a time (the first batch's from that same forward), as is a model
-    without an output projection.
+    logits at most, 25 MB at the default 128). On the first batch, the model's own logits of the first 4
+    positions are compared (bitwise) with the projection of their hidden states; a model that changes its
+    logits after the projection (scaling, soft-capping) fails the check and is scored from its full logits,
+    one window of them at a time, as is a model without an output projection.
 
     Args:
         model: a causal LM; called as ``model(input_ids=LongTensor[B, L])`` (with ``use_cache=False`` when its
@@ -464,10 +515,7 @@ def perplexity(
         with torch.inference_mode():
             for start in tqdm(range(0, n, batch_size), desc="perplexity", unit="batch", disable=not progress):
                 batch = windows[start : start + batch_size].to(device=device, dtype=torch.long)
-                # the first batch's logits in full: scored from them when they are not the projection of the
-                # hidden states, without a second forward (a streamed model's replayed layers give each window's
-                # states once: a second call took the next window's, found by a tester)
-                hook.hidden, hook.keep = None, (length if start == 0 else 0)
+                hook.hidden, hook.keep = None, (_CHECK_POSITIONS if start == 0 else 0)
                 out = model(input_ids=batch, **extra)
                 logits = out.logits if hasattr(out, "logits") else out[0]
                 hidden, hook.hidden = hook.hidden, None
@@ -475,18 +523,16 @@ def perplexity(
                     hidden = None
                 if handle is not None and hidden is not None and start == 0:
                     hook.active = False
-                    mine = head(hidden[:, :_CHECK_POSITIONS])
+                    projected = _projects(head, hidden, logits)
                     hook.active = True
-                    first = logits[:, :_CHECK_POSITIONS]
-                    if mine.shape != first.shape or not torch.equal(mine.float(), first.float()):
+                    if not projected:
                         hidden = None
                 if handle is not None and hidden is None:  # not the projection of the hidden states: full logits
                     logger.debug("perplexity: %s's logits are not its output projection; full logits", type(model))
                     handle.remove()
                     handle = None
-                    if start > 0:  # this batch's logits were cut to no position: its forward again, in full
-                        out = model(input_ids=batch, **extra)
-                        logits = out.logits if hasattr(out, "logits") else out[0]
+                    out = model(input_ids=batch, **extra)
+                    logits = out.logits if hasattr(out, "logits") else out[0]
                 if handle is not None:
                     hook.active = False
                     try:

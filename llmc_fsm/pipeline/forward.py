@@ -13,7 +13,7 @@ import contextlib
 import inspect
 import typing
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -454,11 +454,12 @@ class _Replay(nn.Module):
 
 @contextlib.contextmanager
 def replaying(
-    model: nn.Module, layers_name: str, layers: nn.ModuleList, states: Inputs, as_tuple: bool
+    model: nn.Module, layers_name: str, layers: nn.ModuleList, states: Iterable[Any], as_tuple: bool
 ) -> Iterator[None]:
     """Within the block, ``model``'s decoder layers (``layers``, the module list at ``layers_name``) are stand-ins
-    (:class:`_Replay`): the last returns, at its n-th call, the hidden states of ``states[n]`` (the inputs of the
-    layer after the last: ``(args, kwargs)`` per batch, hidden states first), as a 1-tuple when ``as_tuple`` (the
+    (:class:`_Replay`): the last returns, at its n-th call, the hidden states of the n-th item of ``states`` (a
+    sequence or an iterable: the inputs of the layer after the last, ``(args, kwargs)`` per batch, hidden states
+    first), as a 1-tuple when ``as_tuple`` (the
     layers' own output form, :class:`OutputKind`), the others return their input: the model's own forward then runs
     what follows the layers (final norm, head) on the states. The layers are put back on exit."""
     parent_name, _, attr = layers_name.rpartition(".")

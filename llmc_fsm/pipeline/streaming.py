@@ -40,6 +40,7 @@ compress layer by layer at ``sequential_epoch_end`` can run this way
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Iterator
 from typing import Any
@@ -48,7 +49,7 @@ import attrs
 import torch
 from torch import nn
 
-from llmc_fsm.data.protocol import perplexity
+from llmc_fsm.data.protocol import logits_are_projection, perplexity
 from llmc_fsm.models.lazy import LazyModel, ShardWriter
 from llmc_fsm.output.save import compressed_state_dict, quantized_modules, quantized_views
 from llmc_fsm.pipeline.device import ActivationStore, activation_store, onloaded
@@ -211,9 +212,17 @@ def tail_perplexity(
     """
 
     device = torch.device("cpu") if device is None else device
-    with lazy.materialized(lazy.outer_names()), replaying(lazy.model, lazy.layers_name, lazy.layers, states, as_tuple):
-        with onloaded(lazy.model, device, skip=[lazy.layers]):
-            return perplexity(lazy.model, windows, progress=progress)
+    with lazy.materialized(lazy.outer_names()):
+        with replaying(lazy.model, lazy.layers_name, lazy.layers, states[:1], as_tuple):
+            with onloaded(lazy.model, device, skip=[lazy.layers]):
+                projection = logits_are_projection(lazy.model, windows[:1])
+        # logits changed after the head (Gemma 2, Cohere, Granite): perplexity() runs its first batch twice, and each
+        # call takes the next state (the second took the next window's; the last window found none: a StopIteration
+        # traceback on the CLI's default path, found by a tester)
+        feed = states if projection else itertools.chain(states[:1], states)
+        with replaying(lazy.model, lazy.layers_name, lazy.layers, feed, as_tuple):
+            with onloaded(lazy.model, device, skip=[lazy.layers]):
+                return perplexity(lazy.model, windows, progress=progress)
 
 
 def _outer_modules(lazy: LazyModel) -> Iterator[tuple[str, nn.Module]]:
