@@ -77,6 +77,7 @@ from llmc_fsm_quantization.observers import (
 from llmc_fsm_quantization.rounding import FP4_PACKED_FORMATS, fp4_positive_zeros
 from llmc_fsm_quantization.schemes import (
     LOCAL_INPUT_OBSERVERS,
+    STATIC_INPUT_OBSERVERS,
     is_attention_scheme,
     resolve_config_groups,
     resolve_scheme,
@@ -394,8 +395,6 @@ def _observer(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
 
 
 def _input_observer(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
-    from llmc_fsm_quantization.schemes import STATIC_INPUT_OBSERVERS
-
     if value is not None and value not in STATIC_INPUT_OBSERVERS:
         choices = ", ".join(STATIC_INPUT_OBSERVERS)
         msg = f"input_observer {value!r} is not an observer of static input scales; use one of {choices}"

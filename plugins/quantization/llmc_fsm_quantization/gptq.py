@@ -69,7 +69,7 @@ from llmc_fsm_quantization.observers import (
     row_qparams,
     storable,
 )
-from llmc_fsm_quantization.rtn import rtn_quantize
+from llmc_fsm_quantization.rtn import QuantizationModifier, rtn_quantize
 
 __all__ = ["ACTORDERS", "GPTQModifier", "gptq_quantize"]
 
@@ -470,8 +470,6 @@ class GPTQModifier(QuantizingModifier):
                 ``QuantizationModifier`` configs before it (llm-compressor runs GPTQ with all of them; one
                 GPTQModifier here holds one config).
         """
-        from llmc_fsm_quantization.rtn import QuantizationModifier
-
         sources = [m for m in earlier if type(m) is QuantizationModifier and not m._bare]
         if self._bare and len(sources) > 1:
             msg = (
