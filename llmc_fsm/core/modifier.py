@@ -192,19 +192,50 @@ class Event:
         return f"Event(type={self.type!r}, global_step={self.global_step}, epoch={self.epoch})"
 
 
-class _ModifierHook:
-    """A modifier's torch hook as the module holds it (:meth:`Modifier.register_hook`). Pickling it (``torch.save``
-    of the whole model while the session runs) raises a ``TypeError`` naming the modifier: the hook function's
-    pickle by name failed with an unrelated ``PicklingError`` (found by a tester). A copy of the model
-    (``copy.deepcopy``, an EMA copy) holds the hook itself, as it held the function."""
+class _RemovedHook:
+    """What a removed :class:`_ModifierHook` pickles as: a hook that does nothing (returns ``None``, so the module's
+    inputs, outputs and gradients are left as they are)."""
 
-    __slots__ = ("call", "label")
+    __slots__ = ("label",)
+
+    def __init__(self, label: str) -> None:
+        self.label = label
+
+    def __call__(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+
+class _ModifierHook:
+    """A modifier's torch hook as the module holds it (:meth:`Modifier.register_hook`).
+
+    A copy of the model (``copy.deepcopy``, an EMA copy) holds the hook itself, as it held the function: while the
+    hook is registered on the module it was registered on, the copy's forwards run it as the original's do. Once it
+    is removed there (``remove_hooks``: the session's finalize, reset or roll-back), it does nothing when called and
+    pickles as a hook that does nothing (:class:`_RemovedHook`): a copy made during a run kept running the finished
+    modifier's hook and could not be pickled, with an error saying its session had not been finalized (found by a
+    tester). Pickling a registered one (``torch.save`` of the whole model while the session runs) raises a
+    ``TypeError`` naming the modifier: the hook function's pickle by name failed with an unrelated ``PicklingError``
+    (found by a tester)."""
+
+    __slots__ = ("call", "handle", "label")
 
     def __init__(self, call: Callable[..., Any], label: str) -> None:
         self.call = call
         self.label = label
+        self.handle: Any = None  # the torch RemovableHandle, once registered
+
+    @property
+    def registered(self) -> bool:
+        """Whether the hook is still in the hook dict of the module it was registered on (``True`` before that)."""
+        handle = self.handle
+        if handle is None:
+            return True
+        hooks = handle.hooks_dict_ref()
+        return hooks is not None and handle.id in hooks
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not self.registered:  # removed from its module: a copy of the model holding it runs nothing
+            return None
         return self.call(*args, **kwargs)
 
     def __copy__(self) -> _ModifierHook:
@@ -214,6 +245,8 @@ class _ModifierHook:
         return self
 
     def __reduce__(self) -> Any:
+        if not self.registered:
+            return _RemovedHook, (self.label,)
         msg = (
             f"the model holds a torch hook of {self.label}, a modifier of a session that has not been finalized, and "
             "a hook cannot be pickled: save model.state_dict() (or save_pretrained), or pickle the model after "
@@ -454,7 +487,9 @@ class Modifier(metaclass=ModifierType):
             guarded = dynamo.disable(guarded)
         binding = self._binding
         label = binding.label if binding is not None else self.modifier_name()
-        handle = getattr(module, f"register_{kind}_hook")(_ModifierHook(guarded, label), **kwargs)
+        wrapped = _ModifierHook(guarded, label)
+        handle = getattr(module, f"register_{kind}_hook")(wrapped, **kwargs)
+        wrapped.handle = handle
         self.__dict__.setdefault("_llmc_fsm_hooks", []).append(handle)
         return handle
 

@@ -20,6 +20,12 @@ optimizer's own learning rate is untouched. An ended modifier yields to another
 ``LearningRateModifier`` of the same optimizer that starts at or after its ``end``
 (a warmup, then a decay): from that one's start on, the ended one writes nothing
 (it wrote its end value over the decay when listed after it, found by a tester).
+
+Two ``LearningRateModifier`` objects of one optimizer whose ranges ``[start, end)`` overlap (``end`` omitted: no
+end) are refused at ``initialize``, before any rate is written: the recipe order silently decided which one set the
+rate (a cosine decay over ``[0, 3)`` listed after a warmup over ``[0, 0.5)`` wrote over the warmup from step 0; listed
+before it, the ended warmup wrote its end value over the decay at every step: found by a tester). Ranges that
+follow each other (``[0, 0.5)`` then ``[0.5, 3)``) are taken.
 """
 
 from __future__ import annotations
@@ -41,9 +47,10 @@ __all__ = ["SCHEDULES", "LearningRateModifier", "scheduled_lr"]
 
 SCHEDULES: tuple[str, ...] = ("constant", "linear", "cosine", "step")
 
-#: id(optimizer) -> the LearningRateModifiers initialized on it (an ended one yields to a later one); entries are
-#: checked against the optimizer itself (an id may be reused once an optimizer is gone)
-_ON_OPTIMIZER: dict[int, weakref.WeakSet[LearningRateModifier]] = {}
+#: id(optimizer) -> the LearningRateModifiers initialized on it, in the order they were (an ended one yields to a
+#: later one; a new one overlapping one of them is refused); entries are checked against the optimizer itself (an id
+#: may be reused once an optimizer is gone)
+_ON_OPTIMIZER: dict[int, weakref.WeakKeyDictionary[LearningRateModifier, None]] = {}
 
 
 def _check_schedule(instance: Any, attribute: Any, value: Any) -> None:
@@ -89,6 +96,27 @@ def scheduled_lr(
     if schedule == "linear":  # weighted: exactly init_lr at start and final_lr from end (1e-2 + (1e-3 - 1e-2) is not)
         return init_lr * (1.0 - progress) + final_lr * progress
     return final_lr + (init_lr - final_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))  # cosine
+
+
+def _range_text(start: float, end: float) -> str:
+    return f"epochs [{start:g}, {end:g})" if end != math.inf else f"epochs {start:g} onwards (no end)"
+
+
+def _overlap_message(first: tuple[str, float, float], second: tuple[str, float, float]) -> str:
+    """The refusal of two overlapping ranges ``(label, start, end)`` (``end`` ``inf``: no end), ``first`` the one
+    named first (the earlier start; the earlier end at the same start; recipe order for the same range)."""
+    (e_label, e_start, e_end), (l_label, l_start, l_end) = first, second
+    if l_start > e_start:
+        fix = f"make one start where the other ends: end {e_label} at {l_label}'s start (end: {l_start:g})"
+    elif e_end != l_end:
+        fix = f"make one start where the other ends: start {l_label} at {e_label}'s end (start: {e_end:g})"
+    else:
+        fix = "keep one of them, or split the range so that one starts where the other ends"
+    return (
+        f"{e_label} ({_range_text(e_start, e_end)}) and {l_label} ({_range_text(l_start, l_end)}) both set the "
+        "learning rate of the same optimizer over overlapping epochs, so their order in the recipe would decide "
+        f"the rate; {fix}"
+    )
 
 
 def _as_float(value: numbers.Real) -> float:
@@ -139,7 +167,8 @@ class LearningRateModifier(Modifier):
 
     Requires state ``optimizer`` and ``steps_per_epoch`` (the schedule is in epochs). From ``end`` until finalize
     the value at ``end`` is written before every optimizer step, unless another ``LearningRateModifier`` of the
-    same optimizer starting at or after ``end`` has started (then it sets the rate). :attr:`last_lr` is the value
+    same optimizer starting at or after ``end`` has started (then it sets the rate). Two of one optimizer whose ranges
+    ``[start, end)`` overlap are refused at ``initialize`` (:meth:`on_initialize`). :attr:`last_lr` is the value
     this modifier wrote last (the rate of the last optimizer step while it sets the rate).
 
     Raises:
@@ -188,6 +217,36 @@ class LearningRateModifier(Modifier):
             for other in peers
         )
 
+    def _range(self) -> tuple[float, float]:
+        """``[start, end)`` in epochs: ``start`` omitted is 0, ``end`` omitted ``inf``."""
+        return (self.start or 0.0, math.inf if self.end is None else self.end)
+
+    def _label(self, session: Any) -> str:
+        """This modifier's label in its session (``LearningRateModifier#2``), ``of another session`` added when
+        that is not ``session``."""
+        binding = self._binding
+        if binding is None:
+            return self.modifier_name()
+        return binding.label if binding.session() is session else f"{binding.label} of another session"
+
+    def _check_overlap(self, optimizer: Any) -> None:
+        """Refuse a range that overlaps the range of a modifier already initialized on ``optimizer``.
+
+        Raises:
+            ValueError: naming both modifiers, both ranges and what to do.
+        """
+        binding = self._binding
+        session = binding.session() if binding is not None else None
+        start, end = self._range()
+        for other in _ON_OPTIMIZER.get(id(optimizer), {}):
+            if other is self or other._optimizer is not optimizer:
+                continue
+            o_start, o_end = other._range()
+            if start < o_end and o_start < end:
+                mine, theirs = (self._label(session), start, end), (other._label(session), o_start, o_end)
+                first, second = (mine, theirs) if (start, end) < (o_start, o_end) else (theirs, mine)
+                raise ValueError(_overlap_message(first, second))
+
     def _set(self, epoch: float) -> None:
         lr = self.lr_at(epoch)
         for group in self._optimizer.param_groups:
@@ -195,17 +254,20 @@ class LearningRateModifier(Modifier):
         self.last_lr = lr
 
     def on_initialize(self, state: State) -> None:
-        """Hold the optimizer whose learning rate the schedule sets.
+        """Hold the optimizer whose learning rate the schedule sets; nothing is held when it raises.
 
         Raises:
             TypeError: state ``optimizer`` has no ``param_groups``.
+            ValueError: another ``LearningRateModifier`` initialized on the same optimizer (an earlier one of the
+                recipe, or one of another live session) has a range ``[start, end)`` overlapping this one's.
         """
         optimizer = state.optimizer
         if not hasattr(optimizer, "param_groups"):
             msg = f"state 'optimizer' must be a torch.optim.Optimizer (with param_groups), got {type(optimizer)!r}"
             raise TypeError(msg)
+        self._check_overlap(optimizer)
         self._optimizer = optimizer
-        _ON_OPTIMIZER.setdefault(id(optimizer), weakref.WeakSet()).add(self)
+        _ON_OPTIMIZER.setdefault(id(optimizer), weakref.WeakKeyDictionary())[self] = None
 
     def on_start(self, state: State, event: Event) -> None:
         self._set(event.epoch or 0.0)
@@ -225,7 +287,7 @@ class LearningRateModifier(Modifier):
     def on_finalize(self, state: State) -> None:
         peers = _ON_OPTIMIZER.get(id(self._optimizer))
         if peers is not None:
-            peers.discard(self)
+            peers.pop(self, None)
             if not peers:
                 del _ON_OPTIMIZER[id(self._optimizer)]
         self._optimizer = None

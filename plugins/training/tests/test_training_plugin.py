@@ -10,8 +10,9 @@ import pytest
 import torch
 from llmc_fsm_training import LearningRateModifier, OutputDistillationModifier, distillation_kl, scheduled_lr
 from llmc_fsm_training.distillation import logits_of
+from llmc_fsm_training.learning_rate import _ON_OPTIMIZER
 
-from llmc_fsm import Session
+from llmc_fsm import ModifierError, Session
 from llmc_fsm.integrations.torch import initialize
 
 
@@ -305,3 +306,133 @@ def test_pickling_a_model_that_holds_a_running_sessions_hook_says_so(tmp_path):
     assert list(copied._forward_hooks.values()) == list(student._forward_hooks.values())
     session.finalize()
     assert len(pickle.dumps(student)) > 0  # no hook left: the model pickles
+
+
+# --- found by a tester (2026-12-07, third round) ------------------------------------------------------------------
+
+_ROLLED_BACK = (
+    " (during initialize()). Rolled back: 1 modifier(s) already initialized were finalized and their hooks removed; "
+    "the session is still 'created' and nothing passed to initialize() was stored. Fix the cause and call "
+    "initialize() again with all its arguments."
+)
+_OVERLAP = (
+    " both set the learning rate of the same optimizer over overlapping epochs, so their order in the recipe would "
+    "decide the rate; "
+)
+
+
+def _lr(schedule, init_lr, final_lr=0.0, start=None, end=None):
+    return LearningRateModifier(schedule=schedule, init_lr=init_lr, final_lr=final_lr, start=start, end=end)
+
+
+@pytest.mark.parametrize(
+    ("ranges", "expected"),
+    [
+        (  # the tester's warmup + decay, warmup listed first: the decay wrote over the warmup from step 0
+            [("linear", 1e-3, 1e-1, 0, 0.5), ("cosine", 1e-1, 1e-3, 0, 3)],
+            "LearningRateModifier#1 (epochs [0, 0.5)) and LearningRateModifier#2 (epochs [0, 3))" + _OVERLAP
+            + "make one start where the other ends: start LearningRateModifier#2 at LearningRateModifier#1's end "
+            "(start: 0.5)",
+        ),
+        (  # decay listed first: the ended warmup wrote 0.1 over the decay at every step
+            [("cosine", 1e-1, 1e-3, 0, 3), ("linear", 1e-3, 1e-1, 0, 0.5)],
+            "LearningRateModifier#2 (epochs [0, 0.5)) and LearningRateModifier#1 (epochs [0, 3))" + _OVERLAP
+            + "make one start where the other ends: start LearningRateModifier#1 at LearningRateModifier#2's end "
+            "(start: 0.5)",
+        ),
+        (  # nested
+            [("constant", 0.5, 0.0, 0, 3), ("constant", 0.2, 0.0, 1, 2)],
+            "LearningRateModifier#1 (epochs [0, 3)) and LearningRateModifier#2 (epochs [1, 2))" + _OVERLAP
+            + "make one start where the other ends: end LearningRateModifier#1 at LearningRateModifier#2's start "
+            "(end: 1)",
+        ),
+        (  # overlapping, the later-starting one listed first
+            [("linear", 1e-1, 1e-3, 0.5, 2), ("linear", 1e-3, 1e-1, 0, 1)],
+            "LearningRateModifier#2 (epochs [0, 1)) and LearningRateModifier#1 (epochs [0.5, 2))" + _OVERLAP
+            + "make one start where the other ends: end LearningRateModifier#2 at LearningRateModifier#1's start "
+            "(end: 0.5)",
+        ),
+        (  # two open-ended constants
+            [("constant", 0.5, 0.0, None, None), ("constant", 0.2, 0.0, None, None)],
+            "LearningRateModifier#1 (epochs 0 onwards (no end)) and LearningRateModifier#2 (epochs 0 onwards (no end))"
+            + _OVERLAP + "keep one of them, or split the range so that one starts where the other ends",
+        ),
+        (  # an open-ended constant started inside a decay
+            [("cosine", 1e-1, 1e-3, 0, 3), ("constant", 0.2, 0.0, 2, None)],
+            "LearningRateModifier#1 (epochs [0, 3)) and LearningRateModifier#2 (epochs 2 onwards (no end))" + _OVERLAP
+            + "make one start where the other ends: end LearningRateModifier#1 at LearningRateModifier#2's start "
+            "(end: 2)",
+        ),
+    ],
+)
+def test_two_rate_schedules_of_one_optimizer_with_overlapping_ranges_are_refused_at_initialize(ranges, expected):
+    """Overlapping ranges were taken and the recipe order silently decided the rate (a warmup over [0, 0.5) and a
+    cosine decay over [0, 3): no warmup when it was listed first, no decay when it was listed second)."""
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.ones(3))], lr=1.0)
+    session = Session([_lr(*r) for r in ranges])
+    with pytest.raises(ModifierError) as info:
+        initialize(session, optimizer=optimizer, steps_per_epoch=4)
+    assert str(info.value.__cause__) == expected
+    assert str(info.value) == "LearningRateModifier#2.on_initialize() raised ValueError: " + expected + _ROLLED_BACK
+    assert session.lifecycle == "created"
+    assert optimizer.param_groups[0]["lr"] == 1.0
+    assert id(optimizer) not in _ON_OPTIMIZER  # the first one's registration was rolled back with it
+    follow = Session([_lr("linear", 1e-3, 1e-1, 0, 0.5), _lr("cosine", 1e-1, 1e-3, 0.5, 3)])
+    initialize(follow, optimizer=optimizer, steps_per_epoch=4)  # nothing left to refuse it
+    follow.finalize()
+
+
+def test_a_rate_schedule_overlapping_one_of_another_live_session_on_the_same_optimizer_is_refused():
+    """Two sessions on one optimizer: the second one's schedule overlapping the first one's was taken too."""
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.ones(3))], lr=1.0)
+    first = Session([_lr("linear", 1e-3, 1e-1, 0, 1)])
+    initialize(first, optimizer=optimizer, steps_per_epoch=4)
+    second = Session([_lr("linear", 1e-1, 1e-3, 0.5, 2)])
+    with pytest.raises(ModifierError) as info:
+        initialize(second, optimizer=optimizer, steps_per_epoch=4)
+    assert str(info.value.__cause__) == (
+        "LearningRateModifier of another session (epochs [0, 1)) and LearningRateModifier (epochs [0.5, 2))"
+        + _OVERLAP
+        + "make one start where the other ends: end LearningRateModifier of another session at LearningRateModifier's "
+        "start (end: 0.5)"
+    )
+    first.finalize()
+    initialize(second, optimizer=optimizer, steps_per_epoch=4)  # the first one finalized: nothing overlaps now
+    second.finalize()
+
+
+def test_three_rate_schedules_that_follow_each_other_in_reversed_recipe_order_are_taken():
+    """[2, no end), [1, 2) and [0, 1) listed in that order follow each other: the overlap check refuses none of them
+    (a guard on the refusal above, which compares a new schedule with every one already initialized)."""
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.ones(3))], lr=1.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    warmup = _lr("linear", 1e-3, 1e-1, 0, 1)
+    session = Session([_lr("constant", 0.5, start=2), _lr("constant", 0.2, start=1, end=2), warmup])
+    initialize(session, optimizer=optimizer, steps_per_epoch=4)
+    used = _lr_loop(session, optimizer, scheduler, 12)
+    assert used == [warmup.lr_at(s / 4) for s in range(4)] + [0.2] * 4 + [0.5] * 4
+    session.finalize()
+
+
+def test_a_deep_copy_of_the_student_made_during_distillation_pickles_after_finalize():
+    """copy.deepcopy(student) during the run (an EMA copy) kept the distillation hook after finalize: pickle.dumps of
+    the copy raised "TypeError: the model holds a torch hook of OutputDistillationModifier, a modifier of a session
+    that has not been finalized ..." although it had been."""
+    import copy
+    import io
+    import pickle
+
+    student, teacher = _tiny_llama(), _tiny_llama(seed=7)
+    modifier = OutputDistillationModifier()
+    session = Session([modifier])
+    initialize(session, model=student, teacher=teacher)
+    copied = copy.deepcopy(student)
+    session.finalize()
+    batch = _batches(1)[0]
+    with torch.no_grad():
+        assert torch.equal(copied(**batch).logits, student(**batch).logits)
+    assert modifier._captured is None and modifier.last_distill_loss is None  # the copy's hook ran nothing
+    assert len(pickle.dumps(copied)) > 0
+    buffer = io.BytesIO()
+    torch.save(copied, buffer)
+    assert buffer.tell() > 0
