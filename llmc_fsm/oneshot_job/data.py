@@ -201,7 +201,9 @@ def check_modifiers(sessions: list[Session], model: Any, calibration_data: Any =
     :meth:`~llmc_fsm.Modifier.check_model` (group sizes, targets, an already quantized model), and the
     ``check_stage(model, selected)`` of a modifier that has one (``selected``: ``(modifier, modules its check_model
     selected)`` for each modifier of its stage, in recipe order) (what it needs of the other modifiers of its stage:
-    REAP's, that they follow the experts it drops); then the recipe as a whole: modules quantized twice or pruned
+    REAP's, that they follow the experts it drops), and the first ``check_recipe(model, [(label, modifier), ...])``
+    over every modifier that has one, in recipe order (two KV-cache schemes for one attention); then the recipe as a
+    whole: modules quantized twice or pruned
     after quantization, a ``preserve_sparsity_mask`` below an earlier sparsity, a rotation after a stage that prunes
     or quantizes, fused experts no quantizer covers, and a NaN/Inf in any weight a stage would change.
 
@@ -263,6 +265,11 @@ def check_modifiers(sessions: list[Session], model: Any, calibration_data: Any =
             check_stage = getattr(modifier, "check_stage", None)
             if callable(check_stage):
                 check_stage(model, selected)
+    checks_recipe = [
+        (_label(m, s), m) for s in sessions for m in s.modifiers if callable(getattr(m, "check_recipe", None))
+    ]
+    if checks_recipe:  # what the modifiers need of each other across stages (one KV-cache scheme per attention)
+        checks_recipe[0][1].check_recipe(model, checks_recipe)
     _check_experts_quantized(model, quantizers, quantized_by)
     _check_finite_weights(changed)
 

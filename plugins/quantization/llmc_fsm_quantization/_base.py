@@ -252,12 +252,16 @@ class CalibrationStatistics(HessianAccumulator):
     consecutive input features (``[2, in_features // group_size]``), as llm-compressor's observers keep them for
     such inputs; :func:`_input_global_scale` takes the largest magnitude over the groups.
 
-    The ranges are float64 (the extremes are exact values of the inputs); :attr:`dtype` is the inputs' dtype, in
-    which the scales are computed from them (:func:`_input_qparams`, :func:`_input_global_scale`), as
-    compressed-tensors computes them from the ranges llm-compressor's observers keep in the observed dtype.
+    The ranges are kept on the CPU in :func:`~llmc_fsm_quantization.kv_cache.range_dtype` of the inputs' dtype:
+    bfloat16 / float16 inputs' own, as llm-compressor's observers keep them, the moving averages computed as its
+    ``lerp`` computes them, ``v * (1 - c) + v_obs * c``, each product and the sum rounded to that dtype (they were
+    kept in float64: on a bfloat16 model the static input scales differed from llm-compressor's by a bfloat16 step
+    or two in every layer, found by a tester); float32 inputs' in float64. The scales are computed from them in the
+    inputs' dtype (:attr:`dtype`; :func:`_input_qparams`, :func:`_input_global_scale`), as compressed-tensors
+    computes them.
 
     Under ``torch.distributed`` :meth:`all_reduce` takes the extremes over the ranks for the first and the
-    mean over the ranks for the others (as llm-compressor does).
+    mean over the ranks for the others (as llm-compressor does), in float64, rounded back to :attr:`dtype`.
 
     With ``keep_hessian=False`` only the ranges and the token count are kept: no Hessian nor its diagonal (a
     modifier that neither measures its output error nor weights its observer by the inputs reads neither; the
@@ -279,7 +283,7 @@ class CalibrationStatistics(HessianAccumulator):
     ) -> None:
         super().__init__(in_features, device, diagonal_only=diagonal_only)
         self.keep_hessian = bool(keep_hessian)
-        self.ranges: dict[str, torch.Tensor] = {}  # observer -> float64 tensor [min, max] (or [2, groups])
+        self.ranges: dict[str, torch.Tensor] = {}  # observer -> [min, max] (or [2, groups]), kv_cache.range_dtype
         self.mse_args = mse_args
         self.group_size = group_size
         #: dtype of the observed inputs (the scales are computed in it); float32 until an input is seen.
@@ -317,10 +321,11 @@ class CalibrationStatistics(HessianAccumulator):
         else:  # [samples, groups]
             grouped = per_sample.unflatten(-1, (-1, self.group_size))
             low, high = grouped.amin(dim=(1, 3)), grouped.amax(dim=(1, 3))
-        calls = torch.stack([low, high], dim=1).to(device="cpu", dtype=torch.float64)  # [samples, 2, (groups)]
+        kept = kv_cache.range_dtype(x.dtype)
+        calls = torch.stack([low, high], dim=1).to(device="cpu", dtype=kept)  # [samples, 2, (groups)]
         for i, call in enumerate(calls):
             searched = input_range_mse(per_sample[i], self.mse_args) if self.mse_args is not None else None
-            self._observe(call, searched)
+            self._observe(call, None if searched is None else searched.to(kept))
 
     def _observe(self, call: torch.Tensor, searched: torch.Tensor | None) -> None:
         """Combine one observation's ``[min, max]`` (and its searched range) into :attr:`ranges`."""
@@ -330,17 +335,21 @@ class CalibrationStatistics(HessianAccumulator):
                 self.ranges.update(mse=searched.clone(), memoryless_mse=searched)
             return
         extremes = self.ranges["static_minmax"]
+        call = call.to(extremes.dtype)
         extremes[0] = torch.minimum(extremes[0], call[0])
         extremes[1] = torch.maximum(extremes[1], call[1])
-        _moving_average(self.ranges["minmax"], call, self.AVERAGING_CONSTANT)
+        self.ranges["minmax"] = _moving_average(self.ranges["minmax"], call, self.AVERAGING_CONSTANT)
         self.ranges["memoryless_minmax"] = call
         if searched is not None:
-            _moving_average(self.ranges["mse"], searched, self.AVERAGING_CONSTANT)
+            searched = searched.to(extremes.dtype)
+            self.ranges["mse"] = _moving_average(self.ranges["mse"], searched, self.AVERAGING_CONSTANT)
             self.ranges["memoryless_mse"] = searched
 
     def all_reduce(self) -> None:
-        """:meth:`HessianAccumulator.all_reduce`, then the ranges: extremes by max / min, the other two averaged
-        over the ranks that saw inputs (a rank without any takes part with neutral values)."""
+        """:meth:`HessianAccumulator.all_reduce`, then the ranges: extremes by max / min, the others averaged
+        over the ranks that saw inputs (a rank without any takes part with neutral values); reduced in float64 and
+        rounded back to the ranges' dtype (the extremes exactly; the means once, where llm-compressor averages in
+        the observed dtype)."""
         super().all_reduce()
         if not is_distributed():
             return
@@ -348,7 +357,9 @@ class CalibrationStatistics(HessianAccumulator):
         shape = (2,) if self.group_size is None else (2, self.in_features // self.group_size)
         sign = torch.tensor([-1.0, 1.0], dtype=torch.float64).reshape(2, *([1] * (len(shape) - 1)))
         extremes = self.ranges.get("static_minmax")
-        flipped = torch.full(shape, float("-inf"), dtype=torch.float64) if extremes is None else extremes * sign
+        flipped = torch.full(shape, float("-inf"), dtype=torch.float64)
+        if extremes is not None:
+            flipped = extremes.double() * sign
         all_reduce_tensor(flipped, op="max", what=what)
         averaged = {}
         for name in ("minmax", "memoryless_minmax", *(("mse", "memoryless_mse") if self.mse_args is not None else ())):
@@ -358,12 +369,14 @@ class CalibrationStatistics(HessianAccumulator):
                 flat[:-1], flat[-1] = value.flatten(), 1.0
             all_reduce_tensor(flat, op="sum", what=what)
             averaged[name] = (flat[:-1] / flat[-1]).reshape(shape)
-        self.ranges = {"static_minmax": flipped * sign, **averaged}
+        reduced = {"static_minmax": flipped * sign, **averaged}
+        self.ranges = {name: value.to(kv_cache.range_dtype(self.dtype)) for name, value in reduced.items()}
 
 
-def _moving_average(value: torch.Tensor, call: torch.Tensor, constant: float) -> None:
-    """``value <- (1 - c) value + c call`` in place (llm-compressor's ``averaging_constant`` ``c``)."""
-    value.mul_(1 - constant).add_(call * constant)
+def _moving_average(value: torch.Tensor, call: torch.Tensor, constant: float) -> torch.Tensor:
+    """``value * (1 - c) + call * c`` in ``value``'s dtype, each product and the sum rounded to it (llm-compressor
+    0.14's ``lerp`` with its ``averaging_constant`` ``c``), a new tensor."""
+    return (value * (1.0 - constant)) + (call * constant)
 
 
 def _input_qparams(scheme: QuantizationScheme, stats: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -1373,14 +1386,19 @@ class QuantizingModifier(CalibratedModifier):
         Raises:
             ValueError: no attention module with a cache argument
                 (:func:`llmc_fsm_quantization.kv_cache.attention_modules`),
-                per-head scales and an attention without ``head_dim``, or a ``torch.distributed`` run (the key and
-                value ranges are not combined over ranks). (``low_memory`` is refused before, see
-                :meth:`streaming_refusal`.)
+                per-head scales and an attention whose number of key/value (or query) heads is unknown, attention
+                quantization on a model whose attention implementation compressed-tensors cannot hook
+                (:func:`llmc_fsm_quantization.kv_cache.hooked_attention_refusal`: ``eager``), or a
+                ``torch.distributed`` run (the key and value ranges are not combined over ranks). (``low_memory`` is
+                refused before, see :meth:`streaming_refusal`.)
         """
         name = type(self).__name__
         attention = kv_cache.attention_modules(model)
         if self.attention_scheme is not None:  # attention quantization: the modules its config group targets
             attention = self._attention_targets(model, attention)
+            refusal = kv_cache.hooked_attention_refusal(model)
+            if refusal is not None:
+                raise ValueError(f"{name}: {refusal}")
         if not attention:
             msg = (
                 f"{name}: kv_cache_scheme: the model has no attention module with k_proj and v_proj (or qkv_proj) "
@@ -1394,6 +1412,14 @@ class QuantizingModifier(CalibratedModifier):
                     f"{name}: kv_cache_scheme strategy attn_head: the number of key/value heads of {unknown[0]} is "
                     "unknown (no head_dim dividing k_proj's width, or a fused qkv_proj that does not fit its config); "
                     "use strategy: tensor"
+                )
+                raise ValueError(msg)
+            unknown = [n for n, m in attention.items() if kv_cache.query_heads(m) is None]
+            if self.attention_scheme is not None and unknown:
+                msg = (
+                    f"{name}: attention quantization strategy attn_head: the number of query heads of {unknown[0]} "
+                    "is unknown (no head_dim dividing q_proj's width, or a fused qkv_proj that does not fit its "
+                    "config); use strategy: tensor"
                 )
                 raise ValueError(msg)
         if is_distributed():
@@ -1422,6 +1448,49 @@ class QuantizingModifier(CalibratedModifier):
             )
             raise ValueError(msg)
         return selected
+
+    def check_stage(self, model: nn.Module, selected: list[tuple[Any, dict[str, Any]]]) -> None:
+        """One-shot's check of a stage before any work (after every modifier's :meth:`check_model`): refuse two
+        modifiers of the stage that quantize the KV cache of one attention module with different schemes
+        (:meth:`check_recipe`, the modifiers named by class). ``selected``: ``(modifier, modules its check_model
+        selected)`` for each modifier of the stage, in recipe order.
+
+        Raises:
+            ValueError: as :meth:`check_recipe`.
+        """
+        modifiers = [modifier for modifier, _ in selected]
+        names = [type(m).__name__ for m in modifiers]
+        labels = [n if names.count(n) == 1 else f"{n} (modifier {i + 1} of its stage)" for i, n in enumerate(names)]
+        self.check_recipe(model, list(zip(labels, modifiers, strict=True)))
+
+    def check_recipe(self, model: nn.Module, modifiers: list[tuple[str, Any]]) -> None:
+        """Refuse, before any work, two modifiers that quantize the KV cache of one attention module with different
+        schemes (``kv_cache_scheme`` or attention quantization, their strategy or observer). Found by a tester:
+        different strategies failed on the scales' shape after the work, a different observer (or a later stage's
+        scheme) was dropped without a word while the saved recipe said it was applied. The same scheme given twice
+        is accepted (the first calibrates the scales, the second keeps them). ``modifiers``: ``(label, modifier)``
+        in recipe order, each checked already (:meth:`check_model`); those without a KV-cache scheme are skipped.
+
+        Raises:
+            ValueError: naming both modifiers, an attention module and both schemes.
+        """
+        seen: dict[str, tuple[str, str]] = {}  # attention module -> (label, its scheme) of the first modifier
+        for label, modifier in modifiers:
+            args = getattr(modifier, "kv_cache_args", None)
+            if args is None or not isinstance(getattr(modifier, "_kv_attention", None), dict):
+                continue
+            attention = getattr(modifier, "attention_scheme", None) is not None
+            scheme = f"{'attention quantization' if attention else 'kv_cache_scheme'} {kv_cache.describe(args)}"
+            clash = next((n for n in modifier._kv_attention if n in seen and seen[n][1] != scheme), None)
+            if clash is not None:
+                first, held = seen[clash]
+                msg = (
+                    f"{first} and {label} both quantize the KV cache of {clash}, with {held} and {scheme}: an "
+                    "attention's KV cache is quantized once; give the scheme in one of them (or the same in both)"
+                )
+                raise ValueError(msg)
+            for name in modifier._kv_attention:
+                seen.setdefault(name, (label, scheme))
 
     # ---- fused experts: each expert matrix from its routed tokens --------------------------
     def _clear(self) -> None:

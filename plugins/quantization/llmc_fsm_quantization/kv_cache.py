@@ -22,7 +22,11 @@ Attention quantization (llm-compressor's config group targeting the attention wi
 quantizes the queries after the rotary embedding, ``[batch, heads, seq, head_dim]``, with the same arguments:
 :func:`install_query` adds ``q_scale`` (``[1]`` or ``[num_heads, 1, 1]``) and a compressed-tensors query hook that
 observes and fake-quantizes them as :class:`CacheTap` does keys and values; the checkpoint holds
-``<attention>.q_scale`` next to ``k_scale`` / ``v_scale`` and the config group.
+``<attention>.q_scale`` next to ``k_scale`` / ``v_scale`` and the config group. The query heads are the config's
+``num_attention_heads`` where ``q_proj`` is that many heads wide, or twice (Qwen3-Next's gated ``q_proj``). It needs
+an attention implementation compressed-tensors can hook (``sdpa``, flash, flex: not ``eager``, refused before any
+work, :func:`hooked_attention_refusal`). An attention's KV cache is quantized with one scheme: a second modifier
+giving another is refused (:func:`install`; one-shot's checks refuse it before any work within a stage).
 
 Scale of each observer (per tensor, or per KV head over batch, positions and head dimension), with
 ``range = max(|min|, |max|)`` and the FP8 (e4m3) maximum 448 (compressed-tensors' ``calculate_qparams``):
@@ -55,13 +59,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from compressed_tensors.modeling.attention import HOOKED_ATTENTION_NAME
 from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme, QuantizationStrategy
 from compressed_tensors.quantization.lifecycle.forward import fake_quantize
 from compressed_tensors.quantization.utils import calculate_qparams
 from pydantic import ValidationError
 from torch import nn
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from llmc_fsm import find_decoder_layers
+from llmc_fsm.toolkit import model_family
 
 __all__ = [
     "CACHE_ARGUMENTS",
@@ -70,11 +77,14 @@ __all__ = [
     "CacheTap",
     "KVRange",
     "attention_modules",
+    "describe",
+    "hooked_attention_refusal",
     "install",
     "install_query",
     "kv_heads",
     "load_kv_cache_scales",
     "query_heads",
+    "range_dtype",
     "resolve_kv_cache_scheme",
     "set_scales",
 ]
@@ -201,8 +211,11 @@ def kv_heads(module: nn.Module) -> int | None:
 
 
 def query_heads(module: nn.Module) -> int | None:
-    """Number of query heads of attention ``module``: ``q_proj``'s output width / ``head_dim``, or as
-    :func:`kv_heads` from a fused ``qkv_proj`` (``None`` when unknown)."""
+    """Number of query heads of attention ``module``: its config's ``num_attention_heads`` when ``q_proj``'s output
+    width is ``heads * head_dim``, or twice that (a gated attention, Qwen3-Next / Qwen3.5: ``q_proj`` gives the
+    queries and the output gate; found by a tester: taking the width / ``head_dim`` gave twice the heads and the run
+    failed at its end); else ``q_proj``'s width / ``head_dim``; or as :func:`kv_heads` from a fused ``qkv_proj``
+    (``None`` when unknown)."""
     return _heads(module, "q_proj", "num_attention_heads")
 
 
@@ -220,7 +233,19 @@ def _heads(module: nn.Module, projection: str, config_field: str) -> int | None:
     width = getattr(getattr(module, projection, None), "out_features", None)
     if not isinstance(width, int) or width % head_dim:
         return None
+    heads = getattr(getattr(module, "config", None), config_field, None)
+    if projection == "q_proj" and isinstance(heads, int) and width in (heads * head_dim, 2 * heads * head_dim):
+        return heads  # 2 * heads * head_dim: a gated attention's q_proj (queries and output gate)
     return width // head_dim
+
+
+def range_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype observed ranges of states (or inputs) of ``dtype`` are kept and averaged in: a half-precision dtype
+    (bfloat16, float16) its own, as llm-compressor 0.14's observers keep them (its ``lerp`` rounds each product and
+    the sum to it: kept in float64, the scales of a bfloat16 model differed from llm-compressor's by a bfloat16 step
+    or two, found by a tester); float32 and wider float64, as before (the difference from averaging in float32 is
+    within float32's rounding)."""
+    return dtype if dtype in (torch.bfloat16, torch.float16) else torch.float64
 
 
 class KVRange:
@@ -228,9 +253,11 @@ class KVRange:
 
     One observation is one sample (a row of the batch), taken in order, so the ranges do not depend on how the
     samples are batched (llm-compressor 0.14 observes each forward call, one sample per call at its default
-    ``batch_size`` 1). ``ranges[observer]``: float64 ``[2, *shape]`` (minimum, maximum), ``shape`` ``[1]`` per tensor
-    or ``[heads, 1, 1]`` per head, kept for every observer of :data:`KV_CACHE_OBSERVERS` (see the module docstring);
-    ``dtype``: the states' dtype, in which :func:`set_scales` computes the scales.
+    ``batch_size`` 1). ``ranges[observer]``: ``[2, *shape]`` (minimum, maximum) on the CPU in
+    :func:`range_dtype` of the states' dtype (bfloat16 / float16 states: theirs; else float64), ``shape`` ``[1]``
+    per tensor or ``[heads, 1, 1]`` per head, kept for every observer of :data:`KV_CACHE_OBSERVERS` (see the module
+    docstring); ``minmax``'s moving average is computed in that dtype as llm-compressor's ``lerp`` computes it,
+    ``v * (1 - c) + v_sample * c``; ``dtype``: the states' dtype, in which :func:`set_scales` computes the scales.
     """
 
     AVERAGING_CONSTANT = 0.01
@@ -252,16 +279,18 @@ class KVRange:
             lo, hi = x.amin(dim=(2, 3), keepdim=True), x.amax(dim=(2, 3), keepdim=True)
         else:  # [batch, 1]
             lo, hi = x.flatten(1).amin(dim=1, keepdim=True), x.flatten(1).amax(dim=1, keepdim=True)
-        calls = torch.stack([lo, hi], dim=1).to(device="cpu", dtype=torch.float64)  # [batch, 2, *shape]
+        calls = torch.stack([lo, hi], dim=1).to(device="cpu", dtype=range_dtype(x.dtype))  # [batch, 2, *shape]
         self.calls += 1
         for call in calls:
             if not self.ranges:
                 self.ranges = {"static_minmax": call.clone(), "minmax": call.clone(), "memoryless_minmax": call}
                 continue
             extremes = self.ranges["static_minmax"]
+            call = call.to(extremes.dtype)
             extremes[0] = torch.minimum(extremes[0], call[0])
             extremes[1] = torch.maximum(extremes[1], call[1])
-            self.ranges["minmax"].mul_(1 - self.AVERAGING_CONSTANT).add_(call * self.AVERAGING_CONSTANT)
+            c = self.AVERAGING_CONSTANT  # llm-compressor's lerp, in the observed dtype
+            self.ranges["minmax"] = (self.ranges["minmax"] * (1.0 - c)) + (call * c)
             self.ranges["memoryless_minmax"] = call
 
 
@@ -331,15 +360,32 @@ def install(attention: nn.Module, args: QuantizationArgs) -> None:
     starts recording the ranges of its keys and values. A module already calibrated keeps its scales.
 
     Raises:
-        ValueError: per-head scales for an attention whose number of key/value heads is unknown.
+        ValueError: per-head scales for an attention whose number of key/value heads is unknown; or ``attention``
+            holds a KV-cache scheme already (an earlier modifier's) that differs from ``args`` (the later one was
+            dropped without a word, or failed on the scales' shape at its end; found by a tester).
     """
-    if getattr(attention, SCHEME_ATTR, None) is None:
+    held = getattr(attention, SCHEME_ATTR, None)
+    if held is not None and describe(held) != describe(args):
+        msg = (
+            f"{type(attention).__name__}: its KV cache is quantized already with {describe(held)}, and another "
+            f"modifier gives {describe(args)}: an attention's KV cache is quantized once; give kv_cache_scheme (or "
+            "the attention-quantization group) once in the recipe"
+        )
+        raise ValueError(msg)
+    if held is None:
         shape = _scale_shape(attention, args, kv_heads, "KV")
         for base in ("k", "v"):
             _register_scale(attention, base, shape)
         setattr(attention, SCHEME_ATTR, args.model_copy(deep=True))
         attention.register_forward_pre_hook(_swap_cache, with_kwargs=True)
     _start_recording(attention, args)
+
+
+def describe(args: QuantizationArgs) -> str:
+    """``{strategy: tensor, observer: minmax}``: the fields of a resolved KV-cache scheme that can differ (the
+    others are fixed by :func:`resolve_kv_cache_scheme`), for messages and comparisons."""
+    strategy = getattr(args.strategy, "value", args.strategy)
+    return f"{{strategy: {strategy}, observer: {args.observer}}}"
 
 
 def _scale_shape(attention: nn.Module, args: QuantizationArgs, heads_of: Any, what: str) -> tuple[int, ...]:
@@ -370,6 +416,33 @@ def _start_recording(attention: nn.Module, args: QuantizationArgs) -> None:
         per_head = args.strategy == QuantizationStrategy.ATTN_HEAD
         bases = ("q", "k", "v") if getattr(attention, "q_scale", None) is not None else ("k", "v")
         attention.__dict__[_STATE_ATTR] = {base: KVRange(per_head) for base in bases}
+
+
+def hooked_attention_refusal(model: nn.Module) -> str | None:
+    """Why attention quantization (:func:`install_query`) cannot run on ``model``, or ``None`` when it can.
+
+    compressed-tensors' hooked attention (``ct_hooked_attention``) calls the model's original attention
+    implementation (its config's ``_attn_implementation``) by name through transformers' ``ALL_ATTENTION_FUNCTIONS``,
+    which holds ``sdpa`` and the flash / flex ones but not ``eager``: on an eager model (Gemma2 under transformers
+    5.25, which refuses ``sdpa`` for it; GPT-OSS by default) the first calibration forward failed with a bare
+    ``KeyError: 'eager'`` after the modules were hooked (found by a tester). The KV cache alone
+    (``kv_cache_scheme``) needs no hooked attention and works on such a model.
+
+    Returns:
+        One line naming the model, its attention implementation, why, and what to do; ``None`` when the
+        implementation is hooked already or is one ``ALL_ATTENTION_FUNCTIONS`` holds.
+    """
+    implementation = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    if implementation == HOOKED_ATTENTION_NAME or implementation in ALL_ATTENTION_FUNCTIONS:
+        return None
+    return (
+        f"{model_family(model)}: attention quantization needs the model's attention implementation in transformers' "
+        f"ALL_ATTENTION_FUNCTIONS, and it is {implementation!r}, which is not there (compressed-tensors' hooked "
+        "attention calls the original implementation through it: the calibration forward would fail with KeyError "
+        f"{implementation!r}); load the model with attn_implementation='sdpa' where its family allows it "
+        "(from_pretrained(..., attn_implementation='sdpa'), then pass the model), or quantize the KV cache alone "
+        "(kv_cache_scheme), which works with it"
+    )
 
 
 def install_query(model: nn.Module, attention: nn.Module, scheme: QuantizationScheme) -> None:
@@ -460,7 +533,9 @@ def load_kv_cache_scales(model: nn.Module, directory: str | Path) -> int:
         The number of attention modules given scales (0 when the checkpoint has no ``kv_cache_scheme``).
 
     Raises:
-        ValueError: an attention module of ``model`` has no scales in the checkpoint, or a scale's shape differs.
+        ValueError: an attention module of ``model`` has no scales in the checkpoint, or a scale's shape differs; or
+            (attention quantization) the model's attention implementation cannot be hooked
+            (:func:`hooked_attention_refusal`: an ``eager`` model). The model is then left as it was.
     """
     from compressed_tensors.utils.match import is_match
     from safetensors import safe_open
@@ -483,17 +558,28 @@ def load_kv_cache_scales(model: nn.Module, directory: str | Path) -> int:
     attention = attention_modules(model)
     if groups:
         attention = {n: m for n, m in attention.items() if is_match(n, m, groups[0].targets, config.get("ignore"))}
+        refusal = hooked_attention_refusal(model) if attention else None
+        if refusal is not None:
+            raise ValueError(f"{directory}: {refusal}")
+    bases = ("q", "k", "v") if groups else ("k", "v")
+    for name, module in attention.items():  # every shape first: a refused checkpoint leaves the model as it was
+        for base in bases:
+            value = scales.get(f"{name}.{base}_scale")
+            heads_of, what = (query_heads, "query") if base == "q" else (kv_heads, "KV")
+            try:
+                shape = _scale_shape(module, args, heads_of, what)
+            except ValueError as exc:
+                raise ValueError(f"{directory}: {name}: {exc}") from None
+            if value is None or tuple(value.shape) != shape:
+                got = "none" if value is None else list(value.shape)
+                msg = f"{directory}: {name}.{base}_scale: expected shape {list(shape)}, the checkpoint has {got}"
+                raise ValueError(msg)
     for name, module in attention.items():
         install(module, args)
         if groups:
             install_query(model, module, groups[0])
-        for base in ("q", "k", "v") if groups else ("k", "v"):
-            value = scales.get(f"{name}.{base}_scale")
+        for base in bases:
             param = getattr(module, f"{base}_scale")
-            if value is None or value.shape != param.shape:
-                got = "none" if value is None else list(value.shape)
-                msg = f"{directory}: {name}.{base}_scale: expected shape {list(param.shape)}, the checkpoint has {got}"
-                raise ValueError(msg)
-            param.data.copy_(value.to(param.dtype))
+            param.data.copy_(scales[f"{name}.{base}_scale"].to(param.dtype))
         module.__dict__.pop(_STATE_ATTR, None)
     return len(attention)
