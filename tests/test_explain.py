@@ -449,3 +449,46 @@ def test_cli_explain_dash_is_not_read_as_recipe_text(capsys) -> None:
     assert capsys.readouterr().err == (
         "llmc-fsm explain: error: RECIPE '-' (standard input) is not read: give the recipe file's path\n"
     )
+
+
+_EMBEDDING_RECIPE = """\
+test_stage:
+  quant_modifiers:
+    QuantizationModifier:
+      ignore: [lm_head]
+      config_groups:
+        group_0:
+          weights: {num_bits: 8, type: int, symmetric: true, strategy: tensor}
+          input_activations: {num_bits: 8, type: int, symmetric: false, strategy: tensor}
+          targets: [Linear]
+        group_1:
+          weights: {num_bits: 8, type: int, symmetric: true, strategy: tensor}
+          targets: [Embedding]
+"""
+
+
+@pytest.mark.usefixtures("quantizers")
+def test_explain_model_accepts_a_quantized_embedding_as_oneshot_does(tmp_path, capsys):
+    """llm-compressor's new_quant_simple.yaml (a weight-only group on ``Embedding``) ran in ``oneshot``, which
+    quantizes ``model.embed_tokens`` data-free, but ``explain --model`` said "oneshot would refuse this recipe ...:
+    QuantizationModifier targets model.embed_tokens, outside the decoder layers" (found by a tester): its check
+    left out the targets a modifier compresses without calibration inputs."""
+    from tiny_llama import llama
+
+    from llmc_fsm import oneshot
+
+    llama(hidden=64, kv_heads=4, tied=False).save_pretrained(tmp_path / "m")
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(_EMBEDDING_RECIPE)
+    capsys.readouterr()
+    assert main(["explain", str(recipe), "--model", str(tmp_path / "m")]) == 0
+    captured = capsys.readouterr()
+    assert captured.err == ""
+    assert captured.out.endswith(
+        f"(Expected here: `llmc-fsm oneshot` gives calibration_data; oneshot's checks of --model {tmp_path / 'm'} "
+        "pass.)\n"
+    )
+    ids = torch.randint(3, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    done = oneshot(model=str(tmp_path / "m"), recipe=str(recipe), dataset=ids, output_dir=str(tmp_path / "out"),
+                   low_memory=False)  # the reference: oneshot runs it, the embedding quantized
+    assert hasattr(done.get_input_embeddings(), "quantization_scheme")

@@ -786,3 +786,80 @@ def test_the_written_weights_follow_the_umask(tmp_path):
         os.umask(old)
     modes = {p.name: p.stat().st_mode & 0o777 for p in out.glob("*.safetensors")}
     assert len(modes) > 1 and set(modes.values()) == {0o644}
+
+
+def test_group_size_replaces_an_int_presets_group_as_oneshots_group_size_does(tmp_path):
+    """A checkpoint 64 wide could not take W4A16 (groups of 128) model-free: the refusal said to use
+    ``--group-size 64``, which model-free did not have (found by a tester). ``group_size`` writes what ``oneshot``
+    writes for the recipe ``oneshot --group-size`` generates."""
+    source = _checkpoint(tmp_path / "src", shard=None)
+    model_free_ptq(source, tmp_path / "free", scheme="W4A16", group_size=32, ignore=["lm_head"], progress=False)
+    scheme = {"preset": "W4A16", "weights": {"group_size": 32}}
+    recipe = {"stage": {"QuantizationModifier": {"targets": ["Linear"], "scheme": scheme, "ignore": ["lm_head"]}}}
+    oneshot(model=str(source), recipe=recipe, output_dir=str(tmp_path / "oneshot"), dtype=torch.bfloat16)
+    free, reference = _tensors(tmp_path / "free"), _tensors(tmp_path / "oneshot")
+    assert sorted(free) == sorted(reference)
+    assert all(torch.equal(free[k], reference[k]) for k in free)
+    assert free["model.layers.0.mlp.down_proj.weight_scale"].shape == (64, 128 // 32)
+    groups = json.loads((tmp_path / "free" / "config.json").read_text())["quantization_config"]["config_groups"]
+    assert groups["group_0"]["weights"]["group_size"] == 32
+
+
+def test_the_group_size_advice_names_model_free_arguments_not_a_recipe(tmp_path):
+    """The refusal of a group that does not divide the widths advised ``CLI: --group-size 64; recipe: scheme:
+    {preset: W4A16, ...}``, a flag and a recipe model-free did not have (found by a tester)."""
+    with pytest.raises(ModifierError) as info:
+        model_free_ptq(_checkpoint(tmp_path / "src", shard=None), tmp_path / "out", scheme="W4A16", progress=False)
+    message = str(info.value)
+    assert message.startswith(
+        "model_free_ptq: QuantizationModifier refuses this checkpoint: QuantizationModifier cannot compress "
+    )
+    assert message.endswith(
+        "Use a group size that divides every target's input width, e.g. 64 (--group-size 64; Python: "
+        "model_free_ptq(..., group_size=64)), or add these modules to ignore."
+    )
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    ("scheme", "per"),
+    [
+        ("NVFP4A16", "float weights per tensor_group of 16"),
+        ("FP8_DYNAMIC", "float weights per channel"),
+        ("MXFP4A16", "float weights per group of 32"),
+    ],
+)
+def test_group_size_is_refused_for_a_preset_whose_weights_are_not_int_groups(tmp_path, scheme, per):
+    """A group size for a preset whose group its format fixes (or that has none) is refused, naming the presets it
+    applies to (found by a tester: model-free had no group size at all)."""
+    message = (
+        "model_free_ptq: group_size (--group-size) applies to presets whose int weights are quantized in groups "
+        "(W2A16, W2A4, W2A8, W3A16, W3A4, W3A8, W4A16, W4A16_ASYM, W4A4, W4A8, W4AFP8, W5A16, W5A8, W6A16, W6A8, "
+        f"W7A16, W7A8, W8A16); {scheme} quantizes {per}: leave group_size out"
+    )
+    _refused(tmp_path, ValueError, message, scheme=scheme, group_size=64)
+
+
+def test_group_size_is_refused_with_a_scheme_object_or_a_value_that_is_no_positive_int(tmp_path):
+    """``group_size`` replaces a preset's group: with a scheme mapping it is refused (its weights say the group),
+    and so is a value that is not a positive int."""
+    message = (
+        "model_free_ptq: group_size (--group-size) replaces a preset's weight group size: give scheme as a preset "
+        "name (e.g. 'W4A16'), or set group_size in the weights of the scheme or config given"
+    )
+    _refused(tmp_path, ValueError, message, scheme={"weights": {"num_bits": 8}}, group_size=64)
+    for bad in (0, True, 32.0):
+        message = f"model_free_ptq: group_size (--group-size) must be a positive int, got {bad!r}"
+        _refused(tmp_path, ValueError, message, scheme="W4A16", group_size=bad)
+
+
+def test_an_unknown_scheme_is_named_as_model_free_ptqs_argument_not_an_internal_recipe(tmp_path):
+    """An unknown scheme was reported as ``recipe <dict>, stage 'model_free_stage', modifier QuantizationModifier,
+    argument 'scheme': ...``, a recipe the caller never wrote (found by a tester)."""
+    message = (
+        "model_free_ptq: scheme (--scheme): unknown quantization scheme 'W4X16' (did you mean 'W4A16'?); presets: "
+        "FP8, FP8_BLOCK, FP8_DYNAMIC, INT8, MXFP4, MXFP4A16, MXFP4XFP8, MXFP6A16, MXFP6A8, MXFP8, MXFP8A16, NVFP4, "
+        "NVFP4A16, W2A16, W2A4, W2A8, W3A16, W3A4, W3A8, W4A16, W4A16_ASYM, W4A4, W4A8, W4AFP8, W5A16, W5A8, W6A16, "
+        "W6A8, W7A16, W7A8, W8A16, W8A8"
+    )
+    _refused(tmp_path, ValueError, message, scheme="W4X16")

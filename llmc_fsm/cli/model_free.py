@@ -35,6 +35,13 @@ def add_cli(sub: Any) -> None:
     p.add_argument("model", metavar="MODEL", help="checkpoint directory, known model name, or Hub id")
     p.add_argument("--scheme", required=True, help="compressed-tensors preset, e.g. FP8_BLOCK, W8A8, NVFP4A16")
     p.add_argument(
+        "--group-size",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help="replace the weight group size of an int group-wise --scheme (W4A16's 128: SmolLM2's width 576 needs 64)",
+    )
+    p.add_argument(
         "--ignore",
         nargs="*",
         metavar="NAME",
@@ -60,7 +67,7 @@ def add_cli(sub: Any) -> None:
 
 
 def _positive_int(text: str) -> int:
-    """``--threads``'s value: an int >= 1 (argparse's one-line error otherwise)."""
+    """``--threads``' and ``--group-size``'s value: an int >= 1 (argparse's one-line error otherwise)."""
     try:
         value = int(text)
     except ValueError:
@@ -86,6 +93,7 @@ def _run_cli(args: argparse.Namespace) -> int:
                 dtype=args.dtype,
                 overwrite=args.overwrite,
                 progress=args.progress,
+                group_size=args.group_size,
             )
     except KeyboardInterrupt as exc:
         return interrupted("model-free", exc)

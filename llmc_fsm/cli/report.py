@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -24,7 +25,10 @@ def read_report(path: str | os.PathLike[str]) -> dict[str, Any]:
 
     Raises:
         FileNotFoundError: ``path`` does not exist, or the directory has no ``report.json``.
-        ValueError: the file is not UTF-8 JSON, or not a one-shot report (the message names the file).
+        ValueError: the file is not UTF-8 JSON, or not a one-shot report: keys missing, or a module's field that
+            oneshot cannot have written (``layer`` neither an int >= 0 nor null, ``zeros`` outside ``0..numel``, a
+            ``sparsity`` other than ``zeros / numel``, ``bits`` / ``group_size`` not positive ints, a negative
+            ``rel_output_error``); the message names the file, the module and the field.
     """
     given = Path(path).expanduser()
     if not given.exists():
@@ -43,12 +47,55 @@ def read_report(path: str | os.PathLike[str]) -> dict[str, Any]:
         msg = f"{file}: invalid JSON ({err.msg} at line {err.lineno}, column {err.colno})"
         raise ValueError(msg) from None
     try:
-        OneshotReport.from_dict(data).format_table()
+        detail = _module_problem(data["sparsity"]["modules"])
+        if detail is None:
+            OneshotReport.from_dict(data).format_table()
     except (KeyError, TypeError, AttributeError, ValueError) as err:
         detail = f"missing {err}" if isinstance(err, KeyError) else f"{type(err).__name__}: {err}"
+    if detail is not None:
         msg = f"{file}: not a one-shot report written by llmc-fsm oneshot ({detail})"
-        raise ValueError(msg) from None
+        raise ValueError(msg)
     return data
+
+
+def _module_problem(entries: list[dict[str, Any]]) -> str | None:
+    """The first field of ``sparsity.modules`` that oneshot cannot have written, as ``sparsity.modules[i] 'name':
+    what`` (``None`` when every one can be): a hand-edited ``layer: "x"`` was printed as a row "x" and made
+    ``--plot`` fail with a TypeError, ``zeros`` above ``numel`` printed a sparsity of 200% (found by a tester)."""
+    for i, entry in enumerate(entries):
+        problem = _entry_problem(entry)
+        if problem is not None:
+            return f"sparsity.modules[{i}] {entry.get('name')!r}: {problem}"
+    return None
+
+
+def _entry_problem(entry: dict[str, Any]) -> str | None:
+    """What is wrong with one ``sparsity.modules`` entry, or ``None``."""
+
+    def count(value: Any) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+    def number(value: Any) -> bool:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+    name, layer, zeros, numel = entry["name"], entry["layer"], entry["zeros"], entry["numel"]
+    if not isinstance(name, str):
+        return f"name {name!r} is not a module name (a string)"
+    if layer is not None and not count(layer):
+        return f"layer {layer!r} is neither a decoder layer index (an int >= 0) nor null"
+    if not (count(zeros) and count(numel) and zeros <= numel):
+        return f"zeros {zeros!r} and numel {numel!r} are not ints with 0 <= zeros <= numel"
+    sparsity = entry.get("sparsity", zeros / numel if numel else 0.0)
+    if not number(sparsity) or not math.isclose(sparsity, zeros / numel if numel else 0.0, abs_tol=1e-12):
+        return f"sparsity {sparsity!r} is not zeros / numel"
+    for key in ("bits", "group_size"):
+        value = entry.get(key)
+        if value is not None and not (count(value) and value > 0):
+            return f"{key} {value!r} is neither a positive int nor null"
+    error = entry.get("rel_output_error")
+    if error is not None and (not number(error) or error < 0):
+        return f"rel_output_error {error!r} is neither a number >= 0 nor null"
+    return None
 
 
 _HELP = "re-print a saved one-shot report (OUT/report.json); --plot draws per-layer sparsity"

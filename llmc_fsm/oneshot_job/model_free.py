@@ -44,6 +44,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import shutil
 import time
 from collections.abc import Iterable, Iterator, Mapping
@@ -55,7 +56,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from llmc_fsm.core.errors import ModifierError
+from llmc_fsm.core.errors import ModifierError, RecipeError
 from llmc_fsm.models.hf_io import (
     check_safetensors,
     first_line,
@@ -96,6 +97,7 @@ def model_free_ptq(
     overwrite: bool = False,
     progress: bool = True,
     dtype: str | torch.dtype | None = None,
+    group_size: int | None = None,
 ) -> Path:
     """Quantize the Linear weights of a safetensors checkpoint with a data-free scheme, shard by shard.
 
@@ -123,15 +125,20 @@ def model_free_ptq(
             tensors (not the quantization parameters of modules quantized already) are read in it and the output
             written in it, ``config.json`` saying so — NVFP4 and MX need bfloat16 (llmc-fsm's argument, as
             ``oneshot``'s ``dtype``; ``None``: as stored).
+        group_size: replaces the weight group size of ``scheme``, a preset name whose int weights are quantized in
+            groups (``W4A16``'s 128: SmolLM2's width 576 needs 64), as ``oneshot``'s ``--group-size`` (llmc-fsm's
+            argument; ``None``: the preset's).
 
     Returns:
         The output directory (resolved).
 
     Raises:
         ValueError: several processes (``torchrun``, a ``torch.distributed`` group of more than one rank: it runs
-            in one), before anything else; both or neither of ``scheme`` / ``config``; a scheme that needs
-            calibration data (static activation scales, ``kv_cache_scheme``, an ``imatrix_mse`` observer); a
-            targeted tensor of three dimensions; several devices — before the output is created.
+            in one), before anything else; both or neither of ``scheme`` / ``config``; an unknown or invalid
+            ``scheme`` / ``config``; ``group_size`` not a positive int, or given with a ``config``, a scheme object
+            or a preset whose weights are not int groups (``FP8_DYNAMIC``, ``NVFP4A16``, ``MXFP4A16``); a scheme
+            that needs calibration data (static activation scales, ``kv_cache_scheme``, an ``imatrix_mse``
+            observer); a targeted tensor of three dimensions; several devices — before the output is created.
         ModifierError: what the quantization modifier refuses at ``initialize`` on the checkpoint's names, shapes
             and dtypes (targets matching nothing, a group size or block shape that does not fit), from its
             ``ValueError`` — before the output is created.
@@ -143,7 +150,7 @@ def model_free_ptq(
     started = time.perf_counter()
     _refuse_several_processes()
     check_output_dir(save_directory, overwrite)  # the cheapest refusal (claimed after the checks below)
-    plan = _plan(model_stub, scheme, config, ignore, device, converter, dtype)  # every check: nothing written yet
+    plan = _plan(model_stub, scheme, config, ignore, device, converter, dtype, group_size)  # nothing written yet
     if max_workers != 1:
         logger.warning("model_free_ptq: shards are processed one at a time (max_workers=%s has no effect)", max_workers)
     output = _claim(save_directory, model_stub, overwrite)
@@ -213,7 +220,9 @@ class _Plan:
     dtype: torch.dtype | None
 
 
-def _plan(model_stub: Any, scheme: Any, config: Any, ignore: Any, device: Any, converter: Any, dtype: Any) -> _Plan:
+def _plan(
+    model_stub: Any, scheme: Any, config: Any, ignore: Any, device: Any, converter: Any, dtype: Any, group_size: Any
+) -> _Plan:
     """Every check of :func:`model_free_ptq` (arguments, checkpoint, scheme on the real shapes), nothing written.
 
     Raises:
@@ -221,7 +230,7 @@ def _plan(model_stub: Any, scheme: Any, config: Any, ignore: Any, device: Any, c
     """
     run_device = _device(device)
     cast = _dtype(dtype)
-    session = Session(_recipe(scheme, config, ignore))
+    session = _session(scheme, config, ignore, group_size)
     _check_data_free(session)
     files = _checkpoint_files(model_stub)
     existing = _existing_config(files, converter)
@@ -232,7 +241,7 @@ def _plan(model_stub: Any, scheme: Any, config: Any, ignore: Any, device: Any, c
     classes = None if skeleton is None else checkpoint_classes(skeleton, shapes)
     tree = linear_tree(shapes, classes)
     if classes is not None:
-        session = _ignore_checkpoint_names(session, classes, scheme, config, ignore)
+        session = _ignore_checkpoint_names(session, classes, scheme, config, ignore, group_size)
     _check_fused_experts(shapes, session, skeleton)
     _check_left_to_quantize(session, tree, shapes)  # first: a checkpoint quantized already has no Linear left
     _check_some_linear(tree, shapes)
@@ -240,7 +249,7 @@ def _plan(model_stub: Any, scheme: Any, config: Any, ignore: Any, device: Any, c
         session.initialize(model=tree)
     except ModifierError as exc:  # the modifier's own refusal, without the session's advice to its API callers
         cause = exc.__cause__ if exc.__cause__ is not None else exc
-        msg = f"model_free_ptq: {exc.modifier} refuses this checkpoint: {cause}"
+        msg = f"model_free_ptq: {exc.modifier} refuses this checkpoint: {_own_terms(str(cause), scheme)}"
         raise ModifierError(msg, modifier=exc.modifier, hook=exc.hook) from cause
     targets = {n for m in session.modifiers for n in m.resolved_targets}
     base = converter.update_config(existing) if converter is not None else existing
@@ -324,15 +333,56 @@ def _plain_scheme(scheme: Any) -> Any:
     return dump(exclude_none=True, mode="json") if dump is not None else scheme
 
 
-def _recipe(scheme: Any, config: Any, ignore: Iterable[str] | None) -> dict[str, Any]:
-    """The one-stage recipe ``model_free_ptq`` runs: one ``QuantizationModifier``."""
+def _session(scheme: Any, config: Any, ignore: Iterable[str] | None, group_size: Any) -> Session:
+    """The session of :func:`_recipe`; a scheme or config the modifier refuses is reported as ``model_free_ptq``'s
+    argument (``--scheme`` on the command line), not as the one-stage recipe it became, which the caller never wrote.
+
+    Raises:
+        ValueError: as :func:`_recipe`; the modifier refuses the scheme or config (its reason, one line).
+    """
+    recipe = _recipe(scheme, config, ignore, group_size)
+    try:
+        return Session(recipe)
+    except RecipeError as exc:
+        cause = exc.__cause__ if exc.__cause__ is not None else exc
+        given = "config" if scheme is None else "scheme (--scheme)" if isinstance(scheme, str) else "scheme"
+        msg = f"model_free_ptq: {given}: {cause}"
+        raise ValueError(msg) from cause
+
+
+def _own_terms(message: str, scheme: Any) -> str:
+    """``message`` (the modifier's refusal) with its advice in ``model_free_ptq``'s terms: the group size to use given
+    as ``--group-size N`` / ``group_size=N`` (a preset name) or in the scheme's weights, not as a recipe's entry."""
+
+    def advice(found: re.Match[str]) -> str:
+        size = found.group(1)
+        if isinstance(scheme, str):
+            return f"(--group-size {size}; Python: model_free_ptq(..., group_size={size}))"
+        return f"(group_size: {size} in the weights of the scheme or config given)"
+
+    return _RECIPE_GROUP_ADVICE.sub(advice, message)
+
+
+#: The quantizer's group-size advice in recipe terms (``(CLI: --group-size 64; recipe: scheme: {...})``).
+_RECIPE_GROUP_ADVICE = re.compile(r"\(CLI: --group-size (\d+); recipe: [^()]*\)")
+
+
+def _recipe(scheme: Any, config: Any, ignore: Iterable[str] | None, group_size: Any = None) -> dict[str, Any]:
+    """The one-stage recipe ``model_free_ptq`` runs: one ``QuantizationModifier``.
+
+    Raises:
+        ValueError: both or neither of ``scheme`` / ``config``; a ``kv_cache_scheme``; ``group_size`` refused
+            (:func:`_group_scheme`).
+    """
     if (scheme is None) == (config is None):
         msg = "model_free_ptq: give exactly one of scheme and config"
         raise ValueError(msg)
     given = ignore is not None
     ignore = [ignore] if isinstance(ignore, str) else list(ignore or [])
     args: dict[str, Any]
-    if isinstance(scheme, str):
+    if group_size is not None:
+        args = {"targets": ["Linear"], "scheme": _group_scheme(scheme, group_size)}
+    elif isinstance(scheme, str):
         args = {"targets": ["Linear"], "scheme": scheme}
     elif scheme is not None:
         group = dict(_plain_scheme(scheme))
@@ -355,12 +405,55 @@ def _recipe(scheme: Any, config: Any, ignore: Iterable[str] | None) -> dict[str,
     return {"model_free_stage": {"quantization_modifiers": {"QuantizationModifier": args}}}
 
 
+def _group_scheme(scheme: Any, group_size: Any) -> dict[str, Any]:
+    """``scheme`` (a preset name) with its weight group size replaced by ``group_size``, as a recipe's ``scheme``
+    holds it (``{preset: W4A16, weights: {group_size: 64}}``, as ``oneshot --group-size`` writes it).
+
+    Raises:
+        ValueError: ``group_size`` is not a positive int; ``scheme`` is not a preset name (a config, a scheme
+            object: their weights give the group size); the preset's weights are not int groups (``FP8_DYNAMIC``
+            per channel, ``NVFP4A16``'s groups of 16 and MX's of 32 fixed by the format).
+    """
+    # compressed-tensors comes with the quantization plugin, not with llmc_fsm: imported where a scheme is built
+    from compressed_tensors.quantization import QuantizationStrategy, QuantizationType
+    from compressed_tensors.quantization.quant_scheme import PRESET_SCHEMES, is_preset_scheme, preset_name_to_scheme
+
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+        msg = f"model_free_ptq: group_size (--group-size) must be a positive int, got {group_size!r}"
+        raise ValueError(msg)
+    if not isinstance(scheme, str):
+        msg = (
+            "model_free_ptq: group_size (--group-size) replaces a preset's weight group size: give scheme as a "
+            "preset name (e.g. 'W4A16'), or set group_size in the weights of the scheme or config given"
+        )
+        raise ValueError(msg)
+
+    def int_groups(weights: Any) -> bool:
+        return weights is not None and (weights.type, weights.strategy) == (
+            QuantizationType.INT,
+            QuantizationStrategy.GROUP,
+        )
+
+    weights = preset_name_to_scheme(scheme, ["Linear"]).weights if is_preset_scheme(scheme.upper()) else None
+    if weights is not None and not int_groups(weights):
+        kind, per = (getattr(v, "value", v) for v in (weights.type, weights.strategy))
+        per += f" of {weights.group_size}" if weights.group_size else ""
+        presets = sorted(name for name, fields in PRESET_SCHEMES.items() if int_groups(fields.get("weights")))
+        msg = (
+            f"model_free_ptq: group_size (--group-size) applies to presets whose int weights are quantized in groups "
+            f"({', '.join(presets)}); {scheme} quantizes {kind} weights per {per}: leave group_size out"
+        )
+        raise ValueError(msg)
+    return {"preset": scheme, "weights": {"group_size": group_size}}
+
+
 def _ignore_checkpoint_names(
     session: Session,
     classes: Mapping[str, tuple[str, type] | None],
     scheme: Any,
     config: Any,
     ignore: Iterable[str] | None,
+    group_size: Any = None,
 ) -> Session:
     """The session again with the checkpoint's names added to ``ignore`` where an exact name in it (the default
     ``lm_head`` too) is the model's name of a module the checkpoint names otherwise (LLaVA's ``lm_head`` is
@@ -380,7 +473,7 @@ def _ignore_checkpoint_names(
             "default ignore is empty, which quantizes it too: give ignore=[] for that)",
             ", ".join(extra),
         )
-    recipe = _recipe(scheme, config, ignore)
+    recipe = _recipe(scheme, config, ignore, group_size)
     recipe["model_free_stage"]["quantization_modifiers"]["QuantizationModifier"]["ignore"] = [*current, *extra]
     return Session(recipe)
 

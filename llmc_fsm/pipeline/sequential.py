@@ -209,12 +209,12 @@ def check_modifier_targets_in_layers(
     elif not getattr(modifier, "needs_inputs", True):
         free = set(targets)
     else:
-        free = getattr(modifier, "targets_without_inputs", frozenset())
+        free = _inputless(modifier, targets)
     outside = [name for name, module in targets.items() if id(module) not in inside and name not in free]
     if outside:
         shown = ", ".join(outside[:5]) + (f" and {len(outside) - 5} more" if len(outside) > 5 else "")
         fix = "Add them to the modifier's ignore list."
-        in_memory = set(getattr(modifier, "targets_without_inputs", frozenset()))
+        in_memory = set(_inputless(modifier, targets))
         in_memory |= {name for name, module in targets.items() if head is not None and module is head}
         if streamed and set(outside) <= in_memory:
             fix = (
@@ -229,6 +229,16 @@ def check_modifier_targets_in_layers(
             + f". {fix}"
         )
         raise ValueError(msg)
+
+
+def _inputless(modifier: Any, targets: Mapping[str, nn.Module]) -> frozenset[str]:
+    """The names among ``targets`` that ``modifier`` compresses without calibration inputs: its
+    ``inputless_targets(targets)`` (so before initialize too, on what its ``check_model`` returns: explain refused a
+    quantized ``nn.Embedding`` that oneshot runs, found by a tester), else its ``targets_without_inputs``."""
+    inputless = getattr(modifier, "inputless_targets", None)
+    if callable(inputless):
+        return frozenset(inputless(targets))
+    return frozenset(getattr(modifier, "targets_without_inputs", frozenset()))
 
 
 def head_target(modifier: Any, targets: Mapping[str, nn.Module], head: nn.Module | None) -> str | None:

@@ -16,7 +16,14 @@ from typing import Any
 
 from llmc_fsm.report.build import OneshotReport
 
-__all__ = ["QUANT_KEYS", "check_plot_path", "error_panel_title", "plot_report", "quantization_summary"]
+__all__ = [
+    "QUANT_KEYS",
+    "check_plot_path",
+    "error_panel_title",
+    "outside_layers_line",
+    "plot_report",
+    "quantization_summary",
+]
 
 #: Per-module keys of a report's ``sparsity.modules`` entries that carry quantization results.
 QUANT_KEYS = ("bits", "group_size", "rel_output_error")
@@ -104,9 +111,9 @@ def _sparsity_panel(
         _kind_markers(ax, _by_kind(targeted), colors, "sparsity")
         ax.set_xlabel("decoder layer")
         ax.locator_params(axis="x", integer=True)
-        outside = [f"{e['name']} {e['sparsity']:.1%}" for e in targeted if e["layer"] is None]
+        outside = outside_layers_line([e for e in targeted if e["layer"] is None])
         if outside:
-            ax.text(0.01, 0.02, "outside the layers: " + ", ".join(outside), transform=ax.transAxes, fontsize=8)
+            ax.text(0.01, 0.02, outside, transform=ax.transAxes, fontsize=8)
         _legend_outside(ax)
     else:  # no decoder layers (e.g. an nn.Sequential)
         _names_axis(ax, targeted, "sparsity")
@@ -129,6 +136,34 @@ def _sparsity_panel(
                 fontsize=10,
             )
     ax.set_title(_wrapped(title), fontsize=10)
+
+
+def outside_layers_line(entries: Sequence[Mapping[str, Any]], width: int = 140) -> str:
+    """The sparsity panel's line for targeted ``entries`` outside the decoder layers, at most ``width`` characters
+    (the panel's width at its font size): ``outside the layers: lm_head 50.0%``; the modules of one numbered stack
+    as one item, ``model.vision_tower.encoder.layers.* (24 modules) 0.0%`` (zeros over weights), and the items
+    that do not fit as ``and N more``. ``""`` without entries. A LLaVA report listed its 26 vision modules one by
+    one: the line ran off the picture, and matplotlib's layout gave up and cut the legend off (found by a tester).
+    """
+    stacks: dict[str, list[Mapping[str, Any]]] = {}
+    for e in entries:
+        found = re.match(r"(.*?)\.\d+\.", e["name"])
+        stacks.setdefault(f"{found.group(1)}.*" if found else e["name"], []).append(e)
+    items = []
+    for name, group in stacks.items():
+        numel = sum(int(e["numel"]) for e in group)
+        share = sum(int(e["zeros"]) for e in group) / numel if numel else 0.0
+        items.append(f"{name} {share:.1%}" if len(group) == 1 else f"{name} ({len(group)} modules) {share:.1%}")
+    if not items:
+        return ""
+    line = "outside the layers: " + items[0]
+    for i, item in enumerate(items[1:], 1):
+        rest = len(items) - i - 1
+        more = f", and {rest} more" if rest else ""
+        if len(f"{line}, {item}{more}") > width:
+            return f"{line}, and {len(items) - i} more"
+        line += f", {item}"
+    return line
 
 
 def quantization_summary(entries: Sequence[Mapping[str, Any]]) -> str:

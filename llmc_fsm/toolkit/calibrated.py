@@ -252,9 +252,15 @@ class CalibratedModifier(Modifier):
 
     @property
     def targets_without_inputs(self) -> frozenset[str]:
-        """Names of targets compressed without calibration inputs, at ``calibration_end`` (none here; a quantizer's
-        ``nn.Embedding``). The in-memory sequential pipeline accepts them outside the decoder layers
-        (:func:`llmc_fsm.pipeline.sequential.check_targets_in_layers`)."""
+        """Names of targets compressed without calibration inputs, at ``calibration_end``: :meth:`inputless_targets`
+        of the targets selected at initialize. The in-memory sequential pipeline accepts them outside the decoder
+        layers (:func:`llmc_fsm.pipeline.sequential.check_targets_in_layers`)."""
+        return self.inputless_targets(self._targets)
+
+    def inputless_targets(self, targets: Mapping[str, nn.Module]) -> frozenset[str]:
+        """The names among ``targets`` (``{name: module}``: the targets selected at initialize, or what
+        :meth:`check_model` returns before it, as ``llmc-fsm explain --model`` checks them) that this modifier
+        compresses without calibration inputs (none here; a quantizer's ``nn.Embedding``)."""
         return frozenset()
 
     # ---- subclass API ----------------------------------------------------------

@@ -1850,10 +1850,9 @@ class QuantizingModifier(CalibratedModifier):
             return "an Embedding is quantized with int weights or FP8 per channel / tensor only (not NVFP4, MX, block)"
         return None
 
-    @property
-    def targets_without_inputs(self) -> frozenset[str]:
+    def inputless_targets(self, targets: Mapping[str, nn.Module]) -> frozenset[str]:
         """The ``nn.Embedding`` targets: quantized data-free at ``calibration_end`` (:meth:`_embedding_problem`)."""
-        return frozenset(n for n, m in self._targets.items() if isinstance(m, nn.Embedding))
+        return frozenset(n for n, m in targets.items() if isinstance(m, nn.Embedding))
 
     def _make_hook(self, name: str) -> Any:
         """:meth:`CalibratedModifier._make_hook`; an ``nn.Embedding`` target (its inputs are token ids) collects

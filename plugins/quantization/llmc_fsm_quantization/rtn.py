@@ -87,7 +87,7 @@ def rtn_quantize(
 
 @attrs.define(kw_only=True, slots=False, eq=False)
 class QuantizationModifier(QuantizingModifier):
-    """Quantize Linear weights by round-to-nearest with an observer; activations per the scheme (dynamic).
+    """Quantize Linear weights by round-to-nearest; activations per the scheme (static: scales from calibration_data).
 
     Needs no calibration data: every target is quantized at ``calibration_end``
     (SmolLM2-135M W8A8: ~1.5 s on 2 CPU cores). One-shot runs no calibration pass
