@@ -89,7 +89,8 @@ def rtn_quantize(
 class QuantizationModifier(QuantizingModifier):
     """Quantize Linear weights by round-to-nearest; activations per the scheme (static: scales from calibration_data).
 
-    Needs no calibration data: every target is quantized at ``calibration_end``
+    With weight-only or dynamic-activation schemes it needs no calibration data (static activation scales,
+    ``imatrix_mse`` and a ``kv_cache_scheme`` do: below): every target is quantized at ``calibration_end``
     (SmolLM2-135M W8A8: ~1.5 s on 2 CPU cores). One-shot runs no calibration pass
     for a stage whose modifiers are all data-free, even when a dataset is given.
     Only when it shares a pass with a modifier that needs data (the same stage,
