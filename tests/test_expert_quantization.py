@@ -630,14 +630,15 @@ def test_an_interrupted_run_resumes_with_each_expert_s_quantization(tmp_path, mo
 def test_falcon_gptq_output_reloads_its_falconlinear_unpacked(tmp_path):
     """Falcon's _init_weights reads FalconLinear.weight unguarded, which a packed module has not on reload
     (transformers 5.24: "'FalconLinear' object has no attribute 'weight'"): its quantized FalconLinear are saved
-    int-quantized (integer values under weight), and the checkpoint reloads with every key and equal logits."""
+    int-quantized (integer values under weight), and the checkpoint reloads with every key and equal logits. The
+    config keeps the recipe's target, Linear (it selects exactly the quantized modules; FalconLinear before)."""
     import json
 
     model = build("falcon")
     recipe = {"s": {"GPTQModifier": {"scheme": SCHEME}}}
     llmc_fsm.oneshot(model=model, recipe=recipe, dataset=DATA, output_dir=tmp_path / "o", progress=False)
     config = json.loads((tmp_path / "o" / "config.json").read_text())["quantization_config"]
-    assert (config["format"], config["config_groups"]["group_0"]["targets"]) == ("int-quantized", ["FalconLinear"])
+    assert (config["format"], config["config_groups"]["group_0"]["targets"]) == ("int-quantized", ["Linear"])
     reloaded, info = _reload(tmp_path / "o", "falcon")
     assert (sorted(info["missing_keys"]), sorted(info["unexpected_keys"])) == ([], [])
     with torch.no_grad():

@@ -468,8 +468,8 @@ def test_a_modelopt_nvfp4_checkpoint_is_converted_and_its_attention_quantized_as
     assert out["model.layers.0.self_attn.q_proj.weight"].dtype == torch.float8_e4m3fn
     config = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
     groups = list(config["config_groups"].values())
-    attention = sorted(f"model.layers.{i}.self_attn.{p}_proj" for i in range(2) for p in "qkvo")
-    assert [g["targets"] for g in groups] == [[mlp], attention]  # ours by name: no class target claims the MLP
+    attention = [r"re:.*self_attn\.(q|k|v|o)_proj$"]  # as given: it selects exactly the modules quantized
+    assert [g["targets"] for g in groups] == [[mlp], attention]
     assert groups[0]["weights"]["strategy"] == "tensor_group" and groups[1]["weights"]["strategy"] == "block"
     assert config["ignore"] == ["lm_head"]
     logits = _reloaded_logits(tmp_path / "out")

@@ -74,21 +74,33 @@ def unpacked_embeddings(modules: dict[str, nn.Module]) -> None:
 
 
 @contextlib.contextmanager
-def leaf_targets(modules: dict[str, nn.Module], *, by_name: bool = False) -> Iterator[None]:
+def leaf_targets(
+    modules: dict[str, nn.Module], *, by_name: bool = False, model: nn.Module | None = None
+) -> Iterator[None]:
     """While inside, each quantized module's scheme targets the modules actually quantized with it.
 
-    A modifier's ``targets`` may name containers (``LlamaMLP``, ``model.layers.0``, ``re:model.layers.\\d*$``,
-    ``__ALL__``); copied into ``config_groups`` as they are, transformers applies them to the containers on
-    reload and the checkpoint fails to load or loads with re-initialised weights. One scheme: its targets
-    become the quantized modules' class names (``["Linear"]``), and compressed-tensors lists every other module
-    of those classes under ``ignore``. Several schemes, or ``by_name`` (another group covers fused experts, whose
-    per-expert matrices a class target would also name): each targets the exact names of its modules.
+    The recipe's targets are kept (as llm-compressor writes them: ``re:.*self_attn.*``, ``Linear``) when ``model``
+    (the saved model, whose module names are those transformers reloads) is given, ``by_name`` is not, and they
+    select exactly what was quantized the way transformers 5.25 applies a config on reload: each ``nn.Linear`` /
+    ``nn.Embedding`` of ``model`` that a group's targets match (compressed-tensors' ``is_match``: name, ``re:``
+    pattern or class in its MRO) is quantized with that group's scheme, and with no other group's targets matching
+    it (a matched module that was not quantized is fine: :func:`ignore_for_reload` lists it under ``ignore``).
+
+    Otherwise they are replaced: a modifier's ``targets`` may name containers (``LlamaMLP``, ``model.layers.0``,
+    ``re:model.layers.\\d*$``, ``__ALL__``), which match no quantized module on reload, or two groups' targets may
+    overlap. One scheme: its targets become the quantized modules' class names (``["Linear"]``), and
+    compressed-tensors lists every other module of those classes under ``ignore``. Several schemes, or ``by_name``
+    (another group covers fused experts, whose per-expert matrices a class target would also name): each targets
+    the exact names of its modules.
     """
     saved = {name: list(sub.quantization_scheme.targets) for name, sub in modules.items()}
     groups: dict[str, list[str]] = {}
     for name, sub in modules.items():
         groups.setdefault(sub.quantization_scheme.model_dump_json(exclude={"targets"}), []).append(name)
-    if len(groups) == 1 and not by_name:
+    if model is not None and not by_name and _recipe_targets_select_exactly(model, modules, groups):
+        kept = [(names, list(dict.fromkeys(t for n in names for t in saved[n]))) for names in groups.values()]
+        targets = {name: group_targets for names, group_targets in kept for name in names}
+    elif len(groups) == 1 and not by_name:
         classes = sorted({type(sub).__name__ for sub in modules.values()})
         targets = {name: classes for name in modules}
     else:
@@ -102,8 +114,34 @@ def leaf_targets(modules: dict[str, nn.Module], *, by_name: bool = False) -> Ite
             sub.quantization_scheme.targets = saved[name]
 
 
+def _recipe_targets_select_exactly(
+    model: nn.Module, modules: dict[str, nn.Module], groups: dict[str, list[str]]
+) -> bool:
+    """Whether the recipe's targets of each group of ``groups`` (scheme -> names of its ``modules``) select, on
+    reload, its modules and only modules of ``model`` left unquantized (:func:`leaf_targets`)."""
+    from compressed_tensors.utils.match import is_match
+
+    group_of = {id(modules[name]): key for key, names in groups.items() for name in names}
+    wanted = {
+        key: list(dict.fromkeys(t for n in names for t in modules[n].quantization_scheme.targets))
+        for key, names in groups.items()
+    }
+    seen = 0
+    for name, sub in model.named_modules():
+        if not isinstance(sub, nn.Linear | nn.Embedding):  # the only modules a config group quantizes on reload
+            continue
+        matched = {key for key, targets in wanted.items() if is_match(name, sub, targets)}
+        own = group_of.get(id(sub))
+        seen += own is not None
+        if own is not None and matched != {own}:  # unquantized: ignore_for_reload lists it
+            return False
+    return seen == len(group_of)  # every quantized module is one of them
+
+
 def ignore_for_reload(model: nn.Module, modules: dict[str, nn.Module], ignore: list[str]) -> list[str]:
-    """``ignore`` plus every module the reloaded model would quantize by class but that was not quantized.
+    """``ignore`` plus every module the reloaded model would quantize by class, or by a recipe's name or ``re:``
+    target (kept by :func:`leaf_targets`; only Linears and Embeddings, the modules a group quantizes on reload), but
+    that was not quantized.
 
     compressed-tensors lists under ``ignore`` the unquantized modules whose class *is* a target class, while on
     reload a class target also matches subclasses (its ``_match_class`` walks the MRO): a vision tower's
@@ -117,6 +155,8 @@ def ignore_for_reload(model: nn.Module, modules: dict[str, nn.Module], ignore: l
         modules: ``{name: module}`` of its quantized modules (:func:`llmc_fsm.output.save.quantized_modules`).
         ignore: what compressed-tensors wrote.
     """
+    from compressed_tensors.utils.match import is_match
+
     targets = {t for sub in modules.values() for t in sub.quantization_scheme.targets}
     quantized = {id(sub) for sub in modules.values()}
     listed = set(ignore)
@@ -127,7 +167,10 @@ def ignore_for_reload(model: nn.Module, modules: dict[str, nn.Module], ignore: l
         and name not in listed
         and id(sub) not in quantized
         and not isinstance(sub, nn.ModuleList | nn.ModuleDict)
-        and any(cls.__name__ in targets for cls in type(sub).__mro__)
+        and (
+            any(cls.__name__ in targets for cls in type(sub).__mro__)
+            or (isinstance(sub, nn.Linear | nn.Embedding) and is_match(name, sub, sorted(targets)))
+        )
     ]
     return [*ignore, *added]
 

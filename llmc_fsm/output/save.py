@@ -842,8 +842,10 @@ def write_quantization_config(model: nn.Module, directory: Path, *, sparsity: Sp
     modules = quantized_modules(model)
     several = len({v.quantization_scheme.model_dump_json(exclude={"targets"}) for v in views.values()}) > 1
     experts_group = bool(views and modules) and (several or _experts_need_group(modules, views))
-    with leaf_targets(modules, by_name=experts_group):  # what was quantized, not recipe patterns (the config holds
-        if modules:  # the modules' scheme objects: written inside)
+    # the recipe's targets where they select what was quantized, else what was quantized (the config holds the
+    # modules' scheme objects: written inside); not beside fused experts (the experts' group is chosen by its targets)
+    with leaf_targets(modules, by_name=experts_group, model=None if views else model):
+        if modules:
             compressor = ModelCompressor.from_pretrained_model(model)
         elif views and several:  # only Llama 4's experts, of several schemes: a group of each, by name
             compressor = ModelCompressor(quantization_config=QuantizationConfig(config_groups={}))
@@ -956,9 +958,11 @@ def _init_reads_weight(model: nn.Module, name: str, module: nn.Module) -> bool:
     Measured, not listed: on the model its config describes, built on the ``meta`` device once per model
     (:class:`_InitProbe`), the module's ``weight`` is removed and ``_init_weights`` is called on it and on each of
     its ancestors up to its decoder layer (on ``meta`` nothing is initialised; not the model's root, whose own
-    initialisation may build a ``[positions, positions]`` mask in memory); an ``AttributeError`` naming ``weight`` means
-    the reload would fail. A model without a config, or whose names its config's model does not have, is probed on
-    the module's class alone (the module itself).
+    initialisation may build a ``[positions, positions]`` mask in memory), each time the ``_init_weights`` of the
+    sub-model transformers initialises it with (:func:`_owner_init`: a vision tower's own; SigLIP's reads every
+    Linear's ``weight``); an ``AttributeError`` naming ``weight`` means the reload would fail. A model without a
+    config, or whose names its config's model does not have, is probed on the module's class alone (the module
+    itself).
     """
     if not isinstance(module, nn.Linear) or getattr(model, "_init_weights", None) is None:
         return False
@@ -996,20 +1000,33 @@ class _InitProbe:
             chain = [skeleton.get_submodule(p) for p in prefixes] if skeleton is not None else None
         except AttributeError:  # its names are not the model's (an in-memory model of another class)
             chain = None
-        if chain is not None:  # up to its decoder layer: the root's own init may build [positions, positions] masks
-            lists = [i for i, m in enumerate(chain) if isinstance(m, nn.ModuleList)]
-            chain = chain[: lists[0]] if lists else chain[:1]
         if chain is None or not isinstance(chain[0], nn.Linear):
             return _class_init_reads_weight(self.model, module)
+        inits = [_owner_init(chain[i:]) for i in range(len(chain))]
+        lists = [i for i, m in enumerate(chain) if isinstance(m, nn.ModuleList)]
+        end = lists[0] if lists else 1  # up to its decoder layer: the root's init may build [positions, positions]
+        chain, inits = chain[:end], inits[:end]
         key = (re.sub(r"\.\d+(?=\.|$)", ".#", name), *(type(m) for m in chain))  # the same in every layer
         if key not in self.found:
             target = chain[0]
             weight = target._parameters.pop("weight", None)
             try:
-                self.found[key] = any(_init_raises_on_weight(skeleton._init_weights, m) for m in chain)  # type: ignore[union-attr]
+                self.found[key] = any(_init_raises_on_weight(init, m) for init, m in zip(inits, chain, strict=True))
             finally:
                 target._parameters["weight"] = weight
         return self.found[key]
+
+
+def _owner_init(ancestors: list[nn.Module]) -> Callable[[nn.Module], Any]:
+    """The ``_init_weights`` transformers runs on ``ancestors[0]`` at load (``ancestors``: the module, its parent,
+    ..., the root): that of the innermost ``PreTrainedModel`` among them, the module itself included, as
+    ``PreTrainedModel.initialize_weights`` (transformers 5.25) dispatches each sub-model's own init to its modules:
+    a vision tower's (``SiglipVisionModel``) to the tower's Linears, not the root's
+    (``Gemma3ForConditionalGeneration``).
+    A sub-model is known as transformers' dispatch finds it: by its ``_initialize_weights`` (``PreTrainedModel``'s);
+    the root's init when none has one."""
+    owner = next((m for m in ancestors if callable(getattr(m, "_initialize_weights", None))), ancestors[-1])
+    return owner._init_weights  # type: ignore[return-value]
 
 
 #: model -> its :class:`_InitProbe` (while the model lives: choose_formats runs once per decoder layer when streamed).

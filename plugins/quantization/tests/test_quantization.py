@@ -567,7 +567,7 @@ def test_asymmetric_int_weights_are_saved_unpacked_so_that_transformers_loads_th
                 "QuantizationModifier": {"scheme": "W8A8", "targets": ["re:.*self_attn.*"]},
                 "GPTQModifier": {"scheme": W4G16, "targets": ["re:.*mlp.*"]},
             },
-            "names",
+            [["re:.*self_attn.*"], ["re:.*mlp.*"]],  # as given: each selects exactly its quantized modules
             "head",
         ),
     ],
@@ -582,17 +582,13 @@ def test_the_saved_config_targets_the_quantized_modules_and_reloads_with_equal_l
     config = json.loads((out / "config.json").read_text())["quantization_config"]
     groups = [group["targets"] for group in config["config_groups"].values()]
     attention = [f"model.layers.{i}.self_attn.{p}_proj" for i in range(2) for p in "qkvo"]
-    mlp = [f"model.layers.{i}.mlp.{p}_proj" for i in range(2) for p in ("gate", "up", "down")]
-    if targets == "names":  # two schemes: each group names its modules
-        assert sorted(map(sorted, groups)) == sorted([sorted(attention), sorted(mlp)])
-    else:
-        assert groups == targets
+    assert groups == targets
     assert sorted(config["ignore"]) == sorted(["lm_head", *(attention if ignore == "attention" else [])])
     x = torch.randint(0, 128, (2, 24))
     reloaded = AutoModelForCausalLM.from_pretrained(out).eval()
     with torch.no_grad():
         assert torch.equal(model(x).logits, reloaded(x).logits)
-    # the in-memory model keeps the recipe's targets; only the written config names the modules
+    # the in-memory model keeps the recipe's targets
     assert model.model.layers[0].mlp.up_proj.quantization_scheme.targets == stage["GPTQModifier"]["targets"]
 
 
