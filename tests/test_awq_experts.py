@@ -162,15 +162,15 @@ def _reference_shared_search(model: torch.nn.Module):
 
     reference = run(w)
     x_mean = x.abs().mean(dim=0)
-    rows = [router.abs() / router.abs().amax(dim=1, keepdim=True)]  # the router: per row (not quantized)
+    rows = [router.abs() / (router.abs().amax(dim=1, keepdim=True) + 1e-6)]  # the router: per row (not quantized)
     for e in range(w.shape[0]):
         for part in (w[e, :inter], w[e, inter:]):
             g = part.abs().reshape(-1, GROUP)
-            rows.append((g / g.amax(dim=1, keepdim=True)).reshape(part.shape))
+            rows.append((g / (g.amax(dim=1, keepdim=True) + 1e-6)).reshape(part.shape))
     w_mean = torch.cat(rows).mean(dim=0)
 
     def error(s: torch.Tensor) -> float:
-        q = torch.stack([torch.cat([_q_int4_sym_g16(p.float() * s.float()) / s.float().double()
+        q = torch.stack([torch.cat([_q_int4_sym_g16((p.double() * s).float()) / s
                                     for p in (w[e, :inter], w[e, inter:])])
                          for e in range(w.shape[0])])  # fmt: skip
         return float((run(q) - reference).pow(2).mean())
@@ -205,8 +205,9 @@ def test_the_shared_exponent_is_a_float64_grid_search_s_and_lowers_the_block_err
     scales = awq.smoothing_scales[L0 + "post_attention_layernorm"]
     assert exponent is not None
     assert result["exponent"] == exponent
-    # the modifier's scales are float32: equal to the float64 ones to float32 rounding; a group's largest entry sits
-    # on the tie 7.5, so an ulp of a scale can round it the other way: the error is compared at the modifier's scales
+    # the modifier's scales are float64 as llm-compressor's (its x_j float32): equal to the float64 ones to float32
+    # rounding; a group's largest entry sits on the tie 7.5, so an ulp can round it the other way: the error is
+    # compared at the modifier's scales
     assert torch.allclose(scales.double(), candidate(exponent), rtol=1e-6, atol=0)
     assert result["error"] == pytest.approx(error(scales.double()), rel=1e-5)
     assert result["error_unsmoothed"] == pytest.approx(unsmoothed, rel=1e-5)
@@ -563,12 +564,12 @@ def _reference_block_search(model: torch.nn.Module, family: str):
         reference = run()
     router = block.gate.weight.detach()
     x_mean = x.reshape(-1, x.shape[-1]).abs().mean(dim=0)
-    rows = [router.abs() / router.abs().amax(dim=1, keepdim=True)]  # the router: per row (not quantized)
+    rows = [router.abs() / (router.abs().amax(dim=1, keepdim=True) + 1e-6)]  # the router: per row (not quantized)
     for w in originals.values():
         g = w.abs().reshape(-1, GROUP)
-        rows.append((g / g.amax(dim=1, keepdim=True)).reshape(-1, w.shape[-1]))
+        rows.append((g / (g.amax(dim=1, keepdim=True) + 1e-6)).reshape(-1, w.shape[-1]))
     w_mean = torch.cat(rows).mean(dim=0)
-    # the candidates as the modifier computes them, in float32 (checked against the float64 formula below): an ulp
+    # the candidates as the modifier computes them, from float32 inputs (checked against the formula below): an ulp
     # of a scale can flip a group's tie (see error) and with it the block error by 10%
     balances = [router.float(), *(originals[n].float().reshape(-1, x.shape[-1]) for n in list(originals)[1:])]
     balances.append(originals["experts.gate_up_proj"].float().reshape(-1, x.shape[-1]))
@@ -577,9 +578,9 @@ def _reference_block_search(model: torch.nn.Module, family: str):
     def error(s: torch.Tensor) -> float:
         with torch.no_grad():
             for n, w in quantized.items():
-                # W diag(s) in float32 as the weights and the modifier's scales are (a group's largest entry lands
-                # on the tie -7.5 / 7.5: an ulp decides its rounding)
-                w.copy_(_q_int4_sym_g16(originals[n].float() * s.float()) / s.float().double())
+                # W diag(s) in float64 rounded to the float32 weights, as the modifier (and llm-compressor) do (a
+                # group's largest entry lands on the tie -7.5 / 7.5: an ulp decides its rounding)
+                w.copy_(_q_int4_sym_g16((originals[n].double() * s).float()) / s)
             out = run()
             for n, w in quantized.items():
                 w.copy_(originals[n])

@@ -9,7 +9,7 @@ channel ``j`` over the calibration tokens, the candidate scales for an exponent 
 * ``s_j = x_j ** r`` (the paper's search space, ``duo_scaling: false``), or
 * ``s_j = x_j ** r / (w_j ** (1 - r) + 1e-4)`` (``duo_scaling: true``, the default, as llm-compressor and
   AutoAWQ), ``w_j`` the mean over the balance layers' rows of ``|W_ij|`` divided by the maximum ``|W|`` of
-  the quantization group holding it;
+  the quantization group holding it plus ``1e-6`` (float64, as llm-compressor 0.14; the candidates then float64 too);
 
 clamped to at least ``1e-4`` and divided by ``sqrt(max s * min s)``. The grid's first candidate is ``r = 0`` without
 the weight term, ``s = 1`` (no smoothing); then ``duo_scaling: true`` tries ``r = i / (n - 2)``, ``i = 0 .. n - 2``,
@@ -32,7 +32,10 @@ quantized weight minus ``W`` (``out * in^2`` per candidate instead of ``N * in *
 where that is cheaper: not for an expert few tokens reach).
 ``search_n_sample_token`` (opt-in, default off, not the paper's search) scores the other blocks on every ``k``-th
 window only. The chosen scales are folded into the smooth layer and the
-balance layers (the float model is unchanged); the quantizer then quantizes the smoothed weights.
+balance layers (the float model is unchanged); the quantizer then quantizes the smoothed weights. As in
+llm-compressor, ``W diag(s)`` is computed in the scales' dtype (float64 for ``duo_scaling`` candidates) and rounded
+once to the weight's dtype, in the search and in the fold: with symmetric int4 a group's largest ``|W_ij s_j|`` sits on
+the quantizer's rounding tie, so the last bit decides a code.
 
 Clipping (``apply_clip: true``; the paper's v1, Sec. 3.3 and Table 2, as AutoAWQ's ``apply_clip``; llm-compressor 0.14
 has no clipping, and its recipes leave ``apply_clip`` out, which means no clipping here too): after a decoder layer's
@@ -112,7 +115,12 @@ from llmc_fsm.toolkit import (
     patterns,
     weight_views,
 )
-from llmc_fsm_quantization.mappings import ResolvedMapping, fold_scales, moe_mapping_problem, moe_router
+from llmc_fsm_quantization.mappings import (
+    ResolvedMapping,
+    fold_scales,
+    moe_mapping_problem,
+    moe_router,
+)
 from llmc_fsm_quantization.observers import is_scaled_format
 from llmc_fsm_quantization.rtn import QuantizationModifier, rtn_quantize
 from llmc_fsm_quantization.smoothquant import (
@@ -143,37 +151,53 @@ Quantizer = tuple[QuantizationArgs, str] | None
 
 
 def awq_weight_mean(weights: list[torch.Tensor], group_sizes: list[int | None]) -> torch.Tensor:
-    """``w_j``: mean over all rows of ``|W_ij| / max |W|`` of the quantization group holding ``W_ij``.
+    """``w_j``: mean over all rows of ``|W_ij| / (max |W| + 1e-6)``, the maximum over the quantization group holding
+    ``W_ij``, as llm-compressor 0.14's ``_compute_layer_means``: the quotient in the weight's dtype, the rows summed
+    in float64 per weight, the weights' sums added and divided by the total row count.
 
     Args:
         weights: the balance layers' ``[out_k, C]`` weights.
         group_sizes: per weight, its group size (``None``: one group per row; ``0``: the whole tensor).
 
     Returns:
-        ``[C]`` float32.
+        ``[C]`` float64.
     """
-    rows = []
+    total: torch.Tensor | None = None
+    rows = 0
     for w, g in zip(weights, group_sizes, strict=True):
-        a = w.detach().abs().to(torch.float32)
-        if g == 0:
-            a = a / a.max().clamp_min(1e-30)
-        elif g is None:
-            a = a / a.amax(dim=1, keepdim=True).clamp_min(1e-30)
-        else:
-            grouped = a.reshape(-1, g)
-            a = (grouped / grouped.amax(dim=1, keepdim=True).clamp_min(1e-30)).reshape(a.shape)
-        rows.append(a)
-    return torch.cat(rows).mean(dim=0)
+        a = w.detach().abs()
+        chunk = a.numel() if g == 0 else a.shape[1] if g is None else g
+        grouped = a.reshape(-1, chunk)
+        part = (grouped / (grouped.amax(dim=1, keepdim=True) + 1e-6)).reshape(a.shape).sum(0, dtype=torch.float64)
+        total = part if total is None else total + part
+        rows += a.shape[0]
+    if total is None:
+        raise ValueError("awq_weight_mean needs at least one weight (a mapping has one balance layer or more)")
+    return total / rows
 
 
 def awq_candidate_scales(x_mean: torch.Tensor, w_mean: torch.Tensor | None, ratio: float) -> torch.Tensor:
-    """One candidate of the grid: ``x ** r`` (``w_mean`` ``None``) or ``x ** r / (w ** (1 - r) + 1e-4)``,
-    clamped to ``>= 1e-4`` and divided by ``sqrt(max * min)``. ``[C]`` float32."""
+    """One candidate of the grid, in llm-compressor 0.14's dtypes: ``x ** r`` (``w_mean`` ``None``) or
+    ``x ** r / (w ** (1 - r) + 1e-4)``, clamped to ``>= 1e-4``, divided by ``sqrt(max * min)``, a value that is
+    not finite then set to 1.
+
+    Args:
+        x_mean: ``[C]`` float32 mean ``|x_j|`` (``x ** r`` is computed in float32, as llm-compressor).
+        w_mean: ``[C]`` float64 :func:`awq_weight_mean`, or ``None``.
+        ratio: the exponent ``r`` in ``[0, 1]``.
+
+    Returns:
+        ``[C]``: float64 with ``w_mean`` (the float32 ``x ** r`` promoted by the float64 weight term), ``x_mean``'s
+        dtype without. The weights are scaled by these values before being rounded to their dtype, as llm-compressor
+        (in the search and in the fold): with symmetric int4 a group's largest ``|W_ij s_j|`` sits on a rounding tie
+        of the quantizer, so the last bit of a scale can change a code.
+    """
     s = x_mean.pow(ratio)
     if w_mean is not None:
         s = s / (w_mean.pow(1.0 - ratio) + 1e-4)
     s = s.clamp_min(1e-4)
-    return s / (s.max() * s.min()).sqrt()
+    s = s / (s.max() * s.min()).sqrt()
+    return torch.where(torch.isfinite(s), s, torch.ones_like(s))
 
 
 #: smallest ``n_grid`` per ``duo_scaling`` (:func:`awq_grid`): llm-compressor 0.14's grid divides by ``n - 1``,
@@ -785,6 +809,8 @@ class AWQModifier(SmoothingModifier):
             }
             return
         quantizers = [self._quantizers.get(id(b)) for b in mapping.balances]
+        # float32 as llm-compressor's (there summed in float32 batch by batch, in its calibration order; here the
+        # float64 sum, the same for any batching and over ranks, rounded once)
         x_mean = (observer.abs_sum[name] / observer.tokens[name]).to(torch.float32)
         w_mean = awq_weight_mean([b.weight for b in mapping.balances], [_group_size(q) for q in quantizers])
         # llm-compressor's grid; its first candidate, (0.0, False), is s = 1: scored as no smoothing (None)

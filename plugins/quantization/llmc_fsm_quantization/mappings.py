@@ -1199,7 +1199,9 @@ def fold_scales(mapping: ResolvedMapping, scales: torch.Tensor) -> None:
     projection, :func:`fused_tail`, its ``j``-th of the last ``C`` rows) ``/= s_j ** (1 / k)``,
     ``k`` = :attr:`ResolvedMapping.degree` (``1`` but for a gateless ``up -> down`` through relu2, ``k = 2``:
     ``relu2((W_j x + b_j) / sqrt(s_j)) = relu2(W_j x + b_j) / s_j``, which the balance layer's column ``j`` times
-    ``s_j`` restores). Computed in float32 and written back in each parameter's dtype.
+    ``s_j`` restores). Computed in float32, or in float64 for float64 ``scales`` (AWQ's ``duo_scaling``
+    candidates, as llm-compressor 0.14's ``_apply_smoothing`` multiplies by them), and written back in each
+    parameter's dtype (rounded once).
 
     Args:
         scales: ``[C]`` positive floats (``C`` = :attr:`ResolvedMapping.channels`).
@@ -1211,7 +1213,8 @@ def fold_scales(mapping: ResolvedMapping, scales: torch.Tensor) -> None:
     channels = mapping.channels
     if scales.shape != (channels,):
         raise ValueError(f"scales of shape {tuple(scales.shape)} for {mapping.smooth_name} with {channels} channels")
-    s = scales.detach().to(torch.float32)
+    compute = torch.promote_types(scales.dtype, torch.float32)
+    s = scales.detach().to(compute)
     if not bool(torch.isfinite(s).all()) or not bool((s > 0).all()):
         raise ValueError(f"scales for {mapping.smooth_name} must be finite and positive")
     if mapping.degree is None:
@@ -1221,15 +1224,15 @@ def fold_scales(mapping: ResolvedMapping, scales: torch.Tensor) -> None:
     # the smooth layer's rows: s ** (1 / k) (k = 2 through relu2), so the balance layers' input is divided by s
     rows = s if mapping.degree == 1 or w.dim() == 1 else s.pow(1.0 / mapping.degree)
     if w.dim() == 1 and scales_by_one_plus_weight(smooth):  # (1 + w') = (1 + w) / s
-        w.copy_(((1.0 + w.to(torch.float32)) / s.to(w.device) - 1.0).to(w.dtype))
+        w.copy_(((1.0 + w.to(compute)) / s.to(w.device) - 1.0).to(w.dtype))
     elif w.dim() == 1:
-        w.copy_((w.to(torch.float32) / s.to(w.device)).to(w.dtype))
+        w.copy_((w.to(compute) / s.to(w.device)).to(w.dtype))
     else:  # a fused projection's last C rows (fused_tail); all of them otherwise
-        w[-channels:].copy_((w[-channels:].to(torch.float32) / rows.to(w.device)[:, None]).to(w.dtype))
+        w[-channels:].copy_((w[-channels:].to(compute) / rows.to(w.device)[:, None]).to(w.dtype))
     bias = getattr(smooth, "bias", None)
     if isinstance(bias, torch.Tensor):
         tail = bias[-channels:] if w.dim() == 2 else bias
-        tail.copy_((tail.to(torch.float32) / rows.to(bias.device)).to(bias.dtype))
+        tail.copy_((tail.to(compute) / rows.to(bias.device)).to(bias.dtype))
     for balance in mapping.balances:
         bw = balance.weight
-        bw.copy_((bw.to(torch.float32) * s.to(bw.device)[None, :]).to(bw.dtype))
+        bw.copy_((bw.to(compute) * s.to(bw.device)[None, :]).to(bw.dtype))

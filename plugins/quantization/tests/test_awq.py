@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
 from llmc_fsm_quantization import AWQModifier, QuantizationModifier, rtn_quantize
+from llmc_fsm_quantization.awq import awq_candidate_scales, awq_weight_mean
 from llmc_fsm_quantization.mappings import default_mappings, fold_scales
 from test_smoothquant import DATA, tiny
 
@@ -308,11 +310,12 @@ def test_awq_then_gptq_in_one_stage_quantizes_the_smoothed_layer_with_its_smooth
         original(DATA)
     handle.remove()
     acc = HessianAccumulator(64)
-    acc.add_batch(torch.cat(x).reshape(-1, 64) / s)
+    acc.add_batch((torch.cat(x).reshape(-1, 64) / s).float())  # s: float64, the fold rounds once to float32
     s_vo = awq.smoothing_scales["model.layers.0.self_attn.v_proj"][:, None]  # v_proj's rows: the v -> o mapping
     with torch.no_grad():
         expected = gptq_quantize(
-            [attn.q_proj.weight * s, attn.k_proj.weight * s, attn.v_proj.weight * s / s_vo], acc.hessian,
+            [(attn.q_proj.weight * s).float(), (attn.k_proj.weight * s).float(),
+             (attn.v_proj.weight * s / s_vo).float()], acc.hessian,
             args=gptq.weight_args, block_size=16,
         )
     got = model.model.layers[0].self_attn
@@ -517,3 +520,109 @@ def test_the_older_forms_quantizer_speaks_as_awq():
                          dataset=DATA, progress=False)  # fmt: skip
     assert str(info.value).startswith("AWQModifier (quantizing with its scheme) cannot compress ")
     assert "QuantizationModifier" not in str(info.value)
+
+
+# --------------------------------------------------------------------------- llm-compressor's float64 arithmetic
+def _weight_mean_reference(weights: list[torch.Tensor], group: int) -> list[float]:
+    """llm-compressor 0.14's w_j written out: per element |w| / (max|w| of its group + 1e-6), the quotient in float32
+    (the weight's dtype), summed exactly (math.fsum) over the rows of every weight, divided by the row count."""
+    sums = [[] for _ in range(weights[0].shape[1])]
+    rows = 0
+    for w in weights:
+        for row in w.tolist():
+            for start in range(0, len(row), group):
+                part = [abs(v) for v in row[start : start + group]]
+                peak = torch.tensor(max(part), dtype=torch.float32) + 1e-6  # float32 addition, as a float32 tensor
+                for j, v in enumerate(part):
+                    sums[start + j].append(float(torch.tensor(v, dtype=torch.float32) / peak))
+            rows += 1
+    return [math.fsum(column) / rows for column in sums]
+
+
+def test_awq_weight_mean_is_llm_compressors_float64_mean_with_1e6_added_to_each_groups_maximum() -> None:
+    """Found by a tester: w_j divided by the group's max|W| clamped at 1e-30 (not max + 1e-6) and was averaged in
+    float32, so with symmetric int4 the candidates' last bits, and then codes and the chosen exponent, differed from
+    llm-compressor 0.14's (layer 0 of a tiny Llama: exponent 0.33 vs 0.22)."""
+    g = torch.Generator().manual_seed(5)
+    weights = [torch.randn(3, 8, generator=g) * 1e-2, torch.randn(2, 8, generator=g)]
+    weights[1][0, :4] = torch.tensor([0.0, 0.0, 0.0, 0.0])  # an all-zero group: 0 / 1e-6
+    got = awq_weight_mean(weights, [4, 4])
+    assert got.dtype == torch.float64
+    assert got.tolist() == _weight_mean_reference(weights, 4)
+    whole_rows = awq_weight_mean(weights, [None, None])  # per output channel: the whole row is the group
+    assert whole_rows.tolist() == _weight_mean_reference(weights, 8)
+    peak = weights[0].abs().max() + 1e-6  # the whole tensor as one group
+    expected = [math.fsum(float(v) for v in (weights[0][:, j].abs() / peak).tolist()) / 3 for j in range(8)]
+    assert awq_weight_mean(weights[:1], [0]).tolist() == expected
+    with pytest.raises(ValueError) as err:
+        awq_weight_mean([], [])
+    assert str(err.value) == "awq_weight_mean needs at least one weight (a mapping has one balance layer or more)"
+
+
+def test_awq_duo_candidates_are_float64_as_llm_compressors() -> None:
+    """Found by a tester: the duo_scaling candidates were computed in float32; llm-compressor 0.14 divides its
+    float32 x ** r by the float64 (w ** (1 - r) + 1e-4), so its scales (and the weights scaled by them before being
+    rounded to float32) are float64. A non-finite candidate value is 1, as there."""
+    x_mean = torch.tensor([0.5, 2.0, 3.25, 0.01], dtype=torch.float32)
+    w_mean = torch.tensor([0.3, 0.7, 0.45, 0.9], dtype=torch.float64)
+    for ratio in (0.0, 0.2777777777777778, 1.0):
+        got = awq_candidate_scales(x_mean, w_mean, ratio)
+        assert got.dtype == torch.float64
+        xr = x_mean.pow(ratio).tolist()  # float32 x ** r, as llm-compressor
+        raw = [max(x / (w ** (1 - ratio) + 1e-4), 1e-4) for x, w in zip(xr, w_mean.tolist(), strict=True)]
+        norm = math.sqrt(max(raw) * min(raw))
+        assert got.tolist() == pytest.approx([v / norm for v in raw], rel=1e-15, abs=0)
+    plain = awq_candidate_scales(x_mean, None, 0.5)
+    assert plain.dtype == torch.float32
+    assert awq_candidate_scales(torch.tensor([float("nan"), 1.0]), None, 0.5).tolist() == [1.0, 1.0]
+
+
+def test_awq_symmetric_int4_chooses_and_folds_with_the_float64_scales_of_llm_compressor() -> None:
+    """Found by a tester: with symmetric int4 (a group's largest |W_ij s_j| on a rounding tie of the quantizer) and
+    duo_scaling, the chosen exponent and about 10% of layer 0's codes differed from llm-compressor 0.14's: the
+    candidates, their application to the weights and the final fold were float32 there, float64 in llm-compressor.
+
+    Reference: layer 0's q/k/v search written out with llm-compressor's arithmetic (x_j float32; w_j and the
+    candidates float64; W s in float64 rounded once to float32; the plugin's round-to-nearest as a black box), and
+    the fold W s (float64, rounded once) quantized by it (q and k: v_proj's rows also take the v -> o scales)."""
+    scheme = {"preset": "W4A16", "weights": {"group_size": 32}}  # symmetric, groups of 32 (the tester's case)
+    model = tiny()
+    original = copy.deepcopy(model)
+    awq = AWQModifier()
+    llmc_fsm.oneshot(model=model, recipe=[awq, QuantizationModifier(scheme=scheme)], dataset=DATA, progress=False)
+    args = QuantizationModifier(scheme=scheme).weight_args
+    attn = original.model.layers[0].self_attn
+    captured = {}
+    handle = attn.register_forward_pre_hook(lambda m, a, k: captured.update(a=a, k=k), with_kwargs=True)
+    with torch.no_grad():
+        original(DATA, use_cache=False)  # no cache: each call below attends to its own keys only
+    handle.remove()
+    x = captured["k"]["hidden_states"].reshape(-1, 64)  # the one calibration batch (8 windows of 32 tokens)
+    x_mean = (x.abs().sum(dim=0, dtype=torch.float64) / x.shape[0]).float()
+    names = ("q_proj", "k_proj", "v_proj")
+    weights = [getattr(attn, n).weight.detach().clone() for n in names]
+    w_mean = torch.tensor(_weight_mean_reference(weights, 32), dtype=torch.float64)
+    with torch.no_grad():
+        reference = attn(*captured["a"], **captured["k"])[0]
+
+        def error(s: torch.Tensor | None) -> float:
+            for n, w in zip(names, weights, strict=True):
+                q = rtn_quantize(w if s is None else (w.double() * s).float(), args).weight
+                getattr(attn, n).weight.copy_(q if s is None else (q.double() / s).float())
+            return float((attn(*captured["a"], **captured["k"])[0] - reference).pow(2).sum(dtype=torch.float64))
+
+        best = (error(None), None, None)
+        for i in range(N_GRID - 1):
+            r = i / (N_GRID - 2)
+            xr = x_mean.pow(r).double()
+            s = (xr / (w_mean.pow(1 - r) + 1e-4)).clamp(min=1e-4)
+            s = s / (s.max() * s.min()).sqrt()
+            e = error(s)
+            if e < best[0]:
+                best = (e, r, s)
+    result = awq.smoothing_results["model.layers.0.input_layernorm"]
+    assert result["exponent"] == best[1]
+    s = best[2]
+    for n, w in zip(names[:2], weights[:2], strict=True):
+        expected = rtn_quantize((w.double() * s).float(), args).weight
+        assert torch.equal(getattr(model.model.layers[0].self_attn, n).weight, expected), n
