@@ -142,3 +142,32 @@ def test_a_kept_re_target_that_also_matches_an_ignored_tower_reloads_with_the_to
     batch = _image_batch()
     with torch.no_grad():
         torch.testing.assert_close(reloaded(**batch).logits, compressed(**batch).logits, rtol=0, atol=1e-5)
+
+
+def test_model_free_saves_gemma3s_quantized_siglip_tower_unpacked_as_oneshot_does(tmp_path):
+    """Found by a tester: ``model_free_ptq`` W4A16 over Gemma 3's SigLIP tower packed it and the output did not
+    reload (``'Linear' object has no attribute 'weight'``), nor did NVFP4A16's warn: the initialisation probe looked
+    the checkpoint's names (``vision_tower.encoder...``) up in the model, whose tower is ``model.vision_tower...``.
+    The names are now renamed as ``from_pretrained`` renames them: the tower is saved unpacked, the same tensors as
+    ``oneshot``'s, and the output reloads."""
+    from safetensors.torch import load_file
+
+    from llmc_fsm import model_free_ptq
+
+    model = build("gemma3_vlm")
+    model.save_pretrained(tmp_path / "src")
+    scheme = {"preset": "W4A16", "weights": {"group_size": 16}}
+    model_free_ptq(tmp_path / "src", tmp_path / "free", scheme=scheme, progress=False)
+    recipe = {"s": {"QuantizationModifier": {"targets": ["Linear"], "scheme": scheme, "ignore": ["lm_head"]}}}
+    llmc_fsm.oneshot(model=str(tmp_path / "src"), recipe=recipe, output_dir=tmp_path / "one", progress=False)
+    free, one = load_file(tmp_path / "free" / "model.safetensors"), load_file(tmp_path / "one" / "model.safetensors")
+    assert free.keys() == one.keys() and all(torch.equal(free[k], one[k]) for k in free)
+    tower = sorted(k for k in free if k.startswith("vision_tower.") and k.endswith("fc1.weight"))
+    assert tower and all(free[k].dtype == torch.int8 for k in tower)  # int-quantized: the codes under weight
+    configs = [json.loads((tmp_path / d / "config.json").read_text())["quantization_config"] for d in ("free", "one")]
+    groups = [sorted(sorted(g["targets"]) for g in c["config_groups"].values()) for c in configs]
+    assert groups[0] == groups[1] and any(t.startswith(TOWER) for g in groups[0] for t in g)  # the model's names
+    reloaded, info = transformers.Gemma3ForConditionalGeneration.from_pretrained(
+        tmp_path / "free", output_loading_info=True
+    )
+    assert (info["missing_keys"], info["unexpected_keys"], info["mismatched_keys"]) == (set(), set(), set())

@@ -40,6 +40,7 @@ if TYPE_CHECKING:
 __all__ = [
     "check_safetensors",
     "check_tied",
+    "checkpoint_key_renamer",
     "current_umask",
     "dtype_kwargs",
     "first_line",
@@ -188,6 +189,31 @@ def meta_model(config: Any, dtype: Any = None) -> Any:
         model = build(config, **({"dtype": dtype} if dtype is not None else {}))
     model.tie_weights()
     return model.eval()
+
+
+def checkpoint_key_renamer(model: Any) -> Any:
+    """A function ``key -> (name, pattern)`` renaming a checkpoint tensor name as ``from_pretrained`` renames it into
+    ``model`` (transformers' ``rename_source_key`` with the model's ``get_model_conversion_mapping``: Gemma 3's
+    ``vision_tower.encoder...`` is ``model.vision_tower.encoder...``, Mixtral's ``block_sparse_moe.gate`` the router
+    ``mlp.gate``); ``pattern`` is not ``None`` for a key a conversion collects into a fused tensor (an expert matrix
+    of fused experts). A key that renames to no tensor of ``model`` but is one as stored keeps its name
+    (``from_pretrained``'s fallback)."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+
+    state = model.state_dict(keep_vars=True)
+    mapping = get_model_conversion_mapping(model) if hasattr(model, "base_model_prefix") else []
+    renamings = [t for t in mapping if isinstance(t, WeightRenaming)]
+    converters = [t for t in mapping if isinstance(t, WeightConverter)]
+    prefix = getattr(model, "base_model_prefix", None)
+
+    def rename(key: str) -> tuple[str, Any]:
+        name, pattern = rename_source_key(key, renamings, converters, prefix, state)
+        if name not in state and key in state:
+            return key, None
+        return name, pattern
+
+    return rename
 
 
 @contextlib.contextmanager

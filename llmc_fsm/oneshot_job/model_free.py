@@ -59,6 +59,7 @@ from tqdm.auto import tqdm
 from llmc_fsm.core.errors import ModifierError, RecipeError
 from llmc_fsm.models.hf_io import (
     check_safetensors,
+    checkpoint_key_renamer,
     first_line,
     fix_safetensors_permissions,
     meta_model,
@@ -273,6 +274,7 @@ def _write(plan: _Plan, staging: Path, *, progress: bool) -> None:
         (staging / "config.json").write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     _merge_config(staging / "config.json", plan.base, plan.targets)
     if plan.skeleton is not None:
+        _targets_as_loaded(staging / "config.json", plan.classes or {})
         quantized = plan.targets | already_quantized(written)
         _ignore_unquantized_linears(staging / "config.json", plan.skeleton, plan.classes or {}, quantized)
 
@@ -691,23 +693,15 @@ def checkpoint_classes(model: nn.Module, tensors: Iterable[str]) -> dict[str, tu
     tensor (an expert matrix of fused experts: a Linear weight, as ``oneshot`` quantizes it per expert). An output
     head tied to the input embedding counts as an ``nn.Embedding`` (a checkpoint may hold its weight too; the model
     reloads the embedding's there, and ``oneshot`` leaves a tied head alone)."""
-    from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
-
+    rename = checkpoint_key_renamer(model)
     state = model.state_dict(keep_vars=True)
     modules = dict(model.named_modules())
-    mapping = get_model_conversion_mapping(model) if hasattr(model, "base_model_prefix") else []
-    renamings = [t for t in mapping if isinstance(t, WeightRenaming)]
-    converters = [t for t in mapping if isinstance(t, WeightConverter)]
-    prefix = getattr(model, "base_model_prefix", None)
     classes: dict[str, tuple[str, type] | None] = {}
     for key in tensors:
         module, _, param = key.rpartition(".")
         if param != "weight":
             continue
-        name, pattern = rename_source_key(key, renamings, converters, prefix, state)
-        if name not in state and key in state:  # from_pretrained's fallback: the key as stored
-            name, pattern = key, None
+        name, pattern = rename(key)
         if pattern is not None:
             classes[module] = None
         elif name in state and name.rpartition(".")[0] in modules:
@@ -1069,6 +1063,27 @@ def _check_ignored_by_pattern(base: Any, targets: set[str]) -> None:
             "reload; add them to ignore, or dequantize the checkpoint first"
         )
         raise ValueError(msg)
+
+
+def _targets_as_loaded(config_path: Path, classes: Mapping[str, tuple[str, type] | None]) -> None:
+    """Rename the module names among ``quantization_config``'s config-group targets from the checkpoint's names to
+    the names of the modules they load into (:func:`checkpoint_classes`), as ``oneshot`` writes them: transformers
+    5.25 applies the config to the model's own names (Gemma 3's checkpoint holds ``language_model.model.layers...``,
+    the model ``model.language_model.layers...``), so a group that targets modules by name (several schemes, e.g. a
+    vision tower saved unpacked beside packed decoder layers) quantized nothing on reload there, and its packed
+    weights were missing (found by a tester). ``re:`` patterns and class names are left as they are."""
+    if not config_path.exists():
+        return
+    data = json.loads(config_path.read_text(encoding="utf-8"))
+    groups = (data.get("quantization_config") or {}).get("config_groups") or {}
+    changed = False
+    for group in groups.values():
+        targets = group.get("targets") or []
+        renamed = [classes[t][0] if classes.get(t) is not None else t for t in targets]
+        if renamed != targets:
+            group["targets"], changed = renamed, True
+    if changed:
+        config_path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
 def _ignore_unquantized_linears(

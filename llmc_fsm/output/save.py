@@ -38,7 +38,7 @@ from typing import Any
 import attrs
 from torch import nn
 
-from llmc_fsm.models.hf_io import meta_model
+from llmc_fsm.models.hf_io import checkpoint_key_renamer, meta_model
 from llmc_fsm.models.known import fix_safetensors_permissions
 from llmc_fsm.output.compressed import (
     attention_scheme,
@@ -981,6 +981,7 @@ class _InitProbe:
         self.model = model
         self.skeleton: nn.Module | bool | None = False  # False: not built yet; None: cannot be built
         self.found: dict[tuple[Any, ...], bool] = {}
+        self.renamer: Any = None  # checkpoint name -> the skeleton's (checkpoint_key_renamer), built when needed
 
     def _built(self) -> nn.Module | None:
         if self.skeleton is False:
@@ -992,14 +993,29 @@ class _InitProbe:
                 self.skeleton = None
         return self.skeleton  # type: ignore[return-value]
 
+    def _rename(self, skeleton: nn.Module) -> Any:
+        if self.renamer is None:
+            self.renamer = checkpoint_key_renamer(skeleton)
+        return self.renamer
+
+    @staticmethod
+    def _chain(skeleton: nn.Module, name: str) -> list[nn.Module] | None:
+        """The module ``name`` of ``skeleton``, its parent, ..., the root (``None``: no such module)."""
+        parts = name.split(".")
+        prefixes = [".".join(parts[:i]) for i in range(len(parts), -1, -1)]
+        try:
+            return [skeleton.get_submodule(p) for p in prefixes]
+        except AttributeError:  # its names are not the model's (an in-memory model of another class)
+            return None
+
     def reads_weight(self, name: str, module: nn.Module) -> bool:
         skeleton = self._built()
-        parts = name.split(".")
-        prefixes = [".".join(parts[:i]) for i in range(len(parts), -1, -1)]  # the module, its parent, ..., root
-        try:
-            chain = [skeleton.get_submodule(p) for p in prefixes] if skeleton is not None else None
-        except AttributeError:  # its names are not the model's (an in-memory model of another class)
-            chain = None
+        chain = self._chain(skeleton, name) if skeleton is not None else None
+        if chain is None and skeleton is not None:  # a checkpoint name (model_free_ptq): renamed
+            renamed, fused = self._rename(skeleton)(f"{name}.weight")
+            if fused is None:
+                name = renamed.removesuffix(".weight")
+                chain = self._chain(skeleton, name)
         if chain is None or not isinstance(chain[0], nn.Linear):
             return _class_init_reads_weight(self.model, module)
         inits = [_owner_init(chain[i:]) for i in range(len(chain))]
