@@ -243,10 +243,27 @@ def test_load_text_org_slash_name_is_a_dataset_name_unless_org_is_a_folder(monke
     with pytest.raises(ValueError, match=r"^'some-org/no-such-dataset' is not an existing file; treating it as a "):
         load_text("some-org/no-such-dataset")
     (tmp_path / "some-org").mkdir()
-    with pytest.raises(FileNotFoundError, match=r"^text file not found: some-org/no-such-dataset$"):
+    with pytest.raises(FileNotFoundError) as err:
         load_text("some-org/no-such-dataset")
-    with pytest.raises(FileNotFoundError, match=r"^text file not found: other-org/data\.txt$"):
+    looked = tmp_path / "some-org" / "no-such-dataset"
+    assert str(err.value) == f"text file not found: some-org/no-such-dataset (looked for {looked})"
+    with pytest.raises(FileNotFoundError) as err:
         load_text("other-org/data.txt")
+    assert str(err.value) == f"text file not found: other-org/data.txt (looked for {tmp_path}/other-org/data.txt)"
+
+
+def test_a_missing_wikitext_file_says_where_it_was_looked_for_and_how_the_readme_finds_it(monkeypatch, tmp_path):
+    """A newcomer ran the README's main job from a clone without ../shared next to it: the error said only
+    'text file not found: ../shared/data/...', not where that was nor what the README expects there."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(FileNotFoundError) as err:
+        load_text("../shared/data/wikitext-2-raw/wiki.test.raw")
+    assert str(err.value) == (
+        f"text file not found: ../shared/data/wikitext-2-raw/wiki.test.raw (looked for "
+        f"{tmp_path}/../shared/data/wikitext-2-raw/wiki.test.raw); the README's commands read WikiText-2 from "
+        "../shared/data next to the checkout: link your copy there (ln -s /path/to/shared ../shared; README.md, "
+        "'Data') or give its path"
+    )
 
 
 # ---------------------------------------------------------------- token_windows

@@ -142,6 +142,13 @@ def load_text(source: str | os.PathLike[str]) -> str:
         raise ValueError(msg)
     if looks_like_path:
         msg = f"text file not found: {text_source}"
+        if not path.is_absolute():  # where it was looked for (a newcomer's run from another folder)
+            msg += f" (looked for {path.absolute()})"
+        if "wikitext-2-raw" in text_source:
+            msg += (
+                "; the README's commands read WikiText-2 from ../shared/data next to the checkout: link your copy "
+                "there (ln -s /path/to/shared ../shared; README.md, 'Data') or give its path"
+            )
         raise FileNotFoundError(msg)
     return files.load_hf_dataset(text_source)
 

@@ -7,6 +7,7 @@ import copy
 import pytest
 import torch
 from llmc_fsm_quantization import AWQModifier, LogarithmicEqualizationModifier, SmoothQuantModifier
+from llmc_fsm_quantization.smoothquant import fold_change
 from llmc_fsm_quantization.mappings import default_mappings, parse_mappings, resolve_mappings
 from tiny_quant_models import tiny_llama
 
@@ -332,3 +333,30 @@ def test_a_mapping_is_skipped_only_when_its_smooth_layer_or_every_balance_layer_
         "model.layers.1.input_layernorm",
         "model.layers.1.post_attention_layernorm",
     ]
+
+
+def test_a_mapping_that_leaves_out_one_reader_of_the_norm_is_refused_and_nothing_is_changed() -> None:
+    """Found by a tester: ``input_layernorm -> [q_proj, v_proj]`` (``k_proj`` left out, it reads the norm too) was
+    accepted on a tiny Llama and changed its float logits by 1.4%: its fold changed the layer's update by less than
+    the former tolerance 0.02. An exact fold changes it by under 1e-6 (float32), so 1e-3 now refuses it."""
+    model = tiny_llama()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    layer = model.model.layers[0]
+    mapping = {"smooth_layer": "re:.*input_layernorm$", "balance_layers": ["re:.*q_proj$", "re:.*v_proj$"]}
+    recipe = {"s": {"SmoothQuantModifier": {"mappings": [mapping], "smoothing_strength": 0.8}}}
+    captured = {}
+    handle = layer.register_forward_pre_hook(lambda m, a, k: captured.setdefault("batch", (a, k)), with_kwargs=True)
+    with torch.no_grad():
+        model(DATA[:2], use_cache=False)
+    handle.remove()
+    resolved = resolve_mappings(model, parse_mappings([mapping]), owner="t")
+    resolved = [m for m in resolved if ".layers.0." in m.smooth_name]
+    assert 1e-3 < fold_change(layer, captured["batch"], resolved) < 0.02  # what the former tolerance let through
+    with pytest.raises(ValueError) as err:
+        llmc_fsm.oneshot(model=model, recipe=recipe, dataset=DATA, progress=False)
+    assert str(err.value).startswith(
+        "SmoothQuantModifier: folding smoothing scales into model.layers.0.input_layernorm -> "
+    )
+    assert "changes what LlamaDecoderLayer computes" in str(err.value)
+    after = model.state_dict()
+    assert all(torch.equal(after[k], before[k]) for k in before)
