@@ -1484,9 +1484,15 @@ class QuantizingModifier(CalibratedModifier):
             clash = next((n for n in modifier._kv_attention if n in seen and seen[n][1] != scheme), None)
             if clash is not None:
                 first, held = seen[clash]
+                fix = "give the scheme in one of them (or the same in both)"
+                if held.startswith("attention") != attention:  # the same arguments may differ only in this
+                    fix = (
+                        "attention quantization quantizes the attention's keys and values too: leave kv_cache_scheme "
+                        "out of the recipe"
+                    )
                 msg = (
                     f"{first} and {label} both quantize the KV cache of {clash}, with {held} and {scheme}: an "
-                    "attention's KV cache is quantized once; give the scheme in one of them (or the same in both)"
+                    f"attention's KV cache is quantized once; {fix}"
                 )
                 raise ValueError(msg)
             for name in modifier._kv_attention:

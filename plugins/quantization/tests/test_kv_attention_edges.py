@@ -157,8 +157,9 @@ def test_check_recipe_names_both_modifiers_of_two_stages_and_both_schemes() -> N
     assert str(err.value) == (
         "A and B both quantize the KV cache of model.layers.0.self_attn, with kv_cache_scheme {strategy: tensor, "
         "observer: minmax} and attention quantization {strategy: tensor, observer: minmax}: an attention's KV cache is "
-        "quantized once; give the scheme in one of them (or the same in both)"
-    )
+        "quantized once; attention quantization quantizes the attention's keys and values too: leave kv_cache_scheme "
+        "out of the recipe"
+    )  # the same arguments: "give the same in both" could not help (found by a tester)
 
 
 def test_a_later_stage_with_a_different_kv_cache_scheme_is_refused_rather_than_dropped() -> None:
