@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -76,6 +77,9 @@ def _report(tmp_path, change=None):
     return tmp_path
 
 
+NOT_ERROR = "is neither a finite number >= 0 nor null"
+
+
 @pytest.mark.parametrize(
     ("change", "problem"),
     [
@@ -87,7 +91,10 @@ def _report(tmp_path, change=None):
         (lambda m: m.update(sparsity=0.9), "sparsity 0.9 is not zeros / numel"),
         (lambda m: m.update(bits=0), "bits 0 is neither a positive int nor null"),
         (lambda m: m.update(group_size="g"), "group_size 'g' is neither a positive int nor null"),
-        (lambda m: m.update(rel_output_error=-0.5), "rel_output_error -0.5 is neither a number >= 0 nor null"),
+        (lambda m: m.update(rel_output_error=-0.5), "rel_output_error -0.5 is neither a finite number >= 0 nor null"),
+        # NaN passed the check (NaN < 0 is false) and was printed and plotted (found by a tester)
+        (lambda m: m.update(rel_output_error=math.nan), "rel_output_error nan " + NOT_ERROR),
+        (lambda m: m.update(rel_output_error=math.inf), "rel_output_error inf " + NOT_ERROR),
     ],
 )
 def test_report_refuses_a_module_field_oneshot_cannot_have_written(tmp_path, capsys, change, problem):

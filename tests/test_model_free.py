@@ -664,6 +664,10 @@ def test_the_output_head_is_kept_dense_as_oneshot_keeps_it(tmp_path, family, cap
     assert torch.equal(_reloaded_logits(tmp_path / "free", family), _reloaded_logits(tmp_path / "oneshot", family))
     if family == "llava":
         assert "no ignore given: lm_head is kept dense (the checkpoint names it language_model.lm_head;" in caplog.text
+        assert "on the command line --ignore with no name" in caplog.text
+        # the default lm_head matches no checkpoint name, but the checkpoint's name added beside it keeps the head
+        # dense: no "so language_model.lm_head is compressed" (found by a tester: it contradicted the line above)
+        assert "matches no module" not in caplog.text
 
 
 @pytest.mark.parametrize("tied", [False, True])  # tied: no Linear at all is left (the head is the embedding)

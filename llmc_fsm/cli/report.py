@@ -93,8 +93,8 @@ def _entry_problem(entry: dict[str, Any]) -> str | None:
         if value is not None and not (count(value) and value > 0):
             return f"{key} {value!r} is neither a positive int nor null"
     error = entry.get("rel_output_error")
-    if error is not None and (not number(error) or error < 0):
-        return f"rel_output_error {error!r} is neither a number >= 0 nor null"
+    if error is not None and (not number(error) or not math.isfinite(error) or error < 0):  # NaN passed < 0
+        return f"rel_output_error {error!r} is neither a finite number >= 0 nor null"
     return None
 
 

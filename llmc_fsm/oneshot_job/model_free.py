@@ -472,7 +472,8 @@ def _ignore_checkpoint_names(
     if ignore is None:
         logger.warning(
             "model_free_ptq: no ignore given: lm_head is kept dense (the checkpoint names it %s; llm-compressor's "
-            "default ignore is empty, which quantizes it too: give ignore=[] for that)",
+            "default ignore is empty, which quantizes it too: give ignore=[], on the command line --ignore with no "
+            "name, for that)",
             ", ".join(extra),
         )
     recipe = _recipe(scheme, config, ignore, group_size)

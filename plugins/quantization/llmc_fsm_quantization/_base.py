@@ -1012,7 +1012,9 @@ class QuantizingModifier(CalibratedModifier):
         if is_scaled_format(args):  # MX: groups of 32 by the format's definition, no other size to suggest
             return "The format's groups are 32 values wide by definition: add these modules to ignore."
         width = math.gcd(*(int(m.weight.shape[1]) for m in targets.values()))
-        group = min(width & -width, int(args.group_size))
+        group = width & -width  # the largest power of two dividing every width, halved down to the size asked for
+        while group > int(args.group_size):  # (a refused 48 on width 64 was suggested back: found by a tester)
+            group //= 2
         name = self.scheme if isinstance(self.scheme, str) else None
         if isinstance(self.scheme, Mapping):
             name = self.scheme.get("preset")

@@ -282,6 +282,23 @@ def test_group_size_mismatch_fails_before_calibration_naming_every_module() -> N
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
+def test_a_refused_group_size_that_is_no_power_of_two_is_not_suggested_back() -> None:
+    """Found by a tester: group size 48 on widths 64 and 128 was refused with "e.g. 48": the hint took
+    min(largest power of two dividing the widths, the size asked for). It is now that power halved down to the size
+    asked for: 32."""
+    model = tiny_llama()  # hidden 64, intermediate 128
+    with pytest.raises(ValueError) as info:
+        llmc_fsm.oneshot(
+            model=model,
+            recipe={"q": {"QuantizationModifier": {"scheme": {"preset": "W4A16", "weights": {"group_size": 48}}}}},
+            dataset=torch.randint(0, 128, (4, 16)), progress=False,
+        )
+    assert str(info.value).endswith(
+        "Use a group size that divides every target's input width, e.g. 32 (CLI: --group-size 32; recipe: scheme: "
+        "{preset: W4A16, weights: {group_size: 32}}), or add these modules to ignore."
+    )
+
+
 def test_already_quantized_model_is_refused_before_calibration() -> None:
     model = tiny_llama()
     model.config.quantization_config = {"quant_method": "compressed-tensors"}
