@@ -361,15 +361,16 @@ def install(attention: nn.Module, args: QuantizationArgs) -> None:
 
     Raises:
         ValueError: per-head scales for an attention whose number of key/value heads is unknown; or ``attention``
-            holds a KV-cache scheme already (an earlier modifier's) that differs from ``args`` (the later one was
-            dropped without a word, or failed on the scales' shape at its end; found by a tester).
+            holds a KV-cache scheme already (an earlier run's on the same model object) that differs from ``args``
+            (the later one was dropped without a word, or failed on the scales' shape at its end; found by testers).
     """
     held = getattr(attention, SCHEME_ATTR, None)
     if held is not None and describe(held) != describe(args):
         msg = (
             f"{type(attention).__name__}: its KV cache is quantized already with {describe(held)}, and another "
-            f"modifier gives {describe(args)}: an attention's KV cache is quantized once; give kv_cache_scheme (or "
-            "the attention-quantization group) once in the recipe"
+            f"modifier gives {describe(args)}: an attention's KV cache is quantized once; the model holds KV-cache "
+            "scales already (from an earlier run on this model object, or load_kv_cache_scales; two modifiers of one "
+            "recipe are refused before any work): start again from the original model, or give the same scheme"
         )
         raise ValueError(msg)
     if held is None:

@@ -184,3 +184,26 @@ def test_a_later_stage_with_a_different_kv_cache_scheme_is_refused_rather_than_d
     assert getattr(model.model.layers[0].self_attn, "k_scale", None) is None
     after = model.state_dict()
     assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
+
+
+def test_a_second_run_on_the_same_model_with_another_kv_scheme_says_the_model_holds_scales_already() -> None:
+    """Found by a tester: a second oneshot on the in-memory model of a first one, with another KV-cache scheme, was
+    refused when calibration started with "give kv_cache_scheme ... once in the recipe", which the user had done;
+    the message now says the model holds KV-cache scales already. Its weights are left as they were."""
+    model = tiny_llama()
+    llmc_fsm.oneshot(model=model, recipe={"a": {"QuantizationModifier": {"kv_cache_scheme": KV}}}, dataset=_data(),
+                     progress=False)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    recipe = {"b": {"QuantizationModifier": {"kv_cache_scheme": {**KV, "strategy": "attn_head"}}}}
+    with pytest.raises(Exception) as err:
+        llmc_fsm.oneshot(model=model, recipe=recipe, dataset=_data(), progress=False)
+    cause = err.value if isinstance(err.value, ValueError) else err.value.__cause__
+    assert str(cause) == (
+        "LlamaAttention: its KV cache is quantized already with {strategy: tensor, observer: minmax}, and another "
+        "modifier gives {strategy: attn_head, observer: minmax}: an attention's KV cache is quantized once; the model "
+        "holds KV-cache scales already (from an earlier run on this model object, or load_kv_cache_scales; two "
+        "modifiers of one recipe are refused before any work): start again from the original model, or give the "
+        "same scheme"
+    )
+    after = model.state_dict()
+    assert all(torch.equal(after[k], before[k]) for k in before)
