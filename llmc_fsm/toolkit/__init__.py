@@ -29,7 +29,8 @@ The public names, by concern:
 * **layer error** (:mod:`~llmc_fsm.toolkit.layer_error`): :func:`relative_output_error`
   (``||W X - W_hat X|| / ||W X||`` from ``H``), :func:`sweep_relative_errors` (the same from an OBS sweep's terms);
 * **targets** (:mod:`~llmc_fsm.toolkit.targets`): :func:`select_targets` returning :class:`TargetSelection`,
-  :func:`resolve_targets` (the same, with warnings), :func:`matches`, :func:`is_linear_like`,
+  :func:`resolve_targets` (the same, with warnings), :func:`matches`, :func:`match_precedence` (which of
+  several config groups' targets a module takes, as compressed-tensors orders them), :func:`is_linear_like`,
   :func:`is_peft_tuner_layer`, :func:`compact_names`,
   :data:`DEFAULT_TARGETS` (``("Linear",)``), :data:`DEFAULT_IGNORE` (``("lm_head",)``),
   :func:`check_not_quantized` (refuses a model whose config says it is quantized), :func:`model_family` (a
@@ -109,6 +110,7 @@ from llmc_fsm.toolkit.targets import (
     compact_names,
     is_linear_like,
     is_peft_tuner_layer,
+    match_precedence,
     matches,
     model_family,
     resolve_targets,
@@ -173,6 +175,7 @@ __all__ = [
     "is_peft_tuner_layer",
     "keep_packed",
     "linear_expert_names",
+    "match_precedence",
     "matches",
     "model_family",
     "nonfinite_weights",

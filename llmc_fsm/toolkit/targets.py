@@ -56,6 +56,7 @@ __all__ = [
     "config_quantization",
     "is_linear_like",
     "is_peft_tuner_layer",
+    "match_precedence",
     "matches",
     "resolve_targets",
     "select_targets",
@@ -109,6 +110,28 @@ def matches(name: str, module: nn.Module, pattern: str) -> bool:
     if pattern in names:
         return True
     return any(cls.__name__ == pattern for cls in type(module).__mro__ if issubclass(cls, nn.Module))
+
+
+def match_precedence(name: str, module: nn.Module, patterns: Iterable[str]) -> list[str]:
+    """The patterns of ``patterns`` that match the module called ``name`` itself (:func:`matches`; a pattern that
+    selects it only through a container is left out), in compressed-tensors' order of precedence when a module
+    matches the targets of several config groups (``compressed_tensors.utils.match.match_targets``, which
+    ``apply_quantization_config`` gives the first of): exact names (the module's or one of its parameters'), then
+    ``re:`` patterns, then class names and llm-compressor's ``__ALL__`` targets; within each kind in string order
+    (so of two ``re:`` patterns, the one that sorts first wins, whichever is narrower).
+
+    Raises:
+        re.error: a ``"re:<regex>"`` pattern with an invalid regex.
+    """
+
+    def kind(pattern: str) -> int:
+        if pattern.startswith("re:"):
+            return 1
+        if pattern == name or (pattern not in ALL_MODULES and pattern.startswith(f"{name}.")):
+            return 0
+        return 2
+
+    return sorted((p for p in dict.fromkeys(patterns) if matches(name, module, p)), key=lambda p: (kind(p), p))
 
 
 @attrs.frozen(kw_only=True)

@@ -46,6 +46,7 @@ from llmc_fsm.toolkit import (
     is_linear_like,
     keep_packed,
     linear_expert_names,
+    match_precedence,
     model_family,
     observe_view_inputs,
     patterns,
@@ -714,7 +715,8 @@ class QuantizingModifier(CalibratedModifier):
 
     def __attrs_post_init__(self) -> None:
         self._ignore_defaulted = isinstance(self.ignore, _DefaultIgnore)
-        self._ignore_logged = False
+        self._lines_logged = False  # the lines of the first check_model that passed are logged once
+        self._precedence_lines: list[str] = []  # config groups overlapping: which took what (_memberships)
         self._experts_warned = False  # the fused experts' input-activation warning given (once per modifier)
         #: set by one-shot when a recipe has several quantizing modifiers: whether the model's fused experts are left
         #: dense is then checked for the whole recipe (another modifier may quantize them), and
@@ -1062,7 +1064,7 @@ class QuantizingModifier(CalibratedModifier):
             self._kv_attention = self._check_kv_cache(model)
             return {}
         self._check_weights_not_on_attention(model)
-        self._group_of = self._memberships(model)
+        self._group_of, self._precedence_lines = self._memberships(model)
         try:
             targets = super().check_model(model)
         except ValueError:  # a scheme the model's fused experts cannot take is the refusal to give first (no fix of
@@ -1076,9 +1078,12 @@ class QuantizingModifier(CalibratedModifier):
         self._fused = self._fused_siblings(model, targets)
         if self._kv_args is not None:
             self._kv_attention = self._check_kv_cache(model)
-        if self._ignore_defaulted and not self._ignore_logged:  # once the checks passed: no line before a refusal
-            self._ignore_logged = True
-            self._warn_default_ignore(model)
+        if not self._lines_logged:  # once the checks passed: no line before a refusal
+            self._lines_logged = True
+            for line in self._precedence_lines:
+                logger.info(line)
+            if self._ignore_defaulted:
+                self._warn_default_ignore(model)
         return targets
 
     def _check_int_reload(self, model: nn.Module) -> None:
@@ -1807,15 +1812,27 @@ class QuantizingModifier(CalibratedModifier):
                     )
                     raise ValueError(msg)
 
-    def _memberships(self, model: nn.Module) -> dict[str, str]:
-        """``{module name: config group}`` of every module a group selects (``{}`` with one group).
+    def _memberships(self, model: nn.Module) -> tuple[dict[str, str], list[str]]:
+        """``{module name: config group}`` of every module a group selects (``{}`` with one group), and the lines
+        that say which group took the modules several select (pure).
+
+        A module that several groups select takes the group of its most specific matching target, as
+        compressed-tensors' ``apply_quantization_config`` gives it (:func:`~llmc_fsm.toolkit.match_precedence`:
+        an exact name, then ``re:`` patterns in string order, then class names), so "``Linear`` at int4 plus
+        ``re:.*q_proj$`` at int8" quantizes the ``q_proj`` at int8, as in llm-compressor; one line per pair of
+        groups and winning target says which took what (:meth:`check_model` logs them once).
 
         Raises:
-            ValueError: a group selects nothing, or two groups select one module.
+            ValueError: a group selects nothing, or nothing once the other groups' more specific targets took
+                their modules (llm-compressor runs such a recipe with the group unused); the most specific
+                target of a module is in two groups (llm-compressor takes the last group); or two groups select a
+                module only through containers (no target names it: compressed-tensors would quantize it with
+                neither).
         """
         if len(self._groups) == 1:
-            return {}
-        owner: dict[str, str] = {}
+            return {}, []
+        selecting: dict[str, list[str]] = {}
+        modules: dict[str, nn.Module] = {}
         for group, scheme in self._groups.items():
             try:
                 selected = select_targets(
@@ -1823,15 +1840,89 @@ class QuantizingModifier(CalibratedModifier):
                 ).selected
             except ValueError as exc:
                 raise ValueError(f"{type(self).__name__}: config group {group!r}: {exc}") from None
-            for name in selected:
-                if name in owner:
-                    msg = (
-                        f"{type(self).__name__}: module {name} is selected by config groups {owner[name]!r} and "
-                        f"{group!r}; a module is quantized with one scheme: narrow the groups' targets"
-                    )
-                    raise ValueError(msg)
-                owner[name] = group
-        return owner
+            for name, module in selected.items():
+                selecting.setdefault(name, []).append(group)
+                modules[name] = module
+        owner: dict[str, str] = {}
+        taken: dict[tuple[str, str], dict[str, list[str]]] = {}  # (winner, loser) -> {winning target: names}
+        for name, groups in selecting.items():
+            if len(groups) == 1:
+                owner[name] = groups[0]
+                continue
+            patterns = [t for g in groups for t in self._groups[g].targets]
+            ranked = [
+                (t, g)
+                for t in match_precedence(name, modules[name], patterns)
+                for g in groups
+                if t in self._groups[g].targets
+            ]
+            owner[name] = self._most_specific(name, groups, ranked)
+            for group in groups:
+                if group != owner[name]:
+                    taken.setdefault((owner[name], group), {}).setdefault(ranked[0][0], []).append(name)
+        empty = [group for group in self._groups if group not in owner.values()]
+        if empty:
+            group = empty[0]
+            winners = sorted({w for (w, loser) in taken if loser == group})
+            msg = (
+                f"{type(self).__name__}: config group {group!r} quantizes no module: every module its targets "
+                f"{list(self._groups[group].targets)} select matches a more specific target of config group "
+                f"{', '.join(map(repr, winners))} (compressed-tensors' precedence: an exact name, then re: patterns "
+                "in string order, then class names; llm-compressor would run with the group unused): remove the "
+                "group or narrow the other's targets"
+            )
+            raise ValueError(msg)
+        lines = [
+            f"{type(self).__name__}: config groups {winner!r} and {loser!r} both select {compact_names(names)}: "
+            f"they take {winner!r}, whose target {target!r} is the more specific (compressed-tensors' precedence)"
+            for (winner, loser), by_target in taken.items()
+            for target, names in by_target.items()
+        ]
+        return owner, lines
+
+    def _most_specific(self, name: str, groups: list[str], ranked: list[tuple[str, str]]) -> str:
+        """The group of ``ranked``'s first target (``[(target, group)]`` in precedence order) for module ``name``,
+        which ``groups`` select.
+
+        Raises:
+            ValueError: no target names the module itself, or its most specific target is in two groups.
+        """
+        kind = type(self).__name__
+        if not ranked:
+            msg = (
+                f"{kind}: module {name} is selected by config groups {', '.join(map(repr, groups))} only through "
+                "containers their targets name, and no target names the module itself: a module is quantized with "
+                "one scheme: name it (or its class) in one group's targets"
+            )
+            raise ValueError(msg)
+        first, group = ranked[0]
+        tied = [g for t, g in ranked if t == first]
+        if len(tied) > 1:
+            msg = (
+                f"{kind}: module {name} is selected by target {first!r} of config groups "
+                f"{', '.join(map(repr, tied))}; a module is quantized with one scheme (llm-compressor takes the "
+                "last group's): keep the target in one group"
+            )
+            raise ValueError(msg)
+        return group
+
+    def explain_model(self, model: nn.Module) -> list[str]:
+        """With several config groups, the modules each takes in ``model`` and which group took the modules several
+        select (``llmc-fsm explain --model``; :meth:`_memberships`); ``[]`` with one group. Pure.
+
+        Raises:
+            ValueError: as :meth:`_memberships`.
+        """
+        if len(self._groups) < 2:
+            return []
+        owner, lines = self._memberships(model)
+        found = []
+        for group, scheme in self._groups.items():
+            names = [name for name, g in owner.items() if g == group]
+            found.append(
+                f"config group {group!r} ({scheme_label(scheme)}): {len(names)} modules, {compact_names(names)}"
+            )
+        return found + [line.split(": ", 1)[1] for line in lines]
 
     def _selectable(self, module: nn.Module) -> bool:
         """Linear-like modules, and ``nn.Embedding`` (weight-only round-to-nearest; see :meth:`_embedding_problem`)."""

@@ -235,23 +235,138 @@ def test_several_config_groups_quantize_each_its_targets_and_reload(tmp_path, mo
     assert read_back.quantization_schemes == llmc_fsm.Session(recipe).recipe.modifiers[0].quantization_schemes
 
 
-def test_a_module_two_config_groups_select_is_refused_naming_both(monkeypatch) -> None:
+def _compressed_tensors_group_of(model, groups: dict) -> dict[str, str]:
+    """The reference: ``{Linear name: group}`` as compressed-tensors 0.20's ``apply_quantization_config`` picks it
+    (its own ``match_targets``, the first of which names the scheme; a target in two groups: the last group's)."""
+    from compressed_tensors.utils.match import match_targets
+
+    target_group = {}
+    for group, spec in groups.items():
+        for target in spec["targets"]:
+            target_group[target] = group
+    found = {}
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and name != "lm_head":
+            matched = match_targets(name, module, list(target_group))
+            if matched:
+                found[name] = target_group[matched[0]]
+    return found
+
+
+W8_CHANNEL = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"}
+W4_G16 = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 16}
+OVERRIDE = {"int4": {"targets": ["Linear"], "weights": W4_G16},
+            "exact": {"targets": ["model.layers.1.mlp.down_proj"], "weights": W8_CHANNEL},
+            "q_int8": {"targets": ["re:.*q_proj$"], "weights": W8_CHANNEL}}
+
+
+@pytest.mark.parametrize("modifier", ["GPTQModifier", "QuantizationModifier"])
+def test_overlapping_config_groups_give_each_module_its_most_specific_target_as_compressed_tensors(
+        tmp_path, modifier, caplog) -> None:
+    from transformers import AutoModelForCausalLM
+
+    model = tiny_llama()
+    expected = _compressed_tensors_group_of(model, OVERRIDE)
+    assert sorted(n for n, g in expected.items() if g != "int4") == [
+        "model.layers.0.self_attn.q_proj", "model.layers.1.mlp.down_proj", "model.layers.1.self_attn.q_proj"]
+    out = tmp_path / "out"
+    recipe = {"q": {modifier: {"ignore": ["lm_head"], "config_groups": OVERRIDE}}}
+    with caplog.at_level(logging.INFO, logger="llmc_fsm_quantization"):
+        llmc_fsm.oneshot(model=model, recipe=recipe, dataset=_data(), output_dir=out, progress=False)
+    bits = {m["name"]: (m["bits"], m.get("group_size"))
+            for m in json.loads((out / "report.json").read_text())["sparsity"]["modules"] if "bits" in m}
+    assert bits == {name: (8, None) if group != "int4" else (4, 16) for name, group in expected.items()}
+    lines = [r.getMessage() for r in caplog.records if "config groups" in r.getMessage()]  # in module order, once
+    assert lines == [
+        f"{modifier}: config groups 'q_int8' and 'int4' both select model.layers.{{0..1}}.self_attn.q_proj: they take "
+        "'q_int8', whose target 're:.*q_proj$' is the more specific (compressed-tensors' precedence)",
+        f"{modifier}: config groups 'exact' and 'int4' both select model.layers.1.mlp.down_proj: they take 'exact', "
+        "whose target 'model.layers.1.mlp.down_proj' is the more specific (compressed-tensors' precedence)",
+    ]
+    config = json.loads((out / "config.json").read_text())["quantization_config"]
+    saved = {target: g["weights"]["num_bits"] for g in config["config_groups"].values() for target in g["targets"]}
+    assert saved == {name: 8 if group != "int4" else 4 for name, group in expected.items()}  # exact names: no overlap
+    x = torch.randint(0, 128, (2, 24))
+    reloaded = AutoModelForCausalLM.from_pretrained(out).eval()
+    with torch.no_grad():
+        assert torch.equal(model(x).logits, reloaded(x).logits)
+
+
+def test_explain_shows_the_modules_of_each_config_group_and_which_group_took_the_shared_ones() -> None:
+    recipe = {"q": {"GPTQModifier": {"ignore": ["lm_head"], "config_groups": OVERRIDE}}}
+    modifier = llmc_fsm.Session(recipe).recipe.modifiers[0]
+    assert modifier.explain_model(tiny_llama()) == [
+        "config group 'int4' (int4/g16): 11 modules, model.layers.{0..1}.self_attn.k_proj, "
+        "model.layers.{0..1}.self_attn.v_proj, model.layers.{0..1}.self_attn.o_proj, "
+        "model.layers.{0..1}.mlp.gate_proj, model.layers.{0..1}.mlp.up_proj, model.layers.0.mlp.down_proj",
+        "config group 'exact' (int8): 1 modules, model.layers.1.mlp.down_proj",
+        "config group 'q_int8' (int8): 2 modules, model.layers.{0..1}.self_attn.q_proj",
+        "config groups 'q_int8' and 'int4' both select model.layers.{0..1}.self_attn.q_proj: they take 'q_int8', whose "
+        "target 're:.*q_proj$' is the more specific (compressed-tensors' precedence)",
+        "config groups 'exact' and 'int4' both select model.layers.1.mlp.down_proj: they take 'exact', whose target "
+        "'model.layers.1.mlp.down_proj' is the more specific (compressed-tensors' precedence)",
+    ]
+    one_group = llmc_fsm.Session({"q": {"GPTQModifier": {"scheme": "W8A16"}}}).recipe.modifiers[0]
+    assert one_group.explain_model(tiny_llama()) == []
+
+
+def _refusal(groups: dict) -> str:
     import llmc_fsm_quantization.gptq as gptq_module
 
-    calls: list[int] = []
-    monkeypatch.setattr(gptq_module, "gptq_quantize", lambda *a, **k: calls.append(1))
-    groups = {**GROUPS, "projections": {"targets": ["re:.*up_proj"], "weights": {"num_bits": 8}}}
     model = tiny_llama()
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    with pytest.raises(ValueError) as info:
-        llmc_fsm.oneshot(model=model, recipe={"q": {"GPTQModifier": {"config_groups": groups}}}, dataset=_data(),
-                         progress=False)
-    assert str(info.value) == (
-        "GPTQModifier: module model.layers.0.mlp.up_proj is selected by config groups 'mlp' and 'projections'; a "
-        "module is quantized with one scheme: narrow the groups' targets"
-    )
+    calls: list[int] = []
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(gptq_module, "gptq_quantize", lambda *a, **k: calls.append(1))
+        with pytest.raises(ValueError) as info:
+            llmc_fsm.oneshot(model=model, recipe={"q": {"GPTQModifier": {"config_groups": groups}}}, dataset=_data(),
+                             progress=False)
     assert calls == []
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    return str(info.value)
+
+
+def test_a_config_group_the_others_leave_with_no_module_is_refused_before_any_work() -> None:
+    # "re:.*mlp.*" sorts before "re:.*up_proj": compressed-tensors gives the up_proj to 'mlp', 'projections' runs unused
+    groups = {**GROUPS, "projections": {"targets": ["re:.*up_proj"], "weights": {"num_bits": 8}}}
+    assert set(_compressed_tensors_group_of(tiny_llama(), groups).values()) == {"attention", "mlp"}
+    assert _refusal(groups) == (
+        "GPTQModifier: config group 'projections' quantizes no module: every module its targets ['re:.*up_proj'] "
+        "select matches a more specific target of config group 'mlp' (compressed-tensors' precedence: an exact name, "
+        "then re: patterns in string order, then class names; llm-compressor would run with the group unused): remove "
+        "the group or narrow the other's targets"
+    )
+
+
+def test_one_target_in_two_config_groups_and_modules_named_only_through_containers_are_refused() -> None:
+    twice = {"a": {"targets": ["re:.*proj"], "weights": W4_G16}, "b": {"targets": ["re:.*proj"], "weights": W8_CHANNEL}}
+    assert _refusal(twice) == (
+        "GPTQModifier: module model.layers.0.self_attn.q_proj is selected by target 're:.*proj' of config groups 'a', "
+        "'b'; a module is quantized with one scheme (llm-compressor takes the last group's): keep the target in one "
+        "group"
+    )
+    containers = {"mlp": {"targets": ["LlamaMLP"], "weights": W4_G16},
+                  "layer0": {"targets": ["re:model.layers.0$"], "weights": W8_CHANNEL}}
+    assert _refusal(containers) == (
+        "GPTQModifier: module model.layers.0.mlp.gate_proj is selected by config groups 'mlp', 'layer0' only through "
+        "containers their targets name, and no target names the module itself: a module is quantized with one "
+        "scheme: name it (or its class) in one group's targets"
+    )
+
+
+def test_match_precedence_orders_exact_names_then_patterns_then_classes() -> None:
+    from llmc_fsm.toolkit import match_precedence
+
+    model = tiny_llama()
+    down = model.model.layers[0].mlp.down_proj
+    name = "model.layers.0.mlp.down_proj"
+    given = ["Linear", "re:.*proj", "re:.*down_proj", "__ALL__", f"{name}.weight", name, "re:.*mlp$", "LlamaMLP"]
+    assert match_precedence(name, down, given) == [
+        name, f"{name}.weight", "re:.*down_proj", "re:.*proj", "Linear", "__ALL__"]
+    late = "transformer.h.0.mlp.down_proj"  # an exact name that sorts after "re:" still comes first
+    assert match_precedence(late, down, ["re:.*down_proj", "Linear", late]) == [late, "re:.*down_proj", "Linear"]
+    mlp = model.model.layers[0].mlp
+    assert match_precedence("model.layers.0.mlp", mlp, given) == ["re:.*mlp$", "LlamaMLP", "__ALL__"]
 
 
 def test_scheme_and_config_groups_together_are_refused() -> None:
