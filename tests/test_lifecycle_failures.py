@@ -294,8 +294,9 @@ class Recorder(Modifier):
 
 
 def test_an_update_due_at_a_float_sum_fires_at_its_step_not_one_later():
-    """``update: 0.1`` with 10 steps per epoch: the updates fall at epochs 0.1, 0.2, ... 1.0, each at its own step
-    (before, the points were a running sum: 0.1 + 0.1 + 0.1 > 3 / 10, and the update of epoch 0.3 never fired)."""
+    """``update: 0.1`` with 10 steps per epoch: the updates fall at epochs 0.1, 0.2, ... 0.9, each at its own step
+    (before, the points were a running sum: 0.1 + 0.1 + 0.1 > 3 / 10, and the update of epoch 0.3 never fired); the
+    end (epoch 1.0) at the batch_end of the tenth batch, whose step reached it."""
     rec = Recorder(start=0.0, end=1.0, update=0.1, events=frozenset())
     session = Session([rec])
     session.initialize(model=nn.Sequential(nn.Linear(2, 2)), steps_per_epoch=10)
@@ -303,10 +304,10 @@ def test_an_update_due_at_a_float_sum_fires_at_its_step_not_one_later():
     for _ in range(12):
         before = len(rec.calls)
         session.batch_start()
-        fired.append([c for c in rec.calls[before:] if c != "batch_start"])
         for event in BATCH_EVENTS[1:]:
             getattr(session, event)(*([1.0] if event == "loss_calculated" else []))
-    assert fired == [["on_start"]] + [["on_update"]] * 9 + [["on_end"], []]
+        fired.append([c for c in rec.calls[before:] if c != "batch_start"])
+    assert fired == [["on_start"]] + [["on_update"]] * 8 + [["on_update", "on_end"], [], []]
 
 
 def test_on_end_raising_at_finalize_still_finalizes_that_modifier():

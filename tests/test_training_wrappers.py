@@ -264,7 +264,8 @@ def test_accelerates_accumulation_idiom_counts_the_optimizer_steps_taken():
         epochs.append(session.modifiers[0].history[-1][0])
     assert steps == [0, 1, 1, 2, 2, 3, 3, 4]
     assert scheduler.last_epoch == 4  # it stepped at every micro-batch (8) before
-    assert epochs == [0.0, 0.0, 0.25, 0.25, 0.5, 0.5, 0.75, 0.75]  # one pruning step per optimizer step
+    # one pruning step per optimizer step; the end (epoch 1.0) at the batch_end of the step that reached it
+    assert epochs == [0.0, 0.0, 0.25, 0.25, 0.5, 0.5, 0.75, 1.0]
     session.finalize()
 
 

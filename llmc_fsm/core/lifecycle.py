@@ -22,6 +22,7 @@ __all__ = [
     "BATCH_EVENTS",
     "CALIBRATION_EVENTS",
     "CALLS_ALLOWED",
+    "ENDING_EVENTS",
     "EVENTS",
     "EVENT_ORDER",
     "OPENING_EVENTS",
@@ -88,6 +89,11 @@ EVENT_ORDER: dict[str, dict[str, str]] = {
 #: Events that may come between batches: the schedule (``on_start``/``on_update``/
 #: ``on_end``) advances at them.
 OPENING_EVENTS: tuple[str, ...] = tuple(e for e in EVENTS if e in EVENT_ORDER["idle"])
+
+#: Events that close a batch: the schedule ends (``on_end``) there the modifiers whose ``end`` the batch's
+#: optimizer step reached, so an evaluation or checkpoint taken after that step holds the end (llm-compressor ends
+#: modifiers at ``BATCH_END``; found by a tester, 2026-12-07). Starts and updates wait for an opening event.
+ENDING_EVENTS: tuple[str, ...] = ("batch_end",)
 
 #: The one-shot calibration events: the one entering ``calibrating`` and those inside it.
 CALIBRATION_EVENTS: tuple[str, ...] = tuple(

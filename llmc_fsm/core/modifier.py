@@ -80,7 +80,7 @@ HOOKS: tuple[str, ...] = (
     "on_finalize",
 )
 
-#: The hooks the schedule fires (at an opening event, at finalize or reset).
+#: The hooks the schedule fires (at an opening event, ``on_end`` also at an ending event, at finalize or reset).
 SCHEDULE_HOOKS: frozenset[str] = frozenset({"on_start", "on_update", "on_end"})
 
 #: torch hook kinds :meth:`Modifier.register_hook` accepts (``module.register_<kind>_hook``).

@@ -29,6 +29,7 @@ import importlib.metadata
 import logging
 import os
 import re
+import warnings
 from collections.abc import Iterable
 from typing import Any
 
@@ -47,7 +48,10 @@ __all__ = [
     "DisabledPlugin",
     "ModifierInfo",
     "ModifierRegistry",
+    "check_modifier_class",
+    "declaration_problem",
     "get_registry",
+    "unreachable_on_event",
 ]
 
 logger = logging.getLogger(__name__)
@@ -99,26 +103,124 @@ class DisabledPlugin:
     entry_point: str
 
 
-def _declaration_problem(cls: type[Modifier]) -> str | None:
-    """What is wrong with ``cls``'s class-level declarations (``required_state``, ``optional_state``, ``events``,
-    ``events_after_end``, ``runs_after``), or ``None``: each a set of strings (a bare string would be read as its
-    characters, a list fails the session's set algebra: ``required_state | {"steps_per_epoch"}``), ``events``
-    among the batch events (a misspelt one would never be delivered, silently), ``events_after_end`` among
-    ``events``."""
+#: :func:`_declared` of a class whose attrs field has no default known before an instance exists.
+_PER_INSTANCE = object()
+
+
+def _declared(modifier: type[Modifier] | Modifier, attr: str) -> Any:
+    """``attr`` as the modifier declares it: an instance's own value; for a class, the default of an attrs field of
+    that name (``events`` may be a field set per instance) or else the class attribute; :data:`_PER_INSTANCE`
+    for a field with no default or a default factory (not called at registration)."""
+    if isinstance(modifier, type):
+        field = attrs.fields_dict(modifier).get(attr) if attrs.has(modifier) else None
+        if field is not None:
+            default = field.default
+            return _PER_INSTANCE if default is attrs.NOTHING or isinstance(default, attrs.Factory) else default
+    return getattr(modifier, attr, None)
+
+
+def declaration_problem(modifier: type[Modifier] | Modifier) -> str | None:
+    """What is wrong with a modifier's declarations (``required_state``, ``optional_state``, ``events``,
+    ``events_after_end``, ``runs_after``), or ``None``.
+
+    ``modifier`` is a class (registration; an attrs field's default stands for the class's value) or an instance
+    (a modifier given to a session directly, or the conformance kit's: its own values). Checked: each a set of
+    strings (a bare string would be read as its characters, a list fails the session's set algebra:
+    ``required_state | {"steps_per_epoch"}``), ``events`` among the batch events (a misspelt one would never be
+    delivered, silently) and ``events_after_end`` among ``events``.
+    """
+    declared: dict[str, Any] = {}
     for attr in ("required_state", "optional_state", "events", "events_after_end", "runs_after"):
-        value = getattr(cls, attr, None)
+        value = _declared(modifier, attr)
+        if value is _PER_INSTANCE:
+            continue  # known per instance only: checked when an instance is given
         if not isinstance(value, frozenset | set):  # a string reads as its characters; a list fails set algebra
             return f"{attr} must be a set of strings (e.g. frozenset({{'model'}})), got {value!r}"
         wrong = sorted(repr(v) for v in value if not isinstance(v, str) or not v)
         if wrong:
             return f"{attr} must hold non-empty strings, got {', '.join(wrong)}"
-    unknown = sorted(set(cls.events) - set(BATCH_EVENTS))
+        declared[attr] = value
+    if "events" not in declared:
+        return None
+    events = declared["events"]
+    unknown = sorted(set(events) - set(BATCH_EVENTS))
     if unknown:
         return f"events {unknown} are not batch events; on_event receives {', '.join(BATCH_EVENTS)}"
-    stray = sorted(set(cls.events_after_end) - set(cls.events))
+    stray = sorted(set(declared.get("events_after_end", ())) - set(events))
     if stray:
-        return f"events_after_end {stray} are not in its events {sorted(cls.events)}"
+        return f"events_after_end {stray} are not in its events {sorted(events)}"
     return None
+
+
+def unreachable_on_event(modifier: type[Modifier] | Modifier) -> str | None:
+    """Why ``modifier``'s ``on_event`` can never be called (it is overridden and ``events`` is empty), or ``None``.
+
+    Only for ``events`` declared on the class: an attrs field ``events`` is set per instance, and an instance made
+    with ``events=frozenset()`` turns its handler off on purpose. A warning, not a refusal: a subclass may also turn
+    an inherited handler off on purpose, but a class that forgot ``events`` looks just like it (its on_event was
+    never called, with no message, found by a tester).
+    """
+    cls = modifier if isinstance(modifier, type) else type(modifier)
+    if cls.on_event is Modifier.on_event or (attrs.has(cls) and "events" in attrs.fields_dict(cls)):
+        return None
+    if getattr(cls, "events", None):
+        return None
+    return (
+        f"{cls.__module__}.{cls.__qualname__} overrides on_event but its events are empty, so on_event is never "
+        "called; list the batch events it handles, e.g. events = frozenset({'optim_post_step'}) (from "
+        f"{', '.join(BATCH_EVENTS)})"
+    )
+
+
+def check_modifier_class(
+    modifier: type[Modifier] | Modifier,
+    *,
+    distribution: str | None = None,
+    entry_point: str | None = None,
+    stacklevel: int = 2,
+) -> str:
+    """Check ``modifier`` as registration does and return its recipe name (``modifier_name()``).
+
+    ``modifier`` is a class, or an instance (its class is checked, and :func:`declaration_problem` reads the
+    instance's own declarations). One implementation for :meth:`ModifierRegistry.register`, modifier objects given
+    to a :class:`~llmc_fsm.Session` directly and :func:`llmc_fsm.testing.check_modifier`. Warns (``UserWarning``,
+    :func:`unreachable_on_event`) when ``on_event`` is overridden and ``events`` is empty; ``stacklevel`` as
+    :func:`warnings.warn`'s, counted from the caller (2: the caller's caller).
+
+    Raises:
+        PluginError: not a Modifier subclass, a subclass not decorated with ``attrs.define`` / ``attrs.frozen``
+            itself, a wrong declaration (:func:`declaration_problem`), or ``modifier_name()`` raising or returning
+            anything but a non-empty string without spaces.
+    """
+    cls = modifier if isinstance(modifier, type) else type(modifier)
+    if not (isinstance(cls, type) and issubclass(cls, Modifier)):
+        msg = f"{modifier!r} is not a subclass of llmc_fsm.Modifier"
+        raise PluginError(msg, distribution=distribution, entry_point=entry_point)
+    where = f"{cls.__module__}.{cls.__qualname__}"
+    if "__attrs_attrs__" not in cls.__dict__:  # inherited from Modifier when the class is not decorated
+        msg = (
+            f"{where} is not an attrs class; decorate it with "
+            "@attrs.define(kw_only=True, slots=False, eq=False) (or attrs.frozen), as docs/plugins.md shows"
+        )
+        raise PluginError(msg, distribution=distribution, entry_point=entry_point)
+    problem = declaration_problem(modifier)
+    if problem is not None:
+        raise PluginError(f"{where}: {problem}", distribution=distribution, entry_point=entry_point)
+    unreachable = unreachable_on_event(modifier)
+    if unreachable is not None:
+        warnings.warn(unreachable, UserWarning, stacklevel=stacklevel + 1)
+    try:
+        name = cls.modifier_name()
+    except Exception as exc:  # one plugin's broken class must not stop the others (nor every command)
+        msg = f"{where}.modifier_name() raised {type(exc).__name__}: {exc}"
+        raise PluginError(msg, distribution=distribution, entry_point=entry_point) from exc
+    if not isinstance(name, str) or not name or name.split() != [name]:
+        msg = (
+            f"{where}.modifier_name() returned {name!r}: a modifier name is a non-empty string without spaces "
+            "(the recipe key)"
+        )
+        raise PluginError(msg, distribution=distribution, entry_point=entry_point)
+    return name
 
 
 class ModifierRegistry:
@@ -185,31 +287,10 @@ class ModifierRegistry:
                 non-empty string without spaces, or the name is already taken by another
                 class (the message names the owner).
         """
-        if not (isinstance(cls, type) and issubclass(cls, Modifier)):
+        if not isinstance(cls, type):  # an instance is checked where it is used (a session, the kit), not registered
             msg = f"{cls!r} is not a subclass of llmc_fsm.Modifier"
             raise PluginError(msg, distribution=distribution, entry_point=entry_point)
-        if "__attrs_attrs__" not in cls.__dict__:  # inherited from Modifier when the class is not decorated
-            msg = (
-                f"{cls.__module__}.{cls.__qualname__} is not an attrs class; decorate it with "
-                "@attrs.define(kw_only=True, slots=False, eq=False) (or attrs.frozen), as docs/plugins.md shows"
-            )
-            raise PluginError(msg, distribution=distribution, entry_point=entry_point)
-        problem = _declaration_problem(cls)
-        if problem is not None:
-            msg = f"{cls.__module__}.{cls.__qualname__}: {problem}"
-            raise PluginError(msg, distribution=distribution, entry_point=entry_point)
-        where = f"{cls.__module__}.{cls.__qualname__}"
-        try:
-            name = cls.modifier_name()
-        except Exception as exc:  # one plugin's broken class must not stop the others (nor every command)
-            msg = f"{where}.modifier_name() raised {type(exc).__name__}: {exc}"
-            raise PluginError(msg, distribution=distribution, entry_point=entry_point) from exc
-        if not isinstance(name, str) or not name or name.split() != [name]:
-            msg = (
-                f"{where}.modifier_name() returned {name!r}: a modifier name is a non-empty string without spaces "
-                "(the recipe key)"
-            )
-            raise PluginError(msg, distribution=distribution, entry_point=entry_point)
+        name = check_modifier_class(cls, distribution=distribution, entry_point=entry_point)
         old = self._infos.get(name)
         if old is not None:
             if old.cls is cls:

@@ -16,7 +16,16 @@ from typing import Any
 
 import attrs
 
-__all__ = ["WELL_KNOWN_KEYS", "State", "as_count", "check_state_values", "missing_state_message"]
+__all__ = [
+    "REFUSED_KEYS",
+    "SESSION_KEYS",
+    "WELL_KNOWN_KEYS",
+    "State",
+    "as_count",
+    "check_state_values",
+    "missing_state_message",
+    "unused_keys",
+]
 
 
 def _freeze(values: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -97,6 +106,18 @@ class State(Mapping[str, Any]):
     train_data = _Key("Training data (e.g. a ``DataLoader``), or ``None``.")
     steps_per_epoch = _Key("Optimizer steps per epoch (``int``), used to turn steps into epochs, or ``None``.")
 
+    def __getattr__(self, name: str) -> Any:
+        """Only the well-known keys are attributes: ``state.tokenizer`` raises an ``AttributeError`` that says to
+        read the key by subscript (it was a bare one, found by a tester writing a plugin)."""
+        if name.startswith("_"):
+            raise AttributeError(name)
+        known = [key for key, value in vars(State).items() if isinstance(value, _Key)]
+        msg = (
+            f"state has no attribute {name!r}: only {', '.join(known)} are attributes; read other keys with "
+            f"state[{name!r}] (or state.get({name!r}))"
+        )
+        raise AttributeError(msg)
+
     def __repr__(self) -> str:
         keys = ", ".join(sorted(self))
         return f"State({keys})"
@@ -104,6 +125,36 @@ class State(Mapping[str, Any]):
 
 #: Keys with attribute access on :class:`State`, in documentation order.
 WELL_KNOWN_KEYS: tuple[str, ...] = tuple(name for name, value in vars(State).items() if isinstance(value, _Key))
+
+
+#: The keys the session (and its integrations) read themselves, declared by a modifier or not: the well-known keys
+#: and ``world_size`` (:func:`llmc_fsm.session.ranks.check_ranks_agree`).
+SESSION_KEYS: frozenset[str] = frozenset(WELL_KNOWN_KEYS) | {"world_size"}
+
+#: State keys refused by :func:`check_state_values`, each with what to do instead. Stored, they were ignored
+#: without a word: llm-compressor's own ``initialize`` arguments (``start``: the epoch to resume from;
+#: ``batches_per_step``: its gradient accumulation; ``teacher_model``: its name of the teacher) and a
+#: ``global_step`` that the first step did not start from (found by a tester).
+REFUSED_KEYS: dict[str, str] = {
+    "global_step": (
+        "the session counts optimizer steps itself (one per optim_post_step()); to set the step pass "
+        "session.batch_start(global_step=N), to resume a run load its session checkpoint "
+        "(llmc_fsm.integrations.torch.initialize(session, checkpoint=dir), or session.load_state_dict(saved))"
+    ),
+    "start": (
+        "the epoch to resume from (llm-compressor's initialize(start=...)) is not a state key here (a modifier's "
+        "start is a recipe argument): resume a run from its session checkpoint "
+        "(llmc_fsm.integrations.torch.initialize(session, checkpoint=dir), or session.load_state_dict(saved)), or "
+        "set the step with session.batch_start(global_step=N)"
+    ),
+    "batches_per_step": (
+        "the session counts optimizer steps, not batches: with gradient accumulation send "
+        "optim_pre_step()/optim_post_step() only for the batches that step the optimizer "
+        "(llmc_fsm.integrations.torch.optimizer_step and is_step) and give steps_per_epoch in optimizer steps "
+        "(llmc_fsm.integrations.torch.steps_per_epoch(train_loader, gradient_accumulation_steps))"
+    ),
+    "teacher_model": "the distillation teacher's key is 'teacher' (llm-compressor's teacher_model): pass teacher=...",
+}
 
 
 def as_count(value: Any) -> int | None:
@@ -116,7 +167,8 @@ def as_count(value: Any) -> int | None:
 
 
 def check_state_values(values: Mapping[str, Any]) -> dict[str, Any]:
-    """``values`` with each well-known key's value checked before it is stored: ``steps_per_epoch`` must be a
+    """``values`` with each well-known key's value checked before it is stored. A key of :data:`REFUSED_KEYS` with a
+    value other than ``None`` is refused (stored, nothing read it). ``steps_per_epoch`` must be a
     positive integer, and a numpy int (or a 0-d integer tensor) is stored as the Python int (kept as given, it made
     epochs numpy floats that a checkpoint could not write, and a tensor learning rate: found by a tester). A string
     failed at the first event with a ``TypeError`` after the session had moved, and ``0`` (an empty loader's
@@ -126,8 +178,12 @@ def check_state_values(values: Mapping[str, Any]) -> dict[str, Any]:
         A new dict of ``values`` (``steps_per_epoch`` as an ``int``).
 
     Raises:
-        ValueError: naming the key, the value and what to give.
+        ValueError: naming the key, the value and what to give (one line per refused key).
     """
+    refused = [key for key in REFUSED_KEYS if values.get(key) is not None]
+    if refused:
+        msg = "\n".join(f"state key {key!r} refused, nothing was stored: {REFUSED_KEYS[key]}" for key in refused)
+        raise ValueError(msg)
     out = dict(values)
     spe = out.get("steps_per_epoch")
     if spe is None:
@@ -143,6 +199,12 @@ def check_state_values(values: Mapping[str, Any]) -> dict[str, Any]:
         raise ValueError(msg)
     out["steps_per_epoch"] = count
     return out
+
+
+def unused_keys(state: Iterable[str], declared: Iterable[str]) -> list[str]:
+    """The keys of ``state`` that neither the session (:data:`SESSION_KEYS`) nor a modifier (``declared``: every
+    modifier's required and optional keys) reads, sorted."""
+    return sorted(set(state) - SESSION_KEYS - set(declared))
 
 
 def missing_state_message(

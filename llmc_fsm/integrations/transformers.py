@@ -21,7 +21,9 @@ objects are born:
                     construction when passed with ``optimizers=(opt, sched)``
 ``train_data``,     in ``get_train_dataloader``: the real dataloader and
 ``steps_per_epoch`` ``ceil(len(dataloader) / gradient_accumulation_steps)``, the
-                    Trainer's own optimizer steps per epoch
+                    Trainer's own optimizer steps per epoch (it replaces one
+                    given in ``session_state``, with a warning naming both when
+                    they differ; that one counts for a dataset without a length)
 anything else       ``session_state={"key": value}`` at construction
 ==================  =============================================================
 
@@ -35,7 +37,9 @@ global_step=state.global_step)`` at the start of every micro-batch
 replace the loss; the Trainer then divides it for gradient accumulation and
 backpropagates it), ``optim_pre_step``/``optim_post_step`` around
 ``optimizer.step()`` (after gradient clipping), ``batch_end`` at
-``on_step_end``/``on_substep_end``, ``finalize`` at ``on_train_end``. The
+``on_step_end``/``on_substep_end`` (an ``end`` the step reached fires there,
+before the Trainer evaluates and saves that step; an update point at the next
+``training_step``), ``finalize`` at ``on_train_end``. The
 session's callback runs before every other callback: in a callback of yours,
 ``on_step_end`` sees the batch ended (``trainer.session.save(...)`` works there)
 and ``on_train_begin`` the session initialized.
@@ -292,6 +296,7 @@ class SessionTrainerMixin:
         self._llmc_loss_pending = False
         self._llmc_resume: str | None = None
         self._llmc_saved: dict[str, Any] | None = None  # the session checkpoint train() was asked to resume
+        self._llmc_spe_warned = False  # a given steps_per_epoch replaced by the Trainer's was named
         super().__init__(*args, **kwargs)
         if getattr(self.args, "auto_find_batch_size", False):  # type: ignore[attr-defined]
             msg = (
@@ -335,9 +340,29 @@ class SessionTrainerMixin:
             state: dict[str, Any] = {"train_data": dataloader}
             steps = self._llmc_steps_per_epoch(dataloader)
             if steps is not None:
+                self._llmc_warn_steps_per_epoch(steps, len(dataloader))
                 state["steps_per_epoch"] = steps
             self.session.update_state(**state)
         return dataloader
+
+    def _llmc_warn_steps_per_epoch(self, steps: int, batches: int) -> None:
+        """One warning line when a ``steps_per_epoch`` staged before (``session_state``, ``update_state``) differs
+        from the Trainer's own count ``steps``, which replaces it: the schedules' epochs are then the Trainer's
+        (its logs, ``eval_strategy="epoch"``, its checkpoints). The given value was replaced without a word
+        (found by a tester)."""
+        given = self.session.state.get("steps_per_epoch")
+        if given is not None and given != steps and not self._llmc_spe_warned:
+            self._llmc_spe_warned = True
+            logger.warning(
+                "SessionTrainer: steps_per_epoch %d given in the session state is replaced by %d, the Trainer's own "
+                "optimizer steps per epoch (ceil(%d batches / gradient_accumulation_steps %d)), so the recipe's "
+                "epochs are the Trainer's; a given steps_per_epoch is used only for a training dataset without a "
+                "length (an IterableDataset). To stretch a schedule, change start/end/update in the recipe",
+                given,
+                steps,
+                batches,
+                self.args.gradient_accumulation_steps,  # type: ignore[attr-defined]
+            )
 
     def _llmc_steps_per_epoch(self, dataloader: Any) -> int | None:
         """The Trainer's optimizer steps per epoch over ``dataloader`` (``None`` without a length)."""
@@ -415,10 +440,9 @@ class SessionTrainerMixin:
         self._llmc_resume = str(resume_from_checkpoint) if resume_from_checkpoint else None
         self._llmc_saved = self._read_session_checkpoint()
         if self._llmc_saved is not None and self.session.lifecycle in ("created", "staging"):
-            given = {}
-            if "steps_per_epoch" not in self.session.state:  # staged by get_train_dataloader: known now already
-                steps = self._llmc_steps_per_epoch(super().get_train_dataloader())  # type: ignore[misc]
-                given = {"steps_per_epoch": steps} if steps is not None else {}
+            # the count get_train_dataloader will stage, which replaces a steps_per_epoch given in session_state
+            steps = self._llmc_steps_per_epoch(super().get_train_dataloader())  # type: ignore[misc]
+            given = {"steps_per_epoch": steps} if steps is not None else {}
             try:  # another recipe or steps_per_epoch: refused before the Trainer loads the checkpoint's weights
                 check_checkpoint(self._llmc_saved, self.session, **given)
             except CheckpointError as exc:

@@ -18,12 +18,14 @@ from typing import Any
 
 import attrs
 
-from llmc_fsm.core.errors import RecipeError
+from llmc_fsm.core.errors import PluginError, RecipeError
 from llmc_fsm.core.modifier import Modifier
-from llmc_fsm.core.registry import get_registry
+from llmc_fsm.core.registry import check_modifier_class, get_registry
 from llmc_fsm.recipes.llmcompressor import (
     RUN_TYPES,
     is_group_key,
+    namesake_arguments,
+    namesake_note,
     number_from_string,
     top_level_stages,
     translate_argument,
@@ -369,7 +371,14 @@ class _Builder:
     def modifier(self, name: str, args: Any, stage: Stage, line: int | None) -> Modifier | None:
         """The modifier of one entry, or ``None`` when it has problems (recorded)."""
         modifier = args if isinstance(args, Modifier) else self.build(name, args, stage, line)
-        if modifier is None or not self.check_window(modifier, stage, line, args):
+        if modifier is None:
+            return None
+        try:  # as registration checks a class: an object given directly, or a field-level events set per instance
+            check_modifier_class(modifier)
+        except PluginError as exc:
+            self.problem(f"{where(self.source, line, stage.name)}: {exc}", exc)
+            return None
+        if not self.check_window(modifier, stage, line, args):
             return None
         return modifier
 
@@ -463,7 +472,18 @@ class _Builder:
         accepted = [a.alias or a.name for a in attrs.fields(cls) if a.init]
         kwargs: dict[str, Any] = {}
         given_as: dict[str, str] = {}
+        unknown = [key for key in args if isinstance(key, str) and key not in accepted]
+        theirs = namesake_arguments(name, unknown)  # llm-compressor's arguments of its different modifier of this name
+        if theirs:
+            key_line = line_of(args, theirs[0]) or line
+            msg = (
+                f"{where(self.source, key_line, stage.name, name)}: unknown argument{'s' if len(theirs) > 1 else ''} "
+                f"{', '.join(repr(key) for key in theirs)}. {namesake_note(name, theirs)}"
+            )
+            self.problem(msg, line=key_line)
         for key, value in args.items():
+            if key in theirs:  # said above, once for all of them
+                continue
             key_line = line_of(args, key) or line
             at = where(self.source, key_line, stage.name, name)
             is_field = isinstance(key, str) and key in accepted
@@ -555,6 +575,11 @@ def resolve_recipe(recipe: Any) -> Recipe:
             raise RecipeError(msg)
         if not recipe:
             return Recipe(source="<objects>")
+        for modifier in recipe:  # as registration checks a class (a misspelt event would never be delivered)
+            try:
+                check_modifier_class(modifier, stacklevel=3)  # a warning points at the Session(...) call
+            except PluginError as exc:
+                raise RecipeError(f"{where('<objects>', None, 'default')}: {exc}") from exc
         return Recipe([Stage("default", list(recipe))], "<objects>")
     msg = f"unsupported recipe type {type(recipe).__name__}: pass a path, YAML text, a dict or a list of Modifiers"
     raise RecipeError(msg)

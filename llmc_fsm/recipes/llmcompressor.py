@@ -54,13 +54,17 @@ __all__ = [
     "ARGUMENT_RULES",
     "DEFAULT_DIFFERENCES",
     "GROUP_SUFFIX",
+    "NAMESAKES",
     "RUN_TYPES",
     "UNIMPLEMENTED_MODIFIERS",
     "ArgumentRule",
+    "Namesake",
     "default_difference",
     "is_group_key",
     "is_numpy_bool",
     "is_numpy_scalar",
+    "namesake_arguments",
+    "namesake_note",
     "number_from_string",
     "top_level_stages",
     "translate_argument",
@@ -152,6 +156,64 @@ def unimplemented_note(name: str) -> str | None:
     )
 
 
+@attrs.frozen
+class Namesake:
+    """An llm-compressor modifier with the name of an llmc-fsm modifier that does something else.
+
+    Attributes:
+        arguments: the arguments of llm-compressor's modifier that ours does not have.
+        theirs: what llm-compressor's does (a phrase).
+        ours: what llmc-fsm's does (a phrase).
+        instead: what to do for llm-compressor's behaviour (a phrase).
+    """
+
+    arguments: frozenset[str]
+    theirs: str
+    ours: str
+    instead: str
+
+
+#: llmc-fsm modifiers sharing a name with a different llm-compressor modifier; a recipe giving that one's arguments
+#: is told so once (:func:`namesake_note`), not with an unknown argument and a close name ("unknown argument
+#: 'targets'. Did you mean 'start'?", found by a tester).
+NAMESAKES: dict[str, Namesake] = {
+    "OutputDistillationModifier": Namesake(
+        arguments=frozenset(
+            "targets projection projection_args transforms transforms_args comparison comparison_args orig_scale "
+            "distill_scale offload_layer_output".split()
+        ),
+        theirs=(
+            "layer-wise distillation (it compares the outputs of the targeted modules with the teacher's; removed in "
+            "llm-compressor 0.10)"
+        ),
+        ours="distils the output logits (Hinton et al.; arguments temperature and alpha, docs/training.md)",
+        instead="use llm-compressor before 0.10 for layer-wise distillation",
+    ),
+}
+
+
+def namesake_arguments(name: str, keys: list[str]) -> list[str]:
+    """The arguments among ``keys`` that belong to llm-compressor's different modifier named ``name``
+    (:data:`NAMESAKES`), in the order given."""
+    namesake = NAMESAKES.get(name)
+    return [key for key in keys if namesake is not None and key in namesake.arguments]
+
+
+def namesake_note(name: str, keys: list[str]) -> str | None:
+    """For the unknown arguments ``keys`` given to modifier ``name``: when some are those of llm-compressor's
+    different modifier of that name (:func:`namesake_arguments`), a sentence (``It is an argument...`` / ``They are
+    arguments...``) saying what each modifier does and what to do; else ``None``."""
+    theirs = namesake_arguments(name, keys)
+    if not theirs:
+        return None
+    namesake = NAMESAKES[name]
+    return (
+        f"{'It is an argument' if len(theirs) == 1 else 'They are arguments'} of llm-compressor's {name}, which does "
+        f"{namesake.theirs}; llmc-fsm's {name} does not do that: it {namesake.ours}. Remove "
+        f"{'it' if len(theirs) == 1 else 'them'} to use llmc-fsm's, or {namesake.instead}."
+    )
+
+
 # --- argument names ---------------------------------------------------------------------------
 
 
@@ -183,16 +245,24 @@ _SCHEME_FIELDS = frozenset({"weights", "input_activations", "output_activations"
 
 
 def _preset_targets(value: Any, args: Mapping[str, Any]) -> dict[str, Any] | None:
-    """llm-compressor's ``scheme: {PRESET: targets}`` -> ``scheme: PRESET`` and ``targets``."""
+    """llm-compressor's ``scheme: {PRESET: targets}`` -> ``scheme: PRESET`` and ``targets``; with several presets
+    (``{W8A8: [re:.*q_proj$], FP8_DYNAMIC: [Linear]}``) -> ``config_groups`` ``group_0``, ``group_1``... in that
+    order, as llm-compressor builds them (a module several select takes compressed-tensors' first matching target:
+    docs/quantization.md, "Several config groups")."""
     if not isinstance(value, Mapping) or not value or set(value) & _SCHEME_FIELDS:
         return None  # a preset name, or a mapping of scheme fields: the modifier reads it
-    if len(value) != 1:
-        raise ValueError(f"one preset per modifier, got {', '.join(map(str, value))}; split into modifiers")
-    ((preset, targets),) = value.items()
-    targets = _as_list(targets)
-    if not isinstance(targets, list):  # null, a number: a TypeError escaped here (found by a fuzzing tester)
-        msg = f"the targets of preset {preset!r} must be a module pattern or a list of them, got {targets!r}"
-        raise ValueError(msg)
+    presets = {}
+    for preset, targets in value.items():
+        targets = _as_list(targets)
+        if not isinstance(targets, list):  # null, a number: a TypeError escaped here (found by a fuzzing tester)
+            msg = f"the targets of preset {preset!r} must be a module pattern or a list of them, got {targets!r}"
+            raise ValueError(msg)
+        presets[preset] = targets
+    if len(presets) > 1:  # the modifier's own targets, if given, are checked against the groups' as for any groups
+        return {
+            "config_groups": {f"group_{i}": {"preset": p, "targets": t} for i, (p, t) in enumerate(presets.items())}
+        }
+    ((preset, targets),) = presets.items()
     given = args.get("targets")
     if given is not None and _as_list(given) != targets:
         raise ValueError(f"its targets {targets!r} differ from the modifier's targets {args['targets']!r}")
@@ -378,7 +448,8 @@ def translate_arguments(cls: type, kwargs: dict[str, Any]) -> dict[str, Any]:
     llmc-fsm's form are left as they are (the builder's translated arguments pass through here again).
 
     Raises:
-        TypeError: an argument neither the class nor llm-compressor's rules know (a typo), with the closest name.
+        TypeError: an argument neither the class nor llm-compressor's rules know (a typo), with the closest name,
+            or one of llm-compressor's different modifier of the same name, saying so (:func:`namesake_note`).
         ValueError: an argument llmc-fsm refuses (with llm-compressor's reason), one that maps to an argument the
             class does not have, or one that sets an argument also given with another value.
     """
@@ -392,6 +463,9 @@ def translate_arguments(cls: type, kwargs: dict[str, Any]) -> dict[str, Any]:
     rules = ARGUMENT_RULES.get(name, {}) if name is not None else {}
     for key in kwargs:
         if key not in accepted and key not in rules:  # a typo: Python's TypeError, with the closest name
+            namesake = namesake_note(cls.modifier_name(), [key]) if hasattr(cls, "modifier_name") else None
+            if namesake is not None:  # llm-compressor's argument of its different modifier of this name
+                raise TypeError(f"{cls.__name__}() got an unexpected keyword argument {key!r}. {namesake}")
             close = difflib.get_close_matches(str(key), sorted(accepted), n=1, cutoff=0.6)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise TypeError(f"{cls.__name__}() got an unexpected keyword argument {key!r}{hint}")

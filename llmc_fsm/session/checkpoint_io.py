@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import secrets
 from collections.abc import Mapping
 from pathlib import Path
@@ -60,6 +61,12 @@ def _join(value: Any, tensors: Mapping[str, Any]) -> Any:
     return value
 
 
+#: A tensor file's name: ``tensors-`` + the first 16 hex digits of its SHA-256.
+_TENSOR_FILE = re.compile(r"tensors-(?P<digest>[0-9a-f]{16})\.safetensors")
+#: A temporary file :func:`_write_atomic` writes (``.<name>.<pid>-<8 hex>.tmp``, with the writer's process id).
+_TEMP_FILE = re.compile(r"\.(?:session\.json|tensors-[0-9a-f]{16}\.safetensors)(?:\.(?P<pid>\d+)-[0-9a-f]{8})?\.tmp")
+
+
 def _write_atomic(target: Path, data: bytes) -> None:
     tmp = target.with_name(f".{target.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
     try:
@@ -70,6 +77,46 @@ def _write_atomic(target: Path, data: bytes) -> None:
         os.replace(tmp, target)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def _previous_tensor_file(path: Path) -> str | None:
+    """The tensor file the checkpoint already in ``path`` names (``None``: no readable manifest, or a name that is
+    not one :func:`write_checkpoint` writes)."""
+    try:
+        name = json.loads((path / MANIFEST).read_text(encoding="utf-8")).get("tensors")
+    except (OSError, ValueError, AttributeError):  # no manifest, not JSON, not an object
+        return None
+    return name if isinstance(name, str) and _TENSOR_FILE.fullmatch(name) else None
+
+
+def _written_here(entry: Path) -> bool:
+    """Whether ``entry`` is a tensor file :func:`write_checkpoint` wrote: its name holds its own SHA-256 prefix (a
+    save killed after its tensor file and before its manifest leaves one that no manifest names)."""
+    match = _TENSOR_FILE.fullmatch(entry.name)
+    if match is None or not entry.is_file():
+        return False
+    try:
+        with open(entry, "rb") as f:
+            return hashlib.file_digest(f, "sha256").hexdigest()[:16] == match["digest"]
+    except OSError:
+        return False
+
+
+def _abandoned_temp(entry: Path) -> bool:
+    """Whether ``entry`` is a temporary file of :func:`_write_atomic` whose process no longer runs."""
+    match = _TEMP_FILE.fullmatch(entry.name)
+    return match is not None and (match["pid"] is None or not _running(int(match["pid"])))
+
+
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` exists (signal 0 checks without sending anything)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError, OSError):  # exists but not ours, or not a usable pid: leave it be
+        return True
+    return True
 
 
 def _fsync_dir(path: Path) -> None:
@@ -87,12 +134,18 @@ def write_checkpoint(state: Mapping[str, Any], path: str | Path) -> Path:
     """Write a session state dict to the directory ``path`` (created if needed); return it.
 
     The tensor file goes first, then ``session.json`` replaces the previous
-    manifest in one rename; older tensor files and stray temporary files are
-    removed last. A kill at any point leaves a loadable checkpoint (the new one,
-    or the previous one).
+    manifest in one rename; last, the tensor file the previous manifest named is
+    removed, and so is what killed saves left: a ``tensors-<16 hex>.safetensors``
+    whose SHA-256 starts with those 16 hex digits, and the temporary files
+    ``.session.json.<pid>-<hex>.tmp`` / ``.tensors-<16 hex>.safetensors.<pid>-<hex>.tmp``
+    of a process that no longer runs. Nothing else in the directory is touched
+    (every ``tensors-*.safetensors`` and ``.*.tmp`` was removed, other programs'
+    files too, found by a tester). A kill at any point leaves a loadable checkpoint
+    (the new one, or the previous one).
 
     Raises:
         TypeError: a value in ``state`` is neither a tensor nor a JSON value (nothing written).
+        NotADirectoryError: ``path`` is a file (nothing written).
         OSError: the directory cannot be written.
     """
     from safetensors.torch import save as save_tensors
@@ -105,13 +158,19 @@ def write_checkpoint(state: Mapping[str, Any], path: str | Path) -> Path:
     tensor_name = f"tensors-{digest[:16]}.safetensors"
     manifest = {"format": FORMAT, "version": VERSION, "tensors": tensor_name, "sha256": digest, "state": meta}
     text = json.dumps(manifest, indent=1, allow_nan=True).encode("utf-8")
+    if path.exists() and not path.is_dir():
+        msg = f"cannot save a session checkpoint to {path}: it is a file, not a directory; give a directory path"
+        raise NotADirectoryError(msg)
     path.mkdir(parents=True, exist_ok=True)
+    previous = _previous_tensor_file(path)
     _write_atomic(path / tensor_name, payload)
     _write_atomic(path / MANIFEST, text)
     _fsync_dir(path)
-    for stale in [*path.glob("tensors-*.safetensors"), *path.glob(".*.tmp")]:
-        if stale.name != tensor_name:
-            stale.unlink(missing_ok=True)
+    if previous is not None and previous != tensor_name:
+        (path / previous).unlink(missing_ok=True)
+    for entry in path.iterdir():  # what killed saves left (normally nothing, so nothing is hashed)
+        if entry.name != tensor_name and (_abandoned_temp(entry) or _written_here(entry)):
+            entry.unlink(missing_ok=True)
     return path
 
 

@@ -169,6 +169,8 @@ class SessionEvents:
         if position is None:
             self._refuse_event(event)
         if step is not None:
+            if step < self._step:
+                self._refuse_step_back(event, step)
             self._step = step
         if self._fsm.state == "initialized":
             self._fsm.first_event()  # type: ignore[attr-defined]
@@ -179,6 +181,19 @@ class SessionEvents:
         spe = self._state.values.get("steps_per_epoch")
         ev.epoch = self._step / spe if spe else None
         return ev
+
+    def _refuse_step_back(self, event: str, step: int) -> NoReturn:
+        """Refuse ``event(global_step=step)`` below the steps already counted: a per-epoch batch index restarted the
+        step every epoch, so learning-rate schedules repeated, gradual pruning stalled and jumped to its end in
+        ``finalize()``, without a word (found by a tester)."""
+        msg = (
+            f"{event}(global_step={step}) refused: the session has counted {self._step} optimizer steps and the step "
+            "never goes back (a batch index within the epoch restarts every epoch: schedules would repeat or stall); "
+            "pass the optimizer steps completed over the whole run (e.g. epoch * steps_per_epoch + steps in this "
+            "epoch, the same value again while gradients accumulate), or leave global_step out and the session "
+            "counts optim_post_step() calls. Nothing was changed."
+        )
+        raise ValueError(msg)
 
     def _dispatch(self, event: str, ev: Event) -> None:
         """Run ``on_event`` of the modifiers handling ``event``; for ``loss_calculated`` a result replaces the loss."""
@@ -217,14 +232,17 @@ class SessionEvents:
 
         Args:
             batch: the batch (any type), passed to modifiers as ``event.batch``.
-            global_step: optimizer steps completed so far, when the caller counts
-                them (e.g. the HF Trainer); otherwise the session counts
-                ``optim_post_step`` calls.
+            global_step: optimizer steps completed so far over the whole run, when
+                the caller counts them (e.g. the HF Trainer); otherwise the session
+                counts ``optim_post_step`` calls. The same value again (gradient
+                accumulation) and a jump forward are taken; a value below
+                :attr:`global_step` is refused.
 
         Raises:
             LifecycleError: not initialized, finalized, or a failed hook modified the model.
             EventOrderError: a batch is still open, or calibration is running.
-            ValueError: ``global_step`` is not a non-negative int.
+            ValueError: ``global_step`` is not a non-negative int, or is below :attr:`global_step` (the steps counted
+                so far; e.g. a batch index within the epoch): nothing is changed, no modifier runs.
             ModifierError: a modifier hook raised.
         """
         if global_step is not None and (
@@ -315,7 +333,13 @@ class SessionEvents:
             self._dispatch("optim_post_step", ev)
 
     def batch_end(self) -> None:
-        """The batch is done (with or without an optimizer step).
+        """The batch is done (with or without an optimizer step); then the modifiers whose ``end`` the step count
+        has reached are ended (``on_end``).
+
+        Ending here, after the optimizer step that reached ``end``, puts the end (a gradual pruning's
+        ``final_sparsity``) in the model that a Trainer evaluates and checkpoints at that step; at the next
+        ``batch_start``, which never comes after the last step, it came only in ``finalize()`` (found by a tester).
+        Starts and updates stay at ``batch_start``, as in llm-compressor.
 
         Raises:
             LifecycleError: not initialized, finalized, or a failed hook modified the model.
@@ -329,6 +353,8 @@ class SessionEvents:
             finally:
                 ev.batch = None
                 ev.loss = None
+            if self._schedule.pending:
+                self._schedule.advance(ev.epoch, self._call_with_event, ends_only=True)
             if not self._loss_given and not self._loss_warned and self._schedule.dispatch["loss_calculated"]:
                 self._warn_no_loss()
 

@@ -2,7 +2,8 @@
 
 For every modifier a :class:`Slot` records whether it has started or ended and
 when its next ``on_update`` is due. :class:`Schedule` advances them at the
-opening events (``batch_start``, ``calibration_start``) and keeps, per event,
+opening events (``batch_start``, ``calibration_start``), ends the ones whose
+``end`` the step count has reached at ``batch_end`` too, and keeps, per event,
 the tuple of modifiers that handle it — rebuilt only when a modifier starts or
 ends, so dispatching an event is one dictionary lookup and a loop.
 """
@@ -143,26 +144,29 @@ class Schedule:
             for event in BATCH_EVENTS
         }
 
-    def advance(self, epoch: float | None, call: Callable[[Slot, str], Any]) -> None:
+    def advance(self, epoch: float | None, call: Callable[[Slot, str], Any], *, ends_only: bool = False) -> None:
         """Fire ``on_start`` / ``on_update`` / ``on_end`` (through ``call(slot, hook)``) for the slots due at ``epoch``.
 
-        The bookkeeping of a slot is updated before its hook runs, and the
-        dispatch tables are rebuilt even when a hook raises.
+        With ``ends_only`` (at ``batch_end``, after the optimizer step that reached it: an evaluation or checkpoint
+        taken at that step then holds the end; found by a tester) only ``on_end`` of the started slots whose ``end``
+        ``epoch`` has reached; a slot not started yet waits for the next opening event, as do updates. The
+        bookkeeping of a slot is updated before its hook runs, and the dispatch tables are rebuilt even when a hook
+        raises.
         """
         changed = False
         try:
             for slot in self.pending:
                 m = slot.modifier
                 if not slot.started:
-                    if m.start is not None and (epoch is None or epoch < m.start - EPOCH_TOLERANCE):
+                    if ends_only or (m.start is not None and (epoch is None or epoch < m.start - EPOCH_TOLERANCE)):
                         continue
                     slot.started = changed = True
                     if m.update is not None:
                         slot.next_update = (m.start or 0.0) + m.update
                     call(slot, "on_start")
                 ending = m.end is not None and epoch is not None and epoch >= m.end - EPOCH_TOLERANCE
-                due = slot.next_update
-                if not ending and due is not None and epoch is not None and epoch >= due - EPOCH_TOLERANCE:
+                due = None if ending or ends_only else slot.next_update
+                if due is not None and epoch is not None and epoch >= due - EPOCH_TOLERANCE:
                     # the first point start + k * update after epoch, by multiplication: a running sum drifts
                     base, every = m.start or 0.0, m.update
                     slot.next_update = base + (math.floor((epoch - base) / every + EPOCH_TOLERANCE) + 1) * every

@@ -31,7 +31,7 @@ from llmc_fsm.core.errors import LifecycleError, MissingStateError, ModifierErro
 from llmc_fsm.core.guard import changed, failure, module_parameters
 from llmc_fsm.core.lifecycle import CALLS_ALLOWED, make_machine
 from llmc_fsm.core.modifier import Event, Modifier
-from llmc_fsm.core.state import State, check_state_values, missing_state_message
+from llmc_fsm.core.state import State, check_state_values, missing_state_message, unused_keys
 from llmc_fsm.recipes.building import resolve_recipe
 from llmc_fsm.recipes.fingerprint import recipe_fingerprint
 from llmc_fsm.recipes.model import Recipe
@@ -133,7 +133,9 @@ class Session(SessionCheckpoints):
         Raises:
             LifecycleError: the session is already initialized, running or finalized.
             ValueError: a well-known key's value that cannot be what it names (``steps_per_epoch`` not a positive
-                int; :func:`~llmc_fsm.core.state.check_state_values`); nothing is stored.
+                int), or a key the session refuses (``global_step``, ``start``, ``batches_per_step``,
+                ``teacher_model``: :data:`~llmc_fsm.core.state.REFUSED_KEYS`, one line each on what to do instead;
+                :func:`~llmc_fsm.core.state.check_state_values`); nothing is stored.
         """
         with self._lock:
             self._refuse_from_hook("update_state")
@@ -169,7 +171,9 @@ class Session(SessionCheckpoints):
         the original exception chained; a retry is allowed — unless the
         initialize changed parameters of a model in the state in place (the
         roll-back cannot undo that): the error then names them and the session
-        refuses ``initialize`` until :meth:`reset`.
+        refuses ``initialize`` until :meth:`reset`. Once initialized, one warning
+        line names the state keys no modifier declares (``required_state`` /
+        ``optional_state``) and the session does not read (they do nothing).
 
         A ``model`` (or ``teacher``) wrapped in ``DistributedDataParallel`` /
         ``DataParallel`` or compiled by ``torch.compile`` is unwrapped: modifiers
@@ -185,8 +189,10 @@ class Session(SessionCheckpoints):
             MissingStateError: required state keys are missing.
             ModifierError: a modifier's ``on_initialize`` raised.
             ValueError: a modifier's ``resolved_targets`` is not a mapping of names to modules (rolled back).
-            ValueError: ``steps_per_epoch`` not a positive int (nothing stored); under ``torch.distributed`` the
-                ranks disagree on the recipe, the model or the expected ``world_size`` (same message on every rank).
+            ValueError: ``steps_per_epoch`` not a positive int, or a refused key (``global_step``, ``start``,
+                ``batches_per_step``, ``teacher_model``; as :meth:`update_state`), nothing stored; under
+                ``torch.distributed`` the ranks disagree on the recipe, the model or the expected ``world_size``
+                (same message on every rank).
         """
         with self._lock:
             self._refuse_from_hook("initialize")
@@ -235,6 +241,26 @@ class Session(SessionCheckpoints):
             self._position = "idle"
             self._schedule.begin()
             self._fire("initialize")
+            self._warn_unused_keys()
+
+    def _warn_unused_keys(self) -> None:
+        """After ``initialize``: one warning line naming the state keys that no modifier of the recipe declares
+        (``required_state`` / ``optional_state``) and the session does not read (stored and ignored without a
+        word before: ``epoch=5``, a misspelt key; found by a tester)."""
+        declared = {k for m in self.modifiers for k in (*m.required_keys(), *m.optional_state)}
+        unused = unused_keys(self._state, declared)
+        if unused:
+            logger.warning(
+                "initialize(): state %s %s read by no modifier of this recipe (none declares %s in required_state or "
+                "optional_state) nor by the session, so %s nothing; remove %s or check the spelling (keys declared: "
+                "%s)",
+                "key" if len(unused) == 1 else "keys",
+                ", ".join(repr(k) for k in unused) + (" is" if len(unused) == 1 else " are"),
+                "it" if len(unused) == 1 else "them",
+                "it does" if len(unused) == 1 else "they do",
+                "it" if len(unused) == 1 else "them",
+                ", ".join(sorted(declared)) or "none",
+            )
 
     def _initialize_failed(self, slot: Slot, exc: Exception, done: int, modified: list[str]) -> ModifierError:
         if modified:

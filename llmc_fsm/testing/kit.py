@@ -16,11 +16,17 @@ or, with the fixture this plugin provides (installed with llmc-fsm as the
 
 What is checked:
 
+0. **What registration checks** (:func:`~llmc_fsm.core.registry.check_modifier_class`
+   on a modifier from ``factory``): an attrs class, a usable ``modifier_name()``, and
+   the declarations (``events`` among the batch events, sets of strings...); an
+   ``on_event`` that ``events`` leaves unreachable is warned about (``UserWarning``).
 1. **Required state is declared truthfully** (deterministic): ``state_factory()``
    supplies every key in ``required_keys()``; ``initialize`` without any one of
    them raises :class:`~llmc_fsm.MissingStateError` naming it; ``initialize`` with
    *only* the declared keys (``required_state`` + ``optional_state``, then only
-   the required ones) succeeds — the modifier needs nothing it did not declare.
+   the required ones) succeeds — the modifier needs nothing it did not declare
+   (when it fails with every key too, the message says that on_initialize raises,
+   not that a key is undeclared).
 2. **Random lifecycles** (hypothesis draws valid and invalid call sequences of
    ``update_state``, ``initialize``, batch events, calibration events,
    ``finalize`` and ``reset`` against a :class:`~llmc_fsm.Session` holding a fresh
@@ -47,15 +53,18 @@ A modifier hook that raises during a valid lifecycle fails the check too.
 from __future__ import annotations
 
 import functools
+import re
 import tempfile
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import pytest
 
-from llmc_fsm.core.errors import MissingStateError, ModifierError
+from llmc_fsm.core.errors import MissingStateError, ModifierError, PluginError
 from llmc_fsm.core.lifecycle import BATCH_EVENTS
 from llmc_fsm.core.modifier import Modifier
+from llmc_fsm.core.registry import check_modifier_class, unreachable_on_event
 from llmc_fsm.session.checkpoint import read_checkpoint, write_checkpoint
 from llmc_fsm.session.session import Session
 from llmc_fsm.testing.lifecycles import OPERATIONS, ContractViolation, SequenceRun
@@ -125,14 +134,37 @@ def _check_declared_state(factory: Callable[[], Modifier], state_factory: Callab
         try:
             session.initialize(**{k: v for k, v in state.items() if k in keys})
         except ModifierError as exc:
-            cause = exc.__cause__
-            msg = (
-                f"{name}: initialize() with only its declared keys ({what}: {sorted(keys)}) failed: "
-                f"{type(cause).__name__}: {cause}. Declare every key on_initialize needs in required_state "
-                "(or make it optional and handle its absence)."
-            )
-            raise ContractViolation(msg) from cause
+            raise _initialize_failed(factory, dict(state_factory()), keys, what, exc.__cause__) from exc.__cause__
         session.finalize()
+
+
+def _initialize_failed(
+    factory: Callable[[], Modifier], state: dict[str, Any], keys: frozenset[str], what: str, cause: BaseException | None
+) -> ContractViolation:
+    """The violation for an ``initialize()`` with only the declared ``keys`` that raised ``cause``: advice to declare
+    keys only when the state's other keys make it succeed (a ``RuntimeError: boom`` was answered with "Declare every
+    key on_initialize needs in required_state", found by a tester)."""
+    error = type(cause).__name__
+    modifier = type(factory()).__name__
+    left_out = sorted(set(state) - keys)
+    if left_out:
+        session = Session([factory()])
+        try:
+            session.initialize(**state)
+        except ModifierError:
+            left_out = []  # it fails with every key too: the keys left out are not the cause
+        else:
+            session.finalize()
+    if not left_out:
+        return ContractViolation(
+            f"{modifier}: initialize() raised {error}: {cause} (with every key state_factory() gives: "
+            f"{sorted(state)}); a hook that raises in a valid lifecycle fails the check"
+        )
+    return ContractViolation(
+        f"{modifier}: initialize() with only its declared keys ({what}: {sorted(keys)}) failed: {error}: {cause}, "
+        f"and succeeds with the key(s) it left out of state_factory()'s, {left_out}. Declare every key "
+        "on_initialize needs in required_state (or make it optional and handle its absence)."
+    )
 
 
 def check_modifier(
@@ -159,9 +191,32 @@ def check_modifier(
         modules_factory: ``state -> modules`` for ``sequential_epoch_end`` (default ``()``).
 
     Raises:
-        ContractViolation: a rule was broken; the message names the rule and the
-            call sequence (hypothesis shrinks it to a minimal one).
+        ContractViolation: a rule was broken (registration would refuse the modifier, too); the message names the
+            rule and the call sequence (hypothesis shrinks it to a minimal one).
     """
+    probe = factory()
+    try:  # the checks registration makes (a misspelt event was never delivered, and the kit passed it)
+        check_modifier_class(probe)
+    except PluginError as exc:
+        msg = f"{type(probe).__name__}: registration would refuse it: {exc}"
+        raise ContractViolation(msg) from exc
+    unreachable = unreachable_on_event(probe)
+    with warnings.catch_warnings():
+        if unreachable is not None:  # warned once just now; not again for each session the checks below make
+            warnings.filterwarnings("ignore", message=re.escape(unreachable), category=UserWarning)
+        _check_contract(factory, state_factory, max_examples, max_calls, batch_factory, loss_factory, modules_factory)
+
+
+def _check_contract(
+    factory: Callable[[], Modifier],
+    state_factory: Callable[[], Mapping[str, Any]],
+    max_examples: int,
+    max_calls: int,
+    batch_factory: Callable[[], Any] | None,
+    loss_factory: Callable[[], Any] | None,
+    modules_factory: Callable[[Mapping[str, Any]], Any] | None,
+) -> None:
+    """Checks 1-3 of the module docstring (:func:`check_modifier` after its registration checks)."""
     from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st
 

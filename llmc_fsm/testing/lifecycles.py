@@ -11,7 +11,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from llmc_fsm.core.errors import LifecycleError, ModifierError
-from llmc_fsm.core.lifecycle import BATCH_EVENTS, CALIBRATION_EVENTS, EVENTS, OPENING_EVENTS
+from llmc_fsm.core.lifecycle import BATCH_EVENTS, CALIBRATION_EVENTS, ENDING_EVENTS, EVENTS, OPENING_EVENTS
 from llmc_fsm.core.modifier import HOOKS, SCHEDULE_HOOKS, Modifier
 from llmc_fsm.core.torch_hooks import hook_count
 from llmc_fsm.session.session import Session
@@ -29,6 +29,8 @@ def _allowed_hooks() -> dict[str, frozenset[str]]:
     for event in EVENTS:
         own = frozenset({"on_event"} if event in BATCH_EVENTS else {f"on_{event}"})
         allowed[event] = own | SCHEDULE_HOOKS if event in OPENING_EVENTS else own
+        if event in ENDING_EVENTS:
+            allowed[event] |= {"on_end"}
     return allowed
 
 

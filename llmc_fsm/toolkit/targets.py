@@ -113,25 +113,33 @@ def matches(name: str, module: nn.Module, pattern: str) -> bool:
 
 
 def match_precedence(name: str, module: nn.Module, patterns: Iterable[str]) -> list[str]:
-    """The patterns of ``patterns`` that match the module called ``name`` itself (:func:`matches`; a pattern that
-    selects it only through a container is left out), in compressed-tensors' order of precedence when a module
-    matches the targets of several config groups (``compressed_tensors.utils.match.match_targets``, which
-    ``apply_quantization_config`` gives the first of): exact names (the module's or one of its parameters'), then
-    ``re:`` patterns, then class names and llm-compressor's ``__ALL__`` targets; within each kind in string order
-    (so of two ``re:`` patterns, the one that sorts first wins, whichever is narrower).
+    """The patterns of ``patterns`` that compressed-tensors matches against the module called ``name`` itself, in
+    its order of precedence when a module matches the targets of several config groups
+    (``compressed_tensors.utils.match.match_targets``, the first of which ``apply_quantization_config`` takes):
+    the module's exact name, then ``re:`` patterns matching its name, then the names of its class or a base class
+    (``"Linear"`` for a :class:`~llmc_fsm.toolkit.views.LinearView`); within each kind in string order (so of two
+    ``re:`` patterns the one that sorts first comes first, whichever is narrower).
+
+    Patterns that :func:`select_targets` follows but compressed-tensors does not match for quantization are left
+    out: a parameter's name (``re:.*q_proj.weight``), a container (``LlamaMLP``), llm-compressor's ``__ALL__``.
 
     Raises:
         re.error: a ``"re:<regex>"`` pattern with an invalid regex.
     """
-
-    def kind(pattern: str) -> int:
-        if pattern.startswith("re:"):
-            return 1
-        if pattern == name or (pattern not in ALL_MODULES and pattern.startswith(f"{name}.")):
-            return 0
-        return 2
-
-    return sorted((p for p in dict.fromkeys(patterns) if matches(name, module, p)), key=lambda p: (kind(p), p))
+    given = sorted(dict.fromkeys(patterns))
+    exact = [p for p in given if p == name]
+    regex = [p for p in given if p.startswith("re:") and re.match(p[3:], name) is not None]
+    names_class = [
+        p
+        for p in given
+        if not p.startswith("re:")
+        and p != name
+        and (
+            any(cls.__name__ == p for cls in type(module).__mro__ if issubclass(cls, nn.Module))
+            or (p == "Linear" and (isinstance(module, LinearView) or _is_conv1d(module)))
+        )
+    ]
+    return exact + regex + names_class
 
 
 @attrs.frozen(kw_only=True)

@@ -87,6 +87,17 @@ from llmc_fsm_quantization.schemes import (
 
 __all__ = ["DEFAULT_SCHEME", "CalibrationStatistics", "QuantizedWeight", "QuantizingModifier", "attach_qparams"]
 
+
+#: How compressed-tensors orders the targets of config groups that match one module (in messages).
+_ORDER = "compressed-tensors' order (an exact name, then re: patterns in string order, then class names)"
+
+
+def _named_directly(name: str, module: nn.Module, patterns: list[str]) -> list[str]:
+    """:func:`~llmc_fsm.toolkit.match_precedence` for a selected module; a peft LoRA layer's ``base_layer`` answers
+    to the name of the layer around it (``...q_proj``), as before the adapters and after merging them."""
+    return match_precedence(name.removesuffix(".base_layer"), module, patterns)
+
+
 logger = logging.getLogger(__name__)
 
 #: The scheme of a modifier given neither ``scheme`` nor ``config_groups``.
@@ -717,6 +728,7 @@ class QuantizingModifier(CalibratedModifier):
         self._ignore_defaulted = isinstance(self.ignore, _DefaultIgnore)
         self._lines_logged = False  # the lines of the first check_model that passed are logged once
         self._precedence_lines: list[str] = []  # config groups overlapping: which took what (_memberships)
+        self._indirect_line: str | None = None  # targets compressed-tensors would not match (_indirect_targets)
         self._experts_warned = False  # the fused experts' input-activation warning given (once per modifier)
         #: set by one-shot when a recipe has several quantizing modifiers: whether the model's fused experts are left
         #: dense is then checked for the whole recipe (another modifier may quantize them), and
@@ -1072,6 +1084,7 @@ class QuantizingModifier(CalibratedModifier):
             if refusal is not None:
                 raise ValueError(refusal) from None
             raise
+        self._indirect_line = self._indirect_targets(targets)
         self._expert_names = self._check_views(model, targets)  # refuses what fused experts cannot take first
         self._check_not_shared(model, targets)
         self._check_int_reload(model)
@@ -1082,9 +1095,32 @@ class QuantizingModifier(CalibratedModifier):
             self._lines_logged = True
             for line in self._precedence_lines:
                 logger.info(line)
+            if self._indirect_line is not None:
+                logger.warning(self._indirect_line)
             if self._ignore_defaulted:
                 self._warn_default_ignore(model)
         return targets
+
+    def _indirect_targets(self, targets: Mapping[str, nn.Module]) -> str | None:
+        """The warning for ``targets`` (selected modules) that no target of their config group names itself: they
+        were reached through a parameter's name (``re:.*q_proj.weight``), a container (``LlamaMLP``) or
+        ``__ALL__``, which :func:`~llmc_fsm.toolkit.select_targets` follows (llm-compressor's pruning modifiers do
+        too) but compressed-tensors does not match for quantization, so llm-compressor 0.14 leaves them dense
+        (found by a tester); ``None`` when every module is named directly."""
+        indirect = [
+            name
+            for name, module in targets.items()
+            if not _named_directly(name, module, list(self.scheme_of(name).targets))
+        ]
+        if not indirect:
+            return None
+        return (
+            f"{type(self).__name__}: {compact_names(indirect)} are quantized here, selected only through a parameter "
+            "name, a container or __ALL__ among the targets; compressed-tensors matches a quantization target against "
+            "the module itself (its name, an re: pattern on its name, or its class), so llm-compressor 0.14 leaves "
+            "them dense: to run the recipe alike in both, target the modules themselves (e.g. 'Linear' or "
+            "'re:.*mlp\\..*_proj$')"
+        )
 
     def _check_int_reload(self, model: nn.Module) -> None:
         """Refuse integer weights on a family whose integer-quantized checkpoint transformers does not reload
@@ -1816,18 +1852,17 @@ class QuantizingModifier(CalibratedModifier):
         """``{module name: config group}`` of every module a group selects (``{}`` with one group), and the lines
         that say which group took the modules several select (pure).
 
-        A module that several groups select takes the group of its most specific matching target, as
-        compressed-tensors' ``apply_quantization_config`` gives it (:func:`~llmc_fsm.toolkit.match_precedence`:
-        an exact name, then ``re:`` patterns in string order, then class names), so "``Linear`` at int4 plus
-        ``re:.*q_proj$`` at int8" quantizes the ``q_proj`` at int8, as in llm-compressor; one line per pair of
-        groups and winning target says which took what (:meth:`check_model` logs them once).
+        A module that several groups select takes the group of its first matching target in compressed-tensors'
+        order, as its ``apply_quantization_config`` gives it (:func:`~llmc_fsm.toolkit.match_precedence`: an
+        exact name, then ``re:`` patterns in string order, then class names; a parameter name, a container or
+        ``__ALL__`` does not count), so "``Linear`` at int4 plus ``re:.*q_proj$`` at int8" quantizes the ``q_proj``
+        at int8, as in llm-compressor; one line per pair of groups and winning target says which took what
+        (:meth:`check_model` logs them once).
 
         Raises:
-            ValueError: a group selects nothing, or nothing once the other groups' more specific targets took
-                their modules (llm-compressor runs such a recipe with the group unused); the most specific
-                target of a module is in two groups (llm-compressor takes the last group); or two groups select a
-                module only through containers (no target names it: compressed-tensors would quantize it with
-                neither).
+            ValueError: a group selects nothing, or nothing once the other groups took their modules
+                (llm-compressor runs such a recipe with the group unused); or two groups select a module only through
+                parameter names or containers (compressed-tensors would quantize it with neither).
         """
         if len(self._groups) == 1:
             return {}, []
@@ -1852,7 +1887,7 @@ class QuantizingModifier(CalibratedModifier):
             patterns = [t for g in groups for t in self._groups[g].targets]
             ranked = [
                 (t, g)
-                for t in match_precedence(name, modules[name], patterns)
+                for t in _named_directly(name, modules[name], patterns)
                 for g in groups
                 if t in self._groups[g].targets
             ]
@@ -1865,46 +1900,36 @@ class QuantizingModifier(CalibratedModifier):
             group = empty[0]
             winners = sorted({w for (w, loser) in taken if loser == group})
             msg = (
-                f"{type(self).__name__}: config group {group!r} quantizes no module: every module its targets "
-                f"{list(self._groups[group].targets)} select matches a more specific target of config group "
-                f"{', '.join(map(repr, winners))} (compressed-tensors' precedence: an exact name, then re: patterns "
-                "in string order, then class names; llm-compressor would run with the group unused): remove the "
-                "group or narrow the other's targets"
+                f"{type(self).__name__}: config group {group!r} quantizes no module: each module its targets "
+                f"{list(self._groups[group].targets)} select goes to config group {', '.join(map(repr, winners))}, "
+                f"whose target comes first in {_ORDER[:-1]}; a parameter name, a container or __ALL__ does not "
+                "count), and llm-compressor would run with the group unused: remove the group or change the targets"
             )
             raise ValueError(msg)
         lines = [
             f"{type(self).__name__}: config groups {winner!r} and {loser!r} both select {compact_names(names)}: "
-            f"they take {winner!r}, whose target {target!r} is the more specific (compressed-tensors' precedence)"
+            f"they take {winner!r}, whose target {target!r} comes first in {_ORDER}"
             for (winner, loser), by_target in taken.items()
             for target, names in by_target.items()
         ]
         return owner, lines
 
     def _most_specific(self, name: str, groups: list[str], ranked: list[tuple[str, str]]) -> str:
-        """The group of ``ranked``'s first target (``[(target, group)]`` in precedence order) for module ``name``,
-        which ``groups`` select.
+        """The group of ``ranked``'s first target (``[(target, group)]`` in compressed-tensors' order) for module
+        ``name``, which ``groups`` select.
 
         Raises:
-            ValueError: no target names the module itself, or its most specific target is in two groups.
+            ValueError: no target names the module itself.
         """
         kind = type(self).__name__
         if not ranked:
             msg = (
                 f"{kind}: module {name} is selected by config groups {', '.join(map(repr, groups))} only through "
-                "containers their targets name, and no target names the module itself: a module is quantized with "
-                "one scheme: name it (or its class) in one group's targets"
+                "parameter names or containers their targets name, which compressed-tensors does not match: a module "
+                "is quantized with one scheme: name it (or its class) in one group's targets"
             )
             raise ValueError(msg)
-        first, group = ranked[0]
-        tied = [g for t, g in ranked if t == first]
-        if len(tied) > 1:
-            msg = (
-                f"{kind}: module {name} is selected by target {first!r} of config groups "
-                f"{', '.join(map(repr, tied))}; a module is quantized with one scheme (llm-compressor takes the "
-                "last group's): keep the target in one group"
-            )
-            raise ValueError(msg)
-        return group
+        return ranked[0][1]  # one target string is in one group only (resolve_config_groups)
 
     def explain_model(self, model: nn.Module) -> list[str]:
         """With several config groups, the modules each takes in ``model`` and which group took the modules several

@@ -184,13 +184,14 @@ def resolve_config_groups(config_groups: Any) -> dict[str, QuantizationScheme]:
             (``weights``, ``input_activations``, ``preset``, ...).
 
     Raises:
-        ValueError: not a non-empty mapping, a group without targets, or a group :func:`resolve_scheme`
-            refuses (the message starts ``config_groups entry 'NAME': ``).
+        ValueError: not a non-empty mapping, a group without targets, a group :func:`resolve_scheme`
+            refuses (the message starts ``config_groups entry 'NAME': ``), or one target string in two groups.
     """
     if not isinstance(config_groups, Mapping) or not config_groups:
         msg = f"config_groups must map group names to schemes with targets, got {config_groups!r}"
         raise ValueError(msg)
     groups: dict[str, QuantizationScheme] = {}
+    owner: dict[str, str] = {}  # target -> the entry giving it
     for name, group in config_groups.items():
         if isinstance(group, QuantizationScheme):
             fields: Any = group
@@ -211,6 +212,14 @@ def resolve_config_groups(config_groups: Any) -> dict[str, QuantizationScheme]:
             groups[str(name)] = resolve_scheme(fields, list(targets))
         except ValueError as err:
             raise ValueError(f"config_groups entry {name!r}: {err}") from None
+        for target in targets:
+            if target in owner:
+                msg = (
+                    f"config_groups entries {owner[target]!r} and {name!r} both give target {target!r}; a module is "
+                    "quantized with one scheme (llm-compressor takes the last entry's): keep the target in one entry"
+                )
+                raise ValueError(msg)
+            owner[target] = str(name)
     return groups
 
 

@@ -253,6 +253,7 @@ def _compressed_tensors_group_of(model, groups: dict) -> dict[str, str]:
     return found
 
 
+ORDER = "compressed-tensors' order (an exact name, then re: patterns in string order, then class names)"
 W8_CHANNEL = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"}
 W4_G16 = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 16}
 OVERRIDE = {"int4": {"targets": ["Linear"], "weights": W4_G16},
@@ -279,9 +280,9 @@ def test_overlapping_config_groups_give_each_module_its_most_specific_target_as_
     lines = [r.getMessage() for r in caplog.records if "config groups" in r.getMessage()]  # in module order, once
     assert lines == [
         f"{modifier}: config groups 'q_int8' and 'int4' both select model.layers.{{0..1}}.self_attn.q_proj: they take "
-        "'q_int8', whose target 're:.*q_proj$' is the more specific (compressed-tensors' precedence)",
+        "'q_int8', whose target 're:.*q_proj$' comes first in " + ORDER,
         f"{modifier}: config groups 'exact' and 'int4' both select model.layers.1.mlp.down_proj: they take 'exact', "
-        "whose target 'model.layers.1.mlp.down_proj' is the more specific (compressed-tensors' precedence)",
+        "whose target 'model.layers.1.mlp.down_proj' comes first in " + ORDER,
     ]
     config = json.loads((out / "config.json").read_text())["quantization_config"]
     saved = {target: g["weights"]["num_bits"] for g in config["config_groups"].values() for target in g["targets"]}
@@ -302,9 +303,9 @@ def test_explain_shows_the_modules_of_each_config_group_and_which_group_took_the
         "config group 'exact' (int8): 1 modules, model.layers.1.mlp.down_proj",
         "config group 'q_int8' (int8): 2 modules, model.layers.{0..1}.self_attn.q_proj",
         "config groups 'q_int8' and 'int4' both select model.layers.{0..1}.self_attn.q_proj: they take 'q_int8', whose "
-        "target 're:.*q_proj$' is the more specific (compressed-tensors' precedence)",
+        "target 're:.*q_proj$' comes first in " + ORDER,
         "config groups 'exact' and 'int4' both select model.layers.1.mlp.down_proj: they take 'exact', whose target "
-        "'model.layers.1.mlp.down_proj' is the more specific (compressed-tensors' precedence)",
+        "'model.layers.1.mlp.down_proj' comes first in " + ORDER,
     ]
     one_group = llmc_fsm.Session({"q": {"GPTQModifier": {"scheme": "W8A16"}}}).recipe.modifiers[0]
     assert one_group.explain_model(tiny_llama()) == []
@@ -331,42 +332,95 @@ def test_a_config_group_the_others_leave_with_no_module_is_refused_before_any_wo
     groups = {**GROUPS, "projections": {"targets": ["re:.*up_proj"], "weights": {"num_bits": 8}}}
     assert set(_compressed_tensors_group_of(tiny_llama(), groups).values()) == {"attention", "mlp"}
     assert _refusal(groups) == (
-        "GPTQModifier: config group 'projections' quantizes no module: every module its targets ['re:.*up_proj'] "
-        "select matches a more specific target of config group 'mlp' (compressed-tensors' precedence: an exact name, "
-        "then re: patterns in string order, then class names; llm-compressor would run with the group unused): remove "
-        "the group or narrow the other's targets"
+        "GPTQModifier: config group 'projections' quantizes no module: each module its targets ['re:.*up_proj'] "
+        "select goes to config group 'mlp', whose target comes first in " + ORDER[:-1] + "; a parameter name, a "
+        "container or __ALL__ does not count), and llm-compressor would run with the group unused: remove the group "
+        "or change the targets"
     )
+    # a parameter's name: compressed-tensors does not match it, so 'Linear' takes the q_proj (a tester's case)
+    by_parameter = {"int4": {"targets": ["Linear"], "weights": W4_G16},
+                    "q": {"targets": ["re:.*q_proj.weight"], "weights": W8_CHANNEL}}
+    assert set(_compressed_tensors_group_of(tiny_llama(), by_parameter).values()) == {"int4"}
+    assert _refusal(by_parameter).startswith(
+        "GPTQModifier: config group 'q' quantizes no module: each module its targets ['re:.*q_proj.weight'] select "
+        "goes to config group 'int4', whose target comes first")
 
 
 def test_one_target_in_two_config_groups_and_modules_named_only_through_containers_are_refused() -> None:
     twice = {"a": {"targets": ["re:.*proj"], "weights": W4_G16}, "b": {"targets": ["re:.*proj"], "weights": W8_CHANNEL}}
-    assert _refusal(twice) == (
-        "GPTQModifier: module model.layers.0.self_attn.q_proj is selected by target 're:.*proj' of config groups 'a', "
-        "'b'; a module is quantized with one scheme (llm-compressor takes the last group's): keep the target in one "
-        "group"
-    )
+    with pytest.raises(RecipeError) as info:  # when the recipe is read
+        llmc_fsm.Session({"q": {"GPTQModifier": {"config_groups": twice}}})
+    assert str(info.value).endswith(
+        "argument 'config_groups': config_groups entries 'a' and 'b' both give target 're:.*proj'; a module is "
+        "quantized with one scheme (llm-compressor takes the last entry's): keep the target in one entry")
     containers = {"mlp": {"targets": ["LlamaMLP"], "weights": W4_G16},
                   "layer0": {"targets": ["re:model.layers.0$"], "weights": W8_CHANNEL}}
     assert _refusal(containers) == (
         "GPTQModifier: module model.layers.0.mlp.gate_proj is selected by config groups 'mlp', 'layer0' only through "
-        "containers their targets name, and no target names the module itself: a module is quantized with one "
-        "scheme: name it (or its class) in one group's targets"
+        "parameter names or containers their targets name, which compressed-tensors does not match: a module is "
+        "quantized with one scheme: name it (or its class) in one group's targets"
     )
 
 
-def test_match_precedence_orders_exact_names_then_patterns_then_classes() -> None:
+def test_several_presets_in_a_scheme_map_are_config_groups_in_compressed_tensors_order(tmp_path) -> None:
+    """llm-compressor's ``scheme: {W8A8: [re:.*q_proj$], FP8_DYNAMIC: [Linear]}`` builds group_0, group_1; it was
+    refused with advice ("split into modifiers") that led to another refusal (found by a tester)."""
+    recipe = ("q:\n  QuantizationModifier: {scheme: {W8A8: ['re:.*q_proj$'], FP8_DYNAMIC: [Linear]}, "
+              "ignore: [lm_head]}\n")
+    modifier = llmc_fsm.Session(recipe).recipe.modifiers[0]
+    assert {k: (v.weights.type, v.targets) for k, v in modifier.quantization_schemes.items()} == {
+        "group_0": ("int", ["re:.*q_proj$"]), "group_1": ("float", ["Linear"])}
+    model = tiny_llama()
+    llmc_fsm.oneshot(model=model, recipe=recipe, output_dir=tmp_path / "out", progress=False)
+    kinds = {n: m.quantization_scheme.weights.type for n, m in model.named_modules() if hasattr(m, "weight_scale")}
+    assert kinds == {n: "int" if n.endswith("q_proj") else "float" for n in _compressed_tensors_group_of(
+        model, {"a": {"targets": ["re:.*q_proj$"]}, "b": {"targets": ["Linear"]}})}
+
+
+def test_match_precedence_orders_exact_names_then_patterns_then_classes_as_compressed_tensors() -> None:
+    from compressed_tensors.utils.match import match_targets
+
     from llmc_fsm.toolkit import match_precedence
 
     model = tiny_llama()
     down = model.model.layers[0].mlp.down_proj
     name = "model.layers.0.mlp.down_proj"
-    given = ["Linear", "re:.*proj", "re:.*down_proj", "__ALL__", f"{name}.weight", name, "re:.*mlp$", "LlamaMLP"]
-    assert match_precedence(name, down, given) == [
-        name, f"{name}.weight", "re:.*down_proj", "re:.*proj", "Linear", "__ALL__"]
+    given = ["Linear", "re:.*proj", "re:.*down_proj", "__ALL__", f"{name}.weight", name, "re:.*mlp$", "LlamaMLP",
+             "re:.*down_proj.weight"]
+    assert match_precedence(name, down, given) == [name, "re:.*down_proj", "re:.*proj", "Linear"]
+    assert match_precedence(name, down, given) == match_targets(name, down, given)  # the reference
     late = "transformer.h.0.mlp.down_proj"  # an exact name that sorts after "re:" still comes first
     assert match_precedence(late, down, ["re:.*down_proj", "Linear", late]) == [late, "re:.*down_proj", "Linear"]
     mlp = model.model.layers[0].mlp
-    assert match_precedence("model.layers.0.mlp", mlp, given) == ["re:.*mlp$", "LlamaMLP", "__ALL__"]
+    assert match_precedence("model.layers.0.mlp", mlp, given) == ["re:.*mlp$", "LlamaMLP"]
+
+
+@pytest.mark.parametrize(("targets", "reached", "probe"), [
+    (["LlamaMLP"],
+     "model.layers.{0..1}.mlp.gate_proj, model.layers.{0..1}.mlp.up_proj, model.layers.{0..1}.mlp.down_proj", "mlp"),
+    (["re:.*q_proj.weight"], "model.layers.{0..1}.self_attn.q_proj", "self_attn"),
+])
+def test_targets_compressed_tensors_would_not_match_quantize_here_with_one_warning(targets, reached, probe,
+                                                                                  caplog) -> None:
+    """A container or a parameter's name selects modules here (as for pruning), while llm-compressor 0.14 quantizes
+    nothing with it (compressed-tensors matches the module itself): one warning says so (found by a tester)."""
+    model = tiny_llama()
+    with caplog.at_level(logging.WARNING, logger="llmc_fsm_quantization"):
+        llmc_fsm.oneshot(model=model, recipe={"q": {"QuantizationModifier": {
+            "config_groups": {"g": {"targets": targets, "weights": W8_CHANNEL}}}}}, progress=False)
+    assert [r.getMessage() for r in caplog.records if "quantized here" in r.getMessage()] == [
+        f"QuantizationModifier: {reached} are quantized here, selected only through a parameter name, a container or "
+        "__ALL__ among the targets; compressed-tensors matches a quantization target against the module itself (its "
+        "name, an re: pattern on its name, or its class), so llm-compressor 0.14 leaves them dense: to run the recipe "
+        "alike in both, target the modules themselves (e.g. 'Linear' or 're:.*mlp\\..*_proj$')"]
+    quantized = {n for n, m in model.named_modules() if getattr(m, "quantization_scheme", None) is not None}
+    leaves = ["mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"] if probe == "mlp" else ["self_attn.q_proj"]
+    assert quantized == {f"model.layers.{i}.{n}" for i in range(2) for n in leaves}
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="llmc_fsm_quantization"):
+        llmc_fsm.oneshot(model=tiny_llama(), recipe={"q": {"QuantizationModifier": {
+            "config_groups": {"g": {"targets": ["Linear"], "weights": W8_CHANNEL}}}}}, progress=False)
+    assert not [r for r in caplog.records if "quantized here" in r.getMessage()]
 
 
 def test_scheme_and_config_groups_together_are_refused() -> None:

@@ -12,8 +12,9 @@ entropy, a constant for the student: same gradients, 0 when student == teacher):
     q_t  = softmax(teacher_logits / T),  q_s = softmax(student_logits / T)
 
 "Positions" are every (sequence, token) of the logits; when the student was called
-with an ``attention_mask`` (1 = real token) the mean is taken over real tokens
-only.
+with an ``attention_mask`` (1 = real token), by keyword or positionally (found by
+binding the call's arguments to the student's ``forward`` signature), the mean is
+taken over real tokens only.
 
 How the modifier gets the logits and the teacher's input
 --------------------------------------------------------
@@ -42,6 +43,7 @@ last loss terms, also when loaded from a checkpoint) live on the student's devic
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 import numbers
@@ -222,6 +224,29 @@ def _training_mode_matters(module: torch.nn.Module) -> bool:
     )
 
 
+def _attention_mask_of(module: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any:
+    """The ``attention_mask`` argument of the call ``module(*args, **kwargs)``, however it was passed.
+
+    The arguments are bound to ``module.forward``'s signature, so ``student(ids, mask)`` finds ``mask`` as well as
+    ``student(input_ids=ids, attention_mask=mask)`` does (a positional mask was ignored and the KD term averaged
+    over padding too, found by a tester); a mask in a ``**kwargs`` catch-all is found by name.
+
+    Returns:
+        The mask as passed (typically an int/bool tensor ``[batch, seq]``), or ``None`` when the call has none or its
+        arguments do not bind to the signature (then only a keyword ``attention_mask`` is found).
+    """
+    try:
+        bound = inspect.signature(module.forward).bind_partial(*args, **kwargs)
+    except (TypeError, ValueError):  # no signature, or the call does not fit it
+        return kwargs.get("attention_mask")
+    if "attention_mask" in bound.arguments:
+        return bound.arguments["attention_mask"]
+    for name, parameter in bound.signature.parameters.items():
+        if parameter.kind is inspect.Parameter.VAR_KEYWORD:
+            return bound.arguments.get(name, {}).get("attention_mask")
+    return None
+
+
 def _rate(value: Any) -> Any:
     """A 0-d tensor or array (``torch.tensor(0.3)``, ``np.array(0.3)``) as its number; others as given."""
     is_scalar = isinstance(value, torch.Tensor) or type(value).__module__ == "numpy"
@@ -259,7 +284,7 @@ class OutputDistillationModifier(Modifier):
 
     last_student_loss: torch.Tensor | None = attrs.field(default=None, init=False, repr=False)
     last_distill_loss: torch.Tensor | None = attrs.field(default=None, init=False, repr=False)
-    _captured: tuple[Any, Any, torch.Tensor] | None = attrs.field(default=None, init=False, repr=False)
+    _captured: tuple[Any, Any, torch.Tensor, Any] | None = attrs.field(default=None, init=False, repr=False)
     #: the hook captures only from an active batch_start to the loss_calculated that consumes the capture (the last
     #: batch's logits and inputs were held before start and after end: vocab-sized, found by a tester)
     _armed: bool = attrs.field(default=False, init=False, repr=False)
@@ -302,7 +327,7 @@ class OutputDistillationModifier(Modifier):
         # hook in its copied ``_forward_hooks``; its forwards must not replace the student's logits (found by a
         # tester: the distillation term was computed on the copy's logits and its gradient went to the copy).
         if self._armed and module is self._student and module.training and torch.is_grad_enabled():
-            self._captured = (args, kwargs, logits_of(output))
+            self._captured = (args, kwargs, logits_of(output), _attention_mask_of(module, args, kwargs))
 
     def on_event(self, state: State, event: Event) -> torch.Tensor | None:
         if event.type == "batch_start":
@@ -318,14 +343,14 @@ class OutputDistillationModifier(Modifier):
             )
             warnings.warn(msg, RuntimeWarning, stacklevel=2)
             return None
-        args, kwargs, student_logits = captured
+        args, kwargs, student_logits, attention_mask = captured
         teacher_kwargs = {k: v for k, v in kwargs.items() if k not in _NOT_INPUTS}
         where = model_device(self._teacher)
         if where is not None:  # the teacher computes on its own device (tensors already there are not copied)
             args, teacher_kwargs = to_device(args, where), to_device(teacher_kwargs, where)
         with torch.no_grad():
             teacher_logits = logits_of(self._teacher(*args, **teacher_kwargs))
-        kd = distillation_kl(student_logits, teacher_logits, self.temperature, kwargs.get("attention_mask"))
+        kd = distillation_kl(student_logits, teacher_logits, self.temperature, attention_mask)
         loss = event.loss
         if not isinstance(loss, torch.Tensor):  # a number is a loss too (loss_calculated takes one)
             loss = torch.tensor(float(loss), dtype=kd.dtype, device=kd.device)
