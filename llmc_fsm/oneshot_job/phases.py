@@ -453,8 +453,9 @@ def prepare(settings: OneshotSettings) -> Run:
 
 def _check_quantization_format(run: Run) -> None:
     """``quantization_format`` against the recipe, before any work: every weight scheme of its quantizing modifiers
-    (their ``quantization_schemes``) must allow it (:func:`~llmc_fsm.toolkit.packed.format_problem`), and there must
-    be one. Each quantized module is checked again, with its own class, when it is saved.
+    (their ``quantization_schemes``; AWQ's older form, its own scheme, has them too) must allow it
+    (:func:`~llmc_fsm.toolkit.packed.format_problem`), and there must be one. Each quantized module is checked
+    again, with its own class, when it is saved.
 
     Raises:
         ValueError: the recipe quantizes no weights, or a scheme that cannot be saved in the format (named).
@@ -815,15 +816,24 @@ def _sessions(model: Any, recipe: Any, fuse_stages: bool, notes: list[str]) -> t
 
 
 def _fingerprint(run: Run) -> dict[str, Any]:
+    """The resume fingerprint of ``run`` (:func:`~llmc_fsm.oneshot_job.resume.fingerprint`), with ``dtype`` ``auto``
+    recorded as the dtype the model's config names (what the load takes then): a resume with ``dtype="auto"`` of a
+    ``float32`` run of a float32 checkpoint was refused as ``dtype 'float32' -> 'auto'`` (found by a tester)."""
 
     with run.timed("fingerprint"):
-        return fingerprint(
+        items = fingerprint(
             run.settings,
             recipe=run.recipe,
             modifiers=[m for s in run.sessions for m in s.modifiers],
             text=_data_digest(run),
             hash_files=run.needs_data,  # a data-free job keeps no per-layer progress: no 0.5 GB read to hash
         )
+    config = run.model_config if run.model_config is not None else _cached_known_config(run.settings.model)
+    named = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    loaded_here = not isinstance(run.settings.model, nn.Module)  # a given model keeps its own dtype
+    if run.settings.dtype == "auto" and loaded_here and named is not None:  # none named: the load decides
+        items["pipeline"]["dtype"] = str(named).removeprefix("torch.")
+    return items
 
 
 def _data_digest(run: Run) -> str | None:

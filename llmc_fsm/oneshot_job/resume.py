@@ -48,6 +48,7 @@ import importlib.metadata
 import json
 import logging
 import os
+import tempfile
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -65,7 +66,7 @@ from llmc_fsm.models.hf_io import hub_unreachable, looks_like_hub_id
 from llmc_fsm.models.known import KNOWN_MODELS
 from llmc_fsm.oneshot_job.data import DEFAULT_PROMPTS, describe
 from llmc_fsm.oneshot_job.settings import OneshotSettings
-from llmc_fsm.output.workdir import LAYOUT, WorkDir
+from llmc_fsm.output.workdir import LAYOUT, WorkDir, readable
 from llmc_fsm.recipes.model import Recipe
 from llmc_fsm.session.session import Session
 from llmc_fsm.toolkit.calibrated import CalibratedModifier, ModuleResult
@@ -138,6 +139,33 @@ def _model_item(model: Any, hash_files: bool = True) -> dict[str, Any]:
     return {"hub id": key, "revision": _hub_revision(key)} if looks_like_hub_id(key) else {"hub id": key}
 
 
+#: File suffixes of a model's weights, left out of a tokenizer directory's digest (it may be the model's directory).
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".ckpt")
+
+
+def _tokenizer_item(tokenizer: Any) -> dict[str, Any]:
+    """The ``tokenizer`` setting: a directory's files (sha256 of each, its weight files left out), a Hub ID and its
+    commit, or a tokenizer / processor object's class and the sha256 of what its ``save_pretrained`` writes (its
+    vocabulary, special tokens and settings). A resume with another tokenizer reused the first one's calibration
+    windows and shipped the second one's files (found by a tester)."""
+    if not isinstance(tokenizer, str | os.PathLike):
+        kind = f"{type(tokenizer).__module__}.{type(tokenizer).__qualname__}"
+        save = getattr(tokenizer, "save_pretrained", None)
+        if not callable(save):
+            return {"object": kind}
+        with tempfile.TemporaryDirectory(prefix="llmc-fsm-tokenizer-") as tmp:
+            save(tmp)
+            files = sorted(p for p in Path(tmp).rglob("*") if p.is_file())
+            digest = _digest(chunk for p in files for chunk in (p.name.encode(), p.read_bytes()))
+        return {"object": kind, "sha256": digest}
+    key = os.fspath(tokenizer)
+    path = Path(key).expanduser()
+    if path.is_dir():
+        files = sorted(p for p in path.iterdir() if p.is_file() and not p.name.endswith(_WEIGHT_SUFFIXES))
+        return {"directory": str(path.resolve()), "files": {p.name: _file_digest(p) for p in files}}
+    return {"hub id": key, "revision": _hub_revision(key)} if looks_like_hub_id(key) else {"name": key}
+
+
 def _hub_revision(repo_id: str) -> str | None:
     """The commit of the Hub model ``repo_id`` a load reads: online, ``main``'s commit on the Hub (what
     ``from_pretrained`` fetches then); offline or unreachable, the cached ``main`` snapshot (what it reads then);
@@ -180,7 +208,9 @@ def fingerprint(
     """What a one-shot result depends on, as JSON values (compared item by item on resume).
 
     Items: ``model`` (sha256 of an in-memory model's tensors; of each file of a
-    model directory; a known model's name and package version; a Hub ID and its commit), ``recipe``
+    model directory; a known model's name and package version; a Hub ID and its commit), ``tokenizer`` (only when
+    ``settings.tokenizer`` is given: its directory's files but the weights, a Hub ID and its commit, or an object's
+    class and the sha256 of what its ``save_pretrained`` writes), ``recipe``
     (every setting of ``recipe``, the resolved one), ``calibration data`` (source and sha256 of its text
     (``text``, the dataset read) or token tensor; windows, length), ``pipeline`` (batch size, stages fused,
     the load ``dtype``, the calibration order within a layer: :mod:`llmc_fsm.pipeline.true_sequential`),
@@ -206,6 +236,8 @@ def fingerprint(
         "recipe": recipe.to_dict(),
         "calibration data": data,
     }
+    if settings.tokenizer is not None:  # else the model's own: its files are the model's
+        items["tokenizer"] = _tokenizer_item(settings.tokenizer)
     for path, value in settings.fingerprint_values().items():
         *parents, key = path
         node = items
@@ -259,7 +291,7 @@ class LayerProgress:
         if not layout.exists():
             layout.write_text(json.dumps({"num_layers": num_layers, "passes": self.passes}) + "\n", encoding="utf-8")
         done = 0
-        while done < num_layers and _readable(self._file(done)):
+        while done < num_layers and readable(self._file(done)):
             done += 1
         return done
 
@@ -331,17 +363,6 @@ class LayerProgress:
             if callable(getattr(modifier, "progress_state", None)):  # and state of its own (AutoRound's errors)
                 out[label]["state"] = modifier.progress_state(layer)
         return out
-
-
-def _readable(path: Path) -> bool:
-    if not path.is_file():
-        return False
-    try:
-        with safe_open(str(path), "pt") as fh:
-            fh.metadata()
-    except Exception:  # any unreadable file (e.g. truncated by a power loss) ends the saved prefix
-        return False
-    return True
 
 
 def _unshared(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -443,7 +464,7 @@ def save_windows(work: Path, windows: torch.Tensor) -> None:
 def load_windows(work: Path) -> torch.Tensor | None:
     """The calibration windows a run saved in ``work``, or ``None``."""
     path = work / _WINDOWS
-    return load_file(str(path))["windows"] if _readable(path) else None
+    return load_file(str(path))["windows"] if readable(path) else None
 
 
 # --------------------------------------------------------------------------- perplexity before compression

@@ -15,7 +15,7 @@ from typing import Any
 
 from llmc_fsm.models.hf_io import looks_like_hub_id
 from llmc_fsm.models.known import KNOWN_MODELS, cache_root
-from llmc_fsm.output.workdir import work_dir_path
+from llmc_fsm.output.workdir import published_leftover, work_dir_path
 
 __all__ = ["check_output_dir", "check_output_not_source"]
 
@@ -95,7 +95,8 @@ def check_output_dir(output_dir: str | os.PathLike[str] | None, overwrite: bool)
                 f"output directory {str(path)!r} exists and is not empty; pass overwrite=True (--overwrite) to "
                 "replace it"
             )
-            if (work_dir_path(path) / "fingerprint.json").is_file():  # the old output stays until the new is done
+            leftover = published_leftover(path)  # the finished run that wrote it was killed before removing it
+            if (work_dir_path(path) / "fingerprint.json").is_file() and not leftover:  # the old output stays
                 msg += (
                     f". A run replacing it (interrupted, or still running) keeps its progress in "
                     f"{str(work_dir_path(path))!r}: to continue an interrupted one, run the same command with "
@@ -110,6 +111,11 @@ def check_output_dir(output_dir: str | os.PathLike[str] | None, overwrite: bool)
                     else "; to compress that model further, give it as the model (model=DIR, --model DIR) with a new "
                     "output directory"
                 )
+                if leftover:
+                    msg += (
+                        f". {str(work_dir_path(path))!r} is left over from that run (stopped before removing it): "
+                        "nothing in it is to resume, delete it"
+                    )
             raise FileExistsError(msg)
         if not replaceable:
             msg = (

@@ -11,6 +11,9 @@ fixed name, so a later run finds it again::
                       per-layer progress (see :mod:`llmc_fsm.oneshot_job.resume`)
     output/           the output being written; renamed to NAME once complete
     previous/         an earlier output being replaced (``overwrite``), during the swap
+    published.json    the sha256 of the output's report.json, written just before the output is renamed into
+                      place: a work directory left beside that output (killed while removing it) is a
+                      leftover (:func:`published_leftover`), which a run with ``overwrite`` removes
 
 :meth:`WorkDir.claim` creates it (and any missing parents) before the model is
 loaded, so an output path that cannot be written fails at once. A work
@@ -24,7 +27,10 @@ write failure (:func:`write_failure`: an ``OSError`` such as a full disk or a
 vanished folder, or safetensors' ``SafetensorError``, which is not an
 ``OSError``), and the exception gets a note saying where and that ``--resume``
 continues. A write failure that is not an ``OSError`` is raised as one (errno
-and the work directory's path), so it reads as one line like any other.
+and the work directory's path), so it reads as one line like any other. An
+interruption once the output is in place does not fail the run:
+:meth:`WorkDir.publish` finishes removing the work directory and returns (a CI
+cancel marked a finished job failed, "nothing written": found by a tester).
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import errno
+import hashlib
 import json
 import logging
 import os
@@ -45,7 +52,7 @@ from typing import Any
 
 import torch
 from filelock import FileLock, Timeout
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 
 from llmc_fsm.output.save import dir_size_bytes
 from llmc_fsm.recipes.history import settings_diff
@@ -56,6 +63,8 @@ __all__ = [
     "WorkDir",
     "fingerprint_changes",
     "progress_summary",
+    "published_leftover",
+    "readable",
     "recover_previous",
     "work_dir_path",
     "write_failure",
@@ -66,6 +75,7 @@ logger = logging.getLogger(__name__)
 _LOCK = "owner.lock"
 _OWNER = "owner.json"
 _FINGERPRINT = "fingerprint.json"
+_PUBLISHED = "published.json"  # the sha256 of the output's report.json, written just before it is renamed into place
 
 
 def work_dir_path(output: Path) -> Path:
@@ -225,6 +235,13 @@ class WorkDir:
     def _settle(self, fingerprint: dict[str, Any], resume: bool) -> None:
         """Decide what to do with what an earlier (dead) owner left here."""
         summary = progress_summary(self.progress)
+        if summary is not None and not resume and _published_here(self.path, self.output):
+            logger.warning(
+                "removing %s: the run that wrote %s finished (its report.json) and was stopped before removing it",
+                self.path,
+                self.output,
+            )
+            summary = None
         if summary is None:
             if resume:
                 logger.warning("resume: no saved progress in %s; starting from the first layer", self.path)
@@ -254,6 +271,16 @@ class WorkDir:
                 _threads(),
                 threads,
             )
+        unreadable = _first_unreadable(self.progress)
+        if unreadable is not None:
+            path, layer, index = unreadable
+            logger.warning(
+                "saved progress %s cannot be read (truncated or corrupt): decoder layer %d%s and the layers after it "
+                "are computed again",
+                path,
+                layer,
+                f" of pass {index}" if (self.progress / "pass-1").exists() else "",
+            )
         self._clear(keep=("progress", "calibration.safetensors", "eval_before.json"))
         self.resumed = True
         logger.warning("resuming from %s (%s)", self.path, summary)
@@ -281,18 +308,44 @@ class WorkDir:
 
     # --- ending -----------------------------------------------------------------------
     def publish(self) -> None:
-        """Move the complete :attr:`staging` output into place (replacing an earlier one) and remove the rest."""
+        """Move the complete :attr:`staging` output into place (replacing an earlier one) and remove the rest.
+
+        An interruption (Ctrl-C, SIGTERM: ``KeyboardInterrupt``) once the output is in place is not raised: the work
+        directory is removed all the same, one warning says so, and the call returns (the run is complete).
+
+        Raises:
+            OSError: a rename failed; the earlier output is back in place.
+            KeyboardInterrupt: an interruption before the output was in place (the earlier output back in place).
+        """
         previous = self.path / "previous"
+        report = self.staging / "report.json"
+        if report.is_file():  # before the rename: a run killed while removing the rest leaves a leftover, known so
+            self._write_json(_PUBLISHED, {"report_sha256": _sha256(report)})
+        interrupt: KeyboardInterrupt | None = None
         try:  # both renames inside: Ctrl-C right after the first one left the old output in `previous` (a tester)
             if self.output.exists():
                 os.rename(self.output, previous)
             os.rename(self.staging, self.output)
-        except BaseException:
-            if previous.exists() and not self.output.exists():
-                os.rename(previous, self.output)
-            raise
+        except BaseException as exc:
+            if not (isinstance(exc, KeyboardInterrupt) and self.output.exists() and not self.staging.exists()):
+                if previous.exists() and not self.output.exists():
+                    os.rename(previous, self.output)
+                (self.path / _PUBLISHED).unlink(missing_ok=True)  # nothing was published
+                raise
+            interrupt = exc  # it came once the output was in place
         self._published = True
-        self._remove()
+        try:
+            self._remove()
+        except KeyboardInterrupt as exc:  # SIGTERM, Ctrl-C: the output is complete, finish the clean-up
+            interrupt = exc
+            self._remove()
+        if interrupt is not None:
+            logger.warning(
+                "interrupted (%s) after the output was complete in %s: its work directory is removed and the run "
+                "finishes",
+                "SIGTERM" if type(interrupt).__name__ == "Terminated" else "Ctrl-C",  # the CLI's, not imported here
+                self.output,
+            )
 
     def abort(self, exc: BaseException) -> None:
         """Clean up after ``exc``: keep saved layers after an interruption, another rank's failure under
@@ -310,6 +363,7 @@ class WorkDir:
             self.release()
         elif self._published:  # interrupted while removing what is left: the output is complete
             self._remove()
+            exc.add_note(f"the output is complete in {str(self.output)!r} (interrupted after it was written)")
         else:
             self._keep_or_remove(exc, written)
         if isinstance(written, SafetensorError) and not isinstance(exc, OSError | KeyboardInterrupt):
@@ -339,6 +393,44 @@ class WorkDir:
         _remove_created(self._created)
 
 
+def _sha256(path: Path) -> str:
+    with path.open("rb") as fh:
+        return hashlib.file_digest(fh, "sha256").hexdigest()
+
+
+def _published_here(path: Path, output: Path) -> bool:
+    """Whether the work directory ``path`` is what a run left after moving its output into place: no output being
+    written in it, and ``output/report.json`` is the one its ``published.json`` records (lock not looked at)."""
+    try:
+        marker = json.loads((path / _PUBLISHED).read_text(encoding="utf-8"))
+        return not (path / "output").exists() and marker["report_sha256"] == _sha256(output / "report.json")
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
+def published_leftover(output: Path) -> bool:
+    """Whether the work directory of ``output`` is a leftover of the finished run that wrote ``output`` (killed
+    while removing it: ``published.json`` names its report) that no live run holds: nothing in it is to resume."""
+    path = work_dir_path(output)
+    if not _published_here(path, output):
+        return False
+    lock = _free_lock(path)
+    if lock is None:
+        return False
+    lock.release()
+    return True
+
+
+def _free_lock(path: Path) -> FileLock | None:
+    """The lock of the work directory ``path``, acquired, or ``None`` while another run holds it."""
+    lock = FileLock(path / _LOCK, fallback_to_soft=False)
+    try:
+        lock.acquire(blocking=False)
+    except Timeout:
+        return None
+    return lock
+
+
 def recover_previous(output: Path) -> bool:
     """Put back an earlier output that a run killed while replacing it had moved aside; ``True`` if it did.
 
@@ -348,10 +440,8 @@ def recover_previous(output: Path) -> bool:
     previous = path / "previous"
     if output.exists() or not previous.is_dir():
         return False
-    lock = FileLock(path / _LOCK, fallback_to_soft=False)
-    try:
-        lock.acquire(blocking=False)
-    except Timeout:
+    lock = _free_lock(path)
+    if lock is None:
         return False
     try:
         os.rename(previous, output)
@@ -389,17 +479,42 @@ def fingerprint_changes(saved: Mapping[str, Any] | None, current: Mapping[str, A
     changes = []
     for key in dict.fromkeys([*current, *saved]):
         old, new = saved.get(key), current.get(key)
-        if old == new or _same_data(key, old, new):
+        if old == new or _same_data(key, old, new) or _not_comparable(key, old, new):
             continue
-        if key == "model" and isinstance(old, Mapping) and "files" in old and "files" in new:
+        both = isinstance(old, Mapping) and isinstance(new, Mapping)
+        if key in ("model", "tokenizer") and both and "files" in old and "files" in new:
             files = dict.fromkeys([*old["files"], *new["files"]])
             diff = "files changed: " + ", ".join(n for n in files if old["files"].get(n) != new["files"].get(n))
             if old.get("directory") != new.get("directory"):
                 diff = f"directory {old.get('directory')!r} -> {new.get('directory')!r}"
+        elif key == "tokenizer":
+            diff = f"{_tokenizer_named(old)} -> {_tokenizer_named(new)}"
         else:
             diff = settings_diff(old, new).strip()
         changes.append(f"{key} ({diff})")
     return changes
+
+
+def _not_comparable(key: str, old: Any, new: Any) -> bool:
+    """A model directory's files recorded one way (sha256 digests: a calibrated job) and checked the other (sizes and
+    modification times: a data-free job): not compared, since the recipe differs then too and is named (a resume
+    with another method listed every model file as changed: found by a tester)."""
+    if key != "model" or not isinstance(old, Mapping) or not isinstance(new, Mapping):
+        return False
+    kinds = [{type(v).__name__ for v in (item.get("files") or {}).values()} for item in (old, new)]
+    return all(kinds) and kinds[0] != kinds[1]
+
+
+def _tokenizer_named(item: Any) -> str:
+    """The ``tokenizer`` item of a fingerprint in words (:func:`llmc_fsm.oneshot_job.resume.fingerprint`)."""
+    if not isinstance(item, Mapping):
+        return "the model's own"
+    if "directory" in item:
+        return f"directory {item['directory']!r}"
+    if "object" in item:
+        digest = f" (sha256 {item['sha256']})" if "sha256" in item else ""
+        return f"a {str(item['object']).rsplit('.', 1)[-1]} object{digest}"
+    return repr(item.get("hub id", item.get("name")))
 
 
 def _same_data(key: str, old: Any, new: Any) -> bool:
@@ -408,7 +523,7 @@ def _same_data(key: str, old: Any, new: Any) -> bool:
     copied elsewhere, were refused as changed (found by testers)."""
     if not isinstance(old, Mapping) or not isinstance(new, Mapping):
         return False
-    if key == "model":
+    if key in ("model", "tokenizer"):
         return "files" in old and old.get("files") == new.get("files")
     if key != "calibration data":
         return False
@@ -417,11 +532,56 @@ def _same_data(key: str, old: Any, new: Any) -> bool:
     )
 
 
+def readable(path: Path) -> bool:
+    """Whether ``path`` is a safetensors file whose header can be read (a truncated or corrupt one cannot)."""
+    if not path.is_file():
+        return False
+    try:
+        with safe_open(str(path), "pt") as fh:
+            fh.metadata()
+    except Exception:  # any unreadable file (e.g. truncated by a power loss) ends the saved prefix
+        return False
+    return True
+
+
+def _saved_passes(progress: Path) -> list[tuple[int, dict[int, Path]]]:
+    """``[(pass, {layer index: file})]`` of the layer files under ``progress``, in pass order."""
+    passes = []
+    for directory in progress.glob("pass-*"):
+        files = {}
+        for file in directory.glob("layer-*.safetensors"):
+            with contextlib.suppress(ValueError):
+                files[int(file.name.removeprefix("layer-").removesuffix(".safetensors"))] = file
+        with contextlib.suppress(ValueError):
+            passes.append((int(directory.name.removeprefix("pass-")), files))
+    return sorted(passes, key=lambda item: item[0])
+
+
+def _reused(files: Mapping[int, Path]) -> int:
+    """How many leading layers of one pass a resumed run reuses: those with a readable file, from layer 0 on."""
+    done = 0
+    while done in files and readable(files[done]):
+        done += 1
+    return done
+
+
+def _first_unreadable(progress: Path) -> tuple[Path, int, int] | None:
+    """``(file, decoder layer, pass)`` of the first saved layer file that cannot be read, or ``None``."""
+    for index, files in _saved_passes(progress):
+        done = _reused(files)
+        if done in files:
+            return files[done], done, index
+    return None
+
+
 def progress_summary(progress: Path) -> str | None:
-    """``"k of N decoder layers done"`` for the saved layers under ``progress``, or ``None`` when there are none."""
-    done = len(list(progress.glob("pass-*/layer-*.safetensors")))
-    if not done:
+    """``"k of N decoder layers done"`` for the saved layers under ``progress`` that a resumed run reuses (per pass,
+    the readable files from layer 0 on: a file after an unreadable one is computed again), or ``None`` when no layer
+    file is there."""
+    saved = _saved_passes(progress)
+    if not any(files for _, files in saved):
         return None
+    done = sum(_reused(files) for _, files in saved)
     try:
         layout = json.loads((progress / LAYOUT).read_text(encoding="utf-8"))
         layers, passes = int(layout["num_layers"]), int(layout["passes"])
