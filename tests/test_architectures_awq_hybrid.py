@@ -1,4 +1,5 @@
-"""AWQ's default smoothing mappings on hybrid stacks: Jamba and Nemotron-H (issue 24).
+"""AWQ's default smoothing mappings on hybrid stacks, Jamba and Nemotron-H (issue 24), and on Gemma 3, whose
+defaults follow llm-compressor's.
 
 Tiny random models from ``tiny_families`` (offline configs). A mapping is right when folding any positive scales
 into it leaves the float model's function unchanged (``fold_scales``, AWQ paper Sec. 3.2): checked with random
@@ -241,3 +242,21 @@ def test_gated_attention_and_indexer_families_get_mappings_that_keep_the_float_m
     before, after = logits_before_and_after_random_folds(model, mappings, DATA)
     assert before.abs().max() > 0.05
     torch.testing.assert_close(after, before, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["gemma3", "gemma3_vlm"])
+def test_awq_default_mappings_leave_gemma3s_input_norm_to_qkv_out_as_llm_compressor(family, caplog) -> None:
+    """llm-compressor 0.14's ``_gemma3_mappings`` leave ``input_layernorm -> q/k/v`` out (Gemma 3 normalizes queries
+    and keys after projecting them; its issue 2522); ours smoothed it, silently (found by a tester comparing the
+    resolved mappings). Gemma 2 keeps it, as there; a recipe's own mappings still name it."""
+    model = build(family)
+    with caplog.at_level(logging.INFO, logger="llmc_fsm_quantization.awq"):
+        kinds = {m.smooth_name.rsplit(".", 1)[-1] for m in AWQModifier().resolve(model)}
+    assert kinds == {"pre_feedforward_layernorm", "up_proj"}
+    assert [r.getMessage().split(":")[1] for r in caplog.records if "issue 2522" in r.getMessage()] == [
+        f" {type(model).__name__} ({model.config.model_type})"]
+    qkv = ["re:.*q_proj$", "re:.*k_proj$", "re:.*v_proj$"]
+    given = [{"smooth_layer": "re:.*input_layernorm$", "balance_layers": qkv}]
+    assert {m.smooth_name.rsplit(".", 1)[-1] for m in AWQModifier(mappings=given).resolve(model)} == {"input_layernorm"}
+    gemma2 = {m.smooth_name.rsplit(".", 1)[-1] for m in AWQModifier().resolve(build("gemma2"))}
+    assert gemma2 == {"input_layernorm", "pre_feedforward_layernorm", "up_proj"}

@@ -465,10 +465,11 @@ RECIPE_REFUSALS = {
           "balance_layers": ["re:.*mlp.router$", "re:.*mlp.experts.*.w1$"]}],
         "AWQModifier: mapping {'smooth_layer': 're:.*post_attention_layernorm$', 'balance_layers': "
         "['re:.*mlp.router$', 're:.*mlp.experts.*.w1$']} fits no module of MixtralForCausalLM (mixtral): "
-        "model.layers.0.post_attention_layernorm: no Linear matching ['re:.*mlp.router$', 're:.*mlp.experts.*.w1$'] "
-        "around it; model.layers.1.post_attention_layernorm: no Linear matching ['re:.*mlp.router$', "
-        "'re:.*mlp.experts.*.w1$'] around it; model.layers.2.post_attention_layernorm: no Linear matching "
-        "['re:.*mlp.router$', 're:.*mlp.experts.*.w1$'] around it ..."
+        "model.layers.0.post_attention_layernorm: no Linear matching 're:.*mlp.router$' in the model (balance layers "
+        "['re:.*mlp.router$', 're:.*mlp.experts.*.w1$']); model.layers.1.post_attention_layernorm: no Linear "
+        "matching 're:.*mlp.router$' in the model (balance layers ['re:.*mlp.router$', 're:.*mlp.experts.*.w1$']); "
+        "model.layers.2.post_attention_layernorm: no Linear matching 're:.*mlp.router$' in the model (balance layers "
+        "['re:.*mlp.router$', 're:.*mlp.experts.*.w1$']) ..."
     ),
 }  # fmt: skip
 

@@ -87,3 +87,20 @@ def test_saving_to_a_file_is_refused_and_leaves_it(tmp_path):
     )
     assert target.read_bytes() == b"x"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+@pytest.mark.parametrize(("content", "why"), [('{"my": "own notes"}', "format None, not 'llmc-fsm-session'"),
+                                              ("notes\n", "not JSON")])
+def test_a_session_json_another_program_wrote_is_not_replaced(tmp_path, content, why) -> None:
+    """A save replaced a user's own session.json without a word (found by a tester)."""
+    (tmp_path / "session.json").write_text(content)
+    with pytest.raises(FileExistsError) as info:
+        write_checkpoint({"step": 1, "w": torch.ones(2)}, tmp_path)
+    assert str(info.value) == (
+        f"cannot save a session checkpoint to {tmp_path}: its session.json is not an llmc-fsm session checkpoint "
+        f"({why}) and would be replaced; save to another directory, or remove that file first")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["session.json"]
+    assert (tmp_path / "session.json").read_text() == content
+    write_checkpoint({"step": 1, "w": torch.ones(2)}, tmp_path / "own")
+    write_checkpoint({"step": 2, "w": torch.zeros(2)}, tmp_path / "own")  # its own manifest: replaced
+    assert read_checkpoint(tmp_path / "own")["step"] == 2

@@ -163,3 +163,59 @@ def test_the_kit_advises_declaring_a_key_when_leaving_it_out_is_the_cause():
         "...)\", and succeeds with the key(s) it left out of state_factory()'s, ['tokenizer']. Declare every key "
         "on_initialize needs in required_state (or make it optional and handle its absence)."
     )
+
+
+@attrs.define(kw_only=True, slots=False, eq=False)
+class Handles(Modifier):
+    events: ClassVar[frozenset[str]] = frozenset({"batch_end"})
+
+    def on_event(self, state: Any, event: Any) -> None:
+        raise AssertionError("turned off in the subclass")
+
+
+@attrs.define(kw_only=True, slots=False, eq=False)
+class HandlerOff(Handles):
+    """Turns the inherited handler off on purpose: it does not override on_event itself."""
+
+    events: ClassVar[frozenset[str]] = frozenset()
+
+
+class NotDecorated(Handles):
+    """A subclass without its own attrs decorator, given to a session directly (a tester's working code)."""
+
+    def on_start(self, state: Any, event: Any) -> None:
+        self.started = True
+
+
+def test_a_subclass_turning_an_inherited_handler_off_is_not_warned_about():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        Session([HandlerOff()])
+        ModifierRegistry().register(HandlerOff)
+
+
+def test_an_undecorated_subclass_object_runs_in_a_session_while_registration_refuses_its_class():
+    """Session([obj]) refused an undecorated subclass that ran before the checks were shared with registration (a
+    tester's regression); registering it, a plugin author's contract, still requires the decorator."""
+    modifier = NotDecorated()
+    session = Session([modifier])
+    session.initialize(model=torch.nn.Linear(2, 2))
+    session.batch_start()
+    assert modifier.started
+    with pytest.raises(PluginError) as info:
+        ModifierRegistry().register(NotDecorated)
+    assert f"{MOD}.NotDecorated is not an attrs class" in str(info.value)
+
+
+def test_events_given_as_a_tuple_are_refused_with_an_event_as_the_example():
+    @attrs.define(kw_only=True, slots=False, eq=False)
+    class Tupled(Modifier):
+        events: ClassVar[Any] = ("batch_start", "batch_end")
+
+        def on_event(self, state: Any, event: Any) -> None:
+            raise AssertionError("refused before")
+
+    with pytest.raises(RecipeError) as info:
+        Session([Tupled()])
+    assert str(info.value).endswith(
+        "Tupled: events must be a set of strings (e.g. frozenset({'batch_start'})), got ('batch_start', 'batch_end')")

@@ -135,7 +135,8 @@ def declaration_problem(modifier: type[Modifier] | Modifier) -> str | None:
         if value is _PER_INSTANCE:
             continue  # known per instance only: checked when an instance is given
         if not isinstance(value, frozenset | set):  # a string reads as its characters; a list fails set algebra
-            return f"{attr} must be a set of strings (e.g. frozenset({{'model'}})), got {value!r}"
+            example = "batch_start" if attr.startswith("events") else "model"
+            return f"{attr} must be a set of strings (e.g. frozenset({{{example!r}}})), got {value!r}"
         wrong = sorted(repr(v) for v in value if not isinstance(v, str) or not v)
         if wrong:
             return f"{attr} must hold non-empty strings, got {', '.join(wrong)}"
@@ -161,8 +162,8 @@ def unreachable_on_event(modifier: type[Modifier] | Modifier) -> str | None:
     never called, with no message, found by a tester).
     """
     cls = modifier if isinstance(modifier, type) else type(modifier)
-    if cls.on_event is Modifier.on_event or (attrs.has(cls) and "events" in attrs.fields_dict(cls)):
-        return None
+    if "on_event" not in cls.__dict__ or (attrs.has(cls) and "events" in attrs.fields_dict(cls)):
+        return None  # not its own on_event (a subclass turning an inherited handler off), or events per instance
     if getattr(cls, "events", None):
         return None
     return (
@@ -178,6 +179,7 @@ def check_modifier_class(
     distribution: str | None = None,
     entry_point: str | None = None,
     stacklevel: int = 2,
+    require_attrs: bool = True,
 ) -> str:
     """Check ``modifier`` as registration does and return its recipe name (``modifier_name()``).
 
@@ -185,7 +187,9 @@ def check_modifier_class(
     instance's own declarations). One implementation for :meth:`ModifierRegistry.register`, modifier objects given
     to a :class:`~llmc_fsm.Session` directly and :func:`llmc_fsm.testing.check_modifier`. Warns (``UserWarning``,
     :func:`unreachable_on_event`) when ``on_event`` is overridden and ``events`` is empty; ``stacklevel`` as
-    :func:`warnings.warn`'s, counted from the caller (2: the caller's caller).
+    :func:`warnings.warn`'s, counted from the caller (2: the caller's caller). ``require_attrs=False`` (a modifier
+    object given to a session directly) lets a subclass that is not decorated itself through, as before the check
+    (it runs with its base's arguments; a tester's working subclass was refused).
 
     Raises:
         PluginError: not a Modifier subclass, a subclass not decorated with ``attrs.define`` / ``attrs.frozen``
@@ -197,7 +201,7 @@ def check_modifier_class(
         msg = f"{modifier!r} is not a subclass of llmc_fsm.Modifier"
         raise PluginError(msg, distribution=distribution, entry_point=entry_point)
     where = f"{cls.__module__}.{cls.__qualname__}"
-    if "__attrs_attrs__" not in cls.__dict__:  # inherited from Modifier when the class is not decorated
+    if require_attrs and "__attrs_attrs__" not in cls.__dict__:  # inherited when the class is not decorated
         msg = (
             f"{where} is not an attrs class; decorate it with "
             "@attrs.define(kw_only=True, slots=False, eq=False) (or attrs.frozen), as docs/plugins.md shows"

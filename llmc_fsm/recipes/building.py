@@ -374,7 +374,7 @@ class _Builder:
         if modifier is None:
             return None
         try:  # as registration checks a class: an object given directly, or a field-level events set per instance
-            check_modifier_class(modifier)
+            check_modifier_class(modifier, require_attrs=not isinstance(args, Modifier))
         except PluginError as exc:
             self.problem(f"{where(self.source, line, stage.name)}: {exc}", exc)
             return None
@@ -577,7 +577,7 @@ def resolve_recipe(recipe: Any) -> Recipe:
             return Recipe(source="<objects>")
         for modifier in recipe:  # as registration checks a class (a misspelt event would never be delivered)
             try:
-                check_modifier_class(modifier, stacklevel=3)  # a warning points at the Session(...) call
+                check_modifier_class(modifier, stacklevel=3, require_attrs=False)  # a warning: at Session(...)
             except PluginError as exc:
                 raise RecipeError(f"{where('<objects>', None, 'default')}: {exc}") from exc
         return Recipe([Stage("default", list(recipe))], "<objects>")

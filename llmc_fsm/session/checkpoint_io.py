@@ -89,6 +89,25 @@ def _previous_tensor_file(path: Path) -> str | None:
     return name if isinstance(name, str) and _TENSOR_FILE.fullmatch(name) else None
 
 
+def _foreign_manifest(path: Path) -> str | None:
+    """Why ``path/session.json`` is not a manifest :func:`write_checkpoint` wrote (another program's file, which a
+    save replaced without a word: found by a tester), or ``None`` (ours, or none)."""
+    try:
+        text = (path / MANIFEST).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return None
+    except (OSError, UnicodeDecodeError) as exc:
+        return f"unreadable: {exc}"
+    try:
+        data = json.loads(text)
+    except ValueError:
+        return "not JSON"
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        found = data.get("format") if isinstance(data, dict) else type(data).__name__
+        return f"format {found!r}, not {FORMAT!r}"
+    return None
+
+
 def _written_here(entry: Path) -> bool:
     """Whether ``entry`` is a tensor file :func:`write_checkpoint` wrote: its name holds its own SHA-256 prefix (a
     save killed after its tensor file and before its manifest leaves one that no manifest names)."""
@@ -146,6 +165,7 @@ def write_checkpoint(state: Mapping[str, Any], path: str | Path) -> Path:
     Raises:
         TypeError: a value in ``state`` is neither a tensor nor a JSON value (nothing written).
         NotADirectoryError: ``path`` is a file (nothing written).
+        FileExistsError: ``path/session.json`` exists and is not a session checkpoint (nothing written).
         OSError: the directory cannot be written.
     """
     from safetensors.torch import save as save_tensors
@@ -161,6 +181,13 @@ def write_checkpoint(state: Mapping[str, Any], path: str | Path) -> Path:
     if path.exists() and not path.is_dir():
         msg = f"cannot save a session checkpoint to {path}: it is a file, not a directory; give a directory path"
         raise NotADirectoryError(msg)
+    foreign = _foreign_manifest(path)
+    if foreign is not None:
+        msg = (
+            f"cannot save a session checkpoint to {path}: its {MANIFEST} is not an llmc-fsm session checkpoint "
+            f"({foreign}) and would be replaced; save to another directory, or remove that file first"
+        )
+        raise FileExistsError(msg)
     path.mkdir(parents=True, exist_ok=True)
     previous = _previous_tensor_file(path)
     _write_atomic(path / tensor_name, payload)

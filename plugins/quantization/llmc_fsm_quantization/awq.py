@@ -117,12 +117,14 @@ from llmc_fsm.toolkit import (
 )
 from llmc_fsm_quantization.mappings import (
     ResolvedMapping,
+    architecture,
     fold_scales,
     moe_mapping_problem,
     moe_router,
 )
 from llmc_fsm_quantization.observers import is_scaled_format
 from llmc_fsm_quantization.rtn import QuantizationModifier, rtn_quantize
+from llmc_fsm_quantization.schemes import weight_args
 from llmc_fsm_quantization.smoothquant import (
     ActivationObserver,
     SmoothingModifier,
@@ -148,6 +150,22 @@ logger = logging.getLogger(__name__)
 
 #: (weight args, observer) a balance layer is quantized with, or ``None`` (it stays float).
 Quantizer = tuple[QuantizationArgs, str] | None
+
+#: ``model_type`` s whose default AWQ mappings leave ``input_layernorm -> q_proj, k_proj, v_proj`` out, as
+#: llm-compressor 0.14's ``_gemma3_mappings`` do: Gemma 3 normalizes the queries and keys after their projections
+#: (``q_norm``, ``k_norm``), and smoothing into them measured worse than round-to-nearest (llm-compressor issue 2522;
+#: found by a tester comparing the resolved mappings). A recipe's own ``mappings`` may still name them.
+LEFT_OUT_LIKE_LLMCOMPRESSOR = frozenset({"gemma3", "gemma3_text"})
+
+
+def _no_quantizer_message(unquantized: list[ResolvedMapping]) -> str:
+    """AWQ's refusal of mappings no modifier of its stage quantizes a balance layer of."""
+    return (
+        f"AWQModifier: no modifier of this stage quantizes the balance layers of {len(unquantized)} mappings, e.g. "
+        f"{', '.join(unquantized[0].balance_names)}: AWQ chooses scales for a weight quantization; put a "
+        "QuantizationModifier (or GPTQModifier) with the scheme in the same stage, or give AWQModifier a scheme (e.g. "
+        "scheme: W4A16)"
+    )
 
 
 def awq_weight_mean(weights: list[torch.Tensor], group_sizes: list[int | None]) -> torch.Tensor:
@@ -552,6 +570,30 @@ class AWQModifier(SmoothingModifier):
         targets.update((name, module) for name, (module, _) in self._clip_targets.items())
         return targets
 
+    def resolve(self, model: nn.Module) -> list[ResolvedMapping]:
+        """:meth:`SmoothingModifier.resolve`; with the default mappings on Gemma 3 (:data:`LEFT_OUT_LIKE_LLMCOMPRESSOR`)
+        without ``input_layernorm -> q_proj, k_proj, v_proj``, as llm-compressor 0.14 (one log line says so).
+
+        Raises:
+            ValueError: as :meth:`SmoothingModifier.resolve`.
+        """
+        mappings = super().resolve(model)
+        model_type = getattr(getattr(model, "config", None), "model_type", None)
+        if self.mappings is not None or model_type not in LEFT_OUT_LIKE_LLMCOMPRESSOR:
+            return mappings
+        kept = [m for m in mappings if m.smooth_name.rsplit(".", 1)[-1] != "input_layernorm"]
+        left = [m.smooth_name for m in mappings if m.smooth_name.rsplit(".", 1)[-1] == "input_layernorm"]
+        if left and model_type not in self._warned:
+            self._warned.add(model_type)
+            logger.info(
+                "AWQModifier: %s: the default mappings leave %s -> q_proj, k_proj, v_proj out, as llm-compressor "
+                "0.14's: smoothing into the queries and keys, which Gemma 3 normalizes after projecting them, measured "
+                "worse than round-to-nearest (llm-compressor issue 2522); give mappings to smooth them",
+                architecture(model),
+                compact_names(left),
+            )
+        return kept
+
     def check_model(self, model: nn.Module) -> dict[str, nn.Module]:
         """:meth:`SmoothingModifier.check_model` (and the older form's quantizer's); fused mixture-of-experts weights
         no mapping reaches are refused.
@@ -611,6 +653,31 @@ class AWQModifier(SmoothingModifier):
         return targets
 
     # ---- lifecycle ----------------------------------------------------------
+    def check_stage(self, model: nn.Module, selected: list[tuple[Any, dict[str, Any]]]) -> None:
+        """Before any work (one-shot's checks): refuse a stage none of whose modifiers quantizes a balance layer of
+        AWQ's mappings, as :meth:`on_calibration_start` does; there it came after a SpinQuant of the same stage had
+        rotated the caller's model (found by a tester).
+
+        Args:
+            selected: ``(modifier, {name: module} its check_model selected)`` for each modifier of the stage.
+
+        Raises:
+            ValueError: as :meth:`on_calibration_start`.
+        """
+        if self._quantizer is not None:
+            return
+        quantized: set[str] = set()
+        for modifier, targets in selected:
+            try:
+                modifier.weight_args  # noqa: B018 (raises for a modifier that quantizes no weights)
+            except (AttributeError, ValueError):
+                continue
+            if modifier is not self and isinstance(targets, dict):
+                quantized.update(targets)
+        mappings = self.resolve(model)
+        if mappings and not any(name in quantized for m in mappings for name in m.balance_names):
+            raise ValueError(_no_quantizer_message(mappings))
+
     def on_initialize(self, state: Any) -> None:
         super().on_initialize(state)
         if self._quantizer is not None:
@@ -642,62 +709,61 @@ class AWQModifier(SmoothingModifier):
             self._mappings = [m for m in self._mappings if id(m) not in kept]
             unquantized = []
         if unquantized:
-            m = unquantized[0]
-            msg = (
-                f"AWQModifier: no modifier of this stage quantizes the balance layers of {len(unquantized)} "
-                f"mappings, e.g. {', '.join(m.balance_names)}: AWQ chooses scales for a weight quantization; put a "
-                "QuantizationModifier (or GPTQModifier) with the scheme in the same stage, or give AWQModifier a "
-                "scheme (e.g. scheme: W4A16)"
-            )
-            raise ValueError(msg)
+            raise ValueError(_no_quantizer_message(unquantized))
         self._clip_targets = self._find_clip_targets() if self.apply_clip else {}
         self.clipping_results = {}
         if self._quantizer is not None:
             with _as_awq():
                 self._quantizer.on_calibration_start(state)
 
-    def _quantizing_modifiers(self) -> list[tuple[Any, tuple[QuantizationArgs, str]]]:
+    def _module_quantizers(self) -> Iterator[tuple[Any, str, nn.Module, tuple[QuantizationArgs, str]]]:
+        """``(modifier, name, module, (weight args, observer))`` of every module a quantizing modifier of the session
+        (or AWQ's own quantizer) targets, with the weight args of the module's own config group (``scheme_of``):
+        the scale and clipping searches took the first group's for every module, so an int8 override of an int4
+        recipe was searched (and clipped) on the int4 grid (found by a tester; llm-compressor takes each balance
+        layer's own scheme)."""
         others: list[Any] = [self._quantizer] if self._quantizer is not None else []
         binding = self._binding
         session = binding.session() if binding is not None else None
         if session is not None:
             others += [m for m in session.modifiers if m is not self]
-        found = []
         for modifier in others:
             try:
-                args, observer = modifier.weight_args, getattr(modifier, "observer", "minmax")
-            except (AttributeError, ValueError):
+                first = modifier.weight_args
+            except (AttributeError, ValueError):  # not a weight quantizer (a pruner; a KV-cache scheme alone)
                 continue
-            found.append((modifier, (args, observer)))
-        return found
+            observer = getattr(modifier, "observer", "minmax")
+            scheme_of = getattr(modifier, "scheme_of", None)
+            for name, module in modifier.resolved_targets.items():
+                args = weight_args(scheme_of(name)) if scheme_of is not None else first
+                yield modifier, name, module, (args, observer)
 
     def _find_quantizers(self) -> dict[int, Quantizer]:
         found: dict[int, Quantizer] = {}
-        for modifier, quantizer in self._quantizing_modifiers():
-            for module in modifier.resolved_targets.values():
-                found.setdefault(id(module), quantizer)
+        for _, _, module, quantizer in self._module_quantizers():
+            found.setdefault(id(module), quantizer)
         return found
 
     def _find_clip_targets(self) -> dict[str, tuple[nn.Module, tuple[QuantizationArgs, str]]]:
-        """The Linears the clipping search serves (quantized by a modifier of the session, not queries/keys).
+        """The Linears the clipping search serves (quantized by a modifier of the session, not queries/keys), each
+        with its own group's weight args.
 
         Raises:
             ValueError: one is quantized in a form the search cannot serve (:func:`clip_problem`).
         """
         found: dict[str, tuple[nn.Module, tuple[QuantizationArgs, str]]] = {}
-        for modifier, quantizer in self._quantizing_modifiers():
+        for modifier, name, module, quantizer in self._module_quantizers():
+            if name in found or name.rsplit(".", 1)[-1] in NOT_CLIPPED or not hasattr(module, "weight"):
+                continue
             problem = clip_problem(quantizer[0])
-            for name, module in modifier.resolved_targets.items():
-                if name in found or name.rsplit(".", 1)[-1] in NOT_CLIPPED or not hasattr(module, "weight"):
-                    continue
-                if problem is not None:
-                    msg = (
-                        f"AWQModifier: apply_clip searches one clipping range per output row and quantization group, "
-                        f"but {modifier.modifier_name()} quantizes {name} with {_format(quantizer[0])} weights: "
-                        f"{problem}; use a group or channel weight scheme, or leave apply_clip out"
-                    )
-                    raise ValueError(msg)
-                found[name] = (module, quantizer)
+            if problem is not None:
+                msg = (
+                    f"AWQModifier: apply_clip searches one clipping range per output row and quantization group, "
+                    f"but {modifier.modifier_name()} quantizes {name} with {_format(quantizer[0])} weights: "
+                    f"{problem}; use a group or channel weight scheme, or leave apply_clip out"
+                )
+                raise ValueError(msg)
+            found[name] = (module, quantizer)
         return found
 
     def on_sequential_epoch_end(self, state: Any, modules: Any) -> None:

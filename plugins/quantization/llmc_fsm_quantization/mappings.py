@@ -923,6 +923,7 @@ def _resolve_spec(
     layers_name = found_layers[0] if found_layers is not None else None
     for smooth_name, smooth in smooth_matches:
         chosen: dict[str, nn.Module] | None = None
+        missing = ""  # the balance pattern that matched nothing in the widest scope tried
         for scope in _scopes(smooth_name):
             inside = [(n, m) for n, m in named if n != smooth_name and (not scope or n.startswith(scope + "."))]
             found: dict[str, nn.Module] = {}
@@ -930,6 +931,7 @@ def _resolve_spec(
             for pattern in spec.balance_layers:
                 hits = [(n, m) for n, m in inside if matches(n, m, pattern) and (is_linear_like(m) or n in routers)]
                 if not hits:
+                    missing = pattern
                     break
                 if (
                     len(hits) > 1
@@ -943,8 +945,12 @@ def _resolve_spec(
             else:
                 chosen = found
                 break
-        if chosen is None:
-            problems.append(f"{smooth_name}: no Linear matching {list(spec.balance_layers)} around it")
+        if chosen is None:  # name the pattern that failed (a tester read the message as all of them failing)
+            anywhere = any(matches(n, m, missing) and (is_linear_like(m) or n in routers) for n, m in named)
+            where = "around it" if anywhere else "in the model"
+            problems.append(
+                f"{smooth_name}: no Linear matching {missing!r} {where} (balance layers {list(spec.balance_layers)})"
+            )
             continue
         if ambiguous:  # several decoder layers' modules for one pattern: not this smooth layer's readers
             misfits.append(ambiguous)

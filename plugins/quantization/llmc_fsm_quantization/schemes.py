@@ -213,7 +213,7 @@ def resolve_config_groups(config_groups: Any) -> dict[str, QuantizationScheme]:
         except ValueError as err:
             raise ValueError(f"config_groups entry {name!r}: {err}") from None
         for target in targets:
-            if target in owner:
+            if owner.get(target, name) != name:  # the same target twice in one entry is harmless
                 msg = (
                     f"config_groups entries {owner[target]!r} and {name!r} both give target {target!r}; a module is "
                     "quantized with one scheme (llm-compressor takes the last entry's): keep the target in one entry"

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 from collections import OrderedDict
 from collections.abc import Iterator
 from typing import Any, ClassVar
@@ -148,9 +149,18 @@ def _ignore_or_none(value: Any) -> list[str]:
 
 
 def _strength(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not 0.0 <= float(value) <= 1.0:
-        msg = f"smoothing_strength must be a number in [0, 1] (SmoothQuant's alpha), got {value!r}"
+    """A finite number; outside SmoothQuant's [0, 1] (paper Sec. 4.2) it runs with a warning, as llm-compressor 0.14
+    takes any float (it was refused: a tester's recipe that llm-compressor runs)."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        msg = f"smoothing_strength must be a finite number (SmoothQuant's alpha, usually in [0, 1]), got {value!r}"
         raise ValueError(msg)
+    if not 0.0 <= float(value) <= 1.0:
+        logger.warning(
+            "smoothing_strength %r is outside SmoothQuant's [0, 1]: the scales max|X_j|^alpha / max|W_j|^(1-alpha) "
+            "then move more than the whole activation range into the weights (or the other way); it runs, as in "
+            "llm-compressor",
+            value,
+        )
 
 
 def _mappings_field(value: Any) -> list[dict[str, Any]] | None:

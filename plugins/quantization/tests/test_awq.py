@@ -179,17 +179,22 @@ def test_awq_with_the_scheme_on_it_equals_awq_followed_by_a_quantization_modifie
     assert '"bits": 4' in report
 
 
-def test_awq_without_a_quantizer_fails_before_calibration_and_changes_nothing() -> None:
+@pytest.mark.parametrize("rotated", [False, True])
+def test_awq_without_a_quantizer_fails_before_any_work_and_changes_nothing(rotated) -> None:
+    """Refused by one-shot's checks, before a SpinQuant of the same stage rotates the model (it came at calibration
+    start, after the rotation and untying the head: found by a tester)."""
     model = tiny()
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    with pytest.raises(llmc_fsm.ModifierError) as info:
-        llmc_fsm.oneshot(model=model, recipe={"s": {"AWQModifier": {}}}, dataset=DATA, progress=False)
-    assert (
+    stage = {"SpinQuantModifier": {"rotations": ["R1", "R2"]}, "AWQModifier": {}} if rotated else {"AWQModifier": {}}
+    with pytest.raises(ValueError) as info:
+        llmc_fsm.oneshot(model=model, recipe={"s": stage}, dataset=DATA, progress=False)
+    assert str(info.value) == (
         "AWQModifier: no modifier of this stage quantizes the balance layers of 8 mappings, e.g. "
         "model.layers.0.self_attn.q_proj, model.layers.0.self_attn.k_proj, model.layers.0.self_attn.v_proj: AWQ "
         "chooses scales for a weight quantization; put a QuantizationModifier (or GPTQModifier) with the scheme in "
         "the same stage, or give AWQModifier a scheme (e.g. scheme: W4A16)"
-    ) in str(info.value)
+    )
+    assert model.state_dict().keys() == before.keys()
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
 
 
@@ -626,3 +631,38 @@ def test_awq_symmetric_int4_chooses_and_folds_with_the_float64_scales_of_llm_com
     for n, w in zip(names[:2], weights[:2], strict=True):
         expected = rtn_quantize((w.double() * s).float(), args).weight
         assert torch.equal(getattr(model.model.layers[0].self_attn, n).weight, expected), n
+
+
+@pytest.mark.parametrize("apply_clip", [False, True])
+def test_awq_searches_and_clips_each_balance_layer_on_its_own_config_groups_grid(apply_clip) -> None:
+    """With an int8 per-channel override group beside int4 g16, the scale search (and ``apply_clip``) took the first
+    group's int4 grid for every balance layer, so the overridden q_proj / down_proj were smoothed (and clipped) for a
+    quantizer they are not stored with (found by a tester; llm-compressor takes each balance layer's own scheme)."""
+    int4 = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 16}
+    int8 = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"}
+    awq = AWQModifier(ignore=["lm_head"], apply_clip=apply_clip)
+    groups = {"int4": {"targets": ["Linear"], "weights": int4},
+              "int8": {"targets": ["re:.*q_proj$", "model.layers.1.mlp.down_proj"], "weights": int8}}
+    model = tiny()
+    seen: dict[str, tuple] = {}
+    original = awq._find_quantizers
+
+    def recorded():
+        found = original()
+        names = {id(m): n for n, m in model.named_modules()}
+        seen.update({names[i]: (q[0].num_bits, q[0].strategy) for i, q in found.items() if q is not None})
+        return found
+
+    awq._find_quantizers = recorded
+    llmc_fsm.oneshot(model=model, recipe=[awq, QuantizationModifier(ignore=["lm_head"], config_groups=groups)],
+                     dataset=DATA, progress=False)
+    stored = {n: (m.quantization_scheme.weights.num_bits, m.quantization_scheme.weights.strategy)
+              for n, m in model.named_modules() if getattr(m, "quantization_scheme", None) is not None}
+    assert seen and all(seen[n] == stored[n] for n in seen)  # each searched on the grid it is stored with
+    assert seen["model.layers.1.mlp.down_proj"] == (8, "channel")
+    assert seen["model.layers.0.mlp.down_proj"] == (4, "group")
+    if apply_clip:
+        clipped = {n: (q[0].num_bits, q[0].strategy) for n, (_, q) in awq._clip_targets.items()}
+        assert clipped["model.layers.1.mlp.down_proj"] == (8, "channel")
+        assert all(clipped[n] == stored[n] for n in clipped)
+

@@ -353,6 +353,10 @@ def test_one_target_in_two_config_groups_and_modules_named_only_through_containe
     assert str(info.value).endswith(
         "argument 'config_groups': config_groups entries 'a' and 'b' both give target 're:.*proj'; a module is "
         "quantized with one scheme (llm-compressor takes the last entry's): keep the target in one entry")
+    once = {"a": {"targets": ["re:.*proj", "re:.*proj"], "weights": W4_G16}}  # twice in one entry: harmless
+    modifier = llmc_fsm.Session({"q": {"GPTQModifier": {"config_groups": once}}}).recipe.modifiers[0]
+    schemes = modifier.quantization_schemes
+    assert list(schemes) == ["a"] and schemes["a"].weights.num_bits == 4
     containers = {"mlp": {"targets": ["LlamaMLP"], "weights": W4_G16},
                   "layer0": {"targets": ["re:model.layers.0$"], "weights": W8_CHANNEL}}
     assert _refusal(containers) == (

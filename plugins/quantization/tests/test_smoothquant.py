@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import logging
 
 import pytest
 import torch
@@ -360,3 +361,29 @@ def test_a_mapping_that_leaves_out_one_reader_of_the_norm_is_refused_and_nothing
     assert "changes what LlamaDecoderLayer computes" in str(err.value)
     after = model.state_dict()
     assert all(torch.equal(after[k], before[k]) for k in before)
+
+
+def test_a_smoothing_strength_outside_0_1_runs_with_a_warning_as_llm_compressor_takes_it(caplog) -> None:
+    """1.5 and -0.2 were refused, where llm-compressor 0.14 runs the recipe (found by a tester)."""
+    with caplog.at_level(logging.WARNING, logger="llmc_fsm_quantization.smoothquant"):
+        assert SmoothQuantModifier(smoothing_strength=1.5).smoothing_strength == 1.5
+        SmoothQuantModifier(smoothing_strength=0.8)
+    assert [r.getMessage() for r in caplog.records] == [
+        "smoothing_strength 1.5 is outside SmoothQuant's [0, 1]: the scales max|X_j|^alpha / max|W_j|^(1-alpha) then "
+        "move more than the whole activation range into the weights (or the other way); it runs, as in llm-compressor"]
+    for bad in (float("nan"), True):
+        with pytest.raises(ValueError) as info:
+            SmoothQuantModifier(smoothing_strength=bad)
+        assert str(info.value) == (
+            f"smoothing_strength must be a finite number (SmoothQuant's alpha, usually in [0, 1]), got {bad!r}")
+
+
+def test_a_mapping_refused_for_one_balance_pattern_names_that_pattern() -> None:
+    """'no Linear matching [both patterns]' read as if 're:.*gate_proj$' failed too (found by a tester)."""
+    mappings = [{"smooth_layer": "re:.*layers.0.post_attention_layernorm$",
+                 "balance_layers": ["re:.*gate_proj$", "re:.*nonexistent$"]}]
+    with pytest.raises(ValueError) as info:
+        AWQModifier(mappings=mappings).resolve(tiny_llama())
+    assert str(info.value).endswith(
+        "model.layers.0.post_attention_layernorm: no Linear matching 're:.*nonexistent$' in the model (balance layers "
+        "['re:.*gate_proj$', 're:.*nonexistent$'])")
