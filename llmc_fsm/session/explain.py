@@ -6,8 +6,8 @@ not give, saying where llm-compressor's default differs), their schedule, the ev
 lifecycle calls each handles, the state keys each requires or uses and whether
 they are present yet, and the ``runs_after`` constraints that shaped the order.
 When the state holds a model (e.g. on the meta device) and a modifier has an
-``explain_model(model)`` method returning lines (the smoothing modifiers' resolved
-mappings), those lines too.
+``explain_model(model, stage)`` method returning lines (the smoothing modifiers' resolved
+mappings; ``stage``: the modifiers of its stage, in execution order), those lines too.
 
 This module depends on :mod:`llmc_fsm.session.session` (it reads a session's recipe,
 state and lifecycle); the session does not know about it.
@@ -131,13 +131,14 @@ def _window(stage: Any) -> str:
     return f" [epochs {start} to {end}]"
 
 
-def _on_model(m: Modifier, model: Any) -> list[str]:
-    """What ``m.explain_model(model)`` says about the state's model (e.g. smoothing mappings), if it says anything."""
+def _on_model(m: Modifier, model: Any, stage: tuple[Modifier, ...]) -> list[str]:
+    """What ``m.explain_model(model, stage)`` says about the state's model (e.g. smoothing mappings), if it says
+    anything; ``stage``: the modifiers of ``m``'s stage (AWQ names the mappings its stage's quantizer leaves dense)."""
     describe = getattr(m, "explain_model", None)
     if describe is None or not callable(getattr(model, "named_modules", None)):
         return []
     try:
-        found = describe(model)
+        found = describe(model, stage)
     except ValueError as err:
         found = [f"does not fit this model: {err}"]
     return [f"       {'on model:' if i == 0 else '':<10} {line}" for i, line in enumerate(found)]
@@ -185,7 +186,7 @@ def explain(session: Session, *, model_refused: bool = False) -> str:
             after = sorted(m.runs_after)
             if after:
                 lines.append(f"       runs after: {', '.join(after)} (when in the recipe)")
-            lines.extend(_on_model(m, state.get("model")))
+            lines.extend(_on_model(m, state.get("model"), tuple(plan[id(stage)])))
     calibrated = [
         stage.name
         for stage in recipe.stages

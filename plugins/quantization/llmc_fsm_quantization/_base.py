@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -1931,9 +1931,9 @@ class QuantizingModifier(CalibratedModifier):
             raise ValueError(msg)
         return ranked[0][1]  # one target string is in one group only (resolve_config_groups)
 
-    def explain_model(self, model: nn.Module) -> list[str]:
+    def explain_model(self, model: nn.Module, stage: Sequence[Any] = ()) -> list[str]:
         """With several config groups, the modules each takes in ``model`` and which group took the modules several
-        select (``llmc-fsm explain --model``; :meth:`_memberships`); ``[]`` with one group. Pure.
+        select (``llmc-fsm explain --model``; :meth:`_memberships`; ``stage`` unused); ``[]`` with one group. Pure.
 
         Raises:
             ValueError: as :meth:`_memberships`.

@@ -91,7 +91,7 @@ import contextlib
 import logging
 import re
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -653,6 +653,35 @@ class AWQModifier(SmoothingModifier):
         return targets
 
     # ---- lifecycle ----------------------------------------------------------
+    def explain_model(self, model: nn.Module, stage: Sequence[Any] = ()) -> list[str]:
+        """:meth:`SmoothingModifier.explain_model`, and a line naming the mappings one-shot will not smooth because
+        no quantizing modifier of ``stage`` (AWQ's stage's modifiers) quantizes a balance layer of theirs (the
+        quantizer's ``ignore``): explain listed them as if smoothed (found by a tester). Pure (the stage's
+        modifiers' ``check_model``).
+
+        Raises:
+            ValueError: as :meth:`resolve`.
+        """
+        lines = super().explain_model(model, stage)
+        if self._quantizer is not None or not stage:
+            return lines
+        quantized: set[str] = set()
+        for modifier in stage:
+            try:
+                modifier.weight_args  # noqa: B018 (raises for a modifier that quantizes no weights)
+                targets = modifier.check_model(model) if modifier is not self else {}
+            except (AttributeError, ValueError):
+                continue
+            quantized.update(targets if isinstance(targets, dict) else {})
+        mappings = self.resolve(model)
+        left = [m for m in mappings if not any(name in quantized for name in m.balance_names)]
+        if left and len(left) < len(mappings):
+            lines.append(
+                f"not smoothed: {len(left)} of {len(mappings)} mappings, whose balance layers no modifier of this "
+                f"stage quantizes (e.g. {left[0].smooth_name} -> {', '.join(left[0].balance_names)})"
+            )
+        return lines
+
     def check_stage(self, model: nn.Module, selected: list[tuple[Any, dict[str, Any]]]) -> None:
         """Before any work (one-shot's checks): refuse a stage none of whose modifiers quantizes a balance layer of
         AWQ's mappings, as :meth:`on_calibration_start` does; there it came after a SpinQuant of the same stage had

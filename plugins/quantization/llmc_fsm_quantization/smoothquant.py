@@ -29,7 +29,7 @@ import contextlib
 import logging
 import math
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any, ClassVar
 
 import attrs
@@ -302,8 +302,9 @@ class SmoothingModifier(Modifier):
         """One line per kind of resolved mapping (for ``explain`` and logs)."""
         return describe_mappings(self._mappings)
 
-    def explain_model(self, model: nn.Module) -> list[str]:
-        """The mappings :meth:`resolve` finds in ``model``, one line per kind (``llmc-fsm explain --model``); pure.
+    def explain_model(self, model: nn.Module, stage: Sequence[Any] = ()) -> list[str]:
+        """The mappings :meth:`resolve` finds in ``model``, one line per kind (``llmc-fsm explain --model``; ``stage``,
+        the modifiers of its stage, is for subclasses: AWQ's); pure.
 
         Raises:
             ValueError: as :meth:`resolve`.

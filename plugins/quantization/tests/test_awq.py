@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import logging
 import math
 
 import pytest
@@ -274,6 +275,26 @@ def test_explain_shows_the_mappings_resolved_on_the_model(tmp_path, capsys) -> N
     assert captured.err == (
         f"llmc-fsm explain: error: oneshot would refuse this recipe on --model {tmp_path / 'm'}: {refusal}\n"
     )
+
+
+def test_explain_names_the_mappings_its_stages_quantizer_leaves_dense_as_oneshot_skips_them(caplog) -> None:
+    """explain listed every mapping as if smoothed; one-shot then skipped those whose balance layers the
+    quantizer's ignore leaves dense (found by a tester): explain now says so, with one-shot's count."""
+    from llmc_fsm.session.explain import explain
+
+    w4_g16 = {"preset": "W4A16", "weights": {"group_size": 16}}
+    recipe = {"q": {"AWQModifier": {}, "QuantizationModifier": {"scheme": w4_g16, "ignore": ["lm_head", "re:.*mlp.*"]}}}
+    session = llmc_fsm.Session(recipe)
+    session.update_state(model=tiny(kv_heads=2))
+    lines = explain(session).splitlines()
+    at = lines.index("                  mapping up_proj -> down_proj (2x: model.layers.{0..1}.mlp.up_proj)")
+    assert lines[at + 1] == (
+        "                  not smoothed: 4 of 6 mappings, whose balance layers no modifier of this stage quantizes "
+        "(e.g. model.layers.0.post_attention_layernorm -> model.layers.0.mlp.gate_proj, model.layers.0.mlp.up_proj)")
+    with caplog.at_level(logging.WARNING, logger="llmc_fsm_quantization.awq"):
+        llmc_fsm.oneshot(model=tiny(kv_heads=2), recipe=recipe, dataset=DATA, progress=False)
+    assert [r.getMessage()[:50] for r in caplog.records if "are not smoothed" in r.getMessage()] == [
+        "AWQModifier: 4 of 6 mappings are not smoothed: no "]
 
 
 def test_explain_takes_a_known_model_name_as_oneshot_does(tmp_path, capsys, monkeypatch) -> None:
