@@ -344,6 +344,9 @@ def test_non_hub_unknown_name_lists_choices():
         "unknown model 'gpt-17': known model names are smollm2-135m; or pass a local Hugging Face model directory "
         "(config.json + weights + tokenizer) or a Hugging Face Hub model ID (org/name)"
     )
+    with pytest.raises(ValueError) as exc:  # the Hub's spelling of the known name (a newcomer's try)
+        load_model("SmolLM2-135M")
+    assert str(exc.value).startswith("unknown model 'SmolLM2-135M' (did you mean 'smollm2-135m'?): known model names")
 
 
 @pytest.mark.parametrize("key", ["/nope/model", "./nope", "../nope/model", "~/nope-model"])

@@ -339,7 +339,7 @@ def test_resume_with_another_thread_count_warns(leftover, monkeypatch, caplog):
     with caplog.at_level("WARNING"):
         _resume(model, text, out)
     assert (
-        f"the interrupted run used {threads} torch threads, this one {threads + 1}: the result may differ in the "
+        f"the interrupted run used {threads} torch thread(s), this one {threads + 1}: the result may differ in the "
         f"last bits from an uninterrupted run (pass --threads {threads} for the same bits)"
     ) in caplog.text
 

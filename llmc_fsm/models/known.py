@@ -342,8 +342,10 @@ def check_model_name(name_or_path: str | os.PathLike[str]) -> None:
             f"(config.json + weights + tokenizer) or a known model name ({known})"
         )
     else:
+        close = [name for name in KNOWN_MODELS if name.lower() == key.lower().replace("_", "-")]
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
         msg = (
-            f"unknown model {key!r}: known model names are {known}; "
+            f"unknown model {key!r}{hint}: known model names are {known}; "
             "or pass a local Hugging Face model directory (config.json + weights + tokenizer) "
             "or a Hugging Face Hub model ID (org/name)"
         )

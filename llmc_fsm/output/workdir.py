@@ -265,7 +265,7 @@ class WorkDir:
         threads = (self._read_json(_OWNER) or {}).get("threads")
         if threads is not None and threads != _threads():
             logger.warning(
-                "the interrupted run used %s torch threads, this one %s: the result may differ in the last bits from "
+                "the interrupted run used %s torch thread(s), this one %s: the result may differ in the last bits from "
                 "an uninterrupted run (pass --threads %s for the same bits)",
                 threads,
                 _threads(),

@@ -98,7 +98,13 @@ def parse_mask_structure(s: str) -> tuple[int, int] | None:
         ValueError: for anything else; the message lists what is accepted.
     """
     if not isinstance(s, str):
-        raise ValueError(f"invalid mask_structure {s!r}: {_MASK_STRUCTURE_HELP}")
+        hint = ""
+        if isinstance(s, int) and not isinstance(s, bool) and 0 < s % 60 and s // 60 < s % 60:
+            # YAML 1.1 reads an unquoted 2:4 as the base-60 number 124 (a newcomer copying a recipe was puzzled)
+            hint = (
+                f' (YAML read an unquoted {s // 60}:{s % 60} as the base-60 number {s}: quote it, "{s // 60}:{s % 60}")'
+            )
+        raise ValueError(f"invalid mask_structure {s!r}{hint}: {_MASK_STRUCTURE_HELP}")
     text = s.strip().lower()
     if text == "unstructured":
         return None
@@ -179,6 +185,8 @@ def sparsity_validator(instance: Any, attribute: Any, value: Any) -> None:
     """
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0.0 <= float(value) < 1.0:
         msg = f"{attribute.name} must be a number in [0, 1) (fraction of weights set to zero), got {value!r}"
+        if isinstance(value, numbers.Real) and not isinstance(value, bool) and 1.0 < float(value) < 100.0:
+            msg += f" (a percentage? {float(value):g}% is {float(value) / 100:g})"
         raise ValueError(msg)
 
 

@@ -172,3 +172,21 @@ def test_a_sparsity_an_n_m_structure_overrides_is_said(caplog):
     with caplog.at_level("WARNING", logger="llmc_fsm_pruning.masks"), pytest.raises(ValueError, match="contradicts"):
         MagnitudePruningModifier(sparsity=0.7, mask_structure="2:4")  # refused, so no warning first (B4's case)
     assert caplog.records == []
+
+
+def test_an_unquoted_n_m_read_as_base_60_and_a_percentage_sparsity_say_what_was_meant() -> None:
+    """YAML 1.1 reads an unquoted 2:4 as 124; a newcomer read 'invalid mask_structure 124' as nonsense. 50 as a
+    sparsity is 50%."""
+    from llmc_fsm_pruning.masks import parse_mask_structure
+
+    with pytest.raises(ValueError) as info:
+        parse_mask_structure(124)
+    assert str(info.value).startswith(
+        "invalid mask_structure 124 (YAML read an unquoted 2:4 as the base-60 number 124: quote it, \"2:4\"): ")
+    with pytest.raises(ValueError) as info:
+        parse_mask_structure(61)  # 1:1 is no N:M with N < M: no hint
+    assert str(info.value).startswith("invalid mask_structure 61: ")
+    with pytest.raises(ValueError) as info:
+        SparseGPTModifier(sparsity=50)
+    assert str(info.value) == (
+        "sparsity must be a number in [0, 1) (fraction of weights set to zero), got 50 (a percentage? 50% is 0.5)")
