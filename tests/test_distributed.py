@@ -519,12 +519,14 @@ def test_ddp_training_keeps_masks_identical_across_ranks(tmp_path, one_thread):
 
 
 def _work_dir_with_one_layer(output: Path) -> Any:
+    from safetensors.torch import save_file
+
     from llmc_fsm.output.workdir import WorkDir
 
     work = WorkDir.claim(output)
     work.settle({"model": "tiny"}, resume=False)
     (work.progress / "pass-0").mkdir(parents=True)
-    (work.progress / "pass-0" / "layer-0.safetensors").write_bytes(b"saved")
+    save_file({"x": torch.zeros(1)}, work.progress / "pass-0" / "layer-0.safetensors")  # readable: reused on resume
     return work
 
 
@@ -533,6 +535,8 @@ def test_another_ranks_failure_keeps_the_finished_layers_as_an_interruption_does
     progress (while torchrun was stopping it), so nothing was left to resume. Now another rank's failure (a
     PeerFailureError, even inside a modifier's error) keeps it, with the line that says how to resume; an error of
     the run itself still removes the work directory."""
+    from safetensors.torch import load_file
+
     from llmc_fsm.core.errors import ModifierError
     from llmc_fsm.toolkit.distributed import DistributedError, PeerFailureError
 
@@ -549,7 +553,8 @@ def test_another_ranks_failure_keeps_the_finished_layers_as_an_interruption_does
         f"progress kept in {str(tmp_path / '.out.work')!r} (1 decoder layers done): run the same command with "
         "--resume (resume=True) to continue, or remove that directory"
     ]
-    assert (tmp_path / ".out.work" / "progress" / "pass-0" / "layer-0.safetensors").read_bytes() == b"saved"
+    assert torch.equal(load_file(tmp_path / ".out.work" / "progress" / "pass-0" / "layer-0.safetensors")["x"],
+                       torch.zeros(1))
     work.release()
     for exc in (ValueError("a recipe error"), DistributedError("ranks computed different weights")):
         work = _work_dir_with_one_layer(tmp_path / "again")

@@ -418,7 +418,7 @@ def test_every_fingerprinted_field_changes_the_fingerprint_and_no_other_does(tin
             assert after[path[0]][path[1]] == getattr(attrs.evolve(base, **changed), name)
     assert {n for n, f in fields.items() if f.metadata["fingerprint"]} == {
         "model", "recipe", "dataset", "num_calibration_samples", "max_seq_length", "batch_size", "seed",
-        "fuse_stages", "dtype", "quantization_format", "shuffle_calibration_samples",
+        "fuse_stages", "dtype", "quantization_format", "shuffle_calibration_samples", "tokenizer",
     }  # fmt: skip
 
 

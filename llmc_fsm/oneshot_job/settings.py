@@ -406,7 +406,11 @@ class OneshotSettings:
         validator=_bool,
     )
     tokenizer: Any = _setting(
-        None, "the tokenizer of an in-memory model (object, directory or Hub id)", eq=_by_identity
+        None,
+        "the tokenizer of an in-memory model (object, directory or Hub id)",
+        fingerprint=("tokenizer",),  # by its files' digests, when given (resume._tokenizer_item)
+        by_content=True,
+        eq=_by_identity,
     )
     eval_text: str | os.PathLike[str] | None = _setting(
         None,

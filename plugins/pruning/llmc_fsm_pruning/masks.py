@@ -185,7 +185,7 @@ def sparsity_validator(instance: Any, attribute: Any, value: Any) -> None:
     """
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0.0 <= float(value) < 1.0:
         msg = f"{attribute.name} must be a number in [0, 1) (fraction of weights set to zero), got {value!r}"
-        if isinstance(value, numbers.Real) and not isinstance(value, bool) and 1.0 < float(value) < 100.0:
+        if isinstance(value, numbers.Real) and not isinstance(value, bool) and float(value) in range(10, 100):
             msg += f" (a percentage? {float(value):g}% is {float(value) / 100:g})"
         raise ValueError(msg)
 
