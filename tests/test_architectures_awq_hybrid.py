@@ -250,7 +250,7 @@ def test_awq_default_mappings_leave_gemma3s_input_norm_to_qkv_out_as_llm_compres
     and keys after projecting them; its issue 2522); ours smoothed it, silently (found by a tester comparing the
     resolved mappings). Gemma 2 keeps it, as there; a recipe's own mappings still name it."""
     model = build(family)
-    with caplog.at_level(logging.INFO, logger="llmc_fsm_quantization.awq"):
+    with caplog.at_level(logging.WARNING, logger="llmc_fsm_quantization.awq"):
         kinds = {m.smooth_name.rsplit(".", 1)[-1] for m in AWQModifier().resolve(model)}
     assert kinds == {"pre_feedforward_layernorm", "up_proj"}
     assert [r.getMessage().split(":")[1] for r in caplog.records if "issue 2522" in r.getMessage()] == [
@@ -258,5 +258,7 @@ def test_awq_default_mappings_leave_gemma3s_input_norm_to_qkv_out_as_llm_compres
     qkv = ["re:.*q_proj$", "re:.*k_proj$", "re:.*v_proj$"]
     given = [{"smooth_layer": "re:.*input_layernorm$", "balance_layers": qkv}]
     assert {m.smooth_name.rsplit(".", 1)[-1] for m in AWQModifier(mappings=given).resolve(model)} == {"input_layernorm"}
+    assert AWQModifier().explain_model(model)[-1] == (
+        "left out: input_layernorm -> q_proj, k_proj, v_proj (Gemma 3's default, as llm-compressor's)")
     gemma2 = {m.smooth_name.rsplit(".", 1)[-1] for m in AWQModifier().resolve(build("gemma2"))}
     assert gemma2 == {"input_layernorm", "pre_feedforward_layernorm", "up_proj"}

@@ -344,6 +344,14 @@ def _check_quantized_once(modifier: Any, session: Session, targets: dict[str, An
             "quantized once: give the modifiers disjoint targets (or ignore)"
         )
         raise ValueError(msg)
+    if twice and callable(getattr(modifier, "resolve", None)) and hasattr(modifier, "mappings"):  # smoothing
+        msg = (
+            f"{label} would smooth {len(twice)} modules that {seen[twice[0]]} quantizes before it, e.g. "
+            f"{twice[0]}; smoothing a quantized weight moves it off its grid: put the smoothing modifier in or "
+            "before that quantizer's stage, or leave those modules out of it (its ignore, e.g. 're:.*mlp.*', or "
+            "mappings naming only the others)"
+        )
+        raise ValueError(msg)
     if twice:
         msg = (
             f"{label} would compress {len(twice)} modules that {seen[twice[0]]} quantizes before it, e.g. "

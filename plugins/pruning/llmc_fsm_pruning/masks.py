@@ -99,7 +99,7 @@ def parse_mask_structure(s: str) -> tuple[int, int] | None:
     """
     if not isinstance(s, str):
         hint = ""
-        if isinstance(s, int) and not isinstance(s, bool) and 0 < s % 60 and s // 60 < s % 60:
+        if isinstance(s, int) and not isinstance(s, bool) and s >= 60 and 0 < s // 60 < s % 60:
             # YAML 1.1 reads an unquoted 2:4 as the base-60 number 124 (a newcomer copying a recipe was puzzled)
             hint = (
                 f' (YAML read an unquoted {s // 60}:{s % 60} as the base-60 number {s}: quote it, "{s // 60}:{s % 60}")'

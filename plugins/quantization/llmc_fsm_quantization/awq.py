@@ -585,7 +585,7 @@ class AWQModifier(SmoothingModifier):
         left = [m.smooth_name for m in mappings if m.smooth_name.rsplit(".", 1)[-1] == "input_layernorm"]
         if left and model_type not in self._warned:
             self._warned.add(model_type)
-            logger.info(
+            logger.warning(
                 "AWQModifier: %s: the default mappings leave %s -> q_proj, k_proj, v_proj out, as llm-compressor "
                 "0.14's: smoothing into the queries and keys, which Gemma 3 normalizes after projecting them, measured "
                 "worse than round-to-nearest (llm-compressor issue 2522); give mappings to smooth them",
@@ -663,6 +663,9 @@ class AWQModifier(SmoothingModifier):
             ValueError: as :meth:`resolve`.
         """
         lines = super().explain_model(model, stage)
+        model_type = getattr(getattr(model, "config", None), "model_type", None)
+        if self.mappings is None and model_type in LEFT_OUT_LIKE_LLMCOMPRESSOR:
+            lines.append("left out: input_layernorm -> q_proj, k_proj, v_proj (Gemma 3's default, as llm-compressor's)")
         if self._quantizer is not None or not stage:
             return lines
         quantized: set[str] = set()

@@ -687,3 +687,23 @@ def test_awq_searches_and_clips_each_balance_layer_on_its_own_config_groups_grid
         assert clipped["model.layers.1.mlp.down_proj"] == (8, "channel")
         assert all(clipped[n] == stored[n] for n in clipped)
 
+
+
+def test_awq_in_a_stage_after_one_quantizing_its_mlp_is_refused_with_smoothing_advice() -> None:
+    """The refusal told an AWQ recipe to "prune first" (a tester's case); it now names smoothing and the fix, which
+    runs: AWQ's ignore leaves the MLP, quantized by the earlier stage, out."""
+    w4_g16 = {"preset": "W4A16", "weights": {"group_size": 16}}
+    mlp = {"QuantizationModifier": {"targets": ["re:.*mlp.*"], "scheme": w4_g16}}
+    recipe = {"mlp_stage": mlp, "attn_stage": {"AWQModifier": {},
+                                               "GPTQModifier": {"targets": ["re:.*self_attn.*"], "scheme": w4_g16}}}
+    model = tiny(kv_heads=2)
+    with pytest.raises(ValueError) as info:
+        llmc_fsm.oneshot(model=model, recipe=recipe, dataset=DATA, progress=False)
+    assert str(info.value) == (
+        "AWQModifier of stage 'attn_stage' would smooth 6 modules that QuantizationModifier of stage 'mlp_stage' "
+        "quantizes before it, e.g. model.layers.0.mlp.down_proj; smoothing a quantized weight moves it off its grid: "
+        "put the smoothing modifier in or before that quantizer's stage, or leave those modules out of it (its "
+        "ignore, e.g. 're:.*mlp.*', or mappings naming only the others)")
+    recipe["attn_stage"]["AWQModifier"] = {"ignore": ["lm_head", "re:.*mlp.*"]}
+    llmc_fsm.oneshot(model=model, recipe=recipe, dataset=DATA, progress=False)
+    assert model.model.layers[1].mlp.down_proj.quantization_scheme.weights.group_size == 16
