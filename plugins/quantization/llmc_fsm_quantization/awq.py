@@ -668,16 +668,13 @@ class AWQModifier(SmoothingModifier):
             lines.append("left out: input_layernorm -> q_proj, k_proj, v_proj (Gemma 3's default, as llm-compressor's)")
         if self._quantizer is not None or not stage:
             return lines
-        quantized: set[str] = set()
+        selected = []
         for modifier in stage:
             try:
-                modifier.weight_args  # noqa: B018 (raises for a modifier that quantizes no weights)
-                targets = modifier.check_model(model) if modifier is not self else {}
-            except (AttributeError, ValueError):
+                selected.append((modifier, modifier.check_model(model) if modifier is not self else {}))
+            except ValueError:  # a modifier that does not fit: explain's checks say so
                 continue
-            quantized.update(targets if isinstance(targets, dict) else {})
-        mappings = self.resolve(model)
-        left = [m for m in mappings if not any(name in quantized for name in m.balance_names)]
+        mappings, left = self._left_unquantized(model, selected)
         if left and len(left) < len(mappings):
             lines.append(
                 f"not smoothed: {len(left)} of {len(mappings)} mappings, whose balance layers no modifier of this "
@@ -698,17 +695,26 @@ class AWQModifier(SmoothingModifier):
         """
         if self._quantizer is not None:
             return
+        mappings, left = self._left_unquantized(model, selected)
+        if mappings and len(left) == len(mappings):
+            raise ValueError(_no_quantizer_message(mappings))
+
+    def _left_unquantized(
+        self, model: nn.Module, selected: list[tuple[Any, Any]]
+    ) -> tuple[list[ResolvedMapping], list[ResolvedMapping]]:
+        """AWQ's mappings in ``model``, and those none of whose balance layers a weight quantizer of ``selected``
+        (``(modifier, what its check_model selected)`` of AWQ's stage) quantizes."""
         quantized: set[str] = set()
         for modifier, targets in selected:
+            if modifier is self or not isinstance(targets, dict):
+                continue
             try:
                 modifier.weight_args  # noqa: B018 (raises for a modifier that quantizes no weights)
             except (AttributeError, ValueError):
                 continue
-            if modifier is not self and isinstance(targets, dict):
-                quantized.update(targets)
+            quantized.update(targets)
         mappings = self.resolve(model)
-        if mappings and not any(name in quantized for m in mappings for name in m.balance_names):
-            raise ValueError(_no_quantizer_message(mappings))
+        return mappings, [m for m in mappings if not any(name in quantized for name in m.balance_names)]
 
     def on_initialize(self, state: Any) -> None:
         super().on_initialize(state)
