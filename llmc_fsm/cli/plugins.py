@@ -152,7 +152,7 @@ def _run_explain(args: argparse.Namespace) -> int:
             if checked is not None:
                 if checked.requires("calibration_data"):
                     check_calibrates_from_text(model)  # an encoder-decoder model (Whisper) calibrates on no token ids
-                check_modifiers([checked], model, True)
+                check_modifiers(_stage_sessions(checked), model, True)
                 _check_in_layers(checked, model)
         except MissingStateError:
             refusal = None  # a training recipe: the plan lists what it needs
@@ -183,6 +183,16 @@ def _oneshot_part(session: Session) -> Session | None:
     if len(kept) == len(session.recipe.stages):
         return session
     return Session(Recipe(kept, session.recipe.source)) if kept else None
+
+
+def _stage_sessions(session: Session) -> list[Session]:
+    """One session per stage not yet applied, as one-shot runs a recipe (``fuse_stages=False``): with the whole
+    recipe as one session, a modifier's ``check_stage`` saw the modifiers of every stage, so explain passed an AWQ
+    stage whose quantizer sits in another stage, which one-shot refuses (found by a tester)."""
+    fresh = [stage for stage in session.recipe.stages if not stage.applied]
+    if len(fresh) <= 1:
+        return [session]
+    return [Session(Recipe([stage], session.recipe.source)) for stage in fresh]
 
 
 def _check_in_layers(session: Session, model: Any) -> None:

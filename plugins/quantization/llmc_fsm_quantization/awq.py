@@ -656,8 +656,9 @@ class AWQModifier(SmoothingModifier):
     def explain_model(self, model: nn.Module, stage: Sequence[Any] = ()) -> list[str]:
         """:meth:`SmoothingModifier.explain_model`, and a line naming the mappings one-shot will not smooth because
         no quantizing modifier of ``stage`` (AWQ's stage's modifiers) quantizes a balance layer of theirs (the
-        quantizer's ``ignore``): explain listed them as if smoothed (found by a tester). Pure (the stage's
-        modifiers' ``check_model``).
+        quantizer's ``ignore``): explain listed them as if smoothed (found by a tester); when that holds for every
+        mapping, the line says one-shot refuses the stage (:meth:`check_stage`). Pure (the stage's modifiers'
+        ``check_model``).
 
         Raises:
             ValueError: as :meth:`resolve`.
@@ -675,7 +676,9 @@ class AWQModifier(SmoothingModifier):
             except ValueError:  # a modifier that does not fit: explain's checks say so
                 continue
         mappings, left = self._left_unquantized(model, selected)
-        if left and len(left) < len(mappings):
+        if mappings and len(left) == len(mappings):  # what check_stage refuses (explain printed it as smoothed)
+            lines.append(f"refused by one-shot: {_no_quantizer_message(mappings)}")
+        elif left:
             lines.append(
                 f"not smoothed: {len(left)} of {len(mappings)} mappings, whose balance layers no modifier of this "
                 f"stage quantizes (e.g. {left[0].smooth_name} -> {', '.join(left[0].balance_names)})"

@@ -707,3 +707,26 @@ def test_awq_in_a_stage_after_one_quantizing_its_mlp_is_refused_with_smoothing_a
     recipe["attn_stage"]["AWQModifier"] = {"ignore": ["lm_head", "re:.*mlp.*"]}
     llmc_fsm.oneshot(model=model, recipe=recipe, dataset=DATA, progress=False)
     assert model.model.layers[1].mlp.down_proj.quantization_scheme.weights.group_size == 16
+
+
+def test_explain_refuses_an_awq_stage_whose_quantizer_is_in_another_stage_as_oneshot_does(tmp_path, capsys) -> None:
+    """AWQ in one stage, its quantizer in the next: one-shot refuses the AWQ stage before any work, while explain
+    --model checked the whole recipe as one session and said its checks pass (found by a tester). Both refuse now,
+    and the plan says so on AWQ's line."""
+    from llmc_fsm.cli.main import main
+    from llmc_fsm.session.explain import explain
+
+    recipe = {"smooth": {"AWQModifier": {}}, "quantize": {"QuantizationModifier": {"scheme": "W4A16"}}}
+    with pytest.raises(ValueError) as oneshot_refusal:
+        llmc_fsm.oneshot(model=tiny(kv_heads=2), recipe=recipe, dataset=DATA, progress=False)
+    session = llmc_fsm.Session(recipe)
+    session.update_state(model=tiny(kv_heads=2))
+    assert f"                  refused by one-shot: {oneshot_refusal.value}" in explain(session).splitlines()
+    tiny(kv_heads=2).save_pretrained(tmp_path / "m")
+    (tmp_path / "r.yaml").write_text(
+        "smooth:\n  AWQModifier: {}\nquantize:\n  QuantizationModifier: {scheme: W4A16}\n")
+    capsys.readouterr()
+    assert main(["explain", str(tmp_path / "r.yaml"), "--model", str(tmp_path / "m")]) == 1
+    assert capsys.readouterr().err == (
+        f"llmc-fsm explain: error: oneshot would refuse this recipe on --model {tmp_path / 'm'}: "
+        f"{oneshot_refusal.value}\n")
