@@ -29,6 +29,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -41,16 +42,22 @@ from llmc_fsm.data.text_files import jsonl_records, read_utf8
 __all__ = [
     "IMAGE_FAMILIES",
     "METADATA",
+    "PROCESSOR_FILES",
     "ImageBatches",
     "ImageCaptions",
     "check_calibration_data",
+    "copy_processor_files",
     "cross_attention_layers",
     "image_batches",
     "image_prompt",
     "is_image_dataset",
+    "is_processor",
     "is_vision_language",
+    "load_error",
     "load_processor",
+    "processor_files",
     "read_image_captions",
+    "text_tokenizer",
 ]
 
 #: The file that makes a directory an image-caption dataset (Hugging Face ImageFolder's metadata file).
@@ -125,6 +132,65 @@ class ImageBatches(list):
     def __getitem__(self, index: Any) -> Any:
         item = super().__getitem__(index)
         return ImageBatches(item) if isinstance(index, slice) else item
+
+
+#: The files a transformers processor writes beside its tokenizer's (``ProcessorMixin.save_pretrained`` and its
+#: image, video and audio parts; transformers 5's ``PROCESSOR_NAME``, ``IMAGE_PROCESSOR_NAME`` /
+#: ``FEATURE_EXTRACTOR_NAME``, ``VIDEO_PROCESSOR_NAME``, ``AUDIO_TOKENIZER_NAME``, ``CHAT_TEMPLATE_FILE``,
+#: ``LEGACY_PROCESSOR_CHAT_TEMPLATE_FILE``), and the folder of its named chat templates (``CHAT_TEMPLATE_DIR``).
+PROCESSOR_FILES = (
+    "processor_config.json",
+    "preprocessor_config.json",
+    "video_preprocessor_config.json",
+    "audio_tokenizer_config.json",
+    "chat_template.json",
+    "chat_template.jinja",
+)
+PROCESSOR_TEMPLATES_DIR = "additional_chat_templates"
+
+
+def is_processor(value: Any) -> bool:
+    """Whether ``value`` is a transformers processor (a ``ProcessorMixin``: ``Gemma3Processor``,
+    ``LlavaProcessor``...), whose first positional argument is images (or audio), not text. Read from the class's
+    bases by name, so that transformers is not imported for it."""
+    return any(cls.__name__ == "ProcessorMixin" for cls in type(value).__mro__)
+
+
+def text_tokenizer(tokenizer: Any) -> Any:
+    """The tokenizer that tokenizes text: a processor's own ``tokenizer`` (:func:`is_processor`; called as
+    ``tokenizer(text)`` a processor takes the text for images: found by a tester, ``processor=`` with text
+    calibration failed in transformers' image loading), else ``tokenizer`` as it is (``None`` included)."""
+    inner = getattr(tokenizer, "tokenizer", None) if is_processor(tokenizer) else None
+    return tokenizer if inner is None else inner
+
+
+def processor_files(directory: Path) -> list[str]:
+    """The processor's files (:data:`PROCESSOR_FILES`, and the files of its ``additional_chat_templates`` folder as
+    ``additional_chat_templates/<name>``) that ``directory`` holds, in that order (``[]``: none)."""
+    found = [name for name in PROCESSOR_FILES if (directory / name).is_file()]
+    templates = directory / PROCESSOR_TEMPLATES_DIR
+    if templates.is_dir():
+        found += [f"{PROCESSOR_TEMPLATES_DIR}/{p.name}" for p in sorted(templates.iterdir()) if p.is_file()]
+    return found
+
+
+def copy_processor_files(source: Path, destination: Path) -> list[str]:
+    """Copy the processor's files of the model directory ``source`` (:func:`processor_files`) into ``destination``
+    byte for byte (a link is copied as the file it points to), leaving out those ``destination`` holds already (the
+    tokenizer's save writes ``chat_template.jinja`` too); the names copied, in :func:`processor_files`' order.
+
+    Raises:
+        OSError: a file cannot be read or written (the ones copied before it stay in ``destination``).
+    """
+    copied = []
+    for name in processor_files(source):
+        target = destination / name
+        if target.exists():
+            continue
+        target.parent.mkdir(exist_ok=True)
+        shutil.copyfile(source / name, target)
+        copied.append(name)
+    return copied
 
 
 def is_image_dataset(source: Any) -> bool:
@@ -234,6 +300,14 @@ def check_calibration_data(model: Any, *, images: bool, source: Any) -> None:
     raise ValueError(msg)
 
 
+def load_error(err: BaseException) -> str:
+    """``"<ErrorType>: <first sentence of its message>"``: why a processor could not be loaded, in one line
+    (transformers' messages run on with installation advice)."""
+    cause = next((line.strip() for line in str(err).splitlines() if line.strip()), "")
+    cause = cause.split(". ")[0].rstrip(".")
+    return f"{type(err).__name__}: {cause}"
+
+
 def load_processor(tokenizer: Any, model: Any) -> Any:
     """The processor that turns images and text into model inputs: ``tokenizer`` when it is one (has an
     ``image_processor``), else ``AutoProcessor.from_pretrained`` of ``tokenizer`` (a directory) or of ``model`` (a
@@ -254,10 +328,8 @@ def load_processor(tokenizer: Any, model: Any) -> Any:
             try:
                 processor = AutoProcessor.from_pretrained(directory, trust_remote_code=False)
             except (ImportError, OSError, ValueError, TypeError, AttributeError) as err:
-                cause = next((line.strip() for line in str(err).splitlines() if line.strip()), "")
-                cause = cause.split(". ")[0].rstrip(".")  # the first sentence
                 msg = (
-                    f"the processor of {directory} could not be loaded ({type(err).__name__}: {cause}); image "
+                    f"the processor of {directory} could not be loaded ({load_error(err)}); image "
                     "calibration data needs it (images and text to model inputs)"
                 )
                 raise ValueError(msg) from err

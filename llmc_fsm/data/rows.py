@@ -16,7 +16,8 @@ first ``max_seq_length`` tokens (token rows: not cut when it is not given). Text
 tokenizes a ``text`` column (``tokenizer(text, padding=False, truncation=True, max_length=max_seq_length)``, the
 tokenizer's default ``add_special_tokens=True``: a BOS where the tokenizer adds one; ``max_seq_length`` capped at the
 tokenizer's ``model_max_length``, which is used when it is not given), the tokenizer's truncation and padding
-settings restored afterwards. Samples of different lengths cannot be
+settings restored afterwards; a processor given for the tokenizer (llm-compressor's ``processor=``) tokenizes them with
+its own tokenizer (``processor.tokenizer``: the same tokens). Samples of different lengths cannot be
 one ``LongTensor[N, L]``: they become :class:`TokenRows`, a list of batches ``{"input_ids": LongTensor[B, L_i]}``,
 consecutive samples of the same length sharing a batch of at most ``batch_size``; no padding.
 
@@ -40,6 +41,7 @@ from typing import Any
 import attrs
 import torch
 
+from llmc_fsm.data.images import text_tokenizer
 from llmc_fsm.data.protocol import kept_tokenizer_state
 
 __all__ = [
@@ -402,8 +404,9 @@ def _capped(seq_len: int | None, model_max_length: Any) -> int | None:
 
 def row_batches(rows: CalibrationRows, tokenizer: Any, *, seq_len: int | None, batch_size: int) -> TokenRows:
     """``rows`` as model inputs: texts tokenized (``tokenizer(text, padding=False, truncation=seq_len is not None,
-    max_length=seq_len)``, special tokens as the tokenizer adds them, as llm-compressor), consecutive samples of the
-    same length stacked into batches of at most ``batch_size`` (``LongTensor[B, L]``).
+    max_length=seq_len)``, special tokens as the tokenizer adds them, as llm-compressor; a processor's texts by its
+    own tokenizer, :func:`~llmc_fsm.data.images.text_tokenizer`: the same tokens), consecutive samples of the same
+    length stacked into batches of at most ``batch_size`` (``LongTensor[B, L]``).
 
     Raises:
         ValueError: texts but no tokenizer; a text that gives no token.
@@ -414,6 +417,7 @@ def row_batches(rows: CalibrationRows, tokenizer: Any, *, seq_len: int | None, b
         if tokenizer is None:
             msg = "a list of texts or a 'text' column needs a tokenizer: pass tokenizer= (or token ids)"
             raise ValueError(msg)
+        tokenizer = text_tokenizer(tokenizer)  # a processor's first positional argument is images
         seq_len = _capped(seq_len, getattr(tokenizer, "model_max_length", None))
         cut = {"truncation": True, "max_length": seq_len} if seq_len is not None else {"truncation": False}
         with kept_tokenizer_state(tokenizer):  # the truncation setting the call leaves is not the caller's

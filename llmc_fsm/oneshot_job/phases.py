@@ -27,12 +27,18 @@ from torch import nn
 
 from llmc_fsm.core.errors import MissingStateError
 from llmc_fsm.data.images import (
+    PROCESSOR_FILES,
     check_calibration_data,
+    copy_processor_files,
     image_batches,
     is_image_dataset,
+    is_processor,
     is_vision_language,
+    load_error,
     load_processor,
+    processor_files,
     read_image_captions,
+    text_tokenizer,
 )
 from llmc_fsm.data.protocol import PerplexityCache, kept_tokenizer_state, perplexity, token_windows
 from llmc_fsm.data.rows import TokenRows, is_rows, read_rows, row_batches
@@ -102,6 +108,7 @@ __all__ = [
     "load",
     "model_on_device",
     "prepare",
+    "recipe_sessions",
     "run_report",
     "save",
     "token_data",
@@ -126,7 +133,10 @@ class Run:
     cal_text: str | None = None
     cal_images: Any = None  # the image-caption records (llmc_fsm.data.images.ImageCaptions) of an image dataset
     cal_rows: Any = None  # the samples (llmc_fsm.data.rows.CalibrationRows) of a list of texts or a datasets.Dataset
-    processor: Any = None  # the model's processor, with image calibration data
+    processor: Any = None  # the model's processor (saved with the output), with image calibration data its inputs
+    #: a vision-language model directory whose processor files are copied into the output as they are (its
+    #: processor could not be loaded); None: none to copy
+    processor_source: Path | None = None
     ev_text: str | None = None
     model_name: str = ""
     windows: Any = None
@@ -395,7 +405,7 @@ def prepare(settings: OneshotSettings) -> Run:
     """
     _check_output(settings)
     notes: list[str] = []
-    merged, sessions = _sessions(settings.model, settings.recipe, settings.fuse_stages, notes)
+    merged, sessions = recipe_sessions(settings.model, settings.recipe, settings.fuse_stages, notes)
     _check_paths_outside_output(settings, sessions)
     run = Run(
         settings=settings,
@@ -782,9 +792,14 @@ def _claim(output_dir: Any, overwrite: bool) -> WorkDir | None:
     return None if out_path is None else WorkDir.claim(out_path)
 
 
-def _sessions(model: Any, recipe: Any, fuse_stages: bool, notes: list[str]) -> tuple[Recipe, list[Session]]:
+def recipe_sessions(model: Any, recipe: Any, fuse_stages: bool, notes: list[str]) -> tuple[Recipe, list[Session]]:
     """The recipe resolved and merged with the model's history (its "runs on top of it" lines into ``notes``), and
-    its sessions."""
+    its sessions (one per stage not yet applied; one for all with ``fuse_stages``). ``llmc-fsm explain --model``
+    takes the same, so that it refuses and names stages as one-shot does.
+
+    Raises:
+        ValueError: the recipe has no modifier to run (empty, or every stage already applied).
+    """
     given = recipe
     recipe = generated_recipe() if recipe is None else resolve_recipe(recipe)
     if not recipe.stages:  # an empty list of modifiers (a Session takes it; one-shot has nothing to run)
@@ -849,7 +864,9 @@ def _data_digest(run: Run) -> str | None:
 # --------------------------------------------------------------------------- load
 def given_tokenizer(settings: OneshotSettings) -> Any:
     """The ``tokenizer`` setting, loaded with ``AutoTokenizer.from_pretrained`` when it is a directory or Hub id
-    (as llm-compressor takes it); ``None`` when none was given."""
+    (as llm-compressor takes it); a processor's own tokenizer when it is a processor object (llm-compressor's
+    ``processor=``: :func:`~llmc_fsm.data.images.text_tokenizer`; the processor itself is saved with the output);
+    ``None`` when none was given."""
     if isinstance(settings.tokenizer, str | os.PathLike):
         from transformers import AutoTokenizer
 
@@ -860,15 +877,22 @@ def given_tokenizer(settings: OneshotSettings) -> Any:
             if refusal is None:
                 raise
             raise ValueError(refusal) from None
-    return settings.tokenizer
+    return text_tokenizer(settings.tokenizer)
+
+
+def _name_or_path(model: Any) -> str | None:
+    """The directory or Hub id an in-memory transformers model was loaded from (its ``name_or_path``, else its
+    config's ``_name_or_path``); ``None`` when it has none."""
+    name = getattr(model, "name_or_path", None) or getattr(getattr(model, "config", None), "_name_or_path", None)
+    return name if isinstance(name, str) and name else None
 
 
 def _tokenizer_of(model: Any) -> Any:
     """The tokenizer of an in-memory transformers model, as llm-compressor's ``oneshot`` finds it: from the model's
     ``name_or_path`` (the directory or Hub id it was loaded from; a Hub id only from the local Hugging Face cache),
     said in a log line; ``None`` where there is none."""
-    name = getattr(model, "name_or_path", None) or getattr(getattr(model, "config", None), "_name_or_path", None)
-    if not isinstance(name, str) or not name:
+    name = _name_or_path(model)
+    if name is None:
         return None
     from transformers import AutoTokenizer
 
@@ -898,6 +922,8 @@ def load(run: Run) -> None:
     needs_text = _needs_text(run)
     with run.timed("load"):
         run.tokenizer = given_tokenizer(settings)
+        if run.processor is None and is_processor(settings.tokenizer):  # saved with the output, as llm-compressor
+            run.processor = settings.tokenizer
         if isinstance(settings.model, nn.Module):
             run.model = settings.model
             _check_runs_on_text(run, run.model)
@@ -922,6 +948,7 @@ def load(run: Run) -> None:
                     "one that is its repository's own code)"
                 )
                 raise ValueError(msg)
+            _keep_processor(run)
             run.disk_before = sum(p.numel() * p.element_size() for p in run.model.parameters())
             return
 
@@ -967,30 +994,80 @@ def _load_processor(run: Run) -> None:
     if run.cal_images is None or not run.needs_data:
         return
     check_calibration_data(run.model, images=True, source=run.settings.dataset)  # a config AutoConfig did not read
-    if run.processor is None:
+    if not hasattr(run.processor, "image_processor"):  # none yet, or a given processor of no images
         run.processor = load_processor(run.settings.tokenizer, run.settings.model)
     if run.tokenizer is None or run.tokenizer is run.processor:
         run.tokenizer = run.processor.tokenizer
 
 
 def _keep_processor(run: Run) -> None:
-    """A vision-language model directory's processor in ``run.processor`` whatever the data, so that the output
-    directory gets its files (``preprocessor_config.json``, ``processor_config.json``...) next to the tokenizer's
-    and reloads with ``AutoProcessor``. A processor that cannot be loaded (e.g. one that needs torchvision) is
-    logged, and the output then holds the tokenizer's files only."""
+    """The processor of a vision-language model, so that the output directory gets its files
+    (``preprocessor_config.json``, ``processor_config.json``, ``chat_template.json``...) next to the tokenizer's and
+    reloads with ``AutoProcessor``, whatever the data: ``AutoProcessor`` of the model directory, or of an in-memory
+    model's ``name_or_path`` (as llm-compressor finds it; not when a tokenizer was given, which is saved as it is)
+    in ``run.processor``. A processor that cannot be loaded (e.g. one that needs torchvision: Qwen2-VL, Pixtral)
+    has its files copied from the directory as they are (``run.processor_source``; a warning names them). An
+    in-memory model whose ``name_or_path`` is no local directory nor a Hub id in the local cache: a warning that
+    the output has no processor files. Nothing without an output directory (or on a rank that does not write)."""
 
-    directory = Path(os.fspath(run.settings.model)).expanduser()
-    if run.processor is not None or not is_vision_language(run.model.config) or not directory.is_dir():
+    model = run.settings.model
+    in_memory = isinstance(model, nn.Module)
+    if run.processor is not None or run.work is None or not is_vision_language(getattr(run.model, "config", None)):
+        return
+    if in_memory and run.settings.tokenizer is not None:
+        return
+    where = _name_or_path(model) if in_memory else os.fspath(model)
+    directory = Path(where).expanduser() if where is not None else None
+    if directory is None or not directory.is_dir():
+        if in_memory:
+            _processor_from_cache(run, where)
+        return
+    found = processor_files(directory)
+    if not found:  # the source has none either
         return
     from transformers import AutoProcessor
 
     try:
         processor = AutoProcessor.from_pretrained(os.fspath(directory), trust_remote_code=False)
-    except (ImportError, OSError, ValueError, TypeError, AttributeError) as err:  # the tokenizer is saved
-        logger.warning("%s: the processor is not saved with the output (%s)", directory, str(err).strip()[:200])
+    except (ImportError, OSError, ValueError, TypeError, AttributeError) as err:
+        run.processor_source = directory
+        logger.warning(
+            "%s: its processor could not be loaded (%s); its files are copied into the output as they are "
+            "(those the tokenizer's save does not write): %s",
+            directory,
+            load_error(err),
+            ", ".join(found),
+        )
         return
+    if not hasattr(processor, "image_processor"):  # AutoProcessor gave a tokenizer: the files as they are
+        run.processor_source = directory
+        return
+    run.processor = processor
+    if in_memory:
+        logger.info("processor: loaded from the model's name_or_path %r, saved with the output", where)
+
+
+def _processor_from_cache(run: Run, name: str | None) -> None:
+    """The processor of an in-memory vision-language model whose ``name_or_path`` (``name``) is not a local
+    directory: ``AutoProcessor`` of a Hub id in the local Hugging Face cache, else a warning that the output has no
+    processor files and how to add them."""
+    processor = None
+    if name is not None and looks_like_hub_id(name):
+        from transformers import AutoProcessor
+
+        with contextlib.suppress(ImportError, OSError, ValueError, TypeError, AttributeError):
+            processor = AutoProcessor.from_pretrained(name, local_files_only=True, trust_remote_code=False)
     if hasattr(processor, "image_processor"):
         run.processor = processor
+        logger.info("processor: loaded from the model's name_or_path %r (local cache), saved with the output", name)
+        return
+    where = f"its name_or_path {name!r} is no local directory holding them" if name else "it has no name_or_path"
+    logger.warning(
+        "the in-memory vision-language model's processor files (%s...) are not saved with the output: %s; pass "
+        "processor=AutoProcessor.from_pretrained(<the model's directory>) (or tokenizer=) to save them",
+        ", ".join(PROCESSOR_FILES[:2]),
+        where,
+    )
 
 
 # --------------------------------------------------------------------------- data
@@ -1139,6 +1216,9 @@ def save(run: Run) -> None:
             run.disk_before,
             run.settings.quantization_format,
         )
+        if run.processor_source is not None:  # the ones the save wrote (the tokenizer's) are kept
+            copied = copy_processor_files(run.processor_source, run.work.staging)
+            logger.info("processor files copied from %s as they are: %s", run.processor_source, ", ".join(copied))
         report.output_dir = str(run.out_path)
         report.finish(run.t_start)
         (run.work.staging / "report.json").write_text(report.to_json() + "\n", encoding="utf-8")
