@@ -312,11 +312,13 @@ REFUSALS = {
         "GPTQModifier: GptOssForCausalLM (model_type 'gpt_oss'): fused experts model.layers.0.mlp.experts cannot be "
         "quantized: transformers saves model.layers.0.mlp.experts.gate_up_proj, model.layers.0.mlp.experts.down_proj "
         "fused in the checkpoint (its conversion mapping has no per-expert key for them) and reads compressed-tensors "
-        "packed weights into fused experts only through such a per-expert mapping: measured on transformers 5.24, "
-        "packed per expert they reload as unexpected keys with model.layers.0.mlp.experts.gate_up_proj missing "
-        "(randomly initialised), packed under the fused name as unexpected "
-        "model.layers.0.mlp.experts.gate_up_proj.weight_packed ... keys, so no packed experts can be written that it "
-        "reloads",
+        "quantized weights into fused experts only through such a per-expert mapping: quantized per expert they "
+        "reload as unexpected keys with model.layers.0.mlp.experts.gate_up_proj missing (randomly initialised; "
+        "measured on transformers 5.24, and on 5.25 with llm-compressor 0.14's Qwen3-VL-MoE checkpoints: packed int4, "
+        "NVFP4, and FP8 weights with their scales), packed under the fused name as unexpected "
+        "model.layers.0.mlp.experts.gate_up_proj.weight_packed ... keys (5.24), so no quantized experts can be written "
+        "that it reloads; to quantize the rest of the model, add 're:.*mlp.experts' to the modifier's ignore (the "
+        "experts are then saved dense, as they are, and reload)",
     ),
     "dbrx": (
         "dbrx",
@@ -324,11 +326,13 @@ REFUSALS = {
         "GPTQModifier: DbrxForCausalLM (model_type 'dbrx'): fused experts transformer.blocks.0.ffn.experts cannot be "
         "quantized: transformers saves transformer.blocks.0.ffn.experts.mlp.w1, transformer.blocks.0.ffn.experts.mlp."
         "v1, transformer.blocks.0.ffn.experts.mlp.w2 fused in the checkpoint (its conversion mapping has no "
-        "per-expert key for them) and reads compressed-tensors packed weights into fused experts only through such a "
-        "per-expert mapping: measured on transformers 5.24, packed per expert they reload as unexpected keys with "
-        "transformer.blocks.0.ffn.experts.mlp.w1 missing (randomly initialised), packed under the fused name as "
-        "unexpected transformer.blocks.0.ffn.experts.mlp.w1.weight_packed ... keys, so no packed experts can be "
-        "written that it reloads",
+        "per-expert key for them) and reads compressed-tensors quantized weights into fused experts only through "
+        "such a per-expert mapping: quantized per expert they reload as unexpected keys with "
+        "transformer.blocks.0.ffn.experts.mlp.w1 missing (randomly initialised; measured on transformers 5.24, and on "
+        "5.25 with llm-compressor 0.14's Qwen3-VL-MoE checkpoints: packed int4, NVFP4, and FP8 weights with their "
+        "scales), packed under the fused name as unexpected transformer.blocks.0.ffn.experts.mlp.w1.weight_packed ... "
+        "keys (5.24), so no quantized experts can be written that it reloads; to quantize the rest of the model, add "
+        "'re:.*ffn.experts' to the modifier's ignore (the experts are then saved dense, as they are, and reload)",
     ),
     "ignored": (
         "mixtral",

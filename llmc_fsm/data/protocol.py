@@ -383,7 +383,7 @@ def logits_are_projection(model: torch.nn.Module, input_ids: torch.Tensor) -> bo
         device = next(model.parameters()).device
     except StopIteration:
         device = torch.device("cpu")
-    extra = {"use_cache": False} if _takes_use_cache(model) else {}
+    extra = _forward_extras(model)
     hook = _HeadInput()
     hook.keep = _CHECK_POSITIONS
     handle = head.register_forward_pre_hook(hook)
@@ -438,12 +438,22 @@ def _full_nll(logits: torch.Tensor, batch: torch.Tensor) -> float:
     return total
 
 
-def _takes_use_cache(model: Any) -> bool:
-    """Whether ``model``'s ``forward`` has a ``use_cache`` parameter (transformers' causal LMs do)."""
+def _forward_extras(model: Any) -> dict[str, bool]:
+    """The keyword arguments a scoring forward of ``model`` gets: ``use_cache=False`` and
+    ``output_router_logits=False`` where its ``forward`` has such a parameter (transformers' causal LMs; their
+    mixture-of-experts families).
+
+    No KV cache: nothing is generated, and a cache holds every layer's keys and values of the batch (transformers'
+    NemotronH in 5.25 even fails building one when its first layer has nothing to cache). No router logits: a
+    checkpoint whose config sets ``output_router_logits`` (fine-tuned ones ship it) would add the load-balancing
+    loss, which the logits do not need, and which fails with an ``IndexError`` when the decoder layers are replayed
+    (:func:`llmc_fsm.pipeline.streaming.tail_perplexity`: no router runs, so no router logits are recorded).
+    """
     try:
-        return "use_cache" in inspect.signature(model.forward).parameters
+        parameters = inspect.signature(model.forward).parameters
     except (AttributeError, TypeError, ValueError):
-        return False
+        return {}
+    return {name: False for name in ("use_cache", "output_router_logits") if name in parameters}
 
 
 def perplexity(
@@ -471,8 +481,8 @@ def perplexity(
     one window of them at a time, as is a model without an output projection.
 
     Args:
-        model: a causal LM; called as ``model(input_ids=LongTensor[B, L])`` (with ``use_cache=False`` when its
-            ``forward`` takes ``use_cache``, as transformers' models do) and
+        model: a causal LM; called as ``model(input_ids=LongTensor[B, L])`` (with ``use_cache=False`` and
+            ``output_router_logits=False`` when its ``forward`` takes them, as transformers' models do) and
             must return ``.logits`` (or a tuple whose first item is the logits)
             of shape ``[B, L, vocab]``.  Runs on the device of its first
             parameter; its train/eval mode is left unchanged (use eval mode).
@@ -511,9 +521,7 @@ def perplexity(
     except StopIteration:
         device = torch.device("cpu")
     head = _output_projection(model)
-    # no KV cache: nothing is generated, and a cache holds every layer's keys and values of the batch
-    # (transformers' NemotronH in 5.25 even fails building one when its first layer has nothing to cache)
-    extra = {"use_cache": False} if _takes_use_cache(model) else {}
+    extra = _forward_extras(model)  # no KV cache, no router logits
     hook = _HeadInput()
     handle = head.register_forward_pre_hook(hook) if head is not None else None
     total_nll = 0.0

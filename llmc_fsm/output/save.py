@@ -52,7 +52,7 @@ from llmc_fsm.recipes.model import Recipe
 from llmc_fsm.toolkit.masks import SPARSE_FROM, zeros_structure
 from llmc_fsm.toolkit.packed import format_problem, kept_packed, saved_as
 from llmc_fsm.toolkit.targets import tied_head
-from llmc_fsm.toolkit.views import LinearView, reloads_as_linears, weight_views
+from llmc_fsm.toolkit.views import LinearView, expert_checkpoint_names, reloads_as_linears, weight_views
 
 logger = logging.getLogger(__name__)
 
@@ -176,7 +176,9 @@ class SparsityMetadata:
             ``[0, 1]``.
         structure: ``"N:M"`` (N zeros in every M inputs, as compressed-tensors and vLLM read it) when every target
             follows it, else ``"unstructured"``.
-        targets: the modules whose weights are sparse (at least 5% pruned zeros), by name.
+        targets: the modules whose weights are sparse (at least 5% pruned zeros), by name; an expert matrix of
+            fused experts by the per-expert module name the checkpoint holds it under (as the
+            ``quantization_config`` targets it).
     """
 
     global_sparsity: float
@@ -199,11 +201,16 @@ def sparsity_metadata(model: nn.Module, report: Any, structure: str | None) -> S
     2:4 kernels); else ``"unstructured"``. The targets are the sparse modules that follow the structure (vLLM takes
     its 2:4 kernels for them): with a structure, a module whose zeros do not follow it (an ignored head with zero
     rows of a padded vocabulary) is not a target and does not turn a 2:4 model unstructured (until 2026-12-06 it
-    did: a tester's case). Fused experts' matrices are not listed (not modules).
+    did: a tester's case). An expert matrix of fused experts is listed under its per-expert checkpoint name
+    (:func:`_saved_expert_names`: ``model.layers.0.mlp.experts.3.gate_proj``, Mixtral's
+    ``model.layers.0.block_sparse_moe.experts.3.w1``), the name its packed tensors are written under; the experts of a
+    family whose checkpoint keeps them fused (GPT-OSS, DBRX: no per-expert name exists) are not listed. (Until
+    2026-12-07 no expert matrix was listed: a 2:4 Qwen3-MoE's targets named its attention only, a tester's case.)
     """
     if report is None:
         return None
-    names = {name for name, _ in model.named_modules()}
+    names = {name: name for name, _ in model.named_modules()}
+    names.update(_saved_expert_names(model, {m.name for m in report.modules if m.sparsity >= SPARSE_FROM}))
     sparse = [m for m in report.modules if m.sparsity >= SPARSE_FROM and m.name in names]
     if not sparse:
         return None
@@ -217,8 +224,38 @@ def sparsity_metadata(model: nn.Module, report: Any, structure: str | None) -> S
     return SparsityMetadata(
         global_sparsity=model_sparsity(report, model),
         structure=followed,
-        targets=sorted(m.name for m in sparse if followed == "unstructured" or m.follows(followed)),
+        targets=sorted(names[m.name] for m in sparse if followed == "unstructured" or m.follows(followed)),
     )
+
+
+def _saved_expert_names(model: nn.Module, wanted: set[str]) -> dict[str, str]:
+    """``{view name: checkpoint module name}`` of the expert matrices of fused experts named in ``wanted`` (view
+    names, ``<experts>.<e>.gate_proj``): a quantized one's ``checkpoint_name`` (its packed tensors' name); a dense
+    one's name as saved (:func:`~llmc_fsm.toolkit.views.expert_checkpoint_names`; Llama 4's dense experts are written
+    as Linears under their view names, :func:`dense_linear_experts`). A family whose checkpoint keeps the experts
+    fused (``expert_checkpoint_names`` raises) has none."""
+    out: dict[str, str] = {}
+    for name, module in model.named_modules():
+        views = {f"{name}.{s}" if name else s: (s, v) for s, v in weight_views(module).items() if s}
+        if not any(full in wanted for full in views):  # no expert of this module is sparse (or a Conv1D)
+            continue
+        saved: dict[str, str] | None = None
+        for full, (suffix, view) in views.items():
+            if full not in wanted:
+                continue
+            if getattr(view, "quantization_scheme", None) is not None and getattr(view, "checkpoint_name", None):
+                out[full] = view.checkpoint_name
+            elif reloads_as_linears(module):
+                out[full] = full
+            else:
+                if saved is None:
+                    try:
+                        saved = expert_checkpoint_names(model, name, module)
+                    except ValueError:  # kept fused in the checkpoint: no per-expert module to name
+                        saved = {}
+                if suffix in saved:
+                    out[full] = saved[suffix]
+    return out
 
 
 def model_sparsity(report: Any, model: nn.Module) -> float:

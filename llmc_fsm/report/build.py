@@ -48,7 +48,12 @@ class ModuleSparsity:
     lists ``("Modifier (stage)", error or None)`` of every modifier that
     compressed it, in the order they ran, when there were several (2:4 pruning,
     then GPTQ); the errors do not add up. ``routed_tokens``: for one expert's matrix of fused
-    mixture-of-experts weights, the calibration tokens the router sent to that expert (``None`` otherwise).
+    mixture-of-experts weights, the calibration tokens the router sent to that expert (``None`` otherwise);
+    ``all_tokens``: the modifier that counted them had ``calibrate_all_experts`` set, so the matrix was calibrated
+    on every calibration token whatever the router chose (``report.json``: ``calibrate_all_experts: true``).
+    ``dampening_frac``: the Hessian damping a GPTQ/SparseGPT modifier used for the module where it is not the
+    configured one (its Hessian was not positive definite with that, so it retried with 10x more; ``None``
+    otherwise).
     ``fewest_zeros``: :func:`~llmc_fsm.toolkit.masks.fewest_zeros` of the weight when it was measured (the N:M
     structures its zeros follow; empty below 5% zeros); not written to ``report.json``. ``quantized``: the label of a
     quantized module's scheme (:func:`~llmc_fsm.toolkit.packed.scheme_label`: ``int4/g64``, ``fp8 a:fp8``), the
@@ -65,6 +70,8 @@ class ModuleSparsity:
     rel_output_error: float | None = None
     rel_output_errors: list[tuple[str, float | None]] = attrs.Factory(list)
     routed_tokens: int | None = None
+    all_tokens: bool = False
+    dampening_frac: float | None = None
     fewest_zeros: dict[int, int] = attrs.Factory(dict)
 
     @property
@@ -242,7 +249,16 @@ class OneshotReport:
         counts = [m.routed_tokens for m in routed]
         idle = [m.name for m in routed if m.routed_tokens == 0]
         none = f"; no routed token: {compact_names(idle)}" if idle else "; every expert got tokens"
-        if any(m.bits is not None and m.routed_tokens == 0 for m in routed):  # GPTQ without a Hessian
+        every = [m.name for m in routed if m.routed_tokens == 0 and m.all_tokens]
+        rounded = [m.name for m in routed if m.routed_tokens == 0 and m.bits is not None and not m.all_tokens]
+        if every and rounded:
+            none += (
+                f"; {compact_names(every)} calibrated on every token (calibrate_all_experts), "
+                f"{compact_names(rounded)} quantized by round-to-nearest (no calibration input)"
+            )
+        elif every:
+            none += ", calibrated on every token (calibrate_all_experts)"
+        elif rounded:  # GPTQ without a Hessian
             none += ", quantized by round-to-nearest (no calibration input)"
         return [
             f"experts: {len(routed)} expert matrices, {min(counts)}-{max(counts)} routed calibration tokens each"
@@ -311,6 +327,8 @@ class OneshotReport:
                     rel_output_error=m.get("rel_output_error"),
                     rel_output_errors=[(e["modifier"], e["rel_output_error"]) for e in m.get("rel_output_errors", [])],
                     routed_tokens=m.get("routed_tokens"),
+                    all_tokens=bool(m.get("calibrate_all_experts")),
+                    dampening_frac=m.get("dampening_frac"),
                 )
                 for m in entries
             ],
@@ -335,8 +353,17 @@ class OneshotReport:
         cal = self.calibration
         split = cal.get("per_rank")
         if cal.get("num_samples"):
+            samples, length, tokens = cal.get("num_samples"), cal.get("seq_len"), cal.get("num_tokens")
+            # rows of different lengths (texts, image-caption batches padded to their longest row): the count
+            # leaves padding out, while padded positions are calibration rows too (as llm-compressor calibrates them)
+            uneven = isinstance(tokens, int) and isinstance(samples, int) and isinstance(length, int)
+            uneven = uneven and tokens != samples * length
             lines.append(
-                f"calibration: {cal.get('num_samples')} x {cal.get('seq_len')} tokens "
+                (
+                    f"calibration: {samples} samples of up to {length} tokens ({tokens:,} tokens, padding not counted) "
+                    if uneven
+                    else f"calibration: {samples} x {length} tokens "
+                )
                 + (f"{source}" if str(source := cal.get("source")).startswith("generated ") else f"from {source}")
                 + (f" (split over {len(split)} ranks: {' + '.join(map(str, split))})" if split else "")
             )
@@ -633,9 +660,12 @@ def _quant_fields(m: ModuleSparsity) -> dict[str, Any]:
             ("quantized", m.quantized),
             ("rel_output_error", m.rel_output_error),
             ("routed_tokens", m.routed_tokens),
+            ("dampening_frac", m.dampening_frac),
         )
         if value is not None
     }
+    if m.all_tokens:
+        fields["calibrate_all_experts"] = True
     if len(m.rel_output_errors) > 1:  # every modifier that compressed it, in order (error None: not measured)
         fields["rel_output_errors"] = [{"modifier": n, "rel_output_error": e} for n, e in m.rel_output_errors]
     return fields
@@ -702,6 +732,10 @@ def build_report(
         for name, count in (getattr(modifier, "routed_tokens", None) or {}).items():  # fused experts' matrices
             if name in by_name:
                 by_name[name].routed_tokens = count
+                by_name[name].all_tokens = bool(getattr(modifier, "calibrate_all_experts", False))
+        for name, used in (getattr(modifier, "dampening_results", None) or {}).items():  # retried damping
+            if name in by_name:
+                by_name[name].dampening_frac = used
     _bits_of_earlier_runs(model, by_name)
     return OneshotReport(
         model=model_name,

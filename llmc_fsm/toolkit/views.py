@@ -28,6 +28,7 @@ import functools
 import inspect
 import logging
 import math
+import re
 from collections.abc import Callable, Container, Mapping
 from types import SimpleNamespace
 from typing import Any, NamedTuple
@@ -554,12 +555,16 @@ def expert_checkpoint_names(model: nn.Module, name: str, module: nn.Module) -> d
     reverted = revert_weight_conversion(model, {owner_prefix + p: m for p, m in markers.items()})
     kept = [k for k in reverted if k.startswith(owner_prefix) and k.removeprefix(owner_prefix) in markers]
     if kept:
+        tail = re.sub(r"^(.*\.)?\d+\.", "", name)  # the experts' name inside their layer: mlp.experts
         msg = (
             f"transformers saves {', '.join(kept)} fused in the checkpoint (its conversion mapping has no per-expert "
-            "key for them) and reads compressed-tensors packed weights into fused experts only through such a "
-            f"per-expert mapping: measured on transformers 5.24, packed per expert they reload as unexpected keys "
-            f"with {kept[0]} missing (randomly initialised), packed under the fused name as unexpected "
-            f"{kept[0]}.weight_packed ... keys, so no packed experts can be written that it reloads"
+            "key for them) and reads compressed-tensors quantized weights into fused experts only through such a "
+            f"per-expert mapping: quantized per expert they reload as unexpected keys with {kept[0]} missing "
+            "(randomly initialised; measured on transformers 5.24, and on 5.25 with llm-compressor 0.14's "
+            "Qwen3-VL-MoE checkpoints: packed int4, NVFP4, and FP8 weights with their scales), packed under the fused "
+            f"name as unexpected {kept[0]}.weight_packed ... keys (5.24), so no quantized experts can be written "
+            f"that it reloads; to quantize the rest of the model, add 're:.*{tail}' to the modifier's ignore (the "
+            "experts are then saved dense, as they are, and reload)"
         )
         raise ValueError(msg)
     names: dict[str, str] = {}
