@@ -529,8 +529,11 @@ stages:
         ),
         (
             "s:\n  p_modifiers:\n    WandaPruningModifier: {sparsity: [0.5, 0.4]}\n",
-            "recipe <text>, line 3, stage 's', modifier WandaPruningModifier, argument 'sparsity': "
-            "sparsity must be a number in [0, 1) (fraction of weights set to zero), got [0.5, 0.4]",
+            "recipe <text>, line 3, stage 's', modifier WandaPruningModifier, argument 'sparsity': sparsity "
+            "[0.5, 0.4]: llm-compressor's per-layer form (a list matched to the targets, or a mapping) is not "
+            "supported here; give one number in [0, 1) per modifier, and for several sparsities one modifier per "
+            "sparsity with the layers it prunes as its targets (a stage in list form may hold the same modifier several times: - "
+            "WandaPruningModifier: {sparsity: 0.3, targets: [...]})",
         ),
         (
             "s:\n  p_modifiers:\n    WandaPruningModifier: {quantize: false}\n",

@@ -43,11 +43,12 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 import re
 import shutil
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -138,8 +139,9 @@ def model_free_ptq(
             in one), before anything else; both or neither of ``scheme`` / ``config``; an unknown or invalid
             ``scheme`` / ``config``; ``group_size`` not a positive int, or given with a ``config``, a scheme object
             or a preset whose weights are not int groups (``FP8_DYNAMIC``, ``NVFP4A16``, ``MXFP4A16``); a scheme
-            that needs calibration data (static activation scales, ``kv_cache_scheme``, an ``imatrix_mse``
-            observer); a targeted tensor of three dimensions; several devices — before the output is created.
+            that needs calibration data (static activation scales, NVFP4's input global scale, ``kv_cache_scheme``,
+            an ``imatrix_mse`` observer), naming what needs it; a targeted tensor of three dimensions; several
+            devices — before the output is created.
         ModifierError: what the quantization modifier refuses at ``initialize`` on the checkpoint's names, shapes
             and dtypes (targets matching nothing, a group size or block shape that does not fit), from its
             ``ValueError`` — before the output is created.
@@ -501,14 +503,39 @@ def _check_left_to_quantize(session: Session, tree: nn.Module, tensors: Mapping[
         raise ValueError(msg)
 
 
+def _calibrated_parts(modifier: Any) -> tuple[list[str], list[str]]:
+    """What of ``modifier``'s schemes needs calibration inputs, and what to use instead (each a list of phrases)."""
+    needs: list[str] = []
+    instead: list[str] = []
+    for scheme in (getattr(modifier, "quantization_schemes", None) or {}).values():
+        inputs, weights = scheme.input_activations, scheme.weights
+        dynamic = None if inputs is None else str(getattr(inputs.dynamic, "value", inputs.dynamic)).lower()
+        if dynamic == "local":  # NVFP4: per-group scales at run time, under a per-module global scale
+            needs.append(
+                "the per-module input_global_scale of NVFP4's activations (their group scales are dynamic, the "
+                "global scale above them is calibrated from each Linear's inputs)"
+            )
+            instead.append("NVFP4A16 (NVFP4 weights, activations not quantized)")
+        elif dynamic == "false":
+            needs.append("static input-activation scales")
+            instead.append("a scheme with dynamic activations (FP8_DYNAMIC, W8A8)")
+        if weights is not None and weights.observer == "imatrix_mse":
+            needs.append("the imatrix_mse observer (it weighs each weight's error by its input's mean square)")
+            instead.append("another observer (minmax, mse)")
+    return list(dict.fromkeys(needs)), list(dict.fromkeys(instead))
+
+
 def _check_data_free(session: Session) -> None:
-    """Refuse a recipe whose modifier needs calibration data (static input scales, KV cache, ``imatrix_mse``)."""
+    """Refuse a recipe whose modifier needs calibration data (static input scales, NVFP4's input global scale,
+    ``imatrix_mse``), naming what needs it."""
     for label, modifier in zip(session.labels, session.modifiers, strict=True):
         if "calibration_data" in modifier.required_keys():
+            needs, instead = _calibrated_parts(modifier)
+            what = " and ".join(needs) if needs else "this scheme"
+            use = f"use {' or '.join(instead)}, or" if instead else "use a scheme with dynamic activations, or"
             msg = (
-                f"model_free_ptq runs no calibration: {label} needs calibration data for this scheme (static "
-                "activation scales, a kv_cache_scheme or an imatrix_mse observer); use a scheme with dynamic "
-                "activations, or run llmc_fsm.oneshot with a dataset"
+                f"model_free_ptq runs no calibration: {label} needs calibration data for {what}; {use} run "
+                "llmc_fsm.oneshot with a dataset"
             )
             raise ValueError(msg)
 
@@ -857,6 +884,17 @@ def _check_fused_experts(tensors: Mapping[str, torch.Tensor], session: Session, 
         raise ValueError(msg)
 
 
+def _one_block(scheme: Any, shape: Sequence[int]) -> bool:
+    """Whether ``scheme``'s block weights give a matrix of ``shape`` (``[out, in]``) a ``weight_scale`` that
+    broadcasts against it (one block, or one per value, along each dimension): transformers' experts loader
+    multiplies an expert's fp8 weight by its scale by broadcasting, so it reloads such a matrix, quantized as per
+    tensor."""
+    w = scheme.weights
+    if w is None or str(getattr(w.strategy, "value", w.strategy)) != "block" or not w.block_structure:
+        return False
+    return all(math.ceil(int(d) / int(b)) in (1, int(d)) for d, b in zip(shape, w.block_structure, strict=True))
+
+
 def _warn_expert_reload(session: Session, experts: list[str]) -> None:
     """One warning line when expert matrices of the architecture's fused experts (per-expert checkpoint weights
     that transformers collects into one fused parameter) get a scheme transformers would not reload into it
@@ -870,7 +908,11 @@ def _warn_expert_reload(session: Session, experts: list[str]) -> None:
         scheme_of = getattr(modifier, "scheme_of", None)
         for name in experts:
             if scheme_of is not None and name in modifier.resolved_targets:
-                problem = expert_reload_problem(scheme_of(name))
+                scheme = scheme_of(name)
+                problem = expert_reload_problem(scheme)
+                if problem is not None and _one_block(scheme, modifier.resolved_targets[name].weight.shape):
+                    weights = scheme.weights.model_copy(update={"strategy": "tensor", "block_structure": None})
+                    problem = expert_reload_problem(scheme.model_copy(update={"weights": weights}))
                 if problem is not None:
                     problems.setdefault(problem, []).append(name)
     for problem, names in problems.items():

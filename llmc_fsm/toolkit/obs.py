@@ -287,6 +287,8 @@ def inverse_hessian_cholesky(
     max_dampening_retries: int = 3,
     device: torch.device | str | None = None,
     algorithm: str = "OBS",
+    modules: str | None = None,
+    dampening_used: list[float] | None = None,
 ) -> InverseHessianFactor:
     """Upper Cholesky factor ``U`` of the damped inverse Hessian, the dead inputs and the damping.
 
@@ -295,8 +297,9 @@ def inverse_hessian_cholesky(
     Then ``lambda = dampening_frac * mean(diag H)`` is added to the diagonal and
     ``U`` with ``U^T U = (H + lambda I)^-1`` is computed (GPTQ arXiv 2210.17323,
     Section 4 "Cholesky reformulation"). If the damped matrix is not positive
-    definite, ``dampening_frac`` is multiplied by 10 up to
-    ``max_dampening_retries`` times, with a warning each time.
+    definite, ``dampening_frac`` is multiplied by 10 (from 0: set to 1e-4) up to
+    ``max_dampening_retries`` times; when a retry succeeds one warning names ``modules``, the configured and the
+    used ``dampening_frac``.
 
     Args:
         hessian: ``[C, C]`` symmetric PSD matrix (not modified; any float dtype).
@@ -304,6 +307,10 @@ def inverse_hessian_cholesky(
         max_dampening_retries: retries with 10x damping; 0 disables retrying.
         device: where to compute (default: ``hessian``'s device).
         algorithm: name used in warnings and errors (``"SparseGPT"``, ``"GPTQ"``).
+        modules: the modules whose inputs gave ``hessian`` (e.g. ``model.layers.0.self_attn.{q,k,v}_proj``),
+            named in the warning and the error; ``None``: not named.
+        dampening_used: when given, the ``dampening_frac`` the factor was computed with (after any retries) is
+            appended to it.
 
     Returns:
         ``(U, dead, damping)`` (:class:`InverseHessianFactor`): ``U`` float32 ``[C, C]`` upper
@@ -336,6 +343,7 @@ def inverse_hessian_cholesky(
     if mean_diag <= 0.0:
         mean_diag = 1.0
     frac = float(dampening_frac)
+    where = f"{algorithm}: {modules}:" if modules else f"{algorithm}:"
     for attempt in range(max_dampening_retries + 1):
         # With J the index reversal: J H J = L L^T  =>  H = V V^T with V = J L J
         # upper triangular, so U = V^-1 = J L^-1 J is upper with U^T U = H^-1:
@@ -348,21 +356,27 @@ def inverse_hessian_cholesky(
             inv_chol = _lower_triangular_inverse(chol)
             del chol
             if all_finite(inv_chol):
+                if attempt:
+                    logger.warning(
+                        "%s Hessian not positive definite with dampening_frac=%g; compressed with dampening_frac=%g "
+                        "(%d %s)",
+                        where,
+                        dampening_frac,
+                        frac,
+                        attempt,
+                        "retry" if attempt == 1 else "retries",
+                    )
+                if dampening_used is not None:
+                    dampening_used.append(frac)
                 return InverseHessianFactor(inv_chol.flip(0, 1), dead, frac * mean_diag)
             del inv_chol
         if attempt < max_dampening_retries:
-            new_frac = frac * 10.0 if frac > 0 else 1e-4
-            logger.warning(
-                "%s: Hessian not positive definite with dampening_frac=%g; retrying with dampening_frac=%g",
-                algorithm,
-                frac,
-                new_frac,
-            )
-            frac = new_frac
+            frac = frac * 10.0 if frac > 0 else 1e-4
+    retries = f"{max_dampening_retries} {'retry' if max_dampening_retries == 1 else 'retries'}"
     raise HessianNotPositiveDefiniteError(
-        f"{algorithm}: the Hessian is not positive definite even with dampening_frac={frac:g} "
-        f"(started at {dampening_frac:g}, {max_dampening_retries} retries). Use a larger "
-        "dampening_frac or more / more diverse calibration samples."
+        f"{where} the Hessian is not positive definite even with dampening_frac={frac:g} "
+        f"(started at {dampening_frac:g}, {retries}). Use a larger dampening_frac or more / more diverse calibration "
+        "samples."
     )
 
 

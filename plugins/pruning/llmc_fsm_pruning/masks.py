@@ -39,6 +39,7 @@ import logging
 import math
 import numbers
 import re
+from collections.abc import Mapping
 from typing import Any
 
 import attrs
@@ -181,8 +182,17 @@ def sparsity_validator(instance: Any, attribute: Any, value: Any) -> None:
     """attrs validator of a modifier's sparsity argument (``sparsity``, ``init_sparsity``, ...).
 
     Raises:
-        ValueError: a bool, a non-number, NaN or a value outside ``[0, 1)``; the message names the argument.
+        ValueError: a bool, a non-number, NaN or a value outside ``[0, 1)``; the message names the argument. A
+            list or mapping (llm-compressor's per-layer form) is refused saying so, with what to write instead.
     """
+    if isinstance(value, list | tuple | Mapping):
+        msg = (
+            f"{attribute.name} {value!r}: llm-compressor's per-layer form (a list matched to the targets, or a "
+            f"mapping) is not supported here; give one number in [0, 1) per modifier, and for several sparsities "
+            f"one modifier per sparsity with the layers it prunes as its targets (a stage in list form may hold the "
+            f"same modifier several times: - {type(instance).__name__}: {{{attribute.name}: 0.3, targets: [...]}})"
+        )
+        raise ValueError(msg)
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0.0 <= float(value) < 1.0:
         msg = f"{attribute.name} must be a number in [0, 1) (fraction of weights set to zero), got {value!r}"
         if isinstance(value, numbers.Real) and not isinstance(value, bool) and float(value) in range(10, 100):

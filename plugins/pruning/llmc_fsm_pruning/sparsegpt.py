@@ -65,6 +65,7 @@ from llmc_fsm.toolkit import (
     HessianAccumulator,
     InverseHessianFactor,
     check_dampening_frac,
+    compact_names,
     inverse_hessian_cholesky,
     obs_sweep,
     sweep_relative_errors,
@@ -127,7 +128,7 @@ def sparsegpt_prune(
             ``H_jj`` is set to 1, as in the reference code); >= 0.
         max_dampening_retries: if the damped ``H`` is not positive definite,
             retry this many times, each time multiplying ``dampening_frac`` by
-            10 (a warning is logged for each retry). 0 disables retrying.
+            10 (one warning when a retry succeeds). 0 disables retrying.
         preserve_sparsity_mask: keep every zero of ``weight`` pruned and count
             it toward ``sparsity`` (see the module docstring); default ``False``
             (the mask is chosen afresh).
@@ -169,6 +170,8 @@ def sparsegpt_prune_shared(
     max_dampening_retries: int = 3,
     errors: list[float] | None = None,
     preserve_sparsity_mask: bool = False,
+    modules: str | None = None,
+    dampening_used: list[float] | None = None,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """:func:`sparsegpt_prune` for several weights that see the same inputs (one Hessian).
 
@@ -188,6 +191,10 @@ def sparsegpt_prune_shared(
         errors: if a list, each weight's relative output error ``||W X - W_hat X|| / ||W X||``
             on the Hessian's inputs is appended to it, from the sweep's own terms
             (:func:`llmc_fsm.toolkit.layer_error.sweep_relative_errors`; 0.0 when nothing is pruned).
+        modules: the names of the weights' modules, named in the warning when the damped Hessian needed retries
+            (e.g. ``model.layers.0.self_attn.{q,k,v}_proj``).
+        dampening_used: if a list, the ``dampening_frac`` the Hessian was factorised with (larger than
+            ``dampening_frac`` after retries; ``dampening_frac`` when nothing is pruned) is appended to it.
 
     Returns:
         ``[(pruned_weight, keep_mask), ...]`` in the order of ``weights``.
@@ -204,6 +211,8 @@ def sparsegpt_prune_shared(
         check_dampening_frac(dampening_frac)
         if errors is not None:
             errors += [0.0] * len(weights)
+        if dampening_used is not None:
+            dampening_used.append(float(dampening_frac))
         return [(w.detach().clone(), torch.ones_like(w, dtype=torch.bool)) for w in weights]
     device = weights[0].device
 
@@ -213,6 +222,8 @@ def sparsegpt_prune_shared(
         max_dampening_retries=max_dampening_retries,
         device=device,
         algorithm="SparseGPT",
+        modules=modules,
+        dampening_used=dampening_used,
     )
     # Work on the transpose ([in, out]: column j of W = contiguous row j of WT); the
     # weights' rows sit side by side, segment (r0, r1) of WT's columns is one weight.
@@ -472,9 +483,18 @@ class SparseGPTModifier(CalibratedPruningModifier):
 
     measures_output_error = True  # from the sweep (llmc_fsm.toolkit.layer_error.sweep_relative_errors)
 
+    def _clear(self) -> None:
+        super()._clear()
+        #: module name -> the ``dampening_frac`` its Hessian was factorised with, for the modules whose damped
+        #: Hessian was not positive definite with the configured ``dampening_frac`` (retried with 10x damping; a
+        #: warning names them). Empty: every module used the configured value.
+        self.dampening_results: dict[str, float] = {}
+
     def _compress_group(self, modules: list[nn.Module], accumulator: HessianAccumulator) -> CompressedGroup:
         # Targets that saw the same inputs (q/k/v, gate/up) share one Hessian factorisation and one sweep.
         errors: list[float] = []
+        used: list[float] = []
+        names = [self._names_by_id.get(id(module), "") for module in modules]
         results = sparsegpt_prune_shared(
             [module.weight for module in modules],
             accumulator.hessian,
@@ -484,5 +504,9 @@ class SparseGPTModifier(CalibratedPruningModifier):
             dampening_frac=float(self.dampening_frac),
             errors=errors,
             preserve_sparsity_mask=self.preserve_sparsity_mask,
+            modules=compact_names(names),
+            dampening_used=used,
         )
+        if used[0] != float(self.dampening_frac):
+            self.dampening_results.update(dict.fromkeys(names, used[0]))
         return CompressedGroup([pruned for pruned, _keep in results], errors)

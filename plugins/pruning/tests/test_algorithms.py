@@ -516,8 +516,36 @@ def test_sparsegpt_retries_with_growing_dampening(caplog):
         out, keep = sparsegpt_prune(w, _indefinite_hessian(), sparsity=0.5)
     assert bool(torch.isfinite(out).all())
     assert int((~keep).sum()) == 12
-    retries = [r for r in caplog.records if "retrying with dampening_frac" in r.getMessage()]
-    assert len(retries) == 2
+    assert [r.getMessage() for r in caplog.records if "dampening_frac" in r.getMessage()] == [
+        "SparseGPT: Hessian not positive definite with dampening_frac=0.01; compressed with dampening_frac=1 "
+        "(2 retries)"
+    ]
+
+
+def test_sparsegpt_names_the_modules_and_gives_the_dampening_used_after_retries(caplog):
+    """A retry logged "SparseGPT: Hessian not positive definite with dampening_frac=0.01; retrying with
+    dampening_frac=0.1" per retry without naming the modules, and the damping finally used was not returned
+    (found by a tester): one warning names them and dampening_used receives the value."""
+    weights = [torch.randn(4, 6, generator=torch.Generator().manual_seed(1)) for _ in range(2)]
+    used: list[float] = []
+    with caplog.at_level(logging.WARNING):
+        sparsegpt_prune_shared(weights, _indefinite_hessian(), sparsity=0.5, modules="l.{q,k}_proj",
+                               dampening_used=used)
+    assert [r.getMessage() for r in caplog.records if "dampening_frac" in r.getMessage()] == [
+        "SparseGPT: l.{q,k}_proj: Hessian not positive definite with dampening_frac=0.01; compressed with "
+        "dampening_frac=1 (2 retries)"
+    ]
+    assert used == [1.0]
+    with pytest.raises(HessianNotPositiveDefiniteError) as err:
+        sparsegpt_prune_shared(weights, _indefinite_hessian(), sparsity=0.5, max_dampening_retries=1,
+                               modules="l.{q,k}_proj")
+    assert str(err.value) == (
+        "SparseGPT: l.{q,k}_proj: the Hessian is not positive definite even with dampening_frac=0.1 (started at "
+        "0.01, 1 retry). Use a larger dampening_frac or more / more diverse calibration samples."
+    )
+    used.clear()
+    sparsegpt_prune_shared(weights, torch.eye(6), sparsity=0.5, dampening_used=used)
+    assert used == [0.01]
 
 
 # --------------------------------------------------------------------------- #

@@ -191,3 +191,19 @@ def test_an_unquoted_n_m_read_as_base_60_and_a_percentage_sparsity_say_what_was_
         SparseGPTModifier(sparsity=50)
     assert str(info.value) == (
         "sparsity must be a number in [0, 1) (fraction of weights set to zero), got 50 (a percentage? 50% is 0.5)")
+
+
+@pytest.mark.parametrize("value", [[0.3, 0.7], {0.3: ["re:.*layers.0.*"]}])
+def test_a_per_layer_sparsity_says_llm_compressor_s_form_is_not_supported_and_what_to_write(value):
+    """A per-layer sparsity list or mapping (llm-compressor's form) was refused as "must be a number in [0, 1)",
+    which did not say the form is unsupported nor how to prune layers to different sparsities (found by a tester)."""
+    with pytest.raises(ValueError) as info:
+        WandaPruningModifier(sparsity=value)
+    assert str(info.value) == (
+        f"sparsity {value!r}: llm-compressor's per-layer form (a list matched to the targets, or a mapping) is not "
+        "supported here; give one number in [0, 1) per modifier, and for several sparsities one modifier per "
+        "sparsity with the layers it prunes as its targets (a stage in list form may hold the same modifier several "
+        "times: - WandaPruningModifier: {sparsity: 0.3, targets: [...]})"
+    )
+    recipe = "s:\n  - WandaPruningModifier: {sparsity: 0.3, targets: [a]}\n  - WandaPruningModifier: {sparsity: 0.7}\n"
+    assert [m.sparsity for m in Session(recipe).modifiers] == [0.3, 0.7]  # the form the message gives runs

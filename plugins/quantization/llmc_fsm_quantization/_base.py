@@ -109,6 +109,24 @@ ACTIVATION_OBSERVER = "minmax"
 DEFAULT_OBSERVER = "minmax"
 
 
+def _block_scales_broadcast(scheme: QuantizationScheme, shapes: Sequence[Sequence[int]]) -> bool:
+    """Whether ``scheme`` is FP8 block weights whose ``weight_scale`` broadcasts against every expert matrix of
+    ``shapes`` (``[out, in]`` each): one block (or one per value) along each dimension, e.g. a 128x128 expert with
+    128x128 blocks. transformers' experts loader multiplies each expert's fp8 weight by its scale by broadcasting,
+    so it reloads those (measured by a tester: a tiny MoE's 128x128 experts reload), and no others."""
+    w = scheme.weights
+    if w is None or w.strategy != QuantizationStrategy.BLOCK or not w.block_structure or not shapes:
+        return False
+    block = [int(b) for b in w.block_structure]
+    return all(math.ceil(d / b) in (1, d) for shape in shapes for d, b in zip(shape, block, strict=True))
+
+
+def _as_per_tensor(scheme: QuantizationScheme) -> QuantizationScheme:
+    """``scheme`` with its block weights per tensor: what a matrix of one block is quantized as."""
+    weights = scheme.weights.model_copy(update={"strategy": QuantizationStrategy.TENSOR, "block_structure": None})
+    return scheme.model_copy(update={"weights": weights})
+
+
 @attrs.define(kw_only=True)
 class QuantizedWeight:
     """A quantized weight: dequantized values and the parameters that reproduce them.
@@ -126,6 +144,8 @@ class QuantizedWeight:
         input_global_scale: ``[1]`` float32 NVFP4 input global scale (``input_global_scale``: ``448 * 6 / max|x|``
             over the calibration inputs, under which the per-group input scales are computed at run time;
             ``input_activations`` with ``dynamic: local``), else ``None``.
+        dampening_frac: the relative damping the Hessian was factorised with (GPTQ: the configured one, or larger
+            after retries when the damped Hessian was not positive definite), else ``None``.
     """
 
     weight: torch.Tensor
@@ -137,6 +157,7 @@ class QuantizedWeight:
     input_zero_point: torch.Tensor | None = None
     global_scale: torch.Tensor | None = None
     input_global_scale: torch.Tensor | None = None
+    dampening_frac: float | None = None
 
 
 @torch.no_grad()
@@ -1378,6 +1399,8 @@ class QuantizingModifier(CalibratedModifier):
                 as_linears.append(source_name)
             names.update({f"{source_name}.{s}": n for s, n in per_expert.items()})
         problem = None if as_linears else expert_reload_problem(scheme)
+        if problem is not None and _block_scales_broadcast(scheme, [v.weight.shape for v in views.values()]):
+            problem = expert_reload_problem(_as_per_tensor(scheme))  # one block per matrix: its scale is per tensor
         if problem is not None and not experts_for_vllm(scheme):
             msg = f"{name}: {family}: fused experts {compact_names(list(sources))}: {problem}{_FOR_VLLM}"
             raise ValueError(msg)

@@ -53,6 +53,7 @@ from llmc_fsm.toolkit import (
     SUB_BLOCK,
     HessianAccumulator,
     check_dampening_frac,
+    compact_names,
     inverse_hessian_cholesky,
     obs_sweep,
     sweep_relative_errors,
@@ -119,6 +120,7 @@ def gptq_quantize(
     observer: str = "minmax",
     max_dampening_retries: int = 3,
     global_scales: Sequence[torch.Tensor | None] | None = None,
+    modules: str | None = None,
 ) -> list[QuantizedWeight]:
     """Quantize weights that see the same inputs (one Hessian) with GPTQ.
 
@@ -143,16 +145,19 @@ def gptq_quantize(
         actorder: ``"static"`` (default), ``"group"`` or ``None``.
         observer: one of :data:`~llmc_fsm_quantization.observers.OBSERVERS` (default ``"minmax"``);
             ``imatrix_mse`` takes its importance, ``E[x_j^2]``, from the Hessian's diagonal.
-        max_dampening_retries: retries with 10x damping when ``H`` is not positive definite.
+        max_dampening_retries: retries with 10x damping when ``H`` is not positive definite (from 0: 1e-4); a
+            warning names ``modules`` and the ``dampening_frac`` used, which each result's ``dampening_frac`` holds.
         global_scales: NVFP4 only: per weight a ``[1]`` global scale to use instead of its own, or ``None``
             (:meth:`~llmc_fsm_quantization._base.QuantizingModifier.global_scales`).
+        modules: the names of the weights' modules, for the warning (e.g. ``model.layers.0.mlp.{gate,up}_proj``).
 
     Returns:
         One :class:`QuantizedWeight` per weight: the dequantized weight (input
         dtype), ``scale`` / ``zero_point`` (``[1]``, ``[out, 1]`` or
         ``[out, in // group_size]``), ``g_idx`` (``[in]`` int32, only for
-        ``actorder="group"``) and the relative output error on the Hessian's inputs
-        (from the sweep's own terms: :func:`llmc_fsm.toolkit.layer_error.sweep_relative_errors`).
+        ``actorder="group"``), the relative output error on the Hessian's inputs
+        (from the sweep's own terms: :func:`llmc_fsm.toolkit.layer_error.sweep_relative_errors`) and the
+        ``dampening_frac`` used.
 
     Raises:
         ValueError: bad shapes or arguments, ``in_features`` not divisible by ``group_size``.
@@ -169,12 +174,15 @@ def gptq_quantize(
     importance = None
     if observer in IMPORTANCE_OBSERVERS:  # E[x^2] per input column, in the sweep's (permuted) order
         importance = importance_from_hessian(hessian).to(device)
+    used: list[float] = []  # the dampening_frac the factor was computed with
     factor = inverse_hessian_cholesky(
         hessian,
         dampening_frac=dampening_frac,
         max_dampening_retries=max_dampening_retries,
         device=device,
         algorithm="GPTQ",
+        modules=modules,
+        dampening_used=used,
     )
     originals = [w.detach().to(torch.float32) for w in weights]
     upfront = not group or actorder != "group" or is_scaled_format(args)
@@ -201,7 +209,10 @@ def gptq_quantize(
     del original
     if perm is not None:
         WT = WT[torch.argsort(perm)]
-    return rule.results(WT, weights, perm if (group and actorder == "group") else None, errors)
+    results = rule.results(WT, weights, perm if (group and actorder == "group") else None, errors)
+    for q in results:
+        q.dampening_frac = used[0]
+    return results
 
 
 class _QuantRule:
@@ -429,6 +440,13 @@ class GPTQModifier(QuantizingModifier):
     measures_output_error = True  # from the sweep (llmc_fsm.toolkit.layer_error.sweep_relative_errors)
     compresses_views = True  # each expert matrix of fused experts (QuantizingModifier._check_views)
 
+    def _clear(self) -> None:
+        super()._clear()
+        #: module name -> the ``dampening_frac`` its Hessian was factorised with, for the modules whose damped
+        #: Hessian was not positive definite with the configured ``dampening_frac`` (retried with 10x damping; a
+        #: warning names them). Empty: every module used the configured value.
+        self.dampening_results: dict[str, float] = {}
+
     def _resolve(self) -> None:
         super()._resolve()
         for args in (scheme.weights for scheme in self._groups.values()):
@@ -502,7 +520,8 @@ class GPTQModifier(QuantizingModifier):
             scales = self.global_scales(modules)
             pairs = zip(modules, scales, strict=True)
             return [rtn_quantize(m.weight, args, args.observer, global_scale=g) for m, g in pairs]
-        return gptq_quantize(
+        names = [self._names_by_id.get(id(m), "") for m in modules]
+        results = gptq_quantize(
             [m.weight for m in modules],
             accumulator.hessian,
             args=args,
@@ -511,4 +530,9 @@ class GPTQModifier(QuantizingModifier):
             actorder=self.actorder,
             observer=args.observer,
             global_scales=self.global_scales(modules),
+            modules=compact_names(names),
         )
+        for name, q in zip(names, results, strict=True):
+            if q.dampening_frac != float(self.dampening_frac):
+                self.dampening_results[name] = q.dampening_frac
+        return results

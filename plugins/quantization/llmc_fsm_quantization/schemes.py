@@ -302,11 +302,23 @@ def _check_group_override(preset: str, base: QuantizationScheme, weights: Any) -
     strategy = base.weights.strategy if base.weights is not None else None
     if strategy == QuantizationStrategy.GROUP:
         return
+    size = weights["group_size"]
+    if strategy == QuantizationStrategy.TENSOR_GROUP:  # NVFP4: the format fixes the group (fp4 needs its scales)
+        fixed = base.weights.group_size
+        if size == fixed:
+            return
+        msg = (
+            f"preset {preset} quantizes weights in NVFP4's groups of {fixed} values (fixed by the format: fp4 "
+            f"values under float8 group scales and a per-tensor global scale), so group_size {size} cannot be set; "
+            f"leave it out, or for weights in groups of {size} use an int preset: W4A16 (int4 weights, activations "
+            f"not quantized) with weights: {{group_size: {size}}}"
+        )
+        raise ValueError(msg)
     per = getattr(strategy, "value", strategy)
     msg = (
         f"preset {preset} quantizes weights per {per}, so group_size (--group-size) does not apply; leave it out, "
         f"use a group-wise preset such as W4A16 or W8A16, or set weights: "
-        f"{{strategy: group, group_size: {weights['group_size']}}}"
+        f"{{strategy: group, group_size: {size}}}"
     )
     raise ValueError(msg)
 

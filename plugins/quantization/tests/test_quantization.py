@@ -420,6 +420,22 @@ def test_group_size_on_a_channel_wise_preset_says_what_to_do() -> None:
     assert (explicit.weights.strategy, explicit.weights.group_size) == ("group", 64)
 
 
+@pytest.mark.parametrize("preset", ["NVFP4A16", "NVFP4"])
+def test_group_size_on_an_nvfp4_preset_says_the_group_is_fixed(preset) -> None:
+    """The advice was "... or set weights: {strategy: group, group_size: 32}", which is refused in turn (float
+    weights of 4 bits cannot be saved ...; found by a tester): NVFP4's group of 16 is fixed by the format."""
+    with pytest.raises(ValueError) as info:
+        resolve_scheme({"preset": preset, "weights": {"group_size": 32}}, ["Linear"])
+    assert str(info.value) == (
+        f"preset {preset} quantizes weights in NVFP4's groups of 16 values (fixed by the format: fp4 values under "
+        "float8 group scales and a per-tensor global scale), so group_size 32 cannot be set; leave it out, or for "
+        "weights in groups of 32 use an int preset: W4A16 (int4 weights, activations not quantized) with weights: "
+        "{group_size: 32}"
+    )
+    assert resolve_scheme({"preset": preset, "weights": {"group_size": 16}}, ["Linear"]) == resolve_scheme(
+        preset, ["Linear"])
+
+
 @pytest.mark.parametrize("spec", [W4G16, "W8A8", {"preset": "W4A16_ASYM", "weights": {"group_size": 32}}])
 @pytest.mark.parametrize("actorder", [None, "static"])
 def test_gptq_integer_fast_path_is_bitwise_the_compressed_tensors_rounding(monkeypatch, spec, actorder) -> None:
