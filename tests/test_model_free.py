@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
 from safetensors.torch import load_file, save_file
 
 import llmc_fsm
@@ -221,19 +222,26 @@ def test_scheme_and_config_together_or_neither_are_refused(tmp_path):
     _refused(tmp_path, ValueError, message)
 
 
+_NEEDS_DATA = "model_free_ptq runs no calibration: QuantizationModifier needs calibration data for "
+
+
 @pytest.mark.parametrize(
-    "kwargs",
+    ("kwargs", "message"),
     [
-        {"scheme": "FP8"},
-        {"scheme": {"weights": {"num_bits": 4, "observer": "imatrix_mse", "strategy": "group", "group_size": 32}}},
+        ({"scheme": "FP8"}, _NEEDS_DATA + "static input-activation scales; use a scheme with dynamic activations "
+         "(FP8_DYNAMIC, W8A8), or run llmc_fsm.oneshot with a dataset"),
+        ({"scheme": {"weights": {"num_bits": 4, "observer": "imatrix_mse", "strategy": "group", "group_size": 32}}},
+         _NEEDS_DATA + "the imatrix_mse observer (it weighs each weight's error by its input's mean square); use "
+         "another observer (minmax, mse), or run llmc_fsm.oneshot with a dataset"),
+        ({"scheme": "NVFP4"}, _NEEDS_DATA + "the per-module input_global_scale of NVFP4's activations (their group "
+         "scales are dynamic, the global scale above them is calibrated from each Linear's inputs); use NVFP4A16 "
+         "(NVFP4 weights, activations not quantized), or run llmc_fsm.oneshot with a dataset"),
     ],
 )
-def test_a_scheme_that_needs_calibration_data_is_refused(tmp_path, kwargs):
-    message = (
-        "model_free_ptq runs no calibration: QuantizationModifier needs calibration data for this scheme (static "
-        "activation scales, a kv_cache_scheme or an imatrix_mse observer); use a scheme with dynamic activations, "
-        "or run llmc_fsm.oneshot with a dataset"
-    )
+def test_a_scheme_that_needs_calibration_data_is_refused_naming_what_needs_it(tmp_path, kwargs, message):
+    """NVFP4 was refused as needing "static activation scales, a kv_cache_scheme or an imatrix_mse observer" with
+    the advice to use dynamic activations, which NVFP4's are (found by a tester): the per-module input global
+    scale is what needs data, and NVFP4A16 is the data-free alternative."""
     _refused(tmp_path, ValueError, message, **kwargs)
 
 
@@ -355,6 +363,28 @@ def test_families_are_written_as_oneshot_writes_them(tmp_path, family, scheme):
     assert sorted(free) == sorted(reference)
     assert all(torch.equal(free[k], reference[k]) for k in free)
     assert torch.equal(_reloaded_logits(tmp_path / "free"), _reloaded_logits(tmp_path / "oneshot"))
+
+
+def test_fp8_block_experts_of_one_block_get_no_reload_warning_and_reload(tmp_path, caplog):
+    """FP8_BLOCK on fused experts always warned "transformers X will not reload this checkpoint into its fused
+    experts", also for expert matrices of one 128x128 block, whose scale broadcasts and which transformers reloads
+    (found by a tester)."""
+    import tiny_families
+
+    model = tiny_families.build("qwen3_moe", hidden_size=128, moe_intermediate_size=128, head_dim=32,
+                                num_hidden_layers=2).to(torch.bfloat16)
+    model.save_pretrained(tmp_path / "src")
+    with caplog.at_level(logging.WARNING):
+        model_free_ptq(tmp_path / "src", tmp_path / "free", scheme="FP8_BLOCK", ignore=["lm_head", "re:.*mlp.gate$"],
+                       progress=False)
+    assert [r.getMessage() for r in caplog.records if "will not reload" in r.getMessage()] == []
+    reloaded, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "free", output_loading_info=True)
+    assert (sorted(info["missing_keys"]), sorted(info["unexpected_keys"])) == ([], [])
+    tensors = _tensors(tmp_path / "free")
+    experts = reloaded.model.layers[1].mlp.experts
+    expected = tensors["model.layers.1.mlp.experts.2.down_proj.weight"].float() * tensors[
+        "model.layers.1.mlp.experts.2.down_proj.weight_scale"].float()
+    assert torch.equal(experts.down_proj[2], expected.to(torch.bfloat16))
 
 
 def test_a_scheme_transformers_cannot_reload_into_fused_experts_is_written_for_vllm_with_a_warning(tmp_path, caplog):
@@ -549,8 +579,8 @@ def test_the_command_writes_what_the_function_writes(tmp_path, capsys, caplog):
     assert main(["model-free", str(source), "--scheme", "FP8", "--output", str(tmp_path / "fp8")]) == 1
     assert capsys.readouterr().err == (
         "llmc-fsm model-free: error: model_free_ptq runs no calibration: QuantizationModifier needs calibration data "
-        "for this scheme (static activation scales, a kv_cache_scheme or an imatrix_mse observer); use a scheme with "
-        "dynamic activations, or run llmc_fsm.oneshot with a dataset\n"
+        "for static input-activation scales; use a scheme with dynamic activations (FP8_DYNAMIC, W8A8), or run "
+        "llmc_fsm.oneshot with a dataset\n"
     )
     assert not (tmp_path / "fp8").exists()
     # a newcomer's case: the refusal of a scheme on these widths came after the default-ignore warning line
@@ -564,7 +594,7 @@ def test_the_command_writes_what_the_function_writes(tmp_path, capsys, caplog):
     assert not (tmp_path / "block").exists()
 
 
-def test_the_command_runs_with_the_threads_given(tmp_path, monkeypatch):
+def test_the_command_runs_with_the_threads_given(tmp_path, monkeypatch, capsys):
     """``--threads N`` as oneshot's: torch's CPU threads for the run (the output the same); 0 is refused."""
     import llmc_fsm.cli.model_free as command
     from llmc_fsm.cli import main
@@ -588,9 +618,9 @@ def test_the_command_runs_with_the_threads_given(tmp_path, monkeypatch):
     model_free_ptq(source, tmp_path / "api", scheme="W8A8", progress=False)
     cli, api = _tensors(tmp_path / "t"), _tensors(tmp_path / "api")
     assert sorted(cli) == sorted(api) and all(torch.equal(cli[k], api[k]) for k in cli)
-    with pytest.raises(SystemExit) as info:
-        main([*base, "--threads", "0", "--output", str(tmp_path / "z")])
-    assert info.value.code == 2
+    capsys.readouterr()
+    assert main([*base, "--threads", "0", "--output", str(tmp_path / "z")]) == 1  # as oneshot's bad value
+    assert capsys.readouterr().err == "llmc-fsm model-free: error: threads (--threads) must be a positive int, got 0\n"
     assert not (tmp_path / "z").exists()
 
 

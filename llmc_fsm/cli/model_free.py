@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import argparse
 import logging
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from llmc_fsm.cli.oneshot import interrupted, signals_as_interrupt
+from llmc_fsm.models.hf_io import hub_model_unavailable, looks_like_hub_id
+from llmc_fsm.models.known import KNOWN_MODELS, check_model_name
 from llmc_fsm.oneshot_job.model_free import model_free_ptq
 from llmc_fsm.oneshot_job.settings import _dtype_name
 
@@ -36,7 +39,7 @@ def add_cli(sub: Any) -> None:
     p.add_argument("--scheme", required=True, help="compressed-tensors preset, e.g. FP8_BLOCK, W8A8, NVFP4A16")
     p.add_argument(
         "--group-size",
-        type=_positive_int,
+        type=int,  # a value below 1: refused in _run_cli
         default=None,
         metavar="N",
         help="replace the weight group size of an int group-wise --scheme (W4A16's 128: SmolLM2's width 576 needs 64)",
@@ -59,26 +62,20 @@ def add_cli(sub: Any) -> None:
         help="read and write the float tensors in this dtype (also bf16, fp16, half, fp32, float; default: as "
         "stored; NVFP4 / MX need bfloat16)",
     )
-    p.add_argument(
-        "--threads", type=_positive_int, default=None, help="torch CPU threads for the run (default: torch's choice)"
-    )
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads for the run (default: torch's choice)")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     p.set_defaults(func=_run_cli)
 
 
-def _positive_int(text: str) -> int:
-    """``--threads``' and ``--group-size``'s value: an int >= 1 (argparse's one-line error otherwise)."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        msg = f"must be a positive int, got {text!r}"
-        raise argparse.ArgumentTypeError(msg)
-    return value
-
-
 def _run_cli(args: argparse.Namespace) -> int:
+    # a value below 1: one line, exit status 1, as oneshot's (argparse's exit status 2 before; found by a tester)
+    if args.group_size is not None and args.group_size < 1:
+        msg = f"--group-size must be a positive int, got {args.group_size}"
+        raise ValueError(msg)
+    if args.threads is not None and args.threads < 1:
+        msg = f"threads (--threads) must be a positive int, got {args.threads}"
+        raise ValueError(msg)
+    _check_model(args.model)
     logging.getLogger("llmc_fsm.oneshot_job.model_free").setLevel(logging.INFO)  # its closing summary line
     if args.threads is not None:
         torch.set_num_threads(args.threads)
@@ -99,3 +96,21 @@ def _run_cli(args: argparse.Namespace) -> int:
         return interrupted("model-free", exc)
     print(f"output: {out}")
     return 0
+
+
+def _check_model(model: str) -> None:
+    """Refuse MODEL at once, as ``oneshot --model`` does, when it names nothing that can be read: not a known name,
+    not an existing path and not shaped like a Hub ID (:func:`~llmc_fsm.models.known.check_model_name`), or a Hub ID
+    that is not in the Hugging Face cache while the Hub cannot be reached
+    (:func:`~llmc_fsm.models.hf_io.hub_model_unavailable`, 3 s at most; ``HF_HUB_OFFLINE``: not tried). A mistyped
+    local directory took 37 s of Hub retries before its error (found by a tester).
+
+    Raises:
+        ValueError: an unknown name, a missing path, a file.
+        RuntimeError: a Hub ID neither cached nor reachable.
+    """
+    check_model_name(model)
+    if model not in KNOWN_MODELS and not Path(model).expanduser().exists() and looks_like_hub_id(model):
+        missing = hub_model_unavailable(model)
+        if missing is not None:
+            raise RuntimeError(missing)

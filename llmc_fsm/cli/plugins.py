@@ -8,12 +8,15 @@ ones disabled through ``LLMC_FSM_DISABLE_PLUGINS``.
 ``explain`` resolves a recipe and prints its plan without touching a model (``(default)`` after each
 argument the recipe did not give, and where llm-compressor's default differs for the same recipe, how:
 :data:`llmc_fsm.recipes.llmcompressor.DEFAULT_DIFFERENCES`); given a modifier's name instead, the plan of
-that modifier alone with every argument at its default.
+that modifier alone with every argument at its default. With ``--model DIR`` the recipe (or the modifier with its
+defaults) is taken as oneshot takes it on that model (its ``run_type: train`` stages skipped, merged with the history
+of a saved output's ``recipe.yaml``, refused when nothing is left to run), and oneshot's checks of the model run.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 from typing import Any
 
@@ -25,10 +28,11 @@ from llmc_fsm.models.hf_io import meta_model
 from llmc_fsm.models.known import KNOWN_MODELS, known_model_dir
 from llmc_fsm.models.layers import check_calibrates_from_text, find_decoder_layers
 from llmc_fsm.oneshot_job.data import check_modifiers, torch_dtype_of
+from llmc_fsm.oneshot_job.phases import recipe_sessions
 from llmc_fsm.oneshot_job.settings import DTYPES, _dtype_name
 from llmc_fsm.pipeline.sequential import check_modifier_targets_in_layers, output_head
+from llmc_fsm.recipes.history import merge_saved_recipe
 from llmc_fsm.recipes.llmcompressor import unimplemented_note
-from llmc_fsm.recipes.model import Recipe
 from llmc_fsm.session.explain import explain
 from llmc_fsm.session.session import Session
 
@@ -92,6 +96,30 @@ def _modifier_info(name: str) -> Any:
     return info
 
 
+def _defaults_refusal(name: str) -> str | None:
+    """Why ``{"defaults": {name: {}}}`` is no valid recipe (its arguments without a default, or the refusal of
+    its defaults alone, e.g. no sparsity), or ``None`` when it is one.
+
+    Raises:
+        ValueError: ``name`` is not a registered modifier.
+    """
+    info = _modifier_info(name)
+    required = [f.alias for f in _arguments_of(info.cls) if f.default is attrs.NOTHING]
+    if required:
+        return f"{', '.join(required)} (no default)"
+    try:
+        Session({"defaults": {name: {}}})
+    except (RecipeError, ValueError) as exc:  # the defaults alone are not a valid modifier (e.g. no sparsity)
+        return str(exc).rsplit(": ", 1)[-1] if isinstance(exc, RecipeError) else str(exc)
+    return None
+
+
+def _arguments_of(cls: type) -> list[Any]:
+    """The attrs fields a recipe gives ``cls`` as arguments (its schedule, shown as such by explain, left out)."""
+    schedule = ("start", "end", "update")
+    return [f for f in attrs.fields(cls) if f.init and f.name not in schedule] if attrs.has(cls) else []
+
+
 def _modifier_plan(name: str, state: list[str]) -> str:
     """What ``llmc-fsm explain NAME`` prints: the plan of ``{"defaults": {name: {}}}`` when every argument has a
     default that forms a valid modifier; otherwise its arguments with their defaults and what must be set.
@@ -100,16 +128,11 @@ def _modifier_plan(name: str, state: list[str]) -> str:
         ValueError: ``name`` is not a registered modifier.
     """
 
-    info = _modifier_info(name)
-    schedule = ("start", "end", "update")  # explain shows them as the schedule, not as arguments
-    fields = [f for f in attrs.fields(info.cls) if f.init and f.name not in schedule] if attrs.has(info.cls) else []
-    required = [f.alias for f in fields if f.default is attrs.NOTHING]
-    why = f"{', '.join(required)} (no default)" if required else None
+    why = _defaults_refusal(name)
     if why is None:
-        try:
-            return _plan({"defaults": {name: {}}}, state)
-        except (RecipeError, ValueError) as exc:  # the defaults alone are not a valid modifier (e.g. no sparsity)
-            why = str(exc).rsplit(": ", 1)[-1] if isinstance(exc, RecipeError) else str(exc)
+        return _plan({"defaults": {name: {}}}, state)
+    fields = _arguments_of(_modifier_info(name).cls)
+    required = [f.alias for f in fields if f.default is attrs.NOTHING]
     lines = [f"{name}: arguments (default):"]
     lines += [
         f"  {f.alias} = {_default(f.default) if f.default is not attrs.NOTHING else '(required)'}" for f in fields
@@ -133,66 +156,95 @@ def _default(default: object) -> str:
 
 def _run_explain(args: argparse.Namespace) -> int:
 
-    recipe = args.recipe
+    recipe: Any = args.recipe
     if recipe == "-":  # the Unix convention (it was parsed as the YAML text "-", "got a list": a tester's case)
         msg = "RECIPE '-' (standard input) is not read: give the recipe file's path"
         raise ValueError(msg)
-    if not os.path.exists(recipe) and recipe.isidentifier():
-        print(_modifier_plan(recipe, args.state), end="")  # a modifier's name: its plan with the defaults
-        return 0
+    if args.dtype is not None and args.model is None:  # it was ignored (found by a tester): a usage error
+        msg = "--dtype is the dtype oneshot would load --model in: give --model DIR with it, or leave --dtype out"
+        args._commands[args.command].error(msg)
+    if not os.path.exists(recipe) and recipe.isidentifier():  # a modifier's name: its plan with the defaults
+        if args.model is None:
+            print(_modifier_plan(recipe, args.state), end="")
+            return 0
+        why = _defaults_refusal(recipe)
+        if why is not None:  # --model was dropped without a word (found by a tester)
+            print(_modifier_plan(recipe, args.state), end="")
+            msg = (
+                f"--model {args.model} not checked: {recipe} has no plan with its defaults alone; give a recipe "
+                "that sets what it needs (above) with --model"
+            )
+            raise ValueError(msg)
+        recipe = {"defaults": {recipe: {}}}
+    if args.model is not None:
+        return _explain_on_model(args, recipe)
     session = Session(recipe)
     if args.state:
         session.update_state(**_supplied(args.state))
-    model = _meta_model(args.model, args.dtype) if args.model is not None else None
+    print(explain(session), end="")
+    _say_expected(session, None)
+    return 0
+
+
+def _explain_on_model(args: argparse.Namespace, recipe: Any) -> int:
+    """``explain RECIPE --model DIR``: the recipe as oneshot would run it on the model (:func:`recipe_sessions` of
+    :mod:`llmc_fsm.oneshot_job.phases`: its ``run_type: train`` stages skipped with oneshot's warning, merged with
+    the history a saved output keeps in its ``recipe.yaml``, oneshot's refusal when nothing is left to run), its
+    plan printed, then the checks oneshot runs on the same ``meta``-device model, one session per stage not yet
+    applied, as oneshot runs them; the "runs on top of it" lines of the history logged once they pass.
+
+    Raises:
+        ValueError: ``"oneshot would refuse this recipe on --model DIR: <oneshot's message>"``, after the plan for
+            a check of the model (before it when nothing is left to run); no ``config.json`` in ``DIR``.
+        RecipeError: the recipe itself is invalid.
+    """
+    dtype = args.dtype or "float32"
+    on = f"--model {args.model}" + (f" --dtype {dtype}" if dtype != "float32" else "")
+    notes: list[str] = []
+    try:  # oneshot's own merge: explain approved recipes oneshot refuses, under other stage names (found by a tester)
+        merged, sessions = recipe_sessions(args.model, recipe, False, notes)
+    except RecipeError:
+        raise
+    except ValueError as exc:  # nothing left to run: oneshot's refusal, before the model is read
+        raise ValueError(f"oneshot would refuse this recipe on {on}: {exc}") from None
+    model = _meta_model(args.model, dtype)
+    session = Session(merged)
+    if args.state:
+        session.update_state(**_supplied(args.state))
+    session.update_state(model=model)
     refusal = None
-    if model is not None:
-        session.update_state(model=model)
-        try:  # the checks oneshot runs on the same meta-device model before any weight (group sizes, targets...)
-            checked = _oneshot_part(session)
-            if checked is not None:
-                if checked.requires("calibration_data"):
-                    check_calibrates_from_text(model)  # an encoder-decoder model (Whisper) calibrates on no token ids
-                check_modifiers(_stage_sessions(checked), model, True)
-                _check_in_layers(checked, model)
-        except MissingStateError:
-            refusal = None  # a training recipe: the plan lists what it needs
-        except ValueError as exc:
-            on = f"--model {args.model}" + (f" --dtype {args.dtype}" if args.dtype != "float32" else "")
-            refusal = ValueError(f"oneshot would refuse this recipe on {on}: {exc}")
+    try:  # the checks oneshot runs on the same meta-device model before any weight (group sizes, targets...)
+        if any(s.requires("calibration_data") for s in sessions):
+            check_calibrates_from_text(model)  # an encoder-decoder model (Whisper) calibrates on no token ids
+        check_modifiers(sessions, model, True)
+        for checked in sessions:
+            _check_in_layers(checked, model)
+    except MissingStateError:
+        refusal = None  # a modifier needs state oneshot does not give: the plan lists it
+    except ValueError as exc:
+        refusal = ValueError(f"oneshot would refuse this recipe on {on}: {exc}")
     print(explain(session, model_refused=refusal is not None), end="")
     if refusal is not None:
         raise refusal
+    history = logging.getLogger(merge_saved_recipe.__module__)
+    for line in notes:  # as oneshot says them: once every check passed
+        history.warning("%s", line)
+    _say_expected(session, args.model)
+    return 0
+
+
+def _say_expected(session: Session, model: str | None) -> None:
+    """The closing line when all the plan misses is what oneshot gives (the model, calibration data)."""
     given_by_oneshot = {"model", "calibration_data"}
     missing = {key for keys in session.missing_state().values() for key in keys}
     if missing and missing <= given_by_oneshot:
         fit = (
-            f"oneshot's checks of --model {args.model} pass"
+            f"oneshot's checks of --model {model} pass"
             if model is not None
             else "`explain RECIPE --model DIR` runs oneshot's checks of a model and shows, where a modifier resolves "
             "modules (AWQ, SmoothQuant), how they map on it"
         )
         print(f"(Expected here: `llmc-fsm oneshot` gives {' and '.join(sorted(missing))}; {fit}.)")
-    return 0
-
-
-def _oneshot_part(session: Session) -> Session | None:
-    """A session of ``session``'s recipe without its ``run_type: train`` stages, which one-shot skips (``None`` when
-    every stage is one): their state keys (``steps_per_epoch``) made explain skip every check, so a later stage's
-    refusal went unsaid (a README-only newcomer's case: llm-compressor's 2:4 recipe of docs/recipes.md)."""
-    kept = [stage for stage in session.recipe.stages if stage.run_type != "train"]
-    if len(kept) == len(session.recipe.stages):
-        return session
-    return Session(Recipe(kept, session.recipe.source)) if kept else None
-
-
-def _stage_sessions(session: Session) -> list[Session]:
-    """One session per stage not yet applied, as one-shot runs a recipe (``fuse_stages=False``): with the whole
-    recipe as one session, a modifier's ``check_stage`` saw the modifiers of every stage, so explain passed an AWQ
-    stage whose quantizer sits in another stage, which one-shot refuses (found by a tester)."""
-    fresh = [stage for stage in session.recipe.stages if not stage.applied]
-    if len(fresh) <= 1:
-        return [session]
-    return [Session(Recipe([stage], session.recipe.source)) for stage in fresh]
 
 
 def _check_in_layers(session: Session, model: Any) -> None:
@@ -281,13 +333,14 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="a Hugging Face model directory or a known model name (smollm2-135m): its architecture (config.json, "
         "on the meta device, no weights) is the state's model, and modifiers that resolve modules on it show them "
-        "(e.g. AWQ's smoothing mappings)",
+        "(e.g. AWQ's smoothing mappings); the recipe is merged with the stages a saved output's recipe.yaml marks "
+        "applied, as oneshot merges it",
     )
     parser.add_argument(
         "--dtype",
         type=_dtype_name,  # as oneshot's --dtype: bf16, fp16, half, fp32, float too
         choices=DTYPES,
-        default="float32",
+        default=None,
         help="with --model: the dtype oneshot would load it in (as oneshot --dtype; default float32); NVFP4 and MX "
         "schemes need bfloat16",
     )

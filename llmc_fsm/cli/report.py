@@ -6,10 +6,12 @@ import argparse
 import json
 import math
 import os
+import shlex
 import sys
 from pathlib import Path
 from typing import Any
 
+from llmc_fsm.output.workdir import progress_summary, work_dir_path
 from llmc_fsm.report.build import OneshotReport
 from llmc_fsm.report.plot import check_plot_path, plot_report
 
@@ -24,27 +26,34 @@ def read_report(path: str | os.PathLike[str]) -> dict[str, Any]:
         rebuild into a :class:`~llmc_fsm.report.build.OneshotReport`.
 
     Raises:
-        FileNotFoundError: ``path`` does not exist, or the directory has no ``report.json``.
-        ValueError: the file is not UTF-8 JSON, or not a one-shot report: keys missing, or a module's field that
+        FileNotFoundError: ``path`` does not exist (when a run writing it was interrupted, the message says how far
+            it got and the command that finishes it), or the directory has no ``report.json``.
+        ValueError: the file is not UTF-8 JSON (one not named ``report.json``: "neither an output directory ... nor
+            its report.json"), or not a one-shot report: keys missing, or a module's field that
             oneshot cannot have written (``layer`` neither an int >= 0 nor null, ``zeros`` outside ``0..numel``, a
             ``sparsity`` other than ``zeros / numel``, ``bits`` / ``group_size`` not positive ints, a negative
             ``rel_output_error``); the message names the file, the module and the field.
     """
     given = Path(path).expanduser()
     if not given.exists():
-        msg = f"{given} does not exist; pass the output directory of `llmc-fsm oneshot --output DIR`"
+        interrupted = _interrupted_run(given)
+        msg = interrupted or f"{given} does not exist; pass the output directory of `llmc-fsm oneshot --output DIR`"
         raise FileNotFoundError(msg)
     file = given / "report.json" if given.is_dir() else given
     if not file.is_file():
         msg = f"{file} not found: {given} is not an output directory of `llmc-fsm oneshot --output DIR`"
         raise FileNotFoundError(msg)
+    named = file.name == "report.json"  # another file (a text file) is no report at all: said so (found by a tester)
     try:
         data = json.loads(file.read_bytes().decode("utf-8"))
     except UnicodeDecodeError as err:
+        if not named:
+            raise ValueError(_not_a_report(file, f"not UTF-8: byte offset {err.start}")) from None
         msg = f"{file}: not UTF-8 (byte offset {err.start}); is it a report.json written by llmc-fsm oneshot?"
         raise ValueError(msg) from None
     except json.JSONDecodeError as err:
-        msg = f"{file}: invalid JSON ({err.msg} at line {err.lineno}, column {err.colno})"
+        where = f"{err.msg} at line {err.lineno}, column {err.colno}"
+        msg = f"{file}: invalid JSON ({where})" if named else _not_a_report(file, f"not JSON: {where}")
         raise ValueError(msg) from None
     try:
         detail = _module_problem(data["sparsity"]["modules"])
@@ -56,6 +65,38 @@ def read_report(path: str | os.PathLike[str]) -> dict[str, Any]:
         msg = f"{file}: not a one-shot report written by llmc-fsm oneshot ({detail})"
         raise ValueError(msg)
     return data
+
+
+def _not_a_report(file: Path, what: str) -> str:
+    """The refusal of a file not named ``report.json`` that is not JSON (``what``: why)."""
+    return (
+        f"{file} is neither an output directory of `llmc-fsm oneshot --output DIR` nor its report.json ({what}); "
+        "pass that directory"
+    )
+
+
+def _interrupted_run(output: Path) -> str | None:
+    """What to say of an output directory that does not exist while its work directory (``.NAME.work`` beside it,
+    :func:`~llmc_fsm.output.workdir.work_dir_path`) does: the run that writes it was interrupted (or still runs),
+    how far it got (:func:`~llmc_fsm.output.workdir.progress_summary`) and the command that finishes it (its
+    ``owner.json``'s, with ``--resume``); ``None`` when there is no work directory. It said only "OUT does not
+    exist" (found by a tester)."""
+    work = work_dir_path(output)
+    if not work.is_dir():
+        return None
+    summary = progress_summary(work / "progress") or "no decoder layer saved yet"
+    try:
+        command = json.loads((work / "owner.json").read_text(encoding="utf-8"))["command"]
+    except (OSError, ValueError, KeyError, TypeError):
+        command = None
+    how = "the same command with --resume (resume=True)"
+    cli = isinstance(command, list) and all(isinstance(c, str) for c in command) and command[1:2] == ["oneshot"]
+    if cli and Path(command[0]).name == "llmc-fsm":  # the command line that started it (a script: as it was run)
+        how = f"`{shlex.join(['llmc-fsm', *command[1:], *(['--resume'] if '--resume' not in command else [])])}`"
+    return (
+        f"{output} does not exist yet: the run writing it was interrupted (or is still running), its progress kept "
+        f"in {str(work)!r} ({summary}); finish it with {how}, then run `llmc-fsm report {output}` again"
+    )
 
 
 def _module_problem(entries: list[dict[str, Any]]) -> str | None:

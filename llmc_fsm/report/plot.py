@@ -167,14 +167,25 @@ def outside_layers_line(entries: Sequence[Mapping[str, Any]], width: int = 140) 
 
 
 def quantization_summary(entries: Sequence[Mapping[str, Any]]) -> str:
-    """``"quantized: 8 bits on 14 modules"`` (bits and group sizes of the entries that carry ``bits``), or ``""``."""
+    """``"quantized: 8 bits on 14 modules"`` (bits and group sizes of the entries that carry ``bits``, then
+    ``asym`` when their labels say so: ``"quantized: 4 bits, group size 64, asym on 14 modules"``), or ``""``."""
     quantized = [e for e in entries if e.get("bits") is not None]
     if not quantized:
         return ""
     bits = "/".join(sorted({str(e["bits"]) for e in quantized}))
     groups = sorted({str(e["group_size"]) for e in quantized if e.get("group_size") is not None})
     group = f", group size {'/'.join(groups)}" if groups else ""
-    return f"quantized: {bits} bits{group} on {len(quantized)} modules"
+    return f"quantized: {bits} bits{group}{_asym(quantized)} on {len(quantized)} modules"
+
+
+def _asym(quantized: Sequence[Mapping[str, Any]]) -> str:
+    """``", asym"`` when the quantized entries' labels (their ``quantized``, the report's column: ``int4/g64 asym``)
+    say every one has a zero point, ``", k asym"`` when k of them do, else ``""``: the titles said "4 bits, group
+    size 64" of an AWQ W4A16_ASYM output that the table calls ``int4/g64 asym`` (found by a tester)."""
+    asym = sum("asym" in str(e.get("quantized") or "").split() for e in quantized)
+    if not asym:
+        return ""
+    return ", asym" if asym == len(quantized) else f", {asym} asym"
 
 
 def _wrapped(title: str, width: int = 100) -> str:
@@ -208,15 +219,16 @@ def _error_panel(ax: Any, entries: Sequence[Mapping[str, Any]], colors: dict[str
 
 
 def error_panel_title(entries: Sequence[Mapping[str, Any]]) -> str:
-    """The error panel's title: what made the error (pruning, quantization or both) and the bits / group sizes."""
+    """The error panel's title: what made the error (pruning, quantization or both) and the bits / group sizes
+    (and ``asym``, as :func:`quantization_summary`)."""
     quant = [e for e in entries if e.get("rel_output_error") is not None]
     settings = []
     for key in ("bits", "group_size"):
         values = sorted({str(e[key]) for e in quant if e.get(key) is not None})
         if values:
             settings.append(f"{key} {'/'.join(values)}")
-    detail = f" ({', '.join(settings)})" if settings else ""
     quantized = [e for e in quant if e.get("bits") is not None]
+    detail = f" ({', '.join(settings)}{_asym(quantized)})" if settings else ""
     what = "pruning" if not quantized else "quantization"
     numel = sum(int(e.get("numel") or 0) for e in quantized)
     if any(len(e.get("rel_output_errors") or ()) > 1 for e in quant):  # several modifiers: the last one's error
