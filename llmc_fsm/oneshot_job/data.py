@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from llmc_fsm.core.errors import MissingStateError
+from llmc_fsm.core.modifier import overrides
 from llmc_fsm.data.protocol import kept_tokenizer_state, load_text, token_windows
 from llmc_fsm.data.rows import describe_rows, is_rows
 from llmc_fsm.session.session import Session
@@ -216,11 +217,24 @@ def check_modifiers(sessions: list[Session], model: Any, calibration_data: Any =
         missing = session.missing_state(model=model, calibration_data=calibration_data)
         if missing:  # e.g. steps_per_epoch: only a training loop gives it
             needs = "; ".join(f"{label} needs {', '.join(sorted(keys))}" for label, keys in missing.items())
+            scheduled = [
+                type(m).__name__
+                for m in session.modifiers
+                if m.is_scheduled and overrides(m, "on_calibration_end") and "steps_per_epoch" not in m.required_state
+            ]
             msg = (
                 f"{needs}, which one-shot does not give (it gives the model and the calibration data): such a "
                 "modifier acts during training; put it in a stage with run_type: train, which one-shot skips, or "
                 "run the recipe in a training loop (docs/training.md)"
             )
+            if scheduled:  # a one-shot modifier given a schedule (SparseGPT with start: 0; found by a tester)
+                names = ", ".join(dict.fromkeys(scheduled))
+                advice = (
+                    f"{names}: start/end/update are a training schedule counted in epochs (steps_per_epoch, which "
+                    "one-shot does not give), and this modifier compresses once from calibration data: remove them "
+                    "to run it in one-shot (llm-compressor's oneshot ignores them)"
+                )
+                msg = advice if len(scheduled) == len(missing) else f"{msg}; {advice}"
             raise MissingStateError(msg, lifecycle=session.lifecycle, missing=missing)
     quantized_by: dict[str, str] = {}  # module -> the quantizing modifier (and stage) that targets it
     pruned_to: dict[str, tuple[str, float]] = {}  # module -> (pruning modifier, its unstructured sparsity)

@@ -207,3 +207,18 @@ def test_a_per_layer_sparsity_says_llm_compressor_s_form_is_not_supported_and_wh
     )
     recipe = "s:\n  - WandaPruningModifier: {sparsity: 0.3, targets: [a]}\n  - WandaPruningModifier: {sparsity: 0.7}\n"
     assert [m.sparsity for m in Session(recipe).modifiers] == [0.3, 0.7]  # the form the message gives runs
+
+
+def test_a_one_shot_modifier_given_a_start_is_told_to_drop_its_schedule() -> None:
+    """SparseGPTModifier with start: 0 in one-shot (llm-compressor's oneshot runs it, ignoring start) was refused as
+    "such a modifier acts during training", which it does not (found by a tester): the refusal now says the schedule
+    is what needs steps_per_epoch, and to remove it."""
+    import llmc_fsm
+
+    data = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(MissingStateError) as info:
+        llmc_fsm.oneshot(model=toy(), recipe={"s": {"SparseGPTModifier": {"start": 0}}}, dataset=data, progress=False)
+    assert str(info.value) == (
+        "SparseGPTModifier: start/end/update are a training schedule counted in epochs (steps_per_epoch, which "
+        "one-shot does not give), and this modifier compresses once from calibration data: remove them to run it in "
+        "one-shot (llm-compressor's oneshot ignores them)")
