@@ -163,6 +163,9 @@ def _run_explain(args: argparse.Namespace) -> int:
     if args.dtype is not None and args.model is None:  # it was ignored (found by a tester): a usage error
         msg = "--dtype is the dtype oneshot would load --model in: give --model DIR with it, or leave --dtype out"
         args._commands[args.command].error(msg)
+    if args.fuse_stages and args.model is None:
+        msg = "--fuse-stages checks the stages as oneshot --fuse-stages runs them on --model: give --model DIR with it"
+        args._commands[args.command].error(msg)
     if not os.path.exists(recipe) and recipe.isidentifier():  # a modifier's name: its plan with the defaults
         if args.model is None:
             print(_modifier_plan(recipe, args.state), end="")
@@ -191,7 +194,8 @@ def _explain_on_model(args: argparse.Namespace, recipe: Any) -> int:
     :mod:`llmc_fsm.oneshot_job.phases`: its ``run_type: train`` stages skipped with oneshot's warning, merged with
     the history a saved output keeps in its ``recipe.yaml``, oneshot's refusal when nothing is left to run), its
     plan printed, then the checks oneshot runs on the same ``meta``-device model, one session per stage not yet
-    applied, as oneshot runs them; the "runs on top of it" lines of the history logged once they pass.
+    applied, as oneshot runs them (one for all with ``--fuse-stages``, as ``oneshot --fuse-stages``); the "runs on
+    top of it" lines of the history logged once they pass.
 
     Raises:
         ValueError: ``"oneshot would refuse this recipe on --model DIR: <oneshot's message>"``, after the plan for
@@ -200,9 +204,10 @@ def _explain_on_model(args: argparse.Namespace, recipe: Any) -> int:
     """
     dtype = args.dtype or "float32"
     on = f"--model {args.model}" + (f" --dtype {dtype}" if dtype != "float32" else "")
+    on += " --fuse-stages" if args.fuse_stages else ""
     notes: list[str] = []
     try:  # oneshot's own merge: explain approved recipes oneshot refuses, under other stage names (found by a tester)
-        merged, sessions = recipe_sessions(args.model, recipe, False, notes)
+        merged, sessions = recipe_sessions(args.model, recipe, args.fuse_stages, notes)
     except RecipeError:
         raise
     except ValueError as exc:  # nothing left to run: oneshot's refusal, before the model is read
@@ -343,5 +348,11 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="with --model: the dtype oneshot would load it in (as oneshot --dtype; default float32); NVFP4 and MX "
         "schemes need bfloat16",
+    )
+    parser.add_argument(
+        "--fuse-stages",
+        action="store_true",
+        help="with --model: check the stages as oneshot --fuse-stages runs them (one session, one layer-by-layer "
+        "pass; e.g. AWQ in one stage and its quantizer in the next), not each stage on its own",
     )
     parser.set_defaults(func=_run_explain)

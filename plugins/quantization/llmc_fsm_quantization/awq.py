@@ -163,8 +163,8 @@ def _no_quantizer_message(unquantized: list[ResolvedMapping]) -> str:
     return (
         f"AWQModifier: no modifier of this stage quantizes the balance layers of {len(unquantized)} mappings, e.g. "
         f"{', '.join(unquantized[0].balance_names)}: AWQ chooses scales for a weight quantization; put a "
-        "QuantizationModifier (or GPTQModifier) with the scheme in the same stage, or give AWQModifier a scheme (e.g. "
-        "scheme: W4A16)"
+        "QuantizationModifier (or GPTQModifier) with the scheme in the same stage, give AWQModifier a scheme (e.g. "
+        "scheme: W4A16), or run the stages fused (oneshot --fuse-stages, fuse_stages=True)"
     )
 
 

@@ -193,7 +193,8 @@ def test_awq_without_a_quantizer_fails_before_any_work_and_changes_nothing(rotat
         "AWQModifier: no modifier of this stage quantizes the balance layers of 8 mappings, e.g. "
         "model.layers.0.self_attn.q_proj, model.layers.0.self_attn.k_proj, model.layers.0.self_attn.v_proj: AWQ "
         "chooses scales for a weight quantization; put a QuantizationModifier (or GPTQModifier) with the scheme in "
-        "the same stage, or give AWQModifier a scheme (e.g. scheme: W4A16)"
+        "the same stage, give AWQModifier a scheme (e.g. scheme: W4A16), or run the stages fused (oneshot "
+        "--fuse-stages, fuse_stages=True)"
     )
     assert model.state_dict().keys() == before.keys()
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
@@ -716,7 +717,8 @@ def test_explain_refuses_an_awq_stage_whose_quantizer_is_in_another_stage_as_one
     from llmc_fsm.cli.main import main
     from llmc_fsm.session.explain import explain
 
-    recipe = {"smooth": {"AWQModifier": {}}, "quantize": {"QuantizationModifier": {"scheme": "W4A16"}}}
+    w4_g16 = {"preset": "W4A16", "weights": {"group_size": 16}}
+    recipe = {"smooth": {"AWQModifier": {}}, "quantize": {"QuantizationModifier": {"scheme": w4_g16}}}
     with pytest.raises(ValueError) as oneshot_refusal:
         llmc_fsm.oneshot(model=tiny(kv_heads=2), recipe=recipe, dataset=DATA, progress=False)
     session = llmc_fsm.Session(recipe)
@@ -724,9 +726,14 @@ def test_explain_refuses_an_awq_stage_whose_quantizer_is_in_another_stage_as_one
     assert f"                  refused by one-shot: {oneshot_refusal.value}" in explain(session).splitlines()
     tiny(kv_heads=2).save_pretrained(tmp_path / "m")
     (tmp_path / "r.yaml").write_text(
-        "smooth:\n  AWQModifier: {}\nquantize:\n  QuantizationModifier: {scheme: W4A16}\n")
+        "smooth:\n  AWQModifier: {}\nquantize:\n"
+        "  QuantizationModifier: {scheme: {preset: W4A16, weights: {group_size: 16}}}\n")
     capsys.readouterr()
     assert main(["explain", str(tmp_path / "r.yaml"), "--model", str(tmp_path / "m")]) == 1
     assert capsys.readouterr().err == (
         f"llmc-fsm explain: error: oneshot would refuse this recipe on --model {tmp_path / 'm'}: "
         f"{oneshot_refusal.value}\n")
+    # fused, one-shot runs it (AWQ finds the next stage's quantizer): explain --fuse-stages says its checks pass
+    llmc_fsm.oneshot(model=tiny(kv_heads=2), recipe=recipe, dataset=DATA, progress=False, fuse_stages=True)
+    assert main(["explain", str(tmp_path / "r.yaml"), "--model", str(tmp_path / "m"), "--fuse-stages"]) == 0
+    assert f"oneshot's checks of --model {tmp_path / 'm'} pass" in capsys.readouterr().out
