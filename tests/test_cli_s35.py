@@ -172,6 +172,28 @@ def test_report_on_an_interrupted_run_says_how_far_it_got_and_how_to_finish_it(t
         f"run `llmc-fsm report {tmp_path / 'out'}` again\n"))  # fmt: skip
 
 
+def test_report_on_an_interrupted_run_says_where_its_relative_paths_point(tmp_path, capsys, monkeypatch):
+    """The resume command report printed for an interrupted run kept the run's relative paths, so pasted in another
+    directory it failed or started a fresh run (found by a tester): owner.json records the working directory and
+    report names it when it is not the current one."""
+    started = tmp_path / "project"
+    started.mkdir()
+    monkeypatch.chdir(started)
+    from llmc_fsm.output.workdir import WorkDir
+
+    owner = WorkDir.claim(started / "out")
+    owner.settle({}, resume=False)  # writes owner.json as a run does
+    record = json.loads((owner.path / "owner.json").read_text())
+    assert record["cwd"] == str(started)
+    record["command"] = ["/venv/bin/llmc-fsm", "oneshot", "--recipe", "r.yaml", "--output", "out"]
+    (owner.path / "owner.json").write_text(json.dumps(record))
+    monkeypatch.chdir(tmp_path)
+    assert main(["report", str(started / "out")]) == 1
+    err = capsys.readouterr().err
+    assert "finish it with `llmc-fsm oneshot --recipe r.yaml --output out --resume` run from " \
+        f"{str(started)!r}, then run" in err
+
+
 def test_report_says_a_text_file_is_no_output_directory(tmp_path, capsys):
     """``llmc-fsm report small.txt`` said "small.txt: invalid JSON", as if it were a damaged report."""
     text = tmp_path / "small.txt"

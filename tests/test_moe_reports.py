@@ -85,6 +85,24 @@ def test_never_routed_experts_without_calibrate_all_experts_are_still_reported_a
     assert not any("calibrate_all_experts" in m for m in saved["sparsity"]["modules"])
 
 
+def test_never_routed_experts_sparsegpt_leaves_dense_are_said_to_be_left_as_they_were(tmp_path):
+    """SparseGPT leaves an expert no token reached unpruned; the table's line named them and said nothing of what
+    became of them, where GPTQ's says "round-to-nearest" (found by a tester): it now says they were left as they
+    were."""
+    model = build("deepseek_v3")
+    _never_route_expert_3(model)
+    before = model.model.layers[1].mlp.experts.gate_up_proj.detach().clone()
+    llmc_fsm.oneshot(model=model, recipe={"s": {"SparseGPTModifier": {"sparsity": 0.5}}}, dataset=DATA,
+                     progress=False)  # fmt: skip
+    assert torch.equal(model.model.layers[1].mlp.experts.gate_up_proj[3], before[3])
+    line = next(x for x in model.llmc_fsm_report.format_table().splitlines() if x.startswith("experts: "))
+    assert line.endswith(
+        "; no routed token: model.layers.{1..3}.mlp.experts.3.gate_proj, model.layers.{1..3}.mlp.experts.3.up_proj, "
+        "model.layers.{1..3}.mlp.experts.3.down_proj, left as they were (no calibration input) "
+        "(report.json: routed_tokens)"
+    )
+
+
 def test_streamed_perplexity_of_a_checkpoint_that_sets_output_router_logits(tmp_path, monkeypatch):
     """Found by a tester: a MoE checkpoint whose config.json has "output_router_logits": true (fine-tuned ones ship
     it) failed with a raw IndexError in transformers' load_balancing_loss_func on the streamed path and with
@@ -180,3 +198,29 @@ def test_table_says_padding_is_not_counted_when_calibration_rows_differ_in_lengt
         "calibration: 6 samples of up to 13 tokens (63 tokens, padding not counted) from captions/ (images and text)",
         "calibration: 8 x 32 tokens from wiki.txt",
     ]
+
+
+def test_granite_moe_refusal_gives_the_ignore_advice_that_works(tmp_path):
+    """Granite-MoE's refusal (experts saved in a layout of transformers' own) ended without a way out, unlike the
+    GPT-OSS one (found by a tester): it now gives the same ignore advice, and following it runs and reloads."""
+    config = transformers.GraniteMoeConfig(vocab_size=128, hidden_size=64, intermediate_size=32, num_hidden_layers=1,
+                                           num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                           num_experts_per_tok=2)  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.GraniteMoeForCausalLM(config).eval()
+    data = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    args = {"scheme": W4, "ignore": ["lm_head"]}
+    with pytest.raises(ValueError) as info:
+        llmc_fsm.oneshot(model=model, recipe={"s": {"QuantizationModifier": args}}, dataset=data,
+                         output_dir=tmp_path / "a", progress=False)  # fmt: skip
+    assert str(info.value).endswith(
+        "so no quantized experts can be written that it reloads; to quantize the rest of the model, add "
+        "'re:.*block_sparse_moe.experts' to the modifier's ignore (the experts are then saved dense, as they are, "
+        "and reload)")
+    args["ignore"] = ["lm_head", "re:.*block_sparse_moe.experts"]
+    llmc_fsm.oneshot(model=model, recipe={"s": {"QuantizationModifier": args}}, dataset=data,
+                     output_dir=tmp_path / "b", progress=False)  # fmt: skip
+    reloaded, loading = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "b", output_loading_info=True)
+    assert (sorted(loading["missing_keys"]), sorted(loading["unexpected_keys"])) == ([], [])
+    with torch.no_grad():
+        assert torch.equal(reloaded.eval()(data).logits, model(data).logits)

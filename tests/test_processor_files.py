@@ -127,7 +127,7 @@ def test_a_directory_whose_processor_cannot_load_keeps_its_processor_files(tmp_p
     assert _warnings(caplog) == [
         f"{directory}: its processor could not be loaded (ImportError: Qwen2VLVideoProcessor requires the "
         "Torchvision library but it was not found in your environment); its files are copied into the output as "
-        "they are (those the tokenizer's save does not write): preprocessor_config.json, "
+        "they are, each unless the tokenizer's save writes one of the same name: preprocessor_config.json, "
         "video_preprocessor_config.json, chat_template.json, chat_template.jinja"
     ]
 
@@ -215,3 +215,34 @@ def test_an_in_memory_model_without_a_processor_to_find_says_so(tmp_path, caplog
         "are not saved with the output: it has no name_or_path; pass processor=AutoProcessor.from_pretrained(<the "
         "model's directory>) (or tokenizer=) to save them"
     ]
+
+
+def test_an_in_memory_model_given_its_processor_directory_as_text_saves_that_processor(tmp_path):
+    """processor="<dir>" (a string, as llm-compressor's scripts pass it) with an in-memory VLM: the output got no
+    processor files and nothing was said, while without it the name_or_path's were saved (found by a tester).
+    Now the processor of the given directory is saved, as llm-compressor loads AutoProcessor from it."""
+    directory = _model_dir(tmp_path, "gemma3")
+    model = transformers.AutoModelForImageTextToText.from_pretrained(directory)
+    model.name_or_path = model.config._name_or_path = ""  # only the given directory tells where the processor is
+    out = tmp_path / "out"
+    llmc_fsm.oneshot(model=model, processor=str(directory), dataset=TEXTS, recipe=W4A16, output_dir=out,
+                     progress=False)  # fmt: skip
+    assert (out / "processor_config.json").read_bytes() == (directory / "processor_config.json").read_bytes()
+    assert type(transformers.AutoProcessor.from_pretrained(out)).__name__ == "Gemma3Processor"
+
+
+def test_an_audio_model_directory_keeps_its_feature_extractor(tmp_path):
+    """Whisper (llm-compressor's FP8_DYNAMIC example): the output had no preprocessor_config.json, so
+    AutoProcessor could not read it (found by a tester): the processor was kept for vision-language models only.
+    Now a directory holding a feature extractor's config keeps its processor too."""
+    directory = tmp_path / "whisper"
+    build("whisper").save_pretrained(directory)
+    _tokenizer(["<pad>", "<s>", "</s>", "<unk>"]).save_pretrained(directory)
+    transformers.WhisperFeatureExtractor(feature_size=build("whisper").config.num_mel_bins).save_pretrained(directory)
+    out = tmp_path / "out"
+    recipe = {"s": {"QuantizationModifier": {"scheme": "FP8_DYNAMIC", "ignore": ["lm_head"]}}}
+    llmc_fsm.oneshot(model=str(directory), recipe=recipe, output_dir=out, progress=False)
+    processor = transformers.AutoProcessor.from_pretrained(out)  # transformers 5 writes it in processor_config.json
+    assert type(processor).__name__ == "WhisperProcessor"
+    assert processor.feature_extractor.to_dict() == transformers.WhisperFeatureExtractor.from_pretrained(
+        directory).to_dict()

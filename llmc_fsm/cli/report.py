@@ -86,13 +86,16 @@ def _interrupted_run(output: Path) -> str | None:
         return None
     summary = progress_summary(work / "progress") or "no decoder layer saved yet"
     try:
-        command = json.loads((work / "owner.json").read_text(encoding="utf-8"))["command"]
-    except (OSError, ValueError, KeyError, TypeError):
-        command = None
+        owner = json.loads((work / "owner.json").read_text(encoding="utf-8"))
+        command, cwd = owner["command"], owner.get("cwd")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        command, cwd = None, None
     how = "the same command with --resume (resume=True)"
     cli = isinstance(command, list) and all(isinstance(c, str) for c in command) and command[1:2] == ["oneshot"]
     if cli and Path(command[0]).name == "llmc-fsm":  # the command line that started it (a script: as it was run)
         how = f"`{shlex.join(['llmc-fsm', *command[1:], *(['--resume'] if '--resume' not in command else [])])}`"
+        if isinstance(cwd, str) and cwd != os.getcwd():  # its relative paths are the started one's (a tester's case)
+            how += f" run from {cwd!r}"
     return (
         f"{output} does not exist yet: the run writing it was interrupted (or is still running), its progress kept "
         f"in {str(work)!r} ({summary}); finish it with {how}, then run `llmc-fsm report {output}` again"

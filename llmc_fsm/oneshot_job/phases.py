@@ -1001,29 +1001,38 @@ def _load_processor(run: Run) -> None:
 
 
 def _keep_processor(run: Run) -> None:
-    """The processor of a vision-language model, so that the output directory gets its files
+    """The processor of a vision-language or audio model, so that the output directory gets its files
     (``preprocessor_config.json``, ``processor_config.json``, ``chat_template.json``...) next to the tokenizer's and
     reloads with ``AutoProcessor``, whatever the data: ``AutoProcessor`` of the model directory, or of an in-memory
-    model's ``name_or_path`` (as llm-compressor finds it; not when a tokenizer was given, which is saved as it is)
-    in ``run.processor``. A processor that cannot be loaded (e.g. one that needs torchvision: Qwen2-VL, Pixtral)
-    has its files copied from the directory as they are (``run.processor_source``; a warning names them). An
-    in-memory model whose ``name_or_path`` is no local directory nor a Hub id in the local cache: a warning that
-    the output has no processor files. Nothing without an output directory (or on a rank that does not write)."""
+    model's ``processor=``/``tokenizer=`` directory or else its ``name_or_path`` (as llm-compressor finds it; not
+    when a tokenizer object was given, which is saved as it is), in ``run.processor``. A model counts when it is a
+    vision-language one or its directory holds a ``preprocessor_config.json``/``processor_config.json`` (Whisper's
+    and Qwen2-Audio's feature extractors: their processors were left out, found by a tester). A processor that
+    cannot be loaded (e.g. one that needs torchvision: Qwen2-VL, Pixtral) has its files copied from the directory as
+    they are (``run.processor_source``; a warning names them). An in-memory vision-language model whose source is
+    no local directory nor a Hub id in the local cache: a warning that the output has no processor files. Nothing
+    without an output directory (or on a rank that does not write)."""
 
     model = run.settings.model
+    given = run.settings.tokenizer
     in_memory = isinstance(model, nn.Module)
-    if run.processor is not None or run.work is None or not is_vision_language(getattr(run.model, "config", None)):
+    if run.processor is not None or run.work is None:
         return
-    if in_memory and run.settings.tokenizer is not None:
-        return
-    where = _name_or_path(model) if in_memory else os.fspath(model)
+    if in_memory and given is not None and not isinstance(given, str | os.PathLike):
+        return  # a tokenizer object: saved as it is (llm-compressor saves the object it is given)
+    if in_memory:  # a processor= directory given as text: llm-compressor loads AutoProcessor from it (a tester's case)
+        where = os.fspath(given) if given is not None else _name_or_path(model)
+    else:
+        where = os.fspath(model)
+    vision = is_vision_language(getattr(run.model, "config", None))
     directory = Path(where).expanduser() if where is not None else None
     if directory is None or not directory.is_dir():
-        if in_memory:
+        if in_memory and vision:
             _processor_from_cache(run, where)
         return
     found = processor_files(directory)
-    if not found:  # the source has none either
+    extracts = any((directory / name).is_file() for name in ("preprocessor_config.json", "processor_config.json"))
+    if not found or not (vision or extracts):  # the source has none, or a text model's chat template alone
         return
     from transformers import AutoProcessor
 
@@ -1032,19 +1041,19 @@ def _keep_processor(run: Run) -> None:
     except (ImportError, OSError, ValueError, TypeError, AttributeError) as err:
         run.processor_source = directory
         logger.warning(
-            "%s: its processor could not be loaded (%s); its files are copied into the output as they are "
-            "(those the tokenizer's save does not write): %s",
+            "%s: its processor could not be loaded (%s); its files are copied into the output as they are, each "
+            "unless the tokenizer's save writes one of the same name: %s",
             directory,
             load_error(err),
             ", ".join(found),
         )
         return
-    if not hasattr(processor, "image_processor"):  # AutoProcessor gave a tokenizer: the files as they are
+    if not is_processor(processor):  # AutoProcessor gave a tokenizer or a feature extractor: the files as they are
         run.processor_source = directory
         return
     run.processor = processor
     if in_memory:
-        logger.info("processor: loaded from the model's name_or_path %r, saved with the output", where)
+        logger.info("processor: loaded from %r (AutoProcessor), saved with the output", where)
 
 
 def _processor_from_cache(run: Run, name: str | None) -> None:

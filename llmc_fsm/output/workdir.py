@@ -5,7 +5,8 @@ fixed name, so a later run finds it again::
 
     owner.lock        an OS file lock (filelock) held while the job runs; the kernel
                       releases it when the process ends, even on SIGKILL
-    owner.json        pid, host, start time, command and torch threads of the job that created it
+    owner.json        pid, host, start time, command, working directory and torch threads of the job that
+                      created it
     fingerprint.json  what the result depends on (see :func:`llmc_fsm.oneshot_job.resume.fingerprint`)
     calibration.safetensors, eval_before.json, progress/
                       per-layer progress (see :mod:`llmc_fsm.oneshot_job.resume`)
@@ -463,6 +464,7 @@ def _owner_record() -> dict[str, Any]:
         "host": socket.gethostname(),
         "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "command": sys.argv,
+        "cwd": os.getcwd(),  # where the command's relative paths point (report's resume advice names it)
     }
 
 

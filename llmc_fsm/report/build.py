@@ -251,15 +251,17 @@ class OneshotReport:
         none = f"; no routed token: {compact_names(idle)}" if idle else "; every expert got tokens"
         every = [m.name for m in routed if m.routed_tokens == 0 and m.all_tokens]
         rounded = [m.name for m in routed if m.routed_tokens == 0 and m.bits is not None and not m.all_tokens]
-        if every and rounded:
-            none += (
-                f"; {compact_names(every)} calibrated on every token (calibrate_all_experts), "
-                f"{compact_names(rounded)} quantized by round-to-nearest (no calibration input)"
-            )
-        elif every:
-            none += ", calibrated on every token (calibrate_all_experts)"
-        elif rounded:  # GPTQ without a Hessian
-            none += ", quantized by round-to-nearest (no calibration input)"
+        kept = [m.name for m in routed if m.routed_tokens == 0 and m.bits is None and not m.all_tokens]
+        fates = [
+            (every, "calibrated on every token (calibrate_all_experts)"),
+            (rounded, "quantized by round-to-nearest (no calibration input)"),  # GPTQ without a Hessian
+            (kept, "left as they were (no calibration input)"),  # SparseGPT/Wanda: not pruned (found by a tester)
+        ]
+        fates = [(names, fate) for names, fate in fates if names]
+        if len(fates) == 1:
+            none += f", {fates[0][1]}"
+        elif fates:
+            none += "; " + ", ".join(f"{compact_names(names)} {fate}" for names, fate in fates)
         return [
             f"experts: {len(routed)} expert matrices, {min(counts)}-{max(counts)} routed calibration tokens each"
             f"{none} (report.json: routed_tokens)"

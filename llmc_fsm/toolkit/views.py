@@ -554,8 +554,12 @@ def expert_checkpoint_names(model: nn.Module, name: str, module: nn.Module) -> d
         start += markers[pname].numel()
     reverted = revert_weight_conversion(model, {owner_prefix + p: m for p, m in markers.items()})
     kept = [k for k in reverted if k.startswith(owner_prefix) and k.removeprefix(owner_prefix) in markers]
+    tail = re.sub(r"^(.*\.)?\d+\.", "", name)  # the experts' name inside their layer: mlp.experts
+    advice = (
+        f"to quantize the rest of the model, add 're:.*{tail}' to the modifier's ignore (the experts are then saved "
+        "dense, as they are, and reload)"
+    )
     if kept:
-        tail = re.sub(r"^(.*\.)?\d+\.", "", name)  # the experts' name inside their layer: mlp.experts
         msg = (
             f"transformers saves {', '.join(kept)} fused in the checkpoint (its conversion mapping has no per-expert "
             "key for them) and reads compressed-tensors quantized weights into fused experts only through such a "
@@ -563,8 +567,7 @@ def expert_checkpoint_names(model: nn.Module, name: str, module: nn.Module) -> d
             "(randomly initialised; measured on transformers 5.24, and on 5.25 with llm-compressor 0.14's "
             "Qwen3-VL-MoE checkpoints: packed int4, NVFP4, and FP8 weights with their scales), packed under the fused "
             f"name as unexpected {kept[0]}.weight_packed ... keys (5.24), so no quantized experts can be written "
-            f"that it reloads; to quantize the rest of the model, add 're:.*{tail}' to the modifier's ignore (the "
-            "experts are then saved dense, as they are, and reload)"
+            f"that it reloads; {advice}"
         )
         raise ValueError(msg)
     names: dict[str, str] = {}
@@ -579,7 +582,7 @@ def expert_checkpoint_names(model: nn.Module, name: str, module: nn.Module) -> d
                 "transformers writes these experts in a layout of its own (e.g. Granite-MoE's "
                 "input_linear / output_linear, every expert in one tensor) and reads compressed-tensors packed "
                 "weights into fused experts only through one [out, in] key per expert, so no quantized experts can "
-                "be written that it reloads"
+                f"be written that it reloads; {advice}"
             )
             raise ValueError(msg)
         names[found[0]] = key.removesuffix(".weight")
