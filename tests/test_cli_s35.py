@@ -194,6 +194,25 @@ def test_report_on_an_interrupted_run_says_where_its_relative_paths_point(tmp_pa
         f"{str(started)!r}, then run" in err
 
 
+def test_report_of_a_finished_output_notes_an_interrupted_rerun_into_it(tmp_path, capsys):
+    """A finished output whose --overwrite re-run was interrupted (its .OUT.work kept): report printed the old
+    run's report as if current, with nothing said (found by a tester). It still prints it, and a note says a later
+    run's progress is kept beside it."""
+    import llmc_fsm
+
+    out = tmp_path / "out"
+    llmc_fsm.oneshot(model=llama(hidden=64, kv_heads=4, tied=False), dataset=torch.randint(0, 64, (2, 16)),
+                     output_dir=out, progress=False)  # fmt: skip
+    capsys.readouterr()
+    assert main(["report", str(out)]) == 0
+    assert capsys.readouterr().err == ""
+    (tmp_path / ".out.work" / "progress").mkdir(parents=True)
+    assert main(["report", str(out)]) == 0
+    assert capsys.readouterr().err == (
+        f"note: this is the report of the finished run in {out}; a later run writing it was interrupted (or is still "
+        f"running), its progress kept in '{tmp_path / '.out.work'}' (no decoder layer saved yet)\n")
+
+
 def test_report_says_a_text_file_is_no_output_directory(tmp_path, capsys):
     """``llmc-fsm report small.txt`` said "small.txt: invalid JSON", as if it were a damaged report."""
     text = tmp_path / "small.txt"

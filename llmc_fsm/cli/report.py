@@ -166,6 +166,14 @@ def _run_cli(args: argparse.Namespace) -> int:
         plot_path = check_plot_path(args.plot)
     data = read_report(args.output)
     print(OneshotReport.from_dict(data).format_table())
+    work = work_dir_path(Path(args.output).expanduser())
+    if Path(args.output).expanduser().is_dir() and work.is_dir():  # a re-run into it (--overwrite) was interrupted
+        summary = progress_summary(work / "progress") or "no decoder layer saved yet"
+        print(
+            f"note: this is the report of the finished run in {args.output}; a later run writing it was interrupted "
+            f"(or is still running), its progress kept in {str(work)!r} ({summary})",
+            file=sys.stderr,
+        )
     if plot_path is not None:
         print(f"plot: {plot_report(data, plot_path)}")
     sys.stdout.flush()
