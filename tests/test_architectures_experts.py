@@ -179,7 +179,8 @@ def test_an_expert_the_router_never_picks_is_named_and_left_unless_all_experts_c
     layers = "{0..3}"
     assert (
         f"no routed token: model.layers.{layers}.mlp.experts.3.gate_proj, model.layers.{layers}.mlp.experts.3.up_proj, "
-        f"model.layers.{layers}.mlp.experts.3.down_proj (report.json: routed_tokens)"
+        f"model.layers.{layers}.mlp.experts.3.down_proj, left as they were (no calibration input) (report.json: "
+        "routed_tokens)"
     ) in report.format_table()
     entries = {m["name"]: m for m in report.to_dict()["sparsity"]["modules"]}
     assert entries[idle[0]]["routed_tokens"] == 0 and "routed_tokens" not in entries["model.layers.0.self_attn.q_proj"]
