@@ -874,6 +874,19 @@ def test_group_size_is_refused_for_a_preset_whose_weights_are_not_int_groups(tmp
     _refused(tmp_path, ValueError, message, scheme=scheme, group_size=64)
 
 
+@pytest.mark.parametrize(("scheme", "size"), [("NVFP4A16", 16), ("MXFP4A16", 32)])
+def test_a_float_presets_own_group_size_is_taken_and_changes_nothing(tmp_path, scheme, size):
+    """``--group-size 16`` with NVFP4A16 (32 with MX) was refused here while oneshot takes the format's own value
+    (found by a tester): it is taken, and the output is tensor for tensor the one without it."""
+    source = _checkpoint(tmp_path / "src", shard=None, tied=False)
+    source_bf16 = tmp_path / "bf16"
+    transformers.AutoModelForCausalLM.from_pretrained(source, dtype=torch.bfloat16).save_pretrained(source_bf16)
+    model_free_ptq(source_bf16, tmp_path / "plain", scheme=scheme, progress=False)
+    model_free_ptq(source_bf16, tmp_path / "sized", scheme=scheme, group_size=size, progress=False)
+    plain, sized = _tensors(tmp_path / "plain"), _tensors(tmp_path / "sized")
+    assert sorted(plain) == sorted(sized) and all(torch.equal(plain[k], sized[k]) for k in plain)
+
+
 def test_group_size_is_refused_with_a_scheme_object_or_a_value_that_is_no_positive_int(tmp_path):
     """``group_size`` replaces a preset's group: with a scheme mapping it is refused (its weights say the group),
     and so is a value that is not a positive int."""

@@ -416,7 +416,8 @@ def _group_scheme(scheme: Any, group_size: Any) -> dict[str, Any]:
     Raises:
         ValueError: ``group_size`` is not a positive int; ``scheme`` is not a preset name (a config, a scheme
             object: their weights give the group size); the preset's weights are not int groups (``FP8_DYNAMIC``
-            per channel, ``NVFP4A16``'s groups of 16 and MX's of 32 fixed by the format).
+            per channel, ``NVFP4A16``'s groups of 16 and MX's of 32 fixed by the format), unless ``group_size`` is
+            the preset's own (``--group-size 16`` with NVFP4A16 changes nothing, as oneshot takes it).
     """
     # compressed-tensors comes with the quantization plugin, not with llmc_fsm: imported where a scheme is built
     from compressed_tensors.quantization import QuantizationStrategy, QuantizationType
@@ -439,7 +440,7 @@ def _group_scheme(scheme: Any, group_size: Any) -> dict[str, Any]:
         )
 
     weights = preset_name_to_scheme(scheme, ["Linear"]).weights if is_preset_scheme(scheme.upper()) else None
-    if weights is not None and not int_groups(weights):
+    if weights is not None and not int_groups(weights) and weights.group_size != group_size:  # the preset's own: kept
         kind, per = (getattr(v, "value", v) for v in (weights.type, weights.strategy))
         per += f" of {weights.group_size}" if weights.group_size else ""
         presets = sorted(name for name, fields in PRESET_SCHEMES.items() if int_groups(fields.get("weights")))
