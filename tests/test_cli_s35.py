@@ -241,3 +241,27 @@ def test_plot_titles_say_asym_as_the_table_does():
         "quantization: relative output error ||W X - Ŵ X|| / ||W X|| per module (bits 4, group_size 64, asym); line: "
         "mean weighted by size"
     )
+
+
+@pytest.mark.parametrize(
+    ("modifier", "listed", "missing"),
+    [("OutputDistillationModifier: {temperature: 2.0}", "teacher", "teacher"),
+     ("SparseGPTModifier: {sparsity: 0.5, start: 0}", "calibration_data, steps_per_epoch", "steps_per_epoch")],
+)  # fmt: skip
+def test_explain_model_refuses_state_oneshot_does_not_give(tmp_path, capsys, modifier, listed, missing):
+    """A modifier needing state oneshot does not give (a teacher; a one-shot modifier given a schedule): oneshot
+    refuses it before any weight, explain --model listed it as MISSING and exited 0; ``--state KEY`` (the caller
+    gives it) still passes."""
+    model = _model(tmp_path / "m", capsys)
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"stage:\n  modifiers:\n    {modifier}\n")
+    argv = ["--model", str(model), "--recipe", str(recipe), "--output", str(tmp_path / "o")]
+    reference = _oneshot_refusal(argv, capsys)
+    assert main(["explain", str(recipe), "--model", str(model)]) == 1
+    captured = capsys.readouterr()
+    name = modifier.split(":")[0]
+    assert captured.out.endswith(f"Missing before initialize():\n  - {name}: {listed}\n")
+    assert captured.err == f"llmc-fsm explain: error: oneshot would refuse this recipe on --model {model}: {reference}"
+    assert main(["explain", str(recipe), "--model", str(model), "--state", missing]) == 0
+    assert capsys.readouterr().err == ""
+    assert not (tmp_path / "o").exists()

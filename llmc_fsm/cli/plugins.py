@@ -217,18 +217,21 @@ def _explain_on_model(args: argparse.Namespace, recipe: Any) -> int:
     if args.state:
         session.update_state(**_supplied(args.state))
     session.update_state(model=model)
-    refusal = None
+    refusal, state_refused = None, False
     try:  # the checks oneshot runs on the same meta-device model before any weight (group sizes, targets...)
         if any(s.requires("calibration_data") for s in sessions):
             check_calibrates_from_text(model)  # an encoder-decoder model (Whisper) calibrates on no token ids
         check_modifiers(sessions, model, True)
         for checked in sessions:
             _check_in_layers(checked, model)
-    except MissingStateError:
-        refusal = None  # a modifier needs state oneshot does not give: the plan lists it
+    except MissingStateError as exc:  # state oneshot does not give (a teacher, steps_per_epoch): oneshot refuses
+        supplied = set(args.state or ())  # unless --state says the caller gives it (explain exited 0; a tester)
+        if any(key not in supplied for keys in exc.missing.values() for key in keys):
+            refusal = ValueError(f"oneshot would refuse this recipe on {on}: {exc}")
+            state_refused = True  # the plan's "Missing before initialize()" says why, not "refuses the model"
     except ValueError as exc:
         refusal = ValueError(f"oneshot would refuse this recipe on {on}: {exc}")
-    print(explain(session, model_refused=refusal is not None), end="")
+    print(explain(session, model_refused=refusal is not None and not state_refused), end="")
     if refusal is not None:
         raise refusal
     history = logging.getLogger(merge_saved_recipe.__module__)
