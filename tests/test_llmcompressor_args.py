@@ -197,3 +197,15 @@ def test_another_model_revision_is_refused_naming_the_snapshot_way():
         "main revision (or a local directory, or a known name): pass that revision's snapshot directory as the model "
         "instead (huggingface_hub.snapshot_download(ID, revision=...) gives it)"
     )
+
+
+def test_moe_calibrate_all_experts_false_is_taken_as_what_it_asks(caplog):
+    """``moe_calibrate_all_experts=False`` (llm-compressor's autoround MXFP8 example passes it) was taken with the
+    refusal's advice, "set calibrate_all_experts: true on the modifier instead", though False is what llmc-fsm does
+    (found by a tester)."""
+    with caplog.at_level(logging.WARNING, logger="llmc_fsm.oneshot_job.llmcompressor_args"):
+        assert check_llmcompressor_args({"moe_calibrate_all_experts": False}, ["model"]) == {}
+    assert [r.getMessage() for r in caplog.records] == [
+        "llm-compressor argument moe_calibrate_all_experts=False taken: llmc-fsm routes each token to its own experts "
+        "(its default), as asked"
+    ]

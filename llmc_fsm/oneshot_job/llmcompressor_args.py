@@ -76,6 +76,7 @@ LLMCOMPRESSOR_ARGS: dict[str, LlmcompressorArg] = {
         "set calibrate_all_experts: true on the modifier instead (GPTQ, SparseGPT, Wanda, AutoRound...; "
         "docs/architectures.md): llmc-fsm routes each token to its own experts by default, where llm-compressor's "
         "default sends every token through every expert",
+        taken="llmc-fsm routes each token to its own experts (its default), as asked",
     ),
     "propagate_error": LlmcompressorArg(
         (True,),

@@ -1194,10 +1194,13 @@ class QuantizingModifier(CalibratedModifier):
     def _warn_default_ignore(self, model: nn.Module) -> None:
         """One line on the ``ignore`` a recipe did not give: ``[lm_head]`` keeps the output head dense where it is
         named ``lm_head``; a head of another name (Whisper's ``proj_out``) is a target like any Linear, and the line
-        says so instead of claiming a dense head."""
+        says so instead of claiming a dense head. No line when the targets do not reach the head (only attention
+        projections, say): llm-compressor's empty default leaves it dense too (found by a tester)."""
         get_head = getattr(model, "get_output_embeddings", None)
         head = get_head() if callable(get_head) else None
         name = next((n for n, m in model.named_modules() if m is head), None) if head is not None else None
+        if name is not None and not self._targets_reach(model, name):
+            return
         if name is None or name.rsplit(".", 1)[-1] == "lm_head":
             logger.warning(
                 "%s: no ignore given: lm_head is kept dense (ignore: [lm_head]; llm-compressor's default ignore is "
@@ -1213,6 +1216,22 @@ class QuantizingModifier(CalibratedModifier):
             name,
             name,
         )
+
+    def _targets_reach(self, model: nn.Module, name: str) -> bool:
+        """Whether this modifier's targets select the module ``name`` with an empty ``ignore`` (a selection the
+        model refuses, e.g. a tied head, counts as reaching it)."""
+        try:
+            selection = select_targets(
+                model,
+                self.targets,
+                (),
+                supported=self._selectable,
+                views=self.compresses_views,
+                untie_head=self.unties_head,
+            )
+        except ValueError:
+            return True
+        return name in selection.selected
 
     def _fused_siblings(self, model: nn.Module, targets: dict[str, nn.Module]) -> dict[str, tuple[str, ...]]:
         """``{target name: names of the modules it is fused with, itself included}`` for every NVFP4 target that

@@ -477,6 +477,16 @@ def test_a_recipe_without_ignore_keeps_lm_head_dense_says_so_and_records_it(tmp_
     assert not [r for r in caplog.records if r.name == "llmc_fsm_quantization._base"]
 
 
+
+def test_no_ignore_line_when_the_targets_cannot_reach_the_head(caplog) -> None:
+    """Targets of attention projections only, no ignore: the line said llm-compressor's empty default quantizes
+    lm_head and advised ignore: [], which would change nothing (llm-compressor's multiple-modifiers example; found by
+    a tester)."""
+    recipe = {"q": {"QuantizationModifier": {"scheme": "W8A8", "targets": [r"re:.*self_attn\.(k|q|o|v)_proj$"]}}}
+    with caplog.at_level(logging.INFO, logger="llmc_fsm_quantization._base"):
+        llmc_fsm.oneshot(model=tiny_llama(), recipe=recipe, progress=False)
+    assert [r.getMessage() for r in caplog.records if "no ignore given" in r.getMessage()] == []
+
 def test_every_observer_name_constructs_both_modifiers() -> None:
     for name in OBSERVERS:
         scheme = "NVFP4A16" if name == "nvfp4_expanded_mse" else None  # an NVFP4 observer needs NVFP4 weights
