@@ -224,7 +224,10 @@ def resume_position(session: Session, batches_per_epoch: int, gradient_accumulat
     docstring), with the epoch arithmetic of :func:`steps_per_epoch`/:func:`is_step`.
 
     Raises:
-        ValueError: ``batches_per_epoch`` < 1 or ``gradient_accumulation_steps`` < 1.
+        ValueError: ``batches_per_epoch`` < 1 or ``gradient_accumulation_steps`` < 1, or the optimizer steps per
+            epoch they make (``ceil(batches_per_epoch / gradient_accumulation_steps)``) differ from the session's
+            ``steps_per_epoch`` (a forgotten accumulation argument, another loader: the position was wrong without a
+            word, found by a tester); checked when the session holds a ``steps_per_epoch``.
     """
     count = as_count(batches_per_epoch)
     if count is None or count < 1:
@@ -232,5 +235,14 @@ def resume_position(session: Session, batches_per_epoch: int, gradient_accumulat
         raise ValueError(msg)
     batches_per_epoch = count
     per_epoch = steps_per_epoch(batches_per_epoch, gradient_accumulation_steps)
+    session_steps = session.state.get("steps_per_epoch")
+    if session_steps is not None and session_steps != per_epoch:
+        msg = (
+            f"resume_position(): steps_per_epoch is {session_steps} in the session, {per_epoch} from "
+            f"batches_per_epoch {batches_per_epoch} and gradient_accumulation_steps {gradient_accumulation_steps} "
+            f"(ceil({batches_per_epoch} / {gradient_accumulation_steps})); pass the length of the loader the run "
+            "trains on and the gradient_accumulation_steps that gave the session its steps_per_epoch"
+        )
+        raise ValueError(msg)
     epoch, steps_done = divmod(session.global_step, per_epoch)
     return epoch, steps_done * int(as_count(gradient_accumulation_steps) or 1)

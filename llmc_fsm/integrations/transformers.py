@@ -24,8 +24,14 @@ objects are born:
                     Trainer's own optimizer steps per epoch (it replaces one
                     given in ``session_state``, with a warning naming both when
                     they differ; that one counts for a dataset without a length)
-anything else       ``session_state={"key": value}`` at construction
+anything else       ``session_state={"key": value}`` at construction (``model``,
+                    ``teacher`` and ``optimizer`` are refused there: pass
+                    ``model=``, ``teacher=``, ``optimizers=``)
 ==================  =============================================================
+
+A session ``model`` that is not the Trainer's (one given with
+``trainer.session.update_state(model=...)``; wrappers unwrapped) is refused with a
+``ValueError`` at ``train()``, before the Trainer starts (and again at ``on_train_begin``).
 
 ``session.initialize()`` runs once in ``on_train_begin``: after the dataloader,
 optimizer and model wrapping exist, before the first step. Missing state raises
@@ -95,15 +101,22 @@ from typing import Any
 from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint, rotate_checkpoints
 
-from llmc_fsm.core.errors import CheckpointError, LifecycleError
+from llmc_fsm.core.errors import CheckpointError, LifecycleError, ModifierError
 from llmc_fsm.integrations import check_teacher, resolve_teacher_device, start_session
 from llmc_fsm.session.checkpoint import check_checkpoint, read_checkpoint
+from llmc_fsm.session.ranks import unwrap_model
 from llmc_fsm.session.scheduling import calibrates_only
-from llmc_fsm.session.session import Session
+from llmc_fsm.session.session import RETRY_ADVICE, Session
 
-__all__ = ["HINTS", "SESSION_DIR", "SessionCallback", "SessionTrainer", "SessionTrainerMixin"]
+__all__ = ["HINTS", "OWN_KEYS", "SESSION_DIR", "SessionCallback", "SessionTrainer", "SessionTrainerMixin"]
 
 logger = logging.getLogger(__name__)
+
+#: What a rolled-back ``initialize`` inside ``train()`` advises instead of the session's :data:`RETRY_ADVICE`.
+TRAINER_RETRY_ADVICE = (
+    "Fix the cause and call trainer.train() again (the trainer initializes the session at on_train_begin, with the "
+    "state staged as before)."
+)
 
 #: The session's directory inside each ``checkpoint-N/``.
 SESSION_DIR = "llmc_fsm_session"
@@ -201,6 +214,34 @@ def _refuse_calibration_only(session: Session) -> None:
         raise ValueError(msg)
 
 
+#: The state keys SessionTrainer stages itself -> what to pass instead of ``session_state={key: ...}``.
+OWN_KEYS: dict[str, str] = {
+    "model": "SessionTrainer(model=...)",
+    "teacher": "SessionTrainer(teacher=...)",
+    "optimizer": "SessionTrainer(optimizers=(optimizer, scheduler))",
+}
+
+
+def _refuse_own_keys(session_state: Any) -> None:
+    """Refuse ``session_state`` keys the trainer stages itself (``model``, ``teacher``, ``optimizer``): one given
+    there replaced the Trainer's own without a word (the Trainer trained ``model=`` while the session pruned the
+    ``session_state`` model; a teacher was checked as ``teacher=`` and used as ``session_state``'s: found by a
+    tester).
+
+    Raises:
+        ValueError: one line naming the keys and what to pass instead.
+    """
+    own = [key for key in OWN_KEYS if key in (session_state or {})]
+    if own:
+        msg = (
+            f"SessionTrainer(session_state=...) must not hold {', '.join(repr(k) for k in own)}: the trainer stages "
+            f"{'it' if len(own) == 1 else 'them'} itself, and the session would use the given "
+            f"{'one' if len(own) == 1 else 'ones'} instead of the Trainer's own; pass "
+            f"{', '.join(OWN_KEYS[k] for k in own)} instead"
+        )
+        raise ValueError(msg)
+
+
 def _checkpoint_step(path: str) -> int | None:
     """The step of a Trainer checkpoint directory ``.../checkpoint-N``, else ``None``."""
     name = os.path.basename(os.path.normpath(path))
@@ -245,13 +286,14 @@ class SessionTrainerMixin:
             ``None`` (default) = the device of the model's first parameter, once
             the Trainer has placed it; ``"auto"``, ``"cpu"``, ``"cuda"``,
             ``"cuda:N"`` or a ``torch.device`` as the one-shot ``device``.
-        session_state: any other state keys, ``{"key": value}``.
+        session_state: any other state keys, ``{"key": value}`` (not ``model``, ``teacher``, ``optimizer``).
 
     Attributes:
         session: the :class:`~llmc_fsm.Session`.
 
     Raises:
-        ValueError: both ``recipe`` and ``session`` given, ``model_init`` given, a modifier of the recipe compresses
+        ValueError: both ``recipe`` and ``session`` given, ``session_state`` holds ``model``, ``teacher`` or
+            ``optimizer`` (the trainer stages them), ``model_init`` given, a modifier of the recipe compresses
             on calibration events only (the Trainer sends none), ``teacher_device`` does
             not resolve, or the teacher cannot be placed (weights on the meta
             device; ``teacher_device`` for a teacher spread over several devices)
@@ -273,6 +315,7 @@ class SessionTrainerMixin:
         if session is not None and recipe is not None:
             msg = "give recipe= or session=, not both (a session already holds its recipe)"
             raise ValueError(msg)
+        _refuse_own_keys(session_state)
         if kwargs.get("model_init") is not None:
             msg = (
                 "SessionTrainer does not take model_init: the Trainer calls it again in train() (and in "
@@ -290,8 +333,7 @@ class SessionTrainerMixin:
         self._llmc_teacher_device = resolve_teacher_device(teacher_device)
         self.session: Session = session if session is not None else Session(recipe)
         _refuse_calibration_only(self.session)
-        given = teacher if teacher is not None else (session_state or {}).get("teacher")
-        given = given if given is not None else self.session.state.get("teacher")
+        given = teacher if teacher is not None else self.session.state.get("teacher")
         check_teacher(self.session, given, self._llmc_teacher_device)
         self._llmc_loss_pending = False
         self._llmc_resume: str | None = None
@@ -380,11 +422,39 @@ class SessionTrainerMixin:
         optimizer = self.optimizer  # type: ignore[attr-defined]
         if optimizer is not None and self.session.state.get("optimizer") is not optimizer:
             extra["optimizer"] = optimizer  # the accelerate-prepared wrapper, same param_groups
+        self._llmc_check_model()
         check_teacher(self.session, self.session.state.get("teacher"), self._llmc_teacher_device)
         try:  # the teacher placed where the Trainer put the model; steps_per_epoch is staged now (the dataloader)
             start_session(self.session, saved, self._llmc_teacher_device, ("SessionTrainer", _hint), **extra)
         except CheckpointError as exc:  # the session as before train(): train() may be called again
             raise self._named(exc) from exc
+        except ModifierError as exc:  # rolled back: the user's call to make again is train(), not initialize()
+            if RETRY_ADVICE not in str(exc):
+                raise
+            text = str(exc).replace(RETRY_ADVICE, TRAINER_RETRY_ADVICE)
+            new = ModifierError(text, modifier=exc.modifier, hook=exc.hook, module=exc.module, modified=exc.modified)
+            raise new from exc.__cause__
+
+    def _llmc_check_model(self) -> None:
+        """Refuse, before the session is initialized, a session ``model`` that is not the model the Trainer trains
+        (wrappers unwrapped: DDP / accelerate, ``torch.compile``, peft). A model given with
+        ``trainer.session.update_state(model=other)`` replaced the Trainer's without a word: the Trainer trained its
+        model while the session pruned ``other`` and reported its sparsity (found by a tester).
+
+        Raises:
+            ValueError: one line; nothing is changed (the session is still staged).
+        """
+        staged = self.session.state.get("model")
+        trained = self.model  # type: ignore[attr-defined]
+        if staged is None or staged is trained or unwrap_model(staged) is unwrap_model(trained):
+            return
+        msg = (
+            f"SessionTrainer: the session's state 'model' ({type(staged).__name__}, given with "
+            f"session.update_state(model=...)) is not the model the Trainer trains ({type(trained).__name__}, "
+            "SessionTrainer(model=...)), so the session would compress a model that is not trained; leave state "
+            "'model' to SessionTrainer (it stages model=) or build the trainer with SessionTrainer(model=that_model)"
+        )
+        raise ValueError(msg)
 
     def _named(self, exc: CheckpointError) -> CheckpointError:
         """``exc`` with the checkpoint it was read from first."""
@@ -416,6 +486,11 @@ class SessionTrainerMixin:
                 ``session.reset(recipe=...)``) has a modifier that compresses on calibration events only.
             LifecycleError: the session is not ``created`` / ``staging`` (an earlier ``train()`` finished or stopped
                 midway, and the session was not reset).
+            ValueError: the session's ``model`` is not the model the Trainer trains (given with
+                ``trainer.session.update_state(model=...)``), before the Trainer starts and again at
+                ``on_train_begin``; the session is still staged.
+            ModifierError: a modifier's ``on_initialize`` raised at ``on_train_begin``; rolled back (the message
+                says to call ``train()`` again) unless it changed the model.
             CheckpointError: the session checkpoint does not match the session: another recipe is refused before
                 the Trainer loads anything; whatever fails after the session is initialized puts it back as it
                 was (staged, same state), so train() may be called again.
@@ -432,6 +507,7 @@ class SessionTrainerMixin:
         dropped = {k: v for k, v in self._llmc_staged.items() if k not in self.session.state}
         if dropped:  # reset() dropped what __init__ staged (whatever was staged since)
             self.session.update_state(**dropped)
+        self._llmc_check_model()  # before the Trainer loads a checkpoint into its model (again at on_train_begin)
         if resume_from_checkpoint is True:
             resume_from_checkpoint = _last_session_checkpoint(self.args.output_dir)  # type: ignore[attr-defined]
             if resume_from_checkpoint is None:

@@ -39,9 +39,13 @@ from llmc_fsm.session.checkpoint import SessionCheckpoints
 from llmc_fsm.session.ranks import check_ranks_agree, unwrap_state
 from llmc_fsm.session.scheduling import Schedule, Slot
 
-__all__ = ["ModifierError", "Session", "active_session", "create_session"]
+__all__ = ["RETRY_ADVICE", "ModifierError", "Session", "active_session", "create_session"]
 
 logger = logging.getLogger(__name__)
+
+#: The last sentence of the ``ModifierError`` of a rolled-back ``initialize`` that changed no parameter (an
+#: integration making the call for the user replaces it with its own: ``SessionTrainer`` says ``train()``).
+RETRY_ADVICE = "Fix the cause and call initialize() again with all its arguments."
 
 _LIVE = ("initialized", "running")
 
@@ -91,6 +95,7 @@ class Session(SessionCheckpoints):
         self._calibrated = False
         self._loss_given = False
         self._loss_warned = False
+        self._jump_warned = False
 
     # --- read-only views ------------------------------------------------------
     @property
@@ -131,7 +136,8 @@ class Session(SessionCheckpoints):
         win. Keys are open-ended (see :class:`~llmc_fsm.State`).
 
         Raises:
-            LifecycleError: the session is already initialized, running or finalized.
+            LifecycleError: the session is already initialized, running or finalized, or an ``initialize`` changed
+                the model in place and failed (only :meth:`reset` is allowed then; it drops the state).
             ValueError: a well-known key's value that cannot be what it names (``steps_per_epoch`` not a positive
                 int), or a key the session refuses (``global_step``, ``start``, ``batches_per_step``,
                 ``teacher_model``: :data:`~llmc_fsm.core.state.REFUSED_KEYS`, one line each on what to do instead;
@@ -139,7 +145,7 @@ class Session(SessionCheckpoints):
         """
         with self._lock:
             self._refuse_from_hook("update_state")
-            if "update_state" not in CALLS_ALLOWED[self.lifecycle]:
+            if "update_state" not in CALLS_ALLOWED[self.lifecycle] or self._broken is not None:
                 self._refuse("update_state")
             self._state = self._state.merged(check_state_values(state))
             self._fire("update_state")
@@ -272,7 +278,7 @@ class Session(SessionCheckpoints):
         then = (
             f"Rolled back: {done} modifier(s) already initialized were finalized and their hooks removed; "
             f"the session is still {self.lifecycle!r} and nothing passed to initialize() was stored."
-            + ("" if modified else " Fix the cause and call initialize() again with all its arguments.")
+            + ("" if modified else " " + RETRY_ADVICE)
         )
         return failure(slot.label, "on_initialize", exc, during="initialize()", modified=modified, then=then)
 

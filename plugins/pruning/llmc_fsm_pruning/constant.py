@@ -191,6 +191,7 @@ class ConstantPruningModifier(Modifier):
 
     def on_initialize(self, state: State) -> None:
         self._modules = resolve_targets(state.model, self.targets, self.ignore, views=True)
+        self.measured_sparsity, self.module_sparsity = None, {}  # read-outs of this run only (a reused object)
 
     def on_start(self, state: State, event: Event) -> None:
         self._masks.clear()

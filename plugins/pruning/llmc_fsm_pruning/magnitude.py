@@ -141,7 +141,11 @@ class MagnitudePruningModifier(Modifier):
             raise ValueError(msg)
         if gradual:
             if self.init_sparsity is None or self.final_sparsity is None:
-                msg = "gradual mode needs both init_sparsity and final_sparsity"
+                # the given one is not named first: the recipe reader blames the first argument a message names, so
+                # a final_sparsity refused (1.5) and set aside was followed by this line about init_sparsity, which
+                # was given (found by a tester); the missing one ends the message
+                missing = "init_sparsity" if self.init_sparsity is None else "final_sparsity"
+                msg = f"gradual mode needs an initial and a final sparsity; missing: {missing}"
                 raise ValueError(msg)
             if self.init_sparsity > self.final_sparsity:
                 msg = f"init_sparsity ({self.init_sparsity}) must be <= final_sparsity ({self.final_sparsity})"

@@ -61,7 +61,7 @@ from llmc_fsm.toolkit import compact_names
 if TYPE_CHECKING:
     from llmc_fsm import Event, State
 
-__all__ = ["OutputDistillationModifier", "distillation_kl", "logits_of", "model_device", "to_device"]
+__all__ = ["OutputDistillationModifier", "distillation_kl", "logits_of", "model_device", "to_device", "vocabulary_size"]
 
 logger = logging.getLogger(__name__)
 
@@ -191,6 +191,21 @@ def _shared_with_student(student: torch.nn.Module, teacher: torch.nn.Module) -> 
     return list(dict.fromkeys(names))
 
 
+def vocabulary_size(model: Any) -> int | None:
+    """The width of ``model``'s logits: its output embeddings' rows (``get_output_embeddings()``: ``out_features``
+    of a ``Linear``, else the weight's first dimension), else ``config.vocab_size``; ``None`` when neither is there
+    (a model that is not a transformers model)."""
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    if isinstance(head, torch.nn.Linear):
+        return head.out_features
+    weight = getattr(head, "weight", None)
+    if isinstance(weight, torch.Tensor) and weight.dim() == 2:
+        return int(weight.shape[0])
+    size = getattr(getattr(model, "config", None), "vocab_size", None)
+    return size if isinstance(size, int) and not isinstance(size, bool) else None
+
+
 def _storage(tensor: torch.Tensor) -> int | None:
     """Where ``tensor``'s data lies (a ``DTensor``: its local shard's; ``None`` on ``meta``, when empty or unknown:
     nothing shared)."""
@@ -266,7 +281,8 @@ class OutputDistillationModifier(Modifier):
       (``alpha=1``: distillation only; ``alpha=0``: the student loss unchanged).
     - ``start`` / ``end`` (epochs): when distillation is active (default: always).
 
-    Requires state ``model`` (the student) and ``teacher``. The teacher is put in
+    Requires state ``model`` (the student) and ``teacher``, with output vocabularies of one size (checked at
+    initialize where both tell it: :func:`vocabulary_size`). The teacher is put in
     eval mode at initialize and run under ``torch.no_grad()`` on the student's last inputs;
     finalize gives each of its modules back the training mode it had before initialize.
     After each loss, :attr:`last_student_loss` and :attr:`last_distill_loss` hold
@@ -299,7 +315,9 @@ class OutputDistillationModifier(Modifier):
         Raises:
             ValueError: the teacher is the student model itself, or shares modules with it (a peft model's
                 ``get_base_model()`` as the teacher of the peft model: the distillation loss was 0 and putting the
-                teacher in eval mode turned the student's dropout off, found by a tester).
+                teacher in eval mode turned the student's dropout off, found by a tester); or the two output
+                vocabularies differ in size (:func:`vocabulary_size`; it was refused only at the first
+                ``loss_calculated``, found by a tester).
         """
         if state.teacher is state.model:
             msg = (
@@ -316,6 +334,15 @@ class OutputDistillationModifier(Modifier):
                 "the model before adding adapters, or the checkpoint loaded again)"
             )
             raise ValueError(msg)
+        student_size, teacher_size = vocabulary_size(state.model), vocabulary_size(state.teacher)
+        if student_size is not None and teacher_size is not None and student_size != teacher_size:
+            msg = (
+                f"the student's output vocabulary has {student_size} tokens and the teacher's {teacher_size} "
+                "(output embeddings): distillation compares their logits token by token, so both need the same "
+                "vocabulary (the same tokenizer); pass a teacher with the student's vocabulary"
+            )
+            raise ValueError(msg)
+        self.last_student_loss = self.last_distill_loss = None  # read-outs of this run only
         self._teacher = state.teacher
         self._student = state.model
         self._teacher_modes = [(module, module.training) for module in self._teacher.modules()]

@@ -135,6 +135,19 @@ def _positive(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
         raise ValueError(msg)
 
 
+#: The schedules that move from ``init_lr`` to ``final_lr``: ``init_lr`` 0 is a warmup from 0 there (as the HF
+#: Trainer's warmup); with ``constant`` and ``step`` it would set the rate to 0 for every step.
+FROM_ZERO: tuple[str, ...] = ("linear", "cosine")
+
+
+def _init_lr(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    """``init_lr``: a finite number > 0; 0 too with a schedule of :data:`FROM_ZERO` (refused before, found by a
+    tester: a warmup from 0)."""
+    if instance.schedule in FROM_ZERO and not isinstance(value, bool) and value == 0:
+        return
+    _positive(instance, attribute, value)
+
+
 def _non_negative(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.inf > _as_float(value) >= 0:
         msg = f"{attribute.name} must be a finite number >= 0, got {value!r}"
@@ -158,30 +171,34 @@ class LearningRateModifier(Modifier):
     Recipe arguments:
 
     - ``schedule``: ``"constant"`` (default), ``"linear"``, ``"cosine"`` or ``"step"``.
-    - ``init_lr`` (> 0, required): the learning rate at ``start``.
+    - ``init_lr`` (> 0, required): the learning rate at ``start``; 0 is taken with ``linear`` and ``cosine`` (a
+      warmup from 0 to ``final_lr``, which must then be > 0).
     - ``final_lr`` (>= 0, default 0): the learning rate at ``end`` (linear, cosine).
     - ``start`` (epochs, default: the first batch = epoch 0 for the formula), ``end``
       (epochs; required for linear and cosine; default for constant/step: until finalize).
     - ``step_size`` (epochs, > 0; required for step), ``gamma`` (default 0.1): the
       step schedule multiplies the rate by ``gamma`` every ``step_size`` epochs.
 
-    Requires state ``optimizer`` and ``steps_per_epoch`` (the schedule is in epochs). From ``end`` until finalize
+    Requires state ``optimizer``, and ``steps_per_epoch`` (the schedule is in epochs) unless the schedule is
+    ``constant`` with no ``start``/``end``/``update`` (:meth:`required_keys`). From ``end`` until finalize
     the value at ``end`` is written before every optimizer step, unless another ``LearningRateModifier`` of the
     same optimizer starting at or after ``end`` has started (then it sets the rate). Two of one optimizer whose ranges
     ``[start, end)`` overlap are refused at ``initialize`` (:meth:`on_initialize`). :attr:`last_lr` is the value
     this modifier wrote last (the rate of the last optimizer step while it sets the rate).
 
     Raises:
-        ValueError: an unknown schedule, a learning rate, ``step_size`` or ``gamma`` out of range, ``linear``/``cosine``
-            without ``end``, ``step`` without ``step_size``, or ``end`` not after ``start``.
+        ValueError: an unknown schedule, a learning rate, ``step_size`` or ``gamma`` out of range (``init_lr`` 0
+            with ``constant``/``step``, or with ``final_lr`` 0), ``linear``/``cosine`` without ``end``, ``step``
+            without ``step_size``, or ``end`` not after ``start``.
     """
 
     required_state = frozenset({"optimizer", "steps_per_epoch"})
+    optional_state = frozenset({"steps_per_epoch"})  # read when given; not required by a constant rate (required_keys)
     events = frozenset({"optim_pre_step"})
     events_after_end = frozenset({"optim_pre_step"})  # the value at end kept until finalize, over any scheduler
 
     schedule: str = attrs.field(default="constant", validator=_check_schedule)
-    init_lr: float = attrs.field(converter=_opt_float, validator=_positive)
+    init_lr: float = attrs.field(converter=_opt_float, validator=_init_lr)
     final_lr: float = attrs.field(default=0.0, converter=_opt_float, validator=_non_negative)
     step_size: float | None = attrs.field(default=None, converter=_opt_float, validator=_positive)
     gamma: float = attrs.field(default=0.1, converter=_opt_float, validator=_positive)
@@ -192,6 +209,20 @@ class LearningRateModifier(Modifier):
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
         _check_schedule_args(self.schedule, self.end, self.step_size)
+        if self.init_lr == 0 and self.final_lr == 0:
+            msg = (
+                f"init_lr and final_lr are both 0: schedule {self.schedule!r} would set the learning rate to 0 at "
+                "every step; give final_lr > 0 (a warmup from 0 to final_lr)"
+            )
+            raise ValueError(msg)
+
+    def required_keys(self) -> frozenset[str]:
+        """``optimizer``, and ``steps_per_epoch`` unless the schedule is ``constant`` with no ``start``/``end``/
+        ``update`` (the same rate at every step needs no epoch; it was required, with a message naming a schedule in
+        epochs the modifier did not have: found by a tester)."""
+        if self.schedule == "constant" and not self.is_scheduled:
+            return frozenset({"optimizer"})
+        return frozenset(self.required_state)
 
     def lr_at(self, epoch: float) -> float:
         """The learning rate this modifier sets for the optimizer step at ``epoch``."""
@@ -267,6 +298,7 @@ class LearningRateModifier(Modifier):
             raise TypeError(msg)
         self._check_overlap(optimizer)
         self._optimizer = optimizer
+        self.last_lr = None  # a read-out of this run only (a reused object kept the last run's, found by a tester)
         _ON_OPTIMIZER.setdefault(id(optimizer), weakref.WeakKeyDictionary())[self] = None
 
     def on_start(self, state: State, event: Event) -> None:

@@ -43,7 +43,7 @@ def test_yaml_scientific_notation_is_accepted():
 
 def test_required_state_declared():
     assert OutputDistillationModifier.required_state == {"model", "teacher"}
-    assert LearningRateModifier(init_lr=0.1).required_keys() == {"optimizer", "steps_per_epoch"}
+    assert LearningRateModifier(init_lr=0.1).required_keys() == {"optimizer"}  # constant, no schedule (2026-12-07)
 
 
 # --- found by a tester (2026-12-07) -------------------------------------------------------------------------------
