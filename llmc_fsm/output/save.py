@@ -892,6 +892,9 @@ def write_quantization_config(model: nn.Module, directory: Path, *, sparsity: Sp
         else:  # only KV-cache scales: compressed-tensors' config of a KV-only model (no group, dense format)
             compressor = ModelCompressor(quantization_config=QuantizationConfig(config_groups={}, format="dense"))
         compressor.quantization_config.quantization_status = QuantizationStatus.COMPRESSED  # what the tensors are
+        # the rotations fused into the weights (SpinQuant's transform_config, under compressed-tensors'
+        # TRANSFORM_CONFIG_NAME; from_pretrained_model reads it, the other branches do not)
+        compressor.transform_config = getattr(model, "transform_config", None)
         config = compressor.quantization_config  # every unquantized module a class target would match on reload
         config.ignore = ignore_for_reload(model, quantized_modules(model), list(config.ignore or []))
         config.ignore += [n for n in dense_linear_experts(model) if n not in config.ignore]  # reloaded as Linears

@@ -9,7 +9,9 @@ channel ``j`` over the calibration tokens, the candidate scales for an exponent 
 * ``s_j = x_j ** r`` (the paper's search space, ``duo_scaling: false``), or
 * ``s_j = x_j ** r / (w_j ** (1 - r) + 1e-4)`` (``duo_scaling: true``, the default, as llm-compressor and
   AutoAWQ), ``w_j`` the mean over the balance layers' rows of ``|W_ij|`` divided by the maximum ``|W|`` of
-  the quantization group holding it plus ``1e-6`` (float64, as llm-compressor 0.14; the candidates then float64 too);
+  the quantization group holding it plus ``1e-6`` (the row for ``channel``, the group for ``group`` and NVFP4's
+  ``tensor_group``, the ``h x w`` block for ``block``, the tensor for ``tensor``; float64, as llm-compressor 0.14;
+  the candidates then float64 too);
 
 clamped to at least ``1e-4`` and divided by ``sqrt(max s * min s)``. The grid's first candidate is ``r = 0`` without
 the weight term, ``s = 1`` (no smoothing); then ``duo_scaling: true`` tries ``r = i / (n - 2)``, ``i = 0 .. n - 2``,
@@ -61,7 +63,9 @@ rows of all of them (the router per row: it is not quantized), and the error is 
 top-k computed as in the float model (the router reads the unscaled input during the search, and its weight takes
 the scale when folded, so the routing is unchanged). Each expert's ``up_proj -> down_proj`` gets its own scale from
 the tokens the router sent to it, scored by its ``down_proj`` output on them (as AutoAWQ's per-expert
-``up -> down``); an expert with no routed token is left unscaled. The scales are folded into the fused parameters
+``up -> down``); an expert with no routed token is left unscaled. llm-compressor 0.14 by default gives every expert
+every calibration token instead (``moe_calibrate_all_experts=True``); AWQ here has no ``calibrate_all_experts`` and
+says so in one warning line. The scales are folded into the fused parameters
 through the expert matrices' views (they share the storage), and the quantizer (GPTQ or round-to-nearest per expert
 matrix) then quantizes the smoothed experts. A shared expert (DeepSeek-V3, Qwen3-Next) and its gate are balance layers
 of the same norm mapping, scored on the whole block's output (routed plus shared), with their own ``up -> down``.
@@ -168,30 +172,52 @@ def _no_quantizer_message(unquantized: list[ResolvedMapping]) -> str:
     )
 
 
-def awq_weight_mean(weights: list[torch.Tensor], group_sizes: list[int | None]) -> torch.Tensor:
+def awq_weight_mean(weights: list[torch.Tensor], group_sizes: list[int | tuple[int, int] | None]) -> torch.Tensor:
     """``w_j``: mean over all rows of ``|W_ij| / (max |W| + 1e-6)``, the maximum over the quantization group holding
     ``W_ij``, as llm-compressor 0.14's ``_compute_layer_means``: the quotient in the weight's dtype, the rows summed
     in float64 per weight, the weights' sums added and divided by the total row count.
 
     Args:
         weights: the balance layers' ``[out_k, C]`` weights.
-        group_sizes: per weight, its group size (``None``: one group per row; ``0``: the whole tensor).
+        group_sizes: per weight, its quantization group: ``None`` one group per row (``channel``), ``0`` the whole
+            tensor (``tensor``), an int ``g`` every ``g`` consecutive values of the flattened weight (``group``,
+            ``tensor_group``), a pair ``(h, w)`` each ``h x w`` block (``block``; a partial block at the bottom or
+            right edge is its own group, as the quantizer's scales, where llm-compressor 0.14 raises).
 
     Returns:
         ``[C]`` float64.
+
+    Raises:
+        ValueError: no weight.
     """
     total: torch.Tensor | None = None
     rows = 0
     for w, g in zip(weights, group_sizes, strict=True):
         a = w.detach().abs()
-        chunk = a.numel() if g == 0 else a.shape[1] if g is None else g
-        grouped = a.reshape(-1, chunk)
-        part = (grouped / (grouped.amax(dim=1, keepdim=True) + 1e-6)).reshape(a.shape).sum(0, dtype=torch.float64)
+        if isinstance(g, tuple):
+            maxima = _block_maxima(a, g)
+        else:
+            chunk = a.numel() if g == 0 else a.shape[1] if g is None else g
+            grouped = a.reshape(-1, chunk)
+            maxima = grouped.amax(dim=1, keepdim=True).expand_as(grouped).reshape(a.shape)
+        part = (a / (maxima + 1e-6)).sum(0, dtype=torch.float64)
         total = part if total is None else total + part
         rows += a.shape[0]
     if total is None:
         raise ValueError("awq_weight_mean needs at least one weight (a mapping has one balance layer or more)")
     return total / rows
+
+
+def _block_maxima(a: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """Per value of ``a`` (``[R, C]``, non-negative), the maximum of its ``h x w`` block (``block``), the blocks
+    tiling ``a`` from its top left corner, the last row / column of blocks partial where ``h`` / ``w`` does not
+    divide ``R`` / ``C``. Returns ``[R, C]`` in ``a``'s dtype."""
+    h, w = block
+    rows, cols = a.shape
+    n_r, n_c = -(-rows // h), -(-cols // w)
+    padded = nn.functional.pad(a, (0, n_c * w - cols, 0, n_r * h - rows))  # zeros never raise a max of |W|
+    maxima = padded.reshape(n_r, h, n_c, w).amax(dim=(1, 3))
+    return maxima.repeat_interleave(h, dim=0).repeat_interleave(w, dim=1)[:rows, :cols]
 
 
 def awq_candidate_scales(x_mean: torch.Tensor, w_mean: torch.Tensor | None, ratio: float) -> torch.Tensor:
@@ -751,11 +777,30 @@ class AWQModifier(SmoothingModifier):
             unquantized = []
         if unquantized:
             raise ValueError(_no_quantizer_message(unquantized))
+        self._warn_routed_experts()
         self._clip_targets = self._find_clip_targets() if self.apply_clip else {}
         self.clipping_results = {}
         if self._quantizer is not None:
             with _as_awq():
                 self._quantizer.on_calibration_start(state)
+
+    def _warn_routed_experts(self) -> None:
+        """One line when a mapping's balance layer is an expert matrix (a fused expert's ``up -> down``): its
+        statistics and its search come from the tokens the router sent that expert, where llm-compressor 0.14 by
+        default sends every token through every expert (``moe_calibrate_all_experts=True``); AWQ has no
+        ``calibrate_all_experts`` of its own (a quantizing modifier's covers that modifier's statistics only)."""
+        routed = [
+            m.smooth_name for m in self._mappings if isinstance(m.reader, LinearView) and m.reader.expert is not None
+        ]
+        if routed:
+            logger.warning(
+                "AWQModifier: the scales of %d expert mappings (e.g. %s) are searched on the tokens the router sent "
+                "each expert; llm-compressor 0.14 gives every expert every calibration token by default "
+                "(moe_calibrate_all_experts=True), which AWQModifier does not do (a calibrate_all_experts on the "
+                "quantizing modifier covers that modifier's own statistics, not AWQ's), so these scales differ",
+                len(routed),
+                routed[0],
+            )
 
     def _module_quantizers(self) -> Iterator[tuple[Any, str, nn.Module, tuple[QuantizationArgs, str]]]:
         """``(modifier, name, module, (weight args, observer))`` of every module a quantizing modifier of the session
@@ -1017,12 +1062,17 @@ def _capture_inputs(
     return {name: torch.cat(parts) for name, parts in kept.items()}
 
 
-def _group_size(quantizer: Quantizer) -> int | None:
+def _group_size(quantizer: Quantizer) -> int | tuple[int, int] | None:
+    """The quantization group of ``quantizer``'s weights in :func:`awq_weight_mean`'s terms (``None``: per row,
+    also for an unquantized balance layer)."""
     if quantizer is None:
         return None
     args = quantizer[0]
-    if args.strategy == QuantizationStrategy.GROUP:
+    if args.strategy in (QuantizationStrategy.GROUP, QuantizationStrategy.TENSOR_GROUP):
         return int(args.group_size)
+    if args.strategy == QuantizationStrategy.BLOCK:
+        height, width = args.block_structure
+        return (int(height), int(width))
     return 0 if args.strategy == QuantizationStrategy.TENSOR else None
 
 

@@ -40,6 +40,8 @@ from typing import Any
 
 import attrs
 import torch
+from compressed_tensors import TRANSFORM_CONFIG_NAME
+from compressed_tensors.transform import TransformArgs, TransformConfig, TransformScheme
 from torch import nn
 
 import llmc_fsm
@@ -55,6 +57,7 @@ __all__ = [
     "find_rotation_plan",
     "fold_and_rotate",
     "hadamard_matrix",
+    "llmcompressor_transform_config",
     "rotate_heads",
     "times_blocks",
 ]
@@ -490,19 +493,61 @@ def _precision(value: Any) -> str:
 
 
 #: Where llm-compressor 0.14's resolved ``transform_config`` applies each rotation of a Llama-style model (what its
-#: saved recipe.yaml records for ``rotations`` / ``transform_type`` / ``transform_block_size``): per rotation, the
-#: ``(location, inverse, targets)`` of its ``apply`` entries.
-_LLMCOMPRESSOR_APPLY = {
-    "R1": {
-        ("weight_output", False, frozenset({"re:.*embed_tokens$", "re:.*o_proj$", "re:.*down_proj$"})),
+#: saved recipe.yaml and config.json record for ``rotations`` / ``transform_type`` / ``transform_block_size``): per
+#: rotation, the ``(location, inverse, targets)`` of its ``apply`` entries, in its order.
+_LLMCOMPRESSOR_APPLY_ORDER = {
+    "R1": (
+        ("weight_output", False, ("re:.*embed_tokens$", "re:.*o_proj$", "re:.*down_proj$")),
         (
             "weight_input",
             True,
-            frozenset({"re:.*q_proj$", "re:.*k_proj$", "re:.*v_proj$", "re:.*up_proj$", "re:.*gate_proj$", "lm_head"}),
+            ("re:.*q_proj$", "re:.*k_proj$", "re:.*v_proj$", "re:.*up_proj$", "re:.*gate_proj$", "lm_head"),
         ),
-    },
-    "R2": {("weight_output", False, frozenset({"re:.*v_proj$"})), ("weight_input", True, frozenset({"re:.*o_proj$"}))},
+    ),
+    "R2": (("weight_output", False, ("re:.*v_proj$",)), ("weight_input", True, ("re:.*o_proj$",))),
 }
+#: :data:`_LLMCOMPRESSOR_APPLY_ORDER` as sets (a recipe's ``transform_config`` may list them in any order).
+_LLMCOMPRESSOR_APPLY = {
+    name: {(location, inverse, frozenset(targets)) for location, inverse, targets in entries}
+    for name, entries in _LLMCOMPRESSOR_APPLY_ORDER.items()
+}
+
+
+def llmcompressor_transform_config(
+    rotations: Iterable[str], transform_type: str, block_size: int | None, precision: str, head_dim: int
+) -> TransformConfig:
+    """The ``transform_config`` llm-compressor 0.14's ``SpinQuantModifier`` attaches to the model and writes into
+    ``config.json``'s ``quantization_config``: one compressed-tensors ``TransformScheme`` per rotation (``R1`` then
+    ``R2``), every location a ``weight_*`` one (fused into the weights, which neither transformers nor vLLM applies
+    again on load: vLLM applies only the online ``input`` / ``output`` locations).
+
+    Args:
+        rotations: some of ``R1``, ``R2``.
+        transform_type: ``hadamard`` or ``random-hadamard``.
+        block_size: R1's ``head_dim`` (``transform_block_size``; ``None``: one block of ``hidden_size``).
+        precision: ``float64`` or ``float32``.
+        head_dim: R2's ``head_dim``, the model's attention head size.
+
+    Returns:
+        A ``compressed_tensors.transform.TransformConfig``.
+    """
+    chosen = set(rotations)
+    groups = {
+        name: TransformScheme(
+            type=transform_type,
+            apply=[
+                TransformArgs(targets=list(targets), location=location, inverse=inverse)
+                for location, inverse, targets in entries
+            ],
+            randomize=False,
+            requires_grad=False,
+            head_dim=block_size if name == "R1" else head_dim,
+            precision=PRECISIONS[precision],
+        )
+        for name, entries in _LLMCOMPRESSOR_APPLY_ORDER.items()
+        if name in chosen
+    }
+    return TransformConfig(config_groups=groups)
 
 
 def _transform_config_problem(instance: Any, value: Any) -> str | None:
@@ -709,7 +754,9 @@ class SpinQuantModifier(llmc_fsm.Modifier):
             raise RuntimeError(msg)
 
     def apply(self, model: nn.Module, plan: RotationPlan | None = None) -> None:
-        """Untie, fold the norms and fuse the rotations into ``model``'s weights (in place).
+        """Untie, fold the norms and fuse the rotations into ``model``'s weights (in place), and attach
+        :func:`llmcompressor_transform_config` as ``model.transform_config`` (written into ``quantization_config``
+        when the model is saved quantized).
 
         Raises:
             ValueError: as :meth:`check_model` (before any change).
@@ -727,6 +774,10 @@ class SpinQuantModifier(llmc_fsm.Modifier):
         if "R2" in self.rotations:
             rotate_heads(plan, hadamard_matrix(plan.head_dim, transform_type=self.transform_type, dtype=precision))
             self.summary["r2_size"] = plan.head_dim
+        config = llmcompressor_transform_config(
+            self.rotations, self.transform_type, self.transform_block_size, self.precision, plan.head_dim
+        )
+        setattr(model, TRANSFORM_CONFIG_NAME, config)  # compressed-tensors' ModelCompressor writes it on save
 
 
 def _probe_input(model: nn.Module, plan: RotationPlan) -> torch.Tensor:
