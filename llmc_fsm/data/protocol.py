@@ -358,18 +358,39 @@ class _HeadInput:
         return (args[0][:, : self.keep], *args[1:])
 
 
-def _projects(head: torch.nn.Module, hidden: torch.Tensor, logits: torch.Tensor) -> bool:
-    """Whether ``logits`` (the model's, of the first :data:`_CHECK_POSITIONS` positions) equal ``head`` applied to
-    the first positions of ``hidden`` (the head's input ``[B, L, hidden]``), bitwise."""
-    mine = head(hidden[:, :_CHECK_POSITIONS])
-    return mine.shape == logits.shape and torch.equal(mine.float(), logits.float())
+def _projects(head: torch.nn.Module, hidden: torch.Tensor, logits: torch.Tensor, chunk: int) -> bool:
+    """Whether ``logits`` (the model's ``[B, k, vocab]``, its head handed the first ``k`` positions of ``hidden``)
+    equal, bitwise, what :func:`_chunked_nll` computes for the first positions of the first window: ``head`` of
+    ``hidden[:1, :chunk]`` (``hidden`` is the head's input ``[B, L, hidden]``).
+
+    Comparing with the chunked computation (not with ``head(hidden[:, :k])``, the model's own call) makes a head whose
+    output for a position depends on what else it is handed fail the check, and the model then be scored from its full
+    logits (until 2026-12-07 the chunks were 2-D ``[positions, hidden]``, on which compressed-tensors' dynamic
+    per-token activation quantization takes one scale for the whole chunk; the check compared same-shape 3-D calls
+    and passed, and an FP8_DYNAMIC ``lm_head`` reported 532.501 for a perplexity of 533.114: found by a tester).
+    """
+    mine = _head_logits(head, hidden, 0, 0, chunk)
+    k = min(mine.shape[1], logits.shape[1])
+    return (
+        logits.dim() == 3
+        and mine.shape[2:] == logits.shape[2:]
+        and torch.equal(mine[:, :k].float(), logits[:1, :k].float())
+    )
 
 
-def logits_are_projection(model: torch.nn.Module, input_ids: torch.Tensor) -> bool:
+def _head_logits(head: torch.nn.Module, hidden: torch.Tensor, row: int, start: int, chunk: int) -> torch.Tensor:
+    """``head`` of window ``row``'s predicting positions ``start .. start + chunk - 1`` (the last position of
+    ``hidden`` ``[B, L, hidden]`` predicts nothing), handed 3-D as the model hands them: ``[1, <= chunk, vocab]``."""
+    stop = min(start + chunk, hidden.shape[1] - 1)
+    return head(hidden[row : row + 1, start:stop])
+
+
+def logits_are_projection(model: torch.nn.Module, input_ids: torch.Tensor, *, loss_chunk: int = LOSS_CHUNK) -> bool:
     """Whether ``model``'s logits are its output projection (``get_output_embeddings()``) of its final hidden
-    states, as :func:`perplexity` checks on its first batch: one forward of ``input_ids`` (``LongTensor[B, L]``, moved
-    to the device of the model's first parameter) in which the projection makes the first 4 positions' logits only,
-    compared bitwise with the projection of their hidden states.
+    states, as :func:`perplexity` (with the same ``loss_chunk``) checks on its first batch: one forward of
+    ``input_ids`` (``LongTensor[B, L]``, moved to the device of the model's first parameter) in which the projection
+    makes the first 4 positions' logits only, compared bitwise with what the chunked loss computes for them (the
+    projection of the first window's first ``loss_chunk`` positions' hidden states, ``[1, loss_chunk, hidden]``).
 
     ``False`` for a model without an output projection, or one that changes its logits after it (Gemma 2's
     soft-capping, Cohere's and Granite's scale): :func:`perplexity` then runs its first batch a second time, for its
@@ -396,7 +417,7 @@ def logits_are_projection(model: torch.nn.Module, input_ids: torch.Tensor) -> bo
             return (
                 hidden is not None
                 and tuple(hidden.shape[:2]) == tuple(input_ids.shape)
-                and _projects(head, hidden, logits)
+                and _projects(head, hidden, logits, loss_chunk)
             )
     finally:
         handle.remove()
@@ -415,16 +436,18 @@ def _output_projection(model: torch.nn.Module) -> torch.nn.Module | None:
 def _chunked_nll(head: torch.nn.Module, hidden: torch.Tensor, batch: torch.Tensor, chunk: int) -> float:
     """Summed next-token NLL of ``batch`` (``[B, L]``) from its final hidden states ``[B, L, hidden]``.
 
-    The logits of at most ``chunk`` positions exist at a time (float32 ``[chunk, vocab]`` and its log-softmax).
+    One window at a time, the head is handed ``[1, <= chunk, hidden]`` (3-D, as the model hands it: a head that
+    quantizes its input per token sees each position as a token), so the logits of at most ``chunk`` positions
+    exist at a time (float32 ``[chunk, vocab]`` and its log-softmax).
     """
-    states = hidden[:, :-1].reshape(-1, hidden.shape[-1])  # [B * (L - 1), hidden]
-    labels = batch[:, 1:].reshape(-1)
+    length = hidden.shape[1]
     total = 0.0
-    for p0 in range(0, states.shape[0], chunk):
-        logits = head(states[p0 : p0 + chunk]).float()
-        nll = torch.nn.functional.cross_entropy(logits, labels[p0 : p0 + chunk], reduction="sum")
-        total += float(nll.double())
-        del logits
+    for row in range(batch.shape[0]):
+        for p0 in range(0, length - 1, chunk):
+            logits = _head_logits(head, hidden, row, p0, chunk)[0].float()
+            nll = torch.nn.functional.cross_entropy(logits, batch[row, p0 + 1 : p0 + 1 + chunk], reduction="sum")
+            total += float(nll.double())
+            del logits
     return total
 
 
@@ -474,10 +497,12 @@ def perplexity(
     49k vocabulary) are never made when the model's logits are its output projection
     (``get_output_embeddings()``, e.g. ``lm_head``) of the final hidden states: a pre-hook on the projection
     keeps the hidden states ``[B, L, hidden]`` and lets the model project only their first positions, and the
-    loss is computed ``loss_chunk`` positions at a time from the hidden states (``[loss_chunk, vocab]``
-    logits at most, 25 MB at the default 128). On the first batch, the model's own logits of the first 4
-    positions are compared (bitwise) with the projection of their hidden states; a model that changes its
-    logits after the projection (scaling, soft-capping) fails the check and is scored from its full logits,
+    loss is computed ``loss_chunk`` positions of one window at a time from the hidden states (the projection is
+    handed ``[1, loss_chunk, hidden]``, 3-D as the model hands it, so a per-token quantized input is quantized per
+    token; ``[loss_chunk, vocab]`` logits at most, 25 MB at the default 128). On the first batch, the model's own
+    logits of the first 4 positions are compared (bitwise) with what the chunked loss computes for them; a model
+    that changes its logits after the projection (scaling, soft-capping), or a projection whose output for a
+    position depends on the other positions it is handed, fails the check and is scored from its full logits,
     one window of them at a time, as is a model without an output projection.
 
     Args:
@@ -538,7 +563,7 @@ def perplexity(
                     hidden = None
                 if handle is not None and hidden is not None and start == 0:
                     hook.active = False
-                    projected = _projects(head, hidden, logits)
+                    projected = _projects(head, hidden, logits, loss_chunk)
                     hook.active = True
                     if not projected:
                         hidden = None

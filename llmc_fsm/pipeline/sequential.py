@@ -167,10 +167,16 @@ def check_targets_in_layers(
     pruning plugin's) are checked; others are trusted. A target the modifier compresses without calibration inputs
     (its ``targets_without_inputs``, e.g. a quantizer's ``nn.Embedding``) may lie outside the layers, and so may the
     output ``head`` (:func:`output_head`; calibrated after the last layer), except in the streamed pipeline
-    (``streamed``), which writes the tensors outside the layers before it compresses anything.
+    (``streamed``), which writes the tensors outside the layers before it compresses anything. Other calibrated
+    modules outside the layers are refused, also those the model's forward runs between the embedding and the first
+    layer or after the last (OPT-350m's ``model.decoder.project_in`` / ``project_out``), which llm-compressor 0.14
+    calibrates in its first / last traced subgraph.
 
     Raises:
-        ValueError: naming the modifier, the modules outside the layers and the fix.
+        ValueError: ``"<Modifier> targets <names>, outside the decoder layers (<layers name>); the sequential
+            pipeline calibrates only the decoder layers and the output head. <fix>"`` (the same sentence in memory
+            and streamed; the fix: add them to the modifier's ignore list, or, streamed, run in memory when that
+            calibrates them).
     """
     for modifier in session.modifiers:
         targets = getattr(modifier, "resolved_targets", None)
@@ -222,11 +228,11 @@ def check_modifier_targets_in_layers(
                 "outside the layers before compressing any: run in memory (--in-memory; Python: low_memory="
                 "False), or add them to the modifier's ignore list."
             )
+        # one sentence in memory and streamed, with or without a Linear head (until 2026-12-07 the streamed one and
+        # a model without such a head left out the output head, which the in-memory pipeline calibrates)
         msg = (
             f"{modifier.modifier_name()} targets {shown}, outside the decoder layers ({layers_name}); the "
-            f"sequential pipeline calibrates only the decoder layers"
-            + (" and the output head" if head is not None and not streamed else "")
-            + f". {fix}"
+            f"sequential pipeline calibrates only the decoder layers and the output head. {fix}"
         )
         raise ValueError(msg)
 

@@ -558,22 +558,27 @@ def _label(m: ModuleSparsity) -> str:
 
 def _named_layers(modules: list[ModuleSparsity]) -> dict[int, str]:
     """``{decoder layer index: its full name}`` (``model.decoder.layers.3``), for a report whose rows outside the
-    decoder layers are numbered blocks too (Whisper's encoder layers): both kinds of row then read alike."""
+    decoder layers are numbered blocks too (Whisper's encoder layers): both kinds of row then read alike. The name
+    ends at the first ``.<index>`` of a module's name (T5's ``decoder.block.0``; until 2026-12-07 the last, so its
+    row read ``decoder.block.0.layer.0``, found by a tester)."""
     named: dict[int, str] = {}
     for m in modules:
-        found = re.match(rf"(.*\.{m.layer})\.", m.name) if m.layer is not None else None
+        # the shortest prefix: the layer list's name and the index (T5's decoder.block.0, not decoder.block.0.layer.0)
+        found = re.match(rf"(.*?\.{m.layer})\.", m.name) if m.layer is not None else None
         if found is not None:
             named.setdefault(m.layer, found.group(1))
     return named
 
 
 def _outside_blocks(modules: list[ModuleSparsity]) -> dict[str, list[ModuleSparsity]]:
-    """The report's rows for targeted modules outside the decoder layers: one per numbered block they sit in
-    (Whisper's ``model.encoder.layers.3`` for its six Linears), one per module elsewhere (``lm_head``), in order.
+    """The report's rows for targeted modules outside the decoder layers: one per numbered block they sit in, named
+    by the first all-digit part of their names (Whisper's ``model.encoder.layers.3`` for its six Linears, T5's
+    ``encoder.block.0`` for the Linears of its ``.layer.0`` and ``.layer.1``: until 2026-12-07 the last number
+    made a row of each sub-layer, found by a tester), one per module elsewhere (``lm_head``), in order.
     A block's label ends in ``*`` when some of its targeted weights were left unquantized."""
     blocks: dict[str, list[ModuleSparsity]] = {}
     for m in modules:
-        found = re.match(r"(.*\.\d+)\.", m.name)
+        found = re.match(r"(.*?\.\d+)\.", m.name)  # the first number: T5's encoder.block.0 holds .layer.0 and .1
         blocks.setdefault(found.group(1) if found else m.name, []).append(m)
     return blocks
 

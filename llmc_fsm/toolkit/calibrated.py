@@ -341,6 +341,7 @@ class CalibratedModifier(Modifier):
             supported=self._selectable,
             views=self.compresses_views,
             untie_head=self.unties_head,
+            ignore_given=None if not hasattr(self, "_ignore_defaulted") else not self._ignore_defaulted,
         )
         quantized = [name for name, module in targets.items() if hasattr(module, "quantization_scheme")]
         if quantized:  # an earlier stage of this run quantized them; other modules may still be compressed

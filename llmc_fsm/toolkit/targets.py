@@ -170,14 +170,20 @@ class TargetSelection:
     unmatched_targets: dict[str, str]
     unmatched_ignore: tuple[str, ...]
 
-    def warnings(self, *, quiet_ignore: Iterable[str] = (), module_names: Iterable[str] = ()) -> list[str]:
+    def warnings(
+        self, *, quiet_ignore: Iterable[str] = (), module_names: Iterable[str] = (), head: str | None = None
+    ) -> list[str]:
         """One line per unmatched target and per unmatched ignore pattern (empty when all matched).
 
         Args:
             quiet_ignore: ignore patterns not to warn about when they match nothing
-                (:func:`resolve_targets` passes the default ``lm_head`` on a model without a head of that name).
+                (:func:`resolve_targets` passes the default ``lm_head``, not given by the user, on a model without a
+                head of that name).
             module_names: the model's module names: an exact-name ignore pattern that matches nothing while modules
                 end with it (``lm_head`` against a wrapper's ``model.lm_head``) names them.
+            head: the full name of the model's output head (``get_output_embeddings()``), when it has one: an
+                ``lm_head`` pattern that matches nothing names it (BioGPT's ``output_projection``) and says whether
+                it is compressed.
         """
         quiet = set(quiet_ignore)
         names = list(module_names)
@@ -189,7 +195,13 @@ class TargetSelection:
             if ending and all(n in self.ignored for n in ending):  # another entry ignores them (model_free_ptq
                 continue  # adds the checkpoint's name of lm_head: "so ... is compressed" was false, found by a tester)
             ending = [n for n in ending if n not in self.ignored]
-            if ending:
+            if not ending and head is not None and "lm_head" in p:
+                fate = "so it is compressed" if head in self.selected else "which the targets do not compress"
+                lines.append(
+                    f"ignore pattern {p!r} matches no module: this model's output head is {head!r}, {fate}; "
+                    f"give ignore: [{head}] to keep it dense"
+                )
+            elif ending:
                 lines.append(
                     f"ignore pattern {p!r} matches no module, so {_shown(ending)} is compressed: names are full "
                     f"module names; 're:.*{re.escape(p)}$' would match it"
@@ -454,6 +466,15 @@ def _conv1d_error(model: nn.Module, targets: tuple[str, ...], names: list[str]) 
     return ValueError(msg)
 
 
+def _head_name(model: nn.Module) -> str | None:
+    """The full module name of ``model``'s output head (``get_output_embeddings()``), ``None`` without one."""
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    if not isinstance(head, nn.Module):
+        return None
+    return next((name for name, module in model.named_modules() if module is head and name), None)
+
+
 def tied_head(model: nn.Module) -> nn.Module | None:
     """``model``'s output head (``get_output_embeddings()``) when its weight is its input embedding's, else ``None``."""
     get_in, get_out = getattr(model, "get_input_embeddings", None), getattr(model, "get_output_embeddings", None)
@@ -689,16 +710,23 @@ def resolve_targets(
     supported: Callable[[nn.Module], bool] = is_linear_like,
     views: bool = False,
     untie_head: bool = False,
+    ignore_given: bool | None = None,
 ) -> dict[str, nn.Module]:
     """Return ``{full name: module}`` to compress, in model order: :attr:`select_targets(...).selected`.
 
     Logs a warning (logger ``llmc_fsm.toolkit.targets``) for each target pattern that
     selects nothing while others do, and for each ``ignore`` pattern that matches
-    no module -- except the default ``lm_head`` on a model without a module of that name (a wrapper's
-    ``model.lm_head`` is warned about: it is compressed). ``warned``:
+    no module -- except the default ``lm_head``, not given by the user, on a model without a module of that name (a
+    wrapper's ``model.lm_head`` is warned about: it is compressed). A user-given ``lm_head`` that matches nothing is
+    warned about with the name of the model's output head (``get_output_embeddings()``, e.g. BioGPT's
+    ``output_projection``) and whether it is compressed. ``warned``:
     the warnings already given (by an earlier call for the same modifier); not repeated, new ones added.
     ``supported``: which modules may be selected; ``views``: whether the Linear views of fused experts and Conv1D
     are selectable, ``untie_head`` whether a head tied to the input embedding is (as for :func:`select_targets`).
+    ``ignore_given``: whether the user gave ``ignore`` (``False``: it is the caller's default); ``None``, for a
+    caller that does not know: given unless it equals :data:`DEFAULT_IGNORE` (until 2026-12-07 an ``lm_head`` was
+    never warned about on a model without one, so an explicit ``ignore: [lm_head]`` left BioGPT's head quantized
+    without a word: found by a tester).
 
     Raises:
         ValueError: as :func:`select_targets`.
@@ -706,7 +734,10 @@ def resolve_targets(
     selection = select_targets(model, targets, ignore, supported=supported, views=views, untie_head=untie_head)
     names = [name for name, _ in model.named_modules()]
     heads = [n for n in names if n.rsplit(".", 1)[-1] in DEFAULT_IGNORE]  # a wrapper's model.lm_head: not quiet
-    for line in selection.warnings(quiet_ignore=() if heads else DEFAULT_IGNORE, module_names=names):
+    if ignore_given is None:
+        ignore_given = list(selection.ignore) != list(DEFAULT_IGNORE)
+    quiet = () if heads or ignore_given else DEFAULT_IGNORE
+    for line in selection.warnings(quiet_ignore=quiet, module_names=names, head=_head_name(model)):
         if warned is None or line not in warned:
             logger.warning("%s", line)
         if warned is not None:

@@ -228,9 +228,9 @@ def test_an_embedding_in_a_calibrated_modifier_is_refused_with_low_memory(tmp_pa
         )  # fmt: skip
     assert str(info.value) == (
         "QuantizationModifier targets model.embed_tokens, outside the decoder layers (model.layers); the sequential "
-        "pipeline calibrates only the decoder layers. The streamed path (low_memory; the command's default when the "
-        "job allows it) writes the tensors outside the layers before compressing any: run in memory (--in-memory; "
-        "Python: low_memory=False), or add them to the modifier's ignore list."
+        "pipeline calibrates only the decoder layers and the output head. The streamed path (low_memory; the "
+        "command's default when the job allows it) writes the tensors outside the layers before compressing any: run "
+        "in memory (--in-memory; Python: low_memory=False), or add them to the modifier's ignore list."
     )
     assert not (tmp_path / "o").exists()
 
