@@ -24,6 +24,7 @@ from torch import nn
 import llmc_fsm
 from llmc_fsm.cli import main
 from llmc_fsm.oneshot_job.progress import TQDM_MODULES, quiet_progress
+from llmc_fsm.output.directory import check_output_dir
 
 pytest.importorskip("transformers")
 pytest.importorskip("llmc_fsm_pruning")
@@ -320,3 +321,18 @@ def test_weights_disk_bytes_counts_weight_files_only(tmp_path):
     assert weights_disk_bytes(d, model) == 100
     (d / "model.safetensors").unlink()
     assert weights_disk_bytes(d, model) == (4 + 2) * 4  # no weight file: the fp32 parameters' size
+
+
+def test_a_finished_quantized_output_is_not_told_to_start_from_the_full_precision_model(tmp_path):
+    """Rerunning (or resuming) into a finished quantized output said "a quantized model is not compressed further:
+    start from the full-precision one", though the user had given the full-precision model (found by a tester)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "report.json").write_text("{}")
+    (out / "config.json").write_text(json.dumps({"quantization_config": {"quant_method": "compressed-tensors"}}))
+    with pytest.raises(FileExistsError) as err:
+        check_output_dir(out, overwrite=False)
+    assert str(err.value) == (
+        f"output directory {str(out)!r} exists and is not empty; pass overwrite=True (--overwrite) to replace it. It "
+        "holds a finished run (report.json), so there is nothing to resume"
+    )

@@ -104,13 +104,11 @@ def check_output_dir(output_dir: str | os.PathLike[str] | None, overwrite: bool)
                 )
             elif (path / "report.json").is_file():
                 msg += ". It holds a finished run (report.json), so there is nothing to resume"
-                msg += (
-                    " (its model is quantized — its config.json has a quantization_config, for its weights or its "
-                    "KV cache — and a quantized model is not compressed further: start from the full-precision one)"
-                    if _is_quantized_dir(path)
-                    else "; to compress that model further, give it as the model (model=DIR, --model DIR) with a new "
-                    "output directory"
-                )
+                if not _is_quantized_dir(path):  # a quantized model is not compressed further: no advice to (the
+                    msg += (  # full-precision model named as the one to start from misled a resume; a tester)
+                        "; to compress that model further, give it as the model (model=DIR, --model DIR) with a new "
+                        "output directory"
+                    )
                 if leftover:
                     msg += (
                         f". {str(work_dir_path(path))!r} is left over from that run (stopped before removing it): "
