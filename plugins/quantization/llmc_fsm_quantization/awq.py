@@ -132,6 +132,7 @@ from llmc_fsm_quantization.schemes import weight_args
 from llmc_fsm_quantization.smoothquant import (
     ActivationObserver,
     SmoothingModifier,
+    _observe_every_token,
     _observe_routed,
     _scale_stats,
     block_output,
@@ -408,6 +409,11 @@ def _flag(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
         raise ValueError(f"{attribute.name} must be true or false, got {value!r}")
 
 
+def _optional_flag(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if value is not None and not isinstance(value, bool):
+        raise ValueError(f"{attribute.name} must be true, false or null, got {value!r}")
+
+
 def _device_name(value: Any) -> Any:
     """attrs converter: a ``torch.device`` (llm-compressor's declared type of ``offload_device``) as its name, which a
     recipe can hold (it was refused when the recipe was saved; a fuzzing tester's case); others as given."""
@@ -506,6 +512,12 @@ class AWQModifier(SmoothingModifier):
             window, ``k = max(1, N // search_n_sample_token)``, ``N`` this process's tokens; its errors are then
             means over those windows. Default ``null``: every token (the exact grid search). Linear blocks
             (``v -> o``, ``up -> down``) always use every token (their Gram matrix, see the module docstring).
+        calibrate_all_experts: fused mixture-of-experts layers: ``true`` sends every calibration token through
+            every expert for the statistics, the scale search and the clipping of the expert mappings (``up ->
+            down``), as llm-compressor 0.14's default ``moe_calibrate_all_experts=True``; ``false``: each expert's
+            routed tokens (one warning line says how that differs); left out (``null``): the value a quantizing
+            modifier of the session sets (``calibrate_all_experts: true`` on the ``QuantizationModifier``), else
+            ``false``. The layer's output always follows the router.
 
     Requires state ``model`` and ``calibration_data``; runs in the sequential pipeline. :attr:`smoothing_results`:
     per smooth layer ``exponent`` (``None``: no smoothing won), ``duo_scaling``, ``tokens`` (the calibration tokens
@@ -533,10 +545,12 @@ class AWQModifier(SmoothingModifier):
     clip_max_shrink: float = attrs.field(default=0.5, validator=_shrink)
     clip_n_sample_token: int = attrs.field(default=512, validator=_clip_grid)
     search_n_sample_token: int | None = attrs.field(default=None, validator=_sample)
+    calibrate_all_experts: bool | None = attrs.field(default=None, validator=_optional_flag)
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
         self._quantizer: QuantizationModifier | None = None
+        self._all_experts = False  # calibrate_all_experts as resolved at calibration start
         #: smooth layers of the mappings left unsmoothed because nothing quantizes their balance layers
         self.unsmoothed: list[str] = []
         awq_grid(self.duo_scaling, self.n_grid)  # n_grid too small for the grid of duo_scaling: refused here
@@ -550,7 +564,11 @@ class AWQModifier(SmoothingModifier):
         if scheme is not None:
             with _as_awq():  # its argument errors too (they named QuantizationModifier: B5's case)
                 self._quantizer = QuantizationModifier(
-                    scheme=scheme, targets=targets, ignore=self.ignore, observer=self.observer
+                    scheme=scheme,
+                    targets=targets,
+                    ignore=self.ignore,
+                    observer=self.observer,
+                    calibrate_all_experts=bool(self.calibrate_all_experts),
                 )
         self._quantizers: dict[int, Quantizer] = {}
         #: Linear name -> (module, quantizer) the clipping search serves (with ``apply_clip``, after calibration_start).
@@ -777,12 +795,25 @@ class AWQModifier(SmoothingModifier):
             unquantized = []
         if unquantized:
             raise ValueError(_no_quantizer_message(unquantized))
-        self._warn_routed_experts()
+        self._all_experts = self._experts_take_every_token()
+        if not self._all_experts:
+            self._warn_routed_experts()
         self._clip_targets = self._find_clip_targets() if self.apply_clip else {}
         self.clipping_results = {}
         if self._quantizer is not None:
             with _as_awq():
                 self._quantizer.on_calibration_start(state)
+
+    def _experts_take_every_token(self) -> bool:
+        """``calibrate_all_experts`` as given; left out (``None``): ``true`` when a quantizing modifier of the session
+        sets it (the recipe's ``QuantizationModifier`` / ``GPTQModifier``, as docs/oneshot.md advises for
+        llm-compressor's ``moe_calibrate_all_experts``), else ``false``."""
+        if self.calibrate_all_experts is not None:
+            return self.calibrate_all_experts
+        binding = self._binding
+        session = binding.session() if binding is not None else None
+        others = [m for m in session.modifiers if m is not self] if session is not None else []
+        return any(getattr(m, "calibrate_all_experts", False) is True for m in others)
 
     def _warn_routed_experts(self) -> None:
         """One line when a mapping's balance layer is an expert matrix (a fused expert's ``up -> down``): its
@@ -900,7 +931,7 @@ class AWQModifier(SmoothingModifier):
     def _smooth_layer_mappings(
         self, layer: nn.Module, inputs: list[tuple[tuple[Any, ...], dict[str, Any]]], todo: list[ResolvedMapping]
     ) -> None:
-        observer = ActivationObserver(todo, keep=True)
+        observer = ActivationObserver(todo, keep=True, all_experts=self._all_experts)
         observer.run(layer, inputs)
         observer.all_reduce()
         observer.check(type(self).__name__)
@@ -919,7 +950,8 @@ class AWQModifier(SmoothingModifier):
         targets = {n: t for n, t in self._clip_targets.items() if id(t[0]) in inside and n not in self.clipping_results}
         if not targets:
             return
-        captured = _capture_inputs(layer, inputs, {n: m for n, (m, _) in targets.items()}, self.clip_n_sample_token)
+        modules = {n: m for n, (m, _) in targets.items()}
+        captured = _capture_inputs(layer, inputs, modules, self.clip_n_sample_token, all_experts=self._all_experts)
         with suspended_forward_hooks(layer):
             for name, (module, (args, observer)) in targets.items():
                 if name not in captured:
@@ -1023,6 +1055,8 @@ def _capture_inputs(
     inputs: list[tuple[tuple[Any, ...], dict[str, Any]]],
     modules: dict[str, nn.Module],
     n_sample_token: int,
+    *,
+    all_experts: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Every ``k``-th calibration token's input of each of ``modules`` (``[tokens, in]`` float32), ``k = max(1,
     N // n_sample_token)``, ``N`` the layer's calibration tokens (every rank's, counted in the order of one process:
@@ -1052,7 +1086,8 @@ def _capture_inputs(
         sources = {
             id(m.source): m.source for m in modules.values() if isinstance(m, LinearView) and m.expert is not None
         }
-        handles += [s.register_forward_pre_hook(_observe_routed, with_kwargs=True) for s in sources.values()]
+        observe = _observe_every_token if all_experts else _observe_routed
+        handles += [s.register_forward_pre_hook(observe, with_kwargs=True) for s in sources.values()]
         try:
             for args, kwargs in inputs:
                 layer(*args, **kwargs)

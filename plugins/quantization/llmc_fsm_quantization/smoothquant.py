@@ -606,12 +606,14 @@ class ActivationObserver:
     and output (:func:`block_output`). A norm mapping's reader (:attr:`ResolvedMapping.reader`: its first balance
     layer, or the mixture-of-experts block) must receive the norm's output tensor itself. The views of fused expert
     matrices get their inputs through :func:`~llmc_fsm.toolkit.views.observe_inputs` (each expert's routed
-    tokens); a per-expert mapping whose expert the router sent no token has no statistics (:meth:`check`).
+    tokens; every token with ``all_experts``, as a quantizer's ``calibrate_all_experts``); a per-expert mapping whose
+    expert the router sent no token has no statistics (:meth:`check`).
     """
 
-    def __init__(self, mappings: list[ResolvedMapping], *, keep: bool = False) -> None:
+    def __init__(self, mappings: list[ResolvedMapping], *, keep: bool = False, all_experts: bool = False) -> None:
         self.mappings = mappings
         self.keep = keep
+        self.all_experts = all_experts
         self.act_max: dict[str, torch.Tensor] = {}
         self.abs_sum: dict[str, torch.Tensor] = {}
         self.tokens: dict[str, int] = {}
@@ -627,8 +629,9 @@ class ActivationObserver:
             try:
                 sources = {id(v.source): v.source for m in self.mappings for v in (m.reader, m.parent)
                            if isinstance(v, LinearView) and v.expert is not None}  # fmt: skip
+                observe = _observe_every_token if self.all_experts else _observe_routed
                 for source in sources.values():
-                    handles.append(source.register_forward_pre_hook(_observe_routed, with_kwargs=True))
+                    handles.append(source.register_forward_pre_hook(observe, with_kwargs=True))
                 for m in self.mappings:
                     if m.smooth.weight.dim() == 1:
                         handles.append(m.smooth.register_forward_hook(self._norm_hook(m)))
@@ -743,6 +746,10 @@ class ActivationObserver:
 
 def _observe_routed(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     observe_inputs(module, args, kwargs, all_experts=False)
+
+
+def _observe_every_token(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    observe_inputs(module, args, kwargs, all_experts=True)
 
 
 def _weight_max(mapping: ResolvedMapping) -> torch.Tensor:

@@ -101,30 +101,64 @@ def test_awq_with_fp8_block_weights_takes_w_j_per_block_in_its_chosen_scales() -
     assert awq.smoothing_scales[name].tolist() == expected.tolist()
 
 
-def test_awq_on_fused_experts_says_each_experts_scales_come_from_its_routed_tokens_unlike_llm_compressor(
-    caplog,
-) -> None:
-    """Found by a tester: AWQ searched each expert's up -> down scale on its routed tokens only (143, 115, ... of
-    256), where llm-compressor 0.14 gives every expert every token by default, and nothing said so; a
-    calibrate_all_experts: true on the QuantizationModifier (as docs/oneshot.md suggested) did not change AWQ's."""
+def _mixtral():
     from transformers import MixtralConfig, MixtralForCausalLM
 
     torch.manual_seed(0)
     cfg = MixtralConfig(vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, num_local_experts=4,
                         num_experts_per_tok=2, tie_word_embeddings=False)
-    model = MixtralForCausalLM(cfg).eval()
-    quantizer = QuantizationModifier(scheme={"preset": "W4A16", "weights": {"group_size": 16}},
-                                     ignore=["lm_head", "re:.*mlp.gate$"], calibrate_all_experts=True)
+    return MixtralForCausalLM(cfg).eval()
+
+
+def _w4(**kw):
+    return QuantizationModifier(scheme={"preset": "W4A16", "weights": {"group_size": 16}},
+                                ignore=["lm_head", "re:.*mlp.gate$"], **kw)
+
+
+_ROUTED_LINE = (
+    "AWQModifier: the scales of 8 expert mappings (e.g. model.layers.0.mlp.experts.0.up_proj) are searched on the "
+    "tokens the router sent each expert; llm-compressor 0.14 gives every expert every calibration token by default "
+    "(moe_calibrate_all_experts=True), which AWQModifier does not do (a calibrate_all_experts on the quantizing "
+    "modifier covers that modifier's own statistics, not AWQ's), so these scales differ"
+)
+
+
+def _expert_tokens(awq):
+    return [awq.smoothing_results[f"model.layers.{i}.mlp.experts.{e}.up_proj"]["tokens"] for i in (0, 1)
+            for e in range(4)]
+
+
+def test_awq_on_fused_experts_says_each_experts_scales_come_from_its_routed_tokens_unlike_llm_compressor(
+    caplog,
+) -> None:
+    """Found by a tester: AWQ searched each expert's up -> down scale on its routed tokens only (143, 115, ... of
+    256), where llm-compressor 0.14 gives every expert every token by default, and nothing said so."""
     awq = AWQModifier()
     with caplog.at_level("WARNING", logger="llmc_fsm_quantization.awq"):
-        llmc_fsm.oneshot(model=model, recipe=[awq, quantizer], dataset=DATA, progress=False)
-    lines = [r.getMessage() for r in caplog.records if r.name == "llmc_fsm_quantization.awq"]
-    assert lines == [
-        "AWQModifier: the scales of 8 expert mappings (e.g. model.layers.0.mlp.experts.0.up_proj) are searched on the "
-        "tokens the router sent each expert; llm-compressor 0.14 gives every expert every calibration token by default "
-        "(moe_calibrate_all_experts=True), which AWQModifier does not do (a calibrate_all_experts on the quantizing "
-        "modifier covers that modifier's own statistics, not AWQ's), so these scales differ"
-    ]
-    tokens = [awq.smoothing_results[f"model.layers.0.mlp.experts.{e}.up_proj"]["tokens"] for e in range(4)]
-    assert sum(tokens) == 2 * 256  # each of the 256 tokens reached its top 2 experts only
+        llmc_fsm.oneshot(model=_mixtral(), recipe=[awq, _w4()], dataset=DATA, progress=False)
+    assert [r.getMessage() for r in caplog.records if r.name == "llmc_fsm_quantization.awq"] == [_ROUTED_LINE]
+    tokens = _expert_tokens(awq)
+    assert sum(tokens[:4]) == sum(tokens[4:]) == 2 * 256  # each of the 256 tokens reached its top 2 experts only
+
+
+def test_awq_calibrate_all_experts_gives_every_expert_every_token_and_follows_the_quantizers_setting(caplog) -> None:
+    """``calibrate_all_experts: true`` on the QuantizationModifier (docs/oneshot.md's advice for llm-compressor's
+    ``moe_calibrate_all_experts``) did not reach AWQ, which had no such argument (found by a tester); now AWQ takes
+    the quantizer's value when it gives none, its own otherwise, and every expert's statistics, search and clipping
+    see all 256 tokens; the model's output still follows the router."""
+    inherited, own, refused = AWQModifier(), AWQModifier(calibrate_all_experts=True, apply_clip=True), AWQModifier(
+        calibrate_all_experts=False)
+    with caplog.at_level("WARNING", logger="llmc_fsm_quantization.awq"):
+        llmc_fsm.oneshot(model=_mixtral(), recipe=[inherited, _w4(calibrate_all_experts=True)], dataset=DATA,
+                         progress=False)
+        llmc_fsm.oneshot(model=_mixtral(), recipe=[own, _w4()], dataset=DATA, progress=False)
+    assert [r.getMessage() for r in caplog.records if r.name == "llmc_fsm_quantization.awq"] == []
+    assert _expert_tokens(inherited) == _expert_tokens(own) == [256] * 8
+    assert {r["tokens"] for n, r in own.clipping_results.items() if ".experts." in n} == {256}
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="llmc_fsm_quantization.awq"):
+        llmc_fsm.oneshot(model=_mixtral(), recipe=[refused, _w4(calibrate_all_experts=True)], dataset=DATA,
+                         progress=False)
+    assert [r.getMessage() for r in caplog.records if r.name == "llmc_fsm_quantization.awq"] == [_ROUTED_LINE]
+    assert sum(_expert_tokens(refused)[:4]) == 2 * 256
