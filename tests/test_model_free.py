@@ -910,3 +910,17 @@ def test_an_unknown_scheme_is_named_as_model_free_ptqs_argument_not_an_internal_
         "W6A8, W7A16, W7A8, W8A16, W8A8"
     )
     _refused(tmp_path, ValueError, message, scheme="W4X16")
+
+
+def test_the_linear_tree_orders_modules_naturally_whatever_order_the_tensors_come_in():
+    """config.json's ignore list (written in module order) followed the order of the shards' jobs, which followed the
+    hash seed (two Kimi-K2 rows of the recipe corpus differed between runs; found by a tester)."""
+    from llmc_fsm.oneshot_job.model_free import linear_tree
+
+    names = ["model.layers.10.mlp.up_proj", "model.layers.2.self_attn.q_a_proj", "model.layers.2.self_attn.kv_a_proj",
+             "model.layers.1.mlp.up_proj"]
+    meta = {f"{n}.weight": torch.empty(4, 4, device="meta") for n in names}
+    orders = {tuple(n for n, m in linear_tree(dict(o)).named_modules() if isinstance(m, torch.nn.Linear))
+              for o in (meta.items(), reversed(meta.items()))}
+    assert orders == {("model.layers.1.mlp.up_proj", "model.layers.2.self_attn.kv_a_proj",
+                       "model.layers.2.self_attn.q_a_proj", "model.layers.10.mlp.up_proj")}

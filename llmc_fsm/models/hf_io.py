@@ -1,9 +1,10 @@
 """Hugging Face model files: load a model directory or a Hub model ID with one-line errors; fix file modes.
 
 * :func:`load_hf_dir` checks a local directory before ``from_pretrained`` sees it
-  (``config.json``, weight files, every safetensors header), so a directory with
-  only ``config.json`` or a truncated ``model.safetensors`` fails with one line
-  naming the file; a directory without tokenizer files loads with tokenizer ``None``.
+  (``config.json``, weight files, every safetensors header, an index listing tensors, every tensor the
+  config's model needs present and of its shape), so a directory with
+  only ``config.json``, a truncated ``model.safetensors`` or a checkpoint missing a tensor fails with one line
+  naming the file or tensor; a directory without tokenizer files loads with tokenizer ``None``.
 * :func:`load_hub` loads ``org/name`` through ``from_pretrained`` and the Hugging
   Face cache; failures name the ID, ``HF_HUB_OFFLINE`` and the cache searched. When the Hub cannot be reached
   (:func:`hub_unreachable`, one TCP connection, 3 s at most), a cached model loads from the cache and an
@@ -52,6 +53,7 @@ __all__ = [
     "load_hub",
     "looks_like_hub_id",
     "meta_model",
+    "mismatch_summary",
     "model_class",
     "safetensors_index",
 ]
@@ -247,7 +249,8 @@ def safetensors_index(index: Path) -> dict[str, str]:
     """The ``weight_map`` (``{tensor name: shard file name}``) of a ``model.safetensors.index.json``.
 
     Raises:
-        ValueError: the file is not UTF-8 JSON with a ``weight_map`` object (one line naming the file).
+        ValueError: the file is not UTF-8 JSON with a ``weight_map`` object, or that object is empty (one line naming
+            the file).
     """
     try:
         weight_map = json.loads(index.read_bytes().decode("utf-8"))["weight_map"]
@@ -256,6 +259,12 @@ def safetensors_index(index: Path) -> dict[str, str]:
     except (ValueError, KeyError, TypeError, AttributeError) as err:  # UnicodeDecodeError is a ValueError
         msg = f'{index}: not a valid safetensors index (needs a "weight_map" object): {_first_line(err)}'
         raise ValueError(msg) from None
+    if not weight_map:  # from_pretrained failed on it with an IndexError deep in transformers (found by a tester)
+        msg = (
+            f"{index}: the index lists no tensors (its weight_map is empty); copy the model's complete "
+            f"{index.name} or save the model again"
+        )
+        raise ValueError(msg)
     return dict(weight_map)
 
 
@@ -350,27 +359,84 @@ def load_hf_dir(path: Path, torch_dtype: torch.dtype) -> tuple[PreTrainedModel, 
 
     Raises:
         ValueError: ``config.json`` or the weights are missing, a safetensors
-            file (or shard) is truncated/corrupt, ``from_pretrained`` fails, or
+            file (or shard) is truncated/corrupt, the index lists no tensors, the checkpoint lacks a parameter
+            of the model ``config.json`` describes or holds one of another shape (before any weight is read; a
+            ``pytorch_model.bin`` one after loading), ``from_pretrained`` fails, or
             tokenizer files exist but cannot be loaded; the message names the file.
         RuntimeError: tied embeddings are declared but not tied after loading.
     """
     from safetensors import SafetensorError
     from transformers import AutoConfig
 
+    from llmc_fsm.models.lazy import check_checkpoint_tensors  # lazy imports this module
+
     _check_model_dir(path)
     with _LOAD_LOCK:
         try:
             config = AutoConfig.from_pretrained(str(path), trust_remote_code=False)
-            model = model_class(config).from_pretrained(
-                str(path), config=config, **dtype_kwargs(torch_dtype), trust_remote_code=False
+            # names and shapes only: any dtype does ("auto" too, which from_pretrained takes and from_config not)
+            skeleton = meta_model(config, torch_dtype if isinstance(torch_dtype, torch.dtype) else None)
+        except (OSError, ValueError, SafetensorError) as err:
+            raise _load_error(path, err) from err
+        if not any(getattr(config, k, None) for k in ("quantization_config", "compression_config")):
+            check_checkpoint_tensors(skeleton, path)  # before any weight is read; a quantized layout is the quantizer's
+        try:
+            model, info = model_class(config).from_pretrained(
+                str(path),
+                config=config,
+                **dtype_kwargs(torch_dtype),
+                trust_remote_code=False,
+                output_loading_info=True,
+                ignore_mismatched_sizes=True,  # refused below, in one line, rather than in transformers' report
             )
         except (OSError, ValueError, SafetensorError) as err:
-            msg = remote_code_refusal(str(path), err) or f"could not load the model in {path}: {_first_line(err)}"
-            raise ValueError(msg) from err
+            raise _load_error(path, err) from err
+        _check_loading_info(model, info, path)
         tokenizer = _load_tokenizer(path)
     model.eval()
     check_tied(model, f"loading {path}")
     return model, tokenizer
+
+
+def _load_error(path: Path, err: BaseException) -> ValueError:
+    return ValueError(remote_code_refusal(str(path), err) or f"could not load the model in {path}: {_first_line(err)}")
+
+
+def mismatch_summary(missing: list[str], wrong: list[str]) -> str:
+    """``"missing a, b, c, d, e and 3 more; other shapes: x, ..."``: the first five of ``missing`` (parameter names)
+    and of ``wrong`` (one text per tensor of another shape), then a count; a part with nothing is left out."""
+
+    def first(names: list[str]) -> str:
+        return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+
+    parts = [f"missing {first(missing)}"] if missing else []
+    return "; ".join(parts + ([f"other shapes: {first(wrong)}"] if wrong else []))
+
+
+def _check_loading_info(model: PreTrainedModel, info: dict[str, Any], path: Path | str) -> None:
+    """Refuse what ``from_pretrained`` reports it filled with random values: parameters missing from the checkpoint,
+    tensors of another shape (``pytorch_model.bin`` weights, which :func:`~llmc_fsm.models.lazy.
+    check_checkpoint_tensors` does not read before loading). Missing buffers are left alone (computed at
+    construction).
+
+    Raises:
+        ValueError: one line naming ``path`` (a directory or Hub ID), the missing parameters and the tensors of another
+            shape.
+    """
+    params = {name for name, _ in model.named_parameters()}
+    missing = sorted(k for k in info.get("missing_keys", ()) if k in params)
+    wrong = [
+        f"{k} is {list(stored)}, config.json gives {list(expected)}"
+        for k, stored, expected in sorted(info.get("mismatched_keys", ()))
+    ]
+    if not missing and not wrong:
+        return
+    msg = (
+        f"{path}: the checkpoint does not match the model its config.json describes "
+        f"({mismatch_summary(missing, wrong)}); from_pretrained filled those with random values: copy the complete "
+        "checkpoint, or fix config.json"
+    )
+    raise ValueError(msg)
 
 
 def looks_like_hub_id(key: str) -> bool:
@@ -436,6 +502,8 @@ def load_hub(model_id: str, torch_dtype: torch.dtype) -> tuple[PreTrainedModel, 
     Raises:
         RuntimeError: the model could not be loaded; the message names the ID,
             ``HF_HUB_OFFLINE``, the cache searched and the cause.
+        ValueError: ``from_pretrained`` reports parameters missing from the checkpoint or tensors of another shape
+            (one line naming them; it would have filled them with random values).
     """
     from huggingface_hub import constants, try_to_load_from_cache
     from safetensors import SafetensorError
@@ -459,8 +527,14 @@ def load_hub(model_id: str, torch_dtype: torch.dtype) -> tuple[PreTrainedModel, 
         with _LOAD_LOCK:
             # the class follows the config (model_class); a repository's own code is never run
             config = AutoConfig.from_pretrained(model_id, **only, trust_remote_code=False)
-            model = model_class(config).from_pretrained(
-                model_id, config=config, **dtype_kwargs(torch_dtype), **only, trust_remote_code=False
+            model, info = model_class(config).from_pretrained(
+                model_id,
+                config=config,
+                **dtype_kwargs(torch_dtype),
+                **only,
+                trust_remote_code=False,
+                output_loading_info=True,
+                ignore_mismatched_sizes=True,  # refused below, in one line, rather than in transformers' report
             )
     except (OSError, ValueError, SafetensorError) as err:
         cached = isinstance(try_to_load_from_cache(model_id, "config.json"), str)
@@ -478,6 +552,7 @@ def load_hub(model_id: str, torch_dtype: torch.dtype) -> tuple[PreTrainedModel, 
                 "ID and the network, or pass a local model directory"
             )
         raise RuntimeError(msg) from err
+    _check_loading_info(model, info, model_id)
     try:
         only = {"local_files_only": True} if local_only else {}
         tokenizer = AutoTokenizer.from_pretrained(model_id, **only, trust_remote_code=False)

@@ -37,6 +37,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -46,13 +47,29 @@ import torch
 from torch import nn
 
 from llmc_fsm.data.images import is_vision_language
-from llmc_fsm.models.hf_io import _check_model_dir, _empty_model, _load_tokenizer, check_tied, dtype_kwargs, model_class
+from llmc_fsm.models.hf_io import (
+    _check_model_dir,
+    _empty_model,
+    _load_tokenizer,
+    check_tied,
+    dtype_kwargs,
+    mismatch_summary,
+    model_class,
+)
 from llmc_fsm.models.layers import find_decoder_layers
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-__all__ = ["INDEX_NAME", "LazyModel", "ShardWriter", "checkpoint_files", "load_lazy", "save_config"]
+__all__ = [
+    "INDEX_NAME",
+    "LazyModel",
+    "ShardWriter",
+    "check_checkpoint_tensors",
+    "checkpoint_files",
+    "load_lazy",
+    "save_config",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -246,6 +263,70 @@ def _match_sources(
         ValueError: tensors missing from the checkpoint or of another shape, or a conversion that fails
             (the first five are named).
     """
+    match = _match(model, directory, files)
+    missing, wrong = match.missing, [w[0] for w in match.wrong]
+    if missing or wrong:
+        msg = (
+            f"{directory}: the checkpoint does not match the model its config.json describes "
+            f"({mismatch_summary(missing, wrong)}); "
+            "low_memory needs the tensor names from_pretrained/save_pretrained use: save the model again"
+        )
+        raise ValueError(msg)
+    if match.mapping:
+        model._weight_conversions = [t for t in match.mapping if t.was_used()]  # as from_pretrained keeps them
+    return match.plain, match.converted
+
+
+def check_checkpoint_tensors(model: nn.Module, directory: Path) -> None:
+    """Refuse, before any weight is read, a safetensors checkpoint that ``from_pretrained`` would load into ``model``
+    with parameters left at their random initialisation (a tensor missing from the files) or refused with a
+    multi-line report (a tensor of another shape): found by a tester, a checkpoint without one ``down_proj`` was
+    loaded, compressed and saved without a word.
+
+    ``model`` is the model ``config.json`` describes on the ``meta`` device (:func:`llmc_fsm.models.hf_io.meta_model`,
+    the class ``from_pretrained`` builds); checkpoint keys are renamed and fused expert tensors built (on ``meta``) as
+    ``from_pretrained`` does. Not counted missing, as ``from_pretrained`` does not count them: buffers (computed at
+    construction, e.g. rotary tables), a parameter tied to one the files hold (``lm_head`` tied to the embedding),
+    parameters matching the model's ``_keys_to_ignore_on_load_missing``. A directory without safetensors weights
+    (``pytorch_model.bin``) is not checked here.
+
+    Raises:
+        ValueError: one line naming the directory, the missing parameters (the first five, then a count) and the
+            tensors of another shape (file, checkpoint key, stored shape, the shape config.json gives).
+    """
+    if not ((directory / _SINGLE_NAME).is_file() or (directory / INDEX_NAME).is_file()):
+        return
+    match = _match(model, directory, checkpoint_files(directory))
+    params = {name for name, _ in model.named_parameters()}  # tied parameters once, under their first name
+    patterns = getattr(model, "_keys_to_ignore_on_load_missing", None) or ()
+    ignored = re.compile("|".join(f"({p})" for p in patterns)) if patterns else None
+    missing = [n for n in match.missing if n in params and (ignored is None or ignored.search(n) is None)]
+    wrong = [w[1] for w in match.wrong]
+    if not missing and not wrong:
+        return
+    msg = (
+        f"{directory}: the checkpoint does not match the model its config.json describes "
+        f"({mismatch_summary(missing, wrong)}); nothing was loaded: copy the complete checkpoint, or fix config.json"
+    )
+    raise ValueError(msg)
+
+
+@attrs.frozen
+class _Match:
+    """What :func:`_match` found: ``plain`` / ``converted`` as :class:`LazyModel`'s ``sources`` / ``converted``;
+    ``missing``: state-dict tensors (first tied names) no checkpoint tensor gives; ``wrong``: per tensor of another
+    shape (or failed conversion), ``(text for low_memory, text naming the file)``; ``mapping``: the model's
+    weight conversions."""
+
+    plain: dict[str, tuple[str, str]]
+    converted: dict[str, _Conversion]
+    missing: list[str]
+    wrong: list[tuple[str, str]]
+    mapping: list[Any]
+
+
+def _match(model: nn.Module, directory: Path, files: Mapping[str, str]) -> _Match:
+    """:func:`_match_sources`'s matching, without raising (reads the safetensors headers only)."""
     from safetensors import safe_open
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, rename_source_key
@@ -281,41 +362,46 @@ def _match_sources(
                 stored = handle.get_slice(key)
                 shapes[key] = (list(stored.get_shape()), _SAFETENSORS_DTYPES.get(stored.get_dtype(), torch.float32))
 
-    wrong: list[str] = []
+    wrong: list[tuple[str, str]] = []
     misshapen: set[str] = set()
     converted: dict[str, _Conversion] = {}
     for first, keys in collected.items():
         conversion = _Conversion(by_pattern[keys[0][2]], first, tuple(keys))
+        where = f"{keys[0][1]} ... in {keys[0][0]}"
         try:
             built = conversion.run(model, lambda _f, k: torch.empty(shapes[k][0], dtype=shapes[k][1], device="meta"))
         except Exception as exc:  # a converter's operation failing on these shapes: named below
-            wrong.append(f"{first} (transformers' conversion of {keys[0][1]} ... failed: {exc})")
+            text = f"transformers' conversion of {keys[0][1]} ... failed: {exc}"
+            wrong.append((f"{first} ({text})", f"{first} (transformers' conversion of {where} failed: {exc})"))
             continue
         for name, value in built.items():
             if name not in tensors:
-                wrong.append(f"{name} (built by transformers' conversion, not a tensor of the model)")
+                text = f"{name} (built by transformers' conversion, not a tensor of the model)"
+                wrong.append((text, f"{name} (built from {where}: not a tensor of the model)"))
             elif list(value.shape) != list(tensors[name].shape):
-                wrong.append(f"{name} {list(value.shape)} (the config gives {list(tensors[name].shape)})")
+                stored, expected = list(value.shape), list(tensors[name].shape)
+                wrong.append(
+                    (
+                        f"{name} {stored} (the config gives {expected})",
+                        f"{name} built from {where} is {stored}, config.json gives {expected}",
+                    )
+                )
                 misshapen.add(canonical[name])
             else:
                 conversion.names[name] = canonical[name]
                 converted[canonical[name]] = conversion
-    for name, (_file, key) in plain.items():
+    for name, (file, key) in plain.items():
         if shapes[key][0] != list(tensors[name].shape):
-            wrong.append(f"{name} {shapes[key][0]} (the config gives {list(tensors[name].shape)})")
+            stored, expected = shapes[key][0], list(tensors[name].shape)
+            wrong.append(
+                (
+                    f"{name} {stored} (the config gives {expected})",
+                    f"{key} in {file} is {stored}, config.json gives {expected}",
+                )
+            )
     found = {*plain, *converted, *misshapen}
     missing = [n for n in dict.fromkeys(canonical.values()) if n not in found]
-    if missing or wrong:
-        parts = [f"missing {', '.join(missing[:5])}" + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")]
-        parts = (parts if missing else []) + ([f"other shapes: {', '.join(wrong[:5])}"] if wrong else [])
-        msg = (
-            f"{directory}: the checkpoint does not match the model its config.json describes ({'; '.join(parts)}); "
-            "low_memory needs the tensor names from_pretrained/save_pretrained use: save the model again"
-        )
-        raise ValueError(msg)
-    if mapping:
-        model._weight_conversions = [t for t in mapping if t.was_used()]  # as from_pretrained keeps them
-    return plain, converted
+    return _Match(plain, converted, missing, wrong, mapping)
 
 
 #: safetensors' dtype names (``get_slice(...).get_dtype()``) of the float dtypes a checkpoint holds.

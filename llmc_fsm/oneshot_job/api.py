@@ -42,6 +42,7 @@ import attrs
 import torch
 from tqdm.auto import tqdm
 
+from llmc_fsm.core.errors import ModifierError
 from llmc_fsm.oneshot_job import phases as phase
 from llmc_fsm.oneshot_job.llmcompressor_args import check_llmcompressor_args
 from llmc_fsm.oneshot_job.phases import Run, prepare
@@ -269,7 +270,9 @@ def _run_phases(run: Run, *, stream_when_possible: bool = False) -> nn.Module:
             phase.evaluate(run, "eval_after")
             phase.save(run)
     except BaseException as exc:
-        _note_changed_in_place(run, before, exc)
+        modules = _note_changed_in_place(run, before, exc)
+        if isinstance(exc, ModifierError):
+            _without_session_advice(exc, passed=before is not None, changed=bool(modules))
         if run.work is not None:
             run.work.abort(exc)  # its note (progress kept: --resume) last
         raise
@@ -298,16 +301,45 @@ def _parameter_states(model: torch.nn.Module) -> dict[str, tuple[int, int]]:
     }
 
 
-def _note_changed_in_place(run: Run, before: dict[str, tuple[int, int]] | None, exc: BaseException) -> None:
+def _without_session_advice(exc: ModifierError, *, passed: bool, changed: bool) -> None:
+    """Replace the session's advice at the end of ``exc``'s message ("... The event counts as delivered; modifiers
+    after this one did not see it. Continue, or finalize()/reset() the session.", or "No in-place change to a
+    parameter of the model was seen") with what a :func:`oneshot` caller, who holds no session, can do: a model
+    passed in memory that the run changed (``changed``, the note :func:`_note_changed_in_place` added) is to be
+    reloaded; one it did not change was left as it was. Found by a tester: the advice told the caller to continue a
+    session it does not hold, and "no in-place change was seen" beside a note listing 28 changed modules. A message
+    not of the session's form (a modifier's own refusal) is left as it is."""
+    cause = exc.__cause__
+    if cause is None or not exc.args:
+        return
+    where = f"{exc.modifier}'s {exc.hook} on {exc.module}" if exc.module else f"{exc.modifier}.{exc.hook}()"
+    text = str(exc)
+    head = f"{where} raised {type(cause).__name__}: {cause} (during "
+    if not text.startswith(head) or (end := text.find(").", len(head))) < 0:
+        return
+    end += 2
+    hook_changed = " reload it (the change is not undone)."
+    if exc.modified and (at := text.find(hook_changed, end)) >= 0:
+        end = at + len(hook_changed)
+    if changed:
+        advice = " The model you passed was changed in place by this run before the error (see the note): reload it."
+    elif passed:
+        advice = " The model you passed was not changed."
+    else:
+        advice = ""
+    exc.args = (text[:end] + advice, *exc.args[1:])
+
+
+def _note_changed_in_place(run: Run, before: dict[str, tuple[int, int]] | None, exc: BaseException) -> list[str]:
     """A model given in memory that a failed run already changed (the modules compressed, smoothed or rotated
     before the failure: the session's own "No in-place change to a parameter of the model was seen" speaks of the
     failing hook only, and its advice to continue or reset is for a session you drive): a note on ``exc`` naming them,
-    shown with its
-    traceback. Judged from each parameter's object and version counter under every name, and the parameters added
-    or removed (testers found missed: a SmoothQuant fold when only compression results counted; REAP's experts
-    dropped into new parameters; a tied head untied; KV-cache scales added to the attention modules)."""
+    shown with its traceback; returns those modules (``[]``: none, or a model this call loaded). Judged from each
+    parameter's object and version counter under every name, and the parameters added or removed (testers found
+    missed: a SmoothQuant fold when only compression results counted; REAP's experts dropped into new parameters;
+    a tied head untied; KV-cache scales added to the attention modules)."""
     if before is None:
-        return  # loaded from disk by this call: nothing of the caller's changed
+        return []  # loaded from disk by this call: nothing of the caller's changed
     now = _parameter_states(run.settings.model)
     changed = [name for name, is_now in now.items() if before.get(name) != is_now]  # changed or added, model order
     changed += [name for name in before if name not in now]  # removed
@@ -318,6 +350,7 @@ def _note_changed_in_place(run: Run, before: dict[str, tuple[int, int]] | None, 
             f"module{'s' if len(modules) != 1 else ''}: "
             f"{compact_names(modules)}); reload it before another run."
         )
+    return modules
 
 
 def _streamed(run: Run, model: nn.Module) -> nn.Module:

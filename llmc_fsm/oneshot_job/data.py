@@ -64,7 +64,9 @@ def torch_dtype_of(name: str, config: Any = None) -> Any:
     ``config`` (a model's config) names (``dtype``, or transformers 4's ``torch_dtype``), fp32 if none."""
 
     if name == "auto":
-        named = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+        # transformers 4's torch_dtype read from the instance: transformers 5's torch_dtype property warns
+        # "`torch_dtype` is deprecated!" (on every in-memory run of a config without a dtype: found by a tester)
+        named = getattr(config, "dtype", None) or getattr(config, "__dict__", {}).get("torch_dtype")
         name = str(named or "float32").removeprefix("torch.")
     return getattr(torch, name)
 

@@ -64,6 +64,7 @@ from llmc_fsm.models.hf_io import (
     first_line,
     fix_safetensors_permissions,
     meta_model,
+    mismatch_summary,
     safetensors_index,
 )
 from llmc_fsm.models.known import CACHE_MARKER, KNOWN_MODELS, known_model_dir
@@ -238,9 +239,12 @@ def _plan(
     files = _checkpoint_files(model_stub)
     existing = _existing_config(files, converter)
     converters = [converter] if converter is not None else []
-    jobs = _jobs(_weight_map(files), files, converters)
+    weight_map = _weight_map(files)
+    jobs = _jobs(weight_map, files, converters)
     shapes = {name: t for job in jobs.values() for name, t in _converted(job, converters, cast, meta=True).items()}
     skeleton = _meta_model(files)
+    if skeleton is not None:
+        _check_against_config(skeleton, shapes, weight_map)
     classes = None if skeleton is None else checkpoint_classes(skeleton, shapes)
     tree = linear_tree(shapes, classes)
     if classes is not None:
@@ -279,6 +283,52 @@ def _write(plan: _Plan, staging: Path, *, progress: bool) -> None:
         _targets_as_loaded(staging / "config.json", plan.classes or {})
         quantized = plan.targets | already_quantized(written)
         _ignore_unquantized_linears(staging / "config.json", plan.skeleton, plan.classes or {}, quantized)
+
+
+def _check_against_config(model: nn.Module, shapes: Mapping[str, torch.Tensor], weight_map: Mapping[str, str]) -> None:
+    """Refuse a checkpoint that does not hold the model its ``config.json`` describes (``model``, on ``meta``): a
+    parameter no checkpoint tensor gives (renamed as ``from_pretrained`` renames; a parameter tied to one given, one
+    of a module quantized already, or one matching the model's ``_keys_to_ignore_on_load_missing`` is not missing), or
+    a tensor of another shape than the config's. Found by a tester: a checkpoint without a ``down_proj`` was written
+    without it, and a ``q_proj`` stored 64x8 (config 64x64) was quantized into a checkpoint that cannot reload.
+
+    Raises:
+        ValueError: one line naming the missing parameters (the first five, then a count) and the tensors of another
+            shape (checkpoint name, file, stored shape, the config's).
+    """
+    rename = checkpoint_key_renamer(model)
+    state = model.state_dict(keep_vars=True)
+    first_of: dict[int, str] = {}
+    canonical = {name: first_of.setdefault(id(tensor), name) for name, tensor in state.items()}
+    quantized = already_quantized(shapes)
+    given: set[str] = set()
+    wrong: list[str] = []
+    for key, tensor in sorted(shapes.items()):
+        name, pattern = rename(key)
+        if key.rpartition(".")[0] in quantized:  # stored packed or with scales: its shapes are not the dense ones
+            name, pattern = rename(f"{key.rpartition('.')[0]}.weight")
+            given.update(canonical[n] for n in state if n.rpartition(".")[0] == name.rpartition(".")[0])
+            continue
+        if name not in state:
+            continue
+        given.add(canonical[name])
+        expected = list(state[name].shape)
+        if pattern is None and list(tensor.shape) != expected:
+            wrong.append(f"{key} in {weight_map.get(key, '?')} is {list(tensor.shape)}, config.json gives {expected}")
+    patterns = getattr(model, "_keys_to_ignore_on_load_missing", None) or ()
+    ignored = re.compile("|".join(f"({p})" for p in patterns)) if patterns else None
+    missing = [
+        name
+        for name, _ in model.named_parameters()  # tied parameters once, under their first name
+        if name not in given and (ignored is None or ignored.search(name) is None)
+    ]
+    if not missing and not wrong:
+        return
+    msg = (
+        "model_free_ptq: the checkpoint does not match the model its config.json describes "
+        f"({mismatch_summary(missing, wrong)}); nothing was written: copy the complete checkpoint, or fix config.json"
+    )
+    raise ValueError(msg)
 
 
 def _check_some_linear(tree: nn.Module, shapes: Mapping[str, torch.Tensor]) -> None:
@@ -774,6 +824,11 @@ def already_quantized(tensors: Iterable[str]) -> set[str]:
     return {name.rpartition(".")[0] for name in tensors if name.rpartition(".")[2] in QUANTIZATION_PARAMS}
 
 
+def _natural_key(name: str) -> list[tuple[int, int | str]]:
+    """Sort key of a dotted name with its numbers compared as numbers (``layers.2`` before ``layers.10``)."""
+    return [(0, int(part)) if part.isdigit() else (1, part) for part in name.split(".")]
+
+
 class CheckpointLinears(nn.Module):
     """The root of :func:`linear_tree`: the checkpoint's Linear weights as modules, nothing else (no forward)."""
 
@@ -798,6 +853,9 @@ def linear_tree(
     root = CheckpointLinears()
     linears = {}
     quantized = already_quantized(tensors)
+    # the modules in the checkpoint names' natural order (layers.2 before layers.10), whatever order the shards' jobs
+    # gave: config.json's ignore list (in module order) followed the hash seed (found by a tester)
+    tensors = {name: tensors[name] for name in sorted(tensors, key=_natural_key)}
     for name, tensor in tensors.items():
         module, _, param = name.rpartition(".")
         if param != "weight" or tensor.dim() != 2 or not module or module.endswith("norm") or module in quantized:

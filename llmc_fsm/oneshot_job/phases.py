@@ -289,7 +289,8 @@ def _say_upcast(run: Run) -> None:
     float32), after every check passed: its dense weights are then saved in float32, twice their bytes (found by a
     README-only newcomer: a bfloat16 MoE model's W4A16 output was 1.9x its input, nothing said)."""
     config = run.model_config
-    stored = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    # transformers 4's torch_dtype read from the instance (transformers 5's property warns it is deprecated)
+    stored = getattr(config, "dtype", None) or getattr(config, "__dict__", {}).get("torch_dtype")
     stored = str(stored).removeprefix("torch.") if stored is not None else None
     loaded_here = not isinstance(run.settings.model, nn.Module)  # a given model keeps its own dtype
     if loaded_here and run.settings.dtype == "float32" and stored in ("bfloat16", "float16"):

@@ -55,7 +55,7 @@ from typing import Any
 
 import attrs
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -66,7 +66,7 @@ from llmc_fsm.models.hf_io import hub_unreachable, looks_like_hub_id
 from llmc_fsm.models.known import KNOWN_MODELS
 from llmc_fsm.oneshot_job.data import DEFAULT_PROMPTS, describe
 from llmc_fsm.oneshot_job.settings import OneshotSettings
-from llmc_fsm.output.workdir import LAYOUT, WorkDir, readable
+from llmc_fsm.output.workdir import LAYOUT, WorkDir, as_os_error, readable
 from llmc_fsm.recipes.model import Recipe
 from llmc_fsm.session.session import Session
 from llmc_fsm.toolkit.calibrated import CalibratedModifier, ModuleResult
@@ -303,10 +303,7 @@ class LayerProgress:
             "results": json.dumps(self._results_of(layer)),
             "views": json.dumps(views),
         }
-        target = self._file(index)
-        tmp = target.with_name(target.name + ".partial")
-        save_file({**_unshared(layer.state_dict()), **view_tensors}, str(tmp), metadata=metadata)
-        os.replace(tmp, target)
+        _write_safetensors({**_unshared(layer.state_dict()), **view_tensors}, self._file(index), metadata)
 
     def restore(self, index: int, layer: nn.Module) -> None:
         """Load layer ``index`` into ``layer`` and the modifiers' results for its modules.
@@ -453,12 +450,30 @@ def _set_status(layer: nn.Module, quantization: Mapping[str, Any]) -> None:
             layer.get_submodule(name).quantization_status = QuantizationStatus(info["status"])
 
 
+def _write_safetensors(tensors: dict[str, torch.Tensor], target: Path, metadata: dict[str, str] | None = None) -> None:
+    """Write ``tensors`` to ``target`` through ``target.partial`` (renamed into place when complete).
+
+    Raises:
+        OSError: the write failed (a full disk): its errno, naming ``target`` (a full disk named the work directory,
+            found by a tester); the partial file is removed.
+    """
+    tmp = target.with_name(target.name + ".partial")
+    try:
+        save_file(tensors, str(tmp), metadata=metadata)
+        os.replace(tmp, target)
+    except (OSError, SafetensorError) as err:
+        tmp.unlink(missing_ok=True)
+        if isinstance(err, OSError) and (err.filename is not None or err.errno is None):
+            raise  # names its file already
+        named = as_os_error(err, target) if isinstance(err, SafetensorError) else OSError(err.errno, err.strerror)
+        named.filename = str(target)
+        raise named from err
+
+
 # --------------------------------------------------------------------------- calibration windows
 def save_windows(work: Path, windows: torch.Tensor) -> None:
     """Keep the calibration windows (``LongTensor[N, L]``) for a resumed run."""
-    tmp = work / (_WINDOWS + ".partial")
-    save_file({"windows": windows.contiguous()}, str(tmp))
-    os.replace(tmp, work / _WINDOWS)
+    _write_safetensors({"windows": windows.contiguous()}, work / _WINDOWS)
 
 
 def load_windows(work: Path) -> torch.Tensor | None:

@@ -62,6 +62,7 @@ from llmc_fsm.toolkit.distributed import is_distributed, peer_failure
 __all__ = [
     "LAYOUT",
     "WorkDir",
+    "as_os_error",
     "fingerprint_changes",
     "progress_summary",
     "published_leftover",
@@ -109,8 +110,9 @@ def _os_error_code(error: BaseException) -> int | None:
     return int(found.group(1)) if found else None
 
 
-def _as_os_error(error: BaseException, path: Path) -> OSError:
-    """``error`` (a write failure, see :func:`write_failure`) as an ``OSError`` with an errno, naming ``path``."""
+def as_os_error(error: BaseException, path: Path) -> OSError:
+    """``error`` (a write failure, see :func:`write_failure`) as an ``OSError`` with an errno, naming ``path``
+    (an ``OSError`` is returned as it is)."""
     if isinstance(error, OSError):
         return error
     code = _os_error_code(error)  # IoError(Os { code: 28, kind: StorageFull, ... }), "File too large (os error 27)"
@@ -188,7 +190,7 @@ class WorkDir:
 
         Raises:
             PermissionError: the output's parent or the work directory cannot be created.
-            FileExistsError: another live run holds it.
+            FileExistsError: another live run holds it, or a file (not a directory) is in its place (named).
         """
         created = _make_parents(output)
         path = work_dir_path(output)
@@ -197,6 +199,12 @@ class WorkDir:
             path.mkdir(exist_ok=True)
         except OSError as err:
             _remove_created(created)
+            if path.exists() or path.is_symlink():  # a file (or a dangling link) where the work directory goes
+                msg = (
+                    f"cannot write the output directory {str(output)!r}: {str(path)!r}, where the run keeps its work "
+                    "directory, exists and is not a directory; remove or rename it"
+                )
+                raise FileExistsError(msg) from None
             raise _not_writable(output, output.parent, err.strerror or str(err)) from None
         work = cls(path, output, FileLock(path / _LOCK, fallback_to_soft=False), created if fresh else [])
         work._fresh = fresh
@@ -211,7 +219,7 @@ class WorkDir:
 
         Raises:
             FileExistsError: (without ``resume``) an interrupted run left saved layers here.
-            ValueError: ``resume`` and the saved fingerprint differs (names what changed).
+            ValueError: ``resume`` and the saved fingerprint differs (names what changed) or cannot be read.
         """
         self._settle(fingerprint, resume)
         self._write_json(_OWNER, _owner_record())
@@ -256,7 +264,15 @@ class WorkDir:
                 "or remove that directory to start over"
             )
             raise FileExistsError(msg)
-        changes = fingerprint_changes(self._read_json(_FINGERPRINT), fingerprint)
+        saved = self._read_json(_FINGERPRINT)
+        if not isinstance(saved, Mapping):  # was "(fingerprint.json is missing or unreadable) — changed since that
+            msg = (  # run; use the original settings", which no settings could satisfy (found by a tester)
+                f"cannot resume from {str(self.path)!r}: its {_FINGERPRINT} (the settings of the interrupted run) is "
+                "missing or unreadable, so this run cannot be checked against them; remove that directory to start "
+                "over"
+            )
+            raise ValueError(msg)
+        changes = fingerprint_changes(saved, fingerprint)
         if changes:
             msg = (
                 f"cannot resume from {str(self.path)!r}: {'; '.join(changes)} — changed since that run; use the "
@@ -368,7 +384,7 @@ class WorkDir:
         else:
             self._keep_or_remove(exc, written)
         if isinstance(written, SafetensorError) and not isinstance(exc, OSError | KeyboardInterrupt):
-            error = _as_os_error(written, self.path)
+            error = as_os_error(written, self.path)
             for note in getattr(exc, "__notes__", ()):
                 error.add_note(note)
             raise error from exc

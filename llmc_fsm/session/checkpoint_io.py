@@ -166,7 +166,8 @@ def write_checkpoint(state: Mapping[str, Any], path: str | Path) -> Path:
         TypeError: a value in ``state`` is neither a tensor nor a JSON value (nothing written).
         NotADirectoryError: ``path`` is a file (nothing written).
         FileExistsError: ``path/session.json`` exists and is not a session checkpoint (nothing written).
-        OSError: the directory cannot be written.
+        OSError: the directory cannot be written, or a file in it (a full disk): one line naming the file; the
+            previous checkpoint is kept and the new tensor file removed.
     """
     from safetensors.torch import save as save_tensors
 
@@ -190,8 +191,7 @@ def write_checkpoint(state: Mapping[str, Any], path: str | Path) -> Path:
         raise FileExistsError(msg)
     path.mkdir(parents=True, exist_ok=True)
     previous = _previous_tensor_file(path)
-    _write_atomic(path / tensor_name, payload)
-    _write_atomic(path / MANIFEST, text)
+    _write_both(path, tensor_name, payload, text, kept=previous is not None)
     _fsync_dir(path)
     if previous is not None and previous != tensor_name:
         (path / previous).unlink(missing_ok=True)
@@ -199,6 +199,29 @@ def write_checkpoint(state: Mapping[str, Any], path: str | Path) -> Path:
         if entry.name != tensor_name and (_abandoned_temp(entry) or _written_here(entry)):
             entry.unlink(missing_ok=True)
     return path
+
+
+def _write_both(path: Path, tensor_name: str, payload: bytes, text: bytes, *, kept: bool) -> None:
+    """Write the tensor file, then the manifest; when either fails (a full disk), remove the tensor file this call
+    created (a full disk left a ``tensors-*.safetensors`` beside the previous checkpoint, and an ``OSError`` naming
+    no file: found by a tester).
+
+    Raises:
+        OSError: one line naming the file that could not be written, its cause, and whether the previous
+            checkpoint (``kept``) is still there; the original error is its ``__cause__``.
+    """
+    created = not (path / tensor_name).exists()
+    target = path / tensor_name
+    try:
+        _write_atomic(target, payload)
+        target = path / MANIFEST
+        _write_atomic(target, text)
+    except OSError as exc:
+        if created:
+            (path / tensor_name).unlink(missing_ok=True)
+        then = "the previous checkpoint there was kept" if kept else "no checkpoint was saved there"
+        msg = f"cannot save a session checkpoint: writing {target} failed ({exc.strerror or exc}); {then}"
+        raise OSError(msg) from exc
 
 
 def read_checkpoint(path: str | Path) -> dict[str, Any]:

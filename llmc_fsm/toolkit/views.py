@@ -29,6 +29,7 @@ import inspect
 import logging
 import math
 import re
+import weakref
 from collections.abc import Callable, Container, Mapping
 from types import SimpleNamespace
 from typing import Any, NamedTuple
@@ -53,7 +54,10 @@ __all__ = [
     "weight_views",
 ]
 
-_CACHE = "_llmc_fsm_weight_views"
+#: ``{module: {name suffix: LinearView}}``, off the modules: cached on the module (``_llmc_fsm_weight_views``) it was
+#: left on every module after a run and ``torch.save(model)`` pickled llmc-fsm's classes, so loading needed
+#: llmc-fsm (found by a tester). The views hold their modules weakly, so an entry goes with its module.
+_VIEWS: weakref.WeakKeyDictionary[nn.Module, dict[str, LinearView]] = weakref.WeakKeyDictionary()
 logger = logging.getLogger(__name__)
 
 
@@ -65,9 +69,10 @@ class LinearView(nn.Module):
     input unchanged, after its forward pre-hooks saw it (see :func:`observe_inputs`).
 
     Attributes:
-        owner: the module holding the parameter.
+        owner: the module holding the parameter (held weakly: the view keeps no module alive; ``ReferenceError``
+            once that module is gone).
         source: the module :func:`weight_views` gave it for, whose call :func:`observe_inputs` observes (the
-            owner, except DBRX: ``DbrxExperts`` routes, its ``mlp`` holds the weights).
+            owner, except DBRX: ``DbrxExperts`` routes, its ``mlp`` holds the weights); held weakly too.
         param_name: the parameter's name on ``owner``.
         expert: the expert index, or ``None`` (Conv1D).
         in_features / out_features: the matrix as a Linear (ints).
@@ -92,7 +97,8 @@ class LinearView(nn.Module):
         block: int | None = None,
     ) -> None:
         super().__init__()
-        self.__dict__["owner"] = owner  # not registered: the view is no part of the owner's module tree
+        self.__dict__["_owner"] = weakref.ref(owner)  # not registered: the view is no part of the owner's tree
+        self.__dict__["_source"] = self.__dict__["_owner"]
         self.param_name = param_name
         self.expert = expert
         self.transposed = transposed
@@ -101,6 +107,16 @@ class LinearView(nn.Module):
         self.in_features = in_features
         self.out_features = out_features
         self.routed_tokens = 0
+
+    @property
+    def owner(self) -> nn.Module:
+        """The module holding the parameter."""
+        return _alive(self.__dict__["_owner"])
+
+    @property
+    def source(self) -> nn.Module:
+        """The module whose call :func:`observe_inputs` observes for this view."""
+        return _alive(self.__dict__["_source"])
 
     @property
     def weight(self) -> torch.Tensor:
@@ -123,6 +139,14 @@ class LinearView(nn.Module):
             f"{type(self.owner).__name__}.{self.param_name}, expert={self.expert}, "
             f"in_features={self.in_features}, out_features={self.out_features}"
         )
+
+
+def _alive(ref: weakref.ref[nn.Module]) -> nn.Module:
+    module = ref()
+    if module is None:
+        msg = "the module this weight view reads was deleted: get the views of a live module again (weight_views)"
+        raise ReferenceError(msg)
+    return module
 
 
 def _is_conv1d(module: nn.Module) -> bool:
@@ -270,20 +294,22 @@ def weight_views(module: nn.Module) -> dict[str, LinearView]:
       ``mlp.w1`` / ``mlp.v1``) and ``"mlp.e.w2"`` (those rows of ``mlp.w2``, transposed).
 
     The full name of a view is ``f"{module name}.{suffix}"`` (the module's own name for Conv1D). The views are
-    built once and cached on the module (the same objects come back: hooks and results can be keyed on them).
+    built once and cached for the module, off it (the same objects come back: hooks and results can be keyed on
+    them; nothing is added to the module, so pickling it needs no llmc-fsm class), until the module is deleted or
+    :func:`clear_weight_views`.
     """
-    cached = module.__dict__.get(_CACHE)
+    cached = _VIEWS.get(module)
     if cached is None:
         cached = _build_views(module)
         for view in cached.values():
-            view.__dict__["source"] = module
-        module.__dict__[_CACHE] = cached
+            view.__dict__["_source"] = weakref.ref(module)
+        _VIEWS[module] = cached
     return cached
 
 
 def clear_weight_views(module: nn.Module) -> None:
     """Forget the views cached on ``module`` (after its parameters changed shape, e.g. experts dropped)."""
-    module.__dict__.pop(_CACHE, None)
+    _VIEWS.pop(module, None)
 
 
 def router_names(named: list[tuple[str, nn.Module]]) -> list[str]:
