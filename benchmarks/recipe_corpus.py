@@ -501,6 +501,7 @@ _WIDE = {
     "head_dim": 64,
     "moe_intermediate_size": 128,  # not hidden_size: llmc-fsm refuses square fused experts
     "shared_expert_intermediate_size": 256,
+    "moe_shared_expert_intermediate_size": 256,  # Nemotron-H's shared expert (transformers' default 7688)
     "q_lora_rank": 128,
     "kv_lora_rank": 128,
     "qk_rope_head_dim": 64,
@@ -946,6 +947,22 @@ def _reason(text: str) -> str:
     return text[:150]
 
 
+def _write(path: Path, ours: str, rows: list[dict[str, Any]], other: list[Entry]) -> None:
+    """The results file: llmc-fsm's revision (:func:`our_revision`), the rows, the files that hold no recipe."""
+    path.write_text(json.dumps({"llmc_fsm": ours, "rows": rows, "other": [asdict(e) for e in other]}, indent=1,
+                               default=str))
+
+
+def our_revision() -> str:
+    """The llmc-fsm revision the rows are taken at: ``git rev-parse HEAD`` of this checkout, ``+dirty`` when its
+    tracked files differ from it (a run spanning edits says so), or ``unknown`` outside a git checkout."""
+    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True, check=False)
+    if head.returncode != 0:
+        return "unknown"
+    dirty = subprocess.run(["git", "-C", str(ROOT), "diff", "--quiet", "HEAD"], check=False).returncode != 0
+    return head.stdout.strip() + ("+dirty" if dirty else "")
+
+
 def markdown(rows: list[dict[str, Any]], other: list[Entry], revision: str) -> str:
     for r in rows:
         if r["class"] != "not run":
@@ -1049,6 +1066,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import llmc_fsm  # noqa: F401
 
+    ours = our_revision()
     rows = []
     for i, entry in enumerate(entries):
         if i < args.start or (args.stop is not None and i >= args.stop):
@@ -1060,11 +1078,11 @@ def main(argv: list[str] | None = None) -> int:
         row = {**asdict(entry), "class": classify(result), "result": result}
         rows.append(row)
         print(f"[{i + 1}/{len(entries)}] {row['class']:14} {result.get('wall_s')}s {entry.source}", file=sys.stderr)
-        args.out.write_text(json.dumps({"rows": rows, "other": [asdict(e) for e in other]}, indent=1, default=str))
+        _write(args.out, ours, rows, other)
     if previous is not None:
         new = {r["source"]: r for r in rows}
         rows = [new.get(r["source"], r) for r in previous]
-    args.out.write_text(json.dumps({"rows": rows, "other": [asdict(e) for e in other]}, indent=1, default=str))
+    _write(args.out, ours, rows, other)
     print(markdown(rows, other, checkout.revision()))
     return 0
 
