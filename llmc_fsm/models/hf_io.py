@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from llmc_fsm.data.images import is_vision_language
+from llmc_fsm.models.checkpoint_match import check_checkpoint_tensors, mismatch_summary
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -53,7 +54,6 @@ __all__ = [
     "load_hub",
     "looks_like_hub_id",
     "meta_model",
-    "mismatch_summary",
     "model_class",
     "safetensors_index",
 ]
@@ -368,8 +368,6 @@ def load_hf_dir(path: Path, torch_dtype: torch.dtype) -> tuple[PreTrainedModel, 
     from safetensors import SafetensorError
     from transformers import AutoConfig
 
-    from llmc_fsm.models.lazy import check_checkpoint_tensors  # lazy imports this module
-
     _check_model_dir(path)
     with _LOAD_LOCK:
         try:
@@ -402,20 +400,9 @@ def _load_error(path: Path, err: BaseException) -> ValueError:
     return ValueError(remote_code_refusal(str(path), err) or f"could not load the model in {path}: {_first_line(err)}")
 
 
-def mismatch_summary(missing: list[str], wrong: list[str]) -> str:
-    """``"missing a, b, c, d, e and 3 more; other shapes: x, ..."``: the first five of ``missing`` (parameter names)
-    and of ``wrong`` (one text per tensor of another shape), then a count; a part with nothing is left out."""
-
-    def first(names: list[str]) -> str:
-        return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
-
-    parts = [f"missing {first(missing)}"] if missing else []
-    return "; ".join(parts + ([f"other shapes: {first(wrong)}"] if wrong else []))
-
-
 def _check_loading_info(model: PreTrainedModel, info: dict[str, Any], path: Path | str) -> None:
     """Refuse what ``from_pretrained`` reports it filled with random values: parameters missing from the checkpoint,
-    tensors of another shape (``pytorch_model.bin`` weights, which :func:`~llmc_fsm.models.lazy.
+    tensors of another shape (``pytorch_model.bin`` weights, which :func:`~llmc_fsm.models.checkpoint_match.
     check_checkpoint_tensors` does not read before loading). Missing buffers are left alone (computed at
     construction).
 

@@ -37,23 +37,28 @@ import contextlib
 import json
 import logging
 import os
-import re
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import attrs
 import torch
 from torch import nn
 
 from llmc_fsm.data.images import is_vision_language
+from llmc_fsm.models.checkpoint_match import (
+    INDEX_NAME,
+    Conversion,
+    checkpoint_files,
+    match_checkpoint,
+    mismatch_summary,
+)
 from llmc_fsm.models.hf_io import (
     _check_model_dir,
     _empty_model,
     _load_tokenizer,
     check_tied,
     dtype_kwargs,
-    mismatch_summary,
     model_class,
 )
 from llmc_fsm.models.layers import find_decoder_layers
@@ -62,20 +67,13 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 __all__ = [
-    "INDEX_NAME",
     "LazyModel",
     "ShardWriter",
-    "check_checkpoint_tensors",
-    "checkpoint_files",
     "load_lazy",
     "save_config",
 ]
 
 logger = logging.getLogger(__name__)
-
-#: The index of a sharded safetensors checkpoint (Hugging Face's name).
-INDEX_NAME = "model.safetensors.index.json"
-_SINGLE_NAME = "model.safetensors"
 
 
 @attrs.define(eq=False)
@@ -98,7 +96,7 @@ class LazyModel:
     sources: dict[str, tuple[str, str]]
     layers_name: str
     layers: nn.ModuleList
-    converted: dict[str, _Conversion] = attrs.field(factory=dict)
+    converted: dict[str, Conversion] = attrs.field(factory=dict)
     _tensors: dict[str, torch.Tensor] = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
@@ -172,40 +170,6 @@ class LazyModel:
                     _swap_cast(self._tensors[name], value)
 
 
-@attrs.frozen(eq=False)
-class _Conversion:
-    """One transformers ``WeightConverter`` application: the checkpoint tensors it collects and the tensors it builds.
-
-    Attributes:
-        converter: the model's converter (from ``get_model_conversion_mapping``); copied for each run.
-        first: the model tensor name ``from_pretrained`` files the collected tensors under (the first target).
-        keys: ``(file name, checkpoint key, source pattern)`` in the order ``from_pretrained`` collects them
-            (its ``dot_natural_key`` order: expert 2 before expert 10).
-        names: ``{built tensor name: model tensor name}`` (the first of tied names).
-    """
-
-    converter: Any
-    first: str
-    keys: tuple[tuple[str, str, str], ...]
-    names: dict[str, str] = attrs.field(factory=dict)
-
-    def run(self, model: nn.Module, read: Callable[[str, str], torch.Tensor]) -> dict[str, torch.Tensor]:
-        """``{model tensor name: tensor}`` built by the converter from ``read(file, key)`` of each key.
-
-        Raises:
-            Exception: what the converter's operations raise (e.g. experts of different shapes).
-        """
-        from copy import deepcopy
-
-        converter = deepcopy(self.converter)  # from_pretrained copies it for each target too
-        for file, key, pattern in self.keys:
-            converter.add_tensor(self.first, key, pattern, read(file, key))
-        built = converter.convert(self.first, model=model, config=getattr(model, "config", None))
-        return {
-            self.names.get(name, name): value[0] if isinstance(value, list) else value for name, value in built.items()
-        }
-
-
 def _read(path: Path, key: str) -> torch.Tensor:
     from safetensors import safe_open
 
@@ -224,32 +188,15 @@ def _swap(target: torch.Tensor, value: torch.Tensor) -> None:
     torch.utils.swap_tensors(target, value)
 
 
-def checkpoint_files(directory: Path) -> dict[str, str]:
-    """``{checkpoint key: file name}`` of the safetensors checkpoint in ``directory`` (one file or shards)."""
-    from safetensors import safe_open
-
-    if (directory / _SINGLE_NAME).is_file():
-        with safe_open(str(directory / _SINGLE_NAME), framework="pt") as handle:
-            return dict.fromkeys(handle.keys(), _SINGLE_NAME)
-    if (directory / INDEX_NAME).is_file():
-        return dict(json.loads((directory / INDEX_NAME).read_text(encoding="utf-8"))["weight_map"])
-    held = ", ".join(sorted(p.name for p in directory.glob("pytorch_model*.bin"))[:3])
-    msg = (
-        f"{directory}: low_memory reads safetensors weights (model.safetensors or {INDEX_NAME}), but the directory "
-        f"holds {held or 'no safetensors file'}; convert it once with from_pretrained + save_pretrained"
-    )
-    raise ValueError(msg)
-
-
 def _match_sources(
     model: nn.Module, directory: Path, files: Mapping[str, str]
-) -> tuple[dict[str, tuple[str, str]], dict[str, _Conversion]]:
+) -> tuple[dict[str, tuple[str, str]], dict[str, Conversion]]:
     """Map each state-dict tensor (tied ones once) to the checkpoint tensors it is read or built from; check shapes.
 
     Each checkpoint key is renamed as ``from_pretrained`` renames it (transformers'
     ``rename_source_key`` with the model's ``get_model_conversion_mapping``: renamings,
     then at most one converter). A key a converter collects joins that converter's
-    :class:`_Conversion`, which is run once here on ``meta`` tensors of the stored
+    :class:`Conversion`, which is run once here on ``meta`` tensors of the stored
     shapes and dtypes (no data read) to learn the tensors it builds and check their
     shapes. Checkpoint keys that match no tensor are left unread, as ``from_pretrained``
     leaves unexpected keys. The conversions actually used are kept on the model as
@@ -263,7 +210,7 @@ def _match_sources(
         ValueError: tensors missing from the checkpoint or of another shape, or a conversion that fails
             (the first five are named).
     """
-    match = _match(model, directory, files)
+    match = match_checkpoint(model, directory, files)
     missing, wrong = match.missing, [w[0] for w in match.wrong]
     if missing or wrong:
         msg = (
@@ -275,141 +222,6 @@ def _match_sources(
     if match.mapping:
         model._weight_conversions = [t for t in match.mapping if t.was_used()]  # as from_pretrained keeps them
     return match.plain, match.converted
-
-
-def check_checkpoint_tensors(model: nn.Module, directory: Path) -> None:
-    """Refuse, before any weight is read, a safetensors checkpoint that ``from_pretrained`` would load into ``model``
-    with parameters left at their random initialisation (a tensor missing from the files) or refused with a
-    multi-line report (a tensor of another shape): found by a tester, a checkpoint without one ``down_proj`` was
-    loaded, compressed and saved without a word.
-
-    ``model`` is the model ``config.json`` describes on the ``meta`` device (:func:`llmc_fsm.models.hf_io.meta_model`,
-    the class ``from_pretrained`` builds); checkpoint keys are renamed and fused expert tensors built (on ``meta``) as
-    ``from_pretrained`` does. Not counted missing, as ``from_pretrained`` does not count them: buffers (computed at
-    construction, e.g. rotary tables), a parameter tied to one the files hold (``lm_head`` tied to the embedding),
-    parameters matching the model's ``_keys_to_ignore_on_load_missing``. A directory without safetensors weights
-    (``pytorch_model.bin``) is not checked here.
-
-    Raises:
-        ValueError: one line naming the directory, the missing parameters (the first five, then a count) and the
-            tensors of another shape (file, checkpoint key, stored shape, the shape config.json gives).
-    """
-    if not ((directory / _SINGLE_NAME).is_file() or (directory / INDEX_NAME).is_file()):
-        return
-    match = _match(model, directory, checkpoint_files(directory))
-    params = {name for name, _ in model.named_parameters()}  # tied parameters once, under their first name
-    patterns = getattr(model, "_keys_to_ignore_on_load_missing", None) or ()
-    ignored = re.compile("|".join(f"({p})" for p in patterns)) if patterns else None
-    missing = [n for n in match.missing if n in params and (ignored is None or ignored.search(n) is None)]
-    wrong = [w[1] for w in match.wrong]
-    if not missing and not wrong:
-        return
-    msg = (
-        f"{directory}: the checkpoint does not match the model its config.json describes "
-        f"({mismatch_summary(missing, wrong)}); nothing was loaded: copy the complete checkpoint, or fix config.json"
-    )
-    raise ValueError(msg)
-
-
-@attrs.frozen
-class _Match:
-    """What :func:`_match` found: ``plain`` / ``converted`` as :class:`LazyModel`'s ``sources`` / ``converted``;
-    ``missing``: state-dict tensors (first tied names) no checkpoint tensor gives; ``wrong``: per tensor of another
-    shape (or failed conversion), ``(text for low_memory, text naming the file)``; ``mapping``: the model's
-    weight conversions."""
-
-    plain: dict[str, tuple[str, str]]
-    converted: dict[str, _Conversion]
-    missing: list[str]
-    wrong: list[tuple[str, str]]
-    mapping: list[Any]
-
-
-def _match(model: nn.Module, directory: Path, files: Mapping[str, str]) -> _Match:
-    """:func:`_match_sources`'s matching, without raising (reads the safetensors headers only)."""
-    from safetensors import safe_open
-    from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, rename_source_key
-
-    tensors = model.state_dict(keep_vars=True)
-    first_of: dict[int, str] = {}
-    canonical = {name: first_of.setdefault(id(tensor), name) for name, tensor in tensors.items()}
-    mapping = get_model_conversion_mapping(model) if hasattr(model, "base_model_prefix") else []
-    renamings = [t for t in mapping if isinstance(t, WeightRenaming)]
-    converters = [t for t in mapping if isinstance(t, WeightConverter)]
-    by_pattern = {pattern: c for c in converters for pattern in c.source_patterns}
-    prefix = getattr(model, "base_model_prefix", None)
-    plain: dict[str, tuple[str, str]] = {}
-    collected: dict[str, list[tuple[str, str, str]]] = {}
-    for key in sorted(files, key=dot_natural_key):  # from_pretrained's order: it fixes the order experts are stacked
-        name, pattern = rename_source_key(key, renamings, converters, prefix, tensors)
-        if name not in tensors and key in tensors:  # from_pretrained's fallback: the key as stored
-            name, pattern = rename_source_key(key, [], [], prefix, tensors)
-        if name not in tensors:
-            continue
-        if pattern is None:
-            plain.setdefault(canonical[name], (files[key], key))
-        else:
-            collected.setdefault(name, []).append((files[key], key, pattern))
-
-    shapes: dict[str, tuple[list[int], torch.dtype]] = {}
-    by_file: dict[str, list[str]] = {}
-    for file, key in [*plain.values(), *((f, k) for keys in collected.values() for f, k, _ in keys)]:
-        by_file.setdefault(file, []).append(key)
-    for file, keys in by_file.items():
-        with safe_open(str(directory / file), framework="pt") as handle:
-            for key in keys:
-                stored = handle.get_slice(key)
-                shapes[key] = (list(stored.get_shape()), _SAFETENSORS_DTYPES.get(stored.get_dtype(), torch.float32))
-
-    wrong: list[tuple[str, str]] = []
-    misshapen: set[str] = set()
-    converted: dict[str, _Conversion] = {}
-    for first, keys in collected.items():
-        conversion = _Conversion(by_pattern[keys[0][2]], first, tuple(keys))
-        where = f"{keys[0][1]} ... in {keys[0][0]}"
-        try:
-            built = conversion.run(model, lambda _f, k: torch.empty(shapes[k][0], dtype=shapes[k][1], device="meta"))
-        except Exception as exc:  # a converter's operation failing on these shapes: named below
-            text = f"transformers' conversion of {keys[0][1]} ... failed: {exc}"
-            wrong.append((f"{first} ({text})", f"{first} (transformers' conversion of {where} failed: {exc})"))
-            continue
-        for name, value in built.items():
-            if name not in tensors:
-                text = f"{name} (built by transformers' conversion, not a tensor of the model)"
-                wrong.append((text, f"{name} (built from {where}: not a tensor of the model)"))
-            elif list(value.shape) != list(tensors[name].shape):
-                stored, expected = list(value.shape), list(tensors[name].shape)
-                wrong.append(
-                    (
-                        f"{name} {stored} (the config gives {expected})",
-                        f"{name} built from {where} is {stored}, config.json gives {expected}",
-                    )
-                )
-                misshapen.add(canonical[name])
-            else:
-                conversion.names[name] = canonical[name]
-                converted[canonical[name]] = conversion
-    for name, (file, key) in plain.items():
-        if shapes[key][0] != list(tensors[name].shape):
-            stored, expected = shapes[key][0], list(tensors[name].shape)
-            wrong.append(
-                (
-                    f"{name} {stored} (the config gives {expected})",
-                    f"{key} in {file} is {stored}, config.json gives {expected}",
-                )
-            )
-    found = {*plain, *converted, *misshapen}
-    missing = [n for n in dict.fromkeys(canonical.values()) if n not in found]
-    return _Match(plain, converted, missing, wrong, mapping)
-
-
-#: safetensors' dtype names (``get_slice(...).get_dtype()``) of the float dtypes a checkpoint holds.
-_SAFETENSORS_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool,
-}  # fmt: skip
 
 
 def load_lazy(

@@ -58,13 +58,13 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from llmc_fsm.core.errors import ModifierError, RecipeError
+from llmc_fsm.models.checkpoint_match import mismatch_summary
 from llmc_fsm.models.hf_io import (
     check_safetensors,
     checkpoint_key_renamer,
     first_line,
     fix_safetensors_permissions,
     meta_model,
-    mismatch_summary,
     safetensors_index,
 )
 from llmc_fsm.models.known import CACHE_MARKER, KNOWN_MODELS, known_model_dir

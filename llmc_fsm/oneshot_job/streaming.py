@@ -49,8 +49,9 @@ import attrs
 import torch
 from tqdm.auto import tqdm
 
+from llmc_fsm.models.checkpoint_match import checkpoint_files
 from llmc_fsm.models.known import KNOWN_MODELS, fix_safetensors_permissions, known_model_dir
-from llmc_fsm.models.lazy import LazyModel, ShardWriter, checkpoint_files, load_lazy, save_config
+from llmc_fsm.models.lazy import LazyModel, ShardWriter, load_lazy, save_config
 from llmc_fsm.oneshot_job.data import calibration_inputs, torch_dtype_of
 from llmc_fsm.oneshot_job.phases import (
     Run,
