@@ -423,3 +423,19 @@ def test_the_cap_reads_model_max_length_of_any_integral_number():
 
     assert (_capped(None, 2048.0), _capped(12, np.int64(16)), _capped(20, np.int64(16))) == (2048, 12, 16)
     assert (_capped(None, True), _capped(8, 2048.5), _capped(None, int(1e30)), _capped(8, None)) == (None, 8, None, 8)
+
+
+def test_a_dataset_name_without_the_datasets_package_says_how_to_install_it(monkeypatch):
+    """The refusal named the optional ``datasets`` package but not the command that installs it (a newcomer's case)."""
+    import sys
+
+    from llmc_fsm.data.text_files import load_hf_dataset
+
+    monkeypatch.setitem(sys.modules, "datasets", None)  # import datasets -> ImportError
+    with pytest.raises(ValueError) as info:
+        load_hf_dataset("HuggingFaceH4/ultrachat_200k")
+    assert str(info.value) == (
+        "'HuggingFaceH4/ultrachat_200k' is not an existing file; treating it as a Hugging Face dataset name needs the "
+        "optional `datasets` package, which is not installed (pip install datasets); pass a local text file (.txt) or "
+        'JSONL file with a "text" field instead'
+    )

@@ -133,6 +133,7 @@ def test_an_unreachable_uncached_hub_model_is_one_line_before_the_device_line(tm
         "Face Hub model ID it is not in the cache"
     )
     assert err.count("\n") == 1
+    assert err.endswith(", or pass a local model directory; known model names: smollm2-135m\n")  # (a newcomer's case)
     assert not (tmp_path / "o").exists()
 
 

@@ -517,9 +517,11 @@ stages:
             "s:\n  p_modifiers:\n    SparseGPTModifier: {sparsity_profile: owl, owl_m: 5, owl_lmbda: 0.08}\n",
             "recipe <text> has 3 problems; fix them all, then run it again:\n"
             + "".join(
-                f"  - line 3, stage 's', modifier SparseGPTModifier, argument {arg!r}: llm-compressor argument not "
-                f"supported: OWL layer-wise sparsity is not implemented; give one sparsity for every layer{end}"
-                for arg, end in (("sparsity_profile", "\n"), ("owl_m", "\n"), ("owl_lmbda", ""))
+                f"  - line 3, stage 's', modifier SparseGPTModifier, argument {arg!r}: llm-compressor argument "
+                f"accepted only as None, got {value}: OWL layer-wise sparsity is not implemented (null, "
+                f"llm-compressor's default, is off); give one sparsity for every layer{end}"
+                for arg, value, end in (("sparsity_profile", "'owl'", "\n"), ("owl_m", "5", "\n"),
+                                        ("owl_lmbda", "0.08", ""))
             ),
         ),
         (
@@ -797,3 +799,13 @@ def test_b5s_cases_on_the_null_and_pattern_rules():
 
     position = resume_position(Session([SparseGPTModifier()]), np.int64(6), np.int64(2))
     assert position == (0, 0) and all(type(v) is int for v in position)
+
+
+def test_llmcompressors_null_owl_arguments_are_its_default_and_taken():
+    """``sparsity_profile: null``, ``owl_m: null``, ``owl_lmbda: null`` (OWL off, llm-compressor's defaults, as older
+    recipes write them) were refused with "give one sparsity for every layer" on a recipe giving one (found by a
+    README-only newcomer)."""
+    owl = "sparsity_profile: null, owl_m: null, owl_lmbda: null"
+    recipe = resolve_recipe(f"s:\n  p_modifiers:\n    SparseGPTModifier: {{sparsity: 0.5, {owl}}}\n")
+    (modifier,) = recipe.stages[0].modifiers
+    assert modifier.sparsity == 0.5

@@ -178,7 +178,7 @@ def load_hf_dataset(source: str) -> str:
     except ImportError:
         msg = (
             f"{source!r} is not an existing file; treating it as a Hugging Face dataset name needs the optional "
-            f"`datasets` package, which is not installed; {hint}"
+            f"`datasets` package, which is not installed (pip install datasets); {hint}"
         )
         raise ValueError(msg) from None
     try:

@@ -446,8 +446,8 @@ def prepare(settings: OneshotSettings) -> Run:
         local = Path(settings.model).expanduser().is_dir()  # models/newarch: a directory, not the Hub ID it looks like
         if run.model_config is None and not local and looks_like_hub_id(os.fspath(settings.model)):  # why, if known
             missing = hub_model_unavailable(os.fspath(settings.model))
-            if missing is not None:
-                raise RuntimeError(missing)
+            if missing is not None:  # the known names too, as for an unknown plain name (a newcomer's case)
+                raise RuntimeError(f"{missing}; known model names: {', '.join(sorted(KNOWN_MODELS))}")
     _check_data_kind(run)
     config = run.model_config if run.model_config is not None else _cached_known_config(settings.model)
     if config is not None:  # --seq-len above the model's positions: one line, before the device line and any weight

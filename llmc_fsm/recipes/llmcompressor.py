@@ -284,7 +284,10 @@ _LAYERWISE = "llmc-fsm always calibrates one decoder layer at a time (what seque
 _OFFLOAD = "memory placement only; llmc-fsm keeps only the current layer's statistics"
 _GROUP = "llm-compressor's bookkeeping of the group key; the stage and group come from the recipe nesting"
 _SEQ_TARGETS = "the pipeline finds the decoder layers from the model; remove it"
-_OWL = "OWL layer-wise sparsity is not implemented; give one sparsity for every layer"
+_OWL = (
+    "OWL layer-wise sparsity is not implemented (null, llm-compressor's default, is off); give one sparsity for every "
+    "layer"
+)
 
 _PERCDAMP = ArgumentRule("rename", "llm-compressor's older name of dampening_frac", target="dampening_frac")
 _REQUIRES_DATA = (
@@ -300,9 +303,9 @@ _SPARSITY_BASE: dict[str, ArgumentRule] = {
     "sequential_update": ArgumentRule("ignore", _LAYERWISE, accept=(True, False)),
     "sequential_targets": ArgumentRule("refuse", _SEQ_TARGETS),
     "percdamp": _PERCDAMP,
-    "sparsity_profile": ArgumentRule("refuse", _OWL),
-    "owl_m": ArgumentRule("refuse", _OWL),
-    "owl_lmbda": ArgumentRule("refuse", _OWL),
+    "sparsity_profile": ArgumentRule("ignore", _OWL, accept=(None,)),  # null: llm-compressor's default, OWL off
+    "owl_m": ArgumentRule("ignore", _OWL, accept=(None,)),  # (refused at null too until a newcomer's recipe, s36)
+    "owl_lmbda": ArgumentRule("ignore", _OWL, accept=(None,)),
     "offload_hessians": ArgumentRule("ignore", _OFFLOAD, accept=(True, False)),
 }
 _QUANT_BASE: dict[str, ArgumentRule] = {
