@@ -342,6 +342,9 @@ def test_resume_with_another_thread_count_warns(leftover, monkeypatch, caplog):
         f"the interrupted run used {threads} torch thread(s), this one {threads + 1}: the result may differ in the "
         f"last bits from an uninterrupted run (pass --threads {threads} for the same bits)"
     ) in caplog.text
+    # the report keeps it (a resumed output mixing thread counts could not be told apart; a newcomer's case)
+    execution = json.loads((out / "report.json").read_text())["execution"]
+    assert (execution["threads"], execution["resumed"]) == (threads, {"threads": threads})
 
 
 def test_a_streamed_resume_refuses_changed_settings_before_the_saved_progress_is_touched(leftover, monkeypatch):
@@ -628,3 +631,13 @@ def test_the_same_calibration_file_named_from_another_directory_is_the_same_data
     assert fingerprint_changes(saved, longer) == [
         "calibration data (source 'cal.txt' -> '../run/cal.txt'; seq_len 32 -> 16)"
     ]
+
+
+def test_the_report_text_says_a_run_continued_an_interrupted_one():
+    from llmc_fsm.report.build import _execution_lines
+
+    device = {"device": "cpu", "name": "x86_64", "total_memory_bytes": None}
+    lines = _execution_lines({"device": device, "threads": 1, "resumed": {"threads": 2}})
+    assert lines == ["device: cpu (x86_64)", "resumed: continued an interrupted run's saved progress (it used 2 torch "
+                     "thread(s), this run 1)"]
+    assert _execution_lines({"device": device, "threads": 2}) == ["device: cpu (x86_64)"]

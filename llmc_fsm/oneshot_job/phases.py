@@ -1269,12 +1269,15 @@ def run_report(run: Run, modules: Any = None) -> Any:
 
 
 def execution_summary(run: Run) -> dict[str, Any]:
-    """Where the job computed, for the report: the device (name, total memory), where the activations between
-    layers lived, wall time per calibrated layer (summed over the sessions), peak device memory (overall and per
-    layer, CUDA only) and, when ranks shared the work, each rank's share
+    """Where the job computed, for the report: the device (name, total memory), the torch threads (and, for a run
+    that continued an interrupted one, the threads that one used: the last bits depend on them), where the
+    activations between layers lived, wall time per calibrated layer (summed over the sessions), peak device memory
+    (overall and per layer, CUDA only) and, when ranks shared the work, each rank's share
     (:func:`llmc_fsm.toolkit.distributed.rank_work`)."""
     device = run.settings.execution_device
-    summary: dict[str, Any] = {"device": describe_device(device)}
+    summary: dict[str, Any] = {"device": describe_device(device), "threads": torch.get_num_threads()}
+    if run.work is not None and run.work.resumed:  # the bits depend on the threads of each part (a newcomer's case)
+        summary["resumed"] = {"threads": run.work.resumed_threads}
     if run.pipelines:
         last = run.pipelines[-1]
         summary["activations"] = last.activations

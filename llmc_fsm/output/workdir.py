@@ -162,11 +162,13 @@ class WorkDir:
         path: the work directory.
         output: the final output directory.
         resumed: saved progress matched the fingerprint and will be continued.
+        resumed_threads: the torch threads the interrupted run used (its ``owner.json``), when resumed and known.
     """
 
     def __init__(self, path: Path, output: Path, lock: FileLock, created: list[Path]) -> None:
         self.path, self.output, self._lock, self._created = path, output, lock, created
         self.resumed = False
+        self.resumed_threads: int | None = None  # the torch threads of the run whose progress this one continues
         self._fresh = False
         self._settled = False
         self._published = False
@@ -280,6 +282,7 @@ class WorkDir:
             )
             raise ValueError(msg)
         threads = (self._read_json(_OWNER) or {}).get("threads")
+        self.resumed_threads = threads if isinstance(threads, int) else None
         if threads is not None and threads != _threads():
             logger.warning(
                 "the interrupted run used %s torch thread(s), this one %s: the result may differ in the last bits from "

@@ -461,6 +461,15 @@ def _execution_lines(execution: dict[str, Any] | None) -> list[str]:
     if execution.get("peak_device_bytes") is not None:
         line += f"; peak device memory {execution['peak_device_bytes'] / 2**30:.2f} GiB"
     lines = [line]
+    resumed = execution.get("resumed")
+    if resumed is not None:
+        before = resumed.get("threads")
+        used = (
+            f"it used {before} torch thread(s), this run {execution.get('threads')}"
+            if before
+            else "its threads unknown"
+        )
+        lines.append(f"resumed: continued an interrupted run's saved progress ({used})")
     for rank, work in enumerate(execution.get("compress_per_rank") or []):
         lines.append(
             f"rank {rank}: compressed {work['modules']} modules (sweep cost {work['cost']:.3g} = rows x columns^2, "
