@@ -244,8 +244,9 @@ def test_distillation_refuses_a_teacher_with_another_vocabulary_at_initialize():
         session.initialize()
     assert str(info.value.__cause__) == (
         "the student's output vocabulary has 64 tokens and the teacher's 80 (output embeddings): distillation "
-        "compares their logits token by token, so both need the same vocabulary (the same tokenizer); pass a teacher "
-        "with the student's vocabulary"
+        "compares their logits token by token, so both need the same vocabulary size (a shared tokenizer is not enough "
+        "when one model's embeddings were padded to another size); pass a teacher whose output size is the student's, "
+        "or resize one model's embeddings (resize_token_embeddings) to match"
     )
     assert session.lifecycle == "staging" and not student._forward_hooks
 

@@ -108,7 +108,8 @@ def check_checkpoint_tensors(model: nn.Module, directory: Path) -> None:
 
     Raises:
         ValueError: one line naming the directory, the missing parameters (the first five, then a count) and the
-            tensors of another shape (file, checkpoint key, stored shape, the shape config.json gives).
+            tensors of another shape (file, checkpoint key, stored shape, the shape config.json gives); or an index
+            that lists a tensor in a shard that does not hold it.
     """
     if not ((directory / SINGLE_NAME).is_file() or (directory / INDEX_NAME).is_file()):
         return
@@ -174,7 +175,14 @@ def match_checkpoint(model: nn.Module, directory: Path, files: Mapping[str, str]
         by_file.setdefault(file, []).append(key)
     for file, keys in by_file.items():
         with safe_open(str(directory / file), framework="pt") as handle:
+            held = set(handle.keys())
             for key in keys:
+                if key not in held:  # a stale index: it raised a raw SafetensorError traceback (found by a tester)
+                    msg = (
+                        f"{directory}: {INDEX_NAME} lists {key} in {file}, which does not hold it; the index does "
+                        "not match the shards: copy the checkpoint again, or save the model again"
+                    )
+                    raise ValueError(msg)
                 stored = handle.get_slice(key)
                 shapes[key] = (list(stored.get_shape()), _SAFETENSORS_DTYPES.get(stored.get_dtype(), torch.float32))
 

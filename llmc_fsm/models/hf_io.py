@@ -292,9 +292,18 @@ def _check_safetensors(file: Path) -> None:
 
 
 def _check_model_dir(path: Path) -> None:
-    """Fail with one line naming the file when ``path`` lacks ``config.json`` or usable weights."""
+    """Fail with one line naming the file when ``path`` lacks ``config.json`` or usable weights, or holds a peft
+    adapter beside the model (``adapter_config.json``)."""
     if not (path / "config.json").is_file():
         msg = f"{path} is not a Hugging Face model directory: config.json is missing"
+        raise ValueError(msg)
+    if (path / "adapter_config.json").is_file():  # transformers attaches it on load: in memory the save failed
+        msg = (  # after all the work, low_memory dropped it without a word (found by a tester)
+            f"{path} holds a peft adapter (adapter_config.json) beside the model's weights, which transformers "
+            "attaches when loading; llmc-fsm compresses a plain model: merge the adapter first (peft: "
+            "PeftModel.from_pretrained(base, DIR).merge_and_unload().save_pretrained(NEW_DIR)) or move the adapter "
+            "files out of the directory"
+        )
         raise ValueError(msg)
     present = [name for name in _WEIGHT_FILES if (path / name).is_file()]
     if not present:

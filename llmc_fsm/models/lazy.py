@@ -215,8 +215,8 @@ def _match_sources(
     if missing or wrong:
         msg = (
             f"{directory}: the checkpoint does not match the model its config.json describes "
-            f"({mismatch_summary(missing, wrong)}); "
-            "low_memory needs the tensor names from_pretrained/save_pretrained use: save the model again"
+            f"({mismatch_summary(missing, wrong)}); nothing was loaded: copy the complete checkpoint, or fix "
+            "config.json"  # as in memory: saving again brings back no absent tensor (its advice before; a tester)
         )
         raise ValueError(msg)
     if match.mapping:

@@ -295,7 +295,7 @@ def weight_views(module: nn.Module) -> dict[str, LinearView]:
 
     The full name of a view is ``f"{module name}.{suffix}"`` (the module's own name for Conv1D). The views are
     built once and cached for the module, off it (the same objects come back: hooks and results can be keyed on
-    them; nothing is added to the module, so pickling it needs no llmc-fsm class), until the module is deleted or
+    them; nothing is added to the module, so pickling it takes no view along), until the module is deleted or
     :func:`clear_weight_views`.
     """
     cached = _VIEWS.get(module)

@@ -64,11 +64,12 @@ top-k computed as in the float model (the router reads the unscaled input during
 the scale when folded, so the routing is unchanged). Each expert's ``up_proj -> down_proj`` gets its own scale from
 the tokens the router sent to it, scored by its ``down_proj`` output on them (as AutoAWQ's per-expert
 ``up -> down``); an expert with no routed token is left unscaled. llm-compressor 0.14 by default gives every expert
-every calibration token instead (``moe_calibrate_all_experts=True``); AWQ here has no ``calibrate_all_experts`` and
-says so in one warning line. The scales are folded into the fused parameters
-through the expert matrices' views (they share the storage), and the quantizer (GPTQ or round-to-nearest per expert
-matrix) then quantizes the smoothed experts. A shared expert (DeepSeek-V3, Qwen3-Next) and its gate are balance layers
-of the same norm mapping, scored on the whole block's output (routed plus shared), with their own ``up -> down``.
+every calibration token instead (``moe_calibrate_all_experts=True``), as ``calibrate_all_experts: true`` does here
+(on the AWQModifier, or on the stage's quantizing modifier); without it one warning line says so. The scales are
+folded into the fused parameters through the expert matrices' views (they share the storage), and the quantizer
+(GPTQ or round-to-nearest per expert matrix) then quantizes the smoothed experts. A shared expert (DeepSeek-V3,
+Qwen3-Next) and its gate are balance layers of the same norm mapping, scored on the whole block's output (routed
+plus shared), with their own ``up -> down``.
 Nemotron-H's experts have no gate (``down(relu2(up x))``, as its shared expert and dense MLP): the norm's scale goes
 into the router, the shared expert's and every expert's ``up_proj`` as above, and each ``up -> down`` is searched the
 same way (the candidates scale ``down``'s input columns) and folded through squared ReLU, positively homogeneous of
@@ -818,8 +819,8 @@ class AWQModifier(SmoothingModifier):
     def _warn_routed_experts(self) -> None:
         """One line when a mapping's balance layer is an expert matrix (a fused expert's ``up -> down``): its
         statistics and its search come from the tokens the router sent that expert, where llm-compressor 0.14 by
-        default sends every token through every expert (``moe_calibrate_all_experts=True``); AWQ has no
-        ``calibrate_all_experts`` of its own (a quantizing modifier's covers that modifier's statistics only)."""
+        default sends every token through every expert (``moe_calibrate_all_experts=True``); the line names
+        ``calibrate_all_experts``, which does the same here."""
         routed = [
             m.smooth_name for m in self._mappings if isinstance(m.reader, LinearView) and m.reader.expert is not None
         ]
@@ -827,8 +828,8 @@ class AWQModifier(SmoothingModifier):
             logger.warning(
                 "AWQModifier: the scales of %d expert mappings (e.g. %s) are searched on the tokens the router sent "
                 "each expert; llm-compressor 0.14 gives every expert every calibration token by default "
-                "(moe_calibrate_all_experts=True), which AWQModifier does not do (a calibrate_all_experts on the "
-                "quantizing modifier covers that modifier's own statistics, not AWQ's), so these scales differ",
+                "(moe_calibrate_all_experts=True), so these scales differ from its: set calibrate_all_experts: true "
+                "on the AWQModifier (or on the stage's quantizing modifier) to calibrate as it does",
                 len(routed),
                 routed[0],
             )

@@ -119,8 +119,8 @@ def _w4(**kw):
 _ROUTED_LINE = (
     "AWQModifier: the scales of 8 expert mappings (e.g. model.layers.0.mlp.experts.0.up_proj) are searched on the "
     "tokens the router sent each expert; llm-compressor 0.14 gives every expert every calibration token by default "
-    "(moe_calibrate_all_experts=True), which AWQModifier does not do (a calibrate_all_experts on the quantizing "
-    "modifier covers that modifier's own statistics, not AWQ's), so these scales differ"
+    "(moe_calibrate_all_experts=True), so these scales differ from its: set calibrate_all_experts: true on the "
+    "AWQModifier (or on the stage's quantizing modifier) to calibrate as it does"
 )
 
 

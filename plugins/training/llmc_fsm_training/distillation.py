@@ -339,7 +339,9 @@ class OutputDistillationModifier(Modifier):
             msg = (
                 f"the student's output vocabulary has {student_size} tokens and the teacher's {teacher_size} "
                 "(output embeddings): distillation compares their logits token by token, so both need the same "
-                "vocabulary (the same tokenizer); pass a teacher with the student's vocabulary"
+                "vocabulary size (a shared tokenizer is not enough when one model's embeddings were padded to "
+                "another size); pass a teacher whose output size is the student's, or resize one model's embeddings "
+                "(resize_token_embeddings) to match"
             )
             raise ValueError(msg)
         self.last_student_loss = self.last_distill_loss = None  # read-outs of this run only
