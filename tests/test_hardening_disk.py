@@ -103,9 +103,10 @@ def _enospc(path: str) -> OSError:
 PARTIAL = "{work}/progress/pass-0/layer-00001.safetensors.partial"
 # (id, patch, what the writer raises, layers saved when it fails, expected str(error); {work} = the work directory)
 POINTS = [
-    ("layer-safetensors", _fail_layer, lambda w: SafetensorError(FULL), 1, "[Errno 28] No space left on device: '{work}'"),
+    ("layer-safetensors", _fail_layer, lambda w: SafetensorError(FULL), 1,
+     "[Errno 28] No space left on device: '{work}/progress/pass-0/layer-00001.safetensors'"),  # the file (2026-12-07)
     ("layer-too-large", _fail_layer, lambda w: SafetensorError(TOO_LARGE), 1,
-     "[Errno 27] File too large: '{work}'"),  # fmt: skip
+     "[Errno 27] File too large: '{work}/progress/pass-0/layer-00001.safetensors'"),  # fmt: skip
     ("layer-oserror", _fail_layer, lambda w: _enospc(PARTIAL.format(work=w)), 1, f"[Errno 28] No space left on device: '{PARTIAL}'"),
     ("final-weights", _fail_weights, lambda w: SafetensorError(FULL), 3, "[Errno 28] No space left on device: '{work}'"),
     ("recipe.yaml", _fail_text("recipe.yaml"), None, 3, "[Errno 28] No space left on device: '{work}/output/recipe.yaml'"),
@@ -147,7 +148,8 @@ def test_the_cli_says_it_in_one_line(tiny_model_dir, tmp_path, monkeypatch, caps
     err = capsys.readouterr().err
     assert status == 1
     assert err == (
-        f"llmc-fsm oneshot: error: [Errno 28] No space left on device: {str(work)!r}; progress kept in "
+        f"llmc-fsm oneshot: error: [Errno 28] No space left on device: "
+        f"{str(work / 'progress' / 'pass-0' / 'layer-00002.safetensors')!r}; progress kept in "
         f"{str(work)!r} (2 of 4 decoder layers done): run the same command with --resume (resume=True) to "
         "continue, or remove that directory\n"
     )
