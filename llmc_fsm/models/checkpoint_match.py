@@ -17,6 +17,7 @@ from torch import nn
 
 __all__ = [
     "INDEX_NAME",
+    "SAFETENSORS_DTYPES",
     "SINGLE_NAME",
     "CheckpointMatch",
     "Conversion",
@@ -184,7 +185,7 @@ def match_checkpoint(model: nn.Module, directory: Path, files: Mapping[str, str]
                     )
                     raise ValueError(msg)
                 stored = handle.get_slice(key)
-                shapes[key] = (list(stored.get_shape()), _SAFETENSORS_DTYPES.get(stored.get_dtype(), torch.float32))
+                shapes[key] = (list(stored.get_shape()), SAFETENSORS_DTYPES.get(stored.get_dtype(), torch.float32))
 
     wrong: list[tuple[str, str]] = []
     misshapen: set[str] = set()
@@ -229,7 +230,7 @@ def match_checkpoint(model: nn.Module, directory: Path, files: Mapping[str, str]
 
 
 #: safetensors' dtype names (``get_slice(...).get_dtype()``) of the float dtypes a checkpoint holds.
-_SAFETENSORS_DTYPES = {
+SAFETENSORS_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
     "BOOL": torch.bool,

@@ -824,11 +824,6 @@ def already_quantized(tensors: Iterable[str]) -> set[str]:
     return {name.rpartition(".")[0] for name in tensors if name.rpartition(".")[2] in QUANTIZATION_PARAMS}
 
 
-def _natural_key(name: str) -> list[tuple[int, int | str]]:
-    """Sort key of a dotted name with its numbers compared as numbers (``layers.2`` before ``layers.10``)."""
-    return [(0, int(part)) if part.isdigit() else (1, part) for part in name.split(".")]
-
-
 class CheckpointLinears(nn.Module):
     """The root of :func:`linear_tree`: the checkpoint's Linear weights as modules, nothing else (no forward)."""
 
@@ -850,12 +845,14 @@ def linear_tree(
         classes: ``{checkpoint module name: class}`` (:func:`checkpoint_classes`; ``None``, or a name it lacks or
             maps to ``None``: names and shapes alone decide).
     """
+    from transformers.core_model_loading import dot_natural_key  # from_pretrained's order of checkpoint names
+
     root = CheckpointLinears()
     linears = {}
     quantized = already_quantized(tensors)
     # the modules in the checkpoint names' natural order (layers.2 before layers.10), whatever order the shards' jobs
     # gave: config.json's ignore list (in module order) followed the hash seed (found by a tester)
-    tensors = {name: tensors[name] for name in sorted(tensors, key=_natural_key)}
+    tensors = {name: tensors[name] for name in sorted(tensors, key=dot_natural_key)}
     for name, tensor in tensors.items():
         module, _, param = name.rpartition(".")
         if param != "weight" or tensor.dim() != 2 or not module or module.endswith("norm") or module in quantized:

@@ -49,7 +49,7 @@ import attrs
 import torch
 from tqdm.auto import tqdm
 
-from llmc_fsm.models.checkpoint_match import checkpoint_files
+from llmc_fsm.models.checkpoint_match import SAFETENSORS_DTYPES, checkpoint_files
 from llmc_fsm.models.known import KNOWN_MODELS, fix_safetensors_permissions, known_model_dir
 from llmc_fsm.models.lazy import LazyModel, ShardWriter, load_lazy, save_config
 from llmc_fsm.oneshot_job.data import calibration_inputs, torch_dtype_of
@@ -428,14 +428,10 @@ def _stored_float_dtype(directory: Path) -> Any:
         for file in sorted(set(checkpoint_files(directory).values())):
             with safe_open(str(directory / file), framework="pt") as handle:
                 for key in handle.keys():
-                    dtype = _SAFETENSORS_DTYPES.get(handle.get_slice(key).get_dtype())
-                    if dtype is not None:
+                    dtype = SAFETENSORS_DTYPES.get(handle.get_slice(key).get_dtype())
+                    if dtype is not None and dtype.is_floating_point:
                         return dtype
     return None
-
-
-#: safetensors' names of the floating-point dtypes a checkpoint's weights come in.
-_SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}
 
 
 def _load(run: Run) -> LazyModel:
