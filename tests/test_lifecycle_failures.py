@@ -424,3 +424,21 @@ def test_an_interrupt_after_a_hook_changed_the_model_leaves_the_session_refusing
         session.calibration_start()
     session.calibration_end()  # nothing changed: the session goes on
     session.finalize()
+
+
+def test_the_error_carries_what_happened_and_the_advice_apart():
+    """The one-shot API and the Trainer replace the session's advice with their own; they parsed the message for it
+    (a message changed in one place broke the other silently). The parts are attributes; set_advice replaces one."""
+    model = _model()
+    session = Session([Faulty(fail_in="on_event", mutate=False, events=frozenset({"batch_start"}))])
+    session.initialize(model=model)
+    with pytest.raises(ModifierError) as info:
+        session.batch_start()
+    error = info.value
+    assert error.what == "Faulty.on_event() raised RuntimeError: boom in on_event (during batch_start())."
+    assert error.advice.startswith("No in-place change to a parameter of the model was seen.")
+    assert str(error) == f"{error.what} {error.advice}"
+    error.set_advice("Do this.")
+    assert (str(error), error.advice, error.args) == (f"{error.what} Do this.", "Do this.", (f"{error.what} Do this.",))
+    error.set_advice("")
+    assert str(error) == error.what

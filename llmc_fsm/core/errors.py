@@ -92,6 +92,10 @@ class ModifierError(RuntimeError):
     :meth:`~llmc_fsm.Modifier.register_hook` (e.g. a calibration forward
     pre-hook inside the one-shot pipeline).
 
+    The message is :attr:`what` followed by :attr:`advice`; a caller that holds
+    the session differently (the one-shot API, a Trainer) replaces the advice
+    with :meth:`set_advice` without parsing the text.
+
     Attributes:
         modifier: the modifier's label (class name, ``#k`` appended when a class
             appears more than once in the recipe).
@@ -104,6 +108,9 @@ class ModifierError(RuntimeError):
             ``docs/lifecycle.md``), sorted; empty when none changed. When not
             empty the model is partly modified and the session refuses further
             events until it is reset.
+        what: what happened: the hook, what it raised, where, and the
+            parameters it changed.
+        advice: what the session did and what to do now (``""``: none given).
     """
 
     def __init__(
@@ -114,12 +121,21 @@ class ModifierError(RuntimeError):
         hook: str,
         module: str | None = None,
         modified: Iterable[str] = (),
+        advice: str = "",
     ) -> None:
         super().__init__(msg)
         self.modifier = modifier
         self.hook = hook
         self.module = module
         self.modified = tuple(sorted(modified))
+        self.what = msg
+        self.advice = ""
+        self.set_advice(advice)
+
+    def set_advice(self, advice: str) -> None:
+        """Replace :attr:`advice` (``""``: none) and the message with it, in place (the traceback is kept)."""
+        self.advice = advice
+        self.args = (f"{self.what} {advice}" if advice else self.what,)
 
 
 class CheckpointError(ValueError):

@@ -236,6 +236,4 @@ def failure(
             + (f" ({len(outside)} outside its declared targets: {_list(outside)})" if outside else "")
             + ". Model modified by a failed hook; reload it (the change is not undone)."
         )
-    if then:
-        msg += " " + then
-    return ModifierError(msg, modifier=label, hook=hook, module=module, modified=modified)
+    return ModifierError(msg, modifier=label, hook=hook, module=module, modified=modified, advice=then)

@@ -429,11 +429,8 @@ class SessionTrainerMixin:
         except CheckpointError as exc:  # the session as before train(): train() may be called again
             raise self._named(exc) from exc
         except ModifierError as exc:  # rolled back: the user's call to make again is train(), not initialize()
-            if RETRY_ADVICE not in str(exc):
-                raise
-            text = str(exc).replace(RETRY_ADVICE, TRAINER_RETRY_ADVICE)
-            new = ModifierError(text, modifier=exc.modifier, hook=exc.hook, module=exc.module, modified=exc.modified)
-            raise new from exc.__cause__
+            exc.set_advice(exc.advice.replace(RETRY_ADVICE, TRAINER_RETRY_ADVICE))
+            raise
 
     def _llmc_check_model(self) -> None:
         """Refuse, before the session is initialized, a session ``model`` that is not the model the Trainer trains

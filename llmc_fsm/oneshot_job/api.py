@@ -302,32 +302,20 @@ def _parameter_states(model: torch.nn.Module) -> dict[str, tuple[int, int]]:
 
 
 def _without_session_advice(exc: ModifierError, *, passed: bool, changed: bool) -> None:
-    """Replace the session's advice at the end of ``exc``'s message ("... The event counts as delivered; modifiers
-    after this one did not see it. Continue, or finalize()/reset() the session.", or "No in-place change to a
-    parameter of the model was seen") with what a :func:`oneshot` caller, who holds no session, can do: a model
-    passed in memory that the run changed (``changed``, the note :func:`_note_changed_in_place` added) is to be
-    reloaded; one it did not change was left as it was. Found by a tester: the advice told the caller to continue a
-    session it does not hold, and "no in-place change was seen" beside a note listing 28 changed modules. A message
-    not of the session's form (a modifier's own refusal) is left as it is."""
-    cause = exc.__cause__
-    if cause is None or not exc.args:
+    """Replace the session's advice in ``exc`` ("... The event counts as delivered; modifiers after this one did not
+    see it. Continue, or finalize()/reset() the session.", or "No in-place change to a parameter of the model was
+    seen") with what a :func:`oneshot` caller, who holds no session, can do: a model passed in memory that the run
+    changed (``changed``, the note :func:`_note_changed_in_place` added) is to be reloaded; one it did not change was
+    left as it was. Found by a tester: the advice told the caller to continue a session it does not hold, and "no
+    in-place change was seen" beside a note listing 28 changed modules. An error without the session's advice (a
+    modifier's own refusal) is left as it is."""
+    if not exc.advice:
         return
-    where = f"{exc.modifier}'s {exc.hook} on {exc.module}" if exc.module else f"{exc.modifier}.{exc.hook}()"
-    text = str(exc)
-    head = f"{where} raised {type(cause).__name__}: {cause} (during "
-    if not text.startswith(head) or (end := text.find(").", len(head))) < 0:
-        return
-    end += 2
-    hook_changed = " reload it (the change is not undone)."
-    if exc.modified and (at := text.find(hook_changed, end)) >= 0:
-        end = at + len(hook_changed)
     if changed:
-        advice = " The model you passed was changed in place by this run before the error (see the note): reload it."
-    elif passed:
-        advice = " The model you passed was not changed."
+        advice = "The model you passed was changed in place by this run before the error (see the note): reload it."
     else:
-        advice = ""
-    exc.args = (text[:end] + advice, *exc.args[1:])
+        advice = "The model you passed was not changed." if passed else ""
+    exc.set_advice(advice)
 
 
 def _note_changed_in_place(run: Run, before: dict[str, tuple[int, int]] | None, exc: BaseException) -> list[str]:
