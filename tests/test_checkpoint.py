@@ -128,7 +128,8 @@ def test_checkpoint_files_are_json_and_safetensors_only(tmp_path):
         "nested": {"total": {"__tensor__": "modifiers/Counter/nested/total"}},
     }
     files = sorted(p.name for p in tmp_path.iterdir())
-    assert files == [MANIFEST, manifest["tensors"]]
+    assert files == [".session.lock", MANIFEST, manifest["tensors"]]  # the lock: empty, saves take turns on it
+    assert (tmp_path / ".session.lock").stat().st_size == 0
     assert manifest["tensors"].endswith(".safetensors")
 
 
@@ -370,9 +371,9 @@ def test_kill_during_checkpoint_write_leaves_the_previous_one_loadable(tmp_path,
     session = Session.load(path, [Counter()])
     assert session.global_step == 1
     _steps(session, 1)
-    session.save(path)  # the next save cleans up the leftovers
+    session.save(path)  # the next save cleans up the leftovers (and takes the lock the killed save held)
     names = sorted(p.name for p in path.iterdir())
-    assert names[0] == MANIFEST and len(names) == 2 and names[1].startswith("tensors-")
+    assert names[:2] == [".session.lock", MANIFEST] and len(names) == 3 and names[2].startswith("tensors-")
 
 
 def test_the_mismatch_example_in_the_docs_is_the_real_message(tmp_path):

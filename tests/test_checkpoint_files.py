@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
@@ -40,9 +41,9 @@ def test_saving_twice_keeps_other_files_and_removes_the_previous_tensor_file(tmp
     for name, data in OTHERS.items():
         (tmp_path / name).write_bytes(data)
     write_checkpoint({"w": torch.tensor([1.0])}, tmp_path)
-    assert _ours(tmp_path) == sorted(["session.json", _tensor_name(1.0)])
+    assert _ours(tmp_path) == sorted([".session.lock", "session.json", _tensor_name(1.0)])
     write_checkpoint({"w": torch.tensor([2.0])}, tmp_path)
-    assert _ours(tmp_path) == sorted(["session.json", _tensor_name(2.0)])  # the step-1 tensor file is gone
+    assert _ours(tmp_path) == sorted([".session.lock", "session.json", _tensor_name(2.0)])  # the step-1 tensor file is gone
     assert {name: (tmp_path / name).read_bytes() for name in OTHERS} == OTHERS
     assert torch.equal(read_checkpoint(tmp_path)["w"], torch.tensor([2.0]))
 
@@ -58,7 +59,7 @@ def test_session_save_keeps_other_files(tmp_path):
     session.finalize()
     assert {name: (tmp_path / name).read_bytes() for name in OTHERS} == OTHERS
     named = json.loads((tmp_path / "session.json").read_text())["tensors"]
-    assert _ours(tmp_path) == sorted(["session.json", named])
+    assert _ours(tmp_path) == sorted([".session.lock", "session.json", named])
 
 
 def test_leftovers_of_a_killed_save_are_removed(tmp_path):
@@ -74,7 +75,7 @@ def test_leftovers_of_a_killed_save_are_removed(tmp_path):
     (tmp_path / dead).write_bytes(b"half")
     (tmp_path / alive).write_bytes(b"being written")
     write_checkpoint({"w": torch.tensor([2.0])}, tmp_path)
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([alive, "session.json", _tensor_name(2.0)])
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([".session.lock", alive, "session.json", _tensor_name(2.0)])
 
 
 def test_saving_to_a_file_is_refused_and_leaves_it(tmp_path):
@@ -104,3 +105,28 @@ def test_a_session_json_another_program_wrote_is_not_replaced(tmp_path, content,
     write_checkpoint({"step": 1, "w": torch.ones(2)}, tmp_path / "own")
     write_checkpoint({"step": 2, "w": torch.zeros(2)}, tmp_path / "own")  # its own manifest: replaced
     assert read_checkpoint(tmp_path / "own")["step"] == 2
+
+
+def test_two_saves_to_one_directory_take_turns(tmp_path, monkeypatch):
+    """Two threads saving to one directory: the second save's cleanup removed the tensor file the first had just
+    written, before the first's manifest named it, so the checkpoint did not load (8 of 40 tries; found by a
+    tester). Here the first save stops after its tensor file until the second has finished or waited 0.5 s."""
+    from llmc_fsm.session import checkpoint_io
+
+    first_wrote, second_done, write = threading.Event(), threading.Event(), checkpoint_io._write_atomic
+
+    def slow(target, data):
+        write(target, data)
+        if threading.current_thread().name == "first" and target.name.startswith("tensors-"):
+            first_wrote.set()
+            second_done.wait(0.5)
+
+    monkeypatch.setattr(checkpoint_io, "_write_atomic", slow)
+    first = threading.Thread(target=write_checkpoint, args=({"w": torch.tensor([1.0])}, tmp_path), name="first")
+    first.start()
+    assert first_wrote.wait(30)
+    write_checkpoint({"w": torch.tensor([2.0])}, tmp_path)
+    second_done.set()
+    first.join()
+    assert torch.equal(read_checkpoint(tmp_path)["w"], torch.tensor([2.0]))  # the later save's, complete
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".session.lock", "session.json", _tensor_name(2.0)]

@@ -700,3 +700,19 @@ def test_a_steps_per_epoch_that_is_not_a_positive_int_is_refused_and_nothing_is_
             steps_per_epoch([1, 2, 3], bad)
         with pytest.raises(ValueError, match=rf"^gradient_accumulation_steps must be an int >= 1, got {bad!r}$"):
             is_step(0, 3, bad)
+
+
+@pytest.mark.parametrize(("call", "args"), [
+    ("batch_start", {"global_step": -1}), ("batch_start", {"global_step": "x"}), ("loss_calculated", {"loss": None}),
+])  # fmt: skip
+def test_an_event_with_a_bad_argument_before_initialize_is_refused_for_the_lifecycle(call, args):
+    """On a created or staged session these raised ValueError for the argument, where the docs promise a
+    LifecycleError for every call the table does not allow (found by a tester)."""
+    session = Session([Recorder()])
+    for step in ("created", "staging"):
+        with pytest.raises(LifecycleError) as info:
+            getattr(session, call)(**args)
+        assert (info.value.lifecycle, info.value.call) == (step, call)
+        assert not isinstance(info.value, EventOrderError)
+        session.update_state(model=1)
+    assert session.lifecycle == "staging"

@@ -7,16 +7,18 @@ to JSON, where a tensor is replaced by ``{"__tensor__": key}``. No pickle.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import re
 import secrets
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
+from filelock import FileLock
 
 from llmc_fsm.core.errors import CheckpointError
 
@@ -26,6 +28,8 @@ FORMAT = "llmc-fsm-session"
 VERSION = 1
 #: The manifest file of a checkpoint directory.
 MANIFEST = "session.json"
+#: The lock file every save holds while it writes the directory (threads and processes alike).
+LOCK = ".session.lock"
 _TENSOR = "__tensor__"
 
 
@@ -160,7 +164,9 @@ def write_checkpoint(state: Mapping[str, Any], path: str | Path) -> Path:
     of a process that no longer runs. Nothing else in the directory is touched
     (every ``tensors-*.safetensors`` and ``.*.tmp`` was removed, other programs'
     files too, found by a tester). A kill at any point leaves a loadable checkpoint
-    (the new one, or the previous one).
+    (the new one, or the previous one). Saves to one directory take turns, in
+    threads and processes alike: each holds the OS lock on ``.session.lock`` there
+    (the file stays; a killed holder's lock goes with its process).
 
     Raises:
         TypeError: a value in ``state`` is neither a tensor nor a JSON value (nothing written).
@@ -190,15 +196,38 @@ def write_checkpoint(state: Mapping[str, Any], path: str | Path) -> Path:
         )
         raise FileExistsError(msg)
     path.mkdir(parents=True, exist_ok=True)
-    previous = _previous_tensor_file(path)
-    _write_both(path, tensor_name, payload, text, kept=previous is not None)
-    _fsync_dir(path)
-    if previous is not None and previous != tensor_name:
-        (path / previous).unlink(missing_ok=True)
-    for entry in path.iterdir():  # what killed saves left (normally nothing, so nothing is hashed)
-        if entry.name != tensor_name and (_abandoned_temp(entry) or _written_here(entry)):
-            entry.unlink(missing_ok=True)
+    with _locked(path):  # one writer at a time: another's cleanup removed a tensor file before its manifest named it
+        previous = _previous_tensor_file(path)
+        _write_both(path, tensor_name, payload, text, kept=previous is not None)
+        _fsync_dir(path)
+        if previous is not None and previous != tensor_name:
+            (path / previous).unlink(missing_ok=True)
+        for entry in path.iterdir():  # what killed saves left (normally nothing, so nothing is hashed)
+            if entry.name != tensor_name and (_abandoned_temp(entry) or _written_here(entry)):
+                entry.unlink(missing_ok=True)
     return path
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """Hold ``path/.session.lock`` (an OS lock: threads and processes wait for each other; a killed holder's lock is
+    released with its process). Two threads saving one session to one directory left, in 8 of 40 tries, a manifest
+    naming a tensor file the other save's cleanup had removed (found by a tester).
+
+    Raises:
+        OSError: the lock file cannot be created (a read-only directory): one line naming it; nothing written.
+    """
+    lock = FileLock(path / LOCK, fallback_to_soft=False)
+    try:
+        lock.acquire()
+    except OSError as exc:
+        kept = "the previous checkpoint there was kept" if (path / MANIFEST).exists() else "nothing was written"
+        msg = f"cannot save a session checkpoint: creating {path / LOCK} failed ({exc.strerror or exc}); {kept}"
+        raise OSError(msg) from exc
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 def _write_both(path: Path, tensor_name: str, payload: bytes, text: bytes, *, kept: bool) -> None:

@@ -166,11 +166,7 @@ class SessionEvents:
     def _enter(self, event: str, step: int | None = None) -> Event:
         """Check the event order (one lookup), then set the global step (if given) and the shared Event. An event
         sent from inside a modifier's hook is refused first (:meth:`_refuse_from_hook`)."""
-        if self._in_hook is not None:
-            self._refuse_from_hook(event)
-        position = EVENT_ORDER[self._position].get(event)
-        if position is None:
-            self._refuse_event(event)
+        position = self._check_order(event)
         if step is not None:
             if step < self._step:
                 self._refuse_step_back(event, step)
@@ -184,6 +180,17 @@ class SessionEvents:
         spe = self._state.values.get("steps_per_epoch")
         ev.epoch = self._step / spe if spe else None
         return ev
+
+    def _check_order(self, event: str) -> str:
+        """The position ``event`` leads to; raises as :meth:`_enter` when it is not allowed now, changing nothing
+        (called first, so a bad argument on a session that is not initialized is refused for the lifecycle, as the
+        table says, not for the argument: found by a tester)."""
+        if self._in_hook is not None:
+            self._refuse_from_hook(event)
+        position = EVENT_ORDER[self._position].get(event)
+        if position is None:
+            self._refuse_event(event)
+        return position
 
     def _refuse_step_back(self, event: str, step: int) -> NoReturn:
         """Refuse ``event(global_step=step)`` below the steps already counted: a per-epoch batch index restarted the
@@ -252,14 +259,15 @@ class SessionEvents:
                 so far; e.g. a batch index within the epoch): nothing is changed, no modifier runs.
             ModifierError: a modifier hook raised.
         """
-        if global_step is not None and (
-            isinstance(global_step, bool) or not isinstance(global_step, numbers.Integral) or global_step < 0
-        ):
-            msg = f"global_step must be a non-negative int, got {global_step!r}"
-            raise ValueError(msg)
-        if global_step is not None:
-            global_step = int(global_step)  # a numpy integer too (a step counter kept in an array)
         with self._lock:
+            self._check_order("batch_start")
+            if global_step is not None and (
+                isinstance(global_step, bool) or not isinstance(global_step, numbers.Integral) or global_step < 0
+            ):
+                msg = f"global_step must be a non-negative int, got {global_step!r}"
+                raise ValueError(msg)
+            if global_step is not None:
+                global_step = int(global_step)  # a numpy integer too (a step counter kept in an array)
             counted = self._step
             ev = self._enter("batch_start", global_step)
             if global_step is not None and global_step > counted and self._stepped and not self._jump_warned:
@@ -322,13 +330,14 @@ class SessionEvents:
             ValueError: ``loss`` is ``None`` (the session is left as it was).
             ModifierError: a modifier hook raised.
         """
-        if loss is None:
-            msg = (
-                "loss_calculated(loss) got None: pass the batch's loss (e.g. outputs.loss of a forward pass with "
-                "labels); modifiers such as distillation add to it or replace it"
-            )
-            raise ValueError(msg)
         with self._lock:
+            self._check_order("loss_calculated")
+            if loss is None:
+                msg = (
+                    "loss_calculated(loss) got None: pass the batch's loss (e.g. outputs.loss of a forward pass with "
+                    "labels); modifiers such as distillation add to it or replace it"
+                )
+                raise ValueError(msg)
             ev = self._enter("loss_calculated")
             ev.loss = loss
             self._loss_given = True
