@@ -286,12 +286,12 @@ class CalibrationStatistics(HessianAccumulator):
     such inputs; :func:`_input_global_scale` takes the largest magnitude over the groups.
 
     The ranges are kept on the CPU in :func:`~llmc_fsm_quantization.kv_cache.range_dtype` of the inputs' dtype:
-    bfloat16 / float16 inputs' own, as llm-compressor's observers keep them, the moving averages computed as its
-    ``lerp`` computes them, ``v * (1 - c) + v_obs * c``, each product and the sum rounded to that dtype (they were
-    kept in float64: on a bfloat16 model the static input scales differed from llm-compressor's by a bfloat16 step
-    or two in every layer, found by a tester); float32 inputs' in float64. The scales are computed from them in the
-    inputs' dtype (:attr:`dtype`; :func:`_input_qparams`, :func:`_input_global_scale`), as compressed-tensors
-    computes them.
+    bfloat16 / float16 / float32 inputs' own, as llm-compressor's observers keep them, the moving averages computed
+    as its ``lerp`` computes them, ``v * (1 - c) + v_obs * c``, each product and the sum rounded to that dtype (they
+    were kept in float64: on a bfloat16 model the static input scales differed from llm-compressor's by a bfloat16
+    step or two in every layer, and on a float32 model by a float32 step, found by testers). The scales are computed
+    from them in the inputs' dtype (:attr:`dtype`; :func:`_input_qparams`, :func:`_input_global_scale`), as
+    compressed-tensors computes them.
 
     Under ``torch.distributed`` :meth:`all_reduce` takes the extremes over the ranks for the first and the
     mean over the ranks for the others (as llm-compressor does), in float64, rounded back to :attr:`dtype`.
@@ -1470,7 +1470,8 @@ class QuantizingModifier(CalibratedModifier):
 
         Raises:
             ValueError: no attention module with a cache argument
-                (:func:`llmc_fsm_quantization.kv_cache.attention_modules`),
+                (:func:`llmc_fsm_quantization.kv_cache.attention_modules`; the line names the model and its attention
+                classes: :func:`llmc_fsm_quantization.kv_cache.no_kv_attention_reason`),
                 per-head scales and an attention whose number of key/value (or query) heads is unknown, attention
                 quantization on a model whose attention implementation compressed-tensors cannot hook
                 (:func:`llmc_fsm_quantization.kv_cache.hooked_attention_refusal`: ``eager``), or a
@@ -1485,11 +1486,7 @@ class QuantizingModifier(CalibratedModifier):
             if refusal is not None:
                 raise ValueError(f"{name}: {refusal}")
         if not attention:
-            msg = (
-                f"{name}: kv_cache_scheme: the model has no attention module with k_proj and v_proj (or qkv_proj) "
-                f"and a cache argument ({', '.join(kv_cache.CACHE_ARGUMENTS)}) whose keys and values could be observed"
-            )
-            raise ValueError(msg)
+            raise ValueError(f"{name}: kv_cache_scheme: {kv_cache.no_kv_attention_reason(model)}")
         if self._kv_args.strategy == QuantizationStrategy.ATTN_HEAD:
             unknown = [n for n, m in attention.items() if kv_cache.kv_heads(m) is None]
             if unknown:

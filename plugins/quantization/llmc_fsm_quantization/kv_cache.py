@@ -3,8 +3,8 @@
 A quantizing modifier given ``kv_cache_scheme`` (an FP8 ``QuantizationArgs``: ``num_bits: 8, type: float,
 symmetric: true, dynamic: false``, strategy ``tensor`` or ``attn_head``) gives every attention module of the
 model two parameters, ``k_scale`` and ``v_scale`` (``[1]`` per tensor, ``[num_kv_heads, 1, 1]`` per head, the
-attention's parameter dtype), as compressed-tensors' ``initialize_attn_qparams`` allocates them; the checkpoint
-holds them as ``<attention>.k_scale`` / ``<attention>.v_scale`` next to ``kv_cache_scheme`` in
+dtype the attention computes in, :func:`scale_dtype`), as compressed-tensors' ``initialize_attn_qparams`` allocates
+them; the checkpoint holds them as ``<attention>.k_scale`` / ``<attention>.v_scale`` next to ``kv_cache_scheme`` in
 ``quantization_config``, the names vLLM reads for an FP8 KV cache.
 
 What is observed are the key and value states the attention hands to its cache (``cache.update(k, v, ...)``):
@@ -83,9 +83,11 @@ __all__ = [
     "install_query",
     "kv_heads",
     "load_kv_cache_scales",
+    "no_kv_attention_reason",
     "query_heads",
     "range_dtype",
     "resolve_kv_cache_scheme",
+    "scale_dtype",
     "set_scales",
 ]
 
@@ -103,6 +105,8 @@ SCHEME_ATTR = "kv_cache_scheme"
 #: ``QuantizationScheme`` (``input_activations`` only), written as a config group of ``quantization_config``.
 ATTENTION_SCHEME_ATTR = "attention_quantization_scheme"
 _STATE_ATTR = "_kv_cache_ranges"  # {"k": KVRange, "v": KVRange[, "q": KVRange]} while the scales are being observed
+#: Floating dtypes a model computes in (its scales' dtype; ranges are averaged in them, :func:`range_dtype`).
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def resolve_kv_cache_scheme(value: Any) -> QuantizationArgs | None:
@@ -203,6 +207,51 @@ def attention_modules(model: nn.Module) -> dict[str, nn.Module]:
     }
 
 
+#: Children of a multi-head latent attention (MLA: DeepSeek-V2/V3, Kimi-K2, ...), whose cache holds a compressed
+#: latent and a shared rotary key instead of each head's keys and values.
+LATENT_ATTENTION_PROJECTIONS = ("kv_a_proj_with_mqa", "kv_b_proj")
+
+
+def no_kv_attention_reason(model: nn.Module) -> str:
+    """Why ``model`` has no attention module whose KV cache can be quantized (:func:`attention_modules` is empty),
+    in one line naming the model and the attention classes it has, and what to do.
+
+    A multi-head latent attention (a child named in :data:`LATENT_ATTENTION_PROJECTIONS`: DeepSeek-V3's
+    ``DeepseekV3Attention``) is named as such: its cache holds the compressed latent (``kv_a_proj_with_mqa``'s
+    output) and the shared rotary key, not each head's keys and values, and quantizing it is not supported
+    (compressed-tensors 0.20 takes a ``kv_b_proj`` attention for a cached one; llm-compressor 0.14 failed on it in a
+    tester's run). Found by a tester: the line named neither the model nor its attention class.
+    """
+    try:
+        layers_name, _ = find_decoder_layers(model)
+    except ValueError:
+        layers_name = ""
+    modules = [
+        m
+        for n, m in model.named_modules()
+        if n.startswith(f"{layers_name}." if layers_name else "")
+        and "attention" in type(m).__name__.lower()
+        and any(isinstance(c, nn.Linear) for c in m.children())
+    ]
+    classes = ", ".join(dict.fromkeys(type(m).__name__ for m in modules)) or "none found"
+    latent = [
+        m for m in modules if any(isinstance(getattr(m, c, None), nn.Module) for c in LATENT_ATTENTION_PROJECTIONS)
+    ]
+    if latent:
+        found = ", ".join(c for c in LATENT_ATTENTION_PROJECTIONS if isinstance(getattr(latent[0], c, None), nn.Module))
+        return (
+            f"{model_family(model)}: its attention ({classes}) is multi-head latent attention (MLA: {found}), whose "
+            "cache holds the compressed latent and the shared rotary key, not each head's keys and values: quantizing "
+            "an MLA KV cache is not supported (llm-compressor 0.14 fails on it too); leave kv_cache_scheme out (its "
+            "projections' weights can still be quantized)"
+        )
+    return (
+        f"{model_family(model)}: no attention module has k_proj and v_proj (or qkv_proj) and a cache argument "
+        f"({', '.join(CACHE_ARGUMENTS)}) whose keys and values could be observed; its attention modules: {classes}; "
+        "leave kv_cache_scheme out"
+    )
+
+
 def kv_heads(module: nn.Module) -> int | None:
     """Number of key/value heads of attention ``module``: ``k_proj``'s output width / ``head_dim``; with a fused
     ``qkv_proj``, its config's ``num_key_value_heads`` when the fused width is ``(heads + 2 * kv heads) * head_dim``
@@ -240,12 +289,12 @@ def _heads(module: nn.Module, projection: str, config_field: str) -> int | None:
 
 
 def range_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype observed ranges of states (or inputs) of ``dtype`` are kept and averaged in: a half-precision dtype
-    (bfloat16, float16) its own, as llm-compressor 0.14's observers keep them (its ``lerp`` rounds each product and
-    the sum to it: kept in float64, the scales of a bfloat16 model differed from llm-compressor's by a bfloat16 step
-    or two, found by a tester); float32 and wider float64, as before (the difference from averaging in float32 is
-    within float32's rounding)."""
-    return dtype if dtype in (torch.bfloat16, torch.float16) else torch.float64
+    """The dtype observed ranges of states (or inputs) of ``dtype`` are kept and averaged in: a floating dtype
+    (bfloat16, float16, float32, float64) its own, as llm-compressor 0.14's observers keep them (its ``lerp`` rounds
+    each product and the sum to it; found by testers: kept in float64, the scales of a bfloat16 model differed from
+    llm-compressor's by a bfloat16 step or two, and those of a float32 model by a float32 step, on bit-identical
+    inputs); any other dtype float64."""
+    return dtype if dtype in _FLOAT_DTYPES else torch.float64
 
 
 class KVRange:
@@ -254,7 +303,7 @@ class KVRange:
     One observation is one sample (a row of the batch), taken in order, so the ranges do not depend on how the
     samples are batched (llm-compressor 0.14 observes each forward call, one sample per call at its default
     ``batch_size`` 1). ``ranges[observer]``: ``[2, *shape]`` (minimum, maximum) on the CPU in
-    :func:`range_dtype` of the states' dtype (bfloat16 / float16 states: theirs; else float64), ``shape`` ``[1]``
+    :func:`range_dtype` of the states' dtype (a floating dtype: theirs), ``shape`` ``[1]``
     per tensor or ``[heads, 1, 1]`` per head, kept for every observer of :data:`KV_CACHE_OBSERVERS` (see the module
     docstring); ``minmax``'s moving average is computed in that dtype as llm-compressor's ``lerp`` computes it,
     ``v * (1 - c) + v_sample * c``; ``dtype``: the states' dtype, in which :func:`set_scales` computes the scales.
@@ -353,11 +402,12 @@ def _swap_cache(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     return args, kwargs
 
 
-def install(attention: nn.Module, args: QuantizationArgs) -> None:
+def install(attention: nn.Module, args: QuantizationArgs, *, dtype: torch.dtype | None = None) -> None:
     """Prepare ``attention`` for KV-cache quantization with ``args`` (:func:`resolve_kv_cache_scheme`).
 
-    Registers ``k_scale`` / ``v_scale`` (NaN: not calibrated) and the permanent forward pre-hook (once), and
-    starts recording the ranges of its keys and values. A module already calibrated keeps its scales.
+    Registers ``k_scale`` / ``v_scale`` (NaN: not calibrated; of ``dtype``, by default :func:`scale_dtype` of
+    ``attention``) and the permanent forward pre-hook (once), and starts recording the ranges of its keys and values.
+    A module already calibrated keeps its scales.
 
     Raises:
         ValueError: per-head scales for an attention whose number of key/value heads is unknown; or ``attention``
@@ -375,8 +425,9 @@ def install(attention: nn.Module, args: QuantizationArgs) -> None:
         raise ValueError(msg)
     if held is None:
         shape = _scale_shape(attention, args, kv_heads, "KV")
+        dtype = scale_dtype(attention) if dtype is None else dtype
         for base in ("k", "v"):
-            _register_scale(attention, base, shape)
+            _register_scale(attention, base, shape, dtype)
         setattr(attention, SCHEME_ATTR, args.model_copy(deep=True))
         attention.register_forward_pre_hook(_swap_cache, with_kwargs=True)
     _start_recording(attention, args)
@@ -404,10 +455,35 @@ def _scale_shape(attention: nn.Module, args: QuantizationArgs, heads_of: Any, wh
     return (heads, 1, 1)
 
 
-def _register_scale(attention: nn.Module, base: str, shape: tuple[int, ...]) -> None:
-    """A NaN (not calibrated) ``<base>_scale`` parameter of ``shape``, in the attention's parameter dtype."""
-    dtype = next(attention.parameters()).dtype
-    dtype = dtype if dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64) else torch.float16
+def scale_dtype(attention: nn.Module, layer: nn.Module | None = None) -> torch.dtype:
+    """The dtype ``attention`` computes in, which its ``k_scale`` / ``v_scale`` (and ``q_scale``) take, as
+    compressed-tensors' ``initialize_attn_qparams`` gives them: that of its floating weights (a parameter named
+    ``weight``: its projections' or norms', never a scale); with none (a compressed-tensors checkpoint reloaded by
+    transformers holds ``weight_packed`` uint8, ``weight_scale`` FP8 and ``weight_global_scale`` float32 until its
+    first forward), that of ``layer``'s (its decoder layer's norms), else its config's ``dtype``, else float32.
+
+    Found by a tester: the scales took the dtype of the attention's first parameter, on a reloaded NVFP4 checkpoint
+    a float32 global scale, and the keys and values then fake-quantized into float32 broke a bfloat16 forward
+    ("Expected query, key, and value to have the same dtype").
+    """
+    for module in (attention, layer):
+        found = None if module is None else _weights_dtype(module)
+        if found is not None:
+            return found
+    configured = getattr(getattr(attention, "config", None), "dtype", None)
+    if isinstance(configured, str):
+        configured = getattr(torch, configured, None)
+    return configured if configured in _FLOAT_DTYPES else torch.float32
+
+
+def _weights_dtype(module: nn.Module) -> torch.dtype | None:
+    """The dtype of ``module``'s first floating parameter named ``weight`` (at any depth), or ``None``."""
+    weights = (p for name, p in module.named_parameters() if name.rsplit(".", 1)[-1] == "weight")
+    return next((p.dtype for p in weights if p.dtype in _FLOAT_DTYPES), None)
+
+
+def _register_scale(attention: nn.Module, base: str, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    """A NaN (not calibrated) ``<base>_scale`` parameter of ``shape`` and ``dtype``, on the attention's device."""
     scale = torch.full(shape, math.nan, dtype=dtype, device=next(attention.parameters()).device)
     attention.register_parameter(f"{base}_scale", nn.Parameter(scale, requires_grad=False))
 
@@ -465,7 +541,8 @@ def install_query(model: nn.Module, attention: nn.Module, scheme: QuantizationSc
 
     args = getattr(attention, SCHEME_ATTR)
     if getattr(attention, "q_scale", None) is None:
-        _register_scale(attention, "q", _scale_shape(attention, args, query_heads, "query"))
+        shape = _scale_shape(attention, args, query_heads, "query")
+        _register_scale(attention, "q", shape, attention.k_scale.dtype)  # the dtype install gave the KV scales
         saved = scheme.model_copy(deep=True)
         saved.format = CompressionFormat.dense  # what compressed-tensors writes for it (no weight to compress)
         setattr(attention, ATTENTION_SCHEME_ATTR, saved)
@@ -576,7 +653,8 @@ def load_kv_cache_scales(model: nn.Module, directory: str | Path) -> int:
                 msg = f"{directory}: {name}.{base}_scale: expected shape {list(shape)}, the checkpoint has {got}"
                 raise ValueError(msg)
     for name, module in attention.items():
-        install(module, args)
+        layer = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else None
+        install(module, args, dtype=scale_dtype(module, layer))
         if groups:
             install_query(model, module, groups[0])
         for base in bases:

@@ -381,20 +381,23 @@ def test_input_ranges_are_combined_over_ranks(tmp_path) -> None:
     results = {r: (a, b) for r, a, b in (queue.get(timeout=300) for _ in procs)}
     for p in procs:
         p.join(60)
-    x = torch.randn(6, 5, 8, generator=torch.Generator().manual_seed(11)).double()
+    x = torch.randn(6, 5, 8, generator=torch.Generator().manual_seed(11))
     # one observation per sample (row): rank 0 saw rows 0-3 (in two batches), rank 1 rows 4-5
     calls = {0: [(x[r].min(), x[r].max()) for r in range(4)], 1: [(x[r].min(), x[r].max()) for r in (4, 5)]}
 
-    def moving(cs):
+    def moving(cs):  # on each rank in the inputs' float32, as llm-compressor 0.14's lerp (float64 before session 37)
         lo, hi = cs[0]
         for c in cs[1:]:
-            lo, hi = 0.99 * lo + 0.01 * c[0], 0.99 * hi + 0.01 * c[1]
+            lo, hi = lo * (1.0 - 0.01) + c[0] * 0.01, hi * (1.0 - 0.01) + c[1] * 0.01
         return lo, hi
+
+    def mean(a, b):  # over the ranks in float64, rounded back to float32
+        return float(((a.double() + b.double()) / 2).float())
 
     expected = {
         "static_minmax": [float(x.min()), float(x.max())],
-        "minmax": [float((moving(calls[0])[i] + moving(calls[1])[i]) / 2) for i in range(2)],
-        "memoryless_minmax": [float((calls[0][-1][i] + calls[1][-1][i]) / 2) for i in range(2)],
+        "minmax": [mean(moving(calls[0])[i], moving(calls[1])[i]) for i in range(2)],
+        "memoryless_minmax": [mean(calls[0][-1][i], calls[1][-1][i]) for i in range(2)],
     }
     for rank in (0, 1):
         got = results[rank][0]
