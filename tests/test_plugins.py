@@ -458,7 +458,7 @@ def test_cli_modifiers_lists_modifiers_and_broken_plugins(site: Site, capsys: py
     site.add("llmc-fsm-broken", "2.1", {"broken": "broken3_plugin"}, {"broken3_plugin": "import nope_nope\n"})
     site.add_ok("llmc-fsm-off", "OffModifier")
     site.monkeypatch.setenv(DISABLE_ENV, "llmc-fsm-off")
-    assert main(["modifiers"]) == 0
+    assert main(["modifiers"]) == 1  # a plugin failed to load
     out = capsys.readouterr().out
     assert "SampleMagnitudeMask  [llmc-fsm-sample 0.3.0]" in out
     assert "Zero the smallest-magnitude fraction of every Linear weight" in out

@@ -2,7 +2,7 @@
 
 Subcommands:
     lifecycle   print the session lifecycle (``--mermaid``: the diagram generated from the table)
-    modifiers   list every discovered modifier plugin
+    modifiers   list every discovered modifier plugin (exit status 1 when a plugin failed to load)
     explain     print a recipe's plan without touching a model
     oneshot     compress a model in one shot and report perplexity before/after
     model-free  quantize a safetensors checkpoint shard by shard with a data-free scheme (no model built)
@@ -10,7 +10,8 @@ Subcommands:
 
 ``llmc-fsm --version`` prints the package version; ``-v`` / ``--verbose`` (before or after the subcommand) logs
 debug messages and lets an error raise with its traceback. An error is one line on stderr (exit status 1, or 2 for a
-command line argparse rejects, with a pointer to ``--help`` instead of the usage block; a recipe with
+command line argparse rejects, with a pointer to ``--help`` instead of the usage block; a module of the ``hf`` extra
+not installed, e.g. transformers for ``oneshot``: exit status 1 and ``pip install "llmc-fsm[hf]"``; a recipe with
 several problems: a heading line, then one line per problem, all found before any work); under
 ``torchrun`` an error every rank raises alike is printed once, by rank 0, and a rank's own error (a file missing on
 its node, a crash) by that rank, prefixed ``rank N: `` (:func:`~llmc_fsm.toolkit.distributed.error_line_to_print`;
@@ -33,6 +34,7 @@ from typing import Any, NoReturn
 
 from llmc_fsm.cli import lifecycle, model_free, oneshot, plugins, report
 from llmc_fsm.core.errors import ModifierError
+from llmc_fsm.core.registry import missing_extra_hint
 from llmc_fsm.core.version import __version__
 from llmc_fsm.toolkit.distributed import error_line_to_print, peer_failure, process_group_from_env
 from llmc_fsm.toolkit.heap import use_huge_pages
@@ -161,6 +163,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                 return int(args.func(args) or 0)
             except BrokenPipeError:  # below: nothing to say
                 raise
+            except ModuleNotFoundError as exc:  # the [hf] extra not installed: which command needs what
+                said = _missing_extra(exc, args.command)
+                if said is None or args.verbose:
+                    raise
+                line = error_line_to_print(f"llmc-fsm {args.command}: error: {said}", exc)
+                if line is not None:
+                    print(line, file=sys.stderr)
+                return 1
             except (ValueError, RuntimeError, OSError) as exc:  # said while the ranks can still compare lines
                 if args.verbose:
                     raise
@@ -185,6 +195,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         if _launch_rank() == 0:  # the process group's own checks fail alike on every rank: one line, from rank 0
             print(f"llmc-fsm {args.command}: error: {_one_line(exc)}", file=sys.stderr)
         return 1
+
+
+def _missing_extra(exc: ModuleNotFoundError, command: str) -> str | None:
+    """What the command prints when ``exc`` is a module of an llmc-fsm extra that is not installed (``llmc-fsm
+    oneshot`` with llmc-fsm installed without extras ended in a traceback, found by a tester), else ``None`` (then
+    it is raised as it is)."""
+    hint = missing_extra_hint(exc)
+    if hint is None:
+        return None
+    missing = (exc.name or "").split(".")[0]
+    return f"{missing} is not installed, and {command} needs it to read Hugging Face models; {hint}"
 
 
 def _one_line(exc: BaseException) -> str:

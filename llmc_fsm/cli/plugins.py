@@ -16,13 +16,16 @@ of a saved output's ``recipe.yaml``, refused when nothing is left to run), and o
 from __future__ import annotations
 
 import argparse
+import inspect
 import logging
 import os
+import re
 from typing import Any
 
 import attrs
 
 from llmc_fsm.core.errors import MissingStateError, RecipeError
+from llmc_fsm.core.modifier import Modifier
 from llmc_fsm.core.registry import DISABLE_ENV, get_registry
 from llmc_fsm.models.hf_io import meta_model
 from llmc_fsm.models.known import KNOWN_MODELS, known_model_dir
@@ -43,8 +46,50 @@ def _keys(keys: frozenset[str]) -> str:
     return ", ".join(sorted(keys)) or "-"
 
 
+#: The note after the listing: :meth:`~llmc_fsm.Modifier.required_keys` adds ``steps_per_epoch`` to every modifier
+#: given a schedule (its epochs are counted in steps with it).
+SCHEDULE_NOTE = "Every modifier given start, end or update (epochs) also requires steps_per_epoch."
+
+
+def _required_keys_condition(cls: type[Modifier]) -> str | None:
+    """The first sentence of ``cls``'s own ``required_keys()`` docstring, without its markup and parenthetical remarks
+    (``"optimizer, and steps_per_epoch unless the schedule is constant with no start/end/update"``), or ``None``
+    when ``cls`` inherits :meth:`~llmc_fsm.Modifier.required_keys` or its override has no docstring."""
+    own = getattr(cls, "required_keys", None)
+    if own is None or own is Modifier.required_keys:
+        return None
+    doc = re.sub(r"/\n", "/", (inspect.getdoc(own) or "").split("\n\n")[0])  # ``start``/``end``/ at a line's end
+    doc = doc.replace("\n", " ").replace("``", "")
+    previous = None
+    while previous != doc:  # nested parentheses, innermost first
+        previous, doc = doc, re.sub(r"\s*\([^()]*\)", "", doc)
+    sentence = re.split(r"\.(?:\s|$)", doc.strip(), maxsplit=1)[0].strip()
+    return sentence or None
+
+
+def _state_lines(cls: type[Modifier]) -> list[str]:
+    """The listing's state lines of ``cls``. A key its own ``required_keys()`` requires for some arguments only (one
+    in both ``required_state`` and ``optional_state``, or an optional one its docstring names as ``key``) is listed
+    once, with the condition (:func:`_required_keys_condition`): ``LearningRateModifier`` was listed as requiring
+    ``steps_per_epoch`` and as taking it optionally (found by a tester)."""
+    required, optional = frozenset(cls.required_state), frozenset(cls.optional_state)
+    condition = _required_keys_condition(cls)
+    conditional: frozenset[str] = frozenset()
+    if getattr(cls, "required_keys", None) is not Modifier.required_keys:
+        named = inspect.getdoc(cls.required_keys) or ""
+        conditional = (required & optional) | {key for key in optional if f"``{key}``" in named}
+    lines = [f"      required state: {_keys(required - conditional)}"]
+    if conditional:
+        why = f" ({cls.__name__}.required_keys(): {condition})" if condition else ""
+        lines.append(f"      required for some arguments, else optional: {_keys(conditional)}{why}")
+    lines.append(f"      optional state: {_keys(optional - required - conditional)}")
+    return lines
+
+
 def format_modifiers() -> str:
-    """The ``llmc-fsm modifiers`` listing as text."""
+    """The ``llmc-fsm modifiers`` listing as text: every registered modifier; the note on ``steps_per_epoch``
+    (:data:`SCHEDULE_NOTE`); the plugins that failed to load, then those that loaded in part (a class refused, the
+    names registered from the same entry point given); the plugins disabled."""
 
     registry = get_registry()
     lines: list[str] = []
@@ -61,13 +106,22 @@ def format_modifiers() -> str:
         description = info.cls.description()
         if description:
             lines.append(f"      {description}")
-        lines.append(f"      required state: {_keys(info.cls.required_state)}")
-        lines.append(f"      optional state: {_keys(info.cls.optional_state)}")
+        lines.extend(_state_lines(info.cls))
         if info.cls.events:
             lines.append(f"      batch events: {_keys(info.cls.events)}")
-    if registry.errors:
-        lines.append(f"{len(registry.errors)} broken plugin(s):")
-        lines.extend(f"  ERROR {err}" for err in registry.errors)
+    if infos:
+        lines.append(SCHEDULE_NOTE)
+    failed = [err for err in registry.errors if not registry.registered_from(err.distribution, err.entry_point)]
+    if failed:
+        lines.append(f"{len(failed)} plugin(s) failed to load, nothing registered from them:")
+        lines.extend(f"  ERROR {err}" for err in failed)
+    partly = [err for err in registry.errors if err not in failed]
+    if partly:  # a clash refused one class of a plugin whose other classes loaded: it was listed as "broken"
+        lines.append(f"{len(partly)} modifier class(es) refused, from plugins that loaded the rest:")
+        for err in partly:
+            loaded = ", ".join(registry.registered_from(err.distribution, err.entry_point))
+            lines.append(f"  ERROR {err}")
+            lines.append(f"      registered from that entry point all the same: {loaded}")
     if registry.disabled:
         lines.append(f"Disabled through {DISABLE_ENV}:")
         for item in registry.disabled:
@@ -77,8 +131,10 @@ def format_modifiers() -> str:
 
 
 def _run_modifiers(args: argparse.Namespace) -> int:
+    """Print the listing; exit status 1 when a plugin failed to load or a class of one was refused (the listing is
+    printed all the same; it exited 0 with "3 broken plugin(s)", found by a tester)."""
     print(format_modifiers(), end="")
-    return 0
+    return 1 if get_registry().errors else 0
 
 
 def _modifier_info(name: str) -> Any:
@@ -311,7 +367,11 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser(
         "modifiers",
         help="list every discovered modifier plugin",
-        description="List every modifier registered by the installed plugins, and the plugins that failed to load.",
+        description=(
+            "List every modifier registered by the installed plugins, and the plugins that failed to load or had a "
+            "modifier class refused. Exit status: 0, or 1 when any plugin failed to load or had a class refused "
+            "(the listing is printed all the same)."
+        ),
     )
     parser.set_defaults(func=_run_modifiers)
 

@@ -44,6 +44,7 @@ from llmc_fsm.core.modifier import Modifier
 __all__ = [
     "DISABLE_ENV",
     "ENTRY_POINT_GROUP",
+    "EXTRA_OF_MODULE",
     "FIRST_PARTY",
     "DisabledPlugin",
     "ModifierInfo",
@@ -51,6 +52,7 @@ __all__ = [
     "check_modifier_class",
     "declaration_problem",
     "get_registry",
+    "missing_extra_hint",
     "unreachable_on_event",
 ]
 
@@ -63,6 +65,18 @@ DISABLE_ENV = "LLMC_FSM_DISABLE_PLUGINS"
 #: The first-party plugin distributions (``plugins/`` of this repository), loaded before any other: a third-party
 #: plugin registering one of their modifier names is the one reported (normalized names, see :func:`_normalize`).
 FIRST_PARTY: frozenset[str] = frozenset({"llmc-fsm-pruning", "llmc-fsm-quantization", "llmc-fsm-training"})
+#: Top-level module -> the llmc-fsm extra that installs it (setup.cfg's ``[options.extras_require]``): a plugin or a
+#: command that fails on one of them missing says ``pip install "llmc-fsm[<extra>]"``.
+EXTRA_OF_MODULE: dict[str, str] = {"transformers": "hf", "accelerate": "hf", "gguf": "hf"}
+
+
+def missing_extra_hint(exc: BaseException) -> str | None:
+    """``'install llmc-fsm's hf extra: pip install "llmc-fsm[hf]"'`` when ``exc`` is a :class:`ModuleNotFoundError`
+    for a module of an llmc-fsm extra (:data:`EXTRA_OF_MODULE`), else ``None``."""
+    if not isinstance(exc, ModuleNotFoundError):
+        return None
+    extra = EXTRA_OF_MODULE.get((exc.name or "").split(".")[0])
+    return None if extra is None else f'install llmc-fsm\'s {extra} extra: pip install "llmc-fsm[{extra}]"'
 
 
 def _normalize(name: str) -> str:
@@ -259,6 +273,18 @@ class ModifierRegistry:
         """Every registered modifier, sorted by name."""
         return [self._infos[name] for name in sorted(self._infos)]
 
+    def registered_from(self, distribution: str | None, entry_point: str | None) -> list[str]:
+        """The names registered through ``entry_point`` of ``distribution`` (a :class:`~llmc_fsm.PluginError`'s
+        attributes), sorted: the classes of a plugin that did load when another of its classes was refused. ``[]``
+        when both are ``None``: classes registered in-process are no one plugin's."""
+        if distribution is None and entry_point is None:
+            return []
+        return sorted(
+            name
+            for name, info in self._infos.items()
+            if (info.distribution, info.entry_point) == (distribution, entry_point)
+        )
+
     def info(self, name: str) -> ModifierInfo | None:
         """The :class:`ModifierInfo` registered as ``name``, or ``None``."""
         return self._infos.get(name)
@@ -412,8 +438,10 @@ class ModifierRegistry:
                 plugin = ep.load()
             except (Exception, SystemExit) as exc:  # a plugin calling sys.exit() must not end the host
                 label = _describe(dist, version, ep.name)
+                hint = missing_extra_hint(exc)
                 err = PluginError(
-                    f"plugin {label}: failed to import {ep.value!r}: {type(exc).__name__}: {exc}",
+                    f"plugin {label}: failed to import {ep.value!r}: {type(exc).__name__}: {exc}"
+                    + (f" ({hint})" if hint else ""),
                     distribution=dist,
                     entry_point=ep.name,
                 )

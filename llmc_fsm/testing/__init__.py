@@ -1,7 +1,45 @@
 """Test helpers for modifier authors: the conformance kit (:func:`check_modifier`, the ``llmc_fsm_check`` fixture;
-pytest11 plugin) and :func:`run_ranks`, a worker run on several processes in one ``torch.distributed`` gloo group."""
+pytest11 plugin) and :func:`run_ranks`, a worker run on several processes in one ``torch.distributed`` gloo group.
 
-from llmc_fsm.testing.kit import ContractViolation, check_modifier, llmc_fsm_check, pytest_addoption
-from llmc_fsm.testing.ranks import Worker, run_ranks
+This module is the pytest plugin pytest loads in every project of the environment (entry point ``pytest11``), so it
+imports only :mod:`llmc_fsm.testing.plugin` (pytest and the standard library); :func:`check_modifier`,
+:class:`ContractViolation`, :func:`run_ranks` and :class:`Worker` are imported on first use (:pep:`562`).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from llmc_fsm.testing.plugin import llmc_fsm_check, pytest_addoption
+
+if TYPE_CHECKING:  # what the names are, for type checkers and IDEs
+    from llmc_fsm.testing.kit import check_modifier
+    from llmc_fsm.testing.lifecycles import ContractViolation
+    from llmc_fsm.testing.ranks import Worker, run_ranks
+
+#: Name -> the module that defines it, imported on first use. No ``__dir__`` lists them: pytest reads every name
+#: ``dir()`` gives of a plugin module at its start, which would import them all.
+_LAZY = {
+    "ContractViolation": "llmc_fsm.testing.lifecycles",
+    "check_modifier": "llmc_fsm.testing.kit",
+    "Worker": "llmc_fsm.testing.ranks",
+    "run_ranks": "llmc_fsm.testing.ranks",
+}
 
 __all__ = ["ContractViolation", "Worker", "check_modifier", "llmc_fsm_check", "pytest_addoption", "run_ranks"]
+
+
+def __getattr__(name: str) -> Any:
+    """``check_modifier``, ``ContractViolation``, ``run_ranks`` or ``Worker``, imported on first use.
+
+    Raises:
+        AttributeError: ``name`` is none of them.
+    """
+    module = _LAZY.get(name)
+    if module is None:
+        msg = f"module {__name__!r} has no attribute {name!r}"
+        raise AttributeError(msg)
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

@@ -1,4 +1,4 @@
-"""Conformance kit for modifier authors: a pytest plugin and :func:`check_modifier`.
+"""Conformance kit for modifier authors: :func:`check_modifier`.
 
 One line checks that a modifier obeys the lifecycle contract::
 
@@ -7,9 +7,8 @@ One line checks that a modifier obeys the lifecycle contract::
     def test_my_modifier_obeys_the_contract():
         check_modifier(lambda: MyModifier(sparsity=0.5), lambda: {"model": tiny_model()})
 
-or, with the fixture this plugin provides (installed with llmc-fsm as the
-``pytest11`` entry point ``llmc_fsm``; the number of examples follows
-``--llmc-fsm-examples``)::
+or, with the fixture of the pytest plugin :mod:`llmc_fsm.testing.plugin` (installed with llmc-fsm as the
+``pytest11`` entry point ``llmc_fsm``; the number of examples follows ``--llmc-fsm-examples``)::
 
     def test_my_modifier(llmc_fsm_check):
         llmc_fsm_check(MyModifier, lambda: {"model": tiny_model()})
@@ -52,14 +51,11 @@ A modifier hook that raises during a valid lifecycle fails the check too.
 
 from __future__ import annotations
 
-import functools
 import re
 import tempfile
 import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
-
-import pytest
 
 from llmc_fsm.core.errors import MissingStateError, ModifierError, PluginError
 from llmc_fsm.core.lifecycle import BATCH_EVENTS
@@ -68,10 +64,9 @@ from llmc_fsm.core.registry import check_modifier_class, unreachable_on_event
 from llmc_fsm.session.checkpoint import read_checkpoint, write_checkpoint
 from llmc_fsm.session.session import Session
 from llmc_fsm.testing.lifecycles import OPERATIONS, ContractViolation, SequenceRun
+from llmc_fsm.testing.plugin import DEFAULT_EXAMPLES
 
-__all__ = ["ContractViolation", "check_modifier", "llmc_fsm_check"]
-
-DEFAULT_EXAMPLES = 100
+__all__ = ["ContractViolation", "check_modifier"]
 
 
 def _check_checkpoint(
@@ -193,7 +188,14 @@ def check_modifier(
     Raises:
         ContractViolation: a rule was broken (registration would refuse the modifier, too); the message names the
             rule and the call sequence (hypothesis shrinks it to a minimal one).
+        ValueError: ``max_examples`` is not a positive integer or ``max_calls`` a negative one (hypothesis refused
+            them with ``InvalidArgument`` after the deterministic checks had run).
     """
+    for name, value, least in (("max_examples", max_examples, 1), ("max_calls", max_calls, 0)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            kind = "a positive integer" if least else "an integer >= 0"
+            msg = f"check_modifier: {name} must be {kind}, got {value!r}"
+            raise ValueError(msg)
     probe = factory()
     try:  # the checks registration makes (a misspelt event was never delivered, and the kit passed it)
         check_modifier_class(probe)
@@ -242,26 +244,3 @@ def _check_contract(
 
     random_lifecycles()
     _check_checkpoint(factory, state_factory, batch_factory, loss_factory)
-
-
-# --- pytest plugin ----------------------------------------------------------------------
-
-
-def pytest_addoption(parser: pytest.Parser) -> None:
-    group = parser.getgroup("llmc-fsm", "llmc-fsm modifier conformance")
-    group.addoption(
-        "--llmc-fsm-examples",
-        type=int,
-        default=None,
-        metavar="N",
-        help=f"random lifecycles per llmc_fsm_check() call (default {DEFAULT_EXAMPLES})",
-    )
-
-
-@pytest.fixture
-def llmc_fsm_check(request: pytest.FixtureRequest) -> Callable[..., None]:
-    """:func:`check_modifier`, with ``max_examples`` taken from ``--llmc-fsm-examples`` when given."""
-    examples = request.config.getoption("llmc_fsm_examples", default=None)
-    if examples is None:
-        return check_modifier
-    return functools.partial(check_modifier, max_examples=examples)
