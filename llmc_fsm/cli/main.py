@@ -32,6 +32,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
+from tqdm.contrib.logging import logging_redirect_tqdm
+
 from llmc_fsm.cli import lifecycle, model_free, oneshot, plugins, report
 from llmc_fsm.core.errors import ModifierError
 from llmc_fsm.core.registry import missing_extra_hint
@@ -153,12 +155,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         use_huge_pages()  # before the first tensor (the plugins' imports make some): torch reads it once
     if extra:
         _reject_unknown(args, extra)
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
-    )
+    logging.basicConfig(level=_log_level(args.verbose), format="%(levelname)s %(name)s: %(message)s")
     _compressed_tensors_logs_once()
     try:
-        with process_group_from_env():  # under torchrun (WORLD_SIZE > 1): one rank of a torch.distributed group
+        # log lines through tqdm.write: a warning raised mid-bar went on the bar's line (found by a tester)
+        with logging_redirect_tqdm(), process_group_from_env():  # under torchrun (WORLD_SIZE > 1): one rank
             try:
                 return int(args.func(args) or 0)
             except BrokenPipeError:  # below: nothing to say
@@ -243,6 +244,15 @@ def _compressed_tensors_logs_once() -> None:
 
     loguru_logger.remove()  # the default handler (stderr, every level), as compressed-tensors' own configuration does
     loguru_logger.add(lambda message: sys.stderr.write(message), filter=once)  # the stderr of the moment
+
+
+def _log_level(verbose: bool) -> int:
+    """The CLI's logging level: ``DEBUG`` with ``-v``; else ``WARNING``, and ``ERROR`` on the ranks other than 0
+    under torchrun, whose warnings are rank 0's over again (a rank-deficient Hessian, an ignore pattern that matches
+    nothing: N copies each, found by a tester); their errors are still printed."""
+    if verbose:
+        return logging.DEBUG
+    return logging.WARNING if _launch_rank() == 0 else logging.ERROR
 
 
 def _launch_rank() -> int:
