@@ -79,6 +79,9 @@ def _run_cli(args: argparse.Namespace) -> int:
     logging.getLogger("llmc_fsm.oneshot_job.model_free").setLevel(logging.INFO)  # its closing summary line
     if args.threads is not None:
         torch.set_num_threads(args.threads)
+    wording = _CliIgnoreWording()
+    modifiers = logging.getLogger(_MODIFIER_LOGGER)
+    modifiers.addFilter(wording)
     try:
         with signals_as_interrupt():
             out = model_free_ptq(
@@ -94,8 +97,29 @@ def _run_cli(args: argparse.Namespace) -> int:
             )
     except KeyboardInterrupt as exc:
         return interrupted("model-free", exc)
+    finally:
+        modifiers.removeFilter(wording)
     print(f"output: {out}")
     return 0
+
+
+#: The logger of the quantization modifiers' line on a default ``ignore`` (:class:`_CliIgnoreWording`).
+_MODIFIER_LOGGER = "llmc_fsm_quantization._base"
+
+
+class _CliIgnoreWording(logging.Filter):
+    """The modifier's line on the default ``ignore`` in this command's words: its "give ``ignore: []`` for that"
+    (a recipe's spelling) becomes "give ``--ignore`` with no name for that", the flag that does it here (a tester ran
+    ``llmc-fsm model-free --scheme W8A8`` and was told to give a recipe field the command does not take)."""
+
+    RECIPE = "give ignore: [] for that"
+    FLAG = "give --ignore with no name for that"
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if self.RECIPE in message:
+            record.msg, record.args = message.replace(self.RECIPE, self.FLAG), ()
+        return True
 
 
 def _check_model(model: str) -> None:

@@ -13,7 +13,7 @@ from typing import Any
 
 from llmc_fsm.output.workdir import progress_summary, work_dir_path
 from llmc_fsm.report.build import OneshotReport
-from llmc_fsm.report.plot import check_plot_path, plot_report
+from llmc_fsm.report.plot import check_plot_path, check_plottable, plot_report
 
 __all__ = ["add_cli", "read_report"]
 
@@ -165,6 +165,8 @@ def _run_cli(args: argparse.Namespace) -> int:
     if args.plot is not None:  # fail before printing anything when the picture cannot be drawn
         plot_path = check_plot_path(args.plot)
     data = read_report(args.output)
+    if plot_path is not None:  # a report with nothing to draw: refused before printing too
+        check_plottable(data)
     print(OneshotReport.from_dict(data).format_table())
     work = work_dir_path(Path(args.output).expanduser())
     if Path(args.output).expanduser().is_dir() and work.is_dir():  # a re-run into it (--overwrite) was interrupted

@@ -114,19 +114,35 @@ def eval_windows(tokenizer: Any, text: str, num_windows: int, seq_len: int) -> A
 
 
 def calibration_overlap(evaluation: torch.Tensor, calibration: torch.Tensor) -> int:
-    """How many of the evaluation tokens the calibration windows also hold, when both were cut from one text: the
-    evaluation windows ``[E / L, L]`` from its head, the calibration windows ``[C / L', L']`` from its tail
-    (:func:`~llmc_fsm.data.protocol.token_windows`), so they share tokens exactly when the calibration's first token
-    sits at a position ``s < E`` of the evaluation tokens and the rest follows it there. ``0`` when they do not.
-    Reads ``O(E)`` values (the text's length is not known: only its head and tail were tokenized)."""
-    head, tail = evaluation.reshape(-1), calibration.reshape(-1)
-    if head.numel() == 0 or tail.numel() == 0:
-        return 0
-    for s in torch.nonzero(head == tail[0]).flatten().tolist():
-        n = min(head.numel() - s, tail.numel())
-        if torch.equal(head[s : s + n], tail[:n]):
-            return n
-    return 0
+    """How many of the evaluation tokens the calibration windows also hold, from the windows' token positions in the
+    text they were both cut from (:func:`window_positions`): ``evaluation`` and ``calibration`` hold positions
+    (any shape), not token ids. ``0`` when they share none.
+
+    Positions, not contents: until 2026-12-07 the ids were compared, and an evaluation head that merely ended with the
+    token the calibration tail began with (one `` of``) was counted as calibrated on (found by a tester)."""
+    return int(torch.isin(evaluation.reshape(-1), calibration.reshape(-1)).sum())
+
+
+def window_positions(
+    tokenizer: Any, text: str, evaluation: torch.Tensor, calibration: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The token positions in ``text`` of ``evaluation`` windows ``[E / L, L]`` cut from its head (:func:`eval_windows`)
+    and ``calibration`` windows ``[C / L', L']`` cut from its tail (``token_windows(from_end=True)``): ``LongTensor``
+    of their shapes, ``0 .. E - 1`` and ``T - C .. T - 1`` for a text of ``T`` tokens. A text of at least ``E + C``
+    tokens counts as ``E + C`` (only its first ``E + C`` tokens are read: the windows are apart whatever its length).
+    """
+    e, c = evaluation.numel(), calibration.numel()
+    try:
+        token_windows(tokenizer, text, num_windows=1, seq_len=e + c)
+        total = e + c
+    except ValueError:  # fewer tokens than both windows hold: count them all (a short text)
+        with kept_tokenizer_state(tokenizer):
+            if getattr(tokenizer, "model_max_length", None) is not None:  # no "longer than the maximum" warning
+                tokenizer.model_max_length = int(1e30)
+            total = len(tokenizer(text, add_special_tokens=False)["input_ids"])
+    head = torch.arange(e).view(evaluation.shape)
+    tail = torch.arange(total - c, total).view(calibration.shape)
+    return head, tail
 
 
 def generate_calibration(

@@ -70,6 +70,7 @@ from llmc_fsm.oneshot_job.data import (
     is_tensor,
     read_text,
     torch_dtype_of,
+    window_positions,
 )
 from llmc_fsm.oneshot_job.progress import quiet_progress
 from llmc_fsm.oneshot_job.resume import (
@@ -264,7 +265,7 @@ def _warn_overlap(run: Run) -> None:
     windows shared, 77.70 against 78.12 with disjoint texts, without a word)."""
     if run.cal_text is None or run.cal_text != run.ev_text or not is_tensor(run.windows):
         return
-    shared = calibration_overlap(run.eval_windows, run.windows)
+    shared = calibration_overlap(*window_positions(run.tokenizer, run.ev_text, run.eval_windows, run.windows))
     if shared:
         logger.warning(
             "calibration and evaluation read the same text, which is too short to keep them apart: %d of the %d "
@@ -845,7 +846,9 @@ def _fingerprint(run: Run) -> dict[str, Any]:
             hash_files=run.needs_data,  # a data-free job keeps no per-layer progress: no 0.5 GB read to hash
         )
     config = run.model_config if run.model_config is not None else _cached_known_config(run.settings.model)
-    named = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    # transformers 4's torch_dtype read from the instance: transformers 5's property warns "`torch_dtype` is
+    # deprecated!" (an in-memory model without a dtype in its config, with output_dir: found by a tester)
+    named = getattr(config, "dtype", None) or getattr(config, "__dict__", {}).get("torch_dtype")
     loaded_here = not isinstance(run.settings.model, nn.Module)  # a given model keeps its own dtype
     if run.settings.dtype == "auto" and loaded_here and named is not None:  # none named: the load decides
         items["pipeline"]["dtype"] = str(named).removeprefix("torch.")

@@ -49,6 +49,7 @@ from llmc_fsm.output.compressed import (
     unpacked_zero_points,
 )
 from llmc_fsm.recipes.model import Recipe
+from llmc_fsm.report.build import OneshotReport, build_report
 from llmc_fsm.toolkit.masks import SPARSE_FROM, zeros_structure
 from llmc_fsm.toolkit.packed import format_problem, kept_packed, saved_as
 from llmc_fsm.toolkit.targets import tied_head
@@ -349,12 +350,18 @@ class CompressedSavePretrained:
     """
 
     def __init__(
-        self, model: nn.Module, recipe_yaml: str, sparsity_structure: str | None, streamed_to: Path | None = None
-    ) -> None:  # sparsity_structure: the recipe's (:func:`sparsity_structure`)
+        self,
+        model: nn.Module,
+        recipe_yaml: str,
+        sparsity_structure: str | None,
+        streamed_to: Path | None = None,
+        recipe: Recipe | None = None,
+    ) -> None:  # sparsity_structure: the recipe's (:func:`sparsity_structure`); recipe: the one that ran, its modifiers
         self.model = model
         self.recipe_yaml = recipe_yaml
         self.sparsity_structure = sparsity_structure
         self.streamed_to = streamed_to
+        self.recipe = recipe
 
     @classmethod
     def attach(cls, model: nn.Module, recipe: Recipe, *, streamed_to: Path | None = None) -> None:
@@ -365,7 +372,8 @@ class CompressedSavePretrained:
         """
         if not callable(getattr(type(model), "save_pretrained", None)):
             return
-        model.save_pretrained = cls(model, recipe.to_yaml(applied=True), sparsity_structure(recipe), streamed_to)
+        yaml = recipe.to_yaml(applied=True)
+        model.save_pretrained = cls(model, yaml, sparsity_structure(recipe), streamed_to, recipe=recipe)
 
     def __call__(
         self,
@@ -412,6 +420,8 @@ class CompressedSavePretrained:
             raise ValueError(f"save_pretrained: {str(directory)!r} is a file, not a directory")
         directory.mkdir(parents=True, exist_ok=True)
         report = getattr(model, "llmc_fsm_report", None)
+        if report is None and self.recipe is not None:  # a Session run (run_sequential): its modifiers' results
+            report = _session_report(model, self.recipe)
         save_model(
             model,
             directory,
@@ -423,6 +433,26 @@ class CompressedSavePretrained:
 
     def __repr__(self) -> str:
         return f"<llmc-fsm compressed save_pretrained of {type(self.model).__name__}>"
+
+
+def _session_report(model: nn.Module, recipe: Recipe) -> OneshotReport:
+    """The per-module report of ``model`` compressed by a :class:`~llmc_fsm.Session` of ``recipe`` (its modifiers,
+    which ran, hold their per-module results), as ``oneshot`` builds it: what :func:`sparsity_metadata` reads for the
+    ``sparsity_config``, so ``model.save_pretrained`` after ``Session`` + ``run_sequential`` writes what ``oneshot(
+    output_dir=...)`` writes (a quantized module's zeros are those it held before quantization). Until 2026-12-07
+    that path wrote ``"sparsity_config": {}`` for SparseGPT 2:4 + GPTQ W4A16 (found by a tester)."""
+    return build_report(
+        model=model,
+        model_name=type(model).__name__,
+        recipe=recipe,
+        modifiers=[m for stage in recipe.stages for m in stage.modifiers],
+        calibration={},
+        ppl_before=None,
+        ppl_after=None,
+        eval=None,
+        seconds={},
+        targeted=[],
+    )
 
 
 #: llm-compressor's ``save_pretrained`` arguments for sparse compression, which it no longer does (0.14): no-ops here

@@ -19,6 +19,7 @@ from llmc_fsm.report.build import OneshotReport
 __all__ = [
     "QUANT_KEYS",
     "check_plot_path",
+    "check_plottable",
     "error_panel_title",
     "outside_layers_line",
     "plot_report",
@@ -168,21 +169,29 @@ def outside_layers_line(entries: Sequence[Mapping[str, Any]], width: int = 140) 
 
 def quantization_summary(entries: Sequence[Mapping[str, Any]]) -> str:
     """``"quantized: 8 bits on 14 modules"`` (bits and group sizes of the entries that carry ``bits``, then
-    ``asym`` when their labels say so: ``"quantized: 4 bits, group size 64, asym on 14 modules"``), or ``""``."""
+    ``asym`` when their labels say so: ``"quantized: 4 bits, group size 64, asym on 14 modules"``; where only some
+    have a group size, how many: ``"quantized: 4/8 bits on 28 modules, group size 32 on 12 of them"``), or ``""``."""
     quantized = [e for e in entries if e.get("bits") is not None]
     if not quantized:
         return ""
     bits = "/".join(sorted({str(e["bits"]) for e in quantized}))
-    groups = sorted({str(e["group_size"]) for e in quantized if e.get("group_size") is not None})
-    group = f", group size {'/'.join(groups)}" if groups else ""
+    grouped = [e for e in quantized if e.get("group_size") is not None]
+    groups = "/".join(sorted({str(e["group_size"]) for e in grouped}))
+    if grouped and len(grouped) < len(quantized):  # a mixed recipe: say which have a group size (found by a tester)
+        return (
+            f"quantized: {bits} bits{_asym(quantized)} on {len(quantized)} modules, group size {groups} on "
+            f"{len(grouped)} of them"
+        )
+    group = f", group size {groups}" if grouped else ""
     return f"quantized: {bits} bits{group}{_asym(quantized)} on {len(quantized)} modules"
 
 
 def _asym(quantized: Sequence[Mapping[str, Any]]) -> str:
     """``", asym"`` when the quantized entries' labels (their ``quantized``, the report's column: ``int4/g64 asym``)
-    say every one has a zero point, ``", k asym"`` when k of them do, else ``""``: the titles said "4 bits, group
-    size 64" of an AWQ W4A16_ASYM output that the table calls ``int4/g64 asym`` (found by a tester)."""
-    asym = sum("asym" in str(e.get("quantized") or "").split() for e in quantized)
+    say every one's weights have a zero point, ``", k asym"`` when k of them do, else ``""``: the titles said "4
+    bits, group size 64" of an AWQ W4A16_ASYM output that the table calls ``int4/g64 asym`` (found by a tester). The
+    label's activation part (from `` a:``) is not read: the bits and group sizes are the weights'."""
+    asym = sum("asym" in str(e.get("quantized") or "").split(" a:")[0].split() for e in quantized)
     if not asym:
         return ""
     return ", asym" if asym == len(quantized) else f", {asym} asym"
@@ -222,12 +231,15 @@ def error_panel_title(entries: Sequence[Mapping[str, Any]]) -> str:
     """The error panel's title: what made the error (pruning, quantization or both) and the bits / group sizes
     (and ``asym``, as :func:`quantization_summary`)."""
     quant = [e for e in entries if e.get("rel_output_error") is not None]
+    quantized = [e for e in quant if e.get("bits") is not None]
     settings = []
     for key in ("bits", "group_size"):
-        values = sorted({str(e[key]) for e in quant if e.get(key) is not None})
-        if values:
-            settings.append(f"{key} {'/'.join(values)}")
-    quantized = [e for e in quant if e.get("bits") is not None]
+        having = [e for e in quant if e.get(key) is not None]
+        values = sorted({str(e[key]) for e in having})
+        if values:  # a group size only some of the quantized modules have: on how many (a mixed recipe)
+            partial = key == "group_size" and len(having) < len(quantized)
+            some = f" on {len(having)} of {len(quantized)}" if partial else ""
+            settings.append(f"{key} {'/'.join(values)}{some}")
     detail = f" ({', '.join(settings)}{_asym(quantized)})" if settings else ""
     what = "pruning" if not quantized else "quantization"
     numel = sum(int(e.get("numel") or 0) for e in quantized)
@@ -242,6 +254,25 @@ def error_panel_title(entries: Sequence[Mapping[str, Any]]) -> str:
     return f"{what}: relative output error ||W X - Ŵ X|| / ||W X|| per module{detail}; line: mean weighted by size"
 
 
+def check_plottable(data: Mapping[str, Any]) -> None:
+    """Refuse a report (a ``report.json`` dict) with nothing to draw: no targeted module (a run that calibrated only
+    the KV cache's scales, say), whose weights the plot's panels show per layer. ``llmc-fsm report --plot`` calls it
+    before printing the report: it printed the report and then failed "nothing to plot" (found by a tester).
+
+    Raises:
+        ValueError: naming what the run did instead, and that the report prints without ``--plot``.
+        KeyError / TypeError: ``data`` is not a report dict.
+    """
+    if any(e.get("targeted") for e in data["sparsity"]["modules"]):
+        return
+    kv = " (it calibrated only the KV cache's scales)" if data.get("kv_cache") else ""
+    msg = (
+        f"nothing to plot: the run targeted no weight{kv}, and the plot draws the targeted weights' sparsity and "
+        "output error per decoder layer; print the report without --plot"
+    )
+    raise ValueError(msg)
+
+
 def plot_report(data: Mapping[str, Any], path: str | os.PathLike[str]) -> Path:
     """Draw the per-layer sparsity of a one-shot report, and its relative output error when it has one.
 
@@ -251,7 +282,10 @@ def plot_report(data: Mapping[str, Any], path: str | os.PathLike[str]) -> Path:
             decoder layer (bars) and per module kind (markers).  Panel 2, only
             when some entry of ``data["sparsity"]["modules"]`` has
             ``rel_output_error`` (with optional ``bits`` / ``group_size``): that
-            error per module and its weight-count-weighted mean per layer.
+            error per module and its weight-count-weighted mean per layer, of the
+            modules whose errors the table's column shows
+            (:meth:`~llmc_fsm.report.build.OneshotReport.shown_errors`: in a layer
+            with quantized modules, only theirs).
         path: the image file; the format follows its suffix (``.png``, ``.pdf``, ``.svg``, ...).
 
     Returns:
@@ -259,7 +293,7 @@ def plot_report(data: Mapping[str, Any], path: str | os.PathLike[str]) -> Path:
 
     Raises:
         RuntimeError: matplotlib is not installed.
-        ValueError: unknown image suffix, or no targeted module to draw.
+        ValueError: unknown image suffix, or no targeted module to draw (:func:`check_plottable`).
         FileNotFoundError: the parent directory of ``path`` does not exist.
         KeyError / TypeError: ``data`` is not a report dict.
     """
@@ -267,17 +301,17 @@ def plot_report(data: Mapping[str, Any], path: str | os.PathLike[str]) -> Path:
     _, figure_cls = _matplotlib()
     report = OneshotReport.from_dict(dict(data))
     entries = data["sparsity"]["modules"]
-    if not any(e.get("targeted") for e in entries):
-        msg = "the report has no targeted module: nothing to plot"
-        raise ValueError(msg)
-    has_error = any(e.get("rel_output_error") is not None for e in entries)
+    check_plottable(data)
+    shown = report.shown_errors()  # the errors the table's column shows, per layer
+    errors = [e for e in entries if e["name"] in shown and e.get("rel_output_error") is not None]
+    has_error = bool(errors)
     fig = figure_cls(figsize=(11, 7.5 if has_error else 4.2), layout="constrained")
     axes = fig.subplots(2 if has_error else 1, 1, squeeze=False, sharex=True)[:, 0]
     kinds = _by_kind([e for e in entries if e.get("targeted") or e.get("rel_output_error") is not None])
     colors = {kind: f"C{i % 10}" for i, kind in enumerate(kinds)}  # one colour per module kind in both panels
     _sparsity_panel(axes[0], report, entries, colors)
     if has_error:
-        _error_panel(axes[1], entries, colors)
+        _error_panel(axes[1], errors, colors)
         axes[0].tick_params(labelbottom=True)  # sharex hides the upper panel's layer numbers
     fig.savefig(out, dpi=120)
     return out

@@ -87,7 +87,8 @@ def scheme_label(scheme: Any) -> str | None:
     """A short label of what a compressed-tensors ``QuantizationScheme`` does to a module, for the report: the
     weights' type and bits (``int4``, ``fp8``, ``fp4``), their grouping (``/g64`` per group or NVFP4's tensor-group,
     ``/b128x128`` per block, ``/tensor`` one scale; nothing per channel), `` asym`` for a zero point, then the input
-    activations' `` a:<type><bits>`` (`` static`` for a calibrated scale) when they are quantized. E.g. W4A16 with
+    activations' `` a:<type><bits>`` (`` asym`` for their zero point, until 2026-12-07 left out: a tester's case;
+    `` static`` for a calibrated scale) when they are quantized. E.g. W4A16 with
     group 64 ``int4/g64``, W8A8 ``int8 a:int8``, FP8_DYNAMIC ``fp8 a:fp8``, FP8 ``fp8/tensor a:fp8 static``, NVFP4
     ``fp4/g16 a:fp4`` (its input global scale is calibrated, its per-group scales are not), MXFP4A16 ``fp4/g32``
     (until 2026-12-06 the report said ``8b`` for FP8 and INT8 alike: a tester's case). ``None`` when the scheme
@@ -107,7 +108,8 @@ def scheme_label(scheme: Any) -> str | None:
         label += " asym"
     inputs = getattr(scheme, "input_activations", None)
     if inputs is not None:
-        label += f" a:{_args_label(inputs)}" + (" static" if inputs.dynamic is False else "")
+        label += f" a:{_args_label(inputs)}" + (" asym" if inputs.symmetric is False else "")
+        label += " static" if inputs.dynamic is False else ""
     return label
 
 

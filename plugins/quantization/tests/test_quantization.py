@@ -968,6 +968,9 @@ def test_the_report_labels_each_scheme_by_its_types_grouping_and_activations() -
         "FP8_DYNAMIC": "fp8 a:fp8", "FP8_BLOCK": "fp8/b128x128 a:fp8", "NVFP4": "fp4/g16 a:fp4", "NVFP4A16": "fp4/g16",
         "MXFP4A16": "fp4/g32", "W4AFP8": "int4/g128 a:fp8",
     }
+    asym = preset_name_to_scheme("W8A8", ["Linear"])
+    asym.input_activations.symmetric, asym.input_activations.dynamic = False, False  # recipe_w8a8_static_asym.yaml
+    assert scheme_label(asym) == "int8 a:int8 asym static"  # was "int8 a:int8 static", as if symmetric
     data = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(0))
     weights = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "tensor"}
     groups = {"attention": {"targets": [r"re:.*self_attn.*"], "weights": weights},
