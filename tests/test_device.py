@@ -221,7 +221,23 @@ def test_onloading_changes_no_result():
 
 
 # --------------------------------------------------------------------------- activation budget
-def test_a_tiny_budget_keeps_activations_in_cpu_memory_with_identical_results():
+@pytest.fixture
+def budget_as_on_a_gpu(monkeypatch):
+    """The offload path on the CPU: since 2026-12-07 no budget applies on the CPU (a tester found "in CPU memory, moved
+    to the device per batch" reported while nothing moved), so these tests weigh the budget as for a CUDA device, with
+    the CPU standing in for it, to run the path a GPU takes."""
+    def store(device, activation_bytes, budget_bytes, **kwargs):
+        offload = budget_bytes is not None and 2 * activation_bytes > budget_bytes
+        return ActivationStore(device=device, offload=offload, activation_bytes=activation_bytes,
+                               budget_bytes=budget_bytes)  # fmt: skip
+
+    from llmc_fsm.pipeline import streaming
+
+    monkeypatch.setattr(sequential, "activation_store", store)
+    monkeypatch.setattr(streaming, "activation_store", store)
+
+
+def test_a_tiny_budget_keeps_activations_in_cpu_memory_with_identical_results(budget_as_on_a_gpu):
     results = {}
     for budget in (None, 0):
         model = llama(layers=3)
@@ -243,11 +259,16 @@ def test_a_tiny_budget_keeps_activations_in_cpu_memory_with_identical_results():
     assert all(torch.equal(a[n], b[n]) for n in a)
 
 
-def test_the_budget_compares_a_layers_inputs_and_outputs():
+def test_the_budget_compares_a_layers_inputs_and_outputs(monkeypatch):
     cpu = torch.device("cpu")
-    assert not activation_store(cpu, 100, 200).offload  # 2 x 100 fits in 200
-    assert activation_store(cpu, 101, 200).offload
     assert not activation_store(cpu, 10**12, None).offload  # the CPU: no separate device memory
+    store = activation_store(cpu, 101, 200)  # a budget given for the CPU is not applied
+    assert (store.offload, store.budget_bytes, store.mode) == (False, None, "device")
+    monkeypatch.setattr(device_module, "free_device_bytes", lambda device: 400)  # a CUDA device with 400 bytes free
+    gpu = torch.device("meta")  # any device that is not the CPU: the budget applies
+    assert not activation_store(gpu, 100, 200).offload  # 2 x 100 fits in 200
+    assert activation_store(gpu, 101, 200).offload
+    assert not activation_store(gpu, 100, None).offload and activation_store(gpu, 101, None).offload  # half of 400
 
 
 def test_offloaded_inputs_move_one_batch_at_a_time():
@@ -261,7 +282,7 @@ def test_offloaded_inputs_move_one_batch_at_a_time():
     assert isinstance(held[1:], OffloadedInputs) and len(held[1:]) == 2
 
 
-def test_oneshot_reports_the_device_and_where_activations_lived():
+def test_oneshot_reports_the_device_and_where_activations_lived(budget_as_on_a_gpu):
     model = llama(layers=2)
     llmc_fsm.oneshot(
         model=model,
@@ -361,7 +382,8 @@ def _tensors(directory: Path) -> dict[str, torch.Tensor]:
     return {k: v for f in sorted(directory.glob("*.safetensors")) for k, v in load_file(f).items()}
 
 
-def test_the_streamed_path_honours_the_activation_budget_with_identical_output(tiny_model_dir, tmp_path):
+def test_the_streamed_path_honours_the_activation_budget_with_identical_output(tiny_model_dir, tmp_path,
+                                                                               budget_as_on_a_gpu):
     """--low-memory --activation-budget-mib 0: the hidden states between layers (calibration and evaluation) wait
     in CPU memory; the output and the perplexities are bit-identical to those of the unlimited run, and the report
     says which ran."""

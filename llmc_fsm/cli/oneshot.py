@@ -56,17 +56,25 @@ def interrupted(command: str, exc: KeyboardInterrupt) -> int:
 @contextlib.contextmanager
 def signals_as_interrupt() -> Iterator[None]:
     """Inside the block, SIGTERM raises :class:`Terminated` and Ctrl-C (SIGINT) ``KeyboardInterrupt``, once: the
-    first of them ignores both from then on, until the process ends, so that a second Ctrl-C or SIGTERM cannot cut
+    first of them swallows both from then on, until the process ends, so that a second Ctrl-C or SIGTERM cannot cut
     the clean-up (the progress kept, the line that says so) or print a traceback at exit (a breaker's double
     Ctrl-C 0-10 ms apart left progress behind a "nothing written" line, or a traceback from an atexit callback).
-    Without an interrupt, the previous handlers are restored."""
+    Without an interrupt, the previous handlers are restored.
+
+    The later signals go to a Python handler that does nothing, not to ``SIG_IGN``: a signal already received but
+    not yet handled when its handler became ``SIG_IGN`` makes CPython raise ``OSError: Signal 15 ignored due to race
+    condition`` (torchrun sends SIGINT then SIGTERM at once: that traceback stood beside the "progress kept" line,
+    found by a tester)."""
 
     interrupted: list[int] = []
+
+    def swallow(signum: int, frame: Any) -> None:
+        """A signal after the first: nothing to do (the run is already unwinding)."""
 
     def handler(signum: int, frame: Any) -> None:
         interrupted.append(signum)
         for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, signal.SIG_IGN)
+            signal.signal(sig, swallow)
         raise Terminated if signum == signal.SIGTERM else KeyboardInterrupt
 
     try:

@@ -52,7 +52,7 @@ from llmc_fsm.oneshot_job.streaming import run_streaming, stream_by_default, str
 from llmc_fsm.output.save import CompressedSavePretrained
 from llmc_fsm.pipeline.device import describe_device, device_label
 from llmc_fsm.recipes.history import APPLIED_RECIPE_ATTR
-from llmc_fsm.toolkit.distributed import is_main_process
+from llmc_fsm.toolkit.distributed import is_main_process, refuse_without_process_group
 from llmc_fsm.toolkit.targets import compact_names
 
 if TYPE_CHECKING:
@@ -164,9 +164,11 @@ def oneshot(
         NotADirectoryError / PermissionError: ``output_dir`` cannot be created.
         FileNotFoundError: a dataset or eval file that does not exist.
         RecipeError: an invalid recipe (e.g. sparsity outside [0, 1)).
-        ValueError: a bad value (a size below 1, an unknown ``device``, ``cuda`` without CUDA or a CUDA index torch
-            does not see, an unknown ``dtype`` or one with an ``nn.Module``, ``resume``
-            without ``output_dir``...: one line naming the argument and its flag), ``resume`` with changed settings,
+        ValueError: a process that torchrun started (``WORLD_SIZE`` > 1) without a process group
+            (``torch.distributed.init_process_group()`` first: each rank would run the whole job); a bad value (a
+            size below 1, an unknown ``device``, ``cuda`` without CUDA or a CUDA index torch does not see, an unknown
+            ``dtype`` or one with an ``nn.Module``, ``resume`` without ``output_dir``...: one line naming the argument
+            and its flag), ``resume`` with changed settings,
             an unknown model, a dataset too short, a sequence longer than the model's positions, targets matching
             nothing, a group size that does not divide a width; a dataset of another kind (its type named), a
             ``DatasetDict``, an llm-compressor registered dataset name (e.g. ``"open_platypus"``: its Hub id named),
@@ -195,6 +197,7 @@ def run_oneshot(settings: OneshotSettings, *, stream_when_possible: bool = False
     run in memory as without it. The returned model then has its parameters on ``meta`` (the CLI does not use it).
     """
 
+    refuse_without_process_group("oneshot(...)")  # before any work: each process would run the whole job
     # a run called inside torch.inference_mode() made the quantization scales inference tensors, which no later
     # run (or training) can change: the run is outside it
     with _torch_threads(settings.threads), torch.inference_mode(False):

@@ -84,7 +84,7 @@ from llmc_fsm.oneshot_job.resume import (
 from llmc_fsm.oneshot_job.settings import OneshotSettings, generated_recipe
 from llmc_fsm.output.directory import check_output_dir
 from llmc_fsm.output.save import quantized_weights_as_compressed, weights_disk_bytes, write_output
-from llmc_fsm.output.workdir import WorkDir, recover_previous
+from llmc_fsm.output.workdir import WorkDir, ranks_note, recover_previous
 from llmc_fsm.pipeline.device import describe_device, free_device_bytes, onloaded
 from llmc_fsm.pipeline.sequential import run_sequential
 from llmc_fsm.recipes.building import resolve_recipe
@@ -1281,6 +1281,9 @@ def execution_summary(run: Run) -> dict[str, Any]:
     summary: dict[str, Any] = {"device": describe_device(device), "threads": torch.get_num_threads()}
     if run.work is not None and run.work.resumed:  # the bits depend on the threads of each part (a newcomer's case)
         summary["resumed"] = {"threads": run.work.resumed_threads}
+        ranks = ranks_note(run.work.resumed_ranks)  # a torchrun run's layers beside this process's (a tester's case)
+        if ranks is not None:
+            summary["resumed"].update(calibrated_on=run.work.resumed_ranks, ranks=ranks)
     if run.pipelines:
         last = run.pipelines[-1]
         summary["activations"] = last.activations

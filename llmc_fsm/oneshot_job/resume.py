@@ -66,10 +66,11 @@ from llmc_fsm.models.hf_io import hub_unreachable, looks_like_hub_id
 from llmc_fsm.models.known import KNOWN_MODELS
 from llmc_fsm.oneshot_job.data import DEFAULT_PROMPTS, describe
 from llmc_fsm.oneshot_job.settings import OneshotSettings
-from llmc_fsm.output.workdir import LAYOUT, WorkDir, as_os_error, readable
+from llmc_fsm.output.workdir import LAYOUT, RANKS_KEY, WorkDir, as_os_error, readable
 from llmc_fsm.recipes.model import Recipe
 from llmc_fsm.session.session import Session
 from llmc_fsm.toolkit.calibrated import CalibratedModifier, ModuleResult
+from llmc_fsm.toolkit.distributed import get_world_size
 from llmc_fsm.toolkit.views import quantize_expert_inputs, weight_views
 
 __all__ = [
@@ -296,12 +297,14 @@ class LayerProgress:
         return done
 
     def save(self, index: int, layer: nn.Module) -> None:
-        """Write layer ``index`` (its state dict; quantization and results as JSON metadata)."""
+        """Write layer ``index`` (its state dict; quantization and results as JSON metadata; the number of ranks
+        that calibrated it, for a resumed run's report: :func:`llmc_fsm.output.workdir.calibrated_ranks`)."""
         views, view_tensors = _views_of(layer)
         metadata = {
             "quantization": json.dumps(_quantization_of(layer)),
             "results": json.dumps(self._results_of(layer)),
             "views": json.dumps(views),
+            RANKS_KEY: str(get_world_size()),
         }
         _write_safetensors({**_unshared(layer.state_dict()), **view_tensors}, self._file(index), metadata)
 

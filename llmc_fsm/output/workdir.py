@@ -57,15 +57,18 @@ from safetensors import SafetensorError, safe_open
 
 from llmc_fsm.output.save import dir_size_bytes
 from llmc_fsm.recipes.history import settings_diff
-from llmc_fsm.toolkit.distributed import is_distributed, peer_failure
+from llmc_fsm.toolkit.distributed import get_world_size, is_distributed, peer_failure
 
 __all__ = [
     "LAYOUT",
+    "RANKS_KEY",
     "WorkDir",
     "as_os_error",
+    "calibrated_ranks",
     "fingerprint_changes",
     "progress_summary",
     "published_leftover",
+    "ranks_note",
     "readable",
     "recover_previous",
     "work_dir_path",
@@ -163,12 +166,15 @@ class WorkDir:
         output: the final output directory.
         resumed: saved progress matched the fingerprint and will be continued.
         resumed_threads: the torch threads the interrupted run used (its ``owner.json``), when resumed and known.
+        resumed_ranks: when resumed, the reused layers grouped by the number of ranks that calibrated them
+            (:func:`calibrated_ranks`: ``[{"pass": P, "layers": [first, last], "world_size": N}]``); else ``[]``.
     """
 
     def __init__(self, path: Path, output: Path, lock: FileLock, created: list[Path]) -> None:
         self.path, self.output, self._lock, self._created = path, output, lock, created
         self.resumed = False
         self.resumed_threads: int | None = None  # the torch threads of the run whose progress this one continues
+        self.resumed_ranks: list[dict[str, Any]] = []  # how many ranks calibrated the layers it reuses
         self._fresh = False
         self._settled = False
         self._published = False
@@ -260,9 +266,10 @@ class WorkDir:
             return
         if not resume:
             size = dir_size_bytes(self.path) / 1e6
+            how = " in one process (without torchrun)" if is_distributed() else ""  # ranks refuse --resume
             msg = (
                 f"output {str(self.output)!r}: an interrupted run left its progress in {str(self.path)!r} "
-                f"({summary}, {size:.1f} MB); run the same command with --resume (resume=True) to continue it, "
+                f"({summary}, {size:.1f} MB); run the same command{how} with --resume (resume=True) to continue it, "
                 "or remove that directory to start over"
             )
             raise FileExistsError(msg)
@@ -303,7 +310,9 @@ class WorkDir:
             )
         self._clear(keep=("progress", "calibration.safetensors", "eval_before.json"))
         self.resumed = True
-        logger.warning("resuming from %s (%s)", self.path, summary)
+        self.resumed_ranks = calibrated_ranks(self.progress)
+        note = ranks_note(self.resumed_ranks)  # a torchrun run's layers beside this process's (found by a tester)
+        logger.warning("resuming from %s (%s)", self.path, summary if note is None else f"{summary}; {note}")
 
     def _clear(self, keep: tuple[str, ...]) -> None:
         for entry in self.path.iterdir():
@@ -479,6 +488,7 @@ def _threads() -> int:
 def _owner_record() -> dict[str, Any]:
     return {
         "threads": _threads(),
+        "world_size": get_world_size(),  # the ranks of a torchrun run (a resume continues in one process)
         "pid": os.getpid(),
         "host": socket.gethostname(),
         "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
@@ -490,6 +500,10 @@ def _owner_record() -> dict[str, Any]:
 #: The per-layer progress layout file under ``progress/``
 #: (written by :class:`llmc_fsm.oneshot_job.resume.LayerProgress`).
 LAYOUT = "layout.json"
+
+#: The metadata key, in a saved layer's progress file, of the number of ranks that calibrated the layer (written by
+#: :class:`llmc_fsm.oneshot_job.resume.LayerProgress`; files from before 2026-12-07 do not have it).
+RANKS_KEY = "world_size"
 
 
 def fingerprint_changes(saved: Mapping[str, Any] | None, current: Mapping[str, Any]) -> list[str]:
@@ -593,6 +607,57 @@ def _first_unreadable(progress: Path) -> tuple[Path, int, int] | None:
         if done in files:
             return files[done], done, index
     return None
+
+
+def _ranks_of(file: Path) -> int | None:
+    """The number of ranks that calibrated the layer saved in ``file`` (:data:`RANKS_KEY`), ``None`` if not known."""
+    try:
+        with safe_open(str(file), "pt") as fh:
+            value = (fh.metadata() or {}).get(RANKS_KEY)
+        return int(value) if value is not None else None
+    except (OSError, SafetensorError, ValueError):
+        return None
+
+
+def calibrated_ranks(progress: Path) -> list[dict[str, Any]]:
+    """The layers under ``progress`` that a resumed run reuses (as :func:`progress_summary` counts them), grouped into
+    runs of consecutive layers of one pass calibrated on the same number of ranks.
+
+    Returns:
+        ``[{"pass": P, "layers": [first, last], "world_size": N}]`` in pass and layer order (JSON values);
+        ``world_size`` is ``None`` for a file written before it was recorded. A torchrun run killed after 5 of 8
+        layers, resumed in one process: ``[{"pass": 0, "layers": [0, 4], "world_size": 2}]``.
+    """
+    spans: list[dict[str, Any]] = []
+    for index, files in _saved_passes(progress):
+        for layer in range(_reused(files)):
+            ranks = _ranks_of(files[layer])
+            last = spans[-1] if spans else None
+            if last is not None and last["pass"] == index and last["world_size"] == ranks:
+                last["layers"][1] = layer
+            else:
+                spans.append({"pass": index, "layers": [layer, layer], "world_size": ranks})
+    return spans
+
+
+def ranks_note(spans: list[Mapping[str, Any]]) -> str | None:
+    """What a resumed run's report says about the layers an interrupted torchrun run calibrated on several ranks
+    (``spans``: :func:`calibrated_ranks`), or ``None`` when no reused layer was calibrated on several ranks.
+
+    ``[{"pass": 0, "layers": [0, 4], "world_size": 2}]`` gives ``"decoder layers 0-4 calibrated on 2 ranks
+    (torchrun), the other layers in one process"`` (docs/distributed.md, "Resuming a torchrun run").
+    """
+    several = [s for s in spans if (s.get("world_size") or 1) > 1]
+    if not several:
+        return None
+    passes = len({s["pass"] for s in spans}) > 1
+    parts = []
+    for span in several:
+        first, last = span["layers"]
+        which = f"decoder layer {first}" if first == last else f"decoder layers {first}-{last}"
+        where = f"pass {span['pass']} " if passes else ""
+        parts.append(f"{where}{which} calibrated on {span['world_size']} ranks")
+    return f"{', '.join(parts)} (torchrun), the other layers in one process"
 
 
 def progress_summary(progress: Path) -> str | None:

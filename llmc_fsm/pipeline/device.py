@@ -44,24 +44,27 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-#: The device strings :func:`resolve_device` accepts.
+#: The device strings :func:`resolve_device` accepts (``cpu:N`` too, the CPU: what ``str(torch.device("cpu", 0))`` is).
 DEVICE_CHOICES = "auto, cpu, cuda or cuda:N"
 
 #: The activation budget when none is given: this share of the device's free memory (measured before layer 0).
 DEFAULT_ACTIVATION_SHARE = 0.5
 
 _CUDA = re.compile(r"cuda(?::(\d+))?")
+_CPU = re.compile(r"cpu(?::\d+)?")
 
 
 def resolve_device(spec: Any) -> torch.device:
     """The execution device that ``spec`` names.
 
     Args:
-        spec: ``"auto"`` (the current CUDA device when torch sees one, else the CPU), ``"cpu"``, ``"cuda"`` (the
-            current CUDA device), ``"cuda:N"``, or a ``torch.device`` of those kinds.
+        spec: ``"auto"`` (the current CUDA device when torch sees one, else the CPU), ``"cpu"`` (or ``"cpu:N"``, the
+            same CPU: torch gives a CPU device an index without meaning), ``"cuda"`` (the current CUDA device),
+            ``"cuda:N"``, or a ``torch.device`` of those kinds (``torch.device("cpu", 0)`` was refused although the
+            docs accept a ``torch.device``: found by a tester).
 
     Returns:
-        A ``torch.device`` (``cuda`` devices always with their index).
+        A ``torch.device`` (``cuda`` devices always with their index; the CPU always ``torch.device("cpu")``).
 
     Raises:
         ValueError: one line: an unknown string, ``cuda`` when torch sees no CUDA device, or an index torch does
@@ -70,7 +73,7 @@ def resolve_device(spec: Any) -> torch.device:
     text = str(spec).strip().lower() if isinstance(spec, str | torch.device) else None
     if text == "auto":
         return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    if text == "cpu":
+    if text is not None and _CPU.fullmatch(text):
         return torch.device("cpu")
     found = _CUDA.fullmatch(text) if text is not None else None
     if found is None:
@@ -292,11 +295,17 @@ def activation_store(
     """Choose where the activations between layers live.
 
     They stay on ``device`` when the inputs and the outputs of a layer (``2 * activation_bytes``) fit in the
-    budget: ``budget_bytes`` when given, else ``share`` of the device's free memory (CUDA) or no limit (the CPU,
-    whose memory the model's weights live in anyway).
+    budget: ``budget_bytes`` when given, else ``share`` of the device's free memory (CUDA). On the CPU no budget
+    applies, ``budget_bytes`` included: the device's memory is the CPU memory an offload would move them to (a
+    budget there reported "in CPU memory, moved to the device per batch" and mode ``cpu-offloaded`` while nothing
+    moved: found by a tester).
     """
     budget = budget_bytes
-    if budget is None:
+    if device.type == "cpu":
+        if budget is not None:
+            logger.info("activation budget of %d bytes not applied: the device is the CPU", budget)
+        budget = None
+    elif budget is None:
         free = free_device_bytes(device)
         budget = None if free is None else int(free * share)
     offload = budget is not None and 2 * activation_bytes > budget

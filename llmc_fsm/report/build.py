@@ -499,7 +499,8 @@ def _execution_lines(execution: dict[str, Any] | None) -> list[str]:
             if before
             else "its threads unknown"
         )
-        lines.append(f"resumed: continued an interrupted run's saved progress ({used})")
+        ranks = f"; {resumed['ranks']}" if resumed.get("ranks") else ""
+        lines.append(f"resumed: continued an interrupted run's saved progress ({used}){ranks}")
     for rank, work in enumerate(execution.get("compress_per_rank") or []):
         lines.append(
             f"rank {rank}: compressed {work['modules']} modules (sweep cost {work['cost']:.3g} = rows x columns^2, "

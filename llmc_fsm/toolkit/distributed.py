@@ -67,6 +67,7 @@ __all__ = [
     "process_group_from_env",
     "rank_work",
     "reduce_statistics",
+    "refuse_without_process_group",
     "shard",
     "split_counts",
     "sweep_cost",
@@ -128,6 +129,32 @@ def get_world_size() -> int:
     """Ranks in the default process group (1 without one)."""
 
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def refuse_without_process_group(what: str) -> None:
+    """Refuse to run as one of several processes that torchrun started (``WORLD_SIZE`` > 1) when no process group of
+    several ranks is initialized: each process would run the whole job alone, on the same output (found by a tester:
+    ``oneshot()`` under torchrun without ``init_process_group`` ran two full jobs, and rank 1 died with a
+    ``FileExistsError`` traceback, or with ``overwrite`` the two silently wrote one output twice).
+
+    Args:
+        what: the call, as the message names it (``"oneshot(...)"``).
+
+    Raises:
+        ValueError: one line naming the world size and what to do: ``init_process_group`` first, or no torchrun.
+    """
+    try:
+        launched = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    except ValueError:  # not a number: not torchrun's
+        launched = 1
+    if launched > 1 and get_world_size() == 1:
+        msg = (
+            f"{what} runs as one of {launched} processes (WORLD_SIZE={launched}: torchrun) but no torch.distributed "
+            "process group of several ranks is initialized, so each process would run the whole job on the same "
+            f"output: call torch.distributed.init_process_group() on every rank before {what}, or run it without "
+            "torchrun"
+        )
+        raise ValueError(msg)
 
 
 def is_main_process() -> bool:
