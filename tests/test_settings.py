@@ -29,6 +29,7 @@ from llmc_fsm.core.registry import get_registry
 from llmc_fsm.oneshot_job import api, phases
 from llmc_fsm.oneshot_job.resume import fingerprint
 from llmc_fsm.oneshot_job.settings import (
+    DEFAULT_GENERATED,
     GENERATED,
     OneshotSettings,
     RecipeFlags,
@@ -132,7 +133,7 @@ def test_the_cli_and_the_api_build_equal_settings(tmp_path, monkeypatch):
     # no flag: the same defaults; the CLI builds the generated recipe the API builds in prepare
     cli = _cli_settings()
     assert attrs.evolve(cli, recipe=None) == OneshotSettings()
-    assert (cli.recipe.source, cli.recipe.to_dict()) == (GENERATED, generated_recipe().to_dict())
+    assert (cli.recipe.source, cli.recipe.to_dict()) == (DEFAULT_GENERATED, generated_recipe().to_dict())
 
 
 def test_recipe_flags_build_the_generated_recipe():

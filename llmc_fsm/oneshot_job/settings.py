@@ -43,6 +43,7 @@ from llmc_fsm.session.ranks import inference_tensors_refusal
 from llmc_fsm.toolkit.targets import is_peft_tuner_layer
 
 __all__ = [
+    "DEFAULT_GENERATED",
     "DEFAULT_MODEL",
     "DTYPES",
     "GENERATED",
@@ -633,12 +634,15 @@ def default_recipe(
     return {stage: {name: args}}
 
 
-#: The source of :func:`generated_recipe` recipes (as recipe error messages name it).
+#: The source of :func:`generated_recipe` recipes built from recipe flags (as recipe error messages name it).
 GENERATED = "generated from --method/--sparsity/--mask-structure/--scheme/--group-size/--block-size/--observer"
+#: The source of the recipe used when neither a recipe nor a recipe flag is given (no flag named as its origin).
+DEFAULT_GENERATED = "the default recipe (no recipe and no --method/--sparsity/... given: SparseGPT, 50% unstructured)"
 
 
 def generated_recipe(*args: Any, **kw: Any) -> Recipe:
-    """:func:`default_recipe` (same arguments) as a :class:`~llmc_fsm.Recipe` whose source is :data:`GENERATED`.
+    """:func:`default_recipe` (same arguments) as a :class:`~llmc_fsm.Recipe` whose source is :data:`GENERATED`
+    (:data:`DEFAULT_GENERATED` without arguments).
 
     Run again on a saved output, its stage is skipped when the same settings were applied, and otherwise runs
     (under a fresh name, ``sparsity_stage_2``, when its name was applied); see
@@ -648,7 +652,7 @@ def generated_recipe(*args: Any, **kw: Any) -> Recipe:
         ValueError: unknown method; RecipeError: an invalid argument (e.g. the scheme).
     """
 
-    return build_recipe(default_recipe(*args, **kw), GENERATED)
+    return build_recipe(default_recipe(*args, **kw), GENERATED if args or kw else DEFAULT_GENERATED)
 
 
 def _nm(mask_structure: str | None) -> tuple[int, int] | None:
@@ -774,7 +778,8 @@ class RecipeFlags:
             (stage,) = data.values()  # {stage: {Modifier: args}}
             (body,) = stage.values()
             body["block_size"] = self.block_size
-        return build_recipe(data, GENERATED)
+        given = any(getattr(self, f.name) is not None for f in attrs.fields(RecipeFlags))
+        return build_recipe(data, GENERATED if given else DEFAULT_GENERATED)
 
 
 def _from_namespace(cls: type, args: argparse.Namespace, **changes: Any) -> Any:

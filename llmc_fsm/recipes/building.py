@@ -12,6 +12,7 @@ from __future__ import annotations
 import difflib
 import math
 import numbers
+import re
 import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -22,6 +23,8 @@ from llmc_fsm.core.errors import PluginError, RecipeError
 from llmc_fsm.core.modifier import Modifier
 from llmc_fsm.core.registry import check_modifier_class, get_registry
 from llmc_fsm.recipes.llmcompressor import (
+    GROUP_SUFFIX,
+    NEGATIVE_END,
     RUN_TYPES,
     is_group_key,
     namesake_arguments,
@@ -31,7 +34,7 @@ from llmc_fsm.recipes.llmcompressor import (
     translate_argument,
     unimplemented_note,
 )
-from llmc_fsm.recipes.loading import line_of, load_recipe_data, looks_like_path, read_recipe_file
+from llmc_fsm.recipes.loading import line_of, load_recipe_data, looks_like_path, read_recipe_file, shown
 from llmc_fsm.recipes.model import STAGE_KEYS, Recipe, Stage
 
 __all__ = ["RecipeProblems", "build_recipe", "given_arguments"]
@@ -43,6 +46,8 @@ _SHAPE = (
 _LONG_FORM = (
     f"{', '.join(STAGE_KEYS)} and llm-compressor modifier groups ('<group>_modifiers', e.g. 'pruning_modifiers')"
 )
+#: The longest problem message kept whole (longer ones, a long value repeated, are cut in the middle).
+_LONGEST = 1000
 #: A modifier's window edge -> (how an omitted value reads, where it may not lie, the rule) for check_window.
 _WINDOW_EDGES = {
     "start": ("null (the first event)", "before", "at or after"),
@@ -198,7 +203,7 @@ def _epoch(value: Any, at: str, key: str) -> float | None:
         msg = f"{at}: {key} must be a finite number of epochs or null, got {value!r}"
         raise RecipeError(msg)
     if value < 0:
-        msg = f"{at}: {key} must be >= 0 epochs, got {value}"
+        msg = f"{at}: {key} must be >= 0 epochs, got {value}" + (f": {NEGATIVE_END}" if key == "end" else "")
         raise RecipeError(msg)
     return float(value)
 
@@ -233,6 +238,33 @@ def _failing_argument(exc: BaseException, cls: type, given: Mapping[str, Any]) -
     return None
 
 
+def _beside_name(entry: Mapping[Any, Any]) -> bool:
+    """Whether a list entry of several keys is a modifier name without arguments followed by arguments at its
+    indent (``- SparseGPTModifier:`` then ``sparsity: 0.7`` under the dash, not further in)."""
+    first, *rest = entry
+    return (
+        isinstance(first, str)
+        and (first in get_registry() or first[:1].isupper())
+        and entry[first] is None
+        and all(isinstance(k, str) and not k[:1].isupper() for k in rest)
+    )
+
+
+def _group_key_typo(name: str) -> str | None:
+    """``quant_modifiers`` for a misspelt group key such as ``quant_modifers`` (lower case, ending in ``_mod...``);
+    else ``None``."""
+    found = re.fullmatch(r"([a-z0-9_]+?)_?mod[a-z]*", name)
+    if found is None or name.endswith(GROUP_SUFFIX) or not found[1]:
+        return None
+    return f"{found[1]}{GROUP_SUFFIX}"
+
+
+def _takes(modifier: str, argument: str) -> bool:
+    """Whether registered modifier ``modifier`` has the argument ``argument``."""
+    cls = get_registry().classes.get(modifier)
+    return cls is not None and attrs.has(cls) and any((a.alias or a.name) == argument for a in attrs.fields(cls))
+
+
 def _is_long_form(body: Any) -> bool:
     return isinstance(body, Mapping) and any(k in STAGE_KEYS or is_group_key(k) for k in body)
 
@@ -245,9 +277,16 @@ class _Builder:
         #: problems found so far, each as the error it would raise alone (see :func:`build_recipe`)
         self.problems: list[RecipeError] = []
         self.lines: list[int | None] = []  # the line of each problem, where known (orders a modifier's problems)
+        #: ``[(modifier name, arguments)]`` before the entry being built, in its stage (an argument dedented
+        #: beside an empty modifier is named as that modifier's)
+        self.before: list[tuple[str, Any]] = []
 
     def problem(self, msg: str, cause: BaseException | None = None, line: int | None = None) -> None:
-        """Record one problem (raised together with the others at the end of the recipe)."""
+        """Record one problem (raised together with the others at the end of the recipe); a message longer than
+        :data:`_LONGEST` characters (a long value repeated in it) is cut in its middle."""
+        if len(msg) > _LONGEST:
+            cut = len(msg) - _LONGEST + 5
+            msg = f"{msg[: _LONGEST // 2]} ... {msg[_LONGEST // 2 + cut :]}"
         error = RecipeError(msg)
         if cause is not None:
             error.__cause__ = cause
@@ -266,7 +305,8 @@ class _Builder:
             first_line = parts[0][1] if parts else line
             at = where(self.source, first_line, name)
             raise RecipeError(f"{at}: the stage has no modifiers; remove the stage or add a modifier")
-        for mod_name, args, mod_line in entries:
+        for i, (mod_name, args, mod_line) in enumerate(entries):
+            self.before = [(m, m_args) for m, m_args, _ in entries[:i]]
             modifier = self.modifier(mod_name, args, stage, mod_line)
             if modifier is None:  # its problems are recorded
                 continue
@@ -307,7 +347,12 @@ class _Builder:
         if extra:
             hint = ""
             if all(isinstance(k, str) and k[:1].isupper() for k in extra):
-                hint = " (modifier names go under 'modifiers:' when a stage has stage keys)"
+                groups = [k for k in body if k == "modifiers" or is_group_key(k)]
+                hint = (
+                    f" (modifier names go under {groups[0]!r} here: indent them under it)"
+                    if len(groups) == 1
+                    else " (modifier names go under 'modifiers:' when a stage has stage keys)"
+                )
             msg = (
                 f"{where(source, line_of(body, extra[0]), name)}: unknown stage key(s) "
                 f"{', '.join(map(repr, extra))}{hint}; the long form accepts {_LONG_FORM}"
@@ -356,11 +401,20 @@ class _Builder:
                 elif isinstance(entry, Mapping) and len(entry) == 1:
                     ((key, args),) = entry.items()
                     items.append((key, args, line_of(entry, key)))
+                elif isinstance(entry, Mapping) and entry and _beside_name(entry):
+                    name, *args = entry
+                    at = where(self.source, line_of(entry) or line, stage)
+                    msg = (
+                        f"{at}: the list entry {name} has its arguments ({', '.join(map(str, args))}) beside its "
+                        f"name, at the same indent: indent the arguments under the name (- {name}:, then each "
+                        "argument two spaces further in)"
+                    )
+                    raise RecipeError(msg)
                 else:
                     at = where(self.source, line_of(entry) or line, stage)
-                    raise RecipeError(f"{at}: each list entry must be one modifier ({_SHAPE}), got {entry!r}")
+                    raise RecipeError(f"{at}: each list entry must be one modifier ({_SHAPE}), got {shown(entry)}")
         else:
-            raise RecipeError(f"{where(self.source, line, stage)}: {_SHAPE}; got {body!r}")
+            raise RecipeError(f"{where(self.source, line, stage)}: {_SHAPE}; got {shown(body)}")
         for key, _, key_line in items:
             if not isinstance(key, str):
                 msg = f"{where(self.source, key_line, stage)}: modifier names must be strings, got {key!r}"
@@ -370,6 +424,13 @@ class _Builder:
     # --- modifiers ------------------------------------------------------------------------
     def modifier(self, name: str, args: Any, stage: Stage, line: int | None) -> Modifier | None:
         """The modifier of one entry, or ``None`` when it has problems (recorded)."""
+        if isinstance(args, Modifier) and args.modifier_name() != name:  # ran the object's class silently (a tester)
+            msg = (
+                f"{where(self.source, line, stage.name)}: the key {name!r} maps to a {args.modifier_name()} object: "
+                f"the key names the modifier, so write {args.modifier_name()!r} as the key, or give a {name}"
+            )
+            self.problem(msg)
+            return None
         modifier = args if isinstance(args, Modifier) else self.build(name, args, stage, line)
         if modifier is None:
             return None
@@ -402,9 +463,24 @@ class _Builder:
             )
             raise RecipeError(msg)
         if name not in registry:
-            self.problem(
-                f"{where(self.source, line, stage.name)}: {registry.unknown_message(name, unimplemented_note(name))}"
-            )
+            at = where(self.source, line, stage.name)
+            group = _group_key_typo(name)
+            if group is not None:
+                msg = (
+                    f"{at}: unknown modifier or group {name!r}: llm-compressor modifier group keys end in "
+                    f"{GROUP_SUFFIX!r}; did you mean {group!r}?"
+                )
+                self.problem(msg)
+                return None
+            owner = next((m for m, m_args in reversed(self.before) if m_args is None and _takes(m, name)), None)
+            if owner is not None:
+                msg = (
+                    f"{at}: {name!r} is not a modifier but an argument of {owner}, which has no arguments here: "
+                    f"indent it under {owner} (two spaces further in)"
+                )
+                self.problem(msg)
+                return None
+            self.problem(f"{at}: {registry.unknown_message(name, unimplemented_note(name))}")
             return None
         cls = registry.get(name)
         if args is None:
@@ -458,6 +534,9 @@ class _Builder:
         key = given_as.get(argument, argument) if argument is not None else None
         arg_line = line_of(args, key) if key is not None else None
         text = str(exc.args[0]) if len(exc.args) > 1 and isinstance(exc.args[1], attrs.Attribute) else str(exc)
+        for value in args.values():  # a long value the modifier repeats is shown cut (a 200 KB string: a tester's)
+            if len(repr(value)) > 80:
+                text = text.replace(repr(value), shown(value))
         at = where(self.source, arg_line or line, stage.name, name, argument)
         if key != argument:
             at += f" (given as {key!r})"

@@ -34,6 +34,7 @@ implement, so that the unknown-modifier error says so (:func:`unimplemented_note
 from __future__ import annotations
 
 import difflib
+import importlib.metadata
 import logging
 import math
 import numbers
@@ -48,14 +49,18 @@ import attrs
 
 from llmc_fsm.core.errors import RecipeError
 from llmc_fsm.core.modifier import ARGUMENT_TRANSLATORS
-from llmc_fsm.recipes.loading import MarkedDict, line_of
+from llmc_fsm.core.registry import get_registry
+from llmc_fsm.recipes.loading import MarkedDict, line_of, shown
 
 __all__ = [
     "ARGUMENT_RULES",
     "DEFAULT_DIFFERENCES",
+    "FIRST_PARTY_MODIFIERS",
     "GROUP_SUFFIX",
     "NAMESAKES",
+    "NEGATIVE_END",
     "RUN_TYPES",
+    "STAGE_SUFFIX",
     "UNIMPLEMENTED_MODIFIERS",
     "ArgumentRule",
     "Namesake",
@@ -63,6 +68,7 @@ __all__ = [
     "is_group_key",
     "is_numpy_bool",
     "is_numpy_scalar",
+    "missing_plugin_note",
     "namesake_arguments",
     "namesake_note",
     "number_from_string",
@@ -80,8 +86,26 @@ GROUP_SUFFIX = "_modifiers"
 RUN_TYPES: tuple[str, ...] = ("oneshot", "post_train", "train")
 #: Top-level keys llm-compressor writes as recipe metadata; read and ignored.
 METADATA_KEYS: tuple[str, ...] = ("version", "metadata")
+#: Suffix of llm-compressor's stage keys; in a recipe with such keys, a top-level key that is no stage (a YAML
+#: anchor holder) is ignored, as llm-compressor reads only those keys (:func:`top_level_stages`).
+STAGE_SUFFIX = "_stage"
 #: Name of the stage that top-level modifier groups form (as in llm-compressor).
 DEFAULT_STAGE = "default"
+
+
+def _not_a_stage(key: Any, body: Any) -> bool:
+    """Whether top-level ``key`` is no stage to read (a holder of YAML anchors, ``x-defaults: &d {...}``): its name
+    does not end in :data:`STAGE_SUFFIX`, it is none of the keys read otherwise, and its value is a scalar or a
+    mapping with no modifier name (capitalized), modifier group or ``modifiers`` key."""
+    if not isinstance(key, str) or key.endswith(STAGE_SUFFIX) or key in (*METADATA_KEYS, "args", "stages"):
+        return False
+    if is_group_key(key) or body is None:
+        return False
+    if isinstance(body, str | int | float | bool):
+        return True
+    return isinstance(body, Mapping) and not any(
+        isinstance(k, str) and (k[:1].isupper() or is_group_key(k) or k == "modifiers") for k in body
+    )
 
 
 def is_group_key(key: Any) -> bool:
@@ -95,7 +119,10 @@ def top_level_stages(data: Mapping[Any, Any], source: str) -> list[tuple[Any, An
     Top-level ``<group>_modifiers`` keys become one stage named ``default`` (at the
     place of the first group), whose body holds those groups; ``stages:`` (an
     older llm-compressor wrapper) contributes the stages it maps; ``version`` and
-    ``metadata`` are skipped. Every other key is a stage name.
+    ``metadata`` are skipped. In a recipe with keys ending in ``_stage``, a key that is no stage (its name does
+    not end so and its value is a scalar or a mapping without modifier names or groups: a holder of YAML anchors
+    such as ``x-defaults: &d {...}``) is skipped with one warning line, as llm-compressor skips every such key.
+    Every other key is a stage name.
 
     Raises:
         RecipeError: a top-level ``args`` key, a ``stages:`` value that is not a
@@ -103,8 +130,16 @@ def top_level_stages(data: Mapping[Any, Any], source: str) -> list[tuple[Any, An
     """
     stages: list[tuple[Any, Any, int | None]] = []
     groups = MarkedDict()
+    staged = any(isinstance(key, str) and key.endswith(STAGE_SUFFIX) for key in data)
     for key, body in data.items():
         line = line_of(data, key)
+        if staged and _not_a_stage(key, body):
+            logger.warning(
+                "recipe %s, line %s: top-level key %r ignored: it is not a stage (its name does not end in %r and it "
+                "holds no modifier), as llm-compressor reads only the '*%s' keys of a recipe that has some",
+                source, line or 1, key, STAGE_SUFFIX, STAGE_SUFFIX,
+            )  # fmt: skip
+            continue
         if key == "args":
             msg = (
                 f"recipe {source}, line {line or 1}: 'args' (llm-compressor's values for its eval expressions) "
@@ -145,11 +180,58 @@ UNIMPLEMENTED_MODIFIERS: dict[str, str] = {
 }
 
 
+#: First-party modifier name -> the distribution providing it (its folder under ``plugins/`` in a checkout).
+FIRST_PARTY_MODIFIERS: dict[str, tuple[str, str]] = {
+    **{
+        name: ("llmc-fsm-pruning", "pruning")
+        for name in (
+            "SparseGPTModifier", "WandaPruningModifier", "MagnitudePruningModifier", "ConstantPruningModifier",
+            "REAPPruningModifier",
+        )
+    },
+    **{
+        name: ("llmc-fsm-quantization", "quantization")
+        for name in (
+            "QuantizationModifier", "GPTQModifier", "AWQModifier", "AutoRoundModifier", "SmoothQuantModifier",
+            "LogarithmicEqualizationModifier", "SpinQuantModifier",
+        )
+    },
+    **{name: ("llmc-fsm-training", "training") for name in ("LearningRateModifier", "OutputDistillationModifier")},
+}  # fmt: skip
+
+
+def _installed(distribution: str) -> bool:
+    """Whether ``distribution`` is installed (its metadata is found)."""
+    try:
+        importlib.metadata.distribution(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+def missing_plugin_note(name: str) -> str | None:
+    """For a first-party modifier (:data:`FIRST_PARTY_MODIFIERS`) that is not registered because its distribution
+    is not installed (not merely disabled through ``LLMC_FSM_DISABLE_PLUGINS``, which the registry's message names),
+    one sentence saying which distribution to install; else ``None``."""
+    if name not in FIRST_PARTY_MODIFIERS:
+        return None
+    distribution, folder = FIRST_PARTY_MODIFIERS[name]
+    registry = get_registry()
+    if name in registry or any(d.distribution == distribution for d in registry.disabled) or _installed(distribution):
+        return None
+    return (
+        f"{name} is provided by {distribution}, which is not installed: pip install {distribution} (from a checkout: "
+        f"pip install ./plugins/{folder})."
+    )
+
+
 def unimplemented_note(name: str) -> str | None:
-    """For an llm-compressor modifier llmc-fsm does not implement, one sentence saying so; else ``None``."""
+    """For an llm-compressor modifier llmc-fsm does not implement, one sentence saying so; for a first-party
+    modifier whose distribution is not installed, which one to install (:func:`missing_plugin_note`); else
+    ``None`` (the unknown-modifier message then suggests close names)."""
     what = UNIMPLEMENTED_MODIFIERS.get(name)
     if what is None:
-        return None
+        return missing_plugin_note(name)
     return (
         f"{name} is an llm-compressor modifier that llmc-fsm does not implement ({what}); remove it from the "
         "recipe or use llm-compressor for it."
@@ -345,6 +427,14 @@ ARGUMENT_RULES: dict[str, dict[str, ArgumentRule]] = {
     },
     "QuantizationModifier": dict(_QUANT_BASE),
     "AutoRoundModifier": dict(_QUANT_BASE),
+    "AWQModifier": {
+        **_COMMON,
+        "kv_cache_scheme": ArgumentRule(
+            "refuse",
+            "AWQModifier's older form (scheme or config_groups) quantizes weights only here; write the current form: "
+            "AWQModifier (mappings, smoothing) and a QuantizationModifier with the scheme and kv_cache_scheme",
+        ),
+    },
 }
 
 
@@ -454,7 +544,9 @@ def translate_arguments(cls: type, kwargs: dict[str, Any]) -> dict[str, Any]:
         TypeError: an argument neither the class nor llm-compressor's rules know (a typo), with the closest name,
             or one of llm-compressor's different modifier of the same name, saying so (:func:`namesake_note`).
         ValueError: an argument llmc-fsm refuses (with llm-compressor's reason), one that maps to an argument the
-            class does not have, or one that sets an argument also given with another value.
+            class does not have, one that sets an argument also given with another value, or an empty module
+            pattern in ``targets`` / ``ignore`` (``''``: it selected the whole model, llm-compressor nothing), or a
+            negative ``end`` (:data:`NEGATIVE_END`).
     """
     # a subclass (a plugin's GPTQModifier with more arguments) takes the rules of the first class it derives from
     # that has them
@@ -472,6 +564,19 @@ def translate_arguments(cls: type, kwargs: dict[str, Any]) -> dict[str, Any]:
             close = difflib.get_close_matches(str(key), sorted(accepted), n=1, cutoff=0.6)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise TypeError(f"{cls.__name__}() got an unexpected keyword argument {key!r}{hint}")
+    end = kwargs.get("end") if "end" in accepted else None
+    if isinstance(end, numbers.Real) and not isinstance(end, bool) and end < 0:  # as a stage's end (a tester's case)
+        raise ValueError(f"end must be >= 0 epochs, got {end}: {NEGATIVE_END}")
+    for key in ("targets", "ignore"):
+        value = kwargs.get(key) if key in accepted else None
+        items = [value] if isinstance(value, str) else value if isinstance(value, list | tuple) else []
+        if any(isinstance(item, str) and not item.strip() for item in items):
+            msg = (
+                f"{key} {shown(value)}: an empty module pattern names no module (llm-compressor matches nothing with "
+                f"it); give module names or patterns{' ([] for none)' if key == 'ignore' else ''}, or leave {key} out "
+                "for the modifier's default"
+            )
+            raise ValueError(msg)
     if name is None:
         return kwargs
     out: dict[str, Any] = {}
@@ -491,6 +596,12 @@ def translate_arguments(cls: type, kwargs: dict[str, Any]) -> dict[str, Any]:
             out[target] = new
     return out
 
+
+#: Why a negative ``end`` (a modifier's or a stage's) is refused.
+NEGATIVE_END = (
+    "llm-compressor has no 'no end' value: its end -1 lies before the first epoch, so the modifier never runs; "
+    "leave end out (null) to run until finalize"
+)
 
 #: Declared field types that take a number, as attrs keeps them under ``from __future__ import annotations``.
 _NUMBER_TYPES = {"float": float, "int": int, "float | None": float, "int | None": int, "Optional[float]": float,
@@ -563,6 +674,9 @@ def numbers_from_strings(cls: type, kwargs: dict[str, Any]) -> dict[str, Any]:
         return kwargs
     kinds = {a.alias or a.name: _number_kind(a.type) for a in attrs.fields(cls) if a.init}
     out = dict(kwargs)
+    for key in _SCHEME_ARGUMENTS:
+        if key in kinds and isinstance(kwargs.get(key), Mapping):
+            out[key] = _scheme_numbers(kwargs[key], 1 if key == "kv_cache_scheme" else 3, key)
     for key, value in kwargs.items():
         if is_numpy_scalar(value):  # np.True_, np.str_("static"): the Python value, as pydantic takes them
             value = out[key] = value.item()  # (testers' cases: a numpy bool was refused, a numpy str kept)
@@ -582,6 +696,43 @@ def numbers_from_strings(cls: type, kwargs: dict[str, Any]) -> dict[str, Any]:
         elif number.is_integer():  # "128", "128.0", "1.28e2" (pydantic's lax int)
             out[key] = int(number)
     return out
+
+
+#: Arguments holding quantization scheme mappings: their integer fields (:data:`_SCHEME_INTS`) written as strings
+#: are read as numbers, as pydantic's lax mode does in llm-compressor (``group_size: "128"`` was a TypeError naming
+#: neither group nor field, found by a tester).
+_SCHEME_ARGUMENTS = ("scheme", "config_groups", "kv_cache_scheme")
+_SCHEME_INTS = frozenset({"num_bits", "group_size"})
+
+
+def _scheme_numbers(value: Mapping[Any, Any], depth: int, where: str) -> Mapping[Any, Any]:
+    """``value`` with every :data:`_SCHEME_INTS` field (up to ``depth`` mappings down) written as an integral number
+    string (``"128"``) read as the ``int``; a changed mapping is a copy (a :class:`MarkedDict` keeps its lines), an
+    unchanged one is ``value`` itself.
+
+    Raises:
+        ValueError: such a field is another string (``"12x"``, ``"0.5"``), naming ``where`` (the argument, the
+            config group and the scheme part).
+    """
+    changed: dict[Any, Any] = {}
+    for key, item in value.items():
+        if key in _SCHEME_INTS and isinstance(item, str):
+            number = float(item) if _NUMBER.fullmatch(item.strip()) else None
+            if number is None or not number.is_integer():
+                raise ValueError(f"{where}: {key} must be an integer, got {shown(item)}")
+            changed[key] = int(number)
+        elif isinstance(item, Mapping) and depth > 1:
+            part = f"entry {key!r}" if where == "config_groups" else str(key)
+            new = _scheme_numbers(item, depth - 1, f"{where} {part}" if " " not in where else f"{where}, {part}")
+            if new is not item:
+                changed[key] = new
+    if not changed:
+        return value
+    copy = MarkedDict(value) if isinstance(value, MarkedDict) else dict(value)
+    if isinstance(value, MarkedDict):
+        copy.line, copy.key_lines = value.line, dict(value.key_lines)
+    copy.update(changed)
+    return copy
 
 
 for _translator in (numbers_from_strings, translate_arguments):

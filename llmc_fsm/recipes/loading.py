@@ -19,7 +19,15 @@ import yaml
 
 from llmc_fsm.core.errors import RecipeError
 
-__all__ = ["RECIPE_SUFFIXES", "MarkedDict", "line_of", "load_recipe_data", "looks_like_path", "read_recipe_file"]
+__all__ = [
+    "RECIPE_SUFFIXES",
+    "MarkedDict",
+    "line_of",
+    "load_recipe_data",
+    "looks_like_path",
+    "read_recipe_file",
+    "shown",
+]
 
 #: File suffixes read as recipes.
 RECIPE_SUFFIXES: tuple[str, ...] = (".yaml", ".yml", ".json")
@@ -36,6 +44,12 @@ class MarkedDict(dict):  # type: ignore[type-arg]
         self.key_lines = {}
 
 
+def shown(value: Any, limit: int = 80) -> str:
+    """``repr(value)``, cut to ``limit`` characters with ``...`` (an error line never repeats a long value whole)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def line_of(container: Any, key: Any = None) -> int | None:
     """The 1-based line of ``key`` in ``container`` (or of the container), if it was read from YAML."""
     if not isinstance(container, MarkedDict):
@@ -46,7 +60,22 @@ def line_of(container: Any, key: Any = None) -> int | None:
 
 
 class _RecipeLoader(yaml.SafeLoader):
-    """``yaml.SafeLoader`` that records line numbers of mappings and keys and rejects duplicate keys."""
+    """``yaml.SafeLoader`` that records line numbers of mappings and keys, rejects duplicate keys, and turns any
+    failure of a value's constructor (``!!bool maybe``: a ``KeyError``; ``!!int ""``: an ``IndexError``) into a
+    :class:`yaml.constructor.ConstructorError` at that value's line and column."""
+
+    def construct_object(self, node: yaml.Node, deep: bool = False) -> Any:
+        try:
+            return super().construct_object(node, deep=deep)
+        except (yaml.YAMLError, RecursionError):
+            raise
+        except Exception:
+            tag = node.tag.removeprefix("tag:yaml.org,2002:")
+            value = node.value if isinstance(node, yaml.ScalarNode) else f"<{node.id}>"
+            problem = (
+                f"the value {shown(value)} tagged !!{tag} is not a valid {tag}; write a valid {tag} or remove the tag"
+            )
+            raise yaml.constructor.ConstructorError(None, None, problem, node.start_mark) from None
 
 
 def _construct_mapping(loader: _RecipeLoader, node: yaml.MappingNode) -> Iterable[MarkedDict]:
@@ -163,18 +192,29 @@ def load_recipe_data(text: str, source: str = "<text>") -> Any:
     """
     try:
         return _load_yaml(text, source)
+    except RecursionError:
+        raise _too_deep(source) from None
     except yaml.YAMLError as exc:
         error = _yaml_error(exc, source, text)
         if not (source.endswith(".json") or text.lstrip().startswith(("{", "["))):
             raise error from None
     try:
         return json.loads(text, object_pairs_hook=_unique_keys)
+    except RecursionError:
+        raise _too_deep(source) from None
     except json.JSONDecodeError as exc:
         msg = f"recipe {source}, line {exc.lineno}, column {exc.colno}: not valid JSON: {exc.msg}"
         raise RecipeError(msg) from None
     except _DuplicateKey as exc:  # as YAML refuses them (JSON's own reading keeps the last value, silently)
         msg = f"recipe {source}: found duplicate key {exc.args[0]!r} in a JSON object; every key must be unique"
         raise RecipeError(msg) from None
+
+
+def _too_deep(source: str) -> RecipeError:
+    return RecipeError(
+        f"recipe {source}: not valid YAML/JSON: it nests mappings or lists too deeply to be read (past Python's "
+        "recursion limit); a recipe nests a few levels: stage, group, modifier, arguments"
+    )
 
 
 class _DuplicateKey(Exception):

@@ -15,6 +15,7 @@ state and lifecycle); the session does not know about it.
 
 from __future__ import annotations
 
+import difflib
 from typing import Any
 
 import attrs
@@ -22,12 +23,12 @@ import attrs
 from llmc_fsm.core.lifecycle import BATCH_EVENTS
 from llmc_fsm.core.modifier import HOOKS, Modifier, modifier_labels, overrides
 from llmc_fsm.core.registry import get_registry
-from llmc_fsm.core.state import State
+from llmc_fsm.core.state import WELL_KNOWN_KEYS, State
 from llmc_fsm.recipes.building import given_arguments
 from llmc_fsm.recipes.llmcompressor import default_difference
 from llmc_fsm.session.session import Session
 
-__all__ = ["explain", "handled_events"]
+__all__ = ["check_state_keys", "explain", "handled_events"]
 
 
 def handled_events(modifier: Modifier | type[Modifier]) -> list[str]:
@@ -142,6 +143,31 @@ def _on_model(m: Modifier, model: Any, stage: tuple[Modifier, ...]) -> list[str]
     except ValueError as err:
         found = [f"does not fit this model: {err}"]
     return [f"       {'on model:' if i == 0 else '':<10} {line}" for i, line in enumerate(found)]
+
+
+def check_state_keys(session: Session, keys: list[str]) -> None:
+    """Check the state keys a caller says it supplies (``llmc-fsm explain --state KEY``) before they are counted.
+
+    A key is known when it is a well-known state key (:data:`~llmc_fsm.core.state.WELL_KNOWN_KEYS`) or one a
+    modifier of the session's recipe requires or uses.
+
+    Raises:
+        ValueError: an unknown key (``calibration-data``: it was counted as present while ``calibration_data`` stayed
+            missing, found by a tester), with the closest known key and the known keys.
+    """
+    known = set(WELL_KNOWN_KEYS)
+    for modifier in session.modifiers:
+        known |= set(modifier.required_keys()) | set(modifier.optional_state)
+    unknown = [key for key in keys if key not in known]
+    if unknown:
+        key = unknown[0]
+        close = difflib.get_close_matches(key.replace("-", "_"), sorted(known), n=1, cutoff=0.6)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        msg = (
+            f"unknown state key {key!r}: it is no well-known state key and no modifier of the recipe requires or "
+            f"uses it.{hint} Known: {', '.join(sorted(known))}"
+        )
+        raise ValueError(msg)
 
 
 def explain(session: Session, *, model_refused: bool = False) -> str:

@@ -501,8 +501,11 @@ class AWQModifier(SmoothingModifier):
         scheme / config_groups: the older form: AWQ quantizes ``targets`` itself by round-to-nearest with this
             scheme (``config_groups``: one group, llm-compressor's form; its ``targets`` become ``targets``).
             Without them a quantizing modifier of the same stage must quantize the balance layers.
-        targets: modules quantized with ``scheme`` (default ``["Linear"]``).
-        observer: weight observer of ``scheme`` (``minmax`` or ``mse``).
+        targets: modules quantized with ``scheme`` (default ``["Linear"]``); without ``scheme`` / ``config_groups``
+            only the default is taken (``ValueError`` otherwise: the quantizing modifier's ``targets`` choose the
+            quantized modules, ``mappings`` the smoothed layers).
+        observer: weight observer of ``scheme`` (``minmax`` or ``mse``); without ``scheme`` / ``config_groups``
+            only ``minmax`` (``ValueError`` otherwise: the quantizing modifier's observer is used).
         offload_device: llm-compressor's memory placement; accepted and not used (one layer's inputs are kept).
         apply_clip: also search and apply AWQ's weight clipping (default ``false``; see the module docstring).
         clip_n_grid / clip_max_shrink: the clipping grid (defaults 20 and 0.5: ranges 1, 0.95, ..., 0.55 of the
@@ -562,7 +565,23 @@ class AWQModifier(SmoothingModifier):
             scheme, group_targets = _config_groups(self.config_groups)
             if group_targets is not None:
                 targets = group_targets
-        if scheme is not None:
+        if scheme is None:  # llm-compressor 0.14's AWQModifier has neither field (found by a tester: both were unused)
+            if self.targets != list(DEFAULT_TARGETS):
+                msg = (
+                    f"targets {self.targets!r} would select nothing: AWQModifier without scheme or config_groups "
+                    "quantizes nothing itself (llm-compressor's AWQModifier has no targets); put targets on the "
+                    "QuantizationModifier that carries the scheme, and give mappings to restrict which layers are "
+                    "smoothed"
+                )
+                raise ValueError(msg)
+            if self.observer != "minmax":
+                msg = (
+                    f"observer {self.observer!r} would be unused: AWQModifier without scheme or config_groups "
+                    "quantizes with the QuantizationModifier's observer (llm-compressor's AWQModifier has no "
+                    "observer); put observer on that modifier"
+                )
+                raise ValueError(msg)
+        else:
             with _as_awq():  # its argument errors too (they named QuantizationModifier: B5's case)
                 self._quantizer = QuantizationModifier(
                     scheme=scheme,

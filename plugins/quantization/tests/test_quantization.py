@@ -760,8 +760,9 @@ def test_a_pruned_then_quantized_module_reports_each_modifiers_error(tmp_path, f
     table = OneshotReport.from_dict(json.loads((tmp_path / "both" / "report.json").read_text())).format_table()
     note = next(line for line in table.splitlines() if line.startswith("rel. output error:"))
     assert note.startswith(
-        "rel. output error: the last modifier's, against the weights it received; 14 modules were compressed by "
-        "several modifiers, whose errors do not add up (mean per module: SparseGPTModifier (s) 0."
+        "rel. output error: the last modifier's, against the weights it received, of the quantized modules where a "
+        "row has some (as the plot's error panel); 14 modules were compressed by several modifiers, whose errors do "
+        "not add up (mean per module: SparseGPTModifier (s) 0."
     )
     # round-to-nearest measures nothing (in its own pass or fused with SparseGPT's: it keeps no Hessian), so the
     # final step's error is unknown, not SparseGPT's
