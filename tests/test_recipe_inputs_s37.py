@@ -249,3 +249,17 @@ def test_a_long_value_is_cut_in_errors() -> None:
     assert len(message) < 500 and f"'{'x' * 76}..." in message
     message = _error(f"s:\n  - {{a: 1, c: '{big}'}}\n")
     assert len(message) < 500 and message.endswith("...")
+
+
+def test_explain_refuses_an_unknown_state_key_with_the_close_one(tmp_path, capsys):
+    """`llmc-fsm explain R --state calibration-data` counted the misspelt key as present, while calibration_data
+    stayed missing (found by a tester)."""
+    from llmc_fsm.cli.main import main as cli_main
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("s:\n  SparseGPTModifier:\n    sparsity: 0.5\n")
+    assert cli_main(["explain", str(recipe), "--state", "calibration-data", "--state", "model"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("llmc-fsm explain: error: unknown state key 'calibration-data': it is no well-known state "
+                          "key and no modifier of the recipe requires or uses it. Did you mean 'calibration_data'?")
+    assert cli_main(["explain", str(recipe), "--state", "calibration_data", "--state", "model"]) == 0

@@ -36,7 +36,7 @@ from llmc_fsm.oneshot_job.settings import DTYPES, _dtype_name
 from llmc_fsm.pipeline.sequential import check_modifier_targets_in_layers, output_head
 from llmc_fsm.recipes.history import merge_saved_recipe
 from llmc_fsm.recipes.llmcompressor import unimplemented_note
-from llmc_fsm.session.explain import explain
+from llmc_fsm.session.explain import check_state_keys, explain
 from llmc_fsm.session.session import Session
 
 __all__ = ["add_cli", "format_modifiers"]
@@ -239,6 +239,7 @@ def _run_explain(args: argparse.Namespace) -> int:
         return _explain_on_model(args, recipe)
     session = Session(recipe)
     if args.state:
+        check_state_keys(session, args.state)
         session.update_state(**_supplied(args.state))
     print(explain(session), end="")
     _say_expected(session, None)
@@ -271,6 +272,7 @@ def _explain_on_model(args: argparse.Namespace, recipe: Any) -> int:
     model = _meta_model(args.model, dtype)
     session = Session(merged)
     if args.state:
+        check_state_keys(session, args.state)
         session.update_state(**_supplied(args.state))
     session.update_state(model=model)
     refusal, state_refused = None, False
@@ -336,6 +338,7 @@ def _supplied(keys: list[str]) -> dict[str, Any]:
 def _plan(recipe: Any, state: list[str]) -> str:
     session = Session(recipe)
     if state:
+        check_state_keys(session, state)
         session.update_state(**_supplied(state))
     return explain(session)
 
