@@ -154,6 +154,12 @@ def distillation_kl(
     return kd * (t * t)
 
 
+def _float_not_bool(value: Any) -> Any:
+    """``float(value)``, a boolean left as it is for the validator to refuse (``alpha: true`` was read as 1.0 while
+    other float fields refuse booleans: found by a tester)."""
+    return value if isinstance(value, bool) else float(value)
+
+
 def _temperature(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.inf > float(value) > 0:
         msg = f"temperature must be a finite number > 0, got {value!r}"
@@ -295,8 +301,8 @@ class OutputDistillationModifier(Modifier):
     required_state = frozenset({"model", "teacher"})
     events = frozenset({"batch_start", "loss_calculated"})
 
-    temperature: float = attrs.field(default=2.0, converter=float, validator=_temperature)
-    alpha: float = attrs.field(default=0.5, converter=float, validator=_alpha)
+    temperature: float = attrs.field(default=2.0, converter=_float_not_bool, validator=_temperature)
+    alpha: float = attrs.field(default=0.5, converter=_float_not_bool, validator=_alpha)
 
     last_student_loss: torch.Tensor | None = attrs.field(default=None, init=False, repr=False)
     last_distill_loss: torch.Tensor | None = attrs.field(default=None, init=False, repr=False)

@@ -134,3 +134,16 @@ def test_a_layerwise_distillation_argument_from_python_is_told_what_ours_does():
     assert str(info.value) == (
         f"OutputDistillationModifier() got an unexpected keyword argument 'comparison'. {NAMESAKE}"
     )
+
+
+@pytest.mark.parametrize(("field", "message"), [
+    ("alpha", "alpha must be a number in [0, 1], got True"),
+    ("temperature", "temperature must be a finite number > 0, got True"),
+])  # fmt: skip
+def test_a_boolean_alpha_or_temperature_is_refused(field, message):
+    """`alpha: true` and `temperature: true` were read as 1.0 (float(True)) while other float fields refuse booleans
+    (found by a tester)."""
+    with pytest.raises(ValueError) as info:
+        OutputDistillationModifier(**{field: True})
+    assert str(info.value) == message
+    assert getattr(OutputDistillationModifier(**{field: "0.25"}), field) == 0.25  # a number as a string, as before
