@@ -497,6 +497,19 @@ def test_default_calibration_is_generated_by_the_model_deterministically():
     assert a[0, :5].tolist() == [b % 96 for b in b"The h"]
 
 
+def test_generating_the_default_calibration_shows_a_bar_unless_progress_is_off(capsys):
+    """A run without a dataset printed nothing for minutes while the model wrote its calibration samples (a
+    newcomer waited 11 minutes without a line, not knowing whether it hung)."""
+    from llmc_fsm.oneshot_job.data import generate_calibration
+
+    model = _tiny()
+    generate_calibration(model, _CharTokenizer(), num_samples=3, seq_len=12, seed=3)
+    shown = [part for part in capsys.readouterr().err.split("\r") if part.strip()]  # cleared at the end
+    assert shown[0].startswith("generating calibration samples (no dataset given):   0%") and " 0/3 [" in shown[0]
+    generate_calibration(model, _CharTokenizer(), num_samples=3, seq_len=12, seed=3, progress=False)
+    assert capsys.readouterr().err == ""
+
+
 def test_oneshot_without_dataset_uses_generated_data():
     model = _tiny()
     llmc_fsm.oneshot(

@@ -263,3 +263,23 @@ def test_explain_refuses_an_unknown_state_key_with_the_close_one(tmp_path, capsy
     assert err.startswith("llmc-fsm explain: error: unknown state key 'calibration-data': it is no well-known state "
                           "key and no modifier of the recipe requires or uses it. Did you mean 'calibration_data'?")
     assert cli_main(["explain", str(recipe), "--state", "calibration_data", "--state", "model"]) == 0
+
+
+def test_a_stage_start_on_a_one_shot_stage_is_named_as_the_stage_s():
+    """`start: 0` written on the stage blamed SparseGPTModifier's start/end/update ("remove them") although the
+    modifier was given none: it inherits the stage's (found by a tester)."""
+    import tiny_llama
+    import torch
+
+    import llmc_fsm
+
+    recipe = {"s": {"start": 0, "modifiers": {"SparseGPTModifier": {"sparsity": 0.5}}}}
+    with pytest.raises(llmc_fsm.MissingStateError) as info:
+        llmc_fsm.oneshot(model=tiny_llama.llama(), recipe=recipe, dataset=torch.randint(3, 100, (4, 16)),
+                         progress=False)  # fmt: skip
+    assert str(info.value) == (
+        "SparseGPTModifier: start/end/update are a training schedule counted in epochs (steps_per_epoch, which "
+        "one-shot does not give) (given on stage 's': its modifiers inherit the stage's start/end), and this modifier "
+        "compresses once from calibration data: remove them to run it in one-shot (llm-compressor's oneshot ignores "
+        "them)"
+    )

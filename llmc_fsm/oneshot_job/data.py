@@ -15,11 +15,13 @@ import os
 from typing import TYPE_CHECKING, Any
 
 import torch
+from tqdm import tqdm
 
 from llmc_fsm.core.errors import MissingStateError
 from llmc_fsm.core.modifier import overrides
 from llmc_fsm.data.protocol import kept_tokenizer_state, load_text, token_windows
 from llmc_fsm.data.rows import describe_rows, is_rows
+from llmc_fsm.recipes.building import given_arguments
 from llmc_fsm.session.session import Session
 from llmc_fsm.toolkit.calibrated import nonfinite_weights
 from llmc_fsm.toolkit.masks import zeros_structure
@@ -153,6 +155,7 @@ def generate_calibration(
     seq_len: int,
     seed: int = 0,
     prompts: tuple[str, ...] = DEFAULT_PROMPTS,
+    progress: bool = True,
 ) -> torch.LongTensor:
     """Sample ``num_samples`` sequences of exactly ``seq_len`` tokens from the model itself.
 
@@ -160,12 +163,21 @@ def generate_calibration(
     samples (top-p 0.95, temperature 1, end-of-sequence suppressed), with the
     torch RNG seeded by ``seed`` inside a forked RNG state (the caller's RNG is
     untouched). Returns ``LongTensor[num_samples, seq_len]`` (prompt included).
+    A progress bar (``progress``) counts the samples: minutes on a CPU went by
+    without a line (a newcomer's case).
     """
 
     per_prompt = math.ceil(num_samples / len(prompts))
     rows: list[torch.Tensor] = []
     device = next(model.parameters()).device
-    with torch.random.fork_rng(devices=[]), torch.inference_mode():
+    bar = tqdm(
+        total=num_samples,
+        desc="generating calibration samples (no dataset given)",
+        unit="sample",
+        disable=not progress,
+        leave=False,
+    )
+    with bar, torch.random.fork_rng(devices=[]), torch.inference_mode():
         torch.manual_seed(seed)
         for prompt in prompts:
             if len(rows) >= num_samples:
@@ -186,6 +198,7 @@ def generate_calibration(
                 pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
             )
             rows.extend(out[:, :seq_len].cpu())
+            bar.update(out.shape[0])
     return torch.stack(rows[:num_samples]).long()
 
 
@@ -213,6 +226,21 @@ def describe(source: Any) -> str:
     if isinstance(source, str | os.PathLike):
         return os.fspath(source)
     return describe_rows(source) if is_rows(source) else type(source).__name__
+
+
+def _stages_giving_the_schedule(session: Session) -> list[str]:
+    """The stages of ``session``'s recipe whose own ``start``/``end`` a scheduled modifier inherits (the recipe gave
+    the modifier none of start/end/update itself)."""
+    names = []
+    for stage in session.recipe.stages:
+        if stage.start is None and stage.end is None:
+            continue
+        for modifier in stage.modifiers:
+            given = given_arguments(modifier)
+            if modifier.is_scheduled and given is not None and not given & {"start", "end", "update"}:
+                names.append(stage.name)
+                break
+    return names
 
 
 def check_modifiers(sessions: list[Session], model: Any, calibration_data: Any = True) -> None:
@@ -247,10 +275,13 @@ def check_modifiers(sessions: list[Session], model: Any, calibration_data: Any =
             )
             if scheduled:  # a one-shot modifier given a schedule (SparseGPT with start: 0; found by a tester)
                 names = ", ".join(dict.fromkeys(scheduled))
+                stages = _stages_giving_the_schedule(session)
+                on = ", ".join(repr(n) for n in stages)  # the stage's, which its modifiers inherit (blamed on them)
+                where = f" (given on stage {on}: its modifiers inherit the stage's start/end)" if stages else ""
                 advice = (
                     f"{names}: start/end/update are a training schedule counted in epochs (steps_per_epoch, which "
-                    "one-shot does not give), and this modifier compresses once from calibration data: remove them "
-                    "to run it in one-shot (llm-compressor's oneshot ignores them)"
+                    f"one-shot does not give){where}, and this modifier compresses once from calibration data: remove "
+                    "them to run it in one-shot (llm-compressor's oneshot ignores them)"
                 )
                 msg = advice if len(scheduled) == len(missing) else f"{msg}; {advice}"
             raise MissingStateError(msg, lifecycle=session.lifecycle, missing=missing)

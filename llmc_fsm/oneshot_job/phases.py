@@ -1098,6 +1098,7 @@ def data(run: Run) -> None:
                 num_samples=settings.num_samples,
                 seq_len=settings.seq_len,
                 seed=settings.seed,
+                progress=settings.progress,
             )
         run.cal_source = _generated_source(settings)
     keep_windows(run)
