@@ -13,7 +13,16 @@ import tiny_llama
 import torch
 from torch import nn
 
-from llmc_fsm import LifecycleError, Modifier, ModifierError, Session
+from llmc_fsm import (
+    CheckpointError,
+    EventOrderError,
+    LifecycleError,
+    MissingStateError,
+    Modifier,
+    ModifierError,
+    PluginError,
+    Session,
+)
 from llmc_fsm.core.lifecycle import BATCH_EVENTS
 
 RELOAD = "Model modified by a failed hook; reload it"
@@ -442,3 +451,35 @@ def test_the_error_carries_what_happened_and_the_advice_apart():
     assert (str(error), error.advice, error.args) == (f"{error.what} Do this.", "Do this.", (f"{error.what} Do this.",))
     error.set_advice("")
     assert str(error) == error.what
+
+
+def _finalize_a_fresh_session():
+    Session([]).finalize()
+
+
+@pytest.mark.parametrize("error", [
+    LifecycleError("m", lifecycle="created", call="finalize", allowed=["reset", "initialize"]),
+    EventOrderError("m", lifecycle="running", call="batch_end", allowed=["batch_start"]),
+    MissingStateError("m", lifecycle="staging", missing={"A": frozenset({"x"})}),
+    ModifierError("m", modifier="A", hook="on_event", module="0", modified=["0.weight"], advice="Do this."),
+    CheckpointError("m", differences=["a", "b"]),
+    PluginError("m", distribution="d", entry_point="e"),
+], ids=lambda e: type(e).__name__)  # fmt: skip
+def test_the_errors_survive_pickling_with_their_attributes(error):
+    """Unpickling called cls(*args) and raised "missing 2 required keyword-only arguments": a process pool's worker
+    that raised one broke the pool ("terminated abruptly") and its message was lost (found by a tester)."""
+    import pickle
+
+    back = pickle.loads(pickle.dumps(error))
+    assert (type(back), str(back), back.args, vars(back)) == (type(error), str(error), error.args, vars(error))
+
+
+def test_a_lifecycle_error_in_a_process_pool_reaches_the_caller():
+    import concurrent.futures
+    import multiprocessing
+
+    context = multiprocessing.get_context("fork")
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=context) as pool:
+        with pytest.raises(LifecycleError) as info:
+            pool.submit(_finalize_a_fresh_session).result(timeout=120)
+    assert info.value.call == "finalize" and info.value.lifecycle == "created"

@@ -155,7 +155,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         use_huge_pages()  # before the first tensor (the plugins' imports make some): torch reads it once
     if extra:
         _reject_unknown(args, extra)
-    logging.basicConfig(level=_log_level(args.verbose), format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING, format=_log_format())
     _compressed_tensors_logs_once()
     try:
         # log lines through tqdm.write: a warning raised mid-bar went on the bar's line (found by a tester)
@@ -246,21 +246,30 @@ def _compressed_tensors_logs_once() -> None:
     loguru_logger.add(lambda message: sys.stderr.write(message), filter=once)  # the stderr of the moment
 
 
-def _log_level(verbose: bool) -> int:
-    """The CLI's logging level: ``DEBUG`` with ``-v``; else ``WARNING``, and ``ERROR`` on the ranks other than 0
-    under torchrun, whose warnings are rank 0's over again (a rank-deficient Hessian, an ignore pattern that matches
-    nothing: N copies each, found by a tester); their errors are still printed."""
-    if verbose:
-        return logging.DEBUG
-    return logging.WARNING if _launch_rank() == 0 else logging.ERROR
+def _log_format() -> str:
+    """The CLI's log line: ``WARNING name: message``, under torchrun with the rank first (``rank 1: WARNING ...``).
+
+    Every rank prints its warnings: a rank compresses its own share of the modules, and their warnings (a
+    dampening retry) exist on that rank only (a tester found them lost when only rank 0 printed); the warnings
+    every rank raises alike come once per rank, each line saying whose."""
+    rank = f"rank {_launch_rank()}: " if _world_size() > 1 else ""
+    return f"{rank}%(levelname)s %(name)s: %(message)s"
 
 
 def _launch_rank() -> int:
     """This process's rank as ``torchrun`` set it (``RANK`` with ``WORLD_SIZE`` > 1), else 0."""
     try:
-        return int(os.environ.get("RANK", "0")) if int(os.environ.get("WORLD_SIZE", "1")) > 1 else 0
+        return int(os.environ.get("RANK", "0")) if _world_size() > 1 else 0
     except ValueError:
         return 0
+
+
+def _world_size() -> int:
+    """``WORLD_SIZE`` as ``torchrun`` set it, else 1."""
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        return 1
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -8,6 +8,7 @@ allowed now, so integrations can branch on them without parsing messages.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from typing import Any
 
 __all__ = [
     "CheckpointError",
@@ -20,7 +21,24 @@ __all__ = [
 ]
 
 
-class LifecycleError(RuntimeError):
+def _restore(cls: type[BaseException], args: tuple[Any, ...], state: dict[str, Any]) -> BaseException:
+    """An exception of ``cls`` with ``args`` and the attributes ``state``, made without calling ``cls.__init__``."""
+    error = cls.__new__(cls, *args)
+    error.args = args
+    error.__dict__.update(state)
+    return error
+
+
+class _Picklable:
+    """Pickles an exception whose ``__init__`` takes keyword-only arguments: pickle's default calls ``cls(*args)``,
+    which raised ``TypeError: missing 2 required keyword-only arguments`` on unpickling, so a worker of a process
+    pool that raised one broke the pool ("terminated abruptly") and its message was lost (found by a tester)."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _restore, (type(self), self.args, dict(self.__dict__))  # type: ignore[attr-defined]
+
+
+class LifecycleError(_Picklable, RuntimeError):
     """A session call that is not allowed in the session's current lifecycle state.
 
     Attributes:
@@ -70,7 +88,7 @@ class RecipeError(ValueError):
     """
 
 
-class PluginError(RuntimeError):
+class PluginError(_Picklable, RuntimeError):
     """A modifier plugin that could not be loaded or registered.
 
     Attributes:
@@ -84,7 +102,7 @@ class PluginError(RuntimeError):
         self.entry_point = entry_point
 
 
-class ModifierError(RuntimeError):
+class ModifierError(_Picklable, RuntimeError):
     """A modifier hook raised; the original exception is chained as ``__cause__``.
 
     Raised for every hook kind: ``on_initialize``, the schedule and event hooks,
@@ -138,7 +156,7 @@ class ModifierError(RuntimeError):
         self.args = (f"{self.what} {advice}" if advice else self.what,)
 
 
-class CheckpointError(ValueError):
+class CheckpointError(_Picklable, ValueError):
     """A session checkpoint that cannot be loaded into this session.
 
     Raised before anything is changed: the checkpoint was written for another
