@@ -24,12 +24,13 @@ Each subcommand lives in the module that implements it and contributes an
 from __future__ import annotations
 
 import argparse
+import contextlib
 import difflib
 import logging
 import os
 import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, NoReturn
 
 from tqdm.contrib.logging import logging_redirect_tqdm
@@ -158,8 +159,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING, format=_log_format())
     _compressed_tensors_logs_once()
     try:
-        # log lines through tqdm.write: a warning raised mid-bar went on the bar's line (found by a tester)
-        with logging_redirect_tqdm(), process_group_from_env():  # under torchrun (WORLD_SIZE > 1): one rank
+        with _logs_above_the_bars(), process_group_from_env():  # under torchrun (WORLD_SIZE > 1): one rank
             try:
                 return int(args.func(args) or 0)
             except BrokenPipeError:  # below: nothing to say
@@ -244,6 +244,17 @@ def _compressed_tensors_logs_once() -> None:
 
     loguru_logger.remove()  # the default handler (stderr, every level), as compressed-tensors' own configuration does
     loguru_logger.add(lambda message: sys.stderr.write(message), filter=once)  # the stderr of the moment
+
+
+@contextlib.contextmanager
+def _logs_above_the_bars() -> Iterator[None]:
+    """Inside the block the root logger's console handlers write through ``tqdm.write``, each line above the
+    progress bars (a warning raised mid-bar went on the bar's line: found by a tester). Without a console handler
+    (the caller's logging writes elsewhere, e.g. ``main()`` called under pytest's log capture) nothing is added."""
+    streams = (sys.stdout, sys.stderr)
+    console = [h for h in logging.root.handlers if isinstance(h, logging.StreamHandler) and h.stream in streams]
+    with logging_redirect_tqdm() if console else contextlib.nullcontext():
+        yield
 
 
 def _log_format() -> str:
