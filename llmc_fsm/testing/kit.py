@@ -64,9 +64,12 @@ from llmc_fsm.core.registry import check_modifier_class, unreachable_on_event
 from llmc_fsm.session.checkpoint import read_checkpoint, write_checkpoint
 from llmc_fsm.session.session import Session
 from llmc_fsm.testing.lifecycles import OPERATIONS, ContractViolation, SequenceRun
-from llmc_fsm.testing.plugin import DEFAULT_EXAMPLES
 
 __all__ = ["ContractViolation", "check_modifier"]
+
+#: Random lifecycles per :func:`check_modifier` call when not given (``--llmc-fsm-examples`` gives it for the
+#: ``llmc_fsm_check`` fixture).
+DEFAULT_EXAMPLES = 100
 
 
 def _check_checkpoint(

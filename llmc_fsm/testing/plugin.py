@@ -15,10 +15,7 @@ from collections.abc import Callable
 
 import pytest
 
-__all__ = ["DEFAULT_EXAMPLES", "llmc_fsm_check", "pytest_addoption"]
-
-#: Random lifecycles per :func:`~llmc_fsm.testing.check_modifier` call when ``--llmc-fsm-examples`` is not given.
-DEFAULT_EXAMPLES = 100
+__all__ = ["llmc_fsm_check", "pytest_addoption"]
 
 
 def _positive_int(text: str) -> int:
@@ -45,7 +42,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         type=_positive_int,
         default=None,
         metavar="N",
-        help=f"random lifecycles per llmc_fsm_check() call, a positive integer (default {DEFAULT_EXAMPLES})",
+        help="random lifecycles per llmc_fsm_check() call, a positive integer (default: check_modifier's, 100)",
     )
 
 
@@ -54,7 +51,7 @@ def llmc_fsm_check(request: pytest.FixtureRequest) -> Callable[..., None]:
     """:func:`~llmc_fsm.testing.check_modifier`, with ``max_examples`` taken from ``--llmc-fsm-examples`` when
     given."""
     # Imported when a test asks for the fixture, not at pytest's start (see the module docstring): the kit imports
-    # torch and the session. (The kit imports DEFAULT_EXAMPLES from here: this module does not import it at load.)
+    # torch and the session.
     check_modifier = importlib.import_module("llmc_fsm.testing.kit").check_modifier
     examples = request.config.getoption("llmc_fsm_examples", default=None)
     if examples is None:
