@@ -291,6 +291,8 @@ class Sometimes(Modifier):
 
     required_state: ClassVar[frozenset[str]] = frozenset({"model", "tokenizer"})
     optional_state: ClassVar[frozenset[str]] = frozenset({"tokenizer", "calibration_data", "teacher"})
+    conditional_state: ClassVar[dict[str, str]] = {"tokenizer": "when text is set",
+                                                   "calibration_data": "when text is set"}
     text: bool = False
 
     def required_keys(self) -> frozenset[str]:
@@ -353,16 +355,16 @@ def test_modifiers_lists_a_conditionally_required_key_once_with_its_condition(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """LearningRateModifier was listed with "required state: optimizer, steps_per_epoch" and "optional state:
-    steps_per_epoch" (found by a tester): a key its own required_keys() requires for some arguments only is listed
-    once, with the condition its docstring gives."""
+    steps_per_epoch" (found by a tester): a key required for some arguments only (conditional_state) is listed
+    once, with when."""
     registry = ModifierRegistry()
     registry.register(Sometimes, distribution="some", version="1.0", entry_point="s")
     monkeypatch.setattr(cli_plugins, "get_registry", lambda: registry)
     assert main(["modifiers"]) == 0
-    assert capsys.readouterr().out.splitlines()[3:6] == [
+    assert capsys.readouterr().out.splitlines()[3:7] == [
         "      required state: model",
-        "      required for some arguments, else optional: calibration_data, tokenizer (Sometimes.required_keys(): "
-        "model; tokenizer and calibration_data when text is set)",
+        "      required state: calibration_data, when text is set",
+        "      required state: tokenizer, when text is set",
         "      optional state: teacher",
     ]
 
@@ -374,8 +376,7 @@ def test_modifiers_lists_learning_rate_steps_per_epoch_once(capsys: pytest.Captu
     start = out.index("  LearningRateModifier  [llmc-fsm-training 0.1.0]")
     assert out[start + 2 : start + 5] == [
         "      required state: optimizer",
-        "      required for some arguments, else optional: steps_per_epoch (LearningRateModifier.required_keys(): "
-        "optimizer, and steps_per_epoch unless the schedule is constant with no start/end/update)",
+        "      required state: steps_per_epoch, unless the schedule is constant with no start/end/update",
         "      optional state: -",
     ]
 

@@ -16,10 +16,8 @@ of a saved output's ``recipe.yaml``, refused when nothing is left to run), and o
 from __future__ import annotations
 
 import argparse
-import inspect
 import logging
 import os
-import re
 from typing import Any
 
 import attrs
@@ -51,38 +49,15 @@ def _keys(keys: frozenset[str]) -> str:
 SCHEDULE_NOTE = "Every modifier given start, end or update (epochs) also requires steps_per_epoch."
 
 
-def _required_keys_condition(cls: type[Modifier]) -> str | None:
-    """The first sentence of ``cls``'s own ``required_keys()`` docstring, without its markup and parenthetical remarks
-    (``"optimizer, and steps_per_epoch unless the schedule is constant with no start/end/update"``), or ``None``
-    when ``cls`` inherits :meth:`~llmc_fsm.Modifier.required_keys` or its override has no docstring."""
-    own = getattr(cls, "required_keys", None)
-    if own is None or own is Modifier.required_keys:
-        return None
-    doc = re.sub(r"/\n", "/", (inspect.getdoc(own) or "").split("\n\n")[0])  # ``start``/``end``/ at a line's end
-    doc = doc.replace("\n", " ").replace("``", "")
-    previous = None
-    while previous != doc:  # nested parentheses, innermost first
-        previous, doc = doc, re.sub(r"\s*\([^()]*\)", "", doc)
-    sentence = re.split(r"\.(?:\s|$)", doc.strip(), maxsplit=1)[0].strip()
-    return sentence or None
-
-
 def _state_lines(cls: type[Modifier]) -> list[str]:
-    """The listing's state lines of ``cls``. A key its own ``required_keys()`` requires for some arguments only (one
-    in both ``required_state`` and ``optional_state``, or an optional one its docstring names as ``key``) is listed
-    once, with the condition (:func:`_required_keys_condition`): ``LearningRateModifier`` was listed as requiring
-    ``steps_per_epoch`` and as taking it optionally (found by a tester)."""
-    required, optional = frozenset(cls.required_state), frozenset(cls.optional_state)
-    condition = _required_keys_condition(cls)
-    conditional: frozenset[str] = frozenset()
-    if getattr(cls, "required_keys", None) is not Modifier.required_keys:
-        named = inspect.getdoc(cls.required_keys) or ""
-        conditional = (required & optional) | {key for key in optional if f"``{key}``" in named}
-    lines = [f"      required state: {_keys(required - conditional)}"]
-    if conditional:
-        why = f" ({cls.__name__}.required_keys(): {condition})" if condition else ""
-        lines.append(f"      required for some arguments, else optional: {_keys(conditional)}{why}")
-    lines.append(f"      optional state: {_keys(optional - required - conditional)}")
+    """The listing's state lines of ``cls``: a key required for some arguments only (its ``conditional_state``) is
+    listed once, with when (``LearningRateModifier`` was listed as requiring ``steps_per_epoch`` and as taking it
+    optionally: found by a tester)."""
+    conditional = dict(cls.conditional_state)
+    required, optional = frozenset(cls.required_state) - set(conditional), frozenset(cls.optional_state)
+    lines = [f"      required state: {_keys(required)}"]
+    lines.extend(f"      required state: {key}, {when}" for key, when in sorted(conditional.items()))
+    lines.append(f"      optional state: {_keys(optional - required - set(conditional))}")
     return lines
 
 

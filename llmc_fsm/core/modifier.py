@@ -327,6 +327,9 @@ class Modifier(metaclass=ModifierType):
 
     required_state: ClassVar[frozenset[str]] = frozenset()
     optional_state: ClassVar[frozenset[str]] = frozenset()
+    #: Keys :meth:`required_keys` requires for some arguments only, each with when (``{"steps_per_epoch": "unless
+    #: the schedule is constant with no start/end/update"}``): what ``llmc-fsm modifiers`` lists beside them.
+    conditional_state: ClassVar[Mapping[str, str]] = {}
     events: ClassVar[frozenset[str]] = frozenset()
     runs_after: ClassVar[frozenset[str]] = frozenset()
     events_after_end: ClassVar[frozenset[str]] = frozenset()

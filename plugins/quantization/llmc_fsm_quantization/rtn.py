@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
+from typing import ClassVar
 
 import attrs
 import torch
@@ -110,6 +112,10 @@ class QuantizationModifier(QuantizingModifier):
 
     required_state = frozenset({"model"})
     optional_state = frozenset({"calibration_data"})
+    conditional_state: ClassVar[Mapping[str, str]] = {
+        "calibration_data": "when an observer needs the inputs' importance (imatrix_mse), input activations have "
+        "static scales, or a kv_cache_scheme is given"
+    }
     needs_inputs = False
     supports_kv_cache = True
     imatrix_on_nvfp4 = True

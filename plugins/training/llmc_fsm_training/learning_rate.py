@@ -34,7 +34,7 @@ import math
 import numbers
 import weakref
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 import attrs
 
@@ -194,6 +194,9 @@ class LearningRateModifier(Modifier):
 
     required_state = frozenset({"optimizer", "steps_per_epoch"})
     optional_state = frozenset({"steps_per_epoch"})  # read when given; not required by a constant rate (required_keys)
+    conditional_state: ClassVar[Mapping[str, str]] = {
+        "steps_per_epoch": "unless the schedule is constant with no start/end/update"
+    }
     events = frozenset({"optim_pre_step"})
     events_after_end = frozenset({"optim_pre_step"})  # the value at end kept until finalize, over any scheduler
 
