@@ -39,7 +39,12 @@ from llmc_fsm.cli import lifecycle, model_free, oneshot, plugins, report
 from llmc_fsm.core.errors import ModifierError
 from llmc_fsm.core.registry import missing_extra_hint
 from llmc_fsm.core.version import __version__
-from llmc_fsm.toolkit.distributed import error_line_to_print, peer_failure, process_group_from_env
+from llmc_fsm.toolkit.distributed import (
+    error_line_to_print,
+    launched_world_size,
+    peer_failure,
+    process_group_from_env,
+)
 from llmc_fsm.toolkit.heap import use_huge_pages
 
 __all__ = ["main"]
@@ -263,24 +268,16 @@ def _log_format() -> str:
     Every rank prints its warnings: a rank compresses its own share of the modules, and their warnings (a
     dampening retry) exist on that rank only (a tester found them lost when only rank 0 printed); the warnings
     every rank raises alike come once per rank, each line saying whose."""
-    rank = f"rank {_launch_rank()}: " if _world_size() > 1 else ""
+    rank = f"rank {_launch_rank()}: " if launched_world_size() > 1 else ""
     return f"{rank}%(levelname)s %(name)s: %(message)s"
 
 
 def _launch_rank() -> int:
     """This process's rank as ``torchrun`` set it (``RANK`` with ``WORLD_SIZE`` > 1), else 0."""
     try:
-        return int(os.environ.get("RANK", "0")) if _world_size() > 1 else 0
+        return int(os.environ.get("RANK", "0")) if launched_world_size() > 1 else 0
     except ValueError:
         return 0
-
-
-def _world_size() -> int:
-    """``WORLD_SIZE`` as ``torchrun`` set it, else 1."""
-    try:
-        return int(os.environ.get("WORLD_SIZE", "1"))
-    except ValueError:
-        return 1
 
 
 if __name__ == "__main__":  # pragma: no cover

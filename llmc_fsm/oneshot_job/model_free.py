@@ -73,7 +73,7 @@ from llmc_fsm.output.directory import check_output_dir, check_output_not_source
 from llmc_fsm.output.save import compressed_state_dict, warn_formats, write_quantization_config
 from llmc_fsm.output.workdir import WorkDir, recover_previous
 from llmc_fsm.session.session import Session
-from llmc_fsm.toolkit.distributed import get_world_size
+from llmc_fsm.toolkit.distributed import get_world_size, launched_world_size
 from llmc_fsm.toolkit.packed import expert_reload_problem
 from llmc_fsm.toolkit.targets import compact_names, model_family, tied_head
 from llmc_fsm.toolkit.views import reloads_as_linears
@@ -180,11 +180,7 @@ def model_free_ptq(
 def _refuse_several_processes() -> None:
     """Refuse to run as one of several processes: every rank planned and claimed the same output, and the ranks'
     check at ``initialize`` failed on the planning tree (found by a tester); nothing here is split between ranks."""
-    try:
-        launched = int(os.environ.get("WORLD_SIZE", "1") or 1)
-    except ValueError:
-        launched = 1
-    world = max(get_world_size(), launched)
+    world = max(get_world_size(), launched_world_size())
     if world > 1:
         msg = (
             f"model_free_ptq (llmc-fsm model-free) runs in one process, and this is one of {world} "

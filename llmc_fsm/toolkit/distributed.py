@@ -63,6 +63,7 @@ __all__ = [
     "get_world_size",
     "is_distributed",
     "is_main_process",
+    "launched_world_size",
     "peer_failure",
     "process_group_from_env",
     "rank_work",
@@ -131,6 +132,14 @@ def get_world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
+def launched_world_size() -> int:
+    """The number of processes ``torchrun`` started, from ``WORLD_SIZE`` (1 when unset or not a number)."""
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1") or 1)
+    except ValueError:  # not a number: not torchrun's
+        return 1
+
+
 def refuse_without_process_group(what: str) -> None:
     """Refuse to run as one of several processes that torchrun started (``WORLD_SIZE`` > 1) when no process group of
     several ranks is initialized: each process would run the whole job alone, on the same output (found by a tester:
@@ -143,10 +152,7 @@ def refuse_without_process_group(what: str) -> None:
     Raises:
         ValueError: one line naming the world size and what to do: ``init_process_group`` first, or no torchrun.
     """
-    try:
-        launched = int(os.environ.get("WORLD_SIZE", "1") or 1)
-    except ValueError:  # not a number: not torchrun's
-        launched = 1
+    launched = launched_world_size()
     if launched > 1 and get_world_size() == 1:
         msg = (
             f"{what} runs as one of {launched} processes (WORLD_SIZE={launched}: torchrun) but no torch.distributed "
