@@ -276,3 +276,59 @@ def test_fp8_dynamic_shared_by_two_ranks_equals_one_process_bitwise(tmp_path, on
         for rank in ranks:
             mine = rank["tensors"][key]
             assert mine.dtype == tensor.dtype and torch.equal(mine.view(torch.uint8), tensor.view(torch.uint8)), key
+
+
+def _quantized_experts_worker(rank: int, tmp: Path, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from tiny_families import build
+
+    from llmc_fsm.toolkit import weight_views
+
+    scheme = {"preset": "W4A16", "weights": {"group_size": 32}}
+    recipe = {"s": {"GPTQModifier": {"scheme": scheme, "ignore": ["lm_head", "re:.*mlp.gate$"]}}}
+    out: dict[str, Any] = {}
+    for data, dataset in {"6x24": windows(), "2x3": windows()[:2, :3]}.items():
+        model = build("qwen3_moe")
+        llmc_fsm.oneshot(model=model, recipe=recipe, dataset=dataset, batch_size=2, progress=False)
+        for i, layer in enumerate(model.model.layers):
+            for suffix, view in weight_views(layer.mlp.experts).items():
+                tensors[f"{data}/{i}.{suffix}"] = view.weight.detach().clone()
+                for key, value in view.quantized_params.items():
+                    tensors[f"{data}/{i}.{suffix}.{key}"] = value.detach().clone()
+        report = model.llmc_fsm_report
+        out[data] = {
+            "routed": {m.name: m.routed_tokens for m in report.modules if m.routed_tokens is not None},
+            "every_rank": [w.get("every_rank") for w in report.execution.get("compress_per_rank", [])],
+        }
+    return out
+
+
+@pytest.mark.distributed
+def test_gptq_on_fused_experts_under_two_ranks_equals_one_process(tmp_path, one_thread):
+    """GPTQ on fused experts (Qwen3-MoE) under torch.distributed was refused ("quantizing fused experts under
+    torch.distributed is not implemented"). Now each rank sums the experts' Hessians and routed-token counts over the
+    ranks before it decides which experts got no token (those are rounded to nearest), and quantizes every expert
+    matrix itself (their quantization parameters live on views no broadcast reaches): the weights and parameters
+    equal one process's bitwise (each GPTQ sweep sees the same summed Hessian), and the report counts every rank's
+    routed tokens."""
+    ranks = run_ranks(_quantized_experts_worker, tmp_path, world_size=2, timeout_s=90.0, join_s=300.0)
+    for rank in ranks:
+        assert "error" not in rank["meta"], rank["meta"]
+    one: dict[str, torch.Tensor] = {}
+    single = _quantized_experts_worker(0, tmp_path, one)
+    first, second = ranks[0]["tensors"], ranks[1]["tensors"]
+    assert sorted(first) == sorted(second) == sorted(one)
+    assert len(one) == 2 * 4 * 4 * 3 * 3  # 2 datasets, 4 layers, 4 experts, 3 matrices: weight, scale, zero point
+    for key, value in one.items():
+        assert torch.equal(first[key], second[key]), key
+        assert torch.equal(first[key], value), key
+    for data in ("6x24", "2x3"):
+        mine = [rank["meta"]["result"][data] for rank in ranks]
+        assert mine[0]["routed"] == mine[1]["routed"] == single[data]["routed"]
+        assert mine[0]["every_rank"] == mine[1]["every_rank"] == [4 * 4 * 3, 4 * 4 * 3]  # the expert matrices
+        assert single[data]["every_rank"] == []  # one process: no ranks
+    assert min(single["6x24"]["routed"].values()) > 0
+    idle = [name for name, count in single["2x3"]["routed"].items() if count == 0]
+    assert idle, "the short data leaves some expert without a token: rounded to nearest on every rank"

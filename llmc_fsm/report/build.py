@@ -501,10 +501,16 @@ def _execution_lines(execution: dict[str, Any] | None) -> list[str]:
         )
         ranks = f"; {resumed['ranks']}" if resumed.get("ranks") else ""
         lines.append(f"resumed: continued an interrupted run's saved progress ({used}){ranks}")
-    for rank, work in enumerate(execution.get("compress_per_rank") or []):
+    per_rank = execution.get("compress_per_rank") or []
+    for rank, work in enumerate(per_rank):
         lines.append(
             f"rank {rank}: compressed {work['modules']} modules (sweep cost {work['cost']:.3g} = rows x columns^2, "
             f"{work['seconds']:.1f} s)"
+        )
+    if per_rank and per_rank[0].get("every_rank"):
+        lines.append(
+            f"every rank: compressed {per_rank[0]['every_rank']} more modules itself (fused experts' matrices, whose "
+            "quantization parameters are not broadcast)"
         )
     return lines
 

@@ -243,6 +243,8 @@ class CalibratedModifier(Modifier):
         self.compressed_here: list[str] = []
         #: when ranks share the work: module name -> (rank that compressed it, sweep cost, seconds).
         self.work_shares: dict[str, tuple[int, int, float]] = {}
+        #: when ranks share the work: the targets compressed on every rank anyway (:meth:`_shares_module`), in order.
+        self.compressed_on_every_rank: list[str] = []
         self._rank_loads: list[int] = []
 
     @property
@@ -501,7 +503,25 @@ class CalibratedModifier(Modifier):
         expert = isinstance(module, LinearView) and module.expert is not None
         return expert and isinstance(getattr(self, "routed_tokens", None), dict)
 
-    def _compress_all(self, modules: dict[str, nn.Module], *, trim: bool = False) -> None:
+    def _sum_over_ranks(self, modules: Mapping[str, nn.Module]) -> None:
+        """Under ``torch.distributed``, sum the accumulators of ``modules`` over the ranks, in place
+        (:func:`llmc_fsm.toolkit.distributed.reduce_statistics`: a rank that saw no input for a module the others
+        saw gets an empty accumulator first); one process: nothing. Every rank calls it with the same names. A
+        subclass that reads the statistics before :meth:`_compress_all` (which targets received inputs at all) calls
+        it first and then ``_compress_all(..., reduced=True)``, so that they are summed once.
+
+        Raises:
+            DistributedError: ranks disagree on which targets share statistics, or a collective failed.
+        """
+        if is_distributed():
+            reduce_statistics(self._acc, dict(modules), self._new_accumulator, owner=type(self).__name__)
+
+    def _shares_module(self, module: nn.Module) -> bool:
+        """When :attr:`shares_work_across_ranks`: whether ``module`` may be compressed by one rank and its tensors
+        broadcast to the others; a group holding a module that may not is compressed on every rank. Default: all."""
+        return True
+
+    def _compress_all(self, modules: dict[str, nn.Module], *, trim: bool = False, reduced: bool = False) -> None:
         """Compress ``{name: module}``, each group of modules that share an accumulator in one call.
 
         ``trim``: give the freed heap back to the system (:func:`llmc_fsm.toolkit.heap.trim_heap`) after
@@ -511,16 +531,18 @@ class CalibratedModifier(Modifier):
         (peak 0.92 or 1.25-1.36 GB); with it, 0.92 GB in every run.
 
         Under ``torch.distributed`` the accumulators are first summed over the
-        ranks (:func:`llmc_fsm.toolkit.distributed.reduce_statistics`) and the new weights are then compared
-        across ranks (:func:`llmc_fsm.toolkit.distributed.check_same_values`). Every rank
-        calls this with the same ``modules`` (the same layer), so the collectives match.
+        ranks (:meth:`_sum_over_ranks`; not again with ``reduced``: the caller did) and the new weights are then
+        compared across ranks (:func:`llmc_fsm.toolkit.distributed.check_same_values`). Every rank
+        calls this with the same ``modules`` (the same layer), so the collectives match. With
+        :attr:`shares_work_across_ranks` the groups whose modules all may be shared (:meth:`_shares_module`) are
+        split between the ranks; the others are compressed on every rank.
 
         Raises:
             DistributedError: a collective failed, or the ranks computed different weights.
         """
         distributed = is_distributed()
-        if distributed:
-            reduce_statistics(self._acc, modules, self._new_accumulator, owner=type(self).__name__)
+        if not reduced:
+            self._sum_over_ranks(modules)
         groups: dict[int, tuple[Any, list[tuple[str, nn.Module]]]] = {}
         for name, module in modules.items():
             acc = self._acc.pop(name, None)
@@ -554,8 +576,10 @@ class CalibratedModifier(Modifier):
             self._last_input = None  # the last batch's input and statistics are not needed past their group
             self._last_acc = None
         if distributed and self.shares_work_across_ranks:
-            self._compress_shared(groups)
-            groups = {}
+            shared = {key: group for key, group in groups.items() if all(self._shares_module(m) for _, m in group[1])}
+            self._compress_shared(shared)
+            groups = {key: group for key, group in groups.items() if key not in shared}
+            self.compressed_on_every_rank.extend(name for _, members in groups.values() for name, _ in members)
         since_trim = 0
         for key in list(groups):
             acc, members = groups.pop(key)

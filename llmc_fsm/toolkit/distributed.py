@@ -383,17 +383,24 @@ def rank_work(modifiers: Iterable[Any]) -> list[dict[str, Any]]:
 
     Returns:
         Per rank ``{"modules": int, "cost": float (rows x columns²), "seconds": float}``; ``[]`` when no work was
-        shared (one process, or modifiers that compress every module on every rank).
+        shared (one process, or modifiers that compress every module on every rank). When some modules of a
+        sharing modifier were compressed on every rank anyway (``compressed_on_every_rank``: fused experts'
+        matrices under a quantizer), each rank's entry also holds ``"every_rank": int``, their number.
     """
+    modifiers = list(modifiers)
     shares = [share for m in modifiers for share in (getattr(m, "work_shares", None) or {}).values()]
     if not shares:
         return []
+    replicated = sum(len(getattr(m, "compressed_on_every_rank", None) or ()) for m in modifiers)
     world = max(get_world_size(), 1 + max(rank for rank, _, _ in shares))
     out = [{"modules": 0, "cost": 0.0, "seconds": 0.0} for _ in range(world)]
     for rank, cost, seconds in shares:
         out[rank]["modules"] += 1
         out[rank]["cost"] += float(cost)
         out[rank]["seconds"] += float(seconds)
+    if replicated:
+        for entry in out:
+            entry["every_rank"] = replicated
     return out
 
 

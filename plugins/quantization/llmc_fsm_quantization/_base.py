@@ -1338,7 +1338,7 @@ class QuantizingModifier(CalibratedModifier):
                 channel or tensor with no, dynamic or static FP8 per-tensor input activations) and vLLM does not
                 read per expert either (NVFP4 and FP8 block experts are written per expert for vLLM, with one warning
                 line: :func:`~llmc_fsm.toolkit.experts_for_vllm`), or expert matrices in config groups of different
-                schemes; fused experts under ``torch.distributed``.
+                schemes.
         """
         name = type(self).__name__
         family = model_family(model)
@@ -1387,9 +1387,6 @@ class QuantizingModifier(CalibratedModifier):
                 f"{name}: {family}: {left} would stay dense while other expert matrices are quantized; {why}: "
                 "quantize every expert matrix (no ignore pattern inside the experts) or none of the model"
             )
-            raise ValueError(msg)
-        if is_distributed():
-            msg = f"{name}: quantizing fused experts under torch.distributed is not implemented; run it on one process"
             raise ValueError(msg)
         scheme = self._experts_scheme(views)
         if scheme is None and not linears:  # Llama 4's: one config group per scheme, by name (output.save)
@@ -1636,21 +1633,35 @@ class QuantizingModifier(CalibratedModifier):
         return renames
 
     def _record_routed(self) -> None:
-        """Copy the routed-token counts of the expert matrices quantized since the last call."""
-        for name, view in self._targets.items():
-            if isinstance(view, LinearView) and view.expert is not None and name in self.results:
-                if self.needs_inputs or self.results[name].samples:  # data-free RTN: no routing to count
-                    self.routed_tokens.setdefault(name, view.routed_tokens)
+        """Copy the routed-token counts of the expert matrices quantized since the last call, summed over the ranks
+        under ``torch.distributed`` (each rank's view counts the tokens of its own share of the data)."""
+        new = [
+            (name, view)
+            for name, view in self._targets.items()
+            if isinstance(view, LinearView)
+            and view.expert is not None
+            and name in self.results
+            and name not in self.routed_tokens
+            and (self.needs_inputs or self.results[name].samples)  # data-free RTN: no routing to count
+        ]
+        if not new:  # the same on every rank (the results are computed from the summed statistics): no collective
+            return
+        counts = torch.tensor([view.routed_tokens for _, view in new], dtype=torch.int64)
+        all_reduce_tensor(counts, what="all_reduce (routed tokens)")  # every rank: the same names, in one order
+        self.routed_tokens.update(zip((name for name, _ in new), counts.tolist(), strict=True))
 
-    def _compress_all(self, modules: dict[str, nn.Module], *, trim: bool = False) -> None:
+    def _compress_all(self, modules: dict[str, nn.Module], *, trim: bool = False, reduced: bool = False) -> None:
         """:meth:`CalibratedModifier._compress_all`; an expert matrix that received no calibration input (the router
-        sent its expert no token, without ``calibrate_all_experts``) is quantized by round-to-nearest with the
-        scheme's observer (``minmax`` for ``imatrix_mse``): a layer's experts are reloaded from packed weights only,
-        so none is left dense; a static input scale it takes from its calibrated siblings (:meth:`_idle_input_scales`).
+        sent its expert no token on any rank, without ``calibrate_all_experts``) is quantized by round-to-nearest with
+        the scheme's observer (``minmax`` for ``imatrix_mse``): a layer's experts are reloaded from packed weights
+        only, so none is left dense; a static input scale it takes from its calibrated siblings
+        (:meth:`_idle_input_scales`).
         Named in a warning and in :attr:`round_to_nearest_fallback`. An ``nn.Embedding`` target is quantized without
         inputs (:attr:`targets_without_inputs`). A targeted head tied to the embedding is untied first
         (:meth:`_untie_head`)."""
         self._untie_head()
+        if not reduced:  # which experts received tokens is read from the statistics of every rank
+            self._sum_over_ranks(modules)
         idle: dict[str, nn.Module] = {}
         if self.needs_inputs:
             embeddings = [(n, m) for n, m in modules.items() if isinstance(m, nn.Embedding)]
@@ -1681,8 +1692,10 @@ class QuantizingModifier(CalibratedModifier):
                     self._compress_members(None, members)
             self.round_to_nearest_fallback.extend(idle)
             done = {name for name, _ in embeddings} | set(idle)
+            if is_distributed() and self.shares_work_across_ranks:
+                self.compressed_on_every_rank.extend(name for name in modules if name in done)
             modules = {name: module for name, module in modules.items() if name not in done}
-        super()._compress_all(modules, trim=trim)
+        super()._compress_all(modules, trim=trim, reduced=True)
         self._idle_input_scales(idle)
         sources = {id(m.source): m.source for m in [*modules.values(), *idle.values()] if isinstance(m, LinearView)}
         for source in sources.values():  # Llama 4: compute as transformers' reloaded Linear experts do
@@ -2109,6 +2122,11 @@ class QuantizingModifier(CalibratedModifier):
             for s in self._groups.values()
             if s.weights is not None
         )
+
+    def _shares_module(self, module: nn.Module) -> bool:
+        """A fused expert's matrix (a :class:`~llmc_fsm.toolkit.views.LinearView`) is quantized on every rank: its
+        quantization parameters live on the view, which no broadcast of module tensors reaches."""
+        return not isinstance(module, LinearView)
 
     def _prepare_to_receive(self, modules: list[tuple[str, nn.Module]]) -> None:
         for name, module in modules:  # the parameters attach_qparams fills on the compressing rank

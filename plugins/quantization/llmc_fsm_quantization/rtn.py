@@ -142,7 +142,7 @@ class QuantizationModifier(QuantizingModifier):
             inputs is not None and (not inputs.dynamic or inputs.dynamic == "local")
         )
 
-    def _compress_all(self, modules: dict[str, nn.Module], *, trim: bool = False) -> None:
+    def _compress_all(self, modules: dict[str, nn.Module], *, trim: bool = False, reduced: bool = False) -> None:
         """:meth:`QuantizingModifier._compress_all`; a Linear the calibration forward did not reach (e.g. Jamba's
         ``mamba.dt_proj``, which its mixer reads as ``dt_proj.weight @ x`` before the model is quantized), whose scheme
         needs no input statistics (weights and dynamic inputs: the calibration runs for a KV cache or another
@@ -169,7 +169,7 @@ class QuantizationModifier(QuantizingModifier):
                     self._acc.pop(name, None)
                 self._compress_members(None, list(unreached.items()))
                 modules = {name: module for name, module in modules.items() if name not in unreached}
-        super()._compress_all(modules, trim=trim)
+        super()._compress_all(modules, trim=trim, reduced=reduced)
 
     def _quantize(
         self, modules: list[nn.Module], accumulator: HessianAccumulator | None, args: QuantizationArgs
