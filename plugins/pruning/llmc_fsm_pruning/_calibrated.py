@@ -14,9 +14,10 @@ from typing import Any
 
 import attrs
 import torch
+from torch import nn
 
 from llmc_fsm.toolkit import CalibratedModifier, LinearView, all_reduce_tensor, observe_view_inputs
-from llmc_fsm_pruning.masks import mask_structure_validator, sparsity_validator
+from llmc_fsm_pruning.masks import mask_structure_validator, parse_mask_structure, sparsity_validator
 
 __all__ = ["CalibratedPruningModifier"]
 
@@ -65,6 +66,21 @@ class CalibratedPruningModifier(CalibratedModifier):
     def _clear(self) -> None:
         super()._clear()
         self.routed_tokens: dict[str, int] = {}
+
+    def _check_target(self, name: str, module: nn.Module) -> str | None:
+        """The base class's check; with an N:M ``mask_structure`` also that M divides the weight's ``in_features``
+        (the groups of M run along the input dimension). Refused here, at :meth:`check_model`, before any
+        calibration: the sweep raised it only when the module's layer was compressed, after the layer's other
+        modules were pruned, without naming the module (found by a tester). llm-compressor 0.14 runs such a
+        recipe and zeroes the trailing partial group whole."""
+        problem = super()._check_target(name, module)
+        nm = parse_mask_structure(self.mask_structure)
+        if problem is not None or nm is None or module.weight.shape[1] % nm[1] == 0:
+            return problem
+        return (
+            f"in_features {module.weight.shape[1]} is not a multiple of M={nm[1]} (mask_structure "
+            f"{self.mask_structure!r} keeps {nm[0]} of every {nm[1]} consecutive weights along the input dimension)"
+        )
 
     def on_calibration_start(self, state: Any) -> None:
         super().on_calibration_start(state)

@@ -409,8 +409,8 @@ def _positive_int(instance: Any, attribute: attrs.Attribute, value: Any) -> None
         raise ValueError(msg)
 
 
-def _positive_dampening(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
-    check_dampening_frac(value, positive=True)
+def _dampening(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    check_dampening_frac(value)
 
 
 def _flag(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
@@ -432,7 +432,9 @@ class SparseGPTModifier(CalibratedPruningModifier):
         block_size: columns per block of the sweep (default 128, as in the paper);
             must be a multiple of M for N:M structures.
         dampening_frac: ``dampening_frac * mean(diag H)`` is added to the diagonal
-            of ``H`` before inversion (default 0.01, as in the paper); > 0.
+            of ``H`` before inversion (default 0.01, as in the paper); in ``[0, 1e6]`` (``0``: no damping; a
+            Hessian that is then not positive definite is retried with 1e-4, then 10x, as GPTQ's is —
+            llm-compressor accepts 0 too; until session 38 it was refused here).
         preserve_sparsity_mask: ``True`` keeps every weight that is already zero
             pruned and counts it toward ``sparsity`` (llm-compressor's argument,
             for pruning a sparse model further, e.g. a 2:4 model to 75%); default
@@ -449,7 +451,7 @@ class SparseGPTModifier(CalibratedPruningModifier):
     """
 
     block_size: int = attrs.field(default=128, validator=_positive_int)
-    dampening_frac: float = attrs.field(default=0.01, validator=_positive_dampening)
+    dampening_frac: float = attrs.field(default=0.01, validator=_dampening)
     preserve_sparsity_mask: bool = attrs.field(default=False, validator=_flag)
 
     def __attrs_post_init__(self) -> None:
