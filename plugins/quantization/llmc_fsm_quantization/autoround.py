@@ -101,6 +101,10 @@ CLIP_RANGE = (0.5, 1.0)
 SEED = 42
 #: Smallest magnitude of a symmetric scale (auto-round's ``q_scale_thresh``).
 SCALE_FLOOR = 1e-5
+#: Weight observers accepted: the weight's own min/max (a weight is observed once, so the moving average, the
+#: running extremes and the last observation are the same range); llm-compressor 0.14's saved AutoRound recipe writes
+#: ``memoryless_minmax`` into each config group's weights.
+_RANGE_OBSERVERS = frozenset({"minmax", "static_minmax", "memoryless_minmax"})
 
 
 @attrs.frozen
@@ -745,9 +749,9 @@ class AutoRoundModifier(QuantizingModifier):
     dynamic ones from each input, static ones (``FP8``) and NVFP4's input global scale from the ranges the
     calibration pass observed on the layer's inputs before it is tuned (as every quantizing modifier observes
     them; not on fused experts, whose inputs are not quantized in memory). ``observer`` must be ``minmax``
-    (AutoRound tunes the range itself). Requires state ``model`` and ``calibration_data``; runs
-    in one process. Memory: the current layer's inputs, its output on them and the float
-    model's hidden states before and after it, for every calibration sample, and three
+    or, equal on weights, ``static_minmax`` / ``memoryless_minmax`` (AutoRound tunes the range itself).
+    Requires state ``model`` and ``calibration_data``; runs in one process. Memory: the current layer's inputs, its
+    output on them and the float model's hidden states before and after it, for every calibration sample, and three
     tensors per weight (``V``, and per group ``alpha``, ``beta``).
     After the run :attr:`layer_errors` holds each layer's :class:`LayerErrors` (the one-shot report's ``tuning``
     section, :attr:`tuning_results`; kept across ``--resume`` by :meth:`progress_state`).
@@ -778,8 +782,13 @@ class AutoRoundModifier(QuantizingModifier):
                 where = f"config group {group!r}: " if self.config_groups is not None else ""
                 msg = f"AutoRoundModifier: {where}{problem}; use GPTQModifier or QuantizationModifier for that scheme"
                 raise ValueError(msg)
-        if self.observer != "minmax":
-            msg = f"AutoRoundModifier tunes the weight range itself: observer must be minmax, got {self.observer!r}"
+        observers = sorted({s.weights.observer for s in self._groups.values() if s.weights is not None})
+        other = [o for o in observers if o not in _RANGE_OBSERVERS]
+        if other:
+            msg = (
+                "AutoRoundModifier tunes the weight range itself: observer must be minmax (or its equivalents for "
+                f"weights, static_minmax and memoryless_minmax), got {other[0]!r}"
+            )
             raise ValueError(msg)
         if self.device_ids is not None:
             logger.warning(

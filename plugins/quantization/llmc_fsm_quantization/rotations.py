@@ -23,7 +23,8 @@ What :class:`SpinQuantModifier` does to a Llama-style model, in float64 (``preci
 
 Logits are unchanged up to float rounding (checked on a probe input after fusing).
 ``Q`` is a normalized Hadamard matrix (:func:`hadamard_matrix`), or a block-diagonal
-one with ``transform_block_size`` blocks.
+one whose ``transform_block_size`` blocks are all the same matrix (as compressed-tensors
+builds it, so ``random-hadamard`` blocks share their random signs).
 
 Online rotations (R3 on queries/keys, R4 on down_proj's input) need a transform
 computed at run time; transformers (5.24) does not apply compressed-tensors
@@ -129,24 +130,21 @@ def hadamard_matrix(
 
 
 def block_hadamard(size: int, block: int, transform_type: str, dtype: torch.dtype) -> torch.Tensor:
-    """The diagonal blocks ``[size // block, block, block]`` of a block-diagonal orthogonal ``[size, size]`` matrix
-    (:func:`hadamard_matrix` blocks; ``"random-hadamard"``: fresh random signs per block, from one generator).
+    """The diagonal blocks ``[size // block, block, block]`` of a block-diagonal orthogonal ``[size, size]`` matrix:
+    one :func:`hadamard_matrix` of order ``block`` (``"random-hadamard"``: its signs drawn once, from a fresh
+    ``torch.Generator`` with the default seed) repeated on every block, as compressed-tensors' transform factories
+    build a scheme's ``head_dim`` block once and apply it to each (llm-compressor's ``transform_block_size``, and
+    what the saved ``transform_config`` describes).
 
-    For ``"hadamard"`` every block is the same matrix (a broadcast view of one block). Applied by
+    The result is a broadcast view of that one block (stride 0 along the first dimension), in ``dtype``. Applied by
     :func:`times_blocks` / :func:`blocks_t_times` without forming the whole matrix (``block / size`` of its
     multiply-adds).
+
+    Raises:
+        ValueError: as :func:`hadamard_matrix` (no Hadamard matrix of order ``block``).
     """
-    if block == size:
-        return hadamard_matrix(size, transform_type=transform_type, dtype=dtype).unsqueeze(0)
-    gen = torch.Generator()
-    first = hadamard_matrix(block, transform_type=transform_type, dtype=dtype, generator=gen)
-    if transform_type != "random-hadamard":
-        return first.expand(size // block, block, block)
-    rest = [
-        hadamard_matrix(block, transform_type=transform_type, dtype=dtype, generator=gen)
-        for _ in range(1, size // block)
-    ]
-    return torch.stack([first, *rest])
+    one = hadamard_matrix(block, transform_type=transform_type, dtype=dtype)
+    return one.expand(size // block, block, block)
 
 
 def _same_blocks(blocks: torch.Tensor) -> bool:
@@ -278,6 +276,14 @@ def find_rotation_plan(model: nn.Module) -> RotationPlan:
     for i, layer in enumerate(layers):
         parts = {key: _get(layer, path) for key, path in _LAYER_PARTS.items()}
         absent = [_LAYER_PARTS[key] for key, m in parts.items() if m is None]
+        experts = [n for n, _ in layer.named_modules() if n.rsplit(".", 1)[-1] == "experts"]
+        if absent and experts:
+            msg = (
+                f"SpinQuantModifier cannot rotate {arch}: model.layers.{i} is a mixture-of-experts layer "
+                f"(model.layers.{i}.{experts[0]}), which the rotations do not support (only dense Llama-style MLPs: "
+                "mlp.gate_proj, mlp.up_proj, mlp.down_proj); quantize this model without SpinQuantModifier"
+            )
+            raise ValueError(msg)
         if absent:
             msg = f"SpinQuantModifier cannot rotate {arch}: model.layers.{i} has no {', '.join(absent)}"
             raise ValueError(msg)
@@ -634,8 +640,9 @@ class SpinQuantModifier(llmc_fsm.Modifier):
             (random signs from a ``torch.Generator`` with its default seed: the same
             every run). ``random-matrix`` is refused (not orthogonal).
         transform_block_size: R1 uses a block-diagonal matrix of Hadamard blocks of
-            this size (must divide ``hidden_size``); default ``null``: one block of
-            ``hidden_size``. R2 always uses ``head_dim`` (as llm-compressor).
+            this size (must divide ``hidden_size``), one matrix repeated on every block
+            (:func:`block_hadamard`); default ``null``: one block of ``hidden_size``.
+            R2 always uses ``head_dim`` (as llm-compressor).
         precision: ``float64`` (default) or ``float32``: the dtype the weights are
             transformed in (they are stored back in their own dtype).
         randomize, learnable: only ``false`` (a distinct matrix per module, and
@@ -707,7 +714,17 @@ class SpinQuantModifier(llmc_fsm.Modifier):
                 )
                 raise ValueError(msg)
         if "R2" in self.rotations and not _known_hadamard(plan.head_dim):
-            msg = f"SpinQuantModifier: no Hadamard matrix of order head_dim {plan.head_dim} (R2) is known"
+            block = self.transform_block_size or plan.hidden_size
+            r1_valid = plan.hidden_size % block == 0 and _known_hadamard(block)
+            r1_only = (
+                "rotations: [R1]"
+                if r1_valid
+                else f"rotations: [R1] with transform_block_size: {plan.hidden_size & -plan.hidden_size}"
+            )
+            msg = (
+                f"SpinQuantModifier: no Hadamard matrix of order head_dim {plan.head_dim} (R2) is known (orders "
+                f"K * 2^m with K a multiple of 4 up to 256); use {r1_only} to rotate the residual stream only"
+            )
             raise ValueError(msg)
         given = (self.transform_config or {}).get("config_groups", {}).get("R2", {}).get("head_dim", plan.head_dim)
         if "R2" in self.rotations and given != plan.head_dim:

@@ -415,7 +415,8 @@ def test_defaults_are_llmcompressors() -> None:
     [
         (
             {"observer": "mse"},
-            "AutoRoundModifier tunes the weight range itself: observer must be minmax, got 'mse'",
+            "AutoRoundModifier tunes the weight range itself: observer must be minmax (or its equivalents for "
+            "weights, static_minmax and memoryless_minmax), got 'mse'",
         ),
         ({"batch_size": 0}, "batch_size must be a positive int, got 0"),
         ({"lr": -0.1}, "lr must be a finite positive number or null (1 / iters), got -0.1"),
