@@ -14,6 +14,8 @@ from typing import Any
 
 from torch import nn
 
+from llmc_fsm.models.hf_io import checkpoint_key_renamer
+
 __all__ = [
     "attention_scheme",
     "ignore_for_reload",
@@ -21,6 +23,7 @@ __all__ = [
     "leaf_targets",
     "unpacked_embeddings",
     "unpacked_zero_points",
+    "with_saved_names",
 ]
 
 #: Attribute of an attention module whose KV cache is quantized: its compressed-tensors ``QuantizationArgs``
@@ -172,7 +175,40 @@ def ignore_for_reload(model: nn.Module, modules: dict[str, nn.Module], ignore: l
             or (isinstance(sub, nn.Linear | nn.Embedding) and is_match(name, sub, sorted(targets)))
         )
     ]
-    return [*ignore, *added]
+    return with_saved_names(model, [*ignore, *added])
+
+
+def with_saved_names(model: nn.Module, ignore: list[str]) -> list[str]:
+    """``ignore`` with both spellings of each module whose weight transformers saves under another name: beside a
+    module name of ``model``, the name ``save_pretrained`` writes its weight under (transformers'
+    ``revert_weight_conversion``: Mixtral's router ``model.layers.N.mlp.gate`` is saved as
+    ``model.layers.N.block_sparse_moe.gate``, a vision tower's ``model.vision_tower.encoder...`` as
+    ``vision_tower.encoder...``), and beside a saved name the module's name (compressed-tensors 0.20 writes the
+    saved names for a model that ``from_pretrained`` loaded, and module names for a model built otherwise: the
+    checkpoint of a Mixtral built from its config listed ``mlp.gate`` while its tensors are
+    ``block_sparse_moe.gate.weight``, found by a tester). transformers reloads into module names, a serving engine
+    (vLLM) matches the checkpoint's names; a name that renames to itself, a ``re:`` pattern and a name that is
+    neither are kept as they are. Order: each entry, then its other spelling."""
+    from transformers.core_model_loading import revert_weight_conversion  # optional third-party: transformers
+
+    modules = dict(model.named_modules())
+    to_module = checkpoint_key_renamer(model) if hasattr(model, "base_model_prefix") else None
+    out: list[str] = []
+    for name in ignore:
+        other = None
+        if name.startswith("re:") or to_module is None:
+            other = None
+        elif name in modules and isinstance(getattr(modules[name], "weight", None), nn.Parameter):
+            probe = {f"{name}.weight": modules[name].weight}
+            other = next(iter(revert_weight_conversion(model, probe)), "").removesuffix(".weight")
+        elif name not in modules:
+            renamed, pattern = to_module(f"{name}.weight")
+            module = renamed.removesuffix(".weight")
+            other = module if pattern is None and module in modules else None
+        for entry in (name, other):
+            if entry and entry not in out:
+                out.append(entry)
+    return out
 
 
 def kv_cache_scheme(model: nn.Module) -> Any:
