@@ -5,6 +5,8 @@
 - :mod:`llmc_fsm.integrations.transformers`: ``transformers.Trainer`` (imported
   only when that module is imported).
 
+Each is also reached as an attribute after ``import llmc_fsm.integrations`` (imported then, on first use).
+
 Both re-raise :class:`~llmc_fsm.MissingStateError` with the message extended by
 how to pass each missing key *in that integration* (same ``missing`` attribute).
 
@@ -20,11 +22,12 @@ default onto the student's device, or onto ``teacher_device`` — ``"auto" |
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import logging
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 from torch import nn
 
 from llmc_fsm.core.errors import MissingStateError
@@ -32,9 +35,28 @@ from llmc_fsm.core.state import missing_state_message
 from llmc_fsm.pipeline.device import resolve_device
 from llmc_fsm.session.checkpoint import check_checkpoint
 
+if TYPE_CHECKING:  # for annotations only: at run time ``torch`` here is the submodule (see ``__getattr__``)
+    import torch
+
 __all__ = ["check_teacher", "place_teacher", "resolve_teacher_device", "start_session", "with_integration_hints"]
 
 logger = logging.getLogger(__name__)
+
+
+def __getattr__(name: str) -> Any:
+    """A submodule reached as an attribute (``llmc_fsm.integrations.torch``, ``.transformers``), imported on first use.
+
+    The PyTorch library was bound here as ``torch`` (``import torch``), so ``llmc_fsm.integrations.torch`` was the
+    library until the submodule was imported, and the library's own advice
+    (``llmc_fsm.integrations.torch.steps_per_epoch(...)``) failed with ``AttributeError`` (found by a tester).
+
+    Raises:
+        AttributeError: ``name`` is not a submodule of this package.
+    """
+    if not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
+        return importlib.import_module(f"{__name__}.{name}")
+    msg = f"module {__name__!r} has no attribute {name!r}"
+    raise AttributeError(msg)
 
 
 def with_integration_hints(

@@ -67,7 +67,10 @@ calibration events only (GPTQ, SparseGPT, AWQ, ...: the Trainer sends none;
 also at ``train()``, after a ``session.reset(recipe=...)``).
 
 If ``train()`` raises midway, the session stays ``running``: call
-``trainer.session.finalize()`` (or ``reset()``) yourself.
+``trainer.session.reset()`` (or ``finalize()``) yourself before the next ``train()``; a modifier's
+:class:`~llmc_fsm.ModifierError` says so in its advice (reload the weights first when it changed them). A failed
+``initialize`` at ``on_train_begin`` is rolled back: call ``train()`` again, or, when it changed the model's weights,
+reload them, ``trainer.session.reset()``, then ``train()``.
 
 Devices: the Trainer places the model (``args.device``); masks and other
 modifier state follow its parameters. The teacher is the one model the library
@@ -87,18 +90,22 @@ state and skips the trained batches; at ``on_train_begin`` the session is
 initialized and then loaded from the checkpoint, so the next step continues
 exactly where the saved run stopped (same masks and schedule values; on CPU
 with fixed seeds, bitwise-identical weights). A checkpoint without the session
-directory, or one written for another recipe or another ``steps_per_epoch``,
-raises :class:`~llmc_fsm.CheckpointError` before the Trainer loads anything.
+directory, or one written for another recipe or another ``steps_per_epoch``, or
+whose global step is not the one in the checkpoint's ``trainer_state.json`` (a session
+folder copied from another checkpoint), raises :class:`~llmc_fsm.CheckpointError`
+before the Trainer loads anything.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
 from typing import Any
 
 from transformers import Trainer, TrainerCallback
+from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint, rotate_checkpoints
 
 from llmc_fsm.core.errors import CheckpointError, LifecycleError, ModifierError
@@ -116,6 +123,13 @@ logger = logging.getLogger(__name__)
 TRAINER_RETRY_ADVICE = (
     "Fix the cause and call trainer.train() again (the trainer initializes the session at on_train_begin, with the "
     "state staged as before)."
+)
+
+#: What a failed ``initialize`` inside ``train()`` that changed the model advises (the session's advice named
+#: ``session.reset()`` and "gather the state again", calls the trainer makes: found by a tester).
+TRAINER_RELOAD_ADVICE = (
+    "Reload the model's weights, call trainer.session.reset(), then trainer.train() again (the trainer stages its "
+    "model and teacher again)."
 )
 
 #: The session's directory inside each ``checkpoint-N/``.
@@ -240,6 +254,24 @@ def _refuse_own_keys(session_state: Any) -> None:
             f"{', '.join(OWN_KEYS[k] for k in own)} instead"
         )
         raise ValueError(msg)
+
+
+def _midrun_advice(exc: ModifierError) -> str:
+    """The advice of a modifier's failure that stopped ``train()`` midway (the session ``running``), in the trainer's
+    calls: the session's own ("Continue, or finalize()/reset() the session") named a continuation the Trainer cannot
+    make, and the next ``train()`` was refused until ``trainer.session.reset()`` (found by a tester)."""
+    again = (
+        "call trainer.session.reset(), then trainer.train() to run the recipe again from step 0 on the model as it "
+        "is, or trainer.train(resume_from_checkpoint=...) to continue from a checkpoint"
+    )
+    if exc.modified:
+        return (
+            "The session refuses further events and removed every modifier's hooks. Reload the model's weights (or "
+            f"resume from a checkpoint, which loads them): {again}."
+        )
+    return (
+        f"No in-place change to a parameter of the model was seen; train() stopped with the session 'running': {again}."
+    )
 
 
 def _checkpoint_step(path: str) -> int | None:
@@ -429,7 +461,10 @@ class SessionTrainerMixin:
         except CheckpointError as exc:  # the session as before train(): train() may be called again
             raise self._named(exc) from exc
         except ModifierError as exc:  # rolled back: the user's call to make again is train(), not initialize()
-            exc.set_advice(exc.advice.replace(RETRY_ADVICE, TRAINER_RETRY_ADVICE))
+            if exc.modified:  # the session refuses everything but reset() now
+                exc.set_advice(f"{exc.advice} {TRAINER_RELOAD_ADVICE}".strip())
+            else:
+                exc.set_advice(exc.advice.replace(RETRY_ADVICE, TRAINER_RETRY_ADVICE))
             raise
 
     def _llmc_check_model(self) -> None:
@@ -470,6 +505,30 @@ class SessionTrainerMixin:
             )
             raise CheckpointError(msg) from exc
 
+    def _llmc_check_resume_step(self, step: int) -> None:
+        """Refuse a session checkpoint saved at ``step`` beside a ``trainer_state.json`` at another global step (a
+        session folder from another checkpoint or run): the Trainer continued from its step and the schedules jumped
+        to the session's, without a word (found by a tester). No ``trainer_state.json``, or one that does not read:
+        left to the Trainer.
+
+        Raises:
+            CheckpointError: one line naming both steps and the folder; nothing changed yet.
+        """
+        path = os.path.join(str(self._llmc_resume), TRAINER_STATE_NAME)
+        try:
+            with open(path, encoding="utf-8") as file:
+                trainer_step = json.load(file).get("global_step")
+        except (OSError, ValueError, AttributeError):
+            return
+        if isinstance(trainer_step, int) and not isinstance(trainer_step, bool) and trainer_step != step:
+            msg = (
+                f"resume_from_checkpoint={self._llmc_resume}: its session ({SESSION_DIR}/) was saved at global step "
+                f"{step}, its {TRAINER_STATE_NAME} at global step {trainer_step}: they come from different steps (a "
+                f"{SESSION_DIR}/ copied from another checkpoint or run?), and the recipe's schedule would jump; resume "
+                f"from a checkpoint folder as SessionTrainer wrote it"
+            )
+            raise CheckpointError(msg)
+
     # --- checkpoints -----------------------------------------------------------------
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
         """``Trainer.train``; with ``resume_from_checkpoint`` the session is restored from that checkpoint too.
@@ -482,17 +541,27 @@ class SessionTrainerMixin:
             ValueError: ``resume_from_checkpoint=True`` and ``output_dir`` holds no checkpoint, or the recipe (after a
                 ``session.reset(recipe=...)``) has a modifier that compresses on calibration events only.
             LifecycleError: the session is not ``created`` / ``staging`` (an earlier ``train()`` finished or stopped
-                midway, and the session was not reset).
+                midway, and the session was not reset), or allows only ``reset()`` (a failed ``initialize`` changed
+                the model's weights: reload them, ``trainer.session.reset()``, then ``train()``).
             ValueError: the session's ``model`` is not the model the Trainer trains (given with
                 ``trainer.session.update_state(model=...)``), before the Trainer starts and again at
                 ``on_train_begin``; the session is still staged.
             ModifierError: a modifier's ``on_initialize`` raised at ``on_train_begin``; rolled back (the message
-                says to call ``train()`` again) unless it changed the model.
-            CheckpointError: the session checkpoint does not match the session: another recipe is refused before
-                the Trainer loads anything; whatever fails after the session is initialized puts it back as it
-                was (staged, same state), so train() may be called again.
+                says to call ``train()`` again, or, when it changed the model, to reload the weights and
+                ``trainer.session.reset()`` first). A modifier's hook that raised later stops the Trainer, the
+                session ``running``: the advice names ``trainer.session.reset()`` then ``train()``.
+            CheckpointError: the session checkpoint does not match the session: another recipe, or a global step
+                other than the checkpoint's ``trainer_state.json``, is refused before the Trainer loads anything;
+                whatever fails after the session is initialized puts it back as it was (staged, same state), so
+                train() may be called again.
         """
         lifecycle = self.session.lifecycle
+        if lifecycle in ("created", "staging") and "initialize" not in self.session.allowed_calls:
+            msg = (
+                "SessionTrainer.train() refused: a failed initialize (an earlier train()) changed the model's weights "
+                f"in place, so its session allows only reset(). {TRAINER_RELOAD_ADVICE}"
+            )
+            raise LifecycleError(msg, lifecycle=lifecycle, call="train", allowed=self.session.allowed_calls)
         if lifecycle not in ("created", "staging"):
             earlier = "finished" if lifecycle == "finalized" else "stopped midway"
             msg = (
@@ -520,9 +589,15 @@ class SessionTrainerMixin:
                 check_checkpoint(self._llmc_saved, self.session, **given)
             except CheckpointError as exc:
                 raise self._named(exc) from exc
+            self._llmc_check_resume_step(self._llmc_saved["global_step"])
         _refuse_calibration_only(self.session)  # a session.reset(recipe=...) may have changed the recipe
         self._llmc_loss_kwargs()
-        return super().train(resume_from_checkpoint or None, *args, **kwargs)  # type: ignore[misc]
+        try:
+            return super().train(resume_from_checkpoint or None, *args, **kwargs)  # type: ignore[misc]
+        except ModifierError as exc:
+            if self.session.lifecycle == "running" and exc.advice:  # a hook failed mid-run: the Trainer stopped
+                exc.set_advice(_midrun_advice(exc))
+            raise
 
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
         """The Trainer's checkpoint, then the session in it, then the Trainer's rotation (``save_total_limit``):

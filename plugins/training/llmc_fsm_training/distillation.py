@@ -14,7 +14,8 @@ entropy, a constant for the student: same gradients, 0 when student == teacher):
 "Positions" are every (sequence, token) of the logits; when the student was called
 with an ``attention_mask`` (1 = real token), by keyword or positionally (found by
 binding the call's arguments to the student's ``forward`` signature), the mean is
-taken over real tokens only.
+taken over real tokens only; a mask whose shape is not the logits' leading shape (a
+4-D attention mask) is refused at ``loss_calculated`` (:func:`distillation_kl`).
 
 How the modifier gets the logits and the teacher's input
 --------------------------------------------------------
@@ -47,7 +48,9 @@ import inspect
 import logging
 import math
 import numbers
+import threading
 import warnings
+import weakref
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -67,6 +70,47 @@ logger = logging.getLogger(__name__)
 
 #: Keyword arguments of the student's call that are not model inputs for the teacher.
 _NOT_INPUTS = frozenset({"labels", "num_items_in_batch", "return_loss"})
+
+
+@attrs.define(eq=False)
+class _TeacherUse:
+    """The initialized distillation modifiers using one teacher, and the training mode each of the teacher's modules
+    had before the first of them put it in eval mode (both held weakly: nothing here keeps a teacher alive)."""
+
+    modes: weakref.WeakKeyDictionary[torch.nn.Module, bool]
+    users: weakref.WeakSet[OutputDistillationModifier] = attrs.field(factory=weakref.WeakSet)
+
+
+#: teacher -> its :class:`_TeacherUse`, while a modifier of a live session uses it. A teacher shared by two sessions
+#: is put back in the mode it was given in only when the last of them finalizes: the first finalize put it back in
+#: train mode while the other still used it (its distillation term ran the teacher's dropout), and the last one
+#: "restored" the eval mode it had seen (found by a tester).
+_TEACHERS: weakref.WeakKeyDictionary[torch.nn.Module, _TeacherUse] = weakref.WeakKeyDictionary()
+_TEACHERS_LOCK = threading.Lock()
+
+
+def _hold_teacher(teacher: torch.nn.Module, user: OutputDistillationModifier) -> None:
+    """Put ``teacher`` in eval mode for ``user``; the modes it had are recorded by its first user."""
+    with _TEACHERS_LOCK:
+        use = _TEACHERS.get(teacher)
+        if use is None:
+            modes = weakref.WeakKeyDictionary((m, m.training) for m in teacher.modules())
+            use = _TEACHERS[teacher] = _TeacherUse(modes)
+        use.users.add(user)
+        teacher.eval()
+
+
+def _release_teacher(teacher: torch.nn.Module, user: OutputDistillationModifier) -> None:
+    """``user`` no longer uses ``teacher``; the last user gives each of its modules back its recorded mode."""
+    with _TEACHERS_LOCK:
+        use = _TEACHERS.get(teacher)
+        if use is None:
+            return
+        use.users.discard(user)
+        if not use.users:
+            for module, training in use.modes.items():
+                module.training = training
+            del _TEACHERS[teacher]
 
 
 def logits_of(output: Any) -> torch.Tensor:
@@ -130,11 +174,24 @@ def distillation_kl(
 ) -> torch.Tensor:
     """``T**2 * mean_p KL(softmax(t/T) || softmax(s/T))`` over positions (real tokens with a mask).
 
-    ``student_logits``/``teacher_logits``: ``[..., vocab]``; ``attention_mask``: the
-    leading shape of the logits (1/True = real token). Computed in float32.
+    The soft-target term of Hinton, Vinyals & Dean 2015, "Distilling the Knowledge in a Neural Network"
+    (arXiv:1503.02531), section 2: both distributions softened by the temperature ``T``, the term scaled by ``T**2``
+    so that its gradients keep their magnitude whatever ``T``.
+
+    Args:
+        student_logits: ``[..., vocab]``, any float dtype.
+        teacher_logits: the same shape (moved to the student's device).
+        temperature: ``T``, a finite number > 0.
+        attention_mask: ``None`` (every position counts), or the logits' leading shape ``[...]`` (1/True = real
+            token; the mean is then over real tokens).
+
+    Returns:
+        A 0-dim float32 tensor on the student's device (0 when the two distributions agree).
 
     Raises:
-        ValueError: the two logits have different shapes.
+        ValueError: the two logits have different shapes; ``temperature`` is not a finite number > 0 (0 gave NaN, a
+            negative one a number); ``attention_mask``'s shape is not the logits' leading shape (it was ignored and
+            the mean taken over padding too). Found by a tester.
     """
     if student_logits.shape != teacher_logits.shape:
         msg = (
@@ -142,11 +199,25 @@ def distillation_kl(
             "differ: distillation needs the same vocabulary and inputs"
         )
         raise ValueError(msg)
-    t = temperature
+    try:
+        t = float(temperature)
+    except (TypeError, ValueError):
+        t = math.nan
+    if isinstance(temperature, bool) or not math.inf > t > 0:
+        msg = f"temperature must be a finite number > 0, got {temperature!r}"
+        raise ValueError(msg)
+    positions = tuple(student_logits.shape[:-1])
+    if attention_mask is not None and tuple(attention_mask.shape) != positions:
+        msg = (
+            f"attention_mask has shape {tuple(attention_mask.shape)}, the logits {tuple(student_logits.shape)}: "
+            f"the mask needs the logits' leading shape {positions}, one entry per position (1 = real token); pass "
+            "such a mask, or None to average over every position"
+        )
+        raise ValueError(msg)
     log_q_s = F.log_softmax(student_logits.float() / t, dim=-1)
     log_q_t = F.log_softmax(teacher_logits.to(log_q_s.device).float() / t, dim=-1)
     kl = (log_q_t.exp() * (log_q_t - log_q_s)).sum(dim=-1)  # [...] per position
-    if attention_mask is not None and attention_mask.shape == kl.shape:
+    if attention_mask is not None:
         weight = attention_mask.to(device=kl.device, dtype=kl.dtype)
         kd = (kl * weight).sum() / weight.sum().clamp_min(1.0)
     else:
@@ -290,7 +361,9 @@ class OutputDistillationModifier(Modifier):
     Requires state ``model`` (the student) and ``teacher``, with output vocabularies of one size (checked at
     initialize where both tell it: :func:`vocabulary_size`). The teacher is put in
     eval mode at initialize and run under ``torch.no_grad()`` on the student's last inputs;
-    finalize gives each of its modules back the training mode it had before initialize.
+    finalize (or a reset) gives each of its modules back the training mode it had before initialize. A teacher
+    shared by modifiers of several live sessions stays in eval mode until the last of them is finalized or reset,
+    which gives back the modes it had before the first one was initialized.
     After each loss, :attr:`last_student_loss` and :attr:`last_distill_loss` hold
     the two terms (detached).
 
@@ -312,7 +385,6 @@ class OutputDistillationModifier(Modifier):
     _armed: bool = attrs.field(default=False, init=False, repr=False)
     _teacher: Any = attrs.field(default=None, init=False, repr=False)
     _student: Any = attrs.field(default=None, init=False, repr=False)
-    _teacher_modes: list[tuple[torch.nn.Module, bool]] = attrs.field(factory=list, init=False, repr=False)
 
     def on_initialize(self, state: State) -> None:
         """Put the teacher in eval mode (its modules' modes kept for finalize) and hook the student's forward to
@@ -353,9 +425,8 @@ class OutputDistillationModifier(Modifier):
         self.last_student_loss = self.last_distill_loss = None  # read-outs of this run only
         self._teacher = state.teacher
         self._student = state.model
-        self._teacher_modes = [(module, module.training) for module in self._teacher.modules()]
-        self._teacher.eval()
         self.register_hook(state.model, self._capture, kind="forward", with_kwargs=True)
+        _hold_teacher(self._teacher, self)  # last: nothing after it can fail (a failed on_initialize is not finalized)
 
     def _capture(self, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
         # ``module is self._student``: a deep copy of the student (an EMA or ``AveragedModel`` copy) carries this
@@ -394,9 +465,8 @@ class OutputDistillationModifier(Modifier):
         return (1.0 - self.alpha) * loss + self.alpha * kd.to(loss.dtype)
 
     def on_finalize(self, state: State) -> None:
-        for module, training in self._teacher_modes:  # the teacher's modes as the caller gave them
-            module.training = training
-        self._teacher_modes = []
+        if self._teacher is not None:  # the teacher's modes as the caller gave them, once no live session uses it
+            _release_teacher(self._teacher, self)
         self._captured = None
         self._armed = False
         self._teacher = None

@@ -25,7 +25,8 @@ Two ``LearningRateModifier`` objects of one optimizer whose ranges ``[start, end
 end) are refused at ``initialize``, before any rate is written: the recipe order silently decided which one set the
 rate (a cosine decay over ``[0, 3)`` listed after a warmup over ``[0, 0.5)`` wrote over the warmup from step 0; listed
 before it, the ended warmup wrote its end value over the decay at every step: found by a tester). Ranges that
-follow each other (``[0, 0.5)`` then ``[0.5, 3)``) are taken.
+follow each other (``[0, 0.5)`` then ``[0.5, 3)``) are taken. When the other one belongs to another live session
+(one left running by an error), the refusal says that session holds the optimizer until it is finalized or reset.
 """
 
 from __future__ import annotations
@@ -116,6 +117,18 @@ def _overlap_message(first: tuple[str, float, float], second: tuple[str, float, 
         f"{e_label} ({_range_text(e_start, e_end)}) and {l_label} ({_range_text(l_start, l_end)}) both set the "
         "learning rate of the same optimizer over overlapping epochs, so their order in the recipe would decide "
         f"the rate; {fix}"
+    )
+
+
+def _held_message(label: str, span: tuple[float, float], other: str, other_span: tuple[float, float]) -> str:
+    """The refusal of ``label`` (``span``) on an optimizer whose learning rate ``other``, a modifier of another live
+    session, sets over an overlapping ``other_span``: no recipe order is at stake there (the advice to reorder or
+    split the recipe named a recipe the conflict was not in, found by a tester), that session holds the optimizer."""
+    return (
+        f"{label} ({_range_text(*span)}) would set the learning rate of an optimizer that {other} of another live "
+        f"session already sets ({_range_text(*other_span)}, overlapping): that session holds the optimizer until "
+        "it is finalized; call finalize() or reset() on it (one left running by an error, e.g. in a notebook), or "
+        "give this session its own optimizer"
     )
 
 
@@ -276,10 +289,14 @@ class LearningRateModifier(Modifier):
             if other is self or other._optimizer is not optimizer:
                 continue
             o_start, o_end = other._range()
-            if start < o_end and o_start < end:
-                mine, theirs = (self._label(session), start, end), (other._label(session), o_start, o_end)
-                first, second = (mine, theirs) if (start, end) < (o_start, o_end) else (theirs, mine)
-                raise ValueError(_overlap_message(first, second))
+            if not (start < o_end and o_start < end):
+                continue
+            o_binding = other._binding
+            if o_binding is not None and session is not None and o_binding.session() is not session:
+                raise ValueError(_held_message(self._label(session), (start, end), o_binding.label, (o_start, o_end)))
+            mine, theirs = (self._label(session), start, end), (other._label(session), o_start, o_end)
+            first, second = (mine, theirs) if (start, end) < (o_start, o_end) else (theirs, mine)
+            raise ValueError(_overlap_message(first, second))
 
     def _set(self, epoch: float) -> None:
         lr = self.lr_at(epoch)
