@@ -262,7 +262,7 @@ def test_targets_outside_the_layers_are_refused_before_work(data):
         ({"sparsity": -0.1}, r"'sparsity': sparsity must be a number in \[0, 1\) .*, got -0\.1$"),
         ({"mask_structure": "4:2"}, r"'mask_structure': invalid mask_structure '4:2': expected "),
         ({"block_size": 0}, r"'block_size': block_size must be a positive int, got 0$"),
-        ({"dampening_frac": 0}, r"'dampening_frac': dampening_frac must be a number in \(0, 1e\+06\], got 0 "),
+        ({"dampening_frac": -0.1}, r"'dampening_frac': dampening_frac must be a number in \[0, 1e\+06\], got -0.1 "),
         ({"dampening_frac": 1e9}, r"'dampening_frac': dampening_frac must be .* got 1000000000.0 \(relative "),
         (
             {"mask_structure": "2:4", "block_size": 30},

@@ -69,13 +69,13 @@ logger = logging.getLogger(__name__)
 
 # --------------------------------------------------------------------------- oneshot
 class _Default(str):
-    """The default of an argument that llm-compressor also names otherwise (``dtype``: ``precision``, ``device``:
-    ``oneshot_device``): ``value is`` it tells the default left alone from the same value given explicitly, so
-    ``dtype="float32", precision="bfloat16"`` is refused as given twice."""
+    """The default of an argument that llm-compressor also names otherwise (``device``: ``oneshot_device``):
+    ``value is`` it tells the default left alone from the same value given explicitly, so ``device="auto",
+    oneshot_device="cpu"`` is refused as given twice (``dtype``'s default, ``None``, tells it apart itself)."""
 
 
-_FLOAT32, _AUTO = _Default("float32"), _Default("auto")
-_DEFAULTS = {"dtype": _FLOAT32, "device": _AUTO}
+_AUTO = _Default("auto")
+_DEFAULTS = {"device": _AUTO}
 
 
 def oneshot(
@@ -98,7 +98,7 @@ def oneshot(
     progress: bool = True,
     fuse_stages: bool = False,
     low_memory: bool = False,
-    dtype: Any = _FLOAT32,
+    dtype: Any = None,
     threads: int | None = None,
     device: Any = _AUTO,
     quantization_format: str | None = None,
@@ -111,7 +111,8 @@ def oneshot(
     Args (each in full in docs/oneshot.md, "Arguments"; they become one frozen
     :class:`~llmc_fsm.oneshot_job.settings.OneshotSettings`, checked before any model work):
         model, tokenizer: a known name (default ``"smollm2-135m"``), a Hugging Face directory, or an ``nn.Module``
-            and its tokenizer.
+            and its tokenizer (a tokenizer or processor object, an existing directory or a Hub id; anything else is
+            refused before any work).
         recipe: anything :class:`~llmc_fsm.Session` accepts; default :func:`default_recipe` (SparseGPT, 50%).
         dataset: a text/JSONL file, a Hugging Face dataset name or a ``LongTensor[N, L]``; default: model-made text.
             A list of texts (``str``) or a ``datasets.Dataset`` with an ``input_ids`` (token ids) or ``text`` column:
@@ -131,7 +132,8 @@ def oneshot(
         eval_text, num_eval_windows, eval_seq_length: perplexity before and after, on the head of this text.
         batch_size, seed, progress, fuse_stages, low_memory: how the job runs.
         dtype: what a model given as a name or directory is loaded, compressed and saved in: ``"float32"``
-            (default), ``"bfloat16"``, ``"float16"`` or ``"auto"`` (its ``config.json``'s dtype).
+            (``None``, the default), ``"bfloat16"``, ``"float16"`` or ``"auto"`` (its ``config.json``'s dtype); a
+            ``torch.dtype`` too. An ``nn.Module`` keeps its own dtype: ``None``, ``"auto"`` or that dtype.
         threads: torch CPU threads during the call (``torch.set_num_threads``, put back afterwards); ``None``:
             torch's choice.
         device: where each decoder layer is calibrated and compressed (``"auto"``, ``"cpu"``, ``"cuda"``,
@@ -167,8 +169,10 @@ def oneshot(
         ValueError: a process that torchrun started (``WORLD_SIZE`` > 1) without a process group
             (``torch.distributed.init_process_group()`` first: each rank would run the whole job); a bad value (a
             size below 1, an unknown ``device``, ``cuda`` without CUDA or a CUDA index torch does not see, an unknown
-            ``dtype`` or one with an ``nn.Module``, ``resume`` without ``output_dir``...: one line naming the argument
-            and its flag), ``resume`` with changed settings,
+            ``dtype`` or, with an ``nn.Module``, one other than its own or ``"auto"``, a ``seed`` outside
+            ``torch.manual_seed``'s range, a ``tokenizer`` that is no tokenizer, existing directory or Hub id,
+            ``resume`` without ``output_dir``...: one line naming the argument and its flag), ``resume`` with changed
+            settings,
             an unknown model, a dataset too short, a sequence longer than the model's positions, targets matching
             nothing, a group size that does not divide a width; a dataset of another kind (its type named), a
             ``DatasetDict``, an llm-compressor registered dataset name (e.g. ``"open_platypus"``: its Hub id named),

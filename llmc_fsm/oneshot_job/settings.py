@@ -26,6 +26,7 @@ import os
 import re
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -33,6 +34,7 @@ import torch
 from torch import nn
 
 from llmc_fsm.data.rows import dataset_object_error, is_rows, registered_name_error
+from llmc_fsm.models.hf_io import looks_like_hub_id
 from llmc_fsm.output.directory import check_output_not_source
 from llmc_fsm.output.save import QUANTIZATION_FORMATS
 from llmc_fsm.pipeline.device import DEVICE_CHOICES, resolve_device
@@ -244,9 +246,56 @@ def _dtype_name(value: Any) -> Any:
 
 
 def _dtype(_: Any, field: attrs.Attribute, value: Any) -> None:
-    if value not in DTYPES:
+    if value is not None and value not in DTYPES:
         msg = f"{argument_name(field)} must be one of {', '.join(DTYPES)}, got {value!r}"
         raise ValueError(msg)
+
+
+def _own_dtype(model: nn.Module) -> str | None:
+    """The dtype of every floating-point parameter of ``model`` (``"bfloat16"``...); ``None`` when they differ or
+    there is none."""
+    names = {str(p.dtype).removeprefix("torch.") for p in model.parameters() if p.is_floating_point()}
+    return names.pop() if len(names) == 1 else None
+
+
+#: The smallest and largest seed ``torch.manual_seed`` takes (a negative one is taken modulo 2**64).
+SEED_RANGE = (-(2**63), 2**64 - 1)
+
+
+def _seed(_: Any, field: attrs.Attribute, value: Any) -> None:
+    """An int ``torch.manual_seed`` takes: 2**70 passed and the run failed after loading the model, with torch's
+    "Overflow when unpacking long long" (found by a tester)."""
+    _int(_, field, value)
+    low, high = SEED_RANGE
+    if not low <= value <= high:
+        _fail(field, "from -2**63 to 2**64 - 1 (what torch.manual_seed takes)", value)
+
+
+def _tokenizer(_: Any, field: attrs.Attribute, value: Any) -> None:
+    """``None``, a tokenizer or processor (an object called on text; not a class, nor a model), an existing
+    tokenizer directory or a Hub id (``org/name``, or a plain name such as ``gpt2``). Found by a tester:
+    ``tokenizer=42`` was taken and the output written without a tokenizer; ``tokenizer="./missing_dir"`` failed in
+    transformers after the run had started."""
+    if value is None:
+        return
+    if not isinstance(value, str | os.PathLike):
+        if not callable(value) or isinstance(value, type | nn.Module | torch.Tensor):
+            msg = (
+                f"{argument_name(field)} must be a tokenizer or processor (e.g. AutoTokenizer.from_pretrained(...)), "
+                f"a tokenizer directory or a Hub id, got {type(value).__qualname__}"
+            )
+            raise ValueError(msg)
+        return
+    key = os.fspath(value)
+    path = Path(key).expanduser()
+    if path.is_dir() or (not path.exists() and (looks_like_hub_id(key) or re.fullmatch(r"[A-Za-z0-9][\w.-]*", key))):
+        return
+    why = "is a file, not a directory" if path.exists() else "does not exist"
+    msg = (
+        f"{argument_name(field)} {key!r} {why}: pass the directory of the tokenizer's files (tokenizer.json, "
+        "tokenizer_config.json...), a Hub id (org/name) or a tokenizer object"
+    )
+    raise ValueError(msg)
 
 
 def _quantization_format(_: Any, field: attrs.Attribute, value: Any) -> None:
@@ -281,6 +330,7 @@ _NUMBER_CONVERTERS: dict[Any, Callable[[Any], Any]] = {
     _positive_int: _plain_int,
     _positive_int_or_none: _plain_int,
     _int: _plain_int,
+    _seed: _plain_int,
     _budget: _plain_real,
     _bool: _plain_bool,
     _no_shuffle: _plain_bool,
@@ -324,8 +374,10 @@ class OneshotSettings:
     (:func:`settings_from_flags`); the phases (:mod:`llmc_fsm.oneshot_job.phases`) read it and never change it.
 
     Raises:
-        ValueError: a value of the wrong type or out of range (one line naming the argument and its flag), an
-            unknown ``dtype`` or one with an ``nn.Module``, ``resume`` without ``output_dir``, an ``output_dir``
+        ValueError: a value of the wrong type or out of range (one line naming the argument and its flag; ``seed``
+            outside what ``torch.manual_seed`` takes), an unknown ``dtype`` or, with an ``nn.Module``, one other than
+            its own or ``"auto"``, a ``tokenizer`` that is no tokenizer object, existing directory or Hub id,
+            ``resume`` without ``output_dir``, an ``output_dir``
             that is or contains the model's directory, a dataset tensor that is not ``[N, L]`` token ids, a dataset
             of another kind (its type named), a ``DatasetDict`` (its splits named), one of llm-compressor's
             registered dataset names (its Hub id named), a given ``num_calibration_samples`` / ``max_seq_length``
@@ -411,6 +463,7 @@ class OneshotSettings:
         "the tokenizer of an in-memory model (object, directory or Hub id)",
         fingerprint=("tokenizer",),  # by its files' digests, when given (resume._tokenizer_item)
         by_content=True,
+        validator=_tokenizer,
         eq=_by_identity,
     )
     eval_text: str | os.PathLike[str] | None = _setting(
@@ -434,7 +487,7 @@ class OneshotSettings:
         validator=_positive_int,
     )
     seed: int = _setting(
-        0, "seed of the self-generated default calibration data", fingerprint=("seed",), validator=_int
+        0, "seed of the self-generated default calibration data", fingerprint=("seed",), validator=_seed
     )
     progress: bool = _setting(
         True,
@@ -460,10 +513,10 @@ class OneshotSettings:
         cli={"action": "store_true"},
         validator=_bool,
     )
-    dtype: str = _setting(
-        "float32",
-        "dtype the model is loaded, compressed and saved in: float32, bfloat16, float16 or auto (the one its "
-        "config.json names, e.g. bfloat16 to save a bf16 checkpoint); also fp32, bf16, fp16, half, float",
+    dtype: str | None = _setting(
+        None,  # not given: float32 for a name or directory, the model's own for an nn.Module (__attrs_post_init__)
+        "dtype the model is loaded, compressed and saved in: float32 (default), bfloat16, float16 or auto (the one "
+        "its config.json names, e.g. bfloat16 to save a bf16 checkpoint); also fp32, bf16, fp16, half, float",
         flag="--dtype",
         cli={"metavar": "{" + ",".join(DTYPES) + "}"},  # checked by the field's validator: one line, as for the API
         fingerprint=("pipeline", "dtype"),
@@ -515,12 +568,7 @@ class OneshotSettings:
 
     def __attrs_post_init__(self) -> None:
         """The checks that read several fields, in the order a user meets them."""
-        if self.dtype != "float32" and isinstance(self.model, nn.Module):
-            msg = (
-                f"dtype (--dtype) {self.dtype!r} applies to a model given as a name or directory; an in-memory model "
-                "is compressed and saved in its own dtype: convert it yourself (e.g. model.to(torch.bfloat16))"
-            )
-            raise ValueError(msg)
+        self._resolve_dtype()
         check_output_not_source(self.output_dir, self.model)
         self._check_sizes_fit_dataset()
         if self.resume and self.output_dir is None:
@@ -533,6 +581,27 @@ class OneshotSettings:
                 "model.save_pretrained(SAVE_DIR, quantization_format=...)"
             )
             raise ValueError(msg)
+
+    def _resolve_dtype(self) -> None:
+        """``dtype`` not given (``None``): ``float32`` for a model given as a name or directory. An ``nn.Module`` is
+        compressed and saved in its own dtype: ``None``, ``"auto"`` (llm-compressor's ``precision`` default, which
+        it ignores for a model object) or that dtype are taken and recorded as that dtype (``None`` when its
+        parameters mix dtypes), another is refused. Found by a tester: ``dtype="float32"`` on a bfloat16 model was
+        taken silently and the model stayed bfloat16, while ``"bfloat16"`` and ``"auto"`` were refused."""
+        if not isinstance(self.model, nn.Module):
+            if self.dtype is None:
+                object.__setattr__(self, "dtype", "float32")  # attrs' way to set a field of a frozen instance here
+            return
+        own = _own_dtype(self.model)
+        if self.dtype not in (None, "auto", own):
+            named = own or "mixed or no floating-point parameters"
+            msg = (
+                f"dtype (--dtype) {self.dtype!r} applies to a model given as a name or directory; an in-memory model "
+                f"is compressed and saved in its own dtype ({named}): leave dtype out (or give 'auto'), or convert "
+                f"the model first (e.g. model.to(torch.{self.dtype}))"
+            )
+            raise ValueError(msg)
+        object.__setattr__(self, "dtype", own if own in DTYPES else None)
 
     def _check_sizes_fit_dataset(self) -> None:
         """A given ``num_calibration_samples`` / ``max_seq_length`` that a token tensor (rows, columns) or a list of

@@ -29,6 +29,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator
@@ -385,6 +386,12 @@ class CompressedSavePretrained:
         """Write the compressed model and ``recipe.yaml`` into ``save_directory`` (created if missing). The arguments
         in llm-compressor's order (``save_pretrained(save_directory, quantization_format, save_compressed)``).
 
+        ``push_to_hub=True``: the repository (``repo_id``, default the directory's name; ``private``, ``token``...,
+        as transformers takes them) is created before anything is written, and what this call wrote (quantization
+        config and ``recipe.yaml`` included) is uploaded in one commit (``commit_message``, ``create_pr``) once it
+        is complete. A call that fails leaves no new file: the directory is removed when it did not exist, else the
+        files it added (a file it replaced stays replaced).
+
         Raises:
             ValueError: ``save_compressed=False`` for a quantized model; a ``quantization_format`` its weights
                 cannot be saved in (:func:`check_quantization_format`); a ``state_dict`` given (the compressed
@@ -392,6 +399,8 @@ class CompressedSavePretrained:
                 llm-compressor's names (without ``push_to_hub``); ``save_directory`` is an existing file; a streamed
                 run's model.
             OSError: writing failed.
+            huggingface_hub's errors (e.g. ``OfflineModeIsEnabled`` under ``HF_HUB_OFFLINE=1``): with
+                ``push_to_hub``, the repository could not be created or the upload failed.
         """
         if self.streamed_to is not None:
             msg = (
@@ -418,18 +427,24 @@ class CompressedSavePretrained:
         directory = Path(save_directory)
         if directory.exists() and not directory.is_dir():
             raise ValueError(f"save_pretrained: {str(directory)!r} is a file, not a directory")
-        directory.mkdir(parents=True, exist_ok=True)
-        report = getattr(model, "llmc_fsm_report", None)
-        if report is None and self.recipe is not None:  # a Session run (run_sequential): its modifiers' results
-            report = _session_report(model, self.recipe)
-        save_model(
-            model,
-            directory,
-            sparsity=sparsity_metadata(model, report, self.sparsity_structure),
-            quantization_format=quantization_format,
-            **kwargs,
-        )
-        (directory / "recipe.yaml").write_text(self.recipe_yaml, encoding="utf-8")
+        hub = _HubPush.take(kwargs, type(model).save_pretrained, directory)
+        if hub is not None:
+            hub.create_repo()  # before anything is written: offline, no token... fails here
+        with _undone_on_failure(directory) as before:
+            directory.mkdir(parents=True, exist_ok=True)
+            report = getattr(model, "llmc_fsm_report", None)
+            if report is None and self.recipe is not None:  # a Session run (run_sequential): its modifiers' results
+                report = _session_report(model, self.recipe)
+            save_model(
+                model,
+                directory,
+                sparsity=sparsity_metadata(model, report, self.sparsity_structure),
+                quantization_format=quantization_format,
+                **kwargs,
+            )
+            (directory / "recipe.yaml").write_text(self.recipe_yaml, encoding="utf-8")
+            if hub is not None:  # the whole checkpoint (quantization config and recipe.yaml included) in one commit
+                hub.upload(before)
 
     def __repr__(self) -> str:
         return f"<llmc-fsm compressed save_pretrained of {type(self.model).__name__}>"
@@ -455,22 +470,130 @@ def _session_report(model: nn.Module, recipe: Recipe) -> OneshotReport:
     )
 
 
+def _root_entries(directory: Path) -> dict[str, float]:
+    """``{name: modification time}`` of the entries directly in ``directory`` (``{}``: none, or no directory)."""
+    if not directory.is_dir():
+        return {}
+    return {entry.name: entry.stat().st_mtime for entry in directory.iterdir()}
+
+
+@contextlib.contextmanager
+def _undone_on_failure(directory: Path) -> Iterator[dict[str, float]]:
+    """Yield :func:`_root_entries` of ``directory`` as it is; when the block raises, remove what it created: the
+    directory and its parents that did not exist, else the entries it added (files it replaced stay replaced).
+    Found by a tester: a failed ``save_pretrained(push_to_hub=True)`` left its new, empty directory behind."""
+    missing = []
+    top = directory.absolute()
+    while not top.exists():
+        missing.append(top)
+        top = top.parent
+    before = _root_entries(directory)
+    try:
+        yield before
+    except BaseException:
+        if missing:
+            shutil.rmtree(missing[-1], ignore_errors=True)
+        else:
+            for entry in directory.iterdir():
+                if entry.name in before:
+                    continue
+                if entry.is_dir() and not entry.is_symlink():
+                    shutil.rmtree(entry, ignore_errors=True)
+                else:
+                    entry.unlink(missing_ok=True)
+        raise
+
+
+@attrs.define
+class _HubPush:
+    """``save_pretrained(..., push_to_hub=True)``'s upload, done here rather than by transformers (whose upload runs
+    before the quantization config and ``recipe.yaml`` are written, and which then passed our
+    ``safe_serialization`` on to ``HfApi.create_repo``: a ``TypeError``, found by a tester). As transformers does:
+    ``repo_id`` (default: the directory's name), ``commit_message``, ``create_pr``, ``token``; the other arguments
+    go to ``HfApi.create_repo`` (``private``...); the root entries the save added or changed are uploaded."""
+
+    repo_id: str
+    token: Any
+    commit_message: str
+    create_pr: bool
+    create_args: dict[str, Any]
+    directory: Path
+
+    @classmethod
+    def take(cls, kwargs: dict[str, Any], method: Callable[..., Any], directory: Path) -> _HubPush | None:
+        """The push ``kwargs`` asks for (``None``: none); its arguments are removed from ``kwargs``, which keeps
+        those ``method`` (transformers' ``save_pretrained``) names."""
+        if not kwargs.pop("push_to_hub", False):
+            return None
+        known = inspect.signature(method).parameters
+        hub = {k: kwargs.pop(k) for k in list(kwargs) if k not in known or k == "token"}
+        return cls(
+            repo_id=hub.pop("repo_id", directory.absolute().name),
+            token=hub.pop("token", None),
+            commit_message=hub.pop("commit_message", None) or "Upload model",
+            create_pr=bool(hub.pop("create_pr", False)),
+            create_args=hub,
+            directory=directory,
+        )
+
+    def create_repo(self) -> None:
+        """Create the repository when missing (``exist_ok``), keeping its full id.
+
+        Raises:
+            huggingface_hub's errors (offline mode, no network, no token...) and ``TypeError`` for an argument
+            ``HfApi.create_repo`` does not take.
+        """
+        from huggingface_hub import HfApi  # optional third-party: huggingface_hub (installed with transformers)
+
+        api = HfApi()
+        self.repo_id = api.create_repo(self.repo_id, exist_ok=True, token=self.token, **self.create_args).repo_id
+
+    def upload(self, before: dict[str, float]) -> None:
+        """Upload the root entries of the directory that are not in ``before`` or changed since (a folder whole).
+
+        Raises:
+            huggingface_hub's errors.
+        """
+        changed = [name for name, mtime in _root_entries(self.directory).items() if before.get(name) != mtime]
+        patterns = [name + "/**" if (self.directory / name).is_dir() else name for name in sorted(changed)]
+        from huggingface_hub import HfApi  # optional third-party: huggingface_hub (installed with transformers)
+
+        HfApi().upload_folder(
+            repo_id=self.repo_id,
+            folder_path=self.directory,
+            commit_message=self.commit_message,
+            token=self.token,
+            create_pr=self.create_pr,
+            allow_patterns=patterns,
+        )
+
+
 #: llm-compressor's ``save_pretrained`` arguments for sparse compression, which it no longer does (0.14): no-ops here
 LLMCOMPRESSOR_SAVE_NOOPS = ("disable_sparse_compression", "skip_sparsity_compression_stats")
 
 
 def _transformers_save_kwargs(method: Callable[..., Any], kwargs: dict[str, Any]) -> dict[str, Any]:
-    """``kwargs`` for transformers' ``save_pretrained`` ``method``: llm-compressor's no-ops removed (each a bool);
+    """``kwargs`` for transformers' ``save_pretrained`` ``method``: llm-compressor's no-ops removed (each a bool),
+    ``safe_serialization=True`` removed when ``method`` does not name it (transformers 5 writes safetensors only);
     one ``method`` does not name refused unless ``push_to_hub`` is set (then the Hub's arguments pass through).
 
     Raises:
-        ValueError: an unknown argument (with the closest known names), or a no-op that is not a bool.
+        ValueError: an unknown argument (with the closest known names), a no-op that is not a bool, or
+            ``safe_serialization`` other than ``True`` where ``method`` does not name it.
     """
     for name in LLMCOMPRESSOR_SAVE_NOOPS:
         if name in kwargs and not isinstance(kwargs[name], bool):
             raise ValueError(f"save_pretrained({name}=...): must be true or false, got {kwargs[name]!r}")
     kwargs = {k: v for k, v in kwargs.items() if k not in LLMCOMPRESSOR_SAVE_NOOPS}
     known = [n for n in inspect.signature(method).parameters if n not in ("self", "kwargs")]
+    if "safe_serialization" in kwargs and "safe_serialization" not in known:  # transformers 5: safetensors only
+        if kwargs["safe_serialization"] is not True:
+            msg = (
+                f"save_pretrained(safe_serialization={kwargs['safe_serialization']!r}): this transformers writes "
+                "safetensors only; leave it out"
+            )
+            raise ValueError(msg)
+        del kwargs["safe_serialization"]  # what it writes anyway (llm-compressor's scripts may pass it)
     unknown = [k for k in kwargs if k not in known]
     if unknown and not kwargs.get("push_to_hub"):
         names = ["quantization_format", "save_compressed", *known, *LLMCOMPRESSOR_SAVE_NOOPS]
@@ -533,7 +656,8 @@ def _save_weights(
 ) -> None:
     # transformers' own method: the model may carry CompressedSavePretrained, which calls this
     hf_save = type(model).save_pretrained
-    save_kwargs = {"safe_serialization": True, **save_kwargs}
+    if "safe_serialization" in inspect.signature(hf_save).parameters:  # transformers 4 (5 writes safetensors only)
+        save_kwargs = {"safe_serialization": True, **save_kwargs}
     kv_only = kv_cache_scheme(model) is not None
     if not quantized_modules(model) and not quantized_views(model) and not (kv_only and dense_linear_experts(model)):
         hf_save(model, directory, **save_kwargs)

@@ -67,6 +67,7 @@ __all__ = [
     "activation_bytes",
     "calibration_batches",
     "check_targets_in_layers",
+    "check_token_ids",
     "head_target",
     "output_head",
     "run_sequential",
@@ -335,8 +336,9 @@ def run_sequential(
 
     Raises:
         LifecycleError: the session is not initialized (or finalized).
-        ValueError: no decoder layers, empty data, or a modifier targets a module
-            outside the decoder layers — all raised before any work.
+        ValueError: no decoder layers, empty data, token ids outside the model's input embedding
+            (:func:`check_token_ids`), or a modifier targets a module outside the decoder layers — all raised before
+            any work (no event reaches the session).
     """
     t_start = time.perf_counter()
     model, batches = _check_inputs(session, model, calibration_data, batch_size)
@@ -350,6 +352,7 @@ def run_sequential(
     layers_name, layers = find_decoder_layers(model)
     head = output_head(model)
     check_targets_in_layers(session, layers, layers_name, head=head)
+    check_token_ids(model, [b["input_ids"] for b in batches if isinstance(b.get("input_ids"), torch.Tensor)])
     was_training = model.training
     model.eval()
     cuda = execution.type == "cuda"
@@ -414,6 +417,36 @@ def _check_inputs(
         msg = "run_sequential() needs calibration data: pass calibration_data= or put it in the session state"
         raise ValueError(msg)
     return model, calibration_batches(data, batch_size=batch_size)
+
+
+def check_token_ids(model: nn.Module, token_ids: list[torch.Tensor]) -> None:
+    """Refuse calibration token ids outside ``[0, rows)`` of ``model``'s input embedding (``get_input_embeddings()``;
+    nothing is checked for a model without one, or one without ``num_embeddings``), before any forward.
+    ``token_ids``: integer tensors of any shape (``input_ids`` batches).
+
+    Found by a tester: :func:`run_sequential` failed in the embedding's forward with torch's bare ``IndexError``
+    (ids of another tokenizer, ``-100`` padding marks), where ``oneshot`` said what was wrong.
+
+    Raises:
+        ValueError: ``"calibration token ids must lie in [0, <rows>) (the rows of the model's input embedding), got
+            ids from <low> to <high>: ..."``.
+    """
+    try:
+        embedding = model.get_input_embeddings()
+    except (AttributeError, NotImplementedError):  # a module without one: its forward says what it takes
+        return
+    rows = getattr(embedding, "num_embeddings", None)
+    ids = [t for t in token_ids if t.numel() and not t.is_floating_point() and t.device.type != "meta"]
+    if not isinstance(rows, int) or not ids:
+        return
+    low, high = min(int(t.min()) for t in ids), max(int(t.max()) for t in ids)
+    if 0 <= low and high < rows:
+        return
+    msg = (
+        f"calibration token ids must lie in [0, {rows}) (the rows of the model's input embedding), got ids "
+        f"from {low} to {high}: were they made by this model's tokenizer (no -100 or other padding marks)?"
+    )
+    raise ValueError(msg)
 
 
 def _execution_device(model: nn.Module, device: torch.device | str | None) -> torch.device:
