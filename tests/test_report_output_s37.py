@@ -186,7 +186,7 @@ def test_model_free_on_the_command_line_says_the_flag_that_quantizes_lm_head_too
     name (the API, ``model_free_ptq``, keeps the recipe's words)."""
     from llmc_fsm.cli import main
 
-    tiny_llama.llama(layers=1).save_pretrained(tmp_path / "m")
+    tiny_llama.llama(layers=1, tied=False).save_pretrained(tmp_path / "m")
     with caplog.at_level("WARNING"):
         argv = ["model-free", str(tmp_path / "m"), "--scheme", "W8A8", "--output", str(tmp_path / "o"), "--no-progress"]
         assert main(argv) == 0

@@ -12,13 +12,14 @@ import logging
 from pathlib import Path
 from typing import Any
 
+import attrs
 import torch
 
 from llmc_fsm.cli.oneshot import interrupted, signals_as_interrupt
 from llmc_fsm.models.hf_io import hub_model_unavailable, looks_like_hub_id
 from llmc_fsm.models.known import KNOWN_MODELS, check_model_name
 from llmc_fsm.oneshot_job.model_free import model_free_ptq
-from llmc_fsm.oneshot_job.settings import _dtype_name
+from llmc_fsm.oneshot_job.settings import OneshotSettings, _dtype_name
 
 __all__ = ["add_cli"]
 
@@ -62,6 +63,8 @@ def add_cli(sub: Any) -> None:
         help="read and write the float tensors in this dtype (also bf16, fp16, half, fp32, float; default: as "
         "stored; NVFP4 / MX need bfloat16)",
     )
+    fmt = attrs.fields_dict(OneshotSettings)["quantization_format"]  # oneshot's flag: its help, checked as there
+    p.add_argument("--quantization-format", default=None, help=fmt.metadata["help"], **fmt.metadata["cli"])
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads for the run (default: torch's choice)")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     p.set_defaults(func=_run_cli)
@@ -94,6 +97,7 @@ def _run_cli(args: argparse.Namespace) -> int:
                 overwrite=args.overwrite,
                 progress=args.progress,
                 group_size=args.group_size,
+                quantization_format=args.quantization_format,
             )
     except KeyboardInterrupt as exc:
         return interrupted("model-free", exc)

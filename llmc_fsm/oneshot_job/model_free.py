@@ -35,7 +35,9 @@ How it runs, in the project's own terms:
 
 Differences from llm-compressor 0.14, each said in a log line where it applies: the default ``ignore`` keeps
 ``lm_head`` dense (as every llmc-fsm recipe); shards are processed one at a time (``max_workers`` is accepted and
-has no effect: torch's threads do the work within a shard); one device (a list of several is refused).
+has no effect: torch's threads do the work within a shard); one device (a list of several is refused); asymmetric
+int weights are saved ``int-quantized`` by default, as ``oneshot`` saves them (transformers reloads them;
+llm-compressor writes ``pack-quantized``, which vLLM serves: ``quantization_format="pack-quantized"``).
 """
 
 from __future__ import annotations
@@ -68,13 +70,14 @@ from llmc_fsm.models.hf_io import (
     safetensors_index,
 )
 from llmc_fsm.models.known import CACHE_MARKER, KNOWN_MODELS, known_model_dir
-from llmc_fsm.oneshot_job.settings import _dtype_name
+from llmc_fsm.oneshot_job.api import _torch_threads
+from llmc_fsm.oneshot_job.settings import OneshotSettings, _dtype_name
 from llmc_fsm.output.directory import check_output_dir, check_output_not_source
 from llmc_fsm.output.save import compressed_state_dict, warn_formats, write_quantization_config
 from llmc_fsm.output.workdir import WorkDir, recover_previous
 from llmc_fsm.session.session import Session
 from llmc_fsm.toolkit.distributed import get_world_size, launched_world_size
-from llmc_fsm.toolkit.packed import expert_reload_problem
+from llmc_fsm.toolkit.packed import expert_reload_problem, format_problem
 from llmc_fsm.toolkit.targets import compact_names, model_family, tied_head
 from llmc_fsm.toolkit.views import reloads_as_linears
 
@@ -101,6 +104,8 @@ def model_free_ptq(
     progress: bool = True,
     dtype: str | torch.dtype | None = None,
     group_size: int | None = None,
+    quantization_format: str | None = None,
+    threads: int | None = None,
 ) -> Path:
     """Quantize the Linear weights of a safetensors checkpoint with a data-free scheme, shard by shard.
 
@@ -116,14 +121,14 @@ def model_free_ptq(
             targets, and its ``ignore`` (added to ``ignore``); a ``kv_cache_scheme`` needs calibration: refused.
         ignore: module names or ``re:`` patterns left unquantized. ``None`` (not given): ``lm_head``, as every
             llmc-fsm recipe's default, said in a log line (llm-compressor's default is empty); ``[]``: nothing.
-        max_workers: accepted for llm-compressor's scripts; shards are processed one at a time.
+        max_workers: a positive int, accepted for llm-compressor's scripts; shards are processed one at a time.
         device: where the weights are rounded: ``None`` / ``"cpu"``, or one CUDA device (``"cuda:0"``); the
             output is the same on either (up to the device's float arithmetic).
         converter: a compressed-tensors ``Converter`` applied to each shard's tensors before quantization (e.g.
             ``FP8BlockDequantizer`` for a checkpoint stored in block FP8); its ``update_config`` gives the
             checkpoint's quantization config that ours is merged into.
-        overwrite: replace an existing output directory that holds a model.
-        progress: a tqdm bar over the shards.
+        overwrite: ``True`` / ``False``: replace an existing output directory that holds a model.
+        progress: ``True`` / ``False``: a tqdm bar over the shards.
         dtype: ``"bfloat16"`` / ``"float16"`` / ``"float32"`` (or the ``torch.dtype``): the checkpoint's float
             tensors (not the quantization parameters of modules quantized already) are read in it and the output
             written in it, ``config.json`` saying so — NVFP4 and MX need bfloat16 (llmc-fsm's argument, as
@@ -131,18 +136,28 @@ def model_free_ptq(
         group_size: replaces the weight group size of ``scheme``, a preset name whose int weights are quantized in
             groups (``W4A16``'s 128: SmolLM2's width 576 needs 64), as ``oneshot``'s ``--group-size`` (llmc-fsm's
             argument; ``None``: the preset's).
+        quantization_format: the compressed-tensors format of every quantized weight written, as ``oneshot``'s
+            ``quantization_format`` (``"pack-quantized"``, ``"int-quantized"``, ...; ``None``: each scheme's
+            default, as ``oneshot`` saves it: asymmetric int weights ``int-quantized``, which transformers reloads
+            and vLLM does not serve; ``"pack-quantized"`` writes them as llm-compressor's ``model_free_ptq`` does,
+            for vLLM). llmc-fsm's argument.
+        threads: torch CPU threads during the call (``torch.set_num_threads``, put back afterwards), a positive
+            int, as ``oneshot``'s ``threads`` (llmc-fsm's argument; ``None``: torch's choice).
 
     Returns:
         The output directory (resolved).
 
     Raises:
         ValueError: several processes (``torchrun``, a ``torch.distributed`` group of more than one rank: it runs
-            in one), before anything else; both or neither of ``scheme`` / ``config``; an unknown or invalid
-            ``scheme`` / ``config``; ``group_size`` not a positive int, or given with a ``config``, a scheme object
-            or a preset whose weights are not int groups (``FP8_DYNAMIC``, ``NVFP4A16``, ``MXFP4A16``); a scheme
-            that needs calibration data (static activation scales, NVFP4's input global scale, ``kv_cache_scheme``,
-            an ``imatrix_mse`` observer), naming what needs it; a targeted tensor of three dimensions; several
-            devices — before the output is created.
+            in one), before anything else; ``overwrite`` / ``progress`` not a bool, ``max_workers`` not a positive
+            int, ``threads`` not a positive int or ``None``, ``quantization_format`` not one of compressed-tensors'
+            formats (as ``oneshot``'s, named with its flag) or one the scheme's weights cannot be saved in; both
+            or neither of ``scheme`` / ``config``; an unknown or invalid ``scheme`` / ``config``; ``group_size``
+            not a positive int, or given with a ``config``, a scheme object or a preset whose weights are not int
+            groups (``FP8_DYNAMIC``, ``NVFP4A16``, ``MXFP4A16``); a scheme that needs calibration data (static
+            activation scales, NVFP4's input global scale, ``kv_cache_scheme``, an ``imatrix_mse`` observer), naming
+            what needs it; a targeted tensor of three dimensions; several devices; a shard named in the index (or
+            the only weights file) that is a PyTorch ``.bin`` file, not safetensors — before the output is created.
         ModifierError: what the quantization modifier refuses at ``initialize`` on the checkpoint's names, shapes
             and dtypes (targets matching nothing, a group size or block shape that does not fit), from its
             ``ValueError`` — before the output is created.
@@ -153,18 +168,22 @@ def model_free_ptq(
     """
     started = time.perf_counter()
     _refuse_several_processes()
+    max_workers, overwrite, progress, threads = _flags(max_workers, overwrite, progress, threads, quantization_format)
     check_output_dir(save_directory, overwrite)  # the cheapest refusal (claimed after the checks below)
-    plan = _plan(model_stub, scheme, config, ignore, device, converter, dtype, group_size)  # nothing written yet
-    if max_workers != 1:
-        logger.warning("model_free_ptq: shards are processed one at a time (max_workers=%s has no effect)", max_workers)
-    output = _claim(save_directory, model_stub, overwrite)
-    try:
-        output.settle({"model_free_ptq": True}, resume=False)
-        _write(plan, output.staging, progress=progress)
-        output.publish()
-    except BaseException as exc:
-        output.abort(exc)
-        raise
+    with _torch_threads(threads):
+        plan = _plan(model_stub, scheme, config, ignore, device, converter, dtype, group_size, quantization_format)
+        if max_workers != 1:
+            logger.warning(
+                "model_free_ptq: shards are processed one at a time (max_workers=%s has no effect)", max_workers
+            )
+        output = _claim(save_directory, model_stub, overwrite)
+        try:
+            output.settle({"model_free_ptq": True}, resume=False)
+            _write(plan, output.staging, progress=progress)
+            output.publish()
+        except BaseException as exc:
+            output.abort(exc)
+            raise
     dense = {name for name, module in plan.tree.named_modules() if _is_linear(module)} - plan.targets
     logger.info(
         "model_free_ptq: %d Linear weights quantized, %d left as they were, in %d shards: %s (%.1f s)",
@@ -205,6 +224,8 @@ class _Plan:
         base: the quantization config ours is merged into (the checkpoint's or the converter's; ``None``).
         device: where the weights are rounded.
         dtype: the float tensors' dtype (``None``: as stored).
+        quantization_format: the compressed-tensors format every quantized weight is written in (``None``: each
+            scheme's default).
     """
 
     session: Session
@@ -218,10 +239,19 @@ class _Plan:
     base: Any
     device: torch.device
     dtype: torch.dtype | None
+    quantization_format: str | None
 
 
 def _plan(
-    model_stub: Any, scheme: Any, config: Any, ignore: Any, device: Any, converter: Any, dtype: Any, group_size: Any
+    model_stub: Any,
+    scheme: Any,
+    config: Any,
+    ignore: Any,
+    device: Any,
+    converter: Any,
+    dtype: Any,
+    group_size: Any,
+    quantization_format: str | None = None,
 ) -> _Plan:
     """Every check of :func:`model_free_ptq` (arguments, checkpoint, scheme on the real shapes), nothing written.
 
@@ -244,6 +274,7 @@ def _plan(
     classes = None if skeleton is None else checkpoint_classes(skeleton, shapes)
     tree = linear_tree(shapes, classes)
     if classes is not None:
+        session, ignore = _tied_head_ignore(session, tree, skeleton, classes, (scheme, config, ignore, group_size))
         session = _ignore_checkpoint_names(session, classes, scheme, config, ignore, group_size)
     _check_fused_experts(shapes, session, skeleton)
     _check_left_to_quantize(session, tree, shapes)  # first: a checkpoint quantized already has no Linear left
@@ -259,7 +290,10 @@ def _plan(
     _check_ignored_by_pattern(base, targets)
     if classes is not None:
         _warn_expert_reload(session, sorted(t for t in targets if t in classes and classes[t] is None))
-    return _Plan(session, tree, targets, files, jobs, converters, skeleton, classes, base, run_device, cast)
+    _check_format(session, quantization_format, scheme)
+    return _Plan(
+        session, tree, targets, files, jobs, converters, skeleton, classes, base, run_device, cast, quantization_format
+    )
 
 
 def _write(plan: _Plan, staging: Path, *, progress: bool) -> None:
@@ -341,6 +375,67 @@ def _check_some_linear(tree: nn.Module, shapes: Mapping[str, torch.Tensor]) -> N
 
 
 # --------------------------------------------------------------------------- arguments
+def _flags(
+    max_workers: Any, overwrite: Any, progress: Any, threads: Any, quantization_format: Any
+) -> tuple[int, bool, bool, int | None]:
+    """``max_workers``, ``overwrite``, ``progress`` and ``threads`` checked (numpy's ints and bools taken as
+    Python's); ``overwrite``, ``progress``, ``threads`` and ``quantization_format`` by the validators of
+    :class:`~llmc_fsm.oneshot_job.settings.OneshotSettings`' fields of those names, as ``oneshot`` checks them.
+    Found by a tester: ``overwrite="no"`` replaced an existing output (a non-empty string is true), ``progress="no"``
+    showed bars, ``max_workers="4"`` and ``0`` were taken.
+
+    Raises:
+        ValueError: one line naming the argument (and its flag), what it must be and the value given.
+    """
+    fields = attrs.fields_dict(OneshotSettings)
+    checked = {}
+    for name, value in (
+        ("overwrite", overwrite),
+        ("progress", progress),
+        ("threads", threads),
+        ("quantization_format", quantization_format),
+    ):
+        field = fields[name]
+        value = field.converter(value) if field.converter is not None else value
+        try:
+            field.validator(None, field, value)
+        except ValueError as err:
+            msg = f"model_free_ptq: {err}"
+            raise ValueError(msg) from None
+        checked[name] = value
+    workers = fields["threads"].converter(max_workers)  # np.int64(4) as 4, as oneshot takes numbers
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        msg = f"model_free_ptq: max_workers must be a positive int, got {max_workers!r}"
+        raise ValueError(msg)
+    return workers, checked["overwrite"], checked["progress"], checked["threads"]
+
+
+def _check_format(session: Session, quantization_format: str | None, scheme: Any) -> None:
+    """Refuse, before any work, a ``quantization_format`` that a weight scheme of the session's modifiers cannot be
+    saved in (:func:`~llmc_fsm.toolkit.packed.format_problem` for a Linear, the rule ``oneshot`` applies).
+    ``scheme``: ``model_free_ptq``'s (a preset name is how the message names it; else the config's group names).
+
+    Raises:
+        ValueError: every such scheme named, with the formats its weights allow.
+    """
+    if quantization_format is None:
+        return
+    name = scheme if isinstance(scheme, str) else None if scheme is None else "the scheme"
+    problems = [
+        f"{name or group}: {problem}"
+        for modifier in session.modifiers
+        for group, scheme in (getattr(modifier, "quantization_schemes", None) or {}).items()
+        if scheme.weights is not None
+        and (problem := format_problem(nn.Linear, scheme, quantization_format)) is not None
+    ]
+    if problems:
+        msg = (
+            f"model_free_ptq: quantization_format (--quantization-format) {quantization_format!r} does not fit the "
+            f"scheme: {'; '.join(problems)}; give a format its weights allow, or leave it out (each scheme's default)"
+        )
+        raise ValueError(msg)
+
+
 #: The float dtypes ``dtype`` converts (not FP8 / FP4 values of quantized tensors).
 _FLOATS = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -402,7 +497,9 @@ def _session(scheme: Any, config: Any, ignore: Iterable[str] | None, group_size:
 
 def _own_terms(message: str, scheme: Any) -> str:
     """``message`` (the modifier's refusal) with its advice in ``model_free_ptq``'s terms: the group size to use given
-    as ``--group-size N`` / ``group_size=N`` (a preset name) or in the scheme's weights, not as a recipe's entry."""
+    as ``--group-size N`` / ``group_size=N`` (a preset name) or in the scheme's weights, not as a recipe's entry;
+    NVFP4's / MX's bfloat16 as ``model_free_ptq``'s ``dtype`` (``--dtype``), not as ``oneshot``'s nor a loaded
+    model's (found by a tester: an fp16 checkpoint was told ``oneshot(MODEL_DIR, dtype='bfloat16')``)."""
 
     def advice(found: re.Match[str]) -> str:
         size = found.group(1)
@@ -410,11 +507,17 @@ def _own_terms(message: str, scheme: Any) -> str:
             return f"(--group-size {size}; Python: model_free_ptq(..., group_size={size}))"
         return f"(group_size: {size} in the weights of the scheme or config given)"
 
-    return _RECIPE_GROUP_ADVICE.sub(advice, message)
+    message = _RECIPE_GROUP_ADVICE.sub(advice, message)
+    return _LOADED_DTYPE_ADVICE.sub(_DTYPE_ADVICE, message)
 
 
 #: The quantizer's group-size advice in recipe terms (``(CLI: --group-size 64; recipe: scheme: {...})``).
 _RECIPE_GROUP_ADVICE = re.compile(r"\(CLI: --group-size (\d+); recipe: [^()]*\)")
+#: The quantizer's bfloat16 advice for NVFP4 / MX, in oneshot's and a loaded model's terms.
+_LOADED_DTYPE_ADVICE = re.compile(
+    r"load the model in bfloat16 \(CLI: --dtype bfloat16; .*?model\.to\(torch\.bfloat16\)\)"
+)
+_DTYPE_ADVICE = "load the model in bfloat16 (CLI: --dtype bfloat16; Python: model_free_ptq(..., dtype='bfloat16'))"
 
 
 def _recipe(scheme: Any, config: Any, ignore: Iterable[str] | None, group_size: Any = None) -> dict[str, Any]:
@@ -528,6 +631,63 @@ def _ignore_checkpoint_names(
     recipe = _recipe(scheme, config, ignore, group_size)
     recipe["model_free_stage"]["quantization_modifiers"]["QuantizationModifier"]["ignore"] = [*current, *extra]
     return Session(recipe)
+
+
+def _tied_head_ignore(
+    session: Session,
+    tree: nn.Module,
+    skeleton: nn.Module,
+    classes: Mapping[str, tuple[str, type] | None],
+    arguments: tuple[Any, Any, Any, Any],
+) -> tuple[Session, Any]:
+    """The session and ``ignore`` where the model's output head is tied to its input embedding and the checkpoint
+    holds no weight of its own for it (``tie_word_embeddings``: Qwen3-0.6B): the head's name is added to ``tree`` as
+    a module without weights, so that an ``ignore`` naming it (``lm_head``, ``re:.*lm_head``, as llm-compressor's
+    ``examples/model_free_ptq/qwen3_fp8_block.py`` writes it) matches and gets one INFO line saying so instead of
+    "matches no module"; with no ``ignore`` given, the default ``[lm_head]`` is given explicitly (the modifier's
+    line on the default would say ``lm_head`` is kept dense and that llm-compressor quantizes it: there is none,
+    llm-compressor quantizes the embedding) and one INFO line says what is true. Found by a tester.
+
+    ``arguments``: ``model_free_ptq``'s ``(scheme, config, ignore, group_size)``; the ``ignore`` returned is
+    ``ignore``, or ``[head]`` where the default was given explicitly.
+    """
+    from compressed_tensors.utils.match import match_name
+
+    scheme, config, ignore, group_size = arguments
+    head = tied_head(skeleton)
+    if head is None:
+        return session, ignore
+    modules = dict(skeleton.named_modules())
+    head_name = next(name for name, module in modules.items() if module is head)
+    if any(loaded is not None and loaded[0] == head_name for loaded in classes.values()):
+        return session, ignore  # the checkpoint holds its weight too: in the tree as a module, as stored
+    embedding = skeleton.get_input_embeddings()
+    embedding_name = next(name for name, module in modules.items() if module is embedding)
+    stored = next((c for c, loaded in classes.items() if loaded is not None and loaded[0] == embedding_name), None)
+    stored = stored or embedding_name
+    parent = tree
+    for part in head_name.split("."):
+        if part not in parent._modules:
+            if hasattr(parent, part):  # a name nn.Module uses itself: no placeholder
+                return session, ignore
+            parent.add_module(part, nn.Module())
+        parent = parent._modules[part]
+    tied = (
+        f"the output head {head_name} is tied to the input embedding {stored} and has no weight of its own in the "
+        "checkpoint"
+    )
+    if ignore is None and (config is None or _plain_scheme(config).get("ignore") is None):
+        logger.info(
+            "model_free_ptq: no ignore given: nothing to keep dense: %s (the embedding is no Linear: left as stored; "
+            "llm-compressor's empty default ignore quantizes %s)",
+            tied,
+            stored,
+        )
+        return _session(scheme, config, [head_name], group_size), [head_name]
+    named = [i for m in session.modifiers for i in getattr(m, "ignore", None) or [] if match_name(head_name, i)]
+    if named:
+        logger.info("model_free_ptq: ignore %s: %s: nothing to keep dense", ", ".join(map(repr, named)), tied)
+    return session, ignore
 
 
 def _check_left_to_quantize(session: Session, tree: nn.Module, tensors: Mapping[str, torch.Tensor]) -> None:
@@ -657,19 +817,59 @@ def _weight_map(files: Mapping[str, str]) -> dict[str, str]:
             msg = f"model_free_ptq: {_INDEX} names shards that are not in the checkpoint: {', '.join(missing)}"
             raise FileNotFoundError(msg)
         for shard in sorted(set(weight_map.values())):
-            check_safetensors(Path(files[shard]))
+            _check_shard(shard, files[shard], indexed=True)
         return weight_map
     shards = [name for name in files if name.endswith(".safetensors") and "/" not in name]
     if len(shards) != 1:
         found = ", ".join(shards) if shards else "none"
+        pickles = [name for name in files if "/" not in name and _pytorch_weights(files[name])]
+        hint = f"; {', '.join(pickles)}: {_PYTORCH_ADVICE}" if not shards and pickles else ""
         msg = (
             f"model_free_ptq: the checkpoint needs {_INDEX} or exactly one .safetensors file at its top level "
-            f"(found: {found})"
+            f"(found: {found}){hint}"
         )
         raise FileNotFoundError(msg)
-    check_safetensors(Path(files[shards[0]]))
+    _check_shard(shards[0], files[shards[0]], indexed=False)
     with safe_open(files[shards[0]], framework="pt") as f:
         return dict.fromkeys(f.keys(), shards[0])
+
+
+#: What to do with weights saved by ``torch.save`` (:func:`_pytorch_weights`).
+_PYTORCH_ADVICE = (
+    "PyTorch weights (torch.save's zip / pickle), not safetensors: model-free reads only safetensors files; save "
+    "the model as safetensors first (transformers: AutoModelForCausalLM.from_pretrained(DIR).save_pretrained(NEW_DIR) "
+    "writes safetensors) and run model-free on NEW_DIR"
+)
+
+
+def _pytorch_weights(path: str) -> bool:
+    """Whether the file at ``path`` begins as ``torch.save`` writes (a zip archive since torch 1.6, a pickle of
+    protocol 2 to 5 before): ``pytorch_model.bin`` and its shards."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4)
+    except OSError:
+        return False
+    return head == b"PK\x03\x04" or (len(head) >= 2 and head[0] == 0x80 and 2 <= head[1] <= 5)
+
+
+def _check_shard(name: str, path: str, *, indexed: bool) -> None:
+    """Fail with one line when the weights file ``name`` (at ``path``; ``indexed``: named in the index) cannot be
+    read as safetensors: a PyTorch weights file (a ``.bin`` shard named in the index beside safetensors ones) says so
+    and how to convert it (it was reported as a truncated safetensors file; found by a tester), anything else as
+    :func:`~llmc_fsm.models.hf_io.check_safetensors` reports it.
+
+    Raises:
+        ValueError: not a readable safetensors file.
+    """
+    try:
+        check_safetensors(Path(path))
+    except ValueError:
+        if not _pytorch_weights(path):
+            raise
+        where = f" (named in {_INDEX})" if indexed else ""
+        msg = f"model_free_ptq: {name}{where} holds {_PYTORCH_ADVICE}"
+        raise ValueError(msg) from None
 
 
 class _ParentSiblings:
@@ -1070,7 +1270,9 @@ def _quantize_unit(
             continue
         for key in (f"{module_name}.weight", f"{module_name}.bias"):
             out.pop(key, None)
-        packed = compressed_state_dict(module, f"{module_name}.", root=plan.skeleton)
+        packed = compressed_state_dict(
+            module, f"{module_name}.", quantization_format=plan.quantization_format, root=plan.skeleton
+        )
         out.update({key: value.detach().to("cpu").contiguous() for key, value in packed.items()})
     for module in here.values():  # back to meta: the next piece's memory only
         for param in list(module._parameters.values()):
