@@ -126,3 +126,26 @@ def test_a_loop_with_loss_calculated_is_not_warned_for_it(caplog):
             session.batch_end()
     assert caplog.records == []
     session.finalize()
+
+
+def test_a_learning_rate_only_loop_without_step_events_is_not_warned_of_masks(caplog):
+    """Found by a tester (session 38): a recipe with only a LearningRateModifier, trained without optimizer step
+    events, was warned "(masks not re-applied)" and of "a gradual pruning's final sparsity", neither of which it has.
+    Those words now come only for modifiers that act on the model."""
+    model = llama(layers=1, hidden=32).train()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    session = Session("t:\n  LearningRateModifier: {init_lr: 0.01, schedule: cosine, end: 1.0}\n")
+    initialize(session, model=model, optimizer=optimizer, steps_per_epoch=2)
+    for batch in _batches(2):
+        session.batch_start(batch=batch)
+        session.loss_calculated(model(**batch).loss).backward()
+        optimizer.step()
+        session.batch_end()
+    with caplog.at_level(logging.WARNING, logger="llmc_fsm.session.session"):
+        session.finalize()
+    assert [r.getMessage() for r in caplog.records] == [
+        "finalize(): training batches came without optim_pre_step()/optim_post_step() (never called in this run): "
+        "global_step stayed 0, so the schedule of LearningRateModifier did not advance; LearningRateModifier never "
+        "acted at a step. Call optimizer_step(session, optimizer) (llmc_fsm.integrations.torch), or "
+        "session.optim_pre_step() / optim_post_step() around optimizer.step()"
+    ]

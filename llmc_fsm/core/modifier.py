@@ -328,7 +328,9 @@ class Modifier(metaclass=ModifierType):
     required_state: ClassVar[frozenset[str]] = frozenset()
     optional_state: ClassVar[frozenset[str]] = frozenset()
     #: Keys :meth:`required_keys` requires for some arguments only, each with when (``{"steps_per_epoch": "unless
-    #: the schedule is constant with no start/end/update"}``): what ``llmc-fsm modifiers`` lists beside them.
+    #: the schedule is constant with no start/end/update"}``): what ``llmc-fsm modifiers`` lists beside them and the
+    #: reason a :class:`~llmc_fsm.MissingStateError` gives (:meth:`required_because`). A mapping of strings to
+    #: strings; anything else (a set of keys) is refused at registration.
     conditional_state: ClassVar[Mapping[str, str]] = {}
     events: ClassVar[frozenset[str]] = frozenset()
     runs_after: ClassVar[frozenset[str]] = frozenset()
@@ -363,6 +365,25 @@ class Modifier(metaclass=ModifierType):
         if self.is_scheduled:
             return frozenset(self.required_state) | {"steps_per_epoch"}
         return frozenset(self.required_state)
+
+    def required_because(self) -> dict[str, str]:
+        """Why each key of :meth:`required_keys` that only some arguments require is required: key -> when text,
+        read by :class:`~llmc_fsm.MissingStateError`'s message (``'calibration_data' is required when ...``).
+
+        The keys of ``conditional_state`` that :meth:`required_keys` holds, with their text; ``steps_per_epoch``
+        of a modifier given ``start``/``end``/``update`` that declares it neither required nor conditional, with
+        ``"because the modifier has a start/end/update schedule in epochs"``. Keys required by every instance
+        (``required_state``) have no entry.
+
+        Returns:
+            A new dict, key (str) -> when text (str); empty when no key is conditional.
+        """
+        keys = self.required_keys()
+        reasons = {key: when for key, when in self.conditional_state.items() if key in keys}
+        spe = "steps_per_epoch"
+        if self.is_scheduled and spe in keys and spe not in reasons and spe not in self.required_state:
+            reasons[spe] = "because the modifier has a start/end/update schedule in epochs"
+        return reasons
 
     @property
     def is_scheduled(self) -> bool:

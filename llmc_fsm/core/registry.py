@@ -30,7 +30,7 @@ import logging
 import os
 import re
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import attrs
@@ -133,16 +133,46 @@ def _declared(modifier: type[Modifier] | Modifier, attr: str) -> Any:
     return getattr(modifier, attr, None)
 
 
+def _conditional_problem(value: Any) -> str | None:
+    """What is wrong with a ``conditional_state`` declaration (a mapping of state key -> when it is required, both
+    non-empty strings), or ``None``. A set of keys was accepted at registration, then ``llmc-fsm modifiers`` failed
+    with "dictionary update sequence element #0 has length 15; 2 is required" and listed nothing (found by a
+    tester)."""
+    if value is _PER_INSTANCE:
+        return None
+    example = "{'steps_per_epoch': 'unless the schedule is constant'}"
+    if not isinstance(value, Mapping):
+        return (
+            f"conditional_state must be a mapping of state key to when that key is required (e.g. {example}), "
+            f"got {value!r}"
+        )
+    wrong = [
+        f"{key!r}: {when!r}"
+        for key, when in value.items()
+        if not (isinstance(key, str) and key and isinstance(when, str) and when.strip())
+    ]
+    if wrong:
+        return (
+            "conditional_state must map non-empty state keys to non-empty when texts, both strings "
+            f"(e.g. {example}), got {', '.join(wrong)}"
+        )
+    return None
+
+
 def declaration_problem(modifier: type[Modifier] | Modifier) -> str | None:
     """What is wrong with a modifier's declarations (``required_state``, ``optional_state``, ``events``,
-    ``events_after_end``, ``runs_after``), or ``None``.
+    ``events_after_end``, ``runs_after``, ``conditional_state``), or ``None``.
 
     ``modifier`` is a class (registration; an attrs field's default stands for the class's value) or an instance
     (a modifier given to a session directly, or the conformance kit's: its own values). Checked: each a set of
     strings (a bare string would be read as its characters, a list fails the session's set algebra:
     ``required_state | {"steps_per_epoch"}``), ``events`` among the batch events (a misspelt one would never be
-    delivered, silently) and ``events_after_end`` among ``events``.
+    delivered, silently), ``events_after_end`` among ``events``, and ``conditional_state`` a mapping of non-empty
+    state keys to non-empty when texts (``{"steps_per_epoch": "unless the schedule is constant"}``).
     """
+    conditional = _conditional_problem(_declared(modifier, "conditional_state"))
+    if conditional is not None:
+        return conditional
     declared: dict[str, Any] = {}
     for attr in ("required_state", "optional_state", "events", "events_after_end", "runs_after"):
         value = _declared(modifier, attr)

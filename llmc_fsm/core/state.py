@@ -214,17 +214,25 @@ def missing_state_message(
     *,
     session_advice: bool = True,
     given: Iterable[str] = (),
+    reasons: Mapping[str, Mapping[str, str]] | None = None,
 ) -> str:
     """The message of the :class:`~llmc_fsm.MissingStateError` ``initialize`` raises (``missing``: label -> keys);
     ``session_advice=False``: without the lines on how to pass them to the session's own calls (an integration that
     makes those calls gives its own, :func:`llmc_fsm.integrations.with_integration_hints`). ``given``: the keys the
     state holds or this call gave; one close to a missing key is named as a possible misspelling (``optimiser`` for
-    ``optimizer``)."""
+    ``optimizer``). ``reasons``: label -> key -> when the modifier requires that key
+    (:meth:`~llmc_fsm.Modifier.required_because`), one line each under its modifier. The reason for
+    ``steps_per_epoch`` was one fixed sentence ("the modifier has a start/end/update schedule in epochs"), wrong for a
+    step learning-rate schedule without them, and a modifier's own ``conditional_state`` texts were never shown
+    (found by a tester)."""
     lines = [
         f"initialize() refused: {len(missing)} modifier(s) are missing required state; "
         f"no modifier was initialized and nothing was stored (the session is still {lifecycle!r}):"
     ]
-    lines.extend(f"  - {label} requires {', '.join(repr(k) for k in sorted(keys))}" for label, keys in missing.items())
+    for label, keys in missing.items():
+        lines.append(f"  - {label} requires {', '.join(repr(k) for k in sorted(keys))}")
+        why = (reasons or {}).get(label, {})
+        lines.extend(f"      {key!r} is required {why[key]}" for key in sorted(keys) if key in why)
     all_keys = sorted(set().union(*missing.values()))
     unused = sorted(set(given) - set(all_keys))
     for key in all_keys:
@@ -241,7 +249,7 @@ def missing_state_message(
         lines.append(f"Pass again what you gave this call ({', '.join(sorted(passed))}): it was not stored.")
     if "steps_per_epoch" in all_keys:
         lines.append(
-            "steps_per_epoch (optimizer steps per epoch, int) is required because the modifier has a "
-            "start/end/update schedule in epochs."
+            "steps_per_epoch is the number of optimizer steps per epoch (an int): modifiers count their epochs in "
+            "steps with it."
         )
     return "\n".join(lines)

@@ -298,19 +298,28 @@ def layer_output(output: Any, kwargs: Any) -> Any:
 
 
 def first_output(output: Any) -> torch.Tensor:
-    """The hidden states in a decoder layer's output (a tensor, a tuple's first item or ``.hidden_states``).
+    """The hidden states in a decoder layer's output: the tensor itself, else the first item of a tuple (or list),
+    looked into the same way (``((t,), cache)`` gives ``t``), else its ``.hidden_states`` tensor.
+
+    The callers run the next layer on it or compare it as a tensor; a nested tuple's first item was returned as it
+    was, a tuple, though the annotation promised a tensor (found by a tester).
+
+    Returns:
+        The hidden states tensor, as the layer returned it (same object, dtype and device).
 
     Raises:
-        TypeError: none of these.
+        TypeError: none of these holds a tensor (an empty tuple, ``None``...), naming the type found.
     """
-    if isinstance(output, torch.Tensor):
-        return output
-    if isinstance(output, tuple | list) and output:
-        return output[0]
-    hidden = getattr(output, "hidden_states", None)
+    found = output
+    while isinstance(found, tuple | list) and found:
+        found = found[0]
+    if isinstance(found, torch.Tensor):
+        return found
+    hidden = getattr(found, "hidden_states", None)
     if isinstance(hidden, torch.Tensor):
         return hidden
-    msg = f"cannot read the hidden states from a decoder layer output of type {type(output).__name__}"
+    inner = f" (its first item: {type(found).__name__})" if found is not output else ""
+    msg = f"cannot read the hidden states from a decoder layer output of type {type(output).__name__}{inner}"
     raise TypeError(msg)
 
 

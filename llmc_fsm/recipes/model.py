@@ -26,7 +26,7 @@ import yaml
 
 from llmc_fsm.core.errors import RecipeError
 from llmc_fsm.core.modifier import Modifier
-from llmc_fsm.recipes.llmcompressor import is_numpy_scalar
+from llmc_fsm.recipes.llmcompressor import RUN_TYPES, is_numpy_scalar
 
 __all__ = ["SCHEDULE_FIELDS", "STAGE_KEYS", "Recipe", "Stage"]
 
@@ -44,13 +44,21 @@ class Stage:
 
     Attributes:
         name: the stage name.
-        modifiers: modifier objects, in recipe order.
+        modifiers: modifier objects, in recipe order (a tuple is taken as a list).
         applied: the stage was already applied to a saved model; its modifiers do not run.
-        start: epoch the stage starts at, or ``None``; modifiers may not start before it.
-        end: epoch the stage ends at, or ``None``; modifiers may not end after it.
-        run_type: llm-compressor's ``"oneshot"`` or ``"train"``, or ``None``; recorded
+        start: epoch the stage starts at (a number >= 0, kept as a ``float``), or ``None``; modifiers may not start
+            before it.
+        end: epoch the stage ends at, after ``start``, or ``None``; modifiers may not end after it.
+        run_type: llm-compressor's ``"oneshot"``, ``"post_train"`` or ``"train"``, or ``None``; recorded
             and written back, it does not change how the modifiers run (the caller's
             loop -- one-shot calibration or training -- fires their events).
+
+    Raises (at construction, and again when a :class:`Recipe` is built from the stage):
+        RecipeError: a value the recipe's dict form refuses, with its message (``start must be a number of epochs
+            or null``, ``run_type must be oneshot or post_train or train``...): a name that is not a string,
+            modifiers that are not a list of :class:`~llmc_fsm.Modifier` objects, ``applied`` not a bool, a modifier
+            starting before the stage's ``start`` or ending after its ``end``. These were accepted, and failed later
+            with an ``AttributeError`` or as a saved recipe.yaml that a session refused (found by a tester).
     """
 
     name: str
@@ -60,9 +68,64 @@ class Stage:
     end: float | None = None
     run_type: str | None = None
 
+    def __attrs_post_init__(self) -> None:
+        _check_stage(self, None)
+
 
 def _label(m: Modifier) -> str:
     return m.modifier_name()
+
+
+def _check_stage(stage: Stage, source: str | None) -> None:
+    """Check ``stage`` as the recipe builder checks a stage of a dict (its messages); ``start``/``end`` are stored as
+    floats, a tuple of modifiers as a list. ``source``: the recipe's, named first in a message (``None``: a stage
+    built on its own).
+
+    Raises:
+        RecipeError: the first value refused (see :class:`Stage`).
+    """
+    # the builder imports this module: its checks are imported when a stage is checked
+    from llmc_fsm.recipes.building import _WINDOW_EDGES, _epoch
+
+    if not isinstance(stage.name, str):
+        msg = ("" if source is None else f"recipe {source}: ") + f"stage names must be strings, got {stage.name!r}"
+        raise RecipeError(msg)
+    at = ("" if source is None else f"recipe {source}, ") + f"stage {stage.name!r}"
+    if isinstance(stage.modifiers, tuple):
+        stage.modifiers = list(stage.modifiers)
+    if not isinstance(stage.modifiers, list):
+        wrap = f": wrap it in a list, [{_label(stage.modifiers)}(...)]" if isinstance(stage.modifiers, Modifier) else ""
+        msg = f"{at}: modifiers must be a list of llmc_fsm.Modifier objects, got {type(stage.modifiers).__name__}{wrap}"
+        raise RecipeError(msg)
+    bad = next((m for m in stage.modifiers if not isinstance(m, Modifier)), None)
+    if bad is not None:
+        msg = (
+            f"{at}: modifiers must be llmc_fsm.Modifier objects, got {bad!r}; for modifier names and arguments "
+            "give a dict {stage: {Name: {arg: value}}} to resolve_recipe(...) or Session(...)"
+        )
+        raise RecipeError(msg)
+    if not isinstance(stage.applied, bool):
+        msg = f"{at}: applied must be true or false, got {stage.applied!r}"
+        raise RecipeError(msg)
+    if stage.run_type is not None and stage.run_type not in RUN_TYPES:
+        msg = f"{at}: run_type must be {' or '.join(RUN_TYPES)} (as in llm-compressor), got {stage.run_type!r}"
+        raise RecipeError(msg)
+    stage.start = _epoch(stage.start, at, "start")
+    stage.end = _epoch(stage.end, at, "end")
+    if stage.start is not None and stage.end is not None and stage.end <= stage.start:
+        msg = f"{at}: the stage's end ({stage.end}) must be after its start ({stage.start})"
+        raise RecipeError(msg)
+    for m in stage.modifiers:
+        for key, (null, outside, rule) in _WINDOW_EDGES.items():
+            bound, value = getattr(stage, key), getattr(m, key, None)
+            if bound is None or (value is not None and (value >= bound if key == "start" else value <= bound)):
+                continue
+            msg = (
+                f"{at}, modifier {_label(m)}, argument {key!r}: the modifier {key}s at "
+                f"{null if value is None else value}, {outside} its stage's {key} ({bound}); a modifier must {key} "
+                f"{rule} its stage's {key}"
+            )
+            raise RecipeError(msg)
 
 
 def _order_stage(stage: Stage, later: Mapping[str, str], source: str) -> list[Modifier]:
@@ -127,15 +190,40 @@ class Recipe:
         source: where it came from (a path, ``"<text>"``, ``"<dict>"``, ``"<objects>"``...).
 
     Raises (at construction):
-        RecipeError: two stages of one name (a ``stages:`` mapping and a top-level stage of the same name: both ran,
-            and the saved recipe, a mapping by stage name, kept one; found by a fuzzing tester), or the modifiers'
-            ``runs_after`` constraints cannot be met.
+        RecipeError: ``stages`` not a list (or tuple) of :class:`Stage` objects (a dict, YAML text, a path or
+            modifiers are read by :func:`~llmc_fsm.recipes.building.resolve_recipe`; they failed with an
+            ``AttributeError``, found by a tester), ``source`` not a string, a stage :class:`Stage` refuses (checked
+            again: a stage may be changed after it was built), two stages of one name (a ``stages:`` mapping and a
+            top-level stage of the same name: both ran, and the saved recipe, a mapping by stage name, kept one;
+            found by a fuzzing tester), or the modifiers' ``runs_after`` constraints cannot be met.
     """
 
     stages: list[Stage] = attrs.field(factory=list)
     source: str = "<none>"
 
     def __attrs_post_init__(self) -> None:
+        if not isinstance(self.source, str):
+            msg = f"Recipe: source must be a string naming where the recipe came from, got {self.source!r}"
+            raise RecipeError(msg)
+        if isinstance(self.stages, tuple):
+            self.stages = list(self.stages)
+        listed = isinstance(self.stages, list)
+        wrong = [s for s in self.stages if not isinstance(s, Stage)] if listed else [self.stages]
+        if wrong:
+            bad = wrong[0]
+            got = type(bad).__name__ + (" in the list" if listed else "")
+            if isinstance(bad, Stage):  # one stage, not in a list
+                hint = "; give [stage]"
+            else:
+                hint = (
+                    "; read a dict, YAML text, a path or modifiers with llmc_fsm.recipes.building.resolve_recipe(...), "
+                    "or give them to Session(...)"
+                )
+            if isinstance(bad, Modifier):
+                hint += " (wrap modifier objects in a Stage: Recipe([Stage('default', [modifier, ...])]))"
+            raise RecipeError(f"Recipe takes a list of Stage objects, got {got}{hint}")
+        for stage in self.stages:
+            _check_stage(stage, self.source)
         names = [stage.name for stage in self.stages]
         twice = next((name for name in names if names.count(name) > 1), None)
         if twice is not None:

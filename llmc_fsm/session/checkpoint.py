@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, NoReturn, Self
 
 from llmc_fsm.core.errors import CheckpointError, LifecycleError
 from llmc_fsm.core.lifecycle import format_calls
@@ -276,8 +276,11 @@ class SessionCheckpoints(SessionEvents):
         return write_checkpoint(self._state_dict("save"), path)
 
     @classmethod
-    def load(cls, path: str | Path, recipe: Any, **state: Any) -> Any:
+    def load(cls, path: str | Path, recipe: Any, **state: Any) -> Self:
         """Resume: ``Session(recipe)``, ``initialize(**state)``, then load the checkpoint at ``path``.
+
+        Returns:
+            The new session (of the class it is called on), initialized, where the saved one stopped.
 
         Raises:
             CheckpointError: no readable checkpoint at ``path``, or it does not match

@@ -256,20 +256,96 @@ def _write_both(path: Path, tensor_name: str, payload: bytes, text: bytes, *, ke
 def read_checkpoint(path: str | Path) -> dict[str, Any]:
     """Read the state dict written by :func:`write_checkpoint` (tensors on the CPU).
 
+    The read holds the lock saves hold (``path/.session.lock``, where a save left it): a save into the same
+    directory by another thread or process waits, and so does this read while one runs. One read in 300 beside a
+    save in another process failed with "its tensor file ... cannot be read (No such file or directory)": it read
+    the manifest, then the save's cleanup removed the tensor file it named (found by a tester). Where the lock
+    cannot be taken (no lock file: a checkpoint copied elsewhere, nothing is created; a read-only one), a read
+    whose manifest changed while it read is read again.
+
     Raises:
-        CheckpointError: no checkpoint at ``path``, or its files are damaged or
-            missing (the message says which).
+        CheckpointError: no checkpoint at ``path``, or its files are damaged or missing (the message says which);
+            a checkpoint that kept changing while it was read (saves running without the lock) says so.
+    """
+    path = Path(path)
+    with _read_locked(path) as locked:
+        for _ in range(_READ_TRIES):
+            manifest_text = _manifest_text(path)
+            try:
+                return _read_once(path, manifest_text)
+            except CheckpointError:
+                if locked or _manifest_now(path) == manifest_text:
+                    raise  # the files as they are on disk: damage, not a save running beside this read
+    msg = (
+        f"session checkpoint {path} changed while it was read, {_READ_TRIES} times (saves into it are running); "
+        "read it again once they are done"
+    )
+    raise CheckpointError(msg)
+
+
+@contextlib.contextmanager
+def _read_locked(path: Path) -> Iterator[bool]:
+    """Hold ``path/.session.lock`` as :func:`_locked` does when a save left one there and it can be opened; yield
+    whether it is held (a read creates no file: a checkpoint copied without it is read unlocked)."""
+    if not (path / LOCK).is_file():
+        yield False
+        return
+    lock = FileLock(path / LOCK, fallback_to_soft=False)
+    try:
+        lock.acquire()
+    except OSError:  # a read-only lock file or directory: read without it
+        yield False
+        return
+    try:
+        yield True
+    finally:
+        lock.release()
+
+
+#: How many times :func:`read_checkpoint` reads a checkpoint whose manifest a save replaced while it read.
+_READ_TRIES = 5
+
+
+def _manifest_now(path: Path) -> str | None:
+    """The text of ``path/session.json`` now, or ``None`` when it cannot be read."""
+    try:
+        return (path / MANIFEST).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+def _manifest_text(path: Path) -> str:
+    """The text of ``path/session.json``.
+
+    Raises:
+        CheckpointError: no checkpoint at ``path``, or the manifest cannot be read (not UTF-8: damaged).
+    """
+    manifest_path = path / MANIFEST
+    try:
+        return manifest_path.read_text(encoding="utf-8")
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+        where = "the directory does not exist" if not path.exists() else f"it has no {MANIFEST}"
+        msg = f"no session checkpoint at {path}: {where} (write one with session.save(path))"
+        raise CheckpointError(msg) from None
+    except UnicodeDecodeError as exc:
+        msg = f"session checkpoint {manifest_path} is damaged ({type(exc).__name__}: {exc}); use an earlier one"
+        raise CheckpointError(msg) from None
+    except OSError as exc:  # e.g. no permission: not damage
+        msg = f"session checkpoint {path}: its {MANIFEST} cannot be read ({exc.strerror or exc})"
+        raise CheckpointError(msg) from None
+
+
+def _read_once(path: Path, text: str) -> dict[str, Any]:
+    """The state dict of the checkpoint in ``path`` whose manifest reads ``text``.
+
+    Raises:
+        CheckpointError: the manifest or the tensor file it names is damaged or missing.
     """
     from safetensors.torch import load as load_tensors
 
-    path = Path(path)
     manifest_path = path / MANIFEST
-    if not manifest_path.is_file():
-        where = "the directory does not exist" if not path.exists() else f"it has no {MANIFEST}"
-        msg = f"no session checkpoint at {path}: {where} (write one with session.save(path))"
-        raise CheckpointError(msg)
     try:
-        manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+        manifest = json.loads(text)
         tensor_file = path / manifest["tensors"]
         expected = manifest["sha256"]
     except (ValueError, KeyError, TypeError) as exc:

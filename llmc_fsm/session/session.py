@@ -212,7 +212,11 @@ class Session(SessionCheckpoints):
             )  # under torch.distributed: same recipe/model on every rank, else raise
             missing = self.missing_state(**state)
             if missing:
-                msg = missing_state_message(missing, lifecycle, passed=frozenset(state), given=full.keys())
+                slots = [slot for slot in self._schedule.slots if slot.label in missing]
+                reasons = {slot.label: slot.modifier.required_because() for slot in slots}  # from conditional_state
+                msg = missing_state_message(
+                    missing, lifecycle, passed=frozenset(state), given=full.keys(), reasons=reasons
+                )
                 raise MissingStateError(msg, lifecycle=lifecycle, missing=missing, allowed=CALLS_ALLOWED[lifecycle])
             self._bind()
             watched = module_parameters(full)
@@ -376,25 +380,38 @@ class Session(SessionCheckpoints):
 
     def _warn_unreached(self) -> None:
         """At finalize: one warning line if training batches came without any optimizer step event, and one naming
-        the modifiers whose ``start`` the run never reached (they did nothing; both were silent, found by testers)."""
+        the modifiers whose ``start`` the run never reached (they did nothing; both were silent, found by testers).
+        The words on masks and a gradual pruning only where a modifier acting on the model (``model`` among its
+        required keys) is concerned: a learning-rate-only recipe was warned of masks it has none of (found by a
+        tester)."""
         slots = self._schedule.slots
         spe = self._state.values.get("steps_per_epoch")
         epoch = f", epoch {self._step / spe:.4g}" if spe else ""
         if self._trained and not self._stepped:
             stepping = [s.label for s in slots if s.handles("optim_pre_step") or s.handles("optim_post_step")]
             scheduled = [s.label for s in slots if s.modifier.is_scheduled]
+            on_model = {s.label for s in slots if "model" in s.modifier.required_keys()}
             if stepping or scheduled:
                 logger.warning(
                     "finalize(): training batches came without optim_pre_step()/optim_post_step() (never called in "
-                    "this run): global_step stayed %d, so %s; what the schedule had left (a gradual pruning's final "
-                    "sparsity) was done now, at once. Call optimizer_step(session, optimizer) "
+                    "this run): global_step stayed %d, so %s%s. Call optimizer_step(session, optimizer) "
                     "(llmc_fsm.integrations.torch), or session.optim_pre_step() / optim_post_step() around "
                     "optimizer.step()",
                     self._step,
                     "; ".join(
                         ([f"the schedule of {', '.join(scheduled)} did not advance"] if scheduled else [])
-                        + ([f"{', '.join(stepping)} never acted at a step (masks not re-applied)"] if stepping else [])
+                        + (
+                            [
+                                f"{', '.join(stepping)} never acted at a step"
+                                + (" (masks not re-applied)" if on_model.intersection(stepping) else "")
+                            ]
+                            if stepping
+                            else []
+                        )
                     ),
+                    "; what the schedule had left (a gradual pruning's final sparsity) was done now, at once"
+                    if on_model.intersection(scheduled)
+                    else "",
                 )
         never = [s for s in slots if not s.started and s.modifier.start is not None] if self._trained else []
         if never:

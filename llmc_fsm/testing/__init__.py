@@ -1,8 +1,8 @@
 """Test helpers for modifier authors: the conformance kit (:func:`check_modifier`, the ``llmc_fsm_check`` fixture;
 pytest11 plugin) and :func:`run_ranks`, a worker run on several processes in one ``torch.distributed`` gloo group.
 
-This module is the pytest plugin pytest loads in every project of the environment (entry point ``pytest11``), so it
-imports only :mod:`llmc_fsm.testing.plugin` (pytest and the standard library); :func:`check_modifier`,
+pytest loads :mod:`llmc_fsm.testing.plugin` in every project of the environment (entry point ``pytest11``); this
+package imports only that module (pytest and the standard library) at its import: :func:`check_modifier`,
 :class:`ContractViolation`, :func:`run_ranks` and :class:`Worker` are imported on first use (:pep:`562`).
 """
 
@@ -18,8 +18,7 @@ if TYPE_CHECKING:  # what the names are, for type checkers and IDEs
     from llmc_fsm.testing.lifecycles import ContractViolation
     from llmc_fsm.testing.ranks import Worker, run_ranks
 
-#: Name -> the module that defines it, imported on first use. No ``__dir__`` lists them: pytest reads every name
-#: ``dir()`` gives of a plugin module at its start, which would import them all.
+#: Name -> the module that defines it, imported on first use (listed by ``dir()``).
 _LAZY = {
     "ContractViolation": "llmc_fsm.testing.lifecycles",
     "check_modifier": "llmc_fsm.testing.kit",
@@ -43,3 +42,10 @@ def __getattr__(name: str) -> Any:
     value = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value
+
+
+def __dir__() -> list[str]:
+    """The module's names, ``check_modifier``, ``ContractViolation``, ``run_ranks`` and ``Worker`` included (``dir()``
+    and ``help()`` left them out: found by a tester). pytest loads :mod:`llmc_fsm.testing.plugin` as its plugin (the
+    ``pytest11`` entry point), not this package, so listing them imports nothing at pytest's start."""
+    return sorted({*globals(), *__all__})
