@@ -57,9 +57,9 @@ def test_one_refusal_is_one_line_and_several_are_listed_together():
         check_llmcompressor_args({"pipeline": "basic", "save_compressed": 1, "moe_calibrate_all_experts": True}, [])
     assert str(several.value).splitlines() == [
         "llm-compressor oneshot arguments llmc-fsm does not take as given:",
-        "  - pipeline='basic' (accepted: 'sequential' or 'independent'): llmc-fsm calibrates layer by layer "
-        "(llm-compressor's 'sequential'; data-free recipes read no data), and has no 'basic', 'layer_sequential' or "
-        "'datafree' pipeline: leave it out",
+        "  - pipeline='basic' (accepted: 'sequential' or 'independent' or 'datafree'): llmc-fsm calibrates layer by "
+        "layer (llm-compressor's 'sequential'; data-free recipes read no data, and take 'datafree'), and has no "
+        "'basic' or 'layer_sequential' pipeline: leave it out",
         "  - save_compressed=1 (accepted: True): llmc-fsm writes a quantized model compressed (compressed-tensors) only; "
         "leave it out",
         "  - moe_calibrate_all_experts=True (accepted: False): " + LLMCOMPRESSOR_ARGS["moe_calibrate_all_experts"].note,

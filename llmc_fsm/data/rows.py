@@ -25,7 +25,8 @@ Differences from llm-compressor 0.14 (``datasets/utils.py``): it draws the ``num
 random by default (``shuffle_calibration_samples=True``) and warns when the dataset has fewer; here the first ones
 are taken, in order, and asking for more than there are is refused. With ``shuffle_calibration_samples=False``
 both take its order (:func:`longest_first`). A ``DatasetDict`` is refused (pass one split);
-llm-compressor's registered dataset names (:data:`LLMCOMPRESSOR_DATASETS`) are refused with the Hub id it loads.
+llm-compressor's registered dataset names (:data:`LLMCOMPRESSOR_DATASETS`) are refused with the Hub id it loads
+(an image one, :data:`IMAGE_DATASETS`, with the image-caption directory to write it to).
 """
 
 from __future__ import annotations
@@ -41,11 +42,12 @@ from typing import Any
 import attrs
 import torch
 
-from llmc_fsm.data.images import text_tokenizer
+from llmc_fsm.data.images import METADATA, text_tokenizer
 from llmc_fsm.data.protocol import kept_tokenizer_state
 
 __all__ = [
     "ACCEPTED_DATASETS",
+    "IMAGE_DATASETS",
     "LLMCOMPRESSOR_DATASETS",
     "CalibrationRows",
     "TokenRows",
@@ -76,6 +78,10 @@ LLMCOMPRESSOR_DATASETS = {
     "ultrachat_200k": "HuggingFaceH4/ultrachat_200k",
     "wikitext": "Salesforce/wikitext",
 }
+
+#: Those of :data:`LLMCOMPRESSOR_DATASETS` whose rows are images with captions (llm-compressor feeds each image with
+#: a caption prompt through the model's processor): refused with the image-caption directory to give instead.
+IMAGE_DATASETS: frozenset[str] = frozenset({"flickr", "flickr30k"})
 
 #: The kinds of ``dataset=`` one-shot takes, as the refusals name them.
 ACCEPTED_DATASETS = (
@@ -133,10 +139,22 @@ def is_rows(value: Any) -> bool:
 
 def registered_name_error(value: str) -> str | None:
     """The refusal of one of llm-compressor's registered dataset names (:data:`LLMCOMPRESSOR_DATASETS`), after the
-    argument's name; ``None`` for any other string (a file named so in the working directory included)."""
+    argument's name; ``None`` for any other string (a file named so in the working directory included). An image
+    dataset's (:data:`IMAGE_DATASETS`) points to the image-caption directory (:mod:`llmc_fsm.data.images`), which
+    calibrates a vision-language model on images as llm-compressor's example does (found by a tester: it steered
+    gemma3_example.py's flickr30k to text alone)."""
     hub_id = LLMCOMPRESSOR_DATASETS.get(value)
     if hub_id is None or Path(value).expanduser().exists():
         return None
+    if value in IMAGE_DATASETS:
+        return (
+            f"{value!r} is an image-caption dataset registered in llm-compressor, which llmc-fsm does not load: "
+            f"write its images and captions to a directory with {METADATA} and give that directory as the dataset, "
+            "with the model's processor (processor= or tokenizer=), to calibrate on the images as llm-compressor "
+            f"does (ds = load_dataset({hub_id!r}, split='test'); save each row's 'image' as DIR/<i>.jpg and write "
+            f'one {{"file_name": "<i>.jpg", "text": " ".join(row["caption"])}} line per row to DIR/{METADATA}; '
+            'LLaVA, Gemma 3 and Mllama take images: docs/architectures.md, "Vision-language models")'
+        )
     return (
         f"{value!r} is a dataset name registered in llm-compressor, whose preprocessing of it (prompt template, "
         f"columns) llmc-fsm does not reproduce: load the Hub dataset llm-compressor loads, {hub_id!r}, map its "

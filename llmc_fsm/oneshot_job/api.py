@@ -182,7 +182,7 @@ def oneshot(
     """
 
     given = {k: v for k, v in locals().items() if k != "llmcompressor_args"}  # every argument above, by name
-    for name, value in check_llmcompressor_args(llmcompressor_args, list(given)).items():
+    for name, value in check_llmcompressor_args(llmcompressor_args, given).items():
         if given[name] is not _DEFAULTS.get(name, attrs.fields_dict(OneshotSettings)[name].default):  # given too
             raise ValueError(f"{name} is given twice (also under its llm-compressor name): give one")
         given[name] = value

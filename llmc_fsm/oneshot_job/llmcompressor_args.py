@@ -21,9 +21,11 @@ from typing import Any
 
 import attrs
 
+from llmc_fsm.oneshot_job.settings import generated_recipe
+from llmc_fsm.recipes.building import resolve_recipe
 from llmc_fsm.recipes.llmcompressor import is_numpy_scalar
 
-__all__ = ["LLMCOMPRESSOR_ARGS", "LlmcompressorArg", "check_llmcompressor_args"]
+__all__ = ["LLMCOMPRESSOR_ARGS", "LlmcompressorArg", "check_llmcompressor_args", "modifiers_reading_data"]
 
 logger = logging.getLogger(__name__)
 
@@ -36,13 +38,20 @@ class LlmcompressorArg:
         accept: the values taken (``None``: any value); another value is refused with ``note``.
         note: why, and what to do instead (shown when refused, logged when taken).
         rename: the llmc-fsm argument that receives the value, or ``None`` (taken with no effect on the result).
-        taken: what the warning line says when an accepted value is given, where ``note`` speaks to a refused one.
+        taken: what the warning line says when an accepted value is given, where ``note`` speaks to a refused one;
+            a mapping gives each accepted value its own line.
     """
 
     accept: tuple[Any, ...] | None
     note: str
     rename: str | None = None
-    taken: str | None = None  # the line logged when an accepted value is given (default: ``note``)
+    taken: str | Mapping[Any, str] | None = None  # the line logged when an accepted value is given (default: note)
+
+    def taken_line(self, value: Any) -> str:
+        """The line logged when ``value`` (accepted) is given: its own in ``taken``, else ``taken``, else ``note``."""
+        if isinstance(self.taken, Mapping):
+            return next((line for v, line in self.taken.items() if _same(value, v)), self.note)
+        return self.taken or self.note
 
 
 #: llm-compressor ``oneshot`` argument -> what llmc-fsm does with it.
@@ -54,10 +63,18 @@ LLMCOMPRESSOR_ARGS: dict[str, LlmcompressorArg] = {
         taken="llmc-fsm writes a quantized model compressed (compressed-tensors)",
     ),
     "pipeline": LlmcompressorArg(
-        ("sequential", "independent"),
-        "llmc-fsm calibrates layer by layer (llm-compressor's 'sequential'; data-free recipes read no data), and has "
-        "no 'basic', 'layer_sequential' or 'datafree' pipeline: leave it out",
-        taken="llmc-fsm calibrates layer by layer, as llm-compressor's 'sequential' (data-free recipes read no data)",
+        ("sequential", "independent", "datafree"),
+        "llmc-fsm calibrates layer by layer (llm-compressor's 'sequential'; data-free recipes read no data, and take "
+        "'datafree'), and has no 'basic' or 'layer_sequential' pipeline: leave it out",
+        taken={
+            "sequential": "llmc-fsm calibrates layer by layer, as llm-compressor's 'sequential' (data-free recipes "
+            "read no data)",
+            "independent": "llmc-fsm calibrates layer by layer in one pass, every modifier of a stage at each layer "
+            "(llm-compressor's 'sequential'), where llm-compressor's 'independent' gives each modifier a calibration "
+            "pass of its own: for one pass per modifier, put each modifier in a stage of its own",
+            "datafree": "no modifier of this recipe reads calibration data, so none is read, as llm-compressor's "
+            "'datafree'",
+        },
     ),
     "splits": LlmcompressorArg(
         (None,),
@@ -139,8 +156,10 @@ LLMCOMPRESSOR_ARGS: dict[str, LlmcompressorArg] = {
 }
 
 
-def check_llmcompressor_args(given: Mapping[str, Any], parameters: Sequence[str]) -> dict[str, Any]:
-    """Check ``given`` keyword arguments that ``llmc_fsm.oneshot`` does not have (``parameters``: the ones it has).
+def check_llmcompressor_args(given: Mapping[str, Any], parameters: Mapping[str, Any] | Sequence[str]) -> dict[str, Any]:
+    """Check ``given`` keyword arguments that ``llmc_fsm.oneshot`` does not have (``parameters``: the ones it has,
+    by name; a mapping gives their values too, which ``pipeline="datafree"`` needs: it is taken only for a
+    ``recipe`` none of whose modifiers reads calibration data, :func:`modifiers_reading_data`).
 
     Returns:
         The llmc-fsm arguments they set, e.g. ``{"tokenizer": processor}``; taken ones that set nothing are logged.
@@ -148,7 +167,9 @@ def check_llmcompressor_args(given: Mapping[str, Any], parameters: Sequence[str]
     Raises:
         TypeError: a name neither llmc-fsm nor llm-compressor's ``oneshot`` knows (with the closest llmc-fsm name).
         ValueError: llm-compressor arguments whose value llmc-fsm does not take: every one in one message, each
-            with what to do.
+            with what to do (``pipeline="datafree"``: the modifiers that read calibration data, or that the recipe
+            was not given to check).
+        RecipeError: ``pipeline="datafree"`` with a recipe that cannot be read (as :func:`llmc_fsm.oneshot`).
     """
     unknown = [name for name in given if name not in LLMCOMPRESSOR_ARGS]
     if unknown:
@@ -163,16 +184,53 @@ def check_llmcompressor_args(given: Mapping[str, Any], parameters: Sequence[str]
         if rule.accept is not None and not any(_same(value, v) for v in rule.accept):
             taken = f" (accepted: {' or '.join(repr(v) for v in rule.accept)})" if rule.accept else ""
             refused.append(f"{name}={_short(value)}{taken}: {rule.note}")
+        elif name == "pipeline" and _same(value, "datafree") and (why := _datafree_refusal(parameters)) is not None:
+            refused.append(f"{name}={_short(value)}: {why}")
         elif rule.rename is not None:
             out[rule.rename] = value
         else:
-            logger.warning("llm-compressor argument %s=%s taken: %s", name, _short(value), rule.taken or rule.note)
+            logger.warning("llm-compressor argument %s=%s taken: %s", name, _short(value), rule.taken_line(value))
     if len(refused) == 1:
         raise ValueError(f"llm-compressor oneshot argument {refused[0]}")
     if refused:
         lines = "\n".join(f"  - {line}" for line in refused)
         raise ValueError(f"llm-compressor oneshot arguments llmc-fsm does not take as given:\n{lines}")
     return out
+
+
+def modifiers_reading_data(recipe: Any) -> list[str]:
+    """The class names of the modifiers of ``recipe`` (what ``llmc_fsm.oneshot`` takes; ``None``: its default
+    recipe) that read calibration data (``calibration_data`` among their ``required_keys()``, as one-shot decides
+    whether it reads data), once each in recipe order; stages already applied and training stages (which one-shot
+    skips) are left out. Empty: a data-free recipe.
+
+    Raises:
+        RecipeError: the recipe cannot be read (:func:`~llmc_fsm.recipes.building.resolve_recipe`).
+    """
+    resolved = generated_recipe() if recipe is None else resolve_recipe(recipe)
+    names = [
+        type(modifier).__name__
+        for stage, modifiers in resolved.plan()
+        if stage.run_type != "train"
+        for modifier in modifiers
+        if "calibration_data" in modifier.required_keys()
+    ]
+    return list(dict.fromkeys(names))
+
+
+def _datafree_refusal(parameters: Mapping[str, Any] | Sequence[str]) -> str | None:
+    """Why ``pipeline="datafree"`` is refused for ``parameters`` (oneshot's arguments), or ``None`` (taken): llm-
+    compressor's data-free pipeline calibrates nothing, which suits a recipe that reads no data only."""
+    if not isinstance(parameters, Mapping) or "recipe" not in parameters:
+        return "llmc-fsm takes 'datafree' only for a recipe it can check reads no data, and got none: leave it out"
+    needs = modifiers_reading_data(parameters["recipe"])
+    if not needs:
+        return None
+    which = f"{', '.join(needs)} {'reads' if len(needs) == 1 else 'read'}"
+    return (
+        f"{which} calibration data, which llm-compressor's 'datafree' pipeline does not give; leave pipeline out "
+        "(llmc-fsm calibrates layer by layer) or use data-free modifiers only"
+    )
 
 
 def _same(value: Any, accepted: Any) -> bool:

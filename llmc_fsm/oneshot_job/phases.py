@@ -94,7 +94,7 @@ from llmc_fsm.report.build import build_report
 from llmc_fsm.session.session import Session
 from llmc_fsm.toolkit.distributed import is_distributed, is_main_process, rank_work, shard
 from llmc_fsm.toolkit.packed import format_problem, saved_as
-from llmc_fsm.toolkit.targets import OFFLOAD_REFUSAL, compact_names, offloaded_to
+from llmc_fsm.toolkit.targets import OFFLOAD_REFUSAL, compact_names, offloaded_to, refuse_llmcompressor_modules
 
 __all__ = [
     "Run",
@@ -526,6 +526,8 @@ def _check_on_meta(run: Run) -> None:
     model.
 
     Raises:
+        ValueError: an ``nn.Module`` holding a module of llm-compressor's (its ``load_context``'s per-expert Linears:
+            :func:`~llmc_fsm.toolkit.targets.refuse_llmcompressor_modules`), first.
         UnsupportedArchitectureError: (a ``ValueError``) an encoder-decoder model (Whisper, T5...) the job would
             calibrate or evaluate on token ids.
         ValueError: one line, the first modifier check that fails, e.g. ``"<modifier>: the model is already
@@ -533,6 +535,7 @@ def _check_on_meta(run: Run) -> None:
         MissingStateError: as :func:`~llmc_fsm.oneshot_job.data.check_modifiers`.
     """
     if isinstance(run.settings.model, nn.Module):  # the modifiers check it after loading; the format here (pure)
+        refuse_llmcompressor_modules(run.settings.model)  # llm-compressor's load_context experts: no reloadable save
         _check_runs_on_text(run, run.settings.model)  # first, as for a directory (its advice would lead there)
         _check_sequential_targets(run, run.settings.model)
         _check_format_of_targets(run, run.settings.model)

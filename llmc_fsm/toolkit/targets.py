@@ -56,8 +56,10 @@ __all__ = [
     "config_quantization",
     "is_linear_like",
     "is_peft_tuner_layer",
+    "llmcompressor_module",
     "match_precedence",
     "matches",
+    "refuse_llmcompressor_modules",
     "resolve_targets",
     "select_targets",
     "tied_head",
@@ -534,6 +536,43 @@ OFFLOAD_REFUSAL = (
 )
 
 
+def llmcompressor_module(model: nn.Module) -> tuple[str, nn.Module] | None:
+    """The first module of ``model`` (in ``named_modules`` order: the outermost) whose class llm-compressor defines
+    (its ``__module__`` under ``llmcompressor.``), with its name; ``None`` when there is none. llm-compressor's
+    ``load_context`` / ``load_quantizable_moe`` / ``linearize_moe`` put its ``LinearExperts2D`` (one
+    ``ExpertMLPWithGate`` of Linears per expert) in place of a mixture-of-experts layer's fused experts; a checkpoint
+    of those modules holds ``experts.<e>.gate_proj.weight``..., which transformers does not reload into its fused
+    ``gate_up_proj`` / ``down_proj`` (left random; found by a tester: Qwen3-MoE's logits moved by 0.09)."""
+    for name, module in model.named_modules():
+        if type(module).__module__.startswith("llmcompressor."):
+            return name, module
+    return None
+
+
+#: The refusal of a model holding a module of llm-compressor's (:func:`llmcompressor_module`): ``name``, ``cls``
+#: (its class name) and ``where`` (its class's module) to format.
+LLMCOMPRESSOR_MODULE_REFUSAL = (
+    "{name} is llm-compressor's {cls} ({where}), which its load_context / linearize_moe put in place of the "
+    "model's own module (one Linear per expert for fused experts): transformers reloads only its own layout, so "
+    "a checkpoint of it would reload with those weights missing; load the model with "
+    "AutoModelForCausalLM.from_pretrained directly, without load_context (to bound the memory, give its directory "
+    "with low_memory=True instead: model=DIR; --model DIR --low-memory)"
+)
+
+
+def refuse_llmcompressor_modules(model: nn.Module) -> None:
+    """Refuse ``model`` when it holds a module of llm-compressor's (:func:`llmcompressor_module`).
+
+    Raises:
+        ValueError: :data:`LLMCOMPRESSOR_MODULE_REFUSAL`, naming the outermost such module and its class.
+    """
+    found = llmcompressor_module(model)
+    if found is not None:
+        name, module = found
+        cls = type(module)
+        raise ValueError(LLMCOMPRESSOR_MODULE_REFUSAL.format(name=name, cls=cls.__name__, where=cls.__module__))
+
+
 def _apply_ties(
     named, candidates: dict[str, nn.Module], ignored_names: set[str], *, head: nn.Module | None = None
 ) -> tuple[dict, dict]:
@@ -611,6 +650,9 @@ def select_targets(
             names the model family and the modules. Likewise a mixture-of-experts module
             holding its experts fused (transformers 5's 3-D ``gate_up_proj``, DBRX's
             ``w1``). With ``views``: such a module whose layout has no view (e.g. Llama 4's experts).
+            Also a model offloaded by compressed-tensors (:data:`OFFLOAD_REFUSAL`), and one holding a module of
+            llm-compressor's, e.g. the per-expert Linears of its ``load_context``
+            (:data:`LLMCOMPRESSOR_MODULE_REFUSAL`).
     """
     targets = _check_patterns(targets, "target")
     ignore = _check_patterns(ignore, "ignore")
@@ -665,6 +707,7 @@ def select_targets(
             candidates[name] = substitute.get(name, module)
     if (where := offloaded_to(model)) is not None:
         raise ValueError(OFFLOAD_REFUSAL.format(where=where))
+    refuse_llmcompressor_modules(model)
     selected, tied = _apply_ties(named, candidates, ignored_names, head=tied_head(model) if untie_head else None)
     ignored.update(tied)
     if not selected:
