@@ -18,7 +18,8 @@ Scales and zero points of :func:`gptq_quantize` (``observer`` over the group's v
 * group strategy, ``actorder="group"``: from the current weights when the sweep reaches the group's first column
   (groups are formed in activation order, so no group exists before the sweep).
 
-``actorder`` (activation order, descending ``diag H``): ``"static"`` sweeps
+``actorder`` (activation order, descending ``diag H``; columns of equal ``H_jj`` in the order of
+``torch.argsort``'s default, non-stable sort, as llm-compressor 0.14 orders them): ``"static"`` sweeps
 in that order but keeps groups contiguous in the original order (each column
 keeps the group, scale and zero point of its original position: no
 ``g_idx``); ``"group"`` forms groups in that order and returns ``g_idx``
@@ -66,6 +67,7 @@ from llmc_fsm_quantization.observers import (
     is_scaled_format,
     observe,
     observe_scaled_format,
+    qparam_dtype,
     quantize_rows,
     row_qparams,
     storable,
@@ -169,7 +171,9 @@ def gptq_quantize(
     group = args.strategy == QuantizationStrategy.GROUP
     perm = None
     if actorder is not None:
-        perm = torch.argsort(torch.diagonal(hessian).to(device), descending=True, stable=True)
+        # llm-compressor 0.14's call (apply_activation_ordering): torch's default sort, not a stable one, so columns
+        # of equal diag(H) (duplicated inputs) take its order; until session 38 a stable sort ordered them otherwise
+        perm = torch.argsort(torch.diagonal(hessian).to(device=device, dtype=torch.float32), descending=True)
         hessian = hessian.to(device)[perm.unsqueeze(1), perm]  # one gather (rows and columns permuted)
     importance = None
     if observer in IMPORTANCE_OBSERVERS:  # E[x^2] per input column, in the sweep's (permuted) order
@@ -234,7 +238,7 @@ class _QuantRule:
     ) -> None:
         self.args = args
         self.importance = importance  # [cols] in sweep order (imatrix_mse), else None
-        self.storage_dtype = storage_dtype  # the scales are rounded to what a parameter of it holds
+        self.storage_dtype = storage_dtype  # the scales are computed in it (and hold what a parameter of it holds)
         self.scaled = is_scaled_format(args)  # NVFP4 / MX / FP8 block: compressed-tensors' scales, from the start
         self.row_args = as_row_args(args)
         if self.scaled:  # each column is rounded with its rows' effective scales (NVFP4: scale / global scale)
@@ -259,10 +263,8 @@ class _QuantRule:
             original_order = None  # the importance of the original columns (observe sees unpermuted weights)
             if importance is not None:
                 original_order = importance if perm is None else importance[torch.argsort(perm)]
-            per = [
-                (storable(s, storage_dtype), z)
-                for s, z in (observe(w, args, observer, importance=original_order) for w in originals)
-            ]
+            # observed in the weights' dtype: scales and zero points computed in it, as compressed-tensors does
+            per = [observe(w.to(storage_dtype), args, observer, importance=original_order) for w in originals]
             self.scales = [
                 s.expand(w.shape[0], -1) if s.numel() == 1 else s for (s, _), w in zip(per, originals, strict=True)
             ]
@@ -286,6 +288,10 @@ class _QuantRule:
         # Integer grids: the column is rounded in place with compressed-tensors' own formula
         # (x / s + z, clamp, round, (q - z) * s), one group's scale/zero point as contiguous rows.
         self.int_grid = str(args.type) == "int"
+        # A bfloat16 / float16 weight's quantized column is rounded to its dtype (compressed-tensors multiplies by a
+        # scale of that dtype, and the weight is stored in it): the error compensated is that of the stored value.
+        narrow = qparam_dtype(storage_dtype)
+        self.round_to = narrow if (not self.scaled and narrow != torch.float32) else None
         self.zero_free = self.int_grid and bool(args.symmetric)  # zero points are 0: the + z and - z are skipped
         self.q_min, self.q_max = (float(v) for v in calculate_range(self.row_args, torch.device("cpu")))
         self.scaleT = self.scale.T.contiguous()
@@ -332,8 +338,7 @@ class _QuantRule:
         if not self.upfront and j % self.gs == 0:
             x = self.WT[j : j + self.gs].T  # type: ignore[index]  # [rows, gs], every earlier column's update applied
             imp = None if self.importance is None else self.importance[j : j + self.gs].unsqueeze(0)
-            s, z = row_qparams(x, self.row_args, self.observer, imp)
-            s = storable(s, self.storage_dtype)
+            s, z = row_qparams(x, self.row_args, self.observer, imp, dtype=qparam_dtype(self.storage_dtype))
             self.scale[:, g : g + 1] = s
             self.zp[:, g : g + 1] = z.to(self.zp.dtype)
             self.scaleT[g] = s.squeeze(1)
@@ -347,6 +352,8 @@ class _QuantRule:
         else:
             q = quantize_rows(W1[i].unsqueeze(1), self.scale[:, g : g + 1], self.zp[:, g : g + 1], self.row_args)
             out.copy_(q.squeeze(1))
+        if self.round_to is not None:
+            out.copy_(out.to(self.round_to))
         if self.maskT is not None:
             out.mul_(self.maskT[j])
         return out

@@ -41,7 +41,15 @@ search each batch's range as llm-compressor 0.14's activation MSE observers do (
 Any other name is refused (:func:`check_observer`). Scale and zero point from a
 range come from ``compressed_tensors.quantization.utils.calculate_qparams`` and
 the rounding from ``compressed_tensors``' ``fake_quantize``, so the values match
-what the checkpoint's compressor computes when it packs the weight.
+what the checkpoint's compressor computes when it packs the weight. The range is
+handed to ``calculate_qparams`` in the weight's dtype (:func:`qparam_dtype`), as
+llm-compressor 0.14 observes a weight: for a bfloat16 / float16 weight ``hi - lo``,
+the division by the grid's width and the zero point ``q_min - lo / scale`` are each
+rounded to that dtype, so scale and zero point are those of llm-compressor, bitwise,
+and the zero point is computed from the scale that is stored (until session 38 they
+came from a float32 range, the scale rounded once to the weight's dtype afterwards:
+a tester found 27% of a bfloat16 model's asymmetric int4 scales, and zero points,
+differing from llm-compressor's).
 
 Shapes (``W`` is ``[rows, cols]``): tensor strategy ``[1]``, channel
 ``[rows, 1]``, group ``[rows, cols // group_size]``.
@@ -75,6 +83,7 @@ __all__ = [
     "is_scaled_format",
     "observe",
     "observe_scaled_format",
+    "qparam_dtype",
     "quantize_rows",
     "ranges_global_scale",
     "row_qparams",
@@ -247,12 +256,33 @@ def quantize_rows(
     return fake_quantize(x, scale, zero_point, row_args)
 
 
+def qparam_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a weight of ``dtype`` has its scale and zero point computed in: its own when it is a float type
+    narrower than float32 (bfloat16, float16; compressed-tensors computes them from the observed range in the
+    weight's dtype), else float32."""
+    if dtype.is_floating_point and torch.finfo(dtype).bits < torch.finfo(torch.float32).bits:
+        return dtype
+    return torch.float32
+
+
 def row_qparams(
-    x: torch.Tensor, row_args: QuantizationArgs, observer: str, importance: torch.Tensor | None = None
+    x: torch.Tensor,
+    row_args: QuantizationArgs,
+    observer: str,
+    importance: torch.Tensor | None = None,
+    *,
+    dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Scale and zero point ``[G, 1]`` of each row of ``x`` ``[G, n]`` (channel ``row_args``) by ``observer``.
 
     ``importance``: for ``imatrix_mse``, the weight of each entry's error, ``[G, n]`` or broadcastable to it.
+    ``dtype``: the dtype the rows' ranges (each searched range ``p * [lo, hi]`` too) are handed to
+    ``calculate_qparams`` in, which computes the scale and zero point in it (:func:`qparam_dtype` of the weight's
+    dtype; float32: the computation of a float32 weight). The searches' errors are float32 sums.
+
+    Returns:
+        ``(scale, zero_point)``: the scale float32 (holding values of ``dtype``), the zero point in
+        ``row_args.zp_dtype`` computed from that scale.
 
     Raises:
         ValueError: unknown observer, or ``imatrix_mse`` without ``importance``.
@@ -260,9 +290,9 @@ def row_qparams(
     check_observer(observer)
     if observer in NVFP4_OBSERVERS:
         raise ValueError(f"observer {observer} is for NVFP4 weights (tensor_group, 4-bit float) only")
-    lo = x.amin(dim=1, keepdim=True)
-    hi = x.amax(dim=1, keepdim=True)
-    scale, zp = calculate_qparams(lo, hi, row_args)
+    lo = x.amin(dim=1, keepdim=True).to(dtype)
+    hi = x.amax(dim=1, keepdim=True).to(dtype)
+    scale, zp = _range_qparams(lo, hi, row_args)
     if observer in _MINMAX:
         return scale, zp
     if observer in IMPORTANCE_OBSERVERS and importance is None:
@@ -274,7 +304,7 @@ def row_qparams(
     stale = 0
     for i in range(int(search.max_shrink * search.grid)):  # p = 1 ... 1 - (steps - 1) / grid, as llm-compressor
         p = 1.0 - i / search.grid
-        s, z = (scale, zp) if i == 0 else calculate_qparams(lo * p, hi * p, row_args)
+        s, z = (scale, zp) if i == 0 else _range_qparams(lo * p, hi * p, row_args)
         err = (quantize_rows(x, s, z, row_args) - x).abs_().pow_(search.norm)
         if weight is not None:
             err.mul_(weight)
@@ -287,6 +317,12 @@ def row_qparams(
         if search.patience is not None and stale >= search.patience:
             break
     return scale, zp
+
+
+def _range_qparams(lo: torch.Tensor, hi: torch.Tensor, row_args: QuantizationArgs) -> tuple[torch.Tensor, torch.Tensor]:
+    """``calculate_qparams`` of the range ``[lo, hi]`` (computed in its dtype), the scale as float32."""
+    scale, zp = calculate_qparams(lo, hi, row_args)
+    return scale.to(torch.float32), zp
 
 
 def storable(scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -318,7 +354,9 @@ def observe(
 
     Returns:
         ``(scale, zero_point)`` shaped ``[1]`` / ``[rows, 1]`` / ``[rows, cols // group_size]``; scale float32
-        holding values of ``weight``'s dtype (:func:`storable`), zero point in ``args.zp_dtype`` (symmetric: zeros).
+        holding values of ``weight``'s dtype (computed in it: :func:`qparam_dtype`), zero point in
+        ``args.zp_dtype`` (symmetric: zeros), computed from that scale: compressed-tensors' ``calculate_qparams``
+        of the (searched) range in the weight's dtype, bitwise.
 
     Raises:
         ValueError: unknown observer or strategy, ``cols`` not divisible by ``group_size``, or ``imatrix_mse``
@@ -336,8 +374,7 @@ def observe(
             msg = f"imatrix_mse: importance has shape {tuple(importance.shape)}, expected ({cols},)"
             raise ValueError(msg)
         entry_importance = _groups(importance.to(x.device, torch.float32).expand(rows, cols), args)
-    scale, zp = row_qparams(x, as_row_args(args), observer, entry_importance)
-    scale = storable(scale, weight.dtype)
+    scale, zp = row_qparams(x, as_row_args(args), observer, entry_importance, dtype=qparam_dtype(weight.dtype))
     if args.strategy == QuantizationStrategy.TENSOR:
         return scale.reshape(1), zp.reshape(1)
     if args.strategy == QuantizationStrategy.CHANNEL:

@@ -77,10 +77,11 @@ def test_bad_dtypes_are_refused_before_any_work(tmp_path) -> None:
     assert str(info.value) == "dtype (--dtype) must be one of float32, bfloat16, float16, auto, got 'int8'"
     model = AutoModelForCausalLM.from_pretrained(source)
     with pytest.raises(ValueError) as info:
-        llmc_fsm.oneshot(model, recipe=RECIPE, dataset=DATA, progress=False, dtype=torch.bfloat16)
-    assert str(info.value) == (
-        "dtype (--dtype) 'bfloat16' applies to a model given as a name or directory; an in-memory model is "
-        "compressed and saved in its own dtype: convert it yourself (e.g. model.to(torch.bfloat16))"
+        llmc_fsm.oneshot(model, recipe=RECIPE, dataset=DATA, progress=False, dtype=torch.float16)
+    assert str(info.value) == (  # its own dtype (bfloat16) or 'auto' is taken (session 38)
+        "dtype (--dtype) 'float16' applies to a model given as a name or directory; an in-memory model is "
+        "compressed and saved in its own dtype (bfloat16): leave dtype out (or give 'auto'), or convert the model "
+        "first (e.g. model.to(torch.float16))"
     )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bf16"]
     assert not any(hasattr(m, "quantization_scheme") for m in model.modules())
