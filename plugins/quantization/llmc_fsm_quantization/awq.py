@@ -8,7 +8,8 @@ channel ``j`` over the calibration tokens, the candidate scales for an exponent 
 
 * ``s_j = x_j ** r`` (the paper's search space, ``duo_scaling: false``), or
 * ``s_j = x_j ** r / (w_j ** (1 - r) + 1e-4)`` (``duo_scaling: true``, the default, as llm-compressor and
-  AutoAWQ), ``w_j`` the mean over the balance layers' rows of ``|W_ij|`` divided by the maximum ``|W|`` of
+  AutoAWQ), ``w_j`` the mean over the quantized balance layers' rows of ``|W_ij|`` (a balance layer no modifier
+  quantizes, e.g. an ignored router, is left out, as llm-compressor 0.14's) divided by the maximum ``|W|`` of
   the quantization group holding it plus ``1e-6`` (the row for ``channel``, the group for ``group`` and NVFP4's
   ``tensor_group``, the ``h x w`` block for ``block``, the tensor for ``tensor``; float64, as llm-compressor 0.14;
   the candidates then float64 too);
@@ -59,10 +60,10 @@ range ``shrink_mean`` (``m / max|W_group|``), ``error_unclipped`` / ``error`` an
 Mixture-of-experts layers with fused experts (transformers 5's ``MixtralExperts``, ``Qwen3MoeExperts``: 3-D
 ``gate_up_proj`` / ``down_proj``; :mod:`llmc_fsm_quantization.mappings`): ``post_attention_layernorm -> router and
 every expert's gate/up rows`` shares one scale; its ``x_j`` is over every token reaching the block, ``w_j`` over the
-rows of all of them (the router per row: it is not quantized), and the error is the block's output, the router's
-top-k computed as in the float model (the router reads the unscaled input during the search, and its weight takes
-the scale when folded, so the routing is unchanged). Each expert's ``up_proj -> down_proj`` gets its own scale from
-the tokens the router sent to it, scored by its ``down_proj`` output on them (as AutoAWQ's per-expert
+rows of the quantized ones (the router, not quantized, is not among them), and the error is the block's output, the
+router's top-k computed as in the float model (the router reads the unscaled input during the search, and its weight
+takes the scale when folded, so the routing is unchanged). Each expert's ``up_proj -> down_proj`` gets its own scale
+from the tokens the router sent to it, scored by its ``down_proj`` output on them (as AutoAWQ's per-expert
 ``up -> down``); an expert with no routed token is left unscaled. llm-compressor 0.14 by default gives every expert
 every calibration token instead (``moe_calibrate_all_experts=True``), as ``calibrate_all_experts: true`` does here
 (on the AWQModifier, or on the stage's quantizing modifier); without it one warning line says so. The scales are
@@ -76,8 +77,9 @@ same way (the candidates scale ``down``'s input columns) and folded through squa
 degree 2: ``up``'s rows are divided by ``sqrt(s)`` and ``down``'s columns multiplied by ``s``, exact for the float
 model (:attr:`~llmc_fsm_quantization.mappings.ResolvedMapping.degree`; the activation is recognised by its class,
 transformers' ``ReLUSquaredActivation``). Refused, before any work: experts no mapping reaches (GPT-OSS, DBRX, gateless
-experts of another activation, a block with Nemotron-H's latent projection: the message names why), and fused experts
-under ``torch.distributed``.
+experts of another activation, a block with Nemotron-H's latent projection: the message names why) that a quantizer of
+the stage would quantize (experts in the quantizers' ``ignore`` stay dense and the rest of the model is smoothed), and
+fused experts a mapping smooths under ``torch.distributed``.
 
 Under ``torch.distributed`` (``torchrun``) each rank runs its share of the calibration windows; the statistics
 (``sum|x_j|`` and token counts), every candidate's block error and the clipping scores are summed over the ranks
@@ -116,8 +118,10 @@ from llmc_fsm.toolkit import (
     get_rank,
     is_distributed,
     linear_expert_names,
+    matches,
     model_family,
     patterns,
+    select_targets,
     weight_views,
 )
 from llmc_fsm_quantization.mappings import (
@@ -172,6 +176,31 @@ def _no_quantizer_message(unquantized: list[ResolvedMapping]) -> str:
         "QuantizationModifier (or GPTQModifier) with the scheme in the same stage, give AWQModifier a scheme (e.g. "
         "scheme: W4A16), or run the stages fused (oneshot --fuse-stages, fuse_stages=True)"
     )
+
+
+def _quantizes_weights(modifier: Any) -> bool:
+    """Whether ``modifier`` quantizes weights (it has ``weight_args``; a pruner, a KV-cache scheme alone: not)."""
+    try:
+        modifier.weight_args  # noqa: B018 (raises for a modifier that quantizes no weights)
+    except (AttributeError, ValueError):
+        return False
+    return True
+
+
+def _ignored_experts(model: nn.Module, name: str, experts: nn.Module, ignore: Sequence[str]) -> bool:
+    """Whether ``ignore`` patterns leave the fused experts module ``name`` of ``model`` out: they match it, a module
+    around it (not the model itself), or every one of its expert matrices (``<name>.<e>.<matrix>`` views)."""
+    around = [name, *(".".join(name.split(".")[:i]) for i in range(name.count("."), 0, -1))]
+    if any(matches(n, model.get_submodule(n), p) for n in around for p in ignore):
+        return True
+    views = weight_views(experts)
+    return bool(views) and all(any(matches(f"{name}.{s}", v, p) for p in ignore) for s, v in views.items())
+
+
+def _quantized_experts(experts: dict[str, nn.Module], quantized: set[str]) -> dict[str, nn.Module]:
+    """Those of ``experts`` (``{name: fused experts module}``) that ``quantized`` (module names a quantizer
+    selected) holds, or one of whose expert matrices (views ``<name>.<e>.<matrix>``) it holds."""
+    return {n: m for n, m in experts.items() if n in quantized or any(f"{n}.{s}" in quantized for s in weight_views(m))}
 
 
 def awq_weight_mean(weights: list[torch.Tensor], group_sizes: list[int | tuple[int, int] | None]) -> torch.Tensor:
@@ -659,52 +688,25 @@ class AWQModifier(SmoothingModifier):
         return kept
 
     def check_model(self, model: nn.Module) -> dict[str, nn.Module]:
-        """:meth:`SmoothingModifier.check_model` (and the older form's quantizer's); fused mixture-of-experts weights
-        no mapping reaches are refused.
+        """:meth:`SmoothingModifier.check_model` (and the older form's quantizer's); in the older form (AWQ
+        quantizes), fused mixture-of-experts weights no mapping reaches that its quantizer would quantize are refused
+        (the newer form's are refused by :meth:`check_stage`, which knows the stage's quantizers).
 
         Raises:
-            ValueError: as the base classes; or the model keeps fused experts (transformers 5's experts classes, DBRX)
-                that no resolved mapping smooths (:func:`~llmc_fsm_quantization.mappings.moe_mapping_problem` says
-                why the default mappings leave them out: GPT-OSS's biased, clamped gate, DBRX's layout, gateless
-                experts whose activation is not relu2, a block module that is neither an expert, the router, a shared
-                expert nor its gate), so they would be quantized unsmoothed; fused experts under
-                ``torch.distributed``.
+            ValueError: as the base classes; or (older form) the model keeps fused experts (transformers 5's experts
+                classes, DBRX) that no resolved mapping smooths and that ``ignore`` does not leave out
+                (:func:`~llmc_fsm_quantization.mappings.moe_mapping_problem` says why the default mappings leave
+                them out: GPT-OSS's biased, clamped gate, DBRX's layout, gateless experts whose activation is not
+                relu2, a block module that is neither an expert, the router, a shared expert nor its gate), so they
+                would be quantized unsmoothed; fused experts a mapping smooths under ``torch.distributed``.
         """
-        fused = {n: m for n, m in model.named_modules() if weight_views(m) and "" not in weight_views(m)}
-        if fused:
-            try:
-                reached = {id(b) for mapping in self.resolve(model) for b in mapping.balances}
-            except ValueError:  # no default mapping fits at all: the experts are named first
-                if self.mappings is not None:  # a recipe mapping that does not fit: its own message
-                    raise
-                reached = set()
-            left = {n: m for n, m in fused.items() if not all(id(v) in reached for v in weight_views(m).values())}
+        fused, left = self._experts_outside_mappings(model)
+        if left and self._quantizer is not None:  # the older form: its quantizer's selection (AWQ's ignore)
+            left = _quantized_experts(left, self._quantizer_selection(model))
             if left:
-                family = model_family(model)
-                name = next(iter(left))
-                block, _, leaf = name.rpartition(".")
-                parent = model.get_submodule(block)
-                why = moe_mapping_problem(parent, leaf, moe_router(parent, leaf)) or (
-                    "the default mappings smooth a block read from post_attention_layernorm; recipe mappings must "
-                    "list every expert matrix, e.g. post_attention_layernorm -> 're:.*mlp.gate$', "
-                    "'re:.*mlp.experts.*.gate_proj$', 're:.*mlp.experts.*.up_proj$' and 're:.*up_proj$' -> "
-                    "'re:.*down_proj$'"
-                )
-                try:  # can another quantizer take them (GPT-OSS, DBRX: no layout transformers reloads)?
-                    if linear_expert_names(model, name, left[name]) is None:  # Llama 4: reloaded as Linears
-                        expert_checkpoint_names(model, name, left[name])
-                    advice = (
-                        "so they would be quantized unsmoothed: use GPTQModifier or QuantizationModifier, which "
-                        "quantize each expert matrix"
-                    )
-                except ValueError as exc:
-                    advice = f"and no modifier can quantize them so that they reload: {exc}"
-                msg = (
-                    f"AWQModifier: {family} keeps fused experts in {compact_names(left)} that no smoothing mapping "
-                    f"reaches ({why}), {advice}"
-                )
-                raise ValueError(msg)
-        if fused and is_distributed():
+                raise ValueError(self._experts_refusal(model, left))
+        smoothed = [name for name in fused if name not in self._unreached_experts(model, fused)]
+        if smoothed and is_distributed():
             msg = (
                 "AWQModifier: smoothing fused experts under torch.distributed is not implemented (a rank may see no "
                 "token routed to an expert that another rank sees); run it on one process"
@@ -716,13 +718,100 @@ class AWQModifier(SmoothingModifier):
                 targets.update(self._quantizer.check_model(model))
         return targets
 
+    def _unreached_experts(self, model: nn.Module, fused: dict[str, nn.Module]) -> dict[str, nn.Module]:
+        """Those of ``fused`` (fused experts modules) some of whose expert matrices no resolved mapping reaches."""
+        if not fused:
+            return {}
+        try:
+            reached = {id(b) for mapping in self.resolve(model) for b in mapping.balances}
+        except ValueError:  # no default mapping fits at all: the experts are named first
+            if self.mappings is not None:  # a recipe mapping that does not fit: its own message
+                raise
+            reached = set()
+        return {n: m for n, m in fused.items() if not all(id(v) in reached for v in weight_views(m).values())}
+
+    def _experts_outside_mappings(self, model: nn.Module) -> tuple[dict[str, nn.Module], dict[str, nn.Module]]:
+        """``({name: fused experts module}, those of them no mapping reaches that AWQ's ``ignore`` does not leave
+        out)``: ignored by the module's name, a module's around it, or every expert matrix's (found by a tester:
+        experts in ``ignore``, as the refusal advised, were refused again)."""
+        fused = {n: m for n, m in model.named_modules() if weight_views(m) and "" not in weight_views(m)}
+        left = self._unreached_experts(model, fused)
+        return fused, {n: m for n, m in left.items() if not _ignored_experts(model, n, m, self.ignore)}
+
+    def _quantizer_selection(self, model: nn.Module) -> set[str]:
+        """The names the older form's quantizer selects in ``model`` (its targets and AWQ's ``ignore``; pure);
+        targets that select nothing usable: every name (its own check refuses them)."""
+        quantizer = self._quantizer
+        try:
+            selection = select_targets(
+                model,
+                quantizer.targets,
+                quantizer.ignore,
+                supported=quantizer._selectable,
+                views=quantizer.compresses_views,
+            )
+        except ValueError:
+            return {name for name, _ in model.named_modules()} | {
+                f"{name}.{suffix}" for name, module in model.named_modules() for suffix in weight_views(module)
+            }
+        return set(selection.selected)
+
+    def _experts_refusal(self, model: nn.Module, left: dict[str, nn.Module]) -> str:
+        """Why fused experts ``left`` (no mapping reaches them) cannot be run through AWQ, and what to do."""
+        family = model_family(model)
+        name = next(iter(left))
+        block, _, leaf = name.rpartition(".")
+        parent = model.get_submodule(block)
+        why = moe_mapping_problem(parent, leaf, moe_router(parent, leaf)) or (
+            "the default mappings smooth a block read from post_attention_layernorm; recipe mappings must "
+            "list every expert matrix, e.g. post_attention_layernorm -> 're:.*mlp.gate$', "
+            "'re:.*mlp.experts.*.gate_proj$', 're:.*mlp.experts.*.up_proj$' and 're:.*up_proj$' -> "
+            "'re:.*down_proj$'"
+        )
+        try:  # can another quantizer take them (GPT-OSS, DBRX: no layout transformers reloads)?
+            if linear_expert_names(model, name, left[name]) is None:  # Llama 4: reloaded as Linears
+                expert_checkpoint_names(model, name, left[name])
+            advice = (
+                "so they would be quantized unsmoothed: use GPTQModifier or QuantizationModifier, which "
+                "quantize each expert matrix"
+            )
+        except ValueError as exc:
+            advice = f"and no modifier can quantize them so that they reload: {exc}"
+        return (
+            f"AWQModifier: {family} keeps fused experts in {compact_names(left)} that no smoothing mapping "
+            f"reaches ({why}), {advice}"
+        )
+
+    def _stage_refusal(self, model: nn.Module, selected: list[tuple[Any, Any]]) -> str | None:
+        """Newer form: why one-shot refuses AWQ in a stage whose modifiers' ``check_model`` selected ``selected``
+        (:meth:`check_stage`), else ``None``: fused experts no mapping reaches that a quantizer of the stage
+        quantizes (or, no quantizer in the stage, that are not ignored); then a stage none of whose modifiers
+        quantizes a balance layer of AWQ's mappings."""
+        if self._quantizer is not None:
+            return None
+        quantizers = [
+            (modifier, targets)
+            for modifier, targets in selected
+            if modifier is not self and isinstance(targets, dict) and _quantizes_weights(modifier)
+        ]
+        _, left = self._experts_outside_mappings(model)
+        if left:
+            hit = _quantized_experts(left, {name for _, targets in quantizers for name in targets})
+            if hit or not quantizers:
+                return self._experts_refusal(model, hit or left)
+        mappings, unquantized = self._left_unquantized(model, selected)
+        if mappings and len(unquantized) == len(mappings):
+            return _no_quantizer_message(mappings)
+        return None
+
     # ---- lifecycle ----------------------------------------------------------
     def explain_model(self, model: nn.Module, stage: Sequence[Any] = ()) -> list[str]:
         """:meth:`SmoothingModifier.explain_model`, and a line naming the mappings one-shot will not smooth because
         no quantizing modifier of ``stage`` (AWQ's stage's modifiers) quantizes a balance layer of theirs (the
-        quantizer's ``ignore``): explain listed them as if smoothed (found by a tester); when that holds for every
-        mapping, the line says one-shot refuses the stage (:meth:`check_stage`). Pure (the stage's modifiers'
-        ``check_model``).
+        quantizer's ``ignore``): explain listed them as if smoothed (found by a tester); where one-shot refuses the
+        stage (:meth:`check_stage`), the line says why. Nothing of the stage when one of its modifiers refuses the
+        model (explain shows that refusal, which one-shot gives first: a "refused by one-shot" line on AWQ was its
+        knock-on, found by a tester). Pure (the stage's modifiers' ``check_model``).
 
         Raises:
             ValueError: as :meth:`resolve`.
@@ -737,12 +826,14 @@ class AWQModifier(SmoothingModifier):
         for modifier in stage:
             try:
                 selected.append((modifier, modifier.check_model(model) if modifier is not self else {}))
-            except ValueError:  # a modifier that does not fit: explain's checks say so
-                continue
+            except ValueError:  # a modifier that does not fit: explain's checks say so, and one-shot stops there
+                return lines
+        refusal = self._stage_refusal(model, selected)
+        if refusal is not None:  # what check_stage refuses (explain printed the mappings as smoothed)
+            lines.append(f"refused by one-shot: {refusal}")
+            return lines
         mappings, left = self._left_unquantized(model, selected)
-        if mappings and len(left) == len(mappings):  # what check_stage refuses (explain printed it as smoothed)
-            lines.append(f"refused by one-shot: {_no_quantizer_message(mappings)}")
-        elif left:
+        if left:
             lines.append(
                 f"not smoothed: {len(left)} of {len(mappings)} mappings, whose balance layers no modifier of this "
                 f"stage quantizes (e.g. {left[0].smooth_name} -> {', '.join(left[0].balance_names)})"
@@ -750,21 +841,24 @@ class AWQModifier(SmoothingModifier):
         return lines
 
     def check_stage(self, model: nn.Module, selected: list[tuple[Any, dict[str, Any]]]) -> None:
-        """Before any work (one-shot's checks): refuse a stage none of whose modifiers quantizes a balance layer of
-        AWQ's mappings, as :meth:`on_calibration_start` does; there it came after a SpinQuant of the same stage had
-        rotated the caller's model (found by a tester).
+        """Before any work (one-shot's checks): in the newer form (a quantizing modifier of the stage carries the
+        scheme), refuse fused experts no mapping reaches that a quantizer of the stage quantizes (with no quantizer
+        in the stage: that ``ignore`` does not leave out), and a stage none of whose modifiers quantizes a balance
+        layer of AWQ's mappings, as :meth:`on_calibration_start` does; there it came after a SpinQuant of the same
+        stage had rotated the caller's model (found by a tester). Experts the quantizers' ``ignore`` leaves dense
+        are not refused: AWQ smooths the rest (found by a tester: they were refused whatever the ignore, in a loop
+        with the refusal's own advice).
 
         Args:
             selected: ``(modifier, {name: module} its check_model selected)`` for each modifier of the stage.
 
         Raises:
-            ValueError: as :meth:`on_calibration_start`.
+            ValueError: as :meth:`on_calibration_start`; or fused experts no mapping reaches are quantized (the
+                message as :meth:`check_model`'s).
         """
-        if self._quantizer is not None:
-            return
-        mappings, left = self._left_unquantized(model, selected)
-        if mappings and len(left) == len(mappings):
-            raise ValueError(_no_quantizer_message(mappings))
+        refusal = self._stage_refusal(model, selected)
+        if refusal is not None:
+            raise ValueError(refusal)
 
     def _left_unquantized(
         self, model: nn.Module, selected: list[tuple[Any, Any]]
@@ -773,13 +867,8 @@ class AWQModifier(SmoothingModifier):
         (``(modifier, what its check_model selected)`` of AWQ's stage) quantizes."""
         quantized: set[str] = set()
         for modifier, targets in selected:
-            if modifier is self or not isinstance(targets, dict):
-                continue
-            try:
-                modifier.weight_args  # noqa: B018 (raises for a modifier that quantizes no weights)
-            except (AttributeError, ValueError):
-                continue
-            quantized.update(targets)
+            if modifier is not self and isinstance(targets, dict) and _quantizes_weights(modifier):
+                quantized.update(targets)
         mappings = self.resolve(model)
         return mappings, [m for m in mappings if not any(name in quantized for name in m.balance_names)]
 
@@ -795,10 +884,15 @@ class AWQModifier(SmoothingModifier):
         smooth layers are named in a warning and in :attr:`unsmoothed`. Before any work.
 
         Raises:
-            ValueError: no balance layer of any mapping is quantized by a modifier of this stage.
+            ValueError: no balance layer of any mapping is quantized by a modifier of this stage; or fused experts
+                no mapping reaches are quantized by one (as :meth:`check_stage`).
         """
         super().on_calibration_start(state)
         self._quantizers = self._find_quantizers()
+        _, experts = self._experts_outside_mappings(state.model) if self._quantizer is None else (None, {})
+        hit = {n: m for n, m in experts.items() if any(id(v) in self._quantizers for v in weight_views(m).values())}
+        if hit or (experts and not self._quantizers):  # as check_stage (the session API has no one-shot checks)
+            raise ValueError(self._experts_refusal(state.model, hit or experts))
         unquantized = [m for m in self._mappings if all(self._quantizers.get(id(b)) is None for b in m.balances)]
         if unquantized and len(unquantized) < len(self._mappings):
             self.unsmoothed = [m.smooth_name for m in unquantized]
@@ -1023,7 +1117,11 @@ class AWQModifier(SmoothingModifier):
         # float32 as llm-compressor's (there summed in float32 batch by batch, in its calibration order; here the
         # float64 sum, the same for any batching and over ranks, rounded once)
         x_mean = (observer.abs_sum[name] / observer.tokens[name]).to(torch.float32)
-        w_mean = awq_weight_mean([b.weight for b in mapping.balances], [_group_size(q) for q in quantizers])
+        # the quantized balance layers' weights only, as llm-compressor 0.14's _compute_layer_means skips a layer
+        # without a quantization scheme (an ignored router absorbs the scales but is not in w: found by a tester)
+        weighed = [(b, q) for b, q in zip(mapping.balances, quantizers, strict=True) if q is not None]
+        weighed = weighed or list(zip(mapping.balances, quantizers, strict=True))
+        w_mean = awq_weight_mean([b.weight for b, _ in weighed], [_group_size(q) for _, q in weighed])
         # llm-compressor's grid; its first candidate, (0.0, False), is s = 1: scored as no smoothing (None)
         grid = awq_grid(self.duo_scaling, self.n_grid)[1:]
         evaluate: _BlockError | _GramError

@@ -39,7 +39,10 @@ it). As AutoAWQ's Mixtral mappings (``block_sparse_moe.gate`` among the balance 
 mappings. A shared expert (DeepSeek-V3's ``shared_experts``, Qwen3-Next's ``shared_expert``) and its 1-output gate
 (Qwen3-Next's ``shared_expert_gate``) read the block's input too: they are balance layers of the same norm mapping
 (:func:`shared_expert_readers`), whose parent is the whole block (routed plus shared output), and the shared expert's
-``up_proj -> down_proj`` is a mapping like a dense MLP's. The block must hold nothing else, the experts a gate without
+``up_proj -> down_proj`` is a mapping like a dense MLP's. Granite-MoE-Hybrid's ``shared_mlp`` sits beside the block
+in the decoder layer and reads the same norm output: its fused ``[gate; up]`` ``input_linear`` is a balance layer of
+the norm mapping too (whose parent is then the decoder layer), and ``input_linear``'s ``up`` rows -> ``output_linear``
+a mapping of AWQ's (:func:`fused_tail`). The block must hold nothing else, the experts a gate without
 biases and transformers' own ``act(gate) * up`` (not GPT-OSS's clamped gate), in transformers' layout class or Llama
 4's (not DBRX's): :func:`moe_mapping_problem` says why a block does not fit.
 
@@ -319,13 +322,16 @@ def fused_tail(name: str, module: nn.Module, channels: int) -> bool:
     features reads: Phi-3's fused ``qkv_proj`` (rows ``[q; k; v]``) before ``o_proj`` when there are as many
     key/value heads as query heads (``3 * channels`` rows: ``v`` is the last third), and its fused ``gate_up_proj``
     (rows ``[gate; up]``, ``2 * channels``) before ``down_proj`` (``act(gate) * up`` is linear in ``up``), as
-    llm-compressor's ``_phi_mappings`` smooth them (scaling the last rows). Whether the fold keeps the function is
+    llm-compressor's ``_phi_mappings`` smooth them (scaling the last rows); Granite's ``input_linear`` (rows
+    ``[gate; up]``) before ``output_linear`` likewise. Whether the fold keeps the function is
     measured before smoothing (:func:`~llmc_fsm_quantization.smoothquant.fold_change`)."""
     if not is_linear_like(module) or module.weight.dim() != 2:
         return False
     rows = int(module.weight.shape[0])
     leaf = name.rsplit(".", 1)[-1]
-    return (leaf == "qkv_proj" and rows == 3 * channels) or (leaf == "gate_up_proj" and rows == 2 * channels)
+    return (leaf == "qkv_proj" and rows == 3 * channels) or (
+        leaf in ("gate_up_proj", "input_linear") and rows == 2 * channels
+    )
 
 
 def _find_layers(model: nn.Module) -> tuple[str, nn.ModuleList] | None:
@@ -444,9 +450,15 @@ def _default_specs_for_layer(layer: nn.Module, *, include_linear: bool) -> list[
         if moe_mapping_problem(layer.get_submodule(block), experts, in_block) is None:
             expert_views = [f"{experts}.{suffix}" for suffix in weight_views(layer.get_submodule(experts))]
             readers = [scope + n for n in shared_expert_readers(layer.get_submodule(block), experts, in_block)]
+            # Granite-MoE's shared_mlp beside the block reads the norm's output too (found by a tester: left out, the
+            # fold check refused the default mapping); its fused [gate; up] input_linear -> output_linear is AWQ's
+            hidden = int(layer.get_submodule(router).weight.shape[1])
+            beside = _fused_mlps_beside(layer, block, hidden) if block else []
             if norm_fits:
                 gate_up = (v for v in expert_views if not v.endswith(".down_proj"))
-                out.append((mlp_norm_name, (router, *readers, *gate_up)))
+                out.append((mlp_norm_name, (router, *readers, *(i for i, _ in beside), *gate_up)))
+                if include_linear:
+                    out.extend((i, (o,)) for i, o in beside)
     elif norm_fits and up and not _beside_unknown_experts(layer, up[0]):
         out.append((mlp_norm_name, (gate[0], up[0]) if gate else (up[0],)))
     fused = None if (gate or up) else _linear_named(layer, "gate_up_proj")  # Phi-3's fused gate/up
@@ -533,6 +545,25 @@ def _gateless_mlps(layer: nn.Module) -> list[tuple[str, str, int | None]]:
         ):
             scope = f"{name}." if name else ""
             found.append((f"{scope}up_proj", f"{scope}down_proj", homogeneity_degree(act)))
+    return found
+
+
+def _fused_mlps_beside(layer: nn.Module, block: str, hidden: int) -> list[tuple[str, str]]:
+    """``(input_linear, output_linear)`` names in ``layer`` of each child other than the mixture-of-experts ``block``
+    that is Granite's MLP (GraniteMoeHybrid's, GraniteMoeShared's ``shared_mlp``, computing
+    ``output_linear(act(gate) * up)`` with ``[gate; up] = input_linear(x)``): children ``input_linear`` (a Linear of
+    ``hidden`` inputs and ``2 * I`` outputs) and ``output_linear`` (``I`` inputs), and no other parameter. That the
+    layer feeds it the block's input is measured by the fold check before smoothing
+    (:func:`~llmc_fsm_quantization.smoothquant.fold_change`), as whether its last ``I`` rows are the ``up`` half
+    (:func:`fused_tail`)."""
+    found = []
+    for name, child in layer.named_children():
+        first, second = _child(child, "input_linear"), _child(child, "output_linear")
+        if name == block or not is_linear_like(first) or not is_linear_like(second):
+            continue
+        own = {id(p) for p in child.parameters()} == {id(p) for p in (*first.parameters(), *second.parameters())}
+        if own and first.weight.shape[1] == hidden and first.weight.shape[0] == 2 * second.weight.shape[1]:
+            found.append((f"{name}.input_linear", f"{name}.output_linear"))
     return found
 
 
@@ -1182,12 +1213,22 @@ def _no_default_message(model: nn.Module, owner: str) -> str:
 
 
 def describe_mappings(mappings: list[ResolvedMapping]) -> list[str]:
-    """One line per distinct mapping shape: ``smooth -> balances`` with layer indices folded (``{0..29}``)."""
+    """One line per distinct mapping shape: ``smooth -> balances`` with layer indices folded (``{0..29}``); the
+    expert matrices of fused experts counted per name (``gate_proj (4 experts)``), a module named as one of them
+    shown with its parent (``shared_expert.gate_proj``: it was counted as a fifth expert, found by a tester)."""
     groups: dict[str, list[str]] = {}
     for m in mappings:
+        experts = {
+            n.rsplit(".", 1)[-1]
+            for n, b in zip(m.balance_names, m.balances, strict=True)
+            if isinstance(b, LinearView) and b.expert is not None
+        }
         leaves: dict[str, int] = {}
-        for n in m.balance_names:
-            leaves[n.rsplit(".", 1)[-1]] = leaves.get(n.rsplit(".", 1)[-1], 0) + 1
+        for n, b in zip(m.balance_names, m.balances, strict=True):
+            leaf = n.rsplit(".", 1)[-1]
+            if leaf in experts and not (isinstance(b, LinearView) and b.expert is not None):
+                leaf = ".".join(n.split(".")[-2:])
+            leaves[leaf] = leaves.get(leaf, 0) + 1
         balances = ", ".join(f"{leaf} ({count} experts)" if count > 1 else leaf for leaf, count in leaves.items())
         key = f"{m.smooth_name.rsplit('.', 1)[-1]} -> {balances}"
         groups.setdefault(key, []).append(m.smooth_name)
