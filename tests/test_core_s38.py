@@ -360,3 +360,21 @@ def test_first_output_of_a_nested_tuple_is_the_tensor_inside():
 def test_session_load_is_annotated_as_returning_the_session():
     """Before: annotated -> Any."""
     assert typing.get_type_hints(Session.load)["return"] is typing.Self
+
+
+def test_the_plain_loop_and_trainer_hints_keep_each_modifiers_reason_and_the_error_carries_them():
+    """Found after the first fix: the integrations rebuilt the message from ``missing`` alone, so the reasons the
+    session gives were lost through ``llmc_fsm.integrations.torch.initialize`` and the Trainer."""
+    import pickle
+
+    from llmc_fsm.integrations.torch import initialize
+
+    session = Session("s:\n  LearningRateModifier: {schedule: cosine, init_lr: 0.01, end: 2}\n")
+    with pytest.raises(MissingStateError) as info:
+        initialize(session, model=torch.nn.Linear(2, 2))
+    reason = "'steps_per_epoch' is required unless the schedule is constant with no start/end/update"
+    assert info.value.reasons == {
+        "LearningRateModifier": {"steps_per_epoch": "unless the schedule is constant with no start/end/update"}
+    }
+    assert f"  - LearningRateModifier requires 'optimizer', 'steps_per_epoch'\n      {reason}\n" in str(info.value)
+    assert pickle.loads(pickle.dumps(info.value)).reasons == info.value.reasons

@@ -66,6 +66,8 @@ class MissingStateError(LifecycleError):
         missing: modifier name -> the keys it requires that are missing. All
             modifiers are checked before the error is raised, so one error names
             everything that is missing.
+        reasons: modifier name -> {key: why it is required} for the keys a modifier requires only for some of its
+            arguments (its ``conditional_state``; :meth:`~llmc_fsm.Modifier.required_because`).
     """
 
     def __init__(
@@ -75,9 +77,11 @@ class MissingStateError(LifecycleError):
         lifecycle: str,
         missing: Mapping[str, frozenset[str]],
         allowed: Iterable[str] = (),
+        reasons: Mapping[str, Mapping[str, str]] | None = None,
     ) -> None:
         super().__init__(msg, lifecycle=lifecycle, call="initialize", allowed=allowed)
         self.missing = dict(missing)
+        self.reasons = {label: dict(why) for label, why in (reasons or {}).items()}
 
 
 class RecipeError(ValueError):

@@ -73,7 +73,8 @@ def with_integration_hints(
         hint: key -> sentence (a mapping, or a function of the key).
         given: the keys the state held (one close to a missing key is named as a possible misspelling).
 
-    The new error keeps ``missing``, ``lifecycle`` and ``allowed``; raise it
+    The new error keeps ``missing``, ``reasons``, ``lifecycle`` and ``allowed`` (the reasons are shown as the
+    session shows them); raise it
     ``from exc``.
     """
     get = hint.get if isinstance(hint, Mapping) else hint
@@ -81,7 +82,9 @@ def with_integration_hints(
     # the session's own advice left out: the integration makes those calls (its "pass again what you gave this
     # call (optimizer)" named what the integration passed, found by a tester)
     text = (
-        missing_state_message(exc.missing, exc.lifecycle, frozenset(), session_advice=False, given=given)
+        missing_state_message(
+            exc.missing, exc.lifecycle, frozenset(), session_advice=False, given=given, reasons=exc.reasons
+        )
         if keys
         else str(exc)
     )
@@ -90,7 +93,9 @@ def with_integration_hints(
         text = get(key)
         if text:
             lines.append(f"  - {key}: {text}")
-    new = MissingStateError("\n".join(lines), lifecycle=exc.lifecycle, missing=exc.missing, allowed=exc.allowed)
+    new = MissingStateError(
+        "\n".join(lines), lifecycle=exc.lifecycle, missing=exc.missing, allowed=exc.allowed, reasons=exc.reasons
+    )
     return new
 
 

@@ -217,7 +217,9 @@ class Session(SessionCheckpoints):
                 msg = missing_state_message(
                     missing, lifecycle, passed=frozenset(state), given=full.keys(), reasons=reasons
                 )
-                raise MissingStateError(msg, lifecycle=lifecycle, missing=missing, allowed=CALLS_ALLOWED[lifecycle])
+                raise MissingStateError(
+                    msg, lifecycle=lifecycle, missing=missing, allowed=CALLS_ALLOWED[lifecycle], reasons=reasons
+                )
             self._bind()
             watched = module_parameters(full)
             before = [t._version for t in watched[1]]
