@@ -347,6 +347,10 @@ def test_non_hub_unknown_name_lists_choices():
     with pytest.raises(ValueError) as exc:  # the Hub's spelling of the known name (a newcomer's try)
         load_model("SmolLM2-135M")
     assert str(exc.value).startswith("unknown model 'SmolLM2-135M' (did you mean 'smollm2-135m'?): known model names")
+    for key in ("SmolLM2-135M-Instruct", "smolm2-135m"):  # the README's name of the model; a letter left out
+        with pytest.raises(ValueError) as exc:  # found by a README-only newcomer (session 38): no suggestion
+            load_model(key)
+        assert str(exc.value).startswith(f"unknown model {key!r} (did you mean 'smollm2-135m'?): known model names")
 
 
 @pytest.mark.parametrize("key", ["/nope/model", "./nope", "../nope/model", "~/nope-model"])

@@ -27,6 +27,7 @@ Cache root: ``$LLMC_FSM_CACHE``, else ``$XDG_CACHE_HOME/llmc_fsm``, else
 from __future__ import annotations
 
 import contextlib
+import difflib
 import importlib.metadata
 import importlib.util
 import json
@@ -342,14 +343,26 @@ def check_model_name(name_or_path: str | os.PathLike[str]) -> None:
             f"(config.json + weights + tokenizer) or a known model name ({known})"
         )
     else:
-        close = [name for name in KNOWN_MODELS if name.lower() == key.lower().replace("_", "-")]
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        close = _closest_known(key)
+        hint = f" (did you mean {close!r}?)" if close else ""
         msg = (
             f"unknown model {key!r}{hint}: known model names are {known}; "
             "or pass a local Hugging Face model directory (config.json + weights + tokenizer) "
             "or a Hugging Face Hub model ID (org/name)"
         )
     raise ValueError(msg)
+
+
+def _closest_known(key: str) -> str | None:
+    """The known name ``key`` most likely means: the same name in other case or with ``_`` for ``-``, the model's
+    own name (``SmolLM2-135M-Instruct``, its GGUF file's stem: a newcomer typed it, as the README names the model,
+    and got no suggestion), a name it starts with, or a close spelling (:func:`difflib.get_close_matches`)."""
+    folded = key.lower().replace("_", "-")
+    for name, spec in KNOWN_MODELS.items():
+        if folded in (name, spec.gguf_file.split(".")[0].lower()) or folded.startswith(name):
+            return name
+    close = difflib.get_close_matches(folded, list(KNOWN_MODELS), n=1, cutoff=0.8)
+    return close[0] if close else None
 
 
 def known_model_cached(name: str, *, cache_dir: str | os.PathLike[str] | None = None) -> bool:
