@@ -10,8 +10,6 @@ translated by :mod:`llmc_fsm.recipes.llmcompressor`.
 from __future__ import annotations
 
 import difflib
-import math
-import numbers
 import re
 import weakref
 from collections.abc import Mapping, Sequence
@@ -24,18 +22,16 @@ from llmc_fsm.core.modifier import Modifier
 from llmc_fsm.core.registry import check_modifier_class, get_registry
 from llmc_fsm.recipes.llmcompressor import (
     GROUP_SUFFIX,
-    NEGATIVE_END,
     RUN_TYPES,
     is_group_key,
     namesake_arguments,
     namesake_note,
-    number_from_string,
     top_level_stages,
     translate_argument,
     unimplemented_note,
 )
 from llmc_fsm.recipes.loading import line_of, load_recipe_data, looks_like_path, read_recipe_file, shown
-from llmc_fsm.recipes.model import STAGE_KEYS, Recipe, Stage
+from llmc_fsm.recipes.model import STAGE_KEYS, WINDOW_EDGES, Recipe, Stage, epoch_value
 
 __all__ = ["RecipeProblems", "build_recipe", "given_arguments"]
 
@@ -48,13 +44,9 @@ _LONG_FORM = (
 )
 #: The longest problem message kept whole (longer ones, a long value repeated, are cut in the middle).
 _LONGEST = 1000
+
+
 #: A modifier's window edge -> (how an omitted value reads, where it may not lie, the rule) for check_window.
-_WINDOW_EDGES = {
-    "start": ("null (the first event)", "before", "at or after"),
-    "end": ("null (finalize)", "after", "at or before"),
-}
-
-
 def where(
     source: str, line: int | None, stage: str | None = None, modifier: str | None = None, argument: str | None = None
 ) -> str:
@@ -189,23 +181,6 @@ def build_recipe(data: Any, source: str) -> Recipe:
         msg = f"recipe {source} has no stages (only metadata); give at least one stage with a modifier"
         raise RecipeError(msg)
     return Recipe(stages, source)
-
-
-def _epoch(value: Any, at: str, key: str) -> float | None:
-    if value is None:
-        return None
-    written = number_from_string(value)  # "1e-1": YAML 1.1 reads it as a string; a modifier's start takes it too
-    value = written if written is not None else value
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        msg = f"{at}: {key} must be a number of epochs or null, got {value!r}"
-        raise RecipeError(msg)
-    if not math.isfinite(value):
-        msg = f"{at}: {key} must be a finite number of epochs or null, got {value!r}"
-        raise RecipeError(msg)
-    if value < 0:
-        msg = f"{at}: {key} must be >= 0 epochs, got {value}" + (f": {NEGATIVE_END}" if key == "end" else "")
-        raise RecipeError(msg)
-    return float(value)
 
 
 def _failing_argument(exc: BaseException, cls: type, given: Mapping[str, Any]) -> str | None:
@@ -373,7 +348,7 @@ class _Builder:
             stage.run_type = None
         for key in ("start", "end"):
             try:
-                setattr(stage, key, _epoch(body.get(key), where(source, line_of(body, key), name), key))
+                setattr(stage, key, epoch_value(body.get(key), where(source, line_of(body, key), name), key))
             except RecipeError as exc:
                 self.problems.append(exc)
                 self.lines.append(line_of(body, key))
@@ -602,7 +577,7 @@ class _Builder:
     def check_window(self, m: Modifier, stage: Stage, line: int | None, args: Any) -> bool:
         """Whether the modifier's ``start``/``end`` lie inside its stage's window (each edge outside: a problem)."""
         inside = True
-        for key, (null, outside, rule) in _WINDOW_EDGES.items():
+        for key, (null, outside, rule) in WINDOW_EDGES.items():
             bound, value = getattr(stage, key), getattr(m, key, None)
             if bound is None or (value is not None and (value >= bound if key == "start" else value <= bound)):
                 continue

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import enum
 import heapq
+import math
+import numbers
 import sys
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -26,7 +28,7 @@ import yaml
 
 from llmc_fsm.core.errors import RecipeError
 from llmc_fsm.core.modifier import Modifier
-from llmc_fsm.recipes.llmcompressor import RUN_TYPES, is_numpy_scalar
+from llmc_fsm.recipes.llmcompressor import NEGATIVE_END, RUN_TYPES, is_numpy_scalar, number_from_string
 
 __all__ = ["SCHEDULE_FIELDS", "STAGE_KEYS", "Recipe", "Stage"]
 
@@ -36,6 +38,35 @@ STAGE_KEYS: tuple[str, ...] = ("modifiers", "applied", "start", "end", "run_type
 
 #: The schedule fields every modifier has (epochs; ``None``: from the first event, until finalize, never).
 SCHEDULE_FIELDS: tuple[str, ...] = ("start", "end", "update")
+
+#: How a modifier's window must sit in its stage's: key -> (its unset meaning, the side refused, the rule).
+WINDOW_EDGES = {
+    "start": ("null (the first event)", "before", "at or after"),
+    "end": ("null (finalize)", "after", "at or before"),
+}
+
+
+def epoch_value(value: Any, at: str, key: str) -> float | None:
+    """``value`` (a stage's or a modifier's ``start`` / ``end``) as a float number of epochs, or ``None``; a
+    number written as a string (``"1e-1"``, which YAML 1.1 reads as a string) is taken.
+
+    Raises:
+        RecipeError: not a finite number >= 0 (the message starts with ``at`` and names ``key``).
+    """
+    if value is None:
+        return None
+    written = number_from_string(value)  # "1e-1": YAML 1.1 reads it as a string; a modifier's start takes it too
+    value = written if written is not None else value
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        msg = f"{at}: {key} must be a number of epochs or null, got {value!r}"
+        raise RecipeError(msg)
+    if not math.isfinite(value):
+        msg = f"{at}: {key} must be a finite number of epochs or null, got {value!r}"
+        raise RecipeError(msg)
+    if value < 0:
+        msg = f"{at}: {key} must be >= 0 epochs, got {value}" + (f": {NEGATIVE_END}" if key == "end" else "")
+        raise RecipeError(msg)
+    return float(value)
 
 
 @attrs.define(eq=False)
@@ -84,9 +115,6 @@ def _check_stage(stage: Stage, source: str | None) -> None:
     Raises:
         RecipeError: the first value refused (see :class:`Stage`).
     """
-    # the builder imports this module: its checks are imported when a stage is checked
-    from llmc_fsm.recipes.building import _WINDOW_EDGES, _epoch
-
     if not isinstance(stage.name, str):
         msg = ("" if source is None else f"recipe {source}: ") + f"stage names must be strings, got {stage.name!r}"
         raise RecipeError(msg)
@@ -110,13 +138,13 @@ def _check_stage(stage: Stage, source: str | None) -> None:
     if stage.run_type is not None and stage.run_type not in RUN_TYPES:
         msg = f"{at}: run_type must be {' or '.join(RUN_TYPES)} (as in llm-compressor), got {stage.run_type!r}"
         raise RecipeError(msg)
-    stage.start = _epoch(stage.start, at, "start")
-    stage.end = _epoch(stage.end, at, "end")
+    stage.start = epoch_value(stage.start, at, "start")
+    stage.end = epoch_value(stage.end, at, "end")
     if stage.start is not None and stage.end is not None and stage.end <= stage.start:
         msg = f"{at}: the stage's end ({stage.end}) must be after its start ({stage.start})"
         raise RecipeError(msg)
     for m in stage.modifiers:
-        for key, (null, outside, rule) in _WINDOW_EDGES.items():
+        for key, (null, outside, rule) in WINDOW_EDGES.items():
             bound, value = getattr(stage, key), getattr(m, key, None)
             if bound is None or (value is not None and (value >= bound if key == "start" else value <= bound)):
                 continue
