@@ -16,7 +16,7 @@ from huggingface_hub.errors import OfflineModeIsEnabled
 import llmc_fsm
 from llmc_fsm import Session
 from llmc_fsm.oneshot_job import api
-from llmc_fsm.oneshot_job.settings import OneshotSettings
+from llmc_fsm.oneshot_job.settings import OneshotSettings, default_recipe
 from llmc_fsm.pipeline.sequential import run_sequential
 
 W8A8 = {"q": {"QuantizationModifier": {"scheme": "W8A8", "ignore": ["lm_head"]}}}
@@ -45,6 +45,23 @@ def test_push_to_hub_offline_raises_the_hubs_error_and_leaves_no_directory(tmp_p
         "the `HF_HUB_OFFLINE` environment variable."
     )
     assert list(tmp_path.iterdir()) == []
+
+
+def test_push_to_hub_with_a_misspelt_argument_names_it_before_the_hub_is_reached(tmp_path, monkeypatch):
+    """Found by a re-tester: with push_to_hub every argument transformers' save does not name went to
+    HfApi.create_repo, which failed with "TypeError: ... unexpected keyword argument 'max_shard_sizee'"; without
+    push_to_hub the same typo gets the did-you-mean. The hub's own arguments (private, repo_type...) are taken."""
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    model = _quantized()
+    with pytest.raises(ValueError) as info:
+        model.save_pretrained(tmp_path / "out", push_to_hub=True, max_shard_sizee="1MB", private=True)
+    assert str(info.value) == (
+        "save_pretrained: unknown argument(s) max_shard_sizee (did you mean max_shard_size?); nothing was written. It "
+        "takes save_directory, quantization_format, save_compressed and transformers' save_pretrained arguments"
+    )
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(OfflineModeIsEnabled):  # private=True reaches the hub (offline here)
+        model.save_pretrained(tmp_path / "out", push_to_hub=True, private=True)
 
 
 class _FakeHub:
@@ -226,3 +243,27 @@ def test_run_sequential_refuses_ids_outside_the_vocabulary_before_any_event():
     run_sequential(session, calibration_data=DATA, progress=False)
     session.finalize()
     assert float((model.model.layers[0].mlp.up_proj.weight == 0).float().mean()) == 0.5
+
+
+@pytest.mark.parametrize(("shape", "what"), [((0, 8), "no row"), ((2, 0), "rows of no token")])
+def test_an_empty_token_tensor_is_refused_before_any_work(shape, what):
+    """Found by a re-tester: a [0, L] tensor ran to the end, compressed nothing and saved the model dense (no
+    quantization_config); [N, 0] failed inside transformers. The list and file forms were refused already."""
+    model = tiny_llama.llama()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with pytest.raises(ValueError) as info:
+        llmc_fsm.oneshot(model=model, dataset=torch.zeros(shape, dtype=torch.long), progress=False)
+    assert str(info.value) == f"dataset (--dataset) holds {what} (shape {shape}): give at least one token window"
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+
+
+def test_run_sequential_refuses_calibration_data_of_no_token_and_leaves_the_session_initialized():
+    model = tiny_llama.llama()
+    session = Session(default_recipe("sparsegpt", 0.5))
+    session.initialize(model=model, calibration_data=torch.zeros((0, 8), dtype=torch.long))
+    with pytest.raises(ValueError) as info:
+        run_sequential(session, progress=False)
+    assert str(info.value) == (
+        "the calibration data holds no token (input_ids of shape (0, 8)): give at least one window of tokens"
+    )
+    assert session.lifecycle == "initialized"

@@ -230,6 +230,10 @@ def _dataset(_: Any, field: attrs.Attribute, value: Any) -> None:
             shape = f"{value.dtype} {tuple(value.shape)}"
             msg = f"{argument_name(field)} must hold token ids of shape [N, L] when it is a tensor, got {shape}"
             raise ValueError(msg)
+        if value.numel() == 0:  # found by a tester: [0, L] compressed nothing and saved the model dense
+            what = "no row" if value.shape[0] == 0 else "rows of no token"
+            msg = f"{argument_name(field)} holds {what} (shape {tuple(value.shape)}): give at least one token window"
+            raise ValueError(msg)
         return
     if value is None or isinstance(value, os.PathLike):
         return

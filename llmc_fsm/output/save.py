@@ -595,8 +595,10 @@ def _transformers_save_kwargs(method: Callable[..., Any], kwargs: dict[str, Any]
             raise ValueError(msg)
         del kwargs["safe_serialization"]  # what it writes anyway (llm-compressor's scripts may pass it)
     unknown = [k for k in kwargs if k not in known]
-    if unknown and not kwargs.get("push_to_hub"):
-        names = ["quantization_format", "save_compressed", *known, *LLMCOMPRESSOR_SAVE_NOOPS]
+    hub = _hub_arguments() if kwargs.get("push_to_hub") else set()
+    unknown = [k for k in unknown if k not in hub]  # with push_to_hub, the repository's (private, repo_id...)
+    if unknown:
+        names = ["quantization_format", "save_compressed", *known, *LLMCOMPRESSOR_SAVE_NOOPS, *sorted(hub)]
         close = sorted({c for k in unknown for c in difflib.get_close_matches(k, names, n=2)})
         hint = f" (did you mean {', '.join(close)}?)" if close else ""
         msg = (
@@ -605,6 +607,17 @@ def _transformers_save_kwargs(method: Callable[..., Any], kwargs: dict[str, Any]
         )
         raise ValueError(msg)
     return kwargs
+
+
+def _hub_arguments() -> set[str]:
+    """The arguments ``save_pretrained(push_to_hub=True)`` takes beyond transformers' save: ``HfApi.create_repo``'s
+    (``private``, ``repo_type``...) and the upload's (``repo_id``, ``commit_message``, ``create_pr``, ``token``). A
+    misspelt one was passed to ``create_repo`` and failed there with a ``TypeError`` (found by a re-tester)."""
+    from huggingface_hub import HfApi  # optional third-party: huggingface_hub (installed with transformers)
+
+    return {"repo_id", "commit_message", "create_pr", "token"} | (
+        set(inspect.signature(HfApi.create_repo).parameters) - {"self"}
+    )
 
 
 def is_quantized(model: nn.Module) -> bool:

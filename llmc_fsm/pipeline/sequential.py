@@ -429,8 +429,12 @@ def check_token_ids(model: nn.Module, token_ids: list[torch.Tensor]) -> None:
 
     Raises:
         ValueError: ``"calibration token ids must lie in [0, <rows>) (the rows of the model's input embedding), got
-            ids from <low> to <high>: ..."``.
+            ids from <low> to <high>: ..."``; every tensor empty (``[0, L]``, ``[N, 0]``): the data holds no token.
     """
+    if token_ids and all(t.numel() == 0 for t in token_ids):  # found by a tester: failed inside transformers
+        shapes = ", ".join(str(tuple(t.shape)) for t in token_ids[:3])
+        msg = f"the calibration data holds no token (input_ids of shape {shapes}): give at least one window of tokens"
+        raise ValueError(msg)
     try:
         embedding = model.get_input_embeddings()
     except (AttributeError, NotImplementedError):  # a module without one: its forward says what it takes
