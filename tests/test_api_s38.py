@@ -69,7 +69,9 @@ class _FakeHub:
 
     calls: ClassVar[list] = []
 
-    def create_repo(self, repo_id, **kw):
+    def create_repo(self, repo_id, *, token=None, private=None, repo_type=None, exist_ok=False):
+        kw = {"token": token, "private": private, "exist_ok": exist_ok}
+        kw.update({"repo_type": repo_type} if repo_type is not None else {})
         self.calls.append(("create_repo", repo_id, kw))
         return type("RepoUrl", (), {"repo_id": f"me/{repo_id}"})()
 
