@@ -370,9 +370,9 @@ def test_an_unknown_or_empty_model_is_refused_in_one_line_before_the_device_line
     from llmc_fsm.cli import main
 
     for model, line in [
-        ("smollm2-135", "unknown model 'smollm2-135': known model names are smollm2-135m; or pass a local Hugging "
-                        "Face model directory (config.json + weights + tokenizer) or a Hugging Face Hub model ID "
-                        "(org/name)"),
+        ("smollm2-135", "unknown model 'smollm2-135' (did you mean 'smollm2-135m'?): known model names are "
+                        "smollm2-135m; or pass a local Hugging Face model directory (config.json + weights + "
+                        "tokenizer) or a Hugging Face Hub model ID (org/name)"),
         ("", "the model is empty: pass a known model name (smollm2-135m) or a local Hugging Face model directory"),
     ]:  # fmt: skip
         code = main(["oneshot", "--model", model, "--method", "rtn", "--scheme", "W8A8", "--output",
