@@ -187,17 +187,22 @@ def with_saved_names(model: nn.Module, ignore: list[str]) -> list[str]:
     saved names for a model that ``from_pretrained`` loaded, and module names for a model built otherwise: the
     checkpoint of a Mixtral built from its config listed ``mlp.gate`` while its tensors are
     ``block_sparse_moe.gate.weight``, found by a tester). transformers reloads into module names, a serving engine
-    (vLLM) matches the checkpoint's names; a name that renames to itself, a ``re:`` pattern and a name that is
-    neither are kept as they are. Order: each entry, then its other spelling."""
+    (vLLM) matches the checkpoint's names; a name that renames to itself, a head tied to the input embedding (not
+    saved), a ``re:`` pattern and a name that is neither are kept as they are. Order: each entry, then its other
+    spelling."""
     from transformers.core_model_loading import revert_weight_conversion  # optional third-party: transformers
 
     modules = dict(model.named_modules())
     to_module = checkpoint_key_renamer(model) if hasattr(model, "base_model_prefix") else None
+    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    tied = getattr(embedding, "weight", None)
     out: list[str] = []
     for name in ignore:
         other = None
         if name.startswith("re:") or to_module is None:
             other = None
+        elif name in modules and getattr(modules[name], "weight", None) is tied and modules[name] is not embedding:
+            other = None  # a head tied to the input embedding: its weight is not saved, under any name
         elif name in modules and isinstance(getattr(modules[name], "weight", None), nn.Parameter):
             probe = {f"{name}.weight": modules[name].weight}
             other = next(iter(revert_weight_conversion(model, probe)), "").removesuffix(".weight")
