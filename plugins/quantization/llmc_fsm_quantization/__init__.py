@@ -15,6 +15,7 @@ from llmc_fsm_quantization.autoround import AutoRoundModifier
 from llmc_fsm_quantization.awq import AWQModifier
 from llmc_fsm_quantization.gptq import GPTQModifier, gptq_quantize
 from llmc_fsm_quantization.kv_cache import load_kv_cache_scales
+from llmc_fsm_quantization.mappings import AWQMapping
 from llmc_fsm_quantization.observers import observe
 from llmc_fsm_quantization.rotations import SpinQuantModifier
 from llmc_fsm_quantization.rtn import QuantizationModifier, rtn_quantize
@@ -22,6 +23,7 @@ from llmc_fsm_quantization.schemes import preset_names, resolve_scheme
 from llmc_fsm_quantization.smoothquant import LogarithmicEqualizationModifier, SmoothQuantModifier
 
 __all__ = [
+    "AWQMapping",
     "AWQModifier",
     "AutoRoundModifier",
     "GPTQModifier",

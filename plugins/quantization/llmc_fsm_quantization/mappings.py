@@ -103,6 +103,7 @@ from llmc_fsm.toolkit import (
 )
 
 __all__ = [
+    "AWQMapping",
     "MappingSpec",
     "ResolvedMapping",
     "architecture",
@@ -124,16 +125,52 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
+#: why a mapping's ``activation_hook_target`` is refused
+_HOOK_TARGET_UNSUPPORTED = "activation_hook_target, for parallel attention/MLP blocks, is not supported: leave it out"
+
 #: models whose mixers no default mapping reaches were named for (:func:`default_mappings`)
 _WARNED: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.WeakKeyDictionary()
 
 
+def _balance_patterns(value: Any) -> tuple[str, ...]:
+    patterns = _patterns(value)
+    if patterns is None:
+        msg = f"balance_layers: {value!r}: give a non-empty list of module names, class names or re:<regex> patterns"
+        raise ValueError(msg)
+    return patterns
+
+
+def _no_hook_target(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if value is not None:
+        msg = (
+            f"{_HOOK_TARGET_UNSUPPORTED} (got activation_hook_target={value!r} for smooth layer "
+            f"{instance.smooth_layer!r})"
+        )
+        raise ValueError(msg)
+
+
 @attrs.frozen
 class MappingSpec:
-    """One recipe mapping: a smooth-layer pattern and the balance-layer patterns (see the module docstring)."""
+    """One recipe mapping: a smooth-layer pattern and the balance-layer patterns (see the module docstring).
 
-    smooth_layer: str
-    balance_layers: tuple[str, ...]
+    Built as llm-compressor's ``AWQMapping`` is (also exported under that name): ``MappingSpec(smooth_layer,
+    balance_layers)``, ``balance_layers`` a list or tuple of patterns (one string is one pattern).
+
+    Raises:
+        ValueError: ``smooth_layer`` is not a non-empty string, ``balance_layers`` has no pattern or a
+            non-string one, or ``activation_hook_target`` is given (parallel attention/MLP blocks are not
+            supported).
+    """
+
+    smooth_layer: str = attrs.field()
+    balance_layers: tuple[str, ...] = attrs.field(converter=_balance_patterns)
+    activation_hook_target: None = attrs.field(default=None, validator=_no_hook_target, repr=False)
+
+    @smooth_layer.validator
+    def _check_smooth(self, attribute: attrs.Attribute, value: Any) -> None:
+        if not isinstance(value, str) or not value:
+            msg = f"smooth_layer: {value!r}: give a module name, class name or re:<regex> pattern"
+            raise ValueError(msg)
 
     def to_recipe(self) -> dict[str, Any]:
         """The llm-compressor AWQ form ``{smooth_layer: ..., balance_layers: [...]}`` (what recipe.yaml holds)."""
@@ -193,6 +230,11 @@ class ResolvedMapping:
         return f"{scope}{{{short[0]} -> {', '.join(short[1:])}}}" if scope else f"{short[0]} -> {', '.join(short[1:])}"
 
 
+#: llm-compressor's name for a recipe mapping (``AWQMapping(smooth_layer, balance_layers)``), so that its scripts
+#: translate by changing the import
+AWQMapping = MappingSpec
+
+
 def _common_prefix(names: list[str]) -> str:
     parts = [n.split(".") for n in names]
     common: list[str] = []
@@ -211,7 +253,8 @@ def parse_mappings(value: Any) -> list[MappingSpec] | None:
 
     Accepted entries: ``[[balance patterns...], smooth pattern]`` (SmoothQuant's form; a single balance
     pattern may be a string), ``{smooth_layer: PATTERN, balance_layers: [PATTERNS...]}`` (AWQ's form;
-    ``activation_hook_target`` only as null), or a :class:`MappingSpec`.
+    ``activation_hook_target`` only as null), a :class:`MappingSpec` (alias ``AWQMapping``), or any object with
+    ``smooth_layer`` and ``balance_layers`` attributes (llm-compressor's own ``AWQMapping`` objects).
 
     Raises:
         ValueError: an empty list, or an entry of another shape (the message shows the expected forms).
@@ -246,13 +289,18 @@ def _patterns(value: Any) -> tuple[str, ...] | None:
 def _parse_entry(entry: Any) -> MappingSpec:
     if isinstance(entry, MappingSpec):
         return entry
+    if not isinstance(entry, Mapping) and hasattr(entry, "smooth_layer") and hasattr(entry, "balance_layers"):
+        # another library's mapping object, e.g. llm-compressor's own AWQMapping dataclass
+        entry = {
+            k: getattr(entry, k)
+            for k in ("smooth_layer", "balance_layers", "activation_hook_target")
+            if hasattr(entry, k)
+        }
     if isinstance(entry, Mapping):
         extra = set(entry) - {"smooth_layer", "balance_layers", "activation_hook_target"}
         if extra or entry.get("activation_hook_target") is not None:
-            msg = (
-                f"mappings: {dict(entry)!r}: only smooth_layer and balance_layers are read "
-                "(activation_hook_target, for parallel attention/MLP blocks, is not supported: leave it out)"
-            )
+            msg = f"mappings: {dict(entry)!r}: only smooth_layer and balance_layers are read "
+            msg += f"({_HOOK_TARGET_UNSUPPORTED})"
             raise ValueError(msg)
         smooth, balances = entry.get("smooth_layer"), _patterns(entry.get("balance_layers"))
     elif isinstance(entry, list | tuple) and len(entry) == 2:

@@ -252,3 +252,75 @@ def test_balance_layers_in_a_list_of_expert_mlps_take_the_block_holding_the_list
         for i in range(4)
     ]  # fmt: skip
     assert all(m.parent is model.model.layers[i].mlp for i, m in enumerate(found))
+
+
+# --------------------------------------------------------------------------- llm-compressor's AWQMapping objects
+def test_awq_mapping_objects_as_llmcompressor_scripts_build_them_smooth_as_the_dict_form(tmp_path) -> None:
+    """Found by a tester translating llm-compressor's examples: ``mappings=[AWQMapping(smooth, [balances])]`` (its
+    dataclass, or ours under that name) was refused as "cannot read"; both now give the dict form's weights, scales
+    and saved recipe bit for bit."""
+    import dataclasses
+
+    from llmc_fsm_quantization import AWQMapping
+
+    @dataclasses.dataclass
+    class TheirMapping:  # the fields of llm-compressor 0.14's AWQMapping (llmcompressor.modifiers.awq.mappings)
+        smooth_layer: str
+        balance_layers: list[str]
+        activation_hook_target: str | None = None
+
+    forms = {
+        "dict": EXPLICIT,
+        "ours": [AWQMapping(m["smooth_layer"], m["balance_layers"]) for m in EXPLICIT],
+        "theirs": [TheirMapping(m["smooth_layer"], m["balance_layers"]) for m in EXPLICIT],
+    }
+    runs = {}
+    for form, mappings in forms.items():
+        model = tiny()
+        smoother = AWQModifier(mappings=mappings)
+        llmc_fsm.oneshot(model=model, recipe=[smoother, QuantizationModifier(scheme=W4G16)], dataset=DATA,
+                         progress=False, output_dir=str(tmp_path / form))  # fmt: skip
+        runs[form] = (model.state_dict(), smoother.smoothing_scales, (tmp_path / form / "recipe.yaml").read_text())
+    weights, scales, recipe = runs["dict"]
+    assert len(scales) == 4
+    for form in ("ours", "theirs"):
+        other_weights, other_scales, other_recipe = runs[form]
+        assert [k for k in weights if not torch.equal(weights[k], other_weights[k])] == []
+        assert list(other_scales) == list(scales)
+        assert all(torch.equal(scales[k], other_scales[k]) for k in scales)
+        assert other_recipe == recipe
+
+
+def test_awq_mapping_refuses_what_it_cannot_smooth_with_one_line() -> None:
+    """Building a mapping checks it as the recipe forms are checked: a hook target (parallel blocks), no balance
+    pattern, a smooth layer that is not a pattern; another library's object with a hook target likewise."""
+    import dataclasses
+
+    from llmc_fsm_quantization import AWQMapping
+
+    with pytest.raises(ValueError) as err:
+        AWQMapping("re:.*input_layernorm$", ["re:.*q_proj$"], activation_hook_target="mlp")
+    assert str(err.value) == (
+        "activation_hook_target, for parallel attention/MLP blocks, is not supported: leave it out "
+        "(got activation_hook_target='mlp' for smooth layer 're:.*input_layernorm$')")  # fmt: skip
+    with pytest.raises(ValueError) as err:
+        AWQMapping("re:.*input_layernorm$", [])
+    assert str(err.value) == (
+        "balance_layers: []: give a non-empty list of module names, class names or re:<regex> patterns")
+    with pytest.raises(ValueError) as err:
+        AWQMapping(None, ["re:.*q_proj$"])
+    assert str(err.value) == "smooth_layer: None: give a module name, class name or re:<regex> pattern"
+    assert AWQMapping("re:.*up_proj$", "re:.*down_proj$").balance_layers == ("re:.*down_proj$",)
+
+    @dataclasses.dataclass
+    class TheirMapping:
+        smooth_layer: str
+        balance_layers: list[str]
+        activation_hook_target: str | None = None
+
+    with pytest.raises(ValueError) as err:
+        parse_mappings([TheirMapping("re:.*input_layernorm$", ["re:.*q_proj$"], "self_attn")])
+    assert str(err.value) == (
+        "mappings: {'smooth_layer': 're:.*input_layernorm$', 'balance_layers': ['re:.*q_proj$'], "
+        "'activation_hook_target': 'self_attn'}: only smooth_layer and balance_layers are read "
+        "(activation_hook_target, for parallel attention/MLP blocks, is not supported: leave it out)")  # fmt: skip
