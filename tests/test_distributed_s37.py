@@ -37,9 +37,10 @@ def windows(n: int = 8, length: int = 16) -> torch.Tensor:
 #: ``llmc-fsm ARGS`` that, right after decoder layer 0 is saved, receives SIGINT and SIGTERM together (both pending
 #: before Python handles the first, as when torchrun forwards Ctrl-C and then sends SIGTERM to its workers). Python
 #: runs the SIGINT handler as the signals are unblocked and the pending SIGTERM's at the next call, here in the
-#: ``finally`` (where it lands otherwise depends on timing: the tester saw it in the pipeline's clean-up).
+#: ``finally`` (where it lands otherwise depends on timing: the tester saw it in the pipeline's clean-up). Both are
+#: sent to the main thread itself: sent to the process, one ran first on another thread under load (exit 143, CI).
 SIGINT_THEN_SIGTERM = """
-import os, signal, sys
+import os, signal, sys, threading
 import llmc_fsm.oneshot_job.resume as module
 original = module.LayerProgress.save
 calls = []
@@ -48,8 +49,9 @@ def save(self, index, layer):
     if index == 0:
         both = {signal.SIGINT, signal.SIGTERM}
         signal.pthread_sigmask(signal.SIG_BLOCK, both)
-        os.kill(os.getpid(), signal.SIGINT)
-        os.kill(os.getpid(), signal.SIGTERM)
+        main = threading.get_ident()  # to this thread, which blocks them: sent to the process, another thread
+        signal.pthread_kill(main, signal.SIGINT)  # (torch's, tqdm's) may take one first and the order is lost
+        signal.pthread_kill(main, signal.SIGTERM)
         try:
             signal.pthread_sigmask(signal.SIG_UNBLOCK, both)
         finally:
