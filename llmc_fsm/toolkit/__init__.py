@@ -50,7 +50,7 @@ The public names, by concern:
 * **masks** (:mod:`~llmc_fsm.toolkit.masks`): :func:`pack_mask` / :func:`unpack_mask` (bool <-> bit-packed uint8);
 * **ranks** (:mod:`~llmc_fsm.toolkit.distributed`): :func:`is_distributed`, :func:`get_rank`,
   :func:`get_world_size`, :func:`is_main_process`, :func:`all_reduce_tensor`, :func:`all_gather_ints`,
-  :func:`all_reduce_accumulator`, :func:`check_same_values`, :class:`DistributedError`;
+  :func:`all_gather_rows`, :func:`all_reduce_accumulator`, :func:`check_same_values`, :class:`DistributedError`;
 * **memory** (:mod:`~llmc_fsm.toolkit.heap`): :func:`trim_heap` (give glibc's free heap pages back),
   :func:`private_pages` (whether a weight's storage is private memory already: write into it rather than replace it),
   :func:`release_file_pages` (unmap a replaced weight's unwritten pages of a memory-mapped checkpoint);
@@ -70,6 +70,7 @@ from llmc_fsm.toolkit.calibrated import CalibratedModifier, CompressedGroup, Mod
 from llmc_fsm.toolkit.distributed import (
     DistributedError,
     all_gather_ints,
+    all_gather_rows,
     all_reduce_accumulator,
     all_reduce_tensor,
     check_same_values,
@@ -153,6 +154,7 @@ __all__ = [
     "ModuleResult",
     "TargetSelection",
     "all_gather_ints",
+    "all_gather_rows",
     "all_reduce_accumulator",
     "all_reduce_tensor",
     "check_dampening_frac",

@@ -52,6 +52,7 @@ __all__ = [
     "DistributedError",
     "PeerFailureError",
     "all_gather_ints",
+    "all_gather_rows",
     "all_reduce_accumulator",
     "all_reduce_tensor",
     "assign_to_ranks",
@@ -237,6 +238,28 @@ def all_gather_ints(values: Sequence[int], *, what: str = "all_gather") -> list[
     with _collective(what):
         dist.all_gather(gathered, local)
     return [g.cpu().tolist() for g in gathered]
+
+
+def all_gather_rows(rows: torch.Tensor, *, what: str = "all_gather") -> torch.Tensor:
+    """Every rank's ``rows`` ``[n_rank, *shape]`` concatenated in rank order: ``[sum of n_rank, *shape]``.
+
+    ``shape`` and the dtype must be the same on every rank; ``n_rank`` may differ (0 included). With the contiguous
+    slices of :func:`shard`, rows kept one per calibration window come back in the windows' order. Without a process
+    group: ``rows``.
+
+    Raises:
+        DistributedError: the collective failed.
+    """
+    if not is_distributed():
+        return rows
+    counts = [c[0] for c in all_gather_ints([rows.shape[0]], what=what)]
+    device = _device()
+    padded = torch.zeros((max(counts), *rows.shape[1:]), dtype=rows.dtype, device=device)
+    padded[: rows.shape[0]] = rows.to(device)
+    gathered = [torch.empty_like(padded) for _ in counts]
+    with _collective(what):
+        dist.all_gather(gathered, padded)
+    return torch.cat([g[:n] for g, n in zip(gathered, counts, strict=True)]).to(rows.device)
 
 
 def all_reduce_accumulator(accumulator: Any) -> None:

@@ -1501,9 +1501,6 @@ class QuantizingModifier(CalibratedModifier):
                     "config); use strategy: tensor"
                 )
                 raise ValueError(msg)
-        if is_distributed():
-            msg = f"{name}: kv_cache_scheme under torch.distributed is not implemented; run it on one process"
-            raise ValueError(msg)
         return attention
 
     def _attention_targets(self, model: nn.Module, attention: dict[str, nn.Module]) -> dict[str, nn.Module]:
@@ -1852,6 +1849,8 @@ class QuantizingModifier(CalibratedModifier):
                 scales would be NaN); (``final``) an attention never handed keys and values to its cache argument on
                 the calibration tokens, so its scales cannot be observed.
         """
+        for module in attention.values():  # under torch.distributed: every rank's samples, in the windows' order
+            kv_cache.gather_over_ranks(module)
         broken = {name: bases for name, m in attention.items() if (bases := kv_cache.nonfinite_states(m))}
         if broken:
             states = {"k": "keys", "v": "values", "q": "queries"}

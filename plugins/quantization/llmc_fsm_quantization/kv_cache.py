@@ -39,7 +39,9 @@ Scale of each observer (per tensor, or per KV head over batch, positions and hea
 * ``memoryless_minmax``: the last sample's range / 448.
 
 The scales are computed in the states' dtype (the model's), as compressed-tensors computes them from the ranges
-llm-compressor's observers keep in the observed dtype.
+llm-compressor's observers keep in the observed dtype. Under ``torch.distributed`` each rank keeps every sample's
+range, and :func:`gather_over_ranks` folds every rank's in the calibration windows' order before the scales are
+computed: one process's scales from the same per-sample ranges.
 
 Limit (compressed-tensors 0.20 with transformers 5.24): transformers' attention names its cache argument
 ``cache``, and compressed-tensors recognises an attention with KV cache by an argument ``past_key_values``, so
@@ -68,7 +70,7 @@ from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from llmc_fsm import find_decoder_layers
-from llmc_fsm.toolkit import model_family
+from llmc_fsm.toolkit import all_gather_ints, all_gather_rows, is_distributed, model_family
 
 __all__ = [
     "CACHE_ARGUMENTS",
@@ -78,6 +80,7 @@ __all__ = [
     "KVRange",
     "attention_modules",
     "describe",
+    "gather_over_ranks",
     "hooked_attention_refusal",
     "install",
     "install_query",
@@ -316,6 +319,9 @@ class KVRange:
         self.ranges: dict[str, torch.Tensor] = {}
         self.calls = 0
         self.dtype = torch.float32
+        #: under ``torch.distributed``, each sample's ``[2, *shape]`` range, in order (what :meth:`gather_over_ranks`
+        #: folds again)
+        self.samples: list[torch.Tensor] = []
 
     @torch.no_grad()
     def add(self, x: torch.Tensor) -> None:
@@ -330,17 +336,49 @@ class KVRange:
             lo, hi = x.flatten(1).amin(dim=1, keepdim=True), x.flatten(1).amax(dim=1, keepdim=True)
         calls = torch.stack([lo, hi], dim=1).to(device="cpu", dtype=range_dtype(x.dtype))  # [batch, 2, *shape]
         self.calls += 1
+        keep = is_distributed()
         for call in calls:
-            if not self.ranges:
-                self.ranges = {"static_minmax": call.clone(), "minmax": call.clone(), "memoryless_minmax": call}
-                continue
-            extremes = self.ranges["static_minmax"]
-            call = call.to(extremes.dtype)
-            extremes[0] = torch.minimum(extremes[0], call[0])
-            extremes[1] = torch.maximum(extremes[1], call[1])
-            c = self.AVERAGING_CONSTANT  # llm-compressor's lerp, in the observed dtype
-            self.ranges["minmax"] = (self.ranges["minmax"] * (1.0 - c)) + (call * c)
-            self.ranges["memoryless_minmax"] = call
+            if keep:
+                self.samples.append(call)
+            self._observe(call)
+
+    def _observe(self, call: torch.Tensor) -> None:
+        """Fold one sample's range ``[2, *shape]`` into every observer's."""
+        if not self.ranges:
+            self.ranges = {"static_minmax": call.clone(), "minmax": call.clone(), "memoryless_minmax": call}
+            return
+        extremes = self.ranges["static_minmax"]
+        call = call.to(extremes.dtype)
+        extremes[0] = torch.minimum(extremes[0], call[0])
+        extremes[1] = torch.maximum(extremes[1], call[1])
+        c = self.AVERAGING_CONSTANT  # llm-compressor's lerp, in the observed dtype
+        self.ranges["minmax"] = (self.ranges["minmax"] * (1.0 - c)) + (call * c)
+        self.ranges["memoryless_minmax"] = call
+
+    @torch.no_grad()
+    def gather_over_ranks(self, shape: tuple[int, ...]) -> None:
+        """Under ``torch.distributed``, every rank's samples in the calibration windows' order (each rank holds a
+        contiguous slice of them), folded again from the first: every observer's range (``minmax``'s moving
+        average and ``memoryless_minmax``'s last sample included) is then what one process that saw every window
+        computes from the same per-sample ranges. A collective: every rank calls it for the same attention and
+        state, ``shape`` the scale's (``[1]`` or ``[heads, 1, 1]``). Without a process group: nothing.
+
+        Raises:
+            DistributedError: the collective failed (another rank stopped).
+        """
+        if not is_distributed():
+            return
+        code = _FLOAT_DTYPES.index(self.dtype) if self.samples else -1
+        dtypes = all_gather_ints([code], what="all_gather (KV dtype)")
+        seen = {d[0] for d in dtypes} - {-1}
+        if not seen:
+            return
+        self.dtype = _FLOAT_DTYPES[min(seen)]  # every rank runs the same model: one dtype
+        mine = torch.stack(self.samples).double() if self.samples else torch.zeros((0, 2, *shape), dtype=torch.float64)
+        every = all_gather_rows(mine, what="all_gather (KV ranges)").to(range_dtype(self.dtype))
+        self.ranges, self.samples, self.calls = {}, [], every.shape[0]
+        for call in every:
+            self._observe(call)
 
 
 class CacheTap:
@@ -573,9 +611,25 @@ def nonfinite_states(attention: nn.Module) -> list[str]:
     ]
 
 
+def gather_over_ranks(attention: nn.Module) -> None:
+    """Under ``torch.distributed``, make ``attention``'s recorded ranges every rank's
+    (:meth:`KVRange.gather_over_ranks`), before :func:`nonfinite_states` and :func:`set_scales` (which then decide
+    alike on every rank). A collective: every rank calls it for the same attention modules in the same order.
+    Nothing when it is calibrated, not recording, or without a process group.
+
+    Raises:
+        DistributedError: the collective failed (another rank stopped).
+    """
+    ranges = attention.__dict__.get(_STATE_ATTR)
+    if not is_distributed() or calibrated(attention) or ranges is None:
+        return
+    for base, state in ranges.items():
+        state.gather_over_ranks(tuple(getattr(attention, f"{base}_scale").shape))
+
+
 def set_scales(attention: nn.Module) -> bool:
     """Compute ``attention``'s ``k_scale`` / ``v_scale`` (and ``q_scale``, :func:`install_query`) from the recorded
-    ranges and stop recording.
+    ranges and stop recording (under ``torch.distributed``, after :func:`gather_over_ranks`).
 
     Returns:
         ``True`` when the scales are calibrated (now or before); ``False`` when no key/value (or query) states were
