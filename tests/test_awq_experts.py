@@ -356,21 +356,6 @@ def test_clipping_serves_each_expert_matrix_from_its_routed_tokens() -> None:
             assert result["error"] <= result["error_unclipped"]
 
 
-def test_awq_on_experts_under_torch_distributed_is_refused_before_any_work(monkeypatch) -> None:
-    from llmc_fsm_quantization import awq as awq_module
-
-    monkeypatch.setattr(awq_module, "is_distributed", lambda: True)
-    model = build("mixtral")
-    before = {k: v.clone() for k, v in model.state_dict().items()}
-    with pytest.raises(ValueError) as info:
-        AWQModifier().check_model(model)
-    assert str(info.value) == (
-        "AWQModifier: smoothing fused experts under torch.distributed is not implemented (a rank may see no token "
-        "routed to an expert that another rank sees); run it on one process"
-    )
-    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
-
-
 def test_awq_on_experts_with_low_memory_equals_the_in_memory_run(tmp_path) -> None:
     """The streamed loader fuses the per-expert checkpoint tensors with transformers' own conversion
     (llmc_fsm.models.lazy): AWQ + GPTQ streamed from a Mixtral checkpoint saved by transformers 5 gives the in-memory

@@ -78,13 +78,13 @@ degree 2: ``up``'s rows are divided by ``sqrt(s)`` and ``down``'s columns multip
 model (:attr:`~llmc_fsm_quantization.mappings.ResolvedMapping.degree`; the activation is recognised by its class,
 transformers' ``ReLUSquaredActivation``). Refused, before any work: experts no mapping reaches (GPT-OSS, DBRX, gateless
 experts of another activation, a block with Nemotron-H's latent projection: the message names why) that a quantizer of
-the stage would quantize (experts in the quantizers' ``ignore`` stay dense and the rest of the model is smoothed), and
-fused experts a mapping smooths under ``torch.distributed``.
+the stage would quantize (experts in the quantizers' ``ignore`` stay dense and the rest of the model is smoothed).
 
 Under ``torch.distributed`` (``torchrun``) each rank runs its share of the calibration windows; the statistics
 (``sum|x_j|`` and token counts), every candidate's block error and the clipping scores are summed over the ranks
 (:func:`llmc_fsm.toolkit.all_reduce_tensor`) before any choice, so every rank folds the same scales, those of one
-process (up to the order of the float64 additions).
+process (up to the order of the float64 additions). A fused expert the router sent none of a rank's tokens is
+searched and clipped on the other ranks' tokens (that rank takes part with none; refused until session 39).
 
 Two recipe forms (both as llm-compressor reads them): ``AWQModifier`` followed by a ``QuantizationModifier`` (or
 ``GPTQModifier``) that carries the scheme, in the same stage; or the scheme on ``AWQModifier`` itself
@@ -698,20 +698,13 @@ class AWQModifier(SmoothingModifier):
                 (:func:`~llmc_fsm_quantization.mappings.moe_mapping_problem` says why the default mappings leave
                 them out: GPT-OSS's biased, clamped gate, DBRX's layout, gateless experts whose activation is not
                 relu2, a block module that is neither an expert, the router, a shared expert nor its gate), so they
-                would be quantized unsmoothed; fused experts a mapping smooths under ``torch.distributed``.
+                would be quantized unsmoothed.
         """
-        fused, left = self._experts_outside_mappings(model)
+        _, left = self._experts_outside_mappings(model)
         if left and self._quantizer is not None:  # the older form: its quantizer's selection (AWQ's ignore)
             left = _quantized_experts(left, self._quantizer_selection(model))
             if left:
                 raise ValueError(self._experts_refusal(model, left))
-        smoothed = [name for name in fused if name not in self._unreached_experts(model, fused)]
-        if smoothed and is_distributed():
-            msg = (
-                "AWQModifier: smoothing fused experts under torch.distributed is not implemented (a rank may see no "
-                "token routed to an expert that another rank sees); run it on one process"
-            )
-            raise ValueError(msg)
         targets = super().check_model(model)
         if self._quantizer is not None:
             with _as_awq():
@@ -1066,11 +1059,17 @@ class AWQModifier(SmoothingModifier):
             return
         modules = {n: m for n, (m, _) in targets.items()}
         captured = _capture_inputs(layer, inputs, modules, self.clip_n_sample_token, all_experts=self._all_experts)
+        # under torch.distributed: clipped where any rank's tokens reached it (a rank without takes part with none)
+        reached = torch.tensor([name in captured for name in targets], dtype=torch.int64)
+        all_reduce_tensor(reached, op="max", what="all_reduce (AWQ clip targets)")
         with suspended_forward_hooks(layer):
-            for name, (module, (args, observer)) in targets.items():
-                if name not in captured:
+            for (name, (module, (args, observer))), anywhere in zip(targets.items(), reached.tolist(), strict=True):
+                if not anywhere:
                     continue  # no calibration input reached it in this layer's forward: left as it is
-                self._clip_module(name, module, captured[name], args, observer)
+                x = captured.get(name)
+                if x is None:
+                    x = torch.zeros((0, module.weight.shape[1]), dtype=module.weight.dtype)
+                self._clip_module(name, module, x, args, observer)
 
     @torch.no_grad()
     def _clip_module(
@@ -1125,7 +1124,7 @@ class AWQModifier(SmoothingModifier):
         # llm-compressor's grid; its first candidate, (0.0, False), is s = 1: scored as no smoothing (None)
         grid = awq_grid(self.duo_scaling, self.n_grid)[1:]
         evaluate: _BlockError | _GramError
-        inputs = observer.parent_inputs[name]
+        inputs = observer.parent_inputs.get(name, [])  # none on a rank whose tokens did not reach this expert
         if (
             _GramError.serves(mapping)
             and quantizers[0] is not None
@@ -1137,7 +1136,7 @@ class AWQModifier(SmoothingModifier):
                 mapping,
                 quantizers,
                 inputs,
-                observer.parent_outputs[name],
+                observer.parent_outputs.get(name, []),
                 sample_tokens=self.search_n_sample_token,
             )
         try:

@@ -42,6 +42,7 @@ from llmc_fsm.toolkit import (
     all_reduce_tensor,
     check_not_quantized,
     compact_names,
+    is_distributed,
     nonfinite_weights,
     observe_inputs,
     patterns,
@@ -687,22 +688,27 @@ class ActivationObserver:
         return hook
 
     def all_reduce(self) -> None:
-        """Combine the statistics of every rank (``torch.distributed``; a no-op in one process): ``max|x_j|`` by
-        maximum, ``sum|x_j|`` and the token counts by sum, mapping by mapping in order. A collective: every rank
-        calls it after :meth:`run` on its own calibration inputs; then every rank holds what one process running
-        all the inputs would (the maxima exactly, the float64 sums up to their order of addition)."""
-        for m in self.mappings:
-            name = m.smooth_name
-            if name in self.act_max:
-                all_reduce_tensor(self.act_max[name], op="max", what="all_reduce (smoothing max|x|)")
-                all_reduce_tensor(self.abs_sum[name], what="all_reduce (smoothing sum|x|)")
-            tokens = torch.tensor([self.tokens.get(name, 0)], dtype=torch.int64)
-            all_reduce_tensor(tokens, what="all_reduce (smoothing tokens)")
-            if int(tokens) and name not in self.act_max:  # this rank saw no input of it: another rank did
-                msg = f"{m.balance_names[0]} received calibration input on another rank but not on this one"
-                raise ValueError(msg)
-            if int(tokens):
-                self.tokens[name] = int(tokens)
+        """Combine the statistics of every rank (``torch.distributed``; a no-op in one process): the token counts by
+        sum (one collective), then, mapping by mapping in order, ``max|x_j|`` by maximum and ``sum|x_j|`` by sum; a
+        rank that saw no input of a mapping another rank saw (an expert its tokens were not routed to) takes part
+        with zeros. A collective: every rank calls it after :meth:`run` on its own calibration inputs; then every
+        rank holds what one process running all the inputs would (the maxima exactly, the float64 sums up to their
+        order of addition)."""
+        if not is_distributed():
+            return
+        names = list(dict.fromkeys(m.smooth_name for m in self.mappings))
+        tokens = torch.tensor([self.tokens.get(name, 0) for name in names], dtype=torch.int64)
+        all_reduce_tensor(tokens, what="all_reduce (smoothing tokens)")
+        channels = {m.smooth_name: m.channels for m in self.mappings}
+        for name, total in zip(names, tokens.tolist(), strict=True):
+            if not total:
+                continue
+            if name not in self.act_max:  # no input here (an expert the router sent none of this rank's tokens)
+                self.act_max[name] = torch.zeros(channels[name], dtype=torch.float32)
+                self.abs_sum[name] = torch.zeros(channels[name], dtype=torch.float64)
+            all_reduce_tensor(self.act_max[name], op="max", what="all_reduce (smoothing max|x|)")
+            all_reduce_tensor(self.abs_sum[name], what="all_reduce (smoothing sum|x|)")
+            self.tokens[name] = total
 
     def check(self, owner: str) -> None:
         """Raise if a norm mapping's data flow was not what its names said, a balance layer saw no input, or its
