@@ -70,7 +70,8 @@ _WEIGHT_STRATEGIES = (
 
 def preset_names(*, supported_only: bool = False) -> list[str]:
     """The preset scheme names ``compressed-tensors`` defines, in its order; with ``supported_only``
-    those the modifiers run (NVFP4, MX formats, FP8 with static activations and FP8_BLOCK excluded)."""
+    those the modifiers run: every preset but ``UNQUANTIZED`` (compressed-tensors 0.20: 32 of 33; NVFP4, the MX
+    formats, FP8 static and FP8_BLOCK included, see docs/quantization.md)."""
     names = list(PRESET_SCHEMES)
     return [n for n in names if _problem(preset_name_to_scheme(n, ["Linear"])) is None] if supported_only else names
 
