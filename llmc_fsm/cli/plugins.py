@@ -357,14 +357,20 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
         "explain",
         help="print a recipe's plan without touching a model",
         description=(
-            "Resolve RECIPE (a .yaml/.yml/.json file) and print its stages, the modifiers in execution order, "
+            "Resolve RECIPE (a .yaml/.yml/.json file, or the recipe's YAML text itself) and print its stages, "
+            "the modifiers in execution order, "
             "their arguments, the events each handles and the state keys each requires. RECIPE may also be a "
             "modifier's name (see llmc-fsm modifiers), e.g. GPTQModifier: its arguments and their defaults "
             "(a modifier with arguments that have no default names them instead)."
         ),
     )
     parser.add_argument(
-        "recipe", metavar="RECIPE", help="recipe file (.yaml, .yml or .json), or a modifier name (e.g. GPTQModifier)"
+        "recipe",
+        metavar="RECIPE",
+        help=(
+            "recipe file (.yaml, .yml or .json), recipe text inline (e.g. 's: {GPTQModifier: {scheme: W8A8}}'), "
+            "or a modifier name (e.g. GPTQModifier)"
+        ),
     )
     parser.add_argument(
         "--state",
