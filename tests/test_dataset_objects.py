@@ -192,11 +192,6 @@ def test_describe_names_the_kind_in_one_line():
             {"dataset": FakeDataset(input_ids=[[1.0, 2.0]])},
             "dataset row 0: 'input_ids' must be a list of token ids (int), got a list of floating-point values",
         ),
-        (
-            {"dataset": FakeDataset(input_ids=[[1], [2]]), "num_calibration_samples": 3},
-            "num_calibration_samples (--num-samples) 3 is more than the 2 rows of the dataset; pass at most 2, or "
-            "leave it out to use them all",
-        ),
     ],
 )
 def test_bad_datasets_are_refused_in_one_line_before_any_work(tmp_path, monkeypatch, kw, message):

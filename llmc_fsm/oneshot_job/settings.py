@@ -21,6 +21,7 @@ model loaded is listed in docs/oneshot.md, "Which checks need the model".
 from __future__ import annotations
 
 import argparse
+import logging
 import numbers
 import os
 import re
@@ -34,7 +35,8 @@ import torch
 from torch import nn
 
 from llmc_fsm.data.rows import dataset_object_error, is_rows, registered_name_error
-from llmc_fsm.models.hf_io import looks_like_hub_id
+from llmc_fsm.models.hf_io import hub_unreachable, looks_like_hub_id, meta_model
+from llmc_fsm.models.layers import find_decoder_layers
 from llmc_fsm.output.directory import check_output_not_source
 from llmc_fsm.output.save import QUANTIZATION_FORMATS
 from llmc_fsm.pipeline.device import DEVICE_CHOICES, resolve_device
@@ -45,6 +47,7 @@ from llmc_fsm.session.ranks import inference_tensors_refusal
 from llmc_fsm.toolkit.targets import is_peft_tuner_layer
 
 __all__ = [
+    "CALIBRATED_METHODS",
     "DEFAULT_GENERATED",
     "DEFAULT_MODEL",
     "DTYPES",
@@ -57,6 +60,7 @@ __all__ = [
     "argument_name",
     "default_recipe",
     "generated_recipe",
+    "multimodal_dense",
     "settings_from_flags",
 ]
 
@@ -71,6 +75,15 @@ METHODS = {
     "gptq": ("GPTQModifier", "quantization_stage"),
     "rtn": ("QuantizationModifier", "quantization_stage"),
 }
+
+logger = logging.getLogger(__name__)
+
+#: ``--method`` values whose modifier calibrates on the decoder layers' inputs: on a multimodal model their generated
+#: recipe leaves the Linears outside the language model's decoder layers dense (:func:`multimodal_dense`).
+CALIBRATED_METHODS = ("sparsegpt", "wanda", "gptq")
+
+#: Sub-configs that mark a model with a tower beside its language model (a vision-language or audio-text model).
+TOWER_CONFIGS = ("vision_config", "audio_config")
 
 #: ``--method`` values whose modifier takes ``block_size`` (``--block-size``).
 BLOCK_SIZE_METHODS = ("gptq", "sparsegpt")
@@ -385,7 +398,8 @@ class OneshotSettings:
             that is or contains the model's directory, a dataset tensor that is not ``[N, L]`` token ids, a dataset
             of another kind (its type named), a ``DatasetDict`` (its splits named), one of llm-compressor's
             registered dataset names (its Hub id named), a given ``num_calibration_samples`` / ``max_seq_length``
-            above a dataset tensor's rows / columns or a list of texts' / dataset's rows.
+            above a dataset tensor's rows / columns (above a list of texts' / dataset's rows: all rows are used,
+            with a warning).
     """
 
     model: Any = _setting(
@@ -608,8 +622,13 @@ class OneshotSettings:
         object.__setattr__(self, "dtype", own if own in DTYPES else None)
 
     def _check_sizes_fit_dataset(self) -> None:
-        """A given ``num_calibration_samples`` / ``max_seq_length`` that a token tensor (rows, columns) or a list of
-        texts / a dataset (rows) does not have: refused, as llm-compressor would silently use less."""
+        """A given ``num_calibration_samples`` / ``max_seq_length`` that a token tensor (rows, columns) does not
+        have: refused (a tensor is llmc-fsm's own form of calibration data, the exact windows to run: a count above
+        them is a slip in the caller's code, never an llm-compressor script's). A ``num_calibration_samples`` above
+        the rows of a list of texts / a dataset (llm-compressor's forms; its examples ask for 512): all rows are
+        used, with one warning naming both numbers, as llm-compressor 0.14 does, and the number used is what the
+        settings (so the resume fingerprint and the report) record. Found by a tester: 512 on a dataset of 8 rows
+        was refused."""
         data, samples, length = self.dataset, self.num_calibration_samples, self.max_seq_length
         if isinstance(data, torch.Tensor):
             rows, columns = (int(n) for n in data.shape)
@@ -626,11 +645,14 @@ class OneshotSettings:
                 )
                 raise ValueError(msg)
         elif is_rows(data) and samples is not None and samples > len(data):
-            msg = (
-                f"num_calibration_samples (--num-samples) {samples} is more than the {len(data)} rows of the dataset; "
-                f"pass at most {len(data)}, or leave it out to use them all"
+            logger.warning(
+                "num_calibration_samples (--num-samples) asks for %d samples but the dataset has only %d rows: "
+                "using all %d",
+                samples,
+                len(data),
+                len(data),
             )
-            raise ValueError(msg)
+            object.__setattr__(self, "num_calibration_samples", len(data))  # recorded: fingerprint, report
 
     @property
     def num_samples(self) -> int:
@@ -680,8 +702,10 @@ def default_recipe(
     scheme: str = "W4A16",
     group_size: int | None = None,
     observer: str | None = None,
+    dense: tuple[str, ...] = (),
 ) -> dict:
-    """The recipe used when none is given: ``method`` on every Linear except ``lm_head``.
+    """The recipe used when none is given: ``method`` on every Linear except ``lm_head`` and the ``dense`` ignore
+    patterns (for a multimodal model's tower, :func:`multimodal_dense`).
 
     Pruning methods (``sparsegpt`` — the default —, ``wanda``, ``magnitude``) use
     ``sparsity`` and ``mask_structure``; quantization methods (``gptq``,
@@ -697,7 +721,7 @@ def default_recipe(
     except KeyError:
         msg = f"unknown method {method!r}; choose one of {', '.join(METHODS)}"
         raise ValueError(msg) from None
-    args: dict[str, Any] = {"targets": ["Linear"], "ignore": ["lm_head"]}
+    args: dict[str, Any] = {"targets": ["Linear"], "ignore": ["lm_head", *dense]}
     if stage == "sparsity_stage":
         args.update(sparsity=sparsity, mask_structure=mask_structure)
     else:
@@ -726,6 +750,64 @@ def generated_recipe(*args: Any, **kw: Any) -> Recipe:
     """
 
     return build_recipe(default_recipe(*args, **kw), GENERATED if args or kw else DEFAULT_GENERATED)
+
+
+def _model_config(model: Any) -> Any:
+    """The config of ``model`` read without a weight: a directory's ``config.json``, or a Hub id's from the Hugging
+    Face cache, else fetched when ``HF_HUB_OFFLINE`` is off and the Hub answers within 3 s (as the job reads it next);
+    ``None`` otherwise (an ``nn.Module``, a known name, an id that cannot be had, a config transformers cannot read:
+    the job reports why, as before)."""
+    if not isinstance(model, str | os.PathLike):
+        return None
+    from huggingface_hub import constants, try_to_load_from_cache  # heavy imports, only for a model named
+    from transformers import AutoConfig
+
+    key = os.fspath(model)
+    directory = Path(key).expanduser()
+    local = (directory / "config.json").is_file()
+    if not local and (directory.exists() or not looks_like_hub_id(key)):
+        return None
+    cached = local or isinstance(try_to_load_from_cache(key, "config.json"), str)
+    if not cached and (constants.HF_HUB_OFFLINE or hub_unreachable(constants.ENDPOINT) is not None):
+        return None
+    try:
+        only = {"local_files_only": True} if cached else {}
+        return AutoConfig.from_pretrained(os.fspath(directory) if local else key, trust_remote_code=False, **only)
+    except (OSError, ValueError):  # a remote-code or broken config: the job's own checks name it
+        return None
+
+
+def multimodal_dense(model: Any) -> tuple[str, ...]:
+    """Ignore patterns for the Linears of a multimodal model outside its language model's decoder layers and output
+    head (vision or audio tower, projector), read from its config before any weight: ``("re:model\\.visual\\.",)``
+    for Qwen2.5-VL, ``("re:model\\.vision_tower\\.", "re:model\\.multi_modal_projector\\.")`` for LLaVA
+    (one per outermost module holding them; a Linear that is such a module itself by its exact name).
+
+    ``()`` for a model whose config has no ``vision_config`` / ``audio_config`` (:data:`TOWER_CONFIGS`), or whose
+    config cannot be read here (:func:`_model_config`) or built on the meta device."""
+    config = _model_config(model)
+    if config is None or not any(getattr(config, name, None) is not None for name in TOWER_CONFIGS):
+        return ()
+    try:
+        skeleton = meta_model(config)
+        layers_name, layers = find_decoder_layers(skeleton)
+    except Exception as err:  # any config transformers cannot build: the job reports it when it loads the model
+        logger.debug("the model of this config cannot be built on meta (%s): no tower left dense", err)
+        return ()
+    get_head = getattr(skeleton, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
+    inside = {id(m) for m in layers.modules()} | {id(head)}
+    names = {id(m): name for name, m in skeleton.named_modules()}
+    kept = [names.get(id(head), "")] if head is not None else []
+    blocked = {".".join(parts[:i]) for n in (layers_name, *kept) for parts in [n.split(".")] for i in range(len(parts))}
+    found: dict[str, None] = {}
+    for name, module in skeleton.named_modules():
+        if not isinstance(module, nn.Linear) or id(module) in inside:
+            continue
+        parts = name.split(".")
+        outer = next(".".join(parts[:i]) for i in range(1, len(parts) + 1) if ".".join(parts[:i]) not in blocked)
+        found[outer if outer == name else f"re:{re.escape(outer)}\\."] = None
+    return tuple(found)
 
 
 def _nm(mask_structure: str | None) -> tuple[int, int] | None:
@@ -829,8 +911,11 @@ class RecipeFlags:
             )
             raise FlagConflictError(msg)
 
-    def recipe(self) -> Recipe:
-        """The generated recipe (:func:`default_recipe` plus ``--block-size``), its modifiers built and so checked.
+    def recipe(self, dense: tuple[str, ...] = ()) -> Recipe:
+        """The generated recipe (:func:`default_recipe` plus ``--block-size``), its modifiers built and so checked;
+        ``dense``: ignore patterns added for a calibrated method (:data:`CALIBRATED_METHODS`; a multimodal model's
+        tower, :func:`multimodal_dense`), not for ``magnitude`` / ``rtn``, which compress every Linear but
+        ``lm_head``.
 
         An N:M ``--mask-structure`` without ``--sparsity`` records the sparsity it fixes, ``(M - N) / M``.
 
@@ -839,13 +924,15 @@ class RecipeFlags:
         """
         nm = _nm(self.mask_structure)
         sparsity = self.sparsity if self.sparsity is not None else 0.5 if nm is None else (nm[1] - nm[0]) / nm[1]
+        method = self.method or "sparsegpt"
         data = default_recipe(
-            self.method or "sparsegpt",
+            method,
             sparsity,
             self.mask_structure or "unstructured",
             scheme=self.scheme or "W4A16",
             group_size=self.group_size,
             observer=self.observer,
+            dense=dense if method in CALIBRATED_METHODS else (),
         )
         if self.block_size is not None:
             (stage,) = data.values()  # {stage: {Modifier: args}}
@@ -877,4 +964,15 @@ def settings_from_flags(args: argparse.Namespace) -> OneshotSettings:
         raise FlagConflictError(msg)
     flags = _from_namespace(RecipeFlags, args)
     settings = _from_namespace(OneshotSettings, args)
-    return settings if args.recipe is not None else attrs.evolve(settings, recipe=flags.recipe())
+    if args.recipe is not None:
+        return settings
+    method = flags.method or "sparsegpt"
+    dense = multimodal_dense(settings.model) if method in CALIBRATED_METHODS else ()
+    if dense:
+        logger.warning(
+            "--method %s leaves the Linears outside the language model's decoder layers dense (ignore %s), as "
+            "llm-compressor's multimodal examples do; give a --recipe to choose otherwise",
+            method,
+            ", ".join(dense),
+        )
+    return attrs.evolve(settings, recipe=flags.recipe(dense))

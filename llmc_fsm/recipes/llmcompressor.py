@@ -34,6 +34,7 @@ implement, so that the unknown-modifier error says so (:func:`unimplemented_note
 from __future__ import annotations
 
 import difflib
+import dis
 import importlib.metadata
 import logging
 import math
@@ -72,6 +73,7 @@ __all__ = [
     "namesake_arguments",
     "namesake_note",
     "number_from_string",
+    "plugin_getattr",
     "top_level_stages",
     "translate_argument",
     "translate_arguments",
@@ -236,6 +238,44 @@ def unimplemented_note(name: str) -> str | None:
         f"{name} is an llm-compressor modifier that llmc-fsm does not implement ({what}); remove it from the "
         "recipe or use llm-compressor for it."
     )
+
+
+def plugin_getattr(package: str, notes: Mapping[str, str] | None = None) -> Callable[[str], Any]:
+    """A module ``__getattr__`` for the first-party plugin package ``package`` (``llmc_fsm_<folder>``) that explains
+    in one line a name it lacks: an llm-compressor modifier llmc-fsm does not implement (``QuIPModifier``,
+    :func:`unimplemented_note`), a modifier of another first-party plugin (where to import it from, or which
+    distribution to install), or a name of ``notes`` (its own sentence). Found by a tester: an llm-compressor script
+    translated by swapping its imports stopped with a bare "cannot import name 'QuIPModifier'".
+
+    ``from <package> import <name>`` gets ``ImportError`` with that line (an ``AttributeError`` raised by a module
+    ``__getattr__`` there becomes Python's generic "cannot import name"); attribute access gets ``AttributeError``
+    with it, so ``hasattr`` is false and ``getattr(module, name, default)`` gives the default. Any other name: the
+    usual ``AttributeError``.
+    """
+    folder = package.removeprefix("llmc_fsm_")
+
+    def note_for(name: str) -> str | None:
+        if notes and name in notes:
+            return notes[name]
+        provider = FIRST_PARTY_MODIFIERS.get(name)
+        if provider is None:
+            return unimplemented_note(name)
+        distribution, home = provider
+        if home == folder:
+            return None
+        elsewhere = f"{name} is in {distribution}, not {package}: from llmc_fsm_{home} import {name}"
+        return missing_plugin_note(name) or elsewhere
+
+    def __getattr__(name: str) -> Any:
+        note, module = note_for(name), sys.modules[package]
+        if note is None:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}", name=name, obj=module)
+        caller = sys._getframe(1)  # the code asking: an IMPORT_FROM instruction for "from <package> import name"
+        if caller.f_code.co_code[caller.f_lasti] == dis.opmap["IMPORT_FROM"]:
+            raise ImportError(note, name=package)
+        raise AttributeError(note, name=name, obj=module)
+
+    return __getattr__
 
 
 @attrs.frozen

@@ -11,6 +11,7 @@ third-party plugin. Recipe names: ``SparseGPTModifier``,
 from __future__ import annotations
 
 import llmc_fsm
+from llmc_fsm.recipes.llmcompressor import plugin_getattr
 from llmc_fsm_pruning.constant import ConstantPruningModifier
 from llmc_fsm_pruning.magnitude import MagnitudePruningModifier
 from llmc_fsm_pruning.masks import magnitude_mask, num_to_prune, parse_mask_structure
@@ -45,3 +46,6 @@ def llmc_fsm_register_modifiers() -> list[type[llmc_fsm.Modifier]]:
         ConstantPruningModifier,
         REAPPruningModifier,
     ]
+
+
+__getattr__ = plugin_getattr(__name__)

@@ -7,6 +7,7 @@ through the ``llmc_fsm`` entry-point group, like any third-party plugin.
 from __future__ import annotations
 
 import llmc_fsm
+from llmc_fsm.recipes.llmcompressor import plugin_getattr
 from llmc_fsm_training.distillation import OutputDistillationModifier, distillation_kl
 from llmc_fsm_training.learning_rate import LearningRateModifier, scheduled_lr
 
@@ -25,3 +26,6 @@ __version__ = "0.1.0"
 def llmc_fsm_register_modifiers() -> list[type]:
     """Register the training modifiers."""
     return [OutputDistillationModifier, LearningRateModifier]
+
+
+__getattr__ = plugin_getattr(__name__)
