@@ -553,7 +553,7 @@ class OneshotSettings:
         f"where the decoder layers are calibrated and compressed, one at a time ({DEVICE_CHOICES}; auto: the current "
         "CUDA device when torch sees one, else the CPU); the weights stay where they were loaded",
         flag="--device",
-        cli={"metavar": "{auto,cpu,cuda,cuda:N}"},
+        cli={"metavar": "DEVICE"},
         converter=lambda value: str(value) if isinstance(value, torch.device) else value,
         validator=_device,
     )
