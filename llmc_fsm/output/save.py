@@ -223,10 +223,11 @@ def sparsity_metadata(model: nn.Module, report: Any, structure: str | None) -> S
         followed = "2:4"
     else:
         followed = "unstructured"
+    listed = [m.name for m in sparse if followed == "unstructured" or m.follows(followed)]
     return SparsityMetadata(
-        global_sparsity=model_sparsity(report, model),
+        global_sparsity=model_sparsity(report, model, listed),
         structure=followed,
-        targets=sorted(names[m.name] for m in sparse if followed == "unstructured" or m.follows(followed)),
+        targets=sorted(names[name] for name in listed),
     )
 
 
@@ -260,19 +261,25 @@ def _saved_expert_names(model: nn.Module, wanted: set[str]) -> dict[str, str]:
     return out
 
 
-def model_sparsity(report: Any, model: nn.Module) -> float:
+def model_sparsity(report: Any, model: nn.Module, sparse: Iterable[str] = ()) -> float:
     """The pruned zeros of the weights in ``report`` over all of ``model``'s parameters (tied ones once; quantization
-    parameters not counted): compressed-
-    tensors' ``global_sparsity``, "the average sparsity of the entire model" (llm-compressor's older
-    ``infer_global_sparsity`` counted the zeros of every parameter likewise).
+    parameters not counted): compressed-tensors' ``global_sparsity``, "the average sparsity of the entire model", as a
+    fraction in ``[0, 1]``.
 
-    A quantized module's ``zeros`` in the report count only the zeros it held before quantization (see
-    :class:`llmc_fsm.toolkit.calibrated.ModuleResult`): values that quantization rounds to zero are not sparsity.
-    Until 2026-12-06 the fraction was of the quantized weights only: 0.0 beside 2:4 targets when the pruned modules
-    were not quantized (a tester's case). 0.0 for a model without parameters.
+    Pruned zeros are the zeros of the modules a pruning modifier changed
+    (:attr:`~llmc_fsm.report.build.ModuleSparsity.pruned`) and of the modules named in ``sparse`` (report names: the
+    ``sparsity_config`` targets, e.g. a 2:4 model pruned by an earlier run and quantized in this one); the zeros a
+    module no pruning modifier touched already had (a tied head's zero rows, which the report lists "not targeted")
+    are not sparsity. (llm-compressor's older ``infer_global_sparsity`` counted the zeros of every parameter: until
+    2026-12-07 so did this, 0.3968 for SmolLM2 2:4 + W4A16 instead of 53,084,163 / 134,515,008 = 0.3946, a
+    tester's case.) A quantized module's ``zeros`` in the report count only the zeros it held before quantization
+    (see :class:`llmc_fsm.toolkit.calibrated.ModuleResult`): values that quantization rounds to zero are not sparsity.
+    0.0 for a model without parameters.
     """
     numel = sum(p.numel() for name, p in model.named_parameters() if not _quantization_parameter(name))
-    return sum(m.zeros for m in report.modules) / numel if numel else 0.0
+    counted = set(sparse)
+    zeros = sum(m.zeros for m in report.modules if getattr(m, "pruned", False) or m.name in counted)
+    return zeros / numel if numel else 0.0
 
 
 def _quantization_parameter(name: str) -> bool:

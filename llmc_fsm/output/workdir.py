@@ -283,11 +283,18 @@ class WorkDir:
             raise ValueError(msg)
         changes = fingerprint_changes(saved, fingerprint)
         if changes:
+            renamed_only = len(changes) == 1 and _only_renamed(saved.get("recipe"), fingerprint.get("recipe"))
+            advice = (  # a recipe generated from --method names its stage otherwise (found by a tester)
+                "resume with the interrupted run's recipe file (--recipe), whose stage names recipe.yaml keeps"
+                if renamed_only
+                else "use the original settings"
+            )
             msg = (
-                f"cannot resume from {str(self.path)!r}: {'; '.join(changes)} — changed since that run; use the "
-                "original settings, or remove that directory to start over"
+                f"cannot resume from {str(self.path)!r}: {'; '.join(changes)} — changed since that run; {advice}, or "
+                "remove that directory to start over"
             )
             raise ValueError(msg)
+        inert = _inert_changes(saved, fingerprint)
         threads = (self._read_json(_OWNER) or {}).get("threads")
         self.resumed_threads = threads if isinstance(threads, int) else None
         if threads is not None and threads != _threads():
@@ -312,7 +319,8 @@ class WorkDir:
         self.resumed = True
         self.resumed_ranks = calibrated_ranks(self.progress)
         note = ranks_note(self.resumed_ranks)  # a torchrun run's layers beside this process's (found by a tester)
-        logger.warning("resuming from %s (%s)", self.path, summary if note is None else f"{summary}; {note}")
+        details = "; ".join([summary, *inert, *([] if note is None else [note])])
+        logger.warning("resuming from %s (%s)", self.path, details)
 
     def _clear(self, keep: tuple[str, ...]) -> None:
         for entry in self.path.iterdir():
@@ -508,12 +516,15 @@ RANKS_KEY = "world_size"
 
 def fingerprint_changes(saved: Mapping[str, Any] | None, current: Mapping[str, Any]) -> list[str]:
     """``"item (what changed)"`` for every item of ``current`` or ``saved`` that differs (empty: same run); an item
-    only one of them has (e.g. ``output``: ``quantization_format`` given one time only) differs."""
+    only one of them has (e.g. ``output``: ``quantization_format`` given one time only) differs. A setting that
+    cannot change the result is left out (:func:`_inert`: ``fuse_stages`` with one stage to run). A recipe's
+    difference names the changed settings and renamed, added or removed stages, not whole stages (``recipe (stage
+    'quant_stage' renamed 'quantization_stage' (same modifiers and settings))``)."""
     if not isinstance(saved, Mapping):
         return ["the saved fingerprint (fingerprint.json is missing or unreadable)"]
     changes = []
     for key in dict.fromkeys([*current, *saved]):
-        old, new = saved.get(key), current.get(key)
+        old, new = _without_inert(key, saved, current)
         if old == new or _same_data(key, old, new) or _not_comparable(key, old, new):
             continue
         both = isinstance(old, Mapping) and isinstance(new, Mapping)
@@ -524,10 +535,133 @@ def fingerprint_changes(saved: Mapping[str, Any] | None, current: Mapping[str, A
                 diff = f"directory {old.get('directory')!r} -> {new.get('directory')!r}"
         elif key == "tokenizer":
             diff = f"{_tokenizer_named(old)} -> {_tokenizer_named(new)}"
+        elif key == "recipe":
+            diff = _recipe_diff(old, new)
         else:
             diff = settings_diff(old, new).strip()
         changes.append(f"{key} ({diff})")
     return changes
+
+
+def _stages_to_run(recipe: Any) -> int | None:
+    """How many stages of a fingerprint's ``recipe`` item are not marked applied (``None``: not a recipe's form)."""
+    if not _is_recipe(recipe):
+        return None
+    return sum(1 for body in recipe.values() if not body.get("applied"))
+
+
+def _inert(saved: Mapping[str, Any], current: Mapping[str, Any]) -> dict[str, str]:
+    """``{item: setting}`` of the fingerprint settings that cannot change this result, so that a resume with another
+    value of them is taken: ``pipeline.fuse_stages`` when both recipes have at most one stage to run (one pass
+    either way: :func:`llmc_fsm.oneshot_job.phases.recipe_sessions`). A one-stage run resumed with ``--fuse-stages``
+    was refused (found by a tester)."""
+    runs = [_stages_to_run(saved.get("recipe")), _stages_to_run(current.get("recipe"))]
+    return {"pipeline": "fuse_stages"} if all(n is not None and n <= 1 for n in runs) else {}
+
+
+def _without_inert(key: str, saved: Mapping[str, Any], current: Mapping[str, Any]) -> tuple[Any, Any]:
+    """The ``key`` items of ``saved`` and ``current`` with the settings of :func:`_inert` left out."""
+    old, new = saved.get(key), current.get(key)
+    setting = _inert(saved, current).get(key)
+    if setting is None or not isinstance(old, Mapping) or not isinstance(new, Mapping):
+        return old, new
+    return {k: v for k, v in old.items() if k != setting}, {k: v for k, v in new.items() if k != setting}
+
+
+def _inert_changes(saved: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
+    """The settings of :func:`_inert` that differ, in words for the "resuming" line (``"fuse_stages False -> True
+    makes no difference here: one stage to run"``)."""
+    notes = []
+    for key, setting in _inert(saved, current).items():
+        old, new = saved.get(key), current.get(key)
+        old = old.get(setting) if isinstance(old, Mapping) else None
+        new = new.get(setting) if isinstance(new, Mapping) else None
+        if old != new:
+            notes.append(f"{setting} {old!r} -> {new!r} makes no difference here: one stage to run")
+    return notes
+
+
+def _is_recipe(item: Any) -> bool:
+    """Whether a fingerprint's ``recipe`` item has a recipe's form: ``{stage: {"modifiers": [...], ...}}``."""
+    return (
+        isinstance(item, Mapping)
+        and bool(item)
+        and all(isinstance(body, Mapping) and isinstance(body.get("modifiers"), list) for body in item.values())
+    )
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    """``repr(value)``, cut to ``limit`` characters with ``...``."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _leaf_diff(old: Any, new: Any, prefix: str) -> list[str]:
+    """``"path old -> new"`` for each setting that differs, into mappings and lists of the same length; values cut
+    (:func:`_short`)."""
+    if isinstance(old, Mapping) and isinstance(new, Mapping):
+        return [d for k in dict.fromkeys([*old, *new]) for d in _leaf_diff(old.get(k), new.get(k), f"{prefix}.{k}")]
+    if isinstance(old, list) and isinstance(new, list) and len(old) == len(new):
+        return [d for i, (a, b) in enumerate(zip(old, new, strict=True)) for d in _leaf_diff(a, b, f"{prefix}[{i}]")]
+    return [] if old == new else [f"{prefix} {_short(old)} -> {_short(new)}"]
+
+
+def _modifier_names(body: Mapping[str, Any]) -> str:
+    return ", ".join(str(next(iter(m), "?")) if isinstance(m, Mapping) else "?" for m in body["modifiers"]) or "none"
+
+
+def _stage_diff(name: str, old: Mapping[str, Any], new: Mapping[str, Any]) -> list[str]:
+    """The settings of stage ``name`` that differ: per modifier (``stage.Modifier.key old -> new``), a modifier
+    replaced or the modifiers' list changed by its classes, and the stage's own keys (``applied``, ``start``)."""
+    mods_old, mods_new = old["modifiers"], new["modifiers"]
+    if len(mods_old) != len(mods_new):
+        diffs = [f"{name} modifiers {_modifier_names(old)} -> {_modifier_names(new)}"]
+    else:
+        diffs = []
+        for a, b in zip(mods_old, mods_new, strict=True):
+            label_a = next(iter(a), None) if isinstance(a, Mapping) else None
+            label_b = next(iter(b), None) if isinstance(b, Mapping) else None
+            if label_a is not None and label_a == label_b:
+                diffs += _leaf_diff(a[label_a], b[label_b], f"{name}.{label_a}")
+            elif a != b:
+                diffs.append(f"{name} modifier {label_a} -> {label_b}")
+    for key in dict.fromkeys([*old, *new]):
+        if key != "modifiers":
+            diffs += _leaf_diff(old.get(key), new.get(key), f"{name}.{key}")
+    return diffs
+
+
+def _recipe_diff(old: Any, new: Any) -> str:
+    """What differs between two fingerprints' ``recipe`` items, short: stages renamed (paired by position among the
+    names only one of them has; ``stage 'a' renamed 'b' (same modifiers and settings)``), added or removed (by their
+    modifiers' classes), and each changed setting (``stage.Modifier.key old -> new``, long values cut). A resume
+    whose recipe differed only in its stage's name dumped both recipes, ~950 characters (found by a tester)."""
+    if not (_is_recipe(old) and _is_recipe(new)):
+        return settings_diff(old, new).strip()
+    gone = [n for n in old if n not in new]
+    added = [n for n in new if n not in old]
+    parts = []
+    paired = min(len(gone), len(added))
+    for a, b in zip(gone[:paired], added[:paired], strict=True):
+        changed = _stage_diff(b, old[a], new[b])
+        parts.append(f"stage {a!r} renamed {b!r}" + ("" if changed else " (same modifiers and settings)"))
+        parts += changed
+    parts += [f"stage {n!r} removed ({_modifier_names(old[n])})" for n in gone[paired:]]
+    parts += [f"stage {n!r} added ({_modifier_names(new[n])})" for n in added[paired:]]
+    for name in (n for n in new if n in old):
+        parts += _stage_diff(name, old[name], new[name])
+    kept_old, kept_new = [n for n in old if n in new], [n for n in new if n in old]
+    if kept_old != kept_new:
+        parts.append(f"stages reordered: {', '.join(map(repr, kept_old))} -> {', '.join(map(repr, kept_new))}")
+    return "; ".join(parts)
+
+
+def _only_renamed(old: Any, new: Any) -> bool:
+    """Whether two fingerprints' ``recipe`` items differ only in their stages' names (same stages otherwise, in the
+    same order)."""
+    if not (_is_recipe(old) and _is_recipe(new)) or len(old) != len(new) or list(old) == list(new):
+        return False
+    return all(_stage_diff("", a, b) == [] for a, b in zip(old.values(), new.values(), strict=True))
 
 
 def _not_comparable(key: str, old: Any, new: Any) -> bool:

@@ -57,7 +57,9 @@ class ModuleSparsity:
     ``fewest_zeros``: :func:`~llmc_fsm.toolkit.masks.fewest_zeros` of the weight when it was measured (the N:M
     structures its zeros follow; empty below 5% zeros); not written to ``report.json``. ``quantized``: the label of a
     quantized module's scheme (:func:`~llmc_fsm.toolkit.packed.scheme_label`: ``int4/g64``, ``fp8 a:fp8``), the
-    report's ``quantized`` column.
+    report's ``quantized`` column. ``pruned``: a pruning modifier of this run (or of the earlier run whose report an
+    in-memory model carries) changed the weight: its zeros are pruned ones (``sparsity_config.global_sparsity``,
+    :func:`llmc_fsm.output.save.model_sparsity`); not written to ``report.json``.
     """
 
     name: str
@@ -73,6 +75,7 @@ class ModuleSparsity:
     all_tokens: bool = False
     dampening_frac: float | None = None
     fewest_zeros: dict[int, int] = attrs.Factory(dict)
+    pruned: bool = False
 
     @property
     def sparsity(self) -> float:
@@ -515,6 +518,16 @@ def _execution_lines(execution: dict[str, Any] | None) -> list[str]:
     return lines
 
 
+def _pruned_by(modifier: Any) -> list[str]:
+    """The modules a pruning modifier changed: the per-module ``results`` of a calibrated one whose zeros are sparsity
+    (SparseGPT, Wanda; a quantizer's are not), the ``module_sparsity`` read-out of another (magnitude, constant);
+    ``[]`` for any other modifier."""
+    names = list(getattr(modifier, "module_sparsity", None) or {})
+    if getattr(modifier, "zeros_are_sparsity", False):
+        names += list(getattr(modifier, "results", None) or {})
+    return names
+
+
 def _bits_of_earlier_runs(model: nn.Module, by_name: dict[str, ModuleSparsity]) -> None:
     """Bits, group size and label of modules quantized before this run (an in-memory model given to oneshot again),
     from the compressed-tensors scheme they carry; and their zeros as sparsity only where they were pruned: the
@@ -526,6 +539,8 @@ def _bits_of_earlier_runs(model: nn.Module, by_name: dict[str, ModuleSparsity]) 
     counted = {m.name: m.zeros for m in getattr(earlier, "modules", [])}
     for before in getattr(earlier, "modules", []):  # fused experts' matrices too (views, not modules: B4's case)
         entry = by_name.get(before.name)
+        if entry is not None and getattr(before, "pruned", False):
+            entry.pruned = True
         if entry is not None and entry.bits is None and before.bits is not None:
             entry.zeros, entry.bits, entry.group_size = before.zeros, before.bits, before.group_size
             entry.quantized = before.quantized
@@ -780,6 +795,9 @@ def build_report(
             tuning[label] = dict(modifier.tuning_results)
         if getattr(modifier, "expert_pruning_results", None):  # REAP: per mixture-of-experts block
             expert_pruning[label] = dict(modifier.expert_pruning_results)
+        for name in _pruned_by(modifier):
+            if name in by_name:
+                by_name[name].pruned = True
         for name, result in (getattr(modifier, "results", None) or {}).items():
             entry = by_name.get(name)
             if entry is None:
