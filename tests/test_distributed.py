@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import torch
+from test_s39_distributed import reference_checksum, shown
 from tiny_llama import llama
 
 import llmc_fsm
@@ -443,8 +444,8 @@ def test_ranks_given_different_weights_of_one_architecture_are_refused_naming_th
     assert all(rank["exitcode"] == 0 and "error" not in rank["meta"] for rank in ranks), [r["meta"] for r in ranks]
     results = [rank["meta"]["result"] for rank in ranks]
     embed = [llama(seed=r).model.embed_tokens.weight.detach() for r in range(WORLD)]
-    # in memory: every 2nd of the 128 x 64 values (a sample of at most 4096), its bytes with the dtype's name
-    sampled = [_hex(b"torch.float32" + e.reshape(-1)[::2].contiguous().numpy().tobytes()) for e in embed]
+    # in memory: the checksum of every byte (session 39; a sample of 4096 values before), by an independent reference
+    sampled = [shown(reference_checksum(e, 1 << 20)) for e in embed]
     tail = (
         "each rank must load the same checkpoint (a copy on another node that differs, or another checkpoint of the "
         "same architecture, gives other weights). Every rank must run the same recipe on the same model; launch "

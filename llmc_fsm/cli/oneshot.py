@@ -34,7 +34,7 @@ from llmc_fsm.oneshot_job.settings import (
     add_flags,
     settings_from_flags,
 )
-from llmc_fsm.toolkit.distributed import is_main_process
+from llmc_fsm.toolkit.distributed import interrupt_line_to_print, is_main_process, note_interrupt
 
 
 class Terminated(KeyboardInterrupt):
@@ -43,13 +43,19 @@ class Terminated(KeyboardInterrupt):
 
 def interrupted(command: str, exc: KeyboardInterrupt) -> int:
     """Print ``llmc-fsm COMMAND: interrupted (Ctrl-C | SIGTERM); <what was kept, or nothing written>`` and return the
-    exit status (130, or 143 for SIGTERM), for a command run under :func:`signals_as_interrupt`. Under torchrun only
-    rank 0 prints it (the one that writes: rank 1 said "nothing written" beside rank 0's "progress kept", found by a
-    tester)."""
+    exit status (130, or 143 for SIGTERM), for a command run under :func:`signals_as_interrupt`. Under torchrun an
+    interrupt that reached rank 0 too (Ctrl-C reaches every rank) is said once, by rank 0 (the one that writes: rank 1
+    said "nothing written" beside rank 0's "progress kept", found by a tester); one that reached only another rank
+    (a scheduler's or the OOM killer's SIGTERM) is said by that rank, prefixed ``rank N: `` (it said nothing, and
+    rank 0 blamed "another rank (see its error)", found by a tester), after waiting up to
+    :data:`~llmc_fsm.toolkit.distributed.ERROR_WAIT_S` seconds for rank 0's note
+    (:func:`~llmc_fsm.toolkit.distributed.interrupt_line_to_print`)."""
     what = "SIGTERM" if isinstance(exc, Terminated) else "Ctrl-C"
     notes = getattr(exc, "__notes__", None)
-    if is_main_process():
-        print(f"llmc-fsm {command}: interrupted ({what}); {notes[-1] if notes else 'nothing written'}", file=sys.stderr)
+    kept = notes[-1] if notes else "nothing written"
+    line = interrupt_line_to_print(f"llmc-fsm {command}: interrupted ({what}); {kept}")
+    if line is not None:
+        print(line, file=sys.stderr)
     return 143 if isinstance(exc, Terminated) else 130
 
 
@@ -75,6 +81,7 @@ def signals_as_interrupt() -> Iterator[None]:
         interrupted.append(signum)
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, swallow)
+        note_interrupt()  # rank 0 under torchrun: at once, so that the others know before its clean-up is done
         raise Terminated if signum == signal.SIGTERM else KeyboardInterrupt
 
     try:

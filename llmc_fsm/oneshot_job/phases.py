@@ -84,7 +84,7 @@ from llmc_fsm.oneshot_job.resume import (
 from llmc_fsm.oneshot_job.settings import OneshotSettings, generated_recipe
 from llmc_fsm.output.directory import check_output_dir
 from llmc_fsm.output.save import quantized_weights_as_compressed, weights_disk_bytes, write_output
-from llmc_fsm.output.workdir import WorkDir, ranks_note, recover_previous
+from llmc_fsm.output.workdir import WorkDir, ranks_note, recover_previous, work_dir_path
 from llmc_fsm.pipeline.device import describe_device, free_device_bytes, onloaded
 from llmc_fsm.pipeline.sequential import run_sequential
 from llmc_fsm.recipes.building import resolve_recipe
@@ -726,9 +726,10 @@ def _check_output(settings: OneshotSettings) -> None:
             :func:`~llmc_fsm.output.directory.check_output_dir`.
     """
     if settings.resume and is_distributed():
-        msg = (
+        work = work_dir_path(Path(settings.output_dir).expanduser().resolve())  # resume needs output_dir
+        msg = (  # "start it again without --resume" alone was refused for the progress left (found by a tester)
             "resume (--resume) is not supported with several processes (torch.distributed): resume the run in one "
-            "process, or start it again without --resume"
+            f"process (without torchrun), or remove {str(work)!r} and start it again without --resume"
         )
         raise ValueError(msg)
     check_output_dir(settings.output_dir, settings.overwrite)  # the same errors on every rank; only rank 0 writes

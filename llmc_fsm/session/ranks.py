@@ -1,7 +1,7 @@
 """What ``Session.initialize`` does under ``torch.distributed``: ranks agree before any work; wrappers unwrapped.
 
 * :func:`check_ranks_agree` — every rank compares a digest of its recipe, of
-  its model's parameter names/shapes and of a sample of its weights, and the expected world size when one was
+  its model's parameter names/shapes and dtypes and a checksum of its weights, and the expected world size when one was
   given (state key ``world_size``); any disagreement raises the same
   ``ValueError`` on every rank before a modifier is initialized;
 * :func:`unwrap_model` / :func:`unwrap_state` — a ``DistributedDataParallel`` /
@@ -35,24 +35,90 @@ def _recipe_digest(fingerprint: list[dict]) -> int:
 
 
 def _model_digest(model: Any) -> int:
+    """A digest of ``model``'s parameter names and shapes (0 for no module)."""
     if not isinstance(model, nn.Module):
         return 0
-    shapes = [(name, tuple(p.shape), str(p.dtype)) for name, p in model.named_parameters()]
+    shapes = [(name, tuple(p.shape)) for name, p in model.named_parameters()]
     return _digest(repr(shapes).encode())
 
 
-#: Elements of a parameter read for its value digest: a fixed strided sample (every element of a smaller one).
-VALUE_SAMPLE = 4096
+def _dtypes_digest(model: Any) -> int:
+    """A digest of ``model``'s parameter dtypes, in parameter order (0 for no module)."""
+    if not isinstance(model, nn.Module):
+        return 0
+    return _digest(repr([str(p.dtype) for p in model.parameters()]).encode())
+
+
+#: The dtypes counted per rank when the ranks' parameter dtypes differ (:func:`_differing_dtypes`); any other is
+#: counted as ``other``.
+_COUNTED_DTYPES = (
+    torch.float32,
+    torch.bfloat16,
+    torch.float16,
+    torch.float64,
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
+    torch.int8,
+    torch.uint8,
+    torch.int32,
+    torch.int64,
+    torch.bool,
+)
+
+
+#: 32-bit words of a parameter's bytes checksummed at a time (:func:`_tensor_checksum`): 4 MiB, which bounds the
+#: temporaries (the chunk widened to int64, its products: 8 MiB each) whatever the parameter's size.
+CHUNK_WORDS = 1 << 20
+#: Odd multipliers of the position weights (the 64-bit golden ratio, and a second odd constant for the chunks).
+_WORD_MULTIPLIER, _CHUNK_MULTIPLIER = 0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F
 #: Bytes read per checkpoint tensor for the digest of a model on ``meta`` (16 pieces at fixed offsets).
 _FILE_PIECES, _FILE_PIECE = 16, 64
+_weights_by_device: dict[tuple[torch.device, int], torch.Tensor] = {}
 
 
-def _tensor_sample_digest(tensor: torch.Tensor) -> int:
-    """A digest of the bytes of a fixed strided sample of ``tensor`` (:data:`VALUE_SAMPLE` elements at most)."""
-    flat = tensor.detach().reshape(-1)
-    step = max(1, -(-flat.numel() // VALUE_SAMPLE))
-    sample = flat[::step].contiguous().cpu()
-    return _digest(str(sample.dtype).encode() + sample.view(torch.uint8).numpy().tobytes())
+def _signed(value: int) -> int:
+    """``value`` modulo 2**64 as a signed int64."""
+    value &= 0xFFFFFFFFFFFFFFFF
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def _word_weights(count: int, device: torch.device) -> torch.Tensor:
+    """``LongTensor[count]`` on ``device``: the weight of word ``j`` of a chunk, ``((j + 1) * _WORD_MULTIPLIER mod
+    2**64) | 1`` (odd, so that any change of one word changes the checksum); computed once per device and size."""
+    key = (device, count)
+    if key not in _weights_by_device:
+        positions = torch.arange(1, count + 1, dtype=torch.int64, device=device)
+        _weights_by_device[key] = (positions * _signed(_WORD_MULTIPLIER)) | 1  # int64 products wrap modulo 2**64
+    return _weights_by_device[key]
+
+
+def _tensor_checksum(tensor: torch.Tensor) -> int:
+    """A position-weighted checksum of every byte of ``tensor`` (any dtype, on its own device), as a signed int64.
+
+    The bytes, zero-padded to a multiple of 4, are read as little-endian int32 words ``x`` (sign-extended to int64)
+    in chunks ``c`` of :data:`CHUNK_WORDS`; the checksum is ``sum_c M_c * sum_j W_j * x[c, j]`` modulo 2**64, with
+    odd weights ``W_j`` (:func:`_word_weights`) and ``M_c = ((c + 1) * _CHUNK_MULTIPLIER mod 2**64) | 1``. Integer
+    arithmetic: exact, and the same in any order of summation (any device, any number of threads). Any change of one
+    word changes it (odd weights), and since a word's change is below 2**32, changes of several words cancel by
+    chance only (at worst about 2**-33 for sign flips, which change only a word's top bit; int64 words would let an
+    even number of top-bit flips cancel always). A chunk's temporaries are about 20 MiB; nothing is copied to the CPU
+    but the result (a tensor that is not contiguous is made contiguous first)."""
+    data = tensor.detach()
+    data = data.reshape(-1) if data.is_contiguous() else data.contiguous().reshape(-1)
+    raw = data.view(torch.uint8) if data.dtype != torch.uint8 else data
+    total = torch.zeros((), dtype=torch.int64, device=raw.device)
+    step = CHUNK_WORDS * 4
+    for chunk, begin in enumerate(range(0, raw.numel(), step)):
+        piece = raw[begin : begin + step]
+        if piece.numel() % 4 or piece.storage_offset() % 4:  # the ragged end, or bytes not on a 4-byte boundary
+            padded = torch.zeros(-(-piece.numel() // 4) * 4, dtype=torch.uint8, device=raw.device)
+            padded[: piece.numel()] = piece
+            piece = padded
+        words = piece.view(torch.int32).to(torch.int64)
+        weights = _word_weights(CHUNK_WORDS, raw.device)[: words.numel()]
+        partial = torch.dot(words, weights) if raw.device.type == "cpu" else (words * weights).sum()  # dot: 3x faster
+        total += partial * _signed((chunk + 1) * _CHUNK_MULTIPLIER | 1)
+    return int(total.item())
 
 
 def _checkpoint_digests(model: nn.Module) -> list[tuple[str, int]]:
@@ -80,9 +146,11 @@ def _checkpoint_digests(model: nn.Module) -> list[tuple[str, int]]:
 
 
 def _value_digests(model: Any) -> list[tuple[str, int]]:
-    """``(parameter name, digest of a sample of its values)`` per parameter of ``model`` (tied ones once); for
-    parameters on ``meta`` (the streamed path reads each layer later) the checkpoint's tensors instead
-    (:func:`_checkpoint_digests`). Cheap: a few thousand elements per tensor."""
+    """``(parameter name, digest of the checksum of all its bytes)`` per parameter of ``model`` (tied ones once;
+    :func:`_tensor_checksum`, whose 8 little-endian bytes are digested so that the 8 hex digits a refusal shows
+    depend on all 64 bits); for parameters on ``meta`` (the streamed path reads each layer later) the checkpoint's
+    tensors instead, from pieces of their bytes (:func:`_checkpoint_digests`: reading the whole checkpoint here
+    would double the streamed path's reads)."""
     if not isinstance(model, nn.Module):
         return []
     out, on_meta = [], False
@@ -90,7 +158,7 @@ def _value_digests(model: Any) -> list[tuple[str, int]]:
         if p.is_meta:
             on_meta = True
         else:
-            out.append((name, _tensor_sample_digest(p)))
+            out.append((name, _digest(_tensor_checksum(p).to_bytes(8, "little", signed=True))))
     return out + (_checkpoint_digests(model) if on_meta else [])
 
 
@@ -116,15 +184,18 @@ def check_ranks_agree(fingerprint: list[dict], state: State) -> None:
     """Raise the same error on every rank unless all ranks agree on recipe, model structure, weights and world size.
 
     Called by ``Session.initialize`` before any modifier is initialized. One
-    ``all_gather`` of five int64 per rank: a digest of the recipe's ``fingerprint`` (each
+    ``all_gather`` of six int64 per rank: a digest of the recipe's ``fingerprint`` (each
     modifier's label, class, stage and arguments:
     :func:`llmc_fsm.recipes.fingerprint.recipe_fingerprint`), a digest of the model's
-    parameter names, shapes and dtypes, the expected world size (state key
+    parameter names and shapes, one of their dtypes, the expected world size (state key
     ``world_size``, optional), and digests of the weights' values and their names (without an optimizer in the
-    state: a fixed strided sample of :data:`VALUE_SAMPLE` elements per parameter, or for a model on ``meta``
+    state: a checksum of every byte of each parameter, :func:`_tensor_checksum`, or for a model on ``meta``
     pieces of each tensor of its safetensors checkpoint; ranks given different checkpoints of one architecture
-    were mixed silently, each module's owner broadcasting its own, found by a tester); when the values differ, a
-    second ``all_gather`` of one digest per tensor names the first that differs. With ``world_size`` given and no
+    were mixed silently, each module's owner broadcasting its own, found by a tester, and until 2026-12-07 a
+    strided sample of 4096 values per parameter missed a difference outside it, found by a tester); when the
+    values differ, a second ``all_gather`` of one digest per tensor names the first that differs, and when the
+    dtypes differ, one of each rank's parameter count per dtype names them (rank 1 given ``--dtype bfloat16`` was
+    said to differ in "names/shapes", found by a tester). With ``world_size`` given and no
     process group, it must be 1.
 
     Raises:
@@ -152,6 +223,7 @@ def check_ranks_agree(fingerprint: list[dict], state: State) -> None:
         -1 if expected is None else expected,
         _digest(repr(values).encode()),
         _digest(repr(labels).encode()),
+        _dtypes_digest(state.get("model")),
     ]
     table = all_gather_ints(row, what="all_gather (recipe check at initialize)")
     problems = []
@@ -159,6 +231,8 @@ def check_ranks_agree(fingerprint: list[dict], state: State) -> None:
         problems.append(f"the recipe differs between ranks (digest per rank — {_ranks(table, 0)})")
     if len({r[1] for r in table}) > 1:
         problems.append(f"the model's parameter names/shapes differ between ranks ({_ranks(table, 1)})")
+    elif len({r[5] for r in table}) > 1:  # rank 1 loaded with --dtype bfloat16 (a tester)
+        problems.append(_differing_dtypes(state.get("model")))
     elif len({r[3] for r in table}) > 1:  # the same structure, other values: a different checkpoint (a tester)
         problems.append(_differing_weights(table, values))
     wanted = sorted({r[2] for r in table if r[2] != -1})
@@ -174,6 +248,25 @@ def check_ranks_agree(fingerprint: list[dict], state: State) -> None:
             "No modifier was initialized."
         )
         raise ValueError(msg)
+
+
+def _differing_dtypes(model: Any) -> str:
+    """The problem with ranks whose parameters' dtypes differ, with each rank's count of parameters per dtype (a
+    second ``all_gather``; every rank calls it, having seen the same table)."""
+    params = list(model.parameters()) if isinstance(model, nn.Module) else []
+    counts = [sum(p.dtype == dtype for p in params) for dtype in _COUNTED_DTYPES]
+    table = all_gather_ints([*counts, len(params) - sum(counts)], what="all_gather (dtypes check at initialize)")
+    names = [str(dtype).removeprefix("torch.") for dtype in _COUNTED_DTYPES] + ["other"]
+    groups: dict[str, list[int]] = {}
+    for rank, row in enumerate(table):
+        present = sorted(((n, name) for n, name in zip(row, names, strict=True) if n), key=lambda item: -item[0])
+        said = ", ".join(f"{n} {name}" for n, name in present) or "none"
+        groups.setdefault(said, []).append(rank)
+    per_rank = "; ".join(f"rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}: {s}" for s, r in groups.items())
+    return (
+        f"the model's parameter dtypes differ between ranks (parameters per dtype — {per_rank}): each rank must "
+        "load the model in the same dtype (the same --dtype / torch_dtype)"
+    )
 
 
 def _differing_weights(table: list[list[int]], values: list[tuple[str, int]]) -> str:
