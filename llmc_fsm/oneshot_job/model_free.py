@@ -19,9 +19,14 @@ How it runs, in the project's own terms:
   ``match_quantizable_tensors`` decides, except that where transformers can build the architecture from
   ``config.json`` (on the ``meta`` device, nothing read), a module the model defines as anything but
   ``nn.Linear`` (an ``Embedding``, GPT-2's ``Conv1D``, a norm) is not one: transformers would not reload it
-  quantized (llm-compressor quantizes it when the ``ignore`` list does not name it). Modules named ``*norm`` are
-  never targets. A tensor of three dimensions matched by the targets (fused mixture-of-experts weights such as
+  quantized (llm-compressor quantizes it when the ``ignore`` list does not name it; one INFO line names those the
+  targets match, MoE routers such as Qwen3-MoE's ``mlp.gate`` included). Modules named ``*norm`` are never
+  targets. A tensor of three dimensions matched by the targets (fused mixture-of-experts weights such as
   ``experts.gate_up_proj``) is refused: :func:`llmc_fsm.oneshot` quantizes those per expert;
+* ``ignore`` matches the checkpoint's module names and, where transformers builds the architecture, the model's
+  names too (exact names and ``re:`` patterns alike: ``re:model.visual.*`` keeps Qwen2.5-VL's vision tower dense,
+  which its checkpoint names ``visual.blocks...``), so a list written for :func:`llmc_fsm.oneshot` keeps the same
+  modules dense; the exact names given stay in ``config.json``'s ``ignore``, as llm-compressor writes them;
 * NVFP4 weights that vLLM fuses (``q/k/v_proj``, ``gate/up_proj``, ...) share one global scale, as in
   :func:`llmc_fsm.oneshot`: the weights of one parent module are read together (from whichever shards hold them)
   and written into the shard of the first one (the index says where each tensor is);
@@ -119,8 +124,11 @@ def model_free_ptq(
             ``config``.
         config: a compressed-tensors ``QuantizationConfig`` (or its mapping): its ``config_groups``, each with its
             targets, and its ``ignore`` (added to ``ignore``); a ``kv_cache_scheme`` needs calibration: refused.
-        ignore: module names or ``re:`` patterns left unquantized. ``None`` (not given): ``lm_head``, as every
-            llmc-fsm recipe's default, said in a log line (llm-compressor's default is empty); ``[]``: nothing.
+        ignore: module names or ``re:`` patterns left unquantized (with the modules in a container named), as the
+            checkpoint names them or, where transformers builds the architecture, as the model does (``oneshot``'s
+            names: ``re:model.visual.*`` for Qwen2.5-VL's ``visual.blocks...``); the exact names are kept in
+            ``config.json``'s ``ignore``. ``None`` (not given): ``lm_head``, as every llmc-fsm recipe's default,
+            said in a log line (llm-compressor's default is empty); ``[]``: nothing.
         max_workers: a positive int, accepted for llm-compressor's scripts; shards are processed one at a time.
         device: where the weights are rounded: ``None`` / ``"cpu"``, or one CUDA device (``"cuda:0"``); the
             output is the same on either (up to the device's float arithmetic).
@@ -226,6 +234,8 @@ class _Plan:
         dtype: the float tensors' dtype (``None``: as stored).
         quantization_format: the compressed-tensors format every quantized weight is written in (``None``: each
             scheme's default).
+        ignore: the ``ignore`` entries given (the config's, then the argument's): their exact names are kept in
+            ``config.json``'s ``ignore``, as llm-compressor keeps the list given.
     """
 
     session: Session
@@ -240,6 +250,7 @@ class _Plan:
     device: torch.device
     dtype: torch.dtype | None
     quantization_format: str | None
+    ignore: list[str] = attrs.Factory(list)
 
 
 def _plan(
@@ -260,6 +271,7 @@ def _plan(
     """
     run_device = _device(device)
     cast = _dtype(dtype)
+    given = _given_ignore(ignore, config)
     session = _session(scheme, config, ignore, group_size)
     _check_data_free(session)
     files = _checkpoint_files(model_stub)
@@ -274,8 +286,9 @@ def _plan(
     classes = None if skeleton is None else checkpoint_classes(skeleton, shapes)
     tree = linear_tree(shapes, classes)
     if classes is not None:
-        session, ignore = _tied_head_ignore(session, tree, skeleton, classes, (scheme, config, ignore, group_size))
-        session = _ignore_checkpoint_names(session, classes, scheme, config, ignore, group_size)
+        arguments = (scheme, config, ignore, group_size)
+        session, ignore, told = _tied_head_ignore(session, tree, skeleton, classes, arguments)
+        session = _ignore_checkpoint_names(session, tree, classes, scheme, config, ignore, group_size)
     _check_fused_experts(shapes, session, skeleton)
     _check_left_to_quantize(session, tree, shapes)  # first: a checkpoint quantized already has no Linear left
     _check_some_linear(tree, shapes)
@@ -291,8 +304,22 @@ def _plan(
     if classes is not None:
         _warn_expert_reload(session, sorted(t for t in targets if t in classes and classes[t] is None))
     _check_format(session, quantization_format, scheme)
+    if classes is not None:
+        _note_other_weights(session, shapes, classes, told)
     return _Plan(
-        session, tree, targets, files, jobs, converters, skeleton, classes, base, run_device, cast, quantization_format
+        session,
+        tree,
+        targets,
+        files,
+        jobs,
+        converters,
+        skeleton,
+        classes,
+        base,
+        run_device,
+        cast,
+        quantization_format,
+        given,
     )
 
 
@@ -313,6 +340,35 @@ def _write(plan: _Plan, staging: Path, *, progress: bool) -> None:
         _targets_as_loaded(staging / "config.json", plan.classes or {})
         quantized = plan.targets | already_quantized(written)
         _ignore_unquantized_linears(staging / "config.json", plan.skeleton, plan.classes or {}, quantized)
+    _keep_given_ignore(staging / "config.json", plan.ignore)
+
+
+def _given_ignore(ignore: Iterable[str] | None, config: Any) -> list[str]:
+    """The ``ignore`` entries the caller gave: the ``config``'s (a ``QuantizationConfig`` or its mapping), then the
+    argument's (a string is one entry; ``None``: none), as :func:`_recipe` orders them."""
+    own = [ignore] if isinstance(ignore, str) else list(ignore or [])
+    from_config = list(_plain_scheme(config).get("ignore") or []) if config is not None else []
+    return list(dict.fromkeys([*from_config, *own]))
+
+
+def _keep_given_ignore(config_path: Path, given: Sequence[str]) -> None:
+    """Append to ``quantization_config.ignore`` the exact names of ``given`` (the caller's ``ignore``) it lacks, as
+    llm-compressor's ``model_free_ptq`` writes the list given: an entry naming a module without a Linear weight
+    (``model.embed_tokens``) disappeared from it (found by a tester). Harmless on reload: every module an entry
+    names, by the checkpoint's name or the model's, was left dense. ``re:`` patterns are not kept (the Linears they
+    matched are listed by name): a later ``model_free_ptq`` on the output could not quantize what a pattern of its
+    config matches (:func:`_check_ignored_by_pattern`), while the names of modules it quantizes leave the list."""
+    if not given or not config_path.exists():
+        return
+    data = json.loads(config_path.read_text(encoding="utf-8"))
+    config = data.get("quantization_config")
+    if config is None:
+        return
+    listed = list(config.get("ignore") or [])
+    missing = [e for e in given if isinstance(e, str) and not e.startswith("re:") and e not in listed]
+    if missing:
+        config["ignore"] = [*listed, *missing]
+        config_path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
 def _check_against_config(model: nn.Module, shapes: Mapping[str, torch.Tensor], weight_map: Mapping[str, str]) -> None:
@@ -603,22 +659,45 @@ def _group_scheme(scheme: Any, group_size: Any) -> dict[str, Any]:
 
 def _ignore_checkpoint_names(
     session: Session,
+    tree: nn.Module,
     classes: Mapping[str, tuple[str, type] | None],
     scheme: Any,
     config: Any,
     ignore: Iterable[str] | None,
     group_size: Any = None,
 ) -> Session:
-    """The session again with the checkpoint's names added to ``ignore`` where an exact name in it (the default
-    ``lm_head`` too) is the model's name of a module the checkpoint names otherwise (LLaVA's ``lm_head`` is
-    ``language_model.lm_head`` in its checkpoint): an ``ignore`` written for ``oneshot`` (the model's names) keeps
-    the same modules dense here; names as the checkpoint has them match as in llm-compressor's model_free_ptq."""
-    aliases: dict[str, list[str]] = {}
-    for checkpoint_name, loaded in classes.items():
-        if loaded is not None and loaded[0] != checkpoint_name:
-            aliases.setdefault(loaded[0], []).append(checkpoint_name)
+    """The session again with the checkpoint's names added to ``ignore`` for every module that an entry of it (an
+    exact name, the default ``lm_head`` too, or a ``re:`` pattern) matches by the model's name while the checkpoint
+    names it otherwise (LLaVA's ``lm_head`` is ``language_model.lm_head`` in its checkpoint; transformers 5.25 saves
+    Qwen2.5-VL's vision tower ``model.visual.blocks...`` as ``visual.blocks...``): an ``ignore`` written for
+    ``oneshot`` (the model's names) keeps the same modules dense here; names as the checkpoint has them match as in
+    llm-compressor's model_free_ptq. The user's entries stay in the list (``recipe.yaml`` means the same in
+    ``oneshot``); an entry that matches only the model's names gets those names in ``tree`` as modules without
+    weights, so that it is not reported as matching no module, and one INFO line names the checkpoint's spelling.
+    An entry naming a container (``model.visual``) covers the modules in it, as in ``oneshot``.
+    Until 2026-12-07 a ``re:`` pattern was not translated: ``re:model.visual.*`` was said to match no module and the
+    vision tower was quantized (found by a tester)."""
+    from compressed_tensors.utils.match import match_name
+
+    aliases = {c: loaded[0] for c, loaded in sorted(classes.items()) if loaded is not None and loaded[0] != c}
     current = [name for m in session.modifiers for name in getattr(m, "ignore", None) or []]
-    extra = [c for name in current if not name.startswith("re:") for c in aliases.get(name, []) if c not in current]
+    modules = dict(tree.named_modules())  # as the checkpoint spells them (the placeholders added below are not)
+    extra: list[str] = []
+    for entry in current:
+        found = {c: hit for c, model_name in aliases.items() if (hit := _matched_at(model_name, entry)) is not None}
+        extra += [c for c in found if c not in current and c not in extra and _matched_at(c, entry) is None]
+        if not found or any(match_name(name, entry) for name in modules if name):
+            continue
+        for hit in found.values():  # the model's names, so that the entry matches a module of the tree
+            _add_placeholder(tree, hit)
+        linears = [c for c in found if _is_linear(modules.get(c))]
+        if linears and (entry.startswith("re:") or ignore is not None):  # the default lm_head: said below
+            logger.info(
+                "model_free_ptq: ignore %r names modules by the model's names; the checkpoint names its Linears %s: "
+                "kept dense, as oneshot keeps them",
+                entry,
+                compact_names(linears),
+            )
     if not extra:
         return session
     if ignore is None:
@@ -633,13 +712,35 @@ def _ignore_checkpoint_names(
     return Session(recipe)
 
 
+def _matched_at(name: str, entry: str) -> str | None:
+    """The first of the module name ``name`` and its containers (``a.b.c``, ``a.b``, ``a``) that the ignore entry
+    ``entry`` (an exact name or ``re:`` pattern) matches, else ``None``: an ignored container keeps the modules in it
+    dense, as :func:`~llmc_fsm.toolkit.targets.select_targets` ignores them."""
+    from compressed_tensors.utils.match import match_name
+
+    parts = name.split(".")
+    return next((n for n in (".".join(parts[:i]) for i in range(len(parts), 0, -1)) if match_name(n, entry)), None)
+
+
+def _add_placeholder(tree: nn.Module, name: str) -> None:
+    """Add ``name`` to ``tree`` as plain modules without parameters where it is not there (stopping at a part that
+    ``nn.Module`` uses itself, such as ``type``), as :func:`linear_tree` adds every other module of the checkpoint."""
+    parent = tree
+    for part in name.split("."):
+        if part not in parent._modules:
+            if hasattr(parent, part):
+                return
+            parent.add_module(part, nn.Module())
+        parent = parent._modules[part]
+
+
 def _tied_head_ignore(
     session: Session,
     tree: nn.Module,
     skeleton: nn.Module,
     classes: Mapping[str, tuple[str, type] | None],
     arguments: tuple[Any, Any, Any, Any],
-) -> tuple[Session, Any]:
+) -> tuple[Session, Any, str | None]:
     """The session and ``ignore`` where the model's output head is tied to its input embedding and the checkpoint
     holds no weight of its own for it (``tie_word_embeddings``: Qwen3-0.6B): the head's name is added to ``tree`` as
     a module without weights, so that an ``ignore`` naming it (``lm_head``, ``re:.*lm_head``, as llm-compressor's
@@ -649,18 +750,19 @@ def _tied_head_ignore(
     llm-compressor quantizes the embedding) and one INFO line says what is true. Found by a tester.
 
     ``arguments``: ``model_free_ptq``'s ``(scheme, config, ignore, group_size)``; the ``ignore`` returned is
-    ``ignore``, or ``[head]`` where the default was given explicitly.
+    ``ignore``, or ``[head]`` where the default was given explicitly; the third value is the embedding's checkpoint
+    name where the line said llm-compressor quantizes it (else ``None``).
     """
     from compressed_tensors.utils.match import match_name
 
     scheme, config, ignore, group_size = arguments
     head = tied_head(skeleton)
     if head is None:
-        return session, ignore
+        return session, ignore, None
     modules = dict(skeleton.named_modules())
     head_name = next(name for name, module in modules.items() if module is head)
     if any(loaded is not None and loaded[0] == head_name for loaded in classes.values()):
-        return session, ignore  # the checkpoint holds its weight too: in the tree as a module, as stored
+        return session, ignore, None  # the checkpoint holds its weight too: in the tree as a module, as stored
     embedding = skeleton.get_input_embeddings()
     embedding_name = next(name for name, module in modules.items() if module is embedding)
     stored = next((c for c, loaded in classes.items() if loaded is not None and loaded[0] == embedding_name), None)
@@ -669,7 +771,7 @@ def _tied_head_ignore(
     for part in head_name.split("."):
         if part not in parent._modules:
             if hasattr(parent, part):  # a name nn.Module uses itself: no placeholder
-                return session, ignore
+                return session, ignore, None
             parent.add_module(part, nn.Module())
         parent = parent._modules[part]
     tied = (
@@ -683,11 +785,67 @@ def _tied_head_ignore(
             tied,
             stored,
         )
-        return _session(scheme, config, [head_name], group_size), [head_name]
+        return _session(scheme, config, [head_name], group_size), [head_name], stored
     named = [i for m in session.modifiers for i in getattr(m, "ignore", None) or [] if match_name(head_name, i)]
     if named:
         logger.info("model_free_ptq: ignore %s: %s: nothing to keep dense", ", ".join(map(repr, named)), tied)
-    return session, ignore
+    return session, ignore, None
+
+
+def _patterns(modifier: Any) -> tuple[list[str], list[str]]:
+    """``(targets, ignore)`` of a quantization modifier: its config groups' targets (else its ``targets``), and its
+    ``ignore``."""
+    groups = getattr(modifier, "config_groups", None) or {}
+    targets = [t for g in groups.values() for t in (g.get("targets") if isinstance(g, dict) else g.targets) or []]
+    if not groups:
+        targets = [t for t in getattr(modifier, "targets", None) or [] if isinstance(t, str)]
+    return targets, list(getattr(modifier, "ignore", None) or [])
+
+
+def _note_other_weights(
+    session: Session,
+    tensors: Mapping[str, torch.Tensor],
+    classes: Mapping[str, tuple[str, type] | None],
+    told: str | None = None,
+) -> None:
+    """One INFO line naming the 2-D ``<module>.weight`` tensors left as stored because the architecture builds their
+    modules as another class than ``nn.Linear`` (a MoE router such as Qwen3-MoE's ``mlp.gate``, an embedding), where
+    the targets match them and ``ignore`` does not: llm-compressor 0.14's ``model_free_ptq`` takes every such weight
+    for a Linear's and quantizes it, while transformers does not reload them quantized and vLLM keeps routers dense.
+    ``told``: a module not named again (the tied head's embedding, which :func:`_tied_head_ignore` named). Found by a
+    tester: a router written FP8 block by llm-compressor was left bfloat16 here without a word."""
+    from compressed_tensors.utils.match import match_name
+
+    quantized = already_quantized(tensors)
+    by_class: dict[str, list[str]] = {}
+    for name, tensor in tensors.items():
+        module, _, param = name.rpartition(".")
+        loaded = classes.get(module)
+        if (
+            param != "weight"
+            or tensor.dim() != 2
+            or module.endswith("norm")
+            or module in quantized
+            or module == told
+            or loaded is None
+            or issubclass(loaded[1], nn.Linear)
+        ):
+            continue
+        for modifier in session.modifiers:
+            targets, ignore = _patterns(modifier)
+            if any(_matched_at(module, i) is not None or _matched_at(loaded[0], i) is not None for i in ignore):
+                continue
+            if "Linear" in targets or any(match_name(module, t) for t in targets):
+                by_class.setdefault(loaded[1].__name__, []).append(module)
+                break
+    if by_class:
+        names = "; ".join(f"{compact_names(sorted(n))} ({cls})" for cls, n in sorted(by_class.items()))
+        logger.info(
+            "model_free_ptq: 2-D weights of modules that are not nn.Linear are left as stored: %s; llm-compressor's "
+            "model_free_ptq quantizes every 2-D weight its ignore does not name, but transformers does not reload "
+            "these classes quantized, and vLLM keeps embeddings and MoE routers dense",
+            names,
+        )
 
 
 def _check_left_to_quantize(session: Session, tree: nn.Module, tensors: Mapping[str, torch.Tensor]) -> None:
@@ -1110,11 +1268,7 @@ def _check_fused_experts(tensors: Mapping[str, torch.Tensor], session: Session, 
         raise ValueError(msg)
     fused = []
     for modifier in session.modifiers:
-        groups = getattr(modifier, "config_groups", None) or {}
-        targets = [t for g in groups.values() for t in (g.get("targets") if isinstance(g, dict) else g.targets) or []]
-        if not groups:
-            targets = [t for t in getattr(modifier, "targets", None) or [] if isinstance(t, str)]
-        ignore = list(getattr(modifier, "ignore", None) or [])
+        targets, ignore = _patterns(modifier)
         for name, tensor in tensors.items():
             module, _, param = name.rpartition(".")
             if (
