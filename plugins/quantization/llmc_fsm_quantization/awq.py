@@ -98,7 +98,7 @@ import contextlib
 import logging
 import re
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -1177,18 +1177,47 @@ def _capture_inputs(
 ) -> dict[str, torch.Tensor]:
     """Every ``k``-th calibration token's input of each of ``modules`` (``[tokens, in]`` float32), ``k = max(1,
     N // n_sample_token)``, ``N`` the layer's calibration tokens (every rank's, counted in the order of one process:
-    each rank keeps its share of the same tokens); one forward of ``layer`` with only these hooks."""
+    each rank keeps its share of the same tokens); one forward of ``layer`` with only these hooks. Each module counts
+    the tokens it receives (an expert: those routed to it) from where its own tokens on the lower ranks end: under
+    ``torch.distributed`` with ``k > 1`` one more forward counts them first (found by a tester: every module started
+    at the layer's count, so an expert on rank 1 sampled other tokens than one process)."""
     local = 0
     for args, kwargs in inputs:
         hidden = args[0] if args else kwargs["hidden_states"]
         local += hidden.numel() // hidden.shape[-1]
     counts = [c for (c,) in all_gather_ints([local], what="all_gather (AWQ clip tokens)")]  # [local] in one process
     step = max(1, sum(counts) // n_sample_token)
-    start = sum(counts[: get_rank()])  # this rank's first token in the order of one process
-    seen: dict[str, int] = {name: start for name in modules}
+    sources = {id(m.source): m.source for m in modules.values() if isinstance(m, LinearView) and m.expert is not None}
+    observe = _observe_every_token if all_experts else _observe_routed
+
+    def run(hook_for: Callable[[str], Any]) -> None:
+        with suspended_forward_hooks(layer):
+            handles = [module.register_forward_pre_hook(hook_for(name)) for name, module in modules.items()]
+            handles += [s.register_forward_pre_hook(observe, with_kwargs=True) for s in sources.values()]
+            try:
+                for args, kwargs in inputs:
+                    layer(*args, **kwargs)
+            finally:
+                for handle in handles:
+                    handle.remove()
+
+    names = list(modules)
+    seen: dict[str, int] = dict.fromkeys(names, 0)
+    if is_distributed() and step > 1:  # where each module's tokens start in one process's order
+        rows: dict[str, int] = dict.fromkeys(names, 0)
+
+        def counter(name: str) -> Any:
+            def hook(module: nn.Module, args: tuple[Any, ...]) -> None:
+                rows[name] += args[0].numel() // args[0].shape[-1]
+
+            return hook
+
+        run(counter)
+        below = all_gather_ints([rows[n] for n in names], what="all_gather (AWQ clip tokens)")[: get_rank()]
+        seen = {n: sum(r[i] for r in below) for i, n in enumerate(names)}
     kept: dict[str, list[torch.Tensor]] = {}
 
-    def hook_for(name: str) -> Any:
+    def sampler(name: str) -> Any:
         def hook(module: nn.Module, args: tuple[Any, ...]) -> None:
             flat = args[0].detach().reshape(-1, args[0].shape[-1])
             offset = seen[name]
@@ -1198,19 +1227,7 @@ def _capture_inputs(
 
         return hook
 
-    with suspended_forward_hooks(layer):
-        handles = [module.register_forward_pre_hook(hook_for(name)) for name, module in modules.items()]
-        sources = {
-            id(m.source): m.source for m in modules.values() if isinstance(m, LinearView) and m.expert is not None
-        }
-        observe = _observe_every_token if all_experts else _observe_routed
-        handles += [s.register_forward_pre_hook(observe, with_kwargs=True) for s in sources.values()]
-        try:
-            for args, kwargs in inputs:
-                layer(*args, **kwargs)
-        finally:
-            for handle in handles:
-                handle.remove()
+    run(sampler)
     return {name: torch.cat(parts) for name, parts in kept.items()}
 
 

@@ -119,7 +119,8 @@ def moe_windows() -> torch.Tensor:
 def _moe_run() -> tuple[torch.nn.Module, AWQModifier]:
     model, ignore = tiny_moe(), ["lm_head", "re:.*mlp.gate$"]
     scheme = {"preset": "W4A16", "weights": {"group_size": 16}}
-    recipe = [AWQModifier(ignore=ignore, apply_clip=True), QuantizationModifier(scheme=scheme, ignore=ignore)]
+    awq = AWQModifier(ignore=ignore, apply_clip=True, clip_n_sample_token=2)  # every 4th token (8 in a layer)
+    recipe = [awq, QuantizationModifier(scheme=scheme, ignore=ignore)]
     llmc_fsm.oneshot(model=model, recipe=recipe, dataset=moe_windows(), batch_size=1, progress=False, threads=1)
     return model, recipe[0]
 
@@ -137,7 +138,9 @@ def test_awq_smooths_fused_experts_on_two_ranks_as_one_process_with_experts_one_
     """AWQ on fused experts under torch.distributed was refused until session 39 ("a rank may see no token routed to
     an expert that another rank sees"). With 8 experts, one per token and one 4-token window per rank, the ranks route
     to different experts; a rank without an expert's tokens now takes part in its search and clipping with none, and
-    the model, scales and results equal one process's at the per-rank batch size (1) bit for bit."""
+    the model, scales and results equal one process's at the per-rank batch size (1) bit for bit. Clipping samples
+    every 4th token each expert receives, counted from its own tokens on the lower ranks (a re-tester found each
+    expert's count started at the layer's: rank 1 clipped on other tokens than one process)."""
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     model = tiny_moe()
     routed = []
