@@ -35,6 +35,7 @@ if TYPE_CHECKING:  # what the names are, for type checkers and IDEs
     from llmc_fsm.oneshot_job.api import oneshot
     from llmc_fsm.oneshot_job.model_free import model_free_ptq
     from llmc_fsm.pipeline.forward import first_output
+    from llmc_fsm.recipes.llmcompressor import plugin_getattr
     from llmc_fsm.recipes.model import Recipe, Stage
     from llmc_fsm.session.session import Session, active_session, create_session
 
@@ -56,6 +57,7 @@ _EXPORTS = {
     "oneshot": "llmc_fsm.oneshot_job.api",
     "model_free_ptq": "llmc_fsm.oneshot_job.model_free",
     "first_output": "llmc_fsm.pipeline.forward",
+    "plugin_getattr": "llmc_fsm.recipes.llmcompressor",
     "Recipe": "llmc_fsm.recipes.model",
     "Stage": "llmc_fsm.recipes.model",
     "Session": "llmc_fsm.session.session",
@@ -85,6 +87,7 @@ __all__ = [  # the keys of _EXPORTS (a literal list, for linters and type checke
     "hookspec",
     "model_free_ptq",
     "oneshot",
+    "plugin_getattr",
 ]
 
 

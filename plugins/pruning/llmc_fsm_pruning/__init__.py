@@ -11,7 +11,6 @@ third-party plugin. Recipe names: ``SparseGPTModifier``,
 from __future__ import annotations
 
 import llmc_fsm
-from llmc_fsm.recipes.llmcompressor import plugin_getattr
 from llmc_fsm_pruning.constant import ConstantPruningModifier
 from llmc_fsm_pruning.magnitude import MagnitudePruningModifier
 from llmc_fsm_pruning.masks import magnitude_mask, num_to_prune, parse_mask_structure
@@ -48,4 +47,4 @@ def llmc_fsm_register_modifiers() -> list[type[llmc_fsm.Modifier]]:
     ]
 
 
-__getattr__ = plugin_getattr(__name__)
+__getattr__ = llmc_fsm.plugin_getattr(__name__)

@@ -10,7 +10,6 @@ argument types, qparams and packing come from ``compressed-tensors``.
 from __future__ import annotations
 
 import llmc_fsm
-from llmc_fsm.recipes.llmcompressor import plugin_getattr
 from llmc_fsm_quantization._base import QuantizedWeight, attach_qparams
 from llmc_fsm_quantization.autoround import AutoRoundModifier
 from llmc_fsm_quantization.awq import AWQModifier
@@ -58,7 +57,7 @@ def llmc_fsm_register_modifiers() -> list[type[llmc_fsm.Modifier]]:
     ]
 
 
-#: a name an llm-compressor script imports, explained in one line (see :func:`plugin_getattr`)
+#: a name an llm-compressor script imports, explained in one line (see :func:`llmc_fsm.plugin_getattr`)
 _NOTES = {
     "fix_batch_if_needed": (
         "fix_batch_if_needed is llm-compressor's AutoRound mask fix (it zeroes the last attention_mask position of an "
@@ -66,4 +65,4 @@ _NOTES = {
         '(docs/oneshot.md, "Datasets from llm-compressor scripts")'
     )
 }
-__getattr__ = plugin_getattr(__name__, _NOTES)
+__getattr__ = llmc_fsm.plugin_getattr(__name__, _NOTES)

@@ -7,7 +7,6 @@ through the ``llmc_fsm`` entry-point group, like any third-party plugin.
 from __future__ import annotations
 
 import llmc_fsm
-from llmc_fsm.recipes.llmcompressor import plugin_getattr
 from llmc_fsm_training.distillation import OutputDistillationModifier, distillation_kl
 from llmc_fsm_training.learning_rate import LearningRateModifier, scheduled_lr
 
@@ -28,4 +27,4 @@ def llmc_fsm_register_modifiers() -> list[type]:
     return [OutputDistillationModifier, LearningRateModifier]
 
 
-__getattr__ = plugin_getattr(__name__)
+__getattr__ = llmc_fsm.plugin_getattr(__name__)
