@@ -103,3 +103,22 @@ def test_more_samples_than_a_token_tensors_rows_is_still_refused():
         "num_calibration_samples (--num-samples) 3 is more than the 2 rows of the dataset tensor (2, 8); pass at most "
         "2, or leave it out to use them all"
     )
+
+
+def test_the_python_default_recipe_leaves_a_vision_language_models_tower_dense(llava_dir, tmp_path, caplog):
+    """oneshot(model=<a VL model's directory>) without a recipe was refused (the tower outside the decoder layers),
+    where the CLI's default now runs: the Python default recipe leaves the tower dense the same way, with one line."""
+    import llmc_fsm
+
+    with caplog.at_level(logging.WARNING, logger="llmc_fsm.oneshot_job.phases"):
+        llmc_fsm.oneshot(model=str(llava_dir), num_calibration_samples=2, max_seq_length=16, progress=False,
+                         output_dir=str(tmp_path / "out"))  # fmt: skip
+    assert [r.getMessage() for r in caplog.records if r.name == "llmc_fsm.oneshot_job.phases"] == [
+        "the default recipe leaves the Linears outside the language model's decoder layers dense (ignore "
+        r"re:model\.vision_tower\., re:model\.multi_modal_projector\.), as llm-compressor's multimodal examples do; "
+        "give a recipe to choose otherwise"
+    ]
+    dense, saved = load_file(llava_dir / "model.safetensors"), load_file(tmp_path / "out" / "model.safetensors")
+    tower = [k for k in dense if "vision_tower" in k or "multi_modal_projector" in k]
+    assert tower and all(torch.equal(saved[k], dense[k]) for k in tower)
+    assert (saved["language_model.model.layers.0.mlp.up_proj.weight"] == 0).float().mean().item() == 0.5

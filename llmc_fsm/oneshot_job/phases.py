@@ -81,13 +81,19 @@ from llmc_fsm.oneshot_job.resume import (
     save_eval_before,
     save_windows,
 )
-from llmc_fsm.oneshot_job.settings import OneshotSettings, generated_recipe
+from llmc_fsm.oneshot_job.settings import (
+    DEFAULT_GENERATED,
+    OneshotSettings,
+    default_recipe,
+    generated_recipe,
+    multimodal_dense,
+)
 from llmc_fsm.output.directory import check_output_dir
 from llmc_fsm.output.save import quantized_weights_as_compressed, weights_disk_bytes, write_output
 from llmc_fsm.output.workdir import WorkDir, ranks_note, recover_previous, work_dir_path
 from llmc_fsm.pipeline.device import describe_device, free_device_bytes, onloaded
 from llmc_fsm.pipeline.sequential import run_sequential
-from llmc_fsm.recipes.building import resolve_recipe
+from llmc_fsm.recipes.building import build_recipe, resolve_recipe
 from llmc_fsm.recipes.history import merge_saved_recipe, without_training_stages
 from llmc_fsm.recipes.model import Recipe
 from llmc_fsm.report.build import build_report
@@ -798,6 +804,21 @@ def _claim(output_dir: Any, overwrite: bool) -> WorkDir | None:
     return None if out_path is None else WorkDir.claim(out_path)
 
 
+def _default_recipe(model: Any) -> Recipe:
+    """The default recipe (SparseGPT 50%); on a multimodal model named by its directory or Hub id, with the Linears
+    outside its language model's decoder layers left dense, as the CLI's generated recipes leave them
+    (:func:`~llmc_fsm.oneshot_job.settings.multimodal_dense`), with one log line."""
+    dense = multimodal_dense(model)
+    if not dense:
+        return generated_recipe()
+    logger.warning(
+        "the default recipe leaves the Linears outside the language model's decoder layers dense (ignore %s), as "
+        "llm-compressor's multimodal examples do; give a recipe to choose otherwise",
+        ", ".join(dense),
+    )
+    return build_recipe(default_recipe(dense=dense), DEFAULT_GENERATED)
+
+
 def recipe_sessions(model: Any, recipe: Any, fuse_stages: bool, notes: list[str]) -> tuple[Recipe, list[Session]]:
     """The recipe resolved and merged with the model's history (its "runs on top of it" lines into ``notes``), and
     its sessions (one per stage not yet applied; one for all with ``fuse_stages``). ``llmc-fsm explain --model``
@@ -807,7 +828,7 @@ def recipe_sessions(model: Any, recipe: Any, fuse_stages: bool, notes: list[str]
         ValueError: the recipe has no modifier to run (empty, or every stage already applied).
     """
     given = recipe
-    recipe = generated_recipe() if recipe is None else resolve_recipe(recipe)
+    recipe = _default_recipe(model) if recipe is None else resolve_recipe(recipe)
     if not recipe.stages:  # an empty list of modifiers (a Session takes it; one-shot has nothing to run)
         msg = (
             f"the recipe has no modifier to run: {given!r} is empty; give at least one modifier, or leave recipe out "
