@@ -6,6 +6,7 @@ or a SIGKILL once the output is in place; ``quantization_format`` with AWQ's old
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import subprocess
@@ -40,8 +41,9 @@ def _kw(tiny_model_dir, **extra):
     }
 
 
-def _interrupted(monkeypatch, kw: dict, layer: int = 1) -> None:
-    """``llmc_fsm.oneshot(**kw)`` stopped by Ctrl-C right after decoder layer ``layer`` is saved."""
+@contextlib.contextmanager
+def stopped_after_layer(monkeypatch, layer: int = 1):
+    """Inside the block, Ctrl-C (``KeyboardInterrupt``) right after decoder layer ``layer`` is saved."""
     original = LayerProgress.save
 
     def save(self, index, module):
@@ -51,8 +53,13 @@ def _interrupted(monkeypatch, kw: dict, layer: int = 1) -> None:
 
     with monkeypatch.context() as m:
         m.setattr(LayerProgress, "save", save)
-        with pytest.raises(KeyboardInterrupt):
-            llmc_fsm.oneshot(**kw)
+        yield
+
+
+def _interrupted(monkeypatch, kw: dict, layer: int = 1) -> None:
+    """``llmc_fsm.oneshot(**kw)`` stopped by Ctrl-C right after decoder layer ``layer`` is saved."""
+    with stopped_after_layer(monkeypatch, layer), pytest.raises(KeyboardInterrupt):
+        llmc_fsm.oneshot(**kw)
 
 
 def _warnings(caplog) -> list[str]:

@@ -10,10 +10,10 @@ import pytest
 import tiny_llama
 import torch
 from safetensors.torch import load_file
+from test_resume_inputs import stopped_after_layer
 
 import llmc_fsm
 from llmc_fsm.cli import main
-from llmc_fsm.oneshot_job.resume import LayerProgress
 from llmc_fsm.output.workdir import fingerprint_changes
 
 pytest.importorskip("transformers")
@@ -31,15 +31,7 @@ def _argv(tiny_model_dir, out, *extra):
 
 def _interrupted_cli(monkeypatch, argv, layer: int = 1) -> None:
     """``llmc-fsm ARGV`` stopped by Ctrl-C right after decoder layer ``layer`` is saved."""
-    original = LayerProgress.save
-
-    def save(self, index, module):
-        original(self, index, module)
-        if index == layer:
-            raise KeyboardInterrupt
-
-    with monkeypatch.context() as m:
-        m.setattr(LayerProgress, "save", save)
+    with stopped_after_layer(monkeypatch, layer):
         try:
             assert main(argv) != 0
         except KeyboardInterrupt:

@@ -722,16 +722,18 @@ def _matched_at(name: str, entry: str) -> str | None:
     return next((n for n in (".".join(parts[:i]) for i in range(len(parts), 0, -1)) if match_name(n, entry)), None)
 
 
-def _add_placeholder(tree: nn.Module, name: str) -> None:
-    """Add ``name`` to ``tree`` as plain modules without parameters where it is not there (stopping at a part that
-    ``nn.Module`` uses itself, such as ``type``), as :func:`linear_tree` adds every other module of the checkpoint."""
+def _add_placeholder(tree: nn.Module, name: str) -> bool:
+    """Add ``name`` to ``tree`` as plain modules without parameters where it is not there, as :func:`linear_tree`
+    adds every other module of the checkpoint; ``False`` (stopping there) at a part that ``nn.Module`` uses itself,
+    such as ``type``."""
     parent = tree
     for part in name.split("."):
         if part not in parent._modules:
             if hasattr(parent, part):
-                return
+                return False
             parent.add_module(part, nn.Module())
         parent = parent._modules[part]
+    return True
 
 
 def _tied_head_ignore(
@@ -767,13 +769,8 @@ def _tied_head_ignore(
     embedding_name = next(name for name, module in modules.items() if module is embedding)
     stored = next((c for c, loaded in classes.items() if loaded is not None and loaded[0] == embedding_name), None)
     stored = stored or embedding_name
-    parent = tree
-    for part in head_name.split("."):
-        if part not in parent._modules:
-            if hasattr(parent, part):  # a name nn.Module uses itself: no placeholder
-                return session, ignore, None
-            parent.add_module(part, nn.Module())
-        parent = parent._modules[part]
+    if not _add_placeholder(tree, head_name):  # a name nn.Module uses itself: no placeholder
+        return session, ignore, None
     tied = (
         f"the output head {head_name} is tied to the input embedding {stored} and has no weight of its own in the "
         "checkpoint"

@@ -35,19 +35,32 @@ def test_attribute_access_to_a_lacking_name_is_an_attribute_error_with_the_same_
     assert str(info.value) == "module 'llmc_fsm_quantization' has no attribute 'NoSuchThing'"
 
 
-@pytest.mark.parametrize(("package", "name", "message"), [
-    ("llmc_fsm_quantization", "SparseGPTModifier",
+def _sparsegpt_from_quantization():
+    from llmc_fsm_quantization import SparseGPTModifier  # noqa: F401
+
+
+def _gptq_from_pruning():
+    from llmc_fsm_pruning import GPTQModifier  # noqa: F401
+
+
+def _quip_from_training():
+    from llmc_fsm_training import QuIPModifier  # noqa: F401
+
+
+@pytest.mark.parametrize(("package", "name", "statement", "message"), [
+    ("llmc_fsm_quantization", "SparseGPTModifier", _sparsegpt_from_quantization,
      "SparseGPTModifier is in llmc-fsm-pruning, not llmc_fsm_quantization: from llmc_fsm_pruning import "
      "SparseGPTModifier"),
-    ("llmc_fsm_pruning", "GPTQModifier", "GPTQModifier is in llmc-fsm-quantization, not llmc_fsm_pruning: from "
-     "llmc_fsm_quantization import GPTQModifier"),
-    ("llmc_fsm_training", "QuIPModifier", QUIP),
+    ("llmc_fsm_pruning", "GPTQModifier", _gptq_from_pruning, "GPTQModifier is in llmc-fsm-quantization, not "
+     "llmc_fsm_pruning: from llmc_fsm_quantization import GPTQModifier"),
+    ("llmc_fsm_training", "QuIPModifier", _quip_from_training, QUIP),
 ])  # fmt: skip
-def test_each_plugin_package_names_where_a_modifier_it_lacks_is(package, name, message):
-    """The pruning and training packages explain the same way (a modifier of another plugin: where it is)."""
+def test_each_plugin_package_names_where_a_modifier_it_lacks_is(package, name, statement, message):
+    """The pruning and training packages explain the same way (a modifier of another plugin: where it is); each
+    case is a real ``from ... import ...`` statement."""
     module = importlib.import_module(package)
     with pytest.raises(ImportError) as info:
-        exec(f"from {package} import {name}", {})
+        statement()
     assert str(info.value) == message
     assert not hasattr(module, name)
 
