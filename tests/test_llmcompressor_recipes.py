@@ -375,6 +375,22 @@ def test_llmcompressor_s_saved_spinquant_and_moe_awq_arguments_are_read():
         resolve_recipe(awq.replace("torch.device", "compressed_tensors.utils.helpers.anything"))
 
 
+def test_llmcompressor_s_sentinel_reads_as_the_argument_left_out():
+    """Found by a tester (session 39): the recipe.yaml llm-compressor writes for an AWQModifier it has not
+    initialized (``Recipe.from_modifiers(...).yaml()``) holds ``offload_device: !!python/object/apply:
+    llmcompressor.sentinel.Sentinel [not_provided, <its path>]``, and was refused ("could not determine a
+    constructor"). The sentinel is its "not given": the key is left out (our default); other tags stay refused."""
+    pytest.importorskip("llmc_fsm_quantization", reason="the llmc-fsm-quantization plugin is not installed")
+    head = "s_stage:\n  quant_modifiers:\n    AWQModifier:\n      duo_scaling: false\n      offload_device: "
+    sentinel = "!!python/object/apply:llmcompressor.sentinel.Sentinel [not_provided,\n        /x/llmcompressor/sentinel.py]"
+    (mod,) = resolve_recipe(head + sentinel + "\n      n_grid: 10\n").modifiers
+    assert (mod.offload_device, mod.duo_scaling, mod.n_grid) == (None, False, 10)
+    with pytest.raises(RecipeError, match="could not determine a constructor for the tag .*sentinel.Sentinelx"):
+        resolve_recipe(head + sentinel.replace("Sentinel [", "Sentinelx ["))
+    with pytest.raises(RecipeError, match="could not determine a constructor for the tag .*sentinel.Sentinel "):
+        resolve_recipe(head + "!!python/object/apply:llmcompressor.sentinel.Sentinel [3]\n")
+
+
 def test_quantization_modifier_recipe_with_weight_observer():
     pytest.importorskip("llmc_fsm_quantization", reason="the llmc-fsm-quantization plugin is not installed")
     recipe = """

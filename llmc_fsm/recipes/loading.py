@@ -101,7 +101,9 @@ def _construct_mapping(loader: _RecipeLoader, node: yaml.MappingNode) -> Iterabl
                 key_node.start_mark,
             )
         seen[key] = key_node.start_mark.line + 1
-    data.update(loader.construct_mapping(node))
+    data.update(
+        (key, value) for key, value in loader.construct_mapping(node).items() if not isinstance(value, _NotProvided)
+    )
     data.key_lines = seen
 
 
@@ -126,9 +128,23 @@ _STRING_OBJECTS = frozenset(
 )
 
 
-def _construct_apply(loader: _RecipeLoader, suffix: str, node: yaml.Node) -> str:
-    """One of :data:`_STRING_OBJECTS` as llm-compressor saves it, read as its string (``"static"``, ``"cpu"``)."""
+#: llm-compressor's marker of an argument left at its default (``offload_device:
+#: !!python/object/apply:llmcompressor.sentinel.Sentinel [not_provided, <path of its sentinel.py>]``, GPTQ's
+#: ``actorder`` [static, ...]): what its recipe.yaml holds for a modifier saved before it was initialized
+_SENTINEL = "llmcompressor.sentinel.Sentinel"
+
+
+class _NotProvided:
+    """A value saved as llm-compressor's :data:`_SENTINEL`: its key is left out of the mapping holding it (the
+    argument takes this project's default, as it took llm-compressor's)."""
+
+
+def _construct_apply(loader: _RecipeLoader, suffix: str, node: yaml.Node) -> str | _NotProvided:
+    """One of :data:`_STRING_OBJECTS` as llm-compressor saves it, read as its string (``"static"``, ``"cpu"``);
+    its :data:`_SENTINEL` as :class:`_NotProvided` (a mapping drops the key)."""
     values = loader.construct_sequence(node) if isinstance(node, yaml.SequenceNode) else None
+    if suffix == _SENTINEL and values and all(isinstance(v, str) for v in values):
+        return _NotProvided()
     if suffix not in _STRING_OBJECTS or not values or len(values) != 1 or not isinstance(values[0], str):
         raise yaml.constructor.ConstructorError(
             None,
