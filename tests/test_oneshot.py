@@ -179,8 +179,8 @@ def test_cli_group_size_on_a_channel_wise_scheme(tmp_path, capsys):
     )
     assert rc == 1
     assert err.startswith(
-        "llmc-fsm oneshot: error: recipe generated from --method/--sparsity/--mask-structure/"
-        "--scheme/--group-size/--block-size/--observer, stage 'quantization_stage', "
+        "llmc-fsm oneshot: error: recipe generated from --method rtn --scheme FP8_DYNAMIC --group-size 64, "
+        "stage 'quantization_stage', "
     )
     assert err.endswith(
         "preset FP8_DYNAMIC quantizes weights per channel, so group_size (--group-size) does not "
@@ -191,7 +191,7 @@ def test_cli_group_size_on_a_channel_wise_scheme(tmp_path, capsys):
 
 
 def test_generated_quantization_recipe_carries_group_size_and_observer(tmp_path, capsys):
-    from llmc_fsm.oneshot_job.settings import GENERATED, default_recipe, generated_recipe
+    from llmc_fsm.oneshot_job.settings import RecipeFlags, default_recipe
 
     assert default_recipe("gptq", scheme="W4A16", group_size=64, observer="mse") == {
         "quantization_stage": {
@@ -203,8 +203,8 @@ def test_generated_quantization_recipe_carries_group_size_and_observer(tmp_path,
             }
         }
     }
-    recipe = generated_recipe("rtn", scheme="W8A8")
-    assert recipe.source == GENERATED
+    recipe = RecipeFlags(method="rtn", scheme="W8A8").recipe()
+    assert recipe.source == "generated from --method rtn --scheme W8A8"
     assert recipe.modifiers[0].observer == "minmax"
     rc, err = _cli(["--observer", "mse", "--output", str(tmp_path / "out")], capsys)  # pruning (the default method)
     assert (rc, err) == (

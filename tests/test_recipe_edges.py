@@ -129,8 +129,8 @@ def test_group_size_that_does_not_fit_the_block_names_the_flag(tiny_model_dir, t
     )
     assert rc == 1
     assert err == (
-        "llmc-fsm oneshot: error: recipe generated from --method/--sparsity/--mask-structure/--scheme/--group-size/"
-        "--block-size/--observer, stage 'quantization_stage', modifier GPTQModifier: group_size 48 and GPTQ's "
+        "llmc-fsm oneshot: error: recipe generated from --method gptq --group-size 48, stage 'quantization_stage', "
+        "modifier GPTQModifier: group_size 48 and GPTQ's "
         "block_size 128 (columns per lazy update) " + GROUP_48 + "\n"
     )
     assert list(tmp_path.iterdir()) == []
@@ -168,10 +168,10 @@ def test_block_size_refusals(tmp_path, capsys, args: list[str], status: int, mes
 
 
 def test_block_size_flag_reaches_sparsegpt() -> None:
-    from llmc_fsm.oneshot_job.settings import GENERATED, RecipeFlags
+    from llmc_fsm.oneshot_job.settings import RecipeFlags
 
     recipe = RecipeFlags(method="sparsegpt", mask_structure="2:4", block_size=64).recipe()
-    assert recipe.source == GENERATED
+    assert recipe.source == "generated from --method sparsegpt --mask-structure 2:4 --block-size 64"
     (modifier,) = recipe.modifiers
     assert (type(modifier).__name__, modifier.block_size, modifier.mask_structure) == ("SparseGPTModifier", 64, "2:4")
 

@@ -11,7 +11,7 @@ from llmc_fsm_quantization import AWQModifier
 from llmc_fsm import RecipeError, Session
 from llmc_fsm.core import registry as registry_mod
 from llmc_fsm.core.registry import ModifierRegistry
-from llmc_fsm.oneshot_job.settings import DEFAULT_GENERATED, GENERATED, RecipeFlags
+from llmc_fsm.oneshot_job.settings import DEFAULT_GENERATED, RecipeFlags
 from llmc_fsm.recipes import llmcompressor
 from llmc_fsm.recipes.building import resolve_recipe
 from llmc_fsm.recipes.loading import load_recipe_data
@@ -62,7 +62,8 @@ def test_the_default_recipe_without_flags_does_not_claim_flags() -> None:
     """Found by a tester: with no flag given, errors said the recipe was 'generated from --method/--sparsity/...'."""
     assert RecipeFlags().recipe().source == DEFAULT_GENERATED
     assert DEFAULT_GENERATED.startswith("the default recipe (no recipe and no --method")
-    assert RecipeFlags(method="sparsegpt").recipe().source == GENERATED
+    assert RecipeFlags(method="sparsegpt").recipe().source == "generated from --method sparsegpt"
+    assert RecipeFlags(sparsity=0.4).recipe().source == "generated from --sparsity 0.4"
 
 
 @pytest.mark.parametrize(

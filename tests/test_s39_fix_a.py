@@ -122,3 +122,29 @@ def test_the_python_default_recipe_leaves_a_vision_language_models_tower_dense(l
     tower = [k for k in dense if "vision_tower" in k or "multi_modal_projector" in k]
     assert tower and all(torch.equal(saved[k], dense[k]) for k in tower)
     assert (saved["language_model.model.layers.0.mlp.up_proj.weight"] == 0).float().mean().item() == 0.5
+
+
+def test_the_python_default_recipe_leaves_a_loaded_vision_language_models_tower_dense(llava_dir, tmp_path, caplog):
+    """Left last session: a VL model passed already loaded (an ``nn.Module``) with no recipe was still refused (the
+    tower ignore patterns were read from a directory's config only); its own modules now give them, as a directory's
+    config does."""
+    from tiny_llama import calibration_text, word_tokenizer
+    from transformers import AutoModelForImageTextToText
+
+    import llmc_fsm
+
+    model = AutoModelForImageTextToText.from_pretrained(llava_dir)
+    assert multimodal_dense(model) == multimodal_dense(str(llava_dir))
+    dense = {k: v.clone() for k, v in model.state_dict().items()}
+    with caplog.at_level(logging.WARNING, logger="llmc_fsm.oneshot_job.phases"):
+        llmc_fsm.oneshot(model=model, tokenizer=word_tokenizer(calibration_text()), num_calibration_samples=2,
+                         max_seq_length=16, progress=False)  # fmt: skip
+    assert [r.getMessage() for r in caplog.records if r.name == "llmc_fsm.oneshot_job.phases"] == [
+        "the default recipe leaves the Linears outside the language model's decoder layers dense (ignore "
+        r"re:model\.vision_tower\., re:model\.multi_modal_projector\.), as llm-compressor's multimodal examples do; "
+        "give a recipe to choose otherwise"
+    ]
+    after = model.state_dict()
+    tower = [k for k in dense if "vision_tower" in k or "multi_modal_projector" in k]
+    assert tower and all(torch.equal(after[k], dense[k]) for k in tower)
+    assert (after["model.language_model.layers.0.mlp.up_proj.weight"] == 0).float().mean().item() == 0.5

@@ -30,7 +30,6 @@ from llmc_fsm.oneshot_job import api, phases
 from llmc_fsm.oneshot_job.resume import fingerprint
 from llmc_fsm.oneshot_job.settings import (
     DEFAULT_GENERATED,
-    GENERATED,
     OneshotSettings,
     RecipeFlags,
     default_recipe,
@@ -225,10 +224,13 @@ def test_bad_values_are_refused_by_the_api_and_the_cli_before_the_model_loads(
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        (["--sparsity", "1.0"], f"recipe {GENERATED}, stage 'sparsity_stage', modifier SparseGPTModifier, {SPARSITY}"),
+        (
+            ["--sparsity", "1.0"],
+            f"recipe generated from --sparsity 1.0, stage 'sparsity_stage', modifier SparseGPTModifier, {SPARSITY}",
+        ),
         (
             ["--mask-structure", "3:2"],
-            f"recipe {GENERATED}, stage 'sparsity_stage', modifier SparseGPTModifier, {MASK}",
+            f"recipe generated from --mask-structure 3:2, stage 'sparsity_stage', modifier SparseGPTModifier, {MASK}",
         ),
         (
             ["--mask-structure", "2:4", "--sparsity", "0.7"],
@@ -239,7 +241,8 @@ def test_bad_values_are_refused_by_the_api_and_the_cli_before_the_model_loads(
         (["--method", "gptq", "--group-size", "0"], "--group-size must be a positive int, got 0"),
         (
             ["--method", "gptq", "--scheme", "W3X"],
-            f"recipe {GENERATED}, stage 'quantization_stage', modifier GPTQModifier, argument 'scheme': unknown "
+            "recipe generated from --method gptq --scheme W3X, stage 'quantization_stage', modifier GPTQModifier, "
+            "argument 'scheme': unknown "
             "quantization scheme 'W3X'; presets: ...",  # the list is compressed-tensors' (checked: it holds W4A16)
         ),
     ],

@@ -805,8 +805,8 @@ def _claim(output_dir: Any, overwrite: bool) -> WorkDir | None:
 
 
 def _default_recipe(model: Any) -> Recipe:
-    """The default recipe (SparseGPT 50%); on a multimodal model named by its directory or Hub id, with the Linears
-    outside its language model's decoder layers left dense, as the CLI's generated recipes leave them
+    """The default recipe (SparseGPT 50%); on a multimodal model (by its directory or Hub id, or loaded), with the
+    Linears outside its language model's decoder layers left dense, as the CLI's generated recipes leave them
     (:func:`~llmc_fsm.oneshot_job.settings.multimodal_dense`), with one log line."""
     dense = multimodal_dense(model)
     if not dense:

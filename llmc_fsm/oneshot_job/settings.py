@@ -51,7 +51,6 @@ __all__ = [
     "DEFAULT_GENERATED",
     "DEFAULT_MODEL",
     "DTYPES",
-    "GENERATED",
     "METHODS",
     "FlagConflictError",
     "OneshotSettings",
@@ -731,25 +730,20 @@ def default_recipe(
     return {stage: {name: args}}
 
 
-#: The source of :func:`generated_recipe` recipes built from recipe flags (as recipe error messages name it).
-GENERATED = "generated from --method/--sparsity/--mask-structure/--scheme/--group-size/--block-size/--observer"
 #: The source of the recipe used when neither a recipe nor a recipe flag is given (no flag named as its origin).
 DEFAULT_GENERATED = "the default recipe (no recipe and no --method/--sparsity/... given: SparseGPT, 50% unstructured)"
 
 
-def generated_recipe(*args: Any, **kw: Any) -> Recipe:
-    """:func:`default_recipe` (same arguments) as a :class:`~llmc_fsm.Recipe` whose source is :data:`GENERATED`
-    (:data:`DEFAULT_GENERATED` without arguments).
+def generated_recipe() -> Recipe:
+    """:func:`default_recipe` as a :class:`~llmc_fsm.Recipe` whose source is :data:`DEFAULT_GENERATED` (the recipe
+    of recipe flags: :meth:`RecipeFlags.recipe`).
 
     Run again on a saved output, its stage is skipped when the same settings were applied, and otherwise runs
     (under a fresh name, ``sparsity_stage_2``, when its name was applied); see
     :func:`llmc_fsm.recipes.history.merge_saved_recipe`.
 
-    Raises:
-        ValueError: unknown method; RecipeError: an invalid argument (e.g. the scheme).
     """
-
-    return build_recipe(default_recipe(*args, **kw), GENERATED if args or kw else DEFAULT_GENERATED)
+    return build_recipe(default_recipe(), DEFAULT_GENERATED)
 
 
 def _model_config(model: Any) -> Any:
@@ -783,13 +777,16 @@ def multimodal_dense(model: Any) -> tuple[str, ...]:
     for Qwen2.5-VL, ``("re:model\\.vision_tower\\.", "re:model\\.multi_modal_projector\\.")`` for LLaVA
     (one per outermost module holding them; a Linear that is such a module itself by its exact name).
 
-    ``()`` for a model whose config has no ``vision_config`` / ``audio_config`` (:data:`TOWER_CONFIGS`), or whose
-    config cannot be read here (:func:`_model_config`) or built on the meta device."""
-    config = _model_config(model)
+    ``model``: a directory or Hub id (its class built on the meta device from the config), or a model already loaded
+    (an ``nn.Module`` with a ``config``: its own modules). ``()`` for a model whose config has no ``vision_config`` /
+    ``audio_config`` (:data:`TOWER_CONFIGS`), or whose config cannot be read here (:func:`_model_config`) or built on
+    the meta device."""
+    loaded = isinstance(model, nn.Module)
+    config = getattr(model, "config", None) if loaded else _model_config(model)
     if config is None or not any(getattr(config, name, None) is not None for name in TOWER_CONFIGS):
         return ()
     try:
-        skeleton = meta_model(config)
+        skeleton = model if loaded else meta_model(config)
         layers_name, layers = find_decoder_layers(skeleton)
     except Exception as err:  # any config transformers cannot build: the job reports it when it loads the model
         logger.debug("the model of this config cannot be built on meta (%s): no tower left dense", err)
@@ -917,7 +914,8 @@ class RecipeFlags:
         tower, :func:`multimodal_dense`), not for ``magnitude`` / ``rtn``, which compress every Linear but
         ``lm_head``.
 
-        An N:M ``--mask-structure`` without ``--sparsity`` records the sparsity it fixes, ``(M - N) / M``.
+        An N:M ``--mask-structure`` without ``--sparsity`` records the sparsity it fixes, ``(M - N) / M``. The
+        recipe's source (in its error messages) names the flags given: ``generated from --sparsity 50.0``.
 
         Raises:
             RecipeError: a modifier refuses an argument (e.g. ``--sparsity 1.0``, ``--mask-structure 3:2``).
@@ -938,8 +936,9 @@ class RecipeFlags:
             (stage,) = data.values()  # {stage: {Modifier: args}}
             (body,) = stage.values()
             body["block_size"] = self.block_size
-        given = any(getattr(self, f.name) is not None for f in attrs.fields(RecipeFlags))
-        return build_recipe(data, GENERATED if given else DEFAULT_GENERATED)
+        given = [(f.metadata["flag"], getattr(self, f.name)) for f in attrs.fields(RecipeFlags)]
+        flags = " ".join(f"{flag} {value}" for flag, value in given if value is not None)
+        return build_recipe(data, f"generated from {flags}" if flags else DEFAULT_GENERATED)
 
 
 def _from_namespace(cls: type, args: argparse.Namespace, **changes: Any) -> Any:
