@@ -20,6 +20,7 @@ from llmc_fsm import RecipeError, Session
 from llmc_fsm.integrations.torch import initialize, optimizer_step
 from llmc_fsm.pipeline.sequential import run_sequential
 from llmc_fsm.recipes.building import resolve_recipe
+from llmc_fsm.recipes.fingerprint import recipe_fingerprint
 
 DATA = torch.randint(0, 64, (8, 12), generator=torch.Generator().manual_seed(0))
 
@@ -382,13 +383,37 @@ def test_llmcompressor_s_sentinel_reads_as_the_argument_left_out():
     constructor"). The sentinel is its "not given": the key is left out (our default); other tags stay refused."""
     pytest.importorskip("llmc_fsm_quantization", reason="the llmc-fsm-quantization plugin is not installed")
     head = "s_stage:\n  quant_modifiers:\n    AWQModifier:\n      duo_scaling: false\n      offload_device: "
-    sentinel = "!!python/object/apply:llmcompressor.sentinel.Sentinel [not_provided,\n        /x/llmcompressor/sentinel.py]"
+    sentinel = "!!python/object/apply:llmcompressor.sentinel.Sentinel [not_provided,\n"
+    sentinel += "        /x/llmcompressor/sentinel.py]"
     (mod,) = resolve_recipe(head + sentinel + "\n      n_grid: 10\n").modifiers
     assert (mod.offload_device, mod.duo_scaling, mod.n_grid) == (None, False, 10)
     with pytest.raises(RecipeError, match="could not determine a constructor for the tag .*sentinel.Sentinelx"):
         resolve_recipe(head + sentinel.replace("Sentinel [", "Sentinelx ["))
     with pytest.raises(RecipeError, match="could not determine a constructor for the tag .*sentinel.Sentinel "):
         resolve_recipe(head + "!!python/object/apply:llmcompressor.sentinel.Sentinel [3]\n")
+
+
+def test_awq_modifier_holds_its_mappings_as_awq_mapping_objects_and_saves_the_dict_form():
+    """Found by a tester (session 39): ``AWQModifier(mappings=[AWQMapping(...)]).mappings`` held dicts, so a script
+    reading ``.mappings[0].smooth_layer`` back (as llm-compressor's pydantic field allows, dicts given or objects)
+    failed. Both forms are now held as AWQMapping objects; the recipe and the resume fingerprint keep the dict form."""
+    why = "the llmc-fsm-quantization plugin is not installed"
+    quantization = pytest.importorskip("llmc_fsm_quantization", reason=why)
+    awq = [{"smooth_layer": "re:.*input_layernorm$", "balance_layers": ["re:.*q_proj$", "re:.*k_proj$"]},
+           {"smooth_layer": "re:.*post_attention_layernorm$", "balance_layers": ["re:.*up_proj$"]}]  # fmt: skip
+    objects = [quantization.AWQMapping(m["smooth_layer"], m["balance_layers"]) for m in awq]
+    for modifier in (quantization.AWQModifier(mappings=awq), quantization.AWQModifier(mappings=objects)):
+        assert modifier.mappings == objects
+        assert [(m.smooth_layer, m.balance_layers) for m in modifier.mappings] == [
+            ("re:.*input_layernorm$", ("re:.*q_proj$", "re:.*k_proj$")),
+            ("re:.*post_attention_layernorm$", ("re:.*up_proj$",)),
+        ]
+        recipe = resolve_recipe([modifier])
+        (stage,) = recipe.to_dict().values()
+        assert stage["modifiers"][0]["AWQModifier"]["mappings"] == awq
+        (printed,) = recipe_fingerprint(["a"], [modifier], recipe.plan())
+        assert printed["arguments"]["mappings"] == awq
+    assert quantization.AWQModifier().mappings is None
 
 
 def test_quantization_modifier_recipe_with_weight_observer():

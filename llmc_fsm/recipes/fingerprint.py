@@ -16,7 +16,10 @@ __all__ = ["differences", "recipe_fingerprint"]
 
 
 def _plain(value: Any) -> Any:
-    """A modifier argument as JSON: containers become lists/dicts; other objects their ``repr``."""
+    """A modifier argument as JSON: containers become lists/dicts, an object with a ``to_recipe()`` method what it
+    returns (as a recipe holds it); other objects their ``repr``."""
+    if callable(getattr(value, "to_recipe", None)):
+        value = value.to_recipe()
     if value is None or isinstance(value, bool | int | float | str):
         return value
     if isinstance(value, list | tuple):

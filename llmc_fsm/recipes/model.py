@@ -298,7 +298,8 @@ class Recipe:
         back to equal arguments), except the schedule fields ``start``, ``end`` and
         ``update`` while ``None``; tuples and sets become lists,
         pydantic models (a compressed-tensors ``QuantizationScheme`` given as
-        ``scheme``, the ``QuantizationArgs`` in one) the mapping of their given fields.
+        ``scheme``, the ``QuantizationArgs`` in one) the mapping of their given fields, an object with a
+        ``to_recipe()`` method (an ``AWQMapping``) what it returns.
 
         Raises:
             RecipeError: an unknown stage name in ``applied``, or an argument value
@@ -342,6 +343,8 @@ def _plain(value: Any, where: str) -> Any:
         value = value.item()  # a numpy scalar (or a 0-d array) as the Python value
     if isinstance(value, enum.Enum):
         value = value.value
+    if callable(getattr(value, "to_recipe", None)):  # an argument object that says its recipe form (AWQMapping)
+        value = value.to_recipe()
     if value is None or type(value) in (bool, int, float, str):
         return value
     for plain in (bool, int, float, str):  # a subclass: np.float64, an IntEnum's value

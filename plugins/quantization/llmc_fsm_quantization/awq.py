@@ -125,11 +125,13 @@ from llmc_fsm.toolkit import (
     weight_views,
 )
 from llmc_fsm_quantization.mappings import (
+    MappingSpec,
     ResolvedMapping,
     architecture,
     fold_scales,
     moe_mapping_problem,
     moe_router,
+    parse_mappings,
 )
 from llmc_fsm_quantization.observers import is_scaled_format
 from llmc_fsm_quantization.rtn import QuantizationModifier, rtn_quantize
@@ -519,8 +521,9 @@ class AWQModifier(SmoothingModifier):
     """AWQ: scale weight channels by activation statistics before weight quantization (arXiv 2306.00978).
 
     Args:
-        mappings: llm-compressor's ``mappings`` (either form); default: derived from the model (see
-            :mod:`llmc_fsm_quantization.mappings`).
+        mappings: llm-compressor's ``mappings`` (either form), held as :class:`~llmc_fsm_quantization.AWQMapping`
+            objects as llm-compressor holds them (``.mappings[0].smooth_layer``; a recipe.yaml holds their AWQ
+            form); default ``None``: derived from the model (see :mod:`llmc_fsm_quantization.mappings`).
         duo_scaling: ``true`` (default), ``false`` or ``"both"`` (see the module docstring).
         n_grid: exponent grid points (default 20; :func:`awq_grid`, as llm-compressor); at least
             :data:`MIN_N_GRID` of ``duo_scaling`` (2, 3, 4), else ``ValueError`` here.
@@ -563,6 +566,7 @@ class AWQModifier(SmoothingModifier):
     include_linear_mappings = True
     skip_incompatible_mappings = True
 
+    mappings: list[MappingSpec] | None = attrs.field(default=None, converter=parse_mappings)
     duo_scaling: Any = attrs.field(default=True, validator=_duo)
     n_grid: int = attrs.field(default=20, validator=_grid)
     ignore: list[str] = attrs.field(factory=lambda: list(DEFAULT_IGNORE), converter=patterns)
