@@ -176,11 +176,24 @@ def check_checkpoint(state: Any, session: Any, **given: Any) -> None:
         raise _mismatch(problems)
 
 
+#: Said after the differences when ``steps_per_epoch`` is one of them: what it follows from (a resume at another world
+#: size was refused naming only the two numbers, found by a tester).
+SPE_CAUSES = (
+    "The optimizer steps per epoch follow from the training set's size, the number of processes (world size), the "
+    "per-device batch size and gradient accumulation: resume with the ones the checkpoint was written with."
+)
+
+
 def _mismatch(problems: list[str]) -> CheckpointError:
+    """The :class:`CheckpointError` naming ``problems`` (its ``differences``), with :data:`SPE_CAUSES` when
+    ``steps_per_epoch`` differs."""
+    causes = " " + SPE_CAUSES if any(p.startswith("state steps_per_epoch is ") for p in problems) else ""
     msg = (
         f"the checkpoint does not match this session ({len(problems)} difference(s)): "
         + "; ".join(problems)
-        + ". Nothing was loaded: resume with the recipe and state the checkpoint was written with."
+        + "."
+        + causes
+        + " Nothing was loaded: resume with the recipe and state the checkpoint was written with."
     )
     return CheckpointError(msg, differences=problems)
 

@@ -1,8 +1,9 @@
 """What ``Session.initialize`` does under ``torch.distributed``: ranks agree before any work; wrappers unwrapped.
 
 * :func:`check_ranks_agree` — every rank compares a digest of its recipe, of
-  its model's parameter names/shapes and dtypes and a checksum of its weights, and the expected world size when one was
-  given (state key ``world_size``); any disagreement raises the same
+  its model's parameter names/shapes and dtypes and a checksum of its weights (and a teacher's), its
+  ``steps_per_epoch``, and the expected world size when one was given (state key ``world_size``); any disagreement
+  raises the same
   ``ValueError`` on every rank before a modifier is initialized;
 * :func:`unwrap_model` / :func:`unwrap_state` — a ``DistributedDataParallel`` /
   ``DataParallel`` model, one compiled by ``torch.compile`` (an ``OptimizedModule``) or a
@@ -24,7 +25,13 @@ import torch
 from torch import nn
 
 from llmc_fsm.core.state import State
-from llmc_fsm.toolkit.distributed import _digest, all_gather_ints, get_world_size, is_distributed
+from llmc_fsm.toolkit.distributed import (
+    PeerFailureError,
+    _digest,
+    all_gather_ints,
+    get_world_size,
+    is_distributed,
+)
 
 __all__ = ["check_ranks_agree", "inference_tensors_refusal", "unwrap_model", "unwrap_state"]
 
@@ -145,21 +152,38 @@ def _checkpoint_digests(model: nn.Module) -> list[tuple[str, int]]:
     return out
 
 
-def _value_digests(model: Any) -> list[tuple[str, int]]:
-    """``(parameter name, digest of the checksum of all its bytes)`` per parameter of ``model`` (tied ones once;
-    :func:`_tensor_checksum`, whose 8 little-endian bytes are digested so that the 8 hex digits a refusal shows
-    depend on all 64 bits); for parameters on ``meta`` (the streamed path reads each layer later) the checkpoint's
-    tensors instead, from pieces of their bytes (:func:`_checkpoint_digests`: reading the whole checkpoint here
-    would double the streamed path's reads)."""
+def _persistent_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """``(name, buffer)`` per persistent buffer of ``model`` (those its ``state_dict`` holds and a checkpoint
+    loads, e.g. DeepSeek-V3's router ``e_score_correction_bias``; shared ones once), in module order."""
+    out, seen = [], set()
+    for prefix, module in model.named_modules():
+        for name, buffer in module._buffers.items():
+            if buffer is None or name in module._non_persistent_buffers_set or id(buffer) in seen:
+                continue
+            seen.add(id(buffer))
+            out.append((f"{prefix}.{name}" if prefix else name, buffer))
+    return out
+
+
+def _value_digests(model: Any, prefix: str = "") -> list[tuple[str, int]]:
+    """``(tensor name, digest of the checksum of all its bytes)`` per parameter and persistent buffer of ``model``
+    (tied ones once; each name after ``prefix``; :func:`_tensor_checksum`, whose 8 little-endian bytes are digested
+    so that the 8 hex digits a refusal shows depend on all 64 bits); for tensors on ``meta`` (the streamed path reads
+    each layer later) the checkpoint's tensors instead, from pieces of their bytes (:func:`_checkpoint_digests`:
+    reading the whole checkpoint here would double the streamed path's reads). ``DTensor`` s (a teacher sharded by
+    FSDP2: each rank holds another shard) are left out. Persistent buffers were not checked until 2026-12-08 (a rank
+    given another DeepSeek-V3 router bias ran on; found by a tester)."""
     if not isinstance(model, nn.Module):
         return []
     out, on_meta = [], False
-    for name, p in model.named_parameters():
+    for name, p in [*model.named_parameters(), *_persistent_buffers(model)]:
+        if type(p).__name__ == "DTensor":  # a teacher sharded by FSDP2: each rank holds its own shard
+            continue
         if p.is_meta:
             on_meta = True
         else:
-            out.append((name, _digest(_tensor_checksum(p).to_bytes(8, "little", signed=True))))
-    return out + (_checkpoint_digests(model) if on_meta else [])
+            out.append((prefix + name, _digest(_tensor_checksum(p).to_bytes(8, "little", signed=True))))
+    return out + ([(prefix + what, d) for what, d in _checkpoint_digests(model)] if on_meta else [])
 
 
 def _positive_int_or_none(name: str, value: Any) -> int | None:
@@ -181,15 +205,18 @@ def _ranks(table: list[list[int]], column: int) -> str:
 
 
 def check_ranks_agree(fingerprint: list[dict], state: State) -> None:
-    """Raise the same error on every rank unless all ranks agree on recipe, model structure, weights and world size.
+    """Raise the same error on every rank unless all ranks agree on recipe, model structure, weights, world size and
+    ``steps_per_epoch``.
 
     Called by ``Session.initialize`` before any modifier is initialized. One
-    ``all_gather`` of six int64 per rank: a digest of the recipe's ``fingerprint`` (each
+    ``all_gather`` of seven int64 per rank: a digest of the recipe's ``fingerprint`` (each
     modifier's label, class, stage and arguments:
     :func:`llmc_fsm.recipes.fingerprint.recipe_fingerprint`), a digest of the model's
     parameter names and shapes, one of their dtypes, the expected world size (state key
-    ``world_size``, optional), and digests of the weights' values and their names (without an optimizer in the
-    state: a checksum of every byte of each parameter, :func:`_tensor_checksum`, or for a model on ``meta``
+    ``world_size``, optional), the state's ``steps_per_epoch`` (ranks counting epochs differently pruned at other
+    steps, found by a tester), and digests of the weights' values and their names (the model's without an optimizer
+    in the state, and a ``teacher``'s always, since no wrapper keeps it equal across the ranks: a checksum of every
+    byte of each parameter and persistent buffer, :func:`_tensor_checksum`, or for a model on ``meta``
     pieces of each tensor of its safetensors checkpoint; ranks given different checkpoints of one architecture
     were mixed silently, each module's owner broadcasting its own, found by a tester, and until 2026-12-07 a
     strided sample of 4096 values per parameter missed a difference outside it, found by a tester); when the
@@ -202,7 +229,9 @@ def check_ranks_agree(fingerprint: list[dict], state: State) -> None:
         ValueError: ``world_size`` is not a positive int; the ranks disagree (on
             every rank, with the same message); the world size differs from
             the expected one.
-        DistributedError: the collective failed.
+        PeerFailureError: the first collective failed (another rank stopped, or never called ``initialize``: the
+            message asks whether it was called on one rank only).
+        DistributedError: a later collective failed.
     """
     expected = _positive_int_or_none("state world_size", state.get("world_size"))
     world = get_world_size()
@@ -216,7 +245,9 @@ def check_ranks_agree(fingerprint: list[dict], state: State) -> None:
         return
     training = state.get("optimizer") is not None  # DistributedDataParallel makes the ranks' weights equal itself
     values = [] if training else _value_digests(state.get("model"))
+    values += _value_digests(state.get("teacher"), "teacher ")  # no wrapper keeps a teacher's weights equal
     labels = [label for label, _ in values]
+    spe = state.get("steps_per_epoch")
     row = [
         _recipe_digest(fingerprint),
         _model_digest(state.get("model")),
@@ -224,8 +255,18 @@ def check_ranks_agree(fingerprint: list[dict], state: State) -> None:
         _digest(repr(values).encode()),
         _digest(repr(labels).encode()),
         _dtypes_digest(state.get("model")),
+        -1 if spe is None else int(spe),
     ]
-    table = all_gather_ints(row, what="all_gather (recipe check at initialize)")
+    try:
+        table = all_gather_ints(row, what="all_gather (recipe check at initialize)")
+    except PeerFailureError as exc:  # the first collective of a run: a rank that never calls it is the usual cause
+        msg = (
+            f"{exc} initialize() (which oneshot() calls) is collective under torch.distributed: every rank of the "
+            "process group must call it; was it called on one rank only (e.g. under `if rank == 0:`)? Call "
+            "oneshot() / initialize() on every rank (they share the work, rank 0 writes the output), or compress in "
+            "a process of its own, started without torchrun"
+        )
+        raise PeerFailureError(msg) from exc
     problems = []
     if len({r[0] for r in table}) > 1:
         problems.append(f"the recipe differs between ranks (digest per rank — {_ranks(table, 0)})")
@@ -235,6 +276,14 @@ def check_ranks_agree(fingerprint: list[dict], state: State) -> None:
         problems.append(_differing_dtypes(state.get("model")))
     elif len({r[3] for r in table}) > 1:  # the same structure, other values: a different checkpoint (a tester)
         problems.append(_differing_weights(table, values))
+    if len({r[6] for r in table}) > 1:  # schedules in epochs would drift apart (found by a tester)
+        given = ", ".join(f"rank {k}: {r[6] if r[6] != -1 else 'none'}" for k, r in enumerate(table))
+        problems.append(
+            f"the ranks have different steps_per_epoch ({given}): their schedules in epochs (pruning steps, "
+            "learning rate) and their masks would drift apart; give every rank the same steps_per_epoch and the same "
+            "number of batches, e.g. shard the data with a DistributedSampler (it pads every rank's shard to "
+            "ceil(len(dataset) / world_size) samples)"
+        )
     wanted = sorted({r[2] for r in table if r[2] != -1})
     if len(wanted) > 1 or (wanted and len({r[2] for r in table}) > 1):
         given = ", ".join(f"rank {k}: {r[2] if r[2] != -1 else 'none'}" for k, r in enumerate(table))

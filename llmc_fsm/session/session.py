@@ -39,7 +39,7 @@ from llmc_fsm.session.checkpoint import SessionCheckpoints
 from llmc_fsm.session.ranks import check_ranks_agree, unwrap_state
 from llmc_fsm.session.scheduling import Schedule, Slot
 
-__all__ = ["RETRY_ADVICE", "ModifierError", "Session", "active_session", "create_session"]
+__all__ = ["CALIBRATION_ONLY", "RETRY_ADVICE", "ModifierError", "Session", "active_session", "create_session"]
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +48,33 @@ logger = logging.getLogger(__name__)
 RETRY_ADVICE = "Fix the cause and call initialize() again with all its arguments."
 
 _LIVE = ("initialized", "running")
+
+#: Why a modifier acting on calibration events only requires ``calibration_data`` in a session given an optimizer (a
+#: training loop), under the key in ``initialize``'s :class:`MissingStateError` (after the modifier's own reason, if
+#: any): a recipe with a one-shot stage and a training stage was refused naming only the key, and once given, the
+#: one-shot modifier did nothing in the loop (found by a tester).
+CALIBRATION_ONLY = (
+    "for its calibration events (calibration_start ... calibration_end), which a training loop does not send: in "
+    "training batches it does nothing (quantization-aware training is not implemented). Run its stage with "
+    "llmc_fsm.oneshot(model, recipe) before or after training and give this session the training stages only, or "
+    "pass calibration_data and send the calibration events"
+)
+
+
+def _missing_reasons(
+    slots: list[Slot], missing: dict[str, frozenset[str]], *, training: bool
+) -> dict[str, dict[str, str]]:
+    """Label -> missing key -> why it is required, for ``initialize``'s :class:`MissingStateError`: each modifier's
+    own (:meth:`~llmc_fsm.Modifier.required_because`), and with ``training`` (an optimizer in the state)
+    :data:`CALIBRATION_ONLY` for ``calibration_data`` of a modifier that acts on calibration events only."""
+    reasons = {slot.label: slot.modifier.required_because() for slot in slots}
+    if training:
+        for slot in slots:
+            if slot.calibrates_only and "calibration_data" in missing[slot.label]:
+                own = reasons[slot.label].get("calibration_data")  # e.g. static input scales
+                why = f"{own}, {CALIBRATION_ONLY}" if own else CALIBRATION_ONLY
+                reasons[slot.label] = {**reasons[slot.label], "calibration_data": why}
+    return reasons
 
 
 class _Lifecycle:
@@ -192,13 +219,16 @@ class Session(SessionCheckpoints):
             LifecycleError: already initialized / running / finalized; a modifier
                 object is bound to another live session; a failed hook modified
                 the model before.
-            MissingStateError: required state keys are missing.
+            MissingStateError: required state keys are missing (in a session given an ``optimizer``, a modifier
+                acting on calibration events only says why it needs ``calibration_data``: :data:`CALIBRATION_ONLY`).
             ModifierError: a modifier's ``on_initialize`` raised.
             ValueError: a modifier's ``resolved_targets`` is not a mapping of names to modules (rolled back).
             ValueError: ``steps_per_epoch`` not a positive int, or a refused key (``global_step``, ``start``,
                 ``batches_per_step``, ``teacher_model``; as :meth:`update_state`), nothing stored; under
-                ``torch.distributed`` the ranks disagree on the recipe, the model or the expected ``world_size``
-                (same message on every rank).
+                ``torch.distributed`` the ranks disagree on the recipe, the model, the teacher's weights,
+                ``steps_per_epoch`` or the expected ``world_size`` (same message on every rank).
+            PeerFailureError: under ``torch.distributed``, another rank stopped or never called ``initialize`` (the
+                message asks whether it was called on one rank only).
         """
         with self._lock:
             self._refuse_from_hook("initialize")
@@ -213,7 +243,7 @@ class Session(SessionCheckpoints):
             missing = self.missing_state(**state)
             if missing:
                 slots = [slot for slot in self._schedule.slots if slot.label in missing]
-                reasons = {slot.label: slot.modifier.required_because() for slot in slots}  # from conditional_state
+                reasons = _missing_reasons(slots, missing, training=full.get("optimizer") is not None)
                 msg = missing_state_message(
                     missing, lifecycle, passed=frozenset(state), given=full.keys(), reasons=reasons
                 )
