@@ -1,11 +1,12 @@
 """ConstantPruningModifier: keep the weights that are zero now at zero while training.
 
-The masks are taken from the current zeros of the targeted weights when the
-modifier starts (``on_start``: the first batch, or ``start`` epochs in) and are
-re-applied after every optimizer step (``optim_post_step``), so the set of zero
-weights after any number of optimizer steps is exactly the set at start, whatever
-the optimizer (momentum and weight decay included). With ``end`` omitted the masks
-hold until ``finalize``.
+The masks are taken when the modifier starts (``on_start``: the first batch, or
+``start`` epochs in): a targeted weight with ``|w| <= 1e-8`` (:data:`PRUNED_AT_MOST`,
+llm-compressor's threshold, so both hold the same weights) counts as pruned. The masks
+are re-applied after every optimizer step (``optim_post_step``) and at ``end``, so
+after any number of optimizer steps the zero weights are exactly the weights pruned
+at start, whatever the optimizer (momentum and weight decay included). With ``end``
+omitted the masks hold until ``finalize``.
 
 The helpers :class:`MaskSet` and :func:`weight_sparsity` are shared with
 :mod:`llmc_fsm_pruning.magnitude`.
@@ -26,9 +27,32 @@ from llmc_fsm.toolkit import DEFAULT_IGNORE, DEFAULT_TARGETS, pack_mask, pattern
 if TYPE_CHECKING:
     from llmc_fsm import Event, State
 
-__all__ = ["ConstantPruningModifier", "MaskSet", "load_masks_state", "masks_state", "weight_sparsity"]
+__all__ = [
+    "PRUNED_AT_MOST",
+    "ConstantPruningModifier",
+    "MaskSet",
+    "kept_weights",
+    "load_masks_state",
+    "masks_state",
+    "weight_sparsity",
+]
 
 logger = logging.getLogger(__name__)
+
+#: A targeted weight with ``|w|`` at most this when ConstantPruningModifier starts counts as pruned (held at 0), as
+#: in llm-compressor 0.14, which keeps ``|w| > 1e-8`` (ours kept ``w != 0``: a weight of 1e-9 was held at 0 by one
+#: and not by the other, found by a tester).
+PRUNED_AT_MOST = 1e-8
+
+
+def kept_weights(weight: torch.Tensor) -> torch.Tensor:
+    """The bool keep-mask ConstantPruningModifier takes of ``weight`` (same shape and device): ``|w| > 1e-8``
+    (:data:`PRUNED_AT_MOST`) compared in the weight's own dtype, as llm-compressor does (for bfloat16 the value
+    nearest 1e-8 is then not kept). One-byte dtypes (float8, int8) are compared as ``w != 0``: the same set, as
+    none has a value strictly between 0 and 1e-8, and torch has no ``>`` for float8 on the CPU."""
+    if weight.element_size() == 1:
+        return weight != 0
+    return weight.abs() > PRUNED_AT_MOST
 
 
 def weight_sparsity(weights: Mapping[str, torch.Tensor]) -> tuple[float, dict[str, float]]:
@@ -164,8 +188,10 @@ class ConstantPruningModifier(Modifier):
       module name, or ``"re:<regex>"``); default ``["Linear"]``.
     - ``ignore``: module patterns to leave alone; default ``["lm_head"]`` (a weight
       tied to an ignored module is left alone too).
-    - ``start`` / ``end`` (epochs): masks are taken from the zeros at ``start``
-      (default: the first batch) and held until ``end`` (default: until finalize).
+    - ``start`` / ``end`` (epochs): masks are taken at ``start`` (default: the
+      first batch) and held until ``end`` (default: until finalize). A weight with
+      ``|w| <= 1e-8`` (:data:`PRUNED_AT_MOST`) at start counts as pruned, as in
+      llm-compressor: it is set to exactly 0 by the first optimizer step (or ``end``).
 
     Requires state ``model``. After it ends, :attr:`measured_sparsity` and
     :attr:`module_sparsity` (``{module name: fraction}``) report the zeros measured on the weights.
@@ -173,7 +199,8 @@ class ConstantPruningModifier(Modifier):
 
     required_state = frozenset({"model"})
     events = frozenset({"optim_post_step"})
-    #: It keeps existing zeros and makes none: one-shot does not refuse it after a quantizing modifier.
+    #: It keeps existing zeros and makes no new ones beyond weights of |w| <= 1e-8 (set to 0, a value on every
+    #: quantization grid): one-shot does not refuse it after a quantizing modifier.
     adds_zeros = False
 
     targets: list[str] = attrs.field(factory=lambda: list(DEFAULT_TARGETS), converter=patterns)
@@ -197,8 +224,8 @@ class ConstantPruningModifier(Modifier):
         self._masks.clear()
         with torch.no_grad():
             for name, module in self._modules.items():
-                self._masks.set(name, module.weight, module.weight != 0)
-        overall, _ = weight_sparsity({n: m.weight for n, m in self._modules.items()})
+                self._masks.set(name, module.weight, kept_weights(module.weight))
+        overall, _ = weight_sparsity(dict(zip(self._masks.names, self._masks.masks, strict=True)))  # held zeros
         logger.info("ConstantPruningModifier: holding %d weights at sparsity %.4f", len(self._masks), overall)
 
     def on_event(self, state: State, event: Event) -> None:

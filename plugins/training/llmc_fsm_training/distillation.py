@@ -283,6 +283,34 @@ def vocabulary_size(model: Any) -> int | None:
     return size if isinstance(size, int) and not isinstance(size, bool) else None
 
 
+def _no_logits_reason(model: Any, role: str) -> str | None:
+    """Why ``model`` (the ``role``: "student" or "teacher") cannot take part in output distillation, or ``None``.
+
+    Two transformers models are seen (duck-typed, transformers is not imported): an encoder-decoder model
+    (``config.is_encoder_decoder``: run on the student's inputs without ``labels`` it has no decoder input, and its
+    logits follow the decoder's positions, not the inputs'), and a base model without a head (``model.base_model is
+    model`` and no output embeddings, as ``AutoModel`` loads: its output has hidden states, no logits). Both were
+    refused only at the first ``loss_calculated`` (found by a tester). Other models are not judged here.
+    """
+    name = type(model).__name__
+    if getattr(getattr(model, "config", None), "is_encoder_decoder", False) is True:
+        return (
+            f"the {role} is a {name}, an encoder-decoder model (config.is_encoder_decoder): distillation runs the "
+            "teacher on the student's inputs (without labels, so no decoder input) and compares the two models' "
+            "logits position by position, which needs decoder-only language models; pass a decoder-only causal LM "
+            "(AutoModelForCausalLM) instead"
+        )
+    get = getattr(model, "get_output_embeddings", None)
+    if isinstance(getattr(model, "base_model_prefix", None), str) and callable(get):
+        if getattr(model, "base_model", None) is model and get() is None:
+            return (
+                f"the {role} is a {name}, a transformers base model without a language-modeling head: its output "
+                "has hidden states, no logits, and distillation compares the two models' logits; pass the model "
+                "with its head (AutoModelForCausalLM.from_pretrained instead of AutoModel.from_pretrained)"
+            )
+    return None
+
+
 def _storage(tensor: torch.Tensor) -> int | None:
     """Where ``tensor``'s data lies (a ``DTensor``: its local shard's; ``None`` on ``meta``, when empty or unknown:
     nothing shared)."""
@@ -358,8 +386,10 @@ class OutputDistillationModifier(Modifier):
       (``alpha=1``: distillation only; ``alpha=0``: the student loss unchanged).
     - ``start`` / ``end`` (epochs): when distillation is active (default: always).
 
-    Requires state ``model`` (the student) and ``teacher``, with output vocabularies of one size (checked at
-    initialize where both tell it: :func:`vocabulary_size`). The teacher is put in
+    Requires state ``model`` (the student) and ``teacher``, models whose output holds logits for the student's
+    inputs (:func:`logits_of`; a transformers encoder-decoder model or base model without a head is refused at
+    initialize), with output vocabularies of one size (checked at initialize where both tell it:
+    :func:`vocabulary_size`). The teacher is put in
     eval mode at initialize and run under ``torch.no_grad()`` on the student's last inputs;
     finalize (or a reset) gives each of its modules back the training mode it had before initialize. A teacher
     shared by modifiers of several live sessions stays in eval mode until the last of them is finalized or reset,
@@ -395,7 +425,10 @@ class OutputDistillationModifier(Modifier):
                 ``get_base_model()`` as the teacher of the peft model: the distillation loss was 0 and putting the
                 teacher in eval mode turned the student's dropout off, found by a tester); or the two output
                 vocabularies differ in size (:func:`vocabulary_size`; it was refused only at the first
-                ``loss_calculated``, found by a tester).
+                ``loss_calculated``, found by a tester); or the student or the teacher is a transformers model that
+                gives no logits for the student's inputs: an encoder-decoder model (``config.is_encoder_decoder``)
+                or a base model without a head (``AutoModel`` instead of ``AutoModelForCausalLM``), refused only at
+                the first step before (found by a tester).
         """
         if state.teacher is state.model:
             msg = (
@@ -412,6 +445,10 @@ class OutputDistillationModifier(Modifier):
                 "the model before adding adapters, or the checkpoint loaded again)"
             )
             raise ValueError(msg)
+        for model, role in ((state.model, "student"), (state.teacher, "teacher")):
+            reason = _no_logits_reason(model, role)
+            if reason is not None:
+                raise ValueError(reason)
         student_size, teacher_size = vocabulary_size(state.model), vocabulary_size(state.teacher)
         if student_size is not None and teacher_size is not None and student_size != teacher_size:
             msg = (
