@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import llmc_fsm_quantization.smoothquant
 import transformers
 from llmc_fsm_quantization.mappings import default_mappings
 from llmc_fsm_quantization.smoothquant import FOLD_TOLERANCE, fold_change
@@ -166,7 +167,7 @@ def test_awq_on_a_parallel_layer_runs_and_reloads(tmp_path):
         assert torch.equal(reloaded(DATA).logits, model(DATA).logits)
 
 
-def test_a_layer_whose_mappings_differ_is_checked_too_and_says_what_was_smoothed_before(tmp_path):
+def test_a_layer_whose_mappings_differ_is_checked_too_and_says_what_was_smoothed_before(tmp_path, monkeypatch):
     """The check runs on the first layer of each class *and set of mappings*: a recipe whose mapping leaves out
     ``v_proj`` on layer 1 only (layer 0's is whole) is refused. In memory every layer is checked before the first
     change (on layer 0's inputs: nothing changes); streamed, layer 1 is read only after layer 0 was smoothed and
@@ -187,6 +188,12 @@ def test_a_layer_whose_mappings_differ_is_checked_too_and_says_what_was_smoothed
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
 
     model.save_pretrained(tmp_path / "model")
+    with pytest.raises(ValueError) as err:  # the fold check on the meta skeleton, before any weight is read
+        llmc_fsm.oneshot(str(tmp_path / "model"), recipe=recipe, dataset=DATA, tokenizer=None, low_memory=True,
+                         output_dir=tmp_path / "out", progress=False)  # fmt: skip
+    assert str(err.value).startswith(start) and str(err.value).endswith("Nothing was changed")
+    assert not (tmp_path / "out").exists()
+    monkeypatch.setattr(llmc_fsm_quantization.smoothquant, "PROBE_LIMIT", 0)  # no check before: the streamed one
     with pytest.raises(ValueError) as err:
         llmc_fsm.oneshot(str(tmp_path / "model"), recipe=recipe, dataset=DATA, tokenizer=None, low_memory=True,
                          output_dir=tmp_path / "out", progress=False)  # fmt: skip

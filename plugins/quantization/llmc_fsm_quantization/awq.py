@@ -851,8 +851,10 @@ class AWQModifier(SmoothingModifier):
 
         Raises:
             ValueError: as :meth:`on_calibration_start`; or fused experts no mapping reaches are quantized (the
-                message as :meth:`check_model`'s).
+                message as :meth:`check_model`'s); or, first, the fold check of a meta model
+                (:meth:`SmoothingModifier.check_stage`).
         """
+        super().check_stage(model, selected)
         refusal = self._stage_refusal(model, selected)
         if refusal is not None:
             raise ValueError(refusal)

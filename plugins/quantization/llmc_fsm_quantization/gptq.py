@@ -290,8 +290,11 @@ class _QuantRule:
         self.int_grid = str(args.type) == "int"
         # A bfloat16 / float16 weight's quantized column is rounded to its dtype (compressed-tensors multiplies by a
         # scale of that dtype, and the weight is stored in it): the error compensated is that of the stored value.
+        # So for every int / FP8 strategy, FP8 block included (its block scales are of the weight's dtype); not for
+        # NVFP4 / MX, whose columns llm-compressor 0.14 compensates unrounded (rounding them breaks the match).
         narrow = qparam_dtype(storage_dtype)
-        self.round_to = narrow if (not self.scaled and narrow != torch.float32) else None
+        rounded = not self.scaled or args.strategy == QuantizationStrategy.BLOCK
+        self.round_to = narrow if (rounded and narrow != torch.float32) else None
         self.zero_free = self.int_grid and bool(args.symmetric)  # zero points are 0: the + z and - z are skipped
         self.q_min, self.q_max = (float(v) for v in calculate_range(self.row_args, torch.device("cpu")))
         self.scaleT = self.scale.T.contiguous()

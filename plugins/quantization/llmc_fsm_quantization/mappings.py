@@ -113,6 +113,7 @@ __all__ = [
     "fused_tail",
     "homogeneity_degree",
     "mappings_to_recipe",
+    "mappings_to_smoothquant_recipe",
     "moe_mapping_problem",
     "moe_router",
     "parse_mappings",
@@ -173,8 +174,14 @@ class MappingSpec:
             raise ValueError(msg)
 
     def to_recipe(self) -> dict[str, Any]:
-        """The llm-compressor AWQ form ``{smooth_layer: ..., balance_layers: [...]}`` (what recipe.yaml holds)."""
+        """The llm-compressor AWQ form ``{smooth_layer: ..., balance_layers: [...]}`` (what an AWQModifier's
+        recipe.yaml holds)."""
         return {"smooth_layer": self.smooth_layer, "balance_layers": list(self.balance_layers)}
+
+    def to_smoothquant_recipe(self) -> list[Any]:
+        """The llm-compressor SmoothQuant form ``[[balance patterns...], smooth pattern]`` (what a
+        SmoothQuantModifier's recipe.yaml holds; llm-compressor 0.14's SmoothQuantModifier reads only this form)."""
+        return [list(self.balance_layers), self.smooth_layer]
 
 
 @attrs.frozen(eq=False)
@@ -315,6 +322,12 @@ def _parse_entry(entry: Any) -> MappingSpec:
 def mappings_to_recipe(specs: list[MappingSpec] | None) -> list[dict[str, Any]] | None:
     """``specs`` as plain data for recipe.yaml (the AWQ form), ``None`` for the default."""
     return None if specs is None else [s.to_recipe() for s in specs]
+
+
+def mappings_to_smoothquant_recipe(specs: list[MappingSpec] | None) -> list[list[Any]] | None:
+    """``specs`` as plain data for recipe.yaml in SmoothQuant's form (``[[balance patterns...], smooth pattern]``
+    each), ``None`` for the default."""
+    return None if specs is None else [s.to_smoothquant_recipe() for s in specs]
 
 
 # --------------------------------------------------------------------------- model structure

@@ -26,8 +26,10 @@ projections (paper Sec. 4).
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import math
+import weakref
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from typing import Any, ClassVar
@@ -52,13 +54,14 @@ from llmc_fsm_quantization.mappings import (
     ResolvedMapping,
     describe_mappings,
     fold_scales,
-    mappings_to_recipe,
+    mappings_to_smoothquant_recipe,
     parse_mappings,
     resolve_mappings,
 )
 
 __all__ = [
     "FOLD_TOLERANCE",
+    "PROBE_LIMIT",
     "LogarithmicEqualizationModifier",
     "SmoothQuantModifier",
     "SmoothingModifier",
@@ -164,8 +167,10 @@ def _strength(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
         )
 
 
-def _mappings_field(value: Any) -> list[dict[str, Any]] | None:
-    return mappings_to_recipe(parse_mappings(value))
+def _mappings_field(value: Any) -> list[list[Any]] | None:
+    """Either recipe form -> SmoothQuant's ``[[balance patterns...], smooth pattern]`` (what recipe.yaml keeps:
+    llm-compressor 0.14's SmoothQuantModifier refuses AWQ's dict form; until session 40 that form was saved)."""
+    return mappings_to_smoothquant_recipe(parse_mappings(value))
 
 
 #: Model classes whose llm-compressor 0.14 default SmoothQuant mappings smooth ``input_layernorm`` -> the attention's
@@ -220,8 +225,9 @@ class SmoothingModifier(Modifier):
     """Base of the smoothing modifiers (not registered itself): mappings, the per-layer pass, folding.
 
     Args:
-        mappings: llm-compressor's ``mappings`` (either form, :func:`~llmc_fsm_quantization.mappings.parse_mappings`);
-            default: derived from the model's decoder layers.
+        mappings: llm-compressor's ``mappings`` (either form, :func:`~llmc_fsm_quantization.mappings.parse_mappings`),
+            held and saved in SmoothQuant's ``[[balance patterns...], smooth pattern]``; default (``None``): derived
+            from the model's decoder layers.
         ignore: module patterns; a mapping whose smooth layer or every balance layer is ignored is not smoothed
             (an ignored balance layer of another mapping absorbs the scale in its float weights).
 
@@ -236,7 +242,7 @@ class SmoothingModifier(Modifier):
     #: grouped-query attention) is skipped with a warning rather than refused (:func:`resolve_mappings`).
     skip_incompatible_mappings: ClassVar[bool] = False
 
-    mappings: list[dict[str, Any]] | None = attrs.field(default=None, converter=_mappings_field)
+    mappings: list[list[Any]] | None = attrs.field(default=None, converter=_mappings_field)
     ignore: list[str] = attrs.field(factory=list, converter=_ignore_or_none)
 
     def __attrs_post_init__(self) -> None:
@@ -245,6 +251,8 @@ class SmoothingModifier(Modifier):
         self._done: set[str] = set()
         self._fold_checked: set[tuple[Any, ...]] = set()  # layer classes and mappings whose folds were checked
         self._warned: set[str] = set()  # mapping skip warnings given (each check and initialize resolves again)
+        #: (a weak reference to a model on meta, the outcome of its fold check: :meth:`_probe_folds`)
+        self._probe: tuple[weakref.ref[nn.Module], str | ValueError | None] | None = None
         self._layers: list[nn.Module] = []  # the model's decoder layers (initialize)
         self._compressed: dict[str, Any] = {}  # name -> module (or view) a modifier of the session compresses
         #: smooth layer name -> statistics of the scales folded into it (see the subclasses).
@@ -305,12 +313,106 @@ class SmoothingModifier(Modifier):
 
     def explain_model(self, model: nn.Module, stage: Sequence[Any] = ()) -> list[str]:
         """The mappings :meth:`resolve` finds in ``model``, one line per kind (``llmc-fsm explain --model``; ``stage``,
-        the modifiers of its stage, is for subclasses: AWQ's); pure.
+        the modifiers of its stage, is for subclasses: AWQ's), and, for a model on ``meta``, a line on the fold check
+        (:meth:`check_stage`: run on random weights, or why it runs only in one-shot); pure.
 
         Raises:
             ValueError: as :meth:`resolve`.
         """
-        return [f"mapping {line}" for line in describe_mappings(self.resolve(model))]
+        lines = [f"mapping {line}" for line in describe_mappings(self.resolve(model))]
+        if _all_meta(model):
+            try:
+                outcome = self._probe_folds(model)
+            except ValueError as exc:  # check_stage's refusal, which explain prints as oneshot's
+                outcome = f"refused by one-shot: {exc}"
+            if outcome is not None:
+                lines.append(f"fold check: {outcome}")
+        return lines
+
+    def check_stage(self, model: nn.Module, selected: list[tuple[Any, dict[str, Any]]]) -> None:
+        """Before any work, for a model whose parameters are all on ``meta`` (what ``llmc-fsm explain --model`` checks,
+        and one-shot from a model directory before it reads a weight): the fold check :meth:`prepare_layer` runs,
+        on a CPU copy of the first decoder layer of each class with deterministic random weights and inputs
+        (explain approved mappings one-shot then refused, found by a tester: Gemma 2's
+        ``post_attention_layernorm -> gate_proj, up_proj``, whose MLP reads ``pre_feedforward_layernorm``). A model
+        with weights is checked by :meth:`prepare_layer` on its calibration inputs. Where the layer is larger than
+        :data:`PROBE_LIMIT` parameters or its forward cannot run on stand-in inputs, nothing is refused here
+        (:meth:`explain_model` says the check runs only in one-shot).
+
+        Raises:
+            ValueError: folding test scales changes what a layer computes (the message one-shot gives).
+        """
+        if _all_meta(model):
+            self._probe_folds(model)
+
+    def _probe_folds(self, model: nn.Module) -> str | None:
+        """:meth:`_check_folds` on a CPU copy of meta ``model``'s first decoder layer of each class (see
+        :meth:`check_stage`), once per model: the line :meth:`explain_model` shows, ``None`` without mappings.
+
+        Raises:
+            ValueError: as :meth:`_check_folds`.
+        """
+        if self._probe is not None and self._probe[0]() is model:
+            outcome = self._probe[1]
+        else:
+            try:
+                outcome = self._run_probe(model)
+            except ValueError as exc:  # the fold check's refusal: kept for the next call on this model
+                outcome = exc
+            self._probe = (weakref.ref(model), outcome)
+        if isinstance(outcome, ValueError):
+            raise ValueError(str(outcome))
+        return outcome
+
+    def _run_probe(self, model: nn.Module) -> str | None:
+        found = _decoder_layers(model)
+        mappings = self.resolve(model)
+        if found is None or not mappings:
+            return None
+        firsts: dict[tuple[Any, ...], int] = {}
+        for index, layer in enumerate(found):
+            inside = members(layer)
+            todo = [m for m in mappings if id(m.smooth) in inside]
+            if todo:
+                firsts.setdefault(_mapping_shape(layer, todo), index)
+        indices = sorted(set(firsts.values()))
+        size = max(sum(p.numel() for p in found[i].parameters()) for i in indices)
+        only = "it runs in one-shot, on the first decoder layer of each class with the calibration inputs"
+        if size > PROBE_LIMIT:
+            return f"not run here ({size} parameters in a decoder layer, above {PROBE_LIMIT}): {only}"
+        probe = copy.deepcopy(model)
+        layers = _decoder_layers(probe)
+        if layers is None:  # a copy of a model that has them
+            return None
+        generator = torch.Generator().manual_seed(0)
+        try:
+            _materialize_outside_layers(probe, layers, generator)
+            for i in indices:
+                _materialize(layers[i], generator)
+            resolved = self.resolve(probe)
+            width = probe.get_input_embeddings().embedding_dim
+            dtype = next(layers[indices[0]].parameters()).dtype
+            hidden = torch.randn(1, 16, width, generator=generator).to(dtype)
+            checked = []
+            for i in indices:
+                batch = _probe_inputs(probe, layers, i, hidden)
+                inside = members(layers[i])
+                todo = [m for m in resolved if id(m.smooth) in inside]
+                change = fold_change(layers[i], batch, todo)
+                if not math.isfinite(change):
+                    return f"not run here (layer {i}'s output on stand-in weights is not finite): {only}"
+                self._check_folds(layers[i], batch, todo)
+                checked.append(f"{i} ({type(layers[i]).__name__})")
+        except ValueError as exc:
+            if str(exc).startswith(f"{type(self).__name__}: folding"):
+                raise
+            return f"not run here ({type(exc).__name__}: {_first_line(exc)}): {only}"
+        except (RuntimeError, TypeError, AttributeError, IndexError, KeyError, NotImplementedError) as exc:
+            return f"not run here ({type(exc).__name__}: {_first_line(exc)}): {only}"
+        return (
+            f"passes on decoder layer {', '.join(checked)} with deterministic random weights and inputs (one-shot "
+            "checks it again on the calibration inputs)"
+        )
 
     # ---- lifecycle -------------------------------------------------------------
     def on_initialize(self, state: Any) -> None:
@@ -487,6 +589,115 @@ class SmoothingModifier(Modifier):
 #: and one whose mapping leaves out one of the norm's readers (``input_layernorm -> [q_proj, v_proj]`` without
 #: ``k_proj``) by ~1e-2, which 0.02 let through on a tiny Llama (found by a tester).
 FOLD_TOLERANCE = 1e-3
+
+
+#: Parameters of a decoder layer up to which the fold check runs on a model on ``meta`` (``llmc-fsm explain --model``,
+#: one-shot's checks before it reads a weight: :meth:`SmoothingModifier.check_stage`): a CPU copy of the layer takes
+#: its dtype's bytes each, and ``fold_change`` 4 more (float32), at most ~1 GiB at the limit (a Llama-3.2-3B layer
+#: has 101M; a Llama-3-8B one 218M, above it).
+PROBE_LIMIT = 2**27
+
+
+class _Captured(Exception):
+    """Raised by the probe's stand-in for a decoder layer once it has the layer's inputs."""
+
+
+def _all_meta(model: nn.Module) -> bool:
+    """Whether ``model`` has parameters and every one is on ``meta`` (``llmc-fsm explain --model``'s model)."""
+    seen = False
+    for p in model.parameters():
+        if not p.is_meta:
+            return False
+        seen = True
+    return seen
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0][:200] if text else "no message"
+
+
+def _fill(module: nn.Module, generator: torch.Generator) -> None:
+    """Deterministic stand-in values for ``module``'s own parameters and buffers (just materialized): matrices
+    ``N(0, 1 / fan_in)``, vectors (norm weights, biases, rotary frequencies) uniform in ``[0.5, 1.5]``, booleans
+    ``True``, integers ``0``."""
+    with torch.no_grad():
+        for table in (module._parameters, module._buffers):
+            for tensor in table.values():
+                if not isinstance(tensor, torch.Tensor):
+                    continue
+                if tensor.is_floating_point():
+                    if tensor.dim() >= 2:
+                        values = torch.randn(tensor.shape, generator=generator) / math.sqrt(tensor.shape[-1])
+                    else:
+                        values = torch.rand(tensor.shape, generator=generator) + 0.5
+                    tensor.copy_(values.to(tensor.dtype))
+                elif tensor.dtype == torch.bool:
+                    tensor.fill_(True)
+                else:
+                    tensor.zero_()
+
+
+def _materialize(layer: nn.Module, generator: torch.Generator) -> None:
+    """``layer`` (on ``meta``) on the CPU with :func:`_fill`'s values."""
+    layer.to_empty(device="cpu")
+    for module in layer.modules():
+        _fill(module, generator)
+
+
+def _materialize_outside_layers(model: nn.Module, layers: nn.ModuleList, generator: torch.Generator) -> None:
+    """The modules outside the decoder layers that hold buffers and no parameters (rotary embeddings' frequencies)
+    on the CPU with :func:`_fill`'s values; the rest (embeddings, heads, towers) stays on ``meta`` (the probe gives
+    the model ``inputs_embeds``)."""
+    inside = {id(m) for m in layers.modules()}
+    for module in model.modules():
+        if id(module) in inside or any(True for _ in module.parameters(recurse=False)):
+            continue
+        if any(b is not None and b.is_meta for b in module._buffers.values()):
+            module.to_empty(device="cpu", recurse=False)
+            _fill(module, generator)
+
+
+def _probe_inputs(
+    model: nn.Module, layers: nn.ModuleList, index: int, hidden: torch.Tensor
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Decoder layer ``index``'s ``(args, kwargs)`` when ``model`` is given ``inputs_embeds=hidden``: the layers
+    before it pass their hidden states through, and the forward stops at it (hidden states first in ``args``).
+
+    Raises:
+        RuntimeError: the forward did not reach the layer.
+    """
+    captured: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
+
+    def passthrough(*args: Any, **kwargs: Any) -> Any:
+        return args[0] if args else kwargs["hidden_states"]
+
+    def record(*args: Any, **kwargs: Any) -> Any:
+        captured.append((args, kwargs))
+        raise _Captured
+
+    saved = [layer.__dict__.get("forward") for layer in layers[: index + 1]]
+    try:
+        for layer in layers[:index]:
+            layer.forward = passthrough
+        layers[index].forward = record
+        with contextlib.suppress(_Captured), torch.no_grad():
+            model(inputs_embeds=hidden, use_cache=False)
+    finally:
+        for layer, forward in zip(layers[: index + 1], saved, strict=True):
+            if forward is None:
+                del layer.forward
+            else:
+                layer.forward = forward
+    if not captured:
+        msg = f"the model's forward did not reach decoder layer {index}"
+        raise RuntimeError(msg)
+    args, kwargs = captured[0]
+    if not args:
+        kwargs = dict(kwargs)
+        args = (kwargs.pop("hidden_states"),)
+    kwargs = {k: v for k, v in kwargs.items() if k not in ("past_key_value", "past_key_values")}
+    return tuple(args), kwargs
 
 
 @torch.no_grad()

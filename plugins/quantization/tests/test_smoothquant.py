@@ -66,11 +66,11 @@ def test_recipe_mappings_in_both_llmcompressor_forms_resolve_like_the_defaults()
     assert _names(resolve_mappings(model, parse_mappings(smoothquant_form), owner="t")) == _names(
         default_mappings(model, include_linear=False)
     )
-    # the recipe keeps llm-compressor's AWQ form, which reads back
-    assert SmoothQuantModifier(mappings=smoothquant_form).mappings[0] == awq_form[0] | {
-        "smooth_layer": "re:.*input_layernorm",
-        "balance_layers": ["re:.*q_proj", "re:.*k_proj", "re:.*v_proj"],
-    }
+    # the recipe keeps llm-compressor's SmoothQuant form (its SmoothQuantModifier reads no other), from either form
+    assert SmoothQuantModifier(mappings=smoothquant_form).mappings == smoothquant_form
+    assert SmoothQuantModifier(mappings=awq_form[:1]).mappings == [
+        [["re:.*q_proj$", "re:.*k_proj$", "re:.*v_proj$"], "re:.*input_layernorm$"]
+    ]
 
 
 def test_a_mapping_form_that_cannot_be_read_is_refused_at_construction() -> None:
