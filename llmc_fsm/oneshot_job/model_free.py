@@ -30,6 +30,9 @@ How it runs, in the project's own terms:
 * NVFP4 weights that vLLM fuses (``q/k/v_proj``, ``gate/up_proj``, ...) share one global scale, as in
   :func:`llmc_fsm.oneshot`: the weights of one parent module are read together (from whichever shards hold them)
   and written into the shard of the first one (the index says where each tensor is);
+* tensors the model built from ``config.json`` does not load (DeepSeek-V3's multi-token-prediction layer) are
+  written too, with one warning: embedding- and head-like 2-D weights dense (:func:`_embedding_like`), other 2-D
+  weights quantized by name; ``dtype`` leaves the model class's keep-in-float32 tensors as stored;
 * ``converter``: a compressed-tensors converter (``compressed_tensors.entrypoints.convert``, e.g.
   ``FP8BlockDequantizer``, ``ModelOptNvfp4Converter``) applied to each shard's tensors first, as llm-compressor
   does; the tensors it needs together are read together (its ``get_dependencies``);
@@ -55,7 +58,7 @@ import os
 import re
 import shutil
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -138,9 +141,10 @@ def model_free_ptq(
         overwrite: ``True`` / ``False``: replace an existing output directory that holds a model.
         progress: ``True`` / ``False``: a tqdm bar over the shards.
         dtype: ``"bfloat16"`` / ``"float16"`` / ``"float32"`` (or the ``torch.dtype``): the checkpoint's float
-            tensors (not the quantization parameters of modules quantized already) are read in it and the output
-            written in it, ``config.json`` saying so — NVFP4 and MX need bfloat16 (llmc-fsm's argument, as
-            ``oneshot``'s ``dtype``; ``None``: as stored).
+            tensors (not the quantization parameters of modules quantized already, nor the tensors transformers
+            keeps in float32 at that dtype: left as stored, one INFO line) are read in it and the output written in
+            it, ``config.json`` saying so — NVFP4 and MX need bfloat16 (llmc-fsm's argument, as ``oneshot``'s
+            ``dtype``; ``None``: as stored).
         group_size: replaces the weight group size of ``scheme``, a preset name whose int weights are quantized in
             groups (``W4A16``'s 128: SmolLM2's width 576 needs 64), as ``oneshot``'s ``--group-size`` (llmc-fsm's
             argument; ``None``: the preset's).
@@ -165,7 +169,8 @@ def model_free_ptq(
             groups (``FP8_DYNAMIC``, ``NVFP4A16``, ``MXFP4A16``); a scheme that needs calibration data (static
             activation scales, NVFP4's input global scale, ``kv_cache_scheme``, an ``imatrix_mse`` observer), naming
             what needs it; a targeted tensor of three dimensions; several devices; a shard named in the index (or
-            the only weights file) that is a PyTorch ``.bin`` file, not safetensors — before the output is created.
+            the only weights file) that is a PyTorch ``.bin`` file, not safetensors; an index that disagrees with its
+            shards (a tensor in another shard than it says, in none, or not named) — before the output is created.
         ModifierError: what the quantization modifier refuses at ``initialize`` on the checkpoint's names, shapes
             and dtypes (targets matching nothing, a group size or block shape that does not fit), from its
             ``ValueError`` — before the output is created.
@@ -236,6 +241,8 @@ class _Plan:
             scheme's default).
         ignore: the ``ignore`` entries given (the config's, then the argument's): their exact names are kept in
             ``config.json``'s ``ignore``, as llm-compressor keeps the list given.
+        kept: the tensor names :attr:`dtype` does not convert (:func:`_kept_in_float32`: left as stored).
+        shards: the checkpoint's safetensors files read (the index's shards, or the one file).
     """
 
     session: Session
@@ -251,6 +258,8 @@ class _Plan:
     dtype: torch.dtype | None
     quantization_format: str | None
     ignore: list[str] = attrs.Factory(list)
+    kept: frozenset[str] = frozenset()
+    shards: frozenset[str] = frozenset()
 
 
 def _plan(
@@ -279,12 +288,18 @@ def _plan(
     converters = [converter] if converter is not None else []
     weight_map = _weight_map(files)
     jobs = _jobs(weight_map, files, converters)
-    shapes = {name: t for job in jobs.values() for name, t in _converted(job, converters, cast, meta=True).items()}
+    stored = {name: t for job in jobs.values() for name, t in _converted(job, converters, None, meta=True).items()}
     skeleton = _meta_model(files)
+    kept = _kept_in_float32(skeleton, stored, cast)
+    shapes = _cast(stored, cast, kept)
+    outside: list[str] = []
+    dense_outside: dict[str, tuple[str, type]] = {}
     if skeleton is not None:
         _check_against_config(skeleton, shapes, weight_map)
+        outside = _outside_model(skeleton, shapes)
+        dense_outside = _embedding_like(skeleton, shapes, outside)
     classes = None if skeleton is None else checkpoint_classes(skeleton, shapes)
-    tree = linear_tree(shapes, classes)
+    tree = linear_tree(shapes, None if classes is None else {**classes, **dense_outside})
     if classes is not None:
         arguments = (scheme, config, ignore, group_size)
         session, ignore, told = _tied_head_ignore(session, tree, skeleton, classes, arguments)
@@ -306,6 +321,8 @@ def _plan(
     _check_format(session, quantization_format, scheme)
     if classes is not None:
         _note_other_weights(session, shapes, classes, told)
+    if outside:
+        _warn_outside(skeleton, outside, targets, dense_outside)
     return _Plan(
         session,
         tree,
@@ -320,6 +337,8 @@ def _plan(
         cast,
         quantization_format,
         given,
+        kept,
+        frozenset(weight_map.values()),
     )
 
 
@@ -328,7 +347,7 @@ def _write(plan: _Plan, staging: Path, *, progress: bool) -> None:
     written, size = _quantize_shards(plan, staging, progress=progress)
     fix_safetensors_permissions(staging)  # safetensors writes 0600: a server of another user could not read them
     plan.session.finalize()
-    _write_metadata(staging, plan.files, plan.tree, written, size, plan.session, plan.skeleton)
+    _write_metadata(staging, plan.files, plan.tree, written, size, plan.session, plan.skeleton, plan.shards)
     if plan.dtype is not None and (staging / "config.json").exists():  # the dtype the tensors are written in
         data = json.loads((staging / "config.json").read_text(encoding="utf-8"))
         for key in ("torch_dtype", "dtype"):
@@ -415,6 +434,140 @@ def _check_against_config(model: nn.Module, shapes: Mapping[str, torch.Tensor], 
         f"({mismatch_summary(missing, wrong)}); nothing was written: copy the complete checkpoint, or fix config.json"
     )
     raise ValueError(msg)
+
+
+def _kept_in_float32(
+    model: nn.Module | None, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype | None
+) -> frozenset[str]:
+    """The names of ``tensors`` (checkpoint names; their stored dtypes) that ``dtype`` does not convert: those of the
+    model class's ``_keep_in_fp32_modules`` (for float16) and ``_keep_in_fp32_modules_strict`` (for float16 and
+    bfloat16), which ``from_pretrained`` loads in float32 at that dtype (transformers' ``_get_dtype_plan``, its
+    patterns searched in the model's names, ``*`` as any text): DeepSeek-V3's and GLM-4.5's router ``gate.weight``
+    and ``e_score_correction_bias``. They are left as stored, and one INFO line names those whose stored dtype is not
+    ``dtype``. Found by a tester: ``--dtype bfloat16`` wrote DeepSeek-V3's float32 routers in bfloat16, while
+    ``oneshot(..., dtype=torch.bfloat16)`` writes them in float32.
+
+    Args:
+        model: the architecture built on ``meta`` from ``config.json`` (``None``: none kept).
+        tensors: ``{checkpoint name: tensor}`` as stored (any device; only dtypes are read).
+        dtype: the dtype of ``model_free_ptq`` (``None``: nothing converted, none kept).
+    """
+    plan_of = getattr(model, "_get_dtype_plan", None)
+    plan = plan_of(dtype) if plan_of is not None and dtype is not None else {}
+    if not plan:
+        return frozenset()
+    patterns = re.compile("|".join(f"(?:{p.replace('*', '.*')})" for p in plan))
+    rename = checkpoint_key_renamer(model)
+    state = model.state_dict(keep_vars=True)
+    kept = set()
+    for key in tensors:
+        name, pattern = rename(key)
+        if (name in state or pattern is not None) and patterns.search(name) is not None:
+            kept.add(key)
+    changed = sorted(k for k in kept if tensors[k].dtype in _FLOATS.values() and tensors[k].dtype != dtype)
+    if changed:
+        stored = ", ".join(sorted({str(tensors[k].dtype).removeprefix("torch.") for k in changed}))
+        logger.info(
+            "model_free_ptq: dtype %s: %s left as stored (%s): transformers loads %s's %s in float32 at this dtype "
+            "(oneshot writes them in float32)",
+            str(dtype).removeprefix("torch."),
+            compact_names(changed),
+            stored,
+            type(model).__name__,
+            ", ".join(sorted(plan)),
+        )
+    return frozenset(kept)
+
+
+#: Module names (the end of a checkpoint module's name) of input embeddings and output heads: a 2-D weight of one
+#: outside the model built from ``config.json`` is left dense (:func:`_embedding_like`).
+_HEAD_NAMES = ("embed_tokens", "lm_head", "shared_head.head")
+#: Parameter names of quantization parameters beyond :data:`QUANTIZATION_PARAMS` (KV cache scales): not reported as
+#: tensors outside the model.
+_SCALE_SUFFIXES = ("_scale", "_zero_point")
+
+
+def _outside_model(model: nn.Module, tensors: Mapping[str, torch.Tensor]) -> list[str]:
+    """The names of ``tensors`` (checkpoint names) that ``model`` (built from ``config.json`` on ``meta``) does not
+    load, renamed as ``from_pretrained`` renames them: ``from_pretrained``, and so ``oneshot``, drops them
+    (DeepSeek-V3's and GLM-4.5's multi-token-prediction layer, ``model.layers.N`` past ``num_hidden_layers``, which
+    vLLM reads for speculative decoding). Quantization parameters (of modules quantized already, KV cache scales) are
+    not counted."""
+    rename = checkpoint_key_renamer(model)
+    state = model.state_dict(keep_vars=True)
+    quantized = already_quantized(tensors)
+    outside = []
+    for key in sorted(tensors):
+        module, _, param = key.rpartition(".")
+        if module in quantized or param in QUANTIZATION_PARAMS or param.endswith(_SCALE_SUFFIXES):
+            continue
+        name, pattern = rename(key)
+        if pattern is None and name not in state:
+            outside.append(key)
+    return outside
+
+
+def _embedding_like(
+    model: nn.Module, tensors: Mapping[str, torch.Tensor], outside: Iterable[str]
+) -> dict[str, tuple[str, type]]:
+    """``{module: (module, nn.Embedding)}`` for the 2-D ``<module>.weight`` of ``outside`` (:func:`_outside_model`)
+    that are an input embedding or an output head: ``<module>`` ends with ``embed_tokens``, ``lm_head`` or
+    ``shared_head.head`` (DeepSeek-V3's multi-token-prediction layer; vLLM loads those as an embedding and a head), or
+    the weight has the shape ``[vocab, hidden]`` of the model's input embedding or output head. Given to
+    :func:`linear_tree` as their classes, they are no Linear: left dense, as the model's own embedding and (by
+    default) ``lm_head``. Found by a tester: they were quantized by name."""
+    shapes = set()
+    for get in ("get_input_embeddings", "get_output_embeddings"):
+        with contextlib.suppress(AttributeError, NotImplementedError, TypeError):
+            weight = getattr(getattr(model, get)(), "weight", None)
+            if isinstance(weight, torch.Tensor) and weight.dim() == 2:
+                shapes.add(tuple(weight.shape))
+    dense = {}
+    for key in outside:
+        module, _, param = key.rpartition(".")
+        if param != "weight" or tensors[key].dim() != 2 or not module:
+            continue
+        named = any(module == n or module.endswith(f".{n}") for n in _HEAD_NAMES)
+        if named or tuple(tensors[key].shape) in shapes:
+            dense[module] = (module, nn.Embedding)
+    return dense
+
+
+def _warn_outside(model: nn.Module, outside: Sequence[str], targets: Collection[str], dense: Mapping[str, Any]) -> None:
+    """One warning naming the checkpoint tensors outside the model built from ``config.json``
+    (:func:`_outside_model`) and what is done with each: quantized by name (a 2-D ``<module>.weight`` the targets
+    match: llm-compressor's rule where the model says nothing), kept dense as an embedding or output head
+    (:func:`_embedding_like`), or copied as stored. Found by a tester: DeepSeek-V3's multi-token-prediction layer was
+    quantized without a word, its ``embed_tokens`` and ``shared_head.head`` included."""
+    quantized: list[str] = []
+    kept: list[str] = []
+    copied: list[str] = []
+    for key in outside:
+        module = key.rpartition(".")[0]
+        group, name = (quantized, module) if module in targets else (kept, module) if module in dense else (copied, key)
+        if name not in group:
+            group.append(name)
+    parts = [
+        f"{what}: {compact_names(names)}"
+        for what, names in (
+            ("quantized by name as Linear weights", quantized),
+            (
+                "kept dense as an embedding or output head (named *embed_tokens, *lm_head or *shared_head.head, or "
+                "shaped [vocab, hidden] as the model's embedding)",
+                kept,
+            ),
+            ("copied as stored", copied),
+        )
+        if names
+    ]
+    logger.warning(
+        "model_free_ptq: %d checkpoint tensors are not in the model config.json builds (%s; transformers' "
+        "from_pretrained, and so oneshot, drops them; vLLM reads a DeepSeek-V3 / GLM-4.5 multi-token-prediction "
+        "layer for speculative decoding): %s",
+        len(outside),
+        type(model).__name__,
+        "; ".join(parts),
+    )
 
 
 def _check_some_linear(tree: nn.Module, shapes: Mapping[str, torch.Tensor]) -> None:
@@ -973,6 +1126,7 @@ def _weight_map(files: Mapping[str, str]) -> dict[str, str]:
             raise FileNotFoundError(msg)
         for shard in sorted(set(weight_map.values())):
             _check_shard(shard, files[shard], indexed=True)
+        _check_index(weight_map, files)
         return weight_map
     shards = [name for name in files if name.endswith(".safetensors") and "/" not in name]
     if len(shards) != 1:
@@ -987,6 +1141,47 @@ def _weight_map(files: Mapping[str, str]) -> dict[str, str]:
     _check_shard(shards[0], files[shards[0]], indexed=False)
     with safe_open(files[shards[0]], framework="pt") as f:
         return dict.fromkeys(f.keys(), shards[0])
+
+
+#: A shard's name as ``save_pretrained`` writes it (``model-00002-of-00007.safetensors``): prefix and count.
+_SHARD_NAME = re.compile(r"(.*)-\d+-of-(\d+)\.safetensors")
+
+
+def _check_index(weight_map: Mapping[str, str], files: Mapping[str, str]) -> None:
+    """Refuse, before any work, an index whose ``weight_map`` and shards disagree (each shard's header read): a
+    tensor the index puts in a shard that does not hold it (in another, or in none), or a tensor of a shard the index
+    does not name (a shard of the same series, ``model-00007-of-00007.safetensors``, included where the index names
+    none of its tensors). Found by a tester: the first two failed in compressed-tensors' own words after the checks, the
+    third was reported as a tensor missing from the checkpoint.
+
+    Raises:
+        ValueError: one line naming the first three disagreements (tensor and files) and how many there are.
+    """
+    from safetensors import safe_open
+
+    named = set(weight_map.values())
+    series = {m.group(1, 2) for s in named if (m := _SHARD_NAME.fullmatch(s)) is not None}
+    siblings = {f for f in files if (m := _SHARD_NAME.fullmatch(f)) is not None and m.group(1, 2) in series}
+    held: dict[str, list[str]] = {}
+    for shard in sorted(named | siblings):
+        with safe_open(files[shard], framework="pt") as f:
+            for key in f.keys():
+                held.setdefault(key, []).append(shard)
+    problems = []
+    for name, shard in weight_map.items():
+        where = held.get(name, [])
+        if shard not in where:
+            found = f"it is in {', '.join(where)}" if where else "no shard holds it"
+            problems.append(f"{_INDEX} puts {name} in {shard}, {found}")
+    unnamed = [(name, shards[0]) for name, shards in held.items() if name not in weight_map]
+    problems += [f"{shard} holds {name}, which {_INDEX} does not name" for name, shard in unnamed]
+    if problems:
+        more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+        msg = (
+            f"model_free_ptq: {_INDEX} and the shards disagree: {'; '.join(problems[:3])}{more}; nothing was "
+            f"written: fix the index's weight_map, or copy the checkpoint again"
+        )
+        raise ValueError(msg)
 
 
 #: What to do with weights saved by ``torch.save`` (:func:`_pytorch_weights`).
@@ -1067,24 +1262,38 @@ def _jobs(
 
 
 def _converted(
-    job: Mapping[str, list[str]], converters: list[Any], dtype: torch.dtype | None, *, meta: bool
+    job: Mapping[str, list[str]],
+    converters: list[Any],
+    dtype: torch.dtype | None,
+    *,
+    meta: bool,
+    kept: Collection[str] = frozenset(),
 ) -> dict[str, torch.Tensor]:
-    """The job's tensors (on ``meta`` or read to the CPU), through the converters, float ones in ``dtype``."""
+    """The job's tensors (on ``meta`` or read to the CPU), through the converters, float ones in ``dtype`` (not
+    those named in ``kept``)."""
     from compressed_tensors.utils.safetensors_load import load_tensors_from_inverse_weight_map
 
     tensors = load_tensors_from_inverse_weight_map(dict(job), torch.device("meta" if meta else "cpu"))
     for converter in converters:
         tensors = converter.validate(tensors) if meta else converter.process(tensors)
-    return _cast(tensors, dtype)
+    return _cast(tensors, dtype, kept)
 
 
-def _cast(tensors: dict[str, torch.Tensor], dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+def _cast(
+    tensors: dict[str, torch.Tensor], dtype: torch.dtype | None, kept: Collection[str] = frozenset()
+) -> dict[str, torch.Tensor]:
     """``tensors`` with their float ones in ``dtype`` (``None``: as they are), not those of modules quantized
-    already (:func:`already_quantized`: their weights and scales stay as stored)."""
+    already (:func:`already_quantized`: their weights and scales stay as stored) nor those named in ``kept`` (the
+    model's keep-in-float32 tensors, :func:`_kept_in_float32`)."""
     if dtype is not None:
         quantized = already_quantized(tensors)
         for name, tensor in tensors.items():
-            if tensor.dtype in _FLOATS.values() and tensor.dtype != dtype and name.rpartition(".")[0] not in quantized:
+            if (
+                tensor.dtype in _FLOATS.values()
+                and tensor.dtype != dtype
+                and name.rpartition(".")[0] not in quantized
+                and name not in kept
+            ):
                 tensors[name] = tensor.to(dtype)
     return tensors
 
@@ -1382,7 +1591,7 @@ def _units(
     from safetensors import safe_open
 
     if plan.converters:
-        yield _converted(job, plan.converters, plan.dtype, meta=False)
+        yield _converted(job, plan.converters, plan.dtype, meta=False, kept=plan.kept)
         return
     where = {name: file for file, names in job.items() for name in names}
     parents: dict[str, list[str]] = {}
@@ -1397,7 +1606,7 @@ def _units(
         handles = {file: stack.enter_context(safe_open(file, framework="pt")) for file in job}
         for names in [*parents.values(), rest]:
             if names:
-                yield _cast({name: handles[where[name]].get_tensor(name) for name in names}, plan.dtype)
+                yield _cast({name: handles[where[name]].get_tensor(name) for name in names}, plan.dtype, plan.kept)
 
 
 def _quantize_unit(
@@ -1440,24 +1649,44 @@ def _write_metadata(
     size: int,
     session: Session,
     root: nn.Module | None,
+    read: Collection[str] = frozenset(),
 ) -> None:
-    """Copy the checkpoint's other files (not weights of other formats); write the index (``total_size``: ``size``,
-    the bytes of the tensors, as Hugging Face's), ``quantization_config`` and ``recipe.yaml``."""
-    skipped = []
+    """Copy the checkpoint's other files (not weights of other formats, nor safetensors files other than ``read``,
+    the shards read, nor a ``params.json`` beside Mistral's ``consolidated*`` weights left out: Mistral's loaders,
+    vLLM's ``--config-format mistral --load-format mistral``, read it and then look for those weights); write the
+    index (``total_size``: ``size``, the bytes of the tensors, as Hugging Face's), ``quantization_config`` and
+    ``recipe.yaml``. One warning names each kind of weights file left out (and the ``params.json`` left out with
+    them). Found by a tester: ``consolidated.safetensors`` was left out silently, its ``params.json`` copied."""
+    unread = [name for name in files if name.endswith(".safetensors") and name not in read]
+    skipped = [name for name in files if name.endswith(_OTHER_WEIGHTS)]
+    mistral = {str(Path(name).parent / "params.json") for name in [*unread, *skipped]}
+    mistral = {name for name in mistral if name in files and _consolidated_beside(name, [*unread, *skipped])}
     for name, path in files.items():
-        if name.endswith(".safetensors") or name in (_INDEX, CACHE_MARKER):  # the marker: llmc-fsm's cache's
-            continue
-        if name.endswith(_OTHER_WEIGHTS):
-            skipped.append(name)
-            continue
+        if name.endswith((".safetensors", *_OTHER_WEIGHTS)) or name in (_INDEX, CACHE_MARKER, *mistral):
+            continue  # CACHE_MARKER: llmc-fsm's cache's
         target = staging / name
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(path, target)
+    params = (
+        f"; {', '.join(sorted(mistral))} (Mistral's config of its consolidated weights) is not copied either: the "
+        "output is in the Hugging Face format alone (config.json and the shards)"
+        if mistral
+        else ""
+    )
     if skipped:
         logger.warning(
             "model_free_ptq: weights in other formats are not copied to the output (the safetensors ones are what "
-            "was quantized): %s",
+            "was quantized): %s%s",
             ", ".join(skipped),
+            "" if unread else params,
+        )
+    if unread:
+        logger.warning(
+            "model_free_ptq: safetensors files beside the checkpoint read (%s) are neither quantized nor copied to the "
+            "output: %s%s",
+            f"{_INDEX} and the shards it names" if _INDEX in files else ", ".join(sorted(read)),
+            ", ".join(unread),
+            params,
         )
     shards = sorted(set(written.values()))
     if _INDEX in files or len(shards) > 1:
@@ -1473,6 +1702,13 @@ def _write_metadata(
         logger.warning("model_free_ptq: the checkpoint has no config.json: no quantization_config written")
     warn_formats(tree, root=root)
     (staging / "recipe.yaml").write_text(session.recipe.to_yaml(applied=True), encoding="utf-8")
+
+
+def _consolidated_beside(params: str, left_out: Sequence[str]) -> bool:
+    """Whether one of ``left_out`` (checkpoint file names) is Mistral-format weights (``consolidated*``:
+    ``consolidated.safetensors``, ``consolidated.00.pth``) in the folder of ``params`` (a ``params.json``)."""
+    folder = Path(params).parent
+    return any(Path(n).parent == folder and Path(n).name.startswith("consolidated") for n in left_out)
 
 
 def _merge_config(config_path: Path, base: Any, targets: set[str]) -> None:
