@@ -50,6 +50,7 @@ __all__ = [
     "cross_attention_layers",
     "image_batches",
     "image_prompt",
+    "images_refused",
     "is_image_dataset",
     "is_processor",
     "is_vision_language",
@@ -257,6 +258,29 @@ def _family(model: Any) -> tuple[Any, str]:
         name = (getattr(config, "architectures", None) or [type(config).__name__])[0]
     model_type = getattr(config, "model_type", None)
     return config, f"{name} (model_type {model_type!r})" if model_type else name
+
+
+def images_refused(model: Any) -> str | None:
+    """Why ``model`` (an ``nn.Module`` or a config) is refused image calibration data, as a clause naming it and
+    ending with what to do (e.g. "Idefics3ForConditionalGeneration (model_type 'idefics3') is a vision-language
+    model whose image calibration is not tested (image data is for ...): calibrate its language model on text");
+    ``None`` for one of :data:`IMAGE_FAMILIES`. The refusals of image data that is not a directory (a dataset's
+    ``pixel_values`` column) quote it, so they do not steer to an image directory :func:`check_calibration_data`
+    refuses next (found by a tester, on Idefics3)."""
+    config, family = _family(model)
+    model_type = getattr(config, "model_type", None)
+    if model_type in IMAGE_FAMILIES:
+        return None
+    tested = ", ".join(f"{name} ({key!r})" for key, name in IMAGE_FAMILIES.items())
+    if model_type in _NO_IMAGES:
+        reason = _no_images_reason(model_type)
+        return f"{family} cannot calibrate on images ({reason}): calibrate its language model on text"
+    if is_vision_language(config):
+        return (
+            f"{family} is a vision-language model whose image calibration is not tested (image data is for "
+            f"{tested}): calibrate its language model on text"
+        )
+    return f"{family} calibrates on text (image data is for the vision-language models {tested})"
 
 
 def check_calibration_data(model: Any, *, images: bool, source: Any) -> None:

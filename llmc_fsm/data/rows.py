@@ -25,7 +25,8 @@ Differences from llm-compressor 0.14 (``datasets/utils.py``): it draws the ``num
 random by default (``shuffle_calibration_samples=True``) and warns when the dataset has fewer; here the first ones
 are taken, in order, and asking for more than there are is refused. With ``shuffle_calibration_samples=False``
 both take its order (:func:`longest_first`). A ``DatasetDict`` is refused (pass one split);
-llm-compressor's registered dataset names (:data:`LLMCOMPRESSOR_DATASETS`) are refused with the Hub id it loads
+llm-compressor's registered dataset names (:data:`LLMCOMPRESSOR_DATASETS`, spelled as its registry takes them:
+``_`` / ``-`` / space and case alike) are refused with the Hub id it loads
 (an image one, :data:`IMAGE_DATASETS`, with the image-caption directory to write it to).
 """
 
@@ -42,7 +43,7 @@ from typing import Any
 import attrs
 import torch
 
-from llmc_fsm.data.images import METADATA, text_tokenizer
+from llmc_fsm.data.images import METADATA, TEXT_DATA_HINT, images_refused, text_tokenizer
 from llmc_fsm.data.protocol import kept_tokenizer_state
 
 __all__ = [
@@ -56,6 +57,7 @@ __all__ = [
     "is_rows",
     "longest_first",
     "read_rows",
+    "registered_dataset",
     "registered_name_error",
     "row_batches",
 ]
@@ -115,6 +117,12 @@ MODALITY_COLUMNS: frozenset[str] = frozenset(
 )
 
 
+#: Those of :data:`MODALITY_COLUMNS` that carry images.
+IMAGE_COLUMNS: frozenset[str] = frozenset(
+    name for name in MODALITY_COLUMNS if name.startswith(("pixel_", "image_", "aspect_ratio_", "cross_attention_"))
+)
+
+
 def _type_name(value: Any) -> str:
     """``datasets.Dataset`` (top-level package and class), or the bare name of a builtin (``dict``)."""
     module = type(value).__module__.split(".")[0]
@@ -137,30 +145,67 @@ def is_rows(value: Any) -> bool:
     return (isinstance(value, list | tuple) and not isinstance(value, str)) or _is_dataset(value)
 
 
-def registered_name_error(value: str) -> str | None:
-    """The refusal of one of llm-compressor's registered dataset names (:data:`LLMCOMPRESSOR_DATASETS`), after the
-    argument's name; ``None`` for any other string (a file named so in the working directory included). An image
-    dataset's (:data:`IMAGE_DATASETS`) points to the image-caption directory (:mod:`llmc_fsm.data.images`), which
-    calibrates a vision-language model on images as llm-compressor's example does (found by a tester: it steered
-    gemma3_example.py's flickr30k to text alone)."""
-    hub_id = LLMCOMPRESSOR_DATASETS.get(value)
-    if hub_id is None or Path(value).expanduser().exists():
+def _lookup_name(name: str) -> str:
+    """``name`` as llm-compressor's registry looks it up (compressed-tensors' ``standardize_lookup_name``): ``_`` and
+    spaces made ``-``, lower case (``"Open_Platypus"`` -> ``"open-platypus"``)."""
+    return name.replace("_", "-").replace(" ", "-").lower()
+
+
+_LOOKUP = {_lookup_name(name): name for name in LLMCOMPRESSOR_DATASETS}
+
+
+def registered_dataset(value: str) -> str | None:
+    """The key of :data:`LLMCOMPRESSOR_DATASETS` that ``value`` names as llm-compressor's registry finds it
+    (``_`` / ``-`` / space and case alike: ``"ultrachat-200k"``, ``"Open_Platypus"``), or ``None``. Found by a
+    tester: ``dataset="ultrachat-200k"`` (verbatim in 4 of llm-compressor's examples) was taken for a Hub id."""
+    return _LOOKUP.get(_lookup_name(value))
+
+
+def _split_name(splits: Any) -> str | None:
+    """The split llm-compressor 0.14 reads from its ``splits=`` argument (``datasets/utils.py``): a string itself,
+    a dict's ``"calibration"`` value, a list's first item; ``None`` otherwise."""
+    if isinstance(splits, Mapping):
+        splits = splits.get("calibration")
+    elif isinstance(splits, list | tuple):
+        splits = splits[0] if splits else None
+    return splits if isinstance(splits, str) else None
+
+
+def registered_name_error(value: str, *, splits: Any = None) -> str | None:
+    """The refusal of one of llm-compressor's registered dataset names (:data:`LLMCOMPRESSOR_DATASETS`, spelled as
+    its registry takes it: :func:`registered_dataset`), after the argument's name; ``None`` for any other string (a
+    file named so in the working directory included). An image dataset's (:data:`IMAGE_DATASETS`) points to the
+    image-caption directory (:mod:`llmc_fsm.data.images`), which calibrates a vision-language model on images as
+    llm-compressor's example does (found by a tester: it steered gemma3_example.py's flickr30k to text alone).
+
+    ``splits``: llm-compressor's ``splits=`` argument given with it (not ``None``): the split it names goes into the
+    ``load_dataset`` call shown, and the refusal ends telling to leave ``splits`` out (found by a tester: the
+    ``splits`` refusal came first, and only without it was the name refused)."""
+    name = registered_dataset(value)
+    if name is None or Path(value).expanduser().exists():
         return None
-    if value in IMAGE_DATASETS:
+    hub_id = LLMCOMPRESSOR_DATASETS[name]
+    given = f"{value!r}" if value == name else f"{value!r} (llm-compressor's {name!r})"
+    split = _split_name(splits) if splits is not None else None
+    leave_out = "; leave splits out: the rows given are the split" if splits is not None else ""
+    if name in IMAGE_DATASETS:
         return (
-            f"{value!r} is an image-caption dataset registered in llm-compressor, which llmc-fsm does not load: "
+            f"{given} is an image-caption dataset registered in llm-compressor, which llmc-fsm does not load: "
             f"write its images and captions to a directory with {METADATA} and give that directory as the dataset, "
             "with the model's processor (processor= or tokenizer=), to calibrate on the images as llm-compressor "
-            f"does (ds = load_dataset({hub_id!r}, split='test'); save each row's 'image' as DIR/<i>.jpg and write "
-            f'one {{"file_name": "<i>.jpg", "text": " ".join(row["caption"])}} line per row to DIR/{METADATA}; '
-            'LLaVA, Gemma 3 and Mllama take images: docs/architectures.md, "Vision-language models")'
+            f"does (ds = load_dataset({hub_id!r}, split={split or 'test'!r}); save each row's 'image' as "
+            f'DIR/<i>.jpg and write one {{"file_name": "<i>.jpg", "text": " ".join(row["caption"])}} line per row '
+            f'to DIR/{METADATA}; LLaVA, Gemma 3 and Mllama take images: docs/architectures.md, "Vision-language '
+            f'models"){leave_out}'
         )
+    load = f" with that split (load_dataset({hub_id!r}, split={split!r}))" if split else ""
     return (
-        f"{value!r} is a dataset name registered in llm-compressor, whose preprocessing of it (prompt template, "
-        f"columns) llmc-fsm does not reproduce: load the Hub dataset llm-compressor loads, {hub_id!r}, map its "
-        "columns to a 'text' or 'input_ids' column and give it as a datasets.Dataset (Python), or write it with a "
-        "'text' column to a JSONL file (ds.to_json('calibration.jsonl')) and give that file (the CLI's "
+        f"{given} is a dataset name registered in llm-compressor, whose preprocessing of it (prompt template, "
+        f"columns) llmc-fsm does not reproduce: load the Hub dataset llm-compressor loads, {hub_id!r}{load}, map "
+        "its columns to a 'text' or 'input_ids' column and give it as a datasets.Dataset (Python), or write it with "
+        "a 'text' column to a JSONL file (ds.to_json('calibration.jsonl')) and give that file (the CLI's "
         "--dataset); a local text file works too (the Hub id itself is read only when it has a 'text' column)"
+        f"{leave_out}"
     )
 
 
@@ -174,9 +219,13 @@ def _text_column(dataset: Any, column: str) -> bool:
     return True  # no value to feed the model
 
 
-def dataset_object_error(value: Any) -> str | None:
+def dataset_object_error(value: Any, model: Any = None) -> str | None:
     """Why ``value`` (not a tensor, a path or ``None``) is no ``dataset=`` one-shot takes, after the argument's name;
-    ``None`` when it is a list of texts or a dataset with an ``input_ids`` or ``text`` column and at least one row."""
+    ``None`` when it is a list of texts or a dataset with an ``input_ids`` or ``text`` column and at least one row.
+
+    ``model`` (an ``nn.Module`` or a config; ``None``: not known yet): a dataset with image inputs for a model that
+    is refused images (:func:`~llmc_fsm.data.images.images_refused`: Idefics3, a text model...) is told to calibrate
+    on text, not to give an image directory."""
     if isinstance(value, Mapping) and value and all(_is_dataset(v) for v in value.values()):
         splits = ", ".join(repr(str(k)) for k in value)
         first = next(iter(value))
@@ -190,6 +239,13 @@ def dataset_object_error(value: Any) -> str | None:
     if _is_dataset(value):
         columns = list(value.column_names)
         modal = [c for c in columns if c in MODALITY_COLUMNS and not _text_column(value, c)]
+        refused = images_refused(model) if model is not None and set(modal) & IMAGE_COLUMNS else None
+        if refused is not None:
+            return (
+                f"is a {_type_name(value)} with image / audio inputs ({', '.join(map(repr, modal))}), which "
+                f"llmc-fsm does not pass to the model, and {refused}; remove the columns to calibrate on the "
+                f"tokens (ds.remove_columns({modal!r})), or {TEXT_DATA_HINT}"
+            )
         if modal:
             return (
                 f"is a {_type_name(value)} with image / audio inputs ({', '.join(map(repr, modal))}), which "

@@ -31,9 +31,11 @@ else (a text/JSONL file or a Hugging Face dataset name).
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import sys
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -43,11 +45,12 @@ import torch
 from tqdm.auto import tqdm
 
 from llmc_fsm.core.errors import ModifierError
+from llmc_fsm.data.rows import dataset_object_error, is_rows
 from llmc_fsm.oneshot_job import phases as phase
 from llmc_fsm.oneshot_job.llmcompressor_args import check_llmcompressor_args
 from llmc_fsm.oneshot_job.phases import Run, prepare
 from llmc_fsm.oneshot_job.progress import quiet_progress
-from llmc_fsm.oneshot_job.settings import DEFAULT_MODEL, OneshotSettings
+from llmc_fsm.oneshot_job.settings import DEFAULT_MODEL, OneshotSettings, argument_name
 from llmc_fsm.oneshot_job.streaming import run_streaming, stream_by_default, stream_if_too_large
 from llmc_fsm.output.save import CompressedSavePretrained
 from llmc_fsm.pipeline.device import describe_device, device_label
@@ -175,7 +178,10 @@ def oneshot(
             settings,
             an unknown model, a dataset too short, a sequence longer than the model's positions, targets matching
             nothing, a group size that does not divide a width; a dataset of another kind (its type named), a
-            ``DatasetDict``, an llm-compressor registered dataset name (e.g. ``"open_platypus"``: its Hub id named),
+            ``DatasetDict``, an llm-compressor registered dataset name in any spelling its registry takes (e.g.
+            ``"open_platypus"``, ``"Open-Platypus"``: its Hub id named; with ``splits``, both in one line), a dataset
+            with image inputs (``pixel_values``) for a model passed in memory that is refused images (Idefics3: text
+            advised),
             ``num_calibration_samples`` / ``max_seq_length`` above a dataset tensor's rows / columns.
         MissingStateError / ModifierError: a modifier cannot be initialized.
         TypeError: a keyword argument neither this function nor llm-compressor's ``oneshot`` has.
@@ -187,7 +193,24 @@ def oneshot(
             raise ValueError(f"{name} is given twice (also under its llm-compressor name): give one")
         given[name] = value
     given.update({k: str(v) for k, v in given.items() if isinstance(v, _Default)})
+    _refuse_image_rows_for(given["model"], given["dataset"])
     return run_oneshot(OneshotSettings(**given))
+
+
+def _refuse_image_rows_for(model: Any, dataset: Any) -> None:
+    """A dataset object with image inputs (``pixel_values``...) for a model passed in memory that is refused images
+    (Idefics3, a text model...): refused saying to calibrate on text (:func:`~llmc_fsm.data.rows.dataset_object_error`
+    with the model), where :class:`OneshotSettings`, which checks the dataset without the model, steers to an image
+    directory that the model's own check then refuses (found by a tester, on Idefics3).
+
+    Raises:
+        ValueError: that refusal, one line; nothing else is checked here.
+    """
+    if not isinstance(model, torch.nn.Module) or not is_rows(dataset):
+        return
+    why = dataset_object_error(dataset, model)
+    if why is not None and why != dataset_object_error(dataset):
+        raise ValueError(f"{argument_name(attrs.fields_dict(OneshotSettings)['dataset'])} {why}")
 
 
 def run_oneshot(settings: OneshotSettings, *, stream_when_possible: bool = False) -> nn.Module:
@@ -289,23 +312,89 @@ def _run_phases(run: Run, *, stream_when_possible: bool = False) -> nn.Module:
     return run.model
 
 
-def _versions(settings: OneshotSettings) -> dict[str, tuple[int, int]] | None:
-    """Each parameter of a model passed in memory, by every name it has (a tied head under its own name too): the
-    parameter object and its version counter, which every in-place write moves (the quantization plugin's writes
-    through ``.data`` move it themselves); ``None`` for a model this call loads."""
+def _versions(settings: OneshotSettings) -> dict[str, _ParameterState] | None:
+    """Each parameter of a model passed in memory, by every name it has (a tied head under its own name too), as
+    :func:`_parameter_states` records it; ``None`` for a model this call loads."""
     if not isinstance(settings.model, torch.nn.Module):
         return None
     return _parameter_states(settings.model)
 
 
-def _parameter_states(model: torch.nn.Module) -> dict[str, tuple[int, int]]:
-    """``{name: (parameter object, version counter)}`` under every name; a parameter made under
-    ``torch.inference_mode()`` (scales a run called inside it adds) has no counter: -1 (reading it raised over the
-    run's own error: found by a tester)."""
-    return {
-        name: (id(p), -1 if p.is_inference() else p._version)
-        for name, p in model.named_parameters(remove_duplicate=False)
-    }
+#: How many values of a parameter :func:`_parameter_states` keeps (all of a smaller one): 2 KiB of bfloat16.
+_SAMPLED_VALUES = 1024
+
+
+@attrs.frozen
+class _ParameterState:
+    """One parameter of a model passed in memory, as :func:`_parameter_states` records it.
+
+    Attributes:
+        ref: a weak reference to the parameter object (it keeps nothing alive; a dead one is another object now).
+        version: its version counter, which every in-place write moves (the quantization plugin's writes through
+            ``.data`` move it themselves); -1 for a parameter made under ``torch.inference_mode()`` (scales a run
+            called inside it adds), which has none (reading it raised over the run's own error: found by a tester).
+        shape, dtype: the parameter's.
+        tied_to: the first name (model order) of the same object: its own name unless tied.
+        sampled: its values at :data:`_SAMPLED_VALUES` fixed positions as raw bytes on the CPU (:func:`_sampled`);
+            ``None`` on ``meta``.
+    """
+
+    ref: weakref.ref
+    version: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    tied_to: str
+    sampled: torch.Tensor | None
+
+    def same_values(self, other: _ParameterState) -> bool:
+        """Whether ``other`` (the same name later) holds the same values: the same object never written, or of the
+        same shape, dtype and tying with the same sampled values."""
+        if self.ref() is not None and self.ref() is other.ref() and self.version == other.version:
+            return True
+        if (self.shape, self.dtype, self.tied_to) != (other.shape, other.dtype, other.tied_to):
+            return False
+        if self.sampled is None or other.sampled is None:
+            return False  # on meta (before or now): nothing to compare, the object moved
+        return torch.equal(self.sampled, other.sampled)
+
+
+def _parameter_states(model: torch.nn.Module) -> dict[str, _ParameterState]:
+    """``{name: state}`` under every name (:class:`_ParameterState`), in model order. Found by a tester: a model
+    disk-offloaded by compressed-tensors hands out a fresh tensor on every access, and RWKV's eval-mode rescale
+    divides its weights by 2**0 in place; judged by object and version counter alone, both were reported changed
+    when no value was. The values compared are sampled: a few MiB for a model of thousands of parameters, never a
+    copy of the model."""
+    states: dict[str, _ParameterState] = {}
+    first: dict[int, tuple[weakref.ref, str]] = {}  # object id -> (object, its first name); a dead one: id reused
+    for name, p in model.named_parameters(remove_duplicate=False):
+        ref = weakref.ref(p)
+        seen = first.get(id(p))
+        if seen is None or seen[0]() is not p:
+            first[id(p)] = seen = (ref, name)
+        version = -1 if p.is_inference() else p._version
+        states[name] = _ParameterState(ref, version, tuple(p.shape), p.dtype, seen[1], _sampled(p))
+    return states
+
+
+def _sampled(parameter: torch.Tensor) -> torch.Tensor | None:
+    """``uint8`` on the CPU: the bytes of ``parameter``'s values at :data:`_SAMPLED_VALUES` positions spread over the
+    flattened tensor by a golden-ratio sequence (the same positions every time; no column pattern hides a change),
+    all of them for a parameter that small (bytes: a NaN equals itself and any dtype compares); ``None`` on
+    ``meta``."""
+    if parameter.is_meta:
+        return None
+    flat = parameter.detach().reshape(-1)  # a view; a copy only of a non-contiguous parameter (rare)
+    if flat.numel() > _SAMPLED_VALUES:
+        flat = flat[_positions(flat.numel()).to(flat.device)]
+    return flat.cpu().contiguous().view(torch.uint8).clone()
+
+
+@functools.lru_cache(maxsize=256)
+def _positions(numel: int) -> torch.Tensor:
+    """``LongTensor[_SAMPLED_VALUES]`` on the CPU: the positions :func:`_sampled` reads of a tensor of ``numel``
+    (> :data:`_SAMPLED_VALUES`) values, ``floor(frac(i * golden ratio) * numel)``; made once per size."""
+    spread = torch.arange(_SAMPLED_VALUES, dtype=torch.float64) * 0.6180339887498949 % 1.0
+    return (spread * numel).long().clamp_(max=numel - 1)
 
 
 def _without_session_advice(exc: ModifierError, *, passed: bool, changed: bool) -> None:
@@ -325,18 +414,19 @@ def _without_session_advice(exc: ModifierError, *, passed: bool, changed: bool) 
     exc.set_advice(advice)
 
 
-def _note_changed_in_place(run: Run, before: dict[str, tuple[int, int]] | None, exc: BaseException) -> list[str]:
+def _note_changed_in_place(run: Run, before: dict[str, _ParameterState] | None, exc: BaseException) -> list[str]:
     """A model given in memory that a failed run already changed (the modules compressed, smoothed or rotated
     before the failure: the session's own "No in-place change to a parameter of the model was seen" speaks of the
     failing hook only, and its advice to continue or reset is for a session you drive): a note on ``exc`` naming them,
     shown with its traceback; returns those modules (``[]``: none, or a model this call loaded). Judged from each
-    parameter's object and version counter under every name, and the parameters added or removed (testers found
-    missed: a SmoothQuant fold when only compression results counted; REAP's experts dropped into new parameters;
-    a tied head untied; KV-cache scales added to the attention modules)."""
+    parameter under every name (:meth:`_ParameterState.same_values`: its values where its object or version counter
+    moved), and the parameters added or removed (testers found missed: a SmoothQuant fold when only compression
+    results counted; REAP's experts dropped into new parameters; a tied head untied;
+    KV-cache scales added to the attention modules)."""
     if before is None:
         return []  # loaded from disk by this call: nothing of the caller's changed
     now = _parameter_states(run.settings.model)
-    changed = [name for name, is_now in now.items() if before.get(name) != is_now]  # changed or added, model order
+    changed = [name for name, state in now.items() if name not in before or not before[name].same_values(state)]
     changed += [name for name in before if name not in now]  # removed
     modules = list(dict.fromkeys(name.rpartition(".")[0] or name for name in changed))
     if modules:

@@ -21,6 +21,7 @@ from typing import Any
 
 import attrs
 
+from llmc_fsm.data.rows import registered_name_error
 from llmc_fsm.oneshot_job.settings import generated_recipe
 from llmc_fsm.recipes.building import resolve_recipe
 from llmc_fsm.recipes.llmcompressor import is_numpy_scalar
@@ -168,7 +169,8 @@ def check_llmcompressor_args(given: Mapping[str, Any], parameters: Mapping[str, 
         TypeError: a name neither llmc-fsm nor llm-compressor's ``oneshot`` knows (with the closest llmc-fsm name).
         ValueError: llm-compressor arguments whose value llmc-fsm does not take: every one in one message, each
             with what to do (``pipeline="datafree"``: the modifiers that read calibration data, or that the recipe
-            was not given to check).
+            was not given to check; ``splits`` with a ``dataset`` that is one of llm-compressor's registered names:
+            that name's refusal too).
         RecipeError: ``pipeline="datafree"`` with a recipe that cannot be read (as :func:`llmc_fsm.oneshot`).
     """
     unknown = [name for name in given if name not in LLMCOMPRESSOR_ARGS]
@@ -183,7 +185,8 @@ def check_llmcompressor_args(given: Mapping[str, Any], parameters: Mapping[str, 
         rule = LLMCOMPRESSOR_ARGS[name]
         if rule.accept is not None and not any(_same(value, v) for v in rule.accept):
             taken = f" (accepted: {' or '.join(repr(v) for v in rule.accept)})" if rule.accept else ""
-            refused.append(f"{name}={_short(value)}{taken}: {rule.note}")
+            note = (_splits_note(value, parameters) if name == "splits" else None) or rule.note
+            refused.append(f"{name}={_short(value)}{taken}: {note}")
         elif name == "pipeline" and _same(value, "datafree") and (why := _datafree_refusal(parameters)) is not None:
             refused.append(f"{name}={_short(value)}: {why}")
         elif rule.rename is not None:
@@ -231,6 +234,15 @@ def _datafree_refusal(parameters: Mapping[str, Any] | Sequence[str]) -> str | No
         f"{which} calibration data, which llm-compressor's 'datafree' pipeline does not give; leave pipeline out "
         "(llmc-fsm calibrates layer by layer) or use data-free modifiers only"
     )
+
+
+def _splits_note(splits: Any, parameters: Mapping[str, Any] | Sequence[str]) -> str | None:
+    """For ``splits`` given with a ``dataset`` that is one of llm-compressor's registered names: that name's
+    refusal with the split in it (:func:`~llmc_fsm.data.rows.registered_name_error`), so one line names both (found
+    by a tester: the ``splits`` refusal came first, and only without it was the name refused); else ``None``."""
+    dataset = parameters.get("dataset") if isinstance(parameters, Mapping) else None
+    why = registered_name_error(dataset, splits=splits) if isinstance(dataset, str) else None
+    return None if why is None else f"the split of a dataset name llmc-fsm does not load; dataset {why}"
 
 
 def _same(value: Any, accepted: Any) -> bool:
