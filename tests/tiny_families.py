@@ -423,3 +423,18 @@ def logits_before_and_after_random_folds(model: torch.nn.Module, mappings: list,
         for mapping in mappings:
             fold_scales(mapping, 0.5 + 1.5 * torch.rand(mapping.channels, generator=gen))
         return before, model(data).logits
+
+
+def build_rwkv(*, layers: int = 2, rescale_every: int = 6, seed: int = 0) -> torch.nn.Module:
+    """A tiny random RWKV-4 model (``RwkvForCausalLM``: blocks ``rwkv.blocks``, head ``head``) in eval mode.
+
+    Not in :data:`FAMILIES`: its blocks are no attention layers, and a model whose ``layers`` exceed
+    ``rescale_every`` (its config's inference rescaling, 6 in the checkpoints) is refused before any work."""
+    import transformers
+
+    cfg = transformers.AutoConfig.for_model(
+        "rwkv", vocab_size=VOCAB, hidden_size=64, num_hidden_layers=layers, attention_hidden_size=64,
+        intermediate_size=128, context_length=64, rescale_every=rescale_every,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    return transformers.AutoModelForCausalLM.from_config(cfg).eval()

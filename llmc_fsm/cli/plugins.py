@@ -264,7 +264,8 @@ def _explain_on_model(args: argparse.Namespace, recipe: Any) -> int:
             state_refused = True  # the plan's "Missing before initialize()" says why, not "refuses the model"
     except ValueError as exc:
         refusal = ValueError(f"oneshot would refuse this recipe on {on}: {exc}")
-    print(explain(session, model_refused=refusal is not None and not state_refused), end="")
+    model_refused = refusal is not None and not state_refused
+    print(explain(session, model_refused=model_refused, fuse_stages=args.fuse_stages), end="")
     if refusal is not None:
         raise refusal
     history = logging.getLogger(merge_saved_recipe.__module__)

@@ -16,6 +16,7 @@ from llmc_fsm.toolkit.targets import model_family
 __all__ = [
     "UnsupportedArchitectureError",
     "check_calibrates_from_text",
+    "check_rwkv_rescaling",
     "find_decoder_layers",
 ]
 
@@ -128,10 +129,16 @@ def check_calibrates_from_text(model: nn.Module, *, evaluates: bool = False) -> 
     llm-compressor's Whisper ``FP8_DYNAMIC`` example) does not call this: it runs on every Linear of encoder and
     decoder.
 
+    It also refuses an RWKV model whose config rescales (``rescale_every`` > 0 and more layers than that: the
+    RWKV-4 checkpoints): its forward halves the hidden states between blocks, outside the blocks the
+    pipeline runs one by one, and its first inference forward divides blocks' output weights by powers of 2 in place
+    (:func:`check_rwkv_rescaling`).
+
     Raises:
         UnsupportedArchitectureError: (a ``ValueError``) an encoder-decoder model; one line naming the family,
-            its decoder layers, why, and what does run.
+            its decoder layers, why, and what does run. Or as :func:`check_rwkv_rescaling`.
     """
+    check_rwkv_rescaling(model)
     config = getattr(model, "config", None)
     if not getattr(config, "is_encoder_decoder", False):
         return
@@ -149,5 +156,36 @@ def check_calibrates_from_text(model: nn.Module, *, evaluates: bool = False) -> 
         f"{model_family(model)} is an encoder-decoder model: its decoder layers{where} attend to the encoder's output, "
         f"{what}; it calibrates and evaluates decoder-only language models (multimodal ones on text, through their "
         f"language model): not supported; {remedy}"
+    )
+    raise UnsupportedArchitectureError(msg)
+
+
+def check_rwkv_rescaling(model: nn.Module) -> None:
+    """Refuse, before any work, an RWKV model (``config.model_type == 'rwkv'``) whose config rescales its blocks.
+
+    ``RwkvModel.forward`` in inference (eval mode) with ``config.rescale_every = r > 0`` halves the hidden states
+    after every ``r``-th block, between the blocks, and at its first call divides block ``i``'s
+    ``attention.output`` and ``feed_forward.value`` weights by ``2 ** (i // r)`` in place (float16 overflow guard).
+    The sequential pipeline gives each block the previous block's output as it is (no halving), and would calibrate
+    and save the divided weights, which the loaded checkpoint divides again. With ``num_hidden_layers <= r`` no
+    block's input is halved and no weight changes (every factor is 1): such a model passes.
+
+    Raises:
+        UnsupportedArchitectureError: (a ``ValueError``) one line naming the family, ``rescale_every``, why, and
+            the remedy (``rescale_every: 0`` in the model's ``config.json``: outside float16 the model then computes the
+            same up to LayerNorm's epsilon, which alone sees the scale).
+    """
+    config = getattr(model, "config", None)
+    if getattr(config, "model_type", None) != "rwkv":
+        return
+    every, layers = getattr(config, "rescale_every", 0), _num_layers(model)
+    if not isinstance(every, int) or every <= 0 or layers is None or layers <= every:
+        return
+    msg = (
+        f"{model_family(model)} rescales its blocks in inference (rescale_every={every} in its config, "
+        f"{layers} layers): its forward halves the hidden states every {every} blocks and divides the later "
+        "blocks' output weights by powers of 2 in place, which the sequential pipeline (each block given the previous "
+        "block's output) would miss and then save: not supported; set rescale_every to 0 in the model's config.json "
+        "(outside float16 the model then computes the same up to LayerNorm's epsilon)"
     )
     raise UnsupportedArchitectureError(msg)

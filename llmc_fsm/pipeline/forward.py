@@ -127,8 +127,9 @@ def capture_layer_inputs(
 
     The inputs of every later decoder layer (those after ``layer`` in the ``nn.ModuleList`` holding it) are
     captured in the same forward: each layer's ``forward`` is replaced, for the capture, by one that records
-    its arguments and returns its hidden states unchanged (no layer computes anything, so the layers may be
-    on the ``meta`` device), and the forward ends at the last layer. The keyword arguments returned are
+    its arguments and returns its hidden states unchanged, with as many other outputs as the layer returns
+    (:func:`_extra_outputs`; no layer computes anything, so the layers may be on the ``meta`` device), and the
+    forward ends at the last layer. The keyword arguments returned are
     :class:`LayerKwargs`: :func:`with_hidden` gives each next layer the arguments the model's own forward
     gives it (sliding-window or full attention mask, local or global rope, its cache arguments), not layer
     0's. Any KV cache argument is ``None`` and ``use_cache`` is ``False``.
@@ -154,6 +155,7 @@ def capture_layer_inputs(
 
     def stub(position: int) -> Any:
         extras = _extra_outputs(layers[position])
+        passed = _UNANNOTATED_OUTPUTS.get(type(layers[position]).__name__)
 
         def forward(*args: Any, **kwargs: Any) -> Any:
             args, kwargs = _no_cache(args, kwargs)
@@ -163,6 +165,8 @@ def capture_layer_inputs(
             calls[position] = (args, kwargs)
             if position + 1 == len(layers):
                 raise StopForward
+            if passed is not None:  # what the layer itself returns after its hidden states, computed or not
+                return (args[0], *(None if key is None else kwargs.get(key) for key in passed))
             return (args[0], *(_NotComputed(position, i + 1) for i in range(extras))) if extras else args[0]
 
         return forward
@@ -225,10 +229,24 @@ class _NotComputed:
         self.layer, self.index = layer, index
 
 
+#: Decoder layer classes whose forward returns a tuple with no return annotation saying so: class name -> per output
+#: after the hidden states, what the capture stub returns for it: the keyword argument of that name as the layer was
+#: given it, or ``None``. RWKV's ``RwkvBlock`` returns ``(hidden, state, attentions)``, which ``RwkvModel.forward``
+#: unpacks: its ``state`` is the recurrent state it was given, updated in place (``None`` without ``use_cache``, as
+#: the pipeline calls it: each block then starts from a zero state, as from an empty cache), its ``attentions`` is
+#: ``None`` unless asked for (a bare tensor crashed the capture with an error that depended on the batch size,
+#: "not enough values to unpack", "too many values to unpack"; found by a tester).
+_UNANNOTATED_OUTPUTS: dict[str, tuple[str | None, ...]] = {"RwkvBlock": ("state", None)}
+
+
 def _extra_outputs(layer: nn.Module) -> int:
-    """How many outputs ``layer``'s forward returns after its hidden states, by its return annotation: a
-    ``tuple[...]`` of ``n`` items gives ``n - 1`` (Bamba's ``(hidden_states, attn_weights)``, GLM-5's
-    ``(hidden_states, topk_indices)``: the model unpacks them, so the stub must return as many); anything else 0."""
+    """How many outputs ``layer``'s forward returns after its hidden states: for a class of
+    :data:`_UNANNOTATED_OUTPUTS`, its count; else by its return annotation: a ``tuple[...]`` of ``n`` items gives
+    ``n - 1`` (Bamba's ``(hidden_states, attn_weights)``, GLM-5's ``(hidden_states, topk_indices)``: the model unpacks
+    them, so the stub must return as many); anything else 0."""
+    known = _UNANNOTATED_OUTPUTS.get(type(layer).__name__)
+    if known is not None:
+        return len(known)
     forward = type(layer).forward
     try:
         annotation = typing.get_type_hints(forward).get("return")

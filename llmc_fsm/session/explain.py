@@ -170,11 +170,13 @@ def check_state_keys(session: Session, keys: list[str]) -> None:
         raise ValueError(msg)
 
 
-def explain(session: Session, *, model_refused: bool = False) -> str:
+def explain(session: Session, *, model_refused: bool = False, fuse_stages: bool = False) -> str:
     """Return ``session``'s plan as text, touching no model (see the module docstring).
 
     ``model_refused``: the state's model was checked and a modifier refuses it (``llmc-fsm explain --model``, which
-    prints the refusal itself): the last line then says so (instead of "Ready to initialize").
+    prints the refusal itself): the last line then says so (instead of "Ready to initialize"). ``fuse_stages``: the
+    stages run as ``oneshot(fuse_stages=True)`` runs them (``llmc-fsm explain --fuse-stages``): the one-shot line
+    for several calibrated stages says they share one layer-by-layer pass (it said one pass each, found by a tester).
 
     Raises:
         TypeError: ``session`` is not a :class:`~llmc_fsm.Session`.
@@ -212,13 +214,20 @@ def explain(session: Session, *, model_refused: bool = False) -> str:
             after = sorted(m.runs_after)
             if after:
                 lines.append(f"       runs after: {', '.join(after)} (when in the recipe)")
-            lines.extend(_on_model(m, state.get("model"), tuple(plan[id(stage)])))
+            together = recipe.modifiers if fuse_stages else plan[id(stage)]  # fused: one stage of every modifier
+            lines.extend(_on_model(m, state.get("model"), tuple(together)))
     calibrated = [
         stage.name
         for stage in recipe.stages
         if not stage.applied and any(overrides(m, "on_calibration_end") for m in stage.modifiers)
     ]
-    if len(calibrated) > 1:
+    if len(calibrated) > 1 and fuse_stages:
+        lines.append(
+            f"One-shot (fuse_stages): stages {', '.join(map(repr, calibrated))} share one layer-by-layer calibration "
+            "pass: at each decoder layer every stage's modifiers compress it in recipe order before the calibration "
+            "inputs move on through the compressed layer (see docs/quantization.md)."
+        )
+    elif len(calibrated) > 1:
         lines.append(
             f"One-shot: stages {', '.join(map(repr, calibrated))} run in that order, one layer-by-layer calibration "
             "pass each, every pass on the model the previous stages compressed (oneshot(fuse_stages=True) shares "

@@ -185,7 +185,7 @@ class TargetSelection:
                 end with it (``lm_head`` against a wrapper's ``model.lm_head``) names them.
             head: the full name of the model's output head (``get_output_embeddings()``), when it has one: an
                 ``lm_head`` pattern that matches nothing names it (BioGPT's ``output_projection``) and says whether
-                it is compressed.
+                it is compressed (nothing is said when another ignore entry keeps that head dense).
         """
         quiet = set(quiet_ignore)
         names = list(module_names)
@@ -197,6 +197,8 @@ class TargetSelection:
             if ending and all(n in self.ignored for n in ending):  # another entry ignores them (model_free_ptq
                 continue  # adds the checkpoint's name of lm_head: "so ... is compressed" was false, found by a tester)
             ending = [n for n in ending if n not in self.ignored]
+            if not ending and head is not None and "lm_head" in p and (head in self.ignored or head in self.ignore):
+                continue  # another entry keeps the head dense (ignore: [lm_head, head] on RWKV: found by a tester)
             if not ending and head is not None and "lm_head" in p:
                 fate = "so it is compressed" if head in self.selected else "which the targets do not compress"
                 lines.append(
