@@ -107,3 +107,23 @@ def test_explain_with_a_model_refuses_a_smoothquant_mapping_whose_fold_oneshot_r
     assert main(["explain", str(tmp_path / "default.yaml"), "--model", str(tmp_path / "gemma2")]) == 0
     assert "fold check: passes on decoder layer 0 (Gemma2DecoderLayer) with deterministic random weights and inputs " \
         "(one-shot checks it again on the calibration inputs)" in capsys.readouterr().out
+
+
+def test_explain_says_the_fold_probe_cannot_build_a_familys_layer_inputs_not_a_bare_exception(tmp_path, capsys):
+    """Found by a re-tester: on Bamba explain printed ``fold check: not run here (ValueError: not enough values to
+    unpack (expected 2, got 1))``, read as a crash of the tool; the line now says the probe cannot build that
+    family's layer inputs on stand-in weights (the check then runs in one-shot, as before)."""
+    build("bamba").config.save_pretrained(tmp_path / "bamba")
+    (tmp_path / "default.yaml").write_text("s:\n  SmoothQuantModifier: {smoothing_strength: 0.8}\n")
+    main(["explain", str(tmp_path / "default.yaml"), "--model", str(tmp_path / "bamba")])
+    lines = [line.strip() for line in capsys.readouterr().out.splitlines() if "fold check:" in line]
+    assert lines == [
+        "fold check: not run here (the probe cannot build this family's layer inputs on stand-in weights: its forward "
+        "stopped with ValueError: not enough values to unpack (expected 2, got 1)): it runs in one-shot, on the first "
+        "decoder layer of each class with the calibration inputs"
+    ]
+    build("bloom").config.save_pretrained(tmp_path / "bloom")  # another exception class, the same wording
+    main(["explain", str(tmp_path / "default.yaml"), "--model", str(tmp_path / "bloom")])
+    (line,) = [line.strip() for line in capsys.readouterr().out.splitlines() if "fold check:" in line]
+    assert line.startswith("fold check: not run here (the probe cannot build this family's layer inputs on stand-in "
+                           "weights: its forward stopped with RuntimeError: ")  # fmt: skip

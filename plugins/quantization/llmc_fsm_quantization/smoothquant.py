@@ -406,9 +406,9 @@ class SmoothingModifier(Modifier):
         except ValueError as exc:
             if str(exc).startswith(f"{type(self).__name__}: folding"):
                 raise
-            return f"not run here ({type(exc).__name__}: {_first_line(exc)}): {only}"
+            return f"not run here ({_unbuilt(exc)}): {only}"
         except (RuntimeError, TypeError, AttributeError, IndexError, KeyError, NotImplementedError) as exc:
-            return f"not run here ({type(exc).__name__}: {_first_line(exc)}): {only}"
+            return f"not run here ({_unbuilt(exc)}): {only}"
         return (
             f"passes on decoder layer {', '.join(checked)} with deterministic random weights and inputs (one-shot "
             "checks it again on the calibration inputs)"
@@ -610,6 +610,16 @@ def _all_meta(model: nn.Module) -> bool:
             return False
         seen = True
     return seen
+
+
+def _unbuilt(exc: BaseException) -> str:
+    """Why the probe's stand-in forward failed, worded as what it is: a limit of the probe on this family (its masks,
+    position embeddings or other inputs it does not build), not a failure of the model or of one-shot (a re-tester
+    read the bare ``ValueError: not enough values to unpack`` as a crash)."""
+    return (
+        "the probe cannot build this family's layer inputs on stand-in weights: its forward stopped with "
+        f"{type(exc).__name__}: {_first_line(exc)}"
+    )
 
 
 def _first_line(exc: BaseException) -> str:
